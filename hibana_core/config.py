@@ -1,0 +1,165 @@
+"""Configuration: frozen dataclasses, one per concern, validated on construction.
+
+Values known only at run time (the number of KV blocks that fit, the model's shapes) live in
+`RuntimeInfo` objects elsewhere and are never written back here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from hibana_core.errors import ConfigError
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16
+    """Tokens per KV block; also the granularity of prefix sharing."""
+    num_blocks: int | None = None
+    """Exact number of KV blocks; None sizes the pool from `memory_budget_bytes`."""
+    memory_budget_bytes: int | None = None
+    """Bytes for weights + KV cache; None: a fraction of the device (see `memory_fraction`)."""
+    memory_fraction: float = 0.5
+    """Share of free device memory (host RAM on CPU) the engine may take when no budget is given."""
+    max_kv_bytes_cpu: int = 2 << 30
+    """Upper bound on KV bytes on the CPU backend when sized automatically (RAM is shared with the OS)."""
+    kv_dtype: str = "auto"
+    """KV cache dtype: "auto" (the model dtype), "float32", "bfloat16" or "float16"."""
+
+    def __post_init__(self) -> None:
+        _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+               f"block_size must be a power of two, got {self.block_size}")
+        _check(self.num_blocks is None or self.num_blocks >= 2,
+               f"num_blocks must be at least 2, got {self.num_blocks}")
+        _check(self.memory_budget_bytes is None or self.memory_budget_bytes > 0,
+               "memory_budget_bytes must be positive")
+        _check(0.0 < self.memory_fraction <= 1.0, "memory_fraction must lie in (0, 1]")
+        _check(self.kv_dtype in ("auto", "float32", "bfloat16", "float16"),
+               f"kv_dtype must be auto, float32, bfloat16 or float16, got {self.kv_dtype!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching under a token budget."""
+
+    max_num_batched_tokens: int = 1024
+    """Tokens computed per step across all sequences (decode tokens + prefill chunks)."""
+    max_concurrent_agents: int = 64
+    """Requests running at once; further requests wait in FIFO order."""
+    max_prefill_chunk: int = 512
+    """Longest prefill chunk one sequence may take in a step, so decodes are never starved."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1")
+        _check(self.max_concurrent_agents >= 1, "max_concurrent_agents must be at least 1")
+        _check(self.max_prefill_chunk >= 1, "max_prefill_chunk must be at least 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything `Engine.from_pretrained` needs; overrides are keyword arguments of it."""
+
+    model: str = "demo"
+    """Hugging Face checkpoint directory, or "demo" for the bundled demo model."""
+    device: str = "auto"
+    """"auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"."""
+    dtype: str = "auto"
+    """"auto" (checkpoint dtype on GPU, float32 on CPU), "float32", "bfloat16" or "float16"."""
+    seed: int = 0
+    """Seed of the engine's generator, used for sampling requests that give no seed."""
+    max_model_len: int | None = None
+    """Longest history a state may hold; None: the model's max_position_embeddings."""
+    progress: bool = True
+    """Show progress bars for long work (loading)."""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+               f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        _check(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"),
+               f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive")
+
+    @classmethod
+    def from_overrides(cls, model: str, **overrides: Any) -> "EngineConfig":
+        """Build a config from flat keyword overrides.
+
+        A key that names a field of a nested config (`block_size=32`, `max_concurrent_agents=8`)
+        goes to that config; `cache=` and `scheduler=` may also be given whole.
+        """
+        nested = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+        own = {f.name for f in dataclasses.fields(cls)}
+        top: dict[str, Any] = {"model": model}
+        parts: dict[str, dict[str, Any]] = {name: {} for name in nested}
+        for key, value in overrides.items():
+            if key in own:
+                top[key] = value
+                continue
+            owner = [name for name, kind in nested.items()
+                     if key in {f.name for f in dataclasses.fields(kind)}]
+            if not owner:
+                known = sorted(own | {f.name for k in nested.values() for f in dataclasses.fields(k)})
+                raise ConfigError(f"unknown engine option {key!r}; known options: {', '.join(known)}")
+            parts[owner[0]][key] = value
+        for name, kind in nested.items():
+            if parts[name]:
+                base = top.get(name, kind())
+                top[name] = dataclasses.replace(base, **parts[name])
+        return cls(**top)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples; the defaults are greedy decoding of up to 128 tokens."""
+
+    max_tokens: int = 128
+    """Most tokens to generate."""
+    temperature: float = 0.0
+    """0 means greedy (argmax)."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 keeps all."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top token's."""
+    repetition_penalty: float = 1.0
+    """HF-style: divide positive logits (multiply negative) of tokens seen in the history."""
+    presence_penalty: float = 0.0
+    """OpenAI-style: subtract from logits of tokens generated at least once."""
+    frequency_penalty: float = 0.0
+    """OpenAI-style: subtract count * penalty from logits of generated tokens."""
+    seed: int | None = None
+    """Per-request seed: same seed, same tokens, whatever else shares the batch."""
+    stop_token_ids: Sequence[int] = ()
+    """Generation ends after any of these tokens (it is kept in the state and the output)."""
+    stop: Sequence[str] = ()
+    """Generation ends when the decoded text contains any of these strings (it may span tokens)."""
+    ignore_eos: bool = False
+    """Do not stop on the model's end-of-sequence tokens."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_tokens >= 0, f"max_tokens must be >= 0, got {self.max_tokens}")
+        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        _check(self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must lie in (0, 1], got {self.top_p}")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must lie in [0, 1], got {self.min_p}")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty must be > 0 (1 disables it)")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must lie in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must lie in [-2, 2]")
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty str")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

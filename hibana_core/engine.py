@@ -1,0 +1,411 @@
+"""Engine facade: loads the model, owns the step loop, hands out state handles.
+
+One background thread runs `step()` while there is work: schedule, run, update. Handles submit
+requests from any thread or event loop and wait on their own event stream. One lock serialises the
+step with edits of states, so a handle never sees a half-applied step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator, Iterator, Sequence
+
+import torch
+
+from hibana_core.kv import state_file
+from hibana_core.config import EngineConfig, SamplingParams
+from hibana_core.detokenizer import Detokenizer
+from hibana_core.errors import (ContextLengthError, EngineClosedError, HibanaError, InvalidTokenError,
+                                MemoryBudgetError, StateBusyError, StateClosedError, StateExistsError)
+from hibana_core.forward_context import ForwardContext
+from hibana_core.kv.block_pool import BlockPool
+from hibana_core.kv.cache import KVCache
+from hibana_core.kv.sequence import KVSequence
+from hibana_core.loader import load_model
+from hibana_core.runner import ModelRunner
+from hibana_core.sampler import Sampler, make_generator
+from hibana_core.scheduler import IdleLRUEviction, Request, RequestStatus, Scheduler
+from hibana_core.state import (Completion, RequestStats, RequestStream, StateHandle, StateInfo,
+                               StreamEvent, SyncStats)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    prompt_tokens_computed: int
+    prompt_tokens_reused: int
+    generated_tokens: int
+    steps: int
+    multi_sequence_steps: int     # steps that batched more than one sequence
+    max_batch_sequences: int
+    kv_blocks_total: int
+    kv_blocks_used: int           # referenced by at least one state
+    kv_blocks_cached: int         # unreferenced but still findable by prefix
+    states: int
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self.prompt_computed = self.prompt_reused = self.generated = 0
+        self.steps = self.multi_steps = self.max_batch = 0
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = _resolve_device(config.device)
+        self._ctx = ForwardContext()
+        loaded = load_model(config.model, self.device, config.dtype, self._ctx, config.progress)
+        self.model, self.model_args, self.tokenizer = loaded.model, loaded.args, loaded.tokenizer
+        self.hf_config, self.fingerprint, self.dtype = loaded.hf_config, loaded.fingerprint, loaded.dtype
+        self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        self.vocab_size = loaded.args.vocab_size
+        self.max_model_len = min(config.max_model_len or loaded.args.max_position_embeddings,
+                                 loaded.args.max_position_embeddings)
+        kv_dtype = loaded.dtype if config.cache.kv_dtype == "auto" else _DTYPES[config.cache.kv_dtype]
+        num_blocks = self._num_blocks(loaded.weight_bytes, kv_dtype)
+        a, bs = loaded.args, config.cache.block_size
+        self.kv_cache = KVCache(a.num_layers, num_blocks, bs, a.num_kv_heads, a.head_dim, kv_dtype, self.device)
+        self._ctx.kv_cache = self.kv_cache
+        self.pool = BlockPool(num_blocks, bs)
+        self._states: dict[str, StateHandle] = {}
+        self.scheduler = Scheduler(config.scheduler, self.pool, IdleLRUEviction(self.pool, self._idle_sequences))
+        self.runner = ModelRunner(self.model, self._ctx, Sampler(self.device, config.seed), self.device)
+        self._counters = _Counters()
+        self._lock = threading.RLock()
+        self._work = threading.Condition(self._lock)
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="hibana-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, model: str | os.PathLike = "demo", **overrides) -> "Engine":
+        """Load a Hugging Face checkpoint directory (or "demo"); overrides go to EngineConfig."""
+        return cls(EngineConfig.from_overrides(str(model), **overrides))
+
+    def _num_blocks(self, weight_bytes: int, kv_dtype: torch.dtype) -> int:
+        cache, a = self.config.cache, self.model_args
+        per_block = KVCache.bytes_per_block(a.num_layers, cache.block_size, a.num_kv_heads, a.head_dim, kv_dtype)
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        if cache.memory_budget_bytes is not None:
+            kv_bytes = cache.memory_budget_bytes - weight_bytes
+            if kv_bytes < 2 * per_block:
+                raise MemoryBudgetError(
+                    f"memory_budget_bytes={cache.memory_budget_bytes:,} cannot hold the weights "
+                    f"({weight_bytes:,} bytes) plus two KV blocks ({2 * per_block:,} bytes); raise it "
+                    "to at least their sum, or pick a smaller model")
+            return kv_bytes // per_block
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            kv_bytes = int(free * cache.memory_fraction)
+        else:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            kv_bytes = min(cache.max_kv_bytes_cpu, int(available * cache.memory_fraction))
+            # on the CPU, never more than every admitted agent at full context (zeroed RAM is slow)
+            full = self.config.scheduler.max_concurrent_agents * -(-self.max_model_len // cache.block_size)
+            kv_bytes = min(kv_bytes, 2 * full * per_block)
+        if kv_bytes < 2 * per_block:
+            raise MemoryBudgetError("too little memory is free for the KV cache; free memory or "
+                                    "set memory_budget_bytes / num_blocks")
+        return kv_bytes // per_block
+
+    # --- the step loop ------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One engine step: schedule, run the model, post-process. False when idle."""
+        with self._lock:
+            output = self.scheduler.schedule()
+            if not output.chunks:
+                return False
+            sampled = self.runner.step(output)
+            self.scheduler.update(output, sampled)
+            c = self._counters
+            c.steps += 1
+            c.multi_steps += len(output.chunks) > 1
+            c.max_batch = max(c.max_batch, len(output.chunks))
+            return True
+
+    def _loop(self) -> None:
+        while True:
+            with self._work:
+                while not self._closed and not self.scheduler.has_work():
+                    self._work.wait()
+                if self._closed:
+                    return
+                try:
+                    self.step()
+                except Exception as exc:  # a failed step fails its requests, never the engine
+                    self.scheduler.abort_all(exc if isinstance(exc, HibanaError) else
+                                             HibanaError(f"engine step failed: {exc!r}"))
+                    for handle in self._states.values():
+                        if handle._seq.num_computed:
+                            handle._seq.release()  # its KV may be half-written: recompute later
+
+    # --- states -------------------------------------------------------------------------------
+
+    def open_state(self, state_id: str) -> StateHandle:
+        """Get or create the state with this id."""
+        if not isinstance(state_id, str) or not state_id:
+            raise InvalidTokenError("state ids are non-empty strings")
+        with self._lock:
+            self._check_open()
+            handle = self._states.get(state_id)
+            if handle is None:
+                handle = self._new_handle(state_id, KVSequence(self.pool, self.kv_cache.copy_block))
+            return handle
+
+    def _new_handle(self, state_id: str, seq: KVSequence) -> StateHandle:
+        handle = StateHandle(self, state_id, seq)
+        handle.last_use = time.monotonic()
+        self._states[state_id] = handle
+        return handle
+
+    def load_state(self, path: str | os.PathLike, state_id: str | None = None) -> StateHandle:
+        """Restore a state written by `StateHandle.save` (same model and tokenizer only)."""
+        saved = state_file.read(Path(path), self.fingerprint)
+        with self._lock:
+            self._check_open()
+            state_id = state_id or saved.state_id
+            if state_id in self._states:
+                raise StateExistsError(f"a state with id {state_id!r} is open; close it or pass "
+                                       "load_state(path, state_id=...) with another id")
+            self._validate(saved.tokens)
+            seq = KVSequence(self.pool, self.kv_cache.copy_block)
+            seq.tokens = list(saved.tokens)
+            layout_matches = (saved.block_size == self.pool.block_size
+                              and tuple(saved.kv.shape[3:]) == tuple(self.kv_cache.data.shape[4:]))
+            if layout_matches and saved.num_computed:
+                blocks = saved.kv.shape[2]
+                if not self.pool.can_allocate(blocks):
+                    self.scheduler.eviction.make_room(blocks)
+                seq.block_ids = self.pool.allocate(blocks)
+                self.kv_cache.write_blocks(seq.block_ids, saved.kv)
+                seq.advance(saved.num_computed)  # commits (and dedupes) its full blocks
+            return self._new_handle(state_id, seq)
+
+    def states(self) -> list[StateInfo]:
+        with self._lock:
+            return [StateInfo(h.id, len(h._seq), h._seq.num_computed, len(h._seq.block_ids),
+                              "device" if h._seq.block_ids else "none", h.last_use,
+                              self.scheduler.busy(h._seq)) for h in self._states.values()]
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            c = self._counters
+            return EngineStats(c.prompt_computed, c.prompt_reused, c.generated, c.steps, c.multi_steps,
+                               c.max_batch, self.pool.num_blocks, self.pool.num_used,
+                               self.pool.num_cached, len(self._states))
+
+    def _idle_sequences(self) -> list[KVSequence]:
+        handles = sorted(self._states.values(), key=lambda h: h.last_use)
+        return [h._seq for h in handles if h._seq.block_ids and not self.scheduler.busy(h._seq)]
+
+    # --- what handles call --------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the engine is closed; create a new one with Engine.from_pretrained")
+
+    def _check_handle(self, handle: StateHandle, editing: bool = True) -> None:
+        self._check_open()
+        if handle.closed:
+            raise StateClosedError(f"state {handle.id!r} is closed; open a new one with engine.open_state")
+        if editing and self.scheduler.busy(handle._seq):
+            raise StateBusyError(f"state {handle.id!r} is generating; wait for that request to finish "
+                                 "or cancel its stream first")
+        handle.last_use = time.monotonic()
+
+    def _validate(self, tokens: Sequence[int]) -> list[int]:
+        try:
+            tokens = [int(t) for t in tokens]
+        except (TypeError, ValueError) as exc:
+            raise InvalidTokenError(f"token ids must be integers: {exc}") from None
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidTokenError(f"token ids {bad[:5]} lie outside the vocabulary [0, {self.vocab_size}); "
+                                    "tokenize with this model's tokenizer")
+        if len(tokens) > self.max_model_len:
+            raise ContextLengthError(f"{len(tokens)} tokens exceed the model's context of "
+                                     f"{self.max_model_len}; shorten the history (the state is unchanged)")
+        return tokens
+
+    def _sync(self, handle: StateHandle, token_ids: Sequence[int], append: bool = False) -> SyncStats:
+        with self._lock:
+            self._check_handle(handle)
+            tokens = self._validate(list(handle._seq.tokens) + list(token_ids) if append else token_ids)
+            handle._seq.set_tokens(tokens)
+            if handle._seq.num_uncomputed == 0:
+                self._counters.prompt_reused += len(tokens)
+                return SyncStats(reused=len(tokens), computed=0)
+            request, stream = self._submit(handle, None, None)
+        for _ in self._events(request, stream):
+            pass
+        return SyncStats(reused=request.reused, computed=request.computed)
+
+    def _submit_generate(self, handle: StateHandle, params: SamplingParams,
+                         loop: asyncio.AbstractEventLoop | None) -> tuple[Request, RequestStream]:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        with self._lock:
+            self._check_handle(handle)
+            if not len(handle._seq):
+                raise ContextLengthError(f"state {handle.id!r} holds no tokens; sync a prompt first")
+            return self._submit(handle, params, loop)
+
+    def _submit(self, handle: StateHandle, params: SamplingParams | None,
+                loop: asyncio.AbstractEventLoop | None) -> tuple[Request, RequestStream]:
+        stream = RequestStream(loop)
+        seq = handle._seq
+        stops: frozenset[int] = frozenset()
+        detokenizer = None
+        generator = None
+        if params is not None:
+            stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+            if params.stop and self.tokenizer is None:
+                raise HibanaError("stop strings need a tokenizer, and this checkpoint has none; "
+                                  "use stop_token_ids instead")
+            detokenizer = Detokenizer(self.tokenizer, seq.tokens, params.stop)
+            if params.seed is not None:
+                generator = make_generator(params.seed, self.device)
+        started = time.perf_counter()
+        timing = {"start": started, "first": None}
+
+        def on_event(request: Request, token: int | None) -> None:
+            if token is not None:
+                if timing["first"] is None:
+                    timing["first"] = time.perf_counter() - started
+                self._counters.generated += 1
+                text = request.detokenizer.take_delta() if request.detokenizer else ""
+                stream.put(StreamEvent(token, text))
+                return
+            self._counters.prompt_computed += request.computed
+            self._counters.prompt_reused += request.reused
+            stream.put(self._final_event(request, timing["first"], time.perf_counter() - started))
+
+        request = Request(seq, params, on_event, detokenizer, generator, stops, self.max_model_len)
+        self.scheduler.add(request)
+        self._work.notify()
+        return request, stream
+
+    def _final_event(self, request: Request, ttft: float | None, elapsed: float) -> StreamEvent:
+        detok = request.detokenizer
+        stats = RequestStats(request.num_prompt, request.reused, request.computed, len(request.output),
+                             ttft, elapsed)
+        completion = Completion(list(request.output), request.finish_reason or "", detok.text if detok else "",
+                                stats)
+        tail = detok.take_delta(final=True) if detok else ""
+        return StreamEvent(None, tail, request.finish_reason, completion)
+
+    def _events(self, request: Request, stream: RequestStream) -> Iterator[StreamEvent]:
+        finished = False
+        try:
+            while True:
+                event = stream.get()
+                if event.token_id is None:
+                    finished = True
+                    if request.error is not None:
+                        raise request.error
+                    yield event
+                    return
+                yield event
+        finally:
+            if not finished:
+                self._cancel(request)
+
+    async def _aevents(self, request: Request, stream: RequestStream) -> AsyncIterator[StreamEvent]:
+        finished = False
+        try:
+            while True:
+                event = await stream.aget()
+                if event.token_id is None:
+                    finished = True
+                    if request.error is not None:
+                        raise request.error
+                    yield event
+                    return
+                yield event
+        finally:
+            if not finished:
+                self._cancel(request)
+
+    def _cancel(self, request: Request) -> None:
+        with self._lock:
+            if request.status is not RequestStatus.FINISHED:
+                request.cancelled = True
+                self.scheduler.finish(request, "cancelled")
+
+    def _truncate(self, handle: StateHandle, n: int) -> None:
+        with self._lock:
+            self._check_handle(handle)
+            if not 0 <= n:
+                raise ContextLengthError(f"truncate needs n >= 0, got {n}")
+            handle._seq.trim(min(n, len(handle._seq)))
+
+    def _fork(self, handle: StateHandle, new_id: str) -> StateHandle:
+        with self._lock:
+            self._check_handle(handle)
+            if new_id in self._states:
+                raise StateExistsError(f"a state with id {new_id!r} is open; fork under another id")
+            return self._new_handle(new_id, handle._seq.fork())
+
+    def _save(self, handle: StateHandle, path: str | os.PathLike) -> None:
+        with self._lock:
+            self._check_handle(handle)
+            seq = handle._seq
+            kv = self.kv_cache.read_blocks(seq.block_ids)
+            state_file.write(Path(path), handle.id, seq.tokens, seq.num_computed, self.pool.block_size,
+                             kv, self.fingerprint)
+
+    def _close_state(self, handle: StateHandle) -> None:
+        with self._lock:
+            if handle.closed:
+                return
+            for request in [r for r in self.scheduler.running + list(self.scheduler.waiting)
+                            if r.seq is handle._seq]:
+                request.cancelled = True
+                self.scheduler.finish(request, "cancelled")
+            handle._seq.release()
+            handle.closed = True
+            self._states.pop(handle.id, None)
+
+    # --- lifetime -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the loop, fail pending requests, free every state. Idempotent."""
+        with self._work:
+            if self._closed:
+                return
+            self._closed = True
+            self.scheduler.abort_all(EngineClosedError("the engine was closed while this request ran"))
+            for handle in list(self._states.values()):
+                handle._seq.release()
+                handle.closed = True
+            self._states.clear()
+            self._work.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,55 @@
+"""Every failure a user can cause is a `HibanaError` whose message says what to do."""
+
+from __future__ import annotations
+
+
+class HibanaError(Exception):
+    """Base class of every error Hibana raises on purpose."""
+
+
+class ConfigError(HibanaError, ValueError):
+    """A configuration or sampling parameter is out of range."""
+
+
+class UnsupportedModelError(HibanaError):
+    """The checkpoint's architecture has no registered model family."""
+
+
+class CheckpointError(HibanaError):
+    """The checkpoint directory is missing, incomplete or damaged."""
+
+
+class ContextLengthError(HibanaError, ValueError):
+    """A history is longer than the model's context window; the state is left unchanged."""
+
+
+class InvalidTokenError(HibanaError, ValueError):
+    """A token id lies outside the model's vocabulary."""
+
+
+class StateClosedError(HibanaError):
+    """The state handle was closed (or its engine was)."""
+
+
+class StateBusyError(HibanaError):
+    """The state is generating; edits must wait until that request ends."""
+
+
+class StateFileError(HibanaError):
+    """A saved state file is damaged or was written for another model or tokenizer."""
+
+
+class MemoryBudgetError(HibanaError):
+    """The memory budget cannot hold the weights, or the KV blocks a request needs."""
+
+
+class EngineClosedError(HibanaError):
+    """The engine was closed."""
+
+
+class RequestCancelledError(HibanaError):
+    """The request was cancelled before it finished."""
+
+
+class StateExistsError(HibanaError):
+    """A state with that id is already open."""

@@ -1,0 +1,53 @@
+"""The one scoped context through which attention layers see the current batch and the KV cache.
+
+Models receive a `ForwardContext` at construction and read `ctx.batch` inside their forward;
+the runner sets it with `with ctx.forward_batch(batch): model(input_ids, positions)`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from hibana_core.kv.cache import KVCache
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """Attention metadata of one step; tokens of all sequences are packed back to back."""
+
+    slot_mapping: torch.Tensor     # [T] int64: cache slot each new token's K/V is written to
+    block_tables: torch.Tensor     # [B, max_blocks] int32, padded with 0
+    seq_lens: torch.Tensor         # [B] int32: context length of each sequence after this step
+    query_start_loc: torch.Tensor  # [B + 1] int32: first query row of each sequence
+    seq_lens_host: tuple[int, ...]
+    query_start_loc_host: tuple[int, ...]
+    max_query_len: int
+    max_seq_len: int
+
+
+class ForwardContext:
+    """Holds the KV cache for the model's lifetime and the batch for the duration of a forward."""
+
+    def __init__(self, kv_cache: KVCache | None = None) -> None:
+        self.kv_cache = kv_cache
+        self._batch: ForwardBatch | None = None
+
+    @contextmanager
+    def forward_batch(self, batch: ForwardBatch) -> Iterator[ForwardBatch]:
+        if self._batch is not None:
+            raise RuntimeError("forward_batch scopes do not nest")
+        self._batch = batch
+        try:
+            yield batch
+        finally:
+            self._batch = None
+
+    @property
+    def batch(self) -> ForwardBatch:
+        if self._batch is None:
+            raise RuntimeError("the model was called outside `with ctx.forward_batch(batch):`")
+        return self._batch

@@ -1,0 +1,158 @@
+"""One state's token history and the KV blocks behind it.
+
+    tokens:     t0 t1 ... t15 | t16 ... t31 | t32 ... t37          (the history the state holds)
+    block_ids:  [    b7      ,     b2      ,    b9     ]           (KV of tokens[:num_computed])
+    committed:  [    yes     ,     yes     ,    no     ]           (full blocks, in the prefix index)
+
+Only the KV of `tokens[:num_computed]` exists; the rest is "catching up" (a prompt remainder or
+the last sampled token). Committed blocks are immutable and may be shared: writing into one first
+copies it (copy-on-write). The protocol follows mlx-lm's caches: `set_tokens` (sync), `trim(n)`,
+`fork`, `release`, `nbytes`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from hibana_core.kv.block_pool import BlockHash, BlockPool, hash_block
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class KVSequence:
+    def __init__(self, pool: BlockPool, copy_block: Callable[[int, int], None]) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self._copy_block = copy_block
+        self.tokens: list[int] = []
+        self.block_ids: list[int] = []
+        self.num_computed = 0
+        self.num_committed = 0           # leading blocks known to be in the prefix index
+        self._hashes: list[BlockHash] = []  # chain hashes of tokens' leading full blocks
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def nbytes_blocks(self) -> int:
+        return len(self.block_ids)
+
+    def block_hash(self, index: int) -> BlockHash:
+        """Chain hash of full block `index` of the tokens (computed lazily, cached)."""
+        bs = self.block_size
+        while len(self._hashes) <= index:
+            i = len(self._hashes)
+            parent = self._hashes[-1] if i else None
+            self._hashes.append(hash_block(parent, self.tokens[i * bs:(i + 1) * bs]))
+        return self._hashes[index]
+
+    # --- edits of the history ----------------------------------------------------------------
+
+    def set_tokens(self, tokens: Sequence[int]) -> int:
+        """Hold exactly `tokens`, keeping the KV of the common prefix. Returns the tokens kept."""
+        same = common_prefix_len(self.tokens, tokens)
+        self.tokens = list(tokens)
+        del self._hashes[same // self.block_size:]
+        self._keep_kv(min(same, self.num_computed))
+        return self.num_computed
+
+    def trim(self, n: int) -> None:
+        """Keep the first n tokens (rolls back drafts, truncates)."""
+        self.set_tokens(self.tokens[:n])
+
+    def append(self, tokens: Sequence[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def release(self) -> None:
+        """Drop all KV (the tokens stay); full blocks remain findable in the prefix index."""
+        self._keep_kv(0)
+
+    def fork(self) -> "KVSequence":
+        twin = KVSequence(self.pool, self._copy_block)
+        twin.tokens = list(self.tokens)
+        twin._hashes = list(self._hashes)
+        twin.block_ids = list(self.block_ids)
+        twin.num_computed, twin.num_committed = self.num_computed, self.num_committed
+        for block in twin.block_ids:
+            self.pool.incref(block)
+        return twin
+
+    def _keep_kv(self, n: int) -> None:
+        self.num_computed = n
+        keep_blocks = -(-n // self.block_size)
+        self.pool.free(reversed(self.block_ids[keep_blocks:]))  # tail first: evicted first
+        del self.block_ids[keep_blocks:]
+        self.num_committed = min(self.num_committed, keep_blocks)
+
+    # --- catching up --------------------------------------------------------------------------
+
+    def reuse_cached_blocks(self, limit: int) -> int:
+        """Adopt full blocks of other states (or of our own past) from the prefix index, while
+        num_computed sits on a block boundary and stays <= limit. Returns tokens gained."""
+        bs, gained = self.block_size, 0
+        while self.num_computed % bs == 0 and self.num_computed + bs <= limit:
+            index = self.num_computed // bs
+            block = self.pool.lookup(self.block_hash(index))
+            if block is None:
+                break
+            self.pool.incref(block)
+            self.block_ids.append(block)
+            self.num_computed += bs
+            gained += bs
+        return gained
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Fresh blocks a write of the next num_tokens tokens takes (copy-on-write included)."""
+        end = self.num_computed + num_tokens
+        needed = -(-end // self.block_size) - len(self.block_ids)
+        return needed + (1 if self._last_block_is_shared() else 0)
+
+    def prepare_write(self, num_tokens: int) -> None:
+        """Make the slots of the next num_tokens tokens writable: copy a shared or committed
+        partial block, then append fresh blocks. The caller checked `blocks_needed`."""
+        if self._last_block_is_shared():
+            old = self.block_ids[-1]
+            (new,) = self.pool.allocate(1)
+            self._copy_block(old, new)
+            self.block_ids[-1] = new
+            self.pool.free([old])
+            self.num_committed = min(self.num_committed, len(self.block_ids) - 1)
+        end = self.num_computed + num_tokens
+        fresh = -(-end // self.block_size) - len(self.block_ids)
+        if fresh > 0:
+            self.block_ids.extend(self.pool.allocate(fresh))
+
+    def _last_block_is_shared(self) -> bool:
+        if self.num_computed % self.block_size == 0 or not self.block_ids:
+            return False
+        last = self.block_ids[-1]
+        return self.pool.ref_count(last) > 1 or self.pool.is_committed(last)
+
+    def slot(self, position: int) -> int:
+        return self.block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+    def advance(self, num_tokens: int) -> None:
+        """The KV of the next num_tokens tokens was written: commit blocks that became full.
+        A block whose tokens another state already committed is swapped for that one, so equal
+        prefixes computed in the same step end up stored once."""
+        self.num_computed += num_tokens
+        for index in range(self.num_committed, self.num_computed // self.block_size):
+            block, digest = self.block_ids[index], self.block_hash(index)
+            if self.pool.block_hash(block) == digest:
+                continue
+            holder = self.pool.commit(block, digest)
+            if holder != block:
+                self.pool.incref(holder)
+                self.pool.free([block])
+                self.block_ids[index] = holder
+        self.num_committed = self.num_computed // self.block_size

@@ -1,0 +1,201 @@
+"""Hugging Face checkpoint directory -> model modules, tokenizer and a fingerprint.
+
+A checkpoint is config.json, one or many *.safetensors (with model.safetensors.index.json when
+sharded), tokenizer files and optionally generation_config.json.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from hibana_core.errors import CheckpointError, UnsupportedModelError
+from hibana_core.forward_context import ForwardContext
+from hibana_plugins.manager import get_plugin_manager
+
+DEMO_MODEL_DIR = Path(__file__).parent / "demo" / "model"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    args: Any                 # the family's args: num_layers, num_kv_heads, head_dim, vocab_size, ...
+    hf_config: Any
+    tokenizer: Any | None     # a transformers tokenizer, or None when the checkpoint has none
+    eos_token_ids: tuple[int, ...]
+    dtype: torch.dtype
+    weight_bytes: int
+    fingerprint: str          # sha256 of config, tokenizer and weight layout: guards state files
+
+
+def resolve_checkpoint(model: str) -> Path:
+    path = DEMO_MODEL_DIR if model == "demo" else Path(model).expanduser()
+    if not path.is_dir():
+        hint = " (the bundled demo model is missing from this install)" if model == "demo" else ""
+        raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist{hint}; pass the path "
+                              "of a Hugging Face checkpoint directory (config.json + *.safetensors)")
+    return path
+
+
+def resolve_dtype(dtype: str, device: torch.device, hf_config: Any) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(declared, str):
+        declared = _DTYPES.get(declared)
+    return declared if declared in _DTYPES.values() and declared != torch.float32 else torch.bfloat16
+
+
+def read_model_type(path: Path) -> str:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path} has no config.json; is it a Hugging Face checkpoint directory?")
+    try:
+        return json.loads(config_file.read_text())["model_type"]
+    except (json.JSONDecodeError, KeyError) as exc:
+        raise CheckpointError(f"{config_file} is not a valid model config ({exc}); "
+                              "re-export the checkpoint with save_pretrained") from exc
+
+
+def load_model(model: str, device: torch.device, dtype: str, ctx: ForwardContext,
+               progress: bool = True) -> LoadedModel:
+    path = resolve_checkpoint(model)
+    model_type = read_model_type(path)
+    families = get_plugin_manager().model_families()
+    if model_type not in families:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; supported model types: "
+            f"{', '.join(sorted(families))} (a plugin can add one through register_model_families)")
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+    except Exception as exc:  # transformers raises many types for a bad config
+        raise CheckpointError(f"cannot read {path / 'config.json'}: {exc}") from exc
+    torch_dtype = resolve_dtype(dtype, device, hf_config)
+    with torch.device("meta"):
+        module, args = families[model_type].build(hf_config, ctx)
+    module = module.to(dtype=torch_dtype).to_empty(device=device)
+    if getattr(args, "tie_word_embeddings", False):
+        module.lm_head.weight = module.model.embed_tokens.weight
+    _load_weights(module, path, progress)
+    module.eval().requires_grad_(False)
+    tokenizer = _load_tokenizer(path)
+    weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    return LoadedModel(module, args, hf_config, tokenizer, _eos_token_ids(path, hf_config),
+                       torch_dtype, weight_bytes, _fingerprint(path))
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise CheckpointError(f"{index} is damaged ({exc}); re-download or re-export the checkpoint") from exc
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise CheckpointError(f"{path} is missing weight shards {missing}; the download is incomplete")
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path} has no *.safetensors weights; only safetensors checkpoints are "
+                              "supported (convert .bin files with transformers' save_pretrained)")
+    return files
+
+
+def _load_weights(module: torch.nn.Module, path: Path, progress: bool) -> None:
+    from safetensors import safe_open
+
+    params = dict(module.named_parameters(remove_duplicate=False))
+    params.update(dict(module.named_buffers()))
+    loaded: set[str] = set()
+    files = _weight_files(path)
+    try:
+        handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    except Exception as exc:
+        raise CheckpointError(f"cannot open the weights in {path}: {exc}; the file is truncated or "
+                              "damaged, re-download it") from exc
+    total = sum(len(h.keys()) for h in handles)
+    with tqdm(total=total, desc=f"loading {path.name}", unit="tensor", disable=not progress,
+              leave=False) as bar:
+        for file, handle in zip(files, handles):
+            for name in handle.keys():
+                bar.update()
+                if name.endswith(_IGNORED_SUFFIXES) or name not in params:
+                    continue
+                try:
+                    tensor = handle.get_tensor(name)
+                except Exception as exc:
+                    raise CheckpointError(f"cannot read tensor {name} from {file}: {exc}; "
+                                          "the file is damaged, re-download it") from exc
+                target = params[name]
+                if tensor.shape != target.shape:
+                    raise CheckpointError(f"{name} in {file} has shape {tuple(tensor.shape)}, the config "
+                                          f"implies {tuple(target.shape)}; config and weights disagree")
+                target.data.copy_(tensor)
+                loaded.add(name)
+    expected = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    if getattr(module, "tied_weight_names", ()):
+        expected -= set(module.tied_weight_names)  # filled by their twin
+    missing = sorted(expected - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"{path} lacks weights {shown}; the checkpoint is incomplete or for "
+                              "another architecture")
+
+
+def _load_tokenizer(path: Path) -> Any | None:
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise CheckpointError(f"cannot load the tokenizer in {path}: {exc}") from exc
+
+
+def _eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
+    eos: Any = None
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():
+        try:
+            eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        except json.JSONDecodeError:
+            warnings.warn(f"{gen_file} is not valid JSON; using config.json's eos_token_id")
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def _fingerprint(path: Path) -> str:
+    """Identifies model and tokenizer without reading the weights: config, tokenizer files and
+    each safetensors header (names, shapes, dtypes, offsets) with the file size."""
+    digest = hashlib.sha256()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        file = path / name
+        if file.is_file():
+            digest.update(name.encode() + file.read_bytes())
+    for file in sorted(path.glob("*.safetensors")):
+        with file.open("rb") as f:
+            head = f.read(8)
+            if len(head) == 8:
+                (length,) = struct.unpack("<Q", head)
+                digest.update(f.read(min(length, 100 << 20)))
+        digest.update(str(file.stat().st_size).encode())
+    return digest.hexdigest()

@@ -1,0 +1,269 @@
+"""Llama-family decoder (serves model_type llama, qwen2, qwen3, mistral) over a paged KV cache.
+
+Module and parameter names follow Hugging Face's, so checkpoints load by name. The arithmetic
+follows transformers' modelling code step by step (norms in float32, rotary as rotate_half), which
+is what lets greedy output match `generate` token for token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from hibana_core.errors import UnsupportedModelError
+from hibana_core.forward_context import ForwardContext
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    """The shapes and switches of one checkpoint, read from its Hugging Face config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: tuple[tuple[str, Any], ...]  # rope_parameters minus theta, as sorted items
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> "LlamaArgs":
+        model_type = config.model_type
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        rope = _rope_parameters(config)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = {"qwen2": True, "mistral": False}.get(model_type, attention_bias)
+        o_bias = {"qwen2": False, "mistral": False}.get(model_type, attention_bias)
+        num_layers = config.num_hidden_layers
+        return cls(
+            model_type=model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position_embeddings=config.max_position_embeddings,
+            rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)),
+            rope_scaling=tuple(sorted((k, v) for k, v in rope.items() if k != "rope_theta")),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            sliding_windows=_sliding_windows(config, num_layers),
+        )
+
+
+def _rope_parameters(config: Any) -> dict[str, Any]:
+    """transformers 5 names it rope_parameters; 4.x split it into rope_theta and rope_scaling."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    params = dict(getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def _sliding_windows(config: Any, num_layers: int) -> tuple[int | None, ...]:
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    if config.model_type == "mistral" or getattr(config, "use_sliding_window", False):
+        first = getattr(config, "max_window_layers", 0) if config.model_type != "mistral" else 0
+        return tuple(window if i >= first else None for i in range(num_layers))
+    return (None,) * num_layers
+
+
+def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
+    """Inverse frequencies as transformers computes them (float32), with llama3 / linear scaling."""
+    dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = dict(args.rope_scaling)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables indexed by position, [max_positions, head_dim], always float32.
+
+    Built on first use on the device of the positions (the model is constructed on "meta")."""
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+
+    def _build(self, device: torch.device) -> None:
+        inv_freq = rope_inv_freq(self.args)
+        positions = torch.arange(self.args.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if self.cos is None or self.cos.device != positions.device:
+            self._build(positions.device)
+        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs, layer_idx: int, ctx: ForwardContext,
+                 rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_idx, self.ctx, self.rotary = layer_idx, ctx, rotary
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.scale = args.head_dim ** -0.5
+        self.sliding_window = args.sliding_windows[layer_idx]
+        h, d = args.hidden_size, args.head_dim
+        self.q_proj = nn.Linear(h, args.num_heads * d, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.num_heads * d, h, bias=args.o_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(d, args.rms_norm_eps)
+            self.k_norm = RMSNorm(d, args.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)      # [T, H, D]
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)   # [T, H_kv, D]
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        batch = self.ctx.batch
+        k_cache, v_cache = self.ctx.kv_cache.layer(self.layer_idx)
+        kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        o = kernels.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens_host,
+                                    batch.query_start_loc_host, self.scale, self.sliding_window)
+        return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        h, i = args.hidden_size, args.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: LlamaArgs, layer_idx: int, ctx: ForwardContext,
+                 rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(args, layer_idx, ctx, rotary)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: LlamaArgs, ctx: ForwardContext) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.rotary = RotaryEmbedding(args)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, ctx, self.rotary) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """`forward(input_ids, positions) -> hidden [T, hidden]`; `compute_logits` on chosen rows."""
+
+    def __init__(self, args: LlamaArgs, ctx: ForwardContext) -> None:
+        super().__init__()
+        self.args = args
+        self.model = LlamaModel(args, ctx)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.tied_weight_names = ("lm_head.weight",) if args.tie_word_embeddings else ()
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+def build(config: Any, ctx: ForwardContext) -> tuple[LlamaForCausalLM, LlamaArgs]:
+    args = LlamaArgs.from_hf_config(config)
+    return LlamaForCausalLM(args, ctx), args

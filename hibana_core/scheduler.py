@@ -1,0 +1,234 @@
+"""Continuous batching under a token budget.
+
+The scheduler counts tokens, not phases: every request's state has `num_computed` tokens of KV and
+a history of `len(tokens)`; prefill chunks, prefix-cache hits, the recomputed last token and decode
+steps are all "catching up" to that length (vLLM v1's design). A request samples in the step whose
+chunk reaches the end of the history. Admission is FIFO up to `max_concurrent_agents`; eviction of
+idle states under memory pressure is a policy object of its own.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Protocol
+
+from hibana_core.config import SamplingParams, SchedulerConfig
+from hibana_core.detokenizer import Detokenizer
+from hibana_core.errors import MemoryBudgetError
+from hibana_core.kv.block_pool import BlockPool
+from hibana_core.kv.sequence import KVSequence
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_request_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One sync or generate call against a state."""
+
+    seq: KVSequence
+    params: SamplingParams | None          # None: make the state hold its tokens, sample nothing
+    on_event: Callable[["Request", int | None], None]  # (request, token or None when finished)
+    detokenizer: Detokenizer | None = None
+    generator: Any = None
+    stop_token_ids: frozenset[int] = frozenset()
+    max_len: int = 0                        # the state may not grow past this many tokens
+    id: int = field(default_factory=lambda: next(_request_ids))
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    num_prompt: int = 0                     # len(seq) when submitted
+    output: list[int] = field(default_factory=list)
+    computed: int = 0                       # prompt tokens whose KV this request computed
+    reused: int = 0                         # prompt tokens whose KV it found already there
+    cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        self.num_prompt = len(self.seq)
+
+    @property
+    def samples(self) -> bool:
+        return self.params is not None and self.params.max_tokens > 0
+
+    @property
+    def history(self) -> list[int]:
+        return self.seq.tokens[: self.num_prompt]
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    start: int        # first position computed in this step
+    num_tokens: int
+    sample: bool      # the chunk reaches the end of the history and the request samples
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: tuple[ScheduledChunk, ...]
+    num_tokens: int
+
+
+class EvictionPolicy(Protocol):
+    def make_room(self, num_blocks: int) -> bool:
+        """Free KV of idle states until `num_blocks` can be allocated; False if impossible."""
+
+
+class IdleLRUEviction:
+    """Releases the KV of idle states, least recently used first. Their tokens stay, and their full
+    blocks stay findable in the prefix index until reused, so a resumed state often recomputes
+    nothing. (The memory-manager issue adds host and disk tiers in front of this.)"""
+
+    def __init__(self, pool: BlockPool, idle_states: Callable[[], Iterable[KVSequence]]) -> None:
+        self.pool, self.idle_states = pool, idle_states
+
+    def make_room(self, num_blocks: int) -> bool:
+        for seq in self.idle_states():
+            if self.pool.can_allocate(num_blocks):
+                break
+            seq.release()
+        return self.pool.can_allocate(num_blocks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, eviction: EvictionPolicy) -> None:
+        self.config, self.pool, self.eviction = config, pool, eviction
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def busy(self, seq: KVSequence) -> bool:
+        return any(r.seq is seq for r in itertools.chain(self.running, self.waiting))
+
+    def schedule(self) -> SchedulerOutput:
+        self._drop_cancelled()
+        while self.waiting and len(self.running) < self.config.max_concurrent_agents:
+            request = self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self._prepare(request)
+            if request.status is RequestStatus.RUNNING:
+                self.running.append(request)
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        # decodes first (one token each), then prefill chunks: chunking keeps decodes flowing
+        for request in sorted(self.running, key=lambda r: r.seq.num_uncomputed > 1):
+            if budget == 0:
+                break
+            chunk = self._schedule_one(request, budget)
+            if chunk is not None:
+                chunks.append(chunk)
+                budget -= chunk.num_tokens
+        if not chunks and self.running:
+            self._preempt_or_fail()
+        return SchedulerOutput(tuple(chunks), sum(c.num_tokens for c in chunks))
+
+    def _prepare(self, request: Request) -> None:
+        """A sampling request needs the logits of its last token: if the state already holds its
+        KV (a fully synced state), recompute that one token."""
+        seq = request.seq
+        if request.samples and seq.num_uncomputed == 0:
+            last = seq.tokens[-1]
+            seq.trim(len(seq) - 1)
+            seq.append([last])
+        request.reused = min(seq.num_computed, request.num_prompt)
+        if not request.samples and seq.num_uncomputed == 0:
+            self.finish(request, "length" if request.params is not None else "synced")
+
+    def _schedule_one(self, request: Request, budget: int) -> ScheduledChunk | None:
+        seq = request.seq
+        limit = len(seq) - (1 if request.samples else 0)
+        gained = seq.reuse_cached_blocks(limit)
+        request.reused += gained
+        if seq.num_uncomputed == 0:  # a sync fully served from the prefix index
+            self.finish(request, "synced")
+            return None
+        num = min(seq.num_uncomputed, budget, self.config.max_prefill_chunk)
+        needed = seq.blocks_needed(num)
+        if not self.pool.can_allocate(needed) and not self.eviction.make_room(needed):
+            return None
+        start = seq.num_computed
+        seq.prepare_write(num)
+        sample = start + num == len(seq) and request.samples
+        return ScheduledChunk(request, start, num, sample)
+
+    def _preempt_or_fail(self) -> None:
+        """Nothing fits: the newest running request gives its KV back and waits (it recomputes
+        later); a request that cannot fit even alone fails."""
+        victim = self.running[-1]
+        if len(self.running) == 1:
+            victim.error = MemoryBudgetError(
+                f"a history of {len(victim.seq)} tokens needs more KV blocks than the pool has "
+                f"({self.pool.num_blocks} blocks of {self.pool.block_size}); raise memory_budget_bytes "
+                "or num_blocks, or close idle states")
+            self.finish(victim, "error")
+            return
+        self.running.pop()
+        victim.seq.release()
+        victim.status = RequestStatus.WAITING
+        self.waiting.appendleft(victim)
+
+    def update(self, output: SchedulerOutput, sampled: list[int]) -> None:
+        """Advance every scheduled request past its chunk; hand sampled tokens on; finish."""
+        for chunk, token in self._pair(output, sampled):
+            request, seq = chunk.request, chunk.request.seq
+            seq.advance(chunk.num_tokens)
+            request.computed += max(0, min(chunk.start + chunk.num_tokens, request.num_prompt) - chunk.start)
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            if token is not None:
+                self._append_token(request, token)
+            elif not request.samples and seq.num_uncomputed == 0:
+                self.finish(request, "synced")
+
+    @staticmethod
+    def _pair(output: SchedulerOutput, sampled: list[int]):
+        tokens = iter(sampled)
+        for chunk in output.chunks:
+            yield chunk, (next(tokens) if chunk.sample else None)
+
+    def _append_token(self, request: Request, token: int) -> None:
+        params = request.params
+        request.output.append(token)
+        request.seq.append([token])
+        stopped_by_token = token in request.stop_token_ids
+        stopped_by_text = (not stopped_by_token and request.detokenizer is not None
+                           and request.detokenizer.add(token))
+        request.on_event(request, token)
+        if stopped_by_token or stopped_by_text:
+            self.finish(request, "stop")
+        elif len(request.output) >= params.max_tokens or len(request.seq) >= request.max_len:
+            self.finish(request, "length")
+
+    def _drop_cancelled(self) -> None:
+        for request in [r for r in itertools.chain(self.running, self.waiting) if r.cancelled]:
+            self.finish(request, "cancelled")
+
+    def finish(self, request: Request, reason: str) -> None:
+        if request.status is RequestStatus.FINISHED:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.on_event(request, None)
+
+    def abort_all(self, error: BaseException) -> None:
+        for request in list(itertools.chain(self.running, self.waiting)):
+            request.error = error
+            self.finish(request, "error")
