@@ -130,7 +130,12 @@ class Engine:
             output = self.scheduler.schedule()
             if not output.chunks:
                 return False
-            sampled = self.runner.step(output)
+            try:
+                sampled = self.runner.step(output)
+            except Exception as exc:  # fails this step's requests; their states keep their KV
+                error = exc if isinstance(exc, HibanaError) else HibanaError(f"model step failed: {exc!r}")
+                self.scheduler.fail(output, error)
+                return True
             self.scheduler.update(output, sampled)
             c = self._counters
             c.steps += 1
@@ -147,12 +152,8 @@ class Engine:
                     return
                 try:
                     self.step()
-                except Exception as exc:  # a failed step fails its requests, never the engine
-                    self.scheduler.abort_all(exc if isinstance(exc, HibanaError) else
-                                             HibanaError(f"engine step failed: {exc!r}"))
-                    for handle in self._states.values():
-                        if handle._seq.num_computed:
-                            handle._seq.release()  # its KV may be half-written: recompute later
+                except Exception as exc:  # a scheduling bug fails the pending requests, not the engine
+                    self.scheduler.abort_all(HibanaError(f"engine step failed: {exc!r}"))
 
     # --- states -------------------------------------------------------------------------------
 

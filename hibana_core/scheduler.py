@@ -194,6 +194,15 @@ class Scheduler:
             elif not request.samples and seq.num_uncomputed == 0:
                 self.finish(request, "synced")
 
+    def fail(self, output: SchedulerOutput, error: BaseException) -> None:
+        """The step's forward failed: its requests fail, and their states drop the blocks that
+        were prepared for this step (the KV they had stays valid)."""
+        for chunk in output.chunks:
+            seq = chunk.request.seq
+            seq.trim(len(seq))
+            chunk.request.error = error
+            self.finish(chunk.request, "error")
+
     @staticmethod
     def _pair(output: SchedulerOutput, sampled: list[int]):
         tokens = iter(sampled)

@@ -1,0 +1,122 @@
+"""The `hibana` command: `hibana plugins | demo | bench | surgery ...`.
+
+Each subcommand is one function taking the parsed arguments and returning the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `hibana` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hibana", description="Local LLM inference engine for agents."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    plugins = commands.add_parser(
+        "plugins", help="list every registered plugin and what it registers"
+    )
+    plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plugins.set_defaults(run=run_plugins)
+
+    # Placeholders: filled in by the issues that bring the demo model, the benchmark harness and
+    # model surgery.
+    for name, summary in (
+        ("demo", "run the bundled demo agent model"),
+        ("bench", "run the benchmark workloads"),
+        ("surgery", "apply and evaluate model surgery passes"),
+    ):
+        placeholder = commands.add_parser(name, help=f"{summary} (not available yet)")
+        placeholder.set_defaults(run=_not_available)
+    return parser
+
+
+def _not_available(args: argparse.Namespace) -> int:
+    print(f"hibana {args.command}: not available yet", file=sys.stderr)
+    return 2
+
+
+# -- hibana plugins ------------------------------------------------------------------------------
+
+PLUGIN_COLUMNS = ("plugin", "kind", "name", "package", "version", "builtin")
+
+
+def run_plugins(args: argparse.Namespace) -> int:
+    from hibana_plugins.manager import ENV_VAR, PluginError, get_plugin_manager
+
+    manager = get_plugin_manager()
+    try:
+        infos = manager.describe()
+    except PluginError as exc:
+        print(f"hibana plugins: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "plugins": [asdict(info) for info in infos],
+                    "load_errors": [
+                        {"plugin": e.plugin, "stage": e.stage, "error": e.error}
+                        for e in manager.load_errors
+                    ],
+                },
+                indent=2,
+            )
+        )
+        return 0
+    rows = [
+        (
+            info.plugin,
+            info.kind or "-",
+            info.name or "-",
+            info.package or "-",
+            info.version or "-",
+            "yes" if info.builtin else "no",
+        )
+        for info in infos
+    ]
+    notes = []
+    if manager.allow is not None:
+        allowed = ", ".join(sorted(manager.allow)) or "none"
+        notes.append(f"{ENV_VAR} is set: third-party plugins loaded: {allowed}")
+    notes += [f"skipped {e.plugin} ({e.stage}): {e.error}" for e in manager.load_errors]
+    _print_table(rows, notes)
+    return 0
+
+
+def _print_table(rows: list[tuple[str, ...]], notes: list[str]) -> None:
+    """A rich table on a terminal when rich is installed; aligned plain text otherwise."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        Console = None
+    if Console is not None and sys.stdout.isatty():
+        table = Table(*PLUGIN_COLUMNS)
+        for row in rows:
+            table.add_row(*row)
+        console = Console()
+        console.print(table)
+        for note in notes:
+            console.print(note, markup=False)
+        return
+    widths = [max(len(cell) for cell in column) for column in zip(PLUGIN_COLUMNS, *rows)]
+    for row in (PLUGIN_COLUMNS, *rows):
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    for note in notes:
+        print(note)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Turn a batch of logits into one token per row: penalties, greedy, temperature, top-k/p, min-p.
+
+The order follows Hugging Face and vLLM:
+
+    penalties -> (greedy rows: argmax) -> temperature -> top-k -> top-p -> min-p -> sample
+
+Every stage runs batched, with per-row parameters as [B, 1] tensors built once per call, and is
+skipped when no row needs it: an all-greedy batch without penalties is a single argmax. Sampling
+is the exponential race (argmax of probs / Exp(1) noise, as in gpt-fast's
+`multinomial_sample_one_no_sync`), so nothing is read back to the host. A row with a seed draws its
+noise from its own generator, so its tokens depend on nothing else in the batch; rows without one
+share the sampler's generator.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from hibana_core.config import SamplingParams
+
+_NEG_INF = float("-inf")
+# Floor on the Exp(1) noise: exponential_ may return exactly 0 on some backends, and p / 0 gives
+# inf (a biased pick) or, for a masked token, NaN, which argmax would pick.
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One sequence to sample this step."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    """Per-request generator when params.seed is set (see `make_generator`), else None."""
+    history: Sequence[int]
+    """Token ids before this request's generation (the repetition penalty also covers these)."""
+    output: Sequence[int]
+    """Tokens generated so far by this request (presence and frequency penalties count these)."""
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A generator on `device` seeded with `seed`: one per seeded request, and the sampler's own."""
+    generator = torch.Generator(device=torch.device(device))
+    generator.manual_seed(seed)
+    return generator
+
+
+class Sampler:
+    """Small and pure: turns a batch of logits into one token per row."""
+
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = torch.device(device)
+        self.generator = make_generator(seed, self.device)
+        """Noise for the rows that have no generator of their own."""
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """logits [B, V] (any float dtype) -> token ids [B] int64 on logits.device."""
+        if len(rows) != logits.shape[0]:
+            raise ValueError(f"{len(rows)} sampling rows for {logits.shape[0]} rows of logits")
+        params = [row.params for row in rows]
+        greedy = [p.greedy for p in params]
+        penalised = any(_has_penalty(p) for p in params)
+        if all(greedy) and not penalised:
+            return logits.argmax(dim=-1)  # the hot path: nothing else runs
+
+        x = logits.float()  # [B, V]; may be `logits` itself, so every op below is out of place
+        if penalised:
+            x = apply_penalties(x, rows)
+        if all(greedy):
+            return x.argmax(dim=-1)
+        sampled = self._race(apply_warpers(x, params).softmax(dim=-1), rows)
+        if not any(greedy):
+            return sampled
+        return torch.where(_tensor(greedy, torch.bool, x.device), x.argmax(dim=-1), sampled)
+
+    def _race(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """One draw per row from probs [B, V]: argmax(p / q), q ~ Exp(1)."""
+        sampled = [not row.params.greedy for row in rows]
+        seeded = [i for i, row in enumerate(rows) if sampled[i] and row.generator is not None]
+        # Greedy rows' noise is thrown away: draw the shared noise only when some row uses it.
+        if sum(sampled) > len(seeded):
+            noise = torch.empty_like(probs).exponential_(generator=self.generator)  # [B, V]
+        else:
+            noise = torch.ones_like(probs)
+        for i in seeded:
+            # A whole row from the request's own generator: the same draws whatever the batch holds.
+            noise[i].exponential_(generator=rows[i].generator)
+        return (probs / noise.clamp_(min=_TINY)).argmax(dim=-1)
+
+
+def apply_penalties(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Repetition penalty over history + output (HF), then presence/frequency over output (OpenAI).
+
+    x: float32 logits [B, V], not modified. Rows without penalties come back bit-identical.
+    """
+    rep = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
+    if rep:
+        seen = _token_table(x, [(i, itertools.chain(rows[i].history, rows[i].output)) for i in rep],
+                            torch.bool)  # [B, V]
+        penalty = _column([row.params.repetition_penalty for row in rows], x.device)  # [B, 1]
+        x = torch.where(seen, torch.where(x < 0, x * penalty, x / penalty), x)
+    pf = [i for i, row in enumerate(rows)
+          if row.params.presence_penalty != 0.0 or row.params.frequency_penalty != 0.0]
+    if pf:
+        counts = _token_table(x, [(i, rows[i].output) for i in pf], torch.float32)  # [B, V]
+        presence = _column([row.params.presence_penalty for row in rows], x.device)  # [B, 1]
+        frequency = _column([row.params.frequency_penalty for row in rows], x.device)  # [B, 1]
+        x = x - (frequency * counts + presence * (counts > 0))
+    return x
+
+
+def apply_warpers(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, as HF's warpers: filtered entries become -inf.
+
+    x: float32 logits [B, V], not modified. Greedy rows (temperature 0) pass through unchanged.
+    """
+    vocab = x.shape[1]
+    sampled = [not p.greedy for p in params]
+    temps = [p.temperature if s else 1.0 for p, s in zip(params, sampled)]
+    if any(t != 1.0 for t in temps):
+        x = x / _column(temps, x.device)
+
+    top_k = [min(p.top_k, vocab) if s else 0 for p, s in zip(params, sampled)]  # 0: off
+    top_p = [p.top_p if s else 1.0 for p, s in zip(params, sampled)]
+    use_k = any(0 < k < vocab for k in top_k)
+    if any(p < 1.0 for p in top_p):
+        # One ascending sort (as HF's TopPLogitsWarper) serves top-k too.
+        sorted_x, order = x.sort(dim=-1)  # [B, V]
+        if use_k:
+            # The k-th largest sits at V - k; rows without top-k take the minimum: a no-op.
+            index = _tensor([vocab - (k or vocab) for k in top_k], torch.int64, x.device)
+            kth = sorted_x.gather(1, index[:, None])  # [B, 1]
+            x = x.masked_fill(x < kth, _NEG_INF)  # ties with the k-th are kept, as in HF
+            sorted_x = sorted_x.masked_fill(sorted_x < kth, _NEG_INF)
+        cumulative = sorted_x.softmax(dim=-1).cumsum(dim=-1)  # [B, V]
+        drop = cumulative <= _column([1.0 - p for p in top_p], x.device)
+        drop[:, -1] = False  # the most likely token always stays
+        x = x.masked_fill(drop.scatter(1, order, drop), _NEG_INF)
+    elif use_k:
+        top = x.topk(max(top_k), dim=-1).values  # [B, k_max], descending
+        kth = top.gather(1, _tensor([max(k, 1) - 1 for k in top_k], torch.int64, x.device)[:, None])
+        off = _tensor([k == 0 for k in top_k], torch.bool, x.device)[:, None]  # [B, 1]
+        x = x.masked_fill((x < kth) & ~off, _NEG_INF)
+
+    min_p = [p.min_p if s else 0.0 for p, s in zip(params, sampled)]
+    if any(m > 0.0 for m in min_p):
+        probs = x.softmax(dim=-1)  # [B, V]
+        # min_p <= 1, so the top token always stays (HF's min_tokens_to_keep=1).
+        threshold = _column(min_p, x.device) * probs.amax(dim=-1, keepdim=True)  # [B, 1]
+        x = x.masked_fill(probs < threshold, _NEG_INF)
+    return x
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small per-batch tensor built on the host: a copy to the device, never a read back."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return _tensor(values, torch.float32, device)[:, None]  # [B, 1]
+
+
+def _token_table(x: torch.Tensor, rows: list[tuple[int, Iterable[int]]], dtype: torch.dtype) -> torch.Tensor:
+    """[B, V] count of each listed row's tokens (bool: whether they occur); other rows are zero.
+
+    Ids outside [0, V) are ignored, as HF does when the embedding is larger than the LM head.
+    """
+    batch, vocab = x.shape
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    for i, tokens in rows:
+        start = len(token_ids)
+        token_ids.extend(tokens)
+        row_ids.extend(itertools.repeat(i, len(token_ids) - start))
+    table = torch.zeros(batch, vocab + 1, dtype=dtype, device=x.device)  # column V: ignored ids
+    if token_ids:
+        tokens_t = _tensor(token_ids, torch.int64, x.device)
+        tokens_t = tokens_t.masked_fill((tokens_t < 0) | (tokens_t > vocab), vocab)
+        index = (_tensor(row_ids, torch.int64, x.device), tokens_t)
+        ones = torch.ones(len(token_ids), dtype=dtype, device=x.device)
+        table.index_put_(index, ones, accumulate=dtype != torch.bool)
+    return table[:, :vocab]
