@@ -1,0 +1,94 @@
+"""The hooks a Hibana plugin implements.
+
+Every hook takes one argument, `register`, a callback the plugin calls once per thing it
+provides: `register(name, obj)`. Built-ins use the same hooks, so a third-party tool parser or
+model family is an equal of Hibana's own. Names are unique within one kind: a second plugin that
+registers a name already taken is refused with an error naming both plugins.
+
+    from hibana_plugins import hookimpl
+
+    @hookimpl
+    def register_tool_parsers(register):
+        register("my_format", MyToolParser())
+
+This module is a leaf: it imports pluggy alone.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT_NAME = "hibana"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def register_adapters(register) -> None:
+    """Register framework adapters: `register(name, factory)`.
+
+    `factory(engine=engine, **options)` returns the framework-facing object (a LangChain chat
+    model, a LlamaIndex LLM, ...) running on that `hibana_core.Engine`. The object exposes the
+    engine as `.engine`, turns the framework's messages into tokens through `hibana_core.chat`,
+    and always `sync`s a state handle before it generates. A class whose constructor accepts
+    `engine=` is a valid factory.
+    """
+
+
+@hookspec
+def register_tool_parsers(register) -> None:
+    """Register tool-call parsers: `register(name, parser)`.
+
+    `parser` turns generated text into content and tool calls (types in
+    `hibana_plugins.tool_parsers`):
+    - `parser.parse(text) -> ParsedOutput(content, tool_calls, error)`. Malformed tool-call text
+      is returned as content with `error` set; parse never raises on model output.
+    - `parser.stream()` returns a fresh object for one generation with
+      `feed(text_delta) -> list[str | ToolCallDelta]` (text outside tool calls, and tool-call
+      deltas: id and name first, then argument fragments), `close() -> list[...]` (what was held
+      back, at the end of the generation) and `finish() -> ParsedOutput` (authoritative).
+      The argument fragments of one call concatenate to JSON equal to its final arguments.
+    """
+
+
+@hookspec
+def register_chat_formats(register) -> None:
+    """Register chat-template overrides or fixes: `register(name, chat_format)`.
+
+    `name` is the Hugging Face `model_type` the format applies to (or a name a user selects
+    explicitly). `chat_format` provides `template: str`, a Jinja chat template used instead of
+    the checkpoint's own (same variables as transformers' `apply_chat_template`: messages, tools,
+    add_generation_prompt), and may provide `tool_parser: str`, the registered name of the tool
+    parser that reads its output. `hibana_core.chat` defines the exact protocol.
+    """
+
+
+@hookspec
+def register_model_families(register) -> None:
+    """Register model architectures: `register(model_type, module_or_class)`.
+
+    `model_type` is the value of `model_type` in a checkpoint's config.json. The registered object
+    provides `build(hf_config, ctx) -> (model, args)`: the model is an `nn.Module` with
+    `forward(input_ids, positions) -> hidden` and `compute_logits(hidden)` whose parameter names
+    match the checkpoint's; args carries num_layers, num_kv_heads, head_dim, vocab_size and
+    max_position_embeddings (see `hibana_core.models`).
+    """
+
+
+@hookspec
+def register_drafters(register) -> None:
+    """Register speculation drafters: `register(name, factory)`.
+
+    `factory(engine, **options)` returns a drafter that proposes draft tokens for a state from
+    its token history; the protocol is defined by `hibana_core.speculation`.
+    """
+
+
+@hookspec
+def register_surgery_passes(register) -> None:
+    """Register model surgery passes: `register(name, surgery_pass)`.
+
+    A pass rewrites a loaded model to cut bytes per token and reports what it saved and what it
+    cost in quality; the protocol is defined by `hibana_core.surgery`.
+    """

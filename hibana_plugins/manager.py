@@ -1,0 +1,419 @@
+"""One plugin manager per process: built-in plugins first, then installed entry points.
+
+    manager = get_plugin_manager()
+    parser = manager.tool_parsers()["hermes"]
+    for info in manager.describe(): ...          # what `hibana plugins` prints
+
+Built-ins are registered by module name and are always loaded. Third-party plugins come from the
+`hibana` entry-point group; the `HIBANA_PLUGINS` environment variable, read once when the manager
+is built, lists the only ones to load (by entry-point or distribution name; empty: none).
+
+A plugin that fails to import, or whose hook raises, is reported with a warning, recorded in
+`load_errors` and skipped: a broken plugin never takes Hibana down. Two plugins registering the
+same name within one kind is a `PluginError` naming both.
+
+Each registry is collected on first use and cached. Every hook implementation is called on its
+own (rather than through `pm.hook.<name>()`) so that one raising plugin cannot hide the others.
+
+This module is a leaf: it imports pluggy and the standard library alone.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+import re
+import threading
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import ModuleType
+
+import pluggy
+
+# errors.py is itself a leaf (no imports), so the manager stays one
+from hibana_core.errors import HibanaError
+
+from hibana_plugins import hookspecs
+
+ENTRY_POINT_GROUP = "hibana"
+ENV_VAR = "HIBANA_PLUGINS"
+
+# Loaded first, in this order, by module name. A module that does not exist is skipped silently
+# (the adapters land in later issues); any other import failure is reported.
+BUILTIN_MODULES = (
+    "hibana_core.models",
+    "hibana_plugins.tool_parsers",
+    "hibana_plugins.langchain",
+    "hibana_plugins.llamaindex",
+)
+
+# kind -> the hook that registers it
+HOOKS = {
+    "adapter": "register_adapters",
+    "tool_parser": "register_tool_parsers",
+    "chat_format": "register_chat_formats",
+    "model_family": "register_model_families",
+    "drafter": "register_drafters",
+    "surgery_pass": "register_surgery_passes",
+}
+
+
+class PluginError(HibanaError):
+    """Plugins conflict (two register one name), or a registered name is missing."""
+
+
+class PluginWarning(UserWarning):
+    """A plugin failed to import or its hook raised; it was skipped."""
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """One row of `hibana plugins`: one registered name, or a plugin that registers nothing."""
+
+    plugin: str
+    """Name of the plugin: module name for built-ins, entry-point name otherwise."""
+    kind: str | None
+    """One of HOOKS' keys; None for a plugin that registers nothing."""
+    name: str | None
+    """The name it registered under that kind."""
+    package: str | None
+    """Distribution that ships the plugin, when known."""
+    version: str | None
+    """Version of that distribution, when known."""
+    builtin: bool
+    """Whether the plugin is one of Hibana's own."""
+
+
+@dataclass(frozen=True)
+class PluginLoadError:
+    """A plugin that was skipped, and why."""
+
+    plugin: str
+    """Plugin (entry-point or module) name."""
+    stage: str
+    """"import", "register", or the name of the hook that raised."""
+    error: str
+    """The exception, as `Type: message`."""
+    exception: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a registered plugin came from; the module is resolved to a package on demand."""
+
+    builtin: bool
+    module: str | None = None
+    package: str | None = None
+    version: str | None = None
+
+
+@dataclass(frozen=True)
+class _Entry:
+    obj: object
+    plugin: str
+
+
+def parse_allow_list(value: str | None) -> frozenset[str] | None:
+    """HIBANA_PLUGINS' value -> the canonical names it allows, or None when it is unset."""
+    if value is None:
+        return None
+    return frozenset(_canonical(item) for item in value.split(",") if item.strip())
+
+
+def _canonical(name: str) -> str:
+    # Distribution names compare like pip compares them (PEP 503).
+    return re.sub(r"[-_.]+", "-", name.strip()).lower()
+
+
+def _describe_exception(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _entry_point_order(ep: importlib.metadata.EntryPoint) -> tuple[str, str]:
+    # sys.path scanning order is the file system's; sort so that runs agree
+    return (_canonical(ep.dist.metadata["Name"]) if ep.dist is not None else "", ep.name)
+
+
+def _is_missing(module_name: str, exc: ModuleNotFoundError) -> bool:
+    """True when the module itself (or a package above it) does not exist, not a dependency."""
+    missing = exc.name or ""
+    return module_name == missing or module_name.startswith(missing + ".")
+
+
+class HibanaPluginManager:
+    """The registries of adapters, tool parsers, chat formats, model families, drafters and
+    surgery passes, collected from built-in and installed plugins."""
+
+    def __init__(
+        self,
+        builtins: Iterable[str] = BUILTIN_MODULES,
+        allow: frozenset[str] | None = None,
+        entry_point_group: str | None = ENTRY_POINT_GROUP,
+    ) -> None:
+        """`allow`: canonical names of the only third-party plugins to load (None: all).
+        `entry_point_group`: None loads built-ins only (used by tests)."""
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self.pm.add_hookspecs(hookspecs)
+        self.allow = allow
+        self.load_errors: list[PluginLoadError] = []
+        self._sources: dict[str, _Source] = {}
+        self._registries: dict[str, dict[str, _Entry]] = {}
+        self._lock = threading.RLock()
+        self._module_packages: dict[str, list[str]] | None = None
+
+        builtins = tuple(builtins)
+        for module_name in builtins:
+            self._load_builtin(module_name)
+        if entry_point_group is not None:
+            self._load_entry_points(entry_point_group, skip_modules=frozenset(builtins))
+
+    # -- loading ---------------------------------------------------------------------------------
+
+    def _load_builtin(self, module_name: str) -> None:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if not _is_missing(module_name, exc):
+                self._report(module_name, "import", exc)
+            return
+        except Exception as exc:  # a plugin's import error must not take Hibana down
+            self._report(module_name, "import", exc)
+            return
+        self._register(module, module_name, _Source(builtin=True, module=module_name))
+
+    def _load_entry_points(self, group: str, skip_modules: frozenset[str]) -> None:
+        # pluggy's load_setuptools_entrypoints(group), with the allow list applied and with each
+        # entry point loaded on its own so that one that fails is reported and skipped.
+        seen: set[tuple[str | None, str]] = set()
+        matched: set[str] = set()
+        for ep in sorted(importlib.metadata.entry_points(group=group), key=_entry_point_order):
+            if ep.module in skip_modules and not ep.attr:
+                continue  # Hibana's own pyproject declares its built-ins too
+            dist_name = ep.dist.metadata["Name"] if ep.dist is not None else None
+            version = ep.dist.version if ep.dist is not None else None
+            if (dist_name, ep.name) in seen:
+                continue  # the same distribution found twice on sys.path
+            seen.add((dist_name, ep.name))
+            if self.allow is not None:
+                names = {_canonical(ep.name)} | ({_canonical(dist_name)} if dist_name else set())
+                if not names & self.allow:
+                    continue
+                matched |= names & self.allow
+            try:
+                plugin = ep.load()
+            except Exception as exc:
+                self._report(ep.name, "import", exc, package=dist_name)
+                continue
+            self._register(plugin, ep.name, _Source(False, package=dist_name, version=version))
+        if self.allow:
+            for name in sorted(self.allow - matched):
+                warnings.warn(
+                    f"{ENV_VAR} names {name!r}, but no installed package provides a Hibana plugin"
+                    f" by that entry-point or distribution name",
+                    PluginWarning,
+                    stacklevel=3,
+                )
+
+    def register(self, plugin: object, name: str | None = None) -> None:
+        """Register a plugin object or module at run time (as third-party, not built-in)."""
+        name = name or getattr(plugin, "__name__", None) or repr(plugin)
+        module = plugin.__name__ if isinstance(plugin, ModuleType) else None
+        with self._lock:
+            self._register(plugin, name, _Source(builtin=False, module=module))
+            self._registries.clear()
+
+    def _register(self, plugin: object, name: str, source: _Source) -> None:
+        if self.pm.has_plugin(name):
+            other = self._sources.get(name)
+            raise PluginError(
+                f"two plugins are named {name!r}: one from {self._package_label(other)}, one from"
+                f" {self._package_label(source)}. Uninstall one, or set {ENV_VAR} to the"
+                f" distribution name of the one to keep."
+            )
+        if self.pm.is_registered(plugin):
+            return  # one module behind two entry points
+        try:
+            self.pm.register(plugin, name=name)
+        except Exception as exc:  # pluggy.PluginValidationError: a hook with wrong arguments
+            self._report(name, "register", exc, package=source.package)
+            return
+        self._sources[name] = source
+        unknown = sorted(c.name for c in self.pm.get_hookcallers(plugin) or () if c.spec is None)
+        if unknown:
+            self._report(
+                name,
+                "register",
+                f"implements unknown hook(s) {', '.join(unknown)};"
+                f" the hooks are {', '.join(HOOKS.values())}",
+                package=source.package,
+            )
+
+    def _report(
+        self,
+        plugin: str,
+        stage: str,
+        error: BaseException | str,
+        package: str | None = None,
+    ) -> None:
+        text = error if isinstance(error, str) else _describe_exception(error)
+        exception = None if isinstance(error, str) else error
+        self.load_errors.append(PluginLoadError(plugin, stage, text, exception))
+        origin = f" (from {package})" if package else ""
+        where = {"import": "failed to import", "register": "failed to register"}.get(
+            stage, f"raised in {stage}"
+        )
+        warnings.warn(
+            f"Hibana plugin {plugin!r}{origin} {where}: {text}. It is skipped.",
+            PluginWarning,
+            stacklevel=4,
+        )
+
+    # -- registries ------------------------------------------------------------------------------
+
+    def adapters(self) -> dict[str, object]:
+        """Framework adapter factories by name."""
+        return self.registry("adapter")
+
+    def tool_parsers(self) -> dict[str, object]:
+        """Tool-call parsers by name."""
+        return self.registry("tool_parser")
+
+    def chat_formats(self) -> dict[str, object]:
+        """Chat-template overrides by model_type (or chosen name)."""
+        return self.registry("chat_format")
+
+    def model_families(self) -> dict[str, object]:
+        """Model families by Hugging Face model_type."""
+        return self.registry("model_family")
+
+    def drafters(self) -> dict[str, object]:
+        """Speculation drafter factories by name."""
+        return self.registry("drafter")
+
+    def surgery_passes(self) -> dict[str, object]:
+        """Model surgery passes by name."""
+        return self.registry("surgery_pass")
+
+    def registry(self, kind: str) -> dict[str, object]:
+        """Everything registered under one kind (a key of HOOKS), by name."""
+        return {name: entry.obj for name, entry in self._entries(kind).items()}
+
+    def lookup(self, kind: str, name: str) -> object:
+        """One registered object; a PluginError that lists what exists when it is missing."""
+        entries = self._entries(kind)
+        if name not in entries:
+            known = ", ".join(sorted(entries)) or "none"
+            raise PluginError(
+                f"no {kind.replace('_', ' ')} named {name!r} is registered (registered: {known})."
+                f" Install the plugin that provides it, or check {ENV_VAR}."
+            )
+        return entries[name].obj
+
+    def _entries(self, kind: str) -> dict[str, _Entry]:
+        if kind not in HOOKS:
+            raise ValueError(f"unknown plugin kind {kind!r}; kinds are {', '.join(HOOKS)}")
+        with self._lock:
+            if kind not in self._registries:
+                self._registries[kind] = self._collect(kind)
+            return self._registries[kind]
+
+    def _collect(self, kind: str) -> dict[str, _Entry]:
+        caller = getattr(self.pm.hook, HOOKS[kind])
+        label = kind.replace("_", " ")
+        entries: dict[str, _Entry] = {}
+        for impl in caller.get_hookimpls():  # registration order: built-ins first
+            if impl.hookwrapper or impl.wrapper:
+                continue
+            offered: dict[str, object] = {}
+
+            def register(name: str, obj: object, _offered: dict = offered) -> None:
+                if not isinstance(name, str) or not name:
+                    raise TypeError(f"a {label} name must be a non-empty string, not {name!r}")
+                if obj is None:
+                    raise TypeError(f"{label} {name!r} was registered as None")
+                if name in _offered:
+                    raise ValueError(f"{label} {name!r} is registered twice by the same plugin")
+                _offered[name] = obj
+
+            try:
+                impl.function(**{arg: register for arg in impl.argnames})
+            except Exception as exc:
+                self._report(impl.plugin_name, caller.name, exc)
+                continue
+            for name, obj in offered.items():
+                if name in entries:
+                    first = entries[name].plugin
+                    raise PluginError(
+                        f"{label} {name!r} is registered by two plugins: {first!r}"
+                        f" ({self._package_label(self._sources.get(first))}) and"
+                        f" {impl.plugin_name!r}"
+                        f" ({self._package_label(self._sources.get(impl.plugin_name))})."
+                        f" Uninstall one of them, or leave one out of {ENV_VAR}."
+                    )
+                entries[name] = _Entry(obj, impl.plugin_name)
+        return entries
+
+    # -- description -----------------------------------------------------------------------------
+
+    def describe(self) -> list[PluginInfo]:
+        """Every registered plugin and each name it registers, in registration order."""
+        registered: dict[str, list[tuple[str, str]]] = {plugin: [] for plugin in self._sources}
+        for kind in HOOKS:
+            for name, entry in sorted(self._entries(kind).items()):
+                registered.setdefault(entry.plugin, []).append((kind, name))
+        infos = []
+        for plugin, pairs in registered.items():
+            package, version = self._package(self._sources.get(plugin))
+            builtin = plugin in self._sources and self._sources[plugin].builtin
+            for kind, name in pairs or [(None, None)]:
+                infos.append(PluginInfo(plugin, kind, name, package, version, builtin))
+        return infos
+
+    def _package(self, source: _Source | None) -> tuple[str | None, str | None]:
+        """(distribution, version) of a plugin, as far as the installed metadata knows."""
+        if source is None:
+            return None, None
+        if source.package is not None:
+            return source.package, source.version
+        dists = []
+        if source.module is not None:
+            if self._module_packages is None:
+                self._module_packages = importlib.metadata.packages_distributions()
+            dists = self._module_packages.get(source.module.partition(".")[0], [])
+        package = dists[0] if dists else ("hibana" if source.builtin else None)
+        if package is None:
+            return None, None
+        try:
+            return package, importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:  # running from a checkout
+            return package, None
+
+    def _package_label(self, source: _Source | None) -> str:
+        if source is not None and source.builtin:
+            return "built-in"
+        package, version = self._package(source)
+        if package is None:
+            return "unknown package"
+        return f"{package} {version}" if version else package
+
+
+_manager: HibanaPluginManager | None = None
+_manager_lock = threading.Lock()
+
+
+def get_plugin_manager() -> HibanaPluginManager:
+    """The process-wide manager, built on first use; HIBANA_PLUGINS is read then, once."""
+    global _manager
+    with _manager_lock:
+        if _manager is None:
+            _manager = HibanaPluginManager(allow=parse_allow_list(os.environ.get(ENV_VAR)))
+        return _manager
+
+
+def reset_plugin_manager() -> None:
+    """Forget the process-wide manager; the next get_plugin_manager() builds a new one."""
+    global _manager
+    with _manager_lock:
+        _manager = None

@@ -1,0 +1,545 @@
+"""Tool-call parsers: generated text -> content and tool calls, whole or streamed.
+
+Built-ins, registered through `register_tool_parsers` like any plugin's:
+- "hermes": Hermes / Qwen, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number
+  of blocks anywhere in the text.
+- "llama3_json": Llama 3.x, `{"name": ..., "parameters": {...}}` at the start of the output or
+  after `<|python_tag|>`, several separated by `;` or newlines.
+
+Both follow one contract:
+- content is the text outside tool calls, without leading or trailing whitespace;
+- malformed tool-call text stays in the content and `error` says what was wrong; nothing raises;
+- `parse(text)` is `stream()` fed the whole text, so whole and streamed parsing agree;
+- streamed text deltas concatenate to the final content, and the argument fragments of one call
+  concatenate to JSON equal to its final arguments. Tool-call deltas are provisional: a call whose
+  JSON turns out malformed after its name was streamed is reported by `finish()` as content.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from hibana_plugins.hookspecs import hookimpl
+
+ARGUMENT_KEYS = ("arguments", "parameters")
+HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+LLAMA3_SEPARATORS = " \t\r\n;"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed tool call."""
+
+    id: str
+    """"call_" + 24 hex digits, unique per call."""
+    name: str
+    """The function the model calls."""
+    arguments: dict
+    """Its arguments, decoded from JSON."""
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    """A generation split into content and tool calls."""
+
+    content: str
+    """Text outside tool calls (malformed tool-call text included), stripped."""
+    tool_calls: list[ToolCall]
+    """Well-formed tool calls, in order."""
+    error: str | None = None
+    """What was malformed, when something was; None otherwise."""
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of a streamed tool call: first id and name, then argument fragments."""
+
+    index: int
+    """Position of the call among this generation's streamed calls."""
+    id: str | None
+    """Set on the first delta of a call only."""
+    name: str | None
+    """Set on the first delta of a call only."""
+    arguments_fragment: str = ""
+    """The next piece of the arguments' JSON text."""
+
+
+class ToolCallStream(Protocol):
+    """Incremental parsing of one generation."""
+
+    def feed(self, text_delta: str) -> list[str | ToolCallDelta]: ...
+
+    def close(self) -> list[str | ToolCallDelta]: ...
+
+    def finish(self) -> ParsedOutput: ...
+
+
+class ToolParser(Protocol):
+    """What `register_tool_parsers` registers."""
+
+    def parse(self, text: str) -> ParsedOutput: ...
+
+    def stream(self) -> ToolCallStream: ...
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def partial_tag_length(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `tag`: text to hold back."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+@dataclass(frozen=True)
+class _Decoded:
+    name: str = ""
+    arguments: dict | None = None
+    error: str | None = None
+    valid_json: bool = False
+
+
+def _decode_call(text: str, require_arguments: bool) -> _Decoded:
+    """The authoritative reading of one call's JSON object."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return _Decoded(error=f"invalid JSON in tool call ({exc})")
+    if not isinstance(obj, dict):
+        return _Decoded(error="a tool call must be a JSON object", valid_json=True)
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return _Decoded(error='a tool call needs a string "name"', valid_json=True)
+    key = next((k for k in obj if k in ARGUMENT_KEYS), None)  # first in the text, as streamed
+    if key is None and require_arguments:
+        return _Decoded(error='a tool call needs "parameters" or "arguments"', valid_json=True)
+    arguments = obj.get(key) if key else None
+    if isinstance(arguments, str):  # some models send the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as exc:
+            return _Decoded(error=f"invalid JSON in arguments of {name!r} ({exc})", valid_json=True)
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        return _Decoded(error=f"arguments of {name!r} must be a JSON object", valid_json=True)
+    return _Decoded(name, arguments, None, valid_json=True)
+
+
+class _ObjectScanner:
+    """Follows one JSON object character by character, far enough to stream a tool call from it:
+    the "name" string once it is complete, and where the arguments value starts and ends.
+
+    It tracks structure only (depth, strings, top-level keys); json.loads decides validity at the
+    end. With a terminator (hermes' `</tool_call>`), scanning stops where the terminator appears
+    outside a string, or waits where the text so far may be its start.
+    """
+
+    def __init__(self, terminator: str | None = None) -> None:
+        self.terminator = terminator
+        self.pos = 0  # next character to scan
+        self.depth = 0
+        self.in_string = False
+        self.complete = False  # the top-level object closed
+        self.broken = False  # not a JSON object; stop following structure
+        self.end: int | None = None  # one past the closing brace
+        self.terminated_at: int | None = None
+        self.name: str | None = None
+        self.args_start: int | None = None
+        self.args_end: int | None = None
+        self.args_is_object = False
+        self._escape = False
+        self._expect = "open"  # open, key, key_string, colon, value, in_value, scalar, comma
+        self._key: str | None = None
+        self._token_start = 0
+        self._scalar_end = 0
+
+    def scan(self, text: str) -> None:
+        term = self.terminator
+        while self.pos < len(text):
+            if term is None:
+                if self.complete:
+                    return
+            elif not self.in_string and text[self.pos] == term[0]:
+                ahead = text[self.pos : self.pos + len(term)]
+                if ahead == term:
+                    self.terminated_at = self.pos
+                    return
+                if len(ahead) < len(term) and term.startswith(ahead):
+                    return  # may be the terminator: wait for more text
+            self._step(text, self.pos)
+            self.pos += 1
+
+    def _step(self, text: str, i: int) -> None:
+        if self.complete or self.broken:
+            return
+        c = text[i]
+        if self.in_string:
+            if self._escape:
+                self._escape = False
+            elif c == "\\":
+                self._escape = True
+            elif c == '"':
+                self.in_string = False
+                if self.depth == 1:
+                    self._string_ended(text, i + 1)
+            return
+        if c in " \t\r\n":
+            return
+        if self.depth == 0:
+            if c == "{" and self._expect == "open":
+                self.depth, self._expect = 1, "key"
+            else:
+                self._break()
+            return
+        if c == '"':
+            self.in_string = True
+            if self.depth == 1:
+                self._start(text, i)
+        elif c in "{[":
+            if self.depth == 1:
+                self._start(text, i)
+            self.depth += 1
+        elif c in "}]":
+            self.depth -= 1
+            if self.depth == 1:
+                self._value_ended(text, i + 1)
+            elif self.depth == 0:
+                if self._expect == "scalar":
+                    self._value_ended(text, self._scalar_end)
+                self.complete, self.end = c == "}", i + 1
+                self.broken = c != "}"
+        elif self.depth > 1:
+            return
+        elif c == ":":
+            if self._expect != "colon":
+                return self._break()
+            self._expect = "value"
+        elif c == ",":
+            if self._expect == "scalar":
+                self._value_ended(text, self._scalar_end)
+            self._expect = "key"
+        else:  # a number, true, false or null at the top level
+            if self._expect == "value":
+                self._start(text, i)
+                self._expect = "scalar"
+            self._scalar_end = i + 1
+
+    def _break(self) -> None:
+        self.broken, self.in_string = True, False
+
+    def _start(self, text: str, i: int) -> None:
+        if self._expect == "key":
+            if text[i] != '"':
+                return self._break()
+            self._token_start, self._expect = i, "key_string"
+        elif self._expect == "value":
+            self._token_start, self._expect = i, "in_value"
+            if self._key in ARGUMENT_KEYS and self.args_start is None:
+                self.args_start, self.args_is_object = i, text[i] == "{"
+
+    def _string_ended(self, text: str, end: int) -> None:
+        if self._expect == "key_string":
+            try:
+                self._key = json.loads(text[self._token_start : end])
+            except json.JSONDecodeError:
+                return self._break()
+            self._expect = "colon"
+        elif self._expect == "in_value":
+            self._value_ended(text, end)
+
+    def _value_ended(self, text: str, end: int) -> None:
+        if self._key == "name" and self.name is None:
+            try:
+                value = json.loads(text[self._token_start : end])
+            except json.JSONDecodeError:
+                value = None
+            if isinstance(value, str) and value:
+                self.name = value
+        if self._token_start == self.args_start:
+            self.args_end = end
+        self._expect = "comma"
+
+
+class _CallStream:
+    """One tool call being streamed: id and name once known, then raw argument fragments."""
+
+    def __init__(self, terminator: str | None, allocate_index: Callable[[], int]) -> None:
+        self.scanner = _ObjectScanner(terminator)
+        self.id: str | None = None
+        self.index = -1
+        self._allocate_index = allocate_index
+        self._raw_args = False  # arguments stream as a slice of the text
+        self._sent = 0  # end of the argument text already sent
+
+    def provisional(self, text: str) -> list[ToolCallDelta]:
+        """Deltas for what the scan has established so far (the call's text starts at 0)."""
+        sc = self.scanner
+        out = []
+        if self.id is None:
+            if sc.name is None or (sc.args_start is None and not sc.complete):
+                return out
+            self.id, self.index = new_call_id(), self._allocate_index()
+            out.append(ToolCallDelta(self.index, self.id, sc.name))
+            self._raw_args = sc.args_start is not None and sc.args_is_object
+            self._sent = sc.args_start or 0
+        if self._raw_args:
+            end = sc.args_end if sc.args_end is not None else sc.pos
+            if end > self._sent:
+                out.append(ToolCallDelta(self.index, None, None, text[self._sent : end]))
+                self._sent = end
+        return out
+
+    def finalize(self, text: str, decoded: _Decoded) -> list[ToolCallDelta]:
+        """Deltas still owed once the call is known to be well-formed; then its ToolCall."""
+        out = self.provisional(text)
+        if self.id is None:
+            self.id, self.index = new_call_id(), self._allocate_index()
+            out.append(ToolCallDelta(self.index, self.id, decoded.name))
+        if not self._raw_args:
+            out.append(ToolCallDelta(self.index, None, None, json.dumps(decoded.arguments)))
+            self._raw_args = True  # sent in full
+        return out
+
+    def tool_call(self, decoded: _Decoded) -> ToolCall:
+        return ToolCall(self.id or new_call_id(), decoded.name, decoded.arguments or {})
+
+
+class _Content:
+    """Text outside tool calls, stripped as it streams: leading whitespace is dropped, trailing
+    whitespace held back until more text follows it."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self._held = ""
+        self._started = False
+
+    def add(self, text: str) -> str:
+        if not self._started:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self._started = True
+        text = self._held + text
+        body = text.rstrip()
+        self._held = text[len(body) :]
+        if body:
+            self.parts.append(body)
+        return body
+
+
+class _Stream:
+    """What every built-in stream shares: content, calls, errors, and the feed/close/finish API.
+    Subclasses implement `_advance(out, final)` over `self._buffer`."""
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._content = _Content()
+        self._calls: list[ToolCall] = []
+        self._errors: list[str] = []
+        self._streamed_calls = 0
+        self._closed = False
+
+    def feed(self, text_delta: str) -> list[str | ToolCallDelta]:
+        """Text deltas outside tool calls and tool-call deltas decided by this piece of text."""
+        if self._closed:
+            raise RuntimeError("feed() after close(): use a new stream() per generation")
+        self._buffer += text_delta
+        out: list[str | ToolCallDelta] = []
+        self._advance(out, final=False)
+        return out
+
+    def close(self) -> list[str | ToolCallDelta]:
+        """End of the generation: the deltas that were held back until it was decided."""
+        if self._closed:
+            return []
+        self._closed = True
+        out: list[str | ToolCallDelta] = []
+        self._advance(out, final=True)
+        return out
+
+    def finish(self) -> ParsedOutput:
+        """The authoritative result (closes the stream; call close() first for its deltas)."""
+        self.close()
+        return ParsedOutput("".join(self._content.parts), list(self._calls), self._error())
+
+    def _error(self) -> str | None:
+        return "; ".join(self._errors) or None
+
+    def _text(self, out: list, text: str) -> None:
+        emitted = self._content.add(text)
+        if emitted:
+            out.append(emitted)
+
+    def _next_index(self) -> int:
+        self._streamed_calls += 1
+        return self._streamed_calls - 1
+
+    def _accept(self, out: list, call: _CallStream, text: str, decoded: _Decoded) -> None:
+        out.extend(call.finalize(text, decoded))
+        self._calls.append(call.tool_call(decoded))
+
+    def _reject(self, out: list, raw: str, error: str) -> None:
+        self._errors.append(error)
+        self._text(out, raw)
+
+    def _advance(self, out: list, final: bool) -> None:
+        raise NotImplementedError
+
+
+class _HermesStream(_Stream):
+    def __init__(self) -> None:
+        super().__init__()
+        self._call: _CallStream | None = None  # inside a block: _buffer is its body
+
+    def _advance(self, out: list, final: bool) -> None:
+        while True:
+            if self._call is None:
+                start = self._buffer.find(HERMES_START)
+                if start < 0:
+                    keep = 0 if final else partial_tag_length(self._buffer, HERMES_START)
+                    cut = len(self._buffer) - keep
+                    self._text(out, self._buffer[:cut])
+                    self._buffer = self._buffer[cut:]
+                    return
+                self._text(out, self._buffer[:start])
+                self._buffer = self._buffer[start + len(HERMES_START) :]
+                self._call = _CallStream(HERMES_END, self._next_index)
+                continue
+            call = self._call
+            call.scanner.scan(self._buffer)
+            end = call.scanner.terminated_at
+            if end is None and not final:
+                out.extend(call.provisional(self._buffer))
+                return
+            body = self._buffer if end is None else self._buffer[:end]
+            self._buffer = "" if end is None else self._buffer[end + len(HERMES_END) :]
+            self._call = None
+            decoded = _decode_call(body, require_arguments=False)
+            if decoded.error is None:
+                self._accept(out, call, body, decoded)
+            elif end is None:
+                self._reject(out, HERMES_START + body, f"unclosed {HERMES_START}: {decoded.error}")
+            else:
+                self._reject(out, HERMES_START + body + HERMES_END, decoded.error)
+
+
+class HermesToolParser:
+    """Hermes / Qwen tool calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+
+    A block left unclosed at the end of the generation is accepted when its JSON is complete.
+    """
+
+    name = "hermes"
+
+    def parse(self, text: str) -> ParsedOutput:
+        return _parse_whole(self.stream(), text)
+
+    def stream(self) -> ToolCallStream:
+        return _HermesStream()
+
+
+class _Llama3Stream(_Stream):
+    """Modes: "start" (only whitespace so far), "text" (content), "calls" (between calls: skip
+    separators), "call" (inside one JSON object; _buffer starts with it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mode = "start"
+        self._bare = False  # the calls began with "{" rather than after <|python_tag|>
+        self._region_calls = 0  # objects read since the calls region began
+        self._call: _CallStream | None = None
+
+    def _advance(self, out: list, final: bool) -> None:
+        while True:
+            if self._mode == "start":
+                stripped = self._buffer.lstrip()
+                if not stripped:
+                    return
+                self._buffer = stripped
+                self._bare = stripped.startswith("{")
+                self._mode = "calls" if self._bare else "text"
+            elif self._mode == "text":
+                tag = self._buffer.find(PYTHON_TAG)
+                if tag < 0:
+                    keep = 0 if final else partial_tag_length(self._buffer, PYTHON_TAG)
+                    cut = len(self._buffer) - keep
+                    self._text(out, self._buffer[:cut])
+                    self._buffer = self._buffer[cut:]
+                    return
+                self._text(out, self._buffer[:tag])
+                self._buffer = self._buffer[tag + len(PYTHON_TAG) :]
+                self._mode, self._bare, self._region_calls = "calls", False, 0
+            elif self._mode == "calls":
+                rest = self._buffer.lstrip(LLAMA3_SEPARATORS)
+                if not rest:
+                    self._buffer = ""
+                    return
+                self._buffer = rest
+                if rest[0] == "{":
+                    self._mode, self._call = "call", _CallStream(None, self._next_index)
+                else:  # text after the calls (or <|python_tag|> before code): content again
+                    if self._region_calls == 0 and not self._bare:
+                        self._text(out, PYTHON_TAG)
+                    self._mode = "text"
+            elif not self._read_call(out, final):
+                return
+
+    def _read_call(self, out: list, final: bool) -> bool:
+        """Scan the object at the start of _buffer; True once it is decided."""
+        call = self._call
+        call.scanner.scan(self._buffer)
+        if not call.scanner.complete:
+            if not final:
+                out.extend(call.provisional(self._buffer))
+                return False
+            text, self._buffer = self._buffer, ""
+        else:
+            text, self._buffer = self._buffer[: call.scanner.end], self._buffer[call.scanner.end :]
+        self._call, self._mode = None, "calls"
+        self._region_calls += 1
+        decoded = _decode_call(text, require_arguments=True)
+        if decoded.error is None:
+            self._accept(out, call, text, decoded)
+        elif self._bare and self._region_calls == 1 and call.id is None and (
+            decoded.valid_json or call.scanner.name is None
+        ):
+            self._text(out, text)  # output that merely starts with "{": an answer, not a call
+            self._mode = "text"
+        else:
+            tag = PYTHON_TAG if not self._bare and self._region_calls == 1 else ""
+            self._reject(out, tag + text, decoded.error)
+        return True
+
+
+class Llama3JsonToolParser:
+    """Llama 3.x JSON tool calls: `{"name": ..., "parameters": {...}}` at the start of the output
+    or after `<|python_tag|>`, several separated by `;` or newlines ("arguments" is accepted for
+    "parameters"). Output starting with a JSON object that is not a call is plain content."""
+
+    name = "llama3_json"
+
+    def parse(self, text: str) -> ParsedOutput:
+        return _parse_whole(self.stream(), text)
+
+    def stream(self) -> ToolCallStream:
+        return _Llama3Stream()
+
+
+def _parse_whole(stream: ToolCallStream, text: str) -> ParsedOutput:
+    stream.feed(text)
+    return stream.finish()
+
+
+@hookimpl
+def register_tool_parsers(register) -> None:
+    register(HermesToolParser.name, HermesToolParser())
+    register(Llama3JsonToolParser.name, Llama3JsonToolParser())

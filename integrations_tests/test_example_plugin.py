@@ -1,0 +1,132 @@
+"""The example third-party plugin, installed with pip, found through its entry point and used.
+
+Install it first: `pip install -e examples/hibana-example-plugin`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hibana_plugins.manager import HibanaPluginManager, reset_plugin_manager
+from hibana_plugins.tool_parsers import ToolCallDelta
+
+REPO = Path(__file__).resolve().parents[1]
+INSTALL = "pip install -e examples/hibana-example-plugin"
+
+
+@pytest.fixture(autouse=True)
+def fresh_manager(monkeypatch):
+    monkeypatch.delenv("HIBANA_PLUGINS", raising=False)
+    reset_plugin_manager()
+    yield
+    reset_plugin_manager()
+
+
+@pytest.fixture
+def manager():
+    return HibanaPluginManager()
+
+
+def example_entry_point():
+    found = [ep for ep in importlib.metadata.entry_points(group="hibana") if ep.name == "example"]
+    assert found, f"the example plugin is not installed: run `{INSTALL}`"
+    return found[0]
+
+
+def hibana_plugins_cli(**env) -> str:
+    environ = {k: v for k, v in os.environ.items() if k != "HIBANA_PLUGINS"} | env
+    done = subprocess.run(
+        [sys.executable, "-m", "hibana_core.cli", "plugins"],
+        cwd=REPO,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_example_plugin_is_declared_as_an_entry_point():
+    ep = example_entry_point()
+    assert ep.value == "hibana_example_plugin"
+    assert ep.dist.metadata["Name"] == "hibana-example-plugin"
+
+
+def test_example_plugin_is_loaded_through_its_entry_point(manager):
+    example_entry_point()
+    rows = {(i.plugin, i.kind, i.name, i.package, i.builtin) for i in manager.describe()}
+    assert ("example", "tool_parser", "example_xml", "hibana-example-plugin", False) in rows
+    assert ("example", "adapter", "example", "hibana-example-plugin", False) in rows
+    assert [e for e in manager.load_errors if e.plugin == "example"] == []
+
+
+def test_hibana_plugins_command_lists_the_example_plugin():
+    example_entry_point()
+    lines = hibana_plugins_cli().splitlines()
+    example_rows = [line.split() for line in lines if line.startswith("example ")]
+    assert ["example", "tool_parser", "example_xml", "hibana-example-plugin", "0.1.0", "no"] in (
+        example_rows
+    )
+    assert ["example", "adapter", "example", "hibana-example-plugin", "0.1.0", "no"] in example_rows
+    builtin = ["hibana_plugins.tool_parsers", "tool_parser", "hermes"]
+    assert any(line.split()[:3] == builtin for line in lines)
+
+
+def test_hibana_plugins_variable_filters_the_example_plugin():
+    example_entry_point()
+    assert "example_xml" not in hibana_plugins_cli(HIBANA_PLUGINS="")
+    assert "example_xml" in hibana_plugins_cli(HIBANA_PLUGINS="hibana-example-plugin")
+    assert "example_xml" not in hibana_plugins_cli(HIBANA_PLUGINS="some-other-plugin")
+
+
+def test_example_parser_parses_text(manager):
+    parser = manager.tool_parsers()["example_xml"]
+    text = 'Checking. <call name="get_weather">{"city": "Paris"}</call>'
+    output = parser.parse(text)
+    assert output.content == "Checking." and output.error is None
+    calls = [(c.name, c.arguments) for c in output.tool_calls]
+    assert calls == [("get_weather", {"city": "Paris"})]
+
+    stream = parser.stream()
+    deltas = [d for chunk in text for d in stream.feed(chunk)] + stream.close()
+    calls = [d for d in deltas if isinstance(d, ToolCallDelta)]
+    assert (calls[0].id, calls[0].name) == (stream.finish().tool_calls[0].id, "get_weather")
+    assert json.loads("".join(d.arguments_fragment for d in calls)) == {"city": "Paris"}
+
+    broken = parser.parse('<call name="f">{"city": }</call>')
+    assert broken.tool_calls == [] and broken.error and "<call" in broken.content
+
+
+class RecordingEngine:
+    """Stands in for an Engine to show which handle calls the adapter makes (not a generation)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def open_state(self, state_id):
+        self.calls.append(("open_state", state_id))
+        return self
+
+    def sync(self, token_ids):
+        self.calls.append(("sync", token_ids))
+
+    def generate(self, params):
+        self.calls.append(("generate", params.max_tokens, params.temperature))
+        return "completion"
+
+
+def test_example_adapter_factory_is_registered_and_drives_a_handle(manager):
+    factory = manager.adapters()["example"]
+    engine = RecordingEngine()
+    adapter = factory(engine=engine)
+    assert adapter.engine is engine
+    assert adapter.complete([1, 2, 3], max_tokens=5) == "completion"
+    assert engine.calls == [("open_state", "example"), ("sync", [1, 2, 3]), ("generate", 5, 0.0)]

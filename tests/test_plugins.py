@@ -1,0 +1,503 @@
+"""Plugin manager, built-in registrations, tool parsers and `hibana plugins`.
+
+Third-party plugins are real distributions: a module and a `*.dist-info` with an entry point,
+written to a temporary directory put on sys.path, so loading goes through importlib.metadata
+exactly as for a pip-installed package.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import random
+import re
+import sys
+import textwrap
+import types
+import warnings
+
+import pytest
+
+from hibana_plugins import hookimpl
+from hibana_plugins.manager import (
+    HibanaPluginManager,
+    PluginError,
+    PluginWarning,
+    get_plugin_manager,
+    parse_allow_list,
+    reset_plugin_manager,
+)
+from hibana_plugins.tool_parsers import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    ToolCallDelta,
+)
+
+BUILTIN_FAMILIES = {"llama", "qwen2", "qwen3", "mistral"}
+
+
+@pytest.fixture(autouse=True)
+def fresh_manager(monkeypatch):
+    monkeypatch.delenv("HIBANA_PLUGINS", raising=False)
+    reset_plugin_manager()
+    yield
+    reset_plugin_manager()
+
+
+@pytest.fixture(autouse=True)
+def model_families(monkeypatch):
+    """hibana_core.models as the built-in family plugin; a stand-in while it is not written."""
+    try:
+        module = importlib.import_module("hibana_core.models")
+    except ImportError:
+        module = None
+    if module is None or not hasattr(module, "register_model_families"):
+        stand_in = types.ModuleType("hibana_core.models")
+
+        @hookimpl
+        def register_model_families(register):
+            for model_type in sorted(BUILTIN_FAMILIES):
+                register(model_type, stand_in)
+
+        stand_in.register_model_families = register_model_families
+        monkeypatch.setitem(sys.modules, "hibana_core.models", stand_in)
+
+
+@pytest.fixture
+def make_dist(tmp_path, monkeypatch):
+    """make_dist(dist_name, ep_name, source) -> module name: an installed plugin distribution."""
+    modules = []
+
+    def make(dist_name: str, ep_name: str, source: str) -> str:
+        module = dist_name.replace("-", "_")
+        (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
+        info = tmp_path / f"{module}-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: 0.1\n")
+        (info / "entry_points.txt").write_text(f"[hibana]\n{ep_name} = {module}\n")
+        modules.append(module)
+        return module
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield make
+    for module in modules:
+        sys.modules.pop(module, None)
+
+
+def parser_plugin(*names: str) -> str:
+    registrations = "\n".join(f"    register({n!r}, object())" for n in names)
+    return (
+        "from hibana_plugins import hookimpl\n\n"
+        f"@hookimpl\ndef register_tool_parsers(register):\n{registrations}\n"
+    )
+
+
+# -- the manager ---------------------------------------------------------------------------------
+
+
+def test_builtins_are_registered_and_described():
+    manager = HibanaPluginManager(entry_point_group=None)
+    assert {"hermes", "llama3_json"} <= set(manager.tool_parsers())
+    assert BUILTIN_FAMILIES <= set(manager.model_families())
+    rows = {(i.plugin, i.kind, i.name) for i in manager.describe() if i.builtin}
+    assert ("hibana_plugins.tool_parsers", "tool_parser", "hermes") in rows
+    assert ("hibana_core.models", "model_family", "qwen3") in rows
+    for kind in ("adapters", "chat_formats", "drafters", "surgery_passes"):
+        assert isinstance(getattr(manager, kind)(), dict)
+
+
+def test_missing_builtin_is_silent_but_a_broken_one_is_reported(make_dist):
+    broken = make_dist("hibana-test-needs-dep", "unused", "import hibana_test_no_such_dependency\n")
+    with pytest.warns(PluginWarning, match="hibana_test_no_such_dependency"):
+        manager = HibanaPluginManager(
+            builtins=("hibana_test_absent", "hibana_plugins.absent_adapter", broken),
+            entry_point_group=None,
+        )
+    assert [e.plugin for e in manager.load_errors] == [broken]
+    assert manager.load_errors[0].stage == "import"
+
+
+def test_get_plugin_manager_is_one_manager_until_reset():
+    first = get_plugin_manager()
+    assert get_plugin_manager() is first
+    reset_plugin_manager()
+    assert get_plugin_manager() is not first
+
+
+def test_allow_list_parsing():
+    assert parse_allow_list(None) is None
+    assert parse_allow_list("") == frozenset()
+    assert parse_allow_list(" Alpha_Plugin, beta ,,") == {"alpha-plugin", "beta"}
+
+
+@pytest.fixture
+def alpha_and_beta(make_dist):
+    make_dist("hibana-test-alpha", "alpha", parser_plugin("alpha_parser"))
+    make_dist("hibana-test-beta", "beta", parser_plugin("beta_parser"))
+
+
+@pytest.mark.parametrize(
+    ("setting", "expected"),
+    [
+        (None, {"alpha_parser", "beta_parser"}),
+        ("alpha", {"alpha_parser"}),  # by entry-point name
+        ("hibana-test-beta", {"beta_parser"}),  # by distribution name
+        ("Hibana_Test_Alpha, beta", {"alpha_parser", "beta_parser"}),
+        ("", set()),  # built-ins only
+    ],
+)
+def test_hibana_plugins_selects_third_party_plugins(monkeypatch, alpha_and_beta, setting, expected):
+    if setting is not None:
+        monkeypatch.setenv("HIBANA_PLUGINS", setting)
+    parsers = set(get_plugin_manager().tool_parsers())
+    assert parsers & {"alpha_parser", "beta_parser"} == expected
+    assert {"hermes", "llama3_json"} <= parsers
+    if setting == "":
+        assert not any(not info.builtin for info in get_plugin_manager().describe())
+
+
+def test_hibana_plugins_is_read_once_when_the_manager_is_built(monkeypatch, alpha_and_beta):
+    monkeypatch.setenv("HIBANA_PLUGINS", "alpha")
+    manager = get_plugin_manager()
+    monkeypatch.setenv("HIBANA_PLUGINS", "beta")
+    assert get_plugin_manager() is manager
+    assert "beta_parser" not in manager.tool_parsers()
+
+
+def test_hibana_plugins_naming_nothing_installed_warns(monkeypatch, alpha_and_beta):
+    monkeypatch.setenv("HIBANA_PLUGINS", "alpha,hibana-test-nowhere")
+    with pytest.warns(PluginWarning, match="hibana-test-nowhere"):
+        manager = get_plugin_manager()
+    assert "alpha_parser" in manager.tool_parsers()
+
+
+def test_plugin_raising_on_import_is_skipped_with_a_warning_naming_it(make_dist, alpha_and_beta):
+    make_dist("hibana-test-broken", "broken", "raise RuntimeError('boom at import')\n")
+    with pytest.warns(PluginWarning, match=r"'broken' \(from hibana-test-broken\).*boom at import"):
+        manager = get_plugin_manager()
+    assert [(e.plugin, e.stage) for e in manager.load_errors] == [("broken", "import")]
+    assert "RuntimeError: boom at import" in manager.load_errors[0].error
+    assert {"alpha_parser", "beta_parser", "hermes"} <= set(manager.tool_parsers())
+
+
+def test_plugin_whose_hook_raises_is_skipped_with_a_warning(make_dist, alpha_and_beta):
+    make_dist(
+        "hibana-test-raises",
+        "raises",
+        """
+        from hibana_plugins import hookimpl
+
+        @hookimpl
+        def register_tool_parsers(register):
+            register("half_registered", object())
+            raise ValueError("hook failed")
+        """,
+    )
+    manager = get_plugin_manager()
+    with pytest.warns(PluginWarning, match=r"'raises'.*register_tool_parsers.*hook failed"):
+        parsers = manager.tool_parsers()
+    assert "half_registered" not in parsers  # nothing of a failed hook is kept
+    assert {"alpha_parser", "beta_parser", "hermes"} <= set(parsers)
+    assert [(e.plugin, e.stage) for e in manager.load_errors] == [
+        ("raises", "register_tool_parsers")
+    ]
+
+
+def test_duplicate_name_with_a_builtin_is_refused_naming_both(make_dist):
+    make_dist("hibana-test-dup", "dup", parser_plugin("hermes"))
+    manager = get_plugin_manager()
+    with pytest.raises(PluginError) as caught:
+        manager.tool_parsers()
+    message = str(caught.value)
+    assert "'hermes'" in message
+    assert "hibana_plugins.tool_parsers" in message
+    assert "'dup'" in message and "hibana-test-dup" in message
+
+
+def test_duplicate_name_between_third_parties_is_refused_naming_both(make_dist):
+    make_dist("hibana-test-one", "one", parser_plugin("shared"))
+    make_dist("hibana-test-two", "two", parser_plugin("shared"))
+    with pytest.raises(PluginError) as caught:
+        get_plugin_manager().tool_parsers()
+    message = str(caught.value)
+    assert "'shared'" in message and "'one' (hibana-test-one 0.1)" in message
+    assert "'two' (hibana-test-two 0.1)" in message
+
+
+def test_registering_a_name_twice_in_one_plugin_is_a_reported_plugin_bug():
+    manager = HibanaPluginManager(entry_point_group=None)
+    plugin = types.SimpleNamespace(register_drafters=hookimpl(lambda register: [
+        register("same", object()), register("same", object())
+    ]))
+    manager.register(plugin, name="twice")
+    with pytest.warns(PluginWarning, match="registered twice"):
+        assert manager.drafters() == {}
+
+
+def test_misspelt_hook_and_wrong_hook_arguments_are_reported():
+    manager = HibanaPluginManager(entry_point_group=None)
+    misspelt = types.SimpleNamespace(register_tool_parser=hookimpl(lambda register: None))
+    with pytest.warns(PluginWarning, match="unknown hook.*register_tool_parser"):
+        manager.register(misspelt, name="misspelt")
+    wrong_args = types.SimpleNamespace(register_drafters=hookimpl(lambda add: None))
+    with pytest.warns(PluginWarning, match="'wrong-args' failed to register"):
+        manager.register(wrong_args, name="wrong-args")
+    assert [(e.plugin, e.stage) for e in manager.load_errors] == [
+        ("misspelt", "register"),
+        ("wrong-args", "register"),
+    ]
+
+
+def test_runtime_registration_refreshes_the_registries():
+    manager = HibanaPluginManager(entry_point_group=None)
+    assert "extra" not in manager.surgery_passes()
+    marker = object()
+    plugin = types.SimpleNamespace(
+        register_surgery_passes=hookimpl(lambda register: register("extra", marker))
+    )
+    manager.register(plugin, name="extra-plugin")
+    assert manager.surgery_passes()["extra"] is marker
+    assert manager.lookup("surgery_pass", "extra") is marker
+    with pytest.raises(PluginError, match="no surgery pass named 'missing'.*extra"):
+        manager.lookup("surgery_pass", "missing")
+
+
+# -- tool parsers --------------------------------------------------------------------------------
+
+HERMES_TEXT = (
+    "I will look that up.\n"
+    "<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris", "note": "a \\"quoted\\" } and'
+    ' </tool_call> inside"}}\n'
+    "</tool_call>\n"
+    '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2, {"c": null}]}}\n</tool_call>'
+)
+LLAMA3_TEXT = (
+    '<|python_tag|>{"name": "search", "parameters": {"query": "pluggy; hooks", "k": 3}}; '
+    '{"name": "open", "parameters": {"url": "https://x.y/{a}"}}\n'
+    '{"name": "noop", "arguments": {}}'
+)
+
+
+def stream_chunks(parser, chunks):
+    """Feed chunks; return (text deltas joined, {index: [id, name, fragments]}, final output)."""
+    stream = parser.stream()
+    deltas = []
+    for chunk in chunks:
+        deltas += stream.feed(chunk)
+    deltas += stream.close()
+    output = stream.finish()
+    calls = {}
+    for delta in deltas:
+        if isinstance(delta, ToolCallDelta):
+            if delta.id is not None:  # the first delta of a call carries id and name
+                assert delta.index not in calls and delta.name
+                calls[delta.index] = [delta.id, delta.name, ""]
+            else:
+                calls[delta.index][2] += delta.arguments_fragment
+        else:
+            assert isinstance(delta, str) and delta
+    return "".join(d for d in deltas if isinstance(d, str)), calls, output
+
+
+def check_stream(parser, text, chunks):
+    whole = parser.parse(text)
+    streamed_text, calls, output = stream_chunks(parser, chunks)
+    assert streamed_text == output.content == whole.content
+    assert output.error == whole.error
+    assert [(c.name, c.arguments) for c in output.tool_calls] == [
+        (c.name, c.arguments) for c in whole.tool_calls
+    ]
+    if whole.error is None:
+        assert sorted(calls) == list(range(len(output.tool_calls)))
+    streamed = {call_id: (name, fragments) for call_id, name, fragments in calls.values()}
+    for call in output.tool_calls:  # a malformed call may have been streamed before it failed
+        name, fragments = streamed[call.id]
+        assert name == call.name
+        assert json.loads(fragments) == call.arguments
+
+
+def all_chunkings(text):
+    yield list(text)  # one character at a time
+    for cut in range(len(text) + 1):
+        yield [text[:cut], text[cut:]]
+    rng = random.Random(0)
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(1, len(text)), 5))
+        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+def test_hermes_parses_tool_calls():
+    output = HermesToolParser().parse(HERMES_TEXT)
+    assert output.content == "I will look that up."
+    assert output.error is None
+    assert [(c.name, c.arguments) for c in output.tool_calls] == [
+        ("get_weather", {"city": "Paris", "note": 'a "quoted" } and </tool_call> inside'}),
+        ("add", {"a": 1, "b": [2, {"c": None}]}),
+    ]
+    ids = [c.id for c in output.tool_calls]
+    assert all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids) and len(set(ids)) == 2
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        HERMES_TEXT,
+        "Just an answer, with <b>tags</b> and a < sign.",
+        '<tool_call>{"name": "f", "arguments": "{\\"x\\": [1]}"}</tool_call>',  # string arguments
+        '<tool_call>{"arguments": {"x": 1}, "name": "f"}</tool_call> after',  # name last
+        '<tool_call>{"name": "now"}</tool_call>',  # no arguments
+        'Hi <tool_call>{"name": "f", "arguments": {"a": }}</tool_call> there',  # malformed
+    ],
+)
+def test_hermes_streaming_matches_whole_parse_at_every_chunk_boundary(text):
+    parser = HermesToolParser()
+    for chunks in all_chunkings(text):
+        check_stream(parser, text, chunks)
+
+
+def test_hermes_malformed_json_is_content_with_an_error():
+    text = 'Hi <tool_call>{"name": "f", "arguments": {"a": }}</tool_call> there'
+    output = HermesToolParser().parse(text)
+    assert output.content == text and output.tool_calls == []
+    assert "invalid JSON" in output.error
+
+
+def test_hermes_keeps_good_calls_next_to_a_malformed_one():
+    text = (
+        '<tool_call>{"name": 3}</tool_call>\n'
+        '<tool_call>{"name": "ok", "arguments": {}}</tool_call>'
+    )
+    output = HermesToolParser().parse(text)
+    assert output.content == '<tool_call>{"name": 3}</tool_call>'
+    assert [c.name for c in output.tool_calls] == ["ok"]
+    assert "name" in output.error
+
+
+def test_hermes_unclosed_block_at_the_end():
+    complete = HermesToolParser().parse('<tool_call>{"name": "f", "arguments": {"a": 1}}')
+    assert [(c.name, c.arguments) for c in complete.tool_calls] == [("f", {"a": 1})]
+    cut = HermesToolParser().parse('ok <tool_call>{"name": "f", "arguments": {"a": 1')
+    assert cut.tool_calls == []
+    assert cut.content == 'ok <tool_call>{"name": "f", "arguments": {"a": 1'
+    assert "unclosed" in cut.error
+
+
+def test_hermes_stream_holds_back_a_possible_tag_until_decided():
+    stream = HermesToolParser().stream()
+    assert stream.feed("Hello <tool") == ["Hello"]
+    assert stream.feed("box> is not a tag") == [" <toolbox> is not a tag"]
+    assert stream.feed(" <tool_c") == []
+    deltas = stream.feed('all>{"name": "f", "arguments": {"k": "v"}}')
+    assert deltas[0] == ToolCallDelta(0, deltas[0].id, "f", "")
+    assert "".join(d.arguments_fragment for d in deltas[1:]) == '{"k": "v"}'
+    assert stream.feed("</tool_call>") == []
+    assert stream.close() == []
+    assert stream.finish().content == "Hello <toolbox> is not a tag"
+
+
+def test_llama3_parses_several_calls():
+    output = Llama3JsonToolParser().parse(LLAMA3_TEXT)
+    assert output.content == "" and output.error is None
+    assert [(c.name, c.arguments) for c in output.tool_calls] == [
+        ("search", {"query": "pluggy; hooks", "k": 3}),
+        ("open", {"url": "https://x.y/{a}"}),
+        ("noop", {}),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "names"),
+    [
+        ('{"name": "get_time", "parameters": {"tz": "UTC"}}', "", ["get_time"]),
+        (
+            'Let me search.<|python_tag|>{"name": "s", "parameters": {"q": "x"}}',
+            "Let me search.",
+            ["s"],
+        ),
+        ('{"answer": 42}', '{"answer": 42}', []),  # JSON, but not a call: an answer
+        ("Plain text answer.", "Plain text answer.", []),
+    ],
+)
+def test_llama3_call_positions_and_plain_answers(text, content, names):
+    output = Llama3JsonToolParser().parse(text)
+    assert output.content == content and output.error is None
+    assert [c.name for c in output.tool_calls] == names
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        LLAMA3_TEXT,
+        'Let me search.<|python_tag|>{"name": "s", "parameters": {"q": "<|python_tag|>"}}',
+        '{"answer": 42} and more',
+        '<|python_tag|>{"name": "search", "parameters": {"query": }}',  # malformed
+        'Sure <|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": 7}',
+    ],
+)
+def test_llama3_streaming_matches_whole_parse_at_every_chunk_boundary(text):
+    parser = Llama3JsonToolParser()
+    for chunks in all_chunkings(text):
+        check_stream(parser, text, chunks)
+
+
+FUZZ_PIECES = [
+    "<tool_call>", "</tool_call>", "<|python_tag|>", "<tool", "{", "}", "[", "]", '"', "\\", ":",
+    ",", ";", "\n", " ", "a", "1", "null", '"name"', '"arguments"', '"parameters"', '"f"',
+    '{"name": "f", "arguments": {"a": 1}}', '{"name": "g", "parameters": {"b": "x}"}}',
+]
+
+
+@pytest.mark.parametrize("parser", [HermesToolParser(), Llama3JsonToolParser()], ids=str)
+def test_parsers_never_raise_and_streams_agree_on_random_text(parser):
+    rng = random.Random(7)
+    for _ in range(300):
+        text = "".join(rng.choice(FUZZ_PIECES) for _ in range(rng.randint(0, 12)))
+        cuts = sorted(rng.sample(range(len(text) + 1), min(3, len(text) + 1)))
+        check_stream(parser, text, [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
+        check_stream(parser, text, list(text))
+
+
+def test_llama3_malformed_json_is_content_with_an_error():
+    text = '<|python_tag|>{"name": "search", "parameters": {"query": }}'
+    output = Llama3JsonToolParser().parse(text)
+    assert output.content == text and output.tool_calls == []
+    assert "invalid JSON" in output.error
+
+
+# -- hibana plugins ------------------------------------------------------------------------------
+
+
+def test_cli_plugins_lists_the_builtins(capsys):
+    from hibana_core.cli import main
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PluginWarning)  # other installed plugins are not ours
+        assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    header = out.splitlines()[0].split()
+    assert header == ["plugin", "kind", "name", "package", "version", "builtin"]
+    for word in ("hibana_plugins.tool_parsers", "hermes", "llama3_json", "hibana_core.models"):
+        assert word in out
+    assert re.search(r"hibana_core\.models\s+model_family\s+qwen2\s", out)
+
+
+def test_cli_plugins_json(capsys):
+    from hibana_core.cli import main
+
+    assert main(["plugins", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["plugins"]
+    hermes = next(r for r in rows if r["name"] == "hermes")
+    assert (hermes["plugin"], hermes["kind"], hermes["builtin"]) == (
+        "hibana_plugins.tool_parsers",
+        "tool_parser",
+        True,
+    )
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "surgery"])
+def test_cli_placeholders_exit_2(command, capsys):
+    from hibana_core.cli import main
+
+    assert main([command]) == 2
+    assert "not available yet" in capsys.readouterr().err
