@@ -14,6 +14,7 @@ share the sampler's generator.
 
 from __future__ import annotations
 
+import array
 import itertools
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -159,8 +160,17 @@ def _has_penalty(p: SamplingParams) -> bool:
 
 
 def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small per-batch tensor built on the host: a copy to the device, never a read back."""
-    return torch.tensor(values, dtype=dtype, device=device)
+    return _to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small per-batch tensor without waiting for the device.
+
+    (`torch.tensor(..., device="cuda")` would synchronize the stream after the copy.)
+    """
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
@@ -173,17 +183,20 @@ def _token_table(x: torch.Tensor, rows: list[tuple[int, Iterable[int]]], dtype: 
     Ids outside [0, V) are ignored, as HF does when the embedding is larger than the LM head.
     """
     batch, vocab = x.shape
-    row_ids: list[int] = []
     token_ids: list[int] = []
-    for i, tokens in rows:
+    lengths: list[int] = []
+    for _, tokens in rows:
         start = len(token_ids)
         token_ids.extend(tokens)
-        row_ids.extend(itertools.repeat(i, len(token_ids) - start))
+        lengths.append(len(token_ids) - start)
     table = torch.zeros(batch, vocab + 1, dtype=dtype, device=x.device)  # column V: ignored ids
     if token_ids:
-        tokens_t = _tensor(token_ids, torch.int64, x.device)
-        tokens_t = tokens_t.masked_fill((tokens_t < 0) | (tokens_t > vocab), vocab)
-        index = (_tensor(row_ids, torch.int64, x.device), tokens_t)
+        # Histories can be long: array -> tensor is several times faster than torch.tensor(list).
+        ids = _to_device(torch.frombuffer(array.array("q", token_ids), dtype=torch.int64), x.device)
+        ids = ids.masked_fill((ids < 0) | (ids > vocab), vocab)
+        row_ids = torch.repeat_interleave(_tensor([i for i, _ in rows], torch.int64, x.device),
+                                          _tensor(lengths, torch.int64, x.device),
+                                          output_size=len(token_ids))  # given size: no sync
         ones = torch.ones(len(token_ids), dtype=dtype, device=x.device)
-        table.index_put_(index, ones, accumulate=dtype != torch.bool)
+        table.index_put_((row_ids, ids), ones, accumulate=dtype != torch.bool)
     return table[:, :vocab]
