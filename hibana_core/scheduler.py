@@ -115,16 +115,11 @@ class Scheduler:
         return any(r.seq is seq for r in itertools.chain(self.running, self.waiting))
 
     def schedule(self) -> SchedulerOutput:
+        """Running requests first (decodes before prefill chunks, so chunking keeps decodes
+        flowing), then admit waiting ones in FIFO order while budget and blocks last."""
         self._drop_cancelled()
-        while self.waiting and len(self.running) < self.config.max_concurrent_agents:
-            request = self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self._prepare(request)
-            if request.status is RequestStatus.RUNNING:
-                self.running.append(request)
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        # decodes first (one token each), then prefill chunks: chunking keeps decodes flowing
         for request in sorted(self.running, key=lambda r: r.seq.num_uncomputed > 1):
             if budget == 0:
                 break
@@ -132,9 +127,28 @@ class Scheduler:
             if chunk is not None:
                 chunks.append(chunk)
                 budget -= chunk.num_tokens
-        if not chunks and self.running:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_concurrent_agents:
+            request = self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._prepare(request)
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            chunk = self._schedule_one(request, budget)
+            if chunk is None and request.status is RequestStatus.RUNNING:
+                self._requeue(request)  # no room yet: it keeps its place at the head of the queue
+                break
+            if chunk is not None:
+                chunks.append(chunk)
+                budget -= chunk.num_tokens
+        if not chunks and (self.running or self.waiting):
             self._preempt_or_fail()
         return SchedulerOutput(tuple(chunks), sum(c.num_tokens for c in chunks))
+
+    def _requeue(self, request: Request) -> None:
+        self.running.remove(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
 
     def _prepare(self, request: Request) -> None:
         """A sampling request needs the logits of its last token: if the state already holds its
@@ -150,16 +164,18 @@ class Scheduler:
 
     def _schedule_one(self, request: Request, budget: int) -> ScheduledChunk | None:
         seq = request.seq
-        limit = len(seq) - (1 if request.samples else 0)
-        gained = seq.reuse_cached_blocks(limit)
-        request.reused += gained
+        before = seq.num_computed
+        gained = seq.reuse_cached_blocks(len(seq) - (1 if request.samples else 0))
         if seq.num_uncomputed == 0:  # a sync fully served from the prefix index
+            request.reused += gained
             self.finish(request, "synced")
             return None
         num = min(seq.num_uncomputed, budget, self.config.max_prefill_chunk)
         needed = seq.blocks_needed(num)
         if not self.pool.can_allocate(needed) and not self.eviction.make_room(needed):
+            seq.trim_kv(before)  # give adopted blocks back: holding them would starve the others
             return None
+        request.reused += gained
         start = seq.num_computed
         seq.prepare_write(num)
         sample = start + num == len(seq) and request.samples
@@ -167,19 +183,23 @@ class Scheduler:
 
     def _preempt_or_fail(self) -> None:
         """Nothing fits: the newest running request gives its KV back and waits (it recomputes
-        later); a request that cannot fit even alone fails."""
-        victim = self.running[-1]
-        if len(self.running) == 1:
-            victim.error = MemoryBudgetError(
-                f"a history of {len(victim.seq)} tokens needs more KV blocks than the pool has "
-                f"({self.pool.num_blocks} blocks of {self.pool.block_size}); raise memory_budget_bytes "
-                "or num_blocks, or close idle states")
-            self.finish(victim, "error")
+        later, often from its blocks still in the prefix index); a request that cannot fit even
+        alone fails."""
+        if len(self.running) > 1:
+            victim = self.running[-1]
+            victim.seq.release()
+            self._requeue(victim)
             return
-        self.running.pop()
-        victim.seq.release()
-        victim.status = RequestStatus.WAITING
-        self.waiting.appendleft(victim)
+        holders = [r for r in self.waiting if r.seq.block_ids]
+        if holders:  # a queued request's resident KV goes first: it is not running anyway
+            holders[-1].seq.release()
+            return
+        victim = self.running[-1] if self.running else self.waiting[0]
+        victim.error = MemoryBudgetError(
+            f"a history of {len(victim.seq)} tokens needs more KV blocks than the pool has "
+            f"({self.pool.num_blocks} blocks of {self.pool.block_size}); raise memory_budget_bytes "
+            "or num_blocks, or close idle states")
+        self.finish(victim, "error")
 
     def update(self, output: SchedulerOutput, sampled: list[int]) -> None:
         """Advance every scheduled request past its chunk; hand sampled tokens on; finish."""

@@ -73,6 +73,10 @@ class KVSequence:
     def append(self, tokens: Sequence[int]) -> None:
         self.tokens.extend(tokens)
 
+    def trim_kv(self, n: int) -> None:
+        """Keep the KV of the first n tokens only (the tokens stay)."""
+        self._keep_kv(min(n, self.num_computed))
+
     def release(self) -> None:
         """Drop all KV (the tokens stay); full blocks remain findable in the prefix index."""
         self._keep_kv(0)
