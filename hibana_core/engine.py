@@ -11,6 +11,7 @@ import asyncio
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Iterator, Sequence
@@ -56,6 +57,27 @@ class _Counters:
         self.steps = self.multi_steps = self.max_batch = 0
 
 
+def _run_loop(ref: "weakref.ReferenceType[Engine]") -> None:
+    """The engine thread: step while there is work, sleep on the condition otherwise."""
+    while True:
+        engine = ref()
+        if engine is None:
+            return
+        work = engine._work
+        with work:
+            if engine._closed:
+                return
+            if not engine.scheduler.has_work():
+                del engine  # never wait while holding the engine alive
+                work.wait(timeout=1.0)
+                continue
+            try:
+                engine.step()
+            except Exception as exc:  # a scheduling bug fails the pending requests, not the engine
+                engine.scheduler.abort_all(HibanaError(f"engine step failed: {exc!r}"))
+        del engine
+
+
 def _resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -87,7 +109,9 @@ class Engine:
         self._lock = threading.RLock()
         self._work = threading.Condition(self._lock)
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="hibana-engine", daemon=True)
+        # the loop holds the engine weakly, so an engine nobody closed is still collected
+        self._thread = threading.Thread(target=_run_loop, args=(weakref.ref(self),),
+                                        name="hibana-engine", daemon=True)
         self._thread.start()
 
     @classmethod
@@ -142,18 +166,6 @@ class Engine:
             c.multi_steps += len(output.chunks) > 1
             c.max_batch = max(c.max_batch, len(output.chunks))
             return True
-
-    def _loop(self) -> None:
-        while True:
-            with self._work:
-                while not self._closed and not self.scheduler.has_work():
-                    self._work.wait()
-                if self._closed:
-                    return
-                try:
-                    self.step()
-                except Exception as exc:  # a scheduling bug fails the pending requests, not the engine
-                    self.scheduler.abort_all(HibanaError(f"engine step failed: {exc!r}"))
 
     # --- states -------------------------------------------------------------------------------
 
