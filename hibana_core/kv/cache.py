@@ -17,7 +17,9 @@ class KVCache:
                  head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.data = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
+        # empty, not zeros: pages are committed as blocks are written (slots past a sequence's
+        # length are never read)
+        self.data = torch.empty(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
                                 dtype=dtype, device=device)
 
     @staticmethod

@@ -1,0 +1,331 @@
+"""Bad input gives its own HibanaError, leaves the state unchanged, and the engine keeps serving."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import random
+import shutil
+import threading
+
+import pytest
+
+import hibana_core
+from hibana_core import (CheckpointError, ConfigError, ContextLengthError, HibanaError,
+                         InvalidTokenError, SamplingParams, StateClosedError, UnsupportedModelError,
+                         errors)
+from tiny_models import (VOCAB_SIZE, assert_greedy_matches, hf_greedy, make_tiny_checkpoint,
+                         open_engine, random_tokens)
+
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+ARCH = "llama"
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def greedy(n: int = 16, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+class Bystander:
+    """An agent that holds a state through other agents' failures and must come out intact."""
+
+    def __init__(self, engine, path, name: str, length: int = 70):
+        self.engine, self.path, self.name = engine, path, name
+        self.history = random_tokens(random.Random(name), length)
+        self.h = engine.open_state(name)
+        self.h.sync(self.history)
+        self.checks = 0
+
+    def check(self) -> None:
+        """The held state generates HF's output, and so does a handle opened now."""
+        assert self.h.tokens == self.history
+        assert_greedy_matches(self.path, self.history, list(self.h.generate(greedy()).token_ids))
+        self.h.truncate(len(self.history))
+        self.checks += 1
+        new = self.engine.open_state(f"{self.name}-new-{self.checks}")
+        prefix = self.history[:len(self.history) // 2]
+        new.sync(prefix)
+        assert_greedy_matches(self.path, prefix, list(new.generate(greedy()).token_ids))
+        new.close()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoints):
+    """One engine for the whole module: every failure below happens on it, in turn."""
+    path = tiny_checkpoints[ARCH]
+    engine = open_engine(path)
+    yield engine, path
+    engine.close()
+
+
+@pytest.fixture
+def bystander(served, request):
+    engine, path = served
+    b = Bystander(engine, path, f"bystander-{request.node.name}")
+    yield b
+    b.h.close()
+
+
+def test_every_error_is_a_hibana_error():
+    assert hibana_core.HibanaError is errors.HibanaError
+    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass) if c.__module__ == errors.__name__]
+    assert len(classes) >= 10
+    for cls in classes:
+        assert issubclass(cls, HibanaError), cls
+
+
+# --- loading --------------------------------------------------------------------------------
+
+def copy_checkpoint(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_unsupported_model_type(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB_SIZE, n_embd=32, n_layer=1, n_head=2,
+                               n_positions=64)).save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gpt2"
+    with pytest.raises(UnsupportedModelError) as e:
+        open_engine(tmp_path)
+    message = str(e.value)
+    assert "gpt2" in message
+    for name in SUPPORTED:
+        assert name in message, f"the message should list the supported model types: {message}"
+
+
+def test_missing_directory(tmp_path):
+    missing = tmp_path / "no-such-checkpoint"
+    with pytest.raises(CheckpointError) as e:
+        open_engine(missing)
+    assert str(missing) in str(e.value)
+
+
+def test_missing_config(tiny_checkpoints, tmp_path):
+    ckpt = copy_checkpoint(tiny_checkpoints[ARCH], tmp_path / "c")
+    (ckpt / "config.json").unlink()
+    with pytest.raises(CheckpointError):
+        open_engine(ckpt)
+
+
+def test_missing_weights(tiny_checkpoints, tmp_path):
+    ckpt = copy_checkpoint(tiny_checkpoints[ARCH], tmp_path / "c")
+    (ckpt / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError):
+        open_engine(ckpt)
+
+
+def test_truncated_weights(tiny_checkpoints, tmp_path):
+    ckpt = copy_checkpoint(tiny_checkpoints[ARCH], tmp_path / "c")
+    weights = ckpt / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError):
+        open_engine(ckpt)
+
+
+def test_sharded_weights_load_and_a_missing_shard_fails(tmp_path):
+    ckpt = make_tiny_checkpoint("qwen2", tmp_path / "sharded", shard_size="100KB")
+    shards = sorted(ckpt.glob("*.safetensors"))
+    assert len(shards) >= 3 and (ckpt / "model.safetensors.index.json").exists()
+    history = random_tokens(random.Random(3), 50)
+    with open_engine(ckpt) as engine:
+        h = engine.open_state("a")
+        h.sync(history)
+        assert_greedy_matches(ckpt, history, list(h.generate(greedy()).token_ids))
+    shards[1].unlink()
+    with pytest.raises(CheckpointError):
+        open_engine(ckpt)
+
+
+def test_bad_engine_options(tiny_checkpoints):
+    path = tiny_checkpoints[ARCH]
+    with pytest.raises(ConfigError):
+        open_engine(path, no_such_option=1)
+    with pytest.raises(ConfigError):
+        open_engine(path, block_size=12)
+
+
+# --- requests -------------------------------------------------------------------------------
+
+def test_context_longer_than_max_model_len(tiny_checkpoints, make_engine):
+    path = tiny_checkpoints[ARCH]
+    engine = make_engine(path, max_model_len=64)
+    other = Bystander(engine, path, "other", length=40)
+    history = random_tokens(random.Random(5), 50)
+    h = engine.open_state("long")
+    h.sync(history)
+    with pytest.raises(ContextLengthError):
+        h.append(random_tokens(random.Random(6), 20))
+    assert h.tokens == history
+    with pytest.raises(ContextLengthError):
+        h.sync(history + random_tokens(random.Random(7), 20))
+    assert h.tokens == history
+    with pytest.raises(ContextLengthError):
+        engine.open_state("too-long").sync(random_tokens(random.Random(8), 65))
+    assert_greedy_matches(path, history, list(h.generate(greedy(8)).token_ids))
+    other.check()
+
+
+def test_context_longer_than_the_model(served, bystander):
+    engine, path = served
+    limit = 1024  # max_position_embeddings of the tiny checkpoints
+    history = random_tokens(random.Random(9), 30)
+    h = engine.open_state("longer-than-model")
+    h.sync(history)
+    with pytest.raises(ContextLengthError) as e:
+        h.sync(history + random_tokens(random.Random(10), limit + 1 - len(history)))
+    assert str(limit) in str(e.value)
+    assert h.tokens == history
+    bystander.check()
+    assert_greedy_matches(path, history, list(h.generate(greedy()).token_ids))
+    h.close()
+
+
+def test_closed_handle(served, bystander, tmp_path):
+    engine, _ = served
+    h = engine.open_state("to-close")
+    h.sync([1, 2, 3])
+    h.close()
+    ops = {
+        "sync": lambda: h.sync([1, 2, 3, 4]),
+        "append": lambda: h.append([4]),
+        "generate": lambda: h.generate(greedy()),
+        "stream": lambda: list(h.stream(greedy())),
+        "truncate": lambda: h.truncate(1),
+        "fork": lambda: h.fork("from-closed"),
+        "save": lambda: h.save(tmp_path / "closed.state"),
+    }
+    for name, op in ops.items():
+        with pytest.raises(StateClosedError):
+            op()
+            pytest.fail(f"{name} on a closed handle did not raise")
+    bystander.check()
+
+
+async def test_closed_handle_async(served, bystander):
+    engine, _ = served
+    h = engine.open_state("to-close-async")
+    h.sync([1, 2, 3])
+    h.close()
+    with pytest.raises(StateClosedError):
+        await h.agenerate(greedy())
+    with pytest.raises(StateClosedError):
+        async for _ in h.astream(greedy()):
+            pass
+    bystander.check()
+
+
+@pytest.mark.parametrize("bad", [-1, VOCAB_SIZE, VOCAB_SIZE + 1000])
+def test_token_ids_outside_the_vocabulary(bad, served, bystander):
+    engine, path = served
+    history = random_tokens(random.Random(12), 40)
+    h = engine.open_state(f"oov{bad}")
+    h.sync(history)
+    with pytest.raises(InvalidTokenError):
+        h.append([5, bad, 6])
+    assert h.tokens == history
+    with pytest.raises(InvalidTokenError):
+        h.sync(history[:20] + [bad])
+    assert h.tokens == history
+    with pytest.raises(InvalidTokenError):
+        engine.open_state(f"oov-new{bad}").sync([bad])
+    bystander.check()
+    assert_greedy_matches(path, history, list(h.generate(greedy()).token_ids))
+    h.close()
+
+
+def find_stop_case(path):
+    """A history and a stop string that starts inside one generated token and ends inside the
+    third; every generated token up to there decodes to plain ASCII, so any detokenizer agrees."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    for seed in range(100):
+        history = random_tokens(random.Random(1000 + seed), 40)
+        out = hf_greedy(path, history, 32)
+        pieces = [tok.decode([t]) for t in out]
+        for i in range(4, len(out) - 3):
+            window = pieces[i:i + 3]
+            if (any(t in tok.all_special_ids for t in out[:i + 3])
+                    or not all(p.isascii() and p.isprintable() for p in pieces[:i + 3])
+                    or not all(len(p) >= 2 for p in window)):
+                continue
+            stop = window[0][1:] + window[1] + window[2][:-1]
+            full = tok.decode(out[:i + 3])
+            before = tok.decode(out[:i])
+            start = full.find(stop)
+            if full.startswith(before) and start == len(before) + 1:
+                return history, out, stop, full[:start], i + 3
+    raise AssertionError("no history gave a multi-token stop string; change the seeds")
+
+
+def test_stop_string_spanning_tokens(served, bystander):
+    engine, path = served
+    history, out, stop, text, n_tokens = find_stop_case(path)
+    h = engine.open_state("stopper")
+    h.sync(history)
+    c = h.generate(greedy(32, stop=[stop]))
+    assert c.finish_reason == "stop"
+    assert stop not in c.text
+    assert c.text == text
+    assert list(c.token_ids) == out[:n_tokens], "generation must end at the token completing the stop"
+    assert h.tokens == history + list(c.token_ids)
+    # the same request without the stop string runs to max_tokens
+    h.sync(history)
+    c = h.generate(greedy(32))
+    assert c.finish_reason == "length" and list(c.token_ids) == out
+    bystander.check()
+    h.close()
+
+
+@pytest.mark.parametrize("bad", [
+    dict(max_tokens=-1), dict(temperature=-0.5), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5),
+    dict(min_p=-0.1), dict(min_p=1.5), dict(repetition_penalty=0.0), dict(presence_penalty=3.0),
+    dict(frequency_penalty=-2.5), dict(stop=[""]),
+])
+def test_bad_sampling_params(bad):
+    with pytest.raises(ConfigError) as e:
+        SamplingParams(**bad)
+    assert isinstance(e.value, HibanaError) and isinstance(e.value, ValueError)
+    assert str(e.value)
+
+
+def test_failures_while_others_generate(served, bystander):
+    """Failing requests during another agent's generation do not disturb it."""
+    engine, path = served
+    history = random_tokens(random.Random(77), 60)
+    busy = engine.open_state("busy")
+    busy.sync(history)
+    result = {}
+    started = threading.Event()
+
+    def generate():
+        try:
+            for _ in busy.stream(greedy(32)):
+                started.set()
+            result["tokens"] = busy.tokens[len(history):]
+        except BaseException as e:  # handed to the main thread
+            result["error"] = e
+            started.set()
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    assert started.wait(60)
+    bad = engine.open_state("bad")
+    bad.sync([1, 2, 3])
+    with pytest.raises(InvalidTokenError):
+        bad.append([VOCAB_SIZE])
+    with pytest.raises(ContextLengthError):
+        bad.sync(random_tokens(random.Random(78), 1100))
+    bad.close()
+    with pytest.raises(StateClosedError):
+        bad.generate(greedy())
+    worker.join(120)
+    assert not worker.is_alive()
+    assert "error" not in result, result.get("error")
+    assert_greedy_matches(path, history, result["tokens"])
+    bystander.check()
+    busy.close()

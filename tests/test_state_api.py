@@ -1,0 +1,263 @@
+"""The state-handle API: prefix sharing, fork / truncate / sync edits, save / load, stream, bookkeeping.
+
+Every greedy output is held to a fresh state on the same history and to transformers' generate.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from hibana_core import SamplingParams
+from tiny_models import ARCHS, VOCAB_SIZE, assert_greedy_matches, event_tokens, info_field, random_tokens
+
+BLOCK = 16
+N = 20  # tokens generated per check
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def greedy(n: int = N) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def check_output(engine, path, history: list[int], got: list[int], fresh_id: str) -> None:
+    """`got` (from a reused / forked / edited state) must equal a fresh state's output and HF's."""
+    fresh = engine.open_state(fresh_id)
+    fresh.sync(history)
+    assert fresh.tokens == history
+    assert list(fresh.generate(greedy(len(got))).token_ids) == list(got), "differs from a fresh state"
+    assert_greedy_matches(path, history, got)
+    fresh.close()
+
+
+# --- prefix sharing -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["sequential", "threads"])
+def test_shared_system_prefix_is_held_once(mode, tiny_checkpoints, make_engine):
+    path = tiny_checkpoints["llama"]
+    engine = make_engine(path, block_size=BLOCK)
+    rng = random.Random(11)
+    system = random_tokens(rng, 256)
+    firsts = rng.sample(range(VOCAB_SIZE), 8)  # distinct first tail tokens: tails share no block
+    tails = [[first] + random_tokens(rng, 19) for first in firsts]
+    handles = [engine.open_state(f"agent-{i}") for i in range(8)]
+
+    if mode == "sequential":
+        stats = [h.sync(system + tail) for h, tail in zip(handles, tails)]
+        assert (stats[0].reused, stats[0].computed) == (0, 276)
+        for st in stats[1:]:
+            assert (st.reused, st.computed) == (256, 20), st
+        assert engine.stats().prompt_tokens_reused == 7 * 256
+    else:
+        start = threading.Barrier(8, timeout=60)
+
+        def sync(i: int):
+            start.wait()
+            return handles[i].sync(system + tails[i])
+
+        with ThreadPoolExecutor(8) as pool:
+            stats = [f.result(timeout=120) for f in [pool.submit(sync, i) for i in range(8)]]
+        for st in stats:
+            assert st.reused + st.computed == 276, st
+
+    for h, tail in zip(handles, tails):
+        assert h.tokens == system + tail
+    # 16 shared system blocks, then per agent one full tail block and one partial one (4 tokens)
+    assert engine.stats().kv_blocks_used == 256 // BLOCK + 8 * 2
+    assert engine.stats().kv_blocks_total >= engine.stats().kv_blocks_used
+
+    c = handles[3].generate(greedy())
+    assert_greedy_matches(path, system + tails[3], list(c.token_ids))
+
+
+# --- fork, truncate, sync edits -------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fork(arch, tiny_checkpoints, make_engine):
+    path = tiny_checkpoints[arch]
+    engine = make_engine(path)
+    rng = random.Random(21)
+    history = random_tokens(rng, 101)  # ends mid-block: both copies write into a shared block
+    h = engine.open_state("parent")
+    h.sync(history)
+    g = h.fork("child")
+    assert g.id == "child" and h.id == "parent"
+    assert g.tokens == history and h.tokens == history
+
+    out_g = list(g.generate(greedy()).token_ids)
+    assert h.tokens == history, "generating on a fork must not touch the parent"
+    out_h = list(h.generate(greedy()).token_ids)
+    assert out_g == out_h
+    check_output(engine, path, history, out_h, "fresh-0")
+
+    # diverge: each appends different tokens, each must still match a fresh state
+    g_new, h_new = random_tokens(rng, 13), random_tokens(rng, 29)
+    g.append(g_new)
+    h.append(h_new)
+    g_hist, h_hist = history + out_g + g_new, history + out_h + h_new
+    assert g.tokens == g_hist and h.tokens == h_hist
+    out_g2 = list(g.generate(greedy()).token_ids)
+    out_h2 = list(h.generate(greedy()).token_ids)
+    check_output(engine, path, g_hist, out_g2, "fresh-1")
+    check_output(engine, path, h_hist, out_h2, "fresh-2")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_truncate(arch, tiny_checkpoints, make_engine):
+    path = tiny_checkpoints[arch]
+    engine = make_engine(path)
+    rng = random.Random(31)
+    h = engine.open_state("t")
+    h.sync(random_tokens(rng, 150))
+    h.generate(greedy())
+    full = h.tokens
+
+    for i, n in enumerate([137, 64, 3]):  # mid-block, on a block boundary, inside the first block
+        h.sync(full)
+        h.truncate(n)
+        assert h.tokens == full[:n] and len(h) == n
+        out = list(h.generate(greedy()).token_ids)
+        assert h.tokens == full[:n] + out
+        check_output(engine, path, full[:n], out, f"fresh-{i}")
+
+    # appending after a truncate reuses what is left
+    h.sync(full)
+    h.truncate(100)
+    new = random_tokens(rng, 30)
+    st = h.append(new)
+    assert st.reused + st.computed == 130
+    assert st.computed <= len(new) + BLOCK, st
+    out = list(h.generate(greedy()).token_ids)
+    check_output(engine, path, full[:100] + new, out, "fresh-append")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sync_to_edited_history(arch, tiny_checkpoints, make_engine):
+    path = tiny_checkpoints[arch]
+    engine = make_engine(path)
+    rng = random.Random(41)
+    h = engine.open_state("e")
+    h.sync(random_tokens(rng, 180))
+    h.generate(greedy())
+    full = h.tokens
+
+    edited = list(full)
+    edited[90] = (edited[90] + 1) % VOCAB_SIZE
+    edited[91:91] = random_tokens(rng, 7)  # and an insertion right after it
+    st = h.sync(edited)
+    assert h.tokens == edited
+    assert st.reused + st.computed == len(edited)
+    assert 90 // BLOCK * BLOCK <= st.reused <= 90, st  # whole blocks before the edit are kept
+    out = list(h.generate(greedy()).token_ids)
+    check_output(engine, path, edited, out, "fresh-edit")
+
+    # a history that shares nothing with the state
+    other = random_tokens(random.Random(42), 60)
+    other[0] = (edited[0] + 1) % VOCAB_SIZE
+    st = h.sync(other)
+    assert h.tokens == other and st.computed == 60
+    out = list(h.generate(greedy()).token_ids)
+    check_output(engine, path, other, out, "fresh-other")
+
+
+# --- save / load ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_save_and_load_state(arch, tiny_checkpoints, make_engine, tmp_path):
+    path = tiny_checkpoints[arch]
+    engine = make_engine(path)
+    rng = random.Random(51)
+    h = engine.open_state("saver")
+    h.sync(random_tokens(rng, 77))
+    h.generate(greedy())
+    tokens = h.tokens
+    file = tmp_path / "saver.state"
+    h.save(file)
+    want = list(h.fork("saver-copy").generate(greedy()).token_ids)
+    assert_greedy_matches(path, tokens, want)
+
+    # into a fresh engine: nothing of the state is resident there
+    other = make_engine(path)
+    h2 = other.load_state(file)
+    assert h2.tokens == tokens and len(h2) == len(tokens)
+    assert list(h2.generate(greedy()).token_ids) == want
+
+    # into the same engine, once the original is closed
+    h.close()
+    h3 = engine.load_state(str(file))
+    assert h3.tokens == tokens
+    assert list(h3.generate(greedy()).token_ids) == want
+
+
+# --- stream ---------------------------------------------------------------------------------
+
+def test_stream_yields_the_generated_tokens(tiny_checkpoints, make_engine):
+    path = tiny_checkpoints["qwen2"]
+    engine = make_engine(path)
+    history = random_tokens(random.Random(61), 45)
+    h = engine.open_state("s")
+    h.sync(history)
+    want = list(h.fork("s-copy").generate(greedy(24)).token_ids)
+
+    events = list(h.stream(greedy(24)))
+    streamed = [t for ev in events for t in event_tokens(ev)]
+    assert streamed == want
+    assert len(events) >= 2, "stream must yield as tokens are sampled, not once at the end"
+    assert h.tokens == history + want
+    assert_greedy_matches(path, history, want)
+
+
+async def test_astream_yields_the_generated_tokens(tiny_checkpoints, make_engine):
+    path = tiny_checkpoints["qwen2"]
+    engine = make_engine(path)
+    history = random_tokens(random.Random(62), 45)
+    h = engine.open_state("as")
+    h.sync(history)
+    want = list((await h.fork("as-copy").agenerate(greedy(24))).token_ids)
+
+    streamed = [t async for ev in h.astream(greedy(24)) for t in event_tokens(ev)]
+    assert streamed == want
+    assert h.tokens == history + want
+    assert_greedy_matches(path, history, want)
+
+
+# --- bookkeeping ----------------------------------------------------------------------------
+
+def test_open_state_is_get_or_create(tiny_checkpoints, make_engine):
+    engine = make_engine(tiny_checkpoints["llama"])
+    a = engine.open_state("a")
+    a.sync([5, 6, 7])
+    again = engine.open_state("a")
+    assert again.id == "a" and again.tokens == [5, 6, 7]
+    again.append([8])
+    assert a.tokens == [5, 6, 7, 8], "both objects are the same state"
+    b = engine.open_state("b")
+    assert b.tokens == [] and len(b) == 0
+
+
+def test_states_lists_handles(tiny_checkpoints, make_engine):
+    engine = make_engine(tiny_checkpoints["llama"])
+    assert [info_field(s, "id") for s in engine.states()] == []
+    a, b = engine.open_state("a"), engine.open_state("b")
+    a.sync(list(range(10, 40)))
+    b.sync(list(range(10, 15)))
+    infos = {info_field(s, "id"): s for s in engine.states()}
+    assert set(infos) == {"a", "b"}
+    a.close()
+    assert {info_field(s, "id") for s in engine.states()} == {"b"}
+
+
+def test_len_and_tokens_is_a_copy(tiny_checkpoints, make_engine):
+    engine = make_engine(tiny_checkpoints["llama"])
+    h = engine.open_state("c")
+    h.sync([1, 2, 3, 4])
+    assert h.id == "c" and len(h) == 4 and list(h.tokens) == [1, 2, 3, 4]
+    tokens = h.tokens
+    if isinstance(tokens, list):
+        tokens.append(9)
+        tokens[0] = 7
+    assert list(h.tokens) == [1, 2, 3, 4] and len(h) == 4

@@ -1,0 +1,318 @@
+"""Tiny seeded Hugging Face checkpoints and the `transformers` reference the engine must match.
+
+One checkpoint per supported family, each switching on the features its family brings:
+
+    arch     layers  head_dim  feature under test
+    llama    3       16        rope_parameters type "llama3" (all three frequency bands hit)
+    qwen2    3       16        q/k/v bias (random, not zero)
+    qwen3    2       32        q/k RMSNorm, tied embeddings, head_dim != hidden / heads
+    mistral  2       16        sliding_window 48 (shorter than most test histories)
+
+All share vocab 512, hidden 64, 4 query heads over 2 KV heads (GQA), intermediate 128,
+max_position_embeddings 1024, float32. Weights use initializer_range 0.2 (HF's default 0.02 gives
+logits so flat that greedy decoding meets near-ties): logits have std ~1.6 and, over the golden
+test's 3,123 greedy steps, a median top-1/top-2 gap of ~0.36, 99.7% of gaps above 1e-3 and the
+smallest 1.9e-4, against ~1.6e-5 between HF's own attention paths. RMSNorm weights and biases are
+perturbed away from their HF init (ones, zeros) so that a swapped or missing norm/bias shows.
+
+The directory also holds a byte-level BPE tokenizer with exactly 512 tokens (every id decodes to
+text), tokenizer_config.json and generation_config.json.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+VOCAB_SIZE = 512
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+EOS_ID = 0
+SEED = 1234
+
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    initializer_range=0.2,
+    bos_token_id=EOS_ID,
+    eos_token_id=EOS_ID,
+    pad_token_id=None,  # a pad id would zero that embedding row at init
+    tie_word_embeddings=False,
+    dtype="float32",
+)
+
+ARCH_CONFIGS: dict[str, dict] = {
+    "llama": dict(
+        num_hidden_layers=3,
+        # head_dim 16, theta 1e4: wavelengths 6..2e4 tokens, so with original 256 some are kept
+        # (< 64), some smoothed (64..256) and some divided by the factor (> 256).
+        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0,
+                             low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=256),
+    ),
+    "qwen2": dict(
+        num_hidden_layers=3,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        use_sliding_window=False,
+    ),
+    "qwen3": dict(
+        num_hidden_layers=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        use_sliding_window=False,
+    ),
+    "mistral": dict(
+        num_hidden_layers=2,
+        sliding_window=48,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+    ),
+}
+
+_WORDS = {
+    "subject": ["the agent", "a user", "the model", "our tool", "the planner", "my friend",
+                "the server", "this script", "the cat", "every worker", "the scheduler"],
+    "verb": ["reads", "writes", "calls", "returns", "parses", "sends", "fetches", "stores",
+             "prints", "searches", "updates", "deletes", "checks", "opens", "closes"],
+    "object": ["the file", "a message", "the weather", "some json", "the result", "a list",
+               "the database", "an answer", "the report", "a number", "the cache", "the city"],
+    "adverb": ["quickly", "slowly", "again", "today", "carefully", "twice", "at once", "later",
+               "without asking", "every morning", "under pressure", "with great joy", "yesterday"],
+    "place": ["in the kitchen", "near the river", "behind the garden", "from Tokyo", "over the bridge",
+              "inside the terminal", "across the network", "beside the window"],
+    "tail": [".", "!", "?", ", then stops.", " and waits.", " before lunch.", ": {\"ok\": true}",
+             " (see line 42).", " in Paris.", " for 3 seconds."],
+}
+
+
+def synthetic_corpus(lines: int = 400, seed: int = SEED) -> list[str]:
+    """A few hundred lines of seeded, loosely grammatical English."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        parts = [rng.choice(_WORDS["subject"]), rng.choice(_WORDS["verb"]), rng.choice(_WORDS["object"])]
+        if rng.random() < 0.5:
+            parts.append(rng.choice(_WORDS["adverb"]))
+        if rng.random() < 0.3:
+            parts.append(rng.choice(_WORDS["place"]))
+        sentence = " ".join(parts) + rng.choice(_WORDS["tail"])
+        out.append(sentence[0].upper() + sentence[1:])
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_json() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=[EOS_TOKEN, PAD_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(synthetic_corpus(), trainer=trainer)
+    if tok.get_vocab_size() != VOCAB_SIZE:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, expected {VOCAB_SIZE}; "
+                           "make the synthetic corpus more varied")
+    assert tok.token_to_id(EOS_TOKEN) == EOS_ID
+    return tok.to_str()
+
+
+def make_tokenizer():
+    """A `PreTrainedTokenizerFast` of exactly VOCAB_SIZE tokens, EOS id 0."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
+                                   eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, bos_token=None,
+                                   model_max_length=1024)
+
+
+def make_config(arch: str, **config_overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    kinds = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
+    if arch not in kinds:
+        raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHS)}")
+    return kinds[arch](**{**_COMMON, **ARCH_CONFIGS[arch], **config_overrides})
+
+
+def make_tiny_checkpoint(arch: str, path, seed: int = SEED, shard_size: str | None = None,
+                         **config_overrides) -> Path:
+    """Write a seeded random `arch` checkpoint (safetensors), tokenizer and generation config to `path`.
+
+    `shard_size` (e.g. "100KB") splits the weights into several files plus an index;
+    `config_overrides` replace fields of the transformers config.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = make_config(arch, **config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # HF inits RMSNorm weights to ones
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):  # and biases to zeros
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+    model.generation_config = GenerationConfig(bos_token_id=EOS_ID, eos_token_id=EOS_ID, do_sample=False)
+    if shard_size is None:
+        model.save_pretrained(path, safe_serialization=True)
+    else:
+        model.save_pretrained(path, safe_serialization=True, max_shard_size=shard_size)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    # generate() fills unset fields of a passed GenerationConfig from the model's own one, EOS
+    # included, so the model's own one must not know of any EOS either.
+    model.generation_config = _no_stop_config(max_new_tokens=1)
+    return model.eval()
+
+
+def _no_stop_config(max_new_tokens: int):
+    from transformers import GenerationConfig
+
+    # eos_token_id=None rather than min_new_tokens: min_new_tokens masks the EOS logit, so HF
+    # would pick the runner-up where the engine (ignore_eos) picks EOS itself.
+    return GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,
+                            eos_token_id=None, pad_token_id=EOS_ID, bos_token_id=EOS_ID,
+                            num_beams=1, repetition_penalty=1.0,
+                            output_logits=True, return_dict_in_generate=True)
+
+
+@functools.lru_cache(maxsize=4096)
+def _hf_greedy(path: str, token_ids: tuple[int, ...],
+               max_new_tokens: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    model = _hf_model(path)
+    input_ids = torch.tensor([token_ids], dtype=torch.long)
+    with torch.no_grad():
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                             generation_config=_no_stop_config(max_new_tokens))
+    new = tuple(int(t) for t in out.sequences[0, len(token_ids):])
+    assert len(new) == max_new_tokens, f"HF stopped early: {len(new)} of {max_new_tokens}"
+    gaps = []
+    for logits in out.logits:
+        top2 = torch.topk(logits[0].float(), 2).values
+        gaps.append(float(top2[0] - top2[1]))
+    return new, tuple(gaps)
+
+
+def hf_greedy(path, token_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation by `transformers` generate: exactly max_new_tokens new ids, EOS ignored."""
+    return list(_hf_greedy(str(path), tuple(int(t) for t in token_ids), int(max_new_tokens))[0])
+
+
+def hf_greedy_gaps(path, token_ids: Sequence[int], max_new_tokens: int) -> list[float]:
+    """Top-1 minus top-2 logit at each greedy step (how close HF came to a tie)."""
+    return list(_hf_greedy(str(path), tuple(int(t) for t in token_ids), int(max_new_tokens))[1])
+
+
+def mismatch_report(path, history: Sequence[int], got: Sequence[int], want: Sequence[int]) -> str:
+    """A failure message that says where the engine left HF and how close HF was to a tie there."""
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    gaps = hf_greedy_gaps(path, history, len(want))
+    gap = f"{gaps[first]:.3g}" if first < len(gaps) else "n/a"
+    return (f"history of {len(history)} tokens: engine left HF at generated token {first} "
+            f"(HF top1-top2 logit gap there {gap})\n engine: {list(got)}\n     hf: {list(want)}")
+
+
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    """n token ids drawn uniformly from the whole vocabulary (EOS and pad included)."""
+    return [rng.randrange(VOCAB_SIZE) for _ in range(n)]
+
+
+def agent_turn_plan(seed: int, turns: int = 4) -> list[tuple[list[int], int]]:
+    """Per turn: (10-60 new history tokens, 16-32 tokens to generate), seeded."""
+    rng = random.Random(seed)
+    return [(random_tokens(rng, rng.randint(10, 60)), rng.randint(16, 32)) for _ in range(turns)]
+
+
+# --- comparing the engine with the reference --------------------------------------------------
+
+TIE_TOL = 0.0
+"""A differing greedy token is accepted only where HF's logit for it is within TIE_TOL of HF's
+maximum. Zero: only an exact tie passes. (HF's own sdpa / eager / cached paths differ by up to
+~1.6e-5 here, and the smallest top-2 gap on the golden histories is 1.9e-4, so a flip would mean
+a real bug, not noise.)"""
+
+
+def hf_next_logits(path, token_ids: Sequence[int]) -> torch.Tensor:
+    """HF's logits for the token after `token_ids` (a full forward, no cache)."""
+    model = _hf_model(str(path))
+    with torch.no_grad():
+        return model(torch.tensor([list(token_ids)], dtype=torch.long)).logits[0, -1].float()
+
+
+def assert_greedy_matches(path, history: Sequence[int], got: Sequence[int]) -> None:
+    """`got` must be HF's greedy continuation of `history`, token for token.
+
+    Where they differ, the engine's token must tie HF's (within TIE_TOL); the check then goes on
+    from the engine's own tokens, so every later token is still held to HF.
+    """
+    import warnings
+
+    prefix, rest = [int(t) for t in history], [int(t) for t in got]
+    while rest:
+        want = hf_greedy(path, prefix, len(rest))
+        first = next((i for i, (a, b) in enumerate(zip(rest, want)) if a != b), None)
+        if first is None:
+            return
+        logits = hf_next_logits(path, prefix + rest[:first])
+        shortfall = float(logits.max() - logits[rest[first]])
+        if shortfall > TIE_TOL:
+            raise AssertionError(mismatch_report(path, history, got, hf_greedy(path, history, len(got))))
+        warnings.warn(f"accepted a float32 tie at generated token {len(prefix) - len(history) + first} "
+                      f"(HF logit shortfall {shortfall:.2g})")
+        prefix += rest[:first + 1]
+        rest = rest[first + 1:]
+
+
+# --- engine-side helpers (the engine is imported lazily, so collection works without it) ------
+
+TEST_NUM_BLOCKS = 256
+"""Enough for every test (4 agents x ~370 tokens, forks, an 1100-token history) without the CPU
+backend's automatic sizing, which may reserve up to 2 GiB per engine."""
+
+
+def open_engine(path, **overrides):
+    """`Engine.from_pretrained(path, device="cpu", dtype="float32", block_size=16, ...)`."""
+    from hibana_core import Engine
+
+    options = dict(device="cpu", dtype="float32", block_size=16, num_blocks=TEST_NUM_BLOCKS,
+                   progress=False)
+    return Engine.from_pretrained(str(path), **{**options, **overrides})
+
+
+def event_tokens(ev) -> list[int]:
+    """The token ids one `stream` event carries (an int, or an event with token_id / token_ids)."""
+    if isinstance(ev, int):
+        return [ev]
+    if getattr(ev, "token_ids", None) is not None:
+        return [int(t) for t in ev.token_ids]
+    if getattr(ev, "token_id", None) is not None:
+        return [int(ev.token_id)]
+    return []
+
+
+def info_field(info, name: str):
+    """A field of one `engine.states()` entry, whether it is an object or a mapping."""
+    return info[name] if isinstance(info, dict) else getattr(info, name)
