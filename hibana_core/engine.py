@@ -21,7 +21,7 @@ import torch
 from hibana_core.kv import state_file
 from hibana_core.config import EngineConfig, SamplingParams
 from hibana_core.detokenizer import Detokenizer
-from hibana_core.errors import (ContextLengthError, EngineClosedError, HibanaError, InvalidTokenError,
+from hibana_core.errors import (ConfigError, ContextLengthError, EngineClosedError, HibanaError, InvalidTokenError,
                                 MemoryBudgetError, StateBusyError, StateClosedError, StateExistsError)
 from hibana_core.forward_context import ForwardContext
 from hibana_core.kv.block_pool import BlockPool
@@ -172,7 +172,7 @@ class Engine:
     def open_state(self, state_id: str) -> StateHandle:
         """Get or create the state with this id."""
         if not isinstance(state_id, str) or not state_id:
-            raise InvalidTokenError("state ids are non-empty strings")
+            raise ConfigError(f"state ids are non-empty strings, got {state_id!r}")
         with self._lock:
             self._check_open()
             handle = self._states.get(state_id)
@@ -199,7 +199,7 @@ class Engine:
             seq = KVSequence(self.pool, self.kv_cache.copy_block)
             seq.tokens = list(saved.tokens)
             layout_matches = (saved.block_size == self.pool.block_size
-                              and tuple(saved.kv.shape[3:]) == tuple(self.kv_cache.data.shape[4:]))
+                              and saved.kv.shape[3:] == self.kv_cache.data.shape[3:])
             if layout_matches and saved.num_computed:
                 blocks = saved.kv.shape[2]
                 if not self.pool.can_allocate(blocks):

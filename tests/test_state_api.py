@@ -184,7 +184,10 @@ def test_save_and_load_state(arch, tiny_checkpoints, make_engine, tmp_path):
     other = make_engine(path)
     h2 = other.load_state(file)
     assert h2.tokens == tokens and len(h2) == len(tokens)
-    assert list(h2.generate(greedy()).token_ids) == want
+    restored = h2.generate(greedy())
+    assert list(restored.token_ids) == want
+    # the KV came from the file: only the last sampled token (never computed) is computed
+    assert restored.stats.computed == 1 and restored.stats.reused == len(tokens) - 1
 
     # into the same engine, once the original is closed
     h.close()
