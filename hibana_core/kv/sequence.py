@@ -43,10 +43,6 @@ class KVSequence:
     def num_uncomputed(self) -> int:
         return len(self.tokens) - self.num_computed
 
-    @property
-    def nbytes_blocks(self) -> int:
-        return len(self.block_ids)
-
     def block_hash(self, index: int) -> BlockHash:
         """Chain hash of full block `index` of the tokens (computed lazily, cached)."""
         bs = self.block_size
