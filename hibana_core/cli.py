@@ -14,7 +14,11 @@ from dataclasses import asdict
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hibana` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    args, rest = build_parser().parse_known_args(argv)
+    if args.command == "demo":  # the demo parses its own options
+        return run_demo(rest)
+    if rest:
+        build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
     return args.run(args)
 
 
@@ -30,16 +34,25 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plugins.set_defaults(run=run_plugins)
 
-    # Placeholders: filled in by the issues that bring the demo model, the benchmark harness and
-    # model surgery.
+    commands.add_parser(
+        "demo", add_help=False,
+        help="agents solving tasks in tool loops on the bundled demo model (hibana demo --help)",
+    )
+
+    # Placeholders: filled in by the issues that bring the benchmark harness and model surgery.
     for name, summary in (
-        ("demo", "run the bundled demo agent model"),
         ("bench", "run the benchmark workloads"),
         ("surgery", "apply and evaluate model surgery passes"),
     ):
         placeholder = commands.add_parser(name, help=f"{summary} (not available yet)")
         placeholder.set_defaults(run=_not_available)
     return parser
+
+
+def run_demo(argv: list[str]) -> int:
+    from hibana_core.demo.run import main as demo_main
+
+    return demo_main(argv)
 
 
 def _not_available(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Iterator, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Iterator, Sequence
 
 import torch
 
@@ -26,13 +26,16 @@ from hibana_core.errors import (ConfigError, ContextLengthError, EngineClosedErr
 from hibana_core.forward_context import ForwardContext
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.cache import KVCache
-from hibana_core.kv.sequence import KVSequence
+from hibana_core.kv.sequence import KVSequence, common_prefix_len
 from hibana_core.loader import load_model
 from hibana_core.runner import ModelRunner
 from hibana_core.sampler import Sampler, make_generator
 from hibana_core.scheduler import IdleLRUEviction, Request, RequestStatus, Scheduler
 from hibana_core.state import (Completion, RequestStats, RequestStream, StateHandle, StateInfo,
                                StreamEvent, SyncStats)
+
+if TYPE_CHECKING:
+    from hibana_core.chat import Chat
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -208,6 +211,26 @@ class Engine:
                 self.kv_cache.write_blocks(seq.block_ids, saved.kv)
                 seq.advance(saved.num_computed)  # commits (and dedupes) its full blocks
             return self._new_handle(state_id, seq)
+
+    def chat(self, state_id: str) -> "Chat":
+        """The chat layer on one state: OpenAI-style messages and tools in, text and tool calls out."""
+        from hibana_core.chat import Chat
+
+        return Chat(self, state_id)
+
+    def match_state(self, token_ids: Sequence[int]) -> StateHandle | None:
+        """The idle state whose history shares the longest prefix with token_ids (the most
+        recently used among equals), or None when none shares a token. Adapters use it to serve a
+        call that names no state."""
+        with self._lock:
+            best, best_len = None, 0
+            for handle in self._states.values():
+                if self.scheduler.busy(handle._seq):
+                    continue
+                same = common_prefix_len(handle._seq.tokens, token_ids)
+                if same > best_len or (same == best_len and best and handle.last_use > best.last_use):
+                    best, best_len = handle, same
+            return best
 
     def states(self) -> list[StateInfo]:
         with self._lock:

@@ -264,3 +264,15 @@ def test_len_and_tokens_is_a_copy(tiny_checkpoints, make_engine):
         tokens.append(9)
         tokens[0] = 7
     assert list(h.tokens) == [1, 2, 3, 4] and len(h) == 4
+
+
+def test_match_state_picks_the_idle_state_with_the_longest_common_prefix(tiny_checkpoints, make_engine):
+    engine = make_engine(tiny_checkpoints["llama"])
+    base = list(range(10, 50))
+    engine.open_state("short").sync(base[:10])
+    engine.open_state("long").sync(base[:30] + [5, 6])
+    engine.open_state("other").sync([7] + base[1:20])
+    assert engine.match_state(base).id == "long"
+    assert engine.match_state(base[:5]).id == "long"      # a tie: the most recently used wins
+    assert engine.match_state([7, 8]).id == "other"
+    assert engine.match_state([9, 9]) is None

@@ -2,9 +2,11 @@
 
     names.py     randomised tool and argument names, split between training and held-out use
     world.py     the data the tools answer from (cities, people, files, ...), derived from hashes
-    tasks.py     tool families: JSON schemas, the Python functions behind them, questions, answers
-    corpus.py    synthetic conversations, rendered with the chat template and tokenized
+    tools.py     tool families: randomised JSON schemas and the Python functions behind them
+    tasks.py     a question, the tool calls that solve it, the answer that quotes the results
+    corpus.py    synthetic conversations: tools, tasks, chained and parallel calls, chit-chat
     template.py  the model's chat template (hermes / Qwen tool format) and a renderer
+    tokenizer.py byte-level BPE trained on the corpus
     train.py     `python -m hibana_core.demo.train`: corpus, tokenizer, model -> demo/model/
     evaluate.py  held-out evaluation (unseen tool and argument names)
     run.py       `hibana demo`: concurrent agents in real tool loops

@@ -36,19 +36,26 @@ def _join(rng: random.Random, words: list[str]) -> str:
     return "".join(words)
 
 
+_GENERIC = ("alpha", "beta", "delta", "omega", "blue", "red", "quick", "smart", "helper", "util", "main",
+            "core", "zeta", "nova", "atlas", "orbit", "pixel", "spark", "echo", "nimbus", "magic", "simple")
+
+
 def tool_name(rng: random.Random, verbs: tuple[str, ...], nouns: tuple[str, ...]) -> str:
-    """A function name in one of the styles seen in real tool sets."""
+    """A function name in one of the styles seen in real tool sets; a third of them say nothing
+    about what the tool does, so the model must read the description and copy the name."""
     r = rng.random()
-    if r < 0.45:
+    if r < 0.35:
         words = [rng.choice(verbs), rng.choice(nouns)]
-    elif r < 0.6:
+    elif r < 0.45:
         words = [rng.choice(nouns)]
-    elif r < 0.75:
+    elif r < 0.55:
         words = [rng.choice(("tool", "fn", "api", "svc", "my", "do")), rng.choice(verbs), rng.choice(nouns)]
-    elif r < 0.85:
+    elif r < 0.65:
         words = [rng.choice(verbs), rng.choice(nouns), rng.choice(("v2", "tool", "fn", "now", "data", "info"))]
+    elif r < 0.8:
+        words = rng.sample(_GENERIC, rng.randint(1, 2)) + ([str(rng.randint(1, 99))] if rng.random() < 0.3 else [])
     else:
-        words = [pseudo_word(rng)] + ([rng.choice(nouns)] if rng.random() < 0.5 else [])
+        words = [pseudo_word(rng)] + ([rng.choice(nouns + _GENERIC)] if rng.random() < 0.5 else [])
     return _join(rng, words)
 
 

@@ -54,7 +54,8 @@ def _number(rng: random.Random, decimals: float = 0.15) -> int | float:
     return rng.choice((rng.randint(0, 20), rng.randint(0, 999), rng.randint(100, 99999), -rng.randint(1, 99)))
 
 
-_OP_WORDS = {"add": ("plus", "+"), "subtract": ("minus", "-"), "multiply": ("times", "*"), "divide": ("divided by", "/")}
+_OP_WORDS = {"add": ("plus", "+"), "subtract": ("minus", "-"), "multiply": ("times", "*"),
+             "divide": ("divided by", "/")}
 _OP_QUESTIONS = {
     "add": ("What is {a} plus {b}?", "Add {a} and {b}.", "What's {a} + {b}?", "Compute the sum of {a} and {b}.",
             "How much is {a} plus {b}?"),
@@ -74,7 +75,8 @@ def arithmetic(rng: random.Random, tool: GetTool) -> Task:
     c = call(tool(op), a, b)
     r = _result(c)["result"]
     word, sym = _OP_WORDS[op]
-    answer = rng.choice((f"{a} {word} {b} is {r}.", f"The answer is {r}.", f"The result is {r}.", f"{a} {sym} {b} = {r}"))
+    answer = rng.choice((f"{a} {word} {b} is {r}.", f"The answer is {r}.", f"The result is {r}.",
+                         f"{a} {sym} {b} = {r}"))
     return Task(op, rng.choice(_OP_QUESTIONS[op]).format(a=a, b=b), ((c,),), answer, (str(r),))
 
 
@@ -127,7 +129,8 @@ def stock(rng: random.Random, tool: GetTool) -> Task:
                     "Price of {s} shares?")).format(s=sym)
     k = call(tool("stock"), sym)
     p = _result(k)["price"]
-    return Task("stock", q, ((k,),), rng.choice((f"{sym} is trading at {p}.", f"One share of {sym} costs {p}.")), (str(p),))
+    answer = rng.choice((f"{sym} is trading at {p}.", f"One share of {sym} costs {p}."))
+    return Task("stock", q, ((k,),), answer, (str(p),))
 
 
 def email(rng: random.Random, tool: GetTool) -> Task:
@@ -136,15 +139,18 @@ def email(rng: random.Random, tool: GetTool) -> Task:
                     "I need the email address of {n}.")).format(n=name)
     k = call(tool("email"), name)
     e = _result(k)["email"]
-    return Task("email", q, ((k,),), rng.choice((f"{name}'s email address is {e}.", f"You can reach {name} at {e}.")), (e,))
+    answer = rng.choice((f"{name}'s email address is {e}.", f"You can reach {name} at {e}."))
+    return Task("email", q, ((k,),), answer, (e,))
 
 
 def population(rng: random.Random, tool: GetTool) -> Task:
     city = rng.choice(world.CITIES)
-    q = rng.choice(("How many people live in {c}?", "What is the population of {c}?", "Population of {c}?")).format(c=city)
+    q = rng.choice(("How many people live in {c}?", "What is the population of {c}?",
+                    "Population of {c}?")).format(c=city)
     k = call(tool("population"), city)
     p = _result(k)["population"]
-    return Task("population", q, ((k,),), rng.choice((f"{city} has a population of {p}.", f"About {p} people live in {city}.")), (str(p),))
+    answer = rng.choice((f"{city} has a population of {p}.", f"About {p} people live in {city}."))
+    return Task("population", q, ((k,),), answer, (str(p),))
 
 
 def home_weather(rng: random.Random, tool: GetTool) -> Task:
@@ -175,7 +181,8 @@ def web_search(rng: random.Random, tool: GetTool) -> Task:
                     "Can you search for \"{q}\"?")).format(q=query)
     k = call(tool("search"), query)
     top = _result(k)["results"][0]
-    answer = rng.choice((f"The top result is \"{top['title']}\" ({top['url']}).", f"I found \"{top['title']}\" at {top['url']}."))
+    answer = rng.choice((f"The top result is \"{top['title']}\" ({top['url']}).",
+                         f"I found \"{top['title']}\" at {top['url']}."))
     return Task("search", q, ((k,),), answer, (top["title"],))
 
 
@@ -184,7 +191,8 @@ def read_file(rng: random.Random, tool: GetTool) -> Task:
     q = rng.choice(("Read the file {p}.", "What's in {p}?", "Show me the contents of {p}.",
                     "Open {p} and tell me what it says.")).format(p=path)
     k = call(tool("read_file"), path)
-    return Task("read_file", q, ((k,),), rng.choice((f"{path} says:\n{k.result}", f"The file contains:\n{k.result}")), (k.result,))
+    answer = rng.choice((f"{path} says:\n{k.result}", f"The file contains:\n{k.result}"))
+    return Task("read_file", q, ((k,),), answer, (k.result,))
 
 
 def find_and_read(rng: random.Random, tool: GetTool) -> Task:
@@ -209,7 +217,8 @@ def record(rng: random.Random, tool: GetTool) -> Task:
                         'Extract the book details: "{0}", written by {1} in {2}.'))
     elif kind == "person":
         values = (world.person(rng), rng.randint(18, 90), rng.choice(world.CITIES))
-        q = rng.choice(("Save a contact: {0}, {1} years old, living in {2}.", "{0} is {1} and lives in {2}; record this person."))
+        q = rng.choice(("Save a contact: {0}, {1} years old, living in {2}.",
+                        "{0} is {1} and lives in {2}; record this person."))
     elif kind == "event":
         values = (f"{rng.choice(_NOUN)} {rng.choice(('Meetup', 'Review', 'Party', 'Workshop', 'Launch'))}",
                   f"2025-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}", rng.choice(world.CITIES))
@@ -220,7 +229,8 @@ def record(rng: random.Random, tool: GetTool) -> Task:
     else:
         summary = " ".join(rng.choice(world.NOTE_WORDS) for _ in range(3)).capitalize()
         values = (summary, rng.choice(("low", "medium", "high")), world.person(rng))
-        q = rng.choice(('Open a ticket "{0}" with {1} priority for {2}.', 'File a ticket: "{0}", {1} priority, assign {2}.'))
+        q = rng.choice(('Open a ticket "{0}" with {1} priority for {2}.',
+                        'File a ticket: "{0}", {1} priority, assign {2}.'))
     k = call(tool(f"record_{kind}"), *values)
     rid = _result(k)["id"]
     return Task(f"record_{kind}", q.format(*values), ((k,),),

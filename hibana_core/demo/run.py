@@ -1,0 +1,231 @@
+"""`hibana demo`: agents solving tasks in real tool loops, their KV cache resident between turns.
+
+Each agent is a thread with its own state and its own tools (names it never saw in training),
+and asks its tasks one after another in one conversation:
+
+    user question -> model turn -> <tool_call> -> Python tool runs -> result -> model turn -> answer
+
+The engine batches all agents' turns into one step loop. The closing table has one row per turn
+number (the n-th model turn of every agent): prompt tokens, how many were reused from the state,
+how many computed, tokens generated and the speed of generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from hibana_core.config import SamplingParams
+from hibana_core.demo import corpus, tasks
+from hibana_core.demo.evaluate import MAX_ROUNDS, run_tool
+from hibana_core.demo.tasks import Task
+from hibana_core.demo.tools import Tool
+
+SYSTEM = "You are a helpful assistant."
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    agent: int
+    turn: int              # 1-based: the n-th model turn of this agent's conversation
+    prompt_tokens: int
+    history_tokens: int    # tokens the state held before the turn
+    reused: int
+    generated: int
+    seconds: float
+
+    @property
+    def computed(self) -> int:
+        return self.prompt_tokens - self.reused
+
+
+@dataclass
+class AgentView:
+    """What the live display shows for one agent; written by its thread."""
+
+    task: int = 0
+    status: str = "waiting"
+    turns: int = 0
+    generated: int = 0
+    solved: list[bool] = field(default_factory=list)
+
+
+def agent_work(seed: int, agent: int, n_tasks: int) -> tuple[list[Task], list[Tool]]:
+    """The agent's tasks and its tools: each task's tools plus a few it does not need."""
+    rng = random.Random(f"demo:{seed}:{agent}")
+    box = corpus.ToolBox(rng, held_out=True)
+    work = [tasks.make_task(rng, kind, box) for kind in corpus.pick_kinds(rng, n_tasks)]
+    box.add_distractors(rng.randint(1, 2))
+    return work, box.tools()
+
+
+def run_agent(engine, agent: int, work: list[Task], tools: list[Tool], params: SamplingParams,
+              view: AgentView, records: list[TurnRecord]) -> None:
+    from hibana_core.chat import Chat, assistant_message
+
+    chat = Chat(engine, f"demo-agent-{agent}")
+    schemas = [t.schema for t in tools]
+    messages: list[dict] = [{"role": "system", "content": SYSTEM}]
+    for number, task in enumerate(work, 1):
+        view.task = number
+        messages.append({"role": "user", "content": task.question})
+        answer = None
+        for _ in range(MAX_ROUNDS):
+            view.status = "thinking"
+            held, started = len(chat.handle), time.perf_counter()
+            result = chat.respond(messages, schemas, params)
+            view.turns += 1
+            view.generated += result.usage.completion_tokens
+            records.append(TurnRecord(agent, view.turns, result.usage.prompt_tokens, held, result.usage.cached_tokens,
+                                      result.usage.completion_tokens, time.perf_counter() - started))
+            messages.append(assistant_message(result))
+            if not result.tool_calls:
+                answer = result.text
+                break
+            for call in result.tool_calls:
+                view.status = f"calling {call.name}"
+                messages.append({"role": "tool", "tool_call_id": call.id,
+                                 "content": run_tool(tools, call.name, call.arguments)})
+        view.solved.append(answer is not None and all(k in answer for k in task.answer_keys))
+    view.status = "done"
+
+
+@dataclass
+class DemoResult:
+    views: list[AgentView]
+    records: list[TurnRecord]    # sorted by turn, then agent
+    seconds: float
+    errors: list[BaseException]
+
+    @property
+    def solved(self) -> int:
+        return sum(sum(v.solved) for v in self.views)
+
+
+def run_demo(engine, agents: int = 8, n_tasks: int = 3, seed: int = 0, max_tokens: int = 160,
+             on_tick: Callable[[list[AgentView], float], None] | None = None) -> DemoResult:
+    """Run the agents, one thread each, until all are done; `on_tick` sees the views ~10 times a second."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    views = [AgentView() for _ in range(agents)]
+    records: list[TurnRecord] = []
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            run_agent(engine, i, *agent_work(seed, i, n_tasks), params, views[i], records)
+        except Exception as exc:  # reported once the others finish
+            views[i].status = f"failed: {exc}"
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,), name=f"demo-agent-{i}") for i in range(agents)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        if on_tick is not None:
+            on_tick(views, time.perf_counter() - started)
+        time.sleep(0.1)
+    records.sort(key=lambda r: (r.turn, r.agent))
+    return DemoResult(views, records, time.perf_counter() - started, errors)
+
+
+# --- display ------------------------------------------------------------------------------------
+
+def live_table(views: list[AgentView], n_tasks: int, elapsed: float):
+    from rich.table import Table
+
+    table = Table(title=f"hibana demo: {len(views)} agents, {elapsed:4.1f}s", title_justify="left")
+    for column in ("agent", "task", "status", "turns", "generated", "solved"):
+        table.add_column(column, justify="left" if column == "status" else "right")
+    for i, v in enumerate(views):
+        marks = "".join("✓" if ok else "✗" for ok in v.solved)
+        table.add_row(str(i), f"{v.task}/{n_tasks}", v.status, str(v.turns), str(v.generated), marks)
+    return table
+
+
+def per_turn_rows(records: list[TurnRecord]) -> list[tuple[str, ...]]:
+    rows = []
+    for turn in sorted({r.turn for r in records}):
+        group = [r for r in records if r.turn == turn]
+        rows.append(_row(str(turn), group))
+    rows.append(_row("all", records))
+    return rows
+
+
+def _row(label: str, group: list[TurnRecord]) -> tuple[str, ...]:
+    prompt, reused = sum(r.prompt_tokens for r in group), sum(r.reused for r in group)
+    generated, seconds = sum(r.generated for r in group), sum(r.seconds for r in group)
+    later = [r for r in group if r.history_tokens]   # a first turn reuses only other agents' prefix
+    held = sum(r.history_tokens for r in later)
+    of_held = f"{sum(min(r.reused, r.history_tokens) for r in later) / held:.1%}" if held else "-"
+    return (label, str(len(group)), str(prompt), str(reused), str(prompt - reused), f"{reused / max(1, prompt):.1%}",
+            of_held, str(generated), f"{generated / max(seconds, 1e-9):.1f}")
+
+
+TURN_COLUMNS = ("turn", "agents", "prompt", "reused", "computed", "reused %", "of held", "generated", "tok/s")
+
+
+def print_summary(console, result: DemoResult, engine) -> None:
+    from rich.table import Table
+
+    table = Table(*TURN_COLUMNS, title="model turns (reused %: of the prompt; of held: of the tokens the state "
+                  "held; tok/s: per agent)", title_justify="left")
+    for row in per_turn_rows(result.records):
+        table.add_row(*row)
+    console.print(table)
+    total = sum(len(v.solved) for v in result.views)
+    generated = sum(r.generated for r in result.records)
+    stats = engine.stats()
+    console.print(f"tasks solved: {result.solved}/{total}; {generated} tokens generated in {result.seconds:.1f}s "
+                  f"({generated / result.seconds:.1f} tok/s over all agents); engine steps: {stats.steps}, "
+                  f"most agents in one step: {stats.max_batch_sequences}", markup=False, highlight=False)
+
+
+# --- command line -------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="hibana demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--agents", type=int, default=8, help="concurrent agents (default 8)")
+    p.add_argument("--tasks", type=int, default=3, help="tasks per agent (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="picks the tasks and tools")
+    p.add_argument("--model", default="demo", help="checkpoint directory (default: the bundled demo model)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-tokens", type=int, default=160, help="most tokens per model turn")
+    p.add_argument("--no-live", action="store_true", help="no live view, only the final table")
+    args = p.parse_args(argv)
+    if args.agents < 1 or args.tasks < 1:
+        p.error("--agents and --tasks must be at least 1")
+    from rich.console import Console
+    from rich.live import Live
+
+    from hibana_core import Engine, HibanaError
+
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    try:
+        engine = Engine.from_pretrained(args.model, device=args.device, progress=False)
+    except HibanaError as exc:
+        console.print(f"hibana demo: {exc}", markup=False)
+        return 1
+    with engine:
+        if console.is_terminal and not args.no_live:
+            with Live(live_table([], args.tasks, 0.0), console=console, refresh_per_second=8) as live:
+                result = run_demo(engine, args.agents, args.tasks, args.seed, args.max_tokens,
+                                  lambda views, t: live.update(live_table(views, args.tasks, t)))
+                live.update(live_table(result.views, args.tasks, result.seconds))
+        else:
+            result = run_demo(engine, args.agents, args.tasks, args.seed, args.max_tokens)
+            console.print(live_table(result.views, args.tasks, result.seconds))
+        print_summary(console, result, engine)
+    for exc in result.errors:
+        console.print(f"an agent failed: {exc!r}", markup=False)
+    return 1 if result.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""Train the bundled demo agent model: `python -m hibana_core.demo.train`.
+
+    corpus      N seeded synthetic conversations (corpus.py), built by worker processes
+    tokenizer   byte-level BPE, 4096 tokens, trained on the first conversations (tokenizer.py)
+    model       Qwen3ForCausalLM from a Qwen3Config, loss on assistant tokens only, bf16 autocast
+    checkpoint  config.json, generation_config.json, bf16 model.safetensors, tokenizer files
+    evaluation  the held-out tasks (evaluate.py) on the freshly trained model
+
+`--stage tokenizer` stops after the tokenizer (it is cheap: train it on a CPU and ship it);
+`--tokenizer DIR` reuses one. The model wants a GPU: a few thousand steps take minutes on one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hibana_core.demo import corpus, template
+from hibana_core.demo.template import END_OF_TURN
+
+DEMO_DIR = Path(__file__).parent / "model"
+MAX_TOKENS = 1024   # conversations longer than this are dropped (well under 1% of them)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int = 256
+    layers: int = 8
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    intermediate: int = 768
+    vocab: int = 4096
+    max_positions: int = 2048
+
+
+def qwen3_config(shape: ModelShape, tok):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim, max_position_embeddings=shape.max_positions, rope_theta=10000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=None,
+        eos_token_id=tok.token_to_id(END_OF_TURN), pad_token_id=tok.token_to_id("<|endoftext|>"))
+
+
+# --- corpus -------------------------------------------------------------------------------------
+
+_worker_tok = None
+
+
+def _init_worker(tokenizer_file: str) -> None:
+    global _worker_tok
+    from tokenizers import Tokenizer
+
+    _worker_tok = Tokenizer.from_file(tokenizer_file)
+
+
+def _encode_range(args: tuple[int, int, int]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Conversations [start, stop) of the corpus: token ids and the mask of trained positions."""
+    seed, start, stop = args
+    rendered = [template.render_with_spans(c.messages, c.tools)
+                for c in (corpus.conversation(seed, i) for i in range(start, stop))]
+    out = []
+    for (text, spans), enc in zip(rendered, _worker_tok.encode_batch([t for t, _ in rendered])):
+        if len(enc.ids) > MAX_TOKENS:
+            continue
+        starts = np.array([s for s, _ in enc.offsets])
+        mask = np.zeros(len(enc.ids), dtype=bool)
+        for a, b in spans:
+            mask |= (starts >= a) & (starts < b)
+        out.append((np.array(enc.ids, dtype=np.uint16), mask))
+    return out
+
+
+def build_corpus(seed: int, n: int, tokenizer_file: Path, workers: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    from tqdm.auto import tqdm
+
+    chunk = 500
+    jobs = [(seed, s, min(s + chunk, n)) for s in range(0, n, chunk)]
+    data: list[tuple[np.ndarray, np.ndarray]] = []
+    with multiprocessing.get_context("fork").Pool(workers, _init_worker, (str(tokenizer_file),)) as pool, \
+            tqdm(total=n, desc="corpus", unit="conv", mininterval=1.0 if sys.stderr.isatty() else 10.0) as bar:
+        for part in pool.imap(_encode_range, jobs):
+            data.extend(part)
+            bar.update(chunk)
+    return data
+
+
+def batches(data, batch_tokens: int, rng: random.Random):
+    """Endless batches of conversations of similar length, padded to at most batch_tokens."""
+    while True:
+        order = list(range(len(data)))
+        rng.shuffle(order)
+        epoch = []
+        for g in range(0, len(order), 2048):
+            group = sorted(order[g:g + 2048], key=lambda i: len(data[i][0]))
+            batch: list[int] = []
+            for i in group:
+                if batch and (len(batch) + 1) * len(data[i][0]) > batch_tokens:
+                    epoch.append(batch)
+                    batch = []
+                batch.append(i)
+            if batch:
+                epoch.append(batch)
+        rng.shuffle(epoch)
+        yield from epoch
+
+
+def collate(data, batch: list[int], pad_id: int):
+    import torch
+
+    width = -(-max(len(data[i][0]) for i in batch) // 64) * 64
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.bool)
+    for row, i in enumerate(batch):
+        n = len(data[i][0])
+        ids[row, :n] = torch.from_numpy(data[i][0].astype(np.int64))
+        mask[row, :n] = torch.from_numpy(data[i][1])
+    return ids, mask
+
+
+# --- model --------------------------------------------------------------------------------------
+
+def train_model(args, tok, data):
+    import torch
+    import torch.nn.functional as F
+    from tqdm.auto import tqdm
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.backends.cuda.matmul.allow_tf32 = True
+    config = qwen3_config(ModelShape(args.hidden, args.layers, args.heads, args.kv_heads, args.head_dim,
+                                     args.intermediate), tok)
+    model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa").to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params / 1e6:.2f}M parameters, {n_params * 2 / 1e6:.1f} MB in bf16", flush=True)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    steps = args.steps
+    lr_at = lambda step: args.lr * min(1.0, (step + 1) / args.warmup) * (
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / steps))))
+    stream = batches(data, args.batch_tokens, random.Random(args.seed))
+    pad_id = tok.token_to_id("<|endoftext|>")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    started, seen, log = time.time(), 0, []
+    bar = tqdm(total=steps, desc="train", unit="step", mininterval=1.0 if sys.stderr.isatty() else 30.0)
+    step = 0
+    while step < steps:
+        ids, mask = collate(data, next(stream), pad_id)
+        ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
+        target = mask[:, 1:]                                    # predict token t+1 where it is the model's
+        with autocast:
+            hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[:, :-1][target]   # [n, hidden]
+            logits = model.lm_head(hidden).float()                                   # [n, vocab]
+        loss = F.cross_entropy(logits, ids[:, 1:][target])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        opt.step()
+        seen += ids.numel()
+        step += 1
+        bar.update()
+        if step % 50 == 0 or step == steps:
+            value = loss.item()
+            log.append((step, value))
+            bar.set_postfix(loss=f"{value:.3f}")
+            if step == 50:
+                warm = time.time()                              # steps before this one include warm-up
+            if step == 150 and args.max_minutes:
+                per_step = (time.time() - warm) / 100
+                fit = int((args.max_minutes * 60 - (time.time() - started)) / per_step) + step
+                if fit < steps:
+                    print(f"\n{per_step * 1000:.0f} ms/step: cutting {steps} steps to {fit} to fit "
+                          f"--max-minutes {args.max_minutes}", flush=True)
+                    steps = fit
+                    bar.total = steps
+            if step % 500 == 0:
+                print(f"\nstep {step}: loss {value:.4f}, {seen / (time.time() - started) / 1e6:.2f}M tokens/s",
+                      flush=True)
+    bar.close()
+    elapsed = time.time() - started
+    print(f"trained {step} steps in {elapsed:.0f}s, {seen / 1e6:.0f}M tokens (padded), final loss {log[-1][1]:.4f}",
+          flush=True)
+    return model, {"steps": step, "seconds": round(elapsed, 1), "tokens_padded": seen, "loss": log}
+
+
+def save_checkpoint(model, tok_dir: Path, out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in model.state_dict().items()
+             if k != "lm_head.weight"}                          # tied to the embedding
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    model.config.dtype = "bfloat16"
+    model.config.save_pretrained(out)
+    eos = model.config.eos_token_id
+    (out / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [eos], "pad_token_id": model.config.pad_token_id, "do_sample": False}, indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (tok_dir / name).resolve() != (out / name).resolve():
+            shutil.copy(tok_dir / name, out / name)
+
+
+# --- command line -------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m hibana_core.demo.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=DEMO_DIR, help="checkpoint directory to write")
+    p.add_argument("--stage", choices=("all", "tokenizer"), default="all")
+    p.add_argument("--tokenizer", type=Path, help="reuse tokenizer.json / tokenizer_config.json from this directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--conversations", type=int, default=200_000)
+    p.add_argument("--tokenizer-conversations", type=int, default=20_000)
+    p.add_argument("--workers", type=int, default=max(1, multiprocessing.cpu_count() - 1))
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--max-minutes", type=float, default=0.0, help="cut the step count to fit (0: no limit)")
+    p.add_argument("--batch-tokens", type=int, default=65536, help="padded tokens per step")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--eval-tasks", type=int, default=200, help="held-out tasks after training (0: skip)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from tokenizers import Tokenizer
+
+    from hibana_core.demo import tokenizer as demo_tokenizer
+
+    tok_dir = args.tokenizer or args.out
+    if args.tokenizer is None:
+        sample = (corpus.conversation(f"tokenizer:{args.seed}", i) for i in range(args.tokenizer_conversations))
+        texts = (template.render(c.messages, c.tools) for c in sample)
+        tok = demo_tokenizer.train_tokenizer(texts)
+        demo_tokenizer.save_tokenizer(tok, args.out, ModelShape().max_positions)
+        print(f"tokenizer: {tok.get_vocab_size()} tokens -> {args.out}", flush=True)
+        if args.stage == "tokenizer":
+            return 0
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    t0 = time.time()
+    data = build_corpus(args.seed, args.conversations, tok_dir / "tokenizer.json", args.workers)
+    total = sum(len(ids) for ids, _ in data)
+    trained = sum(int(m.sum()) for _, m in data)
+    print(f"corpus: {len(data)} conversations, {total / 1e6:.1f}M tokens ({trained / 1e6:.1f}M trained), "
+          f"{time.time() - t0:.0f}s", flush=True)
+    model, report = train_model(args, tok, data)
+    save_checkpoint(model, tok_dir, args.out)
+    report.update(conversations=len(data), corpus_tokens=total, trained_tokens=trained)
+    if args.eval_tasks:
+        from hibana_core.demo import evaluate
+
+        result = evaluate.evaluate(evaluate.TransformersBackend(model, tok), args.eval_tasks)
+        print(result.summary(), flush=True)
+        report["eval"] = result.as_dict()
+    (args.out / "training_report.json").write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""The bundled demo agent model: a complete checkpoint that really calls tools it has never seen.
+
+The held-out floors are below what was measured on the same 100 tasks with the committed weights
+(99% and 99%, see bench/notes_demo_training.md), leaving room for float differences between CPUs;
+the issue's targets are 90% and 80%.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+from hibana_core import Engine
+from hibana_core.demo import corpus, evaluate, names, template
+from hibana_core.demo.tools import FAMILIES, make_tool
+from hibana_core.loader import DEMO_MODEL_DIR
+
+HELD_OUT_TASKS = 100
+TOOL_CALL_FLOOR = 0.95
+ANSWER_FLOOR = 0.95
+
+
+def test_checkpoint_is_a_small_qwen3():
+    config = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
+    assert config["model_type"] == "qwen3" and config["tie_word_embeddings"]
+    weights = DEMO_MODEL_DIR / "model.safetensors"
+    assert weights.stat().st_size <= 16_000_000
+    with weights.open("rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
+    tok_config = json.loads((DEMO_MODEL_DIR / "tokenizer_config.json").read_text())
+    assert tok_config["chat_template"] == template.CHAT_TEMPLATE
+    generation = json.loads((DEMO_MODEL_DIR / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [config["eos_token_id"]]
+
+
+def test_tokenizer_special_tokens():
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(DEMO_MODEL_DIR / "tokenizer.json"))
+    assert tok.get_vocab_size() == 4096
+    assert [tok.token_to_id(t) for t in template.SPECIAL_TOKENS] == [0, 1, 2]
+    for t in template.SPECIAL_TOKENS + template.TOOL_TOKENS:
+        assert tok.encode(f"a{t}b").tokens[1] == t, f"{t} is not a single token"
+
+
+def test_held_out_names_never_appear_in_training():
+    for i in range(300):
+        c = corpus.conversation(0, i)
+        for tool in c.tool_objects:
+            assert not names.is_held_out(tool.name)
+            assert not any(names.is_held_out(a) for a in tool.arg_names)
+    for e in evaluate.held_out_episodes(50):
+        assert all(names.is_held_out(t.name) and all(names.is_held_out(a) for a in t.arg_names) for t in e.tools)
+
+
+def test_corpus_is_seeded():
+    a, b = corpus.conversation(3, 17), corpus.conversation(3, 17)
+    assert a.messages == b.messages and a.tools == b.tools
+    assert corpus.conversation(4, 17).messages != a.messages
+
+
+def test_tools_are_python_functions():
+    import random
+
+    tool = make_tool(random.Random(0), "multiply", held_out=False, taken=set())
+    a, b = tool.arg_names
+    assert json.loads(tool({a: 6, b: 7})) == {"result": 42}
+    assert "error" in json.loads(tool({a: 6}))
+    assert "error" in json.loads(tool({a: "six", b: 7}))
+    convert = make_tool(random.Random(0), "convert", held_out=False, taken=set())
+    assert json.loads(convert(dict(zip(convert.arg_names, (10, "km", "miles"))))) == {"value": 6.21, "unit": "miles"}
+    assert set(FAMILIES) >= {"add", "weather", "convert", "search", "read_file", "record_book"}
+
+
+@pytest.fixture(scope="module")
+def held_out_result():
+    with Engine.from_pretrained("demo", device="cpu", progress=False) as engine:
+        assert engine.tokenizer.convert_tokens_to_ids(template.END_OF_TURN) in engine.eos_token_ids
+        return evaluate.evaluate(evaluate.HibanaBackend(engine, concurrency=16), HELD_OUT_TASKS)
+
+
+def test_held_out_tool_calls(held_out_result):
+    """Tool and argument names never seen in training: the first turn calls the right tool with
+    the right arguments."""
+    assert held_out_result.n == HELD_OUT_TASKS
+    assert held_out_result.tool_call_rate >= TOOL_CALL_FLOOR, held_out_result.summary()
+
+
+def test_held_out_final_answers(held_out_result):
+    """After the tool loop, the final answer quotes the tool's result."""
+    assert held_out_result.answer_rate >= ANSWER_FLOOR, held_out_result.summary()
+
+
+def test_demo_agents_keep_their_state_between_turns():
+    """`hibana demo`'s workload: 8 agents x 3 tasks. From the second turn on, every agent reuses
+    at least 95% of what its state held (measured: 99.8%), and most tasks are solved (22/24)."""
+    from hibana_core.demo.run import run_demo
+
+    with Engine.from_pretrained("demo", device="cpu", progress=False) as engine:
+        result = run_demo(engine, agents=8, n_tasks=3)
+    assert not result.errors
+    assert len(result.views) == 8 and all(len(v.solved) == 3 for v in result.views)
+    assert result.solved >= 20
+    later = [r for r in result.records if r.turn >= 2]
+    assert later and all(r.reused >= 0.95 * r.history_tokens for r in later)
+    first = [r for r in result.records if r.turn == 1]
+    assert sum(r.reused for r in first) > 0, "agents share no prefix blocks (system prompt)"
+
+
+def test_demo_command_exits_zero(capsys):
+    from hibana_core.demo.run import main
+
+    assert main(["--agents", "2", "--tasks", "1", "--device", "cpu", "--no-live"]) == 0
+    out = capsys.readouterr().out
+    assert "tasks solved" in out and "reused" in out
