@@ -13,12 +13,11 @@ comes back as text with finish_reason "malformed_tool_call".
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Sequence
 
 from hibana_core.config import SamplingParams
 from hibana_core.errors import HibanaError
@@ -152,36 +151,40 @@ class Chat:
                 params: SamplingParams | None = None) -> ChatResult:
         """Render, sync the state, generate one assistant turn, parse its tool calls."""
         result = None
-        for delta in self.stream_respond(messages, tools, params, _deltas=False):
+        for delta in self.stream_respond(messages, tools, params):
             result = delta.result
         assert result is not None
         return result
 
     async def arespond(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
                        params: SamplingParams | None = None) -> ChatResult:
-        return await asyncio.to_thread(self.respond, messages, tools, params)
+        result = None
+        async for delta in self.astream_respond(messages, tools, params):
+            result = delta.result
+        assert result is not None
+        return result
 
     def stream_respond(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-                       params: SamplingParams | None = None, _deltas: bool = True) -> Iterator[ChatDelta]:
+                       params: SamplingParams | None = None) -> Iterator[ChatDelta]:
         """Text deltas and tool-call deltas as they are generated; the last item carries the
         ChatResult. Closing the iterator early cancels the generation."""
-        prompt = self.prompt_ids(messages, tools)
-        synced = self.handle.sync(prompt)
-        stream = self.parser.stream()
-        completion = None
-        events = self.handle.stream(self._params(params))
+        turn = _Turn(self)
+        events = self.handle.stream(self._params(params), prompt=self.prompt_ids(messages, tools))
         with contextlib.closing(events):  # an early close of this iterator cancels the request
             for event in events:
-                pieces = stream.feed(event.text) if event.text else []
-                if event.completion is not None:
-                    completion = event.completion
-                    pieces += stream.close()
-                if _deltas:
-                    for piece in pieces:
-                        yield ChatDelta(tool_call=piece) if isinstance(piece, ToolCallDelta) else ChatDelta(text=piece)
-        assert completion is not None
-        usage = Usage(len(prompt), synced.reused, len(completion.token_ids))
-        yield ChatDelta(result=self._result(stream.finish(), completion, usage))
+                yield from turn.feed(event)
+
+    async def astream_respond(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
+                              params: SamplingParams | None = None) -> AsyncIterator[ChatDelta]:
+        """`stream_respond` on the caller's event loop: awaits the engine, never blocks the loop."""
+        turn = _Turn(self)
+        events = self.handle.astream(self._params(params), prompt=self.prompt_ids(messages, tools))
+        try:
+            async for event in events:
+                for delta in turn.feed(event):
+                    yield delta
+        finally:
+            await events.aclose()  # an early close cancels the request
 
     @staticmethod
     def _result(parsed, completion, usage: Usage) -> ChatResult:
@@ -192,6 +195,24 @@ class Chat:
             return ChatResult(completion.text, [], MALFORMED, usage, parsed.error)
         reason = "tool_calls" if parsed.tool_calls else completion.finish_reason
         return ChatResult(parsed.content, parsed.tool_calls, reason, usage)
+
+
+class _Turn:
+    """Turns a generation's stream events into chat deltas through the tool parser."""
+
+    def __init__(self, chat: Chat) -> None:
+        self.stream = chat.parser.stream()
+
+    def feed(self, event) -> Iterator[ChatDelta]:
+        pieces = self.stream.feed(event.text) if event.text else []
+        if event.completion is not None:
+            pieces += self.stream.close()
+        for piece in pieces:
+            yield ChatDelta(tool_call=piece) if isinstance(piece, ToolCallDelta) else ChatDelta(text=piece)
+        if event.completion is not None:
+            completion = event.completion
+            usage = Usage(completion.stats.prompt_tokens, completion.stats.reused, len(completion.token_ids))
+            yield ChatDelta(result=Chat._result(self.stream.finish(), completion, usage))
 
 
 def assistant_message(result: ChatResult) -> dict:

@@ -292,11 +292,14 @@ class Engine:
         return SyncStats(reused=request.reused, computed=request.computed)
 
     def _submit_generate(self, handle: StateHandle, params: SamplingParams,
-                         loop: asyncio.AbstractEventLoop | None) -> tuple[Request, RequestStream]:
+                         loop: asyncio.AbstractEventLoop | None,
+                         prompt: Sequence[int] | None = None) -> tuple[Request, RequestStream]:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         with self._lock:
             self._check_handle(handle)
+            if prompt is not None:
+                handle._seq.set_tokens(self._validate(prompt))
             if not len(handle._seq):
                 raise ContextLengthError(f"state {handle.id!r} holds no tokens; sync a prompt first")
             return self._submit(handle, params, loop)

@@ -125,29 +125,37 @@ class StateHandle:
     def append(self, token_ids: Sequence[int]) -> SyncStats:
         return self._engine._sync(self, token_ids, append=True)
 
-    def generate(self, params: SamplingParams | None = None) -> Completion:
-        """Generate from the current history; the generated tokens are appended to the state."""
+    def generate(self, params: SamplingParams | None = None, *,
+                 prompt: Sequence[int] | None = None) -> Completion:
+        """Generate from the current history; the generated tokens are appended to the state.
+
+        With `prompt`, the state is first synced to those token ids in the same request: the
+        prefill's last position gives the first token, and `Completion.stats` tells what was
+        reused and computed."""
         completion = None
-        for event in self.stream(params):
+        for event in self.stream(params, prompt=prompt):
             completion = event.completion
         assert completion is not None
         return completion
 
-    def stream(self, params: SamplingParams | None = None) -> Iterator[StreamEvent]:
+    def stream(self, params: SamplingParams | None = None, *,
+               prompt: Sequence[int] | None = None) -> Iterator[StreamEvent]:
         """Token by token. Closing the iterator early cancels the request."""
-        request, stream = self._engine._submit_generate(self, params or SamplingParams(), None)
+        request, stream = self._engine._submit_generate(self, params or SamplingParams(), None, prompt)
         return self._engine._events(request, stream)
 
-    async def agenerate(self, params: SamplingParams | None = None) -> Completion:
+    async def agenerate(self, params: SamplingParams | None = None, *,
+                        prompt: Sequence[int] | None = None) -> Completion:
         completion = None
-        async for event in self.astream(params):
+        async for event in self.astream(params, prompt=prompt):
             completion = event.completion
         assert completion is not None
         return completion
 
-    def astream(self, params: SamplingParams | None = None) -> AsyncIterator[StreamEvent]:
+    def astream(self, params: SamplingParams | None = None, *,
+                prompt: Sequence[int] | None = None) -> AsyncIterator[StreamEvent]:
         request, stream = self._engine._submit_generate(
-            self, params or SamplingParams(), asyncio.get_running_loop())
+            self, params or SamplingParams(), asyncio.get_running_loop(), prompt)
         return self._engine._aevents(request, stream)
 
     def truncate(self, n: int) -> None:

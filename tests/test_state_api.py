@@ -276,3 +276,19 @@ def test_match_state_picks_the_idle_state_with_the_longest_common_prefix(tiny_ch
     assert engine.match_state(base[:5]).id == "long"      # a tie: the most recently used wins
     assert engine.match_state([7, 8]).id == "other"
     assert engine.match_state([9, 9]) is None
+
+
+def test_generate_with_a_prompt_syncs_and_generates_in_one_request(tiny_checkpoints, make_engine):
+    path = tiny_checkpoints["qwen2"]
+    engine = make_engine(path)
+    history = random_tokens(random.Random(81), 50)
+    h = engine.open_state("p")
+    first = h.generate(greedy(8), prompt=history)
+    assert first.stats.reused == 0 and first.stats.computed == 50
+    assert_greedy_matches(path, history, first.token_ids)
+    turn2 = h.tokens + random_tokens(random.Random(82), 12)
+    second = h.generate(greedy(8), prompt=turn2)
+    # the last sampled token and the 12 new ones; everything else was resident
+    assert second.stats.computed == 13 and second.stats.reused == len(turn2) - 13
+    assert_greedy_matches(path, turn2, second.token_ids)
+    assert h.tokens == turn2 + list(second.token_ids)
