@@ -40,6 +40,10 @@ if TYPE_CHECKING:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+_SHARED: dict[tuple, "Engine"] = {}
+_SHARED_LOCK = threading.Lock()
+
+
 @dataclass(frozen=True)
 class EngineStats:
     prompt_tokens_computed: int
@@ -121,6 +125,17 @@ class Engine:
     def from_pretrained(cls, model: str | os.PathLike = "demo", **overrides) -> "Engine":
         """Load a Hugging Face checkpoint directory (or "demo"); overrides go to EngineConfig."""
         return cls(EngineConfig.from_overrides(str(model), **overrides))
+
+    @classmethod
+    def shared(cls, model: str | os.PathLike = "demo", **overrides) -> "Engine":
+        """One engine per (model, overrides) per process: what adapters use, so several chat
+        model objects on one checkpoint share weights, KV pool and step loop."""
+        key = (str(model), tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        with _SHARED_LOCK:
+            engine = _SHARED.get(key)
+            if engine is None or engine._closed:
+                engine = _SHARED[key] = cls.from_pretrained(model, **overrides)
+            return engine
 
     def _num_blocks(self, weight_bytes: int, kv_dtype: torch.dtype) -> int:
         cache, a = self.config.cache, self.model_args

@@ -292,3 +292,19 @@ def test_generate_with_a_prompt_syncs_and_generates_in_one_request(tiny_checkpoi
     assert second.stats.computed == 13 and second.stats.reused == len(turn2) - 13
     assert_greedy_matches(path, turn2, second.token_ids)
     assert h.tokens == turn2 + list(second.token_ids)
+
+
+def test_shared_engines_are_one_per_model_and_options(tiny_checkpoints):
+    from hibana_core import Engine
+
+    path = str(tiny_checkpoints["qwen3"])
+    a = Engine.shared(path, device="cpu", num_blocks=64, progress=False)
+    try:
+        assert Engine.shared(path, device="cpu", num_blocks=64, progress=False) is a
+        b = Engine.shared(path, device="cpu", num_blocks=32, progress=False)
+        assert b is not a
+        b.close()
+        a.close()
+        assert Engine.shared(path, device="cpu", num_blocks=64, progress=False) is not a  # reloaded
+    finally:
+        Engine.shared(path, device="cpu", num_blocks=64, progress=False).close()
