@@ -130,3 +130,40 @@ def test_example_adapter_factory_is_registered_and_drives_a_handle(manager):
     assert adapter.engine is engine
     assert adapter.complete([1, 2, 3], max_tokens=5) == "completion"
     assert engine.calls == [("open_state", "example"), ("sync", [1, 2, 3]), ("generate", 5, 0.0)]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ADD = {"type": "function", "function": {
+    "name": "add_numbers", "description": "Add two numbers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                   "required": ["a", "b"]}}}
+
+
+@pytest.mark.parametrize("question, name, arguments", [
+    ("What is the weather in Lisbon right now?", "get_weather", {"city": "Lisbon"}),
+    ("What is 1234 plus 4321?", "add_numbers", {"a": 1234, "b": 4321}),
+])
+def test_example_adapter_and_parser_end_to_end_on_the_demo_model(manager, question, name, arguments):
+    """Found through the entry point, the plugin's adapter drives the engine and its parser reads
+    the demo model's real generation."""
+    from hibana_core import Engine
+
+    adapter_factory = manager.adapters()["example"]
+    parser = manager.tool_parsers()["example_xml"]
+    with Engine.from_pretrained("demo", device="cpu", progress=False) as engine:
+        prompt = engine.chat("render").prompt_ids([{"role": "user", "content": question}], [WEATHER, ADD])
+        adapter = adapter_factory(engine)
+        assert adapter.engine is engine
+        completion = adapter.complete(prompt, max_tokens=64)
+        parsed = parser.parse(completion.text)
+        assert parsed.error is None, completion.text
+        assert [(c.name, c.arguments) for c in parsed.tool_calls] == [(name, arguments)]
+        # the streaming form agrees, fed token by token as the engine streamed it
+        stream = parser.stream()
+        events = engine.open_state("streamed").stream(prompt=prompt)
+        deltas = [d for ev in events if ev.text for d in stream.feed(ev.text)] + stream.close()
+        calls = [d for d in deltas if isinstance(d, ToolCallDelta) and d.name]
+        assert [c.name for c in calls] == [name]
+        assert [(c.name, c.arguments) for c in stream.finish().tool_calls] == [(name, arguments)]

@@ -1,7 +1,9 @@
-"""Tool calls written as `<call name="get_weather">{"city": "Paris"}</call>`.
+"""Tool calls written as `<call name="get_weather">{"city": "Paris"}</call>`, or in the hermes form
+`<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>`: a parser for a
+model family fine-tuned on both (the bundled demo model writes the second).
 
 Streaming is per call: text outside calls streams as it comes (holding back what may be the start
-of `<call name="`), and each call is emitted whole once its `</call>` arrives.
+of a call tag), and each call is emitted whole once its closing tag arrives.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from hibana_plugins.tool_parsers import (
     partial_tag_length,
 )
 
-OPEN, CLOSE = '<call name="', "</call>"
+TAGS = {'<call name="': "</call>", "<tool_call>": "</tool_call>"}  # open -> close
 CALL = re.compile(r'<call name="([^"<>]+)"\s*>(.*)</call>', re.DOTALL)
+HERMES = re.compile(r"<tool_call>(.*)</tool_call>", re.DOTALL)
 
 
 class ExampleXmlToolParser:
@@ -59,35 +62,30 @@ class ExampleXmlStream:
     def _advance(self, final: bool) -> list[str | ToolCallDelta]:
         out: list[str | ToolCallDelta] = []
         while self._buffer:
-            start = self._buffer.find(OPEN)
-            if start < 0:
-                keep = 0 if final else partial_tag_length(self._buffer, OPEN)
+            found = [(self._buffer.find(tag), tag) for tag in TAGS if tag in self._buffer]
+            if not found:
+                keep = 0 if final else max(partial_tag_length(self._buffer, tag) for tag in TAGS)
                 self._text(out, self._buffer[: len(self._buffer) - keep])
                 self._buffer = self._buffer[len(self._buffer) - keep :]
                 break
+            start, tag = min(found)
             self._text(out, self._buffer[:start])
             self._buffer = self._buffer[start:]
-            end = self._buffer.find(CLOSE)
+            end = self._buffer.find(TAGS[tag])
             if end < 0 and not final:
                 break  # wait for the whole call
-            block_end = len(self._buffer) if end < 0 else end + len(CLOSE)
+            block_end = len(self._buffer) if end < 0 else end + len(TAGS[tag])
             block, self._buffer = self._buffer[:block_end], self._buffer[block_end:]
             self._call(out, block)
         return out
 
     def _call(self, out: list, block: str) -> None:
-        match = CALL.fullmatch(block)
-        try:
-            arguments = json.loads(match.group(2)) if match else None
-        except json.JSONDecodeError as exc:
-            arguments, reason = None, f"invalid JSON arguments ({exc})"
-        else:
-            reason = "arguments must be a JSON object" if match else 'expected <call name="...">'
-        if not isinstance(arguments, dict):
+        name, arguments, reason = _read_call(block)
+        if name is None:
             self._errors.append(reason)
             self._text(out, block)
             return
-        call = ToolCall(new_call_id(), match.group(1), arguments)
+        call = ToolCall(new_call_id(), name, arguments)
         index = len(self._calls)
         self._calls.append(call)
         out.append(ToolCallDelta(index, call.id, call.name))
@@ -97,3 +95,23 @@ class ExampleXmlStream:
         if text:
             self._content.append(text)
             out.append(text)
+
+
+def _read_call(block: str) -> tuple[str | None, dict | None, str]:
+    """(name, arguments, "") for a well-formed call block, else (None, None, why)."""
+    xml, hermes = CALL.fullmatch(block), HERMES.fullmatch(block)
+    if not (xml or hermes):
+        return None, None, 'expected <call name="...">...</call> or <tool_call>...</tool_call>'
+    try:
+        payload = json.loads(xml.group(2) if xml else hermes.group(1))
+    except json.JSONDecodeError as exc:
+        return None, None, f"invalid JSON ({exc})"
+    if xml:
+        name, arguments = xml.group(1), payload
+    elif isinstance(payload, dict):
+        name, arguments = payload.get("name"), payload.get("arguments", {})
+    else:
+        name, arguments = None, None
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        return None, None, "a call needs a name and a JSON object of arguments"
+    return name, arguments, ""
