@@ -1,8 +1,78 @@
 """Compute kernels: each Triton kernel sits beside a plain-torch reference with the same signature.
 
-`hibana_core` calls the dispatching functions exported here; on the CPU they run the references.
+    kernels/<name>.py          plain-torch references: the CPU path, and the oracle in the tests
+    kernels/<name>_triton.py   Triton kernels, imported only when a CUDA tensor arrives
+
+`hibana_core` calls the dispatching functions below: Triton for CUDA tensors when triton imports,
+the references otherwise (CPU, or no triton), so nothing here needs triton to import or run.
 """
 
-from kernels.attention import paged_attention, store_kv
+from __future__ import annotations
 
-__all__ = ["paged_attention", "store_kv"]
+import functools
+import importlib
+
+import torch
+
+from kernels import activation, attention, norm, rotary
+
+__all__ = ["fused_add_rms_norm", "paged_attention", "rms_norm", "rotary_embedding",
+           "silu_and_mul", "store_kv", "triton_available"]
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _triton(module: str, tensor: torch.Tensor):
+    """The Triton module for `tensor`, or None when the reference should run."""
+    if tensor.is_cuda and triton_available():
+        return importlib.import_module(f"kernels.{module}_triton")
+    return None
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
+                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of packed varlen queries [T, H, D] over the paged KV cache; see
+    `kernels.attention.paged_attention`."""
+    impl = _triton("attention", q) or attention
+    return impl.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                max_query_len, max_seq_len, scale, sliding_window)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write new keys/values [T, H_kv, D] to their cache slots (negative slot: skipped)."""
+    impl = _triton("attention", k) or attention
+    impl.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's RMSNorm over the last dim."""
+    return (_triton("norm", x) or norm).rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual), out of place."""
+    return (_triton("norm", x) or norm).fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_table: torch.Tensor, sin_table: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, k) rotated by position (rotate_half convention), out of place."""
+    impl = _triton("rotary", q) or rotary
+    return impl.rotary_embedding(positions, q, k, cos_table, sin_table)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused [..., 2 * I] gate/up projection."""
+    return (_triton("activation", gate_up) or activation).silu_and_mul(gate_up)

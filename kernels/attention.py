@@ -8,6 +8,9 @@ KV cache layout, one layer:
 A step packs the new tokens of all sequences back to back ("varlen"): sequence i owns query rows
 query_start_loc[i]:query_start_loc[i+1], and after this step holds seq_lens[i] tokens of context,
 the last (query_len) of which are its new tokens.
+
+    query rows:  | seq 0: 5 new tokens | seq 1: 1 | seq 2: 3 |     query_start_loc = [0, 5, 6, 9]
+    seq 0 keys:  [ 0 ....................... seq_lens[0] )     its queries: the last 5 positions
 """
 
 from __future__ import annotations
@@ -20,29 +23,50 @@ import torch.nn.functional as F
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Write the new tokens' keys and values into their cache slots."""
+    """Write the new tokens' keys and values into their cache slots; a negative slot is skipped
+    (padding rows of a CUDA-graph batch)."""
     num_kv_heads, head_dim = k.shape[-2:]
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)  # [T, H_kv, D]
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, seq_lens: Sequence[int],
-                    query_start_loc: Sequence[int], scale: float,
-                    sliding_window: int | None = None) -> torch.Tensor:
-    """Causal attention of packed queries over each sequence's paged context.
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
+                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of packed queries over each sequence's paged context (device-tensor form).
 
-    q: [T, H, D]; block_tables: [B, max_blocks]; seq_lens, query_start_loc: host ints (B and B+1).
+    q: [T, H, D]; block_tables: [B, max_blocks] int32; seq_lens: [B] int32;
+    query_start_loc: [B + 1] int32, all on q's device. max_query_len and max_seq_len are host ints
+    from which the Triton path sizes its launches; upper bounds give the same result (a CUDA graph
+    can be captured with its bucket's bounds). max_query_len == 1 selects the decode kernel, so it
+    must not understate. Returns [T, H, D].
+    """
+    return paged_attention_host(q, k_cache, v_cache, block_tables, seq_lens.tolist(),
+                                query_start_loc.tolist(), scale, sliding_window)
+
+
+def paged_attention_host(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: Sequence[int],
+                         query_start_loc: Sequence[int], scale: float,
+                         sliding_window: int | None = None) -> torch.Tensor:
+    """`paged_attention` with the lengths as host ints (B and B + 1 of them).
+
     A query at position p sees keys at positions j with j <= p and, with a sliding window w,
     p - j < w (the convention of Hugging Face's masks). Returns [T, H, D].
     """
     num_heads = q.shape[1]
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for i, ctx_len in enumerate(seq_lens):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         num_q = end - start
+        if num_q == 0:
+            continue
         blocks = block_tables[i, : (ctx_len + block_size - 1) // block_size]
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len]  # [L, H_kv, D]
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
