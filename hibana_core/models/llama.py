@@ -196,8 +196,9 @@ class Attention(nn.Module):
         batch = self.ctx.batch
         k_cache, v_cache = self.ctx.kv_cache.layer(self.layer_idx)
         kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        o = kernels.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens_host,
-                                    batch.query_start_loc_host, self.scale, self.sliding_window)
+        o = kernels.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
+                                    batch.query_start_loc, batch.max_query_len, batch.max_seq_len,
+                                    self.scale, self.sliding_window)
         return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
 
 

@@ -1,0 +1,12 @@
+"""SiLU-and-multiply of a fused gate/up projection: plain-torch reference (CPU path, oracle)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, where gate_up: [..., 2 * I] holds gate then up. Returns [..., I]."""
+    inter = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :inter]) * gate_up[..., inter:]

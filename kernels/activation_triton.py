@@ -1,0 +1,35 @@
+"""SiLU-and-multiply: Triton kernel, same signature as `kernels.activation`."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, INTER: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < INTER
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + INTER + offs, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    # torch rounds silu(gate) to the activations' dtype before the product
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    tl.store(out_ptr + row * INTER + offs, (silu * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """See `kernels.activation.silu_and_mul`."""
+    inter = gate_up.shape[-1] // 2
+    x = gate_up.reshape(-1, 2 * inter)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(gate_up.shape[:-1] + (inter,), dtype=gate_up.dtype, device=gate_up.device)
+    if x.shape[0]:
+        _silu_and_mul_kernel[(x.shape[0], triton.cdiv(inter, BLOCK))](
+            x, out, x.stride(0), INTER=inter, BLOCK=BLOCK, num_warps=4)
+    return out

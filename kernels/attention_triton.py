@@ -1,0 +1,351 @@
+"""Attention over a paged KV cache: Triton kernels, same signatures as `kernels.attention`.
+
+Two attention kernels share one online-softmax step (`_attend`), fp32 accumulation:
+
+- decode (every sequence has one new token): one program per (sequence, KV head, split) handles
+  all query heads of the KV head's group as the rows of one tile, so each key is loaded once per
+  group. Long contexts are split along the sequence (flash-decoding): each split writes its
+  unnormalised output with its running max and sum, and `_reduce_splits_kernel` merges them.
+- prefill / verify (general batches): one program per (sequence, query tile, KV head); the rows of
+  a tile are (query token, head in group) pairs, keys are gathered tile by tile through the block
+  table under the causal (and sliding-window) mask.
+
+Keys are gathered per position (block id = block_table[pos // block_size]), so key tiles need not
+line up with cache blocks. Every launch is sized from host ints only (B, max_query_len,
+max_seq_len), never from device values: no host sync, and the launches can be graph-captured.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+DECODE_MIN_SPLIT = 256  # keys per split at least: shorter splits cost more to merge than they save
+MAX_SPLITS = 64
+NUM_STAGES = 2
+
+
+@triton.jit
+def _gather_kv(cache_ptr, table_ptr, pos, pos_mask, kv_head, offs_d, d_mask,
+               stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr):
+    """[N, D] tile of one KV head at the given positions, 0 where masked."""
+    block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
+    row = block * stride_block + (pos % BLOCK_SIZE) * stride_slot + kv_head * stride_head
+    return tl.load(cache_ptr + row[:, None] + offs_d[None, :],
+                   mask=pos_mask[:, None] & d_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:  # exact for bf16/fp16 inputs: their products are exact in float32
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _attend(q, k, v, visible, m_i, l_i, acc, qk_scale,
+            DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One online-softmax step of the rows of q over one key tile (log2 domain)."""
+    s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * qk_scale  # [M, N]
+    s = tl.where(visible, s, float("-inf"))
+    # m_i starts finite (-1e30), so a row with nothing visible yet keeps p = 0, alpha = 1
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+        qk_scale, window,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+        stride_block, stride_slot, stride_head,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+        BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr):
+    # rows of a tile: BLOCK_Q = BLOCK_M // GROUP query tokens x the GROUP heads of one KV head
+    seq = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first_pos = seq_len - q_len  # position of the sequence's first new token
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // GROUP  # [M] query token within the sequence
+    head = kv_head * GROUP + rows % GROUP
+    row_mask = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+    q_pos = first_pos + q_idx
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_mask = offs_d < HEAD_DIM
+    token = (q_start + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [M, D]
+
+    # keys the tile can see: [lo, hi)
+    tile_first = first_pos + q_tile * BLOCK_Q
+    hi = tl.minimum(tile_first + BLOCK_Q, seq_len)
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(tile_first - window + 1, 0)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_mask = pos < hi
+        k = _gather_kv(k_cache_ptr, table, pos, pos_mask, kv_head, offs_d, d_mask,
+                       stride_block, stride_slot, stride_head, BLOCK_SIZE)
+        v = _gather_kv(v_cache_ptr, table, pos, pos_mask, kv_head, offs_d, d_mask,
+                       stride_block, stride_slot, stride_head, BLOCK_SIZE)
+        visible = (pos[None, :] <= q_pos[:, None]) & row_mask[:, None] & pos_mask[None, :]
+        if SLIDING:
+            visible = visible & (q_pos[:, None] - pos[None, :] < window)
+        m_i, l_i, acc = _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, UPCAST)
+
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+        block_tables_ptr, seq_lens_ptr, query_start_ptr,
+        qk_scale, window, num_splits,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+        stride_block, stride_slot, stride_head,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+        SLIDING: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start  # 1, or 0 for a sequence with no query
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(seq_len - window, 0)
+    # this split's share of [lo, seq_len), whole key tiles
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    split_lo = lo + split * per_split
+    split_hi = tl.minimum(split_lo + per_split, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    head = kv_head * GROUP + g
+    g_mask = g < GROUP * q_len  # q_len is 1 or 0 (not `& (q_len > 0)`: the interpreter
+                                # mishandles a scalar & a block)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_mask = offs_d < HEAD_DIM
+    token = q_start.to(tl.int64)
+    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [G, D]
+
+    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM_P], dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(split_lo, split_hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_mask = pos < split_hi
+        k = _gather_kv(k_cache_ptr, table, pos, pos_mask, kv_head, offs_d, d_mask,
+                       stride_block, stride_slot, stride_head, BLOCK_SIZE)
+        v = _gather_kv(v_cache_ptr, table, pos, pos_mask, kv_head, offs_d, d_mask,
+                       stride_block, stride_slot, stride_head, BLOCK_SIZE)
+        visible = g_mask[:, None] & pos_mask[None, :]
+        m_i, l_i, acc = _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, UPCAST)
+
+    if SPLIT:
+        # partials: [B, H, num_splits] for max and sum, [B, H, num_splits, D] for the output
+        part = (seq * GROUP * tl.num_programs(1) + head) * num_splits + split
+        tl.store(part_max_ptr + part, m_i, mask=g_mask)
+        tl.store(part_sum_ptr + part, l_i, mask=g_mask)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], acc,
+                 mask=g_mask[:, None])
+    else:
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _reduce_splits_kernel(
+        out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, query_start_ptr, num_splits,
+        stride_ot, stride_oh,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_ptr + seq)
+    if tl.load(query_start_ptr + seq + 1) == q_start:
+        return
+    splits = tl.arange(0, SPLITS_P)
+    s_mask = splits < num_splits
+    part = (seq * tl.num_programs(1) + head) * num_splits + splits
+    m = tl.load(part_max_ptr + part, mask=s_mask, other=-1.0e30)
+    l = tl.load(part_sum_ptr + part, mask=s_mask, other=0.0)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    acc = tl.load(part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :],
+                  mask=s_mask[:, None], other=0.0)  # [S, D]
+    m_all = tl.max(m, 0)
+    w = tl.exp2(m - m_all)
+    total = tl.sum(l * w, 0)
+    total = tl.where(total == 0.0, 1.0, total)
+    out = tl.sum(acc * w[:, None], 0) / total
+    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
+                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """See `kernels.attention.paged_attention`. Decode-only batches (max_query_len == 1) take the
+    decode kernel, split along the sequence when the batch alone would not fill the device."""
+    num_seqs = seq_lens.shape[0]
+    num_kv_heads = k_cache.shape[2]
+    num_splits = 1
+    if max_query_len == 1:
+        num_splits = _num_splits(q.device, num_seqs * num_kv_heads, max_seq_len)
+    return paged_attention_launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                  max_query_len, scale, sliding_window, num_splits)
+
+
+def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+                           sliding_window: int | None, num_splits: int) -> torch.Tensor:
+    """The launches behind `paged_attention`, with the decode split count chosen by the caller
+    (tests use it to cover split and unsplit decode on the same shapes)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1 or q.stride(2) != 1:
+        raise ValueError("paged_attention wants k_cache and v_cache alike, head_dim contiguous")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    common = dict(
+        qk_scale=scale * LOG2E, window=sliding_window or 0,
+        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0),
+        stride_oh=out.stride(1), stride_bt=block_tables.stride(0),
+        stride_block=k_cache.stride(0), stride_slot=k_cache.stride(1),
+        stride_head=k_cache.stride(2),
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size, SLIDING=sliding_window is not None,
+        DOT_PRECISION="ieee",  # fp32 inputs: exact products, not tf32; no effect on bf16/fp16
+        # Triton's interpreter (CPU tensors) gets tl.dot of bf16 tiles wrong (triton 3.9)
+        UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16,
+    )
+    if max_query_len > 1:
+        block_m, block_n = _prefill_tiles(q.dtype, common["HEAD_DIM_P"])
+        block_m = max(block_m, triton.next_power_of_2(group))  # rows: query tokens x group heads
+        block_q = block_m // group
+        grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+        _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+                              BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, num_warps=4,
+                              num_stages=NUM_STAGES, **common)
+        return out
+
+    split = num_splits > 1
+    part_shape = (num_seqs, num_heads, num_splits) if split else (1,)
+    part_max = torch.empty(part_shape, dtype=torch.float32, device=q.device)
+    part_sum = torch.empty(part_shape, dtype=torch.float32, device=q.device)
+    part_out = torch.empty(part_shape + (common["HEAD_DIM_P"],) if split else (1,),
+                           dtype=torch.float32, device=q.device)
+    block_n, num_warps = _decode_tiles(q.dtype, common["HEAD_DIM_P"])
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_out, part_max, part_sum, block_tables, seq_lens,
+        query_start_loc, num_splits=num_splits, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n, SPLIT=split, num_warps=num_warps, num_stages=NUM_STAGES, **common)
+    if split:
+        _reduce_splits_kernel[(num_seqs, num_heads)](
+            out, part_out, part_max, part_sum, query_start_loc, num_splits,
+            out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_P=common["HEAD_DIM_P"],
+            SPLITS_P=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
+    return out
+
+
+def _prefill_tiles(dtype: torch.dtype, head_dim_p: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): the largest tiles that ptxas fits in registers for sm_90 with 4 warps
+    (checked offline; not tuned for speed). float32 is the exactness path, not the fast one."""
+    if dtype == torch.float32:
+        return (32, 16) if head_dim_p <= 64 else (16, 16)
+    return (64, 64) if head_dim_p <= 128 else (32, 16)
+
+
+def _decode_tiles(dtype: torch.dtype, head_dim_p: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps), chosen as in _prefill_tiles."""
+    if dtype == torch.float32:
+        return (32, 8) if head_dim_p <= 128 else (16, 4)
+    return 32, 4
+
+
+def _num_splits(device: torch.device, programs: int, max_seq_len: int) -> int:
+    """Enough splits to give every SM about two programs, none shorter than DECODE_MIN_SPLIT."""
+    target = 2 * _sm_count(device)
+    by_length = triton.cdiv(max(max_seq_len, 1), DECODE_MIN_SPLIT)
+    return max(1, min(triton.cdiv(target, programs), by_length, MAX_SPLITS))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter on the CPU: any small number exercises both paths
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """See `kernels.attention.store_kv`: negative slots are skipped, with no host sync."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    if (k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1
+            or k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1)):
+        raise ValueError("store_kv wants k_cache and v_cache alike, slots and head_dim contiguous")
+    block_h = triton.next_power_of_2(num_kv_heads)
+    block_d = triton.next_power_of_2(head_dim)
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(1), k_cache.stride(2), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 2048 else 1)
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_slot, stride_head,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+    # a slot's row: the cache is [num_blocks, block_size, ...], so slot * stride_slot lands on it
+    dst = slot * stride_slot + h * stride_head + d
+    k = tl.load(k_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)

@@ -1,0 +1,59 @@
+"""RMSNorm: Triton kernels, same signatures as `kernels.norm`. One program per row."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, stride_x, stride_res,
+                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded as torch's x + residual
+        tl.store(res_out_ptr + row * N + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
+    normed = (xf * inv_rms).to(x.dtype).to(tl.float32)  # HF: back to the input dtype first
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x, residual, weight, eps):
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)  # a view whenever rows are evenly strided
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    res2 = x2
+    if residual is not None:
+        if residual.dtype != x.dtype or residual.shape != x.shape:
+            raise ValueError("fused_add_rms_norm wants x and residual of one shape and dtype")
+        res2 = residual.reshape(-1, n)
+        if res2.stride(1) != 1:
+            res2 = res2.contiguous()
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
+    rows = x2.shape[0]
+    if rows:
+        block = triton.next_power_of_2(n)
+        _rms_norm_kernel[(rows,)](x2, res2, weight, out, res_out, eps, x2.stride(0), res2.stride(0),
+                                  N=n, BLOCK=block, HAS_RESIDUAL=residual is not None,
+                                  num_warps=min(max(block // 256, 1), 8))
+    return out, res_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """See `kernels.norm.rms_norm`."""
+    return _launch(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `kernels.norm.fused_add_rms_norm`."""
+    return _launch(x, residual, weight, eps)

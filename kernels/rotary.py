@@ -1,0 +1,24 @@
+"""Rotary position embedding (rotate_half convention): plain-torch reference (CPU path, oracle).
+
+cos/sin tables are float32 [max_positions, head_dim]; as in Hugging Face, the rows are cast to
+the activations' dtype before the products, and each product and the sum round to that dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_table: torch.Tensor, sin_table: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, k) rotated by their positions, out of place. positions: [T]; q: [T, H, D];
+    k: [T, H_kv, D]."""
+    cos = cos_table[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
+    sin = sin_table[positions].to(q.dtype)[:, None, :]
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

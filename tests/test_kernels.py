@@ -1,0 +1,358 @@
+"""Kernel tests: the attention references against naive dense attention, and every Triton kernel
+against its torch reference on random inputs.
+
+The Triton checks run under Triton's interpreter on CPU tensors, in one worker process: the
+interpreter is switched on by TRITON_INTERPRET=1, which must be set before triton is first
+imported, something this process cannot promise when the whole suite runs in it (and the
+variable would leak into other tests). With a GPU, the same checks also run compiled, in-process.
+Shapes are small: the interpreter runs each program in Python.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+import torch
+
+import kernels
+from kernels import activation, attention, norm, rotary
+
+BLOCK_SIZE = 16
+HEAD_DIM = 32
+NUM_KV_HEADS = 2
+HAS_TRITON = importlib.util.find_spec("triton") is not None  # triton itself stays unimported here
+DEVICES = [
+    pytest.param("interpreter", marks=pytest.mark.skipif(not HAS_TRITON, reason="no triton")),
+    pytest.param("cuda", marks=pytest.mark.skipif(
+        not (HAS_TRITON and torch.cuda.is_available()), reason="no CUDA device")),
+]
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+             torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+# (seq_len, query_len) per sequence: odd lengths, lengths at and across block boundaries, a
+# one-token prompt, chunks starting mid-block, a chunk of several query tiles, a verify-like
+# chunk of 4, long decodes (several splits)
+DECODE_BATCH = ((1, 1), (15, 1), (16, 1), (17, 1), (33, 1), (150, 1))
+MIXED_BATCH = ((1, 1), (16, 16), (37, 5), (33, 1), (80, 70), (45, 4), (150, 1))
+WINDOW = 20
+
+
+def _exact(device, dtype):
+    """Bit-exact, but the interpreter casts float32 to bfloat16 by truncation (compiled Triton,
+    like torch, rounds to nearest even), so there bf16 results may differ by one unit."""
+    if device == "cpu" and dtype == torch.bfloat16:
+        return TOLERANCE[dtype]
+    return dict(atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+
+
+def make_paged_batch(lens, num_heads, num_kv_heads, dtype, device, seed, head_dim=HEAD_DIM):
+    """Random dense K/V per sequence, scattered into a NaN-filled paged cache through shuffled
+    block tables (NaN: a kernel that reads a slot it should not makes the output NaN)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(math.ceil(s / BLOCK_SIZE) for s, _ in lens) + 3
+    width = max(math.ceil(s / BLOCK_SIZE) for s, _ in lens) + 1  # one column of padding
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, dense_k, dense_v = [], [], []
+    for seq_len, _ in lens:
+        blocks = [perm.pop() for _ in range(math.ceil(seq_len / BLOCK_SIZE))]
+        tables.append(blocks + [0] * (width - len(blocks)))
+        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        slots = torch.tensor([blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                              for p in range(seq_len)])
+        attention.store_kv(k, v, k_cache, v_cache, slots)
+        dense_k.append(k)
+        dense_v.append(v)
+    starts = [0]
+    for _, query_len in lens:
+        starts.append(starts[-1] + query_len)
+    q = torch.randn(starts[-1], num_heads, head_dim, generator=gen).to(dtype)
+    to = dict(device=device)
+    return dict(
+        q=q.to(**to), k_cache=k_cache.to(**to), v_cache=v_cache.to(**to),
+        block_tables=torch.tensor(tables, dtype=torch.int32, **to),
+        seq_lens=torch.tensor([s for s, _ in lens], dtype=torch.int32, **to),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, **to),
+        max_query_len=max(n for _, n in lens), max_seq_len=max(s for s, _ in lens),
+    ), dense_k, dense_v
+
+
+def naive_attention(q, dense_k, dense_v, lens, scale, window):
+    """Per query row, softmax over the visible keys of its sequence, in float64."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    row = 0
+    group = q.shape[1] // dense_k[0].shape[1]
+    for (seq_len, query_len), k, v in zip(lens, dense_k, dense_v):
+        k = k.double().repeat_interleave(group, dim=1)  # [L, H, D]
+        v = v.double().repeat_interleave(group, dim=1)
+        for p in range(seq_len - query_len, seq_len):
+            j = torch.arange(seq_len)
+            visible = (j <= p) & ((p - j < window) if window else True)
+            s = torch.einsum("hd,lhd->hl", q[row].double(), k) * scale
+            s = s.masked_fill(~visible, float("-inf"))
+            out[row] = torch.einsum("hl,lhd->hd", s.softmax(-1), v)
+            row += 1
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the references against naive dense attention
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("window", [None, WINDOW])
+@pytest.mark.parametrize("lens", [DECODE_BATCH, MIXED_BATCH], ids=["decode", "mixed"])
+def test_reference_attention_matches_dense(group, window, lens):
+    batch, dense_k, dense_v = make_paged_batch(lens, group * NUM_KV_HEADS, NUM_KV_HEADS,
+                                               torch.float32, "cpu", seed=group)
+    scale = HEAD_DIM ** -0.5
+    expected = naive_attention(batch["q"], dense_k, dense_v, lens, scale, window)
+    out = attention.paged_attention(**batch, scale=scale, sliding_window=window)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    host = attention.paged_attention_host(
+        batch["q"], batch["k_cache"], batch["v_cache"], batch["block_tables"],
+        batch["seq_lens"].tolist(), batch["query_start_loc"].tolist(), scale, window)
+    torch.testing.assert_close(host, out, atol=0, rtol=0)
+
+
+def test_reference_store_kv_skips_negative_slots():
+    k_cache = torch.zeros(2, BLOCK_SIZE, 1, 4)
+    v_cache = torch.zeros(2, BLOCK_SIZE, 1, 4)
+    k, v = torch.ones(3, 1, 4), 2 * torch.ones(3, 1, 4)
+    attention.store_kv(k, v, k_cache, v_cache, torch.tensor([17, -1, 3]))
+    assert k_cache.view(-1, 4).sum(-1).nonzero().flatten().tolist() == [3, 17]
+    assert v_cache.view(-1, 4)[17].tolist() == [2.0] * 4
+
+
+def test_dispatch_on_cpu_runs_the_references_without_importing_triton():
+    """`kernels` imports and runs on the CPU with triton never imported."""
+    script = textwrap.dedent("""
+        import sys, torch, kernels
+        x = torch.randn(3, 8)
+        kernels.rms_norm(x, torch.ones(8), 1e-6)
+        kernels.fused_add_rms_norm(x, x, torch.ones(8), 1e-6)
+        kernels.silu_and_mul(x)
+        table = torch.randn(8, 4)
+        kernels.rotary_embedding(torch.arange(3), x.view(3, 2, 4), x.view(3, 2, 4), table, table)
+        cache = torch.zeros(2, 16, 1, 4)
+        kernels.store_kv(x.view(3, 2, 4)[:, :1], x.view(3, 2, 4)[:, 1:], cache, cache.clone(),
+                         torch.tensor([0, 1, 2]))
+        kernels.paged_attention(x.view(3, 2, 4), cache, cache, torch.zeros(1, 2, dtype=torch.int32),
+                                torch.tensor([3], dtype=torch.int32),
+                                torch.tensor([0, 3], dtype=torch.int32), 3, 3, 0.5, None)
+        assert "triton" not in sys.modules, "the CPU path imported triton"
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=os.path.dirname(os.path.dirname(
+        os.path.abspath(kernels.__file__))))
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels against the references. Each check_* runs either in the interpreter worker (CPU
+# tensors) or here on CUDA tensors; it raises on a mismatch.
+
+
+def _triton_module(name):
+    return importlib.import_module(f"kernels.{name}_triton")
+
+
+def check_paged_attention(device, group, window, lens, dtype, num_splits, head_dim=HEAD_DIM,
+                          bounds_slack=0):
+    """bounds_slack: pass max_query_len and max_seq_len overstated by this much (CUDA graphs)."""
+    triton_attention = _triton_module("attention")
+    batch, _, _ = make_paged_batch(lens, group * NUM_KV_HEADS, NUM_KV_HEADS, dtype, device,
+                                   seed=7 * group + len(lens), head_dim=head_dim)
+    scale = head_dim ** -0.5
+    expected = attention.paged_attention(**batch, scale=scale, sliding_window=window)
+    if bounds_slack and batch["max_query_len"] > 1:
+        batch["max_query_len"] += bounds_slack
+    batch["max_seq_len"] += bounds_slack
+    if num_splits is None:  # the public entry point, choosing its own splits
+        out = triton_attention.paged_attention(**batch, scale=scale, sliding_window=window)
+    else:
+        out = triton_attention.paged_attention_launch(
+            batch["q"], batch["k_cache"], batch["v_cache"], batch["block_tables"],
+            batch["seq_lens"], batch["query_start_loc"], batch["max_query_len"], scale, window,
+            num_splits)
+    assert not out.isnan().any(), "read an unwritten cache slot"
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+def check_store_kv(device, dtype):
+    triton_attention = _triton_module("attention")
+    gen = torch.Generator().manual_seed(3)
+    kv = torch.randn(9, 2 * NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype).to(device)
+    k, v = kv[:, :NUM_KV_HEADS], kv[:, NUM_KV_HEADS:]  # strided views, as from a fused projection
+    slots = torch.randperm(4 * BLOCK_SIZE, generator=gen)[:9]
+    slots[4] = -1  # a padding row
+    caches = [torch.full((4, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), float("nan"), dtype=dtype,
+                         device=device) for _ in range(4)]
+    attention.store_kv(k, v, caches[0], caches[1], slots.to(device))
+    triton_attention.store_kv(k, v, caches[2], caches[3], slots.to(device))
+    torch.testing.assert_close(caches[2], caches[0], atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(caches[3], caches[1], atol=0, rtol=0, equal_nan=True)
+
+
+def check_norms(device, dtype, shape):
+    triton_norm = _triton_module("norm")
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = (3 * torch.randn(*shape, generator=gen)).to(dtype).to(device)
+    residual = torch.randn(*shape, generator=gen).to(dtype).to(device)
+    weight = (1 + torch.randn(shape[-1], generator=gen) / 4).to(dtype).to(device)
+    x_strided = torch.cat([x, x], dim=-1)[..., : shape[-1]]  # rows not contiguous
+    for inp in (x, x_strided):
+        torch.testing.assert_close(triton_norm.rms_norm(inp, weight, 1e-6),
+                                   norm.rms_norm(inp, weight, 1e-6), **TOLERANCE[dtype])
+    out, new_residual = triton_norm.fused_add_rms_norm(x, residual, weight, 1e-5)
+    ref_out, ref_residual = norm.fused_add_rms_norm(x, residual, weight, 1e-5)
+    torch.testing.assert_close(new_residual, ref_residual, **_exact(device, dtype))
+    torch.testing.assert_close(out, ref_out, **TOLERANCE[dtype])
+
+
+def check_rotary(device, dtype, num_heads, head_dim):
+    triton_rotary = _triton_module("rotary")
+    gen = torch.Generator().manual_seed(num_heads + head_dim)
+    max_pos, tokens = 300, 11
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(device), emb.sin().to(device)
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(device)
+    qkv = torch.randn(tokens, num_heads + 2 * NUM_KV_HEADS, head_dim, generator=gen)
+    qkv = qkv.to(dtype).to(device)
+    q, k = qkv[:, :num_heads], qkv[:, num_heads:num_heads + NUM_KV_HEADS]  # strided views
+    out_q, out_k = triton_rotary.rotary_embedding(positions, q, k, cos, sin)
+    ref_q, ref_k = rotary.rotary_embedding(positions, q, k, cos, sin)
+    torch.testing.assert_close(out_q, ref_q, **TOLERANCE[dtype])
+    torch.testing.assert_close(out_k, ref_k, **TOLERANCE[dtype])
+
+
+def check_silu_and_mul(device, dtype, inter):
+    triton_activation = _triton_module("activation")
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = (3 * torch.randn(5, 2 * inter, generator=gen)).to(dtype).to(device)
+    torch.testing.assert_close(triton_activation.silu_and_mul(gate_up),
+                               activation.silu_and_mul(gate_up), **TOLERANCE[dtype])
+
+
+# ---------------------------------------------------------------------------------------------
+# the interpreter worker
+
+
+def _start_interpreter():
+    if "triton" in sys.modules:
+        raise RuntimeError("triton was imported before TRITON_INTERPRET could be set")
+    os.environ["TRITON_INTERPRET"] = "1"
+    torch.set_num_threads(1)  # tiny tensors: threads only add overhead
+
+
+def _interpreter_problem():
+    """Why this triton's interpreter cannot run the constructs the kernels use, or None. (Seen:
+    triton 3.6 with numpy 2.4 cannot bound a loop by a loaded value, its scalars being 1-element
+    arrays that int() refuses; triton 3.0 with numpy 2.4 cannot even run tl.arange.)"""
+    import triton
+    import triton.language as tl
+    globals()["tl"] = tl  # triton 3.0 looks for triton.language among a kernel's globals
+
+    @triton.jit
+    def probe(n_ptr, out_ptr, BLOCK: tl.constexpr):
+        total = tl.zeros([BLOCK], dtype=tl.int64)
+        for i in range(0, tl.load(n_ptr + tl.program_id(0))):
+            total += i
+        tl.store(out_ptr + tl.arange(0, BLOCK), total)
+
+    out = torch.zeros(16, dtype=torch.int64)
+    try:
+        probe[(1,)](torch.tensor([3]), out, BLOCK=16)
+    except Exception as error:  # noqa: BLE001 - any failure means the same: cannot run here
+        return f"triton {triton.__version__}'s interpreter is broken here: {error!r}"
+    if out.tolist() != [3] * 16:
+        return f"triton {triton.__version__}'s interpreter computes wrong results here"
+    return None
+
+
+@pytest.fixture(scope="module")
+def interpreter_worker():
+    """(worker, problem): the worker process, and why it cannot run the checks (or None)."""
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: triton not imported
+    with ProcessPoolExecutor(max_workers=1, mp_context=context,
+                             initializer=_start_interpreter) as worker:
+        yield worker, worker.submit(_interpreter_problem).result()
+
+
+@pytest.fixture(params=DEVICES)
+def run_check(request):
+    """run_check(check, **params): on CPU tensors in the interpreter worker, or here on CUDA."""
+    if request.param == "cuda":
+        return lambda check, **params: check("cuda", **params)
+    worker, problem = request.getfixturevalue("interpreter_worker")
+    if problem:
+        pytest.skip(problem)
+    return lambda check, **params: worker.submit(check, "cpu", **params).result()
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("window", [None, WINDOW])
+@pytest.mark.parametrize("lens, num_splits",  # None: the entry point's own choice (here: 1)
+                         [(MIXED_BATCH, None), (DECODE_BATCH, None), (DECODE_BATCH, 3)],
+                         ids=["mixed", "decode", "decode-3splits"])
+def test_paged_attention(run_check, dtype, group, window, lens, num_splits):
+    run_check(check_paged_attention, group=group, window=window, lens=lens, dtype=dtype,
+              num_splits=num_splits)
+
+
+# a group that is not a power of two (Qwen2.5-7B: 7), the tiny test models' head_dim 16, and a
+# head_dim that is not a power of two (padded and masked)
+@pytest.mark.parametrize("group, head_dim", [(7, 32), (2, 16), (2, 48)])
+def test_paged_attention_odd_shapes(run_check, group, head_dim):
+    for lens, num_splits in ((MIXED_BATCH, None), (DECODE_BATCH, 2)):
+        run_check(check_paged_attention, group=group, window=WINDOW, lens=lens,
+                  dtype=torch.float32, num_splits=num_splits, head_dim=head_dim)
+
+
+@pytest.mark.parametrize("lens", [DECODE_BATCH, MIXED_BATCH], ids=["decode", "mixed"])
+def test_paged_attention_with_overstated_bounds(run_check, lens):
+    run_check(check_paged_attention, group=2, window=None, lens=lens, dtype=torch.float32,
+              num_splits=None, bounds_slack=4000)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+def test_store_kv(run_check, dtype):
+    run_check(check_store_kv, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(5, 96), (3, 4, 32), (2, 1000)], ids=str)
+def test_norms(run_check, dtype, shape):
+    run_check(check_norms, dtype=dtype, shape=shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_heads, head_dim", [(4, 16), (6, 64)])
+def test_rotary_embedding(run_check, dtype, num_heads, head_dim):
+    run_check(check_rotary, dtype=dtype, num_heads=num_heads, head_dim=head_dim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("inter", [96, 1500])  # 1500: more than one program per row
+def test_silu_and_mul(run_check, dtype, inter):
+    run_check(check_silu_and_mul, dtype=dtype, inter=inter)
