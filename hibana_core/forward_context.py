@@ -23,9 +23,7 @@ class ForwardBatch:
     block_tables: torch.Tensor     # [B, max_blocks] int32, padded with 0
     seq_lens: torch.Tensor         # [B] int32: context length of each sequence after this step
     query_start_loc: torch.Tensor  # [B + 1] int32: first query row of each sequence
-    seq_lens_host: tuple[int, ...]
-    query_start_loc_host: tuple[int, ...]
-    max_query_len: int
+    max_query_len: int             # host ints: bounds that size kernel launches (may overstate)
     max_seq_len: int
 
 

@@ -57,8 +57,6 @@ class ModelRunner:
             block_tables=tensor(padded, torch.int32),
             seq_lens=tensor(seq_lens, torch.int32),
             query_start_loc=tensor(starts, torch.int32),
-            seq_lens_host=tuple(seq_lens),
-            query_start_loc_host=tuple(starts),
             max_query_len=max(c.num_tokens for c in output.chunks),
             max_seq_len=max(seq_lens),
         )
