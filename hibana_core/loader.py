@@ -119,8 +119,10 @@ def _weight_files(path: Path) -> list[Path]:
 def _load_weights(module: torch.nn.Module, path: Path, progress: bool) -> None:
     from safetensors import safe_open
 
-    params = dict(module.named_parameters(remove_duplicate=False))
-    params.update(dict(module.named_buffers()))
+    if hasattr(module, "checkpoint_tensors"):  # a family with fused or renamed parameters
+        params = module.checkpoint_tensors()
+    else:
+        params = dict(module.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     files = _weight_files(path)
     try:
@@ -147,7 +149,7 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool) -> None:
                                           f"implies {tuple(target.shape)}; config and weights disagree")
                 target.data.copy_(tensor)
                 loaded.add(name)
-    expected = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    expected = set(params)
     if getattr(module, "tied_weight_names", ()):
         expected -= set(module.tied_weight_names)  # filled by their twin
     missing = sorted(expected - loaded)

@@ -130,11 +130,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with a residual, (norm(x + residual), x + residual) in one pass."""
+        if residual is None:
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -158,17 +158,12 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         if self.cos is None or self.cos.device != positions.device:
             self._build(positions.device)
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return kernels.rotary_embedding(positions, q, k, self.cos, self.sin)
 
 
 class Attention(nn.Module):
+    """Self-attention with a fused q/k/v projection (the checkpoint's three are loaded into it)."""
+
     def __init__(self, args: LlamaArgs, layer_idx: int, ctx: ForwardContext,
                  rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -177,9 +172,8 @@ class Attention(nn.Module):
         self.scale = args.head_dim ** -0.5
         self.sliding_window = args.sliding_windows[layer_idx]
         h, d = args.hidden_size, args.head_dim
-        self.q_proj = nn.Linear(h, args.num_heads * d, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.qkv_bias)
+        self.split = (args.num_heads * d, args.num_kv_heads * d, args.num_kv_heads * d)
+        self.qkv_proj = nn.Linear(h, sum(self.split), bias=args.qkv_bias)
         self.o_proj = nn.Linear(args.num_heads * d, h, bias=args.o_bias)
         if args.qk_norm:
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
@@ -187,9 +181,10 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)      # [T, H, D]
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)   # [T, H_kv, D]
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)      # [T, H, D]
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)   # [T, H_kv, D]
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
@@ -203,15 +198,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU with a fused gate/up projection."""
+
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         h, i = args.hidden_size, args.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(h, i, bias=args.mlp_bias)
+        self.gate_up_proj = nn.Linear(h, 2 * i, bias=args.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -223,9 +219,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None):
+        """The residual stream is carried beside x, so each add fuses with the next norm."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -237,10 +239,15 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual)
+        return self.norm(x, residual)[0]
+
+
+# checkpoint name -> (fused parameter, index of its part)
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
 class LlamaForCausalLM(nn.Module):
@@ -263,6 +270,26 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor name a Hugging Face checkpoint holds -> where its values go (views into
+        the fused q/k/v and gate/up parameters)."""
+        a = self.args
+        sizes = {"qkv_proj": (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim,
+                              a.num_kv_heads * a.head_dim),
+                 "gate_up_proj": (a.intermediate_size, a.intermediate_size)}
+        targets: dict[str, torch.Tensor] = {}
+        for name, param in self.named_parameters(remove_duplicate=False):
+            module, _, kind = name.rpartition(".")
+            parent, _, proj = module.rpartition(".")
+            if proj not in sizes:
+                targets[name] = param
+                continue
+            parts = param.data.split(sizes[proj], dim=0)
+            for hf_proj, (fused, index) in _FUSED.items():
+                if fused == proj:
+                    targets[f"{parent}.{hf_proj}.{kind}"] = parts[index]
+        return targets
 
 
 def build(config: Any, ctx: ForwardContext) -> tuple[LlamaForCausalLM, LlamaArgs]:
