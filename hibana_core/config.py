@@ -32,6 +32,8 @@ class CacheConfig:
     """Share of free device memory (host RAM on CPU) the engine may take when no budget is given."""
     max_kv_bytes_cpu: int = 2 << 30
     """Upper bound on KV bytes on the CPU backend when sized automatically (RAM is shared with the OS)."""
+    enable_prefix_caching: bool = True
+    """Share full blocks between states through the prefix index (off: benchmarks' baseline)."""
     kv_dtype: str = "auto"
     """KV cache dtype: "auto" (the model dtype), "float32", "bfloat16" or "float16"."""
 
@@ -80,6 +82,8 @@ class EngineConfig:
     """Longest history a state may hold; None: the model's max_position_embeddings."""
     progress: bool = True
     """Show progress bars for long work (loading)."""
+    cuda_graphs: bool = True
+    """Replay decode steps from CUDA graphs (CUDA only); False runs every step eagerly."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -27,7 +27,7 @@ from hibana_core.forward_context import ForwardContext
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.cache import KVCache
 from hibana_core.kv.sequence import KVSequence, common_prefix_len
-from hibana_core.loader import load_model
+from hibana_core.loader import load_from_hf_model, load_model
 from hibana_core.runner import ModelRunner
 from hibana_core.sampler import Sampler, make_generator
 from hibana_core.scheduler import IdleLRUEviction, Request, RequestStatus, Scheduler
@@ -92,11 +92,15 @@ def _resolve_device(device: str) -> torch.device:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, hf_model: torch.nn.Module | None = None,
+                 tokenizer=None) -> None:
         self.config = config
         self.device = _resolve_device(config.device)
         self._ctx = ForwardContext()
-        loaded = load_model(config.model, self.device, config.dtype, self._ctx, config.progress)
+        if hf_model is None:
+            loaded = load_model(config.model, self.device, config.dtype, self._ctx, config.progress)
+        else:
+            loaded = load_from_hf_model(hf_model, self.device, config.dtype, self._ctx, tokenizer)
         self.model, self.model_args, self.tokenizer = loaded.model, loaded.args, loaded.tokenizer
         self.hf_config, self.fingerprint, self.dtype = loaded.hf_config, loaded.fingerprint, loaded.dtype
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
@@ -111,7 +115,9 @@ class Engine:
         self.pool = BlockPool(num_blocks, bs)
         self._states: dict[str, StateHandle] = {}
         self.scheduler = Scheduler(config.scheduler, self.pool, IdleLRUEviction(self.pool, self._idle_sequences))
-        self.runner = ModelRunner(self.model, self._ctx, Sampler(self.device, config.seed), self.device)
+        self.runner = ModelRunner(self.model, self._ctx, Sampler(self.device, config.seed), self.device,
+                                  self.max_model_len, config.scheduler.max_concurrent_agents,
+                                  config.cuda_graphs)
         self._counters = _Counters()
         self._lock = threading.RLock()
         self._work = threading.Condition(self._lock)
@@ -125,6 +131,12 @@ class Engine:
     def from_pretrained(cls, model: str | os.PathLike = "demo", **overrides) -> "Engine":
         """Load a Hugging Face checkpoint directory (or "demo"); overrides go to EngineConfig."""
         return cls(EngineConfig.from_overrides(str(model), **overrides))
+
+    @classmethod
+    def from_hf_model(cls, hf_model: torch.nn.Module, tokenizer=None, **overrides) -> "Engine":
+        """An engine on the weights of an in-memory transformers model (copied, not shared)."""
+        name = getattr(hf_model.config, "name_or_path", "") or hf_model.config.model_type
+        return cls(EngineConfig.from_overrides(str(name), **overrides), hf_model, tokenizer)
 
     @classmethod
     def shared(cls, model: str | os.PathLike = "demo", **overrides) -> "Engine":
@@ -195,8 +207,11 @@ class Engine:
             self._check_open()
             handle = self._states.get(state_id)
             if handle is None:
-                handle = self._new_handle(state_id, KVSequence(self.pool, self.kv_cache.copy_block))
+                handle = self._new_handle(state_id, self._new_sequence())
             return handle
+
+    def _new_sequence(self) -> KVSequence:
+        return KVSequence(self.pool, self.kv_cache.copy_block, self.config.cache.enable_prefix_caching)
 
     def _new_handle(self, state_id: str, seq: KVSequence) -> StateHandle:
         handle = StateHandle(self, state_id, seq)
@@ -214,7 +229,7 @@ class Engine:
                 raise StateExistsError(f"a state with id {state_id!r} is open; close it or pass "
                                        "load_state(path, state_id=...) with another id")
             self._validate(saved.tokens)
-            seq = KVSequence(self.pool, self.kv_cache.copy_block)
+            seq = self._new_sequence()
             seq.tokens = list(saved.tokens)
             layout_matches = (saved.block_size == self.pool.block_size
                               and saved.kv.shape[3:] == self.kv_cache.data.shape[3:])

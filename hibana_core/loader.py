@@ -73,11 +73,7 @@ def load_model(model: str, device: torch.device, dtype: str, ctx: ForwardContext
                progress: bool = True) -> LoadedModel:
     path = resolve_checkpoint(model)
     model_type = read_model_type(path)
-    families = get_plugin_manager().model_families()
-    if model_type not in families:
-        raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported; supported model types: "
-            f"{', '.join(sorted(families))} (a plugin can add one through register_model_families)")
+    family = _family(model_type)
     from transformers import AutoConfig
 
     try:
@@ -85,17 +81,56 @@ def load_model(model: str, device: torch.device, dtype: str, ctx: ForwardContext
     except Exception as exc:  # transformers raises many types for a bad config
         raise CheckpointError(f"cannot read {path / 'config.json'}: {exc}") from exc
     torch_dtype = resolve_dtype(dtype, device, hf_config)
-    with torch.device("meta"):
-        module, args = families[model_type].build(hf_config, ctx)
-    module = module.to(dtype=torch_dtype).to_empty(device=device)
-    if getattr(args, "tie_word_embeddings", False):
-        module.lm_head.weight = module.model.embed_tokens.weight
+    module, args = _build(family, hf_config, device, torch_dtype, ctx)
     _load_weights(module, path, progress)
+    return _loaded(module, args, hf_config, _load_tokenizer(path), _eos_token_ids(path, hf_config),
+                   torch_dtype, _fingerprint(path))
+
+
+def load_from_hf_model(hf_model: torch.nn.Module, device: torch.device, dtype: str,
+                       ctx: ForwardContext, tokenizer: Any | None = None) -> LoadedModel:
+    """Our model with the weights of an in-memory transformers model (benchmarks build random
+    presets this way, and run the transformers peer on the very same weights)."""
+    hf_config = hf_model.config
+    family = _family(hf_config.model_type)
+    torch_dtype = resolve_dtype(dtype, device, hf_config)
+    module, args = _build(family, hf_config, device, torch_dtype, ctx)
+    targets = module.checkpoint_tensors() if hasattr(module, "checkpoint_tensors") else \
+        dict(module.named_parameters(remove_duplicate=False))
+    for name, tensor in hf_model.state_dict().items():
+        if name in targets:
+            targets[name].data.copy_(tensor)
+    eos = hf_config.eos_token_id
+    digest = hashlib.sha256(hf_config.to_json_string().encode()).hexdigest()
+    return _loaded(module, args, hf_config, tokenizer,
+                   tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,)),
+                   torch_dtype, f"in-memory:{digest}:{id(hf_model)}")
+
+
+def _family(model_type: str) -> Any:
+    families = get_plugin_manager().model_families()
+    if model_type not in families:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; supported model types: "
+            f"{', '.join(sorted(families))} (a plugin can add one through register_model_families)")
+    return families[model_type]
+
+
+def _build(family: Any, hf_config: Any, device: torch.device, dtype: torch.dtype,
+           ctx: ForwardContext) -> tuple[torch.nn.Module, Any]:
+    with torch.device("meta"):  # no memory and no random init for weights about to be loaded
+        module, args = family.build(hf_config, ctx)
+    module = module.to(dtype=dtype).to_empty(device=device)
+    if hasattr(module, "tie_weights"):
+        module.tie_weights()  # to_empty gives each twin its own storage
+    return module, args
+
+
+def _loaded(module: torch.nn.Module, args: Any, hf_config: Any, tokenizer: Any | None,
+            eos: tuple[int, ...], dtype: torch.dtype, fingerprint: str) -> LoadedModel:
     module.eval().requires_grad_(False)
-    tokenizer = _load_tokenizer(path)
     weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-    return LoadedModel(module, args, hf_config, tokenizer, _eos_token_ids(path, hf_config),
-                       torch_dtype, weight_bytes, _fingerprint(path))
+    return LoadedModel(module, args, hf_config, tokenizer, eos, dtype, weight_bytes, fingerprint)
 
 
 def _weight_files(path: Path) -> list[Path]:

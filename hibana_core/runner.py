@@ -1,10 +1,12 @@
 """Model runner: prepares the batch tensors of a step once, runs the forward, samples.
 
-The only host synchronisation of a step is reading the sampled tokens back.
+On CUDA, decode-only steps replay a CUDA graph captured per batch-size bucket; everything else
+runs eagerly. The only host synchronisation of a step is reading the sampled tokens back.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +14,8 @@ import torch
 from hibana_core.forward_context import ForwardBatch, ForwardContext
 from hibana_core.sampler import Sampler, SamplingRow
 from hibana_core.scheduler import SchedulerOutput
+
+_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 @dataclass(frozen=True)
@@ -22,55 +26,159 @@ class ModelInput:
     logits_indices: torch.Tensor  # [S]: rows of the sequences that sample this step
 
 
+@dataclass(frozen=True)
+class StepData:
+    """A step's integer inputs, built on the host in one pass over the chunks."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    seq_lens: list[int]
+    starts: list[int]
+    tables: list[list[int]]
+    logits_indices: list[int]
+    max_query_len: int
+
+
+def gather_step(output: SchedulerOutput) -> StepData:
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    seq_lens: list[int] = []
+    starts = [0]
+    tables: list[list[int]] = []
+    logits_indices: list[int] = []
+    for chunk in output.chunks:
+        seq = chunk.request.seq
+        end = chunk.start + chunk.num_tokens
+        ids.extend(seq.tokens[chunk.start:end])
+        positions.extend(range(chunk.start, end))
+        slots.extend(seq.slot(p) for p in range(chunk.start, end))
+        seq_lens.append(end)
+        starts.append(starts[-1] + chunk.num_tokens)
+        tables.append(seq.block_ids)
+        if chunk.sample:
+            logits_indices.append(starts[-1] - 1)
+    return StepData(ids, positions, slots, seq_lens, starts, tables, logits_indices,
+                    max(c.num_tokens for c in output.chunks))
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, ctx: ForwardContext, sampler: Sampler,
-                 device: torch.device) -> None:
+                 device: torch.device, max_model_len: int, max_batch: int,
+                 cuda_graphs: bool = True) -> None:
         self.model, self.ctx, self.sampler, self.device = model, ctx, sampler, device
+        self.max_model_len = max_model_len
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and device.type == "cuda":
+            self.graphs = DecodeGraphs(self, max_batch)
 
-    def prepare(self, output: SchedulerOutput) -> ModelInput:
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        starts = [0]
-        logits_indices: list[int] = []
-        tables: list[list[int]] = []
-        for chunk in output.chunks:
-            seq = chunk.request.seq
-            end = chunk.start + chunk.num_tokens
-            ids.extend(seq.tokens[chunk.start:end])
-            positions.extend(range(chunk.start, end))
-            slots.extend(seq.slot(p) for p in range(chunk.start, end))
-            seq_lens.append(end)
-            starts.append(starts[-1] + chunk.num_tokens)
-            tables.append(seq.block_ids)
-            if chunk.sample:
-                logits_indices.append(starts[-1] - 1)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
+    def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
+        host = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host
 
-        def tensor(values, dtype=torch.long):
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
+    def prepare(self, data: StepData) -> ModelInput:
+        width = max(len(t) for t in data.tables)
+        padded = [t + [0] * (width - len(t)) for t in data.tables]
         batch = ForwardBatch(
-            slot_mapping=tensor(slots),
-            block_tables=tensor(padded, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
-            query_start_loc=tensor(starts, torch.int32),
-            max_query_len=max(c.num_tokens for c in output.chunks),
-            max_seq_len=max(seq_lens),
+            slot_mapping=self._tensor(data.slots),
+            block_tables=self._tensor(padded, torch.int32),
+            seq_lens=self._tensor(data.seq_lens, torch.int32),
+            query_start_loc=self._tensor(data.starts, torch.int32),
+            max_query_len=data.max_query_len,
+            max_seq_len=max(data.seq_lens),
         )
-        return ModelInput(tensor(ids), tensor(positions), batch, tensor(logits_indices))
+        return ModelInput(self._tensor(data.ids), self._tensor(data.positions), batch,
+                          self._tensor(data.logits_indices))
 
     @torch.inference_mode()
     def step(self, output: SchedulerOutput) -> list[int]:
         """Run one scheduled step; returns one sampled token per sampling chunk, in order."""
-        inputs = self.prepare(output)
-        with self.ctx.forward_batch(inputs.batch):
-            hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+        data = gather_step(output)
         rows = [c.request for c in output.chunks if c.sample]
-        if not rows:
-            return []
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, vocab]
-        sampling_rows = [SamplingRow(r.params, r.generator, r.history, r.output) for r in rows]
+        if self.graphs is not None and self.graphs.fits(data, len(rows)):
+            logits = self.graphs.run(data)
+        else:
+            inputs = self.prepare(data)
+            with self.ctx.forward_batch(inputs.batch):
+                hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+            if not rows:
+                return []
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, vocab]
+        sampling_rows = [SamplingRow(r.params, r.generator,
+                                     r.history if r.params.repetition_penalty != 1.0 else (),
+                                     r.output) for r in rows]
         return self.sampler(logits, sampling_rows).tolist()
+
+
+class DecodeGraphs:
+    """CUDA graphs of decode steps (one token per sequence, all sampling), one per batch-size
+    bucket. Inputs live in static buffers; padding rows write nowhere (slot -1) and their logits
+    are dropped. Attention is captured with max_seq_len = the model's context, which the kernels
+    allow (bounds may overstate), so one graph serves every context length."""
+
+    def __init__(self, runner: ModelRunner, max_batch: int) -> None:
+        self.runner = runner
+        self.buckets = [b for b in _BUCKETS if b <= max(1, max_batch)]
+        if self.buckets[-1] < max_batch and max_batch <= _BUCKETS[-1]:
+            self.buckets.append(_BUCKETS[bisect.bisect_left(_BUCKETS, max_batch)])
+        self.max_blocks = -(-runner.max_model_len // runner.ctx.kv_cache.block_size)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        n, dev = self.buckets[-1], runner.device
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+
+    def fits(self, data: StepData, num_sampling: int) -> bool:
+        return (data.max_query_len == 1 and num_sampling == len(data.ids)
+                and len(data.ids) <= self.buckets[-1]
+                and max(len(t) for t in data.tables) <= self.max_blocks)
+
+    def run(self, data: StepData) -> torch.Tensor:
+        n = len(data.ids)
+        bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
+        # one pinned host buffer, one copy per static input
+        width = self.max_blocks
+        tables = torch.zeros(bucket, width, dtype=torch.int32)
+        for i, table in enumerate(data.tables):
+            tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        pad = bucket - n
+        self.input_ids[:bucket].copy_(torch.tensor(data.ids + [0] * pad), non_blocking=True)
+        self.positions[:bucket].copy_(torch.tensor(data.positions + [0] * pad), non_blocking=True)
+        self.slot_mapping[:bucket].copy_(torch.tensor(data.slots + [-1] * pad), non_blocking=True)
+        self.seq_lens[:bucket].copy_(torch.tensor(data.seq_lens + [1] * pad, dtype=torch.int32),
+                                     non_blocking=True)
+        self.block_tables[:bucket].copy_(tables, non_blocking=True)
+        if bucket not in self.graphs:
+            self.graphs[bucket] = self._capture(bucket)
+        graph, logits = self.graphs[bucket]
+        graph.replay()
+        return logits[:n]
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        batch = ForwardBatch(self.slot_mapping[:bucket], self.block_tables[:bucket],
+                             self.seq_lens[:bucket], self.query_start_loc[:bucket + 1],
+                             max_query_len=1, max_seq_len=self.runner.max_model_len)
+        model = self.runner.model
+        with self.runner.ctx.forward_batch(batch):
+            hidden = model(self.input_ids[:bucket], self.positions[:bucket])
+        return model.compute_logits(hidden)
+
+    def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: Triton compiles, rotary tables get built
+                self._forward(bucket)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(bucket)
+        self.pool = graph.pool()
+        return graph, logits

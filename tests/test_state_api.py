@@ -308,3 +308,13 @@ def test_shared_engines_are_one_per_model_and_options(tiny_checkpoints):
         assert Engine.shared(path, device="cpu", num_blocks=64, progress=False) is not a  # reloaded
     finally:
         Engine.shared(path, device="cpu", num_blocks=64, progress=False).close()
+
+
+def test_without_prefix_caching_states_share_nothing(tiny_checkpoints, make_engine):
+    engine = make_engine(tiny_checkpoints["llama"], enable_prefix_caching=False)
+    system = list(range(1, 65))
+    stats = [engine.open_state(f"a{i}").sync(system + [100 + i]) for i in range(3)]
+    assert [s.computed for s in stats] == [65, 65, 65]
+    assert engine.stats().kv_blocks_used == 3 * 5
+    h = engine.open_state("a0")
+    assert h.append([7, 8]).computed == 2  # a state still keeps its own KV

@@ -26,8 +26,10 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class KVSequence:
-    def __init__(self, pool: BlockPool, copy_block: Callable[[int, int], None]) -> None:
+    def __init__(self, pool: BlockPool, copy_block: Callable[[int, int], None],
+                 share: bool = True) -> None:
         self.pool = pool
+        self.share = share  # False: never adopt or publish blocks through the prefix index
         self.block_size = pool.block_size
         self._copy_block = copy_block
         self.tokens: list[int] = []
@@ -78,7 +80,7 @@ class KVSequence:
         self._keep_kv(0)
 
     def fork(self) -> "KVSequence":
-        twin = KVSequence(self.pool, self._copy_block)
+        twin = KVSequence(self.pool, self._copy_block, self.share)
         twin.tokens = list(self.tokens)
         twin._hashes = list(self._hashes)
         twin.block_ids = list(self.block_ids)
@@ -100,7 +102,7 @@ class KVSequence:
         """Adopt full blocks of other states (or of our own past) from the prefix index, while
         num_computed sits on a block boundary and stays <= limit. Returns tokens gained."""
         bs, gained = self.block_size, 0
-        while self.num_computed % bs == 0 and self.num_computed + bs <= limit:
+        while self.share and self.num_computed % bs == 0 and self.num_computed + bs <= limit:
             index = self.num_computed // bs
             block = self.pool.lookup(self.block_hash(index))
             if block is None:
@@ -146,6 +148,8 @@ class KVSequence:
         A block whose tokens another state already committed is swapped for that one, so equal
         prefixes computed in the same step end up stored once."""
         self.num_computed += num_tokens
+        if not self.share:
+            return
         for index in range(self.num_committed, self.num_computed // self.block_size):
             block, digest = self.block_ids[index], self.block_hash(index)
             if self.pool.block_hash(block) == digest:
