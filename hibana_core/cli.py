@@ -15,8 +15,12 @@ from dataclasses import asdict
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hibana` console script; returns the exit status."""
     args, rest = build_parser().parse_known_args(argv)
-    if args.command == "demo":  # the demo parses its own options
+    if args.command == "demo":  # the demo and the benchmarks parse their own options
         return run_demo(rest)
+    if args.command == "bench":
+        from bench.cli import main as bench_main
+
+        return bench_main(rest)
     if rest:
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
     return args.run(args)
@@ -35,13 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.set_defaults(run=run_plugins)
 
     commands.add_parser(
+        "bench", add_help=False,
+        help="workloads side by side with transformers peers (hibana bench decode|agents --help)",
+    )
+    commands.add_parser(
         "demo", add_help=False,
         help="agents solving tasks in tool loops on the bundled demo model (hibana demo --help)",
     )
 
     # Placeholders: filled in by the issues that bring the benchmark harness and model surgery.
     for name, summary in (
-        ("bench", "run the benchmark workloads"),
         ("surgery", "apply and evaluate model surgery passes"),
     ):
         placeholder = commands.add_parser(name, help=f"{summary} (not available yet)")

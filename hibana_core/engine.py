@@ -463,6 +463,8 @@ class Engine:
                 handle._seq.release()
                 handle.closed = True
             self._states.clear()
+            # drop the big tensors now, not when the last handle is collected
+            self.model = self.runner = self.kv_cache = self._ctx.kv_cache = None
             self._work.notify_all()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)

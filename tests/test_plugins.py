@@ -495,7 +495,7 @@ def test_cli_plugins_json(capsys):
     )
 
 
-@pytest.mark.parametrize("command", ["bench", "surgery"])
+@pytest.mark.parametrize("command", ["surgery"])
 def test_cli_placeholders_exit_2(command, capsys):
     from hibana_core.cli import main
 

@@ -1,0 +1,109 @@
+"""`hibana bench decode | agents`: workloads run side by side, a table, and `--json PATH`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from bench.models import PRESETS, load_bench_model
+from bench.workloads import AgentsConfig, agents_workload, decode_workload
+
+DECODE_SYSTEMS = ("hibana", "hf_eager", "hf_compiled")
+AGENT_SYSTEMS = ("hibana", "hibana_no_retention", "hf_reprefill", "hf_cache_reuse")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hibana bench", description=__doc__)
+    sub = parser.add_subparsers(dest="workload", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--model", default="demo",
+                        help=f"checkpoint path, demo, or a preset: {', '.join(PRESETS)}")
+    common.add_argument("--device", default="auto")
+    common.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    common.add_argument("--json", type=Path, help="also write the figures to this file")
+    decode = sub.add_parser("decode", parents=[common], help="batch-1 decode and prefill speed")
+    decode.add_argument("--context", default="512,8192", help="comma-separated context lengths")
+    decode.add_argument("--generate", type=int, default=128)
+    decode.add_argument("--systems", default=",".join(DECODE_SYSTEMS))
+    agents = sub.add_parser("agents", parents=[common], help="agents in tool loops")
+    agents.add_argument("--agents", type=int, default=8)
+    agents.add_argument("--turns", type=int, default=4)
+    agents.add_argument("--system", type=int, default=512, help="system prompt tokens (half shared)")
+    agents.add_argument("--tool-result", type=int, default=64)
+    agents.add_argument("--generate", type=int, default=32)
+    agents.add_argument("--peer-agents", type=int, default=1,
+                        help="agents the sequential transformers peers are timed on")
+    agents.add_argument("--systems", default=",".join(AGENT_SYSTEMS))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                          else ("cpu" if args.device == "auto" else args.device))
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = load_bench_model(args.model, device, dtype)
+    systems = [s for s in args.systems.split(",") if s]
+    if args.workload == "decode":
+        report = decode_workload(model, [int(c) for c in args.context.split(",")], args.generate, systems)
+        print_decode(report)
+    else:
+        cfg = AgentsConfig(args.agents, args.turns, args.system, args.tool_result, args.generate,
+                           args.peer_agents)
+        report = agents_workload(model, cfg, systems)
+        print_agents(report)
+    report["environment"] = environment(device, dtype)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def environment(device: torch.device, dtype: torch.dtype) -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(device)
+            if device.type == "cuda" else platform.processor() or "cpu", "dtype": str(dtype),
+            "torch": torch.__version__, "commit": commit}
+
+
+def print_decode(report: dict) -> None:
+    note = " (random weights: speed does not depend on weight values)" if report["random_weights"] else ""
+    print(f"decode, {report['model']}{note}; weights {report['weight_bytes'] / 1e9:.2f} GB")
+    roof = report["roofline_tok_s"]
+    if roof:
+        print(f"copy bandwidth {report['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s -> batch-1 roofline "
+              f"{roof:.1f} tok/s (weights only)")
+    print(f"{'system':<14}{'context':>8}{'decode tok/s':>14}{'% roofline':>12}{'prefill tok/s':>15}")
+    for row in report["rows"]:
+        share = f"{100 * row['decode_tok_s'] / roof:.0f}%" if roof else "-"
+        print(f"{row['system']:<14}{row['context']:>8}{row['decode_tok_s']:>14.1f}{share:>12}"
+              f"{row['prefill_tok_s']:>15.0f}")
+
+
+def print_agents(report: dict) -> None:
+    cfg = report["config"]
+    note = " (random weights)" if report["random_weights"] else ""
+    print(f"agents, {report['model']}{note}: {cfg['agents']} agents x {cfg['turns']} turns, system "
+          f"{cfg['system']} (half shared), tool result {cfg['tool_result']}, generate {cfg['generate']}")
+    header = ("system", "turns/h", "x hibana", "decode tok/s", "computed/turn", "reused/turn",
+              "ttft p50", "ttft p95", "timed on")
+    print("".join(f"{h:>14}" for h in header))
+    for name, r in report["results"].items():
+        timed = f"{r['agents_timed']} agents"
+        ttft = (f"{r['ttft_p50_s']:.3f}s", f"{r['ttft_p95_s']:.3f}s") if r["ttft_p50_s"] == r["ttft_p50_s"] \
+            else ("-", "-")
+        cells = (name, f"{r['turns_per_hour']:.0f}", f"{r.get('hibana_ratio', float('nan')):.2f}",
+                 f"{r['decode_tok_s']:.1f}", f"{r['computed_per_turn']:.0f}", f"{r['reused_per_turn']:.0f}",
+                 *ttft, timed)
+        print("".join(f"{c:>14}" for c in cells))

@@ -1,0 +1,69 @@
+"""What a benchmark runs on: a checkpoint, the demo model, or an architecture preset built with
+random weights on the device (speed does not depend on weight values).
+
+Hibana and the transformers peers run on the very same weights: the peer's model is built (or
+loaded) first, and the engine copies its weights (`Engine.from_hf_model`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       rope_theta=1e6, tie_word_embeddings=True, max_position_embeddings=40960),
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=40960),
+    "qwen3-32b": dict(model_type="qwen3", hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                      num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                      rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=40960),
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                         max_position_embeddings=131072, rope_theta=500000.0,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+}
+
+
+@dataclass
+class BenchModel:
+    name: str
+    hf_model: torch.nn.Module      # the transformers model the peers run
+    tokenizer: Any | None
+    random_weights: bool
+    weight_bytes: int
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_model.config.vocab_size
+
+    def engine(self, **overrides):
+        from hibana_core import Engine
+
+        return Engine.from_hf_model(self.hf_model, self.tokenizer, progress=False, **overrides)
+
+
+def load_bench_model(name: str, device: torch.device, dtype: torch.dtype) -> BenchModel:
+    """A preset (random weights), "demo", or a checkpoint directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if name in PRESETS:
+        spec = dict(PRESETS[name])
+        config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        tokenizer, random_weights = None, True
+    else:
+        from hibana_core.loader import resolve_checkpoint
+
+        path = resolve_checkpoint(name)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        tokenizer, random_weights = AutoTokenizer.from_pretrained(path), False
+    model.eval().requires_grad_(False)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return BenchModel(name, model, tokenizer, random_weights, weight_bytes)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Device runs for bench/RESULTS.md, one stage per call (each well inside the 10-minute limit):
+#   bash bench/run_h200.sh check    # kernel tests on CUDA, GPU-vs-CPU and GPU-vs-transformers greedy
+#   bash bench/run_h200.sh decode   # hibana bench decode, qwen3-8b preset
+#   bash bench/run_h200.sh agents   # hibana bench agents, qwen3-8b preset, 32 agents
+# Runs from the repository root with the image's python3 (no install: PYTHONPATH).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD" TQDM_DISABLE=1
+OUT="${OUT:-bench/out}"
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+case "${1:-check}" in
+  check)
+    python3 -m pytest tests/test_kernels.py -q -rs -x -p no:cacheprovider 2>&1 | tail -15
+    python3 bench/gpu_correctness.py 2>&1 | tee "$OUT/gpu_correctness.txt" ;;
+  decode)
+    python3 -m bench.cli decode --model qwen3-8b --context 512,8192 --generate 128 \
+      --json "$OUT/decode_qwen3-8b.json" 2>&1 | tee "$OUT/decode_qwen3-8b.txt" ;;
+  agents)
+    python3 -m bench.cli agents --model qwen3-8b --agents 32 --turns 6 --system 4096 \
+      --tool-result 200 --generate 100 --peer-agents 1 \
+      --json "$OUT/agents_qwen3-8b.json" 2>&1 | tee "$OUT/agents_qwen3-8b.txt" ;;
+esac

@@ -1,0 +1,240 @@
+"""The benchmark workloads, each run side by side for Hibana and its peers in one process.
+
+decode: batch-1 decode and prefill speed at given context lengths, against the roofline.
+agents: N agents in tool loops (system prompt, then per turn a tool result in and G tokens out).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from bench.models import BenchModel
+from bench.peers import HFPeer, sync
+from hibana_core import SamplingParams
+
+
+def random_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    # stay clear of the low ids, where special tokens live
+    return [rng.randrange(16, vocab) for _ in range(n)]
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float | None:
+    """Device-to-device copy bandwidth in bytes/s (read + write), best of 5."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(6):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    del src, dst
+    return 2 * nbytes / best
+
+
+# --- decode ---------------------------------------------------------------------------------
+
+@dataclass
+class DecodeRow:
+    system: str
+    context: int
+    decode_tok_s: float
+    prefill_tok_s: float
+
+
+def decode_workload(model: BenchModel, contexts: list[int], generate: int, systems: list[str],
+                    seed: int = 0) -> dict:
+    device = next(model.hf_model.parameters()).device
+    rng = random.Random(seed)
+    prompts = {ctx: random_tokens(rng, ctx, model.vocab_size) for ctx in contexts}
+    warmup = random_tokens(rng, 64, model.vocab_size)
+    rows: list[DecodeRow] = []
+    if "hibana" in systems:
+        with model.engine(max_model_len=max(contexts) + generate + 16, max_concurrent_agents=8) as engine:
+            warm = engine.open_state("warm")  # Triton compiles, CUDA graphs are captured
+            warm.generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=warmup)
+            warm.close()
+            for ctx in tqdm(contexts, desc="hibana decode", leave=False):
+                h = engine.open_state(f"ctx{ctx}")
+                sync(device)
+                start = time.perf_counter()
+                h.sync(prompts[ctx])
+                sync(device)
+                prefill = time.perf_counter() - start
+                out = h.generate(SamplingParams(max_tokens=generate, ignore_eos=True))
+                decode = out.stats.elapsed - (out.stats.time_to_first_token or 0.0)
+                rows.append(DecodeRow("hibana", ctx, (generate - 1) / decode, ctx / prefill))
+                h.close()
+    for name, static in (("hf_eager", False), ("hf_compiled", True)):
+        if name not in systems:
+            continue
+        peer = HFPeer(model.hf_model, static_cache=static)
+        peer.generate(warmup, 4)
+        for ctx in tqdm(contexts, desc=name, leave=False):
+            prompt = prompts[ctx]
+            if static:  # compile on these very shapes first
+                peer.generate(prompt, generate)
+                peer.generate(prompt, 1)
+            _, first = peer.generate(prompt, 1)
+            _, total = peer.generate(prompt, generate)
+            rows.append(DecodeRow(name, ctx, (generate - 1) / max(total - first, 1e-9), ctx / first))
+    bandwidth = copy_bandwidth(device)
+    roofline = bandwidth / model.weight_bytes if bandwidth else None
+    return {"workload": "decode", "model": model.name, "random_weights": model.random_weights,
+            "weight_bytes": model.weight_bytes, "copy_bandwidth_bytes_s": bandwidth,
+            "roofline_tok_s": roofline, "rows": [asdict(r) for r in rows]}
+
+
+# --- agents ---------------------------------------------------------------------------------
+
+@dataclass
+class AgentsConfig:
+    agents: int
+    turns: int
+    system: int
+    tool_result: int
+    generate: int
+    peer_agents: int = 1  # sequential peers are timed on this many agents (all turns)
+    seed: int = 0
+
+
+@dataclass
+class TurnRecord:
+    agent: int
+    turn: int
+    prompt: int
+    computed: int
+    reused: int
+    generated: int
+    ttft: float
+
+
+@dataclass
+class SystemResult:
+    system: str
+    agents_timed: int
+    seconds: float
+    records: list[TurnRecord] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        turns = len(self.records)
+        ttfts = sorted(r.ttft for r in self.records)
+        generated = sum(r.generated for r in self.records)
+        return {
+            "turns_per_hour": turns / self.seconds * 3600,
+            "decode_tok_s": generated / self.seconds,
+            "prompt_tokens_computed": sum(r.computed for r in self.records),
+            "prompt_tokens_reused": sum(r.reused for r in self.records),
+            "computed_per_turn": sum(r.computed for r in self.records) / turns,
+            "reused_per_turn": sum(r.reused for r in self.records) / turns,
+            "ttft_p50_s": statistics.median(ttfts),
+            "ttft_p95_s": ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))],
+            "turns_timed": turns,
+            "agents_timed": self.agents_timed,
+            "seconds": self.seconds,
+        }
+
+
+def agent_script(cfg: AgentsConfig, vocab: int) -> list[list[list[int]]]:
+    """Per agent: the system prompt (first half shared by all agents), then one tool result per
+    turn. Turn t's prompt is everything before it plus the turn's tool result."""
+    rng = random.Random(cfg.seed)
+    shared = random_tokens(rng, cfg.system // 2, vocab)
+    script = []
+    for _ in range(cfg.agents):
+        own = random_tokens(rng, cfg.system - len(shared), vocab)
+        results = [random_tokens(rng, cfg.tool_result, vocab) for _ in range(cfg.turns)]
+        script.append([shared + own + results[0]] + results[1:])
+    return script
+
+
+def run_hibana_agents(model: BenchModel, cfg: AgentsConfig, retention: bool) -> SystemResult:
+    script = agent_script(cfg, model.vocab_size)
+    context = cfg.system + cfg.turns * (cfg.tool_result + cfg.generate) + 16
+    params = SamplingParams(max_tokens=cfg.generate, ignore_eos=True)
+    name = "hibana" if retention else "hibana_no_retention"
+    with model.engine(max_model_len=context, max_concurrent_agents=max(cfg.agents, 1),
+                      enable_prefix_caching=retention) as engine:
+        warm = engine.open_state("warm")  # Triton compiles, CUDA graphs are captured
+        warm.generate(SamplingParams(max_tokens=4, ignore_eos=True),
+                      prompt=random_tokens(random.Random(-1), 64, model.vocab_size))
+        warm.close()
+        records: list[TurnRecord] = []
+        bar = tqdm(total=cfg.agents * cfg.turns, desc=name, leave=False)
+        lock = threading.Lock()
+
+        def agent(i: int) -> None:
+            history: list[int] = []
+            for turn, new in enumerate(script[i]):
+                history = history + new
+                state_id = f"agent{i}" if retention else f"agent{i}-turn{turn}"
+                h = engine.open_state(state_id)
+                out = h.generate(params, prompt=history)
+                history = history + list(out.token_ids)
+                if not retention:
+                    h.close()
+                with lock:
+                    records.append(TurnRecord(i, turn, out.stats.prompt_tokens, out.stats.computed,
+                                              out.stats.reused, len(out.token_ids),
+                                              out.stats.time_to_first_token or 0.0))
+                    bar.update()
+
+        start = time.perf_counter()
+        threads = [threading.Thread(target=agent, args=(i,)) for i in range(cfg.agents)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = time.perf_counter() - start
+        bar.close()
+    return SystemResult(name, cfg.agents, seconds, records)
+
+
+def run_hf_agents(model: BenchModel, cfg: AgentsConfig, reuse_cache: bool) -> SystemResult:
+    """One agent after another, as a framework integration does; timed on cfg.peer_agents."""
+    script = agent_script(cfg, model.vocab_size)
+    peer = HFPeer(model.hf_model)
+    peer.generate(random_tokens(random.Random(-1), 64, model.vocab_size), 4)  # warm up
+    name = "hf_cache_reuse" if reuse_cache else "hf_reprefill"
+    records: list[TurnRecord] = []
+    seconds = 0.0
+    timed = min(cfg.peer_agents, cfg.agents)
+    with tqdm(total=timed * cfg.turns, desc=name, leave=False) as bar:
+        for i in range(timed):
+            history: list[int] = []
+            cache = peer.new_cache() if reuse_cache else None
+            for turn, new in enumerate(script[i]):
+                history = history + new
+                held = cache.get_seq_length() if cache is not None else 0
+                out, took = peer.generate(history, cfg.generate, cache)
+                seconds += took
+                records.append(TurnRecord(i, turn, len(history), len(history) - held, held, len(out), float("nan")))
+                history = history + out
+                bar.update()
+    return SystemResult(name, timed, seconds, records)
+
+
+def agents_workload(model: BenchModel, cfg: AgentsConfig, systems: list[str]) -> dict:
+    runners = {
+        "hibana": lambda: run_hibana_agents(model, cfg, retention=True),
+        "hibana_no_retention": lambda: run_hibana_agents(model, cfg, retention=False),
+        "hf_reprefill": lambda: run_hf_agents(model, cfg, reuse_cache=False),
+        "hf_cache_reuse": lambda: run_hf_agents(model, cfg, reuse_cache=True),
+    }
+    results = {name: runners[name]().summary() for name in systems}
+    if "hibana" in results:
+        base = results["hibana"]["turns_per_hour"]
+        for name, summary in results.items():
+            summary["hibana_ratio"] = base / summary["turns_per_hour"]
+    return {"workload": "agents", "model": model.name, "random_weights": model.random_weights,
+            "config": asdict(cfg), "results": results}
