@@ -107,3 +107,7 @@ def print_agents(report: dict) -> None:
                  f"{r['decode_tok_s']:.1f}", f"{r['computed_per_turn']:.0f}", f"{r['reused_per_turn']:.0f}",
                  *ttft, timed)
         print("".join(f"{c:>14}" for c in cells))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
