@@ -70,9 +70,6 @@ def paged_attention_host(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         blocks = block_tables[i, : (ctx_len + block_size - 1) // block_size]
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len]  # [L, H_kv, D]
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)  # [L, H, D]
-            v = v.repeat_interleave(group, dim=1)
         q_pos = torch.arange(ctx_len - num_q, ctx_len, device=q.device)[:, None]
         k_pos = torch.arange(ctx_len, device=q.device)[None, :]
         needs_mask = num_q > 1 or (sliding_window is not None and ctx_len > sliding_window)
@@ -81,8 +78,13 @@ def paged_attention_host(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             mask = k_pos <= q_pos  # [Q, L]
             if sliding_window is not None:
                 mask &= q_pos - k_pos < sliding_window
+            mask = mask.repeat(group, 1)  # [G * Q, L], rows ordered (g, q)
+        # GQA without copying K/V per query head: the G query heads of a KV head become G * Q
+        # query rows against that head's keys (head h = kv_head * G + g)
+        qg = q[start:end].view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         o = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale)  # [1, H, Q, D]
-        out[start:end] = o[0].transpose(0, 1)
+            qg.reshape(num_kv_heads, group * num_q, head_dim), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=mask, scale=scale)  # [H_kv, G * Q, D]
+        out[start:end] = o.view(num_kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3).reshape(
+            num_q, num_heads, head_dim)
     return out
