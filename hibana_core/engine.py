@@ -11,6 +11,7 @@ import asyncio
 import os
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,8 +82,10 @@ def _run_loop(ref: "weakref.ReferenceType[Engine]") -> None:
             try:
                 engine.step()
             except Exception as exc:  # a scheduling bug fails the pending requests, not the engine
+                warnings.warn(f"Hibana engine step failed, its requests fail: {exc!r}")
                 engine.scheduler.abort_all(HibanaError(f"engine step failed: {exc!r}"))
         del engine
+        time.sleep(0)  # let threads waiting for the lock in (the lock is not fair)
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -358,7 +361,8 @@ class Engine:
                     timing["first"] = time.perf_counter() - started
                 self._counters.generated += 1
                 text = request.detokenizer.take_delta() if request.detokenizer else ""
-                stream.put(StreamEvent(token, text))
+                if not stream.put(StreamEvent(token, text)):
+                    request.cancelled = True  # dropped at the next schedule
                 return
             self._counters.prompt_computed += request.computed
             self._counters.prompt_reused += request.reused

@@ -74,11 +74,17 @@ class RequestStream:
         self._loop = loop
         self._queue: asyncio.Queue | queue.SimpleQueue = asyncio.Queue() if loop else queue.SimpleQueue()
 
-    def put(self, item: object) -> None:
+    def put(self, item: object) -> bool:
+        """Hand an event over; False when nobody can receive it any more (the caller's event
+        loop is closed), so the engine cancels the request instead of failing its own thread."""
         if self._loop is None:
             self._queue.put(item)
-        else:
+            return True
+        try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:
+            return False
+        return True
 
     def get(self) -> object:
         return self._queue.get()

@@ -318,3 +318,19 @@ def test_without_prefix_caching_states_share_nothing(tiny_checkpoints, make_engi
     assert engine.stats().kv_blocks_used == 3 * 5
     h = engine.open_state("a0")
     assert h.append([7, 8]).computed == 2  # a state still keeps its own KV
+
+
+def test_an_async_stream_whose_event_loop_closed_does_not_stop_the_engine(tiny_checkpoints, make_engine):
+    import asyncio
+
+    engine = make_engine(tiny_checkpoints["qwen2"])
+    history = random_tokens(random.Random(91), 30)
+
+    async def start_and_leave():
+        engine.open_state("orphan").astream(greedy(200), prompt=history)  # never iterated
+
+    asyncio.run(start_and_leave())  # the loop closes while the request runs
+    h = engine.open_state("after")
+    out = h.generate(greedy(8), prompt=history)
+    assert len(out.token_ids) == 8
+    assert engine.open_state("orphan").tokens[:30] == history  # its state stays consistent
