@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+from contextlib import contextmanager
 import threading
 import time
+import uuid
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -117,6 +119,7 @@ class Engine:
         self._ctx.kv_cache = self.kv_cache
         self.pool = BlockPool(num_blocks, bs)
         self._states: dict[str, StateHandle] = {}
+        self._leased: set[str] = set()  # states held by a call (see `lease`)
         self.scheduler = Scheduler(config.scheduler, self.pool, IdleLRUEviction(self.pool, self._idle_sequences))
         self.runner = ModelRunner(self.model, self._ctx, Sampler(self.device, config.seed), self.device,
                                   self.max_model_len, config.scheduler.max_concurrent_agents,
@@ -251,19 +254,47 @@ class Engine:
 
         return Chat(self, state_id)
 
-    def match_state(self, token_ids: Sequence[int]) -> StateHandle | None:
-        """The idle state whose history shares the longest prefix with token_ids (the most
-        recently used among equals), or None when none shares a token. Adapters use it to serve a
-        call that names no state."""
+    def match_state(self, token_ids: Sequence[int], *, min_shared: float = 0.0) -> StateHandle | None:
+        """The idle, unleased state whose history shares the longest prefix with token_ids (the
+        most recently used among equals), or None. The shared prefix must cover at least
+        `min_shared` of the state's own tokens (1.0: token_ids continue its whole history)."""
         with self._lock:
             best, best_len = None, 0
             for handle in self._states.values():
-                if self.scheduler.busy(handle._seq):
+                seq = handle._seq
+                if handle.id in self._leased or self.scheduler.busy(seq):
                     continue
-                same = common_prefix_len(handle._seq.tokens, token_ids)
-                if same > best_len or (same == best_len and best and handle.last_use > best.last_use):
+                same = common_prefix_len(seq.tokens, token_ids)
+                if same == 0 or same < min_shared * len(seq):
+                    continue
+                if same > best_len or (same == best_len and handle.last_use > best.last_use):
                     best, best_len = handle, same
             return best
+
+    @contextmanager
+    def lease(self, token_ids: Sequence[int] = (), state_id: str | None = None, *,
+              min_shared: float = 1.0) -> Iterator[StateHandle]:
+        """One state held for one call, so concurrent calls never share a state (adapters serve
+        every framework call this way). With `state_id`, that state (StateBusyError while another
+        call holds it or it generates); otherwise the idle state that `match_state(token_ids,
+        min_shared=...)` finds (by default only one whose whole history the call continues, so
+        a call never takes over another conversation for a shared system prompt), else a new
+        one, which still shares full prefix blocks with every other state."""
+        with self._lock:
+            if state_id is not None:
+                handle = self.open_state(state_id)
+                if state_id in self._leased or self.scheduler.busy(handle._seq):
+                    raise StateBusyError(f"state {state_id!r} is serving another call; give concurrent "
+                                         "calls different state ids")
+            else:
+                handle = self.match_state(token_ids, min_shared=min_shared) or \
+                    self.open_state(f"auto-{uuid.uuid4().hex[:12]}")
+            self._leased.add(handle.id)
+        try:
+            yield handle
+        finally:
+            with self._lock:
+                self._leased.discard(handle.id)
 
     def states(self) -> list[StateInfo]:
         with self._lock:

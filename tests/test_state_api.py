@@ -276,6 +276,29 @@ def test_match_state_picks_the_idle_state_with_the_longest_common_prefix(tiny_ch
     assert engine.match_state(base[:5]).id == "long"      # a tie: the most recently used wins
     assert engine.match_state([7, 8]).id == "other"
     assert engine.match_state([9, 9]) is None
+    # min_shared: only a state whose history the tokens continue (enough of it)
+    assert engine.match_state(base, min_shared=1.0).id == "short"  # "long" diverges at 30
+    assert engine.match_state(base[:30] + [5, 6, 99], min_shared=1.0).id == "long"
+
+
+def test_leases_keep_concurrent_calls_on_different_states(tiny_checkpoints, make_engine):
+    from hibana_core import StateBusyError
+
+    engine = make_engine(tiny_checkpoints["llama"])
+    history = list(range(10, 60))
+    engine.open_state("conv").sync(history)
+    with engine.lease(history + [1, 2]) as first:
+        assert first.id == "conv"
+        with engine.lease(history + [1, 2]) as second:  # conv is held: a new state
+            assert second.id != "conv"
+            assert second.sync(history + [1, 2]).reused == 48  # yet it shares the full blocks
+        with pytest.raises(StateBusyError):
+            with engine.lease(state_id="conv"):
+                pass
+    with engine.lease(state_id="conv") as again:
+        assert again.id == "conv"
+    with engine.lease(history[:20] + [3]) as other:  # would wipe conv's history: not taken
+        assert other.id != "conv"
 
 
 def test_generate_with_a_prompt_syncs_and_generates_in_one_request(tiny_checkpoints, make_engine):
