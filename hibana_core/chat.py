@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Sequence
 from hibana_core.config import SamplingParams
 from hibana_core.errors import HibanaError
 from hibana_plugins.manager import get_plugin_manager
-from hibana_plugins.tool_parsers import ToolCall, ToolCallDelta
+from hibana_plugins.tool_parsers import ParsedOutput, ToolCall, ToolCallDelta
 
 if TYPE_CHECKING:
     from hibana_core.engine import Engine
@@ -46,6 +46,7 @@ class ChatResult:
     finish_reason: str        # "tool_calls", "stop", "length", "malformed_tool_call", "cancelled"
     usage: Usage
     error: str | None = None  # what was malformed, when finish_reason says so
+    raw_text: str = ""        # the assistant's turn as generated (prefill included)
 
 
 @dataclass(frozen=True)
@@ -148,71 +149,113 @@ class Chat:
         return dataclasses.replace(params, stop_token_ids=stops)
 
     def respond(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-                params: SamplingParams | None = None) -> ChatResult:
-        """Render, sync the state, generate one assistant turn, parse its tool calls."""
+                params: SamplingParams | None = None, *, prefill: str = "",
+                parse_tools: bool = True) -> ChatResult:
+        """Render, sync the state, generate one assistant turn, parse its tool calls.
+
+        `prefill` starts the assistant's turn with given text (`<tool_call>\n{"name": "` forces
+        a call); `parse_tools=False` returns the text as generated."""
         result = None
-        for delta in self.stream_respond(messages, tools, params):
+        for delta in self.stream_respond(messages, tools, params, prefill=prefill, parse_tools=parse_tools):
             result = delta.result
         assert result is not None
         return result
 
     async def arespond(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-                       params: SamplingParams | None = None) -> ChatResult:
+                       params: SamplingParams | None = None, *, prefill: str = "",
+                       parse_tools: bool = True) -> ChatResult:
         result = None
-        async for delta in self.astream_respond(messages, tools, params):
+        async for delta in self.astream_respond(messages, tools, params, prefill=prefill,
+                                                parse_tools=parse_tools):
             result = delta.result
         assert result is not None
         return result
 
     def stream_respond(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-                       params: SamplingParams | None = None) -> Iterator[ChatDelta]:
+                       params: SamplingParams | None = None, *, prefill: str = "",
+                       parse_tools: bool = True) -> Iterator[ChatDelta]:
         """Text deltas and tool-call deltas as they are generated; the last item carries the
         ChatResult. Closing the iterator early cancels the generation."""
-        turn = _Turn(self)
-        events = self.handle.stream(self._params(params), prompt=self.prompt_ids(messages, tools))
+        turn = _Turn(self, prefill, parse_tools)
+        events = self.handle.stream(self._params(params), prompt=self._prompt(messages, tools, prefill))
         with contextlib.closing(events):  # an early close of this iterator cancels the request
+            yield from turn.start()
             for event in events:
                 yield from turn.feed(event)
 
     async def astream_respond(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-                              params: SamplingParams | None = None) -> AsyncIterator[ChatDelta]:
+                              params: SamplingParams | None = None, *, prefill: str = "",
+                              parse_tools: bool = True) -> AsyncIterator[ChatDelta]:
         """`stream_respond` on the caller's event loop: awaits the engine, never blocks the loop."""
-        turn = _Turn(self)
-        events = self.handle.astream(self._params(params), prompt=self.prompt_ids(messages, tools))
+        turn = _Turn(self, prefill, parse_tools)
+        events = self.handle.astream(self._params(params), prompt=self._prompt(messages, tools, prefill))
         try:
+            for delta in turn.start():
+                yield delta
             async for event in events:
                 for delta in turn.feed(event):
                     yield delta
         finally:
             await events.aclose()  # an early close cancels the request
 
+    def _prompt(self, messages: Sequence[dict], tools: Sequence[dict] | None, prefill: str) -> list[int]:
+        return self.prompt_ids(messages, tools) + (self._encode(prefill) if prefill else [])
+
     @staticmethod
-    def _result(parsed, completion, usage: Usage) -> ChatResult:
+    def _result(parsed, raw_text: str, completion, usage: Usage) -> ChatResult:
         if completion.finish_reason in ("length", "cancelled"):
-            return ChatResult(completion.text if parsed.error else parsed.content,
-                              [] if parsed.error else parsed.tool_calls, completion.finish_reason, usage, parsed.error)
+            return ChatResult(raw_text if parsed.error else parsed.content,
+                              [] if parsed.error else parsed.tool_calls, completion.finish_reason, usage,
+                              parsed.error, raw_text)
         if parsed.error:
-            return ChatResult(completion.text, [], MALFORMED, usage, parsed.error)
+            return ChatResult(raw_text, [], MALFORMED, usage, parsed.error, raw_text)
         reason = "tool_calls" if parsed.tool_calls else completion.finish_reason
-        return ChatResult(parsed.content, parsed.tool_calls, reason, usage)
+        return ChatResult(parsed.content, parsed.tool_calls, reason, usage, None, raw_text)
 
 
 class _Turn:
-    """Turns a generation's stream events into chat deltas through the tool parser."""
+    """Turns a generation's stream events into chat deltas through the tool parser (which first
+    reads the prefill, so a forced call parses whole)."""
 
-    def __init__(self, chat: Chat) -> None:
-        self.stream = chat.parser.stream()
+    def __init__(self, chat: Chat, prefill: str, parse_tools: bool) -> None:
+        self.prefill = prefill
+        self.stream = chat.parser.stream() if parse_tools else _PlainText()
+
+    def start(self) -> Iterator[ChatDelta]:
+        return self._deltas(self.stream.feed(self.prefill) if self.prefill else [])
 
     def feed(self, event) -> Iterator[ChatDelta]:
         pieces = self.stream.feed(event.text) if event.text else []
         if event.completion is not None:
             pieces += self.stream.close()
-        for piece in pieces:
-            yield ChatDelta(tool_call=piece) if isinstance(piece, ToolCallDelta) else ChatDelta(text=piece)
+        yield from self._deltas(pieces)
         if event.completion is not None:
             completion = event.completion
             usage = Usage(completion.stats.prompt_tokens, completion.stats.reused, len(completion.token_ids))
-            yield ChatDelta(result=Chat._result(self.stream.finish(), completion, usage))
+            yield ChatDelta(result=Chat._result(self.stream.finish(), self.prefill + completion.text,
+                                                completion, usage))
+
+    @staticmethod
+    def _deltas(pieces) -> Iterator[ChatDelta]:
+        for piece in pieces:
+            yield ChatDelta(tool_call=piece) if isinstance(piece, ToolCallDelta) else ChatDelta(text=piece)
+
+
+class _PlainText:
+    """The parser stream's protocol with no tool parsing: the text is the content."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def feed(self, delta: str) -> list[str]:
+        self.text += delta
+        return [delta]
+
+    def close(self) -> list[str]:
+        return []
+
+    def finish(self) -> ParsedOutput:
+        return ParsedOutput(self.text, [], None)
 
 
 def assistant_message(result: ChatResult) -> dict:

@@ -147,10 +147,10 @@ def _completion(text: str, reason: str = "stop") -> Completion:
 def test_malformed_tool_call_is_text_not_an_exception():
     parser = get_plugin_manager().lookup("tool_parser", "hermes")
     raw = '<tool_call>\n{"name": "f", "arguments": {"a": 1}\n</tool_call>'
-    usage = Chat._result(parser.parse(raw), _completion(raw), None)
+    usage = Chat._result(parser.parse(raw), raw, _completion(raw), None)
     assert usage.finish_reason == MALFORMED and usage.text == raw and usage.tool_calls == [] and usage.error
     cut = '<tool_call>\n{"name": "f", "argu'
-    result = Chat._result(parser.parse(cut), _completion(cut, "length"), None)
+    result = Chat._result(parser.parse(cut), cut, _completion(cut, "length"), None)
     assert result.finish_reason == "length" and result.text == cut and result.tool_calls == []
 
 
@@ -160,3 +160,19 @@ def test_truncated_generation_does_not_raise(engine):
                                            [t.schema for t in tools], SamplingParams(max_tokens=5))
     assert result.finish_reason == "length" and result.tool_calls == []
     assert result.text.startswith("<tool_call>")
+
+
+def test_prefill_forces_a_tool_call_and_parse_tools_false_returns_raw_text():
+    from hibana_core import Engine
+
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    with Engine.from_pretrained("demo", device="cpu", progress=False) as engine:
+        chat = engine.chat("forced")
+        messages = [{"role": "user", "content": "Hi! What's the weather like in Oslo?"}]
+        forced = chat.respond(messages, [weather], prefill='<tool_call>\n{"name": "')
+        assert [c.name for c in forced.tool_calls] == ["get_weather"], forced.raw_text
+        assert forced.raw_text.startswith('<tool_call>\n{"name": "get_weather"')
+        raw = engine.chat("raw").respond(messages, [weather], parse_tools=False)
+        assert raw.tool_calls == [] and raw.text == raw.raw_text and "<tool_call>" in raw.text

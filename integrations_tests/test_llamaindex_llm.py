@@ -1,0 +1,272 @@
+"""HibanaLLM as a LlamaIndex LLM on the demo model: registration, the eight entry points, tool
+calling (forced calls included), structured output, usage, and which state serves a call."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("llama_index.core")
+
+from llama_index.core.base.llms.types import ChatMessage, ToolCallBlock
+from llama_index.core.bridge.pydantic import BaseModel, Field
+from llama_index.core.prompts import PromptTemplate
+from llama_index.core.tools import FunctionTool
+
+from hibana_core import Engine
+from hibana_plugins.llamaindex import HibanaLLM, clean_schema, openai_messages
+from hibana_plugins.manager import HibanaPluginManager
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine.from_pretrained("demo", device="cpu", progress=False) as engine:
+        yield engine
+
+
+def get_weather(city: str) -> str:
+    """Get the current weather for a city."""
+
+
+def add_numbers(a: float, b: float) -> str:
+    """Add two numbers and return the sum."""
+
+
+TOOLS = [FunctionTool.from_defaults(fn, description=fn.__doc__) for fn in (get_weather, add_numbers)]
+
+
+class Book(BaseModel):
+    """A book, as a structured record."""
+
+    title: str = Field(description="Title of the book.")
+    author: str = Field(description="Who wrote it.")
+    year: int = Field(description="Year of publication.")
+
+
+def user(text: str) -> list[ChatMessage]:
+    return [ChatMessage(role="user", content=text)]
+
+
+def calls(llm: HibanaLLM, response) -> list[tuple[str, dict]]:
+    return [(c.tool_name, c.tool_kwargs) for c in llm.get_tool_calls_from_response(response, False)]
+
+
+# --- plugin and metadata ----------------------------------------------------------------------------
+
+def test_registered_as_the_llamaindex_adapter(engine):
+    factory = HibanaPluginManager(entry_point_group=None).lookup("adapter", "llamaindex")
+    llm = factory(engine=engine, max_tokens=64)
+    assert isinstance(llm, HibanaLLM) and llm.engine is engine
+    meta = llm.metadata
+    assert meta.context_window == engine.hf_config.max_position_embeddings == 2048
+    assert (meta.num_output, meta.is_chat_model, meta.is_function_calling_model) == (64, True, True)
+    assert meta.model_name == str(engine.config.model)
+
+
+def test_shared_engine_by_default():
+    llm = HibanaLLM(model="demo", engine_kwargs={"device": "cpu", "progress": False})
+    assert llm.engine is Engine.shared("demo", device="cpu", progress=False)
+    assert HibanaLLM(engine_kwargs={"device": "cpu", "progress": False}).engine is llm.engine
+
+
+def test_module_imports_without_llama_index():
+    """The plugin manager imports the module on every start: without llama-index it must import
+    cleanly, and HibanaLLM must say what to install."""
+    script = """
+import sys, warnings
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "llama_index" or name.startswith("llama_index."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Block())
+warnings.simplefilter("error")
+from hibana_core.errors import HibanaError
+from hibana_plugins.manager import HibanaPluginManager
+manager = HibanaPluginManager(entry_point_group=None)
+assert manager.load_errors == [], manager.load_errors
+factory = manager.lookup("adapter", "llamaindex")
+try:
+    factory(engine=None)
+except HibanaError as exc:
+    assert "pip install" in str(exc), exc
+else:
+    raise AssertionError("HibanaLLM() without llama-index should raise")
+assert "torch" not in sys.modules
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+# --- the entry points -------------------------------------------------------------------------------
+
+async def test_entry_points_agree_and_report_usage(engine):
+    llm = HibanaLLM(engine=engine, state_id="entry-points")
+    messages = user("Hi!")
+    replies = [llm.chat(messages), await llm.achat(messages)]
+    streamed = list(llm.stream_chat(messages))
+    astreamed = [chunk async for chunk in await llm.astream_chat(messages)]
+    for chunks in (streamed, astreamed):
+        assert "".join(c.delta for c in chunks) == chunks[-1].message.content
+        replies.append(chunks[-1])
+    assert len({r.message.content for r in replies}) == 1
+    assert replies[0].message.content.startswith("Hello")
+
+    completions = [llm.complete("Hi!"), await llm.acomplete("Hi!"), list(llm.stream_complete("Hi!"))[-1],
+                   [c async for c in await llm.astream_complete("Hi!")][-1]]
+    assert {c.text for c in completions} == {replies[0].message.content}
+
+    again = llm.chat(messages)  # the same prompt again: everything but the last token is resident
+    usage = again.raw["usage"]
+    assert again.additional_kwargs == usage
+    assert usage["prompt_tokens"] == 10 and usage["cached_tokens"] == 9
+    assert usage["completion_tokens"] > 0 and usage["total_tokens"] == 10 + usage["completion_tokens"]
+    assert again.raw["finish_reason"] == "stop" and again.raw["state_id"] == "entry-points"
+
+
+def test_formatted_prompt_is_continued_as_it_is(engine):
+    llm = HibanaLLM(engine=engine, state_id="raw")
+    text = "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+    assert llm.complete(text, formatted=True).text == llm.chat(user("Hi!")).message.content
+
+
+async def test_async_calls_run_on_the_callers_loop(engine):
+    """No thread executor: the loop's default executor refuses work, and the loop stays free while
+    the engine generates (a ticker advances between chunks)."""
+
+    class NoThreads(concurrent.futures.ThreadPoolExecutor):
+        def submit(self, *args, **kwargs):
+            raise AssertionError("HibanaLLM handed work to a thread executor")
+
+    asyncio.get_running_loop().set_default_executor(NoThreads())
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    llm = HibanaLLM(engine=engine, state_id="async")
+    seen = []
+    async for chunk in await llm.astream_chat(user("Who are you?")):
+        seen.append(ticks)
+    response = await llm.achat_with_tools(TOOLS, user_msg="What's the weather in Paris?")
+    task.cancel()
+    assert len(seen) > 3 and seen[-1] > seen[0]
+    assert calls(llm, response) == [("get_weather", {"city": "Paris"})]
+
+
+# --- tool calling -----------------------------------------------------------------------------------
+
+def test_tool_calls_as_blocks_and_openai_kwargs(engine):
+    llm = HibanaLLM(engine=engine, state_id="tools")
+    response = llm.chat_with_tools(TOOLS, user_msg="What's the weather in Paris?")
+    blocks = [b for b in response.message.blocks if isinstance(b, ToolCallBlock)]
+    assert [(b.tool_name, b.tool_kwargs) for b in blocks] == [("get_weather", {"city": "Paris"})]
+    [openai] = response.message.additional_kwargs["tool_calls"]
+    assert openai["id"] == blocks[0].tool_call_id and openai["function"] == {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert response.raw["finish_reason"] == "tool_calls"
+
+    plain = llm.chat_with_tools(TOOLS, user_msg="Hi!")
+    assert calls(llm, plain) == [] and plain.message.content.startswith("Hello")
+    with pytest.raises(ValueError, match="tool call"):
+        llm.get_tool_calls_from_response(plain)
+
+
+def test_every_streamed_chunk_carries_the_calls_so_far(engine):
+    llm = HibanaLLM(engine=engine, state_id="parallel")
+    chunks = list(llm.stream_chat_with_tools(TOOLS, user_msg="What's the weather in Paris and in Oslo?",
+                                             allow_parallel_tool_calls=True))
+    counts = [len(calls(llm, c)) for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 2    # never drops a call once it appeared
+    assert calls(llm, chunks[-1]) == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
+    ids = [[b.tool_call_id for b in c.message.blocks if isinstance(b, ToolCallBlock)] for c in chunks]
+    assert all(i == ids[-1][:len(i)] for i in ids)          # one id per call, from its first chunk on
+
+    single = llm.chat_with_tools(TOOLS, user_msg="What's the weather in Paris and in Oslo?")
+    assert calls(llm, single) == [("get_weather", {"city": "Paris"})]  # allow_parallel_tool_calls=False
+
+
+def test_tool_required_forces_a_call(engine):
+    """"Hi!" gets a greeting; with tool_required the turn opens with the tool-call syntax, so even a
+    7M model calls a tool; tool_choice names the tool."""
+    llm = HibanaLLM(engine=engine, state_id="forced")
+    assert calls(llm, llm.chat_with_tools(TOOLS, user_msg="Hi!")) == []
+    forced = calls(llm, llm.chat_with_tools(TOOLS, user_msg="Hi!", tool_required=True))
+    assert len(forced) == 1 and forced[0][0] in ("get_weather", "add_numbers")
+    named = calls(llm, llm.chat_with_tools(TOOLS, user_msg="Hi!", tool_choice="add_numbers"))
+    assert [name for name, _ in named] == ["add_numbers"]
+    assert calls(llm, llm.chat_with_tools(TOOLS, user_msg="What's the weather in Paris?", tool_choice="none")) == []
+    streamed = list(llm.stream_chat_with_tools(TOOLS, user_msg="Hi!", tool_required=True))
+    assert len(calls(llm, streamed[-1])) == 1
+
+
+async def test_structured_output_through_tool_calling(engine):
+    llm = HibanaLLM(engine=engine, state_id="structured")
+    prompt = PromptTemplate("{text}")
+    text = 'Save the book "The Silent River" by Ana Garcia, published in 1843.'
+    book = llm.structured_predict(Book, prompt, text=text)
+    assert book == Book(title="The Silent River", author="Ana Garcia", year=1843)
+    book = await llm.astructured_predict(Book, prompt, text="Record this book: The Last Harbor by Hiro Tanaka (1999).")
+    assert book == Book(title="The Last Harbor", author="Hiro Tanaka", year=1999)
+    response = llm.as_structured_llm(Book).chat(user('Save the book "The Blue Clock" by Maya Kim, published in 1970.'))
+    assert response.raw == Book(title="The Blue Clock", author="Maya Kim", year=1970)
+
+
+# --- which state serves a call ------------------------------------------------------------------------
+
+async def test_state_selection(engine):
+    bound = HibanaLLM(engine=engine, state_id="bound")
+    reply = bound.chat(user("Who are you?"))
+    assert reply.raw["state_id"] == "bound"
+    assert engine.open_state("bound").tokens[-1] in engine.chat("bound").stop_token_ids
+
+    # no state bound: the state whose conversation the prompt continues, else a new one; "bound"
+    # shares a prefix with this conversation but is not taken over
+    free = HibanaLLM(engine=engine)
+    held = engine.open_state("bound").tokens
+    history = user("Repeat after me: blue harbor clock")
+    first = free.chat(history)
+    history += [first.message, *user("Thanks!")]
+    second = free.chat(history)
+    assert second.raw["state_id"] == first.raw["state_id"] not in ("bound", None)
+    assert second.raw["usage"]["cached_tokens"] >= first.raw["usage"]["total_tokens"] - 1
+    assert engine.open_state("bound").tokens == held
+
+    # concurrent calls never share a state: the bound one serves one, the others get their own
+    replies = await asyncio.gather(*(bound.achat(user("Who are you?")) for _ in range(3)))
+    assert len({r.raw["state_id"] for r in replies}) == 3 and "bound" in {r.raw["state_id"] for r in replies}
+    assert len({r.message.content for r in replies}) == 1
+
+
+# --- conversions --------------------------------------------------------------------------------------
+
+def test_messages_from_blocks_and_from_openai_kwargs():
+    call = ToolCallBlock(tool_call_id="c1", tool_name="f", tool_kwargs={"x": 1})
+    block = ChatMessage(role="assistant", blocks=[call])
+    legacy = ChatMessage(role="assistant", content="", additional_kwargs={"tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]})
+    result = ChatMessage(role="tool", content='{"y": 2}', additional_kwargs={"tool_call_id": "c1"})
+    a, b, r = openai_messages([block, legacy, result])
+    assert a["tool_calls"][0]["function"] == {"name": "f", "arguments": {"x": 1}}
+    assert b["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    assert r == {"role": "tool", "content": '{"y": 2}', "tool_call_id": "c1"}
+    assert openai_messages([ChatMessage(role="developer", content="Be brief.")]) == [
+        {"role": "system", "content": "Be brief."}]
+
+
+def test_clean_schema_drops_titles_not_properties_named_title():
+    schema = Book.model_json_schema()
+    cleaned = clean_schema(schema)
+    assert list(cleaned) == ["type", "properties", "description", "required"]
+    assert cleaned["properties"]["title"] == {"type": "string", "description": "Title of the book."}
+    assert "title" not in cleaned and cleaned["required"] == ["title", "author", "year"]
