@@ -1,0 +1,240 @@
+"""ChatHibana beyond the standard suites: plugin registration, which state serves a call, forced
+tool calls on the demo model, structured output methods, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import subprocess
+import sys
+import textwrap
+from typing import Annotated
+
+import pytest
+
+pytest.importorskip("langchain_core")
+
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage  # noqa: E402
+from langchain_core.tools import tool  # noqa: E402
+from pydantic import BaseModel, Field  # noqa: E402
+from typing_extensions import TypedDict  # noqa: E402
+
+from hibana_core import StateBusyError  # noqa: E402
+from hibana_plugins.langchain import ChatHibana, UnsupportedContentError, _slots, _snap  # noqa: E402
+from hibana_plugins.manager import HibanaPluginManager  # noqa: E402
+
+
+@tool
+def get_weather(city: Annotated[str, "Name of the city."]) -> str:
+    """Get the current weather for a city."""
+    return json.dumps({"temperature": 21, "condition": "sunny"})
+
+
+@tool
+def multiply(a: Annotated[float, "The first number."], b: Annotated[float, "The second number."]) -> str:
+    """Multiply two numbers and return the product."""
+    return json.dumps({"result": a * b})
+
+
+class Book(BaseModel):
+    """Save a book as a structured record."""
+
+    title: str = Field(description="Title of the book.")
+    author: str = Field(description="Who wrote it.")
+    year: int = Field(description="Year of publication.")
+
+
+BOOK = 'Save the book "The Silent River" by Maya Tanaka, published in 1987.'   # a task the demo knows
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return ChatHibana(model="demo", max_tokens=64)
+
+
+# --- plugin ----------------------------------------------------------------------------------------
+
+def test_registered_as_the_langchain_adapter(llm):
+    manager = HibanaPluginManager(entry_point_group=None)
+    factory = manager.adapters()["langchain"]
+    assert factory is ChatHibana
+    assert factory(engine=llm.engine).engine is llm.engine
+    assert not [e for e in manager.load_errors if "langchain" in e.plugin]
+
+
+def test_module_imports_without_langchain_core():
+    script = textwrap.dedent("""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("langchain_core", "langchain", "langgraph"):
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        sys.meta_path.insert(0, Block())
+        import warnings
+        warnings.simplefilter("error")
+        from hibana_plugins.manager import HibanaPluginManager
+        manager = HibanaPluginManager(entry_point_group=None)
+        assert "langchain" in manager.adapters(), manager.adapters()
+        assert not manager.load_errors, manager.load_errors
+        from hibana_plugins.langchain import ChatHibana
+        try:
+            ChatHibana(model="demo")
+        except ImportError as exc:
+            print(exc)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "pip install 'hibana[langchain]'" in done.stdout
+
+
+def test_objects_on_one_model_share_an_engine(llm):
+    assert ChatHibana(model="demo").engine is llm.engine
+    assert ChatHibana(engine=llm.engine).model == "demo"
+
+
+# --- which state serves a call ---------------------------------------------------------------------
+
+def test_state_id_on_the_object_by_bind_or_per_call(llm):
+    assert ChatHibana(model="demo", state_id="lc-test-a").invoke("Hello").response_metadata["state_id"] == "lc-test-a"
+    assert llm.bind(state_id="lc-test-b").invoke("Hello").response_metadata["state_id"] == "lc-test-b"
+    assert llm.invoke("Hello", state_id="lc-test-c").response_metadata["state_id"] == "lc-test-c"
+
+
+def test_a_state_serving_a_call_is_not_given_to_another(llm):
+    stream = llm.bind_tools([get_weather]).stream("What's the weather in Paris?", state_id="lc-test-busy")
+    next(stream)  # the call is under way and holds its state
+    try:
+        with pytest.raises(StateBusyError, match="lc-test-busy"):
+            llm.invoke("Hello", state_id="lc-test-busy")
+    finally:
+        stream.close()
+    assert llm.invoke("Hello", state_id="lc-test-busy").content  # free again
+
+
+async def test_concurrent_calls_without_an_id_get_distinct_states(llm):
+    replies = await asyncio.gather(*(llm.ainvoke("Hello") for _ in range(4)))
+    assert len({r.response_metadata["state_id"] for r in replies}) == 4
+
+
+def test_a_conversation_goes_on_in_its_state_and_another_gets_its_own(llm):
+    model = llm.bind_tools([get_weather])
+    history = [HumanMessage("What's the weather in Oslo?")]
+    first = model.invoke(history)
+    assert first.tool_calls
+    history += [first, ToolMessage(get_weather.invoke(first.tool_calls[0]["args"]),
+                                   tool_call_id=first.tool_calls[0]["id"])]
+    second = model.invoke(history)
+    assert second.response_metadata["state_id"] == first.response_metadata["state_id"]
+    usage = second.usage_metadata
+    assert usage["input_token_details"]["cache_read"] >= 0.85 * usage["input_tokens"]
+
+    other = model.invoke("What is 3 times 4?")
+    assert other.response_metadata["state_id"] != first.response_metadata["state_id"]
+
+
+def test_langgraph_thread_and_node_name_the_state(llm):
+    from langgraph.graph import END, START, MessagesState, StateGraph
+
+    def agent(state: MessagesState):
+        return {"messages": [llm.invoke(state["messages"])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", agent)
+    graph.add_edge(START, "agent")
+    graph.add_edge("agent", END)
+    reply = graph.compile().invoke({"messages": [("user", "Hello")]}, {"configurable": {"thread_id": "lc-t9"}})
+    assert reply["messages"][-1].response_metadata["state_id"] == "lc-t9/agent"
+
+
+# --- tool choice -------------------------------------------------------------------------------------
+
+def test_tool_choice_auto_none_and_forced(llm):
+    question = "What's the weather in Paris?"
+    assert llm.bind_tools([get_weather, multiply]).invoke(question).tool_calls[0]["args"] == {"city": "Paris"}
+    assert not llm.bind_tools([get_weather, multiply], tool_choice="none").invoke(question).tool_calls
+
+    forced = llm.bind_tools([get_weather, multiply], tool_choice="multiply").invoke("Hello!")
+    assert [c["name"] for c in forced.tool_calls] == ["multiply"]
+    assert set(forced.tool_calls[0]["args"]) == {"a", "b"}
+    assert forced.response_metadata["finish_reason"] == "tool_calls"
+
+    some = llm.bind_tools([get_weather, multiply], tool_choice="any").invoke("Hello!")
+    assert some.tool_calls and some.tool_calls[0]["name"] in ("get_weather", "multiply")
+
+    with pytest.raises(ValueError, match="names no bound tool"):
+        llm.bind_tools([get_weather], tool_choice="search")
+
+
+def test_forced_call_streams_id_and_name_first_then_arguments(llm):
+    model = llm.bind_tools([Book], tool_choice="Book")
+    chunks = list(model.stream(BOOK))
+    calls = [c for chunk in chunks for c in chunk.tool_call_chunks]
+    assert calls[0]["id"] and calls[0]["name"] == "Book"
+    assert all(c["id"] is None and c["name"] is None for c in calls[1:])
+    full = sum(chunks[1:], chunks[0])
+    assert full.tool_calls[0]["args"] == {"title": "The Silent River", "author": "Maya Tanaka", "year": 1987}
+    assert full.tool_calls[0]["args"] == model.invoke(BOOK).tool_calls[0]["args"]
+    assert chunks[-1].chunk_position == "last" and chunks[-1].usage_metadata["input_tokens"] > 0
+
+
+# --- structured output -------------------------------------------------------------------------------
+
+class BookDict(TypedDict):
+    """Save a book as a structured record."""
+
+    title: Annotated[str, ..., "Title of the book."]
+    author: Annotated[str, ..., "Who wrote it."]
+    year: Annotated[int, ..., "Year of publication."]
+
+
+@pytest.mark.parametrize("method", ["function_calling", "json_schema", "json_mode"])
+def test_structured_output_methods(llm, method):
+    assert llm.with_structured_output(Book, method=method).invoke(BOOK) == Book(
+        title="The Silent River", author="Maya Tanaka", year=1987)
+    assert llm.with_structured_output(BookDict, method=method).invoke(BOOK)["year"] == 1987
+
+
+def test_structured_output_include_raw(llm):
+    out = llm.with_structured_output(Book, method="json_schema", include_raw=True).invoke(BOOK)
+    assert isinstance(out["raw"], AIMessage) and json.loads(out["raw"].content)["year"] == 1987
+    assert out["parsed"].author == "Maya Tanaka" and out["parsing_error"] is None
+
+
+# --- errors and limits -------------------------------------------------------------------------------
+
+def test_images_are_refused_with_a_clear_error(llm):
+    message = HumanMessage([{"type": "text", "text": "What is this?"},
+                            {"type": "image", "base64": "aGk=", "mime_type": "image/png"}])
+    with pytest.raises(UnsupportedContentError, match="text only"):
+        llm.invoke([message])
+
+
+def test_timeout_cancels_the_call(llm):
+    with pytest.raises(TimeoutError):
+        ChatHibana(model="demo", timeout=1e-9).invoke("Hello")
+    assert llm.invoke("Hello").content
+
+
+def test_argument_slots_and_name_snapping():
+    flat = {"type": "object", "properties": {"q": {"type": "string"}, "n": {"type": "integer"},
+                                             "opt": {"type": "boolean"}}, "required": ["q", "n"]}
+    assert [s.key for s in _slots(flat)] == ["q", "n"]   # optional arguments are left to their defaults
+    assert _slots({"type": "object", "properties": {}}) == []
+    nested = {"type": "object", "properties": {"tags": {"type": "array"}}, "required": ["tags"]}
+    assert _slots(nested) is None and _slots({"type": "object"}) is None
+    assert _snap("magic", ["get_weather", "magic_function"]) == "magic_function"
+    assert _snap("get_wether", ["get_weather", "magic_function"]) == "get_weather"
+
+
+async def test_closing_an_async_stream_early_frees_its_state(llm):
+    model = llm.bind_tools([get_weather])
+    async with contextlib.aclosing(model.astream("What's the weather in Paris?", state_id="lc-test-early")) as stream:
+        async for _ in stream:
+            break
+    # LangChain's astream leaves our generator to the event loop's finalizer: a loop turn or two
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if "lc-test-early" not in {s.id for s in llm.engine.states() if s.busy}:
+            break
+    assert (await llm.ainvoke("Hello", state_id="lc-test-early")).content
