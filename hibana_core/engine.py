@@ -90,6 +90,13 @@ def _run_loop(ref: "weakref.ReferenceType[Engine]") -> None:
         time.sleep(0)  # let threads waiting for the lock in (the lock is not fair)
 
 
+def _raise_failure(request: Request, event: StreamEvent) -> StreamEvent:
+    """The final event of a failed request raises its error instead of being delivered."""
+    if event.token_id is None and request.error is not None:
+        raise request.error
+    return event
+
+
 def _resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -414,36 +421,24 @@ class Engine:
         return StreamEvent(None, tail, request.finish_reason, completion)
 
     def _events(self, request: Request, stream: RequestStream) -> Iterator[StreamEvent]:
-        finished = False
         try:
             while True:
-                event = stream.get()
-                if event.token_id is None:
-                    finished = True
-                    if request.error is not None:
-                        raise request.error
-                    yield event
-                    return
+                event = _raise_failure(request, stream.get())
                 yield event
+                if event.token_id is None:
+                    return
         finally:
-            if not finished:
-                self._cancel(request)
+            self._cancel(request)  # an iterator closed early; a no-op once finished
 
     async def _aevents(self, request: Request, stream: RequestStream) -> AsyncIterator[StreamEvent]:
-        finished = False
         try:
             while True:
-                event = await stream.aget()
-                if event.token_id is None:
-                    finished = True
-                    if request.error is not None:
-                        raise request.error
-                    yield event
-                    return
+                event = _raise_failure(request, await stream.aget())
                 yield event
+                if event.token_id is None:
+                    return
         finally:
-            if not finished:
-                self._cancel(request)
+            self._cancel(request)
 
     def _cancel(self, request: Request) -> None:
         with self._lock:
