@@ -1,4 +1,4 @@
-"""The chat layer: OpenAI-style messages and tools in, text and tool calls out, on one state.
+"""The chat layer: OpenAI-style messages and tools in, text and tool calls out, on a state.
 
     messages, tools --render (the model's chat template)--> token ids --sync--> handle
     handle --generate (stop at the end-of-turn token)--> text --tool parser--> ChatResult
@@ -7,55 +7,36 @@ Rendering goes through the tokenizer's `apply_chat_template`, or through a chat 
 registers for the model's `model_type` (which may also name the tool parser; "hermes" otherwise).
 Every call syncs the handle to the freshly rendered prompt, so a re-rendered history costs only the
 tokens that differ from what the state holds; where the model's own tokens spell the same text as
-the re-rendered history, they are kept (`Chat.prompt_ids`). Model output never raises: malformed tool-call text
-comes back as text with finish_reason "malformed_tool_call".
+the re-rendered history, they are kept (`Chat.prompt_ids`). A turn that `tool_choice` forces to
+call a tool runs as several requests (`hibana_core.turn`). Model output never raises: malformed
+tool-call text comes back as text with finish_reason "malformed_tool_call".
+
+`Chat(engine, "agent-1")` works on one state; `Chat(engine)` only renders, and serves each call
+on the state `chat.lease(prompt)` picks (what the framework adapters do).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Sequence
 
+from hibana_core import turn
 from hibana_core.config import SamplingParams
-from hibana_core.errors import HibanaError
+from hibana_core.errors import HibanaError, StateBusyError
+from hibana_core.turn import MALFORMED, ChatDelta, ChatResult, Usage  # noqa: F401 (re-exported)
 from hibana_plugins.manager import get_plugin_manager
-from hibana_plugins.tool_parsers import ParsedOutput, ToolCall, ToolCallDelta
+from hibana_plugins.tool_parsers import ToolCall
 
 if TYPE_CHECKING:
     from hibana_core.engine import Engine
+    from hibana_core.state import StateHandle
 
 DEFAULT_TOOL_PARSER = "hermes"
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
-MALFORMED = "malformed_tool_call"
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    cached_tokens: int        # prompt tokens whose KV the state already held (SyncStats.reused)
-    completion_tokens: int
-
-
-@dataclass(frozen=True)
-class ChatResult:
-    text: str                 # content outside tool calls; the raw output when a call is malformed
-    tool_calls: list[ToolCall]
-    finish_reason: str        # "tool_calls", "stop", "length", "malformed_tool_call", "cancelled"
-    usage: Usage
-    error: str | None = None  # what was malformed, when finish_reason says so
-    raw_text: str = ""        # the assistant's turn as generated (prefill included)
-
-
-@dataclass(frozen=True)
-class ChatDelta:
-    """One streamed piece: a text delta, a tool-call delta, or (last) the whole result."""
-
-    text: str = ""
-    tool_call: ToolCallDelta | None = None
-    result: ChatResult | None = None
+AUTO_PREFIX = "auto-"  # Engine.lease names so the states it makes for calls that name none
 
 
 def normalize_messages(messages: Sequence[dict]) -> list[dict]:
@@ -96,21 +77,124 @@ def normalize_tools(tools: Sequence[dict] | None) -> list[dict] | None:
             for t in tools]
 
 
-class Chat:
-    """Chat on one state of an engine: `Chat(engine, "agent-1").respond(messages, tools=...)`."""
+class ToolChoiceError(HibanaError, ValueError):
+    """A tool_choice that names no offered tool."""
 
-    def __init__(self, engine: "Engine", state_id: str, tool_parser: str | None = None) -> None:
+
+def normalize_tool_choice(choice: Any, tools: Sequence[dict] | None) -> str:
+    """The spellings frameworks use, as "auto", "none", "required" or a tool's name: None/"auto",
+    "none"/False, "any"/"required"/True, a name, or {"function": {"name": ...}} / {"name": ...}.
+    `tools` are OpenAI function tools."""
+    if choice in (None, "auto"):
+        return "auto"
+    if choice in ("none", False):
+        return "none"
+    if choice in ("any", "required", True):
+        return "required"
+    names = [t["function"]["name"] for t in tools or ()]
+    if isinstance(choice, dict):
+        choice = (choice.get("function") or choice).get("name")
+    if isinstance(choice, str) and choice in names:
+        return choice
+    raise ToolChoiceError(f"tool_choice={choice!r} names no bound tool; use 'auto', 'none', 'any', "
+                          f"'required' or one of {names}")
+
+
+_KEY_ORDER = ("type", "name", "properties", "description", "required", "enum")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+
+
+def clean_schema(schema: Any) -> Any:
+    """A JSON schema laid out as OpenAI-style tool schemas are (the layout small models trained on
+    read best): without the `title`s pydantic adds, `type`, `properties`, `description` first.
+    Argument names keep their order, a property called "title" included."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v for k, v in schema.items() if not (k == "title" and isinstance(v, str))}
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: clean_schema(s) for name, s in out[key].items()}
+    for key in _SUBSCHEMAS:  # one schema, or a list of them
+        if isinstance(out.get(key), list):
+            out[key] = [clean_schema(s) for s in out[key]]
+        elif isinstance(out.get(key), dict):
+            out[key] = clean_schema(out[key])
+    order = sorted(out, key=lambda k: _KEY_ORDER.index(k) if k in _KEY_ORDER else len(_KEY_ORDER))
+    return {k: out[k] for k in order}
+
+
+def clean_tool(tool: dict) -> dict:
+    """An OpenAI function tool (or a bare function) with its parameters' schema cleaned."""
+    function = dict(tool.get("function", tool))
+    if isinstance(function.get("parameters"), dict):
+        function["parameters"] = clean_schema(function["parameters"])
+    return {"type": "function", "function": clean_schema(function)}
+
+
+class Chat:
+    """The chat layer of an engine: `Chat(engine, "agent-1").respond(messages, tools=...)` on one
+    state, or `Chat(engine)` to render and lease a state per call."""
+
+    def __init__(self, engine: "Engine", state_id: str | None = None, tool_parser: str | None = None) -> None:
         if engine.tokenizer is None:
             raise HibanaError("the chat layer needs a tokenizer with a chat template, and this checkpoint "
                               "has none; use state handles with token ids instead")
         self.engine = engine
-        self.handle = engine.open_state(state_id)
         chat_format = get_plugin_manager().chat_formats().get(getattr(engine.hf_config, "model_type", None))
         self.template: str | None = getattr(chat_format, "template", None)
-        name = tool_parser or getattr(chat_format, "tool_parser", None) or DEFAULT_TOOL_PARSER
-        self.parser = get_plugin_manager().lookup("tool_parser", name)
+        self.parser_name = tool_parser or getattr(chat_format, "tool_parser", None) or DEFAULT_TOOL_PARSER
+        self.parser = get_plugin_manager().lookup("tool_parser", self.parser_name)
         vocab = engine.tokenizer.get_vocab()
         self.stop_token_ids = tuple(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+        self.handle: StateHandle | None = engine.open_state(state_id) if state_id is not None else None
+
+    def on(self, handle: "StateHandle") -> "Chat":
+        """This chat layer on another state (template, parser and stop tokens shared)."""
+        chat = copy.copy(self)
+        chat.handle = handle
+        return chat
+
+    # --- which state serves a call ------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def lease(self, prompt: str, state_id: str | None = None, *, fallback: bool = False) -> Iterator["Chat"]:
+        """This chat layer on the state that serves one call, held until the block ends, so that
+        concurrent calls never share a state. `prompt` is the call's rendered text. The state:
+          1. `state_id`, when given; StateBusyError while another call holds it, unless
+             `fallback`: then the choice below;
+          2. else an idle state made for an earlier call that named none, when the prompt
+             continues its conversation (`continues`);
+          3. else a new one, which still shares every full KV block of a common prefix."""
+        with contextlib.ExitStack() as stack:
+            handle = self._lease(stack, state_id, busy_ok=fallback) if state_id is not None else None
+            if handle is None:
+                match = self.engine.match_state(self._encode(prompt))
+                if match is not None and match.id.startswith(AUTO_PREFIX) and self.continues(match.tokens, prompt):
+                    handle = self._lease(stack, match.id, busy_ok=True)  # None if taken meanwhile
+            if handle is None:
+                handle = stack.enter_context(self.engine.lease())
+            yield self.on(handle)
+
+    def _lease(self, stack: contextlib.ExitStack, state_id: str, busy_ok: bool) -> "StateHandle | None":
+        try:
+            return stack.enter_context(self.engine.lease(state_id=state_id))
+        except StateBusyError:  # Engine.lease only raises; the proposed `if_busy` would not
+            if busy_ok:
+                return None
+            raise
+
+    def continues(self, held: Sequence[int], prompt: str) -> bool:
+        """Whether `prompt` (rendered text) goes on from a state's conversation: holds it up to its
+        last reply, which a re-render may spell differently. Taking over a state that merely
+        shares the system prompt and tools would throw another conversation away."""
+        ends = [i + 1 for i, token in enumerate(held) if token in self.stop_token_ids]
+        if ends and ends[-1] == len(held):
+            ends.pop()  # the end of the last reply
+        needed = ends[-1] if ends else len(held)
+        return prompt.startswith(self.engine.tokenizer.decode(held[:needed], skip_special_tokens=False))
+
+    # --- rendering ----------------------------------------------------------------------------
 
     def render(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
         """Prompt token ids: the conversation plus the assistant's generation prompt."""
@@ -125,13 +209,14 @@ class Chat:
         except Exception as exc:  # jinja raises many types for a conversation it rejects
             raise HibanaError(f"cannot render the conversation with the chat template: {exc}") from exc
 
-    def prompt_ids(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
-        """What `respond` syncs: the rendered prompt, except that the state's own tokens are kept up
-        to the last end-of-turn token where they still spell the prompt's text, and only the rest
-        is tokenized. A model may spell a word in other tokens than the tokenizer would (an unseen
-        name copied piece by piece); re-tokenizing would recompute everything after it."""
-        text = self.render_text(messages, tools)
-        held = self.handle.tokens
+    def prompt_ids(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None = None) -> list[int]:
+        """What `respond` syncs: the rendered prompt (`messages` may be rendered text already),
+        except that the state's own tokens are kept up to the last end-of-turn token where they
+        still spell the prompt's text, and only the rest is tokenized. A model may spell a word in
+        other tokens than the tokenizer would (an unseen name copied piece by piece);
+        re-tokenizing would recompute everything after it."""
+        text = messages if isinstance(messages, str) else self.render_text(messages, tools)
+        held = self.handle.tokens if self.handle is not None else []
         ends = [i + 1 for i, token in enumerate(held) if token in self.stop_token_ids]
         for end in reversed(ends):  # usually the last one matches: the previous reply, unchanged
             held_text = self.engine.tokenizer.decode(held[:end], skip_special_tokens=False)
@@ -143,119 +228,68 @@ class Chat:
         # what apply_chat_template(tokenize=True) does: the template already wrote the special tokens
         return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
 
-    def _params(self, params: SamplingParams | None) -> SamplingParams:
-        params = params or SamplingParams(max_tokens=256)
-        stops = tuple(dict.fromkeys(tuple(params.stop_token_ids) + self.stop_token_ids))
-        return dataclasses.replace(params, stop_token_ids=stops)
+    # --- one assistant turn -------------------------------------------------------------------
 
-    def respond(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-                params: SamplingParams | None = None, *, prefill: str = "",
-                parse_tools: bool = True) -> ChatResult:
-        """Render, sync the state, generate one assistant turn, parse its tool calls.
-
-        `prefill` starts the assistant's turn with given text (`<tool_call>\n{"name": "` forces
-        a call); `parse_tools=False` returns the text as generated."""
+    def respond(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None = None,
+                params: SamplingParams | None = None, **options: Any) -> ChatResult:
+        """Render, sync the state, generate one assistant turn, parse its tool calls. `options`
+        are those of `stream_respond`."""
         result = None
-        for delta in self.stream_respond(messages, tools, params, prefill=prefill, parse_tools=parse_tools):
+        for delta in self.stream_respond(messages, tools, params, **options):
             result = delta.result
         assert result is not None
         return result
 
-    async def arespond(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-                       params: SamplingParams | None = None, *, prefill: str = "",
-                       parse_tools: bool = True) -> ChatResult:
+    async def arespond(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None = None,
+                       params: SamplingParams | None = None, **options: Any) -> ChatResult:
         result = None
-        async for delta in self.astream_respond(messages, tools, params, prefill=prefill,
-                                                parse_tools=parse_tools):
+        async for delta in self.astream_respond(messages, tools, params, **options):
             result = delta.result
         assert result is not None
         return result
 
-    def stream_respond(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-                       params: SamplingParams | None = None, *, prefill: str = "",
-                       parse_tools: bool = True) -> Iterator[ChatDelta]:
+    def stream_respond(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None = None,
+                       params: SamplingParams | None = None, *, prefill: str = "", parse_tools: bool = True,
+                       tool_choice: Any = "auto", guided: bool = True,
+                       timeout: float | None = None) -> Iterator[ChatDelta]:
         """Text deltas and tool-call deltas as they are generated; the last item carries the
-        ChatResult. Closing the iterator early cancels the generation."""
-        turn = _Turn(self, prefill, parse_tools)
-        events = self.handle.stream(self._params(params), prompt=self._prompt(messages, tools, prefill))
-        with contextlib.closing(events):  # an early close of this iterator cancels the request
-            yield from turn.start()
-            for event in events:
-                yield from turn.feed(event)
+        ChatResult. Closing the iterator early cancels the generation.
 
-    async def astream_respond(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
+        `messages` may be a rendered prompt, continued as it is. `prefill` starts the assistant's
+        turn with given text; `parse_tools=False` returns the text as generated. `tool_choice`:
+        "auto", "none" (the tools are not offered), "required"/"any" (some call), or a tool's
+        name (that call): forced calls are written around the model's choices (`hibana_core.turn`),
+        with `guided` argument values on flat schemas. `timeout`: seconds, checked per token."""
+        run = self._turn(messages, tools, params, prefill, parse_tools, tool_choice, guided, timeout)
+        yield from turn.run(run, self.handle)
+
+    async def astream_respond(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None = None,
                               params: SamplingParams | None = None, *, prefill: str = "",
-                              parse_tools: bool = True) -> AsyncIterator[ChatDelta]:
+                              parse_tools: bool = True, tool_choice: Any = "auto", guided: bool = True,
+                              timeout: float | None = None) -> AsyncIterator[ChatDelta]:
         """`stream_respond` on the caller's event loop: awaits the engine, never blocks the loop."""
-        turn = _Turn(self, prefill, parse_tools)
-        events = self.handle.astream(self._params(params), prompt=self._prompt(messages, tools, prefill))
-        try:
-            for delta in turn.start():
+        run = self._turn(messages, tools, params, prefill, parse_tools, tool_choice, guided, timeout)
+        async with contextlib.aclosing(turn.arun(run, self.handle)) as deltas:  # closing early cancels
+            async for delta in deltas:
                 yield delta
-            async for event in events:
-                for delta in turn.feed(event):
-                    yield delta
-        finally:
-            await events.aclose()  # an early close cancels the request
 
-    def _prompt(self, messages: Sequence[dict], tools: Sequence[dict] | None, prefill: str) -> list[int]:
-        return self.prompt_ids(messages, tools) + (self._encode(prefill) if prefill else [])
-
-    @staticmethod
-    def _result(parsed, raw_text: str, completion, usage: Usage) -> ChatResult:
-        if completion.finish_reason in ("length", "cancelled"):
-            return ChatResult(raw_text if parsed.error else parsed.content,
-                              [] if parsed.error else parsed.tool_calls, completion.finish_reason, usage,
-                              parsed.error, raw_text)
-        if parsed.error:
-            return ChatResult(raw_text, [], MALFORMED, usage, parsed.error, raw_text)
-        reason = "tool_calls" if parsed.tool_calls else completion.finish_reason
-        return ChatResult(parsed.content, parsed.tool_calls, reason, usage, None, raw_text)
-
-
-class _Turn:
-    """Turns a generation's stream events into chat deltas through the tool parser (which first
-    reads the prefill, so a forced call parses whole)."""
-
-    def __init__(self, chat: Chat, prefill: str, parse_tools: bool) -> None:
-        self.prefill = prefill
-        self.stream = chat.parser.stream() if parse_tools else _PlainText()
-
-    def start(self) -> Iterator[ChatDelta]:
-        return self._deltas(self.stream.feed(self.prefill) if self.prefill else [])
-
-    def feed(self, event) -> Iterator[ChatDelta]:
-        pieces = self.stream.feed(event.text) if event.text else []
-        if event.completion is not None:
-            pieces += self.stream.close()
-        yield from self._deltas(pieces)
-        if event.completion is not None:
-            completion = event.completion
-            usage = Usage(completion.stats.prompt_tokens, completion.stats.reused, len(completion.token_ids))
-            yield ChatDelta(result=Chat._result(self.stream.finish(), self.prefill + completion.text,
-                                                completion, usage))
-
-    @staticmethod
-    def _deltas(pieces) -> Iterator[ChatDelta]:
-        for piece in pieces:
-            yield ChatDelta(tool_call=piece) if isinstance(piece, ToolCallDelta) else ChatDelta(text=piece)
-
-
-class _PlainText:
-    """The parser stream's protocol with no tool parsing: the text is the content."""
-
-    def __init__(self) -> None:
-        self.text = ""
-
-    def feed(self, delta: str) -> list[str]:
-        self.text += delta
-        return [delta]
-
-    def close(self) -> list[str]:
-        return []
-
-    def finish(self) -> ParsedOutput:
-        return ParsedOutput(self.text, [], None)
+    def _turn(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None, params: SamplingParams | None,
+              prefill: str, parse_tools: bool, tool_choice: Any, guided: bool, timeout: float | None) -> turn.TurnRun:
+        if self.handle is None:
+            raise HibanaError("this Chat has no state: give it one (Chat(engine, 'agent-1')), or serve "
+                              "each call on a leased one (`with chat.lease(prompt) as c: c.respond(...)`)")
+        tools = normalize_tools(tools)
+        tool_choice = normalize_tool_choice(tool_choice, tools) if tools else "auto"
+        if tool_choice == "none":
+            tools = None
+        params = params or SamplingParams(max_tokens=256)
+        params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys(
+            tuple(params.stop_token_ids) + self.stop_token_ids)))
+        plan = turn.plan(tools, tool_choice, turn.SYNTAX.get(self.parser_name), prefill=prefill, guided=guided,
+                         budget=params.max_tokens)
+        stream = self.parser.stream() if parse_tools else turn.PlainText()
+        return turn.TurnRun(self.prompt_ids(messages, tools), plan, params, stream, self._encode,
+                            self.stop_token_ids[:1], timeout)
 
 
 def assistant_message(result: ChatResult) -> dict:

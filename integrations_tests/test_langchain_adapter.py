@@ -21,7 +21,8 @@ from pydantic import BaseModel, Field  # noqa: E402
 from typing_extensions import TypedDict  # noqa: E402
 
 from hibana_core import StateBusyError  # noqa: E402
-from hibana_plugins.langchain import ChatHibana, UnsupportedContentError, _slots, _snap  # noqa: E402
+from hibana_core.turn import slots, snap  # noqa: E402
+from hibana_plugins.langchain import ChatHibana, UnsupportedContentError  # noqa: E402
 from hibana_plugins.manager import HibanaPluginManager  # noqa: E402
 
 
@@ -219,12 +220,12 @@ def test_timeout_cancels_the_call(llm):
 def test_argument_slots_and_name_snapping():
     flat = {"type": "object", "properties": {"q": {"type": "string"}, "n": {"type": "integer"},
                                              "opt": {"type": "boolean"}}, "required": ["q", "n"]}
-    assert [s.key for s in _slots(flat)] == ["q", "n"]   # optional arguments are left to their defaults
-    assert _slots({"type": "object", "properties": {}}) == []
+    assert [s.key for s in slots(flat)] == ["q", "n"]   # optional arguments are left to their defaults
+    assert slots({"type": "object", "properties": {}}) == []
     nested = {"type": "object", "properties": {"tags": {"type": "array"}}, "required": ["tags"]}
-    assert _slots(nested) is None and _slots({"type": "object"}) is None
-    assert _snap("magic", ["get_weather", "magic_function"]) == "magic_function"
-    assert _snap("get_wether", ["get_weather", "magic_function"]) == "get_weather"
+    assert slots(nested) is None and slots({"type": "object"}) is None
+    assert snap("magic", ["get_weather", "magic_function"]) == "magic_function"
+    assert snap("get_wether", ["get_weather", "magic_function"]) == "get_weather"
 
 
 async def test_closing_an_async_stream_early_frees_its_state(llm):

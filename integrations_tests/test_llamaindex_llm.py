@@ -19,7 +19,8 @@ from llama_index.core.prompts import PromptTemplate
 from llama_index.core.tools import FunctionTool
 
 from hibana_core import Engine
-from hibana_plugins.llamaindex import HibanaLLM, clean_schema, openai_messages
+from hibana_core.chat import clean_schema
+from hibana_plugins.llamaindex import HibanaLLM, openai_messages
 from hibana_plugins.manager import HibanaPluginManager
 
 REPO = Path(__file__).resolve().parents[1]
@@ -208,6 +209,19 @@ def test_tool_required_forces_a_call(engine):
     assert calls(llm, llm.chat_with_tools(TOOLS, user_msg="What's the weather in Paris?", tool_choice="none")) == []
     streamed = list(llm.stream_chat_with_tools(TOOLS, user_msg="Hi!", tool_required=True))
     assert len(calls(llm, streamed[-1])) == 1
+
+
+def test_forced_call_has_the_schemas_keys(engine):
+    """A forced call on a flat schema is written around the model's values: whatever the model
+    makes of the question, the call parses and has every required key (guided_tool_arguments)."""
+    llm = HibanaLLM(engine=engine, state_id="guided")
+    for choice in ("add_numbers", "get_weather"):
+        [(name, arguments)] = calls(llm, llm.chat_with_tools(TOOLS, user_msg="Hi!", tool_choice=choice))
+        assert name == choice and set(arguments) == {"add_numbers": {"a", "b"}, "get_weather": {"city"}}[choice]
+    unguided = HibanaLLM(engine=engine, state_id="unguided", guided_tool_arguments=False)
+    response = unguided.chat_with_tools(TOOLS, user_msg="Hi!", tool_choice="add_numbers")
+    assert response.message.content.startswith('<tool_call>\n{"name": "add_numbers"') or \
+        [name for name, _ in calls(unguided, response)] == ["add_numbers"]
 
 
 async def test_structured_output_through_tool_calling(engine):

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 
 import pytest
 
-from hibana_core import Completion, Engine, RequestStats, SamplingParams
-from hibana_core.chat import MALFORMED, Chat, ChatResult, assistant_message, normalize_messages, normalize_tools
+from hibana_core import Engine, HibanaError, SamplingParams, StateBusyError
+from hibana_core.chat import (AUTO_PREFIX, MALFORMED, Chat, ChatResult, ToolChoiceError, assistant_message,
+                              clean_tool, normalize_messages, normalize_tool_choice, normalize_tools)
+from hibana_core.turn import result as turn_result
 from hibana_core.demo import corpus, tasks as T, template
 from hibana_core.demo.evaluate import run_tool
 from hibana_plugins.manager import get_plugin_manager
@@ -140,17 +143,13 @@ def test_openai_messages_render_like_dicts(engine):
     assert normalize_messages(wire)[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
 
 
-def _completion(text: str, reason: str = "stop") -> Completion:
-    return Completion([1, 2], reason, text, RequestStats(10, 0, 10, 2, None, 0.0))
-
-
 def test_malformed_tool_call_is_text_not_an_exception():
     parser = get_plugin_manager().lookup("tool_parser", "hermes")
     raw = '<tool_call>\n{"name": "f", "arguments": {"a": 1}\n</tool_call>'
-    usage = Chat._result(parser.parse(raw), raw, _completion(raw), None)
+    usage = turn_result(parser.parse(raw), raw, "stop", None)
     assert usage.finish_reason == MALFORMED and usage.text == raw and usage.tool_calls == [] and usage.error
     cut = '<tool_call>\n{"name": "f", "argu'
-    result = Chat._result(parser.parse(cut), cut, _completion(cut, "length"), None)
+    result = turn_result(parser.parse(cut), cut, "length", None)
     assert result.finish_reason == "length" and result.text == cut and result.tool_calls == []
 
 
@@ -176,3 +175,151 @@ def test_prefill_forces_a_tool_call_and_parse_tools_false_returns_raw_text():
         assert forced.raw_text.startswith('<tool_call>\n{"name": "get_weather"')
         raw = engine.chat("raw").respond(messages, [weather], parse_tools=False)
         assert raw.tool_calls == [] and raw.text == raw.raw_text and "<tool_call>" in raw.text
+
+
+# --- tool_choice: forced calls ----------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city."}},
+                   "required": ["city"]}}}
+MULTIPLY = {"type": "function", "function": {
+    "name": "multiply", "description": "Multiply two numbers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                   "required": ["a", "b"]}}}
+HELLO = [{"role": "user", "content": "Hello!"}]
+
+
+def test_tool_choice_forces_a_call(engine):
+    """"Hello!" gets a greeting; forced, it gets a call that parses and has the schema's keys
+    (a named tool, or one of the tools), and the state holds the call as the turn's end."""
+    chat = Chat(engine, "forced-choice")
+    assert chat.respond(HELLO, [WEATHER, MULTIPLY]).tool_calls == []
+    named = chat.respond(HELLO, [WEATHER, MULTIPLY], tool_choice="multiply")
+    assert [c.name for c in named.tool_calls] == ["multiply"] and set(named.tool_calls[0].arguments) == {"a", "b"}
+    assert named.finish_reason == "tool_calls" and named.raw_text.startswith('<tool_call>\n{"name": "multiply"')
+    held = chat.handle.tokens
+    assert held[-1] in chat.stop_token_ids and engine.tokenizer.decode(held[:-1]).endswith(named.raw_text)
+    assert named.usage.prompt_tokens > 0 and named.usage.completion_tokens > 0
+    some = chat.respond(HELLO, [WEATHER, MULTIPLY], tool_choice="any")
+    assert len(some.tool_calls) == 1 and some.tool_calls[0].name in ("get_weather", "multiply")
+    assert chat.respond(HELLO, [WEATHER], tool_choice={"function": {"name": "get_weather"}}).tool_calls[0].name \
+        == "get_weather"
+    question = [{"role": "user", "content": "What's the weather in Paris?"}]
+    assert chat.respond(question, [WEATHER], tool_choice="none").tool_calls == []
+
+
+def test_guided_values_and_free_arguments(engine):
+    """Guided: the model fills the values of a flat schema; unguided or on a nested schema, it
+    writes the arguments itself after the forced name."""
+    book = {"type": "function", "function": {"name": "Book", "description": "Save a book as a structured record.",
+            "parameters": {"type": "object", "properties": {
+                "title": {"type": "string"}, "author": {"type": "string"}, "year": {"type": "integer"}},
+                "required": ["title", "author", "year"]}}}
+    messages = [{"role": "user", "content": 'Save the book "The Silent River" by Maya Tanaka, published in 1987.'}]
+    chat = Chat(engine, "guided")
+    guided = chat.respond(messages, [book], tool_choice="Book")
+    assert guided.tool_calls[0].arguments == {"title": "The Silent River", "author": "Maya Tanaka", "year": 1987}
+    free = chat.respond(HELLO, [MULTIPLY], tool_choice="multiply", guided=False)
+    assert free.raw_text.startswith('<tool_call>\n{"name": "multiply", "arguments":')  # then the model's
+    nested = {"type": "function", "function": {"name": "tag", "description": "Tag a note.", "parameters": {
+        "type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}}},
+        "required": ["tags"]}}}
+    assert chat.respond(HELLO, [nested], tool_choice="tag").raw_text.startswith(
+        '<tool_call>\n{"name": "tag", "arguments":')
+
+
+def test_forced_call_streams_like_a_free_one(engine):
+    """Sync and async, streamed or not: the same call; its id and name come first, then
+    argument fragments that join to its arguments."""
+    whole = Chat(engine, "forced-whole").respond(HELLO, [WEATHER, MULTIPLY], tool_choice="multiply")
+    deltas = list(Chat(engine, "forced-stream").stream_respond(HELLO, [WEATHER, MULTIPLY], tool_choice="multiply"))
+    calls = [d.tool_call for d in deltas if d.tool_call is not None]
+    assert calls[0].id and calls[0].name == "multiply" and all(c.id is None for c in calls[1:])
+    assert json.loads("".join(c.arguments_fragment for c in calls)) == whole.tool_calls[0].arguments
+    assert deltas[-1].result.tool_calls[0].arguments == whole.tool_calls[0].arguments
+
+    async def both():
+        chat = Chat(engine, "forced-async")
+        awhole = await chat.arespond(HELLO, [WEATHER, MULTIPLY], tool_choice="multiply")
+        adeltas = [d async for d in Chat(engine, "forced-astream").astream_respond(
+            HELLO, [WEATHER, MULTIPLY], tool_choice="required")]
+        return awhole, adeltas
+
+    awhole, adeltas = asyncio.run(both())
+    assert awhole.tool_calls[0].arguments == whole.tool_calls[0].arguments
+    assert awhole.usage.completion_tokens == whole.usage.completion_tokens
+    assert len(adeltas[-1].result.tool_calls) == 1
+
+
+def test_normalize_tool_choice_spellings():
+    tools = [WEATHER, MULTIPLY]
+    assert [normalize_tool_choice(c, tools) for c in (None, "auto", "none", False, "any", "required", True)] == [
+        "auto", "auto", "none", "none", "required", "required", "required"]
+    assert normalize_tool_choice("multiply", tools) == "multiply"
+    assert normalize_tool_choice({"type": "function", "function": {"name": "multiply"}}, tools) == "multiply"
+    assert normalize_tool_choice({"name": "get_weather"}, tools) == "get_weather"
+    with pytest.raises(ToolChoiceError, match="names no bound tool"):
+        normalize_tool_choice("search", tools)
+    assert issubclass(ToolChoiceError, (HibanaError, ValueError))
+
+
+def test_clean_tool_lays_out_schemas_as_openai_does():
+    tool = {"function": {"description": "Save a book.", "name": "Book", "parameters": {
+        "description": "A book.", "properties": {"title": {"description": "Its title.", "title": "Title",
+                                                           "type": "string"}},
+        "required": ["title"], "title": "Book", "type": "object"}}}
+    cleaned = clean_tool(tool)
+    assert list(cleaned) == ["type", "function"] and list(cleaned["function"]) == ["name", "description", "parameters"]
+    assert list(cleaned["function"]["parameters"]) == ["type", "properties", "description", "required"]
+    assert cleaned["function"]["parameters"]["properties"] == {"title": {"type": "string", "description": "Its title."}}
+
+
+def test_timeout_cancels_the_turn(engine):
+    chat = Chat(engine, "timeout")
+    with pytest.raises(TimeoutError):
+        chat.respond(HELLO, timeout=1e-9)
+    assert chat.respond(HELLO).text  # the state is free again
+
+
+# --- Chat without a state: render, then lease one per call ------------------------------------------
+
+def test_chat_without_a_state_renders_and_leases(engine):
+    chat = Chat(engine)
+    assert chat.handle is None and chat.render(HELLO) == Chat(engine, "render-ref").render(HELLO)
+    with pytest.raises(HibanaError, match="no state"):
+        chat.respond(HELLO)
+
+    history = [{"role": "user", "content": "Repeat after me: blue harbor clock"}]
+    with chat.lease(chat.render_text(history)) as first:
+        assert first.handle.id.startswith(AUTO_PREFIX) and chat.handle is None
+        reply = first.respond(history)
+        held = len(first.handle)
+    history += [assistant_message(reply), {"role": "user", "content": "Thanks!"}]
+    with chat.lease(chat.render_text(history)) as second:  # the conversation goes on in its state
+        assert second.handle.id == first.handle.id
+        assert second.respond(history).usage.cached_tokens >= held - 1
+    with chat.lease(chat.render_text(HELLO)) as other:     # another conversation gets its own
+        assert other.handle.id not in (first.handle.id, "render-ref")
+
+
+def test_lease_never_shares_a_state(engine):
+    chat = Chat(engine)
+    with chat.lease(chat.render_text(HELLO), "lease-named") as held:
+        assert held.handle.id == "lease-named"
+        with pytest.raises(StateBusyError, match="lease-named"):
+            with chat.lease(chat.render_text(HELLO), "lease-named"):
+                pass
+        with chat.lease(chat.render_text(HELLO), "lease-named", fallback=True) as other:
+            assert other.handle.id != "lease-named"
+    with chat.lease(chat.render_text(HELLO), "lease-named") as again:  # free once the call ended
+        assert again.handle.id == "lease-named"
+
+    async def concurrent():
+        async def one():
+            with chat.lease(chat.render_text(HELLO)) as leased:
+                await leased.arespond(HELLO)
+                return leased.handle.id
+        return await asyncio.gather(*(one() for _ in range(3)))
+
+    assert len(set(asyncio.run(concurrent()))) == 3
