@@ -13,7 +13,7 @@ import struct
 import pytest
 
 from hibana_core import Engine
-from hibana_core.demo import corpus, evaluate, names, template
+from hibana_core.demo import corpus, evaluate, names, template, tools
 from hibana_core.demo.tools import FAMILIES, make_tool
 from hibana_core.loader import DEMO_MODEL_DIR
 
@@ -52,7 +52,7 @@ def test_held_out_names_never_appear_in_training():
         for tool in c.tool_objects:
             assert not names.is_held_out(tool.name)
             assert not any(names.is_held_out(a) for a in tool.arg_names)
-    for e in evaluate.held_out_episodes(50):
+    for e in evaluate.held_out_episodes(50) + evaluate.held_out_episodes(50, extended=True):
         assert all(names.is_held_out(t.name) and all(names.is_held_out(a) for a in t.arg_names) for t in e.tools)
 
 
@@ -60,6 +60,63 @@ def test_corpus_is_seeded():
     a, b = corpus.conversation(3, 17), corpus.conversation(3, 17)
     assert a.messages == b.messages and a.tools == b.tools
     assert corpus.conversation(4, 17).messages != a.messages
+
+
+def test_run3_additions_come_from_the_side_stream():
+    """Call-syntax, generic-tool and customer tasks and non-ASCII values come in a fair share of the
+    corpus; everything else is drawn as in run 2, and a plain generator (`hibana demo`) gets none."""
+    import random
+
+    from hibana_core.demo import tasks as T, world
+
+    kinds, non_ascii, n = {}, 0, 600
+    for i in range(n):
+        c = corpus.conversation(0, i)
+        for task in c.tasks:
+            kinds[task.kind] = kinds.get(task.kind, 0) + 1
+        non_ascii += any(ord(ch) > 127 for m in c.messages for ch in (m.get("content") or ""))
+    tasks = sum(kinds.values())
+    extra = sum(kinds.get(k, 0) for k in T.EXTRA_MAKERS)
+    assert 0.08 < extra / tasks < 0.25, kinds
+    assert 0.04 < non_ascii / n < 0.18
+    rng = random.Random(5)
+    box = corpus.ToolBox(rng, held_out=False)
+    plain = [T.make_task(rng, kind, box) for kind in corpus.pick_kinds(rng, 50)]
+    box.add_distractors(3)
+    assert not any(t.kind in T.EXTRA_MAKERS for t in plain)
+    assert all(f in FAMILIES and f not in tools.EXTRA_FAMILIES for f in box.by_family)
+    assert all(ord(ch) < 128 for t in plain for ch in t.question)
+    side = world.with_extra("k")
+    assert world.extra(side) is not None and world.extra(random.Random("k")) is None
+
+
+def test_call_syntax_tasks_copy_the_values():
+    from hibana_core.demo import tasks as T, world
+
+    rng = world.with_extra("call")
+    for _ in range(200):
+        box = corpus.ToolBox(rng, held_out=False)
+        task = T.make_task(rng, "call_syntax", box)
+        (c,), = task.turns
+        assert c.tool.name in task.question
+        for value in c.arguments.values():
+            assert (value if isinstance(value, str) else str(value)) in task.question
+        assert all(k in task.answer for k in task.answer_keys)
+        task = T.make_task(rng, "customer", box)
+        name = task.turns[0][0].arguments[task.turns[0][0].tool.arg_names[0]]
+        assert name in task.question and name in task.answer
+
+
+def test_corpus_does_not_hold_the_langchain_tests():
+    """No training on the test: langchain-tests' tool names, descriptions and strings never occur."""
+    banned = ("magic_function", "Apply a magic function to an input.", "Calculate a magic function.",
+              "unicode_customer", "greeting_generator", "你好啊集团", "こんにちは", "Hello Group", "Pirate",
+              "What is the value of magic_function")
+    for i in range(2000):
+        c = corpus.conversation(0, i)
+        text = template.render(c.messages, c.tools)
+        assert not any(b in text for b in banned), i
+        assert all(t.name.replace("_", "").lower() not in tools.EXCLUDED_NAMES for t in c.tool_objects)
 
 
 def test_tools_are_python_functions():

@@ -7,6 +7,11 @@ is the same whatever the number of worker processes that build it.
     then 1-3 tasks, each: [chit-chat] user question -> assistant <tool_call>(s) -> tool result(s)
                                       [-> a chained call -> its result] -> answer quoting the result
     or (10%): plain chat without tools
+
+Since run 3 the generator carries a side stream (world.with_extra): 15% of the tasks are of the
+new kinds (values in call syntax, generic tools, customers with non-ASCII names), some values are
+non-ASCII, some schemas take LangChain's shapes, and a fifth of the tool sets get a generic tool as
+a distractor. All of it is drawn from the side stream, so every other task is what run 2 saw.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import random
 from dataclasses import dataclass, field
 
 from hibana_core.demo import tasks as T, world
-from hibana_core.demo.tools import FAMILIES, Tool, make_tool
+from hibana_core.demo.tools import BASE_FAMILIES, EXTRA_FAMILIES, Tool, make_tool
 
 SYSTEM_PROMPTS = ("You are a helpful assistant.", "You are an agent. Use the tools to answer.",
                   "Answer the user's questions. Call a tool when it helps.", "You are a concise assistant with tools.",
@@ -58,6 +63,7 @@ class ToolBox:
         self.rng, self.held_out = rng, held_out
         self.by_family: dict[str, Tool] = {}
         self._taken: set[str] = set()
+        self._late: list[str] = []          # distractors drawn on the side stream
 
     def __call__(self, family: str) -> Tool:
         if family not in self.by_family:
@@ -65,7 +71,7 @@ class ToolBox:
         return self.by_family[family]
 
     def add_distractors(self, count: int, limit: int = 7) -> None:
-        others = [f for f in FAMILIES if f not in self.by_family]
+        others = [f for f in BASE_FAMILIES if f not in self.by_family]
         self.rng.shuffle(others)
         for family in others:
             if count <= 0 or len(self.by_family) >= limit:
@@ -73,10 +79,18 @@ class ToolBox:
             if not T.conflicts(family, set(self.by_family)):
                 self(family)
                 count -= 1
+        side = world.extra(self.rng)
+        if side is not None and side.random() < 0.2 and len(self.by_family) < limit:
+            family = side.choice([f for f in EXTRA_FAMILIES if f not in self.by_family])
+            self.by_family[family] = make_tool(side, family, self.held_out, self._taken)
+            self._late.append(family)
 
     def tools(self) -> list[Tool]:
-        tools = list(self.by_family.values())
+        tools = [t for f, t in self.by_family.items() if f not in self._late]
         self.rng.shuffle(tools)
+        side = world.extra(self.rng)
+        for family in self._late:
+            tools.insert(side.randint(0, len(tools)), self.by_family[family])
         return tools
 
 
@@ -120,13 +134,20 @@ def make_conversation(rng: random.Random, held_out: bool = False) -> Conversatio
     return Conversation(messages, [t.schema for t in tools], task_list, tools)
 
 
-def conversation(seed: int | str, index: int, held_out: bool = False) -> Conversation:
-    return make_conversation(random.Random(f"{seed}:{index}"), held_out)
+def _generator(key: str, extended: bool) -> random.Random:
+    return world.with_extra(key) if extended else random.Random(key)
 
 
-def single_task(seed: int | str, index: int, held_out: bool = True) -> Conversation:
-    """One task in a fresh conversation: what the held-out evaluation and the demo pose."""
-    rng = random.Random(f"task:{seed}:{index}")
+def conversation(seed: int | str, index: int, held_out: bool = False, extended: bool = True) -> Conversation:
+    """Conversation `index` of the training corpus; `extended=False` gives run 2's corpus exactly."""
+    return make_conversation(_generator(f"{seed}:{index}", extended), held_out)
+
+
+def single_task(seed: int | str, index: int, held_out: bool = True, extended: bool = False) -> Conversation:
+    """One task in a fresh conversation: what the held-out evaluation poses. By default the task
+    set of runs 1 and 2 (the benchmark the committed weights were measured on); `extended=True`
+    draws the side stream too (run 3's kinds, non-ASCII values, LangChain-shaped schemas)."""
+    rng = _generator(f"task:{seed}:{index}", extended)
     system = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] if rng.random() < 0.5 else []
     box = ToolBox(rng, held_out)
     task = T.make_task(rng, T.sample_kind(rng), box)

@@ -37,6 +37,7 @@ class Family:
     descriptions: tuple[str, ...]
     roles: tuple[Role, ...]
     run: Callable[..., Any]   # argument values in role order -> result (dict or text)
+    named: bool = False       # run gets the tool's name first (each generic tool is its own function)
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,12 @@ class Tool:
         if missing:
             return json.dumps({"error": f"missing argument {missing[0]!r}"})
         try:
-            result = FAMILIES[self.family].run(*(arguments[n] for n in self.arg_names))
+            family = FAMILIES[self.family]
+            values = tuple(arguments[n] for n in self.arg_names)
+            result = family.run(*((self.name,) + values if family.named else values))
         except (TypeError, ValueError, ZeroDivisionError, SyntaxError, KeyError) as exc:
             return json.dumps({"error": str(exc) or type(exc).__name__})
-        return result if isinstance(result, str) else json.dumps(result)
+        return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
 
 
 def _num(x: Any) -> float:
@@ -199,13 +202,167 @@ _LIST = (
              Role(("priority", "urgency", "level"), "string", ("How urgent.",), ("low", "medium", "high")),
              _s(("assignee", "owner", "assigned_to"), "Who handles it."))),
 )
+
+# --- generic tools (run 3): functions named and described in general terms -----------------------
+#
+# "What is the value of frob_op(3)?": the question gives the value in call syntax and the tool
+# says nothing but that it applies some function. Each tool of these families is its own
+# function (the result hashes the tool's name and the arguments), so answers must be quoted.
+
+# Names and descriptions of langchain-tests' tools: the corpus never uses them (no training on the test).
+EXCLUDED_NAMES = frozenset(("magicfunction", "magicfunctionnoargs", "unicodecustomer", "greetinggenerator",
+                            "myaddertool"))
+EXCLUDED_DESCRIPTIONS = frozenset(("Apply a magic function to an input.", "Calculate a magic function."))
+
+
+_MAGIC_VERBS = ("apply", "frobnicate", "transmute", "twist", "warp", "mangle", "scramble", "morph", "compute",
+                "eval", "crunch", "munge", "magic", "mystic", "secret", "special", "hidden", "weird", "lucky",
+                "cryptic", "arcane", "strange", "quirky", "shuffle", "fold")
+_MAGIC_NOUNS = ("function", "fn", "func", "op", "operator", "thing", "transform", "map", "value", "number", "box",
+                "gadget", "widget", "oracle", "machine", "trick", "routine")
+_MAGIC_ADJ = ("a magic", "a secret", "a special", "a mysterious", "an arcane", "a hidden", "a custom", "a strange",
+              "a fixed", "a private")
+_MAGIC_KIND = ("function", "transformation", "operation", "formula", "mapping", "procedure")
+
+
+def _magic_descriptions(objects: tuple[str, ...], nouns: tuple[str, ...]) -> tuple[str, ...]:
+    """"Applies a secret mapping to an integer." and the like; a third in other words."""
+    combined = [f"{verb} {adj} {kind} {prep} {obj}." for verb, prep in (
+        ("Applies", "to"), ("Apply", "to"), ("Computes", "on"), ("Runs", "on"), ("Evaluates", "on"),
+        ("Performs", "on")) for adj in _MAGIC_ADJ for kind in _MAGIC_KIND for obj in objects]
+    other = [d for noun in nouns for d in (
+        f"Returns the secret value of {noun}.", f"Maps {noun} to a result.", f"Frobnicates {noun} and returns "
+        f"the result.", f"Transforms {noun} in a hidden way.", f"A mystery function of {noun}.",
+        f"Give it {noun}, get a value back.")]
+    out = combined + other * max(1, len(combined) // (2 * len(other)))
+    return tuple(d for d in out if d not in EXCLUDED_DESCRIPTIONS)
+
+
+def _magic(key: str, value: Callable[..., Any], roles: tuple[Role, ...], objects: tuple[str, ...],
+           nouns: tuple[str, ...]) -> Family:
+    return Family(key, _MAGIC_VERBS, _MAGIC_NOUNS, _magic_descriptions(objects, nouns), roles, value, named=True)
+
+
+def _magic_value(*parts: Any) -> Any:
+    r = world._rng("magic", *map(repr, parts))
+    name, values = parts[0], parts[1:]
+    for v in values:
+        if isinstance(v, bool):
+            raise TypeError(f"expected a value, got {v!r}")
+    if values and isinstance(values[0], str):
+        s = values[0]
+        result: Any = r.choice((s[::-1], s.upper(), f"{s}-{r.randint(1, 99)}", f"{s}{s}", f"<{s}>"))
+    elif values and any(isinstance(v, float) for v in values):
+        result = round(r.uniform(-100, 1000), 2)
+    else:
+        result = r.randint(-999, 9999)
+    return {"result": result} if r.random() < 0.6 else str(result)
+
+
+def _magic_int(name: str, x: Any) -> Any:
+    if not isinstance(x, int):
+        raise TypeError(f"expected an integer, got {x!r}")
+    return _magic_value(name, x)
+
+
+def _magic_num(name: str, x: Any) -> Any:
+    return _magic_value(name, float(_num(x)))
+
+
+def _magic_str(name: str, x: Any) -> Any:
+    if not isinstance(x, str):
+        raise TypeError(f"expected a string, got {x!r}")
+    return _magic_value(name, x)
+
+
+def _magic_pair(name: str, a: Any, b: Any) -> Any:
+    if not (isinstance(a, int) and isinstance(b, int)):
+        raise TypeError("expected two integers")
+    return _magic_value(name, a, b)
+
+
+_IN_INT = Role(("input", "x", "n", "value", "arg", "num", "number", "val", "inp", "param", "operand", "i", "k"),
+               "integer", ("The input.", "An integer.", "The value to transform.", "Input to the function.",
+                           "Any whole number."))
+_IN_NUM = Role(("input", "x", "value", "arg", "num", "number", "val", "amount", "param", "r"), "number",
+               ("The input.", "A number.", "The value to transform.", "Input to the function."))
+_IN_STR = Role(("input", "text", "s", "word", "value", "string", "data", "arg", "msg", "token"), "string",
+               ("The input.", "A string.", "The text to transform.", "Input to the function."))
+_IN_A = Role(("a", "x", "first", "left", "m", "input1", "lhs", "p"), "integer", ("The first input.", "An integer."))
+_IN_B = Role(("b", "y", "second", "right", "n", "input2", "rhs", "q"), "integer", ("The second input.", "An integer."))
+
+_STYLES = ("formal", "casual", "cowboy", "robot", "poetic", "royal", "sleepy", "grumpy", "cheerful", "Shakespearean",
+           "sailor", "wizard", "detective", "surfer", "knight", "viking", "butler", "hippie", "news anchor",
+           "sports commentator", "medieval", "noir", "opera singer", "astronaut")
+_OPENERS = ("Hello", "Greetings", "Well met", "Howdy", "Good day", "Hey there", "Salutations", "Hi")
+
+
+def styled_text(style: Any) -> str:
+    if not isinstance(style, str) or not style.strip():
+        raise ValueError("style must be a non-empty string")
+    r = world._rng("styled", style.lower())
+    return f"{r.choice(_OPENERS)}, friend! ({style} style, take {r.randint(1, 9)})"
+
+
+def register_customer(name: Any, description: Any) -> dict:
+    if not isinstance(name, str) or not name:
+        raise ValueError("the name must be a non-empty string")
+    r = world._rng("customer", name, str(description))
+    return {"status": "created", "customer_id": f"{r.choice(('cus', 'cli', 'acct'))}-{r.randint(1000, 9999)}"}
+
+
+_LIST += (
+    _magic("magic_int", _magic_int, (_IN_INT,),
+           ("an integer", "a whole number", "the input", "an input", "its input"),
+           ("an integer", "a number", "the input")),
+    _magic("magic_num", _magic_num, (_IN_NUM,), ("a number", "a real number", "the given value", "an input"), ("a number", "a decimal value")),
+    _magic("magic_str", _magic_str, (_IN_STR,), ("a string", "a piece of text", "a word", "its text input"), ("a string", "some text", "a word")),
+    _magic("magic_pair", _magic_pair, (_IN_A, _IN_B), ("two integers", "a pair of numbers", "two inputs"),
+           ("two integers", "a pair of numbers")),
+    Family("magic_none", _MAGIC_VERBS, _MAGIC_NOUNS,
+           ("Calculates a magic number.", "Returns a secret value.", "Computes the hidden constant.",
+            "Gives a special number. Takes no arguments.", "Calculate a secret function.",
+            "Produces the mystery value of the day.", "Runs a magic routine and returns its result."),
+           (), lambda name: _magic_value(name), named=True),
+    Family("styled", ("generate", "make", "write", "compose", "create", "produce", "say"),
+           ("greeting", "toast", "farewell", "welcome", "salute", "message", "hello", "line"),
+           ("Writes a short message in the requested style.", "Produce a greeting in a given tone of voice.",
+            "Creates a short text, styled as asked.", "Generate a message in a particular manner of speech.",
+            "Say hello in any style."),
+           (Role(("style", "tone", "manner", "voice", "reply_style", "speaking_style", "mood", "flavor"), "string",
+                 ("How it should sound.", "The style to write in.", "Tone of voice, e.g. formal.")),), styled_text),
+    Family("customer", ("create", "add", "register", "new", "save", "onboard", "make"),
+           ("customer", "client", "company", "org", "account", "organization", "partner"),
+           ("Create a customer record.", "Register a new client organisation.", "Add a company to the customer "
+            "list.", "Store a customer, its name written in its own language.", "Creates a client account with a "
+            "name and a short description."),
+           (_s(("customer_name", "name", "client_name", "company_name", "org_name", "company", "client", "legal_name"),
+               "The customer's name as written in its own language.", "Name of the company.", "Native-script name."),
+            _s(("description", "details", "about", "summary", "info", "notes", "desc", "profile"),
+               "What the customer does.", "Short description.", "A few words about the company.")),
+           register_customer),
+)
 FAMILIES: dict[str, Family] = {f.key: f for f in _LIST}
+BASE_FAMILIES = tuple(f.key for f in _LIST[:19])
+"""The families of runs 1 and 2; the others are drawn only on the side stream (world.with_extra)."""
+EXTRA_FAMILIES = tuple(f.key for f in _LIST[19:])
+
+
+def _tool_name(rng: random.Random, fam: Family) -> str:
+    while True:
+        name = names.tool_name(rng, fam.verbs, fam.nouns)
+        if name.replace("_", "").lower() not in EXCLUDED_NAMES:
+            return name
 
 
 def make_tool(rng: random.Random, family: str, held_out: bool, taken: set[str]) -> Tool:
-    """One concrete tool: a fresh name and argument names on the requested side of the split."""
+    """One concrete tool: a fresh name and argument names on the requested side of the split.
+
+    With a side stream (world.with_extra), the schema sometimes takes the shapes LangChain's
+    `convert_to_openai_tool` gives: no argument descriptions, the arguments described in a
+    docstring, bounds on numbers, no "required" when there are no arguments."""
     fam = FAMILIES[family]
-    name = names.pick(rng, lambda r: names.tool_name(r, fam.verbs, fam.nouns), held_out, taken)
+    name = names.pick(rng, lambda r: _tool_name(r, fam), held_out, taken)
     arg_taken: set[str] = set()
     properties: dict[str, dict] = {}
     arg_names = []
@@ -216,7 +373,33 @@ def make_tool(rng: random.Random, family: str, held_out: bool, taken: set[str]) 
             prop["enum"] = list(role.enum)
         properties[arg] = prop
         arg_names.append(arg)
-    schema = {"type": "function", "function": {
-        "name": name, "description": rng.choice(fam.descriptions),
-        "parameters": {"type": "object", "properties": properties, "required": list(arg_names)}}}
+    description = rng.choice(fam.descriptions)
+    parameters: dict[str, Any] = {"type": "object", "properties": properties, "required": list(arg_names)}
+    side = world.extra(rng)
+    if side is not None:
+        description = _restyle(side, fam, description, parameters)
+    schema = {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
     return Tool(family, schema, tuple(arg_names))
+
+
+def _restyle(side: random.Random, fam: Family, description: str, parameters: dict) -> str:
+    properties = parameters["properties"]
+    style = side.random()
+    if style < 0.22 and properties:               # bare: LangChain tools from functions without docstring args
+        for prop in properties.values():
+            del prop["description"]
+    elif style < 0.32 and properties:            # docstring: the arguments described in the description
+        lines = [f"        {arg}: {prop.pop('description')}" for arg, prop in properties.items()]
+        description += "\n\n    Args:\n" + "\n".join(lines)
+        if side.random() < 0.5:
+            description += "\n\n    Returns:\n        " + side.choice(("The result.", "A confirmation message.",
+                                                                        "What the tool found."))
+    if not properties and side.random() < 0.6:
+        del parameters["required"]
+    if fam.named:
+        for prop in properties.values():
+            if prop["type"] in ("integer", "number") and side.random() < 0.35:
+                bound = side.choice((1000, 10000, 100000))
+                keys = side.choice((("exclusiveMaximum", "exclusiveMinimum"), ("maximum", "minimum")))
+                prop.update({keys[0]: bound, keys[1]: -bound})
+    return description

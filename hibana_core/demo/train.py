@@ -67,11 +67,11 @@ def _init_worker(tokenizer_file: str) -> None:
     _worker_tok = Tokenizer.from_file(tokenizer_file)
 
 
-def _encode_range(args: tuple[int, int, int]) -> list[tuple[np.ndarray, np.ndarray]]:
+def _encode_range(args: tuple[int, int, int, bool]) -> list[tuple[np.ndarray, np.ndarray]]:
     """Conversations [start, stop) of the corpus: token ids and the mask of trained positions."""
-    seed, start, stop = args
+    seed, start, stop, extended = args
     rendered = [template.render_with_spans(c.messages, c.tools)
-                for c in (corpus.conversation(seed, i) for i in range(start, stop))]
+                for c in (corpus.conversation(seed, i, extended=extended) for i in range(start, stop))]
     out = []
     for (text, spans), enc in zip(rendered, _worker_tok.encode_batch([t for t, _ in rendered])):
         if len(enc.ids) > MAX_TOKENS:
@@ -84,11 +84,12 @@ def _encode_range(args: tuple[int, int, int]) -> list[tuple[np.ndarray, np.ndarr
     return out
 
 
-def build_corpus(seed: int, n: int, tokenizer_file: Path, workers: int) -> list[tuple[np.ndarray, np.ndarray]]:
+def build_corpus(seed: int, n: int, tokenizer_file: Path, workers: int,
+                 extended: bool = True) -> list[tuple[np.ndarray, np.ndarray]]:
     from tqdm.auto import tqdm
 
     chunk = 500
-    jobs = [(seed, s, min(s + chunk, n)) for s in range(0, n, chunk)]
+    jobs = [(seed, s, min(s + chunk, n), extended) for s in range(0, n, chunk)]
     data: list[tuple[np.ndarray, np.ndarray]] = []
     with multiprocessing.get_context("fork").Pool(workers, _init_worker, (str(tokenizer_file),)) as pool, \
             tqdm(total=n, desc="corpus", unit="conv", mininterval=1.0 if sys.stderr.isatty() else 10.0) as bar:
@@ -181,10 +182,10 @@ def train_model(args, tok, data):
             value = loss.item()
             log.append((step, value))
             bar.set_postfix(loss=f"{value:.3f}")
-            if step == 50:
+            if step == 150:
                 warm = time.time()                              # steps before this one include warm-up
-            if step == 150 and args.max_minutes:
-                per_step = (time.time() - warm) / 100
+            if step == 300 and args.max_minutes:
+                per_step = (time.time() - warm) / 150
                 fit = int((args.max_minutes * 60 - (time.time() - started)) / per_step) + step
                 if fit < steps:
                     print(f"\n{per_step * 1000:.0f} ms/step: cutting {steps} steps to {fit} to fit "
@@ -229,6 +230,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokenizer", type=Path, help="reuse tokenizer.json / tokenizer_config.json from this directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--conversations", type=int, default=200_000)
+    p.add_argument("--base-corpus", action="store_true",
+                   help="run 2's corpus exactly (no side stream: no call syntax, no non-ASCII values)")
     p.add_argument("--tokenizer-conversations", type=int, default=20_000)
     p.add_argument("--workers", type=int, default=max(1, multiprocessing.cpu_count() - 1))
     p.add_argument("--steps", type=int, default=3000)
@@ -264,7 +267,8 @@ def main(argv=None) -> int:
             return 0
     tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
     t0 = time.time()
-    data = build_corpus(args.seed, args.conversations, tok_dir / "tokenizer.json", args.workers)
+    data = build_corpus(args.seed, args.conversations, tok_dir / "tokenizer.json", args.workers,
+                        extended=not args.base_corpus)
     total = sum(len(ids) for ids, _ in data)
     trained = sum(int(m.sum()) for _, m in data)
     print(f"corpus: {len(data)} conversations, {total / 1e6:.1f}M tokens ({trained / 1e6:.1f}M trained), "
@@ -275,9 +279,11 @@ def main(argv=None) -> int:
     if args.eval_tasks:
         from hibana_core.demo import evaluate
 
-        result = evaluate.evaluate(evaluate.TransformersBackend(model, tok), args.eval_tasks)
-        print(result.summary(), flush=True)
-        report["eval"] = result.as_dict()
+        backend = evaluate.TransformersBackend(model, tok)
+        for key, extended in (("eval", False), ("eval_extended", True)):
+            result = evaluate.evaluate(backend, args.eval_tasks, extended=extended)
+            print(("extended set: " if extended else "") + result.summary(), flush=True)
+            report[key] = result.as_dict()
     (args.out / "training_report.json").write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
