@@ -13,7 +13,6 @@ from typing import Annotated
 
 import pytest
 
-pytest.importorskip("langchain_core")
 
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage  # noqa: E402
 from langchain_core.tools import tool  # noqa: E402

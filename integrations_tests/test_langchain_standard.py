@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 
-pytest.importorskip("langchain_tests")
 
 from langchain_core.language_models import BaseChatModel  # noqa: E402
 from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa: E402

@@ -15,7 +15,6 @@ from typing import Annotated
 
 import pytest
 
-pytest.importorskip("langgraph")
 
 from langchain_core.messages import AIMessage, ToolMessage  # noqa: E402
 from langchain_core.tools import tool  # noqa: E402

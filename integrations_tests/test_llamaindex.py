@@ -13,7 +13,6 @@ from collections import defaultdict
 
 import pytest
 
-pytest.importorskip("llama_index.core")
 
 from llama_index.core.agent.react.formatter import ReActChatFormatter
 from llama_index.core.agent.react.output_parser import ReActOutputParser

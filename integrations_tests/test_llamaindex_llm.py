@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("llama_index.core")
 
 from llama_index.core.base.llms.types import ChatMessage, ToolCallBlock
 from llama_index.core.bridge.pydantic import BaseModel, Field
