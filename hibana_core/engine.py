@@ -269,7 +269,7 @@ class Engine:
             best, best_len = None, 0
             for handle in self._states.values():
                 seq = handle._seq
-                if handle.id in self._leased or self.scheduler.busy(seq):
+                if self._taken(handle):
                     continue
                 same = common_prefix_len(seq.tokens, token_ids)
                 if same == 0 or same < min_shared * len(seq):
@@ -277,6 +277,10 @@ class Engine:
                 if same > best_len or (same == best_len and handle.last_use > best.last_use):
                     best, best_len = handle, same
             return best
+
+    def _taken(self, handle: StateHandle) -> bool:
+        """Held by a call (leased) or generating: not to be handed to another call."""
+        return handle.id in self._leased or self.scheduler.busy(handle._seq)
 
     @contextmanager
     def lease(self, token_ids: Sequence[int] = (), state_id: str | None = None, *,
@@ -290,7 +294,7 @@ class Engine:
         with self._lock:
             if state_id is not None:
                 handle = self.open_state(state_id)
-                if state_id in self._leased or self.scheduler.busy(handle._seq):
+                if self._taken(handle):
                     raise StateBusyError(f"state {state_id!r} is serving another call; give concurrent "
                                          "calls different state ids")
             else:
@@ -326,11 +330,11 @@ class Engine:
         if self._closed:
             raise EngineClosedError("the engine is closed; create a new one with Engine.from_pretrained")
 
-    def _check_handle(self, handle: StateHandle, editing: bool = True) -> None:
+    def _check_handle(self, handle: StateHandle) -> None:
         self._check_open()
         if handle.closed:
             raise StateClosedError(f"state {handle.id!r} is closed; open a new one with engine.open_state")
-        if editing and self.scheduler.busy(handle._seq):
+        if self.scheduler.busy(handle._seq):
             raise StateBusyError(f"state {handle.id!r} is generating; wait for that request to finish "
                                  "or cancel its stream first")
         handle.last_use = time.monotonic()

@@ -47,9 +47,5 @@ class EngineClosedError(HibanaError):
     """The engine was closed."""
 
 
-class RequestCancelledError(HibanaError):
-    """The request was cancelled before it finished."""
-
-
 class StateExistsError(HibanaError):
     """A state with that id is already open."""
