@@ -14,10 +14,10 @@ import importlib
 
 import torch
 
-from kernels import activation, attention, norm, rotary
+from kernels import activation, attention, matmul, norm, rotary
 
-__all__ = ["fused_add_rms_norm", "paged_attention", "rms_norm", "rotary_embedding",
-           "silu_and_mul", "store_kv", "triton_available"]
+__all__ = ["fused_add_rms_norm", "linear", "paged_attention", "qk_norm_rotary_store", "rms_norm",
+           "rotary_embedding", "silu_and_mul", "store_kv", "triton_available"]
 
 
 @functools.cache
@@ -71,6 +71,23 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     """(q, k) rotated by position (rotate_half convention), out of place."""
     impl = _triton("rotary", q) or rotary
     return impl.rotary_embedding(positions, q, k, cos_table, sin_table)
+
+
+def qk_norm_rotary_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                         q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                         eps: float = 0.0) -> torch.Tensor:
+    """An attention layer's prologue (q/k norm when weights are given, rotary, K/V stored);
+    returns the rotated q. See `kernels.rotary.qk_norm_rotary_store`."""
+    impl = _triton("rotary", q) or rotary
+    return impl.qk_norm_rotary_store(positions, q, k, v, cos_table, sin_table, k_cache, v_cache,
+                                     slot_mapping, q_weight, k_weight, eps)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T + bias; decode-sized bf16/fp16 batches take a Triton GEMV on CUDA."""
+    return (_triton("matmul", x) or matmul).linear(x, weight, bias)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

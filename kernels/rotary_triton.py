@@ -1,7 +1,9 @@
-"""Rotary position embedding: Triton kernel, same signature as `kernels.rotary`.
+"""Rotary position embedding: Triton kernels, same signatures as `kernels.rotary`.
 
-One program per token rotates all its query and key heads; q and k may be strided views (e.g.
-slices of a fused QKV projection), the results are new contiguous tensors.
+`rotary_embedding`: one program per token rotates all its query and key heads; q and k may be
+strided views (e.g. slices of a fused QKV projection), the results are new contiguous tensors.
+`qk_norm_rotary_store`: the whole attention prologue (q/k norm, rotary, K/V into the cache) in
+one launch, one program per (token, KV head) handling the query heads of its group.
 """
 
 from __future__ import annotations
@@ -75,3 +77,95 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             BLOCK_KV=triton.next_power_of_2(num_kv_heads),
             BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
     return q_out, k_out
+
+
+@triton.jit
+def _norm_rotate(x1, x2, w_ptr, c1, c2, s1, s2, eps, j, jm,
+                 HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Rows of head halves (float32 values of the activations' dtype) -> rotated halves, with
+    every rounding of the reference: norm output and each rotary product and sum in `dtype`."""
+    dtype = w_ptr.dtype.element_ty
+    if HAS_NORM:
+        inv = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(w_ptr + j, mask=jm, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + j, mask=jm, other=0.0).to(tl.float32)
+        x1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    o1 = (x1 * c1).to(dtype).to(tl.float32) + (-x2 * s1).to(dtype).to(tl.float32)
+    o2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
+    return o1.to(dtype), o2.to(dtype)
+
+
+@triton.jit
+def _prologue_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
+                     k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr, eps,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_table, stride_slot, stride_head,
+                     GROUP: tl.constexpr, HALF: tl.constexpr, BLOCK_G: tl.constexpr,
+                     BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)[None, :]
+    jm = j < HALF
+    row = pos * stride_table
+    dtype = q_ptr.dtype.element_ty
+    c1 = tl.load(cos_ptr + row + j, mask=jm, other=0.0).to(dtype).to(tl.float32)
+    c2 = tl.load(cos_ptr + row + HALF + j, mask=jm, other=0.0).to(dtype).to(tl.float32)
+    s1 = tl.load(sin_ptr + row + j, mask=jm, other=0.0).to(dtype).to(tl.float32)
+    s2 = tl.load(sin_ptr + row + HALF + j, mask=jm, other=0.0).to(dtype).to(tl.float32)
+
+    # the query heads of this KV head's group
+    g = tl.arange(0, BLOCK_G)[:, None]
+    head = kv_head * GROUP + g
+    mask = (g < GROUP) & jm
+    src = q_ptr + token * stride_qt + head * stride_qh + j
+    q1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    q2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    o1, o2 = _norm_rotate(q1, q2, qw_ptr, c1, c2, s1, s2, eps, j, jm, HALF, HAS_NORM)
+    dst = q_out_ptr + token * (GROUP * tl.num_programs(1) * 2 * HALF) + head * (2 * HALF) + j
+    tl.store(dst, o1, mask=mask)
+    tl.store(dst + HALF, o2, mask=mask)
+
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:
+        src = k_ptr + token * stride_kt + kv_head * stride_kh + j
+        k1 = tl.load(src, mask=jm, other=0.0).to(tl.float32)
+        k2 = tl.load(src + HALF, mask=jm, other=0.0).to(tl.float32)
+        o1, o2 = _norm_rotate(k1, k2, kw_ptr, c1, c2, s1, s2, eps, j, jm, HALF, HAS_NORM)
+        dst = slot * stride_slot + kv_head * stride_head + j
+        tl.store(k_cache_ptr + dst, o1, mask=jm)
+        tl.store(k_cache_ptr + dst + HALF, o2, mask=jm)
+        src = v_ptr + token * stride_vt + kv_head * stride_vh + j
+        tl.store(v_cache_ptr + dst, tl.load(src, mask=jm), mask=jm)
+        tl.store(v_cache_ptr + dst + HALF, tl.load(src + HALF, mask=jm), mask=jm)
+
+
+def qk_norm_rotary_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                         q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                         eps: float = 0.0) -> torch.Tensor:
+    """See `kernels.rotary.qk_norm_rotary_store`."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if (q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or head_dim % 2
+            or cos_table.stride() != sin_table.stride() or cos_table.stride(1) != 1
+            or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1
+            or k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1)):
+        raise ValueError("qk_norm_rotary_store wants head_dim contiguous and even, cos and sin "
+                         "tables alike, k_cache and v_cache alike with slots contiguous")
+    has_norm = q_weight is not None
+    if has_norm and (q_weight.dtype != q.dtype or k_weight is None or k_weight.dtype != q.dtype):
+        raise ValueError("qk_norm_rotary_store wants q and k norm weights in the activations' dtype")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens:
+        group, half = num_heads // num_kv_heads, head_dim // 2
+        _prologue_kernel[(num_tokens, num_kv_heads)](
+            positions, q, k, v, cos_table, sin_table, q_weight if has_norm else q,
+            k_weight if has_norm else k, k_cache, v_cache, slot_mapping, q_out, eps,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cos_table.stride(0), k_cache.stride(1), k_cache.stride(2),
+            GROUP=group, HALF=half, BLOCK_G=triton.next_power_of_2(group),
+            BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=has_norm, num_warps=1 if group <= 2 else 4)
+    return q_out

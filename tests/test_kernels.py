@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import activation, attention, norm, rotary
+from kernels import activation, attention, matmul, norm, rotary
 
 BLOCK_SIZE = 16
 HEAD_DIM = 32
@@ -250,6 +250,54 @@ def check_silu_and_mul(device, dtype, inter):
                                activation.silu_and_mul(gate_up), **TOLERANCE[dtype])
 
 
+def check_qk_norm_rotary_store(device, dtype, num_heads, head_dim, qk_norm):
+    triton_rotary = _triton_module("rotary")
+    gen = torch.Generator().manual_seed(num_heads * head_dim + qk_norm)
+    max_pos, tokens = 300, 7
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(device), emb.sin().to(device)
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(device)
+    qkv = torch.randn(tokens, num_heads + 2 * NUM_KV_HEADS, head_dim, generator=gen)
+    qkv = qkv.to(dtype).to(device)  # q, k, v: strided views, as from the fused projection
+    q, k, v = qkv.split([num_heads, NUM_KV_HEADS, NUM_KV_HEADS], dim=1)
+    weights = ()
+    if qk_norm:
+        weights = tuple((1 + torch.randn(head_dim, generator=gen) / 4).to(dtype).to(device)
+                        for _ in range(2)) + (1e-6,)
+    slots = torch.randperm(4 * BLOCK_SIZE, generator=gen)[:tokens].to(device)
+    slots[2] = -1  # a padding row: its q is still rotated, nothing is stored
+    caches = [torch.full((4, BLOCK_SIZE, NUM_KV_HEADS, head_dim), float("nan"), dtype=dtype,
+                         device=device) for _ in range(4)]
+    ref_q = rotary.qk_norm_rotary_store(positions, q, k, v, cos, sin, caches[0], caches[1], slots,
+                                        *weights)
+    out_q = triton_rotary.qk_norm_rotary_store(positions, q, k, v, cos, sin, caches[2], caches[3],
+                                               slots, *weights)
+    # four chained bf16 roundings, which the interpreter truncates: a few units off there
+    tolerance = dict(atol=0.1, rtol=2e-2) if device == "cpu" and qk_norm else TOLERANCE[dtype]
+    torch.testing.assert_close(out_q, ref_q, **tolerance)
+    torch.testing.assert_close(caches[2], caches[0], equal_nan=True, **tolerance)
+    torch.testing.assert_close(caches[3], caches[1], atol=0, rtol=0, equal_nan=True)
+
+
+def check_linear(device, dtype, rows, n, k, bias, tiles):
+    """The Triton GEMV against F.linear; `tiles` (BLOCK_N, BLOCK_K, num_warps) or None for the
+    dispatcher's own choice (which sends float32 and large batches to cuBLAS)."""
+    triton_matmul = _triton_module("matmul")
+    gen = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, k, generator=gen).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
+    b = torch.randn(n, generator=gen).to(dtype).to(device) if bias else None
+    ref = matmul.linear(x.double(), w.double(), None if b is None else b.double())
+    if tiles is None:
+        out = triton_matmul.linear(x, w, b)
+    else:
+        out = triton_matmul.linear_launch(x, w, b, *tiles)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
+
+
 # ---------------------------------------------------------------------------------------------
 # the interpreter worker
 
@@ -356,3 +404,23 @@ def test_rotary_embedding(run_check, dtype, num_heads, head_dim):
 @pytest.mark.parametrize("inter", [96, 1500])  # 1500: more than one program per row
 def test_silu_and_mul(run_check, dtype, inter):
     run_check(check_silu_and_mul, dtype=dtype, inter=inter)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_heads, head_dim", [(4, 16), (6, 64), (14, 32)])  # groups 2, 3, 7
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk_norm+rope"])
+def test_qk_norm_rotary_store(run_check, dtype, num_heads, head_dim, qk_norm):
+    run_check(check_qk_norm_rotary_store, dtype=dtype, num_heads=num_heads, head_dim=head_dim,
+              qk_norm=qk_norm)
+
+
+# rows 1-4 (the GEMV), odd N and K (masked tiles), a bias; tiles: the dispatcher's choice, and
+# explicit tiles that split K into several steps
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows, n, k, bias, tiles", [
+    (1, 96, 64, False, None), (3, 37, 100, True, None), (4, 64, 256, False, (4, 64, 4)),
+    (2, 130, 48, True, (16, 32, 4)), (9, 40, 64, False, None)])
+def test_linear(run_check, dtype, rows, n, k, bias, tiles):
+    if dtype == torch.float32 and tiles is not None:
+        tiles = None  # float32 always goes to cuBLAS; checked through the dispatcher
+    run_check(check_linear, dtype=dtype, rows=rows, n=n, k=k, bias=bias, tiles=tiles)

@@ -137,6 +137,13 @@ class RMSNorm(nn.Module):
         return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters, same checkpoint names) computed by `kernels.linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias)
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables indexed by position, [max_positions, head_dim], always float32.
 
@@ -155,10 +162,10 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        if self.cos is None or self.cos.device != positions.device:
-            self._build(positions.device)
-        return kernels.rotary_embedding(positions, q, k, self.cos, self.sin)
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cos is None or self.cos.device != device:
+            self._build(device)
+        return self.cos, self.sin
 
 
 class Attention(nn.Module):
@@ -173,8 +180,8 @@ class Attention(nn.Module):
         self.sliding_window = args.sliding_windows[layer_idx]
         h, d = args.hidden_size, args.head_dim
         self.split = (args.num_heads * d, args.num_kv_heads * d, args.num_kv_heads * d)
-        self.qkv_proj = nn.Linear(h, sum(self.split), bias=args.qkv_bias)
-        self.o_proj = nn.Linear(args.num_heads * d, h, bias=args.o_bias)
+        self.qkv_proj = Linear(h, sum(self.split), bias=args.qkv_bias)
+        self.o_proj = Linear(args.num_heads * d, h, bias=args.o_bias)
         if args.qk_norm:
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
@@ -185,12 +192,11 @@ class Attention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)      # [T, H, D]
         k = k.view(tokens, self.num_kv_heads, self.head_dim)   # [T, H_kv, D]
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
         batch = self.ctx.batch
         k_cache, v_cache = self.ctx.kv_cache.layer(self.layer_idx)
-        kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else ()
+        q = kernels.qk_norm_rotary_store(positions, q, k, v, *self.rotary.tables(positions.device),
+                                         k_cache, v_cache, batch.slot_mapping, *norms)
         o = kernels.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
                                     batch.query_start_loc, batch.max_query_len, batch.max_seq_len,
                                     self.scale, self.sliding_window)
@@ -203,8 +209,8 @@ class MLP(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         h, i = args.hidden_size, args.intermediate_size
-        self.gate_up_proj = nn.Linear(h, 2 * i, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(i, h, bias=args.mlp_bias)
+        self.gate_up_proj = Linear(h, 2 * i, bias=args.mlp_bias)
+        self.down_proj = Linear(i, h, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
@@ -257,7 +263,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.model = LlamaModel(args, ctx)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.tied_weight_names = ("lm_head.weight",) if args.tie_word_embeddings else ()
         self.tie_weights()
 

@@ -1,0 +1,205 @@
+"""Batch-1 decode on the GPU, taken apart: one device call that sweeps the GEMV's tiles against
+cuBLAS, then times the engine's decode step with each fast-path piece switched on in turn, and
+prints where the step's time goes. Notes and figures: bench/notes_decode.md.
+
+    PYTHONPATH=$PWD python3 bench/tune_decode.py [--model qwen3-8b] [--skip-sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import time
+from collections import defaultdict
+
+import torch
+import triton
+import triton.testing
+
+from bench.models import PRESETS, load_bench_model
+from bench.workloads import copy_bandwidth, random_tokens
+from hibana_core import SamplingParams
+
+OUT = os.environ.get("OUT", "bench/out")
+
+
+def gemv_shapes(name: str) -> dict[str, tuple[int, int]]:
+    p = PRESETS[name]
+    h, i, d = p["hidden_size"], p["intermediate_size"], p.get("head_dim", p["hidden_size"] // p["num_attention_heads"])
+    qkv = (p["num_attention_heads"] + 2 * p["num_key_value_heads"]) * d
+    return {"qkv": (qkv, h), "o": (p["num_attention_heads"] * d, h), "gate_up": (2 * i, h),
+            "down": (h, i), "lm_head": (p["vocab_size"], h)}
+
+
+def time_graph(fn, reps: int = 20) -> float:
+    """Median seconds of one call of fn, replayed from a CUDA graph."""
+    return triton.testing.do_bench_cudagraph(fn, rep=reps, return_mode="median") / 1e3
+
+
+def sweep_gemv(model: str, bandwidth: float) -> list[dict]:
+    from kernels import matmul_triton
+
+    rows = []
+    configs = [(bn, bk, w) for bn, bk, w in itertools.product((1, 2, 4, 8, 16), (512, 1024, 2048, 4096), (4, 8))
+               if 2048 <= bn * bk <= 16384]
+    for (label, (n, k)), m in itertools.product(gemv_shapes(model).items(), (1, 2, 4)):
+        nbytes = n * k * 2
+        copies = max(1, -(-(256 << 20) // nbytes))  # rotate through > 256 MB: the L2 is 50 MB
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = torch.nn.functional.linear(x, ws[0])
+
+        def cublas():
+            for w in ws:
+                torch.nn.functional.linear(x, w)
+
+        t_cublas = time_graph(cublas) / copies
+        best = None
+        for bn, bk, warps in configs:
+            if m * bn * bk > 16384 or bk > triton.next_power_of_2(k):
+                continue
+            out = matmul_triton.linear_launch(x, ws[0], None, bn, bk, warps)
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            if not err < 1e-2:
+                print(f"WRONG {label} m={m} {bn},{bk},{warps}: rel err {err}")
+                continue
+
+            def ours(bn=bn, bk=bk, warps=warps):
+                for w in ws:
+                    matmul_triton.linear_launch(x, w, None, bn, bk, warps)
+
+            t = time_graph(ours) / copies
+            if best is None or t < best[0]:
+                best = (t, bn, bk, warps)
+        chosen = matmul_triton.gemv_config(m, n, k)
+        t_chosen = time_graph(lambda: [matmul_triton.linear_launch(x, w, None, *chosen) for w in ws]) / copies
+        rows.append(dict(shape=label, m=m, n=n, k=k, cublas_us=t_cublas * 1e6,
+                         cublas_bw=nbytes / t_cublas / bandwidth, best_us=best[0] * 1e6,
+                         best_bw=nbytes / best[0] / bandwidth, best=best[1:],
+                         chosen=chosen, chosen_us=t_chosen * 1e6))
+        r = rows[-1]
+        print(f"{label:8s} m={m} cublas {r['cublas_us']:8.1f} us ({r['cublas_bw']:.0%})  best {r['best_us']:8.1f} us "
+              f"({r['best_bw']:.0%}) {r['best']}  chosen {r['chosen_us']:8.1f} us", flush=True)
+        del ws
+    return rows
+
+
+def kernel_table(engine, label: str, top: int = 25) -> list[tuple[str, float, int]]:
+    """GPU time per kernel name over 10 replays of the batch-1 decode graph."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph, _ = engine.runner.graphs.graphs[1]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            graph.replay()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for evt in prof.events():
+        if evt.device_type.name == "CUDA":
+            t = totals[evt.name[:60]]
+            t[0] += evt.device_time_total / 10
+            t[1] += 1
+    table = sorted(((name, us, n // 10) for name, (us, n) in totals.items()), key=lambda r: -r[1])
+    total = sum(us for _, us, _ in table)
+    print(f"\n[{label}] kernels per decode step: {sum(n for *_, n in table)}, busy {total:.0f} us")
+    for name, us, n in table[:top]:
+        print(f"  {us:8.1f} us  x{n:<4d} {name}")
+    return table
+
+
+def decode_figures(engine, prompts: dict[int, list[int]], generate: int) -> dict[int, dict]:
+    """Per context: engine tok/s (wall, the bench's number) and the graph replay alone."""
+    out = {}
+    for ctx, prompt in prompts.items():
+        h = engine.open_state(f"ctx{ctx}-{random.random()}")
+        h.sync(prompt)
+        res = h.generate(SamplingParams(max_tokens=generate, ignore_eos=True))
+        wall = (res.stats.elapsed - (res.stats.time_to_first_token or 0.0)) / (generate - 1)
+        g = engine.runner.graphs
+        graph, _ = g.graphs[1]
+        g.seq_lens[:1].fill_(ctx)  # the replay attends over ctx keys (the state's blocks)
+        g.slot_mapping[:1].fill_(-1)  # and writes nowhere
+        replay = triton.testing.do_bench(graph.replay, rep=300, return_mode="median") / 1e3
+        out[ctx] = dict(wall_ms=wall * 1e3, replay_ms=replay * 1e3, tok_s=1 / wall)
+        h.close()
+    return out
+
+
+def set_variant(engine, gemv: bool, prologue: bool) -> None:
+    """Switch the GEMV and the fused prologue on or off and recapture the decode graphs."""
+    import kernels.matmul_triton as mt
+    import kernels.rotary_triton as rt
+    from hibana_core.runner import DecodeGraphs
+    from kernels import rotary
+
+    mt.MAX_ROWS = 4 if gemv else 0
+    if not hasattr(rt, "_fused"):
+        rt._fused = rt.qk_norm_rotary_store
+    rt.qk_norm_rotary_store = rt._fused if prologue else _unfused_prologue(rotary)
+    runner = engine.runner
+    runner.graphs = DecodeGraphs(runner, runner.graphs.buckets[-1])
+
+
+def _unfused_prologue(rotary):
+    import kernels
+
+    def prologue(positions, q, k, v, cos, sin, k_cache, v_cache, slots, qw=None, kw=None, eps=0.0):
+        if qw is not None:
+            q, k = kernels.rms_norm(q, qw, eps), kernels.rms_norm(k, kw, eps)
+        q, k = kernels.rotary_embedding(positions, q, k, cos, sin)
+        kernels.store_kv(k, v, k_cache, v_cache, slots)
+        return q
+    return prologue
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="qwen3-8b")
+    parser.add_argument("--context", default="512,8192")
+    parser.add_argument("--generate", type=int, default=128)
+    parser.add_argument("--skip-sweep", action="store_true")
+    args = parser.parse_args()
+    os.makedirs(OUT, exist_ok=True)
+    bandwidth = copy_bandwidth(torch.device("cuda"))
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    report: dict = {"bandwidth": bandwidth}
+    if not args.skip_sweep:
+        report["gemv"] = sweep_gemv(args.model, bandwidth)
+
+    t0 = time.time()
+    model = load_bench_model(args.model, torch.device("cuda"), torch.bfloat16)
+    print(f"model built in {time.time() - t0:.0f} s; {model.weight_bytes / 1e9:.2f} GB, "
+          f"roofline {bandwidth / model.weight_bytes:.1f} tok/s", flush=True)
+    contexts = [int(c) for c in args.context.split(",")]
+    rng = random.Random(0)
+    prompts = {c: random_tokens(rng, c, model.vocab_size) for c in contexts}
+    engine = model.engine(max_model_len=max(contexts) + args.generate + 16, max_concurrent_agents=8)
+    warm = engine.open_state("warm")
+    warm.generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=prompts[contexts[0]][:64])
+    warm.close()
+    report["variants"] = {}
+    roofline = bandwidth / model.weight_bytes
+    for gemv, prologue in ((False, False), (False, True), (True, False), (True, True)):
+        label = f"gemv={'on' if gemv else 'off'} prologue={'fused' if prologue else 'split'}"
+        set_variant(engine, gemv, prologue)
+        warm = engine.open_state("warm")
+        warm.generate(SamplingParams(max_tokens=4, ignore_eos=True), prompt=prompts[contexts[0]][:64])
+        warm.close()
+        figures = decode_figures(engine, prompts, args.generate)
+        report["variants"][label] = figures
+        for ctx, f in figures.items():
+            print(f"{label:32s} ctx {ctx:5d}: {f['tok_s']:6.1f} tok/s ({f['tok_s'] / roofline:.0%} of roofline), "
+                  f"wall {f['wall_ms']:.3f} ms/token, graph replay {f['replay_ms']:.3f} ms, "
+                  f"host {f['wall_ms'] - f['replay_ms']:.3f} ms", flush=True)
+    report["kernels"] = kernel_table(engine, "gemv=on prologue=fused, ctx " + str(contexts[-1]))
+    with open(os.path.join(OUT, "tune_decode.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Linear layers for decode-sized batches: a Triton GEMV, same signature as `kernels.matmul`.
+
+At a handful of rows a linear layer is a pass over its weight, and nothing else: the time is the
+weight's bytes over memory bandwidth. Each program owns BLOCK_N output features and streams their
+rows of W (contiguous along K) tile by tile, multiplying by the few input rows, which stay in the
+L1/L2 caches; accumulation is in float32 and the output is rounded once, as cuBLAS does. Larger
+batches, float32 (the exactness path) and anything this kernel does not cover go to cuBLAS.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+MAX_ROWS = 4  # above this, cuBLAS' GEMM kernels (re-using each weight tile across rows) win
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+        else:
+            k_mask = offs_k < K
+            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [n, k]^T product; see bench/notes_gemv.md."""
+    block_m = triton.next_power_of_2(m)
+    block_k = min(triton.next_power_of_2(k), 1024 // block_m)
+    return 8, block_k, 4
+
+
+def linear_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  block_n: int, block_k: int, num_warps: int) -> torch.Tensor:
+    """The GEMV with its tiles chosen by the caller (the tuning script sweeps them)."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0),
+        weight.stride(0), y.stride(0), BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n,
+        BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, num_warps=num_warps)
+    return y.view(*x.shape[:-1], n)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """See `kernels.matmul.linear`."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (not 0 < rows <= MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16)
+            or weight.dtype != x.dtype or weight.stride(-1) != 1):
+        return F.linear(x, weight, bias)
+    n, k = weight.shape
+    return linear_launch(x, weight, bias, *gemv_config(rows, n, k))
