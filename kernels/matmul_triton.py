@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-MAX_ROWS = 4  # above this, cuBLAS' GEMM kernels (re-using each weight tile across rows) win
+MAX_ROWS = 1  # from 2 rows on, cuBLAS re-uses each weight tile across rows and wins (notes_decode.md)
 
 
 @triton.jit
@@ -45,14 +45,14 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
 
 
 def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [n, k]^T product; see bench/notes_gemv.md."""
-    block_m = triton.next_power_of_2(m)
-    block_k = min(triton.next_power_of_2(k), 1024 // block_m)
-    return 8, block_k, 4
+    """(BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [n, k]^T product: whole rows of 4096 in one
+    tile where they fit (every load of a program in flight at once); see bench/notes_decode.md."""
+    block_k = min(triton.next_power_of_2(k), 4096)
+    return (2 if k <= 4096 else 4), block_k, 4
 
 
 def linear_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  block_n: int, block_k: int, num_warps: int) -> torch.Tensor:
+                  block_n: int, block_k: int, num_warps: int, num_stages: int = 1) -> torch.Tensor:
     """The GEMV with its tiles chosen by the caller (the tuning script sweeps them)."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
@@ -63,7 +63,8 @@ def linear_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0),
         weight.stride(0), y.stride(0), BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n,
-        BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, num_warps=num_warps)
+        BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, num_warps=num_warps,
+        num_stages=num_stages)
     return y.view(*x.shape[:-1], n)
 
 

@@ -128,17 +128,17 @@ def _prologue_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_
     tl.store(dst + HALF, o2, mask=mask)
 
     slot = tl.load(slot_ptr + token).to(tl.int64)
-    if slot >= 0:
-        src = k_ptr + token * stride_kt + kv_head * stride_kh + j
-        k1 = tl.load(src, mask=jm, other=0.0).to(tl.float32)
-        k2 = tl.load(src + HALF, mask=jm, other=0.0).to(tl.float32)
-        o1, o2 = _norm_rotate(k1, k2, kw_ptr, c1, c2, s1, s2, eps, j, jm, HALF, HAS_NORM)
-        dst = slot * stride_slot + kv_head * stride_head + j
-        tl.store(k_cache_ptr + dst, o1, mask=jm)
-        tl.store(k_cache_ptr + dst + HALF, o2, mask=jm)
-        src = v_ptr + token * stride_vt + kv_head * stride_vh + j
-        tl.store(v_cache_ptr + dst, tl.load(src, mask=jm), mask=jm)
-        tl.store(v_cache_ptr + dst + HALF, tl.load(src + HALF, mask=jm), mask=jm)
+    if slot >= 0:  # (names inside the branch are new: Triton wants one type per name)
+        k_src = k_ptr + token * stride_kt + kv_head * stride_kh + j
+        k1 = tl.load(k_src, mask=jm, other=0.0).to(tl.float32)
+        k2 = tl.load(k_src + HALF, mask=jm, other=0.0).to(tl.float32)
+        r1, r2 = _norm_rotate(k1, k2, kw_ptr, c1, c2, s1, s2, eps, j, jm, HALF, HAS_NORM)
+        slot_row = slot * stride_slot + kv_head * stride_head + j
+        tl.store(k_cache_ptr + slot_row, r1, mask=jm)
+        tl.store(k_cache_ptr + slot_row + HALF, r2, mask=jm)
+        v_src = v_ptr + token * stride_vt + kv_head * stride_vh + j
+        tl.store(v_cache_ptr + slot_row, tl.load(v_src, mask=jm), mask=jm)
+        tl.store(v_cache_ptr + slot_row + HALF, tl.load(v_src + HALF, mask=jm), mask=jm)
 
 
 def qk_norm_rotary_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
