@@ -90,6 +90,53 @@ def sweep_gemv(model: str, bandwidth: float) -> list[dict]:
     return rows
 
 
+def sweep_attention(bandwidth: float) -> list[dict]:
+    """Decode attention (Qwen3-8B heads: 32 query, 8 KV, head_dim 128; blocks of 16) over tile
+    sizes and split counts, at batch x context shapes of the benchmarks."""
+    from kernels import attention_triton as at
+
+    kv_heads, heads, d, bs = 8, 32, 128, 16
+    tiles = [(16, 4, 2), (32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2), (32, 2, 2)]
+    rows = []
+    for batch, ctx in ((1, 512), (1, 8192), (8, 8192), (32, 4096)):
+        blocks = batch * ctx // bs
+        kv_bytes = 2 * batch * ctx * kv_heads * d * 2
+        layers = max(1, -(-(256 << 20) // kv_bytes))
+        caches = [tuple(torch.randn(blocks, bs, kv_heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+                  for _ in range(layers)]
+        tables = torch.randperm(blocks, device="cuda").to(torch.int32).view(batch, ctx // bs)
+        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, heads, d, device="cuda", dtype=torch.bfloat16)
+        ref = at.paged_attention_launch(q, *caches[0], tables, seq_lens, qsl, 1, d ** -0.5, None, 1, (16, 4, 2))
+        default_splits = at._num_splits(q.device, batch * kv_heads, ctx)
+        results = []
+        for tile in tiles:
+            for splits in sorted({1, 4, 8, 16, 32, 64, 128, default_splits}):
+                if splits > -(-ctx // tile[0]):
+                    continue
+                out = at.paged_attention_launch(q, *caches[0], tables, seq_lens, qsl, 1, d ** -0.5, None, splits, tile)
+                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                if not err < 1e-2:
+                    print(f"WRONG attention {batch}x{ctx} {tile} splits {splits}: {err}")
+                    continue
+
+                def run(tile=tile, splits=splits):
+                    for k, v in caches:
+                        at.paged_attention_launch(q, k, v, tables, seq_lens, qsl, 1, d ** -0.5, None, splits, tile)
+
+                t = time_graph(run) / layers
+                results.append((round(t * 1e6, 1), tile, splits))
+        results.sort()
+        default = [r for r in results if r[1] == (32, 4, 2) and r[2] == default_splits]
+        rows.append(dict(batch=batch, ctx=ctx, best=results[:6], default=default,
+                         best_bw=kv_bytes / (results[0][0] / 1e6) / bandwidth))
+        print(f"attention {batch}x{ctx}: {kv_bytes / 1e6:.1f} MB, floor {kv_bytes / bandwidth * 1e6:.1f} us; "
+              f"default {default}; best {results[:5]}", flush=True)
+        del caches
+    return rows
+
+
 def kernel_table(engine, label: str, top: int = 25) -> list[tuple[str, float, int]]:
     """GPU time per kernel name over 10 replays of the batch-1 decode graph."""
     from torch.profiler import ProfilerActivity, profile
@@ -132,8 +179,8 @@ def decode_figures(engine, prompts: dict[int, list[int]], generate: int) -> dict
     return out
 
 
-def set_variant(engine, gemv: bool, prologue: bool) -> None:
-    """Switch the GEMV and the fused prologue on or off and recapture the decode graphs."""
+def set_variant(engine, gemv: bool, prologue: bool, overlap: bool) -> None:
+    """Switch the GEMV, the fused prologue and async scheduling on or off; recapture graphs."""
     import kernels.matmul_triton as mt
     import kernels.rotary_triton as rt
     from hibana_core.runner import DecodeGraphs
@@ -143,6 +190,7 @@ def set_variant(engine, gemv: bool, prologue: bool) -> None:
     if not hasattr(rt, "_fused"):
         rt._fused = rt.qk_norm_rotary_store
     rt.qk_norm_rotary_store = rt._fused if prologue else _unfused_prologue(rotary)
+    engine._async = overlap
     runner = engine.runner
     runner.graphs = DecodeGraphs(runner, runner.graphs.buckets[-1])
 
@@ -164,7 +212,7 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-8b")
     parser.add_argument("--context", default="512,8192")
     parser.add_argument("--generate", type=int, default=128)
-    parser.add_argument("--skip-sweep", action="store_true")
+    parser.add_argument("--skip-sweep", action="store_true", help="skip the GEMV sweep")
     args = parser.parse_args()
     os.makedirs(OUT, exist_ok=True)
     bandwidth = copy_bandwidth(torch.device("cuda"))
@@ -172,6 +220,7 @@ def main() -> None:
     report: dict = {"bandwidth": bandwidth}
     if not args.skip_sweep:
         report["gemv"] = sweep_gemv(args.model, bandwidth)
+    report["attention"] = sweep_attention(bandwidth)
 
     t0 = time.time()
     model = load_bench_model(args.model, torch.device("cuda"), torch.bfloat16)
@@ -186,18 +235,20 @@ def main() -> None:
     warm.close()
     report["variants"] = {}
     roofline = bandwidth / model.weight_bytes
-    for gemv, prologue in ((False, False), (False, True), (True, False), (True, True)):
-        label = f"gemv={'on' if gemv else 'off'} prologue={'fused' if prologue else 'split'}"
-        set_variant(engine, gemv, prologue)
+    for gemv, prologue, overlap in ((False, False, False), (True, True, False), (True, True, True)):
+        label = (f"gemv={'on' if gemv else 'off'} prologue={'fused' if prologue else 'split'} "
+                 f"async={'on' if overlap else 'off'}")
+        set_variant(engine, gemv, prologue, overlap)
         warm = engine.open_state("warm")
         warm.generate(SamplingParams(max_tokens=4, ignore_eos=True), prompt=prompts[contexts[0]][:64])
         warm.close()
-        figures = decode_figures(engine, prompts, args.generate)
-        report["variants"][label] = figures
-        for ctx, f in figures.items():
-            print(f"{label:32s} ctx {ctx:5d}: {f['tok_s']:6.1f} tok/s ({f['tok_s'] / roofline:.0%} of roofline), "
-                  f"wall {f['wall_ms']:.3f} ms/token, graph replay {f['replay_ms']:.3f} ms, "
-                  f"host {f['wall_ms'] - f['replay_ms']:.3f} ms", flush=True)
+        for rep in range(2):  # twice: the spread between runs of one version
+            figures = decode_figures(engine, prompts, args.generate)
+            report["variants"][f"{label} run {rep}"] = figures
+            for ctx, f in figures.items():
+                print(f"{label:42s} ctx {ctx:5d}: {f['tok_s']:6.1f} tok/s ({f['tok_s'] / roofline:.0%} of roofline), "
+                      f"wall {f['wall_ms']:.3f} ms/token, graph replay {f['replay_ms']:.3f} ms, "
+                      f"host {f['wall_ms'] - f['replay_ms']:.3f} ms", flush=True)
     report["kernels"] = kernel_table(engine, "gemv=on prologue=fused, ctx " + str(contexts[-1]))
     with open(os.path.join(OUT, "tune_decode.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)

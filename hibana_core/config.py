@@ -84,6 +84,9 @@ class EngineConfig:
     """Show progress bars for long work (loading)."""
     cuda_graphs: bool = True
     """Replay decode steps from CUDA graphs (CUDA only); False runs every step eagerly."""
+    async_scheduling: bool | None = None
+    """Launch each step before reading the previous one's tokens back, so host work overlaps
+    the device's; None: on for CUDA (on the CPU nothing overlaps, but True runs the same logic)."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -31,9 +31,9 @@ from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.cache import KVCache
 from hibana_core.kv.sequence import KVSequence, common_prefix_len
 from hibana_core.loader import load_from_hf_model, load_model
-from hibana_core.runner import ModelRunner
-from hibana_core.sampler import Sampler, make_generator
-from hibana_core.scheduler import IdleLRUEviction, Request, RequestStatus, Scheduler
+from hibana_core.runner import ModelRunner, SampledTokens
+from hibana_core.sampler import Sampler, make_generator, needs_history
+from hibana_core.scheduler import IdleLRUEviction, Request, RequestStatus, Scheduler, SchedulerOutput
 from hibana_core.state import (Completion, RequestStats, RequestStream, StateHandle, StateInfo,
                                StreamEvent, SyncStats)
 
@@ -132,6 +132,8 @@ class Engine:
                                   self.max_model_len, config.scheduler.max_concurrent_agents,
                                   config.cuda_graphs)
         self._counters = _Counters()
+        self._async = self.device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, SampledTokens] | None = None
         self._lock = threading.RLock()
         self._work = threading.Condition(self._lock)
         self._closed = False
@@ -192,23 +194,49 @@ class Engine:
     # --- the step loop ------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """One engine step: schedule, run the model, post-process. False when idle."""
+        """One engine step: schedule, launch the model, post-process. False when idle.
+
+        With async scheduling (on for CUDA), a step's tokens are read back during the next step:
+        its bookkeeping that needs no token values (`Scheduler.advance`) runs at once, so the
+        next step is scheduled and launched first, and the host work of one step overlaps the
+        device work of the next. Requests whose sampling reads earlier tokens on the host
+        (penalties) make their step wait for its tokens."""
         with self._lock:
             output = self.scheduler.schedule()
             if not output.chunks:
-                return False
+                return self._finish_in_flight()
+            previous = self._in_flight[1].device if self._in_flight else None
             try:
-                sampled = self.runner.step(output)
+                sampled = self.runner.launch(output, previous)
             except Exception as exc:  # fails this step's requests; their states keep their KV
+                self._finish_in_flight()
                 error = exc if isinstance(exc, HibanaError) else HibanaError(f"model step failed: {exc!r}")
                 self.scheduler.fail(output, error)
                 return True
-            self.scheduler.update(output, sampled)
+            self._finish_in_flight()
+            self.scheduler.advance(output)
+            self._in_flight = (output, sampled)
+            if not self._async or any(c.sample and needs_history(c.request.params) for c in output.chunks):
+                self._finish_in_flight()
             c = self._counters
             c.steps += 1
             c.multi_steps += len(output.chunks) > 1
             c.max_batch = max(c.max_batch, len(output.chunks))
             return True
+
+    def _finish_in_flight(self) -> bool:
+        """Read the launched step's tokens back and hand them on. False if none was in flight."""
+        if self._in_flight is None:
+            return False
+        output, sampled = self._in_flight
+        self._in_flight = None
+        try:
+            tokens = sampled.tolist()
+        except Exception as exc:  # the device failed under this step
+            self.scheduler.fail(output, HibanaError(f"model step failed: {exc!r}"))
+            return True
+        self.scheduler.finalize(output, tokens)
+        return True
 
     # --- states -------------------------------------------------------------------------------
 

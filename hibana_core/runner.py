@@ -1,7 +1,9 @@
 """Model runner: prepares the batch tensors of a step once, runs the forward, samples.
 
 On CUDA, decode-only steps replay a CUDA graph captured per batch-size bucket; everything else
-runs eagerly. The only host synchronisation of a step is reading the sampled tokens back.
+runs eagerly. `launch` only enqueues work: the sampled tokens stay on the device (the next step's
+inputs take them from there) and reach the host when `SampledTokens.tolist` is called, the one
+host synchronisation of a step.
 """
 
 from __future__ import annotations
@@ -38,6 +40,26 @@ class StepData:
     tables: list[list[int]]
     logits_indices: list[int]
     max_query_len: int
+    from_device: list[tuple[int, int]]  # (index in ids, row of the previous step's samples)
+
+
+class SampledTokens:
+    """One step's sampled tokens [S]: on the device at once, on the host after `tolist`."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.device = tokens
+        self._ready: torch.cuda.Event | None = None
+        self._host = tokens
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def tolist(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
 
 
 def gather_step(output: SchedulerOutput) -> StepData:
@@ -48,10 +70,14 @@ def gather_step(output: SchedulerOutput) -> StepData:
     starts = [0]
     tables: list[list[int]] = []
     logits_indices: list[int] = []
+    from_device: list[tuple[int, int]] = []
     for chunk in output.chunks:
-        seq = chunk.request.seq
+        seq, pending = chunk.request.seq, chunk.request.pending
         end = chunk.start + chunk.num_tokens
         ids.extend(seq.tokens[chunk.start:end])
+        if pending is not None and pending[0] < end:  # its last token is still on the device
+            ids[-1] = 0
+            from_device.append((len(ids) - 1, pending[1]))
         positions.extend(range(chunk.start, end))
         slots.extend(seq.slot(p) for p in range(chunk.start, end))
         seq_lens.append(end)
@@ -60,7 +86,7 @@ def gather_step(output: SchedulerOutput) -> StepData:
         if chunk.sample:
             logits_indices.append(starts[-1] - 1)
     return StepData(ids, positions, slots, seq_lens, starts, tables, logits_indices,
-                    max(c.num_tokens for c in output.chunks))
+                    max(c.num_tokens for c in output.chunks), from_device)
 
 
 class ModelRunner:
@@ -93,24 +119,45 @@ class ModelRunner:
         return ModelInput(self._tensor(data.ids), self._tensor(data.positions), batch,
                           self._tensor(data.logits_indices))
 
+    def take_from_device(self, input_ids: torch.Tensor, data: StepData,
+                         previous: torch.Tensor | None) -> None:
+        """Put the previous step's sampled tokens, still on the device, into this step's inputs."""
+        if not data.from_device:
+            return
+        if previous is None:
+            raise RuntimeError("a step takes tokens of a previous step that is gone")
+        n = len(data.from_device)
+        if data.from_device == [(i, i) for i in range(n)] and previous.shape[0] == n:
+            input_ids[:n].copy_(previous)  # every row decodes, in the same order: the usual case
+            return
+        index, rows = zip(*data.from_device)
+        input_ids.index_copy_(0, self._tensor(list(index)),
+                              previous.index_select(0, self._tensor(list(rows))))
+
     @torch.inference_mode()
-    def step(self, output: SchedulerOutput) -> list[int]:
-        """Run one scheduled step; returns one sampled token per sampling chunk, in order."""
+    def launch(self, output: SchedulerOutput, previous: torch.Tensor | None = None) -> SampledTokens:
+        """Enqueue one scheduled step; its sampled tokens (one per sampling chunk, in order) come
+        back on the device. `previous`: the previous step's, which may still be in flight."""
         data = gather_step(output)
         rows = [c.request for c in output.chunks if c.sample]
         if self.graphs is not None and self.graphs.fits(data, len(rows)):
-            logits = self.graphs.run(data)
+            logits = self.graphs.run(data, previous)
         else:
             inputs = self.prepare(data)
+            self.take_from_device(inputs.input_ids, data, previous)
             with self.ctx.forward_batch(inputs.batch):
                 hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
             if not rows:
-                return []
+                return SampledTokens(torch.empty(0, dtype=torch.long))
             logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, vocab]
         sampling_rows = [SamplingRow(r.params, r.generator,
                                      r.history if r.params.repetition_penalty != 1.0 else (),
                                      r.output) for r in rows]
-        return self.sampler(logits, sampling_rows).tolist()
+        return SampledTokens(self.sampler(logits, sampling_rows))
+
+    def step(self, output: SchedulerOutput) -> list[int]:
+        """Run one scheduled step and wait for its tokens."""
+        return self.launch(output).tolist()
 
 
 class DecodeGraphs:
@@ -140,7 +187,7 @@ class DecodeGraphs:
                 and len(data.ids) <= self.buckets[-1]
                 and max(len(t) for t in data.tables) <= self.max_blocks)
 
-    def run(self, data: StepData) -> torch.Tensor:
+    def run(self, data: StepData, previous: torch.Tensor | None) -> torch.Tensor:
         n = len(data.ids)
         bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
         # one pinned host buffer, one copy per static input
@@ -155,6 +202,7 @@ class DecodeGraphs:
         self.seq_lens[:bucket].copy_(torch.tensor(data.seq_lens + [1] * pad, dtype=torch.int32),
                                      non_blocking=True)
         self.block_tables[:bucket].copy_(tables, non_blocking=True)
+        self.runner.take_from_device(self.input_ids, data, previous)
         if bucket not in self.graphs:
             self.graphs[bucket] = self._capture(bucket)
         graph, logits = self.graphs[bucket]

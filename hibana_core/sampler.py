@@ -155,6 +155,11 @@ def apply_warpers(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Te
     return x
 
 
+def needs_history(p: SamplingParams) -> bool:
+    """Whether sampling for p reads the request's earlier tokens on the host (the penalties)."""
+    return _has_penalty(p)
+
+
 def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 

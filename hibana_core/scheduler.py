@@ -22,6 +22,11 @@ from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.sequence import KVSequence
 
 
+PENDING = -1
+"""Placeholder in a history for a token sampled on the device and not yet read back (see
+`Scheduler.advance`); the runner feeds the device's value in its place."""
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -51,6 +56,7 @@ class Request:
     computed: int = 0                       # prompt tokens whose KV this request computed
     reused: int = 0                         # prompt tokens whose KV it found already there
     cancelled: bool = False
+    pending: tuple[int, int] | None = None  # (position, row) of a token still on the device
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.seq)
@@ -141,7 +147,7 @@ class Scheduler:
             if chunk is not None:
                 chunks.append(chunk)
                 budget -= chunk.num_tokens
-        if not chunks and (self.running or self.waiting):
+        if not chunks and (self.running or self.waiting) and not self._any_pending():
             self._preempt_or_fail()
         return SchedulerOutput(tuple(chunks), sum(c.num_tokens for c in chunks))
 
@@ -162,8 +168,14 @@ class Scheduler:
         if not request.samples and seq.num_uncomputed == 0:
             self.finish(request, "length" if request.params is not None else "synced")
 
+    def _any_pending(self) -> bool:
+        return any(r.pending is not None for r in self.running)
+
     def _schedule_one(self, request: Request, budget: int) -> ScheduledChunk | None:
         seq = request.seq
+        if request.pending is not None and (len(request.output) + 1 >= request.params.max_tokens
+                                            or len(seq) >= request.max_len):
+            return None  # its token in flight is its last: it finishes when that is read back
         before = seq.num_computed
         gained = seq.reuse_cached_blocks(len(seq) - (1 if request.samples else 0))
         if seq.num_uncomputed == 0:  # a sync fully served from the prefix index
@@ -202,17 +214,41 @@ class Scheduler:
         self.finish(victim, "error")
 
     def update(self, output: SchedulerOutput, sampled: list[int]) -> None:
-        """Advance every scheduled request past its chunk; hand sampled tokens on; finish."""
-        for chunk, token in self._pair(output, sampled):
+        """Both halves of a step's bookkeeping, for a step whose tokens are already known."""
+        self.advance(output)
+        self.finalize(output, sampled)
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """The half of a step's bookkeeping that needs no sampled values, done as soon as the step
+        is launched: the chunks' KV counts as written, and each request that samples holds a
+        `PENDING` placeholder at its next position. The next step can then be scheduled and
+        launched before this one's tokens reach the host (they reach its inputs on the device)."""
+        row = 0
+        for chunk in output.chunks:
             request, seq = chunk.request, chunk.request.seq
             seq.advance(chunk.num_tokens)
             request.computed += max(0, min(chunk.start + chunk.num_tokens, request.num_prompt) - chunk.start)
-            if request.status is not RequestStatus.RUNNING:
-                continue
-            if token is not None:
-                self._append_token(request, token)
-            elif not request.samples and seq.num_uncomputed == 0:
+            if chunk.sample:
+                if request.status is RequestStatus.RUNNING:
+                    request.pending = (len(seq), row)
+                    seq.append([PENDING])
+                row += 1
+            elif (request.status is RequestStatus.RUNNING and not request.samples
+                  and seq.num_uncomputed == 0):
                 self.finish(request, "synced")
+
+    def finalize(self, output: SchedulerOutput, sampled: list[int]) -> None:
+        """The other half, once the step's tokens are on the host: each takes its placeholder's
+        place and goes out; stop conditions finish requests. A request that finished meanwhile
+        (cancelled; or stopped, with this step computing one row past its end) drops its token."""
+        for chunk, token in self._pair(output, sampled):
+            request = chunk.request
+            if token is None or request.pending is None or request.status is RequestStatus.FINISHED:
+                continue
+            position, _ = request.pending
+            request.pending = None
+            request.seq.tokens[position] = token
+            self._accept_token(request, token)
 
     def fail(self, output: SchedulerOutput, error: BaseException) -> None:
         """The step's forward failed: its requests fail, and their states drop the blocks that
@@ -229,10 +265,9 @@ class Scheduler:
         for chunk in output.chunks:
             yield chunk, (next(tokens) if chunk.sample else None)
 
-    def _append_token(self, request: Request, token: int) -> None:
+    def _accept_token(self, request: Request, token: int) -> None:
         params = request.params
         request.output.append(token)
-        request.seq.append([token])
         stopped_by_token = token in request.stop_token_ids
         stopped_by_text = (not stopped_by_token and request.detokenizer is not None
                            and request.detokenizer.add(token))
@@ -253,6 +288,9 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        if request.pending is not None:  # its token in flight is dropped with its placeholder
+            request.seq.trim(request.pending[0])
+            request.pending = None
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.on_event(request, None)

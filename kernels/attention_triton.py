@@ -232,9 +232,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-                           sliding_window: int | None, num_splits: int) -> torch.Tensor:
+                           sliding_window: int | None, num_splits: int,
+                           decode_tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """The launches behind `paged_attention`, with the decode split count chosen by the caller
-    (tests use it to cover split and unsplit decode on the same shapes)."""
+    (tests use it to cover split and unsplit decode on the same shapes; decode_tiles, (BLOCK_N,
+    num_warps, num_stages), is for the tuning script)."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -272,11 +274,11 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_sum = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     part_out = torch.empty(part_shape + (common["HEAD_DIM_P"],) if split else (1,),
                            dtype=torch.float32, device=q.device)
-    block_n, num_warps = _decode_tiles(q.dtype, common["HEAD_DIM_P"])
+    block_n, num_warps, num_stages = decode_tiles or (*_decode_tiles(q.dtype, common["HEAD_DIM_P"]), NUM_STAGES)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_max, part_sum, block_tables, seq_lens,
         query_start_loc, num_splits=num_splits, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n, SPLIT=split, num_warps=num_warps, num_stages=NUM_STAGES, **common)
+        BLOCK_N=block_n, SPLIT=split, num_warps=num_warps, num_stages=num_stages, **common)
     if split:
         _reduce_splits_kernel[(num_seqs, num_heads)](
             out, part_out, part_max, part_sum, query_start_loc, num_splits,

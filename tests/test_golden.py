@@ -1,6 +1,8 @@
 """Golden test: the engine's greedy output is transformers' greedy output, token for token.
 
-For each family, 4 agents run 4 turns at once (threads, or asyncio with `agenerate`): each turn
+For each family, 4 agents run 4 turns at once (threads, with async scheduling on as on CUDA: each
+step launched before the previous one's tokens are read back; or asyncio with `agenerate`, with
+the CPU's default of one step at a time): each turn
 appends 10-60 seeded random tokens and generates 16-32 greedy tokens. Every generation is compared
 with `transformers` generate on the full history the state held before it; every append computes
 at most its new tokens plus one block, the rest being reused.
@@ -81,7 +83,8 @@ def check_engine_stats(engine, agents_turns: list[list[Turn]]) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_golden_threads(arch, tiny_checkpoints, make_engine):
     path = tiny_checkpoints[arch]
-    engine = make_engine(path, device="cpu", dtype="float32", block_size=BLOCK_SIZE)
+    engine = make_engine(path, device="cpu", dtype="float32", block_size=BLOCK_SIZE,
+                         async_scheduling=True)
     start = threading.Barrier(AGENTS, timeout=60)
 
     def run_agent(agent: int) -> list[Turn]:
