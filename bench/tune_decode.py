@@ -96,7 +96,7 @@ def sweep_attention(bandwidth: float) -> list[dict]:
     from kernels import attention_triton as at
 
     kv_heads, heads, d, bs = 8, 32, 128, 16
-    tiles = [(16, 4, 2), (32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2), (32, 2, 2)]
+    tiles = [(32, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 3), (64, 8, 3)]
     rows = []
     for batch, ctx in ((1, 512), (1, 8192), (8, 8192), (32, 4096)):
         blocks = batch * ctx // bs
@@ -128,12 +128,57 @@ def sweep_attention(bandwidth: float) -> list[dict]:
                 t = time_graph(run) / layers
                 results.append((round(t * 1e6, 1), tile, splits))
         results.sort()
-        default = [r for r in results if r[1] == (32, 4, 2) and r[2] == default_splits]
+        default_tile = at._decode_tiles(torch.bfloat16, d)
+        default = [r for r in results if r[1] == default_tile and r[2] == default_splits]
         rows.append(dict(batch=batch, ctx=ctx, best=results[:6], default=default,
                          best_bw=kv_bytes / (results[0][0] / 1e6) / bandwidth))
         print(f"attention {batch}x{ctx}: {kv_bytes / 1e6:.1f} MB, floor {kv_bytes / bandwidth * 1e6:.1f} us; "
               f"default {default}; best {results[:5]}", flush=True)
         del caches
+    return rows
+
+
+def sweep_prefill(bandwidth: float) -> list[dict]:
+    """Prefill attention (Qwen3-8B heads) for one chunk of q_len new tokens at the end of ctx."""
+    from kernels import attention_triton as at
+
+    kv_heads, heads, d, bs = 8, 32, 128, 16
+    tiles = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2),
+             (128, 32, 4, 3), (64, 128, 4, 2), (256, 64, 8, 3)]
+    rows = []
+    for q_len, ctx in ((512, 512), (512, 8192), (2048, 8192)):
+        blocks = ctx // bs
+        k, v = (torch.randn(blocks, bs, kv_heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        tables = torch.randperm(blocks, device="cuda").to(torch.int32).view(1, blocks)
+        seq_lens = torch.tensor([ctx], dtype=torch.int32, device="cuda")
+        qsl = torch.tensor([0, q_len], dtype=torch.int32, device="cuda")
+        q = torch.randn(q_len, heads, d, device="cuda", dtype=torch.bfloat16)
+        flops = 4 * heads * d * sum(ctx - q_len + i + 1 for i in range(q_len))
+        ref = at.paged_attention_launch(q, k, v, tables, seq_lens, qsl, q_len, d ** -0.5, None, 1, (64, 64, 4, 2))
+        results = []
+        for tile in tiles:
+            try:
+                out = at.paged_attention_launch(q, k, v, tables, seq_lens, qsl, q_len, d ** -0.5, None, 1, tile)
+            except Exception as exc:  # out of shared memory or registers
+                print(f"prefill {tile}: {type(exc).__name__}")
+                continue
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            if not err < 1e-2:
+                print(f"WRONG prefill {q_len}@{ctx} {tile}: {err}")
+                continue
+            t = time_graph(lambda tile=tile: at.paged_attention_launch(
+                q, k, v, tables, seq_lens, qsl, q_len, d ** -0.5, None, 1, tile))
+            results.append((round(t * 1e6, 1), round(flops / t / 1e12), tile))
+        sdpa_q = q.transpose(0, 1)[None]
+        dense_k = k[tables[0].long()].reshape(ctx, kv_heads, d).transpose(0, 1)[None].repeat_interleave(4, 1)
+        dense_v = v[tables[0].long()].reshape(ctx, kv_heads, d).transpose(0, 1)[None].repeat_interleave(4, 1)
+        mask = torch.ones(q_len, ctx, dtype=torch.bool, device="cuda").tril(ctx - q_len)
+        t_sdpa = time_graph(lambda: torch.nn.functional.scaled_dot_product_attention(
+            sdpa_q, dense_k, dense_v, attn_mask=mask if q_len != ctx else None, is_causal=q_len == ctx))
+        results.sort()
+        rows.append(dict(q_len=q_len, ctx=ctx, results=results, sdpa_us=t_sdpa * 1e6))
+        print(f"prefill {q_len}@{ctx}: sdpa {t_sdpa * 1e6:.1f} us ({flops / t_sdpa / 1e12:.0f} TFLOP/s); "
+              f"ours {results}", flush=True)
     return rows
 
 
@@ -213,6 +258,7 @@ def main() -> None:
     parser.add_argument("--context", default="512,8192")
     parser.add_argument("--generate", type=int, default=128)
     parser.add_argument("--skip-sweep", action="store_true", help="skip the GEMV sweep")
+    parser.add_argument("--sweeps-only", action="store_true", help="stop after the kernel sweeps")
     args = parser.parse_args()
     os.makedirs(OUT, exist_ok=True)
     bandwidth = copy_bandwidth(torch.device("cuda"))
@@ -221,6 +267,9 @@ def main() -> None:
     if not args.skip_sweep:
         report["gemv"] = sweep_gemv(args.model, bandwidth)
     report["attention"] = sweep_attention(bandwidth)
+    report["prefill"] = sweep_prefill(bandwidth)
+    if args.sweeps_only:
+        return
 
     t0 = time.time()
     model = load_bench_model(args.model, torch.device("cuda"), torch.bfloat16)

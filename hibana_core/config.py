@@ -53,11 +53,11 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching under a token budget."""
 
-    max_num_batched_tokens: int = 1024
+    max_num_batched_tokens: int = 2048
     """Tokens computed per step across all sequences (decode tokens + prefill chunks)."""
     max_concurrent_agents: int = 64
     """Requests running at once; further requests wait in FIFO order."""
-    max_prefill_chunk: int = 512
+    max_prefill_chunk: int = 2048
     """Longest prefill chunk one sequence may take in a step, so decodes are never starved."""
 
     def __post_init__(self) -> None:

@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-DECODE_MIN_SPLIT = 256  # keys per split at least: shorter splits cost more to merge than they save
+DECODE_MIN_SPLIT = 64  # keys per split at least (one key tile)
+DECODE_PROGRAMS_PER_SM = 4  # splits are added until the grid has this many programs per SM
 MAX_SPLITS = 64
 NUM_STAGES = 2
 
@@ -233,10 +234,11 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                            sliding_window: int | None, num_splits: int,
-                           decode_tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+                           tiles: tuple[int, ...] | None = None) -> torch.Tensor:
     """The launches behind `paged_attention`, with the decode split count chosen by the caller
-    (tests use it to cover split and unsplit decode on the same shapes; decode_tiles, (BLOCK_N,
-    num_warps, num_stages), is for the tuning script)."""
+    (tests use it to cover split and unsplit decode on the same shapes). `tiles`, for the tuning
+    script: (BLOCK_N, num_warps, num_stages) for decode, (BLOCK_M, BLOCK_N, num_warps,
+    num_stages) for prefill."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -259,13 +261,13 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16,
     )
     if max_query_len > 1:
-        block_m, block_n = _prefill_tiles(q.dtype, common["HEAD_DIM_P"])
+        block_m, block_n, num_warps, num_stages = tiles or _prefill_tiles(q.dtype, common["HEAD_DIM_P"])
         block_m = max(block_m, triton.next_power_of_2(group))  # rows: query tokens x group heads
         block_q = block_m // group
         grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
         _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-                              BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, num_warps=4,
-                              num_stages=NUM_STAGES, **common)
+                              BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
+                              num_warps=num_warps, num_stages=num_stages, **common)
         return out
 
     split = num_splits > 1
@@ -274,7 +276,7 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_sum = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     part_out = torch.empty(part_shape + (common["HEAD_DIM_P"],) if split else (1,),
                            dtype=torch.float32, device=q.device)
-    block_n, num_warps, num_stages = decode_tiles or (*_decode_tiles(q.dtype, common["HEAD_DIM_P"]), NUM_STAGES)
+    block_n, num_warps, num_stages = tiles or _decode_tiles(q.dtype, common["HEAD_DIM_P"])
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_max, part_sum, block_tables, seq_lens,
         query_start_loc, num_splits=num_splits, BLOCK_G=max(16, triton.next_power_of_2(group)),
@@ -287,26 +289,30 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-def _prefill_tiles(dtype: torch.dtype, head_dim_p: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): the largest tiles that ptxas fits in registers for sm_90 with 4 warps
-    (checked offline; not tuned for speed). float32 is the exactness path, not the fast one."""
+def _prefill_tiles(dtype: torch.dtype, head_dim_p: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): for 16-bit inputs the best of a sweep on the
+    H200 for 512-token chunks (bench/notes_decode.md); float32, the exactness path, the largest
+    tiles ptxas fits in registers for sm_90 with 4 warps."""
     if dtype == torch.float32:
-        return (32, 16) if head_dim_p <= 64 else (16, 16)
-    return (64, 64) if head_dim_p <= 128 else (32, 16)
+        return ((32, 16) if head_dim_p <= 64 else (16, 16)) + (4, NUM_STAGES)
+    return (64, 64, 4, 3) if head_dim_p <= 128 else (32, 16, 4, NUM_STAGES)
 
 
-def _decode_tiles(dtype: torch.dtype, head_dim_p: int) -> tuple[int, int]:
-    """(BLOCK_N, num_warps), chosen as in _prefill_tiles."""
+def _decode_tiles(dtype: torch.dtype, head_dim_p: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages): for 16-bit caches, the best of a sweep over tiles and
+    splits on the H200 (bench/notes_decode.md); float32 as in _prefill_tiles."""
     if dtype == torch.float32:
-        return (32, 8) if head_dim_p <= 128 else (16, 4)
-    return 32, 4
+        return ((32, 8) if head_dim_p <= 128 else (16, 4)) + (NUM_STAGES,)
+    return (64, 4, 3) if head_dim_p <= 128 else (32, 4, NUM_STAGES)
 
 
 def _num_splits(device: torch.device, programs: int, max_seq_len: int) -> int:
-    """Enough splits to give every SM about two programs, none shorter than DECODE_MIN_SPLIT."""
-    target = 2 * _sm_count(device)
+    """As many splits as keep the grid within one wave of DECODE_PROGRAMS_PER_SM programs per SM
+    (a second, partial wave costs more than the splits save), none shorter than DECODE_MIN_SPLIT
+    keys. (With the bound overstated, as in CUDA graphs, splits past a sequence's end exit.)"""
+    target = DECODE_PROGRAMS_PER_SM * _sm_count(device)
     by_length = triton.cdiv(max(max_seq_len, 1), DECODE_MIN_SPLIT)
-    return max(1, min(triton.cdiv(target, programs), by_length, MAX_SPLITS))
+    return max(1, min(target // programs, by_length, MAX_SPLITS))
 
 
 @functools.lru_cache(maxsize=None)
