@@ -19,12 +19,7 @@ from hibana_core.config import SamplingParams, SchedulerConfig
 from hibana_core.detokenizer import Detokenizer
 from hibana_core.errors import MemoryBudgetError
 from hibana_core.kv.block_pool import BlockPool
-from hibana_core.kv.sequence import KVSequence
-
-
-PENDING = -1
-"""Placeholder in a history for a token sampled on the device and not yet read back (see
-`Scheduler.advance`); the runner feeds the device's value in its place."""
+from hibana_core.kv.sequence import PENDING, KVSequence
 
 
 class RequestStatus(enum.Enum):

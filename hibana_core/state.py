@@ -115,10 +115,10 @@ class StateHandle:
     def tokens(self) -> list[int]:
         """A copy of the token ids the state holds."""
         with self._engine._lock:
-            return list(self._seq.tokens)
+            return self._seq.history
 
     def __len__(self) -> int:
-        return len(self._seq.tokens)
+        return len(self._seq.history)
 
     def __repr__(self) -> str:
         return f"StateHandle(id={self._id!r}, tokens={len(self)}, closed={self.closed})"

@@ -45,10 +45,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
 
 
 def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [n, k]^T product: whole rows of 4096 in one
-    tile where they fit (every load of a program in flight at once); see bench/notes_decode.md."""
-    block_k = min(triton.next_power_of_2(k), 4096)
-    return (2 if k <= 4096 else 4), block_k, 4
+    """(BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [n, k]^T product, from the H200 sweep in
+    bench/notes_decode.md: rows up to 4096 long in one tile of two rows (every load of a program
+    in flight at once), longer rows in 2048-wide steps over four."""
+    if k <= 4096:
+        return 2, triton.next_power_of_2(k), 4
+    return 4, 2048, 4
 
 
 def linear_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

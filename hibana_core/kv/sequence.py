@@ -17,6 +17,11 @@ from typing import Callable, Sequence
 from hibana_core.kv.block_pool import BlockHash, BlockPool, hash_block
 
 
+PENDING = -1
+"""Placeholder at the end of a history for a token sampled on the device and not yet read back
+(see `Scheduler.advance`); the runner feeds the device's value in its place."""
+
+
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -40,6 +45,12 @@ class KVSequence:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def history(self) -> list[int]:
+        """A copy of the tokens, less a trailing placeholder (a token still on the device)."""
+        end = len(self.tokens) - (1 if self.tokens and self.tokens[-1] == PENDING else 0)
+        return self.tokens[:end]
 
     @property
     def num_uncomputed(self) -> int:

@@ -144,13 +144,12 @@ class Linear(nn.Linear):
         return kernels.linear(x, self.weight, self.bias)
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables indexed by position, [max_positions, head_dim], always float32.
-
-    Built on first use on the device of the positions (the model is constructed on "meta")."""
+class RotaryTables:
+    """cos/sin tables indexed by position, [max_positions, head_dim], always float32, which
+    `kernels.qk_norm_rotary_store` reads. Built on first use on the device of the positions (the
+    model is constructed on "meta"), shared by all layers."""
 
     def __init__(self, args: LlamaArgs) -> None:
-        super().__init__()
         self.args = args
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
@@ -172,7 +171,7 @@ class Attention(nn.Module):
     """Self-attention with a fused q/k/v projection (the checkpoint's three are loaded into it)."""
 
     def __init__(self, args: LlamaArgs, layer_idx: int, ctx: ForwardContext,
-                 rotary: RotaryEmbedding) -> None:
+                 rotary: RotaryTables) -> None:
         super().__init__()
         self.layer_idx, self.ctx, self.rotary = layer_idx, ctx, rotary
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
@@ -218,7 +217,7 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: LlamaArgs, layer_idx: int, ctx: ForwardContext,
-                 rotary: RotaryEmbedding) -> None:
+                 rotary: RotaryTables) -> None:
         super().__init__()
         self.self_attn = Attention(args, layer_idx, ctx, rotary)
         self.mlp = MLP(args)
@@ -240,7 +239,7 @@ class LlamaModel(nn.Module):
     def __init__(self, args: LlamaArgs, ctx: ForwardContext) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.rotary = RotaryEmbedding(args)
+        self.rotary = RotaryTables(args)
         self.layers = nn.ModuleList(DecoderLayer(args, i, ctx, self.rotary) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
