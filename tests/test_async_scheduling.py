@@ -1,0 +1,109 @@
+"""Async scheduling: each step launched before the previous step's tokens are read back (the CUDA
+default). On the CPU nothing overlaps, but `async_scheduling=True` runs the same logic, so these
+tests hold it to the one-step-at-a-time engine and to transformers through stops (a step computed
+past the end), cancellation (a token in flight dropped), preemption and penalties (steps that wait
+for their tokens)."""
+
+from __future__ import annotations
+
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from hibana_core import SamplingParams
+from hibana_core.kv.sequence import PENDING
+from hibana_core.scheduler import Scheduler
+from tiny_models import assert_greedy_matches, random_tokens
+
+ARCH = "qwen3"
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
+
+
+def run_agents(engine, plans: list[tuple[list[int], SamplingParams]]) -> list[dict]:
+    """All agents at once, one thread each: a turn with its params, then a greedy follow-up turn
+    that appends 5 tokens (it must find the state exactly as the first turn left it)."""
+    start = threading.Barrier(len(plans), timeout=60)
+
+    def agent(i: int) -> dict:
+        prompt, params = plans[i]
+        h = engine.open_state(f"agent-{i}")
+        start.wait()
+        first = h.generate(params, prompt=prompt)
+        after_first = h.tokens
+        h.append(random_tokens(random.Random(i), 5))
+        second = h.generate(greedy(8))
+        return dict(first=list(first.token_ids), reason=first.finish_reason, after_first=after_first,
+                    second=list(second.token_ids), tokens=h.tokens)
+
+    with ThreadPoolExecutor(len(plans)) as pool:
+        return [f.result(timeout=240) for f in [pool.submit(agent, i) for i in range(len(plans))]]
+
+
+def test_async_scheduling_gives_what_one_step_at_a_time_gives(tiny_checkpoints, make_engine):
+    path = tiny_checkpoints[ARCH]
+    prompts = [random_tokens(random.Random(100 + i), 20 + 7 * i) for i in range(6)]
+    sync_engine = make_engine(path, async_scheduling=False)
+    probe = sync_engine.open_state("probe").generate(greedy(12), prompt=prompts[1]).token_ids
+    plans = [
+        (prompts[0], greedy(24)),
+        (prompts[1], greedy(24, stop_token_ids=[probe[6]])),   # stops mid-way: a step runs past it
+        (prompts[2], SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=5)),
+        (prompts[3], greedy(16, repetition_penalty=1.3)),        # steps wait for their tokens
+        (prompts[4], greedy(1)),                                 # finishes at its first token
+        (prompts[5], greedy(16, presence_penalty=0.5, frequency_penalty=0.5)),
+    ]
+    expected = run_agents(sync_engine, plans)
+    got = run_agents(make_engine(path, async_scheduling=True), plans)
+    assert expected[1]["reason"] == "stop" and len(expected[1]["first"]) == 7
+    for i, (want, have) in enumerate(zip(expected, got)):
+        assert have == want, f"agent {i}"
+        assert PENDING not in have["tokens"]
+    for i in (0, 1, 4):  # greedy: transformers' tokens too, on the state the first turn left
+        assert_greedy_matches(path, plans[i][0], got[i]["first"])
+        assert_greedy_matches(path, got[i]["tokens"][:-8], got[i]["second"])
+
+
+def test_a_cancelled_stream_drops_the_token_in_flight(tiny_checkpoints, make_engine):
+    path = tiny_checkpoints[ARCH]
+    engine = make_engine(path, async_scheduling=True)
+    h = engine.open_state("a")
+    prompt = random_tokens(random.Random(7), 30)
+    h.sync(prompt)
+    events = h.stream(greedy(64))
+    seen = [next(events).token_id for _ in range(3)]
+    events.close()  # cancels: the engine may be a step (and a token on the device) ahead
+    tokens = h.tokens
+    assert tokens[:len(prompt) + 3] == prompt + seen
+    assert PENDING not in h._seq.tokens and len(h) == len(tokens) < len(prompt) + 64
+    assert_greedy_matches(path, prompt, tokens[len(prompt):])
+    more = h.generate(greedy(10))
+    assert_greedy_matches(path, tokens, more.token_ids)
+
+
+def test_preemption_under_async_scheduling(tiny_checkpoints, make_engine, monkeypatch):
+    """Four agents whose histories do not fit the pool together: the newest gives its KV back
+    while the others' tokens are still in flight, and recomputes later."""
+    path = tiny_checkpoints[ARCH]
+    preempted = []
+    original = Scheduler._preempt_or_fail
+
+    def counting(self):
+        preempted.append(len(self.running))
+        original(self)
+
+    monkeypatch.setattr(Scheduler, "_preempt_or_fail", counting)
+    engine = make_engine(path, async_scheduling=True, num_blocks=14, enable_prefix_caching=False)
+    plans = [(random_tokens(random.Random(200 + i), 40), greedy(40)) for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda i: engine.open_state(f"p{i}").generate(plans[i][1], prompt=plans[i][0]),
+                             range(4)))
+    assert preempted, "the pool was meant to run out"
+    for (prompt, _), out in zip(plans, outs):
+        assert_greedy_matches(path, prompt, out.token_ids)
