@@ -61,9 +61,10 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
     rows: list[DecodeRow] = []
     if "hibana" in systems:
         with model.engine(max_model_len=max(contexts) + generate + 16, max_concurrent_agents=8) as engine:
-            warm = engine.open_state("warm")  # Triton compiles, CUDA graphs are captured
-            warm.generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=warmup)
-            warm.close()
+            for prompt in (warmup, random_tokens(rng, min(contexts), model.vocab_size)):
+                warm = engine.open_state("warm")  # Triton compiles, CUDA graphs are captured
+                warm.generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=prompt)
+                warm.close()
             for ctx in tqdm(contexts, desc="hibana decode", leave=False):
                 h = engine.open_state(f"ctx{ctx}")
                 sync(device)
