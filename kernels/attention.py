@@ -61,6 +61,8 @@ def paged_attention_host(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     num_heads = q.shape[1]
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = num_heads // num_kv_heads
+    if list(query_start_loc) == list(range(len(seq_lens) + 1)):  # one new token each
+        return _decode_batch(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for i, ctx_len in enumerate(seq_lens):
         start, end = query_start_loc[i], query_start_loc[i + 1]
@@ -88,3 +90,33 @@ def paged_attention_host(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         out[start:end] = o.view(num_kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3).reshape(
             num_q, num_heads, head_dim)
     return out
+
+
+def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_tables: torch.Tensor, seq_lens: Sequence[int], scale: float,
+                  sliding_window: int | None) -> torch.Tensor:
+    """One new token per sequence: every sequence in one attention call, keys gathered into
+    [B, L_max] and masked by length (per-sequence calls cost more than the padding on the CPU).
+    Slots past a sequence's end are zeroed after the gather: never-written cache memory may
+    hold NaN, which a mask alone would let through."""
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    longest = max(seq_lens)
+    tables = block_tables[:, : -(-longest // block_size)].long()  # [B, blocks]
+    positions = torch.arange(tables.shape[1] * block_size, device=q.device)[None, :]
+    lengths = torch.tensor(list(seq_lens), device=q.device)[:, None]
+    visible = positions < lengths  # [B, L]
+    if sliding_window is not None:
+        visible &= lengths - 1 - positions < sliding_window
+    # whole blocks at a time, into a fresh copy: far cheaper than one copy per slot
+    shape = (batch, -1, num_kv_heads, head_dim)
+    k = k_cache.index_select(0, tables.flatten()).view(shape)  # [B, L, H_kv, D]
+    v = v_cache.index_select(0, tables.flatten()).view(shape)
+    for i, length in enumerate(seq_lens):  # slices, not a boolean index: much cheaper
+        first = 0 if sliding_window is None else max(length - sliding_window, 0)
+        for part in (k[i, :first], v[i, :first], k[i, length:], v[i, length:]):
+            part.zero_()
+    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, H_kv, G, D]
+    o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=visible[:, None, None, :], scale=scale)
+    return o.reshape(batch, num_heads, head_dim)
