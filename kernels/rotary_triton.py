@@ -35,6 +35,18 @@ def _rotate_heads(x_ptr, out_ptr, token, stride_t, stride_h, c1, c2, s1, s2,
 
 
 @triton.jit
+def _table_row(cos_ptr, sin_ptr, row, j, jm, act_ptr, HALF: tl.constexpr):
+    """The halves of one position's cos and sin rows, cast to the activations' dtype (act_ptr's)
+    first as the reference does, then to float32."""
+    dtype = act_ptr.dtype.element_ty
+    c1 = tl.load(cos_ptr + row + j, mask=jm, other=0.0).to(dtype).to(tl.float32)
+    c2 = tl.load(cos_ptr + row + HALF + j, mask=jm, other=0.0).to(dtype).to(tl.float32)
+    s1 = tl.load(sin_ptr + row + j, mask=jm, other=0.0).to(dtype).to(tl.float32)
+    s2 = tl.load(sin_ptr + row + HALF + j, mask=jm, other=0.0).to(dtype).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@triton.jit
 def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_table,
                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
@@ -43,13 +55,7 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr
     pos = tl.load(pos_ptr + token).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)[None, :]
     jm = j < HALF
-    row = pos * stride_table
-    dtype = q_ptr.dtype.element_ty
-    # the tables' rows cast to the activations' dtype first, as the reference does
-    c1 = tl.load(cos_ptr + row + j, mask=jm, other=0.0).to(dtype).to(tl.float32)
-    c2 = tl.load(cos_ptr + row + HALF + j, mask=jm, other=0.0).to(dtype).to(tl.float32)
-    s1 = tl.load(sin_ptr + row + j, mask=jm, other=0.0).to(dtype).to(tl.float32)
-    s2 = tl.load(sin_ptr + row + HALF + j, mask=jm, other=0.0).to(dtype).to(tl.float32)
+    c1, c2, s1, s2 = _table_row(cos_ptr, sin_ptr, pos * stride_table, j, jm, q_ptr, HALF)
     _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, c1, c2, s1, s2,
                   NUM_HEADS, HALF, BLOCK_H, BLOCK_HALF)
     _rotate_heads(k_ptr, k_out_ptr, token, stride_kt, stride_kh, c1, c2, s1, s2,
@@ -108,12 +114,7 @@ def _prologue_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_
     pos = tl.load(pos_ptr + token).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)[None, :]
     jm = j < HALF
-    row = pos * stride_table
-    dtype = q_ptr.dtype.element_ty
-    c1 = tl.load(cos_ptr + row + j, mask=jm, other=0.0).to(dtype).to(tl.float32)
-    c2 = tl.load(cos_ptr + row + HALF + j, mask=jm, other=0.0).to(dtype).to(tl.float32)
-    s1 = tl.load(sin_ptr + row + j, mask=jm, other=0.0).to(dtype).to(tl.float32)
-    s2 = tl.load(sin_ptr + row + HALF + j, mask=jm, other=0.0).to(dtype).to(tl.float32)
+    c1, c2, s1, s2 = _table_row(cos_ptr, sin_ptr, pos * stride_table, j, jm, q_ptr, HALF)
 
     # the query heads of this KV head's group
     g = tl.arange(0, BLOCK_G)[:, None]

@@ -224,14 +224,18 @@ def check_norms(device, dtype, shape):
     torch.testing.assert_close(out, ref_out, **TOLERANCE[dtype])
 
 
+def rotary_tables(max_pos, head_dim, device):
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
 def check_rotary(device, dtype, num_heads, head_dim):
     triton_rotary = _triton_module("rotary")
     gen = torch.Generator().manual_seed(num_heads + head_dim)
     max_pos, tokens = 300, 11
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(device), emb.sin().to(device)
+    cos, sin = rotary_tables(max_pos, head_dim, device)
     positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(device)
     qkv = torch.randn(tokens, num_heads + 2 * NUM_KV_HEADS, head_dim, generator=gen)
     qkv = qkv.to(dtype).to(device)
@@ -254,10 +258,7 @@ def check_qk_norm_rotary_store(device, dtype, num_heads, head_dim, qk_norm):
     triton_rotary = _triton_module("rotary")
     gen = torch.Generator().manual_seed(num_heads * head_dim + qk_norm)
     max_pos, tokens = 300, 7
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(device), emb.sin().to(device)
+    cos, sin = rotary_tables(max_pos, head_dim, device)
     positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(device)
     qkv = torch.randn(tokens, num_heads + 2 * NUM_KV_HEADS, head_dim, generator=gen)
     qkv = qkv.to(dtype).to(device)  # q, k, v: strided views, as from the fused projection
