@@ -155,10 +155,6 @@ class ModelRunner:
                                      r.output) for r in rows]
         return SampledTokens(self.sampler(logits, sampling_rows))
 
-    def step(self, output: SchedulerOutput) -> list[int]:
-        """Run one scheduled step and wait for its tokens."""
-        return self.launch(output).tolist()
-
 
 class DecodeGraphs:
     """CUDA graphs of decode steps (one token per sequence, all sampling), one per batch-size
@@ -190,7 +186,7 @@ class DecodeGraphs:
     def run(self, data: StepData, previous: torch.Tensor | None) -> torch.Tensor:
         n = len(data.ids)
         bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
-        # one pinned host buffer, one copy per static input
+        # one host tensor and one copy per static input; the previous step's tokens on the device
         width = self.max_blocks
         tables = torch.zeros(bucket, width, dtype=torch.int32)
         for i, table in enumerate(data.tables):
