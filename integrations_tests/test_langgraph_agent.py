@@ -62,9 +62,11 @@ def questions(i: int) -> list[tuple[str, str, str]]:
             (f"How is the weather in {there} today?", "get_weather", world.weather(there)["condition"])]
 
 
-@pytest.fixture(scope="module")
-def engine():
-    with Engine.from_pretrained("demo", progress=False) as engine:  # its own: stats count this test only
+@pytest.fixture(scope="module", params=[None, True], ids=["default", "async-scheduling"])
+def engine(request):
+    """Its own engine (stats count this test only); once as the CPU runs by default, once with
+    async scheduling, the CUDA default: a step launched before the last one's tokens are read."""
+    with Engine.from_pretrained("demo", progress=False, async_scheduling=request.param) as engine:
         yield engine
 
 
