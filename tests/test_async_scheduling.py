@@ -107,3 +107,34 @@ def test_preemption_under_async_scheduling(tiny_checkpoints, make_engine, monkey
     assert preempted, "the pool was meant to run out"
     for (prompt, _), out in zip(plans, outs):
         assert_greedy_matches(path, prompt, out.token_ids)
+
+
+def test_context_limit_and_stop_strings_under_async_scheduling(tiny_checkpoints, make_engine):
+    """A generation that runs into max_model_len, and one ended by a stop string (the demo
+    model, which has a tokenizer), end where they end one step at a time."""
+    from hibana_core import Engine
+
+    path = tiny_checkpoints[ARCH]
+    prompt = random_tokens(random.Random(11), 50)
+    outs = []
+    for mode in (False, True):
+        h = make_engine(path, async_scheduling=mode, max_model_len=64).open_state("a")
+        c = h.generate(greedy(40), prompt=prompt)
+        outs.append((c.token_ids, c.finish_reason, h.tokens))
+    assert outs[0] == outs[1] and outs[0][1] == "length" and len(outs[0][2]) == 64
+
+    texts = []
+    for mode in (False, True):
+        with Engine.from_pretrained("demo", progress=False, async_scheduling=mode) as engine:
+            text = engine.tokenizer.apply_chat_template(
+                [{"role": "user", "content": "Write a long story about a fox."}],
+                add_generation_prompt=True, tokenize=False)
+            ids = engine.tokenizer.encode(text, add_special_tokens=False)
+            free = engine.open_state("free").generate(greedy(40), prompt=ids)
+            stop = free.text[10:14]  # a string the model does write, ending it part-way
+            h = engine.open_state("s")
+            c = h.generate(SamplingParams(max_tokens=40, stop=[stop]), prompt=ids)
+            # the text stops before the stop string, tokens part-way through the free run
+            assert free.text.startswith(c.text + stop) and len(c.token_ids) < 40, (free.text, c.text)
+            texts.append((c.text, c.finish_reason, c.token_ids, h.tokens))
+    assert texts[0] == texts[1] and texts[0][1] == "stop"
