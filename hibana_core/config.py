@@ -36,6 +36,10 @@ class CacheConfig:
     """Share full blocks between states through the prefix index (off: benchmarks' baseline)."""
     kv_dtype: str = "auto"
     """KV cache dtype: "auto" (the model dtype), "float32", "bfloat16" or "float16"."""
+    max_unnamed_states: int = 256
+    """Idle states the engine made itself (`Engine.lease` for calls that name no state) kept at
+    most; beyond it the least recently used are closed. Their full blocks stay findable in the
+    prefix index until the pool reuses them, so a conversation that comes back recomputes little."""
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
@@ -45,6 +49,7 @@ class CacheConfig:
         _check(self.memory_budget_bytes is None or self.memory_budget_bytes > 0,
                "memory_budget_bytes must be positive")
         _check(0.0 < self.memory_fraction <= 1.0, "memory_fraction must lie in (0, 1]")
+        _check(self.max_unnamed_states >= 0, "max_unnamed_states must be >= 0")
         _check(self.kv_dtype in ("auto", "float32", "bfloat16", "float16"),
                f"kv_dtype must be auto, float32, bfloat16 or float16, got {self.kv_dtype!r}")
 

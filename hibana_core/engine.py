@@ -34,8 +34,8 @@ from hibana_core.loader import load_from_hf_model, load_model
 from hibana_core.runner import ModelRunner, SampledTokens
 from hibana_core.sampler import Sampler, make_generator, needs_history
 from hibana_core.scheduler import IdleLRUEviction, Request, RequestStatus, Scheduler, SchedulerOutput
-from hibana_core.state import (Completion, RequestStats, RequestStream, StateHandle, StateInfo,
-                               StreamEvent, SyncStats)
+from hibana_core.state import (UNNAMED_PREFIX, Completion, RequestStats, RequestStream, StateHandle,
+                               StateInfo, StreamEvent, SyncStats)
 
 if TYPE_CHECKING:
     from hibana_core.chat import Chat
@@ -326,14 +326,24 @@ class Engine:
                     raise StateBusyError(f"state {state_id!r} is serving another call; give concurrent "
                                          "calls different state ids")
             else:
-                handle = self.match_state(token_ids, min_shared=min_shared) or \
-                    self.open_state(f"auto-{uuid.uuid4().hex[:12]}")
+                handle = self.match_state(token_ids, min_shared=min_shared)
+                if handle is None:
+                    self._close_unnamed(keep=self.config.cache.max_unnamed_states - 1)
+                    handle = self.open_state(f"{UNNAMED_PREFIX}{uuid.uuid4().hex[:12]}")
             self._leased.add(handle.id)
         try:
             yield handle
         finally:
             with self._lock:
                 self._leased.discard(handle.id)
+
+    def _close_unnamed(self, keep: int) -> None:
+        """Close the least recently used idle states that `lease` named, all but `keep`."""
+        idle = sorted((h for h in self._states.values()
+                       if h.id.startswith(UNNAMED_PREFIX) and not self._taken(h)),
+                      key=lambda h: h.last_use)
+        for handle in idle[:max(0, len(idle) - keep)]:
+            self._close_state(handle)
 
     def states(self) -> list[StateInfo]:
         with self._lock:

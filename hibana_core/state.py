@@ -13,6 +13,9 @@ from typing import TYPE_CHECKING, AsyncIterator, Iterator, Sequence
 
 from hibana_core.config import SamplingParams
 
+UNNAMED_PREFIX = "auto-"
+"""Ids of the states `Engine.lease` makes for calls that name none start with this."""
+
 if TYPE_CHECKING:
     from hibana_core.engine import Engine
     from hibana_core.kv.sequence import KVSequence

@@ -9,8 +9,9 @@ import random
 import pytest
 
 from hibana_core import Engine, HibanaError, SamplingParams, StateBusyError
-from hibana_core.chat import (AUTO_PREFIX, MALFORMED, Chat, ChatResult, ToolChoiceError, assistant_message,
+from hibana_core.chat import (MALFORMED, Chat, ChatResult, ToolChoiceError, assistant_message,
                               clean_tool, normalize_messages, normalize_tool_choice, normalize_tools)
+from hibana_core.state import UNNAMED_PREFIX
 from hibana_core.turn import result as turn_result
 from hibana_core.demo import corpus, tasks as T, template
 from hibana_core.demo.evaluate import run_tool
@@ -292,7 +293,7 @@ def test_chat_without_a_state_renders_and_leases(engine):
 
     history = [{"role": "user", "content": "Repeat after me: blue harbor clock"}]
     with chat.lease(chat.render_text(history)) as first:
-        assert first.handle.id.startswith(AUTO_PREFIX) and chat.handle is None
+        assert first.handle.id.startswith(UNNAMED_PREFIX) and chat.handle is None
         reply = first.respond(history)
         held = len(first.handle)
     history += [assistant_message(reply), {"role": "user", "content": "Thanks!"}]

@@ -357,3 +357,25 @@ def test_an_async_stream_whose_event_loop_closed_does_not_stop_the_engine(tiny_c
     out = h.generate(greedy(8), prompt=history)
     assert len(out.token_ids) == 8
     assert engine.open_state("orphan").tokens[:30] == history  # its state stays consistent
+
+
+def test_states_made_for_unnamed_calls_are_bounded(tiny_checkpoints, make_engine):
+    """`lease` without an id makes a state per new conversation; of those, at most
+    max_unnamed_states idle ones stay (the least recently used are closed), never counting or
+    closing one a call holds, and never a named one."""
+    engine = make_engine(tiny_checkpoints["llama"], max_unnamed_states=2)
+    named = engine.open_state("named")
+    named.sync(random_tokens(random.Random(0), 20))
+    made = []
+    with engine.lease(random_tokens(random.Random(1), 20)) as held:
+        held.sync(random_tokens(random.Random(1), 20))
+        for i in range(2, 7):
+            prompt = random_tokens(random.Random(i), 20)
+            with engine.lease(prompt) as h:
+                h.sync(prompt)
+                made.append(h)
+        assert {s.id for s in engine.states()} == {"named", held.id, made[-2].id, made[-1].id}
+        assert all(h.closed for h in made[:-2]) and not named.closed
+    with engine.lease(random_tokens(random.Random(9), 20)) as new:
+        # held (used longest ago) and made[-2] closed: made[-1] and the new one remain
+        assert {s.id for s in engine.states()} == {"named", made[-1].id, new.id}
