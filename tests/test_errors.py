@@ -50,11 +50,12 @@ class Bystander:
         new.close()
 
 
-@pytest.fixture(scope="module")
-def served(tiny_checkpoints):
-    """One engine for the whole module: every failure below happens on it, in turn."""
+@pytest.fixture(scope="module", params=[None, True], ids=["default", "async-scheduling"])
+def served(tiny_checkpoints, request):
+    """One engine for the whole module: every failure below happens on it, in turn; once as the
+    CPU runs by default, once with async scheduling (the CUDA default)."""
     path = tiny_checkpoints[ARCH]
-    engine = open_engine(path)
+    engine = open_engine(path, async_scheduling=request.param)
     yield engine, path
     engine.close()
 
