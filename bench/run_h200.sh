@@ -3,6 +3,7 @@
 #   bash bench/run_h200.sh check    # kernel tests on CUDA, GPU-vs-CPU and GPU-vs-transformers greedy
 #   bash bench/run_h200.sh decode   # hibana bench decode, qwen3-8b preset
 #   bash bench/run_h200.sh agents   # hibana bench agents, qwen3-8b preset, 32 agents
+#   bash bench/run_h200.sh tune     # bench/tune_decode.py: kernel sweeps, the decode step taken apart
 # Runs from the repository root with the image's python3 (no install: PYTHONPATH).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD" TQDM_DISABLE=1
@@ -21,4 +22,6 @@ case "${1:-check}" in
     python3 -m bench.cli agents --model qwen3-8b --agents 32 --turns 6 --system 4096 \
       --tool-result 200 --generate 100 --peer-agents 1 \
       --json "$OUT/agents_qwen3-8b.json" 2>&1 | tee "$OUT/agents_qwen3-8b.txt" ;;
+  tune)
+    python3 bench/tune_decode.py 2>&1 | tee "$OUT/tune_decode.txt" ;;
 esac
