@@ -138,3 +138,20 @@ def test_context_limit_and_stop_strings_under_async_scheduling(tiny_checkpoints,
             assert free.text.startswith(c.text + stop) and len(c.token_ids) < 40, (free.text, c.text)
             texts.append((c.text, c.finish_reason, c.token_ids, h.tokens))
     assert texts[0] == texts[1] and texts[0][1] == "stop"
+
+
+def test_a_state_read_mid_generation_shows_only_known_tokens(tiny_checkpoints, make_engine):
+    """While a token is still on the device, `tokens`, `len` and `states()` leave it out."""
+    engine = make_engine(tiny_checkpoints[ARCH], async_scheduling=True)
+    h = engine.open_state("a")
+    prompt = random_tokens(random.Random(3), 25)
+    seen = []
+    for event in h.stream(greedy(12), prompt=prompt):
+        if event.token_id is None:
+            break
+        seen.append(event.token_id)
+        tokens, length = h.tokens, len(h)
+        (info,) = [s for s in engine.states() if s.id == "a"]
+        assert PENDING not in tokens and length == len(tokens) == info.tokens
+        assert tokens[:len(prompt) + len(seen)] == prompt + seen
+    assert h.tokens == prompt + seen and len(seen) == 12
