@@ -229,27 +229,25 @@ def set_variant(engine, gemv: bool, prologue: bool, overlap: bool) -> None:
     import kernels.matmul_triton as mt
     import kernels.rotary_triton as rt
     from hibana_core.runner import DecodeGraphs
-    from kernels import rotary
 
     mt.MAX_ROWS = 1 if gemv else 0
     if not hasattr(rt, "_fused"):
         rt._fused = rt.qk_norm_rotary_store
-    rt.qk_norm_rotary_store = rt._fused if prologue else _unfused_prologue(rotary)
+    rt.qk_norm_rotary_store = rt._fused if prologue else _unfused_prologue
     engine._async = overlap
     runner = engine.runner
     runner.graphs = DecodeGraphs(runner, runner.graphs.buckets[-1])
 
 
-def _unfused_prologue(rotary):
+def _unfused_prologue(positions, q, k, v, cos, sin, k_cache, v_cache, slots, qw=None, kw=None, eps=0.0):
+    """The prologue as four launches (q/k norm, rotary, KV store), as before the fused kernel."""
     import kernels
 
-    def prologue(positions, q, k, v, cos, sin, k_cache, v_cache, slots, qw=None, kw=None, eps=0.0):
-        if qw is not None:
-            q, k = kernels.rms_norm(q, qw, eps), kernels.rms_norm(k, kw, eps)
-        q, k = kernels.rotary_embedding(positions, q, k, cos, sin)
-        kernels.store_kv(k, v, k_cache, v_cache, slots)
-        return q
-    return prologue
+    if qw is not None:
+        q, k = kernels.rms_norm(q, qw, eps), kernels.rms_norm(k, kw, eps)
+    q, k = kernels.rotary_embedding(positions, q, k, cos, sin)
+    kernels.store_kv(k, v, k_cache, v_cache, slots)
+    return q
 
 
 def main() -> None:

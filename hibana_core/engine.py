@@ -347,7 +347,7 @@ class Engine:
 
     def states(self) -> list[StateInfo]:
         with self._lock:
-            return [StateInfo(h.id, len(h._seq.history), h._seq.num_computed, len(h._seq.block_ids),
+            return [StateInfo(h.id, h._seq.history_len, h._seq.num_computed, len(h._seq.block_ids),
                               "device" if h._seq.block_ids else "none", h.last_use,
                               self.scheduler.busy(h._seq)) for h in self._states.values()]
 

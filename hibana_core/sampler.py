@@ -63,7 +63,7 @@ class Sampler:
             raise ValueError(f"{len(rows)} sampling rows for {logits.shape[0]} rows of logits")
         params = [row.params for row in rows]
         greedy = [p.greedy for p in params]
-        penalised = any(_has_penalty(p) for p in params)
+        penalised = any(needs_history(p) for p in params)
         if all(greedy) and not penalised:
             return logits.argmax(dim=-1)  # the hot path: nothing else runs
 
@@ -156,11 +156,7 @@ def apply_warpers(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Te
 
 
 def needs_history(p: SamplingParams) -> bool:
-    """Whether sampling for p reads the request's earlier tokens on the host (the penalties)."""
-    return _has_penalty(p)
-
-
-def _has_penalty(p: SamplingParams) -> bool:
+    """Whether sampling for p reads the request's earlier tokens on the host: the penalties."""
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 

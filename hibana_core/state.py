@@ -121,7 +121,7 @@ class StateHandle:
             return self._seq.history
 
     def __len__(self) -> int:
-        return len(self._seq.history)
+        return self._seq.history_len
 
     def __repr__(self) -> str:
         return f"StateHandle(id={self._id!r}, tokens={len(self)}, closed={self.closed})"

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels import attention, norm
+
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_table: torch.Tensor, sin_table: torch.Tensor
@@ -32,8 +34,6 @@ def qk_norm_rotary_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
     """An attention layer's prologue: per-head RMSNorm of q and k when weights are given (Qwen3),
     rotary on both, then k and v into their cache slots (negative slot: skipped). Returns the
     rotated q [T, H, D]. The Triton version does all of it in one launch."""
-    from kernels import attention, norm
-
     if q_weight is not None:
         q, k = norm.rms_norm(q, q_weight, eps), norm.rms_norm(k, k_weight, eps)
     q, k = rotary_embedding(positions, q, k, cos_table, sin_table)

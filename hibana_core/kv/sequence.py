@@ -47,10 +47,14 @@ class KVSequence:
         return len(self.tokens)
 
     @property
+    def history_len(self) -> int:
+        """Tokens, less a trailing placeholder (a token still on the device)."""
+        return len(self.tokens) - (1 if self.tokens and self.tokens[-1] == PENDING else 0)
+
+    @property
     def history(self) -> list[int]:
-        """A copy of the tokens, less a trailing placeholder (a token still on the device)."""
-        end = len(self.tokens) - (1 if self.tokens and self.tokens[-1] == PENDING else 0)
-        return self.tokens[:end]
+        """A copy of the tokens, less a trailing placeholder."""
+        return self.tokens[:self.history_len]
 
     @property
     def num_uncomputed(self) -> int:
