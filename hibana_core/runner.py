@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from hibana_core.forward_context import ForwardBatch, ForwardContext
-from hibana_core.sampler import Sampler, SamplingRow
+from hibana_core.sampler import Sampler, SamplingRow, device_tensor
 from hibana_core.scheduler import SchedulerOutput
 
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -100,10 +100,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self, max_batch)
 
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
-        host = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cuda":
-            return host.pin_memory().to(self.device, non_blocking=True)
-        return host
+        return device_tensor(values, dtype, self.device)
 
     def prepare(self, data: StepData) -> ModelInput:
         width = max(len(t) for t in data.tables)

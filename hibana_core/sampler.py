@@ -75,7 +75,7 @@ class Sampler:
         sampled = self._race(apply_warpers(x, params).softmax(dim=-1), rows)
         if not any(greedy):
             return sampled
-        return torch.where(_tensor(greedy, torch.bool, x.device), x.argmax(dim=-1), sampled)
+        return torch.where(device_tensor(greedy, torch.bool, x.device), x.argmax(dim=-1), sampled)
 
     def _race(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """One draw per row from probs [B, V]: argmax(p / q), q ~ Exp(1)."""
@@ -132,7 +132,7 @@ def apply_warpers(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Te
         sorted_x, order = x.sort(dim=-1)  # [B, V]
         if use_k:
             # The k-th largest sits at V - k; rows without top-k take the minimum: a no-op.
-            index = _tensor([vocab - (k or vocab) for k in top_k], torch.int64, x.device)
+            index = device_tensor([vocab - (k or vocab) for k in top_k], torch.int64, x.device)
             kth = sorted_x.gather(1, index[:, None])  # [B, 1]
             x = x.masked_fill(x < kth, _NEG_INF)  # ties with the k-th are kept, as in HF
             sorted_x = sorted_x.masked_fill(sorted_x < kth, _NEG_INF)
@@ -142,8 +142,8 @@ def apply_warpers(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Te
         x = x.masked_fill(drop.scatter(1, order, drop), _NEG_INF)
     elif use_k:
         top = x.topk(max(top_k), dim=-1).values  # [B, k_max], descending
-        kth = top.gather(1, _tensor([max(k, 1) - 1 for k in top_k], torch.int64, x.device)[:, None])
-        off = _tensor([k == 0 for k in top_k], torch.bool, x.device)[:, None]  # [B, 1]
+        kth = top.gather(1, device_tensor([max(k, 1) - 1 for k in top_k], torch.int64, x.device)[:, None])
+        off = device_tensor([k == 0 for k in top_k], torch.bool, x.device)[:, None]  # [B, 1]
         x = x.masked_fill((x < kth) & ~off, _NEG_INF)
 
     min_p = [p.min_p if s else 0.0 for p, s in zip(params, sampled)]
@@ -160,7 +160,8 @@ def needs_history(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device`, copied without waiting for the device."""
     return _to_device(torch.tensor(values, dtype=dtype), device)
 
 
@@ -175,7 +176,7 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return _tensor(values, torch.float32, device)[:, None]  # [B, 1]
+    return device_tensor(values, torch.float32, device)[:, None]  # [B, 1]
 
 
 def _token_table(x: torch.Tensor, rows: list[tuple[int, Iterable[int]]], dtype: torch.dtype) -> torch.Tensor:
@@ -195,8 +196,8 @@ def _token_table(x: torch.Tensor, rows: list[tuple[int, Iterable[int]]], dtype: 
         # Histories can be long: array -> tensor is several times faster than torch.tensor(list).
         ids = _to_device(torch.frombuffer(array.array("q", token_ids), dtype=torch.int64), x.device)
         ids = ids.masked_fill((ids < 0) | (ids > vocab), vocab)
-        row_ids = torch.repeat_interleave(_tensor([i for i, _ in rows], torch.int64, x.device),
-                                          _tensor(lengths, torch.int64, x.device),
+        row_ids = torch.repeat_interleave(device_tensor([i for i, _ in rows], torch.int64, x.device),
+                                          device_tensor(lengths, torch.int64, x.device),
                                           output_size=len(token_ids))  # given size: no sync
         ones = torch.ones(len(token_ids), dtype=dtype, device=x.device)
         table.index_put_((row_ids, ids), ones, accumulate=dtype != torch.bool)
