@@ -1,9 +1,9 @@
 """Model runner: prepares the batch tensors of a step once, runs the forward, samples.
 
 On CUDA, decode-only steps replay a CUDA graph captured per batch-size bucket; everything else
-runs eagerly. `launch` only enqueues work: the sampled tokens stay on the device (the next step's
-inputs take them from there) and reach the host when `SampledTokens.tolist` is called, the one
-host synchronisation of a step.
+runs eagerly. `launch` only enqueues work and returns the step in flight: its sampled tokens stay
+on the device (the next step's inputs take them from there) and reach the host in
+`StepInFlight.result`, the one host synchronisation of a step.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from hibana_core.forward_context import ForwardBatch, ForwardContext
 from hibana_core.sampler import Sampler, SamplingRow, device_tensor
-from hibana_core.scheduler import SchedulerOutput
+from hibana_core.scheduler import RunnerOutput, SchedulerOutput
 
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -29,10 +29,18 @@ class ModelInput:
 
 
 @dataclass(frozen=True)
+class DeviceInput:
+    """An input token that is still on the device: sampled by the previous step."""
+
+    index: int   # position in the step's input ids
+    row: int     # row of the previous step's sampled tokens
+
+
+@dataclass(frozen=True)
 class StepData:
     """A step's integer inputs, built on the host in one pass over the chunks."""
 
-    ids: list[int]
+    ids: list[int]                 # 0 where the token comes from the device
     positions: list[int]
     slots: list[int]
     seq_lens: list[int]
@@ -40,29 +48,37 @@ class StepData:
     tables: list[list[int]]
     logits_indices: list[int]
     max_query_len: int
-    from_device: list[tuple[int, int]]  # (index in ids, row of the previous step's samples)
+    from_device: list[DeviceInput]
 
 
-class SampledTokens:
-    """One step's sampled tokens [S]: on the device at once, on the host after `tolist`."""
+class StepInFlight:
+    """A launched step: its sampled tokens [S] (one per sampling chunk, in chunk order) are on
+    the device at once and on the host after `result`."""
 
-    def __init__(self, tokens: torch.Tensor) -> None:
-        self.device = tokens
+    def __init__(self, scheduled: SchedulerOutput, sampled: torch.Tensor) -> None:
+        self.scheduled = scheduled
+        self.sampled = sampled
+        self.rows = {c.request.id: row for row, c in enumerate(scheduled.sampling)}
+        """request id -> its row of `sampled`"""
         self._ready: torch.cuda.Event | None = None
-        self._host = tokens
-        if tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
+        self._host = sampled
+        if sampled.is_cuda:
+            self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            self._host.copy_(sampled, non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record()
 
-    def tolist(self) -> list[int]:
+    def result(self) -> RunnerOutput:
+        """Wait for the step and read its tokens back (raises if the device failed under it)."""
         if self._ready is not None:
             self._ready.synchronize()
-        return self._host.tolist()
+        tokens = iter(self._host.tolist())
+        return RunnerOutput([[next(tokens)] if c.sample else [] for c in self.scheduled.chunks])
 
 
-def gather_step(output: SchedulerOutput) -> StepData:
+def gather_step(scheduled: SchedulerOutput, previous: StepInFlight | None = None) -> StepData:
+    """The step's inputs. Positions past a state's known history hold the token its request
+    sampled in the previous step, still on the device (async scheduling)."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -70,23 +86,25 @@ def gather_step(output: SchedulerOutput) -> StepData:
     starts = [0]
     tables: list[list[int]] = []
     logits_indices: list[int] = []
-    from_device: list[tuple[int, int]] = []
-    for chunk in output.chunks:
-        seq, pending = chunk.request.seq, chunk.request.pending
-        end = chunk.start + chunk.num_tokens
-        ids.extend(seq.tokens[chunk.start:end])
-        if pending is not None and pending[0] < end:  # its last token is still on the device
-            ids[-1] = 0
-            from_device.append((len(ids) - 1, pending[1]))
-        positions.extend(range(chunk.start, end))
-        slots.extend(seq.slot(p) for p in range(chunk.start, end))
-        seq_lens.append(end)
+    from_device: list[DeviceInput] = []
+    for chunk in scheduled.chunks:
+        seq = chunk.request.seq
+        known = min(chunk.end, len(seq))
+        ids.extend(seq.tokens[chunk.start:known])
+        if known < chunk.end:  # one placeholder: the previous step's token for this request
+            if previous is None or chunk.request.id not in previous.rows or chunk.end - known != 1:
+                raise RuntimeError(f"step input at position {known} is neither known nor in flight")
+            from_device.append(DeviceInput(len(ids), previous.rows[chunk.request.id]))
+            ids.append(0)
+        positions.extend(range(chunk.start, chunk.end))
+        slots.extend(seq.slot(p) for p in range(chunk.start, chunk.end))
+        seq_lens.append(chunk.end)
         starts.append(starts[-1] + chunk.num_tokens)
         tables.append(seq.block_ids)
         if chunk.sample:
             logits_indices.append(starts[-1] - 1)
     return StepData(ids, positions, slots, seq_lens, starts, tables, logits_indices,
-                    max(c.num_tokens for c in output.chunks), from_device)
+                    max(c.num_tokens for c in scheduled.chunks), from_device)
 
 
 class ModelRunner:
@@ -117,26 +135,24 @@ class ModelRunner:
                           self._tensor(data.logits_indices))
 
     def take_from_device(self, input_ids: torch.Tensor, data: StepData,
-                         previous: torch.Tensor | None) -> None:
+                         previous: StepInFlight | None) -> None:
         """Put the previous step's sampled tokens, still on the device, into this step's inputs."""
         if not data.from_device:
             return
-        if previous is None:
-            raise RuntimeError("a step takes tokens of a previous step that is gone")
         n = len(data.from_device)
-        if data.from_device == [(i, i) for i in range(n)] and previous.shape[0] == n:
-            input_ids[:n].copy_(previous)  # every row decodes, in the same order: the usual case
+        if (previous.sampled.shape[0] == n
+                and all(d.index == i and d.row == i for i, d in enumerate(data.from_device))):
+            input_ids[:n].copy_(previous.sampled)  # every row decodes, in the same order: the usual case
             return
-        index, rows = zip(*data.from_device)
-        input_ids.index_copy_(0, self._tensor(list(index)),
-                              previous.index_select(0, self._tensor(list(rows))))
+        index = self._tensor([d.index for d in data.from_device])
+        rows = self._tensor([d.row for d in data.from_device])
+        input_ids.index_copy_(0, index, previous.sampled.index_select(0, rows))
 
     @torch.inference_mode()
-    def launch(self, output: SchedulerOutput, previous: torch.Tensor | None = None) -> SampledTokens:
-        """Enqueue one scheduled step; its sampled tokens (one per sampling chunk, in order) come
-        back on the device. `previous`: the previous step's, which may still be in flight."""
-        data = gather_step(output)
-        rows = [c.request for c in output.chunks if c.sample]
+    def launch(self, scheduled: SchedulerOutput, previous: StepInFlight | None = None) -> StepInFlight:
+        """Enqueue one scheduled step. `previous`: the step before, which may still be in flight."""
+        data = gather_step(scheduled, previous)
+        rows = [c.request for c in scheduled.sampling]
         if self.graphs is not None and self.graphs.fits(data, len(rows)):
             logits = self.graphs.run(data, previous)
         else:
@@ -145,12 +161,12 @@ class ModelRunner:
             with self.ctx.forward_batch(inputs.batch):
                 hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
             if not rows:
-                return SampledTokens(torch.empty(0, dtype=torch.long))
+                return StepInFlight(scheduled, torch.empty(0, dtype=torch.long))
             logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, vocab]
         sampling_rows = [SamplingRow(r.params, r.generator,
-                                     r.history if r.params.repetition_penalty != 1.0 else (),
+                                     r.prompt if r.params.repetition_penalty != 1.0 else (),
                                      r.output) for r in rows]
-        return SampledTokens(self.sampler(logits, sampling_rows))
+        return StepInFlight(scheduled, self.sampler(logits, sampling_rows))
 
 
 class DecodeGraphs:
@@ -166,7 +182,7 @@ class DecodeGraphs:
             self.buckets.append(_BUCKETS[bisect.bisect_left(_BUCKETS, max_batch)])
         self.max_blocks = -(-runner.max_model_len // runner.ctx.kv_cache.block_size)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None
+        self.mempool = None  # one CUDA graph memory pool shared by every bucket
         n, dev = self.buckets[-1], runner.device
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
@@ -180,7 +196,7 @@ class DecodeGraphs:
                 and len(data.ids) <= self.buckets[-1]
                 and max(len(t) for t in data.tables) <= self.max_blocks)
 
-    def run(self, data: StepData, previous: torch.Tensor | None) -> torch.Tensor:
+    def run(self, data: StepData, previous: StepInFlight | None) -> torch.Tensor:
         n = len(data.ids)
         bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
         # one host tensor and one copy per static input; the previous step's tokens on the device
@@ -219,7 +235,7 @@ class DecodeGraphs:
                 self._forward(bucket)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.mempool):
             logits = self._forward(bucket)
-        self.pool = graph.pool()
+        self.mempool = graph.pool()
         return graph, logits

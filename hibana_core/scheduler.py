@@ -1,10 +1,21 @@
 """Continuous batching under a token budget.
 
-The scheduler counts tokens, not phases: every request's state has `num_computed` tokens of KV and
-a history of `len(tokens)`; prefill chunks, prefix-cache hits, the recomputed last token and decode
-steps are all "catching up" to that length (vLLM v1's design). A request samples in the step whose
-chunk reaches the end of the history. Admission is FIFO up to `max_concurrent_agents`; eviction of
-idle states under memory pressure is a policy object of its own.
+The scheduler counts tokens, not phases (vLLM v1's design). Each request's state holds a history
+of real tokens and the KV of its first `num_computed` positions; the request's target is its
+history plus `num_output_placeholders`, the tokens sampled on the device and not yet read back.
+Prefill chunks, prefix-cache hits, the recomputed last token and decode steps are all "catching
+up" to that target; a request samples in the step whose chunk reaches it.
+
+One step's bookkeeping happens at two points:
+- `schedule` counts the chosen chunks' KV as computed and a placeholder per sampling request,
+  so the next step can be scheduled before this one's tokens reach the host;
+- `update_from_output` takes the tokens sampled for each request (any number: 0 for a prefill
+  chunk, 1 for a decode, several once drafts are verified), appends them, checks stops per token,
+  trims KV past the accepted tokens, and publishes blocks whose tokens are now final.
+
+Admission is FIFO up to `max_concurrent_agents`; eviction of idle states under memory pressure is
+a policy object of its own. The scheduler never detokenizes: a request's `stop_check` (set by the
+output side) is asked about each token after the stop token ids.
 """
 
 from __future__ import annotations
@@ -13,13 +24,12 @@ import enum
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from hibana_core.config import SamplingParams, SchedulerConfig
-from hibana_core.detokenizer import Detokenizer
 from hibana_core.errors import MemoryBudgetError
 from hibana_core.kv.block_pool import BlockPool
-from hibana_core.kv.sequence import PENDING, KVSequence
+from hibana_core.kv.sequence import KVSequence
 
 
 class RequestStatus(enum.Enum):
@@ -37,21 +47,20 @@ class Request:
 
     seq: KVSequence
     params: SamplingParams | None          # None: make the state hold its tokens, sample nothing
-    on_event: Callable[["Request", int | None], None]  # (request, token or None when finished)
-    detokenizer: Detokenizer | None = None
-    generator: Any = None
+    generator: Any = None                  # per-request torch.Generator (seeded sampling)
     stop_token_ids: frozenset[int] = frozenset()
-    max_len: int = 0                        # the state may not grow past this many tokens
+    max_len: int = 0                       # the state may not grow past this many tokens
+    stop_check: Callable[[int], bool] | None = None  # text stops, asked per token (output side)
     id: int = field(default_factory=lambda: next(_request_ids))
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     error: BaseException | None = None
-    num_prompt: int = 0                     # len(seq) when submitted
+    num_prompt: int = 0                    # len(seq) when submitted
     output: list[int] = field(default_factory=list)
-    computed: int = 0                       # prompt tokens whose KV this request computed
-    reused: int = 0                         # prompt tokens whose KV it found already there
+    computed: int = 0                      # prompt tokens whose KV this request computed
+    reused: int = 0                        # prompt tokens whose KV it found already there
     cancelled: bool = False
-    pending: tuple[int, int] | None = None  # (position, row) of a token still on the device
+    num_output_placeholders: int = 0       # tokens sampled on the device, not yet read back
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.seq)
@@ -61,8 +70,22 @@ class Request:
         return self.params is not None and self.params.max_tokens > 0
 
     @property
-    def history(self) -> list[int]:
+    def prompt(self) -> list[int]:
+        """The history the request started from (what penalties count besides the output)."""
         return self.seq.tokens[: self.num_prompt]
+
+    @property
+    def num_tokens(self) -> int:
+        """The length the state is catching up to: its history plus the tokens in flight."""
+        return len(self.seq) + self.num_output_placeholders
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.seq.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
 
 
 @dataclass(frozen=True)
@@ -70,13 +93,43 @@ class ScheduledChunk:
     request: Request
     start: int        # first position computed in this step
     num_tokens: int
-    sample: bool      # the chunk reaches the end of the history and the request samples
+    sample: bool      # the chunk reaches the end of the target and the request samples
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
     num_tokens: int
+
+    @property
+    def sampling(self) -> list[ScheduledChunk]:
+        """The chunks that sample, in the order of the sampled rows."""
+        return [c for c in self.chunks if c.sample]
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What one step produced: the token ids sampled for each chunk, in chunk order (an empty
+    list for a chunk that does not sample; several where drafts were verified)."""
+
+    sampled_token_ids: list[list[int]]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What `update_from_output` accepted for one request."""
+
+    request: Request
+    new_token_ids: list[int]
+
+
+def _done_reason(request: Request) -> str:
+    """How a request that samples nothing ends once its state holds its tokens."""
+    return "synced" if request.params is None else "length"
 
 
 class EvictionPolicy(Protocol):
@@ -105,6 +158,7 @@ class Scheduler:
         self.config, self.pool, self.eviction = config, pool, eviction
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._finished: list[Request] = []  # finished since the last `take_finished`
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -112,8 +166,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def requests(self) -> Iterable[Request]:
+        return itertools.chain(self.running, self.waiting)
+
     def busy(self, seq: KVSequence) -> bool:
-        return any(r.seq is seq for r in itertools.chain(self.running, self.waiting))
+        return any(r.seq is seq for r in self.requests())
+
+    # --- schedule -------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         """Running requests first (decodes before prefill chunks, so chunking keeps decodes
@@ -121,7 +180,7 @@ class Scheduler:
         self._drop_cancelled()
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        for request in sorted(self.running, key=lambda r: r.seq.num_uncomputed > 1):
+        for request in sorted(self.running, key=lambda r: r.num_uncomputed > 1):
             if budget == 0:
                 break
             chunk = self._schedule_one(request, budget)
@@ -132,52 +191,60 @@ class Scheduler:
             request = self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._prepare(request)
-            if request.status is not RequestStatus.RUNNING:
+            self._admit(request)
+            if request.finished:
                 continue
             chunk = self._schedule_one(request, budget)
-            if chunk is None and request.status is RequestStatus.RUNNING:
+            if chunk is None and not request.finished:
                 self._requeue(request)  # no room yet: it keeps its place at the head of the queue
                 break
             if chunk is not None:
                 chunks.append(chunk)
                 budget -= chunk.num_tokens
-        if not chunks and (self.running or self.waiting) and not self._any_pending():
+        if not chunks and self.has_work() and not self._awaiting_update():
             self._preempt_or_fail()
+        for chunk in chunks:  # the chunks' KV counts as written from here (see `fail`)
+            chunk.request.seq.mark_computed(chunk.num_tokens)
+            chunk.request.num_output_placeholders += chunk.sample
         return SchedulerOutput(tuple(chunks), sum(c.num_tokens for c in chunks))
+
+    def _awaiting_update(self) -> bool:
+        """Whether a step in flight will move a running request on (a token to read back, or
+        the last chunk of a sync): then an empty schedule is no reason to preempt."""
+        return any(r.num_output_placeholders or r.num_uncomputed == 0 for r in self.running)
 
     def _requeue(self, request: Request) -> None:
         self.running.remove(request)
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
-    def _prepare(self, request: Request) -> None:
+    def _admit(self, request: Request) -> None:
         """A sampling request needs the logits of its last token: if the state already holds its
-        KV (a fully synced state), recompute that one token."""
+        KV (a fully synced state), recompute that one token. Where the prefix index holds more of
+        the history than the state's own KV, the state switches to the index's blocks."""
         seq = request.seq
         if request.samples and seq.num_uncomputed == 0:
-            last = seq.tokens[-1]
-            seq.trim(len(seq) - 1)
-            seq.append([last])
+            seq.trim_kv(len(seq) - 1)
+        seq.prefer_index(len(seq) - (1 if request.samples else 0))
         request.reused = min(seq.num_computed, request.num_prompt)
         if not request.samples and seq.num_uncomputed == 0:
-            self.finish(request, "length" if request.params is not None else "synced")
-
-    def _any_pending(self) -> bool:
-        return any(r.pending is not None for r in self.running)
+            self.finish(request, _done_reason(request))
 
     def _schedule_one(self, request: Request, budget: int) -> ScheduledChunk | None:
         seq = request.seq
-        if request.pending is not None and (len(request.output) + 1 >= request.params.max_tokens
-                                            or len(seq) >= request.max_len):
-            return None  # its token in flight is its last: it finishes when that is read back
+        if request.num_output_placeholders:
+            if (len(request.output) + request.num_output_placeholders >= request.params.max_tokens
+                    or request.num_tokens >= request.max_len):
+                return None  # its token in flight is its last: it finishes when that is read back
+        elif request.num_uncomputed == 0:
+            return None  # a sync whose last chunk is in flight: it finishes at that step's update
         before = seq.num_computed
-        gained = seq.reuse_cached_blocks(len(seq) - (1 if request.samples else 0))
-        if seq.num_uncomputed == 0:  # a sync fully served from the prefix index
+        gained = seq.reuse_cached_blocks(request.num_tokens - (1 if request.samples else 0))
+        if request.num_uncomputed == 0:  # a sync fully served from the prefix index
             request.reused += gained
-            self.finish(request, "synced")
+            self.finish(request, _done_reason(request))
             return None
-        num = min(seq.num_uncomputed, budget, self.config.max_prefill_chunk)
+        num = min(request.num_uncomputed, budget, self.config.max_prefill_chunk)
         needed = seq.blocks_needed(num)
         if not self.pool.can_allocate(needed) and not self.eviction.make_room(needed):
             seq.trim_kv(before)  # give adopted blocks back: holding them would starve the others
@@ -185,7 +252,8 @@ class Scheduler:
         request.reused += gained
         start = seq.num_computed
         seq.prepare_write(num)
-        sample = start + num == len(seq) and request.samples
+        request.computed += max(0, min(start + num, request.num_prompt) - start)
+        sample = start + num == request.num_tokens and request.samples
         return ScheduledChunk(request, start, num, sample)
 
     def _preempt_or_fail(self) -> None:
@@ -208,89 +276,85 @@ class Scheduler:
             "or num_blocks, or close idle states")
         self.finish(victim, "error")
 
-    def update(self, output: SchedulerOutput, sampled: list[int]) -> None:
-        """Both halves of a step's bookkeeping, for a step whose tokens are already known."""
-        self.advance(output)
-        self.finalize(output, sampled)
+    # --- update ---------------------------------------------------------------------------------
 
-    def advance(self, output: SchedulerOutput) -> None:
-        """The half of a step's bookkeeping that needs no sampled values, done as soon as the step
-        is launched: the chunks' KV counts as written, and each request that samples holds a
-        `PENDING` placeholder at its next position. The next step can then be scheduled and
-        launched before this one's tokens reach the host (they reach its inputs on the device)."""
-        row = 0
-        for chunk in output.chunks:
+    def update_from_output(self, scheduled: SchedulerOutput, output: RunnerOutput) -> list[RequestOutput]:
+        """Take a step's sampled tokens: per request, append them one by one and stop at the first
+        that ends the request (stop token, `stop_check`, max_tokens, context limit); KV computed
+        past the tokens kept is dropped; full blocks whose tokens are now known are published.
+        A request that finished while the step ran (cancelled, stopped a step earlier) takes
+        nothing."""
+        results = []
+        for chunk, sampled in zip(scheduled.chunks, output.sampled_token_ids, strict=True):
             request, seq = chunk.request, chunk.request.seq
-            seq.advance(chunk.num_tokens)
-            request.computed += max(0, min(chunk.start + chunk.num_tokens, request.num_prompt) - chunk.start)
-            if chunk.sample:
-                if request.status is RequestStatus.RUNNING:
-                    request.pending = (len(seq), row)
-                    seq.append([PENDING])
-                row += 1
-            elif (request.status is RequestStatus.RUNNING and not request.samples
-                  and seq.num_uncomputed == 0):
-                self.finish(request, "synced")
-
-    def finalize(self, output: SchedulerOutput, sampled: list[int]) -> None:
-        """The other half, once the step's tokens are on the host: each takes its placeholder's
-        place and goes out; stop conditions finish requests. A request that finished meanwhile
-        (cancelled; or stopped, with this step computing one row past its end) drops its token."""
-        for chunk, token in self._pair(output, sampled):
-            request = chunk.request
-            if token is None or request.pending is None or request.status is RequestStatus.FINISHED:
+            if request.finished:
                 continue
-            position, _ = request.pending
-            request.pending = None
-            request.seq.tokens[position] = token
-            self._accept_token(request, token)
+            request.num_output_placeholders -= chunk.sample
+            history = len(seq)
+            accepted, reason = self._accept(request, sampled)
+            if chunk.end > history:  # inputs past the known history (drafts, with speculation)
+                seq.trim_kv(history)  # are not known to be the tokens kept: their KV goes
+            seq.commit_full_blocks()
+            if chunk.sample:
+                results.append(RequestOutput(request, accepted))
+            if reason is not None:
+                self.finish(request, reason)
+            elif not request.samples and request.num_uncomputed == 0:
+                self.finish(request, _done_reason(request))
+        return results
 
-    def fail(self, output: SchedulerOutput, error: BaseException) -> None:
-        """The step's forward failed: its requests fail, and their states drop the blocks that
-        were prepared for this step (the KV they had stays valid)."""
-        for chunk in output.chunks:
-            seq = chunk.request.seq
-            seq.trim(len(seq))
-            chunk.request.error = error
-            self.finish(chunk.request, "error")
+    def _accept(self, request: Request, sampled: Sequence[int]) -> tuple[list[int], str | None]:
+        """Append tokens until one ends the request; returns those kept and the finish reason."""
+        accepted: list[int] = []
+        for token in sampled:
+            request.seq.append([token])
+            request.output.append(token)
+            accepted.append(token)
+            if token in request.stop_token_ids or (request.stop_check is not None and request.stop_check(token)):
+                return accepted, "stop"
+            if len(request.output) >= request.params.max_tokens or len(request.seq) >= request.max_len:
+                return accepted, "length"
+        return accepted, None
 
-    @staticmethod
-    def _pair(output: SchedulerOutput, sampled: list[int]):
-        tokens = iter(sampled)
-        for chunk in output.chunks:
-            yield chunk, (next(tokens) if chunk.sample else None)
-
-    def _accept_token(self, request: Request, token: int) -> None:
-        params = request.params
-        request.output.append(token)
-        stopped_by_token = token in request.stop_token_ids
-        stopped_by_text = (not stopped_by_token and request.detokenizer is not None
-                           and request.detokenizer.add(token))
-        request.on_event(request, token)
-        if stopped_by_token or stopped_by_text:
-            self.finish(request, "stop")
-        elif len(request.output) >= params.max_tokens or len(request.seq) >= request.max_len:
-            self.finish(request, "length")
+    def fail(self, scheduled: SchedulerOutput, error: BaseException) -> None:
+        """The step's forward failed: its requests fail, and their states drop the KV this step
+        was to write (what they had stays valid)."""
+        for chunk in scheduled.chunks:
+            request = chunk.request
+            request.num_output_placeholders -= chunk.sample
+            request.seq.trim_kv(chunk.start)
+            if not request.finished:
+                request.error = error
+                self.finish(request, "error")
 
     def _drop_cancelled(self) -> None:
-        for request in [r for r in itertools.chain(self.running, self.waiting) if r.cancelled]:
+        for request in [r for r in self.requests() if r.cancelled]:
             self.finish(request, "cancelled")
 
     def finish(self, request: Request, reason: str) -> None:
-        if request.status is RequestStatus.FINISHED:
+        """The request leaves the scheduler. Tokens still in flight are dropped with their
+        placeholders (a step already launched may still write their KV: stream order keeps that
+        write before any later step's); the state keeps the KV of its history and publishes its
+        full blocks."""
+        if request.finished:
             return
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        if request.pending is not None:  # its token in flight is dropped with its placeholder
-            request.seq.trim(request.pending[0])
-            request.pending = None
+        request.num_output_placeholders = 0
+        request.seq.trim_kv(len(request.seq))
+        request.seq.commit_full_blocks()
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        request.on_event(request, None)
+        self._finished.append(request)
+
+    def take_finished(self) -> list[Request]:
+        """The requests finished since the last call, in the order they finished."""
+        finished, self._finished = self._finished, []
+        return finished
 
     def abort_all(self, error: BaseException) -> None:
-        for request in list(itertools.chain(self.running, self.waiting)):
+        for request in list(self.requests()):
             request.error = error
             self.finish(request, "error")

@@ -1,15 +1,15 @@
 """The stable public API of agent state: StateHandle, SyncStats, Completion (see DESIGN.md).
 
-A handle is a thin, thread-safe front for one `KVSequence` inside its engine; every call goes
-through the engine, which serialises edits with its step loop.
+A handle is a thin, thread-safe front for one state inside its engine: every call goes through
+the engine's state registry (`hibana_core.registry`), which serialises edits with the step loop.
+`stream` and `astream` return one event source (`RequestEvents`), read with `for` or `async for`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Iterator, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from hibana_core.config import SamplingParams
 
@@ -18,8 +18,8 @@ UNNAMED_PREFIX = "auto-"
 
 if TYPE_CHECKING:
     from hibana_core.engine import Engine
-    from hibana_core.kv.sequence import KVSequence
-    from hibana_core.scheduler import Request
+    from hibana_core.output import RequestEvents
+    from hibana_core.registry import StateRegistry
 
 
 @dataclass(frozen=True)
@@ -70,41 +70,13 @@ class StateInfo:
     busy: bool
 
 
-class RequestStream:
-    """Events of one request, from the engine thread to the caller (a thread or an event loop)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self._loop = loop
-        self._queue: asyncio.Queue | queue.SimpleQueue = asyncio.Queue() if loop else queue.SimpleQueue()
-
-    def put(self, item: object) -> bool:
-        """Hand an event over; False when nobody can receive it any more (the caller's event
-        loop is closed), so the engine cancels the request instead of failing its own thread."""
-        if self._loop is None:
-            self._queue.put(item)
-            return True
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:
-            return False
-        return True
-
-    def get(self) -> object:
-        return self._queue.get()
-
-    async def aget(self) -> object:
-        return await self._queue.get()
-
-
 class StateHandle:
     """One agent's resident state: its token history and the KV cache behind it."""
 
-    def __init__(self, engine: "Engine", state_id: str, seq: "KVSequence") -> None:
-        self._engine = engine
+    def __init__(self, registry: "StateRegistry", state_id: str) -> None:
+        self._registry = registry
         self._id = state_id
-        self._seq = seq
         self.closed = False
-        self.last_use = 0.0
 
     @property
     def id(self) -> str:
@@ -112,16 +84,15 @@ class StateHandle:
 
     @property
     def engine(self) -> "Engine":
-        return self._engine
+        return self._registry.engine_ref()
 
     @property
     def tokens(self) -> list[int]:
         """A copy of the token ids the state holds."""
-        with self._engine._lock:
-            return self._seq.history
+        return self._registry.tokens(self)
 
     def __len__(self) -> int:
-        return self._seq.history_len
+        return self._registry.length(self)
 
     def __repr__(self) -> str:
         return f"StateHandle(id={self._id!r}, tokens={len(self)}, closed={self.closed})"
@@ -129,10 +100,10 @@ class StateHandle:
     def sync(self, token_ids: Sequence[int]) -> SyncStats:
         """Hold exactly token_ids: keep the longest common prefix (own or shared blocks), drop the
         rest, prefill the remainder."""
-        return self._engine._sync(self, token_ids)
+        return self._registry.sync(self, token_ids)
 
     def append(self, token_ids: Sequence[int]) -> SyncStats:
-        return self._engine._sync(self, token_ids, append=True)
+        return self._registry.sync(self, token_ids, append=True)
 
     def generate(self, params: SamplingParams | None = None, *,
                  prompt: Sequence[int] | None = None) -> Completion:
@@ -141,44 +112,41 @@ class StateHandle:
         With `prompt`, the state is first synced to those token ids in the same request: the
         prefill's last position gives the first token, and `Completion.stats` tells what was
         reused and computed."""
-        completion = None
+        event = None
         for event in self.stream(params, prompt=prompt):
-            completion = event.completion
-        assert completion is not None
-        return completion
+            pass
+        return event.completion
 
     def stream(self, params: SamplingParams | None = None, *,
-               prompt: Sequence[int] | None = None) -> Iterator[StreamEvent]:
-        """Token by token. Closing the iterator early cancels the request."""
-        request, stream = self._engine._submit_generate(self, params or SamplingParams(), None, prompt)
-        return self._engine._events(request, stream)
+               prompt: Sequence[int] | None = None) -> "RequestEvents":
+        """Token by token; the last event carries the completion. Closing the iterator early
+        cancels the request."""
+        return self._registry.generate(self, params or SamplingParams(), prompt, None)
 
     async def agenerate(self, params: SamplingParams | None = None, *,
                         prompt: Sequence[int] | None = None) -> Completion:
-        completion = None
+        event = None
         async for event in self.astream(params, prompt=prompt):
-            completion = event.completion
-        assert completion is not None
-        return completion
+            pass
+        return event.completion
 
     def astream(self, params: SamplingParams | None = None, *,
-                prompt: Sequence[int] | None = None) -> AsyncIterator[StreamEvent]:
-        request, stream = self._engine._submit_generate(
-            self, params or SamplingParams(), asyncio.get_running_loop(), prompt)
-        return self._engine._aevents(request, stream)
+                prompt: Sequence[int] | None = None) -> "RequestEvents":
+        """`stream` for `async for` on the running event loop (never blocks it)."""
+        return self._registry.generate(self, params or SamplingParams(), prompt, asyncio.get_running_loop())
 
     def truncate(self, n: int) -> None:
         """Keep the first n tokens."""
-        self._engine._truncate(self, n)
+        self._registry.truncate(self, n)
 
     def fork(self, new_id: str) -> "StateHandle":
         """A new state with the same history, sharing every KV block copy-on-write."""
-        return self._engine._fork(self, new_id)
+        return self._registry.fork(self, new_id)
 
     def save(self, path) -> None:
         """Write tokens and KV to a file that `engine.load_state` restores."""
-        self._engine._save(self, path)
+        self._registry.save(self, path)
 
     def close(self) -> None:
         """Free the state's blocks; the handle is unusable afterwards. Idempotent."""
-        self._engine._close_state(self)
+        self._registry.close_state(self)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hibana_core.config import SamplingParams, SchedulerConfig
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.sequence import KVSequence
-from hibana_core.scheduler import IdleLRUEviction, Request, RequestStatus, Scheduler
+from hibana_core.scheduler import IdleLRUEviction, Request, RequestStatus, RunnerOutput, Scheduler
 
 BS = 4
 
@@ -15,7 +15,6 @@ class Harness:
     def __init__(self, num_blocks=32, idle=(), **config):
         self.pool = BlockPool(num_blocks, BS)
         self.copies: list[tuple[int, int]] = []
-        self.events: list[tuple[int, int | None]] = []
         self.idle = list(idle)
         self.requests: list[Request] = []
         self.scheduler = Scheduler(SchedulerConfig(**config), self.pool,
@@ -34,15 +33,15 @@ class Harness:
 
     def request(self, seq, max_tokens=None) -> Request:
         params = None if max_tokens is None else SamplingParams(max_tokens=max_tokens)
-        request = Request(seq, params, lambda r, t: self.events.append((r.id, t)), max_len=1000)
+        request = Request(seq, params, max_len=1000)
         self.scheduler.add(request)
         self.requests.append(request)
         return request
 
     def step(self, token=7):
         output = self.scheduler.schedule()
-        sampled = [token for c in output.chunks if c.sample]
-        self.scheduler.update(output, sampled)
+        sampled = RunnerOutput([[token] if c.sample else [] for c in output.chunks])
+        self.scheduler.update_from_output(output, sampled)
         return [(c.request.id, c.start, c.num_tokens, c.sample) for c in output.chunks]
 
 

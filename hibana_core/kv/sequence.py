@@ -4,10 +4,14 @@
     block_ids:  [    b7      ,     b2      ,    b9     ]           (KV of tokens[:num_computed])
     committed:  [    yes     ,     yes     ,    no     ]           (full blocks, in the prefix index)
 
-Only the KV of `tokens[:num_computed]` exists; the rest is "catching up" (a prompt remainder or
-the last sampled token). Committed blocks are immutable and may be shared: writing into one first
-copies it (copy-on-write). The protocol follows mlx-lm's caches: `set_tokens` (sync), `trim(n)`,
-`fork`, `release`, `nbytes`.
+`tokens` holds real token ids only. KV exists for the first `num_computed` positions; the rest
+of the history is "catching up" (a prompt remainder, the last sampled token). While a request
+runs, `num_computed` may run ahead of `tokens` by the tokens sampled on the device and not yet
+read back (the scheduler counts those as placeholders; their KV is written by the next step).
+A block enters the prefix index (`commit_full_blocks`) only once all its tokens are known.
+Committed blocks are immutable and may be shared: writing into one first copies it
+(copy-on-write). The protocol follows mlx-lm's caches: `set_tokens` (sync), `trim(n)`, `fork`,
+`release`.
 """
 
 from __future__ import annotations
@@ -15,11 +19,6 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from hibana_core.kv.block_pool import BlockHash, BlockPool, hash_block
-
-
-PENDING = -1
-"""Placeholder at the end of a history for a token sampled on the device and not yet read back
-(see `Scheduler.advance`); the runner feeds the device's value in its place."""
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -47,21 +46,11 @@ class KVSequence:
         return len(self.tokens)
 
     @property
-    def history_len(self) -> int:
-        """Tokens, less a trailing placeholder (a token still on the device)."""
-        return len(self.tokens) - (1 if self.tokens and self.tokens[-1] == PENDING else 0)
-
-    @property
-    def history(self) -> list[int]:
-        """A copy of the tokens, less a trailing placeholder."""
-        return self.tokens[:self.history_len]
-
-    @property
     def num_uncomputed(self) -> int:
         return len(self.tokens) - self.num_computed
 
-    def block_hash(self, index: int) -> BlockHash:
-        """Chain hash of full block `index` of the tokens (computed lazily, cached)."""
+    def prefix_hash(self, index: int) -> BlockHash:
+        """Chain hash of the tokens of full block `index` and all before it (lazily, cached)."""
         bs = self.block_size
         while len(self._hashes) <= index:
             i = len(self._hashes)
@@ -113,13 +102,28 @@ class KVSequence:
 
     # --- catching up --------------------------------------------------------------------------
 
+    def index_match(self, limit: int) -> int:
+        """Tokens of the longest prefix of tokens[:limit] that the prefix index holds, in full
+        blocks (own committed blocks included)."""
+        bs, index = self.block_size, 0
+        while self.share and (index + 1) * bs <= limit and self.pool.lookup(self.prefix_hash(index)) is not None:
+            index += 1
+        return index * bs
+
+    def prefer_index(self, limit: int) -> None:
+        """Where the prefix index holds a longer prefix of the tokens than this state's own KV
+        (the state shares a few tokens with the new history, the index many), drop the own KV
+        down to its full blocks so that `reuse_cached_blocks` adopts the longer prefix."""
+        if self.index_match(limit) > self.num_computed:
+            self._keep_kv(self.num_computed - self.num_computed % self.block_size)
+
     def reuse_cached_blocks(self, limit: int) -> int:
         """Adopt full blocks of other states (or of our own past) from the prefix index, while
         num_computed sits on a block boundary and stays <= limit. Returns tokens gained."""
         bs, gained = self.block_size, 0
         while self.share and self.num_computed % bs == 0 and self.num_computed + bs <= limit:
             index = self.num_computed // bs
-            block = self.pool.lookup(self.block_hash(index))
+            block = self.pool.lookup(self.prefix_hash(index))
             if block is None:
                 break
             self.pool.incref(block)
@@ -158,15 +162,20 @@ class KVSequence:
     def slot(self, position: int) -> int:
         return self.block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
-    def advance(self, num_tokens: int) -> None:
-        """The KV of the next num_tokens tokens was written: commit blocks that became full.
-        A block whose tokens another state already committed is swapped for that one, so equal
-        prefixes computed in the same step end up stored once."""
+    def mark_computed(self, num_tokens: int) -> None:
+        """The KV of the next num_tokens positions is written by a launched step (some of those
+        positions may hold tokens still on the device)."""
         self.num_computed += num_tokens
-        if not self.share:
+
+    def commit_full_blocks(self) -> None:
+        """Publish full blocks whose KV is counted and whose tokens are all known in the prefix
+        index. A block whose tokens another state already committed is swapped for that one,
+        so equal prefixes computed in the same step end up stored once."""
+        full = min(self.num_computed, len(self.tokens)) // self.block_size
+        if not self.share or full <= self.num_committed:
             return
-        for index in range(self.num_committed, self.num_computed // self.block_size):
-            block, digest = self.block_ids[index], self.block_hash(index)
+        for index in range(self.num_committed, full):
+            block, digest = self.block_ids[index], self.prefix_hash(index)
             if self.pool.block_hash(block) == digest:
                 continue
             holder = self.pool.commit(block, digest)
@@ -174,4 +183,4 @@ class KVSequence:
                 self.pool.incref(holder)
                 self.pool.free([block])
                 self.block_ids[index] = holder
-        self.num_committed = self.num_computed // self.block_size
+        self.num_committed = full

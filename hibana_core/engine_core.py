@@ -1,0 +1,153 @@
+"""The step loop: schedule, launch, update; the step in flight; the step counters.
+
+    step N:    schedule N -> launch N -> update N-1 (its tokens read back) -> deliver events
+               (without async scheduling, or when a request's sampling reads its history on the
+               host: update N at once)
+
+With async scheduling (on for CUDA) a step is launched before the previous step's tokens reach the
+host: `Scheduler.schedule` already counted the previous step's KV and a placeholder per sampled
+token, and the runner takes those tokens from the device. The host work of one step then overlaps
+the device work of the next. One background thread steps while there is work; callers submit
+requests from any thread or event loop and read their events (`RequestEvents`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import warnings
+import weakref
+
+from hibana_core.errors import HibanaError
+from hibana_core.output import OutputProcessor, RequestEvents
+from hibana_core.runner import ModelRunner, StepInFlight
+from hibana_core.sampler import needs_history
+from hibana_core.scheduler import Request, Scheduler, SchedulerOutput
+
+
+class StepCounters:
+    def __init__(self) -> None:
+        self.steps = 0
+        self.multi_sequence_steps = 0  # steps that batched more than one sequence
+        self.max_batch_sequences = 0
+
+    def count(self, scheduled: SchedulerOutput) -> None:
+        self.steps += 1
+        self.multi_sequence_steps += len(scheduled.chunks) > 1
+        self.max_batch_sequences = max(self.max_batch_sequences, len(scheduled.chunks))
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, outputs: OutputProcessor,
+                 lock: threading.RLock, async_scheduling: bool) -> None:
+        self.scheduler, self.runner, self.outputs = scheduler, runner, outputs
+        self.async_scheduling = async_scheduling
+        self.counters = StepCounters()
+        self.in_flight: StepInFlight | None = None
+        self.lock = lock
+        self.work = threading.Condition(lock)
+        self.closed = False
+        # the loop holds the core weakly, so an engine nobody closed is still collected
+        self._thread = threading.Thread(target=_run_loop, args=(weakref.ref(self),),
+                                        name="hibana-engine", daemon=True)
+        self._thread.start()
+
+    def step(self) -> bool:
+        """One engine step. False when there was nothing to do."""
+        with self.lock:
+            scheduled = self.scheduler.schedule()
+            launched = self._launch(scheduled) if scheduled.chunks else None
+            previous, self.in_flight = self.in_flight, launched
+            if previous is not None:
+                self._update(previous)
+            if launched is not None and not self._overlaps(scheduled):
+                self.in_flight = None
+                self._update(launched)
+            self.deliver_finished()
+            return bool(scheduled.chunks) or previous is not None
+
+    def _launch(self, scheduled: SchedulerOutput) -> StepInFlight | None:
+        try:
+            launched = self.runner.launch(scheduled, self.in_flight)
+        except Exception as exc:  # fails this step's requests; their states keep their KV
+            self.scheduler.fail(scheduled, exc if isinstance(exc, HibanaError)
+                                else HibanaError(f"model step failed: {exc!r}"))
+            return None
+        self.counters.count(scheduled)
+        return launched
+
+    def _overlaps(self, scheduled: SchedulerOutput) -> bool:
+        """Whether this step's tokens may be read during the next step: not where a request's
+        sampling reads its history on the host (penalties), which must then be complete."""
+        return self.async_scheduling and not any(
+            needs_history(c.request.params) for c in scheduled.sampling)
+
+    def _update(self, step: StepInFlight) -> None:
+        try:
+            output = step.result()
+        except Exception as exc:  # the device failed under this step
+            self.scheduler.fail(step.scheduled, HibanaError(f"model step failed on the device: {exc!r}"))
+            return
+        self.outputs.process(self.scheduler.update_from_output(step.scheduled, output))
+
+    def deliver_finished(self) -> None:
+        for request in self.scheduler.take_finished():
+            self.outputs.finish(request)
+
+    # --- what callers do ------------------------------------------------------------------------
+
+    def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None) -> RequestEvents:
+        """Queue a request (the caller holds the lock and validated it); its events follow."""
+        stream = self.outputs.track(request, loop)
+        self.scheduler.add(request)
+        self.work.notify()
+        return RequestEvents(request, stream, self.cancel)
+
+    def cancel(self, request: Request) -> None:
+        """Stop a request that still runs; its state keeps the tokens it has."""
+        with self.lock:
+            if not request.finished:
+                request.cancelled = True
+                self.scheduler.finish(request, "cancelled")
+                self.deliver_finished()
+
+    def abort_all(self, error: BaseException) -> None:
+        with self.lock:
+            self.in_flight = None
+            self.scheduler.abort_all(error)
+            self.deliver_finished()
+
+    def close(self, error: BaseException) -> None:
+        """Stop the loop; pending requests fail with `error`. Idempotent."""
+        with self.work:
+            if self.closed:
+                return
+            self.closed = True
+            self.abort_all(error)
+            self.work.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+
+
+def _run_loop(ref: "weakref.ReferenceType[EngineCore]") -> None:
+    """The engine thread: step while there is work, sleep on the condition otherwise."""
+    while True:
+        core = ref()
+        if core is None:
+            return
+        work = core.work
+        with work:
+            if core.closed:
+                return
+            if not core.scheduler.has_work() and core.in_flight is None:
+                del core  # never wait while holding the engine alive
+                work.wait(timeout=1.0)
+                continue
+            try:
+                core.step()
+            except Exception as exc:  # a scheduling bug fails the pending requests, not the engine
+                warnings.warn(f"Hibana engine step failed, its requests fail: {exc!r}")
+                core.abort_all(HibanaError(f"engine step failed: {exc!r}"))
+        del core
+        time.sleep(0)  # let threads waiting for the lock in (the lock is not fair)

@@ -1,0 +1,167 @@
+"""Output processing: from a request's accepted tokens to the events its caller reads.
+
+Detokenizing, stop strings, timing and delivery live here. The scheduler only asks a request's
+`stop_check` about each token; for a request with a tokenizer that is its `Detokenizer`.
+
+    engine thread:  update_from_output -> OutputProcessor.process (token events)
+                                       -> OutputProcessor.finish  (final event, per finished request)
+    caller:         RequestEvents: `for ev in events` or `async for ev in events`
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from hibana_core.detokenizer import Detokenizer
+from hibana_core.scheduler import Request, RequestOutput
+from hibana_core.state import Completion, RequestStats, StreamEvent
+
+
+class RequestStream:
+    """Events of one request, from the engine thread to the caller (a thread or an event loop)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue | queue.SimpleQueue = asyncio.Queue() if loop else queue.SimpleQueue()
+
+    def put(self, item: object) -> bool:
+        """Hand an event over; False when nobody can receive it any more (the caller's event
+        loop is closed), so the engine cancels the request instead of failing its own thread."""
+        if self._loop is None:
+            self._queue.put(item)
+            return True
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:
+            return False
+        return True
+
+    def get(self) -> object:
+        return self._queue.get()
+
+    async def aget(self) -> object:
+        return await self._queue.get()
+
+
+class RequestEvents:
+    """One request's events, read with `for` (a thread) or `async for` (an event loop); both
+    drivers share `_take`. The final event ends the iteration; a failed request raises its error
+    there. Closing early (`close`/`aclose`, or leaving the loop) cancels the request."""
+
+    def __init__(self, request: Request, stream: RequestStream, cancel: Callable[[Request], None]) -> None:
+        self.request, self._stream, self._cancel = request, stream, cancel
+        self._done = False
+
+    def _take(self, event: StreamEvent) -> StreamEvent:
+        if event.token_id is None:
+            self._done = True
+            if self.request.error is not None:
+                raise self.request.error
+        return event
+
+    def __iter__(self) -> "RequestEvents":
+        return self
+
+    def __next__(self) -> StreamEvent:
+        if self._done:
+            raise StopIteration
+        try:
+            return self._take(self._stream.get())
+        except BaseException:
+            self.close()
+            raise
+
+    def __aiter__(self) -> "RequestEvents":
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            return self._take(await self._stream.aget())
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Cancel the request if it still runs; a no-op once it finished."""
+        self._done = True
+        self._cancel(self.request)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # an iterator dropped mid-way frees its request's blocks
+        if not self._done:
+            try:
+                self.close()
+            except Exception:
+                pass
+
+
+@dataclass
+class OutputCounters:
+    prompt_computed: int = 0
+    prompt_reused: int = 0
+    generated: int = 0
+
+
+@dataclass(eq=False)
+class _Delivery:
+    """The output side of one request."""
+
+    stream: RequestStream
+    detokenizer: Detokenizer | None
+    started: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self.counters = OutputCounters()
+        self._deliveries: dict[int, _Delivery] = {}
+
+    def track(self, request: Request, loop: asyncio.AbstractEventLoop | None) -> RequestStream:
+        """Start delivering a request's events (before it reaches the scheduler)."""
+        detokenizer = None
+        if request.params is not None:
+            detokenizer = Detokenizer(self.tokenizer, request.seq.tokens, request.params.stop)
+            request.stop_check = detokenizer.add
+        stream = RequestStream(loop)
+        self._deliveries[request.id] = _Delivery(stream, detokenizer)
+        return stream
+
+    def process(self, outputs: list[RequestOutput]) -> None:
+        """One event per accepted token; the text decoded so far goes out with the first."""
+        now = time.perf_counter()
+        for out in outputs:
+            delivery = self._deliveries.get(out.request.id)
+            if delivery is None:
+                continue
+            self.counters.generated += len(out.new_token_ids)
+            for token in out.new_token_ids:
+                if delivery.first_token is None:
+                    delivery.first_token = now - delivery.started
+                text = delivery.detokenizer.take_delta() if delivery.detokenizer else ""
+                if not delivery.stream.put(StreamEvent(token, text)):
+                    out.request.cancelled = True  # nobody listens: dropped at the next schedule
+
+    def finish(self, request: Request) -> None:
+        """The final event of a finished request: its completion and the text held back."""
+        delivery = self._deliveries.pop(request.id, None)
+        if delivery is None:
+            return
+        self.counters.prompt_computed += request.computed
+        self.counters.prompt_reused += request.reused
+        detok = delivery.detokenizer
+        stats = RequestStats(request.num_prompt, request.reused, request.computed, len(request.output),
+                             delivery.first_token, time.perf_counter() - delivery.started)
+        completion = Completion(list(request.output), request.finish_reason or "",
+                                detok.text if detok else "", stats)
+        tail = detok.take_delta(final=True) if detok else ""
+        delivery.stream.put(StreamEvent(None, tail, request.finish_reason, completion))

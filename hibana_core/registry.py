@@ -1,0 +1,289 @@
+"""Agent states by id: open, match, lease, the bound on unnamed states, idle order, and what a
+`StateHandle` asks for (sync, generate, truncate, fork, save, close) through public methods.
+
+Every method takes the engine's lock, so a state is never edited while a step uses it; a state
+with a request in the scheduler is busy and refuses edits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+from hibana_core.config import CacheConfig, SamplingParams
+from hibana_core.errors import (ConfigError, ContextLengthError, EngineClosedError, HibanaError,
+                                InvalidTokenError, StateBusyError, StateClosedError, StateExistsError)
+from hibana_core.kv import state_file
+from hibana_core.kv.sequence import KVSequence, common_prefix_len
+from hibana_core.output import RequestEvents
+from hibana_core.sampler import make_generator
+from hibana_core.scheduler import Request
+from hibana_core.state import UNNAMED_PREFIX, StateHandle, StateInfo, SyncStats
+
+if TYPE_CHECKING:
+    import torch
+
+    from hibana_core.engine_core import EngineCore
+    from hibana_core.kv.cache import KVCache
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What every history must respect, and what generation stops at."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    fingerprint: str
+    has_tokenizer: bool
+    device: "torch.device"
+
+
+@dataclass(eq=False)
+class _Entry:
+    handle: StateHandle
+    seq: KVSequence
+    last_use: float
+
+
+class StateRegistry:
+    def __init__(self, core: "EngineCore", kv_cache: "KVCache", config: CacheConfig, limits: ModelLimits) -> None:
+        self.core, self.kv_cache, self.config, self.limits = core, kv_cache, config, limits
+        self.pool = core.scheduler.pool
+        self.lock = core.lock
+        self._entries: dict[str, _Entry] = {}
+        self._leased: set[str] = set()  # states held by a call (see `lease`)
+        self.engine_ref: "weakref.ReferenceType | None" = None  # the Engine, for `StateHandle.engine`
+
+    # --- finding states -------------------------------------------------------------------------
+
+    def open(self, state_id: str) -> StateHandle:
+        """Get or create the state with this id."""
+        if not isinstance(state_id, str) or not state_id:
+            raise ConfigError(f"state ids are non-empty strings, got {state_id!r}")
+        with self.lock:
+            self._check_open()
+            entry = self._entries.get(state_id)
+            return entry.handle if entry is not None else self._add(state_id, self._new_sequence())
+
+    def _new_sequence(self) -> KVSequence:
+        return KVSequence(self.pool, self.kv_cache.copy_block, self.config.enable_prefix_caching)
+
+    def _add(self, state_id: str, seq: KVSequence) -> StateHandle:
+        handle = StateHandle(self, state_id)
+        self._entries[state_id] = _Entry(handle, seq, time.monotonic())
+        return handle
+
+    def match(self, token_ids: Sequence[int], *, min_shared: float = 0.0) -> StateHandle | None:
+        """The idle, unleased state whose history shares the longest prefix with token_ids (the
+        most recently used among equals), or None. The shared prefix must cover at least
+        `min_shared` of the state's own tokens (1.0: token_ids continue its whole history)."""
+        with self.lock:
+            best, best_len = None, 0
+            for entry in self._entries.values():
+                if self._taken(entry):
+                    continue
+                same = common_prefix_len(entry.seq.tokens, token_ids)
+                if same == 0 or same < min_shared * len(entry.seq):
+                    continue
+                if same > best_len or (same == best_len and entry.last_use > best.last_use):
+                    best, best_len = entry, same
+            return best.handle if best is not None else None
+
+    def _taken(self, entry: _Entry) -> bool:
+        """Held by a call (leased) or generating: not to be handed to another call."""
+        return entry.handle.id in self._leased or self.core.scheduler.busy(entry.seq)
+
+    @contextmanager
+    def lease(self, token_ids: Sequence[int] = (), state_id: str | None = None, *,
+              min_shared: float = 1.0) -> Iterator[StateHandle]:
+        """See `Engine.lease`."""
+        with self.lock:
+            if state_id is not None:
+                handle = self.open(state_id)
+                if self._taken(self._entries[state_id]):
+                    raise StateBusyError(f"state {state_id!r} is serving another call; give concurrent "
+                                         "calls different state ids")
+            else:
+                handle = self.match(token_ids, min_shared=min_shared)
+                if handle is None:
+                    self._close_unnamed(keep=self.config.max_unnamed_states - 1)
+                    handle = self.open(f"{UNNAMED_PREFIX}{uuid.uuid4().hex[:12]}")
+            self._leased.add(handle.id)
+        try:
+            yield handle
+        finally:
+            with self.lock:
+                self._leased.discard(handle.id)
+
+    def _close_unnamed(self, keep: int) -> None:
+        """Close the least recently used idle states that `lease` named, all but `keep`."""
+        idle = sorted((e for e in self._entries.values()
+                       if e.handle.id.startswith(UNNAMED_PREFIX) and not self._taken(e)),
+                      key=lambda e: e.last_use)
+        for entry in idle[:max(0, len(idle) - keep)]:
+            self.close_state(entry.handle)
+
+    def infos(self) -> list[StateInfo]:
+        with self.lock:
+            return [StateInfo(e.handle.id, len(e.seq), min(e.seq.num_computed, len(e.seq)),
+                              len(e.seq.block_ids), "device" if e.seq.block_ids else "none",
+                              e.last_use, self.core.scheduler.busy(e.seq))
+                    for e in self._entries.values()]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def idle_sequences(self) -> list[KVSequence]:
+        """Sequences holding KV and serving no request, least recently used first (eviction)."""
+        entries = sorted(self._entries.values(), key=lambda e: e.last_use)
+        return [e.seq for e in entries if e.seq.block_ids and not self.core.scheduler.busy(e.seq)]
+
+    # --- what a handle asks for -----------------------------------------------------------------
+
+    def tokens(self, handle: StateHandle) -> list[int]:
+        """The state's history ([] once closed)."""
+        with self.lock:
+            entry = self._entries.get(handle.id)
+            return list(entry.seq.tokens) if entry is not None and entry.handle is handle else []
+
+    def length(self, handle: StateHandle) -> int:
+        entry = self._entries.get(handle.id)
+        return len(entry.seq) if entry is not None and entry.handle is handle else 0
+
+    def sync(self, handle: StateHandle, token_ids: Sequence[int], append: bool = False) -> SyncStats:
+        with self.lock:
+            seq = self._editable(handle).seq
+            seq.set_tokens(self._validate(list(seq.tokens) + list(token_ids) if append else token_ids))
+            if seq.num_uncomputed == 0:
+                self.core.outputs.counters.prompt_reused += len(seq)
+                return SyncStats(reused=len(seq), computed=0)
+            events = self.core.submit(Request(seq, None, max_len=self.limits.max_model_len), None)
+        for _ in events:
+            pass
+        return SyncStats(reused=events.request.reused, computed=events.request.computed)
+
+    def generate(self, handle: StateHandle, params: SamplingParams, prompt: Sequence[int] | None,
+                 loop: asyncio.AbstractEventLoop | None) -> RequestEvents:
+        """Submit a generation on the state (synced to `prompt` first, when given)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.stop and not self.limits.has_tokenizer:
+            raise HibanaError("stop strings need a tokenizer, and this checkpoint has none; "
+                              "use stop_token_ids instead")
+        with self.lock:
+            seq = self._editable(handle).seq
+            if prompt is not None:
+                seq.set_tokens(self._validate(prompt))
+            if not len(seq):
+                raise ContextLengthError(f"state {handle.id!r} holds no tokens; sync a prompt first")
+            stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
+                                                        else self.limits.eos_token_ids)
+            generator = make_generator(params.seed, self.limits.device) if params.seed is not None else None
+            request = Request(seq, params, generator, stops, self.limits.max_model_len)
+            return self.core.submit(request, loop)
+
+    def truncate(self, handle: StateHandle, n: int) -> None:
+        with self.lock:
+            seq = self._editable(handle).seq
+            if not 0 <= n:
+                raise ContextLengthError(f"truncate needs n >= 0, got {n}")
+            seq.trim(min(n, len(seq)))
+
+    def fork(self, handle: StateHandle, new_id: str) -> StateHandle:
+        with self.lock:
+            seq = self._editable(handle).seq
+            if new_id in self._entries:
+                raise StateExistsError(f"a state with id {new_id!r} is open; fork under another id")
+            return self._add(new_id, seq.fork())
+
+    def save(self, handle: StateHandle, path: str | os.PathLike) -> None:
+        with self.lock:
+            seq = self._editable(handle).seq
+            kv = self.kv_cache.read_blocks(seq.block_ids)
+            state_file.write(Path(path), handle.id, seq.tokens, seq.num_computed, self.pool.block_size,
+                             kv, self.limits.fingerprint)
+
+    def load(self, path: str | os.PathLike, state_id: str | None = None) -> StateHandle:
+        """Restore a state written by `save` (same model and tokenizer only)."""
+        saved = state_file.read(Path(path), self.limits.fingerprint)
+        with self.lock:
+            self._check_open()
+            state_id = state_id or saved.state_id
+            if state_id in self._entries:
+                raise StateExistsError(f"a state with id {state_id!r} is open; close it or pass "
+                                       "load_state(path, state_id=...) with another id")
+            seq = self._new_sequence()
+            seq.tokens = self._validate(saved.tokens)
+            layout_matches = (saved.block_size == self.pool.block_size
+                              and saved.kv.shape[3:] == self.kv_cache.data.shape[3:])
+            if layout_matches and saved.num_computed:
+                blocks = saved.kv.shape[2]
+                if not self.pool.can_allocate(blocks):
+                    self.core.scheduler.eviction.make_room(blocks)
+                seq.block_ids = self.pool.allocate(blocks)
+                self.kv_cache.write_blocks(seq.block_ids, saved.kv)
+                seq.mark_computed(saved.num_computed)
+                seq.commit_full_blocks()  # (and dedupes against blocks already held)
+            return self._add(state_id, seq)
+
+    def close_state(self, handle: StateHandle) -> None:
+        with self.lock:
+            entry = self._entries.get(handle.id)
+            if handle.closed or entry is None or entry.handle is not handle:
+                return
+            for request in [r for r in self.core.scheduler.requests() if r.seq is entry.seq]:
+                self.core.cancel(request)
+            entry.seq.release()
+            handle.closed = True
+            del self._entries[handle.id]
+
+    def close_all(self) -> None:
+        with self.lock:
+            for entry in self._entries.values():
+                entry.seq.release()
+                entry.handle.closed = True
+            self._entries.clear()
+
+    # --- checks ---------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.core.closed:
+            raise EngineClosedError("the engine is closed; create a new one with Engine.from_pretrained")
+
+    def _entry(self, handle: StateHandle) -> _Entry:
+        self._check_open()
+        entry = self._entries.get(handle.id)
+        if handle.closed or entry is None or entry.handle is not handle:
+            raise StateClosedError(f"state {handle.id!r} is closed; open a new one with engine.open_state")
+        return entry
+
+    def _editable(self, handle: StateHandle) -> _Entry:
+        """The handle's entry, when no request uses its state; marks it used now."""
+        entry = self._entry(handle)
+        if self.core.scheduler.busy(entry.seq):
+            raise StateBusyError(f"state {handle.id!r} is generating; wait for that request to finish "
+                                 "or cancel its stream first")
+        entry.last_use = time.monotonic()
+        return entry
+
+    def _validate(self, tokens: Sequence[int]) -> list[int]:
+        try:
+            tokens = [int(t) for t in tokens]
+        except (TypeError, ValueError) as exc:
+            raise InvalidTokenError(f"token ids must be integers: {exc}") from None
+        bad = [t for t in tokens if not 0 <= t < self.limits.vocab_size]
+        if bad:
+            raise InvalidTokenError(f"token ids {bad[:5]} lie outside the vocabulary "
+                                    f"[0, {self.limits.vocab_size}); tokenize with this model's tokenizer")
+        if len(tokens) > self.limits.max_model_len:
+            raise ContextLengthError(f"{len(tokens)} tokens exceed the model's context of "
+                                     f"{self.limits.max_model_len}; shorten the history (the state is unchanged)")
+        return tokens
