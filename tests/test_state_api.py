@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from hibana_core import SamplingParams
+from hibana_core import SamplingParams, SyncStats
 from tiny_models import ARCHS, VOCAB_SIZE, assert_greedy_matches, event_tokens, info_field, random_tokens
 
 BLOCK = 16
@@ -35,6 +35,24 @@ def check_output(engine, path, history: list[int], got: list[int], fresh_id: str
 
 
 # --- prefix sharing -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shared", [1, 50, 0], ids=["shares-1-token", "diverges-at-50", "fresh"])
+def test_sync_takes_the_index_match_when_it_is_longer_than_the_states_own(shared, tiny_checkpoints,
+                                                                         make_engine):
+    """A state that shares a few tokens with the new history must not recompute what the prefix
+    index holds (issue 11, defect 3: it reused 1 and computed 159 of a 160-token prompt)."""
+    path = tiny_checkpoints["llama"]
+    engine = make_engine(path)
+    rng = random.Random(11)
+    prompt = random_tokens(rng, 10 * BLOCK)
+    engine.open_state("first").sync(prompt)
+    h = engine.open_state("other")
+    h.sync(prompt[:shared] + [(t + 1) % VOCAB_SIZE for t in random_tokens(rng, 30)])
+    assert h.sync(prompt) == SyncStats(reused=160, computed=0)
+    # and generation on it equals transformers' on the same history
+    assert_greedy_matches(path, prompt, h.generate(greedy()).token_ids)
+
+
 
 @pytest.mark.parametrize("mode", ["sequential", "threads"])
 def test_shared_system_prefix_is_held_once(mode, tiny_checkpoints, make_engine):
