@@ -234,7 +234,7 @@ def set_variant(engine, gemv: bool, prologue: bool, overlap: bool) -> None:
     if not hasattr(rt, "_fused"):
         rt._fused = rt.qk_norm_rotary_store
     rt.qk_norm_rotary_store = rt._fused if prologue else _unfused_prologue
-    engine._async = overlap
+    engine.core.async_scheduling = overlap
     runner = engine.runner
     runner.graphs = DecodeGraphs(runner, runner.graphs.buckets[-1])
 

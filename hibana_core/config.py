@@ -1,7 +1,8 @@
 """Configuration: frozen dataclasses, one per concern, validated on construction.
 
-Values known only at run time (the number of KV blocks that fit, the model's shapes) live in
-`RuntimeInfo` objects elsewhere and are never written back here.
+Values known only at run time (the number of KV blocks that fit, the model's shapes, the context
+limit) live on the objects that find them (`Engine`, a model family's args, `registry.ModelLimits`) and are
+never written back here.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ class SamplingRow:
     params: SamplingParams
     generator: torch.Generator | None
     """Per-request generator when params.seed is set (see `make_generator`), else None."""
-    history: Sequence[int]
+    prompt: Sequence[int]
     """Token ids before this request's generation (the repetition penalty also covers these)."""
     output: Sequence[int]
     """Tokens generated so far by this request (presence and frequency penalties count these)."""
@@ -99,7 +99,7 @@ def apply_penalties(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tenso
     """
     rep = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
     if rep:
-        seen = _token_table(x, [(i, itertools.chain(rows[i].history, rows[i].output)) for i in rep],
+        seen = _token_table(x, [(i, itertools.chain(rows[i].prompt, rows[i].output)) for i in rep],
                             torch.bool)  # [B, V]
         penalty = _column([row.params.repetition_penalty for row in rows], x.device)  # [B, 1]
         x = torch.where(seen, torch.where(x < 0, x * penalty, x / penalty), x)

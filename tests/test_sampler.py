@@ -29,7 +29,7 @@ N = 40_000
 def row(params: SamplingParams, history=(), output=(), generator=None) -> SamplingRow:
     if generator is None and params.seed is not None:
         generator = make_generator(params.seed, CPU)
-    return SamplingRow(params=params, generator=generator, history=list(history), output=list(output))
+    return SamplingRow(params=params, generator=generator, prompt=list(history), output=list(output))
 
 
 def reference_probs(params: SamplingParams) -> np.ndarray:
