@@ -321,11 +321,12 @@ class Scheduler:
         was to write (what they had stays valid)."""
         for chunk in scheduled.chunks:
             request = chunk.request
+            if request.finished:  # it already gave back what it did not keep (`finish`)
+                continue
             request.num_output_placeholders -= chunk.sample
             request.seq.trim_kv(chunk.start)
-            if not request.finished:
-                request.error = error
-                self.finish(request, "error")
+            request.error = error
+            self.finish(request, "error")
 
     def _drop_cancelled(self) -> None:
         for request in [r for r in self.requests() if r.cancelled]:
