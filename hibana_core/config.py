@@ -8,6 +8,10 @@ never written back here.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -17,6 +21,39 @@ from hibana_core.errors import ConfigError
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
+
+
+_KINDS = {int: "an integer", float: "a number", bool: "True or False", str: "a string"}
+
+
+def _is(value: Any, kind: type) -> bool:
+    """Strict scalar types: a bool is no integer, a number is finite, an integer may be a float
+    only where a number is asked for."""
+    if kind is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind is int:
+        return isinstance(value, numbers.Integral)
+    if kind is float:
+        return isinstance(value, numbers.Real) and math.isfinite(value)
+    return isinstance(value, kind)
+
+
+def _check_types(obj: Any) -> None:
+    """Every scalar field holds its annotated type (or None where the annotation allows it), so a
+    wrong type fails here, with the field's name, rather than inside a step."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        hint, value = hints[f.name], getattr(obj, f.name)
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        kinds = [k for k in typing.get_args(hint) if k is not type(None)] if union else [hint]
+        optional = union and type(None) in typing.get_args(hint)
+        if not all(k in _KINDS for k in kinds) or (optional and value is None):
+            continue  # containers and nested configs check themselves
+        _check(any(_is(value, k) for k in kinds),
+               f"{type(obj).__name__}.{f.name} must be {_KINDS[kinds[0]]}"
+               f"{' or None' if optional else ''}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -43,6 +80,7 @@ class CacheConfig:
     prefix index until the pool reuses them, so a conversation that comes back recomputes little."""
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
                f"block_size must be a power of two, got {self.block_size}")
         _check(self.num_blocks is None or self.num_blocks >= 2,
@@ -67,6 +105,7 @@ class SchedulerConfig:
     """Longest prefill chunk one sequence may take in a step, so decodes are never starved."""
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1")
         _check(self.max_concurrent_agents >= 1, "max_concurrent_agents must be at least 1")
         _check(self.max_prefill_chunk >= 1, "max_prefill_chunk must be at least 1")
@@ -97,6 +136,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         _check(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"),
@@ -131,6 +171,10 @@ class EngineConfig:
         return cls(**top)
 
 
+GREEDY_TEMPERATURE = 1e-5
+"""Below this temperature sampling is greedy (as in vLLM)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples; the defaults are greedy decoding of up to 128 tokens."""
@@ -161,6 +205,7 @@ class SamplingParams:
     """Do not stop on the model's end-of-sequence tokens."""
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check(self.max_tokens >= 0, f"max_tokens must be >= 0, got {self.max_tokens}")
         _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         _check(self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}")
@@ -169,10 +214,15 @@ class SamplingParams:
         _check(self.repetition_penalty > 0.0, "repetition_penalty must be > 0 (1 disables it)")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must lie in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must lie in [-2, 2]")
+        _check(isinstance(self.stop, str) or isinstance(self.stop, Sequence), "stop must be a string or a list of them")
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty str")
+        _check(isinstance(self.stop_token_ids, Sequence) and not isinstance(self.stop_token_ids, str)
+               and all(_is(t, int) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures this close to 0 are argmax: dividing logits by them overflows."""
+        return self.temperature < GREEDY_TEMPERATURE

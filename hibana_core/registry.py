@@ -8,6 +8,7 @@ with a request in the scheduler is busy and refuses edits.
 from __future__ import annotations
 
 import asyncio
+import numbers
 import os
 import time
 import uuid
@@ -15,7 +16,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from hibana_core.config import CacheConfig, SamplingParams
 from hibana_core.errors import (ConfigError, ContextLengthError, EngineClosedError, HibanaError,
@@ -159,9 +160,10 @@ class StateRegistry:
         return len(entry.seq) if entry is not None and entry.handle is handle else 0
 
     def sync(self, handle: StateHandle, token_ids: Sequence[int], append: bool = False) -> SyncStats:
+        tokens = self._validate(token_ids)  # outside the lock: a huge list stalls nobody else
         with self.lock:
             seq = self._editable(handle).seq
-            seq.set_tokens(self._validate(list(seq.tokens) + list(token_ids) if append else token_ids))
+            seq.set_tokens(self._check_length(seq.tokens + tokens if append else tokens))
             if seq.num_uncomputed == 0:
                 self.core.outputs.counters.prompt_reused += len(seq)
                 return SyncStats(reused=len(seq), computed=0)
@@ -172,18 +174,26 @@ class StateRegistry:
 
     def generate(self, handle: StateHandle, params: SamplingParams, prompt: Sequence[int] | None,
                  loop: asyncio.AbstractEventLoop | None) -> RequestEvents:
-        """Submit a generation on the state (synced to `prompt` first, when given)."""
+        """Submit a generation on the state (synced to `prompt` first, when given). Everything
+        is checked before the state changes: a refused call leaves it as it was."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if params.stop and not self.limits.has_tokenizer:
             raise HibanaError("stop strings need a tokenizer, and this checkpoint has none; "
                               "use stop_token_ids instead")
+        tokens = self._validate(prompt) if prompt is not None else None
         with self.lock:
             seq = self._editable(handle).seq
-            if prompt is not None:
-                seq.set_tokens(self._validate(prompt))
-            if not len(seq):
+            length = len(tokens if tokens is not None else seq)
+            if not length:
                 raise ContextLengthError(f"state {handle.id!r} holds no tokens; sync a prompt first")
+            if params.max_tokens > 0 and length >= self.limits.max_model_len:
+                raise ContextLengthError(
+                    f"the history holds {length} tokens, the model's whole context of "
+                    f"{self.limits.max_model_len}: no room to generate; truncate or shorten it "
+                    "(the state is unchanged)")
+            if tokens is not None:
+                seq.set_tokens(tokens)
             stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                         else self.limits.eos_token_ids)
             generator = make_generator(params.seed, self.limits.device) if params.seed is not None else None
@@ -275,14 +285,24 @@ class StateRegistry:
         return entry
 
     def _validate(self, tokens: Sequence[int]) -> list[int]:
-        try:
-            tokens = [int(t) for t in tokens]
-        except (TypeError, ValueError) as exc:
-            raise InvalidTokenError(f"token ids must be integers: {exc}") from None
+        """Token ids as a list of ints in the vocabulary, no longer than the context."""
+        if hasattr(tokens, "tolist"):  # a tensor or an array
+            tokens = tokens.tolist()
+        if isinstance(tokens, (str, bytes, dict)) or not isinstance(tokens, Iterable):
+            raise InvalidTokenError(f"token ids must be a list of integers, got {type(tokens).__name__}")
+        tokens = list(tokens)
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in tokens):
+            bad = next(t for t in tokens if not isinstance(t, numbers.Integral) or isinstance(t, bool))
+            raise InvalidTokenError(f"token ids must be integers, got {bad!r}; tokenize with this "
+                                    "model's tokenizer")
+        tokens = [int(t) for t in tokens]
         bad = [t for t in tokens if not 0 <= t < self.limits.vocab_size]
         if bad:
             raise InvalidTokenError(f"token ids {bad[:5]} lie outside the vocabulary "
                                     f"[0, {self.limits.vocab_size}); tokenize with this model's tokenizer")
+        return self._check_length(tokens)
+
+    def _check_length(self, tokens: list[int]) -> list[int]:
         if len(tokens) > self.limits.max_model_len:
             raise ContextLengthError(f"{len(tokens)} tokens exceed the model's context of "
                                      f"{self.limits.max_model_len}; shorten the history (the state is unchanged)")

@@ -61,6 +61,7 @@ class Request:
     reused: int = 0                        # prompt tokens whose KV it found already there
     cancelled: bool = False
     num_output_placeholders: int = 0       # tokens sampled on the device, not yet read back
+    suspect: bool = False                  # in a step that failed: runs alone until a step passes
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.seq)
@@ -180,6 +181,11 @@ class Scheduler:
         self._drop_cancelled()
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
+        suspects = [r for r in self.running if r.suspect]
+        if suspects:  # a step failed with several requests: find the one that fails it
+            chunk = self._schedule_one(suspects[0], budget)
+            if chunk is not None:
+                return self._scheduled([chunk])
         for request in sorted(self.running, key=lambda r: r.num_uncomputed > 1):
             if budget == 0:
                 break
@@ -203,6 +209,10 @@ class Scheduler:
                 budget -= chunk.num_tokens
         if not chunks and self.has_work() and not self._awaiting_update():
             self._preempt_or_fail()
+        return self._scheduled(chunks)
+
+    @staticmethod
+    def _scheduled(chunks: list[ScheduledChunk]) -> SchedulerOutput:
         for chunk in chunks:  # the chunks' KV counts as written from here (see `fail`)
             chunk.request.seq.mark_computed(chunk.num_tokens)
             chunk.request.num_output_placeholders += chunk.sample
@@ -290,6 +300,7 @@ class Scheduler:
             if request.finished:
                 continue
             request.num_output_placeholders -= chunk.sample
+            request.suspect = False
             history = len(seq)
             accepted, reason = self._accept(request, sampled)
             if chunk.end > history:  # inputs past the known history (drafts, with speculation)
@@ -317,16 +328,19 @@ class Scheduler:
         return accepted, None
 
     def fail(self, scheduled: SchedulerOutput, error: BaseException) -> None:
-        """The step's forward failed: its requests fail, and their states drop the KV this step
-        was to write (what they had stays valid)."""
-        for chunk in scheduled.chunks:
+        """The step failed. Its requests give back the KV it was to write (what they had stays
+        valid). A request alone in its step fails; several run again one at a time (`suspect`)
+        until the one that makes the step fail is found, and the others go on."""
+        live = [c for c in scheduled.chunks if not c.request.finished]
+        for chunk in live:
             request = chunk.request
-            if request.finished:  # it already gave back what it did not keep (`finish`)
-                continue
             request.num_output_placeholders -= chunk.sample
             request.seq.trim_kv(chunk.start)
-            request.error = error
-            self.finish(request, "error")
+            request.computed -= max(0, min(chunk.end, request.num_prompt) - chunk.start)
+            request.suspect = len(live) > 1
+        if len(live) == 1:
+            live[0].request.error = error
+            self.finish(live[0].request, "error")
 
     def _drop_cancelled(self) -> None:
         for request in [r for r in self.requests() if r.cancelled]:

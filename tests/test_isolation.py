@@ -1,0 +1,104 @@
+"""One agent's bad request never fails the other agents of its step (issue 12, item 1).
+
+A request is validated completely before it joins a step; what still fails inside a step fails the
+request that caused it alone: the step's requests run again one at a time until it is found.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hibana_core import ConfigError, ContextLengthError, HibanaError, SamplingParams
+from tiny_models import assert_greedy_matches, random_tokens
+
+ARCH = "qwen3"
+CULPRIT_SEED = 666
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["one-step", "async"])
+def test_a_request_that_fails_its_step_fails_alone(tiny_checkpoints, make_engine, async_scheduling):
+    path = tiny_checkpoints[ARCH]
+    engine = make_engine(path, async_scheduling=async_scheduling)
+    sampler = engine.runner.sampler
+    calls = []
+
+    def failing_sampler(logits, rows):  # stands for any fault that one request's input causes
+        calls.append(len(rows))
+        if any(row.params.seed == CULPRIT_SEED for row in rows):
+            raise RuntimeError("boom")
+        return type(sampler).__call__(sampler, logits, rows)
+
+    engine.runner.sampler = failing_sampler
+    rng = random.Random(5)
+    prompts = [random_tokens(rng, 20 + 7 * i) for i in range(4)]
+    handles = [engine.open_state(f"a{i}") for i in range(4)]
+    with engine.core.lock:  # all four join the same first step
+        streams = [h.stream(greedy(12, temperature=0.5, seed=CULPRIT_SEED) if i == 2 else greedy(12),
+                            prompt=p) for i, (h, p) in enumerate(zip(handles, prompts))]
+    outputs = {}
+    for i, stream in enumerate(streams):
+        try:
+            outputs[i] = [ev.token_id for ev in stream if ev.token_id is not None]
+        except HibanaError as exc:
+            outputs[i] = exc
+    assert isinstance(outputs[2], HibanaError) and "boom" in str(outputs[2])
+    assert calls[0] == 4  # they did share a step
+    for i in (0, 1, 3):
+        assert_greedy_matches(path, prompts[i], outputs[i])
+        assert handles[i].tokens == prompts[i] + outputs[i]
+    assert handles[2].tokens == prompts[2]  # the failed request left its state as it was
+    # the engine goes on serving, the culprit's state too
+    assert_greedy_matches(path, prompts[2], handles[2].generate(greedy(6)).token_ids)
+
+
+def test_bad_sampling_options_are_refused_before_they_reach_a_step():
+    for bad in (dict(top_k=2.0), dict(max_tokens=2.5), dict(max_tokens=True), dict(temperature=float("nan")),
+                dict(seed="1"), dict(stop_token_ids=[1.5]), dict(ignore_eos=1), dict(stop=5)):
+        with pytest.raises(ConfigError):
+            SamplingParams(**bad)
+
+
+def test_a_tiny_temperature_is_greedy():
+    assert SamplingParams(temperature=1e-39).greedy and not SamplingParams(temperature=0.1).greedy
+
+
+def test_a_state_at_the_context_limit_refuses_to_generate(tiny_checkpoints, make_engine):
+    path = tiny_checkpoints[ARCH]
+    engine = make_engine(path, max_model_len=64)
+    h = engine.open_state("full")
+    prompt = random_tokens(random.Random(1), 64)
+    h.sync(prompt)
+    for _ in range(2):
+        with pytest.raises(ContextLengthError, match="no room"):
+            h.generate(greedy(4))
+    assert h.tokens == prompt
+    # a prompt that fills the context is refused before the state changes
+    h.sync(prompt[:10])
+    with pytest.raises(ContextLengthError):
+        h.generate(greedy(4), prompt=prompt)
+    with pytest.raises(ContextLengthError):
+        h.generate(greedy(4), prompt=[])
+    assert h.tokens == prompt[:10]
+    # one short of the limit: one token, then "length"
+    done = h.generate(greedy(4), prompt=prompt[:63])
+    assert len(done.token_ids) == 1 and done.finish_reason == "length" and len(h) == 64
+
+
+def test_token_ids_of_other_types_are_refused(tiny_checkpoints, make_engine):
+    from hibana_core import InvalidTokenError
+
+    engine = make_engine(tiny_checkpoints[ARCH])
+    h = engine.open_state("a")
+    h.sync([1, 2, 3])
+    for bad in ([1.5], ["5"], [True], "123", None, 7):
+        with pytest.raises(InvalidTokenError):
+            h.sync(bad)
+        assert h.tokens == [1, 2, 3]
