@@ -14,6 +14,7 @@ requests from any thread or event loop and read their events (`RequestEvents`).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import threading
 import time
 import warnings
@@ -24,6 +25,17 @@ from hibana_core.output import OutputProcessor, RequestEvents
 from hibana_core.runner import ModelRunner, StepInFlight
 from hibana_core.sampler import needs_history
 from hibana_core.scheduler import Request, Scheduler, SchedulerOutput
+
+
+_LIVE_CORES: "weakref.WeakSet[EngineCore]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_cores() -> None:
+    """A script that ends with generations in flight exits cleanly: the step threads stop before
+    the interpreter tears down what they use (else the process aborts in native code)."""
+    for core in list(_LIVE_CORES):
+        core.close(HibanaError("the process is exiting"))
 
 
 class StepCounters:
@@ -52,6 +64,7 @@ class EngineCore:
         self._thread = threading.Thread(target=_run_loop, args=(weakref.ref(self),),
                                         name="hibana-engine", daemon=True)
         self._thread.start()
+        _LIVE_CORES.add(self)
 
     def step(self) -> bool:
         """One engine step. False when there was nothing to do."""

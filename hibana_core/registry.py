@@ -52,6 +52,7 @@ class _Entry:
     handle: StateHandle
     seq: KVSequence
     last_use: float
+    unnamed: bool = False  # made by `lease` for a call that named no state (not the user's)
 
 
 class StateRegistry:
@@ -77,10 +78,16 @@ class StateRegistry:
     def _new_sequence(self) -> KVSequence:
         return KVSequence(self.pool, self.kv_cache.copy_block, self.config.enable_prefix_caching)
 
-    def _add(self, state_id: str, seq: KVSequence) -> StateHandle:
+    def _add(self, state_id: str, seq: KVSequence, unnamed: bool = False) -> StateHandle:
         handle = StateHandle(self, state_id)
-        self._entries[state_id] = _Entry(handle, seq, time.monotonic())
+        self._entries[state_id] = _Entry(handle, seq, time.monotonic(), unnamed)
         return handle
+
+    def is_unnamed(self, handle: StateHandle) -> bool:
+        """Whether the engine made this state for a call that named none (a user's state never
+        is, whatever its id)."""
+        entry = self._entries.get(handle.id)
+        return entry is not None and entry.handle is handle and entry.unnamed
 
     def match(self, token_ids: Sequence[int], *, min_shared: float = 0.0) -> StateHandle | None:
         """The idle, unleased state whose history shares the longest prefix with token_ids (the
@@ -115,8 +122,12 @@ class StateRegistry:
             else:
                 handle = self.match(token_ids, min_shared=min_shared)
                 if handle is None:
+                    self._check_open()
                     self._close_unnamed(keep=self.config.max_unnamed_states - 1)
-                    handle = self.open(f"{UNNAMED_PREFIX}{uuid.uuid4().hex[:12]}")
+                    state_id = f"{UNNAMED_PREFIX}{uuid.uuid4().hex[:12]}"
+                    while state_id in self._entries:  # a user may have taken the name
+                        state_id = f"{UNNAMED_PREFIX}{uuid.uuid4().hex[:12]}"
+                    handle = self._add(state_id, self._new_sequence(), unnamed=True)
             self._leased.add(handle.id)
         try:
             yield handle
@@ -126,8 +137,7 @@ class StateRegistry:
 
     def _close_unnamed(self, keep: int) -> None:
         """Close the least recently used idle states that `lease` named, all but `keep`."""
-        idle = sorted((e for e in self._entries.values()
-                       if e.handle.id.startswith(UNNAMED_PREFIX) and not self._taken(e)),
+        idle = sorted((e for e in self._entries.values() if e.unnamed and not self._taken(e)),
                       key=lambda e: e.last_use)
         for entry in idle[:max(0, len(idle) - keep)]:
             self.close_state(entry.handle)

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Sequence
 from hibana_core.config import SamplingParams
 
 UNNAMED_PREFIX = "auto-"
-"""Ids of the states `Engine.lease` makes for calls that name none start with this."""
+"""Ids of the states `Engine.lease` makes for calls that name none start with this. The engine
+marks those states itself: a user's own state is never taken for one, whatever its id."""
 
 if TYPE_CHECKING:
     from hibana_core.engine import Engine

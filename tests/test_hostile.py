@@ -1,4 +1,4 @@
-"""One agent's bad request never fails the other agents of its step (issue 12, item 1).
+"""Hostile and careless input (issue 12): no agent's input hurts another agent.
 
 A request is validated completely before it joins a step; what still fails inside a step fails the
 request that caused it alone: the step's requests run again one at a time until it is found.
@@ -7,6 +7,9 @@ request that caused it alone: the step's requests run again one at a time until 
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -102,3 +105,34 @@ def test_token_ids_of_other_types_are_refused(tiny_checkpoints, make_engine):
         with pytest.raises(InvalidTokenError):
             h.sync(bad)
         assert h.tokens == [1, 2, 3]
+
+
+def test_adapter_calls_never_close_a_users_state_named_like_an_engine_one(tiny_checkpoints, make_engine):
+    engine = make_engine(tiny_checkpoints[ARCH], max_unnamed_states=1)
+    mine = engine.open_state("auto-pilot")
+    mine.sync([1, 2, 3])
+    for i in range(3):  # calls that name no state: the engine makes (and bounds) its own
+        with engine.lease([7, 8, 9 + i]) as handle:
+            handle.sync([7, 8, 9 + i])
+            assert handle is not mine
+    assert not mine.closed and mine.tokens == [1, 2, 3]
+    assert engine.registry.is_unnamed(handle) and not engine.registry.is_unnamed(mine)
+
+
+def test_a_script_that_exits_while_generating_exits_cleanly(tmp_path):
+    script = tmp_path / "exits.py"
+    script.write_text(textwrap.dedent("""
+        import threading, time
+        from hibana_core import Engine, SamplingParams
+        engine = Engine.from_pretrained("demo", progress=False)
+        handle = engine.open_state("a")
+        def run():
+            try:
+                handle.generate(SamplingParams(max_tokens=4000, ignore_eos=True), prompt=list(range(5, 50)))
+            except Exception:
+                pass
+        threading.Thread(target=run, daemon=True).start()
+        time.sleep(0.5)
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
