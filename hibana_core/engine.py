@@ -167,9 +167,12 @@ class Engine:
         """Get or create the state with this id."""
         return self.registry.open(state_id)
 
-    def load_state(self, path: str | os.PathLike, state_id: str | None = None) -> StateHandle:
-        """Restore a state written by `StateHandle.save` (same model and tokenizer only)."""
-        return self.registry.load(path, state_id)
+    def load_state(self, path: str | os.PathLike, state_id: str | None = None, *,
+                   share: bool = False) -> StateHandle:
+        """Restore a state written by `StateHandle.save` (same model and tokenizer only). A
+        damaged or inconsistent file is a StateFileError and allocates nothing. The loaded KV
+        stays private to this state; `share=True` lets other states reuse it (trusted files)."""
+        return self.registry.load(path, state_id, share=share)
 
     def chat(self, state_id: str) -> "Chat":
         """The chat layer on one state: OpenAI-style messages and tools in, text and tool calls out."""

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from hibana_core.config import CacheConfig, SamplingParams
 from hibana_core.errors import (ConfigError, ContextLengthError, EngineClosedError, HibanaError,
-                                InvalidTokenError, StateBusyError, StateClosedError, StateExistsError)
+                                InvalidTokenError, StateBusyError, StateClosedError, StateExistsError,
+                                StateFileError)
 from hibana_core.kv import state_file
 from hibana_core.kv.sequence import KVSequence, common_prefix_len
 from hibana_core.output import RequestEvents
@@ -231,9 +232,12 @@ class StateRegistry:
             state_file.write(Path(path), handle.id, seq.tokens, seq.num_computed, self.pool.block_size,
                              kv, self.limits.fingerprint)
 
-    def load(self, path: str | os.PathLike, state_id: str | None = None) -> StateHandle:
-        """Restore a state written by `save` (same model and tokenizer only)."""
-        saved = state_file.read(Path(path), self.limits.fingerprint)
+    def load(self, path: str | os.PathLike, state_id: str | None = None, *, share: bool = False) -> StateHandle:
+        """Restore a state written by `save` (same model and tokenizer only). The file is read and
+        verified whole before anything is allocated. Its KV blocks stay private to the state
+        (`share=True` publishes them in the prefix index, for files the caller trusts)."""
+        saved = state_file.read(Path(path), self.limits.fingerprint, self.kv_cache.data.shape)
+        tokens = self._validate(saved.tokens)
         with self.lock:
             self._check_open()
             state_id = state_id or saved.state_id
@@ -241,17 +245,21 @@ class StateRegistry:
                 raise StateExistsError(f"a state with id {state_id!r} is open; close it or pass "
                                        "load_state(path, state_id=...) with another id")
             seq = self._new_sequence()
-            seq.tokens = self._validate(saved.tokens)
-            layout_matches = (saved.block_size == self.pool.block_size
-                              and saved.kv.shape[3:] == self.kv_cache.data.shape[3:])
-            if layout_matches and saved.num_computed:
+            seq.share = share
+            seq.tokens = tokens
+            if saved.block_size == self.pool.block_size and saved.num_computed:
                 blocks = saved.kv.shape[2]
                 if not self.pool.can_allocate(blocks):
                     self.core.scheduler.eviction.make_room(blocks)
                 seq.block_ids = self.pool.allocate(blocks)
-                self.kv_cache.write_blocks(seq.block_ids, saved.kv)
+                try:
+                    self.kv_cache.write_blocks(seq.block_ids, saved.kv)
+                except Exception as exc:
+                    seq.release()
+                    raise StateFileError(f"state file {path} does not fit this engine's KV cache ({exc})") from exc
                 seq.mark_computed(saved.num_computed)
-                seq.commit_full_blocks()  # (and dedupes against blocks already held)
+                seq.commit_full_blocks()  # with share=True: published (and deduped)
+            seq.share = self.config.enable_prefix_caching and share
             return self._add(state_id, seq)
 
     def close_state(self, handle: StateHandle) -> None:

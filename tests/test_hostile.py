@@ -136,3 +136,84 @@ def test_a_script_that_exits_while_generating_exits_cleanly(tmp_path):
     """))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+# --- state files -------------------------------------------------------------------------------
+
+def _saved(engine, tmp_path, n=40):
+    h = engine.open_state("saved")
+    prompt = random_tokens(random.Random(9), n)
+    h.sync(prompt)
+    path = tmp_path / "state.safetensors"
+    h.save(path)
+    return h, prompt, path
+
+
+def test_a_bit_flip_anywhere_in_a_state_file_is_refused_with_nothing_allocated(tiny_checkpoints, make_engine,
+                                                                               tmp_path):
+    from hibana_core import StateFileError
+
+    engine = make_engine(tiny_checkpoints[ARCH])
+    _, _, path = _saved(engine, tmp_path)
+    data = path.read_bytes()
+    rng = random.Random(3)
+    used = engine.stats().kv_blocks_used
+    for i in range(30):
+        at = rng.randrange(len(data)) if i % 2 else rng.randrange(len(data) - 2000, len(data))  # KV region too
+        flipped = bytearray(data)
+        flipped[at] ^= 1 << rng.randrange(8)
+        bad = tmp_path / f"bad{i}.safetensors"
+        bad.write_bytes(bytes(flipped))
+        with pytest.raises(StateFileError):
+            engine.load_state(bad, state_id=f"x{i}")
+        assert engine.stats().kv_blocks_used == used and len(engine.states()) == 1
+
+
+def test_loaded_kv_is_private_unless_shared(tiny_checkpoints, make_engine, tmp_path):
+    """A forged file (a valid checksum proves no origin) must not reach other agents through the
+    prefix index: an innocent agent on the same prefix computes its own KV."""
+    import safetensors.torch as st
+
+    path = tiny_checkpoints[ARCH]
+    engine = make_engine(path)
+    h, prompt, file = _saved(engine, tmp_path)
+    h.close()
+    engine.core.scheduler.pool.reset_prefix_index()
+    tensors = st.load_file(str(file))
+    with open(file, "rb") as f:
+        from safetensors import safe_open
+        meta = safe_open(str(file), "pt").metadata()
+    from hibana_core.kv import state_file
+    forged = tensors["kv"].zero_()
+    meta["checksum"] = state_file._checksum(meta, forged)
+    st.save_file({"kv": forged}, str(tmp_path / "forged.safetensors"), metadata=meta)
+    engine.load_state(tmp_path / "forged.safetensors", state_id="forged")
+    innocent = engine.open_state("innocent")
+    assert innocent.sync(prompt).computed == len(prompt)
+    assert_greedy_matches(path, prompt, innocent.generate(greedy(8)).token_ids)
+    # a trusted file shares its blocks when asked
+    engine.load_state(file, state_id="trusted", share=True)
+    assert engine.open_state("second").sync(prompt).reused >= len(prompt) - len(prompt) % 16
+
+
+def test_an_inconsistent_state_file_is_refused(tiny_checkpoints, make_engine, tmp_path):
+    import safetensors.torch as st
+    from safetensors import safe_open
+
+    from hibana_core import StateFileError
+    from hibana_core.kv import state_file
+
+    engine = make_engine(tiny_checkpoints[ARCH])
+    _, _, file = _saved(engine, tmp_path)
+    kv = st.load_file(str(file))["kv"]
+    meta = safe_open(str(file), "pt").metadata()
+    used = engine.stats().kv_blocks_used
+    for name, tensor in (("layers", kv[:1]), ("blocks", kv.repeat(1, 1, 2, 1, 1, 1))):
+        meta["checksum"] = state_file._checksum(meta, tensor)
+        bad = tmp_path / f"{name}.safetensors"
+        st.save_file({"kv": tensor.contiguous()}, str(bad), metadata=meta)
+        with pytest.raises(StateFileError, match="inconsistent"):
+            engine.load_state(bad, state_id=name)
+        assert engine.stats().kv_blocks_used == used
+    with pytest.raises(StateFileError, match="directory"):
+        engine.open_state("saved").save(tmp_path)

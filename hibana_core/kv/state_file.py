@@ -1,12 +1,15 @@
 """State files: a state's tokens and KV blocks in one safetensors file.
 
 The metadata carries the fingerprint of model and tokenizer, so a state is never restored into a
-model it was not computed by. A file with another block size or KV layout restores its tokens
-only (the KV is recomputed on next use).
+model it was not computed by, and a checksum over the metadata and every KV byte, verified before
+the engine allocates anything, so a damaged file is refused whole. A file with another block size
+restores its tokens only (the KV is recomputed on next use). A checksum proves no origin: the
+engine keeps loaded blocks private to the loaded state unless asked to share them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +19,8 @@ import torch
 
 from hibana_core.errors import StateFileError
 
-FORMAT = "hibana-state/1"
+FORMAT = "hibana-state/2"
+_CHECKED = ("format", "fingerprint", "state_id", "tokens", "num_computed", "block_size")
 
 
 @dataclass(frozen=True)
@@ -28,20 +32,36 @@ class SavedState:
     kv: torch.Tensor  # [num_layers, 2, num_blocks, block_size, H_kv, D]
 
 
+def _checksum(meta: dict, kv: torch.Tensor) -> str:
+    h = hashlib.blake2b(digest_size=32)
+    h.update(json.dumps([meta.get(k) for k in _CHECKED]).encode())
+    h.update(json.dumps([str(kv.dtype), list(kv.shape)]).encode())
+    h.update(kv.contiguous().view(torch.uint8).numpy().tobytes() if kv.numel() else b"")
+    return h.hexdigest()
+
+
 def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, block_size: int,
           kv: torch.Tensor, fingerprint: str) -> None:
     from safetensors.torch import save_file
 
+    if path.is_dir():
+        raise StateFileError(f"{str(path)!r} is a directory; save the state to a file path in it")
     metadata = {"format": FORMAT, "fingerprint": fingerprint, "state_id": state_id,
                 "tokens": json.dumps(list(tokens)), "num_computed": str(num_computed),
                 "block_size": str(block_size)}
-    path.parent.mkdir(parents=True, exist_ok=True)
+    kv = kv.contiguous()
+    metadata["checksum"] = _checksum(metadata, kv)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({"kv": kv.contiguous()}, str(tmp), metadata=metadata)
-    tmp.replace(path)  # never leave a half-written state file behind
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({"kv": kv}, str(tmp), metadata=metadata)
+        tmp.replace(path)  # never leave a half-written state file behind
+    except OSError as exc:
+        raise StateFileError(f"cannot write the state file {str(path)!r}: {exc}") from exc
 
 
-def read(path: Path, fingerprint: str) -> SavedState:
+def read(path: Path, fingerprint: str, kv_shape: Sequence[int]) -> SavedState:
+    """Read and verify a state file; `kv_shape` is the engine's [layers, 2, *, block, heads, dim]."""
     from safetensors import safe_open
 
     if not path.is_file():
@@ -50,18 +70,28 @@ def read(path: Path, fingerprint: str) -> SavedState:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
             if meta.get("format") != FORMAT:
-                raise StateFileError(f"{path} is not a Hibana state file (format {meta.get('format')!r})")
+                raise StateFileError(f"{path} is not a Hibana state file of this version "
+                                     f"(format {meta.get('format')!r}); save the state again")
             kv = f.get_tensor("kv")
+        checksum_ok = meta.get("checksum") == _checksum(meta, kv)
         tokens = json.loads(meta["tokens"])
-        saved = SavedState(meta["state_id"], [int(t) for t in tokens], int(meta["num_computed"]),
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise ValueError("its tokens are not a list of integers")
+        saved = SavedState(str(meta["state_id"]), tokens, int(meta["num_computed"]),
                            int(meta["block_size"]), kv)
     except StateFileError:
         raise
     except Exception as exc:
         raise StateFileError(f"state file {path} is damaged ({exc}); save the state again") from exc
+    if not checksum_ok:
+        raise StateFileError(f"state file {path} is damaged (its checksum does not match); save the state again")
     if meta.get("fingerprint") != fingerprint:
         raise StateFileError(f"{path} was saved by another model or tokenizer; load it into an engine "
                              "on the same checkpoint")
-    if not 0 <= saved.num_computed <= len(saved.tokens):
-        raise StateFileError(f"state file {path} is inconsistent; save the state again")
+    blocks = -(-saved.num_computed // saved.block_size) if saved.block_size > 0 else -1
+    if (not 0 <= saved.num_computed <= len(saved.tokens) or saved.block_size <= 0 or kv.dim() != 6
+            or kv.shape[2] != blocks or kv.shape[3] != saved.block_size
+            or (kv.shape[0], kv.shape[1], kv.shape[4], kv.shape[5]) != (kv_shape[0], kv_shape[1], kv_shape[4], kv_shape[5])):
+        raise StateFileError(f"state file {path} is inconsistent (its KV does not fit its tokens or this "
+                             "model's layout); save the state again")
     return saved
