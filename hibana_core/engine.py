@@ -23,7 +23,7 @@ import torch
 
 from hibana_core.config import EngineConfig
 from hibana_core.engine_core import EngineCore
-from hibana_core.errors import EngineClosedError, MemoryBudgetError
+from hibana_core.errors import ConfigError, EngineClosedError, MemoryBudgetError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.cache import KVCache
@@ -62,7 +62,17 @@ class EngineStats:
 def _resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ConfigError(f"device={device!r} is not a device name ({exc}); use auto, cpu or cuda:N") from None
+    if resolved.type == "cuda" and (not torch.cuda.is_available()
+                                    or (resolved.index or 0) >= torch.cuda.device_count()):
+        raise ConfigError(f"device={device!r} asks for a CUDA device this machine does not have "
+                          f"({torch.cuda.device_count()} visible); use device='cpu' or 'auto'")
+    if resolved.type == "mps":
+        raise ConfigError("device='mps' is not supported yet; use device='cpu'")
+    return resolved
 
 
 class Engine:
@@ -82,9 +92,18 @@ class Engine:
         self.max_model_len = min(config.max_model_len or loaded.args.max_position_embeddings,
                                  loaded.args.max_position_embeddings)
         kv_dtype = loaded.dtype if config.cache.kv_dtype == "auto" else _DTYPES[config.cache.kv_dtype]
+        if kv_dtype != loaded.dtype:
+            raise ConfigError(f"kv_dtype={config.cache.kv_dtype!r} differs from the model's compute dtype "
+                              f"({str(loaded.dtype).removeprefix('torch.')}); a KV cache in another precision "
+                              "comes with model surgery (kv8); leave kv_dtype='auto' or set dtype to match")
         num_blocks = self._num_blocks(loaded.weight_bytes, kv_dtype)
         a, bs = loaded.args, config.cache.block_size
-        self.kv_cache = KVCache(a.num_layers, num_blocks, bs, a.num_kv_heads, a.head_dim, kv_dtype, self.device)
+        try:
+            self.kv_cache = KVCache(a.num_layers, num_blocks, bs, a.num_kv_heads, a.head_dim, kv_dtype, self.device)
+        except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory errors are RuntimeErrors
+            per_block = KVCache.bytes_per_block(a.num_layers, bs, a.num_kv_heads, a.head_dim, kv_dtype)
+            raise MemoryBudgetError(f"cannot allocate {num_blocks:,} KV blocks ({num_blocks * per_block:,} bytes) "
+                                    f"on {self.device}: {exc}; lower num_blocks or memory_budget_bytes") from None
         self._ctx.kv_cache = self.kv_cache
         self.pool = BlockPool(num_blocks, bs)
         scheduler = Scheduler(config.scheduler, self.pool, IdleLRUEviction(self.pool, self._idle_sequences))

@@ -36,6 +36,11 @@ if TYPE_CHECKING:
     from hibana_core.kv.cache import KVCache
 
 
+def _check_id(state_id: object) -> None:
+    if not isinstance(state_id, str) or not state_id:
+        raise ConfigError(f"state ids are non-empty strings, got {state_id!r}")
+
+
 @dataclass(frozen=True)
 class ModelLimits:
     """What every history must respect, and what generation stops at."""
@@ -69,8 +74,7 @@ class StateRegistry:
 
     def open(self, state_id: str) -> StateHandle:
         """Get or create the state with this id."""
-        if not isinstance(state_id, str) or not state_id:
-            raise ConfigError(f"state ids are non-empty strings, got {state_id!r}")
+        _check_id(state_id)
         with self.lock:
             self._check_open()
             entry = self._entries.get(state_id)
@@ -212,13 +216,14 @@ class StateRegistry:
             return self.core.submit(request, loop)
 
     def truncate(self, handle: StateHandle, n: int) -> None:
+        if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 0:
+            raise ConfigError(f"truncate needs a token count n >= 0, got {n!r}")
         with self.lock:
             seq = self._editable(handle).seq
-            if not 0 <= n:
-                raise ContextLengthError(f"truncate needs n >= 0, got {n}")
             seq.trim(min(n, len(seq)))
 
     def fork(self, handle: StateHandle, new_id: str) -> StateHandle:
+        _check_id(new_id)
         with self.lock:
             seq = self._editable(handle).seq
             if new_id in self._entries:
@@ -236,6 +241,8 @@ class StateRegistry:
         """Restore a state written by `save` (same model and tokenizer only). The file is read and
         verified whole before anything is allocated. Its KV blocks stay private to the state
         (`share=True` publishes them in the prefix index, for files the caller trusts)."""
+        if state_id is not None:
+            _check_id(state_id)
         saved = state_file.read(Path(path), self.limits.fingerprint, self.kv_cache.data.shape)
         tokens = self._validate(saved.tokens)
         with self.lock:

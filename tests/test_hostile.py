@@ -217,3 +217,27 @@ def test_an_inconsistent_state_file_is_refused(tiny_checkpoints, make_engine, tm
         assert engine.stats().kv_blocks_used == used
     with pytest.raises(StateFileError, match="directory"):
         engine.open_state("saved").save(tmp_path)
+
+
+# --- options and state operations ----------------------------------------------------------------
+
+def test_bad_engine_options_and_state_ops_are_hibana_errors(tiny_checkpoints, make_engine):
+    from hibana_core import ConfigError, Engine, MemoryBudgetError
+
+    path = tiny_checkpoints[ARCH]
+    for options, error in ((dict(device="cuda:7"), ConfigError), (dict(device="tpu"), ConfigError),
+                           (dict(kv_dtype="bfloat16"), ConfigError), (dict(num_blocks=10**13), MemoryBudgetError),
+                           (dict(max_num_batched_tokens=1.5), ConfigError), (dict(max_prefill_chunk=1.5), ConfigError),
+                           (dict(block_size="16"), ConfigError), (dict(progress="yes"), ConfigError)):
+        with pytest.raises(error):
+            Engine.from_pretrained(path, **options)
+    engine = make_engine(path)
+    h = engine.open_state("a")
+    h.sync([1, 2, 3])
+    for bad in ("", None, 7):
+        with pytest.raises(ConfigError):
+            h.fork(bad)
+    for bad in ("3", -1, 1.5, None):
+        with pytest.raises(ConfigError):
+            h.truncate(bad)
+    assert h.tokens == [1, 2, 3] and [s.id for s in engine.states()] == ["a"]
