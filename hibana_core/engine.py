@@ -12,6 +12,7 @@ One lock serialises the step with edits of states, so a handle never sees a half
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import weakref
@@ -41,7 +42,10 @@ if TYPE_CHECKING:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-_SHARED: dict[tuple, "Engine"] = {}
+# Engines that `Engine.shared` made, while anything uses them; the most recently asked for stay
+# alive even unused, so a framework object made anew per call still finds its agents' KV.
+_SHARED: "weakref.WeakValueDictionary[tuple, Engine]" = weakref.WeakValueDictionary()
+_SHARED_RECENT: "collections.deque[Engine]" = collections.deque(maxlen=2)
 _SHARED_LOCK = threading.Lock()
 
 
@@ -141,12 +145,16 @@ class Engine:
     @classmethod
     def shared(cls, model: str | os.PathLike = "demo", **overrides) -> "Engine":
         """One engine per (model, overrides) per process: what adapters use, so several chat
-        model objects on one checkpoint share weights, KV pool and step loop."""
+        model objects on one checkpoint share weights, KV pool and step loop. An engine lives
+        while an object uses it, the two most recently asked for also while none does."""
         key = (str(model), tuple(sorted((k, repr(v)) for k, v in overrides.items())))
         with _SHARED_LOCK:
             engine = _SHARED.get(key)
             if engine is None or engine.core.closed:
                 engine = _SHARED[key] = cls.from_pretrained(model, **overrides)
+            if engine in _SHARED_RECENT:
+                _SHARED_RECENT.remove(engine)
+            _SHARED_RECENT.append(engine)  # one pushed out closes once nothing else uses it
             return engine
 
     def _num_blocks(self, weight_bytes: int, kv_dtype: torch.dtype) -> int:

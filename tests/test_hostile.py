@@ -241,3 +241,19 @@ def test_bad_engine_options_and_state_ops_are_hibana_errors(tiny_checkpoints, ma
         with pytest.raises(ConfigError):
             h.truncate(bad)
     assert h.tokens == [1, 2, 3] and [s.id for s in engine.states()] == ["a"]
+
+
+def test_shared_engines_of_dropped_objects_do_not_accumulate(tiny_checkpoints):
+    import gc
+    import weakref
+
+    from hibana_core import Engine
+
+    path = tiny_checkpoints[ARCH]
+    made = [weakref.ref(Engine.shared(path, progress=False, seed=seed)) for seed in range(6)]
+    gc.collect()
+    alive = [ref() for ref in made if ref() is not None]
+    assert len(alive) <= 2
+    assert Engine.shared(path, progress=False, seed=5) is made[5]()  # a recent one is found again
+    for engine in alive:
+        engine.close()
