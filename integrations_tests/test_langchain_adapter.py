@@ -260,26 +260,6 @@ def test_streamed_tool_calls_equal_invokes_when_the_turn_is_cut():
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
 
 
-@pytest.fixture
-def scripted(monkeypatch):
-    """Every request on the engine streams the given text (one event per character) instead of
-    the model's: what a model that ignores its instructions would write."""
-    from hibana_core.state import Completion, RequestStats, StateHandle, StreamEvent
-
-    def script(text: str) -> None:
-        def events():
-            yield from (StreamEvent(0, c) for c in text)
-            yield StreamEvent(None, "", "stop", Completion([0] * len(text), "stop", text,
-                                                          RequestStats(1, 0, 1, len(text), None, 0.0)))
-
-        async def aevents():
-            for event in events():
-                yield event
-        monkeypatch.setattr(StateHandle, "stream", lambda self, params, prompt=None: events())
-        monkeypatch.setattr(StateHandle, "astream", lambda self, params, prompt=None: aevents())
-    return script
-
-
 def test_tool_choice_none_and_parallel_tool_calls_false_are_enforced(llm, scripted):
     """Defect 2: tool_choice="none" never returns a call, parallel_tool_calls=False at most one,
     invoked or streamed, sync or async."""
