@@ -234,54 +234,56 @@ class Chat:
                 params: SamplingParams | None = None, **options: Any) -> ChatResult:
         """Render, sync the state, generate one assistant turn, parse its tool calls. `options`
         are those of `stream_respond`."""
-        result = None
-        for delta in self.stream_respond(messages, tools, params, **options):
-            result = delta.result
-        assert result is not None
-        return result
+        *_, last = turn.run(self.opener(messages, tools, params, **options), turn.result_of)
+        return last
 
     async def arespond(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None = None,
                        params: SamplingParams | None = None, **options: Any) -> ChatResult:
-        result = None
-        async for delta in self.astream_respond(messages, tools, params, **options):
-            result = delta.result
-        assert result is not None
-        return result
+        return [r async for r in turn.arun(self.opener(messages, tools, params, **options), turn.result_of)][-1]
 
     def stream_respond(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None = None,
-                       params: SamplingParams | None = None, *, prefill: str = "", parse_tools: bool = True,
-                       tool_choice: Any = "auto", guided: bool = True,
-                       timeout: float | None = None) -> Iterator[ChatDelta]:
+                       params: SamplingParams | None = None, **options: Any) -> Iterator[ChatDelta]:
         """Text deltas and tool-call deltas as they are generated; the last item carries the
-        ChatResult. Closing the iterator early cancels the generation.
+        ChatResult. Closing the iterator early cancels the generation. `options` are `opener`'s."""
+        return turn.run(self.opener(messages, tools, params, **options))
+
+    def astream_respond(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None = None,
+                        params: SamplingParams | None = None, **options: Any) -> AsyncIterator[ChatDelta]:
+        """`stream_respond` on the caller's event loop: awaits the engine, never blocks the loop."""
+        return turn.arun(self.opener(messages, tools, params, **options))
+
+    def opener(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None = None,
+               params: SamplingParams | None = None, *, lease: bool = False, state_id: str | None = None,
+               fallback: bool = False, prefill: str = "", parse_tools: bool = True, tool_choice: Any = "auto",
+               parallel_tool_calls: bool = True, guided: bool = True, timeout: float | None = None) -> turn.Open:
+        """How `turn.run` / `turn.arun` start one assistant turn: on this chat's state, or with
+        `lease`, on the state `self.lease(messages, state_id, fallback=fallback)` picks (then
+        `messages` is the rendered prompt), held until the turn ends.
 
         `messages` may be a rendered prompt, continued as it is. `prefill` starts the assistant's
         turn with given text; `parse_tools=False` returns the text as generated. `tool_choice`:
-        "auto", "none" (the tools are not offered), "required"/"any" (some call), or a tool's
-        name (that call): forced calls are written around the model's choices (`hibana_core.turn`),
-        with `guided` argument values on flat schemas. `timeout`: seconds, checked per token."""
-        run = self._turn(messages, tools, params, prefill, parse_tools, tool_choice, guided, timeout)
-        yield from turn.run(run, self.handle)
-
-    async def astream_respond(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None = None,
-                              params: SamplingParams | None = None, *, prefill: str = "",
-                              parse_tools: bool = True, tool_choice: Any = "auto", guided: bool = True,
-                              timeout: float | None = None) -> AsyncIterator[ChatDelta]:
-        """`stream_respond` on the caller's event loop: awaits the engine, never blocks the loop."""
-        run = self._turn(messages, tools, params, prefill, parse_tools, tool_choice, guided, timeout)
-        async with contextlib.aclosing(turn.arun(run, self.handle)) as deltas:  # closing early cancels
-            async for delta in deltas:
-                yield delta
+        "auto", "none" (the tools are not offered and the output is never read as calls),
+        "required"/"any" (some call), or a tool's name (that call): forced calls are written
+        around the model's choices (`hibana_core.turn`), with `guided` argument values on flat
+        schemas. `parallel_tool_calls=False`: at most one call, in the stream as in the result.
+        `timeout`: seconds, checked per token."""
+        def open_turn(stack: contextlib.ExitStack) -> "tuple[turn.TurnRun, StateHandle]":
+            chat = stack.enter_context(self.lease(messages, state_id, fallback=fallback)) if lease else self
+            run = chat._turn(messages, tools, params, prefill, parse_tools, tool_choice, parallel_tool_calls,
+                             guided, timeout)
+            return run, chat.handle
+        return open_turn
 
     def _turn(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None, params: SamplingParams | None,
-              prefill: str, parse_tools: bool, tool_choice: Any, guided: bool, timeout: float | None) -> turn.TurnRun:
+              prefill: str, parse_tools: bool, tool_choice: Any, parallel_tool_calls: bool, guided: bool,
+              timeout: float | None) -> turn.TurnRun:
         if self.handle is None:
             raise HibanaError("this Chat has no state: give it one (Chat(engine, 'agent-1')), or serve "
                               "each call on a leased one (`with chat.lease(prompt) as c: c.respond(...)`)")
         tools = normalize_tools(tools)
-        tool_choice = normalize_tool_choice(tool_choice, tools) if tools else "auto"
+        tool_choice = normalize_tool_choice(tool_choice, tools) if tools or tool_choice in ("none", False) else "auto"
         if tool_choice == "none":
-            tools = None
+            tools, parse_tools = None, False
         params = params or SamplingParams(max_tokens=256)
         params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys(
             tuple(params.stop_token_ids) + self.stop_token_ids)))
@@ -289,7 +291,7 @@ class Chat:
                          budget=params.max_tokens)
         stream = self.parser.stream() if parse_tools else turn.PlainText()
         return turn.TurnRun(self.prompt_ids(messages, tools), plan, params, stream, self._encode,
-                            self.stop_token_ids[:1], timeout)
+                            self.stop_token_ids[:1], timeout, max_calls=None if parallel_tool_calls else 1)
 
 
 def assistant_message(result: ChatResult) -> dict:

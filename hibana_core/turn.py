@@ -27,7 +27,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Generator, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Generator, Iterator, Sequence, TypeVar
 
 from hibana_core.config import SamplingParams
 from hibana_plugins.tool_parsers import ParsedOutput, ToolCall, ToolCallDelta, ToolCallStream
@@ -48,11 +48,11 @@ class Usage:
 
 @dataclass(frozen=True)
 class ChatResult:
-    text: str                 # content outside tool calls; the raw output when a call is malformed
-    tool_calls: list[ToolCall]
+    text: str                 # content outside tool calls; a malformed call's text stays where it stood
+    tool_calls: list[ToolCall]  # the calls that parsed, exactly those the stream sent
     finish_reason: str        # "tool_calls", "stop", "length", "malformed_tool_call", "cancelled"
     usage: Usage
-    error: str | None = None  # what was malformed, when finish_reason says so
+    error: str | None = None  # what was malformed, when something was
     raw_text: str = ""        # the assistant's turn as generated (prefill and forced text included)
 
 
@@ -230,20 +230,27 @@ class PlainText:
 
 
 @dataclass(frozen=True)
-class Request:
+class StageRequest:
+    """What one stage of a turn asks the engine for: sync the state to `prompt`, then generate."""
+
     prompt: list[int]
     params: SamplingParams
 
 
 class TurnRun:
     """Runs a plan on one state, one request per stage, without doing I/O itself (`run` and
-    `arun` drive it)."""
+    `arun` drive it). `max_calls` (1 for `parallel_tool_calls=False`): calls past it are dropped
+    from the stream and the result alike, and once it is reached the rest of the generation is
+    no longer parsed."""
 
     def __init__(self, prompt: list[int], plan: Plan, params: SamplingParams, stream: ToolCallStream,
-                 encode: Callable[[str], list[int]], end_of_turn: Sequence[int], timeout: float | None) -> None:
+                 encode: Callable[[str], list[int]], end_of_turn: Sequence[int], timeout: float | None,
+                 max_calls: int | None = None) -> None:
         self.base, self.plan, self.params, self.stream = prompt, plan, params, stream
         self.encode, self.end_of_turn = encode, list(end_of_turn)
         self.deadline = time.monotonic() + timeout if timeout else None
+        self.max_calls = max_calls
+        self.calls = 0             # tool calls streamed so far
         self.text = ""             # the assistant turn so far
         self.raw = ""              # what the current (not live) stage generated
         self.stage = next(plan)
@@ -251,14 +258,14 @@ class TurnRun:
         self.generated = 0
         self.finish_reason = "stop"
 
-    def begin(self) -> tuple[list[ChatDelta], Request]:
+    def begin(self) -> tuple[list[ChatDelta], StageRequest]:
         stage, self.raw = self.stage, ""
         deltas = self._feed(stage.write)
         prompt = self.base + (self.encode(self.text) if self.text else [])
         if stage.max_tokens == 0:  # the turn was written to its end: hold it, end of turn included
-            return deltas, Request(prompt + self.end_of_turn, dataclasses.replace(self.params, max_tokens=0))
+            return deltas, StageRequest(prompt + self.end_of_turn, dataclasses.replace(self.params, max_tokens=0))
         stop = tuple(self.params.stop) + stage.stop if stage.live else stage.stop
-        return deltas, Request(prompt, dataclasses.replace(self.params, max_tokens=stage.max_tokens, stop=stop))
+        return deltas, StageRequest(prompt, dataclasses.replace(self.params, max_tokens=stage.max_tokens, stop=stop))
 
     def on_event(self, event: "StreamEvent") -> list[ChatDelta]:
         if self.deadline is not None and time.monotonic() > self.deadline:
@@ -284,58 +291,100 @@ class TurnRun:
         return True
 
     def finish(self) -> list[ChatDelta]:
-        deltas = _deltas(self.stream.close())
+        deltas = self._deltas(self.stream.close())
         usage = dataclasses.replace(self.usage, completion_tokens=self.generated)
-        return deltas + [ChatDelta(result=result(self.stream.finish(), self.text, self.finish_reason, usage))]
+        parsed = self.stream.finish()
+        if self.max_calls is not None:
+            parsed = dataclasses.replace(parsed, tool_calls=parsed.tool_calls[:self.max_calls])
+        return deltas + [ChatDelta(result=result(parsed, self.text, self.finish_reason, usage))]
+
+    @property
+    def full(self) -> bool:
+        """Whether the turn holds as many calls as it may; what follows is not parsed."""
+        return self.max_calls is not None and self.calls >= self.max_calls
 
     def _feed(self, text: str) -> list[ChatDelta]:
         self.text += text
-        return _deltas(self.stream.feed(text)) if text else []
+        return self._deltas(self.stream.feed(text)) if text and not self.full else []
 
-
-def _deltas(pieces: list) -> list[ChatDelta]:
-    return [ChatDelta(tool_call=p) if isinstance(p, ToolCallDelta) else ChatDelta(text=p) for p in pieces]
+    def _deltas(self, pieces: list) -> list[ChatDelta]:
+        out = []
+        for piece in pieces:
+            if not isinstance(piece, ToolCallDelta):
+                out.append(ChatDelta(text=piece))
+            elif self.max_calls is None or piece.index < self.max_calls:
+                self.calls += piece.id is not None
+                out.append(ChatDelta(tool_call=piece))
+        return out
 
 
 def result(parsed: ParsedOutput, raw_text: str, finish_reason: str, usage: Usage) -> ChatResult:
-    """What a turn comes to. Model output never raises: a malformed call is text, and says so."""
+    """What a turn comes to. Model output never raises: a malformed call is text, and says so.
+
+    The calls that parsed are kept and a malformed or cut-off call stays in the text where it
+    stood, in the result as in the stream (the parser streams a call only once it is decided).
+    A LangGraph agent runs the calls it is streamed as they arrive: voiding every call of a turn
+    because one is malformed would mean holding all calls back until the turn ends, and ending
+    the agent (no calls) where it could run the good ones and let the model see its broken text."""
     if finish_reason in ("length", "cancelled"):
-        return ChatResult(raw_text if parsed.error else parsed.content, [] if parsed.error else parsed.tool_calls,
-                          finish_reason, usage, parsed.error, raw_text)
-    if parsed.error:
-        return ChatResult(raw_text, [], MALFORMED, usage, parsed.error, raw_text)
-    reason = "tool_calls" if parsed.tool_calls else finish_reason
-    return ChatResult(parsed.content, parsed.tool_calls, reason, usage, None, raw_text)
+        reason = finish_reason
+    else:
+        reason = MALFORMED if parsed.error else "tool_calls" if parsed.tool_calls else finish_reason
+    return ChatResult(parsed.content, parsed.tool_calls, reason, usage, parsed.error, raw_text)
 
 
-def run(turn: TurnRun, handle: "StateHandle") -> Iterator[ChatDelta]:
-    """The turn's deltas, the result last. Closing the iterator early cancels the request."""
-    while True:
-        deltas, request = turn.begin()
-        yield from deltas
-        events = handle.stream(request.params, prompt=request.prompt)
-        with contextlib.closing(events):
-            for event in events:
-                yield from turn.on_event(event)
-        if not turn.advance():
-            break
-    yield from turn.finish()
+# --- driving a turn: the only code that does I/O, once for threads and once for an event loop ------
+
+Open = Callable[[contextlib.ExitStack], "tuple[TurnRun, StateHandle]"]
+"""Starts a turn: enters what must stay held while it runs (a leased state) on the stack and
+returns the turn and the state it runs on."""
+
+T = TypeVar("T")
 
 
-async def arun(turn: TurnRun, handle: "StateHandle") -> AsyncIterator[ChatDelta]:
+def _same(delta: ChatDelta) -> ChatDelta:
+    return delta
+
+
+def result_of(delta: ChatDelta) -> ChatResult | None:
+    """The converter for callers that want the result only: `*_, result = run(open_turn, result_of)`."""
+    return delta.result
+
+
+def _converted(deltas: list[ChatDelta], convert: Callable[[ChatDelta], T | None]) -> list[T]:
+    return [item for item in map(convert, deltas) if item is not None]
+
+
+def run(open_turn: Open, convert: Callable[[ChatDelta], T | None] = _same) -> Iterator[T]:
+    """The turn's deltas, the result last, each through `convert` (None: nothing to send): the
+    one place a framework's types are made from a turn. Closing the iterator early cancels the
+    request and releases what `open_turn` held."""
+    with contextlib.ExitStack() as stack:
+        turn, handle = open_turn(stack)
+        while True:
+            deltas, request = turn.begin()
+            yield from _converted(deltas, convert)
+            with contextlib.closing(handle.stream(request.params, prompt=request.prompt)) as events:
+                for event in events:
+                    yield from _converted(turn.on_event(event), convert)
+            if not turn.advance():
+                break
+        yield from _converted(turn.finish(), convert)
+
+
+async def arun(open_turn: Open, convert: Callable[[ChatDelta], T | None] = _same) -> AsyncIterator[T]:
     """`run` on the caller's event loop: awaits the engine, never blocks the loop."""
-    while True:
-        deltas, request = turn.begin()
-        for delta in deltas:
-            yield delta
-        events = handle.astream(request.params, prompt=request.prompt)
-        try:
-            async for event in events:
-                for delta in turn.on_event(event):
-                    yield delta
-        finally:
-            await events.aclose()
-        if not turn.advance():
-            break
-    for delta in turn.finish():
-        yield delta
+    with contextlib.ExitStack() as stack:
+        turn, handle = open_turn(stack)
+        while True:
+            deltas, request = turn.begin()
+            for item in _converted(deltas, convert):
+                yield item
+            async with contextlib.aclosing(handle.astream(request.params, prompt=request.prompt)) as events:
+                async for event in events:
+                    for item in _converted(turn.on_event(event), convert):
+                        yield item
+            if not turn.advance():
+                break
+        for item in _converted(turn.finish(), convert):
+            yield item

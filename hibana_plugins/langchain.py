@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr
 
+from hibana_core import turn
 from hibana_core.chat import Chat, ChatDelta, ChatResult as TurnResult, Usage, clean_tool, normalize_tool_choice
 from hibana_core.config import SamplingParams
 from hibana_core.errors import HibanaError
@@ -151,25 +152,19 @@ class _Call:
     prompt: str                   # the rendered conversation
     tools: list[dict] | None
     params: SamplingParams
-    options: dict[str, Any]       # Chat.stream_respond's: tool_choice, parse_tools, guided, timeout
+    options: dict[str, Any]       # Chat.opener's: tool_choice, parallel_tool_calls, parse_tools, guided, timeout
     state_id: str | None          # an explicit or LangGraph id
     fallback: bool                # another state when state_id is busy (LangGraph ids only)
     model_name: str
     as_content: bool              # structured output by json_schema / json_mode: the arguments are the answer
     served_by: str = field(default="", init=False)
 
-    def run(self) -> Iterator[ChatDelta]:
-        with self.chat.lease(self.prompt, self.state_id, fallback=self.fallback) as chat:
-            self.served_by = chat.handle.id
-            yield from chat.stream_respond(self.prompt, self.tools, self.params, **self.options)
-
-    async def arun(self) -> AsyncIterator[ChatDelta]:
-        with self.chat.lease(self.prompt, self.state_id, fallback=self.fallback) as chat:
-            self.served_by = chat.handle.id
-            async with contextlib.aclosing(chat.astream_respond(self.prompt, self.tools, self.params,
-                                                                **self.options)) as deltas:
-                async for delta in deltas:
-                    yield delta
+    def open(self, stack: contextlib.ExitStack) -> tuple[turn.TurnRun, Any]:
+        """Starts the turn on the state `Chat.lease` picks (`turn.Open`)."""
+        run, handle = self.chat.opener(self.prompt, self.tools, self.params, lease=True, state_id=self.state_id,
+                                       fallback=self.fallback, **self.options)(stack)
+        self.served_by = handle.id
+        return run, handle
 
     def usage_metadata(self, usage: Usage) -> dict:
         return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
@@ -182,6 +177,9 @@ class _Call:
         if result.error:
             metadata["tool_call_error"] = result.error
         return metadata
+
+    def chat_result(self, result: TurnResult) -> ChatResult:
+        return ChatResult(generations=[ChatGeneration(message=self.message(result))])
 
     def message(self, result: TurnResult) -> AIMessage:
         text = result.text.strip()  # a malformed call or a reply without tools comes as generated
@@ -320,46 +318,37 @@ class ChatHibana(BaseChatModel):
         fallback = RunnablePassthrough.assign(parsed=lambda _: None)
         return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
 
-    # -- calls --------------------------------------------------------------------------------------
-
-    # -- calls --------------------------------------------------------------------------------------
+    # -- calls: thin drivers over one conversion (`_Call.chunk`, `_Call.chat_result`) -------------------
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager=None,
                   **kwargs: Any) -> ChatResult:
         call = self._prepare(messages, stop, run_manager, kwargs)
-        with contextlib.closing(call.run()) as deltas:
-            result = [d.result for d in deltas if d.result is not None][-1]
-        return ChatResult(generations=[ChatGeneration(message=call.message(result))])
+        *_, result = turn.run(call.open, turn.result_of)
+        return call.chat_result(result)
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager=None,
                          **kwargs: Any) -> ChatResult:
         call = self._prepare(messages, stop, run_manager, kwargs)
-        async with contextlib.aclosing(call.arun()) as deltas:
-            result = [d.result async for d in deltas if d.result is not None][-1]
-        return ChatResult(generations=[ChatGeneration(message=call.message(result))])
+        return call.chat_result([r async for r in turn.arun(call.open, turn.result_of)][-1])
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager=None,
                 **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         call = self._prepare(messages, stop, run_manager, kwargs)
-        with contextlib.closing(call.run()) as deltas:
-            for delta in deltas:
-                chunk = call.chunk(delta)
-                if chunk is not None:
-                    if run_manager is not None:
-                        run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-                    yield chunk
+        with contextlib.closing(turn.run(call.open, call.chunk)) as chunks:
+            for chunk in chunks:
+                if run_manager is not None:
+                    run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager=None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        # closing the generators at once cancels the request (left to the collector, it would run on)
+        # closing the generator at once cancels the request (left to the collector, it would run on)
         call = self._prepare(messages, stop, run_manager, kwargs)
-        async with contextlib.aclosing(call.arun()) as deltas:
-            async for delta in deltas:
-                chunk = call.chunk(delta)
-                if chunk is not None:
-                    if run_manager is not None:
-                        await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-                    yield chunk
+        async with contextlib.aclosing(turn.arun(call.open, call.chunk)) as chunks:
+            async for chunk in chunks:
+                if run_manager is not None:
+                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
 
     def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, run_manager,
                  kwargs: dict[str, Any]) -> _Call:
@@ -375,6 +364,7 @@ class ChatHibana(BaseChatModel):
         prompt = chat.render_text(_to_chat_messages(messages), tools)
         explicit = kwargs.get("state_id") or self.state_id
         options = {"tool_choice": choice, "parse_tools": tools is not None, "guided": self.guided_tool_arguments,
+                   "parallel_tool_calls": kwargs.get("parallel_tool_calls") is not False,
                    "timeout": kwargs.get("timeout", self.timeout)}
         return _Call(chat, prompt, tools, self._params(stop, kwargs), options,
                      explicit or _graph_state_id(run_manager), explicit is None, model, answer_tool is not None)

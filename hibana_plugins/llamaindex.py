@@ -8,8 +8,11 @@
 One call, whatever the entry point (chat, complete, streamed, async, with tools):
 
     ChatMessages --openai_messages--> dicts --Chat.render_text (chat template)--> prompt
-    --Chat.lease: the state that serves the call--> Chat.stream_respond (only the new tail is
-    computed) --> ChatDeltas --_Reply--> ChatResponse: TextBlock + ToolCallBlocks, usage in raw
+    --Chat.lease: the state that serves the call--> one assistant turn (only the new tail is
+    computed) --> ChatDeltas --_Call.convert--> ChatResponse: TextBlock + ToolCallBlocks, usage in raw
+
+Every entry point, sync or async, is one line: `turn.run` or `turn.arun` (the only loops) over
+`_Call.open` and `_Call.convert`, so the conversion to LlamaIndex's types is written once.
 
 Which state serves a call (`Chat.lease`): the `state_id` bound on the object (one HibanaLLM per
 agent, all on one Engine, is the documented pattern) unless another call holds it; else a state
@@ -31,9 +34,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterator, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence
 
+from hibana_core import turn
 from hibana_core.chat import Chat, ChatDelta, ChatResult, clean_tool, normalize_tool_choice
 from hibana_core.config import SamplingParams
 from hibana_core.errors import HibanaError
@@ -60,23 +63,32 @@ def __getattr__(name: str) -> Any:
 
 # --- the engine side: one call on its state, as a reply that grows --------------------------------
 
-@dataclass(frozen=True)
-class _Request:
-    prompt: str                      # rendered, or formatted by the caller: continued as it is
-    tools: list[dict] | None
-    params: SamplingParams
-    options: dict[str, Any]          # Chat.stream_respond's: tool_choice, parse_tools, guided
-    state_id: str | None             # the state bound on the LLM
+class _Call:
+    """One call: the turn to run, then the reply as it is generated (text and tool calls so far,
+    then the result). `convert` makes the one conversion the sync and async entry points share."""
 
-
-class _Reply:
-    """One reply as it is generated: the text and tool calls so far, then the result."""
-
-    def __init__(self, state_id: str) -> None:
-        self.state_id = state_id
+    def __init__(self, chat: Chat, prompt: str, tools: list[dict] | None, params: SamplingParams,
+                 options: dict[str, Any], state_id: str | None) -> None:
+        self.chat, self.prompt, self.tools, self.params = chat, prompt, tools, params
+        self.options = options                  # Chat.opener's: tool_choice, parallel_tool_calls, ...
+        self.state_id = state_id                # the state bound on the LLM, then the one serving
         self.content = ""
         self.calls: dict[int, dict] = {}        # streamed calls by index: id, name, arguments text
         self.result: ChatResult | None = None
+
+    def open(self, stack: contextlib.ExitStack) -> tuple[turn.TurnRun, Any]:
+        """Starts the turn on the state `Chat.lease` picks (`turn.Open`)."""
+        run, handle = self.chat.opener(self.prompt, self.tools, self.params, lease=True, state_id=self.state_id,
+                                       fallback=True, **self.options)(stack)
+        self.state_id = handle.id
+        return run, handle
+
+    def convert(self, respond: Callable[["_Call", str], Any]) -> Callable[[ChatDelta], Any]:
+        """A `turn.run` converter: `respond(self, text delta)` whenever the reply grew visibly."""
+        def convert(delta: ChatDelta) -> Any:
+            text = self.take(delta)
+            return None if text is None else respond(self, text)
+        return convert
 
     def take(self, delta: ChatDelta) -> str | None:
         """The text delta of a chat delta ("" at the end, or when the calls grew), or None when
@@ -95,7 +107,7 @@ class _Reply:
         return "" if call.arguments_fragment else None
 
     def tool_calls(self) -> list[dict]:
-        """Every call so far, OpenAI-style; arguments are partial JSON text while streaming."""
+        """Every call so far, OpenAI-style; arguments are JSON text while streaming."""
         if self.result is not None:
             return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                     for c in self.result.tool_calls]
@@ -116,30 +128,6 @@ class _Reply:
             if self.result.error:
                 raw["error"] = self.result.error
         return raw
-
-
-def _replies(chat: Chat, request: _Request) -> Iterator[tuple[_Reply, str]]:
-    """(reply so far, text delta) whenever the text or the tool calls grew; the last is final."""
-    with chat.lease(request.prompt, request.state_id, fallback=True) as leased:
-        reply = _Reply(leased.handle.id)
-        with contextlib.closing(leased.stream_respond(request.prompt, request.tools, request.params,
-                                                    **request.options)) as deltas:
-            for delta in deltas:
-                text = reply.take(delta)
-                if text is not None:
-                    yield reply, text
-
-
-async def _areplies(chat: Chat, request: _Request) -> AsyncIterator[tuple[_Reply, str]]:
-    """`_replies` on the caller's event loop."""
-    with chat.lease(request.prompt, request.state_id, fallback=True) as leased:
-        reply = _Reply(leased.handle.id)
-        async with contextlib.aclosing(leased.astream_respond(request.prompt, request.tools, request.params,
-                                                            **request.options)) as deltas:
-            async for delta in deltas:
-                text = reply.take(delta)
-                if text is not None:
-                    yield reply, text
 
 
 # --- the LlamaIndex side ------------------------------------------------------------------------------
@@ -209,56 +197,45 @@ def llm_class() -> type:
 
         @llm_chat_callback()
         def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-            *_, last = _replies(self._chat, self._chat_request(messages, kwargs))
-            return self._chat_response(*last)
+            *_, last = self._drive(turn.run, self._chat_call(messages, kwargs), self._chat_response)
+            return last
 
         @llm_chat_callback()
         def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> Iterator[ChatResponse]:
-            request = self._chat_request(messages, kwargs)
-            return (self._chat_response(reply, delta) for reply, delta in _replies(self._chat, request))
+            return self._drive(turn.run, self._chat_call(messages, kwargs), self._chat_response)
 
         @llm_chat_callback()
         async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-            async for last in _areplies(self._chat, self._chat_request(messages, kwargs)):
-                pass
-            return self._chat_response(*last)
+            return [r async for r in self._drive(turn.arun, self._chat_call(messages, kwargs), self._chat_response)][-1]
 
         @llm_chat_callback()
         async def astream_chat(self, messages: Sequence[ChatMessage],
                                **kwargs: Any) -> AsyncIterator[ChatResponse]:
-            request = self._chat_request(messages, kwargs)
-
-            async def chunks() -> AsyncIterator[ChatResponse]:
-                async for reply, delta in _areplies(self._chat, request):
-                    yield self._chat_response(reply, delta)
-            return chunks()
+            return self._drive(turn.arun, self._chat_call(messages, kwargs), self._chat_response)
 
         @llm_completion_callback()
         def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-            *_, last = _replies(self._chat, self._completion_request(prompt, formatted))
-            return self._completion_response(*last)
+            *_, last = self._drive(turn.run, self._completion_call(prompt, formatted), self._completion_response)
+            return last
 
         @llm_completion_callback()
         def stream_complete(self, prompt: str, formatted: bool = False,
                             **kwargs: Any) -> Iterator[CompletionResponse]:
-            request = self._completion_request(prompt, formatted)
-            return (self._completion_response(reply, delta) for reply, delta in _replies(self._chat, request))
+            return self._drive(turn.run, self._completion_call(prompt, formatted), self._completion_response)
 
         @llm_completion_callback()
         async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-            async for last in _areplies(self._chat, self._completion_request(prompt, formatted)):
-                pass
-            return self._completion_response(*last)
+            call = self._completion_call(prompt, formatted)
+            return [r async for r in self._drive(turn.arun, call, self._completion_response)][-1]
 
         @llm_completion_callback()
         async def astream_complete(self, prompt: str, formatted: bool = False,
                                    **kwargs: Any) -> AsyncIterator[CompletionResponse]:
-            request = self._completion_request(prompt, formatted)
+            return self._drive(turn.arun, self._completion_call(prompt, formatted), self._completion_response)
 
-            async def chunks() -> AsyncIterator[CompletionResponse]:
-                async for reply, delta in _areplies(self._chat, request):
-                    yield self._completion_response(reply, delta)
-            return chunks()
+        def _drive(self, driver: Callable, call: _Call, respond: Callable[[_Call, str], Any]) -> Any:
+            """`driver` (turn.run or turn.arun) over the call: a response whenever the reply grew."""
+            return driver(call.open, call.convert(respond))
 
         # --- tool calling -----------------------------------------------------------------------
 
@@ -272,7 +249,7 @@ def llm_class() -> type:
                                 if isinstance(user_msg, str) else user_msg)
             specs = [self._tool_spec(tool) for tool in tools]
             return {"messages": messages, "tools": specs, "tool_required": tool_required,
-                    "tool_choice": tool_choice, **kwargs}
+                    "tool_choice": tool_choice, "parallel_tool_calls": allow_parallel_tool_calls, **kwargs}
 
         def _validate_chat_with_tools_response(self, response: ChatResponse, tools: Sequence[Any],
                                                allow_parallel_tool_calls: bool = False,
@@ -308,7 +285,7 @@ def llm_class() -> type:
 
         # --- requests and responses -------------------------------------------------------------
 
-        def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict) -> _Request:
+        def _chat_call(self, messages: Sequence[ChatMessage], kwargs: dict) -> _Call:
             tools = kwargs.get("tools") or None
             choice = kwargs.get("tool_choice")
             if kwargs.get("tool_required") and choice in (None, "auto"):
@@ -316,20 +293,22 @@ def llm_class() -> type:
             choice = normalize_tool_choice(choice, tools) if tools else "auto"
             if choice == "none":
                 tools = None
-            return self._request(self._chat.render_text(openai_messages(messages), tools), tools, choice)
+            return self._call(self._chat.render_text(openai_messages(messages), tools), tools, choice,
+                              kwargs.get("parallel_tool_calls", True))
 
-        def _completion_request(self, prompt: str, formatted: bool) -> _Request:
+        def _completion_call(self, prompt: str, formatted: bool) -> _Call:
             if not formatted:  # else the caller applied the chat template: continue the text as it is
                 prompt = self._chat.render_text([{"role": "user", "content": prompt}])
-            return self._request(prompt, None, "auto")
+            return self._call(prompt, None, "auto")
 
-        def _request(self, prompt: str, tools: list[dict] | None, choice: str) -> _Request:
+        def _call(self, prompt: str, tools: list[dict] | None, choice: str, parallel: bool = True) -> _Call:
             params = SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                                     top_k=self.top_k, seed=self.seed)
-            options = {"tool_choice": choice, "parse_tools": tools is not None, "guided": self.guided_tool_arguments}
-            return _Request(prompt, tools, params, options, self.state_id)
+            options = {"tool_choice": choice, "parse_tools": tools is not None, "guided": self.guided_tool_arguments,
+                       "parallel_tool_calls": parallel}
+            return _Call(self._chat, prompt, tools, params, options, self.state_id)
 
-        def _chat_response(self, reply: _Reply, delta: str) -> ChatResponse:
+        def _chat_response(self, reply: _Call, delta: str) -> ChatResponse:
             calls = reply.tool_calls()
             blocks: list[Any] = [TextBlock(text=reply.content)]
             blocks += [ToolCallBlock(tool_call_id=c["id"], tool_name=c["function"]["name"],
@@ -340,7 +319,7 @@ def llm_class() -> type:
             return ChatResponse(message=message, delta=delta, raw=reply.raw(self.model),
                                 additional_kwargs=reply.usage_dict())
 
-        def _completion_response(self, reply: _Reply, delta: str) -> CompletionResponse:
+        def _completion_response(self, reply: _Call, delta: str) -> CompletionResponse:
             return CompletionResponse(text=reply.content, delta=delta, raw=reply.raw(self.model),
                                       additional_kwargs=reply.usage_dict())
 

@@ -10,16 +10,17 @@ Both follow one contract:
 - content is the text outside tool calls, without leading or trailing whitespace;
 - malformed tool-call text stays in the content and `error` says what was wrong; nothing raises;
 - `parse(text)` is `stream()` fed the whole text, so whole and streamed parsing agree;
-- streamed text deltas concatenate to the final content, and the argument fragments of one call
-  concatenate to JSON equal to its final arguments. Tool-call deltas are provisional: a call whose
-  JSON turns out malformed after its name was streamed is reported by `finish()` as content.
+- a stream is truthful: it emits a call only once the call is complete and decoded (hermes: its
+  `</tool_call>` seen, or the end of the text; llama3: its object closed), as two deltas, id and
+  name, then the arguments' JSON. So for every chunking of a text, the calls assembled from the
+  deltas are `parse(text).tool_calls`, ids included, and a call that is cut off or malformed is
+  never streamed. Text deltas concatenate to the final content.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -135,8 +136,8 @@ def _decode_call(text: str, require_arguments: bool) -> _Decoded:
 
 
 class _ObjectScanner:
-    """Follows one JSON object character by character, far enough to stream a tool call from it:
-    the "name" string once it is complete, and where the arguments value starts and ends.
+    """Follows one JSON object character by character: where it ends, and its "name" string
+    (which tells a malformed call from output that merely starts with "{").
 
     It tracks structure only (depth, strings, top-level keys); json.loads decides validity at the
     end. With a terminator (hermes' `</tool_call>`), scanning stops where the terminator appears
@@ -153,9 +154,6 @@ class _ObjectScanner:
         self.end: int | None = None  # one past the closing brace
         self.terminated_at: int | None = None
         self.name: str | None = None
-        self.args_start: int | None = None
-        self.args_end: int | None = None
-        self.args_is_object = False
         self._escape = False
         self._expect = "open"  # open, key, key_string, colon, value, in_value, scalar, comma
         self._key: str | None = None
@@ -243,8 +241,6 @@ class _ObjectScanner:
             self._token_start, self._expect = i, "key_string"
         elif self._expect == "value":
             self._token_start, self._expect = i, "in_value"
-            if self._key in ARGUMENT_KEYS and self.args_start is None:
-                self.args_start, self.args_is_object = i, text[i] == "{"
 
     def _string_ended(self, text: str, end: int) -> None:
         if self._expect == "key_string":
@@ -264,53 +260,7 @@ class _ObjectScanner:
                 value = None
             if isinstance(value, str) and value:
                 self.name = value
-        if self._token_start == self.args_start:
-            self.args_end = end
         self._expect = "comma"
-
-
-class _CallStream:
-    """One tool call being streamed: id and name once known, then raw argument fragments."""
-
-    def __init__(self, terminator: str | None, allocate_index: Callable[[], int]) -> None:
-        self.scanner = _ObjectScanner(terminator)
-        self.id: str | None = None
-        self.index = -1
-        self._allocate_index = allocate_index
-        self._raw_args = False  # arguments stream as a slice of the text
-        self._sent = 0  # end of the argument text already sent
-
-    def provisional(self, text: str) -> list[ToolCallDelta]:
-        """Deltas for what the scan has established so far (the call's text starts at 0)."""
-        sc = self.scanner
-        out = []
-        if self.id is None:
-            if sc.name is None or (sc.args_start is None and not sc.complete):
-                return out
-            self.id, self.index = new_call_id(), self._allocate_index()
-            out.append(ToolCallDelta(self.index, self.id, sc.name))
-            self._raw_args = sc.args_start is not None and sc.args_is_object
-            self._sent = sc.args_start or 0
-        if self._raw_args:
-            end = sc.args_end if sc.args_end is not None else sc.pos
-            if end > self._sent:
-                out.append(ToolCallDelta(self.index, None, None, text[self._sent : end]))
-                self._sent = end
-        return out
-
-    def finalize(self, text: str, decoded: _Decoded) -> list[ToolCallDelta]:
-        """Deltas still owed once the call is known to be well-formed; then its ToolCall."""
-        out = self.provisional(text)
-        if self.id is None:
-            self.id, self.index = new_call_id(), self._allocate_index()
-            out.append(ToolCallDelta(self.index, self.id, decoded.name))
-        if not self._raw_args:
-            out.append(ToolCallDelta(self.index, None, None, json.dumps(decoded.arguments)))
-            self._raw_args = True  # sent in full
-        return out
-
-    def tool_call(self, decoded: _Decoded) -> ToolCall:
-        return ToolCall(self.id or new_call_id(), decoded.name, decoded.arguments or {})
 
 
 class _Content:
@@ -345,7 +295,6 @@ class _Stream:
         self._content = _Content()
         self._calls: list[ToolCall] = []
         self._errors: list[str] = []
-        self._streamed_calls = 0
         self._closed = False
 
     def feed(self, text_delta: str) -> list[str | ToolCallDelta]:
@@ -379,13 +328,13 @@ class _Stream:
         if emitted:
             out.append(emitted)
 
-    def _next_index(self) -> int:
-        self._streamed_calls += 1
-        return self._streamed_calls - 1
-
-    def _accept(self, out: list, call: _CallStream, text: str, decoded: _Decoded) -> None:
-        out.extend(call.finalize(text, decoded))
-        self._calls.append(call.tool_call(decoded))
+    def _accept(self, out: list, decoded: _Decoded) -> None:
+        """A complete, well-formed call: streamed now, whole, and kept for the result."""
+        call = ToolCall(new_call_id(), decoded.name, decoded.arguments or {})
+        index = len(self._calls)
+        self._calls.append(call)
+        out.append(ToolCallDelta(index, call.id, call.name))
+        out.append(ToolCallDelta(index, None, None, json.dumps(call.arguments, ensure_ascii=False)))
 
     def _reject(self, out: list, raw: str, error: str) -> None:
         self._errors.append(error)
@@ -398,7 +347,7 @@ class _Stream:
 class _HermesStream(_Stream):
     def __init__(self) -> None:
         super().__init__()
-        self._call: _CallStream | None = None  # inside a block: _buffer is its body
+        self._call: _ObjectScanner | None = None  # inside a block: _buffer is its body
 
     def _advance(self, out: list, final: bool) -> None:
         while True:
@@ -412,20 +361,18 @@ class _HermesStream(_Stream):
                     return
                 self._text(out, self._buffer[:start])
                 self._buffer = self._buffer[start + len(HERMES_START) :]
-                self._call = _CallStream(HERMES_END, self._next_index)
+                self._call = _ObjectScanner(HERMES_END)
                 continue
-            call = self._call
-            call.scanner.scan(self._buffer)
-            end = call.scanner.terminated_at
+            self._call.scan(self._buffer)
+            end = self._call.terminated_at
             if end is None and not final:
-                out.extend(call.provisional(self._buffer))
-                return
+                return  # the call is decided at its </tool_call> or at the end of the text
             body = self._buffer if end is None else self._buffer[:end]
             self._buffer = "" if end is None else self._buffer[end + len(HERMES_END) :]
             self._call = None
             decoded = _decode_call(body, require_arguments=False)
             if decoded.error is None:
-                self._accept(out, call, body, decoded)
+                self._accept(out, decoded)
             elif end is None:
                 self._reject(out, HERMES_START + body, f"unclosed {HERMES_START}: {decoded.error}")
             else:
@@ -456,7 +403,7 @@ class _Llama3Stream(_Stream):
         self._mode = "start"
         self._bare = False  # the calls began with "{" rather than after <|python_tag|>
         self._region_calls = 0  # objects read since the calls region began
-        self._call: _CallStream | None = None
+        self._call: _ObjectScanner | None = None
 
     def _advance(self, out: list, final: bool) -> None:
         while True:
@@ -485,7 +432,7 @@ class _Llama3Stream(_Stream):
                     return
                 self._buffer = rest
                 if rest[0] == "{":
-                    self._mode, self._call = "call", _CallStream(None, self._next_index)
+                    self._mode, self._call = "call", _ObjectScanner()
                 else:  # text after the calls (or <|python_tag|> before code): content again
                     if self._region_calls == 0 and not self._bare:
                         self._text(out, PYTHON_TAG)
@@ -495,23 +442,20 @@ class _Llama3Stream(_Stream):
 
     def _read_call(self, out: list, final: bool) -> bool:
         """Scan the object at the start of _buffer; True once it is decided."""
-        call = self._call
-        call.scanner.scan(self._buffer)
-        if not call.scanner.complete:
+        scanner = self._call
+        scanner.scan(self._buffer)
+        if not scanner.complete:
             if not final:
-                out.extend(call.provisional(self._buffer))
-                return False
+                return False  # the call is decided when its object closes or the text ends
             text, self._buffer = self._buffer, ""
         else:
-            text, self._buffer = self._buffer[: call.scanner.end], self._buffer[call.scanner.end :]
+            text, self._buffer = self._buffer[: scanner.end], self._buffer[scanner.end :]
         self._call, self._mode = None, "calls"
         self._region_calls += 1
         decoded = _decode_call(text, require_arguments=True)
         if decoded.error is None:
-            self._accept(out, call, text, decoded)
-        elif self._bare and self._region_calls == 1 and call.id is None and (
-            decoded.valid_json or call.scanner.name is None
-        ):
+            self._accept(out, decoded)
+        elif self._bare and self._region_calls == 1 and (decoded.valid_json or scanner.name is None):
             self._text(out, text)  # output that merely starts with "{": an answer, not a call
             self._mode = "text"
         else:

@@ -238,3 +238,48 @@ async def test_closing_an_async_stream_early_frees_its_state(llm):
         if "lc-test-early" not in {s.id for s in llm.engine.states() if s.busy}:
             break
     assert (await llm.ainvoke("Hello", state_id="lc-test-early")).content
+
+
+# --- truthful tool-call streams (issue 11, defects 1 and 2) -----------------------------------------
+
+def test_streamed_tool_calls_equal_invokes_when_the_turn_is_cut():
+    """Defect 1: cut by max_tokens anywhere in (or after) the call, the aggregated stream holds
+    exactly invoke's calls: never a call the model did not finish (greedy, so both runs agree)."""
+    question = "What's the weather in Paris?"
+    for max_tokens in range(6, 26, 2):
+        model = ChatHibana(model="demo", max_tokens=max_tokens).bind_tools([get_weather])
+        whole = model.invoke(question)
+        chunks = list(model.stream(question))
+        streamed = sum(chunks[1:], chunks[0])
+        assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [
+            (c["name"], c["args"]) for c in whole.tool_calls], max_tokens
+        assert streamed.content == whole.content, max_tokens
+        assert not streamed.invalid_tool_calls, max_tokens
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
+
+
+def test_tool_choice_none_and_parallel_tool_calls_false_are_enforced(llm, scripted):
+    """Defect 2: tool_choice="none" never returns a call, parallel_tool_calls=False at most one,
+    invoked or streamed, sync or async."""
+    scripted("Checking. " + CALL % "Paris" + "\n" + CALL % "Oslo")
+    question = "What's the weather in Paris and Oslo?"
+
+    def calls(model):
+        streamed = list(model.stream(question))
+        astreamed = asyncio.run(_collect(model.astream(question)))
+        return [[(c["name"], c["args"]) for c in m.tool_calls]
+                for m in (model.invoke(question), asyncio.run(model.ainvoke(question)),
+                          sum(streamed[1:], streamed[0]), sum(astreamed[1:], astreamed[0]))]
+
+    assert calls(llm.bind_tools([get_weather])) == [[("get_weather", {"city": "Paris"}),
+                                                     ("get_weather", {"city": "Oslo"})]] * 4
+    assert calls(llm.bind_tools([get_weather], parallel_tool_calls=False)) == [
+        [("get_weather", {"city": "Paris"})]] * 4
+    assert calls(llm.bind_tools([get_weather], tool_choice="none")) == [[]] * 4
+    assert "<tool_call>" in llm.bind_tools([get_weather], tool_choice="none").invoke(question).content
+
+
+async def _collect(aiterator):
+    return [item async for item in aiterator]

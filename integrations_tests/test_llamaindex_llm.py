@@ -283,3 +283,32 @@ def test_clean_schema_drops_titles_not_properties_named_title():
     assert list(cleaned) == ["type", "properties", "description", "required"]
     assert cleaned["properties"]["title"] == {"type": "string", "description": "Title of the book."}
     assert "title" not in cleaned and cleaned["required"] == ["title", "author", "year"]
+
+
+# --- issue 11, defect 2: tool_choice="none" and single calls enforced --------------------------------
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
+
+
+def test_tool_choice_none_and_single_calls_are_enforced(engine, scripted):
+    """tool_choice="none": a call the model writes anyway is text; allow_parallel_tool_calls=False
+    (LlamaIndex's default): one call, in every streamed chunk as in the response, sync and async."""
+    scripted(CALL % "Paris" + "\n" + CALL % "Oslo")
+    llm = HibanaLLM(engine=engine, state_id="enforced")
+    question = "What's the weather in Paris and Oslo?"
+    both = [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
+    assert calls(llm, llm.chat_with_tools(TOOLS, user_msg=question, allow_parallel_tool_calls=True)) == both
+    for chunk in llm.stream_chat_with_tools(TOOLS, user_msg=question):
+        assert len(calls(llm, chunk)) <= 1
+    assert calls(llm, chunk) == both[:1]
+
+    async def last_async():
+        async for chunk in await llm.astream_chat_with_tools(TOOLS, user_msg=question):
+            assert len(calls(llm, chunk)) <= 1
+        return chunk
+    assert calls(llm, asyncio.run(last_async())) == both[:1]
+    none = llm.chat_with_tools(TOOLS, user_msg=question, tool_choice="none")
+    assert calls(llm, none) == [] and none.message.content.startswith("<tool_call>")
+    streamed_none = list(llm.stream_chat(user(question), tools=[llm._tool_spec(t) for t in TOOLS],
+                                         tool_choice="none"))
+    assert calls(llm, streamed_none[-1]) == []

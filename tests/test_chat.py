@@ -324,3 +324,106 @@ def test_lease_never_shares_a_state(engine):
         return await asyncio.gather(*(one() for _ in range(3)))
 
     assert len(set(asyncio.run(concurrent()))) == 3
+
+
+# --- truthful streams (issue 11, defects 1 and 2), on scripted model output --------------------------
+
+class ScriptedHandle:
+    """A state whose every request streams given text in given chunks, then finishes for `reason`."""
+
+    def __init__(self, chunks: list[str], reason: str = "stop") -> None:
+        self.id, self.tokens, self.chunks, self.reason = "scripted", [], chunks, reason
+
+    def _events(self):
+        from hibana_core.state import Completion, RequestStats, StreamEvent
+
+        for chunk in self.chunks:
+            yield StreamEvent(0, chunk)
+        stats = RequestStats(3, 1, 2, len(self.chunks), None, 0.0)
+        yield StreamEvent(None, "", self.reason, Completion([0] * len(self.chunks), self.reason, "", stats))
+
+    def stream(self, params, *, prompt=None):
+        return self._events()
+
+    async def astream(self, params, *, prompt=None):
+        for event in self._events():
+            yield event
+
+
+def streamed_turn(deltas):
+    """(text, [(id, name, arguments)], result) assembled from a turn's deltas."""
+    calls = {}
+    for d in deltas[:-1]:
+        assert d.result is None
+        if d.tool_call is not None and d.tool_call.id is not None:
+            calls[d.tool_call.index] = [d.tool_call.id, d.tool_call.name, d.tool_call.arguments_fragment]
+        elif d.tool_call is not None:
+            calls[d.tool_call.index][2] += d.tool_call.arguments_fragment
+    text = "".join(d.text for d in deltas)
+    return text, [(i, n, json.loads(a)) for i, n, a in calls.values()], deltas[-1].result
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TRUTH_OUTPUTS = [
+    CALL,
+    'Let me check. ' + CALL + '\n' + CALL.replace("Paris", "Oslo"),
+    '<tool_call>\n{"name": "get_weather", "arguments": "hello"}\n</tool_call>',
+    CALL + '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": }}\n</tool_call>',  # valid + malformed
+]
+
+
+@pytest.mark.parametrize("output", TRUTH_OUTPUTS)
+def test_stream_and_result_agree_for_every_cut_and_chunking(engine, output):
+    """Defect 1: what `stream_respond` sends as calls is exactly what `respond` returns, for the
+    output cut by length at every character and for any chunking; text agrees too."""
+    chat = Chat(engine)
+    rng = random.Random(3)
+    for end in range(len(output) + 1):
+        text, reason = output[:end], "length" if end < len(output) else "stop"
+        cuts = sorted(rng.sample(range(len(text) + 1), min(3, len(text) + 1)))
+        for chunks in (list(text), [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]):
+            deltas = list(chat.on(ScriptedHandle(chunks, reason)).stream_respond(HELLO, [WEATHER]))
+            streamed_text, calls, result = streamed_turn(deltas)
+            assert calls == [(c.id, c.name, c.arguments) for c in result.tool_calls], (text, chunks)
+            assert streamed_text == result.text
+            whole = chat.on(ScriptedHandle([text], reason)).respond(HELLO, [WEATHER])
+            assert [(c.name, c.arguments) for c in whole.tool_calls] == [(n, a) for _, n, a in calls]
+            assert whole.text == result.text and whole.finish_reason == result.finish_reason
+
+
+def test_valid_and_malformed_calls_keep_the_valid_one_in_stream_and_result(engine):
+    output = TRUTH_OUTPUTS[3]
+    result = Chat(engine).on(ScriptedHandle([output])).respond(HELLO, [WEATHER])
+    assert [(c.name, c.arguments) for c in result.tool_calls] == [("get_weather", {"city": "Paris"})]
+    assert result.finish_reason == MALFORMED and "invalid JSON" in result.error
+    assert result.text.startswith('<tool_call>\n{"name": "get_weather", "arguments": {"city": }}')
+
+
+def test_tool_choice_none_never_returns_calls(engine):
+    """Defect 2: with tool_choice="none", a call the model writes anyway is content."""
+    chat = Chat(engine)
+    for respond in (lambda c: c.respond(HELLO, [WEATHER], tool_choice="none"),
+                    lambda c: asyncio.run(c.arespond(HELLO, [WEATHER], tool_choice="none"))):
+        result = respond(chat.on(ScriptedHandle([CALL])))
+        assert result.tool_calls == [] and result.text == CALL and result.finish_reason == "stop"
+    deltas = list(chat.on(ScriptedHandle(list(CALL))).stream_respond(HELLO, [WEATHER], tool_choice="none"))
+    assert all(d.tool_call is None for d in deltas) and "".join(d.text for d in deltas) == CALL
+
+
+def test_parallel_tool_calls_false_gives_one_call_in_stream_and_result(engine):
+    """Defect 2: parallel_tool_calls=False: the first call only, streamed and returned alike."""
+    chat = Chat(engine)
+    output = TRUTH_OUTPUTS[1]
+    both = chat.on(ScriptedHandle([output])).respond(HELLO, [WEATHER])
+    assert len(both.tool_calls) == 2
+    for chunks in (list(output), [output]):
+        deltas = list(chat.on(ScriptedHandle(chunks)).stream_respond(HELLO, [WEATHER], parallel_tool_calls=False))
+        text, calls, result = streamed_turn(deltas)
+        assert calls == [(c.id, c.name, c.arguments) for c in result.tool_calls]
+        assert [(n, a) for _, n, a in calls] == [("get_weather", {"city": "Paris"})]
+        assert result.finish_reason == "tool_calls" and text == result.text == "Let me check."
+
+    async def streamed():
+        return [d async for d in chat.on(ScriptedHandle(list(output))).astream_respond(
+            HELLO, [WEATHER], parallel_tool_calls=False)]
+    assert [c.name for c in asyncio.run(streamed())[-1].result.tool_calls] == ["get_weather"]

@@ -308,13 +308,10 @@ def check_stream(parser, text, chunks):
     assert [(c.name, c.arguments) for c in output.tool_calls] == [
         (c.name, c.arguments) for c in whole.tool_calls
     ]
-    if whole.error is None:
-        assert sorted(calls) == list(range(len(output.tool_calls)))
-    streamed = {call_id: (name, fragments) for call_id, name, fragments in calls.values()}
-    for call in output.tool_calls:  # a malformed call may have been streamed before it failed
-        name, fragments = streamed[call.id]
-        assert name == call.name
-        assert json.loads(fragments) == call.arguments
+    # the stream is truthful: it sent exactly the final calls, ids included, and nothing else
+    assert [(call_id, name, json.loads(fragments)) for call_id, name, fragments in calls.values()] == [
+        (c.id, c.name, c.arguments) for c in output.tool_calls
+    ]
 
 
 def all_chunkings(text):
@@ -388,10 +385,9 @@ def test_hermes_stream_holds_back_a_possible_tag_until_decided():
     assert stream.feed("Hello <tool") == ["Hello"]
     assert stream.feed("box> is not a tag") == [" <toolbox> is not a tag"]
     assert stream.feed(" <tool_c") == []
-    deltas = stream.feed('all>{"name": "f", "arguments": {"k": "v"}}')
-    assert deltas[0] == ToolCallDelta(0, deltas[0].id, "f", "")
-    assert "".join(d.arguments_fragment for d in deltas[1:]) == '{"k": "v"}'
-    assert stream.feed("</tool_call>") == []
+    assert stream.feed('all>{"name": "f", "arguments": {"k": "v"}}') == []  # complete only at its end tag
+    deltas = stream.feed("</tool_call>")
+    assert deltas == [ToolCallDelta(0, deltas[0].id, "f", ""), ToolCallDelta(0, None, None, '{"k": "v"}')]
     assert stream.close() == []
     assert stream.finish().content == "Hello <toolbox> is not a tag"
 
@@ -456,6 +452,47 @@ def test_parsers_never_raise_and_streams_agree_on_random_text(parser):
         cuts = sorted(rng.sample(range(len(text) + 1), min(3, len(text) + 1)))
         check_stream(parser, text, [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
         check_stream(parser, text, list(text))
+
+
+TRUTH_TEXTS = {
+    "hermes": [
+        HERMES_TEXT,
+        '<tool_call>{"name":"f","arguments":"hello"}</tool_call>',  # arguments not an object
+        'Sure. <tool_call>\n{"name": "f", "arguments": {"a": 1}}',  # unclosed, complete JSON
+        '<tool_call>\n{"name": "ok", "arguments": {"x": [1, "}"]}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "bad", "arguments": {"a": }}\n</tool_call> tail',  # valid + malformed
+        '<tool_call>{"name": "f", "arguments": {}} extra</tool_call>',  # junk after the object
+    ],
+    "llama3_json": [
+        LLAMA3_TEXT,
+        '{"name": "f", "parameters": "hello"}',
+        'Hi <|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {"b": 2}}',
+        '{"name": "ok", "parameters": {}}\n{"name": "bad", "parameters": {"q": }}',
+    ],
+}
+
+
+def truth_cases():
+    for name, texts in TRUTH_TEXTS.items():
+        for i, text in enumerate(texts):
+            yield pytest.param(name, text, id=f"{name}-{i}")
+
+
+@pytest.mark.parametrize(("parser_name", "text"), truth_cases())
+def test_streamed_calls_are_the_final_calls_for_every_cut_and_chunking(parser_name, text):
+    """Defect 1 (issue 11): a stream never emits a call that parse() rejects, cut off or malformed;
+    for every prefix of the text (a generation cut at any character) and every chunking, the calls
+    assembled from the deltas are parse(prefix).tool_calls."""
+    parser = HermesToolParser() if parser_name == "hermes" else Llama3JsonToolParser()
+    rng = random.Random(11)
+    for end in range(len(text) + 1):
+        prefix = text[:end]
+        chunkings = [list(prefix), [prefix]]
+        for _ in range(2):
+            cuts = sorted(rng.sample(range(len(prefix) + 1), min(4, len(prefix) + 1)))
+            chunkings.append([prefix[a:b] for a, b in zip([0, *cuts], [*cuts, len(prefix)])])
+        for chunks in chunkings:
+            check_stream(parser, prefix, chunks)
 
 
 def test_llama3_malformed_json_is_content_with_an_error():
