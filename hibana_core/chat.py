@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Sequence
 
 from hibana_core import turn
 from hibana_core.config import SamplingParams
-from hibana_core.state import UNNAMED_PREFIX
 from hibana_core.errors import HibanaError, StateBusyError
 from hibana_core.turn import MALFORMED, ChatDelta, ChatResult, Usage  # noqa: F401 (re-exported)
 from hibana_plugins.manager import get_plugin_manager
@@ -170,7 +169,8 @@ class Chat:
             handle = self._lease(stack, state_id, busy_ok=fallback) if state_id is not None else None
             if handle is None:
                 match = self.engine.match_state(self._encode(prompt))
-                if match is not None and match.id.startswith(UNNAMED_PREFIX) and self.continues(match.tokens, prompt):
+                if (match is not None and self.engine.registry.is_unnamed(match)
+                        and self.continues(match.tokens, prompt)):
                     handle = self._lease(stack, match.id, busy_ok=True)  # None if taken meanwhile
             if handle is None:
                 handle = stack.enter_context(self.engine.lease())

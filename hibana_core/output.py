@@ -87,6 +87,11 @@ class RequestEvents:
             self.close()
             raise
 
+    def stop(self) -> None:
+        """End the request now, as "cancelled", and keep reading: the events already made, then
+        the final one with its completion (usage included), still come."""
+        self._cancel(self.request)
+
     def close(self) -> None:
         """Cancel the request if it still runs; a no-op once it finished."""
         self._done = True

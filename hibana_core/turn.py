@@ -282,7 +282,7 @@ class TurnRun:
         self.raw += event.text
         return []
 
-    def advance(self) -> bool:
+    def next_stage(self) -> bool:
         """Move to the next stage; False when the turn is complete."""
         try:
             self.stage = self.plan.send(self.raw)
@@ -367,7 +367,7 @@ def run(open_turn: Open, convert: Callable[[ChatDelta], T | None] = _same) -> It
             with contextlib.closing(handle.stream(request.params, prompt=request.prompt)) as events:
                 for event in events:
                     yield from _converted(turn.on_event(event), convert)
-            if not turn.advance():
+            if not turn.next_stage():
                 break
         yield from _converted(turn.finish(), convert)
 
@@ -384,7 +384,7 @@ async def arun(open_turn: Open, convert: Callable[[ChatDelta], T | None] = _same
                 async for event in events:
                     for item in _converted(turn.on_event(event), convert):
                         yield item
-            if not turn.advance():
+            if not turn.next_stage():
                 break
         for item in _converted(turn.finish(), convert):
             yield item

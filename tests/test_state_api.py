@@ -397,3 +397,18 @@ def test_states_made_for_unnamed_calls_are_bounded(tiny_checkpoints, make_engine
     with engine.lease(random_tokens(random.Random(9), 20)) as new:
         # held (used longest ago) and made[-2] closed: made[-1] and the new one remain
         assert {s.id for s in engine.states()} == {"named", made[-1].id, new.id}
+
+
+def test_a_stream_stopped_early_still_ends_with_its_completion(tiny_checkpoints, make_engine):
+    engine = make_engine(tiny_checkpoints["llama"])
+    h = engine.open_state("a")
+    prompt = random_tokens(random.Random(4), 30)
+    events = h.stream(greedy(64), prompt=prompt)
+    seen = [next(events).token_id for _ in range(3)]
+    events.stop()
+    rest = list(events)
+    final = rest[-1]
+    assert final.token_id is None and final.finish_reason == "cancelled"
+    got = seen + [e.token_id for e in rest[:-1]]
+    assert final.completion.token_ids == got and final.completion.stats.prompt_tokens == len(prompt)
+    assert h.tokens == prompt + got
