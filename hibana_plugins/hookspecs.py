@@ -11,10 +11,16 @@ registers a name already taken is refused with an error naming both plugins.
     def register_tool_parsers(register):
         register("my_format", MyToolParser())
 
-This module is a leaf: it imports pluggy alone.
+The types a plugin's objects exchange with the core (the tool-call protocol) are defined here too,
+so that the core depends on this contract and never on a concrete plugin.
+
+This module is a leaf: it imports the standard library and pluggy alone.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
 
 import pluggy
 
@@ -40,8 +46,8 @@ def register_adapters(register) -> None:
 def register_tool_parsers(register) -> None:
     """Register tool-call parsers: `register(name, parser)`.
 
-    `parser` turns generated text into content and tool calls (types in
-    `hibana_plugins.tool_parsers`):
+    `parser` turns generated text into content and tool calls (a `ToolParser`; the types are
+    defined below):
     - `parser.parse(text) -> ParsedOutput(content, tool_calls, error)`. Malformed tool-call text
       is returned as content with `error` set; parse never raises on model output.
     - `parser.stream()` returns a fresh object for one generation with
@@ -92,3 +98,62 @@ def register_surgery_passes(register) -> None:
     A pass rewrites a loaded model to cut bytes per token and reports what it saved and what it
     cost in quality; the protocol is defined by `hibana_core.surgery`.
     """
+
+
+# -- the tool-call protocol: what a registered tool parser exchanges with the core --------------
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed tool call."""
+
+    id: str
+    """"call_" + 24 hex digits, unique per call."""
+    name: str
+    """The function the model calls."""
+    arguments: dict
+    """Its arguments, decoded from JSON."""
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    """A generation split into content and tool calls."""
+
+    content: str
+    """Text outside tool calls (malformed tool-call text included), stripped."""
+    tool_calls: list[ToolCall]
+    """Well-formed tool calls, in order."""
+    error: str | None = None
+    """What was malformed, when something was; None otherwise."""
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of a streamed tool call: first id and name, then argument fragments."""
+
+    index: int
+    """Position of the call among this generation's streamed calls."""
+    id: str | None
+    """Set on the first delta of a call only."""
+    name: str | None
+    """Set on the first delta of a call only."""
+    arguments_fragment: str = ""
+    """The next piece of the arguments' JSON text."""
+
+
+class ToolCallStream(Protocol):
+    """Incremental parsing of one generation."""
+
+    def feed(self, text_delta: str) -> list[str | ToolCallDelta]: ...
+
+    def close(self) -> list[str | ToolCallDelta]: ...
+
+    def finish(self) -> ParsedOutput: ...
+
+
+class ToolParser(Protocol):
+    """What `register_tool_parsers` registers."""
+
+    def parse(self, text: str) -> ParsedOutput: ...
+
+    def stream(self) -> ToolCallStream: ...
