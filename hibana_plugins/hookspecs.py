@@ -30,6 +30,14 @@ hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
+class HibanaError(Exception):
+    """Base class of every error Hibana raises on purpose; its message says what to do.
+
+    Defined in this leaf so that the plugin manager (and any plugin) can raise Hibana's errors
+    without importing the engine; `hibana_core.HibanaError` is this class.
+    """
+
+
 @hookspec
 def register_adapters(register) -> None:
     """Register framework adapters: `register(name, factory)`.
@@ -66,7 +74,7 @@ def register_chat_formats(register) -> None:
     explicitly). `chat_format` provides `template: str`, a Jinja chat template used instead of
     the checkpoint's own (same variables as transformers' `apply_chat_template`: messages, tools,
     add_generation_prompt), and may provide `tool_parser: str`, the registered name of the tool
-    parser that reads its output. `hibana_core.chat` defines the exact protocol.
+    parser that reads its output. `hibana_core.chat.Chat` reads these two attributes alone.
     """
 
 
@@ -86,8 +94,9 @@ def register_model_families(register) -> None:
 def register_drafters(register) -> None:
     """Register speculation drafters: `register(name, factory)`.
 
-    `factory(engine, **options)` returns a drafter that proposes draft tokens for a state from
-    its token history; the protocol is defined by `hibana_core.speculation`.
+    Planned: `factory(engine, **options)` returns a drafter that proposes draft tokens for a
+    state from its token history. Nothing calls this hook yet: the drafter protocol is defined
+    by the issue that adds adaptive speculation (`hibana_core.speculation`, empty today).
     """
 
 
@@ -95,8 +104,9 @@ def register_drafters(register) -> None:
 def register_surgery_passes(register) -> None:
     """Register model surgery passes: `register(name, surgery_pass)`.
 
-    A pass rewrites a loaded model to cut bytes per token and reports what it saved and what it
-    cost in quality; the protocol is defined by `hibana_core.surgery`.
+    Planned: a pass rewrites a loaded model to cut bytes per token and reports what it saved and
+    what it cost in quality. Nothing calls this hook yet: the pass protocol is defined by the
+    issue that adds model surgery (`hibana_core.surgery`, empty today).
     """
 
 
