@@ -21,6 +21,7 @@ import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+
 from hibana_plugins.hookspecs import (  # noqa: F401 (the protocol types, re-exported)
     ParsedOutput,
     ToolCall,
