@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 from transformers.utils import logging as hf_logging
 
@@ -37,3 +40,18 @@ def make_engine():
     yield make
     for engine in engines:
         engine.close()
+
+
+@pytest.fixture
+def join_all():
+    """join_all(threads, timeout): wait for every thread, and fail if one is still running after
+    `timeout` seconds in all (a thread that deadlocked must not pass as one that finished)."""
+
+    def join(threads: list[threading.Thread], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in threads if t.is_alive()]
+        assert not alive, f"threads still running after {timeout} s (deadlock?): {alive}"
+
+    return join

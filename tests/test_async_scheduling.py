@@ -158,7 +158,7 @@ def test_a_state_read_mid_generation_shows_only_known_tokens(tiny_checkpoints, m
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["one-step", "async"])
-def test_random_concurrent_operations_keep_every_state_exact(tiny_checkpoints, make_engine,
+def test_random_concurrent_operations_keep_every_state_exact(tiny_checkpoints, make_engine, join_all,
                                                              async_scheduling):
     """Six agents at once on a pool too small for all of them, each doing a seeded random mix of
     appends and generations, streams closed early, truncations, forks, syncs to other histories
@@ -202,8 +202,7 @@ def test_random_concurrent_operations_keep_every_state_exact(tiny_checkpoints, m
     threads = [threading.Thread(target=agent, args=(i,)) for i in range(6)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(timeout=240)
+    join_all(threads, timeout=240)
     assert not failures, failures
     assert len(generations) > 20
     for history, got in generations:
