@@ -6,19 +6,23 @@ the CPU's default of one step at a time): each turn
 appends 10-60 seeded random tokens and generates 16-32 greedy tokens. Every generation is compared
 with `transformers` generate on the full history the state held before it; every append computes
 at most its new tokens plus one block, the rest being reused.
+
+A last case runs prefills in small chunks on a pool so small that agents are preempted and
+recompute, and holds every token to transformers just the same.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
 
-from hibana_core import SamplingParams
-from tiny_models import ARCHS, agent_turn_plan, assert_greedy_matches
+from hibana_core import Completion, SamplingParams
+from tiny_models import ARCHS, agent_turn_plan, assert_greedy_matches, random_tokens
 
 AGENTS = 4
 BLOCK_SIZE = 16
@@ -133,3 +137,44 @@ async def test_golden_asyncio(arch, tiny_checkpoints, make_engine):
 
     check_engine_stats(engine, agents_turns)
     check_against_hf(path, agents_turns)
+
+
+CHUNK = 12  # not a divisor of BLOCK_SIZE: chunks start mid-block
+SMALL_POOL = 12  # blocks of 16; each agent's history takes 5-6 blocks, then up to 9
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-caching", "no-prefix-caching"])
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_golden_chunked_prefill_and_preemption(arch, prefix_caching, tiny_checkpoints, make_engine):
+    """4 agents released together, two turns each with prompts several chunks long, on a pool far
+    too small for all of them: prefills run in chunks of CHUNK tokens, agents give their KV back
+    and recompute (asserted from the requests' stats), and every token is transformers' greedy."""
+    path = tiny_checkpoints[arch]
+    engine = make_engine(path, block_size=BLOCK_SIZE, num_blocks=SMALL_POOL, max_prefill_chunk=CHUNK,
+                         enable_prefix_caching=prefix_caching, async_scheduling=True)
+    start = threading.Barrier(AGENTS, timeout=60)
+
+    def run_agent(agent: int) -> list[tuple[list[int], Completion]]:
+        rng = random.Random(plan_seed(arch, agent, variant=2))
+        h = engine.open_state(f"chunked-{agent}")
+        turns = []
+        history: list[int] = []
+        start.wait()
+        for new_tokens, n in ((rng.randint(50, 70), 20), (rng.randint(13, 30), 12)):
+            history = history + random_tokens(rng, new_tokens)
+            c = h.generate(params(n), prompt=history)
+            check_generate(h, history, n, c)
+            turns.append((history, c))
+            history = h.tokens
+        return turns
+
+    with ThreadPoolExecutor(AGENTS) as pool:
+        futures = [pool.submit(run_agent, agent) for agent in range(AGENTS)]
+        turns = [turn for f in futures for turn in f.result(timeout=240)]
+
+    # a request that gave its KV back serves part of its prompt twice (computed, or re-adopted)
+    served_twice = sum(c.stats.computed + c.stats.reused - c.stats.prompt_tokens for _, c in turns)
+    assert served_twice > 0, "no agent was preempted: the pool was meant to run out"
+    assert all(c.stats.prompt_tokens > CHUNK for _, c in turns)
+    for history, c in turns:
+        assert_greedy_matches(path, history, c.token_ids)

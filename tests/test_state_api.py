@@ -5,14 +5,18 @@ Every greedy output is held to a fresh state on the same history and to transfor
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
+import typing
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from hibana_core import SamplingParams, SyncStats
-from tiny_models import ARCHS, VOCAB_SIZE, assert_greedy_matches, event_tokens, info_field, random_tokens
+import hibana_core
+from hibana_core import (Completion, RequestStats, SamplingParams, StateInfo, StreamEvent,
+                         SyncStats)
+from tiny_models import ARCHS, VOCAB_SIZE, assert_greedy_matches, random_tokens
 
 BLOCK = 16
 N = 20  # tokens generated per check
@@ -32,6 +36,76 @@ def check_output(engine, path, history: list[int], got: list[int], fresh_id: str
     assert list(fresh.generate(greedy(len(got))).token_ids) == list(got), "differs from a fresh state"
     assert_greedy_matches(path, history, got)
     fresh.close()
+
+
+# --- the public result types ---------------------------------------------------------------
+
+PUBLIC_FIELDS = {
+    "SyncStats": dict(reused=int, computed=int),
+    "RequestStats": dict(prompt_tokens=int, reused=int, computed=int, generated=int,
+                         time_to_first_token=float | None, elapsed=float),
+    "Completion": dict(token_ids=list[int], finish_reason=str, text=str, stats=RequestStats),
+    "StreamEvent": dict(token_id=int | None, text=str, finish_reason=str | None,
+                        completion=Completion | None),
+    "StateInfo": dict(id=str, tokens=int, computed=int, blocks=int, tier=str, last_use=float,
+                      busy=bool),
+    "EngineStats": dict(prompt_tokens_computed=int, prompt_tokens_reused=int, generated_tokens=int,
+                        steps=int, multi_sequence_steps=int, max_batch_sequences=int,
+                        kv_blocks_total=int, kv_blocks_used=int, kv_blocks_cached=int, states=int),
+}
+"""The stable API's result types (DESIGN.md, hibana_core/state.py): field names, order and types.
+Adding, renaming or retyping a field is a conscious change of this table."""
+
+
+def _matches(value, kind) -> bool:
+    if isinstance(kind, type(int | None)):
+        return any(_matches(value, k) for k in typing.get_args(kind))
+    if kind is type(None):
+        return value is None
+    if typing.get_origin(kind) is list:
+        (item,) = typing.get_args(kind)
+        return type(value) is list and all(_matches(v, item) for v in value)
+    return type(value) is kind  # exactly: no bool for int, no numpy or tensor scalars
+
+
+def check_fields(obj) -> None:
+    """Every field of a public result holds a value of its pinned type (nested results too)."""
+    kinds = PUBLIC_FIELDS[type(obj).__name__]
+    assert [f.name for f in dataclasses.fields(obj)] == list(kinds)
+    for name, kind in kinds.items():
+        value = getattr(obj, name)
+        assert _matches(value, kind), f"{type(obj).__name__}.{name} = {value!r} is not {kind}"
+        if dataclasses.is_dataclass(value):
+            check_fields(value)
+
+
+@pytest.mark.parametrize("name", list(PUBLIC_FIELDS))
+def test_public_result_types_have_exactly_the_documented_fields(name):
+    cls = getattr(hibana_core, name)
+    assert name in hibana_core.__all__
+    assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen
+    assert [f.name for f in dataclasses.fields(cls)] == list(PUBLIC_FIELDS[name])
+    assert typing.get_type_hints(cls) == PUBLIC_FIELDS[name]
+
+
+def test_public_results_hold_values_of_their_types(tiny_checkpoints, make_engine):
+    engine = make_engine(tiny_checkpoints["llama"])
+    h = engine.open_state("typed")
+    st = h.sync(random_tokens(random.Random(1), 20))
+    check_fields(st)
+    assert (st.reused, st.computed) == (0, 20)
+    c = h.generate(greedy(4))
+    check_fields(c)
+    assert c.finish_reason == "length" and c.stats.prompt_tokens == 20 and c.stats.generated == 4
+    events = list(h.stream(greedy(3)))
+    for ev in events:
+        check_fields(ev)
+    (info,) = engine.states()
+    check_fields(info)
+    assert (info.id, info.tokens, info.busy) == ("typed", 27, False)
+    stats = engine.stats()
+    check_fields(stats)
+    assert stats.generated_tokens == 7 and stats.states == 1
 
 
 # --- prefix sharing -------------------------------------------------------------------------
@@ -214,6 +288,21 @@ def test_save_and_load_state(arch, tiny_checkpoints, make_engine, tmp_path):
     assert list(h3.generate(greedy()).token_ids) == want
 
 
+def check_stream_events(events: list) -> list[int]:
+    """The tokens of a finished stream: one event per token, then exactly one final event (token_id
+    None) with the finish reason and the completion, whose token ids are the streamed ones."""
+    *tokens, final = events
+    for ev in events:
+        check_fields(ev)
+    assert len(tokens) >= 2, "stream must yield as tokens are sampled, not once at the end"
+    assert all(ev.token_id is not None and ev.finish_reason is None and ev.completion is None
+               for ev in tokens)
+    assert final.token_id is None and final.finish_reason == "length"
+    streamed = [ev.token_id for ev in tokens]
+    assert final.completion.token_ids == streamed and final.completion.stats.generated == len(streamed)
+    return streamed
+
+
 # --- stream ---------------------------------------------------------------------------------
 
 def test_stream_yields_the_generated_tokens(tiny_checkpoints, make_engine):
@@ -225,9 +314,8 @@ def test_stream_yields_the_generated_tokens(tiny_checkpoints, make_engine):
     want = list(h.fork("s-copy").generate(greedy(24)).token_ids)
 
     events = list(h.stream(greedy(24)))
-    streamed = [t for ev in events for t in event_tokens(ev)]
+    streamed = check_stream_events(events)
     assert streamed == want
-    assert len(events) >= 2, "stream must yield as tokens are sampled, not once at the end"
     assert h.tokens == history + want
     assert_greedy_matches(path, history, want)
 
@@ -240,7 +328,7 @@ async def test_astream_yields_the_generated_tokens(tiny_checkpoints, make_engine
     h.sync(history)
     want = list((await h.fork("as-copy").agenerate(greedy(24))).token_ids)
 
-    streamed = [t async for ev in h.astream(greedy(24)) for t in event_tokens(ev)]
+    streamed = check_stream_events([ev async for ev in h.astream(greedy(24))])
     assert streamed == want
     assert h.tokens == history + want
     assert_greedy_matches(path, history, want)
@@ -262,14 +350,18 @@ def test_open_state_is_get_or_create(tiny_checkpoints, make_engine):
 
 def test_states_lists_handles(tiny_checkpoints, make_engine):
     engine = make_engine(tiny_checkpoints["llama"])
-    assert [info_field(s, "id") for s in engine.states()] == []
+    assert engine.states() == []
     a, b = engine.open_state("a"), engine.open_state("b")
     a.sync(list(range(10, 40)))
     b.sync(list(range(10, 15)))
-    infos = {info_field(s, "id"): s for s in engine.states()}
+    infos = {s.id: s for s in engine.states()}
     assert set(infos) == {"a", "b"}
+    for info in infos.values():
+        check_fields(info)
+    assert (infos["a"].tokens, infos["a"].computed, infos["a"].blocks, infos["a"].tier) == (30, 30, 2, "device")
+    assert (infos["b"].tokens, infos["b"].busy) == (5, False)
     a.close()
-    assert {info_field(s, "id") for s in engine.states()} == {"b"}
+    assert [s.id for s in engine.states()] == ["b"]
 
 
 def test_len_and_tokens_is_a_copy(tiny_checkpoints, make_engine):

@@ -300,19 +300,3 @@ def open_engine(path, **overrides):
     options = dict(device="cpu", dtype="float32", block_size=16, num_blocks=TEST_NUM_BLOCKS,
                    progress=False)
     return Engine.from_pretrained(str(path), **{**options, **overrides})
-
-
-def event_tokens(ev) -> list[int]:
-    """The token ids one `stream` event carries (an int, or an event with token_id / token_ids)."""
-    if isinstance(ev, int):
-        return [ev]
-    if getattr(ev, "token_ids", None) is not None:
-        return [int(t) for t in ev.token_ids]
-    if getattr(ev, "token_id", None) is not None:
-        return [int(ev.token_id)]
-    return []
-
-
-def info_field(info, name: str):
-    """A field of one `engine.states()` entry, whether it is an object or a mapping."""
-    return info[name] if isinstance(info, dict) else getattr(info, name)
