@@ -171,3 +171,133 @@ def test_llamaindex_tool_message_never_becomes_control_tokens(engine, prompts):
     llm.chat(history(hostile(engine)), tools=[WEATHER])
     llm.chat(history("Sunny"), tools=[WEATHER])
     assert_contents_are_text(engine, prompts[0], prompts[1], turns=6)
+
+
+# --- item 6: parsers never raise, and a stream says what a parse says -----------------------------------
+
+FRAGMENTS = [
+    "<tool_call>", "</tool_call>", "<|python_tag|>", "<tool_call>\n", "\n</tool_call>", "{", "}", "[", "]",
+    '"', ":", ",", ";", "\n", " ", "\\", '\\"', '"name"', '"arguments"', '"parameters"', '"x"', '"本"',
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}', '{"name":"本","parameters":0}',
+    '{"name":"x","arguments":{}}', '{"name": "f", "parameters": {"a": [1, 2, {"b": null}]}}',
+    '{"name": "f", "arguments": "{\\"a\\": 1}"}', "null", "true", "1.5e3", "-0", "日本語", "😀", "\u2028",
+    "plain text ", "<tool", "_call>", "</tool_", "<|python", "_tag|>", "{\"name\"", "\"}",
+]
+
+
+def fuzz_text(rng) -> str:
+    parts = []
+    for _ in range(rng.randint(1, 12)):
+        kind = rng.random()
+        if kind < 0.75:
+            parts.append(rng.choice(FRAGMENTS))
+        elif kind < 0.85:  # a number past Python's int-string limit
+            parts.append(str(rng.randint(1, 9)) + "7" * rng.choice([10, 4400, 5000]))
+        elif kind < 0.92:  # nesting past the recursion limit
+            depth = rng.choice([5, 1100, 3000])
+            parts.append("[" * depth + "]" * (depth if rng.random() < 0.5 else 0))
+        else:
+            parts.append("".join(chr(rng.randint(32, 0x2FFF)) for _ in range(rng.randint(1, 6))))
+    text = "".join(parts)
+    if rng.random() < 0.3:  # a well-formed call wrapped around a hostile value
+        value = rng.choice(parts)
+        text = (rng.choice(["<tool_call>", "", "<|python_tag|>"]) + '{"name": "f", "arguments": {"v": '
+                + value + "}}" + rng.choice(["</tool_call>", "", "\n"]) + text)
+    return text
+
+
+def chunkings(rng, text: str):
+    yield [text]
+    yield list(text) if len(text) < 3000 else [text[i:i + 7] for i in range(0, len(text), 7)]
+    cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 8))))
+    yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+def streamed(parser, chunks):
+    """(content, calls as (id, name, arguments), the stream's own result) from feeding chunks."""
+    import json
+
+    stream, pieces = parser.stream(), []
+    for chunk in chunks:
+        pieces += stream.feed(chunk)
+    pieces += stream.close()
+    result = stream.finish()
+    calls: dict[int, list] = {}
+    for piece in pieces:
+        if isinstance(piece, str):
+            continue
+        if piece.id is not None:
+            calls[piece.index] = [piece.id, piece.name, ""]
+        calls[piece.index][2] += piece.arguments_fragment
+    content = "".join(p for p in pieces if isinstance(p, str))
+    return content, [(i, n, json.loads(a)) for i, n, a in calls.values()], result
+
+
+def fuzz_parsers(n: int, seed: int = 12) -> dict:
+    """`n` random texts through both parsers, whole and in three chunkings each."""
+    import random
+    import sys
+    import time
+    import traceback
+
+    from hibana_plugins.tool_parsers import HermesToolParser, Llama3JsonToolParser
+
+    rng, figures = random.Random(seed), {"inputs": 0, "exceptions": [], "mismatches": []}
+    start = time.perf_counter()
+    old_limit = sys.getrecursionlimit()
+    for _ in range(n):
+        text = fuzz_text(rng)
+        figures["inputs"] += 1
+        for parser in (HermesToolParser(), Llama3JsonToolParser()):
+            try:
+                whole = parser.parse(text)
+                for chunks in chunkings(rng, text):
+                    content, calls, own = streamed(parser, chunks)
+                    named = [(c.name, c.arguments) for c in own.tool_calls]
+                    if (calls != [(c.id, c.name, c.arguments) for c in own.tool_calls]
+                            or named != [(c.name, c.arguments) for c in whole.tool_calls]
+                            or content != whole.content or own.content != whole.content
+                            or (own.error is None) != (whole.error is None)):
+                        figures["mismatches"].append((parser.name, text[:300], chunks[:40]))
+                        break
+            except Exception:  # noqa: BLE001 - the figure this harness counts
+                figures["exceptions"].append((parser.name, text[:300], traceback.format_exc(limit=3)[-600:]))
+            assert sys.getrecursionlimit() == old_limit
+    figures["seconds"] = time.perf_counter() - start
+    return figures
+
+
+def test_parsers_never_raise_on_huge_numbers_and_deep_nesting():
+    from hibana_plugins.tool_parsers import HermesToolParser, Llama3JsonToolParser
+
+    huge, deep = "9" * 5000, "[" * 100_000 + "]" * 100_000
+    for value in (huge, deep, "[" * 100_000):
+        texts = ['<tool_call>{"name": "f", "arguments": {"v": %s}}</tool_call>' % value,
+                 '{"name": "f", "parameters": {"v": %s}}' % value,
+                 '{"name": "f", "arguments": "{\\"v\\": %s}"}' % value]
+        for parser in (HermesToolParser(), Llama3JsonToolParser()):
+            for text in texts:
+                out = parser.parse(text)
+                assert out.tool_calls == [] and out.content == text  # malformed: the text, as it stood
+
+
+def test_llama3_stream_equals_parse_for_a_non_call_object_followed_by_a_call():
+    from hibana_plugins.tool_parsers import Llama3JsonToolParser
+
+    text = '{"name":"本","parameters":0}{"name":"x","arguments":{}}'
+    parser = Llama3JsonToolParser()
+    whole = parser.parse(text)
+    for chunks in ([text], list(text)):
+        content, calls, _ = streamed(parser, chunks)
+        assert (content, [(n, a) for _, n, a in calls]) == (whole.content, [(c.name, c.arguments)
+                                                                            for c in whole.tool_calls])
+
+
+@pytest.mark.parametrize("n", [int(__import__("os").environ.get("HIBANA_FUZZ_PARSERS", 2000))])
+def test_fuzzed_parsers_never_raise_and_stream_equals_parse(n):
+    """Seeded: HIBANA_FUZZ_PARSERS=100000 for the issue's long run."""
+    figures = fuzz_parsers(n)
+    print(f"\nparser fuzz: {figures['inputs']} inputs, {len(figures['exceptions'])} exceptions, "
+          f"{len(figures['mismatches'])} mismatches, {figures['seconds']:.1f} s")
+    assert figures["exceptions"] == [] and figures["mismatches"] == [], (figures["exceptions"][:3],
+                                                                          figures["mismatches"][:3])
