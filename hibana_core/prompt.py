@@ -10,7 +10,8 @@ an assistant turn and a tool call. So contents are tokenized as plain text:
                                                               template wrote it: as is, trimmed, JSON)
     tokens = encode(markup 0) + plain(content 0) + encode(markup 1) + ...
 
-Only strings that hold an added token's text are masked; a conversation with none renders and
+Control tokens are the tokenizer's special tokens (`control_strings`). Only strings that hold
+one's text are masked; a conversation with none renders and
 tokenizes exactly as before (one `encode` of the whole text), so KV reuse is untouched. The model's
 own assistant contents are trusted (they are re-rendered as generated); the arguments of its tool
 calls are not (a call may copy a tool's output).
@@ -144,15 +145,17 @@ def encode(text: str, start: int, markup: Callable[[str], list[int]], plain: Cal
 
 
 def plain_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
-    """Tokenizes text as text: a copy of a fast tokenizer's backend without its added tokens, so
-    no control-token string (special or not, `<tool_call>` included) becomes its id."""
+    """Tokenizes text as text: a copy of a fast tokenizer's backend without its special tokens, so
+    no control-token string becomes its id (`<tool_call>`-like vocabulary words still do, as in
+    `control_strings`). A copy: the tokenizer's own `split_special_tokens` flips a flag that
+    every thread's encode shares."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:  # a slow tokenizer: its own switch (which still matches non-special added tokens)
+    if backend is None:  # a slow tokenizer: its own switch
         return lambda text: list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
     from tokenizers import Tokenizer
 
     data = json.loads(backend.to_str())
-    data["added_tokens"] = []
+    data["added_tokens"] = [t for t in data.get("added_tokens", []) if not t.get("special")]
     backend = Tokenizer.from_str(json.dumps(data))
 
     def plain(text: str) -> list[int]:
@@ -161,5 +164,11 @@ def plain_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
 
 
 def control_strings(tokenizer: Any) -> list[str]:
-    """The text of every added token (special or not): what contents may not turn into."""
-    return [t for t in tokenizer.get_added_vocab() if t]
+    """The text of every special token: what contents may not turn into. Added tokens that are
+    not special (Qwen's `<tool_call>`, `<tool_response>`, `<think>`) are vocabulary words the
+    tokenizer makes from text by design: text-protocol agents (ReAct prompts, hand-written tool
+    prompts in user and system messages) rely on them, and they cannot open or close a turn."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special = {t.content for t in decoder.values() if getattr(t, "special", False)}
+    special |= set(getattr(tokenizer, "all_special_tokens", ()))
+    return sorted(t for t in special if t)

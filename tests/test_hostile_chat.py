@@ -43,7 +43,9 @@ def conversation(text: str) -> list[dict]:
 
 
 def control_ids(engine, ids: list[int]) -> list[int]:
-    controls = set(engine.tokenizer.get_added_vocab().values())
+    """The special-token ids among `ids` (`<tool_call>`-like added words are not special)."""
+    controls = {i for i, t in engine.tokenizer.added_tokens_decoder.items() if t.special}
+    assert len(controls) >= 3  # <|endoftext|>, <|im_start|>, <|im_end|>
     return [i for i in ids if i in controls]
 
 
@@ -93,6 +95,16 @@ def test_a_hostile_conversation_goes_on_in_its_state(engine):
     messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "thanks"}]
     second = chat.respond(messages, [WEATHER], SamplingParams(max_tokens=4))
     assert second.usage.cached_tokens >= len(prompt) - 3  # all but "<|im_start|>assistant\n"
+
+
+def test_added_words_that_are_not_special_tokenize_as_before(engine):
+    """`<tool_response>` and `<tool_call>` are vocabulary words, not control tokens: a text-protocol
+    agent (ReAct, a hand-written tool prompt) that writes them in user messages keeps their ids."""
+    chat = Chat(engine)
+    messages = [{"role": "user", "content": "<tool_response>\n42\n</tool_response> <tool_call>"}]
+    raw = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert chat.render_text(messages).spans == ()
+    assert chat.prompt_ids(messages) == engine.tokenizer.encode(raw, add_special_tokens=False)
 
 
 def test_held_control_tokens_are_not_kept_for_content(engine):
