@@ -77,7 +77,41 @@ def normalize_tools(tools: Sequence[dict] | None) -> list[dict] | None:
 
 
 class ToolChoiceError(HibanaError, ValueError):
-    """A tool_choice that names no offered tool."""
+    """A tool_choice that names no offered tool, or requires a call with no tools offered."""
+
+
+class UnsupportedContentError(HibanaError, ValueError):
+    """A message carries content the model cannot read (an image, audio, a file)."""
+
+
+class ConversationError(HibanaError, ValueError):
+    """A conversation that cannot be rendered faithfully: a tool result answering no call."""
+
+
+def check_tool_results(messages: Sequence[dict]) -> None:
+    """Every tool message answers a call of the assistant message it follows (other tool messages
+    between), and names one of its calls when both carry ids: as OpenAI's API requires. A
+    template would render an orphan result as if some call had produced it, or drop it."""
+    calls: list | None = None  # the calls of the assistant message being answered
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if role == "assistant":
+            calls = message.get("tool_calls") or None
+        elif role == "tool":
+            if calls is None:
+                raise ConversationError(f"message {i} is a tool result but follows no assistant message with "
+                                        "tool calls; give the assistant message its tool_calls, or send the "
+                                        "result as a user message")
+            call_id, ids = message.get("tool_call_id"), [_call_id(c) for c in calls]
+            if call_id and all(ids) and call_id not in ids:
+                raise ConversationError(f"message {i} answers tool call {call_id!r}, which the assistant message "
+                                        f"before it did not make (its calls: {ids})")
+        else:
+            calls = None
+
+
+def _call_id(call: Any) -> str | None:
+    return call.id if isinstance(call, ToolCall) else call.get("id")
 
 
 def normalize_tool_choice(choice: Any, tools: Sequence[dict] | None) -> str:
@@ -208,13 +242,16 @@ class Chat:
         (`hibana_core.prompt`), so that they are tokenized as plain text."""
         kwargs = {"chat_template": self.template} if self.template else {}
 
+        messages = normalize_messages(messages)
+        check_tool_results(messages)
+
         def template(messages: list[dict], tools: list[dict] | None) -> str:
             try:
                 return self.engine.tokenizer.apply_chat_template(
                     messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs)
             except Exception as exc:  # jinja raises many types for a conversation it rejects
                 raise HibanaError(f"cannot render the conversation with the chat template: {exc}") from exc
-        return prompt.render(template, normalize_messages(messages), normalize_tools(tools), self.control)
+        return prompt.render(template, messages, normalize_tools(tools), self.control)
 
     def prompt_ids(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None = None) -> list[int]:
         """What `respond` syncs: the rendered prompt (`messages` may be rendered text already),

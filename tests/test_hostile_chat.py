@@ -313,3 +313,62 @@ def test_fuzzed_parsers_never_raise_and_stream_equals_parse(n):
           f"{len(figures['mismatches'])} mismatches, {figures['seconds']:.1f} s")
     assert figures["exceptions"] == [] and figures["mismatches"] == [], (figures["exceptions"][:3],
                                                                           figures["mismatches"][:3])
+
+
+# --- item 11: adapters refuse what they cannot render faithfully -------------------------------------
+
+def test_tool_results_must_answer_a_call(engine):
+    from hibana_core.chat import ConversationError
+
+    chat = Chat(engine)
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    user = {"role": "user", "content": "Weather?"}
+    chat.render_text([user, call, {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}])
+    chat.render_text([user, call, {"role": "tool", "content": "Sunny"}])  # no id: answers the call before it
+    with pytest.raises(ConversationError, match="'c9'.*did not make"):
+        chat.render_text([user, call, {"role": "tool", "tool_call_id": "c9", "content": "Sunny"}])
+    with pytest.raises(ConversationError, match="follows no assistant message with tool calls"):
+        chat.render_text([user, {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}])
+
+
+def test_langchain_orphan_tool_message_and_invalid_calls(engine):
+    pytest.importorskip("langchain_core")
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+
+    from hibana_core import HibanaError
+    from hibana_plugins.langchain import ChatHibana, _to_chat_messages
+
+    llm = ChatHibana(engine=engine, max_tokens=2)
+    with pytest.raises(HibanaError, match="did not make"):
+        llm.invoke([HumanMessage("hi"), AIMessage("", tool_calls=[{"name": "get_weather", "args": {}, "id": "c1"}]),
+                    ToolMessage("Sunny", tool_call_id="c2")])
+    # an invalid call (from another model) is kept as written, not dropped
+    bad = AIMessage("", invalid_tool_calls=[{"name": "get_weather", "args": '{"city": ', "id": "c1",
+                                             "error": "bad JSON", "type": "invalid_tool_call"}])
+    [message] = _to_chat_messages([bad])
+    assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": '}
+    text = Chat(engine).render_text([{"role": "user", "content": "hi"}, message])
+    assert '{"name": "get_weather", "arguments": {"city": }' in text
+
+
+def test_llamaindex_refuses_images_orphan_results_and_tool_required_without_tools(engine):
+    pytest.importorskip("llama_index.core")
+    from llama_index.core.base.llms.types import ChatMessage, ImageBlock, TextBlock, ToolCallBlock
+
+    from hibana_core import HibanaError
+    from hibana_core.chat import ToolChoiceError, UnsupportedContentError
+    from hibana_plugins.llamaindex import HibanaLLM
+
+    llm = HibanaLLM(engine=engine, max_tokens=2)
+    image = ChatMessage(role="user", blocks=[TextBlock(text="What is this?"),
+                                             ImageBlock(url="https://example.com/cat.png")])
+    with pytest.raises(UnsupportedContentError, match="text only.*'image'"):
+        llm.chat([image])
+    call = ChatMessage(role="assistant", blocks=[ToolCallBlock(tool_call_id="c1", tool_name="get_weather",
+                                                               tool_kwargs={"city": "Paris"})])
+    orphan = ChatMessage(role="tool", content="Sunny", additional_kwargs={"tool_call_id": "c2"})
+    with pytest.raises(HibanaError, match="did not make"):
+        llm.chat([ChatMessage(role="user", content="hi"), call, orphan])
+    with pytest.raises(ToolChoiceError, match="tool_required"):
+        llm.chat_with_tools([], user_msg="Weather in Paris?", tool_required=True)
