@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from bench.models import PRESETS, load_bench_model
-from bench.workloads import AgentsConfig, agents_workload, decode_workload
+from hibana_bench.models import PRESETS, load_bench_model
+from hibana_bench.workloads import AgentsConfig, agents_workload, decode_workload
 
 DECODE_SYSTEMS = ("hibana", "hf_eager", "hf_compiled")
 AGENT_SYSTEMS = ("hibana", "hibana_no_retention", "hf_reprefill", "hf_cache_reuse")

@@ -4,9 +4,15 @@
 #   bash bench/run_h200.sh decode   # hibana bench decode, qwen3-8b preset
 #   bash bench/run_h200.sh agents   # hibana bench agents, qwen3-8b preset, 32 agents
 #   bash bench/run_h200.sh tune     # bench/tune_decode.py: kernel sweeps, the decode step taken apart
-# Runs from the repository root with the image's python3 (no install: PYTHONPATH).
+# Runs from the repository root with the image's python3 (no install: PYTHONPATH). The wheel
+# installs kernels/ and bench/ as hibana_kernels and hibana_bench; here a folder of links gives
+# the checkout's folders those names.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD" TQDM_DISABLE=1
+NAMES="$(mktemp -d)"
+trap 'rm -rf "$NAMES"' EXIT
+ln -s "$PWD/kernels" "$NAMES/hibana_kernels"
+ln -s "$PWD/bench" "$NAMES/hibana_bench"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$NAMES:$PWD" TQDM_DISABLE=1
 OUT="${OUT:-bench/out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -16,10 +22,10 @@ case "${1:-check}" in
     python3 -m pytest tests/test_kernels.py -q -rs -x -p no:cacheprovider 2>&1 | tail -15
     python3 bench/gpu_correctness.py 2>&1 | tee "$OUT/gpu_correctness.txt" ;;
   decode)
-    python3 -m bench.cli decode --model qwen3-8b --context 512,8192 --generate 128 \
+    python3 -m hibana_bench.cli decode --model qwen3-8b --context 512,8192 --generate 128 \
       --json "$OUT/decode_qwen3-8b.json" 2>&1 | tee "$OUT/decode_qwen3-8b.txt" ;;
   agents)
-    python3 -m bench.cli agents --model qwen3-8b --agents 32 --turns 6 --system 4096 \
+    python3 -m hibana_bench.cli agents --model qwen3-8b --agents 32 --turns 6 --system 4096 \
       --tool-result 200 --generate 100 --peer-agents 1 \
       --json "$OUT/agents_qwen3-8b.json" 2>&1 | tee "$OUT/agents_qwen3-8b.txt" ;;
   tune)

@@ -2,7 +2,10 @@
 cuBLAS, then times the engine's decode step with each fast-path piece switched on in turn, and
 prints where the step's time goes. Notes and figures: bench/notes_decode.md.
 
-    PYTHONPATH=$PWD python3 bench/tune_decode.py [--model qwen3-8b] [--skip-sweep]
+    python3 bench/tune_decode.py [--model qwen3-8b] [--skip-sweep]
+
+It imports hibana_bench and hibana_kernels: install the checkout (`pip install -e .`), or run it
+through bench/run_h200.sh, which puts the checkout's folders on PYTHONPATH under those names.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ import torch
 import triton
 import triton.testing
 
-from bench.models import PRESETS, load_bench_model
-from bench.workloads import copy_bandwidth, random_tokens
+from hibana_bench.models import PRESETS, load_bench_model
+from hibana_bench.workloads import copy_bandwidth, random_tokens
 from hibana_core import SamplingParams
 
 OUT = os.environ.get("OUT", "bench/out")
@@ -40,7 +43,7 @@ def time_graph(fn, reps: int = 20) -> float:
 
 
 def sweep_gemv(model: str, bandwidth: float) -> list[dict]:
-    from kernels import matmul_triton
+    from hibana_kernels import matmul_triton
 
     rows = []
     configs = [(bn, bk, w, st) for bn, bk, w, st in itertools.product(
@@ -93,7 +96,7 @@ def sweep_gemv(model: str, bandwidth: float) -> list[dict]:
 def sweep_attention(bandwidth: float) -> list[dict]:
     """Decode attention (Qwen3-8B heads: 32 query, 8 KV, head_dim 128; blocks of 16) over tile
     sizes and split counts, at batch x context shapes of the benchmarks."""
-    from kernels import attention_triton as at
+    from hibana_kernels import attention_triton as at
 
     kv_heads, heads, d, bs = 8, 32, 128, 16
     tiles = [(32, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 3), (64, 8, 3)]
@@ -140,7 +143,7 @@ def sweep_attention(bandwidth: float) -> list[dict]:
 
 def sweep_prefill(bandwidth: float) -> list[dict]:
     """Prefill attention (Qwen3-8B heads) for one chunk of q_len new tokens at the end of ctx."""
-    from kernels import attention_triton as at
+    from hibana_kernels import attention_triton as at
 
     kv_heads, heads, d, bs = 8, 32, 128, 16
     tiles = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2),
@@ -226,8 +229,8 @@ def decode_figures(engine, prompts: dict[int, list[int]], generate: int) -> dict
 
 def set_variant(engine, gemv: bool, prologue: bool, overlap: bool) -> None:
     """Switch the GEMV, the fused prologue and async scheduling on or off; recapture graphs."""
-    import kernels.matmul_triton as mt
-    import kernels.rotary_triton as rt
+    import hibana_kernels.matmul_triton as mt
+    import hibana_kernels.rotary_triton as rt
     from hibana_core.runner import DecodeGraphs
 
     mt.MAX_ROWS = 1 if gemv else 0
@@ -241,7 +244,7 @@ def set_variant(engine, gemv: bool, prologue: bool, overlap: bool) -> None:
 
 def _unfused_prologue(positions, q, k, v, cos, sin, k_cache, v_cache, slots, qw=None, kw=None, eps=0.0):
     """The prologue as four launches (q/k norm, rotary, KV store), as before the fused kernel."""
-    import kernels
+    import hibana_kernels as kernels
 
     if qw is not None:
         q, k = kernels.rms_norm(q, qw, eps), kernels.rms_norm(k, kw, eps)

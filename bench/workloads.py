@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from bench.models import BenchModel
-from bench.peers import HFPeer, sync
+from hibana_bench.models import BenchModel
+from hibana_bench.peers import HFPeer, sync
 from hibana_core import SamplingParams
 
 

@@ -28,7 +28,7 @@ from hibana_core.config import SamplingParams
 from hibana_core.errors import HibanaError, StateBusyError
 from hibana_core.turn import MALFORMED, ChatDelta, ChatResult, Usage  # noqa: F401 (re-exported)
 from hibana_plugins.manager import get_plugin_manager
-from hibana_plugins.tool_parsers import ToolCall
+from hibana_plugins.hookspecs import ToolCall
 
 if TYPE_CHECKING:
     from hibana_core.engine import Engine

@@ -1,15 +1,25 @@
 """The `hibana` command: `hibana plugins | demo | bench | surgery ...`.
 
 Each subcommand is one function taking the parsed arguments and returning the exit status.
+Commands that live outside the core (the benchmark harness) are found by name in the
+`hibana.commands` entry-point group, so the core never imports them.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
+
+COMMAND_GROUP = "hibana.commands"
+# Commands found through COMMAND_GROUP (Hibana's own pyproject declares them), with their help
+# line: listing them in `hibana --help` must not import them. Each is `main(argv) -> int`.
+ENTRY_POINT_COMMANDS = {
+    "bench": "workloads side by side with transformers peers (hibana bench decode|agents --help)",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -17,10 +27,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, rest = build_parser().parse_known_args(argv)
     if args.command == "demo":  # the demo and the benchmarks parse their own options
         return run_demo(rest)
-    if args.command == "bench":
-        from bench.cli import main as bench_main
-
-        return bench_main(rest)
+    if args.command in ENTRY_POINT_COMMANDS:
+        return run_entry_point_command(args.command, rest)
     if rest:
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
     return args.run(args)
@@ -38,16 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plugins.set_defaults(run=run_plugins)
 
-    commands.add_parser(
-        "bench", add_help=False,
-        help="workloads side by side with transformers peers (hibana bench decode|agents --help)",
-    )
+    for name, summary in ENTRY_POINT_COMMANDS.items():
+        commands.add_parser(name, add_help=False, help=summary)
     commands.add_parser(
         "demo", add_help=False,
         help="agents solving tasks in tool loops on the bundled demo model (hibana demo --help)",
     )
 
-    # Placeholders: filled in by the issues that bring the benchmark harness and model surgery.
+    # Placeholder: filled in by the issue that brings model surgery.
     for name, summary in (
         ("surgery", "apply and evaluate model surgery passes"),
     ):
@@ -60,6 +66,21 @@ def run_demo(argv: list[str]) -> int:
     from hibana_core.demo.run import main as demo_main
 
     return demo_main(argv)
+
+
+def run_entry_point_command(name: str, argv: list[str]) -> int:
+    """Run the command registered as `name` in COMMAND_GROUP; say what to do when none is."""
+    found = importlib.metadata.entry_points(group=COMMAND_GROUP, name=name)
+    if not found:
+        print(
+            f"hibana {name}: no installed package provides this command (entry point {name!r} in"
+            f" group {COMMAND_GROUP!r}). Install Hibana with pip (`pip install -e .` in a"
+            f" checkout) so that its entry points are registered.",
+            file=sys.stderr,
+        )
+        return 2
+    command = next(iter(found)).load()  # one distribution found twice on sys.path: the first
+    return command(argv)
 
 
 def _not_available(args: argparse.Namespace) -> int:

@@ -2,8 +2,9 @@
 
 Text is decoded over a sliding window of token ids (the prefix/read offsets of TGI and vLLM), so a
 character split across tokens is emitted once complete, and a word-initial space survives because
-the window starts a few tokens back in the history. Streamed text is held back by the length of
-the longest stop string minus one, so a stop string spanning tokens is never half-emitted.
+the window starts a few tokens back in the history. Streamed text is held back only while its end
+could still grow into a stop string (the longest end of the text that starts one), so a stop
+string spanning tokens is never half-emitted and a long stop string holds back nothing it need not.
 """
 
 from __future__ import annotations
@@ -11,6 +12,33 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 _CONTEXT_TOKENS = 4
+
+
+class StopMatcher:
+    """Knuth-Morris-Pratt over streamed text: `matched` is the length of the longest end of the
+    text fed so far that starts `stop`. The failure table grows only as far as a match has gone,
+    so each character costs amortised O(1), however long the stop string."""
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.matched = 0
+        self._fail = [0]  # _fail[i]: longest proper border of stop[:i + 1]
+
+    def _border(self, i: int) -> int:
+        while len(self._fail) <= i:
+            j, n = self._fail[-1], len(self._fail)
+            while j and self.stop[n] != self.stop[j]:
+                j = self._fail[j - 1]
+            self._fail.append(j + (self.stop[n] == self.stop[j]))
+        return self._fail[i]
+
+    def feed(self, char: str) -> bool:
+        """Take one character; True when the stop string is complete."""
+        k = self.matched
+        while k and (k == len(self.stop) or self.stop[k] != char):
+            k = self._border(k - 1)
+        self.matched = k + (self.stop[k] == char)
+        return self.matched == len(self.stop)
 
 
 class Detokenizer:
@@ -22,7 +50,7 @@ class Detokenizer:
         self._read_offset = len(self._ids)
         self.text = ""
         self._emitted = 0
-        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+        self._matchers = [StopMatcher(s) for s in self.stop]
         self.stopped = False
 
     def add(self, token_id: int) -> bool:
@@ -35,19 +63,21 @@ class Detokenizer:
         full = decode(self._ids[self._prefix_offset:], skip_special_tokens=False)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return False  # an incomplete character: wait for the next token
-        searched_from = max(0, len(self.text) - self._holdback)
-        self.text += full[len(prefix):]
+        new = full[len(prefix):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        for stop in self.stop:
-            at = self.text.find(stop, searched_from)
-            if at >= 0:
-                self.text = self.text[:at]
+        for i, char in enumerate(new):
+            done = [m for m in self._matchers if m.feed(char)]
+            if done:  # the text ends before the stop string that completed first
+                self.text = (self.text + new[:i + 1])[:len(self.text) + i + 1 - len(done[0].stop)]
                 self.stopped = True
-        return self.stopped
+                return True
+        self.text += new
+        return False
 
     def take_delta(self, final: bool = False) -> str:
         """Text not yet handed out, minus what could still become a stop string."""
-        end = len(self.text) if final or self.stopped else max(self._emitted, len(self.text) - self._holdback)
+        held = max((m.matched for m in self._matchers), default=0)
+        end = len(self.text) if final or self.stopped else max(self._emitted, len(self.text) - held)
         delta = self.text[self._emitted:end]
         self._emitted = end
         return delta

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+# The base class lives in the plugin contract (a leaf) so that the plugin manager can subclass it
+# without loading the engine.
+from hibana_plugins.hookspecs import HibanaError
 
-class HibanaError(Exception):
-    """Base class of every error Hibana raises on purpose."""
+__all__ = [
+    "CheckpointError", "ConfigError", "ContextLengthError", "EngineClosedError", "HibanaError",
+    "InvalidTokenError", "MemoryBudgetError", "StateBusyError", "StateClosedError",
+    "StateExistsError", "StateFileError", "UnsupportedModelError",
+]
 
 
 class ConfigError(HibanaError, ValueError):

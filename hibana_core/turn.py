@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Generator, Iterator, Sequence, TypeVar
 
 from hibana_core.config import SamplingParams
-from hibana_plugins.tool_parsers import ParsedOutput, ToolCall, ToolCallDelta, ToolCallStream
+from hibana_plugins.hookspecs import ParsedOutput, ToolCall, ToolCallDelta, ToolCallStream
 
 if TYPE_CHECKING:
     from hibana_core.state import StateHandle, StreamEvent

@@ -11,10 +11,16 @@ registers a name already taken is refused with an error naming both plugins.
     def register_tool_parsers(register):
         register("my_format", MyToolParser())
 
-This module is a leaf: it imports pluggy alone.
+The types a plugin's objects exchange with the core (the tool-call protocol) are defined here too,
+so that the core depends on this contract and never on a concrete plugin.
+
+This module is a leaf: it imports the standard library and pluggy alone.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
 
 import pluggy
 
@@ -22,6 +28,14 @@ PROJECT_NAME = "hibana"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+class HibanaError(Exception):
+    """Base class of every error Hibana raises on purpose; its message says what to do.
+
+    Defined in this leaf so that the plugin manager (and any plugin) can raise Hibana's errors
+    without importing the engine; `hibana_core.HibanaError` is this class.
+    """
 
 
 @hookspec
@@ -40,8 +54,8 @@ def register_adapters(register) -> None:
 def register_tool_parsers(register) -> None:
     """Register tool-call parsers: `register(name, parser)`.
 
-    `parser` turns generated text into content and tool calls (types in
-    `hibana_plugins.tool_parsers`):
+    `parser` turns generated text into content and tool calls (a `ToolParser`; the types are
+    defined below):
     - `parser.parse(text) -> ParsedOutput(content, tool_calls, error)`. Malformed tool-call text
       is returned as content with `error` set; parse never raises on model output.
     - `parser.stream()` returns a fresh object for one generation with
@@ -60,7 +74,7 @@ def register_chat_formats(register) -> None:
     explicitly). `chat_format` provides `template: str`, a Jinja chat template used instead of
     the checkpoint's own (same variables as transformers' `apply_chat_template`: messages, tools,
     add_generation_prompt), and may provide `tool_parser: str`, the registered name of the tool
-    parser that reads its output. `hibana_core.chat` defines the exact protocol.
+    parser that reads its output. `hibana_core.chat.Chat` reads these two attributes alone.
     """
 
 
@@ -80,8 +94,9 @@ def register_model_families(register) -> None:
 def register_drafters(register) -> None:
     """Register speculation drafters: `register(name, factory)`.
 
-    `factory(engine, **options)` returns a drafter that proposes draft tokens for a state from
-    its token history; the protocol is defined by `hibana_core.speculation`.
+    Planned: `factory(engine, **options)` returns a drafter that proposes draft tokens for a
+    state from its token history. Nothing calls this hook yet: the drafter protocol is defined
+    by the issue that adds adaptive speculation (`hibana_core.speculation`, empty today).
     """
 
 
@@ -89,6 +104,66 @@ def register_drafters(register) -> None:
 def register_surgery_passes(register) -> None:
     """Register model surgery passes: `register(name, surgery_pass)`.
 
-    A pass rewrites a loaded model to cut bytes per token and reports what it saved and what it
-    cost in quality; the protocol is defined by `hibana_core.surgery`.
+    Planned: a pass rewrites a loaded model to cut bytes per token and reports what it saved and
+    what it cost in quality. Nothing calls this hook yet: the pass protocol is defined by the
+    issue that adds model surgery (`hibana_core.surgery`, empty today).
     """
+
+
+# -- the tool-call protocol: what a registered tool parser exchanges with the core --------------
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed tool call."""
+
+    id: str
+    """"call_" + 24 hex digits, unique per call."""
+    name: str
+    """The function the model calls."""
+    arguments: dict
+    """Its arguments, decoded from JSON."""
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    """A generation split into content and tool calls."""
+
+    content: str
+    """Text outside tool calls (malformed tool-call text included), stripped."""
+    tool_calls: list[ToolCall]
+    """Well-formed tool calls, in order."""
+    error: str | None = None
+    """What was malformed, when something was; None otherwise."""
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of a streamed tool call: first id and name, then argument fragments."""
+
+    index: int
+    """Position of the call among this generation's streamed calls."""
+    id: str | None
+    """Set on the first delta of a call only."""
+    name: str | None
+    """Set on the first delta of a call only."""
+    arguments_fragment: str = ""
+    """The next piece of the arguments' JSON text."""
+
+
+class ToolCallStream(Protocol):
+    """Incremental parsing of one generation."""
+
+    def feed(self, text_delta: str) -> list[str | ToolCallDelta]: ...
+
+    def close(self) -> list[str | ToolCallDelta]: ...
+
+    def finish(self) -> ParsedOutput: ...
+
+
+class ToolParser(Protocol):
+    """What `register_tool_parsers` registers."""
+
+    def parse(self, text: str) -> ParsedOutput: ...
+
+    def stream(self) -> ToolCallStream: ...

@@ -15,7 +15,9 @@ same name within one kind is a `PluginError` naming both.
 Each registry is collected on first use and cached. Every hook implementation is called on its
 own (rather than through `pm.hook.<name>()`) so that one raising plugin cannot hide the others.
 
-This module is a leaf: it imports pluggy and the standard library alone.
+This module is a leaf: it imports the standard library, pluggy and `hibana_plugins.hookspecs`
+alone, and finds every plugin, built-ins included, by module name or entry point. Importing it
+does not load `hibana_core`.
 """
 
 from __future__ import annotations
@@ -32,16 +34,15 @@ from types import ModuleType
 
 import pluggy
 
-# errors.py is itself a leaf (no imports), so the manager stays one
-from hibana_core.errors import HibanaError
-
 from hibana_plugins import hookspecs
+from hibana_plugins.hookspecs import HibanaError
 
 ENTRY_POINT_GROUP = "hibana"
 ENV_VAR = "HIBANA_PLUGINS"
 
 # Loaded first, in this order, by module name. A module that does not exist is skipped silently
-# (the adapters land in later issues); any other import failure is reported.
+# (a trimmed or partial install); any other failure to import one is reported. The adapters
+# import without their framework and say what to install when they are used.
 BUILTIN_MODULES = (
     "hibana_core.models",
     "hibana_plugins.tool_parsers",

@@ -22,70 +22,20 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Protocol
 
-from hibana_plugins.hookspecs import hookimpl
+from hibana_plugins.hookspecs import (  # noqa: F401 (the protocol types, re-exported)
+    ParsedOutput,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStream,
+    ToolParser,
+    hookimpl,
+)
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 LLAMA3_SEPARATORS = " \t\r\n;"
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One parsed tool call."""
-
-    id: str
-    """"call_" + 24 hex digits, unique per call."""
-    name: str
-    """The function the model calls."""
-    arguments: dict
-    """Its arguments, decoded from JSON."""
-
-
-@dataclass(frozen=True)
-class ParsedOutput:
-    """A generation split into content and tool calls."""
-
-    content: str
-    """Text outside tool calls (malformed tool-call text included), stripped."""
-    tool_calls: list[ToolCall]
-    """Well-formed tool calls, in order."""
-    error: str | None = None
-    """What was malformed, when something was; None otherwise."""
-
-
-@dataclass(frozen=True)
-class ToolCallDelta:
-    """A piece of a streamed tool call: first id and name, then argument fragments."""
-
-    index: int
-    """Position of the call among this generation's streamed calls."""
-    id: str | None
-    """Set on the first delta of a call only."""
-    name: str | None
-    """Set on the first delta of a call only."""
-    arguments_fragment: str = ""
-    """The next piece of the arguments' JSON text."""
-
-
-class ToolCallStream(Protocol):
-    """Incremental parsing of one generation."""
-
-    def feed(self, text_delta: str) -> list[str | ToolCallDelta]: ...
-
-    def close(self) -> list[str | ToolCallDelta]: ...
-
-    def finish(self) -> ParsedOutput: ...
-
-
-class ToolParser(Protocol):
-    """What `register_tool_parsers` registers."""
-
-    def parse(self, text: str) -> ParsedOutput: ...
-
-    def stream(self) -> ToolCallStream: ...
 
 
 def new_call_id() -> str:

@@ -14,7 +14,7 @@ import importlib
 
 import torch
 
-from kernels import activation, attention, matmul, norm, rotary
+from hibana_kernels import activation, attention, matmul, norm, rotary
 
 __all__ = ["fused_add_rms_norm", "linear", "paged_attention", "qk_norm_rotary_store", "rms_norm",
            "rotary_embedding", "silu_and_mul", "store_kv", "triton_available"]
@@ -32,7 +32,7 @@ def triton_available() -> bool:
 def _triton(module: str, tensor: torch.Tensor):
     """The Triton module for `tensor`, or None when the reference should run."""
     if tensor.is_cuda and triton_available():
-        return importlib.import_module(f"kernels.{module}_triton")
+        return importlib.import_module(f"hibana_kernels.{module}_triton")
     return None
 
 
@@ -41,7 +41,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of packed varlen queries [T, H, D] over the paged KV cache; see
-    `kernels.attention.paged_attention`."""
+    `hibana_kernels.attention.paged_attention`."""
     impl = _triton("attention", q) or attention
     return impl.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                 max_query_len, max_seq_len, scale, sliding_window)
@@ -79,7 +79,7 @@ def qk_norm_rotary_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
                          q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
                          eps: float = 0.0) -> torch.Tensor:
     """An attention layer's prologue (q/k norm when weights are given, rotary, K/V stored);
-    returns the rotated q. See `kernels.rotary.qk_norm_rotary_store`."""
+    returns the rotated q. See `hibana_kernels.rotary.qk_norm_rotary_store`."""
     impl = _triton("rotary", q) or rotary
     return impl.qk_norm_rotary_store(positions, q, k, v, cos_table, sin_table, k_cache, v_cache,
                                      slot_mapping, q_weight, k_weight, eps)

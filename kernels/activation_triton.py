@@ -1,4 +1,4 @@
-"""SiLU-and-multiply: Triton kernel, same signature as `kernels.activation`."""
+"""SiLU-and-multiply: Triton kernel, same signature as `hibana_kernels.activation`."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, INTER: tl.constexpr, BLOCK: t
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """See `kernels.activation.silu_and_mul`."""
+    """See `hibana_kernels.activation.silu_and_mul`."""
     inter = gate_up.shape[-1] // 2
     x = gate_up.reshape(-1, 2 * inter)
     if x.stride(1) != 1:

@@ -1,4 +1,4 @@
-"""Attention over a paged KV cache: Triton kernels, same signatures as `kernels.attention`.
+"""Attention over a paged KV cache: Triton kernels, same signatures as `hibana_kernels.attention`.
 
 Two attention kernels share one online-softmax step (`_attend`), fp32 accumulation:
 
@@ -219,7 +219,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """See `kernels.attention.paged_attention`. Decode-only batches (max_query_len == 1) take the
+    """See `hibana_kernels.attention.paged_attention`. Decode-only batches (max_query_len == 1) take the
     decode kernel, split along the sequence when the batch alone would not fill the device."""
     num_seqs = seq_lens.shape[0]
     num_kv_heads = k_cache.shape[2]
@@ -324,7 +324,7 @@ def _sm_count(device: torch.device) -> int:
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """See `kernels.attention.store_kv`: negative slots are skipped, with no host sync."""
+    """See `hibana_kernels.attention.store_kv`: negative slots are skipped, with no host sync."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return

@@ -1,4 +1,4 @@
-"""Linear layers at batch 1: a Triton GEMV, same signature as `kernels.matmul`.
+"""Linear layers at batch 1: a Triton GEMV, same signature as `hibana_kernels.matmul`.
 
 At one row (a single agent decoding) a linear layer is a pass over its weight and nothing else:
 the time is the weight's bytes over memory bandwidth, and cuBLAS reaches 59-80% of it on the
@@ -73,7 +73,7 @@ def linear_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """See `kernels.matmul.linear`."""
+    """See `hibana_kernels.matmul.linear`."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (not 0 < rows <= MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16)
             or weight.dtype != x.dtype or weight.stride(-1) != 1):

@@ -1,4 +1,4 @@
-"""RMSNorm: Triton kernels, same signatures as `kernels.norm`. One program per row."""
+"""RMSNorm: Triton kernels, same signatures as `hibana_kernels.norm`. One program per row."""
 
 from __future__ import annotations
 
@@ -49,11 +49,11 @@ def _launch(x, residual, weight, eps):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """See `kernels.norm.rms_norm`."""
+    """See `hibana_kernels.norm.rms_norm`."""
     return _launch(x, None, weight, eps)[0]
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """See `kernels.norm.fused_add_rms_norm`."""
+    """See `hibana_kernels.norm.fused_add_rms_norm`."""
     return _launch(x, residual, weight, eps)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import attention, norm
+from hibana_kernels import attention, norm
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -1,4 +1,4 @@
-"""Rotary position embedding: Triton kernels, same signatures as `kernels.rotary`.
+"""Rotary position embedding: Triton kernels, same signatures as `hibana_kernels.rotary`.
 
 `rotary_embedding`: one program per token rotates all its query and key heads; q and k may be
 strided views (e.g. slices of a fused QKV projection), the results are new contiguous tensors.
@@ -65,7 +65,7 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_table: torch.Tensor, sin_table: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """See `kernels.rotary.rotary_embedding` (out of place)."""
+    """See `hibana_kernels.rotary.rotary_embedding` (out of place)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if q.stride(2) != 1 or k.stride(2) != 1 or cos_table.stride() != sin_table.stride() \
@@ -147,7 +147,7 @@ def qk_norm_rotary_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                          q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
                          eps: float = 0.0) -> torch.Tensor:
-    """See `kernels.rotary.qk_norm_rotary_store`."""
+    """See `hibana_kernels.rotary.qk_norm_rotary_store`."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if (q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or head_dim % 2

@@ -257,3 +257,25 @@ def test_shared_engines_of_dropped_objects_do_not_accumulate(tiny_checkpoints):
     assert Engine.shared(path, progress=False, seed=5) is made[5]()  # a recent one is found again
     for engine in alive:
         engine.close()
+
+
+def test_a_long_stop_string_holds_back_only_a_possible_start_of_it():
+    from hibana_core.detokenizer import Detokenizer
+
+    class Chars:  # one token per character
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(map(chr, ids))
+
+    detok = Detokenizer(Chars(), [], ["STOP" + "x" * 1_000_000])
+    streamed = ""
+    for char in "hello STO":
+        assert not detok.add(ord(char))
+        streamed += detok.take_delta()
+    assert streamed == "hello "          # "STO" could still start the stop string
+    for char in "Pyz":
+        detok.add(ord(char))
+        streamed += detok.take_delta()
+    assert streamed == "hello STOPyz"    # it did not
+    detok = Detokenizer(Chars(), [], ["</end>", "nd"])
+    assert [detok.add(ord(c)) for c in "a</en"] == [False] * 5 and detok.add(ord("d"))
+    assert detok.stopped and detok.text == "a</e"  # "nd" completed first

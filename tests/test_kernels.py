@@ -23,8 +23,8 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 
-import kernels
-from kernels import activation, attention, matmul, norm, rotary
+import hibana_kernels as kernels
+from hibana_kernels import activation, attention, matmul, norm, rotary
 
 BLOCK_SIZE = 16
 HEAD_DIM = 32
@@ -143,7 +143,8 @@ def test_reference_store_kv_skips_negative_slots():
 def test_dispatch_on_cpu_runs_the_references_without_importing_triton():
     """`kernels` imports and runs on the CPU with triton never imported."""
     script = textwrap.dedent("""
-        import sys, torch, kernels
+        import sys, torch
+        import hibana_kernels as kernels
         x = torch.randn(3, 8)
         kernels.rms_norm(x, torch.ones(8), 1e-6)
         kernels.fused_add_rms_norm(x, x, torch.ones(8), 1e-6)
@@ -168,7 +169,7 @@ def test_dispatch_on_cpu_runs_the_references_without_importing_triton():
 
 
 def _triton_module(name):
-    return importlib.import_module(f"kernels.{name}_triton")
+    return importlib.import_module(f"hibana_kernels.{name}_triton")
 
 
 def check_paged_attention(device, group, window, lens, dtype, num_splits, head_dim=HEAD_DIM,

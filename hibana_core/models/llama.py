@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
+import hibana_kernels as kernels
 from hibana_core.errors import UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
 

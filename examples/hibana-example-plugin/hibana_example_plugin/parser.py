@@ -11,13 +11,8 @@ from __future__ import annotations
 import json
 import re
 
-from hibana_plugins.tool_parsers import (
-    ParsedOutput,
-    ToolCall,
-    ToolCallDelta,
-    new_call_id,
-    partial_tag_length,
-)
+from hibana_plugins.hookspecs import ParsedOutput, ToolCall, ToolCallDelta
+from hibana_plugins.tool_parsers import new_call_id, partial_tag_length
 
 TAGS = {'<call name="': "</call>", "<tool_call>": "</tool_call>"}  # open -> close
 CALL = re.compile(r'<call name="([^"<>]+)"\s*>(.*)</call>', re.DOTALL)
