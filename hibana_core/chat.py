@@ -21,9 +21,9 @@ import contextlib
 import copy
 import dataclasses
 import json
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequence
 
-from hibana_core import turn
+from hibana_core import prompt, turn
 from hibana_core.config import SamplingParams
 from hibana_core.errors import HibanaError, StateBusyError
 from hibana_core.turn import MALFORMED, ChatDelta, ChatResult, Usage  # noqa: F401 (re-exported)
@@ -77,7 +77,41 @@ def normalize_tools(tools: Sequence[dict] | None) -> list[dict] | None:
 
 
 class ToolChoiceError(HibanaError, ValueError):
-    """A tool_choice that names no offered tool."""
+    """A tool_choice that names no offered tool, or requires a call with no tools offered."""
+
+
+class UnsupportedContentError(HibanaError, ValueError):
+    """A message carries content the model cannot read (an image, audio, a file)."""
+
+
+class ConversationError(HibanaError, ValueError):
+    """A conversation that cannot be rendered faithfully: a tool result answering no call."""
+
+
+def check_tool_results(messages: Sequence[dict]) -> None:
+    """Every tool message answers a call of the assistant message it follows (other tool messages
+    between), and names one of its calls when both carry ids: as OpenAI's API requires. A
+    template would render an orphan result as if some call had produced it, or drop it."""
+    calls: list | None = None  # the calls of the assistant message being answered
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if role == "assistant":
+            calls = message.get("tool_calls") or None
+        elif role == "tool":
+            if calls is None:
+                raise ConversationError(f"message {i} is a tool result but follows no assistant message with "
+                                        "tool calls; give the assistant message its tool_calls, or send the "
+                                        "result as a user message")
+            call_id, ids = message.get("tool_call_id"), [_call_id(c) for c in calls]
+            if call_id and all(ids) and call_id not in ids:
+                raise ConversationError(f"message {i} answers tool call {call_id!r}, which the assistant message "
+                                        f"before it did not make (its calls: {ids})")
+        else:
+            calls = None
+
+
+def _call_id(call: Any) -> str | None:
+    return call.id if isinstance(call, ToolCall) else call.get("id")
 
 
 def normalize_tool_choice(choice: Any, tools: Sequence[dict] | None) -> str:
@@ -146,6 +180,9 @@ class Chat:
         self.parser = get_plugin_manager().lookup("tool_parser", self.parser_name)
         vocab = engine.tokenizer.get_vocab()
         self.stop_token_ids = tuple(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+        self.control = prompt.control_strings(engine.tokenizer)  # what contents never turn into
+        self.control_ids = frozenset(vocab[t] for t in self.control if t in vocab)
+        self._plain: dict[str, Callable[[str], list[int]]] = {}   # built on first hostile content, shared by `on`
         self.handle: StateHandle | None = engine.open_state(state_id) if state_id is not None else None
 
     def on(self, handle: "StateHandle") -> "Chat":
@@ -200,32 +237,63 @@ class Chat:
         """Prompt token ids: the conversation plus the assistant's generation prompt."""
         return self._encode(self.render_text(messages, tools))
 
-    def render_text(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
+    def render_text(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> prompt.Prompt:
+        """The rendered prompt; message contents that hold control-token text are marked as such
+        (`hibana_core.prompt`), so that they are tokenized as plain text."""
         kwargs = {"chat_template": self.template} if self.template else {}
-        try:
-            return self.engine.tokenizer.apply_chat_template(
-                normalize_messages(messages), tools=normalize_tools(tools), add_generation_prompt=True,
-                tokenize=False, **kwargs)
-        except Exception as exc:  # jinja raises many types for a conversation it rejects
-            raise HibanaError(f"cannot render the conversation with the chat template: {exc}") from exc
+
+        messages = normalize_messages(messages)
+        check_tool_results(messages)
+
+        def template(messages: list[dict], tools: list[dict] | None) -> str:
+            try:
+                return self.engine.tokenizer.apply_chat_template(
+                    messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs)
+            except Exception as exc:  # jinja raises many types for a conversation it rejects
+                raise HibanaError(f"cannot render the conversation with the chat template: {exc}") from exc
+        return prompt.render(template, messages, normalize_tools(tools), self.control)
 
     def prompt_ids(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None = None) -> list[int]:
         """What `respond` syncs: the rendered prompt (`messages` may be rendered text already),
         except that the state's own tokens are kept up to the last end-of-turn token where they
         still spell the prompt's text, and only the rest is tokenized. A model may spell a word in
         other tokens than the tokenizer would (an unseen name copied piece by piece);
-        re-tokenizing would recompute everything after it."""
+        re-tokenizing would recompute everything after it. Held tokens are never kept where one
+        of their control tokens would stand for a message content's text."""
         text = messages if isinstance(messages, str) else self.render_text(messages, tools)
         held = self.handle.tokens if self.handle is not None else []
         ends = [i + 1 for i, token in enumerate(held) if token in self.stop_token_ids]
         for end in reversed(ends):  # usually the last one matches: the previous reply, unchanged
             held_text = self.engine.tokenizer.decode(held[:end], skip_special_tokens=False)
-            if text.startswith(held_text):
-                return held[:end] + self._encode(text[len(held_text):])
+            if text.startswith(held_text) and self._controls_are_markup(held[:end], prompt.spans_of(text)):
+                return held[:end] + self._encode(text, len(held_text))
         return self._encode(text)
 
-    def _encode(self, text: str) -> list[int]:
-        # what apply_chat_template(tokenize=True) does: the template already wrote the special tokens
+    def _controls_are_markup(self, tokens: Sequence[int], spans: Sequence[prompt.Span]) -> bool:
+        """Whether no control token of `tokens` stands where `spans` (content) are in their text."""
+        if not spans:
+            return True
+        decode = self.engine.tokenizer.decode
+        pos, run = 0, []
+        for token in tokens:
+            if token not in self.control_ids:
+                run.append(token)
+                continue
+            pos += len(decode(run, skip_special_tokens=False)) if run else 0
+            run = []
+            if any(a <= pos < b for a, b in spans):
+                return False
+            pos += len(decode([token], skip_special_tokens=False))
+        return True
+
+    def _encode(self, text: str, start: int = 0) -> list[int]:
+        """Token ids of `text[start:]`: the template's markup as `apply_chat_template(tokenize=True)`
+        encodes it (control tokens included), a Prompt's content spans as plain text."""
+        if prompt.spans_of(text) and not self._plain:
+            self._plain["encode"] = prompt.plain_encoder(self.engine.tokenizer)
+        return prompt.encode(text, start, self._markup, self._plain.get("encode"))
+
+    def _markup(self, text: str) -> list[int]:
         return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
 
     # --- one assistant turn -------------------------------------------------------------------

@@ -240,8 +240,8 @@ class StageRequest:
 class TurnRun:
     """Runs a plan on one state, one request per stage, without doing I/O itself (`run` and
     `arun` drive it). `max_calls` (1 for `parallel_tool_calls=False`): calls past it are dropped
-    from the stream and the result alike, and once it is reached the rest of the generation is
-    no longer parsed."""
+    from the stream and the result alike, and once it is reached the request is stopped
+    (`stop_now`): the turn ends with its calls, finish_reason "tool_calls"."""
 
     def __init__(self, prompt: list[int], plan: Plan, params: SamplingParams, stream: ToolCallStream,
                  encode: Callable[[str], list[int]], end_of_turn: Sequence[int], timeout: float | None,
@@ -257,6 +257,7 @@ class TurnRun:
         self.usage: Usage | None = None
         self.generated = 0
         self.finish_reason = "stop"
+        self.stopped = False       # the turn ended the current request itself (`stop_now`)
 
     def begin(self) -> tuple[list[ChatDelta], StageRequest]:
         stage, self.raw = self.stage, ""
@@ -276,7 +277,8 @@ class TurnRun:
                 self.usage = Usage(stats.prompt_tokens, stats.reused, 0)
             self.generated += len(event.completion.token_ids)
             if self.stage.live:  # a value stage that reaches its cap still completes the call
-                self.finish_reason = event.completion.finish_reason
+                reason = event.completion.finish_reason
+                self.finish_reason = "stop" if self.stopped and reason == "cancelled" else reason
         if self.stage.live:
             return self._feed(event.text)
         self.raw += event.text
@@ -297,6 +299,14 @@ class TurnRun:
         if self.max_calls is not None:
             parsed = dataclasses.replace(parsed, tool_calls=parsed.tool_calls[:self.max_calls])
         return deltas + [ChatDelta(result=result(parsed, self.text, self.finish_reason, usage))]
+
+    def stop_now(self) -> bool:
+        """Whether the driver should stop the current request now (once): the turn holds all the
+        calls it may, and what the model writes next would be dropped anyway."""
+        if self.full and self.stage.live and not self.stopped:
+            self.stopped = True
+            return True
+        return False
 
     @property
     def full(self) -> bool:
@@ -367,6 +377,8 @@ def run(open_turn: Open, convert: Callable[[ChatDelta], T | None] = _same) -> It
             with contextlib.closing(handle.stream(request.params, prompt=request.prompt)) as events:
                 for event in events:
                     yield from _converted(turn.on_event(event), convert)
+                    if turn.stop_now():
+                        events.stop()
             if not turn.next_stage():
                 break
         yield from _converted(turn.finish(), convert)
@@ -384,6 +396,8 @@ async def arun(open_turn: Open, convert: Callable[[ChatDelta], T | None] = _same
                 async for event in events:
                     for item in _converted(turn.on_event(event), convert):
                         yield item
+                    if turn.stop_now():
+                        events.stop()
             if not turn.next_stage():
                 break
         for item in _converted(turn.finish(), convert):

@@ -38,9 +38,9 @@ from typing import Any, Literal
 from pydantic import Field, PrivateAttr
 
 from hibana_core import turn
-from hibana_core.chat import Chat, ChatDelta, ChatResult as TurnResult, Usage, clean_tool, normalize_tool_choice
+from hibana_core.chat import (Chat, ChatDelta, ChatResult as TurnResult, UnsupportedContentError, Usage,  # noqa: F401
+                              clean_tool, normalize_tool_choice)
 from hibana_core.config import SamplingParams
-from hibana_core.errors import HibanaError
 from hibana_plugins.hookspecs import hookimpl
 
 try:
@@ -73,10 +73,6 @@ def register_adapters(register) -> None:
 
 PROVIDER = "hibana"
 _MEDIA_BLOCKS = frozenset({"image", "image_url", "audio", "input_audio", "video", "file", "document"})
-
-
-class UnsupportedContentError(HibanaError, ValueError):
-    """A message carries content the model cannot read (an image, audio, a file)."""
 
 
 # --- which state serves a call: an explicit id, else LangGraph's, else Chat.lease's choice ----------
@@ -125,10 +121,13 @@ def _to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict]:
             out.append({"role": "user", "content": _text(m)})
         elif isinstance(m, AIMessage):
             message: dict[str, Any] = {"role": "assistant", "content": _text(m, media_allowed=True)}
-            if m.tool_calls:
-                message["tool_calls"] = [
-                    {"id": c.get("id"), "type": "function", "function": {"name": c["name"], "arguments": c["args"]}}
-                    for c in m.tool_calls]
+            # invalid calls (arguments that did not parse, from another model) are kept as the
+            # model wrote them, their arguments as text: raising would end the conversation for good
+            calls = [(c.get("id"), c.get("name"), c["args"]) for c in m.tool_calls]
+            calls += [(c.get("id"), c.get("name") or "", c.get("args") or "") for c in m.invalid_tool_calls]
+            if calls:
+                message["tool_calls"] = [{"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+                                         for i, n, a in calls]
             out.append(message)
         elif isinstance(m, ToolMessage):
             out.append({"role": "tool", "tool_call_id": m.tool_call_id, "content": _text(m)})

@@ -37,7 +37,8 @@ import json
 from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence
 
 from hibana_core import turn
-from hibana_core.chat import Chat, ChatDelta, ChatResult, clean_tool, normalize_tool_choice
+from hibana_core.chat import (Chat, ChatDelta, ChatResult, ToolChoiceError, UnsupportedContentError, clean_tool,
+                              normalize_tool_choice)
 from hibana_core.config import SamplingParams
 from hibana_core.errors import HibanaError
 from hibana_plugins.hookspecs import hookimpl
@@ -288,6 +289,9 @@ def llm_class() -> type:
         def _chat_call(self, messages: Sequence[ChatMessage], kwargs: dict) -> _Call:
             tools = kwargs.get("tools") or None
             choice = kwargs.get("tool_choice")
+            if kwargs.get("tool_required") and not tools:
+                raise ToolChoiceError("tool_required=True with no tools: there is no call to make; pass tools "
+                                      "or drop tool_required")
             if kwargs.get("tool_required") and choice in (None, "auto"):
                 choice = "required"
             choice = normalize_tool_choice(choice, tools) if tools else "auto"
@@ -332,12 +336,17 @@ def llm_class() -> type:
 def openai_messages(messages: Sequence[Any]) -> list[dict]:
     """LlamaIndex ChatMessages as the OpenAI-style dicts `hibana_core.chat` renders. Tool calls come
     from ToolCallBlocks, else from `additional_kwargs["tool_calls"]` (older integrations)."""
-    from llama_index.core.base.llms.types import TextBlock, ToolCallBlock
+    from llama_index.core.base.llms.types import (AudioBlock, DocumentBlock, ImageBlock, TextBlock, ToolCallBlock,
+                                                  VideoBlock)
 
     out = []
     for message in messages:
         role = getattr(message.role, "value", message.role)
         role = _ROLES.get(role, role)
+        media = [b for b in message.blocks if isinstance(b, (ImageBlock, AudioBlock, VideoBlock, DocumentBlock))]
+        if media:  # dropping it would answer as if the user had sent none
+            raise UnsupportedContentError(f"HibanaLLM reads text only, and a {role} message holds a "
+                                          f"{media[0].block_type!r} block; describe it in text or use a multimodal LLM")
         text = "".join(b.text for b in message.blocks if isinstance(b, TextBlock))
         item: dict[str, Any] = {"role": role, "content": text}
         blocks = [b for b in message.blocks if isinstance(b, ToolCallBlock)]

@@ -50,19 +50,29 @@ def partial_tag_length(text: str, tag: str) -> int:
     return 0
 
 
+def _loads(text: str):
+    """json.loads, with every way model output can fail it as a ValueError: a number past
+    Python's int-string limit raises ValueError, nesting past the recursion limit RecursionError."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
 @dataclass(frozen=True)
 class _Decoded:
     name: str = ""
     arguments: dict | None = None
     error: str | None = None
     valid_json: bool = False
+    arguments_json: str = "{}"  # as streamed
 
 
 def _decode_call(text: str, require_arguments: bool) -> _Decoded:
     """The authoritative reading of one call's JSON object."""
     try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
+        obj = _loads(text)
+    except ValueError as exc:  # JSONDecodeError, an over-long number, too deep a nesting
         return _Decoded(error=f"invalid JSON in tool call ({exc})")
     if not isinstance(obj, dict):
         return _Decoded(error="a tool call must be a JSON object", valid_json=True)
@@ -75,14 +85,18 @@ def _decode_call(text: str, require_arguments: bool) -> _Decoded:
     arguments = obj.get(key) if key else None
     if isinstance(arguments, str):  # some models send the arguments as a JSON string
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as exc:
+            arguments = _loads(arguments)
+        except ValueError as exc:
             return _Decoded(error=f"invalid JSON in arguments of {name!r} ({exc})", valid_json=True)
     if arguments is None:
         arguments = {}
     if not isinstance(arguments, dict):
         return _Decoded(error=f"arguments of {name!r} must be a JSON object", valid_json=True)
-    return _Decoded(name, arguments, None, valid_json=True)
+    try:  # what the stream sends; nesting deep enough may still fail the encoder
+        arguments_json = json.dumps(arguments, ensure_ascii=False)
+    except (ValueError, RecursionError):
+        return _Decoded(error=f"arguments of {name!r} nested too deeply", valid_json=True)
+    return _Decoded(name, arguments, None, valid_json=True, arguments_json=arguments_json)
 
 
 class _ObjectScanner:
@@ -195,8 +209,8 @@ class _ObjectScanner:
     def _string_ended(self, text: str, end: int) -> None:
         if self._expect == "key_string":
             try:
-                self._key = json.loads(text[self._token_start : end])
-            except json.JSONDecodeError:
+                self._key = _loads(text[self._token_start : end])
+            except ValueError:
                 return self._break()
             self._expect = "colon"
         elif self._expect == "in_value":
@@ -205,8 +219,8 @@ class _ObjectScanner:
     def _value_ended(self, text: str, end: int) -> None:
         if self._key == "name" and self.name is None:
             try:
-                value = json.loads(text[self._token_start : end])
-            except json.JSONDecodeError:
+                value = _loads(text[self._token_start : end])
+            except ValueError:
                 value = None
             if isinstance(value, str) and value:
                 self.name = value
@@ -284,7 +298,7 @@ class _Stream:
         index = len(self._calls)
         self._calls.append(call)
         out.append(ToolCallDelta(index, call.id, call.name))
-        out.append(ToolCallDelta(index, None, None, json.dumps(call.arguments, ensure_ascii=False)))
+        out.append(ToolCallDelta(index, None, None, decoded.arguments_json))
 
     def _reject(self, out: list, raw: str, error: str) -> None:
         self._errors.append(error)

@@ -328,26 +328,52 @@ def test_lease_never_shares_a_state(engine):
 
 # --- truthful streams (issue 11, defects 1 and 2), on scripted model output --------------------------
 
+class ScriptedEvents:
+    """A request's events from a script: one per chunk, then the final one. `stop()` ends it as
+    the engine's RequestEvents do: the final event still comes, finish_reason "cancelled"."""
+
+    def __init__(self, chunks: list[str], reason: str) -> None:
+        self.chunks, self.reason, self.stopped, self.sent = chunks, reason, False, 0
+
+    def __iter__(self):
+        from hibana_core.state import Completion, RequestStats, StreamEvent
+
+        for chunk in self.chunks:
+            if self.stopped:
+                break
+            self.sent += 1
+            yield StreamEvent(0, chunk)
+        reason = "cancelled" if self.stopped else self.reason
+        stats = RequestStats(3, 1, 2, self.sent, None, 0.0)
+        yield StreamEvent(None, "", reason, Completion([0] * self.sent, reason, "", stats))
+
+    async def __aiter__(self):
+        for event in self:
+            yield event
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def close(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+
 class ScriptedHandle:
     """A state whose every request streams given text in given chunks, then finishes for `reason`."""
 
     def __init__(self, chunks: list[str], reason: str = "stop") -> None:
         self.id, self.tokens, self.chunks, self.reason = "scripted", [], chunks, reason
-
-    def _events(self):
-        from hibana_core.state import Completion, RequestStats, StreamEvent
-
-        for chunk in self.chunks:
-            yield StreamEvent(0, chunk)
-        stats = RequestStats(3, 1, 2, len(self.chunks), None, 0.0)
-        yield StreamEvent(None, "", self.reason, Completion([0] * len(self.chunks), self.reason, "", stats))
+        self.requests: list[ScriptedEvents] = []
 
     def stream(self, params, *, prompt=None):
-        return self._events()
+        self.requests.append(ScriptedEvents(self.chunks, self.reason))
+        return self.requests[-1]
 
-    async def astream(self, params, *, prompt=None):
-        for event in self._events():
-            yield event
+    def astream(self, params, *, prompt=None):
+        return self.stream(params, prompt=prompt)
 
 
 def streamed_turn(deltas):
@@ -427,3 +453,27 @@ def test_parallel_tool_calls_false_gives_one_call_in_stream_and_result(engine):
         return [d async for d in chat.on(ScriptedHandle(list(output))).astream_respond(
             HELLO, [WEATHER], parallel_tool_calls=False)]
     assert [c.name for c in asyncio.run(streamed())[-1].result.tool_calls] == ["get_weather"]
+
+
+def test_single_call_turn_stops_generating_after_the_call(engine):
+    """parallel_tool_calls=False: once the call is complete the request is stopped, not run on;
+    the turn still ends as "tool_calls" with its usage complete."""
+    chat = Chat(engine)
+    output = [CALL, "\n", CALL.replace("Paris", "Oslo")] + ["more"] * 50
+    handle = ScriptedHandle(output)
+    result = chat.on(handle).respond(HELLO, [WEATHER], parallel_tool_calls=False)
+    assert [c.name for c in result.tool_calls] == ["get_weather"] and result.finish_reason == "tool_calls"
+    assert result.usage.completion_tokens == 1 and handle.requests[0].stopped
+
+    async def streamed():
+        return [d async for d in chat.on(ScriptedHandle(output)).astream_respond(
+            HELLO, [WEATHER], parallel_tool_calls=False)]
+    last = asyncio.run(streamed())[-1].result
+    assert last.finish_reason == "tool_calls" and last.usage.completion_tokens == 1
+    # on the demo model, which writes the call again after a prefilled one unless stopped
+    real = Chat(engine, "single-call")
+    result = real.respond(HELLO, [WEATHER], SamplingParams(max_tokens=64), prefill=CALL + "\n",
+                          parallel_tool_calls=False)
+    assert result.finish_reason == "tool_calls" and len(result.tool_calls) == 1
+    assert result.usage.completion_tokens <= 2
+    assert len(real.handle.tokens) == result.usage.prompt_tokens + result.usage.completion_tokens

@@ -1,0 +1,174 @@
+"""Rendered prompts whose message contents never become control tokens.
+
+A chat template writes its own markup (`<|im_start|>user\\n`, `<|im_end|>`) around text that
+comes from users, tools and tool schemas. Tokenizing the rendered text whole would read a
+`<|im_end|>` inside a tool result as the real control token: the tool could end its turn and write
+an assistant turn and a tool call. So contents are tokenized as plain text:
+
+    messages --mask: a hostile string -> a sentinel--> template --> markup 0, S0, markup 1, S1, ...
+    the real render == markup 0 + content 0 + markup 1 + ...  (content i: S_i's string, as the
+                                                              template wrote it: as is, trimmed, JSON)
+    tokens = encode(markup 0) + plain(content 0) + encode(markup 1) + ...
+
+Control tokens are the tokenizer's special tokens (`control_strings`). Only strings that hold
+one's text are masked; a conversation with none renders and
+tokenizes exactly as before (one `encode` of the whole text), so KV reuse is untouched. The model's
+own assistant contents are trusted (they are re-rendered as generated); the arguments of its tool
+calls are not (a call may copy a tool's output).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import uuid
+from typing import Any, Callable, Sequence
+
+from hibana_core.errors import HibanaError
+
+Span = tuple[int, int]
+
+
+class PromptMarkupError(HibanaError, ValueError):
+    """The chat template transforms message contents in a way that hides where they are."""
+
+
+class Prompt(str):
+    """Rendered text that knows which of its character spans are untrusted contents holding
+    control-token text (`spans`, in order, not overlapping). A plain `str` has none."""
+
+    spans: tuple[Span, ...] = ()
+
+    def __new__(cls, text: str, spans: Sequence[Span] = ()) -> "Prompt":
+        prompt = super().__new__(cls, text)
+        prompt.spans = tuple(spans)
+        return prompt
+
+
+def spans_of(text: str) -> tuple[Span, ...]:
+    return getattr(text, "spans", ())
+
+
+class Masker:
+    """Swaps every string that holds a control token's text for a sentinel the template copies."""
+
+    def __init__(self, control: Sequence[str]) -> None:
+        self.pattern = re.compile("|".join(map(re.escape, sorted(control, key=len, reverse=True)))) if control else None
+        self.tag = "hibana" + uuid.uuid4().hex[:12]
+        self.originals: dict[str, str] = {}
+
+    def hostile(self, text: str) -> bool:
+        return self.pattern is not None and self.pattern.search(text) is not None
+
+    def mask(self, value: Any) -> Any:
+        """`value` (strings, dicts, lists) with each hostile string, dict keys too, a sentinel."""
+        if isinstance(value, str):
+            if not self.hostile(value):
+                return value
+            sentinel = f"{self.tag}x{len(self.originals)}x"
+            self.originals[sentinel] = value
+            return sentinel
+        if isinstance(value, dict):
+            return {self.mask(k): self.mask(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.mask(v) for v in value]
+        return value
+
+    def mask_messages(self, messages: list[dict]) -> list[dict]:
+        """Every field of a message is untrusted except an assistant's content and reasoning."""
+        out = []
+        for message in messages:
+            if message.get("role") == "assistant":
+                m = dict(message)
+                if m.get("tool_calls"):
+                    m["tool_calls"] = self.mask(copy.deepcopy(m["tool_calls"]))
+                out.append(m)
+            else:
+                out.append(self.mask(message))
+        return out
+
+
+def _written(original: str) -> list[str]:
+    """How templates write a content string: as is, trimmed, or inside a JSON string."""
+    return list(dict.fromkeys([original, original.strip(), json.dumps(original, ensure_ascii=False)[1:-1],
+                               json.dumps(original)[1:-1], original.lstrip(), original.rstrip()]))
+
+
+def locate(rendered: str, masked: str, masker: Masker) -> Prompt:
+    """`rendered` with the spans where the masked render has sentinels, matched piece by piece."""
+    pieces = re.split(f"({re.escape(masker.tag)}x\\d+x)", masked)  # markup, sentinel, markup, ...
+    if not rendered.startswith(pieces[0]):
+        raise PromptMarkupError("the chat template renders differently when message contents change")
+    pos, spans = len(pieces[0]), []
+    for sentinel, markup in zip(pieces[1::2], pieces[2::2]):
+        written = next((w for w in _written(masker.originals[sentinel])
+                        if rendered.startswith(w + markup, pos)), None)
+        if written is None:
+            raise PromptMarkupError(
+                "a message content holds control-token text and the chat template rewrites it in a way "
+                "Hibana cannot follow, so it cannot be kept from forging turns; remove the control-token "
+                "text from the content")
+        spans.append((pos, pos + len(written)))
+        pos += len(written) + len(markup)
+    if pos != len(rendered):
+        raise PromptMarkupError("the chat template renders differently when message contents change")
+    return Prompt(rendered, [s for s in spans if s[0] < s[1]])
+
+
+def render(template: Callable[[list[dict], Any], str], messages: list[dict], tools: Any,
+           control: Sequence[str]) -> Prompt:
+    """`template(messages, tools)` as a Prompt that marks the contents holding control-token text."""
+    rendered = template(messages, tools)
+    masker = Masker(control)
+    masked_messages, masked_tools = masker.mask_messages(messages), masker.mask(tools)
+    if not masker.originals:
+        return Prompt(rendered)
+    return locate(rendered, template(masked_messages, masked_tools), masker)
+
+
+def encode(text: str, start: int, markup: Callable[[str], list[int]], plain: Callable[[str], list[int]]) -> list[int]:
+    """Token ids of `text[start:]`: its spans through `plain` (no control tokens), the rest
+    through `markup`. With no span from `start` on, `markup(text[start:])`, as before."""
+    out, pos = [], start
+    for a, b in spans_of(text):
+        if b <= pos:
+            continue
+        a = max(a, pos)
+        if a > pos:
+            out += markup(text[pos:a])
+        out += plain(text[a:b])
+        pos = b
+    if pos < len(text) or not out:
+        out += markup(text[pos:])
+    return out
+
+
+def plain_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
+    """Tokenizes text as text: a copy of a fast tokenizer's backend without its special tokens, so
+    no control-token string becomes its id (`<tool_call>`-like vocabulary words still do, as in
+    `control_strings`). A copy: the tokenizer's own `split_special_tokens` flips a flag that
+    every thread's encode shares."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # a slow tokenizer: its own switch
+        return lambda text: list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    from tokenizers import Tokenizer
+
+    data = json.loads(backend.to_str())
+    data["added_tokens"] = [t for t in data.get("added_tokens", []) if not t.get("special")]
+    backend = Tokenizer.from_str(json.dumps(data))
+
+    def plain(text: str) -> list[int]:
+        return backend.encode(text, add_special_tokens=False).ids
+    return plain
+
+
+def control_strings(tokenizer: Any) -> list[str]:
+    """The text of every special token: what contents may not turn into. Added tokens that are
+    not special (Qwen's `<tool_call>`, `<tool_response>`, `<think>`) are vocabulary words the
+    tokenizer makes from text by design: text-protocol agents (ReAct prompts, hand-written tool
+    prompts in user and system messages) rely on them, and they cannot open or close a turn."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special = {t.content for t in decoder.values() if getattr(t, "special", False)}
+    special |= set(getattr(tokenizer, "all_special_tokens", ()))
+    return sorted(t for t in special if t)
