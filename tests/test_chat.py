@@ -14,6 +14,7 @@ from hibana_core.chat import (MALFORMED, Chat, ChatResult, ToolChoiceError, assi
 from hibana_core.state import UNNAMED_PREFIX
 from hibana_core.turn import result as turn_result
 from hibana_core.demo import corpus, tasks as T, template
+from scripted import ScriptedEvents
 from hibana_core.demo.evaluate import run_tool
 from hibana_plugins.manager import get_plugin_manager
 
@@ -327,39 +328,6 @@ def test_lease_never_shares_a_state(engine):
 
 
 # --- truthful streams (issue 11, defects 1 and 2), on scripted model output --------------------------
-
-class ScriptedEvents:
-    """A request's events from a script: one per chunk, then the final one. `stop()` ends it as
-    the engine's RequestEvents do: the final event still comes, finish_reason "cancelled"."""
-
-    def __init__(self, chunks: list[str], reason: str) -> None:
-        self.chunks, self.reason, self.stopped, self.sent = chunks, reason, False, 0
-
-    def __iter__(self):
-        from hibana_core.state import Completion, RequestStats, StreamEvent
-
-        for chunk in self.chunks:
-            if self.stopped:
-                break
-            self.sent += 1
-            yield StreamEvent(0, chunk)
-        reason = "cancelled" if self.stopped else self.reason
-        stats = RequestStats(3, 1, 2, self.sent, None, 0.0)
-        yield StreamEvent(None, "", reason, Completion([0] * self.sent, reason, "", stats))
-
-    async def __aiter__(self):
-        for event in self:
-            yield event
-
-    def stop(self) -> None:
-        self.stopped = True
-
-    def close(self) -> None:
-        pass
-
-    async def aclose(self) -> None:
-        pass
-
 
 class ScriptedHandle:
     """A state whose every request streams given text in given chunks, then finishes for `reason`."""
