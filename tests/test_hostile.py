@@ -173,6 +173,9 @@ def test_loaded_kv_is_private_unless_shared(tiny_checkpoints, make_engine, tmp_p
     """A forged file (a valid checksum proves no origin) must not reach other agents through the
     prefix index: an innocent agent on the same prefix computes its own KV."""
     import safetensors.torch as st
+    from safetensors import safe_open
+
+    from hibana_core.kv import state_file
 
     path = tiny_checkpoints[ARCH]
     engine = make_engine(path)
@@ -180,10 +183,7 @@ def test_loaded_kv_is_private_unless_shared(tiny_checkpoints, make_engine, tmp_p
     h.close()
     engine.core.scheduler.pool.reset_prefix_index()
     tensors = st.load_file(str(file))
-    with open(file, "rb") as f:
-        from safetensors import safe_open
-        meta = safe_open(str(file), "pt").metadata()
-    from hibana_core.kv import state_file
+    meta = safe_open(str(file), "pt").metadata()
     forged = tensors["kv"].zero_()
     meta["checksum"] = state_file._checksum(meta, forged)
     st.save_file({"kv": forged}, str(tmp_path / "forged.safetensors"), metadata=meta)
