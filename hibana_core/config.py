@@ -23,7 +23,7 @@ def _check(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-_KINDS = {int: "an integer", float: "a number", bool: "True or False", str: "a string"}
+_KINDS = {int: "a 64-bit integer", float: "a finite number", bool: "True or False", str: "a string"}
 
 
 def _is(value: Any, kind: type) -> bool:
@@ -33,8 +33,8 @@ def _is(value: Any, kind: type) -> bool:
         return isinstance(value, bool)
     if isinstance(value, bool):
         return False
-    if kind is int:
-        return isinstance(value, numbers.Integral)
+    if kind is int:  # what torch and the step's int64 tensors can hold
+        return isinstance(value, numbers.Integral) and -(2**63) <= value < 2**63
     if kind is float:
         return isinstance(value, numbers.Real) and math.isfinite(value)
     return isinstance(value, kind)

@@ -15,7 +15,6 @@ import uuid
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from hibana_core.config import CacheConfig, SamplingParams
@@ -98,6 +97,9 @@ class StateRegistry:
         """The idle, unleased state whose history shares the longest prefix with token_ids (the
         most recently used among equals), or None. The shared prefix must cover at least
         `min_shared` of the state's own tokens (1.0: token_ids continue its whole history)."""
+        if isinstance(min_shared, bool) or not isinstance(min_shared, (int, float)) or not 0 <= min_shared <= 1:
+            raise ConfigError(f"min_shared is a fraction in [0, 1], got {min_shared!r}")
+        token_ids = self._validate(token_ids)
         with self.lock:
             best, best_len = None, 0
             for entry in self._entries.values():
@@ -192,7 +194,8 @@ class StateRegistry:
         """Submit a generation on the state (synced to `prompt` first, when given). Everything
         is checked before the state changes: a refused call leaves it as it was."""
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+            raise ConfigError(f"params must be SamplingParams, got {type(params).__name__}; "
+                              "build one: SamplingParams(max_tokens=..., temperature=...)")
         if params.stop and not self.limits.has_tokenizer:
             raise HibanaError("stop strings need a tokenizer, and this checkpoint has none; "
                               "use stop_token_ids instead")
@@ -234,7 +237,7 @@ class StateRegistry:
         with self.lock:
             seq = self._editable(handle).seq
             kv = self.kv_cache.read_blocks(seq.block_ids)
-            state_file.write(Path(path), handle.id, seq.tokens, seq.num_computed, self.pool.block_size,
+            state_file.write(state_file.as_path(path), handle.id, seq.tokens, seq.num_computed, self.pool.block_size,
                              kv, self.limits.fingerprint)
 
     def load(self, path: str | os.PathLike, state_id: str | None = None, *, share: bool = False) -> StateHandle:
@@ -243,7 +246,7 @@ class StateRegistry:
         (`share=True` publishes them in the prefix index, for files the caller trusts)."""
         if state_id is not None:
             _check_id(state_id)
-        saved = state_file.read(Path(path), self.limits.fingerprint, self.kv_cache.data.shape)
+        saved = state_file.read(state_file.as_path(path), self.limits.fingerprint, self.kv_cache.data.shape)
         tokens = self._validate(saved.tokens)
         with self.lock:
             self._check_open()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -32,6 +33,16 @@ class SavedState:
     kv: torch.Tensor  # [num_layers, 2, num_blocks, block_size, H_kv, D]
 
 
+def as_path(path: object) -> Path:
+    """A state file's path from what a caller gave (str or os.PathLike)."""
+    if isinstance(path, (str, os.PathLike)) and not isinstance(path, bytes):
+        try:
+            return Path(path)
+        except TypeError:
+            pass
+    raise StateFileError(f"a state file path is a str or os.PathLike, got {type(path).__name__}")
+
+
 def _checksum(meta: dict, kv: torch.Tensor) -> str:
     h = hashlib.blake2b(digest_size=32)
     h.update(json.dumps([meta.get(k) for k in _CHECKED]).encode())
@@ -44,7 +55,11 @@ def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, b
           kv: torch.Tensor, fingerprint: str) -> None:
     from safetensors.torch import save_file
 
-    if path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except (OSError, UnicodeError, ValueError) as exc:
+        raise StateFileError(f"cannot write the state file {str(path)!r}: {exc}") from exc
+    if is_dir:
         raise StateFileError(f"{str(path)!r} is a directory; save the state to a file path in it")
     metadata = {"format": FORMAT, "fingerprint": fingerprint, "state_id": state_id,
                 "tokens": json.dumps(list(tokens)), "num_computed": str(num_computed),
@@ -56,7 +71,7 @@ def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, b
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file({"kv": kv}, str(tmp), metadata=metadata)
         tmp.replace(path)  # never leave a half-written state file behind
-    except OSError as exc:
+    except (OSError, UnicodeError, ValueError) as exc:  # no room, no right, a name the OS refuses
         raise StateFileError(f"cannot write the state file {str(path)!r}: {exc}") from exc
 
 
@@ -64,7 +79,11 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int]) -> SavedState:
     """Read and verify a state file; `kv_shape` is the engine's [layers, 2, *, block, heads, dim]."""
     from safetensors import safe_open
 
-    if not path.is_file():
+    try:
+        exists = path.is_file()
+    except (OSError, UnicodeError, ValueError):
+        exists = False
+    if not exists:
         raise StateFileError(f"state file {str(path)!r} does not exist")
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
