@@ -100,13 +100,24 @@ class StateRegistry:
         if isinstance(min_shared, bool) or not isinstance(min_shared, (int, float)) or not 0 <= min_shared <= 1:
             raise ConfigError(f"min_shared is a fraction in [0, 1], got {min_shared!r}")
         token_ids = self._validate(token_ids)
+        if not token_ids:
+            return None
+        first = token_ids[0]
         with self.lock:
+            busy = {id(r.seq) for r in self.core.scheduler.requests()}
             best, best_len = None, 0
             for entry in self._entries.values():
-                if self._taken(entry):
+                tokens = entry.seq.tokens
+                # cheap rejections first: thousands of states may be scanned per call
+                if not tokens or tokens[0] != first or min(len(tokens), len(token_ids)) < best_len:
                     continue
-                same = common_prefix_len(entry.seq.tokens, token_ids)
-                if same == 0 or same < min_shared * len(entry.seq):
+                if entry.handle.id in self._leased or id(entry.seq) in busy:
+                    continue
+                if min_shared == 1:  # adapters' case: one comparison in C
+                    same = len(tokens) if token_ids[:len(tokens)] == tokens else 0
+                else:
+                    same = common_prefix_len(tokens, token_ids)
+                if same == 0 or same < min_shared * len(tokens):
                     continue
                 if same > best_len or (same == best_len and entry.last_use > best.last_use):
                     best, best_len = entry, same
