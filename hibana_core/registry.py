@@ -96,32 +96,39 @@ class StateRegistry:
     def match(self, token_ids: Sequence[int], *, min_shared: float = 0.0) -> StateHandle | None:
         """The idle, unleased state whose history shares the longest prefix with token_ids (the
         most recently used among equals), or None. The shared prefix must cover at least
-        `min_shared` of the state's own tokens (1.0: token_ids continue its whole history)."""
+        `min_shared` of the state's own tokens (1.0: token_ids continue its whole history).
+
+        The states are scanned outside the engine's lock (a server may hold thousands: the
+        steps of other agents must not wait on the scan), so the answer may be a moment old;
+        `lease` checks it again under the lock."""
         if isinstance(min_shared, bool) or not isinstance(min_shared, (int, float)) or not 0 <= min_shared <= 1:
             raise ConfigError(f"min_shared is a fraction in [0, 1], got {min_shared!r}")
         token_ids = self._validate(token_ids)
         if not token_ids:
             return None
-        first = token_ids[0]
         with self.lock:
-            busy = {id(r.seq) for r in self.core.scheduler.requests()}
-            best, best_len = None, 0
-            for entry in self._entries.values():
-                tokens = entry.seq.tokens
-                # cheap rejections first: thousands of states may be scanned per call
-                if not tokens or tokens[0] != first or min(len(tokens), len(token_ids)) < best_len:
-                    continue
-                if entry.handle.id in self._leased or id(entry.seq) in busy:
-                    continue
-                if min_shared == 1:  # adapters' case: one comparison in C
-                    same = len(tokens) if token_ids[:len(tokens)] == tokens else 0
-                else:
-                    same = common_prefix_len(tokens, token_ids)
-                if same == 0 or same < min_shared * len(tokens):
-                    continue
-                if same > best_len or (same == best_len and entry.last_use > best.last_use):
-                    best, best_len = entry, same
-            return best.handle if best is not None else None
+            entries = list(self._entries.values())
+            taken = set(self._leased) | {id(r.seq) for r in self.core.scheduler.requests()}
+        best, best_len = None, 0
+        for entry in entries:
+            tokens = entry.seq.tokens
+            # cheap rejections first
+            if not tokens or tokens[0] != token_ids[0] or min(len(tokens), len(token_ids)) < best_len:
+                continue
+            if entry.handle.id in taken or id(entry.seq) in taken:
+                continue
+            same = self._shared(tokens, token_ids, min_shared)
+            if same and (same > best_len or (same == best_len and entry.last_use > best.last_use)):
+                best, best_len = entry, same
+        return best.handle if best is not None else None
+
+    @staticmethod
+    def _shared(tokens: list[int], token_ids: list[int], min_shared: float) -> int:
+        """The common prefix's length if it covers `min_shared` of `tokens`, else 0."""
+        if min_shared == 1:  # adapters' case: one comparison in C
+            return len(tokens) if token_ids[:len(tokens)] == tokens else 0
+        same = common_prefix_len(tokens, token_ids)
+        return same if same >= min_shared * len(tokens) else 0
 
     def _taken(self, entry: _Entry) -> bool:
         """Held by a call (leased) or generating: not to be handed to another call."""
@@ -131,6 +138,9 @@ class StateRegistry:
     def lease(self, token_ids: Sequence[int] = (), state_id: str | None = None, *,
               min_shared: float = 1.0) -> Iterator[StateHandle]:
         """See `Engine.lease`."""
+        if state_id is None:  # the scan runs before the lock is taken
+            token_ids = self._validate(token_ids)
+            candidate = self.match(token_ids, min_shared=min_shared)
         with self.lock:
             if state_id is not None:
                 handle = self.open(state_id)
@@ -138,7 +148,11 @@ class StateRegistry:
                     raise StateBusyError(f"state {state_id!r} is serving another call; give concurrent "
                                          "calls different state ids")
             else:
-                handle = self.match(token_ids, min_shared=min_shared)
+                handle = candidate
+                entry = self._entries.get(handle.id) if handle is not None else None
+                if (entry is None or entry.handle is not handle or self._taken(entry)
+                        or not self._shared(entry.seq.tokens, token_ids, min_shared)):
+                    handle = None  # taken or changed since the scan: a new state
                 if handle is None:
                     self._check_open()
                     self._close_unnamed(keep=self.config.max_unnamed_states - 1)

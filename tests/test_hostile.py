@@ -279,3 +279,30 @@ def test_a_long_stop_string_holds_back_only_a_possible_start_of_it():
     detok = Detokenizer(Chars(), [], ["</end>", "nd"])
     assert [detok.add(ord(c)) for c in "a</en"] == [False] * 5 and detok.add(ord("d"))
     assert detok.stopped and detok.text == "a</e"  # "nd" completed first
+
+
+def test_long_work_for_one_caller_runs_outside_the_engine_lock(tiny_checkpoints, make_engine, monkeypatch):
+    """Checking a caller's token list and scanning every state for a match run without the lock
+    that the step loop needs: one caller with a huge list or a server with thousands of states
+    does not stall the other agents' steps (issue 12, item 9)."""
+    from hibana_core.registry import StateRegistry
+
+    engine = make_engine(tiny_checkpoints[ARCH])
+    for i in range(20):
+        engine.open_state(f"s{i}").sync([1, 2, 3 + i])
+    owned = []
+    for name in ("_shared", "_validate"):
+        original = getattr(StateRegistry, name)
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            owned.append((_name, engine.core.lock._is_owned()))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(StateRegistry, name, staticmethod(spy) if name == "_shared" else spy)
+    engine.match_state([1, 2, 5, 9])
+    with engine.lease([1, 2, 5, 9], min_shared=0.5):
+        pass
+    engine.open_state("big").sync(random_tokens(random.Random(0), 200))
+    scans = [o for n, o in owned if n == "_shared"]
+    assert len(scans) >= 40 and scans.count(True) <= 1  # the lease re-checks its pick under the lock
+    assert not any(o for n, o in owned if n == "_validate")
