@@ -118,9 +118,9 @@ PARTS = [lambda r: {"type": "text", "text": text(r)}, lambda r: text(r), lambda 
 
 def content(rng: random.Random) -> Any:
     kind = rng.random()
-    if kind < 0.6:
+    if kind < 0.7:
         return text(rng)
-    if kind < 0.85:
+    if kind < 0.9:
         return [rng.choice(PARTS)(rng) for _ in range(rng.randint(0, 3))]
     return rng.choice([None, 5, 1.5, {"text": "hi"}, b"hi", True, ("a", "b")])
 
@@ -143,11 +143,11 @@ def call_spec(rng: random.Random) -> Any:
 
 def conversation(rng: random.Random) -> list[Message]:
     """A plausible skeleton (user, call, its result, user) or random messages, then mutated."""
-    if rng.random() < 0.5:
+    if rng.random() < 0.7:
         msgs = [Message("user", "Weather in Paris?"),
                 Message("assistant", "", [("c1", "get_weather", {"city": "Paris"})]),
                 Message("tool", "Sunny", call_id="c1"), Message("user", "thanks")]
-        for _ in range(rng.randint(1, 3)):
+        for _ in range(rng.randint(0, 2)):
             m = rng.choice(msgs)
             what = rng.random()
             if what < 0.4:
@@ -464,3 +464,78 @@ def test_messages_and_tools_through_chat_and_both_adapters(engine):
           f"{figures.succeeded} succeeded, {figures.refused} HibanaErrors {figures.by_error}, "
           f"{len(figures.failures)} failures, {seconds:.1f} s")
     assert not figures.failures, "\n\n".join(f"{label}\n  {what}\n{tb}" for label, what, tb in figures.failures[:5])
+
+
+# --- what the fuzz found, pinned one by one ------------------------------------------------------------
+
+def test_chat_refuses_what_it_cannot_render_faithfully(engine):
+    """A role the template drops, an image part, a lone surrogate, a malformed call or tool, a
+    forced call with no tools: each a clear HibanaError before anything runs."""
+    from hibana_core.chat import ConversationError, ToolChoiceError, ToolSchemaError, UnsupportedContentError
+
+    chat = Chat(engine, "pinned")
+    user = {"role": "user", "content": "hi"}
+    with pytest.raises(ConversationError, match="'wizard'.*does not render"):
+        chat.render_text([user, {"role": "wizard", "content": "x"}])
+    with pytest.raises(UnsupportedContentError, match="'image_url'"):
+        chat.render_text([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    assert "a b" in chat.render_text([{"role": "user", "content": ["a ", {"type": "text", "text": "b"}]}])
+    for bad in (5, [None], [{"type": "text", "text": 7}]):
+        with pytest.raises(ConversationError):
+            chat.render_text([{"role": "user", "content": bad}])
+    with pytest.raises(ConversationError, match="message 0 holds.*surrogate"):
+        chat.render_text([{"role": "user", "content": "a\ud800"}])
+    for call in (None, "f", {"function": "f"}, {"function": {"name": None}}):
+        with pytest.raises(ConversationError, match="tool call"):
+            chat.render_text([user, {"role": "assistant", "content": "", "tool_calls": [call]}])
+    for tool in ("f", {"type": "function", "function": None}, {"parameters": {}}, {"name": "f", "parameters": [1]},
+                 {"name": "f", "parameters": recursive_schema()}):
+        with pytest.raises(ToolSchemaError):
+            chat.render_text([user], [tool])
+    for choice in ("required", "get_weather", {"function": "get_weather"}, 0):
+        with pytest.raises(ToolChoiceError):
+            chat.respond([user], tool_choice=choice)
+    assert chat.handle.tokens == []
+
+
+def test_forced_calls_on_odd_schemas_fall_back_to_free_arguments():
+    from hibana_core.turn import slots
+
+    for parameters in ({"type": "object", "properties": [1]}, {"properties": {"a": 5}, "required": ["a"]},
+                       {"properties": {"a": {"anyOf": [5]}}, "required": ["a"]},
+                       {"properties": {"a": {"enum": "abc"}}, "required": ["a"]}):
+        assert slots(parameters) is None
+
+
+def test_a_timeout_is_a_hibana_error_and_leaves_the_state_as_it_was(engine):
+    from hibana_core.turn import ChatTimeoutError
+
+    chat = Chat(engine, "pinned-timeout")
+    first = [{"role": "user", "content": "hi"}]
+    chat.respond(first, params=SamplingParams(max_tokens=2))
+    held = chat.handle.tokens
+    longer = first + [{"role": "assistant", "content": "yo"}, {"role": "user", "content": "more"}]
+    with pytest.raises(ChatTimeoutError):
+        chat.respond(longer, params=SamplingParams(max_tokens=8), timeout=1e-9)
+    assert chat.handle.tokens == held
+    with pytest.raises(ChatTimeoutError):
+        asyncio.run(chat.arespond(longer, params=SamplingParams(max_tokens=8), timeout=1e-9))
+    assert chat.handle.tokens == held
+
+
+def test_langchain_options_and_tools_of_the_wrong_kind(engine):
+    from langchain_core.messages import HumanMessage
+
+    from hibana_core.chat import ConversationError, ToolSchemaError
+    from hibana_core.errors import ConfigError
+    from hibana_plugins.langchain import ChatHibana
+
+    llm = ChatHibana(engine=engine, max_tokens=2)
+    assert llm._params(["abc"], {}).stop == ("abc",) and llm._params("abc", {}).stop == ("abc",)  # not a, b, c
+    for stop in (5, [5], [""]):
+        with pytest.raises(ConfigError):
+            llm.invoke("hi", stop=stop)
+    with pytest.raises(ToolSchemaError, match="tool 0"):
+        llm.bind_tools([5])
+    with pytest.raises(ConversationError, match="block"):
+        llm.invoke([HumanMessage([{"type": "text", "text": 7}])])
