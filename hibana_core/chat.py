@@ -366,7 +366,11 @@ class Chat:
                                         f"(it would be dropped); use one of {sorted(KNOWN_ROLES)}")
         for what, value in [*((f"message {i}", m) for i, m in enumerate(messages)),
                             *((f"tool {i}", t) for i, t in enumerate(tools or ()))]:
-            check_text(json.dumps(value, ensure_ascii=False), what)
+            try:
+                dumped = json.dumps(value, ensure_ascii=False, default=str)
+            except (ValueError, RecursionError) as exc:  # a cycle
+                raise ConversationError(f"{what} is not plain data ({exc}); pass strings, lists and dicts") from None
+            check_text(dumped, what)
 
         def template(messages: list[dict], tools: list[dict] | None) -> str:
             try:
