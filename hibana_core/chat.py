@@ -21,11 +21,12 @@ import contextlib
 import copy
 import dataclasses
 import json
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequence
 
 from hibana_core import prompt, turn
 from hibana_core.config import SamplingParams
-from hibana_core.errors import HibanaError, StateBusyError
+from hibana_core.errors import ConfigError, ContextLengthError, HibanaError, StateBusyError
 from hibana_core.turn import MALFORMED, ChatDelta, ChatResult, Usage  # noqa: F401 (re-exported)
 from hibana_plugins.manager import get_plugin_manager
 from hibana_plugins.hookspecs import ToolCall
@@ -38,42 +39,136 @@ DEFAULT_TOOL_PARSER = "hermes"
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 
+KNOWN_ROLES = frozenset({"system", "user", "assistant", "tool"})
+_MEDIA_PARTS = frozenset({"image", "image_url", "input_image", "audio", "input_audio", "video", "file",
+                          "document"})
+
+
 def normalize_messages(messages: Sequence[dict]) -> list[dict]:
     """OpenAI-style messages as chat templates expect them: content as a string, tool-call
-    arguments as dicts (so the template re-serialises them the way the model wrote them)."""
+    arguments as dicts (so the template re-serialises them the way the model wrote them).
+    "developer" is the system role. A message the template could not render faithfully is a
+    ConversationError (UnsupportedContentError for images, audio, files)."""
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise ConversationError(f"messages must be a list of message dicts, got {type(messages).__name__}")
+    if not messages:
+        raise ConversationError("messages is empty; give at least one message")
     out = []
-    for message in messages:
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ConversationError(f"message {i} is a {type(message).__name__}, not a dict with a 'role' and "
+                                    "a 'content'")
         m = dict(message)
-        content = m.get("content")
-        if isinstance(content, list):   # content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        m["content"] = content if content is not None else ""
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise ConversationError(f"message {i} has role {role!r}; give it one of {sorted(KNOWN_ROLES)}")
+        m["role"] = "system" if role == "developer" else role
+        m["content"] = _content(i, role, m.get("content"))
         if m.get("tool_calls"):
-            m["tool_calls"] = [_normalize_call(c) for c in m["tool_calls"]]
+            if not isinstance(m["tool_calls"], (list, tuple)):
+                raise ConversationError(f"message {i}'s tool_calls is a {type(m['tool_calls']).__name__}, "
+                                        "not a list of calls")
+            m["tool_calls"] = [_normalize_call(i, c) for c in m["tool_calls"]]
+        if m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
+            raise ConversationError(f"message {i} has tool_call_id {m['tool_call_id']!r}; a call id is a string")
         out.append(m)
     return out
 
 
-def _normalize_call(call: Any) -> dict:
+def _content(i: int, role: str, content: Any) -> str:
+    """A message's content as one string: None is "", content parts are joined."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, (list, tuple)):
+        raise ConversationError(f"message {i}'s content is a {type(content).__name__}; give a string, None or "
+                                "a list of content parts")
+    parts = []
+    for part in content:
+        kind = part.get("type", "text") if isinstance(part, Mapping) else None
+        if isinstance(part, str):
+            parts.append(part)
+        elif kind in _MEDIA_PARTS:
+            raise UnsupportedContentError(f"the model reads text only, and a {role} message (message {i}) holds "
+                                          f"a {kind!r} part; describe it in text or use a multimodal model")
+        elif kind == "text" and isinstance(part.get("text"), str):
+            parts.append(part["text"])
+        else:
+            raise ConversationError(f"message {i} holds a content part {part!r:.80}; a part is a string or "
+                                    "{'type': 'text', 'text': '...'}")
+    return "".join(parts)
+
+
+def _normalize_call(i: int, call: Any) -> dict:
     if isinstance(call, ToolCall):
         return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-    function = dict(call.get("function", call))
-    arguments = function.get("arguments", {})
+    function = call.get("function", call) if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping):
+        raise ConversationError(f"message {i} holds a tool call {call!r:.80}; a call is {{'id': ..., 'function': "
+                                "{'name': ..., 'arguments': ...}}")
+    name, call_id, arguments = function.get("name"), call.get("id"), function.get("arguments", {})
+    if not isinstance(name, str):
+        raise ConversationError(f"message {i} holds a tool call named {name!r}; a call's name is a string")
+    if call_id is not None and not isinstance(call_id, str):
+        raise ConversationError(f"message {i} holds a tool call with id {call_id!r}; a call id is a string")
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             pass  # the template prints a string as it is
-    return {"id": call.get("id"), "type": "function",
-            "function": {"name": function.get("name"), "arguments": arguments}}
+    else:
+        _check_json(arguments, lambda exc: ConversationError(
+            f"message {i} holds a tool call whose arguments are not JSON ({exc}); pass a dict or a JSON string"))
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _check_json(value: Any, error: Callable[[Exception], HibanaError]) -> None:
+    """Raise `error(exc)` unless `value` serialises as JSON (what templates do with it)."""
+    try:
+        json.dumps(value)
+    except (ValueError, TypeError, RecursionError) as exc:  # a cycle, a non-JSON type, a huge integer
+        raise error(exc) from None
+
+
+def check_text(text: str, what: str) -> None:
+    """ConversationError unless `text` is valid Unicode (no lone surrogate): what tokenizers read."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConversationError(
+            f"{what} holds {text[exc.start]!r} at position {exc.start}: a lone surrogate, not text (a string "
+            "decoded with errors='surrogateescape', or cut inside a surrogate pair); decode it with "
+            "errors='replace' or remove it") from None
 
 
 def normalize_tools(tools: Sequence[dict] | None) -> list[dict] | None:
-    """Tools as OpenAI function tools: {"type": "function", "function": {name, description, parameters}}."""
-    if not tools:
+    """Tools as OpenAI function tools: {"type": "function", "function": {name, description, parameters}}.
+    ToolSchemaError for anything else."""
+    if tools is None:
         return None
-    return [t if t.get("type") == "function" and "function" in t else {"type": "function", "function": t}
-            for t in tools]
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise ToolSchemaError(f"tools must be a list of tools, got {type(tools).__name__}")
+    return [_normalize_tool(i, t) for i, t in enumerate(tools)] or None
+
+
+def _normalize_tool(i: int, tool: Any) -> dict:
+    if not isinstance(tool, Mapping):
+        raise ToolSchemaError(f"tool {i} is a {type(tool).__name__}; a tool is {{'type': 'function', 'function': "
+                              "{'name': ..., 'description': ..., 'parameters': {JSON schema}}}")
+    wrapped = "function" in tool and "name" not in tool  # {"type": "function", "function": {...}}, else bare
+    function = tool["function"] if wrapped else tool
+    if not isinstance(function, Mapping):
+        raise ToolSchemaError(f"tool {i}'s function is a {type(function).__name__}, not a dict with a name")
+    name, parameters = function.get("name"), function.get("parameters")
+    if not isinstance(name, str) or not name:
+        raise ToolSchemaError(f"tool {i} has name {name!r}; every tool needs a name (a non-empty string)")
+    if not isinstance(function.get("description") or "", str):
+        raise ToolSchemaError(f"tool {name!r} has a description that is not a string")
+    if parameters is not None and not isinstance(parameters, Mapping):
+        raise ToolSchemaError(f"tool {name!r} has parameters of type {type(parameters).__name__}; give a JSON "
+                              "schema object (a dict), or none")
+    _check_json(dict(function), lambda exc: ToolSchemaError(f"tool {name!r} is not JSON ({exc}); a schema that "
+                                                            "refers to itself must do so with $ref"))
+    return tool if wrapped and tool.get("type") == "function" else {"type": "function", "function": function}
 
 
 class ToolChoiceError(HibanaError, ValueError):
@@ -85,7 +180,12 @@ class UnsupportedContentError(HibanaError, ValueError):
 
 
 class ConversationError(HibanaError, ValueError):
-    """A conversation that cannot be rendered faithfully: a tool result answering no call."""
+    """A conversation that cannot be rendered faithfully: a tool result answering no call, a
+    message that is not a message, a role the chat template drops, text that is not Unicode."""
+
+
+class ToolSchemaError(HibanaError, ValueError):
+    """A tool that is not an OpenAI function tool: no name, parameters that are not a schema."""
 
 
 def check_tool_results(messages: Sequence[dict]) -> None:
@@ -116,20 +216,29 @@ def _call_id(call: Any) -> str | None:
 
 def normalize_tool_choice(choice: Any, tools: Sequence[dict] | None) -> str:
     """The spellings frameworks use, as "auto", "none", "required" or a tool's name: None/"auto",
-    "none"/False, "any"/"required"/True, a name, or {"function": {"name": ...}} / {"name": ...}.
-    `tools` are OpenAI function tools."""
-    if choice in (None, "auto"):
-        return "auto"
-    if choice in ("none", False):
-        return "none"
-    if choice in ("any", "required", True):
-        return "required"
+    "none"/False, "any"/"required"/True, a name, or {"function": {"name": ...}} / {"name": ...} /
+    {"type": "auto" | "none" | "any" | "required"}. `tools` are OpenAI function tools; forcing a
+    call with none offered is a ToolChoiceError."""
     names = [t["function"]["name"] for t in tools or ()]
-    if isinstance(choice, dict):
-        choice = (choice.get("function") or choice).get("name")
+    if isinstance(choice, Mapping) and ("function" in choice or "name" in choice):
+        function = choice.get("function", choice)
+        choice = function.get("name") if isinstance(function, Mapping) else function
+        if not isinstance(choice, str):
+            raise ToolChoiceError(f"tool_choice names tool {choice!r:.80}; name one of {names}")
+    elif isinstance(choice, Mapping):
+        choice = choice.get("type")
+    if choice is None or isinstance(choice, str) and choice == "auto":
+        return "auto"
+    if choice is False or isinstance(choice, str) and choice == "none":
+        return "none"
+    if choice is True or isinstance(choice, str) and choice in ("any", "required"):
+        if not names:
+            raise ToolChoiceError(f"tool_choice={choice!r} requires a tool call, and no tools are offered; pass "
+                                  "tools or use 'auto'")
+        return "required"
     if isinstance(choice, str) and choice in names:
         return choice
-    raise ToolChoiceError(f"tool_choice={choice!r} names no bound tool; use 'auto', 'none', 'any', "
+    raise ToolChoiceError(f"tool_choice={choice!r:.80} names no bound tool; use 'auto', 'none', 'any', "
                           f"'required' or one of {names}")
 
 
@@ -159,7 +268,7 @@ def clean_schema(schema: Any) -> Any:
 
 def clean_tool(tool: dict) -> dict:
     """An OpenAI function tool (or a bare function) with its parameters' schema cleaned."""
-    function = dict(tool.get("function", tool))
+    function = dict(_normalize_tool(0, tool)["function"])
     if isinstance(function.get("parameters"), dict):
         function["parameters"] = clean_schema(function["parameters"])
     return {"type": "function", "function": clean_schema(function)}
@@ -183,6 +292,7 @@ class Chat:
         self.control = prompt.control_strings(engine.tokenizer)  # what contents never turn into
         self.control_ids = frozenset(vocab[t] for t in self.control if t in vocab)
         self._plain: dict[str, Callable[[str], list[int]]] = {}   # built on first hostile content, shared by `on`
+        self._roles: dict[str, bool] = {}     # roles outside KNOWN_ROLES: whether the template renders them
         self.handle: StateHandle | None = engine.open_state(state_id) if state_id is not None else None
 
     def on(self, handle: "StateHandle") -> "Chat":
@@ -202,15 +312,21 @@ class Chat:
           2. else an idle state made for an earlier call that named none, when the prompt
              continues its conversation (`continues`);
           3. else a new one, which still shares every full KV block of a common prefix."""
+        check_text(prompt, "the prompt")
+        ids = self._encode(prompt)
+        if len(ids) > self.engine.max_model_len:  # refused before a state is leased, or made
+            raise ContextLengthError(f"{len(ids)} tokens exceed the model's context of {self.engine.max_model_len}; "
+                                     "shorten the history")
         with contextlib.ExitStack() as stack:
             handle = self._lease(stack, state_id, busy_ok=fallback) if state_id is not None else None
             if handle is None:
-                match = self.engine.match_state(self._encode(prompt))
+                match = self.engine.match_state(ids)
                 if (match is not None and self.engine.registry.is_unnamed(match)
                         and self.continues(match.tokens, prompt)):
                     handle = self._lease(stack, match.id, busy_ok=True)  # None if taken meanwhile
-            if handle is None:
+            if handle is None:  # a new state: a call that fails leaves none behind
                 handle = stack.enter_context(self.engine.lease())
+                stack.callback(_close_if_empty, handle)
             yield self.on(handle)
 
     def _lease(self, stack: contextlib.ExitStack, state_id: str, busy_ok: bool) -> "StateHandle | None":
@@ -242,16 +358,41 @@ class Chat:
         (`hibana_core.prompt`), so that they are tokenized as plain text."""
         kwargs = {"chat_template": self.template} if self.template else {}
 
-        messages = normalize_messages(messages)
+        messages, tools = normalize_messages(messages), normalize_tools(tools)
         check_tool_results(messages)
+        for i, role in enumerate(m["role"] for m in messages):
+            if role not in KNOWN_ROLES and not self._renders_role(role):
+                raise ConversationError(f"message {i} has role {role!r}, which the chat template does not render "
+                                        f"(it would be dropped); use one of {sorted(KNOWN_ROLES)}")
+        for what, value in [*((f"message {i}", m) for i, m in enumerate(messages)),
+                            *((f"tool {i}", t) for i, t in enumerate(tools or ()))]:
+            try:
+                dumped = json.dumps(value, ensure_ascii=False, default=str)
+            except (ValueError, RecursionError) as exc:  # a cycle
+                raise ConversationError(f"{what} is not plain data ({exc}); pass strings, lists and dicts") from None
+            check_text(dumped, what)
 
         def template(messages: list[dict], tools: list[dict] | None) -> str:
             try:
                 return self.engine.tokenizer.apply_chat_template(
                     messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs)
             except Exception as exc:  # jinja raises many types for a conversation it rejects
-                raise HibanaError(f"cannot render the conversation with the chat template: {exc}") from exc
-        return prompt.render(template, messages, normalize_tools(tools), self.control)
+                raise ConversationError(f"cannot render the conversation with the chat template: {exc}") from exc
+        return prompt.render(template, messages, tools, self.control)
+
+    def _renders_role(self, role: str) -> bool:
+        """Whether the chat template writes a message of `role` (templates drop roles they do not
+        know without a word)."""
+        if role not in self._roles:
+            marker = "hibana-role-probe"
+            kwargs = {"chat_template": self.template} if self.template else {}
+            try:
+                text = self.engine.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": "hi"}, {"role": role, "content": marker}], tokenize=False, **kwargs)
+            except Exception:  # noqa: BLE001 - a template that refuses the role does not render it
+                text = ""
+            self._roles[role] = marker in text
+        return self._roles[role]
 
     def prompt_ids(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None = None) -> list[int]:
         """What `respond` syncs: the rendered prompt (`messages` may be rendered text already),
@@ -260,6 +401,8 @@ class Chat:
         other tokens than the tokenizer would (an unseen name copied piece by piece);
         re-tokenizing would recompute everything after it. Held tokens are never kept where one
         of their control tokens would stand for a message content's text."""
+        if isinstance(messages, str):
+            check_text(messages, "the prompt")
         text = messages if isinstance(messages, str) else self.render_text(messages, tools)
         held = self.handle.tokens if self.handle is not None else []
         ends = [i + 1 for i, token in enumerate(held) if token in self.stop_token_ids]
@@ -335,6 +478,14 @@ class Chat:
         around the model's choices (`hibana_core.turn`), with `guided` argument values on flat
         schemas. `parallel_tool_calls=False`: at most one call, in the stream as in the result.
         `timeout`: seconds, checked per token."""
+        normalize_tool_choice(tool_choice, normalize_tools(tools))  # options are refused before a lease
+        if not isinstance(prefill, str):
+            raise ConfigError(f"prefill must be a string, got {type(prefill).__name__}")
+        check_text(prefill, "prefill")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):
+            raise ConfigError(f"timeout must be a number of seconds > 0, or None; got {timeout!r:.80}")
+
         def open_turn(stack: contextlib.ExitStack) -> "tuple[turn.TurnRun, StateHandle]":
             chat = stack.enter_context(self.lease(messages, state_id, fallback=fallback)) if lease else self
             run = chat._turn(messages, tools, params, prefill, parse_tools, tool_choice, parallel_tool_calls,
@@ -349,7 +500,7 @@ class Chat:
             raise HibanaError("this Chat has no state: give it one (Chat(engine, 'agent-1')), or serve "
                               "each call on a leased one (`with chat.lease(prompt) as c: c.respond(...)`)")
         tools = normalize_tools(tools)
-        tool_choice = normalize_tool_choice(tool_choice, tools) if tools or tool_choice in ("none", False) else "auto"
+        tool_choice = normalize_tool_choice(tool_choice, tools)
         if tool_choice == "none":
             tools, parse_tools = None, False
         params = params or SamplingParams(max_tokens=256)
@@ -360,6 +511,13 @@ class Chat:
         stream = self.parser.stream() if parse_tools else turn.PlainText()
         return turn.TurnRun(self.prompt_ids(messages, tools), plan, params, stream, self._encode,
                             self.stop_token_ids[:1], timeout, max_calls=None if parallel_tool_calls else 1)
+
+
+def _close_if_empty(handle: "StateHandle") -> None:
+    """Close a state made for a call that left nothing in it (it failed before its prompt was synced)."""
+    with contextlib.suppress(HibanaError):
+        if not handle.tokens:
+            handle.close()
 
 
 def assistant_message(result: ChatResult) -> dict:

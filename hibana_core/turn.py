@@ -20,6 +20,7 @@ still the model's. A parser whose call syntax is not in SYNTAX gets the tools re
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Generator, Iterator, Sequence, TypeVar
 
 from hibana_core.config import SamplingParams
+from hibana_core.errors import HibanaError
 from hibana_plugins.hookspecs import ParsedOutput, ToolCall, ToolCallDelta, ToolCallStream
 
 if TYPE_CHECKING:
@@ -37,6 +39,10 @@ if TYPE_CHECKING:
 
 MALFORMED = "malformed_tool_call"
 NAME_TOKENS = 24                   # most tokens for a forced call's tool name
+
+
+class ChatTimeoutError(HibanaError, TimeoutError):
+    """A chat call ran past its timeout; its state is left as it was before the call."""
 
 
 @dataclass(frozen=True)
@@ -142,9 +148,13 @@ def _boolean(raw: str) -> bool | None:
 
 
 def _slot(key: str, schema: dict) -> Slot | None:
-    """How to fill one argument, or None when its schema is not a scalar one."""
+    """How to fill one argument, or None when its schema is not a scalar one (or not a schema)."""
+    if not isinstance(schema, dict):
+        return None
     options = schema.get("anyOf") or schema.get("oneOf")
     if options:
+        if not isinstance(options, list) or not all(isinstance(o, dict) for o in options):
+            return None
         options = [o for o in options if o.get("type") != "null"]
         return _slot(key, options[0]) if len(options) == 1 else None
     kind = schema.get("type")
@@ -152,7 +162,7 @@ def _slot(key: str, schema: dict) -> Slot | None:
         kinds = [k for k in kind if k != "null"]
         kind = kinds[0] if len(kinds) == 1 else None
     enum = schema.get("enum")
-    if enum and all(isinstance(v, str) for v in enum):
+    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
         return Slot(key, ' "', ('"', "\n"), 48, lambda raw: snap(_string(raw), enum))
     if kind == "string":  # a raw newline: the model left the string without closing it
         return Slot(key, ' "', ('"', "\n"), 48, _string)
@@ -166,10 +176,10 @@ def _slot(key: str, schema: dict) -> Slot | None:
 def slots(parameters: dict) -> list[Slot] | None:
     """The required arguments of a flat object schema, in schema order; None for any other schema
     (nested objects, arrays, free-form objects): the model then writes the arguments itself."""
-    properties = parameters.get("properties")
-    if parameters.get("type", "object") != "object" or properties is None:
+    properties, required = parameters.get("properties"), parameters.get("required", ())
+    if (parameters.get("type", "object") != "object" or not isinstance(properties, dict)
+            or not isinstance(required, (list, tuple))):
         return None
-    required = set(parameters.get("required", ()))
     found = [_slot(key, schema) for key, schema in properties.items() if key in required]
     return None if None in found else found
 
@@ -270,7 +280,7 @@ class TurnRun:
 
     def on_event(self, event: "StreamEvent") -> list[ChatDelta]:
         if self.deadline is not None and time.monotonic() > self.deadline:
-            raise TimeoutError("the chat call ran past its timeout; raise the timeout or lower max_tokens")
+            raise ChatTimeoutError("the chat call ran past its timeout; raise the timeout or lower max_tokens")
         if event.completion is not None:
             stats = event.completion.stats
             if self.usage is None:  # the first request's prompt is the call's input
@@ -365,40 +375,68 @@ def _converted(deltas: list[ChatDelta], convert: Callable[[ChatDelta], T | None]
     return [item for item in map(convert, deltas) if item is not None]
 
 
+def _restore(handle: "StateHandle", tokens: list[int]) -> None:
+    """Put a state back as it was before a turn that failed (a timeout, a later stage past the
+    context): a failed call leaves its state unchanged. Usually a truncate."""
+    with contextlib.suppress(HibanaError):  # a closed handle or engine has nothing to restore
+        if handle.tokens != tokens:
+            handle.sync(tokens)
+
+
 def run(open_turn: Open, convert: Callable[[ChatDelta], T | None] = _same) -> Iterator[T]:
     """The turn's deltas, the result last, each through `convert` (None: nothing to send): the
     one place a framework's types are made from a turn. Closing the iterator early cancels the
-    request and releases what `open_turn` held."""
+    request and releases what `open_turn` held; a HibanaError puts the state back as it was."""
     with contextlib.ExitStack() as stack:
         turn, handle = open_turn(stack)
-        while True:
-            deltas, request = turn.begin()
-            yield from _converted(deltas, convert)
-            with contextlib.closing(handle.stream(request.params, prompt=request.prompt)) as events:
-                for event in events:
-                    yield from _converted(turn.on_event(event), convert)
-                    if turn.stop_now():
-                        events.stop()
-            if not turn.next_stage():
-                break
-        yield from _converted(turn.finish(), convert)
+        held = handle.tokens
+        try:
+            yield from _run(turn, handle, convert)
+        except HibanaError:
+            _restore(handle, held)
+            raise
+
+
+def _run(turn: TurnRun, handle: "StateHandle", convert: Callable[[ChatDelta], T | None]) -> Iterator[T]:
+    while True:
+        deltas, request = turn.begin()
+        yield from _converted(deltas, convert)
+        with contextlib.closing(handle.stream(request.params, prompt=request.prompt)) as events:
+            for event in events:
+                yield from _converted(turn.on_event(event), convert)
+                if turn.stop_now():
+                    events.stop()
+        if not turn.next_stage():
+            break
+    yield from _converted(turn.finish(), convert)
 
 
 async def arun(open_turn: Open, convert: Callable[[ChatDelta], T | None] = _same) -> AsyncIterator[T]:
     """`run` on the caller's event loop: awaits the engine, never blocks the loop."""
     with contextlib.ExitStack() as stack:
         turn, handle = open_turn(stack)
-        while True:
-            deltas, request = turn.begin()
-            for item in _converted(deltas, convert):
-                yield item
-            async with contextlib.aclosing(handle.astream(request.params, prompt=request.prompt)) as events:
-                async for event in events:
-                    for item in _converted(turn.on_event(event), convert):
-                        yield item
-                    if turn.stop_now():
-                        events.stop()
-            if not turn.next_stage():
-                break
-        for item in _converted(turn.finish(), convert):
+        held = handle.tokens
+        try:
+            async with contextlib.aclosing(_arun(turn, handle, convert)) as items:  # closed early: cancelled
+                async for item in items:
+                    yield item
+        except HibanaError:
+            await asyncio.to_thread(_restore, handle, held)
+            raise
+
+
+async def _arun(turn: TurnRun, handle: "StateHandle", convert: Callable[[ChatDelta], T | None]) -> AsyncIterator[T]:
+    while True:
+        deltas, request = turn.begin()
+        for item in _converted(deltas, convert):
             yield item
+        async with contextlib.aclosing(handle.astream(request.params, prompt=request.prompt)) as events:
+            async for event in events:
+                for item in _converted(turn.on_event(event), convert):
+                    yield item
+                if turn.stop_now():
+                    events.stop()
+        if not turn.next_stage():
+            break
+    for item in _converted(turn.finish(), convert):
+        yield item

@@ -38,8 +38,9 @@ from typing import Any, Literal
 from pydantic import Field, PrivateAttr
 
 from hibana_core import turn
-from hibana_core.chat import (Chat, ChatDelta, ChatResult as TurnResult, UnsupportedContentError, Usage,  # noqa: F401
-                              clean_tool, normalize_tool_choice)
+from hibana_core.chat import (Chat, ChatDelta, ChatResult as TurnResult, ConversationError,  # noqa: F401
+                              ToolSchemaError, UnsupportedContentError, Usage, clean_tool, normalize_tool_choice,
+                              normalize_tools)
 from hibana_core.config import SamplingParams
 from hibana_plugins.hookspecs import hookimpl
 
@@ -102,12 +103,15 @@ def _text(message: BaseMessage, media_allowed: bool = False) -> str:
     for block in message.content:
         if isinstance(block, str):
             parts.append(block)
-        elif block.get("type") == "text":
+        elif block.get("type") == "text" and isinstance(block.get("text", ""), str):
             parts.append(block.get("text", ""))
         elif block.get("type") in _MEDIA_BLOCKS and not media_allowed:
             raise UnsupportedContentError(
                 f"ChatHibana reads text only, and a {message.type} message holds a {block['type']!r} "
                 "block; describe it in text or use a multimodal chat model")
+        elif not media_allowed:  # another model's blocks in an AI message (tool_use, thinking) are not content
+            raise ConversationError(f"a {message.type} message holds the block {block!r:.80}; ChatHibana reads "
+                                    "strings and {'type': 'text', 'text': '...'} blocks")
     return "".join(parts)  # tool_use / thinking blocks of AI messages: the calls come from tool_calls
 
 
@@ -138,6 +142,15 @@ def _to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict]:
         else:
             raise UnsupportedContentError(f"ChatHibana cannot render a message of type {type(m).__name__}")
     return out
+
+
+def _openai_tool(i: int, tool: Any, strict: bool | None) -> dict:
+    """`convert_to_openai_tool`, its refusals (of many types) as ToolSchemaError."""
+    try:
+        return convert_to_openai_tool(tool, strict=strict)
+    except Exception as exc:  # noqa: BLE001 - ValueError, TypeError, KeyError, pydantic's, ...
+        raise ToolSchemaError(f"tool {i} ({tool!r:.80}) is not a tool LangChain can describe: {exc}; pass a "
+                              "@tool function, a pydantic model or an OpenAI function dict") from exc
 
 
 # --- the chat model ------------------------------------------------------------------------------
@@ -285,7 +298,7 @@ class ChatHibana(BaseChatModel):
         """Tools as OpenAI function schemas; tool_choice "auto" (default), "none", "any" /
         "required" (some call), or a tool name (that call). Forced calls constrain the render
         (module docstring)."""
-        formatted = [clean_tool(convert_to_openai_tool(t, strict=strict)) for t in tools]
+        formatted = [clean_tool(_openai_tool(i, t, strict)) for i, t in enumerate(tools)]
         return self.bind(tools=formatted, tool_choice=normalize_tool_choice(tool_choice, formatted), **kwargs)
 
     def with_structured_output(self, schema: Any = None, *,
@@ -358,6 +371,8 @@ class ChatHibana(BaseChatModel):
         answer_tool = kwargs.get("answer_tool")  # from with_structured_output(method="json_schema"/"json_mode")
         if answer_tool is not None:
             tools, choice = [answer_tool], answer_tool["function"]["name"]
+        tools = normalize_tools(tools)
+        choice = normalize_tool_choice(choice, tools)  # refused before a state is leased
         if choice == "none":
             tools = None
         prompt = chat.render_text(_to_chat_messages(messages), tools)
@@ -383,4 +398,4 @@ class ChatHibana(BaseChatModel):
         stops = stop if stop is not None else self.stop
         return SamplingParams(max_tokens=option("max_tokens"), temperature=option("temperature"),
                               top_p=option("top_p"), top_k=option("top_k"), seed=option("seed"),
-                              repetition_penalty=option("repetition_penalty"), stop=tuple(stops or ()))
+                              repetition_penalty=option("repetition_penalty"), stop=() if stops is None else stops)

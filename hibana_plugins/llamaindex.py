@@ -37,8 +37,8 @@ import json
 from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence
 
 from hibana_core import turn
-from hibana_core.chat import (Chat, ChatDelta, ChatResult, ToolChoiceError, UnsupportedContentError, clean_tool,
-                              normalize_tool_choice)
+from hibana_core.chat import (Chat, ChatDelta, ChatResult, ConversationError, ToolChoiceError,
+                              UnsupportedContentError, clean_tool, normalize_tool_choice, normalize_tools)
 from hibana_core.config import SamplingParams
 from hibana_core.errors import HibanaError
 from hibana_plugins.hookspecs import hookimpl
@@ -287,20 +287,22 @@ def llm_class() -> type:
         # --- requests and responses -------------------------------------------------------------
 
         def _chat_call(self, messages: Sequence[ChatMessage], kwargs: dict) -> _Call:
-            tools = kwargs.get("tools") or None
+            tools = normalize_tools(kwargs.get("tools"))
             choice = kwargs.get("tool_choice")
             if kwargs.get("tool_required") and not tools:
                 raise ToolChoiceError("tool_required=True with no tools: there is no call to make; pass tools "
                                       "or drop tool_required")
             if kwargs.get("tool_required") and choice in (None, "auto"):
                 choice = "required"
-            choice = normalize_tool_choice(choice, tools) if tools else "auto"
+            choice = normalize_tool_choice(choice, tools)
             if choice == "none":
                 tools = None
             return self._call(self._chat.render_text(openai_messages(messages), tools), tools, choice,
                               kwargs.get("parallel_tool_calls", True))
 
         def _completion_call(self, prompt: str, formatted: bool) -> _Call:
+            if not isinstance(prompt, str):
+                raise ConversationError(f"the prompt is a {type(prompt).__name__}; complete() takes a string")
             if not formatted:  # else the caller applied the chat template: continue the text as it is
                 prompt = self._chat.render_text([{"role": "user", "content": prompt}])
             return self._call(prompt, None, "auto")
@@ -363,10 +365,9 @@ def openai_messages(messages: Sequence[Any]) -> list[dict]:
     return out
 
 
-def _call_dict(call: Any) -> dict:
-    if not isinstance(call, dict):  # an OpenAI SDK object
-        call = call.model_dump() if hasattr(call, "model_dump") else vars(call)
-    return call
+def _call_dict(call: Any) -> Any:
+    """An OpenAI SDK call object as a dict; anything else as it is (`hibana_core.chat` judges it)."""
+    return call.model_dump() if not isinstance(call, dict) and hasattr(call, "model_dump") else call
 
 
 def _openai_call(call: dict) -> dict:
