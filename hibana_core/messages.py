@@ -1,0 +1,251 @@
+"""OpenAI-style messages, tools and tool_choice, checked and normalised before rendering.
+
+What frameworks send is checked whole before any state is touched: a message, tool or choice the
+chat layer cannot render faithfully is a `HibanaError` subclass saying which one and what to pass
+instead (never a silent drop, never a raw error from deep in a template). Tool schemas are laid out
+as OpenAI-style schemas are, the layout small models trained on read best (`clean_tool`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, Callable, Sequence
+
+from hibana_core.errors import HibanaError
+from hibana_plugins.hookspecs import ToolCall
+
+
+KNOWN_ROLES = frozenset({"system", "user", "assistant", "tool"})
+_MEDIA_PARTS = frozenset({"image", "image_url", "input_image", "audio", "input_audio", "video", "file",
+                          "document"})
+
+
+def normalize_messages(messages: Sequence[dict]) -> list[dict]:
+    """OpenAI-style messages as chat templates expect them: content as a string, tool-call
+    arguments as dicts (so the template re-serialises them the way the model wrote them).
+    "developer" is the system role. A message the template could not render faithfully is a
+    ConversationError (UnsupportedContentError for images, audio, files)."""
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise ConversationError(f"messages must be a list of message dicts, got {type(messages).__name__}")
+    if not messages:
+        raise ConversationError("messages is empty; give at least one message")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ConversationError(f"message {i} is a {type(message).__name__}, not a dict with a 'role' and "
+                                    "a 'content'")
+        m = dict(message)
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise ConversationError(f"message {i} has role {role!r}; give it one of {sorted(KNOWN_ROLES)}")
+        m["role"] = "system" if role == "developer" else role
+        m["content"] = _content(i, role, m.get("content"))
+        if m.get("tool_calls"):
+            if not isinstance(m["tool_calls"], (list, tuple)):
+                raise ConversationError(f"message {i}'s tool_calls is a {type(m['tool_calls']).__name__}, "
+                                        "not a list of calls")
+            m["tool_calls"] = [_normalize_call(i, c) for c in m["tool_calls"]]
+        if m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
+            raise ConversationError(f"message {i} has tool_call_id {m['tool_call_id']!r}; a call id is a string")
+        out.append(m)
+    return out
+
+
+def _content(i: int, role: str, content: Any) -> str:
+    """A message's content as one string: None is "", content parts are joined."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, (list, tuple)):
+        raise ConversationError(f"message {i}'s content is a {type(content).__name__}; give a string, None or "
+                                "a list of content parts")
+    parts = []
+    for part in content:
+        kind = part.get("type", "text") if isinstance(part, Mapping) else None
+        if isinstance(part, str):
+            parts.append(part)
+        elif kind in _MEDIA_PARTS:
+            raise UnsupportedContentError(f"the model reads text only, and a {role} message (message {i}) holds "
+                                          f"a {kind!r} part; describe it in text or use a multimodal model")
+        elif kind == "text" and isinstance(part.get("text"), str):
+            parts.append(part["text"])
+        else:
+            raise ConversationError(f"message {i} holds a content part {part!r:.80}; a part is a string or "
+                                    "{'type': 'text', 'text': '...'}")
+    return "".join(parts)
+
+
+def _normalize_call(i: int, call: Any) -> dict:
+    if isinstance(call, ToolCall):
+        return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    function = call.get("function", call) if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping):
+        raise ConversationError(f"message {i} holds a tool call {call!r:.80}; a call is {{'id': ..., 'function': "
+                                "{'name': ..., 'arguments': ...}}")
+    name, call_id, arguments = function.get("name"), call.get("id"), function.get("arguments", {})
+    if not isinstance(name, str):
+        raise ConversationError(f"message {i} holds a tool call named {name!r}; a call's name is a string")
+    if call_id is not None and not isinstance(call_id, str):
+        raise ConversationError(f"message {i} holds a tool call with id {call_id!r}; a call id is a string")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except (ValueError, RecursionError):
+            pass  # the template prints a string as it is
+    else:
+        _check_json(arguments, lambda exc: ConversationError(
+            f"message {i} holds a tool call whose arguments are not JSON ({exc}); pass a dict or a JSON string"))
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _check_json(value: Any, error: Callable[[Exception], HibanaError]) -> None:
+    """Raise `error(exc)` unless `value` serialises as JSON (what templates do with it)."""
+    try:
+        json.dumps(value)
+    except (ValueError, TypeError, RecursionError) as exc:  # a cycle, a non-JSON type, a huge integer
+        raise error(exc) from None
+
+
+def check_text(text: str, what: str) -> None:
+    """ConversationError unless `text` is valid Unicode (no lone surrogate): what tokenizers read."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConversationError(
+            f"{what} holds {text[exc.start]!r} at position {exc.start}: a lone surrogate, not text (a string "
+            "decoded with errors='surrogateescape', or cut inside a surrogate pair); decode it with "
+            "errors='replace' or remove it") from None
+
+
+def normalize_tools(tools: Sequence[dict] | None) -> list[dict] | None:
+    """Tools as OpenAI function tools: {"type": "function", "function": {name, description, parameters}}.
+    ToolSchemaError for anything else."""
+    if tools is None:
+        return None
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise ToolSchemaError(f"tools must be a list of tools, got {type(tools).__name__}")
+    return [_normalize_tool(i, t) for i, t in enumerate(tools)] or None
+
+
+def _normalize_tool(i: int, tool: Any) -> dict:
+    if not isinstance(tool, Mapping):
+        raise ToolSchemaError(f"tool {i} is a {type(tool).__name__}; a tool is {{'type': 'function', 'function': "
+                              "{'name': ..., 'description': ..., 'parameters': {JSON schema}}}")
+    wrapped = "function" in tool and "name" not in tool  # {"type": "function", "function": {...}}, else bare
+    function = tool["function"] if wrapped else tool
+    if not isinstance(function, Mapping):
+        raise ToolSchemaError(f"tool {i}'s function is a {type(function).__name__}, not a dict with a name")
+    name, parameters = function.get("name"), function.get("parameters")
+    if not isinstance(name, str) or not name:
+        raise ToolSchemaError(f"tool {i} has name {name!r}; every tool needs a name (a non-empty string)")
+    if not isinstance(function.get("description") or "", str):
+        raise ToolSchemaError(f"tool {name!r} has a description that is not a string")
+    if parameters is not None and not isinstance(parameters, Mapping):
+        raise ToolSchemaError(f"tool {name!r} has parameters of type {type(parameters).__name__}; give a JSON "
+                              "schema object (a dict), or none")
+    _check_json(dict(function), lambda exc: ToolSchemaError(f"tool {name!r} is not JSON ({exc}); a schema that "
+                                                            "refers to itself must do so with $ref"))
+    return tool if wrapped and tool.get("type") == "function" else {"type": "function", "function": function}
+
+
+class ToolChoiceError(HibanaError, ValueError):
+    """A tool_choice that names no offered tool, or requires a call with no tools offered."""
+
+
+class UnsupportedContentError(HibanaError, ValueError):
+    """A message carries content the model cannot read (an image, audio, a file)."""
+
+
+class ConversationError(HibanaError, ValueError):
+    """A conversation that cannot be rendered faithfully: a tool result answering no call, a
+    message that is not a message, a role the chat template drops, text that is not Unicode."""
+
+
+class ToolSchemaError(HibanaError, ValueError):
+    """A tool that is not an OpenAI function tool: no name, parameters that are not a schema."""
+
+
+def check_tool_results(messages: Sequence[dict]) -> None:
+    """Every tool message answers a call of the assistant message it follows (other tool messages
+    between), and names one of its calls when both carry ids: as OpenAI's API requires. A
+    template would render an orphan result as if some call had produced it, or drop it."""
+    calls: list | None = None  # the calls of the assistant message being answered
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if role == "assistant":
+            calls = message.get("tool_calls") or None
+        elif role == "tool":
+            if calls is None:
+                raise ConversationError(f"message {i} is a tool result but follows no assistant message with "
+                                        "tool calls; give the assistant message its tool_calls, or send the "
+                                        "result as a user message")
+            call_id, ids = message.get("tool_call_id"), [_call_id(c) for c in calls]
+            if call_id and all(ids) and call_id not in ids:
+                raise ConversationError(f"message {i} answers tool call {call_id!r}, which the assistant message "
+                                        f"before it did not make (its calls: {ids})")
+        else:
+            calls = None
+
+
+def _call_id(call: Any) -> str | None:
+    return call.id if isinstance(call, ToolCall) else call.get("id")
+
+
+def normalize_tool_choice(choice: Any, tools: Sequence[dict] | None) -> str:
+    """The spellings frameworks use, as "auto", "none", "required" or a tool's name: None/"auto",
+    "none"/False, "any"/"required"/True, a name, or {"function": {"name": ...}} / {"name": ...} /
+    {"type": "auto" | "none" | "any" | "required"}. `tools` are OpenAI function tools; forcing a
+    call with none offered is a ToolChoiceError."""
+    names = [t["function"]["name"] for t in tools or ()]
+    if isinstance(choice, Mapping) and ("function" in choice or "name" in choice):
+        function = choice.get("function", choice)
+        choice = function.get("name") if isinstance(function, Mapping) else function
+        if not isinstance(choice, str):
+            raise ToolChoiceError(f"tool_choice names tool {choice!r:.80}; name one of {names}")
+    elif isinstance(choice, Mapping):
+        choice = choice.get("type")
+    if choice is None or isinstance(choice, str) and choice == "auto":
+        return "auto"
+    if choice is False or isinstance(choice, str) and choice == "none":
+        return "none"
+    if choice is True or isinstance(choice, str) and choice in ("any", "required"):
+        if not names:
+            raise ToolChoiceError(f"tool_choice={choice!r} requires a tool call, and no tools are offered; pass "
+                                  "tools or use 'auto'")
+        return "required"
+    if isinstance(choice, str) and choice in names:
+        return choice
+    raise ToolChoiceError(f"tool_choice={choice!r:.80} names no bound tool; use 'auto', 'none', 'any', "
+                          f"'required' or one of {names}")
+
+
+_KEY_ORDER = ("type", "name", "properties", "description", "required", "enum")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+
+
+def clean_schema(schema: Any) -> Any:
+    """A JSON schema laid out as OpenAI-style tool schemas are (the layout small models trained on
+    read best): without the `title`s pydantic adds, `type`, `properties`, `description` first.
+    Argument names keep their order, a property called "title" included."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v for k, v in schema.items() if not (k == "title" and isinstance(v, str))}
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: clean_schema(s) for name, s in out[key].items()}
+    for key in _SUBSCHEMAS:  # one schema, or a list of them
+        if isinstance(out.get(key), list):
+            out[key] = [clean_schema(s) for s in out[key]]
+        elif isinstance(out.get(key), dict):
+            out[key] = clean_schema(out[key])
+    order = sorted(out, key=lambda k: _KEY_ORDER.index(k) if k in _KEY_ORDER else len(_KEY_ORDER))
+    return {k: out[k] for k in order}
+
+
+def clean_tool(tool: dict) -> dict:
+    """An OpenAI function tool (or a bare function) with its parameters' schema cleaned."""
+    function = dict(_normalize_tool(0, tool)["function"])
+    if isinstance(function.get("parameters"), dict):
+        function["parameters"] = clean_schema(function["parameters"])
+    return {"type": "function", "function": clean_schema(function)}
