@@ -26,9 +26,9 @@ def _check(cond: bool, message: str) -> None:
 _KINDS = {int: "a 64-bit integer", float: "a finite number", bool: "True or False", str: "a string"}
 
 
-def _is(value: Any, kind: type) -> bool:
-    """Strict scalar types: a bool is no integer, a number is finite, an integer may be a float
-    only where a number is asked for."""
+def is_kind(value: Any, kind: type) -> bool:
+    """Strict scalar types (options, token ids, counts): a bool is no integer, an integer fits
+    int64, a number is finite, an integer may be a float only where a number is asked for."""
     if kind is bool:
         return isinstance(value, bool)
     if isinstance(value, bool):
@@ -51,7 +51,7 @@ def _check_types(obj: Any) -> None:
         optional = union and type(None) in typing.get_args(hint)
         if not all(k in _KINDS for k in kinds) or (optional and value is None):
             continue  # containers and nested configs check themselves
-        _check(any(_is(value, k) for k in kinds),
+        _check(any(is_kind(value, k) for k in kinds),
                f"{type(obj).__name__}.{f.name} must be {_KINDS[kinds[0]]}"
                f"{' or None' if optional else ''}, got {value!r}")
 
@@ -218,7 +218,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty str")
         _check(isinstance(self.stop_token_ids, Sequence) and not isinstance(self.stop_token_ids, str)
-               and all(_is(t, int) and t >= 0 for t in self.stop_token_ids),
+               and all(is_kind(t, int) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 

@@ -1,14 +1,14 @@
 """Agent states by id: open, match, lease, the bound on unnamed states, idle order, and what a
 `StateHandle` asks for (sync, generate, truncate, fork, save, close) through public methods.
 
-Every method takes the engine's lock, so a state is never edited while a step uses it; a state
-with a request in the scheduler is busy and refuses edits.
+Every edit takes the engine's lock, so a state is never edited while a step uses it; a state with
+a request in the scheduler is busy and refuses edits. Work that grows with a caller's input (checking
+token lists, scanning states for a match) runs before the lock is taken.
 """
 
 from __future__ import annotations
 
 import asyncio
-import numbers
 import os
 import time
 import uuid
@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
-from hibana_core.config import CacheConfig, SamplingParams
+from hibana_core.config import CacheConfig, SamplingParams, is_kind
 from hibana_core.errors import (ConfigError, ContextLengthError, EngineClosedError, HibanaError,
                                 InvalidTokenError, StateBusyError, StateClosedError, StateExistsError,
                                 StateFileError)
@@ -87,11 +87,16 @@ class StateRegistry:
         self._entries[state_id] = _Entry(handle, seq, time.monotonic(), unnamed)
         return handle
 
+    def _live(self, handle: StateHandle) -> _Entry | None:
+        """The handle's entry while the handle is open (an id reused after a close is another)."""
+        entry = self._entries.get(handle.id)
+        return entry if entry is not None and entry.handle is handle and not handle.closed else None
+
     def is_unnamed(self, handle: StateHandle) -> bool:
         """Whether the engine made this state for a call that named none (a user's state never
         is, whatever its id)."""
-        entry = self._entries.get(handle.id)
-        return entry is not None and entry.handle is handle and entry.unnamed
+        entry = self._live(handle)
+        return entry is not None and entry.unnamed
 
     def match(self, token_ids: Sequence[int], *, min_shared: float = 0.0) -> StateHandle | None:
         """The idle, unleased state whose history shares the longest prefix with token_ids (the
@@ -101,9 +106,12 @@ class StateRegistry:
         The states are scanned outside the engine's lock (a server may hold thousands: the
         steps of other agents must not wait on the scan), so the answer may be a moment old;
         `lease` checks it again under the lock."""
-        if isinstance(min_shared, bool) or not isinstance(min_shared, (int, float)) or not 0 <= min_shared <= 1:
+        return self._match(self._validate(token_ids), min_shared)
+
+    def _match(self, token_ids: list[int], min_shared: float) -> StateHandle | None:
+        """`match` on token ids already checked."""
+        if not is_kind(min_shared, float) or not 0 <= min_shared <= 1:
             raise ConfigError(f"min_shared is a fraction in [0, 1], got {min_shared!r}")
-        token_ids = self._validate(token_ids)
         if not token_ids:
             return None
         with self.lock:
@@ -140,7 +148,7 @@ class StateRegistry:
         """See `Engine.lease`."""
         if state_id is None:  # the scan runs before the lock is taken
             token_ids = self._validate(token_ids)
-            candidate = self.match(token_ids, min_shared=min_shared)
+            candidate = self._match(token_ids, min_shared)
         with self.lock:
             if state_id is not None:
                 handle = self.open(state_id)
@@ -148,9 +156,9 @@ class StateRegistry:
                     raise StateBusyError(f"state {state_id!r} is serving another call; give concurrent "
                                          "calls different state ids")
             else:
+                entry = self._live(candidate) if candidate is not None else None
                 handle = candidate
-                entry = self._entries.get(handle.id) if handle is not None else None
-                if (entry is None or entry.handle is not handle or self._taken(entry)
+                if (entry is None or self._taken(entry)
                         or not self._shared(entry.seq.tokens, token_ids, min_shared)):
                     handle = None  # taken or changed since the scan: a new state
                 if handle is None:
@@ -194,12 +202,12 @@ class StateRegistry:
     def tokens(self, handle: StateHandle) -> list[int]:
         """The state's history ([] once closed)."""
         with self.lock:
-            entry = self._entries.get(handle.id)
-            return list(entry.seq.tokens) if entry is not None and entry.handle is handle else []
+            entry = self._live(handle)
+            return list(entry.seq.tokens) if entry is not None else []
 
     def length(self, handle: StateHandle) -> int:
-        entry = self._entries.get(handle.id)
-        return len(entry.seq) if entry is not None and entry.handle is handle else 0
+        entry = self._live(handle)
+        return len(entry.seq) if entry is not None else 0
 
     def sync(self, handle: StateHandle, token_ids: Sequence[int], append: bool = False) -> SyncStats:
         tokens = self._validate(token_ids)  # outside the lock: a huge list stalls nobody else
@@ -244,7 +252,7 @@ class StateRegistry:
             return self.core.submit(request, loop)
 
     def truncate(self, handle: StateHandle, n: int) -> None:
-        if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 0:
+        if not is_kind(n, int) or n < 0:
             raise ConfigError(f"truncate needs a token count n >= 0, got {n!r}")
         with self.lock:
             seq = self._editable(handle).seq
@@ -280,7 +288,7 @@ class StateRegistry:
                 raise StateExistsError(f"a state with id {state_id!r} is open; close it or pass "
                                        "load_state(path, state_id=...) with another id")
             seq = self._new_sequence()
-            seq.share = share
+            seq.share = self.config.enable_prefix_caching and share
             seq.tokens = tokens
             if saved.block_size == self.pool.block_size and saved.num_computed:
                 blocks = saved.kv.shape[2]
@@ -294,13 +302,12 @@ class StateRegistry:
                     raise StateFileError(f"state file {path} does not fit this engine's KV cache ({exc})") from exc
                 seq.mark_computed(saved.num_computed)
                 seq.commit_full_blocks()  # with share=True: published (and deduped)
-            seq.share = self.config.enable_prefix_caching and share
             return self._add(state_id, seq)
 
     def close_state(self, handle: StateHandle) -> None:
         with self.lock:
-            entry = self._entries.get(handle.id)
-            if handle.closed or entry is None or entry.handle is not handle:
+            entry = self._live(handle)
+            if entry is None:
                 return
             for request in [r for r in self.core.scheduler.requests() if r.seq is entry.seq]:
                 self.core.cancel(request)
@@ -323,8 +330,8 @@ class StateRegistry:
 
     def _entry(self, handle: StateHandle) -> _Entry:
         self._check_open()
-        entry = self._entries.get(handle.id)
-        if handle.closed or entry is None or entry.handle is not handle:
+        entry = self._live(handle)
+        if entry is None:
             raise StateClosedError(f"state {handle.id!r} is closed; open a new one with engine.open_state")
         return entry
 
@@ -344,9 +351,9 @@ class StateRegistry:
         if isinstance(tokens, (str, bytes, dict)) or not isinstance(tokens, Iterable):
             raise InvalidTokenError(f"token ids must be a list of integers, got {type(tokens).__name__}")
         tokens = list(tokens)
-        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in tokens):
-            bad = next(t for t in tokens if not isinstance(t, numbers.Integral) or isinstance(t, bool))
-            raise InvalidTokenError(f"token ids must be integers, got {bad!r}; tokenize with this "
+        bad = [t for t in tokens if not is_kind(t, int)]
+        if bad:
+            raise InvalidTokenError(f"token ids must be integers, got {bad[0]!r}; tokenize with this "
                                     "model's tokenizer")
         tokens = [int(t) for t in tokens]
         bad = [t for t in tokens if not 0 <= t < self.limits.vocab_size]

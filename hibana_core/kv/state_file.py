@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from hibana_core.config import is_kind
 from hibana_core.errors import StateFileError
 
 FORMAT = "hibana-state/2"
@@ -94,7 +95,7 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int]) -> SavedState:
             kv = f.get_tensor("kv")
         checksum_ok = meta.get("checksum") == _checksum(meta, kv)
         tokens = json.loads(meta["tokens"])
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        if not isinstance(tokens, list) or not all(is_kind(t, int) for t in tokens):
             raise ValueError("its tokens are not a list of integers")
         saved = SavedState(str(meta["state_id"]), tokens, int(meta["num_computed"]),
                            int(meta["block_size"]), kv)
