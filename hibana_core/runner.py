@@ -52,14 +52,19 @@ class StepData:
 
 
 class StepInFlight:
-    """A launched step: its sampled tokens [S] (one per sampling chunk, in chunk order) are on
-    the device at once and on the host after `result`."""
+    """A launched step: its sampled tokens [S] are on the device at once and on the host after
+    `result`. A sampling chunk has one row, or 1 + k where it verifies k drafts: the token
+    sampled after each of its last 1 + k inputs."""
 
     def __init__(self, scheduled: SchedulerOutput, sampled: torch.Tensor) -> None:
         self.scheduled = scheduled
         self.sampled = sampled
-        self.rows = {c.request.id: row for row, c in enumerate(scheduled.sampling)}
-        """request id -> its row of `sampled`"""
+        self.rows: dict[int, int] = {}
+        """request id -> the row of `sampled` holding its next input (its last row)"""
+        row = -1
+        for chunk in scheduled.sampling:
+            row += 1 + len(chunk.draft_token_ids)
+            self.rows[chunk.request.id] = row
         self._ready: torch.cuda.Event | None = None
         self._host = sampled
         if sampled.is_cuda:
@@ -72,8 +77,23 @@ class StepInFlight:
         """Wait for the step and read its tokens back (raises if the device failed under it)."""
         if self._ready is not None:
             self._ready.synchronize()
-        tokens = iter(self._host.tolist())
-        return RunnerOutput([[next(tokens)] if c.sample else [] for c in self.scheduled.chunks])
+        tokens = self._host.tolist()
+        out, row = [], 0
+        for chunk in self.scheduled.chunks:
+            if not chunk.sample:
+                out.append([])
+                continue
+            drafts = chunk.draft_token_ids
+            targets = tokens[row:row + 1 + len(drafts)]
+            row += 1 + len(drafts)
+            # drafts are kept while they equal what the target sampled after the input before
+            # them; the first that differs is replaced by the target's token (lossless: see
+            # `Sampler`), and when all match, the token after the last is a free one
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+                accepted += 1
+            out.append(targets[:accepted + 1])
+        return RunnerOutput(out)
 
 
 def gather_step(scheduled: SchedulerOutput, previous: StepInFlight | None = None) -> StepData:
@@ -89,20 +109,23 @@ def gather_step(scheduled: SchedulerOutput, previous: StepInFlight | None = None
     from_device: list[DeviceInput] = []
     for chunk in scheduled.chunks:
         seq = chunk.request.seq
-        known = min(chunk.end, len(seq))
+        drafts = chunk.draft_token_ids
+        end = chunk.end - len(drafts)  # inputs before `end`: history, or the token in flight
+        known = min(end, len(seq))
         ids.extend(seq.tokens[chunk.start:known])
-        if known < chunk.end:  # one placeholder: the previous step's token for this request
-            if previous is None or chunk.request.id not in previous.rows or chunk.end - known != 1:
+        if known < end:  # one placeholder: the previous step's token for this request
+            if previous is None or chunk.request.id not in previous.rows or end - known != 1:
                 raise RuntimeError(f"step input at position {known} is neither known nor in flight")
             from_device.append(DeviceInput(len(ids), previous.rows[chunk.request.id]))
             ids.append(0)
+        ids.extend(drafts)
         positions.extend(range(chunk.start, chunk.end))
         slots.extend(seq.slot(p) for p in range(chunk.start, chunk.end))
         seq_lens.append(chunk.end)
         starts.append(starts[-1] + chunk.num_tokens)
         tables.append(seq.block_ids)
         if chunk.sample:
-            logits_indices.append(starts[-1] - 1)
+            logits_indices.extend(range(starts[-1] - 1 - len(drafts), starts[-1]))
     return StepData(ids, positions, slots, seq_lens, starts, tables, logits_indices,
                     max(c.num_tokens for c in scheduled.chunks), from_device)
 
@@ -152,7 +175,7 @@ class ModelRunner:
     def launch(self, scheduled: SchedulerOutput, previous: StepInFlight | None = None) -> StepInFlight:
         """Enqueue one scheduled step. `previous`: the step before, which may still be in flight."""
         data = gather_step(scheduled, previous)
-        rows = [c.request for c in scheduled.sampling]
+        rows = sampling_rows(scheduled)
         if self.graphs is not None and self.graphs.fits(data, len(rows)):
             logits = self.graphs.run(data, previous)
         else:
@@ -163,10 +186,56 @@ class ModelRunner:
             if not rows:
                 return StepInFlight(scheduled, torch.empty(0, dtype=torch.long))
             logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, vocab]
-        sampling_rows = [SamplingRow(r.params, r.generator,
-                                     r.prompt if r.params.repetition_penalty != 1.0 else (),
-                                     r.output) for r in rows]
-        return StepInFlight(scheduled, self.sampler(logits, sampling_rows))
+        sampled = self.sampler(logits, rows)
+        self._force(sampled, rows, scheduled)
+        return StepInFlight(scheduled, sampled)
+
+    def _force(self, sampled: torch.Tensor, rows: list[SamplingRow], scheduled: SchedulerOutput) -> None:
+        """Trace replay (bench only): rows of requests with forced outputs take the recorded
+        token, so drafts are verified against what the traced model produced."""
+        if not any(c.request.forced is not None for c in scheduled.sampling):
+            return
+        index, tokens = [], []
+        row = 0
+        for chunk in scheduled.sampling:
+            forced = chunk.request.forced
+            for _ in range(1 + len(chunk.draft_token_ids)):
+                if forced is not None and rows[row].draw < len(forced):
+                    index.append(row)
+                    tokens.append(forced[rows[row].draw])
+                row += 1
+        if index:
+            sampled.index_copy_(0, self._tensor(index), self._tensor(tokens))
+
+    @torch.inference_mode()
+    def profile(self, num_tokens: int) -> None:
+        """One eager forward over `num_tokens` tokens of one sequence that writes no KV (the
+        step-cost profile of speculation's controller)."""
+        bs = self.ctx.kv_cache.block_size
+        batch = ForwardBatch(
+            slot_mapping=self._tensor([-1] * num_tokens),
+            block_tables=self._tensor([[0] * -(-num_tokens // bs)], torch.int32),
+            seq_lens=self._tensor([num_tokens], torch.int32),
+            query_start_loc=self._tensor([0, num_tokens], torch.int32),
+            max_query_len=num_tokens, max_seq_len=num_tokens)
+        with self.ctx.forward_batch(batch):
+            hidden = self.model(self._tensor([0] * num_tokens), self._tensor(list(range(num_tokens))))
+        self.model.compute_logits(hidden[-1:]).argmax(dim=-1)
+
+
+def sampling_rows(scheduled: SchedulerOutput) -> list[SamplingRow]:
+    """One row per token sampled this step: a chunk's last input, and each of its drafts (whose
+    penalties count the drafts before it as generated)."""
+    rows = []
+    for chunk in scheduled.sampling:
+        r = chunk.request
+        prompt = r.prompt if r.params.repetition_penalty != 1.0 else ()
+        first = len(r.output) + r.num_output_placeholders - 1  # index of the token this row draws
+        drafts = chunk.draft_token_ids
+        for i in range(1 + len(drafts)):
+            output = r.output if i == 0 else [*r.output, *drafts[:i]]
+            rows.append(SamplingRow(r.params, r.generator, prompt, output, first + i))
+    return rows
 
 
 class DecodeGraphs:
