@@ -40,6 +40,10 @@ class Drafter(Protocol):
         """A request generated `output` after `context` (its last tokens): drafters that learn
         across agents (the suffix drafter's shared corpus) take it in."""
 
+    # Optional: `propose_many(states: list[DraftInput], ks: list[int]) -> list[list[int]]`, the
+    # proposals for several states in one call (a draft model batches its forwards); the engine
+    # uses it when a drafter has it.
+
 
 class _PerState:
     """One index per state, caught up with its history on use, rebuilt after edits."""

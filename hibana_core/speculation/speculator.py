@@ -116,21 +116,25 @@ class Speculator:
         """Drafts for this step's chunks, by chunk index. `room(chunk, k)`: how many of k draft
         tokens the chunk can take (budget, KV blocks, max_tokens, context)."""
         sampling = sum(c.sample for c in chunks)
-        candidates: list[tuple[int, list[int], Candidate]] = []
+        wanted: dict[str, list[tuple[int, int]]] = {}  # method -> (chunk index, tokens wanted)
         for i, chunk in enumerate(chunks):
             request = chunk.request
             config = self.config(request)
             if not chunk.sample or not config.active or chunk.end != len(request.seq):
                 continue
-            want = config.k if config.k is not None else MAX_DRAFT
-            want = room(chunk, want)
-            if want <= 0:
-                continue
-            proposal = self.drafter(config.method).propose(self._input(request), want)[:want]
-            stats = self.stats(request, config.method)
-            if config.k is None and not proposal:
-                stats.record(1, 0)  # nothing to draft counts as a miss: it is what drafting gets
-            candidates.append((i, proposal, Candidate(stats, len(proposal), config.k)))
+            want = room(chunk, config.k if config.k is not None else MAX_DRAFT)
+            if want > 0:
+                wanted.setdefault(config.method, []).append((i, want))
+        candidates: list[tuple[int, list[int], Candidate]] = []
+        for method, items in wanted.items():
+            inputs = [self._input(chunks[i].request) for i, _ in items]
+            for (i, want), proposal in zip(items, self._propose(method, inputs, [w for _, w in items])):
+                request, config = chunks[i].request, self.config(chunks[i].request)
+                proposal = list(proposal)[:want]
+                stats = self.stats(request, method)
+                if config.k is None and not proposal:
+                    stats.record(1, 0)  # nothing to draft counts as a miss: it is what drafting gets
+                candidates.append((i, proposal, Candidate(stats, len(proposal), config.k)))
         if not candidates:
             return {}
         self._last_shape = (step_tokens, sampling)
@@ -141,6 +145,15 @@ class Speculator:
             if k > 0:
                 drafts[i] = proposal[:k]
         return drafts
+
+    def _propose(self, method: str, inputs: list[DraftInput], ks: list[int]) -> list[Sequence[int]]:
+        """Proposals of one drafter for several states: in one call where the drafter batches
+        (`propose_many`, e.g. a draft model's forward), else one by one."""
+        drafter = self.drafter(method)
+        many = getattr(drafter, "propose_many", None)
+        if many is not None:
+            return many(inputs, ks)
+        return [drafter.propose(state, k) for state, k in zip(inputs, ks)]
 
     @staticmethod
     def _input(request: "Request") -> DraftInput:
