@@ -169,7 +169,15 @@ class NgramDrafter:
         pass
 
 
+def _draft_model(engine: Any, **options: Any) -> Drafter:
+    """The draft-model drafter, imported on first use (it brings the loader and the KV cache)."""
+    from hibana_core.speculation.draft_model import DraftModelDrafter
+
+    return DraftModelDrafter(engine, **options)
+
+
 @hookimpl
 def register_drafters(register) -> None:
     register("suffix", SuffixDrafter)
     register("ngram", NgramDrafter)
+    register("draft_model", _draft_model)

@@ -65,11 +65,20 @@ class Speculator:
     # --- configuration ----------------------------------------------------------------------
 
     def check(self, config: SpeculationConfig) -> None:
-        """A ConfigError, listing the registered drafters, when `config` names none of them."""
-        if config.enabled and config.method not in self._factories:
+        """A ConfigError, listing the registered drafters, when `config` names none of them. The
+        drafter is built here, so a factory's error (a missing or incompatible draft checkpoint)
+        shows at construction or submission, not inside a step."""
+        if not config.enabled:
+            return
+        if config.method not in self._factories:
             raise ConfigError(f"no drafter named {config.method!r} is registered (registered: "
                               f"{', '.join(sorted(self._factories)) or 'none'}); pass one of them as "
                               "speculation={'method': ...}, or install the plugin that provides it")
+        if config.draft_model is not None and config.draft_model != self.default.draft_model:
+            raise ConfigError(f"draft_model={config.draft_model!r} differs from the engine's "
+                              f"({self.default.draft_model!r}): the draft model is loaded once per engine; "
+                              "give it in Engine.from_pretrained(..., speculation={...}) and leave it out here")
+        self.drafter(config.method)
 
     def config(self, request: "Request") -> SpeculationConfig:
         own = request.params.speculation if request.params is not None else None
@@ -218,8 +227,17 @@ class Speculator:
         context = seq.tokens[max(0, request.num_prompt - 32):request.num_prompt]
         self.drafter(config.method).finished(context, request.output)
 
+    def close(self) -> None:
+        """The engine closes: drafters that hold memory (a draft model's weights and KV) free it."""
+        for drafter in self._drafters.values():
+            close = getattr(drafter, "close", None)
+            if close is not None:
+                close()
+        self._drafters.clear()
+
     def summary(self) -> dict:
         c = self.counters
+        own = {name: d.summary() for name, d in self._drafters.items() if hasattr(d, "summary")}
         return {
             "default": "off" if not self.default.enabled else
                        ("adaptive" if self.default.k is None else f"k={self.default.k}") + f" ({self.default.method})",
@@ -231,6 +249,7 @@ class Speculator:
                 "tokens": self._controller.costs.points,
                 "plain": [round(1e3 * s, 3) for s in self._controller.costs.plain],
                 "verify": [round(1e3 * s, 3) for s in self._controller.costs.verify]},
+            "drafters": own,  # a drafter's own figures (`summary()`), e.g. a draft model's cost per token
         }
 
 
