@@ -106,6 +106,9 @@ class DraftModelDrafter:
     full-context sequence, at most as many blocks as the target has.
     """
 
+    shadows = False
+    """No free "shadow" proposals for the controller: each costs draft-model forwards."""
+
     def __init__(self, engine: Any, model: str | None = None, num_blocks: int | None = None,
                  kv_share: float = 0.25) -> None:
         path = model if model is not None else engine.config.speculation.draft_model

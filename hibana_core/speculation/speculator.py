@@ -210,8 +210,11 @@ class Speculator:
             if (made >= SHADOW_PER_STEP or request.finished or not config.adaptive
                     or not chunk.sample or chunk.draft_token_ids):
                 continue
+            drafter = self.drafter(config.method)
+            if not getattr(drafter, "shadows", True):  # a proposal costs forwards: learn from verifies only
+                continue
             made += 1
-            draft = self.drafter(config.method).propose(self._input(request), MAX_DRAFT)
+            draft = drafter.propose(self._input(request), MAX_DRAFT)
             if draft:
                 self._shadows[request.id] = (config.method, len(request.seq), draft)
             else:
