@@ -257,13 +257,14 @@ class Speculator:
 
 
 def profile_step_costs(forward: Callable[[int], None], max_tokens: int, sync: Callable[[], None]) -> StepCostModel:
-    """Time `forward(num_tokens)` on the device at a ladder of token counts (best of 3 each)."""
-    points = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= max(max_tokens, 1)]
+    """Time `forward(num_tokens)` on the device at a ladder of token counts (best of 2 each): a
+    coarse prior, which the steps the engine runs then refine (`StepCostModel.observe`)."""
+    points = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= max(max_tokens, 1)]
     seconds = []
     for n in points:
         forward(n)  # warm up (kernels compile, caches fill)
         best = float("inf")
-        for _ in range(3):
+        for _ in range(2):
             sync()
             start = time.perf_counter()
             forward(n)
