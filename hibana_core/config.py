@@ -120,7 +120,7 @@ class SpeculationConfig:
     """Speculative decoding: draft tokens from a drafter, verified in the ordinary step.
 
     Given as `speculation=` to the engine or to `SamplingParams`: "adaptive" (the default: the
-    controller picks 0..8 drafts per agent and step by measured goodput), "off", or a dict
+    controller picks 0..16 drafts per agent and step by measured goodput), "off", or a dict
     `{"method": "suffix" | "ngram" | "draft_model" | <a plugin's drafter>, "k": 4}` (k given:
     always draft k; k left out: adaptive with that drafter). Output is the same either way
     (greedy: token for token; sampling: the same distribution). The draft model is given on the
