@@ -84,7 +84,11 @@ def mixed_batch(make_engine, path, vocab: int, seed: int) -> tuple[list[list[int
     shared corpus). Returns (histories, reference outputs, engine)."""
     oracle = OracleDrafter(vocab, wrong_every_fifth)
     rng = random.Random(seed)
-    histories = [[rng.randrange(vocab) for _ in range(rng.randint(20, 40))] for _ in MODES]
+    def history() -> list[int]:  # A + B + A: prompt lookup finds the second A, drafts B
+        a, b = ([rng.randrange(vocab) for _ in range(rng.randint(8, 14))] for _ in range(2))
+        return a + b + a
+
+    histories = [history() for _ in MODES]
     with registered(oracle=oracle):
         engine = make_engine(path, async_scheduling=True, max_num_batched_tokens=256)
 
@@ -114,7 +118,13 @@ def mixed_batch(make_engine, path, vocab: int, seed: int) -> tuple[list[list[int
     assert stats.max_batch_sequences > 1, "the agents never shared a step"
     assert stats.verify_steps > 0
     assert 0 < stats.draft_tokens_accepted < stats.draft_tokens_proposed, stats
-    assert {"suffix", "ngram", "oracle"} <= set(stats.speculation["acceptance_by_position"])
+    speculator = engine.scheduler.speculation
+    for method in ("suffix", "ngram", "oracle"):  # each drafter's drafts were verified
+        assert speculator.global_stats[method].tries[0] > 0, method
+    for method in ("suffix", "oracle"):
+        assert speculator.global_stats[method].accepted[0] > 0, method
+    assert speculator._stats.get(state_of(engine, engine.open_state("agent-0"))) is None, \
+        "the agent with speculation='off' drafted"
     # the oracle's drafts: right ones accepted, the wrong ones (every fifth position) rejected
     assert oracle.proposed > 0 and any(wrong_every_fifth(p) for p in range(3, GEN))
     return histories, want, engine
