@@ -42,7 +42,7 @@ SETTINGS = {
     "temperature": dict(temperature=0.8),
     "top_p": dict(temperature=1.0, top_p=0.8),
     "top_k": dict(temperature=1.2, top_k=5),
-    "repetition_penalty": dict(temperature=1.0, repetition_penalty=1.6),
+    "repetition_penalty": dict(temperature=0.8, repetition_penalty=2.0),
 }
 MIN_SAMPLES = 150   # a conditional distribution is checked only with this many samples
 P_VALUE = 1e-4      # seeded, so deterministic: this bounds how unlucky a correct run may be
