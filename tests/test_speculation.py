@@ -29,7 +29,7 @@ from hibana_core import SamplingParams
 from hibana_core.errors import ConfigError
 from hibana_core.speculation import force_outputs
 from spec_drafters import OracleDrafter, registered
-from tiny_models import ARCHS, VOCAB_SIZE, assert_greedy_matches, random_tokens
+from tiny_models import ARCHS, VOCAB_SIZE, assert_greedy_matches, hf_greedy, random_tokens
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -147,6 +147,40 @@ def test_greedy_equality_mixed_draft_settings_demo(make_engine):
     mixed_batch(make_engine, "demo", 4096, seed=99)
 
 
+def test_greedy_equality_with_drafts_under_preemption(tiny_checkpoints, make_engine):
+    """Four agents, prompts several prefill chunks long, on a pool too small for them all:
+    drafts take blocks only where there is room, agents give their KV back and recompute, and
+    every token is still transformers' greedy (as test_golden's chunked case, with drafts)."""
+    path = tiny_checkpoints["llama"]
+    modes = [{"method": "oracle", "k": 4}, {"method": "suffix", "k": 4}, "adaptive", {"method": "oracle"}]
+    oracle = OracleDrafter(VOCAB_SIZE, wrong_every_fifth)
+    plans = []
+    for agent in range(4):
+        rng = random.Random(300 + agent)
+        first = random_tokens(rng, rng.randint(50, 70))
+        out1 = hf_greedy(path, first, GEN)
+        second = first + out1 + random_tokens(rng, rng.randint(13, 30))
+        out2 = hf_greedy(path, second, 12)
+        oracle.add(first, out1)
+        oracle.add(second, out2)
+        plans.append([(first, out1), (second, out2)])
+    with registered(oracle=oracle):
+        engine = make_engine(path, num_blocks=12, max_prefill_chunk=12, async_scheduling=True)
+
+    def agent(i: int) -> list:
+        h = engine.open_state(f"chunked-{i}")
+        return [h.generate(greedy(len(want), speculation=modes[i]), prompt=history) for history, want in plans[i]]
+
+    completions = concurrently(agent, [(i,) for i in range(4)])
+    for i, (plan, outs) in enumerate(zip(plans, completions)):
+        for (history, want), c in zip(plan, outs):
+            assert list(c.token_ids) == want, f"agent {i} ({modes[i]})"
+    served_twice = sum(c.stats.computed + c.stats.reused - c.stats.prompt_tokens for cs in completions for c in cs)
+    assert served_twice > 0, "no agent was preempted: the pool was meant to run out"
+    stats = engine.stats()
+    assert 0 < stats.draft_tokens_accepted < stats.draft_tokens_proposed, stats
+
+
 # --- 3. after rejections the KV is what a run without speculation holds ---------------------------
 
 KV_ATOL = 1e-5
@@ -211,14 +245,17 @@ def test_a_plugin_drafter_is_used_when_named(tiny_checkpoints, make_engine):
     want = list(other.open_state("a").generate(greedy(), prompt=history).token_ids)
     oracle.add(history, want)
 
-    # engine-wide: every decode step drafts 3 (fewer only at max_tokens), all are right
+    # engine-wide: every step drafts 3, fewer only where max_tokens leaves less room (18 tokens
+    # in steps of 1 + 3: the last step may draft 1), and all are right
     h = engine.open_state("a")
-    assert list(h.generate(greedy(), prompt=history).token_ids) == want
-    assert oracle.calls and all(k == min(3, GEN - 1 - (n - len(history))) for n, k, _ in oracle.calls)
+    n = 18
+    assert list(h.generate(greedy(n), prompt=history).token_ids) == want[:n]
+    assert [k for _, k, _ in oracle.calls] == [3, 3, 3, 3, 1]
+    assert [length - len(history) for length, _, _ in oracle.calls] == [0, 4, 8, 12, 16]
     assert oracle.calls[0][0] == len(history), "the first draft follows the prompt"
     stats = engine.stats()
     assert stats.draft_tokens_proposed == stats.draft_tokens_accepted == oracle.proposed > 0
-    assert oracle.finished_outputs == [want], "the drafter is told what the request generated"
+    assert oracle.finished_outputs == [want[:n]], "the drafter is told what the request generated"
 
     # per request, on an engine whose default is off
     calls = len(oracle.calls)
@@ -265,6 +302,20 @@ def test_max_tokens_and_stops_inside_an_accepted_draft(tiny_checkpoints, make_en
             c2 = h.generate(greedy(6))
             assert_greedy_matches(path, history + case["want"], c2.token_ids)
     assert engine.stats().draft_tokens_accepted >= 2 * len(cases)
+
+    # the context limit inside a draft: the same end as one token at a time
+    with registered(oracle=oracle):
+        short = make_engine(path, speculation={"method": "oracle", "k": 4}, async_scheduling=True,
+                            max_model_len=len(history) + at + 1)
+    calls = len(oracle.calls)
+    for spec in ("off", None):
+        h = short.open_state(f"context-{spec}")
+        c = h.generate(greedy(speculation=spec), prompt=history)
+        assert (list(c.token_ids), c.finish_reason) == (full[:at + 1], "length"), spec
+        assert h.tokens == history + full[:at + 1]
+    assert short.stats().draft_tokens_accepted > 0
+    assert all(length + k < len(history) + at + 1 for length, k, _ in oracle.calls[calls:]), \
+        "drafts past the context limit were asked for"
 
 
 def test_stop_string_inside_an_accepted_draft(tiny_checkpoints, make_engine):
