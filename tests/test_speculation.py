@@ -152,7 +152,7 @@ def test_greedy_equality_with_drafts_under_preemption(tiny_checkpoints, make_eng
     drafts take blocks only where there is room, agents give their KV back and recompute, and
     every token is still transformers' greedy (as test_golden's chunked case, with drafts)."""
     path = tiny_checkpoints["llama"]
-    modes = [{"method": "oracle", "k": 4}, {"method": "suffix", "k": 4}, "adaptive", {"method": "oracle"}]
+    modes = [{"method": "oracle", "k": 16}, {"method": "suffix", "k": 4}, "adaptive", {"method": "oracle"}]
     oracle = OracleDrafter(VOCAB_SIZE, wrong_every_fifth)
     plans = []
     for agent in range(4):
@@ -179,6 +179,35 @@ def test_greedy_equality_with_drafts_under_preemption(tiny_checkpoints, make_eng
     assert served_twice > 0, "no agent was preempted: the pool was meant to run out"
     stats = engine.stats()
     assert 0 < stats.draft_tokens_accepted < stats.draft_tokens_proposed, stats
+
+
+def test_drafts_share_a_small_token_budget(tiny_checkpoints, make_engine):
+    """max_num_batched_tokens=8 for three agents drafting 4 each: prefills run in chunks, drafts
+    take what the budget leaves, no step runs more than 8 tokens, and the output is unchanged."""
+    path = tiny_checkpoints["qwen3"]
+    rng = random.Random(21)
+    histories = [random_tokens(rng, 20) for _ in range(3)]
+    wants = [hf_greedy(path, history, 12) for history in histories]
+    oracle = OracleDrafter(VOCAB_SIZE)
+    for history, want in zip(histories, wants):
+        oracle.add(history, want)
+    with registered(oracle=oracle):
+        engine = make_engine(path, speculation={"method": "oracle", "k": 4}, max_num_batched_tokens=8,
+                             async_scheduling=True)
+    sizes = []
+    launch = engine.runner.launch
+
+    def counting_launch(scheduled, previous=None):
+        sizes.append(scheduled.num_tokens)
+        return launch(scheduled, previous)
+
+    engine.runner.launch = counting_launch
+    outs = concurrently(lambda i: list(engine.open_state(f"b{i}").generate(greedy(12), prompt=histories[i]).token_ids),
+                        [(i,) for i in range(3)])
+    assert outs == wants
+    assert max(sizes) <= 8 and sizes.count(8) > 0
+    stats = engine.stats()
+    assert stats.draft_tokens_accepted == stats.draft_tokens_proposed > 0, stats
 
 
 # --- 3. after rejections the KV is what a run without speculation holds ---------------------------
