@@ -226,38 +226,51 @@ def kv_rows(engine, seq, n: int) -> torch.Tensor:
     return torch.stack([data[:, :, seq.block_ids[p // bs], p % bs] for p in range(n)])
 
 
+def snapshot(engine, i: int) -> tuple[list[int], int, int, torch.Tensor]:
+    """State s{i}'s tokens, computed count, blocks held and the KV of its computed positions."""
+    seq = state_of(engine, engine.open_state(f"s{i}"))
+    return list(seq.tokens), seq.num_computed, len(seq.block_ids), kv_rows(engine, seq, seq.num_computed)
+
+
+def assert_same_state(plain, spec, i: int, when: str) -> None:
+    tokens, computed, blocks, kv = snapshot(plain, i)
+    spec_tokens, spec_computed, spec_blocks, spec_kv = snapshot(spec, i)
+    assert spec_tokens == tokens, f"state {i} {when}"
+    assert (spec_computed, spec_blocks) == (computed, blocks) == (len(tokens) - 1, -(-computed // 16)), \
+        f"state {i} {when}: (computed, blocks) {spec_computed, spec_blocks} != {computed, blocks}"
+    diff = (spec_kv - kv).abs().flatten(1).amax(1)  # [positions]
+    assert diff.max() <= KV_ATOL, f"state {i} {when}: KV differs at position {int(diff.argmax())}"
+
+
 def test_kv_after_rejections_equals_a_run_without_speculation(tiny_checkpoints, make_engine):
+    """Two turns per state, the second after new tokens; every third draft is wrong. After each
+    turn the speculating engine's states hold what the plain engine's hold: tokens, computed
+    count, blocks, and the KV of every computed position."""
     path = tiny_checkpoints["qwen2"]
     rng = random.Random(7)
     histories = [random_tokens(rng, n) for n in (21, 33, 47)]  # drafts cross block boundaries
     appended = [random_tokens(rng, n) for n in (5, 16, 9)]
     plain = make_engine(path, speculation="off", async_scheduling=True)
-    want = concurrently(lambda i: list(plain.open_state(f"s{i}").generate(greedy(), prompt=histories[i]).token_ids),
-                        [(i,) for i in range(3)])
-    oracle = OracleDrafter(VOCAB_SIZE, wrong=lambda p: p % 3 == 1)  # every third draft is wrong
-    for history, out in zip(histories, want):
-        oracle.add(history, out)
+    oracle = OracleDrafter(VOCAB_SIZE, wrong=lambda p: p % 3 == 1)
     with registered(oracle=oracle):
         spec = make_engine(path, speculation={"method": "oracle", "k": 4}, async_scheduling=True)
 
-    def second_turn(engine, i):
+    def turn(engine, i: int, first: bool) -> list[int]:
         h = engine.open_state(f"s{i}")
-        if engine is spec:
-            h.generate(greedy(), prompt=histories[i])
+        if first:
+            return list(h.generate(greedy(), prompt=histories[i]).token_ids)
         h.append(appended[i])  # a turn after the rejections: its KV sits past them
-        return list(h.generate(greedy(6)).token_ids)
+        return list(h.generate(greedy(10)).token_ids)
 
-    assert concurrently(second_turn, [(plain, i) for i in range(3)]) == \
-        concurrently(second_turn, [(spec, i) for i in range(3)])
+    for first in (True, False):
+        want = concurrently(turn, [(plain, i, first) for i in range(3)])
+        for i, out in enumerate(want):
+            oracle.add(state_of(plain, plain.open_state(f"s{i}")).tokens[:-len(out)], out)
+        assert concurrently(turn, [(spec, i, first) for i in range(3)]) == want
+        for i in range(3):
+            assert_same_state(plain, spec, i, "after the first turn" if first else "after the second turn")
     stats = spec.stats()
     assert stats.draft_tokens_accepted > 0 and stats.draft_tokens_proposed - stats.draft_tokens_accepted > 20, stats
-    for i in range(3):
-        a, b = state_of(plain, plain.open_state(f"s{i}")), state_of(spec, spec.open_state(f"s{i}"))
-        assert b.tokens == a.tokens
-        assert b.num_computed == a.num_computed == len(a.tokens) - 1
-        assert len(b.block_ids) == len(a.block_ids) == -(-b.num_computed // 16)
-        diff = (kv_rows(plain, a, a.num_computed) - kv_rows(spec, b, b.num_computed)).abs()
-        assert diff.max() <= KV_ATOL, f"state {i}: KV differs at position {int(diff.flatten(1).amax(1).argmax())}"
     assert spec.pool.num_used == plain.pool.num_used, "rejected drafts' blocks were not given back"
 
 
@@ -387,10 +400,12 @@ def test_seeded_sampling_is_the_same_with_and_without_speculation(tiny_checkpoin
 
 def test_forced_outputs_with_and_without_speculation(tiny_checkpoints, make_engine):
     path = tiny_checkpoints["llama"]
-    engine = make_engine(path, speculation={"method": "suffix", "k": 4})
+    # async scheduling: the first steps find nothing to draft and overlap; drafting starts once
+    # the pattern repeats, which needs the step in flight read back before the next is scheduled
+    engine = make_engine(path, speculation={"method": "suffix", "k": 4}, async_scheduling=True)
     history = random_tokens(random.Random(14), 20)
     forced = [7, 8, 9, 10, 11] * 5  # periodic: the suffix drafter learns it from the state itself
-    for spec in ("off", None):
+    for spec in (None, "off"):  # speculating first: the shared corpus holds no earlier run's text
         h = engine.open_state(f"forced-{spec}")
         h.sync(history)
         force_outputs(h, forced)
