@@ -30,6 +30,7 @@ class OracleDrafter:
         self.continuations: dict[tuple[int, ...], list[int]] = {}
         self.calls: list[tuple[int, int, list[int]]] = []  # (history length, k, draft)
         self.finished_outputs: list[list[int]] = []
+        self.wrong_proposed = 0  # drafted tokens that differ from the continuation
         self.lock = threading.Lock()
 
     def add(self, history: Sequence[int], continuation: Sequence[int]) -> None:
@@ -45,9 +46,13 @@ class OracleDrafter:
                     and tokens[n:] == continuation[:pos]:
                 draft = [(t + 1) % self.vocab_size if self.wrong(pos + i) else t
                          for i, t in enumerate(continuation[pos:pos + k])]
+                wrong = sum(d != t for d, t in zip(draft, continuation[pos:]))
                 break
+        else:
+            wrong = 0
         with self.lock:
             self.calls.append((len(tokens), k, draft))
+            self.wrong_proposed += wrong
         return draft
 
     def finished(self, context: Sequence[int], output: Sequence[int]) -> None:

@@ -76,14 +76,15 @@ MODES = [
 ]
 
 
-def mixed_batch(make_engine, path, vocab: int, seed: int) -> tuple[list[list[int]], list[list[int]], object]:
+def mixed_batch(make_engine, path, vocab: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
     """One agent per mode of MODES, each with its own history; all generate at once (threads,
     async scheduling). First every history is answered with speculation off (the reference, and
     the oracle's continuations); then each agent answers its history in its mode twice (the
     second time after `truncate` back to it: the suffix drafters find the first answer in their
-    shared corpus). Returns (histories, reference outputs, engine)."""
+    shared corpus). Returns (histories, reference outputs)."""
     oracle = OracleDrafter(vocab, wrong_every_fifth)
     rng = random.Random(seed)
+
     def history() -> list[int]:  # A + B + A: prompt lookup finds the second A, drafts B
         a, b = ([rng.randrange(vocab) for _ in range(rng.randint(8, 14))] for _ in range(2))
         return a + b + a
@@ -121,24 +122,20 @@ def mixed_batch(make_engine, path, vocab: int, seed: int) -> tuple[list[list[int
     speculator = engine.scheduler.speculation
     for method in ("suffix", "ngram", "oracle"):  # each drafter's drafts were verified
         assert speculator.global_stats[method].tries[0] > 0, method
-    for method in ("suffix", "oracle"):
-        assert speculator.global_stats[method].accepted[0] > 0, method
+    for method in ("suffix", "oracle"):  # runs of two accepted drafts: no chance hits
+        assert speculator.global_stats[method].accepted[1] > 0, method
     assert speculator._stats.get(state_of(engine, engine.open_state("agent-0"))) is None, \
         "the agent with speculation='off' drafted"
-    # the oracle's drafts: right ones accepted, the wrong ones (every fifth position) rejected
-    assert oracle.proposed > 0 and any(wrong_every_fifth(p) for p in range(3, GEN))
-    return histories, want, engine
+    assert oracle.proposed > oracle.wrong_proposed > 0
+    return histories, want
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_equality_mixed_draft_settings(arch, tiny_checkpoints, make_engine):
     path = tiny_checkpoints[arch]
-    histories, want, engine = mixed_batch(make_engine, path, VOCAB_SIZE, seed=ARCHS.index(arch))
+    histories, want = mixed_batch(make_engine, path, VOCAB_SIZE, seed=ARCHS.index(arch))
     for history, out in zip(histories, want):
         assert_greedy_matches(path, history, out)
-    # the suffix drafters' second answers come from the shared corpus: most drafts are accepted
-    lengths = engine.stats().speculation["draft_lengths"]
-    assert any(k >= 2 for k, n in lengths.items() if n), lengths
 
 
 def test_greedy_equality_mixed_draft_settings_demo(make_engine):
