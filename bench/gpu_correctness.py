@@ -4,6 +4,10 @@
    greedy tokens on the tiny test checkpoints, 4 agents batched.
 2. bfloat16: the demo model on the GPU gives transformers' greedy tokens for at least the first
    32 tokens of 8 prompts.
+3. speculation: on the GPU (eager, and CUDA graphs of verify steps), float32, the tiny checkpoints
+   give the CPU's speculation-off greedy tokens with speculation on, 4 agents batched with mixed
+   draft lengths (suffix k=4 and k=8, ngram k=2, adaptive) on histories that repeat themselves
+   (so drafts are accepted and rejected); and bf16 demo model: spec on == spec off.
 Prints a table; exits 1 if a check fails.
 """
 
@@ -22,12 +26,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hibana_core import Engine, SamplingParams  # noqa: E402
 
 
-def batched_greedy(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
+MIXED_SPECULATION = ({"method": "suffix", "k": 4}, "adaptive", {"method": "ngram", "k": 2},
+                     {"method": "suffix", "k": 8})
+
+
+def batched_greedy(engine: Engine, prompts: list[list[int]], n: int, specs=None) -> list[list[int]]:
     out: list[list[int]] = [[] for _ in prompts]
 
     def run(i: int) -> None:
         h = engine.open_state(f"p{i}")
-        out[i] = list(h.generate(SamplingParams(max_tokens=n, ignore_eos=True), prompt=prompts[i]).token_ids)
+        spec = None if specs is None else specs[i % len(specs)]
+        params = SamplingParams(max_tokens=n, ignore_eos=True, speculation=spec)
+        out[i] = list(h.generate(params, prompt=prompts[i]).token_ids)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -57,6 +67,33 @@ def check_float32() -> list[tuple[str, bool, str]]:
     return rows
 
 
+def check_speculation() -> list[tuple[str, bool, str]]:
+    from tiny_models import make_tiny_checkpoint
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in ("llama", "qwen2", "qwen3", "mistral"):
+            path = make_tiny_checkpoint(arch, Path(tmp) / arch)
+            rng = random.Random(11)
+            prompts = [[rng.randrange(2, 512) for _ in range(rng.randint(20, 200))] for _ in range(4)]
+            with Engine.from_pretrained(path, device="cpu", progress=False, speculation="off") as cpu:
+                first = batched_greedy(cpu, prompts, 48)
+                # the history repeats itself: the drafters find the continuation (and then diverge)
+                prompts = [p + f + p for p, f in zip(prompts, first)]
+                want = batched_greedy(cpu, prompts, 48)
+            for graphs in (False, True):
+                with Engine.from_pretrained(path, device="cuda", dtype="float32", progress=False,
+                                            cuda_graphs=graphs) as gpu:
+                    got = batched_greedy(gpu, prompts, 48, MIXED_SPECULATION)
+                    stats = gpu.stats()
+                same = sum(a == b for a, b in zip(got, want))
+                ok = same == len(prompts) and stats.draft_tokens_accepted > 0
+                rows.append((f"spec fp32 {arch} graphs={graphs}", ok,
+                             f"{same}/4 agents equal; {stats.draft_tokens_accepted}/{stats.draft_tokens_proposed} "
+                             f"drafts accepted in {stats.verify_steps} verify steps of {stats.steps}"))
+    return rows
+
+
 def check_bf16_demo() -> list[tuple[str, bool, str]]:
     from transformers import AutoModelForCausalLM
 
@@ -73,7 +110,10 @@ def check_bf16_demo() -> list[tuple[str, bool, str]]:
                      "What is 3 plus 4?", "Can you help me plan a trip?"]
         prompts = [chat.prompt_ids([{"role": "user", "content": q}], tools if i % 2 == 0 else None)
                    for i, q in enumerate(questions)]
-        got = batched_greedy(engine, prompts, 32)
+        got = batched_greedy(engine, prompts, 32, specs=["off"])
+        spec = batched_greedy(engine, prompts, 32, MIXED_SPECULATION)
+        spec_stats = engine.stats()
+
     def greedy(model, prompt):
         ids = torch.tensor([prompt], device="cuda")
         with torch.inference_mode():
@@ -90,14 +130,18 @@ def check_bf16_demo() -> list[tuple[str, bool, str]]:
     eager = [greedy(eager_model, p) for p in prompts]
     matched, firsts = agreement(got, sdpa)
     noise, noise_firsts = agreement(eager, sdpa)
+    spec_same = sum(a == b for a, b in zip(spec, got))
     return [("bf16 demo vs transformers (sdpa), first 32 tokens", matched == len(prompts),
              f"{matched}/8 prompts equal; first difference at {firsts}"),
+            ("bf16 demo, speculation mixed vs off (graphs)", spec_same == len(prompts),
+             f"{spec_same}/8 prompts equal; {spec_stats.draft_tokens_accepted}/"
+             f"{spec_stats.draft_tokens_proposed} drafts accepted"),
             ("reference: transformers eager vs sdpa, bf16", True,
              f"{noise}/8 prompts equal; first difference at {noise_firsts}")]
 
 
 def main() -> int:
-    rows = ([] if "--bf16-only" in sys.argv else check_float32()) + check_bf16_demo()
+    rows = ([] if "--bf16-only" in sys.argv else check_float32() + check_speculation()) + check_bf16_demo()
     width = max(len(r[0]) for r in rows)
     for name, ok, detail in rows:
         print(f"{name:<{width}}  {'PASS' if ok else 'FAIL'}  {detail}")

@@ -189,7 +189,7 @@ def kernel_table(engine, label: str, top: int = 25) -> list[tuple[str, float, in
     """GPU time per kernel name over 10 replays of the batch-1 decode graph."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph, _ = engine.runner.graphs.graphs[1]
+    graph, _ = engine.runner.graphs.graphs[(1, 1)]
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(10):

@@ -111,6 +111,58 @@ class SchedulerConfig:
         _check(self.max_prefill_chunk >= 1, "max_prefill_chunk must be at least 1")
 
 
+MAX_DRAFT_TOKENS = 16
+"""Longest fixed draft length a request may ask for."""
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """Speculative decoding: draft tokens from a drafter, verified in the ordinary step.
+
+    Given as `speculation=` to the engine or to `SamplingParams`: "adaptive" (the default: the
+    controller picks 0..8 drafts per agent and step by measured goodput), "off", or a dict
+    `{"method": "suffix" | "ngram" | <a plugin's drafter>, "k": 4}` (k given: always draft k;
+    k left out: adaptive with that drafter). Output is the same either way (greedy: token for
+    token; sampling: the same distribution).
+    """
+
+    enabled: bool = True
+    method: str = "suffix"
+    """The drafter, by the name it is registered under (`register_drafters`)."""
+    k: int | None = None
+    """Fixed draft length per step; None: adaptive."""
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _check(bool(self.method), "speculation method must name a drafter, e.g. 'suffix'")
+        _check(self.k is None or 0 <= self.k <= MAX_DRAFT_TOKENS,
+               f"speculation k must lie in [0, {MAX_DRAFT_TOKENS}], got {self.k}")
+
+    @classmethod
+    def parse(cls, value: Any) -> "SpeculationConfig":
+        """"adaptive", "off", a {"method": ..., "k": ...} dict, or a SpeculationConfig."""
+        if isinstance(value, cls):
+            return value
+        if value == "adaptive":
+            return cls()
+        if value == "off" or value is False:
+            return cls(enabled=False)
+        if isinstance(value, dict):
+            unknown = set(value) - {"method", "k"}
+            _check(not unknown, f"speculation takes the keys 'method' and 'k', got {sorted(map(str, unknown))}")
+            return cls(**value)
+        raise ConfigError(f"speculation must be 'adaptive', 'off' or a dict like "
+                          f"{{'method': 'suffix', 'k': 4}}, got {value!r}")
+
+    @property
+    def adaptive(self) -> bool:
+        return self.enabled and self.k is None
+
+    @property
+    def active(self) -> bool:
+        return self.enabled and self.k != 0
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything `Engine.from_pretrained` needs; overrides are keyword arguments of it."""
@@ -132,11 +184,15 @@ class EngineConfig:
     async_scheduling: bool | None = None
     """Launch each step before reading the previous one's tokens back, so host work overlaps
     the device's; None: on for CUDA (on the CPU nothing overlaps, but True runs the same logic)."""
+    speculation: Any = "adaptive"
+    """Speculative decoding for every request that does not set its own: "adaptive", "off", or
+    {"method": ..., "k": ...} (see `SpeculationConfig`); stored parsed."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         _check_types(self)
+        object.__setattr__(self, "speculation", SpeculationConfig.parse(self.speculation))
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         _check(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"),
@@ -203,9 +259,14 @@ class SamplingParams:
     """Generation ends when the decoded text contains any of these strings (it may span tokens)."""
     ignore_eos: bool = False
     """Do not stop on the model's end-of-sequence tokens."""
+    speculation: Any = None
+    """This request's speculative decoding ("adaptive", "off", {"method": ..., "k": ...});
+    None: the engine's. It changes speed only, never the output."""
 
     def __post_init__(self) -> None:
         _check_types(self)
+        if self.speculation is not None:
+            object.__setattr__(self, "speculation", SpeculationConfig.parse(self.speculation))
         _check(self.max_tokens >= 0, f"max_tokens must be >= 0, got {self.max_tokens}")
         _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         _check(self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}")

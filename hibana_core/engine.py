@@ -34,7 +34,9 @@ from hibana_core.registry import ModelLimits, StateRegistry
 from hibana_core.runner import ModelRunner
 from hibana_core.sampler import Sampler
 from hibana_core.scheduler import IdleLRUEviction, Scheduler
+from hibana_core.speculation.speculator import Speculator, profile_step_costs
 from hibana_core.state import StateHandle, StateInfo
+from hibana_plugins.manager import get_plugin_manager
 
 if TYPE_CHECKING:
     from hibana_core.chat import Chat
@@ -61,6 +63,12 @@ class EngineStats:
     kv_blocks_used: int           # referenced by at least one state
     kv_blocks_cached: int         # unreferenced but still findable by prefix
     states: int
+    draft_tokens_proposed: int = 0  # drafts verified (speculation)
+    draft_tokens_accepted: int = 0
+    verify_steps: int = 0           # steps that verified drafts
+    speculation: dict | None = None
+    """The controller's figures: draft lengths chosen, acceptance by position per drafter,
+    tokens per verifying sequence, the step-cost table."""
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -110,15 +118,24 @@ class Engine:
                                     f"on {self.device}: {exc}; lower num_blocks or memory_budget_bytes") from None
         self._ctx.kv_cache = self.kv_cache
         self.pool = BlockPool(num_blocks, bs)
-        scheduler = Scheduler(config.scheduler, self.pool, IdleLRUEviction(self.pool, self._idle_sequences))
         runner = ModelRunner(self.model, self._ctx, Sampler(self.device, config.seed), self.device,
                              self.max_model_len, config.scheduler.max_concurrent_agents, config.cuda_graphs)
+        speculator = Speculator(config.speculation, get_plugin_manager().drafters(),
+                                lambda: self._profile_steps(runner), weakref.proxy(self))
+        scheduler = Scheduler(config.scheduler, self.pool, IdleLRUEviction(self.pool, self._idle_sequences),
+                              speculator)
         use_async = self.device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
         self.core = EngineCore(scheduler, runner, OutputProcessor(self.tokenizer), threading.RLock(), use_async)
         limits = ModelLimits(self.vocab_size, self.max_model_len, self.eos_token_ids, self.fingerprint,
                              self.tokenizer is not None, self.device)
         self.registry = StateRegistry(self.core, self.kv_cache, config.cache, limits)
         self.registry.engine_ref = weakref.ref(self)
+
+    def _profile_steps(self, runner: ModelRunner):
+        device = self.device
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        return profile_step_costs(runner.profile, self.config.scheduler.max_num_batched_tokens,
+                                  lambda: sync(device) if device.type == "cuda" else None)
 
     def _idle_sequences(self):
         return self.registry.idle_sequences()
@@ -232,9 +249,12 @@ class Engine:
     def stats(self) -> EngineStats:
         with self.core.lock:
             out, steps = self.core.outputs.counters, self.core.counters
+            spec = self.scheduler.speculation
             return EngineStats(out.prompt_computed, out.prompt_reused, out.generated, steps.steps,
                                steps.multi_sequence_steps, steps.max_batch_sequences,
-                               self.pool.num_blocks, self.pool.num_used, self.pool.num_cached, len(self.registry))
+                               self.pool.num_blocks, self.pool.num_used, self.pool.num_cached, len(self.registry),
+                               spec.counters.draft_tokens_proposed, spec.counters.draft_tokens_accepted,
+                               spec.counters.verify_steps, spec.summary())
 
     # --- lifetime -----------------------------------------------------------------------------
 

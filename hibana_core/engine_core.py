@@ -1,8 +1,12 @@
 """The step loop: schedule, launch, update; the step in flight; the step counters.
 
     step N:    schedule N -> launch N -> update N-1 (its tokens read back) -> deliver events
-               (without async scheduling, or when a request's sampling reads its history on the
-               host: update N at once)
+               (without async scheduling, when a request's sampling reads its history on the
+               host, or when step N verifies drafts: update N at once)
+
+Speculation needs a sequence's real history to draft from: when the speculation policy says some
+running sequence would draft (`Speculator.wants_history`), the step in flight is updated before
+the next is scheduled. Each step's wall time goes to the policy's step-cost model.
 
 With async scheduling (on for CUDA) a step is launched before the previous step's tokens reach the
 host: `Scheduler.schedule` already counted the previous step's KV and a placeholder per sampled
@@ -69,6 +73,11 @@ class EngineCore:
     def step(self) -> bool:
         """One engine step. False when there was nothing to do."""
         with self.lock:
+            started = time.perf_counter()
+            early = self.in_flight if self.in_flight is not None and self._drafting_next() else None
+            if early is not None:  # drafts are made from the tokens it brings back
+                self.in_flight = None
+                self._update(early)
             scheduled = self.scheduler.schedule()
             launched = self._launch(scheduled) if scheduled.chunks else None
             previous, self.in_flight = self.in_flight, launched
@@ -78,7 +87,21 @@ class EngineCore:
                 self.in_flight = None
                 self._update(launched)
             self.deliver_finished()
-            return bool(scheduled.chunks) or previous is not None
+            if launched is not None and self.speculation is not None:
+                self.speculation.observe_step(scheduled.num_tokens, self._verifies(scheduled),
+                                              time.perf_counter() - started)
+            return bool(scheduled.chunks) or previous is not None or early is not None
+
+    @property
+    def speculation(self):
+        return self.scheduler.speculation
+
+    def _drafting_next(self) -> bool:
+        return self.speculation is not None and self.speculation.wants_history(self.scheduler.running)
+
+    @staticmethod
+    def _verifies(scheduled: SchedulerOutput) -> bool:
+        return any(c.draft_token_ids for c in scheduled.chunks)
 
     def _launch(self, scheduled: SchedulerOutput) -> StepInFlight | None:
         try:
@@ -92,8 +115,9 @@ class EngineCore:
 
     def _overlaps(self, scheduled: SchedulerOutput) -> bool:
         """Whether this step's tokens may be read during the next step: not where a request's
-        sampling reads its history on the host (penalties), which must then be complete."""
-        return self.async_scheduling and not any(
+        sampling reads its history on the host (penalties), which must then be complete, nor
+        where drafts are verified (how many are kept decides where the next step starts)."""
+        return self.async_scheduling and not self._verifies(scheduled) and not any(
             needs_history(c.request.params) for c in scheduled.sampling)
 
     def _update(self, step: StepInFlight) -> None:
@@ -103,6 +127,8 @@ class EngineCore:
             self.scheduler.fail(step.scheduled, HibanaError(f"model step failed on the device: {exc!r}"))
             return
         self.outputs.process(self.scheduler.update_from_output(step.scheduled, output))
+        if self.speculation is not None:
+            self.speculation.updated(step.scheduled.chunks)
 
     def deliver_finished(self) -> None:
         for request in self.scheduler.take_finished():

@@ -25,6 +25,7 @@ class ForwardBatch:
     query_start_loc: torch.Tensor  # [B + 1] int32: first query row of each sequence
     max_query_len: int             # host ints: bounds that size kernel launches (may overstate)
     max_seq_len: int
+    uniform_query_len: bool = False  # every sequence has exactly max_query_len new tokens
 
 
 class ForwardContext:

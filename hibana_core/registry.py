@@ -58,6 +58,7 @@ class _Entry:
     seq: KVSequence
     last_use: float
     unnamed: bool = False  # made by `lease` for a call that named no state (not the user's)
+    forced: list[int] | None = None  # bench only: what its next generation emits (`force_outputs`)
 
 
 class StateRegistry:
@@ -232,9 +233,12 @@ class StateRegistry:
         if params.stop and not self.limits.has_tokenizer:
             raise HibanaError("stop strings need a tokenizer, and this checkpoint has none; "
                               "use stop_token_ids instead")
+        if params.speculation is not None and self.core.speculation is not None:
+            self.core.speculation.check(params.speculation)
         tokens = self._validate(prompt) if prompt is not None else None
         with self.lock:
-            seq = self._editable(handle).seq
+            entry = self._editable(handle)
+            seq = entry.seq
             length = len(tokens if tokens is not None else seq)
             if not length:
                 raise ContextLengthError(f"state {handle.id!r} holds no tokens; sync a prompt first")
@@ -249,7 +253,14 @@ class StateRegistry:
                                                         else self.limits.eos_token_ids)
             generator = make_generator(params.seed, self.limits.device) if params.seed is not None else None
             request = Request(seq, params, generator, stops, self.limits.max_model_len)
+            request.forced, entry.forced = entry.forced, None
             return self.core.submit(request, loop)
+
+    def force_outputs(self, handle: StateHandle, token_ids: Sequence[int]) -> None:
+        """Bench only (trace replay): the state's next generation emits `token_ids`."""
+        tokens = self._validate(token_ids)
+        with self.lock:
+            self._editable(handle).forced = tokens
 
     def truncate(self, handle: StateHandle, n: int) -> None:
         if not is_kind(n, int) or n < 0:

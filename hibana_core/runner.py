@@ -9,7 +9,7 @@ on the device (the next step's inputs take them from there) and reach the host i
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -52,14 +52,19 @@ class StepData:
 
 
 class StepInFlight:
-    """A launched step: its sampled tokens [S] (one per sampling chunk, in chunk order) are on
-    the device at once and on the host after `result`."""
+    """A launched step: its sampled tokens [S] are on the device at once and on the host after
+    `result`. A sampling chunk has one row, or 1 + k where it verifies k drafts: the token
+    sampled after each of its last 1 + k inputs."""
 
     def __init__(self, scheduled: SchedulerOutput, sampled: torch.Tensor) -> None:
         self.scheduled = scheduled
         self.sampled = sampled
-        self.rows = {c.request.id: row for row, c in enumerate(scheduled.sampling)}
-        """request id -> its row of `sampled`"""
+        self.rows: dict[int, int] = {}
+        """request id -> the row of `sampled` holding its next input (its last row)"""
+        row = -1
+        for chunk in scheduled.sampling:
+            row += 1 + len(chunk.draft_token_ids)
+            self.rows[chunk.request.id] = row
         self._ready: torch.cuda.Event | None = None
         self._host = sampled
         if sampled.is_cuda:
@@ -72,8 +77,23 @@ class StepInFlight:
         """Wait for the step and read its tokens back (raises if the device failed under it)."""
         if self._ready is not None:
             self._ready.synchronize()
-        tokens = iter(self._host.tolist())
-        return RunnerOutput([[next(tokens)] if c.sample else [] for c in self.scheduled.chunks])
+        tokens = self._host.tolist()
+        out, row = [], 0
+        for chunk in self.scheduled.chunks:
+            if not chunk.sample:
+                out.append([])
+                continue
+            drafts = chunk.draft_token_ids
+            targets = tokens[row:row + 1 + len(drafts)]
+            row += 1 + len(drafts)
+            # drafts are kept while they equal what the target sampled after the input before
+            # them; the first that differs is replaced by the target's token (lossless: see
+            # `Sampler`), and when all match, the token after the last is a free one
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+                accepted += 1
+            out.append(targets[:accepted + 1])
+        return RunnerOutput(out)
 
 
 def gather_step(scheduled: SchedulerOutput, previous: StepInFlight | None = None) -> StepData:
@@ -89,20 +109,23 @@ def gather_step(scheduled: SchedulerOutput, previous: StepInFlight | None = None
     from_device: list[DeviceInput] = []
     for chunk in scheduled.chunks:
         seq = chunk.request.seq
-        known = min(chunk.end, len(seq))
+        drafts = chunk.draft_token_ids
+        end = chunk.end - len(drafts)  # inputs before `end`: history, or the token in flight
+        known = min(end, len(seq))
         ids.extend(seq.tokens[chunk.start:known])
-        if known < chunk.end:  # one placeholder: the previous step's token for this request
-            if previous is None or chunk.request.id not in previous.rows or chunk.end - known != 1:
+        if known < end:  # one placeholder: the previous step's token for this request
+            if previous is None or chunk.request.id not in previous.rows or end - known != 1:
                 raise RuntimeError(f"step input at position {known} is neither known nor in flight")
             from_device.append(DeviceInput(len(ids), previous.rows[chunk.request.id]))
             ids.append(0)
+        ids.extend(drafts)
         positions.extend(range(chunk.start, chunk.end))
         slots.extend(seq.slot(p) for p in range(chunk.start, chunk.end))
         seq_lens.append(chunk.end)
         starts.append(starts[-1] + chunk.num_tokens)
         tables.append(seq.block_ids)
         if chunk.sample:
-            logits_indices.append(starts[-1] - 1)
+            logits_indices.extend(range(starts[-1] - 1 - len(drafts), starts[-1]))
     return StepData(ids, positions, slots, seq_lens, starts, tables, logits_indices,
                     max(c.num_tokens for c in scheduled.chunks), from_device)
 
@@ -152,7 +175,7 @@ class ModelRunner:
     def launch(self, scheduled: SchedulerOutput, previous: StepInFlight | None = None) -> StepInFlight:
         """Enqueue one scheduled step. `previous`: the step before, which may still be in flight."""
         data = gather_step(scheduled, previous)
-        rows = [c.request for c in scheduled.sampling]
+        rows = sampling_rows(scheduled)
         if self.graphs is not None and self.graphs.fits(data, len(rows)):
             logits = self.graphs.run(data, previous)
         else:
@@ -163,17 +186,73 @@ class ModelRunner:
             if not rows:
                 return StepInFlight(scheduled, torch.empty(0, dtype=torch.long))
             logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, vocab]
-        sampling_rows = [SamplingRow(r.params, r.generator,
-                                     r.prompt if r.params.repetition_penalty != 1.0 else (),
-                                     r.output) for r in rows]
-        return StepInFlight(scheduled, self.sampler(logits, sampling_rows))
+        sampled = self.sampler(logits, rows)
+        self._force(sampled, rows, scheduled)
+        return StepInFlight(scheduled, sampled)
+
+    def _force(self, sampled: torch.Tensor, rows: list[SamplingRow], scheduled: SchedulerOutput) -> None:
+        """Trace replay (bench only): rows of requests with forced outputs take the recorded
+        token, so drafts are verified against what the traced model produced."""
+        if not any(c.request.forced is not None for c in scheduled.sampling):
+            return
+        index, tokens = [], []
+        row = 0
+        for chunk in scheduled.sampling:
+            forced = chunk.request.forced
+            for _ in range(1 + len(chunk.draft_token_ids)):
+                if forced is not None and rows[row].draw < len(forced):
+                    index.append(row)
+                    tokens.append(forced[rows[row].draw])
+                row += 1
+        if index:
+            sampled.index_copy_(0, self._tensor(index), self._tensor(tokens))
+
+    @torch.inference_mode()
+    def profile(self, num_tokens: int) -> None:
+        """One eager forward over `num_tokens` tokens of one sequence that writes no KV (the
+        step-cost profile of speculation's controller)."""
+        bs = self.ctx.kv_cache.block_size
+        batch = ForwardBatch(
+            slot_mapping=self._tensor([-1] * num_tokens),
+            block_tables=self._tensor([[0] * -(-num_tokens // bs)], torch.int32),
+            seq_lens=self._tensor([num_tokens], torch.int32),
+            query_start_loc=self._tensor([0, num_tokens], torch.int32),
+            max_query_len=num_tokens, max_seq_len=num_tokens)
+        with self.ctx.forward_batch(batch):
+            hidden = self.model(self._tensor([0] * num_tokens), self._tensor(list(range(num_tokens))))
+        self.model.compute_logits(hidden[-1:]).argmax(dim=-1)
+
+
+def sampling_rows(scheduled: SchedulerOutput) -> list[SamplingRow]:
+    """One row per token sampled this step: a chunk's last input, and each of its drafts (whose
+    penalties count the drafts before it as generated)."""
+    rows = []
+    for chunk in scheduled.sampling:
+        r = chunk.request
+        prompt = r.prompt if r.params.repetition_penalty != 1.0 else ()
+        first = len(r.output) + r.num_output_placeholders - 1  # index of the token this row draws
+        drafts = chunk.draft_token_ids
+        for i in range(1 + len(drafts)):
+            output = r.output if i == 0 else [*r.output, *drafts[:i]]
+            rows.append(SamplingRow(r.params, r.generator, prompt, output, first + i))
+    return rows
 
 
 class DecodeGraphs:
-    """CUDA graphs of decode steps (one token per sequence, all sampling), one per batch-size
-    bucket. Inputs live in static buffers; padding rows write nowhere (slot -1) and their logits
-    are dropped. Attention is captured with max_seq_len = the model's context, which the kernels
-    allow (bounds may overstate), so one graph serves every context length."""
+    """CUDA graphs of decode and verify steps, one per (batch-size bucket, query tokens per
+    sequence): every sequence samples and has at most `query_len` new tokens (1 for decode;
+    1 + drafts for a verify step, `query_len` rounded up to a tier). A sequence with fewer is
+    padded at the front with rows that recompute earlier positions and write nowhere (slot -1):
+    attention reads keys from the cache, so those rows change nothing; their logits are dropped.
+    Padding sequences write nowhere either. Inputs live in static buffers. Attention is captured
+    with max_seq_len = the model's context, which the kernels allow (bounds may overstate), so
+    one graph serves every context length.
+
+        query_len 5:   seq 0 (2 new):  pad pad pad | t  d          (rows i * 5 ... i * 5 + 4)
+                       seq 1 (5 new):  t   d   d   d  d
+    """
+
+    QUERY_LENS = (1, 2, 3, 5, 9)  # 1 + draft tiers 0, 1, 2, 4, 8
 
     def __init__(self, runner: ModelRunner, max_batch: int) -> None:
         self.runner = runner
@@ -181,61 +260,111 @@ class DecodeGraphs:
         if self.buckets[-1] < max_batch and max_batch <= _BUCKETS[-1]:
             self.buckets.append(_BUCKETS[bisect.bisect_left(_BUCKETS, max_batch)])
         self.max_blocks = -(-runner.max_model_len // runner.ctx.kv_cache.block_size)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.mempool = None  # one CUDA graph memory pool shared by every bucket
-        n, dev = self.buckets[-1], runner.device
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.mempool = None  # one CUDA graph memory pool shared by every graph
+        n, q, dev = self.buckets[-1], self.QUERY_LENS[-1], runner.device
+        self.input_ids = torch.zeros(n * q, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n * q, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((n * q,), -1, dtype=torch.long, device=dev)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.query_starts = {q: torch.arange(0, (n + 1) * q, q, dtype=torch.int32, device=dev)
+                             for q in self.QUERY_LENS}  # one per query length: graphs keep their own
 
     def fits(self, data: StepData, num_sampling: int) -> bool:
-        return (data.max_query_len == 1 and num_sampling == len(data.ids)
-                and len(data.ids) <= self.buckets[-1]
+        """Every sequence samples (once, or after each draft) and has at most the largest query
+        length and enough context for its front padding."""
+        query_len = self._query_len(data.max_query_len)
+        sequences = len(data.seq_lens)
+        return (query_len is not None and sequences <= self.buckets[-1]
+                and num_sampling == len(data.logits_indices)
+                and (query_len == 1 or min(data.seq_lens) >= query_len)
+                and self._samples_every_chunk(data)
                 and max(len(t) for t in data.tables) <= self.max_blocks)
 
+    @staticmethod
+    def _samples_every_chunk(data: StepData) -> bool:
+        ends = set(data.starts[1:])
+        return len({i for i in data.logits_indices if i + 1 in ends}) == len(data.seq_lens)
+
+    def _query_len(self, max_query_len: int) -> int | None:
+        i = bisect.bisect_left(self.QUERY_LENS, max_query_len)
+        return self.QUERY_LENS[i] if i < len(self.QUERY_LENS) else None
+
+    @staticmethod
+    def _pad_rows(data: StepData, bucket: int, q: int):
+        """Inputs of a verify graph: each sequence front-padded to q rows, then padding
+        sequences; `rows`: the graph row of each packed input row."""
+        n = len(data.seq_lens)
+        ids, positions, slots, rows = [], [], [], []
+        for i in range(bucket):
+            if i < n:
+                start, end, seq_len = data.starts[i], data.starts[i + 1], data.seq_lens[i]
+                pad = q - (end - start)
+                ids += [0] * pad + data.ids[start:end]
+                positions += list(range(seq_len - q, seq_len - q + pad)) + data.positions[start:end]
+                slots += [-1] * pad + data.slots[start:end]
+                rows += range(i * q + pad, (i + 1) * q)
+            else:
+                ids += [0] * q
+                positions += list(range(q))
+                slots += [-1] * q
+        return ids, positions, slots, rows
+
     def run(self, data: StepData, previous: StepInFlight | None) -> torch.Tensor:
-        n = len(data.ids)
+        n = len(data.seq_lens)
         bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
+        q = self._query_len(data.max_query_len)
+        if q == 1:  # decode: the packed rows are the graph's rows
+            pad = bucket - n
+            ids, positions, slots = data.ids + [0] * pad, data.positions + [0] * pad, data.slots + [-1] * pad
+            rows = range(bucket)
+        else:
+            ids, positions, slots, rows = self._pad_rows(data, bucket, q)
         # one host tensor and one copy per static input; the previous step's tokens on the device
-        width = self.max_blocks
-        tables = torch.zeros(bucket, width, dtype=torch.int32)
+        tables = torch.zeros(bucket, self.max_blocks, dtype=torch.int32)
         for i, table in enumerate(data.tables):
             tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
-        pad = bucket - n
-        self.input_ids[:bucket].copy_(torch.tensor(data.ids + [0] * pad), non_blocking=True)
-        self.positions[:bucket].copy_(torch.tensor(data.positions + [0] * pad), non_blocking=True)
-        self.slot_mapping[:bucket].copy_(torch.tensor(data.slots + [-1] * pad), non_blocking=True)
-        self.seq_lens[:bucket].copy_(torch.tensor(data.seq_lens + [1] * pad, dtype=torch.int32),
+        size = bucket * q
+        self.input_ids[:size].copy_(torch.tensor(ids), non_blocking=True)
+        self.positions[:size].copy_(torch.tensor(positions), non_blocking=True)
+        self.slot_mapping[:size].copy_(torch.tensor(slots), non_blocking=True)
+        self.seq_lens[:bucket].copy_(torch.tensor(data.seq_lens + [q] * (bucket - n), dtype=torch.int32),
                                      non_blocking=True)
         self.block_tables[:bucket].copy_(tables, non_blocking=True)
-        self.runner.take_from_device(self.input_ids, data, previous)
-        if bucket not in self.graphs:
-            self.graphs[bucket] = self._capture(bucket)
-        graph, logits = self.graphs[bucket]
+        if data.from_device:
+            moved = [DeviceInput(rows[d.index], d.row) for d in data.from_device]
+            self.runner.take_from_device(self.input_ids, replace(data, from_device=moved), previous)
+        key = (bucket, q)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(bucket, q)
+        graph, logits = self.graphs[key]
         graph.replay()
-        return logits[:n]
+        if q == 1:
+            return logits[:n]
+        index = self.runner._tensor([rows[i] for i in data.logits_indices])
+        return logits.index_select(0, index)
 
-    def _forward(self, bucket: int) -> torch.Tensor:
-        batch = ForwardBatch(self.slot_mapping[:bucket], self.block_tables[:bucket],
-                             self.seq_lens[:bucket], self.query_start_loc[:bucket + 1],
-                             max_query_len=1, max_seq_len=self.runner.max_model_len)
+    def _forward(self, bucket: int, q: int) -> torch.Tensor:
+        size = bucket * q
+        batch = ForwardBatch(self.slot_mapping[:size], self.block_tables[:bucket],
+                             self.seq_lens[:bucket], self.query_starts[q][:bucket + 1],
+                             max_query_len=q, max_seq_len=self.runner.max_model_len,
+                             uniform_query_len=True)
         model = self.runner.model
         with self.runner.ctx.forward_batch(batch):
-            hidden = model(self.input_ids[:bucket], self.positions[:bucket])
+            hidden = model(self.input_ids[:size], self.positions[:size])
         return model.compute_logits(hidden)
 
-    def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, bucket: int, q: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: Triton compiles, rotary tables get built
-                self._forward(bucket)
+                self._forward(bucket, q)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
-            logits = self._forward(bucket)
+            logits = self._forward(bucket, q)
         self.mempool = graph.pool()
         return graph, logits

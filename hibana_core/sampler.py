@@ -40,6 +40,10 @@ class SamplingRow:
     """Token ids before this request's generation (the repetition penalty also covers these)."""
     output: Sequence[int]
     """Tokens generated so far by this request (presence and frequency penalties count these)."""
+    draw: int = 0
+    """Which of the request's tokens this row samples (0: its first). A seeded row's noise
+    depends on its seed and this index alone, so its tokens are the same whatever the batch
+    and whether drafts were verified in between."""
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
@@ -87,9 +91,22 @@ class Sampler:
         else:
             noise = torch.ones_like(probs)
         for i in seeded:
-            # A whole row from the request's own generator: the same draws whatever the batch holds.
-            noise[i].exponential_(generator=rows[i].generator)
+            # A whole row from the request's own generator, reseeded per token: the same draws
+            # whatever the batch holds and however many tokens a step verifies.
+            generator, seed = rows[i].generator, rows[i].params.seed
+            if seed is not None:
+                generator.manual_seed(draw_seed(seed, rows[i].draw))
+            noise[i].exponential_(generator=generator)
         return (probs / noise.clamp_(min=_TINY)).argmax(dim=-1)
+
+
+def draw_seed(seed: int, draw: int) -> int:
+    """The seed of a seeded request's `draw`-th token (splitmix64 of both: nearby seeds and draws
+    give unrelated streams)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (draw + 1) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
 def apply_penalties(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

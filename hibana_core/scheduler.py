@@ -24,12 +24,15 @@ import enum
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 
 from hibana_core.config import SamplingParams, SchedulerConfig
 from hibana_core.errors import MemoryBudgetError
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.sequence import KVSequence
+
+if TYPE_CHECKING:
+    from hibana_core.speculation.speculator import Speculator
 
 
 class RequestStatus(enum.Enum):
@@ -62,6 +65,7 @@ class Request:
     cancelled: bool = False
     num_output_placeholders: int = 0       # tokens sampled on the device, not yet read back
     suspect: bool = False                  # in a step that failed: runs alone until a step passes
+    forced: Sequence[int] | None = None    # bench only: the tokens this request emits (trace replay)
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.seq)
@@ -93,8 +97,10 @@ class Request:
 class ScheduledChunk:
     request: Request
     start: int        # first position computed in this step
-    num_tokens: int
+    num_tokens: int   # drafts included
     sample: bool      # the chunk reaches the end of the target and the request samples
+    draft_token_ids: tuple[int, ...] = ()
+    """Drafted tokens after the history, verified in this step (the chunk's last inputs)."""
 
     @property
     def end(self) -> int:
@@ -155,8 +161,10 @@ class IdleLRUEviction:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, eviction: EvictionPolicy) -> None:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, eviction: EvictionPolicy,
+                 speculation: "Speculator | None" = None) -> None:
         self.config, self.pool, self.eviction = config, pool, eviction
+        self.speculation = speculation
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished: list[Request] = []  # finished since the last `take_finished`
@@ -209,7 +217,33 @@ class Scheduler:
                 budget -= chunk.num_tokens
         if not chunks and self.has_work() and not self._awaiting_update():
             self._preempt_or_fail()
+        if self.speculation is not None and chunks and budget > 0:
+            chunks = self._add_drafts(chunks, budget)
         return self._scheduled(chunks)
+
+    def _add_drafts(self, chunks: list[ScheduledChunk], budget: int) -> list[ScheduledChunk]:
+        """Chunks that sample at the end of a known history may verify drafts too: as many as
+        the speculation policy picks, the budget, the KV pool, max_tokens and the context allow
+        (drafts never evict anything)."""
+        def room(chunk: ScheduledChunk, k: int) -> int:
+            request, seq = chunk.request, chunk.request.seq
+            k = min(k, budget, request.params.max_tokens - len(request.output) - 1,
+                    request.max_len - len(seq) - 1)
+            while k > 0 and not self.pool.can_allocate(seq.blocks_needed(chunk.num_tokens + k)):
+                k -= 1
+            return k
+
+        step_tokens = sum(c.num_tokens for c in chunks)
+        drafts = self.speculation.draft(chunks, step_tokens, room)
+        for i, draft in sorted(drafts.items()):
+            chunk = chunks[i]
+            draft = draft[:room(chunk, min(len(draft), budget))]  # earlier chunks took their share
+            if draft:
+                chunk.request.seq.prepare_write(chunk.num_tokens + len(draft))
+                chunks[i] = ScheduledChunk(chunk.request, chunk.start, chunk.num_tokens + len(draft),
+                                           True, tuple(draft))
+                budget -= len(draft)
+        return chunks
 
     @staticmethod
     def _scheduled(chunks: list[ScheduledChunk]) -> SchedulerOutput:
@@ -303,8 +337,12 @@ class Scheduler:
             request.suspect = False
             history = len(seq)
             accepted, reason = self._accept(request, sampled)
-            if chunk.end > history:  # inputs past the known history (drafts, with speculation)
-                seq.trim_kv(history)  # are not known to be the tokens kept: their KV goes
+            if chunk.draft_token_ids:  # KV of rejected drafts goes: the last accepted token is
+                seq.trim_kv(min(chunk.end, len(seq) - 1))  # the next input, as after any decode
+                if self.speculation is not None:
+                    self.speculation.verified(chunk, sampled)
+            elif chunk.end > history:  # inputs past the known history are not known to be kept
+                seq.trim_kv(history)
             seq.commit_full_blocks()
             if chunk.sample:
                 results.append(RequestOutput(request, accepted))
@@ -363,6 +401,8 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._finished.append(request)
+        if self.speculation is not None:
+            self.speculation.finished(request)
 
     def take_finished(self) -> list[Request]:
         """The requests finished since the last call, in the order they finished."""

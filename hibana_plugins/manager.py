@@ -45,6 +45,7 @@ ENV_VAR = "HIBANA_PLUGINS"
 # import without their framework and say what to install when they are used.
 BUILTIN_MODULES = (
     "hibana_core.models",
+    "hibana_core.speculation.drafters",
     "hibana_plugins.tool_parsers",
     "hibana_plugins.langchain",
     "hibana_plugins.llamaindex",

@@ -36,14 +36,17 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
-                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                    scale: float, sliding_window: int | None = None,
+                    uniform_query_len: bool = False) -> torch.Tensor:
     """Causal attention of packed queries over each sequence's paged context (device-tensor form).
 
     q: [T, H, D]; block_tables: [B, max_blocks] int32; seq_lens: [B] int32;
     query_start_loc: [B + 1] int32, all on q's device. max_query_len and max_seq_len are host ints
     from which the Triton path sizes its launches; upper bounds give the same result (a CUDA graph
     can be captured with its bucket's bounds). max_query_len == 1 selects the decode kernel, so it
-    must not understate. Returns [T, H, D].
+    must not understate. `uniform_query_len`: every sequence has exactly max_query_len new
+    tokens (a verify step's CUDA graph), which lets the Triton path use its decode kernel; the
+    result is the same. Returns [T, H, D].
     """
     return paged_attention_host(q, k_cache, v_cache, block_tables, seq_lens.tolist(),
                                 query_start_loc.tolist(), scale, sliding_window)

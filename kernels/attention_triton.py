@@ -2,10 +2,12 @@
 
 Two attention kernels share one online-softmax step (`_attend`), fp32 accumulation:
 
-- decode (every sequence has one new token): one program per (sequence, KV head, split) handles
-  all query heads of the KV head's group as the rows of one tile, so each key is loaded once per
-  group. Long contexts are split along the sequence (flash-decoding): each split writes its
-  unnormalised output with its running max and sum, and `_reduce_splits_kernel` merges them.
+- decode (every sequence has one new token, or the same few: a verify step of speculation): one
+  program per (sequence, KV head, split) handles all query heads of the KV head's group, for
+  each of the sequence's QUERY_LEN new tokens, as the rows of one tile, so each key is loaded
+  once per group and step. Long contexts are split along the sequence (flash-decoding): each
+  split writes its unnormalised output with its running max and sum, and `_reduce_splits_kernel`
+  merges them.
 - prefill / verify (general batches): one program per (sequence, query tile, KV head); the rows of
   a tile are (query token, head in group) pairs, keys are gathered tile by tile through the block
   table under the causal (and sliding-window) mask.
@@ -27,6 +29,7 @@ LOG2E = 1.4426950408889634
 DECODE_MIN_SPLIT = 64  # keys per split at least (one key tile)
 DECODE_PROGRAMS_PER_SM = 4  # splits are added until the grid has this many programs per SM
 MAX_SPLITS = 64
+MAX_DECODE_QUERY_LEN = 16  # verify steps up to this many tokens per sequence take the decode kernel
 NUM_STAGES = 2
 
 
@@ -134,30 +137,33 @@ def _decode_kernel(
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
         SLIDING: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr):
+        UPCAST: tl.constexpr, QUERY_LEN: tl.constexpr):
+    # rows of a tile: QUERY_LEN new tokens x the GROUP heads of one KV head
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     q_start = tl.load(query_start_ptr + seq)
-    q_len = tl.load(query_start_ptr + seq + 1) - q_start  # 1, or 0 for a sequence with no query
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start  # QUERY_LEN, or 0: a sequence with no query
     seq_len = tl.load(seq_lens_ptr + seq)
     lo = 0
     if SLIDING:
-        lo = tl.maximum(seq_len - window, 0)
+        lo = tl.maximum(seq_len - QUERY_LEN - window + 1, 0)
     # this split's share of [lo, seq_len), whole key tiles
     per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     split_lo = lo + split * per_split
     split_hi = tl.minimum(split_lo + per_split, seq_len)
 
     g = tl.arange(0, BLOCK_G)
-    head = kv_head * GROUP + g
-    g_mask = g < GROUP * q_len  # q_len is 1 or 0 (not `& (q_len > 0)`: the interpreter
+    q_idx = g // GROUP  # query token within the sequence
+    head = kv_head * GROUP + g % GROUP
+    g_mask = g < GROUP * q_len  # q_len is QUERY_LEN or 0 (not `& (q_len > 0)`: the interpreter
                                 # mishandles a scalar & a block)
+    q_pos = seq_len - QUERY_LEN + q_idx
     offs_d = tl.arange(0, HEAD_DIM_P)
     d_mask = offs_d < HEAD_DIM
-    token = q_start.to(tl.int64)
-    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+    token = (q_start + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [G, D]
 
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
@@ -172,11 +178,15 @@ def _decode_kernel(
         v = _gather_kv(v_cache_ptr, table, pos, pos_mask, kv_head, offs_d, d_mask,
                        stride_block, stride_slot, stride_head, BLOCK_SIZE)
         visible = g_mask[:, None] & pos_mask[None, :]
+        if QUERY_LEN > 1:
+            visible = visible & (pos[None, :] <= q_pos[:, None])
+        if SLIDING and QUERY_LEN > 1:
+            visible = visible & (q_pos[:, None] - pos[None, :] < window)
         m_i, l_i, acc = _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, UPCAST)
 
     if SPLIT:
-        # partials: [B, H, num_splits] for max and sum, [B, H, num_splits, D] for the output
-        part = (seq * GROUP * tl.num_programs(1) + head) * num_splits + split
+        # partials: [T, H, num_splits] for max and sum, [T, H, num_splits, D] for the output
+        part = (token * GROUP * tl.num_programs(1) + head) * num_splits + split
         tl.store(part_max_ptr + part, m_i, mask=g_mask)
         tl.store(part_sum_ptr + part, l_i, mask=g_mask)
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], acc,
@@ -184,23 +194,20 @@ def _decode_kernel(
     else:
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_i[:, None]
-        tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
 def _reduce_splits_kernel(
-        out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, query_start_ptr, num_splits,
+        out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, num_splits,
         stride_ot, stride_oh,
         HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):
-    seq = tl.program_id(0)
+    token = tl.program_id(0)  # every query row of the batch: each was written by its splits
     head = tl.program_id(1)
-    q_start = tl.load(query_start_ptr + seq)
-    if tl.load(query_start_ptr + seq + 1) == q_start:
-        return
     splits = tl.arange(0, SPLITS_P)
     s_mask = splits < num_splits
-    part = (seq * tl.num_programs(1) + head) * num_splits + splits
+    part = (token * tl.num_programs(1) + head) * num_splits + splits
     m = tl.load(part_max_ptr + part, mask=s_mask, other=-1.0e30)
     l = tl.load(part_sum_ptr + part, mask=s_mask, other=0.0)
     offs_d = tl.arange(0, HEAD_DIM_P)
@@ -211,34 +218,38 @@ def _reduce_splits_kernel(
     total = tl.sum(l * w, 0)
     total = tl.where(total == 0.0, 1.0, total)
     out = tl.sum(acc * w[:, None], 0) / total
-    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+    tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
-                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """See `hibana_kernels.attention.paged_attention`. Decode-only batches (max_query_len == 1) take the
-    decode kernel, split along the sequence when the batch alone would not fill the device."""
+                    scale: float, sliding_window: int | None = None,
+                    uniform_query_len: bool = False) -> torch.Tensor:
+    """See `hibana_kernels.attention.paged_attention`. Decode batches (max_query_len == 1, or
+    every sequence with max_query_len <= 16 new tokens: `uniform_query_len`) take the decode
+    kernel, split along the sequence when the batch alone would not fill the device."""
     num_seqs = seq_lens.shape[0]
     num_kv_heads = k_cache.shape[2]
     num_splits = 1
-    if max_query_len == 1:
+    decode = max_query_len == 1 or (uniform_query_len and max_query_len <= MAX_DECODE_QUERY_LEN)
+    if decode:
         num_splits = _num_splits(q.device, num_seqs * num_kv_heads, max_seq_len)
     return paged_attention_launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                  max_query_len, scale, sliding_window, num_splits)
+                                  max_query_len, scale, sliding_window, num_splits, decode=decode)
 
 
 def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                            sliding_window: int | None, num_splits: int,
-                           tiles: tuple[int, ...] | None = None) -> torch.Tensor:
+                           tiles: tuple[int, ...] | None = None, decode: bool | None = None) -> torch.Tensor:
     """The launches behind `paged_attention`, with the decode split count chosen by the caller
     (tests use it to cover split and unsplit decode on the same shapes). `tiles`, for the tuning
     script: (BLOCK_N, num_warps, num_stages) for decode, (BLOCK_M, BLOCK_N, num_warps,
-    num_stages) for prefill."""
+    num_stages) for prefill. `decode`: every sequence has max_query_len new tokens (or none) and
+    the decode kernel takes them (default: when max_query_len == 1)."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -260,7 +271,9 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         # Triton's interpreter (CPU tensors) gets tl.dot of bf16 tiles wrong (triton 3.9)
         UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16,
     )
-    if max_query_len > 1:
+    if decode is None:
+        decode = max_query_len == 1
+    if not decode:
         block_m, block_n, num_warps, num_stages = tiles or _prefill_tiles(q.dtype, common["HEAD_DIM_P"])
         block_m = max(block_m, triton.next_power_of_2(group))  # rows: query tokens x group heads
         block_q = block_m // group
@@ -271,7 +284,7 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
 
     split = num_splits > 1
-    part_shape = (num_seqs, num_heads, num_splits) if split else (1,)
+    part_shape = (num_tokens, num_heads, num_splits) if split else (1,)
     part_max = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     part_sum = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     part_out = torch.empty(part_shape + (common["HEAD_DIM_P"],) if split else (1,),
@@ -279,11 +292,12 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_n, num_warps, num_stages = tiles or _decode_tiles(q.dtype, common["HEAD_DIM_P"])
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_max, part_sum, block_tables, seq_lens,
-        query_start_loc, num_splits=num_splits, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n, SPLIT=split, num_warps=num_warps, num_stages=num_stages, **common)
+        query_start_loc, num_splits=num_splits,
+        BLOCK_G=max(16, triton.next_power_of_2(group * max_query_len)), BLOCK_N=block_n, SPLIT=split,
+        QUERY_LEN=max_query_len, num_warps=num_warps, num_stages=num_stages, **common)
     if split:
-        _reduce_splits_kernel[(num_seqs, num_heads)](
-            out, part_out, part_max, part_sum, query_start_loc, num_splits,
+        _reduce_splits_kernel[(num_tokens, num_heads)](
+            out, part_out, part_max, part_sum, num_splits,
             out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_P=common["HEAD_DIM_P"],
             SPLITS_P=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
     return out

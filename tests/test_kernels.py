@@ -43,6 +43,8 @@ TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol
 # chunk of 4, long decodes (several splits)
 DECODE_BATCH = ((1, 1), (15, 1), (16, 1), (17, 1), (33, 1), (150, 1))
 MIXED_BATCH = ((1, 1), (16, 16), (37, 5), (33, 1), (80, 70), (45, 4), (150, 1))
+# a verify step of speculation in a CUDA graph: every sequence has the same few new tokens
+VERIFY_BATCH = ((5, 5), (15, 5), (16, 5), (21, 5), (40, 5), (150, 5))
 WINDOW = 20
 
 
@@ -183,13 +185,15 @@ def check_paged_attention(device, group, window, lens, dtype, num_splits, head_d
     if bounds_slack and batch["max_query_len"] > 1:
         batch["max_query_len"] += bounds_slack
     batch["max_seq_len"] += bounds_slack
+    uniform = len({n for _, n in lens}) == 1 and lens[0][1] > 1  # the decode kernel's verify mode
     if num_splits is None:  # the public entry point, choosing its own splits
-        out = triton_attention.paged_attention(**batch, scale=scale, sliding_window=window)
+        out = triton_attention.paged_attention(**batch, scale=scale, sliding_window=window,
+                                               uniform_query_len=uniform)
     else:
         out = triton_attention.paged_attention_launch(
             batch["q"], batch["k_cache"], batch["v_cache"], batch["block_tables"],
             batch["seq_lens"], batch["query_start_loc"], batch["max_query_len"], scale, window,
-            num_splits)
+            num_splits, decode=uniform or None)
     assert not out.isnan().any(), "read an unwritten cache slot"
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
@@ -375,8 +379,9 @@ DTYPES = [torch.float32, torch.bfloat16]
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("window", [None, WINDOW])
 @pytest.mark.parametrize("lens, num_splits",  # None: the entry point's own choice (here: 1)
-                         [(MIXED_BATCH, None), (DECODE_BATCH, None), (DECODE_BATCH, 3)],
-                         ids=["mixed", "decode", "decode-3splits"])
+                         [(MIXED_BATCH, None), (DECODE_BATCH, None), (DECODE_BATCH, 3),
+                          (VERIFY_BATCH, None), (VERIFY_BATCH, 3)],
+                         ids=["mixed", "decode", "decode-3splits", "verify", "verify-3splits"])
 def test_paged_attention(run_check, dtype, group, window, lens, num_splits):
     run_check(check_paged_attention, group=group, window=window, lens=lens, dtype=dtype,
               num_splits=num_splits)

@@ -50,6 +50,7 @@ class KVSequence:
         self.num_computed = 0
         self.num_committed = 0           # leading blocks known to be in the prefix index
         self._hashes: list[BlockHash] = []  # chain hashes of tokens' leading full blocks
+        self.edits = 0  # bumped when the history changes other than by appending (drafters' indexes)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -72,6 +73,7 @@ class KVSequence:
     def set_tokens(self, tokens: Sequence[int]) -> int:
         """Hold exactly `tokens`, keeping the KV of the common prefix. Returns the tokens kept."""
         same = common_prefix_len(self.tokens, tokens)
+        self.edits += same < len(self.tokens)
         self.tokens = list(tokens)
         del self._hashes[same // self.block_size:]
         self._keep_kv(min(same, self.num_computed))
@@ -95,6 +97,7 @@ class KVSequence:
     def fork(self) -> "KVSequence":
         twin = KVSequence(self.pool, self._copy_block, self.share)
         twin.tokens = list(self.tokens)
+        twin.edits = self.edits
         twin._hashes = list(self._hashes)
         twin.block_ids = list(self.block_ids)
         twin.num_computed, twin.num_committed = self.num_computed, self.num_committed

@@ -198,7 +198,7 @@ class Attention(nn.Module):
                                          k_cache, v_cache, batch.slot_mapping, *norms)
         o = kernels.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
                                     batch.query_start_loc, batch.max_query_len, batch.max_seq_len,
-                                    self.scale, self.sliding_window)
+                                    self.scale, self.sliding_window, batch.uniform_query_len)
         return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
 
 

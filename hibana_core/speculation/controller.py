@@ -1,0 +1,143 @@
+"""How many tokens to draft, per agent and per step: the most expected tokens per second.
+
+Two measured inputs:
+- `AcceptanceStats` per agent and drafter: for each draft position j, the rate at which draft j
+  was accepted when drafts 1..j-1 were (decayed counts, so a change of behaviour shows within a
+  few dozen tries). Verify steps and free "shadow" proposals (checked against the tokens that
+  followed, without verifying anything) both feed it. A new agent starts from its drafter's
+  engine-wide figures.
+- `StepCostModel`: seconds per step against the tokens in it, profiled on the device at start-up
+  and refined by every step the engine runs; a step that verifies drafts is costed apart from a
+  plain one (it reads its tokens back before the next step is scheduled, losing the overlap).
+
+The plan for a step: every candidate's marginal gains (draft j adds the chance that drafts 1..j
+are all accepted) are merged, best first, and the number K of draft tokens that maximises
+
+    (sequences sampling + expected accepted drafts among the K best) / cost(step tokens + K)
+
+is taken. Gains shrink along each draft, so the K best form a prefix of each agent's draft.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+MAX_DRAFT = 8
+"""Longest draft per sequence and step (the largest tier of draft lengths)."""
+
+
+class AcceptanceStats:
+    """Decayed counts of tries and acceptances per draft position (1-based in the docs, 0-based
+    here)."""
+
+    DECAY = 0.95
+
+    def __init__(self, prior: "AcceptanceStats | None" = None, max_draft: int = MAX_DRAFT) -> None:
+        self.tries = [0.0] * max_draft
+        self.accepted = [0.0] * max_draft
+        self.prior = prior
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """Drafts 1..proposed were tried; the first `accepted` of them were accepted."""
+        for j in range(min(proposed, accepted + 1, len(self.tries))):
+            self.tries[j] = self.tries[j] * self.DECAY + 1.0
+            self.accepted[j] = self.accepted[j] * self.DECAY + (1.0 if j < accepted else 0.0)
+        if self.prior is not None:
+            self.prior.record(proposed, accepted)
+
+    def rate(self, j: int) -> float:
+        """Estimated chance that draft j+1 is accepted given the ones before it were, shrunk
+        towards the engine-wide figure (two pseudo-tries) while this agent has few tries."""
+        prior = self.prior.rate(j) if self.prior is not None else 0.5
+        return (self.accepted[j] + 2.0 * prior) / (self.tries[j] + 2.0)
+
+    def gains(self, length: int) -> list[float]:
+        """Expected accepted tokens added by each of the first `length` drafts."""
+        out, p = [], 1.0
+        for j in range(min(length, len(self.tries))):
+            p *= self.rate(j)
+            out.append(p)
+        return out
+
+    def summary(self) -> list[float]:
+        return [round(self.rate(j), 3) for j in range(len(self.tries))]
+
+
+class StepCostModel:
+    """Seconds per step by tokens in the step, for plain and verifying steps; linear between the
+    measured points, flat beyond them."""
+
+    SMOOTH = 0.1  # weight of a new measurement
+
+    def __init__(self, tokens: Sequence[int], seconds: Sequence[float], sync_overhead: float = 0.0) -> None:
+        self.points = list(tokens)
+        self.plain = list(seconds)
+        self.verify = [s + sync_overhead for s in seconds]
+
+    def cost(self, num_tokens: int, verify: bool) -> float:
+        table = self.verify if verify else self.plain
+        i = bisect.bisect_left(self.points, num_tokens)
+        if i == 0:
+            return table[0]
+        if i == len(self.points):
+            # beyond the profile: proportional to tokens (the large-batch regime is compute bound)
+            return table[-1] * num_tokens / self.points[-1]
+        x0, x1 = self.points[i - 1], self.points[i]
+        return table[i - 1] + (table[i] - table[i - 1]) * (num_tokens - x0) / (x1 - x0)
+
+    def observe(self, num_tokens: int, verify: bool, seconds: float) -> None:
+        """Pull the nearest profiled point towards a measured step."""
+        if not math.isfinite(seconds) or seconds <= 0:
+            return
+        table = self.verify if verify else self.plain
+        i = min(range(len(self.points)), key=lambda j: abs(self.points[j] - num_tokens))
+        scale = self.points[i] / max(num_tokens, 1) if num_tokens > self.points[-1] else 1.0
+        table[i] += self.SMOOTH * (seconds * scale - table[i])
+
+
+@dataclass
+class Candidate:
+    """A sequence that may draft this step."""
+
+    stats: AcceptanceStats
+    available: int      # tokens its drafter proposed (the most it can verify)
+    fixed: int | None   # a fixed draft length asked for ({"k": ...}); None: adaptive
+
+
+class Controller:
+    def __init__(self, costs: StepCostModel) -> None:
+        self.costs = costs
+
+    def plan(self, candidates: Sequence[Candidate], step_tokens: int, num_sampling: int) -> list[int]:
+        """Draft tokens to verify per candidate, for a step of `step_tokens` tokens (without
+        drafts) in which `num_sampling` sequences sample."""
+        ks = [min(c.fixed, c.available) if c.fixed is not None else 0 for c in candidates]
+        gains = []  # (gain, candidate index) for each adaptive draft token
+        for i, c in enumerate(candidates):
+            if c.fixed is None:
+                gains.extend((g, i) for g in c.stats.gains(c.available))
+        fixed = sum(ks)
+        gains.sort(reverse=True)
+        expected = num_sampling + sum(g for c, k in zip(candidates, ks) if c.fixed is not None
+                                      for g in c.stats.gains(k))
+        verify = fixed > 0
+        best_rate = expected / self.costs.cost(step_tokens + fixed, verify)
+        best_k, total = 0, expected
+        for n, (gain, _) in enumerate(gains, start=1):
+            total += gain
+            rate = total / self.costs.cost(step_tokens + fixed + n, True)
+            if rate > best_rate:
+                best_rate, best_k = rate, n
+        for _, i in gains[:best_k]:
+            ks[i] += 1
+        return ks
+
+    def promising(self, stats: AcceptanceStats, step_tokens: int, num_sampling: int) -> bool:
+        """Whether drafting one token for this agent could pay in a step like the last one:
+        worth reading the step's tokens back before scheduling the next."""
+        gain = stats.gains(1)[0]
+        now = num_sampling / self.costs.cost(step_tokens, False)
+        return (num_sampling + gain) / self.costs.cost(step_tokens + 1, True) > now

@@ -1,0 +1,251 @@
+"""The scheduler's speculation policy: which sequences draft how many tokens this step, and what
+the verified steps teach the controller.
+
+    schedule:  chunks that sample at the end of a fully known history -> drafter proposals ->
+               controller plan (k per chunk) -> the chunks grow by their drafts
+    update:    a verified chunk's accepted count -> its agent's AcceptanceStats; for plain decodes,
+               a few "shadow" proposals per step are checked against the tokens that follow
+    finish:    the request's output goes to the drafters (the shared corpus)
+
+Drafting needs the real history, so a sequence drafts only in a step scheduled after its last
+tokens reached the host. The engine core asks `wants_history` before scheduling: when some agent
+would gain from drafting, the step in flight is read back first (losing one step of overlap,
+which the step-cost model charges to verifying steps).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from hibana_core.config import SpeculationConfig
+from hibana_core.errors import ConfigError
+from hibana_core.speculation.controller import (MAX_DRAFT, AcceptanceStats, Candidate, Controller,
+                                                StepCostModel)
+from hibana_core.speculation.drafters import DraftInput, Drafter
+
+if TYPE_CHECKING:
+    from hibana_core.scheduler import Request, ScheduledChunk
+
+SHADOW_PER_STEP = 4
+"""Shadow proposals per step at most (host time stays bounded at any batch size)."""
+
+
+class SpeculationCounters:
+    def __init__(self) -> None:
+        self.draft_tokens_proposed = 0
+        self.draft_tokens_accepted = 0
+        self.verify_steps = 0        # steps that verified drafts
+        self.verified_sequences = 0  # (sequence, step) pairs that verified drafts
+        self.verified_tokens = 0     # tokens those produced (accepted drafts + one each)
+        self.draft_lengths: Counter[int] = Counter()  # k chosen -> how often (adaptive and fixed)
+
+
+class Speculator:
+    def __init__(self, default: SpeculationConfig, drafters: dict[str, Callable[..., Drafter]],
+                 profile: Callable[[], StepCostModel], engine: Any = None) -> None:
+        self.default = default
+        self._factories = drafters
+        self._drafters: dict[str, Drafter] = {}
+        self._profile = profile
+        self._controller: Controller | None = None
+        self._engine = engine
+        self.counters = SpeculationCounters()
+        self.global_stats: dict[str, AcceptanceStats] = {}
+        self._stats: "weakref.WeakKeyDictionary[object, dict[str, AcceptanceStats]]" = weakref.WeakKeyDictionary()
+        self._shadows: dict[int, tuple[str, int, list[int]]] = {}  # request id -> (drafter, at, draft)
+        self._shadow_turn = 0
+        self._last_shape = (1, 1)  # (step tokens, sequences sampling) of the last plan
+        self._profiled_now = False
+        if default.enabled:
+            self.check(default)
+
+    # --- configuration ----------------------------------------------------------------------
+
+    def check(self, config: SpeculationConfig) -> None:
+        """A ConfigError, listing the registered drafters, when `config` names none of them."""
+        if config.enabled and config.method not in self._factories:
+            raise ConfigError(f"no drafter named {config.method!r} is registered (registered: "
+                              f"{', '.join(sorted(self._factories)) or 'none'}); pass one of them as "
+                              "speculation={'method': ...}, or install the plugin that provides it")
+
+    def config(self, request: "Request") -> SpeculationConfig:
+        own = request.params.speculation if request.params is not None else None
+        return own if own is not None else self.default
+
+    def drafter(self, name: str) -> Drafter:
+        drafter = self._drafters.get(name)
+        if drafter is None:
+            drafter = self._drafters[name] = self._factories[name](self._engine)
+        return drafter
+
+    @property
+    def controller(self) -> Controller:
+        if self._controller is None:  # profiled on first use: engines that never draft pay nothing
+            self._controller = Controller(self._profile())
+            self._profiled_now = True
+        return self._controller
+
+    def stats(self, request: "Request", method: str) -> AcceptanceStats:
+        per_state = self._stats.setdefault(request.seq, {})
+        stats = per_state.get(method)
+        if stats is None:
+            prior = self.global_stats.setdefault(method, AcceptanceStats())
+            stats = per_state[method] = AcceptanceStats(prior)
+        return stats
+
+    # --- schedule ---------------------------------------------------------------------------
+
+    def wants_history(self, running: Sequence["Request"]) -> bool:
+        """Whether a running request would draft next step if its tokens were on the host."""
+        tokens, sampling = self._last_shape
+        for request in running:
+            config = self.config(request)
+            if not request.samples or not config.active or not request.num_output_placeholders:
+                continue
+            if config.k is not None:
+                return True
+            if self.controller.promising(self.stats(request, config.method), tokens, sampling):
+                return True
+        return False
+
+    def draft(self, chunks: Sequence["ScheduledChunk"], step_tokens: int,
+              room: Callable[["ScheduledChunk", int], int]) -> dict[int, list[int]]:
+        """Drafts for this step's chunks, by chunk index. `room(chunk, k)`: how many of k draft
+        tokens the chunk can take (budget, KV blocks, max_tokens, context)."""
+        sampling = sum(c.sample for c in chunks)
+        wanted: dict[str, list[tuple[int, int]]] = {}  # method -> (chunk index, tokens wanted)
+        for i, chunk in enumerate(chunks):
+            request = chunk.request
+            config = self.config(request)
+            if not chunk.sample or not config.active or chunk.end != len(request.seq):
+                continue
+            want = room(chunk, config.k if config.k is not None else MAX_DRAFT)
+            if want > 0:
+                wanted.setdefault(config.method, []).append((i, want))
+        candidates: list[tuple[int, list[int], Candidate]] = []
+        for method, items in wanted.items():
+            inputs = [self._input(chunks[i].request) for i, _ in items]
+            for (i, want), proposal in zip(items, self._propose(method, inputs, [w for _, w in items])):
+                request, config = chunks[i].request, self.config(chunks[i].request)
+                proposal = list(proposal)[:want]
+                stats = self.stats(request, method)
+                if config.k is None and not proposal:
+                    stats.record(1, 0)  # nothing to draft counts as a miss: it is what drafting gets
+                candidates.append((i, proposal, Candidate(stats, len(proposal), config.k)))
+        if not candidates:
+            return {}
+        self._last_shape = (step_tokens, sampling)
+        ks = self.controller.plan([c for _, _, c in candidates], step_tokens, sampling)
+        drafts = {}
+        for (i, proposal, _), k in zip(candidates, ks):
+            self.counters.draft_lengths[k] += 1
+            if k > 0:
+                drafts[i] = proposal[:k]
+        return drafts
+
+    def _propose(self, method: str, inputs: list[DraftInput], ks: list[int]) -> list[Sequence[int]]:
+        """Proposals of one drafter for several states: in one call where the drafter batches
+        (`propose_many`, e.g. a draft model's forward), else one by one."""
+        drafter = self.drafter(method)
+        many = getattr(drafter, "propose_many", None)
+        if many is not None:
+            return many(inputs, ks)
+        return [drafter.propose(state, k) for state, k in zip(inputs, ks)]
+
+    @staticmethod
+    def _input(request: "Request") -> DraftInput:
+        return DraftInput(request.seq.tokens, request.seq, request.seq.edits)
+
+    # --- update -----------------------------------------------------------------------------
+
+    def verified(self, chunk: "ScheduledChunk", sampled: Sequence[int]) -> None:
+        """A chunk's drafts were verified: `sampled` = the accepted drafts and one more token."""
+        k, accepted = len(chunk.draft_token_ids), max(0, len(sampled) - 1)
+        config = self.config(chunk.request)
+        self.stats(chunk.request, config.method).record(k, accepted)
+        c = self.counters
+        c.draft_tokens_proposed += k
+        c.draft_tokens_accepted += accepted
+        c.verified_sequences += 1
+        c.verified_tokens += len(sampled)
+
+    def observe_step(self, num_tokens: int, verify: bool, seconds: float) -> None:
+        """A step of `num_tokens` tokens took `seconds` of wall time: the cost model learns."""
+        self.counters.verify_steps += verify
+        if self._profiled_now:  # that step's time was mostly the profile's
+            self._profiled_now = False
+        elif self._controller is not None:
+            self._controller.costs.observe(num_tokens, verify, seconds)
+
+    def updated(self, chunks: Sequence["ScheduledChunk"]) -> None:
+        """A step's tokens reached the host: shadow proposals are checked against them and a few
+        new ones made for plain decodes of adaptive requests."""
+        made = 0
+        n = len(chunks)
+        for j in range(n):
+            chunk = chunks[(self._shadow_turn + j) % n]  # round robin over the batch
+            request = chunk.request
+            shadow = self._shadows.get(request.id)
+            if shadow is not None:
+                method, at, draft = shadow
+                known = request.seq.tokens[at:at + len(draft)]
+                hits = next((i for i, (a, b) in enumerate(zip(known, draft)) if a != b), len(known))
+                if hits < len(known) or len(known) == len(draft) or request.finished:
+                    self.stats(request, method).record(len(draft), hits)
+                    del self._shadows[request.id]
+                continue
+            config = self.config(request)
+            if (made >= SHADOW_PER_STEP or request.finished or not config.adaptive
+                    or not chunk.sample or chunk.draft_token_ids):
+                continue
+            made += 1
+            draft = self.drafter(config.method).propose(self._input(request), MAX_DRAFT)
+            if draft:
+                self._shadows[request.id] = (config.method, len(request.seq), draft)
+            else:
+                self.stats(request, config.method).record(1, 0)
+        self._shadow_turn += 1
+
+    def finished(self, request: "Request") -> None:
+        self._shadows.pop(request.id, None)
+        config = self.config(request) if request.params is not None else None
+        if config is None or not config.enabled or not request.output:
+            return
+        seq = request.seq
+        context = seq.tokens[max(0, request.num_prompt - 32):request.num_prompt]
+        self.drafter(config.method).finished(context, request.output)
+
+    def summary(self) -> dict:
+        c = self.counters
+        return {
+            "default": "off" if not self.default.enabled else
+                       ("adaptive" if self.default.k is None else f"k={self.default.k}") + f" ({self.default.method})",
+            "draft_lengths": dict(sorted(c.draft_lengths.items())),
+            "acceptance_rate": c.draft_tokens_accepted / c.draft_tokens_proposed if c.draft_tokens_proposed else None,
+            "tokens_per_verify": c.verified_tokens / c.verified_sequences if c.verified_sequences else None,
+            "acceptance_by_position": {m: s.summary() for m, s in self.global_stats.items()},
+            "step_cost_ms": None if self._controller is None else {
+                "tokens": self._controller.costs.points,
+                "plain": [round(1e3 * s, 3) for s in self._controller.costs.plain],
+                "verify": [round(1e3 * s, 3) for s in self._controller.costs.verify]},
+        }
+
+
+def profile_step_costs(forward: Callable[[int], None], max_tokens: int, sync: Callable[[], None]) -> StepCostModel:
+    """Time `forward(num_tokens)` on the device at a ladder of token counts (best of 3 each)."""
+    points = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= max(max_tokens, 1)]
+    seconds = []
+    for n in points:
+        forward(n)  # warm up (kernels compile, caches fill)
+        best = float("inf")
+        for _ in range(3):
+            sync()
+            start = time.perf_counter()
+            forward(n)
+            sync()
+            best = min(best, time.perf_counter() - start)
+        seconds.append(best)
+    return StepCostModel(points, seconds, sync_overhead=0.1 * seconds[0])
