@@ -54,37 +54,61 @@ def force_outputs_fn():
     return force_outputs
 
 
+COUNTERS = ("steps", "generated_tokens", "draft_tokens_proposed", "draft_tokens_accepted", "verify_steps",
+            "verified_sequences", "verified_tokens")
+
+
+def snapshot(engine) -> dict:
+    """The engine's counters now. `verified_sequences` / `verified_tokens` ((sequence, step)
+    pairs that verified drafts, and the tokens those emitted) are read from EngineStats when it
+    has them, else from the speculator's counters; None where the engine has neither."""
+    stats = engine.stats()
+    inner = getattr(getattr(getattr(engine, "scheduler", None), "speculation", None), "counters", None)
+    return {name: getattr(stats, name, getattr(inner, name, None)) for name in COUNTERS} | {
+        "speculation": getattr(stats, "speculation", None)}
+
+
 @dataclass(frozen=True)
 class SpecCounters:
-    """What an engine did between two `stats()` snapshots."""
+    """What an engine did between two snapshots (None: the engine does not count it)."""
 
     steps: int
     generated_tokens: int
     draft_tokens_proposed: int | None
     draft_tokens_accepted: int | None
-    verify_steps: int | None
+    verify_steps: int | None           # engine steps that verified drafts (batched: many sequences each)
+    verified_sequences: int | None     # (sequence, step) pairs that verified drafts
+    verified_tokens: int | None        # tokens those emitted: accepted drafts + one each
+    engine_summary: dict | None = None  # the engine's own figures at the end (whole engine life, warm-up included)
 
     @classmethod
-    def between(cls, before, after) -> "SpecCounters":
+    def between(cls, before: dict, after: dict) -> "SpecCounters":
         def delta(name: str) -> int | None:
-            a, b = getattr(after, name, None), getattr(before, name, None)
+            a, b = after.get(name), before.get(name)
             return None if a is None or b is None else a - b
-        return cls(after.steps - before.steps, after.generated_tokens - before.generated_tokens,
-                   delta("draft_tokens_proposed"), delta("draft_tokens_accepted"), delta("verify_steps"))
+        return cls(*(delta(name) for name in COUNTERS), engine_summary=after.get("speculation"))
 
     def summary(self) -> dict:
-        """The counters plus the rates derived from them. `tokens_per_verify_step` is
-        accepted / verify_steps + 1: a verify step emits its accepted drafts and one token of its
-        own (the engine does not count the tokens of verify steps separately; a step cut short
-        by max_tokens emits fewer, so this slightly overstates). Whether it is per sequence or per
-        batched step follows the engine's count of verify_steps."""
-        proposed, accepted, verify = self.draft_tokens_proposed, self.draft_tokens_accepted, self.verify_steps
+        """The counters plus rates. `tokens_per_verify` is the mean number of tokens a sequence
+        emits in a step that verifies its drafts (verified_tokens / verified_sequences); where the
+        engine does not count those, accepted / verify_steps + 1, which is per sequence only at
+        batch 1 and is marked by `tokens_per_verify_estimated`."""
+        proposed, accepted = self.draft_tokens_proposed, self.draft_tokens_accepted
+        estimated = not self.verified_sequences and bool(self.verify_steps) and accepted is not None
+        if self.verified_sequences:
+            per_verify = self.verified_tokens / self.verified_sequences
+        else:
+            per_verify = accepted / self.verify_steps + 1 if estimated else None
         return {
             "engine_steps": self.steps,
             "generated_tokens": self.generated_tokens,
             "draft_tokens_proposed": proposed,
             "draft_tokens_accepted": accepted,
-            "verify_steps": verify,
+            "verify_steps": self.verify_steps,
+            "verified_sequences": self.verified_sequences,
+            "verified_tokens": self.verified_tokens,
             "acceptance_rate": accepted / proposed if proposed else None,
-            "tokens_per_verify_step": accepted / verify + 1 if verify else None,
+            "tokens_per_verify": per_verify,
+            "tokens_per_verify_estimated": estimated,
+            "engine_speculation": self.engine_summary,
         }

@@ -17,12 +17,13 @@ def _fmt(value, spec: str) -> str:
 
 def _spec_cells(s: dict) -> tuple[str, ...]:
     return (_fmt(s["draft_tokens_proposed"], "d"), _fmt(s["draft_tokens_accepted"], "d"),
-            _fmt(s["acceptance_rate"], ".1%"), _fmt(s["verify_steps"], "d"), _fmt(s["tokens_per_verify_step"], ".2f"))
+            _fmt(s["acceptance_rate"], ".1%"), _fmt(s["verify_steps"], "d"),
+            _fmt(s["tokens_per_verify"], ".2f") + ("*" if s["tokens_per_verify_estimated"] else ""))
 
 
 SPEC_COLUMNS = ("proposed", "accepted", "accept %", "verify steps", "tok/verify")
-NOTE = ("tok/verify = accepted / verify steps + 1 (tokens a verify step emits); ratio: against hibana_spec_off; "
-        "'-': the engine does not count drafts")
+NOTE = ("tok/verify: mean tokens a sequence emits in a step that verifies its drafts (*: estimated as accepted / "
+        "verify steps + 1); verify steps: engine steps (batched); ratio: against hibana_spec_off; '-': not counted")
 
 
 def _skipped(report: dict) -> None:

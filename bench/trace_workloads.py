@@ -27,7 +27,8 @@ from typing import Callable
 from tqdm.auto import tqdm
 
 from hibana_bench.models import BenchModel
-from hibana_bench.spec_systems import BASELINE, SPEC_SYSTEMS, BenchError, SpecCounters, force_outputs_fn, open_engine
+from hibana_bench.spec_systems import (BASELINE, SPEC_SYSTEMS, BenchError, SpecCounters, force_outputs_fn, open_engine,
+                                       snapshot)
 from hibana_bench.traces import REPLICA_SALT_TOKENS, Conversation, Trace, Turn
 from hibana_bench.workloads import SystemResult, TurnRecord
 from hibana_core import SamplingParams
@@ -109,7 +110,7 @@ def trace_decode_workload(model: BenchModel, trace: Trace, path: str, systems: l
         with open_engine(model, system, max_model_len=max(c.tokens for c in convs) + 16,
                          max_concurrent_agents=4) as engine:
             warm_up(engine, min(trace.vocab_bound, model.vocab_size), replay)
-            before = engine.stats()
+            before = snapshot(engine)
             tokens, seconds, generated, turns = 0, 0.0, 0, 0
             bar = tqdm(total=sum(len(c.turns) for c in convs), desc=f"{system} trace decode", leave=False)
             for i, conv in enumerate(convs):
@@ -123,7 +124,7 @@ def trace_decode_workload(model: BenchModel, trace: Trace, path: str, systems: l
                     bar.update()
                 h.close()
             bar.close()
-            spec = SpecCounters.between(before, engine.stats()).summary()
+            spec = SpecCounters.between(before, snapshot(engine)).summary()
         rows.append(TraceDecodeRow(system, tokens / max(seconds, 1e-9), tokens, seconds, generated, turns, spec))
     base = next((r.decode_tok_s for r in rows if r.system == BASELINE), None)
     return {"workload": "decode", "trace_driven": True, "model": model.name, "random_weights": model.random_weights,
@@ -156,7 +157,7 @@ def run_trace_agents(model: BenchModel, system: str, convs: list[Conversation], 
             except Exception as exc:  # noqa: BLE001 - reported after the others finish
                 errors.append(exc)
 
-        before = engine.stats()
+        before = snapshot(engine)
         start = time.perf_counter()
         threads = [threading.Thread(target=agent, args=(i,)) for i in range(len(convs))]
         for t in threads:
@@ -165,7 +166,7 @@ def run_trace_agents(model: BenchModel, system: str, convs: list[Conversation], 
             t.join()
         seconds = time.perf_counter() - start
         bar.close()
-        spec = SpecCounters.between(before, engine.stats()).summary()
+        spec = SpecCounters.between(before, snapshot(engine)).summary()
     if errors:
         raise errors[0]
     return SystemResult(system, len(convs), seconds, records), spec

@@ -16,7 +16,7 @@ from contextlib import redirect_stdout
 import pytest
 
 from hibana_bench.make_coding_trace import make_coding_trace
-from hibana_bench.spec_systems import SpecCounters
+from hibana_bench.spec_systems import COUNTERS, SpecCounters
 from hibana_bench.trace_workloads import Replay
 from hibana_bench.traces import (REPLICA_SALT_TOKENS, Trace, TraceError, load_trace, make_trace, parse_trace,
                                  save_trace)
@@ -124,16 +124,17 @@ def test_shipped_traces_load():
     assert coding.agents[:4] == make_coding_trace(agents=4, seed=0).agents  # the file is what its command makes
 
 
-def test_spec_counters_without_draft_counts():
-    class Stats:
-        def __init__(self, steps, generated, **draft):
-            self.steps, self.generated_tokens = steps, generated
-            self.__dict__.update(draft)
-    old = SpecCounters.between(Stats(1, 10), Stats(5, 30)).summary()
-    assert (old["engine_steps"], old["generated_tokens"], old["tokens_per_verify_step"]) == (4, 20, None)
-    new = SpecCounters.between(Stats(0, 0, draft_tokens_proposed=0, draft_tokens_accepted=0, verify_steps=0),
-                               Stats(5, 30, draft_tokens_proposed=40, draft_tokens_accepted=30, verify_steps=10))
-    assert new.summary()["acceptance_rate"] == 0.75 and new.summary()["tokens_per_verify_step"] == 4.0
+def test_spec_counters():
+    old_engine = SpecCounters.between({"steps": 1, "generated_tokens": 10}, {"steps": 5, "generated_tokens": 30})
+    assert old_engine.summary()["draft_tokens_proposed"] is None and old_engine.summary()["tokens_per_verify"] is None
+    zero = dict.fromkeys(COUNTERS, 0)
+    run = dict(steps=5, generated_tokens=30, draft_tokens_proposed=40, draft_tokens_accepted=30, verify_steps=10,
+               verified_sequences=20, verified_tokens=50)
+    figures = SpecCounters.between(zero, run).summary()
+    assert figures["acceptance_rate"] == 0.75 and figures["tokens_per_verify"] == 2.5  # per sequence, not per step
+    assert not figures["tokens_per_verify_estimated"]
+    estimated = SpecCounters.between(zero, run | {"verified_sequences": None}).summary()
+    assert estimated["tokens_per_verify"] == 4.0 and estimated["tokens_per_verify_estimated"]
 
 
 # --- replay on the demo model ------------------------------------------------------------------
@@ -153,7 +154,7 @@ def test_real_output_replay_of_the_demo_trace_reproduces_it():
     from hibana_core import Engine
 
     demo = load_trace("demo")
-    with Engine.from_pretrained("demo", device="cpu", progress=False) as engine:
+    with Engine.from_pretrained("demo", device="cpu", progress=False, speculation="off") as engine:
         outputs = _replay(engine, Replay(None), demo.agents[0], "real")
     assert outputs == [list(t.output) for t in demo.agents[0].turns]
 
@@ -194,7 +195,7 @@ def test_trace_decode_workload_on_the_demo_model_says_trace_driven():
     from hibana_bench.trace_workloads import trace_decode_workload
 
     model = load_bench_model("demo", torch.device("cpu"), torch.float32)
-    report = trace_decode_workload(model, load_trace("demo"), "demo", ["hibana", "hf_eager"], conversations=1,
+    report = trace_decode_workload(model, load_trace("demo"), "demo", ["hibana_spec_off", "hf_eager"], conversations=1,
                                    real_outputs=True)
     assert report["trace_driven"] and report["skipped_systems"] == ["hf_eager"]
     (row,) = report["rows"]
