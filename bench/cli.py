@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--generate", type=int, default=128)
     decode.add_argument("--conversations", type=int, default=1,
                         help="with --trace: replay the first N conversations one after another (default 1)")
+    decode.add_argument("--turns", type=int, help="with --trace: at most this many turns per conversation")
     agents = sub.add_parser("agents", parents=[common], help="agents in tool loops")
     agents.add_argument("--agents", type=int, default=8,
                         help="with --trace: agents cycle through the trace's conversations")
@@ -93,7 +94,8 @@ def run_trace(args: argparse.Namespace, device: torch.device, dtype: torch.dtype
     trace = load_trace(path)  # a bad trace fails before the model loads
     model = load_bench_model(args.model, device, dtype)
     if args.workload == "decode":
-        report = trace_decode_workload(model, trace, path, systems, args.conversations, args.real_outputs)
+        report = trace_decode_workload(model, trace, path, systems, args.conversations, args.real_outputs,
+                                       args.turns)
         print_trace_decode(report)
     else:
         report = trace_agents_workload(model, trace, path, systems, args.agents, args.turns, args.real_outputs)

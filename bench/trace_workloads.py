@@ -75,6 +75,18 @@ def warm_up(engine, vocab: int, replay: Replay) -> None:
     h.close()
 
 
+def first_turns(convs, max_turns: int | None) -> list[Conversation]:
+    return [Conversation(c.turns[:max_turns]) for c in convs] if max_turns else list(convs)
+
+
+def check_context(engine, convs: list[Conversation]) -> None:
+    """A conversation longer than the model's context would end its turns early (finish "length")."""
+    longest = max(c.tokens for c in convs)
+    if longest > engine.max_model_len:
+        raise BenchError(f"the trace's conversations reach {longest} tokens, beyond this model's context of "
+                         f"{engine.max_model_len}; replay fewer turns (--turns) or use a model with a longer context")
+
+
 def trace_summary(trace: Trace, path: str, real_outputs: bool) -> dict:
     return {"name": trace.name, "path": path, "description": trace.description, "command": trace.command,
             "tokenizer": trace.tokenizer, "vocab_bound": trace.vocab_bound, "conversations": len(trace.agents),
@@ -100,15 +112,16 @@ class TraceDecodeRow:
 
 
 def trace_decode_workload(model: BenchModel, trace: Trace, path: str, systems: list[str], conversations: int = 1,
-                          real_outputs: bool = False) -> dict:
+                          real_outputs: bool = False, max_turns: int | None = None) -> dict:
     trace.check_vocab(model.vocab_size)
     run, skipped = _spec_systems(systems)
     replay = Replay.make(real_outputs)
-    convs = trace.agents[:max(1, conversations)]
+    convs = first_turns(trace.agents[:max(1, conversations)], max_turns)
     rows: list[TraceDecodeRow] = []
     for system in run:
         with open_engine(model, system, max_model_len=max(c.tokens for c in convs) + 16,
                          max_concurrent_agents=4) as engine:
+            check_context(engine, convs)
             warm_up(engine, min(trace.vocab_bound, model.vocab_size), replay)
             before = snapshot(engine)
             tokens, seconds, generated, turns = 0, 0.0, 0, 0
@@ -129,7 +142,7 @@ def trace_decode_workload(model: BenchModel, trace: Trace, path: str, systems: l
     base = next((r.decode_tok_s for r in rows if r.system == BASELINE), None)
     return {"workload": "decode", "trace_driven": True, "model": model.name, "random_weights": model.random_weights,
             "weight_bytes": model.weight_bytes, "trace": trace_summary(trace, path, real_outputs),
-            "conversations_replayed": len(convs), "batch": 1, "skipped_systems": skipped,
+            "conversations_replayed": len(convs), "max_turns": max_turns, "batch": 1, "skipped_systems": skipped,
             "rows": [dict(asdict(r), ratio_vs_spec_off=r.decode_tok_s / base if base else None) for r in rows]}
 
 
@@ -139,6 +152,7 @@ def run_trace_agents(model: BenchModel, system: str, convs: list[Conversation], 
                      replay: Replay) -> tuple[SystemResult, dict]:
     with open_engine(model, system, max_model_len=max(c.tokens for c in convs) + 16,
                      max_concurrent_agents=len(convs)) as engine:
+        check_context(engine, convs)
         warm_up(engine, vocab, replay)
         records: list[TurnRecord] = []
         errors: list[BaseException] = []
@@ -177,9 +191,7 @@ def trace_agents_workload(model: BenchModel, trace: Trace, path: str, systems: l
     trace.check_vocab(model.vocab_size)
     run, skipped = _spec_systems(systems)
     replay = Replay.make(real_outputs)
-    convs = trace.conversations_for(agents)
-    if max_turns:
-        convs = [Conversation(c.turns[:max_turns]) for c in convs]
+    convs = first_turns(trace.conversations_for(agents), max_turns)
     results = {}
     for system in run:
         result, spec = run_trace_agents(model, system, convs, min(trace.vocab_bound, model.vocab_size), replay)
