@@ -120,10 +120,11 @@ class SpeculationConfig:
     """Speculative decoding: draft tokens from a drafter, verified in the ordinary step.
 
     Given as `speculation=` to the engine or to `SamplingParams`: "adaptive" (the default: the
-    controller picks 0..8 drafts per agent and step by measured goodput), "off", or a dict
-    `{"method": "suffix" | "ngram" | <a plugin's drafter>, "k": 4}` (k given: always draft k;
-    k left out: adaptive with that drafter). Output is the same either way (greedy: token for
-    token; sampling: the same distribution).
+    controller picks 0..16 drafts per agent and step by measured goodput), "off", or a dict
+    `{"method": "suffix" | "ngram" | "draft_model" | <a plugin's drafter>, "k": 4}` (k given:
+    always draft k; k left out: adaptive with that drafter). Output is the same either way
+    (greedy: token for token; sampling: the same distribution). The draft model is given on the
+    engine: `speculation={"method": "draft_model", "draft_model": path, "k": 4}`.
     """
 
     enabled: bool = True
@@ -131,10 +132,16 @@ class SpeculationConfig:
     """The drafter, by the name it is registered under (`register_drafters`)."""
     k: int | None = None
     """Fixed draft length per step; None: adaptive."""
+    draft_model: str | None = None
+    """Checkpoint directory of the "draft_model" drafter (same tokenizer as the target); one per engine."""
 
     def __post_init__(self) -> None:
         _check_types(self)
         _check(bool(self.method), "speculation method must name a drafter, e.g. 'suffix'")
+        _check(self.draft_model is None or (self.method == "draft_model" and self.draft_model != ""),
+               f"speculation draft_model is the checkpoint of method 'draft_model' (got method "
+               f"{self.method!r}, draft_model {self.draft_model!r}); pass "
+               "{'method': 'draft_model', 'draft_model': path}")
         _check(self.k is None or 0 <= self.k <= MAX_DRAFT_TOKENS,
                f"speculation k must lie in [0, {MAX_DRAFT_TOKENS}], got {self.k}")
 
@@ -148,8 +155,9 @@ class SpeculationConfig:
         if value == "off" or value is False:
             return cls(enabled=False)
         if isinstance(value, dict):
-            unknown = set(value) - {"method", "k"}
-            _check(not unknown, f"speculation takes the keys 'method' and 'k', got {sorted(map(str, unknown))}")
+            unknown = set(value) - {"method", "k", "draft_model"}
+            _check(not unknown, f"speculation takes the keys 'method', 'k' and 'draft_model', "
+                                f"got {sorted(map(str, unknown))}")
             return cls(**value)
         raise ConfigError(f"speculation must be 'adaptive', 'off' or a dict like "
                           f"{{'method': 'suffix', 'k': 4}}, got {value!r}")

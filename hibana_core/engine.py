@@ -265,6 +265,7 @@ class Engine:
         self.core.close(EngineClosedError("the engine was closed while this request ran"))
         with self.core.lock:
             self.registry.close_all()
+            self.scheduler.speculation.close()  # a draft model's weights and KV
             # drop the big tensors now, not when the last handle is collected
             self.model = self.core.runner = self.kv_cache = self._ctx.kv_cache = None
 

@@ -252,7 +252,7 @@ class DecodeGraphs:
                        seq 1 (5 new):  t   d   d   d  d
     """
 
-    QUERY_LENS = (1, 2, 3, 5, 9)  # 1 + draft tiers 0, 1, 2, 4, 8
+    QUERY_LENS = (1, 2, 3, 5, 9, 17)  # 1 + draft tiers 0, 1, 2, 4, 8, 16
 
     def __init__(self, runner: ModelRunner, max_batch: int) -> None:
         self.runner = runner

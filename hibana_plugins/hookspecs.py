@@ -94,9 +94,14 @@ def register_model_families(register) -> None:
 def register_drafters(register) -> None:
     """Register speculation drafters: `register(name, factory)`.
 
-    Planned: `factory(engine, **options)` returns a drafter that proposes draft tokens for a
-    state from its token history. Nothing calls this hook yet: the drafter protocol is defined
-    by the issue that adds adaptive speculation (`hibana_core.speculation`, empty today).
+    `factory(engine)` returns a drafter (the `hibana_core.speculation.Drafter` protocol):
+    `propose(state, k) -> list[int]`, up to k tokens that may follow `state.tokens` (`state.key`
+    identifies the agent for per-agent caches, `state.version` changes when its history was
+    edited other than by appending), and `finished(context, output)`, a request's generated
+    tokens. Optional: `propose_many(states, ks)` (several states in one call), `shadows = False`
+    (proposals are costly), `summary()`, `close()`. A request uses it when it or the engine
+    names it: `speculation={"method": name, "k": 4}`. Drafts change speed only: the engine
+    keeps the tokens its own model samples.
     """
 
 

@@ -245,6 +245,9 @@ class ChatHibana(BaseChatModel):
     top_k: int = 0
     seed: int | None = None
     repetition_penalty: float = 1.0
+    speculation: str | dict[str, Any] | None = None
+    """Speculative decoding of this model's calls: "adaptive", "off" or {"method": ..., "k": ...};
+    None: the engine's (set it engine-wide with engine_kwargs={"speculation": ...}). Speed only."""
     stop: list[str] | None = None
     """Strings that end the generation (cut from the output)."""
     timeout: float | None = None
@@ -398,4 +401,5 @@ class ChatHibana(BaseChatModel):
         stops = stop if stop is not None else self.stop
         return SamplingParams(max_tokens=option("max_tokens"), temperature=option("temperature"),
                               top_p=option("top_p"), top_k=option("top_k"), seed=option("seed"),
-                              repetition_penalty=option("repetition_penalty"), stop=() if stops is None else stops)
+                              repetition_penalty=option("repetition_penalty"), speculation=option("speculation"),
+                              stop=() if stops is None else stops)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence, Union
 
 from hibana_core import turn
 from hibana_core.chat import (Chat, ChatDelta, ChatResult, ConversationError, ToolChoiceError,
@@ -162,6 +162,9 @@ def llm_class() -> type:
         top_p: float = Field(default=1.0, gt=0.0, le=1.0)
         top_k: int = Field(default=0, ge=0, description="0 keeps every token.")
         seed: Optional[int] = Field(default=None, description="Per-request sampling seed.")
+        speculation: Optional[Union[str, dict]] = Field(
+            default=None, description="Speculative decoding: \"adaptive\", \"off\" or {\"method\": ..., "
+            "\"k\": ...}; None: the engine's (engine_kwargs={\"speculation\": ...}). Speed only.")
         tool_parser: Optional[str] = Field(default=None, description="A registered tool parser; None: the "
                                            "model's chat format's, else hermes.")
         clean_tool_schemas: bool = Field(default=True, description="Lay tool schemas out as OpenAI's "
@@ -309,7 +312,7 @@ def llm_class() -> type:
 
         def _call(self, prompt: str, tools: list[dict] | None, choice: str, parallel: bool = True) -> _Call:
             params = SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                                    top_k=self.top_k, seed=self.seed)
+                                    top_k=self.top_k, seed=self.seed, speculation=self.speculation)
             options = {"tool_choice": choice, "parse_tools": tools is not None, "guided": self.guided_tool_arguments,
                        "parallel_tool_calls": parallel}
             return _Call(self._chat, prompt, tools, params, options, self.state_id)

@@ -29,7 +29,7 @@ LOG2E = 1.4426950408889634
 DECODE_MIN_SPLIT = 64  # keys per split at least (one key tile)
 DECODE_PROGRAMS_PER_SM = 4  # splits are added until the grid has this many programs per SM
 MAX_SPLITS = 64
-MAX_DECODE_QUERY_LEN = 16  # verify steps up to this many tokens per sequence take the decode kernel
+MAX_DECODE_QUERY_LEN = 32  # verify steps up to this many tokens per sequence take the decode kernel
 NUM_STAGES = 2
 
 
@@ -228,7 +228,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float, sliding_window: int | None = None,
                     uniform_query_len: bool = False) -> torch.Tensor:
     """See `hibana_kernels.attention.paged_attention`. Decode batches (max_query_len == 1, or
-    every sequence with max_query_len <= 16 new tokens: `uniform_query_len`) take the decode
+    every sequence with max_query_len <= 32 new tokens: `uniform_query_len`) take the decode
     kernel, split along the sequence when the batch alone would not fill the device."""
     num_seqs = seq_lens.shape[0]
     num_kv_heads = k_cache.shape[2]

@@ -184,9 +184,23 @@ def print_summary(console, result: DemoResult, engine) -> None:
     console.print(f"tasks solved: {result.solved}/{total}; {generated} tokens generated in {result.seconds:.1f}s "
                   f"({generated / result.seconds:.1f} tok/s over all agents); engine steps: {stats.steps}, "
                   f"most agents in one step: {stats.max_batch_sequences}", markup=False, highlight=False)
+    spec = stats.speculation or {}
+    if stats.verify_steps:
+        console.print(f"speculation {spec.get('default')}: {stats.draft_tokens_accepted}/{stats.draft_tokens_proposed} "
+                      f"drafts accepted in {stats.verify_steps} verify steps, "
+                      f"{spec.get('tokens_per_verify') or 0:.2f} tokens per verifying agent and step",
+                      markup=False, highlight=False)
 
 
 # --- command line -------------------------------------------------------------------------------
+
+def parse_speculation(value: str) -> str | dict:
+    """ "adaptive" | "off" | METHOD[:K] -> the engine's `speculation` option."""
+    if value in ("adaptive", "off"):
+        return value
+    method, _, k = value.partition(":")
+    return {"method": method, "k": int(k)} if k.isdigit() else {"method": method}
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="hibana demo", description=__doc__,
@@ -198,6 +212,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--max-tokens", type=int, default=160, help="most tokens per model turn")
     p.add_argument("--no-live", action="store_true", help="no live view, only the final table")
+    p.add_argument("--speculation", default="adaptive",
+                   help='"adaptive" (default), "off", or METHOD[:K] (e.g. suffix:4, ngram)')
     args = p.parse_args(argv)
     if args.agents < 1 or args.tasks < 1:
         p.error("--agents and --tasks must be at least 1")
@@ -208,7 +224,8 @@ def main(argv=None) -> int:
 
     console = Console(width=None if sys.stdout.isatty() else 120)
     try:
-        engine = Engine.from_pretrained(args.model, device=args.device, progress=False)
+        engine = Engine.from_pretrained(args.model, device=args.device, progress=False,
+                                        speculation=parse_speculation(args.speculation))
     except HibanaError as exc:
         console.print(f"hibana demo: {exc}", markup=False)
         return 1

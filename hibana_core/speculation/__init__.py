@@ -2,6 +2,7 @@
 how many tokens each agent drafts from measured acceptance and step cost.
 
     drafters.py    the Drafter protocol; suffix (default) and ngram drafters (registered as plugins)
+    draft_model.py the draft-model drafter: a smaller checkpoint with the target's tokenizer
     index.py       context indexes over token streams, updated per token
     controller.py  acceptance statistics, the step-cost model, the per-step plan
     speculator.py  the scheduler's speculation policy that ties them together

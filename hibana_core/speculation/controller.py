@@ -25,8 +25,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-MAX_DRAFT = 8
-"""Longest draft per sequence and step (the largest tier of draft lengths)."""
+MAX_DRAFT = 16
+"""Longest draft per sequence and step (verify graphs exist for 1 + 0, 1, 2, 4, 8, 16 tokens)."""
 
 
 class AcceptanceStats:

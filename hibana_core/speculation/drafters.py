@@ -42,7 +42,9 @@ class Drafter(Protocol):
 
     # Optional: `propose_many(states: list[DraftInput], ks: list[int]) -> list[list[int]]`, the
     # proposals for several states in one call (a draft model batches its forwards); the engine
-    # uses it when a drafter has it.
+    # uses it when a drafter has it. `shadows = False`: proposals are costly, so the controller
+    # learns acceptance from verify steps only (no free shadow proposals). `summary()`: figures
+    # for engine.stats().speculation["drafters"]. `close()`: called when the engine closes.
 
 
 class _PerState:
@@ -169,7 +171,15 @@ class NgramDrafter:
         pass
 
 
+def _draft_model(engine: Any, **options: Any) -> Drafter:
+    """The draft-model drafter, imported on first use (it brings the loader and the KV cache)."""
+    from hibana_core.speculation.draft_model import DraftModelDrafter
+
+    return DraftModelDrafter(engine, **options)
+
+
 @hookimpl
 def register_drafters(register) -> None:
     register("suffix", SuffixDrafter)
     register("ngram", NgramDrafter)
+    register("draft_model", _draft_model)

@@ -65,11 +65,20 @@ class Speculator:
     # --- configuration ----------------------------------------------------------------------
 
     def check(self, config: SpeculationConfig) -> None:
-        """A ConfigError, listing the registered drafters, when `config` names none of them."""
-        if config.enabled and config.method not in self._factories:
+        """A ConfigError, listing the registered drafters, when `config` names none of them. The
+        drafter is built here, so a factory's error (a missing or incompatible draft checkpoint)
+        shows at construction or submission, not inside a step."""
+        if not config.enabled:
+            return
+        if config.method not in self._factories:
             raise ConfigError(f"no drafter named {config.method!r} is registered (registered: "
                               f"{', '.join(sorted(self._factories)) or 'none'}); pass one of them as "
                               "speculation={'method': ...}, or install the plugin that provides it")
+        if config.draft_model is not None and config.draft_model != self.default.draft_model:
+            raise ConfigError(f"draft_model={config.draft_model!r} differs from the engine's "
+                              f"({self.default.draft_model!r}): the draft model is loaded once per engine; "
+                              "give it in Engine.from_pretrained(..., speculation={...}) and leave it out here")
+        self.drafter(config.method)
 
     def config(self, request: "Request") -> SpeculationConfig:
         own = request.params.speculation if request.params is not None else None
@@ -201,8 +210,11 @@ class Speculator:
             if (made >= SHADOW_PER_STEP or request.finished or not config.adaptive
                     or not chunk.sample or chunk.draft_token_ids):
                 continue
+            drafter = self.drafter(config.method)
+            if not getattr(drafter, "shadows", True):  # a proposal costs forwards: learn from verifies only
+                continue
             made += 1
-            draft = self.drafter(config.method).propose(self._input(request), MAX_DRAFT)
+            draft = drafter.propose(self._input(request), MAX_DRAFT)
             if draft:
                 self._shadows[request.id] = (config.method, len(request.seq), draft)
             else:
@@ -218,8 +230,17 @@ class Speculator:
         context = seq.tokens[max(0, request.num_prompt - 32):request.num_prompt]
         self.drafter(config.method).finished(context, request.output)
 
+    def close(self) -> None:
+        """The engine closes: drafters that hold memory (a draft model's weights and KV) free it."""
+        for drafter in self._drafters.values():
+            close = getattr(drafter, "close", None)
+            if close is not None:
+                close()
+        self._drafters.clear()
+
     def summary(self) -> dict:
         c = self.counters
+        own = {name: d.summary() for name, d in self._drafters.items() if hasattr(d, "summary")}
         return {
             "default": "off" if not self.default.enabled else
                        ("adaptive" if self.default.k is None else f"k={self.default.k}") + f" ({self.default.method})",
@@ -231,17 +252,19 @@ class Speculator:
                 "tokens": self._controller.costs.points,
                 "plain": [round(1e3 * s, 3) for s in self._controller.costs.plain],
                 "verify": [round(1e3 * s, 3) for s in self._controller.costs.verify]},
+            "drafters": own,  # a drafter's own figures (`summary()`), e.g. a draft model's cost per token
         }
 
 
 def profile_step_costs(forward: Callable[[int], None], max_tokens: int, sync: Callable[[], None]) -> StepCostModel:
-    """Time `forward(num_tokens)` on the device at a ladder of token counts (best of 3 each)."""
-    points = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= max(max_tokens, 1)]
+    """Time `forward(num_tokens)` on the device at a ladder of token counts (best of 2 each): a
+    coarse prior, which the steps the engine runs then refine (`StepCostModel.observe`)."""
+    points = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= max(max_tokens, 1)]
     seconds = []
     for n in points:
         forward(n)  # warm up (kernels compile, caches fill)
         best = float("inf")
-        for _ in range(3):
+        for _ in range(2):
             sync()
             start = time.perf_counter()
             forward(n)

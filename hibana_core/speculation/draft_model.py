@@ -1,0 +1,315 @@
+"""The draft-model drafter: a second, smaller checkpoint with the same tokenizer drafts greedily.
+
+    propose_many(states, ks)
+      sync      one draft KVSequence per target state, holding its history (kept across calls,
+                so only the tokens appended since the last call are computed)
+      room      blocks for each tail and its k - 1 fed drafts; the draft KV of states not in this
+                call is dropped, least recently used first, when the pool runs short
+      catch up  all tails in one forward (chunked under the token budget when long); the logits
+                at each history's end give draft 1
+      decode    k_max - 1 batched steps, each feeding back the previous argmax on the device (no
+                host sync until the end); states wanting fewer drafts leave early (sorted by k)
+      trim      one read-back of all drafts; the draft KV keeps the history only
+
+Greedy drafts are deterministic, so the engine's verification (the target samples at each draft
+position; a draft is kept while it equals the target's token) accepts each with exactly the
+target's probability of that token and replaces the first rejected one by the target's own token:
+output is the target's, token for token under greedy and in distribution under sampling. A draft
+model changes speed only.
+
+The forwards reuse the engine's `ModelRunner` (batch tensors, CUDA graphs of decode steps) on the
+draft model's own `ForwardContext` and `KVCache`; nothing of the scheduler is involved.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Sequence
+
+import torch
+
+from hibana_core.errors import ConfigError, MemoryBudgetError
+from hibana_core.forward_context import ForwardContext
+from hibana_core.kv.block_pool import BlockPool
+from hibana_core.kv.cache import KVCache
+from hibana_core.kv.sequence import KVSequence
+from hibana_core.loader import LoadedModel, load_model
+from hibana_core.runner import DeviceInput, ModelRunner, StepData
+from hibana_core.sampler import device_tensor
+from hibana_core.speculation.drafters import DraftInput
+
+
+@dataclass
+class DraftCounters:
+    calls: int = 0
+    tokens_drafted: int = 0
+    tokens_prefilled: int = 0  # history tokens the draft model caught up with
+    forwards: int = 0
+    seconds: float = 0.0       # wall time in propose_many, the final read-back included
+    evictions: int = 0         # idle states whose draft KV was dropped for room
+    skipped: int = 0           # states that got no draft (no room, context full)
+
+
+@dataclass(slots=True)
+class _Entry:
+    """One target state's draft KV."""
+
+    ref: weakref.ref  # to the state
+    seq: KVSequence
+    version: int      # the state's version that seq.tokens follows
+
+
+@dataclass
+class _Work:
+    index: int        # position in the call's states
+    seq: KVSequence
+    k: int
+    start: int        # first position computed in this call
+    end: int          # history length
+
+
+class _OnDevice(NamedTuple):
+    """Last step's drafts, as `ModelRunner.take_from_device` reads a previous step's tokens."""
+
+    sampled: torch.Tensor  # [m]
+
+
+def check_same_tokenizer(engine: Any, draft: LoadedModel, path: str) -> None:
+    """A ConfigError naming both checkpoints unless the draft model speaks the target's tokens:
+    equal vocabularies when both have a tokenizer (embedding sizes may differ by padding, as
+    within the Qwen2.5 family), else equal vocab sizes."""
+    target, mine = engine.tokenizer, draft.tokenizer
+    if target is not None and mine is not None:
+        tv, dv = target.get_vocab(), mine.get_vocab()
+        if tv == dv:
+            return
+        token = next((t for t in dv if tv.get(t) != dv[t]), None) or next(t for t in tv if t not in dv)
+        detail = (f"their vocabularies differ ({len(tv)} and {len(dv)} tokens; e.g. {token!r} is "
+                  f"{tv.get(token)} in the target and {dv.get(token)} in the draft)")
+    elif engine.vocab_size == draft.args.vocab_size:
+        return
+    else:
+        detail = (f"vocab sizes {engine.vocab_size} and {draft.args.vocab_size} differ (and no pair of "
+                  "tokenizers to compare)")
+    raise ConfigError(f"draft model {path!r} does not share the tokenizer of the target "
+                      f"{engine.config.model!r}: {detail}; pick a draft checkpoint of the target's family")
+
+
+class DraftModelDrafter:
+    """Drafts with a smaller checkpoint of the target's family, on the engine's device and dtype.
+
+    `model`: its checkpoint directory (default: the engine's `speculation.draft_model`).
+    `num_blocks`: its KV blocks; None: `kv_share` of the target's KV bytes, at least one
+    full-context sequence, at most as many blocks as the target has.
+    """
+
+    shadows = False
+    """No free "shadow" proposals for the controller: each costs draft-model forwards."""
+
+    def __init__(self, engine: Any, model: str | None = None, num_blocks: int | None = None,
+                 kv_share: float = 0.25) -> None:
+        path = model if model is not None else engine.config.speculation.draft_model
+        if not path:
+            raise ConfigError("speculation method 'draft_model' needs a draft checkpoint: "
+                              "Engine.from_pretrained(target, speculation={'method': 'draft_model', "
+                              "'draft_model': path, 'k': 4})")
+        self.path = str(path)
+        self.ctx = ForwardContext()
+        loaded = load_model(self.path, engine.device, str(engine.dtype).removeprefix("torch."), self.ctx,
+                            engine.config.progress)
+        check_same_tokenizer(engine, loaded, self.path)
+        self.vocab_size = min(engine.vocab_size, loaded.args.vocab_size)  # drafts are ids both know
+        # history ids past the draft's embedding (padding ids of a larger target) are clamped
+        self._cap = loaded.args.vocab_size - 1 if engine.vocab_size > loaded.args.vocab_size else None
+        self.max_len = min(engine.max_model_len, loaded.args.max_position_embeddings)
+        a, bs = loaded.args, engine.config.cache.block_size
+        per_block = KVCache.bytes_per_block(a.num_layers, bs, a.num_kv_heads, a.head_dim, loaded.dtype)
+        if num_blocks is None:
+            share = int(kv_share * engine.kv_cache.nbytes) // per_block
+            num_blocks = min(engine.pool.num_blocks, max(share, -(-self.max_len // bs) + 1))
+        try:
+            self.kv_cache = KVCache(a.num_layers, num_blocks, bs, a.num_kv_heads, a.head_dim, loaded.dtype,
+                                    engine.device)
+        except (RuntimeError, MemoryError) as exc:
+            raise MemoryBudgetError(f"cannot allocate the draft model's {num_blocks:,} KV blocks "
+                                    f"({num_blocks * per_block:,} bytes) on {engine.device}: {exc}") from None
+        self.ctx.kv_cache = self.kv_cache
+        self.pool = BlockPool(num_blocks, bs)
+        sched = engine.config.scheduler
+        self.runner: ModelRunner | None = ModelRunner(loaded.model, self.ctx, None, engine.device, self.max_len,
+                                                      sched.max_concurrent_agents, engine.config.cuda_graphs)
+        self.device = engine.device
+        self.max_tokens = sched.max_num_batched_tokens  # tokens per forward while catching up
+        self._states: OrderedDict[int, _Entry] = OrderedDict()  # id(state) -> entry, LRU first
+        self._dead: list[tuple[int, weakref.ref]] = []  # states collected since the last call
+        self.counters = DraftCounters()
+
+    def propose(self, state: DraftInput, k: int) -> list[int]:
+        return self.propose_many([state], [k])[0]
+
+    def finished(self, context: Sequence[int], output: Sequence[int]) -> None:
+        pass
+
+    @torch.inference_mode()
+    def propose_many(self, states: Sequence[DraftInput], ks: Sequence[int]) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in states]
+        if self.runner is None:  # closed
+            return out
+        began = time.perf_counter()
+        self._reap()
+        work = self._admit(states, ks)
+        if work:
+            try:
+                drafts = self._run(work)
+            except BaseException:
+                for w in work:  # its KV may be half written: recomputed next time
+                    w.seq.release()
+                raise
+            for w, draft in zip(work, drafts):
+                out[w.index] = draft
+                w.seq.mark_computed(w.end - w.start)
+                w.seq.commit_full_blocks()
+                w.seq.trim_kv(w.end)  # the drafts' KV goes; the next call starts from the history
+        c = self.counters
+        c.calls += 1
+        c.tokens_drafted += sum(len(d) for d in out)
+        c.tokens_prefilled += sum(w.end - w.start for w in work)
+        c.seconds += time.perf_counter() - began
+        return out
+
+    def _sequence(self, state: DraftInput) -> KVSequence:
+        """The state's draft sequence, holding exactly its history (KV of the common prefix kept)."""
+        key = id(state.key)
+        entry = self._states.get(key)
+        if entry is None or entry.ref() is not state.key:  # new, or an id reused after collection
+            if entry is not None:
+                entry.seq.release()
+            dead = self._dead  # the callback must not hold self
+            ref = weakref.ref(state.key, lambda r, key=key: dead.append((key, r)))
+            entry = self._states[key] = _Entry(ref, KVSequence(self.pool, self.kv_cache.copy_block), -1)
+        self._states.move_to_end(key)
+        seq, tokens = entry.seq, state.tokens
+        if entry.version == state.version and len(seq.tokens) <= len(tokens):
+            seq.append(tokens[len(seq.tokens):])  # only appended since: O(new tokens)
+        else:
+            seq.set_tokens(tokens)
+        entry.version = state.version
+        return seq
+
+    def _reap(self) -> None:
+        """Free the draft KV of states that were collected (closed handles, finished forks)."""
+        while self._dead:
+            key, ref = self._dead.pop()
+            entry = self._states.get(key)
+            if entry is not None and entry.ref is ref:
+                del self._states[key]
+                entry.seq.release()
+
+    def _admit(self, states: Sequence[DraftInput], ks: Sequence[int]) -> list[_Work]:
+        """Sync each state's sequence and reserve its blocks; those that do not fit get no draft.
+        Sorted by k, longest first, so the states still drafting at a step are a prefix."""
+        chosen = [(i, min(k, self.max_len - len(s.tokens))) for i, (s, k) in enumerate(zip(states, ks))
+                  if len(s.tokens) > 0]
+        chosen = [(i, k) for i, k in chosen if k > 0]
+        self.counters.skipped += len(states) - len(chosen)
+        seqs = {i: self._sequence(states[i]) for i, _ in chosen}
+        busy = {id(states[i].key) for i, _ in chosen}
+        work = []
+        for i, k in sorted(chosen, key=lambda c: -c[1]):
+            seq = seqs[i]
+            end = len(seq.tokens)
+            seq.trim_kv(min(seq.num_computed, end - 1))  # the last token's logits give draft 1
+            seq.prefer_index(end - 1)
+            seq.reuse_cached_blocks(end - 1)
+            writes = end - seq.num_computed + k - 1  # the tail and every draft but the last
+            if not self._room(seq.blocks_needed(writes), busy):
+                seq.release()
+                self.counters.skipped += 1
+                continue
+            seq.prepare_write(writes)
+            work.append(_Work(i, seq, k, seq.num_computed, end))
+        return work
+
+    def _room(self, blocks: int, busy: set[int]) -> bool:
+        """Whether `blocks` can be allocated, after dropping idle states' KV (LRU first)."""
+        for key, entry in self._states.items():
+            if self.pool.can_allocate(blocks):
+                break
+            if key not in busy and entry.seq.block_ids:
+                entry.seq.release()
+                self.counters.evictions += 1
+        return self.pool.can_allocate(blocks)
+
+    def _run(self, work: list[_Work]) -> list[list[int]]:
+        drafts = torch.zeros(len(work), work[0].k, dtype=torch.long, device=self.device)  # [S, k_max]
+        at = [w.start for w in work]
+        while any(a < w.end for a, w in zip(at, work)):  # catch up, chunked under the token budget
+            budget, parts, done = self.max_tokens, [], []  # done: (part row, state row)
+            for j, w in enumerate(work):
+                take = min(w.end - at[j], budget)
+                if take <= 0:
+                    continue
+                ids = w.seq.tokens[at[j]:at[j] + take]
+                if self._cap is not None:
+                    ids = [min(t, self._cap) for t in ids]
+                parts.append((w.seq, at[j], at[j] + take, ids))
+                at[j] += take
+                budget -= take
+                if at[j] == w.end:
+                    done.append((len(parts) - 1, j))
+            tokens = self._forward(parts)
+            rows = device_tensor([r for r, _ in done], torch.long, self.device)
+            drafts[device_tensor([j for _, j in done], torch.long, self.device), 0] = tokens[rows]
+        for step in range(1, work[0].k):  # decode: draft `step` in, draft `step + 1` out
+            m = sum(w.k > step for w in work)
+            parts = [(w.seq, w.end + step - 1, w.end + step, None) for w in work[:m]]
+            drafts[:m, step] = self._forward(parts, _OnDevice(drafts[:m, step - 1]))
+        host = drafts.tolist()  # the call's one host sync
+        return [row[:w.k] for row, w in zip(host, work)]
+
+    def _forward(self, parts: list[tuple[KVSequence, int, int, list[int] | None]],
+                 previous: _OnDevice | None = None) -> torch.Tensor:
+        """One batched forward of `parts` (seq, first position, end, ids; None: one token per
+        part, from `previous`), writing their KV. Returns the argmax after each part's last token."""
+        ids, positions, slots, seq_lens, starts, tables = [], [], [], [], [0], []
+        for seq, start, end, part_ids in parts:
+            ids.extend(part_ids if part_ids is not None else [0])
+            positions.extend(range(start, end))
+            slots.extend(seq.slot(p) for p in range(start, end))
+            seq_lens.append(end)
+            starts.append(starts[-1] + end - start)
+            tables.append(seq.block_ids)
+        from_device = [DeviceInput(i, i) for i in range(len(parts))] if previous is not None else []
+        data = StepData(ids=ids, positions=positions, slots=slots, seq_lens=seq_lens, starts=starts,
+                        tables=tables, logits_indices=[s - 1 for s in starts[1:]],
+                        max_query_len=max(e - s for _, s, e, _ in parts), from_device=from_device)
+        runner = self.runner
+        self.counters.forwards += 1
+        if runner.graphs is not None and runner.graphs.fits(data, len(parts)):
+            logits = runner.graphs.run(data, previous)  # [S, vocab]
+        else:
+            inputs = runner.prepare(data)
+            runner.take_from_device(inputs.input_ids, data, previous)
+            with self.ctx.forward_batch(inputs.batch):
+                hidden = runner.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+            logits = runner.model.compute_logits(hidden[inputs.logits_indices])  # [S, vocab]
+        return logits[:, :self.vocab_size].argmax(dim=-1)
+
+    def summary(self) -> dict:
+        c = self.counters
+        return {"model": self.path, "calls": c.calls, "tokens_drafted": c.tokens_drafted,
+                "tokens_prefilled": c.tokens_prefilled, "forwards": c.forwards,
+                "seconds": round(c.seconds, 4),
+                "ms_per_draft_token": round(1e3 * c.seconds / c.tokens_drafted, 3) if c.tokens_drafted else None,
+                "kv_blocks": self.pool.num_blocks, "kv_blocks_used": self.pool.num_used,
+                "states": len(self._states), "evictions": c.evictions, "skipped": c.skipped}
+
+    def close(self) -> None:
+        """Free the weights and the KV (the engine closes); later proposals are empty."""
+        for entry in self._states.values():
+            entry.seq.release()
+        self._states.clear()
+        self.runner = self.kv_cache = self.ctx.kv_cache = None
