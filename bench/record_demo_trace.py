@@ -60,7 +60,7 @@ def record_agent(engine, agent: int, n_tasks: int, seed: int, max_tokens: int) -
 def record(agents: int, n_tasks: int, seed: int, max_tokens: int) -> Trace:
     from hibana_core import Engine
 
-    with Engine.from_pretrained("demo", device="cpu", progress=False) as engine:
+    with Engine.from_pretrained("demo", device="cpu", progress=False, speculation="off") as engine:  # plain greedy
         conversations = [record_agent(engine, i, n_tasks, seed, max_tokens) for i in range(agents)]
         tokenizer = f"hibana demo model (hibana_core/demo/model/tokenizer.json, {len(engine.tokenizer)} ids)"
     command = (f"python -m hibana_bench.record_demo_trace --agents {agents} --tasks {n_tasks} --seed {seed} "
