@@ -1,4 +1,8 @@
-"""`hibana bench decode | agents`: workloads run side by side, a table, and `--json PATH`."""
+"""`hibana bench decode | agents`: workloads run side by side, a table, and `--json PATH`.
+
+With `--trace NAME|PATH` both replay recorded agent conversations instead of random tokens
+(trace-driven, `hibana_bench.trace_workloads`), on the speculation systems only.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +10,21 @@ import argparse
 import json
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from hibana_bench.models import PRESETS, load_bench_model
+from hibana_bench.spec_systems import SPEC_SYSTEMS, BenchError
+from hibana_bench.traces import TraceError
 from hibana_bench.workloads import AgentsConfig, agents_workload, decode_workload
 
 DECODE_SYSTEMS = ("hibana", "hf_eager", "hf_compiled")
 AGENT_SYSTEMS = ("hibana", "hibana_no_retention", "hf_reprefill", "hf_cache_reuse")
+TRACE_SYSTEMS = tuple(SPEC_SYSTEMS)  # hibana_spec_off, hibana_spec_k4, hibana
+ALL_SYSTEMS = ", ".join(dict.fromkeys(TRACE_SYSTEMS + DECODE_SYSTEMS + AGENT_SYSTEMS))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,19 +36,29 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--device", default="auto")
     common.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     common.add_argument("--json", type=Path, help="also write the figures to this file")
+    common.add_argument("--trace", help="replay a recorded trace (trace-driven): a shipped one (coding, demo) "
+                        "or a path; runs the speculation systems only")
+    common.add_argument("--real-outputs", action="store_true",
+                        help="with --trace: the model generates its own outputs (up to the recorded length) "
+                        "instead of being forced to the recorded ones")
+    common.add_argument("--systems", help=f"comma-separated, from: {ALL_SYSTEMS}; default: "
+                        f"{','.join(TRACE_SYSTEMS)} with --trace, else the workload's own list")
     decode = sub.add_parser("decode", parents=[common], help="batch-1 decode and prefill speed")
     decode.add_argument("--context", default="512,8192", help="comma-separated context lengths")
     decode.add_argument("--generate", type=int, default=128)
-    decode.add_argument("--systems", default=",".join(DECODE_SYSTEMS))
+    decode.add_argument("--conversations", type=int, default=1,
+                        help="with --trace: replay the first N conversations one after another (default 1)")
+    decode.add_argument("--turns", type=int, help="with --trace: at most this many turns per conversation")
     agents = sub.add_parser("agents", parents=[common], help="agents in tool loops")
-    agents.add_argument("--agents", type=int, default=8)
-    agents.add_argument("--turns", type=int, default=4)
+    agents.add_argument("--agents", type=int, default=8,
+                        help="with --trace: agents cycle through the trace's conversations")
+    agents.add_argument("--turns", type=int, help="turns per agent (default 4; with --trace: all recorded, "
+                        "or at most this many)")
     agents.add_argument("--system", type=int, default=512, help="system prompt tokens (half shared)")
     agents.add_argument("--tool-result", type=int, default=64)
     agents.add_argument("--generate", type=int, default=32)
     agents.add_argument("--peer-agents", type=int, default=1,
                         help="agents the sequential transformers peers are timed on")
-    agents.add_argument("--systems", default=",".join(AGENT_SYSTEMS))
     return parser
 
 
@@ -49,21 +68,52 @@ def main(argv: list[str] | None = None) -> int:
                           else ("cpu" if args.device == "auto" else args.device))
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model = load_bench_model(args.model, device, dtype)
-    systems = [s for s in args.systems.split(",") if s]
-    if args.workload == "decode":
-        report = decode_workload(model, [int(c) for c in args.context.split(",")], args.generate, systems)
-        print_decode(report)
-    else:
-        cfg = AgentsConfig(args.agents, args.turns, args.system, args.tool_result, args.generate,
-                           args.peer_agents)
-        report = agents_workload(model, cfg, systems)
-        print_agents(report)
+    default = TRACE_SYSTEMS if args.trace else DECODE_SYSTEMS if args.workload == "decode" else AGENT_SYSTEMS
+    systems = [s for s in (args.systems or ",".join(default)).split(",") if s]
+    unknown = [s for s in systems if s not in ALL_SYSTEMS.split(", ")]
+    if unknown:
+        build_parser().error(f"unknown system(s) {', '.join(unknown)}; known: {ALL_SYSTEMS}")
+    try:
+        report = run_trace(args, device, dtype, systems) if args.trace else run_random(args, device, dtype, systems)
+    except (BenchError, TraceError) as exc:
+        print(f"hibana bench: {exc}", file=sys.stderr)
+        return 2
     report["environment"] = environment(device, dtype)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
     return 0
+
+
+def run_trace(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, systems: list[str]) -> dict:
+    from hibana_bench.trace_report import print_trace_agents, print_trace_decode
+    from hibana_bench.trace_workloads import trace_agents_workload, trace_decode_workload
+    from hibana_bench.traces import load_trace, resolve_trace_path
+
+    path = str(resolve_trace_path(args.trace))
+    trace = load_trace(path)  # a bad trace fails before the model loads
+    model = load_bench_model(args.model, device, dtype)
+    if args.workload == "decode":
+        report = trace_decode_workload(model, trace, path, systems, args.conversations, args.real_outputs,
+                                       args.turns)
+        print_trace_decode(report)
+    else:
+        report = trace_agents_workload(model, trace, path, systems, args.agents, args.turns, args.real_outputs)
+        print_trace_agents(report)
+    return report
+
+
+def run_random(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, systems: list[str]) -> dict:
+    model = load_bench_model(args.model, device, dtype)
+    if args.workload == "decode":
+        report = decode_workload(model, [int(c) for c in args.context.split(",")], args.generate, systems)
+        print_decode(report)
+    else:
+        cfg = AgentsConfig(args.agents, args.turns or 4, args.system, args.tool_result, args.generate,
+                           args.peer_agents)
+        report = agents_workload(model, cfg, systems)
+        print_agents(report)
+    return report
 
 
 def environment(device: torch.device, dtype: torch.dtype) -> dict:
@@ -84,10 +134,10 @@ def print_decode(report: dict) -> None:
     if roof:
         print(f"copy bandwidth {report['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s -> batch-1 roofline "
               f"{roof:.1f} tok/s (weights only)")
-    print(f"{'system':<14}{'context':>8}{'decode tok/s':>14}{'% roofline':>12}{'prefill tok/s':>15}")
+    print(f"{'system':<16}{'context':>8}{'decode tok/s':>14}{'% roofline':>12}{'prefill tok/s':>15}")
     for row in report["rows"]:
         share = f"{100 * row['decode_tok_s'] / roof:.0f}%" if roof else "-"
-        print(f"{row['system']:<14}{row['context']:>8}{row['decode_tok_s']:>14.1f}{share:>12}"
+        print(f"{row['system']:<16}{row['context']:>8}{row['decode_tok_s']:>14.1f}{share:>12}"
               f"{row['prefill_tok_s']:>15.0f}")
 
 

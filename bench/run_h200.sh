@@ -4,6 +4,11 @@
 #   bash bench/run_h200.sh decode   # hibana bench decode, qwen3-8b preset
 #   bash bench/run_h200.sh agents   # hibana bench agents, qwen3-8b preset, 32 agents
 #   bash bench/run_h200.sh tune     # bench/tune_decode.py: kernel sweeps, the decode step taken apart
+#   bash bench/run_h200.sh spec_decode   # trace-driven batch-1 decode, coding and demo traces, speculation off/k4/adaptive
+#   bash bench/run_h200.sh spec_agents   # trace-driven agents on the coding trace: 32 agents (off/k4/adaptive),
+#                                        # then off vs adaptive at 1, 8 and 64 agents
+# BENCH_ARGS is appended to the spec_* commands (e.g. "--real-outputs --systems hibana" on an
+# engine without speculation, to time the stages).
 # Runs from the repository root with the image's python3 (no install: PYTHONPATH). The wheel
 # installs kernels/ and bench/ as hibana_kernels and hibana_bench; here a folder of links gives
 # the checkout's folders those names.
@@ -30,4 +35,18 @@ case "${1:-check}" in
       --json "$OUT/agents_qwen3-8b.json" 2>&1 | tee "$OUT/agents_qwen3-8b.txt" ;;
   tune)
     python3 bench/tune_decode.py 2>&1 | tee "$OUT/tune_decode.txt" ;;
+  spec_decode)
+    for spec in "coding 2" "demo 8"; do
+      set -- $spec
+      python3 -m hibana_bench.cli decode --model qwen3-8b --trace "$1" --conversations "$2" ${BENCH_ARGS:-} \
+        --json "$OUT/spec_decode_$1.json" 2>&1 | tee "$OUT/spec_decode_$1.txt"
+    done ;;
+  spec_agents)
+    python3 -m hibana_bench.cli agents --model qwen3-8b --trace coding --agents 32 ${BENCH_ARGS:-} \
+      --json "$OUT/spec_agents_32.json" 2>&1 | tee "$OUT/spec_agents_32.txt"
+    for n in 1 8 64; do
+      python3 -m hibana_bench.cli agents --model qwen3-8b --trace coding --agents "$n" \
+        --systems hibana_spec_off,hibana ${BENCH_ARGS:-} \
+        --json "$OUT/spec_agents_$n.json" 2>&1 | tee "$OUT/spec_agents_$n.txt"
+    done ;;
 esac

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from hibana_bench.models import BenchModel
 from hibana_bench.peers import HFPeer, sync
+from hibana_bench.spec_systems import SPEC_SYSTEMS, open_engine
 from hibana_core import SamplingParams
 
 
@@ -62,13 +63,13 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
     warmup = random_tokens(rng, 64, model.vocab_size)
     extra = random.Random(seed + 1)
     rows: list[DecodeRow] = []
-    if "hibana" in systems:
-        with model.engine(max_model_len=max(contexts) + generate + 16, max_concurrent_agents=8) as engine:
+    for system in [s for s in systems if s in SPEC_SYSTEMS]:
+        with open_engine(model, system, max_model_len=max(contexts) + generate + 16, max_concurrent_agents=8) as engine:
             for prompt in (warmup, random_tokens(rng, min(contexts), model.vocab_size)):
                 warm = engine.open_state("warm")  # Triton compiles, CUDA graphs are captured
                 warm.generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=prompt)
                 warm.close()
-            for ctx in tqdm(contexts, desc="hibana decode", leave=False):
+            for ctx in tqdm(contexts, desc=f"{system} decode", leave=False):
                 times = []
                 # fresh prompts, so no prefill finds the last one's blocks in the prefix index
                 for prompt in [prompts[ctx]] + [random_tokens(extra, ctx, model.vocab_size)
@@ -83,7 +84,7 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
                         h.close()
                 out = h.generate(SamplingParams(max_tokens=generate, ignore_eos=True))
                 decode = out.stats.elapsed - (out.stats.time_to_first_token or 0.0)
-                rows.append(DecodeRow("hibana", ctx, (generate - 1) / decode, ctx / statistics.median(times)))
+                rows.append(DecodeRow(system, ctx, (generate - 1) / decode, ctx / statistics.median(times)))
                 h.close()
     for name, static in (("hf_eager", False), ("hf_compiled", True)):
         if name not in systems:
@@ -168,13 +169,15 @@ def agent_script(cfg: AgentsConfig, vocab: int) -> list[list[list[int]]]:
     return script
 
 
-def run_hibana_agents(model: BenchModel, cfg: AgentsConfig, retention: bool) -> SystemResult:
+def run_hibana_agents(model: BenchModel, cfg: AgentsConfig, retention: bool, system: str = "hibana") -> SystemResult:
+    """`system` is one of SPEC_SYSTEMS (speculation off, fixed, adaptive); without retention
+    the engine's default speculation runs."""
     script = agent_script(cfg, model.vocab_size)
     context = cfg.system + cfg.turns * (cfg.tool_result + cfg.generate) + 16
     params = SamplingParams(max_tokens=cfg.generate, ignore_eos=True)
-    name = "hibana" if retention else "hibana_no_retention"
-    with model.engine(max_model_len=context, max_concurrent_agents=max(cfg.agents, 1),
-                      enable_prefix_caching=retention) as engine:
+    name = system if retention else "hibana_no_retention"
+    with open_engine(model, system, max_model_len=context, max_concurrent_agents=max(cfg.agents, 1),
+                     enable_prefix_caching=retention) as engine:
         warm = engine.open_state("warm")  # Triton compiles, CUDA graphs are captured
         warm.generate(SamplingParams(max_tokens=4, ignore_eos=True),
                       prompt=random_tokens(random.Random(-1), 64, model.vocab_size))
@@ -236,7 +239,7 @@ def run_hf_agents(model: BenchModel, cfg: AgentsConfig, reuse_cache: bool) -> Sy
 
 def agents_workload(model: BenchModel, cfg: AgentsConfig, systems: list[str]) -> dict:
     runners = {
-        "hibana": lambda: run_hibana_agents(model, cfg, retention=True),
+        **{name: (lambda name=name: run_hibana_agents(model, cfg, retention=True, system=name)) for name in SPEC_SYSTEMS},
         "hibana_no_retention": lambda: run_hibana_agents(model, cfg, retention=False),
         "hf_reprefill": lambda: run_hf_agents(model, cfg, reuse_cache=False),
         "hf_cache_reuse": lambda: run_hf_agents(model, cfg, reuse_cache=True),
