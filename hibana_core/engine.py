@@ -66,6 +66,8 @@ class EngineStats:
     draft_tokens_proposed: int = 0  # drafts verified (speculation)
     draft_tokens_accepted: int = 0
     verify_steps: int = 0           # steps that verified drafts
+    verified_sequences: int = 0     # (sequence, step) pairs that verified drafts
+    verified_tokens: int = 0        # tokens those emitted: accepted drafts + one each
     speculation: dict | None = None
     """The controller's figures: draft lengths chosen, acceptance by position per drafter,
     tokens per verifying sequence, the step-cost table."""
@@ -254,7 +256,8 @@ class Engine:
                                steps.multi_sequence_steps, steps.max_batch_sequences,
                                self.pool.num_blocks, self.pool.num_used, self.pool.num_cached, len(self.registry),
                                spec.counters.draft_tokens_proposed, spec.counters.draft_tokens_accepted,
-                               spec.counters.verify_steps, spec.summary())
+                               spec.counters.verify_steps, spec.counters.verified_sequences,
+                               spec.counters.verified_tokens, spec.summary())
 
     # --- lifetime -----------------------------------------------------------------------------
 
