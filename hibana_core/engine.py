@@ -132,6 +132,7 @@ class Engine:
                              self.tokenizer is not None, self.device)
         self.registry = StateRegistry(self.core, self.kv_cache, config.cache, limits)
         self.registry.engine_ref = weakref.ref(self)
+        speculator.start()  # the step-cost profile of adaptive speculation, on this device
 
     def _profile_steps(self, runner: ModelRunner):
         device = self.device

@@ -64,34 +64,49 @@ def paged_attention_host(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     num_heads = q.shape[1]
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = num_heads // num_kv_heads
-    if list(query_start_loc) == list(range(len(seq_lens) + 1)):  # one new token each
-        return _decode_batch(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+    num_q = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))]
+    short = [i for i, n in enumerate(num_q) if 0 < n <= SHORT_QUERY]  # decodes, verify steps
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if len(short) == len(seq_lens) and max(num_q) == 1:  # a plain decode step: no copies
+        return _short_batch(q[:, None], k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)[:, 0]
+    if short:
+        rows = [range(query_start_loc[i], query_start_loc[i + 1]) for i in short]
+        longest = max(num_q[i] for i in short)
+        padded = torch.zeros(len(short), longest, num_heads, head_dim, dtype=q.dtype, device=q.device)
+        for j, r in enumerate(rows):  # queries right-aligned: row j of `longest` is position len - longest + j
+            padded[j, longest - len(r):] = q[r.start:r.stop]
+        o = _short_batch(padded, k_cache, v_cache, block_tables[short], [seq_lens[i] for i in short],
+                         scale, sliding_window)
+        for j, r in enumerate(rows):
+            out[r.start:r.stop] = o[j, longest - len(r):]
     for i, ctx_len in enumerate(seq_lens):
         start, end = query_start_loc[i], query_start_loc[i + 1]
-        num_q = end - start
-        if num_q == 0:
+        if num_q[i] <= SHORT_QUERY:  # done above
             continue
         blocks = block_tables[i, : (ctx_len + block_size - 1) // block_size].long()
         shape = (-1, num_kv_heads, head_dim)
         k = k_cache.index_select(0, blocks).view(shape)[:ctx_len]  # [L, H_kv, D]
         v = v_cache.index_select(0, blocks).view(shape)[:ctx_len]
         windowed = sliding_window is not None and ctx_len > sliding_window
-        causal = num_q == ctx_len and not windowed  # a fresh prompt: SDPA's own causal path
+        causal = num_q[i] == ctx_len and not windowed  # a fresh prompt: SDPA's own causal path
         mask = None
-        if not causal and (num_q > 1 or windowed):
-            q_pos = torch.arange(ctx_len - num_q, ctx_len, device=q.device)[:, None]
+        if not causal:
+            q_pos = torch.arange(ctx_len - num_q[i], ctx_len, device=q.device)[:, None]
             k_pos = torch.arange(ctx_len, device=q.device)[None, :]
             mask = k_pos <= q_pos  # [Q, L]
             if sliding_window is not None:
                 mask &= q_pos - k_pos < sliding_window
         # 4-D [1, heads, tokens, D], K/V repeated per query head: the layout of CPU SDPA's fast
-        # (flash) path, several times faster than 3-D views
+        # (flash) path, several times faster than 3-D views for long queries
         o = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1)[None], _per_head(k, group), _per_head(v, group),
-            attn_mask=mask, is_causal=causal and num_q > 1, scale=scale)  # [1, H, Q, D]
+            attn_mask=mask, is_causal=causal, scale=scale)  # [1, H, Q, D]
         out[start:end] = o[0].transpose(0, 1)
     return out
+
+
+SHORT_QUERY = 32
+"""Sequences with at most this many new tokens (decodes, verify steps) attend in one batched call."""
 
 
 def _per_head(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -99,31 +114,40 @@ def _per_head(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.transpose(0, 1).repeat_interleave(group, dim=0)[None]
 
 
-def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  block_tables: torch.Tensor, seq_lens: Sequence[int], scale: float,
-                  sliding_window: int | None) -> torch.Tensor:
-    """One new token per sequence: every sequence in one attention call, keys gathered into
-    [B, L_max] and masked by length (per-sequence calls cost more than the padding on the CPU).
-    Slots past a sequence's end are zeroed after the gather: never-written cache memory may
-    hold NaN, which a mask alone would let through."""
-    batch, num_heads, head_dim = q.shape
+def _short_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: Sequence[int], scale: float,
+                 sliding_window: int | None) -> torch.Tensor:
+    """A few new tokens per sequence (q: [B, Q, H, D], right-aligned: row j of sequence i is at
+    position seq_lens[i] - Q + j; rows before a sequence's own queries are padding whose output
+    is dropped): every sequence in one attention call, keys gathered into [B, L_max] and masked
+    by position (per-sequence calls cost more than the padding on the CPU). Each KV head serves
+    its group of query heads without being repeated (queries [B, H_kv, G * Q, D]). Slots past a
+    sequence's end are zeroed after the gather: never-written cache memory may hold NaN, which a
+    mask alone would let through. Returns [B, Q, H, D]."""
+    batch, num_q, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
     longest = max(seq_lens)
     tables = block_tables[:, : -(-longest // block_size)].long()  # [B, blocks]
-    positions = torch.arange(tables.shape[1] * block_size, device=q.device)[None, :]
-    lengths = torch.tensor(list(seq_lens), device=q.device)[:, None]
-    visible = positions < lengths  # [B, L]
+    keys = torch.arange(tables.shape[1] * block_size, device=q.device)[None, None, :]  # [1, 1, L]
+    lengths = torch.tensor(list(seq_lens), device=q.device)[:, None, None]
+    # a query's position; padding rows of a sequence shorter than Q sit at 0 (they see a key)
+    queries = (lengths - num_q + torch.arange(num_q, device=q.device)[None, :, None]).clamp(min=0)  # [B, Q, 1]
+    visible = (keys <= queries) & (keys < lengths)  # [B, Q, L]
     if sliding_window is not None:
-        visible &= lengths - 1 - positions < sliding_window
+        visible &= queries - keys < sliding_window
     # whole blocks at a time, into a fresh copy: far cheaper than one copy per slot
     shape = (batch, -1, num_kv_heads, head_dim)
     k = k_cache.index_select(0, tables.flatten()).view(shape)  # [B, L, H_kv, D]
     v = v_cache.index_select(0, tables.flatten()).view(shape)
     for i, length in enumerate(seq_lens):  # slices, not a boolean index: much cheaper
-        first = 0 if sliding_window is None else max(length - sliding_window, 0)
+        first = 0 if sliding_window is None else max(length - num_q - sliding_window + 1, 0)
         for part in (k[i, :first], v[i, :first], k[i, length:], v[i, length:]):
             part.zero_()
-    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, H_kv, G, D]
-    o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=visible[:, None, None, :], scale=scale)
-    return o.reshape(batch, num_heads, head_dim)
+    qg = q.view(batch, num_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # [B, H_kv, G, Q, D]
+    mask = visible[:, None, None].expand(batch, 1, group, num_q, visible.shape[-1])
+    o = F.scaled_dot_product_attention(qg.reshape(batch, num_kv_heads, group * num_q, head_dim),
+                                       k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask.reshape(batch, 1, group * num_q, -1), scale=scale)
+    return o.view(batch, num_kv_heads, group, num_q, head_dim).permute(0, 3, 1, 2, 4).reshape(
+        batch, num_q, num_heads, head_dim)

@@ -45,6 +45,9 @@ DECODE_BATCH = ((1, 1), (15, 1), (16, 1), (17, 1), (33, 1), (150, 1))
 MIXED_BATCH = ((1, 1), (16, 16), (37, 5), (33, 1), (80, 70), (45, 4), (150, 1))
 # a verify step of speculation in a CUDA graph: every sequence has the same few new tokens
 VERIFY_BATCH = ((5, 5), (15, 5), (16, 5), (21, 5), (40, 5), (150, 5))
+MIXED_SHORT_BATCH = ((3, 3), (1, 1), (40, 17), (60, 33), (34, 2), (150, 32), (20, 0), (9, 9))
+"""Short queries of several lengths (fresh prompts shorter than the longest too), one long, one
+sequence with no new token: the CPU reference batches the short ones."""
 WINDOW = 20
 
 
@@ -119,7 +122,8 @@ def naive_attention(q, dense_k, dense_v, lens, scale, window):
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("window", [None, WINDOW])
-@pytest.mark.parametrize("lens", [DECODE_BATCH, MIXED_BATCH], ids=["decode", "mixed"])
+@pytest.mark.parametrize("lens", [DECODE_BATCH, MIXED_BATCH, VERIFY_BATCH, MIXED_SHORT_BATCH],
+                         ids=["decode", "mixed", "verify", "mixed_short"])
 def test_reference_attention_matches_dense(group, window, lens):
     batch, dense_k, dense_v = make_paged_batch(lens, group * NUM_KV_HEADS, NUM_KV_HEADS,
                                                torch.float32, "cpu", seed=group)

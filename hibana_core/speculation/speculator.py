@@ -90,9 +90,15 @@ class Speculator:
             drafter = self._drafters[name] = self._factories[name](self._engine)
         return drafter
 
+    def start(self) -> None:
+        """Profile the step costs now (at engine start-up) when the engine's default is adaptive,
+        so that no agent's first turn pays for it."""
+        if self.default.enabled and self.default.k is None and self._controller is None:
+            self._controller = Controller(self._profile())
+
     @property
     def controller(self) -> Controller:
-        if self._controller is None:  # profiled on first use: engines that never draft pay nothing
+        if self._controller is None:  # an engine without adaptive default profiles on first use
             self._controller = Controller(self._profile())
             self._profiled_now = True
         return self._controller
