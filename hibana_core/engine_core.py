@@ -73,13 +73,15 @@ class EngineCore:
     def step(self) -> bool:
         """One engine step. False when there was nothing to do."""
         with self.lock:
-            started = time.perf_counter()
             early = self.in_flight if self.in_flight is not None and self._drafting_next() else None
             if early is not None:  # drafts are made from the tokens it brings back
                 self.in_flight = None
                 self._update(early)
+            host_started = time.perf_counter()
             scheduled = self.scheduler.schedule()
             launched = self._launch(scheduled) if scheduled.chunks else None
+            if launched is not None and self.async_scheduling and self.speculation is not None:
+                self.speculation.observe_host(time.perf_counter() - host_started)
             previous, self.in_flight = self.in_flight, launched
             if previous is not None:
                 self._update(previous)
@@ -87,9 +89,6 @@ class EngineCore:
                 self.in_flight = None
                 self._update(launched)
             self.deliver_finished()
-            if launched is not None and self.speculation is not None:
-                self.speculation.observe_step(scheduled.num_tokens, self._verifies(scheduled),
-                                              time.perf_counter() - started)
             return bool(scheduled.chunks) or previous is not None or early is not None
 
     @property
@@ -129,6 +128,8 @@ class EngineCore:
         self.outputs.process(self.scheduler.update_from_output(step.scheduled, output))
         if self.speculation is not None:
             self.speculation.updated(step.scheduled.chunks)
+            self.speculation.observe_step(step.scheduled.num_tokens, self._verifies(step.scheduled),
+                                          None if step.timer is None else step.timer.seconds())
 
     def deliver_finished(self) -> None:
         for request in self.scheduler.take_finished():

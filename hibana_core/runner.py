@@ -9,6 +9,7 @@ on the device (the next step's inputs take them from there) and reach the host i
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -51,14 +52,44 @@ class StepData:
     from_device: list[DeviceInput]
 
 
+class StepTimer:
+    """The device time of one step: CUDA events around its work on a GPU (the time the device
+    spent on it, however the host and earlier steps overlapped it); wall time on a CPU, where
+    launching a step runs it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._events = None
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        self._start, self._seconds = time.perf_counter(), 0.0
+
+    def stop(self) -> "StepTimer":
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._seconds = time.perf_counter() - self._start
+        return self
+
+    def seconds(self) -> float:
+        """After the step's result was read (its events have completed)."""
+        if self._events is not None:
+            return self._events[0].elapsed_time(self._events[1]) / 1e3
+        return self._seconds
+
+
 class StepInFlight:
     """A launched step: its sampled tokens [S] are on the device at once and on the host after
     `result`. A sampling chunk has one row, or 1 + k where it verifies k drafts: the token
     sampled after each of its last 1 + k inputs."""
 
-    def __init__(self, scheduled: SchedulerOutput, sampled: torch.Tensor) -> None:
+    def __init__(self, scheduled: SchedulerOutput, sampled: torch.Tensor,
+                 timer: StepTimer | None = None) -> None:
         self.scheduled = scheduled
         self.sampled = sampled
+        self.timer = timer
+        """the step's device time, where it measures the step cost of the shape the engine runs
+        (None: a step that captured a CUDA graph, or ran eagerly where decode steps use graphs)"""
         self.rows: dict[int, int] = {}
         """request id -> the row of `sampled` holding its next input (its last row)"""
         row = -1
@@ -176,8 +207,14 @@ class ModelRunner:
         """Enqueue one scheduled step. `previous`: the step before, which may still be in flight."""
         data = gather_step(scheduled, previous)
         rows = sampling_rows(scheduled)
+        timer = StepTimer(self.device)
+        # the steps speculation plans: decodes and verify steps (graph replays where graphs exist);
+        # a prompt chunk's cost depends on its context as much as on its tokens
+        representative = self.graphs is None and all(
+            c.sample and c.num_tokens == 1 + len(c.draft_token_ids) for c in scheduled.chunks)
         if self.graphs is not None and self.graphs.fits(data, len(rows)):
-            logits = self.graphs.run(data, previous)
+            logits, captured = self.graphs.run(data, previous)
+            representative = not captured
         else:
             inputs = self.prepare(data)
             self.take_from_device(inputs.input_ids, data, previous)
@@ -188,7 +225,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, vocab]
         sampled = self.sampler(logits, rows)
         self._force(sampled, rows, scheduled)
-        return StepInFlight(scheduled, sampled)
+        return StepInFlight(scheduled, sampled, timer.stop() if representative else None)
 
     def _force(self, sampled: torch.Tensor, rows: list[SamplingRow], scheduled: SchedulerOutput) -> None:
         """Trace replay (bench only): rows of requests with forced outputs take the recorded
@@ -209,8 +246,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile(self, num_tokens: int) -> None:
-        """One eager forward over `num_tokens` tokens of one sequence that writes no KV (the
-        step-cost profile of speculation's controller)."""
+        """One step over `num_tokens` tokens that writes no KV, as the engine would run it (the
+        step-cost profile of speculation's controller): the CUDA graph of that many decode and
+        verify tokens where graphs are used (captured now if it was not), else one eager forward
+        over one sequence."""
+        if self.graphs is not None and self.graphs.profile(num_tokens):
+            return
         bs = self.ctx.kv_cache.block_size
         batch = ForwardBatch(
             slot_mapping=self._tensor([-1] * num_tokens),
@@ -311,7 +352,8 @@ class DecodeGraphs:
                 slots += [-1] * q
         return ids, positions, slots, rows
 
-    def run(self, data: StepData, previous: StepInFlight | None) -> torch.Tensor:
+    def run(self, data: StepData, previous: StepInFlight | None) -> tuple[torch.Tensor, bool]:
+        """The step's logits, and whether its graph was captured now."""
         n = len(data.seq_lens)
         bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
         q = self._query_len(data.max_query_len)
@@ -335,15 +377,41 @@ class DecodeGraphs:
         if data.from_device:
             moved = [DeviceInput(rows[d.index], d.row) for d in data.from_device]
             self.runner.take_from_device(self.input_ids, replace(data, from_device=moved), previous)
+        captured = (bucket, q) not in self.graphs
+        logits = self._replay(bucket, q)
+        if q == 1:
+            return logits[:n], captured
+        index = self.runner._tensor([rows[i] for i in data.logits_indices])
+        return logits.index_select(0, index), captured
+
+    def _replay(self, bucket: int, q: int) -> torch.Tensor:
         key = (bucket, q)
         if key not in self.graphs:
             self.graphs[key] = self._capture(bucket, q)
         graph, logits = self.graphs[key]
         graph.replay()
-        if q == 1:
-            return logits[:n]
-        index = self.runner._tensor([rows[i] for i in data.logits_indices])
-        return logits.index_select(0, index)
+        return logits
+
+    def profile(self, num_tokens: int) -> bool:
+        """Replay the graph a step of `num_tokens` sampling tokens runs (one sequence with up to
+        17 tokens; beyond that, sequences of 17), on inputs that write nowhere and attend to
+        their own few positions. False where no graph covers that many tokens."""
+        top = self.QUERY_LENS[-1]
+        if num_tokens <= top:
+            bucket, q = self.buckets[0], self._query_len(num_tokens)
+        else:
+            i = bisect.bisect_left(self.buckets, -(-num_tokens // top))
+            if i == len(self.buckets):
+                return False
+            bucket, q = self.buckets[i], top
+        size = bucket * q
+        self.input_ids[:size].zero_()
+        self.positions[:size].copy_(torch.arange(size, device=self.positions.device) % q)
+        self.slot_mapping[:size].fill_(-1)
+        self.seq_lens[:bucket].fill_(q)
+        self.block_tables[:bucket].zero_()
+        self._replay(bucket, q)
+        return True
 
     def _forward(self, bucket: int, q: int) -> torch.Tensor:
         size = bucket * q

@@ -67,35 +67,42 @@ class AcceptanceStats:
 
 
 class StepCostModel:
-    """Seconds per step by tokens in the step, for plain and verifying steps; linear between the
-    measured points, flat beyond them."""
+    """Seconds per step by tokens in the step: the device's time for the step (linear between
+    the measured points, proportional to tokens beyond them), and for a verifying step
+    `sync_overhead` more: its tokens are read back before the next step is scheduled, so the
+    host's work for that step no longer overlaps the device."""
 
     SMOOTH = 0.1  # weight of a new measurement
 
     def __init__(self, tokens: Sequence[int], seconds: Sequence[float], sync_overhead: float = 0.0) -> None:
         self.points = list(tokens)
-        self.plain = list(seconds)
-        self.verify = [s + sync_overhead for s in seconds]
+        self.seconds = list(seconds)
+        self.sync_overhead = sync_overhead
 
     def cost(self, num_tokens: int, verify: bool) -> float:
-        table = self.verify if verify else self.plain
+        extra = self.sync_overhead if verify else 0.0
+        table = self.seconds
         i = bisect.bisect_left(self.points, num_tokens)
         if i == 0:
-            return table[0]
+            return table[0] + extra
         if i == len(self.points):
             # beyond the profile: proportional to tokens (the large-batch regime is compute bound)
-            return table[-1] * num_tokens / self.points[-1]
+            return table[-1] * num_tokens / self.points[-1] + extra
         x0, x1 = self.points[i - 1], self.points[i]
-        return table[i - 1] + (table[i] - table[i - 1]) * (num_tokens - x0) / (x1 - x0)
+        return table[i - 1] + (table[i] - table[i - 1]) * (num_tokens - x0) / (x1 - x0) + extra
 
-    def observe(self, num_tokens: int, verify: bool, seconds: float) -> None:
-        """Pull the nearest profiled point towards a measured step."""
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """Pull the nearest profiled point towards a step's measured device time."""
         if not math.isfinite(seconds) or seconds <= 0:
             return
-        table = self.verify if verify else self.plain
         i = min(range(len(self.points)), key=lambda j: abs(self.points[j] - num_tokens))
         scale = self.points[i] / max(num_tokens, 1) if num_tokens > self.points[-1] else 1.0
-        table[i] += self.SMOOTH * (seconds * scale - table[i])
+        self.seconds[i] += self.SMOOTH * (seconds * scale - self.seconds[i])
+
+    def observe_sync(self, seconds: float) -> None:
+        """The host's time to schedule and launch a step (what a verifying step stops overlapping)."""
+        if math.isfinite(seconds) and seconds >= 0:
+            self.sync_overhead += self.SMOOTH * (seconds - self.sync_overhead)
 
 
 @dataclass

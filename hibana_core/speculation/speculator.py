@@ -58,7 +58,6 @@ class Speculator:
         self._shadows: dict[int, tuple[str, int, list[int]]] = {}  # request id -> (drafter, at, draft)
         self._shadow_turn = 0
         self._last_shape = (1, 1)  # (step tokens, sequences sampling) of the last plan
-        self._profiled_now = False
         if default.enabled:
             self.check(default)
 
@@ -100,7 +99,6 @@ class Speculator:
     def controller(self) -> Controller:
         if self._controller is None:  # an engine without adaptive default profiles on first use
             self._controller = Controller(self._profile())
-            self._profiled_now = True
         return self._controller
 
     def stats(self, request: "Request", method: str) -> AcceptanceStats:
@@ -187,13 +185,18 @@ class Speculator:
         c.verified_sequences += 1
         c.verified_tokens += len(sampled)
 
-    def observe_step(self, num_tokens: int, verify: bool, seconds: float) -> None:
-        """A step of `num_tokens` tokens took `seconds` of wall time: the cost model learns."""
+    def observe_step(self, num_tokens: int, verify: bool, seconds: float | None) -> None:
+        """A step of `num_tokens` tokens took `seconds` on the device (None: a step that does
+        not stand for the steps speculation plans, e.g. one that captured a CUDA graph)."""
         self.counters.verify_steps += verify
-        if self._profiled_now:  # that step's time was mostly the profile's
-            self._profiled_now = False
-        elif self._controller is not None:
-            self._controller.costs.observe(num_tokens, verify, seconds)
+        if seconds is not None and self._controller is not None:
+            self._controller.costs.observe(num_tokens, seconds)
+
+    def observe_host(self, seconds: float) -> None:
+        """Scheduling and launching a step took `seconds` of host time (under async scheduling,
+        what a verifying step adds: the next step's host work waits for its tokens)."""
+        if self._controller is not None:
+            self._controller.costs.observe_sync(seconds)
 
     def updated(self, chunks: Sequence["ScheduledChunk"]) -> None:
         """A step's tokens reached the host: shadow proposals are checked against them and a few
@@ -256,8 +259,8 @@ class Speculator:
             "acceptance_by_position": {m: s.summary() for m, s in self.global_stats.items()},
             "step_cost_ms": None if self._controller is None else {
                 "tokens": self._controller.costs.points,
-                "plain": [round(1e3 * s, 3) for s in self._controller.costs.plain],
-                "verify": [round(1e3 * s, 3) for s in self._controller.costs.verify]},
+                "device": [round(1e3 * s, 3) for s in self._controller.costs.seconds],
+                "verify_sync": round(1e3 * self._controller.costs.sync_overhead, 3)},
             "drafters": own,  # a drafter's own figures (`summary()`), e.g. a draft model's cost per token
         }
 
