@@ -13,6 +13,7 @@ One lock serialises the step with edits of states, so a handle never sees a half
 from __future__ import annotations
 
 import collections
+import gc
 import os
 import threading
 import weakref
@@ -191,6 +192,9 @@ class Engine:
                     "to at least their sum, or pick a smaller model")
             return kv_bytes // per_block
         if self.device.type == "cuda":
+            # memory that closed engines left in torch's caching allocator is free for this one
+            gc.collect()
+            torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info(self.device)
             kv_bytes = int(free * cache.memory_fraction)
         else:
