@@ -181,6 +181,7 @@ def run_trace_agents(model: BenchModel, system: str, convs: list[Conversation], 
         seconds = time.perf_counter() - start
         bar.close()
         spec = SpecCounters.between(before, snapshot(engine)).summary()
+        spec["kv_blocks_total"] = engine.stats().kv_blocks_total  # the pool the agents shared
     if errors:
         raise errors[0]
     return SystemResult(system, len(convs), seconds, records), spec
