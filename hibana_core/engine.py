@@ -123,8 +123,9 @@ class Engine:
         self.pool = BlockPool(num_blocks, bs)
         runner = ModelRunner(self.model, self._ctx, Sampler(self.device, config.seed), self.device,
                              self.max_model_len, config.scheduler.max_concurrent_agents, config.cuda_graphs)
+        me = weakref.proxy(self)  # the speculator holds neither the engine nor its runner
         speculator = Speculator(config.speculation, get_plugin_manager().drafters(),
-                                lambda: self._profile_steps(runner), weakref.proxy(self))
+                                lambda: me._profile_steps(me.core.runner), me)
         scheduler = Scheduler(config.scheduler, self.pool, IdleLRUEviction(self.pool, self._idle_sequences),
                               speculator)
         use_async = self.device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
@@ -274,8 +275,12 @@ class Engine:
         with self.core.lock:
             self.registry.close_all()
             self.scheduler.speculation.close()  # a draft model's weights and KV
-            # drop the big tensors now, not when the last handle is collected
-            self.model = self.core.runner = self.kv_cache = self._ctx.kv_cache = None
+            # drop the big tensors now (weights, KV cache, CUDA graphs), not when the last handle
+            # is collected: an engine opened next sizes its KV pool from the memory free then
+            self.model = self.core.runner = self.kv_cache = self._ctx.kv_cache = self.registry.kv_cache = None
+        if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
 
     def __enter__(self) -> "Engine":
         return self

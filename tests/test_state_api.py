@@ -506,3 +506,23 @@ def test_a_stream_stopped_early_still_ends_with_its_completion(tiny_checkpoints,
     got = seen + [e.token_id for e in rest[:-1]]
     assert final.completion.token_ids == got and final.completion.stats.prompt_tokens == len(prompt)
     assert h.tokens == prompt + got
+
+
+@pytest.mark.parametrize("speculation", ["off", "adaptive"])
+def test_close_frees_weights_and_kv_while_the_engine_is_still_referenced(speculation, tiny_checkpoints,
+                                                                         make_engine):
+    """A program (or a benchmark) that closes an engine and opens the next gets the memory back
+    at close, even where something still holds the closed engine: the next engine sizes its
+    KV pool from the memory free at that moment."""
+    import gc
+    import weakref
+
+    engine = make_engine(tiny_checkpoints["llama"], speculation=speculation)
+    h = engine.open_state("a")
+    h.generate(greedy(4), prompt=random_tokens(random.Random(0), 20))
+    kv = weakref.ref(engine.kv_cache)
+    weight = weakref.ref(next(engine.model.parameters()))
+    engine.close()
+    gc.collect()
+    assert kv() is None and weight() is None, "the engine object is alive, its tensors must not be"
+    assert engine.stats is not None and h is not None  # both still referenced here
