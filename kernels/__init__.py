@@ -14,9 +14,9 @@ import importlib
 
 import torch
 
-from hibana_kernels import activation, attention, matmul, norm, rotary
+from hibana_kernels import activation, attention, matmul, norm, quant, rotary
 
-__all__ = ["fused_add_rms_norm", "linear", "paged_attention", "qk_norm_rotary_store", "rms_norm",
+__all__ = ["fused_add_rms_norm", "linear", "linear_int4", "linear_int8", "paged_attention", "qk_norm_rotary_store", "rms_norm",
            "rotary_embedding", "silu_and_mul", "store_kv", "triton_available"]
 
 
@@ -89,6 +89,18 @@ def qk_norm_rotary_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T + bias; decode-sized bf16/fp16 batches take a Triton GEMV on CUDA."""
     return (_triton("matmul", x) or matmul).linear(x, weight, bias)
+
+
+def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T + bias for a per-channel int8 weight; see `hibana_kernels.quant`."""
+    return (_triton("quant", x) or quant).linear_int8(x, qweight, scales, bias)
+
+
+def linear_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T + bias for a group-wise asymmetric int4 weight; see `hibana_kernels.quant`."""
+    return (_triton("quant", x) or quant).linear_int4(x, qweight, scales, zeros, group_size, bias)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
