@@ -4,7 +4,7 @@ from hibana_core.config import CacheConfig, EngineConfig, SamplingParams, Schedu
 from hibana_core.errors import (CheckpointError, ConfigError, ContextLengthError, EngineClosedError,
                                 HibanaError, InvalidTokenError, MemoryBudgetError,
                                 StateBusyError, StateClosedError, StateExistsError, StateFileError,
-                                UnsupportedModelError)
+                                SurgeryGuardError, UnsupportedModelError)
 from hibana_core.state import Completion, RequestStats, StateHandle, StateInfo, StreamEvent, SyncStats
 
 
@@ -22,5 +22,5 @@ __all__ = [
     "EngineClosedError", "EngineConfig", "EngineStats", "HibanaError", "InvalidTokenError",
     "MemoryBudgetError", "RequestStats", "SamplingParams", "SchedulerConfig",
     "StateBusyError", "StateClosedError", "StateExistsError", "StateFileError", "StateHandle",
-    "StateInfo", "StreamEvent", "SyncStats", "UnsupportedModelError",
+    "StateInfo", "StreamEvent", "SurgeryGuardError", "SyncStats", "UnsupportedModelError",
 ]

@@ -195,12 +195,23 @@ class EngineConfig:
     speculation: Any = "adaptive"
     """Speculative decoding for every request that does not set its own: "adaptive", "off", or
     {"method": ..., "k": ...} (see `SpeculationConfig`); stored parsed."""
+    surgery: Any = ()
+    """Model surgery passes applied at load, in order: names or {"name": ..., parameters}, e.g.
+    ["w8"] or [{"name": "w4", "group_size": 64}] (see `hibana_core.surgery`); stored parsed."""
+    surgery_guard: bool = True
+    """Measure each surgery pass against the unmodified model on held-out text and refuse one
+    over its floors (see `hibana_core.surgery.guard`); False skips it (random-weight benchmarks)."""
+    surgery_guard_text: str | None = None
+    """A UTF-8 text file the guard measures on instead of the demo agents' conversations."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
+        from hibana_core.surgery import parse_passes
+
         _check_types(self)
         object.__setattr__(self, "speculation", SpeculationConfig.parse(self.speculation))
+        object.__setattr__(self, "surgery", parse_passes(self.surgery))
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         _check(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import gc
 import os
+import sys
 import threading
 import weakref
 from contextlib import contextmanager
@@ -29,10 +30,12 @@ from hibana_core.errors import ConfigError, EngineClosedError, MemoryBudgetError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.cache import KVCache
-from hibana_core.loader import load_from_hf_model, load_model
+from hibana_core import surgery
+from hibana_core.loader import load_from_hf_model, load_model, model_bytes
 from hibana_core.output import OutputProcessor
 from hibana_core.registry import ModelLimits, StateRegistry
 from hibana_core.runner import ModelRunner
+from hibana_core.surgery import apply_passes
 from hibana_core.sampler import Sampler
 from hibana_core.scheduler import IdleLRUEviction, Scheduler
 from hibana_core.speculation.speculator import Speculator, profile_step_costs
@@ -100,8 +103,15 @@ class Engine:
             loaded = load_model(config.model, self.device, config.dtype, self._ctx, config.progress)
         else:
             loaded = load_from_hf_model(hf_model, self.device, config.dtype, self._ctx, tokenizer)
+        guard = self._guard(loaded) if config.surgery and config.surgery_guard else None
+        self.surgery = apply_passes(loaded.model, config.surgery, get_plugin_manager().surgery_passes(), guard)
+        """What each surgery pass changed (name, parameters, layers, bytes before and after) and,
+        where the guard ran, its figures against the unmodified model."""
+        if guard is not None and config.progress:
+            print(guard.summary(), file=sys.stderr)
+        del guard  # its scratch KV cache
         self.model, self.model_args, self.tokenizer = loaded.model, loaded.args, loaded.tokenizer
-        self.hf_config, self.fingerprint, self.dtype = loaded.hf_config, loaded.fingerprint, loaded.dtype
+        self.hf_config, self.dtype = loaded.hf_config, loaded.dtype
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.vocab_size = loaded.args.vocab_size
         self.max_model_len = min(config.max_model_len or loaded.args.max_position_embeddings,
@@ -111,7 +121,9 @@ class Engine:
             raise ConfigError(f"kv_dtype={config.cache.kv_dtype!r} differs from the model's compute dtype "
                               f"({str(loaded.dtype).removeprefix('torch.')}); a KV cache in another precision "
                               "comes with model surgery (kv8); leave kv_dtype='auto' or set dtype to match")
-        num_blocks = self._num_blocks(loaded.weight_bytes, kv_dtype)
+        self.fingerprint = surgery.fingerprint(loaded.fingerprint, loaded.dtype, kv_dtype, self.surgery)
+        self.weight_bytes = model_bytes(loaded.model)  # after surgery: packed weights, buffers too
+        num_blocks = self._num_blocks(self.weight_bytes, kv_dtype)
         a, bs = loaded.args, config.cache.block_size
         try:
             self.kv_cache = KVCache(a.num_layers, num_blocks, bs, a.num_kv_heads, a.head_dim, kv_dtype, self.device)
@@ -135,6 +147,14 @@ class Engine:
         self.registry = StateRegistry(self.core, self.kv_cache, config.cache, limits)
         self.registry.engine_ref = weakref.ref(self)
         speculator.start()  # the step-cost profile of adaptive speculation, on this device
+
+    def _guard(self, loaded) -> "guard.Guard":
+        from hibana_core.surgery import guard
+
+        documents = guard.heldout_documents(loaded.tokenizer, loaded.args.vocab_size, self.config.surgery_guard_text)
+        scorer = guard.Scorer(loaded.model, self._ctx, loaded.args, loaded.dtype, self.device,
+                              max(len(d) for d in documents) + guard.CONTINUATION + 1)
+        return guard.Guard(scorer, documents, self.config.progress)
 
     def _profile_steps(self, runner: ModelRunner):
         device = self.device

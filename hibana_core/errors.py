@@ -55,3 +55,8 @@ class EngineClosedError(HibanaError):
 
 class StateExistsError(HibanaError):
     """A state with that id is already open."""
+
+
+class SurgeryGuardError(HibanaError):
+    """A model surgery pass costs more quality than its floor allows (measured by the guard
+    against the unmodified model); the message has the figures and how to force it."""

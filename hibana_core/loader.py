@@ -95,11 +95,10 @@ def load_from_hf_model(hf_model: torch.nn.Module, device: torch.device, dtype: s
     family = _family(hf_config.model_type)
     torch_dtype = resolve_dtype(dtype, device, hf_config)
     module, args = _build(family, hf_config, device, torch_dtype, ctx)
-    targets = module.checkpoint_tensors() if hasattr(module, "checkpoint_tensors") else \
-        dict(module.named_parameters(remove_duplicate=False))
-    for name, tensor in hf_model.state_dict().items():
-        if name in targets:
-            targets[name].data.copy_(tensor)
+    state = hf_model.state_dict()
+    source = f"the in-memory {type(hf_model).__name__}"
+    _copy_weights(module, ((name, source, lambda name=name: state[name]) for name in state), len(state),
+                  source, progress=False)
     eos = hf_config.eos_token_id
     digest = hashlib.sha256(hf_config.to_json_string().encode()).hexdigest()
     return _loaded(module, args, hf_config, tokenizer,
@@ -129,8 +128,14 @@ def _build(family: Any, hf_config: Any, device: torch.device, dtype: torch.dtype
 def _loaded(module: torch.nn.Module, args: Any, hf_config: Any, tokenizer: Any | None,
             eos: tuple[int, ...], dtype: torch.dtype, fingerprint: str) -> LoadedModel:
     module.eval().requires_grad_(False)
-    weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-    return LoadedModel(module, args, hf_config, tokenizer, eos, dtype, weight_bytes, fingerprint)
+    return LoadedModel(module, args, hf_config, tokenizer, eos, dtype, model_bytes(module), fingerprint)
+
+
+def model_bytes(module: torch.nn.Module) -> int:
+    """Bytes the model holds on its device: parameters (tied ones once) and buffers (packed
+    weights and their scales are buffers)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -154,43 +159,53 @@ def _weight_files(path: Path) -> list[Path]:
 def _load_weights(module: torch.nn.Module, path: Path, progress: bool) -> None:
     from safetensors import safe_open
 
-    if hasattr(module, "checkpoint_tensors"):  # a family with fused or renamed parameters
-        params = module.checkpoint_tensors()
-    else:
-        params = dict(module.named_parameters(remove_duplicate=False))
-    loaded: set[str] = set()
     files = _weight_files(path)
     try:
         handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     except Exception as exc:
         raise CheckpointError(f"cannot open the weights in {path}: {exc}; the file is truncated or "
                               "damaged, re-download it") from exc
-    total = sum(len(h.keys()) for h in handles)
-    with tqdm(total=total, desc=f"loading {path.name}", unit="tensor", disable=not progress,
-              leave=False) as bar:
-        for file, handle in zip(files, handles):
-            for name in handle.keys():
-                bar.update()
-                if name.endswith(_IGNORED_SUFFIXES) or name not in params:
-                    continue
-                try:
-                    tensor = handle.get_tensor(name)
-                except Exception as exc:
-                    raise CheckpointError(f"cannot read tensor {name} from {file}: {exc}; "
-                                          "the file is damaged, re-download it") from exc
-                target = params[name]
-                if tensor.shape != target.shape:
-                    raise CheckpointError(f"{name} in {file} has shape {tuple(tensor.shape)}, the config "
-                                          f"implies {tuple(target.shape)}; config and weights disagree")
-                target.data.copy_(tensor)
-                loaded.add(name)
+
+    def read(file: Path, handle: Any, name: str) -> torch.Tensor:
+        try:
+            return handle.get_tensor(name)
+        except Exception as exc:
+            raise CheckpointError(f"cannot read tensor {name} from {file}: {exc}; "
+                                  "the file is damaged, re-download it") from exc
+
+    items = ((name, str(file), lambda f=file, h=handle, n=name: read(f, h, n))
+             for file, handle in zip(files, handles) for name in handle.keys())
+    _copy_weights(module, items, sum(len(h.keys()) for h in handles), str(path), progress,
+                  desc=f"loading {path.name}")
+
+
+def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progress: bool,
+                  desc: str = "copying weights") -> None:
+    """The one weight-copy path (checkpoints and in-memory models): `items` yields (name, where,
+    read) for each source tensor; every tensor the model needs must come, with its shape."""
+    if hasattr(module, "checkpoint_tensors"):  # a family with fused or renamed parameters
+        params = module.checkpoint_tensors()
+    else:
+        params = dict(module.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    with tqdm(total=total, desc=desc, unit="tensor", disable=not progress, leave=False) as bar:
+        for name, where, read in items:
+            bar.update()
+            if name.endswith(_IGNORED_SUFFIXES) or name not in params:
+                continue
+            tensor, target = read(), params[name]
+            if tensor.shape != target.shape:
+                raise CheckpointError(f"{name} in {where} has shape {tuple(tensor.shape)}, the config "
+                                      f"implies {tuple(target.shape)}; config and weights disagree")
+            target.data.copy_(tensor)
+            loaded.add(name)
     expected = set(params)
     if getattr(module, "tied_weight_names", ()):
         expected -= set(module.tied_weight_names)  # filled by their twin
     missing = sorted(expected - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise CheckpointError(f"{path} lacks weights {shown}; the checkpoint is incomplete or for "
+        raise CheckpointError(f"{source} lacks weights {shown}; the checkpoint is incomplete or for "
                               "another architecture")
 
 

@@ -109,9 +109,14 @@ def register_drafters(register) -> None:
 def register_surgery_passes(register) -> None:
     """Register model surgery passes: `register(name, surgery_pass)`.
 
-    Planned: a pass rewrites a loaded model to cut bytes per token and reports what it saved and
-    what it cost in quality. Nothing calls this hook yet: the pass protocol is defined by the
-    issue that adds model surgery (`hibana_core.surgery`, empty today).
+    A pass rewrites the loaded model in place to cut the bytes each token reads:
+    `surgery_pass.apply(model, params) -> dict`, a JSON-able record of what it changed (layers,
+    bytes before and after), raising ConfigError for parameters it cannot take. A linear layer
+    that supports packed weights has `set_packed(kind, tensors, group_size)` (kinds and layouts:
+    `hibana_kernels.quant`). Engines apply passes by name, in order:
+    `Engine.from_pretrained(path, surgery=["w8"])` or `surgery=[{"name": "w4", "group_size": 64}]`;
+    the passes and their parameters are part of the model fingerprint that state files carry.
+    Built in: "w8" (int8 per channel), "w4" (int4, group-wise, clipping search).
     """
 
 

@@ -46,6 +46,7 @@ ENV_VAR = "HIBANA_PLUGINS"
 BUILTIN_MODULES = (
     "hibana_core.models",
     "hibana_core.speculation.drafters",
+    "hibana_core.surgery.passes",
     "hibana_plugins.tool_parsers",
     "hibana_plugins.langchain",
     "hibana_plugins.llamaindex",

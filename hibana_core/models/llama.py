@@ -138,10 +138,44 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameters, same checkpoint names) computed by `kernels.linear`."""
+    """`nn.Linear` (same parameters, same checkpoint names) computed by `kernels.linear`, or,
+    once surgery or a quantized checkpoint packed its weight (`set_packed`), by the kernel of
+    that weight's kind:
+
+        kind "int8": buffers qweight [N, K] int8, scales [N]
+        kind "int4": buffers qweight [N, K // 2] uint8, scales and zeros [N, K // group_size]
+        (layouts: `hibana_kernels.quant`); `perm`, when set, reorders the input features first
+        (GPTQ checkpoints quantized in activation order)
+    """
+
+    kind = "dense"
+    group_size = 0
+    perm: torch.Tensor | None = None
+
+    def set_packed(self, kind: str, tensors: dict[str, torch.Tensor], group_size: int = 0,
+                   perm: torch.Tensor | None = None) -> None:
+        """Replace the dense weight by a packed one (the bias stays)."""
+        if kind not in ("int8", "int4"):
+            raise ValueError(f"unknown packed weight kind {kind!r}")
+        self.register_parameter("weight", None)
+        for name, tensor in tensors.items():
+            self.register_buffer(name, tensor)
+        self.kind, self.group_size = kind, group_size
+        if perm is not None:
+            self.register_buffer("perm", perm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias)
+        if self.kind == "dense":
+            return kernels.linear(x, self.weight, self.bias)
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        if self.kind == "int8":
+            return kernels.linear_int8(x, self.qweight, self.scales, self.bias)
+        return kernels.linear_int4(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+
+    def extra_repr(self) -> str:
+        packed = "" if self.kind == "dense" else f", {self.kind}" + (f" g{self.group_size}" if self.group_size else "")
+        return super().extra_repr() + packed
 
 
 class RotaryTables:

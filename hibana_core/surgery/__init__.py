@@ -1,0 +1,100 @@
+"""Model surgery: load-time rewrites that cut the bytes each token reads.
+
+    checkpoint -> weights copied (shapes checked) -> passes, in order -> the engine's model
+                                                     |
+                                       each pass returns a record: what it changed, bytes before
+                                       and after; the records join the model fingerprint
+
+A pass is an object with `apply(model, params) -> dict`, registered by name through the
+`register_surgery_passes` hook (`hibana_core.surgery.passes` registers the built-in ones). The
+engine takes them as `surgery=["w8"]` or `surgery=[{"name": "w4", "group_size": 64}]`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+from hibana_core.errors import ConfigError
+
+if TYPE_CHECKING:  # torch stays unimported until a model is built (adapters import this module)
+    import torch
+
+
+class SurgeryPass(Protocol):
+    def apply(self, model: "torch.nn.Module", params: dict[str, Any]) -> dict[str, Any]:
+        """Rewrite `model` in place; return a JSON-able record of what changed. Raise a
+        ConfigError for parameters it cannot take."""
+        ...
+
+
+@dataclass(frozen=True)
+class PassRequest:
+    name: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, value: Any) -> "PassRequest":
+        if isinstance(value, PassRequest):
+            return value
+        if isinstance(value, str) and value:
+            return cls(value)
+        if isinstance(value, dict) and isinstance(value.get("name"), str):
+            params = {k: v for k, v in value.items() if k != "name"}
+            try:
+                json.dumps(params)
+            except (TypeError, ValueError):
+                raise ConfigError(f"surgery pass {value['name']!r}: parameters must be plain data, got "
+                                  f"{params!r}") from None
+            return cls(value["name"], params)
+        raise ConfigError(f"a surgery pass is a name or {{'name': ..., parameters}}, got {value!r}; "
+                          "e.g. surgery=['w8'] or surgery=[{'name': 'w4', 'group_size': 64}]")
+
+
+def parse_passes(value: Any) -> tuple[PassRequest, ...]:
+    """`surgery=` as given (None, a name, or a list of names and dicts) -> the requests, in order."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, dict, PassRequest)):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"surgery must be a list of pass names, got {value!r}; e.g. surgery=['w8']")
+    requests = tuple(PassRequest.parse(v) for v in value)
+    names = [r.name for r in requests]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"surgery names a pass twice ({names}); give each pass once")
+    return requests
+
+
+def apply_passes(model: "torch.nn.Module", requests: Sequence[PassRequest], passes: dict[str, Any],
+                 guard: Any = None) -> list[dict[str, Any]]:
+    """Run the passes in order; their records, each with its name and parameters (and, with a
+    guard, its figures against the unmodified model: a pass over its floors raises
+    SurgeryGuardError unless its request says `force: True`)."""
+    for request in requests:  # every name is checked before any pass runs
+        if request.name not in passes:
+            raise ConfigError(f"no surgery pass named {request.name!r} is registered (registered: "
+                              f"{', '.join(sorted(passes)) or 'none'}); install the plugin that provides it")
+    records = []
+    for request in requests:
+        params = dict(request.params)
+        force = params.pop("force", False)
+        if not isinstance(force, bool):
+            raise ConfigError(f"surgery pass {request.name!r}: force must be true or false, got {force!r}")
+        surgery_pass = passes[request.name]
+        record = {"name": request.name, "params": dict(params), **surgery_pass.apply(model, params)}
+        if guard is not None:
+            record["guard"] = guard.check(request.name, surgery_pass, force)
+        records.append(record)
+    return records
+
+
+def fingerprint(base: str, dtype: "torch.dtype", kv_dtype: "torch.dtype", records: Sequence[dict]) -> str:
+    """What a state file's KV depends on: the checkpoint, the compute and KV dtypes and the passes
+    applied (a state saved under one of these does not load under another)."""
+    described = json.dumps({"checkpoint": base, "dtype": str(dtype), "kv_dtype": str(kv_dtype),
+                            "surgery": [{"name": r["name"], "params": r["params"]} for r in records]},
+                           sort_keys=True)
+    return hashlib.sha256(described.encode()).hexdigest()

@@ -1,0 +1,205 @@
+"""The surgery guard: what a pass cost in quality, measured against the unmodified model.
+
+    before the passes:  teacher-forced log-probabilities of the held-out text (kept on the host)
+                        and a greedy continuation of each document's opening
+    after each pass:    the same text through the rewritten model ->
+        perplexity ratio        exp(mean NLL after - mean NLL before)
+        mean KL                 KL(before || after) per position, in nats
+        top-1 agreement         share of positions whose most likely token is unchanged
+        first divergence        the first generated token where free greedy output differs
+                                (teacher-forcing the unmodified model's continuation finds it:
+                                up to there both models saw the same history)
+
+The held-out text is the demo agents' conversations (`heldout/agent_traces.txt`: system prompts
+with tool schemas, questions, tool calls and results), tokenized by the model's tokenizer, or a
+text file the user passes. A pass may declare floors (`floors = {"ppl_ratio": 1.005, ...}`);
+one over its floor is refused with a SurgeryGuardError unless it is forced.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from hibana_core.errors import ConfigError, SurgeryGuardError
+from hibana_core.forward_context import ForwardBatch, ForwardContext
+from hibana_core.kv.cache import KVCache
+
+HELDOUT = Path(__file__).parent / "heldout" / "agent_traces.txt"
+DOCUMENT_SEPARATOR = "\n\n<|hibana-guard-document|>\n\n"
+MAX_TOKENS = 4096       # held-out tokens scored in all
+MAX_DOCUMENT = 1024     # tokens per document at most
+OPENING = 128           # tokens of each document that open its greedy continuation
+CONTINUATION = 48       # tokens of greedy continuation compared
+
+
+@dataclass
+class GuardReport:
+    ppl_ratio: float
+    mean_kl: float
+    top1_agreement: float
+    first_divergence: float      # mean over documents; CONTINUATION where none diverged
+    tokens: int                  # positions scored
+
+    def as_dict(self) -> dict[str, float]:
+        return {"ppl_ratio": round(self.ppl_ratio, 5), "mean_kl": round(self.mean_kl, 6),
+                "top1_agreement": round(self.top1_agreement, 5),
+                "first_divergence": round(self.first_divergence, 2), "tokens": self.tokens}
+
+
+@dataclass
+class Reference:
+    """The unmodified model's figures on the held-out documents."""
+
+    documents: list[list[int]]
+    log_probs: list[torch.Tensor] = field(default_factory=list)     # [T - 1, V] float16, host (for KL)
+    nll: list[torch.Tensor] = field(default_factory=list)           # [T - 1] float32: of the text's tokens
+    top1: list[torch.Tensor] = field(default_factory=list)          # [T - 1]: most likely tokens
+    continuations: list[list[int]] = field(default_factory=list)    # greedy after each opening
+
+
+def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = None) -> list[list[int]]:
+    """The held-out text as token-id documents (at most MAX_TOKENS tokens in all)."""
+    path = Path(text_file) if text_file is not None else HELDOUT
+    if not path.is_file():
+        raise ConfigError(f"guard text {str(path)!r} does not exist; pass a UTF-8 text file")
+    if tokenizer is None:
+        raise ConfigError("the surgery guard needs the model's tokenizer to read its held-out text; "
+                          "this checkpoint has none: pass surgery_guard=False, or add tokenizer files")
+    text = path.read_text(encoding="utf-8")
+    documents, total = [], 0
+    for part in text.split(DOCUMENT_SEPARATOR):
+        ids = [i for i in tokenizer(part, add_special_tokens=False)["input_ids"] if i < vocab_size]
+        ids = ids[:min(MAX_DOCUMENT, MAX_TOKENS - total)]
+        if len(ids) > OPENING + 1:
+            documents.append(ids)
+            total += len(ids)
+        if total >= MAX_TOKENS:
+            break
+    if not documents:
+        raise ConfigError(f"guard text {str(path)!r} holds no document longer than {OPENING + 1} tokens")
+    return documents
+
+
+class Scorer:
+    """Whole-sequence forwards of the engine's model on a scratch KV cache (before the engine's
+    own cache exists): logits at every position, and greedy continuations."""
+
+    def __init__(self, model: torch.nn.Module, ctx: ForwardContext, args: Any, dtype: torch.dtype,
+                 device: torch.device, max_len: int, block_size: int = 16) -> None:
+        self.model, self.ctx, self.device, self.block_size = model, ctx, device, block_size
+        blocks = -(-max_len // block_size)
+        self.cache = KVCache(args.num_layers, blocks, block_size, args.num_kv_heads, args.head_dim, dtype, device)
+
+    def _forward(self, tokens: Sequence[int], start: int) -> torch.Tensor:
+        """Logits of tokens[start:] given the cache holds tokens[:start]."""
+        n, bs = len(tokens), self.block_size
+        new = n - start
+        tensor = lambda values, dtype=torch.long: torch.tensor(values, dtype=dtype, device=self.device)  # noqa: E731
+        batch = ForwardBatch(slot_mapping=tensor(list(range(start, n))),
+                             block_tables=tensor([list(range(-(-n // bs)))], torch.int32),
+                             seq_lens=tensor([n], torch.int32), query_start_loc=tensor([0, new], torch.int32),
+                             max_query_len=new, max_seq_len=n)
+        saved, self.ctx.kv_cache = self.ctx.kv_cache, self.cache
+        try:
+            with torch.inference_mode(), self.ctx.forward_batch(batch):
+                hidden = self.model(tensor(list(tokens[start:])), tensor(list(range(start, n))))
+                return self.model.compute_logits(hidden).float()
+        finally:
+            self.ctx.kv_cache = saved
+
+    def log_probs(self, tokens: Sequence[int]) -> torch.Tensor:
+        """[T - 1, V]: log-probabilities of the token after each position but the last."""
+        return torch.log_softmax(self._forward(tokens, 0)[:-1], dim=-1)
+
+    def greedy(self, opening: Sequence[int], n: int) -> list[int]:
+        tokens = list(opening)
+        logits = self._forward(tokens, 0)[-1]
+        out = []
+        for _ in range(n):
+            out.append(int(logits.argmax()))
+            tokens.append(out[-1])
+            logits = self._forward(tokens, len(tokens) - 1)[-1]
+        return out
+
+
+def measure_reference(scorer: Scorer, documents: list[list[int]], progress: bool) -> Reference:
+    reference = Reference(documents)
+    for doc in tqdm(documents, desc="guard: unmodified model", unit="doc", disable=not progress, leave=False):
+        log_probs = scorer.log_probs(doc).cpu()
+        reference.nll.append(-log_probs.gather(1, torch.tensor(doc[1:])[:, None])[:, 0])
+        reference.top1.append(log_probs.argmax(-1))
+        reference.log_probs.append(log_probs.half())
+        reference.continuations.append(scorer.greedy(doc[:OPENING], CONTINUATION))
+    return reference
+
+
+def compare(scorer: Scorer, reference: Reference, progress: bool, desc: str = "guard") -> GuardReport:
+    nll_ref = nll_new = kl = agree = 0.0
+    positions = 0
+    divergences = []
+    r = reference
+    for i, doc in enumerate(tqdm(r.documents, desc=desc, unit="doc", disable=not progress, leave=False)):
+        new_lp = scorer.log_probs(doc).cpu()
+        ref = r.log_probs[i].float()
+        nll_ref += r.nll[i].sum().item()
+        nll_new -= new_lp.gather(1, torch.tensor(doc[1:])[:, None]).sum().item()
+        kl += (ref.exp() * (ref - new_lp)).sum().item()
+        agree += (r.top1[i] == new_lp.argmax(-1)).sum().item()
+        cont = r.continuations[i]
+        positions += len(doc) - 1
+        forced = scorer.log_probs(doc[:OPENING] + cont)[OPENING - 1:].argmax(-1).tolist()
+        divergences.append(next((i for i, (a, b) in enumerate(zip(forced, cont)) if a != b), len(cont)))
+    return GuardReport(math.exp((nll_new - nll_ref) / positions), kl / positions, agree / positions,
+                       sum(divergences) / len(divergences), positions)
+
+
+def violations(report: GuardReport, floors: dict[str, float]) -> list[str]:
+    """The floors `report` breaks: ceilings for ppl_ratio and mean_kl, floors for the rest."""
+    broken = []
+    for name, bound in floors.items():
+        value = getattr(report, name)
+        upper = name in ("ppl_ratio", "mean_kl")
+        if (value > bound) if upper else (value < bound):
+            broken.append(f"{name} {value:.4g} {'>' if upper else '<'} {bound:g}")
+    return broken
+
+
+def table(rows: list[tuple[str, GuardReport, str]]) -> str:
+    lines = [f"{'pass':<24}{'ppl ratio':>11}{'mean KL':>10}{'top-1':>8}{'diverges at':>13}  decision"]
+    for name, r, decision in rows:
+        lines.append(f"{name:<24}{r.ppl_ratio:>11.4f}{r.mean_kl:>10.5f}{r.top1_agreement:>8.1%}"
+                     f"{r.first_divergence:>13.1f}  {decision}")
+    return "\n".join(lines)
+
+
+class Guard:
+    """Measures the unmodified model once, then each pass's cumulative effect against it."""
+
+    def __init__(self, scorer: Scorer, documents: list[list[int]], progress: bool) -> None:
+        self.scorer, self.progress = scorer, progress
+        self.reference = measure_reference(scorer, documents, progress)
+        self.rows: list[tuple[str, GuardReport, str]] = []
+
+    def check(self, name: str, surgery_pass: Any, force: bool) -> dict[str, Any]:
+        report = compare(self.scorer, self.reference, self.progress, desc=f"guard: after {name}")
+        floors = dict(getattr(surgery_pass, "floors", {}) or {})
+        broken = violations(report, floors)
+        decision = "ok" if not broken else ("forced: " if force else "refused: ") + "; ".join(broken)
+        self.rows.append((name, report, decision))
+        if broken and not force:
+            raise SurgeryGuardError(
+                f"surgery pass {name!r} costs more quality than its floors allow ({'; '.join(broken)}), "
+                f"measured on {report.tokens} held-out tokens against the unmodified model:\n"
+                f"{table(self.rows)}\nuse a gentler pass (e.g. w8, or w4 with a smaller group_size), "
+                f"or force it: surgery=[{{'name': {name!r}, 'force': True}}]")
+        return {**report.as_dict(), "floors": floors, "decision": decision}
+
+    def summary(self) -> str:
+        tokens = sum(len(d) - 1 for d in self.reference.documents)
+        return f"surgery guard ({tokens} held-out tokens):\n{table(self.rows)}"

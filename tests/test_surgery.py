@@ -1,0 +1,249 @@
+"""Model surgery: the load-time seam (one weight-copy path, passes, packed linear layers,
+bytes and fingerprint) and the built-in weight-only passes w8 and w4."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import pytest
+import torch
+
+from hibana_core import SamplingParams
+from hibana_core.errors import CheckpointError, ConfigError, StateFileError, SurgeryGuardError
+from hibana_core.loader import model_bytes
+from hibana_core.surgery.quantize import group_size_for, quantize_int4, quantize_int8
+from hibana_kernels.quant import dequantize_int4, dequantize_int8
+from hibana_plugins.hookspecs import hookimpl
+from hibana_plugins.manager import get_plugin_manager, reset_plugin_manager
+from tiny_models import make_config, random_tokens
+
+PASSES = ["w8", {"name": "w4", "group_size": 32}, "w4"]
+
+
+def greedy(n: int = 24) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def dense_twin(engine, make_engine, path):
+    """A surgery-free engine on the same checkpoint whose linear layers hold the dequantized
+    weights of `engine`'s packed ones: what the packed kernels must compute."""
+    twin = make_engine(path, speculation="off")
+    packed = dict(engine.model.named_modules())
+    for name, layer in twin.model.named_modules():
+        source = packed[name]
+        if getattr(source, "kind", "dense") == "int8":
+            layer.weight.data.copy_(dequantize_int8(source.qweight, source.scales, torch.float32))
+        elif getattr(source, "kind", "dense") == "int4":
+            layer.weight.data.copy_(dequantize_int4(source.qweight, source.scales, source.zeros,
+                                                    source.group_size, torch.float32))
+    return twin
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("passes", PASSES, ids=["w8", "w4g32", "w4"])
+def test_packed_model_computes_its_dequantized_weights(arch, passes, tiny_checkpoints, make_engine):
+    path = tiny_checkpoints[arch]
+    engine = make_engine(path, surgery=[passes], speculation="off", surgery_guard=False)
+    record, = engine.surgery
+    kinds = {m.kind for n, m in engine.model.named_modules() if hasattr(m, "set_packed") and not n.endswith("lm_head")}
+    assert kinds == {"int8" if record["name"] == "w8" else "int4"}
+    assert record["layers"] == 2 * engine.model_args.num_layers * 2  # qkv, o, gate_up, down per layer
+    assert record["bytes_after"] < record["bytes_before"] / (3.5 if record["name"] == "w8" else 6)
+
+    twin = dense_twin(engine, make_engine, path)
+    rng = random.Random(3)
+    for turn in range(3):  # several turns: packed weights under prefill, decode, and retention
+        prompt = random_tokens(rng, 30 + 7 * turn)
+        h, t = engine.open_state(f"s{turn}"), twin.open_state(f"s{turn}")
+        got = list(h.generate(greedy(), prompt=prompt).token_ids)
+        want = list(t.generate(greedy(), prompt=prompt).token_ids)
+        assert got == want
+        got2 = list(h.generate(greedy(8), prompt=h.tokens + prompt[:5]).token_ids)
+        assert got2 == list(t.generate(greedy(8), prompt=t.tokens + prompt[:5]).token_ids)
+
+
+def test_weight_bytes_count_packed_buffers(tiny_checkpoints, make_engine):
+    path = tiny_checkpoints["llama"]
+    plain = make_engine(path, speculation="off")
+    w8 = make_engine(path, surgery=["w8"], speculation="off", surgery_guard=False)
+    assert plain.weight_bytes == model_bytes(plain.model)
+    record, = w8.surgery
+    assert w8.weight_bytes == plain.weight_bytes - record["bytes_before"] + record["bytes_after"]
+    assert w8.weight_bytes == sum(t.numel() * t.element_size()
+                                  for t in [*w8.model.parameters(), *w8.model.buffers()])
+
+
+def test_state_files_refuse_another_surgery_or_dtype(tiny_checkpoints, make_engine, tmp_path):
+    path = tiny_checkpoints["qwen2"]
+    prompt = random_tokens(random.Random(5), 40)
+    engines = {"plain": make_engine(path, speculation="off"),
+               "w8": make_engine(path, surgery=["w8"], speculation="off", surgery_guard=False),
+               "w4": make_engine(path, surgery=["w4"], speculation="off", surgery_guard=False),
+               "w4g32": make_engine(path, surgery=[{"name": "w4", "group_size": 32}], speculation="off",
+                                    surgery_guard=False),
+               "bf16": make_engine(path, dtype="bfloat16", speculation="off")}
+    assert len({e.fingerprint for e in engines.values()}) == len(engines)
+    tokens = {}
+    for name, engine in engines.items():
+        h = engine.open_state("a")
+        h.generate(greedy(4), prompt=prompt)
+        h.save(tmp_path / f"{name}.hibana")
+        tokens[name] = h.tokens
+    for saved in engines:
+        for name, engine in engines.items():
+            if name == saved:
+                assert engine.load_state(tmp_path / f"{saved}.hibana", "copy").tokens == tokens[saved]
+                continue
+            with pytest.raises(StateFileError):
+                engine.load_state(tmp_path / f"{saved}.hibana", f"from-{saved}")
+    # the same configuration again (a new engine) reads it: the fingerprint is not per process
+    again = make_engine(path, surgery=[{"name": "w8", "force": True}], speculation="off", surgery_guard=False)
+    assert again.fingerprint == engines["w8"].fingerprint
+    again.load_state(tmp_path / "w8.hibana")
+
+
+def test_quantizers_round_trip_within_their_step():
+    torch.manual_seed(0)
+    w = torch.randn(37, 96)
+    q8 = quantize_int8(w)
+    assert q8["qweight"].dtype == torch.int8 and q8["scales"].shape == (37,)
+    err8 = (dequantize_int8(q8["qweight"], q8["scales"], torch.float32) - w).abs()
+    assert (err8 <= q8["scales"][:, None] / 2 + 1e-6).all()
+
+    for group in (32, 96):
+        plain = quantize_int4(w, group, clip=False)
+        clipped = quantize_int4(w, group, clip=True)
+        assert plain["qweight"].shape == (37, 48) and plain["scales"].shape == (37, 96 // group)
+        errors = [(dequantize_int4(q["qweight"], q["scales"], q["zeros"], group, torch.float32) - w).square().sum()
+                  for q in (plain, clipped)]
+        assert errors[1] <= errors[0], "the clipping search keeps the unclipped range when that is best"
+        assert errors[0] / w.square().sum() < 0.02
+    zeros = torch.zeros(4, 64)
+    q = quantize_int4(zeros, 32)
+    assert dequantize_int4(q["qweight"], q["scales"], q["zeros"], 32, torch.float32).abs().max() == 0
+    assert group_size_for(96, 128) == 96 and group_size_for(4096, 128) == 128 and group_size_for(7, 128) is None
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["w9"], r"no surgery pass named 'w9'.*registered: .*w4, w8"),
+    (["w8", "w8"], r"names a pass twice"),
+    ([{"name": "w4", "group_size": 3}], r"group_size must be an even integer"),
+    ([{"name": "w8", "group_size": 64}], r"w8 takes no parameters"),
+    ([{"name": "w4", "clip": "yes"}], r"clip must be true or false"),
+    ([{"name": "w8", "force": "yes"}], r"force must be true or false"),
+    ([42], r"a surgery pass is a name"),
+    ("", r"a surgery pass is a name"),
+    (7, r"surgery must be a list"),
+])
+def test_bad_surgery_options_are_config_errors(bad, message, tiny_checkpoints, make_engine):
+    with pytest.raises(ConfigError, match=message):
+        make_engine(tiny_checkpoints["llama"], surgery=bad, surgery_guard=False)
+
+
+class _Halve:
+    """A third-party pass: halves every norm weight (easy to see in the output)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def apply(self, model, params):
+        self.calls += 1
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.data.mul_(params.get("factor", 0.5))
+        return {"factor": params.get("factor", 0.5)}
+
+
+@contextlib.contextmanager
+def registered_pass(name, surgery_pass):
+    class Plugin:
+        @hookimpl
+        def register_surgery_passes(self, register):
+            register(name, surgery_pass)
+
+    reset_plugin_manager()
+    get_plugin_manager().register(Plugin(), name="hibana-test-surgery")
+    try:
+        yield
+    finally:
+        reset_plugin_manager()
+
+
+def test_a_plugin_pass_runs_when_named_and_joins_the_fingerprint(tiny_checkpoints, make_engine):
+    path = tiny_checkpoints["llama"]
+    halve = _Halve()
+    with registered_pass("halve_norms", halve):
+        plain = make_engine(path, speculation="off")
+        assert halve.calls == 0, "registered passes run only when named"
+        engine = make_engine(path, surgery=[{"name": "halve_norms", "factor": 0.25}, "w8"], speculation="off",
+                             surgery_guard=False)
+    assert halve.calls == 1
+    assert [r["name"] for r in engine.surgery] == ["halve_norms", "w8"]
+    assert engine.surgery[0]["factor"] == 0.25 and engine.fingerprint != plain.fingerprint
+    norm = dict(engine.model.named_parameters())["model.norm.weight"]
+    assert torch.allclose(norm, dict(plain.model.named_parameters())["model.norm.weight"] * 0.25)
+
+
+def test_in_memory_models_take_the_checked_copy_path():
+    from transformers import AutoModelForCausalLM
+
+    from hibana_core import Engine
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(make_config("llama"))
+    engine = Engine.from_hf_model(hf, device="cpu", dtype="float32", num_blocks=32, progress=False,
+                                  speculation="off", surgery=["w8"], surgery_guard=False)
+    assert engine.surgery[0]["layers"] > 0
+    engine.close()
+
+    state = hf.state_dict()
+    del hf.model.layers[1].mlp.down_proj.weight  # a weight the config implies but the model lacks
+    hf.model.layers[1].mlp.down_proj.register_parameter("weight", None)
+    with pytest.raises(CheckpointError, match=r"lacks weights model\.layers\.1\.mlp\.down_proj\.weight"):
+        Engine.from_hf_model(hf, device="cpu", dtype="float32", num_blocks=32, progress=False)
+    hf.model.layers[1].mlp.down_proj.weight = torch.nn.Parameter(state["model.layers.1.mlp.down_proj.weight"][:, :-1])
+    with pytest.raises(CheckpointError, match=r"down_proj\.weight in the in-memory .* has shape"):
+        Engine.from_hf_model(hf, device="cpu", dtype="float32", num_blocks=32, progress=False)
+
+
+# --- the guard -----------------------------------------------------------------------------------
+
+
+def test_guard_measures_w8_on_the_demo_model_and_it_passes_its_floors(make_engine):
+    from hibana_core import Engine
+
+    engine = Engine.from_pretrained("demo", surgery=["w8"], speculation="off", progress=False,
+                                    num_blocks=64)
+    try:
+        guard = engine.surgery[0]["guard"]
+        assert guard["decision"] == "ok" and guard["floors"] == {"ppl_ratio": 1.005}
+        assert guard["ppl_ratio"] <= 1.005 and guard["top1_agreement"] > 0.97 and guard["mean_kl"] < 0.01
+        assert guard["tokens"] > 2000 and 0 < guard["first_divergence"] <= 48
+    finally:
+        engine.close()
+
+
+def test_guard_refuses_a_pass_over_its_floors_unless_forced(tiny_checkpoints, make_engine, tmp_path):
+    path = tiny_checkpoints["llama"]
+    harsh = _Halve()
+    harsh.floors = {"ppl_ratio": 1.0001, "top1_agreement": 0.999}
+    with registered_pass("halve_norms", harsh):
+        with pytest.raises(SurgeryGuardError, match=r"(?s)'halve_norms' costs more quality.*ppl ratio.*"
+                                                    r"'force': True"):
+            make_engine(path, surgery=["halve_norms"])
+        engine = make_engine(path, surgery=[{"name": "halve_norms", "force": True}])
+        plain = make_engine(path, surgery=[{"name": "halve_norms", "factor": 1.0}])  # changes nothing
+        text = tmp_path / "mine.txt"
+        text.write_text("the user's own held-out text, repeated " * 80)
+        own = make_engine(path, surgery=[{"name": "halve_norms", "factor": 1.0}], surgery_guard_text=str(text))
+    guard = engine.surgery[0]["guard"]
+    assert guard["decision"].startswith("forced: ") and guard["ppl_ratio"] != 1.0
+    assert engine.surgery[0]["params"] == {}, "force is no parameter of the pass (nor of the fingerprint)"
+    same = plain.surgery[0]["guard"]
+    assert same["decision"] == "ok" and same["ppl_ratio"] == pytest.approx(1.0) and same["top1_agreement"] == 1.0
+    assert same["mean_kl"] == pytest.approx(0.0, abs=1e-6) and same["first_divergence"] == 48
+
+    assert own.surgery[0]["guard"]["tokens"] != same["tokens"]
+    with pytest.raises(ConfigError, match=r"guard text .*nothing\.txt' does not exist"):
+        make_engine(path, surgery=["w8"], surgery_guard_text=str(tmp_path / "nothing.txt"))
