@@ -19,7 +19,7 @@ import torch
 from hibana_bench.models import PRESETS, load_bench_model
 from hibana_bench.spec_systems import SPEC_SYSTEMS, BenchError
 from hibana_bench.traces import TraceError
-from hibana_bench.workloads import AgentsConfig, agents_workload, decode_workload
+from hibana_bench.workloads import AgentsConfig, agents_workload, decode_workload, surgery_systems
 
 DECODE_SYSTEMS = ("hibana", "hf_eager", "hf_compiled")
 AGENT_SYSTEMS = ("hibana", "hibana_no_retention", "hf_reprefill", "hf_cache_reuse")
@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--conversations", type=int, default=1,
                         help="with --trace: replay the first N conversations one after another (default 1)")
     decode.add_argument("--turns", type=int, help="with --trace: at most this many turns per conversation")
+    decode.add_argument("--surgery", default="", help="comma-separated surgery passes (e.g. w8,w4): adds a "
+                        "system hibana+PASS for each, with its bytes per token and the guard's decision")
     agents = sub.add_parser("agents", parents=[common], help="agents in tool loops")
     agents.add_argument("--agents", type=int, default=8,
                         help="with --trace: agents cycle through the trace's conversations")
@@ -71,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     default = TRACE_SYSTEMS if args.trace else DECODE_SYSTEMS if args.workload == "decode" else AGENT_SYSTEMS
     systems = [s for s in (args.systems or ",".join(default)).split(",") if s]
     unknown = [s for s in systems if s not in ALL_SYSTEMS.split(", ")]
+    if getattr(args, "surgery", ""):
+        systems += surgery_systems([p for p in args.surgery.split(",") if p])
     if unknown:
         build_parser().error(f"unknown system(s) {', '.join(unknown)}; known: {ALL_SYSTEMS}")
     try:
@@ -134,11 +138,21 @@ def print_decode(report: dict) -> None:
     if roof:
         print(f"copy bandwidth {report['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s -> batch-1 roofline "
               f"{roof:.1f} tok/s (weights only)")
-    print(f"{'system':<16}{'context':>8}{'decode tok/s':>14}{'% roofline':>12}{'prefill tok/s':>15}")
+    print(f"{'system':<16}{'context':>8}{'decode tok/s':>14}{'% roofline':>12}{'prefill tok/s':>15}"
+          f"{'weight GB':>11}{'x hibana':>10}  guard")
+    bandwidth = report["copy_bandwidth_bytes_s"]
+    base = {r["context"]: r["decode_tok_s"] for r in report["rows"] if r["system"] == "hibana"}
     for row in report["rows"]:
-        share = f"{100 * row['decode_tok_s'] / roof:.0f}%" if roof else "-"
+        # each system's own roofline: the bytes it reads per token (weights after surgery)
+        own = bandwidth / row["weight_bytes"] if bandwidth and row.get("weight_bytes") else roof
+        share = f"{100 * row['decode_tok_s'] / own:.0f}%" if own else "-"
+        size = f"{row['weight_bytes'] / 1e9:.3f}" if row.get("weight_bytes") else "-"
+        ratio = f"{row['decode_tok_s'] / base[row['context']]:.2f}x" if row["context"] in base else "-"
+        guard = row.get("guard")
+        verdict = "-" if not guard else (f"ppl x{guard['ppl_ratio']:.4f}, top-1 {guard['top1_agreement']:.1%}: "
+                                         f"{guard['decision']}")
         print(f"{row['system']:<16}{row['context']:>8}{row['decode_tok_s']:>14.1f}{share:>12}"
-              f"{row['prefill_tok_s']:>15.0f}")
+              f"{row['prefill_tok_s']:>15.0f}{size:>11}{ratio:>10}  {verdict}")
 
 
 def print_agents(report: dict) -> None:

@@ -53,6 +53,22 @@ class DecodeRow:
     context: int
     decode_tok_s: float
     prefill_tok_s: float
+    weight_bytes: int | None = None   # what the engine holds (after surgery)
+    guard: dict | None = None         # the surgery guard's figures (checkpoints with real weights)
+
+
+def surgery_systems(passes: list[str]) -> list[str]:
+    """`--surgery w8,w4` -> systems "hibana+w8", "hibana+w4" (the default engine with that pass)."""
+    return [f"hibana+{name}" for name in passes]
+
+
+def _surgery_overrides(model: BenchModel, system: str) -> dict:
+    if "+" not in system:
+        return {}
+    # random weights measure speed only: the guard has no meaning there; elsewhere it runs and a
+    # pass over its floors is still timed (forced), its decision reported beside the speed
+    return {"surgery": [{"name": system.split("+", 1)[1], "force": True}],
+            "surgery_guard": not model.random_weights}
 
 
 def decode_workload(model: BenchModel, contexts: list[int], generate: int, systems: list[str],
@@ -63,8 +79,10 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
     warmup = random_tokens(rng, 64, model.vocab_size)
     extra = random.Random(seed + 1)
     rows: list[DecodeRow] = []
-    for system in [s for s in systems if s in SPEC_SYSTEMS]:
-        with open_engine(model, system, max_model_len=max(contexts) + generate + 16, max_concurrent_agents=8) as engine:
+    for system in [s for s in systems if s in SPEC_SYSTEMS or s.startswith("hibana+")]:
+        with open_engine(model, system.split("+")[0], max_model_len=max(contexts) + generate + 16,
+                         max_concurrent_agents=8, **_surgery_overrides(model, system)) as engine:
+            guard = next((r.get("guard") for r in getattr(engine, "surgery", [])), None)
             for prompt in (warmup, random_tokens(rng, min(contexts), model.vocab_size)):
                 warm = engine.open_state("warm")  # Triton compiles, CUDA graphs are captured
                 warm.generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=prompt)
@@ -84,7 +102,8 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
                         h.close()
                 out = h.generate(SamplingParams(max_tokens=generate, ignore_eos=True))
                 decode = out.stats.elapsed - (out.stats.time_to_first_token or 0.0)
-                rows.append(DecodeRow(system, ctx, (generate - 1) / decode, ctx / statistics.median(times)))
+                rows.append(DecodeRow(system, ctx, (generate - 1) / decode, ctx / statistics.median(times),
+                                      getattr(engine, "weight_bytes", None), guard))
                 h.close()
     for name, static in (("hf_eager", False), ("hf_compiled", True)):
         if name not in systems:
