@@ -53,12 +53,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="agents solving tasks in tool loops on the bundled demo model (hibana demo --help)",
     )
 
-    # Placeholder: filled in by the issue that brings model surgery.
-    for name, summary in (
-        ("surgery", "apply and evaluate model surgery passes"),
-    ):
-        placeholder = commands.add_parser(name, help=f"{summary} (not available yet)")
-        placeholder.set_defaults(run=_not_available)
+    surgery = commands.add_parser(
+        "surgery", help="apply model surgery passes, measure them with the guard, write a checkpoint",
+        description="Apply surgery passes to a checkpoint, print the guard's figures against the "
+                    "unmodified model, and (with --out) write a checkpoint that loads with the "
+                    "passes applied. Example: hibana surgery path/to/model --passes w4 --out model-w4")
+    surgery.add_argument("model", help="checkpoint directory, or demo")
+    surgery.add_argument("--passes", required=True,
+                         help='comma-separated pass names (w8, w4), or a JSON list such as '
+                              '\'[{"name": "w4", "group_size": 64}]\'')
+    surgery.add_argument("--out", help="write the rewritten checkpoint to this (new or empty) directory")
+    surgery.add_argument("--force", action="store_true", help="keep passes over their guard floors")
+    surgery.add_argument("--guard-text", help="a UTF-8 text file to measure on instead of the demo conversations")
+    surgery.add_argument("--no-guard", action="store_true", help="skip the guard (no quality figures)")
+    surgery.add_argument("--device", default="auto")
+    surgery.add_argument("--dtype", default="auto")
+    surgery.set_defaults(run=run_surgery)
     return parser
 
 
@@ -83,9 +93,41 @@ def run_entry_point_command(name: str, argv: list[str]) -> int:
     return command(argv)
 
 
-def _not_available(args: argparse.Namespace) -> int:
-    print(f"hibana {args.command}: not available yet", file=sys.stderr)
-    return 2
+# -- hibana surgery ------------------------------------------------------------------------------
+
+
+def run_surgery(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hibana_core import Engine, HibanaError
+    from hibana_core.loader import resolve_checkpoint
+    from hibana_core.surgery import checkpoint
+
+    text = args.passes.strip()
+    try:
+        passes = json.loads(text) if text.startswith("[") else [p for p in text.split(",") if p]
+    except json.JSONDecodeError as exc:
+        print(f"hibana surgery: --passes is neither names nor a JSON list ({exc})", file=sys.stderr)
+        return 2
+    if args.force:
+        passes = [{**({"name": p} if isinstance(p, str) else p), "force": True} for p in passes]
+    try:
+        engine = Engine.from_pretrained(args.model, surgery=passes, speculation="off", device=args.device,
+                                        dtype=args.dtype, surgery_guard=not args.no_guard,
+                                        surgery_guard_text=args.guard_text, num_blocks=16)
+        with engine:
+            for record in engine.surgery:
+                saved = record.get("bytes_before", 0) - record.get("bytes_after", 0)
+                print(f"{record['name']}: {record.get('layers', '?')} layers, {saved / 1e6:,.1f} MB saved"
+                      + (f"; guard: {record['guard']['decision']}" if "guard" in record else ""))
+            print(f"model bytes now {engine.weight_bytes / 1e6:,.1f} MB")
+            if args.out:
+                out = checkpoint.save(engine, resolve_checkpoint(args.model), Path(args.out))
+                print(f"wrote {out} (load it as any checkpoint: Engine.from_pretrained({str(out)!r}))")
+    except HibanaError as exc:
+        print(f"hibana surgery: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 # -- hibana plugins ------------------------------------------------------------------------------

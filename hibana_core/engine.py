@@ -104,7 +104,8 @@ class Engine:
         else:
             loaded = load_from_hf_model(hf_model, self.device, config.dtype, self._ctx, tokenizer)
         guard = self._guard(loaded) if config.surgery and config.surgery_guard else None
-        self.surgery = apply_passes(loaded.model, config.surgery, get_plugin_manager().surgery_passes(), guard)
+        self.surgery = loaded.surgery + apply_passes(loaded.model, config.surgery,
+                                                     get_plugin_manager().surgery_passes(), guard)
         """What each surgery pass changed (name, parameters, layers, bytes before and after) and,
         where the guard ran, its figures against the unmodified model."""
         if guard is not None and config.progress:

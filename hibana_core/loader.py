@@ -10,7 +10,7 @@ import hashlib
 import json
 import struct
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from hibana_core.errors import CheckpointError, UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
+from hibana_core.surgery.checkpoint import read_manifest
 from hibana_plugins.manager import get_plugin_manager
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo" / "model"
@@ -36,6 +37,7 @@ class LoadedModel:
     dtype: torch.dtype
     weight_bytes: int
     fingerprint: str          # sha256 of config, tokenizer and weight layout: guards state files
+    surgery: list = field(default_factory=list)  # passes a surgery checkpoint was written with
 
 
 def resolve_checkpoint(model: str) -> Path:
@@ -82,9 +84,12 @@ def load_model(model: str, device: torch.device, dtype: str, ctx: ForwardContext
         raise CheckpointError(f"cannot read {path / 'config.json'}: {exc}") from exc
     torch_dtype = resolve_dtype(dtype, device, hf_config)
     module, args = _build(family, hf_config, device, torch_dtype, ctx)
-    _load_weights(module, path, progress)
-    return _loaded(module, args, hf_config, _load_tokenizer(path), _eos_token_ids(path, hf_config),
-                   torch_dtype, _fingerprint(path))
+    manifest = read_manifest(path)
+    _load_weights(module, path, progress, manifest)
+    loaded = _loaded(module, args, hf_config, _load_tokenizer(path), _eos_token_ids(path, hf_config),
+                     torch_dtype, _fingerprint(path))
+    loaded.surgery = list(manifest["passes"]) if manifest else []
+    return loaded
 
 
 def load_from_hf_model(hf_model: torch.nn.Module, device: torch.device, dtype: str,
@@ -156,7 +161,9 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _load_weights(module: torch.nn.Module, path: Path, progress: bool) -> None:
+def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest: dict | None = None) -> None:
+    """Copy the checkpoint's tensors into `module`. A surgery checkpoint (`manifest`) names them
+    as the module does, and its packed layers take their packed tensors as they are."""
     from safetensors import safe_open
 
     files = _weight_files(path)
@@ -173,17 +180,34 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool) -> None:
             raise CheckpointError(f"cannot read tensor {name} from {file}: {exc}; "
                                   "the file is damaged, re-download it") from exc
 
-    items = ((name, str(file), lambda f=file, h=handle, n=name: read(f, h, n))
-             for file, handle in zip(files, handles) for name in handle.keys())
-    _copy_weights(module, items, sum(len(h.keys()) for h in handles), str(path), progress,
-                  desc=f"loading {path.name}")
+    where = {name: (file, handle) for file, handle in zip(files, handles) for name in handle.keys()}
+    own_names = manifest is not None
+    if own_names:
+        layers = dict(module.named_modules())
+        for name, spec in manifest.get("packed_layers", {}).items():
+            layer = layers.get(name)
+            if layer is None or not hasattr(layer, "set_packed"):
+                raise CheckpointError(f"{path}: packed layer {name} is not a linear layer of this model")
+            parts = ("qweight", "scales", "zeros") if spec["kind"] == "int4" else ("qweight", "scales")
+            missing = [f"{name}.{p}" for p in parts if f"{name}.{p}" not in where]
+            if missing:
+                raise CheckpointError(f"{path} lacks {', '.join(missing)}; re-run `hibana surgery`")
+            device = layer.weight.device
+            layer.set_packed(spec["kind"], {p: read(*where[f"{name}.{p}"], f"{name}.{p}").to(device) for p in parts},
+                             spec.get("group_size", 0))
+            for p in parts:
+                del where[f"{name}.{p}"]
+    items = ((name, str(file), lambda f=file, h=handle, n=name: read(f, h, n)) for name, (file, handle) in where.items())
+    _copy_weights(module, items, len(where), str(path), progress, desc=f"loading {path.name}", own_names=own_names)
 
 
 def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progress: bool,
-                  desc: str = "copying weights") -> None:
+                  desc: str = "copying weights", own_names: bool = False) -> None:
     """The one weight-copy path (checkpoints and in-memory models): `items` yields (name, where,
-    read) for each source tensor; every tensor the model needs must come, with its shape."""
-    if hasattr(module, "checkpoint_tensors"):  # a family with fused or renamed parameters
+    read) for each source tensor; every tensor the model needs must come, with its shape.
+    `own_names`: the source names tensors as the module does (a surgery checkpoint), not as
+    Hugging Face checkpoints do."""
+    if hasattr(module, "checkpoint_tensors") and not own_names:  # a family with fused or renamed parameters
         params = module.checkpoint_tensors()
     else:
         params = dict(module.named_parameters(remove_duplicate=False))

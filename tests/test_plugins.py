@@ -532,9 +532,9 @@ def test_cli_plugins_json(capsys):
     )
 
 
-@pytest.mark.parametrize("command", ["surgery"])
-def test_cli_placeholders_exit_2(command, capsys):
+def test_cli_surgery_asks_for_its_passes(capsys):
     from hibana_core.cli import main
 
-    assert main([command]) == 2
-    assert "not available yet" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:
+        main(["surgery", "demo"])
+    assert exit.value.code == 2 and "--passes" in capsys.readouterr().err

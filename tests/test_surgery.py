@@ -247,3 +247,46 @@ def test_guard_refuses_a_pass_over_its_floors_unless_forced(tiny_checkpoints, ma
     assert own.surgery[0]["guard"]["tokens"] != same["tokens"]
     with pytest.raises(ConfigError, match=r"guard text .*nothing\.txt' does not exist"):
         make_engine(path, surgery=["w8"], surgery_guard_text=str(tmp_path / "nothing.txt"))
+
+
+# --- surgery written to disk ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("passes", ["w8", '[{"name": "w4", "group_size": 32}]'])
+def test_hibana_surgery_writes_a_checkpoint_that_loads_with_its_passes(passes, tiny_checkpoints, make_engine,
+                                                                       tmp_path, capsys):
+    from hibana_core.cli import main
+
+    path, out = tiny_checkpoints["qwen3"], tmp_path / "out"
+    assert main(["surgery", str(path), "--passes", passes, "--out", str(out), "--no-guard", "--device", "cpu",
+                 "--dtype", "float32"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    name = "w8" if passes == "w8" else "w4"
+    params = {} if name == "w8" else {"group_size": 32}
+    direct = make_engine(path, surgery=[{"name": name, **params}], speculation="off", surgery_guard=False)
+    saved = make_engine(out, speculation="off")
+    assert [r["name"] for r in saved.surgery] == [name] and saved.surgery[0]["params"] == params
+    assert saved.weight_bytes == direct.weight_bytes
+    prompt = random_tokens(random.Random(9), 33)
+    assert list(saved.open_state("a").generate(greedy(), prompt=prompt).token_ids) == \
+        list(direct.open_state("a").generate(greedy(), prompt=prompt).token_ids)
+
+    # a second run refuses to overwrite; a damaged manifest is a CheckpointError
+    assert main(["surgery", str(path), "--passes", "w8", "--out", str(out), "--no-guard", "--device", "cpu"]) == 1
+    assert "already holds a checkpoint" in capsys.readouterr().err
+    (out / "hibana_surgery.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"hibana_surgery\.json is damaged"):
+        make_engine(out)
+
+
+def test_hibana_surgery_reports_a_refusal(tiny_checkpoints, capsys):
+    from hibana_core.cli import main
+
+    halve = _Halve()
+    halve.floors = {"top1_agreement": 1.0001}  # nothing passes this
+    with registered_pass("halve_norms", halve):
+        assert main(["surgery", str(tiny_checkpoints["llama"]), "--passes", "halve_norms", "--device", "cpu"]) == 1
+        assert "costs more quality than its floors allow" in capsys.readouterr().err
+        assert main(["surgery", str(tiny_checkpoints["llama"]), "--passes", "halve_norms", "--device", "cpu",
+                     "--force"]) == 0
+        assert "guard: forced" in capsys.readouterr().out

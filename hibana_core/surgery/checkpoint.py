@@ -1,0 +1,65 @@
+"""Surgery written to disk: a checkpoint directory that loads with its passes already applied.
+
+    out/config.json, tokenizer files, generation_config.json   copied from the source
+    out/model.safetensors      the rewritten model's tensors under Hibana's own module names
+                               (fused q/k/v and gate/up; packed layers as qweight/scales/zeros)
+    out/hibana_surgery.json    MANIFEST: the passes with their parameters and guard figures, and
+                               each packed layer's kind and group size
+
+`hibana_core.loader` reads the manifest: packed layers get their packed tensors, the rest load
+by name, and the engine reports the manifest's passes as applied (they join its fingerprint).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hibana_core.errors import CheckpointError
+
+MANIFEST = "hibana_surgery.json"
+FORMAT = "hibana-surgery/1"
+_COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+           "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+def packed_layers(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    return {name: {"kind": m.kind, "group_size": m.group_size}
+            for name, m in model.named_modules() if getattr(m, "kind", "dense") != "dense"}
+
+
+def save(engine: Any, source: Path, out: Path) -> Path:
+    """Write `engine`'s rewritten model (loaded from `source`) as a checkpoint in `out`."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / MANIFEST).exists() or any(out.glob("*.safetensors")):
+        raise CheckpointError(f"{out} already holds a checkpoint; choose an empty directory")
+    for name in _COPIED:
+        if (source / name).is_file():
+            shutil.copy2(source / name, out / name)
+    model = engine.model
+    tensors = {name: t.detach().contiguous().cpu() for name, t in
+               [*model.named_parameters(), *model.named_buffers()]}  # tied parameters once
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    manifest = {"format": FORMAT, "source": str(source), "dtype": str(engine.dtype).removeprefix("torch."),
+                "passes": engine.surgery, "packed_layers": packed_layers(model)}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return out
+
+
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    file = path / MANIFEST
+    if not file.is_file():
+        return None
+    try:
+        manifest = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{file} is damaged ({exc}); re-run `hibana surgery`") from exc
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{file} has format {manifest.get('format')!r}; this Hibana reads {FORMAT!r}")
+    return manifest
