@@ -303,10 +303,10 @@ def test_a_plugin_drafter_is_used_when_named(tiny_checkpoints, make_engine):
     assert len(oracle.calls) > calls and other.stats().draft_tokens_accepted > 0
 
     # an unknown name: per request and engine-wide, the message lists what is registered
-    with pytest.raises(ConfigError, match=r"registered: draft_model, ngram, oracle, suffix"):
+    with pytest.raises(ConfigError, match=r"registered: draft_model, layer_skip, ngram, oracle, suffix"):
         h2.generate(greedy(speculation={"method": "nope", "k": 3}))
     assert h2.tokens == history + want, "a refused call leaves the state as it was"
-    with registered(oracle=oracle), pytest.raises(ConfigError, match=r"'nope'.*registered: draft_model, ngram, oracle, suffix"):
+    with registered(oracle=oracle), pytest.raises(ConfigError, match=r"'nope'.*registered: draft_model, layer_skip, ngram, oracle, suffix"):
         make_engine(path, speculation={"method": "nope"})
 
 

@@ -290,3 +290,37 @@ def test_hibana_surgery_reports_a_refusal(tiny_checkpoints, capsys):
         assert main(["surgery", str(tiny_checkpoints["llama"]), "--passes", "halve_norms", "--device", "cpu",
                      "--force"]) == 0
         assert "guard: forced" in capsys.readouterr().out
+
+
+# --- the layer-skip self-draft -------------------------------------------------------------------
+
+
+def test_layer_skip_self_draft_is_lossless_and_shares_the_weights(tiny_checkpoints, make_engine):
+    from hibana_core.surgery.layer_skip import LayerSkipDrafter, choose_layers
+
+    assert choose_layers([0.9, 0.1, 0.5, 0.2, 0.3, 0.8], 0.5) == [0, 2, 5]
+    assert choose_layers([0.5, 0.1], 0.25) == [0, 1]
+    path = tiny_checkpoints["qwen3"]
+    plain = make_engine(path, speculation="off")
+    engine = make_engine(path, speculation={"method": "layer_skip", "k": 3})
+    rng = random.Random(11)
+    prompts = [random_tokens(rng, 40) * 2 for _ in range(3)]  # repeats: something to draft right
+    handles = [engine.open_state(f"s{i}") for i in range(3)]
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(3) as pool:  # batched: several states draft in one call
+        got = list(pool.map(lambda hp: list(hp[0].generate(greedy(30), prompt=hp[1]).token_ids),
+                            zip(handles, prompts)))
+    for i, (prompt, tokens) in enumerate(zip(prompts, got)):
+        assert tokens == list(plain.open_state(f"p{i}").generate(greedy(30), prompt=prompt).token_ids)
+    summary = engine.stats().speculation["drafters"]["layer_skip"]
+    n = engine.model_args.num_layers
+    assert summary["tokens_drafted"] > 0 and summary["layers_kept"][0] == 0 and summary["layers_kept"][-1] == n - 1
+
+    drafter = LayerSkipDrafter(engine, layers=[0, 1])
+    target, draft = engine.model.model.layers, drafter.runner.model.model.layers
+    assert len(draft) == 2 and draft[1].self_attn.layer_idx == 1 and draft[1].self_attn.ctx is drafter.ctx
+    assert draft[1].mlp.down_proj.weight.data_ptr() == target[1].mlp.down_proj.weight.data_ptr()
+    assert target[1].self_attn.ctx is engine._ctx, "the target's layers are untouched"
+    with pytest.raises(ConfigError, match=r"layers must be increasing indices"):
+        LayerSkipDrafter(engine, layers=[1, 0])
+    drafter.close()

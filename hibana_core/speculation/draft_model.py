@@ -110,17 +110,22 @@ class DraftModelDrafter:
     """No free "shadow" proposals for the controller: each costs draft-model forwards."""
 
     def __init__(self, engine: Any, model: str | None = None, num_blocks: int | None = None,
-                 kv_share: float = 0.25) -> None:
-        path = model if model is not None else engine.config.speculation.draft_model
-        if not path:
-            raise ConfigError("speculation method 'draft_model' needs a draft checkpoint: "
-                              "Engine.from_pretrained(target, speculation={'method': 'draft_model', "
-                              "'draft_model': path, 'k': 4})")
-        self.path = str(path)
-        self.ctx = ForwardContext()
-        loaded = load_model(self.path, engine.device, str(engine.dtype).removeprefix("torch."), self.ctx,
-                            engine.config.progress)
-        check_same_tokenizer(engine, loaded, self.path)
+                 kv_share: float = 0.25, loaded: LoadedModel | None = None, ctx: ForwardContext | None = None) -> None:
+        """`loaded` and `ctx`: a model already built on its own ForwardContext (the layer-skip
+        self-draft) instead of a checkpoint to load."""
+        if loaded is None:
+            path = model if model is not None else engine.config.speculation.draft_model
+            if not path:
+                raise ConfigError("speculation method 'draft_model' needs a draft checkpoint: "
+                                  "Engine.from_pretrained(target, speculation={'method': 'draft_model', "
+                                  "'draft_model': path, 'k': 4})")
+            self.path = str(path)
+            self.ctx = ForwardContext()
+            loaded = load_model(self.path, engine.device, str(engine.dtype).removeprefix("torch."), self.ctx,
+                                engine.config.progress)
+            check_same_tokenizer(engine, loaded, self.path)
+        else:
+            self.path, self.ctx = model or "(built in memory)", ctx
         self.vocab_size = min(engine.vocab_size, loaded.args.vocab_size)  # drafts are ids both know
         # history ids past the draft's embedding (padding ids of a larger target) are clamped
         self._cap = loaded.args.vocab_size - 1 if engine.vocab_size > loaded.args.vocab_size else None

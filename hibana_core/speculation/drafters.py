@@ -178,8 +178,16 @@ def _draft_model(engine: Any, **options: Any) -> Drafter:
     return DraftModelDrafter(engine, **options)
 
 
+def _layer_skip(engine: Any, **options: Any) -> Drafter:
+    """The layer-skip self-draft (`hibana_core.surgery.layer_skip`), imported on first use."""
+    from hibana_core.surgery.layer_skip import LayerSkipDrafter
+
+    return LayerSkipDrafter(engine, **options)
+
+
 @hookimpl
 def register_drafters(register) -> None:
     register("suffix", SuffixDrafter)
     register("ngram", NgramDrafter)
     register("draft_model", _draft_model)
+    register("layer_skip", _layer_skip)

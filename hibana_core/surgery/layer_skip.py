@@ -1,0 +1,123 @@
+"""The layer-skip self-draft: the target model with a subset of its decoder layers drafts for it.
+
+    rank     on held-out text (the guard's documents), how much each layer turns the residual
+             stream: 1 - mean cosine(stream before the layer, stream after it); the layers that
+             turn it least matter least
+    keep     the first and the last layer always, then the most important of the rest, so that
+             a `keep` share of the layers remains (default half)
+    draft    a shallow copy of the model that shares every weight (packed ones too) and runs the
+             kept layers on its own ForwardContext, so its KV (kept layers only) lives in its own
+             cache; it drafts through `DraftModelDrafter`, greedily (so verification stays
+             lossless: output is the target's own)
+
+No weights are added: the draft costs its KV and about `keep` of a target forward per token.
+Used as `speculation={"method": "layer_skip", "k": 4}`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+
+from hibana_core.errors import ConfigError
+from hibana_core.forward_context import ForwardContext
+from hibana_core.loader import LoadedModel
+from hibana_core.speculation.draft_model import DraftModelDrafter
+
+DEFAULT_KEEP = 0.5
+
+
+def _layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not all(hasattr(l, "self_attn") for l in layers):
+        raise ConfigError(f"the layer-skip self-draft needs a decoder of the llama kind (model.layers[i]."
+                          f"self_attn); {type(model).__name__} is not one; use speculation method 'suffix'")
+    return layers
+
+
+def layer_importance(engine: Any, documents: list[list[int]]) -> list[float]:
+    """Per decoder layer: 1 - mean cosine similarity of the residual stream before and after it."""
+    from hibana_core.surgery.guard import Scorer
+
+    layers = _layers(engine.model)
+    turned = [0.0] * len(layers)
+    count = [0]
+
+    def hook(index: int):
+        def record(module, inputs, output):
+            _, x, residual = inputs
+            before = x if residual is None else x + residual
+            after = output[0] + output[1]
+            turned[index] += (1 - torch.cosine_similarity(before.float(), after.float(), dim=-1)).sum().item()
+        return record
+
+    handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
+    try:
+        scorer = Scorer(engine.model, engine._ctx, engine.model_args, engine.dtype, engine.device,
+                        max(len(d) for d in documents))
+        for doc in documents:
+            scorer.log_probs(doc)
+            count[0] += len(doc)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [t / count[0] for t in turned]
+
+
+def choose_layers(importance: list[float], keep: float) -> list[int]:
+    n = len(importance)
+    wanted = max(2, min(n, round(keep * n)))
+    middle = sorted(range(1, n - 1), key=lambda i: -importance[i])[:max(0, wanted - 2)]
+    return sorted({0, n - 1, *middle})
+
+
+def shallow_model(model: torch.nn.Module, keep: list[int], ctx: ForwardContext) -> torch.nn.Module:
+    """A copy of `model` sharing its weights, with only the `keep` layers, on `ctx`."""
+    def clone(module: torch.nn.Module) -> torch.nn.Module:
+        twin = copy.copy(module)
+        twin._modules, twin._parameters, twin._buffers = (dict(module._modules), dict(module._parameters),
+                                                          dict(module._buffers))
+        return twin
+
+    layers = []
+    for new_index, old_index in enumerate(keep):
+        layer = clone(model.model.layers[old_index])
+        attention = clone(layer.self_attn)
+        attention.ctx, attention.layer_idx = ctx, new_index
+        layer.self_attn = attention
+        layers.append(layer)
+    top, inner = clone(model), clone(model.model)
+    inner.layers = torch.nn.ModuleList(layers)
+    top.model = inner
+    return top
+
+
+class LayerSkipDrafter(DraftModelDrafter):
+    """`DraftModelDrafter` on the target's own layers (a `keep` share of them)."""
+
+    def __init__(self, engine: Any, keep: float = DEFAULT_KEEP, layers: list[int] | None = None,
+                 num_blocks: int | None = None, kv_share: float = 0.25) -> None:
+        from hibana_core.surgery.guard import heldout_documents
+
+        n = engine.model_args.num_layers
+        if layers is None:
+            if not 0 < keep < 1:
+                raise ConfigError(f"layer_skip: keep must lie in (0, 1), got {keep!r}")
+            documents = heldout_documents(engine.tokenizer, engine.vocab_size)
+            layers = choose_layers(layer_importance(engine, documents), keep)
+        if not layers or sorted(set(layers)) != list(layers) or layers[0] < 0 or layers[-1] >= n:
+            raise ConfigError(f"layer_skip: layers must be increasing indices below {n}, got {layers!r}")
+        self.layers = list(layers)
+        ctx = ForwardContext()
+        model = shallow_model(engine.model, self.layers, ctx)
+        args = dataclasses.replace(engine.model_args, num_layers=len(self.layers))
+        loaded = LoadedModel(model, args, engine.hf_config, engine.tokenizer, tuple(engine.eos_token_ids),
+                             engine.dtype, 0, "")
+        super().__init__(engine, model=f"layer_skip({len(self.layers)}/{n} layers)", num_blocks=num_blocks,
+                         kv_share=kv_share, loaded=loaded, ctx=ctx)
+
+    def summary(self) -> dict:
+        return {**super().summary(), "layers_kept": self.layers}
