@@ -84,8 +84,11 @@ def load_model(model: str, device: torch.device, dtype: str, ctx: ForwardContext
         raise CheckpointError(f"cannot read {path / 'config.json'}: {exc}") from exc
     torch_dtype = resolve_dtype(dtype, device, hf_config)
     module, args = _build(family, hf_config, device, torch_dtype, ctx)
+    quantization = getattr(hf_config, "quantization_config", None)
+    if quantization is not None and not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
     manifest = read_manifest(path)
-    _load_weights(module, path, progress, manifest)
+    _load_weights(module, path, progress, manifest, quantization)
     loaded = _loaded(module, args, hf_config, _load_tokenizer(path), _eos_token_ids(path, hf_config),
                      torch_dtype, _fingerprint(path))
     loaded.surgery = list(manifest["passes"]) if manifest else []
@@ -161,9 +164,11 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest: dict | None = None) -> None:
+def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest: dict | None = None,
+                  quantization: dict | None = None) -> None:
     """Copy the checkpoint's tensors into `module`. A surgery checkpoint (`manifest`) names them
-    as the module does, and its packed layers take their packed tensors as they are."""
+    as the module does, and its packed layers take their packed tensors as they are; a GPTQ or
+    AWQ checkpoint (`quantization`: its quantization_config) has its packed layers repacked."""
     from safetensors import safe_open
 
     files = _weight_files(path)
@@ -193,10 +198,19 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
             if missing:
                 raise CheckpointError(f"{path} lacks {', '.join(missing)}; re-run `hibana surgery`")
             device = layer.weight.device
+            perm = where.pop(f"{name}.perm", None)  # a GPTQ layer quantized in activation order
             layer.set_packed(spec["kind"], {p: read(*where[f"{name}.{p}"], f"{name}.{p}").to(device) for p in parts},
-                             spec.get("group_size", 0))
+                             spec.get("group_size", 0), None if perm is None else read(*perm, f"{name}.perm").to(device))
             for p in parts:
                 del where[f"{name}.{p}"]
+    if quantization is not None and not own_names:  # a GPTQ / AWQ checkpoint: packed layers as they are
+        from hibana_core.surgery.prequantized import load_packed_layers, parse_quantization_config
+
+        fmt = parse_quantization_config(quantization, str(path / "config.json"))
+        consumed = load_packed_layers(module, set(where), lambda n: read(*where[n], n), fmt,
+                                      getattr(module, "FUSED_LAYERS", {}), str(path))
+        for name in consumed:
+            del where[name]
     items = ((name, str(file), lambda f=file, h=handle, n=name: read(f, h, n)) for name, (file, handle) in where.items())
     _copy_weights(module, items, len(where), str(path), progress, desc=f"loading {path.name}", own_names=own_names)
 

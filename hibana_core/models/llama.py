@@ -150,7 +150,10 @@ class Linear(nn.Linear):
 
     kind = "dense"
     group_size = 0
-    perm: torch.Tensor | None = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_buffer("perm", None)
 
     def set_packed(self, kind: str, tensors: dict[str, torch.Tensor], group_size: int = 0,
                    perm: torch.Tensor | None = None) -> None:
@@ -161,8 +164,7 @@ class Linear(nn.Linear):
         for name, tensor in tensors.items():
             self.register_buffer(name, tensor)
         self.kind, self.group_size = kind, group_size
-        if perm is not None:
-            self.register_buffer("perm", perm)
+        self.perm = perm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "dense":
@@ -291,6 +293,9 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 
 class LlamaForCausalLM(nn.Module):
     """`forward(input_ids, positions) -> hidden [T, hidden]`; `compute_logits` on chosen rows."""
+
+    FUSED_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    """A fused linear layer -> the checkpoint layers it concatenates along its outputs, in order."""
 
     def __init__(self, args: LlamaArgs, ctx: ForwardContext) -> None:
         super().__init__()
