@@ -308,6 +308,34 @@ def check_linear(device, dtype, rows, n, k, bias, tiles):
     torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
 
 
+def check_quant_linear(device, dtype, kind, rows, n, k, group, bias):
+    """The dequantizing Triton kernels against the torch references (`hibana_kernels.quant`)."""
+    from hibana_kernels import quant
+
+    triton_quant = _triton_module("quant")
+    gen = torch.Generator().manual_seed(rows * n + k + group)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    if kind == "int8":
+        q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        s = torch.rand(n, generator=gen) / (20 * k ** 0.5)
+        args = (q, s)
+    else:
+        q = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+        s = (torch.rand(n, k // group, generator=gen) / (4 * k ** 0.5)).half()
+        z = (torch.rand(n, k // group, generator=gen) * 15).half()
+        args = (q, s, z, group)
+    reference = getattr(quant, f"linear_{kind}")
+    ref = reference(x.double(), *[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                                  for a in args],
+                    None if b is None else b.double())
+    moved = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    out = getattr(triton_quant, f"linear_{kind}")(x.to(device), *moved, None if b is None else b.to(device))
+    assert out.shape == (rows, n) and out.dtype == dtype
+    tolerance = {torch.float32: dict(atol=1e-4, rtol=1e-4)}.get(dtype, dict(atol=3e-2, rtol=3e-2))
+    torch.testing.assert_close(out.double().cpu(), ref, **tolerance)
+
+
 # ---------------------------------------------------------------------------------------------
 # the interpreter worker
 
@@ -447,3 +475,26 @@ def test_linear(run_check, dtype, rows, n, k, bias, tiles):
     if dtype == torch.float32 and tiles is not None:
         tiles = None  # float32 always goes to cuBLAS; checked through the dispatcher
     run_check(check_linear, dtype=dtype, rows=rows, n=n, k=k, bias=bias, tiles=tiles)
+
+
+# rows 1-4 (the GEMV path) and more (tl.dot); odd N, K across several tiles and groups
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind, rows, n, k, group, bias", [
+    ("int8", 1, 33, 200, 0, False), ("int8", 5, 70, 96, 0, True), ("int8", 17, 257, 64, 0, False),
+    ("int4", 1, 33, 256, 128, True), ("int4", 2, 40, 192, 64, False), ("int4", 3, 257, 96, 32, False),
+    ("int4", 17, 48, 256, 128, True), ("int4", 64, 65, 64, 32, False)])
+def test_quant_linear(run_check, dtype, kind, rows, n, k, group, bias):
+    run_check(check_quant_linear, dtype=dtype, kind=kind, rows=rows, n=n, k=k, group=group, bias=bias)
+
+
+def test_quant_references_round_trip():
+    from hibana_kernels import quant
+
+    codes = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
+    assert torch.equal(quant.unpack_int4(quant.pack_int4(codes)), codes)
+    scales, zeros = torch.rand(5, 2).half(), (torch.rand(5, 2) * 15).half()
+    w = quant.dequantize_int4(quant.pack_int4(codes), scales, zeros, 32, torch.float32)
+    expect = (codes.float().view(5, 2, 32) - zeros.float()[..., None]) * scales.float()[..., None]
+    assert torch.equal(w, expect.view(5, 64))
+    x = torch.randn(3, 64)
+    assert torch.allclose(quant.linear_int4(x, quant.pack_int4(codes), scales, zeros, 32), x @ w.t(), atol=1e-5)
