@@ -8,6 +8,7 @@
    give the CPU's speculation-off greedy tokens with speculation on, 4 agents batched with mixed
    draft lengths (suffix k=4 and k=8, ngram k=2, adaptive) on histories that repeat themselves
    (so drafts are accepted and rejected); and bf16 demo model: spec on == spec off.
+4. surgery: each pass (w8, w4), float32, GPU kernels == CPU references, greedy.
 Prints a table; exits 1 if a check fails.
 """
 
@@ -64,6 +65,33 @@ def check_float32() -> list[tuple[str, bool, str]]:
                     got = batched_greedy(gpu, prompts, 32)
                 same = sum(a == b for a, b in zip(got, want))
                 rows.append((f"fp32 {arch} graphs={graphs}", same == len(prompts), f"{same}/4 agents equal"))
+    return rows
+
+
+SURGERY = ("w8", {"name": "w4", "group_size": 32})
+
+
+def check_surgery() -> list[tuple[str, bool, str]]:
+    """Each surgery pass, float32 compute: the GPU (Triton dequantizing kernels, graphs on) gives
+    the CPU references' greedy tokens on the tiny checkpoints, 4 agents batched (the packed
+    weights are the same: quantization runs on each device from the same float weights)."""
+    from tiny_models import make_tiny_checkpoint
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in ("llama", "qwen3"):
+            path = make_tiny_checkpoint(arch, Path(tmp) / arch)
+            rng = random.Random(5)
+            prompts = [[rng.randrange(2, 512) for _ in range(rng.randint(20, 300))] for _ in range(4)]
+            for surgery in SURGERY:
+                options = dict(progress=False, surgery=[surgery], surgery_guard=False, speculation="off")
+                with Engine.from_pretrained(path, device="cpu", **options) as cpu:
+                    want = batched_greedy(cpu, prompts, 32)
+                with Engine.from_pretrained(path, device="cuda", dtype="float32", **options) as gpu:
+                    got = batched_greedy(gpu, prompts, 32)
+                same = sum(a == b for a, b in zip(got, want))
+                name = surgery if isinstance(surgery, str) else f"{surgery['name']} g{surgery['group_size']}"
+                rows.append((f"surgery {name} fp32 {arch}", same == len(prompts), f"{same}/4 agents equal"))
     return rows
 
 
@@ -141,7 +169,8 @@ def check_bf16_demo() -> list[tuple[str, bool, str]]:
 
 
 def main() -> int:
-    rows = ([] if "--bf16-only" in sys.argv else check_float32() + check_speculation()) + check_bf16_demo()
+    rows = ([] if "--bf16-only" in sys.argv else check_float32() + check_speculation() + check_surgery()) \
+        + check_bf16_demo()
     width = max(len(r[0]) for r in rows)
     for name, ok, detail in rows:
         print(f"{name:<{width}}  {'PASS' if ok else 'FAIL'}  {detail}")
