@@ -206,7 +206,7 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
     if quantization is not None and not own_names:  # a GPTQ / AWQ checkpoint: packed layers as they are
         from hibana_core.surgery.prequantized import load_packed_layers, parse_quantization_config
 
-        fmt = parse_quantization_config(quantization, str(path / "config.json"))
+        fmt = parse_quantization_config(quantization)
         consumed = load_packed_layers(module, set(where), lambda n: read(*where[n], n), fmt,
                                       getattr(module, "FUSED_LAYERS", {}), str(path))
         for name in consumed:

@@ -1,0 +1,399 @@
+"""Pre-quantized int4 checkpoints (GPTQ, AWQ, compressed-tensors) -> Hibana's int4 layout.
+
+`parse_quantization_config` reads `config.json`'s `quantization_config` into a `QuantFormat`;
+`repack_layer` turns one quantized linear layer's checkpoint tensors into the layout of
+`kernels/quant.py` (uint8 [N, K // 2], fp16 scales and zeros [N, K // G]). Every format defines
+w[n, k] = (q[n, k] - z[n, g(k)]) * s[n, g(k)]; the repack keeps q, z and s exactly, so
+`dequantize_int4` of the result is the weight the format defines, bit for bit (scales stored in
+another float type are rounded to fp16 once).
+
+The three layouts (K = in_features, N = out_features, G = group size, "word" = int32, nibble i
+of a word = bits 4i..4i+3):
+
+    GPTQ     qweight [K/8, N]   word (r, n), nibble i = q[n, 8r + i]          packed along K
+             qzeros  [K/G, N/8] word (g, c), nibble i = zero of n = 8c + i    packed along N
+             scales  [K/G, N];  g_idx [K] = group of each input column k
+             zero = nibble + 1 for checkpoint_format "gptq" (v1 stores zero - 1), nibble for
+             "gptq_v2"
+    AWQ      qweight [K, N/8]   word (k, c), nibble i = q[8c + ORDER[i], k]   packed along N,
+             qzeros  [K/G, N/8] same packing, zero = nibble   ORDER = 0 2 4 6 1 3 5 7
+             scales  [K/G, N]
+    c-t      weight_packed [N, ceil(K/8)] int32, weight_scale [N, K/G], weight_shape [2],
+             weight_zero_point [ceil(N/8), K/G] (asymmetric only), weight_g_idx [K] (optional);
+             signed codes q in [-8, 7] stored as q + 8; unpacked by compressed-tensors itself
+
+Act-order (GPTQ desc_act, compressed-tensors actorder "group"): g_idx assigns input columns to
+groups out of order, while Hibana's groups are contiguous runs of K. The repack sorts K by group
+and returns that permutation as `perm`: the layer must compute `F.linear(x[..., perm], W)`.
+Layers fused along N (q/k/v, gate/up) can share one weight only when their perms are equal.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+
+from hibana_core.errors import CheckpointError
+from hibana_kernels.quant import pack_int4
+
+__all__ = ["Int4Weight", "QuantFormat", "parse_quantization_config", "repack_layer"]
+
+Method = Literal["gptq", "awq", "compressed-tensors"]
+
+SUPPORTED = ("GPTQ (bits 4, checkpoint_format 'gptq' or 'gptq_v2', any group size, desc_act), "
+             "AWQ (bits 4, version 'gemm', zero_point true) and compressed-tensors "
+             "'pack-quantized' (int4 weights, group or channel strategy, symmetric or not)")
+
+# AutoAWQ's GEMM packing: nibble i of a word holds output column 8c + AWQ_ORDER[i]
+# (casper-hansen/AutoAWQ awq/modules/linear/gemm.py `order_map`; awq/utils/packing_utils.py);
+# AWQ_REVERSE[j] is the nibble that holds column 8c + j.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_REVERSE = tuple(AWQ_ORDER.index(j) for j in range(8))  # (0, 4, 1, 5, 2, 6, 3, 7)
+
+_TENSORS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # method: (required, optional)
+    "gptq": (("qweight", "qzeros", "scales"), ("g_idx",)),
+    "awq": (("qweight", "qzeros", "scales"), ()),
+    "compressed-tensors": (("weight_packed", "weight_scale", "weight_shape"),
+                           ("weight_zero_point", "weight_g_idx")),
+}
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """How a checkpoint's linear layers are quantized; built by `parse_quantization_config`."""
+
+    method: Method
+    """Which packing the tensors use."""
+    group_size: int
+    """Inputs per scale along K; -1: one group spanning all of K (per output channel)."""
+    sym: bool = True
+    """Symmetric quantization (informational: the stored zeros are used either way)."""
+    desc_act: bool = False
+    """Act-order was used; `repack_layer` decides from g_idx itself whether K needs permuting."""
+    zero_offset: int = 0
+    """Added to each stored zero nibble: 1 for GPTQ v1 (it stores zero - 1), else 0."""
+    skip: tuple[str, ...] = ()
+    """Regexes (re.match on the full module name) of modules left unquantized."""
+    only: tuple[str, ...] = ()
+    """Regexes of the modules that are quantized; empty: every linear layer."""
+    quantize_lm_head: bool = False
+    """Whether the output head is quantized too (GPTQ `lm_head: true`; compressed-tensors'
+    targets and ignore decide it through `only` and `skip`)."""
+
+    def __post_init__(self) -> None:
+        if self.method not in _TENSORS:
+            raise CheckpointError(f"unknown quantization method {self.method!r}; supported: {SUPPORTED}")
+        if self.group_size != -1 and (self.group_size <= 0 or self.group_size % 2):
+            raise CheckpointError(f"group_size {self.group_size} is not supported: Hibana's int4 "
+                                  "layout needs a positive even group size (or -1, per channel)")
+        if self.zero_offset not in (0, 1):
+            raise CheckpointError(f"zero_offset must be 0 or 1, not {self.zero_offset}")
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        """Suffixes of a quantized layer's checkpoint tensors (`<module>.<suffix>`), required first."""
+        required, optional = _TENSORS[self.method]
+        return required + optional
+
+    def is_quantized(self, module_name: str) -> bool:
+        """Whether the config says this linear layer is stored quantized. The checkpoint has the
+        last word: a layer is quantized exactly when its `<module>.qweight` / `weight_packed`
+        exists, and a loader should refuse a layer where the two disagree."""
+        if any(re.match(p, module_name) for p in self.skip):
+            return False
+        if module_name.rsplit(".", 1)[-1] == "lm_head" and not self.quantize_lm_head:
+            return False
+        return not self.only or any(re.match(p, module_name) for p in self.only)
+
+
+class Int4Weight(NamedTuple):
+    """One linear layer in the layout of `kernels.quant.dequantize_int4` / `linear_int4`."""
+
+    qweight: torch.Tensor  # uint8 [N, K // 2]
+    scales: torch.Tensor  # float16 [N, K // group_size]
+    zeros: torch.Tensor  # float16 [N, K // group_size], in code units
+    group_size: int
+    perm: torch.Tensor | None
+    """int64 [K] or None: the layer computes `linear_int4(x[..., perm], ...)` (act-order)."""
+
+
+# ----------------------------------------------------------------------------------- config
+
+
+def parse_quantization_config(cfg: dict) -> QuantFormat:
+    """A HF `config.json`'s `quantization_config` dict -> QuantFormat, or CheckpointError saying
+    what is supported."""
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"quantization_config must be a JSON object, not {type(cfg).__name__}")
+    method = str(cfg.get("quant_method", "")).lower()
+    if method == "gptq":
+        return _parse_gptq(cfg)
+    if method == "awq":
+        return _parse_awq(cfg)
+    if method == "compressed-tensors":
+        return _parse_compressed_tensors(cfg)
+    raise CheckpointError(f"quantization_config has quant_method {cfg.get('quant_method')!r}, which "
+                          f"Hibana cannot load; supported: {SUPPORTED}")
+
+
+def _bits4(cfg: dict, what: str) -> None:
+    bits = cfg.get("bits", 4)
+    if bits != 4:
+        raise CheckpointError(f"{what} checkpoint with bits={bits}: Hibana loads 4-bit weights only; "
+                              "use a 4-bit checkpoint or the unquantized model")
+
+
+def _group_size(cfg: dict, what: str) -> int:
+    g = cfg.get("group_size", 128)
+    if not isinstance(g, int) or isinstance(g, bool) or not (g == -1 or (g > 0 and g % 2 == 0)):
+        raise CheckpointError(f"{what} group_size {g!r} is not supported: Hibana needs a positive even "
+                              "group size or -1 (per channel)")
+    return g
+
+
+def _not_converted(names) -> tuple[str, ...]:
+    """transformers' `modules_to_not_convert` as regexes: a key matches from the start of the name
+    up to a module boundary (also as a regex), or as a suffix (transformers
+    quantizers/quantizers_utils.py `should_convert_module`)."""
+    if names is None:
+        return ()
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise CheckpointError(f"modules_to_not_convert must be a list of names, not {names!r}")
+    return tuple(rf"(?:{n})(?:(?<=\.)|(?=\.|$))|.*{re.escape(n)}$" for n in names)
+
+
+def _parse_gptq(cfg: dict) -> QuantFormat:
+    _bits4(cfg, "GPTQ")
+    # transformers' GPTQConfig reads `checkpoint_format` (legacy) or `format`; GPTQModel writes v2
+    fmt = str(cfg.get("checkpoint_format") or cfg.get("format") or "gptq").lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise CheckpointError(f"GPTQ checkpoint_format {fmt!r} is packed for one kernel and cannot be "
+                              "repacked by Hibana; supported: 'gptq' and 'gptq_v2'")
+    # GPTQModel's per-module `dynamic` overrides ("-:regex" skips a module, "+:regex" or a bare
+    # regex overrides its bits/group_size/...), read as in vLLM's
+    # model_executor/layers/quantization/utils/gptq_utils.py `get_dynamic_override`.
+    skip = list(_not_converted(cfg.get("modules_to_not_convert")))
+    for pattern, override in (cfg.get("dynamic") or {}).items():
+        if pattern.startswith("-:"):
+            skip.append(pattern[2:])
+        elif any(override.get(key, cfg.get(key)) != cfg.get(key) for key in ("bits", "group_size", "sym", "desc_act")):
+            raise CheckpointError(f"GPTQ dynamic override {pattern!r}: {override!r} gives some modules "
+                                  "their own bits or group size, which Hibana does not load")
+    only = []
+    if cfg.get("modules_in_block_to_quantize"):  # [["self_attn.q_proj", ...], ...] inside blocks
+        for names in cfg["modules_in_block_to_quantize"]:
+            only += [rf".*\.{re.escape(n)}$" for n in ([names] if isinstance(names, str) else names)]
+        if cfg.get("lm_head"):
+            only.append(r"(?:.*\.)?lm_head$")
+    return QuantFormat("gptq", _group_size(cfg, "GPTQ"), sym=bool(cfg.get("sym", True)),
+                       desc_act=bool(cfg.get("desc_act", False)), zero_offset=1 if fmt == "gptq" else 0,
+                       skip=tuple(skip), only=tuple(only), quantize_lm_head=bool(cfg.get("lm_head", False)))
+
+
+def _parse_awq(cfg: dict) -> QuantFormat:
+    _bits4(cfg, "AWQ")
+    # AutoAWQ writes `version`; transformers 5 writes `format` (utils/quantization_config.py AwqConfig)
+    version = str(cfg.get("version") or cfg.get("format") or "gemm").lower()
+    if str(cfg.get("backend", "")).lower() == "llm-awq":
+        version = "llm-awq"
+    if version != "gemm":
+        raise CheckpointError(f"AWQ version {version!r} is not supported (its packing is made for one "
+                              "kernel); Hibana loads AWQ 'gemm' checkpoints, AutoAWQ's default")
+    if not cfg.get("zero_point", True):
+        raise CheckpointError("AWQ checkpoint with zero_point false is not supported; Hibana loads "
+                              "AWQ GEMM checkpoints with zero points (zero_point true)")
+    return QuantFormat("awq", _group_size(cfg, "AWQ"), sym=False,
+                       skip=_not_converted(cfg.get("modules_to_not_convert")))
+
+
+def _ct_patterns(targets) -> tuple[str, ...]:
+    """compressed-tensors targets/ignore: "re:<regex>" or an exact module name; the class name
+    "Linear" matches every linear layer (compressed_tensors/utils/match.py `match_name`, `_match_class`)."""
+    return tuple(".*" if t == "Linear" else t[3:] if t.startswith("re:") else re.escape(t) + "$"
+                 for t in targets)
+
+
+def _parse_compressed_tensors(cfg: dict) -> QuantFormat:
+    try:
+        from compressed_tensors.quantization import QuantizationConfig
+    except ImportError:
+        raise CheckpointError("this checkpoint is in compressed-tensors format, which needs the "
+                              "compressed-tensors package: pip install 'hibana[quant]' "
+                              "(or pip install compressed-tensors)") from None
+    try:
+        qc = QuantizationConfig.model_validate(cfg)
+    except ValueError as e:  # pydantic's ValidationError is a ValueError
+        raise CheckpointError(f"malformed compressed-tensors quantization_config: {e}") from None
+    status = str(getattr(qc.quantization_status, "value", qc.quantization_status))
+    if status != "compressed":
+        raise CheckpointError(f"compressed-tensors quantization_status is {status!r}: the weights are "
+                              "not stored packed; Hibana loads 'compressed' checkpoints")
+    for key in ("sparsity_config", "transform_config"):
+        extra = cfg.get(key)
+        if extra and (key != "sparsity_config" or extra.get("format", "dense") != "dense"):
+            raise CheckpointError(f"compressed-tensors checkpoint with a {key}: sparse or rotated "
+                                  f"weights are not supported; supported: {SUPPORTED}")
+    weights, targets = set(), []
+    for name, scheme in qc.config_groups.items():
+        w = scheme.weights
+        fmt = getattr(scheme, "format", None) or qc.format
+        if (w is None or fmt != "pack-quantized" or w.type != "int" or w.num_bits != 4
+                or w.strategy not in ("group", "channel") or w.dynamic
+                or scheme.input_activations is not None or scheme.output_activations is not None):
+            raise CheckpointError(
+                f"compressed-tensors config group {name!r} ({fmt}, weights {w}) is not supported: "
+                "Hibana loads 'pack-quantized' int4 weight-only schemes with group or channel strategy")
+        actorder = str(getattr(w.actorder, "value", w.actorder)) == "group"  # g_idx stored
+        weights.add((w.group_size if w.strategy == "group" else -1, w.symmetric, actorder))
+        targets += scheme.targets
+    if len(weights) != 1:
+        raise CheckpointError(f"compressed-tensors config groups use different int4 schemes "
+                              f"(group_size, symmetric, actorder) {sorted(weights)}; Hibana loads one "
+                              "scheme per checkpoint")
+    ((group_size, symmetric, actorder),) = weights
+    return QuantFormat("compressed-tensors", group_size, sym=symmetric, desc_act=actorder,
+                       skip=_ct_patterns(qc.ignore or ()), only=_ct_patterns(targets),
+                       quantize_lm_head=True)
+
+
+# ----------------------------------------------------------------------------------- repack
+
+
+def repack_layer(fmt: QuantFormat, tensors: dict[str, torch.Tensor], name: str = "layer") -> Int4Weight:
+    """One quantized linear layer's checkpoint tensors, keyed by suffix (`qweight`, `scales`, ...;
+    see `QuantFormat.tensor_names`) -> Int4Weight. `name` is used in error messages."""
+    required, optional = _TENSORS[fmt.method]
+    missing = [s for s in required if s not in tensors]
+    if missing:
+        raise CheckpointError(f"{name}: {fmt.method} layer lacks tensor(s) {missing}; "
+                              f"expected {list(required)} (+ optional {list(optional)})")
+    if fmt.method == "gptq":
+        return _repack_gptq(fmt, tensors, name)
+    if fmt.method == "awq":
+        return _repack_awq(fmt, tensors, name)
+    return _repack_compressed_tensors(fmt, tensors, name)
+
+
+def _nibbles(words: torch.Tensor) -> torch.Tensor:
+    """int32 [..., W] -> uint8 [..., W, 8]: nibble i of each word (bits 4i..4i+3) at index i."""
+    if sys.byteorder == "little" or words.device.type != "cpu":  # byte j of a word = bits 8j..8j+7
+        b = words.contiguous().view(torch.uint8).view(*words.shape, 4)
+        return torch.stack((b & 0xF, b >> 4), dim=-1).view(*words.shape, 8)
+    return torch.stack([((words >> (4 * i)) & 0xF).to(torch.uint8) for i in range(8)], dim=-1)
+
+
+def _int32(t: torch.Tensor, what: str, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    if t.dtype != torch.int32 or t.dim() != 2 or (shape is not None and tuple(t.shape) != shape):
+        want = f"int32 {list(shape)}" if shape else "a 2-D int32 tensor"
+        raise CheckpointError(f"{name}: {what} is {t.dtype} {list(t.shape)}, expected {want}; "
+                              "the checkpoint is damaged or not in the format its config names")
+    return t
+
+
+def _shape(t: torch.Tensor, shape: tuple[int, ...], what: str, name: str) -> torch.Tensor:
+    if tuple(t.shape) != shape:
+        raise CheckpointError(f"{name}: {what} has shape {list(t.shape)}, expected {list(shape)}")
+    return t
+
+
+def _groups(fmt: QuantFormat, k: int, name: str) -> tuple[int, int]:
+    """(group size, number of groups) for K input features; K must split into whole groups."""
+    g = k if fmt.group_size == -1 else fmt.group_size
+    if k % g or g % 2:
+        raise CheckpointError(f"{name}: in_features {k} is not a multiple of group_size {g} (even); "
+                              "Hibana's int4 layout needs whole groups along K")
+    return g, k // g
+
+
+def _repack_gptq(fmt: QuantFormat, t: dict[str, torch.Tensor], name: str) -> Int4Weight:
+    # Layouts: AutoGPTQ auto_gptq/nn_modules/qlinear/qlinear_cuda_old.py (`pack` writes
+    # q[k = 8r + i] into nibble i of qweight row r and zero - 1 into qzeros; `forward` unpacks
+    # with `zeros + 1` and indexes scales/zeros by g_idx); v2 keeps the zero as is (GPTQModel
+    # gptqmodel/utils/model.py `convert_gptq_v1_to_v2_format_module` adds the 1 back).
+    qweight = _int32(t["qweight"], "qweight", name)
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    g, groups = _groups(fmt, k, name)
+    if n % 8:
+        raise CheckpointError(f"{name}: out_features {n} is not a multiple of 8, as GPTQ's qzeros need")
+    qzeros = _int32(t["qzeros"], "qzeros", name, (groups, n // 8))
+    scales = _shape(t["scales"], (groups, n), "scales", name)
+    codes = _nibbles(qweight).permute(0, 2, 1).reshape(k, n).T  # [N, K]
+    zeros = _nibbles(qzeros).reshape(groups, n).T.float() + fmt.zero_offset  # [N, groups]
+    return _finish(codes, scales.T, zeros, g, t.get("g_idx"), name)
+
+
+def _repack_awq(fmt: QuantFormat, t: dict[str, torch.Tensor], name: str) -> Int4Weight:
+    # Layout: AutoAWQ awq/modules/linear/gemm.py (WQLinear_GEMM.from_linear packs along N with
+    # order_map [0, 2, 4, 6, 1, 3, 5, 7], qzeros alike) and awq/utils/packing_utils.py
+    # (`dequantize_gemm`: (q - zero) * scale, no offset on the zero).
+    qweight = _int32(t["qweight"], "qweight", name)
+    k, n = qweight.shape[0], qweight.shape[1] * 8
+    g, groups = _groups(fmt, k, name)
+    qzeros = _int32(t["qzeros"], "qzeros", name, (groups, n // 8))
+    scales = _shape(t["scales"], (groups, n), "scales", name)
+    reverse = list(AWQ_REVERSE)
+    codes = _nibbles(qweight)[..., reverse].reshape(k, n).T  # [N, K]
+    zeros = _nibbles(qzeros)[..., reverse].reshape(groups, n).T.float()
+    return _finish(codes, scales.T, zeros, g, None, name)
+
+
+def _repack_compressed_tensors(fmt: QuantFormat, t: dict[str, torch.Tensor], name: str) -> Int4Weight:
+    # Layout and unpacking: compressed-tensors compressors/pack_quantized (PackedQuantizationCompressor:
+    # signed codes + 8 packed along K, the asymmetric zero point packed along N with packed_dim=0,
+    # weight = (q - zero_point) * scale). The unpacking is the library's own.
+    try:
+        from compressed_tensors.compressors import unpack_from_int32
+    except ImportError:
+        raise CheckpointError("compressed-tensors checkpoints need the compressed-tensors package: "
+                              "pip install 'hibana[quant]' (or pip install compressed-tensors)") from None
+    shape = t["weight_shape"].flatten().tolist()
+    if len(shape) != 2 or min(shape) <= 0:
+        raise CheckpointError(f"{name}: weight_shape {shape} is not [out_features, in_features]")
+    n, k = (int(s) for s in shape)
+    g, groups = _groups(fmt, k, name)
+    packed = _int32(t["weight_packed"], "weight_packed", name, (n, -(-k // 8)))
+    scales = _shape(t["weight_scale"], (n, groups), "weight_scale", name)
+    codes = (unpack_from_int32(packed, 4, torch.Size((n, k))).to(torch.int16) + 8).to(torch.uint8)
+    zp = t.get("weight_zero_point")
+    if zp is None:
+        if not fmt.sym:
+            raise CheckpointError(f"{name}: asymmetric compressed-tensors layer lacks weight_zero_point")
+        zeros = torch.full((n, groups), 8.0)
+    elif zp.dtype == torch.int32 and tuple(zp.shape) == (-(-n // 8), groups):
+        zeros = unpack_from_int32(zp, 4, torch.Size((n, groups)), packed_dim=0).float() + 8
+    else:  # written unpacked (one signed value per group), as some versions did
+        zeros = _shape(zp, (n, groups), "weight_zero_point", name).float() + 8
+    # actorder "group" stores weight_g_idx; one holding -1 was never set and means column order
+    # (compressed-tensors quantization/lifecycle/forward.py `_process_quantization`: is_column_order)
+    g_idx = t.get("weight_g_idx")
+    if g_idx is not None and bool((g_idx < 0).any()):
+        g_idx = None
+    return _finish(codes, scales, zeros, g, g_idx, name)
+
+
+def _finish(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g: int,
+            g_idx: torch.Tensor | None, name: str) -> Int4Weight:
+    """codes [N, K] (checkpoint order of K), scales/zeros [N, groups] -> Int4Weight, sorting K
+    by group when g_idx is not the contiguous k // g."""
+    n, k = codes.shape
+    contiguous = torch.arange(k, device=codes.device) // g
+    perm = None
+    if g_idx is not None:
+        g_idx = _shape(g_idx, (k,), "g_idx", name).long()
+        if not torch.equal(g_idx, contiguous):
+            # act-order: any order inside a group works; the stable sort keeps the checkpoint's
+            perm = torch.argsort(g_idx, stable=True)
+            if not torch.equal(g_idx[perm], contiguous):
+                raise CheckpointError(f"{name}: g_idx does not give every group exactly {g} input "
+                                      "columns; the checkpoint is damaged or its group_size is wrong")
+            codes = codes[:, perm]
+    scales16 = scales.to(torch.float16)
+    if not torch.isfinite(scales16).all():
+        raise CheckpointError(f"{name}: scales are not finite in float16 (largest "
+                              f"{scales.float().abs().max().item():.3g}); Hibana stores int4 scales as fp16")
+    return Int4Weight(pack_int4(codes.contiguous()), scales16.contiguous(),
+                      zeros.to(torch.float16).contiguous(), g, perm)
