@@ -22,9 +22,10 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import hibana_kernels as kernels
-from hibana_kernels import activation, attention, matmul, norm, rotary
+from hibana_kernels import activation, attention, matmul, norm, quant, rotary
 
 BLOCK_SIZE = 16
 HEAD_DIM = 32
@@ -146,6 +147,46 @@ def test_reference_store_kv_skips_negative_slots():
     assert v_cache.view(-1, 4)[17].tolist() == [2.0] * 4
 
 
+def make_quant_weight(bits, n, k, group_size, gen):
+    """A random packed weight (qweight, scales, zeros or None) whose dequantized entries have
+    standard deviation about 1/sqrt(k), so outputs stay near 1 for any k."""
+    if bits == 8:
+        qweight = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        scales = (0.5 + torch.rand(n, generator=gen)) / (73 * k ** 0.5)  # codes' std: 73
+        return qweight, scales, None
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    scales = ((0.5 + torch.rand(n, k // group_size, generator=gen)) / (4.6 * k ** 0.5)).half()
+    zeros = (7.5 + 2 * torch.randn(n, k // group_size, generator=gen)).half()  # fractional
+    return quant.pack_int4(codes), scales, zeros
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_reference_int4_round_trip(group_size):
+    """pack/unpack are inverse, the packed byte holds k even in the low nibble, and linear_int4
+    is F.linear on the dequantized weight (w = (code - zero) * scale per group along K);
+    linear_int8 likewise (w = code * scale per output channel, the product in float32)."""
+    gen = torch.Generator().manual_seed(group_size)
+    n, k = 5, 3 * group_size
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    packed = quant.pack_int4(codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (n, k // 2)
+    assert packed[0, 0].item() == codes[0, 0].item() | codes[0, 1].item() << 4
+    assert torch.equal(quant.unpack_int4(packed), codes.to(torch.uint8))
+    _, scales, zeros = make_quant_weight(4, n, k, group_size, gen)
+    w = quant.dequantize_int4(packed, scales, zeros, group_size, torch.float64)
+    by_element = [[(codes[i, j] - zeros[i, j // group_size].double())
+                   * scales[i, j // group_size].double() for j in range(k)] for i in range(n)]
+    torch.testing.assert_close(w, torch.tensor(by_element, dtype=torch.float64), atol=0, rtol=0)
+    x = torch.randn(3, 2, k, generator=gen, dtype=torch.float64)
+    bias = torch.randn(n, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(quant.linear_int4(x, packed, scales, zeros, group_size, bias),
+                               F.linear(x, w, bias), atol=0, rtol=0)
+    qweight, scales8, _ = make_quant_weight(8, n, k, group_size, gen)
+    torch.testing.assert_close(quant.linear_int8(x, qweight, scales8, bias),
+                               F.linear(x, (qweight * scales8[:, None]).double(), bias),
+                               atol=0, rtol=0)
+
+
 def test_dispatch_on_cpu_runs_the_references_without_importing_triton():
     """`kernels` imports and runs on the CPU with triton never imported."""
     script = textwrap.dedent("""
@@ -163,6 +204,9 @@ def test_dispatch_on_cpu_runs_the_references_without_importing_triton():
         kernels.paged_attention(x.view(3, 2, 4), cache, cache, torch.zeros(1, 2, dtype=torch.int32),
                                 torch.tensor([3], dtype=torch.int32),
                                 torch.tensor([0, 3], dtype=torch.int32), 3, 3, 0.5, None)
+        kernels.linear_int8(x, torch.ones(5, 8, dtype=torch.int8), torch.ones(5))
+        kernels.linear_int4(x, torch.zeros(5, 4, dtype=torch.uint8), torch.ones(5, 1).half(),
+                            torch.zeros(5, 1).half(), 8)
         assert "triton" not in sys.modules, "the CPU path imported triton"
     """)
     subprocess.run([sys.executable, "-c", script], check=True, cwd=os.path.dirname(os.path.dirname(
@@ -308,6 +352,31 @@ def check_linear(device, dtype, rows, n, k, bias, tiles):
     torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
 
 
+
+def check_linear_quant(device, dtype, bits, lead, n, k, group_size, bias, tiles):
+    """linear_int8 / linear_int4 against their references (in float64) on x [*lead, k]; `tiles`
+    ("gemv" or "gemm", the tile sizes) forces a kernel, None lets the dispatcher pick by rows."""
+    quant_triton = _triton_module("quant")
+    if tiles is not None:
+        kernel, sizes = tiles
+        tiles = {"gemv": quant_triton.GemvTiles, "gemm": quant_triton.GemmTiles}[kernel](*sizes)
+    gen = torch.Generator().manual_seed(bits * n + k + len(lead))
+    qweight, scales, zeros = (t if t is None else t.to(device)
+                              for t in make_quant_weight(bits, n, k, group_size, gen))
+    x = torch.randn(*lead, k, generator=gen).to(dtype).to(device)
+    b = torch.randn(n, generator=gen).to(dtype).to(device) if bias else None
+    b64 = None if b is None else b.double()
+    if bits == 8:
+        ref = quant.linear_int8(x.double(), qweight, scales, b64)
+        out = (quant_triton.linear_int8(x, qweight, scales, b) if tiles is None else
+               quant_triton.linear_int8_launch(x, qweight, scales, b, tiles))
+    else:
+        ref = quant.linear_int4(x.double(), qweight, scales, zeros, group_size, b64)
+        out = (quant_triton.linear_int4(x, qweight, scales, zeros, group_size, b) if tiles is None
+               else quant_triton.linear_int4_launch(x, qweight, scales, zeros, group_size, b, tiles))
+    assert out.shape == (*lead, n) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
+
 # ---------------------------------------------------------------------------------------------
 # the interpreter worker
 
@@ -447,3 +516,32 @@ def test_linear(run_check, dtype, rows, n, k, bias, tiles):
     if dtype == torch.float32 and tiles is not None:
         tiles = None  # float32 always goes to cuBLAS; checked through the dispatcher
     run_check(check_linear, dtype=dtype, rows=rows, n=n, k=k, bias=bias, tiles=tiles)
+
+
+# The dispatcher's choice over the row counts of decode (GEMV: 1, 2), verify (5, 17) and prefill
+# chunks (GEMM: 64, 130 as [2, 65]); odd N (masked programs), K a multiple of the group but not of
+# the K tile (a masked last step), every group size, with and without bias
+QUANT_CASES = [((1,), 33, 96, 32, False), ((2,), 257, 192, 64, True), ((5,), 40, 384, 128, False),
+               ((17,), 33, 160, 32, True), ((64,), 257, 192, 64, False), ((2, 65), 70, 384, 128, True)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", [8, 4], ids=["int8", "int4"])
+@pytest.mark.parametrize("lead, n, k, group_size, bias", QUANT_CASES,
+                         ids=[f"rows{math.prod(c[0])}-n{c[1]}-k{c[2]}-g{c[3]}" for c in QUANT_CASES])
+def test_linear_quant(run_check, dtype, bits, lead, n, k, group_size, bias):
+    run_check(check_linear_quant, dtype=dtype, bits=bits, lead=lead, n=n, k=k,
+              group_size=group_size, bias=bias, tiles=None)
+
+
+
+# each kernel outside the dispatcher's range and with K in several steps: the GEMV over 3 and 9
+# rows in 128- and 64-wide steps (int8's K=200: the last one masked), the GEMM over one row
+# and over 5 in two pipelined steps; float16 here only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("bits, rows, n, k, group_size, kernel, tiles", [
+    (4, 3, 37, 384, 128, "gemv", (4, 128, 4)), (8, 9, 37, 200, 1, "gemv", (2, 64, 4)),
+    (4, 1, 40, 96, 32, "gemm", (16, 32, 32, 4, 1)), (8, 5, 33, 192, 1, "gemm", (16, 32, 64, 4, 2))])
+def test_linear_quant_tiles(run_check, dtype, bits, rows, n, k, group_size, kernel, tiles):
+    run_check(check_linear_quant, dtype=dtype, bits=bits, lead=(rows,), n=n, k=k,
+              group_size=group_size, bias=True, tiles=(kernel, tiles))
