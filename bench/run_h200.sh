@@ -4,6 +4,8 @@
 #   bash bench/run_h200.sh decode   # hibana bench decode, qwen3-8b preset
 #   bash bench/run_h200.sh agents   # hibana bench agents, qwen3-8b preset, 32 agents
 #   bash bench/run_h200.sh tune     # bench/tune_decode.py: kernel sweeps, the decode step taken apart
+#   bash bench/run_h200.sh quant    # bench/tune_quant.py: int8/int4 linears against bf16 cuBLAS, Qwen3-8B shapes
+#   bash bench/run_h200.sh quant_sweep   # bench/tune_quant.py --sweep: their tiles at 1 and 64 rows
 #   bash bench/run_h200.sh spec_decode   # trace-driven batch-1 decode, coding and demo traces, speculation off/k4/adaptive
 #   bash bench/run_h200.sh spec_agents   # trace-driven agents on the coding trace: 32 agents (off/k4/adaptive),
 #                                        # then off vs adaptive at 1, 8 and 64 agents
@@ -35,6 +37,11 @@ case "${1:-check}" in
       --json "$OUT/agents_qwen3-8b.json" 2>&1 | tee "$OUT/agents_qwen3-8b.txt" ;;
   tune)
     python3 bench/tune_decode.py 2>&1 | tee "$OUT/tune_decode.txt" ;;
+  quant)
+    python3 bench/tune_quant.py --json "$OUT/tune_quant.json" 2>&1 | tee "$OUT/tune_quant.txt" ;;
+  quant_sweep)
+    python3 bench/tune_quant.py --sweep --rows 1,64 --json "$OUT/tune_quant_sweep.json" 2>&1 \
+      | tee "$OUT/tune_quant_sweep.txt" ;;
   spec_decode)
     for spec in "coding 2" "demo 8"; do
       set -- $spec

@@ -144,7 +144,7 @@ def choose_tiles(rows: int, n: int, k: int, group_size: int = 1) -> GemvTiles | 
         return GemvTiles(block_n=4, block_k=block_k, num_warps=8 if block_k >= 4096 else 4)
     block_m = min(128, max(16, triton.next_power_of_2(rows)))
     block_n = 128 if rows > 64 else 64
-    block_k = max(group_size, min(k_tile, 64))
+    block_k = max(group_size, 16, min(k_tile, 64))  # tl.dot takes tiles of 16 and up
     return GemmTiles(block_m, block_n, block_k, num_warps=8 if block_m * block_n >= 128 * 128 else 4,
                      num_stages=3)
 
