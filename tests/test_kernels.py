@@ -22,9 +22,10 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import hibana_kernels as kernels
-from hibana_kernels import activation, attention, matmul, norm, rotary
+from hibana_kernels import activation, attention, matmul, norm, quant, rotary
 
 BLOCK_SIZE = 16
 HEAD_DIM = 32
@@ -146,6 +147,46 @@ def test_reference_store_kv_skips_negative_slots():
     assert v_cache.view(-1, 4)[17].tolist() == [2.0] * 4
 
 
+def make_quant_weight(bits, n, k, group_size, gen):
+    """A random packed weight (qweight, scales, zeros or None) whose dequantized entries have
+    standard deviation about 1/sqrt(k), so outputs stay near 1 for any k."""
+    if bits == 8:
+        qweight = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        scales = (0.5 + torch.rand(n, generator=gen)) / (73 * k ** 0.5)  # codes' std: 73
+        return qweight, scales, None
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    scales = ((0.5 + torch.rand(n, k // group_size, generator=gen)) / (4.6 * k ** 0.5)).half()
+    zeros = (7.5 + 2 * torch.randn(n, k // group_size, generator=gen)).half()  # fractional
+    return quant.pack_int4(codes), scales, zeros
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_reference_int4_round_trip(group_size):
+    """pack/unpack are inverse, the packed byte holds k even in the low nibble, and linear_int4
+    is F.linear on the dequantized weight (w = (code - zero) * scale per group along K);
+    linear_int8 likewise (w = code * scale per output channel, the product in float32)."""
+    gen = torch.Generator().manual_seed(group_size)
+    n, k = 5, 3 * group_size
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    packed = quant.pack_int4(codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (n, k // 2)
+    assert packed[0, 0].item() == codes[0, 0].item() | codes[0, 1].item() << 4
+    assert torch.equal(quant.unpack_int4(packed), codes.to(torch.uint8))
+    _, scales, zeros = make_quant_weight(4, n, k, group_size, gen)
+    w = quant.dequantize_int4(packed, scales, zeros, group_size, torch.float64)
+    by_element = [[(codes[i, j] - zeros[i, j // group_size].double())
+                   * scales[i, j // group_size].double() for j in range(k)] for i in range(n)]
+    torch.testing.assert_close(w, torch.tensor(by_element, dtype=torch.float64), atol=0, rtol=0)
+    x = torch.randn(3, 2, k, generator=gen, dtype=torch.float64)
+    bias = torch.randn(n, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(quant.linear_int4(x, packed, scales, zeros, group_size, bias),
+                               F.linear(x, w, bias), atol=0, rtol=0)
+    qweight, scales8, _ = make_quant_weight(8, n, k, group_size, gen)
+    torch.testing.assert_close(quant.linear_int8(x, qweight, scales8, bias),
+                               F.linear(x, (qweight * scales8[:, None]).double(), bias),
+                               atol=0, rtol=0)
+
+
 def test_dispatch_on_cpu_runs_the_references_without_importing_triton():
     """`kernels` imports and runs on the CPU with triton never imported."""
     script = textwrap.dedent("""
@@ -163,6 +204,9 @@ def test_dispatch_on_cpu_runs_the_references_without_importing_triton():
         kernels.paged_attention(x.view(3, 2, 4), cache, cache, torch.zeros(1, 2, dtype=torch.int32),
                                 torch.tensor([3], dtype=torch.int32),
                                 torch.tensor([0, 3], dtype=torch.int32), 3, 3, 0.5, None)
+        kernels.linear_int8(x, torch.ones(5, 8, dtype=torch.int8), torch.ones(5))
+        kernels.linear_int4(x, torch.zeros(5, 4, dtype=torch.uint8), torch.ones(5, 1).half(),
+                            torch.zeros(5, 1).half(), 8)
         assert "triton" not in sys.modules, "the CPU path imported triton"
     """)
     subprocess.run([sys.executable, "-c", script], check=True, cwd=os.path.dirname(os.path.dirname(
@@ -308,33 +352,30 @@ def check_linear(device, dtype, rows, n, k, bias, tiles):
     torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
 
 
-def check_quant_linear(device, dtype, kind, rows, n, k, group, bias):
-    """The dequantizing Triton kernels against the torch references (`hibana_kernels.quant`)."""
-    from hibana_kernels import quant
 
-    triton_quant = _triton_module("quant")
-    gen = torch.Generator().manual_seed(rows * n + k + group)
-    x = torch.randn(rows, k, generator=gen).to(dtype)
-    b = torch.randn(n, generator=gen).to(dtype) if bias else None
-    if kind == "int8":
-        q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
-        s = torch.rand(n, generator=gen) / (20 * k ** 0.5)
-        args = (q, s)
+def check_linear_quant(device, dtype, bits, lead, n, k, group_size, bias, tiles):
+    """linear_int8 / linear_int4 against their references (in float64) on x [*lead, k]; `tiles`
+    ("gemv" or "gemm", the tile sizes) forces a kernel, None lets the dispatcher pick by rows."""
+    quant_triton = _triton_module("quant")
+    if tiles is not None:
+        kernel, sizes = tiles
+        tiles = {"gemv": quant_triton.GemvTiles, "gemm": quant_triton.GemmTiles}[kernel](*sizes)
+    gen = torch.Generator().manual_seed(bits * n + k + len(lead))
+    qweight, scales, zeros = (t if t is None else t.to(device)
+                              for t in make_quant_weight(bits, n, k, group_size, gen))
+    x = torch.randn(*lead, k, generator=gen).to(dtype).to(device)
+    b = torch.randn(n, generator=gen).to(dtype).to(device) if bias else None
+    b64 = None if b is None else b.double()
+    if bits == 8:
+        ref = quant.linear_int8(x.double(), qweight, scales, b64)
+        out = (quant_triton.linear_int8(x, qweight, scales, b) if tiles is None else
+               quant_triton.linear_int8_launch(x, qweight, scales, b, tiles))
     else:
-        q = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
-        s = (torch.rand(n, k // group, generator=gen) / (4 * k ** 0.5)).half()
-        z = (torch.rand(n, k // group, generator=gen) * 15).half()
-        args = (q, s, z, group)
-    reference = getattr(quant, f"linear_{kind}")
-    ref = reference(x.double(), *[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                                  for a in args],
-                    None if b is None else b.double())
-    moved = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
-    out = getattr(triton_quant, f"linear_{kind}")(x.to(device), *moved, None if b is None else b.to(device))
-    assert out.shape == (rows, n) and out.dtype == dtype
-    tolerance = {torch.float32: dict(atol=1e-4, rtol=1e-4)}.get(dtype, dict(atol=3e-2, rtol=3e-2))
-    torch.testing.assert_close(out.double().cpu(), ref, **tolerance)
-
+        ref = quant.linear_int4(x.double(), qweight, scales, zeros, group_size, b64)
+        out = (quant_triton.linear_int4(x, qweight, scales, zeros, group_size, b) if tiles is None
+               else quant_triton.linear_int4_launch(x, qweight, scales, zeros, group_size, b, tiles))
+    assert out.shape == (*lead, n) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
 
 # ---------------------------------------------------------------------------------------------
 # the interpreter worker
@@ -477,24 +518,30 @@ def test_linear(run_check, dtype, rows, n, k, bias, tiles):
     run_check(check_linear, dtype=dtype, rows=rows, n=n, k=k, bias=bias, tiles=tiles)
 
 
-# rows 1-4 (the GEMV path) and more (tl.dot); odd N, K across several tiles and groups
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kind, rows, n, k, group, bias", [
-    ("int8", 1, 33, 200, 0, False), ("int8", 5, 70, 96, 0, True), ("int8", 17, 257, 64, 0, False),
-    ("int4", 1, 33, 256, 128, True), ("int4", 2, 40, 192, 64, False), ("int4", 3, 257, 96, 32, False),
-    ("int4", 17, 48, 256, 128, True), ("int4", 64, 65, 64, 32, False)])
-def test_quant_linear(run_check, dtype, kind, rows, n, k, group, bias):
-    run_check(check_quant_linear, dtype=dtype, kind=kind, rows=rows, n=n, k=k, group=group, bias=bias)
+# The dispatcher's choice over the row counts of decode (GEMV: 1, 2), verify (5, 17) and prefill
+# chunks (GEMM: 64, 130 as [2, 65]); odd N (masked programs), K a multiple of the group but not of
+# the K tile (a masked last step), every group size, with and without bias
+QUANT_CASES = [((1,), 33, 96, 32, False), ((2,), 257, 192, 64, True), ((5,), 40, 384, 128, False),
+               ((17,), 33, 160, 32, True), ((64,), 257, 192, 64, False), ((2, 65), 70, 384, 128, True)]
 
 
-def test_quant_references_round_trip():
-    from hibana_kernels import quant
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", [8, 4], ids=["int8", "int4"])
+@pytest.mark.parametrize("lead, n, k, group_size, bias", QUANT_CASES,
+                         ids=[f"rows{math.prod(c[0])}-n{c[1]}-k{c[2]}-g{c[3]}" for c in QUANT_CASES])
+def test_linear_quant(run_check, dtype, bits, lead, n, k, group_size, bias):
+    run_check(check_linear_quant, dtype=dtype, bits=bits, lead=lead, n=n, k=k,
+              group_size=group_size, bias=bias, tiles=None)
 
-    codes = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
-    assert torch.equal(quant.unpack_int4(quant.pack_int4(codes)), codes)
-    scales, zeros = torch.rand(5, 2).half(), (torch.rand(5, 2) * 15).half()
-    w = quant.dequantize_int4(quant.pack_int4(codes), scales, zeros, 32, torch.float32)
-    expect = (codes.float().view(5, 2, 32) - zeros.float()[..., None]) * scales.float()[..., None]
-    assert torch.equal(w, expect.view(5, 64))
-    x = torch.randn(3, 64)
-    assert torch.allclose(quant.linear_int4(x, quant.pack_int4(codes), scales, zeros, 32), x @ w.t(), atol=1e-5)
+
+
+# each kernel outside the dispatcher's range and with K in several steps: the GEMV over 3 and 9
+# rows in 128- and 64-wide steps (int8's K=200: the last one masked), the GEMM over one row
+# and over 5 in two pipelined steps; float16 here only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("bits, rows, n, k, group_size, kernel, tiles", [
+    (4, 3, 37, 384, 128, "gemv", (4, 128, 4)), (8, 9, 37, 200, 1, "gemv", (2, 64, 4)),
+    (4, 1, 40, 96, 32, "gemm", (16, 32, 32, 4, 1)), (8, 5, 33, 192, 1, "gemm", (16, 32, 64, 4, 2))])
+def test_linear_quant_tiles(run_check, dtype, bits, rows, n, k, group_size, kernel, tiles):
+    run_check(check_linear_quant, dtype=dtype, bits=bits, lead=(rows,), n=n, k=k,
+              group_size=group_size, bias=True, tiles=(kernel, tiles))

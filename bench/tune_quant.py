@@ -1,0 +1,246 @@
+"""Weight-only int8 / int4 linears on the GPU against bf16 cuBLAS, at the Qwen3-8B layer shapes
+and the row counts of decode (1), speculation's verify (4, 16) and prefill chunks (64, 256).
+
+For every shape and row count: the Triton kernels are first checked against the torch
+references (relative error of the output), then each of bf16 `F.linear`, `linear_int8` and
+`linear_int4` is timed as the best of several CUDA-event-timed replays of a CUDA graph that runs
+it over enough weight copies to overflow the L2 (so weights come from memory, as in a model).
+Bytes moved are the weight (with its scales and zeros), x and y; GB/s is given as a share of the
+device copy bandwidth measured in the same run. At 1-16 rows the kernel the dispatcher did not
+pick is timed too (the GEMV/GEMM crossover, GEMV_MAX_ROWS). --sweep times tiles instead, for
+choose_tiles (minutes: give it few rows and shapes).
+
+    python3 bench/tune_quant.py [--json PATH] [--group-size 128] [--rows 1,4,16,64,256]
+    python3 bench/tune_quant.py --sweep --rows 1,64 [--shapes o,down] [--json PATH]
+
+It imports hibana_kernels and hibana_bench: install the checkout, or run it through
+bench/run_h200.sh, which puts the checkout's folders on PYTHONPATH under those names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from hibana_bench.workloads import copy_bandwidth
+from hibana_kernels import quant, quant_triton
+from hibana_kernels.quant_triton import GemmTiles, GemvTiles
+
+QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
+            "down": (4096, 12288), "lm_head": (151936, 4096)}  # name: (N, K) of the weight
+ROTATE_BYTES = 256 << 20  # weight copies cycled through per timing: the H200's L2 is 50 MB
+MAX_REL_ERR = 1e-2
+
+
+def time_graph(fn, reps: int = 10) -> float:
+    """Best seconds of one call of fn over `reps` CUDA-event-timed replays of a CUDA graph (no
+    launch overhead from Python in the figure)."""
+    fn()  # compiles the Triton kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    best = math.inf
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del graph
+    return best
+
+
+def make_weights(fmt: str, n: int, k: int, group_size: int) -> list[dict]:
+    """Copies of a random weight in format fmt ("bf16", "int8", "int4"), as keyword arguments
+    of its linear, enough of them to fill ROTATE_BYTES."""
+    dev = dict(device="cuda")
+
+    def one() -> dict:
+        if fmt == "bf16":
+            return dict(weight=torch.randn(n, k, dtype=torch.bfloat16, **dev) / k ** 0.5)
+        if fmt == "int8":
+            return dict(qweight=torch.randint(-127, 128, (n, k), dtype=torch.int8, **dev),
+                        scales=(0.5 + torch.rand(n, **dev)) / (73 * k ** 0.5))
+        groups = (n, k // group_size)
+        return dict(qweight=torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, **dev),
+                    scales=((0.5 + torch.rand(*groups, **dev)) / (4.6 * k ** 0.5)).half(),
+                    zeros=(7.5 + 2 * torch.randn(*groups, **dev)).half())
+
+    first = one()
+    nbytes = sum(t.nbytes for t in first.values())
+    return [first] + [one() for _ in range(max(1, -(-ROTATE_BYTES // nbytes)) - 1)]
+
+
+def weight_bytes(weights: dict) -> int:
+    return sum(t.nbytes for t in weights.values())
+
+
+def runner(fmt: str, group_size: int, tiles: GemvTiles | GemmTiles | None = None):
+    """fn(x, weights) for format fmt: the dispatcher's kernel, or the one `tiles` names."""
+    if fmt == "bf16":
+        return lambda x, w: F.linear(x, w["weight"])
+    if fmt == "int8":
+        if tiles is None:
+            return lambda x, w: quant_triton.linear_int8(x, w["qweight"], w["scales"])
+        return lambda x, w: quant_triton.linear_int8_launch(x, w["qweight"], w["scales"], None, tiles)
+    if tiles is None:
+        return lambda x, w: quant_triton.linear_int4(x, w["qweight"], w["scales"], w["zeros"], group_size)
+    return lambda x, w: quant_triton.linear_int4_launch(x, w["qweight"], w["scales"], w["zeros"],
+                                                        group_size, None, tiles)
+
+
+def reference(fmt: str, group_size: int, x: torch.Tensor, w: dict) -> torch.Tensor:
+    """The torch reference in float32 (the oracle; bf16 rounding of the output is the kernels')."""
+    x = x.float()
+    if fmt == "bf16":
+        return F.linear(x, w["weight"].float())
+    if fmt == "int8":
+        return quant.linear_int8(x, w["qweight"], w["scales"])
+    return quant.linear_int4(x, w["qweight"], w["scales"], w["zeros"], group_size)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def measure(fmt: str, group_size: int, x: torch.Tensor, copies: list[dict], bandwidth: float,
+            ref: torch.Tensor, tiles: GemvTiles | GemmTiles | None = None) -> dict:
+    """Check one variant against `ref` (the reference's output on copies[0]), then time it
+    over the weight copies."""
+    fn = runner(fmt, group_size, tiles)
+    err = rel_err(fn(x, copies[0]), ref)
+    row = dict(format=fmt, rel_err=err, ok=err < MAX_REL_ERR,
+               kernel=_kernel_name(fmt, x.shape[0], copies[0], group_size, tiles))
+    if not row["ok"]:
+        print(f"WRONG {fmt} {row['kernel']} m={x.shape[0]}: relative error {err:.3g}", flush=True)
+        return row
+    seconds = time_graph(lambda: [fn(x, w) for w in copies]) / len(copies)
+    n = next(iter(copies[0].values())).shape[0]
+    nbytes = weight_bytes(copies[0]) + x.nbytes + x.shape[0] * n * x.element_size()
+    row.update(us=seconds * 1e6, bytes=nbytes, gb_s=nbytes / seconds / 1e9,
+               of_copy_bw=nbytes / seconds / bandwidth)
+    return row
+
+
+def _kernel_name(fmt, rows, w, group_size, tiles) -> str:
+    if fmt == "bf16":
+        return "cublas"
+    if tiles is None:
+        n, k = w["qweight"].shape[0], w["qweight"].shape[1] * (2 if fmt == "int4" else 1)
+        tiles = quant_triton.choose_tiles(rows, n, k, group_size if fmt == "int4" else 1)
+    return f"{type(tiles).__name__}{tuple(tiles)}"
+
+
+def other_kernel(fmt: str, rows: int, n: int, k: int, group_size: int) -> GemvTiles | GemmTiles:
+    """The kernel the dispatcher did not pick at `rows`, with its own default tiles."""
+    group = group_size if fmt == "int4" else 1
+    if rows <= quant_triton.GEMV_MAX_ROWS:
+        return quant_triton.choose_tiles(quant_triton.GEMV_MAX_ROWS + 1, n, k, group)
+    return quant_triton.choose_tiles(1, n, k, group)._replace(
+        block_k=max(group, min(triton.next_power_of_2(k), 4096 // triton.next_power_of_2(rows))))
+
+
+def sweep(fmt: str, group_size: int, rows: int, n: int, k: int, bandwidth: float) -> list[dict]:
+    """Tiles of the kernel for `rows` (GEMV at decode rows, GEMM above), best first."""
+    group = group_size if fmt == "int4" else 1
+    if rows <= quant_triton.GEMV_MAX_ROWS:
+        grid = [GemvTiles(bn, bk, w) for bn, bk, w in itertools.product(
+            (1, 2, 4, 8, 16), (512, 1024, 2048, 4096), (4, 8))
+            if bk >= group and 2048 <= bn * bk <= 16384 and bk <= triton.next_power_of_2(k)]
+    else:
+        grid = [GemmTiles(bm, bn, bk, w, s) for bm, bn, bk, w, s in itertools.product(
+            (16, 32, 64, 128), (64, 128, 256), (64, 128), (4, 8), (3,))
+            if bk >= group and bm <= max(16, triton.next_power_of_2(rows)) and bm * bn <= 128 * 256]
+    copies = make_weights(fmt, n, k, group_size)
+    x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+    ref = reference(fmt, group_size, x, copies[0])
+    results = []
+    for tiles in grid:
+        try:
+            results.append(measure(fmt, group_size, x, copies, bandwidth, ref, tiles))
+        except triton.runtime.errors.OutOfResources:  # tiles too large for shared memory
+            continue
+    del copies
+    return sorted((r for r in results if r["ok"]), key=lambda r: r["us"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--group-size", type=int, default=128, help="int4 group size along K")
+    parser.add_argument("--rows", default="1,4,16,64,256", help="row counts M, comma-separated")
+    parser.add_argument("--shapes", default=",".join(QWEN3_8B), help="layers, comma-separated")
+    parser.add_argument("--sweep", action="store_true",
+                        help="sweep the tiles at each of --rows instead (minutes: use few rows and shapes)")
+    args = parser.parse_args()
+    rows_list = [int(r) for r in args.rows.split(",")]
+    shapes = {name: QWEN3_8B[name] for name in args.shapes.split(",")}
+    bandwidth = copy_bandwidth(torch.device("cuda"))
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s; "
+          f"int4 group size {args.group_size}; GEMV up to {quant_triton.GEMV_MAX_ROWS} rows", flush=True)
+    header = (f"{'layer':8s} {'M':>4s} | {'bf16 us':>9s} {'%bw':>4s} | {'int8 us':>9s} {'%bw':>4s} "
+              f"{'x bf16':>6s} | {'int4 us':>9s} {'%bw':>4s} {'x bf16':>6s} | other kernel (int8 / int4 us)")
+    results, sweeps = [], []
+    if not args.sweep:
+        print(header)
+    for (name, (n, k)), fmt in itertools.product(shapes.items() if not args.sweep else (),
+                                                 ("bf16", "int8", "int4")):
+        copies = make_weights(fmt, n, k, args.group_size)
+        for rows in rows_list:
+            x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+            ref = reference(fmt, args.group_size, x, copies[0])
+            row = dict(layer=name, n=n, k=k, m=rows,
+                       **measure(fmt, args.group_size, x, copies, bandwidth, ref))
+            if fmt != "bf16" and rows <= 16:
+                row["other_kernel"] = measure(fmt, args.group_size, x, copies, bandwidth, ref,
+                                              other_kernel(fmt, rows, n, k, args.group_size))
+            results.append(row)
+        del copies
+        torch.cuda.empty_cache()
+        if fmt == "int4":
+            _print_layer(results, name, rows_list)
+    if args.sweep:
+        for (name, (n, k)), fmt, rows in itertools.product(shapes.items(), ("int8", "int4"), rows_list):
+            best = sweep(fmt, args.group_size, rows, n, k, bandwidth)
+            sweeps.append(dict(layer=name, n=n, k=k, m=rows, format=fmt, best=best[:8]))
+            print(f"sweep {name:8s} {fmt} m={rows}: " + ", ".join(
+                f"{r['kernel']} {r['us']:.1f} us ({r['of_copy_bw']:.0%})" for r in best[:4]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           triton=triton.__version__, copy_bandwidth=bandwidth,
+                           group_size=args.group_size, gemv_max_rows=quant_triton.GEMV_MAX_ROWS,
+                           rows=results, sweeps=sweeps), f, indent=1)
+
+
+def _print_layer(results: list[dict], name: str, rows_list: list[int]) -> None:
+    """One table line per row count of layer `name`, once its three formats are measured."""
+    for rows in rows_list:
+        by_fmt = {r["format"]: r for r in results if r["layer"] == name and r["m"] == rows}
+        base = by_fmt["bf16"].get("us")
+        cells = []
+        for fmt in ("bf16", "int8", "int4"):
+            r = by_fmt[fmt]
+            if "us" not in r:
+                cells.append(f"{'WRONG':>9s} {'':>4s}" + ("" if fmt == "bf16" else f" {'':>6s}"))
+                continue
+            cell = f"{r['us']:9.1f} {r['of_copy_bw']:4.0%}"
+            if fmt != "bf16":
+                cell += f" {base / r['us']:5.2f}x" if base else f" {'':>6s}"
+            cells.append(cell)
+        others = [by_fmt[f].get("other_kernel", {}).get("us") for f in ("int8", "int4")]
+        other = " / ".join("-" if t is None else f"{t:.1f}" for t in others)
+        print(f"{name:8s} {rows:4d} | " + " | ".join(cells) + f" | {other}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
