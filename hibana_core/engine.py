@@ -155,7 +155,7 @@ class Engine:
         documents = guard.heldout_documents(loaded.tokenizer, loaded.args.vocab_size, self.config.surgery_guard_text)
         scorer = guard.Scorer(loaded.model, self._ctx, loaded.args, loaded.dtype, self.device,
                               max(len(d) for d in documents) + guard.CONTINUATION + 1)
-        return guard.Guard(scorer, documents, self.config.progress)
+        return guard.Guard(scorer, documents, self.config.progress, loaded.tokenizer)
 
     def _profile_steps(self, runner: ModelRunner):
         device = self.device

@@ -220,6 +220,8 @@ def test_guard_measures_w8_on_the_demo_model_and_it_passes_its_floors(make_engin
         assert guard["decision"] == "ok" and guard["floors"] == {"ppl_ratio": 1.005}
         assert guard["ppl_ratio"] <= 1.005 and guard["top1_agreement"] > 0.97 and guard["mean_kl"] < 0.01
         assert guard["tokens"] > 2000 and 0 < guard["first_divergence"] <= 48
+        # the demo conversations' tool calls, written by the model itself at each "<tool_call>"
+        assert guard["tool_calls_valid_before"] >= 0.9 and guard["tool_calls_valid"] >= 0.9
     finally:
         engine.close()
 
@@ -243,6 +245,7 @@ def test_guard_refuses_a_pass_over_its_floors_unless_forced(tiny_checkpoints, ma
     same = plain.surgery[0]["guard"]
     assert same["decision"] == "ok" and same["ppl_ratio"] == pytest.approx(1.0) and same["top1_agreement"] == 1.0
     assert same["mean_kl"] == pytest.approx(0.0, abs=1e-6) and same["first_divergence"] == 48
+    assert same["tool_calls_valid"] is None, "the tiny tokenizer has no <tool_call> token: nothing to measure"
 
     assert own.surgery[0]["guard"]["tokens"] != same["tokens"]
     with pytest.raises(ConfigError, match=r"guard text .*nothing\.txt' does not exist"):
@@ -324,3 +327,12 @@ def test_layer_skip_self_draft_is_lossless_and_shares_the_weights(tiny_checkpoin
     with pytest.raises(ConfigError, match=r"layers must be increasing indices"):
         LayerSkipDrafter(engine, layers=[1, 0])
     drafter.close()
+
+
+def test_a_tool_call_is_valid_only_as_a_name_and_an_arguments_object():
+    from hibana_core.surgery.guard import _is_call
+
+    assert _is_call('\n{"name": "lookup", "arguments": {"city": "Oslo"}}\n')
+    for text in ('{"name": "lookup", "arguments": "Oslo"}', '{"name": 3, "arguments": {}}',
+                 '{"name": "lookup", "arguments": {"city": "Os', '["lookup"]', ''):
+        assert not _is_call(text), text

@@ -9,6 +9,8 @@
         first divergence        the first generated token where free greedy output differs
                                 (teacher-forcing the unmodified model's continuation finds it:
                                 up to there both models saw the same history)
+        tool calls valid        at each "<tool_call>" of the conversations the model writes the
+                                call; the share that parses as {"name": ..., "arguments": {...}}
 
 The held-out text is the demo agents' conversations (`heldout/agent_traces.txt`: system prompts
 with tool schemas, questions, tool calls and results), tokenized by the model's tokenizer, or a
@@ -18,6 +20,7 @@ one over its floor is refused with a SurgeryGuardError unless it is forced.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,11 +48,14 @@ class GuardReport:
     top1_agreement: float
     first_divergence: float      # mean over documents; CONTINUATION where none diverged
     tokens: int                  # positions scored
+    tool_calls: float | None = None  # share of tool calls generated after "<tool_call>" that parse
+    tool_calls_before: float | None = None  # the same share for the unmodified model
 
     def as_dict(self) -> dict[str, float]:
         return {"ppl_ratio": round(self.ppl_ratio, 5), "mean_kl": round(self.mean_kl, 6),
                 "top1_agreement": round(self.top1_agreement, 5),
-                "first_divergence": round(self.first_divergence, 2), "tokens": self.tokens}
+                "first_divergence": round(self.first_divergence, 2), "tokens": self.tokens,
+                "tool_calls_valid": self.tool_calls, "tool_calls_valid_before": self.tool_calls_before}
 
 
 @dataclass
@@ -61,6 +67,8 @@ class Reference:
     nll: list[torch.Tensor] = field(default_factory=list)           # [T - 1] float32: of the text's tokens
     top1: list[torch.Tensor] = field(default_factory=list)          # [T - 1]: most likely tokens
     continuations: list[list[int]] = field(default_factory=list)    # greedy after each opening
+    call_prefixes: list[list[int]] = field(default_factory=list)    # histories ending in "<tool_call>"
+    tool_calls: float | None = None                                  # share valid, unmodified model
 
 
 def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = None) -> list[list[int]]:
@@ -117,18 +125,56 @@ class Scorer:
         """[T - 1, V]: log-probabilities of the token after each position but the last."""
         return torch.log_softmax(self._forward(tokens, 0)[:-1], dim=-1)
 
-    def greedy(self, opening: Sequence[int], n: int) -> list[int]:
+    def greedy(self, opening: Sequence[int], n: int, stop: int | None = None) -> list[int]:
         tokens = list(opening)
         logits = self._forward(tokens, 0)[-1]
         out = []
         for _ in range(n):
             out.append(int(logits.argmax()))
+            if out[-1] == stop or len(out) == n:
+                break
             tokens.append(out[-1])
             logits = self._forward(tokens, len(tokens) - 1)[-1]
         return out
 
 
-def measure_reference(scorer: Scorer, documents: list[list[int]], progress: bool) -> Reference:
+class ToolCalls:
+    """Tool-call validity on agent turns: at each "<tool_call>" of the held-out conversations
+    the model writes the call itself (greedy, up to "</tool_call>"); a call is valid when it is
+    JSON with a string "name" and an object "arguments"."""
+
+    MAX_CALLS = 12
+    MAX_TOKENS = 64
+
+    def __init__(self, tokenizer: Any, documents: list[list[int]]) -> None:
+        ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<tool_call>", "</tool_call>")] \
+            if tokenizer is not None and hasattr(tokenizer, "convert_tokens_to_ids") else [None, None]
+        self.tokenizer, (self.open, self.close) = tokenizer, ids
+        unknown = getattr(tokenizer, "unk_token_id", None)
+        self.prefixes = [] if None in ids or unknown in ids else [
+            doc[:i + 1] for doc in documents for i, t in enumerate(doc) if t == self.open][:self.MAX_CALLS]
+
+    def validity(self, scorer: "Scorer") -> float | None:
+        if not self.prefixes:
+            return None
+        valid = 0
+        for prefix in self.prefixes:
+            out = scorer.greedy(prefix, self.MAX_TOKENS, stop=self.close)
+            if out and out[-1] == self.close:
+                valid += _is_call(self.tokenizer.decode(out[:-1]))
+        return valid / len(self.prefixes)
+
+
+def _is_call(text: str) -> bool:
+    try:
+        call = json.loads(text.strip())
+    except ValueError:
+        return False
+    return isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments"), dict)
+
+
+def measure_reference(scorer: Scorer, documents: list[list[int]], progress: bool,
+                      calls: ToolCalls | None = None) -> Reference:
     reference = Reference(documents)
     for doc in tqdm(documents, desc="guard: unmodified model", unit="doc", disable=not progress, leave=False):
         log_probs = scorer.log_probs(doc).cpu()
@@ -136,10 +182,13 @@ def measure_reference(scorer: Scorer, documents: list[list[int]], progress: bool
         reference.top1.append(log_probs.argmax(-1))
         reference.log_probs.append(log_probs.half())
         reference.continuations.append(scorer.greedy(doc[:OPENING], CONTINUATION))
+    if calls is not None:
+        reference.tool_calls = calls.validity(scorer)
     return reference
 
 
-def compare(scorer: Scorer, reference: Reference, progress: bool, desc: str = "guard") -> GuardReport:
+def compare(scorer: Scorer, reference: Reference, progress: bool, desc: str = "guard",
+            calls: ToolCalls | None = None) -> GuardReport:
     nll_ref = nll_new = kl = agree = 0.0
     positions = 0
     divergences = []
@@ -156,7 +205,8 @@ def compare(scorer: Scorer, reference: Reference, progress: bool, desc: str = "g
         forced = scorer.log_probs(doc[:OPENING] + cont)[OPENING - 1:].argmax(-1).tolist()
         divergences.append(next((i for i, (a, b) in enumerate(zip(forced, cont)) if a != b), len(cont)))
     return GuardReport(math.exp((nll_new - nll_ref) / positions), kl / positions, agree / positions,
-                       sum(divergences) / len(divergences), positions)
+                       sum(divergences) / len(divergences), positions,
+                       None if calls is None else calls.validity(scorer), reference.tool_calls)
 
 
 def violations(report: GuardReport, floors: dict[str, float]) -> list[str]:
@@ -171,23 +221,26 @@ def violations(report: GuardReport, floors: dict[str, float]) -> list[str]:
 
 
 def table(rows: list[tuple[str, GuardReport, str]]) -> str:
-    lines = [f"{'pass':<24}{'ppl ratio':>11}{'mean KL':>10}{'top-1':>8}{'diverges at':>13}  decision"]
+    lines = [f"{'pass':<24}{'ppl ratio':>11}{'mean KL':>10}{'top-1':>8}{'diverges at':>13}"
+             f"{'tool calls ok':>20}  decision"]
     for name, r, decision in rows:
+        calls = "-" if r.tool_calls is None else f"{r.tool_calls:.0%} (was {r.tool_calls_before:.0%})"
         lines.append(f"{name:<24}{r.ppl_ratio:>11.4f}{r.mean_kl:>10.5f}{r.top1_agreement:>8.1%}"
-                     f"{r.first_divergence:>13.1f}  {decision}")
+                     f"{r.first_divergence:>13.1f}{calls:>20}  {decision}")
     return "\n".join(lines)
 
 
 class Guard:
     """Measures the unmodified model once, then each pass's cumulative effect against it."""
 
-    def __init__(self, scorer: Scorer, documents: list[list[int]], progress: bool) -> None:
+    def __init__(self, scorer: Scorer, documents: list[list[int]], progress: bool, tokenizer: Any = None) -> None:
         self.scorer, self.progress = scorer, progress
-        self.reference = measure_reference(scorer, documents, progress)
+        self.calls = ToolCalls(tokenizer, documents)
+        self.reference = measure_reference(scorer, documents, progress, self.calls)
         self.rows: list[tuple[str, GuardReport, str]] = []
 
     def check(self, name: str, surgery_pass: Any, force: bool) -> dict[str, Any]:
-        report = compare(self.scorer, self.reference, self.progress, desc=f"guard: after {name}")
+        report = compare(self.scorer, self.reference, self.progress, desc=f"guard: after {name}", calls=self.calls)
         floors = dict(getattr(surgery_pass, "floors", {}) or {})
         broken = violations(report, floors)
         decision = "ok" if not broken else ("forced: " if force else "refused: ") + "; ".join(broken)
