@@ -20,7 +20,7 @@ import random
 from pathlib import Path
 
 from hibana_bench.coding_source import Module, edit_module, make_module, pytest_output
-from hibana_bench.traces import TRACES_DIR, Trace, make_trace, save_trace
+from hibana_bench.traces import TRACES_DIR, Trace, describe, make_trace, save_trace
 
 SYSTEM = ("You are a coding agent working in a Python repository checked out at /workspace. Use the tools to read "
           "files, write them back and run the tests. Make the smallest change that does the task, keep the "
@@ -151,10 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
         return 0
     size = save_trace(trace, args.out)
-    convs = trace.agents
-    print(f"{args.out}: {len(convs)} agents, {sum(len(c.turns) for c in convs)} turns, "
-          f"{sum(c.tokens for c in convs)} tokens ({sum(c.output_tokens for c in convs)} generated), "
-          f"longest conversation {max(c.tokens for c in convs)} tokens, {size / 1e3:.0f} kB")
+    print(f"{args.out}: {describe(trace)}, {size / 1e3:.0f} kB")
     return 0
 
 

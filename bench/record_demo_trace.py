@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hibana_bench.traces import TRACES_DIR, Trace, make_trace, save_trace
+from hibana_bench.traces import TRACES_DIR, Trace, describe, make_trace, save_trace
 
 DESCRIPTION = ("hibana demo's agents on the bundled demo model: each agent asks its tasks one after another in one "
                "conversation (question, tool call, tool result, answer), greedy; tool calls and answers copy names "
@@ -79,10 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     trace = record(args.agents, args.tasks, args.seed, args.max_tokens)
     size = save_trace(trace, args.out)
-    turns = sum(len(c.turns) for c in trace.agents)
-    print(f"{args.out}: {len(trace.agents)} agents, {turns} turns, "
-          f"{sum(c.tokens for c in trace.agents)} tokens ({sum(c.output_tokens for c in trace.agents)} generated), "
-          f"{size / 1e3:.0f} kB")
+    print(f"{args.out}: {describe(trace)}, {size / 1e3:.0f} kB")
     return 0
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -30,7 +29,7 @@ from hibana_bench.models import BenchModel
 from hibana_bench.spec_systems import (BASELINE, SPEC_SYSTEMS, BenchError, SpecCounters, force_outputs_fn, open_engine,
                                        snapshot)
 from hibana_bench.traces import REPLICA_SALT_TOKENS, Conversation, Trace, Turn
-from hibana_bench.workloads import SystemResult, TurnRecord
+from hibana_bench.workloads import SystemResult, TurnRecord, run_agents
 from hibana_core import SamplingParams
 
 ForceFn = Callable[[object, list[int]], None]
@@ -172,13 +171,7 @@ def run_trace_agents(model: BenchModel, system: str, convs: list[Conversation], 
                 errors.append(exc)
 
         before = snapshot(engine)
-        start = time.perf_counter()
-        threads = [threading.Thread(target=agent, args=(i,)) for i in range(len(convs))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        seconds = time.perf_counter() - start
+        seconds = run_agents(agent, len(convs))
         bar.close()
         spec = SpecCounters.between(before, snapshot(engine)).summary()
         spec["kv_blocks_total"] = engine.stats().kv_blocks_total  # the pool the agents shared

@@ -153,6 +153,14 @@ def save_trace(trace: Trace, path: Path) -> int:
     return len(data)
 
 
+def describe(trace: Trace) -> str:
+    """"N agents, T turns, X tokens (Y generated), longest conversation L tokens"."""
+    convs = trace.agents
+    return (f"{len(convs)} agents, {sum(len(c.turns) for c in convs)} turns, {sum(c.tokens for c in convs)} "
+            f"tokens ({sum(c.output_tokens for c in convs)} generated), longest conversation "
+            f"{max(c.tokens for c in convs)} tokens")
+
+
 def parse_trace(data: object, where: str) -> Trace:
     """Validate a decoded trace; every problem raises TraceError naming `where` and the field."""
     def fail(msg: str) -> TraceError:

@@ -221,15 +221,20 @@ def run_hibana_agents(model: BenchModel, cfg: AgentsConfig, retention: bool, sys
                                               out.stats.time_to_first_token or 0.0))
                     bar.update()
 
-        start = time.perf_counter()
-        threads = [threading.Thread(target=agent, args=(i,)) for i in range(cfg.agents)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        seconds = time.perf_counter() - start
+        seconds = run_agents(agent, cfg.agents)
         bar.close()
     return SystemResult(name, cfg.agents, seconds, records)
+
+
+def run_agents(agent, n: int) -> float:
+    """Run `agent(i)` for i < n, each in its own thread, all at once; the wall time in seconds."""
+    start = time.perf_counter()
+    threads = [threading.Thread(target=agent, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start
 
 
 def run_hf_agents(model: BenchModel, cfg: AgentsConfig, reuse_cache: bool) -> SystemResult:

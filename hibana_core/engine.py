@@ -35,7 +35,6 @@ from hibana_core.loader import load_from_hf_model, load_model, model_bytes
 from hibana_core.output import OutputProcessor
 from hibana_core.registry import ModelLimits, StateRegistry
 from hibana_core.runner import ModelRunner
-from hibana_core.surgery import apply_passes
 from hibana_core.sampler import Sampler
 from hibana_core.scheduler import IdleLRUEviction, Scheduler
 from hibana_core.speculation.speculator import Speculator, profile_step_costs
@@ -104,7 +103,7 @@ class Engine:
         else:
             loaded = load_from_hf_model(hf_model, self.device, config.dtype, self._ctx, tokenizer)
         guard = self._guard(loaded) if config.surgery and config.surgery_guard else None
-        self.surgery = loaded.surgery + apply_passes(loaded.model, config.surgery,
+        self.surgery = loaded.surgery + surgery.apply_passes(loaded.model, config.surgery,
                                                      get_plugin_manager().surgery_passes(), guard)
         """What each surgery pass changed (name, parameters, layers, bytes before and after) and,
         where the guard ran, its figures against the unmodified model."""
@@ -154,7 +153,7 @@ class Engine:
 
         documents = guard.heldout_documents(loaded.tokenizer, loaded.args.vocab_size, self.config.surgery_guard_text)
         scorer = guard.Scorer(loaded.model, self._ctx, loaded.args, loaded.dtype, self.device,
-                              max(len(d) for d in documents) + guard.CONTINUATION + 1)
+                              guard.scorer_length(documents))
         return guard.Guard(scorer, documents, self.config.progress, loaded.tokenizer)
 
     def _profile_steps(self, runner: ModelRunner):
@@ -300,8 +299,7 @@ class Engine:
             # is collected: an engine opened next sizes its KV pool from the memory free then
             self.model = self.core.runner = self.kv_cache = self._ctx.kv_cache = self.registry.kv_cache = None
         if self.device.type == "cuda":
-            gc.collect()
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # the blocks it held go back to the device
 
     def __enter__(self) -> "Engine":
         return self

@@ -92,8 +92,8 @@ class Speculator:
     def start(self) -> None:
         """Profile the step costs now (at engine start-up) when the engine's default is adaptive,
         so that no agent's first turn pays for it."""
-        if self.default.enabled and self.default.k is None and self._controller is None:
-            self._controller = Controller(self._profile())
+        if self.default.enabled and self.default.k is None:
+            _ = self.controller  # built, so profiled, now
 
     @property
     def controller(self) -> Controller:

@@ -102,6 +102,7 @@ class Scorer:
                  device: torch.device, max_len: int, block_size: int = 16) -> None:
         self.model, self.ctx, self.device, self.block_size = model, ctx, device, block_size
         blocks = -(-max_len // block_size)
+        self.max_len = blocks * block_size
         self.cache = KVCache(args.num_layers, blocks, block_size, args.num_kv_heads, args.head_dim, dtype, device)
 
     def _forward(self, tokens: Sequence[int], start: int) -> torch.Tensor:
@@ -234,6 +235,9 @@ class Guard:
     """Measures the unmodified model once, then each pass's cumulative effect against it."""
 
     def __init__(self, scorer: Scorer, documents: list[list[int]], progress: bool, tokenizer: Any = None) -> None:
+        need = scorer_length(documents)
+        if scorer.max_len < need:  # greedy text is generated past a document's end
+            raise ValueError(f"the guard's scorer holds {scorer.max_len} tokens; it needs {need}")
         self.scorer, self.progress = scorer, progress
         self.calls = ToolCalls(tokenizer, documents)
         self.reference = measure_reference(scorer, documents, progress, self.calls)
@@ -256,3 +260,8 @@ class Guard:
     def summary(self) -> str:
         tokens = sum(len(d) - 1 for d in self.reference.documents)
         return f"surgery guard ({tokens} held-out tokens):\n{table(self.rows)}"
+
+
+def scorer_length(documents: list[list[int]]) -> int:
+    """Tokens a guard's scorer must hold: the longest document and a greedy text after it."""
+    return max(len(d) for d in documents) + max(CONTINUATION, ToolCalls.MAX_TOKENS)
