@@ -109,6 +109,9 @@ def run_surgery(args: argparse.Namespace) -> int:
     except json.JSONDecodeError as exc:
         print(f"hibana surgery: --passes is neither names nor a JSON list ({exc})", file=sys.stderr)
         return 2
+    if not passes:
+        print("hibana surgery: --passes names no pass; e.g. --passes w8", file=sys.stderr)
+        return 2
     if args.force:
         passes = [{**({"name": p} if isinstance(p, str) else p), "force": True} for p in passes]
     try:

@@ -98,6 +98,7 @@ class Engine:
         self.config = config
         self.device = _resolve_device(config.device)
         self._ctx = ForwardContext()
+        surgery.check_names(config.surgery, get_plugin_manager().surgery_passes())  # before loading
         if hf_model is None:
             loaded = load_model(config.model, self.device, config.dtype, self._ctx, config.progress)
         else:

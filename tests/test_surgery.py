@@ -125,6 +125,17 @@ def test_quantizers_round_trip_within_their_step():
     assert group_size_for(96, 128) == 96 and group_size_for(4096, 128) == 128 and group_size_for(7, 128) is None
 
 
+def test_an_unknown_pass_is_refused_before_the_model_loads(monkeypatch):
+    from hibana_core import Engine, engine as engine_module
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the pass names were checked")
+
+    monkeypatch.setattr(engine_module, "load_model", no_loading)
+    with pytest.raises(ConfigError, match=r"no surgery pass named 'w5'"):
+        Engine.from_pretrained("demo", surgery=["w8", "w5"], device="cpu")
+
+
 @pytest.mark.parametrize("bad, message", [
     (["w9"], r"no surgery pass named 'w9'.*registered: .*w4, w8"),
     (["w8", "w8"], r"names a pass twice"),
@@ -274,9 +285,18 @@ def test_hibana_surgery_writes_a_checkpoint_that_loads_with_its_passes(passes, t
     assert list(saved.open_state("a").generate(greedy(), prompt=prompt).token_ids) == \
         list(direct.open_state("a").generate(greedy(), prompt=prompt).token_ids)
 
-    # a second run refuses to overwrite; a damaged manifest is a CheckpointError
+    # a second run refuses to overwrite, as it refuses any non-empty directory; no pass is no run;
+    # a damaged manifest is a CheckpointError
     assert main(["surgery", str(path), "--passes", "w8", "--out", str(out), "--no-guard", "--device", "cpu"]) == 1
     assert "already holds a checkpoint" in capsys.readouterr().err
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    assert main(["surgery", str(path), "--passes", "w8", "--out", str(tmp_path / "busy"), "--no-guard",
+                 "--device", "cpu"]) == 1
+    assert "is not empty; choose a new or empty directory" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == ["notes.txt"]
+    assert main(["surgery", str(path), "--passes", "", "--device", "cpu"]) == 2
+    assert "names no pass" in capsys.readouterr().err
     (out / "hibana_surgery.json").write_text("{not json")
     with pytest.raises(CheckpointError, match=r"hibana_surgery\.json is damaged"):
         make_engine(out)

@@ -68,15 +68,20 @@ def parse_passes(value: Any) -> tuple[PassRequest, ...]:
     return requests
 
 
+def check_names(requests: Sequence[PassRequest], passes: dict[str, Any]) -> None:
+    """A ConfigError, listing what is registered, for a request that names no registered pass."""
+    for request in requests:
+        if request.name not in passes:
+            raise ConfigError(f"no surgery pass named {request.name!r} is registered (registered: "
+                              f"{', '.join(sorted(passes)) or 'none'}); install the plugin that provides it")
+
+
 def apply_passes(model: "torch.nn.Module", requests: Sequence[PassRequest], passes: dict[str, Any],
                  guard: Any = None) -> list[dict[str, Any]]:
     """Run the passes in order; their records, each with its name and parameters (and, with a
     guard, its figures against the unmodified model: a pass over its floors raises
     SurgeryGuardError unless its request says `force: True`)."""
-    for request in requests:  # every name is checked before any pass runs
-        if request.name not in passes:
-            raise ConfigError(f"no surgery pass named {request.name!r} is registered (registered: "
-                              f"{', '.join(sorted(passes)) or 'none'}); install the plugin that provides it")
+    check_names(requests, passes)  # every name before any pass runs
     records = []
     for request in requests:
         params = dict(request.params)

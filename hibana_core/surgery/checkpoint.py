@@ -36,9 +36,11 @@ def save(engine: Any, source: Path, out: Path) -> Path:
     """Write `engine`'s rewritten model (loaded from `source`) as a checkpoint in `out`."""
     from safetensors.torch import save_file
 
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        what = "already holds a checkpoint" if (out / MANIFEST).exists() or any(out.glob("*.safetensors")) \
+            else "is not empty"
+        raise CheckpointError(f"{out} {what}; choose a new or empty directory")
     out.mkdir(parents=True, exist_ok=True)
-    if (out / MANIFEST).exists() or any(out.glob("*.safetensors")):
-        raise CheckpointError(f"{out} already holds a checkpoint; choose an empty directory")
     for name in _COPIED:
         if (source / name).is_file():
             shutil.copy2(source / name, out / name)
