@@ -42,6 +42,7 @@ case "${1:-check}" in
     python3 -m hibana_bench.cli decode --model qwen3-8b --context 512,8192 --generate 128 --systems hibana \
       --surgery w8,w4 --json "$OUT/decode_surgery_qwen3-8b.json" 2>&1 | tee "$OUT/decode_surgery_qwen3-8b.txt" ;;
   quant)
+    python3 -m pytest tests/test_kernels.py -q -x -k quant -p no:cacheprovider 2>&1 | tail -2
     python3 bench/tune_quant.py --json "$OUT/tune_quant.json" 2>&1 | tee "$OUT/tune_quant.txt" ;;
   quant_sweep)
     python3 bench/tune_quant.py --sweep --rows 1,64 --json "$OUT/tune_quant_sweep.json" 2>&1 \

@@ -6,8 +6,8 @@ references (relative error of the output), then each of bf16 `F.linear`, `linear
 `linear_int4` is timed as the best of several CUDA-event-timed replays of a CUDA graph that runs
 it over enough weight copies to overflow the L2 (so weights come from memory, as in a model).
 Bytes moved are the weight (with its scales and zeros), x and y; GB/s is given as a share of the
-device copy bandwidth measured in the same run. At 1-16 rows the kernel the dispatcher did not
-pick is timed too (the GEMV/GEMM crossover, GEMV_MAX_ROWS). --sweep times tiles instead, for
+device copy bandwidth measured in the same run. At every row count the path the dispatcher did
+not pick is timed too (the crossovers GEMV_MAX_ROWS and DEQUANT_MIN_ROWS). --sweep times tiles instead, for
 choose_tiles (minutes: give it few rows and shapes).
 
     python3 bench/tune_quant.py [--json PATH] [--group-size 128] [--rows 1,4,16,64,256]
@@ -36,6 +36,7 @@ QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
             "down": (4096, 12288), "lm_head": (151936, 4096)}  # name: (N, K) of the weight
 ROTATE_BYTES = 256 << 20  # weight copies cycled through per timing: the H200's L2 is 50 MB
 MAX_REL_ERR = 1e-2
+DEQUANTIZE = "dequantize+cublas"  # as `tiles`: the path that dequantizes the weight first
 
 
 def time_graph(fn, reps: int = 10) -> float:
@@ -88,9 +89,12 @@ def runner(fmt: str, group_size: int, tiles: GemvTiles | GemmTiles | None = None
     """fn(x, weights) for format fmt: the dispatcher's kernel, or the one `tiles` names."""
     if fmt == "bf16":
         return lambda x, w: F.linear(x, w["weight"])
+    if tiles == DEQUANTIZE:
+        tiles = None  # the launchers' None: dequantize, then cuBLAS
+    elif tiles is None:
+        return lambda x, w: (quant_triton.linear_int8(x, w["qweight"], w["scales"]) if fmt == "int8" else
+                             quant_triton.linear_int4(x, w["qweight"], w["scales"], w["zeros"], group_size))
     if fmt == "int8":
-        if tiles is None:
-            return lambda x, w: quant_triton.linear_int8(x, w["qweight"], w["scales"])
         return lambda x, w: quant_triton.linear_int8_launch(x, w["qweight"], w["scales"], None, tiles)
     if tiles is None:
         return lambda x, w: quant_triton.linear_int4(x, w["qweight"], w["scales"], w["zeros"], group_size)
@@ -137,25 +141,34 @@ def _kernel_name(fmt, rows, w, group_size, tiles) -> str:
     if tiles is None:
         n, k = w["qweight"].shape[0], w["qweight"].shape[1] * (2 if fmt == "int4" else 1)
         tiles = quant_triton.choose_tiles(rows, n, k, group_size if fmt == "int4" else 1)
-    return f"{type(tiles).__name__}{tuple(tiles)}"
+    return DEQUANTIZE if tiles in (None, DEQUANTIZE) else f"{type(tiles).__name__}{tuple(tiles)}"
 
 
-def other_kernel(fmt: str, rows: int, n: int, k: int, group_size: int) -> GemvTiles | GemmTiles:
-    """The kernel the dispatcher did not pick at `rows`, with its own default tiles."""
+def other_kernel(fmt: str, rows: int, n: int, k: int, group_size: int) -> GemvTiles | GemmTiles | str:
+    """The path the dispatcher did not pick at `rows`: the GEMM for the GEMV's rows, dequantizing
+    for the GEMM's, the GEMM for dequantizing's."""
     group = group_size if fmt == "int4" else 1
     if rows <= quant_triton.GEMV_MAX_ROWS:
         return quant_triton.choose_tiles(quant_triton.GEMV_MAX_ROWS + 1, n, k, group)
-    return quant_triton.choose_tiles(1, n, k, group)._replace(
-        block_k=max(group, min(triton.next_power_of_2(k), 4096 // triton.next_power_of_2(rows))))
+    if rows >= quant_triton.DEQUANT_MIN_ROWS:
+        return quant_triton.choose_tiles(quant_triton.DEQUANT_MIN_ROWS - 1, n, k, group)
+    return DEQUANTIZE
 
 
 def sweep(fmt: str, group_size: int, rows: int, n: int, k: int, bandwidth: float) -> list[dict]:
     """Tiles of the kernel for `rows` (GEMV at decode rows, GEMM above), best first."""
     group = group_size if fmt == "int4" else 1
-    if rows <= quant_triton.GEMV_MAX_ROWS:
+    if rows <= quant_triton.GEMV_MAX_ROWS and fmt == "int8":
         grid = [GemvTiles(bn, bk, w) for bn, bk, w in itertools.product(
-            (1, 2, 4, 8, 16), (512, 1024, 2048, 4096), (4, 8))
-            if bk >= group and 2048 <= bn * bk <= 16384 and bk <= triton.next_power_of_2(k)]
+            (2, 4, 8), (512, 1024, 2048, 4096), (4, 8))
+            if 2048 <= bn * bk <= 16384 and bk <= triton.next_power_of_2(k)]
+    elif rows <= quant_triton.GEMV_MAX_ROWS:  # int4: the float GEMV, then the tensor-core one
+        grid = [GemvTiles(bn, bk, w) for bn, bk, w in itertools.product(
+            (4, 8, 16), (256, 512, 1024, 2048), (4, 8))
+            if bk >= group and 1024 <= bn * bk // 2 <= 8192 and bk <= triton.next_power_of_2(k)]
+        grid += [GemvTiles(bn, bk, w, True) for bn, bk, w in itertools.product(
+            (32, 64, 128), (128, 256), (4, 8))
+            if bk >= group and bk <= triton.next_power_of_2(k)]
     else:
         grid = [GemmTiles(bm, bn, bk, w, s) for bm, bn, bk, w, s in itertools.product(
             (16, 32, 64, 128), (64, 128, 256), (64, 128), (4, 8), (3,))
@@ -167,8 +180,8 @@ def sweep(fmt: str, group_size: int, rows: int, n: int, k: int, bandwidth: float
     for tiles in grid:
         try:
             results.append(measure(fmt, group_size, x, copies, bandwidth, ref, tiles))
-        except triton.runtime.errors.OutOfResources:  # tiles too large for shared memory
-            continue
+        except Exception as error:  # noqa: BLE001 - tiles too large for shared memory, or worse
+            print(f"  {fmt} {tiles}: {type(error).__name__}: {str(error)[:120]}", flush=True)
     del copies
     return sorted((r for r in results if r["ok"]), key=lambda r: r["us"])
 
@@ -200,7 +213,7 @@ def main() -> None:
             ref = reference(fmt, args.group_size, x, copies[0])
             row = dict(layer=name, n=n, k=k, m=rows,
                        **measure(fmt, args.group_size, x, copies, bandwidth, ref))
-            if fmt != "bf16" and rows <= 16:
+            if fmt != "bf16":
                 row["other_kernel"] = measure(fmt, args.group_size, x, copies, bandwidth, ref,
                                               other_kernel(fmt, rows, n, k, args.group_size))
             results.append(row)
