@@ -7,6 +7,7 @@
 #   bash bench/run_h200.sh surgery       # batch-1 decode of qwen3-8b in bf16, w8 and w4 (issue 14)
 #   bash bench/run_h200.sh quant    # bench/tune_quant.py: int8/int4 linears against bf16 cuBLAS, Qwen3-8B shapes
 #   bash bench/run_h200.sh quant_sweep   # bench/tune_quant.py --sweep: their tiles at 1 and 64 rows
+#                                        # (QUANT_ARGS replaces "--rows 1,64", e.g. "--rows 4 --shapes o")
 #   bash bench/run_h200.sh spec_decode   # trace-driven batch-1 decode, coding and demo traces, speculation off/k4/adaptive
 #   bash bench/run_h200.sh spec_agents   # trace-driven agents on the coding trace: 32 agents (off/k4/adaptive),
 #                                        # then off vs adaptive at 1, 8 and 64 agents
@@ -45,7 +46,7 @@ case "${1:-check}" in
     python3 -m pytest tests/test_kernels.py -q -x -k quant -p no:cacheprovider 2>&1 | tail -2
     python3 bench/tune_quant.py --json "$OUT/tune_quant.json" 2>&1 | tee "$OUT/tune_quant.txt" ;;
   quant_sweep)
-    python3 bench/tune_quant.py --sweep --rows 1,64 --json "$OUT/tune_quant_sweep.json" 2>&1 \
+    python3 bench/tune_quant.py --sweep ${QUANT_ARGS:---rows 1,64} --json "$OUT/tune_quant_sweep.json" 2>&1 \
       | tee "$OUT/tune_quant_sweep.txt" ;;
   spec_decode)
     for spec in "coding 2" "demo 8"; do

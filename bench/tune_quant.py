@@ -158,17 +158,10 @@ def other_kernel(fmt: str, rows: int, n: int, k: int, group_size: int) -> GemvTi
 def sweep(fmt: str, group_size: int, rows: int, n: int, k: int, bandwidth: float) -> list[dict]:
     """Tiles of the kernel for `rows` (GEMV at decode rows, GEMM above), best first."""
     group = group_size if fmt == "int4" else 1
-    if rows <= quant_triton.GEMV_MAX_ROWS and fmt == "int8":
+    if rows <= quant_triton.GEMV_MAX_ROWS:
         grid = [GemvTiles(bn, bk, w) for bn, bk, w in itertools.product(
-            (2, 4, 8), (512, 1024, 2048, 4096), (4, 8))
-            if 2048 <= bn * bk <= 16384 and bk <= triton.next_power_of_2(k)]
-    elif rows <= quant_triton.GEMV_MAX_ROWS:  # int4: the float GEMV, then the tensor-core one
-        grid = [GemvTiles(bn, bk, w) for bn, bk, w in itertools.product(
-            (4, 8, 16), (256, 512, 1024, 2048), (4, 8))
-            if bk >= group and 1024 <= bn * bk // 2 <= 8192 and bk <= triton.next_power_of_2(k)]
-        grid += [GemvTiles(bn, bk, w, True) for bn, bk, w in itertools.product(
-            (32, 64, 128), (128, 256), (4, 8))
-            if bk >= group and bk <= triton.next_power_of_2(k)]
+            (8, 16, 32, 64), (128, 256, 512, 1024), (2, 4, 8))
+            if bk >= group and bn * bk <= 32768 and bk <= triton.next_power_of_2(k)]
     else:
         grid = [GemmTiles(bm, bn, bk, w, s) for bm, bn, bk, w, s in itertools.product(
             (16, 32, 64, 128), (64, 128, 256), (64, 128), (4, 8), (3,))

@@ -1,15 +1,22 @@
 """Weight-only quantized linear layers in Triton, same signatures as `hibana_kernels.quant`.
 
-Two kernels, picked by the number of rows:
+Three paths, picked by the number of rows:
 
-- a GEMV for decode (up to GEMV_MAX_ROWS rows): as in matmul_triton, the time is the weight's
-  bytes over memory bandwidth, now a half (int8) or a quarter (int4) of bf16's. Each program owns
-  BLOCK_N output features and streams their packed rows once, dequantizing in registers;
-- a GEMM for prefill and verify batches: tiles of x against dequantized weight tiles through
-  tl.dot. The grid runs the row tiles of one weight tile together, so the weight still comes
-  from memory once and x, the small operand, from the L2.
+- a GEMV for decode (up to GEMV_MAX_ROWS rows): as in matmul_triton, the time should be the
+  weight's bytes over memory bandwidth, now a half (int8) or a quarter (int4) of bf16's. At a
+  quarter, arithmetic bounds it unless each code costs very little: the I2F instruction runs at a
+  quarter of the float rate, and a reduction across threads every step costs more than the
+  step. So the codes are read as int32 words and each becomes the float 1 + code / 2^bits by a
+  shift and one logic op (its bits moved into the mantissa of 1.0); the offset leaves the sum
+  through sum(x), and int4's scale and zero apply twice a word, not once a code. Products stay
+  per column of the tile in float32 until the last step;
+- a GEMM for verify batches and short prefill chunks: tiles of x against dequantized weight
+  tiles through tl.dot. The grid runs the row tiles of one weight tile together, so the weight
+  still comes from memory once and x, the small operand, from the L2;
+- from DEQUANT_MIN_ROWS rows the product is compute-bound: the weight is dequantized to x's
+  dtype once and cuBLAS takes it.
 
-Both accumulate in float32 and round the output once. The int4 tile is unpacked as
+All accumulate in float32 and round the output once. The GEMM unpacks an int4 tile as
 
     packed bytes [BLOCK_N, BLOCK_K // 2]     byte j = code(2j) | code(2j + 1) << 4
       -> interleave(low, high) -> codes [BLOCK_N, BLOCK_K]            (k in order)
@@ -34,19 +41,11 @@ from hibana_kernels import quant
 GEMV_MAX_ROWS = 4  # rows the GEMV takes; more go to the GEMM (a first guess: bench/tune_quant.py)
 DEQUANT_MIN_ROWS = 128  # from here on: dequantize to x's dtype, then cuBLAS (compute-bound)
 
-# Codes become floats without the integer-to-float conversion instruction (a quarter of the
-# float rate: at int4's 8 codes per 4 bytes it, not memory, would bound the GEMV). An integer
-# 0 <= v < 2^23 or'ed into the bits of 2^23 is the float 2^23 + v exactly; one subtraction
-# leaves v. For the tensor-core GEMV, the same in 16 bits: 0x4300 | c is bf16 128 + c and
-# 0x6400 | c is fp16 1024 + c (c < 128), the offset taken out after the dot through sum(x).
-_MAGIC16 = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}  # bits, value
-
 
 class GemvTiles(NamedTuple):
-    block_n: int
-    block_k: int
+    block_n: int  # output features a program owns
+    block_k: int  # columns of K a step (int4: a whole number of groups)
     num_warps: int
-    dot: bool = False  # int4 at 16-bit x: tensor cores (tl.dot, rows padded to 16) take the sum
 
 
 class GemmTiles(NamedTuple):
@@ -58,105 +57,95 @@ class GemmTiles(NamedTuple):
 
 
 @triton.jit
-def _as_float(v):
-    """Integers 0 <= v < 2^23 (int32) as float32, exactly, without I2F."""
-    return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+def _unit(words, BIT: tl.constexpr, WIDTH: tl.constexpr):
+    """The WIDTH-bit field at bit BIT of int32 `words` as the float32 1 + field / 2^WIDTH,
+    exactly: the field moved to the top of the mantissa of 1.0 (a shift and one logic op)."""
+    MASK: tl.constexpr = ((1 << WIDTH) - 1) << (23 - WIDTH)
+    if BIT <= 23 - WIDTH:
+        field = (words << (23 - WIDTH - BIT)) & MASK
+    else:
+        field = (words >> (BIT - 23 + WIDTH)) & MASK
+    return (field | 0x3F800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _gemv_int8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       HAS_BIAS: tl.constexpr):
-    """y[:, n] = scale[n] * sum_k x[:, k] * code[n, k]: BLOCK_N rows of codes per program,
-    streamed in BLOCK_K-wide tiles; the scale multiplies the finished sum."""
+    """y[:, n] = scale[n] * sum_k x[:, k] * code[n, k], the codes read as int32 words of four.
+    Biased by 128 (one xor a word) and read as units f = 1 + (code + 128) / 256, the codes give
+    sum_k x code = 256 sum_k x f - 384 sum_k x; each product of x (<= 11 significant bits) and f
+    (9) is exact in float32. Sums stay per column of the tile until the loop ends."""
+    WORDS: tl.constexpr = BLOCK_K // 4
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
+    offs_w = tl.arange(0, WORDS)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N, WORDS], dtype=tl.float32)
+    x_acc = tl.zeros([BLOCK_M, WORDS], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        codes = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0)
-        w = _as_float(codes.to(tl.int32) + 128) - 128.0  # [BLOCK_N, BLOCK_K]
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    acc *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        w_mask = k0 + 4 * offs_w < K
+        words = tl.load(w_rows + (k0 // 4 + offs_w)[None, :], mask=n_mask[:, None] & w_mask[None, :],
+                        other=0) ^ -0x7F7F7F80  # 0x80808080 as int32; [BLOCK_N, WORDS]
+        for p in tl.static_range(4):
+            x = tl.load(x_rows + (k0 + 4 * offs_w + p)[None, :], mask=m_mask[:, None] & w_mask[None, :],
+                        other=0.0).to(tl.float32)  # [BLOCK_M, WORDS]
+            acc += x[:, None, :] * _unit(words, 8 * p, 8)[None, :, :]
+            x_acc += x
+    total = 256.0 * tl.sum(acc, axis=2) - 384.0 * tl.sum(x_acc, axis=1)[:, None]
+    total *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        total += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+             total.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
 def _gemv_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K,
                       stride_xm, stride_wn, stride_sn, stride_ym,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP: tl.constexpr, DOT: tl.constexpr, MAGIC: tl.constexpr,
-                      OFFSET: tl.constexpr, UPCAST: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """y[:, n] = sum over groups g of scale[n, g] * (sum_{k in g} x[:, k] * code[n, k]
-    - zero[n, g] * sum_{k in g} x[:, k]): per element only the code's conversion and one
-    multiply-add; scale and zero once a group. A group's bytes hold its even codes in the low
-    nibbles and its odd ones in the high: they meet the even and odd columns of x, so no
-    interleaving of the codes. BLOCK_K is a whole number of groups, unrolled.
-
-    DOT: the group sums on tensor cores, the codes as 16-bit floats 128 + c (bf16) or 1024 + c
-    (fp16) against x padded to BLOCK_M >= 16 rows, the offset taken out through sum(x); products
-    of 16-bit floats are exact in the float32 accumulator. UPCAST: the same in float32 "ieee"
-    (Triton's interpreter gets tl.dot of 16-bit tiles wrong)."""
-    HALF: tl.constexpr = GROUP // 2
+                      GROUP: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y[:, n] = sum over groups g of scale[n, g] * sum_{k in g} x[:, k] (code[n, k] - zero[n, g]),
+    the codes read as int32 words of eight (nibble p of word i is column 8i + p). As units
+    f = 1 + code / 16, a group's share is scale * (16 sum x f - (16 + zero) sum x): per code a
+    shift, a logic op and one multiply-add, scale and zero twice a word. Sums stay per word
+    column of the tile until the loop ends; BLOCK_K is a whole number of groups, unrolled."""
+    WORDS: tl.constexpr = GROUP // 8
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
-    offs_h = tl.arange(0, HALF)
+    offs_w = tl.arange(0, WORDS)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     sz_rows = offs_n.to(tl.int64) * stride_sn
     x_rows = x_ptr + offs_m[:, None] * stride_xm
-    if DOT:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, WORDS], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         for g in tl.static_range(BLOCK_K // GROUP):
             kg = k0 + g * GROUP  # the group's first column; K is a whole number of groups
-            k_even = kg + 2 * offs_h
-            h_mask = k_even < K  # the whole group is in or out
-            packed = tl.load(w_rows + (kg // 2 + offs_h)[None, :], mask=n_mask[:, None] & h_mask[None, :],
-                             other=0)  # uint8 [BLOCK_N, HALF]
-            x_even = tl.load(x_rows + k_even[None, :], mask=m_mask[:, None] & h_mask[None, :], other=0.0)
-            x_odd = tl.load(x_rows + (k_even + 1)[None, :], mask=m_mask[:, None] & h_mask[None, :],
-                            other=0.0)  # [BLOCK_M, HALF]
+            w_mask = kg + 8 * offs_w < K  # the whole group is in or out
+            words = tl.load(w_rows + (kg // 8 + offs_w)[None, :], mask=n_mask[:, None] & w_mask[None, :],
+                            other=0)  # [BLOCK_N, WORDS]
             g_mask = n_mask & (offs_n * 0 + kg < K)
             scale = tl.load(s_ptr + sz_rows + kg // GROUP, mask=g_mask, other=0.0).to(tl.float32)
             zero = tl.load(z_ptr + sz_rows + kg // GROUP, mask=g_mask, other=0.0).to(tl.float32)
-            x_sum = tl.sum(x_even.to(tl.float32) + x_odd.to(tl.float32), axis=1)  # [BLOCK_M]
-            if DOT:
-                p16 = packed.to(tl.uint16)
-                low = ((p16 & 0xF) | MAGIC).to(x_ptr.dtype.element_ty, bitcast=True)
-                high = ((p16 >> 4) | MAGIC).to(x_ptr.dtype.element_ty, bitcast=True)
-                x_even, x_odd = tl.trans(x_even), tl.trans(x_odd)  # [HALF, BLOCK_M]
-                if UPCAST:
-                    part = (tl.dot(low.to(tl.float32), x_even.to(tl.float32), input_precision="ieee")
-                            + tl.dot(high.to(tl.float32), x_odd.to(tl.float32), input_precision="ieee"))
-                else:
-                    part = tl.dot(low, x_even) + tl.dot(high, x_odd)  # [BLOCK_N, BLOCK_M]
-                acc += scale[:, None] * (part - (zero + OFFSET)[:, None] * x_sum[None, :])
-            else:
-                p32 = packed.to(tl.int32)
-                low = _as_float(p32 & 0xF)
-                high = _as_float(p32 >> 4)
-                part = tl.sum(x_even.to(tl.float32)[:, None, :] * low[None, :, :]
-                              + x_odd.to(tl.float32)[:, None, :] * high[None, :, :], axis=2)
-                acc += scale[None, :] * (part - zero[None, :] * x_sum[:, None])  # [BLOCK_M, BLOCK_N]
-    if DOT:
-        acc = tl.trans(acc)
+            units = tl.zeros([BLOCK_M, BLOCK_N, WORDS], dtype=tl.float32)
+            x_sum = tl.zeros([BLOCK_M, WORDS], dtype=tl.float32)
+            for p in tl.static_range(8):
+                x = tl.load(x_rows + (kg + 8 * offs_w + p)[None, :], mask=m_mask[:, None] & w_mask[None, :],
+                            other=0.0).to(tl.float32)  # [BLOCK_M, WORDS]
+                units += x[:, None, :] * _unit(words, 4 * p, 4)[None, :, :]
+                x_sum += x
+            acc += (16.0 * scale)[None, :, None] * units \
+                - (scale * (16.0 + zero))[None, :, None] * x_sum[:, None, :]
+    total = tl.sum(acc, axis=2)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        total += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+             total.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -241,21 +230,23 @@ def _dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wn, stride_sn,
              w.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_k < K)[None, :])
 
 
-def choose_tiles(rows: int, n: int, k: int, group_size: int = 1,
-                 dtype: torch.dtype = torch.bfloat16) -> GemvTiles | GemmTiles | None:
+def gemv_fits(k: int, group_size: int = 1) -> bool:
+    """Whether the GEMV takes rows of k columns: whole int32 words (int8: 4 codes, int4: 8), an
+    int4 group of whole words, a power of two (the tiles' aranges)."""
+    if group_size == 1:
+        return k % 4 == 0
+    return group_size >= 8 and group_size & (group_size - 1) == 0
+
+
+def choose_tiles(rows: int, n: int, k: int, group_size: int = 1) -> GemvTiles | GemmTiles | None:
     """The kernel and its tiles for an [rows, k] x [n, k]^T product (group_size 1: int8), or
     None from DEQUANT_MIN_ROWS rows on (dequantize, then cuBLAS). First guesses, to be replaced
     by bench/tune_quant.py's measurements."""
     if rows >= DEQUANT_MIN_ROWS:
         return None
     k_tile = triton.next_power_of_2(k)
-    if rows <= GEMV_MAX_ROWS:
-        if group_size == 1:  # int8: about 4096 codes a row of x in flight
-            block_k = min(k_tile, 4096 // triton.next_power_of_2(rows))
-            return GemvTiles(block_n=4, block_k=block_k, num_warps=8 if block_k >= 4096 else 4)
-        if dtype in _MAGIC16 and group_size >= 32:
-            return GemvTiles(block_n=64, block_k=max(group_size, min(k_tile, 256)), num_warps=4, dot=True)
-        return GemvTiles(block_n=8, block_k=max(group_size, min(k_tile, 1024)), num_warps=4)
+    if rows <= GEMV_MAX_ROWS and gemv_fits(k, group_size):
+        return GemvTiles(block_n=16, block_k=max(group_size, 256), num_warps=4)
     block_m = min(128, max(16, triton.next_power_of_2(rows)))
     block_n = 128 if rows > 64 else 64
     block_k = max(group_size, 16, min(k_tile, 64))  # tl.dot takes tiles of 16 and up
@@ -299,21 +290,20 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if m == 0 or n == 0:
         return y.view(*x.shape[:-1], n)
     bias_arg = bias if bias is not None else scales
+    if isinstance(tiles, GemvTiles) and not gemv_fits(k, group_size if int4 else 1):
+        raise ValueError(f"the GEMV cannot take K={k} with group size {group_size}; see gemv_fits")
     if isinstance(tiles, GemvTiles) and not int4:
         _gemv_int8_kernel[(triton.cdiv(n, tiles.block_n),)](
-            x2, qweight, scales, bias_arg, y, m, n, k, x2.stride(0), qweight.stride(0), y.stride(0),
-            BLOCK_M=triton.next_power_of_2(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-            HAS_BIAS=bias is not None, num_warps=tiles.num_warps, num_stages=1)
+            x2, qweight.view(torch.int32), scales, bias_arg, y, m, n, k, x2.stride(0),
+            qweight.stride(0) // 4, y.stride(0), BLOCK_M=triton.next_power_of_2(m),
+            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, HAS_BIAS=bias is not None,
+            num_warps=tiles.num_warps, num_stages=1)
     elif isinstance(tiles, GemvTiles):
-        dot = tiles.dot and x.dtype in _MAGIC16 and group_size >= 32
-        magic, offset = _MAGIC16.get(x.dtype, (0, 0.0))
         _gemv_int4_kernel[(triton.cdiv(n, tiles.block_n),)](
-            x2, qweight, scales, zeros, bias_arg, y, m, n, k,
-            x2.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
-            BLOCK_M=max(16, triton.next_power_of_2(m)) if dot else triton.next_power_of_2(m),
-            BLOCK_N=max(16, tiles.block_n) if dot else tiles.block_n, BLOCK_K=tiles.block_k,
-            GROUP=group_size, DOT=dot, MAGIC=magic, OFFSET=offset, UPCAST=x.device.type == "cpu",
-            HAS_BIAS=bias is not None, num_warps=tiles.num_warps, num_stages=1)
+            x2, qweight.view(torch.int32), scales, zeros, bias_arg, y, m, n, k,
+            x2.stride(0), qweight.stride(0) // 4, scales.stride(0), y.stride(0),
+            BLOCK_M=triton.next_power_of_2(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+            GROUP=group_size, HAS_BIAS=bias is not None, num_warps=tiles.num_warps, num_stages=1)
     else:
         _gemm_kernel[(triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))](
             x2, qweight, scales, zeros if int4 else scales, bias_arg, y, m, n, k,
@@ -348,7 +338,7 @@ def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if x.dtype not in _DTYPES:
         return quant.linear_int8(x, qweight, scales, bias)
     n, k = qweight.shape
-    tiles = choose_tiles(x.numel() // k if k else 0, n, k, 1, x.dtype)
+    tiles = choose_tiles(x.numel() // k if k else 0, n, k)
     return linear_int8_launch(x, qweight, scales, bias, tiles)
 
 
@@ -358,5 +348,5 @@ def linear_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     if x.dtype not in _DTYPES or group_size & (group_size - 1):  # the tile views need 2^i groups
         return quant.linear_int4(x, qweight, scales, zeros, group_size, bias)
     n, k = qweight.shape[0], qweight.shape[1] * 2
-    tiles = choose_tiles(x.numel() // k if k else 0, n, k, group_size, x.dtype)
+    tiles = choose_tiles(x.numel() // k if k else 0, n, k, group_size)
     return linear_int4_launch(x, qweight, scales, zeros, group_size, bias, tiles)
