@@ -69,38 +69,36 @@ def _unit(words, BIT: tl.constexpr, WIDTH: tl.constexpr):
 
 
 @triton.jit
+def _as_float(v):
+    """Integers 0 <= v < 2^23 (int32) as float32, exactly, without I2F."""
+    return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
 def _gemv_int8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       HAS_BIAS: tl.constexpr):
-    """y[:, n] = scale[n] * sum_k x[:, k] * code[n, k], the codes read as int32 words of four.
-    Biased by 128 (one xor a word) and read as units f = 1 + (code + 128) / 256, the codes give
-    sum_k x code = 256 sum_k x f - 384 sum_k x; each product of x (<= 11 significant bits) and f
-    (9) is exact in float32. Sums stay per column of the tile until the loop ends."""
-    WORDS: tl.constexpr = BLOCK_K // 4
+    """y[:, n] = scale[n] * sum_k x[:, k] * code[n, k]: BLOCK_N rows of codes per program,
+    streamed in BLOCK_K-wide tiles; the scale multiplies the finished sum."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
-    offs_w = tl.arange(0, WORDS)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
-    acc = tl.zeros([BLOCK_M, BLOCK_N, WORDS], dtype=tl.float32)
-    x_acc = tl.zeros([BLOCK_M, WORDS], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w_mask = k0 + 4 * offs_w < K
-        words = tl.load(w_rows + (k0 // 4 + offs_w)[None, :], mask=n_mask[:, None] & w_mask[None, :],
-                        other=0) ^ -0x7F7F7F80  # 0x80808080 as int32; [BLOCK_N, WORDS]
-        for p in tl.static_range(4):
-            x = tl.load(x_rows + (k0 + 4 * offs_w + p)[None, :], mask=m_mask[:, None] & w_mask[None, :],
-                        other=0.0).to(tl.float32)  # [BLOCK_M, WORDS]
-            acc += x[:, None, :] * _unit(words, 8 * p, 8)[None, :, :]
-            x_acc += x
-    total = 256.0 * tl.sum(acc, axis=2) - 384.0 * tl.sum(x_acc, axis=1)[:, None]
-    total *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        codes = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0)
+        w = _as_float(codes.to(tl.int32) + 128) - 128.0  # [BLOCK_N, BLOCK_K]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    acc *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
-        total += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-             total.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+             acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -231,11 +229,9 @@ def _dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wn, stride_sn,
 
 
 def gemv_fits(k: int, group_size: int = 1) -> bool:
-    """Whether the GEMV takes rows of k columns: whole int32 words (int8: 4 codes, int4: 8), an
-    int4 group of whole words, a power of two (the tiles' aranges)."""
-    if group_size == 1:
-        return k % 4 == 0
-    return group_size >= 8 and group_size & (group_size - 1) == 0
+    """Whether the GEMV takes rows of k columns: int4 groups of whole int32 words (8 codes), a
+    power of two (the tiles' aranges); int8 takes any."""
+    return group_size == 1 or group_size >= 8 and group_size & (group_size - 1) == 0
 
 
 def choose_tiles(rows: int, n: int, k: int, group_size: int = 1) -> GemvTiles | GemmTiles | None:
@@ -245,8 +241,10 @@ def choose_tiles(rows: int, n: int, k: int, group_size: int = 1) -> GemvTiles | 
     if rows >= DEQUANT_MIN_ROWS:
         return None
     k_tile = triton.next_power_of_2(k)
-    if rows <= GEMV_MAX_ROWS and gemv_fits(k, group_size):
-        return GemvTiles(block_n=16, block_k=max(group_size, 256), num_warps=4)
+    if rows == 1 and group_size == 1:  # int8 from 2 rows: the GEMM (measured at 4)
+        return GemvTiles(block_n=8, block_k=min(k_tile, 2048), num_warps=4)
+    if rows <= GEMV_MAX_ROWS and group_size > 1 and gemv_fits(k, group_size):
+        return GemvTiles(block_n=8, block_k=max(group_size, 512 if rows == 1 else 256), num_warps=4)
     block_m = min(128, max(16, triton.next_power_of_2(rows)))
     block_n = 128 if rows > 64 else 64
     block_k = max(group_size, 16, min(k_tile, 64))  # tl.dot takes tiles of 16 and up
@@ -294,8 +292,8 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"the GEMV cannot take K={k} with group size {group_size}; see gemv_fits")
     if isinstance(tiles, GemvTiles) and not int4:
         _gemv_int8_kernel[(triton.cdiv(n, tiles.block_n),)](
-            x2, qweight.view(torch.int32), scales, bias_arg, y, m, n, k, x2.stride(0),
-            qweight.stride(0) // 4, y.stride(0), BLOCK_M=triton.next_power_of_2(m),
+            x2, qweight, scales, bias_arg, y, m, n, k, x2.stride(0),
+            qweight.stride(0), y.stride(0), BLOCK_M=triton.next_power_of_2(m),
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, HAS_BIAS=bias is not None,
             num_warps=tiles.num_warps, num_stages=1)
     elif isinstance(tiles, GemvTiles):
