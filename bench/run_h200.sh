@@ -10,7 +10,7 @@
 #                                        # (QUANT_ARGS replaces "--rows 1,64", e.g. "--rows 4 --shapes o")
 #   bash bench/run_h200.sh spec_decode   # trace-driven batch-1 decode, coding and demo traces, speculation off/k4/adaptive
 #   bash bench/run_h200.sh spec_agents   # trace-driven agents on the coding trace: 32 agents (off/k4/adaptive),
-#                                        # then off vs adaptive at 1, 8 and 64 agents
+#                                        # then off vs adaptive at 1, 8 and 64 agents (AGENTS="64": only those)
 # BENCH_ARGS is appended to the spec_* commands (e.g. "--real-outputs --systems hibana" on an
 # engine without speculation, to time the stages).
 # Runs from the repository root with the image's python3 (no install: PYTHONPATH). The wheel
@@ -55,9 +55,11 @@ case "${1:-check}" in
         --json "$OUT/spec_decode_$1.json" 2>&1 | tee "$OUT/spec_decode_$1.txt"
     done ;;
   spec_agents)
-    python3 -m hibana_bench.cli agents --model qwen3-8b --trace coding --agents 32 ${BENCH_ARGS:-} \
-      --json "$OUT/spec_agents_32.json" 2>&1 | tee "$OUT/spec_agents_32.txt"
-    for n in 1 8 64; do
+    if [ -z "${AGENTS:-}" ]; then
+      python3 -m hibana_bench.cli agents --model qwen3-8b --trace coding --agents 32 ${BENCH_ARGS:-} \
+        --json "$OUT/spec_agents_32.json" 2>&1 | tee "$OUT/spec_agents_32.txt"
+    fi
+    for n in ${AGENTS:-1 8 64}; do
       python3 -m hibana_bench.cli agents --model qwen3-8b --trace coding --agents "$n" \
         --systems hibana_spec_off,hibana ${BENCH_ARGS:-} \
         --json "$OUT/spec_agents_$n.json" 2>&1 | tee "$OUT/spec_agents_$n.txt"
