@@ -36,6 +36,7 @@ MAX_SPLITS = 64
 MAX_DECODE_QUERY_LEN = 32  # verify steps up to this many tokens per sequence take the decode kernel
 NUM_STAGES = 2
 MERGE_COUNTERS = 1 << 16  # (sequence, KV head) pairs the in-kernel merge counts for, per device
+MERGE_MAX_ROWS = 8  # query rows (group x tokens) one program merges in turn; more: a second launch
 
 
 @triton.jit
@@ -205,10 +206,15 @@ def _decode_kernel(
             counter = counter_ptr + seq * tl.num_programs(1) + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:
-                for row in range(0, GROUP * q_len):
-                    _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
-                                  q_start + row // GROUP, kv_head * GROUP + row % GROUP, num_heads,
-                                  num_splits, stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_P, SPLITS_P)
+                # splits past the keys (bounds overstated in graphs) hold m = -1e30, l = 0,
+                # acc = 0, the values a masked load gives: only those with keys are read
+                with_keys = tl.cdiv(seq_len - lo, tl.maximum(per_split, 1))
+                for row in tl.static_range(GROUP * QUERY_LEN):
+                    if row < GROUP * q_len:
+                        _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+                                      q_start + row // GROUP, kv_head * GROUP + row % GROUP,
+                                      num_heads, num_splits, with_keys, stride_ot, stride_oh,
+                                      HEAD_DIM, HEAD_DIM_P, SPLITS_P)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -219,12 +225,12 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, token, head, num_heads,
-                  num_splits, stride_ot, stride_oh,
+                  num_splits, read_splits, stride_ot, stride_oh,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):
-    """One query row's output from its splits' partials (read past the L1: the splits ran on
-    other SMs)."""
+    """One query row's output from the partials of its first `read_splits` splits (read past
+    the L1: the splits ran on other SMs)."""
     splits = tl.arange(0, SPLITS_P)
-    s_mask = splits < num_splits
+    s_mask = splits < read_splits
     part = (token * num_heads + head) * num_splits + splits
     m = tl.load(part_max_ptr + part, mask=s_mask, other=-1.0e30, cache_modifier=".cg")
     l = tl.load(part_sum_ptr + part, mask=s_mask, other=0.0, cache_modifier=".cg")
@@ -247,8 +253,8 @@ def _reduce_splits_kernel(
         HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):
     # every query row of the batch: each was written by its splits
     _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, tl.program_id(0),
-                  tl.program_id(1), tl.num_programs(1), num_splits, stride_ot, stride_oh,
-                  HEAD_DIM, HEAD_DIM_P, SPLITS_P)
+                  tl.program_id(1), tl.num_programs(1), num_splits, num_splits, stride_ot,
+                  stride_oh, HEAD_DIM, HEAD_DIM_P, SPLITS_P)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -280,7 +286,8 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     script: (BLOCK_N, num_warps, num_stages) for decode, (BLOCK_M, BLOCK_N, num_warps,
     num_stages) for prefill. `decode`: every sequence has max_query_len new tokens (or none) and
     the decode kernel takes them (default: when max_query_len == 1). `merge`: split decode
-    merges in the same launch (default: as the fusion policy says)."""
+    merges in the same launch (default: as the fusion policy says) where a program's query rows
+    are few enough (MERGE_MAX_ROWS) for its last split to merge them in turn."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -322,7 +329,8 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            dtype=torch.float32, device=q.device)
     if merge is None:
         merge = fusion.policy().attention_merge
-    merge = split and merge and num_seqs * num_kv_heads <= MERGE_COUNTERS
+    merge = (split and merge and num_seqs * num_kv_heads <= MERGE_COUNTERS
+             and group * max_query_len <= MERGE_MAX_ROWS)
     splits_p = max(2, triton.next_power_of_2(num_splits))
     block_n, num_warps, num_stages = tiles or _decode_tiles(q.dtype, common["HEAD_DIM_P"])
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
