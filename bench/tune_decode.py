@@ -322,7 +322,10 @@ def sweep_fusion(models: list[str], bandwidth: float, dev: str = "cuda") -> list
                     return lambda: [mt.linear_launch(gate_up, w, None, *t, silu_input=True) for w in ws]
 
                 ref = mt.linear_launch(activation_triton.silu_and_mul(gate_up), ws[0], None, *chosen)
-                check = lambda t: rel(mt.linear_launch(gate_up, ws[0], None, *t, silu_input=True), ref)  # noqa: E731
+
+                def check(t, ref=ref):
+                    return rel(mt.linear_launch(gate_up, ws[0], None, *t, silu_input=True), ref)
+
                 name = f"{model} silu+down {n}x{k}"
             else:  # fused_add_rms_norm + qkv / gate_up
                 x, res = (torch.randn(1, k, device=dev, dtype=bf16) for _ in range(2))
@@ -337,7 +340,10 @@ def sweep_fusion(models: list[str], bandwidth: float, dev: str = "cuda") -> list
                     return lambda: [mt.rms_norm_linear_launch(x, res, nw, 1e-6, w, None, *t) for w in ws]
 
                 ref = mt.linear_launch(norm_triton.fused_add_rms_norm(x, res, nw, 1e-6)[0], ws[0], None, *chosen)
-                check = lambda t: rel(mt.rms_norm_linear_launch(x, res, nw, 1e-6, ws[0], None, *t)[0], ref)  # noqa: E731
+
+                def check(t, ref=ref):
+                    return rel(mt.rms_norm_linear_launch(x, res, nw, 1e-6, ws[0], None, *t)[0], ref)
+
                 name = f"{model} norm+{label} {n}x{k}"
             rows.append(dict(model=model, n=n, k=k, **_compare(
                 name, separate, {t: fused_fn(t) for t in tiles}, len(ws), nbytes, bandwidth, check)))
