@@ -3,7 +3,9 @@
 1. float32: the CUDA path (Triton kernels, with and without CUDA graphs) gives the CPU path's
    greedy tokens on the tiny test checkpoints, 4 agents batched.
 2. bfloat16: the demo model on the GPU gives transformers' greedy tokens for at least the first
-   32 tokens of 8 prompts.
+   32 tokens of 8 prompts; at batch 1 (one prompt at a time: one-row GEMVs, CUDA graphs) with
+   every kernel fusion on (`hibana_kernels.fusion`) the tokens are those with none, and agree
+   with transformers as often.
 3. speculation: on the GPU (eager, and CUDA graphs of verify steps), float32, the tiny checkpoints
    give the CPU's speculation-off greedy tokens with speculation on, 4 agents batched with mixed
    draft lengths (suffix k=4 and k=8, ngram k=2, adaptive) on histories that repeat themselves
@@ -122,6 +124,18 @@ def check_speculation() -> list[tuple[str, bool, str]]:
     return rows
 
 
+def one_at_a_time(prompts: list[list[int]], n: int, policy: str) -> list[list[int]]:
+    """Greedy tokens of the bf16 demo model, one prompt at a time (batch-1 decode graphs),
+    under a kernel-fusion policy."""
+    from hibana_kernels import fusion
+
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    with fusion.using(policy), Engine.from_pretrained("demo", device="cuda", dtype="bfloat16", progress=False,
+                                                     speculation="off") as engine:
+        return [list(engine.open_state(f"one{i}").generate(params, prompt=p).token_ids)
+                for i, p in enumerate(prompts)]
+
+
 def check_bf16_demo() -> list[tuple[str, bool, str]]:
     from transformers import AutoModelForCausalLM
 
@@ -141,6 +155,7 @@ def check_bf16_demo() -> list[tuple[str, bool, str]]:
         got = batched_greedy(engine, prompts, 32, specs=["off"])
         spec = batched_greedy(engine, prompts, 32, MIXED_SPECULATION)
         spec_stats = engine.stats()
+    single = {policy: one_at_a_time(prompts, 32, policy) for policy in ("on", "off")}
 
     def greedy(model, prompt):
         ids = torch.tensor([prompt], device="cuda")
@@ -159,8 +174,15 @@ def check_bf16_demo() -> list[tuple[str, bool, str]]:
     matched, firsts = agreement(got, sdpa)
     noise, noise_firsts = agreement(eager, sdpa)
     spec_same = sum(a == b for a, b in zip(spec, got))
+    fused_same = sum(a == b for a, b in zip(single["on"], single["off"]))
+    fused_hf, fused_firsts = agreement(single["on"], sdpa)
+    unfused_hf, unfused_firsts = agreement(single["off"], sdpa)
     return [("bf16 demo vs transformers (sdpa), first 32 tokens", matched == len(prompts),
              f"{matched}/8 prompts equal; first difference at {firsts}"),
+            ("bf16 demo batch 1, kernel fusion on vs off", fused_same == len(prompts),
+             f"{fused_same}/8 prompts equal"),
+            ("bf16 demo batch 1 vs transformers (sdpa), fusion on / off", fused_hf >= unfused_hf,
+             f"{fused_hf}/8 and {unfused_hf}/8 prompts equal; first differences at {fused_firsts} / {unfused_firsts}"),
             ("bf16 demo, speculation mixed vs off (graphs)", spec_same == len(prompts),
              f"{spec_same}/8 prompts equal; {spec_stats.draft_tokens_accepted}/"
              f"{spec_stats.draft_tokens_proposed} drafts accepted"),

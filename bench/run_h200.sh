@@ -4,6 +4,10 @@
 #   bash bench/run_h200.sh decode   # hibana bench decode, qwen3-8b preset
 #   bash bench/run_h200.sh agents   # hibana bench agents, qwen3-8b preset, 32 agents
 #   bash bench/run_h200.sh tune     # bench/tune_decode.py: kernel sweeps, the decode step taken apart
+#   bash bench/run_h200.sh small    # kernel fusion (issue 13's draft-model target): tune_decode.py --fusion on
+#                                   # qwen3-0.6b (folds vs separate kernels at 0.6b and 8b shapes, decode per
+#                                   # policy with kernels per step), then hibana bench decode of qwen3-0.6b and
+#                                   # qwen3-8b under fusion auto / on / off
 #   bash bench/run_h200.sh surgery       # batch-1 decode of qwen3-8b in bf16, w8 and w4 (issue 14)
 #   bash bench/run_h200.sh quant    # bench/tune_quant.py: int8/int4 linears against bf16 cuBLAS, Qwen3-8B shapes
 #   bash bench/run_h200.sh quant_sweep   # bench/tune_quant.py --sweep: their tiles at 1 and 64 rows
@@ -40,6 +44,12 @@ case "${1:-check}" in
       --json "$OUT/agents_qwen3-8b.json" 2>&1 | tee "$OUT/agents_qwen3-8b.txt" ;;
   tune)
     python3 bench/tune_decode.py 2>&1 | tee "$OUT/tune_decode.txt" ;;
+  small)
+    python3 bench/tune_decode.py --model qwen3-0.6b --fusion 2>&1 | tee "$OUT/tune_decode_fusion.txt"
+    for model in qwen3-0.6b qwen3-8b; do
+      python3 -m hibana_bench.cli decode --model "$model" --context 512,8192 --generate 128 --systems hibana \
+        --fusion auto,on,off --json "$OUT/decode_fusion_$model.json" 2>&1 | tee "$OUT/decode_fusion_$model.txt"
+    done ;;
   surgery)
     python3 -m hibana_bench.cli decode --model qwen3-8b --context 512,8192 --generate 128 --systems hibana \
       --surgery w8,w4 --json "$OUT/decode_surgery_qwen3-8b.json" 2>&1 | tee "$OUT/decode_surgery_qwen3-8b.txt" ;;

@@ -72,22 +72,30 @@ def _surgery_overrides(model: BenchModel, system: str) -> dict:
 
 
 def decode_workload(model: BenchModel, contexts: list[int], generate: int, systems: list[str],
-                    seed: int = 0) -> dict:
+                    seed: int = 0, fusions: list[str] = ("auto",)) -> dict:
+    """`fusions`: the kernel-fusion policies (`hibana_kernels.fusion`) each Hibana system runs
+    under; a row under a policy other than "auto" is named SYSTEM/fuse-POLICY."""
+    from hibana_kernels import fusion
+
     device = next(model.hf_model.parameters()).device
     rng = random.Random(seed)
     prompts = {ctx: random_tokens(rng, ctx, model.vocab_size) for ctx in contexts}
     warmup = random_tokens(rng, 64, model.vocab_size)
     extra = random.Random(seed + 1)
     rows: list[DecodeRow] = []
-    for system in [s for s in systems if s in SPEC_SYSTEMS or s.startswith("hibana+")]:
-        with open_engine(model, system.split("+")[0], max_model_len=max(contexts) + generate + 16,
-                         max_concurrent_agents=8, **_surgery_overrides(model, system)) as engine:
+    runs = [(system, policy) for system in systems if system in SPEC_SYSTEMS or system.startswith("hibana+")
+            for policy in fusions]
+    for system, policy in runs:
+        label = system if policy == "auto" else f"{system}/fuse-{policy}"
+        with fusion.using(policy), open_engine(
+                model, system.split("+")[0], max_model_len=max(contexts) + generate + 16,
+                max_concurrent_agents=8, **_surgery_overrides(model, system)) as engine:
             guard = next((r.get("guard") for r in getattr(engine, "surgery", [])), None)
             for prompt in (warmup, random_tokens(rng, min(contexts), model.vocab_size)):
                 warm = engine.open_state("warm")  # Triton compiles, CUDA graphs are captured
                 warm.generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=prompt)
                 warm.close()
-            for ctx in tqdm(contexts, desc=f"{system} decode", leave=False):
+            for ctx in tqdm(contexts, desc=f"{label} decode", leave=False):
                 times = []
                 # fresh prompts, so no prefill finds the last one's blocks in the prefix index
                 for prompt in [prompts[ctx]] + [random_tokens(extra, ctx, model.vocab_size)
@@ -102,7 +110,7 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
                         h.close()
                 out = h.generate(SamplingParams(max_tokens=generate, ignore_eos=True))
                 decode = out.stats.elapsed - (out.stats.time_to_first_token or 0.0)
-                rows.append(DecodeRow(system, ctx, (generate - 1) / decode, ctx / statistics.median(times),
+                rows.append(DecodeRow(label, ctx, (generate - 1) / decode, ctx / statistics.median(times),
                                       getattr(engine, "weight_bytes", None), guard))
                 h.close()
     for name, static in (("hf_eager", False), ("hf_compiled", True)):

@@ -17,7 +17,8 @@ import torch
 from hibana_kernels import activation, attention, matmul, norm, quant, rotary
 
 __all__ = ["fused_add_rms_norm", "linear", "linear_int4", "linear_int8", "paged_attention", "qk_norm_rotary_store", "rms_norm",
-           "rotary_embedding", "silu_and_mul", "store_kv", "triton_available"]
+           "rms_norm_linear", "rotary_embedding", "silu_and_mul", "silu_and_mul_linear", "store_kv",
+           "triton_available"]
 
 
 @functools.cache
@@ -89,6 +90,22 @@ def qk_norm_rotary_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T + bias; decode-sized bf16/fp16 batches take a Triton GEMV on CUDA."""
     return (_triton("matmul", x) or matmul).linear(x, weight, bias)
+
+
+def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                    eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(x + residual)), x + residual), or (linear(rms_norm(x)), x) without a
+    residual: one kernel where `hibana_kernels.fusion` folds the norm into the GEMV."""
+    impl = _triton("matmul", x) or matmul
+    return impl.rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
+
+
+def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear(silu(gate) * up) of a fused [..., 2 * K] gate/up projection: one kernel where
+    `hibana_kernels.fusion` folds the activation into the GEMV."""
+    return (_triton("matmul", gate_up) or matmul).silu_and_mul_linear(gate_up, weight, bias)
 
 
 def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

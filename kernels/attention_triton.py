@@ -6,8 +6,10 @@ Two attention kernels share one online-softmax step (`_attend`), fp32 accumulati
   program per (sequence, KV head, split) handles all query heads of the KV head's group, for
   each of the sequence's QUERY_LEN new tokens, as the rows of one tile, so each key is loaded
   once per group and step. Long contexts are split along the sequence (flash-decoding): each
-  split writes its unnormalised output with its running max and sum, and `_reduce_splits_kernel`
-  merges them.
+  split writes its unnormalised output with its running max and sum, and the last split of its
+  (sequence, KV head) to finish merges them (it counts arrivals on an atomic counter, which it
+  resets for the next launch or graph replay), or, where `hibana_kernels.fusion` says not to,
+  `_reduce_splits_kernel` does in a second launch.
 - prefill / verify (general batches): one program per (sequence, query tile, KV head); the rows of
   a tile are (query token, head in group) pairs, keys are gathered tile by tile through the block
   table under the causal (and sliding-window) mask.
@@ -25,12 +27,16 @@ import torch
 import triton
 import triton.language as tl
 
+from hibana_kernels import fusion
+
 LOG2E = 1.4426950408889634
 DECODE_MIN_SPLIT = 64  # keys per split at least (one key tile)
 DECODE_PROGRAMS_PER_SM = 4  # splits are added until the grid has this many programs per SM
 MAX_SPLITS = 64
 MAX_DECODE_QUERY_LEN = 32  # verify steps up to this many tokens per sequence take the decode kernel
 NUM_STAGES = 2
+MERGE_COUNTERS = 1 << 16  # (sequence, KV head) pairs the in-kernel merge counts for, per device
+MERGE_MAX_ROWS = 8  # query rows (group x tokens) one program merges in turn; more: a second launch
 
 
 @triton.jit
@@ -130,14 +136,14 @@ def _prefill_kernel(
 @triton.jit
 def _decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
-        block_tables_ptr, seq_lens_ptr, query_start_ptr,
+        counter_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
         qk_scale, window, num_splits,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         stride_block, stride_slot, stride_head,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-        SLIDING: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr, QUERY_LEN: tl.constexpr):
+        SLIDING: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr, SPLITS_P: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, QUERY_LEN: tl.constexpr):
     # rows of a tile: QUERY_LEN new tokens x the GROUP heads of one KV head
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -186,11 +192,30 @@ def _decode_kernel(
 
     if SPLIT:
         # partials: [T, H, num_splits] for max and sum, [T, H, num_splits, D] for the output
-        part = (token * GROUP * tl.num_programs(1) + head) * num_splits + split
+        num_heads = GROUP * tl.num_programs(1)
+        part = (token * num_heads + head) * num_splits + split
         tl.store(part_max_ptr + part, m_i, mask=g_mask)
         tl.store(part_sum_ptr + part, l_i, mask=g_mask)
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], acc,
                  mask=g_mask[:, None])
+        if MERGE:
+            # every thread's partials are written before one thread releases them with the
+            # count (a CTA barrier, then an acq_rel atomic: the pattern of CUTLASS's semaphores);
+            # the last split to arrive acquires all of them, merges, and zeroes the counter
+            tl.debug_barrier()
+            counter = counter_ptr + seq * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                # splits past the keys (bounds overstated in graphs) hold m = -1e30, l = 0,
+                # acc = 0, the values a masked load gives: only those with keys are read
+                with_keys = tl.cdiv(seq_len - lo, tl.maximum(per_split, 1))
+                for row in tl.static_range(GROUP * QUERY_LEN):
+                    if row < GROUP * q_len:
+                        _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+                                      q_start + row // GROUP, kv_head * GROUP + row % GROUP,
+                                      num_heads, num_splits, with_keys, stride_ot, stride_oh,
+                                      HEAD_DIM, HEAD_DIM_P, SPLITS_P)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_i[:, None]
@@ -199,20 +224,19 @@ def _decode_kernel(
 
 
 @triton.jit
-def _reduce_splits_kernel(
-        out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, num_splits,
-        stride_ot, stride_oh,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):
-    token = tl.program_id(0)  # every query row of the batch: each was written by its splits
-    head = tl.program_id(1)
+def _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, token, head, num_heads,
+                  num_splits, read_splits, stride_ot, stride_oh,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):
+    """One query row's output from the partials of its first `read_splits` splits (read past
+    the L1: the splits ran on other SMs)."""
     splits = tl.arange(0, SPLITS_P)
-    s_mask = splits < num_splits
-    part = (token * tl.num_programs(1) + head) * num_splits + splits
-    m = tl.load(part_max_ptr + part, mask=s_mask, other=-1.0e30)
-    l = tl.load(part_sum_ptr + part, mask=s_mask, other=0.0)
+    s_mask = splits < read_splits
+    part = (token * num_heads + head) * num_splits + splits
+    m = tl.load(part_max_ptr + part, mask=s_mask, other=-1.0e30, cache_modifier=".cg")
+    l = tl.load(part_sum_ptr + part, mask=s_mask, other=0.0, cache_modifier=".cg")
     offs_d = tl.arange(0, HEAD_DIM_P)
     acc = tl.load(part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :],
-                  mask=s_mask[:, None], other=0.0)  # [S, D]
+                  mask=s_mask[:, None], other=0.0, cache_modifier=".cg")  # [S, D]
     m_all = tl.max(m, 0)
     w = tl.exp2(m - m_all)
     total = tl.sum(l * w, 0)
@@ -220,6 +244,17 @@ def _reduce_splits_kernel(
     out = tl.sum(acc * w[:, None], 0) / total
     tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+        out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, num_splits,
+        stride_ot, stride_oh,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):
+    # every query row of the batch: each was written by its splits
+    _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, tl.program_id(0),
+                  tl.program_id(1), tl.num_programs(1), num_splits, num_splits, stride_ot,
+                  stride_oh, HEAD_DIM, HEAD_DIM_P, SPLITS_P)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -244,12 +279,15 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                            sliding_window: int | None, num_splits: int,
-                           tiles: tuple[int, ...] | None = None, decode: bool | None = None) -> torch.Tensor:
+                           tiles: tuple[int, ...] | None = None, decode: bool | None = None,
+                           merge: bool | None = None) -> torch.Tensor:
     """The launches behind `paged_attention`, with the decode split count chosen by the caller
     (tests use it to cover split and unsplit decode on the same shapes). `tiles`, for the tuning
     script: (BLOCK_N, num_warps, num_stages) for decode, (BLOCK_M, BLOCK_N, num_warps,
     num_stages) for prefill. `decode`: every sequence has max_query_len new tokens (or none) and
-    the decode kernel takes them (default: when max_query_len == 1)."""
+    the decode kernel takes them (default: when max_query_len == 1). `merge`: split decode
+    merges in the same launch (default: as the fusion policy says) where a program's query rows
+    are few enough (MERGE_MAX_ROWS) for its last split to merge them in turn."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -289,18 +327,37 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_sum = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     part_out = torch.empty(part_shape + (common["HEAD_DIM_P"],) if split else (1,),
                            dtype=torch.float32, device=q.device)
+    if merge is None:
+        merge = fusion.policy().attention_merge
+    merge = (split and merge and num_seqs * num_kv_heads <= MERGE_COUNTERS
+             and group * max_query_len <= MERGE_MAX_ROWS)
+    splits_p = max(2, triton.next_power_of_2(num_splits))
     block_n, num_warps, num_stages = tiles or _decode_tiles(q.dtype, common["HEAD_DIM_P"])
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_max, part_sum, block_tables, seq_lens,
+        q, k_cache, v_cache, out, part_out, part_max, part_sum,
+        _merge_counters(q.device) if merge else part_max, block_tables, seq_lens,
         query_start_loc, num_splits=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group * max_query_len)), BLOCK_N=block_n, SPLIT=split,
-        QUERY_LEN=max_query_len, num_warps=num_warps, num_stages=num_stages, **common)
-    if split:
+        MERGE=merge, SPLITS_P=splits_p, QUERY_LEN=max_query_len, num_warps=num_warps,
+        num_stages=num_stages, **common)
+    if split and not merge:
         _reduce_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_max, part_sum, num_splits,
             out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_P=common["HEAD_DIM_P"],
-            SPLITS_P=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
+            SPLITS_P=splits_p, num_warps=4)
     return out
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _merge_counters(device: torch.device) -> torch.Tensor:
+    """The in-kernel merge's arrival counters, one per (sequence, KV head): zero between
+    launches (each merging program zeroes its own), so one buffer per device serves every
+    launch and every graph replay, and is never freed (graphs hold its address)."""
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 
 
 def _prefill_tiles(dtype: torch.dtype, head_dim_p: int) -> tuple[int, int, int, int]:

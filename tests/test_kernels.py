@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import hibana_kernels as kernels
-from hibana_kernels import activation, attention, matmul, norm, quant, rotary
+from hibana_kernels import activation, attention, fusion, matmul, norm, quant, rotary
 
 BLOCK_SIZE = 16
 HEAD_DIM = 32
@@ -196,6 +196,8 @@ def test_dispatch_on_cpu_runs_the_references_without_importing_triton():
         kernels.rms_norm(x, torch.ones(8), 1e-6)
         kernels.fused_add_rms_norm(x, x, torch.ones(8), 1e-6)
         kernels.silu_and_mul(x)
+        kernels.rms_norm_linear(x, x, torch.ones(8), 1e-6, torch.randn(5, 8))
+        kernels.silu_and_mul_linear(x, torch.randn(5, 4))
         table = torch.randn(8, 4)
         kernels.rotary_embedding(torch.arange(3), x.view(3, 2, 4), x.view(3, 2, 4), table, table)
         cache = torch.zeros(2, 16, 1, 4)
@@ -223,8 +225,11 @@ def _triton_module(name):
 
 
 def check_paged_attention(device, group, window, lens, dtype, num_splits, head_dim=HEAD_DIM,
-                          bounds_slack=0):
-    """bounds_slack: pass max_query_len and max_seq_len overstated by this much (CUDA graphs)."""
+                          bounds_slack=0, merge=None):
+    """bounds_slack: pass max_query_len and max_seq_len overstated by this much (CUDA graphs).
+    merge: split decode merges in its own launch (True; a verify step of more rows than one
+    program merges still takes `_reduce_splits_kernel`) or in that second launch (False). A
+    launch merging in-kernel runs twice, as graph replays do: the counters it left must be zero."""
     triton_attention = _triton_module("attention")
     batch, _, _ = make_paged_batch(lens, group * NUM_KV_HEADS, NUM_KV_HEADS, dtype, device,
                                    seed=7 * group + len(lens), head_dim=head_dim)
@@ -238,10 +243,13 @@ def check_paged_attention(device, group, window, lens, dtype, num_splits, head_d
         out = triton_attention.paged_attention(**batch, scale=scale, sliding_window=window,
                                                uniform_query_len=uniform)
     else:
-        out = triton_attention.paged_attention_launch(
-            batch["q"], batch["k_cache"], batch["v_cache"], batch["block_tables"],
-            batch["seq_lens"], batch["query_start_loc"], batch["max_query_len"], scale, window,
-            num_splits, decode=uniform or None)
+        args = (batch["q"], batch["k_cache"], batch["v_cache"], batch["block_tables"],
+                batch["seq_lens"], batch["query_start_loc"], batch["max_query_len"], scale, window,
+                num_splits)
+        out = triton_attention.paged_attention_launch(*args, decode=uniform or None, merge=merge)
+        if merge:
+            again = triton_attention.paged_attention_launch(*args, decode=uniform or None, merge=merge)
+            torch.testing.assert_close(again, out, atol=0, rtol=0, equal_nan=True)
     assert not out.isnan().any(), "read an unwritten cache slot"
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
@@ -352,6 +360,88 @@ def check_linear(device, dtype, rows, n, k, bias, tiles):
     torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
 
 
+def _fused_inputs(dtype, device, rows, n, k, bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(rows, k, generator=gen)).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
+    b = torch.randn(n, generator=gen).to(dtype).to(device) if bias else None
+    return gen, x, w, b
+
+
+def check_rms_norm_linear(device, dtype, rows, n, k, bias, residual, tiles):
+    """The norm-then-GEMV (through the dispatcher, `tiles` None, or forced with those tiles)
+    against the references composed: the norm in `dtype`, the product in float64; and against
+    the separate Triton kernels (fusion off). The new residual is exact."""
+    triton_matmul = _triton_module("matmul")
+    gen, x, w, b = _fused_inputs(dtype, device, rows, n, k, bias, seed=rows * n + k + residual)
+    res = torch.randn(rows, k, generator=gen).to(dtype).to(device) if residual else None
+    norm_weight = (1 + torch.randn(k, generator=gen) / 4).to(dtype).to(device)
+    normed, ref_res = (norm.fused_add_rms_norm(x, res, norm_weight, 1e-6) if residual
+                       else (norm.rms_norm(x, norm_weight, 1e-6), x))
+    ref = matmul.linear(normed.double(), w.double(), None if b is None else b.double())
+    if tiles is None:
+        out, new_res = triton_matmul.rms_norm_linear(x, res, norm_weight, 1e-6, w, b)
+    else:
+        out, new_res = triton_matmul.rms_norm_linear_launch(x, res, norm_weight, 1e-6, w, b, *tiles)
+    assert out.shape == (rows, n) and out.dtype == dtype and new_res.shape == x.shape
+    torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
+    torch.testing.assert_close(new_res, ref_res, **_exact(device, dtype))
+    with fusion.using("off"):
+        separate, separate_res = triton_matmul.rms_norm_linear(x, res, norm_weight, 1e-6, w, b)
+    torch.testing.assert_close(out, separate, **TOLERANCE[dtype])
+    torch.testing.assert_close(new_res, separate_res, atol=0, rtol=0)
+
+
+def check_silu_and_mul_linear(device, dtype, rows, n, k, bias, tiles):
+    """The down GEMV on silu(gate) * up of a [rows, 2k] gate/up output, as check_rms_norm_linear."""
+    triton_matmul = _triton_module("matmul")
+    _, gate_up, w, b = _fused_inputs(dtype, device, rows, n, 2 * k, bias, seed=rows * n + k)
+    w = w[:, :k].contiguous()
+    ref = matmul.linear(activation.silu_and_mul(gate_up).double(), w.double(),
+                        None if b is None else b.double())
+    if tiles is None:
+        out = triton_matmul.silu_and_mul_linear(gate_up, w, b)
+    else:
+        out = triton_matmul.linear_launch(gate_up, w, b, *tiles, silu_input=True)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    # two chained bf16 roundings per input, which the interpreter truncates: summed over k
+    # inputs, some outputs near zero are a few hundredths off there
+    tolerance = dict(atol=0.1, rtol=2e-2) if device == "cpu" and dtype == torch.bfloat16 else TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), ref, **tolerance)
+    with fusion.using("off"):
+        separate = triton_matmul.silu_and_mul_linear(gate_up, w, b)
+    torch.testing.assert_close(out, separate, **TOLERANCE[dtype])
+
+
+def check_fusion_dispatch(device):
+    """One bf16 row folds the norm and the activation into the GEMV under a policy that takes
+    the width, and runs the separate kernels under one that does not; two rows never fold."""
+    triton_matmul = _triton_module("matmul")
+    calls = []
+
+    def counted(name, fn):
+        return lambda *args: calls.append(name) or fn(*args)
+
+    norm_module = triton_matmul.norm_triton
+    originals = (norm_module.fused_add_rms_norm, norm_module.rms_norm, triton_matmul.silu_and_mul)
+    norm_module.fused_add_rms_norm = counted("norm", originals[0])
+    norm_module.rms_norm = counted("norm", originals[1])
+    triton_matmul.silu_and_mul = counted("silu", originals[2])
+    try:
+        _, x, w, _ = _fused_inputs(torch.bfloat16, device, 2, 24, 64, False, seed=1)
+        nw = torch.ones(64, dtype=torch.bfloat16, device=device)
+        narrow = fusion.Fusion(norm_max_k=63, silu_max_k=31, attention_merge=True)
+        for policy, rows, separate in (("on", 1, []), (narrow, 1, ["norm", "norm", "silu"]),
+                                       ("on", 2, ["norm", "norm", "silu"])):
+            calls.clear()
+            with fusion.using(policy):
+                triton_matmul.rms_norm_linear(x[:rows], x[:rows], nw, 1e-6, w)
+                triton_matmul.rms_norm_linear(x[:rows], None, nw, 1e-6, w)
+                triton_matmul.silu_and_mul_linear(x[:rows], w[:, :32].contiguous())
+            assert calls == separate, (policy, rows, calls)
+    finally:
+        norm_module.fused_add_rms_norm, norm_module.rms_norm, triton_matmul.silu_and_mul = originals
+
 
 def check_linear_quant(device, dtype, bits, lead, n, k, group_size, bias, tiles):
     """linear_int8 / linear_int4 against their references (in float64) on x [*lead, k]; `tiles`
@@ -451,22 +541,24 @@ DTYPES = [torch.float32, torch.bfloat16]
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("window", [None, WINDOW])
-@pytest.mark.parametrize("lens, num_splits",  # None: the entry point's own choice (here: 1)
-                         [(MIXED_BATCH, None), (DECODE_BATCH, None), (DECODE_BATCH, 3),
-                          (VERIFY_BATCH, None), (VERIFY_BATCH, 3)],
-                         ids=["mixed", "decode", "decode-3splits", "verify", "verify-3splits"])
-def test_paged_attention(run_check, dtype, group, window, lens, num_splits):
+@pytest.mark.parametrize("lens, num_splits, merge",  # None: the entry point's own choice (here: 1)
+                         [(MIXED_BATCH, None, None), (DECODE_BATCH, None, None), (DECODE_BATCH, 3, True),
+                          (DECODE_BATCH, 3, False), (VERIFY_BATCH, None, None), (VERIFY_BATCH, 3, True)],
+                         ids=["mixed", "decode", "decode-3splits", "decode-3splits-separate-merge",
+                              "verify", "verify-3splits"])  # verify: merged in-kernel at group 1 only
+def test_paged_attention(run_check, dtype, group, window, lens, num_splits, merge):
     run_check(check_paged_attention, group=group, window=window, lens=lens, dtype=dtype,
-              num_splits=num_splits)
+              num_splits=num_splits, merge=merge)
 
 
 # a group that is not a power of two (Qwen2.5-7B: 7), the tiny test models' head_dim 16, and a
 # head_dim that is not a power of two (padded and masked)
 @pytest.mark.parametrize("group, head_dim", [(7, 32), (2, 16), (2, 48)])
 def test_paged_attention_odd_shapes(run_check, group, head_dim):
-    for lens, num_splits in ((MIXED_BATCH, None), (DECODE_BATCH, 2)):
+    for lens, num_splits, merge in ((MIXED_BATCH, None, None), (DECODE_BATCH, 2, True),
+                                    (DECODE_BATCH, 2, False)):
         run_check(check_paged_attention, group=group, window=WINDOW, lens=lens,
-                  dtype=torch.float32, num_splits=num_splits, head_dim=head_dim)
+                  dtype=torch.float32, num_splits=num_splits, head_dim=head_dim, merge=merge)
 
 
 @pytest.mark.parametrize("lens", [DECODE_BATCH, MIXED_BATCH], ids=["decode", "mixed"])
@@ -516,6 +608,46 @@ def test_linear(run_check, dtype, rows, n, k, bias, tiles):
     if dtype == torch.float32 and tiles is not None:
         tiles = None  # float32 always goes to cuBLAS; checked through the dispatcher
     run_check(check_linear, dtype=dtype, rows=rows, n=n, k=k, bias=bias, tiles=tiles)
+
+
+# one row (the dispatcher folds: the default policy takes these widths), odd N and K (masked
+# tiles), the first layer's norm without a residual, K in several steps (the statistic in a first
+# pass; the last step masked or not), a few rows through the kernel, and rows the dispatcher
+# leaves to the separate kernels
+NORM_LINEAR_CASES = [(1, 96, 64, False, True, None), (1, 37, 100, True, True, None),
+                     (1, 33, 100, True, False, None), (1, 130, 300, False, True, (2, 128, 4)),
+                     (1, 64, 256, True, False, (4, 64, 4)), (3, 40, 96, True, True, (4, 128, 4)),
+                     (4, 40, 64, False, True, None)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows, n, k, bias, residual, tiles", NORM_LINEAR_CASES,
+                         ids=[f"rows{c[0]}-n{c[1]}-k{c[2]}" + ("-bias" if c[3] else "")
+                              + ("-residual" if c[4] else "") + ("-tiles" if c[5] else "")
+                              for c in NORM_LINEAR_CASES])
+def test_rms_norm_linear(run_check, dtype, rows, n, k, bias, residual, tiles):
+    if dtype == torch.float32:
+        tiles = None  # float32 takes the separate kernels; checked through the dispatcher
+    run_check(check_rms_norm_linear, dtype=dtype, rows=rows, n=n, k=k, bias=bias,
+              residual=residual, tiles=tiles)
+
+
+SILU_LINEAR_CASES = [(1, 96, 64, False, None), (1, 37, 100, True, None), (1, 40, 300, True, (2, 128, 4)),
+                     (3, 33, 96, False, (4, 32, 4)), (2, 40, 64, False, None)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows, n, k, bias, tiles", SILU_LINEAR_CASES,
+                         ids=[f"rows{c[0]}-n{c[1]}-k{c[2]}" + ("-bias" if c[3] else "")
+                              + ("-tiles" if c[4] else "") for c in SILU_LINEAR_CASES])
+def test_silu_and_mul_linear(run_check, dtype, rows, n, k, bias, tiles):
+    if dtype == torch.float32:
+        tiles = None
+    run_check(check_silu_and_mul_linear, dtype=dtype, rows=rows, n=n, k=k, bias=bias, tiles=tiles)
+
+
+def test_fusion_dispatch(run_check):
+    run_check(check_fusion_dispatch)
 
 
 # The dispatcher's choice over the row counts of decode (GEMV: 1, 2), verify (5, 17) and prefill
