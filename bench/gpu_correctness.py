@@ -190,14 +190,26 @@ def check_bf16_demo() -> list[tuple[str, bool, str]]:
              f"{noise}/8 prompts equal; first difference at {noise_firsts}")]
 
 
+CHECKS = {"float32": check_float32, "speculation": check_speculation, "surgery": check_surgery,
+          "bf16": check_bf16_demo}
+
+
 def main() -> int:
-    rows = ([] if "--bf16-only" in sys.argv else check_float32() + check_speculation() + check_surgery()) \
-        + check_bf16_demo()
+    """All checks, or those named by --only a,b (of CHECKS); --bf16-only is --only bf16."""
+    names = list(CHECKS)
+    if "--bf16-only" in sys.argv:
+        names = ["bf16"]
+    if "--only" in sys.argv:
+        names = sys.argv[sys.argv.index("--only") + 1].split(",")
+        unknown = set(names) - set(CHECKS)
+        if unknown:
+            print(f"gpu_correctness: no check named {sorted(unknown)}; choose from {', '.join(CHECKS)}")
+            return 2
+    rows = [row for name in names for row in CHECKS[name]()]
     width = max(len(r[0]) for r in rows)
     for name, ok, detail in rows:
         print(f"{name:<{width}}  {'PASS' if ok else 'FAIL'}  {detail}")
     return 0 if all(ok for _, ok, _ in rows) else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

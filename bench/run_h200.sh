@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device runs for bench/RESULTS.md, one stage per call (each well inside the 10-minute limit):
 #   bash bench/run_h200.sh check    # kernel tests on CUDA, GPU-vs-CPU and GPU-vs-transformers greedy
+#                                   # (CHECKS=float32,bf16 runs only those of bench/gpu_correctness.py)
 #   bash bench/run_h200.sh decode   # hibana bench decode, qwen3-8b preset
 #   bash bench/run_h200.sh agents   # hibana bench agents, qwen3-8b preset, 32 agents
 #   bash bench/run_h200.sh tune     # bench/tune_decode.py: kernel sweeps, the decode step taken apart
@@ -34,7 +35,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 case "${1:-check}" in
   check)
     python3 -m pytest tests/test_kernels.py -q -rs -x -p no:cacheprovider 2>&1 | tail -15
-    python3 bench/gpu_correctness.py 2>&1 | tee "$OUT/gpu_correctness.txt" ;;
+    python3 bench/gpu_correctness.py ${CHECKS:+--only $CHECKS} 2>&1 | tee "$OUT/gpu_correctness.txt" ;;
   decode)
     python3 -m hibana_bench.cli decode --model qwen3-8b --context 512,8192 --generate 128 \
       --json "$OUT/decode_qwen3-8b.json" 2>&1 | tee "$OUT/decode_qwen3-8b.txt" ;;
