@@ -294,7 +294,7 @@ class DraftModelDrafter:
         runner = self.runner
         self.counters.forwards += 1
         if runner.graphs is not None and runner.graphs.fits(data, len(parts)):
-            logits = runner.graphs.run(data, previous)  # [S, vocab]
+            logits, _ = runner.graphs.run(data, previous)  # [S, vocab]; whether it captured
         else:
             inputs = runner.prepare(data)
             runner.take_from_device(inputs.input_ids, data, previous)
