@@ -42,9 +42,13 @@ class Fusion:
         return k <= self.silu_max_k
 
 
-# First guess: fold wherever the model is small (Qwen3-0.6B: hidden 1024, intermediate 3072;
-# 1.7B: 2048 / 6144); keep the separate kernels at 8B widths (4096 / 12288) until measured.
-AUTO = Fusion(norm_max_k=2048, silu_max_k=6144, attention_merge=True)
+# Measured on the H200 (bench/tune_decode.py --fusion, RESULTS.md 2026-12-01 second session):
+# at Qwen3-0.6B widths the folds save about a sixth of each pair (norm + qkv 6.3 -> 5.1 us,
+# silu + down 5.8 -> 4.8 us); at 8B widths the folded norm costs more than its launch (16.9 ->
+# 17.5 us for qkv) and so stays separate. Merging the splits in the attention launch is slower
+# at both sizes (0.6B, 8192 keys: 16.8 -> 19.9 us; 8B: 15.1 -> 23.0 us): the last split waits
+# for the others and merges alone, where the separate merge runs wide. So AUTO leaves it off.
+AUTO = Fusion(norm_max_k=2048, silu_max_k=6144, attention_merge=False)
 ON = Fusion(norm_max_k=sys.maxsize, silu_max_k=sys.maxsize, attention_merge=True)
 OFF = Fusion(norm_max_k=0, silu_max_k=0, attention_merge=False)  # the launches as before
 POLICIES = {"auto": AUTO, "on": ON, "off": OFF}
