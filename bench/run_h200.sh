@@ -5,6 +5,8 @@
 #   bash bench/run_h200.sh agents   # hibana bench agents, qwen3-8b preset, 32 agents
 #   bash bench/run_h200.sh tune     # bench/tune_decode.py: kernel sweeps, the decode step taken apart
 #   bash bench/run_h200.sh surgery       # batch-1 decode of qwen3-8b in bf16, w8 and w4 (issue 14)
+#   bash bench/run_h200.sh kv8_check     # fp8 KV: its kernel tests on CUDA, GPU == CPU greedy (gpu_correctness --kv8-only)
+#   bash bench/run_h200.sh kv8           # fp8 KV: 32 agents' turns/h and batch-1 decode, bf16 KV vs kv8, qwen3-8b
 #   bash bench/run_h200.sh quant    # bench/tune_quant.py: int8/int4 linears against bf16 cuBLAS, Qwen3-8B shapes
 #   bash bench/run_h200.sh quant_sweep   # bench/tune_quant.py --sweep: their tiles at 1 and 64 rows
 #   bash bench/run_h200.sh spec_decode   # trace-driven batch-1 decode, coding and demo traces, speculation off/k4/adaptive
@@ -41,6 +43,15 @@ case "${1:-check}" in
   surgery)
     python3 -m hibana_bench.cli decode --model qwen3-8b --context 512,8192 --generate 128 --systems hibana \
       --surgery w8,w4 --json "$OUT/decode_surgery_qwen3-8b.json" 2>&1 | tee "$OUT/decode_surgery_qwen3-8b.txt" ;;
+  kv8_check)
+    python3 -m pytest tests/test_kernels.py -q -rs -x -p no:cacheprovider -k "fp8 or store_kv or attention" 2>&1 | tail -15
+    python3 bench/gpu_correctness.py --kv8-only 2>&1 | tee "$OUT/gpu_correctness_kv8.txt" ;;
+  kv8)
+    python3 -m hibana_bench.cli agents --model qwen3-8b --agents 32 --turns 6 --system 4096 \
+      --tool-result 200 --generate 100 --systems hibana --surgery kv8 \
+      --json "$OUT/agents_kv8_qwen3-8b.json" 2>&1 | tee "$OUT/agents_kv8_qwen3-8b.txt"
+    python3 -m hibana_bench.cli decode --model qwen3-8b --context 512,8192 --generate 128 --systems hibana \
+      --surgery kv8 --json "$OUT/decode_kv8_qwen3-8b.json" 2>&1 | tee "$OUT/decode_kv8_qwen3-8b.txt" ;;
   quant)
     python3 bench/tune_quant.py --json "$OUT/tune_quant.json" 2>&1 | tee "$OUT/tune_quant.txt" ;;
   quant_sweep)

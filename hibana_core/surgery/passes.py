@@ -86,8 +86,10 @@ class KVQuantPass:
     the rounding up to a power of two) costs precision only for values below amax / 7000 or so,
     while values past the calibrated range saturate at +-448 * scale instead of overflowing.
     Powers of two make dequantization exact in bf16/fp16/fp32 and the scales insensitive to
-    the last bits of the calibration run (CPU and GPU calibrate the same scales; a digest of
-    them joins the fingerprint, so a state never loads under other scales).
+    the last bits of the calibration run (another device's rounding changes a scale only where
+    a head's amax lies within that rounding of a power of two); a digest of the scales joins the
+    fingerprint, so a state never loads under other scales. Attention layers are found by
+    `set_kv_scales` and indexed by their `layer_idx` (their layer of the KV cache).
     """
 
     calibrated = True
