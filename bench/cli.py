@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     agents.add_argument("--generate", type=int, default=32)
     agents.add_argument("--peer-agents", type=int, default=1,
                         help="agents the sequential transformers peers are timed on")
+    agents.add_argument("--surgery", default="", help="comma-separated surgery passes (e.g. kv8): adds a "
+                        "system hibana+PASS for each (the default engine with that pass; random trace only)")
     return parser
 
 
@@ -179,6 +181,9 @@ def print_agents(report: dict) -> None:
                  f"{r['decode_tok_s']:.1f}", f"{r['computed_per_turn']:.0f}", f"{r['reused_per_turn']:.0f}",
                  *ttft, timed)
         print("".join(f"{c:>14}" for c in cells))
+    for name, r in report["results"].items():
+        if r.get("kv_blocks"):
+            print(f"{name}: KV pool {r['kv_blocks']:,} blocks in {r['kv_bytes'] / 1e9:.2f} GB")
 
 
 if __name__ == "__main__":

@@ -64,15 +64,30 @@ def _exact(device, dtype):
 # inputs
 
 
-def make_paged_batch(lens, num_heads, num_kv_heads, dtype, device, seed, head_dim=HEAD_DIM):
+def fp8_scales(num_kv_heads, gen):
+    """kv_scale [2, H_kv] of powers of two (what kv8 calibrates): 2^-7 .. 2^-3, so values of
+    standard deviation 1 use the fp8 range, and some of the smaller scales' heads saturate."""
+    return 2.0 ** -torch.randint(3, 8, (2, num_kv_heads), generator=gen).float()
+
+
+def fp8_nan_cache(shape, device="cpu"):
+    """An fp8 cache whose every byte is NaN (0x7f), as make_paged_batch's float caches are."""
+    return torch.full(shape, 0x7F, dtype=torch.uint8, device=device).view(attention.FP8)
+
+
+def make_paged_batch(lens, num_heads, num_kv_heads, dtype, device, seed, head_dim=HEAD_DIM,
+                     kv_fp8=False):
     """Random dense K/V per sequence, scattered into a NaN-filled paged cache through shuffled
-    block tables (NaN: a kernel that reads a slot it should not makes the output NaN)."""
+    block tables (NaN: a kernel that reads a slot it should not makes the output NaN). kv_fp8:
+    the cache holds them as fp8 (the batch carries its `kv_scale`; the dense K/V returned are
+    what the cache reads back as)."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(math.ceil(s / BLOCK_SIZE) for s, _ in lens) + 3
     width = max(math.ceil(s / BLOCK_SIZE) for s, _ in lens) + 1  # one column of padding
     shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    kv_scale = fp8_scales(num_kv_heads, gen) if kv_fp8 else None
+    k_cache = fp8_nan_cache(shape) if kv_fp8 else torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = fp8_nan_cache(shape) if kv_fp8 else torch.full(shape, float("nan"), dtype=dtype)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, dense_k, dense_v = [], [], []
     for seq_len, _ in lens:
@@ -82,7 +97,10 @@ def make_paged_batch(lens, num_heads, num_kv_heads, dtype, device, seed, head_di
         v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
         slots = torch.tensor([blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
                               for p in range(seq_len)])
-        attention.store_kv(k, v, k_cache, v_cache, slots)
+        attention.store_kv(k, v, k_cache, v_cache, slots, kv_scale)
+        if kv_fp8:
+            k = attention.dequantize_kv(attention.quantize_kv(k, kv_scale[0]), kv_scale[0], dtype)
+            v = attention.dequantize_kv(attention.quantize_kv(v, kv_scale[1]), kv_scale[1], dtype)
         dense_k.append(k)
         dense_v.append(v)
     starts = [0]
@@ -90,13 +108,16 @@ def make_paged_batch(lens, num_heads, num_kv_heads, dtype, device, seed, head_di
         starts.append(starts[-1] + query_len)
     q = torch.randn(starts[-1], num_heads, head_dim, generator=gen).to(dtype)
     to = dict(device=device)
-    return dict(
+    batch = dict(
         q=q.to(**to), k_cache=k_cache.to(**to), v_cache=v_cache.to(**to),
         block_tables=torch.tensor(tables, dtype=torch.int32, **to),
         seq_lens=torch.tensor([s for s, _ in lens], dtype=torch.int32, **to),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, **to),
         max_query_len=max(n for _, n in lens), max_seq_len=max(s for s, _ in lens),
-    ), dense_k, dense_v
+    )
+    if kv_fp8:
+        batch["kv_scale"] = kv_scale.to(**to)
+    return batch, dense_k, dense_v
 
 
 def naive_attention(q, dense_k, dense_v, lens, scale, window):
@@ -136,6 +157,43 @@ def test_reference_attention_matches_dense(group, window, lens):
         batch["q"], batch["k_cache"], batch["v_cache"], batch["block_tables"],
         batch["seq_lens"].tolist(), batch["query_start_loc"].tolist(), scale, window)
     torch.testing.assert_close(host, out, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("lens", [MIXED_BATCH, MIXED_SHORT_BATCH], ids=["mixed", "mixed_short"])
+def test_reference_fp8_cache_reads_back_its_dequantized_values(dtype, lens):
+    """An fp8 cache attends exactly as a cache of its dequantized values in the activations'
+    dtype (the power-of-two scales make them exact there), for long and short queries alike;
+    and close to dense attention over the unquantized K/V."""
+    window = WINDOW if dtype == torch.float32 else None
+    batch, dense_k, dense_v = make_paged_batch(lens, 4 * NUM_KV_HEADS, NUM_KV_HEADS, dtype, "cpu",
+                                               seed=5, kv_fp8=True)
+    assert batch["k_cache"].dtype == attention.FP8 and batch["k_cache"].element_size() == 1
+    scale = HEAD_DIM ** -0.5
+    out = attention.paged_attention(**batch, scale=scale, sliding_window=window)
+    assert not out.isnan().any(), "read an unwritten cache slot"
+    twin = dict(batch)
+    kv_scale = twin.pop("kv_scale")
+    for name, row in (("k_cache", 0), ("v_cache", 1)):
+        twin[name] = attention.dequantize_kv(batch[name], kv_scale[row], dtype)  # NaN bytes stay NaN
+    torch.testing.assert_close(out, attention.paged_attention(**twin, scale=scale, sliding_window=window),
+                               atol=0, rtol=0)
+    expected = naive_attention(batch["q"], dense_k, dense_v, lens, scale, window)
+    torch.testing.assert_close(out.double(), expected, **({"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32
+                                                            else TOLERANCE[dtype]))
+
+
+def test_reference_fp8_quantization_saturates_and_rounds_to_nearest_even():
+    scale = torch.tensor([0.5, 2.0 ** -6])
+    x = torch.tensor([[[1.0, -300.0, 1e9, float("inf")], [2.0 ** -16, 1.5 * 2.0 ** -15, -7.0, 0.0]]])  # [1, 2, 4]
+    q = attention.quantize_kv(x, scale)
+    assert q.dtype == attention.FP8
+    back = attention.dequantize_kv(q, scale, torch.float32)
+    # head 0: 448 * 0.5 = 224 is its largest value, and what anything larger becomes
+    assert back[0, 0].tolist() == [1.0, -224.0, 224.0, 224.0]
+    # head 1, in units of its scale: 2^-10 lies halfway between 0 and the smallest subnormal
+    # 2^-9 (to even: 0); 1.5 * 2^-9 halfway between 2^-9 and 2^-8 (to even: 2^-8); -448 exact
+    assert back[0, 1].tolist() == [0.0, 2.0 ** -14, -7.0, 0.0]
 
 
 def test_reference_store_kv_skips_negative_slots():
@@ -225,14 +283,15 @@ def _triton_module(name):
 
 
 def check_paged_attention(device, group, window, lens, dtype, num_splits, head_dim=HEAD_DIM,
-                          bounds_slack=0, merge=None):
+                          bounds_slack=0, merge=None, kv_fp8=False):
     """bounds_slack: pass max_query_len and max_seq_len overstated by this much (CUDA graphs).
     merge: split decode merges in its own launch (True; a verify step of more rows than one
     program merges still takes `_reduce_splits_kernel`) or in that second launch (False). A
-    launch merging in-kernel runs twice, as graph replays do: the counters it left must be zero."""
+    launch merging in-kernel runs twice, as graph replays do: the counters it left must be zero.
+    kv_fp8: an fp8 cache with its scales."""
     triton_attention = _triton_module("attention")
     batch, _, _ = make_paged_batch(lens, group * NUM_KV_HEADS, NUM_KV_HEADS, dtype, device,
-                                   seed=7 * group + len(lens), head_dim=head_dim)
+                                   seed=7 * group + len(lens), head_dim=head_dim, kv_fp8=kv_fp8)
     scale = head_dim ** -0.5
     expected = attention.paged_attention(**batch, scale=scale, sliding_window=window)
     if bounds_slack and batch["max_query_len"] > 1:
@@ -246,9 +305,10 @@ def check_paged_attention(device, group, window, lens, dtype, num_splits, head_d
         args = (batch["q"], batch["k_cache"], batch["v_cache"], batch["block_tables"],
                 batch["seq_lens"], batch["query_start_loc"], batch["max_query_len"], scale, window,
                 num_splits)
-        out = triton_attention.paged_attention_launch(*args, decode=uniform or None, merge=merge)
+        kwargs = dict(decode=uniform or None, merge=merge, kv_scale=batch.get("kv_scale"))
+        out = triton_attention.paged_attention_launch(*args, **kwargs)
         if merge:
-            again = triton_attention.paged_attention_launch(*args, decode=uniform or None, merge=merge)
+            again = triton_attention.paged_attention_launch(*args, **kwargs)
             torch.testing.assert_close(again, out, atol=0, rtol=0, equal_nan=True)
     assert not out.isnan().any(), "read an unwritten cache slot"
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
@@ -267,6 +327,27 @@ def check_store_kv(device, dtype):
     triton_attention.store_kv(k, v, caches[2], caches[3], slots.to(device))
     torch.testing.assert_close(caches[2], caches[0], atol=0, rtol=0, equal_nan=True)
     torch.testing.assert_close(caches[3], caches[1], atol=0, rtol=0, equal_nan=True)
+
+
+def check_store_kv_fp8(device, dtype, num_kv_heads, head_dim):
+    """Triton's fp8 store writes the reference's bytes, for any scales (divided, IEEE-rounded,
+    as torch divides): values in range, beyond it (saturated) and below its subnormals."""
+    triton_attention = _triton_module("attention")
+    gen = torch.Generator().manual_seed(num_kv_heads * head_dim)
+    kv = torch.randn(9, 2 * num_kv_heads, head_dim, generator=gen)
+    kv *= 10.0 ** torch.randint(-4, 3, kv.shape, generator=gen)  # 1e-4 .. 1e2 times
+    kv = kv.to(dtype).to(device)
+    k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads:]  # strided views, as from a fused projection
+    kv_scale = (torch.rand(2, num_kv_heads, generator=gen) / 20).to(device)  # not powers of two
+    slots = torch.randperm(4 * BLOCK_SIZE, generator=gen)[:9]
+    slots[4] = -1  # a padding row
+    caches = [fp8_nan_cache((4, BLOCK_SIZE, num_kv_heads, head_dim), device) for _ in range(4)]
+    attention.store_kv(k, v, caches[0], caches[1], slots.to(device), kv_scale)
+    triton_attention.store_kv(k, v, caches[2], caches[3], slots.to(device), kv_scale)
+    for got, want in ((caches[2], caches[0]), (caches[3], caches[1])):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert (caches[0].view(torch.uint8) != 0x7F).sum() == 2 * 8 * num_kv_heads * head_dim // 2, \
+        "8 rows written, none of them NaN"
 
 
 def check_norms(device, dtype, shape):
@@ -315,7 +396,9 @@ def check_silu_and_mul(device, dtype, inter):
                                activation.silu_and_mul(gate_up), **TOLERANCE[dtype])
 
 
-def check_qk_norm_rotary_store(device, dtype, num_heads, head_dim, qk_norm):
+def check_qk_norm_rotary_store(device, dtype, num_heads, head_dim, qk_norm, kv_fp8=False):
+    """kv_fp8: into fp8 caches (the same bytes as the reference's; under the interpreter, whose
+    bf16 roundings of k are a few units off, keys may be off by as much, plus an fp8 step)."""
     triton_rotary = _triton_module("rotary")
     gen = torch.Generator().manual_seed(num_heads * head_dim + qk_norm)
     max_pos, tokens = 300, 7
@@ -330,15 +413,29 @@ def check_qk_norm_rotary_store(device, dtype, num_heads, head_dim, qk_norm):
                         for _ in range(2)) + (1e-6,)
     slots = torch.randperm(4 * BLOCK_SIZE, generator=gen)[:tokens].to(device)
     slots[2] = -1  # a padding row: its q is still rotated, nothing is stored
-    caches = [torch.full((4, BLOCK_SIZE, NUM_KV_HEADS, head_dim), float("nan"), dtype=dtype,
-                         device=device) for _ in range(4)]
+    shape = (4, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
+    caches = [fp8_nan_cache(shape, device) if kv_fp8 else
+              torch.full(shape, float("nan"), dtype=dtype, device=device) for _ in range(4)]
+    if not qk_norm and not weights:
+        weights = (None, None, 0.0)
+    scales = (fp8_scales(NUM_KV_HEADS, gen).to(device),) if kv_fp8 else ()
     ref_q = rotary.qk_norm_rotary_store(positions, q, k, v, cos, sin, caches[0], caches[1], slots,
-                                        *weights)
+                                        *weights, *scales)
     out_q = triton_rotary.qk_norm_rotary_store(positions, q, k, v, cos, sin, caches[2], caches[3],
-                                               slots, *weights)
+                                               slots, *weights, *scales)
     # four chained bf16 roundings, which the interpreter truncates: a few units off there
     tolerance = dict(atol=0.1, rtol=2e-2) if device == "cpu" and qk_norm else TOLERANCE[dtype]
     torch.testing.assert_close(out_q, ref_q, **tolerance)
+    if kv_fp8:
+        got, want = caches[2].view(torch.uint8), caches[0].view(torch.uint8)
+        if device == "cpu" and dtype == torch.bfloat16:
+            assert (got == want).float().mean() > 0.9
+            back = [attention.dequantize_kv(c, scales[0][0], torch.float32) for c in (caches[2], caches[0])]
+            torch.testing.assert_close(back[0], back[1], atol=0.1, rtol=0.07, equal_nan=True)
+        else:
+            assert torch.equal(got, want)
+        assert torch.equal(caches[3].view(torch.uint8), caches[1].view(torch.uint8))
+        return
     torch.testing.assert_close(caches[2], caches[0], equal_nan=True, **tolerance)
     torch.testing.assert_close(caches[3], caches[1], atol=0, rtol=0, equal_nan=True)
 
@@ -570,6 +667,31 @@ def test_paged_attention_with_overstated_bounds(run_check, lens):
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
 def test_store_kv(run_check, dtype):
     run_check(check_store_kv, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+@pytest.mark.parametrize("num_kv_heads, head_dim", [(2, 32), (3, 48), (8, 128)])
+def test_store_kv_fp8(run_check, dtype, num_kv_heads, head_dim):
+    run_check(check_store_kv_fp8, dtype=dtype, num_kv_heads=num_kv_heads, head_dim=head_dim)
+
+
+# fp8 caches (kv8): decode (split and not), verify, mixed prefill, short-query batches; groups
+# 1 to 7 (not a power of two), head_dim 16 and 48 (padded), a sliding window
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+@pytest.mark.parametrize("group, head_dim, window", [(1, 32, None), (4, 16, WINDOW), (7, 48, None)])
+@pytest.mark.parametrize("lens, num_splits",
+                         [(MIXED_BATCH, None), (DECODE_BATCH, 3), (VERIFY_BATCH, None), (MIXED_SHORT_BATCH, None)],
+                         ids=["mixed", "decode-3splits", "verify", "mixed_short"])
+def test_paged_attention_fp8(run_check, dtype, group, head_dim, window, lens, num_splits):
+    run_check(check_paged_attention, group=group, window=window, lens=lens, dtype=dtype,
+              num_splits=num_splits, head_dim=head_dim, kv_fp8=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+@pytest.mark.parametrize("num_heads, head_dim, qk_norm", [(4, 16, False), (14, 32, True), (6, 64, True)])
+def test_qk_norm_rotary_store_fp8(run_check, dtype, num_heads, head_dim, qk_norm):
+    run_check(check_qk_norm_rotary_store, dtype=dtype, num_heads=num_heads, head_dim=head_dim,
+              qk_norm=qk_norm, kv_fp8=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)

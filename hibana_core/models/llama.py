@@ -222,7 +222,9 @@ class RotaryTables:
 
 
 class Attention(nn.Module):
-    """Self-attention with a fused q/k/v projection (the checkpoint's three are loaded into it)."""
+    """Self-attention with a fused q/k/v projection (the checkpoint's three are loaded into it).
+    After kv8 (`set_kv_scales`) its keys and values are stored in fp8 with the per-head scales
+    of buffer `kv_scale` [2 (k, v), H_kv] float32 (None: stored in the compute dtype)."""
 
     def __init__(self, args: LlamaArgs, layer_idx: int, ctx: ForwardContext,
                  rotary: RotaryTables) -> None:
@@ -238,6 +240,13 @@ class Attention(nn.Module):
         if args.qk_norm:
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
+        self.register_buffer("kv_scale", None)
+
+    def set_kv_scales(self, kv_scale: torch.Tensor) -> None:
+        """Store this layer's keys and values in fp8 with these scales ([2, H_kv] float32)."""
+        if tuple(kv_scale.shape) != (2, self.num_kv_heads):
+            raise ValueError(f"kv_scale has shape {tuple(kv_scale.shape)}, this layer wants (2, {self.num_kv_heads})")
+        self.kv_scale = kv_scale.to(torch.float32).contiguous()
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,12 +259,12 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         batch = self.ctx.batch
         k_cache, v_cache = self.ctx.kv_cache.layer(self.layer_idx)
-        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else ()
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else (None, None, 0.0)
         q = kernels.qk_norm_rotary_store(positions, q, k, v, *self.rotary.tables(positions.device),
-                                         k_cache, v_cache, batch.slot_mapping, *norms)
+                                         k_cache, v_cache, batch.slot_mapping, *norms, self.kv_scale)
         o = kernels.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
                                     batch.query_start_loc, batch.max_query_len, batch.max_seq_len,
-                                    self.scale, self.sliding_window, batch.uniform_query_len)
+                                    self.scale, self.sliding_window, batch.uniform_query_len, self.kv_scale)
         return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim)), residual
 
 
