@@ -119,6 +119,10 @@ class KVQuantPass:
         if not layers:
             raise ConfigError(f"surgery pass kv8 found no attention layer that takes KV scales in "
                               f"{type(model).__name__}")
+        device = calibration.device
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ConfigError("kv8 needs a GPU with fp8 support (compute capability 8.9 or newer: Ada, Hopper "
+                              f"and later); {torch.cuda.get_device_name(device)} has none; leave kv8 out")
         if any(m.kv_scale is not None for _, m in layers):
             raise ConfigError("this model already stores its KV cache in fp8 (kv8 was applied, e.g. by "
                               "`hibana surgery`); leave kv8 out of surgery and kv_dtype at 'auto'")
