@@ -3,6 +3,8 @@
 Both rewrite every linear layer of the decoder (attention and MLP projections) that supports a
 packed weight (`set_packed`); the output head and the embeddings keep their precision, as
 AWQ and GPTQ checkpoints keep them (the head is one layer that every token's logits go through).
+A model loaded from an FP8 checkpoint is refused: its weights are 8-bit already, so w8 saves
+nothing, and w4 from them would round twice (the unquantized checkpoint gives a better int4).
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ class WeightQuantPass:
         if not isinstance(clip, bool):
             raise ConfigError(f"w4: clip must be true or false, got {clip!r}")
 
+        fp8 = [name for name, m in model.named_modules() if getattr(m, "kind", None) == "fp8"]
+        if fp8:  # requantizing fp8 codes rounds twice, and w8 would not even save a byte
+            raise ConfigError(f"surgery pass w{self.bits} on an FP8 checkpoint ({len(fp8)} fp8 layers, e.g. "
+                              f"{fp8[0]}): its weights are already 8-bit; load it without w{self.bits}, or "
+                              "apply w4 to the unquantized checkpoint")
         layers = [(name, m) for name, m in model.named_modules() if _packable(name, m)]
         before = after = 0
         kept: list[str] = []
