@@ -5,7 +5,7 @@
 #   bash bench/run_h200.sh agents   # hibana bench agents, qwen3-8b preset, 32 agents
 #   bash bench/run_h200.sh tune     # bench/tune_decode.py: kernel sweeps, the decode step taken apart
 #   bash bench/run_h200.sh surgery       # batch-1 decode of qwen3-8b in bf16, w8 and w4 (issue 14)
-#   bash bench/run_h200.sh quant    # bench/tune_quant.py: int8/int4 linears against bf16 cuBLAS, Qwen3-8B shapes
+#   bash bench/run_h200.sh quant    # bench/tune_quant.py: int8/int4/fp8 linears against bf16 cuBLAS, Qwen3-8B shapes
 #   bash bench/run_h200.sh quant_sweep   # bench/tune_quant.py --sweep: their tiles at 1 and 64 rows
 #                                        # (QUANT_ARGS replaces "--rows 1,64", e.g. "--rows 4 --shapes o")
 #   bash bench/run_h200.sh spec_decode   # trace-driven batch-1 decode, coding and demo traces, speculation off/k4/adaptive
@@ -43,7 +43,7 @@ case "${1:-check}" in
     python3 -m hibana_bench.cli decode --model qwen3-8b --context 512,8192 --generate 128 --systems hibana \
       --surgery w8,w4 --json "$OUT/decode_surgery_qwen3-8b.json" 2>&1 | tee "$OUT/decode_surgery_qwen3-8b.txt" ;;
   quant)
-    python3 -m pytest tests/test_kernels.py -q -x -k quant -p no:cacheprovider 2>&1 | tail -2
+    python3 -m pytest tests/test_kernels.py -q -x -k "quant or fp8" -p no:cacheprovider 2>&1 | tail -2
     python3 bench/tune_quant.py --json "$OUT/tune_quant.json" 2>&1 | tee "$OUT/tune_quant.txt" ;;
   quant_sweep)
     python3 bench/tune_quant.py --sweep ${QUANT_ARGS:---rows 1,64} --json "$OUT/tune_quant_sweep.json" 2>&1 \
