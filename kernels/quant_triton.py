@@ -38,6 +38,7 @@ One block spanning all of K (per channel, per tensor) multiplies the finished su
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -537,10 +538,17 @@ def linear_fp8_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     return y.view(*x.shape[:-1], n)
 
 
+@functools.cache
+def _fp8_native(device: torch.device) -> bool:
+    """Whether Triton converts e4m3 here: from sm_89 on (before, it has no e4m3 type); the
+    interpreter (CPU tensors) always."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def linear_fp8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """See `hibana_kernels.quant.linear_fp8`."""
-    if x.dtype not in _DTYPES:
+    """See `hibana_kernels.quant.linear_fp8`; GPUs before sm_89 take the torch reference."""
+    if x.dtype not in _DTYPES or not _fp8_native(x.device):
         return quant.linear_fp8(x, qweight, scales, block, bias)
     n, k = qweight.shape
     return linear_fp8_launch(x, qweight, scales, block, bias, choose_tiles_fp8(x.numel() // k if k else 0, n, k))
