@@ -437,7 +437,7 @@ def _gemm_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, BN, BK,
                     other=0.0)  # [BLOCK_M, BLOCK_K]
         w = _fp8_tile(w_ptr, s_ptr, offs_n, n_mask, k0, K, BN, BK, stride_wn, stride_sn,
                       BLOCK_N, BLOCK_K, SUB, ONE_K_BLOCK)  # [BLOCK_N, BLOCK_K]
-        w = w.to(x.dtype)  # 16-bit x: w rounded to x's dtype, as the reference dequantizes
+        w = w.to(x.dtype)  # 16-bit x: rounded as the reference dequantizes (raw codes: exactly)
         if UPCAST:  # exact: products of 16-bit floats are exact in float32
             x, w = x.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
@@ -479,7 +479,8 @@ def choose_tiles_fp8(rows: int, n: int, k: int) -> GemvTiles | GemmTiles | None:
         return None
     k_tile = triton.next_power_of_2(k)
     if rows <= GEMV_MAX_ROWS:
-        return GemvTiles(block_n=8, block_k=min(k_tile, 1024 if rows == 1 else 512), num_warps=4)
+        # products [rows, 8, block_k] stay under 64 float32 registers a thread at 4 warps
+        return GemvTiles(block_n=8, block_k=min(k_tile, 1024 if rows == 1 else 256), num_warps=4)
     block_m = min(128, max(16, triton.next_power_of_2(rows)))
     block_n = 128 if rows > 64 else 64
     block_k = max(16, min(k_tile, 64))  # tl.dot takes tiles of 16 and up

@@ -295,6 +295,10 @@ def _edit(path, change):
     (lambda t: t.pop("model.layers.0.self_attn.k_proj.weight_scale_inv"), "only some are fp8"),
     (lambda t: t.pop("model.layers.0.mlp.down_proj.weight_scale_inv"), r"down_proj.weight .*float8_e4m3fn without a weight scale"),
     (lambda t: t.update({"model.layers.0.self_attn.k_scale": torch.tensor(1.0)}), "KV cache"),
+    (lambda t: t.pop("model.layers.0.self_attn.q_proj.weight"), "q_proj has a weight_scale_inv but no weight"),
+    (lambda t: t.update({p: t[p][:, :48 // (16 if p.endswith("inv") else 1)].contiguous() for p in
+                         ("model.layers.1.self_attn.v_proj.weight", "model.layers.1.self_attn.v_proj.weight_scale_inv")}),
+     r"have shapes \[\(64, 64\), \(32, 64\), \(32, 48\)\].*config and weights disagree"),
 ])
 def test_damaged_or_unsupported_fp8_layers_are_refused(change, words, tiny_checkpoints, make_engine, tmp_path):
     dst = tmp_path / "fp8"

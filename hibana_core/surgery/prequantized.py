@@ -85,16 +85,19 @@ def _load_fp8_layers(module: torch.nn.Module, names: set[str], read: Callable[[s
         if any(s is None for s in scales):
             raise CheckpointError(f"{where}: {name} joins {', '.join(parts)}, of which only some are fp8; "
                                   "Hibana computes them as one layer and needs them alike")
+        device, expected = layer.weight.device, tuple(layer.weight.shape)
         weights = []
         for prefix, scale in zip(parts, scales):
+            if f"{prefix}.weight" not in names:
+                raise CheckpointError(f"{where}: {prefix} has a {scale} but no weight; the checkpoint is incomplete")
             weights.append(fp8.read_layer(read(f"{prefix}.weight"), read(f"{prefix}.{scale}"), fmt.block,
                                           f"{where}: {prefix}"))
             consumed |= {f"{prefix}.weight", f"{prefix}.{scale}"}
             consumed |= {f"{prefix}.{u}" for u in fp8.UNUSED if f"{prefix}.{u}" in names}
+        shapes = [tuple(w.qweight.shape) for w in weights]
+        if any(k != expected[1] for _, k in shapes) or sum(n for n, _ in shapes) != expected[0]:
+            raise CheckpointError(f"{where}: {', '.join(parts)} have shapes {shapes}, the config implies "
+                                  f"{expected[0]}x{expected[1]} for {name}; config and weights disagree")
         w = fp8.fuse(weights)
-        device, expected = layer.weight.device, tuple(layer.weight.shape)
-        if tuple(w.qweight.shape) != expected:
-            raise CheckpointError(f"{where}: {name} is {w.qweight.shape[0]}x{w.qweight.shape[1]} in fp8, "
-                                  f"the config implies {expected[0]}x{expected[1]}; config and weights disagree")
         layer.set_packed("fp8", {"qweight": w.qweight.to(device), "scales": w.scales.to(device)}, block=w.block)
     return consumed
