@@ -8,6 +8,7 @@
 #   bash bench/run_h200.sh quant    # bench/tune_quant.py: int8/int4/fp8 linears against bf16 cuBLAS, Qwen3-8B shapes
 #   bash bench/run_h200.sh quant_sweep   # bench/tune_quant.py --sweep: their tiles at 1 and 64 rows
 #                                        # (QUANT_ARGS replaces "--rows 1,64", e.g. "--rows 4 --shapes o")
+#   bash bench/run_h200.sh draft_cost    # bench/draft_cost.py: the draft-model drafter's cost per drafted token
 #   bash bench/run_h200.sh spec_decode   # trace-driven batch-1 decode, coding and demo traces, speculation off/k4/adaptive
 #   bash bench/run_h200.sh spec_agents   # trace-driven agents on the coding trace: 32 agents (off/k4/adaptive),
 #                                        # then off vs adaptive at 1, 8 and 64 agents (AGENTS="64": only those)
@@ -48,6 +49,8 @@ case "${1:-check}" in
   quant_sweep)
     python3 bench/tune_quant.py --sweep ${QUANT_ARGS:---rows 1,64} --json "$OUT/tune_quant_sweep.json" 2>&1 \
       | tee "$OUT/tune_quant_sweep.txt" ;;
+  draft_cost)
+    python3 bench/draft_cost.py --json "$OUT/draft_cost.json" 2>&1 | tee "$OUT/draft_cost.txt" ;;
   spec_decode)
     for spec in "coding 2" "demo 8"; do
       set -- $spec

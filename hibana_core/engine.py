@@ -98,14 +98,14 @@ class Engine:
         self.config = config
         self.device = _resolve_device(config.device)
         self._ctx = ForwardContext()
-        surgery.check_names(config.surgery, get_plugin_manager().surgery_passes())  # before loading
+        passes = surgery.check_requests(config.surgery, get_plugin_manager().surgery_passes())  # before loading
         if hf_model is None:
             loaded = load_model(config.model, self.device, config.dtype, self._ctx, config.progress)
         else:
             loaded = load_from_hf_model(hf_model, self.device, config.dtype, self._ctx, tokenizer)
         guard = self._guard(loaded) if config.surgery and config.surgery_guard else None
-        self.surgery = loaded.surgery + surgery.apply_passes(loaded.model, config.surgery,
-                                                     get_plugin_manager().surgery_passes(), guard)
+        self.surgery = loaded.surgery + surgery.apply_passes(loaded.model, passes,
+                                                             get_plugin_manager().surgery_passes(), guard)
         """What each surgery pass changed (name, parameters, layers, bytes before and after) and,
         where the guard ran, its figures against the unmodified model."""
         if guard is not None and config.progress:

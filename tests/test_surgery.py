@@ -134,6 +134,21 @@ def test_an_unknown_pass_is_refused_before_the_model_loads(monkeypatch):
     monkeypatch.setattr(engine_module, "load_model", no_loading)
     with pytest.raises(ConfigError, match=r"no surgery pass named 'w5'"):
         Engine.from_pretrained("demo", surgery=["w8", "w5"], device="cpu")
+    # so are parameters the pass cannot take (the guard's reference run is minutes on a big model)
+    with pytest.raises(ConfigError, match=r"group_size must be an even integer"):
+        Engine.from_pretrained("demo", surgery=["w8", {"name": "w4", "group_size": 7}], device="cpu")
+    with pytest.raises(ConfigError, match=r"w8 takes no parameters, got \['bogus'\]"):
+        Engine.from_pretrained("demo", surgery=[{"name": "w8", "bogus": 1}], device="cpu")
+
+
+def test_the_record_and_fingerprint_hold_the_parameters_in_effect(tiny_checkpoints, make_engine):
+    path = tiny_checkpoints["llama"]
+    default = make_engine(path, surgery=["w4"], surgery_guard=False, speculation="off")
+    spelled = make_engine(path, surgery=[{"name": "w4", "group_size": 128, "clip": True}], surgery_guard=False,
+                          speculation="off")
+    other = make_engine(path, surgery=[{"name": "w4", "group_size": 32}], surgery_guard=False, speculation="off")
+    assert default.surgery[0]["params"] == {"group_size": 128, "clip": True}
+    assert default.fingerprint == spelled.fingerprint != other.fingerprint
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -279,7 +294,8 @@ def test_hibana_surgery_writes_a_checkpoint_that_loads_with_its_passes(passes, t
     params = {} if name == "w8" else {"group_size": 32}
     direct = make_engine(path, surgery=[{"name": name, **params}], speculation="off", surgery_guard=False)
     saved = make_engine(out, speculation="off")
-    assert [r["name"] for r in saved.surgery] == [name] and saved.surgery[0]["params"] == params
+    in_effect = {} if name == "w8" else {"group_size": 32, "clip": True}
+    assert [r["name"] for r in saved.surgery] == [name] and saved.surgery[0]["params"] == in_effect
     assert saved.weight_bytes == direct.weight_bytes
     prompt = random_tokens(random.Random(9), 33)
     assert list(saved.open_state("a").generate(greedy(), prompt=prompt).token_ids) == \

@@ -29,6 +29,9 @@ class SurgeryPass(Protocol):
         ConfigError for parameters it cannot take."""
         ...
 
+    # Optional: `check(params) -> dict`, the parameters with their defaults filled in, or a
+    # ConfigError, before the model loads (a pass without it gets its parameters as given).
+
 
 @dataclass(frozen=True)
 class PassRequest:
@@ -68,12 +71,24 @@ def parse_passes(value: Any) -> tuple[PassRequest, ...]:
     return requests
 
 
-def check_names(requests: Sequence[PassRequest], passes: dict[str, Any]) -> None:
-    """A ConfigError, listing what is registered, for a request that names no registered pass."""
+def check_requests(requests: Sequence[PassRequest], passes: dict[str, Any]) -> tuple[PassRequest, ...]:
+    """The requests with each pass's defaults filled in, or a ConfigError for a name that no
+    registered pass has (listing those that are) or for parameters its pass cannot take: what
+    can be known before the model loads and the guard runs."""
+    checked = []
     for request in requests:
         if request.name not in passes:
             raise ConfigError(f"no surgery pass named {request.name!r} is registered (registered: "
                               f"{', '.join(sorted(passes)) or 'none'}); install the plugin that provides it")
+        params = dict(request.params)
+        force = params.pop("force", False)
+        if not isinstance(force, bool):
+            raise ConfigError(f"surgery pass {request.name!r}: force must be true or false, got {force!r}")
+        check = getattr(passes[request.name], "check", None)
+        if check is not None:
+            params = dict(check(params))
+        checked.append(PassRequest(request.name, {**params, **({"force": True} if force else {})}))
+    return tuple(checked)
 
 
 def apply_passes(model: "torch.nn.Module", requests: Sequence[PassRequest], passes: dict[str, Any],
@@ -81,13 +96,10 @@ def apply_passes(model: "torch.nn.Module", requests: Sequence[PassRequest], pass
     """Run the passes in order; their records, each with its name and parameters (and, with a
     guard, its figures against the unmodified model: a pass over its floors raises
     SurgeryGuardError unless its request says `force: True`)."""
-    check_names(requests, passes)  # every name before any pass runs
     records = []
-    for request in requests:
+    for request in check_requests(requests, passes):  # every request before any pass runs
         params = dict(request.params)
         force = params.pop("force", False)
-        if not isinstance(force, bool):
-            raise ConfigError(f"surgery pass {request.name!r}: force must be true or false, got {force!r}")
         surgery_pass = passes[request.name]
         record = {"name": request.name, "params": dict(params), **surgery_pass.apply(model, params)}
         if guard is not None:

@@ -30,24 +30,29 @@ class WeightQuantPass:
         # the guard's default floors (hibana_core.surgery.guard): int8 should be all but free
         self.floors = {"ppl_ratio": 1.005} if bits == 8 else {"ppl_ratio": 1.05, "top1_agreement": 0.93}
 
+    def check(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The parameters with their defaults (w4: group_size 128, clip true), or a ConfigError."""
+        allowed = {"group_size": 128, "clip": True} if self.bits == 4 else {}
+        unknown = set(params) - set(allowed)
+        if unknown:
+            raise ConfigError(f"surgery pass w{self.bits} takes {sorted(allowed) or 'no parameters'}, "
+                              f"got {sorted(unknown)}")
+        params = {**allowed, **params}
+        if self.bits == 4:
+            wanted = params["group_size"]
+            if not isinstance(wanted, int) or isinstance(wanted, bool) or wanted < 2 or wanted % 2:
+                raise ConfigError(f"w4: group_size must be an even integer >= 2, got {wanted!r}")
+            if not isinstance(params["clip"], bool):
+                raise ConfigError(f"w4: clip must be true or false, got {params['clip']!r}")
+        return params
+
     def apply(self, model: "torch.nn.Module", params: dict[str, Any]) -> dict[str, Any]:
         from tqdm.auto import tqdm
 
         from hibana_core.surgery.quantize import group_size_for, quantize_int4, quantize_int8
 
-        allowed = {"group_size", "clip"} if self.bits == 4 else set()
-        unknown = set(params) - allowed
-        if unknown:
-            raise ConfigError(f"surgery pass w{self.bits} takes {sorted(allowed) or 'no parameters'}, "
-                              f"got {sorted(unknown)}")
-        wanted = params.get("group_size", 128)
-        if self.bits == 4 and (not isinstance(wanted, int) or isinstance(wanted, bool)
-                               or wanted < 2 or wanted % 2):
-            raise ConfigError(f"w4: group_size must be an even integer >= 2, got {wanted!r}")
-        clip = params.get("clip", True)
-        if not isinstance(clip, bool):
-            raise ConfigError(f"w4: clip must be true or false, got {clip!r}")
-
+        params = self.check(params)
+        wanted, clip = params.get("group_size"), params.get("clip")
         fp8 = [name for name, m in model.named_modules() if getattr(m, "kind", None) == "fp8"]
         if fp8:  # requantizing fp8 codes rounds twice, and w8 would not even save a byte
             raise ConfigError(f"surgery pass w{self.bits} on an FP8 checkpoint ({len(fp8)} fp8 layers, e.g. "
