@@ -400,22 +400,25 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, BN, BK,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SUB: tl.constexpr, ONE_K_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
     """y[:, n] = sum_k x[:, k] w[n, k]: BLOCK_N weight rows per program, streamed in BLOCK_K-wide
-    tiles dequantized in registers."""
+    tiles dequantized in registers. Products stay per tile column until the loop ends: threads
+    sit along K, and a reduction across them every step costs more than the step's loads
+    (bench/notes_quant.md)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         w = _fp8_tile(w_ptr, s_ptr, offs_n, n_mask, k0, K, BN, BK, stride_wn, stride_sn,
                       BLOCK_N, BLOCK_K, SUB, ONE_K_BLOCK)  # [BLOCK_N, BLOCK_K]
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    acc = _fp8_finish(acc, s_ptr, b_ptr, offs_n, n_mask, BN, stride_sn, ONE_K_BLOCK, HAS_BIAS)
+        acc += x[:, None, :] * w[None, :, :]
+    total = _fp8_finish(tl.sum(acc, axis=2), s_ptr, b_ptr, offs_n, n_mask, BN, stride_sn, ONE_K_BLOCK,
+                        HAS_BIAS)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+             total.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -479,8 +482,8 @@ def choose_tiles_fp8(rows: int, n: int, k: int) -> GemvTiles | GemmTiles | None:
         return None
     k_tile = triton.next_power_of_2(k)
     if rows <= GEMV_MAX_ROWS:
-        # products [rows, 8, block_k] stay under 64 float32 registers a thread at 4 warps
-        return GemvTiles(block_n=8, block_k=min(k_tile, 1024 if rows == 1 else 256), num_warps=4)
+        # the sums per column, [rows, 8, block_k], at most 32 float32 registers a thread (4 warps)
+        return GemvTiles(block_n=8, block_k=min(k_tile, 512 if rows == 1 else 128), num_warps=4)
     block_m = min(128, max(16, triton.next_power_of_2(rows)))
     block_n = 128 if rows > 64 else 64
     block_k = max(16, min(k_tile, 64))  # tl.dot takes tiles of 16 and up
