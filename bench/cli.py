@@ -22,6 +22,7 @@ from hibana_bench.traces import TraceError
 from hibana_bench.workloads import AgentsConfig, agents_workload, decode_workload, surgery_systems
 
 DECODE_SYSTEMS = ("hibana", "hf_eager", "hf_compiled")
+FUSION_POLICIES = ("auto", "on", "off")  # hibana_kernels.fusion.POLICIES
 AGENT_SYSTEMS = ("hibana", "hibana_no_retention", "hf_reprefill", "hf_cache_reuse")
 TRACE_SYSTEMS = tuple(SPEC_SYSTEMS)  # hibana_spec_off, hibana_spec_k4, hibana
 ALL_SYSTEMS = ", ".join(dict.fromkeys(TRACE_SYSTEMS + DECODE_SYSTEMS + AGENT_SYSTEMS))
@@ -51,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--turns", type=int, help="with --trace: at most this many turns per conversation")
     decode.add_argument("--surgery", default="", help="comma-separated surgery passes (e.g. w8,w4): adds a "
                         "system hibana+PASS for each, with its bytes per token and the guard's decision")
+    decode.add_argument("--fusion", default="auto", help="comma-separated kernel-fusion policies (auto, on, "
+                        "off: hibana_kernels.fusion): each Hibana system runs once under each; rows of a "
+                        "policy other than auto are named SYSTEM/fuse-POLICY")
     agents = sub.add_parser("agents", parents=[common], help="agents in tool loops")
     agents.add_argument("--agents", type=int, default=8,
                         help="with --trace: agents cycle through the trace's conversations")
@@ -61,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     agents.add_argument("--generate", type=int, default=32)
     agents.add_argument("--peer-agents", type=int, default=1,
                         help="agents the sequential transformers peers are timed on")
+    agents.add_argument("--surgery", default="", help="comma-separated surgery passes (e.g. kv8): adds a "
+                        "system hibana+PASS for each (the default engine with that pass; random trace only)")
     return parser
 
 
@@ -77,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         systems += surgery_systems([p for p in args.surgery.split(",") if p])
     if unknown:
         build_parser().error(f"unknown system(s) {', '.join(unknown)}; known: {ALL_SYSTEMS}")
+    bad_fusion = [f for f in getattr(args, "fusion", "auto").split(",") if f not in FUSION_POLICIES]
+    if bad_fusion:
+        build_parser().error(f"unknown fusion policy {', '.join(bad_fusion)}; known: {', '.join(FUSION_POLICIES)}")
     try:
         report = run_trace(args, device, dtype, systems) if args.trace else run_random(args, device, dtype, systems)
     except (BenchError, TraceError) as exc:
@@ -110,7 +119,8 @@ def run_trace(args: argparse.Namespace, device: torch.device, dtype: torch.dtype
 def run_random(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, systems: list[str]) -> dict:
     model = load_bench_model(args.model, device, dtype)
     if args.workload == "decode":
-        report = decode_workload(model, [int(c) for c in args.context.split(",")], args.generate, systems)
+        report = decode_workload(model, [int(c) for c in args.context.split(",")], args.generate, systems,
+                                 fusions=[f for f in args.fusion.split(",") if f])
         print_decode(report)
     else:
         cfg = AgentsConfig(args.agents, args.turns or 4, args.system, args.tool_result, args.generate,
@@ -171,6 +181,9 @@ def print_agents(report: dict) -> None:
                  f"{r['decode_tok_s']:.1f}", f"{r['computed_per_turn']:.0f}", f"{r['reused_per_turn']:.0f}",
                  *ttft, timed)
         print("".join(f"{c:>14}" for c in cells))
+    for name, r in report["results"].items():
+        if r.get("kv_blocks"):
+            print(f"{name}: KV pool {r['kv_blocks']:,} blocks in {r['kv_bytes'] / 1e9:.2f} GB")
 
 
 if __name__ == "__main__":

@@ -3,13 +3,20 @@
 1. float32: the CUDA path (Triton kernels, with and without CUDA graphs) gives the CPU path's
    greedy tokens on the tiny test checkpoints, 4 agents batched.
 2. bfloat16: the demo model on the GPU gives transformers' greedy tokens for at least the first
-   32 tokens of 8 prompts.
+   32 tokens of 8 prompts; at batch 1 (one prompt at a time: one-row GEMVs, CUDA graphs) with
+   every kernel fusion on (`hibana_kernels.fusion`) the tokens are those with none, and agree
+   with transformers as often.
 3. speculation: on the GPU (eager, and CUDA graphs of verify steps), float32, the tiny checkpoints
    give the CPU's speculation-off greedy tokens with speculation on, 4 agents batched with mixed
    draft lengths (suffix k=4 and k=8, ngram k=2, adaptive) on histories that repeat themselves
    (so drafts are accepted and rejected); and bf16 demo model: spec on == spec off.
 4. surgery: each pass (w8, w4), float32, GPU kernels == CPU references, greedy.
-5. fp8 checkpoints (tests/fp8_checkpoints.py: transformers 'fp8' in 16x16 blocks, in 24x40 blocks
+5. kv8: the fp8 KV cache, float32 compute, GPU (eager and CUDA graphs, speculation off and mixed)
+   == CPU reference, greedy, 4 agents batched: both quantize to the same bytes (round to nearest
+   even by the same rule, with the same power-of-two scales: a mismatch in the scales is
+   reported as such) and read them back exactly. Also the bf16 demo model with kv8 on the GPU,
+   speculation mixed vs off.
+6. fp8 checkpoints (tests/fp8_checkpoints.py: transformers 'fp8' in 16x16 blocks, in 24x40 blocks
    that fused layers hold per row, per tensor; compressed-tensors per channel where installed),
    float32: GPU (fp8 GEMV at 3 agents, GEMM at 6, dequantize + cuBLAS in prefill) == CPU, greedy.
 Prints a table; exits 1 if a check fails.
@@ -98,6 +105,175 @@ def check_surgery() -> list[tuple[str, bool, str]]:
     return rows
 
 
+def kv_scales(engine: Engine) -> list[torch.Tensor]:
+    layers = sorted((m.layer_idx, m) for m in engine.model.modules() if hasattr(m, "set_kv_scales"))
+    return [m.kv_scale.cpu() for _, m in layers]
+
+
+def prompt_kv(engine: Engine, state_id: str, n: int) -> torch.Tensor:
+    """The KV bytes of a state's first n tokens, [layers, 2, n, H_kv, D] uint8 on the host."""
+    blocks = engine.registry._entries[state_id].seq.block_ids
+    return engine.kv_cache.read_blocks(blocks).flatten(2, 3)[:, :, :n].view(torch.uint8)
+
+
+def check_kv8() -> list[tuple[str, bool, str]]:
+    """kv8, float32 compute: the GPU's greedy tokens are the CPU reference's. Each device
+    calibrates its own scales from the same float weights; they must come out equal (powers of
+    two, so a last-bit difference in a calibration run changes nothing). The bytes stored for a
+    prompt are compared too: quantization is the same rule on both (test_kernels.py checks it
+    byte for byte on CUDA from the same inputs), but cuBLAS and the CPU round float32 keys and
+    values in their last bits differently, and a value that close to an fp8 rounding boundary
+    may take the neighbouring code, so nearly all, not all, bytes must be equal."""
+    from tiny_models import make_tiny_checkpoint
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in ("llama", "qwen2", "qwen3", "mistral"):
+            path = make_tiny_checkpoint(arch, Path(tmp) / arch)
+            rng = random.Random(17)
+            prompts = [[rng.randrange(2, 512) for _ in range(rng.randint(20, 300))] for _ in range(4)]
+            options = dict(progress=False, surgery=["kv8"], surgery_guard=False, dtype="float32")
+            with Engine.from_pretrained(path, device="cpu", speculation="off", **options) as cpu:
+                first = batched_greedy(cpu, prompts, 32)
+                cpu_kv = prompt_kv(cpu, "p0", len(prompts[0]))
+                repeat = [p + f + p for p, f in zip(prompts, first)]  # drafts accepted and rejected
+                want = batched_greedy(cpu, repeat, 32)
+                cpu_scales = kv_scales(cpu)
+            for graphs, spec in ((False, "off"), (True, "off"), (True, "mixed")):
+                with Engine.from_pretrained(path, device="cuda", cuda_graphs=graphs,
+                                            speculation="off" if spec == "off" else "adaptive", **options) as gpu:
+                    scales_equal = all(torch.equal(a, b) for a, b in zip(kv_scales(gpu), cpu_scales))
+                    got_first = batched_greedy(gpu, prompts, 32)
+                    bytes_equal = (prompt_kv(gpu, "p0", len(prompts[0])) == cpu_kv).float().mean().item()
+                    got = batched_greedy(gpu, repeat, 32, None if spec == "off" else MIXED_SPECULATION)
+                    accepted = gpu.stats().draft_tokens_accepted
+                same = sum(a == b for a, b in zip(got, want)) + sum(a == b for a, b in zip(got_first, first))
+                ok = same == 2 * len(prompts) and scales_equal and bytes_equal > 0.999 and (spec == "off" or accepted > 0)
+                rows.append((f"kv8 fp32 {arch} graphs={graphs} spec={spec}", ok,
+                             f"{same}/8 generations equal; scales equal: {scales_equal}; a prompt's KV "
+                             f"bytes equal: {bytes_equal:.4%}" + (f"; {accepted} drafts accepted" if spec != "off" else "")))
+    with Engine.from_pretrained("demo", device="cuda", dtype="bfloat16", progress=False, surgery=["kv8"]) as engine:
+        guard = engine.surgery[0]["guard"]
+        chat = engine.chat("render")
+        questions = ["What is 12 plus 30?", "Hello! How are you today?", "What is 7 times 8?", "Say hi."]
+        prompts = [chat.prompt_ids([{"role": "user", "content": q}]) for q in questions]
+        off = batched_greedy(engine, prompts, 32, specs=["off"])
+        on = batched_greedy(engine, prompts, 32, MIXED_SPECULATION)
+    same = sum(a == b for a, b in zip(on, off))
+    rows.append(("kv8 bf16 demo, speculation mixed vs off (graphs)", same == len(prompts),
+                 f"{same}/4 prompts equal; guard on the GPU: ppl x{guard['ppl_ratio']:.4f}, top-1 "
+                 f"{guard['top1_agreement']:.1%}, KL {guard['mean_kl']:.4f}: {guard['decision']}"))
+    return rows
+
+
+def check_speculation() -> list[tuple[str, bool, str]]:
+    from tiny_models import make_tiny_checkpoint
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in ("llama", "qwen2", "qwen3", "mistral"):
+            path = make_tiny_checkpoint(arch, Path(tmp) / arch)
+            rng = random.Random(11)
+            prompts = [[rng.randrange(2, 512) for _ in range(rng.randint(20, 200))] for _ in range(4)]
+            with Engine.from_pretrained(path, device="cpu", progress=False, speculation="off") as cpu:
+                first = batched_greedy(cpu, prompts, 48)
+                # the history repeats itself: the drafters find the continuation (and then diverge)
+                prompts = [p + f + p for p, f in zip(prompts, first)]
+                want = batched_greedy(cpu, prompts, 48)
+            for graphs in (False, True):
+                with Engine.from_pretrained(path, device="cuda", dtype="float32", progress=False,
+                                            cuda_graphs=graphs) as gpu:
+                    got = batched_greedy(gpu, prompts, 48, MIXED_SPECULATION)
+                    stats = gpu.stats()
+                same = sum(a == b for a, b in zip(got, want))
+                ok = same == len(prompts) and stats.draft_tokens_accepted > 0
+                rows.append((f"spec fp32 {arch} graphs={graphs}", ok,
+                             f"{same}/4 agents equal; {stats.draft_tokens_accepted}/{stats.draft_tokens_proposed} "
+                             f"drafts accepted in {stats.verify_steps} verify steps of {stats.steps}"))
+            if arch != "qwen3":
+                continue
+            # the draft-model drafter runs its own forwards (its graphs too): the checkpoint drafts
+            # for itself, so nearly every draft is accepted and every path of the drafter runs
+            for graphs in (False, True):
+                with Engine.from_pretrained(path, device="cuda", dtype="float32", progress=False, cuda_graphs=graphs,
+                                            speculation={"method": "draft_model", "draft_model": str(path),
+                                                         "k": 4}) as gpu:
+                    got = batched_greedy(gpu, prompts, 48)
+                    stats = gpu.stats()
+                same = sum(a == b for a, b in zip(got, want))
+                ok = same == len(prompts) and stats.draft_tokens_accepted > 0
+                rows.append((f"draft model fp32 {arch} graphs={graphs}", ok,
+                             f"{same}/4 agents equal; {stats.draft_tokens_accepted}/{stats.draft_tokens_proposed} "
+                             f"drafts accepted"))
+    return rows
+
+
+def one_at_a_time(prompts: list[list[int]], n: int, policy: str) -> list[list[int]]:
+    """Greedy tokens of the bf16 demo model, one prompt at a time (batch-1 decode graphs),
+    under a kernel-fusion policy."""
+    from hibana_kernels import fusion
+
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    with fusion.using(policy), Engine.from_pretrained("demo", device="cuda", dtype="bfloat16", progress=False,
+                                                     speculation="off") as engine:
+        return [list(engine.open_state(f"one{i}").generate(params, prompt=p).token_ids)
+                for i, p in enumerate(prompts)]
+
+
+def check_bf16_demo() -> list[tuple[str, bool, str]]:
+    from transformers import AutoModelForCausalLM
+
+    from hibana_core.loader import DEMO_MODEL_DIR
+
+    hf = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.bfloat16).cuda().eval()
+    with Engine.from_pretrained("demo", device="cuda", dtype="bfloat16", progress=False) as engine:
+        chat = engine.chat("render")
+        tools = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.",
+                  "parameters": {"type": "object", "properties": {"a": {"type": "number"},
+                                                                  "b": {"type": "number"}}}}}]
+        questions = ["What is 12 plus 30?", "Hello! How are you today?", "What is 7 times 8?",
+                     "Tell me something about cats.", "What is 1000 minus 1?", "Say hi.",
+                     "What is 3 plus 4?", "Can you help me plan a trip?"]
+        prompts = [chat.prompt_ids([{"role": "user", "content": q}], tools if i % 2 == 0 else None)
+                   for i, q in enumerate(questions)]
+        got = batched_greedy(engine, prompts, 32, specs=["off"])
+        spec = batched_greedy(engine, prompts, 32, MIXED_SPECULATION)
+        spec_stats = engine.stats()
+    single = {policy: one_at_a_time(prompts, 32, policy) for policy in ("on", "off")}
+
+    def greedy(model, prompt):
+        ids = torch.tensor([prompt], device="cuda")
+        with torch.inference_mode():
+            return model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+
+    def agreement(a_runs, b_runs):
+        firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), 32) for x, y in zip(a_runs, b_runs)]
+        return sum(f == 32 for f in firsts), firsts
+
+    sdpa = [greedy(hf, p) for p in prompts]
+    eager_model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.bfloat16,
+                                                       attn_implementation="eager").cuda().eval()
+    eager = [greedy(eager_model, p) for p in prompts]
+    matched, firsts = agreement(got, sdpa)
+    noise, noise_firsts = agreement(eager, sdpa)
+    spec_same = sum(a == b for a, b in zip(spec, got))
+    fused_same = sum(a == b for a, b in zip(single["on"], single["off"]))
+    fused_hf, fused_firsts = agreement(single["on"], sdpa)
+    unfused_hf, unfused_firsts = agreement(single["off"], sdpa)
+    return [("bf16 demo vs transformers (sdpa), first 32 tokens", matched == len(prompts),
+             f"{matched}/8 prompts equal; first difference at {firsts}"),
+            ("bf16 demo batch 1, kernel fusion on vs off", fused_same == len(prompts),
+             f"{fused_same}/8 prompts equal"),
+            ("bf16 demo batch 1 vs transformers (sdpa), fusion on / off", fused_hf >= unfused_hf,
+             f"{fused_hf}/8 and {unfused_hf}/8 prompts equal; first differences at {fused_firsts} / {unfused_firsts}"),
+            ("bf16 demo, speculation mixed vs off (graphs)", spec_same == len(prompts),
+             f"{spec_same}/8 prompts equal; {spec_stats.draft_tokens_accepted}/"
+             f"{spec_stats.draft_tokens_proposed} drafts accepted"),
+            ("reference: transformers eager vs sdpa, bf16", True,
+             f"{noise}/8 prompts equal; first difference at {noise_firsts}")]
+
+
 FP8_CASES = (("llama", "fp8", (16, 16)), ("llama", "fp8", (24, 40)), ("llama", "fp8-tensor", (0, 0)),
              ("llama", "ct-channel", (0, 0)), ("qwen3", "fp8", (32, 16)))
 
@@ -137,87 +313,28 @@ def check_fp8() -> list[tuple[str, bool, str]]:
     return rows
 
 
-def check_speculation() -> list[tuple[str, bool, str]]:
-    from tiny_models import make_tiny_checkpoint
-
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for arch in ("llama", "qwen2", "qwen3", "mistral"):
-            path = make_tiny_checkpoint(arch, Path(tmp) / arch)
-            rng = random.Random(11)
-            prompts = [[rng.randrange(2, 512) for _ in range(rng.randint(20, 200))] for _ in range(4)]
-            with Engine.from_pretrained(path, device="cpu", progress=False, speculation="off") as cpu:
-                first = batched_greedy(cpu, prompts, 48)
-                # the history repeats itself: the drafters find the continuation (and then diverge)
-                prompts = [p + f + p for p, f in zip(prompts, first)]
-                want = batched_greedy(cpu, prompts, 48)
-            for graphs in (False, True):
-                with Engine.from_pretrained(path, device="cuda", dtype="float32", progress=False,
-                                            cuda_graphs=graphs) as gpu:
-                    got = batched_greedy(gpu, prompts, 48, MIXED_SPECULATION)
-                    stats = gpu.stats()
-                same = sum(a == b for a, b in zip(got, want))
-                ok = same == len(prompts) and stats.draft_tokens_accepted > 0
-                rows.append((f"spec fp32 {arch} graphs={graphs}", ok,
-                             f"{same}/4 agents equal; {stats.draft_tokens_accepted}/{stats.draft_tokens_proposed} "
-                             f"drafts accepted in {stats.verify_steps} verify steps of {stats.steps}"))
-    return rows
-
-
-def check_bf16_demo() -> list[tuple[str, bool, str]]:
-    from transformers import AutoModelForCausalLM
-
-    from hibana_core.loader import DEMO_MODEL_DIR
-
-    hf = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.bfloat16).cuda().eval()
-    with Engine.from_pretrained("demo", device="cuda", dtype="bfloat16", progress=False) as engine:
-        chat = engine.chat("render")
-        tools = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.",
-                  "parameters": {"type": "object", "properties": {"a": {"type": "number"},
-                                                                  "b": {"type": "number"}}}}}]
-        questions = ["What is 12 plus 30?", "Hello! How are you today?", "What is 7 times 8?",
-                     "Tell me something about cats.", "What is 1000 minus 1?", "Say hi.",
-                     "What is 3 plus 4?", "Can you help me plan a trip?"]
-        prompts = [chat.prompt_ids([{"role": "user", "content": q}], tools if i % 2 == 0 else None)
-                   for i, q in enumerate(questions)]
-        got = batched_greedy(engine, prompts, 32, specs=["off"])
-        spec = batched_greedy(engine, prompts, 32, MIXED_SPECULATION)
-        spec_stats = engine.stats()
-
-    def greedy(model, prompt):
-        ids = torch.tensor([prompt], device="cuda")
-        with torch.inference_mode():
-            return model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-
-    def agreement(a_runs, b_runs):
-        firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), 32) for x, y in zip(a_runs, b_runs)]
-        return sum(f == 32 for f in firsts), firsts
-
-    sdpa = [greedy(hf, p) for p in prompts]
-    eager_model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.bfloat16,
-                                                       attn_implementation="eager").cuda().eval()
-    eager = [greedy(eager_model, p) for p in prompts]
-    matched, firsts = agreement(got, sdpa)
-    noise, noise_firsts = agreement(eager, sdpa)
-    spec_same = sum(a == b for a, b in zip(spec, got))
-    return [("bf16 demo vs transformers (sdpa), first 32 tokens", matched == len(prompts),
-             f"{matched}/8 prompts equal; first difference at {firsts}"),
-            ("bf16 demo, speculation mixed vs off (graphs)", spec_same == len(prompts),
-             f"{spec_same}/8 prompts equal; {spec_stats.draft_tokens_accepted}/"
-             f"{spec_stats.draft_tokens_proposed} drafts accepted"),
-            ("reference: transformers eager vs sdpa, bf16", True,
-             f"{noise}/8 prompts equal; first difference at {noise_firsts}")]
+CHECKS = {"float32": check_float32, "speculation": check_speculation, "surgery": check_surgery,
+          "kv8": check_kv8, "fp8": check_fp8, "bf16": check_bf16_demo}
 
 
 def main() -> int:
-    rows = ([] if "--bf16-only" in sys.argv else
-            check_float32() + check_speculation() + check_surgery() + check_fp8()) + check_bf16_demo()
+    """All checks, or those named by --only a,b (of CHECKS); --bf16-only is --only bf16."""
+    names = list(CHECKS)
+    if "--bf16-only" in sys.argv:
+        names = ["bf16"]
+    if "--kv8-only" in sys.argv:
+        names = ["kv8"]
+    if "--only" in sys.argv:
+        names = sys.argv[sys.argv.index("--only") + 1].split(",")
+        unknown = set(names) - set(CHECKS)
+        if unknown:
+            print(f"gpu_correctness: no check named {sorted(unknown)}; choose from {', '.join(CHECKS)}")
+            return 2
+    rows = [row for name in names for row in CHECKS[name]()]
     width = max(len(r[0]) for r in rows)
     for name, ok, detail in rows:
         print(f"{name:<{width}}  {'PASS' if ok else 'FAIL'}  {detail}")
     return 0 if all(ok for _, ok, _ in rows) else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

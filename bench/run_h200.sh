@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
 # Device runs for bench/RESULTS.md, one stage per call (each well inside the 10-minute limit):
 #   bash bench/run_h200.sh check    # kernel tests on CUDA, GPU-vs-CPU and GPU-vs-transformers greedy
+#                                   # (CHECKS=float32,bf16 runs only those of bench/gpu_correctness.py)
 #   bash bench/run_h200.sh decode   # hibana bench decode, qwen3-8b preset
 #   bash bench/run_h200.sh agents   # hibana bench agents, qwen3-8b preset, 32 agents
 #   bash bench/run_h200.sh tune     # bench/tune_decode.py: kernel sweeps, the decode step taken apart
+#   bash bench/run_h200.sh small    # kernel fusion (issue 13's draft-model target): tune_decode.py --fusion on
+#                                   # qwen3-0.6b (folds vs separate kernels at 0.6b and 8b shapes, decode per
+#                                   # policy with kernels per step), then hibana bench decode of qwen3-0.6b and
+#                                   # qwen3-8b under fusion auto / on / off
 #   bash bench/run_h200.sh surgery       # batch-1 decode of qwen3-8b in bf16, w8 and w4 (issue 14)
+#   bash bench/run_h200.sh kv8_check     # fp8 KV: its kernel tests on CUDA, GPU == CPU greedy (gpu_correctness --kv8-only)
+#   bash bench/run_h200.sh kv8           # fp8 KV: 32 agents' turns/h and batch-1 decode, bf16 KV vs kv8, qwen3-8b
 #   bash bench/run_h200.sh quant    # bench/tune_quant.py: int8/int4/fp8 linears against bf16 cuBLAS, Qwen3-8B shapes
 #   bash bench/run_h200.sh quant_sweep   # bench/tune_quant.py --sweep: their tiles at 1 and 64 rows
 #                                        # (QUANT_ARGS replaces "--rows 1,64", e.g. "--rows 4 --shapes o")
@@ -30,7 +37,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 case "${1:-check}" in
   check)
     python3 -m pytest tests/test_kernels.py -q -rs -x -p no:cacheprovider 2>&1 | tail -15
-    python3 bench/gpu_correctness.py 2>&1 | tee "$OUT/gpu_correctness.txt" ;;
+    python3 bench/gpu_correctness.py ${CHECKS:+--only $CHECKS} 2>&1 | tee "$OUT/gpu_correctness.txt" ;;
   decode)
     python3 -m hibana_bench.cli decode --model qwen3-8b --context 512,8192 --generate 128 \
       --json "$OUT/decode_qwen3-8b.json" 2>&1 | tee "$OUT/decode_qwen3-8b.txt" ;;
@@ -40,9 +47,24 @@ case "${1:-check}" in
       --json "$OUT/agents_qwen3-8b.json" 2>&1 | tee "$OUT/agents_qwen3-8b.txt" ;;
   tune)
     python3 bench/tune_decode.py 2>&1 | tee "$OUT/tune_decode.txt" ;;
+  small)
+    python3 bench/tune_decode.py --model qwen3-0.6b --fusion 2>&1 | tee "$OUT/tune_decode_fusion.txt"
+    for model in qwen3-0.6b qwen3-8b; do
+      python3 -m hibana_bench.cli decode --model "$model" --context 512,8192 --generate 128 --systems hibana \
+        --fusion auto,on,off --json "$OUT/decode_fusion_$model.json" 2>&1 | tee "$OUT/decode_fusion_$model.txt"
+    done ;;
   surgery)
     python3 -m hibana_bench.cli decode --model qwen3-8b --context 512,8192 --generate 128 --systems hibana \
       --surgery w8,w4 --json "$OUT/decode_surgery_qwen3-8b.json" 2>&1 | tee "$OUT/decode_surgery_qwen3-8b.txt" ;;
+  kv8_check)
+    python3 -m pytest tests/test_kernels.py -q -rs -x -p no:cacheprovider -k "fp8 or store_kv or attention" 2>&1 | tail -15
+    python3 bench/gpu_correctness.py --kv8-only 2>&1 | tee "$OUT/gpu_correctness_kv8.txt" ;;
+  kv8)
+    python3 -m hibana_bench.cli agents --model qwen3-8b --agents 32 --turns 6 --system 4096 \
+      --tool-result 200 --generate 100 --systems hibana --surgery kv8 \
+      --json "$OUT/agents_kv8_qwen3-8b.json" 2>&1 | tee "$OUT/agents_kv8_qwen3-8b.txt"
+    python3 -m hibana_bench.cli decode --model qwen3-8b --context 512,8192 --generate 128 --systems hibana \
+      --surgery kv8 --json "$OUT/decode_kv8_qwen3-8b.json" 2>&1 | tee "$OUT/decode_kv8_qwen3-8b.txt" ;;
   quant)
     python3 -m pytest tests/test_kernels.py -q -x -k "quant or fp8" -p no:cacheprovider 2>&1 | tail -2
     python3 bench/tune_quant.py --json "$OUT/tune_quant.json" 2>&1 | tee "$OUT/tune_quant.txt" ;;

@@ -3,6 +3,12 @@ cuBLAS, then times the engine's decode step with each fast-path piece switched o
 prints where the step's time goes. Notes and figures: bench/notes_decode.md.
 
     python3 bench/tune_decode.py [--model qwen3-8b] [--skip-sweep]
+    python3 bench/tune_decode.py --model qwen3-0.6b --fusion
+
+`--fusion` compares the kernel-fusion policies of `hibana_kernels.fusion` instead: each fold
+against the separate kernels at the qwen3-0.6b and qwen3-8b shapes, then the model's decode step
+under each policy (off: the launches as before; auto: folded by width; on: folded everywhere):
+tok/s, share of the roofline, graph replay, and the kernels per step.
 
 It imports hibana_bench and hibana_kernels: install the checkout (`pip install -e .`), or run it
 through bench/run_h200.sh, which puts the checkout's folders on PYTHONPATH under those names.
@@ -25,6 +31,7 @@ import triton.testing
 from hibana_bench.models import PRESETS, load_bench_model
 from hibana_bench.workloads import copy_bandwidth, random_tokens
 from hibana_core import SamplingParams
+from hibana_kernels import fusion
 
 OUT = os.environ.get("OUT", "bench/out")
 
@@ -218,7 +225,7 @@ def decode_figures(engine, prompts: dict[int, list[int]], generate: int) -> dict
         res = h.generate(SamplingParams(max_tokens=generate, ignore_eos=True))
         wall = (res.stats.elapsed - (res.stats.time_to_first_token or 0.0)) / (generate - 1)
         g = engine.runner.graphs
-        graph, _ = g.graphs[1]
+        graph, _ = g.graphs[(1, 1)]
         g.seq_lens[:1].fill_(ctx)  # the replay attends over ctx keys (the state's blocks)
         g.slot_mapping[:1].fill_(-1)  # and writes nowhere
         replay = triton.testing.do_bench(graph.replay, rep=300, return_mode="median") / 1e3
@@ -253,6 +260,180 @@ def _unfused_prologue(positions, q, k, v, cos, sin, k_cache, v_cache, slots, qw=
     return q
 
 
+def _rotated(count_bytes: int, make) -> list:
+    """Enough copies of make() to pass 256 MB, so the L2 (50 MB) serves none of them."""
+    return [make() for _ in range(max(1, -(-(256 << 20) // count_bytes)))]
+
+
+def _compare(label: str, separate, fused: dict, copies: int, nbytes: int, bandwidth: float,
+             check) -> dict:
+    """Time the separate launches and each fused variant (CUDA-graph replays, per copy)."""
+    t_sep = time_graph(separate) / copies
+    results = []
+    for tiles, fn in fused.items():
+        try:
+            err = check(tiles)
+        except Exception as exc:  # noqa: BLE001 - out of registers or shared memory for a tile
+            print(f"  {label} {tiles}: {type(exc).__name__}")
+            continue
+        if not err < 1e-2:
+            print(f"WRONG {label} {tiles}: rel err {err}")
+            continue
+        results.append((round(time_graph(fn) / copies * 1e6, 2), tiles))
+    results.sort()
+    row = dict(op=label, separate_us=t_sep * 1e6, fused=results,
+               separate_bw=nbytes / t_sep / bandwidth,
+               best_fused_bw=nbytes / (results[0][0] / 1e6) / bandwidth if results else None)
+    best = f"{results[0][0]:7.2f} us {results[0][1]}" if results else "-"
+    print(f"{label:34s} separate {t_sep * 1e6:7.2f} us ({row['separate_bw']:.0%})   fused best {best}   "
+          f"all {results[:4]}", flush=True)
+    return row
+
+
+def sweep_fusion(models: list[str], bandwidth: float, dev: str = "cuda") -> list[dict]:
+    """Each fold of `hibana_kernels.fusion` against the separate kernels it replaces, at one row
+    and each model's shapes: fused_add_rms_norm + the qkv / gate_up GEMV, silu_and_mul + the
+    down GEMV (the fused kernel at the GEMV's own tiles and a few wider ones), and split decode
+    attention with the merge in its launch or in a second one, at 1 x 512 and 1 x 8192."""
+    from hibana_kernels import activation_triton, attention_triton as at, matmul_triton as mt, norm_triton
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    rows = []
+    bf16 = torch.bfloat16
+    for model in models:
+        shapes, p = gemv_shapes(model), PRESETS[model]
+        for label in ("qkv", "gate_up", "down"):
+            n, k = shapes[label]
+            nbytes = n * k * 2
+            ws = _rotated(nbytes, lambda: torch.randn(n, k, device=dev, dtype=bf16) / k ** 0.5)
+            chosen = mt.gemv_config(1, n, k)
+            wide = triton.next_power_of_2(k) if k <= 4096 else 2048
+            tiles = list(dict.fromkeys([chosen, (4, wide, 4), (4, wide, 8), (8, min(wide, 2048), 8)]))
+            if label == "down":  # silu_and_mul + down
+                gate_up = torch.randn(1, 2 * k, device=dev, dtype=bf16)
+
+                def separate():
+                    for w in ws:
+                        mt.linear_launch(activation_triton.silu_and_mul(gate_up), w, None, *chosen)
+
+                def fused_fn(t):
+                    return lambda: [mt.linear_launch(gate_up, w, None, *t, silu_input=True) for w in ws]
+
+                ref = mt.linear_launch(activation_triton.silu_and_mul(gate_up), ws[0], None, *chosen)
+
+                def check(t, ref=ref):
+                    return rel(mt.linear_launch(gate_up, ws[0], None, *t, silu_input=True), ref)
+
+                name = f"{model} silu+down {n}x{k}"
+            else:  # fused_add_rms_norm + qkv / gate_up
+                x, res = (torch.randn(1, k, device=dev, dtype=bf16) for _ in range(2))
+                nw = 1 + torch.randn(k, device=dev, dtype=bf16) / 4
+
+                def separate():
+                    for w in ws:
+                        normed, _ = norm_triton.fused_add_rms_norm(x, res, nw, 1e-6)
+                        mt.linear_launch(normed, w, None, *chosen)
+
+                def fused_fn(t):
+                    return lambda: [mt.rms_norm_linear_launch(x, res, nw, 1e-6, w, None, *t) for w in ws]
+
+                ref = mt.linear_launch(norm_triton.fused_add_rms_norm(x, res, nw, 1e-6)[0], ws[0], None, *chosen)
+
+                def check(t, ref=ref):
+                    return rel(mt.rms_norm_linear_launch(x, res, nw, 1e-6, ws[0], None, *t)[0], ref)
+
+                name = f"{model} norm+{label} {n}x{k}"
+            rows.append(dict(model=model, n=n, k=k, **_compare(
+                name, separate, {t: fused_fn(t) for t in tiles}, len(ws), nbytes, bandwidth, check)))
+            del ws
+        heads, kv_heads = p["num_attention_heads"], p["num_key_value_heads"]
+        d, bs = p.get("head_dim", p["hidden_size"] // heads), 16
+        for ctx in (512, 8192):
+            blocks = ctx // bs
+            kv_bytes = 2 * ctx * kv_heads * d * 2
+            caches = _rotated(kv_bytes, lambda: tuple(
+                torch.randn(blocks, bs, kv_heads, d, device=dev, dtype=bf16) for _ in range(2)))
+            tables = torch.randperm(blocks, device=dev).to(torch.int32).view(1, blocks)
+            seq_lens = torch.full((1,), ctx, dtype=torch.int32, device=dev)
+            qsl = torch.arange(2, dtype=torch.int32, device=dev)
+            q = torch.randn(1, heads, d, device=dev, dtype=bf16)
+            splits = at._num_splits(q.device, kv_heads, ctx)
+
+            def attend(merge, k, v):
+                return at.paged_attention_launch(q, k, v, tables, seq_lens, qsl, 1, d ** -0.5, None, splits,
+                                                 merge=merge)
+
+            ref = attend(False, *caches[0])
+            rows.append(dict(model=model, ctx=ctx, splits=splits, **_compare(
+                f"{model} attention 1x{ctx} ({splits} splits)",
+                lambda: [attend(False, k, v) for k, v in caches],
+                {"merge in launch": lambda: [attend(True, k, v) for k, v in caches]},
+                len(caches), kv_bytes, bandwidth, lambda _: rel(attend(True, *caches[0]), ref))))
+            del caches
+    return rows
+
+
+def fusion_ab(engine, prompts: dict[int, list[int]], generate: int, roofline: float,
+              num_layers: int) -> dict:
+    """The engine's batch-1 decode under each fusion policy: graphs recaptured under it, tok/s
+    and replay twice, then the kernels of one step."""
+    from hibana_core.runner import DecodeGraphs
+
+    out = {}
+    for name in ("off", "auto", "on"):
+        with fusion.using(name):
+            runner = engine.runner
+            runner.graphs = DecodeGraphs(runner, runner.graphs.buckets[-1])
+            warm = engine.open_state("warm")
+            warm.generate(SamplingParams(max_tokens=4, ignore_eos=True), prompt=next(iter(prompts.values()))[:64])
+            warm.close()
+            runs = [decode_figures(engine, prompts, generate) for _ in range(2)]
+            for figures in runs:
+                for ctx, f in figures.items():
+                    print(f"fusion={name:5s} ctx {ctx:5d}: {f['tok_s']:7.1f} tok/s ({f['tok_s'] / roofline:.0%} of "
+                          f"roofline), wall {f['wall_ms']:.3f} ms/token, graph replay {f['replay_ms']:.3f} ms, "
+                          f"host {f['wall_ms'] - f['replay_ms']:.3f} ms", flush=True)
+            table = kernel_table(engine, f"fusion={name}, ctx {max(prompts)}")
+            launches = sum(n for *_, n in table)
+            out[name] = dict(runs=runs, kernels=table, kernels_per_step=launches,
+                             kernels_per_layer=sum(n // num_layers for *_, n in table))
+    # per layer: each kernel's launches per step // layers (the embedding, the final norm and
+    # the lm_head's GEMV are the step's only launches outside the layers)
+    print(f"\n{'policy':8s}{'ctx':>7s}{'tok/s':>9s}{'% roof':>8s}{'replay ms':>11s}{'kernels/step':>14s}"
+          f"{'per layer':>11s}")
+    for name, r in out.items():
+        per_layer = r["kernels_per_layer"]
+        for ctx in prompts:
+            best = max(run[ctx]["tok_s"] for run in r["runs"])
+            replay = min(run[ctx]["replay_ms"] for run in r["runs"])
+            print(f"{name:8s}{ctx:7d}{best:9.1f}{best / roofline:8.0%}{replay:11.3f}{r['kernels_per_step']:14d}"
+                  f"{per_layer:11d}")
+    return out
+
+
+def main_fusion(args: argparse.Namespace, bandwidth: float) -> None:
+    report: dict = {"bandwidth": bandwidth, "model": args.model}
+    if not args.skip_sweep:
+        report["sweep"] = sweep_fusion(list(dict.fromkeys([args.model, "qwen3-0.6b", "qwen3-8b"])), bandwidth)
+    model = load_bench_model(args.model, torch.device("cuda"), torch.bfloat16)
+    roofline = bandwidth / model.weight_bytes
+    print(f"{args.model}: {model.weight_bytes / 1e9:.2f} GB, roofline {roofline:.1f} tok/s", flush=True)
+    contexts = [int(c) for c in args.context.split(",")]
+    rng = random.Random(0)
+    prompts = {c: random_tokens(rng, c, model.vocab_size) for c in contexts}
+    # no speculation: every step a plain decode step (random weights can repeat themselves,
+    # and their drafts would mix verify steps in)
+    engine = model.engine(max_model_len=max(contexts) + args.generate + 16, max_concurrent_agents=8,
+                          speculation="off")
+    report["roofline_tok_s"] = roofline
+    report["policies"] = fusion_ab(engine, prompts, args.generate, roofline, PRESETS[args.model]["num_hidden_layers"])
+    engine.close()
+    with open(os.path.join(OUT, f"tune_decode_fusion_{args.model}.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="qwen3-8b")
@@ -260,10 +441,15 @@ def main() -> None:
     parser.add_argument("--generate", type=int, default=128)
     parser.add_argument("--skip-sweep", action="store_true", help="skip the GEMV sweep")
     parser.add_argument("--sweeps-only", action="store_true", help="stop after the kernel sweeps")
+    parser.add_argument("--fusion", action="store_true",
+                        help="compare the fusion policies (hibana_kernels.fusion); --skip-sweep skips their sweep")
     args = parser.parse_args()
     os.makedirs(OUT, exist_ok=True)
     bandwidth = copy_bandwidth(torch.device("cuda"))
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    if args.fusion:
+        main_fusion(args, bandwidth)
+        return
     report: dict = {"bandwidth": bandwidth}
     if not args.skip_sweep:
         report["gemv"] = sweep_gemv(args.model, bandwidth)

@@ -72,22 +72,30 @@ def _surgery_overrides(model: BenchModel, system: str) -> dict:
 
 
 def decode_workload(model: BenchModel, contexts: list[int], generate: int, systems: list[str],
-                    seed: int = 0) -> dict:
+                    seed: int = 0, fusions: list[str] = ("auto",)) -> dict:
+    """`fusions`: the kernel-fusion policies (`hibana_kernels.fusion`) each Hibana system runs
+    under; a row under a policy other than "auto" is named SYSTEM/fuse-POLICY."""
+    from hibana_kernels import fusion
+
     device = next(model.hf_model.parameters()).device
     rng = random.Random(seed)
     prompts = {ctx: random_tokens(rng, ctx, model.vocab_size) for ctx in contexts}
     warmup = random_tokens(rng, 64, model.vocab_size)
     extra = random.Random(seed + 1)
     rows: list[DecodeRow] = []
-    for system in [s for s in systems if s in SPEC_SYSTEMS or s.startswith("hibana+")]:
-        with open_engine(model, system.split("+")[0], max_model_len=max(contexts) + generate + 16,
-                         max_concurrent_agents=8, **_surgery_overrides(model, system)) as engine:
+    runs = [(system, policy) for system in systems if system in SPEC_SYSTEMS or system.startswith("hibana+")
+            for policy in fusions]
+    for system, policy in runs:
+        label = system if policy == "auto" else f"{system}/fuse-{policy}"
+        with fusion.using(policy), open_engine(
+                model, system.split("+")[0], max_model_len=max(contexts) + generate + 16,
+                max_concurrent_agents=8, **_surgery_overrides(model, system)) as engine:
             guard = next((r.get("guard") for r in getattr(engine, "surgery", [])), None)
             for prompt in (warmup, random_tokens(rng, min(contexts), model.vocab_size)):
                 warm = engine.open_state("warm")  # Triton compiles, CUDA graphs are captured
                 warm.generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=prompt)
                 warm.close()
-            for ctx in tqdm(contexts, desc=f"{system} decode", leave=False):
+            for ctx in tqdm(contexts, desc=f"{label} decode", leave=False):
                 times = []
                 # fresh prompts, so no prefill finds the last one's blocks in the prefix index
                 for prompt in [prompts[ctx]] + [random_tokens(extra, ctx, model.vocab_size)
@@ -102,7 +110,7 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
                         h.close()
                 out = h.generate(SamplingParams(max_tokens=generate, ignore_eos=True))
                 decode = out.stats.elapsed - (out.stats.time_to_first_token or 0.0)
-                rows.append(DecodeRow(system, ctx, (generate - 1) / decode, ctx / statistics.median(times),
+                rows.append(DecodeRow(label, ctx, (generate - 1) / decode, ctx / statistics.median(times),
                                       getattr(engine, "weight_bytes", None), guard))
                 h.close()
     for name, static in (("hf_eager", False), ("hf_compiled", True)):
@@ -155,6 +163,8 @@ class SystemResult:
     agents_timed: int
     seconds: float
     records: list[TurnRecord] = field(default_factory=list)
+    kv_blocks: int | None = None      # the engine's KV pool (Hibana systems): blocks and bytes,
+    kv_bytes: int | None = None       # so a KV dtype's agents per GB show
 
     def summary(self) -> dict:
         turns = len(self.records)
@@ -172,6 +182,8 @@ class SystemResult:
             "turns_timed": turns,
             "agents_timed": self.agents_timed,
             "seconds": self.seconds,
+            "kv_blocks": self.kv_blocks,
+            "kv_bytes": self.kv_bytes,
         }
 
 
@@ -189,14 +201,14 @@ def agent_script(cfg: AgentsConfig, vocab: int) -> list[list[list[int]]]:
 
 
 def run_hibana_agents(model: BenchModel, cfg: AgentsConfig, retention: bool, system: str = "hibana") -> SystemResult:
-    """`system` is one of SPEC_SYSTEMS (speculation off, fixed, adaptive); without retention
-    the engine's default speculation runs."""
+    """`system` is one of SPEC_SYSTEMS (speculation off, fixed, adaptive) or "hibana+PASS" (the
+    default engine with a surgery pass); without retention the engine's default speculation runs."""
     script = agent_script(cfg, model.vocab_size)
     context = cfg.system + cfg.turns * (cfg.tool_result + cfg.generate) + 16
     params = SamplingParams(max_tokens=cfg.generate, ignore_eos=True)
     name = system if retention else "hibana_no_retention"
-    with open_engine(model, system, max_model_len=context, max_concurrent_agents=max(cfg.agents, 1),
-                     enable_prefix_caching=retention) as engine:
+    with open_engine(model, system.split("+")[0], max_model_len=context, max_concurrent_agents=max(cfg.agents, 1),
+                     enable_prefix_caching=retention, **_surgery_overrides(model, system)) as engine:
         warm = engine.open_state("warm")  # Triton compiles, CUDA graphs are captured
         warm.generate(SamplingParams(max_tokens=4, ignore_eos=True),
                       prompt=random_tokens(random.Random(-1), 64, model.vocab_size))
@@ -223,7 +235,8 @@ def run_hibana_agents(model: BenchModel, cfg: AgentsConfig, retention: bool, sys
 
         seconds = run_agents(agent, cfg.agents)
         bar.close()
-    return SystemResult(name, cfg.agents, seconds, records)
+        kv_blocks, kv_bytes = engine.stats().kv_blocks_total, engine.kv_cache.nbytes
+    return SystemResult(name, cfg.agents, seconds, records, kv_blocks, kv_bytes)
 
 
 def run_agents(agent, n: int) -> float:
@@ -268,6 +281,9 @@ def agents_workload(model: BenchModel, cfg: AgentsConfig, systems: list[str]) ->
         "hf_reprefill": lambda: run_hf_agents(model, cfg, reuse_cache=False),
         "hf_cache_reuse": lambda: run_hf_agents(model, cfg, reuse_cache=True),
     }
+    for name in systems:
+        if name.startswith("hibana+"):
+            runners[name] = lambda name=name: run_hibana_agents(model, cfg, retention=True, system=name)
     results = {name: runners[name]().summary() for name in systems}
     if "hibana" in results:
         base = results["hibana"]["turns_per_hour"]

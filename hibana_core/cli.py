@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "passes applied. Example: hibana surgery path/to/model --passes w4 --out model-w4")
     surgery.add_argument("model", help="checkpoint directory, or demo")
     surgery.add_argument("--passes", required=True,
-                         help='comma-separated pass names (w8, w4), or a JSON list such as '
-                              '\'[{"name": "w4", "group_size": 64}]\'')
+                         help='comma-separated pass names (w8, w4: int8/int4 weights; kv8: fp8 KV cache), '
+                              'or a JSON list such as \'[{"name": "w4", "group_size": 64}]\'')
     surgery.add_argument("--out", help="write the rewritten checkpoint to this (new or empty) directory")
     surgery.add_argument("--force", action="store_true", help="keep passes over their guard floors")
     surgery.add_argument("--guard-text", help="a UTF-8 text file to measure on instead of the demo conversations")
@@ -121,7 +121,11 @@ def run_surgery(args: argparse.Namespace) -> int:
         with engine:
             for record in engine.surgery:
                 saved = record.get("bytes_before", 0) - record.get("bytes_after", 0)
-                print(f"{record['name']}: {record.get('layers', '?')} layers, {saved / 1e6:,.1f} MB saved"
+                what = f"{saved / 1e6:,.1f} MB saved"
+                if "kv_bytes_per_token_after" in record:  # kv8: the weights stay, the KV shrinks
+                    what = (f"KV bytes per token {record['kv_bytes_per_token_before']:,} -> "
+                            f"{record['kv_bytes_per_token_after']:,}")
+                print(f"{record['name']}: {record.get('layers', '?')} layers, {what}"
                       + (f"; guard: {record['guard']['decision']}" if "guard" in record else ""))
             print(f"model bytes now {engine.weight_bytes / 1e6:,.1f} MB")
             if args.out:

@@ -73,7 +73,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     """Share full blocks between states through the prefix index (off: benchmarks' baseline)."""
     kv_dtype: str = "auto"
-    """KV cache dtype: "auto" (the model dtype), "float32", "bfloat16" or "float16"."""
+    """KV cache dtype: "auto" (the model's: its compute dtype, or fp8 after kv8), "float32",
+    "bfloat16", "float16" (each must be the compute dtype), or "fp8" ("float8_e4m3fn"): e4m3
+    with per-head scales, which is the kv8 surgery pass (added to `surgery` if not named there)."""
     max_unnamed_states: int = 256
     """Idle states the engine made itself (`Engine.lease` for calls that name no state) kept at
     most; beyond it the least recently used are closed. Their full blocks stay findable in the
@@ -89,8 +91,16 @@ class CacheConfig:
                "memory_budget_bytes must be positive")
         _check(0.0 < self.memory_fraction <= 1.0, "memory_fraction must lie in (0, 1]")
         _check(self.max_unnamed_states >= 0, "max_unnamed_states must be >= 0")
-        _check(self.kv_dtype in ("auto", "float32", "bfloat16", "float16"),
-               f"kv_dtype must be auto, float32, bfloat16 or float16, got {self.kv_dtype!r}")
+        _check(self.kv_dtype in ("auto", "float32", "bfloat16", "float16", *FP8_KV_DTYPES),
+               f"kv_dtype must be auto, float32, bfloat16, float16 or fp8, got {self.kv_dtype!r}")
+
+    @property
+    def fp8(self) -> bool:
+        """kv_dtype asks for the fp8 cache of the kv8 pass."""
+        return self.kv_dtype in FP8_KV_DTYPES
+
+
+FP8_KV_DTYPES = ("fp8", "float8_e4m3fn")
 
 
 @dataclass(frozen=True)
@@ -212,6 +222,12 @@ class EngineConfig:
         _check_types(self)
         object.__setattr__(self, "speculation", SpeculationConfig.parse(self.speculation))
         object.__setattr__(self, "surgery", parse_passes(self.surgery))
+        kv8 = any(r.name == "kv8" for r in self.surgery)
+        _check(not kv8 or self.cache.kv_dtype == "auto" or self.cache.fp8,
+               f"surgery kv8 stores the KV cache in fp8; kv_dtype={self.cache.kv_dtype!r} asks for another "
+               "dtype: leave kv_dtype 'auto' (or 'fp8')")
+        if self.cache.fp8 and not kv8:  # one path: kv_dtype="fp8" is the kv8 pass, applied last
+            object.__setattr__(self, "surgery", self.surgery + parse_passes(["kv8"]))
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         _check(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"),

@@ -29,8 +29,9 @@ from hibana_core.engine_core import EngineCore
 from hibana_core.errors import ConfigError, EngineClosedError, MemoryBudgetError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.kv.block_pool import BlockPool
-from hibana_core.kv.cache import KVCache
+from hibana_core.kv.cache import KVCache, kv_cache_dtype
 from hibana_core import surgery
+from hibana_core.surgery.calibration import Calibration
 from hibana_core.loader import load_from_hf_model, load_model, model_bytes
 from hibana_core.output import OutputProcessor
 from hibana_core.registry import ModelLimits, StateRegistry
@@ -104,24 +105,26 @@ class Engine:
         else:
             loaded = load_from_hf_model(hf_model, self.device, config.dtype, self._ctx, tokenizer)
         guard = self._guard(loaded) if config.surgery and config.surgery_guard else None
+        calibration = Calibration(loaded.model, self._ctx, loaded.args, loaded.dtype, self.device, loaded.tokenizer)
         self.surgery = loaded.surgery + surgery.apply_passes(loaded.model, passes,
-                                                             get_plugin_manager().surgery_passes(), guard)
+                                                             get_plugin_manager().surgery_passes(), guard, calibration)
         """What each surgery pass changed (name, parameters, layers, bytes before and after) and,
         where the guard ran, its figures against the unmodified model."""
         if guard is not None and config.progress:
             print(guard.summary(), file=sys.stderr)
-        del guard  # its scratch KV cache
+        del guard, calibration  # their scratch KV caches
         self.model, self.model_args, self.tokenizer = loaded.model, loaded.args, loaded.tokenizer
         self.hf_config, self.dtype = loaded.hf_config, loaded.dtype
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.vocab_size = loaded.args.vocab_size
         self.max_model_len = min(config.max_model_len or loaded.args.max_position_embeddings,
                                  loaded.args.max_position_embeddings)
-        kv_dtype = loaded.dtype if config.cache.kv_dtype == "auto" else _DTYPES[config.cache.kv_dtype]
-        if kv_dtype != loaded.dtype:
-            raise ConfigError(f"kv_dtype={config.cache.kv_dtype!r} differs from the model's compute dtype "
-                              f"({str(loaded.dtype).removeprefix('torch.')}); a KV cache in another precision "
-                              "comes with model surgery (kv8); leave kv_dtype='auto' or set dtype to match")
+        kv_dtype = kv_cache_dtype(loaded.model, loaded.dtype)  # after kv8: fp8
+        if config.cache.kv_dtype != "auto" and not config.cache.fp8 and _DTYPES[config.cache.kv_dtype] != kv_dtype:
+            raise ConfigError(f"kv_dtype={config.cache.kv_dtype!r} differs from the KV dtype of this model "
+                              f"({str(kv_dtype).removeprefix('torch.')}); the KV cache is kept in the compute "
+                              "dtype or, through model surgery, in fp8 (kv_dtype='fp8', the kv8 pass); leave "
+                              "kv_dtype='auto' or set dtype to match")
         self.fingerprint = surgery.fingerprint(loaded.fingerprint, loaded.dtype, kv_dtype, self.surgery)
         self.weight_bytes = model_bytes(loaded.model)  # after surgery: packed weights, buffers too
         num_blocks = self._num_blocks(self.weight_bytes, kv_dtype)

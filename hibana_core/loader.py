@@ -167,9 +167,9 @@ def _weight_files(path: Path) -> list[Path]:
 def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest: dict | None = None,
                   quantization: dict | None = None) -> None:
     """Copy the checkpoint's tensors into `module`. A surgery checkpoint (`manifest`) names them
-    as the module does, and its packed layers take their packed tensors as they are; a GPTQ or
-    AWQ checkpoint (`quantization`: its quantization_config) has its packed layers repacked, an
-    FP8 one keeps its fp8 layers' codes and scales."""
+    as the module does, its packed layers take their packed tensors as they are and its kv8
+    layers their KV scales; a GPTQ or AWQ checkpoint (`quantization`: its quantization_config)
+    has its packed layers repacked, an FP8 one keeps its fp8 layers' codes and scales."""
     from safetensors import safe_open
 
     files = _weight_files(path)
@@ -207,6 +207,12 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
                              tuple(spec["block"]) if spec["kind"] == "fp8" else None)
             for p in parts:
                 del where[f"{name}.{p}"]
+        for name in manifest.get("kv_scaled_layers", []):  # kv8: the layers' fp8 KV scales
+            layer, tensor = layers.get(name), f"{name}.kv_scale"
+            if layer is None or not hasattr(layer, "set_kv_scales") or tensor not in where:
+                raise CheckpointError(f"{path}: {name} is no attention layer with KV scales in its weights; "
+                                      "re-run `hibana surgery`")
+            layer.set_kv_scales(read(*where.pop(tensor), tensor).to(next(module.parameters()).device))
     if quantization is not None and not own_names:  # GPTQ / AWQ / FP8: packed layers as they are
         from hibana_core.surgery.prequantized import load_packed_layers, parse_quantization_config
 

@@ -290,7 +290,8 @@ class StateRegistry:
         (`share=True` publishes them in the prefix index, for files the caller trusts)."""
         if state_id is not None:
             _check_id(state_id)
-        saved = state_file.read(state_file.as_path(path), self.limits.fingerprint, self.kv_cache.data.shape)
+        saved = state_file.read(state_file.as_path(path), self.limits.fingerprint, self.kv_cache.data.shape,
+                                self.kv_cache.dtype)
         tokens = self._validate(saved.tokens)
         with self.lock:
             self._check_open()

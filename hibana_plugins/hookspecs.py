@@ -113,10 +113,14 @@ def register_surgery_passes(register) -> None:
     `surgery_pass.apply(model, params) -> dict`, a JSON-able record of what it changed (layers,
     bytes before and after), raising ConfigError for parameters it cannot take. A linear layer
     that supports packed weights has `set_packed(kind, tensors, group_size)` (kinds and layouts:
-    `hibana_kernels.quant`). Engines apply passes by name, in order:
+    `hibana_kernels.quant`); an attention layer that can store its KV in fp8 has
+    `set_kv_scales(kv_scale)`. A pass with `calibrated = True` is called as
+    `apply(model, params, calibration)` and may run the model on calibration text
+    (`hibana_core.surgery.calibration.Calibration`). Engines apply passes by name, in order:
     `Engine.from_pretrained(path, surgery=["w8"])` or `surgery=[{"name": "w4", "group_size": 64}]`;
-    the passes and their parameters are part of the model fingerprint that state files carry.
-    Built in: "w8" (int8 per channel), "w4" (int4, group-wise, clipping search).
+    the passes, their parameters and a record's "digest" (what a pass derived from data) are part
+    of the model fingerprint that state files carry. Built in: "w8" (int8 per channel), "w4"
+    (int4, group-wise, clipping search), "kv8" (fp8 KV cache, per-head scales calibrated at load).
     """
 
 

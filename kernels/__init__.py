@@ -17,7 +17,8 @@ import torch
 from hibana_kernels import activation, attention, matmul, norm, quant, rotary
 
 __all__ = ["fused_add_rms_norm", "linear", "linear_fp8", "linear_int4", "linear_int8", "paged_attention", "qk_norm_rotary_store", "rms_norm",
-           "rotary_embedding", "silu_and_mul", "store_kv", "triton_available"]
+           "rms_norm_linear", "rotary_embedding", "silu_and_mul", "silu_and_mul_linear", "store_kv",
+           "triton_available"]
 
 
 @functools.cache
@@ -40,19 +41,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                     scale: float, sliding_window: int | None = None,
-                    uniform_query_len: bool = False) -> torch.Tensor:
-    """Causal attention of packed varlen queries [T, H, D] over the paged KV cache; see
-    `hibana_kernels.attention.paged_attention`."""
+                    uniform_query_len: bool = False, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of packed varlen queries [T, H, D] over the paged KV cache (an fp8 cache
+    with its `kv_scale`); see `hibana_kernels.attention.paged_attention`."""
     impl = _triton("attention", q) or attention
     return impl.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                max_query_len, max_seq_len, scale, sliding_window, uniform_query_len)
+                                max_query_len, max_seq_len, scale, sliding_window, uniform_query_len,
+                                kv_scale)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write new keys/values [T, H_kv, D] to their cache slots (negative slot: skipped)."""
+             slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
+    """Write new keys/values [T, H_kv, D] to their cache slots (negative slot: skipped; an fp8
+    cache: quantized with `kv_scale`)."""
     impl = _triton("attention", k) or attention
-    impl.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    impl.store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -78,17 +81,34 @@ def qk_norm_rotary_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
                          v: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                          q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                         eps: float = 0.0) -> torch.Tensor:
-    """An attention layer's prologue (q/k norm when weights are given, rotary, K/V stored);
-    returns the rotated q. See `hibana_kernels.rotary.qk_norm_rotary_store`."""
+                         eps: float = 0.0, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """An attention layer's prologue (q/k norm when weights are given, rotary, K/V stored, into
+    an fp8 cache quantized with `kv_scale`); returns the rotated q. See
+    `hibana_kernels.rotary.qk_norm_rotary_store`."""
     impl = _triton("rotary", q) or rotary
     return impl.qk_norm_rotary_store(positions, q, k, v, cos_table, sin_table, k_cache, v_cache,
-                                     slot_mapping, q_weight, k_weight, eps)
+                                     slot_mapping, q_weight, k_weight, eps, kv_scale)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T + bias; decode-sized bf16/fp16 batches take a Triton GEMV on CUDA."""
     return (_triton("matmul", x) or matmul).linear(x, weight, bias)
+
+
+def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                    eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(x + residual)), x + residual), or (linear(rms_norm(x)), x) without a
+    residual: one kernel where `hibana_kernels.fusion` folds the norm into the GEMV."""
+    impl = _triton("matmul", x) or matmul
+    return impl.rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
+
+
+def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear(silu(gate) * up) of a fused [..., 2 * K] gate/up projection: one kernel where
+    `hibana_kernels.fusion` folds the activation into the GEMV."""
+    return (_triton("matmul", gate_up) or matmul).silu_and_mul_linear(gate_up, weight, bias)
 
 
 def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

@@ -11,6 +11,14 @@ the last (query_len) of which are its new tokens.
 
     query rows:  | seq 0: 5 new tokens | seq 1: 1 | seq 2: 3 |     query_start_loc = [0, 5, 6, 9]
     seq 0 keys:  [ 0 ....................... seq_lens[0] )     its queries: the last 5 positions
+
+An fp8 cache (float8_e4m3fn, the kv8 surgery pass) comes with `kv_scale`, float32 [2, H_kv]: the
+scale of each KV head's keys (row 0) and values (row 1). A stored value is
+`fp8(clamp(x / scale, -448, 448))`, rounded to nearest even (saturating, never inf or NaN); it
+reads back as `fp8 * scale` in the activations' dtype, dequantized after the blocks a step needs
+are gathered, never as a copy of the cache. kv8 calibrates powers of two, so the read-back is
+exact in bf16/fp16/fp32 (the Triton kernels rely on it: they apply the scales to the scores and
+outputs instead of to every loaded key and value).
 """
 
 from __future__ import annotations
@@ -21,14 +29,40 @@ import torch
 import torch.nn.functional as F
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[T, H_kv, D] keys or values -> float8_e4m3fn with the per-head `scale` [H_kv]: x / scale
+    in float32, saturated at +-448, rounded to nearest even."""
+    return (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., H_kv, D] float8_e4m3fn -> `dtype`, times the per-head `scale` [H_kv]."""
+    return (x.float() * scale[:, None]).to(dtype)
+
+
+def check_kv_scale(k_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> None:
+    """An fp8 cache needs its scales, and only an fp8 cache takes them."""
+    if (k_cache.dtype == FP8) != (kv_scale is not None):
+        raise ValueError(f"a {k_cache.dtype} KV cache {'needs' if kv_scale is None else 'takes no'} kv_scale")
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
     """Write the new tokens' keys and values into their cache slots; a negative slot is skipped
-    (padding rows of a CUDA-graph batch)."""
+    (padding rows of a CUDA-graph batch). An fp8 cache stores them quantized with `kv_scale`."""
+    check_kv_scale(k_cache, kv_scale)
     num_kv_heads, head_dim = k.shape[-2:]
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    if kv_scale is not None:  # bytes moved as uint8: index_copy_ does not take fp8 everywhere
+        k = quantize_kv(k, kv_scale[0]).view(torch.uint8)
+        v = quantize_kv(v, kv_scale[1]).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)  # [T, H_kv, D]
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
@@ -37,7 +71,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                     scale: float, sliding_window: int | None = None,
-                    uniform_query_len: bool = False) -> torch.Tensor:
+                    uniform_query_len: bool = False, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed queries over each sequence's paged context (device-tensor form).
 
     q: [T, H, D]; block_tables: [B, max_blocks] int32; seq_lens: [B] int32;
@@ -46,21 +80,25 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     can be captured with its bucket's bounds). max_query_len == 1 selects the decode kernel, so it
     must not understate. `uniform_query_len`: every sequence has exactly max_query_len new
     tokens (a verify step's CUDA graph), which lets the Triton path use its decode kernel; the
-    result is the same. Returns [T, H, D].
+    result is the same. `kv_scale`: an fp8 cache's scales (see the module docstring). Returns
+    [T, H, D].
     """
     return paged_attention_host(q, k_cache, v_cache, block_tables, seq_lens.tolist(),
-                                query_start_loc.tolist(), scale, sliding_window)
+                                query_start_loc.tolist(), scale, sliding_window, kv_scale)
 
 
 def paged_attention_host(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: Sequence[int],
                          query_start_loc: Sequence[int], scale: float,
-                         sliding_window: int | None = None) -> torch.Tensor:
+                         sliding_window: int | None = None,
+                         kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_attention` with the lengths as host ints (B and B + 1 of them).
 
     A query at position p sees keys at positions j with j <= p and, with a sliding window w,
     p - j < w (the convention of Hugging Face's masks). Returns [T, H, D].
     """
+    check_kv_scale(k_cache, kv_scale)
+    gather = _Gather(k_cache, v_cache, kv_scale, q.dtype)
     num_heads = q.shape[1]
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = num_heads // num_kv_heads
@@ -68,14 +106,14 @@ def paged_attention_host(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     short = [i for i, n in enumerate(num_q) if 0 < n <= SHORT_QUERY]  # decodes, verify steps
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if len(short) == len(seq_lens) and max(num_q) == 1:  # a plain decode step: no copies
-        return _short_batch(q[:, None], k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)[:, 0]
+        return _short_batch(q[:, None], gather, block_tables, seq_lens, scale, sliding_window)[:, 0]
     if short:
         rows = [range(query_start_loc[i], query_start_loc[i + 1]) for i in short]
         longest = max(num_q[i] for i in short)
         padded = torch.zeros(len(short), longest, num_heads, head_dim, dtype=q.dtype, device=q.device)
         for j, r in enumerate(rows):  # queries right-aligned: row j of `longest` is position len - longest + j
             padded[j, longest - len(r):] = q[r.start:r.stop]
-        o = _short_batch(padded, k_cache, v_cache, block_tables[short], [seq_lens[i] for i in short],
+        o = _short_batch(padded, gather, block_tables[short], [seq_lens[i] for i in short],
                          scale, sliding_window)
         for j, r in enumerate(rows):
             out[r.start:r.stop] = o[j, longest - len(r):]
@@ -84,9 +122,8 @@ def paged_attention_host(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         if num_q[i] <= SHORT_QUERY:  # done above
             continue
         blocks = block_tables[i, : (ctx_len + block_size - 1) // block_size].long()
-        shape = (-1, num_kv_heads, head_dim)
-        k = k_cache.index_select(0, blocks).view(shape)[:ctx_len]  # [L, H_kv, D]
-        v = v_cache.index_select(0, blocks).view(shape)[:ctx_len]
+        k, v = gather(blocks)
+        k, v = k.flatten(0, 1)[:ctx_len], v.flatten(0, 1)[:ctx_len]  # [L, H_kv, D]
         windowed = sliding_window is not None and ctx_len > sliding_window
         causal = num_q[i] == ctx_len and not windowed  # a fresh prompt: SDPA's own causal path
         mask = None
@@ -109,13 +146,29 @@ SHORT_QUERY = 32
 """Sequences with at most this many new tokens (decodes, verify steps) attend in one batched call."""
 
 
+class _Gather:
+    """Whole blocks of keys and values, copied out of the cache in the activations' dtype (an fp8
+    cache's blocks dequantized after the copy)."""
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scale: torch.Tensor | None,
+                 dtype: torch.dtype) -> None:
+        self.k_cache, self.v_cache, self.kv_scale, self.dtype = k_cache, v_cache, kv_scale, dtype
+
+    def __call__(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """blocks: [N] long -> (k, v), each [N, block_size, H_kv, D]."""
+        k, v = self.k_cache.index_select(0, blocks), self.v_cache.index_select(0, blocks)
+        if self.kv_scale is None:
+            return k, v
+        return (dequantize_kv(k, self.kv_scale[0], self.dtype), dequantize_kv(v, self.kv_scale[1], self.dtype))
+
+
 def _per_head(x: torch.Tensor, group: int) -> torch.Tensor:
     """[L, H_kv, D] -> [1, H_kv * group, L, D]: each KV head once per query head of its group."""
     return x.transpose(0, 1).repeat_interleave(group, dim=0)[None]
 
 
-def _short_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: Sequence[int], scale: float,
+def _short_batch(q: torch.Tensor, gather: _Gather, block_tables: torch.Tensor,
+                 seq_lens: Sequence[int], scale: float,
                  sliding_window: int | None) -> torch.Tensor:
     """A few new tokens per sequence (q: [B, Q, H, D], right-aligned: row j of sequence i is at
     position seq_lens[i] - Q + j; rows before a sequence's own queries are padding whose output
@@ -125,7 +178,7 @@ def _short_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     sequence's end are zeroed after the gather: never-written cache memory may hold NaN, which a
     mask alone would let through. Returns [B, Q, H, D]."""
     batch, num_q, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_size, num_kv_heads = gather.k_cache.shape[1], gather.k_cache.shape[2]
     group = num_heads // num_kv_heads
     longest = max(seq_lens)
     tables = block_tables[:, : -(-longest // block_size)].long()  # [B, blocks]
@@ -138,8 +191,7 @@ def _short_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         visible &= queries - keys < sliding_window
     # whole blocks at a time, into a fresh copy: far cheaper than one copy per slot
     shape = (batch, -1, num_kv_heads, head_dim)
-    k = k_cache.index_select(0, tables.flatten()).view(shape)  # [B, L, H_kv, D]
-    v = v_cache.index_select(0, tables.flatten()).view(shape)
+    k, v = (x.view(shape) for x in gather(tables.flatten()))  # [B, L, H_kv, D]
     for i, length in enumerate(seq_lens):  # slices, not a boolean index: much cheaper
         first = 0 if sliding_window is None else max(length - num_q - sliding_window + 1, 0)
         for part in (k[i, :first], v[i, :first], k[i, length:], v[i, length:]):

@@ -6,14 +6,19 @@ Two attention kernels share one online-softmax step (`_attend`), fp32 accumulati
   program per (sequence, KV head, split) handles all query heads of the KV head's group, for
   each of the sequence's QUERY_LEN new tokens, as the rows of one tile, so each key is loaded
   once per group and step. Long contexts are split along the sequence (flash-decoding): each
-  split writes its unnormalised output with its running max and sum, and `_reduce_splits_kernel`
-  merges them.
+  split writes its unnormalised output with its running max and sum, and the last split of its
+  (sequence, KV head) to finish merges them (it counts arrivals on an atomic counter, which it
+  resets for the next launch or graph replay), or, where `hibana_kernels.fusion` says not to,
+  `_reduce_splits_kernel` does in a second launch.
 - prefill / verify (general batches): one program per (sequence, query tile, KV head); the rows of
   a tile are (query token, head in group) pairs, keys are gathered tile by tile through the block
   table under the causal (and sliding-window) mask.
 
 Keys are gathered per position (block id = block_table[pos // block_size]), so key tiles need not
-line up with cache blocks. Every launch is sized from host ints only (B, max_query_len,
+line up with cache blocks. An fp8 cache (kv8) is read as it is stored, each fp8 tile converted to
+the activations' dtype (exact); each program serves one KV head, so that head's key scale joins
+the score scale and its value scale multiplies the output. For the power-of-two scales kv8
+calibrates this equals dequantizing every key and value first, as the reference does. Every launch is sized from host ints only (B, max_query_len,
 max_seq_len), never from device values: no host sync, and the launches can be graph-captured.
 """
 
@@ -25,12 +30,17 @@ import torch
 import triton
 import triton.language as tl
 
+from hibana_kernels import fusion
+from hibana_kernels.attention import check_kv_scale
+
 LOG2E = 1.4426950408889634
 DECODE_MIN_SPLIT = 64  # keys per split at least (one key tile)
 DECODE_PROGRAMS_PER_SM = 4  # splits are added until the grid has this many programs per SM
 MAX_SPLITS = 64
 MAX_DECODE_QUERY_LEN = 32  # verify steps up to this many tokens per sequence take the decode kernel
 NUM_STAGES = 2
+MERGE_COUNTERS = 1 << 16  # (sequence, KV head) pairs the in-kernel merge counts for, per device
+MERGE_MAX_ROWS = 8  # query rows (group x tokens) one program merges in turn; more: a second launch
 
 
 @triton.jit
@@ -41,6 +51,37 @@ def _gather_kv(cache_ptr, table_ptr, pos, pos_mask, kv_head, offs_d, d_mask,
     row = block * stride_block + (pos % BLOCK_SIZE) * stride_slot + kv_head * stride_head
     return tl.load(cache_ptr + row[:, None] + offs_d[None, :],
                    mask=pos_mask[:, None] & d_mask[None, :], other=0.0)
+
+
+@triton.jit
+def quantize_e4m3(x):
+    """float32 -> float8_e4m3fn bit patterns (uint8), saturated at +-448 and rounded to nearest
+    even, by integer operations only: the same bytes as torch's cast of the clamped values on
+    every device (the interpreter's own float-to-fp8 cast does not round to nearest even)."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    nan = a > 0x7F800000
+    a = tl.minimum(a, 0x43E00000)  # 448: larger values and inf saturate
+    # normal range (>= 2^-6): 3 of the 23 mantissa bits kept; a carry raises the exponent
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    # below it: multiples of 2^-9 (the 24-bit significand shifted right by 141 - exponent)
+    shift = tl.minimum(141 - (a >> 23), 30)
+    significand = (a & 0x7FFFFF) | 0x800000
+    q = significand >> shift
+    rest = significand - (q << shift)
+    half = 1 << (shift - 1)
+    q += ((rest > half) | ((rest == half) & ((q & 1) == 1))).to(tl.int32)
+    code = tl.where(a >= 0x3C800000, normal, q)
+    code = tl.where(nan, 0x7F, code) | sign
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def quantize_kv(x, scale):
+    """Keys or values and their head's scale (broadcast) -> fp8 codes: x / scale, IEEE-rounded
+    as torch divides, then `quantize_e4m3`."""
+    return quantize_e4m3(tl.math.fdiv(x.to(tl.float32), scale, ieee_rounding=True))
 
 
 @triton.jit
@@ -68,13 +109,13 @@ def _attend(q, k, v, visible, m_i, l_i, acc, qk_scale,
 @triton.jit
 def _prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-        qk_scale, window,
+        k_scale_ptr, v_scale_ptr, qk_scale, window,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         stride_block, stride_slot, stride_head,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr):
+        UPCAST: tl.constexpr, KV_FP8: tl.constexpr):
     # rows of a tile: BLOCK_Q = BLOCK_M // GROUP query tokens x the GROUP heads of one KV head
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -105,6 +146,9 @@ def _prefill_kernel(
     if SLIDING:
         lo = tl.maximum(tile_first - window + 1, 0)
 
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
@@ -116,11 +160,14 @@ def _prefill_kernel(
                        stride_block, stride_slot, stride_head, BLOCK_SIZE)
         v = _gather_kv(v_cache_ptr, table, pos, pos_mask, kv_head, offs_d, d_mask,
                        stride_block, stride_slot, stride_head, BLOCK_SIZE)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # fp8: exact; otherwise no-ops
         visible = (pos[None, :] <= q_pos[:, None]) & row_mask[:, None] & pos_mask[None, :]
         if SLIDING:
             visible = visible & (q_pos[:, None] - pos[None, :] < window)
         m_i, l_i, acc = _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, UPCAST)
 
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
     tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -130,14 +177,15 @@ def _prefill_kernel(
 @triton.jit
 def _decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
-        block_tables_ptr, seq_lens_ptr, query_start_ptr,
-        qk_scale, window, num_splits,
+        counter_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+        k_scale_ptr, v_scale_ptr, qk_scale, window, num_splits,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         stride_block, stride_slot, stride_head,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-        SLIDING: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr, QUERY_LEN: tl.constexpr):
+        SLIDING: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr, SPLITS_P: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, QUERY_LEN: tl.constexpr,
+        KV_FP8: tl.constexpr):
     # rows of a tile: QUERY_LEN new tokens x the GROUP heads of one KV head
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -166,6 +214,9 @@ def _decode_kernel(
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [G, D]
 
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM_P], dtype=tl.float32)
@@ -177,6 +228,7 @@ def _decode_kernel(
                        stride_block, stride_slot, stride_head, BLOCK_SIZE)
         v = _gather_kv(v_cache_ptr, table, pos, pos_mask, kv_head, offs_d, d_mask,
                        stride_block, stride_slot, stride_head, BLOCK_SIZE)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # fp8: exact; otherwise no-ops
         visible = g_mask[:, None] & pos_mask[None, :]
         if QUERY_LEN > 1:
             visible = visible & (pos[None, :] <= q_pos[:, None])
@@ -184,13 +236,34 @@ def _decode_kernel(
             visible = visible & (q_pos[:, None] - pos[None, :] < window)
         m_i, l_i, acc = _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, UPCAST)
 
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     if SPLIT:
         # partials: [T, H, num_splits] for max and sum, [T, H, num_splits, D] for the output
-        part = (token * GROUP * tl.num_programs(1) + head) * num_splits + split
+        num_heads = GROUP * tl.num_programs(1)
+        part = (token * num_heads + head) * num_splits + split
         tl.store(part_max_ptr + part, m_i, mask=g_mask)
         tl.store(part_sum_ptr + part, l_i, mask=g_mask)
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], acc,
                  mask=g_mask[:, None])
+        if MERGE:
+            # every thread's partials are written before one thread releases them with the
+            # count (a CTA barrier, then an acq_rel atomic: the pattern of CUTLASS's semaphores);
+            # the last split to arrive acquires all of them, merges, and zeroes the counter
+            tl.debug_barrier()
+            counter = counter_ptr + seq * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                # splits past the keys (bounds overstated in graphs) hold m = -1e30, l = 0,
+                # acc = 0, the values a masked load gives: only those with keys are read
+                with_keys = tl.cdiv(seq_len - lo, tl.maximum(per_split, 1))
+                for row in tl.static_range(GROUP * QUERY_LEN):
+                    if row < GROUP * q_len:
+                        _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+                                      q_start + row // GROUP, kv_head * GROUP + row % GROUP,
+                                      num_heads, num_splits, with_keys, stride_ot, stride_oh,
+                                      HEAD_DIM, HEAD_DIM_P, SPLITS_P)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_i[:, None]
@@ -199,20 +272,19 @@ def _decode_kernel(
 
 
 @triton.jit
-def _reduce_splits_kernel(
-        out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, num_splits,
-        stride_ot, stride_oh,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):
-    token = tl.program_id(0)  # every query row of the batch: each was written by its splits
-    head = tl.program_id(1)
+def _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, token, head, num_heads,
+                  num_splits, read_splits, stride_ot, stride_oh,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):
+    """One query row's output from the partials of its first `read_splits` splits (read past
+    the L1: the splits ran on other SMs)."""
     splits = tl.arange(0, SPLITS_P)
-    s_mask = splits < num_splits
-    part = (token * tl.num_programs(1) + head) * num_splits + splits
-    m = tl.load(part_max_ptr + part, mask=s_mask, other=-1.0e30)
-    l = tl.load(part_sum_ptr + part, mask=s_mask, other=0.0)
+    s_mask = splits < read_splits
+    part = (token * num_heads + head) * num_splits + splits
+    m = tl.load(part_max_ptr + part, mask=s_mask, other=-1.0e30, cache_modifier=".cg")
+    l = tl.load(part_sum_ptr + part, mask=s_mask, other=0.0, cache_modifier=".cg")
     offs_d = tl.arange(0, HEAD_DIM_P)
     acc = tl.load(part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :],
-                  mask=s_mask[:, None], other=0.0)  # [S, D]
+                  mask=s_mask[:, None], other=0.0, cache_modifier=".cg")  # [S, D]
     m_all = tl.max(m, 0)
     w = tl.exp2(m - m_all)
     total = tl.sum(l * w, 0)
@@ -222,11 +294,22 @@ def _reduce_splits_kernel(
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
+@triton.jit
+def _reduce_splits_kernel(
+        out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, num_splits,
+        stride_ot, stride_oh,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):
+    # every query row of the batch: each was written by its splits
+    _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, tl.program_id(0),
+                  tl.program_id(1), tl.num_programs(1), num_splits, num_splits, stride_ot,
+                  stride_oh, HEAD_DIM, HEAD_DIM_P, SPLITS_P)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                     scale: float, sliding_window: int | None = None,
-                    uniform_query_len: bool = False) -> torch.Tensor:
+                    uniform_query_len: bool = False, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """See `hibana_kernels.attention.paged_attention`. Decode batches (max_query_len == 1, or
     every sequence with max_query_len <= 32 new tokens: `uniform_query_len`) take the decode
     kernel, split along the sequence when the batch alone would not fill the device."""
@@ -237,19 +320,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if decode:
         num_splits = _num_splits(q.device, num_seqs * num_kv_heads, max_seq_len)
     return paged_attention_launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                  max_query_len, scale, sliding_window, num_splits, decode=decode)
+                                  max_query_len, scale, sliding_window, num_splits, decode=decode,
+                                  kv_scale=kv_scale)
 
 
 def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                            sliding_window: int | None, num_splits: int,
-                           tiles: tuple[int, ...] | None = None, decode: bool | None = None) -> torch.Tensor:
+                           tiles: tuple[int, ...] | None = None, decode: bool | None = None,
+                           merge: bool | None = None,
+                           kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The launches behind `paged_attention`, with the decode split count chosen by the caller
     (tests use it to cover split and unsplit decode on the same shapes). `tiles`, for the tuning
     script: (BLOCK_N, num_warps, num_stages) for decode, (BLOCK_M, BLOCK_N, num_warps,
     num_stages) for prefill. `decode`: every sequence has max_query_len new tokens (or none) and
-    the decode kernel takes them (default: when max_query_len == 1)."""
+    the decode kernel takes them (default: when max_query_len == 1). `merge`: split decode
+    merges in the same launch (default: as the fusion policy says) where a program's query rows
+    are few enough (MERGE_MAX_ROWS) for its last split to merge them in turn. `kv_scale`: an
+    fp8 cache's."""
+    check_kv_scale(k_cache, kv_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -259,8 +349,10 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out
+    kv_fp8 = kv_scale is not None
     common = dict(
-        qk_scale=scale * LOG2E, window=sliding_window or 0,
+        k_scale_ptr=kv_scale[0] if kv_fp8 else q, v_scale_ptr=kv_scale[1] if kv_fp8 else q,
+        qk_scale=scale * LOG2E, window=sliding_window or 0, KV_FP8=kv_fp8,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0),
         stride_oh=out.stride(1), stride_bt=block_tables.stride(0),
         stride_block=k_cache.stride(0), stride_slot=k_cache.stride(1),
@@ -289,18 +381,37 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_sum = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     part_out = torch.empty(part_shape + (common["HEAD_DIM_P"],) if split else (1,),
                            dtype=torch.float32, device=q.device)
+    if merge is None:
+        merge = fusion.policy().attention_merge
+    merge = (split and merge and num_seqs * num_kv_heads <= MERGE_COUNTERS
+             and group * max_query_len <= MERGE_MAX_ROWS)
+    splits_p = max(2, triton.next_power_of_2(num_splits))
     block_n, num_warps, num_stages = tiles or _decode_tiles(q.dtype, common["HEAD_DIM_P"])
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_max, part_sum, block_tables, seq_lens,
+        q, k_cache, v_cache, out, part_out, part_max, part_sum,
+        _merge_counters(q.device) if merge else part_max, block_tables, seq_lens,
         query_start_loc, num_splits=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group * max_query_len)), BLOCK_N=block_n, SPLIT=split,
-        QUERY_LEN=max_query_len, num_warps=num_warps, num_stages=num_stages, **common)
-    if split:
+        MERGE=merge, SPLITS_P=splits_p, QUERY_LEN=max_query_len, num_warps=num_warps,
+        num_stages=num_stages, **common)
+    if split and not merge:
         _reduce_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_max, part_sum, num_splits,
             out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_P=common["HEAD_DIM_P"],
-            SPLITS_P=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
+            SPLITS_P=splits_p, num_warps=4)
     return out
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _merge_counters(device: torch.device) -> torch.Tensor:
+    """The in-kernel merge's arrival counters, one per (sequence, KV head): zero between
+    launches (each merging program zeroes its own), so one buffer per device serves every
+    launch and every graph replay, and is never freed (graphs hold its address)."""
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 
 
 def _prefill_tiles(dtype: torch.dtype, head_dim_p: int) -> tuple[int, int, int, int]:
@@ -337,8 +448,10 @@ def _sm_count(device: torch.device) -> int:
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """See `hibana_kernels.attention.store_kv`: negative slots are skipped, with no host sync."""
+             slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
+    """See `hibana_kernels.attention.store_kv`: negative slots are skipped, with no host sync;
+    an fp8 cache takes the bytes of `quantize_kv`."""
+    check_kv_scale(k_cache, kv_scale)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -347,17 +460,21 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise ValueError("store_kv wants k_cache and v_cache alike, slots and head_dim contiguous")
     block_h = triton.next_power_of_2(num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
+    kv_fp8 = kv_scale is not None
+    if kv_fp8:  # fp8 codes are written as bytes
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k, v, k_cache, v_cache, slot_mapping, kv_scale[0] if kv_fp8 else k, kv_scale[1] if kv_fp8 else k,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(1), k_cache.stride(2), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 2048 else 1)
+        BLOCK_H=block_h, BLOCK_D=block_d, KV_FP8=kv_fp8, num_warps=4 if block_h * block_d >= 2048 else 1)
 
 
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_slot, stride_head,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
@@ -369,5 +486,8 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     dst = slot * stride_slot + h * stride_head + d
     k = tl.load(k_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
+    if KV_FP8:
+        k = quantize_kv(k, tl.load(k_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0))
+        v = quantize_kv(v, tl.load(v_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0))
     tl.store(k_cache_ptr + dst, k, mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)

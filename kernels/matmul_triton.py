@@ -1,4 +1,4 @@
-"""Linear layers at batch 1: a Triton GEMV, same signature as `hibana_kernels.matmul`.
+"""Linear layers at batch 1: a Triton GEMV, same signatures as `hibana_kernels.matmul`.
 
 At one row (a single agent decoding) a linear layer is a pass over its weight and nothing else:
 the time is the weight's bytes over memory bandwidth, and cuBLAS reaches 59-80% of it on the
@@ -7,6 +7,11 @@ of W (contiguous along K) in tiles as wide as the row allows, so all its loads a
 once; the input row stays in the caches; accumulation is in float32 and the output is rounded
 once, as cuBLAS does. The kernel is correct for a few rows too (the tests run it so), but from two
 rows on cuBLAS wins and gets them, as it gets float32 (the exactness path).
+
+The GEMV can also compute its input from the kernel's output before it (`hibana_kernels.fusion`
+says where): silu(gate) * up of a gate/up projection, or the RMSNorm of x + residual, each
+program re-deriving the row it needs (the statistic over the whole row first) with the roundings
+of the separate kernels, so the fused result is theirs.
 """
 
 from __future__ import annotations
@@ -16,13 +21,27 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hibana_kernels import fusion, norm_triton
+from hibana_kernels.activation_triton import silu_and_mul
+
 MAX_ROWS = 1  # rows the GEMV takes; measured in bench/notes_decode.md
+
+
+@triton.jit
+def _silu_mul(x_rows, offs_k, mask, K):
+    """silu(gate) * up of a [gate | up] row tile, rounded as `_silu_and_mul_kernel` does."""
+    gate = tl.load(x_rows + offs_k[None, :], mask=mask, other=0.0)
+    up = tl.load(x_rows + K + offs_k[None, :], mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return (silu * up.to(tl.float32)).to(gate.dtype)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SILU_INPUT: tl.constexpr):
+    # SILU_INPUT: x rows are [gate | up], 2 * K wide; the product's input is silu(gate) * up
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
@@ -34,12 +53,89 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
-            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+            x_mask = m_mask[:, None]
         else:
             k_mask = offs_k < K
             w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            x_mask = m_mask[:, None] & k_mask[None, :]
+        if SILU_INPUT:
+            x = _silu_mul(x_rows, offs_k, x_mask, K)
+        else:
+            x = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _stream_tile(x_ptr, res_ptr, offs_m, offs_k, mask, stride_xm, stride_rm,
+                 HAS_RESIDUAL: tl.constexpr):
+    """x + residual over one row tile, rounded to x's dtype as torch's add (x alone without)."""
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _normed_tile(s, inv_rms, nw_ptr, offs_k, k_mask):
+    """The RMSNorm of a row tile given its scale, rounded as `_rms_norm_kernel` does: to the
+    input dtype, then times the weight (of that dtype) and rounded again."""
+    normed = (s.to(tl.float32) * inv_rms[:, None]).to(s.dtype).to(tl.float32)
+    nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    return (nw[None, :] * normed).to(s.dtype).to(tl.float32)
+
+
+@triton.jit
+def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, eps,
+                      M, N, K, stride_xm, stride_rm, stride_wn, stride_ym,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                      ONE_TILE: tl.constexpr):
+    """y = rms_norm(x + residual) @ W^T + b; program 0 also writes x + residual [M, K]."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if ONE_TILE:  # the whole row in one tile: the weight's load goes out before the norm's work
+        offs_k = tl.arange(0, BLOCK_K)
+        k_mask = (offs_k < K) | EVEN_K  # EVEN_K: a mask the compiler sees is all true
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        mask = m_mask[:, None] & k_mask[None, :]
+        s = _stream_tile(x_ptr, res_ptr, offs_m, offs_k, mask, stride_xm, stride_rm, HAS_RESIDUAL)
+        if HAS_RESIDUAL:
+            if pid == 0:
+                tl.store(res_out_ptr + offs_m[:, None] * K + offs_k[None, :], s, mask=mask)
+        sf = s.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(sf * sf, 1) / K + eps)
+        x = _normed_tile(s, inv_rms, nw_ptr, offs_k, k_mask)
+        acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    else:  # the statistic in a first pass over the row, from the caches
+        sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask = m_mask[:, None] & (offs_k < K)[None, :]
+            sf = _stream_tile(x_ptr, res_ptr, offs_m, offs_k, mask, stride_xm, stride_rm,
+                              HAS_RESIDUAL).to(tl.float32)
+            sumsq += tl.sum(sf * sf, 1)
+        inv_rms = tl.rsqrt(sumsq / K + eps)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = (offs_k < K) | EVEN_K
+            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            mask = m_mask[:, None] & k_mask[None, :]
+            s = _stream_tile(x_ptr, res_ptr, offs_m, offs_k, mask, stride_xm, stride_rm, HAS_RESIDUAL)
+            if HAS_RESIDUAL:
+                if pid == 0:
+                    tl.store(res_out_ptr + offs_m[:, None] * K + offs_k[None, :], s, mask=mask)
+            x = _normed_tile(s, inv_rms, nw_ptr, offs_k, k_mask)
+            acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
@@ -55,28 +151,85 @@ def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int]:
     return 4, 2048, 4
 
 
-def linear_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  block_n: int, block_k: int, num_warps: int, num_stages: int = 1) -> torch.Tensor:
-    """The GEMV with its tiles chosen by the caller (the tuning script sweeps them)."""
-    n, k = weight.shape
+def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x as [rows, k] with unit stride along k (a view where it can be)."""
     x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def linear_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  block_n: int, block_k: int, num_warps: int, num_stages: int = 1,
+                  silu_input: bool = False) -> torch.Tensor:
+    """The GEMV with its tiles chosen by the caller (the tuning script sweeps them).
+    `silu_input`: x is a gate/up output [..., 2 * K] and the product's input silu(gate) * up."""
+    n, k = weight.shape
+    x2 = _rows(x, 2 * k if silu_input else k)
     m = x2.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0),
         weight.stride(0), y.stride(0), BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n,
-        BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, num_warps=num_warps,
-        num_stages=num_stages)
+        BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
+        SILU_INPUT=silu_input, num_warps=num_warps, num_stages=num_stages)
     return y.view(*x.shape[:-1], n)
+
+
+def rms_norm_linear_launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                           eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
+                           block_n: int, block_k: int, num_warps: int
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm-then-GEMV kernel with its tiles chosen by the caller (tests, tuning)."""
+    n, k = weight.shape
+    x2 = _rows(x, k)
+    res2 = x2 if residual is None else _rows(residual, k)
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    res_out = x if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x2, res2, norm_weight, weight, bias if bias is not None else weight, y, res_out, eps,
+        m, n, k, x2.stride(0), res2.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
+        ONE_TILE=k <= block_k,
+        num_warps=num_warps)
+    return y.view(*x.shape[:-1], n), res_out
+
+
+def _gemv_takes(x: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
+    """One bf16/fp16 row of x's [..., k] against a weight of its dtype with unit stride along K."""
+    rows = x.numel() // k if k else 0
+    return (0 < rows <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and weight.stride(-1) == 1)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """See `hibana_kernels.matmul.linear`."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (not 0 < rows <= MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16)
-            or weight.dtype != x.dtype or weight.stride(-1) != 1):
+    if not _gemv_takes(x, weight, x.shape[-1]):
         return F.linear(x, weight, bias)
     n, k = weight.shape
-    return linear_launch(x, weight, bias, *gemv_config(rows, n, k))
+    return linear_launch(x, weight, bias, *gemv_config(1, n, k))
+
+
+def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                    eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `hibana_kernels.matmul.rms_norm_linear`: one launch for one row where the fusion
+    policy takes the layer's width, else the norm kernel and `linear`."""
+    n, k = weight.shape
+    if (_gemv_takes(x, weight, k) and fusion.policy().norm_linear(k) and norm_weight.dtype == x.dtype
+            and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))):
+        return rms_norm_linear_launch(x, residual, norm_weight, eps, weight, bias, *gemv_config(1, n, k))
+    if residual is None:
+        return linear(norm_triton.rms_norm(x, norm_weight, eps), weight, bias), x
+    normed, residual = norm_triton.fused_add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, weight, bias), residual
+
+
+def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """See `hibana_kernels.matmul.silu_and_mul_linear`: one launch for one row where the fusion
+    policy takes the layer's width, else `silu_and_mul` and `linear`."""
+    n, k = weight.shape
+    if gate_up.shape[-1] == 2 * k and _gemv_takes(gate_up, weight, 2 * k) and fusion.policy().silu_linear(k):
+        return linear_launch(gate_up, weight, bias, *gemv_config(1, n, k), silu_input=True)
+    return linear(silu_and_mul(gate_up), weight, bias)

@@ -30,12 +30,13 @@ def qk_norm_rotary_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
                          v: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                          q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                         eps: float = 0.0) -> torch.Tensor:
+                         eps: float = 0.0, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """An attention layer's prologue: per-head RMSNorm of q and k when weights are given (Qwen3),
-    rotary on both, then k and v into their cache slots (negative slot: skipped). Returns the
-    rotated q [T, H, D]. The Triton version does all of it in one launch."""
+    rotary on both, then k and v into their cache slots (negative slot: skipped; an fp8 cache:
+    quantized with `kv_scale`, see `attention.store_kv`). Returns the rotated q [T, H, D]. The
+    Triton version does all of it in one launch."""
     if q_weight is not None:
         q, k = norm.rms_norm(q, q_weight, eps), norm.rms_norm(k, k_weight, eps)
     q, k = rotary_embedding(positions, q, k, cos_table, sin_table)
-    attention.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    attention.store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scale)
     return q

@@ -3,7 +3,8 @@
 `rotary_embedding`: one program per token rotates all its query and key heads; q and k may be
 strided views (e.g. slices of a fused QKV projection), the results are new contiguous tensors.
 `qk_norm_rotary_store`: the whole attention prologue (q/k norm, rotary, K/V into the cache) in
-one launch, one program per (token, KV head) handling the query heads of its group.
+one launch, one program per (token, KV head) handling the query heads of its group; an fp8 cache
+takes the bytes of `attention_triton.quantize_kv`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from hibana_kernels.attention import check_kv_scale
+from hibana_kernels.attention_triton import quantize_kv
 
 
 @triton.jit
@@ -104,11 +108,11 @@ def _norm_rotate(x1, x2, w_ptr, c1, c2, s1, s2, eps, j, jm,
 
 @triton.jit
 def _prologue_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
-                     k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr, eps,
+                     k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr, k_scale_ptr, v_scale_ptr, eps,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_table, stride_slot, stride_head,
                      GROUP: tl.constexpr, HALF: tl.constexpr, BLOCK_G: tl.constexpr,
-                     BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+                     BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, KV_FP8: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     pos = tl.load(pos_ptr + token).to(tl.int64)
@@ -135,19 +139,25 @@ def _prologue_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_
         k2 = tl.load(k_src + HALF, mask=jm, other=0.0).to(tl.float32)
         r1, r2 = _norm_rotate(k1, k2, kw_ptr, c1, c2, s1, s2, eps, j, jm, HALF, HAS_NORM)
         slot_row = slot * stride_slot + kv_head * stride_head + j
+        v_src = v_ptr + token * stride_vt + kv_head * stride_vh + j
+        v1, v2 = tl.load(v_src, mask=jm), tl.load(v_src + HALF, mask=jm)
+        if KV_FP8:  # k as rounded to the activations' dtype, as the reference quantizes it
+            k_scale, v_scale = tl.load(k_scale_ptr + kv_head), tl.load(v_scale_ptr + kv_head)
+            r1, r2 = quantize_kv(r1, k_scale), quantize_kv(r2, k_scale)
+            v1, v2 = quantize_kv(v1, v_scale), quantize_kv(v2, v_scale)
         tl.store(k_cache_ptr + slot_row, r1, mask=jm)
         tl.store(k_cache_ptr + slot_row + HALF, r2, mask=jm)
-        v_src = v_ptr + token * stride_vt + kv_head * stride_vh + j
-        tl.store(v_cache_ptr + slot_row, tl.load(v_src, mask=jm), mask=jm)
-        tl.store(v_cache_ptr + slot_row + HALF, tl.load(v_src + HALF, mask=jm), mask=jm)
+        tl.store(v_cache_ptr + slot_row, v1, mask=jm)
+        tl.store(v_cache_ptr + slot_row + HALF, v2, mask=jm)
 
 
 def qk_norm_rotary_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          v: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                          q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                         eps: float = 0.0) -> torch.Tensor:
+                         eps: float = 0.0, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """See `hibana_kernels.rotary.qk_norm_rotary_store`."""
+    check_kv_scale(k_cache, kv_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if (q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or head_dim % 2
@@ -160,13 +170,18 @@ def qk_norm_rotary_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
     if has_norm and (q_weight.dtype != q.dtype or k_weight is None or k_weight.dtype != q.dtype):
         raise ValueError("qk_norm_rotary_store wants q and k norm weights in the activations' dtype")
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    kv_fp8 = kv_scale is not None
+    if kv_fp8:  # fp8 codes are written as bytes
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     if num_tokens:
         group, half = num_heads // num_kv_heads, head_dim // 2
         _prologue_kernel[(num_tokens, num_kv_heads)](
             positions, q, k, v, cos_table, sin_table, q_weight if has_norm else q,
-            k_weight if has_norm else k, k_cache, v_cache, slot_mapping, q_out, eps,
+            k_weight if has_norm else k, k_cache, v_cache, slot_mapping, q_out,
+            kv_scale[0] if kv_fp8 else q, kv_scale[1] if kv_fp8 else q, eps,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cos_table.stride(0), k_cache.stride(1), k_cache.stride(2),
             GROUP=group, HALF=half, BLOCK_G=triton.next_power_of_2(group),
-            BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=has_norm, num_warps=1 if group <= 2 else 4)
+            BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=has_norm, KV_FP8=kv_fp8,
+            num_warps=1 if group <= 2 else 4)
     return q_out

@@ -121,11 +121,14 @@ def test_state_files_refuse_the_dequantized_model(tiny_checkpoints, make_engine,
     assert again.load_state(tmp_path / "fp8.hibana").tokens == h.tokens
 
 
-def test_weight_surgery_on_an_fp8_checkpoint_is_refused(tiny_checkpoints, make_engine, tmp_path):
+def test_weight_surgery_on_an_fp8_checkpoint_is_refused_kv8_is_not(tiny_checkpoints, make_engine, tmp_path):
     write_fp8_checkpoint(tiny_checkpoints["llama"], tmp_path / "fp8", "fp8", (16, 16))
     for surgery in ("w8", "w4"):
         with pytest.raises(ConfigError, match=rf"{surgery} on an FP8 checkpoint.*already 8-bit"):
             make_engine(tmp_path / "fp8", surgery=[surgery], surgery_guard=False)
+    kv8 = make_engine(tmp_path / "fp8", surgery=["kv8"], surgery_guard=False, speculation="off")
+    assert {m.kind for n, m in _linears(kv8).items() if n != "lm_head"} == {"fp8"}
+    assert len(kv8.open_state("a").generate(greedy(4), prompt=random_tokens(random.Random(2), 20)).token_ids) == 4
 
 
 def test_an_fp8_checkpoint_passes_through_hibana_surgery(tiny_checkpoints, make_engine, tmp_path):

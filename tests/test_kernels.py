@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import hibana_kernels as kernels
-from hibana_kernels import activation, attention, matmul, norm, quant, rotary
+from hibana_kernels import activation, attention, fusion, matmul, norm, quant, rotary
 
 BLOCK_SIZE = 16
 HEAD_DIM = 32
@@ -64,15 +64,30 @@ def _exact(device, dtype):
 # inputs
 
 
-def make_paged_batch(lens, num_heads, num_kv_heads, dtype, device, seed, head_dim=HEAD_DIM):
+def fp8_scales(num_kv_heads, gen):
+    """kv_scale [2, H_kv] of powers of two (what kv8 calibrates): 2^-7 .. 2^-3, so values of
+    standard deviation 1 use the fp8 range, and some of the smaller scales' heads saturate."""
+    return 2.0 ** -torch.randint(3, 8, (2, num_kv_heads), generator=gen).float()
+
+
+def fp8_nan_cache(shape, device="cpu"):
+    """An fp8 cache whose every byte is NaN (0x7f), as make_paged_batch's float caches are."""
+    return torch.full(shape, 0x7F, dtype=torch.uint8, device=device).view(attention.FP8)
+
+
+def make_paged_batch(lens, num_heads, num_kv_heads, dtype, device, seed, head_dim=HEAD_DIM,
+                     kv_fp8=False):
     """Random dense K/V per sequence, scattered into a NaN-filled paged cache through shuffled
-    block tables (NaN: a kernel that reads a slot it should not makes the output NaN)."""
+    block tables (NaN: a kernel that reads a slot it should not makes the output NaN). kv_fp8:
+    the cache holds them as fp8 (the batch carries its `kv_scale`; the dense K/V returned are
+    what the cache reads back as)."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(math.ceil(s / BLOCK_SIZE) for s, _ in lens) + 3
     width = max(math.ceil(s / BLOCK_SIZE) for s, _ in lens) + 1  # one column of padding
     shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    kv_scale = fp8_scales(num_kv_heads, gen) if kv_fp8 else None
+    k_cache = fp8_nan_cache(shape) if kv_fp8 else torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = fp8_nan_cache(shape) if kv_fp8 else torch.full(shape, float("nan"), dtype=dtype)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, dense_k, dense_v = [], [], []
     for seq_len, _ in lens:
@@ -82,7 +97,10 @@ def make_paged_batch(lens, num_heads, num_kv_heads, dtype, device, seed, head_di
         v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
         slots = torch.tensor([blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
                               for p in range(seq_len)])
-        attention.store_kv(k, v, k_cache, v_cache, slots)
+        attention.store_kv(k, v, k_cache, v_cache, slots, kv_scale)
+        if kv_fp8:
+            k = attention.dequantize_kv(attention.quantize_kv(k, kv_scale[0]), kv_scale[0], dtype)
+            v = attention.dequantize_kv(attention.quantize_kv(v, kv_scale[1]), kv_scale[1], dtype)
         dense_k.append(k)
         dense_v.append(v)
     starts = [0]
@@ -90,13 +108,16 @@ def make_paged_batch(lens, num_heads, num_kv_heads, dtype, device, seed, head_di
         starts.append(starts[-1] + query_len)
     q = torch.randn(starts[-1], num_heads, head_dim, generator=gen).to(dtype)
     to = dict(device=device)
-    return dict(
+    batch = dict(
         q=q.to(**to), k_cache=k_cache.to(**to), v_cache=v_cache.to(**to),
         block_tables=torch.tensor(tables, dtype=torch.int32, **to),
         seq_lens=torch.tensor([s for s, _ in lens], dtype=torch.int32, **to),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, **to),
         max_query_len=max(n for _, n in lens), max_seq_len=max(s for s, _ in lens),
-    ), dense_k, dense_v
+    )
+    if kv_fp8:
+        batch["kv_scale"] = kv_scale.to(**to)
+    return batch, dense_k, dense_v
 
 
 def naive_attention(q, dense_k, dense_v, lens, scale, window):
@@ -136,6 +157,43 @@ def test_reference_attention_matches_dense(group, window, lens):
         batch["q"], batch["k_cache"], batch["v_cache"], batch["block_tables"],
         batch["seq_lens"].tolist(), batch["query_start_loc"].tolist(), scale, window)
     torch.testing.assert_close(host, out, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("lens", [MIXED_BATCH, MIXED_SHORT_BATCH], ids=["mixed", "mixed_short"])
+def test_reference_fp8_cache_reads_back_its_dequantized_values(dtype, lens):
+    """An fp8 cache attends exactly as a cache of its dequantized values in the activations'
+    dtype (the power-of-two scales make them exact there), for long and short queries alike;
+    and close to dense attention over the unquantized K/V."""
+    window = WINDOW if dtype == torch.float32 else None
+    batch, dense_k, dense_v = make_paged_batch(lens, 4 * NUM_KV_HEADS, NUM_KV_HEADS, dtype, "cpu",
+                                               seed=5, kv_fp8=True)
+    assert batch["k_cache"].dtype == attention.FP8 and batch["k_cache"].element_size() == 1
+    scale = HEAD_DIM ** -0.5
+    out = attention.paged_attention(**batch, scale=scale, sliding_window=window)
+    assert not out.isnan().any(), "read an unwritten cache slot"
+    twin = dict(batch)
+    kv_scale = twin.pop("kv_scale")
+    for name, row in (("k_cache", 0), ("v_cache", 1)):
+        twin[name] = attention.dequantize_kv(batch[name], kv_scale[row], dtype)  # NaN bytes stay NaN
+    torch.testing.assert_close(out, attention.paged_attention(**twin, scale=scale, sliding_window=window),
+                               atol=0, rtol=0)
+    expected = naive_attention(batch["q"], dense_k, dense_v, lens, scale, window)
+    torch.testing.assert_close(out.double(), expected, **({"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32
+                                                            else TOLERANCE[dtype]))
+
+
+def test_reference_fp8_quantization_saturates_and_rounds_to_nearest_even():
+    scale = torch.tensor([0.5, 2.0 ** -6])
+    x = torch.tensor([[[1.0, -300.0, 1e9, float("inf")], [2.0 ** -16, 1.5 * 2.0 ** -15, -7.0, 0.0]]])  # [1, 2, 4]
+    q = attention.quantize_kv(x, scale)
+    assert q.dtype == attention.FP8
+    back = attention.dequantize_kv(q, scale, torch.float32)
+    # head 0: 448 * 0.5 = 224 is its largest value, and what anything larger becomes
+    assert back[0, 0].tolist() == [1.0, -224.0, 224.0, 224.0]
+    # head 1, in units of its scale: 2^-10 lies halfway between 0 and the smallest subnormal
+    # 2^-9 (to even: 0); 1.5 * 2^-9 halfway between 2^-9 and 2^-8 (to even: 2^-8); -448 exact
+    assert back[0, 1].tolist() == [0.0, 2.0 ** -14, -7.0, 0.0]
 
 
 def test_reference_store_kv_skips_negative_slots():
@@ -221,6 +279,8 @@ def test_dispatch_on_cpu_runs_the_references_without_importing_triton():
         kernels.rms_norm(x, torch.ones(8), 1e-6)
         kernels.fused_add_rms_norm(x, x, torch.ones(8), 1e-6)
         kernels.silu_and_mul(x)
+        kernels.rms_norm_linear(x, x, torch.ones(8), 1e-6, torch.randn(5, 8))
+        kernels.silu_and_mul_linear(x, torch.randn(5, 4))
         table = torch.randn(8, 4)
         kernels.rotary_embedding(torch.arange(3), x.view(3, 2, 4), x.view(3, 2, 4), table, table)
         cache = torch.zeros(2, 16, 1, 4)
@@ -249,11 +309,15 @@ def _triton_module(name):
 
 
 def check_paged_attention(device, group, window, lens, dtype, num_splits, head_dim=HEAD_DIM,
-                          bounds_slack=0):
-    """bounds_slack: pass max_query_len and max_seq_len overstated by this much (CUDA graphs)."""
+                          bounds_slack=0, merge=None, kv_fp8=False):
+    """bounds_slack: pass max_query_len and max_seq_len overstated by this much (CUDA graphs).
+    merge: split decode merges in its own launch (True; a verify step of more rows than one
+    program merges still takes `_reduce_splits_kernel`) or in that second launch (False). A
+    launch merging in-kernel runs twice, as graph replays do: the counters it left must be zero.
+    kv_fp8: an fp8 cache with its scales."""
     triton_attention = _triton_module("attention")
     batch, _, _ = make_paged_batch(lens, group * NUM_KV_HEADS, NUM_KV_HEADS, dtype, device,
-                                   seed=7 * group + len(lens), head_dim=head_dim)
+                                   seed=7 * group + len(lens), head_dim=head_dim, kv_fp8=kv_fp8)
     scale = head_dim ** -0.5
     expected = attention.paged_attention(**batch, scale=scale, sliding_window=window)
     if bounds_slack and batch["max_query_len"] > 1:
@@ -264,10 +328,14 @@ def check_paged_attention(device, group, window, lens, dtype, num_splits, head_d
         out = triton_attention.paged_attention(**batch, scale=scale, sliding_window=window,
                                                uniform_query_len=uniform)
     else:
-        out = triton_attention.paged_attention_launch(
-            batch["q"], batch["k_cache"], batch["v_cache"], batch["block_tables"],
-            batch["seq_lens"], batch["query_start_loc"], batch["max_query_len"], scale, window,
-            num_splits, decode=uniform or None)
+        args = (batch["q"], batch["k_cache"], batch["v_cache"], batch["block_tables"],
+                batch["seq_lens"], batch["query_start_loc"], batch["max_query_len"], scale, window,
+                num_splits)
+        kwargs = dict(decode=uniform or None, merge=merge, kv_scale=batch.get("kv_scale"))
+        out = triton_attention.paged_attention_launch(*args, **kwargs)
+        if merge:
+            again = triton_attention.paged_attention_launch(*args, **kwargs)
+            torch.testing.assert_close(again, out, atol=0, rtol=0, equal_nan=True)
     assert not out.isnan().any(), "read an unwritten cache slot"
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
@@ -285,6 +353,27 @@ def check_store_kv(device, dtype):
     triton_attention.store_kv(k, v, caches[2], caches[3], slots.to(device))
     torch.testing.assert_close(caches[2], caches[0], atol=0, rtol=0, equal_nan=True)
     torch.testing.assert_close(caches[3], caches[1], atol=0, rtol=0, equal_nan=True)
+
+
+def check_store_kv_fp8(device, dtype, num_kv_heads, head_dim):
+    """Triton's fp8 store writes the reference's bytes, for any scales (divided, IEEE-rounded,
+    as torch divides): values in range, beyond it (saturated) and below its subnormals."""
+    triton_attention = _triton_module("attention")
+    gen = torch.Generator().manual_seed(num_kv_heads * head_dim)
+    kv = torch.randn(9, 2 * num_kv_heads, head_dim, generator=gen)
+    kv *= 10.0 ** torch.randint(-4, 3, kv.shape, generator=gen)  # 1e-4 .. 1e2 times
+    kv = kv.to(dtype).to(device)
+    k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads:]  # strided views, as from a fused projection
+    kv_scale = (torch.rand(2, num_kv_heads, generator=gen) / 20).to(device)  # not powers of two
+    slots = torch.randperm(4 * BLOCK_SIZE, generator=gen)[:9]
+    slots[4] = -1  # a padding row
+    caches = [fp8_nan_cache((4, BLOCK_SIZE, num_kv_heads, head_dim), device) for _ in range(4)]
+    attention.store_kv(k, v, caches[0], caches[1], slots.to(device), kv_scale)
+    triton_attention.store_kv(k, v, caches[2], caches[3], slots.to(device), kv_scale)
+    for got, want in ((caches[2], caches[0]), (caches[3], caches[1])):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert (caches[0].view(torch.uint8) != 0x7F).sum() == 2 * 8 * num_kv_heads * head_dim // 2, \
+        "8 rows written, none of them NaN"
 
 
 def check_norms(device, dtype, shape):
@@ -333,7 +422,9 @@ def check_silu_and_mul(device, dtype, inter):
                                activation.silu_and_mul(gate_up), **TOLERANCE[dtype])
 
 
-def check_qk_norm_rotary_store(device, dtype, num_heads, head_dim, qk_norm):
+def check_qk_norm_rotary_store(device, dtype, num_heads, head_dim, qk_norm, kv_fp8=False):
+    """kv_fp8: into fp8 caches (the same bytes as the reference's; under the interpreter, whose
+    bf16 roundings of k are a few units off, keys may be off by as much, plus an fp8 step)."""
     triton_rotary = _triton_module("rotary")
     gen = torch.Generator().manual_seed(num_heads * head_dim + qk_norm)
     max_pos, tokens = 300, 7
@@ -348,15 +439,29 @@ def check_qk_norm_rotary_store(device, dtype, num_heads, head_dim, qk_norm):
                         for _ in range(2)) + (1e-6,)
     slots = torch.randperm(4 * BLOCK_SIZE, generator=gen)[:tokens].to(device)
     slots[2] = -1  # a padding row: its q is still rotated, nothing is stored
-    caches = [torch.full((4, BLOCK_SIZE, NUM_KV_HEADS, head_dim), float("nan"), dtype=dtype,
-                         device=device) for _ in range(4)]
+    shape = (4, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
+    caches = [fp8_nan_cache(shape, device) if kv_fp8 else
+              torch.full(shape, float("nan"), dtype=dtype, device=device) for _ in range(4)]
+    if not qk_norm and not weights:
+        weights = (None, None, 0.0)
+    scales = (fp8_scales(NUM_KV_HEADS, gen).to(device),) if kv_fp8 else ()
     ref_q = rotary.qk_norm_rotary_store(positions, q, k, v, cos, sin, caches[0], caches[1], slots,
-                                        *weights)
+                                        *weights, *scales)
     out_q = triton_rotary.qk_norm_rotary_store(positions, q, k, v, cos, sin, caches[2], caches[3],
-                                               slots, *weights)
+                                               slots, *weights, *scales)
     # four chained bf16 roundings, which the interpreter truncates: a few units off there
     tolerance = dict(atol=0.1, rtol=2e-2) if device == "cpu" and qk_norm else TOLERANCE[dtype]
     torch.testing.assert_close(out_q, ref_q, **tolerance)
+    if kv_fp8:
+        got, want = caches[2].view(torch.uint8), caches[0].view(torch.uint8)
+        if device == "cpu" and dtype == torch.bfloat16:
+            assert (got == want).float().mean() > 0.9
+            back = [attention.dequantize_kv(c, scales[0][0], torch.float32) for c in (caches[2], caches[0])]
+            torch.testing.assert_close(back[0], back[1], atol=0.1, rtol=0.07, equal_nan=True)
+        else:
+            assert torch.equal(got, want)
+        assert torch.equal(caches[3].view(torch.uint8), caches[1].view(torch.uint8))
+        return
     torch.testing.assert_close(caches[2], caches[0], equal_nan=True, **tolerance)
     torch.testing.assert_close(caches[3], caches[1], atol=0, rtol=0, equal_nan=True)
 
@@ -377,6 +482,88 @@ def check_linear(device, dtype, rows, n, k, bias, tiles):
     assert out.shape == (rows, n) and out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
 
+
+def _fused_inputs(dtype, device, rows, n, k, bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(rows, k, generator=gen)).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
+    b = torch.randn(n, generator=gen).to(dtype).to(device) if bias else None
+    return gen, x, w, b
+
+
+def check_rms_norm_linear(device, dtype, rows, n, k, bias, residual, tiles):
+    """The norm-then-GEMV (through the dispatcher, `tiles` None, or forced with those tiles)
+    against the references composed: the norm in `dtype`, the product in float64; and against
+    the separate Triton kernels (fusion off). The new residual is exact."""
+    triton_matmul = _triton_module("matmul")
+    gen, x, w, b = _fused_inputs(dtype, device, rows, n, k, bias, seed=rows * n + k + residual)
+    res = torch.randn(rows, k, generator=gen).to(dtype).to(device) if residual else None
+    norm_weight = (1 + torch.randn(k, generator=gen) / 4).to(dtype).to(device)
+    normed, ref_res = (norm.fused_add_rms_norm(x, res, norm_weight, 1e-6) if residual
+                       else (norm.rms_norm(x, norm_weight, 1e-6), x))
+    ref = matmul.linear(normed.double(), w.double(), None if b is None else b.double())
+    if tiles is None:
+        out, new_res = triton_matmul.rms_norm_linear(x, res, norm_weight, 1e-6, w, b)
+    else:
+        out, new_res = triton_matmul.rms_norm_linear_launch(x, res, norm_weight, 1e-6, w, b, *tiles)
+    assert out.shape == (rows, n) and out.dtype == dtype and new_res.shape == x.shape
+    torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
+    torch.testing.assert_close(new_res, ref_res, **_exact(device, dtype))
+    with fusion.using("off"):
+        separate, separate_res = triton_matmul.rms_norm_linear(x, res, norm_weight, 1e-6, w, b)
+    torch.testing.assert_close(out, separate, **TOLERANCE[dtype])
+    torch.testing.assert_close(new_res, separate_res, atol=0, rtol=0)
+
+
+def check_silu_and_mul_linear(device, dtype, rows, n, k, bias, tiles):
+    """The down GEMV on silu(gate) * up of a [rows, 2k] gate/up output, as check_rms_norm_linear."""
+    triton_matmul = _triton_module("matmul")
+    _, gate_up, w, b = _fused_inputs(dtype, device, rows, n, 2 * k, bias, seed=rows * n + k)
+    w = w[:, :k].contiguous()
+    ref = matmul.linear(activation.silu_and_mul(gate_up).double(), w.double(),
+                        None if b is None else b.double())
+    if tiles is None:
+        out = triton_matmul.silu_and_mul_linear(gate_up, w, b)
+    else:
+        out = triton_matmul.linear_launch(gate_up, w, b, *tiles, silu_input=True)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    # two chained bf16 roundings per input, which the interpreter truncates: summed over k
+    # inputs, some outputs near zero are a few hundredths off there
+    tolerance = dict(atol=0.1, rtol=2e-2) if device == "cpu" and dtype == torch.bfloat16 else TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), ref, **tolerance)
+    with fusion.using("off"):
+        separate = triton_matmul.silu_and_mul_linear(gate_up, w, b)
+    torch.testing.assert_close(out, separate, **TOLERANCE[dtype])
+
+
+def check_fusion_dispatch(device):
+    """One bf16 row folds the norm and the activation into the GEMV under a policy that takes
+    the width, and runs the separate kernels under one that does not; two rows never fold."""
+    triton_matmul = _triton_module("matmul")
+    calls = []
+
+    def counted(name, fn):
+        return lambda *args: calls.append(name) or fn(*args)
+
+    norm_module = triton_matmul.norm_triton
+    originals = (norm_module.fused_add_rms_norm, norm_module.rms_norm, triton_matmul.silu_and_mul)
+    norm_module.fused_add_rms_norm = counted("norm", originals[0])
+    norm_module.rms_norm = counted("norm", originals[1])
+    triton_matmul.silu_and_mul = counted("silu", originals[2])
+    try:
+        _, x, w, _ = _fused_inputs(torch.bfloat16, device, 2, 24, 64, False, seed=1)
+        nw = torch.ones(64, dtype=torch.bfloat16, device=device)
+        narrow = fusion.Fusion(norm_max_k=63, silu_max_k=31, attention_merge=True)
+        for policy, rows, separate in (("on", 1, []), (narrow, 1, ["norm", "norm", "silu"]),
+                                       ("on", 2, ["norm", "norm", "silu"])):
+            calls.clear()
+            with fusion.using(policy):
+                triton_matmul.rms_norm_linear(x[:rows], x[:rows], nw, 1e-6, w)
+                triton_matmul.rms_norm_linear(x[:rows], None, nw, 1e-6, w)
+                triton_matmul.silu_and_mul_linear(x[:rows], w[:, :32].contiguous())
+            assert calls == separate, (policy, rows, calls)
+    finally:
+        norm_module.fused_add_rms_norm, norm_module.rms_norm, triton_matmul.silu_and_mul = originals
 
 
 def check_linear_quant(device, dtype, bits, lead, n, k, group_size, bias, tiles):
@@ -500,22 +687,24 @@ DTYPES = [torch.float32, torch.bfloat16]
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("window", [None, WINDOW])
-@pytest.mark.parametrize("lens, num_splits",  # None: the entry point's own choice (here: 1)
-                         [(MIXED_BATCH, None), (DECODE_BATCH, None), (DECODE_BATCH, 3),
-                          (VERIFY_BATCH, None), (VERIFY_BATCH, 3)],
-                         ids=["mixed", "decode", "decode-3splits", "verify", "verify-3splits"])
-def test_paged_attention(run_check, dtype, group, window, lens, num_splits):
+@pytest.mark.parametrize("lens, num_splits, merge",  # None: the entry point's own choice (here: 1)
+                         [(MIXED_BATCH, None, None), (DECODE_BATCH, None, None), (DECODE_BATCH, 3, True),
+                          (DECODE_BATCH, 3, False), (VERIFY_BATCH, None, None), (VERIFY_BATCH, 3, True)],
+                         ids=["mixed", "decode", "decode-3splits", "decode-3splits-separate-merge",
+                              "verify", "verify-3splits"])  # verify: merged in-kernel at group 1 only
+def test_paged_attention(run_check, dtype, group, window, lens, num_splits, merge):
     run_check(check_paged_attention, group=group, window=window, lens=lens, dtype=dtype,
-              num_splits=num_splits)
+              num_splits=num_splits, merge=merge)
 
 
 # a group that is not a power of two (Qwen2.5-7B: 7), the tiny test models' head_dim 16, and a
 # head_dim that is not a power of two (padded and masked)
 @pytest.mark.parametrize("group, head_dim", [(7, 32), (2, 16), (2, 48)])
 def test_paged_attention_odd_shapes(run_check, group, head_dim):
-    for lens, num_splits in ((MIXED_BATCH, None), (DECODE_BATCH, 2)):
+    for lens, num_splits, merge in ((MIXED_BATCH, None, None), (DECODE_BATCH, 2, True),
+                                    (DECODE_BATCH, 2, False)):
         run_check(check_paged_attention, group=group, window=WINDOW, lens=lens,
-                  dtype=torch.float32, num_splits=num_splits, head_dim=head_dim)
+                  dtype=torch.float32, num_splits=num_splits, head_dim=head_dim, merge=merge)
 
 
 @pytest.mark.parametrize("lens", [DECODE_BATCH, MIXED_BATCH], ids=["decode", "mixed"])
@@ -527,6 +716,31 @@ def test_paged_attention_with_overstated_bounds(run_check, lens):
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
 def test_store_kv(run_check, dtype):
     run_check(check_store_kv, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+@pytest.mark.parametrize("num_kv_heads, head_dim", [(2, 32), (3, 48), (8, 128)])
+def test_store_kv_fp8(run_check, dtype, num_kv_heads, head_dim):
+    run_check(check_store_kv_fp8, dtype=dtype, num_kv_heads=num_kv_heads, head_dim=head_dim)
+
+
+# fp8 caches (kv8): decode (split and not), verify, mixed prefill, short-query batches; groups
+# 1 to 7 (not a power of two), head_dim 16 and 48 (padded), a sliding window
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+@pytest.mark.parametrize("group, head_dim, window", [(1, 32, None), (4, 16, WINDOW), (7, 48, None)])
+@pytest.mark.parametrize("lens, num_splits",
+                         [(MIXED_BATCH, None), (DECODE_BATCH, 3), (VERIFY_BATCH, None), (MIXED_SHORT_BATCH, None)],
+                         ids=["mixed", "decode-3splits", "verify", "mixed_short"])
+def test_paged_attention_fp8(run_check, dtype, group, head_dim, window, lens, num_splits):
+    run_check(check_paged_attention, group=group, window=window, lens=lens, dtype=dtype,
+              num_splits=num_splits, head_dim=head_dim, kv_fp8=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+@pytest.mark.parametrize("num_heads, head_dim, qk_norm", [(4, 16, False), (14, 32, True), (6, 64, True)])
+def test_qk_norm_rotary_store_fp8(run_check, dtype, num_heads, head_dim, qk_norm):
+    run_check(check_qk_norm_rotary_store, dtype=dtype, num_heads=num_heads, head_dim=head_dim,
+              qk_norm=qk_norm, kv_fp8=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
@@ -565,6 +779,46 @@ def test_linear(run_check, dtype, rows, n, k, bias, tiles):
     if dtype == torch.float32 and tiles is not None:
         tiles = None  # float32 always goes to cuBLAS; checked through the dispatcher
     run_check(check_linear, dtype=dtype, rows=rows, n=n, k=k, bias=bias, tiles=tiles)
+
+
+# one row (the dispatcher folds: the default policy takes these widths), odd N and K (masked
+# tiles), the first layer's norm without a residual, K in several steps (the statistic in a first
+# pass; the last step masked or not), a few rows through the kernel, and rows the dispatcher
+# leaves to the separate kernels
+NORM_LINEAR_CASES = [(1, 96, 64, False, True, None), (1, 37, 100, True, True, None),
+                     (1, 33, 100, True, False, None), (1, 130, 300, False, True, (2, 128, 4)),
+                     (1, 64, 256, True, False, (4, 64, 4)), (3, 40, 96, True, True, (4, 128, 4)),
+                     (4, 40, 64, False, True, None)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows, n, k, bias, residual, tiles", NORM_LINEAR_CASES,
+                         ids=[f"rows{c[0]}-n{c[1]}-k{c[2]}" + ("-bias" if c[3] else "")
+                              + ("-residual" if c[4] else "") + ("-tiles" if c[5] else "")
+                              for c in NORM_LINEAR_CASES])
+def test_rms_norm_linear(run_check, dtype, rows, n, k, bias, residual, tiles):
+    if dtype == torch.float32:
+        tiles = None  # float32 takes the separate kernels; checked through the dispatcher
+    run_check(check_rms_norm_linear, dtype=dtype, rows=rows, n=n, k=k, bias=bias,
+              residual=residual, tiles=tiles)
+
+
+SILU_LINEAR_CASES = [(1, 96, 64, False, None), (1, 37, 100, True, None), (1, 40, 300, True, (2, 128, 4)),
+                     (3, 33, 96, False, (4, 32, 4)), (2, 40, 64, False, None)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows, n, k, bias, tiles", SILU_LINEAR_CASES,
+                         ids=[f"rows{c[0]}-n{c[1]}-k{c[2]}" + ("-bias" if c[3] else "")
+                              + ("-tiles" if c[4] else "") for c in SILU_LINEAR_CASES])
+def test_silu_and_mul_linear(run_check, dtype, rows, n, k, bias, tiles):
+    if dtype == torch.float32:
+        tiles = None
+    run_check(check_silu_and_mul_linear, dtype=dtype, rows=rows, n=n, k=k, bias=bias, tiles=tiles)
+
+
+def test_fusion_dispatch(run_check):
+    run_check(check_fusion_dispatch)
 
 
 # The dispatcher's choice over the row counts of decode (GEMV: 1, 2), verify (5, 17) and prefill

@@ -152,7 +152,7 @@ def test_the_record_and_fingerprint_hold_the_parameters_in_effect(tiny_checkpoin
 
 
 @pytest.mark.parametrize("bad, message", [
-    (["w9"], r"no surgery pass named 'w9'.*registered: .*w4, w8"),
+    (["w9"], r"no surgery pass named 'w9'.*registered: kv8, w4, w8"),
     (["w8", "w8"], r"names a pass twice"),
     ([{"name": "w4", "group_size": 3}], r"group_size must be an even integer"),
     ([{"name": "w8", "group_size": 64}], r"w8 takes no parameters"),
@@ -236,10 +236,14 @@ def test_in_memory_models_take_the_checked_copy_path():
 # --- the guard -----------------------------------------------------------------------------------
 
 
-def test_guard_measures_w8_on_the_demo_model_and_it_passes_its_floors(make_engine):
+@pytest.mark.timeout(1800)  # the demo model's reference and two passes, greedy text included, on the CPU
+def test_guard_measures_w8_then_kv8_on_the_demo_model_and_they_pass_their_floors(make_engine):
+    """w8, then kv8 on top (the guard measures each pass's cumulative effect; kv8's scratch
+    cache is fp8). The figures are printed (pytest -s) as `hibana surgery demo` prints them."""
     from hibana_core import Engine
+    from hibana_core.surgery.guard import GuardReport, table
 
-    engine = Engine.from_pretrained("demo", surgery=["w8"], speculation="off", progress=False,
+    engine = Engine.from_pretrained("demo", surgery=["w8", "kv8"], speculation="off", progress=False,
                                     num_blocks=64)
     try:
         guard = engine.surgery[0]["guard"]
@@ -248,6 +252,19 @@ def test_guard_measures_w8_on_the_demo_model_and_it_passes_its_floors(make_engin
         assert guard["tokens"] > 2000 and 0 < guard["first_divergence"] <= 48
         # the demo conversations' tool calls, written by the model itself at each "<tool_call>"
         assert guard["tool_calls_valid_before"] >= 0.9 and guard["tool_calls_valid"] >= 0.9
+
+        kv8 = engine.surgery[1]["guard"]
+        assert engine.kv_cache.dtype == torch.float8_e4m3fn
+        assert kv8["decision"] == "ok" and kv8["floors"] == {"ppl_ratio": 1.02, "top1_agreement": 0.95}
+        assert kv8["ppl_ratio"] <= 1.02 and kv8["top1_agreement"] >= 0.95 and kv8["mean_kl"] < 0.02
+        assert kv8["mean_kl"] > guard["mean_kl"], "fp8 KV costs more than int8 weights: it was measured"
+        assert kv8["tool_calls_valid"] >= 0.8
+        rows = [(r["name"], GuardReport(**{k: r["guard"][k] for k in ("ppl_ratio", "mean_kl", "top1_agreement",
+                                                                     "first_divergence", "tokens")},
+                                        tool_calls=r["guard"]["tool_calls_valid"],
+                                        tool_calls_before=r["guard"]["tool_calls_valid_before"]),
+                 r["guard"]["decision"]) for r in engine.surgery]
+        print("\n" + table(rows))
     finally:
         engine.close()
 

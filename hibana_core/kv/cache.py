@@ -2,7 +2,9 @@
 
     data: [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]
 
-Block ids come from `BlockPool`; this object only moves bytes (copy-on-write, save, load).
+Block ids come from `BlockPool`; this object only moves bytes (copy-on-write, save, load). An
+fp8 cache (float8_e4m3fn: the kv8 surgery pass) is moved as its bytes: its per-head scales live
+on the model's attention layers, not here, so blocks move, fork and reload unchanged.
 """
 
 from __future__ import annotations
@@ -10,6 +12,15 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+
+FP8 = torch.float8_e4m3fn
+
+
+def kv_cache_dtype(model: torch.nn.Module, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype `model` stores its keys and values in: fp8 once kv8 gave its attention layers
+    scales (`set_kv_scales`), otherwise its compute dtype."""
+    scaled = any(getattr(m, "kv_scale", None) is not None for m in model.modules() if hasattr(m, "set_kv_scales"))
+    return FP8 if scaled else compute_dtype
 
 
 class KVCache:
@@ -21,11 +32,17 @@ class KVCache:
         # length are never read)
         self.data = torch.empty(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
                                 dtype=dtype, device=device)
+        # what copies go through: fp8 as bytes (not every device's index ops take fp8)
+        self._raw = self.data.view(torch.uint8) if dtype == FP8 else self.data
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
 
     @property
     def nbytes(self) -> int:
@@ -36,13 +53,14 @@ class KVCache:
         return self.data[index, 0], self.data[index, 1]
 
     def copy_block(self, src: int, dst: int) -> None:
-        self.data[:, :, dst] = self.data[:, :, src]
+        self._raw[:, :, dst] = self._raw[:, :, src]
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """[num_layers, 2, len(block_ids), block_size, H_kv, D], on the host."""
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self.data.device)
-        return self.data.index_select(2, index).cpu()
+        return self._raw.index_select(2, index).cpu().view(self.data.dtype)
 
     def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self.data.device)
-        self.data.index_copy_(2, index, blocks.to(self.data.device, self.data.dtype))
+        blocks = blocks.to(self.data.device, self.data.dtype)
+        self._raw.index_copy_(2, index, blocks.view(self._raw.dtype))

@@ -76,8 +76,9 @@ def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, b
         raise StateFileError(f"cannot write the state file {str(path)!r}: {exc}") from exc
 
 
-def read(path: Path, fingerprint: str, kv_shape: Sequence[int]) -> SavedState:
-    """Read and verify a state file; `kv_shape` is the engine's [layers, 2, *, block, heads, dim]."""
+def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.dtype | None = None) -> SavedState:
+    """Read and verify a state file; `kv_shape` is the engine's [layers, 2, *, block, heads, dim],
+    `kv_dtype` its cache's dtype (fp8 blocks are saved and restored as their bytes)."""
     from safetensors import safe_open
 
     try:
@@ -111,7 +112,8 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int]) -> SavedState:
     blocks = -(-saved.num_computed // saved.block_size) if saved.block_size > 0 else -1
     if (not 0 <= saved.num_computed <= len(saved.tokens) or saved.block_size <= 0 or kv.dim() != 6
             or kv.shape[2] != blocks or kv.shape[3] != saved.block_size
-            or (kv.shape[0], kv.shape[1], kv.shape[4], kv.shape[5]) != (kv_shape[0], kv_shape[1], kv_shape[4], kv_shape[5])):
+            or (kv.shape[0], kv.shape[1], kv.shape[4], kv.shape[5]) != (kv_shape[0], kv_shape[1], kv_shape[4], kv_shape[5])
+            or (kv_dtype is not None and kv.dtype != kv_dtype)):
         raise StateFileError(f"state file {path} is inconsistent (its KV does not fit its tokens or this "
                              "model's layout); save the state again")
     return saved

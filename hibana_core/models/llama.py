@@ -183,6 +183,24 @@ class Linear(nn.Linear):
             return kernels.linear_fp8(x, self.qweight, self.scales, self.block, self.bias)
         return kernels.linear_int4(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
 
+    def after_norm(self, norm: RMSNorm, x: torch.Tensor,
+                   residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual); without a residual (self(norm(x)), x).
+        A dense weight takes `kernels.rms_norm_linear`, one launch where the GEMV folds the norm in."""
+        if self.kind == "dense":
+            return kernels.rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+        if residual is None:
+            return self(norm(x)), x
+        x, residual = norm(x, residual)
+        return self(x), residual
+
+    def after_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up) of a fused gate/up output; one launch where a dense weight's GEMV
+        folds the activation in (`kernels.silu_and_mul_linear`)."""
+        if self.kind == "dense":
+            return kernels.silu_and_mul_linear(gate_up, self.weight, self.bias)
+        return self(kernels.silu_and_mul(gate_up))
+
     def extra_repr(self) -> str:
         packed = "" if self.kind == "dense" else f", {self.kind}" + (f" g{self.group_size}" if self.group_size else "") \
             + (f" block {self.block[0]}x{self.block[1]}" if self.block else "")
@@ -213,7 +231,9 @@ class RotaryTables:
 
 
 class Attention(nn.Module):
-    """Self-attention with a fused q/k/v projection (the checkpoint's three are loaded into it)."""
+    """Self-attention with a fused q/k/v projection (the checkpoint's three are loaded into it).
+    After kv8 (`set_kv_scales`) its keys and values are stored in fp8 with the per-head scales
+    of buffer `kv_scale` [2 (k, v), H_kv] float32 (None: stored in the compute dtype)."""
 
     def __init__(self, args: LlamaArgs, layer_idx: int, ctx: ForwardContext,
                  rotary: RotaryTables) -> None:
@@ -229,22 +249,32 @@ class Attention(nn.Module):
         if args.qk_norm:
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
+        self.register_buffer("kv_scale", None)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def set_kv_scales(self, kv_scale: torch.Tensor) -> None:
+        """Store this layer's keys and values in fp8 with these scales ([2, H_kv] float32)."""
+        if tuple(kv_scale.shape) != (2, self.num_kv_heads):
+            raise ValueError(f"kv_scale has shape {tuple(kv_scale.shape)}, this layer wants (2, {self.num_kv_heads})")
+        self.kv_scale = kv_scale.to(torch.float32).contiguous()
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention over norm(x + residual); returns (its output, x + residual)."""
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        qkv, residual = self.qkv_proj.after_norm(norm, x, residual)
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)      # [T, H, D]
         k = k.view(tokens, self.num_kv_heads, self.head_dim)   # [T, H_kv, D]
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         batch = self.ctx.batch
         k_cache, v_cache = self.ctx.kv_cache.layer(self.layer_idx)
-        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else ()
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else (None, None, 0.0)
         q = kernels.qk_norm_rotary_store(positions, q, k, v, *self.rotary.tables(positions.device),
-                                         k_cache, v_cache, batch.slot_mapping, *norms)
+                                         k_cache, v_cache, batch.slot_mapping, *norms, self.kv_scale)
         o = kernels.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
                                     batch.query_start_loc, batch.max_query_len, batch.max_seq_len,
-                                    self.scale, self.sliding_window, batch.uniform_query_len)
-        return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
+                                    self.scale, self.sliding_window, batch.uniform_query_len, self.kv_scale)
+        return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim)), residual
 
 
 class MLP(nn.Module):
@@ -256,8 +286,11 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(h, 2 * i, bias=args.mlp_bias)
         self.down_proj = Linear(i, h, bias=args.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor,
+                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP of norm(x + residual); returns (its output, x + residual)."""
+        gate_up, residual = self.gate_up_proj.after_norm(norm, x, residual)
+        return self.down_proj.after_silu_and_mul(gate_up), residual
 
 
 class DecoderLayer(nn.Module):
@@ -270,14 +303,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None):
-        """The residual stream is carried beside x, so each add fuses with the next norm."""
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        """The residual stream is carried beside x (the stream is x + residual), so each add
+        fuses with the norm after it, and both with the projection after that where the kernels
+        can (`Linear.after_norm`): a batch-1 decode layer on the GPU can be six launches (norm +
+        qkv, prologue, attention, o, norm + gate_up, silu + down)."""
+        x, residual = self.self_attn(positions, x, residual, self.input_layernorm)
+        return self.mlp(x, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):

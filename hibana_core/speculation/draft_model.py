@@ -34,7 +34,7 @@ import torch
 from hibana_core.errors import ConfigError, MemoryBudgetError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.kv.block_pool import BlockPool
-from hibana_core.kv.cache import KVCache
+from hibana_core.kv.cache import KVCache, kv_cache_dtype
 from hibana_core.kv.sequence import KVSequence
 from hibana_core.loader import LoadedModel, load_model
 from hibana_core.runner import DeviceInput, ModelRunner, StepData
@@ -131,12 +131,13 @@ class DraftModelDrafter:
         self._cap = loaded.args.vocab_size - 1 if engine.vocab_size > loaded.args.vocab_size else None
         self.max_len = min(engine.max_model_len, loaded.args.max_position_embeddings)
         a, bs = loaded.args, engine.config.cache.block_size
-        per_block = KVCache.bytes_per_block(a.num_layers, bs, a.num_kv_heads, a.head_dim, loaded.dtype)
+        kv_dtype = kv_cache_dtype(loaded.model, loaded.dtype)  # fp8 for layer-skip on a kv8 target
+        per_block = KVCache.bytes_per_block(a.num_layers, bs, a.num_kv_heads, a.head_dim, kv_dtype)
         if num_blocks is None:
             share = int(kv_share * engine.kv_cache.nbytes) // per_block
             num_blocks = min(engine.pool.num_blocks, max(share, -(-self.max_len // bs) + 1))
         try:
-            self.kv_cache = KVCache(a.num_layers, num_blocks, bs, a.num_kv_heads, a.head_dim, loaded.dtype,
+            self.kv_cache = KVCache(a.num_layers, num_blocks, bs, a.num_kv_heads, a.head_dim, kv_dtype,
                                     engine.device)
         except (RuntimeError, MemoryError) as exc:
             raise MemoryBudgetError(f"cannot allocate the draft model's {num_blocks:,} KV blocks "
@@ -294,7 +295,7 @@ class DraftModelDrafter:
         runner = self.runner
         self.counters.forwards += 1
         if runner.graphs is not None and runner.graphs.fits(data, len(parts)):
-            logits = runner.graphs.run(data, previous)  # [S, vocab]
+            logits, _ = runner.graphs.run(data, previous)  # [S, vocab]; whether it captured
         else:
             inputs = runner.prepare(data)
             runner.take_from_device(inputs.input_ids, data, previous)

@@ -7,7 +7,10 @@
 
 A pass is an object with `apply(model, params) -> dict`, registered by name through the
 `register_surgery_passes` hook (`hibana_core.surgery.passes` registers the built-in ones). The
-engine takes them as `surgery=["w8"]` or `surgery=[{"name": "w4", "group_size": 64}]`.
+engine takes them as `surgery=["w8"]` or `surgery=[{"name": "w4", "group_size": 64}]`. A pass
+that must run the model on text (kv8) sets `calibrated = True` and gets a third argument, a
+`calibration.Calibration`. A record's "digest", when a pass derived values from data (kv8's
+scales), joins the fingerprint with the pass's name and parameters.
 """
 
 from __future__ import annotations
@@ -92,16 +95,23 @@ def check_requests(requests: Sequence[PassRequest], passes: dict[str, Any]) -> t
 
 
 def apply_passes(model: "torch.nn.Module", requests: Sequence[PassRequest], passes: dict[str, Any],
-                 guard: Any = None) -> list[dict[str, Any]]:
+                 guard: Any = None, calibration: Any = None) -> list[dict[str, Any]]:
     """Run the passes in order; their records, each with its name and parameters (and, with a
     guard, its figures against the unmodified model: a pass over its floors raises
-    SurgeryGuardError unless its request says `force: True`)."""
+    SurgeryGuardError unless its request says `force: True`). `calibration`: what passes with
+    `calibrated = True` run the model on."""
     records = []
     for request in check_requests(requests, passes):  # every request before any pass runs
         params = dict(request.params)
         force = params.pop("force", False)
         surgery_pass = passes[request.name]
-        record = {"name": request.name, "params": dict(params), **surgery_pass.apply(model, params)}
+        extra = ()
+        if getattr(surgery_pass, "calibrated", False):
+            if calibration is None:
+                raise ConfigError(f"surgery pass {request.name!r} runs the model on calibration text; "
+                                  "apply it through the engine (Engine.from_pretrained(..., surgery=[...]))")
+            extra = (calibration,)
+        record = {"name": request.name, "params": dict(params), **surgery_pass.apply(model, params, *extra)}
         if guard is not None:
             record["guard"] = guard.check(request.name, surgery_pass, force)
         records.append(record)
@@ -110,8 +120,10 @@ def apply_passes(model: "torch.nn.Module", requests: Sequence[PassRequest], pass
 
 def fingerprint(base: str, dtype: "torch.dtype", kv_dtype: "torch.dtype", records: Sequence[dict]) -> str:
     """What a state file's KV depends on: the checkpoint, the compute and KV dtypes and the passes
-    applied (a state saved under one of these does not load under another)."""
+    applied, with what they derived from data (a state saved under one of these does not load
+    under another)."""
+    passes = [{"name": r["name"], "params": r["params"], **({"digest": r["digest"]} if "digest" in r else {})}
+              for r in records]
     described = json.dumps({"checkpoint": base, "dtype": str(dtype), "kv_dtype": str(kv_dtype),
-                            "surgery": [{"name": r["name"], "params": r["params"]} for r in records]},
-                           sort_keys=True)
+                            "surgery": passes}, sort_keys=True)
     return hashlib.sha256(described.encode()).hexdigest()

@@ -3,8 +3,10 @@
     out/config.json, tokenizer files, generation_config.json   copied from the source
     out/model.safetensors      the rewritten model's tensors under Hibana's own module names
                                (fused q/k/v and gate/up; packed layers as qweight/scales/zeros)
-    out/hibana_surgery.json    MANIFEST: the passes with their parameters and guard figures, and
-                               each packed layer's kind and group size (fp8: its scale block)
+    out/hibana_surgery.json    MANIFEST: the passes with their parameters and guard figures,
+                               each packed layer's kind and group size (fp8: its scale block), and
+                               the attention layers whose KV is stored in fp8 (kv8: their
+                               `kv_scale` is in the weights)
 
 `hibana_core.loader` reads the manifest: packed layers get their packed tensors, the rest load
 by name, and the engine reports the manifest's passes as applied (they join its fingerprint).
@@ -32,6 +34,10 @@ def packed_layers(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
             for name, m in model.named_modules() if getattr(m, "kind", "dense") != "dense"}
 
 
+def kv_scaled_layers(model: torch.nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules() if getattr(m, "kv_scale", None) is not None]
+
+
 def save(engine: Any, source: Path, out: Path) -> Path:
     """Write `engine`'s rewritten model (loaded from `source`) as a checkpoint in `out`."""
     from safetensors.torch import save_file
@@ -49,7 +55,8 @@ def save(engine: Any, source: Path, out: Path) -> Path:
                [*model.named_parameters(), *model.named_buffers()]}  # tied parameters once
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     manifest = {"format": FORMAT, "source": str(source), "dtype": str(engine.dtype).removeprefix("torch."),
-                "passes": engine.surgery, "packed_layers": packed_layers(model)}
+                "passes": engine.surgery, "packed_layers": packed_layers(model),
+                "kv_scaled_layers": kv_scaled_layers(model)}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return out
 

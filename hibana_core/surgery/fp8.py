@@ -115,8 +115,8 @@ def ct_block(weights, what: str) -> tuple[int, int]:
 
 def kv_cache_error(what: str) -> CheckpointError:
     return CheckpointError(f"{what}: the checkpoint quantizes the KV cache (fp8 KV scales), which Hibana "
-                           "does not load; its KV precision is the engine's kv_dtype. Supported: "
-                           f"{SUPPORTED}, without KV-cache quantization")
+                           "does not load (kv_dtype='fp8', the kv8 pass, gives an fp8 KV cache with "
+                           f"Hibana's own scales). Supported: {SUPPORTED}, without KV-cache quantization")
 
 
 # ----------------------------------------------------------------------------------- layers

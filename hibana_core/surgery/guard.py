@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from hibana_core.errors import ConfigError, SurgeryGuardError
 from hibana_core.forward_context import ForwardBatch, ForwardContext
-from hibana_core.kv.cache import KVCache
+from hibana_core.kv.cache import KVCache, kv_cache_dtype
 
 HELDOUT = Path(__file__).parent / "heldout" / "agent_traces.txt"
 DOCUMENT_SEPARATOR = "\n\n<|hibana-guard-document|>\n\n"
@@ -96,16 +96,30 @@ def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = N
 
 class Scorer:
     """Whole-sequence forwards of the engine's model on a scratch KV cache (before the engine's
-    own cache exists): logits at every position, and greedy continuations."""
+    own cache exists): logits at every position, and greedy continuations. The scratch cache
+    follows the model's KV dtype as passes change it (after kv8 it is fp8, as the engine's
+    will be, so the guard measures the fp8 cache too)."""
 
     def __init__(self, model: torch.nn.Module, ctx: ForwardContext, args: Any, dtype: torch.dtype,
                  device: torch.device, max_len: int, block_size: int = 16) -> None:
         self.model, self.ctx, self.device, self.block_size = model, ctx, device, block_size
-        blocks = -(-max_len // block_size)
-        self.max_len = blocks * block_size
-        self.cache = KVCache(args.num_layers, blocks, block_size, args.num_kv_heads, args.head_dim, dtype, device)
+        self.args, self.dtype = args, dtype
+        self.blocks = -(-max_len // block_size)
+        self.max_len = self.blocks * block_size
+        self.cache = self._new_cache()
 
-    def _forward(self, tokens: Sequence[int], start: int) -> torch.Tensor:
+    def _new_cache(self) -> KVCache:
+        a = self.args
+        return KVCache(a.num_layers, self.blocks, self.block_size, a.num_kv_heads, a.head_dim,
+                       kv_cache_dtype(self.model, self.dtype), self.device)
+
+    def kv(self, tokens: Sequence[int]) -> torch.Tensor:
+        """[num_layers, 2, len(tokens), H_kv, D]: the keys and values the model stores for
+        `tokens`, one forward from position 0 (a view into the scratch cache)."""
+        self._forward(tokens, 0, logits=False)
+        return self.cache.data.flatten(2, 3)[:, :, :len(tokens)]
+
+    def _forward(self, tokens: Sequence[int], start: int, logits: bool = True) -> torch.Tensor | None:
         """Logits of tokens[start:] given the cache holds tokens[:start]."""
         n, bs = len(tokens), self.block_size
         new = n - start
@@ -114,11 +128,13 @@ class Scorer:
                              block_tables=tensor([list(range(-(-n // bs)))], torch.int32),
                              seq_lens=tensor([n], torch.int32), query_start_loc=tensor([0, new], torch.int32),
                              max_query_len=new, max_seq_len=n)
+        if self.cache.dtype != kv_cache_dtype(self.model, self.dtype):  # a pass changed it (kv8)
+            self.cache = self._new_cache()
         saved, self.ctx.kv_cache = self.ctx.kv_cache, self.cache
         try:
             with torch.inference_mode(), self.ctx.forward_batch(batch):
                 hidden = self.model(tensor(list(tokens[start:])), tensor(list(range(start, n))))
-                return self.model.compute_logits(hidden).float()
+                return self.model.compute_logits(hidden).float() if logits else None
         finally:
             self.ctx.kv_cache = saved
 

@@ -1,0 +1,74 @@
+"""Which launches of a one-row step (batch-1 decode) fold into a neighbouring kernel.
+
+A small model's decode step is made of kernels of 2-3 us each, so their number sets its speed.
+On the Triton path three pairs can run as one launch:
+
+    rms_norm (+ residual add) -> linear   each GEMV program recomputes the row's scale from x
+                                          (hidden-sized, in L2); program 0 writes the new residual
+    silu_and_mul -> linear                the down GEMV applies silu(gate) * up to its input tiles
+    decode attention -> split merge       the last split of a KV head to finish merges them
+                                          (an atomic counter per head, reset by that program)
+
+Folding saves a launch but makes every GEMV program re-read (and re-normalise or re-activate)
+its whole input row, which grows with the layer's width: free at a 0.6B model's 1024/3072,
+not measured at an 8B model's 4096/12288. So the GEMV fusions are chosen by the input width;
+the limits are first guesses, to be set from `bench/tune_decode.py --fusion` on the H200.
+The results are those of the separate kernels either way (same roundings, same GEMV tiles).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass
+from typing import Iterator
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """A fusion policy: which one-row GEMVs take their prologue in, by input width."""
+
+    norm_max_k: int
+    """rms_norm folds into a GEMV over at most this many inputs (the hidden size)"""
+    silu_max_k: int
+    """silu_and_mul folds into a GEMV over at most this many inputs (the intermediate size)"""
+    attention_merge: bool
+    """split decode attention merges its splits in the same launch"""
+
+    def norm_linear(self, k: int) -> bool:
+        return k <= self.norm_max_k
+
+    def silu_linear(self, k: int) -> bool:
+        return k <= self.silu_max_k
+
+
+# Measured on the H200 (bench/tune_decode.py --fusion, RESULTS.md 2026-12-01 second session):
+# at Qwen3-0.6B widths the folds save about a sixth of each pair (norm + qkv 6.3 -> 5.1 us,
+# silu + down 5.8 -> 4.8 us); at 8B widths the folded norm costs more than its launch (16.9 ->
+# 17.5 us for qkv) and so stays separate. Merging the splits in the attention launch is slower
+# at both sizes (0.6B, 8192 keys: 16.8 -> 19.9 us; 8B: 15.1 -> 23.0 us): the last split waits
+# for the others and merges alone, where the separate merge runs wide. So AUTO leaves it off.
+AUTO = Fusion(norm_max_k=2048, silu_max_k=6144, attention_merge=False)
+ON = Fusion(norm_max_k=sys.maxsize, silu_max_k=sys.maxsize, attention_merge=True)
+OFF = Fusion(norm_max_k=0, silu_max_k=0, attention_merge=False)  # the launches as before
+POLICIES = {"auto": AUTO, "on": ON, "off": OFF}
+
+_policy = AUTO
+
+
+def policy() -> Fusion:
+    """The policy kernels launch (and CUDA graphs capture) under."""
+    return _policy
+
+
+@contextlib.contextmanager
+def using(choice: Fusion | str) -> Iterator[Fusion]:
+    """Run a block under another policy ("auto", "on", "off" or a `Fusion`): for benchmarks
+    and tuning, which compare policies in one process. Graphs captured inside keep it."""
+    global _policy
+    chosen = POLICIES[choice] if isinstance(choice, str) else choice
+    previous, _policy = _policy, chosen
+    try:
+        yield chosen
+    finally:
+        _policy = previous
