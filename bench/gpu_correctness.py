@@ -16,6 +16,9 @@
    even by the same rule, with the same power-of-two scales: a mismatch in the scales is
    reported as such) and read them back exactly. Also the bf16 demo model with kv8 on the GPU,
    speculation mixed vs off.
+6. fp8 checkpoints (tests/fp8_checkpoints.py: transformers 'fp8' in 16x16 blocks, in 24x40 blocks
+   that fused layers hold per row, per tensor; compressed-tensors per channel where installed),
+   float32: GPU (fp8 GEMV at 3 agents, GEMM at 6, dequantize + cuBLAS in prefill) == CPU, greedy.
 Prints a table; exits 1 if a check fails.
 """
 
@@ -38,11 +41,11 @@ MIXED_SPECULATION = ({"method": "suffix", "k": 4}, "adaptive", {"method": "ngram
                      {"method": "suffix", "k": 8})
 
 
-def batched_greedy(engine: Engine, prompts: list[list[int]], n: int, specs=None) -> list[list[int]]:
+def batched_greedy(engine: Engine, prompts: list[list[int]], n: int, specs=None, prefix: str = "p") -> list[list[int]]:
     out: list[list[int]] = [[] for _ in prompts]
 
     def run(i: int) -> None:
-        h = engine.open_state(f"p{i}")
+        h = engine.open_state(f"{prefix}{i}")
         spec = None if specs is None else specs[i % len(specs)]
         params = SamplingParams(max_tokens=n, ignore_eos=True, speculation=spec)
         out[i] = list(h.generate(params, prompt=prompts[i]).token_ids)
@@ -271,8 +274,47 @@ def check_bf16_demo() -> list[tuple[str, bool, str]]:
              f"{noise}/8 prompts equal; first difference at {noise_firsts}")]
 
 
+FP8_CASES = (("llama", "fp8", (16, 16)), ("llama", "fp8", (24, 40)), ("llama", "fp8-tensor", (0, 0)),
+             ("llama", "ct-channel", (0, 0)), ("qwen3", "fp8", (32, 16)))
+
+
+def check_fp8() -> list[tuple[str, bool, str]]:
+    """FP8 checkpoints, float32 compute: the GPU's fp8 kernels give the CPU references' greedy
+    tokens, 3 agents batched (decode takes the GEMV), then 6 (the GEMM); prefill takes
+    dequantize + cuBLAS."""
+    import importlib.util
+
+    from fp8_checkpoints import write_fp8_checkpoint
+    from tiny_models import make_tiny_checkpoint
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch, scheme, block in FP8_CASES:
+            name = f"fp8 {scheme} {block[0]}x{block[1]} fp32 {arch}"
+            if scheme.startswith("ct-") and importlib.util.find_spec("compressed_tensors") is None:
+                rows.append((name, True, "skipped: compressed-tensors not installed"))
+                continue
+            source = Path(tmp) / arch
+            if not source.exists():
+                make_tiny_checkpoint(arch, source)
+            path = Path(tmp) / f"{arch}-{scheme}-{block[0]}x{block[1]}"
+            write_fp8_checkpoint(source, path, scheme, block)
+            rng = random.Random(9)
+            batches = {agents: [[rng.randrange(2, 512) for _ in range(rng.randint(20, 200))] for _ in range(agents)]
+                       for agents in (3, 6)}
+            options = dict(progress=False, speculation="off")
+            with Engine.from_pretrained(path, device="cpu", **options) as cpu:
+                want = {a: batched_greedy(cpu, prompts, 32, prefix=f"b{a}-") for a, prompts in batches.items()}
+            with Engine.from_pretrained(path, device="cuda", dtype="float32", **options) as gpu:
+                got = {a: batched_greedy(gpu, prompts, 32, prefix=f"b{a}-") for a, prompts in batches.items()}
+            same = {a: sum(x == y for x, y in zip(got[a], want[a])) for a in batches}
+            rows.append((name, all(same[a] == a for a in batches),
+                         ", ".join(f"{same[a]}/{a} agents equal" for a in batches)))
+    return rows
+
+
 CHECKS = {"float32": check_float32, "speculation": check_speculation, "surgery": check_surgery,
-          "kv8": check_kv8, "bf16": check_bf16_demo}
+          "kv8": check_kv8, "fp8": check_fp8, "bf16": check_bf16_demo}
 
 
 def main() -> int:

@@ -12,7 +12,7 @@
 #   bash bench/run_h200.sh surgery       # batch-1 decode of qwen3-8b in bf16, w8 and w4 (issue 14)
 #   bash bench/run_h200.sh kv8_check     # fp8 KV: its kernel tests on CUDA, GPU == CPU greedy (gpu_correctness --kv8-only)
 #   bash bench/run_h200.sh kv8           # fp8 KV: 32 agents' turns/h and batch-1 decode, bf16 KV vs kv8, qwen3-8b
-#   bash bench/run_h200.sh quant    # bench/tune_quant.py: int8/int4 linears against bf16 cuBLAS, Qwen3-8B shapes
+#   bash bench/run_h200.sh quant    # bench/tune_quant.py: int8/int4/fp8 linears against bf16 cuBLAS, Qwen3-8B shapes
 #   bash bench/run_h200.sh quant_sweep   # bench/tune_quant.py --sweep: their tiles at 1 and 64 rows
 #                                        # (QUANT_ARGS replaces "--rows 1,64", e.g. "--rows 4 --shapes o")
 #   bash bench/run_h200.sh draft_cost    # bench/draft_cost.py: the draft-model drafter's cost per drafted token
@@ -66,7 +66,7 @@ case "${1:-check}" in
     python3 -m hibana_bench.cli decode --model qwen3-8b --context 512,8192 --generate 128 --systems hibana \
       --surgery kv8 --json "$OUT/decode_kv8_qwen3-8b.json" 2>&1 | tee "$OUT/decode_kv8_qwen3-8b.txt" ;;
   quant)
-    python3 -m pytest tests/test_kernels.py -q -x -k quant -p no:cacheprovider 2>&1 | tail -2
+    python3 -m pytest tests/test_kernels.py -q -x -k "quant or fp8" -p no:cacheprovider 2>&1 | tail -2
     python3 bench/tune_quant.py --json "$OUT/tune_quant.json" 2>&1 | tee "$OUT/tune_quant.txt" ;;
   quant_sweep)
     python3 bench/tune_quant.py --sweep ${QUANT_ARGS:---rows 1,64} --json "$OUT/tune_quant_sweep.json" 2>&1 \

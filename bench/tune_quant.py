@@ -1,16 +1,17 @@
-"""Weight-only int8 / int4 linears on the GPU against bf16 cuBLAS, at the Qwen3-8B layer shapes
-and the row counts of decode (1), speculation's verify (4, 16) and prefill chunks (64, 256).
+"""Weight-only int8 / int4 / fp8 linears on the GPU against bf16 cuBLAS, at the Qwen3-8B layer
+shapes and the row counts of decode (1), speculation's verify (4, 16) and prefill chunks (64, 256).
+fp8 is e4m3 with 128x128 scale blocks, as Qwen3-8B-FP8 stores it (--fp8-block to change).
 
 For every shape and row count: the Triton kernels are first checked against the torch
-references (relative error of the output), then each of bf16 `F.linear`, `linear_int8` and
-`linear_int4` is timed as the best of several CUDA-event-timed replays of a CUDA graph that runs
+references (relative error of the output), then each of bf16 `F.linear`, `linear_int8`,
+`linear_int4` and `linear_fp8` is timed as the best of several CUDA-event-timed replays of a CUDA graph that runs
 it over enough weight copies to overflow the L2 (so weights come from memory, as in a model).
 Bytes moved are the weight (with its scales and zeros), x and y; GB/s is given as a share of the
 device copy bandwidth measured in the same run. At every row count the path the dispatcher did
 not pick is timed too (the crossovers GEMV_MAX_ROWS and DEQUANT_MIN_ROWS). --sweep times tiles instead, for
 choose_tiles (minutes: give it few rows and shapes).
 
-    python3 bench/tune_quant.py [--json PATH] [--group-size 128] [--rows 1,4,16,64,256]
+    python3 bench/tune_quant.py [--json PATH] [--group-size 128] [--fp8-block 128,128] [--rows 1,4,16,64,256]
     python3 bench/tune_quant.py --sweep --rows 1,64 [--shapes o,down] [--json PATH]
 
 It imports hibana_kernels and hibana_bench: install the checkout, or run it through
@@ -37,6 +38,7 @@ QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
 ROTATE_BYTES = 256 << 20  # weight copies cycled through per timing: the H200's L2 is 50 MB
 MAX_REL_ERR = 1e-2
 DEQUANTIZE = "dequantize+cublas"  # as `tiles`: the path that dequantizes the weight first
+FORMATS = ("bf16", "int8", "int4", "fp8")  # the table's columns; bf16 first, the baseline
 
 
 def time_graph(fn, reps: int = 10) -> float:
@@ -60,14 +62,18 @@ def time_graph(fn, reps: int = 10) -> float:
     return best
 
 
-def make_weights(fmt: str, n: int, k: int, group_size: int) -> list[dict]:
-    """Copies of a random weight in format fmt ("bf16", "int8", "int4"), as keyword arguments
-    of its linear, enough of them to fill ROTATE_BYTES."""
+def make_weights(fmt: str, n: int, k: int, group_size: int, block: tuple[int, int] = (128, 128)) -> list[dict]:
+    """Copies of a random weight in format fmt ("bf16", "int8", "int4", "fp8"), as keyword
+    arguments of its linear (fp8: with its scale block), enough of them to fill ROTATE_BYTES."""
     dev = dict(device="cuda")
 
     def one() -> dict:
         if fmt == "bf16":
             return dict(weight=torch.randn(n, k, dtype=torch.bfloat16, **dev) / k ** 0.5)
+        if fmt == "fp8":
+            blocks = (-(-n // block[0]), -(-k // block[1]))
+            return dict(qweight=(64 * torch.randn(n, k, **dev)).clamp(-448, 448).to(torch.float8_e4m3fn),
+                        scales=(0.5 + torch.rand(*blocks, **dev)) / (64 * k ** 0.5), block=block)
         if fmt == "int8":
             return dict(qweight=torch.randint(-127, 128, (n, k), dtype=torch.int8, **dev),
                         scales=(0.5 + torch.rand(n, **dev)) / (73 * k ** 0.5))
@@ -77,18 +83,23 @@ def make_weights(fmt: str, n: int, k: int, group_size: int) -> list[dict]:
                     zeros=(7.5 + 2 * torch.randn(*groups, **dev)).half())
 
     first = one()
-    nbytes = sum(t.nbytes for t in first.values())
+    nbytes = weight_bytes(first)
     return [first] + [one() for _ in range(max(1, -(-ROTATE_BYTES // nbytes)) - 1)]
 
 
 def weight_bytes(weights: dict) -> int:
-    return sum(t.nbytes for t in weights.values())
+    return sum(t.nbytes for t in weights.values() if isinstance(t, torch.Tensor))
 
 
 def runner(fmt: str, group_size: int, tiles: GemvTiles | GemmTiles | None = None):
     """fn(x, weights) for format fmt: the dispatcher's kernel, or the one `tiles` names."""
     if fmt == "bf16":
         return lambda x, w: F.linear(x, w["weight"])
+    if fmt == "fp8" and tiles is None:
+        return lambda x, w: quant_triton.linear_fp8(x, w["qweight"], w["scales"], w["block"])
+    if fmt == "fp8":  # DEQUANTIZE is the launcher's None
+        tiles = None if tiles == DEQUANTIZE else tiles
+        return lambda x, w: quant_triton.linear_fp8_launch(x, w["qweight"], w["scales"], w["block"], None, tiles)
     if tiles == DEQUANTIZE:
         tiles = None  # the launchers' None: dequantize, then cuBLAS
     elif tiles is None:
@@ -109,6 +120,8 @@ def reference(fmt: str, group_size: int, x: torch.Tensor, w: dict) -> torch.Tens
         return F.linear(x, w["weight"].float())
     if fmt == "int8":
         return quant.linear_int8(x, w["qweight"], w["scales"])
+    if fmt == "fp8":
+        return quant.linear_fp8(x, w["qweight"], w["scales"], w["block"])
     return quant.linear_int4(x, w["qweight"], w["scales"], w["zeros"], group_size)
 
 
@@ -140,7 +153,8 @@ def _kernel_name(fmt, rows, w, group_size, tiles) -> str:
         return "cublas"
     if tiles is None:
         n, k = w["qweight"].shape[0], w["qweight"].shape[1] * (2 if fmt == "int4" else 1)
-        tiles = quant_triton.choose_tiles(rows, n, k, group_size if fmt == "int4" else 1)
+        tiles = (quant_triton.choose_tiles_fp8(rows, n, k) if fmt == "fp8" else
+                 quant_triton.choose_tiles(rows, n, k, group_size if fmt == "int4" else 1))
     return DEQUANTIZE if tiles in (None, DEQUANTIZE) else f"{type(tiles).__name__}{tuple(tiles)}"
 
 
@@ -148,14 +162,20 @@ def other_kernel(fmt: str, rows: int, n: int, k: int, group_size: int) -> GemvTi
     """The path the dispatcher did not pick at `rows`: the GEMM for the GEMV's rows, dequantizing
     for the GEMM's, the GEMM for dequantizing's."""
     group = group_size if fmt == "int4" else 1
+
+    def choose(rows_: int):
+        return quant_triton.choose_tiles_fp8(rows_, n, k) if fmt == "fp8" else \
+            quant_triton.choose_tiles(rows_, n, k, group)
+
     if rows <= quant_triton.GEMV_MAX_ROWS:
-        return quant_triton.choose_tiles(quant_triton.GEMV_MAX_ROWS + 1, n, k, group)
+        return choose(quant_triton.GEMV_MAX_ROWS + 1)
     if rows >= quant_triton.DEQUANT_MIN_ROWS:
-        return quant_triton.choose_tiles(quant_triton.DEQUANT_MIN_ROWS - 1, n, k, group)
+        return choose(quant_triton.DEQUANT_MIN_ROWS - 1)
     return DEQUANTIZE
 
 
-def sweep(fmt: str, group_size: int, rows: int, n: int, k: int, bandwidth: float) -> list[dict]:
+def sweep(fmt: str, group_size: int, rows: int, n: int, k: int, bandwidth: float,
+          block: tuple[int, int] = (128, 128)) -> list[dict]:
     """Tiles of the kernel for `rows` (GEMV at decode rows, GEMM above), best first."""
     group = group_size if fmt == "int4" else 1
     if rows <= quant_triton.GEMV_MAX_ROWS:
@@ -166,7 +186,7 @@ def sweep(fmt: str, group_size: int, rows: int, n: int, k: int, bandwidth: float
         grid = [GemmTiles(bm, bn, bk, w, s) for bm, bn, bk, w, s in itertools.product(
             (16, 32, 64, 128), (64, 128, 256), (64, 128), (4, 8), (3,))
             if bk >= group and bm <= max(16, triton.next_power_of_2(rows)) and bm * bn <= 128 * 256]
-    copies = make_weights(fmt, n, k, group_size)
+    copies = make_weights(fmt, n, k, group_size, block)
     x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
     ref = reference(fmt, group_size, x, copies[0])
     results = []
@@ -183,24 +203,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--group-size", type=int, default=128, help="int4 group size along K")
+    parser.add_argument("--fp8-block", default="128,128", help="fp8 scale block: output rows,input columns")
     parser.add_argument("--rows", default="1,4,16,64,256", help="row counts M, comma-separated")
     parser.add_argument("--shapes", default=",".join(QWEN3_8B), help="layers, comma-separated")
     parser.add_argument("--sweep", action="store_true",
                         help="sweep the tiles at each of --rows instead (minutes: use few rows and shapes)")
     args = parser.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
+    block = tuple(int(b) for b in args.fp8_block.split(","))
     shapes = {name: QWEN3_8B[name] for name in args.shapes.split(",")}
     bandwidth = copy_bandwidth(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s; "
-          f"int4 group size {args.group_size}; GEMV up to {quant_triton.GEMV_MAX_ROWS} rows", flush=True)
+          f"int4 group size {args.group_size}; fp8 block {block[0]}x{block[1]}; GEMV up to "
+          f"{quant_triton.GEMV_MAX_ROWS} rows", flush=True)
     header = (f"{'layer':8s} {'M':>4s} | {'bf16 us':>9s} {'%bw':>4s} | {'int8 us':>9s} {'%bw':>4s} "
-              f"{'x bf16':>6s} | {'int4 us':>9s} {'%bw':>4s} {'x bf16':>6s} | other kernel (int8 / int4 us)")
+              f"{'x bf16':>6s} | {'int4 us':>9s} {'%bw':>4s} {'x bf16':>6s} | {'fp8 us':>9s} {'%bw':>4s} "
+              f"{'x bf16':>6s} | other kernel (int8 / int4 / fp8 us)")
     results, sweeps = [], []
     if not args.sweep:
         print(header)
     for (name, (n, k)), fmt in itertools.product(shapes.items() if not args.sweep else (),
-                                                 ("bf16", "int8", "int4")):
-        copies = make_weights(fmt, n, k, args.group_size)
+                                                 FORMATS):
+        copies = make_weights(fmt, n, k, args.group_size, block)
         for rows in rows_list:
             x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
             ref = reference(fmt, args.group_size, x, copies[0])
@@ -212,11 +236,11 @@ def main() -> None:
             results.append(row)
         del copies
         torch.cuda.empty_cache()
-        if fmt == "int4":
+        if fmt == FORMATS[-1]:
             _print_layer(results, name, rows_list)
     if args.sweep:
-        for (name, (n, k)), fmt, rows in itertools.product(shapes.items(), ("int8", "int4"), rows_list):
-            best = sweep(fmt, args.group_size, rows, n, k, bandwidth)
+        for (name, (n, k)), fmt, rows in itertools.product(shapes.items(), FORMATS[1:], rows_list):
+            best = sweep(fmt, args.group_size, rows, n, k, bandwidth, block)
             sweeps.append(dict(layer=name, n=n, k=k, m=rows, format=fmt, best=best[:8]))
             print(f"sweep {name:8s} {fmt} m={rows}: " + ", ".join(
                 f"{r['kernel']} {r['us']:.1f} us ({r['of_copy_bw']:.0%})" for r in best[:4]), flush=True)
@@ -224,7 +248,8 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                            triton=triton.__version__, copy_bandwidth=bandwidth,
-                           group_size=args.group_size, gemv_max_rows=quant_triton.GEMV_MAX_ROWS,
+                           group_size=args.group_size, fp8_block=list(block),
+                           gemv_max_rows=quant_triton.GEMV_MAX_ROWS,
                            rows=results, sweeps=sweeps), f, indent=1)
 
 
@@ -234,7 +259,7 @@ def _print_layer(results: list[dict], name: str, rows_list: list[int]) -> None:
         by_fmt = {r["format"]: r for r in results if r["layer"] == name and r["m"] == rows}
         base = by_fmt["bf16"].get("us")
         cells = []
-        for fmt in ("bf16", "int8", "int4"):
+        for fmt in FORMATS:
             r = by_fmt[fmt]
             if "us" not in r:
                 cells.append(f"{'WRONG':>9s} {'':>4s}" + ("" if fmt == "bf16" else f" {'':>6s}"))
@@ -243,7 +268,7 @@ def _print_layer(results: list[dict], name: str, rows_list: list[int]) -> None:
             if fmt != "bf16":
                 cell += f" {base / r['us']:5.2f}x" if base else f" {'':>6s}"
             cells.append(cell)
-        others = [by_fmt[f].get("other_kernel", {}).get("us") for f in ("int8", "int4")]
+        others = [by_fmt[f].get("other_kernel", {}).get("us") for f in FORMATS[1:]]
         other = " / ".join("-" if t is None else f"{t:.1f}" for t in others)
         print(f"{name:8s} {rows:4d} | " + " | ".join(cells) + f" | {other}", flush=True)
 

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from hibana_core.errors import CheckpointError, UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
-from hibana_core.surgery.checkpoint import read_manifest
+from hibana_core.surgery.checkpoint import MANIFEST, read_manifest
 from hibana_plugins.manager import get_plugin_manager
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo" / "model"
@@ -169,7 +169,7 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
     """Copy the checkpoint's tensors into `module`. A surgery checkpoint (`manifest`) names them
     as the module does, its packed layers take their packed tensors as they are and its kv8
     layers their KV scales; a GPTQ or AWQ checkpoint (`quantization`: its quantization_config)
-    has its packed layers repacked."""
+    has its packed layers repacked, an FP8 one keeps its fp8 layers' codes and scales."""
     from safetensors import safe_open
 
     files = _weight_files(path)
@@ -195,13 +195,16 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
             if layer is None or not hasattr(layer, "set_packed"):
                 raise CheckpointError(f"{path}: packed layer {name} is not a linear layer of this model")
             parts = ("qweight", "scales", "zeros") if spec["kind"] == "int4" else ("qweight", "scales")
+            if spec["kind"] == "fp8" and len(spec.get("block") or ()) != 2:
+                raise CheckpointError(f"{path}: fp8 layer {name} has no scale block in {MANIFEST}; re-run `hibana surgery`")
             missing = [f"{name}.{p}" for p in parts if f"{name}.{p}" not in where]
             if missing:
                 raise CheckpointError(f"{path} lacks {', '.join(missing)}; re-run `hibana surgery`")
             device = layer.weight.device
             perm = where.pop(f"{name}.perm", None)  # a GPTQ layer quantized in activation order
             layer.set_packed(spec["kind"], {p: read(*where[f"{name}.{p}"], f"{name}.{p}").to(device) for p in parts},
-                             spec.get("group_size", 0), None if perm is None else read(*perm, f"{name}.perm").to(device))
+                             spec.get("group_size", 0), None if perm is None else read(*perm, f"{name}.perm").to(device),
+                             tuple(spec["block"]) if spec["kind"] == "fp8" else None)
             for p in parts:
                 del where[f"{name}.{p}"]
         for name in manifest.get("kv_scaled_layers", []):  # kv8: the layers' fp8 KV scales
@@ -210,7 +213,7 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
                 raise CheckpointError(f"{path}: {name} is no attention layer with KV scales in its weights; "
                                       "re-run `hibana surgery`")
             layer.set_kv_scales(read(*where.pop(tensor), tensor).to(next(module.parameters()).device))
-    if quantization is not None and not own_names:  # a GPTQ / AWQ checkpoint: packed layers as they are
+    if quantization is not None and not own_names:  # GPTQ / AWQ / FP8: packed layers as they are
         from hibana_core.surgery.prequantized import load_packed_layers, parse_quantization_config
 
         fmt = parse_quantization_config(quantization)
@@ -239,6 +242,10 @@ def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progr
             if name.endswith(_IGNORED_SUFFIXES) or name not in params:
                 continue
             tensor, target = read(), params[name]
+            if tensor.dtype.is_floating_point and tensor.element_size() == 1:  # a copy would drop its scale
+                raise CheckpointError(f"{name} in {where} is {tensor.dtype} without a weight scale Hibana "
+                                      "applies; FP8 checkpoints need their quantization_config (quant_method "
+                                      "'fp8' or 'compressed-tensors') and a scale for every fp8 weight")
             if tensor.shape != target.shape:
                 raise CheckpointError(f"{name} in {where} has shape {tuple(tensor.shape)}, the config "
                                       f"implies {tuple(target.shape)}; config and weights disagree")

@@ -16,7 +16,7 @@ import torch
 
 from hibana_kernels import activation, attention, matmul, norm, quant, rotary
 
-__all__ = ["fused_add_rms_norm", "linear", "linear_int4", "linear_int8", "paged_attention", "qk_norm_rotary_store", "rms_norm",
+__all__ = ["fused_add_rms_norm", "linear", "linear_fp8", "linear_int4", "linear_int8", "paged_attention", "qk_norm_rotary_store", "rms_norm",
            "rms_norm_linear", "rotary_embedding", "silu_and_mul", "silu_and_mul_linear", "store_kv",
            "triton_available"]
 
@@ -121,6 +121,13 @@ def linear_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
                 group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T + bias for a group-wise asymmetric int4 weight; see `hibana_kernels.quant`."""
     return (_triton("quant", x) or quant).linear_int4(x, qweight, scales, zeros, group_size, bias)
+
+
+def linear_fp8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T + bias for an e4m3 weight with a float32 scale per (bn, bk) block; see
+    `hibana_kernels.quant`."""
+    return (_triton("quant", x) or quant).linear_fp8(x, qweight, scales, block, bias)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

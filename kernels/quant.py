@@ -12,8 +12,15 @@ Two packed layouts, both row-major over the output features like `nn.Linear.weig
         zeros   float16 [N, K // group_size]   in code units, may be fractional
         w[n, k] = (code(n, k) - zeros[n, k // group_size]) * scales[n, k // group_size]
 
+    fp8 (e4m3), per block of (bn, bk) weights, as FP8 checkpoints store it:
+        qweight float8_e4m3fn [N, K]    w[n, k] = float(qweight[n, k]) * scales[n // bn, k // bk]
+        scales  float32 [ceil(N / bn), ceil(K / bk)]
+        per output channel: block (1, K); per tensor: block (N, K); the last block of a row or
+        column may be partial
+
 K must be a multiple of group_size, and group_size even. Checkpoints in other layouts (AWQ,
-GPTQ, compressed-tensors) are repacked into these at load time, so one set of kernels serves all.
+GPTQ, compressed-tensors) are repacked into these at load time, so one set of kernels serves all;
+FP8 checkpoints keep their codes and scales as they are.
 """
 
 from __future__ import annotations
@@ -47,6 +54,21 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     return w.view(n, k).to(dtype)
 
 
+def dequantize_fp8(qweight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
+                   dtype: torch.dtype) -> torch.Tensor:
+    """float(code) * its block's scale in float32 (exact for e4m3 codes and 16-bit scales), rounded
+    once to `dtype`; the scales broadcast over a view of the weight (no [N, K] copy of them)."""
+    n, k = qweight.shape
+    bn, bk = block
+    w = qweight.float()  # [N, K]
+    s = scales.float().repeat_interleave(bn, dim=0)[:n]  # [N, ceil(K / bk)]: one row per output
+    full, rest = divmod(k, bk)
+    w[:, :full * bk].view(n, full, bk).mul_(s[:, :full, None])
+    if rest:
+        w[:, full * bk:].mul_(s[:, full:])
+    return w.to(dtype)
+
+
 def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ dequantized weight [N, K]^T (+ bias) -> [..., N] in x's dtype."""
@@ -57,3 +79,9 @@ def linear_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
                 group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ dequantized weight [N, K]^T (+ bias) -> [..., N] in x's dtype."""
     return F.linear(x, dequantize_int4(qweight, scales, zeros, group_size, x.dtype), bias)
+
+
+def linear_fp8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ dequantized weight [N, K]^T (+ bias) -> [..., N] in x's dtype."""
+    return F.linear(x, dequantize_fp8(qweight, scales, block, x.dtype), bias)

@@ -25,10 +25,20 @@ All accumulate in float32 and round the output once. The GEMM unpacks an int4 ti
 so BLOCK_K is a multiple of the group size G, and G a power of two (32, 64, 128 in the
 checkpoints we repack; others take the torch reference). int8's per-channel scale is constant
 along K and multiplies the finished sum instead.
+
+fp8 (e4m3) weights take the same three paths with their own kernels (the last section): codes
+become float32 in registers (a hardware conversion from sm_89 on), and a tile is cut into
+sub-tiles of SUB columns, each inside one scale block (SUB a power of two dividing the block's
+width bk), so a tile needs one scale per row and sub-tile:
+
+    codes [BLOCK_N, BLOCK_K] -> view [BLOCK_N, BLOCK_K // SUB, SUB] * scales[n // bn, (k0 + j SUB) // bk]
+
+One block spanning all of K (per channel, per tensor) multiplies the finished sum instead.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -348,3 +358,201 @@ def linear_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     n, k = qweight.shape[0], qweight.shape[1] * 2
     tiles = choose_tiles(x.numel() // k if k else 0, n, k, group_size)
     return linear_int4_launch(x, qweight, scales, zeros, group_size, bias, tiles)
+
+
+# --------------------------------------------------------------------------------------- fp8
+
+
+@triton.jit
+def _fp8_tile(w_ptr, s_ptr, offs_n, n_mask, k0, K, BN, BK, stride_wn, stride_sn,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+              ONE_K_BLOCK: tl.constexpr):
+    """Columns k0 .. k0 + BLOCK_K of fp8 weight rows offs_n as float32 [BLOCK_N, BLOCK_K], zero
+    outside the weight: dequantized, or the raw codes when one scale block spans K (its scale
+    then multiplies the finished sum, `_fp8_finish`)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    codes = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
+                    mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
+    if ONE_K_BLOCK:
+        return codes
+    G: tl.constexpr = BLOCK_K // SUB
+    starts = k0 + tl.arange(0, G) * SUB  # each sub-tile lies inside one block: SUB divides BK
+    scales = tl.load(s_ptr + (offs_n // BN).to(tl.int64)[:, None] * stride_sn + (starts // BK)[None, :],
+                     mask=n_mask[:, None] & (starts < K)[None, :], other=0.0)  # [BLOCK_N, G]
+    w = tl.reshape(codes, [BLOCK_N, G, SUB]) * scales[:, :, None]
+    return tl.reshape(w, [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def _fp8_finish(acc, s_ptr, b_ptr, offs_n, n_mask, BN, stride_sn, ONE_K_BLOCK: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
+    """acc [rows, BLOCK_N] with the row's scale (one block along K) and the bias applied."""
+    if ONE_K_BLOCK:
+        acc *= tl.load(s_ptr + (offs_n // BN).to(tl.int64) * stride_sn, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, BN, BK,
+                     stride_xm, stride_wn, stride_sn, stride_ym,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SUB: tl.constexpr, ONE_K_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y[:, n] = sum_k x[:, k] w[n, k]: BLOCK_N weight rows per program, streamed in BLOCK_K-wide
+    tiles dequantized in registers. Products stay per tile column until the loop ends: threads
+    sit along K, and a reduction across them every step costs more than the step's loads
+    (bench/notes_quant.md)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w = _fp8_tile(w_ptr, s_ptr, offs_n, n_mask, k0, K, BN, BK, stride_wn, stride_sn,
+                      BLOCK_N, BLOCK_K, SUB, ONE_K_BLOCK)  # [BLOCK_N, BLOCK_K]
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
+        acc += x[:, None, :] * w[None, :, :]
+    total = _fp8_finish(tl.sum(acc, axis=2), s_ptr, b_ptr, offs_n, n_mask, BN, stride_sn, ONE_K_BLOCK,
+                        HAS_BIAS)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+             total.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _gemm_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, BN, BK,
+                     stride_xm, stride_wn, stride_sn, stride_ym,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SUB: tl.constexpr, ONE_K_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     UPCAST: tl.constexpr):
+    # as _gemm_kernel: axis 0 (fastest) over rows, so the programs sharing a weight tile run together
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :],
+                    other=0.0)  # [BLOCK_M, BLOCK_K]
+        w = _fp8_tile(w_ptr, s_ptr, offs_n, n_mask, k0, K, BN, BK, stride_wn, stride_sn,
+                      BLOCK_N, BLOCK_K, SUB, ONE_K_BLOCK)  # [BLOCK_N, BLOCK_K]
+        w = w.to(x.dtype)  # 16-bit x: rounded as the reference dequantizes (raw codes: exactly)
+        if UPCAST:  # exact: products of 16-bit floats are exact in float32
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    acc = _fp8_finish(acc, s_ptr, b_ptr, offs_n, n_mask, BN, stride_sn, ONE_K_BLOCK, HAS_BIAS)
+    tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _dequantize_fp8_kernel(w_ptr, s_ptr, out_ptr, N, K, BN, BK, stride_wn, stride_sn, stride_on,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+                           ONE_K_BLOCK: tl.constexpr):
+    """The weight as out's dtype [N, K], rounded once from float32 as the reference does."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    k0 = tl.program_id(1) * BLOCK_K
+    w = _fp8_tile(w_ptr, s_ptr, offs_n, n_mask, k0, K, BN, BK, stride_wn, stride_sn,
+                  BLOCK_N, BLOCK_K, SUB, ONE_K_BLOCK)
+    if ONE_K_BLOCK:
+        w *= tl.load(s_ptr + (offs_n // BN).to(tl.int64) * stride_sn, mask=n_mask, other=0.0)[:, None]
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * stride_on + offs_k[None, :],
+             w.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_k < K)[None, :])
+
+
+def _fp8_sub(block_k: int, k: int, bk: int) -> tuple[int, bool]:
+    """(SUB, ONE_K_BLOCK) for tiles of block_k columns over blocks bk wide: one block spanning
+    K needs no sub-tiles; otherwise SUB is the largest power of two dividing bk, up to block_k."""
+    if bk >= k:
+        return block_k, True
+    return min(block_k, bk & -bk), False
+
+
+def choose_tiles_fp8(rows: int, n: int, k: int) -> GemvTiles | GemmTiles | None:
+    """The kernel and its tiles for an [rows, k] x fp8 [n, k]^T product, or None from
+    DEQUANT_MIN_ROWS rows on (dequantize, then cuBLAS). First guesses, as int8's were: to be
+    replaced by bench/tune_quant.py's measurements."""
+    if rows >= DEQUANT_MIN_ROWS:
+        return None
+    k_tile = triton.next_power_of_2(k)
+    if rows <= GEMV_MAX_ROWS:
+        # the sums per column, [rows, 8, block_k], at most 32 float32 registers a thread (4 warps)
+        return GemvTiles(block_n=8, block_k=min(k_tile, 512 if rows == 1 else 128), num_warps=4)
+    block_m = min(128, max(16, triton.next_power_of_2(rows)))
+    block_n = 128 if rows > 64 else 64
+    block_k = max(16, min(k_tile, 64))  # tl.dot takes tiles of 16 and up
+    return GemmTiles(block_m, block_n, block_k, num_warps=8 if block_m * block_n >= 128 * 128 else 4,
+                     num_stages=3)
+
+
+def dequantize_fp8(qweight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
+                   dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, K] in `dtype`, equal to the reference's `dequantize_fp8`."""
+    n, k = qweight.shape
+    qweight = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
+    scales = scales.contiguous()
+    out = torch.empty((n, k), dtype=dtype, device=qweight.device)
+    block_n, block_k = 16, 256
+    sub, one_k_block = _fp8_sub(block_k, k, block[1])
+    _dequantize_fp8_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        qweight, scales, out, n, k, block[0], block[1], qweight.stride(0), scales.stride(0),
+        out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, SUB=sub, ONE_K_BLOCK=one_k_block, num_warps=4)
+    return out
+
+
+def linear_fp8_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                      block: tuple[int, int], bias: torch.Tensor | None,
+                      tiles: GemvTiles | GemmTiles | None) -> torch.Tensor:
+    """linear_fp8 with the kernel and tiles chosen by the caller (tests, the tuning script);
+    tiles None: dequantize, then cuBLAS."""
+    n, k = qweight.shape
+    if tiles is None:
+        return F.linear(x, dequantize_fp8(qweight, scales, block, x.dtype), bias)
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    qweight = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
+    scales = scales.contiguous()
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y.view(*x.shape[:-1], n)
+    bias_arg = bias if bias is not None else scales
+    sub, one_k_block = _fp8_sub(tiles.block_k, k, block[1])
+    common = (x2, qweight, scales, bias_arg, y, m, n, k, block[0], block[1], x2.stride(0),
+              qweight.stride(0), scales.stride(0), y.stride(0))
+    if isinstance(tiles, GemvTiles):
+        _gemv_fp8_kernel[(triton.cdiv(n, tiles.block_n),)](
+            *common, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+            SUB=sub, ONE_K_BLOCK=one_k_block, HAS_BIAS=bias is not None, num_warps=tiles.num_warps,
+            num_stages=1)
+    else:
+        _gemm_fp8_kernel[(triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))](
+            *common, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+            SUB=sub, ONE_K_BLOCK=one_k_block, HAS_BIAS=bias is not None, num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
+            # Triton's interpreter (CPU tensors) gets tl.dot of bf16 tiles wrong (triton 3.9)
+            UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16)
+    return y.view(*x.shape[:-1], n)
+
+
+@functools.cache
+def _fp8_native(device: torch.device) -> bool:
+    """Whether Triton converts e4m3 here: from sm_89 on (before, it has no e4m3 type); the
+    interpreter (CPU tensors) always."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def linear_fp8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """See `hibana_kernels.quant.linear_fp8`; GPUs before sm_89 take the torch reference."""
+    if x.dtype not in _DTYPES or not _fp8_native(x.device):
+        return quant.linear_fp8(x, qweight, scales, block, bias)
+    n, k = qweight.shape
+    return linear_fp8_launch(x, qweight, scales, block, bias, choose_tiles_fp8(x.numel() // k if k else 0, n, k))

@@ -245,6 +245,31 @@ def test_reference_int4_round_trip(group_size):
                                atol=0, rtol=0)
 
 
+def make_fp8_weight(n, k, block, gen):
+    """A random e4m3 weight [N, K] (every finite code but NaN's, subnormals included) and float32
+    scales [ceil(N / bn), ceil(K / bk)], dequantized entries of standard deviation ~1/sqrt(k)."""
+    codes = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.int32).to(torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E  # 0x7F / 0xFF are e4m3fn's NaNs: no checkpoint holds them
+    qweight = codes.view(torch.float8_e4m3fn)
+    blocks = (-(-n // block[0]), -(-k // block[1]))
+    scales = (0.5 + torch.rand(blocks, generator=gen)) / (110 * k ** 0.5)  # codes' std: ~110
+    return qweight, scales
+
+
+def test_reference_fp8_dequantizes_block_by_block():
+    """dequantize_fp8 is code * scale[n // bn, k // bk] element by element (partial last blocks
+    included), in float32, and linear_fp8 is F.linear on it."""
+    gen = torch.Generator().manual_seed(8)
+    for n, k, block in [(7, 10, (3, 4)), (6, 16, (1, 16)), (5, 9, (5, 9)), (4, 12, (128, 128))]:
+        qweight, scales = make_fp8_weight(n, k, block, gen)
+        w = quant.dequantize_fp8(qweight, scales, block, torch.float64)
+        by_element = [[(qweight[i, j].float() * scales[i // block[0], j // block[1]]).item() for j in range(k)]
+                      for i in range(n)]
+        torch.testing.assert_close(w, torch.tensor(by_element, dtype=torch.float32).double(), atol=0, rtol=0)
+        x = torch.randn(3, k, generator=gen, dtype=torch.float64)
+        torch.testing.assert_close(quant.linear_fp8(x, qweight, scales, block), F.linear(x, w), atol=0, rtol=0)
+
+
 def test_dispatch_on_cpu_runs_the_references_without_importing_triton():
     """`kernels` imports and runs on the CPU with triton never imported."""
     script = textwrap.dedent("""
@@ -267,6 +292,7 @@ def test_dispatch_on_cpu_runs_the_references_without_importing_triton():
         kernels.linear_int8(x, torch.ones(5, 8, dtype=torch.int8), torch.ones(5))
         kernels.linear_int4(x, torch.zeros(5, 4, dtype=torch.uint8), torch.ones(5, 1).half(),
                             torch.zeros(5, 1).half(), 8)
+        kernels.linear_fp8(x, torch.ones(5, 8).to(torch.float8_e4m3fn), torch.ones(1, 1), (5, 8))
         assert "triton" not in sys.modules, "the CPU path imported triton"
     """)
     subprocess.run([sys.executable, "-c", script], check=True, cwd=os.path.dirname(os.path.dirname(
@@ -564,6 +590,29 @@ def check_linear_quant(device, dtype, bits, lead, n, k, group_size, bias, tiles)
     assert out.shape == (*lead, n) and out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
 
+
+
+def check_linear_fp8(device, dtype, lead, n, k, block, bias, tiles):
+    """linear_fp8 against its reference (in float64) on x [*lead, k]; `tiles` ("gemv", "gemm" or
+    "dequantize", with tile sizes) forces a path, None lets the dispatcher pick by rows."""
+    quant_triton = _triton_module("quant")
+    forced = tiles is not None
+    if forced:
+        kernel, sizes = tiles
+        tiles = {"gemv": quant_triton.GemvTiles, "gemm": quant_triton.GemmTiles,
+                 "dequantize": lambda: None}[kernel](*sizes)  # the launcher's None: dequantize
+    gen = torch.Generator().manual_seed(n * k + block[0] + len(lead))
+    qweight, scales = (t.to(device) for t in make_fp8_weight(n, k, block, gen))
+    x = torch.randn(*lead, k, generator=gen).to(dtype).to(device)
+    b = torch.randn(n, generator=gen).to(dtype).to(device) if bias else None
+    ref = quant.linear_fp8(x.double(), qweight, scales, block, None if b is None else b.double())
+    out = (quant_triton.linear_fp8_launch(x, qweight, scales, block, b, tiles) if forced
+           else quant_triton.linear_fp8(x, qweight, scales, block, b))
+    assert out.shape == (*lead, n) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
+    w = quant_triton.dequantize_fp8(qweight, scales, block, dtype)
+    torch.testing.assert_close(w, quant.dequantize_fp8(qweight, scales, block, dtype), **_exact(device, dtype))
+
 # ---------------------------------------------------------------------------------------------
 # the interpreter worker
 
@@ -804,3 +853,36 @@ def test_linear_quant(run_check, dtype, bits, lead, n, k, group_size, bias):
 def test_linear_quant_tiles(run_check, dtype, bits, rows, n, k, group_size, kernel, tiles):
     run_check(check_linear_quant, dtype=dtype, bits=bits, lead=(rows,), n=n, k=k,
               group_size=group_size, bias=True, tiles=(kernel, tiles))
+
+
+
+# fp8 through the dispatcher at the row counts of decode (GEMV: 1, 3), verify and prefill chunks
+# (GEMM: 5, 17, 130 as [2, 65]) and from 128 rows (dequantize + F.linear); blocks as checkpoints
+# have them (128x128 over a K of 200: a partial block), blocks that divide neither N nor K (and
+# a width bk that is not a power of two: sub-tiles of its largest power-of-two factor), per
+# output channel (1, K), per tensor (N, K), and per row with bk narrower than a tile (fused
+# layers whose parts do not align with the blocks)
+FP8_CASES = [((1,), 33, 96, (16, 32), False), ((3,), 37, 200, (128, 128), True),
+             ((5,), 40, 100, (24, 24), False), ((17,), 33, 160, (1, 160), True),
+             ((2, 65), 70, 64, (70, 64), True), ((1,), 65, 192, (1, 64), False),
+             ((130,), 24, 48, (5, 12), True)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+@pytest.mark.parametrize("lead, n, k, block, bias", FP8_CASES,
+                         ids=[f"rows{math.prod(c[0])}-n{c[1]}-k{c[2]}-b{c[3][0]}x{c[3][1]}" for c in FP8_CASES])
+def test_linear_fp8(run_check, dtype, lead, n, k, block, bias):
+    run_check(check_linear_fp8, dtype=dtype, lead=lead, n=n, k=k, block=block, bias=bias, tiles=None)
+
+
+# each path outside the dispatcher's range, K in several steps: the GEMV over 9 rows in 64-wide
+# steps (two 32-wide blocks a step, and one 128-wide block over two steps), the GEMM over one row
+# and in several pipelined steps, dequantize + F.linear over 3 rows
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows, n, k, block, kernel, tiles", [
+    (9, 37, 200, (16, 32), "gemv", (8, 64, 4)), (2, 33, 256, (128, 128), "gemv", (16, 64, 2)),
+    (1, 40, 96, (8, 16), "gemm", (16, 32, 32, 4, 1)), (5, 33, 192, (128, 128), "gemm", (16, 32, 64, 4, 2)),
+    (6, 20, 72, (1, 72), "gemm", (16, 16, 32, 4, 2)), (3, 24, 80, (7, 10), "dequantize", ())])
+def test_linear_fp8_tiles(run_check, dtype, rows, n, k, block, kernel, tiles):
+    run_check(check_linear_fp8, dtype=dtype, lead=(rows,), n=n, k=k, block=block, bias=True,
+              tiles=(kernel, tiles))

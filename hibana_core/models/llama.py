@@ -144,26 +144,32 @@ class Linear(nn.Linear):
 
         kind "int8": buffers qweight [N, K] int8, scales [N]
         kind "int4": buffers qweight [N, K // 2] uint8, scales and zeros [N, K // group_size]
+        kind "fp8":  buffers qweight [N, K] float8_e4m3fn, scales [ceil(N / bn), ceil(K / bk)]
+                     float32, with `block` = (bn, bk)
         (layouts: `hibana_kernels.quant`); `perm`, when set, reorders the input features first
         (GPTQ checkpoints quantized in activation order)
     """
 
     kind = "dense"
     group_size = 0
+    block: tuple[int, int] | None = None
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.register_buffer("perm", None)
 
     def set_packed(self, kind: str, tensors: dict[str, torch.Tensor], group_size: int = 0,
-                   perm: torch.Tensor | None = None) -> None:
+                   perm: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> None:
         """Replace the dense weight by a packed one (the bias stays)."""
-        if kind not in ("int8", "int4"):
+        if kind not in ("int8", "int4", "fp8"):
             raise ValueError(f"unknown packed weight kind {kind!r}")
+        if (kind == "fp8") != (block is not None):
+            raise ValueError(f"a packed weight has a scale block exactly when it is fp8 ({kind}, block {block})")
         self.register_parameter("weight", None)
         for name, tensor in tensors.items():
             self.register_buffer(name, tensor)
         self.kind, self.group_size = kind, group_size
+        self.block = None if block is None else (int(block[0]), int(block[1]))
         self.perm = perm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,6 +179,8 @@ class Linear(nn.Linear):
             x = x.index_select(-1, self.perm)
         if self.kind == "int8":
             return kernels.linear_int8(x, self.qweight, self.scales, self.bias)
+        if self.kind == "fp8":
+            return kernels.linear_fp8(x, self.qweight, self.scales, self.block, self.bias)
         return kernels.linear_int4(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
 
     def after_norm(self, norm: RMSNorm, x: torch.Tensor,
@@ -194,7 +202,8 @@ class Linear(nn.Linear):
         return self(kernels.silu_and_mul(gate_up))
 
     def extra_repr(self) -> str:
-        packed = "" if self.kind == "dense" else f", {self.kind}" + (f" g{self.group_size}" if self.group_size else "")
+        packed = "" if self.kind == "dense" else f", {self.kind}" + (f" g{self.group_size}" if self.group_size else "") \
+            + (f" block {self.block[0]}x{self.block[1]}" if self.block else "")
         return super().extra_repr() + packed
 
 

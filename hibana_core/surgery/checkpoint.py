@@ -4,8 +4,9 @@
     out/model.safetensors      the rewritten model's tensors under Hibana's own module names
                                (fused q/k/v and gate/up; packed layers as qweight/scales/zeros)
     out/hibana_surgery.json    MANIFEST: the passes with their parameters and guard figures,
-                               each packed layer's kind and group size, and the attention layers
-                               whose KV is stored in fp8 (kv8: their `kv_scale` is in the weights)
+                               each packed layer's kind and group size (fp8: its scale block), and
+                               the attention layers whose KV is stored in fp8 (kv8: their
+                               `kv_scale` is in the weights)
 
 `hibana_core.loader` reads the manifest: packed layers get their packed tensors, the rest load
 by name, and the engine reports the manifest's passes as applied (they join its fingerprint).
@@ -29,7 +30,7 @@ _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer
 
 
 def packed_layers(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
-    return {name: {"kind": m.kind, "group_size": m.group_size}
+    return {name: {"kind": m.kind, "group_size": m.group_size, **({"block": list(m.block)} if getattr(m, "block", None) else {})}
             for name, m in model.named_modules() if getattr(m, "kind", "dense") != "dense"}
 
 

@@ -1,4 +1,5 @@
 """Pre-quantized int4 checkpoints (GPTQ, AWQ, compressed-tensors) -> Hibana's int4 layout.
+(FP8 checkpoints keep their codes; their configs are parsed here too, their layers in `fp8.py`.)
 
 `parse_quantization_config` reads `config.json`'s `quantization_config` into a `QuantFormat`;
 `repack_layer` turns one quantized linear layer's checkpoint tensors into the layout of
@@ -38,15 +39,17 @@ from typing import Literal, NamedTuple
 import torch
 
 from hibana_core.errors import CheckpointError
+from hibana_core.surgery import fp8
 from hibana_kernels.quant import pack_int4
 
 __all__ = ["Int4Weight", "QuantFormat", "parse_quantization_config", "repack_layer"]
 
-Method = Literal["gptq", "awq", "compressed-tensors"]
+Method = Literal["gptq", "awq", "compressed-tensors", "fp8"]
 
 SUPPORTED = ("GPTQ (bits 4, checkpoint_format 'gptq' or 'gptq_v2', any group size, desc_act), "
-             "AWQ (bits 4, version 'gemm', zero_point true) and compressed-tensors "
-             "'pack-quantized' (int4 weights, group or channel strategy, symmetric or not)")
+             "AWQ (bits 4, version 'gemm', zero_point true), compressed-tensors "
+             "'pack-quantized' (int4 weights, group or channel strategy, symmetric or not) and "
+             + fp8.SUPPORTED)
 
 # AutoAWQ's GEMM packing: nibble i of a word holds output column 8c + AWQ_ORDER[i]
 # (casper-hansen/AutoAWQ awq/modules/linear/gemm.py `order_map`; awq/utils/packing_utils.py);
@@ -69,7 +72,8 @@ class QuantFormat:
     method: Method
     """Which packing the tensors use."""
     group_size: int
-    """Inputs per scale along K; -1: one group spanning all of K (per output channel)."""
+    """int4: inputs per scale along K; -1: one group spanning all of K (per output channel).
+    Unused (0) for fp8."""
     sym: bool = True
     """Symmetric quantization (informational: the stored zeros are used either way)."""
     desc_act: bool = False
@@ -83,11 +87,21 @@ class QuantFormat:
     quantize_lm_head: bool = False
     """Whether the output head is quantized too (GPTQ `lm_head: true`; compressed-tensors'
     targets and ignore decide it through `only` and `skip`)."""
+    kind: Literal["int4", "fp8"] = "int4"
+    """What a quantized layer becomes: Hibana's int4 layout (repacked), or fp8 codes as stored."""
+    block: tuple[int, int] = (0, 0)
+    """fp8: (output rows, input columns) sharing one scale, 0 meaning the whole dimension: (0, 0)
+    per tensor, (1, 0) per output channel, (1, g) per group of g inputs, (128, 128) blocks."""
 
     def __post_init__(self) -> None:
-        if self.method not in _TENSORS:
+        if self.method not in (*_TENSORS, "fp8"):
             raise CheckpointError(f"unknown quantization method {self.method!r}; supported: {SUPPORTED}")
-        if self.group_size != -1 and (self.group_size <= 0 or self.group_size % 2):
+        if (self.kind == "fp8") != (self.method == "fp8") and self.method != "compressed-tensors":
+            raise CheckpointError(f"{self.method} checkpoints hold int4 weights, fp8 ones hold fp8, not {self.kind}")
+        if self.kind == "fp8":
+            if len(self.block) != 2 or min(self.block) < 0:
+                raise CheckpointError(f"fp8 block {self.block} is not two sizes (0: the whole dimension)")
+        elif self.group_size != -1 and (self.group_size <= 0 or self.group_size % 2):
             raise CheckpointError(f"group_size {self.group_size} is not supported: Hibana's int4 "
                                   "layout needs a positive even group size (or -1, per channel)")
         if self.zero_offset not in (0, 1):
@@ -95,7 +109,8 @@ class QuantFormat:
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
-        """Suffixes of a quantized layer's checkpoint tensors (`<module>.<suffix>`), required first."""
+        """Suffixes of a quantized int4 layer's checkpoint tensors (`<module>.<suffix>`), required
+        first (fp8 layers: `fp8.SCALES`)."""
         required, optional = _TENSORS[self.method]
         return required + optional
 
@@ -136,6 +151,11 @@ def parse_quantization_config(cfg: dict) -> QuantFormat:
         return _parse_awq(cfg)
     if method == "compressed-tensors":
         return _parse_compressed_tensors(cfg)
+    if method == "fp8":
+        block, skip = fp8.parse_fp8(cfg)
+        # transformers skips the output head by default, and only the modules listed when a list is given
+        return QuantFormat("fp8", 0, skip=_not_converted(skip), quantize_lm_head=skip is not None,
+                           kind="fp8", block=block)
     raise CheckpointError(f"quantization_config has quant_method {cfg.get('quant_method')!r}, which "
                           f"Hibana cannot load; supported: {SUPPORTED}")
 
@@ -237,27 +257,53 @@ def _parse_compressed_tensors(cfg: dict) -> QuantFormat:
         if extra and (key != "sparsity_config" or extra.get("format", "dense") != "dense"):
             raise CheckpointError(f"compressed-tensors checkpoint with a {key}: sparse or rotated "
                                   f"weights are not supported; supported: {SUPPORTED}")
+    if qc.kv_cache_scheme is not None:
+        raise fp8.kv_cache_error("compressed-tensors quantization_config has a kv_cache_scheme")
     weights, targets = set(), []
     for name, scheme in qc.config_groups.items():
         w = scheme.weights
         fmt = getattr(scheme, "format", None) or qc.format
+        if w is not None and w.type == "float" and w.num_bits == 8:
+            weights.add(("fp8", _ct_fp8_block(name, scheme, fmt)))
+            targets += scheme.targets
+            continue
         if (w is None or fmt != "pack-quantized" or w.type != "int" or w.num_bits != 4
                 or w.strategy not in ("group", "channel") or w.dynamic
                 or scheme.input_activations is not None or scheme.output_activations is not None):
             raise CheckpointError(
                 f"compressed-tensors config group {name!r} ({fmt}, weights {w}) is not supported: "
-                "Hibana loads 'pack-quantized' int4 weight-only schemes with group or channel strategy")
+                "Hibana loads 'pack-quantized' int4 weight-only schemes with group or channel strategy, "
+                "and 8-bit float (fp8) weights")
         actorder = str(getattr(w.actorder, "value", w.actorder)) == "group"  # g_idx stored
-        weights.add((w.group_size if w.strategy == "group" else -1, w.symmetric, actorder))
+        weights.add(("int4", w.group_size if w.strategy == "group" else -1, w.symmetric, actorder))
         targets += scheme.targets
     if len(weights) != 1:
-        raise CheckpointError(f"compressed-tensors config groups use different int4 schemes "
-                              f"(group_size, symmetric, actorder) {sorted(weights)}; Hibana loads one "
-                              "scheme per checkpoint")
-    ((group_size, symmetric, actorder),) = weights
+        raise CheckpointError(f"compressed-tensors config groups use different weight schemes "
+                              f"{sorted(weights, key=str)}; Hibana loads one scheme per checkpoint")
+    ((kind, *scheme),) = weights
+    if kind == "fp8":
+        return QuantFormat("compressed-tensors", 0, skip=_ct_patterns(qc.ignore or ()), only=_ct_patterns(targets),
+                           quantize_lm_head=True, kind="fp8", block=scheme[0])
+    group_size, symmetric, actorder = scheme
     return QuantFormat("compressed-tensors", group_size, sym=symmetric, desc_act=actorder,
                        skip=_ct_patterns(qc.ignore or ()), only=_ct_patterns(targets),
                        quantize_lm_head=True)
+
+
+def _ct_fp8_block(name: str, scheme, fmt) -> tuple[int, int]:
+    """A compressed-tensors config group of 8-bit float weights -> their block; activation
+    quantization is ignored (Hibana computes weight-only), output quantization refused."""
+    what = f"compressed-tensors config group {name!r}"
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise CheckpointError(f"{what}: fp8 weights in format {fmt!r}; Hibana loads them 'float-quantized' "
+                              "or 'naive-quantized'")
+    inputs = scheme.input_activations
+    if inputs is not None and (inputs.type != "float" or inputs.num_bits != 8):
+        raise CheckpointError(f"{what}: fp8 weights with {inputs.num_bits}-bit {inputs.type} activations "
+                              f"are not supported; supported: {SUPPORTED}")
+    if scheme.output_activations is not None:
+        raise CheckpointError(f"{what} quantizes output activations, which Hibana does not; supported: {SUPPORTED}")
+    return fp8.ct_block(scheme.weights, what)
 
 
 # ----------------------------------------------------------------------------------- repack

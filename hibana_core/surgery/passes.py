@@ -5,6 +5,8 @@ w8 and w4 rewrite every linear layer of the decoder (attention and MLP projectio
 packed weight (`set_packed`); the output head and the embeddings keep their precision, as
 AWQ and GPTQ checkpoints keep them (the head is one layer that every token's logits go through).
 kv8 gives every attention layer (`set_kv_scales`) per-head scales for an fp8 KV cache.
+w8 and w4 refuse a model loaded from an FP8 checkpoint: its weights are 8-bit already, so w8
+saves nothing, and w4 from them would round twice (the unquantized checkpoint gives a better int4).
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ class WeightQuantPass:
 
         params = self.check(params)
         wanted, clip = params.get("group_size"), params.get("clip")
+        fp8 = [name for name, m in model.named_modules() if getattr(m, "kind", None) == "fp8"]
+        if fp8:  # requantizing fp8 codes rounds twice, and w8 would not even save a byte
+            raise ConfigError(f"surgery pass w{self.bits} on an FP8 checkpoint ({len(fp8)} fp8 layers, e.g. "
+                              f"{fp8[0]}): its weights are already 8-bit; load it without w{self.bits}, or "
+                              "apply w4 to the unquantized checkpoint")
         layers = [(name, m) for name, m in model.named_modules() if _packable(name, m)]
         before = after = 0
         kept: list[str] = []

@@ -1,9 +1,10 @@
-"""Pre-quantized checkpoints (GPTQ, AWQ, compressed-tensors int4) loaded as they are.
+"""Pre-quantized checkpoints (GPTQ, AWQ, compressed-tensors int4; FP8) loaded as they are.
 
 `formats.py` reads each format's quantization_config and repacks one layer's tensors into
-Hibana's int4 layout (`hibana_kernels.quant`); this module puts them into the model: a fused
-layer of ours (q/k/v, gate/up) takes its checkpoint layers concatenated along the outputs, and a
-layer quantized in activation order keeps that order as an input permutation (`Linear.perm`).
+Hibana's int4 layout (`hibana_kernels.quant`), `fp8.py` reads an FP8 layer's codes and scales;
+this module puts them into the model: a fused layer of ours (q/k/v, gate/up) takes its
+checkpoint layers concatenated along the outputs, and a layer quantized in activation order
+keeps that order as an input permutation (`Linear.perm`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Callable
 import torch
 
 from hibana_core.errors import CheckpointError
+from hibana_core.surgery import fp8
 from hibana_core.surgery.formats import QuantFormat, parse_quantization_config, repack_layer
 
 __all__ = ["load_packed_layers", "parse_quantization_config"]
@@ -23,14 +25,13 @@ def load_packed_layers(module: torch.nn.Module, names: set[str], read: Callable[
     """Give every linear layer whose checkpoint tensors are packed its packed weight; return the
     checkpoint names consumed. `fused`: a layer of ours -> the checkpoint layers it concatenates
     along its outputs (e.g. qkv_proj -> q_proj, k_proj, v_proj). A layer is packed exactly when
-    its checkpoint holds the format's first tensor (`qweight`, `weight_packed`)."""
+    its checkpoint holds the format's first tensor (`qweight`, `weight_packed`), or for fp8 a
+    weight scale."""
+    if fmt.kind == "fp8":
+        return _load_fp8_layers(module, names, read, fmt, fused, where)
     first = fmt.tensor_names[0]
     consumed: set[str] = set()
-    for name, layer in module.named_modules():
-        if not hasattr(layer, "set_packed") or layer.kind != "dense":
-            continue
-        parent, _, own = name.rpartition(".")
-        parts = [f"{parent}.{p}" if parent else p for p in fused.get(own, (own,))]
+    for name, layer, parts in _linear_layers(module, fused):
         present = [f"{p}.{first}" in names for p in parts]
         if not any(present):
             continue
@@ -57,4 +58,46 @@ def load_packed_layers(module: torch.nn.Module, names: set[str], read: Callable[
                                   "scales": torch.cat([r.scales for r in repacked]).to(device),
                                   "zeros": torch.cat([r.zeros for r in repacked]).to(device)},
                          groups.pop(), None if perms[0] is None else perms[0].to(device))
+    return consumed
+
+
+def _linear_layers(module: torch.nn.Module, fused: dict[str, tuple[str, ...]]):
+    """(name, layer, the checkpoint layers it joins) for each dense linear layer of `module`."""
+    for name, layer in module.named_modules():
+        if not hasattr(layer, "set_packed") or layer.kind != "dense":
+            continue
+        parent, _, own = name.rpartition(".")
+        yield name, layer, [f"{parent}.{p}" if parent else p for p in fused.get(own, (own,))]
+
+
+def _load_fp8_layers(module: torch.nn.Module, names: set[str], read: Callable[[str], torch.Tensor],
+                     fmt: QuantFormat, fused: dict[str, tuple[str, ...]], where: str) -> set[str]:
+    """load_packed_layers for FP8 checkpoints: codes and scales kept, fused layers joined by
+    `fp8.fuse`; a layer is fp8 exactly when its checkpoint holds a weight scale."""
+    kv = sorted(n for n in names if n.endswith(fp8.KV_SCALES))
+    if kv:
+        raise fp8.kv_cache_error(f"{where} holds {', '.join(kv[:3])}{' ...' if len(kv) > 3 else ''}")
+    consumed: set[str] = set()
+    for name, layer, parts in _linear_layers(module, fused):
+        scales = [fp8.scale_name(fmt.method, p, names) for p in parts]
+        if all(s is None for s in scales):
+            continue
+        if any(s is None for s in scales):
+            raise CheckpointError(f"{where}: {name} joins {', '.join(parts)}, of which only some are fp8; "
+                                  "Hibana computes them as one layer and needs them alike")
+        device, expected = layer.weight.device, tuple(layer.weight.shape)
+        weights = []
+        for prefix, scale in zip(parts, scales):
+            if f"{prefix}.weight" not in names:
+                raise CheckpointError(f"{where}: {prefix} has a {scale} but no weight; the checkpoint is incomplete")
+            weights.append(fp8.read_layer(read(f"{prefix}.weight"), read(f"{prefix}.{scale}"), fmt.block,
+                                          f"{where}: {prefix}"))
+            consumed |= {f"{prefix}.weight", f"{prefix}.{scale}"}
+            consumed |= {f"{prefix}.{u}" for u in fp8.UNUSED if f"{prefix}.{u}" in names}
+        shapes = [tuple(w.qweight.shape) for w in weights]
+        if any(k != expected[1] for _, k in shapes) or sum(n for n, _ in shapes) != expected[0]:
+            raise CheckpointError(f"{where}: {', '.join(parts)} have shapes {shapes}, the config implies "
+                                  f"{expected[0]}x{expected[1]} for {name}; config and weights disagree")
+        w = fp8.fuse(weights)
+        layer.set_packed("fp8", {"qweight": w.qweight.to(device), "scales": w.scales.to(device)}, block=w.block)
     return consumed
