@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import logging
 import os
 import sys
 import threading
@@ -31,8 +32,9 @@ from hibana_core.forward_context import ForwardContext
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.cache import KVCache
 from hibana_core import surgery
-from hibana_core.loader import load_from_hf_model, load_model, model_bytes
+from hibana_core.loader import LOAD_STAGES, load_from_hf_model, load_model, model_bytes
 from hibana_core.output import OutputProcessor
+from hibana_core.progress import LoadProgress
 from hibana_core.registry import ModelLimits, StateRegistry
 from hibana_core.runner import ModelRunner
 from hibana_core.sampler import Sampler
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     from hibana_core.chat import Chat
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+logger = logging.getLogger("hibana.engine")
 
 
 # Engines that `Engine.shared` made, while anything uses them; the most recently asked for stay
@@ -76,7 +79,9 @@ class EngineStats:
     tokens per verifying sequence, the step-cost table."""
 
 
-def _resolve_device(device: str) -> torch.device:
+def resolve_device(device: str) -> torch.device:
+    """The torch device `device` names ("auto", "cpu", "cuda", "cuda:N"), or a ConfigError saying
+    what this machine has; checked before anything loads."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -96,13 +101,30 @@ class Engine:
     def __init__(self, config: EngineConfig, hf_model: torch.nn.Module | None = None,
                  tokenizer=None) -> None:
         self.config = config
-        self.device = _resolve_device(config.device)
+        self.device = resolve_device(config.device)
+        names = (LOAD_STAGES if hf_model is None else ("weights",)) + (("surgery",) if config.surgery else ()) \
+            + ("kv cache", "warm-up")
+        stages = LoadProgress(config.model, names, enabled=config.progress)
+        try:
+            self._start(config, hf_model, tokenizer, stages)
+        finally:
+            stages.close()
+        self.load_times: dict[str, float] = dict(stages.times)
+        """Seconds each stage of the start took: resolve (and download), config, weights,
+        tokenizer, surgery, kv cache, warm-up (draft model, step-cost profile, CUDA graphs)."""
+        logger.info("loaded %s on %s in %.2f s (%s)", config.model, self.device, stages.total, stages.summary())
+
+    def _start(self, config: EngineConfig, hf_model: torch.nn.Module | None, tokenizer,
+               stages: LoadProgress) -> None:
         self._ctx = ForwardContext()
         passes = surgery.check_requests(config.surgery, get_plugin_manager().surgery_passes())  # before loading
         if hf_model is None:
-            loaded = load_model(config.model, self.device, config.dtype, self._ctx, config.progress)
+            loaded = load_model(config.model, self.device, config.dtype, self._ctx, config.progress, stages)
         else:
+            stages.begin("weights")
             loaded = load_from_hf_model(hf_model, self.device, config.dtype, self._ctx, tokenizer)
+        if config.surgery:
+            stages.begin("surgery")
         guard = self._guard(loaded) if config.surgery and config.surgery_guard else None
         self.surgery = loaded.surgery + surgery.apply_passes(loaded.model, passes,
                                                              get_plugin_manager().surgery_passes(), guard)
@@ -124,6 +146,7 @@ class Engine:
                               "comes with model surgery (kv8); leave kv_dtype='auto' or set dtype to match")
         self.fingerprint = surgery.fingerprint(loaded.fingerprint, loaded.dtype, kv_dtype, self.surgery)
         self.weight_bytes = model_bytes(loaded.model)  # after surgery: packed weights, buffers too
+        stages.begin("kv cache")
         num_blocks = self._num_blocks(self.weight_bytes, kv_dtype)
         a, bs = loaded.args, config.cache.block_size
         try:
@@ -134,6 +157,7 @@ class Engine:
                                     f"on {self.device}: {exc}; lower num_blocks or memory_budget_bytes") from None
         self._ctx.kv_cache = self.kv_cache
         self.pool = BlockPool(num_blocks, bs)
+        stages.begin("warm-up")
         runner = ModelRunner(self.model, self._ctx, Sampler(self.device, config.seed), self.device,
                              self.max_model_len, config.scheduler.max_concurrent_agents, config.cuda_graphs)
         me = weakref.proxy(self)  # the speculator holds neither the engine nor its runner
