@@ -80,7 +80,8 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
     extra = random.Random(seed + 1)
     rows: list[DecodeRow] = []
     for system in [s for s in systems if s in SPEC_SYSTEMS or s.startswith("hibana+")]:
-        with open_engine(model, system.split("+")[0], max_model_len=max(contexts) + generate + 16,
+        # room for the warm-up generations too (64 + 8 tokens), whatever the contexts asked for
+        with open_engine(model, system.split("+")[0], max_model_len=max(*contexts, len(warmup)) + max(generate, 8) + 16,
                          max_concurrent_agents=8, **_surgery_overrides(model, system)) as engine:
             guard = next((r.get("guard") for r in getattr(engine, "surgery", [])), None)
             for prompt in (warmup, random_tokens(rng, min(contexts), model.vocab_size)):

@@ -84,6 +84,8 @@ def resolve_device(device: str) -> torch.device:
     what this machine has; checked before anything loads."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, str) or device.split(":")[0] not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
     try:
         resolved = torch.device(device)
     except RuntimeError as exc:
@@ -200,7 +202,8 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike = "demo", **overrides) -> "Engine":
-        """Load a Hugging Face checkpoint directory (or "demo"); overrides go to EngineConfig."""
+        """Load a model: a Hugging Face repo id ("Qwen/Qwen3-8B", "org/name@revision"), a
+        checkpoint directory, or "demo"; overrides go to EngineConfig."""
         return cls(EngineConfig.from_overrides(str(model), **overrides))
 
     @classmethod

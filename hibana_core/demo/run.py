@@ -202,18 +202,29 @@ def parse_speculation(value: str) -> str | dict:
     return {"method": method, "k": int(k)} if k.isdigit() else {"method": method}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hibana demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--agents", type=int, default=8, help="concurrent agents (default 8)")
     p.add_argument("--tasks", type=int, default=3, help="tasks per agent (default 3)")
     p.add_argument("--seed", type=int, default=0, help="picks the tasks and tools")
-    p.add_argument("--model", default="demo", help="checkpoint directory (default: the bundled demo model)")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--model", default="demo", help="checkpoint directory or Hugging Face repo id (default: the "
+                   "bundled demo model; the tasks need a model trained on them)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--max-tokens", type=int, default=160, help="most tokens per model turn")
     p.add_argument("--no-live", action="store_true", help="no live view, only the final table")
     p.add_argument("--speculation", default="adaptive",
                    help='"adaptive" (default), "off", or METHOD[:K] (e.g. suffix:4, ngram)')
+    return p
+
+
+def main(argv=None, started: float | None = None) -> int:
+    """`started`: when the process started (time.time()), for the cold-start figure; None: now,
+    or when the OS says this process started."""
+    from hibana_core.coldstart import ColdStart, first_token_seconds, process_start_time
+
+    started = started or process_start_time() or time.time()
+    p = build_parser()
     args = p.parse_args(argv)
     if args.agents < 1 or args.tasks < 1:
         p.error("--agents and --tasks must be at least 1")
@@ -224,12 +235,15 @@ def main(argv=None) -> int:
 
     console = Console(width=None if sys.stdout.isatty() else 120)
     try:
-        engine = Engine.from_pretrained(args.model, device=args.device, progress=False,
+        loading = time.time()
+        engine = Engine.from_pretrained(args.model, device=args.device, progress=sys.stderr.isatty(),
                                         speculation=parse_speculation(args.speculation))
     except HibanaError as exc:
         console.print(f"hibana demo: {exc}", markup=False)
         return 1
     with engine:
+        load = time.time() - loading
+        cold = ColdStart(loading - started, load, first_token_seconds(engine), dict(engine.load_times))
         if console.is_terminal and not args.no_live:
             with Live(live_table([], args.tasks, 0.0), console=console, refresh_per_second=8) as live:
                 result = run_demo(engine, args.agents, args.tasks, args.seed, args.max_tokens,
@@ -239,6 +253,7 @@ def main(argv=None) -> int:
             result = run_demo(engine, args.agents, args.tasks, args.seed, args.max_tokens)
             console.print(live_table(result.views, args.tasks, result.seconds))
         print_summary(console, result, engine)
+        console.print(cold.describe(), markup=False, highlight=False)
     for exc in result.errors:
         console.print(f"an agent failed: {exc!r}", markup=False)
     return 1 if result.errors else 0
