@@ -63,10 +63,10 @@ def _transformers(model: str, since: float, device: str, dtype: str) -> dict:
         torch.cuda.synchronize(device)
     first = time.perf_counter() - started
     return {"startup_s": loading - since, "load_s": load, "first_token_s": first, "stages": {},
-            "total_s": time.time() - since}
+            "total_s": loading - since + load + first}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hibana_bench.coldstart", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("system", choices=SYSTEMS, help="what loads the model and generates the token")
@@ -77,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--since", type=float, default=None,
                         help="when the process was launched (time.time()); default: when the OS says it "
                         "started, else now")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.since is None:
         from hibana_core.coldstart import process_start_time
 

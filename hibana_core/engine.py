@@ -39,7 +39,7 @@ from hibana_core.registry import ModelLimits, StateRegistry
 from hibana_core.runner import ModelRunner
 from hibana_core.sampler import Sampler
 from hibana_core.scheduler import IdleLRUEviction, Scheduler
-from hibana_core.speculation.speculator import Speculator, profile_step_costs
+from hibana_core.speculation.speculator import Speculator, check_method, profile_step_costs
 from hibana_core.state import StateHandle, StateInfo
 from hibana_plugins.manager import get_plugin_manager
 
@@ -120,6 +120,7 @@ class Engine:
                stages: LoadProgress) -> None:
         self._ctx = ForwardContext()
         passes = surgery.check_requests(config.surgery, get_plugin_manager().surgery_passes())  # before loading
+        check_method(config.speculation, list(get_plugin_manager().drafters()))
         if hf_model is None:
             loaded = load_model(config.model, self.device, config.dtype, self._ctx, config.progress, stages)
         else:
