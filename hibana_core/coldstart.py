@@ -84,4 +84,8 @@ def measure(model: str, started: float, **overrides) -> tuple[ColdStart, "Engine
     loading = time.time()
     engine = Engine.from_pretrained(model, **overrides)
     load = time.time() - loading
-    return ColdStart(loading - started, load, first_token_seconds(engine), dict(engine.load_times)), engine
+    try:
+        return ColdStart(loading - started, load, first_token_seconds(engine), dict(engine.load_times)), engine
+    except BaseException:
+        engine.close()
+        raise

@@ -91,7 +91,7 @@ def snapshot(ref: RepoRef, progress: bool = True) -> Path:
     if offline():
         raise CheckpointError(_not_cached(ref, cache, cached, missing,
                                           "and downloads are off (HF_HUB_OFFLINE is set)") +
-                              f"; or set HF_HUB_OFFLINE=0 to let Hibana fetch it")
+                              "; or set HF_HUB_OFFLINE=0 to let Hibana fetch it")
     return _download(ref, cache, progress)
 
 
@@ -127,6 +127,7 @@ def _cached(ref: RepoRef, cache: Path) -> tuple[Path | None, list[str]]:
         if partial is None:
             return None, []
         path = Path(partial)
+        return path, missing_files(path) or ["files the Hub lists for it (config or tokenizer files)"]
     return path, missing_files(path)
 
 

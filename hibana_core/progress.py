@@ -1,8 +1,8 @@
 """The stages of an engine's start, timed: one progress bar on stderr (off with progress=False)
 and a line per stage under the `hibana.load` logger.
 
-    hibana: loading demo  57%|█████▋    | 4/7 [00:00<00:00, kv cache]
-      loading model: 100%|██████████| 90/90 [00:00<00:00, ...tensor/s]     (the weights, nested)
+    hibana: loading demo:  33%|███▎      | 2/6 [00:06, weights]
+    hibana: weights:  67%|██████▋   | 60/90 [00:00<00:00, 135.40tensor/s]    (nested, while it runs)
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ class LoadProgress:
         """Seconds per stage, in the order they ran."""
         self._bar = tqdm(total=len(stages), desc=f"hibana: loading {model}", unit="stage", leave=False,
                          disable=not enabled, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
-
         self._running: tuple[str, float] | None = None
 
     @contextmanager

@@ -189,6 +189,8 @@ class StateRegistry:
         idle = sorted((e for e in self._entries.values() if e.unnamed and not self._taken(e)),
                       key=lambda e: e.last_use)
         for entry in idle[:max(0, len(idle) - keep)]:
+            logger.debug("closing idle state %s: more than max_unnamed_states=%d states made for calls "
+                         "that named none", entry.handle.id, self.config.max_unnamed_states)
             self.close_state(entry.handle)
 
     def infos(self) -> list[StateInfo]:

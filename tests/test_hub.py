@@ -169,6 +169,24 @@ def test_a_cached_repo_missing_a_shard_is_incomplete(checkpoints, hub_env):
         resolve_checkpoint("acme/sharded")
 
 
+def test_a_snapshot_huggingface_hub_finds_incomplete_is_incomplete(checkpoints, hub_env, monkeypatch):
+    """Newer huggingface_hub checks a cached snapshot against the file list it cached with it
+    (IncompleteSnapshotError, carrying the snapshot's path): config and weights may all be there."""
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    snapshot = put_snapshot(hub_env, "acme/tiny", checkpoints["v1"], commit_hash("one"))
+    incomplete = errors.LocalEntryNotFoundError("1 file(s) are missing (tokenizer.json)")
+    incomplete.snapshot_path = str(snapshot)
+
+    def snapshot_download(*args, **kwargs):
+        raise incomplete
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    with pytest.raises(CheckpointError, match="is incomplete: it lacks files the Hub lists"):
+        resolve_checkpoint("acme/tiny")
+
+
 def test_a_local_directory_wins_over_a_repo_id(checkpoints, hub_env, tmp_path, monkeypatch):
     put_snapshot(hub_env, "acme/tiny", checkpoints["v1"], commit_hash("one"))
     shutil.copytree(checkpoints["v2"], tmp_path / "acme" / "tiny")

@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None, started: float | None = None) -> int:
     """`started`: when the process started (time.time()), for the cold-start figure; None: now,
     or when the OS says this process started."""
-    from hibana_core.coldstart import ColdStart, first_token_seconds, process_start_time
+    from hibana_core.coldstart import measure, process_start_time
 
     started = started or process_start_time() or time.time()
     p = build_parser()
@@ -231,19 +231,16 @@ def main(argv=None, started: float | None = None) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from hibana_core import Engine, HibanaError
+    from hibana_core import HibanaError
 
     console = Console(width=None if sys.stdout.isatty() else 120)
     try:
-        loading = time.time()
-        engine = Engine.from_pretrained(args.model, device=args.device, progress=sys.stderr.isatty(),
-                                        speculation=parse_speculation(args.speculation))
+        cold, engine = measure(args.model, started, device=args.device, progress=sys.stderr.isatty(),
+                               speculation=parse_speculation(args.speculation))
     except HibanaError as exc:
         console.print(f"hibana demo: {exc}", markup=False)
         return 1
     with engine:
-        load = time.time() - loading
-        cold = ColdStart(loading - started, load, first_token_seconds(engine), dict(engine.load_times))
         if console.is_terminal and not args.no_live:
             with Live(live_table([], args.tasks, 0.0), console=console, refresh_per_second=8) as live:
                 result = run_demo(engine, args.agents, args.tasks, args.seed, args.max_tokens,
