@@ -1,7 +1,9 @@
 """`hibana bench decode | agents`: workloads run side by side, a table, and `--json PATH`.
 
 With `--trace NAME|PATH` both replay recorded agent conversations instead of random tokens
-(trace-driven, `hibana_bench.trace_workloads`), on the speculation systems only.
+(trace-driven, `hibana_bench.trace_workloads`), on the speculation systems only. On a checkpoint
+(not a random-weight preset) each system's cold start is measured first, in a fresh process:
+from its launch to the first generated token, imports included (`hibana_bench.coldstart`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from hibana_bench import coldstart
 from hibana_bench.models import PRESETS, load_bench_model
 from hibana_bench.spec_systems import SPEC_SYSTEMS, BenchError
 from hibana_bench.traces import TraceError
@@ -26,6 +29,25 @@ FUSION_POLICIES = ("auto", "on", "off")  # hibana_kernels.fusion.POLICIES
 AGENT_SYSTEMS = ("hibana", "hibana_no_retention", "hf_reprefill", "hf_cache_reuse")
 TRACE_SYSTEMS = tuple(SPEC_SYSTEMS)  # hibana_spec_off, hibana_spec_k4, hibana
 ALL_SYSTEMS = ", ".join(dict.fromkeys(TRACE_SYSTEMS + DECODE_SYSTEMS + AGENT_SYSTEMS))
+# the systems each workload runs (a trace runs the speculation systems and reports the rest skipped)
+WORKLOAD_SYSTEMS = {"decode": tuple(dict.fromkeys(TRACE_SYSTEMS + DECODE_SYSTEMS)),
+                    "agents": tuple(dict.fromkeys(TRACE_SYSTEMS + AGENT_SYSTEMS))}
+
+
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _counts(text: str) -> list[int]:
+    """An argparse type: comma-separated integers >= 1."""
+    return [_count(part.strip()) for part in text.split(",") if part.strip()] or [_count(text)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,9 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="workload", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", default="demo",
-                        help=f"checkpoint path, demo, or a preset: {', '.join(PRESETS)}")
-    common.add_argument("--device", default="auto")
-    common.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+                        help="checkpoint directory, Hugging Face repo id (org/name[@revision]), demo, or a preset "
+                        f"with random weights: {', '.join(PRESETS)}")
+    common.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
+    common.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="weights and compute dtype of every system (auto: bfloat16 on CUDA, float32 on CPU)")
     common.add_argument("--json", type=Path, help="also write the figures to this file")
     common.add_argument("--trace", help="replay a recorded trace (trace-driven): a shipped one (coding, demo) "
                         "or a path; runs the speculation systems only")
@@ -44,58 +68,117 @@ def build_parser() -> argparse.ArgumentParser:
                         "instead of being forced to the recorded ones")
     common.add_argument("--systems", help=f"comma-separated, from: {ALL_SYSTEMS}; default: "
                         f"{','.join(TRACE_SYSTEMS)} with --trace, else the workload's own list")
+    common.add_argument("--no-cold-start", action="store_true",
+                        help="skip the cold-start measurement (a fresh process per system that loads the "
+                        "checkpoint and generates one token; never run on random-weight presets)")
     decode = sub.add_parser("decode", parents=[common], help="batch-1 decode and prefill speed")
-    decode.add_argument("--context", default="512,8192", help="comma-separated context lengths")
-    decode.add_argument("--generate", type=int, default=128)
-    decode.add_argument("--conversations", type=int, default=1,
+    decode.add_argument("--context", default=[512, 8192], type=_counts,
+                        help="comma-separated context lengths (default 512,8192)")
+    decode.add_argument("--generate", type=_count, default=128, help="tokens generated per context (default 128)")
+    decode.add_argument("--conversations", type=_count, default=1,
                         help="with --trace: replay the first N conversations one after another (default 1)")
-    decode.add_argument("--turns", type=int, help="with --trace: at most this many turns per conversation")
+    decode.add_argument("--turns", type=_count, help="with --trace: at most this many turns per conversation")
     decode.add_argument("--surgery", default="", help="comma-separated surgery passes (e.g. w8,w4): adds a "
                         "system hibana+PASS for each, with its bytes per token and the guard's decision")
     decode.add_argument("--fusion", default="auto", help="comma-separated kernel-fusion policies (auto, on, "
                         "off: hibana_kernels.fusion): each Hibana system runs once under each; rows of a "
                         "policy other than auto are named SYSTEM/fuse-POLICY")
     agents = sub.add_parser("agents", parents=[common], help="agents in tool loops")
-    agents.add_argument("--agents", type=int, default=8,
-                        help="with --trace: agents cycle through the trace's conversations")
-    agents.add_argument("--turns", type=int, help="turns per agent (default 4; with --trace: all recorded, "
+    agents.add_argument("--agents", type=_count, default=8,
+                        help="concurrent agents (default 8); with --trace: agents cycle through the trace's "
+                        "conversations")
+    agents.add_argument("--turns", type=_count, help="turns per agent (default 4; with --trace: all recorded, "
                         "or at most this many)")
-    agents.add_argument("--system", type=int, default=512, help="system prompt tokens (half shared)")
-    agents.add_argument("--tool-result", type=int, default=64)
-    agents.add_argument("--generate", type=int, default=32)
-    agents.add_argument("--peer-agents", type=int, default=1,
-                        help="agents the sequential transformers peers are timed on")
+    agents.add_argument("--system", type=_count, default=512, help="system prompt tokens (half shared; default 512)")
+    agents.add_argument("--tool-result", type=_count, default=64,
+                        help="tokens each tool result adds to an agent's history per turn (default 64)")
+    agents.add_argument("--generate", type=_count, default=32, help="tokens each agent generates per turn (default 32)")
+    agents.add_argument("--peer-agents", type=_count, default=1,
+                        help="agents the sequential transformers peers are timed on (default 1)")
     agents.add_argument("--surgery", default="", help="comma-separated surgery passes (e.g. kv8): adds a "
                         "system hibana+PASS for each (the default engine with that pass; random trace only)")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
-                          else ("cpu" if args.device == "auto" else args.device))
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
-        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[torch.device, list[str]]:
+    """The device and the systems to run, or exit with a usage error (status 2) for options that
+    cannot work: unknown systems or surgery passes, a device this machine lacks, a model that
+    is neither a preset nor a checkpoint that can be found. Runs before anything loads."""
+    from hibana_core import HibanaError
+    from hibana_core.engine import resolve_device
+    from hibana_core.loader import resolve_checkpoint
+
+    try:
+        device = resolve_device(args.device)
+    except HibanaError as exc:
+        parser.error(f"--device: {exc}")
     default = TRACE_SYSTEMS if args.trace else DECODE_SYSTEMS if args.workload == "decode" else AGENT_SYSTEMS
     systems = [s for s in (args.systems or ",".join(default)).split(",") if s]
-    unknown = [s for s in systems if s not in ALL_SYSTEMS.split(", ")]
-    if getattr(args, "surgery", ""):
-        systems += surgery_systems([p for p in args.surgery.split(",") if p])
+    known = ALL_SYSTEMS.split(", ") if args.trace else WORKLOAD_SYSTEMS[args.workload]
+    unknown = [s for s in systems if s not in known]
     if unknown:
-        build_parser().error(f"unknown system(s) {', '.join(unknown)}; known: {ALL_SYSTEMS}")
+        parser.error(f"unknown system(s) for {args.workload}{' --trace' if args.trace else ''}: "
+                     f"{', '.join(unknown)}; known: {', '.join(known)}")
     bad_fusion = [f for f in getattr(args, "fusion", "auto").split(",") if f not in FUSION_POLICIES]
     if bad_fusion:
-        build_parser().error(f"unknown fusion policy {', '.join(bad_fusion)}; known: {', '.join(FUSION_POLICIES)}")
+        parser.error(f"unknown fusion policy {', '.join(bad_fusion)}; known: {', '.join(FUSION_POLICIES)}")
+    passes = [p for p in getattr(args, "surgery", "").split(",") if p]
+    if passes:
+        from hibana_plugins.manager import get_plugin_manager
+
+        registered = get_plugin_manager().surgery_passes()
+        missing = [p for p in passes if p not in registered]
+        if missing:
+            parser.error(f"--surgery: no pass named {', '.join(missing)}; registered: {', '.join(sorted(registered))}")
+        systems += surgery_systems(passes)
+    if args.model not in PRESETS:
+        try:
+            resolve_checkpoint(args.model, progress=True)  # a repo id is downloaded here, once
+        except HibanaError as exc:
+            parser.error(f"--model: {exc} (or name a preset: {', '.join(PRESETS)})")
+    return device, systems
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hibana_core import HibanaError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    device, systems = check_options(parser, args)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
     try:
+        cold = cold_start(args, device, dtype)
+        if cold:
+            print_cold_start(cold)
         report = run_trace(args, device, dtype, systems) if args.trace else run_random(args, device, dtype, systems)
-    except (BenchError, TraceError) as exc:
+    except (BenchError, TraceError, HibanaError) as exc:
         print(f"hibana bench: {exc}", file=sys.stderr)
         return 2
+    report["cold_start"] = cold
     report["environment"] = environment(device, dtype)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
     return 0
+
+
+def cold_start(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict | None:
+    """Hibana's and transformers' cold start on the checkpoint, each in a fresh process, before
+    this process loads anything; None on a random-weight preset or with --no-cold-start."""
+    if args.no_cold_start or args.model in PRESETS:
+        return None
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {system: coldstart.measure(system, args.model, str(device), dtype_name) for system in coldstart.SYSTEMS}
+
+
+def print_cold_start(cold: dict) -> None:
+    print("cold start: a fresh process to its first generated token (imports, load, one-token generation)")
+    print(f"{'system':<14}{'total s':>9}{'startup s':>11}{'load s':>9}{'1st token s':>13}  load stages (s)")
+    for system, r in cold.items():
+        stages = ", ".join(f"{name} {seconds:.2f}" for name, seconds in r["stages"].items()) or "-"
+        print(f"{system:<14}{r['total_s']:>9.2f}{r['startup_s']:>11.2f}{r['load_s']:>9.2f}"
+              f"{r['first_token_s']:>13.2f}  {stages}")
 
 
 def run_trace(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, systems: list[str]) -> dict:
@@ -119,7 +202,7 @@ def run_trace(args: argparse.Namespace, device: torch.device, dtype: torch.dtype
 def run_random(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, systems: list[str]) -> dict:
     model = load_bench_model(args.model, device, dtype)
     if args.workload == "decode":
-        report = decode_workload(model, [int(c) for c in args.context.split(",")], args.generate, systems,
+        report = decode_workload(model, args.context, args.generate, systems,
                                  fusions=[f for f in args.fusion.split(",") if f])
         print_decode(report)
     else:

@@ -49,7 +49,7 @@ class BenchModel:
 
 
 def load_bench_model(name: str, device: torch.device, dtype: torch.dtype) -> BenchModel:
-    """A preset (random weights), "demo", or a checkpoint directory."""
+    """A preset (random weights), "demo", a checkpoint directory or a Hugging Face repo id."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if name in PRESETS:

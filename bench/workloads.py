@@ -87,8 +87,9 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
             for policy in fusions]
     for system, policy in runs:
         label = system if policy == "auto" else f"{system}/fuse-{policy}"
+        # room for the warm-up generations too (64 + 8 tokens), whatever the contexts asked for
         with fusion.using(policy), open_engine(
-                model, system.split("+")[0], max_model_len=max(contexts) + generate + 16,
+                model, system.split("+")[0], max_model_len=max(*contexts, len(warmup)) + max(generate, 8) + 16,
                 max_concurrent_agents=8, **_surgery_overrides(model, system)) as engine:
             guard = next((r.get("guard") for r in getattr(engine, "surgery", [])), None)
             for prompt in (warmup, random_tokens(rng, min(contexts), model.vocab_size)):

@@ -1,11 +1,27 @@
-"""Hibana's engine: works on token ids and knows nothing of any agent framework."""
+"""Hibana's engine: works on token ids and knows nothing of any agent framework.
+
+Hibana logs under the `hibana` logger (`hibana.load`, `hibana.engine`, `hibana.hub`,
+`hibana.states`, `hibana.requests`): load times, which state served a call, tokens reused and
+computed, evictions. A library stays silent until its user configures logging, so the logger
+has only a NullHandler; e.g. `logging.basicConfig(); logging.getLogger("hibana").setLevel("INFO")`.
+"""
+
+import importlib.metadata as _metadata
+import logging as _logging
 
 from hibana_core.config import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
-from hibana_core.errors import (CheckpointError, ConfigError, ContextLengthError, EngineClosedError,
+from hibana_core.errors import (ChatTimeoutError, CheckpointError, ConfigError, ContextLengthError, EngineClosedError,
                                 HibanaError, InvalidTokenError, MemoryBudgetError,
                                 StateBusyError, StateClosedError, StateExistsError, StateFileError,
                                 SurgeryGuardError, UnsupportedModelError)
 from hibana_core.state import Completion, RequestStats, StateHandle, StateInfo, StreamEvent, SyncStats
+
+_logging.getLogger("hibana").addHandler(_logging.NullHandler())
+
+try:
+    __version__ = _metadata.version("hibana")
+except _metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+    __version__ = "unknown"
 
 
 def __getattr__(name: str):
@@ -18,7 +34,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "CacheConfig", "CheckpointError", "Completion", "ConfigError", "ContextLengthError", "Engine",
+    "CacheConfig", "ChatTimeoutError", "CheckpointError", "Completion", "ConfigError", "ContextLengthError", "Engine",
     "EngineClosedError", "EngineConfig", "EngineStats", "HibanaError", "InvalidTokenError",
     "MemoryBudgetError", "RequestStats", "SamplingParams", "SchedulerConfig",
     "StateBusyError", "StateClosedError", "StateExistsError", "StateFileError", "StateHandle",

@@ -10,9 +10,15 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import platform
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
+
+STARTED = time.time()
+"""When this module was imported (the console script's first import): where the OS does not say
+when the process started, `hibana demo` reports its cold start from here."""
 
 COMMAND_GROUP = "hibana.commands"
 # Commands found through COMMAND_GROUP (Hibana's own pyproject declares them), with their help
@@ -38,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hibana", description="Local LLM inference engine for agents."
     )
+    parser.add_argument("--version", action="version", version=version(),
+                        help="print Hibana's version (and Python's and torch's) and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     plugins = commands.add_parser(
@@ -58,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Apply surgery passes to a checkpoint, print the guard's figures against the "
                     "unmodified model, and (with --out) write a checkpoint that loads with the "
                     "passes applied. Example: hibana surgery path/to/model --passes w4 --out model-w4")
-    surgery.add_argument("model", help="checkpoint directory, or demo")
+    surgery.add_argument("model", help="checkpoint directory, Hugging Face repo id (org/name[@revision]), or demo")
     surgery.add_argument("--passes", required=True,
                          help='comma-separated pass names (w8, w4: int8/int4 weights; kv8: fp8 KV cache), '
                               'or a JSON list such as \'[{"name": "w4", "group_size": 64}]\'')
@@ -66,16 +74,29 @@ def build_parser() -> argparse.ArgumentParser:
     surgery.add_argument("--force", action="store_true", help="keep passes over their guard floors")
     surgery.add_argument("--guard-text", help="a UTF-8 text file to measure on instead of the demo conversations")
     surgery.add_argument("--no-guard", action="store_true", help="skip the guard (no quality figures)")
-    surgery.add_argument("--device", default="auto")
-    surgery.add_argument("--dtype", default="auto")
+    surgery.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
+    surgery.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                         help="compute dtype (auto: the checkpoint's on GPU, float32 on CPU)")
     surgery.set_defaults(run=run_surgery)
     return parser
 
 
 def run_demo(argv: list[str]) -> int:
+    from hibana_core.coldstart import process_start_time
     from hibana_core.demo.run import main as demo_main
 
-    return demo_main(argv)
+    return demo_main(argv, started=process_start_time() or STARTED)
+
+
+def version() -> str:
+    """'hibana 0.1.0 (Python 3.11.7, torch 2.13.0+cpu)', read without importing torch."""
+    from hibana_core import __version__
+
+    try:
+        torch = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch = "not installed"
+    return f"hibana {__version__} (Python {platform.python_version()}, torch {torch})"
 
 
 def run_entry_point_command(name: str, argv: list[str]) -> int:

@@ -143,7 +143,8 @@ class SpeculationConfig:
     k: int | None = None
     """Fixed draft length per step; None: adaptive."""
     draft_model: str | None = None
-    """Checkpoint directory of the "draft_model" drafter (same tokenizer as the target); one per engine."""
+    """Checkpoint (directory or Hugging Face repo id) of the "draft_model" drafter (same tokenizer
+    as the target); one per engine."""
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -186,7 +187,8 @@ class EngineConfig:
     """Everything `Engine.from_pretrained` needs; overrides are keyword arguments of it."""
 
     model: str = "demo"
-    """Hugging Face checkpoint directory, or "demo" for the bundled demo model."""
+    """A Hugging Face repo id ("Qwen/Qwen3-8B", "org/name@revision": the local Hugging Face cache,
+    else downloaded), a checkpoint directory, or "demo" for the bundled demo model."""
     device: str = "auto"
     """"auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"."""
     dtype: str = "auto"

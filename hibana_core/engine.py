@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import logging
 import os
 import sys
 import threading
@@ -32,13 +33,14 @@ from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.cache import KVCache, kv_cache_dtype
 from hibana_core import surgery
 from hibana_core.surgery.calibration import Calibration
-from hibana_core.loader import load_from_hf_model, load_model, model_bytes
+from hibana_core.loader import LOAD_STAGES, load_from_hf_model, load_model, model_bytes
 from hibana_core.output import OutputProcessor
+from hibana_core.progress import LoadProgress
 from hibana_core.registry import ModelLimits, StateRegistry
 from hibana_core.runner import ModelRunner
 from hibana_core.sampler import Sampler
 from hibana_core.scheduler import IdleLRUEviction, Scheduler
-from hibana_core.speculation.speculator import Speculator, profile_step_costs
+from hibana_core.speculation.speculator import Speculator, check_method, profile_step_costs
 from hibana_core.state import StateHandle, StateInfo
 from hibana_plugins.manager import get_plugin_manager
 
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
     from hibana_core.chat import Chat
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+logger = logging.getLogger("hibana.engine")
 
 
 # Engines that `Engine.shared` made, while anything uses them; the most recently asked for stay
@@ -77,9 +80,13 @@ class EngineStats:
     tokens per verifying sequence, the step-cost table."""
 
 
-def _resolve_device(device: str) -> torch.device:
+def resolve_device(device: str) -> torch.device:
+    """The torch device `device` names ("auto", "cpu", "cuda", "cuda:N"), or a ConfigError saying
+    what this machine has; checked before anything loads."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, str) or device.split(":")[0] not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
     try:
         resolved = torch.device(device)
     except RuntimeError as exc:
@@ -97,13 +104,31 @@ class Engine:
     def __init__(self, config: EngineConfig, hf_model: torch.nn.Module | None = None,
                  tokenizer=None) -> None:
         self.config = config
-        self.device = _resolve_device(config.device)
+        self.device = resolve_device(config.device)
+        names = (LOAD_STAGES if hf_model is None else ("weights",)) + (("surgery",) if config.surgery else ()) \
+            + ("kv cache", "warm-up")
+        stages = LoadProgress(config.model, names, enabled=config.progress)
+        try:
+            self._start(config, hf_model, tokenizer, stages)
+        finally:
+            stages.close()
+        self.load_times: dict[str, float] = dict(stages.times)
+        """Seconds each stage of the start took: resolve (and download), config, weights,
+        tokenizer, surgery, kv cache, warm-up (draft model, step-cost profile, CUDA graphs)."""
+        logger.info("loaded %s on %s in %.2f s (%s)", config.model, self.device, stages.total, stages.summary())
+
+    def _start(self, config: EngineConfig, hf_model: torch.nn.Module | None, tokenizer,
+               stages: LoadProgress) -> None:
         self._ctx = ForwardContext()
         passes = surgery.check_requests(config.surgery, get_plugin_manager().surgery_passes())  # before loading
+        check_method(config.speculation, list(get_plugin_manager().drafters()))
         if hf_model is None:
-            loaded = load_model(config.model, self.device, config.dtype, self._ctx, config.progress)
+            loaded = load_model(config.model, self.device, config.dtype, self._ctx, config.progress, stages)
         else:
+            stages.begin("weights")
             loaded = load_from_hf_model(hf_model, self.device, config.dtype, self._ctx, tokenizer)
+        if config.surgery:
+            stages.begin("surgery")
         guard = self._guard(loaded) if config.surgery and config.surgery_guard else None
         calibration = Calibration(loaded.model, self._ctx, loaded.args, loaded.dtype, self.device, loaded.tokenizer)
         self.surgery = loaded.surgery + surgery.apply_passes(loaded.model, passes,
@@ -127,6 +152,7 @@ class Engine:
                               "kv_dtype='auto' or set dtype to match")
         self.fingerprint = surgery.fingerprint(loaded.fingerprint, loaded.dtype, kv_dtype, self.surgery)
         self.weight_bytes = model_bytes(loaded.model)  # after surgery: packed weights, buffers too
+        stages.begin("kv cache")
         num_blocks = self._num_blocks(self.weight_bytes, kv_dtype)
         a, bs = loaded.args, config.cache.block_size
         try:
@@ -137,6 +163,7 @@ class Engine:
                                     f"on {self.device}: {exc}; lower num_blocks or memory_budget_bytes") from None
         self._ctx.kv_cache = self.kv_cache
         self.pool = BlockPool(num_blocks, bs)
+        stages.begin("warm-up")
         runner = ModelRunner(self.model, self._ctx, Sampler(self.device, config.seed), self.device,
                              self.max_model_len, config.scheduler.max_concurrent_agents, config.cuda_graphs)
         me = weakref.proxy(self)  # the speculator holds neither the engine nor its runner
@@ -179,7 +206,8 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike = "demo", **overrides) -> "Engine":
-        """Load a Hugging Face checkpoint directory (or "demo"); overrides go to EngineConfig."""
+        """Load a model: a Hugging Face repo id ("Qwen/Qwen3-8B", "org/name@revision"), a
+        checkpoint directory, or "demo"; overrides go to EngineConfig."""
         return cls(EngineConfig.from_overrides(str(model), **overrides))
 
     @classmethod

@@ -7,7 +7,7 @@ from __future__ import annotations
 from hibana_plugins.hookspecs import HibanaError
 
 __all__ = [
-    "CheckpointError", "ConfigError", "ContextLengthError", "EngineClosedError", "HibanaError",
+    "ChatTimeoutError", "CheckpointError", "ConfigError", "ContextLengthError", "EngineClosedError", "HibanaError",
     "InvalidTokenError", "MemoryBudgetError", "StateBusyError", "StateClosedError",
     "StateExistsError", "StateFileError", "UnsupportedModelError",
 ]
@@ -60,3 +60,8 @@ class StateExistsError(HibanaError):
 class SurgeryGuardError(HibanaError):
     """A model surgery pass costs more quality than its floor allows (measured by the guard
     against the unmodified model); the message has the figures and how to force it."""
+
+
+class ChatTimeoutError(HibanaError, TimeoutError):
+    """A call ran past its timeout; its state is left as it was before the call. Also a builtin
+    TimeoutError, so `except TimeoutError` catches it."""

@@ -1,7 +1,8 @@
 """Hugging Face checkpoint directory -> model modules, tokenizer and a fingerprint.
 
 A checkpoint is config.json, one or many *.safetensors (with model.safetensors.index.json when
-sharded), tokenizer files and optionally generation_config.json.
+sharded), tokenizer files and optionally generation_config.json. It is named by its directory,
+"demo", or a Hugging Face repo id that `hub.py` finds in the local cache or downloads.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from hibana_core import hub
 from hibana_core.errors import CheckpointError, UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
+from hibana_core.progress import LoadProgress
 from hibana_core.surgery.checkpoint import MANIFEST, read_manifest
 from hibana_plugins.manager import get_plugin_manager
 
@@ -40,13 +43,20 @@ class LoadedModel:
     surgery: list = field(default_factory=list)  # passes a surgery checkpoint was written with
 
 
-def resolve_checkpoint(model: str) -> Path:
+def resolve_checkpoint(model: str, progress: bool = False) -> Path:
+    """The checkpoint directory `model` names: "demo" (the bundled model), a directory, or a
+    Hugging Face repo id ("org/name" or "org/name@revision"), found in the local Hugging Face
+    cache or downloaded into it (`hibana_core.hub`; `progress`: the download's bars)."""
     path = DEMO_MODEL_DIR if model == "demo" else Path(model).expanduser()
-    if not path.is_dir():
-        hint = " (the bundled demo model is missing from this install)" if model == "demo" else ""
-        raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist{hint}; pass the path "
-                              "of a Hugging Face checkpoint directory (config.json + *.safetensors)")
-    return path
+    if path.is_dir():
+        return path
+    repo = hub.parse_repo_id(model) if model != "demo" else None
+    if repo is not None:
+        return hub.snapshot(repo, progress)
+    hint = " (the bundled demo model is missing from this install)" if model == "demo" else ""
+    raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist{hint}; pass the path "
+                          "of a Hugging Face checkpoint directory (config.json + *.safetensors), "
+                          "or a Hugging Face repo id such as Qwen/Qwen3-8B")
 
 
 def resolve_dtype(dtype: str, device: torch.device, hf_config: Any) -> torch.dtype:
@@ -71,26 +81,36 @@ def read_model_type(path: Path) -> str:
                               "re-export the checkpoint with save_pretrained") from exc
 
 
-def load_model(model: str, device: torch.device, dtype: str, ctx: ForwardContext,
-               progress: bool = True) -> LoadedModel:
-    path = resolve_checkpoint(model)
-    model_type = read_model_type(path)
-    family = _family(model_type)
-    from transformers import AutoConfig
+LOAD_STAGES = ("resolve", "config", "weights", "tokenizer")
+"""The stages of `load_model`, as `LoadProgress` names them."""
 
-    try:
-        hf_config = AutoConfig.from_pretrained(path)
-    except Exception as exc:  # transformers raises many types for a bad config
-        raise CheckpointError(f"cannot read {path / 'config.json'}: {exc}") from exc
-    torch_dtype = resolve_dtype(dtype, device, hf_config)
-    module, args = _build(family, hf_config, device, torch_dtype, ctx)
-    quantization = getattr(hf_config, "quantization_config", None)
-    if quantization is not None and not isinstance(quantization, dict):
-        quantization = quantization.to_dict()
-    manifest = read_manifest(path)
-    _load_weights(module, path, progress, manifest, quantization)
-    loaded = _loaded(module, args, hf_config, _load_tokenizer(path), _eos_token_ids(path, hf_config),
-                     torch_dtype, _fingerprint(path))
+
+def load_model(model: str, device: torch.device, dtype: str, ctx: ForwardContext,
+               progress: bool = True, stages: LoadProgress | None = None) -> LoadedModel:
+    """`stages`: times (and shows) the LOAD_STAGES; without it, they run untimed."""
+    stages = stages or LoadProgress(model, LOAD_STAGES, enabled=False)
+    with stages.stage("resolve"):
+        path = resolve_checkpoint(model, progress)
+    with stages.stage("config"):
+        model_type = read_model_type(path)
+        family = _family(model_type)
+        from transformers import AutoConfig
+
+        try:
+            hf_config = AutoConfig.from_pretrained(path)
+        except Exception as exc:  # transformers raises many types for a bad config
+            raise CheckpointError(f"cannot read {path / 'config.json'}: {exc}") from exc
+        torch_dtype = resolve_dtype(dtype, device, hf_config)
+        module, args = _build(family, hf_config, device, torch_dtype, ctx)
+    with stages.stage("weights"):
+        quantization = getattr(hf_config, "quantization_config", None)
+        if quantization is not None and not isinstance(quantization, dict):
+            quantization = quantization.to_dict()
+        manifest = read_manifest(path)
+        _load_weights(module, path, progress, manifest, quantization)
+    with stages.stage("tokenizer"):
+        loaded = _loaded(module, args, hf_config, _load_tokenizer(path), _eos_token_ids(path, hf_config),
+                         torch_dtype, _fingerprint(path))
     loaded.surgery = list(manifest["passes"]) if manifest else []
     return loaded
 
@@ -222,7 +242,7 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
         for name in consumed:
             del where[name]
     items = ((name, str(file), lambda f=file, h=handle, n=name: read(f, h, n)) for name, (file, handle) in where.items())
-    _copy_weights(module, items, len(where), str(path), progress, desc=f"loading {path.name}", own_names=own_names)
+    _copy_weights(module, items, len(where), str(path), progress, desc="hibana: weights", own_names=own_names)
 
 
 def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progress: bool,

@@ -11,6 +11,7 @@ Detokenizing, stop strings, timing and delivery live here. The scheduler only as
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from typing import Any, Callable
 from hibana_core.detokenizer import Detokenizer
 from hibana_core.scheduler import Request, RequestOutput
 from hibana_core.state import Completion, RequestStats, StreamEvent
+
+logger = logging.getLogger("hibana.requests")
 
 
 class RequestStream:
@@ -166,6 +169,10 @@ class OutputProcessor:
         detok = delivery.detokenizer
         stats = RequestStats(request.num_prompt, request.reused, request.computed, len(request.output),
                              delivery.first_token, time.perf_counter() - delivery.started)
+        logger.info("state %s: %s %s, prompt %d tokens (%d reused, %d computed), %d generated in %.3f s",
+                    request.state_id or "?", "generate" if request.params is not None else "sync",
+                    request.finish_reason or "done", stats.prompt_tokens, stats.reused, stats.computed,
+                    stats.generated, stats.elapsed)
         completion = Completion(list(request.output), request.finish_reason or "",
                                 detok.text if detok else "", stats)
         tail = detok.take_delta(final=True) if detok else ""

@@ -9,6 +9,7 @@ token lists, scanning states for a match) runs before the lock is taken.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 import uuid
@@ -27,6 +28,8 @@ from hibana_core.output import RequestEvents
 from hibana_core.sampler import make_generator
 from hibana_core.scheduler import Request
 from hibana_core.state import UNNAMED_PREFIX, StateHandle, StateInfo, SyncStats
+
+logger = logging.getLogger("hibana.states")
 
 if TYPE_CHECKING:
     import torch
@@ -156,6 +159,7 @@ class StateRegistry:
                 if self._taken(self._entries[state_id]):
                     raise StateBusyError(f"state {state_id!r} is serving another call; give concurrent "
                                          "calls different state ids")
+                how = "named by the call"
             else:
                 entry = self._live(candidate) if candidate is not None else None
                 handle = candidate
@@ -169,7 +173,11 @@ class StateRegistry:
                     while state_id in self._entries:  # a user may have taken the name
                         state_id = f"{UNNAMED_PREFIX}{uuid.uuid4().hex[:12]}"
                     handle = self._add(state_id, self._new_sequence(), unnamed=True)
+                    how = "new: no idle state holds the start of this conversation"
+                else:
+                    how = f"continues its conversation ({len(entry.seq)} tokens held)"
             self._leased.add(handle.id)
+        logger.info("state %s serves a call of %d tokens (%s)", handle.id, len(token_ids), how)
         try:
             yield handle
         finally:
@@ -181,6 +189,8 @@ class StateRegistry:
         idle = sorted((e for e in self._entries.values() if e.unnamed and not self._taken(e)),
                       key=lambda e: e.last_use)
         for entry in idle[:max(0, len(idle) - keep)]:
+            logger.debug("closing idle state %s: more than max_unnamed_states=%d states made for calls "
+                         "that named none", entry.handle.id, self.config.max_unnamed_states)
             self.close_state(entry.handle)
 
     def infos(self) -> list[StateInfo]:
@@ -218,7 +228,8 @@ class StateRegistry:
             if seq.num_uncomputed == 0:
                 self.core.outputs.counters.prompt_reused += len(seq)
                 return SyncStats(reused=len(seq), computed=0)
-            events = self.core.submit(Request(seq, None, max_len=self.limits.max_model_len), None)
+            events = self.core.submit(Request(seq, None, max_len=self.limits.max_model_len, state_id=handle.id),
+                                      None)
         for _ in events:
             pass
         return SyncStats(reused=events.request.reused, computed=events.request.computed)
@@ -252,7 +263,7 @@ class StateRegistry:
             stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                         else self.limits.eos_token_ids)
             generator = make_generator(params.seed, self.limits.device) if params.seed is not None else None
-            request = Request(seq, params, generator, stops, self.limits.max_model_len)
+            request = Request(seq, params, generator, stops, self.limits.max_model_len, state_id=handle.id)
             request.forced, entry.forced = entry.forced, None
             return self.core.submit(request, loop)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
@@ -30,6 +31,8 @@ from hibana_core.config import SamplingParams, SchedulerConfig
 from hibana_core.errors import MemoryBudgetError
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.sequence import KVSequence
+
+logger = logging.getLogger("hibana.states")
 
 if TYPE_CHECKING:
     from hibana_core.speculation.speculator import Speculator
@@ -66,6 +69,7 @@ class Request:
     num_output_placeholders: int = 0       # tokens sampled on the device, not yet read back
     suspect: bool = False                  # in a step that failed: runs alone until a step passes
     forced: Sequence[int] | None = None    # bench only: the tokens this request emits (trace replay)
+    state_id: str = ""                     # the state it runs on, for logs
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.seq)
@@ -156,6 +160,8 @@ class IdleLRUEviction:
         for seq in self.idle_states():
             if self.pool.can_allocate(num_blocks):
                 break
+            logger.info("evicting an idle state's KV (%d blocks, %d tokens) to make room for %d blocks",
+                        len(seq.block_ids), len(seq), num_blocks)
             seq.release()
         return self.pool.can_allocate(num_blocks)
 

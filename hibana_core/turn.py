@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Generator, Iterator, Sequence, TypeVar
 
 from hibana_core.config import SamplingParams
-from hibana_core.errors import HibanaError
+from hibana_core.errors import ChatTimeoutError, HibanaError
 from hibana_plugins.hookspecs import ParsedOutput, ToolCall, ToolCallDelta, ToolCallStream
 
 if TYPE_CHECKING:
@@ -39,10 +39,6 @@ if TYPE_CHECKING:
 
 MALFORMED = "malformed_tool_call"
 NAME_TOKENS = 24                   # most tokens for a forced call's tool name
-
-
-class ChatTimeoutError(HibanaError, TimeoutError):
-    """A chat call ran past its timeout; its state is left as it was before the call."""
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
     from hibana_plugins.langchain import ChatHibana
 
-    llm = ChatHibana(model="demo")          # or a checkpoint directory, or engine=an Engine
+    llm = ChatHibana(model="demo")          # or "Qwen/Qwen3-8B", a checkpoint directory, or engine=an Engine
     agent = create_react_agent(llm, tools, checkpointer=InMemorySaver())
 
 Each call turns LangChain's messages into OpenAI-style dicts, renders them with the model's chat
@@ -232,7 +232,8 @@ class ChatHibana(BaseChatModel):
     """
 
     model: str = "demo"
-    """Hugging Face checkpoint directory, or "demo" for the bundled demo model."""
+    """A Hugging Face repo id ("Qwen/Qwen3-8B", "org/name@revision"; from the local cache, else
+    downloaded), a checkpoint directory, or "demo" for the bundled demo model."""
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Options for `Engine.shared` (device, dtype, max_model_len, ...), when no engine is passed."""
     state_id: str | None = None

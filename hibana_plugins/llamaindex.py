@@ -2,7 +2,7 @@
 
     from hibana_plugins.llamaindex import HibanaLLM
 
-    llm = HibanaLLM(model="demo")                       # or a Hugging Face checkpoint directory
+    llm = HibanaLLM(model="demo")                       # or "Qwen/Qwen3-8B", or a checkpoint directory
     agent = FunctionAgent(tools=[...], llm=llm)         # FunctionAgent, ReActAgent, AgentWorkflow
 
 One call, whatever the entry point (chat, complete, streamed, async, with tools):
@@ -153,7 +153,8 @@ def llm_class() -> type:
         model and options in the process (`Engine.shared`); `HibanaLLM(engine=engine,
         state_id="agent-1")` binds an agent to its own resident state."""
 
-        model: str = Field(default="demo", description="Checkpoint directory, or \"demo\".")
+        model: str = Field(default="demo", description="A Hugging Face repo id (\"Qwen/Qwen3-8B\", "
+                           "\"org/name@revision\"), a checkpoint directory, or \"demo\".")
         engine_kwargs: dict = Field(default_factory=dict, description="Engine options for Engine.shared.")
         state_id: Optional[str] = Field(default=None, description="The state serving every call (another "
                                         "while it is busy); None: the one `Chat.lease` picks.")

@@ -16,7 +16,7 @@ hf_logging.disable_progress_bar()
 hf_logging.set_verbosity_error()
 
 # Triton interpreter cases of test_kernels.py that ran, and those of them that passed. On a Linux
-# machine without CUDA (CI; triton is a dev dependency there) a run in which they all skipped
+# machine without CUDA (CI; triton is a test dependency there) a run in which they all skipped
 # fails: a missing or broken triton must not leave CI green with no kernel checked. The CUDA
 # cases may skip freely, and where CUDA runs the kernels compiled, the interpreter may be absent.
 _interpreter_cases = {"ran": 0, "passed": 0}
@@ -44,7 +44,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         if reporter is not None:
             reporter.write("\n")
             reporter.write_line(f"FAILED: all {cases['ran']} Triton interpreter cases of test_kernels.py "
-                                "were skipped; install triton (a dev dependency on Linux) or fix its "
+                                "were skipped; install triton (a test dependency on Linux) or fix its "
                                 "interpreter", red=True)
 
 

@@ -671,12 +671,12 @@ def run_check(request):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="triton is a dependency on Linux only")
 def test_the_triton_interpreter_runs_here(request):
-    """Triton is a declared dev dependency on Linux: missing or with a broken interpreter, every
+    """Triton is a declared test dependency on Linux: missing or with a broken interpreter, every
     interpreter case below would skip and the suite would pass with no kernel checked. (Where
     CUDA is present the kernels are checked compiled, and the interpreter may be broken.)"""
     if torch.cuda.is_available():
         pytest.skip("CUDA runs the kernels compiled here")
-    assert HAS_TRITON, "triton is not installed; `pip install -e .[dev]` installs it on Linux"
+    assert HAS_TRITON, "triton is not installed; `pip install -e .[test]` installs it on Linux"
     _, problem = request.getfixturevalue("interpreter_worker")
     assert problem is None, problem
 

@@ -202,30 +202,41 @@ def parse_speculation(value: str) -> str | dict:
     return {"method": method, "k": int(k)} if k.isdigit() else {"method": method}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hibana demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--agents", type=int, default=8, help="concurrent agents (default 8)")
     p.add_argument("--tasks", type=int, default=3, help="tasks per agent (default 3)")
     p.add_argument("--seed", type=int, default=0, help="picks the tasks and tools")
-    p.add_argument("--model", default="demo", help="checkpoint directory (default: the bundled demo model)")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--model", default="demo", help="checkpoint directory or Hugging Face repo id (default: the "
+                   "bundled demo model; the tasks need a model trained on them)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--max-tokens", type=int, default=160, help="most tokens per model turn")
     p.add_argument("--no-live", action="store_true", help="no live view, only the final table")
     p.add_argument("--speculation", default="adaptive",
                    help='"adaptive" (default), "off", or METHOD[:K] (e.g. suffix:4, ngram)')
+    return p
+
+
+def main(argv=None, started: float | None = None) -> int:
+    """`started`: when the process started (time.time()), for the cold-start figure; None: now,
+    or when the OS says this process started."""
+    from hibana_core.coldstart import measure, process_start_time
+
+    started = started or process_start_time() or time.time()
+    p = build_parser()
     args = p.parse_args(argv)
     if args.agents < 1 or args.tasks < 1:
         p.error("--agents and --tasks must be at least 1")
     from rich.console import Console
     from rich.live import Live
 
-    from hibana_core import Engine, HibanaError
+    from hibana_core import HibanaError
 
     console = Console(width=None if sys.stdout.isatty() else 120)
     try:
-        engine = Engine.from_pretrained(args.model, device=args.device, progress=False,
-                                        speculation=parse_speculation(args.speculation))
+        cold, engine = measure(args.model, started, device=args.device, progress=sys.stderr.isatty(),
+                               speculation=parse_speculation(args.speculation))
     except HibanaError as exc:
         console.print(f"hibana demo: {exc}", markup=False)
         return 1
@@ -239,6 +250,7 @@ def main(argv=None) -> int:
             result = run_demo(engine, args.agents, args.tasks, args.seed, args.max_tokens)
             console.print(live_table(result.views, args.tasks, result.seconds))
         print_summary(console, result, engine)
+        console.print(cold.describe(), markup=False, highlight=False)
     for exc in result.errors:
         console.print(f"an agent failed: {exc!r}", markup=False)
     return 1 if result.errors else 0

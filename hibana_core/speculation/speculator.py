@@ -33,6 +33,14 @@ SHADOW_PER_STEP = 4
 """Shadow proposals per step at most (host time stays bounded at any batch size)."""
 
 
+def check_method(config: SpeculationConfig, registered: Sequence[str]) -> None:
+    """A ConfigError, listing the registered drafters, when `config` names none of them."""
+    if config.enabled and config.method not in registered:
+        raise ConfigError(f"no drafter named {config.method!r} is registered (registered: "
+                          f"{', '.join(sorted(registered)) or 'none'}); pass one of them as "
+                          "speculation={'method': ...}, or install the plugin that provides it")
+
+
 class SpeculationCounters:
     def __init__(self) -> None:
         self.draft_tokens_proposed = 0
@@ -69,10 +77,7 @@ class Speculator:
         shows at construction or submission, not inside a step."""
         if not config.enabled:
             return
-        if config.method not in self._factories:
-            raise ConfigError(f"no drafter named {config.method!r} is registered (registered: "
-                              f"{', '.join(sorted(self._factories)) or 'none'}); pass one of them as "
-                              "speculation={'method': ...}, or install the plugin that provides it")
+        check_method(config, list(self._factories))
         if config.draft_model is not None and config.draft_model != self.default.draft_model:
             raise ConfigError(f"draft_model={config.draft_model!r} differs from the engine's "
                               f"({self.default.draft_model!r}): the draft model is loaded once per engine; "

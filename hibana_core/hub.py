@@ -1,0 +1,197 @@
+"""Models by name: a Hugging Face repo id ("org/name", optionally "@revision") -> a checkpoint
+directory in the local Hugging Face cache, downloaded first where it is missing and the Hub may
+be asked.
+
+The cache comes first: a snapshot that holds config and weights is used without asking the Hub
+(`hf download org/name` updates it). Otherwise, online, only the files a model needs are
+fetched, with a progress bar: config, generation config, tokenizer and chat-template files, then
+the safetensors weights (exactly the shards the index names). Subfolders (`original/`, other
+formats) are never fetched.
+
+The Hugging Face environment is honoured as huggingface_hub reads it, but when a model is
+resolved rather than when huggingface_hub was imported: HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE),
+HF_HUB_CACHE, HF_HOME; huggingface_hub itself reads HF_TOKEN for gated and private models.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from hibana_core.errors import CheckpointError
+
+logger = logging.getLogger("hibana.hub")
+
+SMALL_FILES = ["*.json", "*.jinja", "tokenizer*", "merges.txt", "*.tiktoken"]
+"""Config, generation config, weight index, tokenizer and chat-template files (top level)."""
+SUBFOLDERS = ["*/*"]
+"""Never fetched: other formats and copies of the weights (`original/`, `onnx/`, ...)."""
+_TRUE = {"1", "ON", "YES", "TRUE"}
+
+
+@dataclass(frozen=True)
+class RepoRef:
+    """A model on the Hugging Face Hub: its repo id and, optionally, a branch, tag or commit."""
+
+    repo_id: str
+    revision: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.repo_id}@{self.revision}" if self.revision else self.repo_id
+
+    @property
+    def download_command(self) -> str:
+        return f"hf download {self.repo_id}" + (f" --revision {self.revision}" if self.revision else "")
+
+
+def parse_repo_id(model: str) -> RepoRef | None:
+    """`model` read as "org/name[@revision]" (or a bare "name"), or None when it cannot be one
+    (a path such as ./x, ~/x or /x, a name with characters a repo id cannot hold)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    name, at, revision = model.rpartition("@") if "@" in model else (model, "", "")
+    if at and not revision:
+        return None
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return None
+    return RepoRef(name, revision or None)
+
+
+def cache_dir() -> Path:
+    """The hub cache, as huggingface_hub finds it: HF_HUB_CACHE, else HF_HOME/hub, else its default."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE).expanduser()
+
+
+def offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) says the Hub must not be asked."""
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.upper() in _TRUE
+
+
+def snapshot(ref: RepoRef, progress: bool = True) -> Path:
+    """The checkpoint directory of `ref`: its cached snapshot when that holds config and
+    weights, else downloaded (online). A CheckpointError says what to do when neither works."""
+    cache = cache_dir()
+    cached, missing = _cached(ref, cache)
+    if cached is not None and not missing:
+        logger.info("%s: using the cached snapshot %s", ref, cached)
+        return cached
+    if offline():
+        raise CheckpointError(_not_cached(ref, cache, cached, missing,
+                                          "and downloads are off (HF_HUB_OFFLINE is set)") +
+                              "; or set HF_HUB_OFFLINE=0 to let Hibana fetch it")
+    return _download(ref, cache, progress)
+
+
+def missing_files(path: Path) -> list[str]:
+    """What a checkpoint directory lacks to load: config.json, or weights (the shards its index
+    names, or any *.safetensors)."""
+    missing = [] if (path / "config.json").is_file() else ["config.json"]
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            return missing + [f"{index.name} (damaged)"]
+        missing += [name for name in shards if not (path / name).is_file()]
+    elif not any(path.glob("*.safetensors")):
+        missing.append("*.safetensors weights")
+    return missing
+
+
+def _cached(ref: RepoRef, cache: Path) -> tuple[Path | None, list[str]]:
+    """The cached snapshot of `ref` (None when there is none) and what it lacks; no network."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        path = Path(huggingface_hub.snapshot_download(
+            ref.repo_id, revision=ref.revision, cache_dir=str(cache), local_files_only=True,
+            allow_patterns=SMALL_FILES, ignore_patterns=SUBFOLDERS))
+    except LocalEntryNotFoundError as exc:
+        # newer huggingface_hub: a snapshot its cached file list shows incomplete (the weights
+        # are still checked here, which its listing of the small files does not cover)
+        partial = getattr(exc, "snapshot_path", None)
+        if partial is None:
+            return None, []
+        path = Path(partial)
+        return path, missing_files(path) or ["files the Hub lists for it (config or tokenizer files)"]
+    return path, missing_files(path)
+
+
+def _not_cached(ref: RepoRef, cache: Path, cached: Path | None, missing: list[str], why: str) -> str:
+    if cached is None:
+        what = (f"{str(ref)!r} is no checkpoint directory, and as a Hugging Face repo id it is not in "
+                f"the cache ({cache}) {why}")
+    else:
+        what = f"the cached copy of {ref} ({cached}) is incomplete: it lacks {', '.join(missing)}, {why}"
+    return (f"{what}. Download it where the Hub is reachable: `{ref.download_command}` (or "
+            f"`huggingface-cli download ...` with an older huggingface_hub); or pass the path of a "
+            "local checkpoint directory")
+
+
+def _download(ref: RepoRef, cache: Path, progress: bool) -> Path:
+    import huggingface_hub
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    options = dict(revision=ref.revision, cache_dir=str(cache), ignore_patterns=SUBFOLDERS)
+    if not progress:
+        options["tqdm_class"] = _silent_tqdm()
+    logger.info("%s: downloading from the Hugging Face Hub into %s", ref, cache)
+    login = "log in with `hf auth login` or set HF_TOKEN"
+    try:
+        path = Path(huggingface_hub.snapshot_download(ref.repo_id, allow_patterns=SMALL_FILES, **options))
+        path = Path(huggingface_hub.snapshot_download(ref.repo_id, allow_patterns=_weight_patterns(path),
+                                                      **options))
+    except GatedRepoError:
+        raise CheckpointError(f"{ref.repo_id} is a gated model: accept its terms on "
+                              f"https://huggingface.co/{ref.repo_id}, then {login}") from None
+    except RepositoryNotFoundError:
+        raise CheckpointError(f"{str(ref)!r} is no checkpoint directory, and the Hugging Face Hub has no "
+                              f"model repository {ref.repo_id!r} (if it is private, {login}); pass a "
+                              "checkpoint directory or a repo id such as Qwen/Qwen3-8B") from None
+    except RevisionNotFoundError:
+        raise CheckpointError(f"{ref.repo_id} has no revision {ref.revision!r} (a branch, tag or commit); "
+                              "leave out @revision for the default branch") from None
+    except LocalEntryNotFoundError as exc:  # the Hub is unreachable and the cache cannot answer
+        raise CheckpointError(_not_cached(ref, cache, None, [], f"and the Hub cannot be reached ({exc})")
+                              + "; or retry once online") from None
+    except (OSError, ValueError) as exc:  # HTTP errors are OSErrors; a full disk, a bad token ...
+        raise CheckpointError(f"downloading {ref} from the Hugging Face Hub failed: {exc}") from exc
+    logger.info("%s: downloaded to %s", ref, path)
+    return path
+
+
+def _silent_tqdm() -> type:
+    """A tqdm class whose bars never show (progress=False)."""
+    from tqdm.auto import tqdm
+
+    class SilentTqdm(tqdm):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **{**kwargs, "disable": True})
+
+    return SilentTqdm
+
+
+def _weight_patterns(path: Path) -> list[str]:
+    """The weight files to fetch: the shards the index names, else every top-level *.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index} is damaged ({exc}); delete it from the cache and retry") from exc
+    return ["*.safetensors"]

@@ -1,0 +1,126 @@
+"""Every failure a caller can cause, enumerated: each is a HibanaError whose message says what to
+do, and options that cannot work fail before anything loads (no load, no 12-second wait)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hibana_core import (ChatTimeoutError, CheckpointError, ConfigError, Engine, HibanaError, SamplingParams,
+                         UnsupportedModelError)
+
+NO_CUDA = not torch.cuda.is_available()
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Loading the model fails the test: the error must come first."""
+    import hibana_core.engine
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model loaded before the option was refused")
+
+    monkeypatch.setattr(hibana_core.engine, "load_model", load)
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def demo_engine():
+    with Engine.from_pretrained("demo", device="cpu", progress=False, speculation="off", num_blocks=64) as engine:
+        yield engine
+
+
+def _open(model="demo", **overrides):
+    return Engine.from_pretrained(model, progress=False, **overrides)
+
+
+# (what the caller did, the call, the error class, fragments its message must hold)
+BEFORE_LOADING = [
+    pytest.param(lambda: _open(device="cuda"), ConfigError, ["cuda", "device='cpu'"],
+                 marks=pytest.mark.skipif(not NO_CUDA, reason="this machine has CUDA"), id="cuda-on-a-cpu-build"),
+    pytest.param(lambda: _open(device="cuda:7"), ConfigError, ["cuda:7", "device='cpu'"],
+                 marks=pytest.mark.skipif(torch.cuda.device_count() > 7, reason="8 GPUs here"), id="cuda-index-absent"),
+    pytest.param(lambda: _open(device="mps"), ConfigError, ["mps", "not supported", "device='cpu'"], id="mps"),
+    pytest.param(lambda: _open(device="tpu"), ConfigError, ["auto, cpu, cuda or cuda:N", "'tpu'"], id="unknown-device"),
+    pytest.param(lambda: _open(device="cuda:x"), ConfigError, ["cuda:x", "cuda:N"], id="malformed-device"),
+    pytest.param(lambda: _open(devcie="cpu"), ConfigError, ["devcie", "known options", "device"], id="misspelt-option"),
+    pytest.param(lambda: _open(block_size=12), ConfigError, ["block_size", "power of two"], id="bad-option-value"),
+    pytest.param(lambda: _open(speculation={"method": "nope"}), ConfigError, ["nope", "suffix"], id="unknown-drafter"),
+    pytest.param(lambda: _open(surgery=["w9"]), ConfigError, ["w9", "w8"], id="unknown-surgery-pass"),
+    pytest.param(lambda: _open(dtype="float64"), ConfigError, ["float64", "bfloat16"], id="unknown-dtype"),
+]
+
+
+@pytest.mark.parametrize("call, cls, says", BEFORE_LOADING)
+def test_options_that_cannot_work_fail_before_loading(call, cls, says, no_load):
+    with pytest.raises(cls) as e:
+        call()
+    assert isinstance(e.value, HibanaError)
+    for part in says:
+        assert part in str(e.value), str(e.value)
+
+
+def test_models_that_cannot_be_found(tmp_path, offline_hub):
+    cases = [
+        (str(tmp_path / "no-such-dir"), CheckpointError, ["does not exist", "repo id such as"]),
+        ("acme/not-downloaded", CheckpointError, ["hf download acme/not-downloaded", "HF_HUB_OFFLINE=0",
+                                                  "local checkpoint directory"]),
+        ("acme/model@", CheckpointError, ["does not exist"]),  # an empty revision is no repo id
+    ]
+    for model, cls, says in cases:
+        with pytest.raises(cls) as e:
+            _open(model)
+        for part in says:
+            assert part in str(e.value), (model, str(e.value))
+
+
+def test_an_unsupported_architecture_lists_the_supported_ones(tmp_path):
+    import json
+    import shutil
+
+    from hibana_core.loader import DEMO_MODEL_DIR
+
+    shutil.copytree(DEMO_MODEL_DIR, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(UnsupportedModelError, match="supported model types: llama"):
+        _open(str(tmp_path / "m"))
+
+
+def test_a_call_timeout_is_a_hibana_error_and_a_builtin_timeout_error(demo_engine):
+    from hibana_core.chat import Chat
+
+    assert issubclass(ChatTimeoutError, HibanaError) and issubclass(ChatTimeoutError, TimeoutError)
+    chat = Chat(demo_engine, "timeout")
+    for catch in (TimeoutError, HibanaError, ChatTimeoutError):
+        with pytest.raises(catch) as e:
+            chat.respond([{"role": "user", "content": "hi"}], timeout=1e-9)
+        assert "raise the timeout" in str(e.value)
+    with pytest.raises(ConfigError, match="timeout must be a number of seconds"):
+        chat.respond([{"role": "user", "content": "hi"}], timeout=-1)
+
+
+def test_bad_sampling_parameters():
+    for kwargs, says in (({"temperature": -1}, "temperature must be >= 0"), ({"top_p": 0}, "top_p"),
+                         ({"max_tokens": -1}, "max_tokens"), ({"stop": [""]}, "stop strings")):
+        with pytest.raises(ConfigError, match=says):
+            SamplingParams(**kwargs)
+
+
+def test_adapters_report_a_model_that_cannot_be_found(offline_hub):
+    pytest.importorskip("langchain_core")
+    pytest.importorskip("llama_index.core")
+    from hibana_plugins.langchain import ChatHibana
+    from hibana_plugins.llamaindex import HibanaLLM
+
+    with pytest.raises(CheckpointError, match="hf download acme/absent"):
+        ChatHibana(model="acme/absent").invoke("hi")
+    with pytest.raises(CheckpointError, match="hf download acme/absent"):
+        HibanaLLM(model="acme/absent")
+    with pytest.raises(ConfigError, match="device='cpu'"):
+        ChatHibana(model="demo", engine_kwargs={"device": "mps"}).invoke("hi")

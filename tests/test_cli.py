@@ -1,0 +1,159 @@
+"""The commands as a user meets them: `hibana --version`, help on every option, no command in
+`--help` that does not run, and options that cannot work refused as usage errors (status 2, one
+line, no traceback) before anything loads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from hibana_core import cli
+
+NO_CUDA = not torch.cuda.is_available()
+
+
+def _parsers():
+    from hibana_bench import cli as bench_cli, coldstart
+    from hibana_core.demo import run as demo
+
+    return {"hibana": cli.build_parser(), "hibana demo": demo.build_parser(),
+            "hibana bench": bench_cli.build_parser(), "coldstart": coldstart.build_parser()}
+
+
+def _actions(parser: argparse.ArgumentParser):
+    """(parser, action) for every argument of `parser` and of its subcommands."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                yield parser, choice   # the subcommand's line in --help
+            for sub in action.choices.values():
+                yield from _actions(sub)
+        elif not isinstance(action, argparse._HelpAction):
+            yield parser, action
+
+
+def test_version(capsys):
+    from hibana_core import __version__
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"hibana {__version__} (Python ") and f"torch {torch.__version__}" in out
+
+
+@pytest.mark.parametrize("name", ["hibana", "hibana demo", "hibana bench", "coldstart"])
+def test_every_option_has_help(name):
+    parser = _parsers()[name]
+    missing = [f"{p.prog}: {a.option_strings or a.dest}" for p, a in _actions(parser)
+               if not a.help or a.help == argparse.SUPPRESS or len(a.help) < 10]
+    assert not missing, missing
+
+
+COMMANDS = ("plugins", "demo", "bench", "surgery")
+
+
+def test_help_lists_exactly_the_commands_checked_here():
+    commands = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert sorted(commands.choices) == sorted(COMMANDS)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_listed_command_runs(command, capsys):
+    """Its --help (surgery, demo and bench also run for real in test_surgery.py and below)."""
+    if command == "bench":  # through its entry point where installed, else its own module
+        from hibana_bench.cli import main as run
+        argv = ["--help"]
+    else:
+        run, argv = cli.main, [command, "--help"]
+    with pytest.raises(SystemExit) as e:
+        run(argv)
+    assert e.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """A usage error must come before any model loads."""
+    from hibana_bench import cli as bench_cli
+
+    def load(*args, **kwargs):
+        raise AssertionError("the bench loaded a model before refusing its options")
+
+    monkeypatch.setattr(bench_cli, "load_bench_model", load)
+    monkeypatch.setattr(bench_cli, "cold_start", load)
+
+
+BENCH_USAGE_ERRORS = [
+    (["agents", "--systems", "foo"], "unknown system(s) for agents: foo"),
+    (["agents", "--systems", "hf_eager"], "unknown system(s) for agents: hf_eager"),
+    (["decode", "--systems", "hibana,hf_reprefill"], "unknown system(s) for decode: hf_reprefill"),
+    (["decode", "--surgery", "w9"], "--surgery: no pass named w9"),
+    (["agents", "--model", "/no/such/checkpoint"], "--model: checkpoint directory '/no/such/checkpoint' does not"),
+    (["agents", "--model", "acme/absent"], "hf download acme/absent"),
+    (["decode", "--device", "tpu"], "--device: device must be auto, cpu, cuda or cuda:N"),
+    pytest.param(["decode", "--device", "cuda"], "--device: device='cuda' asks for a CUDA device",
+                 marks=pytest.mark.skipif(not NO_CUDA, reason="this machine has CUDA")),
+    (["decode", "--context", "512,abc"], "argument --context: 'abc' is not an integer"),
+    (["agents", "--agents", "0"], "argument --agents: must be at least 1"),
+    (["agents", "--generate", "-3"], "argument --generate: must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("argv, says", BENCH_USAGE_ERRORS)
+def test_bench_refuses_options_that_cannot_work(argv, says, offline_hub, no_load, capsys):
+    from hibana_bench.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err, err
+    assert "Traceback" not in err
+
+
+def test_demo_reports_a_model_it_cannot_load(offline_hub, capsys):
+    from hibana_core.demo.run import main
+
+    assert main(["--model", "acme/absent", "--no-live"]) == 1
+    out = capsys.readouterr().out
+    assert "hibana demo:" in out and "hf download acme/absent" in out
+
+
+def test_demo_reports_its_cold_start(capsys):
+    from hibana_core.demo.run import main
+
+    assert main(["--agents", "1", "--tasks", "1", "--no-live", "--device", "cpu", "--speculation", "off"]) == 0
+    out = capsys.readouterr().out
+    assert "cold start" in out and "to the first token" in out
+    for stage in ("resolve", "config", "weights", "tokenizer", "kv cache", "warm-up", "first token"):
+        assert stage in out, out
+
+
+def test_bench_measures_cold_start_in_fresh_processes(tiny_checkpoints, tmp_path, capsys):
+    from hibana_bench.cli import main
+
+    out = tmp_path / "report.json"
+    assert main(["decode", "--model", str(tiny_checkpoints["qwen3"]), "--device", "cpu", "--systems", "hibana",
+                 "--context", "16", "--generate", "4", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "cold start" in printed and "transformers" in printed
+    cold = json.loads(out.read_text())["cold_start"]
+    assert set(cold) == {"hibana", "transformers"}
+    for figures in cold.values():
+        assert figures["total_s"] >= figures["load_s"] > 0 and figures["startup_s"] > 0
+        assert figures["first_token_s"] > 0
+    assert list(cold["hibana"]["stages"]) == ["resolve", "config", "weights", "tokenizer", "kv cache", "warm-up"]
+
+    assert main(["decode", "--model", str(tiny_checkpoints["qwen3"]), "--device", "cpu", "--systems", "hibana",
+                 "--context", "16", "--generate", "4", "--no-cold-start", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["cold_start"] is None
