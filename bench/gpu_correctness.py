@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -58,23 +59,32 @@ def batched_greedy(engine: Engine, prompts: list[list[int]], n: int, specs=None,
     return out
 
 
-def check_float32() -> list[tuple[str, bool, str]]:
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def tiny_cases(archs: tuple[str, ...], seed: int, max_prompt: int = 300) -> Iterator[tuple[str, Path, list[list[int]]]]:
+    """(arch, checkpoint, 4 prompts of 20..max_prompt random tokens) for each tiny architecture,
+    the checkpoints in a temporary folder that lasts while the caller iterates."""
     from tiny_models import make_tiny_checkpoint
 
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for arch in ("llama", "qwen2", "qwen3", "mistral"):
+        for arch in archs:
             path = make_tiny_checkpoint(arch, Path(tmp) / arch)
-            rng = random.Random(7)
-            prompts = [[rng.randrange(2, 512) for _ in range(rng.randint(20, 300))] for _ in range(4)]
-            with Engine.from_pretrained(path, device="cpu", progress=False) as cpu:
-                want = batched_greedy(cpu, prompts, 32)
-            for graphs in (False, True):
-                with Engine.from_pretrained(path, device="cuda", dtype="float32", progress=False,
-                                            cuda_graphs=graphs) as gpu:
-                    got = batched_greedy(gpu, prompts, 32)
-                same = sum(a == b for a, b in zip(got, want))
-                rows.append((f"fp32 {arch} graphs={graphs}", same == len(prompts), f"{same}/4 agents equal"))
+            rng = random.Random(seed)
+            yield arch, path, [[rng.randrange(2, 512) for _ in range(rng.randint(20, max_prompt))] for _ in range(4)]
+
+
+def check_float32() -> list[tuple[str, bool, str]]:
+    rows = []
+    for arch, path, prompts in tiny_cases(ARCHS, 7):
+        with Engine.from_pretrained(path, device="cpu", progress=False) as cpu:
+            want = batched_greedy(cpu, prompts, 32)
+        for graphs in (False, True):
+            with Engine.from_pretrained(path, device="cuda", dtype="float32", progress=False,
+                                        cuda_graphs=graphs) as gpu:
+                got = batched_greedy(gpu, prompts, 32)
+            same = sum(a == b for a, b in zip(got, want))
+            rows.append((f"fp32 {arch} graphs={graphs}", same == len(prompts), f"{same}/4 agents equal"))
     return rows
 
 
@@ -85,23 +95,17 @@ def check_surgery() -> list[tuple[str, bool, str]]:
     """Each surgery pass, float32 compute: the GPU (Triton dequantizing kernels, graphs on) gives
     the CPU references' greedy tokens on the tiny checkpoints, 4 agents batched (the packed
     weights are the same: quantization runs on each device from the same float weights)."""
-    from tiny_models import make_tiny_checkpoint
-
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for arch in ("llama", "qwen3"):
-            path = make_tiny_checkpoint(arch, Path(tmp) / arch)
-            rng = random.Random(5)
-            prompts = [[rng.randrange(2, 512) for _ in range(rng.randint(20, 300))] for _ in range(4)]
-            for surgery in SURGERY:
-                options = dict(progress=False, surgery=[surgery], surgery_guard=False, speculation="off")
-                with Engine.from_pretrained(path, device="cpu", **options) as cpu:
-                    want = batched_greedy(cpu, prompts, 32)
-                with Engine.from_pretrained(path, device="cuda", dtype="float32", **options) as gpu:
-                    got = batched_greedy(gpu, prompts, 32)
-                same = sum(a == b for a, b in zip(got, want))
-                name = surgery if isinstance(surgery, str) else f"{surgery['name']} g{surgery['group_size']}"
-                rows.append((f"surgery {name} fp32 {arch}", same == len(prompts), f"{same}/4 agents equal"))
+    for arch, path, prompts in tiny_cases(("llama", "qwen3"), 5):
+        for surgery in SURGERY:
+            options = dict(progress=False, surgery=[surgery], surgery_guard=False, speculation="off")
+            with Engine.from_pretrained(path, device="cpu", **options) as cpu:
+                want = batched_greedy(cpu, prompts, 32)
+            with Engine.from_pretrained(path, device="cuda", dtype="float32", **options) as gpu:
+                got = batched_greedy(gpu, prompts, 32)
+            same = sum(a == b for a, b in zip(got, want))
+            name = surgery if isinstance(surgery, str) else f"{surgery['name']} g{surgery['group_size']}"
+            rows.append((f"surgery {name} fp32 {arch}", same == len(prompts), f"{same}/4 agents equal"))
     return rows
 
 
@@ -124,34 +128,28 @@ def check_kv8() -> list[tuple[str, bool, str]]:
     byte for byte on CUDA from the same inputs), but cuBLAS and the CPU round float32 keys and
     values in their last bits differently, and a value that close to an fp8 rounding boundary
     may take the neighbouring code, so nearly all, not all, bytes must be equal."""
-    from tiny_models import make_tiny_checkpoint
-
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for arch in ("llama", "qwen2", "qwen3", "mistral"):
-            path = make_tiny_checkpoint(arch, Path(tmp) / arch)
-            rng = random.Random(17)
-            prompts = [[rng.randrange(2, 512) for _ in range(rng.randint(20, 300))] for _ in range(4)]
-            options = dict(progress=False, surgery=["kv8"], surgery_guard=False, dtype="float32")
-            with Engine.from_pretrained(path, device="cpu", speculation="off", **options) as cpu:
-                first = batched_greedy(cpu, prompts, 32)
-                cpu_kv = prompt_kv(cpu, "p0", len(prompts[0]))
-                repeat = [p + f + p for p, f in zip(prompts, first)]  # drafts accepted and rejected
-                want = batched_greedy(cpu, repeat, 32)
-                cpu_scales = kv_scales(cpu)
-            for graphs, spec in ((False, "off"), (True, "off"), (True, "mixed")):
-                with Engine.from_pretrained(path, device="cuda", cuda_graphs=graphs,
-                                            speculation="off" if spec == "off" else "adaptive", **options) as gpu:
-                    scales_equal = all(torch.equal(a, b) for a, b in zip(kv_scales(gpu), cpu_scales))
-                    got_first = batched_greedy(gpu, prompts, 32)
-                    bytes_equal = (prompt_kv(gpu, "p0", len(prompts[0])) == cpu_kv).float().mean().item()
-                    got = batched_greedy(gpu, repeat, 32, None if spec == "off" else MIXED_SPECULATION)
-                    accepted = gpu.stats().draft_tokens_accepted
-                same = sum(a == b for a, b in zip(got, want)) + sum(a == b for a, b in zip(got_first, first))
-                ok = same == 2 * len(prompts) and scales_equal and bytes_equal > 0.999 and (spec == "off" or accepted > 0)
-                rows.append((f"kv8 fp32 {arch} graphs={graphs} spec={spec}", ok,
-                             f"{same}/8 generations equal; scales equal: {scales_equal}; a prompt's KV "
-                             f"bytes equal: {bytes_equal:.4%}" + (f"; {accepted} drafts accepted" if spec != "off" else "")))
+    for arch, path, prompts in tiny_cases(ARCHS, 17):
+        options = dict(progress=False, surgery=["kv8"], surgery_guard=False, dtype="float32")
+        with Engine.from_pretrained(path, device="cpu", speculation="off", **options) as cpu:
+            first = batched_greedy(cpu, prompts, 32)
+            cpu_kv = prompt_kv(cpu, "p0", len(prompts[0]))
+            repeat = [p + f + p for p, f in zip(prompts, first)]  # drafts accepted and rejected
+            want = batched_greedy(cpu, repeat, 32)
+            cpu_scales = kv_scales(cpu)
+        for graphs, spec in ((False, "off"), (True, "off"), (True, "mixed")):
+            with Engine.from_pretrained(path, device="cuda", cuda_graphs=graphs,
+                                        speculation="off" if spec == "off" else "adaptive", **options) as gpu:
+                scales_equal = all(torch.equal(a, b) for a, b in zip(kv_scales(gpu), cpu_scales))
+                got_first = batched_greedy(gpu, prompts, 32)
+                bytes_equal = (prompt_kv(gpu, "p0", len(prompts[0])) == cpu_kv).float().mean().item()
+                got = batched_greedy(gpu, repeat, 32, None if spec == "off" else MIXED_SPECULATION)
+                accepted = gpu.stats().draft_tokens_accepted
+            same = sum(a == b for a, b in zip(got, want)) + sum(a == b for a, b in zip(got_first, first))
+            ok = same == 2 * len(prompts) and scales_equal and bytes_equal > 0.999 and (spec == "off" or accepted > 0)
+            rows.append((f"kv8 fp32 {arch} graphs={graphs} spec={spec}", ok,
+                         f"{same}/8 generations equal; scales equal: {scales_equal}; a prompt's KV "
+                         f"bytes equal: {bytes_equal:.4%}" + (f"; {accepted} drafts accepted" if spec != "off" else "")))
     with Engine.from_pretrained("demo", device="cuda", dtype="bfloat16", progress=False, surgery=["kv8"]) as engine:
         guard = engine.surgery[0]["guard"]
         chat = engine.chat("render")
@@ -167,44 +165,38 @@ def check_kv8() -> list[tuple[str, bool, str]]:
 
 
 def check_speculation() -> list[tuple[str, bool, str]]:
-    from tiny_models import make_tiny_checkpoint
-
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for arch in ("llama", "qwen2", "qwen3", "mistral"):
-            path = make_tiny_checkpoint(arch, Path(tmp) / arch)
-            rng = random.Random(11)
-            prompts = [[rng.randrange(2, 512) for _ in range(rng.randint(20, 200))] for _ in range(4)]
-            with Engine.from_pretrained(path, device="cpu", progress=False, speculation="off") as cpu:
-                first = batched_greedy(cpu, prompts, 48)
-                # the history repeats itself: the drafters find the continuation (and then diverge)
-                prompts = [p + f + p for p, f in zip(prompts, first)]
-                want = batched_greedy(cpu, prompts, 48)
-            for graphs in (False, True):
-                with Engine.from_pretrained(path, device="cuda", dtype="float32", progress=False,
-                                            cuda_graphs=graphs) as gpu:
-                    got = batched_greedy(gpu, prompts, 48, MIXED_SPECULATION)
-                    stats = gpu.stats()
-                same = sum(a == b for a, b in zip(got, want))
-                ok = same == len(prompts) and stats.draft_tokens_accepted > 0
-                rows.append((f"spec fp32 {arch} graphs={graphs}", ok,
-                             f"{same}/4 agents equal; {stats.draft_tokens_accepted}/{stats.draft_tokens_proposed} "
-                             f"drafts accepted in {stats.verify_steps} verify steps of {stats.steps}"))
-            if arch != "qwen3":
-                continue
-            # the draft-model drafter runs its own forwards (its graphs too): the checkpoint drafts
-            # for itself, so nearly every draft is accepted and every path of the drafter runs
-            for graphs in (False, True):
-                with Engine.from_pretrained(path, device="cuda", dtype="float32", progress=False, cuda_graphs=graphs,
-                                            speculation={"method": "draft_model", "draft_model": str(path),
-                                                         "k": 4}) as gpu:
-                    got = batched_greedy(gpu, prompts, 48)
-                    stats = gpu.stats()
-                same = sum(a == b for a, b in zip(got, want))
-                ok = same == len(prompts) and stats.draft_tokens_accepted > 0
-                rows.append((f"draft model fp32 {arch} graphs={graphs}", ok,
-                             f"{same}/4 agents equal; {stats.draft_tokens_accepted}/{stats.draft_tokens_proposed} "
-                             f"drafts accepted"))
+    for arch, path, prompts in tiny_cases(ARCHS, 11, max_prompt=200):
+        with Engine.from_pretrained(path, device="cpu", progress=False, speculation="off") as cpu:
+            first = batched_greedy(cpu, prompts, 48)
+            # the history repeats itself: the drafters find the continuation (and then diverge)
+            prompts = [p + f + p for p, f in zip(prompts, first)]
+            want = batched_greedy(cpu, prompts, 48)
+        for graphs in (False, True):
+            with Engine.from_pretrained(path, device="cuda", dtype="float32", progress=False,
+                                        cuda_graphs=graphs) as gpu:
+                got = batched_greedy(gpu, prompts, 48, MIXED_SPECULATION)
+                stats = gpu.stats()
+            same = sum(a == b for a, b in zip(got, want))
+            ok = same == len(prompts) and stats.draft_tokens_accepted > 0
+            rows.append((f"spec fp32 {arch} graphs={graphs}", ok,
+                         f"{same}/4 agents equal; {stats.draft_tokens_accepted}/{stats.draft_tokens_proposed} "
+                         f"drafts accepted in {stats.verify_steps} verify steps of {stats.steps}"))
+        if arch != "qwen3":
+            continue
+        # the draft-model drafter runs its own forwards (its graphs too): the checkpoint drafts
+        # for itself, so nearly every draft is accepted and every path of the drafter runs
+        for graphs in (False, True):
+            with Engine.from_pretrained(path, device="cuda", dtype="float32", progress=False, cuda_graphs=graphs,
+                                        speculation={"method": "draft_model", "draft_model": str(path),
+                                                     "k": 4}) as gpu:
+                got = batched_greedy(gpu, prompts, 48)
+                stats = gpu.stats()
+            same = sum(a == b for a, b in zip(got, want))
+            ok = same == len(prompts) and stats.draft_tokens_accepted > 0
+            rows.append((f"draft model fp32 {arch} graphs={graphs}", ok,
+                         f"{same}/4 agents equal; {stats.draft_tokens_accepted}/{stats.draft_tokens_proposed} "
+                         f"drafts accepted"))
     return rows
 
 
