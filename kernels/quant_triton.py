@@ -255,6 +255,11 @@ def choose_tiles(rows: int, n: int, k: int, group_size: int = 1) -> GemvTiles | 
         return GemvTiles(block_n=8, block_k=min(k_tile, 2048), num_warps=4)
     if rows <= GEMV_MAX_ROWS and group_size > 1 and gemv_fits(k, group_size):
         return GemvTiles(block_n=8, block_k=max(group_size, 512 if rows == 1 else 256), num_warps=4)
+    return _gemm_tiles(rows, k_tile, group_size)
+
+
+def _gemm_tiles(rows: int, k_tile: int, group_size: int = 1) -> GemmTiles:
+    """The GEMM's tiles for every format (group_size 1: int8, fp8): they grow with the batch."""
     block_m = min(128, max(16, triton.next_power_of_2(rows)))
     block_n = 128 if rows > 64 else 64
     block_k = max(group_size, 16, min(k_tile, 64))  # tl.dot takes tiles of 16 and up
@@ -484,11 +489,7 @@ def choose_tiles_fp8(rows: int, n: int, k: int) -> GemvTiles | GemmTiles | None:
     if rows <= GEMV_MAX_ROWS:
         # the sums per column, [rows, 8, block_k], at most 32 float32 registers a thread (4 warps)
         return GemvTiles(block_n=8, block_k=min(k_tile, 512 if rows == 1 else 128), num_warps=4)
-    block_m = min(128, max(16, triton.next_power_of_2(rows)))
-    block_n = 128 if rows > 64 else 64
-    block_k = max(16, min(k_tile, 64))  # tl.dot takes tiles of 16 and up
-    return GemmTiles(block_m, block_n, block_k, num_warps=8 if block_m * block_n >= 128 * 128 else 4,
-                     num_stages=3)
+    return _gemm_tiles(rows, k_tile)
 
 
 def dequantize_fp8(qweight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
