@@ -2,7 +2,7 @@
 
 from hibana_core.config import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
 from hibana_core.errors import (CheckpointError, ConfigError, ContextLengthError, EngineClosedError,
-                                HibanaError, InvalidTokenError, MemoryBudgetError,
+                                GrammarError, HibanaError, InvalidTokenError, MemoryBudgetError,
                                 StateBusyError, StateClosedError, StateExistsError, StateFileError,
                                 SurgeryGuardError, UnsupportedModelError)
 from hibana_core.state import Completion, RequestStats, StateHandle, StateInfo, StreamEvent, SyncStats
@@ -19,7 +19,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "CacheConfig", "CheckpointError", "Completion", "ConfigError", "ContextLengthError", "Engine",
-    "EngineClosedError", "EngineConfig", "EngineStats", "HibanaError", "InvalidTokenError",
+    "EngineClosedError", "EngineConfig", "EngineStats", "GrammarError", "HibanaError", "InvalidTokenError",
     "MemoryBudgetError", "RequestStats", "SamplingParams", "SchedulerConfig",
     "StateBusyError", "StateClosedError", "StateExistsError", "StateFileError", "StateHandle",
     "StateInfo", "StreamEvent", "SurgeryGuardError", "SyncStats", "UnsupportedModelError",
