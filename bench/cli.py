@@ -1,4 +1,4 @@
-"""`hibana bench decode | agents`: workloads run side by side, a table, and `--json PATH`.
+"""`hibana bench decode | agents | grammar`: workloads run side by side, a table, and `--json PATH`.
 
 With `--trace NAME|PATH` both replay recorded agent conversations instead of random tokens
 (trace-driven, `hibana_bench.trace_workloads`), on the speculation systems only.
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from hibana_bench import grammar_overhead
 from hibana_bench.models import PRESETS, load_bench_model
 from hibana_bench.spec_systems import SPEC_SYSTEMS, BenchError
 from hibana_bench.traces import TraceError
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     agents.add_argument("--generate", type=int, default=32)
     agents.add_argument("--peer-agents", type=int, default=1,
                         help="agents the sequential transformers peers are timed on")
+    grammar = sub.add_parser("grammar", parents=[common], help="constrained decoding's cost per token "
+                             "(JSON schema against none), batch 1 and 32")
+    grammar_overhead.add_arguments(grammar)
     return parser
 
 
@@ -70,6 +74,13 @@ def main(argv: list[str] | None = None) -> int:
                           else ("cpu" if args.device == "auto" else args.device))
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.workload == "grammar":
+        report = grammar_overhead.run(args, device, dtype)
+        report["environment"] = environment(device, dtype)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=2))
+        return 0
     default = TRACE_SYSTEMS if args.trace else DECODE_SYSTEMS if args.workload == "decode" else AGENT_SYSTEMS
     systems = [s for s in (args.systems or ",".join(default)).split(",") if s]
     unknown = [s for s in systems if s not in ALL_SYSTEMS.split(", ")]

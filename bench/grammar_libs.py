@@ -117,9 +117,9 @@ def build_big_tokenizer(path: Path, corpus_bytes: int = 160_000_000) -> Path:
 
 
 def load_tokenizer(path: Path):
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
 
-    return PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), eos_token="<|im_end|>")
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def _stats(samples: list[float]) -> dict:

@@ -14,6 +14,12 @@ is complete, so a constrained output ends complete unless max_tokens cuts it. Th
 control tokens (its special tokens) are never allowed inside a grammar. JSON is compact, spaced
 as `json.dumps` writes it (", ", ": "): small models do not wander into whitespace.
 
+Where the grammar forces a string (a key, the JSON around values, a tool's name once chosen), the
+mask allows only the first token of the tokenizer's own spelling of it: the model then reads the
+tokens it was trained on, not a spelling of its choosing ('h' 'an' 'd' 'o' 'ff' for "handoff"),
+which throws a small model off. The last token of a forced string stays free among the grammar's
+(it may merge with what follows, as `{"` does).
+
 Why xgrammar (and not llguidance). Both are maintained, both roll back (speculation) and both
 take JSON schemas, regexes and grammars. Measured on this machine's CPU (2 cores,
 `python -m hibana_bench.grammar_libs`, bench/RESULTS.md), mask time per token, mean:
@@ -42,7 +48,7 @@ import collections
 import json
 import re
 import threading
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -57,7 +63,13 @@ CACHE_SIZE = 256
 """Compiled grammars kept per engine (least recently used dropped)."""
 BATCH_FILL_ROWS = 8
 """From this many rows without drafts, masks are filled by xgrammar's thread pool in one call."""
+SPELLINGS_CACHED = 4096
+"""Forced strings whose tokens are kept (the table is emptied when full)."""
 
+# xgrammar 0.2.9 writes a length-bounded JSON string's characters as [^"\\\r\n], which lets control
+# characters through (json.loads refuses them); the unbounded string rule excludes \0-\x1f
+_LOOSE_CHARACTER = r'[^\"\\\r\n]'
+_JSON_CHARACTER = r'[^\0-\x1f\"\\]'
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
@@ -82,10 +94,14 @@ def json_schema_grammar(schema: Any) -> Any:
     except (TypeError, ValueError) as exc:
         raise GrammarError(f"the JSON schema is not plain JSON data ({exc})") from None
     try:
-        return xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
+        grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
     except RuntimeError as exc:
         raise GrammarError(f"the JSON schema cannot be compiled: {_message(exc)}; fix the schema or "
                            "drop the keywords named") from None
+    ebnf = str(grammar)
+    if _LOOSE_CHARACTER in ebnf:  # strings with minLength/maxLength: JSON forbids control characters
+        grammar = xgr.Grammar.from_ebnf(ebnf.replace(_LOOSE_CHARACTER, _JSON_CHARACTER))
+    return grammar
 
 
 def compact_json_tag(tag: dict) -> dict:
@@ -107,12 +123,13 @@ class Matcher:
     """One request's place in its grammar. Advanced by the tokens the request keeps; masks for
     drafts are filled by accepting the drafts and rolling them back."""
 
-    __slots__ = ("_matcher", "_stops")
+    __slots__ = ("_matcher", "_spell")
 
-    def __init__(self, compiled: Any, stop_token_ids: Iterable[int]) -> None:
+    def __init__(self, compiled: Any, stop_token_ids: Iterable[int],
+                 spell: Callable[[str], Sequence[int]] = lambda text: ()) -> None:
         xgr = _xgrammar()
         stops = sorted(stop_token_ids)
-        self._stops = bool(stops)
+        self._spell = spell  # the tokenizer's tokens of a forced string
         # without stop tokens the matcher ends as soon as its grammar is complete
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None,
                                            terminate_without_stop_token=not stops)
@@ -143,6 +160,7 @@ class Matcher:
         matcher = self._matcher
         if not matcher.is_terminated():
             matcher.fill_next_token_bitmask(bitmask, row)
+            self.spell_forced(bitmask, row)
         accepted = 0
         for i, token in enumerate(drafts):
             if matcher.is_terminated() or not matcher.accept_token(token):
@@ -150,8 +168,24 @@ class Matcher:
             accepted += 1
             if not matcher.is_terminated():
                 matcher.fill_next_token_bitmask(bitmask, row + i + 1)
+                self.spell_forced(bitmask, row + i + 1)
         if accepted:
             matcher.rollback(accepted)
+
+    def spell_forced(self, bitmask: torch.Tensor, row: int) -> None:
+        """Where the grammar forces a string of two tokens or more, allow only its first."""
+        forced = self._matcher.find_jump_forward_string()
+        if not forced:
+            return
+        tokens = self._spell(forced)
+        if len(tokens) < 2:
+            return
+        first = tokens[0]
+        word, bit = divmod(first, 32)
+        if not (int(bitmask[row, word]) >> bit) & 1:  # the grammar forbids it (a control token)
+            return
+        bitmask[row].zero_()
+        bitmask[row, word] = (1 << bit) - (1 << 32 if bit == 31 else 0)  # as a signed 32-bit word
 
 
 class Grammars:
@@ -167,6 +201,17 @@ class Grammars:
         self._batch: Any = None
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+        self._spellings: dict[str, tuple[int, ...]] = {}
+
+    def spell(self, text: str) -> tuple[int, ...]:
+        """The tokenizer's tokens of a forced string (cached: grammars force the same keys and
+        names again and again)."""
+        tokens = self._spellings.get(text)
+        if tokens is None:
+            if len(self._spellings) >= SPELLINGS_CACHED:
+                self._spellings.clear()
+            tokens = self._spellings[text] = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+        return tokens
 
     # --- compiling ----------------------------------------------------------------------------
 
@@ -244,7 +289,7 @@ class Grammars:
         request's, allowed only where the grammar is complete."""
         if not params.constrained:
             return None
-        return Matcher(self.compile(params), stop_token_ids)
+        return Matcher(self.compile(params), stop_token_ids, self.spell)
 
     # --- one step's masks ---------------------------------------------------------------------
 
@@ -278,6 +323,8 @@ class Grammars:
         if len(batch) >= BATCH_FILL_ROWS:
             self._batch.batch_fill_next_token_bitmask([m._matcher for m, _ in batch], bitmask,
                                                       [i for _, i in batch])
+            for matcher, i in batch:
+                matcher.spell_forced(bitmask, i)
         else:
             for matcher, i in batch:
                 matcher.fill(bitmask, i)

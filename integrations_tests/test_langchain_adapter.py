@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field  # noqa: E402
 from typing_extensions import TypedDict  # noqa: E402
 
 from hibana_core import StateBusyError  # noqa: E402
-from hibana_core.turn import slots, snap  # noqa: E402
+from hibana_core.turn import SYNTAX, tool_call_grammar  # noqa: E402
 from hibana_plugins.langchain import ChatHibana, UnsupportedContentError  # noqa: E402
 from hibana_plugins.manager import HibanaPluginManager  # noqa: E402
 
@@ -216,15 +216,22 @@ def test_timeout_cancels_the_call(llm):
     assert llm.invoke("Hello").content
 
 
-def test_argument_slots_and_name_snapping():
-    flat = {"type": "object", "properties": {"q": {"type": "string"}, "n": {"type": "integer"},
-                                             "opt": {"type": "boolean"}}, "required": ["q", "n"]}
-    assert [s.key for s in slots(flat)] == ["q", "n"]   # optional arguments are left to their defaults
-    assert slots({"type": "object", "properties": {}}) == []
-    nested = {"type": "object", "properties": {"tags": {"type": "array"}}, "required": ["tags"]}
-    assert slots(nested) is None and slots({"type": "object"}) is None
-    assert snap("magic", ["get_weather", "magic_function"]) == "magic_function"
-    assert snap("get_wether", ["get_weather", "magic_function"]) == "get_weather"
+def test_tool_call_grammar_names_the_offered_tools():
+    """"auto" opens the grammar at `<tool_call>`; a forced call holds the turn to calls of the
+    named tool from the first token; parallel_tool_calls=False ends it after the first."""
+    tools = [{"type": "function", "function": {"name": n, "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}
+        for n in ("get_weather", "magic_function")]
+    auto = tool_call_grammar(tools, "auto", SYNTAX["hermes"])["format"]
+    assert auto["type"] == "triggered_tags" and auto["triggers"] == ["<tool_call>"] and not auto["stop_after_first"]
+    assert [t["begin"] for t in auto["tags"]] == ['<tool_call>\n{"name": "get_weather", "arguments": ',
+                                                  '<tool_call>\n{"name": "magic_function", "arguments": ']
+    assert auto["tags"][0]["content"]["json_schema"] == tools[0]["function"]["parameters"]
+    named = tool_call_grammar(tools, "magic_function", SYNTAX["hermes"], parallel=False)["format"]
+    assert named["type"] == "tags_with_separator" and named["at_least_one"] and named["stop_after_first"]
+    assert [t["begin"] for t in named["tags"]] == ['<tool_call>\n{"name": "magic_function", "arguments": ']
+    llama = tool_call_grammar(tools, "required", SYNTAX["llama3_json"])["format"]
+    assert [t["begin"] for t in llama["tags"]][0] == '{"name": "get_weather", "parameters": '
 
 
 async def test_closing_an_async_stream_early_frees_its_state(llm):
