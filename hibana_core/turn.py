@@ -119,11 +119,11 @@ def tool_call_grammar(tools: Sequence[dict], tool_choice: str, syntax: CallSynta
              "content": {"type": "json_schema", "json_schema": arguments_schema(f, strict)}, "end": syntax.close}
             for f in functions]
     if tool_choice == "auto":
-        form = {"type": "triggered_tags", "triggers": [syntax.trigger or syntax.open], "tags": tags,
-                "stop_after_first": not parallel}
+        trigger = getattr(syntax, "trigger", "") or syntax.open  # a plugin's syntax may leave these out
+        form = {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "stop_after_first": not parallel}
     else:
-        form = {"type": "tags_with_separator", "tags": tags, "separator": syntax.separator, "at_least_one": True,
-                "stop_after_first": not parallel}
+        form = {"type": "tags_with_separator", "tags": tags, "separator": getattr(syntax, "separator", "\n"),
+                "at_least_one": True, "stop_after_first": not parallel}
     return {"type": "structural_tag", "format": form}
 
 

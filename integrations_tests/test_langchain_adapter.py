@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
-from typing import Annotated
+from typing import Annotated, Literal
 
 import pytest
 
@@ -199,6 +199,76 @@ def test_structured_output_include_raw(llm):
     out = llm.with_structured_output(Book, method="json_schema", include_raw=True).invoke(BOOK)
     assert isinstance(out["raw"], AIMessage) and json.loads(out["raw"].content)["year"] == 1987
     assert out["parsed"].author == "Maya Tanaka" and out["parsing_error"] is None
+
+
+class Author(BaseModel):
+    """An author of the book."""
+
+    name: str = Field(max_length=24)
+    born: int | None = Field(default=None, ge=1000, le=2100)
+
+
+class Shelf(BaseModel):
+    """Save a book as a structured record."""
+
+    title: str = Field(max_length=40)
+    year: int = Field(ge=0, le=2100)
+    tags: list[Annotated[str, Field(max_length=12)]] = Field(max_length=3)
+    authors: list[Author] = Field(max_length=2)
+    genre: Literal["fiction", "history", "science"]
+    rating: float | None = None
+
+
+SHELF = 'Save the book "The Silent River" by Maya Tanaka (born 1951), a history of rivers, published in 1987.'
+
+
+@pytest.mark.parametrize("method", ["function_calling", "json_schema", "json_mode"])
+def test_structured_output_holds_full_schemas(method):
+    """Lists, nested models, enums, optional fields: the grammar holds the answer to the whole
+    schema, so it parses into the class (the values are the demo model's; bounded lengths let even
+    a model that never saw lists finish within max_tokens)."""
+    shelf = ChatHibana(model="demo").with_structured_output(Shelf, method=method).invoke(SHELF)
+    assert isinstance(shelf, Shelf) and shelf.title == "The Silent River" and shelf.genre == "history"
+
+
+def test_structured_output_grammar_covers_lists_and_nested_models(monkeypatch):
+    """A pydantic model with a list[str] field (which used to get no guidance and fail to parse):
+    the request carries a grammar whose schema is the whole model."""
+    from hibana_core.state import StateHandle
+    from scripted import ScriptedEvents
+
+    class Tagged(BaseModel):
+        """Tag a note."""
+
+        note: str
+        tags: list[str]
+        author: Author
+
+    sent = []
+
+    def stream(self, params, prompt=None):
+        sent.append(params)
+        return ScriptedEvents(['<tool_call>\n{"name": "Tagged", "arguments": {"note": "n", "tags": ["a", "b"], '
+                               '"author": {"name": "Ana"}}}\n</tool_call>'])
+    monkeypatch.setattr(StateHandle, "stream", stream)
+    out = ChatHibana(model="demo").with_structured_output(Tagged, method="json_schema").invoke("Tag it.")
+    assert out == Tagged(note="n", tags=["a", "b"], author=Author(name="Ana"))
+    [tag] = sent[0].grammar["format"]["tags"]
+    schema = tag["content"]["json_schema"]
+    assert schema["properties"]["tags"] == {"type": "array", "items": {"type": "string"}}
+    assert schema["properties"]["author"]["properties"]["name"]["type"] == "string"
+    assert sent[0].grammar["format"]["type"] == "tags_with_separator"  # a call from the first token
+
+
+def test_bind_tools_strict_holds_calls_to_the_strict_schema(llm):
+    import jsonschema
+
+    model = ChatHibana(model="demo", max_tokens=128).bind_tools([Shelf], tool_choice="Shelf", strict=True)
+    [call] = model.invoke(SHELF).tool_calls
+    strict = model.kwargs["tools"][0]["function"]["parameters"]
+    assert strict["additionalProperties"] is False and set(strict["required"]) == set(Shelf.model_fields)
+    jsonschema.validate(call["args"], strict)
+    assert set(call["args"]) == set(Shelf.model_fields)
 
 
 # --- errors and limits -------------------------------------------------------------------------------
