@@ -123,20 +123,23 @@ class Matcher:
     """One request's place in its grammar. Advanced by the tokens the request keeps; masks for
     drafts are filled by accepting the drafts and rolling them back."""
 
-    __slots__ = ("_matcher", "_spell")
+    __slots__ = ("_matcher", "_spell", "_refused")
 
     def __init__(self, compiled: Any, stop_token_ids: Iterable[int],
-                 spell: Callable[[str], Sequence[int]] = lambda text: ()) -> None:
+                 spell: Callable[[str], Sequence[int]] = lambda text: (),
+                 control_token_ids: frozenset[int] = frozenset()) -> None:
         xgr = _xgrammar()
         stops = sorted(stop_token_ids)
         self._spell = spell  # the tokenizer's tokens of a forced string
+        # control tokens no grammar allows, refused here (xgrammar would log a warning for each)
+        self._refused = control_token_ids - set(stops)
         # without stop tokens the matcher ends as soon as its grammar is complete
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None,
                                            terminate_without_stop_token=not stops)
 
     def accept(self, token: int) -> bool:
         """Advance by one kept token; False if the grammar forbids it (the matcher is unchanged)."""
-        return self._matcher.accept_token(token)
+        return token not in self._refused and self._matcher.accept_token(token)
 
     @property
     def done(self) -> bool:
@@ -147,7 +150,7 @@ class Matcher:
         """How many of `tokens` (a draft) the grammar allows in a row; the matcher is unchanged."""
         n = 0
         for token in tokens:
-            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+            if self._matcher.is_terminated() or not self.accept(token):
                 break
             n += 1
         if n:
@@ -163,7 +166,7 @@ class Matcher:
             self.spell_forced(bitmask, row)
         accepted = 0
         for i, token in enumerate(drafts):
-            if matcher.is_terminated() or not matcher.accept_token(token):
+            if matcher.is_terminated() or not self.accept(token):
                 break  # rows after a stop or a rejected draft stay all-allowed: they are dropped
             accepted += 1
             if not matcher.is_terminated():
@@ -175,7 +178,7 @@ class Matcher:
     def spell_forced(self, bitmask: torch.Tensor, row: int) -> None:
         """Where the grammar forces a string of two tokens or more, allow only its first."""
         forced = self._matcher.find_jump_forward_string()
-        if not forced:
+        if not forced or self._matcher.is_completed():  # where the output may also end, nothing is forced
             return
         tokens = self._spell(forced)
         if len(tokens) < 2:
@@ -198,6 +201,7 @@ class Grammars:
         self.eos_token_ids = sorted(eos_token_ids)
         self.width = -(-vocab_size // 32)
         self._compiler: Any = None
+        self._control: frozenset[int] = frozenset()  # ids no grammar allows (blanked control tokens)
         self._batch: Any = None
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
@@ -222,7 +226,9 @@ class Grammars:
                     raise GrammarError("constrained decoding needs the model's tokenizer, and this checkpoint has "
                                        "none; load a checkpoint with tokenizer files")
                 xgr = _xgrammar()
-                self._compiler = xgr.GrammarCompiler(self._tokenizer_info(xgr), cache_enabled=False)
+                info = self._tokenizer_info(xgr)
+                self._control = frozenset(info.special_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
                 self._batch = xgr.BatchGrammarMatcher()
             return self._compiler
 
@@ -289,7 +295,8 @@ class Grammars:
         request's, allowed only where the grammar is complete."""
         if not params.constrained:
             return None
-        return Matcher(self.compile(params), stop_token_ids, self.spell)
+        compiled = self.compile(params)
+        return Matcher(compiled, stop_token_ids, self.spell, self._control)
 
     # --- one step's masks ---------------------------------------------------------------------
 
