@@ -31,12 +31,13 @@ ALL_SYSTEMS = ", ".join(dict.fromkeys(TRACE_SYSTEMS + DECODE_SYSTEMS + AGENT_SYS
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hibana bench", description=__doc__)
     sub = parser.add_subparsers(dest="workload", required=True)
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--model", default="demo",
-                        help=f"checkpoint path, demo, or a preset: {', '.join(PRESETS)}")
-    common.add_argument("--device", default="auto")
-    common.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    common.add_argument("--json", type=Path, help="also write the figures to this file")
+    basic = argparse.ArgumentParser(add_help=False)
+    basic.add_argument("--model", default="demo",
+                       help=f"checkpoint path, demo, or a preset: {', '.join(PRESETS)}")
+    basic.add_argument("--device", default="auto")
+    basic.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    basic.add_argument("--json", type=Path, help="also write the figures to this file")
+    common = argparse.ArgumentParser(add_help=False, parents=[basic])
     common.add_argument("--trace", help="replay a recorded trace (trace-driven): a shipped one (coding, demo) "
                         "or a path; runs the speculation systems only")
     common.add_argument("--real-outputs", action="store_true",
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     agents.add_argument("--generate", type=int, default=32)
     agents.add_argument("--peer-agents", type=int, default=1,
                         help="agents the sequential transformers peers are timed on")
-    grammar = sub.add_parser("grammar", parents=[common], help="constrained decoding's cost per token "
+    grammar = sub.add_parser("grammar", parents=[basic], help="constrained decoding's cost per token "
                              "(JSON schema against none), batch 1 and 32")
     grammar_overhead.add_arguments(grammar)
     return parser

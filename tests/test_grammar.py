@@ -309,3 +309,13 @@ def test_masks_set_forbidden_logits_to_minus_infinity_on_their_rows_only(every):
     params = SamplingParams(temperature=0.0)
     picked = Sampler(torch.device("cpu"))(logits, [SamplingRow(params, None, (), ())] * rows, masks)
     assert torch.equal(picked, out.argmax(dim=-1))
+
+
+def test_the_overhead_benchmark_runs(tiny_checkpoints, capsys):
+    """`hibana bench grammar` runs on a tiny checkpoint and reports each batch size."""
+    from hibana_bench.cli import main
+
+    assert main(["grammar", "--model", str(tiny_checkpoints[ARCH]), "--device", "cpu", "--batch", "1,3",
+                 "--generate", "12", "--prompt", "16", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "batch   1:" in out and "batch   3:" in out and "grammar host work" in out
