@@ -3,7 +3,9 @@
 On CUDA, decode-only steps replay a CUDA graph captured per batch-size bucket; everything else
 runs eagerly. `launch` only enqueues work and returns the step in flight: its sampled tokens stay
 on the device (the next step's inputs take them from there) and reach the host in
-`StepInFlight.result`, the one host synchronisation of a step.
+`StepInFlight.result`, the one host synchronisation of a step. A step with rows under a grammar
+enqueues its forward in `launch` and its sampling in `sample`, once the engine core has filled the
+grammar masks on the host (while the device runs the forward).
 """
 
 from __future__ import annotations
