@@ -1,4 +1,4 @@
-"""`hibana bench decode | agents`: workloads run side by side, a table, and `--json PATH`.
+"""`hibana bench decode | agents | grammar`: workloads run side by side, a table, and `--json PATH`.
 
 With `--trace NAME|PATH` both replay recorded agent conversations instead of random tokens
 (trace-driven, `hibana_bench.trace_workloads`), on the speculation systems only. On a checkpoint
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from hibana_bench import coldstart
+from hibana_bench import coldstart, grammar_overhead
 from hibana_bench.models import PRESETS, load_bench_model
 from hibana_bench.spec_systems import SPEC_SYSTEMS, BenchError
 from hibana_bench.traces import TraceError
@@ -53,14 +53,15 @@ def _counts(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hibana bench", description=__doc__)
     sub = parser.add_subparsers(dest="workload", required=True)
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--model", default="demo",
-                        help="checkpoint directory, Hugging Face repo id (org/name[@revision]), demo, or a preset "
-                        f"with random weights: {', '.join(PRESETS)}")
-    common.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
-    common.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                        help="weights and compute dtype of every system (auto: bfloat16 on CUDA, float32 on CPU)")
-    common.add_argument("--json", type=Path, help="also write the figures to this file")
+    basic = argparse.ArgumentParser(add_help=False)
+    basic.add_argument("--model", default="demo",
+                       help="checkpoint directory, Hugging Face repo id (org/name[@revision]), demo, or a preset "
+                       f"with random weights: {', '.join(PRESETS)}")
+    basic.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
+    basic.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                       help="weights and compute dtype of every system (auto: bfloat16 on CUDA, float32 on CPU)")
+    basic.add_argument("--json", type=Path, help="also write the figures to this file")
+    common = argparse.ArgumentParser(add_help=False, parents=[basic])
     common.add_argument("--trace", help="replay a recorded trace (trace-driven): a shipped one (coding, demo) "
                         "or a path; runs the speculation systems only")
     common.add_argument("--real-outputs", action="store_true",
@@ -97,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="agents the sequential transformers peers are timed on (default 1)")
     agents.add_argument("--surgery", default="", help="comma-separated surgery passes (e.g. kv8): adds a "
                         "system hibana+PASS for each (the default engine with that pass; random trace only)")
+    grammar = sub.add_parser("grammar", parents=[basic], help="constrained decoding's cost per token "
+                             "(JSON schema against none), batch 1 and 32")
+    grammar_overhead.add_arguments(grammar)
     return parser
 
 
@@ -106,12 +110,14 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     is neither a preset nor a checkpoint that can be found. Runs before anything loads."""
     from hibana_core import HibanaError
     from hibana_core.engine import resolve_device
-    from hibana_core.loader import resolve_checkpoint
 
     try:
         device = resolve_device(args.device)
     except HibanaError as exc:
         parser.error(f"--device: {exc}")
+    if args.workload == "grammar":
+        _check_model(parser, args.model)
+        return device, []
     default = TRACE_SYSTEMS if args.trace else DECODE_SYSTEMS if args.workload == "decode" else AGENT_SYSTEMS
     systems = [s for s in (args.systems or ",".join(default)).split(",") if s]
     known = ALL_SYSTEMS.split(", ") if args.trace else WORKLOAD_SYSTEMS[args.workload]
@@ -131,12 +137,20 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         if missing:
             parser.error(f"--surgery: no pass named {', '.join(missing)}; registered: {', '.join(sorted(registered))}")
         systems += surgery_systems(passes)
-    if args.model not in PRESETS:
+    _check_model(parser, args.model)
+    return device, systems
+
+
+def _check_model(parser: argparse.ArgumentParser, model: str) -> None:
+    """Exit with a usage error unless `model` is a preset or a checkpoint that can be found."""
+    from hibana_core import HibanaError
+    from hibana_core.loader import resolve_checkpoint
+
+    if model not in PRESETS:
         try:
-            resolve_checkpoint(args.model, progress=True)  # a repo id is downloaded here, once
+            resolve_checkpoint(model, progress=True)  # a repo id is downloaded here, once
         except HibanaError as exc:
             parser.error(f"--model: {exc} (or name a preset: {', '.join(PRESETS)})")
-    return device, systems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,6 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     device, systems = check_options(parser, args)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.workload == "grammar":
+        try:
+            report = grammar_overhead.run(args, device, dtype)
+        except HibanaError as exc:
+            print(f"hibana bench: {exc}", file=sys.stderr)
+            return 2
+        return _finish(args, report, device, dtype)
     try:
         cold = cold_start(args, device, dtype)
         if cold:
@@ -156,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hibana bench: {exc}", file=sys.stderr)
         return 2
     report["cold_start"] = cold
+    return _finish(args, report, device, dtype)
+
+
+def _finish(args: argparse.Namespace, report: dict, device: torch.device, dtype: torch.dtype) -> int:
     report["environment"] = environment(device, dtype)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

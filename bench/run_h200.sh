@@ -19,6 +19,9 @@
 #   bash bench/run_h200.sh spec_decode   # trace-driven batch-1 decode, coding and demo traces, speculation off/k4/adaptive
 #   bash bench/run_h200.sh spec_agents   # trace-driven agents on the coding trace: 32 agents (off/k4/adaptive),
 #                                        # then off vs adaptive at 1, 8 and 64 agents (AGENTS="64": only those)
+#   bash bench/run_h200.sh grammar  # issue 15: xgrammar against llguidance on the host's CPU, then constrained
+#                                   # decoding's overhead per token, qwen3-8b preset, batch 1 and 32; needs
+#                                   # xgrammar (and llguidance) as wheels in .whl/ (bench/README.md)
 # BENCH_ARGS is appended to the spec_* commands (e.g. "--real-outputs --systems hibana" on an
 # engine without speculation, to time the stages).
 # Runs from the repository root with the image's python3 (no install: PYTHONPATH). The wheel
@@ -29,7 +32,7 @@ NAMES="$(mktemp -d)"
 trap 'rm -rf "$NAMES"' EXIT
 ln -s "$PWD/kernels" "$NAMES/hibana_kernels"
 ln -s "$PWD/bench" "$NAMES/hibana_bench"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$NAMES:$PWD" TQDM_DISABLE=1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$NAMES:$PWD${PYTHONPATH:+:$PYTHONPATH}" TQDM_DISABLE=1  # keeps carried wheels (/tmp/site)
 OUT="${OUT:-bench/out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -73,6 +76,11 @@ case "${1:-check}" in
       | tee "$OUT/tune_quant_sweep.txt" ;;
   draft_cost)
     python3 bench/draft_cost.py --json "$OUT/draft_cost.json" 2>&1 | tee "$OUT/draft_cost.txt" ;;
+  grammar)
+    python3 -m hibana_bench.grammar_libs --json "$OUT/grammar_libs_h200host.json" 2>&1 \
+      | tee "$OUT/grammar_libs_h200host.txt"
+    python3 -m hibana_bench.cli grammar --model qwen3-8b --batch 1,32 --json "$OUT/grammar_qwen3-8b.json" 2>&1 \
+      | tee "$OUT/grammar_qwen3-8b.txt" ;;
   spec_decode)
     for spec in "coding 2" "demo 8"; do
       set -- $spec

@@ -7,9 +7,11 @@ Rendering goes through the tokenizer's `apply_chat_template`, or through a chat 
 registers for the model's `model_type` (which may also name the tool parser; "hermes" otherwise).
 Every call syncs the handle to the freshly rendered prompt, so a re-rendered history costs only the
 tokens that differ from what the state holds; where the model's own tokens spell the same text as
-the re-rendered history, they are kept (`Chat.prompt_ids`). A turn that `tool_choice` forces to
-call a tool runs as several requests (`hibana_core.turn`). Model output never raises: malformed
-tool-call text comes back as text with finish_reason "malformed_tool_call".
+the re-rendered history, they are kept (`Chat.prompt_ids`). Tool calls are held to the offered
+tools and their schemas by a grammar, which `tool_choice` decides: from the model's `<tool_call>`
+on ("auto"), or from the first token ("required"/"any", a tool's name) (`hibana_core.turn`). Model
+output never raises: malformed tool-call text comes back as text with finish_reason
+"malformed_tool_call".
 
 `Chat(engine, "agent-1")` works on one state; `Chat(engine)` only renders, and serves each call
 on the state `chat.lease(prompt)` picks (what the framework adapters do). Messages, tools and
@@ -241,11 +243,13 @@ class Chat:
         `messages` is the rendered prompt), held until the turn ends.
 
         `messages` may be a rendered prompt, continued as it is. `prefill` starts the assistant's
-        turn with given text; `parse_tools=False` returns the text as generated. `tool_choice`:
-        "auto", "none" (the tools are not offered and the output is never read as calls),
-        "required"/"any" (some call), or a tool's name (that call): forced calls are written
-        around the model's choices (`hibana_core.turn`), with `guided` argument values on flat
-        schemas. `parallel_tool_calls=False`: at most one call, in the stream as in the result.
+        turn with given text; `parse_tools=False` returns the text as generated (no grammar).
+        `tool_choice`: "auto" (the model may call), "none" (the tools are not offered and the
+        output is never read as calls), "required"/"any" (some call), or a tool's name (that
+        call); a grammar holds every call to an offered tool and, with `guided` (the default),
+        its arguments to the tool's schema (`hibana_core.turn`). `params` that carry their own
+        constraint (json_schema, regex, grammar) keep it and get no tool-call grammar.
+        `parallel_tool_calls=False`: at most one call, in the stream as in the result.
         `timeout`: seconds, checked per token."""
         normalize_tool_choice(tool_choice, normalize_tools(tools))  # options are refused before a lease
         if not isinstance(prefill, str):
@@ -275,11 +279,14 @@ class Chat:
         params = params or SamplingParams(max_tokens=256)
         params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys(
             tuple(params.stop_token_ids) + self.stop_token_ids)))
-        plan = turn.plan(tools, tool_choice, turn.SYNTAX.get(self.parser_name), prefill=prefill, guided=guided,
-                         budget=params.max_tokens)
+        if parse_tools and not params.constrained:
+            grammar = turn.parser_grammar(self.parser, self.parser_name, tools, tool_choice,
+                                          parallel=parallel_tool_calls, strict=guided)
+            if grammar is not None:
+                params = dataclasses.replace(params, grammar=grammar)
         stream = self.parser.stream() if parse_tools else turn.PlainText()
-        return turn.TurnRun(self.prompt_ids(messages, tools), plan, params, stream, self._encode,
-                            self.stop_token_ids[:1], timeout, max_calls=None if parallel_tool_calls else 1)
+        return turn.TurnRun(self.prompt_ids(messages, tools), prefill, params, stream, self._encode, timeout,
+                            max_calls=None if parallel_tool_calls else 1)
 
 
 def _close_if_empty(handle: "StateHandle") -> None:

@@ -8,6 +8,7 @@ never written back here.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 import types
@@ -15,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from hibana_core.errors import ConfigError
+from hibana_core.errors import ConfigError, GrammarError
 
 
 def _check(cond: bool, message: str) -> None:
@@ -299,11 +300,23 @@ class SamplingParams:
     speculation: Any = None
     """This request's speculative decoding ("adaptive", "off", {"method": ..., "k": ...});
     None: the engine's. It changes speed only, never the output."""
+    json_schema: Any = None
+    """Constrain the output to JSON valid under this schema: a dict, its JSON text or a pydantic
+    model class (stored as a dict). The JSON is compact, spaced as `json.dumps` writes it."""
+    regex: str | None = None
+    """Constrain the whole output to match this regular expression."""
+    grammar: Any = None
+    """Constrain the output to a grammar: EBNF text (xgrammar's GBNF-like dialect, with a rule
+    `root`), or a structural tag {"type": "structural_tag", "format": {...}} (xgrammar's format:
+    free text with triggered tags, as tool calls use). One of json_schema, regex and grammar at
+    most; the output ends (a stop token is allowed) only where the grammar is complete. A schema
+    or grammar that does not compile fails its request alone, with a GrammarError."""
 
     def __post_init__(self) -> None:
         _check_types(self)
         if self.speculation is not None:
             object.__setattr__(self, "speculation", SpeculationConfig.parse(self.speculation))
+        self._check_constraint()
         _check(self.max_tokens >= 0, f"max_tokens must be >= 0, got {self.max_tokens}")
         _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         _check(self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}")
@@ -324,3 +337,35 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperatures this close to 0 are argmax: dividing logits by them overflows."""
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a JSON schema, regex or grammar constrains the output."""
+        return self.json_schema is not None or self.regex is not None or self.grammar is not None
+
+    def _check_constraint(self) -> None:
+        given = [name for name in ("json_schema", "regex", "grammar") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise GrammarError(f"give one of json_schema, regex and grammar, not {' and '.join(given)}; "
+                               "write the constraints as one grammar")
+        schema = self.json_schema
+        if isinstance(schema, type) and hasattr(schema, "model_json_schema"):  # a pydantic model class
+            schema = schema.model_json_schema()
+        elif isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise GrammarError(f"json_schema is a string but not JSON ({exc}); pass the schema as a dict "
+                                   "or its JSON text") from None
+        if schema is not None and not isinstance(schema, (dict, bool)):
+            raise GrammarError(f"json_schema must be a JSON schema (a dict, its JSON text or a pydantic model "
+                               f"class), got {type(schema).__name__}")
+        object.__setattr__(self, "json_schema", schema)
+        if self.regex is not None and not self.regex:
+            raise GrammarError("regex is empty; pass a regular expression, or None for no constraint")
+        grammar = self.grammar
+        if grammar is not None and not (
+                (isinstance(grammar, str) and grammar.strip())
+                or (isinstance(grammar, dict) and grammar.get("type") == "structural_tag")):
+            raise GrammarError(f"grammar must be EBNF text or a structural tag dict "
+                               f"({{'type': 'structural_tag', 'format': ...}}), got {grammar!r:.80}")

@@ -5,6 +5,7 @@
         Scheduler       which tokens of which requests run in a step (scheduler.py)
         ModelRunner     batch tensors, forward, sampling (runner.py)
         OutputProcessor detokenizing, stop strings, timing, events (output.py)
+        Grammars        constrained decoding: compiled grammars, each step's masks (grammar.py)
       StateRegistry   states by id, leasing, what StateHandle asks for (registry.py)
 
 One lock serialises the step with edits of states, so a handle never sees a half-applied step.
@@ -29,6 +30,7 @@ from hibana_core.config import EngineConfig
 from hibana_core.engine_core import EngineCore
 from hibana_core.errors import ConfigError, EngineClosedError, MemoryBudgetError
 from hibana_core.forward_context import ForwardContext
+from hibana_core.grammar import Grammars
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.cache import KVCache, kv_cache_dtype
 from hibana_core import surgery
@@ -172,10 +174,13 @@ class Engine:
         scheduler = Scheduler(config.scheduler, self.pool, IdleLRUEviction(self.pool, self._idle_sequences),
                               speculator)
         use_async = self.device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
-        self.core = EngineCore(scheduler, runner, OutputProcessor(self.tokenizer), threading.RLock(), use_async)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids, self.device)
+        """Compiles requests' JSON schemas, regexes and grammars; fills each step's masks."""
+        self.core = EngineCore(scheduler, runner, OutputProcessor(self.tokenizer), threading.RLock(), use_async,
+                               self.grammars)
         limits = ModelLimits(self.vocab_size, self.max_model_len, self.eos_token_ids, self.fingerprint,
                              self.tokenizer is not None, self.device)
-        self.registry = StateRegistry(self.core, self.kv_cache, config.cache, limits)
+        self.registry = StateRegistry(self.core, self.kv_cache, config.cache, limits, self.grammars)
         self.registry.engine_ref = weakref.ref(self)
         speculator.start()  # the step-cost profile of adaptive speculation, on this device
 

@@ -1,8 +1,13 @@
 """The step loop: schedule, launch, update; the step in flight; the step counters.
 
-    step N:    schedule N -> launch N -> update N-1 (its tokens read back) -> deliver events
+    step N:    schedule N -> launch N -> update N-1 (its tokens read back) -> [masks: sample N]
+               -> deliver events
                (without async scheduling, when a request's sampling reads its history on the
                host, or when step N verifies drafts: update N at once)
+
+A step with constrained rows (json_schema, regex, grammar) launches its forward alone; its
+sampling is enqueued after update N-1, when every matcher holds its request's tokens and the
+grammar masks are filled on the host (`hibana_core.grammar`), while the device runs forward N.
 
 Speculation needs a sequence's real history to draft from: when the speculation policy says some
 running sequence would draft (`Speculator.wants_history`), the step in flight is updated before
@@ -23,12 +28,16 @@ import threading
 import time
 import warnings
 import weakref
+from typing import TYPE_CHECKING
 
 from hibana_core.errors import HibanaError
 from hibana_core.output import OutputProcessor, RequestEvents
 from hibana_core.runner import ModelRunner, StepInFlight
 from hibana_core.sampler import needs_history
 from hibana_core.scheduler import Request, Scheduler, SchedulerOutput
+
+if TYPE_CHECKING:
+    from hibana_core.grammar import Grammars
 
 
 _LIVE_CORES: "weakref.WeakSet[EngineCore]" = weakref.WeakSet()
@@ -56,8 +65,9 @@ class StepCounters:
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, outputs: OutputProcessor,
-                 lock: threading.RLock, async_scheduling: bool) -> None:
+                 lock: threading.RLock, async_scheduling: bool, grammars: "Grammars | None" = None) -> None:
         self.scheduler, self.runner, self.outputs = scheduler, runner, outputs
+        self.grammars = grammars
         self.async_scheduling = async_scheduling
         self.counters = StepCounters()
         self.in_flight: StepInFlight | None = None
@@ -85,6 +95,8 @@ class EngineCore:
             previous, self.in_flight = self.in_flight, launched
             if previous is not None:
                 self._update(previous)
+            if launched is not None and launched.pending is not None:
+                launched = self._sample(launched)
             if launched is not None and not self._overlaps(scheduled):
                 self.in_flight = None
                 self._update(launched)
@@ -111,6 +123,19 @@ class EngineCore:
             return None
         self.counters.count(scheduled)
         return launched
+
+    def _sample(self, step: StepInFlight) -> StepInFlight | None:
+        """Sample a step whose rows wait for grammar masks: the matchers now hold every token
+        read back, the forward runs on the device meanwhile."""
+        try:
+            masks = self.grammars.masks(step.scheduled, len(step.pending.rows))
+            self.runner.sample(step, masks)
+        except Exception as exc:  # fails this step's requests, as a failed launch does
+            self.in_flight = None
+            self.scheduler.fail(step.scheduled, exc if isinstance(exc, HibanaError)
+                                else HibanaError(f"model step failed: {exc!r}"))
+            return None
+        return step
 
     def _overlaps(self, scheduled: SchedulerOutput) -> bool:
         """Whether this step's tokens may be read during the next step: not where a request's

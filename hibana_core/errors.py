@@ -7,7 +7,8 @@ from __future__ import annotations
 from hibana_plugins.hookspecs import HibanaError
 
 __all__ = [
-    "ChatTimeoutError", "CheckpointError", "ConfigError", "ContextLengthError", "EngineClosedError", "HibanaError",
+    "ChatTimeoutError", "CheckpointError", "ConfigError", "ContextLengthError", "EngineClosedError", "GrammarError",
+    "HibanaError",
     "InvalidTokenError", "MemoryBudgetError", "StateBusyError", "StateClosedError",
     "StateExistsError", "StateFileError", "UnsupportedModelError",
 ]
@@ -15,6 +16,11 @@ __all__ = [
 
 class ConfigError(HibanaError, ValueError):
     """A configuration or sampling parameter is out of range."""
+
+
+class GrammarError(ConfigError):
+    """A request's JSON schema, regex or grammar cannot be compiled (or the model's output cannot
+    continue it); only that request fails."""
 
 
 class UnsupportedModelError(HibanaError):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from hibana_core.config import CacheConfig, SamplingParams, is_kind
-from hibana_core.errors import (ConfigError, ContextLengthError, EngineClosedError, HibanaError,
+from hibana_core.errors import (ConfigError, ContextLengthError, EngineClosedError, GrammarError, HibanaError,
                                 InvalidTokenError, StateBusyError, StateClosedError, StateExistsError,
                                 StateFileError)
 from hibana_core.kv import state_file
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from hibana_core.engine_core import EngineCore
+    from hibana_core.grammar import Grammars
     from hibana_core.kv.cache import KVCache
 
 
@@ -65,8 +66,10 @@ class _Entry:
 
 
 class StateRegistry:
-    def __init__(self, core: "EngineCore", kv_cache: "KVCache", config: CacheConfig, limits: ModelLimits) -> None:
+    def __init__(self, core: "EngineCore", kv_cache: "KVCache", config: CacheConfig, limits: ModelLimits,
+                 grammars: "Grammars | None" = None) -> None:
         self.core, self.kv_cache, self.config, self.limits = core, kv_cache, config, limits
+        self.grammars = grammars
         self.pool = core.scheduler.pool
         self.lock = core.lock
         self._entries: dict[str, _Entry] = {}
@@ -246,6 +249,12 @@ class StateRegistry:
                               "use stop_token_ids instead")
         if params.speculation is not None and self.core.speculation is not None:
             self.core.speculation.check(params.speculation)
+        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.limits.eos_token_ids)
+        grammar = None
+        if params.constrained:  # compiled here, outside the lock: a new grammar may take 100 ms
+            if self.grammars is None:
+                raise GrammarError("this engine has no grammar support; build it with Engine.from_pretrained")
+            grammar = self.grammars.matcher(params, stops)
         tokens = self._validate(prompt) if prompt is not None else None
         with self.lock:
             entry = self._editable(handle)
@@ -260,10 +269,9 @@ class StateRegistry:
                     "(the state is unchanged)")
             if tokens is not None:
                 seq.set_tokens(tokens)
-            stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
-                                                        else self.limits.eos_token_ids)
             generator = make_generator(params.seed, self.limits.device) if params.seed is not None else None
-            request = Request(seq, params, generator, stops, self.limits.max_model_len, state_id=handle.id)
+            request = Request(seq, params, generator, stops, self.limits.max_model_len, state_id=handle.id,
+                              grammar=grammar)
             request.forced, entry.forced = entry.forced, None
             return self.core.submit(request, loop)
 

@@ -3,7 +3,9 @@
 On CUDA, decode-only steps replay a CUDA graph captured per batch-size bucket; everything else
 runs eagerly. `launch` only enqueues work and returns the step in flight: its sampled tokens stay
 on the device (the next step's inputs take them from there) and reach the host in
-`StepInFlight.result`, the one host synchronisation of a step.
+`StepInFlight.result`, the one host synchronisation of a step. A step with rows under a grammar
+enqueues its forward in `launch` and its sampling in `sample`, once the engine core has filled the
+grammar masks on the host (while the device runs the forward).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from hibana_core.forward_context import ForwardBatch, ForwardContext
-from hibana_core.sampler import Sampler, SamplingRow, device_tensor
+from hibana_core.sampler import Sampler, SamplingRow, TokenMasks, device_tensor
 from hibana_core.scheduler import RunnerOutput, SchedulerOutput
 
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -78,26 +80,49 @@ class StepTimer:
         return self._seconds
 
 
+@dataclass(frozen=True)
+class PendingSample:
+    """A launched step's logits, waiting to be sampled (`ModelRunner.sample`)."""
+
+    logits: torch.Tensor          # [S, vocab]
+    rows: list[SamplingRow]
+    timer: StepTimer | None       # stopped once sampling is enqueued, where the step is representative
+
+
 class StepInFlight:
     """A launched step: its sampled tokens [S] are on the device at once and on the host after
     `result`. A sampling chunk has one row, or 1 + k where it verifies k drafts: the token
-    sampled after each of its last 1 + k inputs."""
+    sampled after each of its last 1 + k inputs. A step with constrained rows is sampled later
+    than its forward is launched (`pending`), once the grammar masks are filled on the host."""
 
-    def __init__(self, scheduled: SchedulerOutput, sampled: torch.Tensor,
-                 timer: StepTimer | None = None) -> None:
+    def __init__(self, scheduled: SchedulerOutput, sampled: torch.Tensor | None = None,
+                 timer: StepTimer | None = None, pending: PendingSample | None = None) -> None:
         self.scheduled = scheduled
-        self.sampled = sampled
-        self.timer = timer
-        """the step's device time, where it measures the step cost of the shape the engine runs
-        (None: a step that captured a CUDA graph, or ran eagerly where decode steps use graphs)"""
+        self.pending = pending
+        """the logits to sample, while the step waits for its masks (None once sampled)"""
         self.rows: dict[int, int] = {}
         """request id -> the row of `sampled` holding its next input (its last row)"""
         row = -1
         for chunk in scheduled.sampling:
             row += 1 + len(chunk.draft_token_ids)
             self.rows[chunk.request.id] = row
+        self.sampled: torch.Tensor | None = None
+        self.timer: StepTimer | None = None
+        """the step's device time, where it measures the step cost of the shape the engine runs
+        (None: a step that captured a CUDA graph, or ran eagerly where decode steps use graphs)"""
         self._ready: torch.cuda.Event | None = None
-        self._host = sampled
+        self._host: torch.Tensor | None = None
+        if sampled is not None:
+            self.set_sampled(sampled, timer)
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a row of the step samples under a grammar."""
+        return any(c.request.grammar is not None for c in self.scheduled.sampling)
+
+    def set_sampled(self, sampled: torch.Tensor, timer: StepTimer | None = None) -> None:
+        """The step's tokens, on the device; their copy to the host is enqueued now."""
+        self.sampled, self.timer, self._host = sampled, timer, sampled
         if sampled.is_cuda:
             self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
             self._host.copy_(sampled, non_blocking=True)
@@ -106,6 +131,8 @@ class StepInFlight:
 
     def result(self) -> RunnerOutput:
         """Wait for the step and read its tokens back (raises if the device failed under it)."""
+        if self.pending is not None:
+            raise RuntimeError("a step is read back before it was sampled (ModelRunner.sample)")
         if self._ready is not None:
             self._ready.synchronize()
         tokens = self._host.tolist()
@@ -204,7 +231,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, scheduled: SchedulerOutput, previous: StepInFlight | None = None) -> StepInFlight:
-        """Enqueue one scheduled step. `previous`: the step before, which may still be in flight."""
+        """Enqueue one scheduled step. `previous`: the step before, which may still be in flight.
+        A step with constrained rows comes back `pending`: its forward is enqueued and its
+        sampling waits for `sample` with the grammar masks (filled while the device computes)."""
         data = gather_step(scheduled, previous)
         rows = sampling_rows(scheduled)
         timer = StepTimer(self.device)
@@ -223,9 +252,19 @@ class ModelRunner:
             if not rows:
                 return StepInFlight(scheduled, torch.empty(0, dtype=torch.long))
             logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, vocab]
-        sampled = self.sampler(logits, rows)
-        self._force(sampled, rows, scheduled)
-        return StepInFlight(scheduled, sampled, timer.stop() if representative else None)
+        step = StepInFlight(scheduled, pending=PendingSample(logits, rows, timer if representative else None))
+        if not step.constrained:
+            self.sample(step)
+        return step
+
+    @torch.inference_mode()
+    def sample(self, step: StepInFlight, masks: TokenMasks | None = None) -> None:
+        """Enqueue the sampling of a launched step (`masks`: its constrained rows' grammar masks)."""
+        pending, step.pending = step.pending, None
+        rows = pending.rows
+        sampled = self.sampler(pending.logits, rows) if masks is None else self.sampler(pending.logits, rows, masks)
+        self._force(sampled, rows, step.scheduled)
+        step.set_sampled(sampled, None if pending.timer is None else pending.timer.stop())
 
     def _force(self, sampled: torch.Tensor, rows: list[SamplingRow], scheduled: SchedulerOutput) -> None:
         """Trace replay (bench only): rows of requests with forced outputs take the recorded

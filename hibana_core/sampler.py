@@ -1,8 +1,14 @@
-"""Turn a batch of logits into one token per row: penalties, greedy, temperature, top-k/p, min-p.
+"""Turn a batch of logits into one token per row: grammar masks, penalties, greedy, temperature,
+top-k/p, min-p.
 
 The order follows Hugging Face and vLLM:
 
-    penalties -> (greedy rows: argmax) -> temperature -> top-k -> top-p -> min-p -> sample
+    (constrained rows: grammar mask) -> penalties -> (greedy rows: argmax) -> temperature
+    -> top-k -> top-p -> min-p -> sample
+
+A grammar mask (`TokenMasks`, filled on the host by `hibana_core.grammar`) sets the logits of the
+tokens a row's grammar forbids to -inf, on the constrained rows only; a batch without one costs
+nothing extra.
 
 Every stage runs batched, with per-row parameters as [B, 1] tensors built once per call, and is
 skipped when no row needs it: an all-greedy batch without penalties is a single argmax. Sampling
@@ -46,6 +52,18 @@ class SamplingRow:
     and whether drafts were verified in between."""
 
 
+@dataclass(frozen=True)
+class TokenMasks:
+    """The grammar masks of one step's constrained rows, already on their way to the device."""
+
+    bitmask: torch.Tensor
+    """[R, ceil(V / 32)] int32: bit j of word w allows token 32 w + j (little-endian words)."""
+    rows: torch.Tensor
+    """[R] int64: the sampling row each mask applies to."""
+    every_row: bool
+    """Whether every row of the step is constrained (rows is then 0..R-1)."""
+
+
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
     """A generator on `device` seeded with `seed`: one per seeded request, and the sampler's own."""
     generator = torch.Generator(device=torch.device(device))
@@ -60,11 +78,16 @@ class Sampler:
         self.device = torch.device(device)
         self.generator = make_generator(seed, self.device)
         """Noise for the rows that have no generator of their own."""
+        self._bias_tables: dict[torch.dtype, torch.Tensor] = {}
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """logits [B, V] (any float dtype) -> token ids [B] int64 on logits.device."""
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                 masks: TokenMasks | None = None) -> torch.Tensor:
+        """logits [B, V] (any float dtype) -> token ids [B] int64 on logits.device; `masks`: the
+        grammar masks of the constrained rows."""
         if len(rows) != logits.shape[0]:
             raise ValueError(f"{len(rows)} sampling rows for {logits.shape[0]} rows of logits")
+        if masks is not None:
+            logits = self.apply_masks(logits, masks)
         params = [row.params for row in rows]
         greedy = [p.greedy for p in params]
         penalised = any(needs_history(p) for p in params)
@@ -80,6 +103,24 @@ class Sampler:
         if not any(greedy):
             return sampled
         return torch.where(device_tensor(greedy, torch.bool, x.device), x.argmax(dim=-1), sampled)
+
+    def apply_masks(self, logits: torch.Tensor, masks: TokenMasks) -> torch.Tensor:
+        """logits with -inf where a constrained row's grammar forbids the token (a new tensor).
+
+        Each byte of the bitmask indexes a table of 8 additive biases (0 or -inf): one gather
+        unpacks the whole mask, several times faster than shifting bits out, on CPU and GPU."""
+        table = self._bias_tables.get(logits.dtype)
+        if table is None:
+            bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1  # [256, 8]: bit j of byte b
+            table = torch.where(bits.bool(), 0.0, _NEG_INF).to(device=logits.device, dtype=logits.dtype)
+            self._bias_tables[logits.dtype] = table
+        rows, width = masks.bitmask.shape
+        vocab = logits.shape[1]
+        bytes_ = masks.bitmask.view(torch.uint8).view(rows, 4 * width).int()  # [R, 4 W]
+        bias = torch.nn.functional.embedding(bytes_, table).view(rows, 32 * width)[:, :vocab]  # [R, V]
+        if masks.every_row:
+            return logits + bias
+        return logits.index_add(0, masks.rows, bias)
 
     def _race(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """One draw per row from probs [B, V]: argmax(p / q), q ~ Exp(1)."""

@@ -28,13 +28,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 
 from hibana_core.config import SamplingParams, SchedulerConfig
-from hibana_core.errors import MemoryBudgetError
+from hibana_core.errors import GrammarError, MemoryBudgetError
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.sequence import KVSequence
 
 logger = logging.getLogger("hibana.states")
 
 if TYPE_CHECKING:
+    from hibana_core.grammar import Matcher
     from hibana_core.speculation.speculator import Speculator
 
 
@@ -70,6 +71,7 @@ class Request:
     suspect: bool = False                  # in a step that failed: runs alone until a step passes
     forced: Sequence[int] | None = None    # bench only: the tokens this request emits (trace replay)
     state_id: str = ""                     # the state it runs on, for logs
+    grammar: "Matcher | None" = None       # its constraint (json_schema, regex, grammar), advanced per kept token
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.seq)
@@ -359,13 +361,21 @@ class Scheduler:
         return results
 
     def _accept(self, request: Request, sampled: Sequence[int]) -> tuple[list[int], str | None]:
-        """Append tokens until one ends the request; returns those kept and the finish reason."""
+        """Append tokens until one ends the request; returns those kept and the finish reason.
+        A constrained request's matcher takes each token; its grammar ending stops the request."""
         accepted: list[int] = []
         for token in sampled:
+            if request.grammar is not None and not request.grammar.accept(token):
+                request.error = GrammarError(
+                    f"the model's token {token} does not continue the request's grammar (a grammar the "
+                    "vocabulary cannot complete from here); loosen the schema or grammar")
+                return accepted, "error"
             request.seq.append([token])
             request.output.append(token)
             accepted.append(token)
             if token in request.stop_token_ids or (request.stop_check is not None and request.stop_check(token)):
+                return accepted, "stop"
+            if request.grammar is not None and request.grammar.done:
                 return accepted, "stop"
             if len(request.output) >= request.params.max_tokens or len(request.seq) >= request.max_len:
                 return accepted, "length"

@@ -1,21 +1,25 @@
-"""One assistant turn: the requests that produce it on a state, and the result it comes to.
+"""One assistant turn: the request that produces it on a state, and the result it comes to.
 
-A turn is a plan of stages. A stage writes text into the turn, then generates; the runner sends
-one request per stage on the same state, and reads everything written and generated through the
-tool parser's stream, so a turn the chat layer helped write parses and streams like one the
-model wrote alone.
+A turn writes its prefill (if any) into the assistant's turn and generates once; everything is
+read through the tool parser's stream, so a turn streams and parses as the model wrote it.
 
-    free ("auto", "none"):  [prefill] -> generate
-    forced ("required"/"any", or a tool's name), hermes syntax shown:
-        '<tool_call>\n{"name": "'      -> generate up to '"', snapped to a tool name  (unless named)
-        'get_weather", "arguments":'   -> generate the arguments and the end of the call
-      or, on a flat argument schema (`guided`), value by value:
-        ' {"city": "'                  -> generate up to '"', parsed as the value's type
-        'Paris"}}\n</tool_call>'       the value as JSON, the call's end and the end-of-turn token:
-                                          synced, nothing generated
+Tool calls are constrained by a grammar built from the offered tools and the parser's call
+syntax (`tool_call_grammar`; hermes shown):
 
-Small models then always produce a call that parses and has the schema's keys; the values are
-still the model's. A parser whose call syntax is not in SYNTAX gets the tools rendered and decides.
+    "auto":      free text; once the model opens a call (`<tool_call>`), the rest of the call is
+                 held to '<tool_call>\n{"name": "<one of the tools>", "arguments": <JSON valid
+                 under that tool's schema>}\n</tool_call>', then free text again
+    "required" / "any", or a tool's name:
+                 calls only, from the first token (the named tool's, when one is named), one or
+                 more separated by newlines, then the end of the turn
+    parallel_tool_calls=False: the grammar ends after the first call
+
+The tool's name is one of those offered and its arguments follow its JSON schema (nested objects,
+arrays, enums, required keys); a schema xgrammar cannot compile leaves that tool's arguments free
+(any JSON object). A parser plugin supplies its own syntax as a `call_syntax` attribute (a
+`CallSyntax`), or its whole grammar as `tool_call_grammar(tools, tool_choice, parallel)`
+returning an xgrammar structural tag; a parser with neither gets the tools rendered and no
+grammar.
 """
 
 from __future__ import annotations
@@ -24,21 +28,18 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import os
-import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Generator, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequence, TypeVar
 
 from hibana_core.config import SamplingParams
-from hibana_core.errors import ChatTimeoutError, HibanaError
+from hibana_core.errors import ChatTimeoutError, GrammarError, HibanaError
 from hibana_plugins.hookspecs import ParsedOutput, ToolCall, ToolCallDelta, ToolCallStream
 
 if TYPE_CHECKING:
     from hibana_core.state import StateHandle, StreamEvent
 
 MALFORMED = "malformed_tool_call"
-NAME_TOKENS = 24                   # most tokens for a forced call's tool name
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class ChatResult:
     finish_reason: str        # "tool_calls", "stop", "length", "malformed_tool_call", "cancelled"
     usage: Usage
     error: str | None = None  # what was malformed, when something was
-    raw_text: str = ""        # the assistant's turn as generated (prefill and forced text included)
+    raw_text: str = ""        # the assistant's turn as generated (prefill included)
 
 
 @dataclass(frozen=True)
@@ -67,156 +68,77 @@ class ChatDelta:
     result: ChatResult | None = None
 
 
-# --- plans ------------------------------------------------------------------------------------------
+# --- the tool-call grammar ----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class CallSyntax:
     """How a tool-call parser's format spells one call around its name and arguments."""
 
-    open: str    # up to the name
-    mid: str     # between the name and the arguments object
-    close: str   # after the arguments object
+    open: str           # up to the name
+    mid: str            # between the name and the arguments object
+    close: str          # after the arguments object
+    trigger: str = ""   # where a call starts in free text (a prefix of `open`; "" means `open`)
+    separator: str = "\n"  # between the calls of one turn
 
 
 SYNTAX = {  # by registered tool parser name
-    "hermes": CallSyntax('<tool_call>\n{"name": "', '", "arguments":', '}\n</tool_call>'),
-    "llama3_json": CallSyntax('{"name": "', '", "parameters":', "}"),
+    "hermes": CallSyntax('<tool_call>\n{"name": "', '", "arguments": ', '}\n</tool_call>', trigger="<tool_call>"),
+    "llama3_json": CallSyntax('{"name": "', '", "parameters": ', "}"),
 }
 
-
-@dataclass(frozen=True)
-class Stage:
-    """One request of a turn: text written into the turn, then generation."""
-
-    write: str = ""
-    max_tokens: int = 0            # 0: no generation; the turn ends, held with its end-of-turn token
-    stop: tuple[str, ...] = ()
-    live: bool = False             # generated text is part of the turn; else it goes back to the plan
+ANY_OBJECT = {"type": "object"}
 
 
-Plan = Generator[Stage, str, None]  # each yield receives the text its stage generated
+def arguments_schema(function: dict, strict: bool = True) -> dict:
+    """The schema a tool's arguments are held to: its parameters (none declared: `{}` only),
+    or any JSON object when not `strict` or when xgrammar cannot compile them."""
+    if not strict:
+        return ANY_OBJECT
+    parameters = function.get("parameters") or {"type": "object", "properties": {}}
+    from hibana_core.grammar import json_schema_grammar
 
-
-@dataclass(frozen=True)
-class Slot:
-    """One required argument the model fills: what to write after `"key":`, when to stop, and how
-    the generated text becomes a value."""
-
-    key: str
-    prompt: str                    # ' "' (strings), ' ' (numbers), '' (booleans): token boundaries
-    stop: tuple[str, ...]
-    max_tokens: int
-    parse: Callable[[str], Any]
-
-    def commit(self, raw: str) -> str:
-        """The value's JSON text that follows the prompt already written."""
-        return (" " + json.dumps(self.parse(raw), ensure_ascii=False))[len(self.prompt):]
-
-
-def snap(text: str, choices: Sequence[str]) -> str:
-    """The choice a constrained decoder would have reached from `text`: one that extends it, else
-    the one sharing its longest prefix (the first among equals)."""
-    text = text.strip()
-    return next((c for c in choices if c.startswith(text)), None) or max(
-        choices, key=lambda c: len(os.path.commonprefix([c, text])))
-
-
-def _string(raw: str) -> str:
     try:
-        return json.loads(f'"{raw}"')
-    except ValueError:  # an unescaped control character, or a cut escape
-        return raw.rstrip("\\")
+        json_schema_grammar(parameters)
+    except GrammarError:
+        return ANY_OBJECT
+    return parameters
 
 
-def _number(integer: bool) -> Callable[[str], int | float | None]:
-    def parse(raw: str) -> int | float | None:
-        found = re.match(r"-?\d+(\.\d+)?([eE][-+]?\d+)?", raw.strip().strip('"'))
-        if found is None:
-            return None  # the model wrote no number: the tool's validation reports it
-        value = float(found.group())
-        return int(value) if integer or (value.is_integer() and not found.group(1)) else value
-    return parse
+def tool_call_grammar(tools: Sequence[dict], tool_choice: str, syntax: CallSyntax, *, parallel: bool = True,
+                      strict: bool = True) -> dict:
+    """The structural tag (xgrammar's format) that holds a turn's calls to the offered tools
+    (module docstring); `strict=False` leaves the arguments any JSON object."""
+    functions = [t["function"] for t in tools]
+    if tool_choice not in ("auto", "required"):
+        functions = [f for f in functions if f["name"] == tool_choice]
+    tags = [{"type": "tag", "begin": syntax.open + json.dumps(f["name"], ensure_ascii=False)[1:-1] + syntax.mid,
+             "content": {"type": "json_schema", "json_schema": arguments_schema(f, strict)}, "end": syntax.close}
+            for f in functions]
+    if tool_choice == "auto":
+        trigger = getattr(syntax, "trigger", "") or syntax.open  # a plugin's syntax may leave these out
+        form = {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "stop_after_first": not parallel}
+    else:
+        form = {"type": "tags_with_separator", "tags": tags, "separator": getattr(syntax, "separator", "\n"),
+                "at_least_one": True, "stop_after_first": not parallel}
+    return {"type": "structural_tag", "format": form}
 
 
-def _boolean(raw: str) -> bool | None:
-    word = raw.strip().lower()
-    return True if word.startswith("t") else False if word.startswith("f") else None
-
-
-def _slot(key: str, schema: dict) -> Slot | None:
-    """How to fill one argument, or None when its schema is not a scalar one (or not a schema)."""
-    if not isinstance(schema, dict):
+def parser_grammar(parser: Any, parser_name: str, tools: Sequence[dict] | None, tool_choice: str, *,
+                   parallel: bool = True, strict: bool = True) -> dict | None:
+    """The tool-call grammar of a turn, from the parser's own `tool_call_grammar`, its
+    `call_syntax`, or the built-in syntax of its name; None without tools or a known syntax."""
+    if not tools or tool_choice == "none":
         return None
-    options = schema.get("anyOf") or schema.get("oneOf")
-    if options:
-        if not isinstance(options, list) or not all(isinstance(o, dict) for o in options):
-            return None
-        options = [o for o in options if o.get("type") != "null"]
-        return _slot(key, options[0]) if len(options) == 1 else None
-    kind = schema.get("type")
-    if isinstance(kind, list):
-        kinds = [k for k in kind if k != "null"]
-        kind = kinds[0] if len(kinds) == 1 else None
-    enum = schema.get("enum")
-    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
-        return Slot(key, ' "', ('"', "\n"), 48, lambda raw: snap(_string(raw), enum))
-    if kind == "string":  # a raw newline: the model left the string without closing it
-        return Slot(key, ' "', ('"', "\n"), 48, _string)
-    if kind in ("integer", "number"):
-        return Slot(key, " ", (",", "}", "\n"), 12, _number(kind == "integer"))
-    if kind == "boolean":
-        return Slot(key, "", (",", "}"), 4, _boolean)
-    return None
-
-
-def slots(parameters: dict) -> list[Slot] | None:
-    """The required arguments of a flat object schema, in schema order; None for any other schema
-    (nested objects, arrays, free-form objects): the model then writes the arguments itself."""
-    properties, required = parameters.get("properties"), parameters.get("required", ())
-    if (parameters.get("type", "object") != "object" or not isinstance(properties, dict)
-            or not isinstance(required, (list, tuple))):
+    own = getattr(parser, "tool_call_grammar", None)
+    if callable(own):
+        return own(tools, tool_choice, parallel)
+    syntax = getattr(parser, "call_syntax", None) or SYNTAX.get(parser_name)
+    if syntax is None:
         return None
-    found = [_slot(key, schema) for key, schema in properties.items() if key in required]
-    return None if None in found else found
+    return tool_call_grammar(tools, tool_choice, syntax, parallel=parallel, strict=strict)
 
 
-def plan(tools: Sequence[dict] | None, tool_choice: str, syntax: CallSyntax | None, *, prefill: str = "",
-         guided: bool = True, budget: int) -> Plan:
-    """The stages of a turn: one free stage, or a forced call when `tool_choice` asks for one and
-    the parser's call syntax is known."""
-    if not tools or tool_choice in ("auto", "none") or syntax is None:
-        return _free_plan(prefill, budget)
-    names = [t["function"]["name"] for t in tools]
-    forced = tool_choice if tool_choice != "required" else names[0] if len(names) == 1 else None
-    return _call_plan(syntax, tools, forced, prefill, guided, budget)
-
-
-def _free_plan(prefill: str, budget: int) -> Plan:
-    yield Stage(prefill, budget, live=True)
-
-
-def _call_plan(syntax: CallSyntax, tools: Sequence[dict], forced: str | None, prefill: str, guided: bool,
-               budget: int) -> Plan:
-    names = [t["function"]["name"] for t in tools]
-    write = prefill + syntax.open
-    if forced is None:  # the model picks the tool
-        forced = snap((yield Stage(write, NAME_TOKENS, ('"',))), names)
-        write = ""
-    write += json.dumps(forced, ensure_ascii=False)[1:-1] + syntax.mid
-    parameters = tools[names.index(forced)]["function"].get("parameters") or {"properties": {}}
-    found = slots(parameters) if guided else None
-    if found is None:
-        yield Stage(write, budget, live=True)
-        return
-    write += " {"
-    for i, slot in enumerate(found):
-        write += (", " if i else "") + json.dumps(slot.key, ensure_ascii=False) + ":" + slot.prompt
-        raw = yield Stage(write, min(slot.max_tokens, budget), slot.stop)
-        write = slot.commit(raw)
-    yield Stage(write + "}" + syntax.close)
-
-
-# --- running a plan ---------------------------------------------------------------------------------
+# --- running a turn ----------------------------------------------------------------------------------
 
 class PlainText:
     """The parser stream's protocol with no tool parsing: the text is the content."""
@@ -236,67 +158,48 @@ class PlainText:
 
 
 @dataclass(frozen=True)
-class StageRequest:
-    """What one stage of a turn asks the engine for: sync the state to `prompt`, then generate."""
+class TurnRequest:
+    """What a turn asks the engine for: sync the state to `prompt`, then generate."""
 
     prompt: list[int]
     params: SamplingParams
 
 
 class TurnRun:
-    """Runs a plan on one state, one request per stage, without doing I/O itself (`run` and
-    `arun` drive it). `max_calls` (1 for `parallel_tool_calls=False`): calls past it are dropped
-    from the stream and the result alike, and once it is reached the request is stopped
-    (`stop_now`): the turn ends with its calls, finish_reason "tool_calls"."""
+    """Runs one turn on one state without doing I/O itself (`run` and `arun` drive it): the
+    prefill is written, then one request generates. `max_calls` (1 for
+    `parallel_tool_calls=False`): calls past it are dropped from the stream and the result alike,
+    and once it is reached the request is stopped (`stop_now`): the turn ends with its calls,
+    finish_reason "tool_calls" (a tool-call grammar usually ends the turn there already)."""
 
-    def __init__(self, prompt: list[int], plan: Plan, params: SamplingParams, stream: ToolCallStream,
-                 encode: Callable[[str], list[int]], end_of_turn: Sequence[int], timeout: float | None,
-                 max_calls: int | None = None) -> None:
-        self.base, self.plan, self.params, self.stream = prompt, plan, params, stream
-        self.encode, self.end_of_turn = encode, list(end_of_turn)
+    def __init__(self, prompt: list[int], prefill: str, params: SamplingParams, stream: ToolCallStream,
+                 encode: Callable[[str], list[int]], timeout: float | None, max_calls: int | None = None) -> None:
+        self.base, self.prefill, self.params, self.stream = prompt, prefill, params, stream
+        self.encode = encode
         self.deadline = time.monotonic() + timeout if timeout else None
         self.max_calls = max_calls
         self.calls = 0             # tool calls streamed so far
         self.text = ""             # the assistant turn so far
-        self.raw = ""              # what the current (not live) stage generated
-        self.stage = next(plan)
         self.usage: Usage | None = None
         self.generated = 0
         self.finish_reason = "stop"
-        self.stopped = False       # the turn ended the current request itself (`stop_now`)
+        self.stopped = False       # the turn ended its request itself (`stop_now`)
 
-    def begin(self) -> tuple[list[ChatDelta], StageRequest]:
-        stage, self.raw = self.stage, ""
-        deltas = self._feed(stage.write)
+    def begin(self) -> tuple[list[ChatDelta], TurnRequest]:
+        deltas = self._feed(self.prefill)
         prompt = self.base + (self.encode(self.text) if self.text else [])
-        if stage.max_tokens == 0:  # the turn was written to its end: hold it, end of turn included
-            return deltas, StageRequest(prompt + self.end_of_turn, dataclasses.replace(self.params, max_tokens=0))
-        stop = tuple(self.params.stop) + stage.stop if stage.live else stage.stop
-        return deltas, StageRequest(prompt, dataclasses.replace(self.params, max_tokens=stage.max_tokens, stop=stop))
+        return deltas, TurnRequest(prompt, self.params)
 
     def on_event(self, event: "StreamEvent") -> list[ChatDelta]:
         if self.deadline is not None and time.monotonic() > self.deadline:
             raise ChatTimeoutError("the chat call ran past its timeout; raise the timeout or lower max_tokens")
         if event.completion is not None:
             stats = event.completion.stats
-            if self.usage is None:  # the first request's prompt is the call's input
-                self.usage = Usage(stats.prompt_tokens, stats.reused, 0)
-            self.generated += len(event.completion.token_ids)
-            if self.stage.live:  # a value stage that reaches its cap still completes the call
-                reason = event.completion.finish_reason
-                self.finish_reason = "stop" if self.stopped and reason == "cancelled" else reason
-        if self.stage.live:
-            return self._feed(event.text)
-        self.raw += event.text
-        return []
-
-    def next_stage(self) -> bool:
-        """Move to the next stage; False when the turn is complete."""
-        try:
-            self.stage = self.plan.send(self.raw)
-        except StopIteration:
-            return False
-        return True
+            self.usage = Usage(stats.prompt_tokens, stats.reused, 0)
+            self.generated = len(event.completion.token_ids)
+            reason = event.completion.finish_reason
+            self.finish_reason = "stop" if self.stopped and reason == "cancelled" else reason
+        return self._feed(event.text)
 
     def finish(self) -> list[ChatDelta]:
         deltas = self._deltas(self.stream.close())
@@ -309,7 +212,7 @@ class TurnRun:
     def stop_now(self) -> bool:
         """Whether the driver should stop the current request now (once): the turn holds all the
         calls it may, and what the model writes next would be dropped anyway."""
-        if self.full and self.stage.live and not self.stopped:
+        if self.full and not self.stopped:
             self.stopped = True
             return True
         return False
@@ -372,7 +275,7 @@ def _converted(deltas: list[ChatDelta], convert: Callable[[ChatDelta], T | None]
 
 
 def _restore(handle: "StateHandle", tokens: list[int]) -> None:
-    """Put a state back as it was before a turn that failed (a timeout, a later stage past the
+    """Put a state back as it was before a turn that failed (a timeout, a refused grammar, the
     context): a failed call leaves its state unchanged. Usually a truncate."""
     with contextlib.suppress(HibanaError):  # a closed handle or engine has nothing to restore
         if handle.tokens != tokens:
@@ -394,16 +297,13 @@ def run(open_turn: Open, convert: Callable[[ChatDelta], T | None] = _same) -> It
 
 
 def _run(turn: TurnRun, handle: "StateHandle", convert: Callable[[ChatDelta], T | None]) -> Iterator[T]:
-    while True:
-        deltas, request = turn.begin()
-        yield from _converted(deltas, convert)
-        with contextlib.closing(handle.stream(request.params, prompt=request.prompt)) as events:
-            for event in events:
-                yield from _converted(turn.on_event(event), convert)
-                if turn.stop_now():
-                    events.stop()
-        if not turn.next_stage():
-            break
+    deltas, request = turn.begin()
+    yield from _converted(deltas, convert)
+    with contextlib.closing(handle.stream(request.params, prompt=request.prompt)) as events:
+        for event in events:
+            yield from _converted(turn.on_event(event), convert)
+            if turn.stop_now():
+                events.stop()
     yield from _converted(turn.finish(), convert)
 
 
@@ -422,17 +322,14 @@ async def arun(open_turn: Open, convert: Callable[[ChatDelta], T | None] = _same
 
 
 async def _arun(turn: TurnRun, handle: "StateHandle", convert: Callable[[ChatDelta], T | None]) -> AsyncIterator[T]:
-    while True:
-        deltas, request = turn.begin()
-        for item in _converted(deltas, convert):
-            yield item
-        async with contextlib.aclosing(handle.astream(request.params, prompt=request.prompt)) as events:
-            async for event in events:
-                for item in _converted(turn.on_event(event), convert):
-                    yield item
-                if turn.stop_now():
-                    events.stop()
-        if not turn.next_stage():
-            break
+    deltas, request = turn.begin()
+    for item in _converted(deltas, convert):
+        yield item
+    async with contextlib.aclosing(handle.astream(request.params, prompt=request.prompt)) as events:
+        async for event in events:
+            for item in _converted(turn.on_event(event), convert):
+                yield item
+            if turn.stop_now():
+                events.stop()
     for item in _converted(turn.finish(), convert):
         yield item

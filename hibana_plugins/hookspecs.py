@@ -63,6 +63,16 @@ def register_tool_parsers(register) -> None:
       deltas: id and name first, then argument fragments), `close() -> list[...]` (what was held
       back, at the end of the generation) and `finish() -> ParsedOutput` (authoritative).
       The argument fragments of one call concatenate to JSON equal to its final arguments.
+
+    Optional, for calls valid by construction (grammar-constrained; otherwise the hermes and
+    llama3_json syntaxes are known by name and other parsers get no grammar):
+    - `parser.call_syntax`: an object with `open`, `mid`, `close` (the text around a call's name
+      and its arguments object), and optionally `trigger` (where a call starts in free text) and
+      `separator` (between calls); `hibana_core.turn.CallSyntax` is one. Or
+    - `parser.tool_call_grammar(tools, tool_choice, parallel) -> dict`: the whole grammar, an
+      xgrammar structural tag (`{"type": "structural_tag", "format": ...}`), for OpenAI-style
+      `tools`, `tool_choice` "auto", "required" or a tool's name, and whether several calls
+      may follow one another.
     """
 
 

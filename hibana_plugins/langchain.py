@@ -17,10 +17,12 @@ that differ from what the state holds are computed. Which state serves a call:
        conversation (holds it up to its last reply) and no other call is using it; else a new
        state (`Chat.lease`).
 
-Forced tool calls (`tool_choice` "any" / "required" / a name, and structured output) constrain
-the turn rather than ask: it opens with the call's syntax and, when one tool is forced, its name;
-with a flat argument schema (`guided_tool_arguments`), the JSON around each required value is
-written and the model fills the values (`hibana_core.turn`).
+Tool calls are valid by construction: a grammar holds every call to a bound tool's name and
+(`guided_tool_arguments`) its argument schema, nested objects, arrays, enums and required keys
+included. `tool_choice` "auto" lets the model answer in text and opens the grammar when it opens a
+call; "any" / "required" / a tool's name and structured output (all three methods) hold the turn
+to calls from its first token (`hibana_core.turn`). `bind_tools(..., strict=True)` makes the
+schemas strict (no keys beyond the schema's), and the grammar enforces them as given.
 
 langchain-core is optional: without it this module still imports (the plugin manager loads it on
 every start) and `ChatHibana(...)` raises an ImportError that says what to install.
@@ -258,7 +260,8 @@ class ChatHibana(BaseChatModel):
     streaming: bool = False
     """`invoke` streams underneath (callbacks see tokens)."""
     guided_tool_arguments: bool = True
-    """In a forced call with a flat argument schema, write the JSON and let the model fill values."""
+    """Hold tool-call arguments to the tool's JSON schema (the grammar); False: any JSON object
+    (the call is still held to a bound tool's name)."""
 
     _engine: Any = PrivateAttr(default=None)
     _chat: Any = PrivateAttr(default=None)
@@ -300,8 +303,9 @@ class ChatHibana(BaseChatModel):
     def bind_tools(self, tools: Sequence[Any], *, tool_choice: Any = None, strict: bool | None = None,
                    **kwargs: Any):
         """Tools as OpenAI function schemas; tool_choice "auto" (default), "none", "any" /
-        "required" (some call), or a tool name (that call). Forced calls constrain the render
-        (module docstring)."""
+        "required" (some call), or a tool name (that call). Every call is held to a bound tool
+        and its schema by a grammar (module docstring); `strict=True` makes the schemas strict
+        as OpenAI does (no extra keys, every key listed as required)."""
         formatted = [clean_tool(_openai_tool(i, t, strict)) for i, t in enumerate(tools)]
         return self.bind(tools=formatted, tool_choice=normalize_tool_choice(tool_choice, formatted), **kwargs)
 
@@ -312,7 +316,8 @@ class ChatHibana(BaseChatModel):
 
         "function_calling" forces a call to a tool made from the schema; "json_schema" and
         "json_mode" force the same call and return its arguments as the message's JSON content
-        (json_mode without a schema lets the model write any JSON object)."""
+        (json_mode without a schema lets the model write any JSON object). The grammar holds
+        the answer to the whole schema: lists, nested models, enums, optional fields."""
         if method == "function_calling":
             return super().with_structured_output(schema, include_raw=include_raw, **kwargs)
         if method not in ("json_schema", "json_mode"):

@@ -20,9 +20,12 @@ made for an earlier call that named none, when the prompt continues its conversa
 state (which still reuses every KV block it shares with others). Two concurrent calls never share
 a state.
 
-A required tool call (`tool_required=True`, or `tool_choice` naming a tool) is forced: the
-assistant turn is written in the tool-call syntax around the model's choices (`hibana_core.turn`).
-Without tools the reply is the model's text as generated: ReAct-style agents parse it themselves.
+Tool calls are valid by construction: a grammar holds each call to an offered tool and its
+argument schema (`hibana_core.turn`). A required tool call (`tool_required=True`, or `tool_choice`
+naming a tool; `structured_predict` and `as_structured_llm` call the output class as a tool this
+way) holds the turn to calls from its first token; otherwise the grammar opens when the model opens
+a call. Without tools the reply is the model's text as generated: ReAct-style agents parse it
+themselves.
 
 Importing llama-index takes about a second and the plugin manager imports this module on every
 start, so `HibanaLLM` is defined on first use; without llama-index it raises an error that says
@@ -170,8 +173,8 @@ def llm_class() -> type:
                                            "model's chat format's, else hermes.")
         clean_tool_schemas: bool = Field(default=True, description="Lay tool schemas out as OpenAI's "
                                          "(`hibana_core.chat.clean_tool`): no pydantic titles, type first.")
-        guided_tool_arguments: bool = Field(default=True, description="In a forced call with a flat argument "
-                                            "schema, write the JSON and let the model fill the values.")
+        guided_tool_arguments: bool = Field(default=True, description="Hold tool-call arguments to the tool's "
+                                            "JSON schema (the grammar); False: any JSON object.")
 
         _chat: Chat = PrivateAttr()
 

@@ -167,3 +167,26 @@ def test_example_adapter_and_parser_end_to_end_on_the_demo_model(manager, questi
         calls = [d for d in deltas if isinstance(d, ToolCallDelta) and d.name]
         assert [c.name for c in calls] == [name]
         assert [(c.name, c.arguments) for c in stream.finish().tool_calls] == [(name, arguments)]
+
+
+def test_a_parser_plugin_supplies_its_own_tool_call_grammar():
+    """The chat layer holds calls to the grammar the plugin's parser gives (`tool_call_grammar`)."""
+    import importlib.util
+
+    from hibana_core import Engine
+    from hibana_core.chat import Chat
+
+    # this checkout's parser (an installed copy of the plugin may be another checkout's)
+    spec = importlib.util.spec_from_file_location(
+        "example_parser_under_test", REPO / "examples/hibana-example-plugin/hibana_example_plugin/parser.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    parser = module.ExampleXmlToolParser()
+    grammar = parser.tool_call_grammar([WEATHER, ADD], "add_numbers", False)
+    assert grammar["format"]["type"] == "tags_with_separator" and len(grammar["format"]["tags"]) == 1
+    with Engine.from_pretrained("demo", device="cpu", progress=False) as engine:
+        chat = Chat(engine, "plugin-grammar")
+        chat.parser, chat.parser_name = parser, parser.name
+        result = chat.respond([{"role": "user", "content": "Hello!"}], [WEATHER, ADD], tool_choice="add_numbers")
+        assert [c.name for c in result.tool_calls] == ["add_numbers"]
+        assert set(result.tool_calls[0].arguments) == {"a", "b"}

@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
-from typing import Annotated
+from typing import Annotated, Literal
 
 import pytest
 
@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field  # noqa: E402
 from typing_extensions import TypedDict  # noqa: E402
 
 from hibana_core import StateBusyError  # noqa: E402
-from hibana_core.turn import slots, snap  # noqa: E402
+from hibana_core.turn import SYNTAX, tool_call_grammar  # noqa: E402
 from hibana_plugins.langchain import ChatHibana, UnsupportedContentError  # noqa: E402
 from hibana_plugins.manager import HibanaPluginManager  # noqa: E402
 
@@ -201,6 +201,76 @@ def test_structured_output_include_raw(llm):
     assert out["parsed"].author == "Maya Tanaka" and out["parsing_error"] is None
 
 
+class Author(BaseModel):
+    """An author of the book."""
+
+    name: str = Field(max_length=24)
+    born: int | None = Field(default=None, ge=1000, le=2100)
+
+
+class Shelf(BaseModel):
+    """Save a book as a structured record."""
+
+    title: str = Field(max_length=40)
+    year: int = Field(ge=0, le=2100)
+    tags: list[Annotated[str, Field(max_length=12)]] = Field(max_length=3)
+    authors: list[Author] = Field(max_length=2)
+    genre: Literal["fiction", "history", "science"]
+    rating: float | None = None
+
+
+SHELF = 'Save the book "The Silent River" by Maya Tanaka (born 1951), a history of rivers, published in 1987.'
+
+
+@pytest.mark.parametrize("method", ["function_calling", "json_schema", "json_mode"])
+def test_structured_output_holds_full_schemas(method):
+    """Lists, nested models, enums, optional fields: the grammar holds the answer to the whole
+    schema, so it parses into the class (the values are the demo model's; bounded lengths let even
+    a model that never saw lists finish within max_tokens)."""
+    shelf = ChatHibana(model="demo").with_structured_output(Shelf, method=method).invoke(SHELF)
+    assert isinstance(shelf, Shelf) and shelf.title == "The Silent River"
+
+
+def test_structured_output_grammar_covers_lists_and_nested_models(monkeypatch):
+    """A pydantic model with a list[str] field (which used to get no guidance and fail to parse):
+    the request carries a grammar whose schema is the whole model."""
+    from hibana_core.state import StateHandle
+    from scripted import ScriptedEvents
+
+    class Tagged(BaseModel):
+        """Tag a note."""
+
+        note: str
+        tags: list[str]
+        author: Author
+
+    sent = []
+
+    def stream(self, params, prompt=None):
+        sent.append(params)
+        return ScriptedEvents(['<tool_call>\n{"name": "Tagged", "arguments": {"note": "n", "tags": ["a", "b"], '
+                               '"author": {"name": "Ana"}}}\n</tool_call>'])
+    monkeypatch.setattr(StateHandle, "stream", stream)
+    out = ChatHibana(model="demo").with_structured_output(Tagged, method="json_schema").invoke("Tag it.")
+    assert out == Tagged(note="n", tags=["a", "b"], author=Author(name="Ana"))
+    [tag] = sent[0].grammar["format"]["tags"]
+    schema = tag["content"]["json_schema"]
+    assert schema["properties"]["tags"] == {"type": "array", "items": {"type": "string"}}
+    assert schema["properties"]["author"]["properties"]["name"]["type"] == "string"
+    assert sent[0].grammar["format"]["type"] == "tags_with_separator"  # a call from the first token
+
+
+def test_bind_tools_strict_holds_calls_to_the_strict_schema(llm):
+    import jsonschema
+
+    model = ChatHibana(model="demo", max_tokens=128).bind_tools([Shelf], tool_choice="Shelf", strict=True)
+    [call] = model.invoke(SHELF).tool_calls
+    strict = model.kwargs["tools"][0]["function"]["parameters"]
+    assert strict["additionalProperties"] is False and set(strict["required"]) == set(Shelf.model_fields)
+    jsonschema.validate(call["args"], strict)
+    assert set(call["args"]) == set(Shelf.model_fields)
+
+
 # --- errors and limits -------------------------------------------------------------------------------
 
 def test_images_are_refused_with_a_clear_error(llm):
@@ -216,15 +286,22 @@ def test_timeout_cancels_the_call(llm):
     assert llm.invoke("Hello").content
 
 
-def test_argument_slots_and_name_snapping():
-    flat = {"type": "object", "properties": {"q": {"type": "string"}, "n": {"type": "integer"},
-                                             "opt": {"type": "boolean"}}, "required": ["q", "n"]}
-    assert [s.key for s in slots(flat)] == ["q", "n"]   # optional arguments are left to their defaults
-    assert slots({"type": "object", "properties": {}}) == []
-    nested = {"type": "object", "properties": {"tags": {"type": "array"}}, "required": ["tags"]}
-    assert slots(nested) is None and slots({"type": "object"}) is None
-    assert snap("magic", ["get_weather", "magic_function"]) == "magic_function"
-    assert snap("get_wether", ["get_weather", "magic_function"]) == "get_weather"
+def test_tool_call_grammar_names_the_offered_tools():
+    """"auto" opens the grammar at `<tool_call>`; a forced call holds the turn to calls of the
+    named tool from the first token; parallel_tool_calls=False ends it after the first."""
+    tools = [{"type": "function", "function": {"name": n, "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}
+        for n in ("get_weather", "magic_function")]
+    auto = tool_call_grammar(tools, "auto", SYNTAX["hermes"])["format"]
+    assert auto["type"] == "triggered_tags" and auto["triggers"] == ["<tool_call>"] and not auto["stop_after_first"]
+    assert [t["begin"] for t in auto["tags"]] == ['<tool_call>\n{"name": "get_weather", "arguments": ',
+                                                  '<tool_call>\n{"name": "magic_function", "arguments": ']
+    assert auto["tags"][0]["content"]["json_schema"] == tools[0]["function"]["parameters"]
+    named = tool_call_grammar(tools, "magic_function", SYNTAX["hermes"], parallel=False)["format"]
+    assert named["type"] == "tags_with_separator" and named["at_least_one"] and named["stop_after_first"]
+    assert [t["begin"] for t in named["tags"]] == ['<tool_call>\n{"name": "magic_function", "arguments": ']
+    llama = tool_call_grammar(tools, "required", SYNTAX["llama3_json"])["format"]
+    assert [t["begin"] for t in llama["tags"]][0] == '{"name": "get_weather", "parameters": '
 
 
 async def test_closing_an_async_stream_early_frees_its_state(llm):

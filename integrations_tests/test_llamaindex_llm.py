@@ -8,6 +8,7 @@ import concurrent.futures
 import subprocess
 import sys
 from pathlib import Path
+from typing import Annotated, List, Literal, Optional
 
 import pytest
 
@@ -233,6 +234,37 @@ async def test_structured_output_through_tool_calling(engine):
     assert book == Book(title="The Last Harbor", author="Hiro Tanaka", year=1999)
     response = llm.as_structured_llm(Book).chat(user('Save the book "The Blue Clock" by Maya Kim, published in 1970.'))
     assert response.raw == Book(title="The Blue Clock", author="Maya Kim", year=1970)
+
+
+class Author(BaseModel):
+    """An author of the book."""
+
+    name: str = Field(max_length=24)
+    born: Optional[int] = Field(default=None, ge=1000, le=2100)
+
+
+class Shelf(BaseModel):
+    """A book, as a structured record."""
+
+    title: str = Field(max_length=40)
+    year: int = Field(ge=0, le=2100)
+    tags: List[Annotated[str, Field(max_length=12)]] = Field(max_length=3)
+    authors: List[Author] = Field(max_length=2)
+    genre: Literal["fiction", "history", "science"]
+    rating: Optional[float] = None
+
+
+async def test_structured_output_holds_full_schemas(engine):
+    """structured_predict and as_structured_llm call the class as a tool, held by the grammar to
+    its whole schema: lists, nested models, enums, optional fields."""
+    llm = HibanaLLM(engine=engine, state_id="structured-full")
+    text = 'Save the book "The Silent River" by Maya Tanaka (born 1951), a history of rivers, published in 1987.'
+    shelf = llm.structured_predict(Shelf, PromptTemplate("{text}"), text=text)
+    assert isinstance(shelf, Shelf) and shelf.title == "The Silent River"
+    shelf = await llm.astructured_predict(Shelf, PromptTemplate("{text}"), text=text)
+    assert isinstance(shelf, Shelf)
+    response = llm.as_structured_llm(Shelf).chat(user(text))
+    assert isinstance(response.raw, Shelf) and response.raw.genre in ("fiction", "history", "science")
 
 
 # --- which state serves a call ------------------------------------------------------------------------

@@ -499,12 +499,18 @@ def test_chat_refuses_what_it_cannot_render_faithfully(engine):
 
 
 def test_forced_calls_on_odd_schemas_fall_back_to_free_arguments():
-    from hibana_core.turn import slots
+    """A tool schema the grammar compiler refuses leaves that tool's arguments any JSON object
+    (the call is still held to the tool's name); a good one is kept as it is."""
+    from hibana_core.turn import ANY_OBJECT, arguments_schema
 
-    for parameters in ({"type": "object", "properties": [1]}, {"properties": {"a": 5}, "required": ["a"]},
-                       {"properties": {"a": {"anyOf": [5]}}, "required": ["a"]},
-                       {"properties": {"a": {"enum": "abc"}}, "required": ["a"]}):
-        assert slots(parameters) is None
+    for parameters in ({"type": "object", "properties": {"a": {"type": "frobnicate"}}},
+                       {"$ref": "#/$defs/missing"},
+                       {"type": "object", "minProperties": 3}):
+        assert arguments_schema({"name": "f", "parameters": parameters}) == ANY_OBJECT
+    good = {"type": "object", "properties": {"a": {"type": "array", "items": {"enum": [1, 2]}}}, "required": ["a"]}
+    assert arguments_schema({"name": "f", "parameters": good}) == good
+    assert arguments_schema({"name": "f"}) == {"type": "object", "properties": {}}
+    assert arguments_schema({"name": "f", "parameters": good}, strict=False) == ANY_OBJECT
 
 
 def test_a_timeout_is_a_hibana_error_and_leaves_the_state_as_it_was(engine):

@@ -1,7 +1,8 @@
 """The scheduler's speculation policy: which sequences draft how many tokens this step, and what
 the verified steps teach the controller.
 
-    schedule:  chunks that sample at the end of a fully known history -> drafter proposals ->
+    schedule:  chunks that sample at the end of a fully known history -> drafter proposals (a
+               constrained request's cut at the first token its grammar forbids) ->
                controller plan (k per chunk) -> the chunks grow by their drafts
     update:    a verified chunk's accepted count -> its agent's AcceptanceStats; for plain decodes,
                a few "shadow" proposals per step are checked against the tokens that follow
@@ -149,6 +150,8 @@ class Speculator:
             for (i, want), proposal in zip(items, self._propose(method, inputs, [w for _, w in items])):
                 request, config = chunks[i].request, self.config(chunks[i].request)
                 proposal = list(proposal)[:want]
+                if request.grammar is not None:  # cut at the first token the grammar forbids
+                    proposal = proposal[:request.grammar.valid_prefix(proposal)]
                 stats = self.stats(request, method)
                 if config.k is None and not proposal:
                     stats.record(1, 0)  # nothing to draft counts as a miss: it is what drafting gets

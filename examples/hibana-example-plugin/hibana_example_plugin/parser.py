@@ -3,7 +3,8 @@
 model family fine-tuned on both (the bundled demo model writes the second).
 
 Streaming is per call: text outside calls streams as it comes (holding back what may be the start
-of a call tag), and each call is emitted whole once its closing tag arrives.
+of a call tag), and each call is emitted whole once its closing tag arrives. `tool_call_grammar`
+gives Hibana the grammar that holds the model's calls to the offered tools.
 """
 
 from __future__ import annotations
@@ -29,6 +30,25 @@ class ExampleXmlToolParser:
 
     def stream(self) -> ExampleXmlStream:
         return ExampleXmlStream()
+
+    def tool_call_grammar(self, tools: list[dict], tool_choice: str, parallel: bool) -> dict:
+        """The calls this parser reads, as a grammar (xgrammar's structural tag format) that
+        Hibana holds the model to: the hermes form, which this model family writes, with each
+        tool's name and argument schema. "auto": calls open at `<tool_call>` in free text;
+        "required" or a tool's name: calls only, from the first token."""
+        functions = [t["function"] for t in tools if tool_choice in ("auto", "required")
+                     or t["function"]["name"] == tool_choice]
+        tags = [{"type": "tag", "begin": '<tool_call>\n{"name": ' + json.dumps(f["name"]) + ', "arguments": ',
+                 "content": {"type": "json_schema",
+                             "json_schema": f.get("parameters") or {"type": "object", "properties": {}}},
+                 "end": "}\n</tool_call>"} for f in functions]
+        if tool_choice == "auto":
+            form = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": tags,
+                    "stop_after_first": not parallel}
+        else:
+            form = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
+                    "stop_after_first": not parallel}
+        return {"type": "structural_tag", "format": form}
 
 
 class ExampleXmlStream:

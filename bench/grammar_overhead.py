@@ -1,0 +1,178 @@
+"""`hibana bench grammar`: the cost per token of grammar-constrained decoding, at batch 1 and 32.
+
+    hibana bench grammar --model demo                          # CPU: the demo workload
+    hibana bench grammar --model qwen3-8b --batch 1,32         # GPU: random weights, a 151k vocabulary
+
+B agents decode at once, each from its own prompt, once unconstrained and once under a JSON schema
+(objects of a string, an integer and an enum list, at least 64 of them: an output that cannot end
+before --generate tokens), `--repeats` times, each repeat the pair back to back on the same
+prompts. Figures: decode tokens per second (from the moment every agent has its first token,
+the prefill's; median of the repeats) and the process's CPU seconds per decoded token; the
+overhead is unconstrained / constrained - 1 of the medians (the JSON also has the median of each
+pair's ratio). Speculation is off in both (it changes the step shapes, not the masks' cost). Also
+timed on the engine's thread, per constrained step: filling the masks on the host
+(`Grammars.masks`) and enqueuing their application (`Sampler.apply_masks`), against the step's
+wall time: the host work that must hide under the forward on a GPU. The presets have no tokenizer: a byte-level BPE of Qwen3's size is built
+(`hibana_bench.grammar_libs.build_big_tokenizer`, ~1 min) unless `--tokenizer DIR` names one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from hibana_core import SamplingParams
+
+SCHEMA = {"type": "array", "minItems": 64, "items": {"type": "object", "properties": {
+    "name": {"type": "string"}, "count": {"type": "integer"},
+    "tags": {"type": "array", "items": {"type": "string", "enum": ["alpha", "beta", "gamma"]}}},
+    "required": ["name", "count", "tags"]}}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch", default="1,32",
+                        help="comma-separated numbers of agents decoding at once (default 1,32)")
+    parser.add_argument("--generate", type=int, default=128, help="tokens per agent (default 128)")
+    parser.add_argument("--prompt", type=int, default=256, help="prompt tokens per agent (default 256)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="constrained/unconstrained pairs timed back to back; medians reported (default 5)")
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer directory for a preset (default: build one "
+                        "of Qwen3's size)")
+
+
+def _decode(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, float, int]:
+    """All prompts synced, then generated at once (one thread each): the decode time (from the
+    moment every agent has its first token to the last token), the process's CPU time over the
+    same span, and the tokens decoded in it."""
+    handles = [engine.open_state(f"g{i}-{time.monotonic_ns()}") for i in range(len(prompts))]
+    for h, p in zip(handles, prompts):
+        h.sync(p)
+    stamps: list[list[float]] = [[] for _ in handles]  # when each token arrived, per agent
+    cpu: dict[str, float] = {}
+    lock = threading.Lock()
+
+    def run(i: int) -> None:
+        for ev in handles[i].stream(params):
+            if ev.token_id is not None:
+                stamps[i].append(time.perf_counter())
+                with lock:
+                    if len(stamps[i]) == 1 and all(stamps):  # the last agent's first token
+                        cpu["start"] = time.process_time()
+        with lock:
+            cpu["end"] = time.process_time()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(handles))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for h in handles:
+        h.close()
+    start = max(s[0] for s in stamps)  # every agent is decoding from here on
+    end = max(s[-1] for s in stamps)
+    tokens = sum(sum(1 for t in s if start < t) for s in stamps)
+    return end - start, cpu["end"] - cpu["start"], tokens
+
+
+class HostTimer:
+    """Wall time spent in the engine's grammar calls and in its steps (instance attributes
+    wrapped, so nothing else is touched)."""
+
+    def __init__(self, engine) -> None:
+        self.seconds = {"masks": 0.0, "apply": 0.0, "step": 0.0}
+        self.steps = 0
+        self._wrap(engine.grammars, "masks", "masks")
+        self._wrap(engine.runner.sampler, "apply_masks", "apply")
+        self._wrap(engine.core, "step", "step")
+
+    def _wrap(self, owner, name: str, key: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[key] += time.perf_counter() - start
+                self.steps += key == "step"
+        setattr(owner, name, timed)
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+        self.steps = 0
+
+
+def grammar_workload(model, batches: list[int], generate: int, prompt_len: int, repeats: int) -> dict:
+    rng = random.Random(0)
+    vocab = len(model.tokenizer)
+    rows = []
+    engine = model.engine(speculation="off", max_concurrent_agents=max(batches),
+                          max_model_len=prompt_len + generate + 16)
+    with engine:
+        warm = [[rng.randrange(16, vocab) for _ in range(prompt_len)] for _ in range(max(batches))]
+        for params in (SamplingParams(max_tokens=8, ignore_eos=True),
+                       SamplingParams(max_tokens=8, ignore_eos=True, json_schema=SCHEMA)):
+            for b in batches:
+                _decode(engine, warm[:b], params)  # graphs captured, the grammar compiled
+        timer = HostTimer(engine)
+        for b in batches:
+            runs, host = [], []
+            for r in range(repeats):
+                prompts = [[rng.randrange(16, vocab) for _ in range(prompt_len)] for _ in range(b)]
+                pair = {}
+                for name, params in (("plain", SamplingParams(max_tokens=generate, ignore_eos=True)),
+                                     ("constrained", SamplingParams(max_tokens=generate, ignore_eos=True,
+                                                                    json_schema=SCHEMA))):
+                    timer.reset()
+                    seconds, cpu, tokens = _decode(engine, prompts, params)
+                    pair[name] = {"tok_s": tokens / seconds, "cpu_ms_per_token": 1e3 * cpu / tokens}
+                runs.append(pair)
+                t = timer.seconds  # the constrained run's
+                host.append({"ms_per_step": 1e3 * (t["masks"] + t["apply"]) / max(timer.steps, 1),
+                             "share": (t["masks"] + t["apply"]) / t["step"]})
+            row = {"batch": b,
+                   "plain_tok_s": statistics.median(p["plain"]["tok_s"] for p in runs),
+                   "constrained_tok_s": statistics.median(p["constrained"]["tok_s"] for p in runs),
+                   "overhead_median_of_pairs": statistics.median(p["plain"]["tok_s"] / p["constrained"]["tok_s"] - 1
+                                                                 for p in runs),
+                   "cpu_overhead": statistics.median(p["constrained"]["cpu_ms_per_token"] /
+                                                     p["plain"]["cpu_ms_per_token"] - 1 for p in runs),
+                   "grammar_host_ms_per_step": statistics.median(h["ms_per_step"] for h in host),
+                   "grammar_host_share_of_step": statistics.median(h["share"] for h in host),
+                   "runs": runs}
+            row["overhead"] = row["plain_tok_s"] / row["constrained_tok_s"] - 1
+            rows.append(row)
+            print(f"batch {b:>3}: unconstrained {row['plain_tok_s']:9.1f} tok/s   constrained "
+                  f"{row['constrained_tok_s']:9.1f} tok/s   overhead {100 * row['overhead']:+.1f}% "
+                  f"(CPU time per token {100 * row['cpu_overhead']:+.1f}%); grammar host work "
+                  f"{row['grammar_host_ms_per_step']:.3f} ms per step, {100 * row['grammar_host_share_of_step']:.1f}% "
+                  "of step time", flush=True)
+    return {"workload": "grammar", "model": model.name, "random_weights": model.random_weights,
+            "schema": SCHEMA, "generate": generate, "prompt": prompt_len, "rows": rows}
+
+
+def run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
+    from hibana_bench.models import load_bench_model
+
+    model = load_bench_model(args.model, device, dtype)
+    if model.tokenizer is None:
+        from hibana_bench.grammar_libs import build_big_tokenizer, load_tokenizer
+
+        path = args.tokenizer or build_big_tokenizer(Path("/tmp/hibana-qwen3-size-tokenizer"))
+        model.tokenizer = load_tokenizer(Path(path))
+    return grammar_workload(model, [int(b) for b in args.batch.split(",")], args.generate, args.prompt,
+                            args.repeats)
+
+
+if __name__ == "__main__":
+    import sys
+
+    from hibana_bench.cli import main
+
+    raise SystemExit(main(["grammar", *sys.argv[1:]]))

@@ -1,0 +1,325 @@
+"""Grammar-constrained decoding (`hibana_core.grammar`): property tests on random-weight tiny
+models, the batch and speculation contracts, and failures that stay with their request.
+
+Random schemas are bounded (strings by maxLength, arrays by maxItems, integers by a range) so that
+even a random model finishes them within max_tokens: every output must then parse and validate.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+import threading
+
+import jsonschema
+import pytest
+import torch
+
+from hibana_core import GrammarError, HibanaError, SamplingParams
+from hibana_core.sampler import Sampler, SamplingRow, TokenMasks
+from hibana_core.turn import SYNTAX, tool_call_grammar
+from hibana_plugins.tool_parsers import HermesToolParser, Llama3JsonToolParser
+from spec_drafters import OracleDrafter, registered
+from tiny_models import EOS_ID, VOCAB_SIZE, assert_greedy_matches, random_tokens
+
+ARCH = "qwen3"
+pytestmark = pytest.mark.timeout(600)
+
+
+# --- random schemas -------------------------------------------------------------------------------
+
+def _name(rng: random.Random) -> str:
+    return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(1, 6))) + rng.choice("_xyz")
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict:
+    """A bounded JSON schema: nested objects (optional keys), arrays, enums, strings, integers,
+    booleans, nullable values."""
+    kinds = ["string", "integer", "boolean", "enum", "nullable"] + (["object", "array"] if depth < 2 else [])
+    kind = rng.choice(kinds)
+    if kind == "string":
+        return {"type": "string", "maxLength": rng.randint(0, 6)}
+    if kind == "integer":
+        low = rng.randint(-50, 50)
+        return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 500)}
+    if kind == "boolean":
+        return {"type": "boolean"}
+    if kind == "enum":
+        return {"enum": rng.sample(["red", "green", "blue", 3, None, "a b", "é"], rng.randint(1, 4))}
+    if kind == "nullable":
+        return {"anyOf": [random_schema(rng, depth + 1), {"type": "null"}]}
+    if kind == "array":
+        return {"type": "array", "items": random_schema(rng, depth + 1), "maxItems": rng.randint(0, 3)}
+    names = list(dict.fromkeys(_name(rng) for _ in range(rng.randint(1, 4))))
+    properties = {n: random_schema(rng, depth + 1) for n in names}
+    return {"type": "object", "properties": properties,
+            "required": [n for n in names if rng.random() < 0.6]}
+
+
+def random_tools(rng: random.Random) -> list[dict]:
+    names = list(dict.fromkeys("".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 9)))
+                               for _ in range(rng.randint(1, 4))))
+    tools = []
+    for name in names:
+        schema = random_schema(rng, depth=1) if rng.random() < 0.3 else None
+        parameters = {"type": "object", "properties": {_name(rng): random_schema(rng, 1) for _ in range(rng.randint(0, 3))}}
+        parameters["required"] = [k for k in parameters["properties"] if rng.random() < 0.5]
+        if schema is not None and schema.get("type") == "object":
+            parameters = schema
+        tools.append({"type": "function", "function": {"name": name, "parameters": parameters}})
+    return tools
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoints):
+    from tiny_models import open_engine
+
+    engine = open_engine(tiny_checkpoints[ARCH], speculation="off")
+    yield engine
+    engine.close()
+
+
+def _generate(engine, state: str, prompt: list[int], **params):
+    h = engine.open_state(state)
+    try:
+        return h.generate(SamplingParams(**params), prompt=prompt)
+    finally:
+        h.close()
+
+
+# --- properties -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_schemas_give_json_that_validates(engine, seed):
+    """Greedy and sampled, every output of a random schema on a random model parses and validates."""
+    rng = random.Random(seed)
+    schema = random_schema(rng)
+    if rng.random() < 0.5:
+        schema = {"type": "object", "properties": {"value": schema, "note": {"type": "string", "maxLength": 4}},
+                  "required": ["value"]}
+    prompt = random_tokens(rng, 12)
+    for params in ({"temperature": 0.0}, {"temperature": 1.0, "seed": seed}, {"temperature": 0.7, "top_p": 0.9}):
+        out = _generate(engine, f"schema-{seed}", prompt, max_tokens=600, json_schema=schema, **params)
+        assert out.finish_reason == "stop", (schema, out.text)
+        assert out.token_ids[-1] == EOS_ID  # the end is allowed once the grammar is complete, and taken
+        value = json.loads(out.text)
+        jsonschema.validate(value, schema)
+        assert out.text == json.dumps(value, ensure_ascii=False)  # compact, json.dumps' spacing
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json"])
+def test_random_tool_lists_give_calls_of_offered_tools_with_valid_arguments(engine, seed, parser_name):
+    rng = random.Random(100 + seed)
+    tools = random_tools(rng)
+    names = [t["function"]["name"] for t in tools]
+    parser = {"hermes": HermesToolParser(), "llama3_json": Llama3JsonToolParser()}[parser_name]
+    prompt = random_tokens(rng, 10)
+    for choice in ("required", rng.choice(names)):
+        grammar = tool_call_grammar(tools, choice, SYNTAX[parser_name], parallel=rng.random() < 0.5)
+        out = _generate(engine, f"tools-{seed}", prompt, max_tokens=700, grammar=grammar,
+                        temperature=1.0, seed=seed)
+        assert out.finish_reason == "stop", out.text
+        parsed = parser.parse(out.text)
+        assert parsed.error is None and parsed.tool_calls and parsed.content == "", out.text
+        for call in parsed.tool_calls:
+            assert call.name in names and (choice == "required" or call.name == choice)
+            jsonschema.validate(call.arguments, tools[names.index(call.name)]["function"]["parameters"])
+
+
+def test_auto_tool_grammar_leaves_text_free_and_holds_calls(engine):
+    """"auto": text is free (its tokens are the model's own greedy choice while no call is open,
+    control tokens aside); a call the model opens is held to an offered tool."""
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string", "maxLength": 5}}, "required": ["q"]}}}]
+    grammar = tool_call_grammar(tools, "auto", SYNTAX["hermes"])
+    for seed in range(6):
+        prompt = random_tokens(random.Random(seed), 10)
+        out = _generate(engine, "auto", prompt, max_tokens=80, grammar=grammar, temperature=1.0, seed=seed)
+        parsed = HermesToolParser().parse(out.text)
+        assert parsed.error is None, out.text
+        for call in parsed.tool_calls:
+            assert call.name == "lookup" and set(call.arguments) == {"q"}
+
+
+def test_regex_and_ebnf_and_the_end_only_where_complete(engine):
+    prompt = random_tokens(random.Random(3), 8)
+    out = _generate(engine, "re", prompt, max_tokens=40, regex=r"[0-9]{3}-[a-c]{2}")
+    assert out.finish_reason == "stop" and len(out.text) == 6 and out.text[3] == "-"
+    out = _generate(engine, "ebnf", prompt, max_tokens=40, grammar='root ::= "yes" | "no" | "maybe " [a-z]')
+    assert out.text in ("yes", "no") or (out.text.startswith("maybe ") and len(out.text) == 7)
+    # without a stop token the request ends where the grammar is complete
+    out = _generate(engine, "noeos", prompt, max_tokens=40, regex=r"ab", ignore_eos=True)
+    assert out.text == "ab" and out.finish_reason == "stop"
+
+
+# --- the batch and speculation contracts ------------------------------------------------------------
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["one-step", "async"])
+def test_unconstrained_rows_are_unchanged_beside_constrained_ones(tiny_checkpoints, make_engine, async_scheduling):
+    path = tiny_checkpoints[ARCH]
+    engine = make_engine(path, async_scheduling=async_scheduling, speculation="off")
+    rng = random.Random(11)
+    prompts = [random_tokens(rng, 15 + 3 * i) for i in range(6)]
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                                 "maximum": 9}, "maxItems": 4}}}
+    handles = [engine.open_state(f"b{i}") for i in range(6)]
+    constrained = {1, 3, 4}
+    with engine.core.lock:  # all six join the same steps
+        streams = [h.stream(SamplingParams(max_tokens=24, ignore_eos=True, json_schema=schema) if i in constrained
+                            else SamplingParams(max_tokens=24, ignore_eos=True), prompt=p)
+                   for i, (h, p) in enumerate(zip(handles, prompts))]
+    outputs = [[ev.token_id for ev in s if ev.token_id is not None] for s in streams]
+    assert engine.stats().max_batch_sequences == 6
+    for i in range(6):
+        if i in constrained:
+            jsonschema.validate(json.loads(engine.tokenizer.decode(outputs[i])), schema)
+        else:
+            assert len(outputs[i]) == 24
+            assert_greedy_matches(path, prompts[i], outputs[i])
+
+
+def test_async_scheduling_samples_constrained_rows_as_one_step_scheduling_does(tiny_checkpoints, make_engine):
+    """With async scheduling a constrained step's masks are filled after the previous step's
+    tokens are read back, while its forward runs: greedy output is the same as stepping one at a
+    time, for a batch of agents under different grammars."""
+    path = tiny_checkpoints[ARCH]
+    rng = random.Random(21)
+    schemas = [random_schema(random.Random(s)) for s in (6, 7, 8, 9)]
+    prompts = [random_tokens(rng, 10 + i) for i in range(len(schemas))]
+    outputs = []
+    for async_scheduling in (False, True):
+        engine = make_engine(path, async_scheduling=async_scheduling, speculation="off")
+        handles = [engine.open_state(f"a{i}") for i in range(len(schemas))]
+        with engine.core.lock:
+            streams = [h.stream(SamplingParams(max_tokens=300, json_schema=s), prompt=p)
+                       for h, s, p in zip(handles, schemas, prompts)]
+        outputs.append([[ev.token_id for ev in st if ev.token_id is not None] for st in streams])
+        for out, schema in zip(outputs[-1], schemas):
+            jsonschema.validate(json.loads(engine.tokenizer.decode(out[:-1])), schema)
+    assert outputs[0] == outputs[1]
+
+
+def test_constrained_speculation_equals_constrained_without(tiny_checkpoints, make_engine):
+    """Greedy under a grammar: drafts (from an oracle, some deliberately wrong: the grammar cuts
+    some, verification rejects others) change nothing but speed."""
+    path = tiny_checkpoints[ARCH]
+    rng = random.Random(7)
+    long = {"type": "object", "required": ["notes", "kind", "n"], "properties": {
+        "notes": {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 3, "maxItems": 6},
+        "kind": {"enum": ["alpha", "beta", "gamma delta"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9999}}}
+    schemas = [long, random_schema(random.Random(2)), long, random_schema(random.Random(5))]
+    prompts = [random_tokens(rng, 14) for _ in schemas]
+    plain = make_engine(path, speculation="off")
+    expected = [_generate(plain, f"p{i}", p, max_tokens=200, json_schema=s).token_ids
+                for i, (p, s) in enumerate(zip(prompts, schemas))]
+    oracle = OracleDrafter(VOCAB_SIZE, wrong=lambda p: p % 7 == 3)  # 7: not the period of 4 drafts + 1
+    for p, e in zip(prompts, expected):
+        oracle.add(p, e)
+    with registered(oracle=oracle):
+        engine = make_engine(path, speculation={"method": "oracle", "k": 4})
+        results = [None] * len(prompts)
+
+        def run(i):
+            results[i] = _generate(engine, f"s{i}", prompts[i], max_tokens=200, json_schema=schemas[i]).token_ids
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    assert results == expected
+    stats = engine.stats()
+    assert oracle.wrong_proposed > 0 and stats.draft_tokens_accepted > 0
+    assert stats.draft_tokens_proposed < oracle.proposed  # drafts cut where the grammar rejects them
+    assert stats.draft_tokens_accepted < stats.draft_tokens_proposed  # wrong drafts the grammar allows: rejected
+
+
+def test_matcher_rolls_back_drafts_and_cuts_at_the_first_rejected(engine):
+    tok = engine.tokenizer
+    matcher = engine.grammars.matcher(SamplingParams(regex=r"ab*c"), [EOS_ID])
+    good = tok.encode("abbb", add_special_tokens=False)
+    bad = tok.encode("x", add_special_tokens=False)
+    assert matcher.valid_prefix(good + bad + good) == len(good)
+    assert all(matcher.accept(t) for t in good)  # valid_prefix left the matcher where it was
+    bitmask = torch.full((3, engine.grammars.width), -1, dtype=torch.int32)
+    c = tok.encode("c", add_special_tokens=False)
+    matcher.fill(bitmask, 0, c + [EOS_ID])
+    allowed = lambda row: {t for t in range(VOCAB_SIZE) if (int(bitmask[row, t // 32]) >> (t % 32)) & 1}  # noqa: E731
+    assert c[0] in allowed(0) and EOS_ID not in allowed(0)
+    assert allowed(1) == {EOS_ID}  # after "c" only the end
+    assert matcher.accept(c[0]) and matcher.accept(EOS_ID) and matcher.done
+
+
+# --- failures stay with their request -----------------------------------------------------------------
+
+def test_a_bad_schema_fails_its_call_alone(engine):
+    rng = random.Random(9)
+    prompts = [random_tokens(rng, 12) for _ in range(3)]
+    solo = [_generate(engine, f"solo{i}", p, max_tokens=30, ignore_eos=True).token_ids for i, p in enumerate(prompts)]
+    handles = [engine.open_state(f"ok{i}") for i in range(3)]
+    streams = [h.stream(SamplingParams(max_tokens=30, ignore_eos=True), prompt=p) for h, p in zip(handles, prompts)]
+    bad = engine.open_state("bad")
+    for params in ({"json_schema": {"type": "frobnicate"}}, {"regex": "(unclosed"}, {"grammar": 'root ::= "a'},
+                   {"grammar": "root ::= missing_rule"}, {"json_schema": {"$ref": "#/$defs/none"}},
+                   {"grammar": {"type": "structural_tag", "format": {"type": "nonsense"}}}):
+        with pytest.raises(GrammarError) as failure:
+            bad.generate(SamplingParams(max_tokens=5, **params), prompt=prompts[0])
+        assert isinstance(failure.value, HibanaError) and "cannot be compiled" in str(failure.value)
+        assert bad.tokens == []  # refused before the state changed
+    assert [[ev.token_id for ev in s if ev.token_id is not None] for s in streams] == solo
+    out = bad.generate(SamplingParams(max_tokens=10, json_schema={"type": "boolean"}), prompt=prompts[1])
+    assert out.text in ("true", "false")
+    for h in handles + [bad]:
+        h.close()
+
+
+def test_sampling_params_refuse_constraints_that_are_not_one():
+    with pytest.raises(GrammarError, match="one of json_schema, regex and grammar"):
+        SamplingParams(json_schema={}, regex="a")
+    with pytest.raises(GrammarError, match="not JSON"):
+        SamplingParams(json_schema="{nope")
+    with pytest.raises(GrammarError, match="EBNF text or a structural tag"):
+        SamplingParams(grammar={"type": "other"})
+    from pydantic import BaseModel
+
+    class Point(BaseModel):
+        x: int
+        tags: list[str]
+
+    assert SamplingParams(json_schema=Point).json_schema["required"] == ["x", "tags"]
+    assert SamplingParams(json_schema='{"type": "integer"}').json_schema == {"type": "integer"}
+
+
+# --- the sampler's masks ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("every", [True, False])
+def test_masks_set_forbidden_logits_to_minus_infinity_on_their_rows_only(every):
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows = 77, 4
+    logits = torch.randn(rows, vocab, generator=gen)
+    constrained = [0, 1, 2, 3] if every else [1, 3]
+    bitmask = torch.randint(-2**31, 2**31 - 1, (len(constrained), 3), dtype=torch.int32, generator=gen)
+    masks = TokenMasks(bitmask, torch.tensor(constrained), every)
+    out = Sampler(torch.device("cpu")).apply_masks(logits, masks)
+    for r in range(rows):
+        for t in range(vocab):
+            if r in constrained:
+                word = int(bitmask[constrained.index(r), t // 32]) & 0xFFFFFFFF
+                allowed = (word >> (t % 32)) & 1
+                assert out[r, t] == (logits[r, t] if allowed else float("-inf"))
+            else:
+                assert out[r, t] == logits[r, t]
+    params = SamplingParams(temperature=0.0)
+    picked = Sampler(torch.device("cpu"))(logits, [SamplingRow(params, None, (), ())] * rows, masks)
+    assert torch.equal(picked, out.argmax(dim=-1))
+
+
+def test_the_overhead_benchmark_runs(tiny_checkpoints, capsys):
+    """`hibana bench grammar` runs on a tiny checkpoint and reports each batch size."""
+    from hibana_bench.cli import main
+
+    assert main(["grammar", "--model", str(tiny_checkpoints[ARCH]), "--device", "cpu", "--batch", "1,3",
+                 "--generate", "12", "--prompt", "16", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "batch   1:" in out and "batch   3:" in out and "grammar host work" in out
