@@ -27,18 +27,34 @@ import torch
 from hibana_bench.models import load_bench_model
 
 
-def _decode(engine, prompt: list[int], tokens: int) -> float:
+def _decode(engine, prompt: list[int], tokens: int, state: str = "bench") -> float:
     """Seconds per token of one greedy generation of `tokens` tokens after `prompt`, timed from
     the first token's arrival (the prefill excluded)."""
     from hibana_core import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     began = event = None
-    for event in engine.open_state("bench").stream(params, prompt=prompt):
+    for event in engine.open_state(state).stream(params, prompt=prompt):
         if began is None:
             began = time.perf_counter()
     emitted = len(event.completion.token_ids)
     return (time.perf_counter() - began) / max(1, emitted - 1)
+
+
+def _drafter(engine) -> dict | None:
+    spec = engine.stats().speculation or {}
+    return (spec.get("drafters") or {}).get("draft_model")
+
+
+def _since(before: dict | None, after: dict | None) -> dict | None:
+    """The drafter's counters over the timed generation alone (the warm-up's subtracted)."""
+    if after is None:
+        return None
+    row = dict(after)
+    for key in ("calls", "tokens_drafted", "tokens_prefilled", "forwards", "seconds"):
+        row[key] = after[key] - (before or {}).get(key, 0)
+    row["ms_per_draft_token"] = round(1e3 * row["seconds"] / row["tokens_drafted"], 3) if row["tokens_drafted"] else None
+    return row
 
 
 def main() -> None:
@@ -62,9 +78,10 @@ def main() -> None:
         for name, speculation in (("off", "off"),
                                   (f"draft model, k={args.k}", {"method": "draft_model", "draft_model": folder, "k": args.k})):
             engine = target.engine(speculation=speculation)
+            _decode(engine, prompt[: args.prompt // 2], 64, "warm-up")  # warm-up: captures the graphs of both models
+            before = _drafter(engine)
             seconds = _decode(engine, prompt, args.tokens)
-            spec = engine.stats().speculation or {}
-            rows[name] = dict(ms_per_token=1e3 * seconds, drafter=(spec.get("drafters") or {}).get("draft_model"))
+            rows[name] = dict(ms_per_token=1e3 * seconds, drafter=_since(before, _drafter(engine)))
             engine.close()
     off = rows["off"]["ms_per_token"]
     print(f"{args.target} target, {args.draft} draft model (random weights: costs, not speed-ups), batch 1, "

@@ -28,6 +28,7 @@ import random
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -74,8 +75,7 @@ def tiny_cases(archs: tuple[str, ...], seed: int, max_prompt: int = 300) -> Iter
             yield arch, path, [[rng.randrange(2, 512) for _ in range(rng.randint(20, max_prompt))] for _ in range(4)]
 
 
-def check_float32() -> list[tuple[str, bool, str]]:
-    rows = []
+def check_float32() -> Iterator[tuple[str, bool, str]]:
     for arch, path, prompts in tiny_cases(ARCHS, 7):
         with Engine.from_pretrained(path, device="cpu", progress=False) as cpu:
             want = batched_greedy(cpu, prompts, 32)
@@ -84,18 +84,16 @@ def check_float32() -> list[tuple[str, bool, str]]:
                                         cuda_graphs=graphs) as gpu:
                 got = batched_greedy(gpu, prompts, 32)
             same = sum(a == b for a, b in zip(got, want))
-            rows.append((f"fp32 {arch} graphs={graphs}", same == len(prompts), f"{same}/4 agents equal"))
-    return rows
+            yield (f"fp32 {arch} graphs={graphs}", same == len(prompts), f"{same}/4 agents equal")
 
 
 SURGERY = ("w8", {"name": "w4", "group_size": 32})
 
 
-def check_surgery() -> list[tuple[str, bool, str]]:
+def check_surgery() -> Iterator[tuple[str, bool, str]]:
     """Each surgery pass, float32 compute: the GPU (Triton dequantizing kernels, graphs on) gives
     the CPU references' greedy tokens on the tiny checkpoints, 4 agents batched (the packed
     weights are the same: quantization runs on each device from the same float weights)."""
-    rows = []
     for arch, path, prompts in tiny_cases(("llama", "qwen3"), 5):
         for surgery in SURGERY:
             options = dict(progress=False, surgery=[surgery], surgery_guard=False, speculation="off")
@@ -105,8 +103,7 @@ def check_surgery() -> list[tuple[str, bool, str]]:
                 got = batched_greedy(gpu, prompts, 32)
             same = sum(a == b for a, b in zip(got, want))
             name = surgery if isinstance(surgery, str) else f"{surgery['name']} g{surgery['group_size']}"
-            rows.append((f"surgery {name} fp32 {arch}", same == len(prompts), f"{same}/4 agents equal"))
-    return rows
+            yield (f"surgery {name} fp32 {arch}", same == len(prompts), f"{same}/4 agents equal")
 
 
 def kv_scales(engine: Engine) -> list[torch.Tensor]:
@@ -120,7 +117,7 @@ def prompt_kv(engine: Engine, state_id: str, n: int) -> torch.Tensor:
     return engine.kv_cache.read_blocks(blocks).flatten(2, 3)[:, :, :n].view(torch.uint8)
 
 
-def check_kv8() -> list[tuple[str, bool, str]]:
+def check_kv8() -> Iterator[tuple[str, bool, str]]:
     """kv8, float32 compute: the GPU's greedy tokens are the CPU reference's. Each device
     calibrates its own scales from the same float weights; they must come out equal (powers of
     two, so a last-bit difference in a calibration run changes nothing). The bytes stored for a
@@ -128,7 +125,6 @@ def check_kv8() -> list[tuple[str, bool, str]]:
     byte for byte on CUDA from the same inputs), but cuBLAS and the CPU round float32 keys and
     values in their last bits differently, and a value that close to an fp8 rounding boundary
     may take the neighbouring code, so nearly all, not all, bytes must be equal."""
-    rows = []
     for arch, path, prompts in tiny_cases(ARCHS, 17):
         options = dict(progress=False, surgery=["kv8"], surgery_guard=False, dtype="float32")
         with Engine.from_pretrained(path, device="cpu", speculation="off", **options) as cpu:
@@ -147,9 +143,9 @@ def check_kv8() -> list[tuple[str, bool, str]]:
                 accepted = gpu.stats().draft_tokens_accepted
             same = sum(a == b for a, b in zip(got, want)) + sum(a == b for a, b in zip(got_first, first))
             ok = same == 2 * len(prompts) and scales_equal and bytes_equal > 0.999 and (spec == "off" or accepted > 0)
-            rows.append((f"kv8 fp32 {arch} graphs={graphs} spec={spec}", ok,
-                         f"{same}/8 generations equal; scales equal: {scales_equal}; a prompt's KV "
-                         f"bytes equal: {bytes_equal:.4%}" + (f"; {accepted} drafts accepted" if spec != "off" else "")))
+            yield (f"kv8 fp32 {arch} graphs={graphs} spec={spec}", ok,
+                   f"{same}/8 generations equal; scales equal: {scales_equal}; a prompt's KV "
+                   f"bytes equal: {bytes_equal:.4%}" + (f"; {accepted} drafts accepted" if spec != "off" else ""))
     with Engine.from_pretrained("demo", device="cuda", dtype="bfloat16", progress=False, surgery=["kv8"]) as engine:
         guard = engine.surgery[0]["guard"]
         chat = engine.chat("render")
@@ -158,14 +154,12 @@ def check_kv8() -> list[tuple[str, bool, str]]:
         off = batched_greedy(engine, prompts, 32, specs=["off"])
         on = batched_greedy(engine, prompts, 32, MIXED_SPECULATION)
     same = sum(a == b for a, b in zip(on, off))
-    rows.append(("kv8 bf16 demo, speculation mixed vs off (graphs)", same == len(prompts),
-                 f"{same}/4 prompts equal; guard on the GPU: ppl x{guard['ppl_ratio']:.4f}, top-1 "
-                 f"{guard['top1_agreement']:.1%}, KL {guard['mean_kl']:.4f}: {guard['decision']}"))
-    return rows
+    yield ("kv8 bf16 demo, speculation mixed vs off (graphs)", same == len(prompts),
+           f"{same}/4 prompts equal; guard on the GPU: ppl x{guard['ppl_ratio']:.4f}, top-1 "
+           f"{guard['top1_agreement']:.1%}, KL {guard['mean_kl']:.4f}: {guard['decision']}")
 
 
-def check_speculation() -> list[tuple[str, bool, str]]:
-    rows = []
+def check_speculation() -> Iterator[tuple[str, bool, str]]:
     for arch, path, prompts in tiny_cases(ARCHS, 11, max_prompt=200):
         with Engine.from_pretrained(path, device="cpu", progress=False, speculation="off") as cpu:
             first = batched_greedy(cpu, prompts, 48)
@@ -179,9 +173,9 @@ def check_speculation() -> list[tuple[str, bool, str]]:
                 stats = gpu.stats()
             same = sum(a == b for a, b in zip(got, want))
             ok = same == len(prompts) and stats.draft_tokens_accepted > 0
-            rows.append((f"spec fp32 {arch} graphs={graphs}", ok,
-                         f"{same}/4 agents equal; {stats.draft_tokens_accepted}/{stats.draft_tokens_proposed} "
-                         f"drafts accepted in {stats.verify_steps} verify steps of {stats.steps}"))
+            yield (f"spec fp32 {arch} graphs={graphs}", ok,
+                   f"{same}/4 agents equal; {stats.draft_tokens_accepted}/{stats.draft_tokens_proposed} "
+                   f"drafts accepted in {stats.verify_steps} verify steps of {stats.steps}")
         if arch != "qwen3":
             continue
         # the draft-model drafter runs its own forwards (its graphs too): the checkpoint drafts
@@ -194,10 +188,9 @@ def check_speculation() -> list[tuple[str, bool, str]]:
                 stats = gpu.stats()
             same = sum(a == b for a, b in zip(got, want))
             ok = same == len(prompts) and stats.draft_tokens_accepted > 0
-            rows.append((f"draft model fp32 {arch} graphs={graphs}", ok,
-                         f"{same}/4 agents equal; {stats.draft_tokens_accepted}/{stats.draft_tokens_proposed} "
-                         f"drafts accepted"))
-    return rows
+            yield (f"draft model fp32 {arch} graphs={graphs}", ok,
+                   f"{same}/4 agents equal; {stats.draft_tokens_accepted}/{stats.draft_tokens_proposed} "
+                   f"drafts accepted")
 
 
 def one_at_a_time(prompts: list[list[int]], n: int, policy: str) -> list[list[int]]:
@@ -212,7 +205,7 @@ def one_at_a_time(prompts: list[list[int]], n: int, policy: str) -> list[list[in
                 for i, p in enumerate(prompts)]
 
 
-def check_bf16_demo() -> list[tuple[str, bool, str]]:
+def check_bf16_demo() -> Iterator[tuple[str, bool, str]]:
     from transformers import AutoModelForCausalLM
 
     from hibana_core.loader import DEMO_MODEL_DIR
@@ -270,7 +263,7 @@ FP8_CASES = (("llama", "fp8", (16, 16)), ("llama", "fp8", (24, 40)), ("llama", "
              ("llama", "ct-channel", (0, 0)), ("qwen3", "fp8", (32, 16)))
 
 
-def check_fp8() -> list[tuple[str, bool, str]]:
+def check_fp8() -> Iterator[tuple[str, bool, str]]:
     """FP8 checkpoints, float32 compute: the GPU's fp8 kernels give the CPU references' greedy
     tokens, 3 agents batched (decode takes the GEMV), then 6 (the GEMM); prefill takes
     dequantize + cuBLAS."""
@@ -279,12 +272,11 @@ def check_fp8() -> list[tuple[str, bool, str]]:
     from fp8_checkpoints import write_fp8_checkpoint
     from tiny_models import make_tiny_checkpoint
 
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for arch, scheme, block in FP8_CASES:
             name = f"fp8 {scheme} {block[0]}x{block[1]} fp32 {arch}"
             if scheme.startswith("ct-") and importlib.util.find_spec("compressed_tensors") is None:
-                rows.append((name, True, "skipped: compressed-tensors not installed"))
+                yield (name, True, "skipped: compressed-tensors not installed")
                 continue
             source = Path(tmp) / arch
             if not source.exists():
@@ -300,9 +292,8 @@ def check_fp8() -> list[tuple[str, bool, str]]:
             with Engine.from_pretrained(path, device="cuda", dtype="float32", **options) as gpu:
                 got = {a: batched_greedy(gpu, prompts, 32, prefix=f"b{a}-") for a, prompts in batches.items()}
             same = {a: sum(x == y for x, y in zip(got[a], want[a])) for a in batches}
-            rows.append((name, all(same[a] == a for a in batches),
-                         ", ".join(f"{same[a]}/{a} agents equal" for a in batches)))
-    return rows
+            yield (name, all(same[a] == a for a in batches),
+                   ", ".join(f"{same[a]}/{a} agents equal" for a in batches))
 
 
 CHECKS = {"float32": check_float32, "speculation": check_speculation, "surgery": check_surgery,
@@ -322,10 +313,13 @@ def main() -> int:
         if unknown:
             print(f"gpu_correctness: no check named {sorted(unknown)}; choose from {', '.join(CHECKS)}")
             return 2
-    rows = [row for name in names for row in CHECKS[name]()]
-    width = max(len(r[0]) for r in rows)
-    for name, ok, detail in rows:
-        print(f"{name:<{width}}  {'PASS' if ok else 'FAIL'}  {detail}")
+    rows = []
+    for check in names:  # each row as it comes: a run cut short still reports what it did
+        start = time.perf_counter()
+        for name, ok, detail in CHECKS[check]():
+            print(f"{name:<48}  {'PASS' if ok else 'FAIL'}  {detail}  [{time.perf_counter() - start:.0f} s]",
+                  flush=True)
+            rows.append((name, ok, detail))
     return 0 if all(ok for _, ok, _ in rows) else 1
 
 if __name__ == "__main__":

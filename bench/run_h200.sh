@@ -34,13 +34,23 @@ ln -s "$PWD/kernels" "$NAMES/hibana_kernels"
 ln -s "$PWD/bench" "$NAMES/hibana_bench"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$NAMES:$PWD${PYTHONPATH:+:$PYTHONPATH}" TQDM_DISABLE=1  # keeps carried wheels (/tmp/site)
 OUT="${OUT:-bench/out}"
+CHECKS="${CHECKS:-float32,speculation,surgery,kv8,fp8,bf16}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 case "${1:-check}" in
   check)
-    python3 -m pytest tests/test_kernels.py -q -rs -x -p no:cacheprovider 2>&1 | tail -15
-    python3 bench/gpu_correctness.py ${CHECKS:+--only $CHECKS} 2>&1 | tee "$OUT/gpu_correctness.txt" ;;
+    # one process each, at once (tiny models leave the GPU mostly idle; in a row they take over
+    # 10 minutes): the kernel tests and every check of bench/gpu_correctness.py, rows printed as
+    # they come, each process's output together at the end
+    python3 -m pytest tests/test_kernels.py -q -rs -x -p no:cacheprovider > "$OUT/kernel_tests.txt" 2>&1 &
+    for check in ${CHECKS//,/ }; do
+      python3 bench/gpu_correctness.py --only "$check" 2>&1 | grep -v "Token indices sequence length" \
+        > "$OUT/gpu_correctness_$check.txt" &
+    done
+    wait
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernel_tests.txt"
+    cat "$OUT"/gpu_correctness_*.txt | tee "$OUT/gpu_correctness.txt" ;;
   decode)
     python3 -m hibana_bench.cli decode --model qwen3-8b --context 512,8192 --generate 128 \
       --json "$OUT/decode_qwen3-8b.json" 2>&1 | tee "$OUT/decode_qwen3-8b.txt" ;;

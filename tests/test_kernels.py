@@ -423,8 +423,11 @@ def check_silu_and_mul(device, dtype, inter):
 
 
 def check_qk_norm_rotary_store(device, dtype, num_heads, head_dim, qk_norm, kv_fp8=False):
-    """kv_fp8: into fp8 caches (the same bytes as the reference's; under the interpreter, whose
-    bf16 roundings of k are a few units off, keys may be off by as much, plus an fp8 step)."""
+    """kv_fp8: into fp8 caches (the same bytes as the reference's in float32; in 16 bits the
+    rotated k is rounded before it is quantized, and the kernel's fused multiply-adds may round
+    it one unit the other way, so a key may take the neighbouring fp8 code (seen on the H200 in
+    bf16: 1 byte of 224); under the interpreter, whose bf16 roundings of k are a few units off,
+    keys may be off by as much, plus an fp8 step)."""
     triton_rotary = _triton_module("rotary")
     gen = torch.Generator().manual_seed(num_heads * head_dim + qk_norm)
     max_pos, tokens = 300, 7
@@ -458,8 +461,11 @@ def check_qk_norm_rotary_store(device, dtype, num_heads, head_dim, qk_norm, kv_f
             assert (got == want).float().mean() > 0.9
             back = [attention.dequantize_kv(c, scales[0][0], torch.float32) for c in (caches[2], caches[0])]
             torch.testing.assert_close(back[0], back[1], atol=0.1, rtol=0.07, equal_nan=True)
-        else:
+        elif dtype == torch.float32:
             assert torch.equal(got, want)
+        else:
+            steps = (got.int() - want.int()).abs()  # same sign: adjacent codes differ by 1
+            assert steps.max() <= 1 and (steps > 0).float().mean() < 0.02, steps.nonzero()
         assert torch.equal(caches[3].view(torch.uint8), caches[1].view(torch.uint8))
         return
     torch.testing.assert_close(caches[2], caches[0], equal_nan=True, **tolerance)
