@@ -11,7 +11,7 @@ import logging as _logging
 
 from hibana_core.config import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
 from hibana_core.errors import (ChatTimeoutError, CheckpointError, ConfigError, ContextLengthError, EngineClosedError,
-                                GrammarError, HibanaError, InvalidTokenError, MemoryBudgetError,
+                                GrammarError, HibanaError, InvalidTokenError, MemoryBudgetError, QueueTimeoutError,
                                 StateBusyError, StateClosedError, StateExistsError, StateFileError,
                                 SurgeryGuardError, UnsupportedModelError)
 from hibana_core.state import Completion, RequestStats, StateHandle, StateInfo, StreamEvent, SyncStats
@@ -36,7 +36,7 @@ def __getattr__(name: str):
 __all__ = [
     "CacheConfig", "ChatTimeoutError", "CheckpointError", "Completion", "ConfigError", "ContextLengthError", "Engine",
     "EngineClosedError", "EngineConfig", "EngineStats", "GrammarError", "HibanaError", "InvalidTokenError",
-    "MemoryBudgetError", "RequestStats", "SamplingParams", "SchedulerConfig",
+    "MemoryBudgetError", "QueueTimeoutError", "RequestStats", "SamplingParams", "SchedulerConfig",
     "StateBusyError", "StateClosedError", "StateExistsError", "StateFileError", "StateHandle",
     "StateInfo", "StreamEvent", "SurgeryGuardError", "SyncStats", "UnsupportedModelError",
 ]

@@ -104,6 +104,9 @@ class CacheConfig:
 FP8_KV_DTYPES = ("fp8", "float8_e4m3fn")
 
 
+PRIORITY_STRATEGIES = ("fifo", "priority", "shortest_first")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching under a token budget."""
@@ -111,15 +114,27 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     """Tokens computed per step across all sequences (decode tokens + prefill chunks)."""
     max_concurrent_agents: int = 64
-    """Requests running at once; further requests wait in FIFO order."""
+    """Requests running at once; further requests wait, admitted in `priority_strategy` order."""
     max_prefill_chunk: int = 2048
     """Longest prefill chunk one sequence may take in a step, so decodes are never starved."""
+    queue_timeout_ms: float | None = None
+    """A request still waiting for admission after this long fails with QueueTimeoutError (its
+    state keeps the history it was called with); None: it waits as long as it takes."""
+    priority_strategy: str = "fifo"
+    """Admission order of waiting requests: "fifo" (arrival), "priority" (highest
+    `SamplingParams.priority` first, arrival order among equals) or "shortest_first" (fewest
+    tokens left to compute first: a turn that reuses its state's KV goes before a cold prompt).
+    A request that was preempted, or admitted and found no KV room yet, keeps its place at the head."""
 
     def __post_init__(self) -> None:
         _check_types(self)
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1")
         _check(self.max_concurrent_agents >= 1, "max_concurrent_agents must be at least 1")
         _check(self.max_prefill_chunk >= 1, "max_prefill_chunk must be at least 1")
+        _check(self.queue_timeout_ms is None or self.queue_timeout_ms > 0,
+               f"queue_timeout_ms must be > 0 or None (no timeout), got {self.queue_timeout_ms}")
+        _check(self.priority_strategy in PRIORITY_STRATEGIES,
+               f"priority_strategy must be one of {', '.join(PRIORITY_STRATEGIES)}, got {self.priority_strategy!r}")
 
 
 MAX_DRAFT_TOKENS = 16
@@ -311,6 +326,8 @@ class SamplingParams:
     free text with triggered tags, as tool calls use). One of json_schema, regex and grammar at
     most; the output ends (a stop token is allowed) only where the grammar is complete. A schema
     or grammar that does not compile fails its request alone, with a GrammarError."""
+    priority: int = 0
+    """Admission priority under `priority_strategy="priority"`: higher goes first."""
 
     def __post_init__(self) -> None:
         _check_types(self)

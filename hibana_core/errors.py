@@ -9,7 +9,7 @@ from hibana_plugins.hookspecs import HibanaError
 __all__ = [
     "ChatTimeoutError", "CheckpointError", "ConfigError", "ContextLengthError", "EngineClosedError", "GrammarError",
     "HibanaError",
-    "InvalidTokenError", "MemoryBudgetError", "StateBusyError", "StateClosedError",
+    "InvalidTokenError", "MemoryBudgetError", "QueueTimeoutError", "StateBusyError", "StateClosedError",
     "StateExistsError", "StateFileError", "UnsupportedModelError",
 ]
 
@@ -66,6 +66,12 @@ class StateExistsError(HibanaError):
 class SurgeryGuardError(HibanaError):
     """A model surgery pass costs more quality than its floor allows (measured by the guard
     against the unmodified model); the message has the figures and how to force it."""
+
+
+class QueueTimeoutError(HibanaError, TimeoutError):
+    """A request waited for admission longer than `queue_timeout_ms` (more requests than
+    `max_concurrent_agents`, or no KV room). Nothing was computed for it; its state holds the
+    history it was called with, so calling again costs nothing extra. Also a TimeoutError."""
 
 
 class ChatTimeoutError(HibanaError, TimeoutError):

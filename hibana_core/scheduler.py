@@ -13,8 +13,9 @@ One step's bookkeeping happens at two points:
   chunk, 1 for a decode, several once drafts are verified), appends them, checks stops per token,
   trims KV past the accepted tokens, and publishes blocks whose tokens are now final.
 
-Admission is FIFO up to `max_concurrent_agents`; eviction of idle states under memory pressure is
-a policy object of its own. The scheduler never detokenizes: a request's `stop_check` (set by the
+Admission runs up to `max_concurrent_agents`, in the order of `priority_strategy` (arrival,
+priority or shortest first), and a request that waits past `queue_timeout_ms` fails alone with
+QueueTimeoutError; eviction of idle states under memory pressure is a policy object of its own. The scheduler never detokenizes: a request's `stop_check` (set by the
 output side) is asked about each token after the stop token ids.
 """
 
@@ -23,12 +24,13 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 
 from hibana_core.config import SamplingParams, SchedulerConfig
-from hibana_core.errors import GrammarError, MemoryBudgetError
+from hibana_core.errors import GrammarError, MemoryBudgetError, QueueTimeoutError
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.sequence import KVSequence
 
@@ -72,6 +74,9 @@ class Request:
     forced: Sequence[int] | None = None    # bench only: the tokens this request emits (trace replay)
     state_id: str = ""                     # the state it runs on, for logs
     grammar: "Matcher | None" = None       # its constraint (json_schema, regex, grammar), advanced per kept token
+    queued_at: float = 0.0                 # time.monotonic() when it joined the queue
+    front: bool = False                    # preempted, or admitted without room: first in line again
+    started: bool = False                  # a chunk of it was scheduled: no queue timeout any more
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.seq)
@@ -178,6 +183,7 @@ class Scheduler:
         self._finished: list[Request] = []  # finished since the last `take_finished`
 
     def add(self, request: Request) -> None:
+        request.queued_at = time.monotonic()
         self.waiting.append(request)
 
     def has_work(self) -> bool:
@@ -195,6 +201,7 @@ class Scheduler:
         """Running requests first (decodes before prefill chunks, so chunking keeps decodes
         flowing), then admit waiting ones in FIFO order while budget and blocks last."""
         self._drop_cancelled()
+        self._expire_waiting()
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         suspects = [r for r in self.running if r.suspect]
@@ -210,7 +217,7 @@ class Scheduler:
                 chunks.append(chunk)
                 budget -= chunk.num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.config.max_concurrent_agents:
-            request = self.waiting.popleft()
+            request = self._next_waiting()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._admit(request)
@@ -268,7 +275,36 @@ class Scheduler:
     def _requeue(self, request: Request) -> None:
         self.running.remove(request)
         request.status = RequestStatus.WAITING
+        request.front = True
         self.waiting.appendleft(request)
+
+    def _next_waiting(self) -> Request:
+        """Take the waiting request to admit next: those back in line (`front`) first, then by
+        the strategy; arrival order breaks ties (the queue is in arrival order, `min` is stable)."""
+        strategy = self.config.priority_strategy
+        if strategy == "fifo":
+            request = self.waiting[0]
+        elif strategy == "priority":
+            request = min(self.waiting, key=lambda r: (not r.front, -(r.params.priority if r.params else 0)))
+        else:  # shortest_first
+            request = min(self.waiting, key=lambda r: (not r.front, r.num_uncomputed))
+        self.waiting.remove(request)
+        return request
+
+    def _expire_waiting(self) -> None:
+        """Fail the requests that waited for admission longer than `queue_timeout_ms`."""
+        timeout = self.config.queue_timeout_ms
+        if timeout is None or not self.waiting:
+            return
+        now = time.monotonic()
+        for request in [r for r in self.waiting if not r.started and now - r.queued_at > timeout / 1e3]:
+            waited = now - request.queued_at
+            request.error = QueueTimeoutError(
+                f"the request waited {waited:.2f} s for admission, past queue_timeout_ms={timeout:g} "
+                f"({len(self.running)} running of max_concurrent_agents={self.config.max_concurrent_agents}, "
+                f"{len(self.waiting)} waiting); call again, raise queue_timeout_ms or max_concurrent_agents")
+            logger.info("queue timeout after %.2f s (state %r)", waited, request.state_id)
+            self.finish(request, "error")
 
     def _admit(self, request: Request) -> None:
         """A sampling request needs the logits of its last token: if the state already holds its
@@ -302,6 +338,7 @@ class Scheduler:
             seq.trim_kv(before)  # give adopted blocks back: holding them would starve the others
             return None
         request.reused += gained
+        request.started = True
         start = seq.num_computed
         seq.prepare_write(num)
         request.computed += max(0, min(start + num, request.num_prompt) - start)

@@ -1,0 +1,106 @@
+"""Admission beyond `max_concurrent_agents`: the order waiting requests are admitted in
+(`priority_strategy`), and `queue_timeout_ms`, which fails a request that waited too long and
+nothing else."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from hibana_core import ConfigError, QueueTimeoutError, SamplingParams
+from tiny_models import random_tokens
+
+
+def _first_token_order(engine, prompts: dict[str, list[int]], params: dict[str, SamplingParams]) -> list[str]:
+    """Occupy the engine's one running slot with a long request, queue `prompts` behind it in
+    dict order, and return their names in the order their first tokens came (with one request
+    running at a time, the order they were admitted in)."""
+    rng = random.Random(1)
+    blocker = engine.open_state("blocker").stream(SamplingParams(max_tokens=60, ignore_eos=True),
+                                                  prompt=random_tokens(rng, 30))
+    next(blocker)  # it runs: everything after this waits
+    firsts: dict[str, float] = {}
+    streams = {name: engine.open_state(name).stream(params[name], prompt=prompt) for name, prompt in prompts.items()}
+
+    def drain(name: str) -> None:
+        for event in streams[name]:
+            firsts.setdefault(name, time.monotonic())
+
+    threads = [threading.Thread(target=drain, args=(name,)) for name in streams]
+    for t in threads:
+        t.start()
+    for _ in blocker:
+        pass
+    for t in threads:
+        t.join(timeout=60)
+    assert len(firsts) == len(prompts)
+    return sorted(firsts, key=firsts.get)
+
+
+@pytest.mark.parametrize("strategy, want", [("fifo", ["b", "c", "d"]), ("priority", ["c", "d", "b"]),
+                                            ("shortest_first", ["c", "d", "b"])])
+def test_admission_order(tiny_checkpoints, make_engine, strategy, want):
+    engine = make_engine(tiny_checkpoints["llama"], max_concurrent_agents=1, priority_strategy=strategy,
+                         speculation="off")
+    rng = random.Random(2)
+    prompts = {"b": random_tokens(rng, 200), "c": random_tokens(rng, 20), "d": random_tokens(rng, 80)}
+    params = {name: SamplingParams(max_tokens=4, ignore_eos=True, priority=priority)
+              for name, priority in (("b", 0), ("c", 5), ("d", 1))}
+    assert _first_token_order(engine, prompts, params) == want
+
+
+def test_queue_timeout_fails_the_waiting_request_alone(tiny_checkpoints, make_engine, hf_greedy):
+    path = tiny_checkpoints["qwen3"]
+    engine = make_engine(path, max_concurrent_agents=1, queue_timeout_ms=20, speculation="off")
+    rng = random.Random(3)
+    long_prompt, waiting_prompt = random_tokens(rng, 40), random_tokens(rng, 50)
+    runner = engine.open_state("runner")
+    long = runner.stream(SamplingParams(max_tokens=300, ignore_eos=True), prompt=long_prompt)
+    next(long)
+    waiter = engine.open_state("waiter")
+    with pytest.raises(QueueTimeoutError, match="queue_timeout_ms"):
+        for _ in waiter.stream(SamplingParams(max_tokens=8, ignore_eos=True), prompt=waiting_prompt):
+            pass
+    tokens = [e.token_id for e in long if e.token_id is not None]
+    assert len(tokens) == 299  # the running request went on, untouched
+    # the waiter's state holds the history it was called with, and serves the next call
+    assert {i.id: i.tokens for i in engine.states()}["waiter"] == len(waiting_prompt)
+    got = list(waiter.generate(SamplingParams(max_tokens=8, ignore_eos=True)).token_ids)
+    assert got == hf_greedy(str(path), waiting_prompt, 8)
+    stats = engine.stats()
+    assert stats.kv_blocks_used <= stats.kv_blocks_total
+
+
+def test_no_timeout_for_a_request_admitted_in_time(tiny_checkpoints, make_engine):
+    engine = make_engine(tiny_checkpoints["llama"], max_concurrent_agents=2, queue_timeout_ms=60_000)
+    rng = random.Random(4)
+    handles = [engine.open_state(f"s{i}") for i in range(4)]
+    results = [None] * 4
+
+    def run(i: int) -> None:
+        results[i] = handles[i].generate(SamplingParams(max_tokens=6, ignore_eos=True), prompt=random_tokens(rng, 30))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert all(r is not None and len(r.token_ids) == 6 for r in results)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(priority_strategy="lifo"), "priority_strategy must be one of fifo, priority, shortest_first"),
+    (dict(queue_timeout_ms=0), "queue_timeout_ms must be > 0"),
+    (dict(queue_timeout_ms="soon"), "queue_timeout_ms"),
+])
+def test_bad_admission_options(tiny_checkpoints, make_engine, options, message):
+    with pytest.raises(ConfigError, match=message):
+        make_engine(tiny_checkpoints["llama"], **options)
+
+
+def test_priority_must_be_an_integer():
+    with pytest.raises(ConfigError, match="priority"):
+        SamplingParams(priority="high")
