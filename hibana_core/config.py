@@ -77,6 +77,10 @@ class CacheConfig:
     """KV cache dtype: "auto" (the model's: its compute dtype, or fp8 after kv8), "float32",
     "bfloat16", "float16" (each must be the compute dtype), or "fp8" ("float8_e4m3fn"): e4m3
     with per-head scales, which is the kv8 surgery pass (added to `surgery` if not named there)."""
+    host_kv_bytes: int | None = None
+    """The host tier: bytes of host memory where idle states' KV is parked when the device pool
+    needs room (and copied back when they resume) instead of being dropped and recomputed.
+    None: a quarter of physical memory, at most 16 GiB; 0: no host tier (drop and recompute)."""
     max_unnamed_states: int = 256
     """Idle states the engine made itself (`Engine.lease` for calls that name no state) kept at
     most; beyond it the least recently used are closed. Their full blocks stay findable in the
@@ -92,6 +96,8 @@ class CacheConfig:
                "memory_budget_bytes must be positive")
         _check(0.0 < self.memory_fraction <= 1.0, "memory_fraction must lie in (0, 1]")
         _check(self.max_unnamed_states >= 0, "max_unnamed_states must be >= 0")
+        _check(self.host_kv_bytes is None or self.host_kv_bytes >= 0,
+               f"host_kv_bytes must be >= 0 (0: no host tier) or None (automatic), got {self.host_kv_bytes}")
         _check(self.kv_dtype in ("auto", "float32", "bfloat16", "float16", *FP8_KV_DTYPES),
                f"kv_dtype must be auto, float32, bfloat16, float16 or fp8, got {self.kv_dtype!r}")
 

@@ -41,6 +41,7 @@ from hibana_core.progress import LoadProgress
 from hibana_core.registry import ModelLimits, StateRegistry
 from hibana_core.runner import ModelRunner
 from hibana_core.sampler import Sampler
+from hibana_core.kv.tiers import HostTier, default_host_budget
 from hibana_core.scheduler import IdleLRUEviction, Scheduler
 from hibana_core.speculation.speculator import Speculator, check_method, profile_step_costs
 from hibana_core.state import StateHandle, StateInfo
@@ -78,6 +79,9 @@ class EngineStats:
     verified_sequences: int = 0     # (sequence, step) pairs that verified drafts
     verified_tokens: int = 0        # tokens those emitted: accepted drafts + one each
     speculation: dict | None = None
+    parks: int = 0                  # idle states' KV parked in the host tier under device pressure
+    resumes: int = 0                # parked KV copied back for a request (not recomputed)
+    host_tier: dict | None = None   # its budget, bytes, bytes moved, time, tokens restored (kv/tiers.py)
     """The controller's figures: draft lengths chosen, acceptance by position per drafter,
     tokens per verifying sequence, the step-cost table."""
 
@@ -171,8 +175,12 @@ class Engine:
         me = weakref.proxy(self)  # the speculator holds neither the engine nor its runner
         speculator = Speculator(config.speculation, get_plugin_manager().drafters(),
                                 lambda: me._profile_steps(me.core.runner), me)
-        scheduler = Scheduler(config.scheduler, self.pool, IdleLRUEviction(self.pool, self._idle_sequences),
-                              speculator)
+        host_bytes = config.cache.host_kv_bytes
+        host_bytes = default_host_budget() if host_bytes is None else host_bytes
+        self.host_tier = HostTier(self.kv_cache, self.pool, host_bytes) if host_bytes else None
+        """Idle states' KV parked in host memory under device pressure (kv/tiers.py); None: off."""
+        eviction = IdleLRUEviction(self.pool, self._idle_sequences, self.host_tier)
+        scheduler = Scheduler(config.scheduler, self.pool, eviction, speculator)
         use_async = self.device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids, self.device)
         """Compiles requests' JSON schemas, regexes and grammars; fills each step's masks."""
@@ -314,13 +322,32 @@ class Engine:
     def stats(self) -> EngineStats:
         with self.core.lock:
             out, steps = self.core.outputs.counters, self.core.counters
-            spec = self.scheduler.speculation
+            spec, tier = self.scheduler.speculation, self.host_tier
             return EngineStats(out.prompt_computed, out.prompt_reused, out.generated, steps.steps,
                                steps.multi_sequence_steps, steps.max_batch_sequences,
                                self.pool.num_blocks, self.pool.num_used, self.pool.num_cached, len(self.registry),
                                spec.counters.draft_tokens_proposed, spec.counters.draft_tokens_accepted,
                                spec.counters.verify_steps, spec.counters.verified_sequences,
-                               spec.counters.verified_tokens, spec.summary())
+                               spec.counters.verified_tokens, spec.summary(),
+                               tier.counters.parks if tier else 0, tier.counters.resumes if tier else 0,
+                               tier.summary() if tier else None)
+
+    def memory(self) -> dict:
+        """Bytes per tier and per state: the device (weights, the KV pool and what of it is in
+        use), the host tier (its budget and the parked copies), and each state's tier and bytes."""
+        with self.core.lock:
+            per_block = self.kv_cache.bytes_per_block_here
+            states = {}
+            for info in self.registry.infos():
+                parked = self.registry.parked_bytes(info.id)
+                states[info.id] = {"tier": info.tier, "tokens": info.tokens,
+                                   "bytes": parked if info.tier == "host" else info.blocks * per_block}
+            tier = self.host_tier
+            return {"device": {"weights": self.weight_bytes, "kv_pool": self.kv_cache.nbytes,
+                               "kv_used": self.pool.num_used * per_block,
+                               "kv_cached": self.pool.num_cached * per_block},
+                    "host": {"budget": tier.budget_bytes if tier else 0, "kv_parked": tier.bytes_used if tier else 0},
+                    "states": states}
 
     # --- lifetime -----------------------------------------------------------------------------
 
@@ -332,6 +359,8 @@ class Engine:
         with self.core.lock:
             self.registry.close_all()
             self.scheduler.speculation.close()  # a draft model's weights and KV
+            if self.host_tier is not None:
+                self.host_tier.close()
             # drop the big tensors now (weights, KV cache, CUDA graphs), not when the last handle
             # is collected: an engine opened next sizes its KV pool from the memory free then
             self.model = self.core.runner = self.kv_cache = self._ctx.kv_cache = self.registry.kv_cache = None

@@ -199,12 +199,16 @@ class StateRegistry:
     def infos(self) -> list[StateInfo]:
         with self.lock:
             return [StateInfo(e.handle.id, len(e.seq), min(e.seq.num_computed, len(e.seq)),
-                              len(e.seq.block_ids), "device" if e.seq.block_ids else "none",
+                              len(e.seq.block_ids), _tier(e.seq),
                               e.last_use, self.core.scheduler.busy(e.seq))
                     for e in self._entries.values()]
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def parked_bytes(self, state_id: str) -> int:
+        entry = self._entries.get(state_id)
+        return entry.seq.parked.nbytes if entry is not None and entry.seq.parked is not None else 0
 
     def idle_sequences(self) -> list[KVSequence]:
         """Sequences holding KV and serving no request, least recently used first (eviction)."""
@@ -299,8 +303,13 @@ class StateRegistry:
     def save(self, handle: StateHandle, path: str | os.PathLike) -> None:
         with self.lock:
             seq = self._editable(handle).seq
-            kv = self.kv_cache.read_blocks(seq.block_ids)
-            state_file.write(state_file.as_path(path), handle.id, seq.tokens, seq.num_computed, self.pool.block_size,
+            computed, kv = seq.num_computed, None
+            if not seq.block_ids and seq.parked is not None:  # parked in the host tier: its copy
+                computed = common_prefix_len(seq.tokens, seq.parked.tokens)
+                kv = seq.parked.kv[:, :, :-(-computed // self.pool.block_size)]
+            if kv is None:
+                kv = self.kv_cache.read_blocks(seq.block_ids)
+            state_file.write(state_file.as_path(path), handle.id, seq.tokens, computed, self.pool.block_size,
                              kv, self.limits.fingerprint)
 
     def load(self, path: str | os.PathLike, state_id: str | None = None, *, share: bool = False) -> StateHandle:
@@ -398,3 +407,8 @@ class StateRegistry:
             raise ContextLengthError(f"{len(tokens)} tokens exceed the model's context of "
                                      f"{self.limits.max_model_len}; shorten the history (the state is unchanged)")
         return tokens
+
+
+def _tier(seq: KVSequence) -> str:
+    """Where a state's KV is: "device" (resident blocks), "host" (parked), "none" (recomputed)."""
+    return "device" if seq.block_ids else "host" if seq.parked is not None else "none"

@@ -38,6 +38,7 @@ logger = logging.getLogger("hibana.states")
 
 if TYPE_CHECKING:
     from hibana_core.grammar import Matcher
+    from hibana_core.kv.tiers import HostTier
     from hibana_core.speculation.speculator import Speculator
 
 
@@ -156,17 +157,21 @@ class EvictionPolicy(Protocol):
 
 
 class IdleLRUEviction:
-    """Releases the KV of idle states, least recently used first. Their tokens stay, and their full
-    blocks stay findable in the prefix index until reused, so a resumed state often recomputes
-    nothing. (The memory-manager issue adds host and disk tiers in front of this.)"""
+    """Evicts the KV of idle states, least recently used first: parked in the host tier when there
+    is one and its budget allows (a resumed state copies it back), else released. Their tokens
+    stay, and their full blocks stay findable in the prefix index until reused, so even a
+    released state often recomputes little."""
 
-    def __init__(self, pool: BlockPool, idle_states: Callable[[], Iterable[KVSequence]]) -> None:
-        self.pool, self.idle_states = pool, idle_states
+    def __init__(self, pool: BlockPool, idle_states: Callable[[], Iterable[KVSequence]],
+                 tier: "HostTier | None" = None) -> None:
+        self.pool, self.idle_states, self.tier = pool, idle_states, tier
 
     def make_room(self, num_blocks: int) -> bool:
         for seq in self.idle_states():
             if self.pool.can_allocate(num_blocks):
                 break
+            if self.tier is not None and self.tier.park(seq):
+                continue
             logger.info("evicting an idle state's KV (%d blocks, %d tokens) to make room for %d blocks",
                         len(seq.block_ids), len(seq), num_blocks)
             seq.release()
@@ -307,10 +312,14 @@ class Scheduler:
             self.finish(request, "error")
 
     def _admit(self, request: Request) -> None:
-        """A sampling request needs the logits of its last token: if the state already holds its
-        KV (a fully synced state), recompute that one token. Where the prefix index holds more of
+        """A parked state's KV comes back from the host tier first. A sampling request needs the
+        logits of its last token: if the state already holds its KV (a fully synced state),
+        recompute that one token. Where the prefix index holds more of
         the history than the state's own KV, the state switches to the index's blocks."""
         seq = request.seq
+        tier = getattr(self.eviction, "tier", None)
+        if tier is not None and seq.parked is not None:
+            tier.restore(seq, self.eviction.make_room)
         if request.samples and seq.num_uncomputed == 0:
             seq.trim_kv(len(seq) - 1)
         seq.prefer_index(len(seq) - (1 if request.samples else 0))

@@ -66,7 +66,7 @@ class StateInfo:
     tokens: int
     computed: int         # tokens whose KV is resident
     blocks: int
-    tier: str             # "device" while KV is resident, "none" once released
+    tier: str             # "device" while KV is resident, "host" while parked in the host tier, "none" once released
     last_use: float
     busy: bool
 

@@ -55,6 +55,16 @@ class KVCache:
     def copy_block(self, src: int, dst: int) -> None:
         self._raw[:, :, dst] = self._raw[:, :, src]
 
+    @property
+    def bytes_per_block_here(self) -> int:
+        """Bytes of one block of this cache (all layers, k and v)."""
+        return self.data[:, :, 0].numel() * self.data.element_size()
+
+    def gather(self, index: torch.Tensor) -> torch.Tensor:
+        """The blocks at `index` (a long tensor on the cache's device), on the device:
+        [num_layers, 2, len(index), block_size, H_kv, D]."""
+        return self._raw.index_select(2, index).view(self.data.dtype)
+
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """[num_layers, 2, len(block_ids), block_size, H_kv, D], on the host."""
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self.data.device)

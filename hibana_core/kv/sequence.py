@@ -51,6 +51,7 @@ class KVSequence:
         self.num_committed = 0           # leading blocks known to be in the prefix index
         self._hashes: list[BlockHash] = []  # chain hashes of tokens' leading full blocks
         self.edits = 0  # bumped when the history changes other than by appending (drafters' indexes)
+        self.parked = None  # a copy of its KV in host memory (kv.tiers.ParkedKV) while evicted
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -98,6 +99,7 @@ class KVSequence:
         twin = KVSequence(self.pool, self._copy_block, self.share)
         twin.tokens = list(self.tokens)
         twin.edits = self.edits
+        twin.parked = self.parked  # read-only on the host: shared, restored by whichever resumes
         twin._hashes = list(self._hashes)
         twin.block_ids = list(self.block_ids)
         twin.num_computed, twin.num_committed = self.num_computed, self.num_committed

@@ -1,0 +1,176 @@
+"""The host tier: idle states' KV parked in host memory instead of dropped.
+
+    device pool full ──make_room──▶ park(idle seq): its KV copied to the host, device blocks freed
+    request on a parked state ──admit──▶ restore(seq): fresh device blocks, KV copied back
+
+Without this tier an idle state evicted under memory pressure loses its KV and recomputes it
+(from the prefix index where its blocks were not reused yet). With it, eviction copies the KV of
+the state's computed tokens to host memory (pinned on a discrete GPU; on a CPU the copy leaves the
+fixed-size pool for ordinary memory) and the next request on the state copies it back: a turn
+then computes only its new tokens, whatever happened to the device blocks meanwhile.
+
+A parked copy belongs to its `KVSequence` (`seq.parked`) and dies with it; this object keeps the
+host budget, least recently parked dropped first (those states recompute, as without the tier).
+A restore checks the copy against the state's history: where the history was edited since, only
+the common prefix comes back. Copies are synchronous on the engine's stream (correct first; the
+side-stream copy and prefetch of the memory-manager issue come next).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from hibana_core.kv.block_pool import BlockPool
+from hibana_core.kv.cache import KVCache
+from hibana_core.kv.sequence import KVSequence, common_prefix_len
+
+logger = logging.getLogger("hibana.states")
+
+
+@dataclass(frozen=True)
+class ParkedKV:
+    tokens: list[int]      # the history whose KV this holds, in full
+    kv: torch.Tensor       # [num_layers, 2, blocks, block_size, H_kv, D] on the host
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+@dataclass
+class TierCounters:
+    parks: int = 0
+    resumes: int = 0
+    dropped: int = 0            # parked copies dropped for the host budget (those states recompute)
+    bytes_moved: int = 0        # both directions
+    seconds: float = 0.0        # spent copying, both directions
+    tokens_restored: int = 0    # prompt tokens whose recomputation a restore avoided
+
+
+class HostTier:
+    def __init__(self, cache: KVCache, pool: BlockPool, budget_bytes: int) -> None:
+        self.cache, self.pool, self.budget_bytes = cache, pool, budget_bytes
+        self.pinned = cache.data.device.type == "cuda"
+        self._parked: OrderedDict[int, weakref.ref] = OrderedDict()  # id(seq) -> seq, least recent first
+        self._bytes: dict[int, int] = {}
+        self.counters = TierCounters()
+
+    @property
+    def bytes_used(self) -> int:
+        return sum(self._bytes.values())
+
+    def park(self, seq: KVSequence) -> bool:
+        """Copy the KV of `seq`'s computed tokens to the host and free its device blocks.
+        False (nothing copied, nothing freed) when the copy cannot fit the budget."""
+        n = min(seq.num_computed, len(seq.tokens))
+        blocks = -(-n // seq.block_size)
+        if n == 0 or not self._room(blocks * self.cache.bytes_per_block_here):
+            return False
+        began = time.perf_counter()
+        index = torch.tensor(seq.block_ids[:blocks], dtype=torch.long, device=self.cache.data.device)
+        device_kv = self.cache.gather(index)
+        host = torch.empty(device_kv.shape, dtype=device_kv.dtype, pin_memory=self.pinned)
+        host.copy_(device_kv)
+        self.forget(seq)
+        seq.parked = ParkedKV(seq.tokens[:n], host)
+        seq.release()
+        key = id(seq)
+        self._parked[key] = weakref.ref(seq, lambda _, key=key, owner=weakref.ref(self): _gone(owner, key))
+        self._bytes[key] = seq.parked.nbytes
+        c = self.counters
+        c.parks += 1
+        c.bytes_moved += seq.parked.nbytes
+        c.seconds += time.perf_counter() - began
+        logger.info("parked an idle state's KV in host memory (%d tokens, %d bytes)", n, seq.parked.nbytes)
+        return True
+
+    def restore(self, seq: KVSequence, make_room: Callable[[int], bool]) -> int:
+        """Bring a parked state's KV back into fresh device blocks, as far as its history still
+        starts with the parked tokens. Returns the tokens restored (0: nothing to do, or no room:
+        the copy stays parked and the state catches up by computing)."""
+        parked = seq.parked
+        if parked is None or seq.num_computed:
+            return 0
+        n = common_prefix_len(seq.tokens, parked.tokens)
+        if n < seq.block_size or seq.index_match(n) >= n:
+            self.forget(seq)  # diverged within its first block, or all of it still in the prefix index
+            return 0
+        blocks = -(-n // seq.block_size)
+        if not self.pool.can_allocate(blocks) and not make_room(blocks):
+            return 0
+        began = time.perf_counter()
+        ids = self.pool.allocate(blocks)
+        self.cache.write_blocks(ids, parked.kv[:, :, :blocks])
+        seq.block_ids = ids
+        seq.num_computed = n
+        seq.num_committed = 0
+        seq.commit_full_blocks()
+        self.forget(seq)
+        c = self.counters
+        c.resumes += 1
+        c.tokens_restored += n
+        c.bytes_moved += blocks * self.cache.bytes_per_block_here
+        c.seconds += time.perf_counter() - began
+        logger.info("resumed a parked state from host memory (%d tokens)", n)
+        return n
+
+    def forget(self, seq: KVSequence) -> None:
+        """Drop `seq`'s parked copy, if any."""
+        seq.parked = None
+        self._parked.pop(id(seq), None)
+        self._bytes.pop(id(seq), None)
+
+    def _room(self, nbytes: int) -> bool:
+        """Whether `nbytes` fit the budget, after dropping the oldest parked copies."""
+        if nbytes > self.budget_bytes:
+            return False
+        while self.bytes_used + nbytes > self.budget_bytes and self._parked:
+            key, ref = self._parked.popitem(last=False)
+            self._bytes.pop(key, None)
+            seq = ref()
+            if seq is not None:
+                seq.parked = None
+            self.counters.dropped += 1
+        return True
+
+    def close(self) -> None:
+        """Drop every parked copy and the cache (the engine closes)."""
+        for ref in self._parked.values():
+            seq = ref()
+            if seq is not None:
+                seq.parked = None
+        self._parked.clear()
+        self._bytes.clear()
+        self.cache = None
+
+    def summary(self) -> dict:
+        c = self.counters
+        return {"budget_bytes": self.budget_bytes, "bytes_used": self.bytes_used, "states": len(self._parked),
+                "parks": c.parks, "resumes": c.resumes, "dropped": c.dropped, "bytes_moved": c.bytes_moved,
+                "seconds": round(c.seconds, 4), "tokens_restored": c.tokens_restored}
+
+
+def _gone(owner: "weakref.ref[HostTier]", key: int) -> None:
+    """A parked state's sequence was collected (its state closed): its copy is gone with it."""
+    tier = owner()
+    if tier is not None:
+        tier._parked.pop(key, None)
+        tier._bytes.pop(key, None)
+
+
+def default_host_budget() -> int:
+    """A quarter of the machine's physical memory, at most 16 GiB (4 GiB where unknown)."""
+    try:
+        import os
+
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
+    return min(16 << 30, total // 4)

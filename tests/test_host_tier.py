@@ -1,0 +1,123 @@
+"""The host tier (hibana_core/kv/tiers.py): idle states' KV parked in host memory when the device
+pool needs room, copied back when they resume, so a turn computes only its new tokens; output
+equal to transformers' greedy on the full history throughout."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hibana_core import ConfigError, SamplingParams
+from tiny_models import random_tokens
+
+AGENTS, TURNS, NEW, GENERATE = 8, 6, 8, 6
+DEVICE_BLOCKS = 22  # two agents' whole histories (at most 60 + 6 x 14 = 144 tokens: 9 blocks each), a few spare
+
+
+def round_robin(engine, seed: int, check=None) -> list[list[tuple[int, int]]]:
+    """AGENTS agents take TURNS turns in turn order, each turn a few new tokens (a tool result)
+    and a short generation. Returns per turn, per agent: (prompt tokens computed, tokens that
+    were new since the state's last call, the last generated token included)."""
+    rng = random.Random(seed)
+    handles = [engine.open_state(f"agent-{i}") for i in range(AGENTS)]
+    histories = [random_tokens(rng, 60) for _ in range(AGENTS)]
+    known = [0] * AGENTS  # tokens of each history the engine already saw
+    computed = []
+    for _ in range(TURNS):
+        row = []
+        for i, h in enumerate(handles):
+            prompt = histories[i] + random_tokens(rng, NEW)
+            done = h.generate(SamplingParams(max_tokens=GENERATE, ignore_eos=True), prompt=prompt)
+            if check is not None:
+                check(prompt, done.token_ids)
+            row.append((done.stats.computed, len(prompt) - max(0, known[i] - 1)))
+            histories[i] = prompt + list(done.token_ids)
+            known[i] = len(histories[i])
+        computed.append(row)
+    return computed
+
+
+def test_turns_compute_only_their_new_tokens(tiny_checkpoints, make_engine, hf_greedy):
+    path = tiny_checkpoints["llama"]
+    engine = make_engine(path, num_blocks=DEVICE_BLOCKS, speculation="off")
+
+    def check(prompt, got):
+        assert list(got) == hf_greedy(str(path), prompt, GENERATE)
+
+    computed = round_robin(engine, seed=1, check=check)
+    for turn, row in enumerate(computed[1:], 1):
+        assert [c for c, _ in row] == [new for _, new in row], f"turn {turn}: (computed, new) {row}"
+    stats = engine.stats()
+    assert stats.parks >= AGENTS and stats.resumes >= AGENTS * (TURNS - 2)
+    assert stats.host_tier["tokens_restored"] > 0 and stats.host_tier["bytes_used"] <= stats.host_tier["budget_bytes"]
+    assert stats.kv_blocks_used <= DEVICE_BLOCKS
+
+
+def test_without_the_tier_the_same_turns_recompute(tiny_checkpoints, make_engine):
+    """The baseline the tier is measured against (and proof the test above can fail)."""
+    engine = make_engine(tiny_checkpoints["llama"], num_blocks=DEVICE_BLOCKS, speculation="off", host_kv_bytes=0)
+    computed = round_robin(engine, seed=1)
+    recomputed = sum(c - new for row in computed[1:] for c, new in row)
+    assert recomputed > AGENTS * (TURNS - 1) * NEW
+    assert engine.stats().parks == 0 and engine.stats().host_tier is None
+
+
+def test_budget_drops_the_oldest_copies_and_output_stays_exact(tiny_checkpoints, make_engine, hf_greedy):
+    """A host budget for about one state: older copies are dropped (those states recompute)."""
+    path = tiny_checkpoints["qwen3"]
+    engine = make_engine(path, num_blocks=DEVICE_BLOCKS, speculation="off")
+    per_state = 9 * engine.kv_cache.bytes_per_block_here
+    engine.close()
+    engine = make_engine(path, num_blocks=DEVICE_BLOCKS, speculation="off", host_kv_bytes=per_state)
+
+    def check(prompt, got):
+        assert list(got) == hf_greedy(str(path), prompt, GENERATE)
+
+    round_robin(engine, seed=2, check=check)
+    tier = engine.stats().host_tier
+    assert tier["dropped"] > 0 and tier["bytes_used"] <= per_state
+
+
+def test_states_memory_and_save_of_a_parked_state(tiny_checkpoints, make_engine, tmp_path, hf_greedy):
+    path = tiny_checkpoints["llama"]
+    engine = make_engine(path, num_blocks=DEVICE_BLOCKS, speculation="off")
+    rng = random.Random(3)
+    prompts = [random_tokens(rng, 130) for _ in range(3)]
+    handles = [engine.open_state(f"s{i}") for i in range(3)]
+    for h, p in zip(handles, prompts):
+        h.sync(p)  # 9 blocks each: the third parks the first
+    tiers = {info.id: info.tier for info in engine.states()}
+    assert tiers["s0"] == "host" and tiers["s2"] == "device"
+    memory = engine.memory()
+    assert memory["states"]["s0"]["tier"] == "host" and memory["states"]["s0"]["bytes"] > 0
+    assert memory["host"]["kv_parked"] == sum(s["bytes"] for s in memory["states"].values() if s["tier"] == "host")
+    assert memory["device"]["kv_used"] <= memory["device"]["kv_pool"]
+    handles[0].save(tmp_path / "s0.state")  # from its parked copy: the file holds its KV
+    handles[0].close()
+    other = make_engine(path, num_blocks=DEVICE_BLOCKS, speculation="off")
+    loaded = other.load_state(tmp_path / "s0.state")
+    done = loaded.generate(SamplingParams(max_tokens=GENERATE, ignore_eos=True))
+    assert done.stats.computed == 1  # the last token's logits only
+    assert list(done.token_ids) == hf_greedy(str(path), prompts[0], GENERATE)
+
+
+def test_fork_of_a_parked_state_resumes_without_recompute(tiny_checkpoints, make_engine, hf_greedy):
+    path = tiny_checkpoints["llama"]
+    engine = make_engine(path, num_blocks=DEVICE_BLOCKS, speculation="off")
+    rng = random.Random(4)
+    prompts = [random_tokens(rng, 130) for _ in range(3)]
+    handles = [engine.open_state(f"s{i}") for i in range(3)]
+    for h, p in zip(handles, prompts):
+        h.sync(p)
+    twin = handles[0].fork("s0-twin")
+    handles[2].close()
+    handles[1].close()
+    done = twin.generate(SamplingParams(max_tokens=GENERATE, ignore_eos=True))
+    assert done.stats.computed == 1
+    assert list(done.token_ids) == hf_greedy(str(path), prompts[0], GENERATE)
+
+
+def test_bad_host_budget(tiny_checkpoints, make_engine):
+    with pytest.raises(ConfigError, match="host_kv_bytes"):
+        make_engine(tiny_checkpoints["llama"], host_kv_bytes=-1)
