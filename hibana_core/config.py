@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import numbers
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -81,6 +82,13 @@ class CacheConfig:
     """The host tier: bytes of host memory where idle states' KV is parked when the device pool
     needs room (and copied back when they resume) instead of being dropped and recomputed.
     None: a quarter of physical memory, at most 16 GiB; 0: no host tier (drop and recompute)."""
+    state_dir: Any = None
+    """A folder (str or os.PathLike) where named states persist across restarts: the engine writes
+    each open named state there when it closes, and `open_state(id)` finds the state again
+    (its KV parked in the host tier, copied to the device at its next request, so nothing is
+    recomputed). Files carry the model's fingerprint and a checksum; a damaged or foreign file
+    is a StateFileError for that `open_state` alone. Closing a state (`h.close()`) deletes its
+    file. None: states live as long as the engine."""
     max_unnamed_states: int = 256
     """Idle states the engine made itself (`Engine.lease` for calls that name no state) kept at
     most; beyond it the least recently used are closed. Their full blocks stay findable in the
@@ -96,6 +104,9 @@ class CacheConfig:
                "memory_budget_bytes must be positive")
         _check(0.0 < self.memory_fraction <= 1.0, "memory_fraction must lie in (0, 1]")
         _check(self.max_unnamed_states >= 0, "max_unnamed_states must be >= 0")
+        _check(self.state_dir is None or (isinstance(self.state_dir, (str, os.PathLike))
+                                          and not isinstance(self.state_dir, bytes) and str(self.state_dir) != ""),
+               f"state_dir must be a folder path (str or os.PathLike) or None, got {self.state_dir!r}")
         _check(self.host_kv_bytes is None or self.host_kv_bytes >= 0,
                f"host_kv_bytes must be >= 0 (0: no host tier) or None (automatic), got {self.host_kv_bytes}")
         _check(self.kv_dtype in ("auto", "float32", "bfloat16", "float16", *FP8_KV_DTYPES),

@@ -352,11 +352,14 @@ class Engine:
     # --- lifetime -----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the loop, fail pending requests, free every state. Idempotent."""
+        """Stop the loop, fail pending requests, write the named states to `state_dir` (if set),
+        free every state. Idempotent."""
         if self.core.closed:
             return
         self.core.close(EngineClosedError("the engine was closed while this request ran"))
         with self.core.lock:
+            if self.config.cache.state_dir is not None:
+                self.registry.persist_all()  # found again by id after a restart
             self.registry.close_all()
             self.scheduler.speculation.close()  # a draft model's weights and KV
             if self.host_tier is not None:

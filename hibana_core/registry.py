@@ -9,6 +9,8 @@ token lists, scanning states for a match) runs before the lock is taken.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import logging
 import os
 import time
@@ -16,6 +18,7 @@ import uuid
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from hibana_core.config import CacheConfig, SamplingParams, is_kind
@@ -79,12 +82,55 @@ class StateRegistry:
     # --- finding states -------------------------------------------------------------------------
 
     def open(self, state_id: str) -> StateHandle:
-        """Get or create the state with this id."""
+        """Get or create the state with this id; with a `state_dir`, one persisted there by an
+        earlier engine comes back (tokens and KV, nothing recomputed)."""
         _check_id(state_id)
         with self.lock:
             self._check_open()
             entry = self._entries.get(state_id)
-            return entry.handle if entry is not None else self._add(state_id, self._new_sequence())
+            if entry is not None:
+                return entry.handle
+            seq = self._new_sequence()
+            path = self.persisted_path(state_id)
+            if path is not None and path.exists():
+                self._resume(seq, state_id, path)
+            return self._add(state_id, seq)
+
+    # --- persistence (state_dir) ----------------------------------------------------------------
+
+    def persisted_path(self, state_id: str) -> Path | None:
+        """Where `state_dir` keeps the state with this id (any string: the file is named by its hash)."""
+        if self.config.state_dir is None:
+            return None
+        digest = hashlib.blake2b(state_id.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+        return Path(self.config.state_dir) / f"{digest}.state"
+
+    def _resume(self, seq: KVSequence, state_id: str, path: Path) -> None:
+        """Fill `seq` from its persisted file: its KV parked in the host tier (copied to the device
+        at its next request) or, without one, on the device now."""
+        saved = state_file.read(path, self.limits.fingerprint, self.kv_cache.data.shape, self.kv_cache.dtype)
+        if saved.state_id != state_id:
+            raise StateFileError(f"{path} holds state {saved.state_id!r}, not {state_id!r}; remove the file "
+                                 "or open that id")
+        seq.tokens = self._validate(saved.tokens)
+        if saved.block_size != self.pool.block_size or not saved.num_computed:
+            return  # tokens only: the KV is recomputed on next use
+        tier = self.core.scheduler.eviction.tier
+        if tier is None or not tier.adopt(seq, seq.tokens[:saved.num_computed], saved.kv):
+            self._place(seq, saved, path)
+        logger.info("state %r resumed from %s (%d tokens, %d with KV)", state_id, path, len(seq.tokens),
+                    saved.num_computed)
+
+    def persist_all(self) -> None:
+        """Write every open named state to `state_dir` (the engine closes). A state that cannot
+        be written is logged and skipped; the others are still written."""
+        for state_id, entry in self._entries.items():
+            if entry.unnamed or not entry.seq.tokens:
+                continue
+            try:
+                self._write(entry.seq, state_id, self.persisted_path(state_id))
+            except HibanaError as exc:
+                logger.warning("state %r was not persisted: %s", state_id, exc)
 
     def _new_sequence(self) -> KVSequence:
         return KVSequence(self.pool, self.kv_cache.copy_block, self.config.enable_prefix_caching)
@@ -302,15 +348,17 @@ class StateRegistry:
 
     def save(self, handle: StateHandle, path: str | os.PathLike) -> None:
         with self.lock:
-            seq = self._editable(handle).seq
-            computed, kv = seq.num_computed, None
-            if not seq.block_ids and seq.parked is not None:  # parked in the host tier: its copy
-                computed = common_prefix_len(seq.tokens, seq.parked.tokens)
-                kv = seq.parked.kv[:, :, :-(-computed // self.pool.block_size)]
-            if kv is None:
-                kv = self.kv_cache.read_blocks(seq.block_ids)
-            state_file.write(state_file.as_path(path), handle.id, seq.tokens, computed, self.pool.block_size,
-                             kv, self.limits.fingerprint)
+            self._write(self._editable(handle).seq, handle.id, state_file.as_path(path))
+
+    def _write(self, seq: KVSequence, state_id: str, path: Path) -> None:
+        """Write `seq` as a state file (from its parked copy when it is parked)."""
+        computed, kv = seq.num_computed, None
+        if not seq.block_ids and seq.parked is not None:  # parked in the host tier: its copy
+            computed = common_prefix_len(seq.tokens, seq.parked.tokens)
+            kv = seq.parked.kv[:, :, :-(-computed // self.pool.block_size)]
+        if kv is None:
+            kv = self.kv_cache.read_blocks(seq.block_ids)
+        state_file.write(path, state_id, seq.tokens, computed, self.pool.block_size, kv, self.limits.fingerprint)
 
     def load(self, path: str | os.PathLike, state_id: str | None = None, *, share: bool = False) -> StateHandle:
         """Restore a state written by `save` (same model and tokenizer only). The file is read and
@@ -331,18 +379,22 @@ class StateRegistry:
             seq.share = self.config.enable_prefix_caching and share
             seq.tokens = tokens
             if saved.block_size == self.pool.block_size and saved.num_computed:
-                blocks = saved.kv.shape[2]
-                if not self.pool.can_allocate(blocks):
-                    self.core.scheduler.eviction.make_room(blocks)
-                seq.block_ids = self.pool.allocate(blocks)
-                try:
-                    self.kv_cache.write_blocks(seq.block_ids, saved.kv)
-                except Exception as exc:
-                    seq.release()
-                    raise StateFileError(f"state file {path} does not fit this engine's KV cache ({exc})") from exc
-                seq.mark_computed(saved.num_computed)
-                seq.commit_full_blocks()  # with share=True: published (and deduped)
+                self._place(seq, saved, path)
             return self._add(state_id, seq)
+
+    def _place(self, seq: KVSequence, saved: state_file.SavedState, path: object) -> None:
+        """A saved state's KV into device blocks now (idle states evicted for room)."""
+        blocks = saved.kv.shape[2]
+        if not self.pool.can_allocate(blocks):
+            self.core.scheduler.eviction.make_room(blocks)
+        seq.block_ids = self.pool.allocate(blocks)
+        try:
+            self.kv_cache.write_blocks(seq.block_ids, saved.kv)
+        except Exception as exc:
+            seq.release()
+            raise StateFileError(f"state file {path} does not fit this engine's KV cache ({exc})") from exc
+        seq.mark_computed(saved.num_computed)
+        seq.commit_full_blocks()  # with share=True: published (and deduped)
 
     def close_state(self, handle: StateHandle) -> None:
         with self.lock:
@@ -354,6 +406,10 @@ class StateRegistry:
             entry.seq.release()
             handle.closed = True
             del self._entries[handle.id]
+            path = self.persisted_path(handle.id)
+            if path is not None:  # closed: the user is done with it, after a restart too
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
 
     def close_all(self) -> None:
         with self.lock:

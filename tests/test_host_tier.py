@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from hibana_core import ConfigError, SamplingParams
+from hibana_core import ConfigError, SamplingParams, StateFileError
 from tiny_models import random_tokens
 
 AGENTS, TURNS, NEW, GENERATE = 8, 6, 8, 6
@@ -121,3 +121,55 @@ def test_fork_of_a_parked_state_resumes_without_recompute(tiny_checkpoints, make
 def test_bad_host_budget(tiny_checkpoints, make_engine):
     with pytest.raises(ConfigError, match="host_kv_bytes"):
         make_engine(tiny_checkpoints["llama"], host_kv_bytes=-1)
+
+
+# --- state_dir: states found again after a restart ---------------------------------------------
+
+def test_states_resume_after_a_restart_with_nothing_recomputed(tiny_checkpoints, make_engine, tmp_path, hf_greedy):
+    path = tiny_checkpoints["qwen3"]
+    rng = random.Random(5)
+    histories = {f"agent/{i}": random_tokens(rng, rng.randint(20, 90)) for i in range(8)}
+    engine = make_engine(path, state_dir=tmp_path, num_blocks=DEVICE_BLOCKS, speculation="off")
+    for state_id, history in histories.items():
+        done = engine.open_state(state_id).generate(SamplingParams(max_tokens=4, ignore_eos=True), prompt=history)
+        histories[state_id] = history + list(done.token_ids)
+    engine.open_state("closed").sync(random_tokens(rng, 40))
+    engine.open_state("closed").close()  # a closed state is not persisted
+    engine.close()
+    assert len(list(tmp_path.glob("*.state"))) == len(histories)
+
+    engine = make_engine(path, state_dir=tmp_path, num_blocks=DEVICE_BLOCKS, speculation="off")
+    assert engine.open_state("closed").tokens == []
+    for state_id, history in histories.items():
+        h = engine.open_state(state_id)
+        assert h.tokens == history
+        new = random_tokens(rng, 5)
+        done = h.generate(SamplingParams(max_tokens=6, ignore_eos=True), prompt=history + new)
+        assert done.stats.computed == len(new) + 1  # + the last token generated before the restart
+        assert list(done.token_ids) == hf_greedy(str(path), history + new, 6)
+    assert engine.stats().prompt_tokens_computed == len(histories) * 6
+
+
+def test_a_damaged_or_foreign_state_file_fails_its_open_alone(tiny_checkpoints, make_engine, tmp_path):
+    engine = make_engine(tiny_checkpoints["llama"], state_dir=tmp_path)
+    for name in ("good", "bad"):
+        engine.open_state(name).sync(list(range(5, 45)))
+    engine.close()
+    bad = engine.registry.persisted_path("bad")
+    data = bytearray(bad.read_bytes())
+    data[-10] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    engine = make_engine(tiny_checkpoints["llama"], state_dir=tmp_path)
+    with pytest.raises(StateFileError, match="damaged"):
+        engine.open_state("bad")
+    assert engine.open_state("good").tokens == list(range(5, 45))
+    engine.close()
+    other = make_engine(tiny_checkpoints["qwen2"], state_dir=tmp_path)  # another model: foreign files
+    with pytest.raises(StateFileError, match="another model"):
+        other.open_state("good")
+    assert other.open_state("fresh").generate(SamplingParams(max_tokens=2), prompt=[5, 6, 7]).token_ids
+
+
+def test_state_dir_must_be_a_path(tiny_checkpoints, make_engine):
+    with pytest.raises(ConfigError, match="state_dir"):
+        make_engine(tiny_checkpoints["llama"], state_dir=3)

@@ -78,12 +78,8 @@ class HostTier:
         device_kv = self.cache.gather(index)
         host = torch.empty(device_kv.shape, dtype=device_kv.dtype, pin_memory=self.pinned)
         host.copy_(device_kv)
-        self.forget(seq)
-        seq.parked = ParkedKV(seq.tokens[:n], host)
+        self._hold(seq, ParkedKV(seq.tokens[:n], host))
         seq.release()
-        key = id(seq)
-        self._parked[key] = weakref.ref(seq, lambda _, key=key, owner=weakref.ref(self): _gone(owner, key))
-        self._bytes[key] = seq.parked.nbytes
         c = self.counters
         c.parks += 1
         c.bytes_moved += seq.parked.nbytes
@@ -120,6 +116,23 @@ class HostTier:
         c.seconds += time.perf_counter() - began
         logger.info("resumed a parked state from host memory (%d tokens)", n)
         return n
+
+    def adopt(self, seq: KVSequence, tokens: list[int], kv: torch.Tensor) -> bool:
+        """Hold `kv` (on the host: a state file's blocks) as `seq`'s parked copy, restored at its
+        next request like any other. False when the budget cannot take it."""
+        nbytes = kv.numel() * kv.element_size()
+        if not self._room(nbytes):
+            return False
+        self._hold(seq, ParkedKV(list(tokens), kv.pin_memory() if self.pinned else kv))
+        return True
+
+    def _hold(self, seq: KVSequence, parked: ParkedKV) -> None:
+        """Make `parked` the copy of `seq`, counted against the budget until restored or dropped."""
+        self.forget(seq)
+        seq.parked = parked
+        key = id(seq)
+        self._parked[key] = weakref.ref(seq, lambda _, key=key, owner=weakref.ref(self): _gone(owner, key))
+        self._bytes[key] = parked.nbytes
 
     def forget(self, seq: KVSequence) -> None:
         """Drop `seq`'s parked copy, if any."""
