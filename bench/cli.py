@@ -28,10 +28,10 @@ DECODE_SYSTEMS = ("hibana", "hf_eager", "hf_compiled")
 FUSION_POLICIES = ("auto", "on", "off")  # hibana_kernels.fusion.POLICIES
 AGENT_SYSTEMS = ("hibana", "hibana_no_retention", "hf_reprefill", "hf_cache_reuse")
 TRACE_SYSTEMS = tuple(SPEC_SYSTEMS)  # hibana_spec_off, hibana_spec_k4, hibana
-ALL_SYSTEMS = ", ".join(dict.fromkeys(TRACE_SYSTEMS + DECODE_SYSTEMS + AGENT_SYSTEMS))
+ALL_SYSTEMS = ", ".join(dict.fromkeys(TRACE_SYSTEMS + DECODE_SYSTEMS + AGENT_SYSTEMS + ("hibana_recompute",)))
 # the systems each workload runs (a trace runs the speculation systems and reports the rest skipped)
 WORKLOAD_SYSTEMS = {"decode": tuple(dict.fromkeys(TRACE_SYSTEMS + DECODE_SYSTEMS)),
-                    "agents": tuple(dict.fromkeys(TRACE_SYSTEMS + AGENT_SYSTEMS))}
+                    "agents": tuple(dict.fromkeys(TRACE_SYSTEMS + AGENT_SYSTEMS + ("hibana_recompute",)))}
 
 
 def _count(text: str) -> int:
@@ -43,6 +43,18 @@ def _count(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _latency(text: str) -> tuple[float, float]:
+    """An argparse type: "LO" or "LO,HI" seconds, 0 <= LO <= HI."""
+    try:
+        parts = [float(p) for p in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LO or LO,HI in seconds") from None
+    lo, hi = (parts[0], parts[0]) if len(parts) == 1 else parts if len(parts) == 2 else (-1.0, -1.0)
+    if not 0 <= lo <= hi or hi != hi:
+        raise argparse.ArgumentTypeError(f"{text!r}: want LO or LO,HI seconds with 0 <= LO <= HI")
+    return lo, hi
 
 
 def _counts(text: str) -> list[int]:
@@ -96,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     agents.add_argument("--generate", type=_count, default=32, help="tokens each agent generates per turn (default 32)")
     agents.add_argument("--peer-agents", type=_count, default=1,
                         help="agents the sequential transformers peers are timed on (default 1)")
+    agents.add_argument("--tool-latency", type=_latency, metavar="LO[,HI]",
+                        help="seconds each tool call takes before its result comes in, drawn uniformly "
+                        "from [LO, HI] per call (default: none)")
+    agents.add_argument("--device-kv-agents", type=_count, metavar="N",
+                        help="size the device KV pool for N agents' whole histories, so the rest are "
+                        "evicted (compare the systems hibana, with the host tier, and hibana_recompute)")
     agents.add_argument("--surgery", default="", help="comma-separated surgery passes (e.g. kv8): adds a "
                         "system hibana+PASS for each (the default engine with that pass; random trace only)")
     grammar = sub.add_parser("grammar", parents=[basic], help="constrained decoding's cost per token "
@@ -125,6 +143,8 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if unknown:
         parser.error(f"unknown system(s) for {args.workload}{' --trace' if args.trace else ''}: "
                      f"{', '.join(unknown)}; known: {', '.join(known)}")
+    if args.workload == "agents" and args.trace and (args.tool_latency or args.device_kv_agents):
+        parser.error("--tool-latency and --device-kv-agents apply to the random workload, not to --trace")
     bad_fusion = [f for f in getattr(args, "fusion", "auto").split(",") if f not in FUSION_POLICIES]
     if bad_fusion:
         parser.error(f"unknown fusion policy {', '.join(bad_fusion)}; known: {', '.join(FUSION_POLICIES)}")
@@ -232,7 +252,7 @@ def run_random(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
         print_decode(report)
     else:
         cfg = AgentsConfig(args.agents, args.turns or 4, args.system, args.tool_result, args.generate,
-                           args.peer_agents)
+                           args.peer_agents, tool_latency=args.tool_latency, device_kv_agents=args.device_kv_agents)
         report = agents_workload(model, cfg, systems)
         print_agents(report)
     return report
@@ -277,7 +297,9 @@ def print_agents(report: dict) -> None:
     cfg = report["config"]
     note = " (random weights)" if report["random_weights"] else ""
     print(f"agents, {report['model']}{note}: {cfg['agents']} agents x {cfg['turns']} turns, system "
-          f"{cfg['system']} (half shared), tool result {cfg['tool_result']}, generate {cfg['generate']}")
+          f"{cfg['system']} (half shared), tool result {cfg['tool_result']}, generate {cfg['generate']}"
+          + (f", tool latency {cfg['tool_latency'][0]:g}-{cfg['tool_latency'][1]:g} s" if cfg.get("tool_latency") else "")
+          + (f", device KV for {cfg['device_kv_agents']} agents" if cfg.get("device_kv_agents") else ""))
     header = ("system", "turns/h", "x hibana", "decode tok/s", "computed/turn", "reused/turn",
               "ttft p50", "ttft p95", "timed on")
     print("".join(f"{h:>14}" for h in header))
@@ -292,6 +314,11 @@ def print_agents(report: dict) -> None:
     for name, r in report["results"].items():
         if r.get("kv_blocks"):
             print(f"{name}: KV pool {r['kv_blocks']:,} blocks in {r['kv_bytes'] / 1e9:.2f} GB")
+        tier = r.get("host_tier")
+        if tier and tier["parks"]:
+            print(f"{name}: host tier {tier['parks']} parks, {tier['resumes']} resumes, "
+                  f"{tier['bytes_moved'] / 1e9:.2f} GB moved in {tier['seconds']:.2f} s, "
+                  f"{tier['tokens_restored']:,} prompt tokens not recomputed")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@
 #   bash bench/run_h200.sh quant    # bench/tune_quant.py: int8/int4/fp8 linears against bf16 cuBLAS, Qwen3-8B shapes
 #   bash bench/run_h200.sh quant_sweep   # bench/tune_quant.py --sweep: their tiles at 1 and 64 rows
 #                                        # (QUANT_ARGS replaces "--rows 1,64", e.g. "--rows 4 --shapes o")
+#   bash bench/run_h200.sh memory        # issue 17: 64 agents, tools of 1-5 s, device KV for 16: the host tier
+#                                        # (hibana) against drop-and-recompute, then unbounded device KV
 #   bash bench/run_h200.sh draft_cost    # bench/draft_cost.py: the draft-model drafter's cost per drafted token
 #   bash bench/run_h200.sh spec_decode   # trace-driven batch-1 decode, coding and demo traces, speculation off/k4/adaptive
 #   bash bench/run_h200.sh spec_agents   # trace-driven agents on the coding trace: 32 agents (off/k4/adaptive),
@@ -84,6 +86,13 @@ case "${1:-check}" in
   quant_sweep)
     python3 bench/tune_quant.py --sweep ${QUANT_ARGS:---rows 1,64} --json "$OUT/tune_quant_sweep.json" 2>&1 \
       | tee "$OUT/tune_quant_sweep.txt" ;;
+  memory)
+    python3 -m hibana_bench.cli agents --model qwen3-8b --agents 64 --turns 6 --system 4096 --tool-result 200 \
+      --generate 100 --tool-latency 1,5 --device-kv-agents 16 --systems hibana,hibana_recompute \
+      --json "$OUT/agents_memory_qwen3-8b.json" 2>&1 | tee "$OUT/agents_memory_qwen3-8b.txt"
+    python3 -m hibana_bench.cli agents --model qwen3-8b --agents 64 --turns 6 --system 4096 --tool-result 200 \
+      --generate 100 --tool-latency 1,5 --systems hibana \
+      --json "$OUT/agents_memory_unbounded_qwen3-8b.json" 2>&1 | tee "$OUT/agents_memory_unbounded_qwen3-8b.txt" ;;
   draft_cost)
     python3 bench/draft_cost.py --json "$OUT/draft_cost.json" 2>&1 | tee "$OUT/draft_cost.txt" ;;
   grammar)

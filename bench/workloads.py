@@ -145,6 +145,8 @@ class AgentsConfig:
     generate: int
     peer_agents: int = 1  # sequential peers are timed on this many agents (all turns)
     seed: int = 0
+    tool_latency: tuple[float, float] | None = None  # seconds a tool call takes: uniform in [lo, hi], per call
+    device_kv_agents: int | None = None  # device KV pool sized for this many agents' whole histories
 
 
 @dataclass
@@ -166,6 +168,7 @@ class SystemResult:
     records: list[TurnRecord] = field(default_factory=list)
     kv_blocks: int | None = None      # the engine's KV pool (Hibana systems): blocks and bytes,
     kv_bytes: int | None = None       # so a KV dtype's agents per GB show
+    host_tier: dict | None = None     # parks, resumes, bytes moved, tokens restored (Hibana systems)
 
     def summary(self) -> dict:
         turns = len(self.records)
@@ -185,6 +188,7 @@ class SystemResult:
             "seconds": self.seconds,
             "kv_blocks": self.kv_blocks,
             "kv_bytes": self.kv_bytes,
+            "host_tier": self.host_tier,
         }
 
 
@@ -201,15 +205,31 @@ def agent_script(cfg: AgentsConfig, vocab: int) -> list[list[list[int]]]:
     return script
 
 
+def _memory_overrides(cfg: AgentsConfig, context: int, system: str) -> dict:
+    """--device-kv-agents N: a device pool for N agents' whole histories (+ one spare agent's
+    worth for the warm-up and block rounding); "hibana_recompute" turns the host tier off, so an
+    evicted agent recomputes its history (the engine before the memory manager)."""
+    overrides = {}
+    if cfg.device_kv_agents is not None:
+        block = 16
+        overrides.update(block_size=block, num_blocks=(cfg.device_kv_agents + 1) * -(-context // block))
+    if system == "hibana_recompute":
+        overrides["host_kv_bytes"] = 0
+    return overrides
+
+
 def run_hibana_agents(model: BenchModel, cfg: AgentsConfig, retention: bool, system: str = "hibana") -> SystemResult:
-    """`system` is one of SPEC_SYSTEMS (speculation off, fixed, adaptive) or "hibana+PASS" (the
-    default engine with a surgery pass); without retention the engine's default speculation runs."""
+    """`system` is one of SPEC_SYSTEMS (speculation off, fixed, adaptive), "hibana+PASS" (the
+    default engine with a surgery pass) or "hibana_recompute" (no host tier); without retention
+    the engine's default speculation runs."""
     script = agent_script(cfg, model.vocab_size)
     context = cfg.system + cfg.turns * (cfg.tool_result + cfg.generate) + 16
     params = SamplingParams(max_tokens=cfg.generate, ignore_eos=True)
     name = system if retention else "hibana_no_retention"
-    with open_engine(model, system.split("+")[0], max_model_len=context, max_concurrent_agents=max(cfg.agents, 1),
-                     enable_prefix_caching=retention, **_surgery_overrides(model, system)) as engine:
+    engine_system = "hibana" if system == "hibana_recompute" else system.split("+")[0]
+    with open_engine(model, engine_system, max_model_len=context, max_concurrent_agents=max(cfg.agents, 1),
+                     enable_prefix_caching=retention, **_surgery_overrides(model, system),
+                     **_memory_overrides(cfg, context, system)) as engine:
         warm = engine.open_state("warm")  # Triton compiles, CUDA graphs are captured
         warm.generate(SamplingParams(max_tokens=4, ignore_eos=True),
                       prompt=random_tokens(random.Random(-1), 64, model.vocab_size))
@@ -220,7 +240,10 @@ def run_hibana_agents(model: BenchModel, cfg: AgentsConfig, retention: bool, sys
 
         def agent(i: int) -> None:
             history: list[int] = []
+            tool = random.Random(cfg.seed * 1000 + i)
             for turn, new in enumerate(script[i]):
+                if turn and cfg.tool_latency is not None:  # the tool runs before its result comes in
+                    time.sleep(tool.uniform(*cfg.tool_latency))
                 history = history + new
                 state_id = f"agent{i}" if retention else f"agent{i}-turn{turn}"
                 h = engine.open_state(state_id)
@@ -236,8 +259,9 @@ def run_hibana_agents(model: BenchModel, cfg: AgentsConfig, retention: bool, sys
 
         seconds = run_agents(agent, cfg.agents)
         bar.close()
-        kv_blocks, kv_bytes = engine.stats().kv_blocks_total, engine.kv_cache.nbytes
-    return SystemResult(name, cfg.agents, seconds, records, kv_blocks, kv_bytes)
+        stats = engine.stats()
+        kv_blocks, kv_bytes = stats.kv_blocks_total, engine.kv_cache.nbytes
+    return SystemResult(name, cfg.agents, seconds, records, kv_blocks, kv_bytes, stats.host_tier)
 
 
 def run_agents(agent, n: int) -> float:
@@ -279,6 +303,7 @@ def agents_workload(model: BenchModel, cfg: AgentsConfig, systems: list[str]) ->
     runners = {
         **{name: (lambda name=name: run_hibana_agents(model, cfg, retention=True, system=name)) for name in SPEC_SYSTEMS},
         "hibana_no_retention": lambda: run_hibana_agents(model, cfg, retention=False),
+        "hibana_recompute": lambda: run_hibana_agents(model, cfg, retention=True, system="hibana_recompute"),
         "hf_reprefill": lambda: run_hf_agents(model, cfg, reuse_cache=False),
         "hf_cache_reuse": lambda: run_hf_agents(model, cfg, reuse_cache=True),
     }

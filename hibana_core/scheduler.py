@@ -277,6 +277,13 @@ class Scheduler:
         the last chunk of a sync): then an empty schedule is no reason to preempt."""
         return any(r.num_output_placeholders or r.num_uncomputed == 0 for r in self.running)
 
+    def _evict(self, seq: KVSequence) -> None:
+        """Free a sequence's device blocks: parked in the host tier if it takes them, else released.
+        (Called only when no step in flight writes its KV: see `_awaiting_update`.)"""
+        tier = getattr(self.eviction, "tier", None)
+        if tier is None or not tier.park(seq):
+            seq.release()
+
     def _requeue(self, request: Request) -> None:
         self.running.remove(request)
         request.status = RequestStatus.WAITING
@@ -355,17 +362,18 @@ class Scheduler:
         return ScheduledChunk(request, start, num, sample)
 
     def _preempt_or_fail(self) -> None:
-        """Nothing fits: the newest running request gives its KV back and waits (it recomputes
+        """Nothing fits: the newest running request gives its KV back and waits (parked in the
+        host tier when there is one, so it resumes without recomputing; otherwise it recomputes
         later, often from its blocks still in the prefix index); a request that cannot fit even
         alone fails."""
         if len(self.running) > 1:
             victim = self.running[-1]
-            victim.seq.release()
+            self._evict(victim.seq)
             self._requeue(victim)
             return
         holders = [r for r in self.waiting if r.seq.block_ids]
         if holders:  # a queued request's resident KV goes first: it is not running anyway
-            holders[-1].seq.release()
+            self._evict(holders[-1].seq)
             return
         victim = self.running[-1] if self.running else self.waiting[0]
         victim.error = MemoryBudgetError(

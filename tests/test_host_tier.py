@@ -5,6 +5,7 @@ equal to transformers' greedy on the full history throughout."""
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
@@ -173,3 +174,50 @@ def test_a_damaged_or_foreign_state_file_fails_its_open_alone(tiny_checkpoints, 
 def test_state_dir_must_be_a_path(tiny_checkpoints, make_engine):
     with pytest.raises(ConfigError, match="state_dir"):
         make_engine(tiny_checkpoints["llama"], state_dir=3)
+
+
+def test_preemption_parks_instead_of_discarding(tiny_checkpoints, make_engine, hf_greedy, join_all):
+    """Two agents that cannot both fit: the newest is preempted, its KV parked and copied back,
+    so neither computes its prompt twice; outputs equal transformers' greedy."""
+    path = tiny_checkpoints["llama"]
+    rng = random.Random(6)
+    prompts = [random_tokens(rng, 80) for _ in range(2)]
+    results = {}
+
+    def run(engine, i):
+        results[i] = engine.open_state(f"p{i}").generate(SamplingParams(max_tokens=60, ignore_eos=True),
+                                                         prompt=prompts[i])
+
+    for host, name in ((None, "tier"), (0, "recompute")):
+        engine = make_engine(path, num_blocks=12, speculation="off", max_num_batched_tokens=64,
+                             **({} if host is None else {"host_kv_bytes": host}))
+        threads = [threading.Thread(target=run, args=(engine, i)) for i in range(2)]
+        for t in threads:
+            t.start()
+        join_all(threads, 120)
+        for i, p in enumerate(prompts):
+            assert list(results[i].token_ids) == hf_greedy(str(path), p, 60), name
+        computed = sum(results[i].stats.computed for i in range(2))
+        if name == "tier":
+            assert engine.stats().parks >= 1 and computed == sum(len(p) for p in prompts)
+        else:
+            assert computed > sum(len(p) for p in prompts)  # the preempted one computed again
+
+
+def test_bench_agents_with_tool_latency_and_a_small_device_pool(tiny_checkpoints, tmp_path):
+    """`hibana bench agents --device-kv-agents N --tool-latency LO,HI`: the host tier (hibana)
+    against drop-and-recompute (hibana_recompute) on the same script."""
+    import json
+
+    from hibana_bench.cli import main
+
+    out = tmp_path / "agents.json"
+    assert main(["agents", "--model", str(tiny_checkpoints["llama"]), "--agents", "4", "--turns", "3",
+                 "--system", "96", "--tool-result", "16", "--generate", "4", "--device-kv-agents", "1",
+                 "--tool-latency", "0,0.02", "--systems", "hibana,hibana_recompute", "--no-cold-start",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["tool_latency"] == [0.0, 0.02] and report["config"]["device_kv_agents"] == 1
+    tier, recompute = report["results"]["hibana"], report["results"]["hibana_recompute"]
+    assert tier["host_tier"]["parks"] > 0 and recompute["host_tier"] is None
+    assert tier["computed_per_turn"] < recompute["computed_per_turn"]
