@@ -58,6 +58,9 @@ def _check_types(obj: Any) -> None:
                f"{' or None' if optional else ''}, got {value!r}")
 
 
+EVICTION_POLICIES = ("lru", "tool_aware")  # hibana_core.kv.policies.POLICIES
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache."""
@@ -89,6 +92,10 @@ class CacheConfig:
     recomputed). Files carry the model's fingerprint and a checksum; a damaged or foreign file
     is a StateFileError for that `open_state` alone. Closing a state (`h.close()`) deletes its
     file. None: states live as long as the engine."""
+    eviction_policy: str = "tool_aware"
+    """Which idle state leaves the device first (hibana_core/kv/policies.py): "lru", or
+    "tool_aware": least recently used first, except that a state whose last turn ended in tool
+    calls is kept while its agent is expected back (twice its agent's mean tool time so far)."""
     max_unnamed_states: int = 256
     """Idle states the engine made itself (`Engine.lease` for calls that name no state) kept at
     most; beyond it the least recently used are closed. Their full blocks stay findable in the
@@ -107,6 +114,8 @@ class CacheConfig:
         _check(self.state_dir is None or (isinstance(self.state_dir, (str, os.PathLike))
                                           and not isinstance(self.state_dir, bytes) and str(self.state_dir) != ""),
                f"state_dir must be a folder path (str or os.PathLike) or None, got {self.state_dir!r}")
+        _check(self.eviction_policy in EVICTION_POLICIES,
+               f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction_policy!r}")
         _check(self.host_kv_bytes is None or self.host_kv_bytes >= 0,
                f"host_kv_bytes must be >= 0 (0: no host tier) or None (automatic), got {self.host_kv_bytes}")
         _check(self.kv_dtype in ("auto", "float32", "bfloat16", "float16", *FP8_KV_DTYPES),

@@ -26,6 +26,7 @@ from hibana_core.errors import (ConfigError, ContextLengthError, EngineClosedErr
                                 InvalidTokenError, StateBusyError, StateClosedError, StateExistsError,
                                 StateFileError)
 from hibana_core.kv import state_file
+from hibana_core.kv.policies import POLICIES, StateUse
 from hibana_core.kv.sequence import KVSequence, common_prefix_len
 from hibana_core.output import RequestEvents
 from hibana_core.sampler import make_generator
@@ -63,9 +64,13 @@ class ModelLimits:
 class _Entry:
     handle: StateHandle
     seq: KVSequence
-    last_use: float
+    use: StateUse          # last use, tool waits: what the eviction policy orders by
     unnamed: bool = False  # made by `lease` for a call that named no state (not the user's)
     forced: list[int] | None = None  # bench only: what its next generation emits (`force_outputs`)
+
+    @property
+    def last_use(self) -> float:
+        return self.use.last_use
 
 
 class StateRegistry:
@@ -78,6 +83,7 @@ class StateRegistry:
         self._entries: dict[str, _Entry] = {}
         self._leased: set[str] = set()  # states held by a call (see `lease`)
         self.engine_ref: "weakref.ReferenceType | None" = None  # the Engine, for `StateHandle.engine`
+        self.policy = POLICIES[config.eviction_policy]  # which idle state is evicted first (kv/policies.py)
 
     # --- finding states -------------------------------------------------------------------------
 
@@ -137,7 +143,7 @@ class StateRegistry:
 
     def _add(self, state_id: str, seq: KVSequence, unnamed: bool = False) -> StateHandle:
         handle = StateHandle(self, state_id)
-        self._entries[state_id] = _Entry(handle, seq, time.monotonic(), unnamed)
+        self._entries[state_id] = _Entry(handle, seq, StateUse(time.monotonic()), unnamed)
         return handle
 
     def _live(self, handle: StateHandle) -> _Entry | None:
@@ -257,9 +263,18 @@ class StateRegistry:
         return entry.seq.parked.nbytes if entry is not None and entry.seq.parked is not None else 0
 
     def idle_sequences(self) -> list[KVSequence]:
-        """Sequences holding KV and serving no request, least recently used first (eviction)."""
-        entries = sorted(self._entries.values(), key=lambda e: e.last_use)
-        return [e.seq for e in entries if e.seq.block_ids and not self.core.scheduler.busy(e.seq)]
+        """Sequences holding KV and serving no request, first to evict first (the policy's order)."""
+        idle = [(e.seq, e.use) for e in self._entries.values()
+                if e.seq.block_ids and not self.core.scheduler.busy(e.seq)]
+        return self.policy.order(idle, time.monotonic())
+
+    def note_turn(self, handle: StateHandle, called_tools: bool) -> None:
+        """The chat layer's word that a turn on this state ended, in tool calls or not (the
+        tool-aware eviction order keeps a state while its agent's tools run)."""
+        with self.lock:
+            entry = self._live(handle)
+            if entry is not None:
+                entry.use.turn_ended(time.monotonic(), called_tools)
 
     # --- what a handle asks for -----------------------------------------------------------------
 
@@ -437,7 +452,9 @@ class StateRegistry:
         if self.core.scheduler.busy(entry.seq):
             raise StateBusyError(f"state {handle.id!r} is generating; wait for that request to finish "
                                  "or cancel its stream first")
-        entry.last_use = time.monotonic()
+        now = time.monotonic()
+        entry.use.request_came(now)  # a wait on tools ends here: one observation of its length
+        entry.use.last_use = now
         return entry
 
     def _validate(self, tokens: Sequence[int]) -> list[int]:

@@ -184,6 +184,7 @@ class TurnRun:
         self.generated = 0
         self.finish_reason = "stop"
         self.stopped = False       # the turn ended its request itself (`stop_now`)
+        self.called_tools = False  # the turn ended in tool calls (set by `finish`)
 
     def begin(self) -> tuple[list[ChatDelta], TurnRequest]:
         deltas = self._feed(self.prefill)
@@ -207,6 +208,7 @@ class TurnRun:
         parsed = self.stream.finish()
         if self.max_calls is not None:
             parsed = dataclasses.replace(parsed, tool_calls=parsed.tool_calls[:self.max_calls])
+        self.called_tools = bool(parsed.tool_calls)
         return deltas + [ChatDelta(result=result(parsed, self.text, self.finish_reason, usage))]
 
     def stop_now(self) -> bool:
@@ -304,7 +306,9 @@ def _run(turn: TurnRun, handle: "StateHandle", convert: Callable[[ChatDelta], T 
             yield from _converted(turn.on_event(event), convert)
             if turn.stop_now():
                 events.stop()
-    yield from _converted(turn.finish(), convert)
+    finished = turn.finish()
+    _turn_ended(handle, turn)
+    yield from _converted(finished, convert)
 
 
 async def arun(open_turn: Open, convert: Callable[[ChatDelta], T | None] = _same) -> AsyncIterator[T]:
@@ -331,5 +335,13 @@ async def _arun(turn: TurnRun, handle: "StateHandle", convert: Callable[[ChatDel
                 yield item
             if turn.stop_now():
                 events.stop()
-    for item in _converted(turn.finish(), convert):
+    finished = turn.finish()
+    _turn_ended(handle, turn)
+    for item in _converted(finished, convert):
         yield item
+
+
+def _turn_ended(handle: "StateHandle", turn: TurnRun) -> None:
+    """Tell the engine whether the state now waits on tool calls (its eviction order uses it)."""
+    with contextlib.suppress(HibanaError, AttributeError):
+        handle._registry.note_turn(handle, turn.called_tools)

@@ -221,3 +221,56 @@ def test_bench_agents_with_tool_latency_and_a_small_device_pool(tiny_checkpoints
     tier, recompute = report["results"]["hibana"], report["results"]["hibana_recompute"]
     assert tier["host_tier"]["parks"] > 0 and recompute["host_tier"] is None
     assert tier["computed_per_turn"] < recompute["computed_per_turn"]
+
+
+# --- eviction order: tool-call-aware retention ---------------------------------------------------
+
+@pytest.mark.parametrize("policy, parked", [("tool_aware", "b"), ("lru", "a")])
+def test_a_state_waiting_on_tools_is_evicted_last(tiny_checkpoints, make_engine, policy, parked):
+    """a's turn ended in tool calls (its agent comes back soon), b's did not and b was used
+    later: making room for c parks b under tool_aware, a under plain lru."""
+    engine = make_engine(tiny_checkpoints["llama"], num_blocks=DEVICE_BLOCKS, eviction_policy=policy)
+    rng = random.Random(7)
+    a, b = engine.open_state("a"), engine.open_state("b")
+    a.sync(random_tokens(rng, 130))
+    engine.registry.note_turn(a, called_tools=True)
+    b.sync(random_tokens(rng, 130))
+    engine.registry.note_turn(b, called_tools=False)
+    engine.open_state("c").sync(random_tokens(rng, 130))
+    tiers = {info.id: info.tier for info in engine.states()}
+    assert tiers[parked] == "host" and tiers["c"] == "device" and list(tiers.values()).count("device") == 2
+
+
+def test_tool_wait_is_learned_and_expires():
+    from hibana_core.kv.policies import DEFAULT_TOOL_SECONDS, PATIENCE, StateUse, ToolAwareOrder
+
+    use = StateUse(last_use=0.0)
+    use.turn_ended(10.0, called_tools=True)
+    assert use.expected_back() == 10.0 + DEFAULT_TOOL_SECONDS
+    use.request_came(11.0)  # the tool took 1 s
+    assert use.tool_seconds == 1.0 and use.tool_since is None
+    use.turn_ended(20.0, called_tools=True)
+    other = StateUse(last_use=15.0)  # idle, no tool wait, used more recently
+    order = ToolAwareOrder().order([("waiting", use), ("other", other)], now=20.5)
+    assert order == ["other", "waiting"]
+    late = 20.0 + PATIENCE * 1.0 + 0.1  # past its window: an ordinary idle state (older: first)
+    assert ToolAwareOrder().order([("waiting", use), ("other", other)], now=late) == ["waiting", "other"]
+
+
+def test_a_chat_turn_that_calls_tools_marks_its_state(make_engine):
+    """Through the chat layer: the demo model calls a tool, and its state waits on it."""
+    engine = make_engine("demo")
+    tools = [{"type": "function", "function": {"name": "get_time", "description": "The time in a city.",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "city": {"type": "string"}}, "required": ["city"]}}}]
+    chat = engine.chat("agent")
+    result = chat.respond([{"role": "user", "content": "What time is it in Paris?"}], tools=tools,
+                          tool_choice="required")
+    assert result.tool_calls
+    use = engine.registry._entries["agent"].use
+    assert use.tool_since is not None
+    chat.respond([{"role": "user", "content": "What time is it in Paris?"},
+                  {"role": "assistant", "content": "", "tool_calls": [
+                      {"id": "1", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Paris"}'}}]},
+                  {"role": "tool", "tool_call_id": "1", "content": "14:05"}], tools=tools)
+    assert use.tool_seconds is not None
