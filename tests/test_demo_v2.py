@@ -76,7 +76,7 @@ def test_scoring_counts_a_wrong_call_and_a_call_where_none_was_needed():
                 evaluate.Episode(2, none, list(none.tools), [], [right, evaluate.Reply("hi", [])]),
                 evaluate.Episode(3, none, list(none.tools), [], [evaluate.Reply("hi", [])])]
     result = evaluate.score(episodes, any_order=True)
-    assert (result.tool_call_ok, result.answer_ok) == (2, 3)
+    assert (result.tool_call_ok, result.answer_ok, result.tool_name_ok) == (2, 3, 3)
 
 
 def test_parallel_calls_match_in_any_order():

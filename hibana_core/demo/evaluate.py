@@ -120,6 +120,7 @@ class EvalResult:
     answer_ok: int
     by_kind: dict[str, list[int]]       # kind -> [tasks, tool_call_ok, answer_ok]
     failures: list[dict]
+    tool_name_ok: int = 0               # first turn names the right tool(s), arguments aside
 
     @property
     def tool_call_rate(self) -> float:
@@ -131,7 +132,8 @@ class EvalResult:
 
     def summary(self) -> str:
         lines = [f"held-out tasks: {self.n}; first turn is the right tool call: {self.tool_call_rate:.1%}; "
-                 f"final answer contains the result: {self.answer_rate:.1%}"]
+                 f"final answer contains the result: {self.answer_rate:.1%}; "
+                 f"right tool(s), arguments aside: {self.tool_name_ok / max(1, self.n):.1%}"]
         lines += [f"  {kind:<20} {n:>4}  calls {c / n:6.1%}  answers {a / n:6.1%}"
                   for kind, (n, c, a) in sorted(self.by_kind.items())]
         return "\n".join(lines)
@@ -159,12 +161,14 @@ def score(episodes: list[Episode], any_order: bool = False) -> EvalResult:
     match = calls_match_any_order if any_order else calls_match
     for e in episodes:
         first = e.replies[0]
-        call_ok = match(first.calls, e.task.turns[0] if e.task.turns else ())
+        expected = e.task.turns[0] if e.task.turns else ()
+        call_ok = match(first.calls, expected)
         final = e.final
         answer_ok = final is not None and all(k in final for k in e.task.answer_keys)
         if e.task.turns and not e.task.turns[0]:       # a question that needs no tool: none may be called
             answer_ok = answer_ok and not any(r.calls for r in e.replies)
         result.tool_call_ok += call_ok
+        result.tool_name_ok += sorted(n for n, _ in first.calls) == sorted(c.tool.name for c in expected)
         result.answer_ok += answer_ok
         row = result.by_kind.setdefault(e.task.kind, [0, 0, 0])
         row[0], row[1], row[2] = row[0] + 1, row[1] + call_ok, row[2] + answer_ok
