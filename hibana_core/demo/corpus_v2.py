@@ -3,7 +3,8 @@
 Conversation `i` of seed `s` is drawn from `random.Random(f"v2:{s}:{i}")`, as in corpus.py:
 
     V1_SHARE of them: run 3's conversation (corpus.conversation), so the old skills stay
-    the others: system (optional) + 1-8 natural tools (the needed ones and distractors), then 1-3
+    the others: system (optional) + 1-8 natural tools (hand-written specs and, PROCEDURAL_SHARE of
+    them, procedural ones: tools_v2.procedural_spec), then 1-3
     exchanges, each one of
         single      a question -> one call -> its result -> an answer quoting it
         parallel    two questions in one message -> two calls in one turn -> an answer quoting both
@@ -19,9 +20,10 @@ import string
 
 from hibana_core.demo import corpus
 from hibana_core.demo.corpus import SYSTEM_PROMPTS, Conversation
-from hibana_core.demo.tools_v2 import SPECS, NaturalTool, Spec, make_tool
+from hibana_core.demo.tools_v2 import SPECS, NaturalTool, make_tool, procedural_spec
 
 V1_SHARE = 0.3
+PROCEDURAL_SHARE = 0.35
 MAX_TOOLS = 8
 ANSWERS = ("{vals}.", "Done - {vals}.", "Here it is: {vals}.", "The result: {vals}.", "It says {vals}.",
            "Sure! {vals}.", "I checked: {vals}.")
@@ -44,7 +46,7 @@ def _ask(rng: random.Random, tool: NaturalTool) -> tuple[str, dict, dict]:
     for role in _fields(template):
         values[role], said[role] = spec.args[role].gen(rng)
     question = template.format(**said)
-    if rng.random() < 0.3:
+    if rng.random() < 0.3 and not template.startswith("{"):      # never lower-case a value ("Z158")
         question = question[0].lower() + question[1:]
     arguments = {tool.arg_of[r]: values[r] for r in spec.args if r in values}   # schema order
     return question, arguments, values
@@ -66,8 +68,11 @@ def _exchange(rng: random.Random, calls: list[tuple[NaturalTool, dict]], questio
 
 
 def _tools(rng: random.Random) -> list[NaturalTool]:
-    """1-8 tools of distinct specs whose names do not clash."""
-    specs = rng.sample(SPECS, rng.choices(range(1, MAX_TOOLS + 1), weights=(3, 4, 4, 3, 2, 2, 1, 1))[0])
+    """1-8 tools of distinct specs whose names do not clash; PROCEDURAL_SHARE of them procedural."""
+    n = rng.choices(range(1, MAX_TOOLS + 1), weights=(3, 4, 4, 3, 2, 2, 1, 1))[0]
+    specs = [procedural_spec(rng) if rng.random() < PROCEDURAL_SHARE else None for _ in range(n)]
+    fixed = iter(rng.sample(SPECS, sum(s is None for s in specs)))
+    specs = [s if s is not None else next(fixed) for s in specs]
     out, names = [], set()
     for spec in specs:
         tool = make_tool(rng, spec)
@@ -103,10 +108,12 @@ def make_conversation(rng: random.Random) -> Conversation:
             a, b = rng.choice(tools), rng.choice(tools)
             qa, args_a, _ = _ask(rng, a)
             qb, args_b, _ = _ask(rng, b)
+            qb = qb if qb[:2].isupper() or any(str(v).startswith(qb.split()[0]) for v in args_b.values()) \
+                else qb[0].lower() + qb[1:]
             if args_a != args_b or a is not b:
                 qa = qa if qa[-1] in ".?!" else qa + rng.choice((".", "?", ";"))
                 messages += _exchange(rng, [(a, args_a), (b, args_b)], f"{qa} {rng.choice(('Also', 'And'))}, "
-                                      f"{qb[0].lower() + qb[1:]}")
+                                      f"{qb}")
         else:
             tool = rng.choice(tools)
             question, arguments, values = _ask(rng, tool)

@@ -242,7 +242,7 @@ SPECS: tuple[Spec, ...] = (
          {"repo": Arg(("repo", "repository"), S, "owner/name.", pick(REPOS)),
           "state": Arg(("state", "status"), S, "Which issues.", pick(STATUS), STATUS, required=False),
           "limit": Arg(("limit", "max_results"), "integer", "How many.", integer(1, 20), required=False)},
-         ("List the {state} issues in {repo}.", "Show {limit} issues of {repo}.", "what issues are open on {repo}?"),
+         ("List the {state} issues in {repo}.", "Show {limit} issues of {repo}.", "any {state} issues on {repo}?"),
          lambda **v: {"count": _h(*v.values()) % 40, "newest": f"#{_h(*v.values(), 1) % 900 + 100}"}, ("count", "newest")),
     Spec("news", ("get_headlines", "news_search"), ("Latest news headlines on a topic.",),
          {"topic": Arg(("topic", "query"), S, "Topic.", pick(TOPICS)),
@@ -263,7 +263,7 @@ SPECS: tuple[Spec, ...] = (
          lambda sensor, metric: {"reading": f"{_h(sensor, metric) % 900 / 10}"}, ("reading",)),
 )
 
-TRAINING_DOMAINS = frozenset(s.domain for s in SPECS)
+TRAINING_DOMAINS = frozenset(s.domain for s in SPECS) | {"procedural"}
 
 
 @dataclass(frozen=True)
@@ -304,3 +304,88 @@ def make_tool(rng: random.Random, spec: Spec) -> NaturalTool:
     schema = {"type": "function", "function": {"name": rng.choice(spec.names), "description": rng.choice(
         spec.descriptions), "parameters": {"type": "object", "properties": properties, "required": required}}}
     return NaturalTool(spec, schema, arg_of)
+
+
+# --- procedural tools: breadth beyond the hand-written specs ---------------------------------------
+#
+# "get_museum_director(museum)", "archive_invoice(invoice, reason, notify)": an entity, an attribute
+# or a verb, and arguments from a typed pool, each with the phrase that states it in a question. A
+# model that has only seen the specs above learns those tools; these make it read the schema.
+
+ENTITIES = ("museum", "invoice", "vendor", "project", "server", "course", "river", "mountain", "painting",
+            "dog breed", "bird", "mineral", "board game", "video game", "podcast", "app", "dataset", "printer",
+            "meeting room", "locker", "voucher", "patent", "license", "repository", "warehouse", "bridge",
+            "lighthouse", "castle", "violin", "telescope lens", "orchard", "beehive", "choir")
+ATTRIBUTES = ("owner", "status", "size", "rating", "location", "manager", "version", "capacity", "color",
+              "height", "founding year", "serial number", "category", "last update", "supervisor", "length")
+VERBS = ("archive", "approve", "rename", "tag", "clone", "inspect", "reserve", "flag", "restart", "publish",
+         "assign", "audit", "export", "share")
+_NAME_PARTS = ("North", "Cedar", "Falcon", "Quartz", "Echo", "Saffron", "Juniper", "Atlas", "Cobalt", "Willow",
+               "Harbor", "Ember", "Meridian", "Orchid", "Granite", "Sable", "Aurora", "Tundra")
+
+
+def _entity_name(rng: random.Random) -> tuple[str, str]:
+    r = rng.random()
+    if r < 0.4:
+        name = f"{rng.choice(_NAME_PARTS)} {rng.choice(_NAME_PARTS)}"
+    elif r < 0.7:
+        name = f"{rng.choice(('A', 'B', 'C', 'K', 'X', 'Z'))}{rng.randint(1, 999)}"
+    else:
+        name = f"{rng.choice(_NAME_PARTS).lower()}-{rng.randint(10, 99)}"
+    return name, name
+
+
+def _snake(words: str) -> str:
+    return words.replace(" ", "_")
+
+
+# (argument names, type, description, value generator, enum, phrases stating {v})
+_EXTRAS = (
+    (("count", "times", "copies"), "integer", "How many.", integer(1, 12, {2: ("twice",), 3: ("three",)}), None,
+     ("{v} times", "with a count of {v}", "x{v}")),
+    (("limit", "max_value", "threshold"), "number", "Upper bound.", number(1, 500), None,
+     ("with a limit of {v}", "up to {v}")),
+    (("notify", "send_alert", "announce"), "boolean", "Tell the team.", flag(("and notify the team",
+                                                                                "and send an alert")), None, ("{v}",)),
+    (("mode", "strategy"), "string", "How to do it.", pick(("fast", "careful", "default")), ("fast", "careful", "default"),
+     ("in {v} mode", "using the {v} strategy")),
+    (("tags", "labels"), "array", "Labels to add.", several(("urgent", "q3", "legal", "review", "backlog", "vip"),
+                                                            1, 3), None, ("tagged {v}", "with labels {v}")),
+    (("note", "reason", "comment"), "string", "Free text.", pick(("end of season", "duplicate entry",
+                                                                  "requested by finance", "moved to phase two")),
+     None, ("because of '{v}'", "with the note '{v}'")),
+)
+
+
+def procedural_spec(rng: random.Random) -> Spec:
+    entity = rng.choice(ENTITIES)
+    key = _snake(entity)
+    subject = Arg((key, f"{key}_name", "name", f"{key}_id"), "string", f"Which {entity}.", _entity_name)
+    if rng.random() < 0.5:
+        attribute = rng.choice(ATTRIBUTES)
+        a = _snake(attribute)
+        names = (f"get_{key}_{a}", f"{key}_{a}", f"lookup_{key}_{a}", f"fetch_{a}_of_{key}")
+        questions = (f"What is the {attribute} of the {entity} {{subject}}?", f"Look up the {attribute} of {{subject}}.",
+                     f"{{subject}}: what's its {attribute}?", f"Find the {attribute} for {entity} {{subject}}")
+        return Spec("procedural", names, (f"Returns the {attribute} of a {entity}.", f"Look up a {entity}'s {attribute}."),
+                    {"subject": subject}, questions,
+                    lambda subject, _a=a: {_a: f"{_NAME_PARTS[_h(subject, _a) % len(_NAME_PARTS)]}-{_h(subject) % 97}"},
+                    (a,))
+    verb = rng.choice(VERBS)
+    extras = rng.sample(_EXTRAS, rng.randint(0, 3))
+    args = {"subject": subject}
+    base = rng.choice((f"{verb.capitalize()} the {entity} {{subject}}", f"please {verb} {entity} {{subject}}",
+                       f"Can you {verb} {{subject}}"))
+    questions = []
+    for n in range(3):
+        parts = [base]
+        for i, (arg_names, kind, description, gen, enum, phrases) in enumerate(extras):
+            role = f"x{i}"
+            args[role] = Arg(arg_names, kind, description, gen, enum, required=i == 0)
+            if i == 0 or (n + i) % 2:
+                parts.append(rng.choice(phrases).replace("{v}", "{" + role + "}"))
+        questions.append(" ".join(parts) + rng.choice((".", "", "?")))
+    return Spec("procedural", (f"{verb}_{key}", f"{key}_{verb}"), (f"{verb.capitalize()} a {entity}.",
+                f"{verb.capitalize()}s the given {entity}."), args, tuple(questions),
+                lambda **v: {"status": "done", "reference": f"{verb[:3].upper()}-{_h(*map(str, v.values())) % 9000 + 1000}"},
+                ("reference",))
