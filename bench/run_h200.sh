@@ -25,7 +25,9 @@
 #   bash bench/run_h200.sh train_demo   # issue 15: demo model v2 (--corpus v2 --shape v2), TRAIN_MINUTES (7) of
 #                                       # training a call; run it again on the same warm machine to resume
 #                                       # (the state stays in bench/out/demo_train, ignored, kept between calls;
-#                                       # a cold machine starts over). The call that reaches TRAIN_STEPS (4000)
+#                                       # a cold machine starts over). The first call cuts TRAIN_STEPS (4000)
+#                                       # to what fits TRAIN_TOTAL_MINUTES (18) of training at its measured
+#                                       # step time; the call that reaches the last step
 #                                       # writes the checkpoint, evaluates it (v1 sets and heldout_v2, no
 #                                       # grammar) and puts it under $OUT: demo_v2_meta.tgz and the weights in
 #                                       # 15 MB pieces (files back are at most 16 MiB):
@@ -105,7 +107,8 @@ case "${1:-check}" in
     [ -f "$TRAIN_DIR/train_state.pt" ] && RESUME="--resume"
     python3 -m hibana_core.demo.train --corpus v2 --shape v2 --train-dir "$TRAIN_DIR" --out "$TRAIN_DIR/model" \
       --conversations "${TRAIN_CONVERSATIONS:-250000}" --steps "${TRAIN_STEPS:-4000}" --batch-tokens 98304 \
-      --checkpoint-every 250 --chunk-minutes "${TRAIN_MINUTES:-7}" --workers 15 $RESUME ${TRAIN_ARGS:-} 2>&1 \
+      --checkpoint-every 250 --chunk-minutes "${TRAIN_MINUTES:-7}" --max-minutes "${TRAIN_TOTAL_MINUTES:-18}" \
+      --workers 15 $RESUME ${TRAIN_ARGS:-} 2>&1 \
       | tee "$OUT/train_demo.txt"
     if [ -f "$TRAIN_DIR/model/training_report.json" ]; then
       tar czf "$OUT/demo_v2_meta.tgz" -C "$TRAIN_DIR/model" config.json generation_config.json tokenizer.json \

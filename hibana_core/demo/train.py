@@ -16,7 +16,8 @@ parameters, 37.6 MB in bf16). Training runs in chunks, each one device call:
                          read back), train_state.pt (fp32 weights, AdamW moments, step, loss log)
     --checkpoint-every   steps between saves of train_state.pt (and one when the chunk ends)
     --chunk-minutes M    stop after M minutes of this call, save, exit 0; --resume continues there
-                         (the schedule is over --steps in all: a chunk does not change it)
+                         (the schedule is over --steps in all, or the cut --max-minutes makes in
+                         the first chunk, which is saved: a chunk does not change it)
 
 When the last step is reached the checkpoint (--out) is written and evaluated. The state lives on
 the device machine's disk (it is too large to come back through $OUT); a cold machine starts over.
@@ -239,9 +240,9 @@ def train_model(args, tok, data):
             value = loss.item()
             log.append((step, value))
             bar.set_postfix(loss=f"{value:.3f}")
-            if step == first + 150:
+            if step == 150:
                 warm = time.time()                              # steps before this one include warm-up
-            if step == first + 300 and args.max_minutes:
+            if step == 300 and first == 0 and args.max_minutes:   # a resumed chunk keeps the saved cut
                 per_step = (time.time() - warm) / 150
                 fit = int((args.max_minutes * 60 - (time.time() - started)) / per_step) + step
                 if fit < steps:
@@ -305,7 +306,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokenizer-conversations", type=int, default=20_000)
     p.add_argument("--workers", type=int, default=max(1, multiprocessing.cpu_count() - 1))
     p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--max-minutes", type=float, default=0.0, help="cut the step count to fit (0: no limit)")
+    p.add_argument("--max-minutes", type=float, default=0.0,
+                   help="cut the step count to fit, measured in the first chunk, kept by --resume (0: no limit)")
     p.add_argument("--batch-tokens", type=int, default=65536, help="padded tokens per step")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)
