@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import pytest
 
 from hibana_core.demo import corpus, corpus_v2, evaluate, heldout_v2, template, tools, tools_v2
 
