@@ -24,6 +24,16 @@
 #   bash bench/run_h200.sh grammar  # issue 15: xgrammar against llguidance on the host's CPU, then constrained
 #                                   # decoding's overhead per token, qwen3-8b preset, batch 1 and 32; needs
 #                                   # xgrammar (and llguidance) as wheels in .whl/ (bench/README.md)
+#   bash bench/run_h200.sh train_demo   # issue 15: demo model v2 (--corpus v2 --shape v2), TRAIN_MINUTES (7) of
+#                                       # training a call; run it again on the same warm machine to resume
+#                                       # (the state stays in bench/out/demo_train, ignored, kept between calls;
+#                                       # a cold machine starts over). The first call cuts TRAIN_STEPS (4000)
+#                                       # to what fits TRAIN_TOTAL_MINUTES (18) of training at its measured
+#                                       # step time; the call that reaches the last step
+#                                       # writes the checkpoint, evaluates it (v1 sets and heldout_v2, no
+#                                       # grammar) and puts it under $OUT: demo_v2_meta.tgz and the weights in
+#                                       # 15 MB pieces (files back are at most 16 MiB):
+#                                       # cat model.safetensors.part-* > model.safetensors
 # BENCH_ARGS is appended to the spec_* commands (e.g. "--real-outputs --systems hibana" on an
 # engine without speculation, to time the stages).
 # Runs from the repository root with the image's python3 (no install: PYTHONPATH). The wheel
@@ -100,6 +110,21 @@ case "${1:-check}" in
       | tee "$OUT/grammar_libs_h200host.txt"
     python3 -m hibana_bench.cli grammar --model qwen3-8b --batch 1,32 --json "$OUT/grammar_qwen3-8b.json" 2>&1 \
       | tee "$OUT/grammar_qwen3-8b.txt" ;;
+  train_demo)
+    TRAIN_DIR="${TRAIN_DIR:-bench/out/demo_train}"
+    RESUME=""
+    [ -f "$TRAIN_DIR/train_state.pt" ] && RESUME="--resume"
+    python3 -m hibana_core.demo.train --corpus v2 --shape v2 --train-dir "$TRAIN_DIR" --out "$TRAIN_DIR/model" \
+      --conversations "${TRAIN_CONVERSATIONS:-250000}" --steps "${TRAIN_STEPS:-4000}" --batch-tokens 98304 \
+      --checkpoint-every 250 --chunk-minutes "${TRAIN_MINUTES:-7}" --max-minutes "${TRAIN_TOTAL_MINUTES:-18}" \
+      --workers 15 $RESUME ${TRAIN_ARGS:-} 2>&1 \
+      | tee "$OUT/train_demo.txt"
+    if [ -f "$TRAIN_DIR/model/training_report.json" ]; then
+      tar czf "$OUT/demo_v2_meta.tgz" -C "$TRAIN_DIR/model" config.json generation_config.json tokenizer.json \
+        tokenizer_config.json training_report.json
+      split -b 15000000 -d "$TRAIN_DIR/model/model.safetensors" "$OUT/model.safetensors.part-"
+      sha256sum "$TRAIN_DIR/model/model.safetensors" | tee "$OUT/model.sha256"
+    fi ;;
   spec_decode)
     for spec in "coding 2" "demo 8"; do
       set -- $spec

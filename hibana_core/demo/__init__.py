@@ -5,9 +5,12 @@
     tools.py     tool families: randomised JSON schemas and the Python functions behind them
     tasks.py     a question, the tool calls that solve it, the answer that quotes the results
     corpus.py    synthetic conversations: tools, tasks, chained and parallel calls, chit-chat
+    tools_v2.py  corpus v2's natural tools (many domains, several argument types)
+    corpus_v2.py corpus v2: natural-tool conversations, run 3's corpus mixed in (train --corpus v2)
     template.py  the model's chat template (hermes / Qwen tool format) and a renderer
     tokenizer.py byte-level BPE trained on the corpus
     train.py     `python -m hibana_core.demo.train`: corpus, tokenizer, model -> demo/model/
-    evaluate.py  held-out evaluation (unseen tool and argument names)
+    evaluate.py  held-out evaluation (unseen tool and argument names; --set v2: heldout_v2.py)
+    heldout_v2.py the independent held-out set of issue 15: other domains, other phrasing
     run.py       `hibana demo`: concurrent agents in real tool loops
 """

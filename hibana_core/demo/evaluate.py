@@ -6,11 +6,18 @@ the model answers (at most 4 assistant turns). Two measures:
 
     tool_call_ok   the first assistant turn is a parseable tool call with the right tool(s) and
                    the right arguments
-    answer_ok      the final answer contains every key value of the tool results
+    answer_ok      the final answer contains every key value of the tool results (for a question
+                   that needs no tool: the model answered without calling any)
 
 The default task set is the one runs 1 and 2 were measured on. `--extended` draws the same seeds
 with the corpus' side stream (run 3): 15% of the tasks become call-syntax, generic-tool, styled-text
 or customer tasks, some values are non-ASCII and some schemas take LangChain's shapes.
+`--set v2` poses the independent held-out set of heldout_v2.py instead (issue 15: other domains,
+other phrasing, written before v2 was trained); parallel calls may come in any order there.
+
+`--grammar off` evaluates without the tool-call grammar: the chat layer generates with
+`parse_tools=False` (no grammar, the tools still in the prompt) and the hermes parser reads the
+text afterwards, as `TransformersBackend` does. `on` (the default) is what users get.
 
 Backends: `HibanaBackend` runs Hibana's Engine through the chat layer (what users get);
 `TransformersBackend` runs a transformers model directly (used by train.py on the GPU).
@@ -74,6 +81,13 @@ def calls_match(calls: list[tuple[str, dict]], expected) -> bool:
         and all(_same(args[k], e.arguments[k]) for k in args) for (name, args), e in zip(calls, expected))
 
 
+def calls_match_any_order(calls: list[tuple[str, dict]], expected) -> bool:
+    key = lambda name, args: (name, json.dumps(args, sort_keys=True, default=str))
+    got = sorted(calls, key=lambda c: key(*c))
+    want = sorted(expected, key=lambda e: key(e.tool.name, e.arguments))
+    return calls_match(got, want)
+
+
 def run_tool(tools: list[Tool], name: str, arguments: dict) -> str:
     tool = next((t for t in tools if t.name == name), None)
     return tool(arguments) if tool is not None else json.dumps({"error": f"unknown tool {name!r}"})
@@ -106,6 +120,7 @@ class EvalResult:
     answer_ok: int
     by_kind: dict[str, list[int]]       # kind -> [tasks, tool_call_ok, answer_ok]
     failures: list[dict]
+    tool_name_ok: int = 0               # first turn names the right tool(s), arguments aside
 
     @property
     def tool_call_rate(self) -> float:
@@ -117,7 +132,8 @@ class EvalResult:
 
     def summary(self) -> str:
         lines = [f"held-out tasks: {self.n}; first turn is the right tool call: {self.tool_call_rate:.1%}; "
-                 f"final answer contains the result: {self.answer_rate:.1%}"]
+                 f"final answer contains the result: {self.answer_rate:.1%}; "
+                 f"right tool(s), arguments aside: {self.tool_name_ok / max(1, self.n):.1%}"]
         lines += [f"  {kind:<20} {n:>4}  calls {c / n:6.1%}  answers {a / n:6.1%}"
                   for kind, (n, c, a) in sorted(self.by_kind.items())]
         return "\n".join(lines)
@@ -134,14 +150,25 @@ def held_out_episodes(n: int, seed: str = HELD_OUT_SEED, start: int = 0, extende
     return episodes
 
 
-def score(episodes: list[Episode]) -> EvalResult:
+def heldout_v2_episodes() -> list[Episode]:
+    from hibana_core.demo import heldout_v2
+
+    return [Episode(t.index, t, list(t.tools), list(t.messages)) for t in heldout_v2.tasks()]
+
+
+def score(episodes: list[Episode], any_order: bool = False) -> EvalResult:
     result = EvalResult(len(episodes), 0, 0, {}, [])
+    match = calls_match_any_order if any_order else calls_match
     for e in episodes:
         first = e.replies[0]
-        call_ok = calls_match(first.calls, e.task.turns[0])
+        expected = e.task.turns[0] if e.task.turns else ()
+        call_ok = match(first.calls, expected)
         final = e.final
         answer_ok = final is not None and all(k in final for k in e.task.answer_keys)
+        if e.task.turns and not e.task.turns[0]:       # a question that needs no tool: none may be called
+            answer_ok = answer_ok and not any(r.calls for r in e.replies)
         result.tool_call_ok += call_ok
+        result.tool_name_ok += sorted(n for n, _ in first.calls) == sorted(c.tool.name for c in expected)
         result.answer_ok += answer_ok
         row = result.by_kind.setdefault(e.task.kind, [0, 0, 0])
         row[0], row[1], row[2] = row[0] + 1, row[1] + call_ok, row[2] + answer_ok
@@ -156,23 +183,38 @@ def evaluate(backend: Backend, n: int = 200, seed: str = HELD_OUT_SEED, start: i
     return score(run_episodes(backend, held_out_episodes(n, seed, start, extended)))
 
 
+def evaluate_v2(backend: Backend) -> EvalResult:
+    """The independent held-out set (heldout_v2.py), every task."""
+    return score(run_episodes(backend, heldout_v2_episodes()), any_order=True)
+
+
 # --- backends -----------------------------------------------------------------------------------
 
 class HibanaBackend:
-    """Hibana's Engine through the chat layer; one state per episode, `concurrency` at a time."""
+    """Hibana's Engine through the chat layer; one state per episode, `concurrency` at a time.
+    `grammar=False`: no tool-call grammar (`parse_tools=False`), the text parsed afterwards."""
 
-    def __init__(self, engine, concurrency: int = 16) -> None:
+    def __init__(self, engine, concurrency: int = 16, grammar: bool = True) -> None:
         from hibana_core.config import SamplingParams
+        from hibana_plugins.manager import get_plugin_manager
 
-        self.engine, self.concurrency = engine, concurrency
+        self.engine, self.concurrency, self.grammar = engine, concurrency, grammar
         self.params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0)
+        self.parser = get_plugin_manager().lookup("tool_parser", "hermes")
 
     def _one(self, item) -> Reply:
         from hibana_core.chat import MALFORMED, Chat
 
         key, messages, tools = item
-        result = Chat(self.engine, key).respond(messages, tools, self.params)
-        return Reply(result.text, [(c.name, c.arguments) for c in result.tool_calls], result.finish_reason == MALFORMED)
+        chat = Chat(self.engine, key)
+        if self.grammar:
+            result = chat.respond(messages, tools, self.params)
+            return Reply(result.text, [(c.name, c.arguments) for c in result.tool_calls],
+                         result.finish_reason == MALFORMED)
+        text = chat.respond(messages, tools, self.params, parse_tools=False).text
+        parsed = self.parser.parse(text)
+        return Reply(text if parsed.error else parsed.content,
+                     [] if parsed.error else [(c.name, c.arguments) for c in parsed.tool_calls], parsed.error is not None)
 
     def respond(self, batch) -> list[Reply]:
         with ThreadPoolExecutor(self.concurrency) as pool:
@@ -246,13 +288,22 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--extended", action="store_true",
                    help="run 3's task set: call syntax, generic tools, non-ASCII values, LangChain-shaped schemas")
+    p.add_argument("--set", choices=("v1", "v2"), default="v1",
+                   help="v2: the independent held-out set of heldout_v2.py (--tasks, --seed, --extended unused)")
+    p.add_argument("--grammar", choices=("on", "off", "both"), default="on",
+                   help="the tool-call grammar (off: parse_tools=False, the text parsed afterwards)")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
     args = p.parse_args(argv)
     from hibana_core import Engine
 
+    modes = {"on": (True,), "off": (False,), "both": (True, False)}[args.grammar]
     with Engine.from_pretrained(args.model, device=args.device, progress=False) as engine:
-        result = evaluate(HibanaBackend(engine, args.concurrency), args.tasks, args.seed, extended=args.extended)
-    print(json.dumps(result.as_dict(), indent=1) if args.json else result.summary())
+        for grammar in modes:
+            backend = HibanaBackend(engine, args.concurrency, grammar=grammar)
+            result = evaluate_v2(backend) if args.set == "v2" else evaluate(backend, args.tasks, args.seed,
+                                                                            extended=args.extended)
+            print(f"grammar {'on' if grammar else 'off'}:", flush=True)
+            print(json.dumps(result.as_dict(), indent=1) if args.json else result.summary(), flush=True)
     return 0
 
 

@@ -8,6 +8,19 @@
 
 `--stage tokenizer` stops after the tokenizer (it is cheap: train it on a CPU and ship it);
 `--tokenizer DIR` reuses one. The model wants a GPU: a few thousand steps take minutes on one.
+
+Demo model v2 (issue 15): `--corpus v2 --shape v2` (corpus_v2.py's natural tools; 18.8M
+parameters, 37.6 MB in bf16). Training runs in chunks, each one device call:
+
+    --train-dir DIR      the resumable state: tokenizer, the encoded corpus (built once, then
+                         read back), train_state.pt (fp32 weights, AdamW moments, step, loss log)
+    --checkpoint-every   steps between saves of train_state.pt (and one when the chunk ends)
+    --chunk-minutes M    stop after M minutes of this call, save, exit 0; --resume continues there
+                         (the schedule is over --steps in all, or the cut --max-minutes makes in
+                         the first chunk, which is saved: a chunk does not change it)
+
+When the last step is reached the checkpoint (--out) is written and evaluated. The state lives on
+the device machine's disk (it is too large to come back through $OUT); a cold machine starts over.
 """
 
 from __future__ import annotations
@@ -44,6 +57,20 @@ class ModelShape:
     max_positions: int = 2048
 
 
+SHAPES = {"v1": ModelShape(),
+          "v2": ModelShape(hidden=384, layers=10, heads=6, kv_heads=2, head_dim=64, intermediate=1152)}
+"""v1: the bundled model (7.3M parameters); v2: 18.8M parameters, 37.6 MB in bf16 (the issue's 40 MB)."""
+
+
+def conversation(corpus_name: str, seed: int | str, index: int, extended: bool = True):
+    """Conversation `index` of the named corpus: v1 is run 3's (run 2's without `extended`)."""
+    if corpus_name == "v2":
+        from hibana_core.demo import corpus_v2
+
+        return corpus_v2.conversation(seed, index)
+    return corpus.conversation(seed, index, extended=extended)
+
+
 def qwen3_config(shape: ModelShape, tok):
     from transformers import Qwen3Config
 
@@ -67,11 +94,11 @@ def _init_worker(tokenizer_file: str) -> None:
     _worker_tok = Tokenizer.from_file(tokenizer_file)
 
 
-def _encode_range(args: tuple[int, int, int, bool]) -> list[tuple[np.ndarray, np.ndarray]]:
+def _encode_range(args: tuple[str, int, int, int, bool]) -> list[tuple[np.ndarray, np.ndarray]]:
     """Conversations [start, stop) of the corpus: token ids and the mask of trained positions."""
-    seed, start, stop, extended = args
+    corpus_name, seed, start, stop, extended = args
     rendered = [template.render_with_spans(c.messages, c.tools)
-                for c in (corpus.conversation(seed, i, extended=extended) for i in range(start, stop))]
+                for c in (conversation(corpus_name, seed, i, extended) for i in range(start, stop))]
     out = []
     for (text, spans), enc in zip(rendered, _worker_tok.encode_batch([t for t, _ in rendered])):
         if len(enc.ids) > MAX_TOKENS:
@@ -84,12 +111,12 @@ def _encode_range(args: tuple[int, int, int, bool]) -> list[tuple[np.ndarray, np
     return out
 
 
-def build_corpus(seed: int, n: int, tokenizer_file: Path, workers: int,
-                 extended: bool = True) -> list[tuple[np.ndarray, np.ndarray]]:
+def build_corpus(seed: int, n: int, tokenizer_file: Path, workers: int, extended: bool = True,
+                 corpus_name: str = "v1") -> list[tuple[np.ndarray, np.ndarray]]:
     from tqdm.auto import tqdm
 
     chunk = 500
-    jobs = [(seed, s, min(s + chunk, n), extended) for s in range(0, n, chunk)]
+    jobs = [(corpus_name, seed, s, min(s + chunk, n), extended) for s in range(0, n, chunk)]
     data: list[tuple[np.ndarray, np.ndarray]] = []
     with multiprocessing.get_context("fork").Pool(workers, _init_worker, (str(tokenizer_file),)) as pool, \
             tqdm(total=n, desc="corpus", unit="conv", mininterval=1.0 if sys.stderr.isatty() else 10.0) as bar:
@@ -97,6 +124,19 @@ def build_corpus(seed: int, n: int, tokenizer_file: Path, workers: int,
             data.extend(part)
             bar.update(chunk)
     return data
+
+
+def save_corpus(data, path: Path) -> None:
+    lengths = np.array([len(ids) for ids, _ in data], dtype=np.int64)
+    np.savez(path, lengths=lengths, ids=np.concatenate([ids for ids, _ in data]),
+             mask=np.concatenate([m for _, m in data]))
+
+
+def load_corpus(path: Path) -> list[tuple[np.ndarray, np.ndarray]]:
+    z = np.load(path)
+    ends = np.cumsum(z["lengths"])
+    ids, mask = np.split(z["ids"], ends[:-1]), np.split(z["mask"], ends[:-1])
+    return list(zip(ids, mask))
 
 
 def batches(data, batch_tokens: int, rng: random.Random):
@@ -143,8 +183,7 @@ def train_model(args, tok, data):
     torch.manual_seed(args.seed)
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.backends.cuda.matmul.allow_tf32 = True
-    config = qwen3_config(ModelShape(args.hidden, args.layers, args.heads, args.kv_heads, args.head_dim,
-                                     args.intermediate), tok)
+    config = qwen3_config(model_shape(args), tok)
     model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa").to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters, {n_params * 2 / 1e6:.1f} MB in bf16", flush=True)
@@ -152,16 +191,35 @@ def train_model(args, tok, data):
     other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-    steps = args.steps
+    steps, step, log = args.steps, 0, []
+    state_file = args.train_dir / "train_state.pt" if args.train_dir else None
+    if args.resume and state_file is not None and state_file.exists():
+        state = torch.load(state_file, map_location=device, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        step, log, steps = state["step"], state["loss"], state["steps"]
+        print(f"resumed at step {step} of {steps}", flush=True)
+
+    def save_state() -> None:
+        if state_file is not None:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "steps": steps,
+                        "loss": log}, state_file.with_suffix(".tmp"))
+            state_file.with_suffix(".tmp").replace(state_file)       # a killed call leaves the last good one
+
     lr_at = lambda step: args.lr * min(1.0, (step + 1) / args.warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / steps))))
-    stream = batches(data, args.batch_tokens, random.Random(args.seed))
+    stream = batches(data, args.batch_tokens, random.Random(f"{args.seed}:{step}"))   # a resumed chunk reshuffles
     pad_id = tok.token_to_id("<|endoftext|>")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    started, seen, log = time.time(), 0, []
-    bar = tqdm(total=steps, desc="train", unit="step", mininterval=1.0 if sys.stderr.isatty() else 30.0)
-    step = 0
+    started, seen, first = time.time(), 0, step
+    bar = tqdm(total=steps, initial=step, desc="train", unit="step", mininterval=1.0 if sys.stderr.isatty() else 30.0)
     while step < steps:
+        if args.chunk_minutes and time.time() - started > args.chunk_minutes * 60:
+            save_state()
+            print(f"\nchunk ends at step {step} of {steps} ({time.time() - started:.0f}s); --resume continues",
+                  flush=True)
+            bar.close()
+            return model, None
         ids, mask = collate(data, next(stream), pad_id)
         ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
         target = mask[:, 1:]                                    # predict token t+1 where it is the model's
@@ -184,7 +242,7 @@ def train_model(args, tok, data):
             bar.set_postfix(loss=f"{value:.3f}")
             if step == 150:
                 warm = time.time()                              # steps before this one include warm-up
-            if step == 300 and args.max_minutes:
+            if step == 300 and first == 0 and args.max_minutes:   # a resumed chunk keeps the saved cut
                 per_step = (time.time() - warm) / 150
                 fit = int((args.max_minutes * 60 - (time.time() - started)) / per_step) + step
                 if fit < steps:
@@ -192,14 +250,18 @@ def train_model(args, tok, data):
                           f"--max-minutes {args.max_minutes}", flush=True)
                     steps = fit
                     bar.total = steps
+            if args.checkpoint_every and step % args.checkpoint_every == 0:
+                save_state()
             if step % 500 == 0:
                 print(f"\nstep {step}: loss {value:.4f}, {seen / (time.time() - started) / 1e6:.2f}M tokens/s",
                       flush=True)
     bar.close()
+    save_state()
     elapsed = time.time() - started
     print(f"trained {step} steps in {elapsed:.0f}s, {seen / 1e6:.0f}M tokens (padded), final loss {log[-1][1]:.4f}",
           flush=True)
-    return model, {"steps": step, "seconds": round(elapsed, 1), "tokens_padded": seen, "loss": log}
+    return model, {"steps": step, "seconds_last_chunk": round(elapsed, 1), "tokens_padded_last_chunk": seen,
+                   "loss": log}
 
 
 def save_checkpoint(model, tok_dir: Path, out: Path) -> None:
@@ -232,48 +294,76 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--conversations", type=int, default=200_000)
     p.add_argument("--base-corpus", action="store_true",
                    help="run 2's corpus exactly (no side stream: no call syntax, no non-ASCII values)")
+    p.add_argument("--corpus", choices=("v1", "v2"), default="v1",
+                   help="v2: corpus_v2.py's natural tools from many domains, with run 3's corpus mixed in")
+    p.add_argument("--shape", choices=tuple(SHAPES), default="v1",
+                   help="model size preset; --hidden etc. override single fields")
+    p.add_argument("--train-dir", type=Path, help="resumable state: tokenizer, encoded corpus, train_state.pt")
+    p.add_argument("--resume", action="store_true", help="continue from --train-dir's train_state.pt")
+    p.add_argument("--checkpoint-every", type=int, default=500, help="steps between saves of train_state.pt")
+    p.add_argument("--chunk-minutes", type=float, default=0.0,
+                   help="stop this call after M minutes, state saved (0: run to the last step)")
     p.add_argument("--tokenizer-conversations", type=int, default=20_000)
     p.add_argument("--workers", type=int, default=max(1, multiprocessing.cpu_count() - 1))
     p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--max-minutes", type=float, default=0.0, help="cut the step count to fit (0: no limit)")
+    p.add_argument("--max-minutes", type=float, default=0.0,
+                   help="cut the step count to fit, measured in the first chunk, kept by --resume (0: no limit)")
     p.add_argument("--batch-tokens", type=int, default=65536, help="padded tokens per step")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--layers", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--intermediate", type=int)
     p.add_argument("--device", default="auto")
     p.add_argument("--eval-tasks", type=int, default=200, help="held-out tasks after training (0: skip)")
     return p.parse_args(argv)
+
+
+def model_shape(args: argparse.Namespace) -> ModelShape:
+    base = SHAPES[args.shape]
+    fields = ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate")
+    return ModelShape(**{f: getattr(args, f) if getattr(args, f) is not None else getattr(base, f) for f in fields})
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     from tokenizers import Tokenizer
 
+    if args.train_dir:
+        args.train_dir.mkdir(parents=True, exist_ok=True)
     from hibana_core.demo import tokenizer as demo_tokenizer
 
-    tok_dir = args.tokenizer or args.out
-    if args.tokenizer is None:
-        sample = (corpus.conversation(f"tokenizer:{args.seed}", i) for i in range(args.tokenizer_conversations))
+    tok_dir = args.tokenizer or args.train_dir or args.out
+    if args.tokenizer is None and args.resume and (tok_dir / "tokenizer.json").exists():
+        print(f"tokenizer: reusing {tok_dir}", flush=True)
+    elif args.tokenizer is None:
+        sample = (conversation(args.corpus, f"tokenizer:{args.seed}", i) for i in range(args.tokenizer_conversations))
         texts = (template.render(c.messages, c.tools) for c in sample)
         tok = demo_tokenizer.train_tokenizer(texts)
-        demo_tokenizer.save_tokenizer(tok, args.out, ModelShape().max_positions)
-        print(f"tokenizer: {tok.get_vocab_size()} tokens -> {args.out}", flush=True)
+        demo_tokenizer.save_tokenizer(tok, tok_dir, ModelShape().max_positions)
+        print(f"tokenizer: {tok.get_vocab_size()} tokens -> {tok_dir}", flush=True)
         if args.stage == "tokenizer":
             return 0
     tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
     t0 = time.time()
-    data = build_corpus(args.seed, args.conversations, tok_dir / "tokenizer.json", args.workers,
-                        extended=not args.base_corpus)
+    cached = args.train_dir / f"corpus_{args.corpus}_{args.seed}_{args.conversations}.npz" if args.train_dir else None
+    if cached is not None and cached.exists() and args.resume:
+        data = load_corpus(cached)
+    else:
+        data = build_corpus(args.seed, args.conversations, tok_dir / "tokenizer.json", args.workers,
+                            extended=not args.base_corpus, corpus_name=args.corpus)
+        if cached is not None:
+            save_corpus(data, cached)
     total = sum(len(ids) for ids, _ in data)
     trained = sum(int(m.sum()) for _, m in data)
     print(f"corpus: {len(data)} conversations, {total / 1e6:.1f}M tokens ({trained / 1e6:.1f}M trained), "
           f"{time.time() - t0:.0f}s", flush=True)
     model, report = train_model(args, tok, data)
+    if report is None:                                  # a chunk ended before the last step
+        return 0
     save_checkpoint(model, tok_dir, args.out)
     report.update(conversations=len(data), corpus_tokens=total, trained_tokens=trained)
     if args.eval_tasks:
@@ -284,6 +374,9 @@ def main(argv=None) -> int:
             result = evaluate.evaluate(backend, args.eval_tasks, extended=extended)
             print(("extended set: " if extended else "") + result.summary(), flush=True)
             report[key] = result.as_dict()
+        result = evaluate.evaluate_v2(backend)          # reported, never tuned on (no grammar here)
+        print("independent held-out set (heldout_v2.py), no grammar: " + result.summary(), flush=True)
+        report["eval_heldout_v2_no_grammar"] = result.as_dict()
     (args.out / "training_report.json").write_text(json.dumps(report, indent=1) + "\n")
     return 0
 

@@ -1,0 +1,128 @@
+"""Demo model v2's data (issue 15): the independent held-out set and the v2 training corpus.
+
+Fast: no model runs here. The held-out set must stay apart from everything the training code
+can produce (domains, tool names), and every expected call must be one its tool accepts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+
+from hibana_core.demo import corpus, corpus_v2, evaluate, heldout_v2, template, tools, tools_v2
+
+
+def _training_tool_names(n: int = 400) -> set[str]:
+    names = set()
+    for i in range(n):
+        for make in (corpus.conversation, corpus_v2.conversation):
+            names |= {t["function"]["name"] for t in make(0, i).tools or []}
+    return names
+
+
+def test_heldout_set_loads_with_every_kind():
+    tasks = heldout_v2.tasks()
+    assert len(tasks) >= 100
+    kinds = {t.kind for t in tasks}
+    assert kinds == {"single", "parallel", "no_tool", "follow_up"}
+    assert all(1 <= len(t.tools) <= 8 for t in tasks)
+    assert [t.index for t in tasks] == list(range(len(tasks)))
+    assert len({t.question for t in tasks if t.kind != "follow_up"}) == sum(t.kind != "follow_up" for t in tasks)
+    types = {p["type"] for t in heldout_v2.TOOLS.values()
+             for p in t.schema["function"]["parameters"]["properties"].values()}
+    assert types == {"string", "integer", "number", "boolean", "array"}
+    assert any("enum" in p for t in heldout_v2.TOOLS.values()
+               for p in t.schema["function"]["parameters"]["properties"].values())
+
+
+def test_heldout_calls_validate_and_answers_carry_the_results():
+    for task in heldout_v2.tasks():
+        offered = {t.name for t in task.tools}
+        for call in task.turns[0]:
+            assert call.tool.name in offered, task.question
+            jsonschema.validate(call.arguments, call.tool.schema["function"]["parameters"])
+            result = json.loads(call.result)
+            assert "error" not in result, (task.question, result)
+            assert all(str(result[k]) in task.answer_keys for k in call.tool.keys)
+        assert bool(task.turns[0]) == bool(task.answer_keys), task.question
+        template.render(list(task.messages), [t.schema for t in task.tools], add_generation_prompt=True)
+
+
+def test_heldout_is_disjoint_from_training():
+    training_domains = tools_v2.TRAINING_DOMAINS | set(tools.FAMILIES)
+    assert not heldout_v2.HELD_OUT_DOMAINS & training_domains
+    assert {t.domain for t in heldout_v2.TOOLS.values()} <= heldout_v2.HELD_OUT_DOMAINS
+    spec_names = {n for s in tools_v2.SPECS for n in s.names}
+    v1_names = {f"{v}_{n}" for f in tools.FAMILIES.values() for v in f.verbs for n in f.nouns}
+    held = set(heldout_v2.TOOLS)
+    assert not held & spec_names and not held & v1_names
+    assert not held & _training_tool_names()
+    questions = {t.question for t in heldout_v2.tasks()}
+    assert not questions & {q for s in tools_v2.SPECS for q in s.questions}
+
+
+def test_scoring_counts_a_wrong_call_and_a_call_where_none_was_needed():
+    tasks = heldout_v2.tasks()
+    single = next(t for t in tasks if t.kind == "single")
+    none = next(t for t in tasks if t.kind == "no_tool")
+    call = single.turns[0][0]
+    right = evaluate.Reply("", [(call.tool.name, call.arguments)])
+    wrong = evaluate.Reply("", [(call.tool.name, {**call.arguments, "extra": 1})])
+    quote = evaluate.Reply(" ".join(single.answer_keys), [])
+    episodes = [evaluate.Episode(0, single, list(single.tools), [], [right, quote]),
+                evaluate.Episode(1, single, list(single.tools), [], [wrong, quote]),
+                evaluate.Episode(2, none, list(none.tools), [], [right, evaluate.Reply("hi", [])]),
+                evaluate.Episode(3, none, list(none.tools), [], [evaluate.Reply("hi", [])])]
+    result = evaluate.score(episodes, any_order=True)
+    assert (result.tool_call_ok, result.answer_ok, result.tool_name_ok) == (2, 3, 3)
+
+
+def test_parallel_calls_match_in_any_order():
+    task = next(t for t in heldout_v2.tasks() if t.kind == "parallel")
+    calls = [(c.tool.name, c.arguments) for c in task.turns[0]]
+    assert evaluate.calls_match_any_order(calls[::-1], task.turns[0])
+    assert not evaluate.calls_match_any_order(calls[:1], task.turns[0])
+
+
+def test_v2_corpus_smoke():
+    """Natural tools, 1-8 a prompt, parallel calls and follow-ups, arguments that validate and
+    values the question states; seeded; the template renders every conversation."""
+    counts = {"parallel": 0, "follow_up": 0, "no_tool": 0, "v1": 0}
+    sizes = set()
+    for i in range(300):
+        c = corpus_v2.conversation(0, i)
+        assert c.messages == corpus_v2.conversation(0, i).messages
+        template.render_with_spans(c.messages, c.tools)
+        if not c.tools or not isinstance(c.tool_objects[0], tools_v2.NaturalTool):   # run 3's, mixed in
+            counts["v1"] += 1
+            continue
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in c.tools}
+        sizes.add(len(schemas))
+        user = ""
+        for m in c.messages:
+            if m["role"] == "user":
+                user = m["content"]
+                counts["follow_up"] += user.startswith(("And ", "What about", "Now ", "Same with"))
+            if m["role"] == "assistant" and m.get("tool_calls"):
+                counts["parallel"] += len(m["tool_calls"]) > 1
+                for call in m["tool_calls"]:
+                    fn = call["function"]
+                    jsonschema.validate(fn["arguments"], schemas[fn["name"]])
+                    for value in fn["arguments"].values():
+                        if isinstance(value, str):
+                            assert value in user or user.startswith(("And ", "What about", "Now ", "Same")), user
+            if m["role"] == "assistant" and not m.get("tool_calls") and m["content"] in dict(corpus_v2.NO_TOOL).values():
+                counts["no_tool"] += 1
+    assert all(counts.values()), counts
+    assert min(sizes) == 1 and max(sizes) == 8
+    assert corpus_v2.conversation(1, 5).messages != corpus_v2.conversation(0, 5).messages
+
+
+def test_train_shape_v2_fits_the_budget():
+    from hibana_core.demo.train import SHAPES
+
+    s = SHAPES["v2"]
+    per_layer = 2 * s.hidden * s.heads * s.head_dim + 2 * s.hidden * s.kv_heads * s.head_dim + 3 * s.hidden * s.intermediate
+    params = s.layers * per_layer + s.vocab * s.hidden
+    assert params * 2 <= 40_000_000
