@@ -1,0 +1,227 @@
+"""OpenAI's chat-completions wire format, on Hibana's chat layer, with no HTTP in it.
+
+    JSON body --ChatRequest (checked)--> ChatCall: tools, tool_choice, SamplingParams, state id
+    ChatDelta --chunk()--> one `chat.completion.chunk` (SSE);  ChatResult --completion()--> the reply
+
+`hibana_plugins.server` does the HTTP (FastAPI); this module only reads and writes the JSON, so
+that what a request means can be tested without a server. A request the spec allows but Hibana
+cannot serve (n > 1) is an ApiError, as is every malformed one: each says which field is wrong
+(`param`), as OpenAI's errors do.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hibana_core.config import SamplingParams
+from hibana_core.messages import normalize_tool_choice, normalize_tools
+from hibana_core.turn import ChatDelta, ChatResult, Usage
+
+STATE_HEADER = "X-Hibana-State"
+MAX_STATE_ID = 256  # characters of an id a client names its state by
+
+
+class ApiError(Exception):
+    """An error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` with a status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# --- the request -------------------------------------------------------------------------------
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
+
+
+class ChatRequest(BaseModel):
+    """The fields of a chat-completions request that Hibana reads; others are ignored, as OpenAI
+    ignores fields it has deprecated. Strict: "5" is not a number here, as it is not for OpenAI."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = Field(None, ge=1)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    response_format: dict[str, Any] | None = None
+    user: str | None = Field(None, max_length=MAX_STATE_ID)
+
+
+def parse_request(body: Any) -> ChatRequest:
+    """The checked request; an ApiError naming the first wrong field otherwise."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return ChatRequest.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(map(str, _field_path(body, first["loc"]))) or None
+        raise ApiError(400, f"{param}: {first['msg']}", param) from None
+
+
+def _field_path(body: Any, loc: tuple) -> list:
+    """The part of a pydantic error location that names the request's own fields and items
+    (past it come the names of a union's branches: "tool_choice.literal[...]" is "tool_choice")."""
+    path = []
+    for part in loc:
+        if isinstance(body, dict) and part in body or isinstance(body, list) and isinstance(part, int) \
+                and 0 <= part < len(body):
+            path.append(part)
+            body = body[part]
+        else:
+            break
+    return path or list(loc[:1])
+
+
+@dataclass(frozen=True)
+class ChatCall:
+    """What one request asks of the chat layer (`Chat.opener`'s arguments)."""
+
+    tools: list[dict] | None
+    tool_choice: str            # "auto", "none", "required" or a tool's name
+    parallel_tool_calls: bool
+    params: SamplingParams
+    state_id: str | None        # the state the client pinned, if any
+    fallback: bool              # another state when the pinned one is busy (`user`, not the header)
+    stream: bool
+    include_usage: bool
+
+
+def chat_call(request: ChatRequest, state_header: str | None, max_tokens_limit: int) -> ChatCall:
+    """The call a checked request makes; ApiError for what Hibana refuses (n > 1, too many tokens)."""
+    if request.n not in (None, 1):
+        raise ApiError(400, f"n={request.n}: Hibana returns one choice per request; send n=1 (or leave it out) "
+                            "and make several requests", "n")
+    max_tokens = request.max_completion_tokens or request.max_tokens
+    if max_tokens is not None and max_tokens > max_tokens_limit:
+        param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+        raise ApiError(400, f"{param}={max_tokens} is more than this server allows ({max_tokens_limit}); "
+                            "ask for fewer tokens", param)
+    if state_header is not None and not 0 < len(state_header) <= MAX_STATE_ID:
+        raise ApiError(400, f"the {STATE_HEADER} header must name a state in 1 to {MAX_STATE_ID} characters")
+    tools = normalize_tools(request.tools or None)
+    choice = normalize_tool_choice(request.tool_choice, tools)
+    if choice == "none":
+        tools = None
+    params = SamplingParams(
+        max_tokens=max_tokens or max_tokens_limit,
+        temperature=_given(request.temperature, 0.0),  # greedy unless asked: as in-process
+        top_p=_given(request.top_p, 1.0), seed=request.seed, stop=request.stop or (),
+        presence_penalty=_given(request.presence_penalty, 0.0),
+        frequency_penalty=_given(request.frequency_penalty, 0.0),
+        json_schema=response_schema(request.response_format))
+    explicit = state_header or request.user
+    return ChatCall(tools, choice, request.parallel_tool_calls is not False, params, explicit,
+                    fallback=state_header is None, stream=bool(request.stream),
+                    include_usage=bool(request.stream_options and request.stream_options.include_usage))
+
+
+def _given(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
+def response_schema(response_format: dict | None) -> dict | None:
+    """The JSON schema `response_format` holds the reply to (through the grammar), or None for text."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
+                           "response_format.json_schema.schema")
+        return schema
+    raise ApiError(400, f"response_format.type={kind!r:.40}: use 'text', 'json_object' or 'json_schema'",
+                   "response_format.type")
+
+
+# --- the reply ---------------------------------------------------------------------------------
+
+class Reply:
+    """The id, time and model that every chunk of one reply carries."""
+
+    def __init__(self, model: str) -> None:
+        self.id = "chatcmpl-" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+
+    def completion(self, result: ChatResult) -> dict:
+        message: dict[str, Any] = {"role": "assistant", "content": result.text if result.text or not
+                                   result.tool_calls else None}
+        if result.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+                for c in result.tool_calls]
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason(result)}
+        return {**self._head("chat.completion"), "choices": [choice], "usage": usage(result.usage)}
+
+    def chunk(self, delta: ChatDelta) -> dict:
+        """The chunk for one delta; the result's chunk carries the finish reason."""
+        if delta.result is not None:
+            return self._chunk({}, finish_reason(delta.result))
+        if delta.tool_call is not None:
+            call = delta.tool_call
+            piece: dict[str, Any] = {"index": call.index}
+            function: dict[str, str] = {"arguments": call.arguments_fragment}
+            if call.id is not None:  # the call's first delta
+                piece.update(id=call.id, type="function")
+                function = {"name": call.name or "", **function}
+            return self._chunk({"tool_calls": [{**piece, "function": function}]})
+        return self._chunk({"content": delta.text})
+
+    def role_chunk(self) -> dict:
+        return self._chunk({"role": "assistant", "content": ""})
+
+    def usage_chunk(self, result: ChatResult) -> dict:
+        """The last chunk with `stream_options.include_usage`: no choices, the usage."""
+        return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage(result.usage)}
+
+    def _chunk(self, delta: dict, finish: str | None = None) -> dict:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+
+    def _head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+
+def finish_reason(result: ChatResult) -> str:
+    """OpenAI's finish reasons: a malformed call ends the turn as text ("stop")."""
+    if result.tool_calls:
+        return "tool_calls"
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+def usage(u: Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
