@@ -47,10 +47,12 @@ class StreamOptions(BaseModel):
 
 
 class ChatRequest(BaseModel):
-    """The fields of a chat-completions request that Hibana reads; others are ignored, as OpenAI
-    ignores fields it has deprecated. Strict: "5" is not a number here, as it is not for OpenAI."""
+    """The fields of a chat-completions request. As OpenAI does, a field the API does not know is
+    refused; fields it knows that change nothing here (metadata, store, ...) are accepted, and
+    those Hibana cannot honour (logprobs) are refused when asked for. Strict: "5" is not a
+    number here, as it is not for OpenAI."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str
     messages: list[dict[str, Any]] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
@@ -69,6 +71,18 @@ class ChatRequest(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     response_format: dict[str, Any] | None = None
     user: str | None = Field(None, max_length=MAX_STATE_ID)
+    logprobs: Literal[False] | None = None  # not available: refused when true
+    top_logprobs: Literal[0] | None = None
+    # accepted, and nothing to do here
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    logit_bias: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    modalities: list[str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
 def parse_request(body: Any) -> ChatRequest:
@@ -80,6 +94,11 @@ def parse_request(body: Any) -> ChatRequest:
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(map(str, _field_path(body, first["loc"]))) or None
+        if first["type"] == "extra_forbidden":
+            raise ApiError(400, f"Unrecognized request argument supplied: {param}", param) from None
+        if param in ("logprobs", "top_logprobs"):
+            raise ApiError(400, f"{param}: Hibana does not return log probabilities yet; leave it out", param) \
+                from None
         raise ApiError(400, f"{param}: {first['msg']}", param) from None
 
 
@@ -116,6 +135,8 @@ def chat_call(request: ChatRequest, state_header: str | None, max_tokens_limit: 
     if request.n not in (None, 1):
         raise ApiError(400, f"n={request.n}: Hibana returns one choice per request; send n=1 (or leave it out) "
                             "and make several requests", "n")
+    if request.logit_bias:
+        raise ApiError(400, "logit_bias is not supported by Hibana; leave it out", "logit_bias")
     max_tokens = request.max_completion_tokens or request.max_tokens
     if max_tokens is not None and max_tokens > max_tokens_limit:
         param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"

@@ -160,6 +160,59 @@ def test_response_format_json_schema_holds_the_reply(client):
     assert reply.choices[0].finish_reason == "stop"
 
 
+def test_stop_strings_end_the_reply_before_them(client):
+    messages = [{"role": "user", "content": "Hello!"}]
+    whole = client.chat.completions.create(model="demo", messages=messages, max_tokens=48).choices[0].message.content
+    word = whole.split()[len(whole.split()) // 2]
+    cut = client.chat.completions.create(model="demo", messages=messages, max_tokens=48, stop=[word]).choices[0]
+    assert cut.message.content == whole[:whole.index(word)] and cut.finish_reason == "stop"
+
+
+def test_seeded_sampling_repeats(client):
+    ask = dict(model="demo", messages=[{"role": "user", "content": "Tell me something."}], max_tokens=24,
+               temperature=1.5, top_p=0.95)
+    replies = [client.chat.completions.create(**ask, seed=seed).choices[0].message.content for seed in (7, 7, 8)]
+    assert replies[0] == replies[1] and replies[0] != replies[2]
+
+
+def test_concurrent_clients_get_their_own_states_and_the_sequential_replies(client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    questions = [f"What's the weather in {city}?" for city in ("Oslo", "Paris", "Rome", "Lima")]
+
+    def ask(question: str):
+        reply = client.chat.completions.with_raw_response.create(
+            model="demo", tools=[WEATHER], messages=[{"role": "user", "content": question}])
+        return reply.headers["x-hibana-state"], reply.parse().choices[0].message.tool_calls[0].function.arguments
+
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(ask, questions))
+    assert len({state for state, _ in together}) == 4
+    assert [args for _, args in together] == [ask(q)[1] for q in questions]
+
+
+def test_a_client_gone_mid_stream_cancels_its_turn(client, engine):
+    pinned = {"X-Hibana-State": "gone-1"}
+    long_list = {"type": "json_schema", "json_schema": {"name": "numbers", "schema": {
+        "type": "array", "items": {"type": "integer"}, "minItems": 300}}}  # 600 tokens at least
+    before = engine.stats().generated_tokens
+    stream = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Count."}],
+                                            max_tokens=500, stream=True, response_format=long_list,
+                                            extra_headers=pinned)
+    next(iter(stream))
+    stream.close()  # the connection goes: the turn must stop and let the state go
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                           extra_headers=pinned)
+            break
+        except openai.ConflictError:  # still generating for the client that left
+            assert time.monotonic() < deadline, "the abandoned stream still holds its state"
+            time.sleep(0.05)
+    assert engine.stats().generated_tokens - before < 150
+
+
 def test_pinned_state_header_serves_that_state(client, engine):
     reply = client.chat.completions.with_raw_response.create(
         model="demo", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8,
@@ -188,6 +241,12 @@ def test_a_wrong_or_missing_key_is_refused(base_url):
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000000}', "max_tokens"),
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "sometimes"}',
      "tool_choice"),
+    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "temprature": 0.5}', "temprature"),
+    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "logprobs": true}', "logprobs"),
+    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": 1}}',
+     "stream_options.include_usage"),
+    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}',
+     "tools"),
 ])
 def test_bad_requests_get_openai_shaped_400s(base_url, body, param):
     status, reply = post(base_url, body)
