@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("hibana.server")
 
 API_KEY_ENV = "HIBANA_API_KEY"
+ENDPOINTS = ("/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
 @dataclass(frozen=True)
@@ -134,12 +135,19 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
-        metrics.requests.labels(request.url.path, str(exc.status)).inc()
+        path = request.url.path  # any path a client sends would be a new time series
+        metrics.requests.labels(path if path in ENDPOINTS else "other", str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return await on_api_error(request, ApiError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("request failed", exc_info=exc)
+        return await on_api_error(request, ApiError(500, f"the server failed: {type(exc).__name__}: {exc}",
+                                                    kind="server_error"))
 
     @app.get("/health")
     async def health() -> JSONResponse:

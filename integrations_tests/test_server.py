@@ -221,6 +221,12 @@ def test_pinned_state_header_serves_that_state(client, engine):
     assert any(info.id == "pinned-1" and info.tokens > 0 for info in engine.states())
 
 
+def test_the_user_field_pins_a_state_too(client):
+    ask = dict(model="demo", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8, user="user-7")
+    served = [client.chat.completions.with_raw_response.create(**ask).headers["x-hibana-state"] for _ in range(2)]
+    assert served == ["user-7", "user-7"]
+
+
 # --- errors ------------------------------------------------------------------------------------------
 
 def test_a_wrong_or_missing_key_is_refused(base_url):
