@@ -1,7 +1,7 @@
-"""OpenAI's chat-completions wire format, on Hibana's chat layer, with no HTTP in it.
+"""OpenAI's chat-completions (and legacy completions) wire format on Hibana's chat layer, no HTTP.
 
-    JSON body --ChatRequest (checked)--> ChatCall: tools, tool_choice, SamplingParams, state id
-    ChatDelta --chunk()--> one `chat.completion.chunk` (SSE);  ChatResult --completion()--> the reply
+    JSON body --ChatRequest / CompletionRequest (checked)--> ChatCall: tools, SamplingParams, state id
+    ChatDelta --Reply.chunk()--> one `chat.completion.chunk` (SSE);  ChatResult --completion()--> the reply
 
 `hibana_plugins.server` does the HTTP (FastAPI); this module only reads and writes the JSON, so
 that what a request means can be tested without a server. A request the spec allows but Hibana
@@ -15,7 +15,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -85,20 +85,46 @@ class ChatRequest(BaseModel):
     safety_identifier: str | None = None
 
 
-def parse_request(body: Any) -> ChatRequest:
+class CompletionRequest(BaseModel):
+    """A legacy completions request: a prompt continued as it is, no chat template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str
+    prompt: str | list[str] = Field(min_length=1)  # a list of one: the SDK's other spelling
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for this endpoint
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = Field(None, ge=1)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    user: str | None = Field(None, max_length=MAX_STATE_ID)
+    echo: Literal[False] | None = None
+    logprobs: Literal[0] | None = None
+    best_of: Literal[1] | None = None
+    suffix: None = None
+    logit_bias: dict[str, Any] | None = None
+
+
+R = TypeVar("R", ChatRequest, CompletionRequest)
+
+
+def parse_request(body: Any, kind: "type[R]" = ChatRequest) -> "R":
     """The checked request; an ApiError naming the first wrong field otherwise."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     try:
-        return ChatRequest.model_validate(body)
+        return kind.model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(map(str, _field_path(body, first["loc"]))) or None
         if first["type"] == "extra_forbidden":
             raise ApiError(400, f"Unrecognized request argument supplied: {param}", param) from None
-        if param in ("logprobs", "top_logprobs"):
-            raise ApiError(400, f"{param}: Hibana does not return log probabilities yet; leave it out", param) \
-                from None
+        if param in ("logprobs", "top_logprobs", "echo", "best_of", "suffix"):
+            raise ApiError(400, f"{param}: Hibana does not support this yet; leave it out", param) from None
         raise ApiError(400, f"{param}: {first['msg']}", param) from None
 
 
@@ -130,22 +156,24 @@ class ChatCall:
     include_usage: bool
 
 
-def chat_call(request: ChatRequest, state_header: str | None, max_tokens_limit: int) -> ChatCall:
+def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None,
+              max_tokens_limit: int) -> ChatCall:
     """The call a checked request makes; ApiError for what Hibana refuses (n > 1, too many tokens)."""
     if request.n not in (None, 1):
         raise ApiError(400, f"n={request.n}: Hibana returns one choice per request; send n=1 (or leave it out) "
                             "and make several requests", "n")
     if request.logit_bias:
         raise ApiError(400, "logit_bias is not supported by Hibana; leave it out", "logit_bias")
-    max_tokens = request.max_completion_tokens or request.max_tokens
+    chat = isinstance(request, ChatRequest)
+    max_tokens = (chat and request.max_completion_tokens) or request.max_tokens
     if max_tokens is not None and max_tokens > max_tokens_limit:
-        param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+        param = "max_completion_tokens" if chat and request.max_completion_tokens else "max_tokens"
         raise ApiError(400, f"{param}={max_tokens} is more than this server allows ({max_tokens_limit}); "
                             "ask for fewer tokens", param)
     if state_header is not None and not 0 < len(state_header) <= MAX_STATE_ID:
         raise ApiError(400, f"the {STATE_HEADER} header must name a state in 1 to {MAX_STATE_ID} characters")
-    tools = normalize_tools(request.tools or None)
-    choice = normalize_tool_choice(request.tool_choice, tools)
+    tools = normalize_tools(request.tools or None) if chat else None
+    choice = normalize_tool_choice(request.tool_choice, tools) if chat else "none"
     if choice == "none":
         tools = None
     params = SamplingParams(
@@ -154,9 +182,9 @@ def chat_call(request: ChatRequest, state_header: str | None, max_tokens_limit: 
         top_p=_given(request.top_p, 1.0), seed=request.seed, stop=request.stop or (),
         presence_penalty=_given(request.presence_penalty, 0.0),
         frequency_penalty=_given(request.frequency_penalty, 0.0),
-        json_schema=response_schema(request.response_format))
+        json_schema=response_schema(request.response_format) if chat else None)
     explicit = state_header or request.user
-    return ChatCall(tools, choice, request.parallel_tool_calls is not False, params, explicit,
+    return ChatCall(tools, choice, not chat or request.parallel_tool_calls is not False, params, explicit,
                     fallback=state_header is None, stream=bool(request.stream),
                     include_usage=bool(request.stream_options and request.stream_options.include_usage))
 
@@ -220,7 +248,8 @@ class Reply:
             return self._chunk({"tool_calls": [{**piece, "function": function}]})
         return self._chunk({"content": delta.text})
 
-    def role_chunk(self) -> dict:
+    def role_chunk(self) -> dict | None:
+        """The first chunk, before any text (None: the format has none)."""
         return self._chunk({"role": "assistant", "content": ""})
 
     def usage_chunk(self, result: ChatResult) -> dict:
@@ -246,3 +275,26 @@ def usage(u: Usage) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+class TextReply(Reply):
+    """A legacy completion: the text as generated, in `text_completion` objects."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(model)
+        self.id = "cmpl-" + uuid.uuid4().hex
+
+    def completion(self, result: ChatResult) -> dict:
+        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish_reason(result)}
+        return {**self._head("text_completion"), "choices": [choice], "usage": usage(result.usage)}
+
+    def chunk(self, delta: ChatDelta) -> dict:
+        finish = finish_reason(delta.result) if delta.result is not None else None
+        choice = {"index": 0, "text": delta.text, "logprobs": None, "finish_reason": finish}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def role_chunk(self) -> None:
+        return None
+
+    def usage_chunk(self, result: ChatResult) -> dict:
+        return {**self._head("text_completion"), "choices": [], "usage": usage(result.usage)}

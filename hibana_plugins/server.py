@@ -1,6 +1,7 @@
 """`hibana serve`: Hibana behind OpenAI's HTTP API (FastAPI + uvicorn), an adapter like the others.
 
     POST /v1/chat/completions   messages, tools, tool_choice, response_format, stream (SSE)
+    POST /v1/completions        a prompt continued as it is (no chat template)
     GET  /v1/models   GET /health   GET /metrics (Prometheus)
 
 Every conversation keeps its KV resident between requests: a request is served on the state
@@ -40,7 +41,8 @@ from hibana_core.errors import (ChatTimeoutError, ConfigError, ContextLengthErro
                                 HibanaError, StateBusyError)
 from hibana_core.messages import ConversationError, ToolChoiceError, ToolSchemaError
 from hibana_core.turn import ChatDelta
-from hibana_plugins.openai_api import STATE_HEADER, ApiError, ChatCall, Reply, chat_call, parse_request
+from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatRequest, CompletionRequest, Reply,
+                                       TextReply, chat_call, parse_request)
 
 if TYPE_CHECKING:
     from hibana_core.engine import Engine
@@ -48,7 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("hibana.server")
 
 API_KEY_ENV = "HIBANA_API_KEY"
-ENDPOINTS = ("/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
 
 @dataclass(frozen=True)
@@ -99,11 +101,11 @@ class Metrics:
 
 # --- HibanaError -> HTTP ---------------------------------------------------------------------------
 
-def api_error(exc: HibanaError) -> ApiError:
+def api_error(exc: HibanaError, prompt_param: str = "messages") -> ApiError:
     """The OpenAI-shaped error for a failure the caller caused (or a busy/closed engine)."""
     message = str(exc)
     if isinstance(exc, ContextLengthError):
-        return ApiError(400, message, "messages", "context_length_exceeded")
+        return ApiError(400, message, prompt_param, "context_length_exceeded")
     if isinstance(exc, StateBusyError):
         return ApiError(409, message, None, "state_busy")
     if isinstance(exc, ChatTimeoutError):
@@ -163,28 +165,49 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
     async def prometheus() -> Response:
         return Response(await asyncio.to_thread(metrics.scrape, engine), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
-    async def chat_completions(request: Request) -> Response:
-        received = time.monotonic()
-        body = await read_json(request, config.max_body_bytes)
-        parsed = parse_request(body)
+    async def checked(request: Request, kind: type) -> Any:
+        parsed = parse_request(await read_json(request, config.max_body_bytes), kind)
         if parsed.model != config.model_name:
             raise ApiError(404, f"the model {parsed.model!r:.80} does not exist here; this server serves "
                                 f"{config.model_name!r}", "model", "model_not_found")
+        return parsed
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(request: Request) -> Response:
+        received = time.monotonic()
+        parsed = await checked(request, ChatRequest)
         try:
             call = chat_call(parsed, request.headers.get(STATE_HEADER), max_tokens_limit)
             prompt = await asyncio.to_thread(chat.render_text, parsed.messages, call.tools)
-            serving = Serving(chat, prompt, call)
-            deltas = turn.arun(serving.open)
-            first = await anext(deltas)  # the lease, the prefill and the first token: errors come as HTTP
         except HibanaError as exc:
             raise api_error(exc) from None
+        return await serve(request.url.path, received, Serving(chat, prompt, call), Reply(config.model_name))
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(request: Request) -> Response:
+        received = time.monotonic()
+        parsed = await checked(request, CompletionRequest)
+        if isinstance(parsed.prompt, list) and len(parsed.prompt) != 1:
+            raise ApiError(400, "prompt: give one prompt per request (a string, or a list of one)", "prompt")
+        try:
+            call = chat_call(parsed, request.headers.get(STATE_HEADER), max_tokens_limit)
+        except HibanaError as exc:
+            raise api_error(exc) from None
+        prompt = parsed.prompt if isinstance(parsed.prompt, str) else parsed.prompt[0]
+        return await serve(request.url.path, received, Serving(chat, prompt, call), TextReply(config.model_name))
+
+    async def serve(endpoint: str, received: float, serving: "Serving", reply: Reply) -> Response:
+        """One turn, streamed or whole; errors up to its first token come as HTTP errors."""
+        try:
+            deltas = turn.arun(serving.open)
+            first = await anext(deltas)  # the lease, the prefill and the first token
+        except HibanaError as exc:
+            raise api_error(exc, "prompt" if isinstance(reply, TextReply) else "messages") from None
         metrics.ttft.observe(time.monotonic() - received)
-        reply = Reply(config.model_name)
         headers = {STATE_HEADER: serving.state_id}
-        if call.stream:
-            return StreamingResponse(sse(reply, first, deltas, call, metrics), media_type="text/event-stream",
-                                     headers=headers)
+        if serving.call.stream:
+            return StreamingResponse(sse(endpoint, reply, first, deltas, serving.call, metrics),
+                                     media_type="text/event-stream", headers=headers)
         result = first.result
         with metrics.in_flight.track_inprogress():
             async with contextlib.aclosing(deltas):  # a client gone away cancels the turn
@@ -194,7 +217,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
                 except HibanaError as exc:
                     raise api_error(exc) from None
         metrics.served(result.usage)
-        metrics.requests.labels(request.url.path, "200").inc()
+        metrics.requests.labels(endpoint, "200").inc()
         return JSONResponse(reply.completion(result), headers=headers)
 
     return app
@@ -217,7 +240,7 @@ class Serving:
         return run, handle
 
 
-async def sse(reply: Reply, first: ChatDelta, deltas: AsyncIterator[ChatDelta], call: ChatCall,
+async def sse(endpoint: str, reply: Reply, first: ChatDelta, deltas: AsyncIterator[ChatDelta], call: ChatCall,
               metrics: Metrics) -> AsyncIterator[str]:
     """The reply as server-sent events. A client that goes away closes this generator, which
     cancels the turn (its state keeps what was generated so far)."""
@@ -227,21 +250,23 @@ async def sse(reply: Reply, first: ChatDelta, deltas: AsyncIterator[ChatDelta], 
     result = first.result
     with metrics.in_flight.track_inprogress():
         async with contextlib.aclosing(deltas):
-            yield event(reply.role_chunk())
+            opening = reply.role_chunk()
+            if opening is not None:
+                yield event(opening)
             yield event(reply.chunk(first))
             try:
                 async for delta in deltas:
                     result = delta.result or result
                     yield event(reply.chunk(delta))
             except HibanaError as exc:  # mid-stream: the status is sent; the error is the last event
-                metrics.requests.labels("/v1/chat/completions", "stream_error").inc()
+                metrics.requests.labels(endpoint, "stream_error").inc()
                 yield event(api_error(exc).body())
                 return
     if result is not None:
         metrics.served(result.usage)
         if call.include_usage:
             yield event(reply.usage_chunk(result))
-    metrics.requests.labels("/v1/chat/completions", "200").inc()
+    metrics.requests.labels(endpoint, "200").inc()
     yield "data: [DONE]\n\n"
 
 

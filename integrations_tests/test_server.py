@@ -227,6 +227,23 @@ def test_the_user_field_pins_a_state_too(client):
     assert served == ["user-7", "user-7"]
 
 
+def test_completions_continue_the_prompt_as_it_is(client, engine):
+    messages = [{"role": "user", "content": "Hello!"}]
+    prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    local = engine.chat("server-test-raw").respond(messages, params=__import__("hibana_core").SamplingParams(
+        max_tokens=20), parse_tools=False)
+    whole = client.completions.create(model="demo", prompt=prompt, max_tokens=20)
+    assert whole.object == "text_completion" and whole.choices[0].text == local.raw_text
+    assert whole.usage.completion_tokens == local.usage.completion_tokens
+    chunks = list(client.completions.create(model="demo", prompt=[prompt], max_tokens=20, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == local.raw_text
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the first request's state
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="demo", prompt=["one", "two"])
+    assert caught.value.body["param"] == "prompt"
+
+
 # --- errors ------------------------------------------------------------------------------------------
 
 def test_a_wrong_or_missing_key_is_refused(base_url):
