@@ -61,12 +61,14 @@ class ServerConfig:
     api_key: str | None = None            # bearer token every endpoint but /health wants, when set
     max_body_bytes: int = 8 << 20         # request bodies larger than this are refused (413)
     max_tokens_limit: int | None = None   # most tokens one request may generate; None: the context
+    request_timeout: float | None = None  # seconds a request may take, queue included; None: no limit
 
     def __post_init__(self) -> None:
         if not self.model_name:
             raise ConfigError("the served model name must not be empty")
-        if self.max_body_bytes <= 0 or (self.max_tokens_limit is not None and self.max_tokens_limit <= 0):
-            raise ConfigError("max_body_bytes and max_tokens_limit must be positive")
+        if self.max_body_bytes <= 0 or any(limit is not None and limit <= 0
+                                           for limit in (self.max_tokens_limit, self.request_timeout)):
+            raise ConfigError("max_body_bytes, max_tokens_limit and request_timeout must be positive")
 
 
 class Metrics:
@@ -181,7 +183,8 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
             prompt = await asyncio.to_thread(chat.render_text, parsed.messages, call.tools)
         except HibanaError as exc:
             raise api_error(exc) from None
-        return await serve(request.url.path, received, Serving(chat, prompt, call), Reply(config.model_name))
+        return await serve(request.url.path, received, Serving(chat, prompt, call, config.request_timeout),
+                           Reply(config.model_name))
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request) -> Response:
@@ -194,15 +197,20 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         except HibanaError as exc:
             raise api_error(exc) from None
         prompt = parsed.prompt if isinstance(parsed.prompt, str) else parsed.prompt[0]
-        return await serve(request.url.path, received, Serving(chat, prompt, call), TextReply(config.model_name))
+        return await serve(request.url.path, received, Serving(chat, prompt, call, config.request_timeout),
+                           TextReply(config.model_name))
 
     async def serve(endpoint: str, received: float, serving: "Serving", reply: Reply) -> Response:
         """One turn, streamed or whole; errors up to its first token come as HTTP errors."""
-        try:
-            deltas = turn.arun(serving.open)
-            first = await anext(deltas)  # the lease, the prefill and the first token
-        except HibanaError as exc:
+        deltas = turn.arun(serving.open)
+        try:  # the lease, the queue, the prefill and the first token
+            first = await asyncio.wait_for(anext(deltas), config.request_timeout)
+        except HibanaError as exc:  # ChatTimeoutError included: a TimeoutError too
             raise api_error(exc, "prompt" if isinstance(reply, TextReply) else "messages") from None
+        except asyncio.TimeoutError:
+            await deltas.aclose()
+            raise ApiError(503, f"no token within the server's request timeout ({config.request_timeout:g} s): "
+                                "it is busy; retry later", code="timeout", kind="server_error") from None
         metrics.ttft.observe(time.monotonic() - received)
         headers = {STATE_HEADER: serving.state_id}
         if serving.call.stream:
@@ -226,8 +234,8 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
 class Serving:
     """One request's turn on the state `Chat.lease` picks (`turn.Open`); remembers that state."""
 
-    def __init__(self, chat: Chat, prompt: str, call: ChatCall) -> None:
-        self.chat, self.prompt, self.call = chat, prompt, call
+    def __init__(self, chat: Chat, prompt: str, call: ChatCall, timeout: float | None) -> None:
+        self.chat, self.prompt, self.call, self.timeout = chat, prompt, call, timeout
         self.state_id = ""
 
     def open(self, stack: contextlib.ExitStack) -> "tuple[turn.TurnRun, Any]":
@@ -235,7 +243,7 @@ class Serving:
         run, handle = self.chat.opener(
             self.prompt, call.tools, call.params, lease=True, state_id=call.state_id, fallback=call.fallback,
             tool_choice=call.tool_choice, parse_tools=call.tools is not None,
-            parallel_tool_calls=call.parallel_tool_calls)(stack)
+            parallel_tool_calls=call.parallel_tool_calls, timeout=self.timeout)(stack)
         self.state_id = handle.id
         return run, handle
 
@@ -304,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="largest request body accepted (default 8 MiB)")
     parser.add_argument("--max-tokens-limit", type=int,
                         help="most tokens one request may generate (default: the model's context)")
+    parser.add_argument("--request-timeout", type=float,
+                        help="seconds a request may take, waiting in the queue included (default: no limit)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="compute dtype (auto: the checkpoint's on GPU, float32 on CPU)")
@@ -342,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper())
     try:
         config = ServerConfig(args.served_model_name or args.model, args.api_key, args.max_body_bytes,
-                              args.max_tokens_limit)
+                              args.max_tokens_limit, args.request_timeout)
         engine = Engine.from_pretrained(args.model, **engine_options(args))
     except HibanaError as exc:
         print(f"hibana serve: {exc}", file=sys.stderr)

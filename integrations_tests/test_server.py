@@ -3,6 +3,7 @@ port of 127.0.0.1, in this process, on the bundled demo model (nothing downloade
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -35,22 +36,31 @@ def engine():
         yield engine
 
 
-@pytest.fixture(scope="module")
-def base_url(engine):
+@contextlib.contextmanager
+def running(engine, config: ServerConfig):
+    """The server on a free port of 127.0.0.1, in a thread of this process; yields its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app = create_app(engine, ServerConfig("demo", api_key=KEY, max_body_bytes=64 << 10, max_tokens_limit=512))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, config), host="127.0.0.1", port=port,
+                                           log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def base_url(engine):
+    with running(engine, ServerConfig("demo", api_key=KEY, max_body_bytes=64 << 10, max_tokens_limit=512)) as url:
+        yield url
 
 
 @pytest.fixture
@@ -304,6 +314,17 @@ def test_a_context_too_long_is_refused_and_the_server_goes_on(client, engine):
     assert status_error.body["code"] == "context_length_exceeded"
     assert client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}],
                                           max_tokens=4).choices
+
+
+def test_a_request_past_the_timeout_gets_a_503_and_frees_its_state(engine):
+    with running(engine, ServerConfig("demo", request_timeout=0.001)) as url:
+        hurried = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as caught:
+            hurried.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hello!"}],
+                                            extra_headers={"X-Hibana-State": "hurried-1"})
+    assert caught.value.status_code == 503 and caught.value.body["code"] == "timeout"
+    with engine.lease(state_id="hurried-1") as handle:  # not held by the request that timed out (StateBusyError)
+        assert handle.id == "hurried-1"
 
 
 def test_metrics_count_requests_and_reused_tokens(client, base_url):
