@@ -150,7 +150,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
     @app.exception_handler(Exception)
     async def on_bug(request: Request, exc: Exception) -> JSONResponse:
         log.exception("request failed", exc_info=exc)
-        return await on_api_error(request, ApiError(500, f"the server failed: {type(exc).__name__}: {exc}",
+        return await on_api_error(request, ApiError(500, "the server failed on this request; its log says why",
                                                     kind="server_error"))
 
     @app.get("/health")

@@ -201,6 +201,52 @@ def test_concurrent_clients_get_their_own_states_and_the_sequential_replies(clie
     assert [args for _, args in together] == [ask(q)[1] for q in questions]
 
 
+def test_concurrent_tool_loops_give_the_in_process_replies(client, engine):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hibana_core import SamplingParams
+    from hibana_core.chat import assistant_message
+
+    cities = ["Oslo", "Paris", "Rome", "Lima", "Cairo", "Quito"]
+    result = '{"temperature": 21, "condition": "sunny"}'
+
+    def over_http(city: str) -> list:
+        messages, replies = [{"role": "user", "content": f"What's the weather in {city}?"}], []
+        for question in (None, "What is 3 times 4?"):
+            if question:
+                messages.append({"role": "user", "content": question})
+            while True:
+                reply = client.chat.completions.create(model="demo", messages=messages, tools=[WEATHER, MULTIPLY],
+                                                       max_tokens=64).choices[0].message
+                calls = [(c.function.name, json.loads(c.function.arguments)) for c in reply.tool_calls or ()]
+                replies.append((reply.content or "", calls))
+                messages.append(reply.model_dump(exclude_none=True))
+                if not calls or len(replies) > 6:
+                    break
+                messages += [{"role": "tool", "tool_call_id": c.id, "content": result} for c in reply.tool_calls]
+        return replies
+
+    def in_process(city: str) -> list:
+        chat = engine.chat(f"in-process-{city}")
+        messages, replies = [{"role": "user", "content": f"What's the weather in {city}?"}], []
+        for question in (None, "What is 3 times 4?"):
+            if question:
+                messages.append({"role": "user", "content": question})
+            while True:
+                turn = chat.respond(messages, tools=[WEATHER, MULTIPLY], params=SamplingParams(max_tokens=64))
+                replies.append((turn.text, [(c.name, c.arguments) for c in turn.tool_calls]))
+                messages.append(assistant_message(turn))
+                if not turn.tool_calls or len(replies) > 6:
+                    break
+                messages += [{"role": "tool", "tool_call_id": c.id, "content": result} for c in turn.tool_calls]
+        return replies
+
+    with ThreadPoolExecutor(len(cities)) as pool:
+        served = list(pool.map(over_http, cities))
+    assert all(len(replies) >= 4 for replies in served)  # a call and an answer per question
+    assert served == [in_process(city) for city in cities]
+
+
 def test_a_client_gone_mid_stream_cancels_its_turn(client, engine):
     pinned = {"X-Hibana-State": "gone-1"}
     long_list = {"type": "json_schema", "json_schema": {"name": "numbers", "schema": {
@@ -280,6 +326,9 @@ def test_a_wrong_or_missing_key_is_refused(base_url):
      "stream_options.include_usage"),
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}',
      "tools"),
+    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
+     b'{"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}', "tool_choice"),
+    (b'{"model": "demo", "messages": [{"role": "tool", "content": "hi"}]}', "messages"),
 ])
 def test_bad_requests_get_openai_shaped_400s(base_url, body, param):
     status, reply = post(base_url, body)
