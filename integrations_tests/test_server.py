@@ -154,6 +154,19 @@ def test_tool_choice_forces_a_call(client, choice):
     assert names and (choice == "required" or names == ["multiply"])
 
 
+def test_max_completion_tokens_cuts_the_reply(client):
+    reply = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hello!"}],
+                                           max_completion_tokens=3)
+    assert reply.usage.completion_tokens == 3 and reply.choices[0].finish_reason == "length"
+
+
+def test_parallel_tool_calls_false_gives_one_call(client):
+    ask = dict(model="demo", tools=[WEATHER, MULTIPLY], tool_choice="required", max_tokens=96,
+               messages=[{"role": "user", "content": "Weather in Oslo and in Rome?"}])
+    assert len(client.chat.completions.create(**ask).choices[0].message.tool_calls) == 2  # the demo calls twice
+    assert len(client.chat.completions.create(**ask, parallel_tool_calls=False).choices[0].message.tool_calls) == 1
+
+
 def test_tool_choice_none_offers_no_tools(client):
     reply = client.chat.completions.create(model="demo", tools=[WEATHER], tool_choice="none", max_tokens=48,
                                            messages=[{"role": "user", "content": "What's the weather in Oslo?"}])
@@ -439,3 +452,12 @@ class TestChatOpenAIOnHibana(langchain_tests.ChatModelIntegrationTests):
         # calls too); response_format holds free text to the schema by the grammar, but the demo model,
         # trained on tool calls only, then runs to max_tokens inside the JSON (json_mode is left out so)
         return {"method": "function_calling"}
+
+
+def test_the_api_key_comes_from_the_environment_too(monkeypatch):
+    from hibana_plugins import server
+
+    monkeypatch.setenv(server.API_KEY_ENV, "from-env")
+    assert server.build_parser().parse_args(["demo"]).api_key == "from-env"
+    assert server.build_parser().parse_args(["demo", "--api-key", "given"]).api_key == "given"
+    assert server.build_parser().parse_args(["demo"]).host == "127.0.0.1"
