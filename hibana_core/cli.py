@@ -25,6 +25,7 @@ COMMAND_GROUP = "hibana.commands"
 # line: listing them in `hibana --help` must not import them. Each is `main(argv) -> int`.
 ENTRY_POINT_COMMANDS = {
     "bench": "workloads side by side with transformers peers (hibana bench decode|agents --help)",
+    "serve": "an OpenAI-compatible HTTP server, conversations kept resident (hibana serve --help)",
 }
 
 

@@ -19,8 +19,13 @@ def _parsers():
     from hibana_bench import cli as bench_cli, coldstart
     from hibana_core.demo import run as demo
 
-    return {"hibana": cli.build_parser(), "hibana demo": demo.build_parser(),
-            "hibana bench": bench_cli.build_parser(), "coldstart": coldstart.build_parser()}
+    parsers = {"hibana": cli.build_parser(), "hibana demo": demo.build_parser(),
+               "hibana bench": bench_cli.build_parser(), "coldstart": coldstart.build_parser()}
+    try:  # the server's extra (fastapi, uvicorn) may not be installed
+        from hibana_plugins import server
+    except ImportError:
+        return parsers
+    return {**parsers, "hibana serve": server.build_parser()}
 
 
 def _actions(parser: argparse.ArgumentParser):
@@ -45,15 +50,17 @@ def test_version(capsys):
     assert out.startswith(f"hibana {__version__} (Python ") and f"torch {torch.__version__}" in out
 
 
-@pytest.mark.parametrize("name", ["hibana", "hibana demo", "hibana bench", "coldstart"])
+@pytest.mark.parametrize("name", ["hibana", "hibana demo", "hibana bench", "coldstart", "hibana serve"])
 def test_every_option_has_help(name):
+    if name not in _parsers():
+        pytest.skip("the serve extra is not installed")
     parser = _parsers()[name]
     missing = [f"{p.prog}: {a.option_strings or a.dest}" for p, a in _actions(parser)
                if not a.help or a.help == argparse.SUPPRESS or len(a.help) < 10]
     assert not missing, missing
 
 
-COMMANDS = ("plugins", "demo", "bench", "surgery")
+COMMANDS = ("plugins", "demo", "bench", "serve", "surgery")
 
 
 def test_help_lists_exactly_the_commands_checked_here():
@@ -67,6 +74,8 @@ def test_every_listed_command_runs(command, capsys):
     if command == "bench":  # through its entry point where installed, else its own module
         from hibana_bench.cli import main as run
         argv = ["--help"]
+    elif command == "serve":
+        run, argv = pytest.importorskip("hibana_plugins.server").main, ["--help"]
     else:
         run, argv = cli.main, [command, "--help"]
     with pytest.raises(SystemExit) as e:
@@ -157,3 +166,10 @@ def test_bench_measures_cold_start_in_fresh_processes(tiny_checkpoints, tmp_path
     assert main(["decode", "--model", str(tiny_checkpoints["qwen3"]), "--device", "cpu", "--systems", "hibana",
                  "--context", "16", "--generate", "4", "--no-cold-start", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["cold_start"] is None
+
+
+def test_serve_refuses_a_bad_engine_option_before_it_serves(capsys, monkeypatch):
+    server = pytest.importorskip("hibana_plugins.server")
+    monkeypatch.setattr("uvicorn.run", lambda *a, **k: pytest.fail("served despite a bad option"))
+    assert server.main(["demo", "--option", "no_such_option=1"]) == 2
+    assert "unknown engine option 'no_such_option'" in capsys.readouterr().err

@@ -1,0 +1,300 @@
+"""OpenAI's chat-completions (and legacy completions) wire format on Hibana's chat layer, no HTTP.
+
+    JSON body --ChatRequest / CompletionRequest (checked)--> ChatCall: tools, SamplingParams, state id
+    ChatDelta --Reply.chunk()--> one `chat.completion.chunk` (SSE);  ChatResult --completion()--> the reply
+
+`hibana_plugins.server` does the HTTP (FastAPI); this module only reads and writes the JSON, so
+that what a request means can be tested without a server. A request the spec allows but Hibana
+cannot serve (n > 1) is an ApiError, as is every malformed one: each says which field is wrong
+(`param`), as OpenAI's errors do.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hibana_core.config import SamplingParams
+from hibana_core.messages import normalize_tool_choice, normalize_tools
+from hibana_core.turn import ChatDelta, ChatResult, Usage
+
+STATE_HEADER = "X-Hibana-State"
+MAX_STATE_ID = 256  # characters of an id a client names its state by
+
+
+class ApiError(Exception):
+    """An error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` with a status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# --- the request -------------------------------------------------------------------------------
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
+
+
+class ChatRequest(BaseModel):
+    """The fields of a chat-completions request. As OpenAI does, a field the API does not know is
+    refused; fields it knows that change nothing here (metadata, store, ...) are accepted, and
+    those Hibana cannot honour (logprobs) are refused when asked for. Strict: "5" is not a
+    number here, as it is not for OpenAI."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = Field(None, ge=1)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    response_format: dict[str, Any] | None = None
+    user: str | None = Field(None, max_length=MAX_STATE_ID)
+    logprobs: Literal[False] | None = None  # not available: refused when true
+    top_logprobs: Literal[0] | None = None
+    # accepted, and nothing to do here
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    logit_bias: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    modalities: list[str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+
+class CompletionRequest(BaseModel):
+    """A legacy completions request: a prompt continued as it is, no chat template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str
+    prompt: str | list[str] = Field(min_length=1)  # a list of one: the SDK's other spelling
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for this endpoint
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = Field(None, ge=1)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    user: str | None = Field(None, max_length=MAX_STATE_ID)
+    echo: Literal[False] | None = None
+    logprobs: Literal[0] | None = None
+    best_of: Literal[1] | None = None
+    suffix: None = None
+    logit_bias: dict[str, Any] | None = None
+
+
+R = TypeVar("R", ChatRequest, CompletionRequest)
+
+
+def parse_request(body: Any, kind: "type[R]" = ChatRequest) -> "R":
+    """The checked request; an ApiError naming the first wrong field otherwise."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return kind.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(map(str, _field_path(body, first["loc"]))) or None
+        if first["type"] == "extra_forbidden":
+            raise ApiError(400, f"Unrecognized request argument supplied: {param}", param) from None
+        if param in ("logprobs", "top_logprobs", "echo", "best_of", "suffix"):
+            raise ApiError(400, f"{param}: Hibana does not support this yet; leave it out", param) from None
+        raise ApiError(400, f"{param}: {first['msg']}", param) from None
+
+
+def _field_path(body: Any, loc: tuple) -> list:
+    """The part of a pydantic error location that names the request's own fields and items
+    (past it come the names of a union's branches: "tool_choice.literal[...]" is "tool_choice")."""
+    path = []
+    for part in loc:
+        if isinstance(body, dict) and part in body or isinstance(body, list) and isinstance(part, int) \
+                and 0 <= part < len(body):
+            path.append(part)
+            body = body[part]
+        else:
+            break
+    return path or list(loc[:1])
+
+
+@dataclass(frozen=True)
+class ChatCall:
+    """What one request asks of the chat layer (`Chat.opener`'s arguments)."""
+
+    tools: list[dict] | None
+    tool_choice: str            # "auto", "none", "required" or a tool's name
+    parallel_tool_calls: bool
+    params: SamplingParams
+    state_id: str | None        # the state the client pinned, if any
+    fallback: bool              # another state when the pinned one is busy (`user`, not the header)
+    stream: bool
+    include_usage: bool
+
+
+def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None,
+              max_tokens_limit: int) -> ChatCall:
+    """The call a checked request makes; ApiError for what Hibana refuses (n > 1, too many tokens)."""
+    if request.n not in (None, 1):
+        raise ApiError(400, f"n={request.n}: Hibana returns one choice per request; send n=1 (or leave it out) "
+                            "and make several requests", "n")
+    if request.logit_bias:
+        raise ApiError(400, "logit_bias is not supported by Hibana; leave it out", "logit_bias")
+    chat = isinstance(request, ChatRequest)
+    max_tokens = (chat and request.max_completion_tokens) or request.max_tokens
+    if max_tokens is not None and max_tokens > max_tokens_limit:
+        param = "max_completion_tokens" if chat and request.max_completion_tokens else "max_tokens"
+        raise ApiError(400, f"{param}={max_tokens} is more than this server allows ({max_tokens_limit}); "
+                            "ask for fewer tokens", param)
+    if state_header is not None and not 0 < len(state_header) <= MAX_STATE_ID:
+        raise ApiError(400, f"the {STATE_HEADER} header must name a state in 1 to {MAX_STATE_ID} characters")
+    tools = normalize_tools(request.tools or None) if chat else None
+    choice = normalize_tool_choice(request.tool_choice, tools) if chat else "none"
+    if choice == "none":
+        tools = None
+    params = SamplingParams(
+        max_tokens=max_tokens or max_tokens_limit,
+        temperature=_given(request.temperature, 0.0),  # greedy unless asked: as in-process
+        top_p=_given(request.top_p, 1.0), seed=request.seed, stop=request.stop or (),
+        presence_penalty=_given(request.presence_penalty, 0.0),
+        frequency_penalty=_given(request.frequency_penalty, 0.0),
+        json_schema=response_schema(request.response_format) if chat else None)
+    explicit = state_header or request.user
+    return ChatCall(tools, choice, not chat or request.parallel_tool_calls is not False, params, explicit,
+                    fallback=state_header is None, stream=bool(request.stream),
+                    include_usage=bool(request.stream_options and request.stream_options.include_usage))
+
+
+def _given(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
+def response_schema(response_format: dict | None) -> dict | None:
+    """The JSON schema `response_format` holds the reply to (through the grammar), or None for text."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
+                           "response_format.json_schema.schema")
+        return schema
+    raise ApiError(400, f"response_format.type={kind!r:.40}: use 'text', 'json_object' or 'json_schema'",
+                   "response_format.type")
+
+
+# --- the reply ---------------------------------------------------------------------------------
+
+class Reply:
+    """The id, time and model that every chunk of one reply carries."""
+
+    def __init__(self, model: str) -> None:
+        self.id = "chatcmpl-" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+
+    def completion(self, result: ChatResult) -> dict:
+        message: dict[str, Any] = {"role": "assistant", "content": result.text if result.text or not
+                                   result.tool_calls else None}
+        if result.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+                for c in result.tool_calls]
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason(result)}
+        return {**self._head("chat.completion"), "choices": [choice], "usage": usage(result.usage)}
+
+    def chunk(self, delta: ChatDelta) -> dict:
+        """The chunk for one delta; the result's chunk carries the finish reason."""
+        if delta.result is not None:
+            return self._chunk({}, finish_reason(delta.result))
+        if delta.tool_call is not None:
+            call = delta.tool_call
+            piece: dict[str, Any] = {"index": call.index}
+            function: dict[str, str] = {"arguments": call.arguments_fragment}
+            if call.id is not None:  # the call's first delta
+                piece.update(id=call.id, type="function")
+                function = {"name": call.name or "", **function}
+            return self._chunk({"tool_calls": [{**piece, "function": function}]})
+        return self._chunk({"content": delta.text})
+
+    def role_chunk(self) -> dict | None:
+        """The first chunk, before any text (None: the format has none)."""
+        return self._chunk({"role": "assistant", "content": ""})
+
+    def usage_chunk(self, result: ChatResult) -> dict:
+        """The last chunk with `stream_options.include_usage`: no choices, the usage."""
+        return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage(result.usage)}
+
+    def _chunk(self, delta: dict, finish: str | None = None) -> dict:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+
+    def _head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+
+def finish_reason(result: ChatResult) -> str:
+    """OpenAI's finish reasons: a malformed call ends the turn as text ("stop")."""
+    if result.tool_calls:
+        return "tool_calls"
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+def usage(u: Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+class TextReply(Reply):
+    """A legacy completion: the text as generated, in `text_completion` objects."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(model)
+        self.id = "cmpl-" + uuid.uuid4().hex
+
+    def completion(self, result: ChatResult) -> dict:
+        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish_reason(result)}
+        return {**self._head("text_completion"), "choices": [choice], "usage": usage(result.usage)}
+
+    def chunk(self, delta: ChatDelta) -> dict:
+        finish = finish_reason(delta.result) if delta.result is not None else None
+        choice = {"index": 0, "text": delta.text, "logprobs": None, "finish_reason": finish}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def role_chunk(self) -> None:
+        return None
+
+    def usage_chunk(self, result: ChatResult) -> dict:
+        return {**self._head("text_completion"), "choices": [], "usage": usage(result.usage)}

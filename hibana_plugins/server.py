@@ -1,0 +1,364 @@
+"""`hibana serve`: Hibana behind OpenAI's HTTP API (FastAPI + uvicorn), an adapter like the others.
+
+    POST /v1/chat/completions   messages, tools, tool_choice, response_format, stream (SSE)
+    POST /v1/completions        a prompt continued as it is (no chat template)
+    GET  /v1/models   GET /health   GET /metrics (Prometheus)
+
+Every conversation keeps its KV resident between requests: a request is served on the state
+whose conversation it continues (`Chat.lease`: the longest resident prefix), or on the state the
+client names with an `X-Hibana-State` header (that state only: 409 while it is busy) or the
+`user` field (another state while that one is busy). `usage.prompt_tokens_details.cached_tokens`
+says how much of the prompt the state already held.
+
+Safe by default: binds 127.0.0.1; with an API key (`--api-key` or HIBANA_API_KEY) every endpoint
+but /health wants it as a bearer token; bodies and max_tokens are bounded. The wire format lives
+in `hibana_plugins.openai_api`; this module does the HTTP, the errors' status codes and metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hibana_core import turn
+from hibana_core.chat import Chat
+from hibana_core.errors import (ChatTimeoutError, ConfigError, ContextLengthError, EngineClosedError, GrammarError,
+                                HibanaError, StateBusyError)
+from hibana_core.messages import ConversationError, ToolChoiceError, ToolSchemaError
+from hibana_core.turn import ChatDelta
+from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatRequest, CompletionRequest, Reply,
+                                       TextReply, chat_call, parse_request)
+
+if TYPE_CHECKING:
+    from hibana_core.engine import Engine
+
+log = logging.getLogger("hibana.server")
+
+API_KEY_ENV = "HIBANA_API_KEY"
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What the HTTP face allows; the engine's own options are the engine's."""
+
+    model_name: str                       # the id /v1/models lists and requests must name
+    api_key: str | None = None            # bearer token every endpoint but /health wants, when set
+    max_body_bytes: int = 8 << 20         # request bodies larger than this are refused (413)
+    max_tokens_limit: int | None = None   # most tokens one request may generate; None: the context
+    request_timeout: float | None = None  # seconds a request may take, queue included; None: no limit
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise ConfigError("the served model name must not be empty")
+        if self.max_body_bytes <= 0 or any(limit is not None and limit <= 0
+                                           for limit in (self.max_tokens_limit, self.request_timeout)):
+            raise ConfigError("max_body_bytes, max_tokens_limit and request_timeout must be positive")
+
+
+class Metrics:
+    """The Prometheus figures, in a registry of their own (two apps in one process do not clash)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("hibana_requests", "HTTP requests served", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("hibana_prompt_tokens", "prompt tokens, by whether their KV was reused "
+                                     "from a resident state or computed", ["kind"], registry=r)
+        self.generated = Counter("hibana_generated_tokens", "completion tokens generated", registry=r)
+        self.ttft = Histogram("hibana_time_to_first_token_seconds", "request received to first token",
+                              buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30), registry=r)
+        self.in_flight = Gauge("hibana_requests_in_flight", "chat requests being served", registry=r)
+        self.kv_blocks = Gauge("hibana_kv_blocks", "KV blocks of the engine's pool", ["kind"], registry=r)
+        self.states = Gauge("hibana_states", "states the engine holds", registry=r)
+
+    def served(self, usage: turn.Usage) -> None:
+        self.prompt_tokens.labels("reused").inc(usage.cached_tokens)
+        self.prompt_tokens.labels("computed").inc(usage.prompt_tokens - usage.cached_tokens)
+        self.generated.inc(usage.completion_tokens)
+
+    def scrape(self, engine: "Engine") -> bytes:
+        stats = engine.stats()
+        self.kv_blocks.labels("total").set(stats.kv_blocks_total)
+        self.kv_blocks.labels("used").set(stats.kv_blocks_used)
+        self.kv_blocks.labels("cached").set(stats.kv_blocks_cached)
+        self.states.set(stats.states)
+        return generate_latest(self.registry)
+
+
+# --- HibanaError -> HTTP ---------------------------------------------------------------------------
+
+def api_error(exc: HibanaError, prompt_param: str = "messages") -> ApiError:
+    """The OpenAI-shaped error for a failure the caller caused (or a busy/closed engine)."""
+    message = str(exc)
+    if isinstance(exc, ContextLengthError):
+        return ApiError(400, message, prompt_param, "context_length_exceeded")
+    if isinstance(exc, StateBusyError):
+        return ApiError(409, message, None, "state_busy")
+    if isinstance(exc, ChatTimeoutError):
+        return ApiError(408, message, None, "timeout")
+    if isinstance(exc, EngineClosedError):
+        return ApiError(503, message, None, "engine_closed", "server_error")
+    params = [(ToolChoiceError, "tool_choice"), (ToolSchemaError, "tools"), (ConversationError, "messages"),
+              (GrammarError, "response_format")]
+    return ApiError(400, message, next((p for kind, p in params if isinstance(exc, kind)), None))
+
+
+# --- the app --------------------------------------------------------------------------------------
+
+def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
+    """The HTTP face of one engine; the engine stays the caller's to close."""
+    app = FastAPI(title="Hibana", docs_url=None, redoc_url=None, openapi_url=None)
+    chat = Chat(engine)
+    metrics = Metrics()
+    app.state.metrics = metrics
+    max_tokens_limit = min(config.max_tokens_limit or engine.max_model_len, engine.max_model_len)
+
+    async def authorized(request: Request) -> None:
+        if config.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+            raise ApiError(401, "missing or wrong API key: send it as 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
+        path = request.url.path  # any path a client sends would be a new time series
+        metrics.requests.labels(path if path in ENDPOINTS else "other", str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return await on_api_error(request, ApiError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("request failed", exc_info=exc)
+        return await on_api_error(request, ApiError(500, "the server failed on this request; its log says why",
+                                                    kind="server_error"))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        closed = engine.core.closed
+        return JSONResponse({"status": "closed" if closed else "ok"}, status_code=503 if closed else 200)
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "hibana"}]}
+
+    @app.get("/metrics", dependencies=[Depends(authorized)])
+    async def prometheus() -> Response:
+        return Response(await asyncio.to_thread(metrics.scrape, engine), media_type=CONTENT_TYPE_LATEST)
+
+    async def checked(request: Request, kind: type) -> Any:
+        parsed = parse_request(await read_json(request, config.max_body_bytes), kind)
+        if parsed.model != config.model_name:
+            raise ApiError(404, f"the model {parsed.model!r:.80} does not exist here; this server serves "
+                                f"{config.model_name!r}", "model", "model_not_found")
+        return parsed
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(request: Request) -> Response:
+        received = time.monotonic()
+        parsed = await checked(request, ChatRequest)
+        try:
+            call = chat_call(parsed, request.headers.get(STATE_HEADER), max_tokens_limit)
+            prompt = await asyncio.to_thread(chat.render_text, parsed.messages, call.tools)
+        except HibanaError as exc:
+            raise api_error(exc) from None
+        return await serve(request.url.path, received, Serving(chat, prompt, call, config.request_timeout),
+                           Reply(config.model_name))
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(request: Request) -> Response:
+        received = time.monotonic()
+        parsed = await checked(request, CompletionRequest)
+        if isinstance(parsed.prompt, list) and len(parsed.prompt) != 1:
+            raise ApiError(400, "prompt: give one prompt per request (a string, or a list of one)", "prompt")
+        try:
+            call = chat_call(parsed, request.headers.get(STATE_HEADER), max_tokens_limit)
+        except HibanaError as exc:
+            raise api_error(exc) from None
+        prompt = parsed.prompt if isinstance(parsed.prompt, str) else parsed.prompt[0]
+        return await serve(request.url.path, received, Serving(chat, prompt, call, config.request_timeout),
+                           TextReply(config.model_name))
+
+    async def serve(endpoint: str, received: float, serving: "Serving", reply: Reply) -> Response:
+        """One turn, streamed or whole; errors up to its first token come as HTTP errors."""
+        deltas = turn.arun(serving.open)
+        try:  # the lease, the queue, the prefill and the first token
+            first = await asyncio.wait_for(anext(deltas), config.request_timeout)
+        except HibanaError as exc:  # ChatTimeoutError included: a TimeoutError too
+            raise api_error(exc, "prompt" if isinstance(reply, TextReply) else "messages") from None
+        except asyncio.TimeoutError:
+            await deltas.aclose()
+            raise ApiError(503, f"no token within the server's request timeout ({config.request_timeout:g} s): "
+                                "it is busy; retry later", code="timeout", kind="server_error") from None
+        metrics.ttft.observe(time.monotonic() - received)
+        headers = {STATE_HEADER: serving.state_id}
+        if serving.call.stream:
+            return StreamingResponse(sse(endpoint, reply, first, deltas, serving.call, metrics),
+                                     media_type="text/event-stream", headers=headers)
+        result = first.result
+        with metrics.in_flight.track_inprogress():
+            async with contextlib.aclosing(deltas):  # a client gone away cancels the turn
+                try:
+                    async for delta in deltas:
+                        result = delta.result or result
+                except HibanaError as exc:
+                    raise api_error(exc) from None
+        metrics.served(result.usage)
+        metrics.requests.labels(endpoint, "200").inc()
+        return JSONResponse(reply.completion(result), headers=headers)
+
+    return app
+
+
+class Serving:
+    """One request's turn on the state `Chat.lease` picks (`turn.Open`); remembers that state."""
+
+    def __init__(self, chat: Chat, prompt: str, call: ChatCall, timeout: float | None) -> None:
+        self.chat, self.prompt, self.call, self.timeout = chat, prompt, call, timeout
+        self.state_id = ""
+
+    def open(self, stack: contextlib.ExitStack) -> "tuple[turn.TurnRun, Any]":
+        call = self.call
+        run, handle = self.chat.opener(
+            self.prompt, call.tools, call.params, lease=True, state_id=call.state_id, fallback=call.fallback,
+            tool_choice=call.tool_choice, parse_tools=call.tools is not None,
+            parallel_tool_calls=call.parallel_tool_calls, timeout=self.timeout)(stack)
+        self.state_id = handle.id
+        return run, handle
+
+
+async def sse(endpoint: str, reply: Reply, first: ChatDelta, deltas: AsyncIterator[ChatDelta], call: ChatCall,
+              metrics: Metrics) -> AsyncIterator[str]:
+    """The reply as server-sent events. A client that goes away closes this generator, which
+    cancels the turn (its state keeps what was generated so far)."""
+    def event(data: dict) -> str:
+        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    result = first.result
+    with metrics.in_flight.track_inprogress():
+        async with contextlib.aclosing(deltas):
+            opening = reply.role_chunk()
+            if opening is not None:
+                yield event(opening)
+            yield event(reply.chunk(first))
+            try:
+                async for delta in deltas:
+                    result = delta.result or result
+                    yield event(reply.chunk(delta))
+            except HibanaError as exc:  # mid-stream: the status is sent; the error is the last event
+                metrics.requests.labels(endpoint, "stream_error").inc()
+                yield event(api_error(exc).body())
+                return
+    if result is not None:
+        metrics.served(result.usage)
+        if call.include_usage:
+            yield event(reply.usage_chunk(result))
+    metrics.requests.labels(endpoint, "200").inc()
+    yield "data: [DONE]\n\n"
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON, read up to `limit` bytes (413 past it, 400 for what is not JSON)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is {declared} bytes, more than this server's limit of {limit}",
+                       code="request_too_large")
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise ApiError(413, f"the request body is more than this server's limit of {limit} bytes",
+                           code="request_too_large")
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+
+
+# --- hibana serve ---------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hibana serve", description="Serve a model over OpenAI's chat-completions API, every conversation's "
+                                         "KV kept resident. Example: hibana serve demo --port 8000")
+    parser.add_argument("model", help="checkpoint directory, Hugging Face repo id (org/name[@revision]), or demo")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument("--served-model-name", help="the model id clients name (default: MODEL as given)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"bearer token clients must send (default: ${API_KEY_ENV}; unset: none wanted)")
+    parser.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
+                        help="largest request body accepted (default 8 MiB)")
+    parser.add_argument("--max-tokens-limit", type=int,
+                        help="most tokens one request may generate (default: the model's context)")
+    parser.add_argument("--request-timeout", type=float,
+                        help="seconds a request may take, waiting in the queue included (default: no limit)")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="compute dtype (auto: the checkpoint's on GPU, float32 on CPU)")
+    parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="any other engine option (EngineConfig), VALUE as JSON where it parses: "
+                             "--option max_concurrent_agents=32 --option kv_dtype=fp8; repeatable")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                        help="what the server logs (default info: one line per request)")
+    return parser
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig overrides the command line names."""
+    options: dict[str, Any] = {"device": args.device, "dtype": args.dtype}
+    if args.max_model_len is not None:
+        options["max_model_len"] = args.max_model_len
+    for item in args.option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--option {item!r}: write KEY=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value  # a bare word: a string
+    return options
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`hibana serve` (an entry point of `hibana.commands`); returns the exit status."""
+    import uvicorn
+
+    from hibana_core import Engine
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper())
+    try:
+        config = ServerConfig(args.served_model_name or args.model, args.api_key, args.max_body_bytes,
+                              args.max_tokens_limit, args.request_timeout)
+        engine = Engine.from_pretrained(args.model, **engine_options(args))
+    except HibanaError as exc:
+        print(f"hibana serve: {exc}", file=sys.stderr)
+        return 2
+    if args.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
+        log.warning("serving on %s with no API key: anyone who can reach it can use the model", args.host)
+    with engine:
+        uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
