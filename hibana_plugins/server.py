@@ -86,6 +86,10 @@ class Metrics:
         self.in_flight = Gauge("hibana_requests_in_flight", "chat requests being served", registry=r)
         self.kv_blocks = Gauge("hibana_kv_blocks", "KV blocks of the engine's pool", ["kind"], registry=r)
         self.states = Gauge("hibana_states", "states the engine holds", registry=r)
+        self.kv_bytes = Gauge("hibana_kv_bytes", "KV bytes per memory tier (device: blocks in use; host: "
+                              "idle states' KV parked there)", ["tier"], registry=r)
+        self.moves = Gauge("hibana_kv_moves", "idle states' KV parked in the host tier and copied back "
+                           "(since start)", ["kind"], registry=r)
 
     def served(self, usage: turn.Usage) -> None:
         self.prompt_tokens.labels("reused").inc(usage.cached_tokens)
@@ -98,6 +102,11 @@ class Metrics:
         self.kv_blocks.labels("used").set(stats.kv_blocks_used)
         self.kv_blocks.labels("cached").set(stats.kv_blocks_cached)
         self.states.set(stats.states)
+        memory = engine.memory()
+        self.kv_bytes.labels("device").set(memory["device"]["kv_used"])
+        self.kv_bytes.labels("host").set(memory["host"]["kv_parked"])
+        self.moves.labels("parks").set(stats.parks)
+        self.moves.labels("resumes").set(stats.resumes)
         return generate_latest(self.registry)
 
 
@@ -318,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="compute dtype (auto: the checkpoint's on GPU, float32 on CPU)")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    parser.add_argument("--state-dir", help="folder where named states (X-Hibana-State) persist across "
+                        "restarts: written when the server stops, found again by id after it starts")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="any other engine option (EngineConfig), VALUE as JSON where it parses: "
                              "--option max_concurrent_agents=32 --option kv_dtype=fp8; repeatable")
@@ -331,6 +342,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {"device": args.device, "dtype": args.dtype}
     if args.max_model_len is not None:
         options["max_model_len"] = args.max_model_len
+    if args.state_dir is not None:
+        options["state_dir"] = args.state_dir
     for item in args.option:
         key, sep, value = item.partition("=")
         if not sep or not key:
