@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hibana_core import turn
 from hibana_core.chat import Chat
 from hibana_core.errors import (ChatTimeoutError, ConfigError, ContextLengthError, EngineClosedError, GrammarError,
-                                HibanaError, StateBusyError)
+                                HibanaError, QueueTimeoutError, StateBusyError)
 from hibana_core.messages import ConversationError, ToolChoiceError, ToolSchemaError
 from hibana_core.turn import ChatDelta
 from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatRequest, CompletionRequest, Reply,
@@ -121,6 +121,8 @@ def api_error(exc: HibanaError, prompt_param: str = "messages") -> ApiError:
         return ApiError(409, message, None, "state_busy")
     if isinstance(exc, ChatTimeoutError):
         return ApiError(408, message, None, "timeout")
+    if isinstance(exc, QueueTimeoutError):  # the server is full: retry later (as a rate limit)
+        return ApiError(429, message, None, "queue_timeout")
     if isinstance(exc, EngineClosedError):
         return ApiError(503, message, None, "engine_closed", "server_error")
     params = [(ToolChoiceError, "tool_choice"), (ToolSchemaError, "tools"), (ConversationError, "messages"),

@@ -463,3 +463,31 @@ def test_the_api_key_comes_from_the_environment_too(monkeypatch):
     assert server.build_parser().parse_args(["demo"]).api_key == "from-env"
     assert server.build_parser().parse_args(["demo", "--api-key", "given"]).api_key == "given"
     assert server.build_parser().parse_args(["demo"]).host == "127.0.0.1"
+
+
+def test_a_request_that_waited_too_long_in_the_queue_is_a_429(tmp_path):
+    """queue_timeout_ms on a full server: the waiting request gets OpenAI's rate-limit shape
+    (retry later); the one running is unaffected."""
+    import openai
+
+    with Engine.from_pretrained("demo", progress=False, max_concurrent_agents=1, queue_timeout_ms=1) as engine, \
+            running(engine, ServerConfig("demo", api_key=KEY)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        results, errors = [], []
+
+        def ask(i: int) -> None:
+            try:
+                results.append(client.chat.completions.create(
+                    model="demo", messages=[{"role": "user", "content": f"Tell me a long story {i}."}],
+                    max_tokens=64))
+            except openai.RateLimitError as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert results and errors, (len(results), len(errors))
+        assert errors[0].status_code == 429 and errors[0].body["code"] == "queue_timeout"
+        assert "queue_timeout_ms" in errors[0].body["message"]
