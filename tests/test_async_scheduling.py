@@ -91,17 +91,24 @@ def recomputed_prompt_tokens(completions) -> int:
     return sum(c.stats.computed - c.stats.prompt_tokens for c in completions)
 
 
-def test_preemption_under_async_scheduling(tiny_checkpoints, make_engine):
+@pytest.mark.parametrize("host_kv_bytes", [0, None], ids=["recompute", "host-tier"])
+def test_preemption_under_async_scheduling(tiny_checkpoints, make_engine, host_kv_bytes):
     """Four agents submitted together, any two of whose histories overflow the pool (80 tokens,
     5 blocks each, of 8): the newest gives its KV back while the others' tokens are still in
-    flight, recomputes later, and still generates transformers' greedy."""
+    flight, and still generates transformers' greedy: without a host tier it recomputes later,
+    with one its KV is parked and copied back (nothing computed twice)."""
     path = tiny_checkpoints[ARCH]
-    engine = make_engine(path, async_scheduling=True, num_blocks=8, enable_prefix_caching=False)
+    engine = make_engine(path, async_scheduling=True, num_blocks=8, enable_prefix_caching=False,
+                         host_kv_bytes=host_kv_bytes)
     plans = [(random_tokens(random.Random(200 + i), 40), greedy(40)) for i in range(4)]
     handles = [engine.open_state(f"p{i}") for i in range(4)]
     streams = [h.stream(params, prompt=prompt) for h, (prompt, params) in zip(handles, plans)]
     outs = [[ev for ev in events][-1].completion for events in streams]
-    assert recomputed_prompt_tokens(outs) > 0, "no agent was preempted: the pool was meant to run out"
+    if host_kv_bytes == 0:
+        assert recomputed_prompt_tokens(outs) > 0, "no agent was preempted: the pool was meant to run out"
+    else:
+        assert engine.stats().parks > 0, "no agent was preempted: the pool was meant to run out"
+        assert recomputed_prompt_tokens(outs) == 0
     for (prompt, _), out, h in zip(plans, outs, handles):
         assert out.finish_reason == "length" and h.tokens == prompt + list(out.token_ids)
         assert_greedy_matches(path, prompt, out.token_ids)
