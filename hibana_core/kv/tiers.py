@@ -84,7 +84,8 @@ class HostTier:
         c.parks += 1
         c.bytes_moved += seq.parked.nbytes
         c.seconds += time.perf_counter() - began
-        logger.info("parked an idle state's KV in host memory (%d tokens, %d bytes)", n, seq.parked.nbytes)
+        logger.info("evicting an idle state's KV (%d blocks, %d tokens): parked in host memory (%d bytes)",
+                    blocks, n, seq.parked.nbytes)
         return True
 
     def restore(self, seq: KVSequence, make_room: Callable[[int], bool]) -> int:
