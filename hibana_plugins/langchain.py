@@ -37,14 +37,16 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, Literal
 
-from pydantic import Field, PrivateAttr
+from pydantic import Field, PrivateAttr, ValidationError
 
 from hibana_core import turn
 from hibana_core.chat import (Chat, ChatDelta, ChatResult as TurnResult, ConversationError,  # noqa: F401
                               ToolSchemaError, UnsupportedContentError, Usage, clean_tool, normalize_tool_choice,
                               normalize_tools)
 from hibana_core.config import SamplingParams
+from hibana_core.errors import ConfigError
 from hibana_plugins.hookspecs import hookimpl
+from hibana_plugins.options import SAMPLING, check_known, resolve_aliases, sampling_params
 
 try:
     from langchain_core.language_models import BaseChatModel
@@ -75,6 +77,9 @@ def register_adapters(register) -> None:
 
 
 PROVIDER = "hibana"
+CALL_OPTIONS = frozenset({*SAMPLING, "tools", "tool_choice", "parallel_tool_calls", "state_id", "timeout", "model",
+                          "answer_tool", "ls_structured_output_format"})
+"""What a call (`invoke(..., **kwargs)`, `.bind(**kwargs)`) may set; anything else is a ConfigError."""
 _MEDIA_BLOCKS = frozenset({"image", "image_url", "audio", "input_audio", "video", "file", "document"})
 
 
@@ -246,8 +251,17 @@ class ChatHibana(BaseChatModel):
     """Most tokens one call generates."""
     top_p: float = 1.0
     top_k: int = 0
+    """0 keeps every token."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one."""
     seed: int | None = None
+    """Per-call sampling seed: same seed, same tokens, whatever shares the batch."""
     repetition_penalty: float = 1.0
+    """HF-style, over the prompt and the output; alias `repeat_penalty` (Ollama, llama.cpp)."""
+    presence_penalty: float = 0.0
+    """OpenAI-style, in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """OpenAI-style, in [-2, 2]."""
     speculation: str | dict[str, Any] | None = None
     """Speculative decoding of this model's calls: "adaptive", "off" or {"method": ..., "k": ...};
     None: the engine's (set it engine-wide with engine_kwargs={"speculation": ...}). Speed only."""
@@ -267,10 +281,25 @@ class ChatHibana(BaseChatModel):
     _chat: Any = PrivateAttr(default=None)
 
     def __init__(self, *, engine: Any = None, **kwargs: Any) -> None:
+        """Unknown options raise a ConfigError and values are checked here, not on the first call
+        (`hibana_plugins.options`); `num_ctx` is `engine_kwargs={"max_model_len": ...}`."""
+        kwargs = resolve_aliases(kwargs, "ChatHibana")
+        if "max_model_len" in kwargs:
+            kwargs["engine_kwargs"] = {**kwargs.get("engine_kwargs", {}), "max_model_len": kwargs.pop("max_model_len")}
+        check_known(kwargs, type(self).model_fields, "ChatHibana")
         if engine is not None and "model" not in kwargs:
             kwargs["model"] = engine.config.model
-        super().__init__(**kwargs)
+        try:
+            super().__init__(**kwargs)
+        except ValidationError as exc:
+            raise ConfigError(f"ChatHibana: {exc}") from None
         self._engine = engine
+        sampling_params(vars(self), "ChatHibana")
+
+    def bind(self, **kwargs: Any):
+        """`Runnable.bind`, its options checked now rather than on the first call."""
+        _call_options(kwargs)
+        return super().bind(**kwargs)
 
     @property
     def engine(self):
@@ -374,6 +403,7 @@ class ChatHibana(BaseChatModel):
     def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, run_manager,
                  kwargs: dict[str, Any]) -> _Call:
         """Pick the engine, render, and say which state and which turn (module docstring)."""
+        kwargs = _call_options(kwargs)
         model = kwargs.get("model") or self.model
         chat = self._chat_layer(model)
         tools, choice = kwargs.get("tools") or None, kwargs.get("tool_choice", "auto")
@@ -403,9 +433,16 @@ class ChatHibana(BaseChatModel):
         return self._chat
 
     def _params(self, stop: list[str] | None, kwargs: dict[str, Any]) -> SamplingParams:
-        option = lambda name: kwargs[name] if kwargs.get(name) is not None else getattr(self, name)  # noqa: E731
-        stops = stop if stop is not None else self.stop
-        return SamplingParams(max_tokens=option("max_tokens"), temperature=option("temperature"),
-                              top_p=option("top_p"), top_k=option("top_k"), seed=option("seed"),
-                              repetition_penalty=option("repetition_penalty"), speculation=option("speculation"),
-                              stop=() if stops is None else stops)
+        """The object's sampling options, overridden by the call's (`stop` as LangChain passes it)."""
+        values = {name: getattr(self, name) for name in SAMPLING}
+        values |= {name: kwargs[name] for name in SAMPLING if kwargs.get(name) is not None}
+        if stop is not None:
+            values["stop"] = stop
+        return sampling_params(values, "ChatHibana call")
+
+
+def _call_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A call's kwargs with the peers' aliases renamed; unknown ones raise a ConfigError."""
+    kwargs = resolve_aliases(kwargs, "ChatHibana call")
+    check_known(kwargs, CALL_OPTIONS, "a ChatHibana call")
+    return kwargs

@@ -43,9 +43,12 @@ from hibana_core import turn
 from hibana_core.chat import (Chat, ChatDelta, ChatResult, ConversationError, ToolChoiceError,
                               UnsupportedContentError, clean_tool, normalize_tool_choice, normalize_tools)
 from hibana_core.config import SamplingParams
-from hibana_core.errors import HibanaError
+from hibana_core.errors import ConfigError, HibanaError
 from hibana_plugins.hookspecs import hookimpl
+from hibana_plugins.options import SAMPLING, check_known, resolve_aliases, sampling_params
 
+CHAT_OPTIONS = frozenset({*SAMPLING, "tools", "tool_required", "tool_choice", "parallel_tool_calls"})
+"""What `chat(..., **kwargs)` (and `chat_with_tools` through it) may set; `complete` takes SAMPLING."""
 _ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant", "function": "tool"}
 
 
@@ -165,7 +168,14 @@ def llm_class() -> type:
         max_tokens: int = Field(default=256, gt=0, description="Most tokens per reply.")
         top_p: float = Field(default=1.0, gt=0.0, le=1.0)
         top_k: int = Field(default=0, ge=0, description="0 keeps every token.")
+        min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="Drop tokens less likely than min_p "
+                             "times the most likely one.")
         seed: Optional[int] = Field(default=None, description="Per-request sampling seed.")
+        repetition_penalty: float = Field(default=1.0, gt=0.0, description="HF-style, over prompt and output; "
+                                          "alias repeat_penalty.")
+        presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="OpenAI-style.")
+        frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="OpenAI-style.")
+        stop: Optional[list[str]] = Field(default=None, description="Strings that end the reply (cut from it).")
         speculation: Optional[Union[str, dict]] = Field(
             default=None, description="Speculative decoding: \"adaptive\", \"off\" or {\"method\": ..., "
             "\"k\": ...}; None: the engine's (engine_kwargs={\"speculation\": ...}). Speed only.")
@@ -179,13 +189,23 @@ def llm_class() -> type:
         _chat: Chat = PrivateAttr()
 
         def __init__(self, model: str = "demo", engine: Any = None, **kwargs: Any) -> None:
+            # unknown options and bad values are refused before an engine loads (`hibana_plugins.options`)
+            kwargs = resolve_aliases(kwargs, "HibanaLLM")
+            if "max_model_len" in kwargs:
+                kwargs["engine_kwargs"] = {**kwargs.get("engine_kwargs", {}),
+                                           "max_model_len": kwargs.pop("max_model_len")}
+            check_known(kwargs, type(self).model_fields, "HibanaLLM")
+            sampling_params(kwargs, "HibanaLLM")
             if engine is None:
                 from hibana_core import Engine
 
                 engine = Engine.shared(model, **kwargs.get("engine_kwargs", {}))
             else:
                 model = str(engine.config.model)
-            super().__init__(model=model, **kwargs)
+            try:
+                super().__init__(model=model, **kwargs)
+            except ValueError as exc:  # pydantic's ValidationError
+                raise ConfigError(f"HibanaLLM: {exc}") from None
             self._chat = Chat(engine, tool_parser=self.tool_parser)
 
         @classmethod
@@ -223,23 +243,24 @@ def llm_class() -> type:
 
         @llm_completion_callback()
         def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-            *_, last = self._drive(turn.run, self._completion_call(prompt, formatted), self._completion_response)
+            call = self._completion_call(prompt, formatted, kwargs)
+            *_, last = self._drive(turn.run, call, self._completion_response)
             return last
 
         @llm_completion_callback()
         def stream_complete(self, prompt: str, formatted: bool = False,
                             **kwargs: Any) -> Iterator[CompletionResponse]:
-            return self._drive(turn.run, self._completion_call(prompt, formatted), self._completion_response)
+            return self._drive(turn.run, self._completion_call(prompt, formatted, kwargs), self._completion_response)
 
         @llm_completion_callback()
         async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-            call = self._completion_call(prompt, formatted)
+            call = self._completion_call(prompt, formatted, kwargs)
             return [r async for r in self._drive(turn.arun, call, self._completion_response)][-1]
 
         @llm_completion_callback()
         async def astream_complete(self, prompt: str, formatted: bool = False,
                                    **kwargs: Any) -> AsyncIterator[CompletionResponse]:
-            return self._drive(turn.arun, self._completion_call(prompt, formatted), self._completion_response)
+            return self._drive(turn.arun, self._completion_call(prompt, formatted, kwargs), self._completion_response)
 
         def _drive(self, driver: Callable, call: _Call, respond: Callable[[_Call, str], Any]) -> Any:
             """`driver` (turn.run or turn.arun) over the call: a response whenever the reply grew."""
@@ -294,6 +315,8 @@ def llm_class() -> type:
         # --- requests and responses -------------------------------------------------------------
 
         def _chat_call(self, messages: Sequence[ChatMessage], kwargs: dict) -> _Call:
+            kwargs = resolve_aliases(kwargs, "HibanaLLM.chat")
+            check_known(kwargs, CHAT_OPTIONS, "HibanaLLM.chat")
             tools = normalize_tools(kwargs.get("tools"))
             choice = kwargs.get("tool_choice")
             if kwargs.get("tool_required") and not tools:
@@ -304,19 +327,23 @@ def llm_class() -> type:
             choice = normalize_tool_choice(choice, tools)
             if choice == "none":
                 tools = None
-            return self._call(self._chat.render_text(openai_messages(messages), tools), tools, choice,
+            return self._call(self._chat.render_text(openai_messages(messages), tools), tools, choice, kwargs,
                               kwargs.get("parallel_tool_calls", True))
 
-        def _completion_call(self, prompt: str, formatted: bool) -> _Call:
+        def _completion_call(self, prompt: str, formatted: bool, kwargs: dict) -> _Call:
+            kwargs = resolve_aliases(kwargs, "HibanaLLM.complete")
+            check_known(kwargs, SAMPLING, "HibanaLLM.complete")
             if not isinstance(prompt, str):
                 raise ConversationError(f"the prompt is a {type(prompt).__name__}; complete() takes a string")
             if not formatted:  # else the caller applied the chat template: continue the text as it is
                 prompt = self._chat.render_text([{"role": "user", "content": prompt}])
-            return self._call(prompt, None, "auto")
+            return self._call(prompt, None, "auto", kwargs)
 
-        def _call(self, prompt: str, tools: list[dict] | None, choice: str, parallel: bool = True) -> _Call:
-            params = SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                                    top_k=self.top_k, seed=self.seed, speculation=self.speculation)
+        def _call(self, prompt: str, tools: list[dict] | None, choice: str, kwargs: dict,
+                  parallel: bool = True) -> _Call:
+            values = {name: getattr(self, name) for name in SAMPLING}
+            values |= {name: kwargs[name] for name in SAMPLING if kwargs.get(name) is not None}
+            params = sampling_params(values, "HibanaLLM call")
             options = {"tool_choice": choice, "parse_tools": tools is not None, "guided": self.guided_tool_arguments,
                        "parallel_tool_calls": parallel}
             return _Call(self._chat, prompt, tools, params, options, self.state_id)

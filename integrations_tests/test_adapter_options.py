@@ -1,0 +1,118 @@
+"""The parameter surface of both adapters (issue 16): unknown options and call kwargs raise a
+ConfigError naming the accepted ones, values are checked at construction, the peers' aliases
+mean what they mean there, and every sampling option reaches the sampler."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from langchain_core.messages import HumanMessage
+from llama_index.core.base.llms.types import ChatMessage
+
+from hibana_core import Engine
+from hibana_core.errors import ConfigError
+from hibana_plugins.langchain import ChatHibana
+from hibana_plugins.llamaindex import HibanaLLM
+
+PROMPT = "Tell me about the weather in Paris."
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.shared("demo")
+
+
+# --- LangChain ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("options, named", [
+    ({"temperatur": 0.7}, "did you mean 'temperature'"),
+    ({"format": "json"}, "json_mode"),
+    ({"logprobs": True}, "'logprobs'"),
+    ({"model_kwargs": {"top_p": 0.5}}, "'model_kwargs'"),
+])
+def test_chat_hibana_refuses_unknown_options(options, named):
+    with pytest.raises(ConfigError, match="accepts .*temperature") as info:
+        ChatHibana(**options)
+    assert named in str(info.value)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"temperature": -1}, "temperature must be >= 0"),
+    ({"top_p": 0}, "top_p"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"min_p": 2}, "min_p"),
+    ({"repeat_penalty": 0}, "repetition_penalty"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"num_predict": 3, "max_tokens": 4}, "name the same option"),
+])
+def test_chat_hibana_checks_values_at_construction(options, message):
+    with pytest.raises(ConfigError, match=message):
+        ChatHibana(**options)
+
+
+def test_chat_hibana_aliases_and_ignored_options():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        llm = ChatHibana(num_ctx=1024, num_predict=7, repeat_penalty=1.1, keep_alive="5m")
+    assert llm.engine_kwargs == {"max_model_len": 1024}
+    assert (llm.max_tokens, llm.repetition_penalty) == (7, 1.1)
+    assert any("keep_alive" in str(w.message) for w in caught)
+
+
+def test_chat_hibana_refuses_unknown_call_kwargs(engine):
+    llm = ChatHibana(engine=engine, max_tokens=4)
+    with pytest.raises(ConfigError, match="does not take 'logprobs'"):
+        llm.bind(logprobs=True)
+    with pytest.raises(ConfigError, match="does not take 'foo'.*accepts"):
+        llm.invoke(PROMPT, foo=1)
+    with pytest.raises(ConfigError, match="temperature"):
+        llm.invoke(PROMPT, temperature=-0.5)
+
+
+def test_chat_hibana_call_options_reach_the_sampler(engine):
+    llm = ChatHibana(engine=engine, max_tokens=12)
+    assert llm.invoke(PROMPT, num_predict=3).usage_metadata["output_tokens"] == 3
+    assert llm.bind(max_tokens=2).invoke(PROMPT).usage_metadata["output_tokens"] == 2
+    full = llm.invoke(PROMPT).content
+    word = full.split()[1]
+    assert word not in llm.invoke(PROMPT, stop=[word]).content
+    sampled = ChatHibana(engine=engine, max_tokens=12, temperature=1.5, seed=7, min_p=0.05, top_k=40)
+    first = sampled.invoke([HumanMessage(PROMPT)]).content
+    assert sampled.invoke([HumanMessage(PROMPT)]).content == first            # seeded: repeatable
+    others = {sampled.invoke(PROMPT, seed=s).content for s in range(8, 12)}
+    assert others - {first}                                                  # the call's seed is used
+    penalised = ChatHibana(engine=engine, max_tokens=24, frequency_penalty=2.0, presence_penalty=2.0).invoke(PROMPT)
+    assert penalised.content != ChatHibana(engine=engine, max_tokens=24).invoke(PROMPT).content
+
+
+# --- LlamaIndex --------------------------------------------------------------------------------------
+
+def test_hibana_llm_refuses_unknown_options_before_loading():
+    with pytest.raises(ConfigError, match="'temperatur' .*did you mean 'temperature'.*accepts"):
+        HibanaLLM(model="/nonexistent", temperatur=0.7)
+    with pytest.raises(ConfigError, match="temperature must be >= 0"):
+        HibanaLLM(model="/nonexistent", temperature=-1)
+    with pytest.raises(ConfigError, match="repetition_penalty"):
+        HibanaLLM(model="/nonexistent", repeat_penalty=-1.0)
+
+
+def test_hibana_llm_aliases_and_options(engine):
+    llm = HibanaLLM(engine=engine, num_predict=5, repeat_penalty=1.2, stop=["zzz"], min_p=0.1, presence_penalty=0.5)
+    assert (llm.max_tokens, llm.repetition_penalty, llm.stop, llm.min_p) == (5, 1.2, ["zzz"], 0.1)
+    assert llm.complete(PROMPT).raw["usage"]["completion_tokens"] == 5
+    msgs = [ChatMessage(role="user", content=PROMPT)]
+    assert llm.chat(msgs, max_tokens=2).raw["usage"]["completion_tokens"] == 2
+    with pytest.raises(ConfigError, match="HibanaLLM.chat does not take 'foo'"):
+        llm.chat(msgs, foo=1)
+    with pytest.raises(ConfigError, match="HibanaLLM.complete does not take 'logprobs'"):
+        llm.complete(PROMPT, logprobs=True)
+
+
+def test_hibana_llm_stop_and_seed(engine):
+    llm = HibanaLLM(engine=engine, max_tokens=12)
+    full = llm.complete(PROMPT).text
+    word = full.split()[1]
+    assert word not in HibanaLLM(engine=engine, max_tokens=12, stop=[word]).complete(PROMPT).text
+    sampled = HibanaLLM(engine=engine, max_tokens=12, temperature=1.5, seed=3)
+    assert sampled.complete(PROMPT).text == sampled.complete(PROMPT).text
