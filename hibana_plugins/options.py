@@ -5,7 +5,8 @@ one raises a `ConfigError` that names it and lists the accepted ones: a local en
 remote API to pass an option on to, so an option it does not know can only be a mistake
 (`ChatHibana(temperatur=0.7)` would otherwise sample greedily without a word). Options of peers
 that mean nothing for an engine in the process (`keep_alive`: the model stays loaded as long as
-the engine) are dropped with a warning, so that code written for ChatOllama runs unchanged.
+the engine; `api_key`, `base_url`) are dropped with a warning, so that code written for
+ChatOllama or ChatOpenAI runs unchanged (LangChain's own standard tests pass `api_key`).
 
 The peers' names for the same thing are accepted as aliases (`ALIASES`); giving both an alias and
 its name with different values is an error.
@@ -31,7 +32,9 @@ ALIASES = {"num_predict": "max_tokens", "repeat_penalty": "repetition_penalty", 
 ENGINE_OPTIONS = frozenset({"max_model_len"})
 """Aliased names that go to the engine rather than to sampling (constructor only)."""
 
-IGNORED = {"keep_alive": "the model stays loaded as long as its engine lives"}
+IGNORED = {"keep_alive": "the model stays loaded as long as its engine lives",
+           "api_key": "a local engine has no API to authenticate to",
+           "base_url": "the engine runs in this process; for a server use `hibana serve` and an OpenAI client"}
 """Peers' options that mean nothing for an engine in the process: dropped with a warning."""
 
 HINTS = {"format": "for JSON output use with_structured_output(schema, method='json_mode' or 'json_schema')",
