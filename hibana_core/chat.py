@@ -207,6 +207,20 @@ class Chat:
             self._plain["encode"] = prompt.plain_encoder(self.engine.tokenizer)
         return prompt.encode(text, start, self._markup, self._plain.get("encode"))
 
+    def openai_logprobs(self, result: ChatResult) -> list[dict] | None:
+        """A result's token log-probabilities in OpenAI's shape (`choices[0].logprobs.content`):
+        per token {"token", "bytes", "logprob", "top_logprobs": [{"token", "bytes", "logprob"}]};
+        None when the call did not ask for them."""
+        if result.logprobs is None:
+            return None
+        decode = self.engine.tokenizer.decode
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text = decode([token_id], skip_special_tokens=False)
+            return {"token": text, "bytes": list(text.encode("utf-8")), "logprob": logprob}
+        return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                for lp in result.logprobs]
+
     def _markup(self, text: str) -> list[int]:
         return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
 

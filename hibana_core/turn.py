@@ -37,7 +37,7 @@ from hibana_core.errors import ChatTimeoutError, GrammarError, HibanaError
 from hibana_plugins.hookspecs import ParsedOutput, ToolCall, ToolCallDelta, ToolCallStream
 
 if TYPE_CHECKING:
-    from hibana_core.state import StateHandle, StreamEvent
+    from hibana_core.state import StateHandle, StreamEvent, TokenLogprob
 
 MALFORMED = "malformed_tool_call"
 
@@ -57,6 +57,7 @@ class ChatResult:
     usage: Usage
     error: str | None = None  # what was malformed, when something was
     raw_text: str = ""        # the assistant's turn as generated (prefill included)
+    logprobs: "list[TokenLogprob] | None" = None  # per generated token, when params.logprobs
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,7 @@ class TurnRun:
         self.generated = 0
         self.finish_reason = "stop"
         self.stopped = False       # the turn ended its request itself (`stop_now`)
+        self.logprobs: "list[TokenLogprob] | None" = [] if params.logprobs else None
 
     def begin(self) -> tuple[list[ChatDelta], TurnRequest]:
         deltas = self._feed(self.prefill)
@@ -193,6 +195,8 @@ class TurnRun:
     def on_event(self, event: "StreamEvent") -> list[ChatDelta]:
         if self.deadline is not None and time.monotonic() > self.deadline:
             raise ChatTimeoutError("the chat call ran past its timeout; raise the timeout or lower max_tokens")
+        if event.logprob is not None and self.logprobs is not None:
+            self.logprobs.append(event.logprob)
         if event.completion is not None:
             stats = event.completion.stats
             self.usage = Usage(stats.prompt_tokens, stats.reused, 0)
@@ -207,7 +211,7 @@ class TurnRun:
         parsed = self.stream.finish()
         if self.max_calls is not None:
             parsed = dataclasses.replace(parsed, tool_calls=parsed.tool_calls[:self.max_calls])
-        return deltas + [ChatDelta(result=result(parsed, self.text, self.finish_reason, usage))]
+        return deltas + [ChatDelta(result=result(parsed, self.text, self.finish_reason, usage, self.logprobs))]
 
     def stop_now(self) -> bool:
         """Whether the driver should stop the current request now (once): the turn holds all the
@@ -237,7 +241,8 @@ class TurnRun:
         return out
 
 
-def result(parsed: ParsedOutput, raw_text: str, finish_reason: str, usage: Usage) -> ChatResult:
+def result(parsed: ParsedOutput, raw_text: str, finish_reason: str, usage: Usage,
+           logprobs: "list[TokenLogprob] | None" = None) -> ChatResult:
     """What a turn comes to. Model output never raises: a malformed call is text, and says so.
 
     The calls that parsed are kept and a malformed or cut-off call stays in the text where it
@@ -249,7 +254,7 @@ def result(parsed: ParsedOutput, raw_text: str, finish_reason: str, usage: Usage
         reason = finish_reason
     else:
         reason = MALFORMED if parsed.error else "tool_calls" if parsed.tool_calls else finish_reason
-    return ChatResult(parsed.content, parsed.tool_calls, reason, usage, parsed.error, raw_text)
+    return ChatResult(parsed.content, parsed.tool_calls, reason, usage, parsed.error, raw_text, logprobs)
 
 
 # --- driving a turn: the only code that does I/O, once for threads and once for an event loop ------

@@ -195,6 +195,9 @@ class _Call:
                     "finish_reason": result.finish_reason, "state_id": self.served_by}
         if result.error:
             metadata["tool_call_error"] = result.error
+        logprobs = self.chat.openai_logprobs(result)
+        if logprobs is not None:  # streamed: all on the last chunk
+            metadata["logprobs"] = {"content": logprobs}
         return metadata
 
     def chat_result(self, result: TurnResult) -> ChatResult:
@@ -262,6 +265,11 @@ class ChatHibana(BaseChatModel):
     """OpenAI-style, in [-2, 2]."""
     frequency_penalty: float = 0.0
     """OpenAI-style, in [-2, 2]."""
+    logprobs: bool = False
+    """Return each generated token's log-probability in `response_metadata["logprobs"]`
+    (OpenAI's shape: {"content": [{"token", "bytes", "logprob", "top_logprobs"}]})."""
+    top_logprobs: int = 0
+    """With logprobs: also this many most likely tokens at each position (0 to 20)."""
     speculation: str | dict[str, Any] | None = None
     """Speculative decoding of this model's calls: "adaptive", "off" or {"method": ..., "k": ...};
     None: the engine's (set it engine-wide with engine_kwargs={"speculation": ...}). Speed only."""
@@ -283,6 +291,8 @@ class ChatHibana(BaseChatModel):
     def __init__(self, *, engine: Any = None, **kwargs: Any) -> None:
         """Unknown options raise a ConfigError and values are checked here, not on the first call
         (`hibana_plugins.options`); `num_ctx` is `engine_kwargs={"max_model_len": ...}`."""
+        if _IMPORT_ERROR is not None:  # the stand-in raises the ImportError that says what to install
+            super().__init__()
         kwargs = resolve_aliases(kwargs, "ChatHibana")
         if "max_model_len" in kwargs:
             kwargs["engine_kwargs"] = {**kwargs.get("engine_kwargs", {}), "max_model_len": kwargs.pop("max_model_len")}

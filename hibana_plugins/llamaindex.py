@@ -144,7 +144,7 @@ def llm_class() -> type:
     """HibanaLLM, defined on first use (see the module docstring)."""
     try:
         from llama_index.core.base.llms.types import (ChatMessage, ChatResponse, CompletionResponse,
-                                                      LLMMetadata, MessageRole, TextBlock, ToolCallBlock)
+                                                      LLMMetadata, LogProb, MessageRole, TextBlock, ToolCallBlock)
         from llama_index.core.bridge.pydantic import Field, PrivateAttr
         from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
         from llama_index.core.llms.function_calling import FunctionCallingLLM
@@ -176,6 +176,10 @@ def llm_class() -> type:
         presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="OpenAI-style.")
         frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="OpenAI-style.")
         stop: Optional[list[str]] = Field(default=None, description="Strings that end the reply (cut from it).")
+        logprobs: bool = Field(default=False, description="Return each generated token's log-probability "
+                               "(ChatResponse.logprobs / CompletionResponse.logprobs).")
+        top_logprobs: int = Field(default=0, ge=0, le=20, description="With logprobs: also this many most "
+                                  "likely tokens at each position.")
         speculation: Optional[Union[str, dict]] = Field(
             default=None, description="Speculative decoding: \"adaptive\", \"off\" or {\"method\": ..., "
             "\"k\": ...}; None: the engine's (engine_kwargs={\"speculation\": ...}). Speed only.")
@@ -357,11 +361,20 @@ def llm_class() -> type:
             extra = {"tool_calls": [_openai_call(c) for c in calls]} if calls else {}
             message = ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks, additional_kwargs=extra)
             return ChatResponse(message=message, delta=delta, raw=reply.raw(self.model),
-                                additional_kwargs=reply.usage_dict())
+                                additional_kwargs=reply.usage_dict(), logprobs=self._logprobs(reply))
 
         def _completion_response(self, reply: _Call, delta: str) -> CompletionResponse:
             return CompletionResponse(text=reply.content, delta=delta, raw=reply.raw(self.model),
-                                      additional_kwargs=reply.usage_dict())
+                                      additional_kwargs=reply.usage_dict(), logprobs=self._logprobs(reply))
+
+        def _logprobs(self, reply: _Call) -> list[list[LogProb]] | None:
+            """Per generated token, the token itself then its top_logprobs alternatives (the
+            result's, so on the last streamed response)."""
+            entries = self._chat.openai_logprobs(reply.result) if reply.result is not None else None
+            if entries is None:
+                return None
+            return [[LogProb(token=e["token"], logprob=e["logprob"], bytes=e["bytes"])
+                     for e in [entry, *entry["top_logprobs"]]] for entry in entries]
 
     HibanaLLM.__qualname__ = "HibanaLLM"  # pickles and prints as hibana_plugins.llamaindex.HibanaLLM
     return HibanaLLM

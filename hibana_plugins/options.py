@@ -23,7 +23,7 @@ from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError
 
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
-            "presence_penalty", "frequency_penalty", "stop", "speculation")
+            "presence_penalty", "frequency_penalty", "stop", "logprobs", "top_logprobs", "speculation")
 """The SamplingParams fields an adapter takes on the object and per call, under the same names."""
 
 ALIASES = {"num_predict": "max_tokens", "repeat_penalty": "repetition_penalty", "num_ctx": "max_model_len"}
@@ -38,8 +38,6 @@ IGNORED = {"keep_alive": "the model stays loaded as long as its engine lives",
 """Peers' options that mean nothing for an engine in the process: dropped with a warning."""
 
 HINTS = {"format": "for JSON output use with_structured_output(schema, method='json_mode' or 'json_schema')",
-         "logprobs": "Hibana does not return log-probabilities yet",
-         "top_logprobs": "Hibana does not return log-probabilities yet",
          "model_kwargs": "pass each option by its own name"}
 """What to do instead, for options a user of a peer is likely to try."""
 

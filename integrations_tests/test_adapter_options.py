@@ -28,7 +28,7 @@ def engine():
 @pytest.mark.parametrize("options, named", [
     ({"temperatur": 0.7}, "did you mean 'temperature'"),
     ({"format": "json"}, "json_mode"),
-    ({"logprobs": True}, "'logprobs'"),
+    ({"logprob": True}, "did you mean 'logprobs'"),
     ({"model_kwargs": {"top_p": 0.5}}, "'model_kwargs'"),
 ])
 def test_chat_hibana_refuses_unknown_options(options, named):
@@ -62,8 +62,10 @@ def test_chat_hibana_aliases_and_ignored_options():
 
 def test_chat_hibana_refuses_unknown_call_kwargs(engine):
     llm = ChatHibana(engine=engine, max_tokens=4)
-    with pytest.raises(ConfigError, match="does not take 'logprobs'"):
-        llm.bind(logprobs=True)
+    with pytest.raises(ConfigError, match="does not take 'logprob' .*did you mean 'logprobs'"):
+        llm.bind(logprob=True)
+    with pytest.raises(ConfigError, match="top_logprobs needs logprobs"):
+        llm.invoke(PROMPT, top_logprobs=2)
     with pytest.raises(ConfigError, match="does not take 'foo'.*accepts"):
         llm.invoke(PROMPT, foo=1)
     with pytest.raises(ConfigError, match="temperature"):
@@ -105,8 +107,8 @@ def test_hibana_llm_aliases_and_options(engine):
     assert llm.chat(msgs, max_tokens=2).raw["usage"]["completion_tokens"] == 2
     with pytest.raises(ConfigError, match="HibanaLLM.chat does not take 'foo'"):
         llm.chat(msgs, foo=1)
-    with pytest.raises(ConfigError, match="HibanaLLM.complete does not take 'logprobs'"):
-        llm.complete(PROMPT, logprobs=True)
+    with pytest.raises(ConfigError, match="HibanaLLM.complete does not take 'tools'"):
+        llm.complete(PROMPT, tools=[])
 
 
 def test_hibana_llm_stop_and_seed(engine):
@@ -116,3 +118,44 @@ def test_hibana_llm_stop_and_seed(engine):
     assert word not in HibanaLLM(engine=engine, max_tokens=12, stop=[word]).complete(PROMPT).text
     sampled = HibanaLLM(engine=engine, max_tokens=12, temperature=1.5, seed=3)
     assert sampled.complete(PROMPT).text == sampled.complete(PROMPT).text
+
+
+# --- logprobs ----------------------------------------------------------------------------------------
+
+def _check_openai_logprobs(content: list[dict], top: int) -> None:
+    assert content and all(e["logprob"] <= 0.0 and len(e["top_logprobs"]) == top for e in content)
+    for e in content:  # greedy: the chosen token is the most likely one
+        assert e["top_logprobs"][0]["token"] == e["token"] if top else True
+        assert e["bytes"] == list(e["token"].encode())
+
+
+def test_chat_hibana_logprobs(engine):
+    llm = ChatHibana(engine=engine, max_tokens=8)
+    plain = llm.invoke(PROMPT)
+    assert "logprobs" not in plain.response_metadata
+    message = llm.bind(logprobs=True, top_logprobs=2).invoke(PROMPT)
+    assert message.content == plain.content                                 # greedy output unchanged
+    content = message.response_metadata["logprobs"]["content"]
+    assert len(content) == message.usage_metadata["output_tokens"]
+    _check_openai_logprobs(content, 2)
+    assert "".join(e["token"] for e in content).strip().startswith(plain.content[:10])
+    streamed = None
+    for chunk in ChatHibana(engine=engine, max_tokens=8, logprobs=True).stream(PROMPT):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert streamed.content.strip() == plain.content
+    assert [e["logprob"] for e in streamed.response_metadata["logprobs"]["content"]] == \
+        pytest.approx([e["logprob"] for e in content], abs=1e-5)
+
+
+def test_hibana_llm_logprobs(engine):
+    llm = HibanaLLM(engine=engine, max_tokens=8)
+    msgs = [ChatMessage(role="user", content=PROMPT)]
+    plain = llm.chat(msgs)
+    assert plain.logprobs is None
+    response = HibanaLLM(engine=engine, max_tokens=8, logprobs=True, top_logprobs=3).chat(msgs)
+    assert response.message.content == plain.message.content
+    assert len(response.logprobs) == response.raw["usage"]["completion_tokens"]
+    assert all(len(position) == 4 and position[0].token == position[1].token and position[0].logprob <= 0
+               for position in response.logprobs)
+    completion = llm.complete(PROMPT, logprobs=True)
+    assert len(completion.logprobs) == completion.raw["usage"]["completion_tokens"]
