@@ -151,6 +151,21 @@ class Chat:
                 raise ConversationError(f"cannot render the conversation with the chat template: {exc}") from exc
         return prompt.render(template, messages, tools, self.control)
 
+    def count_tokens(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> int:
+        """Prompt tokens of a call on `messages` and `tools`, as the model's chat template renders
+        them (the generation prompt included). Part of a conversation that the template or the
+        checks refuse (a tool result without its call, as `trim_messages` tries) counts each
+        message's text and calls, plus the markup the template puts around one message."""
+        try:
+            return len(self.render(messages, tools))
+        except ConversationError:
+            pass
+        overhead = len(self.render([{"role": "user", "content": "x"}])) - len(self._markup("x"))
+        tool_text = json.dumps(list(tools), ensure_ascii=False) if tools else ""
+        texts = [json.dumps(m.get("tool_calls"), ensure_ascii=False) + str(m.get("content") or "")
+                 if m.get("tool_calls") else str(m.get("content") or "") for m in messages]
+        return len(self._markup(tool_text)) + sum(len(self._markup(t)) + overhead for t in texts)
+
     def _renders_role(self, role: str) -> bool:
         """Whether the chat template writes a message of `role` (templates drop roles they do not
         know without a word)."""

@@ -337,6 +337,20 @@ class ChatHibana(BaseChatModel):
             params["ls_stop"] = stop or self.stop
         return params
 
+    # -- token counting: the model's own tokenizer and chat template ----------------------------------
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """The model's token ids of `text` (no special tokens added); `custom_get_token_ids` wins."""
+        if self.custom_get_token_ids is not None:
+            return self.custom_get_token_ids(text)
+        return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
+        """Prompt tokens of a call on `messages` with `tools` bound: rendered by the chat template,
+        tool schemas and the generation prompt included (`Chat.count_tokens`)."""
+        schemas = [clean_tool(_openai_tool(i, t, None)) for i, t in enumerate(tools)] if tools else None
+        return self._chat_layer(self.model).count_tokens(_to_chat_messages(messages), schemas)
+
     # -- tools and structured output --------------------------------------------------------------
 
     def bind_tools(self, tools: Sequence[Any], *, tool_choice: Any = None, strict: bool | None = None,

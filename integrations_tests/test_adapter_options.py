@@ -159,3 +159,45 @@ def test_hibana_llm_logprobs(engine):
                for position in response.logprobs)
     completion = llm.complete(PROMPT, logprobs=True)
     assert len(completion.logprobs) == completion.raw["usage"]["completion_tokens"]
+
+
+# --- token counting ----------------------------------------------------------------------------------
+
+def test_chat_hibana_counts_with_the_models_tokenizer(engine, monkeypatch):
+    import langchain_core.language_models.base as base
+    from langchain_core.messages import AIMessage, SystemMessage, ToolMessage, trim_messages
+    from langchain_core.tools import tool
+
+    monkeypatch.setattr(base, "get_tokenizer", lambda: pytest.fail("GPT-2's tokenizer was asked for"))
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Weather of a city."""
+        return "sunny"
+
+    llm = ChatHibana(engine=engine)
+    text = "Weather in Paris?"
+    assert llm.get_token_ids(text) == engine.tokenizer.encode(text, add_special_tokens=False)
+    assert llm.get_num_tokens(text) == len(llm.get_token_ids(text))
+    messages = [SystemMessage("You are helpful."), HumanMessage(text)]
+    rendered = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": text}],
+        add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    assert llm.get_num_tokens_from_messages(messages) == len(rendered)
+    with_tools = llm.get_num_tokens_from_messages(messages, tools=[get_weather])
+    assert with_tools > len(rendered) + llm.get_num_tokens("get_weather")
+    # the count is what a call reports as its prompt
+    reply = llm.bind_tools([get_weather]).invoke(messages, max_tokens=2)
+    assert reply.usage_metadata["input_tokens"] == with_tools
+    # parts of a conversation the template refuses still count, and trim_messages works
+    orphan = [ToolMessage("sunny", tool_call_id="c1"), AIMessage("It is sunny.")]
+    assert llm.get_num_tokens_from_messages(orphan) >= llm.get_num_tokens("sunnyIt is sunny.")
+    long = [SystemMessage("You are helpful.")] + [HumanMessage(f"question {i} " * 20) for i in range(30)]
+    kept = trim_messages(long, max_tokens=200, token_counter=llm, strategy="last", include_system=True)
+    assert 1 < len(kept) < len(long) and llm.get_num_tokens_from_messages(kept) <= 200
+
+
+def test_hibana_llm_metadata_from_the_model(engine):
+    meta = HibanaLLM(engine=engine, max_tokens=77).metadata
+    assert meta.context_window == engine.max_model_len and meta.num_output == 77
+    assert meta.model_name == str(engine.config.model)
