@@ -77,7 +77,7 @@ def register_adapters(register) -> None:
 
 
 PROVIDER = "hibana"
-CALL_OPTIONS = frozenset({*SAMPLING, "tools", "tool_choice", "parallel_tool_calls", "state_id", "timeout", "model",
+CALL_OPTIONS = frozenset({*SAMPLING, "tools", "tool_choice", "parallel_tool_calls", "state_id", "timeout", "model", "reasoning",
                           "answer_tool", "ls_structured_output_format"})
 """What a call (`invoke(..., **kwargs)`, `.bind(**kwargs)`) may set; anything else is a ConfigError."""
 _MEDIA_BLOCKS = frozenset({"image", "image_url", "audio", "input_audio", "video", "file", "document"})
@@ -139,6 +139,8 @@ def _to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict]:
             if calls:
                 message["tool_calls"] = [{"id": i, "type": "function", "function": {"name": n, "arguments": a}}
                                          for i, n, a in calls]
+            if m.additional_kwargs.get("reasoning_content"):  # the template decides whether it is rendered
+                message["reasoning_content"] = m.additional_kwargs["reasoning_content"]
             out.append(message)
         elif isinstance(m, ToolMessage):
             out.append({"role": "tool", "tool_call_id": m.tool_call_id, "content": _text(m)})
@@ -211,13 +213,16 @@ class _Call:
         else:
             content = text
             calls = [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in result.tool_calls]
+        extra = {"reasoning_content": result.reasoning} if result.reasoning else {}
         return AIMessage(content=content, tool_calls=calls, usage_metadata=self.usage_metadata(result.usage),
-                         response_metadata=self.response_metadata(result))
+                         response_metadata=self.response_metadata(result), additional_kwargs=extra)
 
     def chunk(self, delta: ChatDelta) -> ChatGenerationChunk | None:
         if delta.result is not None:  # usage and metadata once, on the last chunk
             message = AIMessageChunk(content="", usage_metadata=self.usage_metadata(delta.result.usage),
                                      response_metadata=self.response_metadata(delta.result), chunk_position="last")
+        elif delta.reasoning:
+            message = AIMessageChunk(content="", additional_kwargs={"reasoning_content": delta.reasoning})
         elif delta.tool_call is not None and self.as_content:
             if delta.tool_call.index or not delta.tool_call.arguments_fragment:
                 return None  # the answer is the first call's arguments
@@ -281,6 +286,13 @@ class ChatHibana(BaseChatModel):
     """Accepted for drop-in use with remote chat models; a local engine has nothing to retry."""
     streaming: bool = False
     """`invoke` streams underneath (callbacks see tokens)."""
+    reasoning: bool | None = None
+    """A reasoning model's thinking (Qwen3): True / False go to the chat template as
+    `enable_thinking`; None leaves the template's default. The thinking comes apart from the
+    answer, in `additional_kwargs["reasoning_content"]` (streamed too)."""
+    reasoning_history: Literal["template", "generated"] = "template"
+    """Earlier turns' thinking: rendered as the template does (Qwen3's drops it, and the state
+    recomputes from there), or kept as generated (nothing recomputed; the model sees it)."""
     guided_tool_arguments: bool = True
     """Hold tool-call arguments to the tool's JSON schema (the grammar); False: any JSON object
     (the call is still held to a bound tool's name)."""
@@ -349,7 +361,7 @@ class ChatHibana(BaseChatModel):
         """Prompt tokens of a call on `messages` with `tools` bound: rendered by the chat template,
         tool schemas and the generation prompt included (`Chat.count_tokens`)."""
         schemas = [clean_tool(_openai_tool(i, t, None)) for i, t in enumerate(tools)] if tools else None
-        return self._chat_layer(self.model).count_tokens(_to_chat_messages(messages), schemas)
+        return self._chat_layer(self.model).count_tokens(_to_chat_messages(messages), schemas, self.reasoning)
 
     # -- tools and structured output --------------------------------------------------------------
 
@@ -438,11 +450,12 @@ class ChatHibana(BaseChatModel):
         choice = normalize_tool_choice(choice, tools)  # refused before a state is leased
         if choice == "none":
             tools = None
-        prompt = chat.render_text(_to_chat_messages(messages), tools)
+        reasoning = kwargs["reasoning"] if "reasoning" in kwargs else self.reasoning
+        prompt = chat.render_text(_to_chat_messages(messages), tools, reasoning)
         explicit = kwargs.get("state_id") or self.state_id
         options = {"tool_choice": choice, "parse_tools": tools is not None, "guided": self.guided_tool_arguments,
                    "parallel_tool_calls": kwargs.get("parallel_tool_calls") is not False,
-                   "timeout": kwargs.get("timeout", self.timeout)}
+                   "timeout": kwargs.get("timeout", self.timeout), "reasoning_history": self.reasoning_history}
         return _Call(chat, prompt, tools, self._params(stop, kwargs), options,
                      explicit or _graph_state_id(run_manager), explicit is None, model, answer_tool is not None)
 

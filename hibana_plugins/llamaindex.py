@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Callable, Iterator, Literal, Optional, Sequence, Union
 
 from hibana_core import turn
 from hibana_core.chat import (Chat, ChatDelta, ChatResult, ConversationError, ToolChoiceError,
@@ -80,6 +80,7 @@ class _Call:
         self.options = options                  # Chat.opener's: tool_choice, parallel_tool_calls, ...
         self.state_id = state_id                # the state bound on the LLM, then the one serving
         self.content = ""
+        self.reasoning = ""                     # a reasoning model's thinking so far
         self.calls: dict[int, dict] = {}        # streamed calls by index: id, name, arguments text
         self.result: ChatResult | None = None
 
@@ -102,7 +103,10 @@ class _Call:
         it changed nothing visible."""
         call = delta.tool_call
         if delta.result is not None:
-            self.result, self.content = delta.result, delta.result.text
+            self.result, self.content, self.reasoning = delta.result, delta.result.text, delta.result.reasoning
+            return ""
+        if delta.reasoning:
+            self.reasoning += delta.reasoning
             return ""
         if call is None:
             self.content += delta.text
@@ -144,7 +148,8 @@ def llm_class() -> type:
     """HibanaLLM, defined on first use (see the module docstring)."""
     try:
         from llama_index.core.base.llms.types import (ChatMessage, ChatResponse, CompletionResponse,
-                                                      LLMMetadata, LogProb, MessageRole, TextBlock, ToolCallBlock)
+                                                      LLMMetadata, LogProb, MessageRole, TextBlock, ThinkingBlock,
+                                                      ToolCallBlock)
         from llama_index.core.bridge.pydantic import Field, PrivateAttr
         from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
         from llama_index.core.llms.function_calling import FunctionCallingLLM
@@ -187,6 +192,12 @@ def llm_class() -> type:
                                            "model's chat format's, else hermes.")
         clean_tool_schemas: bool = Field(default=True, description="Lay tool schemas out as OpenAI's "
                                          "(`hibana_core.chat.clean_tool`): no pydantic titles, type first.")
+        reasoning: Optional[bool] = Field(default=None, description="A reasoning model's thinking (Qwen3): "
+                                          "True / False go to the chat template as enable_thinking; None: the "
+                                          "template's default. The thinking comes as a ThinkingBlock.")
+        reasoning_history: Literal["template", "generated"] = Field(
+            default="template", description="Earlier turns' thinking: rendered as the template does, or kept as "
+            "generated (nothing recomputed).")
         guided_tool_arguments: bool = Field(default=True, description="Hold tool-call arguments to the tool's "
                                             "JSON schema (the grammar); False: any JSON object.")
 
@@ -331,7 +342,8 @@ def llm_class() -> type:
             choice = normalize_tool_choice(choice, tools)
             if choice == "none":
                 tools = None
-            return self._call(self._chat.render_text(openai_messages(messages), tools), tools, choice, kwargs,
+            prompt = self._chat.render_text(openai_messages(messages), tools, self.reasoning)
+            return self._call(prompt, tools, choice, kwargs,
                               kwargs.get("parallel_tool_calls", True))
 
         def _completion_call(self, prompt: str, formatted: bool, kwargs: dict) -> _Call:
@@ -340,7 +352,7 @@ def llm_class() -> type:
             if not isinstance(prompt, str):
                 raise ConversationError(f"the prompt is a {type(prompt).__name__}; complete() takes a string")
             if not formatted:  # else the caller applied the chat template: continue the text as it is
-                prompt = self._chat.render_text([{"role": "user", "content": prompt}])
+                prompt = self._chat.render_text([{"role": "user", "content": prompt}], reasoning=self.reasoning)
             return self._call(prompt, None, "auto", kwargs)
 
         def _call(self, prompt: str, tools: list[dict] | None, choice: str, kwargs: dict,
@@ -349,12 +361,13 @@ def llm_class() -> type:
             values |= {name: kwargs[name] for name in SAMPLING if kwargs.get(name) is not None}
             params = sampling_params(values, "HibanaLLM call")
             options = {"tool_choice": choice, "parse_tools": tools is not None, "guided": self.guided_tool_arguments,
-                       "parallel_tool_calls": parallel}
+                       "parallel_tool_calls": parallel, "reasoning_history": self.reasoning_history}
             return _Call(self._chat, prompt, tools, params, options, self.state_id)
 
         def _chat_response(self, reply: _Call, delta: str) -> ChatResponse:
             calls = reply.tool_calls()
-            blocks: list[Any] = [TextBlock(text=reply.content)]
+            blocks: list[Any] = [ThinkingBlock(content=reply.reasoning)] if reply.reasoning else []
+            blocks.append(TextBlock(text=reply.content))
             blocks += [ToolCallBlock(tool_call_id=c["id"], tool_name=c["function"]["name"],
                                      tool_kwargs=c["function"]["arguments"]) for c in calls]
             # the calls also in OpenAI form: structured streaming and older code read them there
@@ -385,8 +398,8 @@ def llm_class() -> type:
 def openai_messages(messages: Sequence[Any]) -> list[dict]:
     """LlamaIndex ChatMessages as the OpenAI-style dicts `hibana_core.chat` renders. Tool calls come
     from ToolCallBlocks, else from `additional_kwargs["tool_calls"]` (older integrations)."""
-    from llama_index.core.base.llms.types import (AudioBlock, DocumentBlock, ImageBlock, TextBlock, ToolCallBlock,
-                                                  VideoBlock)
+    from llama_index.core.base.llms.types import (AudioBlock, DocumentBlock, ImageBlock, TextBlock, ThinkingBlock,
+                                                  ToolCallBlock, VideoBlock)
 
     out = []
     for message in messages:
@@ -398,6 +411,9 @@ def openai_messages(messages: Sequence[Any]) -> list[dict]:
                                           f"{media[0].block_type!r} block; describe it in text or use a multimodal LLM")
         text = "".join(b.text for b in message.blocks if isinstance(b, TextBlock))
         item: dict[str, Any] = {"role": role, "content": text}
+        thinking = "".join(b.content or "" for b in message.blocks if isinstance(b, ThinkingBlock))
+        if thinking:  # the template decides whether it is rendered
+            item["reasoning_content"] = thinking
         blocks = [b for b in message.blocks if isinstance(b, ToolCallBlock)]
         if blocks:
             item["tool_calls"] = [{"id": b.tool_call_id, "type": "function",
