@@ -351,14 +351,17 @@ class Chat:
         params = params or SamplingParams(max_tokens=256)
         params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys(
             tuple(params.stop_token_ids) + self.stop_token_ids)))
+        # a template may open the think block itself (its generation prompt ends in "<think>")
+        open_in_prompt = str(messages).rstrip().endswith(turn.THINK_OPEN)
+        thinking = turn.Thinking(open_in_prompt) if self.thinks else None
         if parse_tools and not params.constrained:
             grammar = turn.parser_grammar(self.parser, self.parser_name, tools, tool_choice,
                                           parallel=parallel_tool_calls, strict=guided)
+            if grammar is not None and thinking is not None and grammar.get("type") == "structural_tag":
+                grammar = turn.after_thinking(grammar, tool_choice, open_in_prompt)
             if grammar is not None:
                 params = dataclasses.replace(params, grammar=grammar)
         stream = self.parser.stream() if parse_tools else turn.PlainText()
-        # a template may open the think block itself (its generation prompt ends in "<think>")
-        thinking = turn.Thinking(str(messages).rstrip().endswith(turn.THINK_OPEN)) if self.thinks else None
         return turn.TurnRun(self.prompt_ids(messages, tools, reasoning_history), prefill, params, stream,
                             self._encode, timeout, max_calls=None if parallel_tool_calls else 1, thinking=thinking)
 

@@ -141,6 +141,16 @@ def parser_grammar(parser: Any, parser_name: str, tools: Sequence[dict] | None, 
     return tool_call_grammar(tools, tool_choice, syntax, parallel=parallel, strict=strict)
 
 
+def after_thinking(grammar: dict, tool_choice: str, open_in_prompt: bool) -> dict:
+    """A tool-call grammar held off while a reasoning model thinks: first its think block
+    (optional, unless the template opened it), any text, then `grammar`, so that `<tool_call>`
+    written while thinking is thinking. A forced call follows the blank line after the block."""
+    end = THINK_CLOSE if tool_choice == "auto" else THINK_CLOSE + "\n\n"
+    think = {"type": "tag", "begin": "" if open_in_prompt else THINK_OPEN, "content": {"type": "any_text"}, "end": end}
+    first = think if open_in_prompt else {"type": "optional", "content": think}
+    return {"type": "structural_tag", "format": {"type": "sequence", "elements": [first, grammar["format"]]}}
+
+
 # --- running a turn ----------------------------------------------------------------------------------
 
 class PlainText:

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import tiny_models
 
-SPECIAL = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
+SPECIAL = ["<|im_start|>", "<|im_end|>"]
+ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+"""Added tokens that are not special, as in Qwen3's tokenizer (they are text to a grammar)."""
 
 TEMPLATE = """\
 {%- set ns = namespace(last_query=-1) -%}
@@ -47,6 +49,7 @@ def make_reasoning_checkpoint(path) -> Path:
     tiny_models.make_tiny_checkpoint("qwen3", path, vocab_size=tiny_models.VOCAB_SIZE + 8)
     tokenizer = tiny_models.make_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL})
+    tokenizer.add_tokens(ADDED)
     tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(path)
     return path

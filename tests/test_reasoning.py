@@ -114,3 +114,22 @@ def test_tool_calls_parse_after_thinking(engine, monkeypatch):
     result = Chat(engine, "tools").respond([{"role": "user", "content": "weather?"}], tools)
     assert [(c.name, c.arguments) for c in result.tool_calls] == [("get_weather", {"city": "Paris"})]
     assert "nope" in result.reasoning and result.finish_reason == "tool_calls" and result.error is None
+
+
+@pytest.mark.parametrize("choice, opened", [("auto", False), ("required", False), ("auto", True)])
+def test_tool_call_grammar_waits_for_the_thinking(engine, choice, opened):
+    """The engine's tool-call grammar opens after the think block: `<tool_call>` written while
+    thinking is thinking (the forced tokens would break the grammar otherwise: GrammarError)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    thought = "Maybe <tool_call> is what I need, or not."
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    text = (f"{thought}\n</think>\n\n{call}<|im_end|>" if opened
+            else f"<think>\n{thought}\n</think>\n\n{call}<|im_end|>")
+    state = f"grammar-{choice}-{opened}"
+    n = force(engine, state, text)
+    chat = Chat(engine, state)
+    prompt = chat.render_text([{"role": "user", "content": "weather in Paris?"}], tools) + ("<think>\n" if opened else "")
+    result = chat.respond(prompt, tools, SamplingParams(max_tokens=n), tool_choice=choice)
+    assert result.reasoning == thought
+    assert [(c.name, c.arguments) for c in result.tool_calls] == [("get_weather", {"city": "Paris"})]
