@@ -77,8 +77,8 @@ def register_adapters(register) -> None:
 
 
 PROVIDER = "hibana"
-CALL_OPTIONS = frozenset({*SAMPLING, "tools", "tool_choice", "parallel_tool_calls", "state_id", "timeout", "model", "reasoning",
-                          "answer_tool", "ls_structured_output_format"})
+CALL_OPTIONS = frozenset({*SAMPLING, "tools", "tool_choice", "parallel_tool_calls", "state_id", "timeout", "model",
+                          "reasoning", "answer_tool", "ls_structured_output_format"})
 """What a call (`invoke(..., **kwargs)`, `.bind(**kwargs)`) may set; anything else is a ConfigError."""
 _MEDIA_BLOCKS = frozenset({"image", "image_url", "audio", "input_audio", "video", "file", "document"})
 

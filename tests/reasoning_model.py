@@ -29,7 +29,8 @@ TEMPLATE = """\
 {{- "<|im_start|>assistant\\n" + content -}}
 {%- endif -%}
 {%- for tc in m.tool_calls or [] -%}
-{{- "\\n<tool_call>\\n{\\"name\\": \\"" + tc.function.name + "\\", \\"arguments\\": " + (tc.function.arguments if tc.function.arguments is string else tc.function.arguments | tojson) + "}\\n</tool_call>" -}}
+{%- set args = tc.function.arguments if tc.function.arguments is string else tc.function.arguments | tojson -%}
+{{- "\\n<tool_call>\\n{\\"name\\": \\"" + tc.function.name + "\\", \\"arguments\\": " + args + "}\\n</tool_call>" -}}
 {%- endfor -%}
 {{- "<|im_end|>\\n" -}}
 {%- elif m.role == "tool" -%}

@@ -129,7 +129,8 @@ def test_tool_call_grammar_waits_for_the_thinking(engine, choice, opened):
     state = f"grammar-{choice}-{opened}"
     n = force(engine, state, text)
     chat = Chat(engine, state)
-    prompt = chat.render_text([{"role": "user", "content": "weather in Paris?"}], tools) + ("<think>\n" if opened else "")
+    prompt = chat.render_text([{"role": "user", "content": "weather in Paris?"}], tools)
+    prompt += "<think>\n" if opened else ""   # a template that opens the think block itself
     result = chat.respond(prompt, tools, SamplingParams(max_tokens=n), tool_choice=choice)
     assert result.reasoning == thought
     assert [(c.name, c.arguments) for c in result.tool_calls] == [("get_weather", {"city": "Paris"})]
