@@ -37,6 +37,7 @@ def test_chat_hibana_separates_thinking_in_invoke_and_stream(engine):
     llm = ChatHibana(engine=engine, state_id="lc-invoke", max_tokens=force(engine, "lc-invoke"))
     message = llm.invoke([HumanMessage("hi")])
     assert (message.content, message.additional_kwargs["reasoning_content"]) == (ANSWER, THOUGHT)
+    assert message.content_blocks == [{"type": "reasoning", "reasoning": THOUGHT}, {"type": "text", "text": ANSWER}]
     llm = ChatHibana(engine=engine, state_id="lc-stream", max_tokens=force(engine, "lc-stream"))
     chunks = list(llm.stream([HumanMessage("hi")]))
     assert sum("reasoning_content" in c.additional_kwargs for c in chunks) > 1
