@@ -150,7 +150,8 @@ class StepInFlight:
                 kept_logprobs.append([])
                 continue
             drafts = chunk.draft_token_ids
-            targets = tokens[row:row + 1 + len(drafts)]
+            start = row
+            targets = tokens[start:start + 1 + len(drafts)]
             row += 1 + len(drafts)
             # drafts are kept while they equal what the target sampled after the input before
             # them; the first that differs is replaced by the target's token (lossless: see
@@ -159,8 +160,7 @@ class StepInFlight:
             while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
                 accepted += 1
             out.append(targets[:accepted + 1])
-            kept_logprobs.append([logprobs[r] for r in range(row - len(targets), row - len(targets) + accepted + 1)
-                                  if r in logprobs])
+            kept_logprobs.append([logprobs[r] for r in range(start, start + accepted + 1) if r in logprobs])
         return RunnerOutput(out, kept_logprobs if logprobs else None)
 
     def _token_logprobs(self, tokens: list[int]) -> dict[int, TokenLogprob]:
