@@ -47,8 +47,10 @@ from hibana_core.errors import ConfigError, HibanaError
 from hibana_plugins.hookspecs import hookimpl
 from hibana_plugins.options import SAMPLING, check_known, resolve_aliases, sampling_params
 
-CHAT_OPTIONS = frozenset({*SAMPLING, "tools", "tool_required", "tool_choice", "parallel_tool_calls"})
-"""What `chat(..., **kwargs)` (and `chat_with_tools` through it) may set; `complete` takes SAMPLING."""
+COMPLETE_OPTIONS = frozenset({*SAMPLING, "reasoning"})
+"""What `complete(..., **kwargs)` may set."""
+CHAT_OPTIONS = COMPLETE_OPTIONS | {"tools", "tool_required", "tool_choice", "parallel_tool_calls"}
+"""What `chat(..., **kwargs)` (and `chat_with_tools` through it) may set."""
 _ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant", "function": "tool"}
 
 
@@ -342,17 +344,18 @@ def llm_class() -> type:
             choice = normalize_tool_choice(choice, tools)
             if choice == "none":
                 tools = None
-            prompt = self._chat.render_text(openai_messages(messages), tools, self.reasoning)
+            prompt = self._chat.render_text(openai_messages(messages), tools, kwargs.get("reasoning", self.reasoning))
             return self._call(prompt, tools, choice, kwargs,
                               kwargs.get("parallel_tool_calls", True))
 
         def _completion_call(self, prompt: str, formatted: bool, kwargs: dict) -> _Call:
             kwargs = resolve_aliases(kwargs, "HibanaLLM.complete")
-            check_known(kwargs, SAMPLING, "HibanaLLM.complete")
+            check_known(kwargs, COMPLETE_OPTIONS, "HibanaLLM.complete")
             if not isinstance(prompt, str):
                 raise ConversationError(f"the prompt is a {type(prompt).__name__}; complete() takes a string")
             if not formatted:  # else the caller applied the chat template: continue the text as it is
-                prompt = self._chat.render_text([{"role": "user", "content": prompt}], reasoning=self.reasoning)
+                prompt = self._chat.render_text([{"role": "user", "content": prompt}],
+                                                reasoning=kwargs.get("reasoning", self.reasoning))
             return self._call(prompt, None, "auto", kwargs)
 
         def _call(self, prompt: str, tools: list[dict] | None, choice: str, kwargs: dict,

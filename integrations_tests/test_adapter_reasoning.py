@@ -89,6 +89,18 @@ def test_hibana_llm_thinking_blocks(engine):
     assert responses[-1].message.content == ANSWER and responses[-1].message.blocks[0].content == THOUGHT
 
 
+def test_hibana_llm_reasoning_option(engine):
+    think_off = len(engine.tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False))
+    msgs = [ChatMessage(role="user", content="hey")]
+    llm = HibanaLLM(engine=engine, max_tokens=1)
+    default = llm.chat(msgs).raw["usage"]["prompt_tokens"]
+    assert llm.chat(msgs, reasoning=False).raw["usage"]["prompt_tokens"] == default + think_off
+    assert HibanaLLM(engine=engine, max_tokens=1, reasoning=False).complete("hey").raw["usage"]["prompt_tokens"] \
+        == default + think_off
+    with pytest.raises(ConfigError):
+        HibanaLLM(engine=engine, reasoning_history="sometimes")
+
+
 @pytest.mark.parametrize("policy", ["template", "generated"])
 def test_hibana_llm_reuse_across_user_turns(engine, policy):
     state = f"li-{policy}"
