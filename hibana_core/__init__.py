@@ -14,7 +14,8 @@ from hibana_core.errors import (ChatTimeoutError, CheckpointError, ConfigError, 
                                 GrammarError, HibanaError, InvalidTokenError, MemoryBudgetError, QueueTimeoutError,
                                 StateBusyError, StateClosedError, StateExistsError, StateFileError,
                                 SurgeryGuardError, UnsupportedModelError)
-from hibana_core.state import Completion, RequestStats, StateHandle, StateInfo, StreamEvent, SyncStats
+from hibana_core.state import (Completion, RequestStats, StateHandle, StateInfo, StreamEvent, SyncStats,
+                                TokenLogprob)
 
 _logging.getLogger("hibana").addHandler(_logging.NullHandler())
 
@@ -37,6 +38,6 @@ __all__ = [
     "CacheConfig", "ChatTimeoutError", "CheckpointError", "Completion", "ConfigError", "ContextLengthError", "Engine",
     "EngineClosedError", "EngineConfig", "EngineStats", "GrammarError", "HibanaError", "InvalidTokenError",
     "MemoryBudgetError", "QueueTimeoutError", "RequestStats", "SamplingParams", "SchedulerConfig",
-    "StateBusyError", "StateClosedError", "StateExistsError", "StateFileError", "StateHandle",
+    "StateBusyError", "StateClosedError", "StateExistsError", "StateFileError", "StateHandle", "TokenLogprob",
     "StateInfo", "StreamEvent", "SurgeryGuardError", "SyncStats", "UnsupportedModelError",
 ]

@@ -25,6 +25,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import re
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequence
 
 from hibana_core import prompt, turn
@@ -42,6 +43,11 @@ if TYPE_CHECKING:
     from hibana_core.state import StateHandle
 
 DEFAULT_TOOL_PARSER = "hermes"
+REASONING_HISTORY = ("template", "generated")
+"""How a reasoning model's earlier turns are rendered: as the chat template does (Qwen3's drops
+their thinking, so the state recomputes from the first dropped block), or as generated (the state's
+own tokens are kept, thinking included: nothing is recomputed, but the model sees its old thinking)."""
+_THINK_BLOCK = re.compile(r"<think>.*?</think>\s*", re.S)
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 
@@ -65,6 +71,10 @@ class Chat:
         self._plain: dict[str, Callable[[str], list[int]]] = {}   # built on first hostile content, shared by `on`
         self._roles: dict[str, bool] = {}     # roles outside KNOWN_ROLES: whether the template renders them
         self.handle: StateHandle | None = engine.open_state(state_id) if state_id is not None else None
+        template = self.template or getattr(engine.tokenizer, "chat_template", None) or ""
+        self.thinks = turn.THINK_CLOSE in str(template)
+        """Whether the chat template knows think blocks (a reasoning model): turns are split into
+        thinking and answer (`turn.Thinking`)."""
 
     def on(self, handle: "StateHandle") -> "Chat":
         """This chat layer on another state (template, parser and stop tokens shared)."""
@@ -75,7 +85,8 @@ class Chat:
     # --- which state serves a call ------------------------------------------------------------
 
     @contextlib.contextmanager
-    def lease(self, prompt: str, state_id: str | None = None, *, fallback: bool = False) -> Iterator["Chat"]:
+    def lease(self, prompt: str, state_id: str | None = None, *, fallback: bool = False,
+              reasoning_history: str = "template") -> Iterator["Chat"]:
         """This chat layer on the state that serves one call, held until the block ends, so that
         concurrent calls never share a state. `prompt` is the call's rendered text. The state:
           1. `state_id`, when given; StateBusyError while another call holds it, unless
@@ -93,7 +104,7 @@ class Chat:
             if handle is None:
                 match = self.engine.match_state(ids)
                 if (match is not None and self.engine.registry.is_unnamed(match)
-                        and self.continues(match.tokens, prompt)):
+                        and self.continues(match.tokens, prompt, reasoning_history)):
                     handle = self._lease(stack, match.id, busy_ok=True)  # None if taken meanwhile
             if handle is None:  # a new state: a call that fails leaves none behind
                 handle = stack.enter_context(self.engine.lease())
@@ -108,7 +119,7 @@ class Chat:
                 return None
             raise
 
-    def continues(self, held: Sequence[int], prompt: str) -> bool:
+    def continues(self, held: Sequence[int], prompt: str, reasoning_history: str = "template") -> bool:
         """Whether `prompt` (rendered text) goes on from a state's conversation: holds it up to its
         last reply, which a re-render may spell differently. Taking over a state that merely
         shares the system prompt and tools would throw another conversation away."""
@@ -116,18 +127,29 @@ class Chat:
         if ends and ends[-1] == len(held):
             ends.pop()  # the end of the last reply
         needed = ends[-1] if ends else len(held)
-        return prompt.startswith(self.engine.tokenizer.decode(held[:needed], skip_special_tokens=False))
+        held_text = self.engine.tokenizer.decode(held[:needed], skip_special_tokens=False)
+        if prompt.startswith(held_text):
+            return True
+        return reasoning_history == "generated" and self.thinks and _without_thinking(prompt)[0].startswith(
+            _without_thinking(held_text)[0])
 
     # --- rendering ----------------------------------------------------------------------------
 
-    def render(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+    def render(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
+               reasoning: bool | None = None) -> list[int]:
         """Prompt token ids: the conversation plus the assistant's generation prompt."""
-        return self._encode(self.render_text(messages, tools))
+        return self._encode(self.render_text(messages, tools, reasoning))
 
-    def render_text(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> prompt.Prompt:
+    def render_text(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
+                    reasoning: bool | None = None) -> prompt.Prompt:
         """The rendered prompt; message contents that hold control-token text are marked as such
-        (`hibana_core.prompt`), so that they are tokenized as plain text."""
+        (`hibana_core.prompt`), so that they are tokenized as plain text. `reasoning` goes to the
+        template as `enable_thinking` (Qwen3's switch); None leaves the template's default."""
         kwargs = {"chat_template": self.template} if self.template else {}
+        if reasoning is not None:
+            if not isinstance(reasoning, bool):
+                raise ConfigError(f"reasoning must be True, False or None, got {reasoning!r:.80}")
+            kwargs["enable_thinking"] = reasoning
 
         messages, tools = normalize_messages(messages), normalize_tools(tools)
         check_tool_results(messages)
@@ -151,6 +173,22 @@ class Chat:
                 raise ConversationError(f"cannot render the conversation with the chat template: {exc}") from exc
         return prompt.render(template, messages, tools, self.control)
 
+    def count_tokens(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
+                     reasoning: bool | None = None) -> int:
+        """Prompt tokens of a call on `messages` and `tools`, as the model's chat template renders
+        them (the generation prompt included). Part of a conversation that the template or the
+        checks refuse (a tool result without its call, as `trim_messages` tries) counts each
+        message's text and calls, plus the markup the template puts around one message."""
+        try:
+            return len(self.render(messages, tools, reasoning))
+        except ConversationError:
+            pass
+        overhead = len(self.render([{"role": "user", "content": "x"}])) - len(self._markup("x"))
+        tool_text = json.dumps(list(tools), ensure_ascii=False) if tools else ""
+        texts = [json.dumps(m.get("tool_calls"), ensure_ascii=False) + str(m.get("content") or "")
+                 if m.get("tool_calls") else str(m.get("content") or "") for m in messages]
+        return len(self._markup(tool_text)) + sum(len(self._markup(t)) + overhead for t in texts)
+
     def _renders_role(self, role: str) -> bool:
         """Whether the chat template writes a message of `role` (templates drop roles they do not
         know without a word)."""
@@ -165,22 +203,33 @@ class Chat:
             self._roles[role] = marker in text
         return self._roles[role]
 
-    def prompt_ids(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None = None) -> list[int]:
+    def prompt_ids(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None = None,
+                   reasoning_history: str = "template") -> list[int]:
         """What `respond` syncs: the rendered prompt (`messages` may be rendered text already),
         except that the state's own tokens are kept up to the last end-of-turn token where they
         still spell the prompt's text, and only the rest is tokenized. A model may spell a word in
         other tokens than the tokenizer would (an unseen name copied piece by piece);
         re-tokenizing would recompute everything after it. Held tokens are never kept where one
-        of their control tokens would stand for a message content's text."""
+        of their control tokens would stand for a message content's text.
+
+        `reasoning_history="generated"`: held tokens are also kept where they spell the prompt's
+        text once think blocks are left out of both (a template that drops old thinking), so the
+        model's earlier thinking stays in the state (`REASONING_HISTORY`); not where a message
+        content holds control-token text."""
         if isinstance(messages, str):
             check_text(messages, "the prompt")
         text = messages if isinstance(messages, str) else self.render_text(messages, tools)
         held = self.handle.tokens if self.handle is not None else []
         ends = [i + 1 for i, token in enumerate(held) if token in self.stop_token_ids]
+        generated = reasoning_history == "generated" and self.thinks and not prompt.spans_of(text)
+        stripped, positions = _without_thinking(text) if generated else (text, [])
         for end in reversed(ends):  # usually the last one matches: the previous reply, unchanged
             held_text = self.engine.tokenizer.decode(held[:end], skip_special_tokens=False)
             if text.startswith(held_text) and self._controls_are_markup(held[:end], prompt.spans_of(text)):
                 return held[:end] + self._encode(text, len(held_text))
+            bare = _without_thinking(held_text)[0] if generated else ""
+            if bare and stripped.startswith(bare):  # the prompt left this reply's thinking out
+                return held[:end] + self._encode(text, positions[len(bare) - 1] + 1)
         return self._encode(text)
 
     def _controls_are_markup(self, tokens: Sequence[int], spans: Sequence[prompt.Span]) -> bool:
@@ -206,6 +255,20 @@ class Chat:
         if prompt.spans_of(text) and not self._plain:
             self._plain["encode"] = prompt.plain_encoder(self.engine.tokenizer)
         return prompt.encode(text, start, self._markup, self._plain.get("encode"))
+
+    def openai_logprobs(self, result: ChatResult) -> list[dict] | None:
+        """A result's token log-probabilities in OpenAI's shape (`choices[0].logprobs.content`):
+        per token {"token", "bytes", "logprob", "top_logprobs": [{"token", "bytes", "logprob"}]};
+        None when the call did not ask for them."""
+        if result.logprobs is None:
+            return None
+        decode = self.engine.tokenizer.decode
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text = decode([token_id], skip_special_tokens=False)
+            return {"token": text, "bytes": list(text.encode("utf-8")), "logprob": logprob}
+        return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                for lp in result.logprobs]
 
     def _markup(self, text: str) -> list[int]:
         return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
@@ -237,7 +300,8 @@ class Chat:
     def opener(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None = None,
                params: SamplingParams | None = None, *, lease: bool = False, state_id: str | None = None,
                fallback: bool = False, prefill: str = "", parse_tools: bool = True, tool_choice: Any = "auto",
-               parallel_tool_calls: bool = True, guided: bool = True, timeout: float | None = None) -> turn.Open:
+               parallel_tool_calls: bool = True, guided: bool = True, timeout: float | None = None,
+               reasoning: bool | None = None, reasoning_history: str = "template") -> turn.Open:
         """How `turn.run` / `turn.arun` start one assistant turn: on this chat's state, or with
         `lease`, on the state `self.lease(messages, state_id, fallback=fallback)` picks (then
         `messages` is the rendered prompt), held until the turn ends.
@@ -250,7 +314,10 @@ class Chat:
         its arguments to the tool's schema (`hibana_core.turn`). `params` that carry their own
         constraint (json_schema, regex, grammar) keep it and get no tool-call grammar.
         `parallel_tool_calls=False`: at most one call, in the stream as in the result.
-        `timeout`: seconds, checked per token."""
+        `timeout`: seconds, checked per token. `reasoning`: the template's `enable_thinking`
+        (messages as dicts; a rendered prompt already says). A reasoning model's thinking comes
+        apart from the answer (`ChatResult.reasoning`, `ChatDelta.reasoning`); `reasoning_history`:
+        `REASONING_HISTORY`."""
         normalize_tool_choice(tool_choice, normalize_tools(tools))  # options are refused before a lease
         if not isinstance(prefill, str):
             raise ConfigError(f"prefill must be a string, got {type(prefill).__name__}")
@@ -258,17 +325,22 @@ class Chat:
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout > 0):
             raise ConfigError(f"timeout must be a number of seconds > 0, or None; got {timeout!r:.80}")
+        if reasoning_history not in REASONING_HISTORY:
+            raise ConfigError(f"reasoning_history must be one of {REASONING_HISTORY}, got {reasoning_history!r:.80}")
+        if not isinstance(messages, str):
+            messages = self.render_text(messages, tools, reasoning)
 
         def open_turn(stack: contextlib.ExitStack) -> "tuple[turn.TurnRun, StateHandle]":
-            chat = stack.enter_context(self.lease(messages, state_id, fallback=fallback)) if lease else self
+            chat = (stack.enter_context(self.lease(messages, state_id, fallback=fallback,
+                                                   reasoning_history=reasoning_history)) if lease else self)
             run = chat._turn(messages, tools, params, prefill, parse_tools, tool_choice, parallel_tool_calls,
-                             guided, timeout)
+                             guided, timeout, reasoning_history)
             return run, chat.handle
         return open_turn
 
     def _turn(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None, params: SamplingParams | None,
               prefill: str, parse_tools: bool, tool_choice: Any, parallel_tool_calls: bool, guided: bool,
-              timeout: float | None) -> turn.TurnRun:
+              timeout: float | None, reasoning_history: str = "template") -> turn.TurnRun:
         if self.handle is None:
             raise HibanaError("this Chat has no state: give it one (Chat(engine, 'agent-1')), or serve "
                               "each call on a leased one (`with chat.lease(prompt) as c: c.respond(...)`)")
@@ -279,14 +351,19 @@ class Chat:
         params = params or SamplingParams(max_tokens=256)
         params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys(
             tuple(params.stop_token_ids) + self.stop_token_ids)))
+        # a template may open the think block itself (its generation prompt ends in "<think>")
+        open_in_prompt = str(messages).rstrip().endswith(turn.THINK_OPEN)
+        thinking = turn.Thinking(open_in_prompt) if self.thinks else None
         if parse_tools and not params.constrained:
             grammar = turn.parser_grammar(self.parser, self.parser_name, tools, tool_choice,
                                           parallel=parallel_tool_calls, strict=guided)
+            if grammar is not None and thinking is not None and grammar.get("type") == "structural_tag":
+                grammar = turn.after_thinking(grammar, tool_choice, open_in_prompt)
             if grammar is not None:
                 params = dataclasses.replace(params, grammar=grammar)
         stream = self.parser.stream() if parse_tools else turn.PlainText()
-        return turn.TurnRun(self.prompt_ids(messages, tools), prefill, params, stream, self._encode, timeout,
-                            max_calls=None if parallel_tool_calls else 1)
+        return turn.TurnRun(self.prompt_ids(messages, tools, reasoning_history), prefill, params, stream,
+                            self._encode, timeout, max_calls=None if parallel_tool_calls else 1, thinking=thinking)
 
 
 def _close_if_empty(handle: "StateHandle") -> None:
@@ -296,9 +373,25 @@ def _close_if_empty(handle: "StateHandle") -> None:
             handle.close()
 
 
+def _without_thinking(text: str) -> tuple[str, list[int]]:
+    """`text` without its think blocks (and the blank lines after them), and for each character
+    left its index in `text`."""
+    kept, positions, pos = [], [], 0
+    for block in _THINK_BLOCK.finditer(text):
+        kept.append(text[pos:block.start()])
+        positions.extend(range(pos, block.start()))
+        pos = block.end()
+    kept.append(text[pos:])
+    positions.extend(range(pos, len(text)))
+    return "".join(kept), positions
+
+
 def assistant_message(result: ChatResult) -> dict:
-    """The OpenAI-style assistant message for a result, to append to the conversation."""
+    """The OpenAI-style assistant message for a result, to append to the conversation (its
+    thinking as `reasoning_content`, which reasoning models' templates read)."""
     message: dict[str, Any] = {"role": "assistant", "content": result.text}
+    if result.reasoning:
+        message["reasoning_content"] = result.reasoning
     if result.tool_calls:
         message["tool_calls"] = [
             {"id": c.id, "type": "function",

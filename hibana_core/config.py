@@ -310,6 +310,10 @@ GREEDY_TEMPERATURE = 1e-5
 """Below this temperature sampling is greedy (as in vLLM)."""
 
 
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives per token `top_logprobs` may ask for (OpenAI's limit)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples; the defaults are greedy decoding of up to 128 tokens."""
@@ -338,6 +342,11 @@ class SamplingParams:
     """Generation ends when the decoded text contains any of these strings (it may span tokens)."""
     ignore_eos: bool = False
     """Do not stop on the model's end-of-sequence tokens."""
+    logprobs: bool = False
+    """Return each generated token's log-probability under the model (its raw distribution, before
+    penalties, temperature, truncation and grammar masks, as vLLM and OpenAI report it)."""
+    top_logprobs: int = 0
+    """With logprobs: also the this many most likely tokens at each position (0 to 20)."""
     speculation: Any = None
     """This request's speculative decoding ("adaptive", "off", {"method": ..., "k": ...});
     None: the engine's. It changes speed only, never the output."""
@@ -368,6 +377,9 @@ class SamplingParams:
         _check(self.repetition_penalty > 0.0, "repetition_penalty must be > 0 (1 disables it)")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must lie in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must lie in [-2, 2]")
+        _check(0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+               f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        _check(self.logprobs or not self.top_logprobs, "top_logprobs needs logprobs=True")
         _check(isinstance(self.stop, str) or isinstance(self.stop, Sequence), "stop must be a string or a list of them")
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty str")

@@ -152,11 +152,12 @@ class OutputProcessor:
             if delivery is None:
                 continue
             self.counters.generated += len(out.new_token_ids)
-            for token in out.new_token_ids:
+            logprobs = out.new_logprobs or [None] * len(out.new_token_ids)
+            for token, logprob in zip(out.new_token_ids, logprobs):
                 if delivery.first_token is None:
                     delivery.first_token = now - delivery.started
                 text = delivery.detokenizer.take_delta() if delivery.detokenizer else ""
-                if not delivery.stream.put(StreamEvent(token, text)):
+                if not delivery.stream.put(StreamEvent(token, text, logprob=logprob)):
                     out.request.cancelled = True  # nobody listens: dropped at the next schedule
 
     def finish(self, request: Request) -> None:
@@ -173,7 +174,8 @@ class OutputProcessor:
                     request.state_id or "?", "generate" if request.params is not None else "sync",
                     request.finish_reason or "done", stats.prompt_tokens, stats.reused, stats.computed,
                     stats.generated, stats.elapsed)
+        wanted = request.params is not None and request.params.logprobs
         completion = Completion(list(request.output), request.finish_reason or "",
-                                detok.text if detok else "", stats)
+                                detok.text if detok else "", stats, list(request.logprobs) if wanted else None)
         tail = detok.take_delta(final=True) if detok else ""
         delivery.stream.put(StreamEvent(None, tail, request.finish_reason, completion))

@@ -17,8 +17,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from hibana_core.forward_context import ForwardBatch, ForwardContext
-from hibana_core.sampler import Sampler, SamplingRow, TokenMasks, device_tensor
+from hibana_core.sampler import Sampler, SamplingRow, StepLogprobs, TokenMasks, device_tensor
 from hibana_core.scheduler import RunnerOutput, SchedulerOutput
+from hibana_core.state import TokenLogprob
 
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -112,6 +113,7 @@ class StepInFlight:
         (None: a step that captured a CUDA graph, or ran eagerly where decode steps use graphs)"""
         self._ready: torch.cuda.Event | None = None
         self._host: torch.Tensor | None = None
+        self._logprobs: StepLogprobs | None = None  # on the host once `_ready`
         if sampled is not None:
             self.set_sampled(sampled, timer)
 
@@ -120,12 +122,16 @@ class StepInFlight:
         """Whether a row of the step samples under a grammar."""
         return any(c.request.grammar is not None for c in self.scheduled.sampling)
 
-    def set_sampled(self, sampled: torch.Tensor, timer: StepTimer | None = None) -> None:
-        """The step's tokens, on the device; their copy to the host is enqueued now."""
-        self.sampled, self.timer, self._host = sampled, timer, sampled
+    def set_sampled(self, sampled: torch.Tensor, timer: StepTimer | None = None,
+                    logprobs: StepLogprobs | None = None) -> None:
+        """The step's tokens (and the log-probabilities rows asked for), on the device; their
+        copy to the host is enqueued now."""
+        self.sampled, self.timer = sampled, timer
+        self._host = _to_host(sampled)
+        if logprobs is not None:
+            self._logprobs = StepLogprobs(logprobs.rows, _to_host(logprobs.chosen), _to_host(logprobs.top_values),
+                                          _to_host(logprobs.top_ids))
         if sampled.is_cuda:
-            self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-            self._host.copy_(sampled, non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record()
 
@@ -136,13 +142,16 @@ class StepInFlight:
         if self._ready is not None:
             self._ready.synchronize()
         tokens = self._host.tolist()
-        out, row = [], 0
+        logprobs = self._token_logprobs(tokens)
+        out, kept_logprobs, row = [], [], 0
         for chunk in self.scheduled.chunks:
             if not chunk.sample:
                 out.append([])
+                kept_logprobs.append([])
                 continue
             drafts = chunk.draft_token_ids
-            targets = tokens[row:row + 1 + len(drafts)]
+            start = row
+            targets = tokens[start:start + 1 + len(drafts)]
             row += 1 + len(drafts)
             # drafts are kept while they equal what the target sampled after the input before
             # them; the first that differs is replaced by the target's token (lossless: see
@@ -151,7 +160,30 @@ class StepInFlight:
             while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
                 accepted += 1
             out.append(targets[:accepted + 1])
-        return RunnerOutput(out)
+            kept_logprobs.append([logprobs[r] for r in range(start, start + accepted + 1) if r in logprobs])
+        return RunnerOutput(out, kept_logprobs if logprobs else None)
+
+    def _token_logprobs(self, tokens: list[int]) -> dict[int, TokenLogprob]:
+        """Sampling row -> its token's TokenLogprob, for the rows that asked (host tensors)."""
+        if self._logprobs is None:
+            return {}
+        lp = self._logprobs
+        params = [c.request.params for c in self.scheduled.sampling for _ in range(1 + len(c.draft_token_ids))]
+        out = {}
+        for row, chosen, values, ids in zip(lp.rows, lp.chosen.tolist(), lp.top_values.tolist(), lp.top_ids.tolist()):
+            k = params[row].top_logprobs
+            out[row] = TokenLogprob(tokens[row], chosen, tuple(zip(ids[:k], values[:k])))
+        return out
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A device tensor's copy to pinned host memory, enqueued (read it once the step's event is
+    reached); a host tensor as it is."""
+    if not tensor.is_cuda:
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
 
 
 def gather_step(scheduled: SchedulerOutput, previous: StepInFlight | None = None) -> StepData:
@@ -264,7 +296,8 @@ class ModelRunner:
         rows = pending.rows
         sampled = self.sampler(pending.logits, rows) if masks is None else self.sampler(pending.logits, rows, masks)
         self._force(sampled, rows, step.scheduled)
-        step.set_sampled(sampled, None if pending.timer is None else pending.timer.stop())
+        step.set_sampled(sampled, None if pending.timer is None else pending.timer.stop(),
+                         self.sampler.logprobs(pending.logits, rows, sampled))
 
     def _force(self, sampled: torch.Tensor, rows: list[SamplingRow], scheduled: SchedulerOutput) -> None:
         """Trace replay (bench only): rows of requests with forced outputs take the recorded

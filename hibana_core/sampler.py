@@ -64,6 +64,20 @@ class TokenMasks:
     """Whether every row of the step is constrained (rows is then 0..R-1)."""
 
 
+@dataclass(frozen=True)
+class StepLogprobs:
+    """Log-probabilities of the tokens sampled for the rows that asked for them (on the device)."""
+
+    rows: list[int]
+    """The sampling rows these are for."""
+    chosen: torch.Tensor
+    """[W] float32: each row's sampled token's log-probability."""
+    top_values: torch.Tensor
+    """[W, K] float32: the K most likely tokens' log-probabilities (K: the most any row asked for)."""
+    top_ids: torch.Tensor
+    """[W, K] int64: their token ids."""
+
+
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
     """A generator on `device` seeded with `seed`: one per seeded request, and the sampler's own."""
     generator = torch.Generator(device=torch.device(device))
@@ -103,6 +117,21 @@ class Sampler:
         if not any(greedy):
             return sampled
         return torch.where(device_tensor(greedy, torch.bool, x.device), x.argmax(dim=-1), sampled)
+
+    def logprobs(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                 tokens: torch.Tensor) -> StepLogprobs | None:
+        """The sampled tokens' log-probabilities under the model's raw distribution (before
+        masks, penalties and warpers) for the rows whose params ask for them; None when none
+        does. Reads `logits` and `tokens` only, so the tokens never depend on it."""
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs]
+        if not wanted:
+            return None
+        index = device_tensor(wanted, torch.int64, logits.device)
+        logprobs = logits.index_select(0, index).float().log_softmax(dim=-1)  # [W, V]
+        chosen = logprobs.gather(1, tokens.index_select(0, index)[:, None])[:, 0]  # [W]
+        k = max(rows[i].params.top_logprobs for i in wanted)
+        top_values, top_ids = logprobs.topk(k, dim=-1)  # [W, K], most likely first
+        return StepLogprobs(wanted, chosen, top_values, top_ids)
 
     def apply_masks(self, logits: torch.Tensor, masks: TokenMasks) -> torch.Tensor:
         """logits with -inf where a constrained row's grammar forbids the token (a new tensor).

@@ -39,6 +39,7 @@ logger = logging.getLogger("hibana.states")
 if TYPE_CHECKING:
     from hibana_core.grammar import Matcher
     from hibana_core.kv.tiers import HostTier
+    from hibana_core.state import TokenLogprob
     from hibana_core.speculation.speculator import Speculator
 
 
@@ -67,6 +68,7 @@ class Request:
     error: BaseException | None = None
     num_prompt: int = 0                    # len(seq) when submitted
     output: list[int] = field(default_factory=list)
+    logprobs: "list[TokenLogprob]" = field(default_factory=list)  # per output token, where params ask
     computed: int = 0                      # prompt tokens whose KV this request computed
     reused: int = 0                        # prompt tokens whose KV it found already there
     cancelled: bool = False
@@ -136,6 +138,8 @@ class RunnerOutput:
     list for a chunk that does not sample; several where drafts were verified)."""
 
     sampled_token_ids: list[list[int]]
+    logprobs: "list[list[TokenLogprob]] | None" = None
+    """Per chunk, the log-probabilities of its sampled tokens where its request asked for them."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,7 @@ class RequestOutput:
 
     request: Request
     new_token_ids: list[int]
+    new_logprobs: "Sequence[TokenLogprob]" = ()   # one per new token, when the request asked for them
 
 
 def _done_reason(request: Request) -> str:
@@ -391,7 +396,8 @@ class Scheduler:
         A request that finished while the step ran (cancelled, stopped a step earlier) takes
         nothing."""
         results = []
-        for chunk, sampled in zip(scheduled.chunks, output.sampled_token_ids, strict=True):
+        logprobs = output.logprobs or [()] * len(scheduled.chunks)
+        for chunk, sampled, sampled_logprobs in zip(scheduled.chunks, output.sampled_token_ids, logprobs, strict=True):
             request, seq = chunk.request, chunk.request.seq
             if request.finished:
                 continue
@@ -407,7 +413,9 @@ class Scheduler:
                 seq.trim_kv(history)
             seq.commit_full_blocks()
             if chunk.sample:
-                results.append(RequestOutput(request, accepted))
+                kept = list(sampled_logprobs[:len(accepted)])
+                request.logprobs.extend(kept)
+                results.append(RequestOutput(request, accepted, kept))
             if reason is not None:
                 self.finish(request, reason)
             elif not request.samples and request.num_uncomputed == 0:

@@ -42,11 +42,22 @@ class RequestStats:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (`SamplingParams.logprobs`), and the
+    most likely tokens at its position (`top_logprobs`), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()   # (token id, log-probability)
+
+
+@dataclass(frozen=True)
 class Completion:
     token_ids: list[int]
     finish_reason: str    # "stop" (stop token or string), "length", "cancelled"
     text: str             # decoded output, cut before a stop string ("" without a tokenizer)
     stats: RequestStats
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,7 @@ class StreamEvent:
     text: str
     finish_reason: str | None = None
     completion: Completion | None = None
+    logprob: TokenLogprob | None = None   # the token's, when the request asked for logprobs
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from hibana_core.errors import ChatTimeoutError, GrammarError, HibanaError
 from hibana_plugins.hookspecs import ParsedOutput, ToolCall, ToolCallDelta, ToolCallStream
 
 if TYPE_CHECKING:
-    from hibana_core.state import StateHandle, StreamEvent
+    from hibana_core.state import StateHandle, StreamEvent, TokenLogprob
 
 MALFORMED = "malformed_tool_call"
 
@@ -57,6 +57,8 @@ class ChatResult:
     usage: Usage
     error: str | None = None  # what was malformed, when something was
     raw_text: str = ""        # the assistant's turn as generated (prefill included)
+    logprobs: "list[TokenLogprob] | None" = None  # per generated token, when params.logprobs
+    reasoning: str = ""       # the model's thinking (`<think>...</think>`), apart from `text`
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class ChatDelta:
     text: str = ""
     tool_call: ToolCallDelta | None = None
     result: ChatResult | None = None
+    reasoning: str = ""       # a piece of the model's thinking
 
 
 # --- the tool-call grammar ----------------------------------------------------------------------------
@@ -138,6 +141,16 @@ def parser_grammar(parser: Any, parser_name: str, tools: Sequence[dict] | None, 
     return tool_call_grammar(tools, tool_choice, syntax, parallel=parallel, strict=strict)
 
 
+def after_thinking(grammar: dict, tool_choice: str, open_in_prompt: bool) -> dict:
+    """A tool-call grammar held off while a reasoning model thinks: first its think block
+    (optional, unless the template opened it), any text, then `grammar`, so that `<tool_call>`
+    written while thinking is thinking. A forced call follows the blank line after the block."""
+    end = THINK_CLOSE if tool_choice == "auto" else THINK_CLOSE + "\n\n"
+    think = {"type": "tag", "begin": "" if open_in_prompt else THINK_OPEN, "content": {"type": "any_text"}, "end": end}
+    first = think if open_in_prompt else {"type": "optional", "content": think}
+    return {"type": "structural_tag", "format": {"type": "sequence", "elements": [first, grammar["format"]]}}
+
+
 # --- running a turn ----------------------------------------------------------------------------------
 
 class PlainText:
@@ -157,6 +170,74 @@ class PlainText:
         return ParsedOutput(self.text, [], None)
 
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+class Thinking:
+    """Splits a reasoning model's turn into its thinking and its answer, as text arrives:
+
+        [whitespace] <think> thinking </think> [whitespace] answer
+                     ^ or already open in the prompt (`open_in_prompt`: the template wrote it)
+
+    Only a think block at the start of the turn is thinking; `<think>` later in the answer is
+    answer text. Pieces of a tag split across deltas are held back until they are decided.
+    The answer goes on to the tool parser, so tool-call parsing never sees the thinking."""
+
+    def __init__(self, open_in_prompt: bool = False) -> None:
+        self.mode = "thinking" if open_in_prompt else "start"   # start, thinking, after, answer
+        self.held = ""
+        self.reasoning = ""
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        """(thinking, answer) pieces of `delta`."""
+        text, self.held = self.held + delta, ""
+        thinking = answer = ""
+        if self.mode == "start":
+            head = text.lstrip()
+            if head.startswith(THINK_OPEN):
+                text, self.mode = head[len(THINK_OPEN):], "thinking"
+            elif THINK_OPEN.startswith(head):  # undecided: whitespace, or part of the tag
+                self.held = text
+                return "", ""
+            else:
+                self.mode = "answer"
+        if self.mode == "thinking":
+            if THINK_CLOSE in text:
+                thinking, text = text.split(THINK_CLOSE, 1)
+                self.mode = "after"
+            else:
+                keep = _partial_suffix(text, THINK_CLOSE)
+                thinking, self.held, text = text[:len(text) - keep], text[len(text) - keep:], ""
+        if self.mode == "after":  # the blank lines between the thinking and the answer
+            text = text.lstrip()
+            if text:
+                self.mode = "answer"
+        if self.mode == "answer":
+            answer = text
+        self.reasoning += thinking
+        return thinking, answer
+
+    def close(self) -> tuple[str, str]:
+        """What was held back at the end of the turn (thinking cut off by max_tokens stays thinking)."""
+        held, self.held = self.held, ""
+        if self.mode == "thinking":
+            self.reasoning += held
+            return held, ""
+        return "", held if self.mode != "after" else ""
+
+    @property
+    def text(self) -> str:
+        return self.reasoning.strip()
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that begins `tag` (a tag maybe cut across deltas)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
 @dataclass(frozen=True)
 class TurnRequest:
     """What a turn asks the engine for: sync the state to `prompt`, then generate."""
@@ -173,8 +254,10 @@ class TurnRun:
     finish_reason "tool_calls" (a tool-call grammar usually ends the turn there already)."""
 
     def __init__(self, prompt: list[int], prefill: str, params: SamplingParams, stream: ToolCallStream,
-                 encode: Callable[[str], list[int]], timeout: float | None, max_calls: int | None = None) -> None:
+                 encode: Callable[[str], list[int]], timeout: float | None, max_calls: int | None = None,
+                 thinking: Thinking | None = None) -> None:
         self.base, self.prefill, self.params, self.stream = prompt, prefill, params, stream
+        self.thinking = thinking   # splits a reasoning model's thinking off before the tool parser
         self.encode = encode
         self.deadline = time.monotonic() + timeout if timeout else None
         self.max_calls = max_calls
@@ -185,6 +268,7 @@ class TurnRun:
         self.finish_reason = "stop"
         self.stopped = False       # the turn ended its request itself (`stop_now`)
         self.called_tools = False  # the turn ended in tool calls (set by `finish`)
+        self.logprobs: "list[TokenLogprob] | None" = [] if params.logprobs else None
 
     def begin(self) -> tuple[list[ChatDelta], TurnRequest]:
         deltas = self._feed(self.prefill)
@@ -194,6 +278,8 @@ class TurnRun:
     def on_event(self, event: "StreamEvent") -> list[ChatDelta]:
         if self.deadline is not None and time.monotonic() > self.deadline:
             raise ChatTimeoutError("the chat call ran past its timeout; raise the timeout or lower max_tokens")
+        if event.logprob is not None and self.logprobs is not None:
+            self.logprobs.append(event.logprob)
         if event.completion is not None:
             stats = event.completion.stats
             self.usage = Usage(stats.prompt_tokens, stats.reused, 0)
@@ -203,13 +289,20 @@ class TurnRun:
         return self._feed(event.text)
 
     def finish(self) -> list[ChatDelta]:
-        deltas = self._deltas(self.stream.close())
+        deltas = []
+        if self.thinking is not None:
+            thought, answer = self.thinking.close()
+            deltas = [ChatDelta(reasoning=thought)] if thought else []
+            deltas += self._deltas(self.stream.feed(answer)) if answer and not self.full else []
+        deltas += self._deltas(self.stream.close())
         usage = dataclasses.replace(self.usage, completion_tokens=self.generated)
         parsed = self.stream.finish()
         if self.max_calls is not None:
             parsed = dataclasses.replace(parsed, tool_calls=parsed.tool_calls[:self.max_calls])
         self.called_tools = bool(parsed.tool_calls)
-        return deltas + [ChatDelta(result=result(parsed, self.text, self.finish_reason, usage))]
+        reasoning = self.thinking.text if self.thinking is not None else ""
+        return deltas + [ChatDelta(result=result(parsed, self.text, self.finish_reason, usage, self.logprobs,
+                                                 reasoning))]
 
     def stop_now(self) -> bool:
         """Whether the driver should stop the current request now (once): the turn holds all the
@@ -226,7 +319,13 @@ class TurnRun:
 
     def _feed(self, text: str) -> list[ChatDelta]:
         self.text += text
-        return self._deltas(self.stream.feed(text)) if text and not self.full else []
+        if not text or self.full:
+            return []
+        if self.thinking is None:
+            return self._deltas(self.stream.feed(text))
+        thought, answer = self.thinking.feed(text)
+        deltas = [ChatDelta(reasoning=thought)] if thought else []
+        return deltas + (self._deltas(self.stream.feed(answer)) if answer else [])
 
     def _deltas(self, pieces: list) -> list[ChatDelta]:
         out = []
@@ -239,7 +338,8 @@ class TurnRun:
         return out
 
 
-def result(parsed: ParsedOutput, raw_text: str, finish_reason: str, usage: Usage) -> ChatResult:
+def result(parsed: ParsedOutput, raw_text: str, finish_reason: str, usage: Usage,
+           logprobs: "list[TokenLogprob] | None" = None, reasoning: str = "") -> ChatResult:
     """What a turn comes to. Model output never raises: a malformed call is text, and says so.
 
     The calls that parsed are kept and a malformed or cut-off call stays in the text where it
@@ -251,7 +351,7 @@ def result(parsed: ParsedOutput, raw_text: str, finish_reason: str, usage: Usage
         reason = finish_reason
     else:
         reason = MALFORMED if parsed.error else "tool_calls" if parsed.tool_calls else finish_reason
-    return ChatResult(parsed.content, parsed.tool_calls, reason, usage, parsed.error, raw_text)
+    return ChatResult(parsed.content, parsed.tool_calls, reason, usage, parsed.error, raw_text, logprobs, reasoning)
 
 
 # --- driving a turn: the only code that does I/O, once for threads and once for an event loop ------

@@ -37,14 +37,16 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, Literal
 
-from pydantic import Field, PrivateAttr
+from pydantic import Field, PrivateAttr, ValidationError
 
 from hibana_core import turn
 from hibana_core.chat import (Chat, ChatDelta, ChatResult as TurnResult, ConversationError,  # noqa: F401
                               ToolSchemaError, UnsupportedContentError, Usage, clean_tool, normalize_tool_choice,
                               normalize_tools)
 from hibana_core.config import SamplingParams
+from hibana_core.errors import ConfigError
 from hibana_plugins.hookspecs import hookimpl
+from hibana_plugins.options import SAMPLING, check_known, resolve_aliases, sampling_params
 
 try:
     from langchain_core.language_models import BaseChatModel
@@ -75,6 +77,9 @@ def register_adapters(register) -> None:
 
 
 PROVIDER = "hibana"
+CALL_OPTIONS = frozenset({*SAMPLING, "tools", "tool_choice", "parallel_tool_calls", "state_id", "timeout", "model",
+                          "reasoning", "answer_tool", "ls_structured_output_format"})
+"""What a call (`invoke(..., **kwargs)`, `.bind(**kwargs)`) may set; anything else is a ConfigError."""
 _MEDIA_BLOCKS = frozenset({"image", "image_url", "audio", "input_audio", "video", "file", "document"})
 
 
@@ -134,6 +139,8 @@ def _to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict]:
             if calls:
                 message["tool_calls"] = [{"id": i, "type": "function", "function": {"name": n, "arguments": a}}
                                          for i, n, a in calls]
+            if m.additional_kwargs.get("reasoning_content"):  # the template decides whether it is rendered
+                message["reasoning_content"] = m.additional_kwargs["reasoning_content"]
             out.append(message)
         elif isinstance(m, ToolMessage):
             out.append({"role": "tool", "tool_call_id": m.tool_call_id, "content": _text(m)})
@@ -190,6 +197,9 @@ class _Call:
                     "finish_reason": result.finish_reason, "state_id": self.served_by}
         if result.error:
             metadata["tool_call_error"] = result.error
+        logprobs = self.chat.openai_logprobs(result)
+        if logprobs is not None:  # streamed: all on the last chunk
+            metadata["logprobs"] = {"content": logprobs}
         return metadata
 
     def chat_result(self, result: TurnResult) -> ChatResult:
@@ -203,13 +213,16 @@ class _Call:
         else:
             content = text
             calls = [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in result.tool_calls]
+        extra = {"reasoning_content": result.reasoning} if result.reasoning else {}
         return AIMessage(content=content, tool_calls=calls, usage_metadata=self.usage_metadata(result.usage),
-                         response_metadata=self.response_metadata(result))
+                         response_metadata=self.response_metadata(result), additional_kwargs=extra)
 
     def chunk(self, delta: ChatDelta) -> ChatGenerationChunk | None:
         if delta.result is not None:  # usage and metadata once, on the last chunk
             message = AIMessageChunk(content="", usage_metadata=self.usage_metadata(delta.result.usage),
                                      response_metadata=self.response_metadata(delta.result), chunk_position="last")
+        elif delta.reasoning:
+            message = AIMessageChunk(content="", additional_kwargs={"reasoning_content": delta.reasoning})
         elif delta.tool_call is not None and self.as_content:
             if delta.tool_call.index or not delta.tool_call.arguments_fragment:
                 return None  # the answer is the first call's arguments
@@ -246,8 +259,22 @@ class ChatHibana(BaseChatModel):
     """Most tokens one call generates."""
     top_p: float = 1.0
     top_k: int = 0
+    """0 keeps every token."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one."""
     seed: int | None = None
+    """Per-call sampling seed: same seed, same tokens, whatever shares the batch."""
     repetition_penalty: float = 1.0
+    """HF-style, over the prompt and the output; alias `repeat_penalty` (Ollama, llama.cpp)."""
+    presence_penalty: float = 0.0
+    """OpenAI-style, in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """OpenAI-style, in [-2, 2]."""
+    logprobs: bool = False
+    """Return each generated token's log-probability in `response_metadata["logprobs"]`
+    (OpenAI's shape: {"content": [{"token", "bytes", "logprob", "top_logprobs"}]})."""
+    top_logprobs: int = 0
+    """With logprobs: also this many most likely tokens at each position (0 to 20)."""
     speculation: str | dict[str, Any] | None = None
     """Speculative decoding of this model's calls: "adaptive", "off" or {"method": ..., "k": ...};
     None: the engine's (set it engine-wide with engine_kwargs={"speculation": ...}). Speed only."""
@@ -259,6 +286,13 @@ class ChatHibana(BaseChatModel):
     """Accepted for drop-in use with remote chat models; a local engine has nothing to retry."""
     streaming: bool = False
     """`invoke` streams underneath (callbacks see tokens)."""
+    reasoning: bool | None = None
+    """A reasoning model's thinking (Qwen3): True / False go to the chat template as
+    `enable_thinking`; None leaves the template's default. The thinking comes apart from the
+    answer, in `additional_kwargs["reasoning_content"]` (streamed too)."""
+    reasoning_history: Literal["template", "generated"] = "template"
+    """Earlier turns' thinking: rendered as the template does (Qwen3's drops it, and the state
+    recomputes from there), or kept as generated (nothing recomputed; the model sees it)."""
     guided_tool_arguments: bool = True
     """Hold tool-call arguments to the tool's JSON schema (the grammar); False: any JSON object
     (the call is still held to a bound tool's name)."""
@@ -267,10 +301,27 @@ class ChatHibana(BaseChatModel):
     _chat: Any = PrivateAttr(default=None)
 
     def __init__(self, *, engine: Any = None, **kwargs: Any) -> None:
+        """Unknown options raise a ConfigError and values are checked here, not on the first call
+        (`hibana_plugins.options`); `num_ctx` is `engine_kwargs={"max_model_len": ...}`."""
+        if _IMPORT_ERROR is not None:  # the stand-in raises the ImportError that says what to install
+            super().__init__()
+        kwargs = resolve_aliases(kwargs, "ChatHibana")
+        if "max_model_len" in kwargs:
+            kwargs["engine_kwargs"] = {**kwargs.get("engine_kwargs", {}), "max_model_len": kwargs.pop("max_model_len")}
+        check_known(kwargs, type(self).model_fields, "ChatHibana")
         if engine is not None and "model" not in kwargs:
             kwargs["model"] = engine.config.model
-        super().__init__(**kwargs)
+        try:
+            super().__init__(**kwargs)
+        except ValidationError as exc:
+            raise ConfigError(f"ChatHibana: {exc}") from None
         self._engine = engine
+        sampling_params(vars(self), "ChatHibana")
+
+    def bind(self, **kwargs: Any):
+        """`Runnable.bind`, its options checked now rather than on the first call."""
+        _call_options(kwargs)
+        return super().bind(**kwargs)
 
     @property
     def engine(self):
@@ -297,6 +348,20 @@ class ChatHibana(BaseChatModel):
         if stop or self.stop:
             params["ls_stop"] = stop or self.stop
         return params
+
+    # -- token counting: the model's own tokenizer and chat template ----------------------------------
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """The model's token ids of `text` (no special tokens added); `custom_get_token_ids` wins."""
+        if self.custom_get_token_ids is not None:
+            return self.custom_get_token_ids(text)
+        return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
+        """Prompt tokens of a call on `messages` with `tools` bound: rendered by the chat template,
+        tool schemas and the generation prompt included (`Chat.count_tokens`)."""
+        schemas = [clean_tool(_openai_tool(i, t, None)) for i, t in enumerate(tools)] if tools else None
+        return self._chat_layer(self.model).count_tokens(_to_chat_messages(messages), schemas, self.reasoning)
 
     # -- tools and structured output --------------------------------------------------------------
 
@@ -374,6 +439,7 @@ class ChatHibana(BaseChatModel):
     def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, run_manager,
                  kwargs: dict[str, Any]) -> _Call:
         """Pick the engine, render, and say which state and which turn (module docstring)."""
+        kwargs = _call_options(kwargs)
         model = kwargs.get("model") or self.model
         chat = self._chat_layer(model)
         tools, choice = kwargs.get("tools") or None, kwargs.get("tool_choice", "auto")
@@ -384,11 +450,12 @@ class ChatHibana(BaseChatModel):
         choice = normalize_tool_choice(choice, tools)  # refused before a state is leased
         if choice == "none":
             tools = None
-        prompt = chat.render_text(_to_chat_messages(messages), tools)
+        reasoning = kwargs["reasoning"] if "reasoning" in kwargs else self.reasoning
+        prompt = chat.render_text(_to_chat_messages(messages), tools, reasoning)
         explicit = kwargs.get("state_id") or self.state_id
         options = {"tool_choice": choice, "parse_tools": tools is not None, "guided": self.guided_tool_arguments,
                    "parallel_tool_calls": kwargs.get("parallel_tool_calls") is not False,
-                   "timeout": kwargs.get("timeout", self.timeout)}
+                   "timeout": kwargs.get("timeout", self.timeout), "reasoning_history": self.reasoning_history}
         return _Call(chat, prompt, tools, self._params(stop, kwargs), options,
                      explicit or _graph_state_id(run_manager), explicit is None, model, answer_tool is not None)
 
@@ -403,9 +470,16 @@ class ChatHibana(BaseChatModel):
         return self._chat
 
     def _params(self, stop: list[str] | None, kwargs: dict[str, Any]) -> SamplingParams:
-        option = lambda name: kwargs[name] if kwargs.get(name) is not None else getattr(self, name)  # noqa: E731
-        stops = stop if stop is not None else self.stop
-        return SamplingParams(max_tokens=option("max_tokens"), temperature=option("temperature"),
-                              top_p=option("top_p"), top_k=option("top_k"), seed=option("seed"),
-                              repetition_penalty=option("repetition_penalty"), speculation=option("speculation"),
-                              stop=() if stops is None else stops)
+        """The object's sampling options, overridden by the call's (`stop` as LangChain passes it)."""
+        values = {name: getattr(self, name) for name in SAMPLING}
+        values |= {name: kwargs[name] for name in SAMPLING if kwargs.get(name) is not None}
+        if stop is not None:
+            values["stop"] = stop
+        return sampling_params(values, "ChatHibana call")
+
+
+def _call_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A call's kwargs with the peers' aliases renamed; unknown ones raise a ConfigError."""
+    kwargs = resolve_aliases(kwargs, "ChatHibana call")
+    check_known(kwargs, CALL_OPTIONS, "a ChatHibana call")
+    return kwargs

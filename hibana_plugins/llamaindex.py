@@ -37,15 +37,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Callable, Iterator, Literal, Optional, Sequence, Union
 
 from hibana_core import turn
 from hibana_core.chat import (Chat, ChatDelta, ChatResult, ConversationError, ToolChoiceError,
                               UnsupportedContentError, clean_tool, normalize_tool_choice, normalize_tools)
 from hibana_core.config import SamplingParams
-from hibana_core.errors import HibanaError
+from hibana_core.errors import ConfigError, HibanaError
 from hibana_plugins.hookspecs import hookimpl
+from hibana_plugins.options import SAMPLING, check_known, resolve_aliases, sampling_params
 
+COMPLETE_OPTIONS = frozenset({*SAMPLING, "reasoning"})
+"""What `complete(..., **kwargs)` may set."""
+CHAT_OPTIONS = COMPLETE_OPTIONS | {"tools", "tool_required", "tool_choice", "parallel_tool_calls"}
+"""What `chat(..., **kwargs)` (and `chat_with_tools` through it) may set."""
 _ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant", "function": "tool"}
 
 
@@ -77,6 +82,7 @@ class _Call:
         self.options = options                  # Chat.opener's: tool_choice, parallel_tool_calls, ...
         self.state_id = state_id                # the state bound on the LLM, then the one serving
         self.content = ""
+        self.reasoning = ""                     # a reasoning model's thinking so far
         self.calls: dict[int, dict] = {}        # streamed calls by index: id, name, arguments text
         self.result: ChatResult | None = None
 
@@ -99,7 +105,10 @@ class _Call:
         it changed nothing visible."""
         call = delta.tool_call
         if delta.result is not None:
-            self.result, self.content = delta.result, delta.result.text
+            self.result, self.content, self.reasoning = delta.result, delta.result.text, delta.result.reasoning
+            return ""
+        if delta.reasoning:
+            self.reasoning += delta.reasoning
             return ""
         if call is None:
             self.content += delta.text
@@ -141,7 +150,8 @@ def llm_class() -> type:
     """HibanaLLM, defined on first use (see the module docstring)."""
     try:
         from llama_index.core.base.llms.types import (ChatMessage, ChatResponse, CompletionResponse,
-                                                      LLMMetadata, MessageRole, TextBlock, ToolCallBlock)
+                                                      LLMMetadata, LogProb, MessageRole, TextBlock, ThinkingBlock,
+                                                      ToolCallBlock)
         from llama_index.core.bridge.pydantic import Field, PrivateAttr
         from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
         from llama_index.core.llms.function_calling import FunctionCallingLLM
@@ -165,7 +175,18 @@ def llm_class() -> type:
         max_tokens: int = Field(default=256, gt=0, description="Most tokens per reply.")
         top_p: float = Field(default=1.0, gt=0.0, le=1.0)
         top_k: int = Field(default=0, ge=0, description="0 keeps every token.")
+        min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="Drop tokens less likely than min_p "
+                             "times the most likely one.")
         seed: Optional[int] = Field(default=None, description="Per-request sampling seed.")
+        repetition_penalty: float = Field(default=1.0, gt=0.0, description="HF-style, over prompt and output; "
+                                          "alias repeat_penalty.")
+        presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="OpenAI-style.")
+        frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="OpenAI-style.")
+        stop: Optional[list[str]] = Field(default=None, description="Strings that end the reply (cut from it).")
+        logprobs: bool = Field(default=False, description="Return each generated token's log-probability "
+                               "(ChatResponse.logprobs / CompletionResponse.logprobs).")
+        top_logprobs: int = Field(default=0, ge=0, le=20, description="With logprobs: also this many most "
+                                  "likely tokens at each position.")
         speculation: Optional[Union[str, dict]] = Field(
             default=None, description="Speculative decoding: \"adaptive\", \"off\" or {\"method\": ..., "
             "\"k\": ...}; None: the engine's (engine_kwargs={\"speculation\": ...}). Speed only.")
@@ -173,19 +194,35 @@ def llm_class() -> type:
                                            "model's chat format's, else hermes.")
         clean_tool_schemas: bool = Field(default=True, description="Lay tool schemas out as OpenAI's "
                                          "(`hibana_core.chat.clean_tool`): no pydantic titles, type first.")
+        reasoning: Optional[bool] = Field(default=None, description="A reasoning model's thinking (Qwen3): "
+                                          "True / False go to the chat template as enable_thinking; None: the "
+                                          "template's default. The thinking comes as a ThinkingBlock.")
+        reasoning_history: Literal["template", "generated"] = Field(
+            default="template", description="Earlier turns' thinking: rendered as the template does, or kept as "
+            "generated (nothing recomputed).")
         guided_tool_arguments: bool = Field(default=True, description="Hold tool-call arguments to the tool's "
                                             "JSON schema (the grammar); False: any JSON object.")
 
         _chat: Chat = PrivateAttr()
 
         def __init__(self, model: str = "demo", engine: Any = None, **kwargs: Any) -> None:
+            # unknown options and bad values are refused before an engine loads (`hibana_plugins.options`)
+            kwargs = resolve_aliases(kwargs, "HibanaLLM")
+            if "max_model_len" in kwargs:
+                kwargs["engine_kwargs"] = {**kwargs.get("engine_kwargs", {}),
+                                           "max_model_len": kwargs.pop("max_model_len")}
+            check_known(kwargs, type(self).model_fields, "HibanaLLM")
+            sampling_params(kwargs, "HibanaLLM")
             if engine is None:
                 from hibana_core import Engine
 
                 engine = Engine.shared(model, **kwargs.get("engine_kwargs", {}))
             else:
                 model = str(engine.config.model)
-            super().__init__(model=model, **kwargs)
+            try:
+                super().__init__(model=model, **kwargs)
+            except ValueError as exc:  # pydantic's ValidationError
+                raise ConfigError(f"HibanaLLM: {exc}") from None
             self._chat = Chat(engine, tool_parser=self.tool_parser)
 
         @classmethod
@@ -223,23 +260,24 @@ def llm_class() -> type:
 
         @llm_completion_callback()
         def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-            *_, last = self._drive(turn.run, self._completion_call(prompt, formatted), self._completion_response)
+            call = self._completion_call(prompt, formatted, kwargs)
+            *_, last = self._drive(turn.run, call, self._completion_response)
             return last
 
         @llm_completion_callback()
         def stream_complete(self, prompt: str, formatted: bool = False,
                             **kwargs: Any) -> Iterator[CompletionResponse]:
-            return self._drive(turn.run, self._completion_call(prompt, formatted), self._completion_response)
+            return self._drive(turn.run, self._completion_call(prompt, formatted, kwargs), self._completion_response)
 
         @llm_completion_callback()
         async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-            call = self._completion_call(prompt, formatted)
+            call = self._completion_call(prompt, formatted, kwargs)
             return [r async for r in self._drive(turn.arun, call, self._completion_response)][-1]
 
         @llm_completion_callback()
         async def astream_complete(self, prompt: str, formatted: bool = False,
                                    **kwargs: Any) -> AsyncIterator[CompletionResponse]:
-            return self._drive(turn.arun, self._completion_call(prompt, formatted), self._completion_response)
+            return self._drive(turn.arun, self._completion_call(prompt, formatted, kwargs), self._completion_response)
 
         def _drive(self, driver: Callable, call: _Call, respond: Callable[[_Call, str], Any]) -> Any:
             """`driver` (turn.run or turn.arun) over the call: a response whenever the reply grew."""
@@ -294,6 +332,8 @@ def llm_class() -> type:
         # --- requests and responses -------------------------------------------------------------
 
         def _chat_call(self, messages: Sequence[ChatMessage], kwargs: dict) -> _Call:
+            kwargs = resolve_aliases(kwargs, "HibanaLLM.chat")
+            check_known(kwargs, CHAT_OPTIONS, "HibanaLLM.chat")
             tools = normalize_tools(kwargs.get("tools"))
             choice = kwargs.get("tool_choice")
             if kwargs.get("tool_required") and not tools:
@@ -304,37 +344,53 @@ def llm_class() -> type:
             choice = normalize_tool_choice(choice, tools)
             if choice == "none":
                 tools = None
-            return self._call(self._chat.render_text(openai_messages(messages), tools), tools, choice,
+            prompt = self._chat.render_text(openai_messages(messages), tools, kwargs.get("reasoning", self.reasoning))
+            return self._call(prompt, tools, choice, kwargs,
                               kwargs.get("parallel_tool_calls", True))
 
-        def _completion_call(self, prompt: str, formatted: bool) -> _Call:
+        def _completion_call(self, prompt: str, formatted: bool, kwargs: dict) -> _Call:
+            kwargs = resolve_aliases(kwargs, "HibanaLLM.complete")
+            check_known(kwargs, COMPLETE_OPTIONS, "HibanaLLM.complete")
             if not isinstance(prompt, str):
                 raise ConversationError(f"the prompt is a {type(prompt).__name__}; complete() takes a string")
             if not formatted:  # else the caller applied the chat template: continue the text as it is
-                prompt = self._chat.render_text([{"role": "user", "content": prompt}])
-            return self._call(prompt, None, "auto")
+                prompt = self._chat.render_text([{"role": "user", "content": prompt}],
+                                                reasoning=kwargs.get("reasoning", self.reasoning))
+            return self._call(prompt, None, "auto", kwargs)
 
-        def _call(self, prompt: str, tools: list[dict] | None, choice: str, parallel: bool = True) -> _Call:
-            params = SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                                    top_k=self.top_k, seed=self.seed, speculation=self.speculation)
+        def _call(self, prompt: str, tools: list[dict] | None, choice: str, kwargs: dict,
+                  parallel: bool = True) -> _Call:
+            values = {name: getattr(self, name) for name in SAMPLING}
+            values |= {name: kwargs[name] for name in SAMPLING if kwargs.get(name) is not None}
+            params = sampling_params(values, "HibanaLLM call")
             options = {"tool_choice": choice, "parse_tools": tools is not None, "guided": self.guided_tool_arguments,
-                       "parallel_tool_calls": parallel}
+                       "parallel_tool_calls": parallel, "reasoning_history": self.reasoning_history}
             return _Call(self._chat, prompt, tools, params, options, self.state_id)
 
         def _chat_response(self, reply: _Call, delta: str) -> ChatResponse:
             calls = reply.tool_calls()
-            blocks: list[Any] = [TextBlock(text=reply.content)]
+            blocks: list[Any] = [ThinkingBlock(content=reply.reasoning)] if reply.reasoning else []
+            blocks.append(TextBlock(text=reply.content))
             blocks += [ToolCallBlock(tool_call_id=c["id"], tool_name=c["function"]["name"],
                                      tool_kwargs=c["function"]["arguments"]) for c in calls]
             # the calls also in OpenAI form: structured streaming and older code read them there
             extra = {"tool_calls": [_openai_call(c) for c in calls]} if calls else {}
             message = ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks, additional_kwargs=extra)
             return ChatResponse(message=message, delta=delta, raw=reply.raw(self.model),
-                                additional_kwargs=reply.usage_dict())
+                                additional_kwargs=reply.usage_dict(), logprobs=self._logprobs(reply))
 
         def _completion_response(self, reply: _Call, delta: str) -> CompletionResponse:
             return CompletionResponse(text=reply.content, delta=delta, raw=reply.raw(self.model),
-                                      additional_kwargs=reply.usage_dict())
+                                      additional_kwargs=reply.usage_dict(), logprobs=self._logprobs(reply))
+
+        def _logprobs(self, reply: _Call) -> list[list[LogProb]] | None:
+            """Per generated token, the token itself then its top_logprobs alternatives (the
+            result's, so on the last streamed response)."""
+            entries = self._chat.openai_logprobs(reply.result) if reply.result is not None else None
+            if entries is None:
+                return None
+            return [[LogProb(token=e["token"], logprob=e["logprob"], bytes=e["bytes"])
+                     for e in [entry, *entry["top_logprobs"]]] for entry in entries]
 
     HibanaLLM.__qualname__ = "HibanaLLM"  # pickles and prints as hibana_plugins.llamaindex.HibanaLLM
     return HibanaLLM
@@ -345,8 +401,8 @@ def llm_class() -> type:
 def openai_messages(messages: Sequence[Any]) -> list[dict]:
     """LlamaIndex ChatMessages as the OpenAI-style dicts `hibana_core.chat` renders. Tool calls come
     from ToolCallBlocks, else from `additional_kwargs["tool_calls"]` (older integrations)."""
-    from llama_index.core.base.llms.types import (AudioBlock, DocumentBlock, ImageBlock, TextBlock, ToolCallBlock,
-                                                  VideoBlock)
+    from llama_index.core.base.llms.types import (AudioBlock, DocumentBlock, ImageBlock, TextBlock, ThinkingBlock,
+                                                  ToolCallBlock, VideoBlock)
 
     out = []
     for message in messages:
@@ -358,6 +414,9 @@ def openai_messages(messages: Sequence[Any]) -> list[dict]:
                                           f"{media[0].block_type!r} block; describe it in text or use a multimodal LLM")
         text = "".join(b.text for b in message.blocks if isinstance(b, TextBlock))
         item: dict[str, Any] = {"role": role, "content": text}
+        thinking = "".join(b.content or "" for b in message.blocks if isinstance(b, ThinkingBlock))
+        if thinking:  # the template decides whether it is rendered
+            item["reasoning_content"] = thinking
         blocks = [b for b in message.blocks if isinstance(b, ToolCallBlock)]
         if blocks:
             item["tool_calls"] = [{"id": b.tool_call_id, "type": "function",

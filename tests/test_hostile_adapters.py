@@ -333,7 +333,7 @@ def llamaindex_case(engine, rng: random.Random) -> Case:
     try:
         llm = HibanaLLM(model="demo", engine_kwargs={"progress": False}, state_id="fuzz-li" if named else None,
                         **({"max_tokens": 2} | fields))
-    except ValidationError:
+    except (ValidationError, HibanaError):  # values are refused at construction (a ConfigError)
         return Case(label, None)
     how = rng.random()
     if how < 0.15:

@@ -15,7 +15,7 @@ import pytest
 
 import hibana_core
 from hibana_core import (Completion, RequestStats, SamplingParams, StateInfo, StreamEvent,
-                         SyncStats)
+                         SyncStats, TokenLogprob)
 from tiny_models import ARCHS, VOCAB_SIZE, assert_greedy_matches, random_tokens
 
 BLOCK = 16
@@ -24,8 +24,8 @@ N = 20  # tokens generated per check
 pytestmark = pytest.mark.timeout(300)
 
 
-def greedy(n: int = N) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+def greedy(n: int = N, **options) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **options)
 
 
 def check_output(engine, path, history: list[int], got: list[int], fresh_id: str) -> None:
@@ -44,9 +44,11 @@ PUBLIC_FIELDS = {
     "SyncStats": dict(reused=int, computed=int),
     "RequestStats": dict(prompt_tokens=int, reused=int, computed=int, generated=int,
                          time_to_first_token=float | None, elapsed=float),
-    "Completion": dict(token_ids=list[int], finish_reason=str, text=str, stats=RequestStats),
+    "TokenLogprob": dict(token_id=int, logprob=float, top=tuple[tuple[int, float], ...]),
+    "Completion": dict(token_ids=list[int], finish_reason=str, text=str, stats=RequestStats,
+                       logprobs=list[TokenLogprob] | None),
     "StreamEvent": dict(token_id=int | None, text=str, finish_reason=str | None,
-                        completion=Completion | None),
+                        completion=Completion | None, logprob=TokenLogprob | None),
     "StateInfo": dict(id=str, tokens=int, computed=int, blocks=int, tier=str, last_use=float,
                       busy=bool),
     "EngineStats": dict(prompt_tokens_computed=int, prompt_tokens_reused=int, generated_tokens=int,
@@ -68,6 +70,11 @@ def _matches(value, kind) -> bool:
     if typing.get_origin(kind) is list:
         (item,) = typing.get_args(kind)
         return type(value) is list and all(_matches(v, item) for v in value)
+    if typing.get_origin(kind) is tuple:  # tuple[X, ...] or tuple[X, Y]
+        items = typing.get_args(kind)
+        if len(items) == 2 and items[1] is Ellipsis:
+            return type(value) is tuple and all(_matches(v, items[0]) for v in value)
+        return type(value) is tuple and len(value) == len(items) and all(map(_matches, value, items))
     return type(value) is kind  # exactly: no bool for int, no numpy or tensor scalars
 
 
@@ -103,12 +110,17 @@ def test_public_results_hold_values_of_their_types(tiny_checkpoints, make_engine
     events = list(h.stream(greedy(3)))
     for ev in events:
         check_fields(ev)
+    events = list(h.stream(greedy(2, logprobs=True, top_logprobs=2)))
+    for ev in events:
+        check_fields(ev)
+    for lp in events[-1].completion.logprobs:
+        check_fields(lp)
     (info,) = engine.states()
     check_fields(info)
-    assert (info.id, info.tokens, info.busy) == ("typed", 27, False)
+    assert (info.id, info.tokens, info.busy) == ("typed", 29, False)
     stats = engine.stats()
     check_fields(stats)
-    assert stats.generated_tokens == 7 and stats.states == 1
+    assert stats.generated_tokens == 9 and stats.states == 1
 
 
 # --- prefix sharing -------------------------------------------------------------------------

@@ -1,0 +1,87 @@
+"""The options both framework adapters take: sampling names, the peers' aliases, strict checks.
+
+An adapter's constructor and its calls accept only the options it knows. An unknown or misspelt
+one raises a `ConfigError` that names it and lists the accepted ones: a local engine has no
+remote API to pass an option on to, so an option it does not know can only be a mistake
+(`ChatHibana(temperatur=0.7)` would otherwise sample greedily without a word). Options of peers
+that mean nothing for an engine in the process (`keep_alive`: the model stays loaded as long as
+the engine; `api_key`, `base_url`) are dropped with a warning, so that code written for
+ChatOllama or ChatOpenAI runs unchanged (LangChain's own standard tests pass `api_key`).
+
+The peers' names for the same thing are accepted as aliases (`ALIASES`); giving both an alias and
+its name with different values is an error.
+"""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from hibana_core.config import SamplingParams
+from hibana_core.errors import ConfigError
+
+SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
+            "presence_penalty", "frequency_penalty", "stop", "logprobs", "top_logprobs", "speculation")
+"""The SamplingParams fields an adapter takes on the object and per call, under the same names."""
+
+ALIASES = {"num_predict": "max_tokens", "repeat_penalty": "repetition_penalty", "num_ctx": "max_model_len"}
+"""Ollama's / llama.cpp's names -> Hibana's. `max_model_len` is an engine option (engine_kwargs)."""
+
+ENGINE_OPTIONS = frozenset({"max_model_len"})
+"""Aliased names that go to the engine rather than to sampling (constructor only)."""
+
+IGNORED = {"keep_alive": "the model stays loaded as long as its engine lives",
+           "api_key": "a local engine has no API to authenticate to",
+           "base_url": "the engine runs in this process; for a server use `hibana serve` and an OpenAI client"}
+"""Peers' options that mean nothing for an engine in the process: dropped with a warning."""
+
+HINTS = {"format": "for JSON output use with_structured_output(schema, method='json_mode' or 'json_schema')",
+         "model_kwargs": "pass each option by its own name"}
+"""What to do instead, for options a user of a peer is likely to try."""
+
+
+def resolve_aliases(options: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """`options` with the peers' names (`ALIASES`) renamed to Hibana's and the ignored ones
+    (`IGNORED`) dropped with a warning. An alias beside its own name, with another value, is
+    refused."""
+    out = {k: v for k, v in options.items() if k not in ALIASES and k not in IGNORED}
+    for name, value in options.items():
+        if name in IGNORED:
+            warnings.warn(f"{where}: {name!r} is ignored ({IGNORED[name]})", stacklevel=4)
+        elif name in ALIASES:
+            own = ALIASES[name]
+            if own in out and out[own] != value:
+                raise ConfigError(f"{where}: {name}={value!r} and {own}={out[own]!r} name the same option; "
+                                  f"give one ({name} is an alias of {own})")
+            out[own] = value
+    return out
+
+
+def check_known(options: Iterable[str], accepted: Iterable[str], where: str) -> None:
+    """ConfigError naming the options outside `accepted` (with a close match or a hint where
+    there is one) and listing the accepted ones."""
+    accepted = sorted(set(accepted))
+    unknown = [name for name in options if name not in accepted]
+    if not unknown:
+        return
+    notes = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, accepted, n=1)
+        note = HINTS.get(name) or (f"did you mean {close[0]!r}?" if close else "")
+        notes.append(f"{name!r}" + (f" ({note})" if note else ""))
+    raise ConfigError(f"{where} does not take {', '.join(notes)}; it accepts "
+                      f"{', '.join(accepted)} (aliases: {', '.join(f'{a}={n}' for a, n in ALIASES.items())})")
+
+
+def sampling_params(values: Mapping[str, Any], where: str) -> SamplingParams:
+    """SamplingParams from an adapter's sampling options (`SAMPLING` names; None: the default),
+    its errors saying where the value came from."""
+    given = {name: values[name] for name in SAMPLING if values.get(name) is not None}
+    if "stop" in given and isinstance(given["stop"], str):
+        given["stop"] = [given["stop"]]
+    try:
+        return SamplingParams(**given)
+    except ConfigError as exc:
+        raise type(exc)(f"{where}: {exc}") from None

@@ -1,0 +1,203 @@
+"""The parameter surface of both adapters (issue 16): unknown options and call kwargs raise a
+ConfigError naming the accepted ones, values are checked at construction, the peers' aliases
+mean what they mean there, and every sampling option reaches the sampler."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from langchain_core.messages import HumanMessage
+from llama_index.core.base.llms.types import ChatMessage
+
+from hibana_core import Engine
+from hibana_core.errors import ConfigError
+from hibana_plugins.langchain import ChatHibana
+from hibana_plugins.llamaindex import HibanaLLM
+
+PROMPT = "Tell me about the weather in Paris."
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.shared("demo")
+
+
+# --- LangChain ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("options, named", [
+    ({"temperatur": 0.7}, "did you mean 'temperature'"),
+    ({"format": "json"}, "json_mode"),
+    ({"logprob": True}, "did you mean 'logprobs'"),
+    ({"model_kwargs": {"top_p": 0.5}}, "'model_kwargs'"),
+])
+def test_chat_hibana_refuses_unknown_options(options, named):
+    with pytest.raises(ConfigError, match="accepts .*temperature") as info:
+        ChatHibana(**options)
+    assert named in str(info.value)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"temperature": -1}, "temperature must be >= 0"),
+    ({"top_p": 0}, "top_p"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"min_p": 2}, "min_p"),
+    ({"repeat_penalty": 0}, "repetition_penalty"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"num_predict": 3, "max_tokens": 4}, "name the same option"),
+])
+def test_chat_hibana_checks_values_at_construction(options, message):
+    with pytest.raises(ConfigError, match=message):
+        ChatHibana(**options)
+
+
+def test_chat_hibana_aliases_and_ignored_options():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        llm = ChatHibana(num_ctx=1024, num_predict=7, repeat_penalty=1.1, keep_alive="5m")
+    assert llm.engine_kwargs == {"max_model_len": 1024}
+    assert (llm.max_tokens, llm.repetition_penalty) == (7, 1.1)
+    assert any("keep_alive" in str(w.message) for w in caught)
+
+
+def test_chat_hibana_refuses_unknown_call_kwargs(engine):
+    llm = ChatHibana(engine=engine, max_tokens=4)
+    with pytest.raises(ConfigError, match="does not take 'logprob' .*did you mean 'logprobs'"):
+        llm.bind(logprob=True)
+    with pytest.raises(ConfigError, match="top_logprobs needs logprobs"):
+        llm.invoke(PROMPT, top_logprobs=2)
+    with pytest.raises(ConfigError, match="does not take 'foo'.*accepts"):
+        llm.invoke(PROMPT, foo=1)
+    with pytest.raises(ConfigError, match="temperature"):
+        llm.invoke(PROMPT, temperature=-0.5)
+
+
+def test_chat_hibana_call_options_reach_the_sampler(engine):
+    llm = ChatHibana(engine=engine, max_tokens=12)
+    assert llm.invoke(PROMPT, num_predict=3).usage_metadata["output_tokens"] == 3
+    assert llm.bind(max_tokens=2).invoke(PROMPT).usage_metadata["output_tokens"] == 2
+    full = llm.invoke(PROMPT).content
+    word = full.split()[1]
+    assert word not in llm.invoke(PROMPT, stop=[word]).content
+    sampled = ChatHibana(engine=engine, max_tokens=12, temperature=1.5, seed=7, min_p=0.05, top_k=40)
+    first = sampled.invoke([HumanMessage(PROMPT)]).content
+    assert sampled.invoke([HumanMessage(PROMPT)]).content == first            # seeded: repeatable
+    others = {sampled.invoke(PROMPT, seed=s).content for s in range(8, 12)}
+    assert others - {first}                                                  # the call's seed is used
+    penalised = ChatHibana(engine=engine, max_tokens=24, frequency_penalty=2.0, presence_penalty=2.0).invoke(PROMPT)
+    assert penalised.content != ChatHibana(engine=engine, max_tokens=24).invoke(PROMPT).content
+
+
+# --- LlamaIndex --------------------------------------------------------------------------------------
+
+def test_hibana_llm_refuses_unknown_options_before_loading():
+    with pytest.raises(ConfigError, match="'temperatur' .*did you mean 'temperature'.*accepts"):
+        HibanaLLM(model="/nonexistent", temperatur=0.7)
+    with pytest.raises(ConfigError, match="temperature must be >= 0"):
+        HibanaLLM(model="/nonexistent", temperature=-1)
+    with pytest.raises(ConfigError, match="repetition_penalty"):
+        HibanaLLM(model="/nonexistent", repeat_penalty=-1.0)
+
+
+def test_hibana_llm_aliases_and_options(engine):
+    llm = HibanaLLM(engine=engine, num_predict=5, repeat_penalty=1.2, stop=["zzz"], min_p=0.1, presence_penalty=0.5)
+    assert (llm.max_tokens, llm.repetition_penalty, llm.stop, llm.min_p) == (5, 1.2, ["zzz"], 0.1)
+    assert llm.complete(PROMPT).raw["usage"]["completion_tokens"] == 5
+    msgs = [ChatMessage(role="user", content=PROMPT)]
+    assert llm.chat(msgs, max_tokens=2).raw["usage"]["completion_tokens"] == 2
+    with pytest.raises(ConfigError, match="HibanaLLM.chat does not take 'foo'"):
+        llm.chat(msgs, foo=1)
+    with pytest.raises(ConfigError, match="HibanaLLM.complete does not take 'tools'"):
+        llm.complete(PROMPT, tools=[])
+
+
+def test_hibana_llm_stop_and_seed(engine):
+    llm = HibanaLLM(engine=engine, max_tokens=12)
+    full = llm.complete(PROMPT).text
+    word = full.split()[1]
+    assert word not in HibanaLLM(engine=engine, max_tokens=12, stop=[word]).complete(PROMPT).text
+    sampled = HibanaLLM(engine=engine, max_tokens=12, temperature=1.5, seed=3)
+    assert sampled.complete(PROMPT).text == sampled.complete(PROMPT).text
+
+
+# --- logprobs ----------------------------------------------------------------------------------------
+
+def _check_openai_logprobs(content: list[dict], top: int) -> None:
+    assert content and all(e["logprob"] <= 0.0 and len(e["top_logprobs"]) == top for e in content)
+    for e in content:  # greedy: the chosen token is the most likely one
+        assert e["top_logprobs"][0]["token"] == e["token"] if top else True
+        assert e["bytes"] == list(e["token"].encode())
+
+
+def test_chat_hibana_logprobs(engine):
+    llm = ChatHibana(engine=engine, max_tokens=8)
+    plain = llm.invoke(PROMPT)
+    assert "logprobs" not in plain.response_metadata
+    message = llm.bind(logprobs=True, top_logprobs=2).invoke(PROMPT)
+    assert message.content == plain.content                                 # greedy output unchanged
+    content = message.response_metadata["logprobs"]["content"]
+    assert len(content) == message.usage_metadata["output_tokens"]
+    _check_openai_logprobs(content, 2)
+    assert "".join(e["token"] for e in content).strip().startswith(plain.content[:10])
+    streamed = None
+    for chunk in ChatHibana(engine=engine, max_tokens=8, logprobs=True).stream(PROMPT):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert streamed.content.strip() == plain.content
+    assert [e["logprob"] for e in streamed.response_metadata["logprobs"]["content"]] == \
+        pytest.approx([e["logprob"] for e in content], abs=1e-5)
+
+
+def test_hibana_llm_logprobs(engine):
+    llm = HibanaLLM(engine=engine, max_tokens=8)
+    msgs = [ChatMessage(role="user", content=PROMPT)]
+    plain = llm.chat(msgs)
+    assert plain.logprobs is None
+    response = HibanaLLM(engine=engine, max_tokens=8, logprobs=True, top_logprobs=3).chat(msgs)
+    assert response.message.content == plain.message.content
+    assert len(response.logprobs) == response.raw["usage"]["completion_tokens"]
+    assert all(len(position) == 4 and position[0].token == position[1].token and position[0].logprob <= 0
+               for position in response.logprobs)
+    completion = llm.complete(PROMPT, logprobs=True)
+    assert len(completion.logprobs) == completion.raw["usage"]["completion_tokens"]
+
+
+# --- token counting ----------------------------------------------------------------------------------
+
+def test_chat_hibana_counts_with_the_models_tokenizer(engine, monkeypatch):
+    import langchain_core.language_models.base as base
+    from langchain_core.messages import AIMessage, SystemMessage, ToolMessage, trim_messages
+    from langchain_core.tools import tool
+
+    monkeypatch.setattr(base, "get_tokenizer", lambda: pytest.fail("GPT-2's tokenizer was asked for"))
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Weather of a city."""
+        return "sunny"
+
+    llm = ChatHibana(engine=engine)
+    text = "Weather in Paris?"
+    assert llm.get_token_ids(text) == engine.tokenizer.encode(text, add_special_tokens=False)
+    assert llm.get_num_tokens(text) == len(llm.get_token_ids(text))
+    messages = [SystemMessage("You are helpful."), HumanMessage(text)]
+    rendered = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": text}],
+        add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    assert llm.get_num_tokens_from_messages(messages) == len(rendered)
+    with_tools = llm.get_num_tokens_from_messages(messages, tools=[get_weather])
+    assert with_tools > len(rendered) + llm.get_num_tokens("get_weather")
+    # the count is what a call reports as its prompt
+    reply = llm.bind_tools([get_weather]).invoke(messages, max_tokens=2)
+    assert reply.usage_metadata["input_tokens"] == with_tools
+    # parts of a conversation the template refuses still count, and trim_messages works
+    orphan = [ToolMessage("sunny", tool_call_id="c1"), AIMessage("It is sunny.")]
+    assert llm.get_num_tokens_from_messages(orphan) >= llm.get_num_tokens("sunnyIt is sunny.")
+    long = [SystemMessage("You are helpful.")] + [HumanMessage(f"question {i} " * 20) for i in range(30)]
+    kept = trim_messages(long, max_tokens=200, token_counter=llm, strategy="last", include_system=True)
+    assert 1 < len(kept) < len(long) and llm.get_num_tokens_from_messages(kept) <= 200
+
+
+def test_hibana_llm_metadata_from_the_model(engine):
+    meta = HibanaLLM(engine=engine, max_tokens=77).metadata
+    assert meta.context_window == engine.max_model_len and meta.num_output == 77
+    assert meta.model_name == str(engine.config.model)

@@ -1,0 +1,96 @@
+"""Log-probabilities of generated tokens (`SamplingParams.logprobs` / `top_logprobs`): the model's
+raw distribution at each position, as transformers computes it, on the completion and on every
+streamed event; asking for them never changes the tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import tiny_models
+from hibana_core import SamplingParams
+from hibana_core.errors import ConfigError
+
+GEN = 12
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return tiny_models.make_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("logprobs") / "qwen3")
+
+
+def prompt(seed: int, n: int = 20) -> list[int]:
+    return tiny_models.random_tokens(random.Random(seed), n)
+
+
+def test_params_are_checked():
+    with pytest.raises(ConfigError, match="top_logprobs needs logprobs"):
+        SamplingParams(top_logprobs=3)
+    with pytest.raises(ConfigError, match="top_logprobs must lie"):
+        SamplingParams(logprobs=True, top_logprobs=21)
+
+
+def test_greedy_logprobs_match_transformers(qwen3, make_engine):
+    engine = make_engine(qwen3)
+    history = prompt(1)
+    plain = engine.open_state("plain")
+    plain.sync(history)
+    want = plain.generate(SamplingParams(max_tokens=GEN, ignore_eos=True))
+    h = engine.open_state("lp")
+    h.sync(history)
+    got = h.generate(SamplingParams(max_tokens=GEN, ignore_eos=True, logprobs=True, top_logprobs=3))
+    assert got.token_ids == want.token_ids and want.logprobs is None
+    assert [lp.token_id for lp in got.logprobs] == got.token_ids
+    for i, lp in enumerate(got.logprobs):
+        ref = tiny_models.hf_next_logits(qwen3, history + got.token_ids[:i]).log_softmax(dim=-1)
+        assert lp.logprob == pytest.approx(float(ref[lp.token_id]), abs=1e-4)
+        top_values, top_ids = ref.topk(3)
+        assert [t for t, _ in lp.top] == top_ids.tolist()        # greedy: the chosen token is the first
+        assert [v for _, v in lp.top] == pytest.approx(top_values.tolist(), abs=1e-4)
+        assert lp.top[0][0] == lp.token_id
+
+
+def test_streamed_and_sampled_logprobs_in_a_mixed_batch(qwen3, make_engine):
+    engine = make_engine(qwen3)
+    params = SamplingParams(max_tokens=GEN, ignore_eos=True, temperature=1.0, seed=5, logprobs=True)
+    h = engine.open_state("s")
+    h.sync(prompt(2))
+    other = engine.open_state("o")   # a batch neighbour without logprobs
+    other.sync(prompt(3))
+    stream = h.stream(params)
+    plain = other.generate(SamplingParams(max_tokens=GEN, ignore_eos=True))
+    events = list(stream)
+    *tokens, last = events
+    assert [e.logprob.token_id for e in tokens] == [e.token_id for e in tokens] == last.completion.token_ids
+    assert [e.logprob for e in tokens] == last.completion.logprobs
+    assert all(e.logprob.top == () and e.logprob.logprob <= 0.0 for e in tokens)
+    assert plain.logprobs is None
+    # the seeded tokens are those of a run without logprobs
+    again = engine.open_state("s2")
+    again.sync(prompt(2))
+    assert again.generate(SamplingParams(max_tokens=GEN, ignore_eos=True, temperature=1.0, seed=5)).token_ids \
+        == last.completion.token_ids
+    sampled = last.completion.logprobs
+    history = prompt(2)
+    for i in (0, GEN - 1):
+        ref = tiny_models.hf_next_logits(qwen3, history + last.completion.token_ids[:i]).log_softmax(dim=-1)
+        assert sampled[i].logprob == pytest.approx(float(ref[sampled[i].token_id]), abs=1e-4)
+
+
+def test_logprobs_under_speculation(qwen3, make_engine):
+    """Verified drafts get the logprobs of the rows that verified them."""
+    engine = make_engine(qwen3)
+    history = prompt(4) * 3            # repetitive: the suffix drafter proposes
+    h = engine.open_state("spec")
+    h.sync(history)
+    got = h.generate(SamplingParams(max_tokens=GEN, ignore_eos=True, logprobs=True,
+                                    speculation={"method": "suffix", "k": 4}))
+    assert len(got.logprobs) == len(got.token_ids)
+    for i in (0, len(got.token_ids) // 2, len(got.token_ids) - 1):
+        ref = tiny_models.hf_next_logits(qwen3, history + got.token_ids[:i]).log_softmax(dim=-1)
+        assert got.logprobs[i].token_id == got.token_ids[i]
+        assert got.logprobs[i].logprob == pytest.approx(float(ref[got.token_ids[i]]), abs=1e-4)
+    assert torch.tensor([lp.logprob for lp in got.logprobs]).le(0).all()
+    assert engine.stats().draft_tokens_accepted > 0

@@ -1,0 +1,136 @@
+"""Reasoning models (issue 16): `reasoning` reaches the template as `enable_thinking`; the
+thinking comes apart from the answer, in the result and while streaming, before tool-call
+parsing; and KV reuse across two user turns under both history policies, on a tiny Qwen3-style
+checkpoint whose template drops old thinking (its outputs forced, so that it thinks)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hibana_core import SamplingParams
+from hibana_core.chat import Chat
+from hibana_core.errors import ConfigError
+from hibana_core.speculation import force_outputs
+from hibana_core.turn import Thinking
+from reasoning_model import make_reasoning_checkpoint
+
+THOUGHT = "The user says hi. I should greet them."
+ANSWER = "Hello there, friend."
+OUTPUT = f"<think>\n{THOUGHT}\n</think>\n\n{ANSWER}<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_reasoning_checkpoint(tmp_path_factory.mktemp("reasoning") / "qwen3-think")
+
+
+@pytest.fixture
+def engine(checkpoint, make_engine):
+    return make_engine(checkpoint)
+
+
+def force(engine, state_id: str, text: str) -> int:
+    """The state's next generation writes `text`; returns its length in tokens."""
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    force_outputs(engine.open_state(state_id), ids)
+    return len(ids)
+
+
+def test_thinking_splits_however_the_text_is_cut():
+    text = f"\n<think>\n{THOUGHT} </thin k>\n</think>\n\n{ANSWER} <think> stays"
+    rng = random.Random(0)
+    for _ in range(300):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, 12)))
+        thinking = Thinking()
+        pieces = [thinking.feed(text[a:b]) for a, b in zip([0, *cuts], [*cuts, len(text)])] + [thinking.close()]
+        assert "".join(p[0] for p in pieces).strip() == f"{THOUGHT} </thin k>" == thinking.text
+        assert "".join(p[1] for p in pieces) == f"{ANSWER} <think> stays"
+    assert Thinking().feed("no thinking here") == ("", "no thinking here")
+    opened = Thinking(open_in_prompt=True)
+    assert [opened.feed("abc</th"), opened.feed("ink>\n\nok"), opened.close()] == [("abc", ""), ("", "ok"), ("", "")]
+
+
+def test_reasoning_reaches_the_template(engine):
+    chat = Chat(engine)
+    messages = [{"role": "user", "content": "hi"}]
+    assert chat.thinks
+    assert chat.render_text(messages, reasoning=False).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert chat.render_text(messages, reasoning=True).endswith("<|im_start|>assistant\n")
+    assert chat.render_text(messages) == chat.render_text(messages, reasoning=True)
+    with pytest.raises(ConfigError, match="reasoning must be"):
+        chat.render_text(messages, reasoning="high")
+
+
+def test_thinking_apart_in_respond_and_stream(engine):
+    messages = [{"role": "user", "content": "hi"}]
+    n = force(engine, "a", OUTPUT)
+    result = Chat(engine, "a").respond(messages, params=SamplingParams(max_tokens=n))
+    assert (result.reasoning, result.text) == (THOUGHT, ANSWER)
+    assert result.raw_text == OUTPUT.removesuffix("<|im_end|>") or "<think>" in result.raw_text
+    n = force(engine, "b", OUTPUT)
+    deltas = list(Chat(engine, "b").stream_respond(messages, params=SamplingParams(max_tokens=n)))
+    thinking = "".join(d.reasoning for d in deltas)
+    assert thinking.strip() == THOUGHT and "<think>" not in thinking and "</think>" not in thinking
+    assert "".join(d.text for d in deltas) == ANSWER
+    assert sum(bool(d.reasoning) for d in deltas) > 1                          # streamed, not at the end
+    assert deltas[-1].result.reasoning == THOUGHT and deltas[-1].result.text == ANSWER
+
+
+def test_reuse_across_user_turns_under_both_policies(engine):
+    """Turn 2 re-renders turn 1's reply without its thinking (the template's rule): "template"
+    recomputes from the dropped block on; "generated" keeps the state's tokens."""
+    first = [{"role": "user", "content": "hi"}]
+    held, reused = {}, {}
+    for policy in ("template", "generated"):
+        n = force(engine, policy, OUTPUT)
+        chat = Chat(engine, policy)
+        result = chat.respond(first, params=SamplingParams(max_tokens=n), reasoning_history=policy)
+        assert (result.reasoning, result.text) == (THOUGHT, ANSWER)
+        held[policy] = len(chat.handle)
+        second = first + [{"role": "assistant", "content": result.text, "reasoning_content": result.reasoning},
+                          {"role": "user", "content": "and how are you?"}]
+        again = chat.respond(second, params=SamplingParams(max_tokens=2), reasoning_history=policy)
+        reused[policy] = again.usage.cached_tokens
+        print(f"{policy}: turn 2 prompt {again.usage.prompt_tokens} tokens, {again.usage.cached_tokens} reused "
+              f"of the {held[policy]} the state held")
+    think_tokens = len(engine.tokenizer.encode(f"<think>\n{THOUGHT}\n</think>\n\n", add_special_tokens=False))
+    assert reused["generated"] == held["generated"] - 1       # nothing recomputed (the last generated
+                                                              # token's KV is computed by the next call)
+    assert reused["template"] <= held["template"] - think_tokens  # cut at the dropped think block
+    assert reused["template"] < reused["generated"]
+
+
+def test_tool_calls_parse_after_thinking(engine, monkeypatch):
+    from hibana_core.state import StateHandle
+    from scripted import ScriptedEvents
+
+    text = ('<think>\nMaybe <tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call> is wrong.\n</think>\n\n'
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    monkeypatch.setattr(StateHandle, "stream", lambda self, params, prompt=None: ScriptedEvents(list(text)))
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    result = Chat(engine, "tools").respond([{"role": "user", "content": "weather?"}], tools)
+    assert [(c.name, c.arguments) for c in result.tool_calls] == [("get_weather", {"city": "Paris"})]
+    assert "nope" in result.reasoning and result.finish_reason == "tool_calls" and result.error is None
+
+
+@pytest.mark.parametrize("choice, opened", [("auto", False), ("required", False), ("auto", True)])
+def test_tool_call_grammar_waits_for_the_thinking(engine, choice, opened):
+    """The engine's tool-call grammar opens after the think block: `<tool_call>` written while
+    thinking is thinking (the forced tokens would break the grammar otherwise: GrammarError)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    thought = "Maybe <tool_call> is what I need, or not."
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    text = (f"{thought}\n</think>\n\n{call}<|im_end|>" if opened
+            else f"<think>\n{thought}\n</think>\n\n{call}<|im_end|>")
+    state = f"grammar-{choice}-{opened}"
+    n = force(engine, state, text)
+    chat = Chat(engine, state)
+    prompt = chat.render_text([{"role": "user", "content": "weather in Paris?"}], tools)
+    prompt += "<think>\n" if opened else ""   # a template that opens the think block itself
+    result = chat.respond(prompt, tools, SamplingParams(max_tokens=n), tool_choice=choice)
+    assert result.reasoning == thought
+    assert [(c.name, c.arguments) for c in result.tool_calls] == [("get_weather", {"city": "Paris"})]
