@@ -15,7 +15,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Callable, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -49,7 +49,7 @@ class StreamOptions(BaseModel):
 class ChatRequest(BaseModel):
     """The fields of a chat-completions request. As OpenAI does, a field the API does not know is
     refused; fields it knows that change nothing here (metadata, store, ...) are accepted, and
-    those Hibana cannot honour (logprobs) are refused when asked for. Strict: "5" is not a
+    those Hibana cannot honour (logit_bias) are refused when asked for. Strict: "5" is not a
     number here, as it is not for OpenAI."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -71,8 +71,8 @@ class ChatRequest(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     response_format: dict[str, Any] | None = None
     user: str | None = Field(None, max_length=MAX_STATE_ID)
-    logprobs: Literal[False] | None = None  # not available: refused when true
-    top_logprobs: Literal[0] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     # accepted, and nothing to do here
     metadata: dict[str, Any] | None = None
     store: bool | None = None
@@ -176,13 +176,17 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
     choice = normalize_tool_choice(request.tool_choice, tools) if chat else "none"
     if choice == "none":
         tools = None
+    logprobs = bool(chat and request.logprobs)
+    if chat and request.top_logprobs and not logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     params = SamplingParams(
         max_tokens=max_tokens or max_tokens_limit,
         temperature=_given(request.temperature, 0.0),  # greedy unless asked: as in-process
         top_p=_given(request.top_p, 1.0), seed=request.seed, stop=request.stop or (),
         presence_penalty=_given(request.presence_penalty, 0.0),
         frequency_penalty=_given(request.frequency_penalty, 0.0),
-        json_schema=response_schema(request.response_format) if chat else None)
+        json_schema=response_schema(request.response_format) if chat else None,
+        logprobs=logprobs, top_logprobs=(request.top_logprobs or 0) if logprobs else 0)
     explicit = state_header or request.user
     return ChatCall(tools, choice, not chat or request.parallel_tool_calls is not False, params, explicit,
                     fallback=state_header is None, stream=bool(request.stream),
@@ -218,10 +222,15 @@ def response_schema(response_format: dict | None) -> dict | None:
 class Reply:
     """The id, time and model that every chunk of one reply carries."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, logprobs: Callable[[ChatResult], list[dict] | None] = lambda _: None) -> None:
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
+        self.logprobs = logprobs  # a result's token log-probabilities in OpenAI's shape (Chat.openai_logprobs)
+
+    def _logprobs(self, result: ChatResult) -> dict | None:
+        content = self.logprobs(result)
+        return None if content is None else {"content": content, "refusal": None}
 
     def completion(self, result: ChatResult) -> dict:
         message: dict[str, Any] = {"role": "assistant", "content": result.text if result.text or not
@@ -231,13 +240,14 @@ class Reply:
                 {"id": c.id, "type": "function",
                  "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
                 for c in result.tool_calls]
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason(result)}
+        choice = {"index": 0, "message": message, "logprobs": self._logprobs(result),
+                  "finish_reason": finish_reason(result)}
         return {**self._head("chat.completion"), "choices": [choice], "usage": usage(result.usage)}
 
     def chunk(self, delta: ChatDelta) -> dict:
         """The chunk for one delta; the result's chunk carries the finish reason."""
-        if delta.result is not None:
-            return self._chunk({}, finish_reason(delta.result))
+        if delta.result is not None:  # the log-probabilities, if asked, all on this last chunk
+            return self._chunk({}, finish_reason(delta.result), self._logprobs(delta.result))
         if delta.tool_call is not None:
             call = delta.tool_call
             piece: dict[str, Any] = {"index": call.index}
@@ -256,8 +266,8 @@ class Reply:
         """The last chunk with `stream_options.include_usage`: no choices, the usage."""
         return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage(result.usage)}
 
-    def _chunk(self, delta: dict, finish: str | None = None) -> dict:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def _chunk(self, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
     def _head(self, kind: str) -> dict:

@@ -195,7 +195,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         except HibanaError as exc:
             raise api_error(exc) from None
         return await serve(request.url.path, received, Serving(chat, prompt, call, config.request_timeout),
-                           Reply(config.model_name))
+                           Reply(config.model_name, chat.openai_logprobs))
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request) -> Response:

@@ -334,7 +334,9 @@ def test_a_wrong_or_missing_key_is_refused(base_url):
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "sometimes"}',
      "tool_choice"),
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "temprature": 0.5}', "temprature"),
-    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "logprobs": true}', "logprobs"),
+    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}', "top_logprobs"),
+    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21}',
+     "top_logprobs"),
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": 1}}',
      "stream_options.include_usage"),
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}',
@@ -491,3 +493,22 @@ def test_a_request_that_waited_too_long_in_the_queue_is_a_429(tmp_path):
         assert results and errors, (len(results), len(errors))
         assert errors[0].status_code == 429 and errors[0].body["code"] == "queue_timeout"
         assert "queue_timeout_ms" in errors[0].body["message"]
+
+
+def test_logprobs_plain_and_streamed(client):
+    """logprobs / top_logprobs in OpenAI's shape; asking for them changes no token."""
+    messages = [{"role": "user", "content": "What is 12 plus 30?"}]
+    plain = client.chat.completions.create(model="demo", messages=messages, max_tokens=12)
+    got = client.chat.completions.create(model="demo", messages=messages, max_tokens=12, logprobs=True, top_logprobs=3)
+    assert got.choices[0].message.content == plain.choices[0].message.content
+    content = got.choices[0].logprobs.content
+    assert len(content) == got.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-5  # greedy: the sampled token is the top one
+        assert entry.top_logprobs[0].token == entry.token
+    assert plain.choices[0].logprobs is None
+    chunks = list(client.chat.completions.create(model="demo", messages=messages, max_tokens=12, logprobs=True,
+                                                 stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs is not None]
+    assert len(streamed) == 1 and [e.token for e in streamed[0].content] == [e.token for e in content]
