@@ -157,8 +157,13 @@ def _done_reason(request: Request) -> str:
 
 
 class EvictionPolicy(Protocol):
+    tier: "HostTier | None"  # where evicted KV is parked, and restored from at admission
+
     def make_room(self, num_blocks: int) -> bool:
         """Free KV of idle states until `num_blocks` can be allocated; False if impossible."""
+
+    def evict(self, seq: KVSequence) -> None:
+        """Free one sequence's device blocks (parked or released)."""
 
 
 class IdleLRUEviction:
@@ -175,12 +180,17 @@ class IdleLRUEviction:
         for seq in self.idle_states():
             if self.pool.can_allocate(num_blocks):
                 break
-            if self.tier is not None and self.tier.park(seq):
-                continue
-            logger.info("evicting an idle state's KV (%d blocks, %d tokens) to make room for %d blocks",
-                        len(seq.block_ids), len(seq), num_blocks)
-            seq.release()
+            self.evict(seq)
         return self.pool.can_allocate(num_blocks)
+
+    def evict(self, seq: KVSequence) -> None:
+        """Free a sequence's device blocks: parked in the host tier if it takes the copy, else
+        released. A step in flight that still writes its KV comes first in stream order, on the
+        device as before any later reuse of the blocks."""
+        if self.tier is not None and self.tier.park(seq):
+            return
+        logger.info("evicting an idle state's KV (%d blocks, %d tokens)", len(seq.block_ids), len(seq))
+        seq.release()
 
 
 class Scheduler:
@@ -282,13 +292,6 @@ class Scheduler:
         the last chunk of a sync): then an empty schedule is no reason to preempt."""
         return any(r.num_output_placeholders or r.num_uncomputed == 0 for r in self.running)
 
-    def _evict(self, seq: KVSequence) -> None:
-        """Free a sequence's device blocks: parked in the host tier if it takes them, else released.
-        (Called only when no step in flight writes its KV: see `_awaiting_update`.)"""
-        tier = getattr(self.eviction, "tier", None)
-        if tier is None or not tier.park(seq):
-            seq.release()
-
     def _requeue(self, request: Request) -> None:
         self.running.remove(request)
         request.status = RequestStatus.WAITING
@@ -329,9 +332,8 @@ class Scheduler:
         recompute that one token. Where the prefix index holds more of
         the history than the state's own KV, the state switches to the index's blocks."""
         seq = request.seq
-        tier = getattr(self.eviction, "tier", None)
-        if tier is not None and seq.parked is not None:
-            tier.restore(seq, self.eviction.make_room)
+        if self.eviction.tier is not None and seq.parked is not None:
+            self.eviction.tier.restore(seq, self.eviction.make_room)
         if request.samples and seq.num_uncomputed == 0:
             seq.trim_kv(len(seq) - 1)
         seq.prefer_index(len(seq) - (1 if request.samples else 0))
@@ -373,12 +375,12 @@ class Scheduler:
         alone fails."""
         if len(self.running) > 1:
             victim = self.running[-1]
-            self._evict(victim.seq)
+            self.eviction.evict(victim.seq)
             self._requeue(victim)
             return
         holders = [r for r in self.waiting if r.seq.block_ids]
         if holders:  # a queued request's resident KV goes first: it is not running anyway
-            self._evict(holders[-1].seq)
+            self.eviction.evict(holders[-1].seq)
             return
         victim = self.running[-1] if self.running else self.waiting[0]
         victim.error = MemoryBudgetError(

@@ -80,14 +80,20 @@ def test_budget_drops_the_oldest_copies_and_output_stays_exact(tiny_checkpoints,
     assert tier["dropped"] > 0 and tier["bytes_used"] <= per_state
 
 
-def test_states_memory_and_save_of_a_parked_state(tiny_checkpoints, make_engine, tmp_path, hf_greedy):
-    path = tiny_checkpoints["llama"]
-    engine = make_engine(path, num_blocks=DEVICE_BLOCKS, speculation="off")
-    rng = random.Random(3)
+def three_states(engine, seed: int):
+    """States s0, s1, s2 synced to 130 random tokens each (9 blocks): the third parks the first."""
+    rng = random.Random(seed)
     prompts = [random_tokens(rng, 130) for _ in range(3)]
     handles = [engine.open_state(f"s{i}") for i in range(3)]
     for h, p in zip(handles, prompts):
-        h.sync(p)  # 9 blocks each: the third parks the first
+        h.sync(p)
+    return handles, prompts
+
+
+def test_states_memory_and_save_of_a_parked_state(tiny_checkpoints, make_engine, tmp_path, hf_greedy):
+    path = tiny_checkpoints["llama"]
+    engine = make_engine(path, num_blocks=DEVICE_BLOCKS, speculation="off")
+    handles, prompts = three_states(engine, seed=3)
     tiers = {info.id: info.tier for info in engine.states()}
     assert tiers["s0"] == "host" and tiers["s2"] == "device"
     memory = engine.memory()
@@ -106,11 +112,7 @@ def test_states_memory_and_save_of_a_parked_state(tiny_checkpoints, make_engine,
 def test_fork_of_a_parked_state_resumes_without_recompute(tiny_checkpoints, make_engine, hf_greedy):
     path = tiny_checkpoints["llama"]
     engine = make_engine(path, num_blocks=DEVICE_BLOCKS, speculation="off")
-    rng = random.Random(4)
-    prompts = [random_tokens(rng, 130) for _ in range(3)]
-    handles = [engine.open_state(f"s{i}") for i in range(3)]
-    for h, p in zip(handles, prompts):
-        h.sync(p)
+    handles, prompts = three_states(engine, seed=4)
     twin = handles[0].fork("s0-twin")
     handles[2].close()
     handles[1].close()

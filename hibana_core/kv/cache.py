@@ -58,7 +58,7 @@ class KVCache:
     @property
     def bytes_per_block_here(self) -> int:
         """Bytes of one block of this cache (all layers, k and v)."""
-        return self.data[:, :, 0].numel() * self.data.element_size()
+        return self.nbytes // self.num_blocks
 
     def gather(self, index: torch.Tensor) -> torch.Tensor:
         """The blocks at `index` (a long tensor on the cache's device), on the device:
@@ -68,7 +68,7 @@ class KVCache:
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """[num_layers, 2, len(block_ids), block_size, H_kv, D], on the host."""
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self.data.device)
-        return self._raw.index_select(2, index).cpu().view(self.data.dtype)
+        return self.gather(index).cpu()
 
     def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self.data.device)
