@@ -22,6 +22,7 @@ gate-then-up order w13 expects. Qwen3-MoE's gate_up_proj is already gate then up
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -159,6 +160,47 @@ def moe_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softma
         return weights, ids
     values, ids = torch.topk(router_logits, top_k, dim=-1)
     return torch.softmax(values, dim=-1, dtype=torch.float32), ids
+
+
+class ExpertBlocks(NamedTuple):
+    """A batch's routes (token t's slot j is route t * k + j) grouped by expert into blocks of
+    block_m rows, each block all one expert's, for the grouped GEMM:
+
+        routes        int32 [max_blocks * block_m]   route ids, expert by expert in id order,
+                                                     each expert's in route order, its last
+                                                     block padded with T * k (no route)
+        block_expert  int32 [max_blocks]              the expert of each block; -1 past the last
+
+    max_blocks = cdiv(T * k, block_m) + E bounds the blocks of any routing, so the sizes depend on
+    T alone (a CUDA graph can capture them)."""
+
+    routes: torch.Tensor
+    block_expert: torch.Tensor
+
+
+def max_expert_blocks(num_routes: int, num_experts: int, block_m: int) -> int:
+    """Blocks enough for any routing: each expert's count rounds up by less than one block."""
+    return -(-num_routes // block_m) + num_experts
+
+
+def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """Expert ids [T, k] -> their routes grouped into blocks of `block_m` rows per expert."""
+    flat = ids.flatten()
+    n = flat.numel()
+    counts = torch.bincount(flat, minlength=num_experts)
+    blocks = -(-counts // block_m)  # [E]
+    max_blocks = max_expert_blocks(n, num_experts, block_m)
+    order = torch.argsort(flat, stable=True)  # routes, expert by expert
+    first_route = torch.cumsum(counts, 0) - counts  # each expert's first place in `order`
+    first_row = (torch.cumsum(blocks, 0) - blocks) * block_m  # ... and in the padded layout
+    experts = flat[order]
+    rows = first_row[experts] + torch.arange(n, device=ids.device) - first_route[experts]
+    routes = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=ids.device)
+    routes[rows] = order.to(torch.int32)
+    block_expert = torch.full((max_blocks,), -1, dtype=torch.int32, device=ids.device)
+    used = torch.repeat_interleave(torch.arange(num_experts, device=ids.device), blocks)
+    block_expert[:used.numel()] = used.to(torch.int32)
+    return ExpertBlocks(routes, block_expert)
 
 
 def expert_activation(gate_up: torch.Tensor, experts: MoEExperts) -> torch.Tensor:
