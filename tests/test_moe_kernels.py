@@ -312,9 +312,10 @@ def test_fused_moe(run_check, kind, activation, bias, dtype, path, tokens, top_k
               top_k=top_k, path=path)
 
 
-def test_fused_moe_float16(run_check):
+@pytest.mark.parametrize("kind, activation", [("dense", "silu"), ("mxfp4", "swiglu_oai")])
+def test_fused_moe_float16(run_check, kind, activation):
     for path in ("decode", "grouped"):
-        run_check(check_fused_moe, kind="dense", activation="silu", bias=True, dtype=torch.float16,
+        run_check(check_fused_moe, kind=kind, activation=activation, bias=True, dtype=torch.float16,
                   tokens=9, top_k=2, path=path)
 
 
