@@ -443,7 +443,7 @@ def _weights(w: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | 
     return _Weights(w, s, b, (w.stride(0), w.stride(1), s.stride(0), s.stride(1), b.stride(0)))
 
 
-def choose_tiles(tokens: int, experts: MoEExperts) -> DecodeTiles | GroupedTiles:
+def choose_tiles(tokens: int) -> DecodeTiles | GroupedTiles:
     """The path and its tiles for `tokens` tokens: first guesses, to be replaced by
     bench/tune_moe.py's measurements."""
     if tokens <= DECODE_MAX_TOKENS:
@@ -507,4 +507,4 @@ def fused_moe(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor, ids: 
     """See `hibana_kernels.moe.fused_moe`."""
     if x.dtype not in _DTYPES or (experts.kind == "dense" and experts.w13.dtype not in _DTYPES):
         return moe.fused_moe(x, experts, weights, ids)
-    return fused_moe_launch(x, experts, weights, ids, choose_tiles(x.shape[0], experts))
+    return fused_moe_launch(x, experts, weights, ids, choose_tiles(x.shape[0]))

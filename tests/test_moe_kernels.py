@@ -319,6 +319,22 @@ def test_fused_moe_float16(run_check, kind, activation):
                   tokens=9, top_k=2, path=path)
 
 
+def check_fused_moe_picks_a_path(device):
+    """moe_triton.fused_moe at a decode batch and a prefill batch: its own path and tiles."""
+    mt = _moe_triton()
+    gen = torch.Generator().manual_seed(11)
+    experts = _random_experts("mxfp4", "swiglu_oai", True, 8, 64, 32, gen)
+    for tokens in (1, mt.DECODE_MAX_TOKENS + 1):
+        x = torch.randn(tokens, 64, generator=gen)
+        weights, ids = moe.moe_route(torch.randn(tokens, 8, generator=gen), 2, scoring="topk_softmax")
+        out = mt.fused_moe(x.to(device), _on(experts, device), weights.to(device), ids.to(device))
+        torch.testing.assert_close(out.cpu(), moe.fused_moe(x, experts, weights, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_fused_moe_picks_a_path(run_check):
+    run_check(check_fused_moe_picks_a_path)
+
+
 def test_moe_dispatch_on_cpu_runs_the_references_without_importing_triton():
     script = textwrap.dedent("""
         import sys, torch
