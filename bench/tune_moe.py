@@ -52,9 +52,9 @@ MODELS = {
     "qwen3-30b-a3b": Shape(2048, 768, 128, 8, "dense", "silu", False, "softmax", True),
     "gpt-oss-20b": Shape(2880, 2880, 32, 4, "mxfp4", "swiglu_oai", True, "topk_softmax", False),
 }
-SWEEP_TILES = {
+SWEEP_TILES = {  # decode: small BLOCK_N for more programs at T = 1; wide BLOCK_K for MXFP4's small rows
     "decode": [DecodeTiles(n, k, w) for n, k, w in ((8, 256, 4), (16, 256, 4), (16, 512, 4), (32, 128, 4),
-                                                     (8, 512, 4), (4, 512, 2))],
+                                                     (8, 512, 4), (4, 512, 2), (16, 1024, 8), (8, 1024, 4))],
     "grouped": [GroupedTiles(m, n, k, w, s) for m, n, k, w, s in ((16, 64, 64, 4, 3), (16, 128, 64, 4, 3),
                                                                   (32, 64, 64, 4, 3), (64, 64, 64, 4, 3),
                                                                   (64, 128, 64, 8, 3), (16, 64, 128, 4, 2))],
@@ -179,6 +179,18 @@ def print_table(rows: list[dict]) -> None:
               f"{'ok' if r['route_matches_torch'] else 'DIFFERS'}")
 
 
+def print_fastest(rows: list[dict]) -> None:
+    """The fastest tiles of each path per model and T (what choose_tiles should pick)."""
+    best = {}
+    for r in rows:
+        if r["tiles"] and r["rel_err"] <= MAX_REL_ERR:
+            key = (r["model"], r["tokens"], r["path"])
+            if key not in best or r["us"] < best[key]["us"]:
+                best[key] = r
+    for (model, tokens, path), r in sorted(best.items()):
+        print(f"fastest {path:<8} {model:<15} T={tokens:<5} {r['tiles']}: {r['us']:.1f} us, {r['peak_pct']:.1f}%")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="1,8,64,512")
@@ -198,6 +210,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     print("* the path and tiles fused_moe picks; bytes: distinct selected experts + x + out")
     print_table(rows)
+    print_fastest(rows)
     bad = [r for r in rows if r["rel_err"] > MAX_REL_ERR or not r["route_matches_torch"]]
     if args.json:
         with open(args.json, "w") as f:
