@@ -455,6 +455,7 @@ def choose_tiles(tokens: int) -> DecodeTiles | GroupedTiles:
 def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor, ids: torch.Tensor,
                      tiles: DecodeTiles | GroupedTiles) -> torch.Tensor:
     """fused_moe on the path and tiles chosen by the caller (tests, the tuning script)."""
+    moe.check_moe_inputs(x, experts, weights, ids)
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids = ids.contiguous()
     weights = weights.contiguous()

@@ -180,6 +180,12 @@ def test_bad_experts_and_routing_arguments_are_refused():
         MoEExperts("dense", w13=w13, w2=w2, activation="gelu")
     with pytest.raises(ValueError, match="b2"):
         MoEExperts("dense", w13=w13, w2=w2, b2=torch.zeros(4, 64))
+    experts = MoEExperts("dense", w13=w13, w2=w2)
+    weights, ids = moe.moe_route(torch.randn(3, 4), 2)
+    with pytest.raises(ValueError, match="x \\[T, 32\\]"):
+        moe.fused_moe(torch.zeros(3, 16), experts, weights, ids)
+    with pytest.raises(ValueError, match="weights and ids"):
+        moe.fused_moe(torch.zeros(3, 32), experts, weights[:, :1], ids)
     with pytest.raises(ValueError, match="top_k"):
         moe.moe_route(torch.zeros(3, 4), 5)
     with pytest.raises(ValueError, match="scoring"):
