@@ -138,10 +138,11 @@ def measure(name: str, shape: Shape, tokens: int, copies: list[MoEExperts], swee
     route_ok = torch.equal(ids.sort(dim=-1).values, ref_ids.sort(dim=-1).values)
     nbytes = bytes_read(copies[0], ids, x)
     expected = moe.fused_moe(x, copies[0], weights, ids)
-    chosen = moe_triton.choose_tiles(tokens)
-    grouped_tokens = max(tokens, moe_triton.DECODE_MAX_TOKENS + 1)  # the grouped path's tiles at this T
-    candidates = [("decode", moe_triton.choose_tiles(1)),
-                  ("grouped", moe_triton.choose_tiles(grouped_tokens))]
+    kind = copies[0].kind
+    chosen = moe_triton.choose_tiles(tokens, kind)
+    grouped_tokens = max(tokens, moe_triton.DECODE_MAX_TOKENS[kind] + 1)  # the grouped path's tiles at this T
+    candidates = [("decode", moe_triton.choose_tiles(1, kind)),
+                  ("grouped", moe_triton.choose_tiles(grouped_tokens, kind))]
     if sweep:
         candidates += [(path, tiles) for path, options in SWEEP_TILES.items() for tiles in options]
     rows = []
@@ -161,7 +162,7 @@ def measure(name: str, shape: Shape, tokens: int, copies: list[MoEExperts], swee
                                                       renormalize=shape.renormalize))
     rows.append(dict(model=name, tokens=tokens, path="moe_route", tiles=None, picked=False, us=seconds * 1e6,
                      bytes=logits.numel() * 4, gb_s=0.0, peak_pct=0.0, rel_err=0.0, route_matches_torch=route_ok))
-    block_m = moe_triton.choose_tiles(grouped_tokens).block_m
+    block_m = moe_triton.choose_tiles(grouped_tokens, kind).block_m
     seconds = time_graph(lambda: moe_triton.moe_align(ids, shape.experts, block_m))
     rows.append(dict(model=name, tokens=tokens, path="moe_align", tiles=None, picked=False, us=seconds * 1e6,
                      bytes=ids.numel() * 8, gb_s=0.0, peak_pct=0.0, rel_err=0.0, route_matches_torch=route_ok))

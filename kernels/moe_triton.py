@@ -3,7 +3,7 @@
 A layer is routing, then one of two expert paths picked by the number of tokens:
 
     moe_route      one program per token: top-k of the router logits, the family's weights
-    decode path    (up to DECODE_MAX_TOKENS tokens) one GEMV program per route (token, slot)
+    decode path    (up to DECODE_MAX_TOKENS[kind] tokens) one GEMV program per route (token, slot)
                    and tile of the intermediate size computes gate|up and the activation; then
                    one program per token and tile of H runs its k experts' down projections,
                    weights and sums them. Only the selected experts' rows are read.
@@ -37,7 +37,10 @@ import triton.language as tl
 from hibana_kernels import moe
 from hibana_kernels.moe import ExpertBlocks, MoEExperts
 
-DECODE_MAX_TOKENS = 8  # tokens the decode path takes (a first guess: bench/tune_moe.py)
+DECODE_MAX_TOKENS = {"dense": 8, "mxfp4": 4}
+"""Tokens the decode path takes, per weight kind (H200, bench/tune_moe.py --sweep, 2026-12-01:
+bf16 decode beats grouped at T=8, 130 against 135 us; MXFP4 decode wins at T=1, 61 against 149 us,
+and loses at T=8, 351 against 265 us; 4 is the crossover of the two lines)."""
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ACTIVATION = {"silu": 0, "swiglu_oai": 1}
 
@@ -443,13 +446,16 @@ def _weights(w: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | 
     return _Weights(w, s, b, (w.stride(0), w.stride(1), s.stride(0), s.stride(1), b.stride(0)))
 
 
-def choose_tiles(tokens: int) -> DecodeTiles | GroupedTiles:
-    """The path and its tiles for `tokens` tokens: first guesses, to be replaced by
-    bench/tune_moe.py's measurements."""
-    if tokens <= DECODE_MAX_TOKENS:
-        return DecodeTiles(block_n=16, block_k=256, num_warps=4)
-    block_m = 16 if tokens < 256 else 64
-    return GroupedTiles(block_m, block_n=64, block_k=64, num_warps=4, num_stages=3)
+def choose_tiles(tokens: int, kind: str = "dense") -> DecodeTiles | GroupedTiles:
+    """The path and its tiles for `tokens` tokens of `kind` experts: the fastest of
+    bench/tune_moe.py --sweep on the H200 at Qwen3-30B-A3B (bf16) and gpt-oss-20b (MXFP4) shapes."""
+    if tokens <= DECODE_MAX_TOKENS[kind]:
+        if kind == "mxfp4":  # half-byte weights: narrower, deeper tiles keep more loads in flight
+            return DecodeTiles(block_n=4, block_k=512, num_warps=2)
+        return DecodeTiles(block_n=8, block_k=256, num_warps=4)
+    if tokens >= 256:
+        return GroupedTiles(64, block_n=64, block_k=64, num_warps=4, num_stages=3)
+    return GroupedTiles(16, block_n=64, block_k=128, num_warps=4, num_stages=2)
 
 
 def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor, ids: torch.Tensor,
@@ -508,4 +514,4 @@ def fused_moe(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor, ids: 
     """See `hibana_kernels.moe.fused_moe`."""
     if x.dtype not in _DTYPES or (experts.kind == "dense" and experts.w13.dtype not in _DTYPES):
         return moe.fused_moe(x, experts, weights, ids)
-    return fused_moe_launch(x, experts, weights, ids, choose_tiles(x.shape[0]))
+    return fused_moe_launch(x, experts, weights, ids, choose_tiles(x.shape[0], experts.kind))

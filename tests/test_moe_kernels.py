@@ -330,7 +330,7 @@ def check_fused_moe_picks_a_path(device):
     mt = _moe_triton()
     gen = torch.Generator().manual_seed(11)
     experts = _random_experts("mxfp4", "swiglu_oai", True, 8, 64, 32, gen)
-    for tokens in (1, mt.DECODE_MAX_TOKENS + 1):
+    for tokens in (1, mt.DECODE_MAX_TOKENS["mxfp4"] + 1):
         x = torch.randn(tokens, 64, generator=gen)
         weights, ids = moe.moe_route(torch.randn(tokens, 8, generator=gen), 2, scoring="topk_softmax")
         out = mt.fused_moe(x.to(device), _on(experts, device), weights.to(device), ids.to(device))
