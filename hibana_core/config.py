@@ -94,7 +94,8 @@ class CacheConfig:
     None: a quarter of physical memory, at most 16 GiB, except on unified memory with a
     `memory_budget`, where the budget is one pool and there is no host tier (parking would copy
     within the same memory); 0: no host tier (drop and recompute). On unified memory a host tier
-    given in bytes comes out of the budget."""
+    given in bytes comes out of the budget. With `state_dir` set, what the host tier cannot hold
+    (all of it, at 0) is parked on disk there instead of dropped."""
     state_dir: Any = None
     """A folder (str or os.PathLike) where named states persist across restarts: the engine writes
     each open named state there when it closes, and `open_state(id)` finds the state again

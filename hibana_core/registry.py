@@ -380,9 +380,9 @@ class StateRegistry:
     def _write(self, seq: KVSequence, state_id: str, path: Path) -> None:
         """Write `seq` as a state file (from its parked copy when it is parked)."""
         computed, kv = seq.num_computed, None
-        if not seq.block_ids and seq.parked is not None:  # parked in the host tier: its copy
+        if not seq.block_ids and seq.parked is not None:  # parked in host memory or on disk: its copy
             computed = common_prefix_len(seq.tokens, seq.parked.tokens)
-            kv = seq.parked.kv[:, :, :-(-computed // self.pool.block_size)]
+            kv = seq.parked.host_kv()[:, :, :-(-computed // self.pool.block_size)]
         if kv is None:
             kv = self.kv_cache.read_blocks(seq.block_ids)
         state_file.write(path, state_id, seq.tokens, computed, self.pool.block_size, kv, self.limits.fingerprint)
@@ -495,5 +495,5 @@ class StateRegistry:
 
 
 def _tier(seq: KVSequence) -> str:
-    """Where a state's KV is: "device" (resident blocks), "host" (parked), "none" (recomputed)."""
-    return "device" if seq.block_ids else "host" if seq.parked is not None else "none"
+    """Where a state's KV is: "device" (resident blocks), "host" or "disk" (parked), "none" (recomputed)."""
+    return "device" if seq.block_ids else seq.parked.tier if seq.parked is not None else "none"

@@ -78,7 +78,7 @@ class StateInfo:
     tokens: int
     computed: int         # tokens whose KV is resident
     blocks: int
-    tier: str             # "device" while KV is resident, "host" while parked in the host tier, "none" once released
+    tier: str             # "device" while KV is resident, "host" / "disk" while parked there, "none" once released
     last_use: float
     busy: bool
     pinned: bool = False  # StateHandle.pin(): kept on the device within the pin budget
