@@ -276,3 +276,27 @@ def test_a_chat_turn_that_calls_tools_marks_its_state(make_engine):
                       {"id": "1", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Paris"}'}}]},
                   {"role": "tool", "tool_call_id": "1", "content": "14:05"}], tools=tools)
     assert use.tool_seconds is not None
+
+
+def test_a_resume_copies_only_what_other_states_do_not_hold(tiny_checkpoints, make_engine, hf_greedy):
+    """A parked state whose system prompt another state still holds gets those blocks back from the
+    prefix index: only its own blocks are copied, and output stays exact."""
+    path = tiny_checkpoints["llama"]
+    engine = make_engine(path, num_blocks=12, speculation="off")
+    rng = random.Random(11)
+    system = random_tokens(rng, 48)  # three full blocks, shared
+    greedy = SamplingParams(max_tokens=1, ignore_eos=True)
+    a, b = engine.open_state("a"), engine.open_state("b")
+    a.generate(greedy, prompt=system + random_tokens(rng, 20))
+    b.generate(greedy, prompt=system + random_tokens(rng, 20))
+    b.pin()
+    for other in ("c", "d"):  # room for these evicts "a" (and "c"), never the pinned "b"
+        engine.open_state(other).generate(greedy, prompt=random_tokens(rng, 60))
+    assert {info.id: info.tier for info in engine.states()}["a"] == "host"
+    moved = engine.stats().host_tier["bytes_moved"]
+    prompt = a.tokens + random_tokens(rng, 5)
+    done = a.generate(SamplingParams(max_tokens=4, ignore_eos=True), prompt=prompt)
+    assert list(done.token_ids) == hf_greedy(str(path), prompt, 4)
+    assert done.stats.computed == 6  # the 5 new tokens and the last generated one
+    copied = engine.stats().host_tier["bytes_moved"] - moved
+    assert copied == 2 * engine.kv_cache.bytes_per_block_here  # blocks 4 and 5 of 5; 1-3 came from "b"

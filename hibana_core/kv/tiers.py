@@ -139,7 +139,10 @@ class HostTier:
             self.forget(seq)  # diverged within its first block, or all of it still in the prefix index
             return 0
         blocks = -(-n // seq.block_size)
-        if not self.pool.can_allocate(blocks) and not make_room(blocks):
+        seq.reuse_cached_blocks(n)  # what other states still hold (a shared system prompt) is not copied
+        first = len(seq.block_ids)
+        if not self.pool.can_allocate(blocks - first) and not make_room(blocks - first):
+            seq.release()
             return 0
         began = time.perf_counter()
         kv = parked.host_kv()
@@ -148,17 +151,16 @@ class HostTier:
             c.disk_resumes += 1
             c.disk_bytes_moved += parked.size
             c.disk_seconds += time.perf_counter() - began
-        ids = self.pool.allocate(blocks)
-        self.cache.write_blocks(ids, kv[:, :, :blocks])
-        seq.block_ids = ids
+        ids = self.pool.allocate(blocks - first)
+        self.cache.write_blocks(ids, kv[:, :, first:blocks])
+        seq.block_ids.extend(ids)
         seq.num_computed = n
-        seq.num_committed = 0
         seq.commit_full_blocks()
         self.forget(seq)
         c = self.counters
         c.resumes += 1
-        c.tokens_restored += n
-        c.bytes_moved += blocks * self.cache.bytes_per_block_here
+        c.tokens_restored += n - first * seq.block_size
+        c.bytes_moved += len(ids) * self.cache.bytes_per_block_here
         c.seconds += time.perf_counter() - began
         logger.info("resumed a parked state from %s (%d tokens)", "disk" if parked.kv is None else "host memory", n)
         return n
