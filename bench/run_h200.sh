@@ -17,6 +17,8 @@
 #                                        # (QUANT_ARGS replaces "--rows 1,64", e.g. "--rows 4 --shapes o")
 #   bash bench/run_h200.sh memory        # issue 17: 64 agents, tools of 1-5 s, device KV for 16: the host tier
 #                                        # (hibana) against drop-and-recompute, then unbounded device KV
+#   bash bench/run_h200.sh resume        # issue 17: an 8k-token qwen3-8b state parked and resumed, from host
+#                                        # memory and from disk, against raw H2D / file-read bandwidth and re-prefill
 #   bash bench/run_h200.sh draft_cost    # bench/draft_cost.py: the draft-model drafter's cost per drafted token
 #   bash bench/run_h200.sh spec_decode   # trace-driven batch-1 decode, coding and demo traces, speculation off/k4/adaptive
 #   bash bench/run_h200.sh spec_agents   # trace-driven agents on the coding trace: 32 agents (off/k4/adaptive),
@@ -109,6 +111,9 @@ case "${1:-check}" in
     python3 -m hibana_bench.cli agents --model qwen3-8b --agents 64 --turns 6 --system 4096 --tool-result 200 \
       --generate 100 --tool-latency 1,5 --systems hibana \
       --json "$OUT/agents_memory_unbounded_qwen3-8b.json" 2>&1 | tee "$OUT/agents_memory_unbounded_qwen3-8b.txt" ;;
+  resume)
+    RESUME_DIR="$OUT" python3 bench/resume_cost.py --model qwen3-8b --context 8192 --json "$OUT/resume_cost.json" \
+      2>&1 | tee "$OUT/resume_cost.txt" ;;
   draft_cost)
     python3 bench/draft_cost.py --json "$OUT/draft_cost.json" 2>&1 | tee "$OUT/draft_cost.txt" ;;
   grammar)
