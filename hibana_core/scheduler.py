@@ -21,6 +21,7 @@ output side) is asked about each token after the stop token ids.
 
 from __future__ import annotations
 
+import collections
 import enum
 import itertools
 import logging
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 from hibana_core.config import SamplingParams, SchedulerConfig
 from hibana_core.errors import GrammarError, MemoryBudgetError, QueueTimeoutError
 from hibana_core.kv.block_pool import BlockPool
+from hibana_core.kv.policies import Eviction
 from hibana_core.kv.sequence import KVSequence
 
 logger = logging.getLogger("hibana.states")
@@ -159,38 +161,59 @@ def _done_reason(request: Request) -> str:
 class EvictionPolicy(Protocol):
     tier: "HostTier | None"  # where evicted KV is parked, and restored from at admission
 
+    def plan(self, num_blocks: int) -> "list[Eviction]":
+        """Which idle states would leave the device, and where, for `num_blocks` (nothing moves)."""
+
     def make_room(self, num_blocks: int) -> bool:
-        """Free KV of idle states until `num_blocks` can be allocated; False if impossible."""
+        """Carry out `plan(num_blocks)`; whether `num_blocks` can now be allocated."""
 
     def evict(self, seq: KVSequence) -> None:
         """Free one sequence's device blocks (parked or released)."""
 
 
 class IdleLRUEviction:
-    """Evicts the KV of idle states, least recently used first: parked in the host tier when there
-    is one and its budget allows (a resumed state copies it back), else released. Their tokens
-    stay, and their full blocks stay findable in the prefix index until reused, so even a
-    released state often recomputes little."""
+    """Makes room on the device from idle states' KV, in the retention order (the policy's,
+    refined by priorities and pins): first a plan (`plan`: which states leave and where), then
+    the moves. A state leaves for the host tier when it takes the copy, for disk past it (with a
+    state_dir), else its KV is released. Tokens stay, and released full blocks stay findable in
+    the prefix index until reused, so even a released state often recomputes little."""
 
     def __init__(self, pool: BlockPool, idle_states: Callable[[], Iterable[KVSequence]],
                  tier: "HostTier | None" = None) -> None:
         self.pool, self.idle_states, self.tier = pool, idle_states, tier
 
-    def make_room(self, num_blocks: int) -> bool:
+    def plan(self, num_blocks: int) -> list[Eviction]:
+        """The fewest idle states, from the front of the retention order, whose leaving lets
+        `num_blocks` be allocated (all of them when that is not enough), each with where it
+        goes. A block shared with a state that stays is not counted as freed. Nothing moves."""
+        short = num_blocks - self.pool.num_free
+        plan: list[Eviction] = []
+        holders: collections.Counter[int] = collections.Counter()
         for seq in self.idle_states():
-            if self.pool.can_allocate(num_blocks):
+            if short <= 0:
                 break
-            self.evict(seq)
+            plan.append(Eviction(seq, self.tier.destination(seq) if self.tier is not None else "drop"))
+            for block in seq.block_ids:
+                holders[block] += 1
+                short -= holders[block] == self.pool.ref_count(block)
+        return plan
+
+    def make_room(self, num_blocks: int) -> bool:
+        for move in self.plan(num_blocks):
+            self.carry_out(move)
         return self.pool.can_allocate(num_blocks)
 
     def evict(self, seq: KVSequence) -> None:
-        """Free a sequence's device blocks: parked in the host tier if it takes the copy, else
-        released. A step in flight that still writes its KV comes first in stream order, on the
-        device as before any later reuse of the blocks."""
-        if self.tier is not None and self.tier.park(seq):
+        """Free one sequence's device blocks (preemption), parked where the tier takes it."""
+        self.carry_out(Eviction(seq, self.tier.destination(seq) if self.tier is not None else "drop"))
+
+    def carry_out(self, move: Eviction) -> None:
+        """One move of a plan. A step in flight that still writes the state's KV comes first in
+        stream order, on the device as before any later reuse of the blocks."""
+        if move.to != "drop" and self.tier.park(move.seq):
             return
-        logger.info("evicting an idle state's KV (%d blocks, %d tokens)", len(seq.block_ids), len(seq))
-        seq.release()
+        logger.info("evicting an idle state's KV (%d blocks, %d tokens)", len(move.seq.block_ids), len(move.seq))
+        move.seq.release()
 
 
 class Scheduler:

@@ -134,3 +134,22 @@ def test_random_pins_parks_and_closes_leak_nothing(tiny_checkpoints, make_engine
     for info in engine.states():
         engine.open_state(info.id).close()
     assert engine.pool.num_used == 0
+
+
+def test_an_eviction_plan_names_the_fewest_states_and_where_they_go(tiny_checkpoints, make_engine):
+    """The plan is made before anything moves: states from the front of the retention order until
+    the blocks are free (a block shared with a state that stays frees nothing), each with its tier."""
+    engine = make_engine(tiny_checkpoints["llama"], num_blocks=16, speculation="off", host_kv_bytes=4 << 20)
+    rng = random.Random(6)
+    system = random_tokens(rng, 32)  # two shared blocks
+    for state_id in ("a", "b", "c"):
+        engine.open_state(state_id).generate(SamplingParams(max_tokens=1, ignore_eos=True),
+                                             prompt=system + random_tokens(rng, 20))
+    eviction, pool = engine.scheduler.eviction, engine.pool
+    free = pool.num_free  # 16 - (2 shared + 3 x 2 own) = 8
+    assert eviction.plan(free) == []
+    plan = eviction.plan(free + 2)  # "a" alone frees its two own blocks; the shared two stay for "b", "c"
+    assert [(engine.registry._entries[s].seq is m.seq) for s, m in zip(("a",), plan)] == [True]
+    assert [m.to for m in plan] == ["host"] and len(plan) == 1
+    assert [m.to for m in eviction.plan(free + 5)] == ["host"] * 3  # all three, then the shared blocks free
+    assert pool.num_free == free  # planning moved nothing

@@ -19,7 +19,7 @@ turns that are about to run (the memory manager's tool-call-aware retention).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Protocol, TypeVar
+from typing import Any, Iterable, Protocol, TypeVar
 
 DEFAULT_TOOL_SECONDS = 5.0
 """Expected tool time of an agent before any of its tool calls was observed."""
@@ -64,6 +64,15 @@ class StateUse:
 
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """One move of an eviction plan: a state's KV leaves the device for `to`: "host" (memory),
+    "disk" (a spill file under state_dir) or "drop" (released; recomputed when it comes back)."""
+
+    seq: Any
+    to: str
 
 
 class EvictionOrder(Protocol):

@@ -100,6 +100,15 @@ class HostTier:
     def disk_bytes_used(self) -> int:
         return sum(size for _, size in self._spilled.values())
 
+    def destination(self, seq: KVSequence) -> str:
+        """Where `park(seq)` would put its KV: "host", "disk", or "drop" (no copy it can take)."""
+        n = min(seq.num_computed, len(seq.tokens))
+        if n == 0:
+            return "drop"
+        if -(-n // seq.block_size) * self.cache.bytes_per_block_here <= self.budget_bytes:
+            return "host"
+        return "disk" if self.spill_dir is not None else "drop"
+
     def park(self, seq: KVSequence) -> bool:
         """Copy the KV of `seq`'s computed tokens to the host (or, past the host budget, to disk)
         and free its device blocks. False (nothing copied, nothing freed) when neither takes it."""
