@@ -443,5 +443,7 @@ def test_single_call_turn_stops_generating_after_the_call(engine):
     result = real.respond(HELLO, [WEATHER], SamplingParams(max_tokens=64), prefill=CALL + "\n",
                           parallel_tool_calls=False)
     assert result.finish_reason == "tool_calls" and len(result.tool_calls) == 1
-    assert result.usage.completion_tokens <= 2
+    # stopped within a few steps of the call's end, not run on to max_tokens (the engine's thread
+    # may run a step or two ahead of the reader on a loaded machine)
+    assert result.usage.completion_tokens <= 4
     assert len(real.handle.tokens) == result.usage.prompt_tokens + result.usage.completion_tokens
