@@ -16,7 +16,7 @@ import torch
 
 from hibana_kernels import activation, attention, matmul, norm, quant, rotary
 
-__all__ = ["fused_add_rms_norm", "linear", "linear_fp8", "linear_int4", "linear_int8", "paged_attention", "qk_norm_rotary_store", "rms_norm",
+__all__ = ["fused_add_rms_norm", "gelu_tanh_and_mul", "linear", "linear_fp8", "linear_int4", "linear_int8", "paged_attention", "qk_norm_rotary_store", "rms_norm",
            "rms_norm_linear", "rotary_embedding", "silu_and_mul", "silu_and_mul_linear", "store_kv",
            "triton_available"]
 
@@ -133,3 +133,9 @@ def linear_fp8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, blo
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a fused [..., 2 * I] gate/up projection."""
     return (_triton("activation", gate_up) or activation).silu_and_mul(gate_up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up of a fused [..., 2 * I] gate/up projection (Gemma's GeGLU). Plain
+    torch on every device: one elementwise op, no Triton version yet."""
+    return activation.gelu_tanh_and_mul(gate_up)
