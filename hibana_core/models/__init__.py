@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from hibana_plugins.hookspecs import hookimpl
 
-BUILTIN_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+LLAMA_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 @hookimpl
 def register_model_families(register) -> None:
-    from hibana_core.models import llama
+    from hibana_core.models import gemma3, llama, phi3
 
-    for model_type in BUILTIN_MODEL_TYPES:
+    for model_type in LLAMA_MODEL_TYPES:
         register(model_type, llama)
+    for family in (gemma3, phi3):
+        for model_type in family.MODEL_TYPES:
+            register(model_type, family)
