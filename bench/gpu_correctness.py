@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from hibana_core import Engine, SamplingParams  # noqa: E402
+from tiny_models import ARCHS  # noqa: E402  every family's tiny checkpoint
 
 
 MIXED_SPECULATION = ({"method": "suffix", "k": 4}, "adaptive", {"method": "ngram", "k": 2},
@@ -59,8 +60,6 @@ def batched_greedy(engine: Engine, prompts: list[list[int]], n: int, specs=None,
         t.join()
     return out
 
-
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def tiny_cases(archs: tuple[str, ...], seed: int, max_prompt: int = 300) -> Iterator[tuple[str, Path, list[list[int]]]]:
