@@ -186,11 +186,13 @@ def make_tiny_checkpoint(arch: str, path, seed: int = SEED, shard_size: str | No
     `shard_size` (e.g. "100KB") splits the weights into several files plus an index;
     `config_overrides` replace fields of the transformers config.
     """
+    return _save_seeded(make_config(arch, **config_overrides), Path(path), seed, shard_size)
+
+
+def _save_seeded(config, path: Path, seed: int, shard_size: str | None = None) -> Path:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = make_config(arch, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -207,6 +209,21 @@ def make_tiny_checkpoint(arch: str, path, seed: int = SEED, shard_size: str | No
         model.save_pretrained(path, safe_serialization=True, max_shard_size=shard_size)
     make_tokenizer().save_pretrained(path)
     return path
+
+
+def make_tiny_gemma3_multimodal(path, seed: int = SEED) -> Path:
+    """A multimodal gemma3 checkpoint (Gemma3ForConditionalGeneration) whose language model is the
+    tiny gemma3 one, beside a one-layer vision tower; saved as transformers saves them (the
+    language model under language_model.model.*, lm_head untied under language_model.lm_head)."""
+    from transformers import Gemma3Config, SiglipVisionConfig
+
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=make_config("gemma3").to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=4, boi_token_index=VOCAB_SIZE - 3,
+                          eoi_token_index=VOCAB_SIZE - 2, image_token_index=VOCAB_SIZE - 1,
+                          tie_word_embeddings=False)
+    return _save_seeded(config, Path(path), seed)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,79 @@
+"""What the shared golden runner (test_golden.py, every family of tiny_models.ARCHS) does not
+reach: the language model of a multimodal gemma3 checkpoint, LongRoPE's per-position choice of
+factors against transformers' rotary module, and the Gemma options Hibana refuses."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from hibana_core import SamplingParams, UnsupportedModelError
+from hibana_core.models import phi3
+from hibana_core.models.decoder import RotaryTables
+from tiny_models import (agent_turn_plan, assert_greedy_matches, make_config, make_tiny_checkpoint,
+                         make_tiny_gemma3_multimodal, open_engine)
+
+pytestmark = pytest.mark.timeout(300)
+
+AGENTS = TURNS = 3
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path, make_engine):
+    """3 agents x 3 turns at once on the text weights of a Gemma3ForConditionalGeneration
+    checkpoint (vision tower left unread), each generation transformers' greedy on its history."""
+    path = make_tiny_gemma3_multimodal(tmp_path / "gemma3-mm")
+    engine = make_engine(path)
+    results: dict[int, list[tuple[list[int], list[int]]]] = {}
+
+    def run_agent(agent: int) -> None:
+        h, history, turns = engine.open_state(f"mm-{agent}"), [], []
+        for new, n in agent_turn_plan(7000 + agent, turns=TURNS):
+            history = history + new
+            h.append(new)
+            c = h.generate(SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            turns.append((history, list(c.token_ids)))
+            history = history + list(c.token_ids)
+        results[agent] = turns
+
+    threads = [threading.Thread(target=run_agent, args=(a,)) for a in range(AGENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert sorted(results) == list(range(AGENTS))
+    assert engine.stats().prompt_tokens_reused > 0, "later turns must reuse the retained KV"
+    for agent, turns in results.items():
+        for history, generated in turns:
+            assert_greedy_matches(path, history, generated)
+
+
+def test_longrope_tables_pick_short_or_long_factors_per_position():
+    """Rows below original_max_position_embeddings are transformers' rotary of a sequence that
+    short (short factors), the rows from there on those of a longer one (long factors), both
+    scaled by the attention factor; bit for bit."""
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    config = make_config("phi3")
+    original = config.rope_parameters["original_max_position_embeddings"]
+    rope = phi3.args_from_config(config).ropes[0]
+    cos, sin = RotaryTables(rope, config.max_position_embeddings).tables(torch.device("cpu"))
+    hf = Phi3RotaryEmbedding(config)
+    x = torch.zeros(1, dtype=torch.float32)
+    short_cos, short_sin = hf(x, torch.arange(original)[None])
+    long_cos, long_sin = hf(x, torch.arange(config.max_position_embeddings)[None])
+    assert rope.dim == 12 and rope.attention_factor > 1.0
+    assert torch.equal(cos[:original], short_cos[0]) and torch.equal(sin[:original], short_sin[0])
+    assert torch.equal(cos[original:], long_cos[0, original:]) and torch.equal(sin[original:], long_sin[0, original:])
+    assert not torch.equal(cos[:original], long_cos[0, :original]), "short and long factors must differ here"
+
+
+@pytest.mark.parametrize("override, message", [
+    (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+    (dict(hidden_activation="relu"), "activation 'relu'"),
+])
+def test_unsupported_gemma3_options_are_refused(tmp_path, override, message):
+    path = make_tiny_checkpoint("gemma3", tmp_path / "g", **override)
+    with pytest.raises(UnsupportedModelError, match=message):
+        open_engine(path)
