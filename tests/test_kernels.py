@@ -399,14 +399,15 @@ def rotary_tables(max_pos, head_dim, device):
     return emb.cos().to(device), emb.sin().to(device)
 
 
-def check_rotary(device, dtype, num_heads, head_dim):
+def check_rotary(device, dtype, num_heads, head_dim, rotary_dim):
+    """rotary_dim < head_dim: partial rotary (Phi), the first rotary_dim dims of each head."""
     triton_rotary = _triton_module("rotary")
     gen = torch.Generator().manual_seed(num_heads + head_dim)
     max_pos, tokens = 300, 11
-    cos, sin = rotary_tables(max_pos, head_dim, device)
+    cos, sin = rotary_tables(max_pos, rotary_dim, device)
     positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(device)
     qkv = torch.randn(tokens, num_heads + 2 * NUM_KV_HEADS, head_dim, generator=gen)
-    qkv = qkv.to(dtype).to(device)
+    qkv = qkv.to(dtype).to(device)[..., :rotary_dim]
     q, k = qkv[:, :num_heads], qkv[:, num_heads:num_heads + NUM_KV_HEADS]  # strided views
     out_q, out_k = triton_rotary.rotary_embedding(positions, q, k, cos, sin)
     ref_q, ref_k = rotary.rotary_embedding(positions, q, k, cos, sin)
@@ -756,9 +757,9 @@ def test_norms(run_check, dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("num_heads, head_dim", [(4, 16), (6, 64)])
-def test_rotary_embedding(run_check, dtype, num_heads, head_dim):
-    run_check(check_rotary, dtype=dtype, num_heads=num_heads, head_dim=head_dim)
+@pytest.mark.parametrize("num_heads, head_dim, rotary_dim", [(4, 16, 16), (6, 64, 64), (6, 64, 48)])
+def test_rotary_embedding(run_check, dtype, num_heads, head_dim, rotary_dim):
+    run_check(check_rotary, dtype=dtype, num_heads=num_heads, head_dim=head_dim, rotary_dim=rotary_dim)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
