@@ -35,6 +35,9 @@
 #                                       # grammar) and puts it under $OUT: demo_v2_meta.tgz and the weights in
 #                                       # 15 MB pieces (files back are at most 16 MiB):
 #                                       # cat model.safetensors.part-* > model.safetensors
+#   bash bench/run_h200.sh moe      # issue 18: the MoE kernel tests on CUDA, then bench/tune_moe.py: fused_moe at
+#                                   # Qwen3-30B-A3B (bf16) and gpt-oss-20b (MXFP4) expert shapes, T = 1, 8, 64, 512,
+#                                   # against the torch reference (MOE_ARGS appended, e.g. "--sweep --tokens 1,64")
 # BENCH_ARGS is appended to the spec_* commands (e.g. "--real-outputs --systems hibana" on an
 # engine without speculation, to time the stages).
 # Runs from the repository root with the image's python3 (no install: PYTHONPATH). The wheel
@@ -99,6 +102,9 @@ case "${1:-check}" in
   quant)
     python3 -m pytest tests/test_kernels.py -q -x -k "quant or fp8" -p no:cacheprovider 2>&1 | tail -2
     python3 bench/tune_quant.py --json "$OUT/tune_quant.json" 2>&1 | tee "$OUT/tune_quant.txt" ;;
+  moe)
+    python3 -m pytest tests/test_moe_kernels.py -q -rs -x -p no:cacheprovider 2>&1 | tail -5
+    python3 bench/tune_moe.py ${MOE_ARGS:-} --json "$OUT/tune_moe.json" 2>&1 | tee "$OUT/tune_moe.txt" ;;
   quant_sweep)
     python3 bench/tune_quant.py --sweep ${QUANT_ARGS:---rows 1,64} --json "$OUT/tune_quant_sweep.json" 2>&1 \
       | tee "$OUT/tune_quant_sweep.txt" ;;

@@ -14,9 +14,11 @@ import importlib
 
 import torch
 
-from hibana_kernels import activation, attention, matmul, norm, quant, rotary
+from hibana_kernels import activation, attention, matmul, moe, norm, quant, rotary
+from hibana_kernels.moe import MoEExperts
 
-__all__ = ["fused_add_rms_norm", "gelu_tanh_and_mul", "linear", "linear_fp8", "linear_int4", "linear_int8", "paged_attention", "qk_norm_rotary_store", "rms_norm",
+__all__ = ["MoEExperts", "fused_add_rms_norm", "fused_moe", "gelu_tanh_and_mul", "linear", "linear_fp8", "linear_int4",
+           "linear_int8", "moe_route", "mxfp4_dequantize", "paged_attention", "qk_norm_rotary_store", "rms_norm",
            "rms_norm_linear", "rotary_embedding", "silu_and_mul", "silu_and_mul_linear", "store_kv",
            "triton_available"]
 
@@ -139,3 +141,22 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(gate) * up of a fused [..., 2 * I] gate/up projection (Gemma's GeGLU). Plain
     torch on every device: one elementwise op, no Triton version yet."""
     return activation.gelu_tanh_and_mul(gate_up)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax",
+              renormalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights float32 [T, k], expert ids int64 [T, k]) with the
+    family's normalisation; see `hibana_kernels.moe.moe_route`."""
+    impl = _triton("moe", router_logits) or moe
+    return impl.moe_route(router_logits, top_k, scoring=scoring, renormalize=renormalize)
+
+
+def fused_moe(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """x [T, H] through each token's k experts `ids` [T, k], outputs scaled by `weights` [T, k]
+    and summed -> [T, H] in x's dtype; dense or MXFP4 experts alike."""
+    return (_triton("moe", x) or moe).fused_moe(x, experts, weights, ids)
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 blocks uint8 [..., G, 16] with e8m0 scales [..., G] -> values [..., G * 32] in `dtype`."""
+    return (_triton("moe", blocks) or moe).mxfp4_dequantize(blocks, scales, dtype)

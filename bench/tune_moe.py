@@ -1,0 +1,206 @@
+"""Fused MoE on the GPU (issue 18): `fused_moe` at Qwen3-30B-A3B's expert shapes (H 2048, I 768,
+E 128, top-8, bf16) and gpt-oss-20b's (H 2880, I 2880, E 32, top-4, MXFP4 with biases, clamped
+SwiGLU), at T = 1, 8, 64, 512 tokens, against the torch reference loop.
+
+For every model and T: random router logits are routed by `moe_route` (Triton), the Triton
+result is checked against the reference (relative error), then timed as the best of several
+CUDA-event-timed replays of a CUDA graph that runs it over enough copies of the layer's experts
+to overflow the L2 (so the weights come from memory, as in a model). Both expert paths are timed
+(decode, grouped); "path" names the one the dispatcher picks. Bytes are those a layer must read:
+the distinct selected experts' weights, scales and biases, x and the output; GB/s is given as a
+share of the H200's 4.8 TB/s. The reference (a Python loop over the hit experts) is timed with
+events, without a graph (it syncs on the hit experts). --sweep also times a few tiles per path.
+
+    python3 bench/tune_moe.py [--tokens 1,8,64,512] [--models qwen3-30b-a3b,gpt-oss-20b] [--sweep] [--json PATH]
+
+It imports hibana_kernels: install the checkout, or run it through bench/run_h200.sh (stage moe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from hibana_kernels import moe, moe_triton
+from hibana_kernels.moe import MoEExperts
+from hibana_kernels.moe_triton import DecodeTiles, GroupedTiles
+
+PEAK_BYTES_S = 4.8e12  # H200 HBM3e
+ROTATE_BYTES = 1 << 30  # expert bytes cycled through per timing: the H200's L2 is 50 MB
+MAX_REL_ERR = 2e-2
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+    kind: str  # "dense" (bf16) or "mxfp4"
+    activation: str
+    bias: bool
+    scoring: str
+    renormalize: bool
+
+
+MODELS = {
+    "qwen3-30b-a3b": Shape(2048, 768, 128, 8, "dense", "silu", False, "softmax", True),
+    "gpt-oss-20b": Shape(2880, 2880, 32, 4, "mxfp4", "swiglu_oai", True, "topk_softmax", False),
+}
+SWEEP_TILES = {
+    "decode": [DecodeTiles(n, k, w) for n, k, w in ((8, 256, 4), (16, 256, 4), (16, 512, 4), (32, 128, 4),
+                                                     (8, 512, 4), (4, 512, 2))],
+    "grouped": [GroupedTiles(m, n, k, w, s) for m, n, k, w, s in ((16, 64, 64, 4, 3), (16, 128, 64, 4, 3),
+                                                                  (32, 64, 64, 4, 3), (64, 64, 64, 4, 3),
+                                                                  (64, 128, 64, 8, 3), (16, 64, 128, 4, 2))],
+}
+
+
+def make_experts(shape: Shape, gen: torch.Generator) -> MoEExperts:
+    """One layer's experts with random weights on the GPU, outputs O(1) for unit-variance x."""
+    e, h, i = shape.experts, shape.hidden, shape.inter
+    dev = "cuda"
+    if shape.kind == "dense":
+        weights = dict(w13=(torch.randn(e, 2 * i, h, device=dev, generator=gen) / h ** 0.5).to(torch.bfloat16),
+                       w2=(torch.randn(e, h, i, device=dev, generator=gen) / i ** 0.5).to(torch.bfloat16))
+    else:
+        def mxfp4(n, k):
+            blocks = torch.randint(0, 256, (e, n, k // 32, 16), dtype=torch.uint8, device=dev, generator=gen)
+            scale = 127 - round(math.log2(k) / 2) - 2  # codes up to 6: about 1/sqrt(k) each
+            return blocks, torch.randint(scale - 1, scale + 2, (e, n, k // 32), dtype=torch.uint8, device=dev,
+                                         generator=gen)
+        (w13, s13), (w2, s2) = mxfp4(2 * i, h), mxfp4(h, i)
+        weights = dict(w13=w13, w2=w2, w13_scales=s13, w2_scales=s2)
+    if shape.bias:
+        weights.update(b13=torch.randn(e, 2 * i, device=dev, generator=gen) * 0.1,
+                       b2=torch.randn(e, h, device=dev, generator=gen) * 0.1)
+    return MoEExperts(shape.kind, activation=shape.activation, **weights)
+
+
+def layer_bytes(experts: MoEExperts) -> int:
+    return sum(t.numel() * t.element_size() for t in experts.tensors())
+
+
+def bytes_read(experts: MoEExperts, ids: torch.Tensor, x: torch.Tensor) -> int:
+    """The distinct selected experts' weights (scales, biases), x read and the output written."""
+    return experts.bytes_per_token(1) * ids.unique().numel() + 2 * x.numel() * x.element_size()
+
+
+def time_graph(fn, reps: int = 10) -> float:
+    """Best seconds of one call of fn over `reps` CUDA-event-timed replays of a CUDA graph."""
+    fn()  # compiles the Triton kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    best = math.inf
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del graph
+    return best
+
+
+def time_eager(fn, reps: int = 3) -> float:
+    fn()
+    best = math.inf
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12)).item()
+
+
+def measure(name: str, shape: Shape, tokens: int, copies: list[MoEExperts], sweep: bool) -> list[dict]:
+    """Rows for one model and T: each path at its default tiles (and the sweep's), the reference."""
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, shape.hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    logits = torch.randn(tokens, shape.experts, device="cuda", generator=gen)
+    weights, ids = moe_triton.moe_route(logits, shape.top_k, scoring=shape.scoring, renormalize=shape.renormalize)
+    ref_ids = moe.moe_route(logits, shape.top_k, scoring=shape.scoring, renormalize=shape.renormalize)[1]
+    route_ok = torch.equal(ids.sort(dim=-1).values, ref_ids.sort(dim=-1).values)
+    nbytes = bytes_read(copies[0], ids, x)
+    expected = moe.fused_moe(x, copies[0], weights, ids)
+    chosen = moe_triton.choose_tiles(tokens, copies[0])
+    grouped_tokens = max(tokens, moe_triton.DECODE_MAX_TOKENS + 1)  # the grouped path's tiles at this T
+    candidates = [("decode", moe_triton.choose_tiles(1, copies[0])),
+                  ("grouped", moe_triton.choose_tiles(grouped_tokens, copies[0]))]
+    if sweep:
+        candidates += [(path, tiles) for path, options in SWEEP_TILES.items() for tiles in options]
+    rows = []
+    for path, tiles in dict.fromkeys(candidates):
+        out = moe_triton.fused_moe_launch(x, copies[0], weights, ids, tiles)
+        seconds = time_graph(lambda: [moe_triton.fused_moe_launch(x, c, weights, ids, tiles) for c in copies])
+        seconds /= len(copies)
+        rows.append(dict(model=name, tokens=tokens, path=path, tiles=tiles._asdict(), picked=tiles == chosen,
+                         us=seconds * 1e6, bytes=nbytes, gb_s=nbytes / seconds / 1e9,
+                         peak_pct=100 * nbytes / seconds / PEAK_BYTES_S, rel_err=rel_err(out, expected),
+                         route_matches_torch=route_ok))
+    seconds = time_eager(lambda: [moe.fused_moe(x, c, weights, ids) for c in copies[:2]]) / 2
+    rows.append(dict(model=name, tokens=tokens, path="torch reference", tiles=None, picked=False, us=seconds * 1e6,
+                     bytes=nbytes, gb_s=nbytes / seconds / 1e9, peak_pct=100 * nbytes / seconds / PEAK_BYTES_S,
+                     rel_err=0.0, route_matches_torch=route_ok))
+    seconds = time_graph(lambda: moe_triton.moe_route(logits, shape.top_k, scoring=shape.scoring,
+                                                      renormalize=shape.renormalize))
+    rows.append(dict(model=name, tokens=tokens, path="moe_route", tiles=None, picked=False, us=seconds * 1e6,
+                     bytes=logits.numel() * 4, gb_s=0.0, peak_pct=0.0, rel_err=0.0, route_matches_torch=route_ok))
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'model':<15}{'T':>5}  {'path':<17}{'tiles':<24}{'us':>9}{'MB read':>9}{'GB/s':>8}{'% 4.8TB/s':>10}"
+          f"{'rel err':>9}  route")
+    for r in rows:
+        tiles = ",".join(str(v) for v in r["tiles"].values()) if r["tiles"] else ""
+        mark = "*" if r["picked"] else " "
+        print(f"{r['model']:<15}{r['tokens']:>5} {mark}{r['path']:<17}{tiles:<24}{r['us']:>9.1f}"
+              f"{r['bytes'] / 1e6:>9.1f}{r['gb_s']:>8.0f}{r['peak_pct']:>9.1f}%{r['rel_err']:>9.1e}  "
+              f"{'ok' if r['route_matches_torch'] else 'DIFFERS'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="1,8,64,512")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--sweep", action="store_true", help="also time SWEEP_TILES on both paths")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    rows = []
+    for name in args.models.split(","):
+        shape = MODELS[name]
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        first = make_experts(shape, gen)
+        copies = [first] + [make_experts(shape, gen) for _ in range(max(1, ROTATE_BYTES // layer_bytes(first)))]
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            rows += measure(name, shape, tokens, copies, args.sweep)
+        del copies, first
+        torch.cuda.empty_cache()
+    print("* the path and tiles fused_moe picks; bytes: distinct selected experts + x + out")
+    print_table(rows)
+    bad = [r for r in rows if r["rel_err"] > MAX_REL_ERR or not r["route_matches_torch"]]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           shapes={k: asdict(v) for k, v in MODELS.items()}, rows=rows), f, indent=1)
+    if bad:
+        raise SystemExit(f"{len(bad)} rows differ from the reference beyond {MAX_REL_ERR} or in routing")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,501 @@
+"""Mixture-of-experts layers in Triton, same signatures as `hibana_kernels.moe`.
+
+A layer is routing, then one of two expert paths picked by the number of tokens:
+
+    moe_route      one program per token: top-k of the router logits, the family's weights
+    decode path    (up to DECODE_MAX_TOKENS tokens) one GEMV program per route (token, slot)
+                   and tile of the intermediate size computes gate|up and the activation; then
+                   one program per token and tile of H runs its k experts' down projections,
+                   weights and sums them. Only the selected experts' rows are read.
+    grouped path   `moe_align` sorts the routes by expert into blocks of BLOCK_M rows (each
+                   block one expert's, padded); a grouped GEMM over those blocks computes
+                   gate|up with the activation fused, a second one the down projection times the
+                   routing weight into one row per route, and `_combine_kernel` sums each
+                   token's k rows.
+
+            routes t*k+j --moe_align--> [e0 e0 e0 pad | e3 e3 e3 e3 | e3 pad pad pad | e5 ...]
+                                         block 0        block 1       block 2         ...
+            grouped GEMM: program (block, n tile) reads x rows of its routes and expert e's
+            weight tile once for BLOCK_M rows
+
+Dense weights (fp32/bf16/fp16) and MXFP4 weights share the kernels: `_weight_tile` dequantizes
+an MXFP4 tile in registers (e2m1 codes, low nibble first, times 2^(e8m0 - 127) a block of 32),
+so MXFP4 experts are read at 4.25 bits a weight. Accumulation is in float32; the roundings
+follow transformers' order (gate|up and the expert's output rounded to x's dtype before the bias
+is added, the activation's steps rounded as torch's ops round them, the weighted output rounded),
+except that a token's k outputs are summed in float32 and rounded once.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from hibana_kernels import moe
+from hibana_kernels.moe import ExpertBlocks, MoEExperts
+
+DECODE_MAX_TOKENS = 8  # tokens the decode path takes (a first guess: bench/tune_moe.py)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_ACTIVATION = {"silu": 0, "swiglu_oai": 1}
+
+
+class DecodeTiles(NamedTuple):
+    block_n: int  # output features a program owns
+    block_k: int  # columns of K a step (MXFP4: a multiple of 32)
+    num_warps: int
+
+
+class GroupedTiles(NamedTuple):
+    block_m: int  # routes a block (rows of the grouped GEMM)
+    block_n: int
+    block_k: int  # MXFP4: a multiple of 32
+    num_warps: int
+    num_stages: int
+
+
+# ------------------------------------------------------------------------------------- routing
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_t, TOP_K: tl.constexpr,
+                  E_PAD: tl.constexpr, K_PAD: tl.constexpr, SOFTMAX: tl.constexpr,
+                  RENORMALIZE: tl.constexpr):
+    """One token: k rounds of argmax over the logits (the largest; among equals the lowest
+    index, the experts torch.topk picks on CUDA), then the weights. Softmax is monotone, so the
+    top-k of the probabilities is the top-k of the logits, picked exactly on the logits."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_PAD)
+    logits = tl.load(logits_ptr + t * stride_t + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
+    slots = tl.arange(0, K_PAD)
+    chosen = tl.zeros([K_PAD], dtype=tl.float32)
+    scores = logits
+    for j in tl.static_range(TOP_K):
+        best = tl.max(scores, axis=0)
+        expert = tl.min(tl.where(scores == best, offs, E_PAD), axis=0)
+        tl.store(ids_ptr + t * TOP_K + j, expert.to(tl.int64))
+        chosen = tl.where(slots == j, best, chosen)
+        scores = tl.where(offs == expert, -float("inf"), scores)
+    in_k = slots < TOP_K
+    if SOFTMAX:  # over all E, then the chosen ones' probabilities
+        top = tl.max(logits, axis=0)
+        total = tl.sum(tl.where(offs < E, tl.exp(logits - top), 0.0), axis=0)
+        weights = tl.exp(chosen - top) / total
+        if RENORMALIZE:
+            weights = weights / tl.sum(tl.where(in_k, weights, 0.0), axis=0)
+    else:  # over the k chosen logits; the first is their largest
+        top = tl.max(tl.where(in_k, chosen, -float("inf")), axis=0)
+        e = tl.where(in_k, tl.exp(chosen - top), 0.0)
+        weights = e / tl.sum(e, axis=0)
+    tl.store(weights_ptr + t * TOP_K + slots, weights, mask=in_k)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax",
+              renormalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `hibana_kernels.moe.moe_route`; tied logits pick the lowest expert ids."""
+    if scoring not in moe.SCORINGS or not 1 <= top_k <= router_logits.shape[-1]:
+        return moe.moe_route(router_logits, top_k, scoring=scoring, renormalize=renormalize)  # its error
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    t, e = logits.shape
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
+    if t:
+        _route_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k,
+                            E_PAD=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
+                            SOFTMAX=scoring == "softmax", RENORMALIZE=renormalize, num_warps=4)
+    return weights, ids
+
+
+# ----------------------------------------------------------------------------------- alignment
+
+
+@triton.jit
+def _align_kernel(ids_ptr, routes_ptr, block_expert_ptr, N, E, MAX_BLOCKS,
+                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: count the routes per expert, lay out each expert's blocks in id order, then
+    place the routes chunk by chunk, each at its expert's cursor plus its rank among the chunk's
+    routes to that expert (so routes keep their order within an expert, as the reference's
+    stable sort)."""
+    experts = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for c0 in range(0, N, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + offs, mask=offs < N, other=E_PAD).to(tl.int32)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    first_block = tl.cumsum(blocks, axis=0) - blocks  # [E_PAD]
+    for b0 in range(0, MAX_BLOCKS, CHUNK):
+        offs_b = b0 + tl.arange(0, CHUNK)
+        inside = (offs_b[:, None] >= first_block[None, :]) & \
+            (offs_b[:, None] < (first_block + blocks)[None, :])  # [CHUNK, E_PAD]
+        owner = tl.max(tl.where(inside, experts[None, :], -1), axis=1)
+        tl.store(block_expert_ptr + offs_b, owner, mask=offs_b < MAX_BLOCKS)
+    for r0 in range(0, MAX_BLOCKS * BLOCK_M, CHUNK):
+        offs_r = r0 + tl.arange(0, CHUNK)
+        tl.store(routes_ptr + offs_r, N + offs_r * 0, mask=offs_r < MAX_BLOCKS * BLOCK_M)
+    tl.debug_barrier()  # the padding is written before routes land on it
+    cursor = first_block * BLOCK_M
+    lanes = tl.arange(0, CHUNK)
+    for c0 in range(0, N, CHUNK):
+        offs = c0 + lanes
+        valid = offs < N
+        e = tl.load(ids_ptr + offs, mask=valid, other=E_PAD).to(tl.int32)
+        hit = e[:, None] == experts[None, :]  # [CHUNK, E_PAD]
+        same = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None])  # earlier, same expert
+        rank = tl.sum(same.to(tl.int32), axis=1)
+        row = tl.sum(tl.where(hit, cursor[None, :], 0), axis=1) + rank
+        tl.store(routes_ptr + row, offs, mask=valid)
+        cursor += tl.sum(hit.to(tl.int32), axis=0)
+
+
+def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """See `hibana_kernels.moe.moe_align`."""
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    max_blocks = moe.max_expert_blocks(n, num_experts, block_m)
+    routes = torch.empty(max_blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
+    _align_kernel[(1,)](flat, routes, block_expert, n, num_experts, max_blocks, BLOCK_M=block_m,
+                        E_PAD=triton.next_power_of_2(num_experts), CHUNK=64, num_warps=8)
+    return ExpertBlocks(routes, block_expert)
+
+
+# ------------------------------------------------------------------------------------- weights
+
+
+@triton.jit
+def _e2m1(codes):
+    """e2m1 codes (int32, 0..15) as float32: sign bit, 2 exponent bits, 1 mantissa bit."""
+    exponent = (codes >> 1) & 3
+    mantissa = (codes & 1).to(tl.float32)
+    magnitude = tl.where(exponent == 0, 0.5 * mantissa,
+                         (2.0 + mantissa) * (1 << exponent).to(tl.float32) * 0.25)
+    return tl.where((codes & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _weight_tile(w_ptr, s_ptr, expert, offs_n, n_mask, k0, K, stride_we, stride_wn, stride_se,
+                 stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
+    """Columns k0 .. k0 + BLOCK_K of one expert's weight rows offs_n, zero outside the weight:
+    dense as stored, MXFP4 dequantized to float32 (strides of packed bytes and of scales)."""
+    w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+    if MXFP4:
+        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_rows + offs_b[None, :], mask=n_mask[:, None] & (offs_b < K // 2)[None, :],
+                         other=0).to(tl.int32)
+        values = _e2m1(tl.interleave(packed & 0xF, packed >> 4))  # [BLOCK_N, BLOCK_K], k in order
+        offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        e8m0 = tl.load(s_ptr + expert.to(tl.int64) * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn
+                       + offs_g[None, :], mask=n_mask[:, None] & (offs_g < K // 32)[None, :], other=0)
+        scale = (e8m0.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(e8m0 - 127); 0 -> 0
+        w = tl.reshape(values, [BLOCK_N, BLOCK_K // 32, 32]) * scale[:, :, None]
+        return tl.reshape(w, [BLOCK_N, BLOCK_K])
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _mxfp4_dequantize_kernel(w_ptr, s_ptr, out_ptr, R, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < R
+    k0 = tl.program_id(1) * BLOCK_K
+    w = _weight_tile(w_ptr, s_ptr, tl.program_id(0) * 0, offs_n, n_mask, k0, K, 0, K // 2, 0, K // 32,
+                     BLOCK_N, BLOCK_K, True)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=n_mask[:, None] & (offs_k < K)[None, :])
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """See `hibana_kernels.moe.mxfp4_dequantize` (a scale of 0, 2^-127, reads as 0 here)."""
+    *lead, groups, _ = blocks.shape
+    k = groups * moe.MXFP4_BLOCK
+    rows = blocks.numel() // (k // 2) if k else 0
+    out = torch.empty((*lead, k), dtype=dtype, device=blocks.device)
+    if rows and k:
+        block_n, block_k = 16, 128
+        _mxfp4_dequantize_kernel[(triton.cdiv(rows, block_n), triton.cdiv(k, block_k))](
+            blocks.contiguous(), scales.contiguous(), out, rows, k, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------------- activation
+
+
+@triton.jit
+def _round(v, dtype: tl.constexpr):
+    """float32 v rounded to `dtype` (as a torch op in that dtype rounds), back in float32."""
+    return v.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _bias(b_ptr, expert, offs_n, n_mask, stride_be, dtype: tl.constexpr):
+    """An expert's bias at offs_n, rounded to `dtype` as the reference casts it, in float32."""
+    bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_n, mask=n_mask, other=0.0)
+    return _round(bias.to(tl.float32), dtype)
+
+
+@triton.jit
+def _gate_up_activation(gate, up, b_ptr, expert, offs_n, n_mask, I, stride_be, alpha, limit,
+                        dtype: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """silu(gate) * up or gpt-oss's clamped SwiGLU from float32 sums gate, up [..., BLOCK_N],
+    each step rounded to `dtype` as transformers' ops in that dtype round it."""
+    gate = _round(gate, dtype)
+    up = _round(up, dtype)
+    if HAS_BIAS:
+        gate = _round(gate + _bias(b_ptr, expert, offs_n, n_mask, stride_be, dtype), dtype)
+        up = _round(up + _bias(b_ptr, expert, I + offs_n, n_mask, stride_be, dtype), dtype)
+    if ACTIVATION == 0:
+        return _round(gate / (1.0 + tl.exp(-gate)), dtype) * up
+    gate = tl.minimum(gate, limit)
+    up = tl.maximum(tl.minimum(up, limit), -limit)
+    sig = _round(1.0 / (1.0 + tl.exp(-_round(gate * alpha, dtype))), dtype)
+    glu = _round(gate * sig, dtype)
+    return _round(up + 1.0, dtype) * glu
+
+
+@triton.jit
+def _weighted_output(acc, weight, b_ptr, expert, offs_n, n_mask, stride_be, dtype: tl.constexpr,
+                     HAS_BIAS: tl.constexpr):
+    """An expert's float32 output `acc` (+ bias) times its route's float32 `weight`, with
+    transformers' roundings to `dtype`, back in float32."""
+    y = _round(acc, dtype)
+    if HAS_BIAS:
+        y = _round(y + _bias(b_ptr, expert, offs_n, n_mask, stride_be, dtype), dtype)
+    return _round(y * _round(weight, dtype), dtype)
+
+
+# ---------------------------------------------------------------------------------- decode path
+
+
+@triton.jit
+def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, act_ptr, H, I, TOP_K,
+                           stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_be,
+                           alpha, limit, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           MXFP4: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """act[route, n] for one route and BLOCK_N intermediate features: its expert's gate rows n
+    and up rows I + n, streamed along H; products stay per tile column until the loop ends."""
+    route = tl.program_id(0)
+    expert = tl.load(ids_ptr + route)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    x_row = x_ptr + (route // TOP_K).to(tl.int64) * stride_xm
+    gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + offs_k, mask=offs_k < H, other=0.0)
+        wg = _weight_tile(w_ptr, s_ptr, expert, offs_n, n_mask, k0, H, stride_we, stride_wn,
+                          stride_se, stride_sn, BLOCK_N, BLOCK_K, MXFP4)
+        wu = _weight_tile(w_ptr, s_ptr, expert, I + offs_n, n_mask, k0, H, stride_we, stride_wn,
+                          stride_se, stride_sn, BLOCK_N, BLOCK_K, MXFP4)
+        x = x.to(tl.float32)[None, :]
+        # MXFP4 weights rounded to x's dtype, as the reference dequantizes them
+        gate += x * wg.to(x_ptr.dtype.element_ty).to(tl.float32)
+        up += x * wu.to(x_ptr.dtype.element_ty).to(tl.float32)
+    act = _gate_up_activation(tl.sum(gate, axis=1), tl.sum(up, axis=1), b_ptr, expert, offs_n, n_mask,
+                              I, stride_be, alpha, limit, x_ptr.dtype.element_ty, ACTIVATION, HAS_BIAS)
+    tl.store(act_ptr + route.to(tl.int64) * I + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, b_ptr, out_ptr, H, I,
+                        stride_om, stride_we, stride_wn, stride_se, stride_sn, stride_be,
+                        TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """out[t, n] for one token and BLOCK_N hidden features: each of its k experts' down rows
+    against that route's activation, weighted, summed over the k in float32."""
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        route = t * TOP_K + j
+        expert = tl.load(ids_ptr + route)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(act_ptr + route.to(tl.int64) * I + offs_k, mask=offs_k < I, other=0.0)
+            w = _weight_tile(w_ptr, s_ptr, expert, offs_n, n_mask, k0, I, stride_we, stride_wn,
+                             stride_se, stride_sn, BLOCK_N, BLOCK_K, MXFP4)
+            acc += a.to(tl.float32)[None, :] * w.to(act_ptr.dtype.element_ty).to(tl.float32)
+        total += _weighted_output(tl.sum(acc, axis=1), tl.load(weights_ptr + route), b_ptr, expert,
+                                  offs_n, n_mask, stride_be, act_ptr.dtype.element_ty, HAS_BIAS)
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+# --------------------------------------------------------------------------------- grouped path
+
+
+@triton.jit
+def _gate_up_grouped_kernel(x_ptr, routes_ptr, block_expert_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
+                            NUM_ROUTES, H, I, TOP_K, stride_xm, stride_we, stride_wn, stride_se,
+                            stride_sn, stride_be, alpha, limit, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
+                            ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr):
+    """act[route, n] for one block's BLOCK_M routes (one expert) and BLOCK_N intermediate
+    features: x rows of the routes' tokens against the expert's gate and up tiles."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < 0:
+        return
+    routes = tl.load(routes_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = routes < NUM_ROUTES
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    x_rows = x_ptr + (routes // TOP_K).to(tl.int64)[:, None] * stride_xm
+    gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < H)[None, :], other=0.0)
+        wg = _weight_tile(w_ptr, s_ptr, expert, offs_n, n_mask, k0, H, stride_we, stride_wn,
+                          stride_se, stride_sn, BLOCK_N, BLOCK_K, MXFP4).to(x.dtype)
+        wu = _weight_tile(w_ptr, s_ptr, expert, I + offs_n, n_mask, k0, H, stride_we, stride_wn,
+                          stride_se, stride_sn, BLOCK_N, BLOCK_K, MXFP4).to(x.dtype)
+        if UPCAST:  # exact: products of 16-bit floats are exact in float32
+            x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+        # float32 x: exact products ("ieee"), not tf32
+        gate = tl.dot(x, tl.trans(wg), gate, input_precision="ieee")
+        up = tl.dot(x, tl.trans(wu), up, input_precision="ieee")
+    act = _gate_up_activation(gate, up, b_ptr, expert, offs_n[None, :], n_mask[None, :], I, stride_be,
+                              alpha, limit, x_ptr.dtype.element_ty, ACTIVATION, HAS_BIAS)
+    tl.store(act_ptr + routes.to(tl.int64)[:, None] * I + offs_n[None, :], act.to(act_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_grouped_kernel(act_ptr, routes_ptr, block_expert_ptr, weights_ptr, w_ptr, s_ptr, b_ptr,
+                         y_ptr, NUM_ROUTES, H, I, stride_we, stride_wn, stride_se, stride_sn,
+                         stride_be, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         UPCAST: tl.constexpr):
+    """y[route, n] = weight * (act[route] @ w2[e][n]^T + b2[e][n]) for one block's routes."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < 0:
+        return
+    routes = tl.load(routes_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = routes < NUM_ROUTES
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    a_rows = act_ptr + routes.to(tl.int64)[:, None] * I
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < I)[None, :], other=0.0)
+        w = _weight_tile(w_ptr, s_ptr, expert, offs_n, n_mask, k0, I, stride_we, stride_wn,
+                         stride_se, stride_sn, BLOCK_N, BLOCK_K, MXFP4).to(a.dtype)
+        if UPCAST:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+    weight = tl.load(weights_ptr + routes, mask=m_mask, other=0.0)[:, None]
+    y = _weighted_output(acc, weight, b_ptr, expert, offs_n[None, :], n_mask[None, :], stride_be,
+                         act_ptr.dtype.element_ty, HAS_BIAS)
+    tl.store(y_ptr + routes.to(tl.int64)[:, None] * H + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, out_ptr, H, stride_om, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = the sum of its k routes' rows, in float32, rounded once."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        total += tl.load(y_ptr + (t * TOP_K + j) * H + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_om + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------------- launches
+
+
+class _Weights(NamedTuple):
+    """One projection's kernel arguments: weight, scales (the weight again when dense), bias
+    (the weight again when absent) and the strides the kernels take."""
+
+    w: torch.Tensor
+    s: torch.Tensor
+    b: torch.Tensor
+    strides: tuple[int, int, int, int, int]  # expert and row of w, of s, expert of b
+
+
+def _weights(w: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None) -> _Weights:
+    if scales is not None:  # MXFP4 blocks [E, N, G, 16] -> bytes [E, N, G * 16]
+        w = w.contiguous().flatten(2)
+        scales = scales.contiguous()
+    elif w.stride(-1) != 1:
+        w = w.contiguous()
+    s = scales if scales is not None else w
+    b = bias.contiguous() if bias is not None else w
+    return _Weights(w, s, b, (w.stride(0), w.stride(1), s.stride(0), s.stride(1), b.stride(0)))
+
+
+def choose_tiles(tokens: int, experts: MoEExperts) -> DecodeTiles | GroupedTiles:
+    """The path and its tiles for `tokens` tokens: first guesses, to be replaced by
+    bench/tune_moe.py's measurements."""
+    if tokens <= DECODE_MAX_TOKENS:
+        return DecodeTiles(block_n=16, block_k=256, num_warps=4)
+    block_m = 16 if tokens < 256 else 64
+    return GroupedTiles(block_m, block_n=64, block_k=64, num_warps=4, num_stages=3)
+
+
+def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor, ids: torch.Tensor,
+                     tiles: DecodeTiles | GroupedTiles) -> torch.Tensor:
+    """fused_moe on the path and tiles chosen by the caller (tests, the tuning script)."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    ids = ids.contiguous()
+    weights = weights.contiguous()
+    t, h = x.shape
+    top_k = ids.shape[1]
+    inter = experts.intermediate_size
+    mxfp4 = experts.kind == "mxfp4"
+    w13 = _weights(experts.w13, experts.w13_scales, experts.b13)
+    w2 = _weights(experts.w2, experts.w2_scales, experts.b2)
+    out = torch.empty_like(x)
+    if t == 0:
+        return out
+    act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
+    swiglu = (experts.swiglu_alpha, experts.swiglu_limit)
+    if isinstance(tiles, DecodeTiles):
+        _gate_up_decode_kernel[(t * top_k, triton.cdiv(inter, tiles.block_n))](
+            x, ids, w13.w, w13.s, w13.b, act, h, inter, top_k, x.stride(0), *w13.strides, *swiglu,
+            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, MXFP4=mxfp4,
+            ACTIVATION=_ACTIVATION[experts.activation], HAS_BIAS=experts.b13 is not None,
+            num_warps=tiles.num_warps)
+        _down_decode_kernel[(t, triton.cdiv(h, tiles.block_n))](
+            act, ids, weights, w2.w, w2.s, w2.b, out, h, inter, out.stride(0), *w2.strides,
+            TOP_K=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, MXFP4=mxfp4,
+            HAS_BIAS=experts.b2 is not None, num_warps=tiles.num_warps)
+        return out
+    blocks = moe_align(ids, experts.num_experts, tiles.block_m)
+    num_blocks = blocks.block_expert.numel()
+    upcast = x.device.type == "cpu" and x.dtype != torch.float32  # the interpreter's 16-bit tl.dot is wrong
+    _gate_up_grouped_kernel[(num_blocks, triton.cdiv(inter, tiles.block_n))](
+        x, blocks.routes, blocks.block_expert, w13.w, w13.s, w13.b, act, t * top_k, h, inter, top_k,
+        x.stride(0), *w13.strides, *swiglu, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, MXFP4=mxfp4, ACTIVATION=_ACTIVATION[experts.activation],
+        HAS_BIAS=experts.b13 is not None, UPCAST=upcast, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
+    y = torch.empty((t * top_k, h), dtype=x.dtype, device=x.device)
+    _down_grouped_kernel[(num_blocks, triton.cdiv(h, tiles.block_n))](
+        act, blocks.routes, blocks.block_expert, weights, w2.w, w2.s, w2.b, y, t * top_k, h, inter,
+        *w2.strides, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        MXFP4=mxfp4, HAS_BIAS=experts.b2 is not None, UPCAST=upcast, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
+    combine_block = min(1024, triton.next_power_of_2(h))
+    _combine_kernel[(t, triton.cdiv(h, combine_block))](y, out, h, out.stride(0), TOP_K=top_k,
+                                                        BLOCK=combine_block, num_warps=4)
+    return out
+
+
+def fused_moe(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """See `hibana_kernels.moe.fused_moe`."""
+    if x.dtype not in _DTYPES or (experts.kind == "dense" and experts.w13.dtype not in _DTYPES):
+        return moe.fused_moe(x, experts, weights, ids)
+    return fused_moe_launch(x, experts, weights, ids, choose_tiles(x.shape[0], experts))
