@@ -27,6 +27,12 @@ PRESETS: dict[str, dict[str, Any]] = {
                          max_position_embeddings=131072, rope_theta=500000.0,
                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    # Qwen/Qwen3-30B-A3B: 48 sparse layers, top-8 of 128 experts (768 wide), no shared expert
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=40960),
     # google/gemma-3-12b-it's text model: 5 sliding (window 1024, theta 1e4) : 1 global layer
     # (theta 1e6, linear factor 8)
     "gemma3-12b": dict(model_type="gemma3_text", hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,

@@ -252,16 +252,18 @@ def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progr
     `own_names`: the source names tensors as the module does (a surgery checkpoint), not as
     Hugging Face checkpoints do; otherwise a family may spell a checkpoint's names its own way
     first (`checkpoint_name`: e.g. the language model inside a multimodal checkpoint)."""
+    rename = getattr(module, "checkpoint_name", None) if not own_names else None
+    if rename is not None:
+        items = [(rename(name), where, read) for name, where, read in items]
     if hasattr(module, "checkpoint_tensors") and not own_names:  # a family with fused or renamed parameters
-        params = module.checkpoint_tensors()
+        items = list(items)
+        params = module.checkpoint_tensors({name for name, _, _ in items})
     else:
         params = dict(module.named_parameters(remove_duplicate=False))
-    rename = getattr(module, "checkpoint_name", None) if not own_names else None
     loaded: set[str] = set()
     with tqdm(total=total, desc=desc, unit="tensor", disable=not progress, leave=False) as bar:
         for name, where, read in items:
             bar.update()
-            name = rename(name) if rename is not None else name
             if name.endswith(_IGNORED_SUFFIXES) or name not in params:
                 continue
             tensor, target = read(), params[name]

@@ -1,9 +1,11 @@
 """What the shared golden runner (test_golden.py, every family of tiny_models.ARCHS) does not
 reach: the language model of a multimodal gemma3 checkpoint, LongRoPE's per-position choice of
-factors against transformers' rotary module, and the Gemma options Hibana refuses."""
+factors against transformers' rotary module, the Gemma options Hibana refuses, and MoE experts
+loaded from either of their layouts."""
 
 from __future__ import annotations
 
+import random
 import threading
 
 import pytest
@@ -77,3 +79,22 @@ def test_unsupported_gemma3_options_are_refused(tmp_path, override, message):
     path = make_tiny_checkpoint("gemma3", tmp_path / "g", **override)
     with pytest.raises(UnsupportedModelError, match=message):
         open_engine(path)
+
+
+def test_moe_experts_load_stacked_or_one_tensor_per_expert(tiny_checkpoints, make_engine):
+    """A qwen3_moe checkpoint on disk holds one tensor per expert; transformers 5 holds them
+    stacked in memory (what `Engine.from_hf_model` copies): both load into the same experts."""
+    from hibana_core import Engine
+    from tiny_models import _hf_model, random_tokens
+
+    path = tiny_checkpoints["qwen3_moe"]
+    hf_model = _hf_model(str(path))
+    assert any(name.endswith("mlp.experts.gate_up_proj") for name in hf_model.state_dict())
+    history = random_tokens(random.Random(3), 90)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    from_disk = make_engine(path).open_state("disk").generate(params, prompt=history)
+    with Engine.from_hf_model(hf_model, None, device="cpu", dtype="float32", block_size=16,
+                              num_blocks=64, progress=False) as engine:
+        in_memory = engine.open_state("memory").generate(params, prompt=history)
+    assert list(in_memory.token_ids) == list(from_disk.token_ids)
+    assert_greedy_matches(path, history, list(from_disk.token_ids))

@@ -15,6 +15,10 @@ One checkpoint per supported family, each switching on the features its family b
                                (12 of 16 dims), LongRoPE (attention factor from max 1024 over
                                original 512; histories stay under 512, so the short factors),
                                sliding_window 48 on every layer
+    qwen3_moe 3      16        top-4 of 16 experts (intermediate 32), renormalised; layer 1 dense
+                               (mlp_only_layers); routing ties: experts 2j and 2j + 1 (j < 4)
+                               share their router row in every layer, so their logits tie exactly
+                               and torch.topk's tie order picks between them, in HF as here
 
 All share vocab 512, hidden 64, 4 query heads over 2 KV heads (GQA), intermediate 128,
 max_position_embeddings 1024, float32. Weights use initializer_range 0.2 (HF's default 0.02 gives
@@ -37,7 +41,7 @@ from typing import Sequence
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "qwen3_moe")
 VOCAB_SIZE = 512
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -108,7 +112,20 @@ ARCH_CONFIGS: dict[str, dict] = {
                              short_factor=[1.0, 1.2, 1.5, 2.0, 3.0, 5.0],
                              long_factor=[1.0, 2.0, 4.0, 8.0, 16.0, 32.0]),
     ),
+    "qwen3_moe": dict(
+        num_hidden_layers=3,
+        head_dim=16,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+    ),
 }
+
+TIED_EXPERT_PAIRS = 4
+"""qwen3_moe: experts 2j and 2j + 1, j < TIED_EXPERT_PAIRS, share their router row."""
 
 _WORDS = {
     "subject": ["the agent", "a user", "the model", "our tool", "the planner", "my friend",
@@ -170,10 +187,11 @@ def make_tokenizer():
 
 
 def make_config(arch: str, **config_overrides):
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig)
 
     kinds = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
-             "gemma3": Gemma3TextConfig, "phi3": Phi3Config}
+             "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "qwen3_moe": Qwen3MoeConfig}
     if arch not in kinds:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHS)}")
     return kinds[arch](**{**_COMMON, **ARCH_CONFIGS[arch], **config_overrides})
@@ -202,6 +220,8 @@ def _save_seeded(config, path: Path, seed: int, shard_size: str | None = None) -
                 p.add_(0.2 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):  # and biases to zeros
                 p.add_(0.5 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("mlp.gate.weight"):  # a MoE router: tie pairs of experts
+                p[1:2 * TIED_EXPERT_PAIRS:2] = p[0:2 * TIED_EXPERT_PAIRS:2]
     model.generation_config = GenerationConfig(bos_token_id=EOS_ID, eos_token_id=EOS_ID, do_sample=False)
     if shard_size is None:
         model.save_pretrained(path, safe_serialization=True)

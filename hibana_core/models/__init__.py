@@ -14,10 +14,10 @@ LLAMA_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 @hookimpl
 def register_model_families(register) -> None:
-    from hibana_core.models import gemma3, llama, phi3
+    from hibana_core.models import gemma3, llama, phi3, qwen3_moe
 
     for model_type in LLAMA_MODEL_TYPES:
         register(model_type, llama)
-    for family in (gemma3, phi3):
+    for family in (gemma3, phi3, qwen3_moe):
         for model_type in family.MODEL_TYPES:
             register(model_type, family)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Collection
 
 import torch
 from torch import nn
@@ -21,6 +21,7 @@ from torch import nn
 import hibana_kernels as kernels
 from hibana_core.errors import UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
+from hibana_core.models.moe import Experts, MoEArgs, SparseMoE
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -162,13 +163,15 @@ class DecoderArgs:
     fused_in_checkpoint: bool = False  # the checkpoint holds qkv_proj and gate_up_proj as we do (Phi-3)
     checkpoint_prefixes: tuple[tuple[str, str], ...] = ()  # (checkpoint name prefix, ours), e.g. a
     # multimodal checkpoint's language model
+    moe: MoEArgs | None = None  # sparse blocks in place of the MLP, in the layers it names
 
     def __post_init__(self) -> None:
         if self.activation not in ACTIVATIONS:
             raise UnsupportedModelError(f"MLP activation {self.activation!r} is not supported; "
                                         f"supported: {', '.join(ACTIVATIONS)}")
-        if len(self.ropes) != self.num_layers or len(self.sliding_windows) != self.num_layers:
-            raise ValueError(f"ropes and sliding_windows need one entry per layer ({self.num_layers})")
+        per_layer = (self.ropes, self.sliding_windows) + ((self.moe.layers,) if self.moe else ())
+        if any(len(values) != self.num_layers for values in per_layer):
+            raise ValueError(f"ropes, sliding_windows and moe.layers need one entry per layer ({self.num_layers})")
 
 
 class RMSNorm(nn.Module):
@@ -387,7 +390,8 @@ class DecoderLayer(nn.Module):
                  rotary: RotaryTables) -> None:
         super().__init__()
         self.self_attn = Attention(args, layer_idx, ctx, rotary)
-        self.mlp = MLP(args)
+        sparse = args.moe is not None and args.moe.layers[layer_idx]
+        self.mlp = SparseMoE(args.moe, args.hidden_size) if sparse else MLP(args)
         self.input_layernorm = make_norm(args, args.hidden_size)
         self.post_attention_layernorm = make_norm(args, args.hidden_size)
         self.sandwich = args.sandwich_norms
@@ -468,9 +472,10 @@ class DecoderForCausalLM(nn.Module):
                 return ours + name[len(theirs):]
         return name
 
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+    def checkpoint_tensors(self, names: Collection[str]) -> dict[str, torch.Tensor]:
         """Every tensor name a Hugging Face checkpoint holds -> where its values go (views into
-        the fused q/k/v and gate/up parameters where the checkpoint holds them apart)."""
+        the fused q/k/v and gate/up parameters where the checkpoint holds them apart, and into
+        the stacked experts where it holds one tensor per expert). `names`: the checkpoint's."""
         a = self.args
         sizes = {"qkv_proj": (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim),
                  "gate_up_proj": (a.intermediate_size, a.intermediate_size)}
@@ -483,4 +488,8 @@ class DecoderForCausalLM(nn.Module):
                 continue
             for part, view in zip(self.fused_layers[proj], param.data.split(sizes[proj], dim=0)):
                 targets[f"{parent}.{part}.{kind}"] = view
+        for prefix, module in self.named_modules():
+            if isinstance(module, Experts) and f"{prefix}.gate_up_proj" not in names:
+                del targets[f"{prefix}.gate_up_proj"], targets[f"{prefix}.down_proj"]
+                targets.update(module.checkpoint_views(prefix))
         return targets
