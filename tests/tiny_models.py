@@ -198,16 +198,18 @@ def make_config(arch: str, **config_overrides):
 
 
 def make_tiny_checkpoint(arch: str, path, seed: int = SEED, shard_size: str | None = None,
-                         **config_overrides) -> Path:
+                         tied_experts: bool = True, **config_overrides) -> Path:
     """Write a seeded random `arch` checkpoint (safetensors), tokenizer and generation config to `path`.
 
     `shard_size` (e.g. "100KB") splits the weights into several files plus an index;
+    `tied_experts`: MoE routers with TIED_EXPERT_PAIRS (False: none; torch.topk breaks ties one
+    way on CUDA and another on the CPU, so a GPU-vs-CPU comparison needs routers without them);
     `config_overrides` replace fields of the transformers config.
     """
-    return _save_seeded(make_config(arch, **config_overrides), Path(path), seed, shard_size)
+    return _save_seeded(make_config(arch, **config_overrides), Path(path), seed, shard_size, tied_experts)
 
 
-def _save_seeded(config, path: Path, seed: int, shard_size: str | None = None) -> Path:
+def _save_seeded(config, path: Path, seed: int, shard_size: str | None = None, tied_experts: bool = True) -> Path:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     path.mkdir(parents=True, exist_ok=True)
@@ -220,7 +222,7 @@ def _save_seeded(config, path: Path, seed: int, shard_size: str | None = None) -
                 p.add_(0.2 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):  # and biases to zeros
                 p.add_(0.5 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("mlp.gate.weight"):  # a MoE router: tie pairs of experts
+            elif name.endswith("mlp.gate.weight") and tied_experts:  # a MoE router: tie pairs of experts
                 p[1:2 * TIED_EXPERT_PAIRS:2] = p[0:2 * TIED_EXPERT_PAIRS:2]
     model.generation_config = GenerationConfig(bos_token_id=EOS_ID, eos_token_id=EOS_ID, do_sample=False)
     if shard_size is None:
