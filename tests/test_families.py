@@ -98,3 +98,14 @@ def test_moe_experts_load_stacked_or_one_tensor_per_expert(tiny_checkpoints, mak
         in_memory = engine.open_state("memory").generate(params, prompt=history)
     assert list(in_memory.token_ids) == list(from_disk.token_ids)
     assert_greedy_matches(path, history, list(from_disk.token_ids))
+
+
+def test_decode_bytes_per_token_counts_only_routed_experts_and_one_embedding_row(tiny_checkpoints, make_engine):
+    """The roofline numerator bench/ divides by: a MoE model's weights less the experts a token
+    is not routed to, and (untied lm_head) less the other tokens' embedding rows."""
+    engine = make_engine(tiny_checkpoints["qwen3_moe"])
+    config, args = engine.hf_config, engine.model.args
+    per_expert = 3 * config.moe_intermediate_size * config.hidden_size * 4  # gate, up, down; float32
+    unrouted = sum(args.moe.layers) * (config.num_experts - config.num_experts_per_tok) * per_expert
+    other_rows = (config.vocab_size - 1) * config.hidden_size * 4
+    assert engine.model.decode_bytes_per_token() == engine.weight_bytes - unrouted - other_rows

@@ -465,6 +465,18 @@ class DecoderForCausalLM(nn.Module):
         cap = self.args.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
+    def decode_bytes_per_token(self) -> int:
+        """Weight bytes one batch-1 decode token reads (a roofline's numerator): every tensor
+        (after surgery: packed weights and their scales) but the experts it is not routed to
+        and, where lm_head has its own weight, the other tokens' embedding rows."""
+        tensors = {t.data_ptr(): t for t in (*self.parameters(), *self.buffers())}  # tied ones once
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        total -= sum(m.unread_bytes_per_token() for m in self.modules() if isinstance(m, SparseMoE))
+        embed = self.model.embed_tokens.weight
+        if not self.args.tie_word_embeddings:
+            total -= (embed.shape[0] - 1) * embed.shape[1] * embed.element_size()
+        return total
+
     def checkpoint_name(self, name: str) -> str:
         """A checkpoint tensor's name as `checkpoint_tensors` spells it."""
         for theirs, ours in self.args.checkpoint_prefixes:

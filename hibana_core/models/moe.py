@@ -71,6 +71,11 @@ class SparseMoE(nn.Module):
         self.gate = Router(hidden_size, moe.num_experts)
         self.experts = Experts(moe, hidden_size)
 
+    def unread_bytes_per_token(self) -> int:
+        """Weight bytes of the experts one token is not routed to."""
+        experts = self.experts.kernel_experts()
+        return experts.bytes_per_token(experts.num_experts - self.top_k)
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor,
                 norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts' output for norm(x + residual); returns (it, x + residual)."""
