@@ -60,15 +60,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     impl.store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scale)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's RMSNorm over the last dim."""
-    return (_triton("norm", x) or norm).rms_norm(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """Hugging Face's RMSNorm over the last dim (`unit_offset`: Gemma's, by 1 + weight)."""
+    return (_triton("norm", x) or norm).rms_norm(x, weight, eps, unit_offset)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual), out of place."""
-    return (_triton("norm", x) or norm).fused_add_rms_norm(x, residual, weight, eps)
+    return (_triton("norm", x) or norm).fused_add_rms_norm(x, residual, weight, eps, unit_offset)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -376,18 +376,20 @@ def check_store_kv_fp8(device, dtype, num_kv_heads, head_dim):
         "8 rows written, none of them NaN"
 
 
-def check_norms(device, dtype, shape):
+def check_norms(device, dtype, shape, unit_offset):
+    """unit_offset: Gemma's norm, by (1 + weight) in float32 (weights around 0, as Gemma's)."""
     triton_norm = _triton_module("norm")
     gen = torch.Generator().manual_seed(sum(shape))
     x = (3 * torch.randn(*shape, generator=gen)).to(dtype).to(device)
     residual = torch.randn(*shape, generator=gen).to(dtype).to(device)
-    weight = (1 + torch.randn(shape[-1], generator=gen) / 4).to(dtype).to(device)
+    weight = ((0 if unit_offset else 1) + torch.randn(shape[-1], generator=gen) / 4).to(dtype).to(device)
     x_strided = torch.cat([x, x], dim=-1)[..., : shape[-1]]  # rows not contiguous
     for inp in (x, x_strided):
-        torch.testing.assert_close(triton_norm.rms_norm(inp, weight, 1e-6),
-                                   norm.rms_norm(inp, weight, 1e-6), **TOLERANCE[dtype])
-    out, new_residual = triton_norm.fused_add_rms_norm(x, residual, weight, 1e-5)
-    ref_out, ref_residual = norm.fused_add_rms_norm(x, residual, weight, 1e-5)
+        out = triton_norm.rms_norm(inp, weight, 1e-6, unit_offset)
+        assert out.dtype == norm.rms_norm(inp, weight, 1e-6, unit_offset).dtype
+        torch.testing.assert_close(out, norm.rms_norm(inp, weight, 1e-6, unit_offset), **TOLERANCE[dtype])
+    out, new_residual = triton_norm.fused_add_rms_norm(x, residual, weight, 1e-5, unit_offset)
+    ref_out, ref_residual = norm.fused_add_rms_norm(x, residual, weight, 1e-5, unit_offset)
     torch.testing.assert_close(new_residual, ref_residual, **_exact(device, dtype))
     torch.testing.assert_close(out, ref_out, **TOLERANCE[dtype])
 
@@ -752,8 +754,9 @@ def test_qk_norm_rotary_store_fp8(run_check, dtype, num_heads, head_dim, qk_norm
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
 @pytest.mark.parametrize("shape", [(5, 96), (3, 4, 32), (2, 1000)], ids=str)
-def test_norms(run_check, dtype, shape):
-    run_check(check_norms, dtype=dtype, shape=shape)
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["llama", "gemma"])
+def test_norms(run_check, dtype, shape, unit_offset):
+    run_check(check_norms, dtype=dtype, shape=shape, unit_offset=unit_offset)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -193,17 +193,15 @@ class RMSNorm(nn.Module):
 
 class UnitOffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + weight) all in float32, then cast to
-    x's dtype (Llama's casts before the product). Plain torch: no kernel takes this arithmetic."""
+    x's dtype (Llama's casts before the product). Its own launch: the fused kernels take only
+    Llama's arithmetic."""
 
     fusable = False
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is not None:
-            residual = x + residual
-            return self(residual), residual
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        if residual is None:
+            return kernels.rms_norm(x, self.weight, self.eps, unit_offset=True)
+        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps, unit_offset=True)
 
 
 def make_norm(args: DecoderArgs, dim: int) -> RMSNorm:
