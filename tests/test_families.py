@@ -1,7 +1,7 @@
 """What the shared golden runner (test_golden.py, every family of tiny_models.ARCHS) does not
 reach: the language model of a multimodal gemma3 checkpoint, LongRoPE's per-position choice of
-factors against transformers' rotary module, the Gemma options Hibana refuses, and MoE experts
-loaded from either of their layouts."""
+factors against transformers' rotary module, the options Hibana refuses, MoE experts loaded
+from either of their layouts, and the bytes a decode token reads."""
 
 from __future__ import annotations
 
@@ -71,12 +71,13 @@ def test_longrope_tables_pick_short_or_long_factors_per_position():
     assert not torch.equal(cos[:original], long_cos[0, :original]), "short and long factors must differ here"
 
 
-@pytest.mark.parametrize("override, message", [
-    (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
-    (dict(hidden_activation="relu"), "activation 'relu'"),
+@pytest.mark.parametrize("arch, override, message", [
+    ("gemma3", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+    ("gemma3", dict(hidden_activation="relu"), "activation 'relu'"),
+    ("qwen3_moe", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
 ])
-def test_unsupported_gemma3_options_are_refused(tmp_path, override, message):
-    path = make_tiny_checkpoint("gemma3", tmp_path / "g", **override)
+def test_unsupported_options_are_refused(tmp_path, arch, override, message):
+    path = make_tiny_checkpoint(arch, tmp_path / "m", **override)
     with pytest.raises(UnsupportedModelError, match=message):
         open_engine(path)
 

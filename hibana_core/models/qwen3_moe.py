@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hibana_core.errors import UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM, Rope, rope_parameters, sliding_windows
 from hibana_core.models.moe import MoEArgs
@@ -20,6 +21,9 @@ def args_from_config(config: Any) -> DecoderArgs:
     num_heads, num_layers = config.num_attention_heads, config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     attention_bias = bool(getattr(config, "attention_bias", False))
+    if config.hidden_act != "silu":  # the experts' kernels compute SwiGLU
+        raise UnsupportedModelError(f"qwen3_moe with hidden_act {config.hidden_act!r} is not supported; "
+                                    "its experts run SwiGLU (hidden_act 'silu')")
     dense_only = set(getattr(config, "mlp_only_layers", None) or ())
     moe = MoEArgs(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
                   intermediate_size=config.moe_intermediate_size, renormalize=bool(config.norm_topk_prob),
