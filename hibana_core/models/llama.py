@@ -11,6 +11,8 @@ from typing import Any
 from hibana_core.forward_context import ForwardContext
 from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM, Rope, rope_parameters, sliding_windows
 
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
 # model_type -> (q/k/v bias, o bias) where the architecture fixes them; else config.attention_bias
 _FIXED_BIASES = {"qwen2": (True, False), "mistral": (False, False)}
 
