@@ -27,6 +27,7 @@ Prints a table; exits 1 if a check fails.
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 import tempfile
@@ -42,6 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hibana_core import Engine, SamplingParams  # noqa: E402
 from tiny_models import ARCHS  # noqa: E402  every family's tiny checkpoint
 
+
+ON_GPU = {"device": "cuda", "memory_budget": os.environ.get("CHECK_MEMORY_BUDGET", "12GB")}
+"""Every GPU engine of a check: its own budget, so that the checks run as parallel processes
+(`run_h200.sh check`) do not each size their KV from what the others left free."""
 
 MIXED_SPECULATION = ({"method": "suffix", "k": 4}, "adaptive", {"method": "ngram", "k": 2},
                      {"method": "suffix", "k": 8})
@@ -85,7 +90,7 @@ def check_float32() -> Iterator[tuple[str, bool, str]]:
         with Engine.from_pretrained(path, device="cpu", progress=False) as cpu:
             want = batched_greedy(cpu, prompts, 32)
         for graphs in (False, True):
-            with Engine.from_pretrained(path, device="cuda", dtype="float32", progress=False,
+            with Engine.from_pretrained(path, **ON_GPU, dtype="float32", progress=False,
                                         cuda_graphs=graphs) as gpu:
                 got = batched_greedy(gpu, prompts, 32)
             same = sum(a == b for a, b in zip(got, want))
@@ -104,7 +109,7 @@ def check_surgery() -> Iterator[tuple[str, bool, str]]:
             options = dict(progress=False, surgery=[surgery], surgery_guard=False, speculation="off")
             with Engine.from_pretrained(path, device="cpu", **options) as cpu:
                 want = batched_greedy(cpu, prompts, 32)
-            with Engine.from_pretrained(path, device="cuda", dtype="float32", **options) as gpu:
+            with Engine.from_pretrained(path, **ON_GPU, dtype="float32", **options) as gpu:
                 got = batched_greedy(gpu, prompts, 32)
             same = sum(a == b for a, b in zip(got, want))
             name = surgery if isinstance(surgery, str) else f"{surgery['name']} g{surgery['group_size']}"
@@ -139,7 +144,7 @@ def check_kv8() -> Iterator[tuple[str, bool, str]]:
             want = batched_greedy(cpu, repeat, 32)
             cpu_scales = kv_scales(cpu)
         for graphs, spec in ((False, "off"), (True, "off"), (True, "mixed")):
-            with Engine.from_pretrained(path, device="cuda", cuda_graphs=graphs,
+            with Engine.from_pretrained(path, **ON_GPU, cuda_graphs=graphs,
                                         speculation="off" if spec == "off" else "adaptive", **options) as gpu:
                 scales_equal = all(torch.equal(a, b) for a, b in zip(kv_scales(gpu), cpu_scales))
                 got_first = batched_greedy(gpu, prompts, 32)
@@ -151,7 +156,7 @@ def check_kv8() -> Iterator[tuple[str, bool, str]]:
             yield (f"kv8 fp32 {arch} graphs={graphs} spec={spec}", ok,
                    f"{same}/8 generations equal; scales equal: {scales_equal}; a prompt's KV "
                    f"bytes equal: {bytes_equal:.4%}" + (f"; {accepted} drafts accepted" if spec != "off" else ""))
-    with Engine.from_pretrained("demo", device="cuda", dtype="bfloat16", progress=False, surgery=["kv8"]) as engine:
+    with Engine.from_pretrained("demo", **ON_GPU, dtype="bfloat16", progress=False, surgery=["kv8"]) as engine:
         guard = engine.surgery[0]["guard"]
         chat = engine.chat("render")
         questions = ["What is 12 plus 30?", "Hello! How are you today?", "What is 7 times 8?", "Say hi."]
@@ -172,7 +177,7 @@ def check_speculation() -> Iterator[tuple[str, bool, str]]:
             prompts = [p + f + p for p, f in zip(prompts, first)]
             want = batched_greedy(cpu, prompts, 48)
         for graphs in (False, True):
-            with Engine.from_pretrained(path, device="cuda", dtype="float32", progress=False,
+            with Engine.from_pretrained(path, **ON_GPU, dtype="float32", progress=False,
                                         cuda_graphs=graphs) as gpu:
                 got = batched_greedy(gpu, prompts, 48, MIXED_SPECULATION)
                 stats = gpu.stats()
@@ -186,7 +191,7 @@ def check_speculation() -> Iterator[tuple[str, bool, str]]:
         # the draft-model drafter runs its own forwards (its graphs too): the checkpoint drafts
         # for itself, so nearly every draft is accepted and every path of the drafter runs
         for graphs in (False, True):
-            with Engine.from_pretrained(path, device="cuda", dtype="float32", progress=False, cuda_graphs=graphs,
+            with Engine.from_pretrained(path, **ON_GPU, dtype="float32", progress=False, cuda_graphs=graphs,
                                         speculation={"method": "draft_model", "draft_model": str(path),
                                                      "k": 4}) as gpu:
                 got = batched_greedy(gpu, prompts, 48)
@@ -204,7 +209,7 @@ def one_at_a_time(prompts: list[list[int]], n: int, policy: str) -> list[list[in
     from hibana_kernels import fusion
 
     params = SamplingParams(max_tokens=n, ignore_eos=True)
-    with fusion.using(policy), Engine.from_pretrained("demo", device="cuda", dtype="bfloat16", progress=False,
+    with fusion.using(policy), Engine.from_pretrained("demo", **ON_GPU, dtype="bfloat16", progress=False,
                                                      speculation="off") as engine:
         return [list(engine.open_state(f"one{i}").generate(params, prompt=p).token_ids)
                 for i, p in enumerate(prompts)]
@@ -216,7 +221,7 @@ def check_bf16_demo() -> Iterator[tuple[str, bool, str]]:
     from hibana_core.loader import DEMO_MODEL_DIR
 
     hf = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.bfloat16).cuda().eval()
-    with Engine.from_pretrained("demo", device="cuda", dtype="bfloat16", progress=False) as engine:
+    with Engine.from_pretrained("demo", **ON_GPU, dtype="bfloat16", progress=False) as engine:
         chat = engine.chat("render")
         tools = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.",
                   "parameters": {"type": "object", "properties": {"a": {"type": "number"},
@@ -232,7 +237,7 @@ def check_bf16_demo() -> Iterator[tuple[str, bool, str]]:
     single = {policy: one_at_a_time(prompts, 32, policy) for policy in ("on", "off")}
 
     def greedy(model, prompt):
-        ids = torch.tensor([prompt], device="cuda")
+        ids = torch.tensor([prompt], **ON_GPU)
         with torch.inference_mode():
             return model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False,
                                   eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
@@ -294,7 +299,7 @@ def check_fp8() -> Iterator[tuple[str, bool, str]]:
             options = dict(progress=False, speculation="off")
             with Engine.from_pretrained(path, device="cpu", **options) as cpu:
                 want = {a: batched_greedy(cpu, prompts, 32, prefix=f"b{a}-") for a, prompts in batches.items()}
-            with Engine.from_pretrained(path, device="cuda", dtype="float32", **options) as gpu:
+            with Engine.from_pretrained(path, **ON_GPU, dtype="float32", **options) as gpu:
                 got = {a: batched_greedy(gpu, prompts, 32, prefix=f"b{a}-") for a, prompts in batches.items()}
             same = {a: sum(x == y for x, y in zip(got[a], want[a])) for a in batches}
             yield (name, all(same[a] == a for a in batches),

@@ -32,6 +32,7 @@ from hibana_kernels.moe_triton import DecodeTiles, GroupedTiles
 PEAK_BYTES_S = 4.8e12  # H200 HBM3e
 ROTATE_BYTES = 1 << 30  # expert bytes cycled through per timing: the H200's L2 is 50 MB
 MAX_REL_ERR = 2e-2
+DEVICE = "cuda"
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,9 @@ MODELS = {
     "qwen3-30b-a3b": Shape(2048, 768, 128, 8, "dense", "silu", False, "softmax", True),
     "gpt-oss-20b": Shape(2880, 2880, 32, 4, "mxfp4", "swiglu_oai", True, "topk_softmax", False),
 }
-SWEEP_TILES = {
+SWEEP_TILES = {  # decode: small BLOCK_N for more programs at T = 1; wide BLOCK_K for MXFP4's small rows
     "decode": [DecodeTiles(n, k, w) for n, k, w in ((8, 256, 4), (16, 256, 4), (16, 512, 4), (32, 128, 4),
-                                                     (8, 512, 4), (4, 512, 2))],
+                                                     (8, 512, 4), (4, 512, 2), (16, 1024, 8), (8, 1024, 4))],
     "grouped": [GroupedTiles(m, n, k, w, s) for m, n, k, w, s in ((16, 64, 64, 4, 3), (16, 128, 64, 4, 3),
                                                                   (32, 64, 64, 4, 3), (64, 64, 64, 4, 3),
                                                                   (64, 128, 64, 8, 3), (16, 64, 128, 4, 2))],
@@ -63,7 +64,7 @@ SWEEP_TILES = {
 def make_experts(shape: Shape, gen: torch.Generator) -> MoEExperts:
     """One layer's experts with random weights on the GPU, outputs O(1) for unit-variance x."""
     e, h, i = shape.experts, shape.hidden, shape.inter
-    dev = "cuda"
+    dev = DEVICE
     if shape.kind == "dense":
         weights = dict(w13=(torch.randn(e, 2 * i, h, device=dev, generator=gen) / h ** 0.5).to(torch.bfloat16),
                        w2=(torch.randn(e, h, i, device=dev, generator=gen) / i ** 0.5).to(torch.bfloat16))
@@ -129,18 +130,19 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def measure(name: str, shape: Shape, tokens: int, copies: list[MoEExperts], sweep: bool) -> list[dict]:
     """Rows for one model and T: each path at its default tiles (and the sweep's), the reference."""
-    gen = torch.Generator(device="cuda").manual_seed(tokens)
-    x = torch.randn(tokens, shape.hidden, device="cuda", generator=gen).to(torch.bfloat16)
-    logits = torch.randn(tokens, shape.experts, device="cuda", generator=gen)
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens)
+    x = torch.randn(tokens, shape.hidden, device=DEVICE, generator=gen).to(torch.bfloat16)
+    logits = torch.randn(tokens, shape.experts, device=DEVICE, generator=gen)
     weights, ids = moe_triton.moe_route(logits, shape.top_k, scoring=shape.scoring, renormalize=shape.renormalize)
     ref_ids = moe.moe_route(logits, shape.top_k, scoring=shape.scoring, renormalize=shape.renormalize)[1]
     route_ok = torch.equal(ids.sort(dim=-1).values, ref_ids.sort(dim=-1).values)
     nbytes = bytes_read(copies[0], ids, x)
     expected = moe.fused_moe(x, copies[0], weights, ids)
-    chosen = moe_triton.choose_tiles(tokens, copies[0])
-    grouped_tokens = max(tokens, moe_triton.DECODE_MAX_TOKENS + 1)  # the grouped path's tiles at this T
-    candidates = [("decode", moe_triton.choose_tiles(1, copies[0])),
-                  ("grouped", moe_triton.choose_tiles(grouped_tokens, copies[0]))]
+    kind = copies[0].kind
+    chosen = moe_triton.choose_tiles(tokens, kind)
+    grouped_tokens = max(tokens, moe_triton.DECODE_MAX_TOKENS[kind] + 1)  # the grouped path's tiles at this T
+    candidates = [("decode", moe_triton.choose_tiles(1, kind)),
+                  ("grouped", moe_triton.choose_tiles(grouped_tokens, kind))]
     if sweep:
         candidates += [(path, tiles) for path, options in SWEEP_TILES.items() for tiles in options]
     rows = []
@@ -160,6 +162,10 @@ def measure(name: str, shape: Shape, tokens: int, copies: list[MoEExperts], swee
                                                       renormalize=shape.renormalize))
     rows.append(dict(model=name, tokens=tokens, path="moe_route", tiles=None, picked=False, us=seconds * 1e6,
                      bytes=logits.numel() * 4, gb_s=0.0, peak_pct=0.0, rel_err=0.0, route_matches_torch=route_ok))
+    block_m = moe_triton.choose_tiles(grouped_tokens, kind).block_m
+    seconds = time_graph(lambda: moe_triton.moe_align(ids, shape.experts, block_m))
+    rows.append(dict(model=name, tokens=tokens, path="moe_align", tiles=None, picked=False, us=seconds * 1e6,
+                     bytes=ids.numel() * 8, gb_s=0.0, peak_pct=0.0, rel_err=0.0, route_matches_torch=route_ok))
     return rows
 
 
@@ -174,6 +180,18 @@ def print_table(rows: list[dict]) -> None:
               f"{'ok' if r['route_matches_torch'] else 'DIFFERS'}")
 
 
+def print_fastest(rows: list[dict]) -> None:
+    """The fastest tiles of each path per model and T (what choose_tiles should pick)."""
+    best = {}
+    for r in rows:
+        if r["tiles"] and r["rel_err"] <= MAX_REL_ERR:
+            key = (r["model"], r["tokens"], r["path"])
+            if key not in best or r["us"] < best[key]["us"]:
+                best[key] = r
+    for (model, tokens, path), r in sorted(best.items()):
+        print(f"fastest {path:<8} {model:<15} T={tokens:<5} {r['tiles']}: {r['us']:.1f} us, {r['peak_pct']:.1f}%")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="1,8,64,512")
@@ -184,7 +202,7 @@ def main() -> None:
     rows = []
     for name in args.models.split(","):
         shape = MODELS[name]
-        gen = torch.Generator(device="cuda").manual_seed(0)
+        gen = torch.Generator(device=DEVICE).manual_seed(0)
         first = make_experts(shape, gen)
         copies = [first] + [make_experts(shape, gen) for _ in range(max(1, ROTATE_BYTES // layer_bytes(first)))]
         for tokens in (int(t) for t in args.tokens.split(",")):
@@ -193,6 +211,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     print("* the path and tiles fused_moe picks; bytes: distinct selected experts + x + out")
     print_table(rows)
+    print_fastest(rows)
     bad = [r for r in rows if r["rel_err"] > MAX_REL_ERR or not r["route_matches_torch"]]
     if args.json:
         with open(args.json, "w") as f:

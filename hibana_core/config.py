@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from hibana_core.errors import ConfigError, GrammarError
+from hibana_core.kv.budget import parse_budget
 
 
 def _check(cond: bool, message: str) -> None:
@@ -68,11 +69,17 @@ class CacheConfig:
     block_size: int = 16
     """Tokens per KV block; also the granularity of prefix sharing."""
     num_blocks: int | None = None
-    """Exact number of KV blocks; None sizes the pool from `memory_budget_bytes`."""
-    memory_budget_bytes: int | None = None
-    """Bytes for weights + KV cache; None: a fraction of the device (see `memory_fraction`)."""
+    """Exact number of device KV blocks (also `kv_device_blocks`); None sizes the pool from
+    `memory_budget`."""
+    memory_budget: int | float | str | None = None
+    """The engine's memory on its device: weights, KV blocks and a step's workspace (and a draft
+    model's weights and KV) together. Bytes (an int, "20GB", "512MiB") or a fraction of the
+    device's memory (0.8, "80%"): of a discrete GPU's memory; on unified memory (an integrated
+    GPU, the CPU) of system memory less headroom for the OS (kv/budget.py). What is left after
+    the weights and the workspace becomes KV blocks. None: KV takes `memory_fraction` of the
+    memory free at start."""
     memory_fraction: float = 0.5
-    """Share of free device memory (host RAM on CPU) the engine may take when no budget is given."""
+    """Share of free device memory (host RAM on CPU) the KV cache may take when no budget is given."""
     max_kv_bytes_cpu: int = 2 << 30
     """Upper bound on KV bytes on the CPU backend when sized automatically (RAM is shared with the OS)."""
     enable_prefix_caching: bool = True
@@ -84,7 +91,10 @@ class CacheConfig:
     host_kv_bytes: int | None = None
     """The host tier: bytes of host memory where idle states' KV is parked when the device pool
     needs room (and copied back when they resume) instead of being dropped and recomputed.
-    None: a quarter of physical memory, at most 16 GiB; 0: no host tier (drop and recompute)."""
+    None: a quarter of physical memory, at most 16 GiB, except on unified memory with a
+    `memory_budget`, where the budget is one pool and there is no host tier (parking would copy
+    within the same memory); 0: no host tier (drop and recompute). On unified memory a host tier
+    given in bytes comes out of the budget."""
     state_dir: Any = None
     """A folder (str or os.PathLike) where named states persist across restarts: the engine writes
     each open named state there when it closes, and `open_state(id)` finds the state again
@@ -102,13 +112,13 @@ class CacheConfig:
     prefix index until the pool reuses them, so a conversation that comes back recomputes little."""
 
     def __post_init__(self) -> None:
+        if self.memory_budget is not None:  # first: its own message for every wrong kind
+            object.__setattr__(self, "memory_budget", parse_budget(self.memory_budget))
         _check_types(self)
         _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
                f"block_size must be a power of two, got {self.block_size}")
         _check(self.num_blocks is None or self.num_blocks >= 2,
                f"num_blocks must be at least 2, got {self.num_blocks}")
-        _check(self.memory_budget_bytes is None or self.memory_budget_bytes > 0,
-               "memory_budget_bytes must be positive")
         _check(0.0 < self.memory_fraction <= 1.0, "memory_fraction must lie in (0, 1]")
         _check(self.max_unnamed_states >= 0, "max_unnamed_states must be >= 0")
         _check(self.state_dir is None or (isinstance(self.state_dir, (str, os.PathLike))
@@ -224,6 +234,10 @@ class SpeculationConfig:
         return self.enabled and self.k != 0
 
 
+OPTION_ALIASES = {"kv_device_blocks": "num_blocks", "memory_budget_bytes": "memory_budget"}
+"""Other names engine options answer to: the memory manager's (issue 17) and earlier releases'."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything `Engine.from_pretrained` needs; overrides are keyword arguments of it."""
@@ -290,6 +304,10 @@ class EngineConfig:
         top: dict[str, Any] = {"model": model}
         parts: dict[str, dict[str, Any]] = {name: {} for name in nested}
         for key, value in overrides.items():
+            if key in OPTION_ALIASES:
+                _check(OPTION_ALIASES[key] not in overrides,
+                       f"{key} is another name of {OPTION_ALIASES[key]}: give one of them")
+                key = OPTION_ALIASES[key]
             if key in own:
                 top[key] = value
                 continue

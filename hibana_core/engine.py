@@ -32,6 +32,7 @@ from hibana_core.errors import ConfigError, EngineClosedError, MemoryBudgetError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.grammar import Grammars
 from hibana_core.kv.block_pool import BlockPool
+from hibana_core.kv.budget import device_memory, workspace_bytes
 from hibana_core.kv.cache import KVCache, kv_cache_dtype
 from hibana_core import surgery
 from hibana_core.surgery.calibration import Calibration
@@ -166,7 +167,7 @@ class Engine:
         except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory errors are RuntimeErrors
             per_block = KVCache.bytes_per_block(a.num_layers, bs, a.num_kv_heads, a.head_dim, kv_dtype)
             raise MemoryBudgetError(f"cannot allocate {num_blocks:,} KV blocks ({num_blocks * per_block:,} bytes) "
-                                    f"on {self.device}: {exc}; lower num_blocks or memory_budget_bytes") from None
+                                    f"on {self.device}: {exc}; lower kv_device_blocks or memory_budget") from None
         self._ctx.kv_cache = self.kv_cache
         self.pool = BlockPool(num_blocks, bs)
         stages.begin("warm-up")
@@ -176,7 +177,9 @@ class Engine:
         speculator = Speculator(config.speculation, get_plugin_manager().drafters(),
                                 lambda: me._profile_steps(me.core.runner), me)
         host_bytes = config.cache.host_kv_bytes
-        host_bytes = default_host_budget() if host_bytes is None else host_bytes
+        if host_bytes is None:  # on unified memory a budget is one pool: parking would only copy
+            one_pool = self.memory_budget is not None and self.device_memory.unified
+            host_bytes = 0 if one_pool else default_host_budget()
         self.host_tier = HostTier(self.kv_cache, self.pool, host_bytes) if host_bytes else None
         """Idle states' KV parked in host memory under device pressure (kv/tiers.py); None: off."""
         eviction = IdleLRUEviction(self.pool, self._idle_sequences, self.host_tier)
@@ -245,34 +248,69 @@ class Engine:
             return engine
 
     def _num_blocks(self, weight_bytes: int, kv_dtype: torch.dtype) -> int:
-        cache, a = self.config.cache, self.model_args
+        cache, a, sched = self.config.cache, self.model_args, self.config.scheduler
         per_block = KVCache.bytes_per_block(a.num_layers, cache.block_size, a.num_kv_heads, a.head_dim, kv_dtype)
-        if cache.num_blocks is not None:
-            return cache.num_blocks
-        if cache.memory_budget_bytes is not None:
-            kv_bytes = cache.memory_budget_bytes - weight_bytes
-            if kv_bytes < 2 * per_block:
-                raise MemoryBudgetError(
-                    f"memory_budget_bytes={cache.memory_budget_bytes:,} cannot hold the weights "
-                    f"({weight_bytes:,} bytes) plus two KV blocks ({2 * per_block:,} bytes); raise it "
-                    "to at least their sum, or pick a smaller model")
-            return kv_bytes // per_block
         if self.device.type == "cuda":
             # memory that closed engines left in torch's caching allocator is free for this one
             gc.collect()
             torch.cuda.empty_cache()
-            free, _ = torch.cuda.mem_get_info(self.device)
-            kv_bytes = int(free * cache.memory_fraction)
+        self.device_memory = device_memory(self.device)
+        """The device's total and free bytes at start, and whether it is unified memory."""
+        self.workspace_bytes = workspace_bytes(
+            hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_heads=a.num_heads,
+            num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, vocab_size=a.vocab_size,
+            max_batched_tokens=sched.max_num_batched_tokens, max_agents=sched.max_concurrent_agents,
+            dtype_bytes=self.dtype.itemsize)
+        """What a step may allocate besides weights and KV (an estimate, kv/budget.py)."""
+        self.memory_budget = None
+        """The budget in bytes (None: none given; `num_blocks` or the default sizing)."""
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        if cache.memory_budget is not None:
+            return self._blocks_in_budget(per_block, weight_bytes)
+        if self.device.type == "cuda":
+            kv_bytes = int(self.device_memory.free * cache.memory_fraction)
         else:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            kv_bytes = min(cache.max_kv_bytes_cpu, int(available * cache.memory_fraction))
+            kv_bytes = min(cache.max_kv_bytes_cpu, int(self.device_memory.free * cache.memory_fraction))
             # on the CPU, never more than every admitted agent at full context (zeroed RAM is slow)
-            full = self.config.scheduler.max_concurrent_agents * -(-self.max_model_len // cache.block_size)
+            full = sched.max_concurrent_agents * -(-self.max_model_len // cache.block_size)
             kv_bytes = min(kv_bytes, 2 * full * per_block)
         if kv_bytes < 2 * per_block:
             raise MemoryBudgetError("too little memory is free for the KV cache; free memory or "
-                                    "set memory_budget_bytes / num_blocks")
+                                    "set memory_budget / kv_device_blocks")
         return kv_bytes // per_block
+
+    def _blocks_in_budget(self, per_block: int, weight_bytes: int) -> int:
+        """KV blocks that fit the budget once the weights, the workspace and a draft model (its
+        checkpoint's bytes, and its KV: a share of the target's) are counted."""
+        memory, given = self.device_memory, self.config.cache.memory_budget
+        budget = self.memory_budget = memory.resolve(given)
+        if budget > memory.total:
+            raise MemoryBudgetError(f"memory_budget={given!r} ({budget:,} bytes) is more than the "
+                                    f"{memory.total:,} bytes of {self.device}; lower it, or give a fraction")
+        draft_bytes, draft_share = self._draft_model_reserve()
+        fixed = weight_bytes + self.workspace_bytes + draft_bytes
+        if memory.unified:  # a host tier asked for lives in the same memory
+            fixed += self.config.cache.host_kv_bytes or 0
+        kv_bytes = int((budget - fixed) / (1 + draft_share))
+        if kv_bytes < 2 * per_block:
+            parts = f"weights {weight_bytes:,}, workspace {self.workspace_bytes:,}"
+            parts += f", draft model {draft_bytes:,}" if draft_bytes else ""
+            raise MemoryBudgetError(
+                f"memory_budget={given!r} ({budget:,} bytes) cannot hold {parts} bytes and two KV blocks "
+                f"({2 * per_block:,} bytes); raise it to at least {fixed + 2 * per_block:,} bytes, lower "
+                "max_num_batched_tokens / max_concurrent_agents (the workspace), or pick a smaller model")
+        return kv_bytes // per_block
+
+    def _draft_model_reserve(self) -> tuple[int, float]:
+        """(bytes, KV share) the draft model of `speculation` will take; (0, 0) without one."""
+        spec = self.config.speculation
+        if not spec.enabled or spec.method != "draft_model" or not spec.draft_model:
+            return 0, 0.0
+        from hibana_core.loader import checkpoint_bytes
+        from hibana_core.speculation.draft_model import DRAFT_KV_SHARE
+
+        return checkpoint_bytes(spec.draft_model), DRAFT_KV_SHARE
 
     def step(self) -> bool:
         """One engine step (the engine's thread runs these while there is work)."""
@@ -334,7 +372,10 @@ class Engine:
 
     def memory(self) -> dict:
         """Bytes per tier and per state: the device (weights, the KV pool and what of it is in
-        use), the host tier (its budget and the parked copies), and each state's tier and bytes."""
+        use, the workspace estimate, a draft model's weights and KV, the budget in bytes or None,
+        the device's total and whether it is unified memory; on CUDA the allocator's current and
+        peak bytes), the host tier (its budget and the parked copies), and each state's tier and
+        bytes."""
         with self.core.lock:
             per_block = self.kv_cache.bytes_per_block_here
             states = {}
@@ -342,10 +383,18 @@ class Engine:
                 parked = self.registry.parked_bytes(info.id)
                 states[info.id] = {"tier": info.tier, "tokens": info.tokens,
                                    "bytes": parked if info.tier == "host" else info.blocks * per_block}
-            tier = self.host_tier
-            return {"device": {"weights": self.weight_bytes, "kv_pool": self.kv_cache.nbytes,
-                               "kv_used": self.pool.num_used * per_block,
-                               "kv_cached": self.pool.num_cached * per_block},
+            tier, memory = self.host_tier, self.device_memory
+            device = {"weights": self.weight_bytes, "kv_pool": self.kv_cache.nbytes,
+                      "kv_used": self.pool.num_used * per_block, "kv_cached": self.pool.num_cached * per_block,
+                      "workspace_estimate": self.workspace_bytes, "budget": self.memory_budget,
+                      "total": memory.total, "unified": memory.unified}
+            draft = self.scheduler.speculation.resident_bytes()
+            if draft:
+                device["draft_model"] = draft
+            if self.device.type == "cuda":  # what torch's allocator really holds, and held at most
+                device["allocated"] = torch.cuda.memory_allocated(self.device)
+                device["peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
+            return {"device": device,
                     "host": {"budget": tier.budget_bytes if tier else 0, "kv_parked": tier.bytes_used if tier else 0},
                     "states": states}
 

@@ -166,6 +166,12 @@ def model_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def checkpoint_bytes(model: str) -> int:
+    """Bytes of a checkpoint's weight files (what it will take loaded in the dtype it is stored
+    in): the memory budget counts a draft model before loading it."""
+    return sum(f.stat().st_size for f in _weight_files(resolve_checkpoint(model)))
+
+
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():

@@ -385,8 +385,8 @@ class Scheduler:
         victim = self.running[-1] if self.running else self.waiting[0]
         victim.error = MemoryBudgetError(
             f"a history of {len(victim.seq)} tokens needs more KV blocks than the pool has "
-            f"({self.pool.num_blocks} blocks of {self.pool.block_size}); raise memory_budget_bytes "
-            "or num_blocks, or close idle states")
+            f"({self.pool.num_blocks} blocks of {self.pool.block_size}); raise memory_budget "
+            "or kv_device_blocks, or close idle states")
         self.finish(victim, "error")
 
     # --- update ---------------------------------------------------------------------------------

@@ -16,7 +16,17 @@ summed). The experts' weights come in one `MoEExperts`, stacked over the E exper
 
 gpt-oss interleaves gate and up (its gate_up_proj's output features alternate gate, up, gate,
 ...); `deinterleave_gate_up` puts a checkpoint's rows (blocks, scales or bias) into the
-gate-then-up order w13 expects. Qwen3-MoE's gate_up_proj is already gate then up.
+gate-then-up order w13 expects. Qwen3-MoE's gate_up_proj is already gate then up. As the
+checkpoints store them:
+
+    Qwen3-MoE   w13 = gate_up_proj [E, 2I, H]                 w2 = down_proj [E, H, I]
+    gpt-oss     w13 = deinterleave_gate_up(gate_up_proj_blocks), w13_scales likewise,
+    (MXFP4)     b13 = deinterleave_gate_up(gate_up_proj_bias); w2 = down_proj_blocks as stored
+    gpt-oss     w13 = deinterleave_gate_up(gate_up_proj.transpose(1, 2))   ([E, H, 2I] there)
+    (bf16)      w2 = down_proj.transpose(1, 2)                             ([E, I, H] there)
+
+A layer is then `weights, ids = moe_route(router_logits, k, ...)` and
+`fused_moe(x, experts, weights, ids)`; build the MoEExperts once at load (it checks shapes).
 """
 
 from __future__ import annotations
@@ -214,6 +224,15 @@ def expert_activation(gate_up: torch.Tensor, experts: MoEExperts) -> torch.Tenso
     return (up + 1) * (gate * torch.sigmoid(gate * experts.swiglu_alpha))
 
 
+def check_moe_inputs(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor, ids: torch.Tensor):
+    """Shapes only (the ids' range would cost a device sync): x [T, H], weights and ids [T, k]."""
+    if x.dim() != 2 or x.shape[1] != experts.hidden_size:
+        raise ValueError(f"fused_moe wants x [T, {experts.hidden_size}], got {tuple(x.shape)}")
+    if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"fused_moe wants weights and ids [T, k] for T = {x.shape[0]}, got "
+                         f"{tuple(weights.shape)} and {tuple(ids.shape)}")
+
+
 def fused_moe(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """x [T, H] through each token's experts `ids` [T, k], weighted by `weights` [T, k] -> [T, H]
     in x's dtype.
@@ -222,6 +241,7 @@ def fused_moe(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor, ids: 
     dtype (bias added after its matmul), its output times the routing weight rounded to x's dtype
     (transformers rounds the weights to the logits' dtype), summed into x's dtype.
     """
+    check_moe_inputs(x, experts, weights, ids)
     out = torch.zeros_like(x)
     for expert in torch.unique(ids).tolist():
         slot, token = torch.where(ids.t() == expert)  # transformers' row order: by slot, then token

@@ -3,7 +3,7 @@
 A layer is routing, then one of two expert paths picked by the number of tokens:
 
     moe_route      one program per token: top-k of the router logits, the family's weights
-    decode path    (up to DECODE_MAX_TOKENS tokens) one GEMV program per route (token, slot)
+    decode path    (up to DECODE_MAX_TOKENS[kind] tokens) one GEMV program per route (token, slot)
                    and tile of the intermediate size computes gate|up and the activation; then
                    one program per token and tile of H runs its k experts' down projections,
                    weights and sums them. Only the selected experts' rows are read.
@@ -37,7 +37,10 @@ import triton.language as tl
 from hibana_kernels import moe
 from hibana_kernels.moe import ExpertBlocks, MoEExperts
 
-DECODE_MAX_TOKENS = 8  # tokens the decode path takes (a first guess: bench/tune_moe.py)
+DECODE_MAX_TOKENS = {"dense": 8, "mxfp4": 4}
+"""Tokens the decode path takes, per weight kind (H200, bench/tune_moe.py --sweep, 2026-12-01:
+bf16 decode beats grouped at T=8, 130 against 135 us; MXFP4 decode wins at T=1, 61 against 149 us,
+and loses at T=8, 351 against 265 us; 4 is the crossover of the two lines)."""
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ACTIVATION = {"silu": 0, "swiglu_oai": 1}
 
@@ -166,13 +169,13 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks
 
 
 @triton.jit
-def _e2m1(codes):
-    """e2m1 codes (int32, 0..15) as float32: sign bit, 2 exponent bits, 1 mantissa bit."""
-    exponent = (codes >> 1) & 3
-    mantissa = (codes & 1).to(tl.float32)
-    magnitude = tl.where(exponent == 0, 0.5 * mantissa,
-                         (2.0 + mantissa) * (1 << exponent).to(tl.float32) * 0.25)
-    return tl.where((codes & 8) != 0, -magnitude, magnitude)
+def _e2m1_scaled(codes):
+    """e2m1 codes (int32, 0..15: sign, 2 exponent bits, 1 mantissa bit) as float32 values over
+    2^14, exactly and in a few integer ops: the three magnitude bits become an fp16's lowest
+    exponent bits and top mantissa bit (exponent 0 lands on fp16's subnormals: 0 and 0.5 come out
+    right), the sign its sign bit; fp16 -> float32 is exact."""
+    half = ((codes & 7) << 9) | ((codes & 8) << 12)
+    return half.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -185,11 +188,12 @@ def _weight_tile(w_ptr, s_ptr, expert, offs_n, n_mask, k0, K, stride_we, stride_
         offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         packed = tl.load(w_rows + offs_b[None, :], mask=n_mask[:, None] & (offs_b < K // 2)[None, :],
                          other=0).to(tl.int32)
-        values = _e2m1(tl.interleave(packed & 0xF, packed >> 4))  # [BLOCK_N, BLOCK_K], k in order
+        values = _e2m1_scaled(tl.interleave(packed & 0xF, packed >> 4))  # [BLOCK_N, BLOCK_K], k in order
         offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         e8m0 = tl.load(s_ptr + expert.to(tl.int64) * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn
                        + offs_g[None, :], mask=n_mask[:, None] & (offs_g < K // 32)[None, :], other=0)
-        scale = (e8m0.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(e8m0 - 127); 0 -> 0
+        # 2^(e8m0 - 127) * 2^14: the float32 of exponent field e8m0 + 14 (inf above 2^113)
+        scale = (tl.minimum(e8m0.to(tl.int32) + 14, 255) << 23).to(tl.float32, bitcast=True)
         w = tl.reshape(values, [BLOCK_N, BLOCK_K // 32, 32]) * scale[:, :, None]
         return tl.reshape(w, [BLOCK_N, BLOCK_K])
     else:
@@ -210,7 +214,8 @@ def _mxfp4_dequantize_kernel(w_ptr, s_ptr, out_ptr, R, K, BLOCK_N: tl.constexpr,
 
 
 def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """See `hibana_kernels.moe.mxfp4_dequantize` (a scale of 0, 2^-127, reads as 0 here)."""
+    """See `hibana_kernels.moe.mxfp4_dequantize` (scales above 2^113 read as inf: real ones are
+    near 2^0)."""
     *lead, groups, _ = blocks.shape
     k = groups * moe.MXFP4_BLOCK
     rows = blocks.numel() // (k // 2) if k else 0
@@ -250,12 +255,13 @@ def _gate_up_activation(gate, up, b_ptr, expert, offs_n, n_mask, I, stride_be, a
         gate = _round(gate + _bias(b_ptr, expert, offs_n, n_mask, stride_be, dtype), dtype)
         up = _round(up + _bias(b_ptr, expert, I + offs_n, n_mask, stride_be, dtype), dtype)
     if ACTIVATION == 0:
-        return _round(gate / (1.0 + tl.exp(-gate)), dtype) * up
-    gate = tl.minimum(gate, limit)
-    up = tl.maximum(tl.minimum(up, limit), -limit)
-    sig = _round(1.0 / (1.0 + tl.exp(-_round(gate * alpha, dtype))), dtype)
-    glu = _round(gate * sig, dtype)
-    return _round(up + 1.0, dtype) * glu
+        act = _round(gate / (1.0 + tl.exp(-gate)), dtype) * up
+    else:
+        gate = tl.minimum(gate, limit)
+        up = tl.maximum(tl.minimum(up, limit), -limit)
+        sig = _round(1.0 / (1.0 + tl.exp(-_round(gate * alpha, dtype))), dtype)
+        act = _round(up + 1.0, dtype) * _round(gate * sig, dtype)
+    return act
 
 
 @triton.jit
@@ -276,7 +282,8 @@ def _weighted_output(acc, weight, b_ptr, expert, offs_n, n_mask, stride_be, dtyp
 def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, act_ptr, H, I, TOP_K,
                            stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_be,
                            alpha, limit, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           MXFP4: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr):
+                           MXFP4: tl.constexpr, ROUND_W: tl.constexpr, ACTIVATION: tl.constexpr,
+                           HAS_BIAS: tl.constexpr):
     """act[route, n] for one route and BLOCK_N intermediate features: its expert's gate rows n
     and up rows I + n, streamed along H; products stay per tile column until the loop ends."""
     route = tl.program_id(0)
@@ -293,10 +300,11 @@ def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, act_ptr, H, I, T
                           stride_se, stride_sn, BLOCK_N, BLOCK_K, MXFP4)
         wu = _weight_tile(w_ptr, s_ptr, expert, I + offs_n, n_mask, k0, H, stride_we, stride_wn,
                           stride_se, stride_sn, BLOCK_N, BLOCK_K, MXFP4)
+        if ROUND_W:  # the weights in x's dtype, as the reference dequantizes them
+            wg, wu = wg.to(x_ptr.dtype.element_ty), wu.to(x_ptr.dtype.element_ty)
         x = x.to(tl.float32)[None, :]
-        # MXFP4 weights rounded to x's dtype, as the reference dequantizes them
-        gate += x * wg.to(x_ptr.dtype.element_ty).to(tl.float32)
-        up += x * wu.to(x_ptr.dtype.element_ty).to(tl.float32)
+        gate += x * wg.to(tl.float32)
+        up += x * wu.to(tl.float32)
     act = _gate_up_activation(tl.sum(gate, axis=1), tl.sum(up, axis=1), b_ptr, expert, offs_n, n_mask,
                               I, stride_be, alpha, limit, x_ptr.dtype.element_ty, ACTIVATION, HAS_BIAS)
     tl.store(act_ptr + route.to(tl.int64) * I + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_mask)
@@ -306,7 +314,7 @@ def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, act_ptr, H, I, T
 def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, b_ptr, out_ptr, H, I,
                         stride_om, stride_we, stride_wn, stride_se, stride_sn, stride_be,
                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr):
+                        MXFP4: tl.constexpr, ROUND_W: tl.constexpr, HAS_BIAS: tl.constexpr):
     """out[t, n] for one token and BLOCK_N hidden features: each of its k experts' down rows
     against that route's activation, weighted, summed over the k in float32."""
     t = tl.program_id(0)
@@ -322,7 +330,9 @@ def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, b_ptr, out_
             a = tl.load(act_ptr + route.to(tl.int64) * I + offs_k, mask=offs_k < I, other=0.0)
             w = _weight_tile(w_ptr, s_ptr, expert, offs_n, n_mask, k0, I, stride_we, stride_wn,
                              stride_se, stride_sn, BLOCK_N, BLOCK_K, MXFP4)
-            acc += a.to(tl.float32)[None, :] * w.to(act_ptr.dtype.element_ty).to(tl.float32)
+            if ROUND_W:
+                w = w.to(act_ptr.dtype.element_ty)
+            acc += a.to(tl.float32)[None, :] * w.to(tl.float32)
         total += _weighted_output(tl.sum(acc, axis=1), tl.load(weights_ptr + route), b_ptr, expert,
                                   offs_n, n_mask, stride_be, act_ptr.dtype.element_ty, HAS_BIAS)
     tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
@@ -436,18 +446,22 @@ def _weights(w: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | 
     return _Weights(w, s, b, (w.stride(0), w.stride(1), s.stride(0), s.stride(1), b.stride(0)))
 
 
-def choose_tiles(tokens: int, experts: MoEExperts) -> DecodeTiles | GroupedTiles:
-    """The path and its tiles for `tokens` tokens: first guesses, to be replaced by
-    bench/tune_moe.py's measurements."""
-    if tokens <= DECODE_MAX_TOKENS:
-        return DecodeTiles(block_n=16, block_k=256, num_warps=4)
-    block_m = 16 if tokens < 256 else 64
-    return GroupedTiles(block_m, block_n=64, block_k=64, num_warps=4, num_stages=3)
+def choose_tiles(tokens: int, kind: str = "dense") -> DecodeTiles | GroupedTiles:
+    """The path and its tiles for `tokens` tokens of `kind` experts: the fastest of
+    bench/tune_moe.py --sweep on the H200 at Qwen3-30B-A3B (bf16) and gpt-oss-20b (MXFP4) shapes."""
+    if tokens <= DECODE_MAX_TOKENS[kind]:
+        if kind == "mxfp4":  # half-byte weights: narrower, deeper tiles keep more loads in flight
+            return DecodeTiles(block_n=4, block_k=512, num_warps=2)
+        return DecodeTiles(block_n=8, block_k=256, num_warps=4)
+    if tokens >= 256:
+        return GroupedTiles(64, block_n=64, block_k=64, num_warps=4, num_stages=3)
+    return GroupedTiles(16, block_n=64, block_k=128, num_warps=4, num_stages=2)
 
 
 def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor, ids: torch.Tensor,
                      tiles: DecodeTiles | GroupedTiles) -> torch.Tensor:
     """fused_moe on the path and tiles chosen by the caller (tests, the tuning script)."""
+    moe.check_moe_inputs(x, experts, weights, ids)
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids = ids.contiguous()
     weights = weights.contiguous()
@@ -463,14 +477,16 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     swiglu = (experts.swiglu_alpha, experts.swiglu_limit)
     if isinstance(tiles, DecodeTiles):
+        # MXFP4 values (one mantissa bit) are exact in bfloat16 and float32: no rounding to do
+        round_w = not mxfp4 or x.dtype == torch.float16
         _gate_up_decode_kernel[(t * top_k, triton.cdiv(inter, tiles.block_n))](
             x, ids, w13.w, w13.s, w13.b, act, h, inter, top_k, x.stride(0), *w13.strides, *swiglu,
-            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, MXFP4=mxfp4,
+            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, MXFP4=mxfp4, ROUND_W=round_w,
             ACTIVATION=_ACTIVATION[experts.activation], HAS_BIAS=experts.b13 is not None,
             num_warps=tiles.num_warps)
         _down_decode_kernel[(t, triton.cdiv(h, tiles.block_n))](
             act, ids, weights, w2.w, w2.s, w2.b, out, h, inter, out.stride(0), *w2.strides,
-            TOP_K=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, MXFP4=mxfp4,
+            TOP_K=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, MXFP4=mxfp4, ROUND_W=round_w,
             HAS_BIAS=experts.b2 is not None, num_warps=tiles.num_warps)
         return out
     blocks = moe_align(ids, experts.num_experts, tiles.block_m)
@@ -498,4 +514,4 @@ def fused_moe(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor, ids: 
     """See `hibana_kernels.moe.fused_moe`."""
     if x.dtype not in _DTYPES or (experts.kind == "dense" and experts.w13.dtype not in _DTYPES):
         return moe.fused_moe(x, experts, weights, ids)
-    return fused_moe_launch(x, experts, weights, ids, choose_tiles(x.shape[0], experts))
+    return fused_moe_launch(x, experts, weights, ids, choose_tiles(x.shape[0], experts.kind))

@@ -460,15 +460,14 @@ def check_qk_norm_rotary_store(device, dtype, num_heads, head_dim, qk_norm, kv_f
     torch.testing.assert_close(out_q, ref_q, **tolerance)
     if kv_fp8:
         got, want = caches[2].view(torch.uint8), caches[0].view(torch.uint8)
-        if device == "cpu" and dtype == torch.bfloat16:
-            assert (got == want).float().mean() > 0.9
-            back = [attention.dequantize_kv(c, scales[0][0], torch.float32) for c in (caches[2], caches[0])]
-            torch.testing.assert_close(back[0], back[1], atol=0.1, rtol=0.07, equal_nan=True)
-        elif dtype == torch.float32:
+        if dtype == torch.float32:
             assert torch.equal(got, want)
         else:
-            steps = (got.int() - want.int()).abs()  # same sign: adjacent codes differ by 1
-            assert steps.max() <= 1 and (steps > 0).float().mean() < 0.02, steps.nonzero()
+            # a 16-bit key rounds differently (the interpreter truncates; CUDA fuses a multiply-add), so
+            # a code may be its neighbour, or near zero +0 against the smallest negative subnormal
+            assert (got == want).float().mean() > (0.9 if device == "cpu" else 0.98)
+            back = [attention.dequantize_kv(c, scales[0][0], torch.float32) for c in (caches[2], caches[0])]
+            torch.testing.assert_close(back[0], back[1], atol=0.1, rtol=0.07, equal_nan=True)
         assert torch.equal(caches[3].view(torch.uint8), caches[1].view(torch.uint8))
         return
     torch.testing.assert_close(caches[2], caches[0], equal_nan=True, **tolerance)

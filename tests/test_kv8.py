@@ -95,7 +95,7 @@ def test_kv8_computes_transformers_attention_over_fp8_round_tripped_kv(arch, tin
 def test_kv8_holds_twice_the_blocks_in_the_same_budget(tiny_checkpoints, make_engine):
     path = tiny_checkpoints["llama"]
     budget = 24 << 20
-    engines = {kv: make_engine(path, dtype="bfloat16", num_blocks=None, memory_budget_bytes=budget,
+    engines = {kv: make_engine(path, dtype="bfloat16", num_blocks=None, memory_budget=budget,
                                speculation="off", surgery_guard=False, surgery=["kv8"] if kv == "fp8" else [])
                for kv in ("bf16", "fp8")}
     bf16, fp8 = engines["bf16"], engines["fp8"]

@@ -180,6 +180,12 @@ def test_bad_experts_and_routing_arguments_are_refused():
         MoEExperts("dense", w13=w13, w2=w2, activation="gelu")
     with pytest.raises(ValueError, match="b2"):
         MoEExperts("dense", w13=w13, w2=w2, b2=torch.zeros(4, 64))
+    experts = MoEExperts("dense", w13=w13, w2=w2)
+    weights, ids = moe.moe_route(torch.randn(3, 4), 2)
+    with pytest.raises(ValueError, match="x \\[T, 32\\]"):
+        moe.fused_moe(torch.zeros(3, 16), experts, weights, ids)
+    with pytest.raises(ValueError, match="weights and ids"):
+        moe.fused_moe(torch.zeros(3, 32), experts, weights[:, :1], ids)
     with pytest.raises(ValueError, match="top_k"):
         moe.moe_route(torch.zeros(3, 4), 5)
     with pytest.raises(ValueError, match="scoring"):
@@ -312,10 +318,27 @@ def test_fused_moe(run_check, kind, activation, bias, dtype, path, tokens, top_k
               top_k=top_k, path=path)
 
 
-def test_fused_moe_float16(run_check):
+@pytest.mark.parametrize("kind, activation", [("dense", "silu"), ("mxfp4", "swiglu_oai")])
+def test_fused_moe_float16(run_check, kind, activation):
     for path in ("decode", "grouped"):
-        run_check(check_fused_moe, kind="dense", activation="silu", bias=True, dtype=torch.float16,
+        run_check(check_fused_moe, kind=kind, activation=activation, bias=True, dtype=torch.float16,
                   tokens=9, top_k=2, path=path)
+
+
+def check_fused_moe_picks_a_path(device):
+    """moe_triton.fused_moe at a decode batch and a prefill batch: its own path and tiles."""
+    mt = _moe_triton()
+    gen = torch.Generator().manual_seed(11)
+    experts = _random_experts("mxfp4", "swiglu_oai", True, 8, 64, 32, gen)
+    for tokens in (1, mt.DECODE_MAX_TOKENS["mxfp4"] + 1):
+        x = torch.randn(tokens, 64, generator=gen)
+        weights, ids = moe.moe_route(torch.randn(tokens, 8, generator=gen), 2, scoring="topk_softmax")
+        out = mt.fused_moe(x.to(device), _on(experts, device), weights.to(device), ids.to(device))
+        torch.testing.assert_close(out.cpu(), moe.fused_moe(x, experts, weights, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_fused_moe_picks_a_path(run_check):
+    run_check(check_fused_moe_picks_a_path)
 
 
 def test_moe_dispatch_on_cpu_runs_the_references_without_importing_triton():

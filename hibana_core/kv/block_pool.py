@@ -112,7 +112,7 @@ class BlockPool:
             raise MemoryBudgetError(
                 f"the KV cache needs {n} free blocks but has {self.num_free} of {self.num_blocks} "
                 f"({self.num_used} in use); close or truncate idle states, or raise "
-                f"memory_budget_bytes / num_blocks")
+                f"memory_budget / kv_device_blocks")
         ids: list[int] = []
         for _ in range(n):
             if self._empty:

@@ -36,7 +36,7 @@ from hibana_core.forward_context import ForwardContext
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.cache import KVCache, kv_cache_dtype
 from hibana_core.kv.sequence import KVSequence
-from hibana_core.loader import LoadedModel, load_model
+from hibana_core.loader import LoadedModel, load_model, model_bytes
 from hibana_core.runner import DeviceInput, ModelRunner, StepData
 from hibana_core.sampler import device_tensor
 from hibana_core.speculation.drafters import DraftInput
@@ -98,6 +98,10 @@ def check_same_tokenizer(engine: Any, draft: LoadedModel, path: str) -> None:
                       f"{engine.config.model!r}: {detail}; pick a draft checkpoint of the target's family")
 
 
+DRAFT_KV_SHARE = 0.25
+"""A draft model's KV bytes as a share of the target's (the memory budget counts them)."""
+
+
 class DraftModelDrafter:
     """Drafts with a smaller checkpoint of the target's family, on the engine's device and dtype.
 
@@ -110,7 +114,7 @@ class DraftModelDrafter:
     """No free "shadow" proposals for the controller: each costs draft-model forwards."""
 
     def __init__(self, engine: Any, model: str | None = None, num_blocks: int | None = None,
-                 kv_share: float = 0.25, loaded: LoadedModel | None = None, ctx: ForwardContext | None = None) -> None:
+                 kv_share: float = DRAFT_KV_SHARE, loaded: LoadedModel | None = None, ctx: ForwardContext | None = None) -> None:
         """`loaded` and `ctx`: a model already built on its own ForwardContext (the layer-skip
         self-draft) instead of a checkpoint to load."""
         if loaded is None:
@@ -124,7 +128,10 @@ class DraftModelDrafter:
             loaded = load_model(self.path, engine.device, str(engine.dtype).removeprefix("torch."), self.ctx,
                                 engine.config.progress)
             check_same_tokenizer(engine, loaded, self.path)
+            self.weight_bytes = model_bytes(loaded.model)
+            """Bytes of weights this drafter holds itself (none where it shares the target's)."""
         else:
+            self.weight_bytes = 0
             self.path, self.ctx = model or "(built in memory)", ctx
         self.vocab_size = min(engine.vocab_size, loaded.args.vocab_size)  # drafts are ids both know
         # history ids past the draft's embedding (padding ids of a larger target) are clamped
@@ -312,6 +319,10 @@ class DraftModelDrafter:
                 "ms_per_draft_token": round(1e3 * c.seconds / c.tokens_drafted, 3) if c.tokens_drafted else None,
                 "kv_blocks": self.pool.num_blocks, "kv_blocks_used": self.pool.num_used,
                 "states": len(self._states), "evictions": c.evictions, "skipped": c.skipped}
+
+    def resident_bytes(self) -> int:
+        """Device bytes this drafter holds: its own weights and its KV cache."""
+        return self.weight_bytes + (self.kv_cache.nbytes if self.kv_cache is not None else 0)
 
     def close(self) -> None:
         """Free the weights and the KV (the engine closes); later proposals are empty."""

@@ -247,6 +247,10 @@ class Speculator:
         context = seq.tokens[max(0, request.num_prompt - 32):request.num_prompt]
         self.drafter(config.method).finished(context, request.output)
 
+    def resident_bytes(self) -> int:
+        """Device bytes the drafters in use hold (a draft model's weights and KV)."""
+        return sum(d.resident_bytes() for d in self._drafters.values() if hasattr(d, "resident_bytes"))
+
     def close(self) -> None:
         """The engine closes: drafters that hold memory (a draft model's weights and KV) free it."""
         for drafter in self._drafters.values():

@@ -25,7 +25,7 @@ import torch
 from hibana_core.errors import ConfigError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.loader import LoadedModel
-from hibana_core.speculation.draft_model import DraftModelDrafter
+from hibana_core.speculation.draft_model import DRAFT_KV_SHARE, DraftModelDrafter
 
 DEFAULT_KEEP = 0.5
 
@@ -99,7 +99,7 @@ class LayerSkipDrafter(DraftModelDrafter):
     """`DraftModelDrafter` on the target's own layers (a `keep` share of them)."""
 
     def __init__(self, engine: Any, keep: float = DEFAULT_KEEP, layers: list[int] | None = None,
-                 num_blocks: int | None = None, kv_share: float = 0.25) -> None:
+                 num_blocks: int | None = None, kv_share: float = DRAFT_KV_SHARE) -> None:
         from hibana_core.surgery.guard import heldout_documents
 
         n = engine.model_args.num_layers

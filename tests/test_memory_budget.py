@@ -1,0 +1,110 @@
+"""One memory budget (issue 17): weights, workspace, KV blocks and a draft model inside the bytes
+given, sized against the device's memory, with unified memory as one pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from hibana_core import Engine, SamplingParams
+from hibana_core.config import EngineConfig
+from hibana_core.errors import ConfigError, MemoryBudgetError
+from hibana_core.kv import budget
+from hibana_core.kv.budget import DeviceMemory, parse_budget
+
+GIB = 1 << 30
+
+
+def open_engine(path, **overrides) -> Engine:
+    options = dict(device="cpu", dtype="float32", block_size=16, progress=False, speculation="off")
+    return Engine.from_pretrained(str(path), **{**options, **overrides})
+
+
+@pytest.mark.parametrize("given, want", [
+    (123456789, 123456789), ("20GB", 20 * 10**9), ("20 GiB", 20 * GIB), ("512MiB", 512 << 20),
+    ("1.5g", 1_500_000_000), (0.8, 0.8), ("80%", 0.8), ("0.25", 0.25), (2e10, 20 * 10**9)])
+def test_a_budget_is_bytes_or_a_fraction(given, want):
+    assert parse_budget(given) == want
+    assert type(parse_budget(given)) is type(want)
+
+
+@pytest.mark.parametrize("given", [0, -5, 1.5, "150%", "lots", "0", "20 parsecs", True, [1], float("nan")])
+def test_a_budget_that_is_neither_says_what_to_write(given):
+    with pytest.raises(ConfigError, match="memory_budget") as info:
+        EngineConfig.from_overrides("demo", memory_budget=given)
+    assert "20GB" in str(info.value)  # the hint shows the forms it takes
+
+
+def test_a_fraction_of_unified_memory_leaves_headroom_for_the_os():
+    unified, discrete = DeviceMemory(128 * GIB, 100 * GIB, True), DeviceMemory(141 * GIB, 140 * GIB, False)
+    assert unified.headroom == pytest.approx(12.8 * GIB, rel=1e-6)  # a tenth of a large memory
+    assert unified.resolve(0.5) == int(0.5 * (128 * GIB - unified.headroom))
+    assert DeviceMemory(8 * GIB, 6 * GIB, True).headroom == 2 * GIB  # at least 2 GiB where it can spare it
+    assert DeviceMemory(4 * GIB, 3 * GIB, True).headroom == GIB  # but never more than a quarter
+    assert discrete.headroom == 0 and discrete.resolve(0.5) == int(70.5 * GIB)
+    assert unified.resolve(3 * GIB) == 3 * GIB  # bytes are bytes
+
+
+def test_weights_workspace_and_kv_fit_the_budget(tiny_checkpoints):
+    given = 48 << 20
+    with open_engine(tiny_checkpoints["llama"], memory_budget="48MiB") as engine:
+        device = engine.memory()["device"]
+        per_block = engine.kv_cache.bytes_per_block_here
+        used = device["weights"] + device["workspace_estimate"] + device["kv_pool"]
+        assert device["budget"] == given and used <= given < used + per_block  # the rest is KV
+        assert device["unified"] is True and device["total"] > given
+        assert engine.host_tier is None  # unified memory with a budget: one pool, nothing to park into
+        h = engine.open_state("a")
+        assert len(h.generate(SamplingParams(max_tokens=5, ignore_eos=True), prompt=[5, 6, 7]).token_ids) == 5
+
+
+def test_a_fraction_is_of_the_device_memory(tiny_checkpoints, monkeypatch):
+    fake = DeviceMemory(total=1 * GIB, free=GIB // 2, unified=True)
+    monkeypatch.setattr("hibana_core.engine.device_memory", lambda device: fake)
+    with open_engine(tiny_checkpoints["llama"], memory_budget="5%") as engine:
+        assert engine.memory_budget == int(0.05 * (GIB - fake.headroom))
+        device = engine.memory()["device"]
+        assert device["weights"] + device["workspace_estimate"] + device["kv_pool"] <= engine.memory_budget
+
+
+def test_a_host_tier_on_unified_memory_comes_out_of_the_budget(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    with open_engine(path, memory_budget="48MiB") as alone, \
+            open_engine(path, memory_budget="48MiB", host_kv_bytes=8 << 20) as with_host:
+        assert with_host.host_tier is not None and with_host.host_tier.budget_bytes == 8 << 20
+        assert alone.kv_cache.nbytes - with_host.kv_cache.nbytes == pytest.approx(8 << 20, abs=2 * 65536)
+
+
+def test_a_draft_model_counts_against_the_budget(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    spec = {"method": "draft_model", "draft_model": str(path), "k": 2}
+    with open_engine(path, memory_budget="48MiB", speculation=spec) as engine:
+        h = engine.open_state("a")
+        h.generate(SamplingParams(max_tokens=6), prompt=list(range(3, 40)))  # the drafter loads at its first use
+        device = engine.memory()["device"]
+        assert device["draft_model"] > device["weights"]  # its weights and its KV
+        total = device["weights"] + device["workspace_estimate"] + device["kv_pool"] + device["draft_model"]
+        assert total <= 48 << 20
+
+
+def test_a_budget_too_small_or_too_large_is_a_memory_budget_error(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    with pytest.raises(MemoryBudgetError, match="raise it to at least"):
+        open_engine(path, memory_budget="100KB")
+    with pytest.raises(MemoryBudgetError, match="more than the"):
+        open_engine(path, memory_budget=1 << 60)
+
+
+def test_kv_device_blocks_sets_the_device_pool(tiny_checkpoints):
+    with open_engine(tiny_checkpoints["llama"], kv_device_blocks=24) as engine:
+        assert engine.pool.num_blocks == 24 and engine.memory_budget is None
+    with pytest.raises(ConfigError, match="another name of num_blocks"):
+        EngineConfig.from_overrides("demo", kv_device_blocks=24, num_blocks=24)
+    assert EngineConfig.from_overrides("demo", memory_budget_bytes=10**9).cache.memory_budget == 10**9
+
+
+def test_workspace_grows_with_the_step():
+    shape = dict(hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8, head_dim=128,
+                 vocab_size=151936, max_agents=64, dtype_bytes=2)
+    small, large = (budget.workspace_bytes(max_batched_tokens=n, **shape) for n in (512, 8192))
+    assert 0 < small < large
+    assert large < 2 * GIB  # an 8B model's 8k-token chunk: hundreds of MB, not a device's worth
