@@ -325,7 +325,7 @@ def check_families() -> Iterator[tuple[str, bool, str]]:
                                   min_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
             want.append(out[0, len(prompt):].tolist())
         for graphs in (False, True):
-            with Engine.from_pretrained(path, device="cuda", dtype="float32", progress=False,
+            with Engine.from_pretrained(path, **ON_GPU, dtype="float32", progress=False,
                                         cuda_graphs=graphs) as gpu:
                 got = batched_greedy(gpu, prompts, 32)
             same = sum(a == b for a, b in zip(got, want))
