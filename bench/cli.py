@@ -281,8 +281,10 @@ def print_decode(report: dict) -> None:
     bandwidth = report["copy_bandwidth_bytes_s"]
     base = {r["context"]: r["decode_tok_s"] for r in report["rows"] if r["system"] == "hibana"}
     for row in report["rows"]:
-        # each system's own roofline: the bytes it reads per token (weights after surgery)
-        own = bandwidth / row["weight_bytes"] if bandwidth and row.get("weight_bytes") else roof
+        # each system's own roofline: the weight bytes it reads per token (after surgery; of a
+        # MoE model only the routed experts, of an untied embedding table only one row), else all
+        read = row.get("read_bytes") or row.get("weight_bytes")
+        own = bandwidth / read if bandwidth and read else roof
         share = f"{100 * row['decode_tok_s'] / own:.0f}%" if own else "-"
         size = f"{row['weight_bytes'] / 1e9:.3f}" if row.get("weight_bytes") else "-"
         ratio = f"{row['decode_tok_s'] / base[row['context']]:.2f}x" if row["context"] in base else "-"

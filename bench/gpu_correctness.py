@@ -19,6 +19,9 @@
 6. fp8 checkpoints (tests/fp8_checkpoints.py: transformers 'fp8' in 16x16 blocks, in 24x40 blocks
    that fused layers hold per row, per tensor; compressed-tensors per channel where installed),
    float32: GPU (fp8 GEMV at 3 agents, GEMM at 6, dequantize + cuBLAS in prefill) == CPU, greedy.
+7. families (issue 18): gemma3, phi3 and qwen3_moe (with tied router rows), float32, GPU ==
+   transformers on the GPU, greedy, 4 agents batched, eager and CUDA graphs. (Checks 1, 3 and 5
+   run them too, GPU == CPU, with routers free of ties.)
 Prints a table; exits 1 if a check fails.
 """
 
@@ -38,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from hibana_core import Engine, SamplingParams  # noqa: E402
+from tiny_models import ARCHS  # noqa: E402  every family's tiny checkpoint
 
 
 ON_GPU = {"device": "cuda", "memory_budget": os.environ.get("CHECK_MEMORY_BUDGET", "12GB")}
@@ -65,17 +69,18 @@ def batched_greedy(engine: Engine, prompts: list[list[int]], n: int, specs=None,
     return out
 
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
-
-def tiny_cases(archs: tuple[str, ...], seed: int, max_prompt: int = 300) -> Iterator[tuple[str, Path, list[list[int]]]]:
+def tiny_cases(archs: tuple[str, ...], seed: int, max_prompt: int = 300,
+               tied_experts: bool = False) -> Iterator[tuple[str, Path, list[list[int]]]]:
     """(arch, checkpoint, 4 prompts of 20..max_prompt random tokens) for each tiny architecture,
-    the checkpoints in a temporary folder that lasts while the caller iterates."""
+    the checkpoints in a temporary folder that lasts while the caller iterates. MoE routers
+    have no tied experts unless `tied_experts` (CUDA's top-k breaks ties otherwise than the
+    CPU's, as transformers' own routing does: GPU-vs-CPU rows would differ by design)."""
     from tiny_models import make_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         for arch in archs:
-            path = make_tiny_checkpoint(arch, Path(tmp) / arch)
+            path = make_tiny_checkpoint(arch, Path(tmp) / arch, tied_experts=tied_experts)
             rng = random.Random(seed)
             yield arch, path, [[rng.randrange(2, 512) for _ in range(rng.randint(20, max_prompt))] for _ in range(4)]
 
@@ -301,8 +306,35 @@ def check_fp8() -> Iterator[tuple[str, bool, str]]:
                    ", ".join(f"{same[a]}/{a} agents equal" for a in batches))
 
 
+FAMILIES = ("gemma3", "phi3", "qwen3_moe")
+
+
+def check_families() -> Iterator[tuple[str, bool, str]]:
+    """Issue 18's families, float32: the GPU (eager and CUDA graphs) gives transformers' greedy
+    tokens on the GPU, 4 agents batched; the tiny qwen3_moe with its tied router rows, so that
+    the fused routing kernel must break ties as transformers' torch.topk does on CUDA."""
+    from transformers import AutoModelForCausalLM
+
+    for arch, path, prompts in tiny_cases(FAMILIES, 23, tied_experts=True):
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+        want = []
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device="cuda")
+            with torch.inference_mode():
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
+                                  min_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+            want.append(out[0, len(prompt):].tolist())
+        for graphs in (False, True):
+            with Engine.from_pretrained(path, **ON_GPU, dtype="float32", progress=False,
+                                        cuda_graphs=graphs) as gpu:
+                got = batched_greedy(gpu, prompts, 32)
+            same = sum(a == b for a, b in zip(got, want))
+            yield (f"fp32 {arch} vs transformers (cuda) graphs={graphs}", same == len(prompts),
+                   f"{same}/4 agents equal")
+
+
 CHECKS = {"float32": check_float32, "speculation": check_speculation, "surgery": check_surgery,
-          "kv8": check_kv8, "fp8": check_fp8, "bf16": check_bf16_demo}
+          "kv8": check_kv8, "fp8": check_fp8, "bf16": check_bf16_demo, "families": check_families}
 
 
 def main() -> int:

@@ -9,6 +9,8 @@
 #                                   # qwen3-0.6b (folds vs separate kernels at 0.6b and 8b shapes, decode per
 #                                   # policy with kernels per step), then hibana bench decode of qwen3-0.6b and
 #                                   # qwen3-8b under fusion auto / on / off
+#   bash bench/run_h200.sh families      # issue 18: batch-1 decode of the gemma3-12b, phi4-mini and
+#                                        # qwen3-30b-a3b presets (MODELS="phi4-mini": only those)
 #   bash bench/run_h200.sh surgery       # batch-1 decode of qwen3-8b in bf16, w8 and w4 (issue 14)
 #   bash bench/run_h200.sh kv8_check     # fp8 KV: its kernel tests on CUDA, GPU == CPU greedy (gpu_correctness --kv8-only)
 #   bash bench/run_h200.sh kv8           # fp8 KV: 32 agents' turns/h and batch-1 decode, bf16 KV vs kv8, qwen3-8b
@@ -51,7 +53,7 @@ ln -s "$PWD/kernels" "$NAMES/hibana_kernels"
 ln -s "$PWD/bench" "$NAMES/hibana_bench"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$NAMES:$PWD${PYTHONPATH:+:$PYTHONPATH}" TQDM_DISABLE=1  # keeps carried wheels (/tmp/site)
 OUT="${OUT:-bench/out}"
-CHECKS="${CHECKS:-float32,speculation,surgery,kv8,fp8,bf16}"
+CHECKS="${CHECKS:-float32,speculation,surgery,kv8,fp8,bf16,families}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
@@ -75,6 +77,11 @@ case "${1:-check}" in
     python3 -m hibana_bench.cli agents --model qwen3-8b --agents 32 --turns 6 --system 4096 \
       --tool-result 200 --generate 100 --peer-agents 1 \
       --json "$OUT/agents_qwen3-8b.json" 2>&1 | tee "$OUT/agents_qwen3-8b.txt" ;;
+  families)
+    for model in ${MODELS:-gemma3-12b phi4-mini qwen3-30b-a3b}; do
+      python3 -m hibana_bench.cli decode --model "$model" --context 512,8192 --generate 128 --systems hibana \
+        --json "$OUT/decode_$model.json" 2>&1 | tee "$OUT/decode_$model.txt"
+    done ;;
   tune)
     python3 bench/tune_decode.py 2>&1 | tee "$OUT/tune_decode.txt" ;;
   small)

@@ -55,6 +55,7 @@ class DecodeRow:
     prefill_tok_s: float
     weight_bytes: int | None = None   # what the engine holds (after surgery)
     guard: dict | None = None         # the surgery guard's figures (checkpoints with real weights)
+    read_bytes: int | None = None     # weight bytes one decode token reads (MoE: its experts only)
 
 
 def surgery_systems(passes: list[str]) -> list[str]:
@@ -69,6 +70,13 @@ def _surgery_overrides(model: BenchModel, system: str) -> dict:
     # pass over its floors is still timed (forced), its decision reported beside the speed
     return {"surgery": [{"name": system.split("+", 1)[1], "force": True}],
             "surgery_guard": not model.random_weights}
+
+
+def _read_bytes(engine) -> int | None:
+    """The weight bytes one decode token reads, where the engine's model says
+    (`decode_bytes_per_token`: all weights but unselected experts and unread embedding rows)."""
+    model = getattr(engine, "model", None)
+    return model.decode_bytes_per_token() if hasattr(model, "decode_bytes_per_token") else None
 
 
 def decode_workload(model: BenchModel, contexts: list[int], generate: int, systems: list[str],
@@ -112,7 +120,7 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
                 out = h.generate(SamplingParams(max_tokens=generate, ignore_eos=True))
                 decode = out.stats.elapsed - (out.stats.time_to_first_token or 0.0)
                 rows.append(DecodeRow(label, ctx, (generate - 1) / decode, ctx / statistics.median(times),
-                                      getattr(engine, "weight_bytes", None), guard))
+                                      getattr(engine, "weight_bytes", None), guard, _read_bytes(engine)))
                 h.close()
     for name, static in (("hf_eager", False), ("hf_compiled", True)):
         if name not in systems:

@@ -244,7 +244,7 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
 
         fmt = parse_quantization_config(quantization)
         consumed = load_packed_layers(module, set(where), lambda n: read(*where[n], n), fmt,
-                                      getattr(module, "FUSED_LAYERS", {}), str(path))
+                                      getattr(module, "fused_layers", {}), str(path))
         for name in consumed:
             del where[name]
     items = ((name, str(file), lambda f=file, h=handle, n=name: read(f, h, n)) for name, (file, handle) in where.items())
@@ -256,9 +256,14 @@ def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progr
     """The one weight-copy path (checkpoints and in-memory models): `items` yields (name, where,
     read) for each source tensor; every tensor the model needs must come, with its shape.
     `own_names`: the source names tensors as the module does (a surgery checkpoint), not as
-    Hugging Face checkpoints do."""
+    Hugging Face checkpoints do; otherwise a family may spell a checkpoint's names its own way
+    first (`checkpoint_name`: e.g. the language model inside a multimodal checkpoint)."""
+    rename = getattr(module, "checkpoint_name", None) if not own_names else None
+    if rename is not None:
+        items = [(rename(name), where, read) for name, where, read in items]
     if hasattr(module, "checkpoint_tensors") and not own_names:  # a family with fused or renamed parameters
-        params = module.checkpoint_tensors()
+        items = list(items)
+        params = module.checkpoint_tensors({name for name, _, _ in items})
     else:
         params = dict(module.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()

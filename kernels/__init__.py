@@ -17,8 +17,8 @@ import torch
 from hibana_kernels import activation, attention, matmul, moe, norm, quant, rotary
 from hibana_kernels.moe import MoEExperts
 
-__all__ = ["MoEExperts", "fused_add_rms_norm", "fused_moe", "linear", "linear_fp8", "linear_int4", "linear_int8",
-           "moe_route", "mxfp4_dequantize", "paged_attention", "qk_norm_rotary_store", "rms_norm",
+__all__ = ["MoEExperts", "fused_add_rms_norm", "fused_moe", "gelu_tanh_and_mul", "linear", "linear_fp8", "linear_int4",
+           "linear_int8", "moe_route", "mxfp4_dequantize", "paged_attention", "qk_norm_rotary_store", "rms_norm",
            "rms_norm_linear", "rotary_embedding", "silu_and_mul", "silu_and_mul_linear", "store_kv",
            "triton_available"]
 
@@ -60,15 +60,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     impl.store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scale)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's RMSNorm over the last dim."""
-    return (_triton("norm", x) or norm).rms_norm(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """Hugging Face's RMSNorm over the last dim (`unit_offset`: Gemma's, by 1 + weight)."""
+    return (_triton("norm", x) or norm).rms_norm(x, weight, eps, unit_offset)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual), out of place."""
-    return (_triton("norm", x) or norm).fused_add_rms_norm(x, residual, weight, eps)
+    return (_triton("norm", x) or norm).fused_add_rms_norm(x, residual, weight, eps, unit_offset)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -135,6 +135,12 @@ def linear_fp8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, blo
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a fused [..., 2 * I] gate/up projection."""
     return (_triton("activation", gate_up) or activation).silu_and_mul(gate_up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up of a fused [..., 2 * I] gate/up projection (Gemma's GeGLU). Plain
+    torch on every device: one elementwise op, no Triton version yet."""
+    return activation.gelu_tanh_and_mul(gate_up)
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax",

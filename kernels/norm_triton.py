@@ -9,7 +9,8 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, stride_x, stride_res,
-                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     UNIT_OFFSET: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -20,12 +21,15 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, stride_x,
         tl.store(res_out_ptr + row * N + offs, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
-    normed = (xf * inv_rms).to(x.dtype).to(tl.float32)  # HF: back to the input dtype first
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    if UNIT_OFFSET:  # Gemma: (1 + w) in float32, one rounding at the end
+        out = (xf * inv_rms) * (1.0 + w)
+    else:
+        out = w * (xf * inv_rms).to(x.dtype).to(tl.float32)  # HF: back to the input dtype first
+    tl.store(out_ptr + row * N + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x, residual, weight, eps):
+def _launch(x, residual, weight, eps, unit_offset):
     n = x.shape[-1]
     x2 = x.reshape(-1, n)  # a view whenever rows are evenly strided
     if x2.stride(1) != 1:
@@ -37,23 +41,24 @@ def _launch(x, residual, weight, eps):
         res2 = residual.reshape(-1, n)
         if res2.stride(1) != 1:
             res2 = res2.contiguous()
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    out_dtype = x.dtype if unit_offset else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
     rows = x2.shape[0]
     if rows:
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(rows,)](x2, res2, weight, out, res_out, eps, x2.stride(0), res2.stride(0),
                                   N=n, BLOCK=block, HAS_RESIDUAL=residual is not None,
-                                  num_warps=min(max(block // 256, 1), 8))
+                                  UNIT_OFFSET=unit_offset, num_warps=min(max(block // 256, 1), 8))
     return out, res_out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
     """See `hibana_kernels.norm.rms_norm`."""
-    return _launch(x, None, weight, eps)[0]
+    return _launch(x, None, weight, eps, unit_offset)[0]
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """See `hibana_kernels.norm.fused_add_rms_norm`."""
-    return _launch(x, residual, weight, eps)
+    return _launch(x, residual, weight, eps, unit_offset)

@@ -376,18 +376,20 @@ def check_store_kv_fp8(device, dtype, num_kv_heads, head_dim):
         "8 rows written, none of them NaN"
 
 
-def check_norms(device, dtype, shape):
+def check_norms(device, dtype, shape, unit_offset):
+    """unit_offset: Gemma's norm, by (1 + weight) in float32 (weights around 0, as Gemma's)."""
     triton_norm = _triton_module("norm")
     gen = torch.Generator().manual_seed(sum(shape))
     x = (3 * torch.randn(*shape, generator=gen)).to(dtype).to(device)
     residual = torch.randn(*shape, generator=gen).to(dtype).to(device)
-    weight = (1 + torch.randn(shape[-1], generator=gen) / 4).to(dtype).to(device)
+    weight = ((0 if unit_offset else 1) + torch.randn(shape[-1], generator=gen) / 4).to(dtype).to(device)
     x_strided = torch.cat([x, x], dim=-1)[..., : shape[-1]]  # rows not contiguous
     for inp in (x, x_strided):
-        torch.testing.assert_close(triton_norm.rms_norm(inp, weight, 1e-6),
-                                   norm.rms_norm(inp, weight, 1e-6), **TOLERANCE[dtype])
-    out, new_residual = triton_norm.fused_add_rms_norm(x, residual, weight, 1e-5)
-    ref_out, ref_residual = norm.fused_add_rms_norm(x, residual, weight, 1e-5)
+        out = triton_norm.rms_norm(inp, weight, 1e-6, unit_offset)
+        assert out.dtype == norm.rms_norm(inp, weight, 1e-6, unit_offset).dtype
+        torch.testing.assert_close(out, norm.rms_norm(inp, weight, 1e-6, unit_offset), **TOLERANCE[dtype])
+    out, new_residual = triton_norm.fused_add_rms_norm(x, residual, weight, 1e-5, unit_offset)
+    ref_out, ref_residual = norm.fused_add_rms_norm(x, residual, weight, 1e-5, unit_offset)
     torch.testing.assert_close(new_residual, ref_residual, **_exact(device, dtype))
     torch.testing.assert_close(out, ref_out, **TOLERANCE[dtype])
 
@@ -399,14 +401,15 @@ def rotary_tables(max_pos, head_dim, device):
     return emb.cos().to(device), emb.sin().to(device)
 
 
-def check_rotary(device, dtype, num_heads, head_dim):
+def check_rotary(device, dtype, num_heads, head_dim, rotary_dim):
+    """rotary_dim < head_dim: partial rotary (Phi), the first rotary_dim dims of each head."""
     triton_rotary = _triton_module("rotary")
     gen = torch.Generator().manual_seed(num_heads + head_dim)
     max_pos, tokens = 300, 11
-    cos, sin = rotary_tables(max_pos, head_dim, device)
+    cos, sin = rotary_tables(max_pos, rotary_dim, device)
     positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(device)
     qkv = torch.randn(tokens, num_heads + 2 * NUM_KV_HEADS, head_dim, generator=gen)
-    qkv = qkv.to(dtype).to(device)
+    qkv = qkv.to(dtype).to(device)[..., :rotary_dim]
     q, k = qkv[:, :num_heads], qkv[:, num_heads:num_heads + NUM_KV_HEADS]  # strided views
     out_q, out_k = triton_rotary.rotary_embedding(positions, q, k, cos, sin)
     ref_q, ref_k = rotary.rotary_embedding(positions, q, k, cos, sin)
@@ -750,14 +753,15 @@ def test_qk_norm_rotary_store_fp8(run_check, dtype, num_heads, head_dim, qk_norm
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
 @pytest.mark.parametrize("shape", [(5, 96), (3, 4, 32), (2, 1000)], ids=str)
-def test_norms(run_check, dtype, shape):
-    run_check(check_norms, dtype=dtype, shape=shape)
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["llama", "gemma"])
+def test_norms(run_check, dtype, shape, unit_offset):
+    run_check(check_norms, dtype=dtype, shape=shape, unit_offset=unit_offset)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("num_heads, head_dim", [(4, 16), (6, 64)])
-def test_rotary_embedding(run_check, dtype, num_heads, head_dim):
-    run_check(check_rotary, dtype=dtype, num_heads=num_heads, head_dim=head_dim)
+@pytest.mark.parametrize("num_heads, head_dim, rotary_dim", [(4, 16, 16), (6, 64, 64), (6, 64, 48)])
+def test_rotary_embedding(run_check, dtype, num_heads, head_dim, rotary_dim):
+    run_check(check_rotary, dtype=dtype, num_heads=num_heads, head_dim=head_dim, rotary_dim=rotary_dim)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -7,13 +7,26 @@ One checkpoint per supported family, each switching on the features its family b
     qwen2    3       16        q/k/v bias (random, not zero)
     qwen3    2       32        q/k RMSNorm, tied embeddings, head_dim != hidden / heads
     mistral  2       16        sliding_window 48 (shorter than most test histories)
+    gemma3   3       16        (1 + w) norms, four per layer, q/k norm, embeddings x sqrt(hidden),
+                               gelu-tanh MLP, query_pre_attn_scalar 24, final logit softcap;
+                               layers sliding (window 20, rope theta 1e4), sliding, global
+                               (theta 1e6, linear factor 4)
+    phi3     2       16        checkpoint's fused qkv_proj / gate_up_proj, partial rotary 0.75
+                               (12 of 16 dims), LongRoPE (attention factor from max 1024 over
+                               original 512; histories stay under 512, so the short factors),
+                               sliding_window 48 on every layer
+    qwen3_moe 3      16        top-4 of 16 experts (intermediate 32), renormalised; layer 1 dense
+                               (mlp_only_layers); routing ties: experts 2j and 2j + 1 (j < 4)
+                               share their router row in every layer, so their logits tie exactly
+                               and torch.topk's tie order picks between them, in HF as here
 
 All share vocab 512, hidden 64, 4 query heads over 2 KV heads (GQA), intermediate 128,
 max_position_embeddings 1024, float32. Weights use initializer_range 0.2 (HF's default 0.02 gives
 logits so flat that greedy decoding meets near-ties): logits have std ~1.6 and, over the golden
 test's 3,123 greedy steps, a median top-1/top-2 gap of ~0.36, 99.7% of gaps above 1e-3 and the
 smallest 1.9e-4, against ~1.6e-5 between HF's own attention paths. RMSNorm weights and biases are
-perturbed away from their HF init (ones, zeros) so that a swapped or missing norm/bias shows.
+perturbed away from their HF init (ones, or Gemma's zeros; zeros) so that a swapped or missing
+norm/bias shows.
 
 The directory also holds a byte-level BPE tokenizer with exactly 512 tokens (every id decodes to
 text), tokenizer_config.json and generation_config.json.
@@ -28,7 +41,7 @@ from typing import Sequence
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "qwen3_moe")
 VOCAB_SIZE = 512
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -77,7 +90,42 @@ ARCH_CONFIGS: dict[str, dict] = {
         sliding_window=48,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0),
     ),
+    "gemma3": dict(
+        num_hidden_layers=3,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        hidden_activation="gelu_pytorch_tanh",
+        final_logit_softcapping=30.0,
+        sliding_window=20,  # more than one block of 16 and less than two: windows start mid-block
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                         "full_attention": dict(rope_type="linear", factor=4.0, rope_theta=1000000.0)},
+        # untied: tied to embeddings scaled by sqrt(hidden), random logits favour the last token
+        # so strongly that greedy output repeats it
+        tie_word_embeddings=False,
+    ),
+    "phi3": dict(
+        num_hidden_layers=2,
+        original_max_position_embeddings=512,
+        sliding_window=48,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+                             short_factor=[1.0, 1.2, 1.5, 2.0, 3.0, 5.0],
+                             long_factor=[1.0, 2.0, 4.0, 8.0, 16.0, 32.0]),
+    ),
+    "qwen3_moe": dict(
+        num_hidden_layers=3,
+        head_dim=16,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+    ),
 }
+
+TIED_EXPERT_PAIRS = 4
+"""qwen3_moe: experts 2j and 2j + 1, j < TIED_EXPERT_PAIRS, share their router row."""
 
 _WORDS = {
     "subject": ["the agent", "a user", "the model", "our tool", "the planner", "my friend",
@@ -139,35 +187,43 @@ def make_tokenizer():
 
 
 def make_config(arch: str, **config_overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig)
 
-    kinds = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
+    kinds = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
+             "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "qwen3_moe": Qwen3MoeConfig}
     if arch not in kinds:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHS)}")
     return kinds[arch](**{**_COMMON, **ARCH_CONFIGS[arch], **config_overrides})
 
 
 def make_tiny_checkpoint(arch: str, path, seed: int = SEED, shard_size: str | None = None,
-                         **config_overrides) -> Path:
+                         tied_experts: bool = True, **config_overrides) -> Path:
     """Write a seeded random `arch` checkpoint (safetensors), tokenizer and generation config to `path`.
 
     `shard_size` (e.g. "100KB") splits the weights into several files plus an index;
+    `tied_experts`: MoE routers with TIED_EXPERT_PAIRS (False: none; torch.topk breaks ties one
+    way on CUDA and another on the CPU, so a GPU-vs-CPU comparison needs routers without them);
     `config_overrides` replace fields of the transformers config.
     """
+    return _save_seeded(make_config(arch, **config_overrides), Path(path), seed, shard_size, tied_experts)
+
+
+def _save_seeded(config, path: Path, seed: int, shard_size: str | None = None, tied_experts: bool = True) -> Path:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = make_config(arch, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:  # HF inits RMSNorm weights to ones
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            if "norm" in name:  # HF inits RMSNorm weights to ones (Gemma's to zeros)
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):  # and biases to zeros
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+                p.add_(0.5 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("mlp.gate.weight") and tied_experts:  # a MoE router: tie pairs of experts
+                p[1:2 * TIED_EXPERT_PAIRS:2] = p[0:2 * TIED_EXPERT_PAIRS:2]
     model.generation_config = GenerationConfig(bos_token_id=EOS_ID, eos_token_id=EOS_ID, do_sample=False)
     if shard_size is None:
         model.save_pretrained(path, safe_serialization=True)
@@ -175,6 +231,21 @@ def make_tiny_checkpoint(arch: str, path, seed: int = SEED, shard_size: str | No
         model.save_pretrained(path, safe_serialization=True, max_shard_size=shard_size)
     make_tokenizer().save_pretrained(path)
     return path
+
+
+def make_tiny_gemma3_multimodal(path, seed: int = SEED) -> Path:
+    """A multimodal gemma3 checkpoint (Gemma3ForConditionalGeneration) whose language model is the
+    tiny gemma3 one, beside a one-layer vision tower; saved as transformers saves them (the
+    language model under language_model.model.*, lm_head untied under language_model.lm_head)."""
+    from transformers import Gemma3Config, SiglipVisionConfig
+
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=make_config("gemma3").to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=4, boi_token_index=VOCAB_SIZE - 3,
+                          eoi_token_index=VOCAB_SIZE - 2, image_token_index=VOCAB_SIZE - 1,
+                          tie_word_embeddings=False)
+    return _save_seeded(config, Path(path), seed)
 
 
 @functools.lru_cache(maxsize=None)

@@ -2,19 +2,20 @@
 
 A family is a module or object with `build(hf_config, ctx) -> (model, args)`, where the model is an
 `nn.Module` with `forward(input_ids, positions) -> hidden` and `compute_logits(hidden)`, and args
-has num_layers, num_kv_heads, head_dim, vocab_size and max_position_embeddings.
+has num_layers, num_kv_heads, head_dim, vocab_size and max_position_embeddings. The built-in
+families each name their MODEL_TYPES and read their configs into the shared decoder
+(`decoder.py`; MoE families its sparse block, `moe.py`).
 """
 
 from __future__ import annotations
 
 from hibana_plugins.hookspecs import hookimpl
 
-BUILTIN_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-
 
 @hookimpl
 def register_model_families(register) -> None:
-    from hibana_core.models import llama
+    from hibana_core.models import gemma3, llama, phi3, qwen3_moe
 
-    for model_type in BUILTIN_MODEL_TYPES:
-        register(model_type, llama)
+    for family in (llama, gemma3, phi3, qwen3_moe):
+        for model_type in family.MODEL_TYPES:
+            register(model_type, family)

@@ -1,0 +1,505 @@
+"""The decoder every dense family shares, over a paged KV cache: attention through the paged
+kernels, rotary tables, norms, the MLP, the layer loop and the checkpoint's tensor names.
+
+A family (llama.py, gemma3.py, phi3.py) only reads its Hugging Face config into `DecoderArgs`;
+every difference between families is a field there, never a model_type test in this file.
+Module and parameter names follow Hugging Face's, so checkpoints load by name. The arithmetic
+follows transformers' modelling code step by step (norms in float32, rotary as rotate_half),
+which is what lets greedy output match `generate` token for token.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Collection
+
+import torch
+from torch import nn
+
+import hibana_kernels as kernels
+from hibana_core.errors import UnsupportedModelError
+from hibana_core.forward_context import ForwardContext
+from hibana_core.models.moe import Experts, MoEArgs, SparseMoE
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+@dataclass(frozen=True)
+class Rope:
+    """One rotary embedding: what its cos/sin tables are computed from."""
+
+    theta: float
+    dim: int  # dims of each head it rotates: head_dim, or the first part of it (partial rotary)
+    scaling: tuple[tuple[str, Any], ...]  # rope type and its parameters, sorted items (lists as tuples)
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, Any], head_dim: int, config: Any) -> "Rope":
+        """`params`: a transformers 5 rope_parameters dict (one layer type's, where they differ)."""
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        scaling = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items() if k != "rope_theta"}
+        if rope_type == "longrope":
+            scaling.update(_longrope_settings(params, config))
+        return cls(theta=float(params.get("rope_theta", 10000.0)),
+                   dim=int(head_dim * params.get("partial_rotary_factor", 1.0)),
+                   scaling=tuple(sorted(scaling.items())))
+
+    @property
+    def rope_type(self) -> str:
+        scaling = dict(self.scaling)
+        return scaling.get("rope_type", scaling.get("type", "default"))
+
+    def inv_freq(self, ext_factors: tuple[float, ...] | None = None) -> torch.Tensor:
+        """Inverse frequencies as transformers computes them (float32), with llama3 / linear
+        scaling, or divided by LongRoPE's `ext_factors`."""
+        exponents = torch.arange(0, self.dim, 2, dtype=torch.int64).float() / self.dim
+        if ext_factors is not None:
+            return 1.0 / (torch.tensor(ext_factors, dtype=torch.float32) * self.theta ** exponents)
+        inv_freq = 1.0 / (self.theta ** exponents)
+        scaling = dict(self.scaling)
+        if self.rope_type == "linear":
+            return inv_freq / scaling["factor"]
+        if self.rope_type == "llama3":
+            factor = scaling["factor"]
+            low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+            old_len = scaling["original_max_position_embeddings"]
+            low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+            wavelen = 2 * math.pi / inv_freq
+            scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+            smooth = (old_len / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+            return torch.where(is_medium, smoothed, scaled)
+        return inv_freq
+
+    def angles(self, max_positions: int) -> torch.Tensor:
+        """position * inv_freq, [max_positions, dim // 2] float32.
+
+        LongRoPE picks its factors per position: short ones below original_max_position_embeddings,
+        long ones from there on. transformers picks one set for a whole forward by its longest
+        sequence, which a paged cache cannot follow (keys already stored would have to be
+        recomputed when a history grows past the original length), so the two agree exactly on
+        histories up to original_max_position_embeddings tokens, and past it each key keeps the
+        rotation it was stored with (vLLM makes the same trade)."""
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        if self.rope_type != "longrope":
+            return torch.outer(positions, self.inv_freq())
+        scaling = dict(self.scaling)
+        split = scaling["original_max_position_embeddings"]
+        return torch.cat((torch.outer(positions[:split], self.inv_freq(scaling["short_factor"])),
+                          torch.outer(positions[split:], self.inv_freq(scaling["long_factor"]))))
+
+    @property
+    def attention_factor(self) -> float:
+        """What cos and sin are multiplied by (LongRoPE's attention scaling; 1 otherwise)."""
+        return float(dict(self.scaling).get("attention_factor", 1.0))
+
+
+def _longrope_settings(params: dict[str, Any], config: Any) -> dict[str, Any]:
+    """LongRoPE's split point and attention factor, defaulted as transformers does."""
+    original = params.get("original_max_position_embeddings") or config.original_max_position_embeddings
+    factor = params.get("factor") or config.max_position_embeddings / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"original_max_position_embeddings": int(original), "attention_factor": float(attention_factor)}
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """transformers 5 names it rope_parameters; 4.x split it into rope_theta and rope_scaling."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    params = dict(getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def sliding_windows(config: Any) -> tuple[int | None, ...]:
+    """Each layer's window (None: full attention): by layer_types where the config has them,
+    else Qwen2's use_sliding_window from max_window_layers on, else sliding_window everywhere."""
+    window, num_layers = getattr(config, "sliding_window", None), config.num_hidden_layers
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    if hasattr(config, "use_sliding_window"):
+        first = getattr(config, "max_window_layers", 0) if config.use_sliding_window else num_layers
+        return tuple(window if i >= first else None for i in range(num_layers))
+    return (window,) * num_layers
+
+
+@dataclass(frozen=True)
+class DecoderArgs:
+    """The shapes and switches of one checkpoint, read from its Hugging Face config by its family."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    ropes: tuple[Rope, ...]  # per layer
+    sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    attention_scale: float  # multiplies q.k: head_dim ** -0.5, or Gemma's query_pre_attn_scalar ** -0.5
+    activation: str = "silu"  # of the gated MLP: one of ACTIVATIONS
+    unit_offset_norms: bool = False  # norms scale by (1 + weight), in float32 (Gemma)
+    sandwich_norms: bool = False  # norms after attention and MLP too, four per layer (Gemma)
+    embed_scale: float | None = None  # embeddings times this, rounded to the model dtype (Gemma)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    fused_in_checkpoint: bool = False  # the checkpoint holds qkv_proj and gate_up_proj as we do (Phi-3)
+    checkpoint_prefixes: tuple[tuple[str, str], ...] = ()  # (checkpoint name prefix, ours), e.g. a
+    # multimodal checkpoint's language model
+    moe: MoEArgs | None = None  # sparse blocks in place of the MLP, in the layers it names
+
+    def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise UnsupportedModelError(f"MLP activation {self.activation!r} is not supported; "
+                                        f"supported: {', '.join(ACTIVATIONS)}")
+        per_layer = (self.ropes, self.sliding_windows) + ((self.moe.layers,) if self.moe else ())
+        if any(len(values) != self.num_layers for values in per_layer):
+            raise ValueError(f"ropes, sliding_windows and moe.layers need one entry per layer ({self.num_layers})")
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm: the fused kernels (`rms_norm_linear`, the attention prologue) take its weight."""
+
+    fusable = True
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with a residual, (norm(x + residual), x + residual) in one pass."""
+        if residual is None:
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class UnitOffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + weight) all in float32, then cast to
+    x's dtype (Llama's casts before the product). Its own launch: the fused kernels take only
+    Llama's arithmetic."""
+
+    fusable = False
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return kernels.rms_norm(x, self.weight, self.eps, unit_offset=True)
+        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps, unit_offset=True)
+
+
+def make_norm(args: DecoderArgs, dim: int) -> RMSNorm:
+    return (UnitOffsetRMSNorm if args.unit_offset_norms else RMSNorm)(dim, args.rms_norm_eps)
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters, same checkpoint names) computed by `kernels.linear`, or,
+    once surgery or a quantized checkpoint packed its weight (`set_packed`), by the kernel of
+    that weight's kind:
+
+        kind "int8": buffers qweight [N, K] int8, scales [N]
+        kind "int4": buffers qweight [N, K // 2] uint8, scales and zeros [N, K // group_size]
+        kind "fp8":  buffers qweight [N, K] float8_e4m3fn, scales [ceil(N / bn), ceil(K / bk)]
+                     float32, with `block` = (bn, bk)
+        (layouts: `hibana_kernels.quant`); `perm`, when set, reorders the input features first
+        (GPTQ checkpoints quantized in activation order)
+    """
+
+    kind = "dense"
+    group_size = 0
+    block: tuple[int, int] | None = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_buffer("perm", None)
+
+    def set_packed(self, kind: str, tensors: dict[str, torch.Tensor], group_size: int = 0,
+                   perm: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> None:
+        """Replace the dense weight by a packed one (the bias stays)."""
+        if kind not in ("int8", "int4", "fp8"):
+            raise ValueError(f"unknown packed weight kind {kind!r}")
+        if (kind == "fp8") != (block is not None):
+            raise ValueError(f"a packed weight has a scale block exactly when it is fp8 ({kind}, block {block})")
+        self.register_parameter("weight", None)
+        for name, tensor in tensors.items():
+            self.register_buffer(name, tensor)
+        self.kind, self.group_size = kind, group_size
+        self.block = None if block is None else (int(block[0]), int(block[1]))
+        self.perm = perm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "dense":
+            return kernels.linear(x, self.weight, self.bias)
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        if self.kind == "int8":
+            return kernels.linear_int8(x, self.qweight, self.scales, self.bias)
+        if self.kind == "fp8":
+            return kernels.linear_fp8(x, self.qweight, self.scales, self.block, self.bias)
+        return kernels.linear_int4(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+
+    def after_norm(self, norm: RMSNorm, x: torch.Tensor,
+                   residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual); without a residual (self(norm(x)), x).
+        A dense weight after a fusable norm takes `kernels.rms_norm_linear`, one launch where
+        the GEMV folds the norm in."""
+        if self.kind == "dense" and norm.fusable:
+            return kernels.rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+        if residual is None:
+            return self(norm(x)), x
+        x, residual = norm(x, residual)
+        return self(x), residual
+
+    def after_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up) of a fused gate/up output; one launch where a dense weight's GEMV
+        folds the activation in (`kernels.silu_and_mul_linear`)."""
+        if self.kind == "dense":
+            return kernels.silu_and_mul_linear(gate_up, self.weight, self.bias)
+        return self(kernels.silu_and_mul(gate_up))
+
+    def extra_repr(self) -> str:
+        packed = "" if self.kind == "dense" else f", {self.kind}" + (f" g{self.group_size}" if self.group_size else "") \
+            + (f" block {self.block[0]}x{self.block[1]}" if self.block else "")
+        return super().extra_repr() + packed
+
+
+class RotaryTables:
+    """cos/sin tables of one `Rope` indexed by position, [max_positions, rope.dim], always
+    float32, which the rotary kernels read. Built on first use on the device of the positions
+    (the model is constructed on "meta"), shared by the layers of that rope."""
+
+    def __init__(self, rope: Rope, max_positions: int) -> None:
+        self.rope, self.max_positions = rope, max_positions
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+
+    def _build(self, device: torch.device) -> None:
+        freqs = self.rope.angles(self.max_positions)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        factor = self.rope.attention_factor
+        self.cos, self.sin = (emb.cos() * factor).to(device), (emb.sin() * factor).to(device)
+
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cos is None or self.cos.device != device:
+            self._build(device)
+        return self.cos, self.sin
+
+
+class Attention(nn.Module):
+    """Self-attention with a fused q/k/v projection (a checkpoint's three are loaded into it).
+    After kv8 (`set_kv_scales`) its keys and values are stored in fp8 with the per-head scales
+    of buffer `kv_scale` [2 (k, v), H_kv] float32 (None: stored in the compute dtype)."""
+
+    def __init__(self, args: DecoderArgs, layer_idx: int, ctx: ForwardContext,
+                 rotary: RotaryTables) -> None:
+        super().__init__()
+        self.layer_idx, self.ctx, self.rotary = layer_idx, ctx, rotary
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.scale = args.attention_scale
+        self.sliding_window = args.sliding_windows[layer_idx]
+        h, d = args.hidden_size, args.head_dim
+        self.split = (args.num_heads * d, args.num_kv_heads * d, args.num_kv_heads * d)
+        self.qkv_proj = Linear(h, sum(self.split), bias=args.qkv_bias)
+        self.o_proj = Linear(args.num_heads * d, h, bias=args.o_bias)
+        self.q_norm = make_norm(args, d) if args.qk_norm else None
+        self.k_norm = make_norm(args, d) if args.qk_norm else None
+        self.register_buffer("kv_scale", None)
+
+    def set_kv_scales(self, kv_scale: torch.Tensor) -> None:
+        """Store this layer's keys and values in fp8 with these scales ([2, H_kv] float32)."""
+        if tuple(kv_scale.shape) != (2, self.num_kv_heads):
+            raise ValueError(f"kv_scale has shape {tuple(kv_scale.shape)}, this layer wants (2, {self.num_kv_heads})")
+        self.kv_scale = kv_scale.to(torch.float32).contiguous()
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention over norm(x + residual); returns (its output, x + residual)."""
+        tokens = x.shape[0]
+        qkv, residual = self.qkv_proj.after_norm(norm, x, residual)
+        q, k, v = qkv.split(self.split, dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)      # [T, H, D]
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)   # [T, H_kv, D]
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        batch = self.ctx.batch
+        k_cache, v_cache = self.ctx.kv_cache.layer(self.layer_idx)
+        q = self._prologue(positions, q, k, v, k_cache, v_cache, batch.slot_mapping)
+        o = kernels.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
+                                    batch.query_start_loc, batch.max_query_len, batch.max_seq_len,
+                                    self.scale, self.sliding_window, batch.uniform_query_len, self.kv_scale)
+        return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim)), residual
+
+    def _prologue(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """q/k norms, rotary, k and v into the cache; returns q. One launch
+        (`kernels.qk_norm_rotary_store`) where every head dim rotates and the norms are
+        fusable, else step by step (Gemma's norms, Phi's partial rotary)."""
+        cos, sin = self.rotary.tables(positions.device)
+        q_norm, k_norm = self.q_norm, self.k_norm
+        if self.rotary.rope.dim == self.head_dim and (q_norm is None or q_norm.fusable):
+            norms = (None, None, 0.0) if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+            return kernels.qk_norm_rotary_store(positions, q, k, v, cos, sin, k_cache, v_cache,
+                                                slot_mapping, *norms, self.kv_scale)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        r = self.rotary.rope.dim
+        q_rot, k_rot = kernels.rotary_embedding(positions, q[..., :r], k[..., :r], cos, sin)
+        q, k = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
+        kernels.store_kv(k, v, k_cache, v_cache, slot_mapping, self.kv_scale)
+        return q
+
+
+class MLP(nn.Module):
+    """Gated MLP (SwiGLU, or GeGLU with tanh-approximated gelu) with a fused gate/up projection."""
+
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__()
+        h, i = args.hidden_size, args.intermediate_size
+        self.activation = args.activation
+        self.gate_up_proj = Linear(h, 2 * i, bias=args.mlp_bias)
+        self.down_proj = Linear(i, h, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor,
+                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP of norm(x + residual); returns (its output, x + residual)."""
+        gate_up, residual = self.gate_up_proj.after_norm(norm, x, residual)
+        if self.activation == "silu":
+            return self.down_proj.after_silu_and_mul(gate_up), residual
+        return self.down_proj(kernels.gelu_tanh_and_mul(gate_up)), residual
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: DecoderArgs, layer_idx: int, ctx: ForwardContext,
+                 rotary: RotaryTables) -> None:
+        super().__init__()
+        self.self_attn = Attention(args, layer_idx, ctx, rotary)
+        sparse = args.moe is not None and args.moe.layers[layer_idx]
+        self.mlp = SparseMoE(args.moe, args.hidden_size) if sparse else MLP(args)
+        self.input_layernorm = make_norm(args, args.hidden_size)
+        self.post_attention_layernorm = make_norm(args, args.hidden_size)
+        self.sandwich = args.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = make_norm(args, args.hidden_size)
+            self.post_feedforward_layernorm = make_norm(args, args.hidden_size)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None):
+        """The residual stream is carried beside x (the stream is x + residual), so each add
+        fuses with the norm after it, and both with the projection after that where the kernels
+        can (`Linear.after_norm`): a batch-1 decode layer on the GPU can be six launches (norm +
+        qkv, prologue, attention, o, norm + gate_up, silu + down). With sandwich norms
+        post_attention_layernorm normalises the attention's output and pre_feedforward_layernorm
+        comes before the MLP; without, post_attention_layernorm is the one before the MLP."""
+        x, residual = self.self_attn(positions, x, residual, self.input_layernorm)
+        if not self.sandwich:
+            return self.mlp(x, residual, self.post_attention_layernorm)
+        x, residual = self.mlp(self.post_attention_layernorm(x), residual, self.pre_feedforward_layernorm)
+        return self.post_feedforward_layernorm(x), residual
+
+
+@functools.cache
+def _in_dtype(value: float, dtype: torch.dtype) -> float:
+    """`value` rounded to `dtype` (a multiplier that acts as a tensor of the activations' dtype)."""
+    return torch.tensor(value, dtype=dtype).item()
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, args: DecoderArgs, ctx: ForwardContext) -> None:
+        super().__init__()
+        self.embed_scale = args.embed_scale
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        rotaries = {rope: RotaryTables(rope, args.max_position_embeddings) for rope in dict.fromkeys(args.ropes)}
+        self.layers = nn.ModuleList(DecoderLayer(args, i, ctx, rotaries[rope]) for i, rope in enumerate(args.ropes))
+        self.norm = make_norm(args, args.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        if self.embed_scale is not None:
+            x = x * _in_dtype(self.embed_scale, x.dtype)
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        return self.norm(x, residual)[0]
+
+
+FUSED_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+"""A fused linear layer -> the checkpoint layers it concatenates along its outputs, in order."""
+
+
+class DecoderForCausalLM(nn.Module):
+    """`forward(input_ids, positions) -> hidden [T, hidden]`; `compute_logits` on chosen rows."""
+
+    def __init__(self, args: DecoderArgs, ctx: ForwardContext) -> None:
+        super().__init__()
+        self.args = args
+        self.model = DecoderModel(args, ctx)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.tied_weight_names = ("lm_head.weight",) if args.tie_word_embeddings else ()
+        self.fused_layers = {} if args.fused_in_checkpoint else FUSED_LAYERS
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        cap = self.args.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def decode_bytes_per_token(self) -> int:
+        """Weight bytes one batch-1 decode token reads (a roofline's numerator): every tensor
+        (after surgery: packed weights and their scales) but the experts it is not routed to
+        and, where lm_head has its own weight, the other tokens' embedding rows."""
+        tensors = {t.data_ptr(): t for t in (*self.parameters(), *self.buffers())}  # tied ones once
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        total -= sum(m.unread_bytes_per_token() for m in self.modules() if isinstance(m, SparseMoE))
+        embed = self.model.embed_tokens.weight
+        if not self.args.tie_word_embeddings:
+            total -= (embed.shape[0] - 1) * embed.shape[1] * embed.element_size()
+        return total
+
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name as `checkpoint_tensors` spells it."""
+        for theirs, ours in self.args.checkpoint_prefixes:
+            if name.startswith(theirs):
+                return ours + name[len(theirs):]
+        return name
+
+    def checkpoint_tensors(self, names: Collection[str]) -> dict[str, torch.Tensor]:
+        """Every tensor name a Hugging Face checkpoint holds -> where its values go (views into
+        the fused q/k/v and gate/up parameters where the checkpoint holds them apart, and into
+        the stacked experts where it holds one tensor per expert). `names`: the checkpoint's."""
+        a = self.args
+        sizes = {"qkv_proj": (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim),
+                 "gate_up_proj": (a.intermediate_size, a.intermediate_size)}
+        targets: dict[str, torch.Tensor] = {}
+        for name, param in self.named_parameters(remove_duplicate=False):
+            module, _, kind = name.rpartition(".")
+            parent, _, proj = module.rpartition(".")
+            if proj not in self.fused_layers:
+                targets[name] = param
+                continue
+            for part, view in zip(self.fused_layers[proj], param.data.split(sizes[proj], dim=0)):
+                targets[f"{parent}.{part}.{kind}"] = view
+        for prefix, module in self.named_modules():
+            if isinstance(module, Experts) and f"{prefix}.gate_up_proj" not in names:
+                del targets[f"{prefix}.gate_up_proj"], targets[f"{prefix}.down_proj"]
+                targets.update(module.checkpoint_views(prefix))
+        return targets

@@ -1,0 +1,85 @@
+"""The sparse mixture-of-experts block MoE families put in place of a decoder layer's MLP:
+a router, then each token through its top-k experts on the fused-MoE kernels
+(`hibana_kernels.moe_route`, `hibana_kernels.fused_moe`).
+
+The experts' weights are held stacked, as transformers 5 holds them in memory, so the kernels
+read them as they are:
+
+    experts.gate_up_proj  [E, 2I, H]   gate rows, then up rows (MoEExperts' w13)
+    experts.down_proj     [E, H, I]    (MoEExperts' w2)
+    gate.weight           [E, H]       the router
+
+Checkpoints on disk keep one tensor per expert (experts.{e}.gate_proj / up_proj / down_proj),
+which load into views of the stacked ones (`checkpoint_tensors`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hibana_kernels as kernels
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """A sparse block's shape and routing, read from the config by its family."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each expert
+    renormalize: bool  # top-k weights divided by their sum (Qwen3-MoE's norm_topk_prob)
+    layers: tuple[bool, ...]  # per decoder layer: a sparse block (True) or the dense MLP
+
+
+class Router(nn.Module):
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+
+class Experts(nn.Module):
+    def __init__(self, moe: MoEArgs, hidden_size: int) -> None:
+        super().__init__()
+        e, i, h = moe.num_experts, moe.intermediate_size, hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def kernel_experts(self) -> kernels.MoEExperts:
+        return kernels.MoEExperts("dense", self.gate_up_proj, self.down_proj)
+
+    def checkpoint_views(self, prefix: str) -> dict[str, torch.Tensor]:
+        """A per-expert checkpoint's names (`{prefix}.{e}.gate_proj.weight`, ...) -> views."""
+        i = self.down_proj.shape[2]
+        views: dict[str, torch.Tensor] = {}
+        for e in range(self.gate_up_proj.shape[0]):
+            views[f"{prefix}.{e}.gate_proj.weight"] = self.gate_up_proj.data[e, :i]
+            views[f"{prefix}.{e}.up_proj.weight"] = self.gate_up_proj.data[e, i:]
+            views[f"{prefix}.{e}.down_proj.weight"] = self.down_proj.data[e]
+        return views
+
+
+class SparseMoE(nn.Module):
+    """Router and experts; forward(x, residual, norm) like the dense MLP's."""
+
+    def __init__(self, moe: MoEArgs, hidden_size: int) -> None:
+        super().__init__()
+        self.top_k, self.renormalize = moe.top_k, moe.renormalize
+        self.gate = Router(hidden_size, moe.num_experts)
+        self.experts = Experts(moe, hidden_size)
+
+    def unread_bytes_per_token(self) -> int:
+        """Weight bytes of the experts one token is not routed to."""
+        experts = self.experts.kernel_experts()
+        return experts.bytes_per_token(experts.num_experts - self.top_k)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor,
+                norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts' output for norm(x + residual); returns (it, x + residual)."""
+        h, residual = norm(x, residual)  # [T, hidden]
+        logits = F.linear(h, self.gate.weight)  # [T, E], in the model dtype as transformers
+        weights, ids = kernels.moe_route(logits, self.top_k, scoring="softmax", renormalize=self.renormalize)
+        return kernels.fused_moe(h, self.experts.kernel_experts(), weights, ids), residual
