@@ -280,8 +280,9 @@ class Engine:
             return cache.num_blocks
         if cache.memory_budget is not None:
             return self._blocks_in_budget(per_block, weight_bytes)
-        if self.device.type == "cuda":
-            kv_bytes = int(self.device_memory.free * cache.memory_fraction)
+        if self.device.type == "cuda":  # a fraction of what is free, never the workspace's share
+            free = self.device_memory.free
+            kv_bytes = min(int(free * cache.memory_fraction), free - self.workspace_bytes)
         else:
             kv_bytes = min(cache.max_kv_bytes_cpu, int(self.device_memory.free * cache.memory_fraction))
             # on the CPU, never more than every admitted agent at full context (zeroed RAM is slow)
