@@ -24,9 +24,11 @@ import hmac
 import json
 import logging
 import os
+import socket
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -355,6 +357,34 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         except ValueError:
             options[key] = value  # a bare word: a string
     return options
+
+
+@contextlib.contextmanager
+def serving(engine: "Engine", config: ServerConfig, host: str = "127.0.0.1", port: int = 0,
+            startup_timeout: float = 30.0) -> Iterator[str]:
+    """The server in a thread of this process (a notebook, a test, a benchmark), on `port` (0: a
+    free one); yields its URL and stops it on leaving, letting requests in flight finish. The
+    engine stays the caller's to close."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, config), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="hibana-serve", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    try:
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise HibanaError(f"the server did not start on {host}:{port} within {startup_timeout:g} s")
+            time.sleep(0.02)
+        bound = sock.getsockname()[1]
+        yield f"http://{f'[{host}]' if ':' in host else host}:{bound}"
+    finally:
+        server.should_exit = True
+        thread.join()
+        sock.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,9 +3,7 @@ port of 127.0.0.1, in this process, on the bundled demo model (nothing downloade
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
 import threading
 import time
 import urllib.request
@@ -14,10 +12,9 @@ import pytest
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
-import uvicorn  # noqa: E402
 
 from hibana_core import Engine  # noqa: E402
-from hibana_plugins.server import ServerConfig, create_app  # noqa: E402
+from hibana_plugins.server import ServerConfig, serving  # noqa: E402
 
 KEY = "test-key"
 WEATHER = {"type": "function", "function": {
@@ -36,30 +33,9 @@ def engine():
         yield engine
 
 
-@contextlib.contextmanager
-def running(engine, config: ServerConfig):
-    """The server on a free port of 127.0.0.1, in a thread of this process; yields its URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, config), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def base_url(engine):
-    with running(engine, ServerConfig("demo", api_key=KEY, max_body_bytes=64 << 10, max_tokens_limit=512)) as url:
+    with serving(engine, ServerConfig("demo", api_key=KEY, max_body_bytes=64 << 10, max_tokens_limit=512)) as url:
         yield url
 
 
@@ -381,7 +357,7 @@ def test_a_context_too_long_is_refused_and_the_server_goes_on(client, engine):
 
 
 def test_a_request_past_the_timeout_gets_a_503_and_frees_its_state(engine):
-    with running(engine, ServerConfig("demo", request_timeout=0.001)) as url:
+    with serving(engine, ServerConfig("demo", request_timeout=0.001)) as url:
         hurried = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         with pytest.raises(openai.InternalServerError) as caught:
             hurried.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hello!"}],
@@ -473,7 +449,7 @@ def test_a_request_that_waited_too_long_in_the_queue_is_a_429(tmp_path):
     import openai
 
     with Engine.from_pretrained("demo", progress=False, max_concurrent_agents=1, queue_timeout_ms=1) as engine, \
-            running(engine, ServerConfig("demo", api_key=KEY)) as url:
+            serving(engine, ServerConfig("demo", api_key=KEY)) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
         results, errors = [], []
 
