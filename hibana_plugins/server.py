@@ -10,6 +10,10 @@ client names with an `X-Hibana-State` header (that state only: 409 while it is b
 `user` field (another state while that one is busy). `usage.prompt_tokens_details.cached_tokens`
 says how much of the prompt the state already held.
 
+A reasoning model thinks unless `reasoning_effort: "none"` or `chat_template_kwargs:
+{"enable_thinking": false}` says otherwise; its thinking comes as `reasoning_content` in the
+message and in stream deltas (vLLM's and DeepSeek's shape), never inside `content`.
+
 Safe by default: binds 127.0.0.1; with an API key (`--api-key` or HIBANA_API_KEY) every endpoint
 but /health wants it as a bearer token; bodies and max_tokens are bounded. The wire format lives
 in `hibana_plugins.openai_api`; this module does the HTTP, the errors' status codes and metrics.
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import hmac
 import json
 import logging
@@ -138,6 +143,8 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
     """The HTTP face of one engine; the engine stays the caller's to close."""
     app = FastAPI(title="Hibana", docs_url=None, redoc_url=None, openapi_url=None)
     chat = Chat(engine)
+    text_chat = copy.copy(chat)  # legacy completions: the text as generated, a model's thinking left in it
+    text_chat.thinks = False
     metrics = Metrics()
     app.state.metrics = metrics
     max_tokens_limit = min(config.max_tokens_limit or engine.max_model_len, engine.max_model_len)
@@ -193,7 +200,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         parsed = await checked(request, ChatRequest)
         try:
             call = chat_call(parsed, request.headers.get(STATE_HEADER), max_tokens_limit)
-            prompt = await asyncio.to_thread(chat.render_text, parsed.messages, call.tools)
+            prompt = await asyncio.to_thread(chat.render_text, parsed.messages, call.tools, call.reasoning)
         except HibanaError as exc:
             raise api_error(exc) from None
         return await serve(request.url.path, received, Serving(chat, prompt, call, config.request_timeout),
@@ -210,7 +217,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         except HibanaError as exc:
             raise api_error(exc) from None
         prompt = parsed.prompt if isinstance(parsed.prompt, str) else parsed.prompt[0]
-        return await serve(request.url.path, received, Serving(chat, prompt, call, config.request_timeout),
+        return await serve(request.url.path, received, Serving(text_chat, prompt, call, config.request_timeout),
                            TextReply(config.model_name))
 
     async def serve(endpoint: str, received: float, serving: "Serving", reply: Reply) -> Response:

@@ -382,6 +382,81 @@ def test_metrics_count_requests_and_reused_tokens(client, base_url):
     assert 'hibana_kv_moves{kind="parks"}' in values
 
 
+# --- a reasoning model -------------------------------------------------------------------------------
+
+THOUGHT = "The user says hi. I should greet them."
+ANSWER = "Hello there, friend."
+OUTPUT = f"<think>\n{THOUGHT}\n</think>\n\n{ANSWER}<|im_end|>"
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    """A server on the tiny Qwen3-style reasoning checkpoint (tests/reasoning_model.py) and a client."""
+    import tiny_models
+    from reasoning_model import make_reasoning_checkpoint
+
+    engine = tiny_models.open_engine(make_reasoning_checkpoint(tmp_path_factory.mktemp("reasoning") / "m"))
+    with engine, serving(engine, ServerConfig("thinker")) as url:
+        yield engine, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def forced(engine, state_id: str) -> dict:
+    """The request options that serve a call on `state_id`, whose next generation writes OUTPUT (so
+    that the random model thinks)."""
+    from hibana_core.speculation import force_outputs
+
+    ids = engine.tokenizer.encode(OUTPUT, add_special_tokens=False)
+    force_outputs(engine.open_state(state_id), ids)
+    return {"max_tokens": len(ids), "extra_headers": {"X-Hibana-State": state_id}}
+
+
+def test_thinking_comes_as_reasoning_content_never_in_the_content(thinker):
+    engine, client = thinker
+    reply = client.chat.completions.create(model="thinker", messages=HI, **forced(engine, "think-1"))
+    message = reply.choices[0].message
+    assert (message.content, message.reasoning_content) == (ANSWER, THOUGHT)
+    chunks = list(client.chat.completions.create(model="thinker", messages=HI, stream=True,
+                                                 **forced(engine, "think-2")))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    thinking = [d.reasoning_content for d in deltas if getattr(d, "reasoning_content", None)]
+    assert len(thinking) > 1 and "".join(thinking).strip() == THOUGHT  # streamed as it comes
+    assert "".join(d.content or "" for d in deltas) == ANSWER
+
+
+def test_legacy_completions_keep_the_thinking_in_the_text(thinker):
+    engine, client = thinker
+    prompt = engine.tokenizer.apply_chat_template(HI, add_generation_prompt=True, tokenize=False)
+    reply = client.completions.create(model="thinker", prompt=prompt, **forced(engine, "think-3"))
+    assert reply.choices[0].text == OUTPUT.removesuffix("<|im_end|>")
+
+
+@pytest.mark.parametrize("off", [{"reasoning_effort": "none"},
+                                 {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}])
+def test_thinking_can_be_switched_off(thinker, off):
+    engine, client = thinker
+    empty_block = len(engine.tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False))
+
+    def prompt_tokens(**options) -> int:
+        return client.chat.completions.create(model="thinker", messages=HI, max_tokens=1, **options).usage.prompt_tokens
+    assert prompt_tokens(**off) == prompt_tokens() + empty_block == prompt_tokens(reasoning_effort="low") + empty_block
+
+
+@pytest.mark.parametrize("options, param", [
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"extra_body": {"chat_template_kwargs": {"enable_thinking": "no"}}}, "chat_template_kwargs.enable_thinking"),
+    ({"extra_body": {"chat_template_kwargs": {"tools_in_user_message": True}}},
+     "chat_template_kwargs.tools_in_user_message"),
+    ({"reasoning_effort": "high", "extra_body": {"chat_template_kwargs": {"enable_thinking": False}}},
+     "reasoning_effort"),
+])
+def test_bad_thinking_options_are_400s(thinker, options, param):
+    _, client = thinker
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="thinker", messages=HI, max_tokens=1, **options)
+    assert caught.value.body["param"] == param
+
+
 # --- LangChain ---------------------------------------------------------------------------------------
 
 def test_langchain_chat_openai_calls_a_tool(base_url):
