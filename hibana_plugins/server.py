@@ -33,9 +33,9 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hibana.server")
 
+T = TypeVar("T")
 API_KEY_ENV = "HIBANA_API_KEY"
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
@@ -203,7 +204,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
             prompt = await asyncio.to_thread(chat.render_text, parsed.messages, call.tools, call.reasoning)
         except HibanaError as exc:
             raise api_error(exc) from None
-        return await serve(request.url.path, received, Serving(chat, prompt, call, config.request_timeout),
+        return await serve(request, received, Serving(chat, prompt, call, config.request_timeout),
                            Reply(config.model_name, chat.openai_logprobs))
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
@@ -217,36 +218,46 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         except HibanaError as exc:
             raise api_error(exc) from None
         prompt = parsed.prompt if isinstance(parsed.prompt, str) else parsed.prompt[0]
-        return await serve(request.url.path, received, Serving(text_chat, prompt, call, config.request_timeout),
+        return await serve(request, received, Serving(text_chat, prompt, call, config.request_timeout),
                            TextReply(config.model_name))
 
-    async def serve(endpoint: str, received: float, serving: "Serving", reply: Reply) -> Response:
-        """One turn, streamed or whole; errors up to its first token come as HTTP errors."""
+    async def serve(request: Request, received: float, serving: "Serving", reply: Reply) -> Response:
+        """One turn, streamed or whole; errors up to its first token come as HTTP errors. A client
+        that goes away cancels the turn (Starlette stops a streamed reply; `unless_gone` the rest)."""
         deltas = turn.arun(serving.open)
-        try:  # the lease, the queue, the prefill and the first token
-            first = await asyncio.wait_for(anext(deltas), config.request_timeout)
+        first = await unless_gone(request, first_delta(deltas, reply))
+        metrics.ttft.observe(time.monotonic() - received)
+        headers = {STATE_HEADER: serving.state_id}
+        if serving.call.stream:
+            return StreamingResponse(sse(request.url.path, reply, first, deltas, serving.call, metrics),
+                                     media_type="text/event-stream", headers=headers)
+        result = await unless_gone(request, rest(deltas, first))
+        metrics.served(result.usage)
+        metrics.requests.labels(request.url.path, "200").inc()
+        return JSONResponse(reply.completion(result), headers=headers)
+
+    async def first_delta(deltas: AsyncIterator[ChatDelta], reply: Reply) -> ChatDelta:
+        """The lease, the queue, the prefill and the first token, within the request timeout."""
+        try:
+            return await asyncio.wait_for(anext(deltas), config.request_timeout)
         except HibanaError as exc:  # ChatTimeoutError included: a TimeoutError too
             raise api_error(exc, "prompt" if isinstance(reply, TextReply) else "messages") from None
         except asyncio.TimeoutError:
             await deltas.aclose()
             raise ApiError(503, f"no token within the server's request timeout ({config.request_timeout:g} s): "
                                 "it is busy; retry later", code="timeout", kind="server_error") from None
-        metrics.ttft.observe(time.monotonic() - received)
-        headers = {STATE_HEADER: serving.state_id}
-        if serving.call.stream:
-            return StreamingResponse(sse(endpoint, reply, first, deltas, serving.call, metrics),
-                                     media_type="text/event-stream", headers=headers)
+
+    async def rest(deltas: AsyncIterator[ChatDelta], first: ChatDelta) -> turn.ChatResult:
+        """The turn after its first delta, to its result."""
         result = first.result
         with metrics.in_flight.track_inprogress():
-            async with contextlib.aclosing(deltas):  # a client gone away cancels the turn
+            async with contextlib.aclosing(deltas):
                 try:
                     async for delta in deltas:
                         result = delta.result or result
                 except HibanaError as exc:
                     raise api_error(exc) from None
-        metrics.served(result.usage)
-        metrics.requests.labels(endpoint, "200").inc()
-        return JSONResponse(reply.completion(result), headers=headers)
+        return result
 
     return app
 
@@ -296,6 +307,31 @@ async def sse(endpoint: str, reply: Reply, first: ChatDelta, deltas: AsyncIterat
             yield event(reply.usage_chunk(result))
     metrics.requests.labels(endpoint, "200").inc()
     yield "data: [DONE]\n\n"
+
+
+async def unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """`work`, cancelled if the client closes its connection first (Starlette stops a streamed
+    reply whose client left, not a handler still computing): the turn is cancelled and its state
+    let go before this raises a 499 (nginx's "client closed request", for the metrics only)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise ApiError(499, "the client closed the connection before the reply", code="client_closed")
+    return task.result()
+
+
+async def disconnected(request: Request) -> None:
+    """Returns when the client has gone (called once the body is read: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def read_json(request: Request, limit: int) -> Any:

@@ -236,26 +236,54 @@ def test_concurrent_tool_loops_give_the_in_process_replies(client, engine):
     assert served == [in_process(city) for city in cities]
 
 
-def test_a_client_gone_mid_stream_cancels_its_turn(client, engine):
-    pinned = {"X-Hibana-State": "gone-1"}
-    long_list = {"type": "json_schema", "json_schema": {"name": "numbers", "schema": {
-        "type": "array", "items": {"type": "integer"}, "minItems": 300}}}  # 600 tokens at least
-    before = engine.stats().generated_tokens
-    stream = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Count."}],
-                                            max_tokens=500, stream=True, response_format=long_list,
-                                            extra_headers=pinned)
-    next(iter(stream))
-    stream.close()  # the connection goes: the turn must stop and let the state go
+LONG_LIST = {"type": "json_schema", "json_schema": {"name": "numbers", "schema": {
+    "type": "array", "items": {"type": "integer"}, "minItems": 300}}}  # 600 tokens at least
+
+
+def wait_until_free(client, pinned: dict) -> None:
+    """Return once a request on the pinned state is served (409 while a turn still holds it)."""
     deadline = time.monotonic() + 30
     while True:
         try:
             client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                            extra_headers=pinned)
-            break
+            return
         except openai.ConflictError:  # still generating for the client that left
-            assert time.monotonic() < deadline, "the abandoned stream still holds its state"
+            assert time.monotonic() < deadline, "the abandoned request still holds its state"
             time.sleep(0.05)
+
+
+def test_a_client_gone_mid_stream_cancels_its_turn(client, engine):
+    pinned = {"X-Hibana-State": "gone-1"}
+    before = engine.stats().generated_tokens
+    stream = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Count."}],
+                                            max_tokens=500, stream=True, response_format=LONG_LIST,
+                                            extra_headers=pinned)
+    next(iter(stream))
+    stream.close()  # the connection goes: the turn must stop and let the state go
+    wait_until_free(client, pinned)
     assert engine.stats().generated_tokens - before < 150
+
+
+def test_a_client_gone_before_its_whole_reply_cancels_its_turn(client, engine, base_url):
+    """Not streamed: the client's timeout closes the connection while the server generates; the
+    turn stops and lets its state go, and a client beside it gets its whole reply."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pinned = {"X-Hibana-State": "gone-2"}
+    beside = dict(model="demo", messages=[{"role": "user", "content": "What's the weather in Rome?"}],
+                  tools=[WEATHER, MULTIPLY], max_tokens=64, extra_headers={"X-Hibana-State": "beside-gone-2"})
+    alone = client.chat.completions.create(**beside).choices[0].message
+    impatient = openai.OpenAI(base_url=base_url + "/v1", api_key=KEY, max_retries=0, timeout=0.5)
+    before = engine.stats().generated_tokens
+    with ThreadPoolExecutor(1) as pool:
+        together = pool.submit(lambda: client.chat.completions.create(**beside).choices[0].message)
+        with pytest.raises(openai.APITimeoutError):
+            impatient.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Count."}],
+                                              max_tokens=500, response_format=LONG_LIST, extra_headers=pinned)
+        wait_until_free(client, pinned)
+        assert together.result(60).tool_calls[0].function == alone.tool_calls[0].function
+    assert engine.stats().generated_tokens - before < 150 + 2 * 64
 
 
 def test_pinned_state_header_serves_that_state(client, engine):
