@@ -110,18 +110,23 @@ def _turn(text: str, calls: list[tuple[str, str, dict]], start: float, first: fl
 
 @dataclass
 class Run:
-    """One system's run: each client's turns (None where it failed), its errors, the wall time."""
+    """One system's run: each client's turns (None where it failed), its errors, the wall time,
+    and the CPU time of the engine's process and of the clients' own (over HTTP), which on a
+    machine with few cores share them."""
 
     seconds: float
     turns: list[list[Turn] | None]
     errors: list[str]
+    cpu_seconds: float = 0.0
+    client_cpu_seconds: float = 0.0
 
     def summary(self) -> dict:
         turns = [t for client in self.turns if client for t in client]
         ttfts, whole = sorted(t.ttft for t in turns), sorted(t.seconds for t in turns)
         return {"turns": len(turns), "seconds": self.seconds, "turns_per_hour": len(turns) / self.seconds * 3600,
                 "ttft_p50_s": _percentile(ttfts, 0.5), "ttft_p95_s": _percentile(ttfts, 0.95),
-                "turn_p50_s": _percentile(whole, 0.5), "errors": len(self.errors)}
+                "turn_p50_s": _percentile(whole, 0.5), "errors": len(self.errors),
+                "cpu_s": self.cpu_seconds, "client_cpu_s": self.client_cpu_seconds}
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -155,9 +160,9 @@ async def in_process_client(engine: "Engine", client: int, cfg: ServeLoadConfig,
 
 def run_in_process(engine: "Engine", cfg: ServeLoadConfig) -> Run:
     async def clients() -> Run:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         turns, errors = await _gather([in_process_client(engine, i, cfg) for i in range(cfg.clients)])
-        return Run(time.perf_counter() - start, turns, errors)
+        return Run(time.perf_counter() - start, turns, errors, time.process_time() - cpu)
     return asyncio.run(clients())
 
 
@@ -191,9 +196,9 @@ def run_http_clients(url: str, model: str, cfg: ServeLoadConfig) -> Run:
     async def clients() -> Run:
         async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600.0) as client:
             await client.models.list()  # the connection pool and the SDK warmed, untimed
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             turns, errors = await _gather([http_client(client, model, i, cfg) for i in range(cfg.clients)])
-            return Run(time.perf_counter() - start, turns, errors)
+            return Run(time.perf_counter() - start, turns, errors, client_cpu_seconds=time.process_time() - cpu)
     return asyncio.run(clients())
 
 
@@ -202,7 +207,10 @@ def run_over_http(engine: "Engine", model: str, cfg: ServeLoadConfig) -> Run:
 
     with serving(engine, ServerConfig(model)) as url, \
             ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
-        return clients.submit(run_http_clients, url, model, cfg).result()
+        cpu = time.process_time()  # the server's and the engine's (the clients' process starts idle)
+        run = clients.submit(run_http_clients, url, model, cfg).result()
+        run.cpu_seconds = time.process_time() - cpu
+        return run
 
 
 # --- both, side by side -----------------------------------------------------------------------------
@@ -253,11 +261,13 @@ def print_serve_load(report: dict) -> None:
     cfg = report["config"]
     print(f"serve, {report['model']}: {cfg['clients']} clients x {cfg['turns']} tool-loop turns "
           f"(max_tokens {cfg['max_tokens']}), greedy")
-    header = ("system", "turns", "turns/h", "ttft p50", "ttft p95", "turn p50", "errors", "leaked")
+    header = ("system", "turns", "turns/h", "ttft p50", "ttft p95", "turn p50", "errors", "leaked", "engine cpu",
+              "client cpu")
     print("".join(f"{h:>12}" for h in header))
     for system, r in report["results"].items():
         cells = (system, r["turns"], f"{r['turns_per_hour']:.0f}", f"{r['ttft_p50_s']:.3f}s",
-                 f"{r['ttft_p95_s']:.3f}s", f"{r['turn_p50_s']:.3f}s", r["errors"], report["leaked_blocks"][system])
+                 f"{r['ttft_p95_s']:.3f}s", f"{r['turn_p50_s']:.3f}s", r["errors"], report["leaked_blocks"][system],
+                 f"{r['cpu_s']:.1f}s", f"{r['client_cpu_s']:.1f}s")
         print("".join(f"{c:>12}" for c in cells))
     equal = cfg["clients"] - len(report["mismatched_clients"])
     print(f"conversations equal over HTTP and in process: {equal}/{cfg['clients']}; "
