@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import copy
 import hmac
+import itertools
 import json
 import logging
 import os
@@ -40,10 +41,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hibana_core import turn
 from hibana_core.chat import Chat
+from hibana_core.engine_core import STEP_TIME_BUCKETS
 from hibana_core.errors import (ChatTimeoutError, ConfigError, ContextLengthError, EngineClosedError, GrammarError,
                                 HibanaError, QueueTimeoutError, StateBusyError)
 from hibana_core.messages import ConversationError, ToolChoiceError, ToolSchemaError
@@ -52,7 +56,7 @@ from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatReq
                                        TextReply, chat_call, parse_request)
 
 if TYPE_CHECKING:
-    from hibana_core.engine import Engine
+    from hibana_core.engine import Engine, EngineStats
 
 log = logging.getLogger("hibana.server")
 
@@ -98,6 +102,12 @@ class Metrics:
                               "idle states' KV parked there)", ["tier"], registry=r)
         self.moves = Gauge("hibana_kv_moves", "idle states' KV parked in the host tier and copied back "
                            "(since start)", ["kind"], registry=r)
+        self.queue = Gauge("hibana_requests_queued", "requests waiting in the engine's queue for admission",
+                           registry=r)
+        self.running = Gauge("hibana_requests_running", "requests the engine has admitted (prefilling or "
+                             "generating)", registry=r)
+        self.steps = StepTimes()
+        r.register(self.steps)
 
     def served(self, usage: turn.Usage) -> None:
         self.prompt_tokens.labels("reused").inc(usage.cached_tokens)
@@ -115,7 +125,31 @@ class Metrics:
         self.kv_bytes.labels("host").set(memory["host"]["kv_parked"])
         self.moves.labels("parks").set(stats.parks)
         self.moves.labels("resumes").set(stats.resumes)
+        self.queue.set(stats.requests_waiting)
+        self.running.set(stats.requests_running)
+        self.steps.stats = stats
         return generate_latest(self.registry)
+
+
+class StepTimes:
+    """The engine's step-time histogram, which the engine keeps (`EngineStats.step_time_buckets`),
+    as a Prometheus histogram: read at each scrape, not observed step by step from here."""
+
+    HELP = "wall time of one engine step (schedule, launch, read back; under load the engine's cadence)"
+
+    def __init__(self) -> None:
+        self.stats: "EngineStats | None" = None  # the last scrape's
+
+    def describe(self) -> list:
+        return [HistogramMetricFamily("hibana_step_seconds", self.HELP)]
+
+    def collect(self) -> list:
+        family = HistogramMetricFamily("hibana_step_seconds", self.HELP)
+        if self.stats is not None and self.stats.step_time_buckets:
+            cumulative = list(itertools.accumulate(self.stats.step_time_buckets))
+            bounds = [floatToGoString(b) for b in STEP_TIME_BUCKETS] + ["+Inf"]
+            family.add_metric([], list(zip(bounds, cumulative)), self.stats.step_seconds)
+        return [family]
 
 
 # --- HibanaError -> HTTP ---------------------------------------------------------------------------

@@ -395,19 +395,29 @@ def test_a_request_past_the_timeout_gets_a_503_and_frees_its_state(engine):
         assert handle.id == "hurried-1"
 
 
-def test_metrics_count_requests_and_reused_tokens(client, base_url):
-    client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8)
+def scrape(base_url: str) -> dict[str, float]:
+    """/metrics as {series: value}."""
     request = urllib.request.Request(base_url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
     with urllib.request.urlopen(request, timeout=10) as response:
         text = response.read().decode()
-    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line and not line.startswith("#")}
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def test_metrics_count_requests_and_reused_tokens(client, base_url):
+    client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8)
+    values = scrape(base_url)
     assert values['hibana_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 1
     assert values['hibana_prompt_tokens_total{kind="computed"}'] > 0
     assert values["hibana_time_to_first_token_seconds_count"] >= 1
     assert values['hibana_kv_blocks{kind="total"}'] > 0
     assert values['hibana_kv_bytes{tier="device"}'] > 0 and values['hibana_kv_bytes{tier="host"}'] >= 0
     assert 'hibana_kv_moves{kind="parks"}' in values
+    assert values["hibana_requests_queued"] == 0 and values["hibana_requests_running"] >= 0
+    steps = values["hibana_step_seconds_count"]
+    assert steps >= 1 and values['hibana_step_seconds_bucket{le="+Inf"}'] == steps
+    assert values['hibana_step_seconds_bucket{le="0.001"}'] <= values['hibana_step_seconds_bucket{le="2.5"}'] <= steps
+    assert values["hibana_step_seconds_sum"] > 0
 
 
 # --- a reasoning model -------------------------------------------------------------------------------
@@ -572,6 +582,27 @@ def test_a_request_that_waited_too_long_in_the_queue_is_a_429(tmp_path):
         assert results and errors, (len(results), len(errors))
         assert errors[0].status_code == 429 and errors[0].body["code"] == "queue_timeout"
         assert "queue_timeout_ms" in errors[0].body["message"]
+
+
+def test_metrics_show_the_queue():
+    """With room for one request, a second one waits in the queue while the first streams."""
+    with Engine.from_pretrained("demo", progress=False, max_concurrent_agents=1) as engine, \
+            serving(engine, ServerConfig("demo", api_key=KEY)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        stream = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Count."}],
+                                                max_tokens=500, stream=True, response_format=LONG_LIST)
+        next(iter(stream))
+        waiting = threading.Thread(target=client.chat.completions.create, kwargs=dict(
+            model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=2))
+        waiting.start()
+        deadline = time.monotonic() + 30
+        while (values := scrape(url))["hibana_requests_queued"] != 1:
+            assert time.monotonic() < deadline, values
+            time.sleep(0.02)
+        assert values["hibana_requests_running"] == 1
+        stream.close()
+        waiting.join(60)
+        assert scrape(url)["hibana_requests_queued"] == 0
 
 
 def test_logprobs_plain_and_streamed(client):
