@@ -46,22 +46,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatRequest(BaseModel):
-    """The fields of a chat-completions request. As OpenAI does, a field the API does not know is
-    refused; fields it knows that change nothing here (metadata, store, ...) are accepted, and
-    those Hibana cannot honour (logit_bias) are refused when asked for. Strict: "5" is not a
-    number here, as it is not for OpenAI."""
+class SamplingRequest(BaseModel):
+    """What both endpoints take alike: the model, streaming, how to sample, and the state to
+    serve on (`user`). Strict: "5" is not a number here, as it is not for OpenAI."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
@@ -69,8 +61,22 @@ class ChatRequest(BaseModel):
     n: int | None = Field(None, ge=1)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    response_format: dict[str, Any] | None = None
     user: str | None = Field(None, max_length=MAX_STATE_ID)
+    logit_bias: dict[str, Any] | None = None  # refused when given (`chat_call`)
+
+
+class ChatRequest(SamplingRequest):
+    """The fields of a chat-completions request. As OpenAI does, a field the API does not know is
+    refused; fields it knows that change nothing here (metadata, store, ...) are accepted, and
+    those Hibana cannot honour (logit_bias) are refused when asked for."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
@@ -79,38 +85,24 @@ class ChatRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    logit_bias: dict[str, Any] | None = None
     verbosity: str | None = None
     modalities: list[str] | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(SamplingRequest):
     """A legacy completions request: a prompt continued as it is, no chat template."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
-    model: str
     prompt: str | list[str] = Field(min_length=1)  # a list of one: the SDK's other spelling
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for this endpoint
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int | None = Field(None, ge=1)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    user: str | None = Field(None, max_length=MAX_STATE_ID)
     echo: Literal[False] | None = None
     logprobs: Literal[0] | None = None
     best_of: Literal[1] | None = None
     suffix: None = None
-    logit_bias: dict[str, Any] | None = None
 
 
-R = TypeVar("R", ChatRequest, CompletionRequest)
+R = TypeVar("R", bound=SamplingRequest)
 
 
 def parse_request(body: Any, kind: "type[R]" = ChatRequest) -> "R":
