@@ -30,6 +30,7 @@ import itertools
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -74,6 +75,8 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20         # request bodies larger than this are refused (413)
     max_tokens_limit: int | None = None   # most tokens one request may generate; None: the context
     request_timeout: float | None = None  # seconds a request may take, queue included; None: no limit
+    shutdown_timeout: float | None = None  # seconds requests in flight may go on once the server is told
+    #                                       to stop, then they are cancelled; None: until they finish
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -81,6 +84,8 @@ class ServerConfig:
         if self.max_body_bytes <= 0 or any(limit is not None and limit <= 0
                                            for limit in (self.max_tokens_limit, self.request_timeout)):
             raise ConfigError("max_body_bytes, max_tokens_limit and request_timeout must be positive")
+        if self.shutdown_timeout is not None and not self.shutdown_timeout >= 0:
+            raise ConfigError(f"shutdown_timeout must be >= 0 seconds or None, got {self.shutdown_timeout!r}")
 
 
 class Metrics:
@@ -413,6 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="any other engine option (EngineConfig), VALUE as JSON where it parses: "
                              "--option max_concurrent_agents=32 --option kv_dtype=fp8; repeatable")
+    parser.add_argument("--shutdown-timeout", type=float,
+                        help="seconds requests in flight may go on after SIGINT/SIGTERM before they are cancelled "
+                             "(default: until they finish); named states are written to --state-dir after them")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                         help="what the server logs (default info: one line per request)")
     return parser
@@ -440,14 +448,16 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 def serving(engine: "Engine", config: ServerConfig, host: str = "127.0.0.1", port: int = 0,
             startup_timeout: float = 30.0) -> Iterator[str]:
     """The server in a thread of this process (a notebook, a test, a benchmark), on `port` (0: a
-    free one); yields its URL and stops it on leaving, letting requests in flight finish. The
-    engine stays the caller's to close."""
+    free one); yields its URL and stops it on leaving as `hibana serve` stops on a signal:
+    requests in flight finish (within `config.shutdown_timeout`). The engine stays the caller's
+    to close."""
     import uvicorn
 
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, config), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, config), log_level="warning",
+                                           timeout_graceful_shutdown=config.shutdown_timeout))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="hibana-serve", daemon=True)
     thread.start()
     deadline = time.monotonic() + startup_timeout
@@ -474,13 +484,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper())
     try:
         config = ServerConfig(args.served_model_name or args.model, args.api_key, args.max_body_bytes,
-                              args.max_tokens_limit, args.request_timeout)
+                              args.max_tokens_limit, args.request_timeout, args.shutdown_timeout)
         engine = Engine.from_pretrained(args.model, **engine_options(args))
     except HibanaError as exc:
         print(f"hibana serve: {exc}", file=sys.stderr)
         return 2
     if args.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
         log.warning("serving on %s with no API key: anyone who can reach it can use the model", args.host)
-    with engine:
-        uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level)
+    with engine, stop_signals_unwind():
+        uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=config.shutdown_timeout)
     return 0
+
+
+class Stopped(Exception):
+    """SIGINT or SIGTERM, once uvicorn has shut down on it."""
+
+
+@contextlib.contextmanager
+def stop_signals_unwind() -> Iterator[None]:
+    """After its graceful shutdown uvicorn raises the stop signal again, for the handler it found:
+    Python's default for SIGTERM ends the process at once, before the engine closes and writes
+    the named states to --state-dir. With this handler the signal unwinds the stack instead (the
+    engine closes) and the process ends normally."""
+    def stop(signum: int, frame: object) -> None:
+        raise Stopped(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    except Stopped as exc:
+        log.info("stopped on %s", exc)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
