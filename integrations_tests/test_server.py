@@ -356,6 +356,48 @@ def test_bad_requests_get_openai_shaped_400s(base_url, body, param):
     assert reply["error"]["param"] == param
 
 
+def tool_loop(client, city: str, state: str) -> list:
+    """A weather question, its call, the tool's result and the answer, on a pinned state."""
+    messages, replies = [{"role": "user", "content": f"What's the weather in {city}?"}], []
+    for _ in range(2):
+        reply = client.chat.completions.create(model="demo", messages=messages, tools=[WEATHER, MULTIPLY],
+                                               max_tokens=64, extra_headers={"X-Hibana-State": state})
+        message = reply.choices[0].message
+        replies.append((message.content, [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]))
+        messages.append(message.model_dump(exclude_none=True))
+        messages += [{"role": "tool", "tool_call_id": c.id, "content": '{"temperature": 21, "condition": "sunny"}'}
+                     for c in message.tool_calls or ()]
+    return replies
+
+
+def test_hostile_requests_get_4xx_and_leave_a_client_beside_them_unaffected(client, base_url):
+    """All at once, beside a tool loop. (A body that declares more than the limit is refused
+    unread, test_unknown_model_and_oversized_body: its sender may see the connection reset first.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    hi = [{"role": "user", "content": "hi"}]
+    hostile = [  # (body, API key, status)
+        (b'{"model": "demo", "messages": [', KEY, 400),                                        # invalid JSON
+        (b"[" * 30000 + b"]" * 30000, KEY, 400),                                               # nested past the parser
+        (iter([b'{"model": "demo", "messages": [{"role": "user", "content": "'] + [b"x" * 1024] * 80 + [b'"}]}']),
+         KEY, 413),                                                                             # chunked: no length
+        (json.dumps({"model": "demo", "messages": hi, "n": 10 ** 6}).encode(), KEY, 400),
+        (json.dumps({"model": "demo", "messages": hi, "max_tokens": 10 ** 12}).encode(), KEY, 400),
+        (json.dumps({"model": "demo", "messages": [{"role": "user", "content": 5}]}).encode(), KEY, 400),
+        (json.dumps({"model": "demo", "messages": hi, "tools": [WEATHER],
+                     "tool_choice": {"type": "function", "function": {"name": "rm_rf"}}}).encode(), KEY, 400),
+        (json.dumps({"model": "demo", "messages": hi}).encode(), None, 401),
+        (json.dumps({"model": "demo", "messages": hi}).encode(), "wrong", 401),
+    ]
+    alone = tool_loop(client, "Lima", "beside-hostile-1")
+    with ThreadPoolExecutor(4) as pool:
+        beside = pool.submit(tool_loop, client, "Lima", "beside-hostile-2")
+        answers = list(pool.map(lambda h: post(base_url, h[0], key=h[1]), hostile))
+        assert beside.result(120) == alone
+    for (_, _, status), (got, body) in zip(hostile, answers):
+        assert got == status and body["error"]["message"], (status, got, body)
+
+
 def test_n_above_one_through_the_client(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], n=2)
