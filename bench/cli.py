@@ -1,4 +1,6 @@
-"""`hibana bench decode | agents | grammar`: workloads run side by side, a table, and `--json PATH`.
+"""`hibana bench decode | agents | grammar | serve`: workloads run side by side, a table, and
+`--json PATH`. `serve` runs clients in tool loops over HTTP against `hibana serve` and the same
+workload in process (`hibana_bench.serve_load`).
 
 With `--trace NAME|PATH` both replay recorded agent conversations instead of random tokens
 (trace-driven, `hibana_bench.trace_workloads`), on the speculation systems only. On a checkpoint
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from hibana_bench import coldstart, grammar_overhead
+from hibana_bench import coldstart, grammar_overhead, serve_load
 from hibana_bench.models import PRESETS, load_bench_model
 from hibana_bench.spec_systems import SPEC_SYSTEMS, BenchError
 from hibana_bench.traces import TraceError
@@ -119,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     grammar = sub.add_parser("grammar", parents=[basic], help="constrained decoding's cost per token "
                              "(JSON schema against none), batch 1 and 32")
     grammar_overhead.add_arguments(grammar)
+    serve = sub.add_parser("serve", parents=[basic], help="clients in tool loops over HTTP (hibana serve on "
+                           "127.0.0.1) against the same workload in process: outputs, leaks, ttft, turns/h")
+    serve.add_argument("--clients", type=_count, default=64, help="concurrent clients (default 64)")
+    serve.add_argument("--turns", type=_count, default=20, help="chat completions per client (default 20)")
+    serve.add_argument("--max-tokens", type=_count, default=64, help="most tokens a turn generates (default 64)")
     return parser
 
 
@@ -134,6 +141,12 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     except HibanaError as exc:
         parser.error(f"--device: {exc}")
     if args.workload == "grammar":
+        _check_model(parser, args.model)
+        return device, []
+    if args.workload == "serve":
+        if args.model in PRESETS:
+            parser.error("--model: serve needs a chat model (a checkpoint with a chat template, or demo), "
+                         "not a random-weight preset")
         _check_model(parser, args.model)
         return device, []
     default = TRACE_SYSTEMS if args.trace else DECODE_SYSTEMS if args.workload == "decode" else AGENT_SYSTEMS
@@ -188,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hibana bench: {exc}", file=sys.stderr)
             return 2
         return _finish(args, report, device, dtype)
+    if args.workload == "serve":
+        try:
+            return run_serve(args, device, dtype)
+        except HibanaError as exc:
+            print(f"hibana bench: {exc}", file=sys.stderr)
+            return 2
     try:
         cold = cold_start(args, device, dtype)
         if cold:
@@ -198,6 +217,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report["cold_start"] = cold
     return _finish(args, report, device, dtype)
+
+
+def run_serve(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> int:
+    """The serve workload; exit status 1 when a check failed (an error, a leaked block, a
+    conversation that differs over HTTP)."""
+    from hibana_core import Engine
+
+    def open_engine() -> Engine:
+        return Engine.from_pretrained(args.model, device=str(device), dtype=str(dtype).removeprefix("torch."),
+                                      progress=False)
+    cfg = serve_load.ServeLoadConfig(args.clients, args.turns, args.max_tokens)
+    report = serve_load.serve_load(open_engine, args.model, cfg)
+    serve_load.print_serve_load(report)
+    _finish(args, report, device, dtype)
+    return int(bool(report["errors"] or report["mismatched_clients"] or any(report["leaked_blocks"].values())))
 
 
 def _finish(args: argparse.Namespace, report: dict, device: torch.device, dtype: torch.dtype) -> int:

@@ -41,6 +41,9 @@
 #   bash bench/run_h200.sh moe      # issue 18: the MoE kernel tests on CUDA, then bench/tune_moe.py: fused_moe at
 #                                   # Qwen3-30B-A3B (bf16) and gpt-oss-20b (MXFP4) expert shapes, T = 1, 8, 64, 512,
 #                                   # against the torch reference (MOE_ARGS appended, e.g. "--sweep --tokens 1,64")
+#   bash bench/run_h200.sh serve    # issue 19: hibana bench serve, the demo model on the GPU, 64 clients x 20
+#                                   # tool-loop turns over HTTP (127.0.0.1) against the same in process; needs
+#                                   # the grammar's wheels and the server's (bench/README.md) in .whl/
 # BENCH_ARGS is appended to the spec_* commands (e.g. "--real-outputs --systems hibana" on an
 # engine without speculation, to time the stages).
 # Runs from the repository root with the image's python3 (no install: PYTHONPATH). The wheel
@@ -128,6 +131,9 @@ case "${1:-check}" in
       | tee "$OUT/grammar_libs_h200host.txt"
     python3 -m hibana_bench.cli grammar --model qwen3-8b --batch 1,32 --json "$OUT/grammar_qwen3-8b.json" 2>&1 \
       | tee "$OUT/grammar_qwen3-8b.txt" ;;
+  serve)
+    python3 -m hibana_bench.cli serve --model demo --device cuda --clients 64 --turns 20 \
+      --json "$OUT/serve_demo_h200.json" 2>&1 | tee "$OUT/serve_demo_h200.txt" ;;
   train_demo)
     TRAIN_DIR="${TRAIN_DIR:-bench/out/demo_train}"
     RESUME=""

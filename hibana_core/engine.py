@@ -82,11 +82,15 @@ class EngineStats:
     verified_sequences: int = 0     # (sequence, step) pairs that verified drafts
     verified_tokens: int = 0        # tokens those emitted: accepted drafts + one each
     speculation: dict | None = None
+    """The controller's figures: draft lengths chosen, acceptance by position per drafter,
+    tokens per verifying sequence, the step-cost table."""
     parks: int = 0                  # idle states' KV parked in the host tier under device pressure
     resumes: int = 0                # parked KV copied back for a request (not recomputed)
     host_tier: dict | None = None   # its budget, bytes, bytes moved, time, tokens restored (kv/tiers.py)
-    """The controller's figures: draft lengths chosen, acceptance by position per drafter,
-    tokens per verifying sequence, the step-cost table."""
+    requests_waiting: int = 0       # requests queued for admission (a server's queue length)
+    requests_running: int = 0       # requests admitted, generating or prefilling
+    step_seconds: float = 0.0       # wall time of the engine's steps, summed
+    step_time_buckets: tuple[int, ...] = ()  # steps per bucket of engine_core.STEP_TIME_BUCKETS, then past them
 
 
 def resolve_device(device: str) -> torch.device:
@@ -381,7 +385,8 @@ class Engine:
                                spec.counters.verify_steps, spec.counters.verified_sequences,
                                spec.counters.verified_tokens, spec.summary(),
                                tier.counters.parks if tier else 0, tier.counters.resumes if tier else 0,
-                               tier.summary() if tier else None)
+                               tier.summary() if tier else None, len(self.scheduler.waiting),
+                               len(self.scheduler.running), steps.step_seconds, tuple(steps.step_time_buckets))
 
     def memory(self) -> dict:
         """Bytes per tier and per state: the device (weights, the KV pool and what of it is in

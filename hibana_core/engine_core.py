@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import bisect
 import threading
 import time
 import warnings
@@ -51,16 +52,28 @@ def _close_live_cores() -> None:
         core.close(HibanaError("the process is exiting"))
 
 
+STEP_TIME_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1.0, 2.5)
+"""Upper bounds (seconds) of the step-time histogram's buckets (`StepCounters.timed`)."""
+
+
 class StepCounters:
     def __init__(self) -> None:
         self.steps = 0
         self.multi_sequence_steps = 0  # steps that batched more than one sequence
         self.max_batch_sequences = 0
+        self.step_seconds = 0.0        # wall time of the steps that did work, summed
+        self.step_time_buckets = [0] * (len(STEP_TIME_BUCKETS) + 1)  # steps per bucket; the last: past all
 
     def count(self, scheduled: SchedulerOutput) -> None:
         self.steps += 1
         self.multi_sequence_steps += len(scheduled.chunks) > 1
         self.max_batch_sequences = max(self.max_batch_sequences, len(scheduled.chunks))
+
+    def timed(self, seconds: float) -> None:
+        """One step's wall time: schedule, launch, read back (with async scheduling, the previous
+        step's tokens), so under load the engine's cadence."""
+        self.step_seconds += seconds
+        self.step_time_buckets[bisect.bisect_left(STEP_TIME_BUCKETS, seconds)] += 1
 
 
 class EngineCore:
@@ -83,6 +96,7 @@ class EngineCore:
     def step(self) -> bool:
         """One engine step. False when there was nothing to do."""
         with self.lock:
+            started = time.perf_counter()
             early = self.in_flight if self.in_flight is not None and self._drafting_next() else None
             if early is not None:  # drafts are made from the tokens it brings back
                 self.in_flight = None
@@ -101,7 +115,10 @@ class EngineCore:
                 self.in_flight = None
                 self._update(launched)
             self.deliver_finished()
-            return bool(scheduled.chunks) or previous is not None or early is not None
+            worked = bool(scheduled.chunks) or previous is not None or early is not None
+            if worked:
+                self.counters.timed(time.perf_counter() - started)
+            return worked
 
     @property
     def speculation(self):

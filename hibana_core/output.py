@@ -96,9 +96,11 @@ class RequestEvents:
         self._cancel(self.request)
 
     def close(self) -> None:
-        """Cancel the request if it still runs; a no-op once it finished."""
+        """Cancel the request if it still runs; a no-op once it finished, which is known without
+        the engine's lock (a step holds it: an event loop closing a finished stream must not wait)."""
         self._done = True
-        self._cancel(self.request)
+        if not self.request.finished:
+            self._cancel(self.request)
 
     async def aclose(self) -> None:
         self.close()

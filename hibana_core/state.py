@@ -145,10 +145,12 @@ class StateHandle:
             pass
         return event.completion
 
-    def astream(self, params: SamplingParams | None = None, *,
-                prompt: Sequence[int] | None = None) -> "RequestEvents":
-        """`stream` for `async for` on the running event loop (never blocks it)."""
-        return self._registry.generate(self, params or SamplingParams(), prompt, asyncio.get_running_loop())
+    def astream(self, params: SamplingParams | None = None, *, prompt: Sequence[int] | None = None,
+                loop: asyncio.AbstractEventLoop | None = None) -> "RequestEvents":
+        """`stream` for `async for` on an event loop: `loop`, by default the running one. The
+        call itself waits for the engine's lock, which a step holds: a loop that must not wait
+        makes it from a worker thread, naming itself as `loop` (as `turn.arun` does)."""
+        return self._registry.generate(self, params or SamplingParams(), prompt, loop or asyncio.get_running_loop())
 
     def truncate(self, n: int) -> None:
         """Keep the first n tokens."""

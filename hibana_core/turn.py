@@ -25,8 +25,11 @@ grammar.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import contextvars
 import dataclasses
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -37,6 +40,7 @@ from hibana_core.errors import ChatTimeoutError, GrammarError, HibanaError
 from hibana_plugins.hookspecs import ParsedOutput, ToolCall, ToolCallDelta, ToolCallStream
 
 if TYPE_CHECKING:
+    from hibana_core.output import RequestEvents
     from hibana_core.state import StateHandle, StreamEvent, TokenLogprob
 
 MALFORMED = "malformed_tool_call"
@@ -412,33 +416,74 @@ def _run(turn: TurnRun, handle: "StateHandle", convert: Callable[[ChatDelta], T 
 
 
 async def arun(open_turn: Open, convert: Callable[[ChatDelta], T | None] = _same) -> AsyncIterator[T]:
-    """`run` on the caller's event loop: awaits the engine, never blocks the loop."""
-    with contextlib.ExitStack() as stack:
-        turn, handle = open_turn(stack)
-        held = handle.tokens
+    """`run` on the caller's event loop: awaits the engine, never blocks the loop. Opening the turn
+    (the lease, the state's tokens) and ending it (the lease let go) wait on the engine's lock,
+    which a step holds while it runs: they run in Hibana's own worker threads (`_LOCK_WAITS`), so
+    that the loop goes on serving other turns meanwhile (a server's clients, one loop)."""
+    stack = contextlib.ExitStack()
+    try:
+        turn, handle, held = await _opened(open_turn, stack)
         try:
             async with contextlib.aclosing(_arun(turn, handle, convert)) as items:  # closed early: cancelled
                 async for item in items:
                     yield item
         except HibanaError:
-            await asyncio.to_thread(_restore, handle, held)
+            await _off_loop(_restore, handle, held)
             raise
+    finally:
+        await _off_loop(stack.close)
+
+
+_LOCK_WAITS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="hibana-turn")
+"""Threads for an async turn's calls that wait on the engine's lock: Hibana's own, not the loop's
+default executor, which the application sizes (and may refuse to share)."""
+
+
+async def _off_loop(call: Callable[..., T], *args: Any) -> T:
+    """`call(*args)` in one of `_LOCK_WAITS`' threads, in the caller's context."""
+    context = contextvars.copy_context()
+    call_in_context = functools.partial(context.run, call, *args)
+    return await asyncio.get_running_loop().run_in_executor(_LOCK_WAITS, call_in_context)
+
+
+async def _opened(open_turn: Open, stack: contextlib.ExitStack) -> "tuple[TurnRun, StateHandle, list[int]]":
+    """`open_turn(stack)` in a worker thread, and the tokens its state holds. A caller cancelled
+    meanwhile waits for the thread (a step at most), so that what it entered on `stack` is let go."""
+    def opening() -> "tuple[TurnRun, StateHandle, list[int]]":
+        turn, handle = open_turn(stack)
+        return turn, handle, handle.tokens
+
+    work = asyncio.ensure_future(_off_loop(opening))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        while not work.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(work)
+        raise
 
 
 async def _arun(turn: TurnRun, handle: "StateHandle", convert: Callable[[ChatDelta], T | None]) -> AsyncIterator[T]:
     deltas, request = turn.begin()
     for item in _converted(deltas, convert):
         yield item
-    async with contextlib.aclosing(handle.astream(request.params, prompt=request.prompt)) as events:
+    async with contextlib.aclosing(await _submitted(handle, request)) as events:
         async for event in events:
             for item in _converted(turn.on_event(event), convert):
                 yield item
             if turn.stop_now():
                 events.stop()
     finished = turn.finish()
-    _turn_ended(handle, turn)
+    await _off_loop(_turn_ended, handle, turn)
     for item in _converted(finished, convert):
         yield item
+
+
+async def _submitted(handle: "StateHandle", request: TurnRequest) -> "RequestEvents":
+    """`handle.astream(request)`, submitted from a worker thread: the submission waits on the
+    engine's lock, which a step holds; the events still come to this loop."""
+    loop = asyncio.get_running_loop()
+    return await _off_loop(functools.partial(handle.astream, request.params, prompt=request.prompt, loop=loop))
 
 
 def _turn_ended(handle: "StateHandle", turn: TurnRun) -> None:

@@ -46,22 +46,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatRequest(BaseModel):
-    """The fields of a chat-completions request. As OpenAI does, a field the API does not know is
-    refused; fields it knows that change nothing here (metadata, store, ...) are accepted, and
-    those Hibana cannot honour (logit_bias) are refused when asked for. Strict: "5" is not a
-    number here, as it is not for OpenAI."""
+class SamplingRequest(BaseModel):
+    """What both endpoints take alike: the model, streaming, how to sample, and the state to
+    serve on (`user`). Strict: "5" is not a number here, as it is not for OpenAI."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
@@ -69,47 +61,48 @@ class ChatRequest(BaseModel):
     n: int | None = Field(None, ge=1)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    response_format: dict[str, Any] | None = None
     user: str | None = Field(None, max_length=MAX_STATE_ID)
+    logit_bias: dict[str, Any] | None = None  # refused when given (`chat_call`)
+
+
+class ChatRequest(SamplingRequest):
+    """The fields of a chat-completions request. As OpenAI does, a field the API does not know is
+    refused; fields it knows that change nothing here (metadata, store, ...) are accepted, and
+    those Hibana cannot honour (logit_bias) are refused when asked for."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's and SGLang's; enable_thinking only
     # accepted, and nothing to do here
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    logit_bias: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
     verbosity: str | None = None
     modalities: list[str] | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(SamplingRequest):
     """A legacy completions request: a prompt continued as it is, no chat template."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
-    model: str
     prompt: str | list[str] = Field(min_length=1)  # a list of one: the SDK's other spelling
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for this endpoint
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int | None = Field(None, ge=1)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    user: str | None = Field(None, max_length=MAX_STATE_ID)
     echo: Literal[False] | None = None
     logprobs: Literal[0] | None = None
     best_of: Literal[1] | None = None
     suffix: None = None
-    logit_bias: dict[str, Any] | None = None
 
 
-R = TypeVar("R", ChatRequest, CompletionRequest)
+R = TypeVar("R", bound=SamplingRequest)
 
 
 def parse_request(body: Any, kind: "type[R]" = ChatRequest) -> "R":
@@ -154,6 +147,7 @@ class ChatCall:
     fallback: bool              # another state when the pinned one is busy (`user`, not the header)
     stream: bool
     include_usage: bool
+    reasoning: bool | None = None  # a reasoning model's thinking on or off; None: the template's default
 
 
 def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None,
@@ -190,7 +184,29 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
     explicit = state_header or request.user
     return ChatCall(tools, choice, not chat or request.parallel_tool_calls is not False, params, explicit,
                     fallback=state_header is None, stream=bool(request.stream),
-                    include_usage=bool(request.stream_options and request.stream_options.include_usage))
+                    include_usage=bool(request.stream_options and request.stream_options.include_usage),
+                    reasoning=thinking_switch(request) if chat else None)
+
+
+def thinking_switch(request: ChatRequest) -> bool | None:
+    """Whether a reasoning model thinks (the chat template's `enable_thinking`, Qwen3's switch):
+    `chat_template_kwargs.enable_thinking` as vLLM and SGLang take it, or `reasoning_effort`
+    ("none": off; any effort: on; Hibana has no finer control); None leaves the template's
+    default. A model without thinking ignores both, as OpenAI's non-reasoning models do."""
+    kwargs = request.chat_template_kwargs or {}
+    other = sorted(set(kwargs) - {"enable_thinking"})
+    if other:
+        raise ApiError(400, f"chat_template_kwargs.{other[0]:.80}: Hibana passes only enable_thinking to the chat "
+                            "template", f"chat_template_kwargs.{other[0]:.80}")
+    enabled = kwargs.get("enable_thinking")
+    if enabled is not None and not isinstance(enabled, bool):
+        raise ApiError(400, "chat_template_kwargs.enable_thinking must be true or false",
+                       "chat_template_kwargs.enable_thinking")
+    effort = None if request.reasoning_effort is None else request.reasoning_effort != "none"
+    if None not in (enabled, effort) and enabled != effort:
+        raise ApiError(400, f"reasoning_effort={request.reasoning_effort!r} and chat_template_kwargs.enable_thinking="
+                            f"{str(enabled).lower()} disagree; give one of them", "reasoning_effort")
+    return effort if enabled is None else enabled
 
 
 def _given(value: float | None, default: float) -> float:
@@ -235,6 +251,8 @@ class Reply:
     def completion(self, result: ChatResult) -> dict:
         message: dict[str, Any] = {"role": "assistant", "content": result.text if result.text or not
                                    result.tool_calls else None}
+        if result.reasoning:  # vLLM's and DeepSeek's field: the thinking never inside the content
+            message["reasoning_content"] = result.reasoning
         if result.tool_calls:
             message["tool_calls"] = [
                 {"id": c.id, "type": "function",
@@ -256,6 +274,8 @@ class Reply:
                 piece.update(id=call.id, type="function")
                 function = {"name": call.name or "", **function}
             return self._chunk({"tool_calls": [{**piece, "function": function}]})
+        if delta.reasoning:
+            return self._chunk({"reasoning_content": delta.reasoning})
         return self._chunk({"content": delta.text})
 
     def role_chunk(self) -> dict | None:

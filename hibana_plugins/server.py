@@ -10,6 +10,10 @@ client names with an `X-Hibana-State` header (that state only: 409 while it is b
 `user` field (another state while that one is busy). `usage.prompt_tokens_details.cached_tokens`
 says how much of the prompt the state already held.
 
+A reasoning model thinks unless `reasoning_effort: "none"` or `chat_template_kwargs:
+{"enable_thinking": false}` says otherwise; its thinking comes as `reasoning_content` in the
+message and in stream deltas (vLLM's and DeepSeek's shape), never inside `content`.
+
 Safe by default: binds 127.0.0.1; with an API key (`--api-key` or HIBANA_API_KEY) every endpoint
 but /health wants it as a bearer token; bodies and max_tokens are bounded. The wire format lives
 in `hibana_plugins.openai_api`; this module does the HTTP, the errors' status codes and metrics.
@@ -20,23 +24,31 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import hmac
+import itertools
 import json
 import logging
 import os
+import signal
+import socket
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hibana_core import turn
 from hibana_core.chat import Chat
+from hibana_core.engine_core import STEP_TIME_BUCKETS
 from hibana_core.errors import (ChatTimeoutError, ConfigError, ContextLengthError, EngineClosedError, GrammarError,
                                 HibanaError, QueueTimeoutError, StateBusyError)
 from hibana_core.messages import ConversationError, ToolChoiceError, ToolSchemaError
@@ -45,10 +57,11 @@ from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatReq
                                        TextReply, chat_call, parse_request)
 
 if TYPE_CHECKING:
-    from hibana_core.engine import Engine
+    from hibana_core.engine import Engine, EngineStats
 
 log = logging.getLogger("hibana.server")
 
+T = TypeVar("T")
 API_KEY_ENV = "HIBANA_API_KEY"
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
@@ -62,6 +75,8 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20         # request bodies larger than this are refused (413)
     max_tokens_limit: int | None = None   # most tokens one request may generate; None: the context
     request_timeout: float | None = None  # seconds a request may take, queue included; None: no limit
+    shutdown_timeout: float | None = None  # seconds requests in flight may go on once the server is told
+    #                                       to stop, then they are cancelled; None: until they finish
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -69,6 +84,8 @@ class ServerConfig:
         if self.max_body_bytes <= 0 or any(limit is not None and limit <= 0
                                            for limit in (self.max_tokens_limit, self.request_timeout)):
             raise ConfigError("max_body_bytes, max_tokens_limit and request_timeout must be positive")
+        if self.shutdown_timeout is not None and not self.shutdown_timeout >= 0:
+            raise ConfigError(f"shutdown_timeout must be >= 0 seconds or None, got {self.shutdown_timeout!r}")
 
 
 class Metrics:
@@ -90,6 +107,12 @@ class Metrics:
                               "idle states' KV parked there)", ["tier"], registry=r)
         self.moves = Gauge("hibana_kv_moves", "idle states' KV parked in the host tier and copied back "
                            "(since start)", ["kind"], registry=r)
+        self.queue = Gauge("hibana_requests_queued", "requests waiting in the engine's queue for admission",
+                           registry=r)
+        self.running = Gauge("hibana_requests_running", "requests the engine has admitted (prefilling or "
+                             "generating)", registry=r)
+        self.steps = StepTimes()
+        r.register(self.steps)
 
     def served(self, usage: turn.Usage) -> None:
         self.prompt_tokens.labels("reused").inc(usage.cached_tokens)
@@ -107,7 +130,31 @@ class Metrics:
         self.kv_bytes.labels("host").set(memory["host"]["kv_parked"])
         self.moves.labels("parks").set(stats.parks)
         self.moves.labels("resumes").set(stats.resumes)
+        self.queue.set(stats.requests_waiting)
+        self.running.set(stats.requests_running)
+        self.steps.stats = stats
         return generate_latest(self.registry)
+
+
+class StepTimes:
+    """The engine's step-time histogram, which the engine keeps (`EngineStats.step_time_buckets`),
+    as a Prometheus histogram: read at each scrape, not observed step by step from here."""
+
+    HELP = "wall time of one engine step (schedule, launch, read back; under load the engine's cadence)"
+
+    def __init__(self) -> None:
+        self.stats: "EngineStats | None" = None  # the last scrape's
+
+    def describe(self) -> list:
+        return [HistogramMetricFamily("hibana_step_seconds", self.HELP)]
+
+    def collect(self) -> list:
+        family = HistogramMetricFamily("hibana_step_seconds", self.HELP)
+        if self.stats is not None and self.stats.step_time_buckets:
+            cumulative = list(itertools.accumulate(self.stats.step_time_buckets))
+            bounds = [floatToGoString(b) for b in STEP_TIME_BUCKETS] + ["+Inf"]
+            family.add_metric([], list(zip(bounds, cumulative)), self.stats.step_seconds)
+        return [family]
 
 
 # --- HibanaError -> HTTP ---------------------------------------------------------------------------
@@ -136,6 +183,8 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
     """The HTTP face of one engine; the engine stays the caller's to close."""
     app = FastAPI(title="Hibana", docs_url=None, redoc_url=None, openapi_url=None)
     chat = Chat(engine)
+    text_chat = copy.copy(chat)  # legacy completions: the text as generated, a model's thinking left in it
+    text_chat.thinks = False
     metrics = Metrics()
     app.state.metrics = metrics
     max_tokens_limit = min(config.max_tokens_limit or engine.max_model_len, engine.max_model_len)
@@ -191,10 +240,10 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         parsed = await checked(request, ChatRequest)
         try:
             call = chat_call(parsed, request.headers.get(STATE_HEADER), max_tokens_limit)
-            prompt = await asyncio.to_thread(chat.render_text, parsed.messages, call.tools)
+            prompt = await asyncio.to_thread(chat.render_text, parsed.messages, call.tools, call.reasoning)
         except HibanaError as exc:
             raise api_error(exc) from None
-        return await serve(request.url.path, received, Serving(chat, prompt, call, config.request_timeout),
+        return await serve(request, received, Serving(chat, prompt, call, config.request_timeout),
                            Reply(config.model_name, chat.openai_logprobs))
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
@@ -208,36 +257,46 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         except HibanaError as exc:
             raise api_error(exc) from None
         prompt = parsed.prompt if isinstance(parsed.prompt, str) else parsed.prompt[0]
-        return await serve(request.url.path, received, Serving(chat, prompt, call, config.request_timeout),
+        return await serve(request, received, Serving(text_chat, prompt, call, config.request_timeout),
                            TextReply(config.model_name))
 
-    async def serve(endpoint: str, received: float, serving: "Serving", reply: Reply) -> Response:
-        """One turn, streamed or whole; errors up to its first token come as HTTP errors."""
+    async def serve(request: Request, received: float, serving: "Serving", reply: Reply) -> Response:
+        """One turn, streamed or whole; errors up to its first token come as HTTP errors. A client
+        that goes away cancels the turn (Starlette stops a streamed reply; `unless_gone` the rest)."""
         deltas = turn.arun(serving.open)
-        try:  # the lease, the queue, the prefill and the first token
-            first = await asyncio.wait_for(anext(deltas), config.request_timeout)
+        first = await unless_gone(request, first_delta(deltas, reply))
+        metrics.ttft.observe(time.monotonic() - received)
+        headers = {STATE_HEADER: serving.state_id}
+        if serving.call.stream:
+            return StreamingResponse(sse(request.url.path, reply, first, deltas, serving.call, metrics),
+                                     media_type="text/event-stream", headers=headers)
+        result = await unless_gone(request, rest(deltas, first))
+        metrics.served(result.usage)
+        metrics.requests.labels(request.url.path, "200").inc()
+        return JSONResponse(reply.completion(result), headers=headers)
+
+    async def first_delta(deltas: AsyncIterator[ChatDelta], reply: Reply) -> ChatDelta:
+        """The lease, the queue, the prefill and the first token, within the request timeout."""
+        try:
+            return await asyncio.wait_for(anext(deltas), config.request_timeout)
         except HibanaError as exc:  # ChatTimeoutError included: a TimeoutError too
             raise api_error(exc, "prompt" if isinstance(reply, TextReply) else "messages") from None
         except asyncio.TimeoutError:
             await deltas.aclose()
             raise ApiError(503, f"no token within the server's request timeout ({config.request_timeout:g} s): "
                                 "it is busy; retry later", code="timeout", kind="server_error") from None
-        metrics.ttft.observe(time.monotonic() - received)
-        headers = {STATE_HEADER: serving.state_id}
-        if serving.call.stream:
-            return StreamingResponse(sse(endpoint, reply, first, deltas, serving.call, metrics),
-                                     media_type="text/event-stream", headers=headers)
+
+    async def rest(deltas: AsyncIterator[ChatDelta], first: ChatDelta) -> turn.ChatResult:
+        """The turn after its first delta, to its result."""
         result = first.result
         with metrics.in_flight.track_inprogress():
-            async with contextlib.aclosing(deltas):  # a client gone away cancels the turn
+            async with contextlib.aclosing(deltas):
                 try:
                     async for delta in deltas:
                         result = delta.result or result
                 except HibanaError as exc:
                     raise api_error(exc) from None
-        metrics.served(result.usage)
-        metrics.requests.labels(endpoint, "200").inc()
-        return JSONResponse(reply.completion(result), headers=headers)
+        return result
 
     return app
 
@@ -289,6 +348,31 @@ async def sse(endpoint: str, reply: Reply, first: ChatDelta, deltas: AsyncIterat
     yield "data: [DONE]\n\n"
 
 
+async def unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """`work`, cancelled if the client closes its connection first (Starlette stops a streamed
+    reply whose client left, not a handler still computing): the turn is cancelled and its state
+    let go before this raises a 499 (nginx's "client closed request", for the metrics only)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise ApiError(499, "the client closed the connection before the reply", code="client_closed")
+    return task.result()
+
+
+async def disconnected(request: Request) -> None:
+    """Returns when the client has gone (called once the body is read: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def read_json(request: Request, limit: int) -> Any:
     """The body as JSON, read up to `limit` bytes (413 past it, 400 for what is not JSON)."""
     declared = request.headers.get("content-length")
@@ -334,6 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="any other engine option (EngineConfig), VALUE as JSON where it parses: "
                              "--option max_concurrent_agents=32 --option kv_dtype=fp8; repeatable")
+    parser.add_argument("--shutdown-timeout", type=float,
+                        help="seconds requests in flight may go on after SIGINT/SIGTERM before they are cancelled "
+                             "(default: until they finish); named states are written to --state-dir after them")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                         help="what the server logs (default info: one line per request)")
     return parser
@@ -357,6 +444,36 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+@contextlib.contextmanager
+def serving(engine: "Engine", config: ServerConfig, host: str = "127.0.0.1", port: int = 0,
+            startup_timeout: float = 30.0) -> Iterator[str]:
+    """The server in a thread of this process (a notebook, a test, a benchmark), on `port` (0: a
+    free one); yields its URL and stops it on leaving as `hibana serve` stops on a signal:
+    requests in flight finish (within `config.shutdown_timeout`). The engine stays the caller's
+    to close."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, config), log_level="warning",
+                                           timeout_graceful_shutdown=config.shutdown_timeout))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="hibana-serve", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    try:
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise HibanaError(f"the server did not start on {host}:{port} within {startup_timeout:g} s")
+            time.sleep(0.02)
+        bound = sock.getsockname()[1]
+        yield f"http://{f'[{host}]' if ':' in host else host}:{bound}"
+    finally:
+        server.should_exit = True
+        thread.join()
+        sock.close()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`hibana serve` (an entry point of `hibana.commands`); returns the exit status."""
     import uvicorn
@@ -367,13 +484,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper())
     try:
         config = ServerConfig(args.served_model_name or args.model, args.api_key, args.max_body_bytes,
-                              args.max_tokens_limit, args.request_timeout)
+                              args.max_tokens_limit, args.request_timeout, args.shutdown_timeout)
         engine = Engine.from_pretrained(args.model, **engine_options(args))
     except HibanaError as exc:
         print(f"hibana serve: {exc}", file=sys.stderr)
         return 2
     if args.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
         log.warning("serving on %s with no API key: anyone who can reach it can use the model", args.host)
-    with engine:
-        uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level)
+    with engine, stop_signals_unwind():
+        uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=config.shutdown_timeout)
     return 0
+
+
+class Stopped(Exception):
+    """SIGINT or SIGTERM, once uvicorn has shut down on it."""
+
+
+@contextlib.contextmanager
+def stop_signals_unwind() -> Iterator[None]:
+    """After its graceful shutdown uvicorn raises the stop signal again, for the handler it found:
+    Python's default for SIGTERM ends the process at once, before the engine closes and writes
+    the named states to --state-dir. With this handler the signal unwinds the stack instead (the
+    engine closes) and the process ends normally."""
+    def stop(signum: int, frame: object) -> None:
+        raise Stopped(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    except Stopped as exc:
+        log.info("stopped on %s", exc)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -14,5 +14,6 @@ def scripted(monkeypatch):
 
     def script(text: str) -> None:
         monkeypatch.setattr(StateHandle, "stream", lambda self, params, prompt=None: ScriptedEvents(list(text)))
-        monkeypatch.setattr(StateHandle, "astream", lambda self, params, prompt=None: ScriptedEvents(list(text)))
+        monkeypatch.setattr(StateHandle, "astream", lambda self, params, prompt=None, loop=None:
+                            ScriptedEvents(list(text)))
     return script

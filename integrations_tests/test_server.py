@@ -3,9 +3,7 @@ port of 127.0.0.1, in this process, on the bundled demo model (nothing downloade
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
 import threading
 import time
 import urllib.request
@@ -14,10 +12,9 @@ import pytest
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
-import uvicorn  # noqa: E402
 
 from hibana_core import Engine  # noqa: E402
-from hibana_plugins.server import ServerConfig, create_app  # noqa: E402
+from hibana_plugins.server import ServerConfig, serving  # noqa: E402
 
 KEY = "test-key"
 WEATHER = {"type": "function", "function": {
@@ -36,30 +33,9 @@ def engine():
         yield engine
 
 
-@contextlib.contextmanager
-def running(engine, config: ServerConfig):
-    """The server on a free port of 127.0.0.1, in a thread of this process; yields its URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, config), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def base_url(engine):
-    with running(engine, ServerConfig("demo", api_key=KEY, max_body_bytes=64 << 10, max_tokens_limit=512)) as url:
+    with serving(engine, ServerConfig("demo", api_key=KEY, max_body_bytes=64 << 10, max_tokens_limit=512)) as url:
         yield url
 
 
@@ -260,26 +236,58 @@ def test_concurrent_tool_loops_give_the_in_process_replies(client, engine):
     assert served == [in_process(city) for city in cities]
 
 
-def test_a_client_gone_mid_stream_cancels_its_turn(client, engine):
-    pinned = {"X-Hibana-State": "gone-1"}
-    long_list = {"type": "json_schema", "json_schema": {"name": "numbers", "schema": {
-        "type": "array", "items": {"type": "integer"}, "minItems": 300}}}  # 600 tokens at least
-    before = engine.stats().generated_tokens
-    stream = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Count."}],
-                                            max_tokens=500, stream=True, response_format=long_list,
-                                            extra_headers=pinned)
-    next(iter(stream))
-    stream.close()  # the connection goes: the turn must stop and let the state go
+LONG_LIST = {"type": "json_schema", "json_schema": {"name": "numbers", "schema": {
+    "type": "array", "items": {"type": "integer"}, "minItems": 300}}}  # 600 tokens at least
+
+
+def wait_until_free(client, pinned: dict) -> None:
+    """Return once a request on the pinned state is served (409 while a turn still holds it)."""
     deadline = time.monotonic() + 30
     while True:
         try:
             client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                            extra_headers=pinned)
-            break
+            return
         except openai.ConflictError:  # still generating for the client that left
-            assert time.monotonic() < deadline, "the abandoned stream still holds its state"
+            assert time.monotonic() < deadline, "the abandoned request still holds its state"
             time.sleep(0.05)
+
+
+def test_a_client_gone_mid_stream_cancels_its_turn(client, engine):
+    pinned = {"X-Hibana-State": "gone-1"}
+    before = engine.stats().generated_tokens
+    stream = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Count."}],
+                                            max_tokens=500, stream=True, response_format=LONG_LIST,
+                                            extra_headers=pinned)
+    next(iter(stream))
+    stream.close()  # the connection goes: the turn must stop and let the state go
+    wait_until_free(client, pinned)
     assert engine.stats().generated_tokens - before < 150
+
+
+def test_a_client_gone_before_its_whole_reply_cancels_its_turn(client, engine, base_url):
+    """Not streamed: the client's timeout closes the connection while the server generates; the
+    turn stops within a step or two and lets its state go, and a client beside it gets its reply."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    beside = dict(model="demo", messages=[{"role": "user", "content": "What's the weather in Rome?"}],
+                  tools=[WEATHER, MULTIPLY], max_tokens=64, extra_headers={"X-Hibana-State": "beside-gone-2"})
+    alone = client.chat.completions.create(**beside).choices[0].message
+    impatient = openai.OpenAI(base_url=base_url + "/v1", api_key=KEY, max_retries=0, timeout=0.5)
+    state = engine.open_state("gone-2")
+    with ThreadPoolExecutor(1) as pool:
+        together = pool.submit(lambda: client.chat.completions.create(**beside).choices[0].message)
+        with pytest.raises(openai.APITimeoutError):
+            impatient.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Count."}],
+                                              max_tokens=500, response_format=LONG_LIST,
+                                              extra_headers={"X-Hibana-State": "gone-2"})
+        held_when_gone = len(state)
+        deadline = time.monotonic() + 30
+        while any(info.id == "gone-2" and info.busy for info in engine.states()):
+            assert time.monotonic() < deadline, "the abandoned request still holds its state"
+            time.sleep(0.02)
+        assert len(state) - held_when_gone < 40  # not the 500 tokens asked for
+        assert together.result(60).tool_calls[0].function == alone.tool_calls[0].function
 
 
 def test_pinned_state_header_serves_that_state(client, engine):
@@ -352,6 +360,48 @@ def test_bad_requests_get_openai_shaped_400s(base_url, body, param):
     assert reply["error"]["param"] == param
 
 
+def tool_loop(client, city: str, state: str) -> list:
+    """A weather question, its call, the tool's result and the answer, on a pinned state."""
+    messages, replies = [{"role": "user", "content": f"What's the weather in {city}?"}], []
+    for _ in range(2):
+        reply = client.chat.completions.create(model="demo", messages=messages, tools=[WEATHER, MULTIPLY],
+                                               max_tokens=64, extra_headers={"X-Hibana-State": state})
+        message = reply.choices[0].message
+        replies.append((message.content, [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]))
+        messages.append(message.model_dump(exclude_none=True))
+        messages += [{"role": "tool", "tool_call_id": c.id, "content": '{"temperature": 21, "condition": "sunny"}'}
+                     for c in message.tool_calls or ()]
+    return replies
+
+
+def test_hostile_requests_get_4xx_and_leave_a_client_beside_them_unaffected(client, base_url):
+    """All at once, beside a tool loop. (A body that declares more than the limit is refused
+    unread, test_unknown_model_and_oversized_body: its sender may see the connection reset first.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    hi = [{"role": "user", "content": "hi"}]
+    hostile = [  # (body, API key, status)
+        (b'{"model": "demo", "messages": [', KEY, 400),                                        # invalid JSON
+        (b"[" * 30000 + b"]" * 30000, KEY, 400),                                               # nested past the parser
+        (iter([b'{"model": "demo", "messages": [{"role": "user", "content": "'] + [b"x" * 1024] * 80 + [b'"}]}']),
+         KEY, 413),                                                                             # chunked: no length
+        (json.dumps({"model": "demo", "messages": hi, "n": 10 ** 6}).encode(), KEY, 400),
+        (json.dumps({"model": "demo", "messages": hi, "max_tokens": 10 ** 12}).encode(), KEY, 400),
+        (json.dumps({"model": "demo", "messages": [{"role": "user", "content": 5}]}).encode(), KEY, 400),
+        (json.dumps({"model": "demo", "messages": hi, "tools": [WEATHER],
+                     "tool_choice": {"type": "function", "function": {"name": "rm_rf"}}}).encode(), KEY, 400),
+        (json.dumps({"model": "demo", "messages": hi}).encode(), None, 401),
+        (json.dumps({"model": "demo", "messages": hi}).encode(), "wrong", 401),
+    ]
+    alone = tool_loop(client, "Lima", "beside-hostile-1")
+    with ThreadPoolExecutor(4) as pool:
+        beside = pool.submit(tool_loop, client, "Lima", "beside-hostile-2")
+        answers = list(pool.map(lambda h: post(base_url, h[0], key=h[1]), hostile))
+        assert beside.result(120) == alone
+    for (_, _, status), (got, body) in zip(hostile, answers):
+        assert got == status and body["error"]["message"], (status, got, body)
+
+
 def test_n_above_one_through_the_client(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], n=2)
@@ -381,7 +431,7 @@ def test_a_context_too_long_is_refused_and_the_server_goes_on(client, engine):
 
 
 def test_a_request_past_the_timeout_gets_a_503_and_frees_its_state(engine):
-    with running(engine, ServerConfig("demo", request_timeout=0.001)) as url:
+    with serving(engine, ServerConfig("demo", request_timeout=0.001)) as url:
         hurried = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         with pytest.raises(openai.InternalServerError) as caught:
             hurried.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hello!"}],
@@ -391,19 +441,104 @@ def test_a_request_past_the_timeout_gets_a_503_and_frees_its_state(engine):
         assert handle.id == "hurried-1"
 
 
-def test_metrics_count_requests_and_reused_tokens(client, base_url):
-    client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8)
+def scrape(base_url: str) -> dict[str, float]:
+    """/metrics as {series: value}."""
     request = urllib.request.Request(base_url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
     with urllib.request.urlopen(request, timeout=10) as response:
         text = response.read().decode()
-    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line and not line.startswith("#")}
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def test_metrics_count_requests_and_reused_tokens(client, base_url):
+    client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8)
+    values = scrape(base_url)
     assert values['hibana_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 1
     assert values['hibana_prompt_tokens_total{kind="computed"}'] > 0
     assert values["hibana_time_to_first_token_seconds_count"] >= 1
     assert values['hibana_kv_blocks{kind="total"}'] > 0
     assert values['hibana_kv_bytes{tier="device"}'] > 0 and values['hibana_kv_bytes{tier="host"}'] >= 0
     assert 'hibana_kv_moves{kind="parks"}' in values
+    assert values["hibana_requests_queued"] == 0 and values["hibana_requests_running"] >= 0
+    steps = values["hibana_step_seconds_count"]
+    assert steps >= 1 and values['hibana_step_seconds_bucket{le="+Inf"}'] == steps
+    assert values['hibana_step_seconds_bucket{le="0.001"}'] <= values['hibana_step_seconds_bucket{le="2.5"}'] <= steps
+    assert values["hibana_step_seconds_sum"] > 0
+
+
+# --- a reasoning model -------------------------------------------------------------------------------
+
+THOUGHT = "The user says hi. I should greet them."
+ANSWER = "Hello there, friend."
+OUTPUT = f"<think>\n{THOUGHT}\n</think>\n\n{ANSWER}<|im_end|>"
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    """A server on the tiny Qwen3-style reasoning checkpoint (tests/reasoning_model.py) and a client."""
+    import tiny_models
+    from reasoning_model import make_reasoning_checkpoint
+
+    engine = tiny_models.open_engine(make_reasoning_checkpoint(tmp_path_factory.mktemp("reasoning") / "m"))
+    with engine, serving(engine, ServerConfig("thinker")) as url:
+        yield engine, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def forced(engine, state_id: str) -> dict:
+    """The request options that serve a call on `state_id`, whose next generation writes OUTPUT (so
+    that the random model thinks)."""
+    from hibana_core.speculation import force_outputs
+
+    ids = engine.tokenizer.encode(OUTPUT, add_special_tokens=False)
+    force_outputs(engine.open_state(state_id), ids)
+    return {"max_tokens": len(ids), "extra_headers": {"X-Hibana-State": state_id}}
+
+
+def test_thinking_comes_as_reasoning_content_never_in_the_content(thinker):
+    engine, client = thinker
+    reply = client.chat.completions.create(model="thinker", messages=HI, **forced(engine, "think-1"))
+    message = reply.choices[0].message
+    assert (message.content, message.reasoning_content) == (ANSWER, THOUGHT)
+    chunks = list(client.chat.completions.create(model="thinker", messages=HI, stream=True,
+                                                 **forced(engine, "think-2")))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    thinking = [d.reasoning_content for d in deltas if getattr(d, "reasoning_content", None)]
+    assert len(thinking) > 1 and "".join(thinking).strip() == THOUGHT  # streamed as it comes
+    assert "".join(d.content or "" for d in deltas) == ANSWER
+
+
+def test_legacy_completions_keep_the_thinking_in_the_text(thinker):
+    engine, client = thinker
+    prompt = engine.tokenizer.apply_chat_template(HI, add_generation_prompt=True, tokenize=False)
+    reply = client.completions.create(model="thinker", prompt=prompt, **forced(engine, "think-3"))
+    assert reply.choices[0].text == OUTPUT.removesuffix("<|im_end|>")
+
+
+@pytest.mark.parametrize("off", [{"reasoning_effort": "none"},
+                                 {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}])
+def test_thinking_can_be_switched_off(thinker, off):
+    engine, client = thinker
+    empty_block = len(engine.tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False))
+
+    def prompt_tokens(**options) -> int:
+        return client.chat.completions.create(model="thinker", messages=HI, max_tokens=1, **options).usage.prompt_tokens
+    assert prompt_tokens(**off) == prompt_tokens() + empty_block == prompt_tokens(reasoning_effort="low") + empty_block
+
+
+@pytest.mark.parametrize("options, param", [
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"extra_body": {"chat_template_kwargs": {"enable_thinking": "no"}}}, "chat_template_kwargs.enable_thinking"),
+    ({"extra_body": {"chat_template_kwargs": {"tools_in_user_message": True}}},
+     "chat_template_kwargs.tools_in_user_message"),
+    ({"reasoning_effort": "high", "extra_body": {"chat_template_kwargs": {"enable_thinking": False}}},
+     "reasoning_effort"),
+])
+def test_bad_thinking_options_are_400s(thinker, options, param):
+    _, client = thinker
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="thinker", messages=HI, max_tokens=1, **options)
+    assert caught.value.body["param"] == param
 
 
 # --- LangChain ---------------------------------------------------------------------------------------
@@ -473,7 +608,7 @@ def test_a_request_that_waited_too_long_in_the_queue_is_a_429(tmp_path):
     import openai
 
     with Engine.from_pretrained("demo", progress=False, max_concurrent_agents=1, queue_timeout_ms=1) as engine, \
-            running(engine, ServerConfig("demo", api_key=KEY)) as url:
+            serving(engine, ServerConfig("demo", api_key=KEY)) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
         results, errors = [], []
 
@@ -493,6 +628,27 @@ def test_a_request_that_waited_too_long_in_the_queue_is_a_429(tmp_path):
         assert results and errors, (len(results), len(errors))
         assert errors[0].status_code == 429 and errors[0].body["code"] == "queue_timeout"
         assert "queue_timeout_ms" in errors[0].body["message"]
+
+
+def test_metrics_show_the_queue():
+    """With room for one request, a second one waits in the queue while the first streams."""
+    with Engine.from_pretrained("demo", progress=False, max_concurrent_agents=1) as engine, \
+            serving(engine, ServerConfig("demo", api_key=KEY)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        stream = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Count."}],
+                                                max_tokens=500, stream=True, response_format=LONG_LIST)
+        next(iter(stream))
+        waiting = threading.Thread(target=client.chat.completions.create, kwargs=dict(
+            model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=2))
+        waiting.start()
+        deadline = time.monotonic() + 30
+        while (values := scrape(url))["hibana_requests_queued"] != 1:
+            assert time.monotonic() < deadline, values
+            time.sleep(0.02)
+        assert values["hibana_requests_running"] == 1
+        stream.close()
+        waiting.join(60)
+        assert scrape(url)["hibana_requests_queued"] == 0
 
 
 def test_logprobs_plain_and_streamed(client):

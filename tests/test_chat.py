@@ -340,7 +340,7 @@ class ScriptedHandle:
         self.requests.append(ScriptedEvents(self.chunks, self.reason))
         return self.requests[-1]
 
-    def astream(self, params, *, prompt=None):
+    def astream(self, params, *, prompt=None, loop=None):
         return self.stream(params, prompt=prompt)
 
 

@@ -146,7 +146,7 @@ def prompts(monkeypatch):
         for event in events(prompt):
             yield event
     monkeypatch.setattr(StateHandle, "stream", lambda self, params, prompt=None: events(prompt))
-    monkeypatch.setattr(StateHandle, "astream", lambda self, params, prompt=None: aevents(prompt))
+    monkeypatch.setattr(StateHandle, "astream", lambda self, params, prompt=None, loop=None: aevents(prompt))
     return seen
 
 
