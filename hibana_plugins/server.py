@@ -415,6 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     parser.add_argument("--state-dir", help="folder where named states (X-Hibana-State) persist across "
                         "restarts: written when the server stops, found again by id after it starts")
+    parser.add_argument("--memory-budget", help="the engine's memory: weights, KV and workspace in bytes "
+                        "(\"20GB\") or a fraction of the device (\"80%%\"); unified memory keeps headroom for the OS")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="any other engine option (EngineConfig), VALUE as JSON where it parses: "
                              "--option max_concurrent_agents=32 --option kv_dtype=fp8; repeatable")
@@ -433,6 +435,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         options["max_model_len"] = args.max_model_len
     if args.state_dir is not None:
         options["state_dir"] = args.state_dir
+    if args.memory_budget is not None:
+        options["memory_budget"] = args.memory_budget
     for item in args.option:
         key, sep, value = item.partition("=")
         if not sep or not key:

@@ -602,6 +602,15 @@ def test_the_api_key_comes_from_the_environment_too(monkeypatch):
     assert server.build_parser().parse_args(["demo"]).host == "127.0.0.1"
 
 
+def test_engine_options_from_the_command_line():
+    from hibana_plugins import server
+
+    args = server.build_parser().parse_args(["demo", "--memory-budget", "80%", "--state-dir", "states",
+                                             "--option", "pin_budget=0.25"])
+    options = server.engine_options(args)
+    assert options["memory_budget"] == "80%" and options["state_dir"] == "states" and options["pin_budget"] == 0.25
+
+
 def test_a_request_that_waited_too_long_in_the_queue_is_a_429(tmp_path):
     """queue_timeout_ms on a full server: the waiting request gets OpenAI's rate-limit shape
     (retry later); the one running is unaffected."""
