@@ -94,7 +94,8 @@ class CacheConfig:
     None: a quarter of physical memory, at most 16 GiB, except on unified memory with a
     `memory_budget`, where the budget is one pool and there is no host tier (parking would copy
     within the same memory); 0: no host tier (drop and recompute). On unified memory a host tier
-    given in bytes comes out of the budget."""
+    given in bytes comes out of the budget. With `state_dir` set, what the host tier cannot hold
+    (all of it, at 0) is parked on disk there instead of dropped."""
     state_dir: Any = None
     """A folder (str or os.PathLike) where named states persist across restarts: the engine writes
     each open named state there when it closes, and `open_state(id)` finds the state again
@@ -105,7 +106,14 @@ class CacheConfig:
     eviction_policy: str = "tool_aware"
     """Which idle state leaves the device first (hibana_core/kv/policies.py): "lru", or
     "tool_aware": least recently used first, except that a state whose last turn ended in tool
-    calls is kept while its agent is expected back (twice its agent's mean tool time so far)."""
+    calls is kept while its agent is expected back (twice its agent's mean tool time so far).
+    Within the policy's order, idle states whose last request had a lower `SamplingParams.priority`
+    leave first, and pinned states last (`pin_budget`)."""
+    pin_budget: float = 0.5
+    """Share of the device KV pool that pinned states (`StateHandle.pin()`) may hold. Pins made
+    first are honoured first; a pin beyond the budget degrades to a retention priority above
+    every unpinned state. Honoured pins leave the device only when a request could not run
+    otherwise, so pins never deadlock the engine."""
     max_unnamed_states: int = 256
     """Idle states the engine made itself (`Engine.lease` for calls that name no state) kept at
     most; beyond it the least recently used are closed. Their full blocks stay findable in the
@@ -121,6 +129,7 @@ class CacheConfig:
                f"num_blocks must be at least 2, got {self.num_blocks}")
         _check(0.0 < self.memory_fraction <= 1.0, "memory_fraction must lie in (0, 1]")
         _check(self.max_unnamed_states >= 0, "max_unnamed_states must be >= 0")
+        _check(0.0 <= self.pin_budget <= 1.0, f"pin_budget must lie in [0, 1], got {self.pin_budget}")
         _check(self.state_dir is None or (isinstance(self.state_dir, (str, os.PathLike))
                                           and not isinstance(self.state_dir, bytes) and str(self.state_dir) != ""),
                f"state_dir must be a folder path (str or os.PathLike) or None, got {self.state_dir!r}")

@@ -18,10 +18,12 @@ import gc
 import logging
 import os
 import sys
+import tempfile
 import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
@@ -107,6 +109,12 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
+def _made(folder) -> str:
+    """`folder`, created if missing."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    return str(folder)
+
+
 class Engine:
     def __init__(self, config: EngineConfig, hf_model: torch.nn.Module | None = None,
                  tokenizer=None) -> None:
@@ -180,8 +188,12 @@ class Engine:
         if host_bytes is None:  # on unified memory a budget is one pool: parking would only copy
             one_pool = self.memory_budget is not None and self.device_memory.unified
             host_bytes = 0 if one_pool else default_host_budget()
-        self.host_tier = HostTier(self.kv_cache, self.pool, host_bytes) if host_bytes else None
-        """Idle states' KV parked in host memory under device pressure (kv/tiers.py); None: off."""
+        spill_dir = None
+        if config.cache.state_dir is not None:  # this engine's own folder: engines may share a state_dir
+            spill_dir = Path(tempfile.mkdtemp(prefix="spill-", dir=_made(config.cache.state_dir)))
+        self.host_tier = HostTier(self.kv_cache, self.pool, host_bytes, spill_dir) if host_bytes or spill_dir else None
+        """Idle states' KV parked in host memory, and on disk past it with a state_dir, under
+        device pressure (kv/tiers.py); None: off (evicted KV is dropped and recomputed)."""
         eviction = IdleLRUEviction(self.pool, self._idle_sequences, self.host_tier)
         scheduler = Scheduler(config.scheduler, self.pool, eviction, speculator)
         use_async = self.device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
@@ -382,7 +394,7 @@ class Engine:
             for info in self.registry.infos():
                 parked = self.registry.parked_bytes(info.id)
                 states[info.id] = {"tier": info.tier, "tokens": info.tokens,
-                                   "bytes": parked if info.tier == "host" else info.blocks * per_block}
+                                   "bytes": parked if info.tier in ("host", "disk") else info.blocks * per_block}
             tier, memory = self.host_tier, self.device_memory
             device = {"weights": self.weight_bytes, "kv_pool": self.kv_cache.nbytes,
                       "kv_used": self.pool.num_used * per_block, "kv_cached": self.pool.num_cached * per_block,
@@ -396,6 +408,8 @@ class Engine:
                 device["peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
             return {"device": device,
                     "host": {"budget": tier.budget_bytes if tier else 0, "kv_parked": tier.bytes_used if tier else 0},
+                    "disk": {"kv_parked": tier.disk_bytes_used if tier else 0,
+                             "folder": str(tier.spill_dir) if tier and tier.spill_dir else None},
                     "states": states}
 
     # --- lifetime -----------------------------------------------------------------------------

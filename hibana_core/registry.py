@@ -26,7 +26,7 @@ from hibana_core.errors import (ConfigError, ContextLengthError, EngineClosedErr
                                 InvalidTokenError, StateBusyError, StateClosedError, StateExistsError,
                                 StateFileError)
 from hibana_core.kv import state_file
-from hibana_core.kv.policies import POLICIES, StateUse
+from hibana_core.kv.policies import POLICIES, StateUse, retention_order
 from hibana_core.kv.sequence import KVSequence, common_prefix_len
 from hibana_core.output import RequestEvents
 from hibana_core.sampler import make_generator
@@ -252,7 +252,8 @@ class StateRegistry:
         with self.lock:
             return [StateInfo(e.handle.id, len(e.seq), min(e.seq.num_computed, len(e.seq)),
                               len(e.seq.block_ids), _tier(e.seq),
-                              e.last_use, self.core.scheduler.busy(e.seq))
+                              e.last_use, self.core.scheduler.busy(e.seq), e.use.pinned_at is not None,
+                              e.use.priority)
                     for e in self._entries.values()]
 
     def __len__(self) -> int:
@@ -264,9 +265,19 @@ class StateRegistry:
 
     def idle_sequences(self) -> list[KVSequence]:
         """Sequences holding KV and serving no request, first to evict first (the policy's order)."""
-        idle = [(e.seq, e.use) for e in self._entries.values()
+        idle = [(e.seq, e.use, len(e.seq.block_ids)) for e in self._entries.values()
                 if e.seq.block_ids and not self.core.scheduler.busy(e.seq)]
-        return self.policy.order(idle, time.monotonic())
+        pin_blocks = int(self.config.pin_budget * self.core.scheduler.pool.num_blocks)
+        return retention_order(self.policy, idle, time.monotonic(), pin_blocks)
+
+    def pin(self, handle: StateHandle, pinned: bool) -> None:
+        """Pin (or unpin) a state's KV on the device, within the pin budget (`retention_order`)."""
+        with self.lock:
+            use = self._entry(handle).use
+            if not pinned:
+                use.pinned_at = None
+            elif use.pinned_at is None:
+                use.pinned_at = time.monotonic()
 
     def note_turn(self, handle: StateHandle, called_tools: bool) -> None:
         """The chat layer's word that a turn on this state ended, in tool calls or not (the
@@ -334,6 +345,7 @@ class StateRegistry:
                     "(the state is unchanged)")
             if tokens is not None:
                 seq.set_tokens(tokens)
+            entry.use.priority = params.priority  # also how long its KV is kept once idle
             generator = make_generator(params.seed, self.limits.device) if params.seed is not None else None
             request = Request(seq, params, generator, stops, self.limits.max_model_len, state_id=handle.id,
                               grammar=grammar)
@@ -368,9 +380,9 @@ class StateRegistry:
     def _write(self, seq: KVSequence, state_id: str, path: Path) -> None:
         """Write `seq` as a state file (from its parked copy when it is parked)."""
         computed, kv = seq.num_computed, None
-        if not seq.block_ids and seq.parked is not None:  # parked in the host tier: its copy
+        if not seq.block_ids and seq.parked is not None:  # parked in host memory or on disk: its copy
             computed = common_prefix_len(seq.tokens, seq.parked.tokens)
-            kv = seq.parked.kv[:, :, :-(-computed // self.pool.block_size)]
+            kv = seq.parked.host_kv()[:, :, :-(-computed // self.pool.block_size)]
         if kv is None:
             kv = self.kv_cache.read_blocks(seq.block_ids)
         state_file.write(path, state_id, seq.tokens, computed, self.pool.block_size, kv, self.limits.fingerprint)
@@ -483,5 +495,5 @@ class StateRegistry:
 
 
 def _tier(seq: KVSequence) -> str:
-    """Where a state's KV is: "device" (resident blocks), "host" (parked), "none" (recomputed)."""
-    return "device" if seq.block_ids else "host" if seq.parked is not None else "none"
+    """Where a state's KV is: "device" (resident blocks), "host" or "disk" (parked), "none" (recomputed)."""
+    return "device" if seq.block_ids else seq.parked.tier if seq.parked is not None else "none"

@@ -78,9 +78,11 @@ class StateInfo:
     tokens: int
     computed: int         # tokens whose KV is resident
     blocks: int
-    tier: str             # "device" while KV is resident, "host" while parked in the host tier, "none" once released
+    tier: str             # "device" while KV is resident, "host" / "disk" while parked there, "none" once released
     last_use: float
     busy: bool
+    pinned: bool = False  # StateHandle.pin(): kept on the device within the pin budget
+    priority: int = 0     # its last request's priority: lower-priority idle states leave the device first
 
 
 class StateHandle:
@@ -159,6 +161,16 @@ class StateHandle:
     def save(self, path) -> None:
         """Write tokens and KV to a file that `engine.load_state` restores."""
         self._registry.save(self, path)
+
+    def pin(self) -> None:
+        """Keep this state's KV on the device while it is idle: within `pin_budget` (a share of
+        the device pool, first pinned first served) it is evicted only when a request could not
+        run otherwise; beyond the budget it is kept ahead of every unpinned state."""
+        self._registry.pin(self, True)
+
+    def unpin(self) -> None:
+        """Undo `pin()`: the state is an ordinary idle state again."""
+        self._registry.pin(self, False)
 
     def close(self) -> None:
         """Free the state's blocks; the handle is unusable afterwards. Idempotent."""

@@ -50,7 +50,7 @@ PUBLIC_FIELDS = {
     "StreamEvent": dict(token_id=int | None, text=str, finish_reason=str | None,
                         completion=Completion | None, logprob=TokenLogprob | None),
     "StateInfo": dict(id=str, tokens=int, computed=int, blocks=int, tier=str, last_use=float,
-                      busy=bool),
+                      busy=bool, pinned=bool, priority=int),
     "EngineStats": dict(prompt_tokens_computed=int, prompt_tokens_reused=int, generated_tokens=int,
                         steps=int, multi_sequence_steps=int, max_batch_sequences=int,
                         kv_blocks_total=int, kv_blocks_used=int, kv_blocks_cached=int, states=int, draft_tokens_proposed=int,

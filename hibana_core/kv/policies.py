@@ -36,6 +36,8 @@ class StateUse:
     last_use: float                    # time.monotonic() of its last call
     tool_since: float | None = None    # when its last turn ended in tool calls (None: it did not)
     tool_seconds: float | None = None  # running mean of its agent's observed tool times
+    priority: int = 0                  # its last request's SamplingParams.priority
+    pinned_at: float | None = None     # when `StateHandle.pin()` was called (None: not pinned)
 
     def turn_ended(self, now: float, called_tools: bool) -> None:
         self.tool_since = now if called_tools else None
@@ -92,3 +94,33 @@ class ToolAwareOrder:
 
 
 POLICIES: dict[str, EvictionOrder] = {p.name: p for p in (LRUOrder(), ToolAwareOrder())}
+
+
+def retention_order(policy: EvictionOrder, states: list[tuple[T, StateUse, int]], now: float,
+                    pin_blocks: int) -> list[T]:
+    """The idle states (each with its use and its device blocks), first to evict first: the
+    policy's order, refined by what users asked for, in three tiers of protection.
+
+    1. Unpinned states: lower `priority` first, the policy's order among equals.
+    2. Pins beyond the pin budget: they degrade to a priority above every unpinned state (same
+       order within).
+    3. Pins within the budget (`pin_blocks` device blocks, given to pins in the order they were
+       made): last of all, so they leave the device only when a request could not run otherwise.
+       The budget leaves the rest of the pool to everyone else, and even a pin gives way before
+       a request fails: pins never deadlock the engine.
+    """
+    honoured: set[int] = set()
+    held = 0
+    for state, use, blocks in sorted((x for x in states if x[1].pinned_at is not None),
+                                     key=lambda x: x[1].pinned_at):
+        if held + blocks <= pin_blocks:
+            honoured.add(id(state))
+            held += blocks
+    uses = {id(state): use for state, use, _ in states}
+    ordered = policy.order([(state, use) for state, use, _ in states], now)
+
+    def protection(state) -> tuple[int, int]:
+        use = uses[id(state)]
+        tier = 2 if id(state) in honoured else 1 if use.pinned_at is not None else 0
+        return tier, use.priority
+    return sorted(ordered, key=protection)  # stable: the policy's order within each

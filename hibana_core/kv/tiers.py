@@ -12,19 +12,25 @@ then computes only its new tokens, whatever happened to the device blocks meanwh
 A parked copy belongs to its `KVSequence` (`seq.parked`) and dies with it; this object keeps the
 host budget, least recently parked dropped first (those states recompute, as without the tier).
 A restore checks the copy against the state's history: where the history was edited since, only
-the common prefix comes back. Copies are synchronous on the engine's stream (correct first; the
+the common prefix comes back. With `state_dir` set, what the host budget cannot hold goes to
+disk (a spill folder under it, removed when the engine closes) instead of being dropped; a
+restore reads it back. Copies are synchronous on the engine's stream (correct first; the
 side-stream copy and prefetch of the memory-manager issue come next).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import shutil
 import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
+import safetensors.torch
 import torch
 
 from hibana_core.kv.block_pool import BlockPool
@@ -36,12 +42,22 @@ logger = logging.getLogger("hibana.states")
 
 @dataclass(frozen=True)
 class ParkedKV:
-    tokens: list[int]      # the history whose KV this holds, in full
-    kv: torch.Tensor       # [num_layers, 2, blocks, block_size, H_kv, D] on the host
+    tokens: list[int]             # the history whose KV this holds, in full
+    kv: torch.Tensor | None       # [num_layers, 2, blocks, block_size, H_kv, D] on the host; None: on disk
+    path: Path | None = None      # the spill file holding it, when it is on disk
+    size: int = 0                 # its bytes on disk
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        return self.kv.numel() * self.kv.element_size() if self.kv is not None else self.size
+
+    @property
+    def tier(self) -> str:
+        return "host" if self.kv is not None else "disk"
+
+    def host_kv(self) -> torch.Tensor:
+        """The KV in host memory (read from its spill file when it is on disk)."""
+        return self.kv if self.kv is not None else safetensors.torch.load_file(self.path)["kv"]
 
 
 @dataclass
@@ -52,40 +68,63 @@ class TierCounters:
     bytes_moved: int = 0        # both directions
     seconds: float = 0.0        # spent copying, both directions
     tokens_restored: int = 0    # prompt tokens whose recomputation a restore avoided
+    spills: int = 0             # copies written to disk (the host budget was full, or there is none)
+    disk_resumes: int = 0       # restores read from disk
+    disk_bytes_moved: int = 0   # written and read, on disk
+    disk_seconds: float = 0.0   # spent writing and reading spill files
 
 
 class HostTier:
-    def __init__(self, cache: KVCache, pool: BlockPool, budget_bytes: int) -> None:
+    """Parked KV: in host memory within `budget_bytes`, and on disk under `spill_dir` (when
+    given) for what the host budget cannot hold: the oldest host copies move there to make room,
+    and a copy larger than the whole host budget (or any, with a budget of 0: unified memory,
+    where disk is the only tier below the device) goes there directly."""
+
+    def __init__(self, cache: KVCache, pool: BlockPool, budget_bytes: int, spill_dir: Path | None = None) -> None:
         self.cache, self.pool, self.budget_bytes = cache, pool, budget_bytes
+        self.spill_dir = spill_dir
+        if spill_dir is not None:
+            spill_dir.mkdir(parents=True, exist_ok=True)
         self.pinned = cache.data.device.type == "cuda"
         self._parked: OrderedDict[int, weakref.ref] = OrderedDict()  # id(seq) -> seq, least recent first
-        self._bytes: dict[int, int] = {}
+        self._bytes: dict[int, int] = {}  # host copies' bytes
+        self._spilled: dict[int, tuple[weakref.ref, int]] = {}  # id(seq) -> (seq, bytes on disk)
+        self._files = itertools.count()
         self.counters = TierCounters()
 
     @property
     def bytes_used(self) -> int:
         return sum(self._bytes.values())
 
+    @property
+    def disk_bytes_used(self) -> int:
+        return sum(size for _, size in self._spilled.values())
+
     def park(self, seq: KVSequence) -> bool:
-        """Copy the KV of `seq`'s computed tokens to the host and free its device blocks.
-        False (nothing copied, nothing freed) when the copy cannot fit the budget."""
+        """Copy the KV of `seq`'s computed tokens to the host (or, past the host budget, to disk)
+        and free its device blocks. False (nothing copied, nothing freed) when neither takes it."""
         n = min(seq.num_computed, len(seq.tokens))
         blocks = -(-n // seq.block_size)
-        if n == 0 or not self._room(blocks * self.cache.bytes_per_block_here):
+        nbytes = blocks * self.cache.bytes_per_block_here
+        to_host = n > 0 and self._room(nbytes)
+        if not to_host and (n == 0 or self.spill_dir is None):
             return False
         began = time.perf_counter()
         index = torch.tensor(seq.block_ids[:blocks], dtype=torch.long, device=self.cache.data.device)
         device_kv = self.cache.gather(index)
-        host = torch.empty(device_kv.shape, dtype=device_kv.dtype, pin_memory=self.pinned)
+        host = torch.empty(device_kv.shape, dtype=device_kv.dtype, pin_memory=self.pinned and to_host)
         host.copy_(device_kv)
-        self._hold(seq, ParkedKV(seq.tokens[:n], host))
-        seq.release()
         c = self.counters
         c.parks += 1
-        c.bytes_moved += seq.parked.nbytes
+        c.bytes_moved += nbytes
         c.seconds += time.perf_counter() - began
-        logger.info("evicting an idle state's KV (%d blocks, %d tokens): parked in host memory (%d bytes)",
-                    blocks, n, seq.parked.nbytes)
+        if to_host:
+            self._hold(seq, ParkedKV(seq.tokens[:n], host))
+        else:
+            self._spill(seq, ParkedKV(seq.tokens[:n], host))
+        seq.release()
+        logger.info("evicting an idle state's KV (%d blocks, %d tokens): parked in %s memory (%d bytes)",
+                    blocks, n, seq.parked.tier, nbytes)
         return True
 
     def restore(self, seq: KVSequence, make_room: Callable[[int], bool]) -> int:
@@ -103,8 +142,14 @@ class HostTier:
         if not self.pool.can_allocate(blocks) and not make_room(blocks):
             return 0
         began = time.perf_counter()
+        kv = parked.host_kv()
+        if parked.kv is None:
+            c = self.counters
+            c.disk_resumes += 1
+            c.disk_bytes_moved += parked.size
+            c.disk_seconds += time.perf_counter() - began
         ids = self.pool.allocate(blocks)
-        self.cache.write_blocks(ids, parked.kv[:, :, :blocks])
+        self.cache.write_blocks(ids, kv[:, :, :blocks])
         seq.block_ids = ids
         seq.num_computed = n
         seq.num_committed = 0
@@ -115,7 +160,7 @@ class HostTier:
         c.tokens_restored += n
         c.bytes_moved += blocks * self.cache.bytes_per_block_here
         c.seconds += time.perf_counter() - began
-        logger.info("resumed a parked state from host memory (%d tokens)", n)
+        logger.info("resumed a parked state from %s (%d tokens)", "disk" if parked.kv is None else "host memory", n)
         return n
 
     def adopt(self, seq: KVSequence, tokens: list[int], kv: torch.Tensor) -> bool:
@@ -135,48 +180,82 @@ class HostTier:
         self._parked[key] = weakref.ref(seq, lambda _, key=key, owner=weakref.ref(self): _gone(owner, key))
         self._bytes[key] = parked.nbytes
 
+    def _spill(self, seq: KVSequence, parked: ParkedKV) -> None:
+        """Write a host copy to a spill file and make that `seq`'s parked copy."""
+        began = time.perf_counter()
+        path = self.spill_dir / f"{next(self._files):08d}.kv"
+        safetensors.torch.save_file({"kv": parked.kv.contiguous()}, str(path))
+        size = path.stat().st_size
+        self.forget(seq)
+        seq.parked = ParkedKV(parked.tokens, None, path, size)
+        key = id(seq)
+        self._spilled[key] = (weakref.ref(seq, lambda _, p=path, key=key, owner=weakref.ref(self):
+                                          _gone(owner, key, p)), size)
+        c = self.counters
+        c.spills += 1
+        c.disk_bytes_moved += size
+        c.disk_seconds += time.perf_counter() - began
+
     def forget(self, seq: KVSequence) -> None:
-        """Drop `seq`'s parked copy, if any."""
-        seq.parked = None
+        """Drop `seq`'s parked copy, if any (its spill file too)."""
+        parked, seq.parked = seq.parked, None
         self._parked.pop(id(seq), None)
         self._bytes.pop(id(seq), None)
+        self._spilled.pop(id(seq), None)
+        if parked is not None and parked.path is not None:
+            parked.path.unlink(missing_ok=True)
 
     def _room(self, nbytes: int) -> bool:
-        """Whether `nbytes` fit the budget, after dropping the oldest parked copies."""
+        """Whether `nbytes` fit the host budget, after moving the oldest host copies to disk
+        (or, without a spill folder, dropping them: those states recompute)."""
         if nbytes > self.budget_bytes:
             return False
         while self.bytes_used + nbytes > self.budget_bytes and self._parked:
             key, ref = self._parked.popitem(last=False)
             self._bytes.pop(key, None)
             seq = ref()
-            if seq is not None:
+            if seq is None:
+                continue
+            if self.spill_dir is not None:
+                self._spill(seq, seq.parked)
+            else:
                 seq.parked = None
-            self.counters.dropped += 1
+                self.counters.dropped += 1
         return True
 
     def close(self) -> None:
-        """Drop every parked copy and the cache (the engine closes)."""
-        for ref in self._parked.values():
+        """Drop every parked copy, spill files included, and the cache (the engine closes; named
+        states were written to `state_dir` before)."""
+        for ref in [*self._parked.values(), *(ref for ref, _ in self._spilled.values())]:
             seq = ref()
             if seq is not None:
-                seq.parked = None
+                self.forget(seq)
         self._parked.clear()
         self._bytes.clear()
+        self._spilled.clear()
+        if self.spill_dir is not None:
+            shutil.rmtree(self.spill_dir, ignore_errors=True)
         self.cache = None
 
     def summary(self) -> dict:
         c = self.counters
         return {"budget_bytes": self.budget_bytes, "bytes_used": self.bytes_used, "states": len(self._parked),
                 "parks": c.parks, "resumes": c.resumes, "dropped": c.dropped, "bytes_moved": c.bytes_moved,
-                "seconds": round(c.seconds, 4), "tokens_restored": c.tokens_restored}
+                "seconds": round(c.seconds, 4), "tokens_restored": c.tokens_restored,
+                "disk_states": len(self._spilled), "disk_bytes_used": self.disk_bytes_used, "spills": c.spills,
+                "disk_resumes": c.disk_resumes, "disk_bytes_moved": c.disk_bytes_moved,
+                "disk_seconds": round(c.disk_seconds, 4)}
 
 
-def _gone(owner: "weakref.ref[HostTier]", key: int) -> None:
+def _gone(owner: "weakref.ref[HostTier]", key: int, path: Path | None = None) -> None:
     """A parked state's sequence was collected (its state closed): its copy is gone with it."""
     tier = owner()
     if tier is not None:
         tier._parked.pop(key, None)
         tier._bytes.pop(key, None)
+        tier._spilled.pop(key, None)
+    if path is not None:
+        path.unlink(missing_ok=True)
 
 
 def default_host_budget() -> int:
