@@ -268,6 +268,47 @@ def make_tiny_gemma3_multimodal(path, seed: int = SEED) -> Path:
     return _save_seeded(config, Path(path), seed)
 
 
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., K] float -> MXFP4 (blocks uint8 [..., K // 32, 16], e8m0 scales uint8 [..., K // 32]):
+    each block's scale the power of two that puts its largest magnitude in [4, 8), each value
+    rounded to the nearest e2m1 code; the even index in the low nibble."""
+    from hibana_kernels.moe import E2M1_VALUES, MXFP4_BLOCK
+
+    groups = w.float().unflatten(-1, (-1, MXFP4_BLOCK))
+    exponent = torch.floor(torch.log2(groups.abs().amax(-1).clamp(min=2.0 ** -126))) - 2
+    x = groups / torch.exp2(exponent)[..., None]
+    magnitude = (x.abs()[..., None] - torch.tensor(E2M1_VALUES[:8])).abs().argmin(-1)
+    codes = (magnitude | ((x < 0).long() << 3)).unflatten(-1, (MXFP4_BLOCK // 2, 2))
+    return (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8), (exponent + 127).to(torch.uint8)
+
+
+def make_mxfp4_checkpoint(source, path) -> Path:
+    """`source` (a float gpt_oss checkpoint) with its experts in MXFP4, as the released
+    checkpoints hold them: gate_up_proj_blocks [E, 2I, H // 32, 16] (rows interleaved gate, up),
+    down_proj_blocks [E, H, I // 32, 16], their scales, and quantization_config mxfp4."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source, path = Path(source), Path(path)
+    shutil.copytree(source, path)
+    tensors = {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, in, out] there
+            tensors[name + "_blocks"], tensors[name + "_scales"] = quantize_mxfp4(tensor.transpose(1, 2))
+        else:
+            tensors[name] = tensor
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+        "dequantize": True}  # transformers' load option (on CPU it dequantizes anyway, but asks for
+    # accelerate unless told); Hibana reads the blocks and scales all the same
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
 @functools.lru_cache(maxsize=None)
 def _hf_model(path: str):
     from transformers import AutoModelForCausalLM
