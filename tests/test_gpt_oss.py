@@ -50,3 +50,18 @@ def test_mxfp4_checkpoint_loads_as_is_and_matches_transformers_dequantized(tiny_
     assert_greedy_matches(path, history, got)
     unquantized = list(float_engine.open_state("f").generate(params, prompt=history).token_ids)
     assert got != unquantized, "MXFP4 rounding should change this tiny model's output"
+
+
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["float", "mxfp4"])
+def test_decode_bytes_per_token_counts_routed_experts_only(tiny_checkpoints, make_engine, tmp_path, mxfp4):
+    """The roofline numerator: all weights less the experts (weights, scales, biases) a token is
+    not routed to and the other tokens' embedding rows (lm_head untied)."""
+    path = tiny_checkpoints["gpt_oss"]
+    engine = make_engine(make_mxfp4_checkpoint(path, tmp_path / "q") if mxfp4 else path)
+    c = engine.hf_config
+    e, i, h = c.num_local_experts, c.intermediate_size, c.hidden_size
+    weights = 3 * i * h // 2 + 3 * i * h // 32 if mxfp4 else 3 * i * h * 4  # codes and scales, or float32
+    per_expert = weights + (2 * i + h) * 4  # and the biases
+    unrouted = c.num_hidden_layers * (e - c.num_experts_per_tok) * per_expert
+    other_rows = (c.vocab_size - 1) * h * 4
+    assert engine.model.decode_bytes_per_token() == engine.weight_bytes - unrouted - other_rows
