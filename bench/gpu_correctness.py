@@ -19,9 +19,10 @@
 6. fp8 checkpoints (tests/fp8_checkpoints.py: transformers 'fp8' in 16x16 blocks, in 24x40 blocks
    that fused layers hold per row, per tensor; compressed-tensors per channel where installed),
    float32: GPU (fp8 GEMV at 3 agents, GEMM at 6, dequantize + cuBLAS in prefill) == CPU, greedy.
-7. families (issue 18): gemma3, phi3 and qwen3_moe (with tied router rows), float32, GPU ==
-   transformers on the GPU, greedy, 4 agents batched, eager and CUDA graphs. (Checks 1, 3 and 5
-   run them too, GPU == CPU, with routers free of ties.)
+7. families (issue 18): gemma3, phi3, qwen3_moe and gpt_oss (MoE routers with tied rows), float32,
+   GPU == transformers on the GPU, greedy, 4 agents batched, eager and CUDA graphs; gpt_oss also
+   from an MXFP4 checkpoint (the experts' Triton MXFP4 paths) against transformers' dequantized
+   model. (Checks 1, 3 and 5 run them too, GPU == CPU, with routers free of ties.)
 Prints a table; exits 1 if a check fails.
 """
 
@@ -306,16 +307,26 @@ def check_fp8() -> Iterator[tuple[str, bool, str]]:
                    ", ".join(f"{same[a]}/{a} agents equal" for a in batches))
 
 
-FAMILIES = ("gemma3", "phi3", "qwen3_moe")
+FAMILIES = ("gemma3", "phi3", "qwen3_moe", "gpt_oss")
+
+
+def family_cases() -> Iterator[tuple[str, Path, list[list[int]]]]:
+    """`tiny_cases` of FAMILIES with tied router rows, and gpt_oss again with MXFP4 experts."""
+    from tiny_models import make_mxfp4_checkpoint
+
+    for arch, path, prompts in tiny_cases(FAMILIES, 23, tied_experts=True):
+        yield arch, path, prompts
+        if arch == "gpt_oss":
+            yield "gpt_oss mxfp4", make_mxfp4_checkpoint(path, path.parent / "gpt_oss-mxfp4"), prompts
 
 
 def check_families() -> Iterator[tuple[str, bool, str]]:
     """Issue 18's families, float32: the GPU (eager and CUDA graphs) gives transformers' greedy
-    tokens on the GPU, 4 agents batched; the tiny qwen3_moe with its tied router rows, so that
+    tokens on the GPU, 4 agents batched; the tiny MoE models with their tied router rows, so that
     the fused routing kernel must break ties as transformers' torch.topk does on CUDA."""
     from transformers import AutoModelForCausalLM
 
-    for arch, path, prompts in tiny_cases(FAMILIES, 23, tied_experts=True):
+    for arch, path, prompts in family_cases():
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
         want = []
         for prompt in prompts:

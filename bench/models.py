@@ -51,6 +51,17 @@ PRESETS: dict[str, dict[str, Any]] = {
                       rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                                        "short_factor": [1.0 + i / 48 for i in range(48)],
                                        "long_factor": [1.0 + i for i in range(48)]}),
+    # openai/gpt-oss-20b and -120b: layers alternating sliding (window 128) and full attention,
+    # attention sinks, YaRN (factor 32 over 4096; the config's defaults), top-4 routing, experts
+    # in MXFP4 as released (`mxfp4_experts`: see `_with_random_mxfp4_experts`)
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                        num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+                        num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                        max_position_embeddings=131072, tie_word_embeddings=False, mxfp4_experts=True),
+    "gpt-oss-120b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+                         num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+                         num_local_experts=128, num_experts_per_tok=4, sliding_window=128,
+                         max_position_embeddings=131072, tie_word_embeddings=False, mxfp4_experts=True),
 }
 
 
@@ -78,9 +89,12 @@ def load_bench_model(name: str, device: torch.device, dtype: torch.dtype) -> Ben
 
     if name in PRESETS:
         spec = dict(PRESETS[name])
+        mxfp4 = spec.pop("mxfp4_experts", False)
         config = AutoConfig.for_model(spec.pop("model_type"), **spec)
-        with torch.device(device):
+        with torch.device("meta" if mxfp4 else device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if mxfp4:
+            model = _with_random_mxfp4_experts(model, device)
         tokenizer, random_weights = None, True
     else:
         from hibana_core.loader import resolve_checkpoint
@@ -91,3 +105,44 @@ def load_bench_model(name: str, device: torch.device, dtype: torch.dtype) -> Ben
     model.eval().requires_grad_(False)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return BenchModel(name, model, tokenizer, random_weights, weight_bytes)
+
+
+class MXFP4Experts(torch.nn.Module):
+    """gpt-oss experts as its MXFP4 checkpoints hold them (blocks, e8m0 scales, float biases):
+    what the engine loads. Weights only: transformers' own MXFP4 experts need the Hub's Triton
+    kernels, so the transformers peers cannot run a model holding these."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        e, i, h = config.num_local_experts, config.intermediate_size, config.hidden_size
+
+        def packed(*shape: int) -> torch.nn.Parameter:
+            return torch.nn.Parameter(torch.empty(*shape, dtype=torch.uint8), requires_grad=False)
+
+        self.gate_up_proj_blocks, self.gate_up_proj_scales = packed(e, 2 * i, h // 32, 16), packed(e, 2 * i, h // 32)
+        self.down_proj_blocks, self.down_proj_scales = packed(e, h, i // 32, 16), packed(e, h, i // 32)
+        self.gate_up_proj_bias = torch.nn.Parameter(torch.empty(e, 2 * i))
+        self.down_proj_bias = torch.nn.Parameter(torch.empty(e, h))
+
+
+def _with_random_mxfp4_experts(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """A gpt-oss model built on "meta" -> on `device` with MXFP4 experts, random weights (the
+    released checkpoints' bytes per token without a bf16 copy of the experts: the 120B's would
+    not fit one GPU). Codes uniform, scales 2^-6 (values within +-6/64), other weights N(0, 0.02),
+    norms ones, biases zero; quantization_config says mxfp4, as a real checkpoint's does."""
+    for layer in model.model.layers:
+        with torch.device("meta"):
+            layer.mlp.experts = MXFP4Experts(model.config)
+    model = model.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dtype == torch.uint8:
+                p.fill_(127 - 6) if name.endswith("_scales") else p.random_(0, 256)
+            elif "norm" in name:
+                p.fill_(1.0)
+            elif p.dim() == 1 or name.endswith("_bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02)
+    model.config.quantization_config = {"quant_method": "mxfp4"}
+    return model

@@ -9,8 +9,10 @@
 #                                   # qwen3-0.6b (folds vs separate kernels at 0.6b and 8b shapes, decode per
 #                                   # policy with kernels per step), then hibana bench decode of qwen3-0.6b and
 #                                   # qwen3-8b under fusion auto / on / off
-#   bash bench/run_h200.sh families      # issue 18: batch-1 decode of the gemma3-12b, phi4-mini and
-#                                        # qwen3-30b-a3b presets (MODELS="phi4-mini": only those)
+#   bash bench/run_h200.sh families      # issue 18: batch-1 decode of the gemma3-12b, phi4-mini,
+#                                        # qwen3-30b-a3b and gpt-oss-20b presets (MODELS="phi4-mini": only
+#                                        # those; gpt-oss-120b's random MXFP4 weights are built on the GPU and
+#                                        # copied, ~2 x 65 GB)
 #   bash bench/run_h200.sh surgery       # batch-1 decode of qwen3-8b in bf16, w8 and w4 (issue 14)
 #   bash bench/run_h200.sh kv8_check     # fp8 KV: its kernel tests on CUDA, GPU == CPU greedy (gpu_correctness --kv8-only)
 #   bash bench/run_h200.sh kv8           # fp8 KV: 32 agents' turns/h and batch-1 decode, bf16 KV vs kv8, qwen3-8b
@@ -81,7 +83,7 @@ case "${1:-check}" in
       --tool-result 200 --generate 100 --peer-agents 1 \
       --json "$OUT/agents_qwen3-8b.json" 2>&1 | tee "$OUT/agents_qwen3-8b.txt" ;;
   families)
-    for model in ${MODELS:-gemma3-12b phi4-mini qwen3-30b-a3b}; do
+    for model in ${MODELS:-gemma3-12b phi4-mini qwen3-30b-a3b gpt-oss-20b}; do
       python3 -m hibana_bench.cli decode --model "$model" --context 512,8192 --generate 128 --systems hibana \
         --json "$OUT/decode_$model.json" 2>&1 | tee "$OUT/decode_$model.txt"
     done ;;

@@ -65,7 +65,8 @@ class Chat:
         self.parser_name = tool_parser or getattr(chat_format, "tool_parser", None) or DEFAULT_TOOL_PARSER
         self.parser = get_plugin_manager().lookup("tool_parser", self.parser_name)
         vocab = engine.tokenizer.get_vocab()
-        self.stop_token_ids = tuple(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+        self.stop_token_ids = tuple(vocab[t] for t in getattr(chat_format, "end_of_turn_tokens", END_OF_TURN_TOKENS)
+                                    if t in vocab)  # a format's own (harmony: <|end|> ends a message, not the turn)
         self.control = prompt.control_strings(engine.tokenizer)  # what contents never turn into
         self.control_ids = frozenset(vocab[t] for t in self.control if t in vocab)
         self._plain: dict[str, Callable[[str], list[int]]] = {}   # built on first hostile content, shared by `on`

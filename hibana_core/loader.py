@@ -13,7 +13,7 @@ import struct
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -41,6 +41,21 @@ class LoadedModel:
     weight_bytes: int
     fingerprint: str          # sha256 of config, tokenizer and weight layout: guards state files
     surgery: list = field(default_factory=list)  # passes a surgery checkpoint was written with
+
+
+@dataclass(frozen=True)
+class ConvertedTensor:
+    """Where a checkpoint tensor goes when no view of a parameter can take it as it is (a
+    family's `checkpoint_tensors` may name one): `load(tensor)` writes it there (transposed,
+    rows reordered), once its shape is checked against `shape`, the checkpoint's."""
+
+    shape: tuple[int, ...]
+    load: Callable[[torch.Tensor], None]
+
+
+FAMILY_QUANT_METHODS = ("mxfp4",)
+"""quantization_config methods a family loads itself: its modules take the packed tensors as
+they are (gpt-oss's MXFP4 experts: blocks and scales)."""
 
 
 def resolve_checkpoint(model: str, progress: bool = False) -> Path:
@@ -239,7 +254,8 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
                 raise CheckpointError(f"{path}: {name} is no attention layer with KV scales in its weights; "
                                       "re-run `hibana surgery`")
             layer.set_kv_scales(read(*where.pop(tensor), tensor).to(next(module.parameters()).device))
-    if quantization is not None and not own_names:  # GPTQ / AWQ / FP8: packed layers as they are
+    if quantization is not None and not own_names and quantization.get("quant_method") not in FAMILY_QUANT_METHODS:
+        # GPTQ / AWQ / FP8: packed layers as they are
         from hibana_core.surgery.prequantized import load_packed_layers, parse_quantization_config
 
         fmt = parse_quantization_config(quantization)
@@ -277,10 +293,13 @@ def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progr
                 raise CheckpointError(f"{name} in {where} is {tensor.dtype} without a weight scale Hibana "
                                       "applies; FP8 checkpoints need their quantization_config (quant_method "
                                       "'fp8' or 'compressed-tensors') and a scale for every fp8 weight")
-            if tensor.shape != target.shape:
+            if tuple(tensor.shape) != tuple(target.shape):
                 raise CheckpointError(f"{name} in {where} has shape {tuple(tensor.shape)}, the config "
                                       f"implies {tuple(target.shape)}; config and weights disagree")
-            target.data.copy_(tensor)
+            if isinstance(target, ConvertedTensor):
+                target.load(tensor)
+            else:
+                target.data.copy_(tensor)
             loaded.add(name)
     expected = set(params)
     if getattr(module, "tied_weight_names", ()):

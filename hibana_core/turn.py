@@ -304,7 +304,8 @@ class TurnRun:
         if self.max_calls is not None:
             parsed = dataclasses.replace(parsed, tool_calls=parsed.tool_calls[:self.max_calls])
         self.called_tools = bool(parsed.tool_calls)
-        reasoning = self.thinking.text if self.thinking is not None else ""
+        # think blocks, or what the parser kept apart as reasoning (harmony's analysis channel)
+        reasoning = self.thinking.text if self.thinking is not None else getattr(self.stream, "reasoning", "").strip()
         return deltas + [ChatDelta(result=result(parsed, self.text, self.finish_reason, usage, self.logprobs,
                                                  reasoning))]
 

@@ -48,6 +48,7 @@ BUILTIN_MODULES = (
     "hibana_core.speculation.drafters",
     "hibana_core.surgery.passes",
     "hibana_plugins.tool_parsers",
+    "hibana_plugins.harmony",
     "hibana_plugins.langchain",
     "hibana_plugins.llamaindex",
 )

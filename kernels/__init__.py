@@ -43,13 +43,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                     scale: float, sliding_window: int | None = None,
-                    uniform_query_len: bool = False, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    uniform_query_len: bool = False, kv_scale: torch.Tensor | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed varlen queries [T, H, D] over the paged KV cache (an fp8 cache
-    with its `kv_scale`); see `hibana_kernels.attention.paged_attention`."""
+    with its `kv_scale`; per-head attention `sinks` [H]); see `hibana_kernels.attention.paged_attention`."""
     impl = _triton("attention", q) or attention
     return impl.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                 max_query_len, max_seq_len, scale, sliding_window, uniform_query_len,
-                                kv_scale)
+                                kv_scale, sinks)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -71,7 +71,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                     scale: float, sliding_window: int | None = None,
-                    uniform_query_len: bool = False, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    uniform_query_len: bool = False, kv_scale: torch.Tensor | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed queries over each sequence's paged context (device-tensor form).
 
     q: [T, H, D]; block_tables: [B, max_blocks] int32; seq_lens: [B] int32;
@@ -80,18 +81,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     can be captured with its bucket's bounds). max_query_len == 1 selects the decode kernel, so it
     must not understate. `uniform_query_len`: every sequence has exactly max_query_len new
     tokens (a verify step's CUDA graph), which lets the Triton path use its decode kernel; the
-    result is the same. `kv_scale`: an fp8 cache's scales (see the module docstring). Returns
-    [T, H, D].
+    result is the same. `kv_scale`: an fp8 cache's scales (see the module docstring). `sinks`:
+    attention sinks (gpt-oss), one learned logit per query head [H] that joins every row's
+    softmax denominator as a key with no value. Returns [T, H, D].
     """
     return paged_attention_host(q, k_cache, v_cache, block_tables, seq_lens.tolist(),
-                                query_start_loc.tolist(), scale, sliding_window, kv_scale)
+                                query_start_loc.tolist(), scale, sliding_window, kv_scale, sinks)
 
 
 def paged_attention_host(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: Sequence[int],
                          query_start_loc: Sequence[int], scale: float,
                          sliding_window: int | None = None,
-                         kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                         kv_scale: torch.Tensor | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_attention` with the lengths as host ints (B and B + 1 of them).
 
     A query at position p sees keys at positions j with j <= p and, with a sliding window w,
@@ -106,7 +109,7 @@ def paged_attention_host(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     short = [i for i, n in enumerate(num_q) if 0 < n <= SHORT_QUERY]  # decodes, verify steps
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if len(short) == len(seq_lens) and max(num_q) == 1:  # a plain decode step: no copies
-        return _short_batch(q[:, None], gather, block_tables, seq_lens, scale, sliding_window)[:, 0]
+        return _short_batch(q[:, None], gather, block_tables, seq_lens, scale, sliding_window, sinks)[:, 0]
     if short:
         rows = [range(query_start_loc[i], query_start_loc[i + 1]) for i in short]
         longest = max(num_q[i] for i in short)
@@ -114,7 +117,7 @@ def paged_attention_host(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         for j, r in enumerate(rows):  # queries right-aligned: row j of `longest` is position len - longest + j
             padded[j, longest - len(r):] = q[r.start:r.stop]
         o = _short_batch(padded, gather, block_tables[short], [seq_lens[i] for i in short],
-                         scale, sliding_window)
+                         scale, sliding_window, sinks)
         for j, r in enumerate(rows):
             out[r.start:r.stop] = o[j, longest - len(r):]
     for i, ctx_len in enumerate(seq_lens):
@@ -135,11 +138,29 @@ def paged_attention_host(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                 mask &= q_pos - k_pos < sliding_window
         # 4-D [1, heads, tokens, D], K/V repeated per query head: the layout of CPU SDPA's fast
         # (flash) path, several times faster than 3-D views for long queries
-        o = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1)[None], _per_head(k, group), _per_head(v, group),
-            attn_mask=mask, is_causal=causal, scale=scale)  # [1, H, Q, D]
+        o = _sdpa(q[start:end].transpose(0, 1)[None], _per_head(k, group), _per_head(v, group),
+                  mask, causal, scale, None if sinks is None else sinks[None, :, None])  # [1, H, Q, D]
         out[start:end] = o[0].transpose(0, 1)
     return out
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+          scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """SDPA of [B, H, Q, D] queries over [B, H, L, D] keys and values (boolean `mask`
+    broadcastable to [B, H, Q, L]); with `sinks` (broadcastable to [B, H, Q]) transformers' eager
+    gpt-oss arithmetic instead, which SDPA has no input for: the sink logit joins each row's
+    scores, the row's maximum is subtracted, the softmax is taken and the sink's share dropped."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, Q, L]
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    logits = torch.cat((scores, sinks.to(scores.dtype)[..., None].expand(*scores.shape[:-1], 1)), dim=-1)
+    logits = logits - logits.amax(dim=-1, keepdim=True)
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 SHORT_QUERY = 32
@@ -169,7 +190,7 @@ def _per_head(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def _short_batch(q: torch.Tensor, gather: _Gather, block_tables: torch.Tensor,
                  seq_lens: Sequence[int], scale: float,
-                 sliding_window: int | None) -> torch.Tensor:
+                 sliding_window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A few new tokens per sequence (q: [B, Q, H, D], right-aligned: row j of sequence i is at
     position seq_lens[i] - Q + j; rows before a sequence's own queries are padding whose output
     is dropped): every sequence in one attention call, keys gathered into [B, L_max] and masked
@@ -198,8 +219,10 @@ def _short_batch(q: torch.Tensor, gather: _Gather, block_tables: torch.Tensor,
             part.zero_()
     qg = q.view(batch, num_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # [B, H_kv, G, Q, D]
     mask = visible[:, None, None].expand(batch, 1, group, num_q, visible.shape[-1])
-    o = F.scaled_dot_product_attention(qg.reshape(batch, num_kv_heads, group * num_q, head_dim),
-                                       k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=mask.reshape(batch, 1, group * num_q, -1), scale=scale)
+    if sinks is not None:  # query head h = kv_head * group + g, rows ordered (g, q)
+        sinks = sinks.view(num_kv_heads, group, 1).expand(num_kv_heads, group, num_q).reshape(
+            1, num_kv_heads, group * num_q)
+    o = _sdpa(qg.reshape(batch, num_kv_heads, group * num_q, head_dim), k.transpose(1, 2), v.transpose(1, 2),
+              mask.reshape(batch, 1, group * num_q, -1), False, scale, sinks)
     return o.view(batch, num_kv_heads, group, num_q, head_dim).permute(0, 3, 1, 2, 4).reshape(
         batch, num_q, num_heads, head_dim)

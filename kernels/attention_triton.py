@@ -109,13 +109,13 @@ def _attend(q, k, v, visible, m_i, l_i, acc, qk_scale,
 @triton.jit
 def _prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-        k_scale_ptr, v_scale_ptr, qk_scale, window,
+        k_scale_ptr, v_scale_ptr, sinks_ptr, qk_scale, window,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         stride_block, stride_slot, stride_head,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr, KV_FP8: tl.constexpr):
+        UPCAST: tl.constexpr, KV_FP8: tl.constexpr, SINKS: tl.constexpr):
     # rows of a tile: BLOCK_Q = BLOCK_M // GROUP query tokens x the GROUP heads of one KV head
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -151,6 +151,9 @@ def _prefill_kernel(
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SINKS:  # the sink as a first key with no value: its exp2 is 1 at the running maximum
+        m_i = tl.load(sinks_ptr + head, mask=row_mask, other=-1.0e30)
+        l_i = tl.where(row_mask, 1.0, 0.0)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for start in range(lo, hi, BLOCK_N):
@@ -178,14 +181,14 @@ def _prefill_kernel(
 def _decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
         counter_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-        k_scale_ptr, v_scale_ptr, qk_scale, window, num_splits,
+        k_scale_ptr, v_scale_ptr, sinks_ptr, qk_scale, window, num_splits,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         stride_block, stride_slot, stride_head,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
         SLIDING: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr, SPLITS_P: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, QUERY_LEN: tl.constexpr,
-        KV_FP8: tl.constexpr):
+        KV_FP8: tl.constexpr, SINKS: tl.constexpr):
     # rows of a tile: QUERY_LEN new tokens x the GROUP heads of one KV head
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -219,6 +222,10 @@ def _decode_kernel(
 
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    if SINKS:  # the sink as a first key with no value, in the first split only
+        if split == 0:
+            m_i = tl.load(sinks_ptr + head, mask=g_mask, other=-1.0e30)
+            l_i = tl.where(g_mask, 1.0, 0.0)
     acc = tl.zeros([BLOCK_G, HEAD_DIM_P], dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for start in range(split_lo, split_hi, BLOCK_N):
@@ -309,7 +316,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                     scale: float, sliding_window: int | None = None,
-                    uniform_query_len: bool = False, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    uniform_query_len: bool = False, kv_scale: torch.Tensor | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """See `hibana_kernels.attention.paged_attention`. Decode batches (max_query_len == 1, or
     every sequence with max_query_len <= 32 new tokens: `uniform_query_len`) take the decode
     kernel, split along the sequence when the batch alone would not fill the device."""
@@ -321,7 +329,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_splits = _num_splits(q.device, num_seqs * num_kv_heads, max_seq_len)
     return paged_attention_launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                   max_query_len, scale, sliding_window, num_splits, decode=decode,
-                                  kv_scale=kv_scale)
+                                  kv_scale=kv_scale, sinks=sinks)
 
 
 def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -330,7 +338,8 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            sliding_window: int | None, num_splits: int,
                            tiles: tuple[int, ...] | None = None, decode: bool | None = None,
                            merge: bool | None = None,
-                           kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           kv_scale: torch.Tensor | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The launches behind `paged_attention`, with the decode split count chosen by the caller
     (tests use it to cover split and unsplit decode on the same shapes). `tiles`, for the tuning
     script: (BLOCK_N, num_warps, num_stages) for decode, (BLOCK_M, BLOCK_N, num_warps,
@@ -338,7 +347,8 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     the decode kernel takes them (default: when max_query_len == 1). `merge`: split decode
     merges in the same launch (default: as the fusion policy says) where a program's query rows
     are few enough (MERGE_MAX_ROWS) for its last split to merge them in turn. `kv_scale`: an
-    fp8 cache's."""
+    fp8 cache's. `sinks`: per-head sink logits [H], which the kernels start each row's online
+    softmax from (in the log2 domain, as the scores)."""
     check_kv_scale(k_cache, kv_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -352,6 +362,7 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kv_fp8 = kv_scale is not None
     common = dict(
         k_scale_ptr=kv_scale[0] if kv_fp8 else q, v_scale_ptr=kv_scale[1] if kv_fp8 else q,
+        sinks_ptr=q if sinks is None else (sinks.float() * LOG2E).contiguous(), SINKS=sinks is not None,
         qk_scale=scale * LOG2E, window=sliding_window or 0, KV_FP8=kv_fp8,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0),
         stride_oh=out.stride(1), stride_bt=block_tables.stride(0),

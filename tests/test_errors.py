@@ -16,7 +16,7 @@ from hibana_core import (CheckpointError, ConfigError, ContextLengthError, Hiban
 from tiny_models import (VOCAB_SIZE, assert_greedy_matches, hf_greedy, make_tiny_checkpoint,
                          open_engine, random_tokens)
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma3_text", "phi3", "qwen3_moe")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma3_text", "phi3", "qwen3_moe", "gpt_oss")
 ARCH = "llama"
 
 pytestmark = pytest.mark.timeout(300)

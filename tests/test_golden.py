@@ -145,7 +145,7 @@ SMALL_POOL = 12  # blocks of 16; each agent's history takes 5-6 blocks, then up 
 
 @pytest.mark.parametrize("prefix_caching, host_kv_bytes", [(True, 0), (False, 0), (True, None)],
                          ids=["prefix-caching", "no-prefix-caching", "host-tier"])
-@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3", "gpt_oss"])
 def test_golden_chunked_prefill_and_preemption(arch, prefix_caching, host_kv_bytes, tiny_checkpoints, make_engine):
     """4 agents released together, two turns each with prompts several chunks long, on a pool far
     too small for all of them: prefills run in chunks of CHUNK tokens, agents give their KV back

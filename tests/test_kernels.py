@@ -120,8 +120,9 @@ def make_paged_batch(lens, num_heads, num_kv_heads, dtype, device, seed, head_di
     return batch, dense_k, dense_v
 
 
-def naive_attention(q, dense_k, dense_v, lens, scale, window):
-    """Per query row, softmax over the visible keys of its sequence, in float64."""
+def naive_attention(q, dense_k, dense_v, lens, scale, window, sinks=None):
+    """Per query row, softmax over the visible keys of its sequence, in float64; `sinks` [H]:
+    one more logit per head in each row's softmax, whose share is dropped."""
     out = torch.empty(q.shape, dtype=torch.float64)
     row = 0
     group = q.shape[1] // dense_k[0].shape[1]
@@ -133,7 +134,9 @@ def naive_attention(q, dense_k, dense_v, lens, scale, window):
             visible = (j <= p) & ((p - j < window) if window else True)
             s = torch.einsum("hd,lhd->hl", q[row].double(), k) * scale
             s = s.masked_fill(~visible, float("-inf"))
-            out[row] = torch.einsum("hl,lhd->hd", s.softmax(-1), v)
+            if sinks is not None:
+                s = torch.cat((s, sinks.double()[:, None]), dim=-1)
+            out[row] = torch.einsum("hl,lhd->hd", s.softmax(-1)[:, :seq_len], v)
             row += 1
     return out
 
@@ -157,6 +160,24 @@ def test_reference_attention_matches_dense(group, window, lens):
         batch["q"], batch["k_cache"], batch["v_cache"], batch["block_tables"],
         batch["seq_lens"].tolist(), batch["query_start_loc"].tolist(), scale, window)
     torch.testing.assert_close(host, out, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("window", [None, WINDOW])
+@pytest.mark.parametrize("lens", [DECODE_BATCH, MIXED_BATCH, VERIFY_BATCH, MIXED_SHORT_BATCH],
+                         ids=["decode", "mixed", "verify", "mixed_short"])
+def test_reference_attention_sinks_join_the_softmax_denominator(group, window, lens):
+    """gpt-oss's sinks: a per-head logit in every row's softmax, with no value; large sinks take
+    most of the weight, so the outputs differ from attention without them."""
+    batch, dense_k, dense_v = make_paged_batch(lens, group * NUM_KV_HEADS, NUM_KV_HEADS,
+                                               torch.float32, "cpu", seed=11 + group)
+    scale = HEAD_DIM ** -0.5
+    sinks = torch.linspace(-2.0, 3.0, group * NUM_KV_HEADS)
+    expected = naive_attention(batch["q"], dense_k, dense_v, lens, scale, window, sinks)
+    out = attention.paged_attention(**batch, scale=scale, sliding_window=window, sinks=sinks)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    plain = attention.paged_attention(**batch, scale=scale, sliding_window=window)
+    assert (out - plain).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -309,15 +330,17 @@ def _triton_module(name):
 
 
 def check_paged_attention(device, group, window, lens, dtype, num_splits, head_dim=HEAD_DIM,
-                          bounds_slack=0, merge=None, kv_fp8=False):
+                          bounds_slack=0, merge=None, kv_fp8=False, sinks=False):
     """bounds_slack: pass max_query_len and max_seq_len overstated by this much (CUDA graphs).
     merge: split decode merges in its own launch (True; a verify step of more rows than one
     program merges still takes `_reduce_splits_kernel`) or in that second launch (False). A
     launch merging in-kernel runs twice, as graph replays do: the counters it left must be zero.
-    kv_fp8: an fp8 cache with its scales."""
+    kv_fp8: an fp8 cache with its scales. sinks: per-head attention sinks (gpt-oss)."""
     triton_attention = _triton_module("attention")
     batch, _, _ = make_paged_batch(lens, group * NUM_KV_HEADS, NUM_KV_HEADS, dtype, device,
                                    seed=7 * group + len(lens), head_dim=head_dim, kv_fp8=kv_fp8)
+    if sinks:
+        batch["sinks"] = torch.linspace(-2.0, 3.0, group * NUM_KV_HEADS).to(dtype).to(device)
     scale = head_dim ** -0.5
     expected = attention.paged_attention(**batch, scale=scale, sliding_window=window)
     if bounds_slack and batch["max_query_len"] > 1:
@@ -331,7 +354,8 @@ def check_paged_attention(device, group, window, lens, dtype, num_splits, head_d
         args = (batch["q"], batch["k_cache"], batch["v_cache"], batch["block_tables"],
                 batch["seq_lens"], batch["query_start_loc"], batch["max_query_len"], scale, window,
                 num_splits)
-        kwargs = dict(decode=uniform or None, merge=merge, kv_scale=batch.get("kv_scale"))
+        kwargs = dict(decode=uniform or None, merge=merge, kv_scale=batch.get("kv_scale"),
+                      sinks=batch.get("sinks"))
         out = triton_attention.paged_attention_launch(*args, **kwargs)
         if merge:
             again = triton_attention.paged_attention_launch(*args, **kwargs)
@@ -719,6 +743,18 @@ def test_paged_attention_odd_shapes(run_check, group, head_dim):
 def test_paged_attention_with_overstated_bounds(run_check, lens):
     run_check(check_paged_attention, group=2, window=None, lens=lens, dtype=torch.float32,
               num_splits=None, bounds_slack=4000)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group, window", [(1, None), (4, WINDOW), (8, None)])
+@pytest.mark.parametrize("lens, num_splits, merge",
+                         [(MIXED_BATCH, None, None), (DECODE_BATCH, None, None), (DECODE_BATCH, 3, True),
+                          (DECODE_BATCH, 3, False), (VERIFY_BATCH, None, None)],
+                         ids=["mixed", "decode", "decode-3splits", "decode-3splits-separate-merge", "verify"])
+def test_paged_attention_sinks(run_check, dtype, group, window, lens, num_splits, merge):
+    """Sinks start the first split's online softmax (and no other split's)."""
+    run_check(check_paged_attention, group=group, window=window, lens=lens, dtype=dtype,
+              num_splits=num_splits, merge=merge, sinks=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)

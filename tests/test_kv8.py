@@ -39,28 +39,42 @@ def scales_of(engine) -> list[torch.Tensor]:
 _SCALES: dict[str, list[torch.Tensor]] = {}
 
 
-def _fp8_round_trip_sdpa(module, query, key, value, attention_mask, **kwargs):
-    """transformers' sdpa attention over keys and values replaced by their fp8 round trip
-    (key, value: [1, H_kv, T, D], rotary applied; the whole cache each step: idempotent)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+EAGER_ATTENTION = ("gpt_oss",)
+"""Families whose attention sdpa cannot compute (gpt-oss's sinks): their own eager attention."""
 
-    scale = _SCALES["now"][module.layer_idx]
 
-    def round_trip(x, s):
-        x = x[0].transpose(0, 1)  # [T, H_kv, D]
-        return attention.dequantize_kv(attention.quantize_kv(x, s), s, x.dtype).transpose(0, 1)[None]
+def _fp8_round_trip(attend):
+    """transformers' `attend` over keys and values replaced by their fp8 round trip (key, value:
+    [1, H_kv, T, D], rotary applied; the whole cache each step: idempotent)."""
 
-    return sdpa_attention_forward(module, query, round_trip(key, scale[0]), round_trip(value, scale[1]),
-                                  attention_mask, **kwargs)
+    def forward(module, query, key, value, attention_mask, **kwargs):
+        scale = _SCALES["now"][module.layer_idx]
+
+        def round_trip(x, s):
+            x = x[0].transpose(0, 1)  # [T, H_kv, D]
+            return attention.dequantize_kv(attention.quantize_kv(x, s), s, x.dtype).transpose(0, 1)[None]
+
+        return attend(module, query, round_trip(key, scale[0]), round_trip(value, scale[1]), attention_mask, **kwargs)
+
+    return forward
+
+
+def _own_eager_attention(module, *args, **kwargs):
+    import importlib
+
+    return importlib.import_module(type(module).__module__).eager_attention_forward(module, *args, **kwargs)
 
 
 def hf_fp8_kv_greedy(path, scales, prompt, n) -> list[int]:
-    from transformers import AttentionInterface, AutoModelForCausalLM
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-    AttentionInterface.register("hibana_fp8_kv", _fp8_round_trip_sdpa)
-    AttentionMaskInterface.register("hibana_fp8_kv", sdpa_mask)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="hibana_fp8_kv")
+    eager = AutoConfig.from_pretrained(path).model_type in EAGER_ATTENTION
+    name = "hibana_fp8_kv_eager" if eager else "hibana_fp8_kv"
+    AttentionInterface.register(name, _fp8_round_trip(_own_eager_attention if eager else sdpa_attention_forward))
+    AttentionMaskInterface.register(name, eager_mask if eager else sdpa_mask)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=name)
     model.generation_config = _no_stop_config(1)
     _SCALES["now"] = [s.cpu() for s in scales]
     ids = torch.tensor([prompt])

@@ -31,7 +31,7 @@ INSTALLED_AS = {
 
 # What hibana_core must never import: concrete plugins, frameworks, the benchmark harness.
 CORE_FORBIDDEN = (
-    "hibana_plugins.tool_parsers", "hibana_plugins.langchain", "hibana_plugins.llamaindex",
+    "hibana_plugins.tool_parsers", "hibana_plugins.harmony", "hibana_plugins.langchain", "hibana_plugins.llamaindex",
     "hibana_plugins.server", "hibana_plugins.openai_api", "fastapi", "uvicorn", "hibana_bench", "bench",
     "langchain", "langchain_core",
     "langgraph", "llama_index",

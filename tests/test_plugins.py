@@ -33,7 +33,7 @@ from hibana_plugins.tool_parsers import (
     ToolCallDelta,
 )
 
-BUILTIN_FAMILIES = {"llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma3_text", "phi3", "qwen3_moe"}
+BUILTIN_FAMILIES = {"llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma3_text", "phi3", "qwen3_moe", "gpt_oss"}
 
 
 @pytest.fixture(autouse=True)

@@ -19,6 +19,12 @@ One checkpoint per supported family, each switching on the features its family b
                                (mlp_only_layers); routing ties: experts 2j and 2j + 1 (j < 4)
                                share their router row in every layer, so their logits tie exactly
                                and torch.topk's tie order picks between them, in HF as here
+    gpt_oss   3      16        sliding (window 20), full, sliding; top-4 of 8 experts (intermediate
+                               32) by raw logit, router rows and biases tied in pairs as qwen3_moe's;
+                               clamped SwiGLU with limit 2 (gpt-oss's 7 would rarely clamp here),
+                               expert biases, attention biases and sinks; YaRN (gpt-oss's: factor
+                               32 over 4096, so of the 8 frequencies some are kept, some blended
+                               and some divided)
 
 All share vocab 512, hidden 64, 4 query heads over 2 KV heads (GQA), intermediate 128,
 max_position_embeddings 1024, float32. Weights use initializer_range 0.2 (HF's default 0.02 gives
@@ -41,7 +47,7 @@ from typing import Sequence
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "qwen3_moe")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "qwen3_moe", "gpt_oss")
 VOCAB_SIZE = 512
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -122,10 +128,24 @@ ARCH_CONFIGS: dict[str, dict] = {
         mlp_only_layers=[1],
         rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
     ),
+    "gpt_oss": dict(
+        num_hidden_layers=3,
+        head_dim=16,
+        intermediate_size=32,  # of each expert: a multiple of 32, as MXFP4 blocks need
+        num_local_experts=8,
+        num_experts_per_tok=4,
+        sliding_window=20,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        swiglu_limit=2.0,
+        max_position_embeddings=131072,  # gpt-oss's: YaRN's factor 32 is this over 4096
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
+                             beta_slow=1.0, truncate=False, original_max_position_embeddings=4096),
+    ),
 }
 
 TIED_EXPERT_PAIRS = 4
-"""qwen3_moe: experts 2j and 2j + 1, j < TIED_EXPERT_PAIRS, share their router row."""
+"""MoE families: experts 2j and 2j + 1, j < TIED_EXPERT_PAIRS, share their router row (and bias)."""
+_ROUTER_TENSORS = ("mlp.gate.weight", "mlp.router.weight", "mlp.router.bias")
 
 _WORDS = {
     "subject": ["the agent", "a user", "the model", "our tool", "the planner", "my friend",
@@ -187,11 +207,11 @@ def make_tokenizer():
 
 
 def make_config(arch: str, **config_overrides):
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
-                              Qwen3MoeConfig)
+    from transformers import (Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config, Qwen3MoeConfig)
 
     kinds = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
-             "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "qwen3_moe": Qwen3MoeConfig}
+             "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig}
     if arch not in kinds:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHS)}")
     return kinds[arch](**{**_COMMON, **ARCH_CONFIGS[arch], **config_overrides})
@@ -220,9 +240,9 @@ def _save_seeded(config, path: Path, seed: int, shard_size: str | None = None, t
         for name, p in model.named_parameters():
             if "norm" in name:  # HF inits RMSNorm weights to ones (Gemma's to zeros)
                 p.add_(0.2 * torch.randn(p.shape, generator=gen))
-            elif name.endswith(".bias"):  # and biases to zeros
+            elif name.endswith("bias"):  # and biases (gpt-oss's experts' *_bias too) to zeros
                 p.add_(0.5 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("mlp.gate.weight") and tied_experts:  # a MoE router: tie pairs of experts
+            if name.endswith(_ROUTER_TENSORS) and tied_experts:  # a MoE router: tie pairs of experts
                 p[1:2 * TIED_EXPERT_PAIRS:2] = p[0:2 * TIED_EXPERT_PAIRS:2]
     model.generation_config = GenerationConfig(bos_token_id=EOS_ID, eos_token_id=EOS_ID, do_sample=False)
     if shard_size is None:
@@ -246,6 +266,47 @@ def make_tiny_gemma3_multimodal(path, seed: int = SEED) -> Path:
                           eoi_token_index=VOCAB_SIZE - 2, image_token_index=VOCAB_SIZE - 1,
                           tie_word_embeddings=False)
     return _save_seeded(config, Path(path), seed)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., K] float -> MXFP4 (blocks uint8 [..., K // 32, 16], e8m0 scales uint8 [..., K // 32]):
+    each block's scale the power of two that puts its largest magnitude in [4, 8), each value
+    rounded to the nearest e2m1 code; the even index in the low nibble."""
+    from hibana_kernels.moe import E2M1_VALUES, MXFP4_BLOCK
+
+    groups = w.float().unflatten(-1, (-1, MXFP4_BLOCK))
+    exponent = torch.floor(torch.log2(groups.abs().amax(-1).clamp(min=2.0 ** -126))) - 2
+    x = groups / torch.exp2(exponent)[..., None]
+    magnitude = (x.abs()[..., None] - torch.tensor(E2M1_VALUES[:8])).abs().argmin(-1)
+    codes = (magnitude | ((x < 0).long() << 3)).unflatten(-1, (MXFP4_BLOCK // 2, 2))
+    return (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8), (exponent + 127).to(torch.uint8)
+
+
+def make_mxfp4_checkpoint(source, path) -> Path:
+    """`source` (a float gpt_oss checkpoint) with its experts in MXFP4, as the released
+    checkpoints hold them: gate_up_proj_blocks [E, 2I, H // 32, 16] (rows interleaved gate, up),
+    down_proj_blocks [E, H, I // 32, 16], their scales, and quantization_config mxfp4."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source, path = Path(source), Path(path)
+    shutil.copytree(source, path)
+    tensors = {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, in, out] there
+            tensors[name + "_blocks"], tensors[name + "_scales"] = quantize_mxfp4(tensor.transpose(1, 2))
+        else:
+            tensors[name] = tensor
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+        "dequantize": True}  # transformers' load option (on CPU it dequantizes anyway, but asks for
+    # accelerate unless told); Hibana reads the blocks and scales all the same
+    (path / "config.json").write_text(json.dumps(config))
+    return path
 
 
 @functools.lru_cache(maxsize=None)

@@ -23,7 +23,7 @@ from hibana_core.errors import UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.models.moe import Experts, MoEArgs, SparseMoE
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -45,6 +45,8 @@ class Rope:
         scaling = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items() if k != "rope_theta"}
         if rope_type == "longrope":
             scaling.update(_longrope_settings(params, config))
+        if rope_type == "yarn":
+            scaling.update(_yarn_settings(params, config))
         return cls(theta=float(params.get("rope_theta", 10000.0)),
                    dim=int(head_dim * params.get("partial_rotary_factor", 1.0)),
                    scaling=tuple(sorted(scaling.items())))
@@ -55,8 +57,8 @@ class Rope:
         return scaling.get("rope_type", scaling.get("type", "default"))
 
     def inv_freq(self, ext_factors: tuple[float, ...] | None = None) -> torch.Tensor:
-        """Inverse frequencies as transformers computes them (float32), with llama3 / linear
-        scaling, or divided by LongRoPE's `ext_factors`."""
+        """Inverse frequencies as transformers computes them (float32), with llama3 / linear /
+        YaRN scaling, or divided by LongRoPE's `ext_factors`."""
         exponents = torch.arange(0, self.dim, 2, dtype=torch.int64).float() / self.dim
         if ext_factors is not None:
             return 1.0 / (torch.tensor(ext_factors, dtype=torch.float32) * self.theta ** exponents)
@@ -75,6 +77,8 @@ class Rope:
             smoothed = (1 - smooth) * scaled / factor + smooth * scaled
             is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
             return torch.where(is_medium, smoothed, scaled)
+        if self.rope_type == "yarn":
+            return _yarn_inv_freq(self.theta ** exponents, self.dim, self.theta, scaling)
         return inv_freq
 
     def angles(self, max_positions: int) -> torch.Tensor:
@@ -96,7 +100,7 @@ class Rope:
 
     @property
     def attention_factor(self) -> float:
-        """What cos and sin are multiplied by (LongRoPE's attention scaling; 1 otherwise)."""
+        """What cos and sin are multiplied by (LongRoPE's and YaRN's attention scaling; 1 otherwise)."""
         return float(dict(self.scaling).get("attention_factor", 1.0))
 
 
@@ -108,6 +112,47 @@ def _longrope_settings(params: dict[str, Any], config: Any) -> dict[str, Any]:
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return {"original_max_position_embeddings": int(original), "attention_factor": float(attention_factor)}
+
+
+def _yarn_settings(params: dict[str, Any], config: Any) -> dict[str, Any]:
+    """YaRN's parameters, defaulted as transformers' _compute_yarn_parameters does: the factor
+    from the context lengths, the attention factor from the factor (or DeepSeek's mscale pair),
+    beta_fast 32, beta_slow 1, truncation on (read from the config's own rope_parameters)."""
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or config.max_position_embeddings / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+    truncate = (getattr(config, "rope_parameters", None) or params).get("truncate", True)
+    return {"factor": factor, "attention_factor": float(attention_factor), "truncate": bool(truncate),
+            "beta_fast": params.get("beta_fast") or 32, "beta_slow": params.get("beta_slow") or 1,
+            "original_max_position_embeddings": original}
+
+
+def _yarn_inv_freq(pos_freqs: torch.Tensor, dim: int, base: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN's blend of extrapolated (unscaled) and interpolated (divided by factor) inverse
+    frequencies, ramped linearly between the dims that rotate beta_fast and beta_slow times over
+    the original context; transformers' arithmetic step by step. `pos_freqs`: theta ** (2i / dim)."""
+    original = scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling["beta_fast"]), correction_dim(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    return (1.0 / (scaling["factor"] * pos_freqs) * (1 - extrapolation_factor)
+            + 1.0 / pos_freqs * extrapolation_factor)
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -164,6 +209,7 @@ class DecoderArgs:
     checkpoint_prefixes: tuple[tuple[str, str], ...] = ()  # (checkpoint name prefix, ours), e.g. a
     # multimodal checkpoint's language model
     moe: MoEArgs | None = None  # sparse blocks in place of the MLP, in the layers it names
+    attention_sinks: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
 
     def __post_init__(self) -> None:
         if self.activation not in ACTIVATIONS:
@@ -319,6 +365,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(args.num_heads * d, h, bias=args.o_bias)
         self.q_norm = make_norm(args, d) if args.qk_norm else None
         self.k_norm = make_norm(args, d) if args.qk_norm else None
+        self.sinks = nn.Parameter(torch.empty(args.num_heads)) if args.attention_sinks else None
         self.register_buffer("kv_scale", None)
 
     def set_kv_scales(self, kv_scale: torch.Tensor) -> None:
@@ -341,7 +388,8 @@ class Attention(nn.Module):
         q = self._prologue(positions, q, k, v, k_cache, v_cache, batch.slot_mapping)
         o = kernels.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
                                     batch.query_start_loc, batch.max_query_len, batch.max_seq_len,
-                                    self.scale, self.sliding_window, batch.uniform_query_len, self.kv_scale)
+                                    self.scale, self.sliding_window, batch.uniform_query_len, self.kv_scale,
+                                    self.sinks)
         return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim)), residual
 
     def _prologue(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -469,7 +517,7 @@ class DecoderForCausalLM(nn.Module):
         and, where lm_head has its own weight, the other tokens' embedding rows."""
         tensors = {t.data_ptr(): t for t in (*self.parameters(), *self.buffers())}  # tied ones once
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        total -= sum(m.unread_bytes_per_token() for m in self.modules() if isinstance(m, SparseMoE))
+        total -= sum(m.unread_bytes_per_token() for m in self.modules() if hasattr(m, "unread_bytes_per_token"))
         embed = self.model.embed_tokens.weight
         if not self.args.tie_word_embeddings:
             total -= (embed.shape[0] - 1) * embed.shape[1] * embed.element_size()
