@@ -113,10 +113,15 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
-def _made(folder) -> str:
-    """`folder`, created if missing."""
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    return str(folder)
+def _spill_folder(state_dir) -> Path:
+    """This engine's own folder for spilled KV under `state_dir` (engines may share a state_dir);
+    a ConfigError where it cannot be made."""
+    try:
+        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix="spill-", dir=state_dir))
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(f"state_dir {str(state_dir)!r} cannot be written ({exc}); give a folder this "
+                          "process may write") from None
 
 
 class Engine:
@@ -192,9 +197,7 @@ class Engine:
         if host_bytes is None:  # on unified memory a budget is one pool: parking would only copy
             one_pool = self.memory_budget is not None and self.device_memory.unified
             host_bytes = 0 if one_pool else default_host_budget()
-        spill_dir = None
-        if config.cache.state_dir is not None:  # this engine's own folder: engines may share a state_dir
-            spill_dir = Path(tempfile.mkdtemp(prefix="spill-", dir=_made(config.cache.state_dir)))
+        spill_dir = _spill_folder(config.cache.state_dir) if config.cache.state_dir is not None else None
         self.host_tier = HostTier(self.kv_cache, self.pool, host_bytes, spill_dir) if host_bytes or spill_dir else None
         """Idle states' KV parked in host memory, and on disk past it with a state_dir, under
         device pressure (kv/tiers.py); None: off (evicted KV is dropped and recomputed)."""

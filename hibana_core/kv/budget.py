@@ -13,10 +13,12 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from hibana_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -75,9 +77,11 @@ class DeviceMemory:
         return int(budget * (self.total - self.headroom))
 
 
-def device_memory(device: torch.device) -> DeviceMemory:
+def device_memory(device: "torch.device") -> DeviceMemory:
     """Total and free memory of the device the engine runs on, and whether it is unified memory
     (an integrated GPU reports it, Apple's GPU always is, the CPU is by definition)."""
+    import torch  # here: configs are built where torch is not imported (the adapters' start)
+
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         integrated = bool(getattr(torch.cuda.get_device_properties(device), "is_integrated", False))
