@@ -85,6 +85,24 @@ def test_parallel_calls_match_in_any_order():
     assert not evaluate.calls_match_any_order(calls[:1], task.turns[0])
 
 
+def test_an_optional_argument_at_its_default_is_the_same_call():
+    tasks = heldout_v2.tasks()
+    plain = next(t for t in tasks if t.question.startswith("Find me a flight from LIS to AMS"))
+    business = next(t for t in tasks if t.question.startswith("Cheapest business class seat"))
+    call, asked = plain.turns[0][0], business.turns[0][0]
+    assert "cabin" not in call.arguments and asked.arguments["cabin"] == "business"
+    match = lambda args, e: evaluate.calls_match([(e.tool.name, args)], (e,))
+    assert match({**call.arguments, "cabin": "economy", "nonstop_only": False}, call)
+    assert not match({**call.arguments, "cabin": "business"}, call)
+    assert not match({k: v for k, v in asked.arguments.items() if k != "cabin"}, asked)
+    assert not match({**call.arguments, "seat": "aisle"}, call)
+    parcels = next(t for t in tasks if t.question.startswith("Track parcels AB123 and CD456"))
+    first, second = parcels.turns[0]
+    calls = [(second.tool.name, {**second.arguments, "carrier": "ups"}), (first.tool.name, first.arguments)]
+    assert evaluate.calls_match_any_order(calls, parcels.turns[0])
+    assert not evaluate.calls_match_any_order(calls + calls[:1], parcels.turns[0])
+
+
 def test_v2_corpus_smoke():
     """Natural tools, 1-8 a prompt, parallel calls and follow-ups, arguments that validate and
     values the question states; seeded; the template renders every conversation."""

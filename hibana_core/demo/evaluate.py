@@ -5,7 +5,8 @@ solved in a real tool loop: the model's calls run the Python tools, their result
 the model answers (at most 4 assistant turns). Two measures:
 
     tool_call_ok   the first assistant turn is a parseable tool call with the right tool(s) and
-                   the right arguments
+                   the right arguments (an optional argument given its default value counts as
+                   left out: the call is the same)
     answer_ok      the final answer contains every key value of the tool results (for a question
                    that needs no tool: the model answered without calling any)
 
@@ -75,17 +76,27 @@ def _same(a, b) -> bool:
     return a == b
 
 
+def same_call(call: tuple[str, dict], expected) -> bool:
+    """Whether `call` is the expected call. An optional argument given its default value is the
+    same call as one that leaves it out (a tool without `defaults` has none)."""
+    name, args = call
+    defaults = getattr(expected.tool, "defaults", {})
+    got, want = defaults | args, defaults | expected.arguments
+    return name == expected.tool.name and got.keys() == want.keys() and all(_same(got[k], want[k]) for k in got)
+
+
 def calls_match(calls: list[tuple[str, dict]], expected) -> bool:
-    return len(calls) == len(expected) and all(
-        name == e.tool.name and args.keys() == e.arguments.keys()
-        and all(_same(args[k], e.arguments[k]) for k in args) for (name, args), e in zip(calls, expected))
+    return len(calls) == len(expected) and all(same_call(c, e) for c, e in zip(calls, expected))
 
 
 def calls_match_any_order(calls: list[tuple[str, dict]], expected) -> bool:
-    key = lambda name, args: (name, json.dumps(args, sort_keys=True, default=str))
-    got = sorted(calls, key=lambda c: key(*c))
-    want = sorted(expected, key=lambda e: key(e.tool.name, e.arguments))
-    return calls_match(got, want)
+    left = list(calls)
+    for e in expected:
+        hit = next((i for i, c in enumerate(left) if same_call(c, e)), None)
+        if hit is None:
+            return False
+        del left[hit]
+    return not left
 
 
 def run_tool(tools: list[Tool], name: str, arguments: dict) -> str:
