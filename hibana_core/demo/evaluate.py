@@ -16,6 +16,9 @@ or customer tasks, some values are non-ASCII and some schemas take LangChain's s
 `--set v2` poses the independent held-out set of heldout_v2.py instead (issue 15: other domains,
 other phrasing, written before v2 was trained); parallel calls may come in any order there.
 
+`--set perturbed` runs perturb.py's gauge: corpus v2 first calls with unseen values, tool names or
+argument names (`--tasks` of them, each posed four ways).
+
 `--grammar off` evaluates without the tool-call grammar: the chat layer generates with
 `parse_tools=False` (no grammar, the tools still in the prompt) and the hermes parser reads the
 text afterwards, as `TransformersBackend` does. `on` (the default) is what users get.
@@ -299,8 +302,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--extended", action="store_true",
                    help="run 3's task set: call syntax, generic tools, non-ASCII values, LangChain-shaped schemas")
-    p.add_argument("--set", choices=("v1", "v2"), default="v1",
-                   help="v2: the independent held-out set of heldout_v2.py (--tasks, --seed, --extended unused)")
+    p.add_argument("--set", choices=("v1", "v2", "perturbed"), default="v1",
+                   help="v2: the independent held-out set of heldout_v2.py (--tasks, --seed, --extended unused); "
+                        "perturbed: perturb.py's gauge, --tasks corpus v2 first calls posed four ways")
     p.add_argument("--grammar", choices=("on", "off", "both"), default="on",
                    help="the tool-call grammar (off: parse_tools=False, the text parsed afterwards)")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
@@ -311,9 +315,15 @@ def main(argv=None) -> int:
     with Engine.from_pretrained(args.model, device=args.device, progress=False) as engine:
         for grammar in modes:
             backend = HibanaBackend(engine, args.concurrency, grammar=grammar)
+            print(f"grammar {'on' if grammar else 'off'}:", flush=True)
+            if args.set == "perturbed":
+                from hibana_core.demo import perturb
+
+                result = perturb.evaluate(backend, args.tasks)
+                print(json.dumps(result, indent=1) if args.json else perturb.summary(result), flush=True)
+                continue
             result = evaluate_v2(backend) if args.set == "v2" else evaluate(backend, args.tasks, args.seed,
                                                                             extended=args.extended)
-            print(f"grammar {'on' if grammar else 'off'}:", flush=True)
             print(json.dumps(result.as_dict(), indent=1) if args.json else result.summary(), flush=True)
     return 0
 
