@@ -10,7 +10,7 @@ import json
 
 import jsonschema
 
-from hibana_core.demo import corpus, corpus_v2, evaluate, heldout_v2, template, tools, tools_v2
+from hibana_core.demo import corpus, corpus_v2, evaluate, heldout_v2, perturb, template, tools, tools_v2
 
 
 def _training_tool_names(n: int = 400) -> set[str]:
@@ -83,6 +83,59 @@ def test_parallel_calls_match_in_any_order():
     calls = [(c.tool.name, c.arguments) for c in task.turns[0]]
     assert evaluate.calls_match_any_order(calls[::-1], task.turns[0])
     assert not evaluate.calls_match_any_order(calls[:1], task.turns[0])
+
+
+def test_an_optional_argument_at_its_default_is_the_same_call():
+    tasks = heldout_v2.tasks()
+    plain = next(t for t in tasks if t.question.startswith("Find me a flight from LIS to AMS"))
+    business = next(t for t in tasks if t.question.startswith("Cheapest business class seat"))
+    call, asked = plain.turns[0][0], business.turns[0][0]
+    assert "cabin" not in call.arguments and asked.arguments["cabin"] == "business"
+    match = lambda args, e: evaluate.calls_match([(e.tool.name, args)], (e,))
+    assert match({**call.arguments, "cabin": "economy", "nonstop_only": False}, call)
+    assert not match({**call.arguments, "cabin": "business"}, call)
+    assert not match({k: v for k, v in asked.arguments.items() if k != "cabin"}, asked)
+    assert not match({**call.arguments, "seat": "aisle"}, call)
+    parcels = next(t for t in tasks if t.question.startswith("Track parcels AB123 and CD456"))
+    first, second = parcels.turns[0]
+    calls = [(second.tool.name, {**second.arguments, "carrier": "ups"}), (first.tool.name, first.arguments)]
+    assert evaluate.calls_match_any_order(calls, parcels.turns[0])
+    assert not evaluate.calls_match_any_order(calls + calls[:1], parcels.turns[0])
+
+
+def test_perturbed_calls_change_one_thing_to_words_training_never_uses():
+    posed = perturb.cases(6)
+    by_kind = {kind: [c for c in posed if c.kind == kind] for kind in perturb.KINDS}
+    assert all(len(cs) == 6 for cs in by_kind.values())
+    unseen = perturb.UNSEEN_VALUES + perturb.UNSEEN_TOOL_NAMES + perturb.UNSEEN_ARG_NAMES
+    training = "\n".join(template.render(make(0, i).messages, make(0, i).tools)
+                         for i in range(400) for make in (corpus.conversation, corpus_v2.conversation))
+    assert not [w for w in unseen if w in training]
+    for base, values, renamed, args in zip(*by_kind.values()):
+        question = values.messages[-1]["content"]
+        assert values.arguments != base.arguments and values.name == base.name
+        assert all(v in question for v in values.arguments.values() if isinstance(v, str))
+        assert renamed.name in perturb.UNSEEN_TOOL_NAMES and renamed.arguments == base.arguments
+        names = lambda case: {t["function"]["name"] for t in case.tools}
+        assert names(renamed) - names(base) == {renamed.name}
+        assert list(args.arguments.values()) == list(base.arguments.values()) and set(args.arguments) <= set(
+            perturb.UNSEEN_ARG_NAMES)
+        for case in (base, values, renamed, args):
+            schema = next(t for t in case.tools if t["function"]["name"] == case.name)["function"]["parameters"]
+            jsonschema.validate(case.arguments, schema)
+
+
+def test_perturbed_scoring_counts_first_turns():
+    class Echo:
+        """Calls what each case expects, except a wrong value on renamed tools."""
+        def respond(self, batch):
+            expected = {f"perturb-{i}": c for i, c in enumerate(perturb.cases(3))}
+            return [evaluate.Reply("", [(c.name, c.arguments if c.kind != "tool_name" else
+                                         {k: f"{v}!" for k, v in c.arguments.items()})])
+                    for c in (expected[key] for key, _, _ in batch)]
+    result = perturb.evaluate(Echo(), 3)
+    assert result["original"] == result["values"] == result["arg_names"] == {"n": 3, "tool_ok": 3, "call_ok": 3}
+    assert result["tool_name"] == {"n": 3, "tool_ok": 3, "call_ok": 0}
 
 
 def test_v2_corpus_smoke():

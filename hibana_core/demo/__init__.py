@@ -12,5 +12,6 @@
     train.py     `python -m hibana_core.demo.train`: corpus, tokenizer, model -> demo/model/
     evaluate.py  held-out evaluation (unseen tool and argument names; --set v2: heldout_v2.py)
     heldout_v2.py the independent held-out set of issue 15: other domains, other phrasing
+    perturb.py   corpus v2 first calls with unseen values / tool names / argument names (--set perturbed)
     run.py       `hibana demo`: concurrent agents in real tool loops
 """

@@ -5,7 +5,8 @@ solved in a real tool loop: the model's calls run the Python tools, their result
 the model answers (at most 4 assistant turns). Two measures:
 
     tool_call_ok   the first assistant turn is a parseable tool call with the right tool(s) and
-                   the right arguments
+                   the right arguments (an optional argument given its default value counts as
+                   left out: the call is the same)
     answer_ok      the final answer contains every key value of the tool results (for a question
                    that needs no tool: the model answered without calling any)
 
@@ -14,6 +15,9 @@ with the corpus' side stream (run 3): 15% of the tasks become call-syntax, gener
 or customer tasks, some values are non-ASCII and some schemas take LangChain's shapes.
 `--set v2` poses the independent held-out set of heldout_v2.py instead (issue 15: other domains,
 other phrasing, written before v2 was trained); parallel calls may come in any order there.
+
+`--set perturbed` runs perturb.py's gauge: corpus v2 first calls with unseen values, tool names or
+argument names (`--tasks` of them, each posed four ways).
 
 `--grammar off` evaluates without the tool-call grammar: the chat layer generates with
 `parse_tools=False` (no grammar, the tools still in the prompt) and the hermes parser reads the
@@ -75,17 +79,27 @@ def _same(a, b) -> bool:
     return a == b
 
 
+def same_call(call: tuple[str, dict], expected) -> bool:
+    """Whether `call` is the expected call. An optional argument given its default value is the
+    same call as one that leaves it out (a tool without `defaults` has none)."""
+    name, args = call
+    defaults = getattr(expected.tool, "defaults", {})
+    got, want = defaults | args, defaults | expected.arguments
+    return name == expected.tool.name and got.keys() == want.keys() and all(_same(got[k], want[k]) for k in got)
+
+
 def calls_match(calls: list[tuple[str, dict]], expected) -> bool:
-    return len(calls) == len(expected) and all(
-        name == e.tool.name and args.keys() == e.arguments.keys()
-        and all(_same(args[k], e.arguments[k]) for k in args) for (name, args), e in zip(calls, expected))
+    return len(calls) == len(expected) and all(same_call(c, e) for c, e in zip(calls, expected))
 
 
 def calls_match_any_order(calls: list[tuple[str, dict]], expected) -> bool:
-    key = lambda name, args: (name, json.dumps(args, sort_keys=True, default=str))
-    got = sorted(calls, key=lambda c: key(*c))
-    want = sorted(expected, key=lambda e: key(e.tool.name, e.arguments))
-    return calls_match(got, want)
+    left = list(calls)
+    for e in expected:
+        hit = next((i for i, c in enumerate(left) if same_call(c, e)), None)
+        if hit is None:
+            return False
+        del left[hit]
+    return not left
 
 
 def run_tool(tools: list[Tool], name: str, arguments: dict) -> str:
@@ -288,8 +302,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--extended", action="store_true",
                    help="run 3's task set: call syntax, generic tools, non-ASCII values, LangChain-shaped schemas")
-    p.add_argument("--set", choices=("v1", "v2"), default="v1",
-                   help="v2: the independent held-out set of heldout_v2.py (--tasks, --seed, --extended unused)")
+    p.add_argument("--set", choices=("v1", "v2", "perturbed"), default="v1",
+                   help="v2: the independent held-out set of heldout_v2.py (--tasks, --seed, --extended unused); "
+                        "perturbed: perturb.py's gauge, --tasks corpus v2 first calls posed four ways")
     p.add_argument("--grammar", choices=("on", "off", "both"), default="on",
                    help="the tool-call grammar (off: parse_tools=False, the text parsed afterwards)")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
@@ -300,9 +315,15 @@ def main(argv=None) -> int:
     with Engine.from_pretrained(args.model, device=args.device, progress=False) as engine:
         for grammar in modes:
             backend = HibanaBackend(engine, args.concurrency, grammar=grammar)
+            print(f"grammar {'on' if grammar else 'off'}:", flush=True)
+            if args.set == "perturbed":
+                from hibana_core.demo import perturb
+
+                result = perturb.evaluate(backend, args.tasks)
+                print(json.dumps(result, indent=1) if args.json else perturb.summary(result), flush=True)
+                continue
             result = evaluate_v2(backend) if args.set == "v2" else evaluate(backend, args.tasks, args.seed,
                                                                             extended=args.extended)
-            print(f"grammar {'on' if grammar else 'off'}:", flush=True)
             print(json.dumps(result.as_dict(), indent=1) if args.json else result.summary(), flush=True)
     return 0
 

@@ -16,6 +16,7 @@ text, no call), "follow_up" (a second user turn after an earlier call and answer
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
 import zlib
@@ -46,6 +47,11 @@ class HeldOutTool:
     @property
     def name(self) -> str:
         return self.schema["function"]["name"]
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """What the optional arguments are when a call leaves them out (the function's defaults)."""
+        return {k: p.default for k, p in inspect.signature(self.fn).parameters.items() if p.default is not p.empty}
 
     def result(self, arguments: dict) -> dict:
         return self.fn(**arguments)

@@ -367,7 +367,7 @@ def main(argv=None) -> int:
     save_checkpoint(model, tok_dir, args.out)
     report.update(conversations=len(data), corpus_tokens=total, trained_tokens=trained)
     if args.eval_tasks:
-        from hibana_core.demo import evaluate
+        from hibana_core.demo import evaluate, perturb
 
         backend = evaluate.TransformersBackend(model, tok)
         for key, extended in (("eval", False), ("eval_extended", True)):
@@ -377,6 +377,9 @@ def main(argv=None) -> int:
         result = evaluate.evaluate_v2(backend)          # reported, never tuned on (no grammar here)
         print("independent held-out set (heldout_v2.py), no grammar: " + result.summary(), flush=True)
         report["eval_heldout_v2_no_grammar"] = result.as_dict()
+        gauge = perturb.evaluate(backend)               # unseen values / tool names / argument names
+        print("corpus v2 calls with unseen words (perturb.py), no grammar:\n" + perturb.summary(gauge), flush=True)
+        report["eval_perturbed_no_grammar"] = gauge
     (args.out / "training_report.json").write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
