@@ -430,15 +430,17 @@ class Engine:
             return
         self.core.close(EngineClosedError("the engine was closed while this request ran"))
         with self.core.lock:
-            if self.config.cache.state_dir is not None:
-                self.registry.persist_all()  # found again by id after a restart
-            self.registry.close_all()
-            self.scheduler.speculation.close()  # a draft model's weights and KV
-            if self.host_tier is not None:
-                self.host_tier.close()
-            # drop the big tensors now (weights, KV cache, CUDA graphs), not when the last handle
-            # is collected: an engine opened next sizes its KV pool from the memory free then
-            self.model = self.core.runner = self.kv_cache = self._ctx.kv_cache = self.registry.kv_cache = None
+            try:
+                if self.config.cache.state_dir is not None:
+                    self.registry.persist_all()  # found again by id after a restart
+            finally:  # whatever writing the states met, everything is freed
+                self.registry.close_all()
+                self.scheduler.speculation.close()  # a draft model's weights and KV
+                if self.host_tier is not None:
+                    self.host_tier.close()
+                # drop the big tensors now (weights, KV cache, CUDA graphs), not when the last handle
+                # is collected: an engine opened next sizes its KV pool from the memory free then
+                self.model = self.core.runner = self.kv_cache = self._ctx.kv_cache = self.registry.kv_cache = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the blocks it held go back to the device
 

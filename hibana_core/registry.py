@@ -135,7 +135,7 @@ class StateRegistry:
                 continue
             try:
                 self._write(entry.seq, state_id, self.persisted_path(state_id))
-            except HibanaError as exc:
+            except Exception as exc:  # noqa: BLE001 - one state's file (a spill file gone, a full disk) never stops the rest
                 logger.warning("state %r was not persisted: %s", state_id, exc)
 
     def _new_sequence(self) -> KVSequence:
@@ -371,7 +371,11 @@ class StateRegistry:
             seq = self._editable(handle).seq
             if new_id in self._entries:
                 raise StateExistsError(f"a state with id {new_id!r} is open; fork under another id")
-            return self._add(new_id, seq.fork())
+            twin = seq.fork()
+            tier = self.core.scheduler.eviction.tier
+            if seq.parked is not None and tier is not None:
+                tier.share(seq, twin)  # a parked copy of its own (a hard link on disk), or none
+            return self._add(new_id, twin)
 
     def save(self, handle: StateHandle, path: str | os.PathLike) -> None:
         with self.lock:
@@ -430,7 +434,7 @@ class StateRegistry:
                 return
             for request in [r for r in self.core.scheduler.requests() if r.seq is entry.seq]:
                 self.core.cancel(request)
-            entry.seq.release()
+            self._free(entry.seq)
             handle.closed = True
             del self._entries[handle.id]
             path = self.persisted_path(handle.id)
@@ -441,9 +445,17 @@ class StateRegistry:
     def close_all(self) -> None:
         with self.lock:
             for entry in self._entries.values():
-                entry.seq.release()
+                self._free(entry.seq)
                 entry.handle.closed = True
             self._entries.clear()
+
+    def _free(self, seq: KVSequence) -> None:
+        """A closed state's KV, on the device and parked: gone now, not when the last reference to
+        its sequence (a finished stream's, say) is collected."""
+        seq.release()
+        tier = self.core.scheduler.eviction.tier
+        if tier is not None:
+            tier.forget(seq)
 
     # --- checks ---------------------------------------------------------------------------------
 

@@ -67,6 +67,55 @@ def test_closing_a_spilled_state_deletes_its_file(tiny_checkpoints, make_engine,
     assert len(list(folder.iterdir())) == before - 1
 
 
+def _on_disk(tiny_checkpoints, make_engine, tmp_path, seed: int):
+    engine = make_engine(tiny_checkpoints["llama"], num_blocks=DEVICE_BLOCKS, speculation="off",
+                         state_dir=tmp_path, host_kv_bytes=0)
+    round_robin(engine, seed=seed)
+    return engine, next(info.id for info in engine.states() if info.tier == "disk")
+
+
+def test_a_fork_of_a_state_on_disk_has_its_own_copy(tiny_checkpoints, make_engine, hf_greedy, tmp_path):
+    """The parent closed (its file deleted), the fork still resumes from disk, exactly."""
+    engine, spilled = _on_disk(tiny_checkpoints, make_engine, tmp_path, seed=10)
+    parent = engine.open_state(spilled)
+    twin = parent.fork("twin")
+    assert {info.id: info.tier for info in engine.states()}["twin"] == "disk"
+    parent.close()
+    prompt = twin.tokens + [5, 6, 7]
+    done = twin.generate(_greedy(), prompt=prompt)
+    assert list(done.token_ids) == hf_greedy(str(tiny_checkpoints["llama"]), prompt, GENERATE)
+    assert done.stats.computed <= 4
+
+
+def test_an_unreadable_spill_file_costs_its_state_a_recompute_only(tiny_checkpoints, make_engine, hf_greedy,
+                                                                   tmp_path):
+    engine, spilled = _on_disk(tiny_checkpoints, make_engine, tmp_path, seed=11)
+    folder = tmp_path / engine.memory()["disk"]["folder"]
+    before = {p.name for p in folder.iterdir()}
+    h = engine.open_state(spilled)
+    for path in folder.iterdir():  # every spill file damaged: the one of `spilled` among them
+        path.write_bytes(b"not a safetensors file")
+    prompt = h.tokens + [5, 6, 7]
+    done = h.generate(_greedy(), prompt=prompt)
+    assert list(done.token_ids) == hf_greedy(str(tiny_checkpoints["llama"]), prompt, GENERATE)
+    assert done.stats.computed == len(prompt)  # recomputed, and the engine served it
+    assert before  # (there were files to damage)
+    engine.close()  # persisting the other damaged states is logged, the engine still closes
+    assert not folder.exists()
+
+
+def test_closing_a_state_frees_its_parked_copy_at_once(tiny_checkpoints, make_engine, tmp_path):
+    """Even while something else (here the test, as a finished stream would) still references its
+    sequence: the copy is not left to the garbage collector."""
+    engine, spilled = _on_disk(tiny_checkpoints, make_engine, tmp_path, seed=12)
+    held = engine.registry._entries[spilled].seq  # noqa: F841 - the reference that must not matter
+    disk_states = engine.stats().host_tier["disk_states"]
+    files = len(list((tmp_path / engine.memory()["disk"]["folder"]).iterdir()))
+    engine.open_state(spilled).close()
+    assert engine.stats().host_tier["disk_states"] == disk_states - 1
+    assert len(list((tmp_path / engine.memory()["disk"]["folder"]).iterdir())) == files - 1
+
+
 def _greedy():
     from hibana_core import SamplingParams
 

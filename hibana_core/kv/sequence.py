@@ -99,7 +99,6 @@ class KVSequence:
         twin = KVSequence(self.pool, self._copy_block, self.share)
         twin.tokens = list(self.tokens)
         twin.edits = self.edits
-        twin.parked = self.parked  # read-only on the host: shared, restored by whichever resumes
         twin._hashes = list(self._hashes)
         twin.block_ids = list(self.block_ids)
         twin.num_computed, twin.num_committed = self.num_computed, self.num_committed

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import shutil
 import time
 import weakref
@@ -123,14 +124,15 @@ class HostTier:
         device_kv = self.cache.gather(index)
         host = torch.empty(device_kv.shape, dtype=device_kv.dtype, pin_memory=self.pinned and to_host)
         host.copy_(device_kv)
+        copied = time.perf_counter() - began
+        if to_host:
+            self._hold(seq, ParkedKV(seq.tokens[:n], host))
+        elif not self._spill(seq, ParkedKV(seq.tokens[:n], host)):
+            return False  # the disk takes nothing: the caller releases the KV
         c = self.counters
         c.parks += 1
         c.bytes_moved += nbytes
-        c.seconds += time.perf_counter() - began
-        if to_host:
-            self._hold(seq, ParkedKV(seq.tokens[:n], host))
-        else:
-            self._spill(seq, ParkedKV(seq.tokens[:n], host))
+        c.seconds += copied
         seq.release()
         logger.info("evicting an idle state's KV (%d blocks, %d tokens): parked in %s memory (%d bytes)",
                     blocks, n, seq.parked.tier, nbytes)
@@ -154,7 +156,13 @@ class HostTier:
             seq.release()
             return 0
         began = time.perf_counter()
-        kv = parked.host_kv()
+        try:
+            kv = parked.host_kv()
+        except Exception as exc:  # noqa: BLE001 - a spill file gone or damaged: this state recomputes, nobody else fails
+            logger.warning("a parked state's spill file %s cannot be read (%s); its KV is recomputed", parked.path, exc)
+            seq.release()
+            self.forget(seq)
+            return 0
         if parked.kv is None:
             c = self.counters
             c.disk_resumes += 1
@@ -191,21 +199,48 @@ class HostTier:
         self._parked[key] = weakref.ref(seq, lambda _, key=key, owner=weakref.ref(self): _gone(owner, key))
         self._bytes[key] = parked.nbytes
 
-    def _spill(self, seq: KVSequence, parked: ParkedKV) -> None:
+    def share(self, seq: KVSequence, twin: KVSequence) -> None:
+        """Give a fork of parked `seq` a parked copy of its own: the same host tensor (read-only),
+        counted again within the budget, or a hard link to the spill file; where neither fits,
+        the fork has none and recomputes."""
+        parked = seq.parked
+        if parked.kv is not None:
+            if self._room(parked.nbytes):
+                self._hold(twin, ParkedKV(parked.tokens, parked.kv))
+            return
+        path = self.spill_dir / f"{next(self._files):08d}.kv"
+        try:
+            os.link(parked.path, path)
+        except OSError:
+            return
+        self._track_spill(twin, ParkedKV(parked.tokens, None, path, parked.size))
+
+    def _spill(self, seq: KVSequence, parked: ParkedKV) -> bool:
         """Write a host copy to a spill file and make that `seq`'s parked copy."""
+        """Write a host copy to a spill file and make that `seq`'s parked copy. False (nothing
+        changed) when the file cannot be written: a full or unwritable disk."""
         began = time.perf_counter()
         path = self.spill_dir / f"{next(self._files):08d}.kv"
-        safetensors.torch.save_file({"kv": parked.kv.contiguous()}, str(path))
+        try:
+            safetensors.torch.save_file({"kv": parked.kv.contiguous()}, str(path))
+        except Exception as exc:  # noqa: BLE001 - a disk that takes no more: the copy is dropped, not the step
+            logger.warning("cannot write a spill file in %s (%s)", self.spill_dir, exc)
+            path.unlink(missing_ok=True)
+            return False
         size = path.stat().st_size
         self.forget(seq)
-        seq.parked = ParkedKV(parked.tokens, None, path, size)
-        key = id(seq)
-        self._spilled[key] = (weakref.ref(seq, lambda _, p=path, key=key, owner=weakref.ref(self):
-                                          _gone(owner, key, p)), size)
+        self._track_spill(seq, ParkedKV(parked.tokens, None, path, size))
         c = self.counters
         c.spills += 1
         c.disk_bytes_moved += size
         c.disk_seconds += time.perf_counter() - began
+        return True
+
+    def _track_spill(self, seq: KVSequence, parked: ParkedKV) -> None:
+        seq.parked = parked
+        key = id(seq)
+        self._spilled[key] = (weakref.ref(seq, lambda _, p=parked.path, key=key, owner=weakref.ref(self):
+                                          _gone(owner, key, p)), parked.size)
 
     def forget(self, seq: KVSequence) -> None:
         """Drop `seq`'s parked copy, if any (its spill file too)."""
@@ -222,15 +257,14 @@ class HostTier:
         if nbytes > self.budget_bytes:
             return False
         while self.bytes_used + nbytes > self.budget_bytes and self._parked:
-            key, ref = self._parked.popitem(last=False)
-            self._bytes.pop(key, None)
+            key, ref = next(iter(self._parked.items()))
             seq = ref()
             if seq is None:
+                self._parked.pop(key)
+                self._bytes.pop(key, None)
                 continue
-            if self.spill_dir is not None:
-                self._spill(seq, seq.parked)
-            else:
-                seq.parked = None
+            if self.spill_dir is None or not self._spill(seq, seq.parked):
+                self.forget(seq)  # those states recompute
                 self.counters.dropped += 1
         return True
 
