@@ -123,6 +123,8 @@ class CacheConfig:
         if self.memory_budget is not None:  # first: its own message for every wrong kind
             object.__setattr__(self, "memory_budget", parse_budget(self.memory_budget))
         _check_types(self)
+        _check(self.num_blocks is None or self.memory_budget is None,
+               "kv_device_blocks (num_blocks) and memory_budget both size the device KV: give one")
         _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
                f"block_size must be a power of two, got {self.block_size}")
         _check(self.num_blocks is None or self.num_blocks >= 2,

@@ -84,6 +84,10 @@ class _HarmonyStream(_Stream):
 
     def _end_message(self, out: list, body: str) -> None:
         if self._recipient is not None:
+            if not self._recipient.startswith(FUNCTIONS):  # gpt-oss's built-ins (python, browser.*): not offered
+                self._reject(out, body, f"a message to {self._recipient!r}, not to an offered function "
+                                        f"({FUNCTIONS}NAME)")
+                return
             name = self._recipient.removeprefix(FUNCTIONS)
             decoded = _decode_arguments(name, body)
             if decoded.error is None:

@@ -149,3 +149,12 @@ def test_gpt_oss_chat_uses_harmony(harmony_engine):
     assert isinstance(chat.parser, HarmonyToolParser)
     tokenizer = harmony_engine.tokenizer
     assert set(chat.stop_token_ids) == set(tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"]))
+
+
+def test_a_message_to_a_builtin_tool_is_no_call_of_an_offered_function():
+    """gpt-oss's built-in recipients (python, browser.search) are not the user's tools."""
+    from hibana_plugins.harmony import HarmonyToolParser
+
+    text = '<|channel|>commentary to=python <|constrain|>json<|message|>{"code": "rm -rf /"}<|call|>'
+    parsed = HarmonyToolParser().parse(text)
+    assert not parsed.tool_calls

@@ -45,11 +45,11 @@ def parse_budget(value: int | float | str) -> int | float:
         match = _SIZE.match(value)
         if match:
             number, unit = float(match.group(1)), match.group(2).lower()
-            if unit == "%":
-                return parse_budget(number / 100)
-            if unit in _UNITS and number > 0:
-                return int(number * _UNITS[unit]) if unit or number > 1 else number
-        raise ConfigError(f"memory_budget {value!r} is not a size; {hint}")
+            if unit == "%" and 0 < number <= 100:
+                return number / 100
+            if unit in _UNITS and unit != "%" and number >= 1:
+                return int(number * _UNITS[unit])  # a bare number is bytes, as an int is
+        raise ConfigError(f"memory_budget {value!r} is not a size, or a share of 100% or less; {hint}")
     raise ConfigError(f"memory_budget must be bytes or a fraction, got {type(value).__name__}; {hint}")
 
 

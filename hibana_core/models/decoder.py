@@ -162,6 +162,7 @@ def rope_parameters(config: Any) -> dict[str, Any]:
         return dict(params)
     params = dict(getattr(config, "rope_scaling", None) or {})
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))  # Phi-4-mini: 0.75
     return params
 
 

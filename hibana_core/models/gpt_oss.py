@@ -89,7 +89,9 @@ class GptOssExperts(nn.Module):
         super().__init__()
         e, i, h = config.num_local_experts, config.intermediate_size, config.hidden_size
         self.mxfp4 = mxfp4
-        self.alpha, self.limit = float(config.swiglu_alpha), float(config.swiglu_limit)
+        # released configs name the limit only; transformers fixes alpha at 1.702 (and limit at 7)
+        self.alpha = float(getattr(config, "swiglu_alpha", 1.702))
+        self.limit = float(getattr(config, "swiglu_limit", 7.0))
         if mxfp4:
             half = MXFP4_BLOCK // 2  # bytes of a block: two codes a byte
             self.gate_up_proj_blocks = _uint8(e, 2 * i, h // MXFP4_BLOCK, half)
