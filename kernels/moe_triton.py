@@ -78,6 +78,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_t, TOP_K: tl.const
     for j in tl.static_range(TOP_K):
         best = tl.max(scores, axis=0)
         expert = tl.min(tl.where(scores == best, offs, E_PAD), axis=0)
+        expert = tl.minimum(expert, E - 1)  # NaN logits match nothing: stay in bounds (the output is NaN)
         tl.store(ids_ptr + t * TOP_K + j, expert.to(tl.int64))
         chosen = tl.where(slots == j, best, chosen)
         scores = tl.where(offs == expert, -float("inf"), scores)
