@@ -113,6 +113,15 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
+def _moe_shape(hf_config) -> dict[str, int]:
+    """A sparse model's routes per token and expert width, for the workspace estimate."""
+    top_k = getattr(hf_config, "num_experts_per_tok", None)
+    if not top_k:
+        return {}
+    width = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+    return {"moe_top_k": top_k, "moe_intermediate_size": width}
+
+
 def _spill_folder(state_dir) -> Path:
     """This engine's own folder for spilled KV under `state_dir` (engines may share a state_dir);
     a ConfigError where it cannot be made."""
@@ -279,7 +288,7 @@ class Engine:
             hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_heads=a.num_heads,
             num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, vocab_size=a.vocab_size,
             max_batched_tokens=sched.max_num_batched_tokens, max_agents=sched.max_concurrent_agents,
-            dtype_bytes=self.dtype.itemsize)
+            dtype_bytes=self.dtype.itemsize, **_moe_shape(self.hf_config))
         """What a step may allocate besides weights and KV (an estimate, kv/budget.py)."""
         self.memory_budget = None
         """The budget in bytes (None: none given; `num_blocks` or the default sizing)."""
