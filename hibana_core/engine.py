@@ -17,6 +17,7 @@ import collections
 import gc
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -123,14 +124,29 @@ def _moe_shape(hf_config) -> dict[str, int]:
 
 
 def _spill_folder(state_dir) -> Path:
-    """This engine's own folder for spilled KV under `state_dir` (engines may share a state_dir);
-    a ConfigError where it cannot be made."""
+    """This engine's own folder for spilled KV under `state_dir` (engines may share a state_dir),
+    named by its process so that the folders of processes that died without closing their
+    engine are removed here; a ConfigError where it cannot be made."""
     try:
         Path(state_dir).mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix="spill-", dir=state_dir))
+        for stale in Path(state_dir).glob("spill-*-*"):
+            pid = stale.name.split("-")[1]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(stale, ignore_errors=True)
+        return Path(tempfile.mkdtemp(prefix=f"spill-{os.getpid()}-", dir=state_dir))
     except (OSError, UnicodeError) as exc:
         raise ConfigError(f"state_dir {str(state_dir)!r} cannot be written ({exc}); give a folder this "
                           "process may write") from None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
 
 
 class Engine:

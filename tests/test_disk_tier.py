@@ -120,3 +120,18 @@ def _greedy():
     from hibana_core import SamplingParams
 
     return SamplingParams(max_tokens=GENERATE, ignore_eos=True)
+
+
+def test_a_dead_process_spill_folder_is_removed_at_start(tiny_checkpoints, make_engine, tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"spill-{dead.stdout.strip()}-abc123"
+    stale.mkdir()
+    (stale / "00000000.kv").write_bytes(b"left by a crash")
+    mine = make_engine(tiny_checkpoints["llama"], num_blocks=DEVICE_BLOCKS, state_dir=tmp_path, host_kv_bytes=0)
+    assert not stale.exists()
+    other = make_engine(tiny_checkpoints["llama"], num_blocks=DEVICE_BLOCKS, state_dir=tmp_path, host_kv_bytes=0)
+    assert (tmp_path / mine.memory()["disk"]["folder"]).exists()  # a live process's folder stays
+    other.close()
