@@ -212,6 +212,41 @@ class DecoderArgs:
     moe: MoEArgs | None = None  # sparse blocks in place of the MLP, in the layers it names
     attention_sinks: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
 
+    @classmethod
+    def from_config(cls, config: Any, **differences: Any) -> "DecoderArgs":
+        """What every family reads the same way from a (text) config, then the family's own
+        `differences`. Defaults where a config may leave a field out: head_dim from the
+        hidden size, as many KV heads as heads, one rope for every layer from the config's rope
+        parameters, attention biases from `attention_bias` (q/k/v and o alike), no MLP bias
+        unless `mlp_bias`, untied embeddings, head_dim ** -0.5 as the attention scale, the
+        config's `hidden_act`."""
+        num_heads, num_layers = config.num_attention_heads, config.num_hidden_layers
+        head_dim = differences.pop("head_dim", None) or getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        common = dict(
+            model_type=config.model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position_embeddings=config.max_position_embeddings,
+            sliding_windows=sliding_windows(config),
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=False,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            attention_scale=head_dim ** -0.5,
+            activation=getattr(config, "hidden_act", None) or "silu",
+        )
+        if "ropes" not in differences:  # (Gemma gives one per layer kind)
+            common["ropes"] = (Rope.from_parameters(rope_parameters(config), head_dim, config),) * num_layers
+        return cls(**{**common, **differences})
+
     def __post_init__(self) -> None:
         if self.activation not in ACTIVATIONS:
             raise UnsupportedModelError(f"MLP activation {self.activation!r} is not supported; "

@@ -14,7 +14,7 @@ from typing import Any
 
 from hibana_core.errors import UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
-from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM, Rope, sliding_windows
+from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM, Rope
 
 MODEL_TYPES = ("gemma3_text", "gemma3")
 
@@ -34,21 +34,11 @@ def args_from_config(config: Any) -> DecoderArgs:
     head_dim = text.head_dim
     rope_by_kind = {kind: Rope.from_parameters(dict(params), head_dim, text)
                     for kind, params in text.rope_parameters.items()}
-    return DecoderArgs(
+    return DecoderArgs.from_config(
+        text,
         model_type=config.model_type,
-        vocab_size=text.vocab_size,
-        hidden_size=text.hidden_size,
-        intermediate_size=text.intermediate_size,
-        num_layers=text.num_hidden_layers,
-        num_heads=text.num_attention_heads,
-        num_kv_heads=text.num_key_value_heads,
         head_dim=head_dim,
-        rms_norm_eps=text.rms_norm_eps,
-        max_position_embeddings=text.max_position_embeddings,
         ropes=tuple(rope_by_kind[kind] for kind in text.layer_types),
-        sliding_windows=sliding_windows(text),
-        qkv_bias=bool(text.attention_bias),
-        o_bias=bool(text.attention_bias),
         mlp_bias=False,
         qk_norm=True,
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", True)),

@@ -31,7 +31,7 @@ import hibana_kernels as kernels
 from hibana_core.errors import UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.loader import ConvertedTensor
-from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM, Rope, rope_parameters, sliding_windows
+from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM
 from hibana_kernels.moe import MXFP4_BLOCK, deinterleave_gate_up
 
 MODEL_TYPES = ("gpt_oss",)
@@ -50,30 +50,9 @@ def is_mxfp4(config: Any) -> bool:
 
 
 def args_from_config(config: Any) -> DecoderArgs:
-    num_heads, num_layers = config.num_attention_heads, config.num_hidden_layers
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    attention_bias = bool(getattr(config, "attention_bias", True))
-    return DecoderArgs(
-        model_type=config.model_type,
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-        head_dim=head_dim,
-        rms_norm_eps=config.rms_norm_eps,
-        max_position_embeddings=config.max_position_embeddings,
-        ropes=(Rope.from_parameters(rope_parameters(config), head_dim, config),) * num_layers,
-        sliding_windows=sliding_windows(config),
-        qkv_bias=attention_bias,
-        o_bias=attention_bias,
-        mlp_bias=False,
-        qk_norm=False,
-        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        attention_scale=head_dim ** -0.5,
-        attention_sinks=True,
-    )
+    attention_bias = bool(getattr(config, "attention_bias", True))  # gpt-oss's projections have biases
+    return DecoderArgs.from_config(config, qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=False,
+                                   activation="silu", attention_sinks=True)  # (its experts replace the MLP)
 
 
 def _uint8(*shape: int) -> nn.Parameter:

@@ -11,16 +11,13 @@ from typing import Any
 
 from hibana_core.errors import UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
-from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM, Rope, rope_parameters, sliding_windows
+from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM
 from hibana_core.models.moe import MoEArgs
 
 MODEL_TYPES = ("qwen3_moe",)
 
 
 def args_from_config(config: Any) -> DecoderArgs:
-    num_heads, num_layers = config.num_attention_heads, config.num_hidden_layers
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    attention_bias = bool(getattr(config, "attention_bias", False))
     if config.hidden_act != "silu":  # the experts' kernels compute SwiGLU
         raise UnsupportedModelError(f"qwen3_moe with hidden_act {config.hidden_act!r} is not supported; "
                                     "its experts run SwiGLU (hidden_act 'silu')")
@@ -28,29 +25,8 @@ def args_from_config(config: Any) -> DecoderArgs:
     moe = MoEArgs(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
                   intermediate_size=config.moe_intermediate_size, renormalize=bool(config.norm_topk_prob),
                   layers=tuple(i not in dense_only and config.num_experts > 0
-                               and (i + 1) % config.decoder_sparse_step == 0 for i in range(num_layers)))
-    return DecoderArgs(
-        model_type=config.model_type,
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-        head_dim=head_dim,
-        rms_norm_eps=config.rms_norm_eps,
-        max_position_embeddings=config.max_position_embeddings,
-        ropes=(Rope.from_parameters(rope_parameters(config), head_dim, config),) * num_layers,
-        sliding_windows=sliding_windows(config),
-        qkv_bias=attention_bias,
-        o_bias=attention_bias,
-        mlp_bias=False,
-        qk_norm=True,
-        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        attention_scale=head_dim ** -0.5,
-        activation=config.hidden_act,
-        moe=moe,
-    )
+                               and (i + 1) % config.decoder_sparse_step == 0 for i in range(config.num_hidden_layers)))
+    return DecoderArgs.from_config(config, mlp_bias=False, qk_norm=True, moe=moe)
 
 
 def build(config: Any, ctx: ForwardContext) -> tuple[DecoderForCausalLM, DecoderArgs]:
