@@ -25,11 +25,7 @@ from pathlib import Path
 import torch
 
 from hibana_bench.models import load_bench_model
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from hibana_bench.peers import sync
 
 
 def host_to_device_bandwidth(nbytes: int, device: torch.device) -> float:
@@ -38,10 +34,10 @@ def host_to_device_bandwidth(nbytes: int, device: torch.device) -> float:
     target = torch.empty(nbytes, dtype=torch.uint8, device=device)
     best = float("inf")
     for _ in range(3):
-        _sync(device)
+        sync(device)
         began = time.perf_counter()
         target.copy_(host)
-        _sync(device)
+        sync(device)
         best = min(best, time.perf_counter() - began)
     return nbytes / best
 
@@ -88,10 +84,10 @@ def resume_once(model, context: int, host_states: int, folder: Path, vocab: int)
         warm.generate(one, prompt=prompts[0][:512])
         warm.close()
         a = engine.open_state("a")
-        _sync(engine.device)
+        sync(engine.device)
         began = time.perf_counter()
         a.generate(one, prompt=prompts[0])
-        _sync(engine.device)
+        sync(engine.device)
         prefill = time.perf_counter() - began
         engine.open_state("b").generate(one, prompt=prompts[1])  # needs the pool: "a" is parked
         tier_of_a = {info.id: info.tier for info in engine.states()}["a"]
@@ -102,7 +98,7 @@ def resume_once(model, context: int, host_states: int, folder: Path, vocab: int)
         before = engine.stats().host_tier
         began = time.perf_counter()
         done = a.generate(one, prompt=a.tokens + [11])
-        _sync(engine.device)
+        sync(engine.device)
         turn = time.perf_counter() - began
         after = engine.stats().host_tier
     finally:

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from hibana_bench.tune_quant import time_graph
 from hibana_kernels import moe, moe_triton
 from hibana_kernels.moe import MoEExperts
 from hibana_kernels.moe_triton import DecodeTiles, GroupedTiles
@@ -89,26 +90,6 @@ def layer_bytes(experts: MoEExperts) -> int:
 def bytes_read(experts: MoEExperts, ids: torch.Tensor, x: torch.Tensor) -> int:
     """The distinct selected experts' weights (scales, biases), x read and the output written."""
     return experts.bytes_per_token(1) * ids.unique().numel() + 2 * x.numel() * x.element_size()
-
-
-def time_graph(fn, reps: int = 10) -> float:
-    """Best seconds of one call of fn over `reps` CUDA-event-timed replays of a CUDA graph."""
-    fn()  # compiles the Triton kernels outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    best = math.inf
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    del graph
-    return best
 
 
 def time_eager(fn, reps: int = 3) -> float:

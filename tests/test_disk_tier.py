@@ -135,3 +135,18 @@ def test_a_dead_process_spill_folder_is_removed_at_start(tiny_checkpoints, make_
     other = make_engine(tiny_checkpoints["llama"], num_blocks=DEVICE_BLOCKS, state_dir=tmp_path, host_kv_bytes=0)
     assert (tmp_path / mine.memory()["disk"]["folder"]).exists()  # a live process's folder stays
     other.close()
+
+
+def test_the_resume_benchmark_parks_and_resumes_through_each_tier(tmp_path):
+    """bench/resume_cost.py (run_h200.sh resume) on the demo model: each tier takes the state and
+    gives it back, the resumed turn computing only its new token and the last generated one."""
+    import torch
+
+    from hibana_bench.models import load_bench_model
+    from hibana_bench.resume_cost import resume_once
+
+    model = load_bench_model("demo", torch.device("cpu"), torch.float32)
+    for name, host_states in (("host", 1), ("disk", 0)):
+        row = resume_once(model, 200, host_states, tmp_path / name, model.vocab_size)
+        assert row["tier"] == name and row["computed"] <= 2 and row["bytes"] > 0
+        assert (row["disk_bytes"] > 0) == (name == "disk")
