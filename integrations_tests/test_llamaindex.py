@@ -243,9 +243,13 @@ async def test_react_agent_text_loop(engine):
     assert_reuse(usages)
 
 
-@pytest.mark.xfail(strict=True, reason="the stock ReAct prompt asks for Thought/Action/Action Input "
-                   "text, which the demo model never saw: it answers with a hermes <tool_call> block")
-async def test_react_agent_stock_prompt(engine):
+async def test_react_agent_stock_prompt_needs_the_hermes_formatter(engine):
+    """What the demo model does with LlamaIndex's stock ReAct prompt (Thought/Action/Action Input
+    text, which it never saw): it writes a hermes <tool_call> block in its own format, which the
+    stock parser takes for the final answer, so no tool runs. The same agent with
+    HermesReActFormatter and HermesReActParser (the test above) solves the task. A limit of the
+    small demo model, not of the adapter: an instruction-tuned model follows the stock prompt."""
     agent = ReActAgent(tools=[tool(add_numbers)], llm=HibanaLLM(engine=engine, state_id="react-stock"))
     result, events = await run_and_watch(agent, "What is 12 plus 30?", max_iterations=3)
-    assert any(isinstance(e, ToolCallResult) for e in events) and "42" in result.response.content
+    assert not any(isinstance(e, ToolCallResult) for e in events)
+    assert result.response.content.lstrip().startswith("<tool_call>")
