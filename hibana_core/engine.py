@@ -237,6 +237,8 @@ class Engine:
                              self.tokenizer is not None, self.device)
         self.registry = StateRegistry(self.core, self.kv_cache, config.cache, limits, self.grammars)
         self.registry.engine_ref = weakref.ref(self)
+        if self.host_tier is not None:  # idle time brings back parked states whose agents are due
+            self.core.idle = self.registry.prefetch
         speculator.start()  # the step-cost profile of adaptive speculation, on this device
 
     def _guard(self, loaded) -> "guard.Guard":

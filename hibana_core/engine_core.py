@@ -29,7 +29,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from hibana_core.errors import HibanaError
 from hibana_core.output import OutputProcessor, RequestEvents
@@ -86,6 +86,9 @@ class EngineCore:
         self.in_flight: StepInFlight | None = None
         self.lock = lock
         self.work = threading.Condition(lock)
+        self.idle: Callable[[], float] | None = None
+        """Called (under the lock) when there is no work: what the engine does meanwhile (bring
+        back the parked states whose agents are due); returns the seconds to sleep at most."""
         self.closed = False
         # the loop holds the core weakly, so an engine nobody closed is still collected
         self._thread = threading.Thread(target=_run_loop, args=(weakref.ref(self),),
@@ -223,8 +226,9 @@ def _run_loop(ref: "weakref.ReferenceType[EngineCore]") -> None:
             if core.closed:
                 return
             if not core.scheduler.has_work() and core.in_flight is None:
+                wait = core.idle() if core.idle is not None else 1.0
                 del core  # never wait while holding the engine alive
-                work.wait(timeout=1.0)
+                work.wait(timeout=wait)
                 continue
             try:
                 core.step()

@@ -26,7 +26,7 @@ from hibana_core.errors import (ConfigError, ContextLengthError, EngineClosedErr
                                 InvalidTokenError, StateBusyError, StateClosedError, StateExistsError,
                                 StateFileError)
 from hibana_core.kv import state_file
-from hibana_core.kv.policies import POLICIES, StateUse, retention_order
+from hibana_core.kv.policies import POLICIES, PREFETCH_LEAD, StateUse, retention_order
 from hibana_core.kv.sequence import KVSequence, common_prefix_len
 from hibana_core.output import RequestEvents
 from hibana_core.sampler import make_generator
@@ -269,6 +269,25 @@ class StateRegistry:
                 if e.seq.block_ids and not self.core.scheduler.busy(e.seq)]
         pin_blocks = int(self.config.pin_budget * self.core.scheduler.pool.num_blocks)
         return retention_order(self.policy, idle, time.monotonic(), pin_blocks)
+
+    def prefetch(self) -> float:
+        """While the engine is idle: bring back the parked states whose agents are due from their
+        tools (tool_aware's expectation), into free device blocks only (nothing is evicted for
+        it), soonest due first. Returns how long the engine may sleep before the next is due."""
+        tier = self.core.scheduler.eviction.tier
+        now = time.monotonic()
+        parked = [e for e in self._entries.values()
+                  if e.seq.parked is not None and not e.seq.block_ids and e.use.expected_back() is not None]
+        if tier is None or not parked:
+            return 1.0
+        parked.sort(key=lambda e: e.use.expected_back())
+        for entry in parked:
+            if entry.use.due(now, PREFETCH_LEAD) and not self.core.scheduler.busy(entry.seq):
+                where = entry.seq.parked.tier
+                if tier.restore(entry.seq, lambda blocks: False):
+                    logger.info("state %r brought back from %s before its agent's next turn", entry.handle.id, where)
+        later = [e.use.expected_back() - PREFETCH_LEAD - now for e in parked if e.seq.parked is not None]
+        return min([1.0] + [max(0.01, t) for t in later if t > 0])
 
     def pin(self, handle: StateHandle, pinned: bool) -> None:
         """Pin (or unpin) a state's KV on the device, within the pin budget (`retention_order`)."""

@@ -300,3 +300,34 @@ def test_a_resume_copies_only_what_other_states_do_not_hold(tiny_checkpoints, ma
     assert done.stats.computed == 6  # the 5 new tokens and the last generated one
     copied = engine.stats().host_tier["bytes_moved"] - moved
     assert copied == 2 * engine.kv_cache.bytes_per_block_here  # blocks 4 and 5 of 5; 1-3 came from "b"
+
+
+def test_a_parked_state_comes_back_before_its_agent_does(tiny_checkpoints, make_engine, hf_greedy, monkeypatch):
+    """Prefetch: while the engine is idle, a parked state whose agent is due back from its tools
+    is copied into free device blocks before its request comes; that request then computes only
+    its new tokens, output exact."""
+    import time
+
+    from hibana_core.kv import policies
+
+    monkeypatch.setattr(policies, "DEFAULT_TOOL_SECONDS", 2.0)
+    monkeypatch.setattr("hibana_core.registry.PREFETCH_LEAD", 1.9)  # due from 0.1 s after the turn
+    path = tiny_checkpoints["llama"]
+    engine = make_engine(path, num_blocks=10, speculation="off", eviction_policy="lru")
+    rng = random.Random(12)
+    greedy = SamplingParams(max_tokens=1, ignore_eos=True)
+    a = engine.open_state("a")
+    a.generate(greedy, prompt=random_tokens(rng, 40))
+    engine.registry.note_turn(a, called_tools=True)  # as the chat layer does when a turn calls tools
+    for other in ("b", "c", "d"):
+        engine.open_state(other).generate(greedy, prompt=random_tokens(rng, 40))
+    assert {info.id: info.tier for info in engine.states()}["a"] == "host"
+    engine.open_state("b").close()
+    engine.open_state("c").close()  # room again; nothing asks for "a"
+    deadline = time.monotonic() + 5
+    while {info.id: info.tier for info in engine.states()}["a"] != "device" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert {info.id: info.tier for info in engine.states()}["a"] == "device"
+    prompt = a.tokens + random_tokens(rng, 4)
+    done = a.generate(SamplingParams(max_tokens=4, ignore_eos=True), prompt=prompt)
+    assert done.stats.computed == 5 and list(done.token_ids) == hf_greedy(str(path), prompt, 4)

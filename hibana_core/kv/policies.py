@@ -27,6 +27,9 @@ PATIENCE = 2.0
 """A state waiting on tools is kept for this many times its agent's expected tool time."""
 SMOOTHING = 0.3
 """Weight of the newest observation in an agent's running mean of tool times."""
+PREFETCH_LEAD = 1.0
+"""Seconds before an agent's expected return that its parked KV is brought back, when the engine
+has nothing else to do and the device has free blocks for it."""
 
 
 @dataclass
@@ -55,6 +58,12 @@ class StateUse:
         if self.tool_since is None:
             return None
         return self.tool_since + (self.tool_seconds if self.tool_seconds is not None else DEFAULT_TOOL_SECONDS)
+
+    def due(self, now: float, lead: float) -> bool:
+        """Whether its agent is expected back within `lead` seconds (or already, and still within
+        the window it is kept for): the time to bring its KV back before the request comes."""
+        back, kept = self.expected_back(), self.kept_until()
+        return back is not None and back - lead <= now <= kept
 
     def kept_until(self) -> float | None:
         if self.tool_since is None:
