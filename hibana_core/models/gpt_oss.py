@@ -32,6 +32,7 @@ from hibana_core.errors import UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.loader import ConvertedTensor
 from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM
+from hibana_core.models.moe import ExpertsBlock
 from hibana_kernels.moe import MXFP4_BLOCK, deinterleave_gate_up
 
 MODEL_TYPES = ("gpt_oss",)
@@ -123,8 +124,8 @@ class GptOssRouter(nn.Module):
         self.bias = nn.Parameter(torch.empty(config.num_local_experts))
 
 
-class GptOssMoE(nn.Module):
-    """Router and experts in place of the MLP; forward(x, residual, norm) like the MLP's."""
+class GptOssMoE(ExpertsBlock):
+    """gpt-oss's block: a router with a bias, the top k of the logits, softmax over those k."""
 
     def __init__(self, config: Any, mxfp4: bool) -> None:
         super().__init__()
@@ -132,17 +133,9 @@ class GptOssMoE(nn.Module):
         self.router = GptOssRouter(config)
         self.experts = GptOssExperts(config, mxfp4)
 
-    def unread_bytes_per_token(self) -> int:
-        """Weight bytes of the experts one token is not routed to."""
-        experts = self.experts.kernel_experts()
-        return experts.bytes_per_token(experts.num_experts - self.top_k)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor,
-                norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = norm(x, residual)  # [T, hidden]
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(h, self.router.weight, self.router.bias)  # [T, E]
-        weights, ids = kernels.moe_route(logits, self.top_k, scoring="topk_softmax")
-        return kernels.fused_moe(h, self.experts.kernel_experts(), weights, ids), residual
+        return kernels.moe_route(logits, self.top_k, scoring="topk_softmax")
 
 
 class GptOssForCausalLM(DecoderForCausalLM):

@@ -62,14 +62,15 @@ class Experts(nn.Module):
         return views
 
 
-class SparseMoE(nn.Module):
-    """Router and experts; forward(x, residual, norm) like the dense MLP's."""
+class ExpertsBlock(nn.Module):
+    """A sparse block in place of the MLP: forward(x, residual, norm) like the dense MLP's. A
+    family gives its router (`route`) and its experts (`self.experts`, with `kernel_experts()`)."""
 
-    def __init__(self, moe: MoEArgs, hidden_size: int) -> None:
-        super().__init__()
-        self.top_k, self.renormalize = moe.top_k, moe.renormalize
-        self.gate = Router(hidden_size, moe.num_experts)
-        self.experts = Experts(moe, hidden_size)
+    top_k: int
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, expert ids), each [T, top_k], for the normed hidden states h [T, hidden]."""
+        raise NotImplementedError
 
     def unread_bytes_per_token(self) -> int:
         """Weight bytes of the experts one token is not routed to."""
@@ -80,6 +81,19 @@ class SparseMoE(nn.Module):
                 norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts' output for norm(x + residual); returns (it, x + residual)."""
         h, residual = norm(x, residual)  # [T, hidden]
-        logits = F.linear(h, self.gate.weight)  # [T, E], in the model dtype as transformers
-        weights, ids = kernels.moe_route(logits, self.top_k, scoring="softmax", renormalize=self.renormalize)
+        weights, ids = self.route(h)
         return kernels.fused_moe(h, self.experts.kernel_experts(), weights, ids), residual
+
+
+class SparseMoE(ExpertsBlock):
+    """Qwen3-MoE's block: a bias-free router, softmax over all experts, then the top k."""
+
+    def __init__(self, moe: MoEArgs, hidden_size: int) -> None:
+        super().__init__()
+        self.top_k, self.renormalize = moe.top_k, moe.renormalize
+        self.gate = Router(hidden_size, moe.num_experts)
+        self.experts = Experts(moe, hidden_size)
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(h, self.gate.weight)  # [T, E], in the model dtype as transformers
+        return kernels.moe_route(logits, self.top_k, scoring="softmax", renormalize=self.renormalize)
