@@ -134,7 +134,7 @@ class HostTier:
         c.bytes_moved += nbytes
         c.seconds += copied
         seq.release()
-        logger.info("evicting an idle state's KV (%d blocks, %d tokens): parked in %s memory (%d bytes)",
+        logger.info("evicting an idle state's KV (%d blocks, %d tokens): parked in the %s tier (%d bytes)",
                     blocks, n, seq.parked.tier, nbytes)
         return True
 
