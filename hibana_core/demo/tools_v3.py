@@ -115,7 +115,7 @@ def open_values(kind: str, lo: int = 1, hi: int = 3) -> Gen:
 
 # --- v2's hand-written tools, reopened ------------------------------------------------------------
 
-REOPEN = {"title": "title", "song": "title", "artist": "person", "name": "title", "songs": "title",
+REOPEN = {"room": "word", "title": "title", "song": "title", "artist": "person", "name": "title", "songs": "title",
           "text": "phrase", "task": "phrase", "payee": "person", "memo": "word", "word": "word",
           "country": "place", "sku": "code", "items": "phrase", "repo": "code", "employee": "person",
           "topic": "phrase", "student": "person", "course": "title", "sensor": "code"}
