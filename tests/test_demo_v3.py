@@ -80,7 +80,7 @@ def test_calls_validate_and_copy_their_values_from_the_question():
 
 def test_conversations_render_within_the_training_length():
     """Measured with the bundled (v1) tokenizer, which spells pseudo-words in more tokens than one
-    trained on v3 will: 5.3% of v3 is over MAX_TOKENS there, against 7.1% of corpus v2 (1.4% with
+    trained on v3 will: 5.1% of v3 is over MAX_TOKENS there, against 7.1% of corpus v2 (1.4% with
     v2's own tokenizer); train.py drops those."""
     tok = Tokenizer.from_file(str(Path(template.__file__).parent / "model" / "tokenizer.json"))
     texts = [template.render_with_spans(corpus_v3.conversation(0, i).messages, corpus_v3.conversation(0, i).tools)[0]

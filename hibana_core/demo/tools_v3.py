@@ -27,7 +27,7 @@ from hibana_core.demo.tools_v2 import Arg, Gen, Spec, _h, clock, date, flag, int
 ONSETS = ("b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "q", "r", "s", "t", "v", "w", "x", "y",
           "z", "br", "ch", "cl", "dr", "fl", "gr", "kh", "pl", "qu", "sh", "sk", "st", "th", "tr", "vr", "zh", "")
 VOWELS = ("a", "e", "i", "o", "u", "y", "ai", "ea", "ie", "oo", "ou", "au")
-CODAS = ("", "", "", "n", "r", "l", "s", "m", "k", "x", "th", "nd", "rt", "sk", "z", "ng")
+CODAS = ("",) * 12 + ("n", "r", "l", "s", "m", "k", "x", "th", "nd", "rt", "sk", "z", "ng")   # mostly open
 ACCENTS = {"a": "á", "e": "é", "i": "í", "o": "ö", "u": "ü", "n": "ñ"}
 PLACE_FORMS = ("{w}", "{w}{s}", "Port {w}", "San {w}", "Lake {w}", "{w} Falls", "{w} Bay", "Nueva {w}",
                "{w}-on-{v}", "Upper {w}")
@@ -59,7 +59,7 @@ def person(rng: random.Random) -> str:
     if r < 0.15:
         return f"{first} {name_word(rng, 1, 2)} {last}"
     if r < 0.25:
-        return f"{first} {rng.choice(('de', 'van', 'al', 'da', 'O'))}{'' if r < 0.2 else ' '}{last}".replace("O ", "O'")
+        return f"{first} {rng.choice(('de ', 'van ', 'al-', 'da ', 'O'))}{last}".replace(" O", " O'")
     return f"{first} {last}"
 
 
@@ -168,7 +168,8 @@ ARG_SOURCES = {"label": "title", "owner": "person", "region": "place", "note": "
                "brand": "title", "model": "code", "series": "title", "tag": "word", "host": "code"}
 STATES = ("{w} {v}", "with {w} {v}", "{w}: {v}", "for {w} {v}", "({w} {v})", "setting {w} to {v}")
 SUBJECT_SOURCES = ("title", "person", "place", "code", "word")
-LEADS = ("", "", "", "Please ", "Could you ", "Hey, ", "I need you to ", "Quick one: ", "Can you ")
+ASK_LEADS = ("", "", "", "Hey, ", "Quick one: ", "Question: ", "Tell me: ")
+DO_LEADS = ("", "", "", "Please ", "Could you ", "I need you to ", "Can you ", "Hey, ")
 
 
 def _casing(rng: random.Random, words: list[str]) -> str:
@@ -205,12 +206,12 @@ def _extra(rng: random.Random, taken: set[str]) -> tuple[str, Arg, str]:
     return word, arg, said
 
 
-def _question(rng: random.Random, core: str, states: list[str]) -> str:
+def _question(rng: random.Random, core: str, states: list[str], leads: tuple[str, ...]) -> str:
     """A lead, the core, and each optional argument's statement with probability 1/2."""
     end = core[-1] if core[-1] in ".?" else rng.choice((".", "", "!"))
     said = [s for s in states if rng.random() < 0.5]
     text = " ".join([core.rstrip(".?")] + said) + end
-    lead = rng.choice(LEADS)
+    lead = rng.choice(leads)
     return lead + text if lead else text[0].upper() + text[1:]
 
 
@@ -232,7 +233,7 @@ def open_spec(rng: random.Random, noun: str | None = None) -> Spec:
                  f"{{subject}} is a {noun}: what's its {attribute}?", f"find the {attribute} for {noun} {{subject}}.")
         name = _tool_name(rng, verb, noun, attribute)
         run = lambda _a=attribute.replace(" ", "_"), **v: {_a: f"{pseudo_word(random.Random(_h(*v.values())))}-{_h(*v.values()) % 97}"}
-        keys = (attribute.replace(" ", "_"),)
+        keys, leads = (attribute.replace(" ", "_"),), ASK_LEADS
     else:
         verb = rng.choice(VERBS)
         description = rng.choice((f"{verb.capitalize()} a {noun}.", f"{verb.capitalize()}s the given {noun}.",
@@ -244,6 +245,6 @@ def open_spec(rng: random.Random, noun: str | None = None) -> Spec:
         cores = (f"{verb} the {noun} {{subject}}", f"{verb} {noun} {{subject}}", f"{verb} {{subject}} (a {noun})")
         name = _tool_name(rng, verb, noun, None)
         run = lambda _v=verb, **v: {"status": "done", "reference": f"{_v[:3].upper()}-{_h(*v.values()) % 9000 + 1000}"}
-        keys = ("reference",)
-    questions = tuple(_question(rng, core, states) for core in cores)
+        keys, leads = ("reference",), DO_LEADS
+    questions = tuple(_question(rng, core, states, leads) for core in cores)
     return Spec("open", (name,), (description,), args, questions, lambda **v: run(**v), keys)
