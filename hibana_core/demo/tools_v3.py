@@ -17,6 +17,7 @@ a few templates) and could not copy an unseen word (bench/notes_demo_training.md
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from typing import Callable
 
@@ -189,7 +190,8 @@ def _noun(rng: random.Random) -> str:
 def _tool_name(rng: random.Random, verb: str, noun: str, attribute: str | None) -> str:
     """Mostly the description's words; 15% an opaque pseudo-word, so only the description links."""
     if rng.random() < 0.15:
-        return _casing(rng, [pseudo_word(rng, 2, 3, False)] + ([pseudo_word(rng, 1, 2, False)] if rng.random() < 0.5 else []))
+        words = [pseudo_word(rng, 2, 3, False)] + ([pseudo_word(rng, 1, 2, False)] if rng.random() < 0.5 else [])
+        return _casing(rng, words)
     words = [verb, noun] + ([attribute] if attribute else [])
     if attribute and rng.random() < 0.4:
         words = [noun, attribute]
@@ -215,6 +217,16 @@ def _question(rng: random.Random, core: str, states: list[str], leads: tuple[str
     return lead + text if lead else text[0].upper() + text[1:]
 
 
+def _lookup_result(key: str, **values: str) -> dict:
+    """The attribute, derived from the arguments: the same call always gets the same answer."""
+    h = _h(*values.values())
+    return {key: f"{pseudo_word(random.Random(h))}-{h % 97}"}
+
+
+def _action_result(verb: str, **values: str) -> dict:
+    return {"status": "done", "reference": f"{verb[:3].upper()}-{_h(*values.values()) % 9000 + 1000}"}
+
+
 def open_spec(rng: random.Random, noun: str | None = None) -> Spec:
     """A tool nobody wrote: a lookup of a noun's attribute or an action on a noun, with 0-2 extras.
 
@@ -229,11 +241,12 @@ def open_spec(rng: random.Random, noun: str | None = None) -> Spec:
         attribute, verb = rng.choice(ATTRIBUTES), rng.choice(FETCH)
         description = rng.choice((f"Returns the {attribute} of a {noun}.", f"Look up a {noun}'s {attribute}.",
                                   f"Gives the current {attribute} for the given {noun}."))
-        cores = (f"what is the {attribute} of the {noun} {{subject}}?", f"look up the {attribute} of {{subject}}, a {noun}.",
+        cores = (f"what is the {attribute} of the {noun} {{subject}}?",
+                 f"look up the {attribute} of {{subject}}, a {noun}.",
                  f"{{subject}} is a {noun}: what's its {attribute}?", f"find the {attribute} for {noun} {{subject}}.")
         name = _tool_name(rng, verb, noun, attribute)
-        run = lambda _a=attribute.replace(" ", "_"), **v: {_a: f"{pseudo_word(random.Random(_h(*v.values())))}-{_h(*v.values()) % 97}"}
-        keys, leads = (attribute.replace(" ", "_"),), ASK_LEADS
+        key = attribute.replace(" ", "_")
+        run, keys, leads = functools.partial(_lookup_result, key), (key,), ASK_LEADS
     else:
         verb = rng.choice(VERBS)
         description = rng.choice((f"{verb.capitalize()} a {noun}.", f"{verb.capitalize()}s the given {noun}.",
@@ -244,7 +257,6 @@ def open_spec(rng: random.Random, noun: str | None = None) -> Spec:
             states.append(said.replace("{v}", "{" + word + "}"))
         cores = (f"{verb} the {noun} {{subject}}", f"{verb} {noun} {{subject}}", f"{verb} {{subject}} (a {noun})")
         name = _tool_name(rng, verb, noun, None)
-        run = lambda _v=verb, **v: {"status": "done", "reference": f"{_v[:3].upper()}-{_h(*v.values()) % 9000 + 1000}"}
-        keys, leads = ("reference",), DO_LEADS
+        run, keys, leads = functools.partial(_action_result, verb), ("reference",), DO_LEADS
     questions = tuple(_question(rng, core, states, leads) for core in cores)
-    return Spec("open", (name,), (description,), args, questions, lambda **v: run(**v), keys)
+    return Spec("open", (name,), (description,), args, questions, run, keys)
