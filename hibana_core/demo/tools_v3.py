@@ -21,7 +21,7 @@ import functools
 import random
 from typing import Callable
 
-from hibana_core.demo.tools_v2 import Arg, Gen, Spec, _h, clock, date, flag, integer, number
+from hibana_core.demo.tools_v2 import Arg, Gen, Spec, _h, clock, date
 
 # --- open values ---------------------------------------------------------------------------------
 
