@@ -30,7 +30,8 @@
 #   bash bench/run_h200.sh grammar  # issue 15: xgrammar against llguidance on the host's CPU, then constrained
 #                                   # decoding's overhead per token, qwen3-8b preset, batch 1 and 32; needs
 #                                   # xgrammar (and llguidance) as wheels in .whl/ (bench/README.md)
-#   bash bench/run_h200.sh train_demo   # issue 15: demo model v2 (--corpus v2 --shape v2), TRAIN_MINUTES (7) of
+#   bash bench/run_h200.sh train_demo   # issue 15: demo model v2 (--corpus $CORPUS --shape v2; CORPUS=v2, or v3
+#                                       # with its state in bench/out/demo_train_v3), TRAIN_MINUTES (7) of
 #                                       # training a call; run it again on the same warm machine to resume
 #                                       # (the state stays in bench/out/demo_train, ignored, kept between calls;
 #                                       # a cold machine starts over). The first call cuts TRAIN_STEPS (4000)
@@ -137,10 +138,11 @@ case "${1:-check}" in
     python3 -m hibana_bench.cli serve --model demo --device cuda --clients 64 --turns 20 \
       --json "$OUT/serve_demo_h200.json" 2>&1 | tee "$OUT/serve_demo_h200.txt" ;;
   train_demo)
-    TRAIN_DIR="${TRAIN_DIR:-bench/out/demo_train}"
+    CORPUS="${CORPUS:-v2}"                 # v3: corpus_v3.py's open world, its own state and tokenizer
+    TRAIN_DIR="${TRAIN_DIR:-bench/out/demo_train$([ "$CORPUS" = v2 ] || echo "_$CORPUS")}"
     RESUME=""
     [ -f "$TRAIN_DIR/train_state.pt" ] && RESUME="--resume"
-    python3 -m hibana_core.demo.train --corpus v2 --shape v2 --train-dir "$TRAIN_DIR" --out "$TRAIN_DIR/model" \
+    python3 -m hibana_core.demo.train --corpus "$CORPUS" --shape v2 --train-dir "$TRAIN_DIR" --out "$TRAIN_DIR/model" \
       --conversations "${TRAIN_CONVERSATIONS:-250000}" --steps "${TRAIN_STEPS:-4000}" --batch-tokens 98304 \
       --checkpoint-every 250 --chunk-minutes "${TRAIN_MINUTES:-7}" --max-minutes "${TRAIN_TOTAL_MINUTES:-18}" \
       --workers 15 $RESUME ${TRAIN_ARGS:-} 2>&1 \

@@ -1,4 +1,4 @@
-"""Demo model v2's data (issue 15): the independent held-out set and the v2 training corpus.
+"""Demo model v2's data (issue 15): the independent held-out set and the v2 (and v3) training corpus.
 
 Fast: no model runs here. The held-out set must stay apart from everything the training code
 can produce (domains, tool names), and every expected call must be one its tool accepts.
@@ -10,13 +10,17 @@ import json
 
 import jsonschema
 
-from hibana_core.demo import corpus, corpus_v2, evaluate, heldout_v2, perturb, template, tools, tools_v2
+from hibana_core.demo import (corpus, corpus_v2, corpus_v3, evaluate, heldout_v2, perturb, template, tools, tools_v2,
+                              tools_v3)
+
+
+TRAINING_CORPORA = (corpus.conversation, corpus_v2.conversation, corpus_v3.conversation)
 
 
 def _training_tool_names(n: int = 400) -> set[str]:
     names = set()
     for i in range(n):
-        for make in (corpus.conversation, corpus_v2.conversation):
+        for make in TRAINING_CORPORA:
             names |= {t["function"]["name"] for t in make(0, i).tools or []}
     return names
 
@@ -60,6 +64,20 @@ def test_heldout_is_disjoint_from_training():
     assert not held & _training_tool_names()
     questions = {t.question for t in heldout_v2.tasks()}
     assert not questions & {q for s in tools_v2.SPECS for q in s.questions}
+    trained = {m["content"] for i in range(400) for make in TRAINING_CORPORA
+               for m in make(0, i).messages if m["role"] == "user"}
+    assert not questions & trained
+
+
+def test_corpus_v3_cannot_name_a_heldout_tool():
+    """Every name open_spec can form from its word lists, in any casing, is none of the held-out
+    tools' (its pseudo-word names cannot be either: heldout names are English words)."""
+    flat = lambda name: name.replace("_", "").lower()
+    formed = {flat(v + n) for v in tools_v3.VERBS for n in tools_v3.NOUNS}
+    formed |= {flat(n + a) for n in tools_v3.NOUNS for a in tools_v3.ATTRIBUTES}
+    formed |= {flat(f + n + a) for f in tools_v3.FETCH for n in tools_v3.NOUNS for a in tools_v3.ATTRIBUTES}
+    assert not formed & {flat(name) for name in heldout_v2.TOOLS}
+    assert not {n for n in tools_v3.NOUNS if any(n in d for d in heldout_v2.HELD_OUT_DOMAINS)}
 
 
 def test_scoring_counts_a_wrong_call_and_a_call_where_none_was_needed():
@@ -109,7 +127,7 @@ def test_perturbed_calls_change_one_thing_to_words_training_never_uses():
     assert all(len(cs) == 6 for cs in by_kind.values())
     unseen = perturb.UNSEEN_VALUES + perturb.UNSEEN_TOOL_NAMES + perturb.UNSEEN_ARG_NAMES
     training = "\n".join(template.render(make(0, i).messages, make(0, i).tools)
-                         for i in range(400) for make in (corpus.conversation, corpus_v2.conversation))
+                         for i in range(400) for make in TRAINING_CORPORA)
     assert not [w for w in unseen if w in training]
     for base, values, renamed, args in zip(*by_kind.values()):
         question = values.messages[-1]["content"]

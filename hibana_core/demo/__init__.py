@@ -7,6 +7,8 @@
     corpus.py    synthetic conversations: tools, tasks, chained and parallel calls, chit-chat
     tools_v2.py  corpus v2's natural tools (many domains, several argument types)
     corpus_v2.py corpus v2: natural-tool conversations, run 3's corpus mixed in (train --corpus v2)
+    tools_v3.py  corpus v3's open world: open values, open tools, v2's specs with their pools reopened
+    corpus_v3.py corpus v3: v2's conversations over the open world (train --corpus v3)
     template.py  the model's chat template (hermes / Qwen tool format) and a renderer
     tokenizer.py byte-level BPE trained on the corpus
     train.py     `python -m hibana_core.demo.train`: corpus, tokenizer, model -> demo/model/

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import random
 import string
+from typing import Callable
 
 from hibana_core.demo import corpus
 from hibana_core.demo.corpus import SYSTEM_PROMPTS, Conversation
@@ -82,9 +83,11 @@ def _tools(rng: random.Random) -> list[NaturalTool]:
     return out
 
 
-def make_conversation(rng: random.Random) -> Conversation:
+def make_conversation(rng: random.Random, choose_tools: Callable[[random.Random], list[NaturalTool]] = _tools
+                      ) -> Conversation:
+    """A conversation over the tools `choose_tools` draws (corpus v3 passes its open ones)."""
     system = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] if rng.random() < 0.5 else []
-    tools = _tools(rng)
+    tools = choose_tools(rng)
     messages, last = list(system), None
     for _ in range(rng.choices((1, 2, 3), weights=(5, 3, 2))[0]):
         r = rng.random()

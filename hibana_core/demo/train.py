@@ -10,7 +10,7 @@
 `--tokenizer DIR` reuses one. The model wants a GPU: a few thousand steps take minutes on one.
 
 Demo model v2 (issue 15): `--corpus v2 --shape v2` (corpus_v2.py's natural tools; 18.8M
-parameters, 37.6 MB in bf16). Training runs in chunks, each one device call:
+parameters, 37.6 MB in bf16); `--corpus v3` is corpus_v3.py's open world, same shape. Training runs in chunks, each one device call:
 
     --train-dir DIR      the resumable state: tokenizer, the encoded corpus (built once, then
                          read back), train_state.pt (fp32 weights, AdamW moments, step, loss log)
@@ -68,6 +68,10 @@ def conversation(corpus_name: str, seed: int | str, index: int, extended: bool =
         from hibana_core.demo import corpus_v2
 
         return corpus_v2.conversation(seed, index)
+    if corpus_name == "v3":
+        from hibana_core.demo import corpus_v3
+
+        return corpus_v3.conversation(seed, index)
     return corpus.conversation(seed, index, extended=extended)
 
 
@@ -294,8 +298,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--conversations", type=int, default=200_000)
     p.add_argument("--base-corpus", action="store_true",
                    help="run 2's corpus exactly (no side stream: no call syntax, no non-ASCII values)")
-    p.add_argument("--corpus", choices=("v1", "v2"), default="v1",
-                   help="v2: corpus_v2.py's natural tools from many domains, with run 3's corpus mixed in")
+    p.add_argument("--corpus", choices=("v1", "v2", "v3"), default="v1",
+                   help="v2: corpus_v2.py's natural tools from many domains, with run 3's corpus mixed in; "
+                        "v3: corpus_v3.py, v2's conversations over open values and open tools")
     p.add_argument("--shape", choices=tuple(SHAPES), default="v1",
                    help="model size preset; --hidden etc. override single fields")
     p.add_argument("--train-dir", type=Path, help="resumable state: tokenizer, encoded corpus, train_state.pt")
