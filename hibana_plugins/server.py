@@ -103,8 +103,8 @@ class Metrics:
         self.in_flight = Gauge("hibana_requests_in_flight", "chat requests being served", registry=r)
         self.kv_blocks = Gauge("hibana_kv_blocks", "KV blocks of the engine's pool", ["kind"], registry=r)
         self.states = Gauge("hibana_states", "states the engine holds", registry=r)
-        self.kv_bytes = Gauge("hibana_kv_bytes", "KV bytes per memory tier (device: blocks in use; host: "
-                              "idle states' KV parked there)", ["tier"], registry=r)
+        self.kv_bytes = Gauge("hibana_kv_bytes", "KV bytes per memory tier (device: blocks in use; host, "
+                              "disk: idle states' KV parked there)", ["tier"], registry=r)
         self.moves = Gauge("hibana_kv_moves", "idle states' KV parked in the host tier and copied back "
                            "(since start)", ["kind"], registry=r)
         self.queue = Gauge("hibana_requests_queued", "requests waiting in the engine's queue for admission",
@@ -128,6 +128,7 @@ class Metrics:
         memory = engine.memory()
         self.kv_bytes.labels("device").set(memory["device"]["kv_used"])
         self.kv_bytes.labels("host").set(memory["host"]["kv_parked"])
+        self.kv_bytes.labels("disk").set(memory["disk"]["kv_parked"])
         self.moves.labels("parks").set(stats.parks)
         self.moves.labels("resumes").set(stats.resumes)
         self.queue.set(stats.requests_waiting)

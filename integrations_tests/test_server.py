@@ -472,6 +472,7 @@ def test_metrics_count_requests_and_reused_tokens(client, base_url):
     assert values["hibana_time_to_first_token_seconds_count"] >= 1
     assert values['hibana_kv_blocks{kind="total"}'] > 0
     assert values['hibana_kv_bytes{tier="device"}'] > 0 and values['hibana_kv_bytes{tier="host"}'] >= 0
+    assert values['hibana_kv_bytes{tier="disk"}'] >= 0
     assert 'hibana_kv_moves{kind="parks"}' in values
     assert values["hibana_requests_queued"] == 0 and values["hibana_requests_running"] >= 0
     steps = values["hibana_step_seconds_count"]
