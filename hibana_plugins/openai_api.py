@@ -11,7 +11,6 @@ cannot serve (n > 1) is an ApiError, as is every malformed one: each says which 
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Any, Callable, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from hibana_core.chat import assistant_message
 from hibana_core.config import SamplingParams
 from hibana_core.messages import normalize_tool_choice, normalize_tools
 from hibana_core.turn import ChatDelta, ChatResult, Usage
@@ -249,15 +249,9 @@ class Reply:
         return None if content is None else {"content": content, "refusal": None}
 
     def completion(self, result: ChatResult) -> dict:
-        message: dict[str, Any] = {"role": "assistant", "content": result.text if result.text or not
-                                   result.tool_calls else None}
-        if result.reasoning:  # vLLM's and DeepSeek's field: the thinking never inside the content
-            message["reasoning_content"] = result.reasoning
-        if result.tool_calls:
-            message["tool_calls"] = [
-                {"id": c.id, "type": "function",
-                 "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
-                for c in result.tool_calls]
+        message = assistant_message(result)  # the thinking as reasoning_content, never inside the content
+        if result.tool_calls and not result.text:
+            message["content"] = None  # OpenAI's shape for a turn of calls only
         choice = {"index": 0, "message": message, "logprobs": self._logprobs(result),
                   "finish_reason": finish_reason(result)}
         return {**self._head("chat.completion"), "choices": [choice], "usage": usage(result.usage)}
