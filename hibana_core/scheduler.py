@@ -192,7 +192,7 @@ class IdleLRUEviction:
         for seq in self.idle_states():
             if short <= 0:
                 break
-            plan.append(Eviction(seq, self.tier.destination(seq) if self.tier is not None else "drop"))
+            plan.append(self._move(seq))
             for block in seq.block_ids:
                 holders[block] += 1
                 short -= holders[block] == self.pool.ref_count(block)
@@ -205,7 +205,11 @@ class IdleLRUEviction:
 
     def evict(self, seq: KVSequence) -> None:
         """Free one sequence's device blocks (preemption), parked where the tier takes it."""
-        self.carry_out(Eviction(seq, self.tier.destination(seq) if self.tier is not None else "drop"))
+        self.carry_out(self._move(seq))
+
+    def _move(self, seq: KVSequence) -> Eviction:
+        """Where `seq`'s KV goes when it leaves the device."""
+        return Eviction(seq, self.tier.destination(seq) if self.tier is not None else "drop")
 
     def carry_out(self, move: Eviction) -> None:
         """One move of a plan. A step in flight that still writes the state's KV comes first in

@@ -15,16 +15,9 @@ openai = pytest.importorskip("openai")
 
 from hibana_core import Engine  # noqa: E402
 from hibana_plugins.server import ServerConfig, serving  # noqa: E402
+from hibana_bench.serve_load import MULTIPLY, WEATHER  # noqa: E402 - the load test's tools
 
 KEY = "test-key"
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather for a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "Name of the city."}},
-                   "required": ["city"]}}}
-MULTIPLY = {"type": "function", "function": {
-    "name": "multiply", "description": "Multiply two numbers and return the product.",
-    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
-                   "required": ["a", "b"]}}}
 
 
 @pytest.fixture(scope="module")
