@@ -23,11 +23,16 @@
    GPU == transformers on the GPU, greedy, 4 agents batched, eager and CUDA graphs; gpt_oss also
    from an MXFP4 checkpoint (the experts' Triton MXFP4 paths) against transformers' dequantized
    model. (Checks 1, 3 and 5 run them too, GPU == CPU, with routers free of ties.)
+8. logprobs (issue 16): float32, the GPU (eager and CUDA graphs, speculation off and suffix k=4)
+   returns each chosen token's log-probability and the top 5 as transformers' log_softmax on the
+   GPU gives them (within 1e-3), 4 agents batched (two greedy with logprobs, one sampled with
+   logprobs, one without: its tokens unchanged and no logprobs returned).
 Prints a table; exits 1 if a check fails.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import sys
@@ -344,8 +349,69 @@ def check_families() -> Iterator[tuple[str, bool, str]]:
                    f"{same}/4 agents equal")
 
 
+def check_logprobs() -> Iterator[tuple[str, bool, str]]:
+    """The sampler's log-probabilities copied back from the GPU, against transformers on the GPU:
+    per position the chosen token's logprob and the top 5 (ids in order, values within 1e-3)."""
+    from transformers import AutoModelForCausalLM
+
+    for arch, path, prompts in tiny_cases(("qwen3", "llama"), 31, max_prompt=120):
+        prompts = [p + p[:40] for p in prompts]          # repeats: suffix drafts get accepted
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+        wanted = (SamplingParams(max_tokens=24, ignore_eos=True, logprobs=True, top_logprobs=5),
+                  SamplingParams(max_tokens=24, ignore_eos=True, logprobs=True, top_logprobs=5),
+                  SamplingParams(max_tokens=24, ignore_eos=True, logprobs=True, temperature=0.8, seed=3),
+                  SamplingParams(max_tokens=24, ignore_eos=True))
+        for graphs, spec in ((False, "off"), (True, "off"), (True, {"method": "suffix", "k": 4})):
+            with Engine.from_pretrained(path, **ON_GPU, dtype="float32", progress=False,
+                                        cuda_graphs=graphs) as gpu:
+                results = [None] * 4
+
+                def run(i: int) -> None:
+                    params = dataclasses.replace(wanted[i], speculation=spec)
+                    results[i] = gpu.open_state(f"lp{i}").generate(params, prompt=prompts[i])
+
+                threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                plain = batched_greedy(gpu, prompts, 24, specs=[spec], prefix="plain")
+            worst, problems = 0.0, []
+            for i, result in enumerate(results):
+                if wanted[i].logprobs is False:
+                    if result.logprobs is not None or list(result.token_ids) != plain[i]:
+                        problems.append(f"agent {i} without logprobs changed")
+                    continue
+                if wanted[i].temperature == 0.0 and list(result.token_ids) != plain[i]:
+                    problems.append(f"agent {i}: asking for logprobs changed its greedy tokens")
+                if [lp.token_id for lp in result.logprobs] != list(result.token_ids):
+                    problems.append(f"agent {i}: logprobs not of the chosen tokens")
+                    continue
+                history = list(prompts[i])
+                with torch.inference_mode():
+                    ids = torch.tensor([history + list(result.token_ids)], device="cuda")
+                    logits = hf(ids).logits[0, len(history) - 1:-1].float().log_softmax(dim=-1)
+                for pos, lp in enumerate(result.logprobs):
+                    ref = logits[pos]
+                    worst = max(worst, abs(lp.logprob - float(ref[lp.token_id])))
+                    if wanted[i].top_logprobs:
+                        # the top 5's values in order, each id's own value: near-ties may swap ids
+                        values = ref.topk(5).values.tolist()
+                        if len(lp.top) != 5:
+                            problems.append(f"agent {i} position {pos}: {len(lp.top)} alternatives")
+                            continue
+                        worst = max([worst] + [abs(v - w) for (_, v), w in zip(lp.top, values)]
+                                    + [abs(v - float(ref[t])) for t, v in lp.top])
+            ok = not problems and worst < 1e-3
+            yield (f"logprobs fp32 {arch} graphs={graphs} spec={spec if spec == 'off' else 'suffix k4'}", ok,
+                   f"max |logprob - transformers| {worst:.2e}" + (f"; {problems[:3]}" if problems else ""))
+        del hf
+        torch.cuda.empty_cache()
+
+
 CHECKS = {"float32": check_float32, "speculation": check_speculation, "surgery": check_surgery,
-          "kv8": check_kv8, "fp8": check_fp8, "bf16": check_bf16_demo, "families": check_families}
+          "kv8": check_kv8, "fp8": check_fp8, "bf16": check_bf16_demo, "families": check_families,
+          "logprobs": check_logprobs}
 
 
 def main() -> int:
