@@ -316,36 +316,66 @@ FAMILIES = ("gemma3", "phi3", "qwen3_moe", "gpt_oss")
 
 
 def family_cases() -> Iterator[tuple[str, Path, list[list[int]]]]:
-    """`tiny_cases` of FAMILIES with tied router rows, and gpt_oss again with MXFP4 experts."""
-    from tiny_models import make_mxfp4_checkpoint
+    """`tiny_cases` of FAMILIES with tied router rows, and gpt_oss again with MXFP4 experts and
+    with untied routers on the same prompts (2026-12-01 the tied gpt_oss gave other tokens than
+    transformers on the GPU, 0/4, while the untied one of check 1 gave the CPU's: this row tells
+    the ties from the prompts)."""
+    from tiny_models import make_mxfp4_checkpoint, make_tiny_checkpoint
 
     for arch, path, prompts in tiny_cases(FAMILIES, 23, tied_experts=True):
         yield arch, path, prompts
         if arch == "gpt_oss":
             yield "gpt_oss mxfp4", make_mxfp4_checkpoint(path, path.parent / "gpt_oss-mxfp4"), prompts
+            yield "gpt_oss untied", make_tiny_checkpoint(arch, path.parent / "gpt_oss-untied",
+                                                         tied_experts=False), prompts
+
+
+def transformers_greedy(path: Path, prompts: list[list[int]], device: str, n: int = 32) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=device)
+        with torch.inference_mode():
+            tokens = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+        out.append(tokens[0, len(prompt):].tolist())
+    return out
+
+
+CPU_REFERENCE = ("gpt_oss",)
+"""Families whose transformers reference runs on the CPU: on CUDA transformers 5.x takes gpt-oss
+through another experts path (`batched_mm`; an MXFP4 checkpoint dequantizes to bf16 there and
+fails in float32), which gives other tokens than its own CPU path; the engine's GPU is held to
+transformers' CPU path, and the CUDA path's agreement is reported beside it."""
 
 
 def check_families() -> Iterator[tuple[str, bool, str]]:
     """Issue 18's families, float32: the GPU (eager and CUDA graphs) gives transformers' greedy
     tokens on the GPU, 4 agents batched; the tiny MoE models with their tied router rows, so that
-    the fused routing kernel must break ties as transformers' torch.topk does on CUDA."""
-    from transformers import AutoModelForCausalLM
-
+    the fused routing kernel must break ties as transformers' torch.topk does on CUDA.
+    FAMILIES_ONLY=gpt_oss (a comma list) runs only those."""
+    only = os.environ.get("FAMILIES_ONLY")
     for arch, path, prompts in family_cases():
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
-        want = []
-        for prompt in prompts:
-            ids = torch.tensor([prompt], device="cuda")
-            with torch.inference_mode():
-                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
-                                  min_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
-            want.append(out[0, len(prompt):].tolist())
+        if only and arch.split()[0] not in only.split(","):
+            continue
+        on_cpu = arch.split()[0] in CPU_REFERENCE
+        want = transformers_greedy(path, prompts, "cpu" if on_cpu else "cuda")
+        if on_cpu:
+            try:
+                cuda = transformers_greedy(path, prompts, "cuda")
+                detail = f"{sum(a == b for a, b in zip(cuda, want))}/4 agents equal"
+            except Exception as exc:  # noqa: BLE001  a reference row: report, do not fail
+                detail = f"failed: {type(exc).__name__}: {str(exc)[:80]}"
+            yield (f"reference: transformers {arch} cuda vs cpu", True, detail)
         for graphs in (False, True):
             with Engine.from_pretrained(path, **ON_GPU, dtype="float32", progress=False,
                                         cuda_graphs=graphs) as gpu:
                 got = batched_greedy(gpu, prompts, 32)
             same = sum(a == b for a, b in zip(got, want))
-            yield (f"fp32 {arch} vs transformers (cuda) graphs={graphs}", same == len(prompts),
+            where = "cpu" if on_cpu else "cuda"
+            yield (f"fp32 {arch} vs transformers ({where}) graphs={graphs}", same == len(prompts),
                    f"{same}/4 agents equal")
 
 
