@@ -140,7 +140,10 @@ def check_kv8() -> Iterator[tuple[str, bool, str]]:
     prompt are compared too: quantization is the same rule on both (test_kernels.py checks it
     byte for byte on CUDA from the same inputs), but cuBLAS and the CPU round float32 keys and
     values in their last bits differently, and a value that close to an fp8 rounding boundary
-    may take the neighbouring code, so nearly all, not all, bytes must be equal."""
+    may take the neighbouring code, so nearly all, not all, bytes must be equal. In a MoE model a
+    router near-tie that float32's last bits settle otherwise sends one token to another expert
+    in one layer, and every later layer's KV of that token differs: there 99%, not 99.9% (the
+    H200 gave 99.52% for qwen3_moe, its 32 tokens of 8 generations all equal)."""
     for arch, path, prompts in tiny_cases(ARCHS, 17):
         options = dict(progress=False, surgery=["kv8"], surgery_guard=False, dtype="float32")
         with Engine.from_pretrained(path, device="cpu", speculation="off", **options) as cpu:
@@ -158,7 +161,8 @@ def check_kv8() -> Iterator[tuple[str, bool, str]]:
                 got = batched_greedy(gpu, repeat, 32, None if spec == "off" else MIXED_SPECULATION)
                 accepted = gpu.stats().draft_tokens_accepted
             same = sum(a == b for a, b in zip(got, want)) + sum(a == b for a, b in zip(got_first, first))
-            ok = same == 2 * len(prompts) and scales_equal and bytes_equal > 0.999 and (spec == "off" or accepted > 0)
+            least = 0.99 if arch in ("qwen3_moe", "gpt_oss") else 0.999
+            ok = same == 2 * len(prompts) and scales_equal and bytes_equal > least and (spec == "off" or accepted > 0)
             yield (f"kv8 fp32 {arch} graphs={graphs} spec={spec}", ok,
                    f"{same}/8 generations equal; scales equal: {scales_equal}; a prompt's KV "
                    f"bytes equal: {bytes_equal:.4%}" + (f"; {accepted} drafts accepted" if spec != "off" else ""))
