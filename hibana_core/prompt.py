@@ -13,13 +13,14 @@ an assistant turn and a tool call. So contents are tokenized as plain text:
 Control tokens are the tokenizer's special tokens (`control_strings`). Only strings that hold
 one's text are masked; a conversation with none renders and
 tokenizes exactly as before (one `encode` of the whole text), so KV reuse is untouched. The model's
-own assistant contents are trusted (they are re-rendered as generated); the arguments of its tool
-calls are not (a call may copy a tool's output).
+own assistant contents are contents too: a model that quotes a tool result spells its control-token
+text with ordinary tokens, and it is those ordinary tokens that the next turn must render (the state
+holds them, so reuse is kept); read as markup they would forge a turn. Over HTTP a client's
+assistant message is as untrusted as its user message.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 import uuid
@@ -76,17 +77,8 @@ class Masker:
         return value
 
     def mask_messages(self, messages: list[dict]) -> list[dict]:
-        """Every field of a message is untrusted except an assistant's content and reasoning."""
-        out = []
-        for message in messages:
-            if message.get("role") == "assistant":
-                m = dict(message)
-                if m.get("tool_calls"):
-                    m["tool_calls"] = self.mask(copy.deepcopy(m["tool_calls"]))
-                out.append(m)
-            else:
-                out.append(self.mask(message))
-        return out
+        """Every field of every message is untrusted, an assistant's content and reasoning too."""
+        return [self.mask(message) for message in messages]
 
 
 def _written(original: str) -> list[str]:
