@@ -37,9 +37,11 @@ from hibana_core.grammar import Grammars
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.budget import device_memory, workspace_bytes
 from hibana_core.kv.cache import KVCache, kv_cache_dtype
+from hibana_core.kv.sequence import LongRope
 from hibana_core import surgery
 from hibana_core.surgery.calibration import Calibration
 from hibana_core.loader import LOAD_STAGES, load_from_hf_model, load_model, model_bytes
+from hibana_core.models.decoder import longrope_switch
 from hibana_core.output import OutputProcessor
 from hibana_core.progress import LoadProgress
 from hibana_core.registry import ModelLimits, StateRegistry
@@ -233,8 +235,10 @@ class Engine:
         """Compiles requests' JSON schemas, regexes and grammars; fills each step's masks."""
         self.core = EngineCore(scheduler, runner, OutputProcessor(self.tokenizer), threading.RLock(), use_async,
                                self.grammars)
+        switch = longrope_switch(loaded.args)
         limits = ModelLimits(self.vocab_size, self.max_model_len, self.eos_token_ids, self.fingerprint,
-                             self.tokenizer is not None, self.device)
+                             self.tokenizer is not None, self.device,
+                             None if switch is None else LongRope(switch, loaded.args.max_position_embeddings))
         self.registry = StateRegistry(self.core, self.kv_cache, config.cache, limits, self.grammars)
         self.registry.engine_ref = weakref.ref(self)
         if self.host_tier is not None:  # idle time brings back parked states whose agents are due

@@ -184,6 +184,8 @@ class EngineCore:
 
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None) -> RequestEvents:
         """Queue a request (the caller holds the lock and validated it); its events follow."""
+        if request.seq.begin_request() and request.seq.parked is not None:  # LongRoPE's rotation changed:
+            self.scheduler.eviction.tier.forget(request.seq)                # a parked copy is of the old one
         stream = self.outputs.track(request, loop)
         self.scheduler.add(request)
         self.work.notify()

@@ -27,7 +27,7 @@ from hibana_core.errors import (ConfigError, ContextLengthError, EngineClosedErr
                                 StateFileError)
 from hibana_core.kv import state_file
 from hibana_core.kv.policies import POLICIES, PREFETCH_LEAD, StateUse, retention_order
-from hibana_core.kv.sequence import KVSequence, common_prefix_len
+from hibana_core.kv.sequence import KVSequence, LongRope, common_prefix_len
 from hibana_core.output import RequestEvents
 from hibana_core.sampler import make_generator
 from hibana_core.scheduler import Request
@@ -58,6 +58,7 @@ class ModelLimits:
     fingerprint: str
     has_tokenizer: bool
     device: "torch.device"
+    long_rope: LongRope | None = None  # the model's LongRoPE switch (Phi-3), or None
 
 
 @dataclass(eq=False)
@@ -121,6 +122,7 @@ class StateRegistry:
         seq.tokens = self._validate(saved.tokens)
         if saved.block_size != self.pool.block_size or not saved.num_computed:
             return  # tokens only: the KV is recomputed on next use
+        seq.rotated_long = saved.rotated_long
         tier = self.core.scheduler.eviction.tier
         if tier is None or not tier.adopt(seq, seq.tokens[:saved.num_computed], saved.kv):
             self._place(seq, saved, path)
@@ -139,7 +141,8 @@ class StateRegistry:
                 logger.warning("state %r was not persisted: %s", state_id, exc)
 
     def _new_sequence(self) -> KVSequence:
-        return KVSequence(self.pool, self.kv_cache.copy_block, self.config.enable_prefix_caching)
+        return KVSequence(self.pool, self.kv_cache.copy_block, self.config.enable_prefix_caching,
+                          self.limits.long_rope)
 
     def _add(self, state_id: str, seq: KVSequence, unnamed: bool = False) -> StateHandle:
         handle = StateHandle(self, state_id)
@@ -408,7 +411,8 @@ class StateRegistry:
             kv = seq.parked.host_kv()[:, :, :-(-computed // self.pool.block_size)]
         if kv is None:
             kv = self.kv_cache.read_blocks(seq.block_ids)
-        state_file.write(path, state_id, seq.tokens, computed, self.pool.block_size, kv, self.limits.fingerprint)
+        state_file.write(path, state_id, seq.tokens, computed, self.pool.block_size, kv, self.limits.fingerprint,
+                         seq.rotated_long)
 
     def load(self, path: str | os.PathLike, state_id: str | None = None, *, share: bool = False) -> StateHandle:
         """Restore a state written by `save` (same model and tokenizer only). The file is read and
@@ -429,6 +433,7 @@ class StateRegistry:
             seq.share = self.config.enable_prefix_caching and share
             seq.tokens = tokens
             if saved.block_size == self.pool.block_size and saved.num_computed:
+                seq.rotated_long = saved.rotated_long
                 self._place(seq, saved, path)
             return self._add(state_id, seq)
 

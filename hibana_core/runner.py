@@ -209,7 +209,8 @@ def gather_step(scheduled: SchedulerOutput, previous: StepInFlight | None = None
             from_device.append(DeviceInput(len(ids), previous.rows[chunk.request.id]))
             ids.append(0)
         ids.extend(drafts)
-        positions.extend(range(chunk.start, chunk.end))
+        offset = seq.position_offset  # LongRoPE's long rotation: the second half of its tables
+        positions.extend(range(chunk.start + offset, chunk.end + offset))
         slots.extend(seq.slot(p) for p in range(chunk.start, chunk.end))
         seq_lens.append(chunk.end)
         starts.append(starts[-1] + chunk.num_tokens)

@@ -13,7 +13,7 @@ import torch
 
 from hibana_core import SamplingParams, UnsupportedModelError
 from hibana_core.models import phi3
-from hibana_core.models.decoder import RotaryTables
+from hibana_core.models.decoder import RotaryTables, longrope_switch
 from tiny_models import (agent_turn_plan, assert_greedy_matches, make_config, make_tiny_checkpoint,
                          make_tiny_gemma3_multimodal, open_engine)
 
@@ -51,24 +51,107 @@ def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path, make_e
             assert_greedy_matches(path, history, generated)
 
 
-def test_longrope_tables_pick_short_or_long_factors_per_position():
-    """Rows below original_max_position_embeddings are transformers' rotary of a sequence that
-    short (short factors), the rows from there on those of a longer one (long factors), both
-    scaled by the attention factor; bit for bit."""
+def test_longrope_tables_hold_both_rotations():
+    """The first max_position_embeddings rows rotate per position: below
+    original_max_position_embeddings transformers' rotary of a sequence that short (short
+    factors), from there on that of a longer one (long factors); the next as many rows rotate
+    every position by the long factors. All scaled by the attention factor; bit for bit."""
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
     config = make_config("phi3")
-    original = config.rope_parameters["original_max_position_embeddings"]
-    rope = phi3.args_from_config(config).ropes[0]
-    cos, sin = RotaryTables(rope, config.max_position_embeddings).tables(torch.device("cpu"))
+    original, most = config.rope_parameters["original_max_position_embeddings"], config.max_position_embeddings
+    args = phi3.args_from_config(config)
+    rope = args.ropes[0]
+    cos, sin = RotaryTables(rope, most).tables(torch.device("cpu"))
     hf = Phi3RotaryEmbedding(config)
     x = torch.zeros(1, dtype=torch.float32)
     short_cos, short_sin = hf(x, torch.arange(original)[None])
-    long_cos, long_sin = hf(x, torch.arange(config.max_position_embeddings)[None])
-    assert rope.dim == 12 and rope.attention_factor > 1.0
+    long_cos, long_sin = hf(x, torch.arange(most)[None])
+    assert rope.dim == 12 and rope.attention_factor > 1.0 and longrope_switch(args) == original
+    assert cos.shape[0] == 2 * most
     assert torch.equal(cos[:original], short_cos[0]) and torch.equal(sin[:original], short_sin[0])
-    assert torch.equal(cos[original:], long_cos[0, original:]) and torch.equal(sin[original:], long_sin[0, original:])
+    assert torch.equal(cos[original:most], long_cos[0, original:]) and torch.equal(sin[original:most], long_sin[0, original:])
+    assert torch.equal(cos[most:], long_cos[0]) and torch.equal(sin[most:], long_sin[0])
     assert not torch.equal(cos[:original], long_cos[0, :original]), "short and long factors must differ here"
+
+
+SWITCH = 64
+"""original_max_position_embeddings of the LongRoPE checkpoint below: histories cross it."""
+
+
+@pytest.fixture(scope="module")
+def longrope_checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint("phi3", tmp_path_factory.mktemp("longrope") / "phi3",
+                                original_max_position_embeddings=SWITCH)
+
+
+def test_longrope_histories_past_the_switch_match_transformers(longrope_checkpoint, make_engine):
+    """transformers rotates a sequence up to original_max_position_embeddings tokens by the short
+    factors and a longer one by the long factors at every position. 3 agents at once, 3 turns
+    each with retention: the first below the switch, the next past it (the state's KV recomputed
+    once, under the long rotation), the last computing only its new tokens; then a state whose
+    history shares the first blocks of one of them under the other rotation (the prefix index
+    keeps the two apart). Every generation is transformers' greedy on its history."""
+    engine = make_engine(longrope_checkpoint, max_num_batched_tokens=48)  # prefill chunks cross the switch
+    rng = random.Random(3)
+    prompts = [[rng.randrange(2, 512) for _ in range(36 + 4 * a)] for a in range(AGENTS)]
+    results, computed = {}, {}
+
+    def run_agent(agent: int) -> None:
+        h, history, turns, counts = engine.open_state(f"lr-{agent}"), prompts[agent], [], []
+        for new, n in ((prompts[agent], SWITCH - len(prompts[agent])), (list(range(7, 17)), 6), ([11, 12], 6)):
+            history = history if not turns else history + new
+            c = h.generate(SamplingParams(max_tokens=n, ignore_eos=True), prompt=history)
+            turns.append((history, list(c.token_ids)))
+            counts.append(c.stats.computed)
+            history = history + list(c.token_ids)
+        results[agent], computed[agent] = turns, counts
+
+    threads = [threading.Thread(target=run_agent, args=(a,)) for a in range(AGENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert sorted(results) == list(range(AGENTS))
+    for agent, turns in results.items():
+        first, second, third = turns
+        assert len(first[0]) + len(first[1]) == SWITCH < len(second[0])
+        # a turn computes its new tokens and the last one generated (no step wrote its KV)
+        assert computed[agent] == [len(first[0]), len(second[0]), len(third[0]) - len(second[0] + second[1]) + 1], \
+            "the turn past the switch recomputes its history once; the next only its new tokens"
+        for history, generated in turns:
+            assert_greedy_matches(longrope_checkpoint, history, generated)
+    # a short history sharing the first blocks of a long one (alone in another engine's prefix
+    # index): the long-rotated blocks are not adopted, the short one computes its own
+    other = make_engine(longrope_checkpoint)
+    long = results[0][1][0]
+    other.open_state("long").generate(SamplingParams(max_tokens=2, ignore_eos=True), prompt=long)
+    c = other.open_state("short").generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=long[:48])
+    assert c.stats.computed == 48
+    assert_greedy_matches(longrope_checkpoint, long[:48], c.token_ids)
+
+
+def test_a_long_rotated_state_persists_and_parks_as_it_is(longrope_checkpoint, tmp_path, make_engine):
+    """A state under the long rotation, saved and loaded in another engine and parked in the host
+    tier and brought back: its next turn computes only its new tokens and is transformers'."""
+    rng = random.Random(4)
+    history = [rng.randrange(2, 512) for _ in range(SWITCH + 20)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    engine = make_engine(longrope_checkpoint)
+    h = engine.open_state("long")
+    first = h.generate(params, prompt=history)
+    h.save(tmp_path / "long.state")
+    other = make_engine(longrope_checkpoint, num_blocks=12, host_kv_bytes=1 << 26)  # room for ~1 such state
+    h = other.load_state(tmp_path / "long.state")
+    history = history + list(first.token_ids) + [5, 6]
+    for turn in range(2):
+        filler = other.open_state(f"filler{turn}")  # takes the device pool: "long" parks to the host
+        filler.generate(SamplingParams(max_tokens=2, ignore_eos=True), prompt=[rng.randrange(2, 512) for _ in range(120)])
+        c = h.generate(params, prompt=history)
+        assert c.stats.computed == 3 and c.stats.reused == len(history) - 3  # the last generated and 2 new
+        assert_greedy_matches(longrope_checkpoint, history, c.token_ids)
+        history = history + list(c.token_ids) + [5, 6]
+    assert other.stats().resumes > 0, "the state was parked and brought back"
 
 
 @pytest.mark.parametrize("arch, override, message", [

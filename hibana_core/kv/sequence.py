@@ -16,9 +16,31 @@ Committed blocks are immutable and may be shared: writing into one first copies 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from hibana_core.kv.block_pool import BlockHash, BlockPool, hash_block
+
+
+@dataclass(frozen=True)
+class LongRope:
+    """LongRoPE (Phi-3, Phi-4-mini) as transformers applies it: a sequence up to `switch`
+    (original_max_position_embeddings) tokens long is rotated by the short factors; once it is
+    longer, every position by the long factors (transformers' generate drops its cache at the
+    token that crosses the switch and recomputes the whole sequence). So a request whose history
+    is longer than `switch` needs its whole KV under the long factors (`KVSequence.begin_request`
+    recomputes it once). A generation that crosses the switch within one request rotates its new
+    positions by the long factors and keeps the earlier keys short: transformers would recompute
+    them there; from the next request on the two agree again. The model's cos/sin tables hold
+    that per-position rotation first and the long one from `offset` on (`position_offset`)."""
+
+    switch: int
+    offset: int
+
+
+_LONG_ROPE_SALT = b"long-rope"
+"""The first block hash's parent under the long rotation: its blocks are other bytes than the
+same tokens' per-position ones, so the prefix index keeps the two apart."""
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -40,8 +62,10 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 class KVSequence:
     def __init__(self, pool: BlockPool, copy_block: Callable[[int, int], None],
-                 share: bool = True) -> None:
+                 share: bool = True, long_rope: LongRope | None = None) -> None:
         self.pool = pool
+        self.long_rope = long_rope  # the model's LongRoPE, or None
+        self.rotated_long = False   # the KV is under LongRoPE's long rotation at every position
         self.share = share  # False: never adopt or publish blocks through the prefix index
         self.block_size = pool.block_size
         self._copy_block = copy_block
@@ -65,9 +89,26 @@ class KVSequence:
         bs = self.block_size
         while len(self._hashes) <= index:
             i = len(self._hashes)
-            parent = self._hashes[-1] if i else None
+            parent = self._hashes[-1] if i else (_LONG_ROPE_SALT if self.rotated_long else None)
             self._hashes.append(hash_block(parent, self.tokens[i * bs:(i + 1) * bs]))
         return self._hashes[index]
+
+    @property
+    def position_offset(self) -> int:
+        """What the model's rotary tables are indexed by, less the position (`LongRope`)."""
+        return self.long_rope.offset if self.rotated_long else 0
+
+    def begin_request(self) -> bool:
+        """A request on the history held now is about to compute: under LongRoPE, choose the
+        rotation its length asks for; KV computed under the other one is dropped (the whole
+        history is recomputed once, when it first grows past the switch). Returns whether it was."""
+        long = self.long_rope is not None and len(self.tokens) > self.long_rope.switch
+        if long == self.rotated_long:
+            return False
+        self.rotated_long = long
+        self._hashes.clear()
+        self._keep_kv(0)
+        return True
 
     # --- edits of the history ----------------------------------------------------------------
 
@@ -96,7 +137,8 @@ class KVSequence:
         self._keep_kv(0)
 
     def fork(self) -> "KVSequence":
-        twin = KVSequence(self.pool, self._copy_block, self.share)
+        twin = KVSequence(self.pool, self._copy_block, self.share, self.long_rope)
+        twin.rotated_long = self.rotated_long
         twin.tokens = list(self.tokens)
         twin.edits = self.edits
         twin._hashes = list(self._hashes)

@@ -32,6 +32,7 @@ class SavedState:
     num_computed: int
     block_size: int
     kv: torch.Tensor  # [num_layers, 2, num_blocks, block_size, H_kv, D]
+    rotated_long: bool = False  # under LongRoPE's long rotation (`KVSequence.rotated_long`)
 
 
 def as_path(path: object) -> Path:
@@ -46,14 +47,15 @@ def as_path(path: object) -> Path:
 
 def _checksum(meta: dict, kv: torch.Tensor) -> str:
     h = hashlib.blake2b(digest_size=32)
-    h.update(json.dumps([meta.get(k) for k in _CHECKED]).encode())
+    # "rotation" is written only for LongRoPE's long rotation: other files stay as they were
+    h.update(json.dumps([meta.get(k) for k in _CHECKED + (("rotation",) if "rotation" in meta else ())]).encode())
     h.update(json.dumps([str(kv.dtype), list(kv.shape)]).encode())
     h.update(kv.contiguous().view(torch.uint8).numpy().tobytes() if kv.numel() else b"")
     return h.hexdigest()
 
 
 def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, block_size: int,
-          kv: torch.Tensor, fingerprint: str) -> None:
+          kv: torch.Tensor, fingerprint: str, rotated_long: bool = False) -> None:
     from safetensors.torch import save_file
 
     try:
@@ -65,6 +67,8 @@ def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, b
     metadata = {"format": FORMAT, "fingerprint": fingerprint, "state_id": state_id,
                 "tokens": json.dumps(list(tokens)), "num_computed": str(num_computed),
                 "block_size": str(block_size)}
+    if rotated_long:
+        metadata["rotation"] = "long"
     kv = kv.contiguous()
     metadata["checksum"] = _checksum(metadata, kv)
     tmp = path.with_name(path.name + ".tmp")
@@ -98,8 +102,10 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.
         tokens = json.loads(meta["tokens"])
         if not isinstance(tokens, list) or not all(is_kind(t, int) for t in tokens):
             raise ValueError("its tokens are not a list of integers")
+        if meta.get("rotation", "long") != "long":
+            raise ValueError(f"its rotation {meta['rotation']!r} is not 'long'")
         saved = SavedState(str(meta["state_id"]), tokens, int(meta["num_computed"]),
-                           int(meta["block_size"]), kv)
+                           int(meta["block_size"]), kv, "rotation" in meta)
     except StateFileError:
         raise
     except Exception as exc:

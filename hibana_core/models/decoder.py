@@ -84,24 +84,34 @@ class Rope:
     def angles(self, max_positions: int) -> torch.Tensor:
         """position * inv_freq, [max_positions, dim // 2] float32.
 
-        LongRoPE picks its factors per position: short ones below original_max_position_embeddings,
-        long ones from there on. transformers picks one set for a whole forward by its longest
-        sequence, which a paged cache cannot follow (keys already stored would have to be
-        recomputed when a history grows past the original length), so the two agree exactly on
-        histories up to original_max_position_embeddings tokens, and past it each key keeps the
-        rotation it was stored with (vLLM makes the same trade)."""
+        LongRoPE: [2 * max_positions, dim // 2], two tables one after the other. The first
+        rotates per position: short factors below original_max_position_embeddings, long ones
+        from there on (the positions a generation writes once it crosses that length); the
+        second rotates every position by the long factors (a history longer than that).
+        `hibana_core.kv.sequence.LongRope` says which a state reads, and how this follows
+        transformers."""
         positions = torch.arange(max_positions, dtype=torch.float32)
         if self.rope_type != "longrope":
             return torch.outer(positions, self.inv_freq())
         scaling = dict(self.scaling)
         split = scaling["original_max_position_embeddings"]
-        return torch.cat((torch.outer(positions[:split], self.inv_freq(scaling["short_factor"])),
-                          torch.outer(positions[split:], self.inv_freq(scaling["long_factor"]))))
+        long = torch.outer(positions, self.inv_freq(scaling["long_factor"]))
+        return torch.cat((torch.outer(positions[:split], self.inv_freq(scaling["short_factor"])), long[split:], long))
 
     @property
     def attention_factor(self) -> float:
         """What cos and sin are multiplied by (LongRoPE's and YaRN's attention scaling; 1 otherwise)."""
         return float(dict(self.scaling).get("attention_factor", 1.0))
+
+
+def longrope_switch(args: Any) -> int | None:
+    """original_max_position_embeddings of the model's LongRoPE (one per model: Phi-3's), where a
+    layer's rope is LongRoPE; its cos/sin tables then hold two rotations (`Rope.angles`), the
+    second from position args.max_position_embeddings on."""
+    for rope in dict.fromkeys(getattr(args, "ropes", ())):
+        if rope.rope_type == "longrope":
+            return dict(rope.scaling)["original_max_position_embeddings"]
+    return None
 
 
 def _longrope_settings(params: dict[str, Any], config: Any) -> dict[str, Any]:
