@@ -290,7 +290,7 @@ class Scheduler:
         def room(chunk: ScheduledChunk, k: int) -> int:
             request, seq = chunk.request, chunk.request.seq
             k = min(k, budget, request.params.max_tokens - len(request.output) - 1,
-                    request.max_len - len(seq) - 1)
+                    request.max_len - len(seq) - 1, seq.rotation_room(chunk.start + chunk.num_tokens))
             while k > 0 and not self.pool.can_allocate(seq.blocks_needed(chunk.num_tokens + k)):
                 k -= 1
             return k
@@ -376,6 +376,7 @@ class Scheduler:
                 return None  # its token in flight is its last: it finishes when that is read back
         elif request.num_uncomputed == 0:
             return None  # a sync whose last chunk is in flight: it finishes at that step's update
+        seq.rotate_for(request.num_tokens)  # LongRoPE: past its switch the whole history is recomputed
         before = seq.num_computed
         gained = seq.reuse_cached_blocks(request.num_tokens - (1 if request.samples else 0))
         if request.num_uncomputed == 0:  # a sync fully served from the prefix index

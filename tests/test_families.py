@@ -85,21 +85,26 @@ def longrope_checkpoint(tmp_path_factory):
                                 original_max_position_embeddings=SWITCH)
 
 
-def test_longrope_histories_past_the_switch_match_transformers(longrope_checkpoint, make_engine):
+@pytest.mark.parametrize("speculation, async_scheduling", [("off", False), ("adaptive", False), ("off", True)])
+def test_longrope_histories_past_the_switch_match_transformers(longrope_checkpoint, make_engine, speculation,
+                                                               async_scheduling):
     """transformers rotates a sequence up to original_max_position_embeddings tokens by the short
-    factors and a longer one by the long factors at every position. 3 agents at once, 3 turns
-    each with retention: the first below the switch, the next past it (the state's KV recomputed
-    once, under the long rotation), the last computing only its new tokens; then a state whose
-    history shares the first blocks of one of them under the other rotation (the prefix index
-    keeps the two apart). Every generation is transformers' greedy on its history."""
-    engine = make_engine(longrope_checkpoint, max_num_batched_tokens=48)  # prefill chunks cross the switch
+    factors and a longer one by the long factors at every position: its generate recomputes the
+    cache at the token that crosses. 3 agents at once, 3 turns each with retention: the first
+    generation crosses the switch (the state recomputed once, within the request), the later
+    turns compute only their new tokens; a state synced below the switch and then asked to
+    generate on a longer history recomputes it once; a state whose history shares the first
+    blocks of a long one under the other rotation computes its own (the prefix index keeps the
+    two apart). Every generation is transformers' greedy on its history."""
+    engine = make_engine(longrope_checkpoint, max_num_batched_tokens=48, speculation=speculation,
+                         async_scheduling=async_scheduling)  # the recompute takes two chunks
     rng = random.Random(3)
     prompts = [[rng.randrange(2, 512) for _ in range(36 + 4 * a)] for a in range(AGENTS)]
     results, computed = {}, {}
 
     def run_agent(agent: int) -> None:
         h, history, turns, counts = engine.open_state(f"lr-{agent}"), prompts[agent], [], []
-        for new, n in ((prompts[agent], SWITCH - len(prompts[agent])), (list(range(7, 17)), 6), ([11, 12], 6)):
+        for new, n in ((prompts[agent], 40), (list(range(7, 17)), 6), ([11, 12], 6)):
             history = history if not turns else history + new
             c = h.generate(SamplingParams(max_tokens=n, ignore_eos=True), prompt=history)
             turns.append((history, list(c.token_ids)))
@@ -114,13 +119,17 @@ def test_longrope_histories_past_the_switch_match_transformers(longrope_checkpoi
         t.join(240)
     assert sorted(results) == list(range(AGENTS))
     for agent, turns in results.items():
-        first, second, third = turns
-        assert len(first[0]) + len(first[1]) == SWITCH < len(second[0])
+        (first, out), second, third = turns
+        assert len(first) < SWITCH < len(first) + len(out)
         # a turn computes its new tokens and the last one generated (no step wrote its KV)
-        assert computed[agent] == [len(first[0]), len(second[0]), len(third[0]) - len(second[0] + second[1]) + 1], \
-            "the turn past the switch recomputes its history once; the next only its new tokens"
+        assert computed[agent][1:] == [len(second[0]) - len(first + out) + 1, len(third[0]) - len(second[0] + second[1]) + 1]
         for history, generated in turns:
             assert_greedy_matches(longrope_checkpoint, history, generated)
+    grown, history = engine.open_state("grown"), [rng.randrange(2, 512) for _ in range(SWITCH + 6)]
+    grown.sync(history[:30])
+    c = grown.generate(SamplingParams(max_tokens=6, ignore_eos=True), prompt=history)
+    assert c.stats.computed == len(history), "its short-rotated KV was recomputed"
+    assert_greedy_matches(longrope_checkpoint, history, c.token_ids)
     # a short history sharing the first blocks of a long one (alone in another engine's prefix
     # index): the long-rotated blocks are not adopted, the short one computes its own
     other = make_engine(longrope_checkpoint)

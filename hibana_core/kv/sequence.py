@@ -26,13 +26,11 @@ from hibana_core.kv.block_pool import BlockHash, BlockPool, hash_block
 class LongRope:
     """LongRoPE (Phi-3, Phi-4-mini) as transformers applies it: a sequence up to `switch`
     (original_max_position_embeddings) tokens long is rotated by the short factors; once it is
-    longer, every position by the long factors (transformers' generate drops its cache at the
-    token that crosses the switch and recomputes the whole sequence). So a request whose history
-    is longer than `switch` needs its whole KV under the long factors (`KVSequence.begin_request`
-    recomputes it once). A generation that crosses the switch within one request rotates its new
-    positions by the long factors and keeps the earlier keys short: transformers would recompute
-    them there; from the next request on the two agree again. The model's cos/sin tables hold
-    that per-position rotation first and the long one from `offset` on (`position_offset`)."""
+    longer, every position by the long factors: transformers' generate drops its cache at the
+    token that crosses the switch and recomputes the whole sequence, and so does a state here
+    (`KVSequence.rotate_for`, once per state; a history that shrinks back below the switch goes
+    back to the short rotation). The model's cos/sin tables hold a per-position rotation first
+    (what a draft model's states read) and the long one from `offset` on (`position_offset`)."""
 
     switch: int
     offset: int
@@ -99,10 +97,26 @@ class KVSequence:
         return self.long_rope.offset if self.rotated_long else 0
 
     def begin_request(self) -> bool:
-        """A request on the history held now is about to compute: under LongRoPE, choose the
-        rotation its length asks for; KV computed under the other one is dropped (the whole
-        history is recomputed once, when it first grows past the switch). Returns whether it was."""
+        """A request on the history held now is about to compute: under LongRoPE, the rotation
+        its length asks for (`rotate_for`). Returns whether KV was dropped."""
         long = self.long_rope is not None and len(self.tokens) > self.long_rope.switch
+        return self._rotate(long)
+
+    def rotate_for(self, length: int) -> bool:
+        """Under LongRoPE, before a step computes the positions up to `length`: once the sequence
+        grows past the switch, its whole KV turns to the long rotation, as transformers' generate
+        recomputes its cache at the token that crosses it. Returns whether KV was dropped."""
+        return self._rotate(self.rotated_long or (self.long_rope is not None and length > self.long_rope.switch))
+
+    def rotation_room(self, end: int) -> int:
+        """Positions a step may compute from `end` on before a drafted chunk would cross
+        LongRoPE's switch under the short rotation (it would then be recomputed: `rotate_for`)."""
+        if self.long_rope is None or self.rotated_long:
+            return 1 << 30
+        return max(0, self.long_rope.switch - end)
+
+    def _rotate(self, long: bool) -> bool:
+        """Hold KV under the long rotation or not; KV of the other one is dropped (recomputed)."""
         if long == self.rotated_long:
             return False
         self.rotated_long = long

@@ -86,9 +86,8 @@ class Rope:
 
         LongRoPE: [2 * max_positions, dim // 2], two tables one after the other. The first
         rotates per position: short factors below original_max_position_embeddings, long ones
-        from there on (the positions a generation writes once it crosses that length); the
-        second rotates every position by the long factors (a history longer than that).
-        `hibana_core.kv.sequence.LongRope` says which a state reads, and how this follows
+        from there on; the second rotates every position by the long factors.
+        `hibana_core.kv.sequence.LongRope` says which a state reads, and how that follows
         transformers."""
         positions = torch.arange(max_positions, dtype=torch.float32)
         if self.rope_type != "longrope":
