@@ -55,7 +55,8 @@ class TokenLogprob:
 class Completion:
     token_ids: list[int]
     finish_reason: str    # "stop" (stop token or string), "length", "cancelled"
-    text: str             # decoded output, cut before a stop string ("" without a tokenizer)
+    text: str             # decoded output, cut before a stop string ("" without a tokenizer); a
+                          # GeneratedText: its `control` spans are the generated control tokens
     stats: RequestStats
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
@@ -66,7 +67,7 @@ class StreamEvent:
     final event, which has token_id None, the finish reason and the completion."""
 
     token_id: int | None
-    text: str
+    text: str             # a GeneratedText with a tokenizer: where it holds control tokens' text
     finish_reason: str | None = None
     completion: Completion | None = None
     logprob: TokenLogprob | None = None   # the token's, when the request asked for logprobs
