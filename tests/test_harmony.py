@@ -263,3 +263,27 @@ def test_generated_look_alikes_are_content_in_turns_and_completions(harmony_engi
     completion = handle.generate(params, prompt=whole.render(HELLO, [WEATHER]))
     parsed = HarmonyToolParser().parse(completion.text)
     assert (parsed.content, [(c.name, c.arguments) for c in parsed.tool_calls]) == (content, calls)
+
+
+def test_the_detokenizer_hands_a_control_token_out_whole_and_marked():
+    """A stop string that may begin inside a control token's text holds all of it back; a stop
+    string that cuts it leaves no span."""
+    from hibana_core.detokenizer import Detokenizer
+
+    class Pieces:  # id -> text; id 99 is the control token <|call|>, 98 spells "<|call|>" as text
+        texts = {1: "a", 2: "b", 3: "!", 98: "<|call|>", 99: "<|call|>"}
+
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(self.texts[i] for i in ids)
+
+    detok = Detokenizer(Pieces(), [], ["|>?"], control={99: "<|call|>"})
+    deltas = []
+    for token in (1, 98, 2, 99, 3):
+        detok.add(token)
+        deltas.append(detok.take_delta())
+    assert deltas == ["a", "<|call", "|>b", "", "<|call|>!"]  # "|>" may begin "|>?": held back, whole
+    assert [d.control for d in deltas] == [(), (), (), (), ((0, 8),)]
+    assert detok.generated().control == ((10, 18),)
+    cut = Detokenizer(Pieces(), [], ["l|>"], control={99: "<|call|>"})
+    assert [cut.add(t) for t in (1, 99)] == [False, True]
+    assert cut.text == "a<|cal" and cut.generated().control == () and cut.take_delta().control == ()
