@@ -6,8 +6,8 @@ the window starts a few tokens back in the history. Streamed text is held back o
 could still grow into a stop string (the longest end of the text that starts one), so a stop
 string spanning tokens is never half-emitted and a long stop string holds back nothing it need not.
 
-The text records where the model generated control (special) tokens (`Detokenizer.control`,
-handed out as `GeneratedText`): a tool parser reads markup there only, never in the same
+The text records where the model generated control (special) tokens (`control_spans`, handed
+out with the text as `GeneratedText`): a tool parser reads markup there only, never in the same
 characters spelled by ordinary tokens. A control token's text is never split between deltas.
 """
 
@@ -55,7 +55,7 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self._control_text = control or {}
-        self.control: list[Span] = []  # spans of `text` that are generated control tokens
+        self.control_spans: list[Span] = []  # spans of `text` that are generated control tokens
         self._spans_emitted = 0  # how many of them were handed out
         self._ids = list(history[-_CONTEXT_TOKENS:]) if tokenizer is not None else []
         self._prefix_offset = 0
@@ -81,7 +81,7 @@ class Detokenizer:
             done = [m for m in self._matchers if m.feed(char)]
             if done:  # the text ends before the stop string that completed first
                 self.text = (self.text + new[:i + 1])[:len(self.text) + i + 1 - len(done[0].stop)]
-                self.control = [span for span in self.control if span[1] <= len(self.text)]
+                self.control_spans = [span for span in self.control_spans if span[1] <= len(self.text)]
                 self.stopped = True
                 return True
         self.text += new
@@ -93,7 +93,7 @@ class Detokenizer:
         what was just decoded (characters that waited for their last byte come before it)."""
         text = self._control_text.get(token_id)
         if text and self.text.endswith(text):
-            self.control.append((len(self.text) - len(text), len(self.text)))
+            self.control_spans.append((len(self.text) - len(text), len(self.text)))
 
     def take_delta(self, final: bool = False) -> GeneratedText:
         """Text not yet handed out, minus what could still become a stop string (and all of a
@@ -101,7 +101,7 @@ class Detokenizer:
         held = max((m.matched for m in self._matchers), default=0)
         end = len(self.text) if final or self.stopped else max(self._emitted, len(self.text) - held)
         spans = []
-        for a, b in self.control[self._spans_emitted:]:
+        for a, b in self.control_spans[self._spans_emitted:]:
             if b > end:
                 end = min(end, a)
                 break
@@ -110,7 +110,3 @@ class Detokenizer:
         self._emitted = end
         self._spans_emitted += len(spans)
         return GeneratedText(delta, tuple(spans))
-
-    def generated(self) -> GeneratedText:
-        """All the text, with its control spans."""
-        return GeneratedText(self.text, self.control)

@@ -21,6 +21,7 @@ from hibana_core.detokenizer import Detokenizer
 from hibana_core.prompt import control_strings
 from hibana_core.scheduler import Request, RequestOutput
 from hibana_core.state import Completion, RequestStats, StreamEvent
+from hibana_plugins.hookspecs import GeneratedText
 
 logger = logging.getLogger("hibana.requests")
 
@@ -160,8 +161,9 @@ class OutputProcessor:
             for token, logprob in zip(out.new_token_ids, logprobs):
                 if delivery.first_token is None:
                     delivery.first_token = now - delivery.started
-                text = delivery.detokenizer.take_delta() if delivery.detokenizer else ""
-                if not delivery.stream.put(StreamEvent(token, text, logprob=logprob)):
+                text = delivery.detokenizer.take_delta() if delivery.detokenizer else GeneratedText("")
+                if not delivery.stream.put(StreamEvent(token, str(text), logprob=logprob,
+                                                       control_spans=text.control_spans)):
                     out.request.cancelled = True  # nobody listens: dropped at the next schedule
 
     def finish(self, request: Request) -> None:
@@ -179,10 +181,12 @@ class OutputProcessor:
                     request.finish_reason or "done", stats.prompt_tokens, stats.reused, stats.computed,
                     stats.generated, stats.elapsed)
         wanted = request.params is not None and request.params.logprobs
-        completion = Completion(list(request.output), request.finish_reason or "",
-                                detok.generated() if detok else "", stats, list(request.logprobs) if wanted else None)
-        tail = detok.take_delta(final=True) if detok else ""
-        delivery.stream.put(StreamEvent(None, tail, request.finish_reason, completion))
+        completion = Completion(list(request.output), request.finish_reason or "", detok.text if detok else "",
+                                stats, list(request.logprobs) if wanted else None,
+                                tuple(detok.control_spans) if detok else ())
+        tail = detok.take_delta(final=True) if detok else GeneratedText("")
+        delivery.stream.put(StreamEvent(None, str(tail), request.finish_reason, completion,
+                                        control_spans=tail.control_spans))
 
 
 def _control_tokens(tokenizer: Any | None) -> dict[int, str]:

@@ -55,10 +55,11 @@ class TokenLogprob:
 class Completion:
     token_ids: list[int]
     finish_reason: str    # "stop" (stop token or string), "length", "cancelled"
-    text: str             # decoded output, cut before a stop string ("" without a tokenizer); a
-                          # GeneratedText: its `control` spans are the generated control tokens
+    text: str             # decoded output, cut before a stop string ("" without a tokenizer)
     stats: RequestStats
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+    control_spans: tuple[tuple[int, int], ...] = ()  # (start, end) of `text` where the model
+                                                     # generated control (special) tokens
 
 
 @dataclass(frozen=True)
@@ -67,10 +68,12 @@ class StreamEvent:
     final event, which has token_id None, the finish reason and the completion."""
 
     token_id: int | None
-    text: str             # a GeneratedText with a tokenizer: where it holds control tokens' text
+    text: str
     finish_reason: str | None = None
     completion: Completion | None = None
     logprob: TokenLogprob | None = None   # the token's, when the request asked for logprobs
+    control_spans: tuple[tuple[int, int], ...] = ()  # (start, end) of `text` that are control
+                                                     # tokens' text (never split between events)
 
 
 @dataclass(frozen=True)

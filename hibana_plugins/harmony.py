@@ -55,7 +55,7 @@ class _Markers:
 
     def add(self, text: str) -> None:
         if isinstance(text, GeneratedText):
-            self._control.update((self.fed + a, self.fed + b) for a, b in text.control)
+            self._control.update((self.fed + a, self.fed + b) for a, b in text.control_spans)
         elif self._plain and self._plain[-1][1] == self.fed:
             self._plain[-1] = (self._plain[-1][0], self.fed + len(text))
         else:

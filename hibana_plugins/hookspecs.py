@@ -64,7 +64,7 @@ def register_tool_parsers(register) -> None:
       back, at the end of the generation) and `finish() -> ParsedOutput` (authoritative).
       The argument fragments of one call concatenate to JSON equal to its final arguments.
     - Generated text comes as a `GeneratedText` (a `str`; `parse` and `feed` take either): its
-      `control` spans are where the model generated control (special) tokens. A parser whose
+      `control_spans` are where the model generated control (special) tokens. A parser whose
       markup is made of special tokens (harmony's `<|call|>`) splits at those spans only: the
       same characters spelled by ordinary tokens (a quoted tool result) are content. A plain
       `str` is read as its tokenizer would encode it: every marker's text is the marker.
@@ -146,16 +146,17 @@ Span = tuple[int, int]
 
 
 class GeneratedText(str):
-    """Generated text that knows which of its characters are control tokens' text: `control`,
-    the (start, end) character spans of the special token ids the model generated, in order.
-    Outside them every character came from ordinary tokens, whatever it spells. It is a `str`
-    (parsers that need no provenance read it as one); slicing or joining gives a plain `str`."""
+    """Generated text that knows which of its characters are control tokens' text:
+    `control_spans`, the (start, end) character spans of the special token ids the model
+    generated, in order. Outside them every character came from ordinary tokens, whatever it
+    spells. It is a `str` (parsers that need no provenance read it as one); slicing or joining
+    gives a plain `str`."""
 
-    control: tuple[Span, ...] = ()
+    control_spans: tuple[Span, ...] = ()
 
-    def __new__(cls, text: str, control: tuple[Span, ...] = ()) -> "GeneratedText":
+    def __new__(cls, text: str, control_spans: tuple[Span, ...] = ()) -> "GeneratedText":
         generated = super().__new__(cls, text)
-        generated.control = tuple(control)
+        generated.control_spans = tuple(control_spans)
         return generated
 
 

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from hibana_plugins.harmony import HarmonyToolParser
+from hibana_plugins.hookspecs import GeneratedText
 from hibana_plugins.manager import get_plugin_manager
 from test_hostile_chat import chunkings, streamed
 
@@ -183,8 +184,6 @@ SPELLED = {  # outputs as pieces: even places markup (its markers control tokens
 
 def as_generated(pieces: list[str]):
     """The engine's text for `pieces` (SPELLED): the markers of markup pieces are control spans."""
-    from hibana_plugins.hookspecs import GeneratedText
-
     pattern = re.compile("|".join(map(re.escape, HARMONY_TOKENS)))
     text, control = "", []
     for i, piece in enumerate(pieces):
@@ -196,13 +195,11 @@ def as_generated(pieces: list[str]):
 
 def generated_chunkings(rng, text):
     """`chunkings` of generated text at cuts that never split a control token, as the engine hands it out."""
-    from hibana_plugins.hookspecs import GeneratedText
-
-    inside = {i for a, b in text.control for i in range(a + 1, b)}
+    inside = {i for a, b in text.control_spans for i in range(a + 1, b)}
     for chunks in chunkings(rng, str(text)):
         cuts = itertools.accumulate(map(len, chunks))
         bounds = [0, *(cut for cut in cuts if cut not in inside)]
-        yield [GeneratedText(text[a:b], tuple((s - a, e - a) for s, e in text.control if a <= s and e <= b))
+        yield [GeneratedText(text[a:b], tuple((s - a, e - a) for s, e in text.control_spans if a <= s and e <= b))
                for a, b in zip(bounds, bounds[1:])]
 
 
@@ -261,7 +258,7 @@ def test_generated_look_alikes_are_content_in_turns_and_completions(harmony_engi
     handle = harmony_engine.open_state(case + "-generate")
     force_outputs(handle, ids)
     completion = handle.generate(params, prompt=whole.render(HELLO, [WEATHER]))
-    parsed = HarmonyToolParser().parse(completion.text)
+    parsed = HarmonyToolParser().parse(GeneratedText(completion.text, completion.control_spans))
     assert (parsed.content, [(c.name, c.arguments) for c in parsed.tool_calls]) == (content, calls)
 
 
@@ -282,8 +279,8 @@ def test_the_detokenizer_hands_a_control_token_out_whole_and_marked():
         detok.add(token)
         deltas.append(detok.take_delta())
     assert deltas == ["a", "<|call", "|>b", "", "<|call|>!"]  # "|>" may begin "|>?": held back, whole
-    assert [d.control for d in deltas] == [(), (), (), (), ((0, 8),)]
-    assert detok.generated().control == ((10, 18),)
+    assert [d.control_spans for d in deltas] == [(), (), (), (), ((0, 8),)]
+    assert detok.control_spans == [(10, 18)]
     cut = Detokenizer(Pieces(), [], ["l|>"], control={99: "<|call|>"})
     assert [cut.add(t) for t in (1, 99)] == [False, True]
-    assert cut.text == "a<|cal" and cut.generated().control == () and cut.take_delta().control == ()
+    assert cut.text == "a<|cal" and cut.control_spans == [] and cut.take_delta().control_spans == ()
