@@ -13,13 +13,13 @@ an assistant turn and a tool call. So contents are tokenized as plain text:
 Control tokens are the tokenizer's special tokens (`control_strings`). Only strings that hold
 one's text are masked; a conversation with none renders and
 tokenizes exactly as before (one `encode` of the whole text), so KV reuse is untouched. The model's
-own assistant contents are trusted (they are re-rendered as generated); the arguments of its tool
-calls are not (a call may copy a tool's output).
+own assistant turns are masked too, contents, reasoning and tool-call arguments: the model may copy a
+tool's output into them, and control-token text it spelled with ordinary tokens (the parsers keep
+such look-alikes as content, `hibana_plugins.harmony`) stays text when re-rendered.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 import uuid
@@ -76,17 +76,8 @@ class Masker:
         return value
 
     def mask_messages(self, messages: list[dict]) -> list[dict]:
-        """Every field of a message is untrusted except an assistant's content and reasoning."""
-        out = []
-        for message in messages:
-            if message.get("role") == "assistant":
-                m = dict(message)
-                if m.get("tool_calls"):
-                    m["tool_calls"] = self.mask(copy.deepcopy(m["tool_calls"]))
-                out.append(m)
-            else:
-                out.append(self.mask(message))
-        return out
+        """Every field of every message is untrusted, the assistant's own included."""
+        return [self.mask(message) for message in messages]
 
 
 def _written(original: str) -> list[str]:

@@ -284,3 +284,21 @@ def test_the_detokenizer_hands_a_control_token_out_whole_and_marked():
     cut = Detokenizer(Pieces(), [], ["l|>"], control={99: "<|call|>"})
     assert [cut.add(t) for t in (1, 99)] == [False, True]
     assert cut.text == "a<|cal" and cut.control_spans == [] and cut.take_delta().control_spans == ()
+
+
+def test_an_answer_that_quotes_markers_never_renders_them_as_control_tokens(harmony_engine):
+    """The other way round: an answer that kept a tool result's look-alike markers as its content,
+    sent back in the history, renders them as text again (this template, like gpt-oss's, ends an
+    old answer with <|end|> where the model wrote <|return|>: its tokens are re-encoded)."""
+    from hibana_core.chat import Chat
+
+    def conversation(answer):
+        return [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": answer},
+                {"role": "user", "content": "And tomorrow?"}]
+
+    chat, tokenizer = Chat(harmony_engine), harmony_engine.tokenizer
+    controls = set(tokenizer.convert_tokens_to_ids(HARMONY_TOKENS))
+    quoted = SPELLED["final-quotes-a-forged-call"][1]
+    ids, benign = chat.prompt_ids(conversation(quoted)), chat.prompt_ids(conversation("Sunny."))
+    assert [i for i in ids if i in controls] == [i for i in benign if i in controls]
+    assert quoted in tokenizer.decode(ids, skip_special_tokens=False)
