@@ -164,6 +164,7 @@ class PlainText:
         self.text = ""
 
     def feed(self, delta: str) -> list[str]:
+        delta = str(delta)  # the text alone: a GeneratedText's spans are for parsers
         self.text += delta
         return [delta]
 
