@@ -48,7 +48,8 @@ class StopMatcher:
 
 
 class Detokenizer:
-    """`control` maps the ids of the tokenizer's control tokens to their text."""
+    """One request's generated text, token by token; `control` maps the ids of the tokenizer's
+    control tokens to their text, so that their spans are recorded (`control_spans`)."""
 
     def __init__(self, tokenizer: Any | None, history: Sequence[int], stop: Sequence[str],
                  control: Mapping[int, str] | None = None) -> None:

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from hibana_plugins.harmony import HarmonyToolParser
-from hibana_plugins.hookspecs import GeneratedText
+from hibana_plugins.hookspecs import GeneratedText, ParsedOutput
 from hibana_plugins.manager import get_plugin_manager
 from test_hostile_chat import chunkings, streamed
 
@@ -302,3 +302,13 @@ def test_an_answer_that_quotes_markers_never_renders_them_as_control_tokens(harm
     ids, benign = chat.prompt_ids(conversation(quoted)), chat.prompt_ids(conversation("Sunny."))
     assert [i for i in ids if i in controls] == [i for i in benign if i in controls]
     assert quoted in tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_a_prefill_is_markup_and_the_generated_text_after_it_is_read_by_its_spans():
+    """A turn's prefill is a plain `str` (the chat layer encodes its markers as the tokens); the
+    model's text after it has markers at its control spans only, even one that the prefill begins."""
+    stream = HarmonyToolParser().stream()
+    stream.feed("<|channel|>final<|message|>It said <|ret")
+    stream.feed(GeneratedText("urn|> and <|end|> then", ()))
+    stream.feed(GeneratedText("<|return|>", ((0, 10),)))
+    assert stream.finish() == ParsedOutput("It said <|return|> and <|end|> then", [], None)
