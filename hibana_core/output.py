@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hibana_core.detokenizer import Detokenizer
+from hibana_core.prompt import control_strings
 from hibana_core.scheduler import Request, RequestOutput
 from hibana_core.state import Completion, RequestStats, StreamEvent
+from hibana_plugins.hookspecs import GeneratedText
 
 logger = logging.getLogger("hibana.requests")
 
@@ -133,6 +135,7 @@ class _Delivery:
 class OutputProcessor:
     def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
+        self.control = _control_tokens(tokenizer)
         self.counters = OutputCounters()
         self._deliveries: dict[int, _Delivery] = {}
 
@@ -140,7 +143,7 @@ class OutputProcessor:
         """Start delivering a request's events (before it reaches the scheduler)."""
         detokenizer = None
         if request.params is not None:
-            detokenizer = Detokenizer(self.tokenizer, request.seq.tokens, request.params.stop)
+            detokenizer = Detokenizer(self.tokenizer, request.seq.tokens, request.params.stop, self.control)
             request.stop_check = detokenizer.add
         stream = RequestStream(loop)
         self._deliveries[request.id] = _Delivery(stream, detokenizer)
@@ -158,8 +161,9 @@ class OutputProcessor:
             for token, logprob in zip(out.new_token_ids, logprobs):
                 if delivery.first_token is None:
                     delivery.first_token = now - delivery.started
-                text = delivery.detokenizer.take_delta() if delivery.detokenizer else ""
-                if not delivery.stream.put(StreamEvent(token, text, logprob=logprob)):
+                text = delivery.detokenizer.take_delta() if delivery.detokenizer else GeneratedText("")
+                if not delivery.stream.put(StreamEvent(token, str(text), logprob=logprob,
+                                                       control_spans=text.control_spans)):
                     out.request.cancelled = True  # nobody listens: dropped at the next schedule
 
     def finish(self, request: Request) -> None:
@@ -177,7 +181,18 @@ class OutputProcessor:
                     request.finish_reason or "done", stats.prompt_tokens, stats.reused, stats.computed,
                     stats.generated, stats.elapsed)
         wanted = request.params is not None and request.params.logprobs
-        completion = Completion(list(request.output), request.finish_reason or "",
-                                detok.text if detok else "", stats, list(request.logprobs) if wanted else None)
-        tail = detok.take_delta(final=True) if detok else ""
-        delivery.stream.put(StreamEvent(None, tail, request.finish_reason, completion))
+        completion = Completion(list(request.output), request.finish_reason or "", detok.text if detok else "",
+                                stats, list(request.logprobs) if wanted else None,
+                                tuple(detok.control_spans) if detok else ())
+        tail = detok.take_delta(final=True) if detok else GeneratedText("")
+        delivery.stream.put(StreamEvent(None, str(tail), request.finish_reason, completion,
+                                        control_spans=tail.control_spans))
+
+
+def _control_tokens(tokenizer: Any | None) -> dict[int, str]:
+    """Id -> text of the tokenizer's control tokens (`prompt.control_strings`), which the
+    detokenizer marks in generated text."""
+    if tokenizer is None:
+        return {}
+    vocab = tokenizer.get_vocab()
+    return {vocab[text]: text for text in control_strings(tokenizer) if text in vocab}

@@ -13,10 +13,11 @@ an assistant turn and a tool call. So contents are tokenized as plain text:
 Control tokens are the tokenizer's special tokens (`control_strings`). Only strings that hold
 one's text are masked; a conversation with none renders and
 tokenizes exactly as before (one `encode` of the whole text), so KV reuse is untouched. The model's
-own assistant contents are contents too: a model that quotes a tool result spells its control-token
-text with ordinary tokens, and it is those ordinary tokens that the next turn must render (the state
-holds them, so reuse is kept); read as markup they would forge a turn. Over HTTP a client's
-assistant message is as untrusted as its user message.
+own assistant turns are masked too, contents, reasoning and tool-call arguments: the model may copy a
+tool's output into them, and control-token text it spelled with ordinary tokens (the parsers keep
+such look-alikes as content, `hibana_plugins.harmony`) stays text when re-rendered (the state holds those
+ordinary tokens, so reuse is kept). Over HTTP a client's assistant message is as untrusted as its
+user message.
 """
 
 from __future__ import annotations

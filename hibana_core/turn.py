@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequen
 
 from hibana_core.config import SamplingParams
 from hibana_core.errors import ChatTimeoutError, GrammarError, HibanaError
-from hibana_plugins.hookspecs import ParsedOutput, ToolCall, ToolCallDelta, ToolCallStream
+from hibana_plugins.hookspecs import GeneratedText, ParsedOutput, ToolCall, ToolCallDelta, ToolCallStream
 
 if TYPE_CHECKING:
     from hibana_core.output import RequestEvents
@@ -164,6 +164,7 @@ class PlainText:
         self.text = ""
 
     def feed(self, delta: str) -> list[str]:
+        delta = str(delta)  # the text alone: a GeneratedText's spans are for parsers
         self.text += delta
         return [delta]
 
@@ -290,7 +291,7 @@ class TurnRun:
             self.generated = len(event.completion.token_ids)
             reason = event.completion.finish_reason
             self.finish_reason = "stop" if self.stopped and reason == "cancelled" else reason
-        return self._feed(event.text)
+        return self._feed(GeneratedText(event.text, event.control_spans))
 
     def finish(self) -> list[ChatDelta]:
         deltas = []

@@ -13,6 +13,12 @@ arguments' JSON) and otherwise a preamble the user may see (content). A turn wit
 harmony markup is all content. <|call|> and <|return|> end a turn (the engine stops there and
 leaves them out of the text), <|end|> ends one message of it.
 
+The markers are special tokens, and only those the model generated as such are markup: a message
+body may quote a tool result that holds "<|call|>" or "<|channel|>commentary to=functions.x", and
+those characters, spelled by ordinary tokens, stay in the body. The engine's text says which of
+its spans are control tokens (`GeneratedText`); a plain `str` is read as its tokenizer would
+encode it, every marker's text a marker (`_Markers`).
+
 The chat format keeps the checkpoint's own template (gpt-oss checkpoints ship it; the chat layer
 keeps message contents from turning into control tokens) and names the parser, and its turns end
 at <|return|> and <|call|> only: <|end|> closes the analysis message in the middle of a turn.
@@ -23,7 +29,7 @@ from __future__ import annotations
 import json
 import re
 
-from hibana_plugins.hookspecs import ParsedOutput, ToolCallStream, hookimpl
+from hibana_plugins.hookspecs import GeneratedText, ParsedOutput, Span, ToolCallDelta, ToolCallStream, hookimpl
 from hibana_plugins.tool_parsers import _Decoded, _loads, _Stream, partial_tag_length
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
@@ -31,51 +37,105 @@ MESSAGE_ENDS = ("<|end|>", "<|call|>", "<|return|>")
 END_OF_TURN_TOKENS = ("<|return|>", "<|call|>")
 FUNCTIONS = "functions."
 _RECIPIENT = re.compile(r"to=(\S+?)(?=<\||\s|$)")
-_CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
+_WORD = re.compile(r"\s*(\w+)")
+
+
+class _Markers:
+    """Where harmony's markers stand in the text a stream was fed (positions in all of it).
+
+    A `GeneratedText` says so itself: at its control spans, nowhere else, so that a marker the
+    model spelled with ordinary tokens (quoting a tool result) stays text. A plain `str` (a
+    caller's prefill, a text handed to `parse`) is read as the tokenizer would encode it: a
+    marker's text anywhere inside plain text fed in a row is the marker."""
+
+    def __init__(self) -> None:
+        self.fed = 0
+        self._control: set[Span] = set()
+        self._plain: list[Span] = []  # runs of plain text fed in a row
+
+    def add(self, text: str) -> None:
+        if isinstance(text, GeneratedText):
+            self._control.update((self.fed + a, self.fed + b) for a, b in text.control_spans)
+        elif self._plain and self._plain[-1][1] == self.fed:
+            self._plain[-1] = (self._plain[-1][0], self.fed + len(text))
+        else:
+            self._plain.append((self.fed, self.fed + len(text)))
+        self.fed += len(text)
+
+    def at(self, start: int, end: int) -> bool:
+        """Whether the characters [start, end) are a marker, not text that looks like one."""
+        return (start, end) in self._control or any(a <= start and end <= b for a, b in self._plain)
 
 
 class _HarmonyStream(_Stream):
     """Modes: "header" (collecting one message's header until <|message|>), "body" (inside a
     message; `_channel` and `_recipient` say where its body goes). The analysis bodies are kept
-    apart as `reasoning`."""
+    apart as `reasoning`. Markers count where `_markers` says they are markers only."""
 
     def __init__(self) -> None:
         super().__init__()
         self._mode = "header"
         self._channel: str | None = None
         self._recipient: str | None = None
+        self._markers = _Markers()
+        self._start = 0  # where `_buffer` starts in the text fed
         self.reasoning = ""
+
+    def feed(self, text_delta: str) -> list[str | ToolCallDelta]:
+        self._markers.add(text_delta)
+        return super().feed(text_delta)
 
     def _advance(self, out: list, final: bool) -> None:
         while True:
             if self._mode == "header":
-                at = self._buffer.find(MESSAGE)
+                at = self._find(MESSAGE)
                 if at < 0:
                     if final:  # no harmony markup (or a header cut off): plain content
-                        self._text(out, self._buffer)
-                        self._buffer = ""
+                        self._text(out, self._take(len(self._buffer)))
                     return
-                self._read_header(self._buffer[:at])
-                self._buffer = self._buffer[at + len(MESSAGE):]
+                self._read_header(at)
+                self._take(at + len(MESSAGE))
                 self._mode = "body"
-            end, marker = _first_end(self._buffer)
+            end, marker = self._first_end()
             if end < 0 and not final:
                 if self._streams_text():  # text as it comes, less what may begin an end marker
                     keep = max(partial_tag_length(self._buffer, m) for m in MESSAGE_ENDS)
-                    cut = len(self._buffer) - keep
-                    self._text(out, self._buffer[:cut])
-                    self._buffer = self._buffer[cut:]
+                    self._text(out, self._take(len(self._buffer) - keep))
                 return
-            body = self._buffer if end < 0 else self._buffer[:end]
-            self._buffer = "" if end < 0 else self._buffer[end + len(marker):]
+            body = self._take(len(self._buffer) if end < 0 else end)
+            self._take(len(marker))
             self._end_message(out, body)
             self._mode = "header"
             if end < 0:
                 return
 
-    def _read_header(self, header: str) -> None:
-        header = header.split(START)[-1]
-        channel, recipient = _CHANNEL.search(header), _RECIPIENT.search(header)
+    def _take(self, n: int) -> str:
+        """The first `n` characters of `_buffer`, removed from it."""
+        taken, self._buffer = self._buffer[:n], self._buffer[n:]
+        self._start += n
+        return taken
+
+    def _find(self, marker: str, begin: int = 0, end: int | None = None) -> int:
+        """Where the first real `marker` in `_buffer[begin:end]` starts; -1 if none."""
+        at = self._buffer.find(marker, begin, end)
+        while at >= 0 and not self._markers.at(self._start + at, self._start + at + len(marker)):
+            at = self._buffer.find(marker, at + 1, end)
+        return at
+
+    def _first_end(self) -> tuple[int, str]:
+        """Where the first message end marker in `_buffer` is, and which; (-1, "") if none."""
+        found = [(at, m) for m in MESSAGE_ENDS if (at := self._find(m)) >= 0]
+        return min(found) if found else (-1, "")
+
+    def _read_header(self, length: int) -> None:
+        """The header in `_buffer[:length]`, from its last <|start|> on: the word after
+        <|channel|>, and the recipient (`to=`)."""
+        begin = 0
+        while (at := self._find(START, begin, length)) >= 0:
+            begin = at + len(START)
+        channel_at = self._find(CHANNEL, begin, length)
+        channel = _WORD.match(self._buffer, channel_at + len(CHANNEL), length) if channel_at >= 0 else None
+        recipient = _RECIPIENT.search(self._buffer[begin:length])
         self._channel = channel.group(1) if channel else None
         self._recipient = recipient.group(1) if recipient else None
 
@@ -98,12 +158,6 @@ class _HarmonyStream(_Stream):
             self.reasoning += body
         else:
             self._text(out, body)
-
-
-def _first_end(text: str) -> tuple[int, str]:
-    """Where the first message end marker in `text` is, and which; (-1, "") if none."""
-    found = [(text.find(m), m) for m in MESSAGE_ENDS if m in text]
-    return min(found) if found else (-1, "")
 
 
 def _decode_arguments(name: str, body: str) -> _Decoded:

@@ -63,6 +63,11 @@ def register_tool_parsers(register) -> None:
       deltas: id and name first, then argument fragments), `close() -> list[...]` (what was held
       back, at the end of the generation) and `finish() -> ParsedOutput` (authoritative).
       The argument fragments of one call concatenate to JSON equal to its final arguments.
+    - Generated text comes as a `GeneratedText` (a `str`; `parse` and `feed` take either): its
+      `control_spans` are where the model generated control (special) tokens. A parser whose
+      markup is made of special tokens (harmony's `<|call|>`) splits at those spans only: the
+      same characters spelled by ordinary tokens (a quoted tool result) are content. A plain
+      `str` is read as its tokenizer would encode it: every marker's text is the marker.
 
     Optional, for calls valid by construction (grammar-constrained; otherwise the hermes and
     llama3_json syntaxes are known by name and other parsers get no grammar):
@@ -135,6 +140,24 @@ def register_surgery_passes(register) -> None:
 
 
 # -- the tool-call protocol: what a registered tool parser exchanges with the core --------------
+
+
+Span = tuple[int, int]
+
+
+class GeneratedText(str):
+    """Generated text that knows which of its characters are control tokens' text:
+    `control_spans`, the (start, end) character spans of the special token ids the model
+    generated, in order. Outside them every character came from ordinary tokens, whatever it
+    spells. It is a `str` (parsers that need no provenance read it as one); slicing or joining
+    gives a plain `str`."""
+
+    control_spans: tuple[Span, ...] = ()
+
+    def __new__(cls, text: str, control_spans: tuple[Span, ...] = ()) -> "GeneratedText":
+        generated = super().__new__(cls, text)
+        generated.control_spans = tuple(control_spans)
+        return generated
 
 
 @dataclass(frozen=True)
