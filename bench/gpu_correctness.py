@@ -19,7 +19,8 @@
 6. fp8 checkpoints (tests/fp8_checkpoints.py: transformers 'fp8' in 16x16 blocks, in 24x40 blocks
    that fused layers hold per row, per tensor; compressed-tensors per channel where installed),
    float32: GPU (fp8 GEMV at 3 agents, GEMM at 6, dequantize + cuBLAS in prefill) == CPU, greedy.
-7. families (issue 18): gemma3, phi3, qwen3_moe and gpt_oss (MoE routers with tied rows), float32,
+7. families (issue 18): gemma3, phi3 (also with LongRoPE's switch at 64 tokens, inside the
+   histories), qwen3_moe and gpt_oss (MoE routers with tied rows), float32,
    GPU == transformers on the GPU, greedy, 4 agents batched, eager and CUDA graphs; gpt_oss also
    from an MXFP4 checkpoint (the experts' Triton MXFP4 paths) against transformers' dequantized
    model. (Checks 1, 3 and 5 run them too, GPU == CPU, with routers free of ties.)
@@ -328,6 +329,9 @@ def family_cases() -> Iterator[tuple[str, Path, list[list[int]]]]:
 
     for arch, path, prompts in tiny_cases(FAMILIES, 23, tied_experts=True):
         yield arch, path, prompts
+        if arch == "phi3":  # LongRoPE's switch inside the prompts and generations: long tables, recomputes
+            yield "phi3 switch 64", make_tiny_checkpoint(arch, path.parent / "phi3-64",
+                                                         original_max_position_embeddings=64), prompts
         if arch == "gpt_oss":
             yield "gpt_oss mxfp4", make_mxfp4_checkpoint(path, path.parent / "gpt_oss-mxfp4"), prompts
             yield "gpt_oss untied", make_tiny_checkpoint(arch, path.parent / "gpt_oss-untied",
