@@ -405,14 +405,15 @@ class StateRegistry:
 
     def _write(self, seq: KVSequence, state_id: str, path: Path) -> None:
         """Write `seq` as a state file (from its parked copy when it is parked)."""
-        computed, kv = seq.num_computed, None
+        computed, kv, rotated_long = seq.num_computed, None, seq.rotated_long
         if not seq.block_ids and seq.parked is not None:  # parked in host memory or on disk: its copy
             computed = common_prefix_len(seq.tokens, seq.parked.tokens)
             kv = seq.parked.host_kv()[:, :, :-(-computed // self.pool.block_size)]
+            rotated_long = seq.parked.rotated_long
         if kv is None:
             kv = self.kv_cache.read_blocks(seq.block_ids)
         state_file.write(path, state_id, seq.tokens, computed, self.pool.block_size, kv, self.limits.fingerprint,
-                         seq.rotated_long)
+                         rotated_long)
 
     def load(self, path: str | os.PathLike, state_id: str | None = None, *, share: bool = False) -> StateHandle:
         """Restore a state written by `save` (same model and tokenizer only). The file is read and

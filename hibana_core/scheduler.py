@@ -376,7 +376,8 @@ class Scheduler:
                 return None  # its token in flight is its last: it finishes when that is read back
         elif request.num_uncomputed == 0:
             return None  # a sync whose last chunk is in flight: it finishes at that step's update
-        seq.rotate_for(request.num_tokens)  # LongRoPE: past its switch the whole history is recomputed
+        if seq.rotate_for(request.num_tokens) and seq.parked is not None:  # LongRoPE: past its switch
+            self.eviction.tier.forget(seq)  # the whole history is recomputed; a parked copy is of the old one
         before = seq.num_computed
         gained = seq.reuse_cached_blocks(request.num_tokens - (1 if request.samples else 0))
         if request.num_uncomputed == 0:  # a sync fully served from the prefix index

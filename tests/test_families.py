@@ -202,3 +202,18 @@ def test_decode_bytes_per_token_counts_only_routed_experts_and_one_embedding_row
     unrouted = sum(args.moe.layers) * (config.num_experts - config.num_experts_per_tok) * per_expert
     other_rows = (config.vocab_size - 1) * config.hidden_size * 4
     assert engine.model.decode_bytes_per_token() == engine.weight_bytes - unrouted - other_rows
+
+
+def test_a_parked_copy_of_the_other_rotation_is_never_restored(longrope_checkpoint, make_engine):
+    """A state parked under the short rotation that turns long (it grew past the switch while its
+    copy stayed parked, e.g. when restoring found no room) recomputes instead of taking the copy."""
+    engine = make_engine(longrope_checkpoint, host_kv_bytes=1 << 26, enable_prefix_caching=False)
+    history = list(range(2, 42))
+    h = engine.open_state("a")
+    h.generate(SamplingParams(max_tokens=2, ignore_eos=True), prompt=history)
+    seq, tier = engine.registry._entries["a"].seq, engine.scheduler.eviction.tier
+    with engine.core.lock:
+        assert tier.park(seq) and seq.parked is not None and not seq.parked.rotated_long
+        seq.rotate_for(SWITCH + 1)  # what a step past the switch does
+        assert tier.restore(seq, lambda blocks: False) == 0
+    assert seq.parked is None and seq.num_computed == 0

@@ -47,6 +47,7 @@ class ParkedKV:
     kv: torch.Tensor | None       # [num_layers, 2, blocks, block_size, H_kv, D] on the host; None: on disk
     path: Path | None = None      # the spill file holding it, when it is on disk
     size: int = 0                 # its bytes on disk
+    rotated_long: bool = False    # under LongRoPE's long rotation (`KVSequence.rotated_long`)
 
     @property
     def nbytes(self) -> int:
@@ -126,8 +127,8 @@ class HostTier:
         host.copy_(device_kv)
         copied = time.perf_counter() - began
         if to_host:
-            self._hold(seq, ParkedKV(seq.tokens[:n], host))
-        elif not self._spill(seq, ParkedKV(seq.tokens[:n], host)):
+            self._hold(seq, ParkedKV(seq.tokens[:n], host, rotated_long=seq.rotated_long))
+        elif not self._spill(seq, ParkedKV(seq.tokens[:n], host, rotated_long=seq.rotated_long)):
             return False  # the disk takes nothing: the caller releases the KV
         c = self.counters
         c.parks += 1
@@ -146,9 +147,9 @@ class HostTier:
         if parked is None or seq.num_computed:
             return 0
         n = common_prefix_len(seq.tokens, parked.tokens)
-        if n < seq.block_size or seq.index_match(n) >= n:
-            self.forget(seq)  # diverged within its first block, or all of it still in the prefix index
-            return 0
+        if n < seq.block_size or seq.index_match(n) >= n or parked.rotated_long != seq.rotated_long:
+            self.forget(seq)  # diverged within its first block, all of it still in the prefix index,
+            return 0          # or under LongRoPE's other rotation (the state recomputes)
         blocks = -(-n // seq.block_size)
         seq.reuse_cached_blocks(n)  # what other states still hold (a shared system prompt) is not copied
         first = len(seq.block_ids)
@@ -188,7 +189,7 @@ class HostTier:
         nbytes = kv.numel() * kv.element_size()
         if not self._room(nbytes):
             return False
-        self._hold(seq, ParkedKV(list(tokens), kv.pin_memory() if self.pinned else kv))
+        self._hold(seq, ParkedKV(list(tokens), kv.pin_memory() if self.pinned else kv, rotated_long=seq.rotated_long))
         return True
 
     def _hold(self, seq: KVSequence, parked: ParkedKV) -> None:
@@ -206,14 +207,14 @@ class HostTier:
         parked = seq.parked
         if parked.kv is not None:
             if self._room(parked.nbytes):
-                self._hold(twin, ParkedKV(parked.tokens, parked.kv))
+                self._hold(twin, ParkedKV(parked.tokens, parked.kv, rotated_long=parked.rotated_long))
             return
         path = self.spill_dir / f"{next(self._files):08d}.kv"
         try:
             os.link(parked.path, path)
         except OSError:
             return
-        self._track_spill(twin, ParkedKV(parked.tokens, None, path, parked.size))
+        self._track_spill(twin, ParkedKV(parked.tokens, None, path, parked.size, parked.rotated_long))
 
     def _spill(self, seq: KVSequence, parked: ParkedKV) -> bool:
         """Write a host copy to a spill file and make that `seq`'s parked copy."""
@@ -229,7 +230,7 @@ class HostTier:
             return False
         size = path.stat().st_size
         self.forget(seq)
-        self._track_spill(seq, ParkedKV(parked.tokens, None, path, size))
+        self._track_spill(seq, ParkedKV(parked.tokens, None, path, size, parked.rotated_long))
         c = self.counters
         c.spills += 1
         c.disk_bytes_moved += size
