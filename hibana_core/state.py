@@ -58,8 +58,8 @@ class Completion:
     text: str             # decoded output, cut before a stop string ("" without a tokenizer)
     stats: RequestStats
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
-    control_spans: tuple[tuple[int, int], ...] = ()  # (start, end) of `text` where the model
-                                                     # generated control (special) tokens
+    control_spans: tuple[tuple[int, int], ...] | None = None  # (start, end) of `text` where the model
+                                                              # generated control (special) tokens
 
 
 @dataclass(frozen=True)
@@ -72,8 +72,9 @@ class StreamEvent:
     finish_reason: str | None = None
     completion: Completion | None = None
     logprob: TokenLogprob | None = None   # the token's, when the request asked for logprobs
-    control_spans: tuple[tuple[int, int], ...] = ()  # (start, end) of `text` that are control
-                                                     # tokens' text (never split between events)
+    control_spans: tuple[tuple[int, int], ...] | None = None  # (start, end) of `text` that are
+                      # control tokens' text (never split between events); None: not known (an event
+                      # built elsewhere), and its text is read as its tokenizer would encode it
 
 
 @dataclass(frozen=True)

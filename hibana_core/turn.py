@@ -291,7 +291,8 @@ class TurnRun:
             self.generated = len(event.completion.token_ids)
             reason = event.completion.finish_reason
             self.finish_reason = "stop" if self.stopped and reason == "cancelled" else reason
-        return self._feed(GeneratedText(event.text, event.control_spans))
+        known = event.control_spans is not None  # an event relayed without them: markers read from text
+        return self._feed(GeneratedText(event.text, event.control_spans) if known else event.text)
 
     def finish(self) -> list[ChatDelta]:
         deltas = []

@@ -312,3 +312,21 @@ def test_a_prefill_is_markup_and_the_generated_text_after_it_is_read_by_its_span
     stream.feed(GeneratedText("urn|> and <|end|> then", ()))
     stream.feed(GeneratedText("<|return|>", ((0, 10),)))
     assert stream.finish() == ParsedOutput("It said <|return|> and <|end|> then", [], None)
+
+
+def test_an_event_relayed_without_control_spans_reads_markers_from_its_text():
+    """A StreamEvent built elsewhere (a relay, a test double) carries no spans (None: not known):
+    its text is read as its tokenizer would encode it, as before spans existed."""
+    from hibana_core.config import SamplingParams
+    from hibana_core.state import Completion, RequestStats, StreamEvent
+    from hibana_core.turn import TurnRun
+
+    text = ('<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>commentary '
+            'to=functions.get <|constrain|>json<|message|>{"a": 1}')
+    run = TurnRun([1, 2], "", SamplingParams(max_tokens=5), HarmonyToolParser().stream(), lambda s: [0], None)
+    run.begin()
+    run.on_event(StreamEvent(0, text))
+    run.on_event(StreamEvent(None, "", "stop", Completion([0], "stop", text, RequestStats(2, 0, 2, 1, None, 0.0))))
+    result = run.finish()[-1].result
+    assert [(c.name, c.arguments) for c in result.tool_calls] == [("get", {"a": 1})]
+    assert result.reasoning == "think"
