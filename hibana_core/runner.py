@@ -209,8 +209,7 @@ def gather_step(scheduled: SchedulerOutput, previous: StepInFlight | None = None
             from_device.append(DeviceInput(len(ids), previous.rows[chunk.request.id]))
             ids.append(0)
         ids.extend(drafts)
-        offset = seq.position_offset  # LongRoPE's long rotation: the second half of its tables
-        positions.extend(range(chunk.start + offset, chunk.end + offset))
+        positions.extend(seq.rope_positions(chunk.start, chunk.end))  # LongRoPE: its long rows
         slots.extend(seq.slot(p) for p in range(chunk.start, chunk.end))
         seq_lens.append(chunk.end)
         starts.append(starts[-1] + chunk.num_tokens)

@@ -17,7 +17,8 @@ Committed blocks are immutable and may be shared: writing into one first copies 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+import itertools
+from typing import Callable, Iterable, Sequence
 
 from hibana_core.kv.block_pool import BlockHash, BlockPool, hash_block
 
@@ -29,8 +30,9 @@ class LongRope:
     longer, every position by the long factors: transformers' generate drops its cache at the
     token that crosses the switch and recomputes the whole sequence, and so does a state here
     (`KVSequence.rotate_for`, once per state; a history that shrinks back below the switch goes
-    back to the short rotation). The model's cos/sin tables hold a per-position rotation first
-    (what a draft model's states read) and the long one from `offset` on (`position_offset`)."""
+    back to the short rotation). The model's cos/sin tables hold a per-position rotation (short
+    below the switch, long from there: what a draft model's states read) and, from row `offset`
+    on, the long rotation of the positions below the switch (`rope_positions`)."""
 
     switch: int
     offset: int
@@ -91,10 +93,13 @@ class KVSequence:
             self._hashes.append(hash_block(parent, self.tokens[i * bs:(i + 1) * bs]))
         return self._hashes[index]
 
-    @property
-    def position_offset(self) -> int:
-        """What the model's rotary tables are indexed by, less the position (`LongRope`)."""
-        return self.long_rope.offset if self.rotated_long else 0
+    def rope_positions(self, start: int, end: int) -> Iterable[int]:
+        """The rotary tables' rows of positions start..end-1 (`LongRope`): the positions
+        themselves, but under the long rotation those below the switch read its long rows."""
+        if not self.rotated_long or start >= self.long_rope.switch:
+            return range(start, end)
+        switch, offset = self.long_rope.switch, self.long_rope.offset
+        return itertools.chain(range(start + offset, min(end, switch) + offset), range(max(start, switch), end))
 
     def begin_request(self) -> bool:
         """A request on the history held now is about to compute: under LongRoPE, the rotation

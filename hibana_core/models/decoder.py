@@ -84,18 +84,20 @@ class Rope:
     def angles(self, max_positions: int) -> torch.Tensor:
         """position * inv_freq, [max_positions, dim // 2] float32.
 
-        LongRoPE: [2 * max_positions, dim // 2], two tables one after the other. The first
-        rotates per position: short factors below original_max_position_embeddings, long ones
-        from there on; the second rotates every position by the long factors.
-        `hibana_core.kv.sequence.LongRope` says which a state reads, and how that follows
-        transformers."""
+        LongRoPE: [max_positions + original, dim // 2] (original: its
+        original_max_position_embeddings). The first max_positions rows rotate per position:
+        short factors below original, long ones from there on; the last `original` rows are the
+        long rotation of positions below original. A state under the long rotation reads those
+        instead of the short rows (`hibana_core.kv.sequence.LongRope`, which says how this
+        follows transformers)."""
         positions = torch.arange(max_positions, dtype=torch.float32)
         if self.rope_type != "longrope":
             return torch.outer(positions, self.inv_freq())
         scaling = dict(self.scaling)
         split = scaling["original_max_position_embeddings"]
         long = torch.outer(positions, self.inv_freq(scaling["long_factor"]))
-        return torch.cat((torch.outer(positions[:split], self.inv_freq(scaling["short_factor"])), long[split:], long))
+        return torch.cat((torch.outer(positions[:split], self.inv_freq(scaling["short_factor"])), long[split:],
+                          long[:split]))
 
     @property
     def attention_factor(self) -> float:
@@ -105,8 +107,8 @@ class Rope:
 
 def longrope_switch(args: Any) -> int | None:
     """original_max_position_embeddings of the model's LongRoPE (one per model: Phi-3's), where a
-    layer's rope is LongRoPE; its cos/sin tables then hold two rotations (`Rope.angles`), the
-    second from position args.max_position_embeddings on."""
+    layer's rope is LongRoPE; its cos/sin tables then hold the long rotation of the positions
+    below it from row args.max_position_embeddings on (`Rope.angles`)."""
     for rope in dict.fromkeys(getattr(args, "ropes", ())):
         if rope.rope_type == "longrope":
             return dict(rope.scaling)["original_max_position_embeddings"]
