@@ -333,7 +333,8 @@ class StateRegistry:
                                       None)
         for _ in events:
             pass
-        return SyncStats(reused=events.request.reused, computed=events.request.computed)
+        reused, computed = events.request.prompt_counts()
+        return SyncStats(reused=reused, computed=computed)
 
     def generate(self, handle: StateHandle, params: SamplingParams, prompt: Sequence[int] | None,
                  loop: asyncio.AbstractEventLoop | None) -> RequestEvents:
