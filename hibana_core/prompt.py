@@ -63,23 +63,30 @@ class Masker:
     def hostile(self, text: str) -> bool:
         return self.pattern is not None and self.pattern.search(text) is not None
 
-    def mask(self, value: Any) -> Any:
-        """`value` (strings, dicts, lists) with each hostile string, dict keys too, a sentinel."""
+    def mask(self, value: Any, each: bool = False) -> Any:
+        """`value` (strings, dicts, lists) with each hostile string, dict keys too, a sentinel;
+        with `each`, each control-token text within the string instead (the rest stays)."""
         if isinstance(value, str):
             if not self.hostile(value):
                 return value
-            sentinel = f"{self.tag}x{len(self.originals)}x"
-            self.originals[sentinel] = value
-            return sentinel
+            return self.pattern.sub(lambda m: self._sentinel(m.group(0)), value) if each else self._sentinel(value)
         if isinstance(value, dict):
-            return {self.mask(k): self.mask(v) for k, v in value.items()}
+            return {self.mask(k, each): self.mask(v, each) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            return [self.mask(v) for v in value]
+            return [self.mask(v, each) for v in value]
         return value
 
+    def _sentinel(self, original: str) -> str:
+        sentinel = f"{self.tag}x{len(self.originals)}x"
+        self.originals[sentinel] = original
+        return sentinel
+
     def mask_messages(self, messages: list[dict]) -> list[dict]:
-        """Every field of every message is untrusted, an assistant's content and reasoning too."""
-        return [self.mask(message) for message in messages]
+        """Every field of every message is untrusted, an assistant's content and reasoning too.
+        An assistant's keep their text around each control-token text: reasoning templates
+        split old answers at `</think>` (Qwen3's, DeepSeek-R1's), which a whole-string
+        sentinel would hide."""
+        return [self.mask(message, each=message.get("role") == "assistant") for message in messages]
 
 
 def _written(original: str) -> list[str]:
