@@ -33,6 +33,14 @@ def _random_mxfp4(gen, *shape):
     return blocks, scales
 
 
+def _random_int8(gen, *shape, std):
+    """(codes int8 [..., N, K], scales float32 [..., N]) of weights about `std`, the scales
+    varying per row (codes uniform on [-127, 127]: a standard deviation of about 73)."""
+    codes = torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8)
+    scales = std / 73 * (0.5 + torch.rand(shape[:-1], generator=gen))
+    return codes, scales
+
+
 def _tie_router_rows(weight: torch.Tensor, bias: torch.Tensor | None = None):
     """Copies expert 1's router row (and bias) onto experts 2, 4 and 6: their logits tie exactly."""
     with torch.no_grad():
@@ -155,6 +163,19 @@ def test_reference_matches_gpt_oss_mlp_with_mxfp4_experts():
     torch.testing.assert_close(out, expected[0], atol=1e-4, rtol=1e-5)
 
 
+def test_int8_reference_is_the_dense_reference_on_dequantized_weights():
+    gen = torch.Generator().manual_seed(8)
+    (w13, s13), (w2, s2) = _random_int8(gen, 4, 2 * INTER, HIDDEN, std=0.1), _random_int8(gen, 4, HIDDEN, INTER, std=0.1)
+    experts = MoEExperts("int8", w13=w13, w2=w2, w13_scales=s13, w2_scales=s2)
+    for dtype in (torch.float32, torch.bfloat16):
+        dequantized = MoEExperts("dense", w13=(w13.float() * s13[..., None]).to(dtype),
+                                 w2=(w2.float() * s2[..., None]).to(dtype))
+        x = torch.randn(6, HIDDEN, generator=gen).to(dtype)
+        weights, ids = moe.moe_route(torch.randn(6, 4, generator=gen), 2)
+        torch.testing.assert_close(moe.fused_moe(x, experts, weights, ids),
+                                   moe.fused_moe(x, dequantized, weights, ids), atol=0, rtol=0)
+
+
 def test_bytes_per_token_counts_k_experts_weights_scales_and_biases():
     e, h, i = 4, 64, 32
     dense = MoEExperts("dense", w13=torch.zeros(e, 2 * i, h, dtype=torch.bfloat16),
@@ -168,6 +189,10 @@ def test_bytes_per_token_counts_k_experts_weights_scales_and_biases():
     codes, scales, biases = 3 * i * h // 2, 3 * i * h // 32, (2 * i + h) * 4
     assert quantized.bytes_per_token(4) == 4 * (codes + scales + biases)
     assert (quantized.num_experts, quantized.hidden_size, quantized.intermediate_size) == (e, h, i)
+    int8 = MoEExperts("int8", w13=torch.zeros(e, 2 * i, h, dtype=torch.int8), w2=torch.zeros(e, h, i, dtype=torch.int8),
+                      w13_scales=torch.zeros(e, 2 * i), w2_scales=torch.zeros(e, h))
+    assert int8.bytes_per_token(2) == 2 * (3 * i * h + (2 * i + h) * 4)
+    assert (int8.num_experts, int8.hidden_size, int8.intermediate_size) == (e, h, i)
 
 
 def test_bad_experts_and_routing_arguments_are_refused():
@@ -176,6 +201,13 @@ def test_bad_experts_and_routing_arguments_are_refused():
         MoEExperts("dense", w13=w13, w2=w2[:, :, :16])
     with pytest.raises(ValueError, match="need w13_scales"):
         MoEExperts("mxfp4", w13=w13, w2=w2)
+    codes13, codes2 = w13.to(torch.int8), w2.to(torch.int8)
+    with pytest.raises(ValueError, match="int8 w13: codes must be int8"):
+        MoEExperts("int8", w13=w13, w2=codes2, w13_scales=torch.ones(4, 64), w2_scales=torch.ones(4, 32))
+    with pytest.raises(ValueError, match="int8 w2: want codes"):
+        MoEExperts("int8", w13=codes13, w2=codes2, w13_scales=torch.ones(4, 64), w2_scales=torch.ones(4, 16))
+    with pytest.raises(ValueError, match="kind"):
+        MoEExperts("int4", w13=w13, w2=w2)
     with pytest.raises(ValueError, match="activation"):
         MoEExperts("dense", w13=w13, w2=w2, activation="gelu")
     with pytest.raises(ValueError, match="b2"):
@@ -271,6 +303,10 @@ def _random_experts(kind, activation, bias, num_experts, hidden, inter, gen):
         w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
         w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5
         quantized = {}
+    elif kind == "int8":
+        (w13, s13), (w2, s2) = (_random_int8(gen, num_experts, n, k, std=k ** -0.5) for n, k in
+                                ((2 * inter, hidden), (hidden, inter)))
+        quantized = dict(w13_scales=s13, w2_scales=s2)
     else:  # codes up to 6: scales of 2^-4 .. 2^-2
         (w13, s13), (w2, s2) = (_random_mxfp4(gen, num_experts, n, k) for n, k in
                                 ((2 * inter, hidden), (hidden, inter)))
@@ -309,7 +345,8 @@ def check_fused_moe(device, kind, activation, bias, dtype, tokens, top_k, path):
 
 
 @pytest.mark.parametrize("kind, activation, bias", [("dense", "silu", False), ("dense", "swiglu_oai", True),
-                                                    ("mxfp4", "swiglu_oai", True), ("mxfp4", "silu", False)])
+                                                    ("mxfp4", "swiglu_oai", True), ("mxfp4", "silu", False),
+                                                    ("int8", "silu", False), ("int8", "swiglu_oai", True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("path, tokens, top_k", [("decode", 1, 4), ("decode", 3, 2), ("grouped", 37, 2),
                                                   ("grouped", 5, 4)])
@@ -318,27 +355,28 @@ def test_fused_moe(run_check, kind, activation, bias, dtype, path, tokens, top_k
               top_k=top_k, path=path)
 
 
-@pytest.mark.parametrize("kind, activation", [("dense", "silu"), ("mxfp4", "swiglu_oai")])
+@pytest.mark.parametrize("kind, activation", [("dense", "silu"), ("mxfp4", "swiglu_oai"), ("int8", "silu")])
 def test_fused_moe_float16(run_check, kind, activation):
     for path in ("decode", "grouped"):
         run_check(check_fused_moe, kind=kind, activation=activation, bias=True, dtype=torch.float16,
                   tokens=9, top_k=2, path=path)
 
 
-def check_fused_moe_picks_a_path(device):
+def check_fused_moe_picks_a_path(device, kind):
     """moe_triton.fused_moe at a decode batch and a prefill batch: its own path and tiles."""
     mt = _moe_triton()
     gen = torch.Generator().manual_seed(11)
-    experts = _random_experts("mxfp4", "swiglu_oai", True, 8, 64, 32, gen)
-    for tokens in (1, mt.DECODE_MAX_TOKENS["mxfp4"] + 1):
+    experts = _random_experts(kind, "swiglu_oai", True, 8, 64, 32, gen)
+    for tokens in (1, mt.DECODE_MAX_TOKENS[kind] + 1):
         x = torch.randn(tokens, 64, generator=gen)
         weights, ids = moe.moe_route(torch.randn(tokens, 8, generator=gen), 2, scoring="topk_softmax")
         out = mt.fused_moe(x.to(device), _on(experts, device), weights.to(device), ids.to(device))
         torch.testing.assert_close(out.cpu(), moe.fused_moe(x, experts, weights, ids), atol=1e-5, rtol=1e-5)
 
 
-def test_fused_moe_picks_a_path(run_check):
-    run_check(check_fused_moe_picks_a_path)
+@pytest.mark.parametrize("kind", ["mxfp4", "int8"])
+def test_fused_moe_picks_a_path(run_check, kind):
+    run_check(check_fused_moe_picks_a_path, kind=kind)
 
 
 def test_moe_dispatch_on_cpu_runs_the_references_without_importing_triton():
