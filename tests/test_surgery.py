@@ -1,5 +1,5 @@
 """Model surgery: the load-time seam (one weight-copy path, passes, packed linear layers,
-bytes and fingerprint) and the built-in weight-only passes w8 and w4."""
+bytes and fingerprint) and the built-in weight-only passes w8 and w4 (w8 on MoE experts too)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from hibana_core import SamplingParams
 from hibana_core.errors import CheckpointError, ConfigError, StateFileError, SurgeryGuardError
 from hibana_core.loader import model_bytes
+from hibana_core.models.moe import STACKS, StackedExperts
 from hibana_core.surgery.quantize import group_size_for, quantize_int4, quantize_int8
 from hibana_kernels.quant import dequantize_int4, dequantize_int8
 from hibana_plugins.hookspecs import hookimpl
@@ -26,13 +27,17 @@ def greedy(n: int = 24) -> SamplingParams:
 
 
 def dense_twin(engine, make_engine, path):
-    """A surgery-free engine on the same checkpoint whose linear layers hold the dequantized
-    weights of `engine`'s packed ones: what the packed kernels must compute."""
+    """A surgery-free engine on the same checkpoint whose linear layers (and MoE experts) hold
+    the dequantized weights of `engine`'s packed ones: what the packed kernels must compute."""
     twin = make_engine(path, speculation="off")
     packed = dict(engine.model.named_modules())
     for name, layer in twin.model.named_modules():
         source = packed[name]
-        if getattr(source, "kind", "dense") == "int8":
+        if getattr(source, "int8", False):  # experts: per row of each expert, as int8 linears
+            for stack in STACKS:
+                codes, scales = getattr(source, f"{stack}_qweight"), getattr(source, f"{stack}_scales")
+                getattr(layer, stack).data.copy_(codes.float() * scales[..., None])
+        elif getattr(source, "kind", "dense") == "int8":
             layer.weight.data.copy_(dequantize_int8(source.qweight, source.scales, torch.float32))
         elif getattr(source, "kind", "dense") == "int4":
             layer.weight.data.copy_(dequantize_int4(source.qweight, source.scales, source.zeros,
@@ -61,6 +66,49 @@ def test_packed_model_computes_its_dequantized_weights(arch, passes, tiny_checkp
         assert got == want
         got2 = list(h.generate(greedy(8), prompt=h.tokens + prompt[:5]).token_ids)
         assert got2 == list(t.generate(greedy(8), prompt=t.tokens + prompt[:5]).token_ids)
+
+
+SPARSE_LAYERS = {"qwen3_moe": 2, "gpt_oss": 3}  # tiny_models: qwen3_moe's layer 1 is dense
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("name", ["w8", "w4"])
+def test_w8_packs_moe_experts_to_int8_and_w4_keeps_them_float(arch, name, tiny_checkpoints, make_engine):
+    path = tiny_checkpoints[arch]
+    plain = make_engine(path, speculation="off")
+    engine = make_engine(path, surgery=[name], speculation="off", surgery_guard=False)
+    record, = engine.surgery
+    experts = {n: m for n, m in engine.model.named_modules() if isinstance(m, StackedExperts)}
+    assert len(experts) == SPARSE_LAYERS[arch]
+    if name == "w4":
+        assert record["experts"] == 0 and record["experts_kept_float"] == list(experts)
+        assert {m.kernel_experts().kind for m in experts.values()} == {"dense"}
+    else:
+        assert record["experts"] == len(experts) and record["experts_kept_float"] == []
+        plain_modules = dict(plain.model.named_modules())
+        for module_name, module in experts.items():
+            kernel = module.kernel_experts()
+            assert kernel.kind == "int8" and module.gate_up_proj is None and module.down_proj is None
+            e, i, h = kernel.num_experts, kernel.intermediate_size, kernel.hidden_size
+            # each expert's float32 stacks -> int8 codes and a float32 scale per row: about a quarter
+            saved = 3 * i * h * 4 - (3 * i * h + (2 * i + h) * 4)
+            assert model_bytes(plain_modules[module_name]) - model_bytes(module) == e * saved
+        block = next(m for m in engine.model.modules() if hasattr(m, "unread_bytes_per_token"))
+        unread_saved = SPARSE_LAYERS[arch] * (e - block.top_k) * saved
+        assert plain.model.decode_bytes_per_token() - engine.model.decode_bytes_per_token() == \
+            record["bytes_before"] - record["bytes_after"] - unread_saved, "a token reads only its k experts"
+    assert engine.weight_bytes == plain.weight_bytes - record["bytes_before"] + record["bytes_after"]
+    assert engine.weight_bytes == model_bytes(engine.model)
+
+    twin = dense_twin(engine, make_engine, path)
+    rng = random.Random(4)
+    for turn in range(2):  # prefill (grouped routes) and decode, then a second turn on the kept state
+        prompt = random_tokens(rng, 30 + 9 * turn)
+        h, t = engine.open_state(f"s{turn}"), twin.open_state(f"s{turn}")
+        assert list(h.generate(greedy(), prompt=prompt).token_ids) == \
+            list(t.generate(greedy(), prompt=prompt).token_ids)
+        assert list(h.generate(greedy(8), prompt=h.tokens + prompt[:5]).token_ids) == \
+            list(t.generate(greedy(8), prompt=t.tokens + prompt[:5]).token_ids)
 
 
 def test_weight_bytes_count_packed_buffers(tiny_checkpoints, make_engine):

@@ -10,12 +10,17 @@ read them as they are:
     gate.weight           [E, H]       the router
 
 Checkpoints on disk keep one tensor per expert (experts.{e}.gate_proj / up_proj / down_proj),
-which load into views of the stacked ones (`checkpoint_tensors`).
+which load into views of the stacked ones (`checkpoint_tensors`). Surgery's w8 swaps the float
+stacks for int8 codes and per-row scales (`StackedExperts.set_int8`):
+
+    experts.gate_up_proj_qweight  int8 [E, 2I, H]    experts.gate_up_proj_scales  float32 [E, 2I]
+    experts.down_proj_qweight     int8 [E, H, I]     experts.down_proj_scales     float32 [E, H]
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +46,39 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
 
 
-class Experts(nn.Module):
+STACKS = ("gate_up_proj", "down_proj")
+"""The stacked expert weights, w13 and w2 of `hibana_kernels.MoEExperts`."""
+
+
+class StackedExperts(nn.Module):
+    """Experts held as stacked float `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I], which
+    surgery's w8 may swap for int8 (the module docstring's buffers)."""
+
+    int8 = False
+
+    @property
+    def has_float_stacks(self) -> bool:
+        """Whether float stacks are here to pack (not int8 already, not a checkpoint's MXFP4)."""
+        return getattr(self, "gate_up_proj", None) is not None
+
+    def set_int8(self, packed: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Replace each float stack by its int8 codes and scales: `packed` maps gate_up_proj and
+        down_proj to {"qweight": int8 [E, N, K], "scales": float32 [E, N]}."""
+        for name in STACKS:
+            self.register_parameter(name, None)
+            self.register_buffer(f"{name}_qweight", packed[name]["qweight"])
+            self.register_buffer(f"{name}_scales", packed[name]["scales"])
+        self.int8 = True
+
+    def stacked_weights(self) -> dict[str, Any]:
+        """MoEExperts' kind, w13 and w2 (int8: and their scales) as this module holds them."""
+        if self.int8:
+            return dict(kind="int8", w13=self.gate_up_proj_qweight, w2=self.down_proj_qweight,
+                        w13_scales=self.gate_up_proj_scales, w2_scales=self.down_proj_scales)
+        return dict(kind="dense", w13=self.gate_up_proj, w2=self.down_proj)
+
+
+class Experts(StackedExperts):
     def __init__(self, moe: MoEArgs, hidden_size: int) -> None:
         super().__init__()
         e, i, h = moe.num_experts, moe.intermediate_size, hidden_size
@@ -49,7 +86,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
     def kernel_experts(self) -> kernels.MoEExperts:
-        return kernels.MoEExperts("dense", self.gate_up_proj, self.down_proj)
+        return kernels.MoEExperts(**self.stacked_weights())
 
     def checkpoint_views(self, prefix: str) -> dict[str, torch.Tensor]:
         """A per-expert checkpoint's names (`{prefix}.{e}.gate_proj.weight`, ...) -> views."""

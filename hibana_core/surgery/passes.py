@@ -4,6 +4,9 @@
 w8 and w4 rewrite every linear layer of the decoder (attention and MLP projections) that supports a
 packed weight (`set_packed`); the output head and the embeddings keep their precision, as
 AWQ and GPTQ checkpoints keep them (the head is one layer that every token's logits go through).
+w8 also packs the stacked float experts of MoE layers (`set_int8`: int8 per output row, as the
+linears); the routers stay float. w4 leaves the experts float (the fused-MoE kernels take no int4
+yet) and names them in its record's `experts_kept_float`; MXFP4 experts stay as loaded.
 kv8 gives every attention layer (`set_kv_scales`) per-head scales for an fp8 KV cache.
 w8 and w4 refuse a model loaded from an FP8 checkpoint: its weights are 8-bit already, so w8
 saves nothing, and w4 from them would round twice (the unquantized checkpoint gives a better int4).
@@ -51,7 +54,8 @@ class WeightQuantPass:
     def apply(self, model: "torch.nn.Module", params: dict[str, Any]) -> dict[str, Any]:
         from tqdm.auto import tqdm
 
-        from hibana_core.surgery.quantize import group_size_for, quantize_int4, quantize_int8
+        from hibana_core.models.moe import STACKS
+        from hibana_core.surgery.quantize import group_size_for, quantize_int4, quantize_int8, quantize_int8_stacked
 
         params = self.check(params)
         wanted, clip = params.get("group_size"), params.get("clip")
@@ -79,8 +83,19 @@ class WeightQuantPass:
             after += _tensor_bytes(packed.values())
         if not layers or len(kept) == len(layers):
             raise ConfigError(f"surgery pass w{self.bits} found no linear layer it can pack in this model")
-        return {"layers": len(layers) - len(kept), "kept_dense": kept, "bytes_before": before,
-                "bytes_after": after}
+        experts = [(name, m) for name, m in model.named_modules()
+                   if hasattr(m, "set_int8") and m.has_float_stacks]
+        if self.bits == 8:
+            for name, module in tqdm(experts, desc="surgery w8 experts", unit="layer", leave=False):
+                stacks = {stack: getattr(module, stack).data for stack in STACKS}
+                packed = {stack: quantize_int8_stacked(w) for stack, w in stacks.items()}
+                before += _tensor_bytes(stacks.values())
+                module.set_int8(packed)
+                after += _tensor_bytes(t for p in packed.values() for t in p.values())
+        return {"layers": len(layers) - len(kept), "kept_dense": kept,
+                "experts": len(experts) if self.bits == 8 else 0,
+                "experts_kept_float": [] if self.bits == 8 else [name for name, _ in experts],
+                "bytes_before": before, "bytes_after": after}
 
 
 class KVQuantPass:

@@ -31,6 +31,14 @@ def quantize_int8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"qweight": q, "scales": scales}
 
 
+def quantize_int8_stacked(weights: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Stacked [E, N, K] (an MoE layer's experts) -> {"qweight": int8 [E, N, K], "scales":
+    float32 [E, N]}: quantize_int8's rule, one expert at a time (a float32 copy of one expert,
+    not of all E, is the peak)."""
+    parts = [quantize_int8(w) for w in weights]
+    return {name: torch.stack([part[name] for part in parts]) for name in ("qweight", "scales")}
+
+
 def group_size_for(in_features: int, wanted: int) -> int | None:
     """The largest even group size <= `wanted` that divides `in_features` (None: none does)."""
     for g in range(min(wanted, in_features), 1, -1):
