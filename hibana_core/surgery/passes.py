@@ -85,7 +85,7 @@ class WeightQuantPass:
             raise ConfigError(f"surgery pass w{self.bits} found no linear layer it can pack in this model")
         experts = [(name, m) for name, m in model.named_modules()
                    if hasattr(m, "set_int8") and m.has_float_stacks]
-        if self.bits == 8:
+        if self.bits == 8 and experts:
             for name, module in tqdm(experts, desc="surgery w8 experts", unit="layer", leave=False):
                 stacks = {stack: getattr(module, stack).data for stack in STACKS}
                 packed = {stack: quantize_int8_stacked(w) for stack, w in stacks.items()}
