@@ -21,10 +21,10 @@ A layer is routing, then one of two expert paths picked by the number of tokens:
 Dense weights (fp32/bf16/fp16), MXFP4 and int8 weights share the kernels: `_weight_tile`
 dequantizes an MXFP4 tile in registers (e2m1 codes, low nibble first, times 2^(e8m0 - 127) a block
 of 32), so MXFP4 experts are read at 4.25 bits a weight, and an int8 tile as code * its row's
-float32 scale (the reference's dequantization, exactly), read at 8 bits a weight. Accumulation is in float32; the roundings
-follow transformers' order (gate|up and the expert's output rounded to x's dtype before the bias
-is added, the activation's steps rounded as torch's ops round them, the weighted output rounded),
-except that a token's k outputs are summed in float32 and rounded once.
+float32 scale (the reference's dequantization, exactly), read at 8 bits a weight. Accumulation is
+in float32; the roundings follow transformers' order (gate|up and the expert's output rounded to
+x's dtype before the bias is added, the activation's steps rounded as torch's ops round them, the
+weighted output rounded), except that a token's k outputs are summed in float32 and rounded once.
 """
 
 from __future__ import annotations

@@ -165,7 +165,8 @@ def test_reference_matches_gpt_oss_mlp_with_mxfp4_experts():
 
 def test_int8_reference_is_the_dense_reference_on_dequantized_weights():
     gen = torch.Generator().manual_seed(8)
-    (w13, s13), (w2, s2) = _random_int8(gen, 4, 2 * INTER, HIDDEN, std=0.1), _random_int8(gen, 4, HIDDEN, INTER, std=0.1)
+    w13, s13 = _random_int8(gen, 4, 2 * INTER, HIDDEN, std=0.1)
+    w2, s2 = _random_int8(gen, 4, HIDDEN, INTER, std=0.1)
     experts = MoEExperts("int8", w13=w13, w2=w2, w13_scales=s13, w2_scales=s2)
     for dtype in (torch.float32, torch.bfloat16):
         dequantized = MoEExperts("dense", w13=(w13.float() * s13[..., None]).to(dtype),
