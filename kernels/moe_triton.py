@@ -38,14 +38,14 @@ import triton.language as tl
 from hibana_kernels import moe
 from hibana_kernels.moe import ExpertBlocks, MoEExperts
 
-DECODE_MAX_TOKENS = {"dense": 8, "mxfp4": 4, "int8": 8}
+DECODE_MAX_TOKENS = {"dense": 8, "mxfp4": 4, "int8": 8, "int4": 4}
 """Tokens the decode path takes, per weight kind (H200, bench/tune_moe.py --sweep, 2026-12-01:
 bf16 decode beats grouped at T=8, 130 against 135 us; MXFP4 decode wins at T=1, 61 against 149 us,
-and loses at T=8, 351 against 265 us; 4 is the crossover of the two lines). int8 is not tuned yet:
-it takes bf16's crossover and tiles (its tiles are bf16's, at half the bytes)."""
+and loses at T=8, 351 against 265 us; 4 is the crossover of the two lines). int8 and int4 are not
+tuned yet: int8 takes bf16's crossover and tiles, int4 MXFP4's (half-byte weights too)."""
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ACTIVATION = {"silu": 0, "swiglu_oai": 1}
-_FORMAT = {"dense": 0, "mxfp4": 1, "int8": 2}
+_FORMAT = {"dense": 0, "mxfp4": 1, "int8": 2, "int4": 3}
 """The kernels' FORMAT constexpr: how `_weight_tile` reads a weight."""
 
 
@@ -184,13 +184,26 @@ def _e2m1_scaled(codes):
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, expert, offs_n, n_mask, k0, K, stride_we, stride_wn, stride_se,
+def _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask, k0, K, group, stride_we, stride_wn, stride_se,
                  stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FORMAT: tl.constexpr):
     """Columns k0 .. k0 + BLOCK_K of one expert's weight rows offs_n, zero outside the weight:
-    dense (FORMAT 0) as stored; MXFP4 (1, strides of packed bytes and of scales) and int8 (2,
-    code * its row's scale) dequantized to float32."""
+    dense (FORMAT 0) as stored; MXFP4 (1, strides of packed bytes and of scales), int8 (2, code *
+    its row's scale) and int4 (3, (code - zero) * scale of its group of `group` inputs; zeros
+    strided as scales) dequantized to float32."""
     w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
-    if FORMAT == 1:
+    if FORMAT == 3:
+        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_rows + offs_b[None, :], mask=n_mask[:, None] & (offs_b < K // 2)[None, :],
+                         other=0).to(tl.int32)
+        codes = tl.interleave(packed & 0xF, packed >> 4).to(tl.float32)  # [BLOCK_N, BLOCK_K], k in order
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        groups = (expert.to(tl.int64) * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn
+                  + (offs_k // group)[None, :])  # each column's scale and zero: any group size
+        mask = n_mask[:, None] & (offs_k < K)[None, :]
+        scale = tl.load(s_ptr + groups, mask=mask, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + groups, mask=mask, other=0.0).to(tl.float32)
+        return (codes - zero) * scale
+    elif FORMAT == 1:
         offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         packed = tl.load(w_rows + offs_b[None, :], mask=n_mask[:, None] & (offs_b < K // 2)[None, :],
                          other=0).to(tl.int32)
@@ -217,8 +230,8 @@ def _mxfp4_dequantize_kernel(w_ptr, s_ptr, out_ptr, R, K, BLOCK_N: tl.constexpr,
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < R
     k0 = tl.program_id(1) * BLOCK_K
-    w = _weight_tile(w_ptr, s_ptr, tl.program_id(0) * 0, offs_n, n_mask, k0, K, 0, K // 2, 0, K // 32,
-                     BLOCK_N, BLOCK_K, 1)
+    w = _weight_tile(w_ptr, s_ptr, s_ptr, tl.program_id(0) * 0, offs_n, n_mask, k0, K, 32, 0, K // 2, 0,
+                     K // 32, BLOCK_N, BLOCK_K, 1)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
              mask=n_mask[:, None] & (offs_k < K)[None, :])
@@ -290,8 +303,8 @@ def _weighted_output(acc, weight, b_ptr, expert, offs_n, n_mask, stride_be, dtyp
 
 
 @triton.jit
-def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, act_ptr, H, I, TOP_K,
-                           stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_be,
+def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, z_ptr, b_ptr, act_ptr, H, I, TOP_K,
+                           stride_xm, group, stride_we, stride_wn, stride_se, stride_sn, stride_be,
                            alpha, limit, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            FORMAT: tl.constexpr, ROUND_W: tl.constexpr, ACTIVATION: tl.constexpr,
                            HAS_BIAS: tl.constexpr):
@@ -307,9 +320,9 @@ def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, act_ptr, H, I, T
     for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + offs_k, mask=offs_k < H, other=0.0)
-        wg = _weight_tile(w_ptr, s_ptr, expert, offs_n, n_mask, k0, H, stride_we, stride_wn,
+        wg = _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask, k0, H, group, stride_we, stride_wn,
                           stride_se, stride_sn, BLOCK_N, BLOCK_K, FORMAT)
-        wu = _weight_tile(w_ptr, s_ptr, expert, I + offs_n, n_mask, k0, H, stride_we, stride_wn,
+        wu = _weight_tile(w_ptr, s_ptr, z_ptr, expert, I + offs_n, n_mask, k0, H, group, stride_we, stride_wn,
                           stride_se, stride_sn, BLOCK_N, BLOCK_K, FORMAT)
         if ROUND_W:  # the weights in x's dtype, as the reference dequantizes them
             wg, wu = wg.to(x_ptr.dtype.element_ty), wu.to(x_ptr.dtype.element_ty)
@@ -322,8 +335,8 @@ def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, act_ptr, H, I, T
 
 
 @triton.jit
-def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, b_ptr, out_ptr, H, I,
-                        stride_om, stride_we, stride_wn, stride_se, stride_sn, stride_be,
+def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, H, I,
+                        stride_om, group, stride_we, stride_wn, stride_se, stride_sn, stride_be,
                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         FORMAT: tl.constexpr, ROUND_W: tl.constexpr, HAS_BIAS: tl.constexpr):
     """out[t, n] for one token and BLOCK_N hidden features: each of its k experts' down rows
@@ -339,7 +352,7 @@ def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, b_ptr, out_
         for k0 in range(0, I, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(act_ptr + route.to(tl.int64) * I + offs_k, mask=offs_k < I, other=0.0)
-            w = _weight_tile(w_ptr, s_ptr, expert, offs_n, n_mask, k0, I, stride_we, stride_wn,
+            w = _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask, k0, I, group, stride_we, stride_wn,
                              stride_se, stride_sn, BLOCK_N, BLOCK_K, FORMAT)
             if ROUND_W:
                 w = w.to(act_ptr.dtype.element_ty)
@@ -353,8 +366,8 @@ def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, b_ptr, out_
 
 
 @triton.jit
-def _gate_up_grouped_kernel(x_ptr, routes_ptr, block_expert_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
-                            NUM_ROUTES, H, I, TOP_K, stride_xm, stride_we, stride_wn, stride_se,
+def _gate_up_grouped_kernel(x_ptr, routes_ptr, block_expert_ptr, w_ptr, s_ptr, z_ptr, b_ptr, act_ptr,
+                            NUM_ROUTES, H, I, TOP_K, stride_xm, group, stride_we, stride_wn, stride_se,
                             stride_sn, stride_be, alpha, limit, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FORMAT: tl.constexpr,
                             ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr):
@@ -374,9 +387,9 @@ def _gate_up_grouped_kernel(x_ptr, routes_ptr, block_expert_ptr, w_ptr, s_ptr, b
     for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < H)[None, :], other=0.0)
-        wg = _weight_tile(w_ptr, s_ptr, expert, offs_n, n_mask, k0, H, stride_we, stride_wn,
+        wg = _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask, k0, H, group, stride_we, stride_wn,
                           stride_se, stride_sn, BLOCK_N, BLOCK_K, FORMAT).to(x.dtype)
-        wu = _weight_tile(w_ptr, s_ptr, expert, I + offs_n, n_mask, k0, H, stride_we, stride_wn,
+        wu = _weight_tile(w_ptr, s_ptr, z_ptr, expert, I + offs_n, n_mask, k0, H, group, stride_we, stride_wn,
                           stride_se, stride_sn, BLOCK_N, BLOCK_K, FORMAT).to(x.dtype)
         if UPCAST:  # exact: products of 16-bit floats are exact in float32
             x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
@@ -390,8 +403,8 @@ def _gate_up_grouped_kernel(x_ptr, routes_ptr, block_expert_ptr, w_ptr, s_ptr, b
 
 
 @triton.jit
-def _down_grouped_kernel(act_ptr, routes_ptr, block_expert_ptr, weights_ptr, w_ptr, s_ptr, b_ptr,
-                         y_ptr, NUM_ROUTES, H, I, stride_we, stride_wn, stride_se, stride_sn,
+def _down_grouped_kernel(act_ptr, routes_ptr, block_expert_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_ptr,
+                         y_ptr, NUM_ROUTES, H, I, group, stride_we, stride_wn, stride_se, stride_sn,
                          stride_be, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr,
                          UPCAST: tl.constexpr):
@@ -409,7 +422,7 @@ def _down_grouped_kernel(act_ptr, routes_ptr, block_expert_ptr, weights_ptr, w_p
     for k0 in range(0, I, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < I)[None, :], other=0.0)
-        w = _weight_tile(w_ptr, s_ptr, expert, offs_n, n_mask, k0, I, stride_we, stride_wn,
+        w = _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask, k0, I, group, stride_we, stride_wn,
                          stride_se, stride_sn, BLOCK_N, BLOCK_K, FORMAT).to(a.dtype)
         if UPCAST:
             a, w = a.to(tl.float32), w.to(tl.float32)
@@ -437,31 +450,37 @@ def _combine_kernel(y_ptr, out_ptr, H, stride_om, TOP_K: tl.constexpr, BLOCK: tl
 
 
 class _Weights(NamedTuple):
-    """One projection's kernel arguments: weight, scales (the weight again when dense), bias
-    (the weight again when absent) and the strides the kernels take."""
+    """One projection's kernel arguments: weight, scales (the weight again when dense), zeros
+    (int4; the scales again otherwise), bias (the weight again when absent), the group size
+    (int4; else 1) and the strides the kernels take."""
 
     w: torch.Tensor
     s: torch.Tensor
+    z: torch.Tensor
     b: torch.Tensor
-    strides: tuple[int, int, int, int, int]  # expert and row of w, of s, expert of b
+    group: int
+    strides: tuple[int, int, int, int, int]  # expert and row of w, of s (and z), expert of b
 
 
-def _weights(w: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None) -> _Weights:
-    if scales is not None:  # MXFP4 blocks [E, N, G, 16] -> bytes [E, N, G * 16]; int8 [E, N, K] as is
+def _weights(w: torch.Tensor, scales: torch.Tensor | None, zeros: torch.Tensor | None,
+             bias: torch.Tensor | None, group: int) -> _Weights:
+    if scales is not None:  # MXFP4 blocks [E, N, G, 16] -> bytes [E, N, G * 16]; int8 and int4 as they are
         w = w.contiguous().flatten(2)
         scales = scales.contiguous()
     elif w.stride(-1) != 1:
         w = w.contiguous()
     s = scales if scales is not None else w
+    z = zeros.contiguous() if zeros is not None else s
     b = bias.contiguous() if bias is not None else w
-    return _Weights(w, s, b, (w.stride(0), w.stride(1), s.stride(0), s.stride(1), b.stride(0)))
+    strides = (w.stride(0), w.stride(1), s.stride(0), s.stride(1), b.stride(0))
+    return _Weights(w, s, z, b, max(group, 1), strides)
 
 
 def choose_tiles(tokens: int, kind: str = "dense") -> DecodeTiles | GroupedTiles:
     """The path and its tiles for `tokens` tokens of `kind` experts: the fastest of
     bench/tune_moe.py --sweep on the H200 at Qwen3-30B-A3B (bf16) and gpt-oss-20b (MXFP4) shapes."""
     if tokens <= DECODE_MAX_TOKENS[kind]:
-        if kind == "mxfp4":  # half-byte weights: narrower, deeper tiles keep more loads in flight
+        if kind in ("mxfp4", "int4"):  # half-byte weights: narrower, deeper tiles keep more loads in flight
             return DecodeTiles(block_n=4, block_k=512, num_warps=2)
         return DecodeTiles(block_n=8, block_k=256, num_warps=4)
     if tokens >= 256:
@@ -481,8 +500,9 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
     inter = experts.intermediate_size
     mxfp4 = experts.kind == "mxfp4"
     weight_format = _FORMAT[experts.kind]
-    w13 = _weights(experts.w13, experts.w13_scales, experts.b13)
-    w2 = _weights(experts.w2, experts.w2_scales, experts.b2)
+    g13, g2 = experts.group_sizes
+    w13 = _weights(experts.w13, experts.w13_scales, experts.w13_zeros, experts.b13, g13)
+    w2 = _weights(experts.w2, experts.w2_scales, experts.w2_zeros, experts.b2, g2)
     out = torch.empty_like(x)
     if t == 0:
         return out
@@ -493,12 +513,12 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
         # int8's code * scale is not, and rounds to x's dtype as the reference's dequantization
         round_w = not mxfp4 or x.dtype == torch.float16
         _gate_up_decode_kernel[(t * top_k, triton.cdiv(inter, tiles.block_n))](
-            x, ids, w13.w, w13.s, w13.b, act, h, inter, top_k, x.stride(0), *w13.strides, *swiglu,
+            x, ids, w13.w, w13.s, w13.z, w13.b, act, h, inter, top_k, x.stride(0), w13.group, *w13.strides, *swiglu,
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, ROUND_W=round_w,
             ACTIVATION=_ACTIVATION[experts.activation], HAS_BIAS=experts.b13 is not None,
             num_warps=tiles.num_warps)
         _down_decode_kernel[(t, triton.cdiv(h, tiles.block_n))](
-            act, ids, weights, w2.w, w2.s, w2.b, out, h, inter, out.stride(0), *w2.strides,
+            act, ids, weights, w2.w, w2.s, w2.z, w2.b, out, h, inter, out.stride(0), w2.group, *w2.strides,
             TOP_K=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, ROUND_W=round_w,
             HAS_BIAS=experts.b2 is not None, num_warps=tiles.num_warps)
         return out
@@ -506,15 +526,15 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
     num_blocks = blocks.block_expert.numel()
     upcast = x.device.type == "cpu" and x.dtype != torch.float32  # the interpreter's 16-bit tl.dot is wrong
     _gate_up_grouped_kernel[(num_blocks, triton.cdiv(inter, tiles.block_n))](
-        x, blocks.routes, blocks.block_expert, w13.w, w13.s, w13.b, act, t * top_k, h, inter, top_k,
-        x.stride(0), *w13.strides, *swiglu, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        x, blocks.routes, blocks.block_expert, w13.w, w13.s, w13.z, w13.b, act, t * top_k, h, inter, top_k,
+        x.stride(0), w13.group, *w13.strides, *swiglu, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, FORMAT=weight_format, ACTIVATION=_ACTIVATION[experts.activation],
         HAS_BIAS=experts.b13 is not None, UPCAST=upcast, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     y = torch.empty((t * top_k, h), dtype=x.dtype, device=x.device)
     _down_grouped_kernel[(num_blocks, triton.cdiv(h, tiles.block_n))](
-        act, blocks.routes, blocks.block_expert, weights, w2.w, w2.s, w2.b, y, t * top_k, h, inter,
-        *w2.strides, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        act, blocks.routes, blocks.block_expert, weights, w2.w, w2.s, w2.z, w2.b, y, t * top_k, h, inter,
+        w2.group, *w2.strides, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         FORMAT=weight_format, HAS_BIAS=experts.b2 is not None, UPCAST=upcast, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     combine_block = min(1024, triton.next_power_of_2(h))
