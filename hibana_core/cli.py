@@ -150,7 +150,7 @@ def run_surgery(args: argparse.Namespace) -> int:
                 layers = f"{record.get('layers', '?')} layers"
                 if record.get("experts"):
                     layers += f" and {record['experts']} MoE expert layers"
-                if record.get("experts_kept_float"):  # w4: no int4 experts yet
+                if record.get("experts_kept_float"):  # w4: no even group size divides their inputs
                     layers += f" ({len(record['experts_kept_float'])} MoE expert layers kept float)"
                 print(f"{record['name']}: {layers}, {what}"
                       + (f"; guard: {record['guard']['decision']}" if "guard" in record else ""))

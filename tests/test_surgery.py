@@ -1,5 +1,5 @@
 """Model surgery: the load-time seam (one weight-copy path, passes, packed linear layers,
-bytes and fingerprint) and the built-in weight-only passes w8 and w4 (w8 on MoE experts too)."""
+bytes and fingerprint) and the built-in weight-only passes w8 and w4 (on MoE experts too)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,16 @@ def greedy(n: int = 24) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
+def dequantized_stack(experts, stack: str) -> torch.Tensor:
+    """A packed expert stack [E, N, K] in float32, expert by expert as the linears dequantize."""
+    codes, scales = getattr(experts, f"{stack}_qweight"), getattr(experts, f"{stack}_scales")
+    if experts.experts_kind == "int8":
+        return torch.stack([dequantize_int8(c, s, torch.float32) for c, s in zip(codes, scales)])
+    group = 2 * codes.shape[2] // scales.shape[2]
+    zeros = getattr(experts, f"{stack}_zeros")
+    return torch.stack([dequantize_int4(c, s, z, group, torch.float32) for c, s, z in zip(codes, scales, zeros)])
+
+
 def dense_twin(engine, make_engine, path):
     """A surgery-free engine on the same checkpoint whose linear layers (and MoE experts) hold
     the dequantized weights of `engine`'s packed ones: what the packed kernels must compute."""
@@ -33,10 +43,9 @@ def dense_twin(engine, make_engine, path):
     packed = dict(engine.model.named_modules())
     for name, layer in twin.model.named_modules():
         source = packed[name]
-        if getattr(source, "int8", False):  # experts: per row of each expert, as int8 linears
+        if getattr(source, "experts_kind", "dense") != "dense":  # MoE experts: each as a linear layer
             for stack in STACKS:
-                codes, scales = getattr(source, f"{stack}_qweight"), getattr(source, f"{stack}_scales")
-                getattr(layer, stack).data.copy_(codes.float() * scales[..., None])
+                getattr(layer, stack).data.copy_(dequantized_stack(source, stack))
         elif getattr(source, "kind", "dense") == "int8":
             layer.weight.data.copy_(dequantize_int8(source.qweight, source.scales, torch.float32))
         elif getattr(source, "kind", "dense") == "int4":
@@ -71,32 +80,38 @@ def test_packed_model_computes_its_dequantized_weights(arch, passes, tiny_checkp
 SPARSE_LAYERS = {"qwen3_moe": 2, "gpt_oss": 3}  # tiny_models: qwen3_moe's layer 1 is dense
 
 
+def packed_expert_bytes(bits: int, i: int, h: int, group: int) -> int:
+    """One expert's packed gate_up [2I, H] and down [H, I]: int8 codes and a float32 scale a row,
+    or int4 codes and a float16 scale and zero a group of `group` inputs."""
+    if bits == 8:
+        return 3 * i * h + (2 * i + h) * 4
+    return 3 * i * h // 2 + 2 * 2 * (2 * i * h // group + h * i // group)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
-@pytest.mark.parametrize("name", ["w8", "w4"])
-def test_w8_packs_moe_experts_to_int8_and_w4_keeps_them_float(arch, name, tiny_checkpoints, make_engine):
+@pytest.mark.parametrize("passes", ["w8", {"name": "w4", "group_size": 16}], ids=["w8", "w4g16"])
+def test_moe_experts_pack_and_compute_their_dequantized_weights(arch, passes, tiny_checkpoints, make_engine):
     path = tiny_checkpoints[arch]
     plain = make_engine(path, speculation="off")
-    engine = make_engine(path, surgery=[name], speculation="off", surgery_guard=False)
+    engine = make_engine(path, surgery=[passes], speculation="off", surgery_guard=False)
     record, = engine.surgery
+    bits = 8 if record["name"] == "w8" else 4
     experts = {n: m for n, m in engine.model.named_modules() if isinstance(m, StackedExperts)}
     assert len(experts) == SPARSE_LAYERS[arch]
-    if name == "w4":
-        assert record["experts"] == 0 and record["experts_kept_float"] == list(experts)
-        assert {m.kernel_experts().kind for m in experts.values()} == {"dense"}
-    else:
-        assert record["experts"] == len(experts) and record["experts_kept_float"] == []
-        plain_modules = dict(plain.model.named_modules())
-        for module_name, module in experts.items():
-            kernel = module.kernel_experts()
-            assert kernel.kind == "int8" and module.gate_up_proj is None and module.down_proj is None
-            e, i, h = kernel.num_experts, kernel.intermediate_size, kernel.hidden_size
-            # each expert's float32 stacks -> int8 codes and a float32 scale per row: about a quarter
-            saved = 3 * i * h * 4 - (3 * i * h + (2 * i + h) * 4)
-            assert model_bytes(plain_modules[module_name]) - model_bytes(module) == e * saved
-        block = next(m for m in engine.model.modules() if hasattr(m, "unread_bytes_per_token"))
-        unread_saved = SPARSE_LAYERS[arch] * (e - block.top_k) * saved
-        assert plain.model.decode_bytes_per_token() - engine.model.decode_bytes_per_token() == \
-            record["bytes_before"] - record["bytes_after"] - unread_saved, "a token reads only its k experts"
+    assert record["experts"] == len(experts) and record["experts_kept_float"] == []
+    plain_modules = dict(plain.model.named_modules())
+    for module_name, module in experts.items():
+        kernel = module.kernel_experts()
+        assert kernel.kind == f"int{bits}" and module.gate_up_proj is None and module.down_proj is None
+        e, i, h = kernel.num_experts, kernel.intermediate_size, kernel.hidden_size
+        assert kernel.group_sizes == ((0, 0) if bits == 8 else (16, 16))
+        # each expert's float32 stacks -> int8 (about a quarter of the bytes) or int4 (about an eighth)
+        saved = 3 * i * h * 4 - packed_expert_bytes(bits, i, h, group=16)
+        assert model_bytes(plain_modules[module_name]) - model_bytes(module) == e * saved
+    block = next(m for m in engine.model.modules() if hasattr(m, "unread_bytes_per_token"))
+    unread_saved = SPARSE_LAYERS[arch] * (e - block.top_k) * saved
+    assert plain.model.decode_bytes_per_token() - engine.model.decode_bytes_per_token() == \
+        record["bytes_before"] - record["bytes_after"] - unread_saved, "a token reads only its k experts"
     assert engine.weight_bytes == plain.weight_bytes - record["bytes_before"] + record["bytes_after"]
     assert engine.weight_bytes == model_bytes(engine.model)
 
@@ -359,7 +374,7 @@ def test_guard_refuses_a_pass_over_its_floors_unless_forced(tiny_checkpoints, ma
 
 
 @pytest.mark.parametrize("arch, passes", [("qwen3", "w8"), ("qwen3", '[{"name": "w4", "group_size": 32}]'),
-                                         ("qwen3_moe", "w8")])
+                                         ("qwen3_moe", "w8"), ("qwen3_moe", '[{"name": "w4", "group_size": 32}]')])
 def test_hibana_surgery_writes_a_checkpoint_that_loads_with_its_passes(arch, passes, tiny_checkpoints, make_engine,
                                                                        tmp_path, capsys):
     from hibana_core.cli import main
@@ -376,8 +391,8 @@ def test_hibana_surgery_writes_a_checkpoint_that_loads_with_its_passes(arch, pas
     in_effect = {} if name == "w8" else {"group_size": 32, "clip": True}
     assert [r["name"] for r in saved.surgery] == [name] and saved.surgery[0]["params"] == in_effect
     assert saved.weight_bytes == direct.weight_bytes
-    assert [m.int8 for m in saved.model.modules() if isinstance(m, StackedExperts)] == \
-        [True] * SPARSE_LAYERS.get(arch, 0)
+    assert [m.experts_kind for m in saved.model.modules() if isinstance(m, StackedExperts)] == \
+        [f"int{8 if name == 'w8' else 4}"] * SPARSE_LAYERS.get(arch, 0)
     prompt = random_tokens(random.Random(9), 33)
     assert list(saved.open_state("a").generate(greedy(), prompt=prompt).token_ids) == \
         list(direct.open_state("a").generate(greedy(), prompt=prompt).token_ids)

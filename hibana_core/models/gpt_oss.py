@@ -62,7 +62,7 @@ def _uint8(*shape: int) -> nn.Parameter:
 
 class GptOssExperts(StackedExperts):
     """The E experts in the kernels' layout: dense `gate_up_proj` [E, 2I, H] and `down_proj`
-    [E, H, I] (w8 makes them int8), or MXFP4 blocks and scales; biases `gate_up_proj_bias`
+    [E, H, I] (w8 / w4 pack them to int8 / int4), or MXFP4 blocks and scales; biases `gate_up_proj_bias`
     [E, 2I] (gate then up), `down_proj_bias` [E, H]."""
 
     def __init__(self, config: Any, mxfp4: bool) -> None:

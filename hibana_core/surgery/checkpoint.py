@@ -5,7 +5,8 @@
                                (fused q/k/v and gate/up; packed layers as qweight/scales/zeros)
     out/hibana_surgery.json    MANIFEST: the passes with their parameters and guard figures,
                                each packed layer's kind and group size (fp8: its scale block), the
-                               MoE experts packed to int8 (w8: their `*_qweight` / `*_scales`), and
+                               MoE experts packed and their kind (`*_qweight`, `*_scales`, int4
+                               `*_zeros`), and
                                the attention layers whose KV is stored in fp8 (kv8: their
                                `kv_scale` is in the weights)
 
@@ -35,8 +36,9 @@ def packed_layers(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
             for name, m in model.named_modules() if getattr(m, "kind", "dense") != "dense"}
 
 
-def int8_experts(model: torch.nn.Module) -> list[str]:
-    return [name for name, m in model.named_modules() if getattr(m, "int8", False)]
+def packed_experts(model: torch.nn.Module) -> dict[str, str]:
+    return {name: m.experts_kind for name, m in model.named_modules()
+            if getattr(m, "experts_kind", "dense") != "dense"}
 
 
 def kv_scaled_layers(model: torch.nn.Module) -> list[str]:
@@ -61,7 +63,7 @@ def save(engine: Any, source: Path, out: Path) -> Path:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     manifest = {"format": FORMAT, "source": str(source), "dtype": str(engine.dtype).removeprefix("torch."),
                 "passes": engine.surgery, "packed_layers": packed_layers(model),
-                "int8_experts": int8_experts(model),
+                "packed_experts": packed_experts(model),
                 "kv_scaled_layers": kv_scaled_layers(model)}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return out

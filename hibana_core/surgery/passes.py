@@ -4,9 +4,9 @@
 w8 and w4 rewrite every linear layer of the decoder (attention and MLP projections) that supports a
 packed weight (`set_packed`); the output head and the embeddings keep their precision, as
 AWQ and GPTQ checkpoints keep them (the head is one layer that every token's logits go through).
-w8 also packs the stacked float experts of MoE layers (`set_int8`: int8 per output row, as the
-linears); the routers stay float. w4 leaves the experts float (the fused-MoE kernels take no int4
-yet) and names them in its record's `experts_kept_float`; MXFP4 experts stay as loaded.
+Both also pack the stacked float experts of MoE layers (`set_packed_stacks`: int8 per output
+row, int4 in groups, by the linears' rules); the routers stay float, MXFP4 experts as loaded.
+Experts w4 finds no even group size for stay float, named in the record's `experts_kept_float`.
 kv8 gives every attention layer (`set_kv_scales`) per-head scales for an fp8 KV cache.
 w8 and w4 refuse a model loaded from an FP8 checkpoint: its weights are 8-bit already, so w8
 saves nothing, and w4 from them would round twice (the unquantized checkpoint gives a better int4).
@@ -55,7 +55,7 @@ class WeightQuantPass:
         from tqdm.auto import tqdm
 
         from hibana_core.models.moe import STACKS
-        from hibana_core.surgery.quantize import group_size_for, quantize_int4, quantize_int8, quantize_int8_stacked
+        from hibana_core.surgery.quantize import group_size_for, quantize_int4, quantize_int8, quantize_stacked
 
         params = self.check(params)
         wanted, clip = params.get("group_size"), params.get("clip")
@@ -84,18 +84,21 @@ class WeightQuantPass:
         if not layers or len(kept) == len(layers):
             raise ConfigError(f"surgery pass w{self.bits} found no linear layer it can pack in this model")
         experts = [(name, m) for name, m in model.named_modules()
-                   if hasattr(m, "set_int8") and m.has_float_stacks]
-        if self.bits == 8 and experts:
-            for name, module in tqdm(experts, desc="surgery w8 experts", unit="layer", leave=False):
-                stacks = {stack: getattr(module, stack).data for stack in STACKS}
-                packed = {stack: quantize_int8_stacked(w) for stack, w in stacks.items()}
-                before += _tensor_bytes(stacks.values())
-                module.set_int8(packed)
-                after += _tensor_bytes(t for p in packed.values() for t in p.values())
-        return {"layers": len(layers) - len(kept), "kept_dense": kept,
-                "experts": len(experts) if self.bits == 8 else 0,
-                "experts_kept_float": [] if self.bits == 8 else [name for name, _ in experts],
-                "bytes_before": before, "bytes_after": after}
+                   if hasattr(m, "set_packed_stacks") and m.has_float_stacks]
+        experts_kept: list[str] = []
+        for name, module in tqdm(experts, desc=f"surgery w{self.bits} experts", unit="layer", leave=False,
+                                 disable=not experts):
+            stacks = {stack: getattr(module, stack).data for stack in STACKS}  # each [E, N, K]
+            groups = {stack: group_size_for(w.shape[2], wanted) if self.bits == 4 else 0 for stack, w in stacks.items()}
+            if None in groups.values():  # no even group size divides an expert's inputs
+                experts_kept.append(name)
+                continue
+            packed = {stack: quantize_stacked(w, self.bits, groups[stack], clip) for stack, w in stacks.items()}
+            before += _tensor_bytes(stacks.values())
+            module.set_packed_stacks(f"int{self.bits}", packed)
+            after += _tensor_bytes(t for p in packed.values() for t in p.values())
+        return {"layers": len(layers) - len(kept), "kept_dense": kept, "experts": len(experts) - len(experts_kept),
+                "experts_kept_float": experts_kept, "bytes_before": before, "bytes_after": after}
 
 
 class KVQuantPass:

@@ -31,12 +31,13 @@ def quantize_int8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"qweight": q, "scales": scales}
 
 
-def quantize_int8_stacked(weights: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Stacked [E, N, K] (an MoE layer's experts) -> {"qweight": int8 [E, N, K], "scales":
-    float32 [E, N]}: quantize_int8's rule, one expert at a time (a float32 copy of one expert,
-    not of all E, is the peak)."""
-    parts = [quantize_int8(w) for w in weights]
-    return {name: torch.stack([part[name] for part in parts]) for name in ("qweight", "scales")}
+def quantize_stacked(weights: torch.Tensor, bits: int, group_size: int = 0,
+                     clip: bool = True) -> dict[str, torch.Tensor]:
+    """Stacked [E, N, K] (an MoE layer's experts) -> quantize_int8's or quantize_int4's tensors,
+    each stacked over the E experts; one expert at a time (a float32 copy of one expert, not of
+    all E, is the peak)."""
+    parts = [quantize_int8(w) if bits == 8 else quantize_int4(w, group_size, clip) for w in weights]
+    return {name: torch.stack([part[name] for part in parts]) for name in parts[0]}
 
 
 def group_size_for(in_features: int, wanted: int) -> int | None:
