@@ -11,7 +11,8 @@
    draft lengths (suffix k=4 and k=8, ngram k=2, adaptive) on histories that repeat themselves
    (so drafts are accepted and rejected); and bf16 demo model: spec on == spec off.
 4. surgery: each pass (w8, w4), float32, GPU kernels == CPU references, greedy; on the MoE
-   checkpoints too (w8 packs their experts to int8: the fused-MoE kernels' int8 paths).
+   checkpoints too (their experts packed to int8 / int4: the fused-MoE kernels' int8 and int4
+   paths, decode at 4 agents, grouped in prefill).
 5. kv8: the fp8 KV cache, float32 compute, GPU (eager and CUDA graphs, speculation off and mixed)
    == CPU reference, greedy, 4 agents batched: both quantize to the same bytes (round to nearest
    even by the same rule, with the same power-of-two scales: a mismatch in the scales is
