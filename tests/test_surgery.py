@@ -17,7 +17,7 @@ from hibana_core.surgery.quantize import group_size_for, quantize_int4, quantize
 from hibana_kernels.quant import dequantize_int4, dequantize_int8
 from hibana_plugins.hookspecs import hookimpl
 from hibana_plugins.manager import get_plugin_manager, reset_plugin_manager
-from tiny_models import make_config, random_tokens
+from tiny_models import make_config, make_tiny_checkpoint, random_tokens
 
 PASSES = ["w8", {"name": "w4", "group_size": 32}, "w4"]
 
@@ -124,6 +124,16 @@ def test_moe_experts_pack_and_compute_their_dequantized_weights(arch, passes, ti
             list(t.generate(greedy(), prompt=prompt).token_ids)
         assert list(h.generate(greedy(8), prompt=h.tokens + prompt[:5]).token_ids) == \
             list(t.generate(greedy(8), prompt=t.tokens + prompt[:5]).token_ids)
+
+
+def test_w4_keeps_experts_float_where_no_even_group_divides_their_inputs(make_engine, tmp_path):
+    path = make_tiny_checkpoint("qwen3_moe", tmp_path / "odd", moe_intermediate_size=33)  # down: 33 inputs
+    engine = make_engine(path, surgery=["w4"], speculation="off", surgery_guard=False)
+    record, = engine.surgery
+    experts = [n for n, m in engine.model.named_modules() if isinstance(m, StackedExperts)]
+    assert record["experts"] == 0 and record["experts_kept_float"] == experts and len(experts) == 2
+    assert {m.experts_kind for m in engine.model.modules() if isinstance(m, StackedExperts)} == {"dense"}
+    assert len(engine.open_state("a").generate(greedy(4), prompt=[5, 6, 7]).token_ids) == 4
 
 
 def test_weight_bytes_count_packed_buffers(tiny_checkpoints, make_engine):
