@@ -54,8 +54,7 @@ class WeightQuantPass:
     def apply(self, model: "torch.nn.Module", params: dict[str, Any]) -> dict[str, Any]:
         from tqdm.auto import tqdm
 
-        from hibana_core.models.moe import STACKS
-        from hibana_core.surgery.quantize import group_size_for, quantize_int4, quantize_int8, quantize_stacked
+        from hibana_core.surgery.quantize import group_size_for, quantize_int4, quantize_int8
 
         params = self.check(params)
         wanted, clip = params.get("group_size"), params.get("clip")
@@ -83,22 +82,37 @@ class WeightQuantPass:
             after += _tensor_bytes(packed.values())
         if not layers or len(kept) == len(layers):
             raise ConfigError(f"surgery pass w{self.bits} found no linear layer it can pack in this model")
+        experts = self._pack_experts(model, wanted, clip)
+        return {"layers": len(layers) - len(kept), "kept_dense": kept, "experts": experts["experts"],
+                "experts_kept_float": experts["experts_kept_float"],
+                "bytes_before": before + experts["bytes_before"], "bytes_after": after + experts["bytes_after"]}
+
+    def _pack_experts(self, model: "torch.nn.Module", wanted: int | None, clip: bool | None) -> dict[str, Any]:
+        """Pack the float expert stacks of every MoE layer, each stack by the linears' rule; the
+        record's expert fields and the bytes before and after."""
+        from tqdm.auto import tqdm
+
+        from hibana_core.models.moe import STACKS
+        from hibana_core.surgery.quantize import group_size_for, quantize_stacked
+
         experts = [(name, m) for name, m in model.named_modules()
                    if hasattr(m, "set_packed_stacks") and m.has_float_stacks]
-        experts_kept: list[str] = []
+        before = after = 0
+        kept: list[str] = []
         for name, module in tqdm(experts, desc=f"surgery w{self.bits} experts", unit="layer", leave=False,
                                  disable=not experts):
             stacks = {stack: getattr(module, stack).data for stack in STACKS}  # each [E, N, K]
-            groups = {stack: group_size_for(w.shape[2], wanted) if self.bits == 4 else 0 for stack, w in stacks.items()}
+            groups = {stack: group_size_for(w.shape[2], wanted) if self.bits == 4 else 0
+                      for stack, w in stacks.items()}
             if None in groups.values():  # no even group size divides an expert's inputs
-                experts_kept.append(name)
+                kept.append(name)
                 continue
             packed = {stack: quantize_stacked(w, self.bits, groups[stack], clip) for stack, w in stacks.items()}
             before += _tensor_bytes(stacks.values())
             module.set_packed_stacks(f"int{self.bits}", packed)
             after += _tensor_bytes(t for p in packed.values() for t in p.values())
-        return {"layers": len(layers) - len(kept), "kept_dense": kept, "experts": len(experts) - len(experts_kept),
-                "experts_kept_float": experts_kept, "bytes_before": before, "bytes_after": after}
+        return {"experts": len(experts) - len(kept), "experts_kept_float": kept, "bytes_before": before,
+                "bytes_after": after}
 
 
 class KVQuantPass:
