@@ -10,7 +10,9 @@
    give the CPU's speculation-off greedy tokens with speculation on, 4 agents batched with mixed
    draft lengths (suffix k=4 and k=8, ngram k=2, adaptive) on histories that repeat themselves
    (so drafts are accepted and rejected); and bf16 demo model: spec on == spec off.
-4. surgery: each pass (w8, w4), float32, GPU kernels == CPU references, greedy.
+4. surgery: each pass (w8, w4), float32, GPU kernels == CPU references, greedy; on the MoE
+   checkpoints too (their experts packed to int8 / int4: the fused-MoE kernels' int8 and int4
+   paths, decode at 4 agents, grouped in prefill).
 5. kv8: the fp8 KV cache, float32 compute, GPU (eager and CUDA graphs, speculation off and mixed)
    == CPU reference, greedy, 4 agents batched: both quantize to the same bytes (round to nearest
    even by the same rule, with the same power-of-two scales: a mismatch in the scales is
@@ -111,7 +113,7 @@ def check_surgery() -> Iterator[tuple[str, bool, str]]:
     """Each surgery pass, float32 compute: the GPU (Triton dequantizing kernels, graphs on) gives
     the CPU references' greedy tokens on the tiny checkpoints, 4 agents batched (the packed
     weights are the same: quantization runs on each device from the same float weights)."""
-    for arch, path, prompts in tiny_cases(("llama", "qwen3"), 5):
+    for arch, path, prompts in tiny_cases(("llama", "qwen3", "qwen3_moe", "gpt_oss"), 5):
         for surgery in SURGERY:
             options = dict(progress=False, surgery=[surgery], surgery_guard=False, speculation="off")
             with Engine.from_pretrained(path, device="cpu", **options) as cpu:

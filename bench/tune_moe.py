@@ -1,6 +1,7 @@
 """Fused MoE on the GPU (issue 18): `fused_moe` at Qwen3-30B-A3B's expert shapes (H 2048, I 768,
-E 128, top-8, bf16) and gpt-oss-20b's (H 2880, I 2880, E 32, top-4, MXFP4 with biases, clamped
-SwiGLU), at T = 1, 8, 64, 512 tokens, against the torch reference loop.
+E 128, top-8, bf16; int8 and int4 in groups of 128, as surgery's w8 and w4 pack them) and gpt-oss-20b's (H 2880, I 2880, E 32,
+top-4, MXFP4 with biases, clamped SwiGLU), at T = 1, 8, 64, 512 tokens, against the torch
+reference loop.
 
 For every model and T: random router logits are routed by `moe_route` (Triton), the Triton
 result is checked against the reference (relative error), then timed as the best of several
@@ -11,7 +12,8 @@ the distinct selected experts' weights, scales and biases, x and the output; GB/
 share of the H200's 4.8 TB/s. The reference (a Python loop over the hit experts) is timed with
 events, without a graph (it syncs on the hit experts). --sweep also times a few tiles per path.
 
-    python3 bench/tune_moe.py [--tokens 1,8,64,512] [--models qwen3-30b-a3b,gpt-oss-20b] [--sweep] [--json PATH]
+    python3 bench/tune_moe.py [--tokens 1,8,64,512] [--models qwen3-30b-a3b,gpt-oss-20b,qwen3-30b-a3b-w8,...]
+                              [--sweep] [--json PATH]
 
 It imports hibana_kernels: install the checkout, or run it through bench/run_h200.sh (stage moe).
 """
@@ -42,7 +44,7 @@ class Shape:
     inter: int
     experts: int
     top_k: int
-    kind: str  # "dense" (bf16) or "mxfp4"
+    kind: str  # "dense" (bf16), "mxfp4", "int8" (surgery's w8) or "int4" (w4, groups of 128)
     activation: str
     bias: bool
     scoring: str
@@ -52,6 +54,8 @@ class Shape:
 MODELS = {
     "qwen3-30b-a3b": Shape(2048, 768, 128, 8, "dense", "silu", False, "softmax", True),
     "gpt-oss-20b": Shape(2880, 2880, 32, 4, "mxfp4", "swiglu_oai", True, "topk_softmax", False),
+    "qwen3-30b-a3b-w8": Shape(2048, 768, 128, 8, "int8", "silu", False, "softmax", True),
+    "qwen3-30b-a3b-w4": Shape(2048, 768, 128, 8, "int4", "silu", False, "softmax", True),
 }
 SWEEP_TILES = {  # decode: small BLOCK_N for more programs at T = 1; wide BLOCK_K for MXFP4's small rows
     "decode": [DecodeTiles(n, k, w) for n, k, w in ((8, 256, 4), (16, 256, 4), (16, 512, 4), (32, 128, 4),
@@ -69,6 +73,19 @@ def make_experts(shape: Shape, gen: torch.Generator) -> MoEExperts:
     if shape.kind == "dense":
         weights = dict(w13=(torch.randn(e, 2 * i, h, device=dev, generator=gen) / h ** 0.5).to(torch.bfloat16),
                        w2=(torch.randn(e, h, i, device=dev, generator=gen) / i ** 0.5).to(torch.bfloat16))
+    elif shape.kind == "int8":
+        def int8(n, k):  # codes uniform on [-127, 127] (std ~73): scales ~1 / (73 sqrt(k))
+            codes = torch.randint(-127, 128, (e, n, k), dtype=torch.int8, device=dev, generator=gen)
+            return codes, (0.5 + torch.rand(e, n, device=dev, generator=gen)) / (73 * k ** 0.5)
+        (w13, s13), (w2, s2) = int8(2 * i, h), int8(h, i)
+        weights = dict(w13=w13, w2=w2, w13_scales=s13, w2_scales=s2)
+    elif shape.kind == "int4":
+        def int4(n, k):  # codes uniform on 0..15 (std ~4.6) around zeros of 7.5: scales ~1 / (4.6 sqrt(k))
+            packed = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device=dev, generator=gen)
+            scales = torch.full((e, n, k // 128), 1 / (4.6 * k ** 0.5), dtype=torch.float16, device=dev)
+            return packed, scales, torch.full_like(scales, 7.5)
+        (w13, s13, z13), (w2, s2, z2) = int4(2 * i, h), int4(h, i)
+        weights = dict(w13=w13, w2=w2, w13_scales=s13, w2_scales=s2, w13_zeros=z13, w2_zeros=z2)
     else:
         def mxfp4(n, k):
             blocks = torch.randint(0, 256, (e, n, k // 32, 16), dtype=torch.uint8, device=dev, generator=gen)

@@ -147,7 +147,12 @@ def run_surgery(args: argparse.Namespace) -> int:
                 if "kv_bytes_per_token_after" in record:  # kv8: the weights stay, the KV shrinks
                     what = (f"KV bytes per token {record['kv_bytes_per_token_before']:,} -> "
                             f"{record['kv_bytes_per_token_after']:,}")
-                print(f"{record['name']}: {record.get('layers', '?')} layers, {what}"
+                layers = f"{record.get('layers', '?')} layers"
+                if record.get("experts"):
+                    layers += f" and {record['experts']} MoE expert layers"
+                if record.get("experts_kept_float"):  # w4: no even group size divides their inputs
+                    layers += f" ({len(record['experts_kept_float'])} MoE expert layers kept float)"
+                print(f"{record['name']}: {layers}, {what}"
                       + (f"; guard: {record['guard']['decision']}" if "guard" in record else ""))
             print(f"model bytes now {engine.weight_bytes / 1e6:,.1f} MB")
             if args.out:

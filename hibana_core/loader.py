@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from hibana_core import hub
 from hibana_core.errors import CheckpointError, UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
+from hibana_core.models.moe import PACKED_PARTS, STACKS
 from hibana_core.progress import LoadProgress
 from hibana_core.surgery.checkpoint import MANIFEST, read_manifest
 from hibana_plugins.manager import get_plugin_manager
@@ -248,6 +249,8 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
                              tuple(spec["block"]) if spec["kind"] == "fp8" else None)
             for p in parts:
                 del where[f"{name}.{p}"]
+        for name, kind in manifest.get("packed_experts", {}).items():  # w8's / w4's MoE experts
+            _load_packed_experts(layers.get(name), name, kind, where, read, path)
         for name in manifest.get("kv_scaled_layers", []):  # kv8: the layers' fp8 KV scales
             layer, tensor = layers.get(name), f"{name}.kv_scale"
             if layer is None or not hasattr(layer, "set_kv_scales") or tensor not in where:
@@ -265,6 +268,21 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
             del where[name]
     items = ((name, str(file), lambda f=file, h=handle, n=name: read(f, h, n)) for name, (file, handle) in where.items())
     _copy_weights(module, items, len(where), str(path), progress, desc="hibana: weights", own_names=own_names)
+
+
+def _load_packed_experts(experts: torch.nn.Module | None, name: str, kind: str, where: dict[str, Any],
+                         read: Callable[..., torch.Tensor], path: Path) -> None:
+    """A surgery checkpoint's packed experts `name`: their tensors (taken out of `where`) in
+    place of the float stacks."""
+    if experts is None or not hasattr(experts, "set_packed_stacks") or kind not in PACKED_PARTS:
+        raise CheckpointError(f"{path}: packed experts {name} ({kind}) are no MoE experts of this model")
+    tensors = {stack: {part: f"{name}.{stack}_{part}" for part in PACKED_PARTS[kind]} for stack in STACKS}
+    missing = [t for parts in tensors.values() for t in parts.values() if t not in where]
+    if missing:
+        raise CheckpointError(f"{path} lacks {', '.join(missing)}; re-run `hibana surgery`")
+    device = experts.gate_up_proj.device
+    experts.set_packed_stacks(kind, {stack: {part: read(*where.pop(t), t).to(device) for part, t in parts.items()}
+                                     for stack, parts in tensors.items()})
 
 
 def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progress: bool,

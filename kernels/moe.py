@@ -12,6 +12,13 @@ summed). The experts' weights come in one `MoEExperts`, stacked over the E exper
         w2   uint8 [E, H, I // 32, 16]    the low nibble, the odd one in the high nibble
         w13_scales, w2_scales  uint8 [E, 2I, H // 32], [E, H, I // 32]
                                           e8m0: the block's values are code * 2^(scale - 127)
+    int8 (surgery's w8: per output row, symmetric, as `hibana_kernels.quant`'s int8 linears)
+        w13  int8 [E, 2I, H]    w2  int8 [E, H, I]
+        w13_scales, w2_scales  float32 [E, 2I], [E, H]   w[e, n, k] = code[e, n, k] * scale[e, n]
+    int4 (surgery's w4: per group of g inputs, asymmetric, as `hibana_kernels.quant`'s int4 linears)
+        w13  uint8 [E, 2I, H // 2]   w2  uint8 [E, H, I // 2]   two codes a byte, k even in the low nibble
+        w13_scales, w13_zeros  float16 [E, 2I, H // g13]         w[e, n, k] = (code - zero) * scale
+        w2_scales, w2_zeros    float16 [E, H, I // g2]           of k's group (g from the shapes)
     biases (optional, either kind)  b13 [E, 2I] (gate then up), b2 [E, H]
 
 gpt-oss interleaves gate and up (its gate_up_proj's output features alternate gate, up, gate,
@@ -37,6 +44,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from hibana_kernels.quant import dequantize_int4, dequantize_int8
+
+KINDS = ("dense", "mxfp4", "int8", "int4")
 SCORINGS = ("softmax", "topk_softmax")
 ACTIVATIONS = ("silu", "swiglu_oai")
 MXFP4_BLOCK = 32
@@ -50,15 +60,24 @@ class MoEExperts:
     """The E experts of one MoE layer, in the layout the module docstring draws."""
 
     kind: str
-    """"dense" (w13/w2 in a float dtype) or "mxfp4" (packed blocks plus e8m0 scales)."""
+    """"dense" (w13/w2 in a float dtype), "mxfp4" (packed blocks plus e8m0 scales), "int8"
+    (codes plus per-row scales) or "int4" (packed codes plus per-group scales and zeros)."""
     w13: torch.Tensor
-    """Gate then up projection: [E, 2I, H], or mxfp4 blocks [E, 2I, H // 32, 16]."""
+    """Gate then up projection: [E, 2I, H] (float or int8), mxfp4 blocks [E, 2I, H // 32, 16] or
+    int4 bytes [E, 2I, H // 2]."""
     w2: torch.Tensor
-    """Down projection: [E, H, I], or mxfp4 blocks [E, H, I // 32, 16]."""
+    """Down projection: [E, H, I] (float or int8), mxfp4 blocks [E, H, I // 32, 16] or int4 bytes
+    [E, H, I // 2]."""
     w13_scales: torch.Tensor | None = None
-    """mxfp4 only: e8m0 scales of w13, uint8 [E, 2I, H // 32]."""
+    """Scales of w13: mxfp4 e8m0 uint8 [E, 2I, H // 32], int8 float32 [E, 2I], int4 float16
+    [E, 2I, H // g13]; dense None."""
     w2_scales: torch.Tensor | None = None
-    """mxfp4 only: e8m0 scales of w2, uint8 [E, H, I // 32]."""
+    """Scales of w2: mxfp4 e8m0 uint8 [E, H, I // 32], int8 float32 [E, H], int4 float16
+    [E, H, I // g2]; dense None."""
+    w13_zeros: torch.Tensor | None = None
+    """int4 only: zero points of w13 (in code units), float16 like w13_scales."""
+    w2_zeros: torch.Tensor | None = None
+    """int4 only: zero points of w2, float16 like w2_scales."""
     b13: torch.Tensor | None = None
     """Bias of w13 [E, 2I] (gate then up), or None."""
     b2: torch.Tensor | None = None
@@ -71,17 +90,25 @@ class MoEExperts:
     """swiglu_oai: gate is clamped to at most limit, up to [-limit, limit]."""
 
     def __post_init__(self):
-        if self.kind not in ("dense", "mxfp4"):
-            raise ValueError(f"MoEExperts kind must be 'dense' or 'mxfp4', not {self.kind!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"MoEExperts kind must be one of {KINDS}, not {self.kind!r}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"MoEExperts activation must be one of {ACTIVATIONS}, not {self.activation!r}")
-        quantized = self.kind == "mxfp4"
+        quantized = self.kind != "dense"
         if quantized != (self.w13_scales is not None and self.w2_scales is not None):
-            raise ValueError("mxfp4 experts need w13_scales and w2_scales; dense experts take none")
+            raise ValueError(f"{self.kind} experts need w13_scales and w2_scales; dense experts take none")
+        if (self.kind == "int4") != (self.w13_zeros is not None and self.w2_zeros is not None):
+            raise ValueError("int4 experts need w13_zeros and w2_zeros; other kinds take none")
         e, i2, h = self.num_experts, 2 * self.intermediate_size, self.hidden_size
-        if quantized:
+        if self.kind == "mxfp4":
             _check_mxfp4_shapes("w13", self.w13, self.w13_scales, (e, i2, h))
             _check_mxfp4_shapes("w2", self.w2, self.w2_scales, (e, h, i2 // 2))
+        elif self.kind == "int8":
+            _check_int8_shapes("w13", self.w13, self.w13_scales, (e, i2, h))
+            _check_int8_shapes("w2", self.w2, self.w2_scales, (e, h, i2 // 2))
+        elif self.kind == "int4":
+            _check_int4_shapes("w13", self.w13, self.w13_scales, self.w13_zeros, (e, i2, h))
+            _check_int4_shapes("w2", self.w2, self.w2_scales, self.w2_zeros, (e, h, i2 // 2))
         elif self.w13.shape != (e, i2, h) or self.w2.shape != (e, h, i2 // 2):
             raise ValueError(f"dense experts want w13 [E, 2I, H] and w2 [E, H, I], got "
                              f"{tuple(self.w13.shape)} and {tuple(self.w2.shape)}")
@@ -102,9 +129,18 @@ class MoEExperts:
     def hidden_size(self) -> int:
         return self.w2.shape[1]
 
+    @property
+    def group_sizes(self) -> tuple[int, int]:
+        """int4: the inputs a scale and zero cover in w13 and in w2 (others: 0, 0)."""
+        if self.kind != "int4":
+            return 0, 0
+        return (self.hidden_size // self.w13_scales.shape[-1],
+                self.intermediate_size // self.w2_scales.shape[-1])
+
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Every tensor the experts hold (weights, scales, biases present)."""
-        return tuple(t for t in (self.w13, self.w2, self.w13_scales, self.w2_scales, self.b13, self.b2)
+        return tuple(t for t in (self.w13, self.w2, self.w13_scales, self.w2_scales, self.w13_zeros,
+                                 self.w2_zeros, self.b13, self.b2)
                      if t is not None)
 
     def bytes_per_token(self, top_k: int) -> int:
@@ -114,9 +150,16 @@ class MoEExperts:
         return top_k * per_expert
 
     def expert_weights(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13 [2I, H], w2 [H, I]) of one expert in `dtype`, dequantized if mxfp4."""
+        """(w13 [2I, H], w2 [H, I]) of one expert in `dtype`, dequantized if quantized."""
         if self.kind == "dense":
             return self.w13[expert].to(dtype), self.w2[expert].to(dtype)
+        if self.kind == "int8":
+            return (dequantize_int8(self.w13[expert], self.w13_scales[expert], dtype),
+                    dequantize_int8(self.w2[expert], self.w2_scales[expert], dtype))
+        if self.kind == "int4":
+            g13, g2 = self.group_sizes
+            return (dequantize_int4(self.w13[expert], self.w13_scales[expert], self.w13_zeros[expert], g13, dtype),
+                    dequantize_int4(self.w2[expert], self.w2_scales[expert], self.w2_zeros[expert], g2, dtype))
         return (mxfp4_dequantize(self.w13[expert], self.w13_scales[expert], dtype),
                 mxfp4_dequantize(self.w2[expert], self.w2_scales[expert], dtype))
 
@@ -131,6 +174,28 @@ def _check_mxfp4_shapes(name: str, blocks: torch.Tensor, scales: torch.Tensor, d
     if blocks.shape != (e, n, groups, MXFP4_BLOCK // 2) or scales.shape != (e, n, groups):
         raise ValueError(f"mxfp4 {name}: want blocks {(e, n, groups, MXFP4_BLOCK // 2)} and scales "
                          f"{(e, n, groups)}, got {tuple(blocks.shape)} and {tuple(scales.shape)}")
+
+
+def _check_int8_shapes(name: str, codes: torch.Tensor, scales: torch.Tensor, dense: tuple[int, ...]):
+    if codes.dtype != torch.int8 or scales.dtype != torch.float32:
+        raise ValueError(f"int8 {name}: codes must be int8 and scales float32, got {codes.dtype} and {scales.dtype}")
+    if codes.shape != dense or scales.shape != dense[:2]:
+        raise ValueError(f"int8 {name}: want codes {dense} and scales {dense[:2]}, got {tuple(codes.shape)} "
+                         f"and {tuple(scales.shape)}")
+
+
+def _check_int4_shapes(name: str, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                       dense: tuple[int, ...]):
+    e, n, k = dense
+    if packed.dtype != torch.uint8 or scales.dtype != torch.float16 or zeros.dtype != torch.float16:
+        raise ValueError(f"int4 {name}: codes must be uint8, scales and zeros float16")
+    groups = scales.shape[-1] if scales.dim() == 3 else 0
+    if k % 2 or not groups or k % groups or (k // groups) % 2:
+        raise ValueError(f"int4 {name}: the input size {k} must be even and split into groups of an even size, "
+                         f"got scales {tuple(scales.shape)}")
+    if packed.shape != (e, n, k // 2) or scales.shape != (e, n, groups) or zeros.shape != scales.shape:
+        raise ValueError(f"int4 {name}: want codes {(e, n, k // 2)}, scales and zeros {(e, n, groups)}, got "
+                         f"{tuple(packed.shape)}, {tuple(scales.shape)} and {tuple(zeros.shape)}")
 
 
 def deinterleave_gate_up(t: torch.Tensor) -> torch.Tensor:

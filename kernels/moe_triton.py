@@ -18,12 +18,13 @@ A layer is routing, then one of two expert paths picked by the number of tokens:
             grouped GEMM: program (block, n tile) reads x rows of its routes and expert e's
             weight tile once for BLOCK_M rows
 
-Dense weights (fp32/bf16/fp16) and MXFP4 weights share the kernels: `_weight_tile` dequantizes
-an MXFP4 tile in registers (e2m1 codes, low nibble first, times 2^(e8m0 - 127) a block of 32),
-so MXFP4 experts are read at 4.25 bits a weight. Accumulation is in float32; the roundings
-follow transformers' order (gate|up and the expert's output rounded to x's dtype before the bias
-is added, the activation's steps rounded as torch's ops round them, the weighted output rounded),
-except that a token's k outputs are summed in float32 and rounded once.
+Dense weights (fp32/bf16/fp16), MXFP4 and int8 weights share the kernels: `_weight_tile`
+dequantizes an MXFP4 tile in registers (e2m1 codes, low nibble first, times 2^(e8m0 - 127) a block
+of 32), so MXFP4 experts are read at 4.25 bits a weight, and an int8 tile as code * its row's
+float32 scale (the reference's dequantization, exactly), read at 8 bits a weight. Accumulation is
+in float32; the roundings follow transformers' order (gate|up and the expert's output rounded to
+x's dtype before the bias is added, the activation's steps rounded as torch's ops round them, the
+weighted output rounded), except that a token's k outputs are summed in float32 and rounded once.
 """
 
 from __future__ import annotations
@@ -37,12 +38,15 @@ import triton.language as tl
 from hibana_kernels import moe
 from hibana_kernels.moe import ExpertBlocks, MoEExperts
 
-DECODE_MAX_TOKENS = {"dense": 8, "mxfp4": 4}
+DECODE_MAX_TOKENS = {"dense": 8, "mxfp4": 4, "int8": 8, "int4": 4}
 """Tokens the decode path takes, per weight kind (H200, bench/tune_moe.py --sweep, 2026-12-01:
 bf16 decode beats grouped at T=8, 130 against 135 us; MXFP4 decode wins at T=1, 61 against 149 us,
-and loses at T=8, 351 against 265 us; 4 is the crossover of the two lines)."""
+and loses at T=8, 351 against 265 us; 4 is the crossover of the two lines). int8 and int4 are not
+tuned yet: int8 takes bf16's crossover and tiles, int4 MXFP4's (half-byte weights too)."""
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ACTIVATION = {"silu": 0, "swiglu_oai": 1}
+_FORMAT = {"dense": 0, "mxfp4": 1, "int8": 2, "int4": 3}
+"""The kernels' FORMAT constexpr: how `_weight_tile` reads a weight."""
 
 
 class DecodeTiles(NamedTuple):
@@ -180,12 +184,26 @@ def _e2m1_scaled(codes):
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, expert, offs_n, n_mask, k0, K, stride_we, stride_wn, stride_se,
-                 stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
+def _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask, k0, K, group, stride_we, stride_wn, stride_se,
+                 stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FORMAT: tl.constexpr):
     """Columns k0 .. k0 + BLOCK_K of one expert's weight rows offs_n, zero outside the weight:
-    dense as stored, MXFP4 dequantized to float32 (strides of packed bytes and of scales)."""
+    dense (FORMAT 0) as stored; MXFP4 (1, strides of packed bytes and of scales), int8 (2, code *
+    its row's scale) and int4 (3, (code - zero) * scale of its group of `group` inputs; zeros
+    strided as scales) dequantized to float32."""
     w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
-    if MXFP4:
+    if FORMAT == 3:
+        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_rows + offs_b[None, :], mask=n_mask[:, None] & (offs_b < K // 2)[None, :],
+                         other=0).to(tl.int32)
+        codes = tl.interleave(packed & 0xF, packed >> 4).to(tl.float32)  # [BLOCK_N, BLOCK_K], k in order
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        groups = (expert.to(tl.int64) * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn
+                  + (offs_k // group)[None, :])  # each column's scale and zero: any group size
+        mask = n_mask[:, None] & (offs_k < K)[None, :]
+        scale = tl.load(s_ptr + groups, mask=mask, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + groups, mask=mask, other=0.0).to(tl.float32)
+        return (codes - zero) * scale
+    elif FORMAT == 1:
         offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         packed = tl.load(w_rows + offs_b[None, :], mask=n_mask[:, None] & (offs_b < K // 2)[None, :],
                          other=0).to(tl.int32)
@@ -199,7 +217,12 @@ def _weight_tile(w_ptr, s_ptr, expert, offs_n, n_mask, k0, K, stride_we, stride_
         return tl.reshape(w, [BLOCK_N, BLOCK_K])
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        return tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+        if FORMAT == 2:
+            scale = tl.load(s_ptr + expert.to(tl.int64) * stride_se + offs_n.to(tl.int64) * stride_sn,
+                            mask=n_mask, other=0.0)
+            w = w.to(tl.float32) * scale[:, None]
+        return w
 
 
 @triton.jit
@@ -207,8 +230,8 @@ def _mxfp4_dequantize_kernel(w_ptr, s_ptr, out_ptr, R, K, BLOCK_N: tl.constexpr,
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < R
     k0 = tl.program_id(1) * BLOCK_K
-    w = _weight_tile(w_ptr, s_ptr, tl.program_id(0) * 0, offs_n, n_mask, k0, K, 0, K // 2, 0, K // 32,
-                     BLOCK_N, BLOCK_K, True)
+    w = _weight_tile(w_ptr, s_ptr, s_ptr, tl.program_id(0) * 0, offs_n, n_mask, k0, K, 32, 0, K // 2, 0,
+                     K // 32, BLOCK_N, BLOCK_K, 1)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
              mask=n_mask[:, None] & (offs_k < K)[None, :])
@@ -280,10 +303,10 @@ def _weighted_output(acc, weight, b_ptr, expert, offs_n, n_mask, stride_be, dtyp
 
 
 @triton.jit
-def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, act_ptr, H, I, TOP_K,
-                           stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_be,
+def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, z_ptr, b_ptr, act_ptr, H, I, TOP_K,
+                           stride_xm, group, stride_we, stride_wn, stride_se, stride_sn, stride_be,
                            alpha, limit, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           MXFP4: tl.constexpr, ROUND_W: tl.constexpr, ACTIVATION: tl.constexpr,
+                           FORMAT: tl.constexpr, ROUND_W: tl.constexpr, ACTIVATION: tl.constexpr,
                            HAS_BIAS: tl.constexpr):
     """act[route, n] for one route and BLOCK_N intermediate features: its expert's gate rows n
     and up rows I + n, streamed along H; products stay per tile column until the loop ends."""
@@ -297,10 +320,10 @@ def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, act_ptr, H, I, T
     for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + offs_k, mask=offs_k < H, other=0.0)
-        wg = _weight_tile(w_ptr, s_ptr, expert, offs_n, n_mask, k0, H, stride_we, stride_wn,
-                          stride_se, stride_sn, BLOCK_N, BLOCK_K, MXFP4)
-        wu = _weight_tile(w_ptr, s_ptr, expert, I + offs_n, n_mask, k0, H, stride_we, stride_wn,
-                          stride_se, stride_sn, BLOCK_N, BLOCK_K, MXFP4)
+        wg = _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask, k0, H, group, stride_we, stride_wn,
+                          stride_se, stride_sn, BLOCK_N, BLOCK_K, FORMAT)
+        wu = _weight_tile(w_ptr, s_ptr, z_ptr, expert, I + offs_n, n_mask, k0, H, group, stride_we, stride_wn,
+                          stride_se, stride_sn, BLOCK_N, BLOCK_K, FORMAT)
         if ROUND_W:  # the weights in x's dtype, as the reference dequantizes them
             wg, wu = wg.to(x_ptr.dtype.element_ty), wu.to(x_ptr.dtype.element_ty)
         x = x.to(tl.float32)[None, :]
@@ -312,10 +335,10 @@ def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, act_ptr, H, I, T
 
 
 @triton.jit
-def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, b_ptr, out_ptr, H, I,
-                        stride_om, stride_we, stride_wn, stride_se, stride_sn, stride_be,
+def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, H, I,
+                        stride_om, group, stride_we, stride_wn, stride_se, stride_sn, stride_be,
                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        MXFP4: tl.constexpr, ROUND_W: tl.constexpr, HAS_BIAS: tl.constexpr):
+                        FORMAT: tl.constexpr, ROUND_W: tl.constexpr, HAS_BIAS: tl.constexpr):
     """out[t, n] for one token and BLOCK_N hidden features: each of its k experts' down rows
     against that route's activation, weighted, summed over the k in float32."""
     t = tl.program_id(0)
@@ -329,8 +352,8 @@ def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, b_ptr, out_
         for k0 in range(0, I, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(act_ptr + route.to(tl.int64) * I + offs_k, mask=offs_k < I, other=0.0)
-            w = _weight_tile(w_ptr, s_ptr, expert, offs_n, n_mask, k0, I, stride_we, stride_wn,
-                             stride_se, stride_sn, BLOCK_N, BLOCK_K, MXFP4)
+            w = _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask, k0, I, group, stride_we, stride_wn,
+                             stride_se, stride_sn, BLOCK_N, BLOCK_K, FORMAT)
             if ROUND_W:
                 w = w.to(act_ptr.dtype.element_ty)
             acc += a.to(tl.float32)[None, :] * w.to(tl.float32)
@@ -343,10 +366,10 @@ def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, b_ptr, out_
 
 
 @triton.jit
-def _gate_up_grouped_kernel(x_ptr, routes_ptr, block_expert_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
-                            NUM_ROUTES, H, I, TOP_K, stride_xm, stride_we, stride_wn, stride_se,
+def _gate_up_grouped_kernel(x_ptr, routes_ptr, block_expert_ptr, w_ptr, s_ptr, z_ptr, b_ptr, act_ptr,
+                            NUM_ROUTES, H, I, TOP_K, stride_xm, group, stride_we, stride_wn, stride_se,
                             stride_sn, stride_be, alpha, limit, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FORMAT: tl.constexpr,
                             ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr):
     """act[route, n] for one block's BLOCK_M routes (one expert) and BLOCK_N intermediate
     features: x rows of the routes' tokens against the expert's gate and up tiles."""
@@ -364,10 +387,10 @@ def _gate_up_grouped_kernel(x_ptr, routes_ptr, block_expert_ptr, w_ptr, s_ptr, b
     for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < H)[None, :], other=0.0)
-        wg = _weight_tile(w_ptr, s_ptr, expert, offs_n, n_mask, k0, H, stride_we, stride_wn,
-                          stride_se, stride_sn, BLOCK_N, BLOCK_K, MXFP4).to(x.dtype)
-        wu = _weight_tile(w_ptr, s_ptr, expert, I + offs_n, n_mask, k0, H, stride_we, stride_wn,
-                          stride_se, stride_sn, BLOCK_N, BLOCK_K, MXFP4).to(x.dtype)
+        wg = _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask, k0, H, group, stride_we, stride_wn,
+                          stride_se, stride_sn, BLOCK_N, BLOCK_K, FORMAT).to(x.dtype)
+        wu = _weight_tile(w_ptr, s_ptr, z_ptr, expert, I + offs_n, n_mask, k0, H, group, stride_we, stride_wn,
+                          stride_se, stride_sn, BLOCK_N, BLOCK_K, FORMAT).to(x.dtype)
         if UPCAST:  # exact: products of 16-bit floats are exact in float32
             x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
         # float32 x: exact products ("ieee"), not tf32
@@ -380,10 +403,10 @@ def _gate_up_grouped_kernel(x_ptr, routes_ptr, block_expert_ptr, w_ptr, s_ptr, b
 
 
 @triton.jit
-def _down_grouped_kernel(act_ptr, routes_ptr, block_expert_ptr, weights_ptr, w_ptr, s_ptr, b_ptr,
-                         y_ptr, NUM_ROUTES, H, I, stride_we, stride_wn, stride_se, stride_sn,
+def _down_grouped_kernel(act_ptr, routes_ptr, block_expert_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_ptr,
+                         y_ptr, NUM_ROUTES, H, I, group, stride_we, stride_wn, stride_se, stride_sn,
                          stride_be, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         BLOCK_K: tl.constexpr, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr,
                          UPCAST: tl.constexpr):
     """y[route, n] = weight * (act[route] @ w2[e][n]^T + b2[e][n]) for one block's routes."""
     block = tl.program_id(0)
@@ -399,8 +422,8 @@ def _down_grouped_kernel(act_ptr, routes_ptr, block_expert_ptr, weights_ptr, w_p
     for k0 in range(0, I, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < I)[None, :], other=0.0)
-        w = _weight_tile(w_ptr, s_ptr, expert, offs_n, n_mask, k0, I, stride_we, stride_wn,
-                         stride_se, stride_sn, BLOCK_N, BLOCK_K, MXFP4).to(a.dtype)
+        w = _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask, k0, I, group, stride_we, stride_wn,
+                         stride_se, stride_sn, BLOCK_N, BLOCK_K, FORMAT).to(a.dtype)
         if UPCAST:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
@@ -427,31 +450,37 @@ def _combine_kernel(y_ptr, out_ptr, H, stride_om, TOP_K: tl.constexpr, BLOCK: tl
 
 
 class _Weights(NamedTuple):
-    """One projection's kernel arguments: weight, scales (the weight again when dense), bias
-    (the weight again when absent) and the strides the kernels take."""
+    """One projection's kernel arguments: weight, scales (the weight again when dense), zeros
+    (int4; the scales again otherwise), bias (the weight again when absent), the group size
+    (int4; else 1) and the strides the kernels take."""
 
     w: torch.Tensor
     s: torch.Tensor
+    z: torch.Tensor
     b: torch.Tensor
-    strides: tuple[int, int, int, int, int]  # expert and row of w, of s, expert of b
+    group: int
+    strides: tuple[int, int, int, int, int]  # expert and row of w, of s (and z), expert of b
 
 
-def _weights(w: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None) -> _Weights:
-    if scales is not None:  # MXFP4 blocks [E, N, G, 16] -> bytes [E, N, G * 16]
+def _weights(w: torch.Tensor, scales: torch.Tensor | None, zeros: torch.Tensor | None,
+             bias: torch.Tensor | None, group: int) -> _Weights:
+    if scales is not None:  # MXFP4 blocks [E, N, G, 16] -> bytes [E, N, G * 16]; int8 and int4 as they are
         w = w.contiguous().flatten(2)
         scales = scales.contiguous()
     elif w.stride(-1) != 1:
         w = w.contiguous()
     s = scales if scales is not None else w
+    z = zeros.contiguous() if zeros is not None else s
     b = bias.contiguous() if bias is not None else w
-    return _Weights(w, s, b, (w.stride(0), w.stride(1), s.stride(0), s.stride(1), b.stride(0)))
+    strides = (w.stride(0), w.stride(1), s.stride(0), s.stride(1), b.stride(0))
+    return _Weights(w, s, z, b, max(group, 1), strides)
 
 
 def choose_tiles(tokens: int, kind: str = "dense") -> DecodeTiles | GroupedTiles:
     """The path and its tiles for `tokens` tokens of `kind` experts: the fastest of
     bench/tune_moe.py --sweep on the H200 at Qwen3-30B-A3B (bf16) and gpt-oss-20b (MXFP4) shapes."""
     if tokens <= DECODE_MAX_TOKENS[kind]:
-        if kind == "mxfp4":  # half-byte weights: narrower, deeper tiles keep more loads in flight
+        if kind in ("mxfp4", "int4"):  # half-byte weights: narrower, deeper tiles keep more loads in flight
             return DecodeTiles(block_n=4, block_k=512, num_warps=2)
         return DecodeTiles(block_n=8, block_k=256, num_warps=4)
     if tokens >= 256:
@@ -470,40 +499,43 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
     top_k = ids.shape[1]
     inter = experts.intermediate_size
     mxfp4 = experts.kind == "mxfp4"
-    w13 = _weights(experts.w13, experts.w13_scales, experts.b13)
-    w2 = _weights(experts.w2, experts.w2_scales, experts.b2)
+    weight_format = _FORMAT[experts.kind]
+    g13, g2 = experts.group_sizes
+    w13 = _weights(experts.w13, experts.w13_scales, experts.w13_zeros, experts.b13, g13)
+    w2 = _weights(experts.w2, experts.w2_scales, experts.w2_zeros, experts.b2, g2)
     out = torch.empty_like(x)
     if t == 0:
         return out
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     swiglu = (experts.swiglu_alpha, experts.swiglu_limit)
     if isinstance(tiles, DecodeTiles):
-        # MXFP4 values (one mantissa bit) are exact in bfloat16 and float32: no rounding to do
+        # MXFP4 values (one mantissa bit) are exact in bfloat16 and float32: no rounding to do;
+        # int8's code * scale is not, and rounds to x's dtype as the reference's dequantization
         round_w = not mxfp4 or x.dtype == torch.float16
         _gate_up_decode_kernel[(t * top_k, triton.cdiv(inter, tiles.block_n))](
-            x, ids, w13.w, w13.s, w13.b, act, h, inter, top_k, x.stride(0), *w13.strides, *swiglu,
-            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, MXFP4=mxfp4, ROUND_W=round_w,
+            x, ids, w13.w, w13.s, w13.z, w13.b, act, h, inter, top_k, x.stride(0), w13.group, *w13.strides, *swiglu,
+            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, ROUND_W=round_w,
             ACTIVATION=_ACTIVATION[experts.activation], HAS_BIAS=experts.b13 is not None,
             num_warps=tiles.num_warps)
         _down_decode_kernel[(t, triton.cdiv(h, tiles.block_n))](
-            act, ids, weights, w2.w, w2.s, w2.b, out, h, inter, out.stride(0), *w2.strides,
-            TOP_K=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, MXFP4=mxfp4, ROUND_W=round_w,
+            act, ids, weights, w2.w, w2.s, w2.z, w2.b, out, h, inter, out.stride(0), w2.group, *w2.strides,
+            TOP_K=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, ROUND_W=round_w,
             HAS_BIAS=experts.b2 is not None, num_warps=tiles.num_warps)
         return out
     blocks = moe_align(ids, experts.num_experts, tiles.block_m)
     num_blocks = blocks.block_expert.numel()
     upcast = x.device.type == "cpu" and x.dtype != torch.float32  # the interpreter's 16-bit tl.dot is wrong
     _gate_up_grouped_kernel[(num_blocks, triton.cdiv(inter, tiles.block_n))](
-        x, blocks.routes, blocks.block_expert, w13.w, w13.s, w13.b, act, t * top_k, h, inter, top_k,
-        x.stride(0), *w13.strides, *swiglu, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, MXFP4=mxfp4, ACTIVATION=_ACTIVATION[experts.activation],
+        x, blocks.routes, blocks.block_expert, w13.w, w13.s, w13.z, w13.b, act, t * top_k, h, inter, top_k,
+        x.stride(0), w13.group, *w13.strides, *swiglu, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, FORMAT=weight_format, ACTIVATION=_ACTIVATION[experts.activation],
         HAS_BIAS=experts.b13 is not None, UPCAST=upcast, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     y = torch.empty((t * top_k, h), dtype=x.dtype, device=x.device)
     _down_grouped_kernel[(num_blocks, triton.cdiv(h, tiles.block_n))](
-        act, blocks.routes, blocks.block_expert, weights, w2.w, w2.s, w2.b, y, t * top_k, h, inter,
-        *w2.strides, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        MXFP4=mxfp4, HAS_BIAS=experts.b2 is not None, UPCAST=upcast, num_warps=tiles.num_warps,
+        act, blocks.routes, blocks.block_expert, weights, w2.w, w2.s, w2.z, w2.b, y, t * top_k, h, inter,
+        w2.group, *w2.strides, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        FORMAT=weight_format, HAS_BIAS=experts.b2 is not None, UPCAST=upcast, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     combine_block = min(1024, triton.next_power_of_2(h))
     _combine_kernel[(t, triton.cdiv(h, combine_block))](y, out, h, out.stride(0), TOP_K=top_k,

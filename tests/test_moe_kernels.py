@@ -21,6 +21,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from hibana_kernels import moe
 from hibana_kernels.moe import MoEExperts
+from hibana_kernels.quant import dequantize_int4
 
 HIDDEN, INTER, EXPERTS = 64, 32, 8
 
@@ -31,6 +32,25 @@ def _random_mxfp4(gen, *shape):
     blocks = torch.randint(0, 256, (*lead, k // 32, 16), generator=gen, dtype=torch.uint8)
     scales = torch.randint(123, 132, (*lead, k // 32), generator=gen, dtype=torch.uint8)
     return blocks, scales
+
+
+def _random_int8(gen, *shape, std):
+    """(codes int8 [..., N, K], scales float32 [..., N]) of weights about `std`, the scales
+    varying per row (codes uniform on [-127, 127]: a standard deviation of about 73)."""
+    codes = torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8)
+    scales = std / 73 * (0.5 + torch.rand(shape[:-1], generator=gen))
+    return codes, scales
+
+
+def _random_int4(gen, *shape, group, std):
+    """(packed codes uint8 [..., N, K // 2], scales, zeros float16 [..., N, K // group]) of
+    weights about `std` (codes uniform on 0..15: a standard deviation of about 4.6), fractional
+    zeros around the middle."""
+    *lead, k = shape
+    packed = torch.randint(0, 256, (*lead, k // 2), generator=gen, dtype=torch.uint8)
+    scales = (std / 4.6 * (0.5 + torch.rand(*lead, k // group, generator=gen))).half()
+    zeros = (7.5 + torch.randn(*lead, k // group, generator=gen)).half()
+    return packed, scales, zeros
 
 
 def _tie_router_rows(weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -155,6 +175,36 @@ def test_reference_matches_gpt_oss_mlp_with_mxfp4_experts():
     torch.testing.assert_close(out, expected[0], atol=1e-4, rtol=1e-5)
 
 
+def test_int8_reference_is_the_dense_reference_on_dequantized_weights():
+    gen = torch.Generator().manual_seed(8)
+    w13, s13 = _random_int8(gen, 4, 2 * INTER, HIDDEN, std=0.1)
+    w2, s2 = _random_int8(gen, 4, HIDDEN, INTER, std=0.1)
+    experts = MoEExperts("int8", w13=w13, w2=w2, w13_scales=s13, w2_scales=s2)
+    for dtype in (torch.float32, torch.bfloat16):
+        dequantized = MoEExperts("dense", w13=(w13.float() * s13[..., None]).to(dtype),
+                                 w2=(w2.float() * s2[..., None]).to(dtype))
+        x = torch.randn(6, HIDDEN, generator=gen).to(dtype)
+        weights, ids = moe.moe_route(torch.randn(6, 4, generator=gen), 2)
+        torch.testing.assert_close(moe.fused_moe(x, experts, weights, ids),
+                                   moe.fused_moe(x, dequantized, weights, ids), atol=0, rtol=0)
+
+
+def test_int4_reference_is_the_dense_reference_on_dequantized_weights():
+    gen = torch.Generator().manual_seed(9)
+    w13, s13, z13 = _random_int4(gen, 4, 2 * INTER, HIDDEN, group=16, std=0.1)
+    w2, s2, z2 = _random_int4(gen, 4, HIDDEN, INTER, group=8, std=0.1)
+    experts = MoEExperts("int4", w13=w13, w2=w2, w13_scales=s13, w2_scales=s2, w13_zeros=z13, w2_zeros=z2)
+    assert experts.group_sizes == (16, 8)
+    for dtype in (torch.float32, torch.bfloat16):
+        dequantized = MoEExperts("dense",
+                                 w13=torch.stack([dequantize_int4(*t, 16, dtype) for t in zip(w13, s13, z13)]),
+                                 w2=torch.stack([dequantize_int4(*t, 8, dtype) for t in zip(w2, s2, z2)]))
+        x = torch.randn(6, HIDDEN, generator=gen).to(dtype)
+        weights, ids = moe.moe_route(torch.randn(6, 4, generator=gen), 2)
+        torch.testing.assert_close(moe.fused_moe(x, experts, weights, ids),
+                                   moe.fused_moe(x, dequantized, weights, ids), atol=0, rtol=0)
+
+
 def test_bytes_per_token_counts_k_experts_weights_scales_and_biases():
     e, h, i = 4, 64, 32
     dense = MoEExperts("dense", w13=torch.zeros(e, 2 * i, h, dtype=torch.bfloat16),
@@ -168,6 +218,18 @@ def test_bytes_per_token_counts_k_experts_weights_scales_and_biases():
     codes, scales, biases = 3 * i * h // 2, 3 * i * h // 32, (2 * i + h) * 4
     assert quantized.bytes_per_token(4) == 4 * (codes + scales + biases)
     assert (quantized.num_experts, quantized.hidden_size, quantized.intermediate_size) == (e, h, i)
+    int8 = MoEExperts("int8", w13=torch.zeros(e, 2 * i, h, dtype=torch.int8), w2=torch.zeros(e, h, i, dtype=torch.int8),
+                      w13_scales=torch.zeros(e, 2 * i), w2_scales=torch.zeros(e, h))
+    assert int8.bytes_per_token(2) == 2 * (3 * i * h + (2 * i + h) * 4)
+    assert (int8.num_experts, int8.hidden_size, int8.intermediate_size) == (e, h, i)
+    int4 = MoEExperts("int4", w13=torch.zeros(e, 2 * i, h // 2, dtype=torch.uint8),
+                      w2=torch.zeros(e, h, i // 2, dtype=torch.uint8),
+                      w13_scales=torch.zeros(e, 2 * i, h // 16, dtype=torch.float16),
+                      w13_zeros=torch.zeros(e, 2 * i, h // 16, dtype=torch.float16),
+                      w2_scales=torch.zeros(e, h, i // 8, dtype=torch.float16),
+                      w2_zeros=torch.zeros(e, h, i // 8, dtype=torch.float16))
+    assert int4.bytes_per_token(2) == 2 * (3 * i * h // 2 + 2 * 2 * (2 * i * h // 16 + h * i // 8))
+    assert (int4.num_experts, int4.hidden_size, int4.intermediate_size, int4.group_sizes) == (e, h, i, (16, 8))
 
 
 def test_bad_experts_and_routing_arguments_are_refused():
@@ -176,6 +238,21 @@ def test_bad_experts_and_routing_arguments_are_refused():
         MoEExperts("dense", w13=w13, w2=w2[:, :, :16])
     with pytest.raises(ValueError, match="need w13_scales"):
         MoEExperts("mxfp4", w13=w13, w2=w2)
+    codes13, codes2 = w13.to(torch.int8), w2.to(torch.int8)
+    with pytest.raises(ValueError, match="int8 w13: codes must be int8"):
+        MoEExperts("int8", w13=w13, w2=codes2, w13_scales=torch.ones(4, 64), w2_scales=torch.ones(4, 32))
+    with pytest.raises(ValueError, match="int8 w2: want codes"):
+        MoEExperts("int8", w13=codes13, w2=codes2, w13_scales=torch.ones(4, 64), w2_scales=torch.ones(4, 16))
+    with pytest.raises(ValueError, match="int4 experts need w13_zeros"):
+        MoEExperts("int4", w13=w13, w2=w2, w13_scales=torch.ones(4, 64), w2_scales=torch.ones(4, 32))
+    packed13, packed2 = torch.zeros(4, 64, 16, dtype=torch.uint8), torch.zeros(4, 32, 16, dtype=torch.uint8)
+    half = dict(dtype=torch.float16)
+    with pytest.raises(ValueError, match="int4 w2: the input size 32 must be even and split into groups"):
+        MoEExperts("int4", w13=packed13, w2=packed2, w13_scales=torch.ones(4, 64, 2, **half),
+                   w13_zeros=torch.ones(4, 64, 2, **half), w2_scales=torch.ones(4, 32, 5, **half),
+                   w2_zeros=torch.ones(4, 32, 5, **half))
+    with pytest.raises(ValueError, match="kind"):
+        MoEExperts("int2", w13=w13, w2=w2)
     with pytest.raises(ValueError, match="activation"):
         MoEExperts("dense", w13=w13, w2=w2, activation="gelu")
     with pytest.raises(ValueError, match="b2"):
@@ -271,6 +348,14 @@ def _random_experts(kind, activation, bias, num_experts, hidden, inter, gen):
         w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
         w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5
         quantized = {}
+    elif kind == "int8":
+        (w13, s13), (w2, s2) = (_random_int8(gen, num_experts, n, k, std=k ** -0.5) for n, k in
+                                ((2 * inter, hidden), (hidden, inter)))
+        quantized = dict(w13_scales=s13, w2_scales=s2)
+    elif kind == "int4":  # groups of 16 inputs in w13 (two a tile of 32 columns), of 32 in w2
+        (w13, s13, z13), (w2, s2, z2) = (_random_int4(gen, num_experts, n, k, group=g, std=k ** -0.5)
+                                         for n, k, g in ((2 * inter, hidden, 16), (hidden, inter, 32)))
+        quantized = dict(w13_scales=s13, w2_scales=s2, w13_zeros=z13, w2_zeros=z2)
     else:  # codes up to 6: scales of 2^-4 .. 2^-2
         (w13, s13), (w2, s2) = (_random_mxfp4(gen, num_experts, n, k) for n, k in
                                 ((2 * inter, hidden), (hidden, inter)))
@@ -282,7 +367,8 @@ def _random_experts(kind, activation, bias, num_experts, hidden, inter, gen):
 
 
 def _on(experts: MoEExperts, device) -> MoEExperts:
-    fields = {name: getattr(experts, name) for name in ("w13", "w2", "w13_scales", "w2_scales", "b13", "b2")}
+    fields = {name: getattr(experts, name) for name in ("w13", "w2", "w13_scales", "w2_scales", "w13_zeros",
+                                                         "w2_zeros", "b13", "b2")}
     return MoEExperts(experts.kind, activation=experts.activation,
                       **{k: None if v is None else v.to(device) for k, v in fields.items()})
 
@@ -309,7 +395,9 @@ def check_fused_moe(device, kind, activation, bias, dtype, tokens, top_k, path):
 
 
 @pytest.mark.parametrize("kind, activation, bias", [("dense", "silu", False), ("dense", "swiglu_oai", True),
-                                                    ("mxfp4", "swiglu_oai", True), ("mxfp4", "silu", False)])
+                                                    ("mxfp4", "swiglu_oai", True), ("mxfp4", "silu", False),
+                                                    ("int8", "silu", False), ("int8", "swiglu_oai", True),
+                                                    ("int4", "silu", False), ("int4", "swiglu_oai", True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("path, tokens, top_k", [("decode", 1, 4), ("decode", 3, 2), ("grouped", 37, 2),
                                                   ("grouped", 5, 4)])
@@ -318,27 +406,29 @@ def test_fused_moe(run_check, kind, activation, bias, dtype, path, tokens, top_k
               top_k=top_k, path=path)
 
 
-@pytest.mark.parametrize("kind, activation", [("dense", "silu"), ("mxfp4", "swiglu_oai")])
+@pytest.mark.parametrize("kind, activation", [("dense", "silu"), ("mxfp4", "swiglu_oai"), ("int8", "silu"),
+                                              ("int4", "swiglu_oai")])
 def test_fused_moe_float16(run_check, kind, activation):
     for path in ("decode", "grouped"):
         run_check(check_fused_moe, kind=kind, activation=activation, bias=True, dtype=torch.float16,
                   tokens=9, top_k=2, path=path)
 
 
-def check_fused_moe_picks_a_path(device):
+def check_fused_moe_picks_a_path(device, kind):
     """moe_triton.fused_moe at a decode batch and a prefill batch: its own path and tiles."""
     mt = _moe_triton()
     gen = torch.Generator().manual_seed(11)
-    experts = _random_experts("mxfp4", "swiglu_oai", True, 8, 64, 32, gen)
-    for tokens in (1, mt.DECODE_MAX_TOKENS["mxfp4"] + 1):
+    experts = _random_experts(kind, "swiglu_oai", True, 8, 64, 32, gen)
+    for tokens in (1, mt.DECODE_MAX_TOKENS[kind] + 1):
         x = torch.randn(tokens, 64, generator=gen)
         weights, ids = moe.moe_route(torch.randn(tokens, 8, generator=gen), 2, scoring="topk_softmax")
         out = mt.fused_moe(x.to(device), _on(experts, device), weights.to(device), ids.to(device))
         torch.testing.assert_close(out.cpu(), moe.fused_moe(x, experts, weights, ids), atol=1e-5, rtol=1e-5)
 
 
-def test_fused_moe_picks_a_path(run_check):
-    run_check(check_fused_moe_picks_a_path)
+@pytest.mark.parametrize("kind", ["mxfp4", "int8", "int4"])
+def test_fused_moe_picks_a_path(run_check, kind):
+    run_check(check_fused_moe_picks_a_path, kind=kind)
 
 
 def test_moe_dispatch_on_cpu_runs_the_references_without_importing_triton():

@@ -32,7 +32,7 @@ from hibana_core.errors import UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.loader import ConvertedTensor
 from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM
-from hibana_core.models.moe import ExpertsBlock
+from hibana_core.models.moe import ExpertsBlock, StackedExperts
 from hibana_kernels.moe import MXFP4_BLOCK, deinterleave_gate_up
 
 MODEL_TYPES = ("gpt_oss",)
@@ -60,10 +60,10 @@ def _uint8(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=torch.uint8), requires_grad=False)
 
 
-class GptOssExperts(nn.Module):
+class GptOssExperts(StackedExperts):
     """The E experts in the kernels' layout: dense `gate_up_proj` [E, 2I, H] and `down_proj`
-    [E, H, I], or MXFP4 blocks and scales; biases `gate_up_proj_bias` [E, 2I] (gate then up),
-    `down_proj_bias` [E, H]."""
+    [E, H, I] (w8 / w4 pack them to int8 / int4), or MXFP4 blocks and scales; biases `gate_up_proj_bias`
+    [E, 2I] (gate then up), `down_proj_bias` [E, H]."""
 
     def __init__(self, config: Any, mxfp4: bool) -> None:
         super().__init__()
@@ -90,7 +90,7 @@ class GptOssExperts(nn.Module):
         if self.mxfp4:
             return kernels.MoEExperts("mxfp4", self.gate_up_proj_blocks, self.down_proj_blocks,
                                       self.gate_up_proj_scales, self.down_proj_scales, **common)
-        return kernels.MoEExperts("dense", self.gate_up_proj, self.down_proj, **common)
+        return kernels.MoEExperts(**self.stacked_weights(), **common)
 
     def checkpoint_targets(self, prefix: str) -> dict[str, ConvertedTensor | torch.Tensor]:
         """The checkpoint's expert tensor names (module docstring) -> where they load."""

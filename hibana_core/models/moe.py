@@ -10,12 +10,20 @@ read them as they are:
     gate.weight           [E, H]       the router
 
 Checkpoints on disk keep one tensor per expert (experts.{e}.gate_proj / up_proj / down_proj),
-which load into views of the stacked ones (`checkpoint_tensors`).
+which load into views of the stacked ones (`checkpoint_tensors`). Surgery's w8 and w4 swap the
+float stacks for packed ones (`StackedExperts.set_packed_stacks`), in `hibana_kernels.moe`'s
+int8 / int4 layouts:
+
+    int8  experts.gate_up_proj_qweight  int8 [E, 2I, H]   experts.gate_up_proj_scales  float32 [E, 2I]
+          experts.down_proj_qweight     int8 [E, H, I]    experts.down_proj_scales     float32 [E, H]
+    int4  experts.{stack}_qweight       uint8 [E, N, K // 2]
+          experts.{stack}_scales, experts.{stack}_zeros   float16 [E, N, K // group]
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +49,49 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
 
 
-class Experts(nn.Module):
+STACKS = ("gate_up_proj", "down_proj")
+"""The stacked expert weights, w13 and w2 of `hibana_kernels.MoEExperts`."""
+
+
+PACKED_PARTS = {"int8": ("qweight", "scales"), "int4": ("qweight", "scales", "zeros")}
+"""The tensors of each stack once packed, by kind (buffers `{stack}_{part}`)."""
+
+
+class StackedExperts(nn.Module):
+    """Experts held as stacked float `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I], which
+    surgery's w8 / w4 may swap for int8 / int4 (the module docstring's buffers)."""
+
+    experts_kind = "dense"
+    """"dense" while the float stacks are here, else what they were packed to: "int8", "int4"."""
+
+    @property
+    def has_float_stacks(self) -> bool:
+        """Whether float stacks are here to pack (not packed already, not a checkpoint's MXFP4)."""
+        return getattr(self, "gate_up_proj", None) is not None
+
+    def set_packed_stacks(self, kind: str, packed: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Replace each float stack by its packed tensors: `packed` maps gate_up_proj and
+        down_proj to {part: tensor stacked over the experts}, the parts of PACKED_PARTS[kind]."""
+        if kind not in PACKED_PARTS:
+            raise ValueError(f"experts pack to one of {tuple(PACKED_PARTS)}, not {kind!r}")
+        for name in STACKS:
+            self.register_parameter(name, None)
+            for part in PACKED_PARTS[kind]:
+                self.register_buffer(f"{name}_{part}", packed[name][part])
+        self.experts_kind = kind
+
+    def stacked_weights(self) -> dict[str, Any]:
+        """MoEExperts' kind, w13 and w2 (packed: and their scales, zeros) as this module holds them."""
+        if self.experts_kind == "dense":
+            return dict(kind="dense", w13=self.gate_up_proj, w2=self.down_proj)
+        weights = dict(kind=self.experts_kind, w13=self.gate_up_proj_qweight, w2=self.down_proj_qweight,
+                       w13_scales=self.gate_up_proj_scales, w2_scales=self.down_proj_scales)
+        if self.experts_kind == "int4":
+            weights.update(w13_zeros=self.gate_up_proj_zeros, w2_zeros=self.down_proj_zeros)
+        return weights
+
+
+class Experts(StackedExperts):
     def __init__(self, moe: MoEArgs, hidden_size: int) -> None:
         super().__init__()
         e, i, h = moe.num_experts, moe.intermediate_size, hidden_size
@@ -49,7 +99,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
     def kernel_experts(self) -> kernels.MoEExperts:
-        return kernels.MoEExperts("dense", self.gate_up_proj, self.down_proj)
+        return kernels.MoEExperts(**self.stacked_weights())
 
     def checkpoint_views(self, prefix: str) -> dict[str, torch.Tensor]:
         """A per-expert checkpoint's names (`{prefix}.{e}.gate_proj.weight`, ...) -> views."""

@@ -4,7 +4,9 @@
     out/model.safetensors      the rewritten model's tensors under Hibana's own module names
                                (fused q/k/v and gate/up; packed layers as qweight/scales/zeros)
     out/hibana_surgery.json    MANIFEST: the passes with their parameters and guard figures,
-                               each packed layer's kind and group size (fp8: its scale block), and
+                               each packed layer's kind and group size (fp8: its scale block), the
+                               MoE experts packed and their kind (`*_qweight`, `*_scales`, int4
+                               `*_zeros`), and
                                the attention layers whose KV is stored in fp8 (kv8: their
                                `kv_scale` is in the weights)
 
@@ -34,6 +36,11 @@ def packed_layers(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
             for name, m in model.named_modules() if getattr(m, "kind", "dense") != "dense"}
 
 
+def packed_experts(model: torch.nn.Module) -> dict[str, str]:
+    return {name: m.experts_kind for name, m in model.named_modules()
+            if getattr(m, "experts_kind", "dense") != "dense"}
+
+
 def kv_scaled_layers(model: torch.nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if getattr(m, "kv_scale", None) is not None]
 
@@ -56,6 +63,7 @@ def save(engine: Any, source: Path, out: Path) -> Path:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     manifest = {"format": FORMAT, "source": str(source), "dtype": str(engine.dtype).removeprefix("torch."),
                 "passes": engine.surgery, "packed_layers": packed_layers(model),
+                "packed_experts": packed_experts(model),
                 "kv_scaled_layers": kv_scaled_layers(model)}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return out

@@ -4,6 +4,9 @@
 w8 and w4 rewrite every linear layer of the decoder (attention and MLP projections) that supports a
 packed weight (`set_packed`); the output head and the embeddings keep their precision, as
 AWQ and GPTQ checkpoints keep them (the head is one layer that every token's logits go through).
+Both also pack the stacked float experts of MoE layers (`set_packed_stacks`: int8 per output
+row, int4 in groups, by the linears' rules); the routers stay float, MXFP4 experts as loaded.
+Experts w4 finds no even group size for stay float, named in the record's `experts_kept_float`.
 kv8 gives every attention layer (`set_kv_scales`) per-head scales for an fp8 KV cache.
 w8 and w4 refuse a model loaded from an FP8 checkpoint: its weights are 8-bit already, so w8
 saves nothing, and w4 from them would round twice (the unquantized checkpoint gives a better int4).
@@ -79,7 +82,36 @@ class WeightQuantPass:
             after += _tensor_bytes(packed.values())
         if not layers or len(kept) == len(layers):
             raise ConfigError(f"surgery pass w{self.bits} found no linear layer it can pack in this model")
-        return {"layers": len(layers) - len(kept), "kept_dense": kept, "bytes_before": before,
+        experts = self._pack_experts(model, wanted, clip)
+        return {"layers": len(layers) - len(kept), "kept_dense": kept, "experts": experts["experts"],
+                "experts_kept_float": experts["experts_kept_float"],
+                "bytes_before": before + experts["bytes_before"], "bytes_after": after + experts["bytes_after"]}
+
+    def _pack_experts(self, model: "torch.nn.Module", wanted: int | None, clip: bool | None) -> dict[str, Any]:
+        """Pack the float expert stacks of every MoE layer, each stack by the linears' rule; the
+        record's expert fields and the bytes before and after."""
+        from tqdm.auto import tqdm
+
+        from hibana_core.models.moe import STACKS
+        from hibana_core.surgery.quantize import group_size_for, quantize_stacked
+
+        experts = [(name, m) for name, m in model.named_modules()
+                   if hasattr(m, "set_packed_stacks") and m.has_float_stacks]
+        before = after = 0
+        kept: list[str] = []
+        for name, module in tqdm(experts, desc=f"surgery w{self.bits} experts", unit="layer", leave=False,
+                                 disable=not experts):
+            stacks = {stack: getattr(module, stack).data for stack in STACKS}  # each [E, N, K]
+            groups = {stack: group_size_for(w.shape[2], wanted) if self.bits == 4 else 0
+                      for stack, w in stacks.items()}
+            if None in groups.values():  # no even group size divides an expert's inputs
+                kept.append(name)
+                continue
+            packed = {stack: quantize_stacked(w, self.bits, groups[stack], clip) for stack, w in stacks.items()}
+            before += _tensor_bytes(stacks.values())
+            module.set_packed_stacks(f"int{self.bits}", packed)
+            after += _tensor_bytes(t for p in packed.values() for t in p.values())
+        return {"experts": len(experts) - len(kept), "experts_kept_float": kept, "bytes_before": before,
                 "bytes_after": after}
 
 

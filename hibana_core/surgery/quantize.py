@@ -31,6 +31,15 @@ def quantize_int8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"qweight": q, "scales": scales}
 
 
+def quantize_stacked(weights: torch.Tensor, bits: int, group_size: int = 0,
+                     clip: bool = True) -> dict[str, torch.Tensor]:
+    """Stacked [E, N, K] (an MoE layer's experts) -> quantize_int8's or quantize_int4's tensors,
+    each stacked over the E experts; one expert at a time (a float32 copy of one expert, not of
+    all E, is the peak)."""
+    parts = [quantize_int8(w) if bits == 8 else quantize_int4(w, group_size, clip) for w in weights]
+    return {name: torch.stack([part[name] for part in parts]) for name in parts[0]}
+
+
 def group_size_for(in_features: int, wanted: int) -> int | None:
     """The largest even group size <= `wanted` that divides `in_features` (None: none does)."""
     for g in range(min(wanted, in_features), 1, -1):
