@@ -171,11 +171,10 @@ class OutputProcessor:
         delivery = self._deliveries.pop(request.id, None)
         if delivery is None:
             return
-        reused, computed = request.prompt_counts()
-        self.counters.prompt_computed += computed
-        self.counters.prompt_reused += reused
+        self.counters.prompt_computed += request.computed
+        self.counters.prompt_reused += request.reused
         detok = delivery.detokenizer
-        stats = RequestStats(request.num_prompt, reused, computed, len(request.output),
+        stats = RequestStats(request.num_prompt, request.reused, request.computed, len(request.output),
                              delivery.first_token, time.perf_counter() - delivery.started)
         logger.info("state %s: %s %s, prompt %d tokens (%d reused, %d computed), %d generated in %.3f s",
                     request.state_id or "?", "generate" if request.params is not None else "sync",

@@ -333,8 +333,7 @@ class StateRegistry:
                                       None)
         for _ in events:
             pass
-        reused, computed = events.request.prompt_counts()
-        return SyncStats(reused=reused, computed=computed)
+        return SyncStats(reused=events.request.reused, computed=events.request.computed)
 
     def generate(self, handle: StateHandle, params: SamplingParams, prompt: Sequence[int] | None,
                  loop: asyncio.AbstractEventLoop | None) -> RequestEvents:

@@ -104,13 +104,6 @@ class Request:
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.seq.num_computed
 
-    def prompt_counts(self) -> tuple[int, int]:
-        """(reused, computed) prompt tokens, each counted once: a token computed twice (after a
-        preemption, or LongRoPE's recompute at its switch) or adopted again after that is one
-        token, so the two never add up to more than the prompt."""
-        computed = min(self.computed, self.num_prompt)
-        return min(self.reused, self.num_prompt - computed), computed
-
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
