@@ -22,6 +22,15 @@ pytestmark = pytest.mark.timeout(300)
 AGENTS = TURNS = 3
 
 
+def run_agents_at_once(run_agent) -> None:
+    """run_agent(0), ..., run_agent(AGENTS - 1), each on its own thread, all at once."""
+    threads = [threading.Thread(target=run_agent, args=(a,)) for a in range(AGENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+
+
 def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path, make_engine):
     """3 agents x 3 turns at once on the text weights of a Gemma3ForConditionalGeneration
     checkpoint (vision tower left unread), each generation transformers' greedy on its history."""
@@ -39,11 +48,7 @@ def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path, make_e
             history = history + list(c.token_ids)
         results[agent] = turns
 
-    threads = [threading.Thread(target=run_agent, args=(a,)) for a in range(AGENTS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(240)
+    run_agents_at_once(run_agent)
     assert sorted(results) == list(range(AGENTS))
     assert engine.stats().prompt_tokens_reused > 0, "later turns must reuse the retained KV"
     for agent, turns in results.items():
@@ -113,11 +118,7 @@ def test_longrope_histories_past_the_switch_match_transformers(longrope_checkpoi
             history = history + list(c.token_ids)
         results[agent], computed[agent] = turns, counts
 
-    threads = [threading.Thread(target=run_agent, args=(a,)) for a in range(AGENTS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(240)
+    run_agents_at_once(run_agent)
     assert sorted(results) == list(range(AGENTS))
     for agent, turns in results.items():
         (first, out), second, third = turns
