@@ -79,17 +79,19 @@ def batched_greedy(engine: Engine, prompts: list[list[int]], n: int, specs=None,
 
 
 
-def tiny_cases(archs: tuple[str, ...], seed: int, max_prompt: int = 300,
-               tied_experts: bool = False) -> Iterator[tuple[str, Path, list[list[int]]]]:
+def tiny_cases(archs: tuple[str, ...], seed: int, max_prompt: int = 300, tied_experts: bool = False,
+               overrides: dict[str, dict] | None = None) -> Iterator[tuple[str, Path, list[list[int]]]]:
     """(arch, checkpoint, 4 prompts of 20..max_prompt random tokens) for each tiny architecture,
     the checkpoints in a temporary folder that lasts while the caller iterates. MoE routers
     have no tied experts unless `tied_experts` (CUDA's top-k breaks ties otherwise than the
-    CPU's, as transformers' own routing does: GPU-vs-CPU rows would differ by design)."""
+    CPU's, as transformers' own routing does: GPU-vs-CPU rows would differ by design);
+    `overrides` (arch -> config fields) replace fields of an architecture's tiny config."""
     from tiny_models import make_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         for arch in archs:
-            path = make_tiny_checkpoint(arch, Path(tmp) / arch, tied_experts=tied_experts)
+            path = make_tiny_checkpoint(arch, Path(tmp) / arch, tied_experts=tied_experts,
+                                        **(overrides or {}).get(arch, {}))
             rng = random.Random(seed)
             yield arch, path, [[rng.randrange(2, 512) for _ in range(rng.randint(20, max_prompt))] for _ in range(4)]
 
@@ -250,7 +252,7 @@ def check_bf16_demo() -> Iterator[tuple[str, bool, str]]:
     single = {policy: one_at_a_time(prompts, 32, policy) for policy in ("on", "off")}
 
     def greedy(model, prompt):
-        ids = torch.tensor([prompt], **ON_GPU)
+        ids = torch.tensor([prompt], device="cuda")
         with torch.inference_mode():
             return model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False,
                                   eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
@@ -324,20 +326,32 @@ FAMILIES = ("gemma3", "phi3", "qwen3_moe", "gpt_oss")
 
 def family_cases() -> Iterator[tuple[str, Path, list[list[int]]]]:
     """`tiny_cases` of FAMILIES with tied router rows, and gpt_oss again with MXFP4 experts and
-    with untied routers on the same prompts (2026-12-01 the tied gpt_oss gave other tokens than
-    transformers on the GPU, 0/4, while the untied one of check 1 gave the CPU's: this row tells
-    the ties from the prompts)."""
+    with untied routers on the same prompts (a tie row and a no-tie row on the same prompts)."""
     from tiny_models import make_mxfp4_checkpoint, make_tiny_checkpoint
 
-    for arch, path, prompts in tiny_cases(FAMILIES, 23, tied_experts=True):
+    overrides = {} if transformers_reads_swiglu_limit() else {"gpt_oss": {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}}
+    for arch, path, prompts in tiny_cases(FAMILIES, 23, tied_experts=True, overrides=overrides):
         yield arch, path, prompts
         if arch == "phi3":  # LongRoPE's switch inside the prompts and generations: long tables, recomputes
             yield "phi3 switch 64", make_tiny_checkpoint(arch, path.parent / "phi3-64",
                                                          original_max_position_embeddings=64), prompts
         if arch == "gpt_oss":
             yield "gpt_oss mxfp4", make_mxfp4_checkpoint(path, path.parent / "gpt_oss-mxfp4"), prompts
-            yield "gpt_oss untied", make_tiny_checkpoint(arch, path.parent / "gpt_oss-untied",
-                                                         tied_experts=False), prompts
+            yield "gpt_oss untied", make_tiny_checkpoint(arch, path.parent / "gpt_oss-untied", tied_experts=False,
+                                                         **overrides.get(arch, {})), prompts
+
+
+def transformers_reads_swiglu_limit() -> bool:
+    """Whether the installed transformers takes gpt-oss's SwiGLU clamp from the config: 5.17 (the
+    GPU image's) hard-codes alpha 1.702 and limit 7.0, later versions read `swiglu_alpha/limit`.
+    The engine reads the config, so the tiny checkpoint's limit 2.0 (which makes the clamp bite at
+    random weights) gave other tokens than 5.17 on every prompt: 0/4 on 2026-12-01, tied routers
+    or not. With an older transformers the reference rows use gpt-oss's released values."""
+    import inspect
+
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    return "config.swiglu_limit" in inspect.getsource(modeling_gpt_oss.GptOssExperts.__init__)
 
 
 def transformers_greedy(path: Path, prompts: list[list[int]], device: str, n: int = 32) -> list[list[int]]:
