@@ -227,7 +227,7 @@ def decode_figures(engine, prompts: dict[int, list[int]], generate: int) -> dict
         g = engine.runner.graphs
         graph, _ = g.graphs[(1, 1)]
         g.seq_lens[:1].fill_(ctx)  # the replay attends over ctx keys (the state's blocks)
-        g.slot_mapping[:1].fill_(-1)  # and writes nowhere
+        g.slot_mapping[:, :1].fill_(-1)  # and writes nowhere
         replay = triton.testing.do_bench(graph.replay, rep=300, return_mode="median") / 1e3
         out[ctx] = dict(wall_ms=wall * 1e3, replay_ms=replay * 1e3, tok_s=1 / wall)
         h.close()

@@ -69,8 +69,9 @@ class CacheConfig:
     block_size: int = 16
     """Tokens per KV block; also the granularity of prefix sharing."""
     num_blocks: int | None = None
-    """Exact number of device KV blocks (also `kv_device_blocks`); None sizes the pool from
-    `memory_budget`."""
+    """Exact number of device KV blocks (also `kv_device_blocks`), each `block_size` tokens of
+    every layer; None sizes the pool from `memory_budget`. (A model with sliding-window layers
+    keeps its layers' KV in smaller pages, `kv.layout`: it gets the pages of these bytes.)"""
     memory_budget: int | float | str | None = None
     """The engine's memory on its device: weights, KV blocks and a step's workspace (and a draft
     model's weights and KV) together. Bytes (an int, "20GB", "512MiB") or a fraction of the

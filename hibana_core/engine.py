@@ -37,6 +37,7 @@ from hibana_core.grammar import Grammars
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.budget import device_memory, workspace_bytes
 from hibana_core.kv.cache import KVCache, kv_cache_dtype
+from hibana_core.kv.layout import KVLayout
 from hibana_core.kv.sequence import LongRope
 from hibana_core import surgery
 from hibana_core.surgery.calibration import Calibration
@@ -204,16 +205,19 @@ class Engine:
         self.fingerprint = surgery.fingerprint(loaded.fingerprint, loaded.dtype, kv_dtype, self.surgery)
         self.weight_bytes = model_bytes(loaded.model)  # after surgery: packed weights, buffers too
         stages.begin("kv cache")
+        self.kv_layout = KVLayout.for_windows(loaded.args.sliding_windows, self.max_model_len)
+        """Which layers share a block table; sliding-window layers free the KV outside their window."""
         num_blocks = self._num_blocks(self.weight_bytes, kv_dtype)
         a, bs = loaded.args, config.cache.block_size
         try:
-            self.kv_cache = KVCache(a.num_layers, num_blocks, bs, a.num_kv_heads, a.head_dim, kv_dtype, self.device)
+            self.kv_cache = KVCache(a.num_layers, num_blocks, bs, a.num_kv_heads, a.head_dim, kv_dtype, self.device,
+                                    self.kv_layout)
         except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory errors are RuntimeErrors
-            per_block = KVCache.bytes_per_block(a.num_layers, bs, a.num_kv_heads, a.head_dim, kv_dtype)
+            per_block = KVCache.bytes_per_block(self.kv_layout.page_layers, bs, a.num_kv_heads, a.head_dim, kv_dtype)
             raise MemoryBudgetError(f"cannot allocate {num_blocks:,} KV blocks ({num_blocks * per_block:,} bytes) "
                                     f"on {self.device}: {exc}; lower kv_device_blocks or memory_budget") from None
         self._ctx.kv_cache = self.kv_cache
-        self.pool = BlockPool(num_blocks, bs)
+        self.pool = BlockPool(num_blocks, bs, reserve_null=self.kv_layout.windowed)
         stages.begin("warm-up")
         runner = ModelRunner(self.model, self._ctx, Sampler(self.device, config.seed), self.device,
                              self.max_model_len, config.scheduler.max_concurrent_agents, config.cuda_graphs)
@@ -299,7 +303,8 @@ class Engine:
 
     def _num_blocks(self, weight_bytes: int, kv_dtype: torch.dtype) -> int:
         cache, a, sched = self.config.cache, self.model_args, self.config.scheduler
-        per_block = KVCache.bytes_per_block(a.num_layers, cache.block_size, a.num_kv_heads, a.head_dim, kv_dtype)
+        per_block = KVCache.bytes_per_block(self.kv_layout.page_layers, cache.block_size, a.num_kv_heads,
+                                            a.head_dim, kv_dtype)
         if self.device.type == "cuda":
             # memory that closed engines left in torch's caching allocator is free for this one
             gc.collect()
@@ -314,8 +319,9 @@ class Engine:
         """What a step may allocate besides weights and KV (an estimate, kv/budget.py)."""
         self.memory_budget = None
         """The budget in bytes (None: none given; `num_blocks` or the default sizing)."""
-        if cache.num_blocks is not None:
-            return cache.num_blocks
+        if cache.num_blocks is not None:  # blocks of every layer: the layout's pages of those bytes
+            layout = self.kv_layout
+            return -(-cache.num_blocks * layout.num_layers // layout.page_layers) + layout.windowed
         if cache.memory_budget is not None:
             return self._blocks_in_budget(per_block, weight_bytes)
         if self.device.type == "cuda":  # a fraction of what is free, never the workspace's share
@@ -324,7 +330,8 @@ class Engine:
         else:
             kv_bytes = min(cache.max_kv_bytes_cpu, int(self.device_memory.free * cache.memory_fraction))
             # on the CPU, never more than every admitted agent at full context (zeroed RAM is slow)
-            full = sched.max_concurrent_agents * -(-self.max_model_len // cache.block_size)
+            full = sched.max_concurrent_agents * -(-self.max_model_len // cache.block_size) \
+                * len(self.kv_layout.groups)
             kv_bytes = min(kv_bytes, 2 * full * per_block)
         if kv_bytes < 2 * per_block:
             raise MemoryBudgetError("too little memory is free for the KV cache; free memory or "

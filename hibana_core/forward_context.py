@@ -19,8 +19,8 @@ from hibana_core.kv.cache import KVCache
 class ForwardBatch:
     """Attention metadata of one step; tokens of all sequences are packed back to back."""
 
-    slot_mapping: torch.Tensor     # [T] int64: cache slot each new token's K/V is written to
-    block_tables: torch.Tensor     # [B, max_blocks] int32, padded with 0
+    slot_mapping: torch.Tensor     # [G, T] int64: per KV layer group, the slot each new token's K/V goes to
+    block_tables: torch.Tensor     # [G, B, max_blocks] int32, padded with 0 (G: the `KVLayout`'s groups)
     seq_lens: torch.Tensor         # [B] int32: context length of each sequence after this step
     query_start_loc: torch.Tensor  # [B + 1] int32: first query row of each sequence
     max_query_len: int             # host ints: bounds that size kernel launches (may overstate)

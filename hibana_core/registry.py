@@ -115,7 +115,8 @@ class StateRegistry:
     def _resume(self, seq: KVSequence, state_id: str, path: Path) -> None:
         """Fill `seq` from its persisted file: its KV parked in the host tier (copied to the device
         at its next request) or, without one, on the device now."""
-        saved = state_file.read(path, self.limits.fingerprint, self.kv_cache.data.shape, self.kv_cache.dtype)
+        saved = state_file.read(path, self.limits.fingerprint, self.kv_cache.data.shape, self.kv_cache.dtype,
+                                len(self.kv_cache.layout.groups))
         if saved.state_id != state_id:
             raise StateFileError(f"{path} holds state {saved.state_id!r}, not {state_id!r}; remove the file "
                                  "or open that id")
@@ -124,7 +125,7 @@ class StateRegistry:
             return  # tokens only: the KV is recomputed on next use
         seq.rotated_long = saved.rotated_long
         tier = self.core.scheduler.eviction.tier
-        if tier is None or not tier.adopt(seq, seq.tokens[:saved.num_computed], saved.kv):
+        if tier is None or not tier.adopt(seq, seq.tokens[:saved.num_computed], saved.kv, saved.starts):
             self._place(seq, saved, path)
         logger.info("state %r resumed from %s (%d tokens, %d with KV)", state_id, path, len(seq.tokens),
                     saved.num_computed)
@@ -142,7 +143,7 @@ class StateRegistry:
 
     def _new_sequence(self) -> KVSequence:
         return KVSequence(self.pool, self.kv_cache.copy_block, self.config.enable_prefix_caching,
-                          self.limits.long_rope)
+                          self.limits.long_rope, self.kv_cache.layout)
 
     def _add(self, state_id: str, seq: KVSequence, unnamed: bool = False) -> StateHandle:
         handle = StateHandle(self, state_id)
@@ -254,7 +255,7 @@ class StateRegistry:
     def infos(self) -> list[StateInfo]:
         with self.lock:
             return [StateInfo(e.handle.id, len(e.seq), min(e.seq.num_computed, len(e.seq)),
-                              len(e.seq.block_ids), _tier(e.seq),
+                              e.seq.num_blocks, _tier(e.seq),
                               e.last_use, self.core.scheduler.busy(e.seq), e.use.pinned_at is not None,
                               e.use.priority)
                     for e in self._entries.values()]
@@ -268,8 +269,8 @@ class StateRegistry:
 
     def idle_sequences(self) -> list[KVSequence]:
         """Sequences holding KV and serving no request, first to evict first (the policy's order)."""
-        idle = [(e.seq, e.use, len(e.seq.block_ids)) for e in self._entries.values()
-                if e.seq.block_ids and not self.core.scheduler.busy(e.seq)]
+        idle = [(e.seq, e.use, e.seq.num_blocks) for e in self._entries.values()
+                if e.seq.num_blocks and not self.core.scheduler.busy(e.seq)]
         pin_blocks = int(self.config.pin_budget * self.core.scheduler.pool.num_blocks)
         return retention_order(self.policy, idle, time.monotonic(), pin_blocks)
 
@@ -280,7 +281,7 @@ class StateRegistry:
         tier = self.core.scheduler.eviction.tier
         now = time.monotonic()
         parked = [e for e in self._entries.values()
-                  if e.seq.parked is not None and not e.seq.block_ids and e.use.expected_back() is not None]
+                  if e.seq.parked is not None and not e.seq.num_blocks and e.use.expected_back() is not None]
         if tier is None or not parked:
             return 1.0
         parked.sort(key=lambda e: e.use.expected_back())
@@ -406,14 +407,14 @@ class StateRegistry:
     def _write(self, seq: KVSequence, state_id: str, path: Path) -> None:
         """Write `seq` as a state file (from its parked copy when it is parked)."""
         computed, kv, rotated_long = seq.num_computed, None, seq.rotated_long
-        if not seq.block_ids and seq.parked is not None:  # parked in host memory or on disk: its copy
-            computed = common_prefix_len(seq.tokens, seq.parked.tokens)
-            kv = seq.parked.host_kv()[:, :, :-(-computed // self.pool.block_size)]
+        if not seq.num_blocks and seq.parked is not None:  # parked in host memory or on disk: its copy
+            computed, kv, starts = seq.parked.prefix(common_prefix_len(seq.tokens, seq.parked.tokens), seq)
             rotated_long = seq.parked.rotated_long
         if kv is None:
-            kv = self.kv_cache.read_blocks(seq.block_ids)
+            pages, starts = seq.pages(computed)
+            kv = self.kv_cache.read_blocks(pages)
         state_file.write(path, state_id, seq.tokens, computed, self.pool.block_size, kv, self.limits.fingerprint,
-                         rotated_long)
+                         rotated_long, starts)
 
     def load(self, path: str | os.PathLike, state_id: str | None = None, *, share: bool = False) -> StateHandle:
         """Restore a state written by `save` (same model and tokenizer only). The file is read and
@@ -422,7 +423,7 @@ class StateRegistry:
         if state_id is not None:
             _check_id(state_id)
         saved = state_file.read(state_file.as_path(path), self.limits.fingerprint, self.kv_cache.data.shape,
-                                self.kv_cache.dtype)
+                                self.kv_cache.dtype, len(self.kv_cache.layout.groups))
         tokens = self._validate(saved.tokens)
         with self.lock:
             self._check_open()
@@ -443,13 +444,13 @@ class StateRegistry:
         blocks = saved.kv.shape[2]
         if not self.pool.can_allocate(blocks):
             self.core.scheduler.eviction.make_room(blocks)
-        seq.block_ids = self.pool.allocate(blocks)
+        ids = self.pool.allocate(blocks)
+        seq.place_pages(ids, saved.starts, saved.num_computed)
         try:
-            self.kv_cache.write_blocks(seq.block_ids, saved.kv)
+            self.kv_cache.write_blocks(ids, saved.kv)
         except Exception as exc:
             seq.release()
             raise StateFileError(f"state file {path} does not fit this engine's KV cache ({exc})") from exc
-        seq.mark_computed(saved.num_computed)
         seq.commit_full_blocks()  # with share=True: published (and deduped)
 
     def close_state(self, handle: StateHandle) -> None:
@@ -533,4 +534,4 @@ class StateRegistry:
 
 def _tier(seq: KVSequence) -> str:
     """Where a state's KV is: "device" (resident blocks), "host" or "disk" (parked), "none" (recomputed)."""
-    return "device" if seq.block_ids else seq.parked.tier if seq.parked is not None else "none"
+    return "device" if seq.num_blocks else seq.parked.tier if seq.parked is not None else "none"

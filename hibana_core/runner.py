@@ -46,10 +46,10 @@ class StepData:
 
     ids: list[int]                 # 0 where the token comes from the device
     positions: list[int]
-    slots: list[int]
+    slots: list[list[int]]         # per KV layer group (`KVLayout`): each token's cache slot
     seq_lens: list[int]
     starts: list[int]
-    tables: list[list[int]]
+    tables: list[list[list[int]]]  # per KV layer group: each sequence's block table
     logits_indices: list[int]
     max_query_len: int
     from_device: list[DeviceInput]
@@ -191,12 +191,13 @@ def gather_step(scheduled: SchedulerOutput, previous: StepInFlight | None = None
     sampled in the previous step, still on the device (async scheduling)."""
     ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
     seq_lens: list[int] = []
     starts = [0]
-    tables: list[list[int]] = []
     logits_indices: list[int] = []
     from_device: list[DeviceInput] = []
+    groups = len(scheduled.chunks[0].request.seq.tables)
+    slots: list[list[int]] = [[] for _ in range(groups)]
+    tables: list[list[list[int]]] = [[] for _ in range(groups)]
     for chunk in scheduled.chunks:
         seq = chunk.request.seq
         drafts = chunk.draft_token_ids
@@ -210,10 +211,11 @@ def gather_step(scheduled: SchedulerOutput, previous: StepInFlight | None = None
             ids.append(0)
         ids.extend(drafts)
         positions.extend(seq.rope_positions(chunk.start, chunk.end))  # LongRoPE: its long rows
-        slots.extend(seq.slot(p) for p in range(chunk.start, chunk.end))
+        for g, group_slots in enumerate(seq.slots(chunk.start, chunk.end)):
+            slots[g].extend(group_slots)
+            tables[g].append(seq.tables[g])
         seq_lens.append(chunk.end)
         starts.append(starts[-1] + chunk.num_tokens)
-        tables.append(seq.block_ids)
         if chunk.sample:
             logits_indices.extend(range(starts[-1] - 1 - len(drafts), starts[-1]))
     return StepData(ids, positions, slots, seq_lens, starts, tables, logits_indices,
@@ -234,8 +236,8 @@ class ModelRunner:
         return device_tensor(values, dtype, self.device)
 
     def prepare(self, data: StepData) -> ModelInput:
-        width = max(len(t) for t in data.tables)
-        padded = [t + [0] * (width - len(t)) for t in data.tables]
+        width = max(len(t) for group in data.tables for t in group)
+        padded = [[t + [0] * (width - len(t)) for t in group] for group in data.tables]
         batch = ForwardBatch(
             slot_mapping=self._tensor(data.slots),
             block_tables=self._tensor(padded, torch.int32),
@@ -324,10 +326,10 @@ class ModelRunner:
         over one sequence."""
         if self.graphs is not None and self.graphs.profile(num_tokens):
             return
-        bs = self.ctx.kv_cache.block_size
+        bs, groups = self.ctx.kv_cache.block_size, len(self.ctx.kv_cache.layout.groups)
         batch = ForwardBatch(
-            slot_mapping=self._tensor([-1] * num_tokens),
-            block_tables=self._tensor([[0] * -(-num_tokens // bs)], torch.int32),
+            slot_mapping=self._tensor([[-1] * num_tokens] * groups),
+            block_tables=self._tensor([[[0] * -(-num_tokens // bs)]] * groups, torch.int32),
             seq_lens=self._tensor([num_tokens], torch.int32),
             query_start_loc=self._tensor([0, num_tokens], torch.int32),
             max_query_len=num_tokens, max_seq_len=num_tokens)
@@ -373,13 +375,14 @@ class DecodeGraphs:
         if self.buckets[-1] < max_batch and max_batch <= _BUCKETS[-1]:
             self.buckets.append(_BUCKETS[bisect.bisect_left(_BUCKETS, max_batch)])
         self.max_blocks = -(-runner.max_model_len // runner.ctx.kv_cache.block_size)
+        groups = len(runner.ctx.kv_cache.layout.groups)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.mempool = None  # one CUDA graph memory pool shared by every graph
         n, q, dev = self.buckets[-1], self.QUERY_LENS[-1], runner.device
         self.input_ids = torch.zeros(n * q, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n * q, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((n * q,), -1, dtype=torch.long, device=dev)
-        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
+        self.slot_mapping = torch.full((groups, n * q), -1, dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros(groups, n, self.max_blocks, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.query_starts = {q: torch.arange(0, (n + 1) * q, q, dtype=torch.int32, device=dev)
                              for q in self.QUERY_LENS}  # one per query length: graphs keep their own
@@ -393,7 +396,7 @@ class DecodeGraphs:
                 and num_sampling == len(data.logits_indices)
                 and (query_len == 1 or min(data.seq_lens) >= query_len)
                 and self._samples_every_chunk(data)
-                and max(len(t) for t in data.tables) <= self.max_blocks)
+                and max(len(t) for group in data.tables for t in group) <= self.max_blocks)
 
     @staticmethod
     def _samples_every_chunk(data: StepData) -> bool:
@@ -409,19 +412,22 @@ class DecodeGraphs:
         """Inputs of a verify graph: each sequence front-padded to q rows, then padding
         sequences; `rows`: the graph row of each packed input row."""
         n = len(data.seq_lens)
-        ids, positions, slots, rows = [], [], [], []
+        ids, positions, rows = [], [], []
+        slots: list[list[int]] = [[] for _ in data.slots]
         for i in range(bucket):
             if i < n:
                 start, end, seq_len = data.starts[i], data.starts[i + 1], data.seq_lens[i]
                 pad = q - (end - start)
                 ids += [0] * pad + data.ids[start:end]
                 positions += list(range(seq_len - q, seq_len - q + pad)) + data.positions[start:end]
-                slots += [-1] * pad + data.slots[start:end]
+                for group, group_slots in zip(slots, data.slots):
+                    group += [-1] * pad + group_slots[start:end]
                 rows += range(i * q + pad, (i + 1) * q)
             else:
                 ids += [0] * q
                 positions += list(range(q))
-                slots += [-1] * q
+                for group in slots:
+                    group += [-1] * q
         return ids, positions, slots, rows
 
     def run(self, data: StepData, previous: StepInFlight | None) -> tuple[torch.Tensor, bool]:
@@ -431,21 +437,23 @@ class DecodeGraphs:
         q = self._query_len(data.max_query_len)
         if q == 1:  # decode: the packed rows are the graph's rows
             pad = bucket - n
-            ids, positions, slots = data.ids + [0] * pad, data.positions + [0] * pad, data.slots + [-1] * pad
+            ids, positions = data.ids + [0] * pad, data.positions + [0] * pad
+            slots = [group + [-1] * pad for group in data.slots]
             rows = range(bucket)
         else:
             ids, positions, slots, rows = self._pad_rows(data, bucket, q)
         # one host tensor and one copy per static input; the previous step's tokens on the device
-        tables = torch.zeros(bucket, self.max_blocks, dtype=torch.int32)
-        for i, table in enumerate(data.tables):
-            tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        tables = torch.zeros(len(data.tables), bucket, self.max_blocks, dtype=torch.int32)
+        for g, group in enumerate(data.tables):
+            for i, table in enumerate(group):
+                tables[g, i, :len(table)] = torch.tensor(table, dtype=torch.int32)
         size = bucket * q
         self.input_ids[:size].copy_(torch.tensor(ids), non_blocking=True)
         self.positions[:size].copy_(torch.tensor(positions), non_blocking=True)
-        self.slot_mapping[:size].copy_(torch.tensor(slots), non_blocking=True)
+        self.slot_mapping[:, :size].copy_(torch.tensor(slots), non_blocking=True)
         self.seq_lens[:bucket].copy_(torch.tensor(data.seq_lens + [q] * (bucket - n), dtype=torch.int32),
                                      non_blocking=True)
-        self.block_tables[:bucket].copy_(tables, non_blocking=True)
+        self.block_tables[:, :bucket].copy_(tables, non_blocking=True)
         if data.from_device:
             moved = [DeviceInput(rows[d.index], d.row) for d in data.from_device]
             self.runner.take_from_device(self.input_ids, replace(data, from_device=moved), previous)
@@ -479,15 +487,15 @@ class DecodeGraphs:
         size = bucket * q
         self.input_ids[:size].zero_()
         self.positions[:size].copy_(torch.arange(size, device=self.positions.device) % q)
-        self.slot_mapping[:size].fill_(-1)
+        self.slot_mapping[:, :size].fill_(-1)
         self.seq_lens[:bucket].fill_(q)
-        self.block_tables[:bucket].zero_()
+        self.block_tables[:, :bucket].zero_()
         self._replay(bucket, q)
         return True
 
     def _forward(self, bucket: int, q: int) -> torch.Tensor:
         size = bucket * q
-        batch = ForwardBatch(self.slot_mapping[:size], self.block_tables[:bucket],
+        batch = ForwardBatch(self.slot_mapping[:, :size], self.block_tables[:, :bucket],
                              self.seq_lens[:bucket], self.query_starts[q][:bucket + 1],
                              max_query_len=q, max_seq_len=self.runner.max_model_len,
                              uniform_query_len=True)

@@ -193,7 +193,7 @@ class IdleLRUEviction:
             if short <= 0:
                 break
             plan.append(self._move(seq))
-            for block in seq.block_ids:
+            for block in seq.held_blocks():
                 holders[block] += 1
                 short -= holders[block] == self.pool.ref_count(block)
         return plan
@@ -216,7 +216,7 @@ class IdleLRUEviction:
         stream order, on the device as before any later reuse of the blocks."""
         if move.to != "drop" and self.tier.park(move.seq):
             return
-        logger.info("evicting an idle state's KV (%d blocks, %d tokens)", len(move.seq.block_ids), len(move.seq))
+        logger.info("evicting an idle state's KV (%d blocks, %d tokens)", move.seq.num_blocks, len(move.seq))
         move.seq.release()
 
 
@@ -407,7 +407,7 @@ class Scheduler:
             self.eviction.evict(victim.seq)
             self._requeue(victim)
             return
-        holders = [r for r in self.waiting if r.seq.block_ids]
+        holders = [r for r in self.waiting if r.seq.num_blocks]
         if holders:  # a queued request's resident KV goes first: it is not running anyway
             self.eviction.evict(holders[-1].seq)
             return

@@ -176,10 +176,16 @@ def test_golden_chunked_prefill_and_preemption(arch, prefix_caching, host_kv_byt
 
     # a request that gave its KV back serves part of its prompt twice (computed, or re-adopted)
     served_twice = sum(c.stats.computed + c.stats.reused - c.stats.prompt_tokens for _, c in turns)
+    stats = engine.stats()
     if host_kv_bytes == 0:
         assert served_twice > 0, "no agent was preempted: the pool was meant to run out"
+    elif engine.kv_layout.windowed and prefix_caching:
+        # the windows free most of a state's KV: what was parked is often still whole in the
+        # prefix index at its resume, which adopts it instead of copying (tests/test_windows.py
+        # copies parked pages back)
+        assert stats.parks > 0 and stats.resumes + served_twice > 0, "nothing was parked: the pool was meant to run out"
     else:
-        assert engine.stats().parks > 0 and engine.stats().resumes > 0, "nothing was parked: the pool was meant to run out"
+        assert stats.parks > 0 and stats.resumes > 0, "nothing was parked: the pool was meant to run out"
     assert all(c.stats.prompt_tokens > CHUNK for _, c in turns)
     for history, c in turns:
         assert_greedy_matches(path, history, c.token_ids)

@@ -116,10 +116,10 @@ def test_runner_batch_assembly():
     assert data.ids == [0, 1, 2, 3, 4, 5, 10, 11, 12]
     assert data.positions == [0, 1, 2, 3, 4, 5, 0, 1, 2]
     assert data.seq_lens == [6, 3] and data.starts == [0, 6, 9] and data.max_query_len == 6
-    assert data.tables == [a.seq.block_ids, b.seq.block_ids] and data.logits_indices == [5, 8]
+    assert data.tables == [[a.seq.block_ids, b.seq.block_ids]] and data.logits_indices == [5, 8]  # one layer group
     blocks_a, block_b = a.seq.block_ids, b.seq.block_ids[0]
-    assert data.slots == [blocks_a[0] * BS + i for i in range(4)] + [blocks_a[1] * BS + i for i in range(2)] \
-        + [block_b * BS + i for i in range(3)]
+    assert data.slots == [[blocks_a[0] * BS + i for i in range(4)] + [blocks_a[1] * BS + i for i in range(2)]
+                          + [block_b * BS + i for i in range(3)]]
     assert data.from_device == []
 
     in_flight = StepInFlight(first, torch.tensor([40, 41]))   # what step 1 sampled, "on the device"
@@ -137,7 +137,7 @@ def test_runner_batch_assembly():
     inputs = runner.prepare(data)
     runner.take_from_device(inputs.input_ids, data, in_flight)
     assert inputs.input_ids.tolist() == [40, 41]
-    assert inputs.batch.block_tables.tolist() == [a.seq.block_ids, b.seq.block_ids + [0]]
+    assert inputs.batch.block_tables.tolist() == [[a.seq.block_ids, b.seq.block_ids + [0]]]
     assert inputs.logits_indices.tolist() == [0, 1]
 
 

@@ -54,15 +54,17 @@ class _Block:
 class BlockPool:
     """Fixed-size KV blocks with reference counts and an engine-wide prefix index."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        if num_blocks < 0 or block_size <= 0:
-            raise ValueError(f"need num_blocks >= 0 and block_size > 0, "
+    def __init__(self, num_blocks: int, block_size: int, reserve_null: bool = False) -> None:
+        """`reserve_null`: block 0 is never handed out (`kv.layout.NULL_BLOCK`: what window
+        groups' tables point at outside their window); it counts as neither used nor free."""
+        if num_blocks < 0 or block_size <= 0 or (reserve_null and num_blocks < 1):
+            raise ValueError(f"need num_blocks >= {int(reserve_null)} and block_size > 0, "
                              f"got {num_blocks} and {block_size}")
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks - reserve_null  # the blocks that can be handed out
         self.block_size = block_size
         self._blocks = [_Block() for _ in range(num_blocks)]
         # Free queues: front = next to hand out / evict, back = most recently freed.
-        self._empty: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._empty: OrderedDict[int, None] = OrderedDict.fromkeys(range(int(reserve_null), num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._index: dict[BlockHash, int] = {}  # hash -> the one block holding it
 

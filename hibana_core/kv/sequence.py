@@ -12,6 +12,20 @@ A block enters the prefix index (`commit_full_blocks`) only once all its tokens 
 Committed blocks are immutable and may be shared: writing into one first copies it
 (copy-on-write). The protocol follows mlx-lm's caches: `set_tokens` (sync), `trim(n)`, `fork`,
 `release`.
+
+With a `KVLayout` of several groups (sliding-window models) the state holds one table per group,
+all indexed by the same block positions. A window group frees the blocks that no query from
+`num_computed` on can see and points them at NULL_BLOCK:
+
+    tokens:        0 .. 15 | 16 .. 31 | 32 .. 47 | 48 .. 53      window 20, num_computed 54
+    full group:    [  b7   ,    b2    ,    b9    ,   b4   ]
+    window group:  [ NULL  ,    b5    ,    b1    ,   b8   ]      keys from 54 - 20 + 1 = 35 on
+
+Such a state can only continue at positions whose window it still holds: cutting the history
+back into the freed part (an edit, a rollback past it) drops its KV and recomputes, adopting what
+the prefix index still holds (`reuse_cached_blocks`). Each group's blocks are published in the
+prefix index under the chain hash salted by the group; a prefix hit needs every full group's
+blocks and the window groups' blocks inside the window of the hit.
 """
 
 from __future__ import annotations
@@ -21,6 +35,7 @@ import itertools
 from typing import Callable, Iterable, Sequence
 
 from hibana_core.kv.block_pool import BlockHash, BlockPool, hash_block
+from hibana_core.kv.layout import NULL_BLOCK, KVLayout
 
 
 @dataclass(frozen=True)
@@ -62,15 +77,20 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 class KVSequence:
     def __init__(self, pool: BlockPool, copy_block: Callable[[int, int], None],
-                 share: bool = True, long_rope: LongRope | None = None) -> None:
+                 share: bool = True, long_rope: LongRope | None = None, layout: KVLayout | None = None) -> None:
         self.pool = pool
         self.long_rope = long_rope  # the model's LongRoPE, or None
         self.rotated_long = False   # the KV is under LongRoPE's long rotation at every position
         self.share = share  # False: never adopt or publish blocks through the prefix index
         self.block_size = pool.block_size
         self._copy_block = copy_block
+        self.layout = layout
+        # each group's window (None: full attention); a layout-less sequence has one full group
+        self.windows: tuple[int | None, ...] = (None,) if layout is None else tuple(g.window for g in layout.groups)
+        self._windowed = any(w is not None for w in self.windows)
         self.tokens: list[int] = []
-        self.block_ids: list[int] = []
+        self.tables: list[list[int]] = [[] for _ in self.windows]  # block ids per group
+        self._floors = [0] * len(self.windows)  # per group: table entries below are NULL_BLOCK
         self.num_computed = 0
         self.num_committed = 0           # leading blocks known to be in the prefix index
         self._hashes: list[BlockHash] = []  # chain hashes of tokens' leading full blocks
@@ -79,6 +99,20 @@ class KVSequence:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The first group's block table (the only one unless the layout has window groups)."""
+        return self.tables[0]
+
+    @property
+    def num_blocks(self) -> int:
+        """Device blocks this state holds, every group's (NULL_BLOCK entries not counted)."""
+        return sum(len(t) - f for t, f in zip(self.tables, self._floors))
+
+    def held_blocks(self) -> Iterable[int]:
+        """The device blocks this state holds, every group's."""
+        return itertools.chain.from_iterable(t[f:] for t, f in zip(self.tables, self._floors))
 
     @property
     def num_uncomputed(self) -> int:
@@ -92,6 +126,16 @@ class KVSequence:
             parent = self._hashes[-1] if i else (_LONG_ROPE_SALT if self.rotated_long else None)
             self._hashes.append(hash_block(parent, self.tokens[i * bs:(i + 1) * bs]))
         return self._hashes[index]
+
+    def _key(self, index: int, group: int) -> BlockHash:
+        """The prefix index's key of block `index` of a group: its chain hash, salted past group 0."""
+        digest = self.prefix_hash(index)
+        return digest if group == 0 else digest + group.to_bytes(2, "little")
+
+    def _window_start(self, group: int, position: int) -> int:
+        """The first block a query at `position` reads in `group` (0 for full attention)."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, position - window + 1) // self.block_size
 
     def rope_positions(self, start: int, end: int) -> Iterable[int]:
         """The rotary tables' rows of positions start..end-1 (`LongRope`): the positions
@@ -156,33 +200,112 @@ class KVSequence:
         self._keep_kv(0)
 
     def fork(self) -> "KVSequence":
-        twin = KVSequence(self.pool, self._copy_block, self.share, self.long_rope)
+        twin = KVSequence(self.pool, self._copy_block, self.share, self.long_rope, self.layout)
         twin.rotated_long = self.rotated_long
         twin.tokens = list(self.tokens)
         twin.edits = self.edits
         twin._hashes = list(self._hashes)
-        twin.block_ids = list(self.block_ids)
+        twin.tables = [list(t) for t in self.tables]
+        twin._floors = list(self._floors)
         twin.num_computed, twin.num_committed = self.num_computed, self.num_committed
-        for block in twin.block_ids:
-            self.pool.incref(block)
+        for table, floor in zip(twin.tables, twin._floors):
+            for block in table[floor:]:
+                self.pool.incref(block)
         return twin
 
     def _keep_kv(self, n: int) -> None:
+        """Keep the KV of the first n positions; where a window group no longer holds the window
+        of position n (freed while the history was longer), none."""
+        if n and any(self._window_start(g, n) < f for g, f in enumerate(self._floors)):
+            n = 0
         self.num_computed = n
         keep_blocks = -(-n // self.block_size)
-        self.pool.free(reversed(self.block_ids[keep_blocks:]))  # tail first: evicted first
-        del self.block_ids[keep_blocks:]
+        for g, table in enumerate(self.tables):
+            floor = min(self._floors[g], keep_blocks)
+            self.pool.free(reversed(table[max(keep_blocks, self._floors[g]):]))  # tail first: evicted first
+            del table[keep_blocks:]
+            self._floors[g] = floor
         self.num_committed = min(self.num_committed, keep_blocks)
+
+    def free_outside_windows(self) -> None:
+        """Give back each window group's blocks that no query from `num_computed` on reads."""
+        for g, window in enumerate(self.windows):
+            if window is not None:
+                self._free_below(g, min(self._window_start(g, self.num_computed), len(self.tables[g])))
+
+    def _free_below(self, group: int, start: int) -> None:
+        """Free a group's blocks before block `start`; they become NULL_BLOCK."""
+        table, floor = self.tables[group], self._floors[group]
+        if start > floor:
+            self.pool.free(reversed(table[floor:start]))
+            table[floor:start] = [NULL_BLOCK] * (start - floor)
+            self._floors[group] = start
+
+    def _freeable(self) -> int:
+        """Blocks `free_outside_windows` would return to the pool now."""
+        count = 0
+        for g, window in enumerate(self.windows):
+            if window is not None:
+                start = min(self._window_start(g, self.num_computed), len(self.tables[g]))
+                count += sum(self.pool.ref_count(b) == 1 for b in self.tables[g][self._floors[g]:start])
+        return count
+
+    # --- pages: a state's KV as one list of blocks (parking, state files) -----------------------
+
+    def pages(self, n: int) -> tuple[list[int], tuple[int, ...]]:
+        """The blocks holding the KV of the first n positions (n <= num_computed), group after
+        group, and each group's first block among them (later than 0 where a window freed the
+        ones before): what a parked copy or a state file stores."""
+        end = -(-n // self.block_size)
+        starts = tuple(min(f, end) for f in self._floors)
+        return [b for table, s in zip(self.tables, starts) for b in table[s:end]], starts
+
+    def place_pages(self, ids: Sequence[int], starts: Sequence[int], n: int) -> None:
+        """Take `ids` (`pages` order, for positions up to n: the caller allocated and filled them)
+        as the KV of the first n positions of a state that holds none."""
+        assert not self.num_computed and self.num_blocks == 0, "place_pages on a state holding KV"
+        end, at = -(-n // self.block_size), 0
+        for g, start in enumerate(starts):
+            self.tables[g] = [NULL_BLOCK] * start + list(ids[at:at + end - start])
+            self._floors[g] = start
+            at += end - start
+        self.num_computed = n
+
+    def pages_fit(self, starts: Sequence[int], n: int) -> bool:
+        """Whether pages starting at `starts` still hold the windows of position n."""
+        return all(self._window_start(g, n) >= s for g, s in enumerate(starts))
 
     # --- catching up --------------------------------------------------------------------------
 
     def index_match(self, limit: int) -> int:
         """Tokens of the longest prefix of tokens[:limit] that the prefix index holds, in full
         blocks (own committed blocks included)."""
-        bs, index = self.block_size, 0
-        while self.share and (index + 1) * bs <= limit and self.pool.lookup(self.prefix_hash(index)) is not None:
-            index += 1
-        return index * bs
+        return self._index_hit(0, limit) * self.block_size if self.share else 0
+
+    def _index_hit(self, first: int, limit: int) -> int:
+        """The most blocks m (first <= m, m * block_size <= limit) such that the prefix index
+        holds blocks first..m-1 of every full group and, of each window group, those of them
+        inside the window of position m; `first` when none. Blocks before `first` are the
+        state's own."""
+        top, m = limit // self.block_size, first
+        full = [g for g, w in enumerate(self.windows) if w is None]
+        while m < top and all(self.pool.lookup(self._key(m, g)) is not None for g in full):
+            m += 1
+        if len(full) == len(self.windows):
+            return m
+        # window groups: walk down from m; a missing block i rules out every hit from i + 1 to m
+        # (i lies in all their windows), so the walk reads each block at most once
+        i = m - 1
+        while i >= first:
+            starts = [self._window_start(g, m * self.block_size) for g in range(len(self.windows))]
+            if i < min(starts):
+                break
+            if all(self.pool.lookup(self._key(i, g)) is not None
+                   for g, w in enumerate(self.windows) if w is not None and i >= starts[g]):
+                i -= 1
+            else:
+                m, i = i, i - 1
+        return m
 
     def prefer_index(self, limit: int) -> None:
         """Where the prefix index holds a longer prefix of the tokens than this state's own KV
@@ -194,47 +317,67 @@ class KVSequence:
     def reuse_cached_blocks(self, limit: int) -> int:
         """Adopt full blocks of other states (or of our own past) from the prefix index, while
         num_computed sits on a block boundary and stays <= limit. Returns tokens gained."""
-        bs, gained = self.block_size, 0
-        while self.share and self.num_computed % bs == 0 and self.num_computed + bs <= limit:
-            index = self.num_computed // bs
-            block = self.pool.lookup(self.prefix_hash(index))
-            if block is None:
-                break
-            self.pool.incref(block)
-            self.block_ids.append(block)
-            self.num_computed += bs
-            gained += bs
-        return gained
+        bs = self.block_size
+        if not self.share or self.num_computed % bs:
+            return 0
+        first = self.num_computed // bs
+        m = self._index_hit(first, limit)
+        if m == first:
+            return 0
+        for g, table in enumerate(self.tables):
+            start = self._window_start(g, m * bs)
+            self._free_below(g, min(start, first))  # own blocks outside the new window
+            for index in range(first, m):
+                if index < start:
+                    table.append(NULL_BLOCK)
+                    continue
+                block = self.pool.lookup(self._key(index, g))
+                self.pool.incref(block)
+                table.append(block)
+            self._floors[g] = max(self._floors[g], start)
+        self.num_computed = m * bs
+        return (m - first) * bs
 
     def blocks_needed(self, num_tokens: int) -> int:
-        """Fresh blocks a write of the next num_tokens tokens takes (copy-on-write included)."""
-        end = self.num_computed + num_tokens
-        needed = -(-end // self.block_size) - len(self.block_ids)
-        return needed + (1 if self._last_block_is_shared() else 0)
+        """Fresh blocks a write of the next num_tokens tokens takes (copy-on-write included),
+        less the blocks that leave the windows first."""
+        end = -(-(self.num_computed + num_tokens) // self.block_size)
+        shared = sum(self._last_block_is_shared(g) for g in range(len(self.tables)))
+        needed = sum(end - len(t) for t in self.tables) + shared
+        return needed - self._freeable() if self._windowed else needed
 
     def prepare_write(self, num_tokens: int) -> None:
-        """Make the slots of the next num_tokens tokens writable: copy a shared or committed
-        partial block, then append fresh blocks. The caller checked `blocks_needed`."""
-        if self._last_block_is_shared():
-            old = self.block_ids[-1]
-            (new,) = self.pool.allocate(1)
-            self._copy_block(old, new)
-            self.block_ids[-1] = new
-            self.pool.free([old])
-            self.num_committed = min(self.num_committed, len(self.block_ids) - 1)
-        end = self.num_computed + num_tokens
-        fresh = -(-end // self.block_size) - len(self.block_ids)
-        if fresh > 0:
-            self.block_ids.extend(self.pool.allocate(fresh))
+        """Make the slots of the next num_tokens tokens writable: give back the blocks that left
+        the windows, copy a shared or committed partial block, then append fresh blocks. The
+        caller checked `blocks_needed`."""
+        self.free_outside_windows()
+        end = -(-(self.num_computed + num_tokens) // self.block_size)
+        for g, table in enumerate(self.tables):
+            if self._last_block_is_shared(g):
+                old = table[-1]
+                (new,) = self.pool.allocate(1)
+                self._copy_block(old, new)
+                table[-1] = new
+                self.pool.free([old])
+                self.num_committed = min(self.num_committed, len(table) - 1)
+            if end > len(table):
+                table.extend(self.pool.allocate(end - len(table)))
 
-    def _last_block_is_shared(self) -> bool:
-        if self.num_computed % self.block_size == 0 or not self.block_ids:
+    def _last_block_is_shared(self, group: int) -> bool:
+        table = self.tables[group]
+        if self.num_computed % self.block_size == 0 or len(table) <= self._floors[group]:
             return False
-        last = self.block_ids[-1]
+        last = table[-1]
         return self.pool.ref_count(last) > 1 or self.pool.is_committed(last)
 
     def slot(self, position: int) -> int:
-        return self.block_ids[position // self.block_size] * self.block_size + position % self.block_size
+        """The cache slot of `position` in the first group (see `slots`)."""
+        return self.tables[0][position // self.block_size] * self.block_size + position % self.block_size
+
+    def slots(self, start: int, end: int) -> list[list[int]]:
+        """The cache slots of positions start..end-1, one list per group."""
+        bs = self.block_size
+        return [[table[p // bs] * bs + p % bs for p in range(start, end)] for table in self.tables]
 
     def mark_computed(self, num_tokens: int) -> None:
         """The KV of the next num_tokens positions is written by a launched step (some of those
@@ -243,18 +386,23 @@ class KVSequence:
 
     def commit_full_blocks(self) -> None:
         """Publish full blocks whose KV is counted and whose tokens are all known in the prefix
-        index. A block whose tokens another state already committed is swapped for that one,
-        so equal prefixes computed in the same step end up stored once."""
+        index, each group's under its own key. A block whose tokens another state already
+        committed is swapped for that one, so equal prefixes computed in the same step end up
+        stored once."""
         full = min(self.num_computed, len(self.tokens)) // self.block_size
         if not self.share or full <= self.num_committed:
             return
         for index in range(self.num_committed, full):
-            block, digest = self.block_ids[index], self.prefix_hash(index)
-            if self.pool.block_hash(block) == digest:
-                continue
-            holder = self.pool.commit(block, digest)
-            if holder != block:
-                self.pool.incref(holder)
-                self.pool.free([block])
-                self.block_ids[index] = holder
+            for g, table in enumerate(self.tables):
+                if index < self._floors[g]:
+                    continue  # left the window before its tokens were known
+                block = table[index]
+                digest = self._key(index, g)
+                if self.pool.block_hash(block) == digest:
+                    continue
+                holder = self.pool.commit(block, digest)
+                if holder != block:
+                    self.pool.incref(holder)
+                    self.pool.free([block])
+                    table[index] = holder
         self.num_committed = full

@@ -31,8 +31,9 @@ class SavedState:
     tokens: list[int]
     num_computed: int
     block_size: int
-    kv: torch.Tensor  # [num_layers, 2, num_blocks, block_size, H_kv, D]
+    kv: torch.Tensor  # [page_layers, 2, pages, block_size, H_kv, D]: `KVSequence.pages` order
     rotated_long: bool = False  # under LongRoPE's long rotation (`KVSequence.rotated_long`)
+    starts: tuple[int, ...] = (0,)  # each layer group's first block among the pages (`KVSequence.pages`)
 
 
 def as_path(path: object) -> Path:
@@ -47,15 +48,17 @@ def as_path(path: object) -> Path:
 
 def _checksum(meta: dict, kv: torch.Tensor) -> str:
     h = hashlib.blake2b(digest_size=32)
-    # "rotation" is written only for LongRoPE's long rotation: other files stay as they were
-    h.update(json.dumps([meta.get(k) for k in _CHECKED + (("rotation",) if "rotation" in meta else ())]).encode())
+    # "rotation" is written only for LongRoPE's long rotation, "pages" only for layouts of several
+    # groups or freed windows: other files stay as they were
+    optional = tuple(k for k in ("rotation", "pages") if k in meta)
+    h.update(json.dumps([meta.get(k) for k in _CHECKED + optional]).encode())
     h.update(json.dumps([str(kv.dtype), list(kv.shape)]).encode())
     h.update(kv.contiguous().view(torch.uint8).numpy().tobytes() if kv.numel() else b"")
     return h.hexdigest()
 
 
 def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, block_size: int,
-          kv: torch.Tensor, fingerprint: str, rotated_long: bool = False) -> None:
+          kv: torch.Tensor, fingerprint: str, rotated_long: bool = False, starts: Sequence[int] = (0,)) -> None:
     from safetensors.torch import save_file
 
     try:
@@ -69,6 +72,8 @@ def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, b
                 "block_size": str(block_size)}
     if rotated_long:
         metadata["rotation"] = "long"
+    if tuple(starts) != (0,):
+        metadata["pages"] = json.dumps(list(starts))
     kv = kv.contiguous()
     metadata["checksum"] = _checksum(metadata, kv)
     tmp = path.with_name(path.name + ".tmp")
@@ -80,9 +85,11 @@ def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, b
         raise StateFileError(f"cannot write the state file {str(path)!r}: {exc}") from exc
 
 
-def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.dtype | None = None) -> SavedState:
-    """Read and verify a state file; `kv_shape` is the engine's [layers, 2, *, block, heads, dim],
-    `kv_dtype` its cache's dtype (fp8 blocks are saved and restored as their bytes)."""
+def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.dtype | None = None,
+         groups: int = 1) -> SavedState:
+    """Read and verify a state file; `kv_shape` is the engine's [page_layers, 2, *, block, heads,
+    dim], `kv_dtype` its cache's dtype (fp8 blocks are saved and restored as their bytes), `groups`
+    the layer groups of its layout (`kv.layout.KVLayout`)."""
     from safetensors import safe_open
 
     try:
@@ -104,8 +111,11 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.
             raise ValueError("its tokens are not a list of integers")
         if meta.get("rotation", "long") != "long":
             raise ValueError(f"its rotation {meta['rotation']!r} is not 'long'")
+        starts = tuple(json.loads(meta.get("pages", "[0]")))
+        if not starts or not all(is_kind(s, int) and s >= 0 for s in starts):
+            raise ValueError(f"its pages {meta['pages']!r} are not a list of block indices")
         saved = SavedState(str(meta["state_id"]), tokens, int(meta["num_computed"]),
-                           int(meta["block_size"]), kv, "rotation" in meta)
+                           int(meta["block_size"]), kv, "rotation" in meta, starts)
     except StateFileError:
         raise
     except Exception as exc:
@@ -115,8 +125,10 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.
     if meta.get("fingerprint") != fingerprint:
         raise StateFileError(f"{path} was saved by another model or tokenizer; load it into an engine "
                              "on the same checkpoint")
-    blocks = -(-saved.num_computed // saved.block_size) if saved.block_size > 0 else -1
+    end = -(-saved.num_computed // saved.block_size) if saved.block_size > 0 else -1
+    blocks = sum(end - s for s in saved.starts) if all(s <= end for s in saved.starts) else -1
     if (not 0 <= saved.num_computed <= len(saved.tokens) or saved.block_size <= 0 or kv.dim() != 6
+            or len(saved.starts) != groups
             or kv.shape[2] != blocks or kv.shape[3] != saved.block_size
             or (kv.shape[0], kv.shape[1], kv.shape[4], kv.shape[5]) != (kv_shape[0], kv_shape[1], kv_shape[4], kv_shape[5])
             or (kv_dtype is not None and kv.dtype != kv_dtype)):

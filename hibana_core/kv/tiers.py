@@ -20,6 +20,7 @@ side-stream copy and prefetch of the memory-manager issue come next).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -44,10 +45,11 @@ logger = logging.getLogger("hibana.states")
 @dataclass(frozen=True)
 class ParkedKV:
     tokens: list[int]             # the history whose KV this holds, in full
-    kv: torch.Tensor | None       # [num_layers, 2, blocks, block_size, H_kv, D] on the host; None: on disk
+    kv: torch.Tensor | None       # [page_layers, 2, pages, block_size, H_kv, D] on the host; None: on disk
     path: Path | None = None      # the spill file holding it, when it is on disk
     size: int = 0                 # its bytes on disk
     rotated_long: bool = False    # under LongRoPE's long rotation (`KVSequence.rotated_long`)
+    starts: tuple[int, ...] = (0,)  # each layer group's first block among the pages (`KVSequence.pages`)
 
     @property
     def nbytes(self) -> int:
@@ -60,6 +62,24 @@ class ParkedKV:
     def host_kv(self) -> torch.Tensor:
         """The KV in host memory (read from its spill file when it is on disk)."""
         return self.kv if self.kv is not None else safetensors.torch.load_file(self.path)["kv"]
+
+    def page_index(self, n: int, block_size: int) -> list[int]:
+        """Which of the pages hold the KV of the first n tokens (n <= len(tokens), and n's
+        windows inside the pages: `KVSequence.pages_fit`), in `KVSequence.pages` order."""
+        end, full, at, index = -(-n // block_size), -(-len(self.tokens) // block_size), 0, []
+        for start in self.starts:
+            index.extend(range(at, at + end - start))
+            at += full - start
+        return index
+
+    def prefix(self, n: int, seq: KVSequence) -> tuple[int, torch.Tensor, tuple[int, ...]]:
+        """(tokens, pages, starts) of this copy's first n tokens, as a state file stores them;
+        no tokens where n's windows were freed before parking."""
+        if not seq.pages_fit(self.starts, n):
+            n = 0
+        kv = self.host_kv()
+        return n, kv[:, :, self.page_index(n, seq.block_size)], tuple(min(s, -(-n // seq.block_size))
+                                                                      for s in self.starts)
 
 
 @dataclass
@@ -107,7 +127,7 @@ class HostTier:
         n = min(seq.num_computed, len(seq.tokens))
         if n == 0:
             return "drop"
-        if -(-n // seq.block_size) * self.cache.bytes_per_block_here <= self.budget_bytes:
+        if len(seq.pages(n)[0]) * self.cache.bytes_per_block_here <= self.budget_bytes:
             return "host"
         return "disk" if self.spill_dir is not None else "drop"
 
@@ -115,20 +135,22 @@ class HostTier:
         """Copy the KV of `seq`'s computed tokens to the host (or, past the host budget, to disk)
         and free its device blocks. False (nothing copied, nothing freed) when neither takes it."""
         n = min(seq.num_computed, len(seq.tokens))
-        blocks = -(-n // seq.block_size)
+        pages, starts = seq.pages(n)
+        blocks = len(pages)
         nbytes = blocks * self.cache.bytes_per_block_here
         to_host = n > 0 and self._room(nbytes)
         if not to_host and (n == 0 or self.spill_dir is None):
             return False
         began = time.perf_counter()
-        index = torch.tensor(seq.block_ids[:blocks], dtype=torch.long, device=self.cache.data.device)
+        index = torch.tensor(pages, dtype=torch.long, device=self.cache.data.device)
         device_kv = self.cache.gather(index)
         host = torch.empty(device_kv.shape, dtype=device_kv.dtype, pin_memory=self.pinned and to_host)
         host.copy_(device_kv)
         copied = time.perf_counter() - began
+        parked = ParkedKV(seq.tokens[:n], host, rotated_long=seq.rotated_long, starts=starts)
         if to_host:
-            self._hold(seq, ParkedKV(seq.tokens[:n], host, rotated_long=seq.rotated_long))
-        elif not self._spill(seq, ParkedKV(seq.tokens[:n], host, rotated_long=seq.rotated_long)):
+            self._hold(seq, parked)
+        elif not self._spill(seq, parked):
             return False  # the disk takes nothing: the caller releases the KV
         c = self.counters
         c.parks += 1
@@ -147,9 +169,12 @@ class HostTier:
         if parked is None or seq.num_computed:
             return 0
         n = common_prefix_len(seq.tokens, parked.tokens)
-        if n < seq.block_size or seq.index_match(n) >= n or parked.rotated_long != seq.rotated_long:
+        if (n < seq.block_size or seq.index_match(n) >= n or parked.rotated_long != seq.rotated_long
+                or not seq.pages_fit(parked.starts, n)):
             self.forget(seq)  # diverged within its first block, all of it still in the prefix index,
-            return 0          # or under LongRoPE's other rotation (the state recomputes)
+            return 0          # under LongRoPE's other rotation, or back into freed windows (it recomputes)
+        if parked.starts != (0,):  # layer groups: every page copied back
+            return self._restore_pages(seq, n, make_room)
         blocks = -(-n // seq.block_size)
         seq.reuse_cached_blocks(n)  # what other states still hold (a shared system prompt) is not copied
         first = len(seq.block_ids)
@@ -173,23 +198,49 @@ class HostTier:
         self.cache.write_blocks(ids, kv[:, :, first:blocks])
         seq.block_ids.extend(ids)
         seq.num_computed = n
+        self._restored(seq, n, n - first * seq.block_size, len(ids), began)
+        return n
+
+    def _restore_pages(self, seq: KVSequence, n: int, make_room: Callable[[int], bool]) -> int:
+        """`restore` of a copy of several layer groups' pages: all of them come back (the prefix
+        index is not consulted)."""
+        parked = seq.parked
+        index = parked.page_index(n, seq.block_size)
+        if not self.pool.can_allocate(len(index)) and not make_room(len(index)):
+            return 0
+        began = time.perf_counter()
+        try:
+            kv = parked.host_kv()
+        except Exception as exc:  # noqa: BLE001 - as in `restore`
+            logger.warning("a parked state's spill file %s cannot be read (%s); its KV is recomputed", parked.path, exc)
+            self.forget(seq)
+            return 0
+        ids = self.pool.allocate(len(index))
+        self.cache.write_blocks(ids, kv[:, :, index])
+        seq.place_pages(ids, parked.starts, n)
+        self._restored(seq, n, n, len(ids), began)
+        return n
+
+    def _restored(self, seq: KVSequence, n: int, tokens: int, blocks: int, began: float) -> None:
+        """Bookkeeping of a restore of n tokens (`tokens` of them copied, into `blocks`)."""
+        parked = seq.parked
         seq.commit_full_blocks()
         self.forget(seq)
         c = self.counters
         c.resumes += 1
-        c.tokens_restored += n - first * seq.block_size
-        c.bytes_moved += len(ids) * self.cache.bytes_per_block_here
+        c.tokens_restored += tokens
+        c.bytes_moved += blocks * self.cache.bytes_per_block_here
         c.seconds += time.perf_counter() - began
         logger.info("resumed a parked state from %s (%d tokens)", "disk" if parked.kv is None else "host memory", n)
-        return n
 
-    def adopt(self, seq: KVSequence, tokens: list[int], kv: torch.Tensor) -> bool:
-        """Hold `kv` (on the host: a state file's blocks) as `seq`'s parked copy, restored at its
+    def adopt(self, seq: KVSequence, tokens: list[int], kv: torch.Tensor, starts: tuple[int, ...] = (0,)) -> bool:
+        """Hold `kv` (on the host: a state file's pages) as `seq`'s parked copy, restored at its
         next request like any other. False when the budget cannot take it."""
         nbytes = kv.numel() * kv.element_size()
         if not self._room(nbytes):
             return False
-        self._hold(seq, ParkedKV(list(tokens), kv.pin_memory() if self.pinned else kv, rotated_long=seq.rotated_long))
+        self._hold(seq, ParkedKV(list(tokens), kv.pin_memory() if self.pinned else kv, rotated_long=seq.rotated_long,
+                                 starts=starts))
         return True
 
     def _hold(self, seq: KVSequence, parked: ParkedKV) -> None:
@@ -207,14 +258,14 @@ class HostTier:
         parked = seq.parked
         if parked.kv is not None:
             if self._room(parked.nbytes):
-                self._hold(twin, ParkedKV(parked.tokens, parked.kv, rotated_long=parked.rotated_long))
+                self._hold(twin, dataclasses.replace(parked))
             return
         path = self.spill_dir / f"{next(self._files):08d}.kv"
         try:
             os.link(parked.path, path)
         except OSError:
             return
-        self._track_spill(twin, ParkedKV(parked.tokens, None, path, parked.size, parked.rotated_long))
+        self._track_spill(twin, dataclasses.replace(parked, kv=None, path=path))
 
     def _spill(self, seq: KVSequence, parked: ParkedKV) -> bool:
         """Write a host copy to a spill file and make that `seq`'s parked copy."""
@@ -230,7 +281,7 @@ class HostTier:
             return False
         size = path.stat().st_size
         self.forget(seq)
-        self._track_spill(seq, ParkedKV(parked.tokens, None, path, size, parked.rotated_long))
+        self._track_spill(seq, dataclasses.replace(parked, kv=None, path=path, size=size))
         c = self.counters
         c.spills += 1
         c.disk_bytes_moved += size

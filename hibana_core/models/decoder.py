@@ -431,9 +431,9 @@ class Attention(nn.Module):
         k = k.view(tokens, self.num_kv_heads, self.head_dim)   # [T, H_kv, D]
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         batch = self.ctx.batch
-        k_cache, v_cache = self.ctx.kv_cache.layer(self.layer_idx)
-        q = self._prologue(positions, q, k, v, k_cache, v_cache, batch.slot_mapping)
-        o = kernels.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
+        k_cache, v_cache, group = self.ctx.kv_cache.layer(self.layer_idx)
+        q = self._prologue(positions, q, k, v, k_cache, v_cache, batch.slot_mapping[group])
+        o = kernels.paged_attention(q, k_cache, v_cache, batch.block_tables[group], batch.seq_lens,
                                     batch.query_start_loc, batch.max_query_len, batch.max_seq_len,
                                     self.scale, self.sliding_window, batch.uniform_query_len, self.kv_scale,
                                     self.sinks)

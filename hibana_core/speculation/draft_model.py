@@ -251,7 +251,7 @@ class DraftModelDrafter:
         for key, entry in self._states.items():
             if self.pool.can_allocate(blocks):
                 break
-            if key not in busy and entry.seq.block_ids:
+            if key not in busy and entry.seq.num_blocks:
                 entry.seq.release()
                 self.counters.evictions += 1
         return self.pool.can_allocate(blocks)
@@ -294,10 +294,10 @@ class DraftModelDrafter:
             slots.extend(seq.slot(p) for p in range(start, end))
             seq_lens.append(end)
             starts.append(starts[-1] + end - start)
-            tables.append(seq.block_ids)
+            tables.append(seq.block_ids)  # its cache has one layer group
         from_device = [DeviceInput(i, i) for i in range(len(parts))] if previous is not None else []
-        data = StepData(ids=ids, positions=positions, slots=slots, seq_lens=seq_lens, starts=starts,
-                        tables=tables, logits_indices=[s - 1 for s in starts[1:]],
+        data = StepData(ids=ids, positions=positions, slots=[slots], seq_lens=seq_lens, starts=starts,
+                        tables=[tables], logits_indices=[s - 1 for s in starts[1:]],
                         max_query_len=max(e - s for _, s, e, _ in parts), from_device=from_device)
         runner = self.runner
         self.counters.forwards += 1

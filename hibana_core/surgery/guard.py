@@ -124,8 +124,8 @@ class Scorer:
         n, bs = len(tokens), self.block_size
         new = n - start
         tensor = lambda values, dtype=torch.long: torch.tensor(values, dtype=dtype, device=self.device)  # noqa: E731
-        batch = ForwardBatch(slot_mapping=tensor(list(range(start, n))),
-                             block_tables=tensor([list(range(-(-n // bs)))], torch.int32),
+        batch = ForwardBatch(slot_mapping=tensor([list(range(start, n))]),  # one layer group
+                             block_tables=tensor([[list(range(-(-n // bs)))]], torch.int32),
                              seq_lens=tensor([n], torch.int32), query_start_loc=tensor([0, new], torch.int32),
                              max_query_len=new, max_seq_len=n)
         if self.cache.dtype != kv_cache_dtype(self.model, self.dtype):  # a pass changed it (kv8)

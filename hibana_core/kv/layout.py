@@ -1,0 +1,81 @@
+"""How the model's layers share KV pages: one group of layers per block table.
+
+A model whose layers all attend to the whole history keeps one group: a block (page) holds the
+keys and values of every layer for `block_size` positions, and a state has one block table.
+Models that mix sliding-window and full-attention layers (gpt-oss alternates them, Gemma 3 has
+five local layers per global one) keep the layers of each kind in groups of equal size, so that
+every group's pages are the same bytes and come from one pool (vLLM's hybrid allocator works
+alike):
+
+    gpt-oss-20b, 24 layers:    full  [1 3 5 ... 23]         window [0 2 4 ... 22]      2 groups of 12
+    Gemma 3 12B, 48 layers:    full  [5 11 ... 47]          window x5 [0-4 6-10 ...]   6 groups of 8
+
+A state holds one block table per group. A window group's table frees the blocks that fell out of
+its window and points them at `NULL_BLOCK` (a zeroed block that is never handed out), so a long
+history costs full KV only on its full-attention layers. A window at least as long as the
+model's context frees nothing: such layers join the full ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+NULL_BLOCK = 0
+"""The block a window group's table points at for positions outside its window (reserved by the
+pool when the layout has window groups; its bytes are zeros, so kernels that read whole blocks
+and mask by position read finite values)."""
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """Layers that share one block table: `layers[i]` lives in slot i of a page."""
+
+    window: int | None          # every layer's sliding window; None: full attention
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    groups: tuple[KVGroup, ...]
+    page_layers: int            # slots of a page: the largest group (smaller groups leave slots unused)
+    _place: dict[int, tuple[int, int]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        place = {layer: (g, slot) for g, group in enumerate(self.groups) for slot, layer in enumerate(group.layers)}
+        object.__setattr__(self, "_place", place)
+
+    @classmethod
+    def plain(cls, num_layers: int) -> "KVLayout":
+        """Every layer in one group, no window: the layout of models without sliding windows."""
+        return cls((KVGroup(None, tuple(range(num_layers))),), num_layers)
+
+    @classmethod
+    def for_windows(cls, windows: Sequence[int | None], max_model_len: int) -> "KVLayout":
+        """The layout of a model whose layer i has sliding window `windows[i]` (None: full).
+        Layers of one kind are split into groups as large as the smallest kind (the last group of
+        a kind may be smaller)."""
+        kinds: dict[int | None, list[int]] = {}
+        for layer, window in enumerate(windows):
+            kinds.setdefault(None if window is None or window >= max_model_len else window, []).append(layer)
+        if len(kinds) == 1:
+            ((window, layers),) = kinds.items()
+            return cls((KVGroup(window, tuple(layers)),), len(layers))
+        size = min(len(layers) for layers in kinds.values())
+        groups = tuple(KVGroup(window, tuple(layers[i:i + size]))
+                       for window, layers in sorted(kinds.items(), key=lambda kv: kv[0] is not None)
+                       for i in range(0, len(layers), size))
+        return cls(groups, size)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._place)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether any group frees the blocks outside a window (the pool then reserves NULL_BLOCK)."""
+        return any(g.window is not None for g in self.groups)
+
+    def place(self, layer: int) -> tuple[int, int]:
+        """(group, slot) of a model layer."""
+        return self._place[layer]

@@ -1,0 +1,175 @@
+"""Sliding-window layers keep only their window's KV (issue 18): the layer groups of `KVLayout`,
+a state's per-group block tables, blocks outside a window given back to the pool, and every path
+that moves KV (prefix hits, parking, state files, edits of the history) exact against
+transformers on the tiny gpt_oss (window 20: sliding, full, sliding) and gemma3 checkpoints."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from hibana_core import SamplingParams
+from hibana_core.kv.block_pool import BlockPool
+from hibana_core.kv.layout import NULL_BLOCK, KVGroup, KVLayout
+from hibana_core.kv.sequence import KVSequence
+from tiny_models import assert_greedy_matches, random_tokens
+
+BS = 16
+WINDOW = 20  # the tiny gpt_oss and gemma3 checkpoints' window: more than one block, less than two
+
+
+def test_layouts_group_layers_by_window():
+    gpt_oss = KVLayout.for_windows([128 if i % 2 == 0 else None for i in range(24)], 131072)
+    assert gpt_oss.page_layers == 12 and [g.window for g in gpt_oss.groups] == [None, 128]
+    assert gpt_oss.groups[0].layers == tuple(range(1, 24, 2)) and gpt_oss.place(4) == (1, 2)
+    gemma3 = KVLayout.for_windows([None if i % 6 == 5 else 1024 for i in range(48)], 131072)
+    assert gemma3.page_layers == 8 and len(gemma3.groups) == 6 and gemma3.groups[0].window is None
+    assert sorted(layer for g in gemma3.groups for layer in g.layers) == list(range(48))
+    small = KVLayout.for_windows([None if i % 6 == 5 else 512 for i in range(26)], 32768)  # gemma3-1b: 4 full
+    assert small.page_layers == 4 and [len(g.layers) for g in small.groups] == [4, 4, 4, 4, 4, 4, 2]
+    assert KVLayout.for_windows([None] * 8, 4096) == KVLayout.plain(8) and not KVLayout.plain(8).windowed
+    # a window at least as long as the context frees nothing: those layers are full ones
+    assert KVLayout.for_windows([4096, None, 4096], 4096) == KVLayout.plain(3)
+    mistral = KVLayout.for_windows([4096] * 4, 32768)
+    assert mistral.groups == (KVGroup(4096, (0, 1, 2, 3)),) and mistral.windowed
+
+
+def windowed_sequence(pool: BlockPool) -> KVSequence:
+    layout = KVLayout.for_windows([WINDOW, None], 1024)  # group 0 full, group 1 window
+    return KVSequence(pool, lambda src, dst: None, layout=layout)
+
+
+def write(seq: KVSequence, tokens: list[int]) -> None:
+    """What a step does to a state's tables: append the tokens and write their KV."""
+    seq.append(tokens)
+    seq.prepare_write(len(tokens))
+    seq.mark_computed(len(tokens))
+    seq.commit_full_blocks()
+
+
+def test_a_window_group_gives_back_the_blocks_no_query_reads():
+    pool = BlockPool(64, BS, reserve_null=True)
+    seq = windowed_sequence(pool)
+    write(seq, list(range(100)))               # a prefill holds every block of the step
+    assert [len(t) for t in seq.tables] == [7, 7] and seq.num_blocks == 14 == pool.num_used
+    assert seq.blocks_needed(1) == 0 - 5 + 0   # the next write frees blocks 0-4 of the window group
+    write(seq, [100])                          # queries from 100 on read keys from 81 on: block 5
+    assert seq.tables[1][:5] == [NULL_BLOCK] * 5 and NULL_BLOCK not in seq.tables[1][5:]
+    assert seq.num_blocks == 7 + 2 == pool.num_used
+    for token in range(101, 140):
+        write(seq, [token])
+    assert seq.num_blocks == 9 + 2 and len(seq.tables[0]) == 9  # the window group: blocks 7 and 8
+    assert seq.pages(seq.num_computed) == (seq.tables[0] + seq.tables[1][7:], (0, 7))
+    twin = seq.fork()
+    twin.release()
+    seq.release()
+    assert pool.num_used == 0 and pool.num_free == pool.num_blocks == 63
+
+
+def test_a_cut_into_a_freed_window_drops_the_kv_and_the_prefix_index_gives_it_back():
+    pool = BlockPool(64, BS, reserve_null=True)
+    seq = windowed_sequence(pool)
+    write(seq, list(range(100)))
+    write(seq, [100])
+    seq.trim(90)                   # the window of 90 (from 71, block 4) was freed: nothing is kept
+    assert seq.num_computed == 0 and seq.num_blocks == 0
+    # the freed blocks stay findable: a new state adopts the 5 full blocks below 90, of the window
+    # group only those in the window of position 80 (from 61: blocks 3 and 4)
+    other = windowed_sequence(pool)
+    other.append(list(range(90)))
+    assert other.reuse_cached_blocks(90) == 80
+    assert other.tables[1][:3] == [NULL_BLOCK] * 3 and NULL_BLOCK not in other.tables[0]
+    assert other.num_blocks == 5 + 2
+
+
+@pytest.fixture(params=["gpt_oss", "gemma3"])
+def windowed(request, tiny_checkpoints):
+    return request.param, tiny_checkpoints[request.param]
+
+
+def state_blocks(engine, state_id: str) -> int:
+    return next(info.blocks for info in engine.states() if info.id == state_id)
+
+
+@pytest.mark.parametrize("speculation", ["off", {"method": "ngram", "k": 4}], ids=["plain", "ngram"])
+def test_agents_with_long_histories_match_transformers_holding_only_their_windows(windowed, make_engine,
+                                                                                  speculation):
+    """3 agents at once, 3 turns each, histories past 10 windows: every generation is
+    transformers' greedy, and each state holds its full layers' blocks plus a window's worth."""
+    arch, path = windowed
+    engine = make_engine(path, speculation=speculation, max_num_batched_tokens=64)
+    rng = random.Random(11)
+    results = {}
+
+    def run_agent(agent: int) -> None:
+        h, history, turns = engine.open_state(f"w{agent}"), [], []
+        for new, n in ((random_tokens(rng, 150 + 10 * agent), 24), (random_tokens(rng, 30), 12), ([7, 8, 9], 12)):
+            history = history + new
+            c = h.generate(SamplingParams(max_tokens=n, ignore_eos=True), prompt=history)
+            turns.append((history, list(c.token_ids)))
+            history = history + list(c.token_ids)
+        results[agent] = turns, len(history)
+
+    threads = [threading.Thread(target=run_agent, args=(a,)) for a in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert sorted(results) == [0, 1, 2]
+    layout = engine.kv_layout
+    full = sum(g.window is None for g in layout.groups)
+    for agent, (turns, length) in results.items():
+        for history, generated in turns:
+            assert_greedy_matches(path, history, generated)
+        blocks = -(-length // BS)
+        window_blocks = -(-WINDOW // BS) + 1
+        assert state_blocks(engine, f"w{agent}") <= full * blocks + (len(layout.groups) - full) * window_blocks
+
+
+def test_a_shared_prompt_is_adopted_across_windows_and_an_edit_recomputes(windowed, make_engine):
+    arch, path = windowed
+    engine = make_engine(path, speculation="off")
+    rng = random.Random(5)
+    system = random_tokens(rng, 120)
+    handle = engine.open_state("first")
+    first = handle.generate(SamplingParams(max_tokens=40, ignore_eos=True), prompt=system + [3, 4, 5])
+    second_prompt = system + [6, 7]
+    second = engine.open_state("second").generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=second_prompt)
+    assert second.stats.reused == 112, "the shared prompt's full blocks, the windows' from the index"
+    assert_greedy_matches(path, second_prompt, second.token_ids)
+    # the first state cut back to 63 tokens: its window there was freed, so its KV goes; the
+    # prefix index gives back 3 blocks (the windows' of position 48 included), the rest computes
+    cut = system[:60] + [9, 9, 9]
+    again = handle.generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=cut)
+    assert (again.stats.reused, again.stats.computed) == (48, len(cut) - 48)
+    assert_greedy_matches(path, cut, again.token_ids)
+    assert list(first.token_ids)  # the first turn ran
+
+
+def test_windowed_states_park_save_and_load_exactly(windowed, make_engine, tmp_path, hf_greedy):
+    """Without prefix caching (nothing to adopt): a pool for about one long state at a time, so
+    each agent's pages are parked in host memory and copied back; a saved state holds only its
+    windows' pages and continues in another engine."""
+    arch, path = windowed
+    rng = random.Random(8)
+    prompts = [random_tokens(rng, 200) for _ in range(2)]
+    engine = make_engine(path, speculation="off", enable_prefix_caching=False, num_blocks=14)
+    handles = [engine.open_state(f"p{i}") for i in range(2)]
+    outputs = [h.generate(SamplingParams(max_tokens=10, ignore_eos=True), prompt=p) for h, p in zip(handles, prompts)]
+    again = handles[0].generate(SamplingParams(max_tokens=10, ignore_eos=True))  # parked by p1: copied back
+    stats = engine.stats()
+    assert stats.parks >= 1 and stats.resumes >= 1 and again.stats.computed == 1
+    history = prompts[0] + list(outputs[0].token_ids)
+    assert list(again.token_ids) == hf_greedy(str(path), history, 10)
+    handles[1].save(tmp_path / "p1.state")
+    other = make_engine(path, speculation="off")
+    loaded = other.load_state(tmp_path / "p1.state")
+    done = loaded.generate(SamplingParams(max_tokens=10, ignore_eos=True))
+    assert done.stats.computed == 1
+    history = prompts[1] + list(outputs[1].token_ids)
+    assert list(done.token_ids) == hf_greedy(str(path), history, 10)
+    layout = other.kv_layout
+    blocks = -(-len(history) // BS)
+    assert state_blocks(other, loaded.id) < len(layout.groups) * blocks  # not every group's every block
