@@ -133,7 +133,8 @@ def kv_scales(engine: Engine) -> list[torch.Tensor]:
 
 
 def prompt_kv(engine: Engine, state_id: str, n: int) -> torch.Tensor:
-    """The KV bytes of a state's first n tokens, [layers, 2, n, H_kv, D] uint8 on the host."""
+    """The KV bytes of a state's first n tokens in its first layer group (every layer unless sliding
+    windows split them: `KVLayout`), [group layers, 2, n, H_kv, D] uint8 on the host."""
     blocks = engine.registry._entries[state_id].seq.block_ids
     return engine.kv_cache.read_blocks(blocks).flatten(2, 3)[:, :, :n].view(torch.uint8)
 
