@@ -116,7 +116,7 @@ class StateRegistry:
         """Fill `seq` from its persisted file: its KV parked in the host tier (copied to the device
         at its next request) or, without one, on the device now."""
         saved = state_file.read(path, self.limits.fingerprint, self.kv_cache.data.shape, self.kv_cache.dtype,
-                                len(self.kv_cache.layout.groups))
+                                self.kv_cache.layout.sink_tokens)
         if saved.state_id != state_id:
             raise StateFileError(f"{path} holds state {saved.state_id!r}, not {state_id!r}; remove the file "
                                  "or open that id")
@@ -423,7 +423,7 @@ class StateRegistry:
         if state_id is not None:
             _check_id(state_id)
         saved = state_file.read(state_file.as_path(path), self.limits.fingerprint, self.kv_cache.data.shape,
-                                self.kv_cache.dtype, len(self.kv_cache.layout.groups))
+                                self.kv_cache.dtype, self.kv_cache.layout.sink_tokens)
         tokens = self._validate(saved.tokens)
         with self.lock:
             self._check_open()

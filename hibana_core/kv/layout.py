@@ -33,6 +33,7 @@ class KVGroup:
 
     window: int | None          # every layer's sliding window; None: full attention
     layers: tuple[int, ...]
+    sink_tokens: int = 0        # under a window, the first tokens every query still sees (their blocks stay)
 
 
 @dataclass(frozen=True)
@@ -51,20 +52,24 @@ class KVLayout:
         return cls((KVGroup(None, tuple(range(num_layers))),), num_layers)
 
     @classmethod
-    def for_windows(cls, windows: Sequence[int | None], max_model_len: int) -> "KVLayout":
-        """The layout of a model whose layer i has sliding window `windows[i]` (None: full).
-        Layers of one kind are split into groups as large as the smallest kind (the last group of
-        a kind may be smaller)."""
-        kinds: dict[int | None, list[int]] = {}
-        for layer, window in enumerate(windows):
-            kinds.setdefault(None if window is None or window >= max_model_len else window, []).append(layer)
+    def for_windows(cls, windows: Sequence[int | None], max_model_len: int,
+                    sink_tokens: Sequence[int] | None = None) -> "KVLayout":
+        """The layout of a model whose layer i has sliding window `windows[i]` (None: full) and,
+        under it, `sink_tokens[i]` first tokens that stay visible (default none). Layers of one
+        kind are split into groups as large as the smallest kind (the last group of a kind may be
+        smaller)."""
+        sinks = sink_tokens or [0] * len(windows)
+        kinds: dict[tuple[int, int] | None, list[int]] = {}
+        for layer, (window, sink) in enumerate(zip(windows, sinks)):
+            full = window is None or window + sink >= max_model_len
+            kinds.setdefault(None if full else (window, sink), []).append(layer)
+        order = sorted(kinds, key=lambda kind: (kind is not None, kind or (0, 0)))
         if len(kinds) == 1:
-            ((window, layers),) = kinds.items()
-            return cls((KVGroup(window, tuple(layers)),), len(layers))
-        size = min(len(layers) for layers in kinds.values())
-        groups = tuple(KVGroup(window, tuple(layers[i:i + size]))
-                       for window, layers in sorted(kinds.items(), key=lambda kv: kv[0] is not None)
-                       for i in range(0, len(layers), size))
+            size = len(windows)
+        else:
+            size = min(len(layers) for layers in kinds.values())
+        groups = tuple(KVGroup(*(kind or (None, 0))[:1], tuple(kinds[kind][i:i + size]), *(kind or (None, 0))[1:])
+                       for kind in order for i in range(0, len(kinds[kind]), size))
         return cls(groups, size)
 
     @property
@@ -75,6 +80,11 @@ class KVLayout:
     def windowed(self) -> bool:
         """Whether any group frees the blocks outside a window (the pool then reserves NULL_BLOCK)."""
         return any(g.window is not None for g in self.groups)
+
+    @property
+    def sink_tokens(self) -> tuple[int, ...]:
+        """Each group's sink tokens."""
+        return tuple(g.sink_tokens for g in self.groups)
 
     def place(self, layer: int) -> tuple[int, int]:
         """(group, slot) of a model layer."""

@@ -58,6 +58,14 @@ _LONG_ROPE_SALT = b"long-rope"
 same tokens' per-position ones, so the prefix index keeps the two apart."""
 
 
+def page_counts(sink_blocks: Sequence[int], starts: Sequence[int], n: int, block_size: int) -> list[tuple[int, int]]:
+    """Per layer group, (sink pages, window pages) among the pages of the first n positions of
+    a state whose pages resume at `starts` after the blocks its windows freed (`KVSequence.pages`):
+    the group's first blocks up to its sink blocks, then blocks start..end-1."""
+    end = -(-n // block_size)
+    return [(min(sink, end), max(0, end - max(start, min(sink, end)))) for sink, start in zip(sink_blocks, starts)]
+
+
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix: list comparisons run in C, so it is found by halving
     (log n slice comparisons) rather than by a Python loop over every token."""
@@ -88,9 +96,12 @@ class KVSequence:
         # each group's window (None: full attention); a layout-less sequence has one full group
         self.windows: tuple[int | None, ...] = (None,) if layout is None else tuple(g.window for g in layout.groups)
         self._windowed = any(w is not None for w in self.windows)
+        # per group: leading blocks a window group keeps whatever the window (its sink tokens')
+        self._sinks = [0] * len(self.windows) if layout is None else \
+            [-(-g.sink_tokens // self.block_size) for g in layout.groups]
         self.tokens: list[int] = []
         self.tables: list[list[int]] = [[] for _ in self.windows]  # block ids per group
-        self._floors = [0] * len(self.windows)  # per group: table entries below are NULL_BLOCK
+        self._floors = [0] * len(self.windows)  # per group: entries from its sink blocks to here are NULL_BLOCK
         self.num_computed = 0
         self.num_committed = 0           # leading blocks known to be in the prefix index
         self._hashes: list[BlockHash] = []  # chain hashes of tokens' leading full blocks
@@ -105,14 +116,26 @@ class KVSequence:
         """The first group's block table (the only one unless the layout has window groups)."""
         return self.tables[0]
 
+    def _gap(self, group: int) -> tuple[int, int]:
+        """The entries [lo, hi) of a group's table that left its window (NULL_BLOCK): from its
+        sink blocks to its floor; empty (lo == hi) for most groups and states."""
+        lo = min(self._sinks[group], len(self.tables[group]))
+        return lo, max(lo, min(self._floors[group], len(self.tables[group])))
+
     @property
     def num_blocks(self) -> int:
         """Device blocks this state holds, every group's (NULL_BLOCK entries not counted)."""
-        return sum(len(t) - f for t, f in zip(self.tables, self._floors))
+        return sum(len(t) - (hi - lo) for t, (lo, hi) in zip(self.tables, map(self._gap, range(len(self.tables)))))
 
     def held_blocks(self) -> Iterable[int]:
         """The device blocks this state holds, every group's."""
-        return itertools.chain.from_iterable(t[f:] for t, f in zip(self.tables, self._floors))
+        return itertools.chain.from_iterable(self._live(g, 0, len(t)) for g, t in enumerate(self.tables))
+
+    def _live(self, group: int, start: int, end: int) -> list[int]:
+        """The blocks a group's table holds at entries start..end-1 (the gap's skipped)."""
+        lo, hi = self._gap(group)
+        table = self.tables[group]
+        return table[start:min(end, lo)] + table[max(start, hi):end]
 
     @property
     def num_uncomputed(self) -> int:
@@ -133,7 +156,8 @@ class KVSequence:
         return digest if group == 0 else digest + group.to_bytes(2, "little")
 
     def _window_start(self, group: int, position: int) -> int:
-        """The first block a query at `position` reads in `group` (0 for full attention)."""
+        """The first block of the window a query at `position` reads in `group` (0 for full
+        attention); a window group with sink tokens also reads its first blocks."""
         window = self.windows[group]
         return 0 if window is None else max(0, position - window + 1) // self.block_size
 
@@ -208,23 +232,21 @@ class KVSequence:
         twin.tables = [list(t) for t in self.tables]
         twin._floors = list(self._floors)
         twin.num_computed, twin.num_committed = self.num_computed, self.num_committed
-        for table, floor in zip(twin.tables, twin._floors):
-            for block in table[floor:]:
-                self.pool.incref(block)
+        for block in twin.held_blocks():
+            self.pool.incref(block)
         return twin
 
     def _keep_kv(self, n: int) -> None:
         """Keep the KV of the first n positions; where a window group no longer holds the window
         of position n (freed while the history was longer), none."""
-        if n and any(self._window_start(g, n) < f for g, f in enumerate(self._floors)):
+        if n and any(hi > max(lo, self._window_start(g, n)) for g, (lo, hi) in enumerate(map(self._gap, range(len(self.tables))))):
             n = 0
         self.num_computed = n
         keep_blocks = -(-n // self.block_size)
         for g, table in enumerate(self.tables):
-            floor = min(self._floors[g], keep_blocks)
-            self.pool.free(reversed(table[max(keep_blocks, self._floors[g]):]))  # tail first: evicted first
+            self.pool.free(reversed(self._live(g, keep_blocks, len(table))))  # tail first: evicted first
             del table[keep_blocks:]
-            self._floors[g] = floor
+            self._floors[g] = min(self._floors[g], keep_blocks)
         self.num_committed = min(self.num_committed, keep_blocks)
 
     def free_outside_windows(self) -> None:
@@ -234,11 +256,11 @@ class KVSequence:
                 self._free_below(g, min(self._window_start(g, self.num_computed), len(self.tables[g])))
 
     def _free_below(self, group: int, start: int) -> None:
-        """Free a group's blocks before block `start`; they become NULL_BLOCK."""
-        table, floor = self.tables[group], self._floors[group]
-        if start > floor:
-            self.pool.free(reversed(table[floor:start]))
-            table[floor:start] = [NULL_BLOCK] * (start - floor)
+        """Free a group's blocks from its sink blocks to block `start`; they become NULL_BLOCK."""
+        table, (lo, hi) = self.tables[group], self._gap(group)
+        if start > hi:
+            self.pool.free(reversed(table[hi:start]))
+            table[hi:start] = [NULL_BLOCK] * (start - hi)
             self._floors[group] = start
 
     def _freeable(self) -> int:
@@ -247,33 +269,45 @@ class KVSequence:
         for g, window in enumerate(self.windows):
             if window is not None:
                 start = min(self._window_start(g, self.num_computed), len(self.tables[g]))
-                count += sum(self.pool.ref_count(b) == 1 for b in self.tables[g][self._floors[g]:start])
+                count += sum(self.pool.ref_count(b) == 1 for b in self.tables[g][self._gap(g)[1]:start])
         return count
 
     # --- pages: a state's KV as one list of blocks (parking, state files) -----------------------
 
     def pages(self, n: int) -> tuple[list[int], tuple[int, ...]]:
         """The blocks holding the KV of the first n positions (n <= num_computed), group after
-        group, and each group's first block among them (later than 0 where a window freed the
-        ones before): what a parked copy or a state file stores."""
+        group, and where each group's pages resume after the blocks its window freed (its sink
+        blocks, if any, come first): what a parked copy or a state file stores."""
         end = -(-n // self.block_size)
-        starts = tuple(min(f, end) for f in self._floors)
-        return [b for table, s in zip(self.tables, starts) for b in table[s:end]], starts
+        starts = tuple(min(max(self._gap(g)[1], min(self._sinks[g], end)), end) for g in range(len(self.tables)))
+        return [b for g, s in enumerate(starts) for b in self._live(g, 0, end)], starts
+
+    def page_counts(self, starts: Sequence[int], n: int) -> list[tuple[int, int]]:
+        """`page_counts` of this state's layout."""
+        return page_counts(self._sinks, starts, n, self.block_size)
+
+    @property
+    def sink_blocks(self) -> tuple[int, ...]:
+        """Per group, the leading blocks its window keeps (its sink tokens' blocks)."""
+        return tuple(self._sinks)
 
     def place_pages(self, ids: Sequence[int], starts: Sequence[int], n: int) -> None:
         """Take `ids` (`pages` order, for positions up to n: the caller allocated and filled them)
         as the KV of the first n positions of a state that holds none."""
         assert not self.num_computed and self.num_blocks == 0, "place_pages on a state holding KV"
-        end, at = -(-n // self.block_size), 0
-        for g, start in enumerate(starts):
-            self.tables[g] = [NULL_BLOCK] * start + list(ids[at:at + end - start])
-            self._floors[g] = start
-            at += end - start
+        at, end = 0, -(-n // self.block_size)
+        for g, ((sink, rest), start) in enumerate(zip(self.page_counts(starts, n), starts)):
+            gap = max(0, min(start, end) - sink)
+            self.tables[g] = list(ids[at:at + sink]) + [NULL_BLOCK] * gap + list(ids[at + sink:at + sink + rest])
+            self._floors[g] = sink + gap
+            at += sink + rest
         self.num_computed = n
 
     def pages_fit(self, starts: Sequence[int], n: int) -> bool:
-        """Whether pages starting at `starts` still hold the windows of position n."""
-        return all(self._window_start(g, n) >= s for g, s in enumerate(starts))
+        """Whether pages resuming at `starts` still hold the windows of position n."""
+        end = -(-n // self.block_size)  # the copy's gap [sink, start) must miss n's window
+        return all(start <= max(sink, self._window_start(g, n)) or end <= sink
+                   for g, (sink, start) in enumerate(zip(self._sinks, starts)))
 
     # --- catching up --------------------------------------------------------------------------
 
@@ -282,10 +316,15 @@ class KVSequence:
         blocks (own committed blocks included)."""
         return self._index_hit(0, limit) * self.block_size if self.share else 0
 
+    def _needs(self, group: int, index: int, limit_blocks: int) -> bool:
+        """Whether a continuation at block `limit_blocks` reads block `index` of `group`: always
+        under full attention; under a window, inside it or among the group's sink blocks."""
+        return index < self._sinks[group] or index >= self._window_start(group, limit_blocks * self.block_size)
+
     def _index_hit(self, first: int, limit: int) -> int:
         """The most blocks m (first <= m, m * block_size <= limit) such that the prefix index
         holds blocks first..m-1 of every full group and, of each window group, those of them
-        inside the window of position m; `first` when none. Blocks before `first` are the
+        that position m reads (`_needs`); `first` when none. Blocks before `first` are the
         state's own."""
         top, m = limit // self.block_size, first
         full = [g for g, w in enumerate(self.windows) if w is None]
@@ -293,15 +332,12 @@ class KVSequence:
             m += 1
         if len(full) == len(self.windows):
             return m
-        # window groups: walk down from m; a missing block i rules out every hit from i + 1 to m
-        # (i lies in all their windows), so the walk reads each block at most once
+        # window groups: walk down from m; a missing block i that m reads rules out every hit
+        # from i + 1 to m (they all read it too), so the walk reads each block at most once
+        windowed = [g for g, w in enumerate(self.windows) if w is not None]
         i = m - 1
         while i >= first:
-            starts = [self._window_start(g, m * self.block_size) for g in range(len(self.windows))]
-            if i < min(starts):
-                break
-            if all(self.pool.lookup(self._key(i, g)) is not None
-                   for g, w in enumerate(self.windows) if w is not None and i >= starts[g]):
+            if all(self.pool.lookup(self._key(i, g)) is not None for g in windowed if self._needs(g, i, m)):
                 i -= 1
             else:
                 m, i = i, i - 1
@@ -328,13 +364,14 @@ class KVSequence:
             start = self._window_start(g, m * bs)
             self._free_below(g, min(start, first))  # own blocks outside the new window
             for index in range(first, m):
-                if index < start:
+                if not self._needs(g, index, m):
                     table.append(NULL_BLOCK)
                     continue
                 block = self.pool.lookup(self._key(index, g))
                 self.pool.incref(block)
                 table.append(block)
-            self._floors[g] = max(self._floors[g], start)
+            if start > self._sinks[g]:
+                self._floors[g] = max(self._floors[g], start)
         self.num_computed = m * bs
         return (m - first) * bs
 
@@ -365,7 +402,8 @@ class KVSequence:
 
     def _last_block_is_shared(self, group: int) -> bool:
         table = self.tables[group]
-        if self.num_computed % self.block_size == 0 or len(table) <= self._floors[group]:
+        lo, hi = self._gap(group)
+        if self.num_computed % self.block_size == 0 or not table or lo <= len(table) - 1 < hi:
             return False
         last = table[-1]
         return self.pool.ref_count(last) > 1 or self.pool.is_committed(last)
@@ -394,7 +432,7 @@ class KVSequence:
             return
         for index in range(self.num_committed, full):
             for g, table in enumerate(self.tables):
-                if index < self._floors[g]:
+                if self._gap(g)[0] <= index < self._gap(g)[1]:
                     continue  # left the window before its tokens were known
                 block = table[index]
                 digest = self._key(index, g)

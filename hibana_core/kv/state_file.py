@@ -20,6 +20,7 @@ import torch
 
 from hibana_core.config import is_kind
 from hibana_core.errors import StateFileError
+from hibana_core.kv.sequence import page_counts
 
 FORMAT = "hibana-state/2"
 _CHECKED = ("format", "fingerprint", "state_id", "tokens", "num_computed", "block_size")
@@ -86,10 +87,10 @@ def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, b
 
 
 def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.dtype | None = None,
-         groups: int = 1) -> SavedState:
+         sink_tokens: Sequence[int] = (0,)) -> SavedState:
     """Read and verify a state file; `kv_shape` is the engine's [page_layers, 2, *, block, heads,
-    dim], `kv_dtype` its cache's dtype (fp8 blocks are saved and restored as their bytes), `groups`
-    the layer groups of its layout (`kv.layout.KVLayout`)."""
+    dim], `kv_dtype` its cache's dtype (fp8 blocks are saved and restored as their bytes),
+    `sink_tokens` those each layer group of its layout keeps (`kv.layout.KVLayout`; one entry per group)."""
     from safetensors import safe_open
 
     try:
@@ -125,10 +126,12 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.
     if meta.get("fingerprint") != fingerprint:
         raise StateFileError(f"{path} was saved by another model or tokenizer; load it into an engine "
                              "on the same checkpoint")
-    end = -(-saved.num_computed // saved.block_size) if saved.block_size > 0 else -1
-    blocks = sum(end - s for s in saved.starts) if all(s <= end for s in saved.starts) else -1
+    blocks = -1
+    if saved.block_size > 0 and len(saved.starts) == len(sink_tokens):
+        sinks = [-(-tokens // saved.block_size) for tokens in sink_tokens]
+        blocks = sum(a + b for a, b in page_counts(sinks, saved.starts, saved.num_computed, saved.block_size))
     if (not 0 <= saved.num_computed <= len(saved.tokens) or saved.block_size <= 0 or kv.dim() != 6
-            or len(saved.starts) != groups
+            or len(saved.starts) != len(sink_tokens)
             or kv.shape[2] != blocks or kv.shape[3] != saved.block_size
             or (kv.shape[0], kv.shape[1], kv.shape[4], kv.shape[5]) != (kv_shape[0], kv_shape[1], kv_shape[4], kv_shape[5])
             or (kv_dtype is not None and kv.dtype != kv_dtype)):

@@ -63,13 +63,16 @@ class ParkedKV:
         """The KV in host memory (read from its spill file when it is on disk)."""
         return self.kv if self.kv is not None else safetensors.torch.load_file(self.path)["kv"]
 
-    def page_index(self, n: int, block_size: int) -> list[int]:
-        """Which of the pages hold the KV of the first n tokens (n <= len(tokens), and n's
-        windows inside the pages: `KVSequence.pages_fit`), in `KVSequence.pages` order."""
-        end, full, at, index = -(-n // block_size), -(-len(self.tokens) // block_size), 0, []
-        for start in self.starts:
-            index.extend(range(at, at + end - start))
-            at += full - start
+    def page_index(self, n: int, seq: KVSequence) -> list[int]:
+        """Which of the pages hold the KV of the first n tokens of `seq`'s layout (n <=
+        len(tokens), and n's windows inside the pages: `KVSequence.pages_fit`), in
+        `KVSequence.pages` order."""
+        index, at = [], 0
+        for (sinks, rest), (sinks_n, rest_n) in zip(seq.page_counts(self.starts, len(self.tokens)),
+                                                    seq.page_counts(self.starts, n)):
+            index.extend(range(at, at + sinks_n))
+            index.extend(range(at + sinks, at + sinks + rest_n))
+            at += sinks + rest
         return index
 
     def prefix(self, n: int, seq: KVSequence) -> tuple[int, torch.Tensor, tuple[int, ...]]:
@@ -77,9 +80,7 @@ class ParkedKV:
         no tokens where n's windows were freed before parking."""
         if not seq.pages_fit(self.starts, n):
             n = 0
-        kv = self.host_kv()
-        return n, kv[:, :, self.page_index(n, seq.block_size)], tuple(min(s, -(-n // seq.block_size))
-                                                                      for s in self.starts)
+        return n, self.host_kv()[:, :, self.page_index(n, seq)], self.starts
 
 
 @dataclass
@@ -205,7 +206,7 @@ class HostTier:
         """`restore` of a copy of several layer groups' pages: all of them come back (the prefix
         index is not consulted)."""
         parked = seq.parked
-        index = parked.page_index(n, seq.block_size)
+        index = parked.page_index(n, seq)
         if not self.pool.can_allocate(len(index)) and not make_room(len(index)):
             return 0
         began = time.perf_counter()
