@@ -365,37 +365,38 @@ def _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexp
         if FORMAT == 2:
             total *= tl.load(s_ptr + sz_rows, mask=r_mask, other=0.0)
         return total
-    SUB: tl.constexpr = min(BLOCK_K, GROUP)
-    RUNS: tl.constexpr = BLOCK_K // SUB
-    WORDS: tl.constexpr = SUB // 8
-    offs_run = SUB * tl.arange(0, RUNS)
-    offs_word = offs_run[:, None] + 8 * tl.arange(0, WORDS)[None, :]  # [RUNS, WORDS]: a word's first column
-    acc = tl.zeros([R, RUNS, WORDS], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_word = k0 + offs_word
-        k_mask = k_word < K  # K is a whole number of groups: words are in or out
-        words = tl.load(w_ptr + w_rows[:, None, None] + (k_word // 8)[None, :, :],
-                        mask=r_mask[:, None, None] & k_mask[None, :, :], other=0)  # [R, RUNS, WORDS]
-        k_run = k0 + offs_run
-        sz = sz_rows[:, None] + (k_run // GROUP)[None, :]  # [R, RUNS]: each run's group
-        sz_mask = r_mask[:, None] & (k_run < K)[None, :]
-        if FORMAT == 3:
-            units = tl.zeros([R, RUNS, WORDS], dtype=tl.float32)
-            x_sum = tl.zeros([RUNS, WORDS], dtype=tl.float32)
-            for p in tl.static_range(8):
-                x = tl.load(x_row + k_word + p, mask=k_mask, other=0.0).to(tl.float32)
-                units += x[None, :, :] * _unit(words, 4 * p, 4)
-                x_sum += x
-            scale = tl.load(s_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
-            zero = tl.load(z_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
-            acc += (16.0 * scale)[:, :, None] * units - (scale * (16.0 + zero))[:, :, None] * x_sum[None, :, :]
-        else:
-            values = tl.zeros([R, RUNS, WORDS], dtype=tl.float32)
-            for p in tl.static_range(8):
-                x = tl.load(x_row + k_word + p, mask=k_mask, other=0.0).to(tl.float32)
-                values += x[None, :, :] * _e2m1_scaled((words >> (4 * p)) & 0xF)
-            acc += _e8m0_scale(tl.load(s_ptr + sz, mask=sz_mask, other=0))[:, :, None] * values
-    return tl.sum(tl.sum(acc, axis=2), axis=1)
+    else:  # the 4-bit formats (a static branch: GROUP is 1 for the others)
+        SUB: tl.constexpr = min(BLOCK_K, GROUP)
+        RUNS: tl.constexpr = BLOCK_K // SUB
+        WORDS: tl.constexpr = SUB // 8
+        offs_run = SUB * tl.arange(0, RUNS)
+        offs_word = offs_run[:, None] + 8 * tl.arange(0, WORDS)[None, :]  # [RUNS, WORDS]: a word's first column
+        acc = tl.zeros([R, RUNS, WORDS], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_word = k0 + offs_word
+            k_mask = k_word < K  # K is a whole number of groups: words are in or out
+            words = tl.load(w_ptr + w_rows[:, None, None] + (k_word // 8)[None, :, :],
+                            mask=r_mask[:, None, None] & k_mask[None, :, :], other=0)  # [R, RUNS, WORDS]
+            k_run = k0 + offs_run
+            sz = sz_rows[:, None] + (k_run // GROUP)[None, :]  # [R, RUNS]: each run's group
+            sz_mask = r_mask[:, None] & (k_run < K)[None, :]
+            if FORMAT == 3:
+                units = tl.zeros([R, RUNS, WORDS], dtype=tl.float32)
+                x_sum = tl.zeros([RUNS, WORDS], dtype=tl.float32)
+                for p in tl.static_range(8):
+                    x = tl.load(x_row + k_word + p, mask=k_mask, other=0.0).to(tl.float32)
+                    units += x[None, :, :] * _unit(words, 4 * p, 4)
+                    x_sum += x
+                scale = tl.load(s_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
+                zero = tl.load(z_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
+                acc += (16.0 * scale)[:, :, None] * units - (scale * (16.0 + zero))[:, :, None] * x_sum[None, :, :]
+            else:
+                values = tl.zeros([R, RUNS, WORDS], dtype=tl.float32)
+                for p in tl.static_range(8):
+                    x = tl.load(x_row + k_word + p, mask=k_mask, other=0.0).to(tl.float32)
+                    values += x[None, :, :] * _e2m1_scaled((words >> (4 * p)) & 0xF)
+                acc += _e8m0_scale(tl.load(s_ptr + sz, mask=sz_mask, other=0))[:, :, None] * values
+        return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
 @triton.jit
