@@ -5,8 +5,11 @@ A layer is routing, then one of two expert paths picked by the number of tokens:
     moe_route      one program per token: top-k of the router logits, the family's weights
     decode path    (up to DECODE_MAX_TOKENS[kind] tokens) one GEMV program per route (token, slot)
                    and tile of the intermediate size computes gate|up and the activation; then
-                   one program per token and tile of H runs its k experts' down projections,
-                   weights and sums them. Only the selected experts' rows are read.
+                   the down projections, weighted: one program per token and tile of H summing
+                   its k experts, or (DecodeTiles.down_per_route) one per route and tile of H,
+                   whose rows `_combine_kernel` sums (k times the programs, a token's k experts
+                   read at once rather than one after another). Only the selected experts' rows
+                   are read.
     grouped path   `moe_align` sorts the routes by expert into blocks of BLOCK_M rows (each
                    block one expert's, padded); a grouped GEMM over those blocks computes
                    gate|up with the activation fused, a second one the down projection times the
@@ -18,13 +21,17 @@ A layer is routing, then one of two expert paths picked by the number of tokens:
             grouped GEMM: program (block, n tile) reads x rows of its routes and expert e's
             weight tile once for BLOCK_M rows
 
-Dense weights (fp32/bf16/fp16), MXFP4 and int8 weights share the kernels: `_weight_tile`
-dequantizes an MXFP4 tile in registers (e2m1 codes, low nibble first, times 2^(e8m0 - 127) a block
-of 32), so MXFP4 experts are read at 4.25 bits a weight, and an int8 tile as code * its row's
-float32 scale (the reference's dequantization, exactly), read at 8 bits a weight. Accumulation is
-in float32; the roundings follow transformers' order (gate|up and the expert's output rounded to
-x's dtype before the bias is added, the activation's steps rounded as torch's ops round them, the
-weighted output rounded), except that a token's k outputs are summed in float32 and rounded once.
+Dense weights (fp32/bf16/fp16), MXFP4, int8 and int4 weights share the kernels. The grouped GEMM
+dequantizes a tile in registers (`_weight_tile`: e2m1 codes, low nibble first, times 2^(e8m0 - 127)
+a block of 32; int4 (code - zero) * scale a group; int8 codes, the row's scale times the finished
+sum), so weights are read at 4.25, 4 + 32 / group and 8 bits. The decode GEMV (`_gemv`) does not
+dequantize weight by weight: at one token every weight costs its own instructions, so the
+4-bit formats are read as int32 words of 8 codes and their scales applied once a run of a group
+(see `_gemv`). Accumulation is in float32; the roundings follow transformers' order (gate|up and
+the expert's output rounded to x's dtype before the bias is added, the activation's steps rounded
+as torch's ops round them, the weighted output rounded), except that a token's k outputs are
+summed in float32 and rounded once, and the decode GEMV does not round int8 and int4 weights to
+x's dtype one by one (the reference's dequantization does; the GEMV's sums are as exact or more).
 """
 
 from __future__ import annotations
@@ -43,7 +50,8 @@ DECODE_MAX_TOKENS = {"dense": 8, "mxfp4": 4, "int8": 8, "int4": 4}
 """Tokens the decode path takes, per weight kind (H200, bench/tune_moe.py --sweep, 2026-12-01:
 bf16 decode beats grouped at T=8, 130 against 135 us; MXFP4 decode wins at T=1, 61 against 149 us,
 and loses at T=8, 351 against 265 us; 4 is the crossover of the two lines). int8 and int4 are not
-tuned yet: int8 takes bf16's crossover and tiles, int4 MXFP4's (half-byte weights too)."""
+tuned yet: int8 takes bf16's crossover, int4 MXFP4's (half-byte weights too); the reworked decode
+kernels (int32 words, down_per_route) may move every crossover: re-read from the sweep."""
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ACTIVATION = {"silu": 0, "swiglu_oai": 1}
 _FORMAT = {"dense": 0, "mxfp4": 1, "int8": 2, "int4": 3}
