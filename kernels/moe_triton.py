@@ -46,12 +46,12 @@ from hibana_kernels import moe
 from hibana_kernels.moe import ExpertBlocks, MoEExperts
 from hibana_kernels.quant_triton import _as_float, _unit  # the int GEMVs' exact integer -> float tricks
 
-DECODE_MAX_TOKENS = {"dense": 8, "mxfp4": 4, "int8": 8, "int4": 4}
-"""Tokens the decode path takes, per weight kind (H200, bench/tune_moe.py --sweep, 2026-12-01:
-bf16 decode beats grouped at T=8, 130 against 135 us; MXFP4 decode wins at T=1, 61 against 149 us,
-and loses at T=8, 351 against 265 us; 4 is the crossover of the two lines). int8 and int4 are not
-tuned yet: int8 takes bf16's crossover, int4 MXFP4's (half-byte weights too); the reworked decode
-kernels (int32 words, down_per_route) may move every crossover: re-read from the sweep."""
+DECODE_MAX_TOKENS = {"dense": 4, "mxfp4": 4, "int8": 4, "int4": 4}
+"""Tokens the decode path takes, per weight kind (H200, `bench/tune_moe.py --sweep --tokens 1,8`,
+2026-12-01, after the int32-word GEMVs and down_per_route): at T=1 decode wins for every kind
+(bf16 31 against 52 us, MXFP4 60 against 109, int8 26 against 50, int4 27 against 62); at T=8
+the grouped GEMM does (bf16 138 against 148, MXFP4 266 against 342, int8 107 against 117, int4
+136 against 141). The crossover between was not swept: 4 for all, where MXFP4's was measured."""
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ACTIVATION = {"silu": 0, "swiglu_oai": 1}
 _FORMAT = {"dense": 0, "mxfp4": 1, "int8": 2, "int4": 3}
@@ -74,14 +74,15 @@ class GroupedTiles(NamedTuple):
 
 
 DECODE_TILES = {
-    "dense": DecodeTiles(8, 256, 4),
-    "int8": DecodeTiles(8, 512, 4, down_per_route=True),
-    "int4": DecodeTiles(8, 512, 4, down_per_route=True),
-    "mxfp4": DecodeTiles(8, 512, 4, down_per_route=True),
+    "dense": DecodeTiles(8, 256, 4, down_per_route=True),
+    "int8": DecodeTiles(16, 256, 4, down_per_route=True),
+    "int4": DecodeTiles(8, 512, 2, down_per_route=True),
+    "mxfp4": DecodeTiles(8, 512, 2, down_per_route=True),
 }
-"""The decode path's tiles per weight kind: dense measured (H200, 2026-12-01); the quantized
-kinds first guesses for the reworked kernels (wider K steps: a row's bytes are 2-4x fewer),
-until bench/tune_moe.py --sweep measures them."""
+"""The decode path's tiles per weight kind, the fastest of the sweep at T=1 (H200, 2026-12-01,
+one MoE layer of Qwen3-30B-A3B / gpt-oss-20b shape, % of 4.8 TB/s of the bytes read): bf16
+31.2 us 50.3%, int8 26.2 us 30.1%, int4 27.0 us 15.5%, MXFP4 60.1 us 18.4%. A program per route
+for the down projection (then `_combine_kernel`) won for every kind."""
 
 
 # ------------------------------------------------------------------------------------- routing
