@@ -10,10 +10,12 @@ to overflow the L2 (so the weights come from memory, as in a model). Both expert
 (decode, grouped); "path" names the one the dispatcher picks. Bytes are those a layer must read:
 the distinct selected experts' weights, scales and biases, x and the output; GB/s is given as a
 share of the H200's 4.8 TB/s. The reference (a Python loop over the hit experts) is timed with
-events, without a graph (it syncs on the hit experts). --sweep also times a few tiles per path.
+events, without a graph (it syncs on the hit experts). --sweep also times each kind's SWEEP_TILES
+(a few decode and grouped tiles; minutes, mostly compiling) and prints the fastest of each path.
 
     python3 bench/tune_moe.py [--tokens 1,8,64,512] [--models qwen3-30b-a3b,gpt-oss-20b,qwen3-30b-a3b-w8,...]
                               [--sweep] [--json PATH]
+    TRITON_INTERPRET=1 python3 bench/tune_moe.py --tiny --sweep --tokens 1,8   # checks the script on a CPU
 
 It imports hibana_kernels: install the checkout, or run it through bench/run_h200.sh (stage moe).
 """
@@ -23,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -57,13 +61,24 @@ MODELS = {
     "qwen3-30b-a3b-w8": Shape(2048, 768, 128, 8, "int8", "silu", False, "softmax", True),
     "qwen3-30b-a3b-w4": Shape(2048, 768, 128, 8, "int4", "silu", False, "softmax", True),
 }
-SWEEP_TILES = {  # decode: small BLOCK_N for more programs at T = 1; wide BLOCK_K for MXFP4's small rows
-    "decode": [DecodeTiles(n, k, w) for n, k, w in ((8, 256, 4), (16, 256, 4), (16, 512, 4), (32, 128, 4),
-                                                     (8, 512, 4), (4, 512, 2), (16, 1024, 8), (8, 1024, 4))],
-    "grouped": [GroupedTiles(m, n, k, w, s) for m, n, k, w, s in ((16, 64, 64, 4, 3), (16, 128, 64, 4, 3),
-                                                                  (32, 64, 64, 4, 3), (64, 64, 64, 4, 3),
-                                                                  (64, 128, 64, 8, 3), (16, 64, 128, 4, 2))],
+_D, _G = DecodeTiles, GroupedTiles
+SWEEP_TILES = {  # per kind, a few besides choose_tiles' own (each compiles: the sweep stays within minutes)
+    "dense": [_D(8, 256, 4, True), _D(16, 256, 4, True), _D(8, 512, 4, True), _G(16, 128, 64, 4, 3)],
+    # int8 rows are half bf16's bytes: wider K steps for the same bytes in flight
+    "int8": [_D(8, 512, 4), _D(16, 512, 4, True), _D(8, 1024, 4, True), _D(16, 256, 4, True),
+             _G(16, 64, 256, 4, 2), _G(16, 128, 128, 4, 3)],
+    # 4-bit: words of 8 codes; more rows a thread share its x loads (16 rows, 4 warps)
+    "int4": [_D(8, 512, 2, True), _D(16, 512, 4), _D(16, 512, 4, True), _D(16, 1024, 4, True), _D(32, 256, 4, True),
+             _G(16, 64, 256, 4, 2), _G(16, 128, 128, 4, 3)],
 }
+SWEEP_TILES["mxfp4"] = SWEEP_TILES["int4"]
+TINY_MODELS = {  # --tiny: the same kinds at toy sizes, on the CPU through the Triton interpreter
+    "tiny-bf16": Shape(128, 128, 4, 2, "dense", "silu", False, "softmax", True),
+    "tiny-mxfp4": Shape(128, 128, 4, 2, "mxfp4", "swiglu_oai", True, "topk_softmax", False),
+    "tiny-w8": Shape(128, 128, 4, 2, "int8", "silu", False, "softmax", True),
+    "tiny-w4": Shape(128, 128, 4, 2, "int4", "silu", False, "softmax", True),
+}
+TINY_MAX_REL_ERR = 6e-2  # the interpreter truncates at each rounding to bfloat16 where CUDA rounds to nearest
 
 
 def make_experts(shape: Shape, gen: torch.Generator) -> MoEExperts:
@@ -113,6 +128,11 @@ def time_eager(fn, reps: int = 3) -> float:
     fn()
     best = math.inf
     for _ in range(reps):
+        if DEVICE == "cpu":
+            start = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - start)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -120,6 +140,12 @@ def time_eager(fn, reps: int = 3) -> float:
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1e3)
     return best
+
+
+def time_kernels(fn) -> float:
+    """CUDA: the best replay of a CUDA graph of fn; CPU (--tiny, the interpreter): one call, to
+    check the script, not to time anything."""
+    return time_graph(fn) if DEVICE == "cuda" else time_eager(fn, reps=1)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -139,14 +165,14 @@ def measure(name: str, shape: Shape, tokens: int, copies: list[MoEExperts], swee
     kind = copies[0].kind
     chosen = moe_triton.choose_tiles(tokens, kind)
     grouped_tokens = max(tokens, moe_triton.DECODE_MAX_TOKENS[kind] + 1)  # the grouped path's tiles at this T
-    candidates = [("decode", moe_triton.choose_tiles(1, kind)),
-                  ("grouped", moe_triton.choose_tiles(grouped_tokens, kind))]
+    candidates = [moe_triton.choose_tiles(1, kind), moe_triton.choose_tiles(grouped_tokens, kind)]
     if sweep:
-        candidates += [(path, tiles) for path, options in SWEEP_TILES.items() for tiles in options]
+        candidates += SWEEP_TILES[kind]
     rows = []
-    for path, tiles in dict.fromkeys(candidates):
+    for tiles in dict.fromkeys(candidates):
+        path = "decode" if isinstance(tiles, DecodeTiles) else "grouped"
         out = moe_triton.fused_moe_launch(x, copies[0], weights, ids, tiles)
-        seconds = time_graph(lambda: [moe_triton.fused_moe_launch(x, c, weights, ids, tiles) for c in copies])
+        seconds = time_kernels(lambda: [moe_triton.fused_moe_launch(x, c, weights, ids, tiles) for c in copies])
         seconds /= len(copies)
         rows.append(dict(model=name, tokens=tokens, path=path, tiles=tiles._asdict(), picked=tiles == chosen,
                          us=seconds * 1e6, bytes=nbytes, gb_s=nbytes / seconds / 1e9,
@@ -156,12 +182,12 @@ def measure(name: str, shape: Shape, tokens: int, copies: list[MoEExperts], swee
     rows.append(dict(model=name, tokens=tokens, path="torch reference", tiles=None, picked=False, us=seconds * 1e6,
                      bytes=nbytes, gb_s=nbytes / seconds / 1e9, peak_pct=100 * nbytes / seconds / PEAK_BYTES_S,
                      rel_err=0.0, route_matches_torch=route_ok))
-    seconds = time_graph(lambda: moe_triton.moe_route(logits, shape.top_k, scoring=shape.scoring,
+    seconds = time_kernels(lambda: moe_triton.moe_route(logits, shape.top_k, scoring=shape.scoring,
                                                       renormalize=shape.renormalize))
     rows.append(dict(model=name, tokens=tokens, path="moe_route", tiles=None, picked=False, us=seconds * 1e6,
                      bytes=logits.numel() * 4, gb_s=0.0, peak_pct=0.0, rel_err=0.0, route_matches_torch=route_ok))
     block_m = moe_triton.choose_tiles(grouped_tokens, kind).block_m
-    seconds = time_graph(lambda: moe_triton.moe_align(ids, shape.experts, block_m))
+    seconds = time_kernels(lambda: moe_triton.moe_align(ids, shape.experts, block_m))
     rows.append(dict(model=name, tokens=tokens, path="moe_align", tiles=None, picked=False, us=seconds * 1e6,
                      bytes=ids.numel() * 8, gb_s=0.0, peak_pct=0.0, rel_err=0.0, route_matches_torch=route_ok))
     return rows
@@ -178,45 +204,58 @@ def print_table(rows: list[dict]) -> None:
               f"{'ok' if r['route_matches_torch'] else 'DIFFERS'}")
 
 
-def print_fastest(rows: list[dict]) -> None:
-    """The fastest tiles of each path per model and T (what choose_tiles should pick)."""
+def print_fastest(rows: list[dict], max_err: float) -> None:
+    """The fastest tiles of each path per model and T, as choose_tiles' DECODE_TILES and GroupedTiles
+    take them (the decode and grouped lines at one T also show which path should take that T)."""
     best = {}
     for r in rows:
-        if r["tiles"] and r["rel_err"] <= MAX_REL_ERR:
+        if r["tiles"] and r["rel_err"] <= max_err:
             key = (r["model"], r["tokens"], r["path"])
             if key not in best or r["us"] < best[key]["us"]:
                 best[key] = r
     for (model, tokens, path), r in sorted(best.items()):
-        print(f"fastest {path:<8} {model:<15} T={tokens:<5} {r['tiles']}: {r['us']:.1f} us, {r['peak_pct']:.1f}%")
+        tiles = (DecodeTiles if path == "decode" else GroupedTiles)(**r["tiles"])
+        print(f"fastest {path:<8} {model:<17} T={tokens:<4} {r['us']:8.1f} us {r['peak_pct']:5.1f}%  {tiles!r}")
 
 
 def main() -> None:
+    global DEVICE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="1,8,64,512")
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--sweep", action="store_true", help="also time SWEEP_TILES on both paths")
+    parser.add_argument("--models", help=f"default: all of {', '.join(MODELS)} (--tiny: of {', '.join(TINY_MODELS)})")
+    parser.add_argument("--sweep", action="store_true", help="also time each kind's SWEEP_TILES")
+    parser.add_argument("--tiny", action="store_true",
+                        help="toy shapes on the CPU through the Triton interpreter: checks the script, times nothing")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
+    models = TINY_MODELS if args.tiny else MODELS
+    if args.tiny:
+        if os.environ.get("TRITON_INTERPRET") != "1":  # read when triton is imported, before main
+            raise SystemExit("--tiny runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
+        DEVICE = "cpu"
     rows = []
-    for name in args.models.split(","):
-        shape = MODELS[name]
+    for name in (args.models.split(",") if args.models else models):
+        shape = models[name]
         gen = torch.Generator(device=DEVICE).manual_seed(0)
         first = make_experts(shape, gen)
-        copies = [first] + [make_experts(shape, gen) for _ in range(max(1, ROTATE_BYTES // layer_bytes(first)))]
+        copies = [first] + [make_experts(shape, gen) for _ in range(0 if args.tiny else
+                                                                    max(1, ROTATE_BYTES // layer_bytes(first)))]
         for tokens in (int(t) for t in args.tokens.split(",")):
             rows += measure(name, shape, tokens, copies, args.sweep)
         del copies, first
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     print("* the path and tiles fused_moe picks; bytes: distinct selected experts + x + out")
     print_table(rows)
-    print_fastest(rows)
-    bad = [r for r in rows if r["rel_err"] > MAX_REL_ERR or not r["route_matches_torch"]]
+    max_err = TINY_MAX_REL_ERR if args.tiny else MAX_REL_ERR
+    print_fastest(rows, max_err)
+    bad = [r for r in rows if r["rel_err"] > max_err or not r["route_matches_torch"]]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           shapes={k: asdict(v) for k, v in MODELS.items()}, rows=rows), f, indent=1)
+            json.dump(dict(device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__,
+                           shapes={k: asdict(v) for k, v in models.items()}, rows=rows), f, indent=1)
     if bad:
-        raise SystemExit(f"{len(bad)} rows differ from the reference beyond {MAX_REL_ERR} or in routing")
+        raise SystemExit(f"{len(bad)} rows differ from the reference beyond {max_err} or in routing")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,11 @@ A layer is routing, then one of two expert paths picked by the number of tokens:
     moe_route      one program per token: top-k of the router logits, the family's weights
     decode path    (up to DECODE_MAX_TOKENS[kind] tokens) one GEMV program per route (token, slot)
                    and tile of the intermediate size computes gate|up and the activation; then
-                   one program per token and tile of H runs its k experts' down projections,
-                   weights and sums them. Only the selected experts' rows are read.
+                   the down projections, weighted: one program per token and tile of H summing
+                   its k experts, or (DecodeTiles.down_per_route) one per route and tile of H,
+                   whose rows `_combine_kernel` sums (k times the programs, a token's k experts
+                   read at once rather than one after another). Only the selected experts' rows
+                   are read.
     grouped path   `moe_align` sorts the routes by expert into blocks of BLOCK_M rows (each
                    block one expert's, padded); a grouped GEMM over those blocks computes
                    gate|up with the activation fused, a second one the down projection times the
@@ -18,13 +21,17 @@ A layer is routing, then one of two expert paths picked by the number of tokens:
             grouped GEMM: program (block, n tile) reads x rows of its routes and expert e's
             weight tile once for BLOCK_M rows
 
-Dense weights (fp32/bf16/fp16), MXFP4 and int8 weights share the kernels: `_weight_tile`
-dequantizes an MXFP4 tile in registers (e2m1 codes, low nibble first, times 2^(e8m0 - 127) a block
-of 32), so MXFP4 experts are read at 4.25 bits a weight, and an int8 tile as code * its row's
-float32 scale (the reference's dequantization, exactly), read at 8 bits a weight. Accumulation is
-in float32; the roundings follow transformers' order (gate|up and the expert's output rounded to
-x's dtype before the bias is added, the activation's steps rounded as torch's ops round them, the
-weighted output rounded), except that a token's k outputs are summed in float32 and rounded once.
+Dense weights (fp32/bf16/fp16), MXFP4, int8 and int4 weights share the kernels. The grouped GEMM
+dequantizes a tile in registers (`_weight_tile`: e2m1 codes, low nibble first, times 2^(e8m0 - 127)
+a block of 32; int4 (code - zero) * scale a group; int8 codes, the row's scale times the finished
+sum), so weights are read at 4.25, 4 + 32 / group and 8 bits. The decode GEMV (`_gemv`) does not
+dequantize weight by weight: at one token every weight costs its own instructions, so the
+4-bit formats are read as int32 words of 8 codes and their scales applied once a run of a group
+(see `_gemv`). Accumulation is in float32; the roundings follow transformers' order (gate|up and
+the expert's output rounded to x's dtype before the bias is added, the activation's steps rounded
+as torch's ops round them, the weighted output rounded), except that a token's k outputs are
+summed in float32 and rounded once, and the decode GEMV does not round int8 and int4 weights to
+x's dtype one by one (the reference's dequantization does; the GEMV's sums are as exact or more).
 """
 
 from __future__ import annotations
@@ -37,12 +44,14 @@ import triton.language as tl
 
 from hibana_kernels import moe
 from hibana_kernels.moe import ExpertBlocks, MoEExperts
+from hibana_kernels.quant_triton import _as_float, _unit  # the int GEMVs' exact integer -> float tricks
 
-DECODE_MAX_TOKENS = {"dense": 8, "mxfp4": 4, "int8": 8, "int4": 4}
-"""Tokens the decode path takes, per weight kind (H200, bench/tune_moe.py --sweep, 2026-12-01:
-bf16 decode beats grouped at T=8, 130 against 135 us; MXFP4 decode wins at T=1, 61 against 149 us,
-and loses at T=8, 351 against 265 us; 4 is the crossover of the two lines). int8 and int4 are not
-tuned yet: int8 takes bf16's crossover and tiles, int4 MXFP4's (half-byte weights too)."""
+DECODE_MAX_TOKENS = {"dense": 4, "mxfp4": 4, "int8": 4, "int4": 4}
+"""Tokens the decode path takes, per weight kind (H200, `bench/tune_moe.py --sweep --tokens 1,8`,
+2026-12-01, after the int32-word GEMVs and down_per_route): at T=1 decode wins for every kind
+(bf16 31 against 52 us, MXFP4 60 against 109, int8 26 against 50, int4 27 against 62); at T=8
+the grouped GEMM does (bf16 138 against 148, MXFP4 266 against 342, int8 107 against 117, int4
+136 against 141). The crossover between was not swept: 4 for all, where MXFP4's was measured."""
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ACTIVATION = {"silu": 0, "swiglu_oai": 1}
 _FORMAT = {"dense": 0, "mxfp4": 1, "int8": 2, "int4": 3}
@@ -50,9 +59,10 @@ _FORMAT = {"dense": 0, "mxfp4": 1, "int8": 2, "int4": 3}
 
 
 class DecodeTiles(NamedTuple):
-    block_n: int  # output features a program owns
-    block_k: int  # columns of K a step (MXFP4: a multiple of 32)
+    block_n: int  # output features a program owns (gate_up: BLOCK_N gate rows and BLOCK_N up rows)
+    block_k: int  # columns of K a step (MXFP4: a multiple of 32; int4: of 8)
     num_warps: int
+    down_per_route: bool = False  # down projection: a program per route, then _combine_kernel (else per token)
 
 
 class GroupedTiles(NamedTuple):
@@ -61,6 +71,18 @@ class GroupedTiles(NamedTuple):
     block_k: int  # MXFP4: a multiple of 32
     num_warps: int
     num_stages: int
+
+
+DECODE_TILES = {
+    "dense": DecodeTiles(8, 256, 4, down_per_route=True),
+    "int8": DecodeTiles(16, 256, 4, down_per_route=True),
+    "int4": DecodeTiles(8, 512, 2, down_per_route=True),
+    "mxfp4": DecodeTiles(8, 512, 2, down_per_route=True),
+}
+"""The decode path's tiles per weight kind, the fastest of the sweep at T=1 (H200, 2026-12-01,
+one MoE layer of Qwen3-30B-A3B / gpt-oss-20b shape, % of 4.8 TB/s of the bytes read): bf16
+31.2 us 50.3%, int8 26.2 us 30.1%, int4 27.0 us 15.5%, MXFP4 60.1 us 18.4%. A program per route
+for the down projection (then `_combine_kernel`) won for every kind."""
 
 
 # ------------------------------------------------------------------------------------- routing
@@ -184,45 +206,61 @@ def _e2m1_scaled(codes):
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask, k0, K, group, stride_we, stride_wn, stride_se,
-                 stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FORMAT: tl.constexpr):
-    """Columns k0 .. k0 + BLOCK_K of one expert's weight rows offs_n, zero outside the weight:
-    dense (FORMAT 0) as stored; MXFP4 (1, strides of packed bytes and of scales), int8 (2, code *
-    its row's scale) and int4 (3, (code - zero) * scale of its group of `group` inputs; zeros
-    strided as scales) dequantized to float32."""
+def _e8m0_scale(e8m0):
+    """2^(e8m0 - 127) * 2^14 in float32, the exponent field e8m0 + 14 (inf above 2^113): times
+    `_e2m1_scaled`'s values, an MXFP4 block's weights."""
+    return (tl.minimum(e8m0.to(tl.int32) + 14, 255) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask, k0, K, stride_we, stride_wn, stride_se,
+                 stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FORMAT: tl.constexpr,
+                 GROUP: tl.constexpr):
+    """Columns k0 .. k0 + BLOCK_K of one expert's weight rows offs_n, zero outside the weight, for
+    the grouped GEMM: dense (FORMAT 0) as stored; MXFP4 (1, strides of packed bytes and of
+    scales) and int4 (3, (code - zero) * scale of its group of GROUP inputs, zeros strided as
+    scales) dequantized to float32; int8 (2) as its codes in float32 (the row's scale multiplies
+    the finished sum). A scale covers a run of SUB = min(BLOCK_K, GROUP) columns of the tile:
+
+        codes [BLOCK_N, BLOCK_K] -> view [BLOCK_N, BLOCK_K // SUB, SUB] * scales[:, :, None]"""
     w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
-    if FORMAT == 3:
+    sz_rows = expert.to(tl.int64) * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn
+    SUB: tl.constexpr = min(BLOCK_K, GROUP)
+    if FORMAT == 1 or FORMAT == 3:
         offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         packed = tl.load(w_rows + offs_b[None, :], mask=n_mask[:, None] & (offs_b < K // 2)[None, :],
                          other=0).to(tl.int32)
-        codes = tl.interleave(packed & 0xF, packed >> 4).to(tl.float32)  # [BLOCK_N, BLOCK_K], k in order
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        groups = (expert.to(tl.int64) * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn
-                  + (offs_k // group)[None, :])  # each column's scale and zero: any group size
-        mask = n_mask[:, None] & (offs_k < K)[None, :]
-        scale = tl.load(s_ptr + groups, mask=mask, other=0.0).to(tl.float32)
-        zero = tl.load(z_ptr + groups, mask=mask, other=0.0).to(tl.float32)
-        return (codes - zero) * scale
-    elif FORMAT == 1:
-        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(w_rows + offs_b[None, :], mask=n_mask[:, None] & (offs_b < K // 2)[None, :],
-                         other=0).to(tl.int32)
-        values = _e2m1_scaled(tl.interleave(packed & 0xF, packed >> 4))  # [BLOCK_N, BLOCK_K], k in order
-        offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        e8m0 = tl.load(s_ptr + expert.to(tl.int64) * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn
-                       + offs_g[None, :], mask=n_mask[:, None] & (offs_g < K // 32)[None, :], other=0)
-        # 2^(e8m0 - 127) * 2^14: the float32 of exponent field e8m0 + 14 (inf above 2^113)
-        scale = (tl.minimum(e8m0.to(tl.int32) + 14, 255) << 23).to(tl.float32, bitcast=True)
-        w = tl.reshape(values, [BLOCK_N, BLOCK_K // 32, 32]) * scale[:, :, None]
+        codes = tl.interleave(packed & 0xF, packed >> 4)  # [BLOCK_N, BLOCK_K], k in order
+        offs_g = (k0 + SUB * tl.arange(0, BLOCK_K // SUB)) // GROUP  # each run's group
+        g_mask = n_mask[:, None] & (offs_g * GROUP < K)[None, :]
+        if FORMAT == 1:
+            scale = _e8m0_scale(tl.load(s_ptr + sz_rows + offs_g[None, :], mask=g_mask, other=0))
+            w = tl.reshape(_e2m1_scaled(codes), [BLOCK_N, BLOCK_K // SUB, SUB]) * scale[:, :, None]
+        else:
+            scale = tl.load(s_ptr + sz_rows + offs_g[None, :], mask=g_mask, other=0.0).to(tl.float32)
+            zero = tl.load(z_ptr + sz_rows + offs_g[None, :], mask=g_mask, other=0.0).to(tl.float32)
+            w = (tl.reshape(_as_float(codes), [BLOCK_N, BLOCK_K // SUB, SUB]) - zero[:, :, None]) \
+                * scale[:, :, None]
         return tl.reshape(w, [BLOCK_N, BLOCK_K])
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0)
         if FORMAT == 2:
-            scale = tl.load(s_ptr + expert.to(tl.int64) * stride_se + offs_n.to(tl.int64) * stride_sn,
-                            mask=n_mask, other=0.0)
-            w = w.to(tl.float32) * scale[:, None]
+            w = _int8_as_float(w)
         return w
+
+
+@triton.jit
+def _int8_as_float(codes):
+    """int8 codes as float32, exactly and without I2F (a quarter-rate conversion): code + 128 in
+    the low mantissa bits of 2^23, then less 2^23 + 128."""
+    return _as_float(codes.to(tl.int32) + 128) - 128.0
+
+
+@triton.jit
+def _int8_scales(s_ptr, expert, offs_n, n_mask, stride_se, stride_sn):
+    """int8 rows' float32 scales: they multiply a row's finished sum of x times codes."""
+    return tl.load(s_ptr + expert.to(tl.int64) * stride_se + offs_n * stride_sn, mask=n_mask, other=0.0)
 
 
 @triton.jit
@@ -230,8 +268,8 @@ def _mxfp4_dequantize_kernel(w_ptr, s_ptr, out_ptr, R, K, BLOCK_N: tl.constexpr,
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < R
     k0 = tl.program_id(1) * BLOCK_K
-    w = _weight_tile(w_ptr, s_ptr, s_ptr, tl.program_id(0) * 0, offs_n, n_mask, k0, K, 32, 0, K // 2, 0,
-                     K // 32, BLOCK_N, BLOCK_K, 1)
+    w = _weight_tile(w_ptr, s_ptr, s_ptr, tl.program_id(0) * 0, offs_n, n_mask, k0, K, 0, K // 2, 0, K // 32,
+                     BLOCK_N, BLOCK_K, 1, 32)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
              mask=n_mask[:, None] & (offs_k < K)[None, :])
@@ -303,63 +341,120 @@ def _weighted_output(acc, weight, b_ptr, expert, offs_n, n_mask, stride_be, dtyp
 
 
 @triton.jit
+def _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexpr, BLOCK_K: tl.constexpr,
+          FORMAT: tl.constexpr, GROUP: tl.constexpr):
+    """x[:K] . w[r, :K] in float32 [R] for R weight rows at element offsets w_rows (int64; int32
+    words for the 4-bit formats) with scales (and zeros) at sz_rows. Products stay per column of
+    the tile until the loop ends (a sum across threads each step costs more than the step), and
+    each format takes the cheapest exact order (a weight costs a few integer ops and one FMA):
+
+        dense   x . w, w rounded to x's dtype as the reference casts it
+        int8    scale * (x . code), codes made float by a bit trick, not I2F (quarter rate)
+        int4    words of 8 codes, each the unit 1 + code / 16 (a shift and a logic op); per run of
+                SUB columns inside one group: scale * (16 x . unit - (16 + zero) sum x)
+        MXFP4   words of 8 codes, each e2m1 * 2^-14 through fp16; per block: 2^(e + 14 - 127) (x . v)
+
+    x at column 8i + p meets nibble p of word i; a 4-bit tile is [R, BLOCK_K // SUB, SUB // 8]
+    words, SUB = min(BLOCK_K, GROUP), so scales load once a run, not once a code. The quantized
+    weights are not rounded to x's dtype one by one as the reference dequantizes them: the sums
+    are as exact or more."""
+    if FORMAT == 0 or FORMAT == 2:
+        acc = tl.zeros([R, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            x = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + w_rows[:, None] + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0)
+            if FORMAT == 2:
+                w = _int8_as_float(w)
+            else:
+                w = w.to(x_row.dtype.element_ty).to(tl.float32)
+            acc += x[None, :] * w
+        total = tl.sum(acc, axis=1)
+        if FORMAT == 2:
+            total *= tl.load(s_ptr + sz_rows, mask=r_mask, other=0.0)
+        return total
+    else:  # the 4-bit formats (a static branch: GROUP is 1 for the others)
+        SUB: tl.constexpr = min(BLOCK_K, GROUP)
+        RUNS: tl.constexpr = BLOCK_K // SUB
+        WORDS: tl.constexpr = SUB // 8
+        offs_run = SUB * tl.arange(0, RUNS)
+        offs_word = offs_run[:, None] + 8 * tl.arange(0, WORDS)[None, :]  # [RUNS, WORDS]: a word's first column
+        acc = tl.zeros([R, RUNS, WORDS], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_word = k0 + offs_word
+            k_mask = k_word < K  # K is a whole number of groups: words are in or out
+            words = tl.load(w_ptr + w_rows[:, None, None] + (k_word // 8)[None, :, :],
+                            mask=r_mask[:, None, None] & k_mask[None, :, :], other=0)  # [R, RUNS, WORDS]
+            k_run = k0 + offs_run
+            sz = sz_rows[:, None] + (k_run // GROUP)[None, :]  # [R, RUNS]: each run's group
+            sz_mask = r_mask[:, None] & (k_run < K)[None, :]
+            if FORMAT == 3:
+                units = tl.zeros([R, RUNS, WORDS], dtype=tl.float32)
+                x_sum = tl.zeros([RUNS, WORDS], dtype=tl.float32)
+                for p in tl.static_range(8):
+                    x = tl.load(x_row + k_word + p, mask=k_mask, other=0.0).to(tl.float32)
+                    units += x[None, :, :] * _unit(words, 4 * p, 4)
+                    x_sum += x
+                scale = tl.load(s_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
+                zero = tl.load(z_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
+                acc += (16.0 * scale)[:, :, None] * units - (scale * (16.0 + zero))[:, :, None] * x_sum[None, :, :]
+            else:
+                values = tl.zeros([R, RUNS, WORDS], dtype=tl.float32)
+                for p in tl.static_range(8):
+                    x = tl.load(x_row + k_word + p, mask=k_mask, other=0.0).to(tl.float32)
+                    values += x[None, :, :] * _e2m1_scaled((words >> (4 * p)) & 0xF)
+                acc += _e8m0_scale(tl.load(s_ptr + sz, mask=sz_mask, other=0))[:, :, None] * values
+        return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+@triton.jit
 def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, z_ptr, b_ptr, act_ptr, H, I, TOP_K,
-                           stride_xm, group, stride_we, stride_wn, stride_se, stride_sn, stride_be,
+                           stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_be,
                            alpha, limit, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           FORMAT: tl.constexpr, ROUND_W: tl.constexpr, ACTIVATION: tl.constexpr,
+                           FORMAT: tl.constexpr, GROUP: tl.constexpr, ACTIVATION: tl.constexpr,
                            HAS_BIAS: tl.constexpr):
     """act[route, n] for one route and BLOCK_N intermediate features: its expert's gate rows n
-    and up rows I + n, streamed along H; products stay per tile column until the loop ends."""
+    and up rows I + n as one tile of 2 BLOCK_N rows (row 2j + h: gate j for h = 0, up j for 1),
+    streamed along H together."""
     route = tl.program_id(0)
-    expert = tl.load(ids_ptr + route)
+    expert = tl.load(ids_ptr + route).to(tl.int64)
+    r = tl.arange(0, 2 * BLOCK_N)
+    feature = tl.program_id(1) * BLOCK_N + r // 2
+    rows = (feature + (r % 2) * I).to(tl.int64)
+    sums = _gemv(x_ptr + (route // TOP_K).to(tl.int64) * stride_xm, w_ptr, s_ptr, z_ptr,
+                 expert * stride_we + rows * stride_wn, expert * stride_se + rows * stride_sn, feature < I, H,
+                 2 * BLOCK_N, BLOCK_K, FORMAT, GROUP)
+    gate, up = tl.split(tl.reshape(sums, [BLOCK_N, 2]))
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
-    x_row = x_ptr + (route // TOP_K).to(tl.int64) * stride_xm
-    gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + offs_k, mask=offs_k < H, other=0.0)
-        wg = _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask, k0, H, group, stride_we, stride_wn,
-                          stride_se, stride_sn, BLOCK_N, BLOCK_K, FORMAT)
-        wu = _weight_tile(w_ptr, s_ptr, z_ptr, expert, I + offs_n, n_mask, k0, H, group, stride_we, stride_wn,
-                          stride_se, stride_sn, BLOCK_N, BLOCK_K, FORMAT)
-        if ROUND_W:  # the weights in x's dtype, as the reference dequantizes them
-            wg, wu = wg.to(x_ptr.dtype.element_ty), wu.to(x_ptr.dtype.element_ty)
-        x = x.to(tl.float32)[None, :]
-        gate += x * wg.to(tl.float32)
-        up += x * wu.to(tl.float32)
-    act = _gate_up_activation(tl.sum(gate, axis=1), tl.sum(up, axis=1), b_ptr, expert, offs_n, n_mask,
-                              I, stride_be, alpha, limit, x_ptr.dtype.element_ty, ACTIVATION, HAS_BIAS)
+    act = _gate_up_activation(gate, up, b_ptr, expert, offs_n, n_mask, I, stride_be, alpha, limit,
+                              x_ptr.dtype.element_ty, ACTIVATION, HAS_BIAS)
     tl.store(act_ptr + route.to(tl.int64) * I + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
 def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, H, I,
-                        stride_om, group, stride_we, stride_wn, stride_se, stride_sn, stride_be,
-                        TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        FORMAT: tl.constexpr, ROUND_W: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """out[t, n] for one token and BLOCK_N hidden features: each of its k experts' down rows
-    against that route's activation, weighted, summed over the k in float32."""
-    t = tl.program_id(0)
+                        stride_om, stride_we, stride_wn, stride_se, stride_sn, stride_be,
+                        ROUTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """out[program 0, n] for BLOCK_N hidden features and ROUTES consecutive routes: each route's
+    expert's down rows against that route's activation, weighted, summed over the ROUTES in
+    float32. ROUTES = k: out is the layer's output, one program per token; ROUTES = 1: out holds
+    one row per route, summed by `_combine_kernel` (k times the programs: a token's k experts
+    are read at once, not one after another)."""
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        route = t * TOP_K + j
-        expert = tl.load(ids_ptr + route)
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(act_ptr + route.to(tl.int64) * I + offs_k, mask=offs_k < I, other=0.0)
-            w = _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask, k0, I, group, stride_we, stride_wn,
-                             stride_se, stride_sn, BLOCK_N, BLOCK_K, FORMAT)
-            if ROUND_W:
-                w = w.to(act_ptr.dtype.element_ty)
-            acc += a.to(tl.float32)[None, :] * w.to(tl.float32)
-        total += _weighted_output(tl.sum(acc, axis=1), tl.load(weights_ptr + route), b_ptr, expert,
-                                  offs_n, n_mask, stride_be, act_ptr.dtype.element_ty, HAS_BIAS)
-    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+    for j in tl.static_range(ROUTES):
+        route = tl.program_id(0) * ROUTES + j
+        expert = tl.load(ids_ptr + route).to(tl.int64)
+        acc = _gemv(act_ptr + route.to(tl.int64) * I, w_ptr, s_ptr, z_ptr, expert * stride_we + offs_n * stride_wn,
+                    expert * stride_se + offs_n * stride_sn, n_mask, I, BLOCK_N, BLOCK_K, FORMAT, GROUP)
+        total += _weighted_output(acc, tl.load(weights_ptr + route), b_ptr, expert, offs_n, n_mask, stride_be,
+                                  act_ptr.dtype.element_ty, HAS_BIAS)
+    tl.store(out_ptr + tl.program_id(0).to(tl.int64) * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
+             mask=n_mask)
 
 
 # --------------------------------------------------------------------------------- grouped path
@@ -367,9 +462,9 @@ def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_pt
 
 @triton.jit
 def _gate_up_grouped_kernel(x_ptr, routes_ptr, block_expert_ptr, w_ptr, s_ptr, z_ptr, b_ptr, act_ptr,
-                            NUM_ROUTES, H, I, TOP_K, stride_xm, group, stride_we, stride_wn, stride_se,
-                            stride_sn, stride_be, alpha, limit, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FORMAT: tl.constexpr,
+                            NUM_ROUTES, H, I, TOP_K, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
+                            stride_be, alpha, limit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, FORMAT: tl.constexpr, GROUP: tl.constexpr,
                             ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr):
     """act[route, n] for one block's BLOCK_M routes (one expert) and BLOCK_N intermediate
     features: x rows of the routes' tokens against the expert's gate and up tiles."""
@@ -387,15 +482,18 @@ def _gate_up_grouped_kernel(x_ptr, routes_ptr, block_expert_ptr, w_ptr, s_ptr, z
     for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < H)[None, :], other=0.0)
-        wg = _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask, k0, H, group, stride_we, stride_wn,
-                          stride_se, stride_sn, BLOCK_N, BLOCK_K, FORMAT).to(x.dtype)
-        wu = _weight_tile(w_ptr, s_ptr, z_ptr, expert, I + offs_n, n_mask, k0, H, group, stride_we, stride_wn,
-                          stride_se, stride_sn, BLOCK_N, BLOCK_K, FORMAT).to(x.dtype)
+        wg = _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask, k0, H, stride_we, stride_wn, stride_se,
+                          stride_sn, BLOCK_N, BLOCK_K, FORMAT, GROUP).to(x.dtype)
+        wu = _weight_tile(w_ptr, s_ptr, z_ptr, expert, I + offs_n, n_mask, k0, H, stride_we, stride_wn, stride_se,
+                          stride_sn, BLOCK_N, BLOCK_K, FORMAT, GROUP).to(x.dtype)
         if UPCAST:  # exact: products of 16-bit floats are exact in float32
             x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
         # float32 x: exact products ("ieee"), not tf32
         gate = tl.dot(x, tl.trans(wg), gate, input_precision="ieee")
         up = tl.dot(x, tl.trans(wu), up, input_precision="ieee")
+    if FORMAT == 2:  # int8: the rows' scales times the sums of codes (exact in x's dtype)
+        gate *= _int8_scales(s_ptr, expert, offs_n, n_mask, stride_se, stride_sn)[None, :]
+        up *= _int8_scales(s_ptr, expert, I + offs_n, n_mask, stride_se, stride_sn)[None, :]
     act = _gate_up_activation(gate, up, b_ptr, expert, offs_n[None, :], n_mask[None, :], I, stride_be,
                               alpha, limit, x_ptr.dtype.element_ty, ACTIVATION, HAS_BIAS)
     tl.store(act_ptr + routes.to(tl.int64)[:, None] * I + offs_n[None, :], act.to(act_ptr.dtype.element_ty),
@@ -404,9 +502,9 @@ def _gate_up_grouped_kernel(x_ptr, routes_ptr, block_expert_ptr, w_ptr, s_ptr, z
 
 @triton.jit
 def _down_grouped_kernel(act_ptr, routes_ptr, block_expert_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_ptr,
-                         y_ptr, NUM_ROUTES, H, I, group, stride_we, stride_wn, stride_se, stride_sn,
-                         stride_be, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         y_ptr, NUM_ROUTES, H, I, stride_we, stride_wn, stride_se, stride_sn, stride_be,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                          UPCAST: tl.constexpr):
     """y[route, n] = weight * (act[route] @ w2[e][n]^T + b2[e][n]) for one block's routes."""
     block = tl.program_id(0)
@@ -422,11 +520,13 @@ def _down_grouped_kernel(act_ptr, routes_ptr, block_expert_ptr, weights_ptr, w_p
     for k0 in range(0, I, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < I)[None, :], other=0.0)
-        w = _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask, k0, I, group, stride_we, stride_wn,
-                         stride_se, stride_sn, BLOCK_N, BLOCK_K, FORMAT).to(a.dtype)
+        w = _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask, k0, I, stride_we, stride_wn, stride_se,
+                         stride_sn, BLOCK_N, BLOCK_K, FORMAT, GROUP).to(a.dtype)
         if UPCAST:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+    if FORMAT == 2:
+        acc *= _int8_scales(s_ptr, expert, offs_n, n_mask, stride_se, stride_sn)[None, :]
     weight = tl.load(weights_ptr + routes, mask=m_mask, other=0.0)[:, None]
     y = _weighted_output(acc, weight, b_ptr, expert, offs_n[None, :], n_mask[None, :], stride_be,
                          act_ptr.dtype.element_ty, HAS_BIAS)
@@ -450,9 +550,10 @@ def _combine_kernel(y_ptr, out_ptr, H, stride_om, TOP_K: tl.constexpr, BLOCK: tl
 
 
 class _Weights(NamedTuple):
-    """One projection's kernel arguments: weight, scales (the weight again when dense), zeros
-    (int4; the scales again otherwise), bias (the weight again when absent), the group size
-    (int4; else 1) and the strides the kernels take."""
+    """One projection's kernel arguments: weight (MXFP4 and int4 as bytes, or as int32 words of
+    8 codes for the decode kernels), scales (the weight again when dense), zeros (int4; the scales
+    again otherwise), bias (the weight again when absent), the inputs a scale covers (GROUP) and
+    the strides the kernels take."""
 
     w: torch.Tensor
     s: torch.Tensor
@@ -463,26 +564,33 @@ class _Weights(NamedTuple):
 
 
 def _weights(w: torch.Tensor, scales: torch.Tensor | None, zeros: torch.Tensor | None,
-             bias: torch.Tensor | None, group: int) -> _Weights:
+             bias: torch.Tensor | None, group: int, words: bool) -> _Weights:
     if scales is not None:  # MXFP4 blocks [E, N, G, 16] -> bytes [E, N, G * 16]; int8 and int4 as they are
         w = w.contiguous().flatten(2)
         scales = scales.contiguous()
     elif w.stride(-1) != 1:
         w = w.contiguous()
+    if words:  # rows of K / 2 bytes, K a whole number of groups of 8 or more: whole words
+        w = (w.clone() if w.storage_offset() % 4 else w).view(torch.int32)
     s = scales if scales is not None else w
     z = zeros.contiguous() if zeros is not None else s
     b = bias.contiguous() if bias is not None else w
     strides = (w.stride(0), w.stride(1), s.stride(0), s.stride(1), b.stride(0))
-    return _Weights(w, s, z, b, max(group, 1), strides)
+    return _Weights(w, s, z, b, group, strides)
+
+
+def supports(experts: MoEExperts) -> bool:
+    """Whether the kernels take these experts: int4 groups must be a power of two of at least 8
+    inputs (whole int32 words; the tiles' aranges), as checkpoints' 32, 64 and 128 are."""
+    return experts.kind != "int4" or all(g >= 8 and g & (g - 1) == 0 for g in experts.group_sizes)
 
 
 def choose_tiles(tokens: int, kind: str = "dense") -> DecodeTiles | GroupedTiles:
     """The path and its tiles for `tokens` tokens of `kind` experts: the fastest of
-    bench/tune_moe.py --sweep on the H200 at Qwen3-30B-A3B (bf16) and gpt-oss-20b (MXFP4) shapes."""
+    bench/tune_moe.py --sweep on the H200 at Qwen3-30B-A3B (bf16, int8, int4) and gpt-oss-20b
+    (MXFP4) shapes."""
     if tokens <= DECODE_MAX_TOKENS[kind]:
-        if kind in ("mxfp4", "int4"):  # half-byte weights: narrower, deeper tiles keep more loads in flight
-            return DecodeTiles(block_n=4, block_k=512, num_warps=2)
-        return DecodeTiles(block_n=8, block_k=256, num_warps=4)
+        return DECODE_TILES[kind]
     if tokens >= 256:
         return GroupedTiles(64, block_n=64, block_k=64, num_warps=4, num_stages=3)
     return GroupedTiles(16, block_n=64, block_k=128, num_warps=4, num_stages=2)
@@ -492,52 +600,56 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
                      tiles: DecodeTiles | GroupedTiles) -> torch.Tensor:
     """fused_moe on the path and tiles chosen by the caller (tests, the tuning script)."""
     moe.check_moe_inputs(x, experts, weights, ids)
+    if not supports(experts):
+        raise ValueError(f"int4 groups of {experts.group_sizes} inputs: the kernels want powers of two from 8")
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids = ids.contiguous()
     weights = weights.contiguous()
     t, h = x.shape
     top_k = ids.shape[1]
     inter = experts.intermediate_size
-    mxfp4 = experts.kind == "mxfp4"
     weight_format = _FORMAT[experts.kind]
-    g13, g2 = experts.group_sizes
-    w13 = _weights(experts.w13, experts.w13_scales, experts.w13_zeros, experts.b13, g13)
-    w2 = _weights(experts.w2, experts.w2_scales, experts.w2_zeros, experts.b2, g2)
+    decode = isinstance(tiles, DecodeTiles)
+    words = decode and experts.kind in ("mxfp4", "int4")
+    g13, g2 = experts.group_sizes if experts.kind == "int4" else (moe.MXFP4_BLOCK,) * 2
+    w13 = _weights(experts.w13, experts.w13_scales, experts.w13_zeros, experts.b13, g13, words)
+    w2 = _weights(experts.w2, experts.w2_scales, experts.w2_zeros, experts.b2, g2, words)
     out = torch.empty_like(x)
     if t == 0:
         return out
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     swiglu = (experts.swiglu_alpha, experts.swiglu_limit)
-    if isinstance(tiles, DecodeTiles):
-        # MXFP4 values (one mantissa bit) are exact in bfloat16 and float32: no rounding to do;
-        # int8's code * scale is not, and rounds to x's dtype as the reference's dequantization
-        round_w = not mxfp4 or x.dtype == torch.float16
+    has_b13, has_b2 = experts.b13 is not None, experts.b2 is not None
+    combine_block = min(1024, triton.next_power_of_2(h))
+    if decode:
         _gate_up_decode_kernel[(t * top_k, triton.cdiv(inter, tiles.block_n))](
-            x, ids, w13.w, w13.s, w13.z, w13.b, act, h, inter, top_k, x.stride(0), w13.group, *w13.strides, *swiglu,
-            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, ROUND_W=round_w,
-            ACTIVATION=_ACTIVATION[experts.activation], HAS_BIAS=experts.b13 is not None,
+            x, ids, w13.w, w13.s, w13.z, w13.b, act, h, inter, top_k, x.stride(0), *w13.strides, *swiglu,
+            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, GROUP=w13.group,
+            ACTIVATION=_ACTIVATION[experts.activation], HAS_BIAS=has_b13, num_warps=tiles.num_warps)
+        routes = 1 if tiles.down_per_route else top_k
+        y = torch.empty((t * top_k, h), dtype=x.dtype, device=x.device) if routes == 1 else out
+        _down_decode_kernel[(t * top_k // routes, triton.cdiv(h, tiles.block_n))](
+            act, ids, weights, w2.w, w2.s, w2.z, w2.b, y, h, inter, y.stride(0), *w2.strides, ROUTES=routes,
+            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, GROUP=w2.group, HAS_BIAS=has_b2,
             num_warps=tiles.num_warps)
-        _down_decode_kernel[(t, triton.cdiv(h, tiles.block_n))](
-            act, ids, weights, w2.w, w2.s, w2.z, w2.b, out, h, inter, out.stride(0), w2.group, *w2.strides,
-            TOP_K=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, ROUND_W=round_w,
-            HAS_BIAS=experts.b2 is not None, num_warps=tiles.num_warps)
+        if routes == 1:
+            _combine_kernel[(t, triton.cdiv(h, combine_block))](y, out, h, out.stride(0), TOP_K=top_k,
+                                                                BLOCK=combine_block, num_warps=4)
         return out
     blocks = moe_align(ids, experts.num_experts, tiles.block_m)
     num_blocks = blocks.block_expert.numel()
     upcast = x.device.type == "cpu" and x.dtype != torch.float32  # the interpreter's 16-bit tl.dot is wrong
     _gate_up_grouped_kernel[(num_blocks, triton.cdiv(inter, tiles.block_n))](
         x, blocks.routes, blocks.block_expert, w13.w, w13.s, w13.z, w13.b, act, t * top_k, h, inter, top_k,
-        x.stride(0), w13.group, *w13.strides, *swiglu, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, FORMAT=weight_format, ACTIVATION=_ACTIVATION[experts.activation],
-        HAS_BIAS=experts.b13 is not None, UPCAST=upcast, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+        x.stride(0), *w13.strides, *swiglu, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, FORMAT=weight_format, GROUP=w13.group, ACTIVATION=_ACTIVATION[experts.activation],
+        HAS_BIAS=has_b13, UPCAST=upcast, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     y = torch.empty((t * top_k, h), dtype=x.dtype, device=x.device)
     _down_grouped_kernel[(num_blocks, triton.cdiv(h, tiles.block_n))](
         act, blocks.routes, blocks.block_expert, weights, w2.w, w2.s, w2.z, w2.b, y, t * top_k, h, inter,
-        w2.group, *w2.strides, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        FORMAT=weight_format, HAS_BIAS=experts.b2 is not None, UPCAST=upcast, num_warps=tiles.num_warps,
+        *w2.strides, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        FORMAT=weight_format, GROUP=w2.group, HAS_BIAS=has_b2, UPCAST=upcast, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
-    combine_block = min(1024, triton.next_power_of_2(h))
     _combine_kernel[(t, triton.cdiv(h, combine_block))](y, out, h, out.stride(0), TOP_K=top_k,
                                                         BLOCK=combine_block, num_warps=4)
     return out
@@ -545,6 +657,7 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
 
 def fused_moe(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """See `hibana_kernels.moe.fused_moe`."""
-    if x.dtype not in _DTYPES or (experts.kind == "dense" and experts.w13.dtype not in _DTYPES):
+    if x.dtype not in _DTYPES or (experts.kind == "dense" and experts.w13.dtype not in _DTYPES) \
+            or not supports(experts):
         return moe.fused_moe(x, experts, weights, ids)
     return fused_moe_launch(x, experts, weights, ids, choose_tiles(x.shape[0], experts.kind))

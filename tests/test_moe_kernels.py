@@ -342,8 +342,8 @@ def test_mxfp4_dequantize(run_check, dtype):
     run_check(check_mxfp4_dequantize, dtype=dtype)
 
 
-def _random_experts(kind, activation, bias, num_experts, hidden, inter, gen):
-    """Experts whose outputs stay O(1) for unit-variance x."""
+def _random_experts(kind, activation, bias, num_experts, hidden, inter, gen, groups=(16, 32)):
+    """Experts whose outputs stay O(1) for unit-variance x (int4: groups of w13's and w2's inputs)."""
     if kind == "dense":
         w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
         w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5
@@ -352,9 +352,9 @@ def _random_experts(kind, activation, bias, num_experts, hidden, inter, gen):
         (w13, s13), (w2, s2) = (_random_int8(gen, num_experts, n, k, std=k ** -0.5) for n, k in
                                 ((2 * inter, hidden), (hidden, inter)))
         quantized = dict(w13_scales=s13, w2_scales=s2)
-    elif kind == "int4":  # groups of 16 inputs in w13 (two a tile of 32 columns), of 32 in w2
+    elif kind == "int4":  # by default groups of 16 inputs in w13 (two a tile of 32 columns), of 32 in w2
         (w13, s13, z13), (w2, s2, z2) = (_random_int4(gen, num_experts, n, k, group=g, std=k ** -0.5)
-                                         for n, k, g in ((2 * inter, hidden, 16), (hidden, inter, 32)))
+                                         for n, k, g in ((2 * inter, hidden, groups[0]), (hidden, inter, groups[1])))
         quantized = dict(w13_scales=s13, w2_scales=s2, w13_zeros=z13, w2_zeros=z2)
     else:  # codes up to 6: scales of 2^-4 .. 2^-2
         (w13, s13), (w2, s2) = (_random_mxfp4(gen, num_experts, n, k) for n, k in
@@ -412,6 +412,55 @@ def test_fused_moe_float16(run_check, kind, activation):
     for path in ("decode", "grouped"):
         run_check(check_fused_moe, kind=kind, activation=activation, bias=True, dtype=torch.float16,
                   tokens=9, top_k=2, path=path)
+
+
+def check_fused_moe_tiles(device, kind, hidden, inter, groups, tiles):
+    """fused_moe_launch against the reference at shapes the tiles do not divide (K not a whole
+    number of BLOCK_K, N not of BLOCK_N), for each of several tiles of both paths."""
+    mt = _moe_triton()
+    gen = torch.Generator().manual_seed(hidden + inter)
+    experts = _random_experts(kind, "silu", False, 8, hidden, inter, gen, groups)
+    x = torch.randn(3, hidden, generator=gen).to(torch.bfloat16)
+    weights, ids = moe.moe_route(torch.randn(3, 8, generator=gen), 4, renormalize=True)
+    expected = moe.fused_moe(x, experts, weights, ids).float()
+    on_device = _on(experts, device)
+    for tile in tiles:
+        tile = mt.DecodeTiles(*tile) if len(tile) in (3, 4) else mt.GroupedTiles(*tile)
+        out = mt.fused_moe_launch(x.to(device), on_device, weights.to(device), ids.to(device), tile)
+        error = (out.cpu().float() - expected).abs().max() / expected.abs().max()
+        assert error <= (6e-2 if device == "cpu" else 2e-2), f"{tile}: relative error {error:.2e}"
+
+
+# (hidden, inter, int4 groups of w13, w2): K = 3 groups (not a power of two), N odd where the kind allows
+_TILE_SHAPES = {"int4": [(96, 96, (32, 32)), (192, 64, (64, 64)), (384, 128, (128, 128))],
+                "mxfp4": [(96, 160, None)], "int8": [(72, 40, None), (33, 17, None)], "dense": [(33, 17, None)]}
+_TILES = [(16, 32, 4), (8, 64, 2, True), (4, 256, 4, True), (16, 128, 4, False), (16, 32, 64, 4, 1),
+          (16, 64, 128, 4, 1)]
+
+
+@pytest.mark.parametrize("kind, hidden, inter, groups", [(k, *shape) for k, shapes in _TILE_SHAPES.items()
+                                                         for shape in shapes])
+def test_fused_moe_tiles(run_check, kind, hidden, inter, groups):
+    tiles = _TILES + ([(8, 16, 4)] if kind in ("dense", "int8") else [])  # 16 columns: no 4-bit tile
+    run_check(check_fused_moe_tiles, kind=kind, hidden=hidden, inter=inter, groups=groups, tiles=tiles)
+
+
+def check_int4_groups_the_kernels_do_not_take(device):
+    """Groups of 12 inputs (not a power of two): fused_moe runs the reference; the launch refuses."""
+    mt = _moe_triton()
+    gen = torch.Generator().manual_seed(12)
+    experts = _on(_random_experts("int4", "silu", False, 4, 48, 24, gen, (12, 12)), device)
+    x = torch.randn(2, 48, generator=gen)
+    weights, ids = moe.moe_route(torch.randn(2, 4, generator=gen), 2)
+    assert not mt.supports(experts)
+    out = mt.fused_moe(x.to(device), experts, weights.to(device), ids.to(device))
+    torch.testing.assert_close(out.cpu(), moe.fused_moe(x, _on(experts, "cpu"), weights, ids))
+    with pytest.raises(ValueError, match="powers of two"):
+        mt.fused_moe_launch(x.to(device), experts, weights.to(device), ids.to(device), mt.DecodeTiles(8, 32, 4))
+
+
+def test_int4_groups_the_kernels_do_not_take(run_check):
+    run_check(check_int4_groups_the_kernels_do_not_take)
 
 
 def check_fused_moe_picks_a_path(device, kind):
