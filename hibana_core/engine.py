@@ -205,7 +205,7 @@ class Engine:
         self.fingerprint = surgery.fingerprint(loaded.fingerprint, loaded.dtype, kv_dtype, self.surgery)
         self.weight_bytes = model_bytes(loaded.model)  # after surgery: packed weights, buffers too
         stages.begin("kv cache")
-        self.kv_layout = KVLayout.for_windows(loaded.args.sliding_windows, self.max_model_len)
+        self.kv_layout = KVLayout.of_model(loaded.model, self.max_model_len, loaded.args.num_layers)
         """Which layers share a block table; sliding-window layers free the KV outside their window."""
         num_blocks = self._num_blocks(self.weight_bytes, kv_dtype)
         a, bs = loaded.args, config.cache.block_size

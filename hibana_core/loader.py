@@ -257,6 +257,11 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
                 raise CheckpointError(f"{path}: {name} is no attention layer with KV scales in its weights; "
                                       "re-run `hibana surgery`")
             layer.set_kv_scales(read(*where.pop(tensor), tensor).to(next(module.parameters()).device))
+        for name, (window, sinks) in manifest.get("windowed_layers", {}).items():  # the window pass's layers
+            layer = layers.get(name)
+            if layer is None or not hasattr(layer, "sink_tokens"):
+                raise CheckpointError(f"{path}: {name} is no attention layer; re-run `hibana surgery`")
+            layer.sliding_window, layer.sink_tokens, layer.surgery_window = window, sinks, (window, sinks)
     if quantization is not None and not own_names and quantization.get("quant_method") not in FAMILY_QUANT_METHODS:
         # GPTQ / AWQ / FP8: packed layers as they are
         from hibana_core.surgery.prequantized import load_packed_layers, parse_quantization_config

@@ -84,6 +84,33 @@ def test_a_cut_into_a_freed_window_drops_the_kv_and_the_prefix_index_gives_it_ba
     assert other.num_blocks == 5 + 2
 
 
+def test_sink_blocks_stay_and_the_middle_goes():
+    """A group with 5 sink tokens (1 block) under a window of 20: blocks 1..k leave, block 0
+    stays; the pages of a parked copy or a state file come back in place; a cut into the freed
+    middle drops the KV; a new state's prefix hit needs the sink block too."""
+    pool = BlockPool(64, BS, reserve_null=True)
+    layout = KVLayout((KVGroup(None, (0,)), KVGroup(WINDOW, (1,), sink_tokens=5)), 1)
+    seq = KVSequence(pool, lambda src, dst: None, layout=layout)
+    write(seq, list(range(100)))
+    write(seq, [100])
+    assert seq.tables[1][0] != NULL_BLOCK and seq.tables[1][1:5] == [NULL_BLOCK] * 4
+    assert seq.num_blocks == 7 + 1 + 2 == pool.num_used
+    pages, starts = seq.pages(101)
+    assert starts == (0, 5) and pages == seq.tables[0] + [seq.tables[1][0]] + seq.tables[1][5:]
+    assert seq.pages_fit(starts, 101) and not seq.pages_fit(starts, 60) and seq.pages_fit(starts, 10)
+    twin = KVSequence(pool, lambda src, dst: None, layout=layout, share=False)
+    twin.tokens = list(seq.tokens)
+    twin.place_pages(pool.allocate(len(pages)), starts, 101)
+    assert [len(t) for t in twin.tables] == [7, 7] and twin.tables[1][1:5] == [NULL_BLOCK] * 4
+    twin.release()
+    other = KVSequence(pool, lambda src, dst: None, layout=layout)
+    other.append(list(range(90)))
+    assert other.reuse_cached_blocks(90) == 80  # window of 80: blocks 3 and 4, and sink block 0
+    assert other.tables[1][0] == seq.tables[1][0] and other.tables[1][1:3] == [NULL_BLOCK] * 2
+    seq.trim(60)  # the window of 60 (from 41, block 2) was freed
+    assert seq.num_computed == 0 and seq.num_blocks == 0
+
+
 @pytest.fixture(params=["gpt_oss", "gemma3"])
 def windowed(request, tiny_checkpoints):
     return request.param, tiny_checkpoints[request.param]
@@ -173,3 +200,70 @@ def test_windowed_states_park_save_and_load_exactly(windowed, make_engine, tmp_p
     layout = other.kv_layout
     blocks = -(-len(history) // BS)
     assert state_blocks(other, loaded.id) < len(layout.groups) * blocks  # not every group's every block
+
+
+# --- the window surgery pass: sink + window attention on the full layers that matter least ------
+
+SINK_WINDOW = {"name": "window", "window": 24, "sink_tokens": 5, "layers": 0.5}
+
+
+def test_the_window_pass_switches_the_layers_that_matter_least(tiny_checkpoints, make_engine):
+    engine = make_engine(tiny_checkpoints["llama"], surgery=[SINK_WINDOW], surgery_guard=False, speculation="off")
+    (record,) = engine.surgery
+    assert record["full_layers_before"] == 3 and len(record["layers"]) == 2 and record["probe_window"] == 24
+    ranking = {int(i): v for i, v in record["nll_increase"].items()}
+    assert sorted(ranking) == [0, 1, 2] and sorted(record["layers"]) == sorted(sorted(ranking, key=ranking.get)[:2])
+    before, after = record["kv_bytes_per_agent"]["32768"]
+    assert after < before / 2
+    groups = engine.kv_layout.groups
+    assert [(g.window, g.sink_tokens) for g in groups] == [(None, 0), (24, 5), (24, 5)]
+    named = make_engine(tiny_checkpoints["llama"], surgery=[{"name": "window", "window": 24, "layers": [1]}],
+                        surgery_guard=False, speculation="off")
+    assert named.surgery[0]["layers"] == [1] and named.fingerprint != engine.fingerprint
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"window": 0}, "window must be an integer"),
+    ({"layers": 1.5}, "layers is a share"),
+    ({"layers": [7]}, "not full-attention layers"),
+    ({"size": 3}, "takes"),
+])
+def test_bad_window_pass_options(bad, message, tiny_checkpoints, make_engine):
+    from hibana_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        make_engine(tiny_checkpoints["llama"], surgery=[{"name": "window", **bad}], surgery_guard=False)
+
+
+def test_sink_window_layers_free_their_middle_and_turns_match_one_shot_prefills(tiny_checkpoints, make_engine,
+                                                                              tmp_path):
+    """The switched model is its own reference (transformers has no sink + window attention):
+    3 turns with retention, small prefill chunks and speculation give each turn
+    the tokens a fresh state gets by prefilling the whole history in one step (every key in the
+    cache during that step), and the retained state holds its sink blocks and its window only.
+    Written by `hibana surgery` and loaded again, the model keeps its windows."""
+    from hibana_core.surgery import checkpoint
+
+    path = tiny_checkpoints["llama"]
+    options = dict(surgery=[SINK_WINDOW], surgery_guard=False)
+    engine = make_engine(path, speculation={"method": "ngram", "k": 4}, max_num_batched_tokens=40, **options)
+    oneshot = make_engine(path, speculation="off", **options)
+    rng = random.Random(2)
+    h, history = engine.open_state("agent"), []
+    for turn, (new, n) in enumerate(((random_tokens(rng, 130), 20), (random_tokens(rng, 40), 10), ([4, 5] * 8, 10))):
+        history = history + new
+        got = h.generate(SamplingParams(max_tokens=n, ignore_eos=True), prompt=history)
+        want = oneshot.open_state(f"fresh{turn}").generate(SamplingParams(max_tokens=n, ignore_eos=True),
+                                                           prompt=history)
+        assert list(got.token_ids) == list(want.token_ids), f"turn {turn}"
+        history = history + list(got.token_ids)
+    blocks = -(-len(history) // BS)
+    sink_blocks, window_blocks = 1, -(-24 // BS) + 1
+    assert state_blocks(engine, "agent") <= blocks + 2 * (sink_blocks + window_blocks)
+    out = tmp_path / "windowed"
+    checkpoint.save(engine, path, out)
+    again = make_engine(out, speculation="off")
+    assert again.kv_layout == engine.kv_layout and again.fingerprint == engine.fingerprint
+    prompt = history[:150]
+    assert list(again.open_state("a").generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=prompt).token_ids) \
+        == list(oneshot.open_state("b").generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=prompt).token_ids)

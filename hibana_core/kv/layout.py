@@ -19,7 +19,7 @@ model's context frees nothing: such layers join the full ones.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 NULL_BLOCK = 0
 """The block a window group's table points at for positions outside its window (reserved by the
@@ -71,6 +71,18 @@ class KVLayout:
         groups = tuple(KVGroup(*(kind or (None, 0))[:1], tuple(kinds[kind][i:i + size]), *(kind or (None, 0))[1:])
                        for kind in order for i in range(0, len(kinds[kind]), size))
         return cls(groups, size)
+
+    @classmethod
+    def of_model(cls, model: Any, max_model_len: int, num_layers: int) -> "KVLayout":
+        """The layout of a loaded model of `num_layers` layers, read from its attention layers
+        (those that take KV scales, by `layer_idx`): their `sliding_window` and `sink_tokens` as
+        surgery left them; one plain group where the model has no such layers (a plugin's)."""
+        layers = sorted(((m.layer_idx, m) for m in model.modules() if hasattr(m, "set_kv_scales")),
+                        key=lambda item: item[0])
+        if [index for index, _ in layers] != list(range(num_layers)):
+            return cls.plain(num_layers)
+        return cls.for_windows([m.sliding_window for _, m in layers], max_model_len,
+                               [getattr(m, "sink_tokens", 0) for _, m in layers])
 
     @property
     def num_layers(self) -> int:

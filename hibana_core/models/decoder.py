@@ -406,6 +406,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.scale = args.attention_scale
         self.sliding_window = args.sliding_windows[layer_idx]
+        self.sink_tokens = 0  # under the window, first tokens every query still sees (the window surgery pass)
         h, d = args.hidden_size, args.head_dim
         self.split = (args.num_heads * d, args.num_kv_heads * d, args.num_kv_heads * d)
         self.qkv_proj = Linear(h, sum(self.split), bias=args.qkv_bias)
@@ -436,7 +437,7 @@ class Attention(nn.Module):
         o = kernels.paged_attention(q, k_cache, v_cache, batch.block_tables[group], batch.seq_lens,
                                     batch.query_start_loc, batch.max_query_len, batch.max_seq_len,
                                     self.scale, self.sliding_window, batch.uniform_query_len, self.kv_scale,
-                                    self.sinks)
+                                    self.sinks, sink_tokens=self.sink_tokens)
         return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim)), residual
 
     def _prologue(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -8,7 +8,8 @@
                                MoE experts packed and their kind (`*_qweight`, `*_scales`, int4
                                `*_zeros`), and
                                the attention layers whose KV is stored in fp8 (kv8: their
-                               `kv_scale` is in the weights)
+                               `kv_scale` is in the weights), and those the window pass
+                               switched to sink + window attention
 
 `hibana_core.loader` reads the manifest: packed layers get their packed tensors, the rest load
 by name, and the engine reports the manifest's passes as applied (they join its fingerprint).
@@ -45,6 +46,12 @@ def kv_scaled_layers(model: torch.nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if getattr(m, "kv_scale", None) is not None]
 
 
+def windowed_layers(model: torch.nn.Module) -> dict[str, list[int]]:
+    """The attention layers the window pass switched: [window, sink_tokens] each."""
+    return {name: list(m.surgery_window) for name, m in model.named_modules()
+            if getattr(m, "surgery_window", None) is not None}
+
+
 def save(engine: Any, source: Path, out: Path) -> Path:
     """Write `engine`'s rewritten model (loaded from `source`) as a checkpoint in `out`."""
     from safetensors.torch import save_file
@@ -64,7 +71,7 @@ def save(engine: Any, source: Path, out: Path) -> Path:
     manifest = {"format": FORMAT, "source": str(source), "dtype": str(engine.dtype).removeprefix("torch."),
                 "passes": engine.surgery, "packed_layers": packed_layers(model),
                 "packed_experts": packed_experts(model),
-                "kv_scaled_layers": kv_scaled_layers(model)}
+                "kv_scaled_layers": kv_scaled_layers(model), "windowed_layers": windowed_layers(model)}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return out
 

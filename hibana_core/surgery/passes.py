@@ -8,6 +8,8 @@ Both also pack the stacked float experts of MoE layers (`set_packed_stacks`: int
 row, int4 in groups, by the linears' rules); the routers stay float, MXFP4 experts as loaded.
 Experts w4 finds no even group size for stay float, named in the record's `experts_kept_float`.
 kv8 gives every attention layer (`set_kv_scales`) per-head scales for an fp8 KV cache.
+window switches the full-attention layers that matter least for long context to sink + window
+attention (`hibana_core.surgery.window`).
 w8 and w4 refuse a model loaded from an FP8 checkpoint: its weights are 8-bit already, so w8
 saves nothing, and w4 from them would round twice (the unquantized checkpoint gives a better int4).
 """
@@ -193,3 +195,6 @@ def register_surgery_passes(register) -> None:
     register("w8", WeightQuantPass(8))
     register("w4", WeightQuantPass(4))
     register("kv8", KVQuantPass())
+    from hibana_core.surgery.window import SinkWindowPass  # no torch at import: the manager loads this module
+
+    register("window", SinkWindowPass())

@@ -1,0 +1,136 @@
+"""The sink-plus-window pass ("window"): the full-attention layers that matter least for long
+context attend to their first `sink_tokens` tokens and their last `window` tokens only, so their
+KV per agent stops growing at sink + window tokens (`kv.layout`: those layers form window groups
+whose blocks between the sinks and the window go back to the pool).
+
+    rank     on the calibration text, each full-attention layer alone switched to sink + window
+             (a probe window a quarter of the longest document, so that the text reaches past
+             it): the increase of the mean negative log-likelihood; the layers whose increase is
+             smallest rely least on distant context
+    switch   the `layers` share of them (default half) with the smallest increase, or the layers
+             named, to `window` and `sink_tokens` (StreamingLLM's attention sinks: the first
+             tokens soak up attention that has nowhere else to go; without them a window drifts)
+
+Positions keep their rotary angles (no re-rotation of the cached keys, unlike StreamingLLM's
+rolling cache): a switched layer sees exactly the keys it saw before, fewer of them. The guard
+measures the cost against the unmodified model; its documents must be longer than
+`sink_tokens + window` for it to see any (the record says how long the calibration's were).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from hibana_core.errors import ConfigError
+
+logger = logging.getLogger("hibana.surgery")
+
+DEFAULTS = {"window": 1024, "sink_tokens": 4, "layers": 0.5}
+
+
+def attention_layers(model: Any) -> list[Any]:
+    """The model's attention modules (those that take KV scales), by layer index."""
+    return [m for _, m in sorted(((m.layer_idx, m) for m in model.modules() if hasattr(m, "set_kv_scales")),
+                                 key=lambda item: item[0])]
+
+
+class SinkWindowPass:
+    calibrated = True
+
+    def __init__(self) -> None:
+        self.floors = {"ppl_ratio": 1.05, "top1_agreement": 0.93}  # as w4's: a visible but bounded cost
+
+    def check(self, params: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(params) - set(DEFAULTS)
+        if unknown:
+            raise ConfigError(f"surgery pass window takes {sorted(DEFAULTS)}, got {sorted(unknown)}")
+        params = {**DEFAULTS, **params}
+        for key in ("window", "sink_tokens"):
+            value = params[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < (1 if key == "window" else 0):
+                raise ConfigError(f"window: {key} must be an integer >= {1 if key == 'window' else 0}, got {value!r}")
+        layers = params["layers"]
+        share = isinstance(layers, float) and 0 < layers <= 1
+        named = isinstance(layers, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
+        if not (share or named):
+            raise ConfigError(f"window: layers is a share of the full-attention layers in (0, 1] or a list of "
+                              f"layer indices, got {layers!r}")
+        return params
+
+    def apply(self, model: Any, params: dict[str, Any], calibration: Any) -> dict[str, Any]:
+        params = self.check(params)
+        window, sinks, wanted = params["window"], params["sink_tokens"], params["layers"]
+        attentions = attention_layers(model)
+        full = [m.layer_idx for m in attentions if m.sliding_window is None]
+        if not full:
+            raise ConfigError("surgery pass window found no full-attention layer to switch (every layer of "
+                              f"{type(model).__name__} has a sliding window already); leave it out")
+        ranking: dict[int, float] = {}
+        probe = None
+        if isinstance(wanted, list):
+            chosen = sorted(set(wanted))
+            if not set(chosen) <= set(full):
+                raise ConfigError(f"window: layers {sorted(set(chosen) - set(full))} are not full-attention "
+                                  f"layers of this model (those are {full})")
+        else:
+            probe, ranking = rank_layers(attentions, full, window, sinks, calibration)
+            count = max(1, round(wanted * len(full)))
+            chosen = sorted(sorted(full, key=lambda i: ranking[i])[:count])
+        for index in chosen:
+            layer = attentions[index]
+            layer.sliding_window, layer.sink_tokens = window, sinks
+            layer.surgery_window = (window, sinks)  # what `hibana surgery` writes to its manifest
+        longest = max(map(len, calibration.documents))
+        if longest <= window + sinks:
+            logger.warning("surgery window: the calibration documents (up to %d tokens) are shorter than "
+                           "sink_tokens + window (%d): the guard's figures cannot show the pass's cost; "
+                           "measure it on longer text", longest, window + sinks)
+        per_layer = 2 * calibration.args.num_kv_heads * calibration.args.head_dim * calibration.dtype.itemsize
+        kept = window + sinks
+
+        def kv_bytes(context: int, switched: list[int]) -> int:
+            return per_layer * sum(min(context, kept) if (m.layer_idx in switched or m.sliding_window is not None
+                                                          and m.layer_idx not in full)
+                                   else context for m in attentions)
+
+        return {"layers": chosen, "window": window, "sink_tokens": sinks, "full_layers_before": len(full),
+                "probe_window": probe, "nll_increase": {str(i): round(v, 5) for i, v in sorted(ranking.items())},
+                "longest_calibration_document": longest, "calibration": calibration.source,
+                "kv_bytes_per_agent": {str(c): [kv_bytes(c, []), kv_bytes(c, chosen)] for c in (8192, 32768)}}
+
+
+def rank_layers(attentions: list[Any], full: list[int], window: int, sinks: int,
+                calibration: Any) -> tuple[int, dict[int, float]]:
+    """(probe window, per full-attention layer the mean NLL increase on the calibration text when
+    that layer alone attends to `sinks` first tokens and the probe window)."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from hibana_core.surgery.guard import Scorer
+
+    documents = calibration.documents
+    longest = max(map(len, documents))
+    probe = max(1, min(window, longest // 4))
+    scorer = Scorer(calibration.model, calibration.ctx, calibration.args, calibration.dtype, calibration.device,
+                    longest)
+
+    def nll() -> float:
+        total, count = 0.0, 0
+        for doc in documents:
+            logp = scorer.log_probs(doc)
+            target = torch.tensor(doc[1:], device=logp.device)
+            total -= logp.gather(1, target[:, None]).sum().item()
+            count += len(doc) - 1
+        return total / max(count, 1)
+
+    base = nll()
+    ranking = {}
+    for index in tqdm(full, desc="surgery window: ranking layers", unit="layer", leave=False):
+        layer = attentions[index]
+        layer.sliding_window, layer.sink_tokens = probe, sinks
+        try:
+            ranking[index] = nll() - base
+        finally:
+            layer.sliding_window, layer.sink_tokens = None, 0
+    return probe, ranking
