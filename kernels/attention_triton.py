@@ -129,9 +129,10 @@ def _attend_keys(q, q_pos, row_mask, m_i, l_i, acc, lo, hi, window, sink_tokens,
         v = _gather_kv(v_cache_ptr, table, pos, pos_mask, kv_head, offs_d, d_mask,
                        stride_block, stride_slot, stride_head, BLOCK_SIZE)
         k, v = k.to(q.dtype), v.to(q.dtype)  # fp8: exact; otherwise no-ops
-        visible = row_mask[:, None] & pos_mask[None, :]
         if CAUSAL:
-            visible = visible & (pos[None, :] <= q_pos[:, None])
+            visible = (pos[None, :] <= q_pos[:, None]) & row_mask[:, None] & pos_mask[None, :]
+        else:
+            visible = row_mask[:, None] & pos_mask[None, :]
         if SLIDING:
             in_window = q_pos[:, None] - pos[None, :] < window
             if SINK_TOKENS:
@@ -396,11 +397,13 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_tokens == 0:
         return out
     kv_fp8 = kv_scale is not None
+    with_sink_tokens = sliding_window is not None and sink_tokens > 0
     common = dict(
         k_scale_ptr=kv_scale[0] if kv_fp8 else q, v_scale_ptr=kv_scale[1] if kv_fp8 else q,
         sinks_ptr=q if sinks is None else (sinks.float() * LOG2E).contiguous(), SINKS=sinks is not None,
         qk_scale=scale * LOG2E, window=sliding_window or 0, KV_FP8=kv_fp8,
-        sink_tokens=sink_tokens, SINK_TOKENS=sliding_window is not None and sink_tokens > 0,
+        # unused, None: no kernel argument at all, so that path compiles as before sink tokens
+        sink_tokens=sink_tokens if with_sink_tokens else None, SINK_TOKENS=with_sink_tokens,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0),
         stride_oh=out.stride(1), stride_bt=block_tables.stride(0),
         stride_block=k_cache.stride(0), stride_slot=k_cache.stride(1),
