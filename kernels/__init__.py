@@ -44,13 +44,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                     scale: float, sliding_window: int | None = None,
                     uniform_query_len: bool = False, kv_scale: torch.Tensor | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, sink_tokens: int = 0) -> torch.Tensor:
     """Causal attention of packed varlen queries [T, H, D] over the paged KV cache (an fp8 cache
-    with its `kv_scale`; per-head attention `sinks` [H]); see `hibana_kernels.attention.paged_attention`."""
+    with its `kv_scale`; per-head attention `sinks` [H]; with a sliding window, the first
+    `sink_tokens` keys kept visible); see `hibana_kernels.attention.paged_attention`."""
     impl = _triton("attention", q) or attention
     return impl.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                 max_query_len, max_seq_len, scale, sliding_window, uniform_query_len,
-                                kv_scale, sinks)
+                                kv_scale, sinks, sink_tokens)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

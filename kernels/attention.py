@@ -72,7 +72,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                     scale: float, sliding_window: int | None = None,
                     uniform_query_len: bool = False, kv_scale: torch.Tensor | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, sink_tokens: int = 0) -> torch.Tensor:
     """Causal attention of packed queries over each sequence's paged context (device-tensor form).
 
     q: [T, H, D]; block_tables: [B, max_blocks] int32; seq_lens: [B] int32;
@@ -83,10 +83,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     tokens (a verify step's CUDA graph), which lets the Triton path use its decode kernel; the
     result is the same. `kv_scale`: an fp8 cache's scales (see the module docstring). `sinks`:
     attention sinks (gpt-oss), one learned logit per query head [H] that joins every row's
-    softmax denominator as a key with no value. Returns [T, H, D].
+    softmax denominator as a key with no value. `sink_tokens`: with a sliding window, the keys
+    at positions below it stay visible to every later query (StreamingLLM's sink tokens: the
+    cache of a "sink + window" layer keeps only those and the window); no effect without a
+    window. Returns [T, H, D].
     """
     return paged_attention_host(q, k_cache, v_cache, block_tables, seq_lens.tolist(),
-                                query_start_loc.tolist(), scale, sliding_window, kv_scale, sinks)
+                                query_start_loc.tolist(), scale, sliding_window, kv_scale, sinks,
+                                sink_tokens)
 
 
 def paged_attention_host(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -94,13 +98,17 @@ def paged_attention_host(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          query_start_loc: Sequence[int], scale: float,
                          sliding_window: int | None = None,
                          kv_scale: torch.Tensor | None = None,
-                         sinks: torch.Tensor | None = None) -> torch.Tensor:
+                         sinks: torch.Tensor | None = None, sink_tokens: int = 0) -> torch.Tensor:
     """`paged_attention` with the lengths as host ints (B and B + 1 of them).
 
     A query at position p sees keys at positions j with j <= p and, with a sliding window w,
-    p - j < w (the convention of Hugging Face's masks). Returns [T, H, D].
+    p - j < w (the convention of Hugging Face's masks) or j < sink_tokens. Keys in the gap
+    between the sinks and a sequence's window are zeroed after the gather (as `_short_batch`
+    says why): a "sink + window" layer's cache points them at freed blocks. Returns [T, H, D].
     """
     check_kv_scale(k_cache, kv_scale)
+    if sink_tokens < 0:
+        raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
     gather = _Gather(k_cache, v_cache, kv_scale, q.dtype)
     num_heads = q.shape[1]
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
@@ -109,7 +117,8 @@ def paged_attention_host(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     short = [i for i, n in enumerate(num_q) if 0 < n <= SHORT_QUERY]  # decodes, verify steps
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if len(short) == len(seq_lens) and max(num_q) == 1:  # a plain decode step: no copies
-        return _short_batch(q[:, None], gather, block_tables, seq_lens, scale, sliding_window, sinks)[:, 0]
+        return _short_batch(q[:, None], gather, block_tables, seq_lens, num_q, scale, sliding_window,
+                            sinks, sink_tokens)[:, 0]
     if short:
         rows = [range(query_start_loc[i], query_start_loc[i + 1]) for i in short]
         longest = max(num_q[i] for i in short)
@@ -117,7 +126,7 @@ def paged_attention_host(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         for j, r in enumerate(rows):  # queries right-aligned: row j of `longest` is position len - longest + j
             padded[j, longest - len(r):] = q[r.start:r.stop]
         o = _short_batch(padded, gather, block_tables[short], [seq_lens[i] for i in short],
-                         scale, sliding_window, sinks)
+                         [num_q[i] for i in short], scale, sliding_window, sinks, sink_tokens)
         for j, r in enumerate(rows):
             out[r.start:r.stop] = o[j, longest - len(r):]
     for i, ctx_len in enumerate(seq_lens):
@@ -127,6 +136,8 @@ def paged_attention_host(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         blocks = block_tables[i, : (ctx_len + block_size - 1) // block_size].long()
         k, v = gather(blocks)
         k, v = k.flatten(0, 1)[:ctx_len], v.flatten(0, 1)[:ctx_len]  # [L, H_kv, D]
+        if sliding_window is not None:
+            _zero_gap(k, v, sink_tokens, ctx_len - num_q[i] - sliding_window + 1)
         windowed = sliding_window is not None and ctx_len > sliding_window
         causal = num_q[i] == ctx_len and not windowed  # a fresh prompt: SDPA's own causal path
         mask = None
@@ -135,7 +146,7 @@ def paged_attention_host(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             k_pos = torch.arange(ctx_len, device=q.device)[None, :]
             mask = k_pos <= q_pos  # [Q, L]
             if sliding_window is not None:
-                mask &= q_pos - k_pos < sliding_window
+                mask &= _in_window(q_pos, k_pos, sliding_window, sink_tokens)
         # 4-D [1, heads, tokens, D], K/V repeated per query head: the layout of CPU SDPA's fast
         # (flash) path, several times faster than 3-D views for long queries
         o = _sdpa(q[start:end].transpose(0, 1)[None], _per_head(k, group), _per_head(v, group),
@@ -183,21 +194,39 @@ class _Gather:
         return (dequantize_kv(k, self.kv_scale[0], self.dtype), dequantize_kv(v, self.kv_scale[1], self.dtype))
 
 
+def _in_window(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, sink_tokens: int) -> torch.Tensor:
+    """Which keys a sliding window leaves a query (broadcast positions -> bool): the last
+    `window` positions up to its own, and the first `sink_tokens`."""
+    return (q_pos - k_pos < window) | (k_pos < sink_tokens)
+
+
+def _zero_gap(k: torch.Tensor, v: torch.Tensor, sink_tokens: int, first: int) -> None:
+    """Zero gathered keys and values [L, ...] from the sinks' end up to `first`, the first key
+    any query of the sequence sees in its window: those slots may be never-written memory (NaN)."""
+    first = max(first, 0)
+    gap = slice(min(sink_tokens, first), first)
+    k[gap].zero_()
+    v[gap].zero_()
+
+
 def _per_head(x: torch.Tensor, group: int) -> torch.Tensor:
     """[L, H_kv, D] -> [1, H_kv * group, L, D]: each KV head once per query head of its group."""
     return x.transpose(0, 1).repeat_interleave(group, dim=0)[None]
 
 
 def _short_batch(q: torch.Tensor, gather: _Gather, block_tables: torch.Tensor,
-                 seq_lens: Sequence[int], scale: float,
-                 sliding_window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 seq_lens: Sequence[int], query_lens: Sequence[int], scale: float,
+                 sliding_window: int | None, sinks: torch.Tensor | None = None,
+                 sink_tokens: int = 0) -> torch.Tensor:
     """A few new tokens per sequence (q: [B, Q, H, D], right-aligned: row j of sequence i is at
-    position seq_lens[i] - Q + j; rows before a sequence's own queries are padding whose output
-    is dropped): every sequence in one attention call, keys gathered into [B, L_max] and masked
-    by position (per-sequence calls cost more than the padding on the CPU). Each KV head serves
-    its group of query heads without being repeated (queries [B, H_kv, G * Q, D]). Slots past a
-    sequence's end are zeroed after the gather: never-written cache memory may hold NaN, which a
-    mask alone would let through. Returns [B, Q, H, D]."""
+    position seq_lens[i] - Q + j; rows before a sequence's own query_lens[i] queries are padding
+    whose output is dropped): every sequence in one attention call, keys gathered into
+    [B, L_max] and masked by position (per-sequence calls cost more than the padding on the
+    CPU). Each KV head serves its group of query heads without being repeated (queries
+    [B, H_kv, G * Q, D]). Slots no query of a sequence sees (past its end; with a window,
+    between its sinks and its first query's window) are zeroed after the gather: never-written
+    or freed cache memory may hold NaN, which a mask alone would let through. Returns
+    [B, Q, H, D]."""
     batch, num_q, num_heads, head_dim = q.shape
     block_size, num_kv_heads = gather.k_cache.shape[1], gather.k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -209,14 +238,15 @@ def _short_batch(q: torch.Tensor, gather: _Gather, block_tables: torch.Tensor,
     queries = (lengths - num_q + torch.arange(num_q, device=q.device)[None, :, None]).clamp(min=0)  # [B, Q, 1]
     visible = (keys <= queries) & (keys < lengths)  # [B, Q, L]
     if sliding_window is not None:
-        visible &= queries - keys < sliding_window
+        visible &= _in_window(queries, keys, sliding_window, sink_tokens)
     # whole blocks at a time, into a fresh copy: far cheaper than one copy per slot
     shape = (batch, -1, num_kv_heads, head_dim)
     k, v = (x.view(shape) for x in gather(tables.flatten()))  # [B, L, H_kv, D]
     for i, length in enumerate(seq_lens):  # slices, not a boolean index: much cheaper
-        first = 0 if sliding_window is None else max(length - num_q - sliding_window + 1, 0)
-        for part in (k[i, :first], v[i, :first], k[i, length:], v[i, length:]):
-            part.zero_()
+        if sliding_window is not None:
+            _zero_gap(k[i], v[i], sink_tokens, length - query_lens[i] - sliding_window + 1)
+        k[i, length:].zero_()
+        v[i, length:].zero_()
     qg = q.view(batch, num_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # [B, H_kv, G, Q, D]
     mask = visible[:, None, None].expand(batch, 1, group, num_q, visible.shape[-1])
     if sinks is not None:  # query head h = kv_head * group + g, rows ordered (g, q)

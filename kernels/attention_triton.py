@@ -14,6 +14,10 @@ Two attention kernels share one online-softmax step (`_attend`), fp32 accumulati
   a tile are (query token, head in group) pairs, keys are gathered tile by tile through the block
   table under the causal (and sliding-window) mask.
 
+Both walk their keys with `_attend_keys`: the window's, [lo, hi), and with StreamingLLM's sink
+tokens first those before it, [0, min(sink_tokens, lo)); no other key is read, so the blocks
+between them may be freed.
+
 Keys are gathered per position (block id = block_table[pos // block_size]), so key tiles need not
 line up with cache blocks. An fp8 cache (kv8) is read as it is stored, each fp8 tile converted to
 the activations' dtype (exact); each program serves one KV head, so that head's key scale joins
@@ -107,15 +111,48 @@ def _attend(q, k, v, visible, m_i, l_i, acc, qk_scale,
 
 
 @triton.jit
+def _attend_keys(q, q_pos, row_mask, m_i, l_i, acc, lo, hi, window, sink_tokens, qk_scale,
+                 k_cache_ptr, v_cache_ptr, table, kv_head, offs_d, d_mask,
+                 stride_block, stride_slot, stride_head,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                 SLIDING: tl.constexpr, SINK_TOKENS: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """The online softmax of the rows of q (at positions q_pos) over the keys at positions
+    [lo, hi), key tile by key tile, no other key read. A key is visible to a row under the
+    causal mask (CAUSAL) and the sliding window (SLIDING: less than `window` before the row's
+    position, or with SINK_TOKENS one of the first `sink_tokens`)."""
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_mask = pos < hi
+        k = _gather_kv(k_cache_ptr, table, pos, pos_mask, kv_head, offs_d, d_mask,
+                       stride_block, stride_slot, stride_head, BLOCK_SIZE)
+        v = _gather_kv(v_cache_ptr, table, pos, pos_mask, kv_head, offs_d, d_mask,
+                       stride_block, stride_slot, stride_head, BLOCK_SIZE)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # fp8: exact; otherwise no-ops
+        if CAUSAL:
+            visible = (pos[None, :] <= q_pos[:, None]) & row_mask[:, None] & pos_mask[None, :]
+        else:
+            visible = row_mask[:, None] & pos_mask[None, :]
+        if SLIDING:
+            in_window = q_pos[:, None] - pos[None, :] < window
+            if SINK_TOKENS:
+                in_window = in_window | (pos[None, :] < sink_tokens)
+            visible = visible & in_window
+        m_i, l_i, acc = _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, UPCAST)
+    return m_i, l_i, acc
+
+
+@triton.jit(do_not_specialize=["sink_tokens"])
 def _prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-        k_scale_ptr, v_scale_ptr, sinks_ptr, qk_scale, window,
+        k_scale_ptr, v_scale_ptr, sinks_ptr, qk_scale, window, sink_tokens,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         stride_block, stride_slot, stride_head,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-        BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr, KV_FP8: tl.constexpr, SINKS: tl.constexpr):
+        BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, SINK_TOKENS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+        SINKS: tl.constexpr):
     # rows of a tile: BLOCK_Q = BLOCK_M // GROUP query tokens x the GROUP heads of one KV head
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -156,18 +193,15 @@ def _prefill_kernel(
         l_i = tl.where(row_mask, 1.0, 0.0)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        pos_mask = pos < hi
-        k = _gather_kv(k_cache_ptr, table, pos, pos_mask, kv_head, offs_d, d_mask,
-                       stride_block, stride_slot, stride_head, BLOCK_SIZE)
-        v = _gather_kv(v_cache_ptr, table, pos, pos_mask, kv_head, offs_d, d_mask,
-                       stride_block, stride_slot, stride_head, BLOCK_SIZE)
-        k, v = k.to(q.dtype), v.to(q.dtype)  # fp8: exact; otherwise no-ops
-        visible = (pos[None, :] <= q_pos[:, None]) & row_mask[:, None] & pos_mask[None, :]
-        if SLIDING:
-            visible = visible & (q_pos[:, None] - pos[None, :] < window)
-        m_i, l_i, acc = _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, UPCAST)
+    if SINK_TOKENS:  # the sink tokens before the tile's window (causal: they precede every row)
+        m_i, l_i, acc = _attend_keys(
+            q, q_pos, row_mask, m_i, l_i, acc, 0, tl.minimum(sink_tokens, lo), window, sink_tokens,
+            qk_scale, k_cache_ptr, v_cache_ptr, table, kv_head, offs_d, d_mask, stride_block,
+            stride_slot, stride_head, BLOCK_SIZE, BLOCK_N, True, False, False, DOT_PRECISION, UPCAST)
+    m_i, l_i, acc = _attend_keys(
+        q, q_pos, row_mask, m_i, l_i, acc, lo, hi, window, sink_tokens, qk_scale,
+        k_cache_ptr, v_cache_ptr, table, kv_head, offs_d, d_mask, stride_block, stride_slot,
+        stride_head, BLOCK_SIZE, BLOCK_N, True, SLIDING, SINK_TOKENS, DOT_PRECISION, UPCAST)
 
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr + kv_head)
@@ -177,18 +211,18 @@ def _prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sink_tokens"])
 def _decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
         counter_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-        k_scale_ptr, v_scale_ptr, sinks_ptr, qk_scale, window, num_splits,
+        k_scale_ptr, v_scale_ptr, sinks_ptr, qk_scale, window, sink_tokens, num_splits,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         stride_block, stride_slot, stride_head,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-        SLIDING: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr, SPLITS_P: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, QUERY_LEN: tl.constexpr,
-        KV_FP8: tl.constexpr, SINKS: tl.constexpr):
+        SLIDING: tl.constexpr, SINK_TOKENS: tl.constexpr, SPLIT: tl.constexpr,
+        MERGE: tl.constexpr, SPLITS_P: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr, QUERY_LEN: tl.constexpr, KV_FP8: tl.constexpr, SINKS: tl.constexpr):
     # rows of a tile: QUERY_LEN new tokens x the GROUP heads of one KV head
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -200,7 +234,7 @@ def _decode_kernel(
     lo = 0
     if SLIDING:
         lo = tl.maximum(seq_len - QUERY_LEN - window + 1, 0)
-    # this split's share of [lo, seq_len), whole key tiles
+    # this split's share of [lo, seq_len), whole key tiles (the sink tokens before lo: split 0's)
     per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     split_lo = lo + split * per_split
     split_hi = tl.minimum(split_lo + per_split, seq_len)
@@ -228,20 +262,18 @@ def _decode_kernel(
             l_i = tl.where(g_mask, 1.0, 0.0)
     acc = tl.zeros([BLOCK_G, HEAD_DIM_P], dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(split_lo, split_hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        pos_mask = pos < split_hi
-        k = _gather_kv(k_cache_ptr, table, pos, pos_mask, kv_head, offs_d, d_mask,
-                       stride_block, stride_slot, stride_head, BLOCK_SIZE)
-        v = _gather_kv(v_cache_ptr, table, pos, pos_mask, kv_head, offs_d, d_mask,
-                       stride_block, stride_slot, stride_head, BLOCK_SIZE)
-        k, v = k.to(q.dtype), v.to(q.dtype)  # fp8: exact; otherwise no-ops
-        visible = g_mask[:, None] & pos_mask[None, :]
-        if QUERY_LEN > 1:
-            visible = visible & (pos[None, :] <= q_pos[:, None])
-        if SLIDING and QUERY_LEN > 1:
-            visible = visible & (q_pos[:, None] - pos[None, :] < window)
-        m_i, l_i, acc = _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, UPCAST)
+    if SINK_TOKENS:  # the sink tokens before the window, in the first split only
+        sink_hi = tl.where(split == 0, tl.minimum(sink_tokens, lo), 0)
+        m_i, l_i, acc = _attend_keys(
+            q, q_pos, g_mask, m_i, l_i, acc, 0, sink_hi, window, sink_tokens, qk_scale,
+            k_cache_ptr, v_cache_ptr, table, kv_head, offs_d, d_mask, stride_block, stride_slot,
+            stride_head, BLOCK_SIZE, BLOCK_N, True, False, False, DOT_PRECISION, UPCAST)
+    # one new token per sequence (QUERY_LEN 1) sees every key of [lo, seq_len): no mask
+    m_i, l_i, acc = _attend_keys(
+        q, q_pos, g_mask, m_i, l_i, acc, split_lo, split_hi, window, sink_tokens, qk_scale,
+        k_cache_ptr, v_cache_ptr, table, kv_head, offs_d, d_mask, stride_block, stride_slot,
+        stride_head, BLOCK_SIZE, BLOCK_N, QUERY_LEN > 1, SLIDING and QUERY_LEN > 1, SINK_TOKENS,
+        DOT_PRECISION, UPCAST)
 
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr + kv_head)
@@ -317,7 +349,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                     scale: float, sliding_window: int | None = None,
                     uniform_query_len: bool = False, kv_scale: torch.Tensor | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, sink_tokens: int = 0) -> torch.Tensor:
     """See `hibana_kernels.attention.paged_attention`. Decode batches (max_query_len == 1, or
     every sequence with max_query_len <= 32 new tokens: `uniform_query_len`) take the decode
     kernel, split along the sequence when the batch alone would not fill the device."""
@@ -329,7 +361,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_splits = _num_splits(q.device, num_seqs * num_kv_heads, max_seq_len)
     return paged_attention_launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                   max_query_len, scale, sliding_window, num_splits, decode=decode,
-                                  kv_scale=kv_scale, sinks=sinks)
+                                  kv_scale=kv_scale, sinks=sinks, sink_tokens=sink_tokens)
 
 
 def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -339,7 +371,7 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            tiles: tuple[int, ...] | None = None, decode: bool | None = None,
                            merge: bool | None = None,
                            kv_scale: torch.Tensor | None = None,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, sink_tokens: int = 0) -> torch.Tensor:
     """The launches behind `paged_attention`, with the decode split count chosen by the caller
     (tests use it to cover split and unsplit decode on the same shapes). `tiles`, for the tuning
     script: (BLOCK_N, num_warps, num_stages) for decode, (BLOCK_M, BLOCK_N, num_warps,
@@ -348,8 +380,13 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     merges in the same launch (default: as the fusion policy says) where a program's query rows
     are few enough (MERGE_MAX_ROWS) for its last split to merge them in turn. `kv_scale`: an
     fp8 cache's. `sinks`: per-head sink logits [H], which the kernels start each row's online
-    softmax from (in the log2 domain, as the scores)."""
+    softmax from (in the log2 domain, as the scores). `sink_tokens`: with a sliding window, the
+    keys below it stay visible: those before a program's window get a loop of their own ahead
+    of the window's (in split decode, the first split's). A runtime int: one compiled kernel
+    serves every value; without sink tokens or a window the loop is not compiled in."""
     check_kv_scale(k_cache, kv_scale)
+    if sink_tokens < 0:
+        raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -360,10 +397,13 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_tokens == 0:
         return out
     kv_fp8 = kv_scale is not None
+    with_sink_tokens = sliding_window is not None and sink_tokens > 0
     common = dict(
         k_scale_ptr=kv_scale[0] if kv_fp8 else q, v_scale_ptr=kv_scale[1] if kv_fp8 else q,
         sinks_ptr=q if sinks is None else (sinks.float() * LOG2E).contiguous(), SINKS=sinks is not None,
         qk_scale=scale * LOG2E, window=sliding_window or 0, KV_FP8=kv_fp8,
+        # unused, None: no kernel argument at all, so that path compiles as before sink tokens
+        sink_tokens=sink_tokens if with_sink_tokens else None, SINK_TOKENS=with_sink_tokens,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0),
         stride_oh=out.stride(1), stride_bt=block_tables.stride(0),
         stride_block=k_cache.stride(0), stride_slot=k_cache.stride(1),

@@ -50,6 +50,10 @@ MIXED_SHORT_BATCH = ((3, 3), (1, 1), (40, 17), (60, 33), (34, 2), (150, 32), (20
 """Short queries of several lengths (fresh prompts shorter than the longest too), one long, one
 sequence with no new token: the CPU reference batches the short ones."""
 WINDOW = 20
+LONG_DECODE_BATCH = ((300, 1), (150, 1), (70, 1), (9, 1))
+LONG_WINDOW = 100
+"""With LONG_WINDOW, decodes whose window spans several key tiles: split decode gives keys to
+more than one split (and the first to the sink tokens too)."""
 
 
 def _exact(device, dtype):
@@ -120,9 +124,28 @@ def make_paged_batch(lens, num_heads, num_kv_heads, dtype, device, seed, head_di
     return batch, dense_k, dense_v
 
 
-def naive_attention(q, dense_k, dense_v, lens, scale, window, sinks=None):
+def poison_gap(batch, lens, window, sink_tokens):
+    """NaN into the cache slots no query of the step may read: those of each sequence between its
+    first `sink_tokens` and the window of its first query (a "sink + window" layer's freed blocks)."""
+    block_size = batch["k_cache"].shape[1]
+    tables = batch["block_tables"].cpu()
+    slots = [int(tables[i, j // block_size]) * block_size + j % block_size
+             for i, (seq_len, query_len) in enumerate(lens)
+             for j in range(sink_tokens, seq_len - query_len - window + 1)]
+    slots = torch.tensor(slots, dtype=torch.long, device=batch["k_cache"].device)
+    for name in ("k_cache", "v_cache"):
+        rows = batch[name].flatten(0, 1)
+        if rows.dtype == attention.FP8:
+            rows.view(torch.uint8)[slots] = 0x7F
+        else:
+            rows[slots] = float("nan")
+    return len(slots)
+
+
+def naive_attention(q, dense_k, dense_v, lens, scale, window, sinks=None, sink_tokens=0):
     """Per query row, softmax over the visible keys of its sequence, in float64; `sinks` [H]:
-    one more logit per head in each row's softmax, whose share is dropped."""
+    one more logit per head in each row's softmax, whose share is dropped; `sink_tokens`: with
+    a window, the first keys stay visible."""
     out = torch.empty(q.shape, dtype=torch.float64)
     row = 0
     group = q.shape[1] // dense_k[0].shape[1]
@@ -131,7 +154,7 @@ def naive_attention(q, dense_k, dense_v, lens, scale, window, sinks=None):
         v = v.double().repeat_interleave(group, dim=1)
         for p in range(seq_len - query_len, seq_len):
             j = torch.arange(seq_len)
-            visible = (j <= p) & ((p - j < window) if window else True)
+            visible = (j <= p) & (((p - j < window) | (j < sink_tokens)) if window else True)
             s = torch.einsum("hd,lhd->hl", q[row].double(), k) * scale
             s = s.masked_fill(~visible, float("-inf"))
             if sinks is not None:
@@ -178,6 +201,41 @@ def test_reference_attention_sinks_join_the_softmax_denominator(group, window, l
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     plain = attention.paged_attention(**batch, scale=scale, sliding_window=window)
     assert (out - plain).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("sink_tokens", [0, 1, 4, 20, 25, 1000])
+@pytest.mark.parametrize("lens, window", [(DECODE_BATCH, WINDOW), (MIXED_BATCH, WINDOW), (VERIFY_BATCH, WINDOW),
+                                          (MIXED_SHORT_BATCH, WINDOW), (LONG_DECODE_BATCH, LONG_WINDOW)],
+                         ids=["decode", "mixed", "verify", "mixed_short", "long_decode"])
+def test_reference_sink_tokens_stay_visible(sink_tokens, lens, window):
+    """StreamingLLM's sink tokens: with a window, the first keys stay visible to every later
+    query (without one, nothing changes); the slots between them and the window are never
+    needed: NaN there changes no output, with or without gpt-oss's sinks, in an fp8 cache too."""
+    batch, dense_k, dense_v = make_paged_batch(lens, 2 * NUM_KV_HEADS, NUM_KV_HEADS,
+                                               torch.float32, "cpu", seed=13)
+    scale = HEAD_DIM ** -0.5
+    sinks = torch.linspace(-2.0, 3.0, 2 * NUM_KV_HEADS)
+    expected = naive_attention(batch["q"], dense_k, dense_v, lens, scale, window, None, sink_tokens)
+    out = attention.paged_attention(**batch, scale=scale, sliding_window=window, sink_tokens=sink_tokens)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(attention.paged_attention(**batch, scale=scale, sink_tokens=sink_tokens),
+                               attention.paged_attention(**batch, scale=scale), atol=0, rtol=0)
+    with_sinks = attention.paged_attention(**batch, scale=scale, sliding_window=window, sinks=sinks,
+                                           sink_tokens=sink_tokens)
+    torch.testing.assert_close(with_sinks.double(), naive_attention(
+        batch["q"], dense_k, dense_v, lens, scale, window, sinks, sink_tokens), atol=1e-5, rtol=1e-5)
+    fp8, _, _ = make_paged_batch(lens, 2 * NUM_KV_HEADS, NUM_KV_HEADS, torch.float32, "cpu", seed=13,
+                                 kv_fp8=True)
+    fp8_out = attention.paged_attention(**fp8, scale=scale, sliding_window=window, sink_tokens=sink_tokens)
+    if poison_gap(batch, lens, window, sink_tokens) + poison_gap(fp8, lens, window, sink_tokens) == 0:
+        return  # every key of the step is a sink or in a window
+    torch.testing.assert_close(attention.paged_attention(
+        **batch, scale=scale, sliding_window=window, sink_tokens=sink_tokens), out, atol=0, rtol=0)
+    torch.testing.assert_close(attention.paged_attention(
+        **batch, scale=scale, sliding_window=window, sinks=sinks, sink_tokens=sink_tokens), with_sinks,
+        atol=0, rtol=0)
+    torch.testing.assert_close(attention.paged_attention(
+        **fp8, scale=scale, sliding_window=window, sink_tokens=sink_tokens), fp8_out, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -330,32 +388,37 @@ def _triton_module(name):
 
 
 def check_paged_attention(device, group, window, lens, dtype, num_splits, head_dim=HEAD_DIM,
-                          bounds_slack=0, merge=None, kv_fp8=False, sinks=False):
+                          bounds_slack=0, merge=None, kv_fp8=False, sinks=False, sink_tokens=0):
     """bounds_slack: pass max_query_len and max_seq_len overstated by this much (CUDA graphs).
     merge: split decode merges in its own launch (True; a verify step of more rows than one
     program merges still takes `_reduce_splits_kernel`) or in that second launch (False). A
     launch merging in-kernel runs twice, as graph replays do: the counters it left must be zero.
-    kv_fp8: an fp8 cache with its scales. sinks: per-head attention sinks (gpt-oss)."""
+    kv_fp8: an fp8 cache with its scales. sinks: per-head attention sinks (gpt-oss).
+    sink_tokens: the first keys stay visible past the window; the slots between them and the
+    window then hold NaN (`poison_gap`), and the reference must give the same output."""
     triton_attention = _triton_module("attention")
     batch, _, _ = make_paged_batch(lens, group * NUM_KV_HEADS, NUM_KV_HEADS, dtype, device,
                                    seed=7 * group + len(lens), head_dim=head_dim, kv_fp8=kv_fp8)
     if sinks:
         batch["sinks"] = torch.linspace(-2.0, 3.0, group * NUM_KV_HEADS).to(dtype).to(device)
     scale = head_dim ** -0.5
-    expected = attention.paged_attention(**batch, scale=scale, sliding_window=window)
+    expected = attention.paged_attention(**batch, scale=scale, sliding_window=window, sink_tokens=sink_tokens)
+    if sink_tokens and window and poison_gap(batch, lens, window, sink_tokens):
+        torch.testing.assert_close(attention.paged_attention(
+            **batch, scale=scale, sliding_window=window, sink_tokens=sink_tokens), expected, atol=0, rtol=0)
     if bounds_slack and batch["max_query_len"] > 1:
         batch["max_query_len"] += bounds_slack
     batch["max_seq_len"] += bounds_slack
     uniform = len({n for _, n in lens}) == 1 and lens[0][1] > 1  # the decode kernel's verify mode
     if num_splits is None:  # the public entry point, choosing its own splits
         out = triton_attention.paged_attention(**batch, scale=scale, sliding_window=window,
-                                               uniform_query_len=uniform)
+                                               uniform_query_len=uniform, sink_tokens=sink_tokens)
     else:
         args = (batch["q"], batch["k_cache"], batch["v_cache"], batch["block_tables"],
                 batch["seq_lens"], batch["query_start_loc"], batch["max_query_len"], scale, window,
                 num_splits)
         kwargs = dict(decode=uniform or None, merge=merge, kv_scale=batch.get("kv_scale"),
-                      sinks=batch.get("sinks"))
+                      sinks=batch.get("sinks"), sink_tokens=sink_tokens)
         out = triton_attention.paged_attention_launch(*args, **kwargs)
         if merge:
             again = triton_attention.paged_attention_launch(*args, **kwargs)
@@ -755,6 +818,30 @@ def test_paged_attention_sinks(run_check, dtype, group, window, lens, num_splits
     """Sinks start the first split's online softmax (and no other split's)."""
     run_check(check_paged_attention, group=group, window=window, lens=lens, dtype=dtype,
               num_splits=num_splits, merge=merge, sinks=True)
+
+
+@pytest.mark.parametrize("sink_tokens", [1, 4, 20, 25, 1000])
+@pytest.mark.parametrize("lens, window, num_splits, merge",
+                         [(MIXED_BATCH, WINDOW, None, None), (MIXED_SHORT_BATCH, WINDOW, None, None),
+                          (VERIFY_BATCH, WINDOW, 3, False), (LONG_DECODE_BATCH, LONG_WINDOW, 3, True),
+                          (LONG_DECODE_BATCH, LONG_WINDOW, 3, False)],
+                         ids=["mixed", "mixed_short", "verify-3splits", "long-decode-3splits",
+                              "long-decode-3splits-separate-merge"])
+def test_paged_attention_sink_tokens(run_check, sink_tokens, lens, window, num_splits, merge):
+    """StreamingLLM's sink tokens: a first loop over the keys before the window (in split decode,
+    the first split's), with the gap between them and the window never read (it holds NaN)."""
+    run_check(check_paged_attention, group=2, window=window, lens=lens, dtype=torch.float32,
+              num_splits=num_splits, merge=merge, sink_tokens=sink_tokens)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("lens, window, num_splits",
+                         [(MIXED_BATCH, WINDOW, None), (LONG_DECODE_BATCH, LONG_WINDOW, 3),
+                          (VERIFY_BATCH, WINDOW, None)], ids=["mixed", "long-decode-3splits", "verify"])
+def test_paged_attention_sink_tokens_with_sinks_and_fp8(run_check, dtype, lens, window, num_splits):
+    """Sink tokens together with gpt-oss's sink logits and an fp8 cache."""
+    run_check(check_paged_attention, group=4, window=window, lens=lens, dtype=dtype,
+              num_splits=num_splits, merge=True, kv_fp8=True, sinks=True, sink_tokens=4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
