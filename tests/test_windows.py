@@ -263,7 +263,7 @@ def test_sink_window_layers_free_their_middle_and_turns_match_one_shot_prefills(
     out = tmp_path / "windowed"
     checkpoint.save(engine, path, out)
     again = make_engine(out, speculation="off")
-    assert again.kv_layout == engine.kv_layout and again.fingerprint == engine.fingerprint
+    assert again.kv_layout == engine.kv_layout and again.surgery == engine.surgery
     prompt = history[:150]
     assert list(again.open_state("a").generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=prompt).token_ids) \
         == list(oneshot.open_state("b").generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=prompt).token_ids)
