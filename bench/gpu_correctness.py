@@ -467,9 +467,27 @@ def check_logprobs() -> Iterator[tuple[str, bool, str]]:
         torch.cuda.empty_cache()
 
 
+def check_window_pass() -> Iterator[tuple[str, bool, str]]:
+    """The window surgery pass (sink + window attention, the Triton kernels' sink-token loops):
+    the GPU, graphs off and on, 4 agents batched, gives the CPU reference's greedy tokens; the
+    layers named (a ranking on each device could pick others), a window shorter than most
+    prompts, sinks reaching into the second block. gpt_oss mixes them with its own windows and
+    attention sinks."""
+    surgery = [{"name": "window", "window": 24, "sink_tokens": 20, "layers": [1]}]
+    for arch, path, prompts in tiny_cases(("llama", "qwen3", "gpt_oss"), 13):
+        options = dict(progress=False, surgery=surgery, surgery_guard=False, speculation="off")
+        with Engine.from_pretrained(path, device="cpu", **options) as cpu:
+            want = batched_greedy(cpu, prompts, 32)
+        for graphs in (False, True):
+            with Engine.from_pretrained(path, **ON_GPU, dtype="float32", cuda_graphs=graphs, **options) as gpu:
+                got = batched_greedy(gpu, prompts, 32)
+            same = sum(a == b for a, b in zip(got, want))
+            yield (f"window pass fp32 {arch} graphs={graphs}", same == len(prompts), f"{same}/4 agents equal")
+
+
 CHECKS = {"float32": check_float32, "speculation": check_speculation, "surgery": check_surgery,
           "kv8": check_kv8, "fp8": check_fp8, "bf16": check_bf16_demo, "families": check_families,
-          "logprobs": check_logprobs}
+          "logprobs": check_logprobs, "window": check_window_pass}
 
 
 def main() -> int:
