@@ -116,12 +116,13 @@ class StateRegistry:
         """Fill `seq` from its persisted file: its KV parked in the host tier (copied to the device
         at its next request) or, without one, on the device now."""
         saved = state_file.read(path, self.limits.fingerprint, self.kv_cache.data.shape, self.kv_cache.dtype,
-                                self.kv_cache.layout.sink_tokens)
+                                self.kv_cache.layout)
         if saved.state_id != state_id:
             raise StateFileError(f"{path} holds state {saved.state_id!r}, not {state_id!r}; remove the file "
                                  "or open that id")
         seq.tokens = self._validate(saved.tokens)
-        if saved.block_size != self.pool.block_size or not saved.num_computed:
+        if (saved.block_size != self.pool.block_size or not saved.num_computed
+                or not seq.pages_fit(saved.starts, saved.num_computed)):
             return  # tokens only: the KV is recomputed on next use
         seq.rotated_long = saved.rotated_long
         tier = self.core.scheduler.eviction.tier
@@ -414,7 +415,7 @@ class StateRegistry:
             pages, starts = seq.pages(computed)
             kv = self.kv_cache.read_blocks(pages)
         state_file.write(path, state_id, seq.tokens, computed, self.pool.block_size, kv, self.limits.fingerprint,
-                         rotated_long, starts)
+                         rotated_long, starts, self.kv_cache.layout)
 
     def load(self, path: str | os.PathLike, state_id: str | None = None, *, share: bool = False) -> StateHandle:
         """Restore a state written by `save` (same model and tokenizer only). The file is read and
@@ -423,7 +424,7 @@ class StateRegistry:
         if state_id is not None:
             _check_id(state_id)
         saved = state_file.read(state_file.as_path(path), self.limits.fingerprint, self.kv_cache.data.shape,
-                                self.kv_cache.dtype, self.kv_cache.layout.sink_tokens)
+                                self.kv_cache.dtype, self.kv_cache.layout)
         tokens = self._validate(saved.tokens)
         with self.lock:
             self._check_open()
@@ -434,7 +435,8 @@ class StateRegistry:
             seq = self._new_sequence()
             seq.share = self.config.enable_prefix_caching and share
             seq.tokens = tokens
-            if saved.block_size == self.pool.block_size and saved.num_computed:
+            if saved.block_size == self.pool.block_size and saved.num_computed \
+                    and seq.pages_fit(saved.starts, saved.num_computed):
                 seq.rotated_long = saved.rotated_long
                 self._place(seq, saved, path)
             return self._add(state_id, seq)

@@ -267,3 +267,20 @@ def test_sink_window_layers_free_their_middle_and_turns_match_one_shot_prefills(
     prompt = history[:150]
     assert list(again.open_state("a").generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=prompt).token_ids) \
         == list(oneshot.open_state("b").generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=prompt).token_ids)
+
+
+def test_a_state_file_names_its_layout(tiny_checkpoints, make_engine, tmp_path):
+    """gpt_oss's window of 20 is full attention under a context of 20 tokens: the same checkpoint
+    then shares its pages otherwise, and a state file of the other layout is refused, by name."""
+    from hibana_core.errors import StateFileError
+
+    path = tiny_checkpoints["gpt_oss"]
+    engine = make_engine(path, speculation="off")
+    h = engine.open_state("s")
+    h.generate(SamplingParams(max_tokens=4, ignore_eos=True), prompt=random_tokens(random.Random(1), 12))
+    h.save(tmp_path / "s.state")
+    short = make_engine(path, speculation="off", max_model_len=20)
+    assert not short.kv_layout.windowed and engine.kv_layout.windowed
+    with pytest.raises(StateFileError, match="max_model_len"):
+        short.load_state(tmp_path / "s.state")
+    assert make_engine(path, speculation="off").load_state(tmp_path / "s.state").tokens == h.tokens

@@ -93,6 +93,13 @@ class KVLayout:
         """Whether any group frees the blocks outside a window (the pool then reserves NULL_BLOCK)."""
         return any(g.window is not None for g in self.groups)
 
+    def describe(self) -> list | None:
+        """The layout as JSON-able lists (window, layers, sink tokens per group), for state
+        files; None for one group without a window (every layer's KV in every page)."""
+        if len(self.groups) == 1 and not self.windowed:
+            return None
+        return [[g.window, list(g.layers), g.sink_tokens] for g in self.groups]
+
     @property
     def sink_tokens(self) -> tuple[int, ...]:
         """Each group's sink tokens."""

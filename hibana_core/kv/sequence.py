@@ -316,10 +316,16 @@ class KVSequence:
         blocks (own committed blocks included)."""
         return self._index_hit(0, limit) * self.block_size if self.share else 0
 
+    def _hit_window(self, group: int, limit_blocks: int) -> int:
+        """The first block of `group`'s window that a prefix hit of `limit_blocks` blocks keeps:
+        that of its last position, not the next one, since a request whose whole history was hit
+        recomputes the last token (`trim_kv(len - 1)`) for its logits."""
+        return self._window_start(group, max(0, limit_blocks * self.block_size - 1))
+
     def _needs(self, group: int, index: int, limit_blocks: int) -> bool:
-        """Whether a continuation at block `limit_blocks` reads block `index` of `group`: always
+        """Whether a prefix hit of `limit_blocks` blocks keeps block `index` of `group`: always
         under full attention; under a window, inside it or among the group's sink blocks."""
-        return index < self._sinks[group] or index >= self._window_start(group, limit_blocks * self.block_size)
+        return index < self._sinks[group] or index >= self._hit_window(group, limit_blocks)
 
     def _index_hit(self, first: int, limit: int) -> int:
         """The most blocks m (first <= m, m * block_size <= limit) such that the prefix index
@@ -361,7 +367,7 @@ class KVSequence:
         if m == first:
             return 0
         for g, table in enumerate(self.tables):
-            start = self._window_start(g, m * bs)
+            start = self._hit_window(g, m)
             self._free_below(g, min(start, first))  # own blocks outside the new window
             for index in range(first, m):
                 if not self._needs(g, index, m):

@@ -20,6 +20,7 @@ import torch
 
 from hibana_core.config import is_kind
 from hibana_core.errors import StateFileError
+from hibana_core.kv.layout import KVLayout
 from hibana_core.kv.sequence import page_counts
 
 FORMAT = "hibana-state/2"
@@ -49,9 +50,9 @@ def as_path(path: object) -> Path:
 
 def _checksum(meta: dict, kv: torch.Tensor) -> str:
     h = hashlib.blake2b(digest_size=32)
-    # "rotation" is written only for LongRoPE's long rotation, "pages" only for layouts of several
-    # groups or freed windows: other files stay as they were
-    optional = tuple(k for k in ("rotation", "pages") if k in meta)
+    # "rotation" is written only for LongRoPE's long rotation, "pages" and "layout" only for
+    # layouts of several groups or windows: other files stay as they were
+    optional = tuple(k for k in ("rotation", "pages", "layout") if k in meta)
     h.update(json.dumps([meta.get(k) for k in _CHECKED + optional]).encode())
     h.update(json.dumps([str(kv.dtype), list(kv.shape)]).encode())
     h.update(kv.contiguous().view(torch.uint8).numpy().tobytes() if kv.numel() else b"")
@@ -59,7 +60,8 @@ def _checksum(meta: dict, kv: torch.Tensor) -> str:
 
 
 def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, block_size: int,
-          kv: torch.Tensor, fingerprint: str, rotated_long: bool = False, starts: Sequence[int] = (0,)) -> None:
+          kv: torch.Tensor, fingerprint: str, rotated_long: bool = False, starts: Sequence[int] = (0,),
+          layout: KVLayout | None = None) -> None:
     from safetensors.torch import save_file
 
     try:
@@ -75,6 +77,8 @@ def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, b
         metadata["rotation"] = "long"
     if tuple(starts) != (0,):
         metadata["pages"] = json.dumps(list(starts))
+    if layout is not None and layout.describe() is not None:
+        metadata["layout"] = json.dumps(layout.describe())
     kv = kv.contiguous()
     metadata["checksum"] = _checksum(metadata, kv)
     tmp = path.with_name(path.name + ".tmp")
@@ -87,10 +91,10 @@ def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, b
 
 
 def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.dtype | None = None,
-         sink_tokens: Sequence[int] = (0,)) -> SavedState:
+         layout: KVLayout | None = None) -> SavedState:
     """Read and verify a state file; `kv_shape` is the engine's [page_layers, 2, *, block, heads,
     dim], `kv_dtype` its cache's dtype (fp8 blocks are saved and restored as their bytes),
-    `sink_tokens` those each layer group of its layout keeps (`kv.layout.KVLayout`; one entry per group)."""
+    `layout` how its layers share pages (`kv.layout.KVLayout`; None: one plain group)."""
     from safetensors import safe_open
 
     try:
@@ -126,6 +130,11 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.
     if meta.get("fingerprint") != fingerprint:
         raise StateFileError(f"{path} was saved by another model or tokenizer; load it into an engine "
                              "on the same checkpoint")
+    if (json.loads(meta["layout"]) if "layout" in meta else None) != (layout.describe() if layout else None):
+        raise StateFileError(f"{path} was saved by an engine whose layers share their KV pages otherwise (sliding "
+                             "windows that max_model_len turns into full attention, or the window surgery pass): "
+                             "load it into an engine with the same max_model_len and surgery")
+    sink_tokens = layout.sink_tokens if layout is not None else (0,)
     blocks = -1
     if saved.block_size > 0 and len(saved.starts) == len(sink_tokens):
         sinks = [-(-tokens // saved.block_size) for tokens in sink_tokens]
