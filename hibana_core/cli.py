@@ -147,6 +147,9 @@ def run_surgery(args: argparse.Namespace) -> int:
                 if "kv_bytes_per_token_after" in record:  # kv8: the weights stay, the KV shrinks
                     what = (f"KV bytes per token {record['kv_bytes_per_token_before']:,} -> "
                             f"{record['kv_bytes_per_token_after']:,}")
+                if "kv_bytes_per_agent" in record:  # window: the KV of a long history stops growing
+                    before, after = record["kv_bytes_per_agent"]["32768"]
+                    what = f"KV bytes of a 32k-token agent {before / 1e6:,.1f} MB -> {after / 1e6:,.1f} MB"
                 layers = f"{record.get('layers', '?')} layers"
                 if record.get("experts"):
                     layers += f" and {record['experts']} MoE expert layers"
