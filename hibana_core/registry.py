@@ -121,8 +121,7 @@ class StateRegistry:
             raise StateFileError(f"{path} holds state {saved.state_id!r}, not {state_id!r}; remove the file "
                                  "or open that id")
         seq.tokens = self._validate(saved.tokens)
-        if (saved.block_size != self.pool.block_size or not saved.num_computed
-                or not seq.pages_fit(saved.starts, saved.num_computed)):
+        if not self._kv_fits(seq, saved):
             return  # tokens only: the KV is recomputed on next use
         seq.rotated_long = saved.rotated_long
         tier = self.core.scheduler.eviction.tier
@@ -435,11 +434,17 @@ class StateRegistry:
             seq = self._new_sequence()
             seq.share = self.config.enable_prefix_caching and share
             seq.tokens = tokens
-            if saved.block_size == self.pool.block_size and saved.num_computed \
-                    and seq.pages_fit(saved.starts, saved.num_computed):
+            if self._kv_fits(seq, saved):
                 seq.rotated_long = saved.rotated_long
                 self._place(seq, saved, path)
             return self._add(state_id, seq)
+
+    def _kv_fits(self, seq: KVSequence, saved: state_file.SavedState) -> bool:
+        """Whether a saved state's KV can be restored into `seq` (else its tokens only are, and
+        the KV is recomputed on next use): it has some, in this pool's block size, and its pages
+        still hold the windows of its last position."""
+        return (saved.block_size == self.pool.block_size and saved.num_computed > 0
+                and seq.pages_fit(saved.starts, saved.num_computed))
 
     def _place(self, seq: KVSequence, saved: state_file.SavedState, path: object) -> None:
         """A saved state's KV into device blocks now (idle states evicted for room)."""

@@ -68,21 +68,23 @@ class KVLayout:
             size = len(windows)
         else:
             size = min(len(layers) for layers in kinds.values())
-        groups = tuple(KVGroup(*(kind or (None, 0))[:1], tuple(kinds[kind][i:i + size]), *(kind or (None, 0))[1:])
-                       for kind in order for i in range(0, len(kinds[kind]), size))
-        return cls(groups, size)
+        groups = []
+        for kind in order:
+            window, sink = kind or (None, 0)
+            layers = kinds[kind]
+            groups += [KVGroup(window, tuple(layers[i:i + size]), sink) for i in range(0, len(layers), size)]
+        return cls(tuple(groups), size)
 
     @classmethod
     def of_model(cls, model: Any, max_model_len: int, num_layers: int) -> "KVLayout":
-        """The layout of a loaded model of `num_layers` layers, read from its attention layers
-        (those that take KV scales, by `layer_idx`): their `sliding_window` and `sink_tokens` as
-        surgery left them; one plain group where the model has no such layers (a plugin's)."""
-        layers = sorted(((m.layer_idx, m) for m in model.modules() if hasattr(m, "set_kv_scales")),
-                        key=lambda item: item[0])
-        if [index for index, _ in layers] != list(range(num_layers)):
+        """The layout of a loaded model of `num_layers` layers, read from its `attention_layers`:
+        their `sliding_window` and `sink_tokens` as surgery left them; one plain group where the
+        model has no such layers (a plugin's)."""
+        layers = attention_layers(model)
+        if [m.layer_idx for m in layers] != list(range(num_layers)):
             return cls.plain(num_layers)
-        return cls.for_windows([m.sliding_window for _, m in layers], max_model_len,
-                               [getattr(m, "sink_tokens", 0) for _, m in layers])
+        return cls.for_windows([m.sliding_window for m in layers], max_model_len,
+                               [getattr(m, "sink_tokens", 0) for m in layers])
 
     @property
     def num_layers(self) -> int:
@@ -105,6 +107,17 @@ class KVLayout:
         """Each group's sink tokens."""
         return tuple(g.sink_tokens for g in self.groups)
 
+    def sink_blocks(self, block_size: int) -> tuple[int, ...]:
+        """Each group's sink blocks: the leading blocks its window keeps."""
+        return tuple(-(-g.sink_tokens // block_size) for g in self.groups)
+
     def place(self, layer: int) -> tuple[int, int]:
         """(group, slot) of a model layer."""
         return self._place[layer]
+
+
+def attention_layers(model: Any) -> list[Any]:
+    """The model's attention layers (the modules that take KV scales: `set_kv_scales`), by
+    `layer_idx`: what the KV layout, kv8's scales and the window pass read and rewrite."""
+    return [m for _, m in sorted(((m.layer_idx, m) for m in model.modules() if hasattr(m, "set_kv_scales")),
+                                 key=lambda item: item[0])]

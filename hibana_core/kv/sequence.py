@@ -97,8 +97,7 @@ class KVSequence:
         self.windows: tuple[int | None, ...] = (None,) if layout is None else tuple(g.window for g in layout.groups)
         self._windowed = any(w is not None for w in self.windows)
         # per group: leading blocks a window group keeps whatever the window (its sink tokens')
-        self._sinks = [0] * len(self.windows) if layout is None else \
-            [-(-g.sink_tokens // self.block_size) for g in layout.groups]
+        self._sinks = [0] * len(self.windows) if layout is None else list(layout.sink_blocks(self.block_size))
         self.tokens: list[int] = []
         self.tables: list[list[int]] = [[] for _ in self.windows]  # block ids per group
         self._floors = [0] * len(self.windows)  # per group: entries from its sink blocks to here are NULL_BLOCK
@@ -122,10 +121,14 @@ class KVSequence:
         lo = min(self._sinks[group], len(self.tables[group]))
         return lo, max(lo, min(self._floors[group], len(self.tables[group])))
 
+    def _gaps(self) -> list[tuple[int, int]]:
+        """`_gap` of every group."""
+        return [self._gap(g) for g in range(len(self.tables))]
+
     @property
     def num_blocks(self) -> int:
         """Device blocks this state holds, every group's (NULL_BLOCK entries not counted)."""
-        return sum(len(t) - (hi - lo) for t, (lo, hi) in zip(self.tables, map(self._gap, range(len(self.tables)))))
+        return sum(len(t) - (hi - lo) for t, (lo, hi) in zip(self.tables, self._gaps()))
 
     def held_blocks(self) -> Iterable[int]:
         """The device blocks this state holds, every group's."""
@@ -239,7 +242,7 @@ class KVSequence:
     def _keep_kv(self, n: int) -> None:
         """Keep the KV of the first n positions; where a window group no longer holds the window
         of position n (freed while the history was longer), none."""
-        if n and any(hi > max(lo, self._window_start(g, n)) for g, (lo, hi) in enumerate(map(self._gap, range(len(self.tables))))):
+        if n and any(hi > max(lo, self._window_start(g, n)) for g, (lo, hi) in enumerate(self._gaps())):
             n = 0
         self.num_computed = n
         keep_blocks = -(-n // self.block_size)
@@ -249,11 +252,16 @@ class KVSequence:
             self._floors[g] = min(self._floors[g], keep_blocks)
         self.num_committed = min(self.num_committed, keep_blocks)
 
+    def _outside_windows(self) -> Iterable[tuple[int, int]]:
+        """(group, block) for each window group: its blocks before that one are read by no query
+        from `num_computed` on."""
+        return ((g, min(self._window_start(g, self.num_computed), len(self.tables[g])))
+                for g, window in enumerate(self.windows) if window is not None)
+
     def free_outside_windows(self) -> None:
         """Give back each window group's blocks that no query from `num_computed` on reads."""
-        for g, window in enumerate(self.windows):
-            if window is not None:
-                self._free_below(g, min(self._window_start(g, self.num_computed), len(self.tables[g])))
+        for g, start in self._outside_windows():
+            self._free_below(g, start)
 
     def _free_below(self, group: int, start: int) -> None:
         """Free a group's blocks from its sink blocks to block `start`; they become NULL_BLOCK."""
@@ -265,12 +273,8 @@ class KVSequence:
 
     def _freeable(self) -> int:
         """Blocks `free_outside_windows` would return to the pool now."""
-        count = 0
-        for g, window in enumerate(self.windows):
-            if window is not None:
-                start = min(self._window_start(g, self.num_computed), len(self.tables[g]))
-                count += sum(self.pool.ref_count(b) == 1 for b in self.tables[g][self._gap(g)[1]:start])
-        return count
+        return sum(self.pool.ref_count(b) == 1 for g, start in self._outside_windows()
+                   for b in self.tables[g][self._gap(g)[1]:start])
 
     # --- pages: a state's KV as one list of blocks (parking, state files) -----------------------
 
@@ -280,7 +284,7 @@ class KVSequence:
         blocks, if any, come first): what a parked copy or a state file stores."""
         end = -(-n // self.block_size)
         starts = tuple(min(max(self._gap(g)[1], min(self._sinks[g], end)), end) for g in range(len(self.tables)))
-        return [b for g, s in enumerate(starts) for b in self._live(g, 0, end)], starts
+        return [b for g in range(len(self.tables)) for b in self._live(g, 0, end)], starts
 
     def page_counts(self, starts: Sequence[int], n: int) -> list[tuple[int, int]]:
         """`page_counts` of this state's layout."""
@@ -436,9 +440,10 @@ class KVSequence:
         full = min(self.num_computed, len(self.tokens)) // self.block_size
         if not self.share or full <= self.num_committed:
             return
+        gaps = self._gaps()
         for index in range(self.num_committed, full):
             for g, table in enumerate(self.tables):
-                if self._gap(g)[0] <= index < self._gap(g)[1]:
+                if gaps[g][0] <= index < gaps[g][1]:
                     continue  # left the window before its tokens were known
                 block = table[index]
                 digest = self._key(index, g)

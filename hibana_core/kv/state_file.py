@@ -134,13 +134,13 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.
         raise StateFileError(f"{path} was saved by an engine whose layers share their KV pages otherwise (sliding "
                              "windows that max_model_len turns into full attention, or the window surgery pass): "
                              "load it into an engine with the same max_model_len and surgery")
-    sink_tokens = layout.sink_tokens if layout is not None else (0,)
+    groups = len(layout.groups) if layout is not None else 1
     blocks = -1
-    if saved.block_size > 0 and len(saved.starts) == len(sink_tokens):
-        sinks = [-(-tokens // saved.block_size) for tokens in sink_tokens]
+    if saved.block_size > 0 and len(saved.starts) == groups:
+        sinks = layout.sink_blocks(saved.block_size) if layout is not None else (0,)
         blocks = sum(a + b for a, b in page_counts(sinks, saved.starts, saved.num_computed, saved.block_size))
     if (not 0 <= saved.num_computed <= len(saved.tokens) or saved.block_size <= 0 or kv.dim() != 6
-            or len(saved.starts) != len(sink_tokens)
+            or len(saved.starts) != groups
             or kv.shape[2] != blocks or kv.shape[3] != saved.block_size
             or (kv.shape[0], kv.shape[1], kv.shape[4], kv.shape[5]) != (kv_shape[0], kv_shape[1], kv_shape[4], kv_shape[5])
             or (kv_dtype is not None and kv.dtype != kv_dtype)):

@@ -183,18 +183,9 @@ class HostTier:
             seq.release()
             return 0
         began = time.perf_counter()
-        try:
-            kv = parked.host_kv()
-        except Exception as exc:  # noqa: BLE001 - a spill file gone or damaged: this state recomputes, nobody else fails
-            logger.warning("a parked state's spill file %s cannot be read (%s); its KV is recomputed", parked.path, exc)
-            seq.release()
-            self.forget(seq)
+        kv = self._read_copy(seq, began)
+        if kv is None:
             return 0
-        if parked.kv is None:
-            c = self.counters
-            c.disk_resumes += 1
-            c.disk_bytes_moved += parked.size
-            c.disk_seconds += time.perf_counter() - began
         ids = self.pool.allocate(blocks - first)
         self.cache.write_blocks(ids, kv[:, :, first:blocks])
         seq.block_ids.extend(ids)
@@ -210,17 +201,33 @@ class HostTier:
         if not self.pool.can_allocate(len(index)) and not make_room(len(index)):
             return 0
         began = time.perf_counter()
-        try:
-            kv = parked.host_kv()
-        except Exception as exc:  # noqa: BLE001 - as in `restore`
-            logger.warning("a parked state's spill file %s cannot be read (%s); its KV is recomputed", parked.path, exc)
-            self.forget(seq)
+        kv = self._read_copy(seq, began)
+        if kv is None:
             return 0
         ids = self.pool.allocate(len(index))
         self.cache.write_blocks(ids, kv[:, :, index])
         seq.place_pages(ids, parked.starts, n)
         self._restored(seq, n, n, len(ids), began)
         return n
+
+    def _read_copy(self, seq: KVSequence, began: float) -> torch.Tensor | None:
+        """The parked copy's KV in host memory (a spill file read and counted as a disk resume);
+        None where the file cannot be read: the state then drops its KV and the copy, and
+        recomputes (nobody else fails)."""
+        parked = seq.parked
+        try:
+            kv = parked.host_kv()
+        except Exception as exc:  # noqa: BLE001 - a spill file gone or damaged
+            logger.warning("a parked state's spill file %s cannot be read (%s); its KV is recomputed", parked.path, exc)
+            seq.release()
+            self.forget(seq)
+            return None
+        if parked.kv is None:
+            c = self.counters
+            c.disk_resumes += 1
+            c.disk_bytes_moved += parked.size
+            c.disk_seconds += time.perf_counter() - began
+        return kv
 
     def _restored(self, seq: KVSequence, n: int, tokens: int, blocks: int, began: float) -> None:
         """Bookkeeping of a restore of n tokens (`tokens` of them copied, into `blocks`)."""

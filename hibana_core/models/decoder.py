@@ -407,6 +407,7 @@ class Attention(nn.Module):
         self.scale = args.attention_scale
         self.sliding_window = args.sliding_windows[layer_idx]
         self.sink_tokens = 0  # under the window, first tokens every query still sees (the window surgery pass)
+        self.surgery_window: tuple[int, int] | None = None  # (window, sink_tokens) the window pass set
         h, d = args.hidden_size, args.head_dim
         self.split = (args.num_heads * d, args.num_kv_heads * d, args.num_kv_heads * d)
         self.qkv_proj = Linear(h, sum(self.split), bias=args.qkv_bias)

@@ -153,10 +153,11 @@ class KVQuantPass:
 
         import torch
 
+        from hibana_core.kv.layout import attention_layers
+
         if params:
             raise ConfigError(f"surgery pass kv8 takes no parameters, got {sorted(params)}")
-        layers = sorted(((m.layer_idx, m) for m in model.modules() if hasattr(m, "set_kv_scales")),
-                        key=lambda item: item[0])
+        layers = [(m.layer_idx, m) for m in attention_layers(model)]
         if not layers:
             raise ConfigError(f"surgery pass kv8 found no attention layer that takes KV scales in "
                               f"{type(model).__name__}")
