@@ -220,6 +220,11 @@ def test_the_window_pass_switches_the_layers_that_matter_least(tiny_checkpoints,
     named = make_engine(tiny_checkpoints["llama"], surgery=[{"name": "window", "window": 24, "layers": [1]}],
                         surgery_guard=False, speculation="off")
     assert named.surgery[0]["layers"] == [1] and named.fingerprint != engine.fingerprint
+    # a model with windows of its own: those layers count their own window before and after
+    gpt_oss = make_engine(tiny_checkpoints["gpt_oss"], surgery=[{"name": "window", "window": 24, "sink_tokens": 5,
+                                                                 "layers": [1]}], surgery_guard=False)
+    per_layer = 2 * 2 * 16 * 4  # k and v, 2 KV heads of 16 float32s
+    assert gpt_oss.surgery[0]["kv_bytes_per_agent"]["32768"] == [per_layer * (20 + 32768 + 20), per_layer * (20 + 29 + 20)]
 
 
 @pytest.mark.parametrize("bad, message", [

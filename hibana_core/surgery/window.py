@@ -23,16 +23,18 @@ import logging
 from typing import Any
 
 from hibana_core.errors import ConfigError
+from hibana_core.kv.layout import attention_layers
 
 logger = logging.getLogger("hibana.surgery")
 
 DEFAULTS = {"window": 1024, "sink_tokens": 4, "layers": 0.5}
 
 
-def attention_layers(model: Any) -> list[Any]:
-    """The model's attention modules (those that take KV scales), by layer index."""
-    return [m for _, m in sorted(((m.layer_idx, m) for m in model.modules() if hasattr(m, "set_kv_scales")),
-                                 key=lambda item: item[0])]
+def kv_bytes_per_agent(attentions: list[Any], context: int, per_layer: int) -> int:
+    """KV bytes of an agent's `context` tokens: each layer's, a window layer's up to its window
+    and sink tokens."""
+    return per_layer * sum(context if m.sliding_window is None else min(context, m.sliding_window + m.sink_tokens)
+                           for m in attentions)
 
 
 class SinkWindowPass:
@@ -77,6 +79,9 @@ class SinkWindowPass:
             probe, ranking = rank_layers(attentions, full, window, sinks, calibration)
             count = max(1, round(wanted * len(full)))
             chosen = sorted(sorted(full, key=lambda i: ranking[i])[:count])
+        per_layer = 2 * calibration.args.num_kv_heads * calibration.args.head_dim * calibration.dtype.itemsize
+        contexts = (8192, 32768)
+        before = [kv_bytes_per_agent(attentions, c, per_layer) for c in contexts]
         for index in chosen:
             layer = attentions[index]
             layer.sliding_window, layer.sink_tokens = window, sinks
@@ -86,18 +91,11 @@ class SinkWindowPass:
             logger.warning("surgery window: the calibration documents (up to %d tokens) are shorter than "
                            "sink_tokens + window (%d): the guard's figures cannot show the pass's cost; "
                            "measure it on longer text", longest, window + sinks)
-        per_layer = 2 * calibration.args.num_kv_heads * calibration.args.head_dim * calibration.dtype.itemsize
-        kept = window + sinks
-
-        def kv_bytes(context: int, switched: list[int]) -> int:
-            return per_layer * sum(min(context, kept) if (m.layer_idx in switched or m.sliding_window is not None
-                                                          and m.layer_idx not in full)
-                                   else context for m in attentions)
-
         return {"layers": chosen, "window": window, "sink_tokens": sinks, "full_layers_before": len(full),
                 "probe_window": probe, "nll_increase": {str(i): round(v, 5) for i, v in sorted(ranking.items())},
                 "longest_calibration_document": longest, "calibration": calibration.source,
-                "kv_bytes_per_agent": {str(c): [kv_bytes(c, []), kv_bytes(c, chosen)] for c in (8192, 32768)}}
+                "kv_bytes_per_agent": {str(c): [b, kv_bytes_per_agent(attentions, c, per_layer)]
+                                       for c, b in zip(contexts, before)}}
 
 
 def rank_layers(attentions: list[Any], full: list[int], window: int, sinks: int,
