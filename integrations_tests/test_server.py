@@ -368,15 +368,15 @@ def tool_loop(client, city: str, state: str) -> list:
 
 
 def refused(base_url: str, body, key) -> tuple[int, dict]:
-    """`post`, where a connection the server reset while the body was still being sent (a body
-    refused past the size limit: the server answers 413 and closes without reading the rest)
-    counts as that 413."""
+    """`post`, where a connection the server closed while the body was still being sent (a body
+    refused past the size limit: the server answers 413 and closes without reading the rest, so
+    the sender sees a reset or a broken pipe, whichever its next write meets) counts as that 413."""
     import urllib.error
 
     try:
         return post(base_url, body, key=key)
-    except (urllib.error.URLError, ConnectionResetError) as exc:
-        if not isinstance(getattr(exc, "reason", exc), ConnectionResetError):
+    except (urllib.error.URLError, ConnectionError) as exc:
+        if not isinstance(getattr(exc, "reason", exc), (ConnectionResetError, BrokenPipeError)):
             raise
         return 413, {"error": {"message": "the connection was reset while the body was sent"}}
 
