@@ -175,7 +175,7 @@ class OutputProcessor:
         self.counters.prompt_reused += request.reused
         detok = delivery.detokenizer
         stats = RequestStats(request.num_prompt, request.reused, request.computed, len(request.output),
-                             delivery.first_token, time.perf_counter() - delivery.started)
+                             delivery.first_token, time.perf_counter() - delivery.started, request.preemptions)
         logger.info("state %s: %s %s, prompt %d tokens (%d reused, %d computed), %d generated in %.3f s",
                     request.state_id or "?", "generate" if request.params is not None else "sync",
                     request.finish_reason or "done", stats.prompt_tokens, stats.reused, stats.computed,

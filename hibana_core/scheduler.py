@@ -72,7 +72,8 @@ class Request:
     output: list[int] = field(default_factory=list)
     logprobs: "list[TokenLogprob]" = field(default_factory=list)  # per output token, where params ask
     computed: int = 0                      # prompt tokens whose KV this request computed
-    reused: int = 0                        # prompt tokens whose KV it found already there
+    reused: int = 0                        # prompt tokens whose KV it found already there (before any preemption)
+    preemptions: int = 0                   # times it gave its KV back and waited again
     cancelled: bool = False
     num_output_placeholders: int = 0       # tokens sampled on the device, not yet read back
     suspect: bool = False                  # in a step that failed: runs alone until a step passes
@@ -364,7 +365,8 @@ class Scheduler:
         if request.samples and seq.num_uncomputed == 0:
             seq.trim_kv(len(seq) - 1)
         seq.prefer_index(len(seq) - (1 if request.samples else 0))
-        request.reused = min(seq.num_computed, request.num_prompt)
+        if not request.preemptions:  # after one, what is there is what the request computed itself
+            request.reused = min(seq.num_computed, request.num_prompt)
         if not request.samples and seq.num_uncomputed == 0:
             self.finish(request, _done_reason(request))
 
@@ -381,7 +383,7 @@ class Scheduler:
         before = seq.num_computed
         gained = seq.reuse_cached_blocks(request.num_tokens - (1 if request.samples else 0))
         if request.num_uncomputed == 0:  # a sync fully served from the prefix index
-            request.reused += gained
+            self._count_reused(request, gained)
             self.finish(request, _done_reason(request))
             return None
         num = min(request.num_uncomputed, budget, self.config.max_prefill_chunk)
@@ -389,13 +391,20 @@ class Scheduler:
         if not self.pool.can_allocate(needed) and not self.eviction.make_room(needed):
             seq.trim_kv(before)  # give adopted blocks back: holding them would starve the others
             return None
-        request.reused += gained
+        self._count_reused(request, gained)
         request.started = True
         start = seq.num_computed
         seq.prepare_write(num)
         request.computed += max(0, min(start + num, request.num_prompt) - start)
         sample = start + num == request.num_tokens and request.samples
         return ScheduledChunk(request, start, num, sample)
+
+    @staticmethod
+    def _count_reused(request: Request, gained: int) -> None:
+        """Prompt tokens a request found in the prefix index: before a preemption only (after,
+        the index gives back what the request itself computed), never more than its prompt."""
+        if not request.preemptions:
+            request.reused = min(request.reused + gained, request.num_prompt)
 
     def _preempt_or_fail(self) -> None:
         """Nothing fits: the newest running request gives its KV back and waits (parked in the
@@ -405,6 +414,7 @@ class Scheduler:
         if len(self.running) > 1:
             victim = self.running[-1]
             self.eviction.evict(victim.seq)
+            victim.preemptions += 1
             self._requeue(victim)
             return
         holders = [r for r in self.waiting if r.seq.num_blocks]

@@ -33,12 +33,18 @@ class SyncStats:
 
 @dataclass(frozen=True)
 class RequestStats:
+    """What a request cost. `reused` counts the prompt tokens whose KV was there when it started
+    (never more than `prompt_tokens`); `computed` every prompt token it computed, so a request
+    that was preempted and computed part of its prompt again has reused + computed above
+    prompt_tokens (`preemptions` says how often it gave its KV back)."""
+
     prompt_tokens: int
     reused: int           # prompt tokens served from resident or shared KV
-    computed: int         # prompt tokens this request computed
+    computed: int         # prompt tokens this request computed, recomputation included
     generated: int
     time_to_first_token: float | None
     elapsed: float
+    preemptions: int = 0
 
 
 @dataclass(frozen=True)

@@ -109,8 +109,10 @@ def test_preemption_under_async_scheduling(tiny_checkpoints, make_engine, host_k
     else:
         assert engine.stats().parks > 0, "no agent was preempted: the pool was meant to run out"
         assert recomputed_prompt_tokens(outs) == 0
+    assert sum(out.stats.preemptions for out in outs) > 0
     for (prompt, _), out, h in zip(plans, outs, handles):
         assert out.finish_reason == "length" and h.tokens == prompt + list(out.token_ids)
+        assert out.stats.reused == 0, "KV a request computed itself, given back and found again, is not reuse"
         assert_greedy_matches(path, prompt, out.token_ids)
 
 
