@@ -310,13 +310,14 @@ def print_decode(report: dict) -> None:
     if roof:
         print(f"copy bandwidth {report['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s -> batch-1 roofline "
               f"{roof:.1f} tok/s (weights only)")
-    print(f"{'system':<16}{'context':>8}{'decode tok/s':>14}{'% roofline':>12}{'prefill tok/s':>15}"
+    print(f"{'system':<16}{'context':>8}{'decode tok/s':>14}{'% roofline':>12}{'tok/step':>9}{'prefill tok/s':>15}"
           f"{'weight GB':>11}{'x hibana':>10}  guard")
     bandwidth = report["copy_bandwidth_bytes_s"]
     base = {r["context"]: r["decode_tok_s"] for r in report["rows"] if r["system"] == "hibana"}
     for row in report["rows"]:
         # each system's own roofline: the weight bytes it reads per token (after surgery; of a
-        # MoE model only the routed experts, of an untied embedding table only one row), else all
+        # MoE model only the routed experts, of an untied embedding table only one row), else all.
+        # Against it, a speculating system's tok/s counts accepted drafts (tok/step above 1)
         read = row.get("read_bytes") or row.get("weight_bytes")
         own = bandwidth / read if bandwidth and read else roof
         share = f"{100 * row['decode_tok_s'] / own:.0f}%" if own else "-"
@@ -325,7 +326,8 @@ def print_decode(report: dict) -> None:
         guard = row.get("guard")
         verdict = "-" if not guard else (f"ppl x{guard['ppl_ratio']:.4f}, top-1 {guard['top1_agreement']:.1%}: "
                                          f"{guard['decision']}")
-        print(f"{row['system']:<16}{row['context']:>8}{row['decode_tok_s']:>14.1f}{share:>12}"
+        per_step = f"{row['tokens_per_step']:.2f}" if row.get("tokens_per_step") else "-"
+        print(f"{row['system']:<16}{row['context']:>8}{row['decode_tok_s']:>14.1f}{share:>12}{per_step:>9}"
               f"{row['prefill_tok_s']:>15.0f}{size:>11}{ratio:>10}  {verdict}")
 
 

@@ -85,8 +85,8 @@ case "${1:-check}" in
       --json "$OUT/agents_qwen3-8b.json" 2>&1 | tee "$OUT/agents_qwen3-8b.txt" ;;
   families)
     for model in ${MODELS:-gemma3-12b phi4-mini qwen3-30b-a3b gpt-oss-20b}; do
-      python3 -m hibana_bench.cli decode --model "$model" --context 512,8192 --generate 128 --systems hibana \
-        --json "$OUT/decode_$model.json" 2>&1 | tee "$OUT/decode_$model.txt"
+      python3 -m hibana_bench.cli decode --model "$model" --context 512,8192 --generate 128 \
+        --systems hibana_spec_off,hibana --json "$OUT/decode_$model.json" 2>&1 | tee "$OUT/decode_$model.txt"
     done ;;
   tune)
     python3 bench/tune_decode.py 2>&1 | tee "$OUT/tune_decode.txt" ;;

@@ -56,6 +56,7 @@ class DecodeRow:
     weight_bytes: int | None = None   # what the engine holds (after surgery)
     guard: dict | None = None         # the surgery guard's figures (checkpoints with real weights)
     read_bytes: int | None = None     # weight bytes one decode token reads (MoE: its experts only)
+    tokens_per_step: float | None = None  # generated tokens per engine step (above 1: drafts accepted)
 
 
 def surgery_systems(passes: list[str]) -> list[str]:
@@ -117,10 +118,12 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
                     times.append(time.perf_counter() - start)
                     if len(times) < PREFILL_REPEATS:
                         h.close()
+                steps = engine.stats().steps
                 out = h.generate(SamplingParams(max_tokens=generate, ignore_eos=True))
                 decode = out.stats.elapsed - (out.stats.time_to_first_token or 0.0)
                 rows.append(DecodeRow(label, ctx, (generate - 1) / decode, ctx / statistics.median(times),
-                                      getattr(engine, "weight_bytes", None), guard, _read_bytes(engine)))
+                                      getattr(engine, "weight_bytes", None), guard, _read_bytes(engine),
+                                      generate / max(1, engine.stats().steps - steps)))
                 h.close()
     for name, static in (("hf_eager", False), ("hf_compiled", True)):
         if name not in systems:
