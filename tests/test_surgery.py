@@ -391,6 +391,9 @@ def test_the_guard_and_layer_skip_keep_their_text_within_a_short_context(make_en
     too_short = make_tiny_checkpoint("qwen3", tmp_path / "tiny", max_position_embeddings=160)
     with pytest.raises(ConfigError, match=r"160 positions leaves 96 per document; pass surgery_guard=False"):
         make_engine(too_short, surgery=["w8"])
+    shorter = make_tiny_checkpoint("qwen3", tmp_path / "shorter", max_position_embeddings=48)
+    with pytest.raises(ConfigError, match=r"48 positions leaves 0 per document"):
+        make_engine(shorter, surgery=["w8"])
 
 
 # --- surgery written to disk ---------------------------------------------------------------------

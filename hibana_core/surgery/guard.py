@@ -83,7 +83,7 @@ def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = N
         raise ConfigError("the surgery guard needs the model's tokenizer to read its held-out text; "
                           "this checkpoint has none: pass surgery_guard=False, or add tokenizer files")
     text = path.read_text(encoding="utf-8")
-    longest = MAX_DOCUMENT if max_positions is None else min(MAX_DOCUMENT, max_positions - GREEDY_TAIL)
+    longest = MAX_DOCUMENT if max_positions is None else max(0, min(MAX_DOCUMENT, max_positions - GREEDY_TAIL))
     documents, total = [], 0
     for part in text.split(DOCUMENT_SEPARATOR):
         ids = [i for i in tokenizer(part, add_special_tokens=False)["input_ids"] if i < vocab_size]
