@@ -261,8 +261,9 @@ class Engine:
     def _profile_steps(self, runner: ModelRunner):
         device = self.device
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        return profile_step_costs(runner.profile, self.config.scheduler.max_num_batched_tokens,
-                                  lambda: sync(device) if device.type == "cuda" else None)
+        # an eager profile step is one sequence at positions 0..n-1: never past the model's context
+        most = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        return profile_step_costs(runner.profile, most, lambda: sync(device) if device.type == "cuda" else None)
 
     def _idle_sequences(self):
         return self.registry.idle_sequences()
