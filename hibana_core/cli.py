@@ -24,7 +24,7 @@ COMMAND_GROUP = "hibana.commands"
 # Commands found through COMMAND_GROUP (Hibana's own pyproject declares them), with their help
 # line: listing them in `hibana --help` must not import them. Each is `main(argv) -> int`.
 ENTRY_POINT_COMMANDS = {
-    "bench": "workloads side by side with transformers peers (hibana bench decode|agents --help)",
+    "bench": "workloads side by side with transformers peers (hibana bench decode|agents|grammar|serve --help)",
     "serve": "an OpenAI-compatible HTTP server, conversations kept resident (hibana serve --help)",
 }
 COMMAND_EXTRAS = {"serve": "serve"}
