@@ -389,11 +389,13 @@ def test_the_guard_and_layer_skip_keep_their_text_within_a_short_context(make_en
     assert guard["tokens"] > 1000 and 0 <= guard["mean_kl"] < 0.05
     assert len(engine.open_state("a").generate(greedy(8), prompt=random_tokens(random.Random(3), 40)).token_ids) == 8
     too_short = make_tiny_checkpoint("qwen3", tmp_path / "tiny", max_position_embeddings=160)
-    with pytest.raises(ConfigError, match=r"160 positions leaves 96 per document; pass surgery_guard=False"):
+    with pytest.raises(ConfigError, match=r"160 positions leaves 96 per document: .*surgery_guard=False"):
         make_engine(too_short, surgery=["w8"])
     shorter = make_tiny_checkpoint("qwen3", tmp_path / "shorter", max_position_embeddings=48)
-    with pytest.raises(ConfigError, match=r"48 positions leaves 0 per document"):
-        make_engine(shorter, surgery=["w8"])
+    for overrides in (dict(surgery=["w8"]), dict(speculation={"method": "layer_skip"})):
+        with pytest.raises(ConfigError, match=r"48 positions leaves 0 per document: .*surgery_guard=False, or "
+                                              r"use a drafter other than layer_skip"):
+            make_engine(shorter, **overrides)
 
 
 # --- surgery written to disk ---------------------------------------------------------------------

@@ -95,7 +95,8 @@ def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = N
             break
     if not documents:
         short = "" if longest > OPENING + 1 else \
-            f" (a model of {max_positions} positions leaves {longest} per document; pass surgery_guard=False)"
+            f" (a model of {max_positions} positions leaves {longest} per document: skip what measures on it," \
+            " surgery_guard=False, or use a drafter other than layer_skip)"
         raise ConfigError(f"guard text {str(path)!r} holds no document longer than {OPENING + 1} tokens{short}")
     return documents
 
