@@ -24,9 +24,11 @@ COMMAND_GROUP = "hibana.commands"
 # Commands found through COMMAND_GROUP (Hibana's own pyproject declares them), with their help
 # line: listing them in `hibana --help` must not import them. Each is `main(argv) -> int`.
 ENTRY_POINT_COMMANDS = {
-    "bench": "workloads side by side with transformers peers (hibana bench decode|agents --help)",
+    "bench": "workloads side by side with transformers peers (hibana bench decode|agents|grammar|serve --help)",
     "serve": "an OpenAI-compatible HTTP server, conversations kept resident (hibana serve --help)",
 }
+COMMAND_EXTRAS = {"serve": "serve"}
+"""The pip extra that brings a command's own dependencies (`hibana serve` needs FastAPI)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -111,7 +113,13 @@ def run_entry_point_command(name: str, argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    command = next(iter(found)).load()  # one distribution found twice on sys.path: the first
+    try:
+        command = next(iter(found)).load()  # one distribution found twice on sys.path: the first
+    except ModuleNotFoundError as exc:
+        extra = COMMAND_EXTRAS.get(name)
+        hint = f"; install the {extra!r} extra: pip install -e \".[{extra}]\" in a checkout" if extra else ""
+        print(f"hibana {name}: it needs {exc.name or exc}, which is not installed{hint}", file=sys.stderr)
+        return 2
     return command(argv)
 
 

@@ -8,6 +8,7 @@ never written back here.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import numbers
@@ -393,6 +394,18 @@ class SamplingParams:
     or grammar that does not compile fails its request alone, with a GrammarError."""
     priority: int = 0
     """Admission priority under `priority_strategy="priority"`: higher goes first."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "SamplingParams":
+        # before the generated __init__, whose answer to a misspelt or foreign option
+        # (`max_new_tokens`, `n`) is a bare TypeError
+        known = [f.name for f in dataclasses.fields(cls)]
+        for name in kwargs:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                raise ConfigError(f"SamplingParams has no option {name!r}"
+                                  f"{f' (did you mean {close[0]!r}?)' if close else ''}; "
+                                  f"its options: {', '.join(known)}")
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         _check_types(self)

@@ -252,7 +252,8 @@ class Engine:
     def _guard(self, loaded) -> "guard.Guard":
         from hibana_core.surgery import guard
 
-        documents = guard.heldout_documents(loaded.tokenizer, loaded.args.vocab_size, self.config.surgery_guard_text)
+        documents = guard.heldout_documents(loaded.tokenizer, loaded.args.vocab_size, self.config.surgery_guard_text,
+                                            loaded.args.max_position_embeddings)
         scorer = guard.Scorer(loaded.model, self._ctx, loaded.args, loaded.dtype, self.device,
                               guard.scorer_length(documents))
         return guard.Guard(scorer, documents, self.config.progress, loaded.tokenizer)
@@ -260,8 +261,9 @@ class Engine:
     def _profile_steps(self, runner: ModelRunner):
         device = self.device
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        return profile_step_costs(runner.profile, self.config.scheduler.max_num_batched_tokens,
-                                  lambda: sync(device) if device.type == "cuda" else None)
+        # an eager profile step is one sequence at positions 0..n-1: never past the model's context
+        most = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        return profile_step_costs(runner.profile, most, lambda: sync(device) if device.type == "cuda" else None)
 
     def _idle_sequences(self):
         return self.registry.idle_sequences()

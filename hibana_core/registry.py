@@ -115,8 +115,11 @@ class StateRegistry:
     def _resume(self, seq: KVSequence, state_id: str, path: Path) -> None:
         """Fill `seq` from its persisted file: its KV parked in the host tier (copied to the device
         at its next request) or, without one, on the device now."""
-        saved = state_file.read(path, self.limits.fingerprint, self.kv_cache.data.shape, self.kv_cache.dtype,
-                                self.kv_cache.layout)
+        try:
+            saved = state_file.read(path, self.limits.fingerprint, self.kv_cache.data.shape, self.kv_cache.dtype,
+                                    self.kv_cache.layout)
+        except StateFileError as exc:  # the id stays unopenable while the file is there: say so
+            raise StateFileError(f"{exc} (or remove it to open {state_id!r} afresh)") from None
         if saved.state_id != state_id:
             raise StateFileError(f"{path} holds state {saved.state_id!r}, not {state_id!r}; remove the file "
                                  "or open that id")

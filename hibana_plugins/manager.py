@@ -317,7 +317,7 @@ class HibanaPluginManager:
 
     def _entries(self, kind: str) -> dict[str, _Entry]:
         if kind not in HOOKS:
-            raise ValueError(f"unknown plugin kind {kind!r}; kinds are {', '.join(HOOKS)}")
+            raise PluginError(f"unknown plugin kind {kind!r}; kinds are {', '.join(HOOKS)}")
         with self._lock:
             if kind not in self._registries:
                 self._registries[kind] = self._collect(kind)

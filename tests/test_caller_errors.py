@@ -3,6 +3,9 @@ do, and options that cannot work fail before anything loads (no load, no 12-seco
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
+
 import pytest
 import torch
 
@@ -110,6 +113,16 @@ def test_bad_sampling_parameters():
                          ({"max_tokens": -1}, "max_tokens"), ({"stop": [""]}, "stop strings")):
         with pytest.raises(ConfigError, match=says):
             SamplingParams(**kwargs)
+
+
+def test_unknown_sampling_options_name_the_close_match():
+    for kwargs, says in (({"max_new_tokens": 8}, "'max_new_tokens' (did you mean 'max_tokens'?)"),
+                         ({"n": 2}, "no option 'n'; its options: max_tokens, temperature")):
+        with pytest.raises(ConfigError) as e:
+            SamplingParams(**kwargs)
+        assert says in str(e.value), str(e.value)
+    params = SamplingParams(max_tokens=3, stop="x")  # the known ones still build, copy and pickle
+    assert dataclasses.replace(params, seed=1).seed == 1 and pickle.loads(pickle.dumps(params)) == params
 
 
 def test_adapters_report_a_model_that_cannot_be_found(offline_hub):

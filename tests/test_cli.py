@@ -175,3 +175,13 @@ def test_serve_refuses_a_bad_engine_option_before_it_serves(capsys, monkeypatch)
     monkeypatch.setattr("uvicorn.run", lambda *a, **k: pytest.fail("served despite a bad option"))
     assert server.main(["demo", "--option", "no_such_option=1"]) == 2
     assert "unknown engine option 'no_such_option'" in capsys.readouterr().err
+
+
+def test_serve_without_its_extra_says_which_to_install(capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if the `serve` extra were not installed
+    monkeypatch.delitem(sys.modules, "hibana_plugins.server", raising=False)
+    assert cli.main(["serve", "demo"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "hibana serve: it needs fastapi" in err and '".[serve]"' in err, err

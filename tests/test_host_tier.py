@@ -163,9 +163,11 @@ def test_a_damaged_or_foreign_state_file_fails_its_open_alone(tiny_checkpoints, 
     data[-10] ^= 0xFF
     bad.write_bytes(bytes(data))
     engine = make_engine(tiny_checkpoints["llama"], state_dir=tmp_path)
-    with pytest.raises(StateFileError, match="damaged"):
+    with pytest.raises(StateFileError, match=r"damaged.*\(or remove it to open 'bad' afresh\)"):
         engine.open_state("bad")
     assert engine.open_state("good").tokens == list(range(5, 45))
+    bad.unlink()  # as the error says
+    assert engine.open_state("bad").tokens == []
     engine.close()
     other = make_engine(tiny_checkpoints["qwen2"], state_dir=tmp_path)  # another model: foreign files
     with pytest.raises(StateFileError, match="another model"):

@@ -262,6 +262,13 @@ def test_runtime_registration_refreshes_the_registries():
         manager.lookup("surgery_pass", "missing")
 
 
+def test_an_unknown_kind_is_a_plugin_error_listing_the_kinds():
+    manager = HibanaPluginManager(entry_point_group=None)
+    for call in (lambda: manager.lookup("parser", "hermes"), lambda: manager.registry("parser")):
+        with pytest.raises(PluginError, match="unknown plugin kind 'parser'.*tool_parser"):
+            call()
+
+
 # -- tool parsers --------------------------------------------------------------------------------
 
 HERMES_TEXT = (

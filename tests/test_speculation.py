@@ -29,7 +29,8 @@ from hibana_core import SamplingParams
 from hibana_core.errors import ConfigError
 from hibana_core.speculation import force_outputs
 from spec_drafters import OracleDrafter, registered
-from tiny_models import ARCHS, VOCAB_SIZE, assert_greedy_matches, hf_greedy, random_tokens
+from tiny_models import (ARCHS, VOCAB_SIZE, assert_greedy_matches, hf_greedy, make_tiny_checkpoint,
+                         random_tokens)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -311,6 +312,18 @@ def test_a_plugin_drafter_is_used_when_named(tiny_checkpoints, make_engine):
 
 
 # --- 5. endings, seeds and forced outputs inside drafts --------------------------------------------
+
+
+def test_a_model_of_few_positions_profiles_its_steps_within_them(make_engine, tmp_path):
+    """The step-cost profile of adaptive speculation runs eager steps of up to 256 tokens at
+    positions 0..n-1; a model of 64 positions profiles up to 64, not past its rotary table."""
+    path = make_tiny_checkpoint("qwen3", tmp_path / "short", max_position_embeddings=64)
+    engine = make_engine(path)  # speculation="adaptive", the default
+    assert engine.stats().speculation["step_cost_ms"]["tokens"][-1] == 64
+    history = random_tokens(random.Random(4), 40)
+    done = engine.open_state("a").generate(greedy(40), prompt=history)
+    assert done.finish_reason == "length" and len(done.token_ids) == 24
+    assert_greedy_matches(path, history, done.token_ids)
 
 
 def test_max_tokens_and_stops_inside_an_accepted_draft(tiny_checkpoints, make_engine):

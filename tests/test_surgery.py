@@ -380,6 +380,24 @@ def test_guard_refuses_a_pass_over_its_floors_unless_forced(tiny_checkpoints, ma
         make_engine(path, surgery=["w8"], surgery_guard_text=str(tmp_path / "nothing.txt"))
 
 
+def test_the_guard_and_layer_skip_keep_their_text_within_a_short_context(make_engine, tmp_path):
+    """A model of fewer positions than the held-out documents (1,024 tokens, plus the greedy
+    text after them) is measured on documents cut to fit, not indexed past its rotary table."""
+    path = make_tiny_checkpoint("qwen3", tmp_path / "short", max_position_embeddings=256)
+    engine = make_engine(path, surgery=[{"name": "w8", "force": True}], speculation={"method": "layer_skip"})
+    guard = engine.surgery[0]["guard"]
+    assert guard["tokens"] > 1000 and 0 <= guard["mean_kl"] < 0.05
+    assert len(engine.open_state("a").generate(greedy(8), prompt=random_tokens(random.Random(3), 40)).token_ids) == 8
+    too_short = make_tiny_checkpoint("qwen3", tmp_path / "tiny", max_position_embeddings=160)
+    with pytest.raises(ConfigError, match=r"160 positions leaves 96 per document: .*surgery_guard=False"):
+        make_engine(too_short, surgery=["w8"])
+    shorter = make_tiny_checkpoint("qwen3", tmp_path / "shorter", max_position_embeddings=48)
+    for overrides in (dict(surgery=["w8"]), dict(speculation={"method": "layer_skip"})):
+        with pytest.raises(ConfigError, match=r"48 positions leaves 0 per document: .*surgery_guard=False, or "
+                                              r"use a drafter other than layer_skip"):
+            make_engine(shorter, **overrides)
+
+
 # --- surgery written to disk ---------------------------------------------------------------------
 
 

@@ -39,6 +39,7 @@ MAX_TOKENS = 4096       # held-out tokens scored in all
 MAX_DOCUMENT = 1024     # tokens per document at most
 OPENING = 128           # tokens of each document that open its greedy continuation
 CONTINUATION = 48       # tokens of greedy continuation compared
+GREEDY_TAIL = 64        # most tokens written greedily after a document (ToolCalls.MAX_TOKENS)
 
 
 @dataclass
@@ -71,8 +72,10 @@ class Reference:
     tool_calls: float | None = None                                  # share valid, unmodified model
 
 
-def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = None) -> list[list[int]]:
-    """The held-out text as token-id documents (at most MAX_TOKENS tokens in all)."""
+def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = None,
+                      max_positions: int | None = None) -> list[list[int]]:
+    """The held-out text as token-id documents (at most MAX_TOKENS tokens in all), each short
+    enough that the greedy text written after it stays within the model's `max_positions`."""
     path = Path(text_file) if text_file is not None else HELDOUT
     if not path.is_file():
         raise ConfigError(f"guard text {str(path)!r} does not exist; pass a UTF-8 text file")
@@ -80,17 +83,21 @@ def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = N
         raise ConfigError("the surgery guard needs the model's tokenizer to read its held-out text; "
                           "this checkpoint has none: pass surgery_guard=False, or add tokenizer files")
     text = path.read_text(encoding="utf-8")
+    longest = MAX_DOCUMENT if max_positions is None else max(0, min(MAX_DOCUMENT, max_positions - GREEDY_TAIL))
     documents, total = [], 0
     for part in text.split(DOCUMENT_SEPARATOR):
         ids = [i for i in tokenizer(part, add_special_tokens=False)["input_ids"] if i < vocab_size]
-        ids = ids[:min(MAX_DOCUMENT, MAX_TOKENS - total)]
+        ids = ids[:min(longest, MAX_TOKENS - total)]
         if len(ids) > OPENING + 1:
             documents.append(ids)
             total += len(ids)
         if total >= MAX_TOKENS:
             break
     if not documents:
-        raise ConfigError(f"guard text {str(path)!r} holds no document longer than {OPENING + 1} tokens")
+        short = "" if longest > OPENING + 1 else \
+            f" (a model of {max_positions} positions leaves {longest} per document: skip what measures on it," \
+            " surgery_guard=False, or use a drafter other than layer_skip)"
+        raise ConfigError(f"guard text {str(path)!r} holds no document longer than {OPENING + 1} tokens{short}")
     return documents
 
 
@@ -161,7 +168,7 @@ class ToolCalls:
     JSON with a string "name" and an object "arguments"."""
 
     MAX_CALLS = 12
-    MAX_TOKENS = 64
+    MAX_TOKENS = GREEDY_TAIL
 
     def __init__(self, tokenizer: Any, documents: list[list[int]]) -> None:
         ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<tool_call>", "</tool_call>")] \
