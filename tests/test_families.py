@@ -171,11 +171,22 @@ def test_a_long_rotated_state_persists_and_parks_as_it_is(longrope_checkpoint, t
     ("gemma3", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
     ("gemma3", dict(hidden_activation="relu"), "activation 'relu'"),
     ("qwen3_moe", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    ("llama", dict(hidden_act="relu"), "activation 'relu'"),
+    ("mistral", dict(hidden_act="gelu"), "activation 'gelu'"),
 ])
 def test_unsupported_options_are_refused(tmp_path, arch, override, message):
     path = make_tiny_checkpoint(arch, tmp_path / "m", **override)
     with pytest.raises(UnsupportedModelError, match=message):
         open_engine(path)
+
+
+def test_the_llama_family_reads_its_mlp_activation(tmp_path, make_engine):
+    """transformers' llama-family MLP applies ACT2FN[hidden_act], silu only by default: a
+    gelu-tanh one runs gelu-tanh (it once ran silu whatever the config said)."""
+    path = make_tiny_checkpoint("qwen2", tmp_path / "gelu", hidden_act="gelu_pytorch_tanh")
+    history = list(range(3, 40))
+    c = make_engine(path).open_state("a").generate(SamplingParams(max_tokens=12, ignore_eos=True), prompt=history)
+    assert_greedy_matches(path, history, c.token_ids)
 
 
 def test_moe_experts_load_stacked_or_one_tensor_per_expert(tiny_checkpoints, make_engine):

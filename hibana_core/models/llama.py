@@ -1,7 +1,8 @@
 """Llama family (serves model_type llama, qwen2, qwen3, mistral) on the shared decoder.
 
-What tells these four apart is read from the config where the config says it; Qwen2's q/k/v
-bias and Qwen3's q/k norm are fixed by their architecture, not written in their configs.
+What tells these four apart is read from the config where the config says it (the MLP's
+activation too: hidden_act, as transformers' ACT2FN reads it); Qwen2's q/k/v bias and Qwen3's q/k
+norm are fixed by their architecture, not written in their configs.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ _FIXED_BIASES = {"qwen2": (True, False), "mistral": (False, False)}
 def args_from_config(config: Any) -> DecoderArgs:
     attention_bias = bool(getattr(config, "attention_bias", False))
     qkv_bias, o_bias = _FIXED_BIASES.get(config.model_type, (attention_bias, attention_bias))
-    return DecoderArgs.from_config(config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=config.model_type == "qwen3",
-                                   activation="silu")
+    return DecoderArgs.from_config(config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=config.model_type == "qwen3")
 
 
 def build(config: Any, ctx: ForwardContext) -> tuple[DecoderForCausalLM, DecoderArgs]:
