@@ -189,6 +189,19 @@ def test_the_llama_family_reads_its_mlp_activation(tmp_path, make_engine):
     assert_greedy_matches(path, history, c.token_ids)
 
 
+def test_qwen3_moe_windows_every_layer_when_use_sliding_window(tmp_path, make_engine):
+    """Qwen3-MoE's config has no layer_types; transformers windows every layer when
+    use_sliding_window is on, max_window_layers notwithstanding (it once windowed only the layers
+    from max_window_layers on, as Qwen2 4.x did)."""
+    path = make_tiny_checkpoint("qwen3_moe", tmp_path / "windowed", use_sliding_window=True, sliding_window=20,
+                                max_window_layers=2)
+    engine = make_engine(path)
+    assert engine.model.args.sliding_windows == (20, 20, 20)
+    history = list(range(3, 70))
+    c = engine.open_state("a").generate(SamplingParams(max_tokens=12, ignore_eos=True), prompt=history)
+    assert_greedy_matches(path, history, c.token_ids)
+
+
 def test_moe_experts_load_stacked_or_one_tensor_per_expert(tiny_checkpoints, make_engine):
     """A qwen3_moe checkpoint on disk holds one tensor per expert; transformers 5 holds them
     stacked in memory (what `Engine.from_hf_model` copies): both load into the same experts."""
