@@ -56,6 +56,22 @@ def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path, make_e
             assert_greedy_matches(path, history, generated)
 
 
+def test_gemma3_multimodal_eos_comes_from_its_text_config(tmp_path, make_engine):
+    """A multimodal config keeps eos_token_id in its text_config, where transformers' generation
+    config takes it from: a checkpoint without generation_config.json stops there, and an
+    in-memory Gemma3ForConditionalGeneration loads (it once raised AttributeError)."""
+    from hibana_core import Engine
+    from tiny_models import EOS_ID, _hf_model
+
+    path = make_tiny_gemma3_multimodal(tmp_path / "gemma3-mm")
+    hf_model = _hf_model(str(path))  # its generation_config knows no EOS: the config's is read
+    with Engine.from_hf_model(hf_model, None, device="cpu", dtype="float32", block_size=16, num_blocks=16,
+                              progress=False) as engine:
+        assert engine.eos_token_ids == {EOS_ID}
+    (path / "generation_config.json").unlink()
+    assert make_engine(path).eos_token_ids == {EOS_ID}
+
+
 def test_longrope_tables_hold_both_rotations():
     """The first max_position_embeddings rows rotate per position: below
     original_max_position_embeddings transformers' rotary of a sequence that short (short
