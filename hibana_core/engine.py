@@ -252,7 +252,8 @@ class Engine:
     def _guard(self, loaded) -> "guard.Guard":
         from hibana_core.surgery import guard
 
-        documents = guard.heldout_documents(loaded.tokenizer, loaded.args.vocab_size, self.config.surgery_guard_text)
+        documents = guard.heldout_documents(loaded.tokenizer, loaded.args.vocab_size, self.config.surgery_guard_text,
+                                            loaded.args.max_position_embeddings)
         scorer = guard.Scorer(loaded.model, self._ctx, loaded.args, loaded.dtype, self.device,
                               guard.scorer_length(documents))
         return guard.Guard(scorer, documents, self.config.progress, loaded.tokenizer)

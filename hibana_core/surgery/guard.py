@@ -71,8 +71,11 @@ class Reference:
     tool_calls: float | None = None                                  # share valid, unmodified model
 
 
-def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = None) -> list[list[int]]:
-    """The held-out text as token-id documents (at most MAX_TOKENS tokens in all)."""
+def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = None,
+                      max_positions: int | None = None) -> list[list[int]]:
+    """The held-out text as token-id documents (at most MAX_TOKENS tokens in all), each short
+    enough that it and a greedy text after it (`scorer_length`) stay within the model's
+    `max_positions` (its rotary tables end there)."""
     path = Path(text_file) if text_file is not None else HELDOUT
     if not path.is_file():
         raise ConfigError(f"guard text {str(path)!r} does not exist; pass a UTF-8 text file")
@@ -80,10 +83,11 @@ def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = N
         raise ConfigError("the surgery guard needs the model's tokenizer to read its held-out text; "
                           "this checkpoint has none: pass surgery_guard=False, or add tokenizer files")
     text = path.read_text(encoding="utf-8")
+    longest = MAX_DOCUMENT if max_positions is None else min(MAX_DOCUMENT, max_positions - _greedy_tail())
     documents, total = [], 0
     for part in text.split(DOCUMENT_SEPARATOR):
         ids = [i for i in tokenizer(part, add_special_tokens=False)["input_ids"] if i < vocab_size]
-        ids = ids[:min(MAX_DOCUMENT, MAX_TOKENS - total)]
+        ids = ids[:min(longest, MAX_TOKENS - total)]
         if len(ids) > OPENING + 1:
             documents.append(ids)
             total += len(ids)
@@ -280,4 +284,9 @@ class Guard:
 
 def scorer_length(documents: list[list[int]]) -> int:
     """Tokens a guard's scorer must hold: the longest document and a greedy text after it."""
-    return max(len(d) for d in documents) + max(CONTINUATION, ToolCalls.MAX_TOKENS)
+    return max(len(d) for d in documents) + _greedy_tail()
+
+
+def _greedy_tail() -> int:
+    """Positions a scorer holds after a document: the longest greedy text it generates there."""
+    return max(CONTINUATION, ToolCalls.MAX_TOKENS)
