@@ -14,7 +14,7 @@ import torch
 from hibana_core import SamplingParams, UnsupportedModelError
 from hibana_core.models import phi3
 from hibana_core.models.decoder import RotaryTables, longrope_switch
-from tiny_models import (agent_turn_plan, assert_greedy_matches, make_config, make_tiny_checkpoint,
+from tiny_models import (ODD_SHAPES, agent_turn_plan, assert_greedy_matches, make_config, make_tiny_checkpoint,
                          make_tiny_gemma3_multimodal, open_engine)
 
 pytestmark = pytest.mark.timeout(300)
@@ -52,6 +52,34 @@ def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path, make_e
     assert sorted(results) == list(range(AGENTS))
     assert engine.stats().prompt_tokens_reused > 0, "later turns must reuse the retained KV"
     for agent, turns in results.items():
+        for history, generated in turns:
+            assert_greedy_matches(path, history, generated)
+
+
+@pytest.mark.parametrize("arch", ODD_SHAPES)
+def test_odd_shapes_match_transformers(arch, tmp_path, make_engine):
+    """Each family on shapes unlike the golden test's (tiny_models.ODD_SHAPES): 2 agents at once,
+    2 turns each with retention, histories past every window; each generation transformers'."""
+    path = make_tiny_checkpoint(arch, tmp_path / arch, **ODD_SHAPES[arch])
+    engine = make_engine(path)
+    results: dict[int, list[tuple[list[int], list[int]]]] = {}
+
+    def run_agent(agent: int) -> None:
+        h, history, turns = engine.open_state(f"odd-{agent}"), [], []
+        for new, n in agent_turn_plan(9100 + agent, turns=2):
+            history = history + new
+            c = h.generate(SamplingParams(max_tokens=n, ignore_eos=True), prompt=history)
+            turns.append((history, list(c.token_ids)))
+            history = history + list(c.token_ids)
+        results[agent] = turns
+
+    threads = [threading.Thread(target=run_agent, args=(a,)) for a in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert sorted(results) == [0, 1]
+    for turns in results.values():
         for history, generated in turns:
             assert_greedy_matches(path, history, generated)
 
