@@ -246,6 +246,25 @@ def test_qwen3_moe_windows_every_layer_when_use_sliding_window(tmp_path, make_en
     assert_greedy_matches(path, history, c.token_ids)
 
 
+def test_a_llama_config_carrying_a_sliding_window_attends_to_everything(tmp_path, make_engine):
+    """transformers' LlamaAttention never reads sliding_window: a llama config.json that carries
+    one (from a conversion) attends to the whole history there, and here (it once windowed every
+    layer). Held to HF's forward on the whole sequence at each step: HF's generate is no reference
+    here, as its cache keeps only the window's last tokens in decode while its prefill sees all."""
+    from tiny_models import hf_next_logits
+
+    path = make_tiny_checkpoint("llama", tmp_path / "llama-sw", sliding_window=12)
+    engine = make_engine(path)
+    assert engine.model.args.sliding_windows == (None, None, None)
+    rng = random.Random(1)
+    history = [rng.randrange(2, 512) for _ in range(80)]
+    c = engine.open_state("a").generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=history)
+    want = []
+    for _ in range(8):
+        want.append(int(hf_next_logits(path, history + want).argmax()))
+    assert list(c.token_ids) == want
+
+
 def test_moe_experts_load_stacked_or_one_tensor_per_expert(tiny_checkpoints, make_engine):
     """A qwen3_moe checkpoint on disk holds one tensor per expert; transformers 5 holds them
     stacked in memory (what `Engine.from_hf_model` copies): both load into the same experts."""

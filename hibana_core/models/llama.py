@@ -17,11 +17,17 @@ MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # model_type -> (q/k/v bias, o bias) where the architecture fixes them; else config.attention_bias
 _FIXED_BIASES = {"qwen2": (True, False), "mistral": (False, False)}
 
+# transformers' Llama attends to the whole history: a sliding_window (or layer_types) that a
+# llama config.json carries from elsewhere is not read there, so not here either
+_FULL_ATTENTION_ONLY = ("llama",)
+
 
 def args_from_config(config: Any) -> DecoderArgs:
     attention_bias = bool(getattr(config, "attention_bias", False))
     qkv_bias, o_bias = _FIXED_BIASES.get(config.model_type, (attention_bias, attention_bias))
-    return DecoderArgs.from_config(config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=config.model_type == "qwen3")
+    windows = {"sliding_windows": (None,) * config.num_hidden_layers} if config.model_type in _FULL_ATTENTION_ONLY else {}
+    return DecoderArgs.from_config(config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=config.model_type == "qwen3",
+                                   **windows)
 
 
 def build(config: Any, ctx: ForwardContext) -> tuple[DecoderForCausalLM, DecoderArgs]:
