@@ -30,6 +30,8 @@
    returns each chosen token's log-probability and the top 5 as transformers' log_softmax on the
    GPU gives them (within 1e-3), 4 agents batched (two greedy with logprobs, one sampled with
    logprobs, one without: its tokens unchanged and no logprobs returned).
+shapes: check 1 on shapes unlike the tiny checkpoints' (tiny_models.ODD_SHAPES: head_dim 8, 12
+   and 24, one KV head or as many as query heads, windows shorter than a block), GPU == CPU.
 Prints a table; exits 1 if a check fails.
 """
 
@@ -50,7 +52,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from hibana_core import Engine, SamplingParams  # noqa: E402
-from tiny_models import ARCHS  # noqa: E402  every family's tiny checkpoint
+from tiny_models import ARCHS, ODD_SHAPES  # noqa: E402  every family's tiny checkpoint, other shapes
 
 
 ON_GPU = {"device": "cuda", "memory_budget": os.environ.get("CHECK_MEMORY_BUDGET", "12GB")}
@@ -106,6 +108,20 @@ def check_float32() -> Iterator[tuple[str, bool, str]]:
                 got = batched_greedy(gpu, prompts, 32)
             same = sum(a == b for a, b in zip(got, want))
             yield (f"fp32 {arch} graphs={graphs}", same == len(prompts), f"{same}/4 agents equal")
+
+
+def check_shapes() -> Iterator[tuple[str, bool, str]]:
+    """check_float32 on shapes unlike the tiny checkpoints' (tiny_models.ODD_SHAPES: head_dim
+    8, 12 and 24, one KV head or as many as query heads, windows shorter than a block)."""
+    for arch, path, prompts in tiny_cases(ARCHS, 13, overrides=ODD_SHAPES):
+        with Engine.from_pretrained(path, device="cpu", progress=False) as cpu:
+            want = batched_greedy(cpu, prompts, 32)
+        for graphs in (False, True):
+            with Engine.from_pretrained(path, **ON_GPU, dtype="float32", progress=False,
+                                        cuda_graphs=graphs) as gpu:
+                got = batched_greedy(gpu, prompts, 32)
+            same = sum(a == b for a, b in zip(got, want))
+            yield (f"shapes fp32 {arch} graphs={graphs}", same == len(prompts), f"{same}/4 agents equal")
 
 
 SURGERY = ("w8", {"name": "w4", "group_size": 32})
@@ -487,7 +503,7 @@ def check_window_pass() -> Iterator[tuple[str, bool, str]]:
 
 CHECKS = {"float32": check_float32, "speculation": check_speculation, "surgery": check_surgery,
           "kv8": check_kv8, "fp8": check_fp8, "bf16": check_bf16_demo, "families": check_families,
-          "logprobs": check_logprobs, "window": check_window_pass}
+          "logprobs": check_logprobs, "window": check_window_pass, "shapes": check_shapes}
 
 
 def main() -> int:

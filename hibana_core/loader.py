@@ -143,10 +143,10 @@ def load_from_hf_model(hf_model: torch.nn.Module, device: torch.device, dtype: s
     source = f"the in-memory {type(hf_model).__name__}"
     _copy_weights(module, ((name, source, lambda name=name: state[name]) for name in state), len(state),
                   source, progress=False)
-    eos = hf_config.eos_token_id
+    generation_config = getattr(hf_model, "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None)
     digest = hashlib.sha256(hf_config.to_json_string().encode()).hexdigest()
-    return _loaded(module, args, hf_config, tokenizer,
-                   tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,)),
+    return _loaded(module, args, hf_config, tokenizer, _as_ids(_config_eos(hf_config) if eos is None else eos),
                    torch_dtype, f"in-memory:{digest}:{id(hf_model)}")
 
 
@@ -353,11 +353,19 @@ def _eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
             eos = json.loads(gen_file.read_text()).get("eos_token_id")
         except json.JSONDecodeError:
             warnings.warn(f"{gen_file} is not valid JSON; using config.json's eos_token_id")
-    if eos is None:
-        eos = getattr(hf_config, "eos_token_id", None)
+    return _as_ids(_config_eos(hf_config) if eos is None else eos)
+
+
+def _config_eos(hf_config: Any) -> Any:
+    """The config's eos_token_id where transformers' generation config takes it from: the text
+    (decoder) config, which a multimodal one (Gemma 3's) holds apart from its own fields."""
+    return getattr(hf_config.get_text_config(decoder=True), "eos_token_id", None)
+
+
+def _as_ids(eos: Any) -> tuple[int, ...]:
     if eos is None:
         return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
 def _fingerprint(path: Path) -> str:

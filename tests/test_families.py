@@ -14,7 +14,7 @@ import torch
 from hibana_core import SamplingParams, UnsupportedModelError
 from hibana_core.models import phi3
 from hibana_core.models.decoder import RotaryTables, longrope_switch
-from tiny_models import (agent_turn_plan, assert_greedy_matches, make_config, make_tiny_checkpoint,
+from tiny_models import (ODD_SHAPES, agent_turn_plan, assert_greedy_matches, make_config, make_tiny_checkpoint,
                          make_tiny_gemma3_multimodal, open_engine)
 
 pytestmark = pytest.mark.timeout(300)
@@ -54,6 +54,50 @@ def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path, make_e
     for agent, turns in results.items():
         for history, generated in turns:
             assert_greedy_matches(path, history, generated)
+
+
+@pytest.mark.parametrize("arch", ODD_SHAPES)
+def test_odd_shapes_match_transformers(arch, tmp_path, make_engine):
+    """Each family on shapes unlike the golden test's (tiny_models.ODD_SHAPES): 2 agents at once,
+    2 turns each with retention, histories past every window; each generation transformers'."""
+    path = make_tiny_checkpoint(arch, tmp_path / arch, **ODD_SHAPES[arch])
+    engine = make_engine(path)
+    results: dict[int, list[tuple[list[int], list[int]]]] = {}
+
+    def run_agent(agent: int) -> None:
+        h, history, turns = engine.open_state(f"odd-{agent}"), [], []
+        for new, n in agent_turn_plan(9100 + agent, turns=2):
+            history = history + new
+            c = h.generate(SamplingParams(max_tokens=n, ignore_eos=True), prompt=history)
+            turns.append((history, list(c.token_ids)))
+            history = history + list(c.token_ids)
+        results[agent] = turns
+
+    threads = [threading.Thread(target=run_agent, args=(a,)) for a in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert sorted(results) == [0, 1]
+    for turns in results.values():
+        for history, generated in turns:
+            assert_greedy_matches(path, history, generated)
+
+
+def test_gemma3_multimodal_eos_comes_from_its_text_config(tmp_path, make_engine):
+    """A multimodal config keeps eos_token_id in its text_config, where transformers' generation
+    config takes it from: a checkpoint without generation_config.json stops there, and an
+    in-memory Gemma3ForConditionalGeneration loads (it once raised AttributeError)."""
+    from hibana_core import Engine
+    from tiny_models import EOS_ID, _hf_model
+
+    path = make_tiny_gemma3_multimodal(tmp_path / "gemma3-mm")
+    hf_model = _hf_model(str(path))  # its generation_config knows no EOS: the config's is read
+    with Engine.from_hf_model(hf_model, None, device="cpu", dtype="float32", block_size=16, num_blocks=16,
+                              progress=False) as engine:
+        assert engine.eos_token_ids == {EOS_ID}
+    (path / "generation_config.json").unlink()
+    assert make_engine(path).eos_token_ids == {EOS_ID}
 
 
 def test_longrope_tables_hold_both_rotations():
@@ -171,11 +215,54 @@ def test_a_long_rotated_state_persists_and_parks_as_it_is(longrope_checkpoint, t
     ("gemma3", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
     ("gemma3", dict(hidden_activation="relu"), "activation 'relu'"),
     ("qwen3_moe", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    ("llama", dict(hidden_act="relu"), "activation 'relu'"),
+    ("mistral", dict(hidden_act="gelu"), "activation 'gelu'"),
 ])
 def test_unsupported_options_are_refused(tmp_path, arch, override, message):
     path = make_tiny_checkpoint(arch, tmp_path / "m", **override)
     with pytest.raises(UnsupportedModelError, match=message):
         open_engine(path)
+
+
+def test_the_llama_family_reads_its_mlp_activation(tmp_path, make_engine):
+    """transformers' llama-family MLP applies ACT2FN[hidden_act], silu only by default: a
+    gelu-tanh one runs gelu-tanh (it once ran silu whatever the config said)."""
+    path = make_tiny_checkpoint("qwen2", tmp_path / "gelu", hidden_act="gelu_pytorch_tanh")
+    history = list(range(3, 40))
+    c = make_engine(path).open_state("a").generate(SamplingParams(max_tokens=12, ignore_eos=True), prompt=history)
+    assert_greedy_matches(path, history, c.token_ids)
+
+
+def test_qwen3_moe_windows_every_layer_when_use_sliding_window(tmp_path, make_engine):
+    """Qwen3-MoE's config has no layer_types; transformers windows every layer when
+    use_sliding_window is on, max_window_layers notwithstanding (it once windowed only the layers
+    from max_window_layers on, as Qwen2 4.x did)."""
+    path = make_tiny_checkpoint("qwen3_moe", tmp_path / "windowed", use_sliding_window=True, sliding_window=20,
+                                max_window_layers=2)
+    engine = make_engine(path)
+    assert engine.model.args.sliding_windows == (20, 20, 20)
+    history = list(range(3, 70))
+    c = engine.open_state("a").generate(SamplingParams(max_tokens=12, ignore_eos=True), prompt=history)
+    assert_greedy_matches(path, history, c.token_ids)
+
+
+def test_a_llama_config_carrying_a_sliding_window_attends_to_everything(tmp_path, make_engine):
+    """transformers' LlamaAttention never reads sliding_window: a llama config.json that carries
+    one (from a conversion) attends to the whole history there, and here (it once windowed every
+    layer). Held to HF's forward on the whole sequence at each step: HF's generate is no reference
+    here, as its cache keeps only the window's last tokens in decode while its prefill sees all."""
+    from tiny_models import hf_next_logits
+
+    path = make_tiny_checkpoint("llama", tmp_path / "llama-sw", sliding_window=12)
+    engine = make_engine(path)
+    assert engine.model.args.sliding_windows == (None, None, None)
+    rng = random.Random(1)
+    history = [rng.randrange(2, 512) for _ in range(80)]
+    c = engine.open_state("a").generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=history)
+    want = []
+    for _ in range(8):
+        want.append(int(hf_next_logits(path, history + want).argmax()))
+    assert list(c.token_ids) == want
 
 
 def test_moe_experts_load_stacked_or_one_tensor_per_expert(tiny_checkpoints, make_engine):

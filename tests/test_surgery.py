@@ -354,6 +354,16 @@ def test_guard_measures_w8_with_int8_experts(tiny_checkpoints, make_engine):
     assert 0 < guard["mean_kl"] < 0.05 and guard["top1_agreement"] > 0.85
 
 
+def test_guard_documents_fit_a_short_context(tmp_path, make_engine):
+    """The guard's documents and the greedy text after them stay within max_position_embeddings
+    (a 512-position model once met an IndexError in its rotary tables, past position 511)."""
+    from tiny_models import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("qwen3", tmp_path / "short", max_position_embeddings=512)
+    engine = make_engine(path, surgery=[{"name": "w8", "force": True}], speculation="off")
+    assert engine.surgery[0]["guard"]["tokens"] > 1000
+
+
 def test_guard_refuses_a_pass_over_its_floors_unless_forced(tiny_checkpoints, make_engine, tmp_path):
     path = tiny_checkpoints["llama"]
     harsh = _Halve()

@@ -143,6 +143,21 @@ ARCH_CONFIGS: dict[str, dict] = {
     ),
 }
 
+ODD_SHAPES: dict[str, dict] = {
+    "llama": dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=12, tie_word_embeddings=True),
+    "qwen2": dict(hidden_size=40, num_attention_heads=5, num_key_value_heads=1),  # head_dim 8, MQA
+    "qwen3": dict(num_attention_heads=3, num_key_value_heads=1, head_dim=24, tie_word_embeddings=False),
+    "mistral": dict(num_key_value_heads=4, head_dim=12, sliding_window=12),  # MHA; window < a block
+    "gemma3": dict(num_key_value_heads=1, head_dim=24, sliding_window=10, query_pre_attn_scalar=32),
+    "phi3": dict(num_key_value_heads=1, sliding_window=7),
+    "qwen3_moe": dict(num_key_value_heads=1, head_dim=12, num_experts_per_tok=3, norm_topk_prob=False),
+    "gpt_oss": dict(num_attention_heads=8, num_key_value_heads=1, head_dim=24, sliding_window=8,
+                    num_experts_per_tok=2),
+}
+"""Per family, config overrides unlike ARCH_CONFIGS' shapes: head_dim not a power of two (8, 12,
+24) or not hidden / heads, one KV head or as many as query heads, GQA ratios 3, 5 and 8, windows
+shorter than a 16-token block, tied embeddings flipped, top-k and normalisation changed."""
+
 TIED_EXPERT_PAIRS = 4
 """MoE families: experts 2j and 2j + 1, j < TIED_EXPERT_PAIRS, share their router row (and bias)."""
 _ROUTER_TENSORS = ("mlp.gate.weight", "mlp.router.weight", "mlp.router.bias")

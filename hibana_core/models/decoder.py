@@ -178,15 +178,16 @@ def rope_parameters(config: Any) -> dict[str, Any]:
 
 
 def sliding_windows(config: Any) -> tuple[int | None, ...]:
-    """Each layer's window (None: full attention): by layer_types where the config has them,
-    else Qwen2's use_sliding_window from max_window_layers on, else sliding_window everywhere."""
+    """Each layer's window (None: full attention): by layer_types where the config has them
+    (Qwen2 and Qwen3 derive theirs from max_window_layers), else sliding_window on every layer
+    unless use_sliding_window is off. Qwen3-MoE has no layer_types, and transformers windows all
+    its layers when use_sliding_window is on, whatever max_window_layers says."""
     window, num_layers = getattr(config, "sliding_window", None), config.num_hidden_layers
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
         return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
-    if hasattr(config, "use_sliding_window"):
-        first = getattr(config, "max_window_layers", 0) if config.use_sliding_window else num_layers
-        return tuple(window if i >= first else None for i in range(num_layers))
+    if not getattr(config, "use_sliding_window", True):
+        return (None,) * num_layers
     return (window,) * num_layers
 
 

@@ -1,7 +1,8 @@
 """Llama family (serves model_type llama, qwen2, qwen3, mistral) on the shared decoder.
 
-What tells these four apart is read from the config where the config says it; Qwen2's q/k/v
-bias and Qwen3's q/k norm are fixed by their architecture, not written in their configs.
+What tells these four apart is read from the config where the config says it (the MLP's
+activation too: hidden_act, as transformers' ACT2FN reads it); Qwen2's q/k/v bias and Qwen3's q/k
+norm are fixed by their architecture, not written in their configs.
 """
 
 from __future__ import annotations
@@ -16,12 +17,17 @@ MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # model_type -> (q/k/v bias, o bias) where the architecture fixes them; else config.attention_bias
 _FIXED_BIASES = {"qwen2": (True, False), "mistral": (False, False)}
 
+# transformers' Llama attends to the whole history: a sliding_window (or layer_types) that a
+# llama config.json carries from elsewhere is not read there, so not here either
+_FULL_ATTENTION_ONLY = ("llama",)
+
 
 def args_from_config(config: Any) -> DecoderArgs:
     attention_bias = bool(getattr(config, "attention_bias", False))
     qkv_bias, o_bias = _FIXED_BIASES.get(config.model_type, (attention_bias, attention_bias))
+    windows = {"sliding_windows": (None,) * config.num_hidden_layers} if config.model_type in _FULL_ATTENTION_ONLY else {}
     return DecoderArgs.from_config(config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=config.model_type == "qwen3",
-                                   activation="silu")
+                                   **windows)
 
 
 def build(config: Any, ctx: ForwardContext) -> tuple[DecoderForCausalLM, DecoderArgs]:
