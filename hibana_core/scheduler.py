@@ -389,8 +389,10 @@ class Scheduler:
         num = min(request.num_uncomputed, budget, self.config.max_prefill_chunk)
         needed = seq.blocks_needed(num)
         if not self.pool.can_allocate(needed) and not self.eviction.make_room(needed):
-            seq.trim_kv(before)  # give adopted blocks back: holding them would starve the others
-            return None
+            num = self._chunk_that_fits(seq, num)
+            if not num:
+                seq.trim_kv(before)  # give adopted blocks back: holding them would starve the others
+                return None
         self._count_reused(request, gained)
         request.started = True
         start = seq.num_computed
@@ -398,6 +400,22 @@ class Scheduler:
         request.computed += max(0, min(start + num, request.num_prompt) - start)
         sample = start + num == request.num_tokens and request.samples
         return ScheduledChunk(request, start, num, sample)
+
+    def _chunk_that_fits(self, seq: KVSequence, num: int) -> int:
+        """The longest chunk shorter than `num` whose blocks the pool has, for a sequence over
+        sliding windows (0 for any other): its KV need is bounded by its windows and the chunk,
+        so smaller chunks make progress where the whole one would not fit. A sequence of full
+        attention needs all its blocks in the end: it waits (or is preempted) instead."""
+        if not seq.windowed:
+            return 0
+        low, high = 0, num - 1  # blocks_needed grows with the chunk: the last n that fits
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.pool.can_allocate(seq.blocks_needed(mid)):
+                low = mid
+            else:
+                high = mid - 1
+        return low
 
     @staticmethod
     def _count_reused(request: Request, gained: int) -> None:

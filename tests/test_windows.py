@@ -202,6 +202,19 @@ def test_windowed_states_park_save_and_load_exactly(windowed, make_engine, tmp_p
     assert state_blocks(other, loaded.id) < len(layout.groups) * blocks  # not every group's every block
 
 
+def test_a_prompt_past_a_small_pool_is_prefilled_in_chunks_that_fit(tmp_path, make_engine, hf_greedy):
+    """All layers windowed (window 12) and a pool of 3 blocks: a 199-token prompt never fits in
+    one chunk (a MemoryBudgetError once), but its KV need is bounded by the window, so the
+    scheduler takes the chunks that fit; the output is transformers'."""
+    from tiny_models import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("mistral", tmp_path / "w12", sliding_window=12)
+    engine = make_engine(path, speculation="off", num_blocks=3, enable_prefix_caching=False)
+    prompt = random_tokens(random.Random(5), 199)
+    out = engine.open_state("long").generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=prompt)
+    assert list(out.token_ids) == hf_greedy(str(path), prompt, 8)
+
+
 # --- the window surgery pass: sink + window attention on the full layers that matter least ------
 
 SINK_WINDOW = {"name": "window", "window": 24, "sink_tokens": 5, "layers": 0.5}

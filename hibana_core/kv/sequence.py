@@ -385,6 +385,11 @@ class KVSequence:
         self.num_computed = m * bs
         return (m - first) * bs
 
+    @property
+    def windowed(self) -> bool:
+        """Some of its layers attend within a sliding window (they give blocks back)."""
+        return self._windowed
+
     def blocks_needed(self, num_tokens: int) -> int:
         """Fresh blocks a write of the next num_tokens tokens takes (copy-on-write included),
         less the blocks that leave the windows first."""
