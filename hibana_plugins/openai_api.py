@@ -57,7 +57,7 @@ class SamplingRequest(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # what the sampler's int64 generator takes
     n: int | None = Field(None, ge=1)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -116,7 +116,7 @@ def parse_request(body: Any, kind: "type[R]" = ChatRequest) -> "R":
         param = ".".join(map(str, _field_path(body, first["loc"]))) or None
         if first["type"] == "extra_forbidden":
             raise ApiError(400, f"Unrecognized request argument supplied: {param}", param) from None
-        if param in ("logprobs", "top_logprobs", "echo", "best_of", "suffix"):
+        if first["type"] in ("literal_error", "none_required") and param in ("logprobs", "echo", "best_of", "suffix"):
             raise ApiError(400, f"{param}: Hibana does not support this yet; leave it out", param) from None
         raise ApiError(400, f"{param}: {first['msg']}", param) from None
 
@@ -166,6 +166,8 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
                             "ask for fewer tokens", param)
     if state_header is not None and not 0 < len(state_header) <= MAX_STATE_ID:
         raise ApiError(400, f"the {STATE_HEADER} header must name a state in 1 to {MAX_STATE_ID} characters")
+    if chat:
+        contents_given(request.messages)
     tools = normalize_tools(request.tools or None) if chat else None
     choice = normalize_tool_choice(request.tool_choice, tools) if chat else "none"
     if choice == "none":
@@ -186,6 +188,15 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
                     fallback=state_header is None, stream=bool(request.stream),
                     include_usage=bool(request.stream_options and request.stream_options.include_usage),
                     reasoning=thinking_switch(request) if chat else None)
+
+
+def contents_given(messages: list[dict]) -> None:
+    """OpenAI's rule: a system, developer, user or tool message has content (an assistant's may
+    hold calls only); rendered without it, the model would read an empty turn."""
+    for i, message in enumerate(messages):
+        if message.get("role") in ("system", "developer", "user", "tool") and message.get("content") is None:
+            raise ApiError(400, f"messages[{i}] is a {message['role']} message without content; give it a string "
+                                "or a list of text parts", "messages")
 
 
 def thinking_switch(request: ChatRequest) -> bool | None:

@@ -51,7 +51,7 @@ from hibana_core.chat import Chat
 from hibana_core.engine_core import STEP_TIME_BUCKETS
 from hibana_core.errors import (ChatTimeoutError, ConfigError, ContextLengthError, EngineClosedError, GrammarError,
                                 HibanaError, QueueTimeoutError, StateBusyError)
-from hibana_core.messages import ConversationError, ToolChoiceError, ToolSchemaError
+from hibana_core.messages import ConversationError, ToolChoiceError, ToolSchemaError, UnsupportedContentError
 from hibana_core.turn import ChatDelta
 from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatRequest, CompletionRequest, Reply,
                                        TextReply, chat_call, parse_request)
@@ -174,7 +174,7 @@ def api_error(exc: HibanaError, prompt_param: str = "messages") -> ApiError:
     if isinstance(exc, EngineClosedError):
         return ApiError(503, message, None, "engine_closed", "server_error")
     params = [(ToolChoiceError, "tool_choice"), (ToolSchemaError, "tools"), (ConversationError, "messages"),
-              (GrammarError, "response_format")]
+              (UnsupportedContentError, "messages"), (GrammarError, "response_format")]
     return ApiError(400, message, next((p for kind, p in params if isinstance(exc, kind)), None))
 
 

@@ -345,12 +345,25 @@ def test_a_wrong_or_missing_key_is_refused(base_url):
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
      b'{"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}', "tool_choice"),
     (b'{"model": "demo", "messages": [{"role": "tool", "content": "hi"}]}', "messages"),
+    (b'{"model": "demo", "messages": [{"role": "user"}]}', "messages"),                      # no content
+    (b'{"model": "demo", "messages": [{"role": "system", "content": null}, {"role": "user", "content": "hi"}]}',
+     "messages"),
+    (b'{"model": "demo", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": '
+     b'{"url": "https://example.com/a.png"}}]}]}', "messages"),
+    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "seed": 1180591620717411303424}', "seed"),
 ])
 def test_bad_requests_get_openai_shaped_400s(base_url, body, param):
     status, reply = post(base_url, body)
     assert status == 400, reply
     assert reply["error"]["type"] == "invalid_request_error" and reply["error"]["message"]
     assert reply["error"]["param"] == param
+
+
+def test_top_logprobs_past_twenty_is_out_of_range_not_unsupported(base_url):
+    status, reply = post(base_url, json.dumps({"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+                                               "logprobs": True, "top_logprobs": 21}).encode())
+    assert status == 400 and "20" in reply["error"]["message"]
+    assert "not support" not in reply["error"]["message"]
 
 
 def tool_loop(client, city: str, state: str) -> list:
