@@ -139,7 +139,8 @@ def _field_path(body: Any, loc: tuple) -> list:
 class ChatCall:
     """What one request asks of the chat layer (`Chat.opener`'s arguments)."""
 
-    tools: list[dict] | None
+    listed_tools: list[dict] | None  # the tools the prompt lists
+    tools: list[dict] | None    # those the calls are held to (`allowed_tools` may name fewer)
     tool_choice: str            # "auto", "none", "required" or a tool's name
     parallel_tool_calls: bool
     params: SamplingParams
@@ -168,10 +169,10 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
         raise ApiError(400, f"the {STATE_HEADER} header must name a state in 1 to {MAX_STATE_ID} characters")
     if chat:
         contents_given(request.messages)
-    tools = normalize_tools(request.tools or None) if chat else None
-    choice = normalize_tool_choice(request.tool_choice, tools) if chat else "none"
+    listed = normalize_tools(function_tools(request.tools)) if chat else None
+    choice, tools = tool_choice(request.tool_choice, listed) if chat else ("none", None)
     if choice == "none":
-        tools = None
+        listed = tools = None
     logprobs = bool(chat and request.logprobs)
     if chat and request.top_logprobs and not logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
@@ -184,7 +185,7 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
         json_schema=response_schema(request.response_format) if chat else None,
         logprobs=logprobs, top_logprobs=(request.top_logprobs or 0) if logprobs else 0)
     explicit = state_header or request.user
-    return ChatCall(tools, choice, not chat or request.parallel_tool_calls is not False, params, explicit,
+    return ChatCall(listed, tools, choice, not chat or request.parallel_tool_calls is not False, params, explicit,
                     fallback=state_header is None, stream=bool(request.stream),
                     include_usage=bool(request.stream_options and request.stream_options.include_usage),
                     reasoning=thinking_switch(request) if chat else None)
@@ -197,6 +198,54 @@ def contents_given(messages: list[dict]) -> None:
         if message.get("role") in ("system", "developer", "user", "tool") and message.get("content") is None:
             raise ApiError(400, f"messages[{i}] is a {message['role']} message without content; give it a string "
                                 "or a list of text parts", "messages")
+
+
+def function_tools(tools: list[dict] | None) -> list[dict] | None:
+    """The request's tools, each a function tool: OpenAI's custom (free-text) tools are refused."""
+    for i, tool in enumerate(tools or ()):
+        if tool.get("type", "function") != "function":
+            raise ApiError(400, f"tools[{i}] has type {tool.get('type')!r:.40}; Hibana calls function tools only: "
+                                "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}}", "tools")
+    return tools or None
+
+
+def tool_choice(choice: str | dict | None, tools: list[dict] | None) -> tuple[str, list[dict] | None]:
+    """`tool_choice` in each of OpenAI's forms, as the chat layer's choice ("auto", "none",
+    "required" or a tool's name) and the tools the calls are held to: "none" / "auto" /
+    "required"; {"type": "function", "function": {"name": ...}}: that tool; {"type":
+    "allowed_tools", "allowed_tools": {"mode", "tools"}}: the prompt still lists every tool (its
+    KV stays reused while the allowed set changes) and the calls are held to those named."""
+    if not isinstance(choice, dict):
+        return normalize_tool_choice(choice, tools), tools
+    kind = choice.get("type")
+    if kind == "function":
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise ApiError(400, "tool_choice.function.name must name one of the tools: {'type': 'function', "
+                                "'function': {'name': ...}}", "tool_choice")
+        return normalize_tool_choice(name, tools), tools
+    if kind == "allowed_tools":
+        return allowed_tools(choice.get("allowed_tools"), tools)
+    raise ApiError(400, f"tool_choice has type {kind!r:.40}; use 'function' (one tool) or 'allowed_tools' "
+                        "(Hibana calls function tools only)", "tool_choice")
+
+
+def allowed_tools(spec: Any, tools: list[dict] | None) -> tuple[str, list[dict]]:
+    """The mode and the offered tools that `tool_choice.allowed_tools` names."""
+    mode = spec.get("mode") if isinstance(spec, dict) else None
+    named = spec.get("tools") if isinstance(spec, dict) else None
+    if mode not in ("auto", "required") or not isinstance(named, list) or not named:
+        raise ApiError(400, "tool_choice.allowed_tools needs a mode ('auto' or 'required') and a non-empty list of "
+                            "tools: [{'type': 'function', 'function': {'name': ...}}]", "tool_choice")
+    offered = [t["function"]["name"] for t in tools or ()]
+    names = [t.get("function", {}).get("name") if isinstance(t, dict) and isinstance(t.get("function"), dict)
+             else None for t in named]
+    unknown = [name for name in names if name not in offered]
+    if unknown:
+        raise ApiError(400, f"tool_choice.allowed_tools names {unknown[0]!r:.80}, which is not one of the tools "
+                            f"offered ({offered})", "tool_choice")
+    return mode, [t for t in tools if t["function"]["name"] in names]
 
 
 def thinking_switch(request: ChatRequest) -> bool | None:

@@ -123,6 +123,19 @@ def test_tool_choice_forces_a_call(client, choice):
     assert names and (choice == "required" or names == ["multiply"])
 
 
+def test_allowed_tools_hold_the_calls_to_those_named_and_list_every_tool(client):
+    """OpenAI's `allowed_tools` form: the prompt is the one with every tool (its KV reused as the
+    allowed set changes), the calls only to the tools named; in `auto` mode the demo still calls."""
+    ask = dict(model="demo", tools=[WEATHER, MULTIPLY], max_tokens=64,
+               messages=[{"role": "user", "content": "What's the weather in Oslo?"}])
+    listed = client.chat.completions.create(**ask, tool_choice="required").usage.prompt_tokens
+    for mode in ("required", "auto"):
+        reply = client.chat.completions.create(**ask, tool_choice={"type": "allowed_tools", "allowed_tools": {
+            "mode": mode, "tools": [{"type": "function", "function": {"name": "multiply"}}]}})
+        assert [c.function.name for c in reply.choices[0].message.tool_calls] == ["multiply"]
+        assert reply.usage.prompt_tokens == listed
+
+
 def test_max_completion_tokens_cuts_the_reply(client):
     reply = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hello!"}],
                                            max_completion_tokens=3)
@@ -351,6 +364,18 @@ def test_a_wrong_or_missing_key_is_refused(base_url):
     (b'{"model": "demo", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": '
      b'{"url": "https://example.com/a.png"}}]}]}', "messages"),
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "seed": 1180591620717411303424}', "seed"),
+    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "custom", "custom": '
+     b'{"name": "grep"}}]}', "tools"),
+    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
+     b'{"name": "f"}}], "tool_choice": {"type": "function"}}', "tool_choice"),
+    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
+     b'{"name": "f"}}], "tool_choice": {"type": "custom", "custom": {"name": "f"}}}', "tool_choice"),
+    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
+     b'{"name": "f"}}], "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": '
+     b'[{"type": "function", "function": {"name": "g"}}]}}}', "tool_choice"),
+    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
+     b'{"name": "f"}}], "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "sometimes", "tools": '
+     b'[{"type": "function", "function": {"name": "f"}}]}}}', "tool_choice"),
 ])
 def test_bad_requests_get_openai_shaped_400s(base_url, body, param):
     status, reply = post(base_url, body)
