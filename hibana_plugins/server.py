@@ -401,7 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "KV kept resident. Example: hibana serve demo --port 8000")
     parser.add_argument("model", help="checkpoint directory, Hugging Face repo id (org/name[@revision]), or demo")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument("--port", type=port_number, default=8000,
+                        help="port to listen on (default 8000; 0: a free one)")
     parser.add_argument("--served-model-name", help="the model id clients name (default: MODEL as given)")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                         help=f"bearer token clients must send (default: ${API_KEY_ENV}; unset: none wanted)")
@@ -428,6 +429,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                         help="what the server logs (default info: one line per request)")
     return parser
+
+
+def port_number(text: str) -> int:
+    """A TCP port, refused at parsing rather than as a traceback from the socket's bind."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {port}")
+    return port
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -175,3 +175,11 @@ def test_serve_refuses_a_bad_engine_option_before_it_serves(capsys, monkeypatch)
     monkeypatch.setattr("uvicorn.run", lambda *a, **k: pytest.fail("served despite a bad option"))
     assert server.main(["demo", "--option", "no_such_option=1"]) == 2
     assert "unknown engine option 'no_such_option'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("port, says", [("99999", "a port is 0 to 65535, got 99999"), ("http", "'http' is not a port")])
+def test_serve_refuses_a_port_that_is_no_port(port, says, capsys):
+    server = pytest.importorskip("hibana_plugins.server")
+    with pytest.raises(SystemExit) as e:
+        server.main(["demo", "--port", port])
+    assert e.value.code == 2 and says in capsys.readouterr().err
