@@ -81,6 +81,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not self.model_name:
             raise ConfigError("the served model name must not be empty")
+        if self.api_key is not None and not self.api_key.strip():  # it would take an empty bearer token
+            raise ConfigError("the API key must not be empty or blank; leave it unset to want none")
         if self.max_body_bytes <= 0 or any(limit is not None and limit <= 0
                                            for limit in (self.max_tokens_limit, self.request_timeout)):
             raise ConfigError("max_body_bytes, max_tokens_limit and request_timeout must be positive")
@@ -404,8 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=port_number, default=8000,
                         help="port to listen on (default 8000; 0: a free one)")
     parser.add_argument("--served-model-name", help="the model id clients name (default: MODEL as given)")
-    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                        help=f"bearer token clients must send (default: ${API_KEY_ENV}; unset: none wanted)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                        help=f"bearer token clients must send (default: ${API_KEY_ENV}; unset or empty: none wanted)")
     parser.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
                         help="largest request body accepted (default 8 MiB)")
     parser.add_argument("--max-tokens-limit", type=int,

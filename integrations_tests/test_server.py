@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from hibana_core import Engine  # noqa: E402
+from hibana_core import ConfigError, Engine  # noqa: E402
 from hibana_plugins.server import ServerConfig, serving  # noqa: E402
 from hibana_bench.serve_load import MULTIPLY, WEATHER  # noqa: E402 - the load test's tools
 
@@ -646,6 +646,10 @@ def test_the_api_key_comes_from_the_environment_too(monkeypatch):
     assert server.build_parser().parse_args(["demo"]).api_key == "from-env"
     assert server.build_parser().parse_args(["demo", "--api-key", "given"]).api_key == "given"
     assert server.build_parser().parse_args(["demo"]).host == "127.0.0.1"
+    monkeypatch.setenv(server.API_KEY_ENV, "")  # set but empty, as CI files leave it: no key wanted
+    assert server.build_parser().parse_args(["demo"]).api_key is None
+    with pytest.raises(ConfigError, match="API key must not be empty"):  # nor a key that is the empty bearer token
+        ServerConfig("demo", api_key=" ")
 
 
 def test_engine_options_from_the_command_line():
