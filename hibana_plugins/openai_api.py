@@ -221,10 +221,11 @@ def tool_choice(choice: str | dict | None, tools: list[dict] | None) -> tuple[st
     if kind == "function":
         function = choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None
-        if not isinstance(name, str):
-            raise ApiError(400, "tool_choice.function.name must name one of the tools: {'type': 'function', "
-                                "'function': {'name': ...}}", "tool_choice")
-        return normalize_tool_choice(name, tools), tools
+        offered = [t["function"]["name"] for t in tools or ()]
+        if name not in offered:  # "none" or "auto" here names a tool, not a mode
+            raise ApiError(400, f"tool_choice.function.name is {name!r:.80}; name one of the tools offered: "
+                                f"{offered}", "tool_choice")
+        return name, tools
     if kind == "allowed_tools":
         return allowed_tools(choice.get("allowed_tools"), tools)
     raise ApiError(400, f"tool_choice has type {kind!r:.40}; use 'function' (one tool) or 'allowed_tools' "

@@ -369,6 +369,8 @@ def test_a_wrong_or_missing_key_is_refused(base_url):
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
      b'{"name": "f"}}], "tool_choice": {"type": "function"}}', "tool_choice"),
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
+     b'{"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "none"}}}', "tool_choice"),
+    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
      b'{"name": "f"}}], "tool_choice": {"type": "custom", "custom": {"name": "f"}}}', "tool_choice"),
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
      b'{"name": "f"}}], "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": '
