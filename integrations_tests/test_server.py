@@ -663,30 +663,37 @@ def test_engine_options_from_the_command_line():
     assert options["memory_budget"] == "80%" and options["state_dir"] == "states" and options["pin_budget"] == 0.25
 
 
-def test_a_request_that_waited_too_long_in_the_queue_is_a_429(tmp_path):
-    """queue_timeout_ms on a full server: the waiting request gets OpenAI's rate-limit shape
-    (retry later); the one running is unaffected."""
+def test_a_request_that_waited_too_long_in_the_queue_is_a_429():
+    """queue_timeout_ms on a full server: the waiting requests get OpenAI's rate-limit shape
+    (retry later); the one running is unaffected. The running one is held busy in process
+    (ignore_eos), so that on a loaded machine neither its admission nor its end races the wait."""
     import openai
+    from hibana_core import SamplingParams
 
-    with Engine.from_pretrained("demo", progress=False, max_concurrent_agents=1, queue_timeout_ms=1) as engine, \
+    with Engine.from_pretrained("demo", progress=False, max_concurrent_agents=1, queue_timeout_ms=200) as engine, \
             serving(engine, ServerConfig("demo", api_key=KEY)) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
-        results, errors = [], []
+        errors = []
+        with engine.lease(state_id="runs-long") as busy:
+            busy.sync(engine.tokenizer.encode("Tell me a long story."))
+            events = busy.stream(SamplingParams(max_tokens=engine.max_model_len // 2, ignore_eos=True))
+            next(events)  # admitted and generating: the server is full
 
-        def ask(i: int) -> None:
-            try:
-                results.append(client.chat.completions.create(
-                    model="demo", messages=[{"role": "user", "content": f"Tell me a long story {i}."}],
-                    max_tokens=64))
-            except openai.RateLimitError as exc:
-                errors.append(exc)
+            def ask(i: int) -> None:
+                try:
+                    client.chat.completions.create(model="demo", max_tokens=8,
+                                                   messages=[{"role": "user", "content": f"Story {i}?"}])
+                except openai.RateLimitError as exc:
+                    errors.append(exc)
 
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert results and errors, (len(results), len(errors))
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            for event in events:  # the running request goes on to its end
+                pass
+        assert len(errors) == 3 and event.completion.finish_reason == "length"
         assert errors[0].status_code == 429 and errors[0].body["code"] == "queue_timeout"
         assert "queue_timeout_ms" in errors[0].body["message"]
 
