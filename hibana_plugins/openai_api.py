@@ -25,6 +25,7 @@ from hibana_core.turn import ChatDelta, ChatResult, Usage
 
 STATE_HEADER = "X-Hibana-State"
 MAX_STATE_ID = 256  # characters of an id a client names its state by
+MAX_PROMPTS = 64    # prompts one legacy completions request may give (each one turn, at once)
 
 
 class ApiError(Exception):
@@ -94,7 +95,7 @@ class ChatRequest(SamplingRequest):
 class CompletionRequest(SamplingRequest):
     """A legacy completions request: a prompt continued as it is, no chat template."""
 
-    prompt: str | list[str] = Field(min_length=1)  # a list of one: the SDK's other spelling
+    prompt: str | list[str] = Field(min_length=1)  # a list: one choice per prompt (`prompts_of`)
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for this endpoint
     echo: Literal[False] | None = None
     logprobs: Literal[0] | None = None
@@ -249,6 +250,23 @@ def allowed_tools(spec: Any, tools: list[dict] | None) -> tuple[str, list[dict]]
     return mode, [t for t in tools if t["function"]["name"] in names]
 
 
+def prompts_of(request: CompletionRequest, state_header: str | None) -> list[str]:
+    """A completions request's prompts: its string, or its list, each prompt its own turn and
+    choice. Several are answered whole (not streamed), each on the state it continues."""
+    prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+    if len(prompts) > 1 and request.stream:
+        raise ApiError(400, f"prompt: {len(prompts)} prompts cannot be streamed; stream one prompt per request, or "
+                            "leave stream out", "prompt")
+    if len(prompts) > 1 and state_header is not None:
+        raise ApiError(400, f"prompt: the {STATE_HEADER} header pins one state, and {len(prompts)} prompts were given; "
+                            "give one prompt with it", "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
+    if not all(prompts):
+        raise ApiError(400, "prompt: every prompt needs at least one character", "prompt")
+    return prompts
+
+
 def thinking_switch(request: ChatRequest) -> bool | None:
     """Whether a reasoning model thinks (the chat template's `enable_thinking`, Qwen3's switch):
     `chat_template_kwargs.enable_thinking` as vLLM and SGLang take it, or `reasoning_effort`
@@ -369,9 +387,14 @@ class TextReply(Reply):
         super().__init__(model)
         self.id = "cmpl-" + uuid.uuid4().hex
 
-    def completion(self, result: ChatResult) -> dict:
-        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish_reason(result)}
-        return {**self._head("text_completion"), "choices": [choice], "usage": usage(result.usage)}
+    def completion(self, *results: ChatResult) -> dict:
+        """The reply to one prompt, or to several (one choice each, their usage summed)."""
+        choices = [{"index": i, "text": r.text, "logprobs": None, "finish_reason": finish_reason(r)}
+                   for i, r in enumerate(results)]
+        total = Usage(prompt_tokens=sum(r.usage.prompt_tokens for r in results),
+                      cached_tokens=sum(r.usage.cached_tokens for r in results),
+                      completion_tokens=sum(r.usage.completion_tokens for r in results))
+        return {**self._head("text_completion"), "choices": choices, "usage": usage(total)}
 
     def chunk(self, delta: ChatDelta) -> dict:
         finish = finish_reason(delta.result) if delta.result is not None else None

@@ -54,7 +54,7 @@ from hibana_core.errors import (ChatTimeoutError, ConfigError, ContextLengthErro
 from hibana_core.messages import ConversationError, ToolChoiceError, ToolSchemaError, UnsupportedContentError
 from hibana_core.turn import ChatDelta
 from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatRequest, CompletionRequest, Reply,
-                                       TextReply, chat_call, parse_request)
+                                       TextReply, chat_call, parse_request, prompts_of)
 
 if TYPE_CHECKING:
     from hibana_core.engine import Engine, EngineStats
@@ -254,15 +254,15 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
     async def completions(request: Request) -> Response:
         received = time.monotonic()
         parsed = await checked(request, CompletionRequest)
-        if isinstance(parsed.prompt, list) and len(parsed.prompt) != 1:
-            raise ApiError(400, "prompt: give one prompt per request (a string, or a list of one)", "prompt")
+        prompts = prompts_of(parsed, request.headers.get(STATE_HEADER))
         try:
             call = chat_call(parsed, request.headers.get(STATE_HEADER), max_tokens_limit)
         except HibanaError as exc:
             raise api_error(exc) from None
-        prompt = parsed.prompt if isinstance(parsed.prompt, str) else parsed.prompt[0]
-        return await serve(request, received, Serving(text_chat, prompt, call, config.request_timeout),
-                           TextReply(config.model_name))
+        servings = [Serving(text_chat, prompt, call, config.request_timeout) for prompt in prompts]
+        if len(servings) == 1:
+            return await serve(request, received, servings[0], TextReply(config.model_name))
+        return await serve_together(request, received, servings, TextReply(config.model_name))
 
     async def serve(request: Request, received: float, serving: "Serving", reply: Reply) -> Response:
         """One turn, streamed or whole; errors up to its first token come as HTTP errors. A client
@@ -278,6 +278,26 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         metrics.served(result.usage)
         metrics.requests.labels(request.url.path, "200").inc()
         return JSONResponse(reply.completion(result), headers=headers)
+
+    async def serve_together(request: Request, received: float, servings: "list[Serving]",
+                             reply: TextReply) -> Response:
+        """Several prompts of one request, each its own turn, run at once and answered together;
+        a turn's error fails the request once the others have ended (their states keep them)."""
+        async def whole(serving: Serving) -> turn.ChatResult:
+            deltas = turn.arun(serving.open)
+            first = await first_delta(deltas, reply)
+            metrics.ttft.observe(time.monotonic() - received)
+            return await rest(deltas, first)
+
+        outcomes = await unless_gone(request, asyncio.gather(*map(whole, servings), return_exceptions=True))
+        failed = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        if failed:
+            raise failed[0]
+        for result in outcomes:
+            metrics.served(result.usage)
+        metrics.requests.labels(request.url.path, "200").inc()
+        return JSONResponse(reply.completion(*outcomes),
+                            headers={STATE_HEADER: ", ".join(serving.state_id for serving in servings)})
 
     async def first_delta(deltas: AsyncIterator[ChatDelta], reply: Reply) -> ChatDelta:
         """The lease, the queue, the prefill and the first token, within the request timeout."""

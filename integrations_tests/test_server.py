@@ -14,6 +14,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from hibana_core import ConfigError, Engine  # noqa: E402
+from hibana_plugins.openai_api import STATE_HEADER  # noqa: E402
 from hibana_plugins.server import ServerConfig, serving  # noqa: E402
 from hibana_bench.serve_load import MULTIPLY, WEATHER  # noqa: E402 - the load test's tools
 
@@ -322,9 +323,28 @@ def test_completions_continue_the_prompt_as_it_is(client, engine):
                                             stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == local.raw_text
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the first request's state
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.completions.create(model="demo", prompt=["one", "two"])
+    with pytest.raises(openai.BadRequestError) as caught:  # several prompts are answered whole
+        client.completions.create(model="demo", prompt=["one", "two"], stream=True)
     assert caught.value.body["param"] == "prompt"
+
+
+def test_completions_of_several_prompts_give_a_choice_each(client):
+    prompts = ["Once upon a time", "The weather in Oslo is", "Hello"]
+    alone = [client.completions.create(model="demo", prompt=p, max_tokens=12) for p in prompts]
+    together = client.completions.with_raw_response.create(model="demo", prompt=prompts, max_tokens=12)
+    reply = together.parse()
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.text for c in reply.choices] == [r.choices[0].text for r in alone]
+    assert [c.finish_reason for c in reply.choices] == [r.choices[0].finish_reason for r in alone]
+    assert reply.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in alone)
+    assert reply.usage.completion_tokens == sum(r.usage.completion_tokens for r in alone)
+    assert len(together.headers[STATE_HEADER].split(", ")) == 3
+    for body, says in [({"prompt": prompts}, "header"), ({"prompt": ["a"] * 65}, "at most 64"),
+                       ({"prompt": ["a", ""]}, "at least one character")]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model="demo", max_tokens=2, extra_headers={STATE_HEADER: "pinned"}
+                                      if says == "header" else None, **body)
+        assert caught.value.body["param"] == "prompt" and says in caught.value.body["message"]
 
 
 # --- errors ------------------------------------------------------------------------------------------
