@@ -49,6 +49,7 @@ their thinking, so the state recomputes from the first dropped block), or as gen
 own tokens are kept, thinking included: nothing is recomputed, but the model sees its old thinking)."""
 _THINK_BLOCK = re.compile(r"<think>.*?</think>\s*", re.S)
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+RUN_PAST_STOP = 16  # tokens a request may generate past the stop a turn asked for (async steps, accepted drafts)
 
 
 class Chat:
@@ -67,6 +68,7 @@ class Chat:
         vocab = engine.tokenizer.get_vocab()
         self.stop_token_ids = tuple(vocab[t] for t in getattr(chat_format, "end_of_turn_tokens", END_OF_TURN_TOKENS)
                                     if t in vocab)  # a format's own (harmony: <|end|> ends a message, not the turn)
+        self._end_texts = tuple(engine.tokenizer.decode([t], skip_special_tokens=False) for t in self.stop_token_ids)
         self.control = prompt.control_strings(engine.tokenizer)  # what contents never turn into
         self.control_ids = frozenset(vocab[t] for t in self.control if t in vocab)
         self._plain: dict[str, Callable[[str], list[int]]] = {}   # built on first hostile content, shared by `on`
@@ -227,11 +229,32 @@ class Chat:
         for end in reversed(ends):  # usually the last one matches: the previous reply, unchanged
             held_text = self.engine.tokenizer.decode(held[:end], skip_special_tokens=False)
             if text.startswith(held_text) and self._controls_are_markup(held[:end], prompt.spans_of(text)):
-                return held[:end] + self._encode(text, len(held_text))
+                kept, at = end, len(held_text)
+                if end == ends[-1]:
+                    kept, at = self._stopped_reply(held, end, text, at)
+                return held[:kept] + self._encode(text, at)
             bare = _without_thinking(held_text)[0] if generated else ""
             if bare and stripped.startswith(bare):  # the prompt left this reply's thinking out
                 return held[:end] + self._encode(text, positions[len(bare) - 1] + 1)
         return self._encode(text)
+
+    def _stopped_reply(self, held: Sequence[int], end: int, text: str, at: int) -> tuple[int, int]:
+        """How many of the state's tokens to keep, and where in `text` the rest starts, when the
+        state's last reply (past `end`) stopped before its end-of-turn token: after its one call
+        (parallel_tool_calls=False) or at max_tokens. Its tokens are kept where they spell the
+        prompt's text up to the end-of-turn token the prompt closes that reply with, the engine's
+        few tokens past the stop left out; else `end` and `at`."""
+        closes = [i for i in (text.find(t, at) for t in self._end_texts) if i >= 0]
+        if end == len(held) or not closes:
+            return end, at
+        want = text[at:min(closes)]
+        for kept in range(len(held), max(end, len(held) - RUN_PAST_STOP), -1):
+            got = self.engine.tokenizer.decode(held[end:kept], skip_special_tokens=False)
+            if got == want and self._controls_are_markup(held[:kept], prompt.spans_of(text)):
+                return kept, min(closes)
+            if not got.startswith(want):
+                break
+        return end, at
 
     def _controls_are_markup(self, tokens: Sequence[int], spans: Sequence[prompt.Span]) -> bool:
         """Whether no control token of `tokens` stands where `spans` (content) are in their text."""

@@ -25,6 +25,7 @@ from hibana_core.turn import ChatDelta, ChatResult, Usage
 
 STATE_HEADER = "X-Hibana-State"
 MAX_STATE_ID = 256  # characters of an id a client names its state by
+MAX_PROMPTS = 64    # prompts one legacy completions request may give (each one turn, at once)
 
 
 class ApiError(Exception):
@@ -57,7 +58,7 @@ class SamplingRequest(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # what the sampler's int64 generator takes
     n: int | None = Field(None, ge=1)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -94,7 +95,7 @@ class ChatRequest(SamplingRequest):
 class CompletionRequest(SamplingRequest):
     """A legacy completions request: a prompt continued as it is, no chat template."""
 
-    prompt: str | list[str] = Field(min_length=1)  # a list of one: the SDK's other spelling
+    prompt: str | list[str] = Field(min_length=1)  # a list: one choice per prompt (`prompts_of`)
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for this endpoint
     echo: Literal[False] | None = None
     logprobs: Literal[0] | None = None
@@ -116,7 +117,7 @@ def parse_request(body: Any, kind: "type[R]" = ChatRequest) -> "R":
         param = ".".join(map(str, _field_path(body, first["loc"]))) or None
         if first["type"] == "extra_forbidden":
             raise ApiError(400, f"Unrecognized request argument supplied: {param}", param) from None
-        if param in ("logprobs", "top_logprobs", "echo", "best_of", "suffix"):
+        if first["type"] in ("literal_error", "none_required") and param in ("logprobs", "echo", "best_of", "suffix"):
             raise ApiError(400, f"{param}: Hibana does not support this yet; leave it out", param) from None
         raise ApiError(400, f"{param}: {first['msg']}", param) from None
 
@@ -139,7 +140,8 @@ def _field_path(body: Any, loc: tuple) -> list:
 class ChatCall:
     """What one request asks of the chat layer (`Chat.opener`'s arguments)."""
 
-    tools: list[dict] | None
+    listed_tools: list[dict] | None  # the tools the prompt lists
+    tools: list[dict] | None    # those the calls are held to (`allowed_tools` may name fewer)
     tool_choice: str            # "auto", "none", "required" or a tool's name
     parallel_tool_calls: bool
     params: SamplingParams
@@ -166,10 +168,12 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
                             "ask for fewer tokens", param)
     if state_header is not None and not 0 < len(state_header) <= MAX_STATE_ID:
         raise ApiError(400, f"the {STATE_HEADER} header must name a state in 1 to {MAX_STATE_ID} characters")
-    tools = normalize_tools(request.tools or None) if chat else None
-    choice = normalize_tool_choice(request.tool_choice, tools) if chat else "none"
+    if chat:
+        contents_given(request.messages)
+    listed = normalize_tools(function_tools(request.tools)) if chat else None
+    choice, tools = tool_choice(request.tool_choice, listed) if chat else ("none", None)
     if choice == "none":
-        tools = None
+        listed = tools = None
     logprobs = bool(chat and request.logprobs)
     if chat and request.top_logprobs and not logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
@@ -182,10 +186,85 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
         json_schema=response_schema(request.response_format) if chat else None,
         logprobs=logprobs, top_logprobs=(request.top_logprobs or 0) if logprobs else 0)
     explicit = state_header or request.user
-    return ChatCall(tools, choice, not chat or request.parallel_tool_calls is not False, params, explicit,
+    return ChatCall(listed, tools, choice, not chat or request.parallel_tool_calls is not False, params, explicit,
                     fallback=state_header is None, stream=bool(request.stream),
                     include_usage=bool(request.stream_options and request.stream_options.include_usage),
                     reasoning=thinking_switch(request) if chat else None)
+
+
+def contents_given(messages: list[dict]) -> None:
+    """OpenAI's rule: a system, developer, user or tool message has content (an assistant's may
+    hold calls only); rendered without it, the model would read an empty turn."""
+    for i, message in enumerate(messages):
+        if message.get("role") in ("system", "developer", "user", "tool") and message.get("content") is None:
+            raise ApiError(400, f"messages[{i}] is a {message['role']} message without content; give it a string "
+                                "or a list of text parts", "messages")
+
+
+def function_tools(tools: list[dict] | None) -> list[dict] | None:
+    """The request's tools, each a function tool: OpenAI's custom (free-text) tools are refused."""
+    for i, tool in enumerate(tools or ()):
+        if tool.get("type", "function") != "function":
+            raise ApiError(400, f"tools[{i}] has type {tool.get('type')!r:.40}; Hibana calls function tools only: "
+                                "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}}", "tools")
+    return tools or None
+
+
+def tool_choice(choice: str | dict | None, tools: list[dict] | None) -> tuple[str, list[dict] | None]:
+    """`tool_choice` in each of OpenAI's forms, as the chat layer's choice ("auto", "none",
+    "required" or a tool's name) and the tools the calls are held to: "none" / "auto" /
+    "required"; {"type": "function", "function": {"name": ...}}: that tool; {"type":
+    "allowed_tools", "allowed_tools": {"mode", "tools"}}: the prompt still lists every tool (its
+    KV stays reused while the allowed set changes) and the calls are held to those named."""
+    if not isinstance(choice, dict):
+        return normalize_tool_choice(choice, tools), tools
+    kind = choice.get("type")
+    if kind == "function":
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        offered = [t["function"]["name"] for t in tools or ()]
+        if name not in offered:  # "none" or "auto" here names a tool, not a mode
+            raise ApiError(400, f"tool_choice.function.name is {name!r:.80}; name one of the tools offered: "
+                                f"{offered}", "tool_choice")
+        return name, tools
+    if kind == "allowed_tools":
+        return allowed_tools(choice.get("allowed_tools"), tools)
+    raise ApiError(400, f"tool_choice has type {kind!r:.40}; use 'function' (one tool) or 'allowed_tools' "
+                        "(Hibana calls function tools only)", "tool_choice")
+
+
+def allowed_tools(spec: Any, tools: list[dict] | None) -> tuple[str, list[dict]]:
+    """The mode and the offered tools that `tool_choice.allowed_tools` names."""
+    mode = spec.get("mode") if isinstance(spec, dict) else None
+    named = spec.get("tools") if isinstance(spec, dict) else None
+    if mode not in ("auto", "required") or not isinstance(named, list) or not named:
+        raise ApiError(400, "tool_choice.allowed_tools needs a mode ('auto' or 'required') and a non-empty list of "
+                            "tools: [{'type': 'function', 'function': {'name': ...}}]", "tool_choice")
+    offered = [t["function"]["name"] for t in tools or ()]
+    names = [t.get("function", {}).get("name") if isinstance(t, dict) and isinstance(t.get("function"), dict)
+             else None for t in named]
+    unknown = [name for name in names if name not in offered]
+    if unknown:
+        raise ApiError(400, f"tool_choice.allowed_tools names {unknown[0]!r:.80}, which is not one of the tools "
+                            f"offered ({offered})", "tool_choice")
+    return mode, [t for t in tools if t["function"]["name"] in names]
+
+
+def prompts_of(request: CompletionRequest, state_header: str | None) -> list[str]:
+    """A completions request's prompts: its string, or its list, each prompt its own turn and
+    choice. Several are answered whole (not streamed), each on the state it continues."""
+    prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+    if len(prompts) > 1 and request.stream:
+        raise ApiError(400, f"prompt: {len(prompts)} prompts cannot be streamed; stream one prompt per request, or "
+                            "leave stream out", "prompt")
+    if len(prompts) > 1 and state_header is not None:
+        raise ApiError(400, f"prompt: the {STATE_HEADER} header pins one state, and {len(prompts)} prompts were given; "
+                            "give one prompt with it", "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
+    if not all(prompts):
+        raise ApiError(400, "prompt: every prompt needs at least one character", "prompt")
+    return prompts
 
 
 def thinking_switch(request: ChatRequest) -> bool | None:
@@ -308,9 +387,14 @@ class TextReply(Reply):
         super().__init__(model)
         self.id = "cmpl-" + uuid.uuid4().hex
 
-    def completion(self, result: ChatResult) -> dict:
-        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish_reason(result)}
-        return {**self._head("text_completion"), "choices": [choice], "usage": usage(result.usage)}
+    def completion(self, *results: ChatResult) -> dict:
+        """The reply to one prompt, or to several (one choice each, their usage summed)."""
+        choices = [{"index": i, "text": r.text, "logprobs": None, "finish_reason": finish_reason(r)}
+                   for i, r in enumerate(results)]
+        total = Usage(prompt_tokens=sum(r.usage.prompt_tokens for r in results),
+                      cached_tokens=sum(r.usage.cached_tokens for r in results),
+                      completion_tokens=sum(r.usage.completion_tokens for r in results))
+        return {**self._head("text_completion"), "choices": choices, "usage": usage(total)}
 
     def chunk(self, delta: ChatDelta) -> dict:
         finish = finish_reason(delta.result) if delta.result is not None else None

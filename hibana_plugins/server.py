@@ -51,10 +51,10 @@ from hibana_core.chat import Chat
 from hibana_core.engine_core import STEP_TIME_BUCKETS
 from hibana_core.errors import (ChatTimeoutError, ConfigError, ContextLengthError, EngineClosedError, GrammarError,
                                 HibanaError, QueueTimeoutError, StateBusyError)
-from hibana_core.messages import ConversationError, ToolChoiceError, ToolSchemaError
+from hibana_core.messages import ConversationError, ToolChoiceError, ToolSchemaError, UnsupportedContentError
 from hibana_core.turn import ChatDelta
 from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatRequest, CompletionRequest, Reply,
-                                       TextReply, chat_call, parse_request)
+                                       TextReply, chat_call, parse_request, prompts_of)
 
 if TYPE_CHECKING:
     from hibana_core.engine import Engine, EngineStats
@@ -81,6 +81,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not self.model_name:
             raise ConfigError("the served model name must not be empty")
+        if self.api_key is not None and not self.api_key.strip():  # it would take an empty bearer token
+            raise ConfigError("the API key must not be empty or blank; leave it unset to want none")
         if self.max_body_bytes <= 0 or any(limit is not None and limit <= 0
                                            for limit in (self.max_tokens_limit, self.request_timeout)):
             raise ConfigError("max_body_bytes, max_tokens_limit and request_timeout must be positive")
@@ -174,7 +176,7 @@ def api_error(exc: HibanaError, prompt_param: str = "messages") -> ApiError:
     if isinstance(exc, EngineClosedError):
         return ApiError(503, message, None, "engine_closed", "server_error")
     params = [(ToolChoiceError, "tool_choice"), (ToolSchemaError, "tools"), (ConversationError, "messages"),
-              (GrammarError, "response_format")]
+              (UnsupportedContentError, "messages"), (GrammarError, "response_format")]
     return ApiError(400, message, next((p for kind, p in params if isinstance(exc, kind)), None))
 
 
@@ -241,7 +243,8 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         parsed = await checked(request, ChatRequest)
         try:
             call = chat_call(parsed, request.headers.get(STATE_HEADER), max_tokens_limit)
-            prompt = await asyncio.to_thread(chat.render_text, parsed.messages, call.tools, call.reasoning)
+            prompt = await asyncio.to_thread(chat.render_text, parsed.messages, call.listed_tools,
+                                           call.reasoning)
         except HibanaError as exc:
             raise api_error(exc) from None
         return await serve(request, received, Serving(chat, prompt, call, config.request_timeout),
@@ -251,15 +254,15 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
     async def completions(request: Request) -> Response:
         received = time.monotonic()
         parsed = await checked(request, CompletionRequest)
-        if isinstance(parsed.prompt, list) and len(parsed.prompt) != 1:
-            raise ApiError(400, "prompt: give one prompt per request (a string, or a list of one)", "prompt")
+        prompts = prompts_of(parsed, request.headers.get(STATE_HEADER))
         try:
             call = chat_call(parsed, request.headers.get(STATE_HEADER), max_tokens_limit)
         except HibanaError as exc:
             raise api_error(exc) from None
-        prompt = parsed.prompt if isinstance(parsed.prompt, str) else parsed.prompt[0]
-        return await serve(request, received, Serving(text_chat, prompt, call, config.request_timeout),
-                           TextReply(config.model_name))
+        servings = [Serving(text_chat, prompt, call, config.request_timeout) for prompt in prompts]
+        if len(servings) == 1:
+            return await serve(request, received, servings[0], TextReply(config.model_name))
+        return await serve_together(request, received, servings, TextReply(config.model_name))
 
     async def serve(request: Request, received: float, serving: "Serving", reply: Reply) -> Response:
         """One turn, streamed or whole; errors up to its first token come as HTTP errors. A client
@@ -275,6 +278,26 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         metrics.served(result.usage)
         metrics.requests.labels(request.url.path, "200").inc()
         return JSONResponse(reply.completion(result), headers=headers)
+
+    async def serve_together(request: Request, received: float, servings: "list[Serving]",
+                             reply: TextReply) -> Response:
+        """Several prompts of one request, each its own turn, run at once and answered together;
+        a turn's error fails the request once the others have ended (their states keep them)."""
+        async def whole(serving: Serving) -> turn.ChatResult:
+            deltas = turn.arun(serving.open)
+            first = await first_delta(deltas, reply)
+            metrics.ttft.observe(time.monotonic() - received)
+            return await rest(deltas, first)
+
+        outcomes = await unless_gone(request, asyncio.gather(*map(whole, servings), return_exceptions=True))
+        failed = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        if failed:
+            raise failed[0]
+        for result in outcomes:
+            metrics.served(result.usage)
+        metrics.requests.labels(request.url.path, "200").inc()
+        return JSONResponse(reply.completion(*outcomes),
+                            headers={STATE_HEADER: ", ".join(serving.state_id for serving in servings)})
 
     async def first_delta(deltas: AsyncIterator[ChatDelta], reply: Reply) -> ChatDelta:
         """The lease, the queue, the prefill and the first token, within the request timeout."""
@@ -400,10 +423,11 @@ def build_parser() -> argparse.ArgumentParser:
                                          "KV kept resident. Example: hibana serve demo --port 8000")
     parser.add_argument("model", help="checkpoint directory, Hugging Face repo id (org/name[@revision]), or demo")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument("--port", type=port_number, default=8000,
+                        help="port to listen on (default 8000; 0: a free one)")
     parser.add_argument("--served-model-name", help="the model id clients name (default: MODEL as given)")
-    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                        help=f"bearer token clients must send (default: ${API_KEY_ENV}; unset: none wanted)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                        help=f"bearer token clients must send (default: ${API_KEY_ENV}; unset or empty: none wanted)")
     parser.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
                         help="largest request body accepted (default 8 MiB)")
     parser.add_argument("--max-tokens-limit", type=int,
@@ -427,6 +451,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                         help="what the server logs (default info: one line per request)")
     return parser
+
+
+def port_number(text: str) -> int:
+    """A TCP port, refused at parsing rather than as a traceback from the socket's bind."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {port}")
+    return port
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -447,3 +447,25 @@ def test_single_call_turn_stops_generating_after_the_call(engine):
     # may run a step or two ahead of the reader on a loaded machine)
     assert result.usage.completion_tokens <= 4
     assert len(real.handle.tokens) == result.usage.prompt_tokens + result.usage.completion_tokens
+
+
+def test_a_reply_stopped_before_its_end_token_is_kept_where_the_prompt_ends_it(engine):
+    """A turn stopped after its one call (parallel_tool_calls=False) or at max_tokens holds no
+    end-of-turn token, and the engine may have run a token or two past the stop. Its tokens
+    still spell the reply the next prompt sends back: they are kept (not re-tokenized) up to
+    where the prompt closes that reply, so a model's own spelling of a call is no recompute."""
+    chat = Chat(engine, "stopped-reply")
+    tokenizer = engine.tokenizer
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    asked = HELLO + [{"role": "assistant", "content": "", "tool_calls": [call]}]
+    then = asked + [{"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    first = str(chat.render_text(HELLO, [WEATHER]))
+    rendered = str(chat.render_text(then, [WEATHER]))
+    reply = rendered[len(first):rendered.index("<|im_end|>", len(first))]
+    spelled = [t for ch in reply for t in tokenizer.encode(ch, add_special_tokens=False)]  # not the tokenizer's way
+    assert spelled != tokenizer.encode(reply, add_special_tokens=False)
+    prompt = chat.prompt_ids(HELLO, [WEATHER])
+    for run_on in ([], tokenizer.encode("\n<tool_call>", add_special_tokens=False)):
+        chat.handle.sync(prompt + spelled + run_on)
+        kept = prompt + spelled
+        assert chat.prompt_ids(then, [WEATHER])[:len(kept)] == kept

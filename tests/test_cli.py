@@ -185,3 +185,11 @@ def test_serve_without_its_extra_says_which_to_install(capsys, monkeypatch):
     assert cli.main(["serve", "demo"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "hibana serve: it needs fastapi" in err and '".[serve]"' in err, err
+
+
+@pytest.mark.parametrize("port, says", [("99999", "a port is 0 to 65535, got 99999"), ("http", "'http' is not a port")])
+def test_serve_refuses_a_port_that_is_no_port(port, says, capsys):
+    server = pytest.importorskip("hibana_plugins.server")
+    with pytest.raises(SystemExit) as e:
+        server.main(["demo", "--port", port])
+    assert e.value.code == 2 and says in capsys.readouterr().err
