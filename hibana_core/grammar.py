@@ -109,6 +109,39 @@ def json_schema_grammar(schema: Any) -> Any:
     return grammar
 
 
+UNENFORCED_KEYWORDS = ("contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas",
+                       "if", "then", "else")
+"""JSON-schema keywords xgrammar 0.2.9 compiles but does not hold the output to (as allOf with
+more than one subschema): an output "valid by construction" could break them, so they are refused.
+(oneOf is held as anyOf and uniqueItems not at all: pydantic writes both, for unions and sets, and
+its parsing accepts what the grammar lets through.)"""
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMAS = ("additionalProperties", "items", "not", "propertyNames", "unevaluatedProperties",
+               "unevaluatedItems", "contains", "if", "then", "else", "additionalItems")
+
+
+def unenforced_keywords(schema: Any, at: str = "#") -> list[str]:
+    """Where `schema` uses a keyword the grammar cannot hold ("contains at #/properties/xs"),
+    walking subschemas only (a property named "if" is no keyword)."""
+    if not isinstance(schema, dict):
+        return []
+    found = [f"{key} at {at}" for key in UNENFORCED_KEYWORDS if key in schema]
+    if len(schema.get("allOf") or ()) > 1:
+        found.append(f"allOf with {len(schema['allOf'])} subschemas at {at}")
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                found += unenforced_keywords(sub, f"{at}/{key}/{name}")
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                found += unenforced_keywords(sub, f"{at}/{key}/{i}")
+    for key in _SUBSCHEMAS:
+        found += unenforced_keywords(schema.get(key), f"{at}/{key}")
+    return found
+
+
 def compact_json_tag(tag: dict) -> dict:
     """A structural tag with each `json_schema` content made a compact-JSON `grammar` content
     (xgrammar's own JSON in a structural tag allows any whitespace)."""
@@ -280,6 +313,11 @@ class Grammars:
     def _compile(compiler: Any, kind: str, params: SamplingParams) -> Any:
         xgr = _xgrammar()
         if kind == "json_schema":
+            unenforced = unenforced_keywords(params.json_schema)
+            if unenforced:
+                raise GrammarError(f"the JSON schema uses keywords the grammar cannot hold the output to "
+                                   f"({'; '.join(unenforced)}): the output could break them; drop them "
+                                   "from the schema and check them in your code")
             return compiler.compile_grammar(json_schema_grammar(params.json_schema))
         what = {"regex": "regex", "ebnf": "grammar", "structural_tag": "structural tag"}[kind]
         try:

@@ -274,6 +274,34 @@ def test_a_bad_schema_fails_its_call_alone(engine):
         h.close()
 
 
+def test_a_schema_keyword_the_grammar_cannot_hold_is_refused_by_name(engine):
+    """xgrammar compiles these but lets outputs break them (on a random model: arrays without the
+    item `contains` asks for, {"a": 7} without the b that `dependentRequired` asks for, booleans
+    for an allOf of objects): refused, naming keyword and place, rather than "valid" outputs that
+    are not."""
+    h = engine.open_state("unenforced")
+    digit = {"type": "integer", "minimum": 0, "maximum": 9}
+    cases = {
+        "contains at #/properties/xs": {"type": "object", "properties": {"xs": {"type": "array", "items": digit,
+                                                                           "contains": {"const": 3}}}},
+        "dependentRequired at #": {"type": "object", "properties": {"a": digit, "b": digit},
+                                   "dependentRequired": {"a": ["b"]}},
+        "if at #/$defs/p": {"$defs": {"p": {"if": {"required": ["a"]}, "then": {"required": ["b"]}}},
+                            "$ref": "#/$defs/p"},
+        "allOf with 2 subschemas at #/anyOf/1": {"anyOf": [digit, {"allOf": [{"type": "object"}, {"required": ["a"]}]}]},
+    }
+    for where, schema in cases.items():
+        with pytest.raises(GrammarError, match="cannot hold") as failure:
+            h.generate(SamplingParams(max_tokens=5, json_schema=schema), prompt=[5, 6])
+        assert where in str(failure.value)
+        assert h.tokens == []
+    # a property named like a keyword is no keyword; one allOf subschema (pydantic's $ref) is held
+    fine = {"$defs": {"D": digit}, "type": "object", "properties": {"if": {"allOf": [{"$ref": "#/$defs/D"}]}},
+            "required": ["if"], "additionalProperties": False}
+    out = h.generate(SamplingParams(max_tokens=20, json_schema=fine), prompt=[5, 6])
+    assert set(json.loads(out.text)) == {"if"} and 0 <= json.loads(out.text)["if"] <= 9
+
+
 def test_sampling_params_refuse_constraints_that_are_not_one():
     with pytest.raises(GrammarError, match="one of json_schema, regex and grammar"):
         SamplingParams(json_schema={}, regex="a")
