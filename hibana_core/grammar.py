@@ -75,6 +75,13 @@ SPELLINGS_CACHED = 4096
 # characters through (json.loads refuses them); the unbounded string rule excludes \0-\x1f
 _LOOSE_CHARACTER = r'[^\"\\\r\n]'
 _JSON_CHARACTER = r'[^\0-\x1f\"\\]'
+# xgrammar writes a number's digits as unbounded repetitions ([0-9]*, or a one-digit rule{n, -1}): a
+# small model that starts repeating a digit never leaves the number (json_schema_grammar bounds them)
+MAX_NUMBER_DIGITS = 15
+"""Digits a JSON number may have before the point, after it and in a schema-bounded integer's
+run (15 + the first: what a double holds exactly); an exponent has 3 at most."""
+_DIGIT_RULE = re.compile(r"^(\w+) ::= \(\(\[0-9\]\)\)$", re.MULTILINE)
+_EXPONENT = "basic_number_4 basic_number_digits{1, -1}"
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
@@ -104,9 +111,19 @@ def json_schema_grammar(schema: Any) -> Any:
         raise GrammarError(f"the JSON schema cannot be compiled: {_message(exc)}; fix the schema or "
                            "drop the keywords named") from None
     ebnf = str(grammar)
-    if _LOOSE_CHARACTER in ebnf:  # strings with minLength/maxLength: JSON forbids control characters
-        grammar = xgr.Grammar.from_ebnf(ebnf.replace(_LOOSE_CHARACTER, _JSON_CHARACTER))
-    return grammar
+    bounded = _bound_numbers(ebnf.replace(_LOOSE_CHARACTER, _JSON_CHARACTER))  # strings with
+    return grammar if bounded == ebnf else xgr.Grammar.from_ebnf(bounded)  # min/maxLength: no control chars
+
+
+def _bound_numbers(ebnf: str) -> str:
+    """`ebnf` with every run of digits bounded (MAX_NUMBER_DIGITS): the numbers it allows that
+    JSON readers hold exactly stay, and an output cannot be one endless number."""
+    ebnf = ebnf.replace(_EXPONENT, _EXPONENT.replace("{1, -1}", "{1, 3}"))
+    ebnf = ebnf.replace("[0-9]*", f"[0-9]{{0, {MAX_NUMBER_DIGITS}}}")
+    for rule in _DIGIT_RULE.findall(ebnf):
+        ebnf = re.sub(rf"\b{rule}\{{(\d+), -1\}}",
+                      lambda m: f"{rule}{{{m[1]}, {max(int(m[1]), MAX_NUMBER_DIGITS)}}}", ebnf)
+    return ebnf
 
 
 UNENFORCED_KEYWORDS = ("contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import string
 import threading
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from hibana_core import GrammarError, HibanaError, SamplingParams
+from hibana_core.grammar import MAX_NUMBER_DIGITS
 from hibana_core.sampler import Sampler, SamplingRow, TokenMasks
 from hibana_core.turn import SYNTAX, tool_call_grammar
 from hibana_plugins.tool_parsers import HermesToolParser, Llama3JsonToolParser
@@ -252,6 +254,22 @@ def test_matcher_rolls_back_drafts_and_cuts_at_the_first_rejected(engine):
 
 
 # --- failures stay with their request -----------------------------------------------------------------
+
+def test_unbounded_numbers_end(engine):
+    """Integers and numbers without bounds (pydantic's `int`, `list[float]`) have at most
+    MAX_NUMBER_DIGITS digits before and after the point: a random model that starts repeating a
+    digit still finishes, and the output validates."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "low": {"type": "integer", "minimum": 7},
+                                               "xs": {"type": "array", "items": {"type": "number"}, "maxItems": 3}},
+              "required": ["n", "low", "xs"], "additionalProperties": False}
+    rng = random.Random(31)
+    for seed in range(6):
+        params = dict(temperature=1.0, seed=seed) if seed % 2 else {}
+        out = _generate(engine, f"numbers-{seed}", random_tokens(rng, 10), max_tokens=300, json_schema=schema, **params)
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), schema)
+        assert all(len(run) <= MAX_NUMBER_DIGITS + 1 for run in re.findall(r"[0-9]+", out.text)), out.text
+
 
 def test_a_bad_schema_fails_its_call_alone(engine):
     rng = random.Random(9)
