@@ -223,7 +223,7 @@ class Engine:
                              self.max_model_len, config.scheduler.max_concurrent_agents, config.cuda_graphs)
         me = weakref.proxy(self)  # the speculator holds neither the engine nor its runner
         speculator = Speculator(config.speculation, get_plugin_manager().drafters(),
-                                lambda: me._profile_steps(me.core.runner), me)
+                                lambda: me._profile_steps(me.core.runner), self.vocab_size, me)
         host_bytes = config.cache.host_kv_bytes
         if host_bytes is None:  # on unified memory a budget is one pool: parking would only copy
             one_pool = self.memory_budget is not None and self.device_memory.unified

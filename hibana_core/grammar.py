@@ -75,6 +75,13 @@ SPELLINGS_CACHED = 4096
 # characters through (json.loads refuses them); the unbounded string rule excludes \0-\x1f
 _LOOSE_CHARACTER = r'[^\"\\\r\n]'
 _JSON_CHARACTER = r'[^\0-\x1f\"\\]'
+# xgrammar writes a number's digits as unbounded repetitions ([0-9]*, or a one-digit rule{n, -1}): a
+# small model that starts repeating a digit never leaves the number (json_schema_grammar bounds them)
+MAX_NUMBER_DIGITS = 15
+"""Digits a JSON number may have before the point, after it and in a schema-bounded integer's
+run (15 + the first: what a double holds exactly); an exponent has 3 at most."""
+_DIGIT_RULE = re.compile(r"^(\w+) ::= \(\(\[0-9\]\)\)$", re.MULTILINE)
+_EXPONENT = "basic_number_4 basic_number_digits{1, -1}"
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
@@ -104,9 +111,52 @@ def json_schema_grammar(schema: Any) -> Any:
         raise GrammarError(f"the JSON schema cannot be compiled: {_message(exc)}; fix the schema or "
                            "drop the keywords named") from None
     ebnf = str(grammar)
-    if _LOOSE_CHARACTER in ebnf:  # strings with minLength/maxLength: JSON forbids control characters
-        grammar = xgr.Grammar.from_ebnf(ebnf.replace(_LOOSE_CHARACTER, _JSON_CHARACTER))
-    return grammar
+    bounded = _bound_numbers(ebnf.replace(_LOOSE_CHARACTER, _JSON_CHARACTER))  # strings with
+    return grammar if bounded == ebnf else xgr.Grammar.from_ebnf(bounded)  # min/maxLength: no control chars
+
+
+def _bound_numbers(ebnf: str) -> str:
+    """`ebnf` with every run of digits bounded (MAX_NUMBER_DIGITS): the numbers it allows that
+    JSON readers hold exactly stay, and an output cannot be one endless number."""
+    ebnf = ebnf.replace(_EXPONENT, _EXPONENT.replace("{1, -1}", "{1, 3}"))
+    ebnf = ebnf.replace("[0-9]*", f"[0-9]{{0, {MAX_NUMBER_DIGITS}}}")
+    for rule in _DIGIT_RULE.findall(ebnf):
+        ebnf = re.sub(rf"\b{rule}\{{(\d+), -1\}}",
+                      lambda m: f"{rule}{{{m[1]}, {max(int(m[1]), MAX_NUMBER_DIGITS)}}}", ebnf)
+    return ebnf
+
+
+UNENFORCED_KEYWORDS = ("contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas",
+                       "if", "then", "else")
+"""JSON-schema keywords xgrammar 0.2.9 compiles but does not hold the output to (as allOf with
+more than one subschema): an output "valid by construction" could break them, so they are refused.
+(oneOf is held as anyOf and uniqueItems not at all: pydantic writes both, for unions and sets, and
+its parsing accepts what the grammar lets through.)"""
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMAS = ("additionalProperties", "items", "not", "propertyNames", "unevaluatedProperties",
+               "unevaluatedItems", "contains", "if", "then", "else", "additionalItems")
+
+
+def unenforced_keywords(schema: Any, at: str = "#") -> list[str]:
+    """Where `schema` uses a keyword the grammar cannot hold ("contains at #/properties/xs"),
+    walking subschemas only (a property named "if" is no keyword)."""
+    if not isinstance(schema, dict):
+        return []
+    found = [f"{key} at {at}" for key in UNENFORCED_KEYWORDS if key in schema]
+    if len(schema.get("allOf") or ()) > 1:
+        found.append(f"allOf with {len(schema['allOf'])} subschemas at {at}")
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                found += unenforced_keywords(sub, f"{at}/{key}/{name}")
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                found += unenforced_keywords(sub, f"{at}/{key}/{i}")
+    for key in _SUBSCHEMAS:
+        found += unenforced_keywords(schema.get(key), f"{at}/{key}")
+    return found
 
 
 def compact_json_tag(tag: dict) -> dict:
@@ -280,6 +330,11 @@ class Grammars:
     def _compile(compiler: Any, kind: str, params: SamplingParams) -> Any:
         xgr = _xgrammar()
         if kind == "json_schema":
+            unenforced = unenforced_keywords(params.json_schema)
+            if unenforced:
+                raise GrammarError(f"the JSON schema uses keywords the grammar cannot hold the output to "
+                                   f"({'; '.join(unenforced)}): the output could break them; drop them "
+                                   "from the schema and check them in your code")
             return compiler.compile_grammar(json_schema_grammar(params.json_schema))
         what = {"regex": "regex", "ebnf": "grammar", "structural_tag": "structural tag"}[kind]
         try:

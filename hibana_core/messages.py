@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
-from hibana_core.errors import HibanaError
+from hibana_core.errors import GrammarError, HibanaError
 from hibana_plugins.hookspecs import ToolCall
 
 
@@ -145,7 +145,25 @@ def _normalize_tool(i: int, tool: Any) -> dict:
                               "schema object (a dict), or none")
     _check_json(dict(function), lambda exc: ToolSchemaError(f"tool {name!r} is not JSON ({exc}); a schema that "
                                                             "refers to itself must do so with $ref"))
+    if function.get("strict") is True and parameters is not None:
+        _check_enforceable(name, parameters)
     return tool if wrapped and tool.get("type") == "function" else {"type": "function", "function": function}
+
+
+def _check_enforceable(name: str, parameters: Mapping) -> None:
+    """A strict tool's (`"strict": true`, OpenAI's and LangChain's `bind_tools(strict=True)`)
+    arguments are held to its schema, so a schema the grammar cannot hold is refused, as OpenAI
+    refuses it; other tools' arguments fall back to any JSON object (`turn.arguments_schema`)."""
+    from hibana_core.grammar import json_schema_grammar, unenforced_keywords
+
+    unenforced = unenforced_keywords(dict(parameters))
+    try:
+        json_schema_grammar(dict(parameters))
+    except GrammarError as exc:
+        unenforced.append(str(exc))
+    if unenforced:
+        raise ToolSchemaError(f"tool {name!r} is strict but its parameters cannot be held to its schema "
+                              f"({'; '.join(unenforced)}); fix the schema, or bind it without strict")
 
 
 class ToolChoiceError(HibanaError, ValueError):

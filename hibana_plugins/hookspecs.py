@@ -116,7 +116,8 @@ def register_drafters(register) -> None:
     tokens. Optional: `propose_many(states, ks)` (several states in one call), `shadows = False`
     (proposals are costly), `summary()`, `close()`. A request uses it when it or the engine
     names it: `speculation={"method": name, "k": 4}`. Drafts change speed only: the engine
-    keeps the tokens its own model samples.
+    keeps the tokens its own model samples, ends a proposal at its first id outside the
+    vocabulary, and lets a drafter that raises draft nothing (with a PluginWarning).
     """
 
 

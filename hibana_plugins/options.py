@@ -21,6 +21,8 @@ from typing import Any
 
 from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError
+from hibana_core.speculation.speculator import check_method
+from hibana_plugins.manager import get_plugin_manager
 
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
             "presence_penalty", "frequency_penalty", "stop", "logprobs", "top_logprobs", "speculation")
@@ -77,11 +79,15 @@ def check_known(options: Iterable[str], accepted: Iterable[str], where: str) -> 
 
 def sampling_params(values: Mapping[str, Any], where: str) -> SamplingParams:
     """SamplingParams from an adapter's sampling options (`SAMPLING` names; None: the default),
-    its errors saying where the value came from."""
+    its errors saying where the value came from; a speculation method must name a registered
+    drafter."""
     given = {name: values[name] for name in SAMPLING if values.get(name) is not None}
     if "stop" in given and isinstance(given["stop"], str):
         given["stop"] = [given["stop"]]
     try:
-        return SamplingParams(**given)
+        params = SamplingParams(**given)
+        if params.speculation is not None:  # a drafter's name too, before any engine is loaded
+            check_method(params.speculation, list(get_plugin_manager().drafters()))
     except ConfigError as exc:
         raise type(exc)(f"{where}: {exc}") from None
+    return params

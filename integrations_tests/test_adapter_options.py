@@ -45,6 +45,8 @@ def test_chat_hibana_refuses_unknown_options(options, named):
     ({"repeat_penalty": 0}, "repetition_penalty"),
     ({"temperature": "hot"}, "temperature"),
     ({"num_predict": 3, "max_tokens": 4}, "name the same option"),
+    ({"speculation": {"method": "nope"}}, r"no drafter named 'nope' is registered \(registered: .*suffix"),
+    ({"speculation": {"method": "suffix", "k": 99}}, "speculation k must lie in"),
 ])
 def test_chat_hibana_checks_values_at_construction(options, message):
     with pytest.raises(ConfigError, match=message):
@@ -97,6 +99,8 @@ def test_hibana_llm_refuses_unknown_options_before_loading():
         HibanaLLM(model="/nonexistent", temperature=-1)
     with pytest.raises(ConfigError, match="repetition_penalty"):
         HibanaLLM(model="/nonexistent", repeat_penalty=-1.0)
+    with pytest.raises(ConfigError, match="HibanaLLM: no drafter named 'draft' is registered"):
+        HibanaLLM(model="/nonexistent", speculation={"method": "draft", "k": 2})
 
 
 def test_hibana_llm_aliases_and_options(engine):

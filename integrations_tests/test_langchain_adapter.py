@@ -271,6 +271,24 @@ def test_bind_tools_strict_holds_calls_to_the_strict_schema(llm):
     assert set(call["args"]) == set(Shelf.model_fields)
 
 
+def test_bind_tools_strict_refuses_a_schema_the_grammar_cannot_hold(llm):
+    """strict promises arguments valid under the schema (OpenAI refuses such a schema); before,
+    the grammar fell back to any JSON object without a word. A tool bound without strict still runs."""
+    from hibana_core.messages import ToolSchemaError
+
+    class Picks(BaseModel):
+        numbers: list[int] = Field(json_schema_extra={"contains": {"const": 7}})
+
+    unknown_type = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "objekt"}}}
+    for tool_, named in ((Picks, "'Picks' is strict.*contains at #/properties/numbers"),
+                         (unknown_type, "'f' is strict.*Unsupported type \"objekt\"")):
+        with pytest.raises(ToolSchemaError, match=named):
+            llm.bind_tools([tool_], tool_choice="required", strict=True).invoke("go", state_id="strict-refused")
+    assert "strict-refused" not in [s.id for s in llm.engine.states()], "refused before a state was opened"
+    relaxed = llm.bind_tools([Picks], tool_choice="required").invoke("go", max_tokens=40)
+    assert [c["name"] for c in relaxed.tool_calls] in ([], ["Picks"])
+
+
 # --- errors and limits -------------------------------------------------------------------------------
 
 def test_images_are_refused_with_a_clear_error(llm):

@@ -4,6 +4,7 @@
                    speculation), with chosen draft positions deliberately wrong: acceptances and
                    rejections both happen, whatever the model
     FixedDrafter   always proposes the same tokens (the distribution tests)
+    BrokenDrafter  a buggy plugin's: raises from a chosen call on, or proposes ids past the vocabulary
 
 `registered(name=drafter, ...)` registers them on the process-wide plugin manager for the length
 of a `with` block; an engine built inside it sees them.
@@ -77,6 +78,24 @@ class FixedDrafter:
 
     def finished(self, context: Sequence[int], output: Sequence[int]) -> None:
         pass
+
+
+class BrokenDrafter:
+    """Proposes `tokens[:k]` for `fine_calls` calls, then raises; `finished` raises too."""
+
+    def __init__(self, tokens: Sequence[int] = (), fine_calls: int = 10**9) -> None:
+        self.tokens = list(tokens)
+        self.fine_calls = fine_calls
+        self.calls = 0
+
+    def propose(self, state, k: int) -> list[int]:
+        self.calls += 1
+        if self.calls > self.fine_calls:
+            raise RuntimeError("a drafter bug")
+        return self.tokens[:k]
+
+    def finished(self, context: Sequence[int], output: Sequence[int]) -> None:
+        raise RuntimeError("a drafter bug in finished")
 
 
 class _Plugin:

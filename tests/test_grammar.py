@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import string
 import threading
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from hibana_core import GrammarError, HibanaError, SamplingParams
+from hibana_core.grammar import MAX_NUMBER_DIGITS
 from hibana_core.sampler import Sampler, SamplingRow, TokenMasks
 from hibana_core.turn import SYNTAX, tool_call_grammar
 from hibana_plugins.tool_parsers import HermesToolParser, Llama3JsonToolParser
@@ -253,6 +255,22 @@ def test_matcher_rolls_back_drafts_and_cuts_at_the_first_rejected(engine):
 
 # --- failures stay with their request -----------------------------------------------------------------
 
+def test_unbounded_numbers_end(engine):
+    """Integers and numbers without bounds (pydantic's `int`, `list[float]`) have at most
+    MAX_NUMBER_DIGITS digits before and after the point: a random model that starts repeating a
+    digit still finishes, and the output validates."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "low": {"type": "integer", "minimum": 7},
+                                               "xs": {"type": "array", "items": {"type": "number"}, "maxItems": 3}},
+              "required": ["n", "low", "xs"], "additionalProperties": False}
+    rng = random.Random(31)
+    for seed in range(6):
+        params = dict(temperature=1.0, seed=seed) if seed % 2 else {}
+        out = _generate(engine, f"numbers-{seed}", random_tokens(rng, 10), max_tokens=300, json_schema=schema, **params)
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), schema)
+        assert all(len(run) <= MAX_NUMBER_DIGITS + 1 for run in re.findall(r"[0-9]+", out.text)), out.text
+
+
 def test_a_bad_schema_fails_its_call_alone(engine):
     rng = random.Random(9)
     prompts = [random_tokens(rng, 12) for _ in range(3)]
@@ -272,6 +290,34 @@ def test_a_bad_schema_fails_its_call_alone(engine):
     assert out.text in ("true", "false")
     for h in handles + [bad]:
         h.close()
+
+
+def test_a_schema_keyword_the_grammar_cannot_hold_is_refused_by_name(engine):
+    """xgrammar compiles these but lets outputs break them (on a random model: arrays without the
+    item `contains` asks for, {"a": 7} without the b that `dependentRequired` asks for, booleans
+    for an allOf of objects): refused, naming keyword and place, rather than "valid" outputs that
+    are not."""
+    h = engine.open_state("unenforced")
+    digit = {"type": "integer", "minimum": 0, "maximum": 9}
+    cases = {
+        "contains at #/properties/xs": {"type": "object", "properties": {"xs": {"type": "array", "items": digit,
+                                                                           "contains": {"const": 3}}}},
+        "dependentRequired at #": {"type": "object", "properties": {"a": digit, "b": digit},
+                                   "dependentRequired": {"a": ["b"]}},
+        "if at #/$defs/p": {"$defs": {"p": {"if": {"required": ["a"]}, "then": {"required": ["b"]}}},
+                            "$ref": "#/$defs/p"},
+        "allOf with 2 subschemas at #/anyOf/1": {"anyOf": [digit, {"allOf": [{"type": "object"}, {"required": ["a"]}]}]},
+    }
+    for where, schema in cases.items():
+        with pytest.raises(GrammarError, match="cannot hold") as failure:
+            h.generate(SamplingParams(max_tokens=5, json_schema=schema), prompt=[5, 6])
+        assert where in str(failure.value)
+        assert h.tokens == []
+    # a property named like a keyword is no keyword; one allOf subschema (pydantic's $ref) is held
+    fine = {"$defs": {"D": digit}, "type": "object", "properties": {"if": {"allOf": [{"$ref": "#/$defs/D"}]}},
+            "required": ["if"], "additionalProperties": False}
+    out = h.generate(SamplingParams(max_tokens=20, json_schema=fine), prompt=[5, 6])
+    assert set(json.loads(out.text)) == {"if"} and 0 <= json.loads(out.text)["if"] <= 9
 
 
 def test_sampling_params_refuse_constraints_that_are_not_one():

@@ -27,8 +27,9 @@ import torch
 
 from hibana_core import SamplingParams
 from hibana_core.errors import ConfigError
+from hibana_plugins.manager import PluginWarning
 from hibana_core.speculation import force_outputs
-from spec_drafters import OracleDrafter, registered
+from spec_drafters import BrokenDrafter, OracleDrafter, registered
 from tiny_models import (ARCHS, VOCAB_SIZE, assert_greedy_matches, hf_greedy, make_tiny_checkpoint,
                          random_tokens)
 
@@ -309,6 +310,34 @@ def test_a_plugin_drafter_is_used_when_named(tiny_checkpoints, make_engine):
     assert h2.tokens == history + want, "a refused call leaves the state as it was"
     with registered(oracle=oracle), pytest.raises(ConfigError, match=r"'nope'.*registered: draft_model, layer_skip, ngram, oracle, suffix"):
         make_engine(path, speculation={"method": "nope"})
+
+
+def test_a_broken_plugin_drafter_costs_speed_only(tiny_checkpoints, make_engine):
+    """A drafter that raises, or proposes ids past the vocabulary, leaves every request's output
+    as it is: its own (decoded without its drafts, with a warning) and a bystander's that does
+    not speculate at all (before, the step failed and took the bystander's request with it)."""
+    path = tiny_checkpoints["qwen2"]
+    raising = BrokenDrafter(fine_calls=2)
+    past_vocab = BrokenDrafter(tokens=[5, VOCAB_SIZE, 6])  # the first id is fine, the second is not
+    negative = BrokenDrafter(tokens=[-1, 5])
+    with registered(raising=raising, past_vocab=past_vocab, negative=negative):
+        engine = make_engine(path, speculation="off")
+    rng = random.Random(21)
+    histories = [random_tokens(rng, 20) for _ in range(4)]
+    modes = ["off", {"method": "raising", "k": 3}, {"method": "past_vocab", "k": 3}, {"method": "negative"}]
+
+    def run(i: int) -> list[int]:
+        return list(engine.open_state(f"broken-{i}").generate(greedy(speculation=modes[i]), prompt=histories[i]).token_ids)
+
+    with pytest.warns(PluginWarning, match=r"drafter 'raising' raised in propose: RuntimeError\('a drafter bug'\)"):
+        outs = concurrently(run, [(i,) for i in range(4)])
+    for history, out in zip(histories, outs):
+        assert_greedy_matches(path, history, out)
+    assert raising.calls > 2 and past_vocab.calls > 0
+    stats = engine.stats()
+    assert stats.draft_tokens_proposed > 0, "the valid prefix of past_vocab's proposals was drafted"
+    errors = stats.speculation["drafter_errors"]
+    assert errors["raising"] > 1 and set(errors) == {"raising", "past_vocab", "negative"}, errors  # finished raised
 
 
 # --- 5. endings, seeds and forced outputs inside drafts --------------------------------------------

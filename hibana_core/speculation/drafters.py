@@ -3,7 +3,7 @@
 A drafter proposes tokens that may follow a state's history; the engine verifies them in its
 ordinary batched step, so a drafter only affects speed, never output. Drafters are registered
 through the `register_drafters` hook like any plugin's: `register(name, factory)` with
-`factory(engine, **options) -> Drafter`.
+`factory(engine) -> Drafter`.
 
 Both built-ins keep one index per state, caught up lazily with the tokens appended since their
 last proposal (one table update per token and order: the cost does not grow with the history)

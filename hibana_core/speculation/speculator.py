@@ -16,16 +16,19 @@ which the step-cost model charges to verifying steps).
 
 from __future__ import annotations
 
+import itertools
 import time
+import warnings
 import weakref
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from hibana_core.config import SpeculationConfig
+from hibana_core.config import SpeculationConfig, is_kind
 from hibana_core.errors import ConfigError
 from hibana_core.speculation.controller import (MAX_DRAFT, AcceptanceStats, Candidate, Controller,
                                                 StepCostModel)
 from hibana_core.speculation.drafters import DraftInput, Drafter
+from hibana_plugins.manager import PluginWarning
 
 if TYPE_CHECKING:
     from hibana_core.scheduler import Request, ScheduledChunk
@@ -42,6 +45,21 @@ def check_method(config: SpeculationConfig, registered: Sequence[str]) -> None:
                           "speculation={'method': ...}, or install the plugin that provides it")
 
 
+def valid_draft(proposal: Any, k: int, vocab_size: int) -> list[int]:
+    """The longest prefix of a drafter's proposal, k tokens at most, made of token ids of the
+    vocabulary: an id past it would fail the verifying forward, so the drafts stop there."""
+    if proposal is None:
+        return []
+    if hasattr(proposal, "tolist"):  # a tensor or an array of ids
+        proposal = proposal.tolist()
+    draft = []
+    for token in itertools.islice(proposal, k):
+        if not (is_kind(token, int) and 0 <= token < vocab_size):
+            break
+        draft.append(int(token))
+    return draft
+
+
 class SpeculationCounters:
     def __init__(self) -> None:
         self.draft_tokens_proposed = 0
@@ -54,8 +72,9 @@ class SpeculationCounters:
 
 class Speculator:
     def __init__(self, default: SpeculationConfig, drafters: dict[str, Callable[..., Drafter]],
-                 profile: Callable[[], StepCostModel], engine: Any = None) -> None:
+                 profile: Callable[[], StepCostModel], vocab_size: int, engine: Any = None) -> None:
         self.default = default
+        self.vocab_size = vocab_size
         self._factories = drafters
         self._drafters: dict[str, Drafter] = {}
         self._profile = profile
@@ -66,6 +85,7 @@ class Speculator:
         self._stats: "weakref.WeakKeyDictionary[object, dict[str, AcceptanceStats]]" = weakref.WeakKeyDictionary()
         self._shadows: dict[int, tuple[str, int, list[int]]] = {}  # request id -> (drafter, at, draft)
         self._shadow_turn = 0
+        self.drafter_errors: Counter[str] = Counter()  # drafter -> calls that raised
         self._last_shape = (1, 1)  # (step tokens, sequences sampling) of the last plan
         if default.enabled:
             self.check(default)
@@ -149,7 +169,6 @@ class Speculator:
             inputs = [self._input(chunks[i].request) for i, _ in items]
             for (i, want), proposal in zip(items, self._propose(method, inputs, [w for _, w in items])):
                 request, config = chunks[i].request, self.config(chunks[i].request)
-                proposal = list(proposal)[:want]
                 if request.grammar is not None:  # cut at the first token the grammar forbids
                     proposal = proposal[:request.grammar.valid_prefix(proposal)]
                 stats = self.stats(request, method)
@@ -167,14 +186,26 @@ class Speculator:
                 drafts[i] = proposal[:k]
         return drafts
 
-    def _propose(self, method: str, inputs: list[DraftInput], ks: list[int]) -> list[Sequence[int]]:
+    def _propose(self, method: str, inputs: list[DraftInput], ks: list[int]) -> list[list[int]]:
         """Proposals of one drafter for several states: in one call where the drafter batches
-        (`propose_many`, e.g. a draft model's forward), else one by one."""
+        (`propose_many`, e.g. a draft model's forward), else one by one. Drafters are plugins and
+        drafts change speed only, so one that raises drafts nothing (with a warning) rather than
+        failing the step, whose other requests may not even speculate."""
         drafter = self.drafter(method)
-        many = getattr(drafter, "propose_many", None)
-        if many is not None:
-            return many(inputs, ks)
-        return [drafter.propose(state, k) for state, k in zip(inputs, ks)]
+        try:
+            many = getattr(drafter, "propose_many", None)
+            proposals = many(inputs, ks) if many is not None else [
+                drafter.propose(state, k) for state, k in zip(inputs, ks)]
+            return [valid_draft(p, k, self.vocab_size) for p, k in zip(proposals, ks, strict=True)]
+        except Exception as exc:  # noqa: BLE001 - any bug of a plugin's drafter
+            self._drafter_failed(method, "propose", exc)
+            return [[] for _ in inputs]
+
+    def _drafter_failed(self, method: str, call: str, exc: Exception) -> None:
+        if not self.drafter_errors[method]:
+            warnings.warn(f"Hibana drafter {method!r} raised in {call}: {exc!r}; its requests decode "
+                          "without its drafts (output is unchanged)", PluginWarning, stacklevel=2)
+        self.drafter_errors[method] += 1
 
     @staticmethod
     def _input(request: "Request") -> DraftInput:
@@ -227,11 +258,10 @@ class Speculator:
             if (made >= SHADOW_PER_STEP or request.finished or not config.adaptive
                     or not chunk.sample or chunk.draft_token_ids):
                 continue
-            drafter = self.drafter(config.method)
-            if not getattr(drafter, "shadows", True):  # a proposal costs forwards: learn from verifies only
+            if not getattr(self.drafter(config.method), "shadows", True):  # a proposal costs forwards
                 continue
             made += 1
-            draft = drafter.propose(self._input(request), MAX_DRAFT)
+            draft, = self._propose(config.method, [self._input(request)], [MAX_DRAFT])
             if draft:
                 self._shadows[request.id] = (config.method, len(request.seq), draft)
             else:
@@ -245,7 +275,10 @@ class Speculator:
             return
         seq = request.seq
         context = seq.tokens[max(0, request.num_prompt - 32):request.num_prompt]
-        self.drafter(config.method).finished(context, request.output)
+        try:
+            self.drafter(config.method).finished(context, request.output)
+        except Exception as exc:  # noqa: BLE001 - as in `_propose`: a drafter's bug costs speed only
+            self._drafter_failed(config.method, "finished", exc)
 
     def resident_bytes(self) -> int:
         """Device bytes the drafters in use hold (a draft model's weights and KV)."""
@@ -274,6 +307,7 @@ class Speculator:
                 "device": [round(1e3 * s, 3) for s in self._controller.costs.seconds],
                 "verify_sync": round(1e3 * self._controller.costs.sync_overhead, 3)},
             "drafters": own,  # a drafter's own figures (`summary()`), e.g. a draft model's cost per token
+            "drafter_errors": dict(self.drafter_errors),  # calls that raised, per drafter
         }
 
 
