@@ -4,7 +4,8 @@
 Hibana's int4 layout (`hibana_kernels.quant`), `fp8.py` reads an FP8 layer's codes and scales;
 this module puts them into the model: a fused layer of ours (q/k/v, gate/up) takes its
 checkpoint layers concatenated along the outputs, and a layer quantized in activation order
-keeps that order as an input permutation (`Linear.perm`).
+keeps that order as an input permutation (`Linear.perm`). MoE experts stored one layer per
+expert become int4 stacks (`StackedExperts.set_packed_stacks`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,56 @@ def load_packed_layers(module: torch.nn.Module, names: set[str], read: Callable[
                                   "scales": torch.cat([r.scales for r in repacked]).to(device),
                                   "zeros": torch.cat([r.zeros for r in repacked]).to(device)},
                          groups.pop(), None if perms[0] is None else perms[0].to(device))
+    return consumed | _load_packed_experts(module, names, read, fmt, where)
+
+
+# the checkpoint layers of each expert that a stack of ours joins along its outputs (hibana_core.models.moe)
+_EXPERT_STACKS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def _load_packed_experts(module: torch.nn.Module, names: set[str], read: Callable[[str], torch.Tensor],
+                         fmt: QuantFormat, where: str) -> set[str]:
+    """The MoE experts a GPTQ / AWQ checkpoint stores packed (`{experts}.{e}.gate_proj.qweight`,
+    ...) as int4 stacks (`set_packed_stacks`); return the checkpoint names consumed. The fused-MoE
+    kernels take one group size per stack and no input permutation, so experts quantized in
+    activation order are refused."""
+    first = fmt.tensor_names[0]
+    consumed: set[str] = set()
+    for name, experts in module.named_modules():
+        if not hasattr(experts, "checkpoint_views") or not experts.has_float_stacks:
+            continue
+        count = experts.gate_up_proj.shape[0]
+        parts = {stack: [[f"{name}.{e}.{p}" for p in own] for e in range(count)] for stack, own in _EXPERT_STACKS.items()}
+        present = [f"{p}.{first}" in names for per_expert in parts.values() for ps in per_expert for p in ps]
+        if not any(present):
+            continue
+        if not all(present):
+            raise CheckpointError(f"{where}: the experts of {name} are quantized only in part; Hibana computes "
+                                  "them as stacks and needs every expert's layers alike")
+        packed = {}
+        for stack, per_expert in parts.items():
+            repacked = []
+            for prefixes in per_expert:
+                layers = []
+                for prefix in prefixes:
+                    tensors = {s: read(f"{prefix}.{s}") for s in fmt.tensor_names if f"{prefix}.{s}" in names}
+                    layers.append(repack_layer(fmt, tensors, f"{where}: {prefix}"))
+                    consumed |= {f"{prefix}.{s}" for s in tensors}
+                repacked += [layers]
+            flat = [r for layers in repacked for r in layers]
+            if any(r.perm is not None for r in flat) or len({r.group_size for r in flat}) != 1:
+                raise CheckpointError(f"{where}: the experts of {name} are quantized in activation order or with "
+                                      "different group sizes; Hibana's MoE kernels take contiguous groups of one size")
+            packed[stack] = {part: torch.stack([torch.cat([getattr(r, part) for r in layers]) for layers in repacked])
+                             for part in ("qweight", "scales", "zeros")}
+            expected = tuple(getattr(experts, stack).shape)
+            got = packed[stack]["qweight"].shape
+            if (got[0], got[1], 2 * got[2]) != expected:
+                raise CheckpointError(f"{where}: the experts of {name} unpack to {got[0]}x{got[1]}x{2 * got[2]} for "
+                                      f"{stack}, the config implies {'x'.join(map(str, expected))}; config and weights disagree")
+        device = experts.gate_up_proj.device
+        experts.set_packed_stacks("int4", {stack: {part: t.to(device) for part, t in tensors.items()}
+                                           for stack, tensors in packed.items()})
     return consumed
 
 
