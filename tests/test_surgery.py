@@ -471,6 +471,27 @@ def test_layer_skip_self_draft_is_lossless_and_shares_the_weights(tiny_checkpoin
     drafter.close()
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe"])
+def test_layer_skip_drops_layers_of_a_deeper_model(arch, tiny_checkpoints, make_engine):
+    """Three layers, each with its own kind (gemma3: sliding, sliding, global with another rope;
+    qwen3_moe: sparse, dense, sparse): the draft's per-layer arguments follow the layers it keeps."""
+    from hibana_core.surgery.layer_skip import LayerSkipDrafter, kept_args
+
+    path = tiny_checkpoints[arch]
+    engine = make_engine(path, speculation={"method": "layer_skip", "k": 3})
+    full = engine.model_args
+    assert full.num_layers == 3
+    args = kept_args(full, [0, 2])
+    assert args.num_layers == 2 and args.ropes == (full.ropes[0], full.ropes[2])
+    assert args.sliding_windows == (full.sliding_windows[0], full.sliding_windows[2])
+    assert args.moe is None if full.moe is None else args.moe.layers == (full.moe.layers[0], full.moe.layers[2])
+    LayerSkipDrafter(engine, layers=[0, 2]).close()
+    plain = make_engine(path, speculation="off")
+    prompt = random_tokens(random.Random(5), 30) * 2
+    got = engine.open_state("s").generate(greedy(24), prompt=prompt).token_ids
+    assert list(got) == list(plain.open_state("p").generate(greedy(24), prompt=prompt).token_ids)
+
+
 def test_a_tool_call_is_valid_only_as_a_name_and_an_arguments_object():
     from hibana_core.surgery.guard import _is_call
 
