@@ -5,7 +5,8 @@ Hibana's int4 layout (`hibana_kernels.quant`), `fp8.py` reads an FP8 layer's cod
 this module puts them into the model: a fused layer of ours (q/k/v, gate/up) takes its
 checkpoint layers concatenated along the outputs, and a layer quantized in activation order
 keeps that order as an input permutation (`Linear.perm`). MoE experts stored one layer per
-expert become int4 stacks (`StackedExperts.set_packed_stacks`).
+expert become int4 stacks (`StackedExperts.set_packed_stacks`); fp8 experts, which the fused-MoE
+kernels do not read, are dequantized into the float stacks (`fp8_expert_readers`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from hibana_core.errors import CheckpointError
 from hibana_core.surgery import fp8
 from hibana_core.surgery.formats import QuantFormat, parse_quantization_config, repack_layer
 
-__all__ = ["load_packed_layers", "parse_quantization_config"]
+__all__ = ["fp8_expert_readers", "load_packed_layers", "parse_quantization_config"]
 
 
 def load_packed_layers(module: torch.nn.Module, names: set[str], read: Callable[[str], torch.Tensor],
@@ -152,3 +153,30 @@ def _load_fp8_layers(module: torch.nn.Module, names: set[str], read: Callable[[s
         w = fp8.fuse(weights)
         layer.set_packed("fp8", {"qweight": w.qweight.to(device), "scales": w.scales.to(device)}, block=w.block)
     return consumed
+
+
+def fp8_expert_readers(module: torch.nn.Module, names: set[str], read: Callable[[str], torch.Tensor],
+                       fmt: QuantFormat, where: str) -> dict[str, Callable[[], torch.Tensor]]:
+    """For an FP8 checkpoint's MoE experts (`{experts}.{e}.gate_proj.weight` with a weight scale):
+    checkpoint weight name -> a reader of that weight dequantized to float32, which the loader
+    copies into the float expert stacks in place of the codes. The fused-MoE kernels read float,
+    int8, int4 and MXFP4 experts, not fp8: the experts take the compute dtype's bytes (the dense
+    layers keep their fp8 codes)."""
+    from hibana_kernels.quant import dequantize_fp8
+
+    def reader(prefix: str, scale: str) -> Callable[[], torch.Tensor]:
+        def dequantized() -> torch.Tensor:
+            w = fp8.read_layer(read(f"{prefix}.weight"), read(f"{prefix}.{scale}"), fmt.block, f"{where}: {prefix}")
+            return dequantize_fp8(w.qweight, w.scales, w.block, torch.float32)
+        return dequantized
+
+    readers: dict[str, Callable[[], torch.Tensor]] = {}
+    for name, experts in module.named_modules():
+        if not hasattr(experts, "checkpoint_views") or not experts.has_float_stacks:
+            continue
+        for view in experts.checkpoint_views(name):  # {name}.{e}.{gate,up,down}_proj.weight
+            prefix = view.removesuffix(".weight")
+            scale = fp8.scale_name(fmt.method, prefix, names)
+            if scale is not None and view in names:
+                readers[view] = reader(prefix, scale)
+    return readers
