@@ -380,6 +380,17 @@ def test_guard_refuses_a_pass_over_its_floors_unless_forced(tiny_checkpoints, ma
         make_engine(path, surgery=["w8"], surgery_guard_text=str(tmp_path / "nothing.txt"))
 
 
+def test_a_guard_text_that_is_no_utf8_file_is_a_config_error(tmp_path):
+    from hibana_core.surgery.guard import heldout_documents
+
+    binary = tmp_path / "latin1.txt"
+    binary.write_bytes("caf\xe9 ".encode("latin-1") * 200)
+    with pytest.raises(ConfigError, match=r"cannot be read as UTF-8"):
+        heldout_documents(None, 512, str(binary))
+    with pytest.raises(ConfigError, match=r"is a directory"):
+        heldout_documents(None, 512, str(tmp_path))
+
+
 # --- surgery written to disk ---------------------------------------------------------------------
 
 

@@ -75,11 +75,15 @@ def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = N
     """The held-out text as token-id documents (at most MAX_TOKENS tokens in all)."""
     path = Path(text_file) if text_file is not None else HELDOUT
     if not path.is_file():
-        raise ConfigError(f"guard text {str(path)!r} does not exist; pass a UTF-8 text file")
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise ConfigError(f"guard text {str(path)!r} {what}; pass a UTF-8 text file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"guard text {str(path)!r} cannot be read as UTF-8 text ({exc}); pass a UTF-8 text file") from None
     if tokenizer is None:
         raise ConfigError("the surgery guard needs the model's tokenizer to read its held-out text; "
                           "this checkpoint has none: pass surgery_guard=False, or add tokenizer files")
-    text = path.read_text(encoding="utf-8")
     documents, total = [], 0
     for part in text.split(DOCUMENT_SEPARATOR):
         ids = [i for i in tokenizer(part, add_special_tokens=False)["input_ids"] if i < vocab_size]
