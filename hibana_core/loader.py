@@ -229,6 +229,7 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
                                   "the file is damaged, re-download it") from exc
 
     where = {name: (file, handle) for file, handle in zip(files, handles) for name in handle.keys()}
+    readers: dict[str, Callable[[], torch.Tensor]] = {}  # names read otherwise than as stored
     own_names = manifest is not None
     if own_names:
         layers = dict(module.named_modules())
@@ -264,14 +265,17 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
             layer.sliding_window, layer.sink_tokens, layer.surgery_window = window, sinks, (window, sinks)
     if quantization is not None and not own_names and quantization.get("quant_method") not in FAMILY_QUANT_METHODS:
         # GPTQ / AWQ / FP8: packed layers as they are
-        from hibana_core.surgery.prequantized import load_packed_layers, parse_quantization_config
+        from hibana_core.surgery.prequantized import fp8_expert_readers, load_packed_layers, parse_quantization_config
 
         fmt = parse_quantization_config(quantization)
         consumed = load_packed_layers(module, set(where), lambda n: read(*where[n], n), fmt,
                                       getattr(module, "fused_layers", {}), str(path))
         for name in consumed:
             del where[name]
-    items = ((name, str(file), lambda f=file, h=handle, n=name: read(f, h, n)) for name, (file, handle) in where.items())
+        if fmt.kind == "fp8":  # fp8 MoE experts: dequantized into the float stacks
+            readers = fp8_expert_readers(module, set(where), lambda n: read(*where[n], n), fmt, str(path))
+    items = ((name, str(file), readers.get(name) or (lambda f=file, h=handle, n=name: read(f, h, n)))
+             for name, (file, handle) in where.items())
     _copy_weights(module, items, len(where), str(path), progress, desc="hibana: weights", own_names=own_names)
 
 

@@ -85,6 +85,20 @@ def test_fp8_checkpoint_computes_its_dequantized_weights(scheme, block, arch, ti
 
 
 @pytest.mark.parametrize("scheme", _schemes("fp8", "ct-channel"))
+def test_fp8_moe_experts_load_dequantized(scheme, tiny_checkpoints, make_engine, tmp_path):
+    """Qwen3-MoE FP8 checkpoints store each expert's layers in fp8 with their scales: the dense
+    layers keep their codes, the experts (which the fused-MoE kernels read in float, int8, int4
+    or MXFP4, not fp8) load dequantized, and the model computes the dequantized weights."""
+    dst = tmp_path / f"moe-{scheme}"
+    reference = write_fp8_checkpoint(tiny_checkpoints["qwen3_moe"], dst, scheme, (16, 16))
+    packed = make_engine(dst, speculation="off")
+    dense = make_engine(reference, speculation="off")
+    assert {m.kind for n, m in _linears(packed).items() if n != "lm_head"} == {"fp8"}
+    assert {m.experts_kind for m in packed.model.modules() if hasattr(m, "experts_kind")} == {"dense"}
+    _same_greedy(packed, dense)
+
+
+@pytest.mark.parametrize("scheme", _schemes("fp8", "ct-channel"))
 def test_an_fp8_output_head_loads_too(scheme, tiny_checkpoints, make_engine, tmp_path):
     dst = tmp_path / scheme
     reference = write_fp8_checkpoint(tiny_checkpoints["llama"], dst, scheme, quantize_head=True)

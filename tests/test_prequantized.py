@@ -130,6 +130,30 @@ def test_packed_checkpoint_computes_its_dequantized_weights(method, desc_act, v2
             assert list(got.token_ids) == list(want.token_ids)
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_packed_moe_experts_load_as_int4_stacks(method, tiny_checkpoints, make_engine, tmp_path):
+    """GPTQ / AWQ MoE checkpoints (Qwen3-MoE's) store each expert's layers packed; they load into
+    the int4 expert stacks the fused-MoE kernels read, and compute the dequantized experts."""
+    dst = tmp_path / f"moe-{method}"
+    reference = write_quantized(tiny_checkpoints["qwen3_moe"], dst, method)
+    packed = make_engine(dst, speculation="off")
+    dense = make_engine(reference, speculation="off")
+    assert {m.experts_kind for m in packed.model.modules() if hasattr(m, "experts_kind")} == {"int4"}
+    rng = random.Random(2)
+    for i in range(2):
+        prompt = random_tokens(rng, 30 + 7 * i)
+        got = packed.open_state(f"a{i}").generate(greedy(), prompt=prompt)
+        want = dense.open_state(f"a{i}").generate(greedy(), prompt=prompt)
+        assert list(got.token_ids) == list(want.token_ids)
+
+
+def test_moe_experts_in_activation_order_are_refused(tiny_checkpoints, make_engine, tmp_path):
+    dst = tmp_path / "moe-desc-act"
+    write_quantized(tiny_checkpoints["qwen3_moe"], dst, "gptq", desc_act=True)
+    with pytest.raises(CheckpointError, match="experts of .* activation order"):
+        make_engine(dst, speculation="off")
+
+
 def test_an_unsupported_quantization_config_says_what_loads(tiny_checkpoints, make_engine, tmp_path):
     dst = tmp_path / "bnb"
     shutil.copytree(tiny_checkpoints["llama"], dst)

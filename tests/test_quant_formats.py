@@ -36,7 +36,7 @@ def _words(nibbles: torch.Tensor) -> torch.Tensor:
 def _layer(n, k, g, seed, stored_zero_max=15):
     """Random codes [N, K], stored zero nibbles [groups, N], fp16 scales [groups, N]."""
     gen = torch.Generator().manual_seed(seed)
-    groups = 1 if g == -1 else k // g
+    groups = 1 if g == -1 else -(-k // g)  # a partial last group when g does not divide k
     q = torch.randint(0, 16, (n, k), generator=gen)
     z = torch.randint(0, stored_zero_max + 1, (groups, n), generator=gen)
     z[0, 0] = stored_zero_max  # GPTQ v1's nibble 15 means zero 16
@@ -104,6 +104,43 @@ def test_gptq_desc_act_permutes_input(n, k, g):
     x = torch.randn(3, k)
     out = linear_int4(x[..., w.perm], w.qweight, w.scales, w.zeros, w.group_size)
     torch.testing.assert_close(out, x @ ref.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,k,g,desc_act", [(16, 40, 16, False), (8, 64, 128, False), (24, 96, 64, False),
+                                             (16, 40, 16, True), (24, 96, 64, True)])
+def test_gptq_partial_last_group(n, k, g, desc_act):
+    """GPTQ gives the K % G inputs left their own last group (ceil(K / G) groups: hidden 64 with
+    group 128 is one group of 64); the repack splits groups equally and keeps w exactly."""
+    fmt = parse_quantization_config({"quant_method": "gptq", "bits": 4, "group_size": g, "desc_act": desc_act})
+    q, z, s = _layer(n, k, g, seed=k + g)
+    g_idx = _g_idx(k, g)
+    if desc_act:
+        g_idx = g_idx[torch.randperm(k, generator=torch.Generator().manual_seed(2))]
+    ref = _reference(q, z + 1, s, g_idx)
+    w = repack_layer(fmt, _pack_gptq(q, z, s, g_idx))
+    assert k % w.group_size == 0
+    assert torch.equal(_dequant(w), ref if w.perm is None else ref[:, w.perm])
+    assert (w.perm is not None) == desc_act
+
+
+@pytest.mark.parametrize("method,config", [
+    ("gptq", {"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": True}),
+    ("compressed-tensors", None),
+])
+def test_act_order_without_g_idx_is_refused(method, config):
+    """Without g_idx the groups of an act-order layer's columns are unknown: loading it as if they
+    were contiguous would compute garbage."""
+    if method == "gptq":
+        q, z, s = _layer(16, 64, 16, seed=0)
+        t = _pack_gptq(q, z, s)  # no g_idx
+    else:
+        pytest.importorskip("compressed_tensors")
+        config = _ct_config(True, group_size=8)
+        config["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+        t, _ = _ct_layer(24, 40, 8, symmetric=True, seed=1)
+        t.pop("weight_g_idx", None)
+    with pytest.raises(CheckpointError, match="activation order.*g_idx"):
+        repack_layer(parse_quantization_config(config), t, name="model.layers.0.mlp.up_proj")
 
 
 def test_gptq_desc_act_with_trivial_g_idx_needs_no_perm():
@@ -311,9 +348,9 @@ def test_malformed_gptq_layers_are_refused(edit, words):
         repack_layer(GPTQ, t, name="model.layers.0.mlp.up_proj")
 
 
-def test_group_size_must_divide_in_features():
-    t = _gptq_tensors()
-    with pytest.raises(CheckpointError, match="multiple of group_size 48"):
+def test_group_count_must_match_the_config():
+    t = _gptq_tensors()  # K 64 in groups of 16: 4 groups, where group_size 48 means 2
+    with pytest.raises(CheckpointError, match="qzeros"):
         repack_layer(QuantFormat("gptq", 48), t)
     q, z, s = _layer(16, 64, 16, seed=0)
     with pytest.raises(CheckpointError, match="qzeros"):

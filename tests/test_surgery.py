@@ -408,6 +408,17 @@ def test_the_guard_and_layer_skip_keep_their_text_within_a_short_context(make_en
             make_engine(shorter, **overrides)
 
 
+def test_a_guard_text_that_is_no_utf8_file_is_a_config_error(tmp_path):
+    from hibana_core.surgery.guard import heldout_documents
+
+    binary = tmp_path / "latin1.txt"
+    binary.write_bytes("caf\xe9 ".encode("latin-1") * 200)
+    with pytest.raises(ConfigError, match=r"cannot be read as UTF-8"):
+        heldout_documents(None, 512, str(binary))
+    with pytest.raises(ConfigError, match=r"is a directory"):
+        heldout_documents(None, 512, str(tmp_path))
+
+
 # --- surgery written to disk ---------------------------------------------------------------------
 
 
@@ -497,6 +508,27 @@ def test_layer_skip_self_draft_is_lossless_and_shares_the_weights(tiny_checkpoin
     with pytest.raises(ConfigError, match=r"layers must be increasing indices"):
         LayerSkipDrafter(engine, layers=[1, 0])
     drafter.close()
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe"])
+def test_layer_skip_drops_layers_of_a_deeper_model(arch, tiny_checkpoints, make_engine):
+    """Three layers, each with its own kind (gemma3: sliding, sliding, global with another rope;
+    qwen3_moe: sparse, dense, sparse): the draft's per-layer arguments follow the layers it keeps."""
+    from hibana_core.surgery.layer_skip import LayerSkipDrafter, kept_args
+
+    path = tiny_checkpoints[arch]
+    engine = make_engine(path, speculation={"method": "layer_skip", "k": 3})
+    full = engine.model_args
+    assert full.num_layers == 3
+    args = kept_args(full, [0, 2])
+    assert args.num_layers == 2 and args.ropes == (full.ropes[0], full.ropes[2])
+    assert args.sliding_windows == (full.sliding_windows[0], full.sliding_windows[2])
+    assert args.moe is None if full.moe is None else args.moe.layers == (full.moe.layers[0], full.moe.layers[2])
+    LayerSkipDrafter(engine, layers=[0, 2]).close()
+    plain = make_engine(path, speculation="off")
+    prompt = random_tokens(random.Random(5), 30) * 2
+    got = engine.open_state("s").generate(greedy(24), prompt=prompt).token_ids
+    assert list(got) == list(plain.open_state("p").generate(greedy(24), prompt=prompt).token_ids)
 
 
 def test_a_tool_call_is_valid_only_as_a_name_and_an_arguments_object():

@@ -597,7 +597,7 @@ class DecoderForCausalLM(nn.Module):
             for part, view in zip(self.fused_layers[proj], param.data.split(sizes[proj], dim=0)):
                 targets[f"{parent}.{part}.{kind}"] = view
         for prefix, module in self.named_modules():
-            if isinstance(module, Experts) and f"{prefix}.gate_up_proj" not in names:
+            if isinstance(module, Experts) and module.has_float_stacks and f"{prefix}.gate_up_proj" not in names:
                 del targets[f"{prefix}.gate_up_proj"], targets[f"{prefix}.down_proj"]
                 targets.update(module.checkpoint_views(prefix))
         return targets

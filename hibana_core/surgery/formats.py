@@ -31,6 +31,7 @@ Layers fused along N (q/k/v, gate/up) can share one weight only when their perms
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from dataclasses import dataclass
@@ -244,6 +245,7 @@ def _parse_compressed_tensors(cfg: dict) -> QuantFormat:
         raise CheckpointError("this checkpoint is in compressed-tensors format, which needs the "
                               "compressed-tensors package: pip install 'hibana[quant]' "
                               "(or pip install compressed-tensors)") from None
+    cfg, group_order = _group_actorder(cfg)
     try:
         qc = QuantizationConfig.model_validate(cfg)
     except ValueError as e:  # pydantic's ValidationError is a ValueError
@@ -274,7 +276,7 @@ def _parse_compressed_tensors(cfg: dict) -> QuantFormat:
                 f"compressed-tensors config group {name!r} ({fmt}, weights {w}) is not supported: "
                 "Hibana loads 'pack-quantized' int4 weight-only schemes with group or channel strategy, "
                 "and 8-bit float (fp8) weights")
-        actorder = str(getattr(w.actorder, "value", w.actorder)) == "group"  # g_idx stored
+        actorder = name in group_order or str(getattr(w.actorder, "value", w.actorder)) == "group"  # g_idx stored
         weights.add(("int4", w.group_size if w.strategy == "group" else -1, w.symmetric, actorder))
         targets += scheme.targets
     if len(weights) != 1:
@@ -288,6 +290,22 @@ def _parse_compressed_tensors(cfg: dict) -> QuantFormat:
     return QuantFormat("compressed-tensors", group_size, sym=symmetric, desc_act=actorder,
                        skip=_ct_patterns(qc.ignore or ()), only=_ct_patterns(targets),
                        quantize_lm_head=True)
+
+
+def _group_actorder(cfg: dict) -> tuple[dict, set[str]]:
+    """(the config with every group's actorder "group" cleared, the names of those groups).
+    recent compressed-tensors (0.20) refuses actorder "group" (its alias "dynamic", or true), which
+    older llm-compressor wrote and whose checkpoints store weight_g_idx; Hibana reads that order
+    itself, so the library only validates the rest."""
+    groups = cfg.get("config_groups")
+    if not isinstance(groups, dict):
+        return cfg, set()
+    ordered = {name for name, scheme in groups.items()
+               if isinstance(scheme, dict) and isinstance(scheme.get("weights"), dict)
+               and str(scheme["weights"].get("actorder")).lower() in ("group", "dynamic", "true")}
+    cleared = {name: {**scheme, "weights": {**scheme["weights"], "actorder": None}} if name in ordered else scheme
+               for name, scheme in groups.items()}
+    return {**cfg, "config_groups": cleared}, ordered
 
 
 def _ct_fp8_block(name: str, scheme, fmt) -> tuple[int, int]:
@@ -317,6 +335,10 @@ def repack_layer(fmt: QuantFormat, tensors: dict[str, torch.Tensor], name: str =
     if missing:
         raise CheckpointError(f"{name}: {fmt.method} layer lacks tensor(s) {missing}; "
                               f"expected {list(required)} (+ optional {list(optional)})")
+    order = {"gptq": "g_idx", "compressed-tensors": "weight_g_idx"}.get(fmt.method)
+    if fmt.desc_act and order not in tensors:  # without it the columns' groups are unknown
+        raise CheckpointError(f"{name}: quantized in activation order (desc_act / actorder) but has no {order}, "
+                              "which says which group each input column belongs to; the checkpoint is incomplete")
     if fmt.method == "gptq":
         return _repack_gptq(fmt, tensors, name)
     if fmt.method == "awq":
@@ -347,12 +369,14 @@ def _shape(t: torch.Tensor, shape: tuple[int, ...], what: str, name: str) -> tor
 
 
 def _groups(fmt: QuantFormat, k: int, name: str) -> tuple[int, int]:
-    """(group size, number of groups) for K input features; K must split into whole groups."""
+    """(group size, number of groups) for K input features. When G does not divide K the last
+    group holds the K % G inputs left (GPTQ's and compressed-tensors' ceil(K / G) groups);
+    `_finish` splits the groups into equal ones."""
     g = k if fmt.group_size == -1 else fmt.group_size
-    if k % g or g % 2:
-        raise CheckpointError(f"{name}: in_features {k} is not a multiple of group_size {g} (even); "
-                              "Hibana's int4 layout needs whole groups along K")
-    return g, k // g
+    if k % 2 or g % 2:
+        raise CheckpointError(f"{name}: in_features {k} with group_size {g}: Hibana's int4 layout "
+                              "needs an even number of inputs and an even group size")
+    return g, -(-k // g)
 
 
 def _repack_gptq(fmt: QuantFormat, t: dict[str, torch.Tensor], name: str) -> Int4Weight:
@@ -437,6 +461,10 @@ def _finish(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g: i
                 raise CheckpointError(f"{name}: g_idx does not give every group exactly {g} input "
                                       "columns; the checkpoint is damaged or its group_size is wrong")
             codes = codes[:, perm]
+    if k % g:  # a partial last group: Hibana's groups are equal, so split each into gcd(g, k) inputs
+        sub = math.gcd(g, k)
+        owner = torch.arange(0, k, sub, device=codes.device) // g  # the checkpoint group of each
+        scales, zeros, g = scales[:, owner], zeros[:, owner], sub
     scales16 = scales.to(torch.float16)
     if not torch.isfinite(scales16).all():
         raise CheckpointError(f"{name}: scales are not finite in float16 (largest "

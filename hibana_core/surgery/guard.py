@@ -78,11 +78,15 @@ def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = N
     enough that the greedy text written after it stays within the model's `max_positions`."""
     path = Path(text_file) if text_file is not None else HELDOUT
     if not path.is_file():
-        raise ConfigError(f"guard text {str(path)!r} does not exist; pass a UTF-8 text file")
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise ConfigError(f"guard text {str(path)!r} {what}; pass a UTF-8 text file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"guard text {str(path)!r} cannot be read as UTF-8 text ({exc}); pass a UTF-8 text file") from None
     if tokenizer is None:
         raise ConfigError("the surgery guard needs the model's tokenizer to read its held-out text; "
                           "this checkpoint has none: pass surgery_guard=False, or add tokenizer files")
-    text = path.read_text(encoding="utf-8")
     longest = MAX_DOCUMENT if max_positions is None else max(0, min(MAX_DOCUMENT, max_positions - GREEDY_TAIL))
     documents, total = [], 0
     for part in text.split(DOCUMENT_SEPARATOR):

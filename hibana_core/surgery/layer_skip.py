@@ -95,6 +95,17 @@ def shallow_model(model: torch.nn.Module, keep: list[int], ctx: ForwardContext) 
     return top
 
 
+def kept_args(args: Any, keep: list[int]) -> Any:
+    """The target's DecoderArgs for the `keep` layers only: the per-layer fields (rotary, sliding
+    window, sparse or dense MLP) follow their layers."""
+    def pick(values):
+        return tuple(values[i] for i in keep)
+
+    moe = None if args.moe is None else dataclasses.replace(args.moe, layers=pick(args.moe.layers))
+    return dataclasses.replace(args, num_layers=len(keep), ropes=pick(args.ropes),
+                               sliding_windows=pick(args.sliding_windows), moe=moe)
+
+
 class LayerSkipDrafter(DraftModelDrafter):
     """`DraftModelDrafter` on the target's own layers (a `keep` share of them)."""
 
@@ -114,7 +125,7 @@ class LayerSkipDrafter(DraftModelDrafter):
         self.layers = list(layers)
         ctx = ForwardContext()
         model = shallow_model(engine.model, self.layers, ctx)
-        args = dataclasses.replace(engine.model_args, num_layers=len(self.layers))
+        args = kept_args(engine.model_args, self.layers)
         loaded = LoadedModel(model, args, engine.hf_config, engine.tokenizer, tuple(engine.eos_token_ids),
                              engine.dtype, 0, "")
         super().__init__(engine, model=f"layer_skip({len(self.layers)}/{n} layers)", num_blocks=num_blocks,

@@ -4,7 +4,9 @@
 Hibana's int4 layout (`hibana_kernels.quant`), `fp8.py` reads an FP8 layer's codes and scales;
 this module puts them into the model: a fused layer of ours (q/k/v, gate/up) takes its
 checkpoint layers concatenated along the outputs, and a layer quantized in activation order
-keeps that order as an input permutation (`Linear.perm`).
+keeps that order as an input permutation (`Linear.perm`). MoE experts stored one layer per
+expert become int4 stacks (`StackedExperts.set_packed_stacks`); fp8 experts, which the fused-MoE
+kernels do not read, are dequantized into the float stacks (`fp8_expert_readers`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from hibana_core.errors import CheckpointError
 from hibana_core.surgery import fp8
 from hibana_core.surgery.formats import QuantFormat, parse_quantization_config, repack_layer
 
-__all__ = ["load_packed_layers", "parse_quantization_config"]
+__all__ = ["fp8_expert_readers", "load_packed_layers", "parse_quantization_config"]
 
 
 def load_packed_layers(module: torch.nn.Module, names: set[str], read: Callable[[str], torch.Tensor],
@@ -58,6 +60,56 @@ def load_packed_layers(module: torch.nn.Module, names: set[str], read: Callable[
                                   "scales": torch.cat([r.scales for r in repacked]).to(device),
                                   "zeros": torch.cat([r.zeros for r in repacked]).to(device)},
                          groups.pop(), None if perms[0] is None else perms[0].to(device))
+    return consumed | _load_packed_experts(module, names, read, fmt, where)
+
+
+# the checkpoint layers of each expert that a stack of ours joins along its outputs (hibana_core.models.moe)
+_EXPERT_STACKS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def _load_packed_experts(module: torch.nn.Module, names: set[str], read: Callable[[str], torch.Tensor],
+                         fmt: QuantFormat, where: str) -> set[str]:
+    """The MoE experts a GPTQ / AWQ checkpoint stores packed (`{experts}.{e}.gate_proj.qweight`,
+    ...) as int4 stacks (`set_packed_stacks`); return the checkpoint names consumed. The fused-MoE
+    kernels take one group size per stack and no input permutation, so experts quantized in
+    activation order are refused."""
+    first = fmt.tensor_names[0]
+    consumed: set[str] = set()
+    for name, experts in module.named_modules():
+        if not hasattr(experts, "checkpoint_views") or not experts.has_float_stacks:
+            continue
+        count = experts.gate_up_proj.shape[0]
+        parts = {stack: [[f"{name}.{e}.{p}" for p in own] for e in range(count)] for stack, own in _EXPERT_STACKS.items()}
+        present = [f"{p}.{first}" in names for per_expert in parts.values() for ps in per_expert for p in ps]
+        if not any(present):
+            continue
+        if not all(present):
+            raise CheckpointError(f"{where}: the experts of {name} are quantized only in part; Hibana computes "
+                                  "them as stacks and needs every expert's layers alike")
+        packed = {}
+        for stack, per_expert in parts.items():
+            repacked = []
+            for prefixes in per_expert:
+                layers = []
+                for prefix in prefixes:
+                    tensors = {s: read(f"{prefix}.{s}") for s in fmt.tensor_names if f"{prefix}.{s}" in names}
+                    layers.append(repack_layer(fmt, tensors, f"{where}: {prefix}"))
+                    consumed |= {f"{prefix}.{s}" for s in tensors}
+                repacked += [layers]
+            flat = [r for layers in repacked for r in layers]
+            if any(r.perm is not None for r in flat) or len({r.group_size for r in flat}) != 1:
+                raise CheckpointError(f"{where}: the experts of {name} are quantized in activation order or with "
+                                      "different group sizes; Hibana's MoE kernels take contiguous groups of one size")
+            packed[stack] = {part: torch.stack([torch.cat([getattr(r, part) for r in layers]) for layers in repacked])
+                             for part in ("qweight", "scales", "zeros")}
+            expected = tuple(getattr(experts, stack).shape)
+            got = packed[stack]["qweight"].shape
+            if (got[0], got[1], 2 * got[2]) != expected:
+                raise CheckpointError(f"{where}: the experts of {name} unpack to {got[0]}x{got[1]}x{2 * got[2]} for "
+                                      f"{stack}, the config implies {'x'.join(map(str, expected))}; config and weights disagree")
+        device = experts.gate_up_proj.device
+        experts.set_packed_stacks("int4", {stack: {part: t.to(device) for part, t in tensors.items()}
+                                           for stack, tensors in packed.items()})
     return consumed
 
 
@@ -101,3 +153,30 @@ def _load_fp8_layers(module: torch.nn.Module, names: set[str], read: Callable[[s
         w = fp8.fuse(weights)
         layer.set_packed("fp8", {"qweight": w.qweight.to(device), "scales": w.scales.to(device)}, block=w.block)
     return consumed
+
+
+def fp8_expert_readers(module: torch.nn.Module, names: set[str], read: Callable[[str], torch.Tensor],
+                       fmt: QuantFormat, where: str) -> dict[str, Callable[[], torch.Tensor]]:
+    """For an FP8 checkpoint's MoE experts (`{experts}.{e}.gate_proj.weight` with a weight scale):
+    checkpoint weight name -> a reader of that weight dequantized to float32, which the loader
+    copies into the float expert stacks in place of the codes. The fused-MoE kernels read float,
+    int8, int4 and MXFP4 experts, not fp8: the experts take the compute dtype's bytes (the dense
+    layers keep their fp8 codes)."""
+    from hibana_kernels.quant import dequantize_fp8
+
+    def reader(prefix: str, scale: str) -> Callable[[], torch.Tensor]:
+        def dequantized() -> torch.Tensor:
+            w = fp8.read_layer(read(f"{prefix}.weight"), read(f"{prefix}.{scale}"), fmt.block, f"{where}: {prefix}")
+            return dequantize_fp8(w.qweight, w.scales, w.block, torch.float32)
+        return dequantized
+
+    readers: dict[str, Callable[[], torch.Tensor]] = {}
+    for name, experts in module.named_modules():
+        if not hasattr(experts, "checkpoint_views") or not experts.has_float_stacks:
+            continue
+        for view in experts.checkpoint_views(name):  # {name}.{e}.{gate,up,down}_proj.weight
+            prefix = view.removesuffix(".weight")
+            scale = fp8.scale_name(fmt.method, prefix, names)
+            if scale is not None and view in names:
+                readers[view] = reader(prefix, scale)
+    return readers
