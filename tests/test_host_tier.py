@@ -121,6 +121,29 @@ def test_fork_of_a_parked_state_resumes_without_recompute(tiny_checkpoints, make
     assert list(done.token_ids) == hf_greedy(str(path), prompts[0], GENERATE)
 
 
+def test_a_host_budget_of_one_state_resumes_it_while_parking_another(tiny_checkpoints, make_engine, hf_greedy):
+    """The host tier holds one copy and the device pool one state: resuming the parked state
+    evicts the resident one, whose copy must not push out the very copy being resumed."""
+    path = tiny_checkpoints["qwen2"]
+    engine = make_engine(path, num_blocks=4, speculation="off")
+    per_state = 3 * engine.kv_cache.bytes_per_block_here
+    engine.close()
+    engine = make_engine(path, num_blocks=4, speculation="off", host_kv_bytes=per_state)
+    rng = random.Random(6)
+    prompts = [random_tokens(rng, 40) for _ in range(2)]
+    first, second = engine.open_state("first"), engine.open_state("second")
+    first.sync(prompts[0])
+    second.sync(prompts[1])  # parks the first
+    assert {i.id: i.tier for i in engine.states()}["first"] == "host"
+    done = first.generate(SamplingParams(max_tokens=GENERATE, ignore_eos=True))
+    assert list(done.token_ids) == hf_greedy(str(path), prompts[0], GENERATE)
+    assert done.stats.computed == 1  # resumed from its copy (the second, evicted, has no room there)
+    done = second.generate(SamplingParams(max_tokens=GENERATE, ignore_eos=True))
+    assert list(done.token_ids) == hf_greedy(str(path), prompts[1], GENERATE)
+    first.close(), second.close()
+    assert engine.stats().kv_blocks_used == 0 and engine.stats().host_tier["bytes_used"] == 0
+
+
 def test_bad_host_budget(tiny_checkpoints, make_engine):
     with pytest.raises(ConfigError, match="host_kv_bytes"):
         make_engine(tiny_checkpoints["llama"], host_kv_bytes=-1)

@@ -113,6 +113,7 @@ class HostTier:
         self._bytes: dict[int, int] = {}  # host copies' bytes
         self._spilled: dict[int, tuple[weakref.ref, int]] = {}  # id(seq) -> (seq, bytes on disk)
         self._files = itertools.count()
+        self._restoring: int | None = None  # id(seq) of the state being restored: its copy stays
         self.counters = TierCounters()
 
     @property
@@ -179,7 +180,7 @@ class HostTier:
         blocks = -(-n // seq.block_size)
         seq.reuse_cached_blocks(n)  # what other states still hold (a shared system prompt) is not copied
         first = len(seq.block_ids)
-        if not self.pool.can_allocate(blocks - first) and not make_room(blocks - first):
+        if not self._device_room(seq, blocks - first, make_room):
             seq.release()
             return 0
         began = time.perf_counter()
@@ -198,7 +199,7 @@ class HostTier:
         index is not consulted)."""
         parked = seq.parked
         index = parked.page_index(n, seq)
-        if not self.pool.can_allocate(len(index)) and not make_room(len(index)):
+        if not self._device_room(seq, len(index), make_room):
             return 0
         began = time.perf_counter()
         kv = self._read_copy(seq, began)
@@ -209,6 +210,18 @@ class HostTier:
         seq.place_pages(ids, parked.starts, n)
         self._restored(seq, n, n, len(ids), began)
         return n
+
+    def _device_room(self, seq: KVSequence, blocks: int, make_room: Callable[[int], bool]) -> bool:
+        """Free device blocks for `blocks` of `seq`'s restore. The states evicted for them may be
+        parked here, but never by pushing `seq`'s own copy out of the host budget: the restore
+        reads it next (a state that cannot be parked then goes to disk, or recomputes later)."""
+        if self.pool.can_allocate(blocks):
+            return True
+        self._restoring = id(seq)
+        try:
+            return make_room(blocks)
+        finally:
+            self._restoring = None
 
     def _read_copy(self, seq: KVSequence, began: float) -> torch.Tensor | None:
         """The parked copy's KV in host memory (a spill file read and counted as a disk resume);
@@ -313,12 +326,15 @@ class HostTier:
 
     def _room(self, nbytes: int) -> bool:
         """Whether `nbytes` fit the host budget, after moving the oldest host copies to disk
-        (or, without a spill folder, dropping them: those states recompute)."""
+        (or, without a spill folder, dropping them: those states recompute); the copy of a state
+        being restored is not one of them."""
         if nbytes > self.budget_bytes:
             return False
-        while self.bytes_used + nbytes > self.budget_bytes and self._parked:
-            key, ref = next(iter(self._parked.items()))
-            seq = ref()
+        while self.bytes_used + nbytes > self.budget_bytes:
+            key = next((key for key in self._parked if key != self._restoring), None)
+            if key is None:
+                return False
+            seq = self._parked[key]()
             if seq is None:
                 self._parked.pop(key)
                 self._bytes.pop(key, None)
