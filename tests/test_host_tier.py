@@ -8,8 +8,10 @@ import random
 import threading
 
 import pytest
+import torch
 
 from hibana_core import ConfigError, SamplingParams, StateFileError
+from hibana_core.kv import state_file
 from tiny_models import random_tokens
 
 AGENTS, TURNS, NEW, GENERATE = 8, 6, 8, 6
@@ -194,6 +196,27 @@ def test_a_damaged_or_foreign_state_file_fails_its_open_alone(tiny_checkpoints, 
     with pytest.raises(StateFileError, match="another model"):
         other.open_state("good")
     assert other.open_state("fresh").generate(SamplingParams(max_tokens=2), prompt=[5, 6, 7]).token_ids
+
+
+def test_writers_of_one_state_file_at_once_each_write_it_whole(tmp_path, monkeypatch):
+    """Engines sharing a state_dir may close at once and write the same state: a second writer
+    that writes the file whole while the first is between writing and renaming its temporary
+    file takes nothing of the first's, and the first then completes (its file is the one left)."""
+    import safetensors.torch
+
+    path, save_file = tmp_path / "agent.state", safetensors.torch.save_file
+    kv = {value: torch.full((2, 2, 3, 16, 2, 16), value) for value in (1.0, 2.0)}
+
+    def save_then_let_another_write(tensors, filename, metadata=None):
+        save_file(tensors, filename, metadata=metadata)
+        monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+        state_file.write(path, "agent", list(range(40)), 40, 16, kv[2.0], "fingerprint")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_then_let_another_write)
+    state_file.write(path, "agent", list(range(40)), 40, 16, kv[1.0], "fingerprint")
+    saved = state_file.read(path, "fingerprint", (2, 2, 0, 16, 2, 16), torch.float32)
+    assert saved.kv.unique().tolist() == [1.0]
+    assert [p.name for p in tmp_path.iterdir()] == ["agent.state"]
 
 
 def test_state_dir_must_be_a_path(tiny_checkpoints, make_engine):

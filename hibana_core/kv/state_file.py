@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -81,12 +82,17 @@ def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, b
         metadata["layout"] = json.dumps(layout.describe())
     kv = kv.contiguous()
     metadata["checksum"] = _checksum(metadata, kv)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"kv": kv}, str(tmp), metadata=metadata)
-        tmp.replace(path)  # never leave a half-written state file behind
+        # a temporary file of this writer's own: engines sharing a state_dir may write one state at once
+        handle, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        os.close(handle)
+        save_file({"kv": kv}, tmp, metadata=metadata)
+        os.replace(tmp, path)  # never leave a half-written state file behind
     except (OSError, UnicodeError, ValueError) as exc:  # no room, no right, a name the OS refuses
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise StateFileError(f"cannot write the state file {str(path)!r}: {exc}") from exc
 
 
