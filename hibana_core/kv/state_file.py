@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,12 @@ def _checksum(meta: dict, kv: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+def _metadata(data: bytes) -> dict:
+    """The metadata in a safetensors file's header (8 bytes of its length, then JSON)."""
+    (length,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8:8 + length]).get("__metadata__") or {}
+
+
 def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, block_size: int,
           kv: torch.Tensor, fingerprint: str, rotated_long: bool = False, starts: Sequence[int] = (0,),
           layout: KVLayout | None = None) -> None:
@@ -101,7 +108,7 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.
     """Read and verify a state file; `kv_shape` is the engine's [page_layers, 2, *, block, heads,
     dim], `kv_dtype` its cache's dtype (fp8 blocks are saved and restored as their bytes),
     `layout` how its layers share pages (`kv.layout.KVLayout`; None: one plain group)."""
-    from safetensors import safe_open
+    import safetensors.torch
 
     try:
         exists = path.is_file()
@@ -110,12 +117,13 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.
     if not exists:
         raise StateFileError(f"state file {str(path)!r} does not exist")
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            meta = f.metadata() or {}
-            if meta.get("format") != FORMAT:
-                raise StateFileError(f"{path} is not a Hibana state file of this version "
-                                     f"(format {meta.get('format')!r}); save the state again")
-            kv = f.get_tensor("kv")
+        data = path.read_bytes()  # once: a file another engine replaces meanwhile is read whole, old or new
+        meta = _metadata(data)
+        if meta.get("format") != FORMAT:
+            raise StateFileError(f"{path} is not a Hibana state file of this version "
+                                 f"(format {meta.get('format')!r}); save the state again")
+        kv = safetensors.torch.load(data)["kv"]
+        del data  # the file's bytes, before the checksum copies the KV once more
         checksum_ok = meta.get("checksum") == _checksum(meta, kv)
         tokens = json.loads(meta["tokens"])
         if not isinstance(tokens, list) or not all(is_kind(t, int) for t in tokens):
