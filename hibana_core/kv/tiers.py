@@ -14,8 +14,9 @@ host budget, least recently parked dropped first (those states recompute, as wit
 A restore checks the copy against the state's history: where the history was edited since, only
 the common prefix comes back. With `state_dir` set, what the host budget cannot hold goes to
 disk (a spill folder under it, removed when the engine closes) instead of being dropped; a
-restore reads it back. Copies are synchronous on the engine's stream (correct first; the
-side-stream copy and prefetch of the memory-manager issue come next).
+restore reads it back. Copies are synchronous on the engine's stream (correct first; copies on
+a side stream overlapped with compute come next); a state due back from its tools is restored
+while the engine is idle (`StateRegistry.prefetch`).
 """
 
 from __future__ import annotations
@@ -289,7 +290,6 @@ class HostTier:
         self._track_spill(twin, dataclasses.replace(parked, kv=None, path=path))
 
     def _spill(self, seq: KVSequence, parked: ParkedKV) -> bool:
-        """Write a host copy to a spill file and make that `seq`'s parked copy."""
         """Write a host copy to a spill file and make that `seq`'s parked copy. False (nothing
         changed) when the file cannot be written: a full or unwritable disk."""
         began = time.perf_counter()
