@@ -131,13 +131,18 @@ class StateRegistry:
                     saved.num_computed)
 
     def persist_all(self) -> None:
-        """Write every open named state to `state_dir` (the engine closes). A state that cannot
-        be written is logged and skipped; the others are still written."""
+        """Write every open named state to `state_dir` (the engine closes); an empty one leaves no
+        file (an earlier one of its id would bring back the history it no longer holds). A state
+        that cannot be written is logged and skipped; the others are still written."""
         for state_id, entry in self._entries.items():
-            if entry.unnamed or not entry.seq.tokens:
+            if entry.unnamed:
                 continue
+            path = self.persisted_path(state_id)
             try:
-                self._write(entry.seq, state_id, self.persisted_path(state_id))
+                if entry.seq.tokens:
+                    self._write(entry.seq, state_id, path)
+                else:
+                    path.unlink(missing_ok=True)
             except Exception as exc:  # noqa: BLE001 - one state's file (a spill file gone, a full disk) never stops the rest
                 logger.warning("state %r was not persisted: %s", state_id, exc)
 

@@ -181,6 +181,20 @@ def test_states_resume_after_a_restart_with_nothing_recomputed(tiny_checkpoints,
     assert engine.stats().prompt_tokens_computed == len(histories) * 6
 
 
+def test_a_state_emptied_before_a_restart_comes_back_empty(tiny_checkpoints, make_engine, tmp_path):
+    path = tiny_checkpoints["qwen2"]
+    engine = make_engine(path, state_dir=tmp_path)
+    for name in ("synced", "truncated", "kept"):
+        engine.open_state(name).sync(list(range(5, 45)))
+    engine.close()
+    engine = make_engine(path, state_dir=tmp_path)
+    engine.open_state("synced").sync([])
+    engine.open_state("truncated").truncate(0)
+    engine.close()
+    engine = make_engine(path, state_dir=tmp_path)
+    assert [len(engine.open_state(name)) for name in ("synced", "truncated", "kept")] == [0, 0, 40]
+
+
 def test_a_damaged_or_foreign_state_file_fails_its_open_alone(tiny_checkpoints, make_engine, tmp_path):
     engine = make_engine(tiny_checkpoints["llama"], state_dir=tmp_path)
     for name in ("good", "bad"):
