@@ -212,6 +212,10 @@ def test_a_damaged_or_foreign_state_file_fails_its_open_alone(tiny_checkpoints, 
     other = make_engine(tiny_checkpoints["qwen2"], state_dir=tmp_path)  # another model: foreign files
     with pytest.raises(StateFileError, match="another model"):
         other.open_state("good")
+    other.close()
+    other = make_engine(tiny_checkpoints["llama"], state_dir=tmp_path, dtype="bfloat16")  # the same, in bf16
+    with pytest.raises(StateFileError, match="another dtype"):
+        other.open_state("good")
     assert other.open_state("fresh").generate(SamplingParams(max_tokens=2), prompt=[5, 6, 7]).token_ids
 
 

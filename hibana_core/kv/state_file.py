@@ -142,8 +142,9 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.
     if not checksum_ok:
         raise StateFileError(f"state file {path} is damaged (its checksum does not match); save the state again")
     if meta.get("fingerprint") != fingerprint:
-        raise StateFileError(f"{path} was saved by another model or tokenizer; load it into an engine "
-                             "on the same checkpoint")
+        raise StateFileError(f"{path} was saved by another model or tokenizer, or under another dtype, kv_dtype "
+                             "or surgery; load it into an engine on the same checkpoint with the same dtype, "
+                             "kv_dtype and surgery")
     if (json.loads(meta["layout"]) if "layout" in meta else None) != (layout.describe() if layout else None):
         raise StateFileError(f"{path} was saved by an engine whose layers share their KV pages otherwise (sliding "
                              "windows that max_model_len turns into full attention, or the window surgery pass): "
