@@ -7,7 +7,7 @@ import pytest
 
 from hibana_core import Engine, SamplingParams
 from hibana_core.config import EngineConfig
-from hibana_core.errors import ConfigError, MemoryBudgetError
+from hibana_core.errors import ConfigError, EngineClosedError, MemoryBudgetError
 from hibana_core.kv import budget
 from hibana_core.kv.budget import DeviceMemory, parse_budget
 
@@ -111,3 +111,11 @@ def test_workspace_grows_with_the_step():
     small, large = (budget.workspace_bytes(max_batched_tokens=n, **shape) for n in (512, 8192))
     assert 0 < small < large
     assert large < 2 * GIB  # an 8B model's 8k-token chunk: hundreds of MB, not a device's worth
+
+
+def test_memory_of_a_closed_engine_is_an_engine_closed_error(tiny_checkpoints):
+    engine = open_engine(tiny_checkpoints["qwen2"], kv_device_blocks=8)
+    engine.open_state("a").sync([5, 6, 7])
+    engine.close()
+    with pytest.raises(EngineClosedError, match="closed"):
+        engine.memory()
