@@ -90,17 +90,24 @@ class StateRegistry:
 
     def open(self, state_id: str) -> StateHandle:
         """Get or create the state with this id; with a `state_dir`, one persisted there by an
-        earlier engine comes back (tokens and KV, nothing recomputed)."""
+        earlier engine comes back (tokens and KV, nothing recomputed). Its file is read and
+        verified outside the engine's lock: other agents' steps go on meanwhile."""
         _check_id(state_id)
         with self.lock:
             self._check_open()
             entry = self._entries.get(state_id)
             if entry is not None:
                 return entry.handle
+            cache, path = self.kv_cache, self.persisted_path(state_id)
+        saved = self._read_persisted(state_id, path, cache) if path is not None and path.exists() else None
+        with self.lock:
+            self._check_open()
+            entry = self._entries.get(state_id)
+            if entry is not None:  # another call opened it meanwhile
+                return entry.handle
             seq = self._new_sequence()
-            path = self.persisted_path(state_id)
-            if path is not None and path.exists():
-                self._resume(seq, state_id, path)
+            if saved is not None:
+                self._resume(seq, saved, path)
             return self._add(state_id, seq)
 
     # --- persistence (state_dir) ----------------------------------------------------------------
@@ -112,14 +119,17 @@ class StateRegistry:
         digest = hashlib.blake2b(state_id.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
         return Path(self.config.state_dir) / f"{digest}.state"
 
-    def _resume(self, seq: KVSequence, state_id: str, path: Path) -> None:
-        """Fill `seq` from its persisted file: its KV parked in the host tier (copied to the device
-        at its next request) or, without one, on the device now."""
-        saved = state_file.read(path, self.limits.fingerprint, self.kv_cache.data.shape, self.kv_cache.dtype,
-                                self.kv_cache.layout)
+    def _read_persisted(self, state_id: str, path: Path, cache: "KVCache") -> state_file.SavedState:
+        """The state this id persisted in `path`, read and verified (StateFileError if it is not)."""
+        saved = state_file.read(path, self.limits.fingerprint, cache.data.shape, cache.dtype, cache.layout)
         if saved.state_id != state_id:
             raise StateFileError(f"{path} holds state {saved.state_id!r}, not {state_id!r}; remove the file "
                                  "or open that id")
+        return saved
+
+    def _resume(self, seq: KVSequence, saved: state_file.SavedState, path: Path) -> None:
+        """Fill `seq` from its persisted state: its KV parked in the host tier (copied to the
+        device at its next request) or, without one, on the device now."""
         seq.tokens = self._validate(saved.tokens)
         if not self._kv_fits(seq, saved):
             return  # tokens only: the KV is recomputed on next use
@@ -127,7 +137,7 @@ class StateRegistry:
         tier = self.core.scheduler.eviction.tier
         if tier is None or not tier.adopt(seq, seq.tokens[:saved.num_computed], saved.kv, saved.starts):
             self._place(seq, saved, path)
-        logger.info("state %r resumed from %s (%d tokens, %d with KV)", state_id, path, len(seq.tokens),
+        logger.info("state %r resumed from %s (%d tokens, %d with KV)", saved.state_id, path, len(seq.tokens),
                     saved.num_computed)
 
     def persist_all(self) -> None:

@@ -195,6 +195,28 @@ def test_a_state_emptied_before_a_restart_comes_back_empty(tiny_checkpoints, mak
     assert [len(engine.open_state(name)) for name in ("synced", "truncated", "kept")] == [0, 0, 40]
 
 
+def test_other_agents_run_while_a_persisted_state_is_read(tiny_checkpoints, make_engine, tmp_path, monkeypatch):
+    """Reading a large state file takes a while: it is read outside the engine's lock, so a
+    request of another agent runs meanwhile instead of waiting for the read."""
+    path = tiny_checkpoints["qwen2"]
+    engine = make_engine(path, state_dir=tmp_path)
+    engine.open_state("saved").sync(list(range(5, 45)))
+    engine.close()
+    engine = make_engine(path, state_dir=tmp_path)
+    other, read, ran_meanwhile = engine.open_state("other"), state_file.read, []
+
+    def read_while_another_agent_runs(*args, **kwargs):
+        agent = threading.Thread(target=other.generate, args=(SamplingParams(max_tokens=2),), kwargs={"prompt": [5, 6]})
+        agent.start()
+        agent.join(10)
+        ran_meanwhile.append(not agent.is_alive())
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(state_file, "read", read_while_another_agent_runs)
+    assert engine.open_state("saved").tokens == list(range(5, 45))
+    assert ran_meanwhile == [True]
+
+
 def test_a_damaged_or_foreign_state_file_fails_its_open_alone(tiny_checkpoints, make_engine, tmp_path):
     engine = make_engine(tiny_checkpoints["llama"], state_dir=tmp_path)
     for name in ("good", "bad"):
