@@ -129,14 +129,18 @@ class StateRegistry:
 
     def _resume(self, seq: KVSequence, saved: state_file.SavedState, path: Path) -> None:
         """Fill `seq` from its persisted state: its KV parked in the host tier (copied to the
-        device at its next request) or, without one, on the device now."""
+        device at its next request), else on the device now, else (running requests hold the
+        blocks) parked on disk."""
         seq.tokens = self._validate(saved.tokens)
         if not self._kv_fits(seq, saved):
             return  # tokens only: the KV is recomputed on next use
         seq.rotated_long = saved.rotated_long
-        tier = self.core.scheduler.eviction.tier
-        if tier is None or not tier.adopt(seq, seq.tokens[:saved.num_computed], saved.kv, saved.starts):
-            self._place(seq, saved, path)
+        tier, computed = self.core.scheduler.eviction.tier, seq.tokens[:saved.num_computed]
+        if tier is None or not tier.adopt(seq, computed, saved.kv, saved.starts):
+            on_disk = (tier is not None and not self._device_room(saved.kv.shape[2])
+                       and tier.adopt(seq, computed, saved.kv, saved.starts, disk=True))
+            if not on_disk:
+                self._place(seq, saved, path)
         logger.info("state %r resumed from %s (%d tokens, %d with KV)", saved.state_id, path, len(seq.tokens),
                     saved.num_computed)
 
@@ -461,11 +465,14 @@ class StateRegistry:
         return (saved.block_size == self.pool.block_size and saved.num_computed > 0
                 and seq.pages_fit(saved.starts, saved.num_computed))
 
+    def _device_room(self, blocks: int) -> bool:
+        """Whether `blocks` device blocks are free, once idle states are evicted for them."""
+        return self.pool.can_allocate(blocks) or self.core.scheduler.eviction.make_room(blocks)
+
     def _place(self, seq: KVSequence, saved: state_file.SavedState, path: object) -> None:
         """A saved state's KV into device blocks now (idle states evicted for room)."""
         blocks = saved.kv.shape[2]
-        if not self.pool.can_allocate(blocks):
-            self.core.scheduler.eviction.make_room(blocks)
+        self._device_room(blocks)
         ids = self.pool.allocate(blocks)
         seq.place_pages(ids, saved.starts, saved.num_computed)
         try:

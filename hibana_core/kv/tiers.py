@@ -255,14 +255,17 @@ class HostTier:
         c.seconds += time.perf_counter() - began
         logger.info("resumed a parked state from %s (%d tokens)", "disk" if parked.kv is None else "host memory", n)
 
-    def adopt(self, seq: KVSequence, tokens: list[int], kv: torch.Tensor, starts: tuple[int, ...] = (0,)) -> bool:
+    def adopt(self, seq: KVSequence, tokens: list[int], kv: torch.Tensor, starts: tuple[int, ...] = (0,),
+              disk: bool = False) -> bool:
         """Hold `kv` (on the host: a state file's pages) as `seq`'s parked copy, restored at its
-        next request like any other. False when the budget cannot take it."""
-        nbytes = kv.numel() * kv.element_size()
-        if not self._room(nbytes):
+        next request like any other: in host memory, or with `disk` in a spill file. False when
+        that tier cannot take it."""
+        parked = ParkedKV(list(tokens), kv, rotated_long=seq.rotated_long, starts=starts)
+        if disk:
+            return self.spill_dir is not None and self._spill(seq, parked)
+        if not self._room(parked.nbytes):
             return False
-        self._hold(seq, ParkedKV(list(tokens), kv.pin_memory() if self.pinned else kv, rotated_long=seq.rotated_long,
-                                 starts=starts))
+        self._hold(seq, dataclasses.replace(parked, kv=kv.pin_memory()) if self.pinned else parked)
         return True
 
     def _hold(self, seq: KVSequence, parked: ParkedKV) -> None:
