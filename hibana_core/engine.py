@@ -436,8 +436,11 @@ class Engine:
         use, the workspace estimate, a draft model's weights and KV, the budget in bytes or None,
         the device's total and whether it is unified memory; on CUDA the allocator's current and
         peak bytes), the host tier (its budget and the parked copies), and each state's tier and
-        bytes."""
+        bytes. EngineClosedError once the engine is closed (it holds nothing then)."""
         with self.core.lock:
+            if self.core.closed:
+                raise EngineClosedError("the engine is closed and holds no memory; create a new one with "
+                                        "Engine.from_pretrained")
             per_block = self.kv_cache.bytes_per_block_here
             states = {}
             for info in self.registry.infos():

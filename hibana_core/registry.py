@@ -90,17 +90,24 @@ class StateRegistry:
 
     def open(self, state_id: str) -> StateHandle:
         """Get or create the state with this id; with a `state_dir`, one persisted there by an
-        earlier engine comes back (tokens and KV, nothing recomputed)."""
+        earlier engine comes back (tokens and KV, nothing recomputed). Its file is read and
+        verified outside the engine's lock: other agents' steps go on meanwhile."""
         _check_id(state_id)
         with self.lock:
             self._check_open()
             entry = self._entries.get(state_id)
             if entry is not None:
                 return entry.handle
+            cache, path = self.kv_cache, self.persisted_path(state_id)
+        saved = self._read_persisted(state_id, path, cache) if path is not None and path.exists() else None
+        with self.lock:
+            self._check_open()
+            entry = self._entries.get(state_id)
+            if entry is not None:  # another call opened it meanwhile
+                return entry.handle
             seq = self._new_sequence()
-            path = self.persisted_path(state_id)
-            if path is not None and path.exists():
-                self._resume(seq, state_id, path)
+            if saved is not None:
+                self._resume(seq, saved, path)
             return self._add(state_id, seq)
 
     # --- persistence (state_dir) ----------------------------------------------------------------
@@ -112,35 +119,47 @@ class StateRegistry:
         digest = hashlib.blake2b(state_id.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
         return Path(self.config.state_dir) / f"{digest}.state"
 
-    def _resume(self, seq: KVSequence, state_id: str, path: Path) -> None:
-        """Fill `seq` from its persisted file: its KV parked in the host tier (copied to the device
-        at its next request) or, without one, on the device now."""
+    def _read_persisted(self, state_id: str, path: Path, cache: "KVCache") -> state_file.SavedState:
+        """The state this id persisted in `path`, read and verified (StateFileError if it is not)."""
         try:
-            saved = state_file.read(path, self.limits.fingerprint, self.kv_cache.data.shape, self.kv_cache.dtype,
-                                    self.kv_cache.layout)
+            saved = state_file.read(path, self.limits.fingerprint, cache.data.shape, cache.dtype, cache.layout)
         except StateFileError as exc:  # the id stays unopenable while the file is there: say so
             raise StateFileError(f"{exc} (or remove it to open {state_id!r} afresh)") from None
         if saved.state_id != state_id:
             raise StateFileError(f"{path} holds state {saved.state_id!r}, not {state_id!r}; remove the file "
                                  "or open that id")
+        return saved
+
+    def _resume(self, seq: KVSequence, saved: state_file.SavedState, path: Path) -> None:
+        """Fill `seq` from its persisted state: its KV parked in the host tier (copied to the
+        device at its next request), else on the device now, else (running requests hold the
+        blocks) parked on disk."""
         seq.tokens = self._validate(saved.tokens)
         if not self._kv_fits(seq, saved):
             return  # tokens only: the KV is recomputed on next use
         seq.rotated_long = saved.rotated_long
-        tier = self.core.scheduler.eviction.tier
-        if tier is None or not tier.adopt(seq, seq.tokens[:saved.num_computed], saved.kv, saved.starts):
-            self._place(seq, saved, path)
-        logger.info("state %r resumed from %s (%d tokens, %d with KV)", state_id, path, len(seq.tokens),
+        tier, computed = self.core.scheduler.eviction.tier, seq.tokens[:saved.num_computed]
+        if tier is None or not tier.adopt(seq, computed, saved.kv, saved.starts):
+            on_disk = (tier is not None and not self._device_room(saved.kv.shape[2])
+                       and tier.adopt(seq, computed, saved.kv, saved.starts, disk=True))
+            if not on_disk:
+                self._place(seq, saved, path)
+        logger.info("state %r resumed from %s (%d tokens, %d with KV)", saved.state_id, path, len(seq.tokens),
                     saved.num_computed)
 
     def persist_all(self) -> None:
-        """Write every open named state to `state_dir` (the engine closes). A state that cannot
-        be written is logged and skipped; the others are still written."""
+        """Write every open named state to `state_dir` (the engine closes); an empty one leaves no
+        file (an earlier one of its id would bring back the history it no longer holds). A state
+        that cannot be written is logged and skipped; the others are still written."""
         for state_id, entry in self._entries.items():
-            if entry.unnamed or not entry.seq.tokens:
+            if entry.unnamed:
                 continue
+            path = self.persisted_path(state_id)
             try:
-                self._write(entry.seq, state_id, self.persisted_path(state_id))
+                if entry.seq.tokens:
+                    self._write(entry.seq, state_id, path)
+                else:
+                    path.unlink(missing_ok=True)
             except Exception as exc:  # noqa: BLE001 - one state's file (a spill file gone, a full disk) never stops the rest
                 logger.warning("state %r was not persisted: %s", state_id, exc)
 
@@ -449,11 +468,14 @@ class StateRegistry:
         return (saved.block_size == self.pool.block_size and saved.num_computed > 0
                 and seq.pages_fit(saved.starts, saved.num_computed))
 
+    def _device_room(self, blocks: int) -> bool:
+        """Whether `blocks` device blocks are free, once idle states are evicted for them."""
+        return self.pool.can_allocate(blocks) or self.core.scheduler.eviction.make_room(blocks)
+
     def _place(self, seq: KVSequence, saved: state_file.SavedState, path: object) -> None:
         """A saved state's KV into device blocks now (idle states evicted for room)."""
         blocks = saved.kv.shape[2]
-        if not self.pool.can_allocate(blocks):
-            self.core.scheduler.eviction.make_room(blocks)
+        self._device_room(blocks)
         ids = self.pool.allocate(blocks)
         seq.place_pages(ids, saved.starts, saved.num_computed)
         try:

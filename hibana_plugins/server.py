@@ -440,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     parser.add_argument("--state-dir", help="folder where named states (X-Hibana-State) persist across "
                         "restarts: written when the server stops, found again by id after it starts")
-    parser.add_argument("--memory-budget", help="the engine's memory: weights, KV and workspace in bytes "
+    parser.add_argument("--memory-budget", type=_number_or_text, help="the engine's memory: weights, KV and workspace in bytes "
                         "(\"20GB\") or a fraction of the device (\"80%%\"); unified memory keeps headroom for the OS")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="any other engine option (EngineConfig), VALUE as JSON where it parses: "
@@ -462,6 +462,16 @@ def port_number(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {port}")
     return port
+
+
+def _number_or_text(text: str) -> float | int | str:
+    """A command-line value as a number where it is one (`--memory-budget 0.8` is the fraction
+    0.8, as in Python), else the text itself ("20GB", "80%")."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else text
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

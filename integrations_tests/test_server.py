@@ -14,6 +14,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from hibana_core import ConfigError, Engine  # noqa: E402
+from hibana_core.config import EngineConfig  # noqa: E402
 from hibana_plugins.openai_api import STATE_HEADER  # noqa: E402
 from hibana_plugins.server import ServerConfig, serving  # noqa: E402
 from hibana_bench.serve_load import MULTIPLY, WEATHER  # noqa: E402 - the load test's tools
@@ -681,6 +682,16 @@ def test_engine_options_from_the_command_line():
                                              "--option", "pin_budget=0.25"])
     options = server.engine_options(args)
     assert options["memory_budget"] == "80%" and options["state_dir"] == "states" and options["pin_budget"] == 0.25
+
+
+@pytest.mark.parametrize("given, want", [("0.8", 0.8), ("20000000000", 20 * 10**9), ("20GB", "20GB")])
+def test_a_memory_budget_on_the_command_line_takes_every_form_the_engine_does(given, want):
+    """`--memory-budget 0.8` is the fraction 0.8 (as a string, the engine reads "0.8" as no size)."""
+    from hibana_plugins import server
+
+    options = server.engine_options(server.build_parser().parse_args(["demo", "--memory-budget", given]))
+    assert options["memory_budget"] == want
+    EngineConfig.from_overrides("demo", **options)  # accepted
 
 
 def test_a_request_that_waited_too_long_in_the_queue_is_a_429():

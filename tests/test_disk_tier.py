@@ -4,9 +4,13 @@ greedy, and every turn still computes only its new tokens."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
+from hibana_core import SamplingParams
 from test_host_tier import AGENTS, DEVICE_BLOCKS, GENERATE, TURNS, round_robin
+from tiny_models import random_tokens
 
 
 @pytest.mark.parametrize("host_states", [0, 1], ids=["disk only", "host for one state"])
@@ -150,3 +154,26 @@ def test_the_resume_benchmark_parks_and_resumes_through_each_tier(tmp_path):
         row = resume_once(model, 200, host_states, tmp_path / name, model.vocab_size)
         assert row["tier"] == name and row["computed"] <= 2 and row["bytes"] > 0
         assert (row["disk_bytes"] > 0) == (name == "disk")
+
+
+def test_a_persisted_state_opened_while_requests_fill_the_pool_waits_on_disk(tiny_checkpoints, make_engine, hf_greedy,
+                                                                             tmp_path):
+    """After a restart with no host tier, a state opened while running requests hold every device
+    block cannot be placed there: it is parked on disk (a MemoryBudgetError before) and its next
+    turn computes only its last token."""
+    path = tiny_checkpoints["qwen2"]
+    rng = random.Random(11)
+    history = random_tokens(rng, 40)
+    engine = make_engine(path, state_dir=tmp_path, num_blocks=6, host_kv_bytes=0, speculation="off")
+    engine.open_state("saved").sync(history)
+    engine.close()
+    engine = make_engine(path, state_dir=tmp_path, num_blocks=6, host_kv_bytes=0, speculation="off")
+    running = engine.open_state("runner").stream(SamplingParams(max_tokens=16, ignore_eos=True),
+                                                  prompt=random_tokens(rng, 80))
+    next(running)  # its 6 blocks are the whole pool
+    saved = engine.open_state("saved")
+    assert saved.tokens == history and {i.id: i.tier for i in engine.states()}["saved"] == "disk"
+    for _ in running:
+        pass
+    done = saved.generate(SamplingParams(max_tokens=4, ignore_eos=True))
+    assert done.stats.computed == 1 and list(done.token_ids) == hf_greedy(str(path), history, 4)

@@ -7,7 +7,7 @@ import pytest
 
 from hibana_core import Engine, SamplingParams
 from hibana_core.config import EngineConfig
-from hibana_core.errors import ConfigError, MemoryBudgetError
+from hibana_core.errors import ConfigError, EngineClosedError, MemoryBudgetError
 from hibana_core.kv import budget
 from hibana_core.kv.budget import DeviceMemory, parse_budget
 
@@ -21,13 +21,14 @@ def open_engine(path, **overrides) -> Engine:
 
 @pytest.mark.parametrize("given, want", [
     (123456789, 123456789), ("20GB", 20 * 10**9), ("20 GiB", 20 * GIB), ("512MiB", 512 << 20),
-    ("1.5g", 1_500_000_000), (0.8, 0.8), ("80%", 0.8), ("4096", 4096), (2e10, 20 * 10**9)])
+    ("1.5g", 1_500_000_000), (0.8, 0.8), ("80%", 0.8), ("4096", 4096), (2e10, 20 * 10**9),
+    ("0.5GB", 500_000_000), (".5 GiB", 512 << 20)])
 def test_a_budget_is_bytes_or_a_fraction(given, want):
     assert parse_budget(given) == want
     assert type(parse_budget(given)) is type(want)
 
 
-@pytest.mark.parametrize("given", [0, -5, 1.5, "150%", "lots", "0", "0.25", "20 parsecs", True, [1], float("nan")])
+@pytest.mark.parametrize("given", [0, -5, 1.5, "150%", "lots", "0", "0.25", "1.5", "0.5b", "20 parsecs", True, [1], float("nan")])
 def test_a_budget_that_is_neither_says_what_to_write(given):
     with pytest.raises(ConfigError, match="memory_budget") as info:
         EngineConfig.from_overrides("demo", memory_budget=given)
@@ -110,3 +111,11 @@ def test_workspace_grows_with_the_step():
     small, large = (budget.workspace_bytes(max_batched_tokens=n, **shape) for n in (512, 8192))
     assert 0 < small < large
     assert large < 2 * GIB  # an 8B model's 8k-token chunk: hundreds of MB, not a device's worth
+
+
+def test_memory_of_a_closed_engine_is_an_engine_closed_error(tiny_checkpoints):
+    engine = open_engine(tiny_checkpoints["qwen2"], kv_device_blocks=8)
+    engine.open_state("a").sync([5, 6, 7])
+    engine.close()
+    with pytest.raises(EngineClosedError, match="closed"):
+        engine.memory()

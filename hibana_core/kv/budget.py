@@ -47,8 +47,10 @@ def parse_budget(value: int | float | str) -> int | float:
             number, unit = float(match.group(1)), match.group(2).lower()
             if unit == "%" and 0 < number <= 100:
                 return number / 100
-            if unit in _UNITS and unit != "%" and number >= 1:
-                return int(number * _UNITS[unit])  # a bare number is bytes, as an int is
+            if unit in _UNITS and unit != "%":  # a bare number is whole bytes, as an int is
+                size = number * _UNITS[unit]
+                if size >= 1 and (unit or number.is_integer()):  # "0.5GB" is a size, "0.25" none
+                    return int(size)
         raise ConfigError(f"memory_budget {value!r} is not a size, or a share of 100% or less; {hint}")
     raise ConfigError(f"memory_budget must be bytes or a fraction, got {type(value).__name__}; {hint}")
 

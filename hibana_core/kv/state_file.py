@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -59,6 +61,12 @@ def _checksum(meta: dict, kv: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+def _metadata(data: bytes) -> dict:
+    """The metadata in a safetensors file's header (8 bytes of its length, then JSON)."""
+    (length,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8:8 + length]).get("__metadata__") or {}
+
+
 def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, block_size: int,
           kv: torch.Tensor, fingerprint: str, rotated_long: bool = False, starts: Sequence[int] = (0,),
           layout: KVLayout | None = None) -> None:
@@ -81,12 +89,17 @@ def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, b
         metadata["layout"] = json.dumps(layout.describe())
     kv = kv.contiguous()
     metadata["checksum"] = _checksum(metadata, kv)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"kv": kv}, str(tmp), metadata=metadata)
-        tmp.replace(path)  # never leave a half-written state file behind
+        # a temporary file of this writer's own: engines sharing a state_dir may write one state at once
+        handle, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        os.close(handle)
+        save_file({"kv": kv}, tmp, metadata=metadata)
+        os.replace(tmp, path)  # never leave a half-written state file behind
     except (OSError, UnicodeError, ValueError) as exc:  # no room, no right, a name the OS refuses
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise StateFileError(f"cannot write the state file {str(path)!r}: {exc}") from exc
 
 
@@ -95,7 +108,7 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.
     """Read and verify a state file; `kv_shape` is the engine's [page_layers, 2, *, block, heads,
     dim], `kv_dtype` its cache's dtype (fp8 blocks are saved and restored as their bytes),
     `layout` how its layers share pages (`kv.layout.KVLayout`; None: one plain group)."""
-    from safetensors import safe_open
+    import safetensors.torch
 
     try:
         exists = path.is_file()
@@ -104,12 +117,13 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.
     if not exists:
         raise StateFileError(f"state file {str(path)!r} does not exist")
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            meta = f.metadata() or {}
-            if meta.get("format") != FORMAT:
-                raise StateFileError(f"{path} is not a Hibana state file of this version "
-                                     f"(format {meta.get('format')!r}); save the state again")
-            kv = f.get_tensor("kv")
+        data = path.read_bytes()  # once: a file another engine replaces meanwhile is read whole, old or new
+        meta = _metadata(data)
+        if meta.get("format") != FORMAT:
+            raise StateFileError(f"{path} is not a Hibana state file of this version "
+                                 f"(format {meta.get('format')!r}); save the state again")
+        kv = safetensors.torch.load(data)["kv"]
+        del data  # the file's bytes, before the checksum copies the KV once more
         checksum_ok = meta.get("checksum") == _checksum(meta, kv)
         tokens = json.loads(meta["tokens"])
         if not isinstance(tokens, list) or not all(is_kind(t, int) for t in tokens):
@@ -128,8 +142,9 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.
     if not checksum_ok:
         raise StateFileError(f"state file {path} is damaged (its checksum does not match); save the state again")
     if meta.get("fingerprint") != fingerprint:
-        raise StateFileError(f"{path} was saved by another model or tokenizer; load it into an engine "
-                             "on the same checkpoint")
+        raise StateFileError(f"{path} was saved by another model or tokenizer, or under another dtype, kv_dtype "
+                             "or surgery; load it into an engine on the same checkpoint with the same dtype, "
+                             "kv_dtype and surgery")
     if (json.loads(meta["layout"]) if "layout" in meta else None) != (layout.describe() if layout else None):
         raise StateFileError(f"{path} was saved by an engine whose layers share their KV pages otherwise (sliding "
                              "windows that max_model_len turns into full attention, or the window surgery pass): "

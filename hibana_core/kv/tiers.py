@@ -14,8 +14,9 @@ host budget, least recently parked dropped first (those states recompute, as wit
 A restore checks the copy against the state's history: where the history was edited since, only
 the common prefix comes back. With `state_dir` set, what the host budget cannot hold goes to
 disk (a spill folder under it, removed when the engine closes) instead of being dropped; a
-restore reads it back. Copies are synchronous on the engine's stream (correct first; the
-side-stream copy and prefetch of the memory-manager issue come next).
+restore reads it back. Copies are synchronous on the engine's stream (correct first; copies on
+a side stream overlapped with compute come next); a state due back from its tools is restored
+while the engine is idle (`StateRegistry.prefetch`).
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ class HostTier:
         self._bytes: dict[int, int] = {}  # host copies' bytes
         self._spilled: dict[int, tuple[weakref.ref, int]] = {}  # id(seq) -> (seq, bytes on disk)
         self._files = itertools.count()
+        self._restoring: int | None = None  # id(seq) of the state being restored: its copy stays
         self.counters = TierCounters()
 
     @property
@@ -179,7 +181,7 @@ class HostTier:
         blocks = -(-n // seq.block_size)
         seq.reuse_cached_blocks(n)  # what other states still hold (a shared system prompt) is not copied
         first = len(seq.block_ids)
-        if not self.pool.can_allocate(blocks - first) and not make_room(blocks - first):
+        if not self._device_room(seq, blocks - first, make_room):
             seq.release()
             return 0
         began = time.perf_counter()
@@ -198,7 +200,7 @@ class HostTier:
         index is not consulted)."""
         parked = seq.parked
         index = parked.page_index(n, seq)
-        if not self.pool.can_allocate(len(index)) and not make_room(len(index)):
+        if not self._device_room(seq, len(index), make_room):
             return 0
         began = time.perf_counter()
         kv = self._read_copy(seq, began)
@@ -209,6 +211,18 @@ class HostTier:
         seq.place_pages(ids, parked.starts, n)
         self._restored(seq, n, n, len(ids), began)
         return n
+
+    def _device_room(self, seq: KVSequence, blocks: int, make_room: Callable[[int], bool]) -> bool:
+        """Free device blocks for `blocks` of `seq`'s restore. The states evicted for them may be
+        parked here, but never by pushing `seq`'s own copy out of the host budget: the restore
+        reads it next (a state that cannot be parked then goes to disk, or recomputes later)."""
+        if self.pool.can_allocate(blocks):
+            return True
+        self._restoring = id(seq)
+        try:
+            return make_room(blocks)
+        finally:
+            self._restoring = None
 
     def _read_copy(self, seq: KVSequence, began: float) -> torch.Tensor | None:
         """The parked copy's KV in host memory (a spill file read and counted as a disk resume);
@@ -241,14 +255,17 @@ class HostTier:
         c.seconds += time.perf_counter() - began
         logger.info("resumed a parked state from %s (%d tokens)", "disk" if parked.kv is None else "host memory", n)
 
-    def adopt(self, seq: KVSequence, tokens: list[int], kv: torch.Tensor, starts: tuple[int, ...] = (0,)) -> bool:
+    def adopt(self, seq: KVSequence, tokens: list[int], kv: torch.Tensor, starts: tuple[int, ...] = (0,),
+              disk: bool = False) -> bool:
         """Hold `kv` (on the host: a state file's pages) as `seq`'s parked copy, restored at its
-        next request like any other. False when the budget cannot take it."""
-        nbytes = kv.numel() * kv.element_size()
-        if not self._room(nbytes):
+        next request like any other: in host memory, or with `disk` in a spill file. False when
+        that tier cannot take it."""
+        parked = ParkedKV(list(tokens), kv, rotated_long=seq.rotated_long, starts=starts)
+        if disk:
+            return self.spill_dir is not None and self._spill(seq, parked)
+        if not self._room(parked.nbytes):
             return False
-        self._hold(seq, ParkedKV(list(tokens), kv.pin_memory() if self.pinned else kv, rotated_long=seq.rotated_long,
-                                 starts=starts))
+        self._hold(seq, dataclasses.replace(parked, kv=kv.pin_memory()) if self.pinned else parked)
         return True
 
     def _hold(self, seq: KVSequence, parked: ParkedKV) -> None:
@@ -276,7 +293,6 @@ class HostTier:
         self._track_spill(twin, dataclasses.replace(parked, kv=None, path=path))
 
     def _spill(self, seq: KVSequence, parked: ParkedKV) -> bool:
-        """Write a host copy to a spill file and make that `seq`'s parked copy."""
         """Write a host copy to a spill file and make that `seq`'s parked copy. False (nothing
         changed) when the file cannot be written: a full or unwritable disk."""
         began = time.perf_counter()
@@ -313,12 +329,15 @@ class HostTier:
 
     def _room(self, nbytes: int) -> bool:
         """Whether `nbytes` fit the host budget, after moving the oldest host copies to disk
-        (or, without a spill folder, dropping them: those states recompute)."""
+        (or, without a spill folder, dropping them: those states recompute); the copy of a state
+        being restored is not one of them."""
         if nbytes > self.budget_bytes:
             return False
-        while self.bytes_used + nbytes > self.budget_bytes and self._parked:
-            key, ref = next(iter(self._parked.items()))
-            seq = ref()
+        while self.bytes_used + nbytes > self.budget_bytes:
+            key = next((key for key in self._parked if key != self._restoring), None)
+            if key is None:
+                return False
+            seq = self._parked[key]()
             if seq is None:
                 self._parked.pop(key)
                 self._bytes.pop(key, None)
