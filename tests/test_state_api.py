@@ -43,7 +43,7 @@ def check_output(engine, path, history: list[int], got: list[int], fresh_id: str
 PUBLIC_FIELDS = {
     "SyncStats": dict(reused=int, computed=int),
     "RequestStats": dict(prompt_tokens=int, reused=int, computed=int, generated=int,
-                         time_to_first_token=float | None, elapsed=float),
+                         time_to_first_token=float | None, elapsed=float, preemptions=int),
     "TokenLogprob": dict(token_id=int, logprob=float, top=tuple[tuple[int, float], ...]),
     "Completion": dict(token_ids=list[int], finish_reason=str, text=str, stats=RequestStats,
                        logprobs=list[TokenLogprob] | None, control_spans=tuple[tuple[int, int], ...] | None),
