@@ -184,7 +184,8 @@ class Engine:
         guard = self._guard(loaded) if config.surgery and config.surgery_guard else None
         calibration = Calibration(loaded.model, self._ctx, loaded.args, loaded.dtype, self.device, loaded.tokenizer)
         self.surgery = loaded.surgery + surgery.apply_passes(loaded.model, passes,
-                                                             get_plugin_manager().surgery_passes(), guard, calibration)
+                                                             get_plugin_manager().surgery_passes(), guard, calibration,
+                                                             progress=config.progress)
         """What each surgery pass changed (name, parameters, layers, bytes before and after) and,
         where the guard ran, its figures against the unmodified model."""
         if guard is not None and config.progress:

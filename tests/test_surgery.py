@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from hibana_core import SamplingParams
+from hibana_core import Engine, SamplingParams
 from hibana_core.errors import CheckpointError, ConfigError, StateFileError, SurgeryGuardError
 from hibana_core.loader import model_bytes
 from hibana_core.models.moe import STACKS, StackedExperts
@@ -538,3 +538,16 @@ def test_a_tool_call_is_valid_only_as_a_name_and_an_arguments_object():
     for text in ('{"name": "lookup", "arguments": "Oslo"}', '{"name": 3, "arguments": {}}',
                  '{"name": "lookup", "arguments": {"city": "Os', '["lookup"]', ''):
         assert not _is_call(text), text
+
+
+def test_progress_false_silences_the_passes_bars(tiny_checkpoints, capfd):
+    """`progress=False` hides every surgery bar (w8's per-layer bar here), as it hides
+    loading's; by default they show."""
+    path = tiny_checkpoints["qwen3"]
+    passes = [{"name": "w8", "force": True}, {"name": "window", "window": 16, "layers": [0], "force": True}]
+    capfd.readouterr()
+    Engine.from_pretrained(str(path), surgery=passes, speculation="off", progress=False, num_blocks=32).close()
+    assert "surgery" not in capfd.readouterr().err
+    Engine.from_pretrained(str(path), surgery=passes, speculation="off", num_blocks=32).close()
+    err = capfd.readouterr().err
+    assert "surgery w8" in err, err.replace("\r", "\n")

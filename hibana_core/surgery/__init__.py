@@ -10,11 +10,13 @@ A pass is an object with `apply(model, params) -> dict`, registered by name thro
 engine takes them as `surgery=["w8"]` or `surgery=[{"name": "w4", "group_size": 64}]`. A pass
 that must run the model on text (kv8) sets `calibrated = True` and gets a third argument, a
 `calibration.Calibration`. A record's "digest", when a pass derived values from data (kv8's
-scales), joins the fingerprint with the pass's name and parameters.
+scales), joins the fingerprint with the pass's name and parameters. A pass shows its work through
+`progress_bar`, which the engine's `progress=False` silences.
 """
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -24,6 +26,17 @@ from hibana_core.errors import ConfigError
 
 if TYPE_CHECKING:  # torch stays unimported until a model is built (adapters import this module)
     import torch
+
+_PROGRESS: contextvars.ContextVar[bool] = contextvars.ContextVar("hibana_surgery_progress", default=True)
+
+
+def progress_bar(iterable: Any, **tqdm_args: Any) -> Any:
+    """`tqdm(iterable, **tqdm_args)` for a pass's work, hidden while the passes run under an
+    engine started with `progress=False` (the pass interface stays `apply(model, params)`)."""
+    from tqdm.auto import tqdm
+
+    disable = tqdm_args.pop("disable", False) or not _PROGRESS.get()
+    return tqdm(iterable, disable=disable, **tqdm_args)
 
 
 class SurgeryPass(Protocol):
@@ -95,11 +108,20 @@ def check_requests(requests: Sequence[PassRequest], passes: dict[str, Any]) -> t
 
 
 def apply_passes(model: "torch.nn.Module", requests: Sequence[PassRequest], passes: dict[str, Any],
-                 guard: Any = None, calibration: Any = None) -> list[dict[str, Any]]:
+                 guard: Any = None, calibration: Any = None, progress: bool = True) -> list[dict[str, Any]]:
     """Run the passes in order; their records, each with its name and parameters (and, with a
     guard, its figures against the unmodified model: a pass over its floors raises
     SurgeryGuardError unless its request says `force: True`). `calibration`: what passes with
-    `calibrated = True` run the model on."""
+    `calibrated = True` run the model on; `progress`: whether their `progress_bar`s show."""
+    token = _PROGRESS.set(progress)
+    try:
+        return _apply(model, requests, passes, guard, calibration)
+    finally:
+        _PROGRESS.reset(token)
+
+
+def _apply(model: "torch.nn.Module", requests: Sequence[PassRequest], passes: dict[str, Any],
+           guard: Any, calibration: Any) -> list[dict[str, Any]]:
     records = []
     for request in check_requests(requests, passes):  # every request before any pass runs
         params = dict(request.params)

@@ -54,8 +54,7 @@ class WeightQuantPass:
         return params
 
     def apply(self, model: "torch.nn.Module", params: dict[str, Any]) -> dict[str, Any]:
-        from tqdm.auto import tqdm
-
+        from hibana_core.surgery import progress_bar
         from hibana_core.surgery.quantize import group_size_for, quantize_int4, quantize_int8
 
         params = self.check(params)
@@ -68,7 +67,7 @@ class WeightQuantPass:
         layers = [(name, m) for name, m in model.named_modules() if _packable(name, m)]
         before = after = 0
         kept: list[str] = []
-        for name, layer in tqdm(layers, desc=f"surgery w{self.bits}", unit="layer", leave=False):
+        for name, layer in progress_bar(layers, desc=f"surgery w{self.bits}", unit="layer", leave=False):
             weight = layer.weight.data
             group = 0
             if self.bits == 8:
@@ -92,16 +91,15 @@ class WeightQuantPass:
     def _pack_experts(self, model: "torch.nn.Module", wanted: int | None, clip: bool | None) -> dict[str, Any]:
         """Pack the float expert stacks of every MoE layer, each stack by the linears' rule; the
         record's expert fields and the bytes before and after."""
-        from tqdm.auto import tqdm
-
         from hibana_core.models.moe import STACKS
+        from hibana_core.surgery import progress_bar
         from hibana_core.surgery.quantize import group_size_for, quantize_stacked
 
         experts = [(name, m) for name, m in model.named_modules()
                    if hasattr(m, "set_packed_stacks") and m.has_float_stacks]
         before = after = 0
         kept: list[str] = []
-        for name, module in tqdm(experts, desc=f"surgery w{self.bits} experts", unit="layer", leave=False,
+        for name, module in progress_bar(experts, desc=f"surgery w{self.bits} experts", unit="layer", leave=False,
                                  disable=not experts):
             stacks = {stack: getattr(module, stack).data for stack in STACKS}  # each [E, N, K]
             groups = {stack: group_size_for(w.shape[2], wanted) if self.bits == 4 else 0

@@ -103,8 +103,8 @@ def rank_layers(attentions: list[Any], full: list[int], window: int, sinks: int,
     """(probe window, per full-attention layer the mean NLL increase on the calibration text when
     that layer alone attends to `sinks` first tokens and the probe window)."""
     import torch
-    from tqdm.auto import tqdm
 
+    from hibana_core.surgery import progress_bar
     from hibana_core.surgery.guard import Scorer
 
     documents = calibration.documents
@@ -124,7 +124,7 @@ def rank_layers(attentions: list[Any], full: list[int], window: int, sinks: int,
 
     base = nll()
     ranking = {}
-    for index in tqdm(full, desc="surgery window: ranking layers", unit="layer", leave=False):
+    for index in progress_bar(full, desc="surgery window: ranking layers", unit="layer", leave=False):
         layer = attentions[index]
         layer.sliding_window, layer.sink_tokens = probe, sinks
         try:
