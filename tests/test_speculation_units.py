@@ -202,6 +202,19 @@ def test_step_cost_model_interpolates_and_extrapolates():
     assert model.cost(128, False) == pytest.approx(8.0), "beyond the profile: proportional"
 
 
+def test_a_disturbed_profile_point_does_not_make_drafting_look_free():
+    """A busy machine timed the 2-token step at 265 ms and the 64-token one at 1.2 ms: the table
+    is made monotone (a step never costs less than a smaller one), so at near-zero acceptance
+    the controller still drafts nothing (it chose 16 drafts at 0.4% acceptance before)."""
+    model = StepCostModel([1, 2, 4, 8, 16, 32, 64], [1e-3, 0.265, 1.1e-3, 1.1e-3, 1.15e-3, 1.2e-3, 1.2e-3],
+                          sync_overhead=1e-4)
+    costs = [model.cost(n, False) for n in range(1, 65)]
+    assert costs == sorted(costs)
+    assert Controller(model).plan([Candidate(stats_with(0.004), 16, None)], 1, 1) == [0]
+    model.observe(64, 1e-4)  # a measurement below the smaller points pulls them down with it
+    assert [model.cost(n, False) for n in (1, 8, 64)] == sorted(model.cost(n, False) for n in (1, 8, 64))
+
+
 # --- configuration -------------------------------------------------------------------------------
 
 

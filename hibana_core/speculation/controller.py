@@ -78,6 +78,14 @@ class StepCostModel:
         self.points = list(tokens)
         self.seconds = list(seconds)
         self.sync_overhead = sync_overhead
+        self._monotone()
+
+    def _monotone(self) -> None:
+        """A step of more tokens never costs less: each point at most the cheapest point after
+        it. Noise on a busy machine only slows a measurement down, so a small step timed
+        dearer than a larger one was disturbed; left so, drafting would look cheaper than not."""
+        for i in range(len(self.seconds) - 2, -1, -1):
+            self.seconds[i] = min(self.seconds[i], self.seconds[i + 1])
 
     def cost(self, num_tokens: int, verify: bool) -> float:
         extra = self.sync_overhead if verify else 0.0
@@ -98,6 +106,7 @@ class StepCostModel:
         i = min(range(len(self.points)), key=lambda j: abs(self.points[j] - num_tokens))
         scale = self.points[i] / max(num_tokens, 1) if num_tokens > self.points[-1] else 1.0
         self.seconds[i] += self.SMOOTH * (seconds * scale - self.seconds[i])
+        self._monotone()
 
     def observe_sync(self, seconds: float) -> None:
         """The host's time to schedule and launch a step (what a verifying step stops overlapping)."""
