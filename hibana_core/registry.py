@@ -458,8 +458,20 @@ class StateRegistry:
             seq.tokens = tokens
             if self._kv_fits(seq, saved):
                 seq.rotated_long = saved.rotated_long
-                self._place(seq, saved, path)
+                if not self._parked_for_room(seq, saved):
+                    self._place(seq, saved, path)
             return self._add(state_id, seq)
+
+    def _parked_for_room(self, seq: KVSequence, saved: state_file.SavedState) -> bool:
+        """Where running requests hold the device blocks a saved state's KV needs, that KV parked
+        in the host tier, else on disk: restored at the state's next request, as a resume is.
+        False where the device has room (idle states evicted for it) or no tier takes it."""
+        tier = self.core.scheduler.eviction.tier
+        if tier is None or self._device_room(saved.kv.shape[2]):
+            return False
+        computed = seq.tokens[:saved.num_computed]
+        return (tier.adopt(seq, computed, saved.kv, saved.starts)
+                or tier.adopt(seq, computed, saved.kv, saved.starts, disk=True))
 
     def _kv_fits(self, seq: KVSequence, saved: state_file.SavedState) -> bool:
         """Whether a saved state's KV can be restored into `seq` (else its tokens only are, and

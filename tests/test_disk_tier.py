@@ -177,3 +177,26 @@ def test_a_persisted_state_opened_while_requests_fill_the_pool_waits_on_disk(tin
         pass
     done = saved.generate(SamplingParams(max_tokens=4, ignore_eos=True))
     assert done.stats.computed == 1 and list(done.token_ids) == hf_greedy(str(path), history, 4)
+
+
+def test_a_state_file_loaded_while_requests_fill_the_pool_is_parked(tiny_checkpoints, make_engine, hf_greedy,
+                                                                    tmp_path):
+    """load_state while running requests hold every device block: the file's KV waits in the host
+    tier (a MemoryBudgetError before) and the state's next turn computes only its last token."""
+    path = tiny_checkpoints["qwen2"]
+    rng = random.Random(12)
+    history = random_tokens(rng, 40)
+    first = make_engine(path, num_blocks=6, speculation="off")
+    saved = first.open_state("saved")
+    saved.sync(history)
+    saved.save(tmp_path / "saved.state")
+    engine = make_engine(path, num_blocks=6, speculation="off")
+    running = engine.open_state("runner").stream(SamplingParams(max_tokens=16, ignore_eos=True),
+                                                  prompt=random_tokens(rng, 80))
+    next(running)  # its 6 blocks are the whole pool
+    loaded = engine.load_state(tmp_path / "saved.state")
+    assert loaded.tokens == history and {i.id: i.tier for i in engine.states()}["saved"] == "host"
+    for _ in running:
+        pass
+    done = loaded.generate(SamplingParams(max_tokens=4, ignore_eos=True))
+    assert done.stats.computed == 1 and list(done.token_ids) == hf_greedy(str(path), history, 4)
