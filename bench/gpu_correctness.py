@@ -98,8 +98,9 @@ def tiny_cases(archs: tuple[str, ...], seed: int, max_prompt: int = 300, tied_ex
             yield arch, path, [[rng.randrange(2, 512) for _ in range(rng.randint(20, max_prompt))] for _ in range(4)]
 
 
-def check_float32() -> Iterator[tuple[str, bool, str]]:
-    for arch, path, prompts in tiny_cases(ARCHS, 7):
+def check_float32(seed: int = 7, overrides: dict | None = None, label: str = "fp32") -> Iterator[tuple[str, bool, str]]:
+    """Float32 on the GPU (graphs off and on) equals the CPU, 4 agents batched per family."""
+    for arch, path, prompts in tiny_cases(ARCHS, seed, overrides=overrides):
         with Engine.from_pretrained(path, device="cpu", progress=False) as cpu:
             want = batched_greedy(cpu, prompts, 32)
         for graphs in (False, True):
@@ -107,21 +108,13 @@ def check_float32() -> Iterator[tuple[str, bool, str]]:
                                         cuda_graphs=graphs) as gpu:
                 got = batched_greedy(gpu, prompts, 32)
             same = sum(a == b for a, b in zip(got, want))
-            yield (f"fp32 {arch} graphs={graphs}", same == len(prompts), f"{same}/4 agents equal")
+            yield (f"{label} {arch} graphs={graphs}", same == len(prompts), f"{same}/4 agents equal")
 
 
 def check_shapes() -> Iterator[tuple[str, bool, str]]:
     """check_float32 on shapes unlike the tiny checkpoints' (tiny_models.ODD_SHAPES: head_dim
     8, 12 and 24, one KV head or as many as query heads, windows shorter than a block)."""
-    for arch, path, prompts in tiny_cases(ARCHS, 13, overrides=ODD_SHAPES):
-        with Engine.from_pretrained(path, device="cpu", progress=False) as cpu:
-            want = batched_greedy(cpu, prompts, 32)
-        for graphs in (False, True):
-            with Engine.from_pretrained(path, **ON_GPU, dtype="float32", progress=False,
-                                        cuda_graphs=graphs) as gpu:
-                got = batched_greedy(gpu, prompts, 32)
-            same = sum(a == b for a, b in zip(got, want))
-            yield (f"shapes fp32 {arch} graphs={graphs}", same == len(prompts), f"{same}/4 agents equal")
+    return check_float32(13, ODD_SHAPES, "shapes fp32")
 
 
 SURGERY = ("w8", {"name": "w4", "group_size": 32})
