@@ -91,6 +91,11 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
     prompts = {ctx: random_tokens(rng, ctx, model.vocab_size) for ctx in contexts}
     warmup = random_tokens(rng, 64, model.vocab_size)
     extra = random.Random(seed + 1)
+    # fresh prompts per timed prefill, so no prefill finds the last one's blocks in the prefix
+    # index; the same for every system, so each decodes from the same history (a real model's
+    # continuation, and with it what a drafter predicts, depends on it)
+    timed = {ctx: [prompts[ctx]] + [random_tokens(extra, ctx, model.vocab_size) for _ in range(PREFILL_REPEATS - 1)]
+             for ctx in contexts}
     rows: list[DecodeRow] = []
     runs = [(system, policy) for system in systems if system in SPEC_SYSTEMS or system.startswith("hibana+")
             for policy in fusions]
@@ -107,9 +112,7 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
                 warm.close()
             for ctx in tqdm(contexts, desc=f"{label} decode", leave=False):
                 times = []
-                # fresh prompts, so no prefill finds the last one's blocks in the prefix index
-                for prompt in [prompts[ctx]] + [random_tokens(extra, ctx, model.vocab_size)
-                                                for _ in range(PREFILL_REPEATS - 1)]:
+                for prompt in timed[ctx]:
                     h = engine.open_state(f"ctx{ctx}-{len(times)}")
                     sync(device)
                     start = time.perf_counter()
