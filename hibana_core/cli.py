@@ -129,7 +129,7 @@ def run_entry_point_command(name: str, argv: list[str]) -> int:
 def run_surgery(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from hibana_core import Engine, HibanaError
+    from hibana_core import Engine, HibanaError, SurgeryGuardError
     from hibana_core.loader import resolve_checkpoint
     from hibana_core.surgery import checkpoint
 
@@ -169,6 +169,9 @@ def run_surgery(args: argparse.Namespace) -> int:
             if args.out:
                 out = checkpoint.save(engine, resolve_checkpoint(args.model), Path(args.out))
                 print(f"wrote {out} (load it as any checkpoint: Engine.from_pretrained({str(out)!r}))")
+    except SurgeryGuardError as exc:  # its advice is the Python form: say the command's too
+        print(f"hibana surgery: {exc}\n(here: add --force to keep every pass over its floors)", file=sys.stderr)
+        return 1
     except HibanaError as exc:
         print(f"hibana surgery: {exc}", file=sys.stderr)
         return 1

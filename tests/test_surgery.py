@@ -470,7 +470,8 @@ def test_hibana_surgery_reports_a_refusal(tiny_checkpoints, capsys):
     halve.floors = {"top1_agreement": 1.0001}  # nothing passes this
     with registered_pass("halve_norms", halve):
         assert main(["surgery", str(tiny_checkpoints["llama"]), "--passes", "halve_norms", "--device", "cpu"]) == 1
-        assert "costs more quality than its floors allow" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "costs more quality than its floors allow" in err and "add --force" in err
         assert main(["surgery", str(tiny_checkpoints["llama"]), "--passes", "halve_norms", "--device", "cpu",
                      "--force"]) == 0
         assert "guard: forced" in capsys.readouterr().out
