@@ -243,6 +243,8 @@ def test_the_window_pass_switches_the_layers_that_matter_least(tiny_checkpoints,
 @pytest.mark.parametrize("bad, message", [
     ({"window": 0}, "window must be an integer"),
     ({"layers": 1.5}, "layers is a share"),
+    ({"layers": []}, "non-empty list of distinct"),
+    ({"layers": [0, 0]}, "non-empty list of distinct"),
     ({"layers": [7]}, "not full-attention layers"),
     ({"size": 3}, "takes"),
 ])

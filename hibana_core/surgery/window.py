@@ -54,10 +54,11 @@ class SinkWindowPass:
                 raise ConfigError(f"window: {key} must be an integer >= {1 if key == 'window' else 0}, got {value!r}")
         layers = params["layers"]
         share = isinstance(layers, float) and 0 < layers <= 1
-        named = isinstance(layers, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
+        named = (isinstance(layers, list) and layers and len(set(layers)) == len(layers)
+                 and all(isinstance(i, int) and not isinstance(i, bool) for i in layers))
         if not (share or named):
-            raise ConfigError(f"window: layers is a share of the full-attention layers in (0, 1] or a list of "
-                              f"layer indices, got {layers!r}")
+            raise ConfigError(f"window: layers is a share of the full-attention layers in (0, 1] or a non-empty "
+                              f"list of distinct layer indices, got {layers!r}")
         return params
 
     def apply(self, model: Any, params: dict[str, Any], calibration: Any) -> dict[str, Any]:
