@@ -77,9 +77,9 @@ _LOOSE_CHARACTER = r'[^\"\\\r\n]'
 _JSON_CHARACTER = r'[^\0-\x1f\"\\]'
 # xgrammar writes a number's digits as unbounded repetitions ([0-9]*, or a one-digit rule{n, -1}): a
 # small model that starts repeating a digit never leaves the number (json_schema_grammar bounds them)
-MAX_NUMBER_DIGITS = 15
-"""Digits a JSON number may have before the point, after it and in a schema-bounded integer's
-run (15 + the first: what a double holds exactly); an exponent has 3 at most."""
+MAX_NUMBER_DIGITS = 18
+"""Digits a JSON number may have after its first, before the point, and after the point (18 + the
+first: every int64, such as the 19-digit ids some APIs use); an exponent has 3 at most."""
 _DIGIT_RULE = re.compile(r"^(\w+) ::= \(\(\[0-9\]\)\)$", re.MULTILINE)
 _EXPONENT = "basic_number_4 basic_number_digits{1, -1}"
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")

@@ -255,6 +255,23 @@ def test_matcher_rolls_back_drafts_and_cuts_at_the_first_rejected(engine):
 
 # --- failures stay with their request -----------------------------------------------------------------
 
+def test_number_bounds_keep_every_int64():
+    """The digit bound lets every int64 through (19-digit ids) and ends a number at 20 digits."""
+    import xgrammar as xgr
+
+    from hibana_core.grammar import json_schema_grammar
+
+    grammar = json_schema_grammar({"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]})
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([chr(c) for c in range(32, 127)])).compile_grammar(grammar)
+
+    def accepts(text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        return matcher.accept_string(text) and matcher.is_terminated()
+
+    assert accepts('{"id": -9223372036854775808}') and accepts('{"id": 1234567890123456789}')
+    assert not accepts('{"id": 12345678901234567890}')
+
+
 def test_unbounded_numbers_end(engine):
     """Integers and numbers without bounds (pydantic's `int`, `list[float]`) have at most
     MAX_NUMBER_DIGITS digits before and after the point: a random model that starts repeating a
