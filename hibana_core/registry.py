@@ -138,12 +138,10 @@ class StateRegistry:
         if not self._kv_fits(seq, saved):
             return  # tokens only: the KV is recomputed on next use
         seq.rotated_long = saved.rotated_long
-        tier, computed = self.core.scheduler.eviction.tier, seq.tokens[:saved.num_computed]
-        if tier is None or not tier.adopt(seq, computed, saved.kv, saved.starts):
-            on_disk = (tier is not None and not self._device_room(saved.kv.shape[2])
-                       and tier.adopt(seq, computed, saved.kv, saved.starts, disk=True))
-            if not on_disk:
-                self._place(seq, saved, path)
+        tier = self.core.scheduler.eviction.tier
+        in_host = tier is not None and tier.adopt(seq, seq.tokens[:saved.num_computed], saved.kv, saved.starts)
+        if not in_host and not self._parked_for_room(seq, saved, host=False):
+            self._place(seq, saved, path)
         logger.info("state %r resumed from %s (%d tokens, %d with KV)", saved.state_id, path, len(seq.tokens),
                     saved.num_computed)
 
@@ -462,15 +460,16 @@ class StateRegistry:
                     self._place(seq, saved, path)
             return self._add(state_id, seq)
 
-    def _parked_for_room(self, seq: KVSequence, saved: state_file.SavedState) -> bool:
+    def _parked_for_room(self, seq: KVSequence, saved: state_file.SavedState, host: bool = True) -> bool:
         """Where running requests hold the device blocks a saved state's KV needs, that KV parked
-        in the host tier, else on disk: restored at the state's next request, as a resume is.
-        False where the device has room (idle states evicted for it) or no tier takes it."""
+        in the host tier (unless `host` is False: the caller tried it), else on disk: restored at
+        the state's next request. False where the device has room (idle states evicted for it) or
+        no tier takes it."""
         tier = self.core.scheduler.eviction.tier
         if tier is None or self._device_room(saved.kv.shape[2]):
             return False
         computed = seq.tokens[:saved.num_computed]
-        return (tier.adopt(seq, computed, saved.kv, saved.starts)
+        return ((host and tier.adopt(seq, computed, saved.kv, saved.starts))
                 or tier.adopt(seq, computed, saved.kv, saved.starts, disk=True))
 
     def _kv_fits(self, seq: KVSequence, saved: state_file.SavedState) -> bool:

@@ -464,13 +464,18 @@ def port_number(text: str) -> int:
     return port
 
 
+def _json_or_text(text: str) -> Any:
+    """A command-line value as JSON where it parses, else the text itself (a bare word)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def _number_or_text(text: str) -> float | int | str:
     """A command-line value as a number where it is one (`--memory-budget 0.8` is the fraction
     0.8, as in Python), else the text itself ("20GB", "80%")."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return text
+    value = _json_or_text(text)
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else text
 
 
@@ -487,10 +492,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--option {item!r}: write KEY=VALUE")
-        try:
-            options[key] = json.loads(value)
-        except ValueError:
-            options[key] = value  # a bare word: a string
+        options[key] = _json_or_text(value)
     return options
 
 
