@@ -68,9 +68,11 @@ case "${1:-check}" in
     # one process each, at once (tiny models leave the GPU mostly idle; in a row they take over
     # 10 minutes): the kernel tests and every check of bench/gpu_correctness.py, rows printed as
     # they come, each process's output together at the end
-    python3 -m pytest tests/test_kernels.py -q -rs -x -p no:cacheprovider > "$OUT/kernel_tests.txt" 2>&1 &
+    # CHECK_SECONDS bounds each process, so that a call's limit still leaves every output
+    LIMIT="timeout ${CHECK_SECONDS:-3600}"
+    $LIMIT python3 -m pytest tests/test_kernels.py -q -rs -x -p no:cacheprovider > "$OUT/kernel_tests.txt" 2>&1 &
     for check in ${CHECKS//,/ }; do
-      python3 bench/gpu_correctness.py --only "$check" 2>&1 | grep -v "Token indices sequence length" \
+      $LIMIT python3 bench/gpu_correctness.py --only "$check" 2>&1 | grep -v "Token indices sequence length" \
         > "$OUT/gpu_correctness_$check.txt" &
     done
     wait
