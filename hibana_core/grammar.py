@@ -332,13 +332,16 @@ class Grammars:
 
     def _tokenizer_info(self, xgr, detected: Any, named: frozenset[int]) -> Any:
         """The vocabulary as xgrammar reads it, with the control tokens blanked (xgrammar then
-        treats them as special and allows them nowhere, stop tokens aside) but those in `named`,
+        treats them as special and allows them nowhere but as a matcher's stop tokens) but those in `named`,
         spelled `UNSPELLABLE` + their text: reached by a `token` format only."""
         vocab = list(detected.decoded_vocab)
         for index, text in self._control.items():
             vocab[index] = UNSPELLABLE + text.encode() if index in named else b""
         metadata = json.loads(detected.dump_metadata())
         metadata["vocab_type"] = xgr.VocabType.RAW.value  # the bytes above, taken as they are
+        # no stop tokens of its own: each matcher names its request's; a blank stop token here would
+        # not be special, and a blank token that is not special is allowed anywhere, as nothing
+        metadata["stop_token_ids"] = []
         return xgr.TokenizerInfo.from_vocab_and_metadata(vocab, json.dumps(metadata))
 
     def compile(self, params: SamplingParams) -> _Compiled:
