@@ -514,3 +514,31 @@ def test_a_tool_name_a_recipient_cannot_hold_is_refused(harmony_engine):
     spaced = {"type": "function", "function": {"name": "get weather", "parameters": {"type": "object"}}}
     with pytest.raises(ToolSchemaError, match="cannot be called in harmony"):
         Chat(harmony_engine, "spaced").respond(HELLO, [spaced], SamplingParams(max_tokens=4))
+
+
+def test_the_server_holds_gpt_oss_calls(harmony_engine):
+    """`hibana serve` on gpt_oss: tool_choice "required" and a named tool give a call of an offered
+    tool with valid arguments, in OpenAI's form."""
+    pytest.importorskip("fastapi")
+    import json
+    import urllib.request
+
+    import jsonschema
+
+    from hibana_plugins.server import ServerConfig, serving
+    from test_chat import HELLO, MULTIPLY, WEATHER
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, MULTIPLY)}
+    with serving(harmony_engine, ServerConfig("tiny-gpt-oss")) as url:
+        for choice in ("required", {"type": "function", "function": {"name": "multiply"}}):
+            body = {"model": "tiny-gpt-oss", "messages": HELLO, "tools": [WEATHER, MULTIPLY], "tool_choice": choice,
+                    "max_tokens": 900, "temperature": 1.0, "seed": 3}
+            request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"}, method="POST")
+            with urllib.request.urlopen(request, timeout=120) as response:
+                choice_out = json.loads(response.read())["choices"][0]
+            calls = choice_out["message"]["tool_calls"]
+            assert choice_out["finish_reason"] == "tool_calls" and len(calls) == 1
+            name = calls[0]["function"]["name"]
+            assert name in schemas and (choice == "required" or name == "multiply")
+            jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), schemas[name])
