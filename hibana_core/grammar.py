@@ -368,6 +368,16 @@ class Grammars:
         return compiled
 
     def _compile(self, kind: str, params: SamplingParams) -> _Compiled:
+        """A request's constraint compiled over the vocabulary its grammar sees: a structural
+        tag's with the control tokens it names (`_named_tokens`), every other one's with none."""
+        tag, named = None, frozenset()
+        if kind == "structural_tag":
+            tag, named = self._named_tokens(compact_json_tag(params.grammar))
+        vocabulary = self._vocabulary(named)
+        return _Compiled(self._compiled(vocabulary.compiler, kind, params, tag), vocabulary.refused)
+
+    @staticmethod
+    def _compiled(compiler: Any, kind: str, params: SamplingParams, tag: dict | None) -> Any:
         xgr = _xgrammar()
         if kind == "json_schema":
             unenforced = unenforced_keywords(params.json_schema)
@@ -375,30 +385,22 @@ class Grammars:
                 raise GrammarError(f"the JSON schema uses keywords the grammar cannot hold the output to "
                                    f"({'; '.join(unenforced)}): the output could break them; drop them "
                                    "from the schema and check them in your code")
-            vocabulary = self._vocabulary()
-            return _Compiled(vocabulary.compiler.compile_grammar(json_schema_grammar(params.json_schema)),
-                             vocabulary.refused)
+            return compiler.compile_grammar(json_schema_grammar(params.json_schema))
         what = {"regex": "regex", "ebnf": "grammar", "structural_tag": "structural tag"}[kind]
         try:
             if kind == "regex":
-                vocabulary = self._vocabulary()
-                return _Compiled(vocabulary.compiler.compile_regex(params.regex), vocabulary.refused)
+                return compiler.compile_regex(params.regex)
             if kind == "ebnf":
-                vocabulary = self._vocabulary()
-                return _Compiled(vocabulary.compiler.compile_grammar(params.grammar), vocabulary.refused)
-            tag, named = self._named_tokens(compact_json_tag(params.grammar))
-            vocabulary = self._vocabulary(named)
-            compiled = vocabulary.compiler.compile_structural_tag(xgr.StructuralTag.from_json(json.dumps(tag)))
-            return _Compiled(compiled, vocabulary.refused)
-        except GrammarError:
-            raise
+                return compiler.compile_grammar(params.grammar)
+            return compiler.compile_structural_tag(xgr.StructuralTag.from_json(json.dumps(tag)))
         except Exception as exc:  # noqa: BLE001 - RuntimeError from C++, pydantic's ValidationError
             raise GrammarError(f"the {what} cannot be compiled: {_message(exc)}; fix it (xgrammar's "
                                "syntax) or drop the constraint") from None
 
     def _named_tokens(self, tag: Any) -> tuple[Any, frozenset[int]]:
         """`tag` with each `token` format's token as an id (a text is looked up in the
-        tokenizer's vocabulary), and the control tokens among them."""
+        tokenizer's vocabulary), and the control tokens among them. JSON schemas are content,
+        not formats: they are left as they are."""
         self._describe()  # the control tokens
         vocab = self.tokenizer.get_vocab()
         named: set[int] = set()
@@ -409,7 +411,7 @@ class Grammars:
             if not isinstance(node, dict):
                 return node
             if node.get("type") != "token":
-                return {k: walk(v) for k, v in node.items()}
+                return {k: v if k == "json_schema" else walk(v) for k, v in node.items()}
             token = node.get("token")
             if isinstance(token, str):
                 token = vocab.get(token, token)
