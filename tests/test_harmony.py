@@ -442,6 +442,14 @@ def generated_controls(engine, chat, result) -> list[str]:
     return tokenizer.convert_ids_to_tokens([t for t in generated if t in controls])
 
 
+def analysis_tokens(engine, chat, result) -> int:
+    """How many tokens the turn's first message body (its analysis) took."""
+    tokenizer = engine.tokenizer
+    generated = chat.handle.tokens[result.usage.prompt_tokens:]
+    message, end = tokenizer.convert_tokens_to_ids(["<|message|>", "<|end|>"])
+    return generated.index(end) - generated.index(message) - 1
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_required_and_named_give_a_call_of_an_offered_tool_with_valid_arguments(harmony_engine, seed):
     """A random-weight gpt_oss, held by the grammar: a call that parses, to an offered tool (the
@@ -450,6 +458,7 @@ def test_required_and_named_give_a_call_of_an_offered_tool_with_valid_arguments(
 
     from hibana_core import SamplingParams
     from hibana_core.chat import Chat
+    from hibana_plugins.harmony import ANALYSIS_TOKENS
     from test_chat import HELLO
     from test_grammar import random_tools
 
@@ -466,6 +475,8 @@ def test_required_and_named_give_a_call_of_an_offered_tool_with_valid_arguments(
         jsonschema.validate(call.arguments, tools[names.index(call.name)]["function"]["parameters"])
         generated = generated_controls(harmony_engine, chat, result)
         assert set(generated) <= set(HARMONY_TOKENS) and generated[-1] == "<|call|>"
+        if result.reasoning:  # an analysis message first (greedy here writes one), cut at its bound
+            assert analysis_tokens(harmony_engine, chat, result) <= ANALYSIS_TOKENS
 
 
 @pytest.mark.parametrize("seed", range(4))
