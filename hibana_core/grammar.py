@@ -13,8 +13,10 @@ A matcher allows the request's stop tokens (end of sequence, end of turn) only w
 is complete, so a constrained output ends complete unless max_tokens cuts it. The tokenizer's
 control tokens (its special tokens) are never allowed inside a grammar, except where a structural
 tag names one by a `token` format (by id or by its text: harmony's markup, `hibana_plugins.harmony`):
-then there and nowhere else, since no text a grammar allows can spell it (`UNSPELLABLE`). JSON is
-compact, spaced as `json.dumps` writes it (", ", ": "): small models do not wander into whitespace.
+then there, and nowhere else that text goes, since no text can spell it (`UNSPELLABLE`); the tag's
+own token-level wildcards (`any_tokens`) take it too, as they take any token but the other control
+tokens. JSON is compact, spaced as `json.dumps` writes it (", ", ": "): small models do not wander
+into whitespace.
 
 Where the grammar forces a string (a key, the JSON around values, a tool's name once chosen), the
 mask allows only the first token of the tokenizer's own spelling of it: the model then reads the
