@@ -31,9 +31,10 @@ text the grammar allows can spell one, and no other control token is allowed):
                  a final message ending in <|return|>, or a call ending in <|call|>
     "required", or a tool's name:
                  [one analysis message of ANALYSIS_TOKENS at most, <|end|><|start|>assistant]  then a call
-    a call:      <|channel|>commentary to=functions.NAME [<|constrain|>]json<|message|>ARGUMENTS<|call|>
+    a call:      <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGUMENTS<|call|>
                  (or the recipient first: " to=functions.NAME<|channel|>commentary ...", as the
-                 template renders past calls); NAME one of the tools, ARGUMENTS valid under its schema
+                 template renders past calls; the space or <|constrain|> before "json" may be left
+                 out, not both); NAME one of the tools, ARGUMENTS valid under its schema
 
 Message bodies are free text. <|call|> ends the turn, so a turn holds one call whatever
 `parallel` says.
@@ -231,13 +232,15 @@ def _then_next(message: dict) -> dict:
 
 def _call(function: dict) -> dict:
     """A call to `function`, its recipient after the channel (as gpt-oss writes it) or before (as
-    its template renders past calls), its arguments held to the function's schema."""
+    its template renders past calls), its arguments held to the function's schema. Between the
+    header and "json" a space, <|constrain|> or both: never nothing, which would run the name on."""
     recipient = f"to={FUNCTIONS}{function['name']}"
-    header = _either([_sequence(_token(CHANNEL), _text(f"commentary {recipient} ")),
-                      _sequence(_text(f" {recipient}"), _token(CHANNEL), _text("commentary "))])
+    header = _either([_sequence(_token(CHANNEL), _text(f"commentary {recipient}")),
+                      _sequence(_text(f" {recipient}"), _token(CHANNEL), _text("commentary"))])
+    content_type = _either([_sequence(_text(" "), {"type": "optional", "content": _token(CONSTRAIN)}, _text("json")),
+                            _sequence(_token(CONSTRAIN), _text("json"))])
     arguments = {"type": "json_schema", "json_schema": arguments_schema(function)}
-    return _sequence(header, {"type": "optional", "content": _token(CONSTRAIN)}, _text("json"), _token(MESSAGE),
-                     arguments, _token(CALL))
+    return _sequence(header, content_type, _token(MESSAGE), arguments, _token(CALL))
 
 
 def _callable(function: dict) -> dict:

@@ -357,6 +357,10 @@ TURNS = {  # SPELLED-style pieces (odd places: text in ordinary tokens), tool_ch
     "auto-preamble-then-call": (["<|channel|>commentary<|message|>", "Checking.", NEXT + WEATHER_CALL], "auto", True),
     "auto-recipient-first": ([' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "', "Oslo",
                               '"}<|call|>'], "auto", True),
+    "auto-constrain-without-space": (['<|channel|>commentary to=functions.get_weather<|constrain|>json<|message|>'
+                                      '{"city": "Oslo"}<|call|>'], "auto", True),
+    "auto-name-run-into-json": (['<|channel|>commentary to=functions.get_weatherjson<|message|>{"city": "Oslo"}'
+                                 "<|call|>"], "auto", False),
     "auto-unoffered-tool": (['<|channel|>commentary to=functions.rm <|constrain|>json<|message|>{"path": "/"}'
                              "<|call|>"], "auto", False),
     "auto-arguments-off-schema": (['<|channel|>commentary to=functions.get_weather json<|message|>{"town": "Oslo"}'
