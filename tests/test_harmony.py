@@ -400,14 +400,18 @@ def allowed(engine, matcher) -> set[int]:
     return {t for t in range(engine.vocab_size) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1}
 
 
-def test_no_control_token_but_harmony_markup(harmony_engine):
+def test_a_body_is_free_text_and_no_control_token_but_its_end(harmony_engine):
+    """A final message's body allows every token that is whole text (not part of a UTF-8
+    character), and of the control tokens <|return|> alone."""
     from test_chat import WEATHER
 
     tokenizer = harmony_engine.tokenizer
     matcher = turn_matcher(harmony_engine, [WEATHER], "auto")
     assert all(matcher.accept(t) for t in tokenizer.encode("<|channel|>final<|message|>Hi", add_special_tokens=False))
     controls = set(tokenizer.all_special_ids)
-    assert allowed(harmony_engine, matcher) & controls == {tokenizer.convert_tokens_to_ids("<|return|>")}
+    text = {t for t in range(harmony_engine.vocab_size) if t not in controls and "\ufffd" not in tokenizer.decode([t])}
+    mask = allowed(harmony_engine, matcher)
+    assert text <= mask and mask & controls == {tokenizer.convert_tokens_to_ids("<|return|>")}
     assert not matcher.accept(tokenizer.eos_token_id)
 
 
