@@ -11,8 +11,12 @@
 
 A matcher allows the request's stop tokens (end of sequence, end of turn) only where its grammar
 is complete, so a constrained output ends complete unless max_tokens cuts it. The tokenizer's
-control tokens (its special tokens) are never allowed inside a grammar. JSON is compact, spaced
-as `json.dumps` writes it (", ", ": "): small models do not wander into whitespace.
+control tokens (its special tokens) are never allowed inside a grammar, except where a structural
+tag names one by a `token` format (by id or by its text: harmony's markup, `hibana_plugins.harmony`):
+then there, and nowhere else that text goes, since no text can spell it (`UNSPELLABLE`); the tag's
+own token-level wildcards (`any_tokens`) take it too, as they take any token but the other control
+tokens. JSON is compact, spaced as `json.dumps` writes it (", ", ": "): small models do not wander
+into whitespace.
 
 Where the grammar forces a string (a key, the JSON around values, a tool's name once chosen), the
 mask allows only the first token of the tokenizer's own spelling of it: the model then reads the
@@ -50,6 +54,7 @@ CPU than xgrammar's own kernel, and no per-call host synchronisation).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import re
 import threading
@@ -70,6 +75,10 @@ BATCH_FILL_ROWS = 8
 """From this many rows without drafts, masks are filled by xgrammar's thread pool in one call."""
 SPELLINGS_CACHED = 4096
 """Forced strings whose tokens are kept (the table is emptied when full)."""
+UNSPELLABLE = b"\xff"
+"""What a control token that a grammar names is spelled with, before its text, in the vocabulary
+xgrammar reads: no UTF-8 text holds the byte 0xFF, so no text rule (JSON, a regex, free text) can
+produce the token, and only the grammar's `token` format reaches it (by id)."""
 
 # xgrammar 0.2.9 writes a length-bounded JSON string's characters as [^"\\\r\n], which lets control
 # characters through (json.loads refuses them); the unbounded string rule excludes \0-\x1f
@@ -186,7 +195,7 @@ class Matcher:
         xgr = _xgrammar()
         stops = sorted(stop_token_ids)
         self._spell = spell  # the tokenizer's tokens of a forced string
-        # control tokens no grammar allows, refused here (xgrammar would log a warning for each)
+        # control tokens this grammar does not name, refused here (xgrammar would log a warning for each)
         self._refused = control_token_ids - set(stops)
         # without stop tokens the matcher ends as soon as its grammar is complete
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None,
@@ -246,6 +255,24 @@ class Matcher:
         bitmask[row, word] = (1 << bit) - (1 << 32 if bit == 31 else 0)  # as a signed 32-bit word
 
 
+@dataclasses.dataclass(frozen=True)
+class _Vocabulary:
+    """A grammar compiler over the vocabulary as one set of grammars sees it: the control tokens
+    they name (`Grammars.compile`) spelled for `token` formats alone, every other one blanked
+    (`refused`: xgrammar then never allows it, stop tokens aside)."""
+
+    compiler: Any
+    refused: frozenset[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+    """A compiled grammar, and the control tokens its matchers refuse (`_Vocabulary.refused`)."""
+
+    grammar: Any
+    refused: frozenset[int]
+
+
 class Grammars:
     """The engine's grammar side: one tokenizer description, a cache of compiled grammars, and
     the masks of each step. The tokenizer is described on first use (0.6 s for a 151k
@@ -255,11 +282,12 @@ class Grammars:
         self.tokenizer, self.vocab_size, self.device = tokenizer, vocab_size, device
         self.eos_token_ids = sorted(eos_token_ids)
         self.width = -(-vocab_size // 32)
-        self._compiler: Any = None
-        self._control: frozenset[int] = frozenset()  # ids no grammar allows (blanked control tokens)
+        self._detected: Any = None  # xgrammar's reading of the tokenizer (bytes of each token)
+        self._control: dict[int, str] = {}  # id -> text of the tokenizer's control tokens
+        self._vocabularies: dict[frozenset[int], _Vocabulary] = {}  # by the control tokens named
         self._batch: Any = None
         self._lock = threading.Lock()
-        self._cache: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[tuple, _Compiled] = collections.OrderedDict()
         self._spellings: dict[str, tuple[int, ...]] = {}
 
     def spell(self, text: str) -> tuple[int, ...]:
@@ -274,35 +302,51 @@ class Grammars:
 
     # --- compiling ----------------------------------------------------------------------------
 
-    def _compiler_for(self) -> Any:
+    def _vocabulary(self, named: frozenset[int] = frozenset()) -> _Vocabulary:
+        """The compiler of grammars that name the control tokens `named` (most name none)."""
+        detected = self._describe()
         with self._lock:
-            if self._compiler is None:
+            vocabulary = self._vocabularies.get(named)
+            if vocabulary is None:
+                xgr = _xgrammar()
+                info = self._tokenizer_info(xgr, detected, named)
+                vocabulary = self._vocabularies[named] = _Vocabulary(
+                    xgr.GrammarCompiler(info, cache_enabled=False), frozenset(info.special_token_ids))
+                self._batch = self._batch or xgr.BatchGrammarMatcher()
+            return vocabulary
+
+    def _describe(self) -> Any:
+        """xgrammar's reading of the tokenizer (each token's bytes), and its control tokens
+        (`_control`); made once."""
+        with self._lock:
+            if self._detected is None:
                 if self.tokenizer is None:
                     raise GrammarError("constrained decoding needs the model's tokenizer, and this checkpoint has "
                                        "none; load a checkpoint with tokenizer files")
-                xgr = _xgrammar()
-                info = self._tokenizer_info(xgr)
-                self._control = frozenset(info.special_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
-                self._batch = xgr.BatchGrammarMatcher()
-            return self._compiler
+                from hibana_core.prompt import control_strings
 
-    def _tokenizer_info(self, xgr) -> Any:
-        """The vocabulary as xgrammar reads it, with the control tokens (special tokens) blanked:
-        xgrammar then treats them as special and no grammar allows them (stop tokens aside)."""
-        from hibana_core.prompt import control_strings
+                vocab = self.tokenizer.get_vocab()
+                self._control = {vocab[text]: text for text in control_strings(self.tokenizer)
+                                 if vocab.get(text, self.vocab_size) < self.vocab_size}
+                self._detected = _xgrammar().TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids or None)
+            return self._detected
 
-        detected = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.eos_token_ids or None)
-        vocab = [""] * self.vocab_size
-        for token, index in self.tokenizer.get_vocab().items():
-            if index < self.vocab_size:
-                vocab[index] = token
-        control = set(control_strings(self.tokenizer))
-        vocab = ["" if token in control else token for token in vocab]
-        return xgr.TokenizerInfo.from_vocab_and_metadata(vocab, detected.dump_metadata())
+    def _tokenizer_info(self, xgr, detected: Any, named: frozenset[int]) -> Any:
+        """The vocabulary as xgrammar reads it, with the control tokens blanked (xgrammar then
+        treats them as special and allows them nowhere but as a matcher's stop tokens) but those in `named`,
+        spelled `UNSPELLABLE` + their text: reached by a `token` format only."""
+        vocab = list(detected.decoded_vocab)
+        for index, text in self._control.items():
+            vocab[index] = UNSPELLABLE + text.encode() if index in named else b""
+        metadata = json.loads(detected.dump_metadata())
+        metadata["vocab_type"] = xgr.VocabType.RAW.value  # the bytes above, taken as they are
+        # no stop tokens of its own: each matcher names its request's; a blank stop token here would
+        # not be special, and a blank token that is not special is allowed anywhere, as nothing
+        metadata["stop_token_ids"] = []
+        return xgr.TokenizerInfo.from_vocab_and_metadata(vocab, json.dumps(metadata))
 
-    def compile(self, params: SamplingParams) -> Any:
+    def compile(self, params: SamplingParams) -> _Compiled:
         """The compiled grammar of a request's constraint (cached); GrammarError if it has none
         that compiles."""
         if params.json_schema is not None:
@@ -318,16 +362,24 @@ class Grammars:
             if compiled is not None:
                 self._cache.move_to_end(key)
                 return compiled
-        compiler = self._compiler_for()
-        compiled = self._compile(compiler, key[0], params)  # outside the lock: it may take 100 ms
+        compiled = self._compile(key[0], params)  # outside the lock: it may take 100 ms
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled
 
+    def _compile(self, kind: str, params: SamplingParams) -> _Compiled:
+        """A request's constraint compiled over the vocabulary its grammar sees: a structural
+        tag's with the control tokens it names (`_named_tokens`), every other one's with none."""
+        tag, named = None, frozenset()
+        if kind == "structural_tag":
+            tag, named = self._named_tokens(compact_json_tag(params.grammar))
+        vocabulary = self._vocabulary(named)
+        return _Compiled(self._compiled(vocabulary.compiler, kind, params, tag), vocabulary.refused)
+
     @staticmethod
-    def _compile(compiler: Any, kind: str, params: SamplingParams) -> Any:
+    def _compiled(compiler: Any, kind: str, params: SamplingParams, tag: dict | None) -> Any:
         xgr = _xgrammar()
         if kind == "json_schema":
             unenforced = unenforced_keywords(params.json_schema)
@@ -342,13 +394,38 @@ class Grammars:
                 return compiler.compile_regex(params.regex)
             if kind == "ebnf":
                 return compiler.compile_grammar(params.grammar)
-            tag = compact_json_tag(params.grammar)
             return compiler.compile_structural_tag(xgr.StructuralTag.from_json(json.dumps(tag)))
-        except GrammarError:
-            raise
         except Exception as exc:  # noqa: BLE001 - RuntimeError from C++, pydantic's ValidationError
             raise GrammarError(f"the {what} cannot be compiled: {_message(exc)}; fix it (xgrammar's "
                                "syntax) or drop the constraint") from None
+
+    def _named_tokens(self, tag: Any) -> tuple[Any, frozenset[int]]:
+        """`tag` with each `token` format's token as an id (a text is looked up in the
+        tokenizer's vocabulary), and the control tokens among them. JSON schemas are content,
+        not formats: they are left as they are."""
+        self._describe()  # the control tokens
+        vocab = self.tokenizer.get_vocab()
+        named: set[int] = set()
+
+        def walk(node: Any) -> Any:
+            if isinstance(node, list):
+                return [walk(v) for v in node]
+            if not isinstance(node, dict):
+                return node
+            if node.get("type") != "token":
+                return {k: v if k == "json_schema" else walk(v) for k, v in node.items()}
+            token = node.get("token")
+            if isinstance(token, str):
+                token = vocab.get(token, token)
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < self.vocab_size:
+                raise GrammarError(f"the structural tag names the token {node.get('token')!r:.80}, which is no "
+                                   f"token of this model's vocabulary ({self.vocab_size} tokens); name a token "
+                                   "by its id or by its text in the tokenizer")
+            if token in self._control:
+                named.add(token)
+            return {**node, "token": token}
+
+        return walk(tag), frozenset(named)
 
     def matcher(self, params: SamplingParams, stop_token_ids: Iterable[int]) -> Matcher | None:
         """A matcher for one request (None when it is not constrained); its stop tokens are the
@@ -356,7 +433,7 @@ class Grammars:
         if not params.constrained:
             return None
         compiled = self.compile(params)
-        return Matcher(compiled, stop_token_ids, self.spell, self._control)
+        return Matcher(compiled.grammar, stop_token_ids, self.spell, compiled.refused)
 
     # --- one step's masks ---------------------------------------------------------------------
 

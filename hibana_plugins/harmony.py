@@ -22,6 +22,22 @@ encode it, every marker's text a marker (`_Markers`).
 The chat format keeps the checkpoint's own template (gpt-oss checkpoints ship it; the chat layer
 keeps message contents from turning into control tokens) and names the parser, and its turns end
 at <|return|> and <|call|> only: <|end|> closes the analysis message in the middle of a turn.
+
+Calls valid by construction (`HarmonyToolParser.tool_call_grammar`): the turn is held to harmony's
+messages, its markers matched as the control tokens they are, by id (the grammar names them; no
+text the grammar allows can spell one, and no other control token is allowed):
+
+    "auto":      [analysis or commentary message, <|end|><|start|>assistant]*  then
+                 a final message ending in <|return|>, or a call ending in <|call|>
+    "required", or a tool's name:
+                 [one analysis message of ANALYSIS_TOKENS at most, <|end|><|start|>assistant]  then a call
+    a call:      <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGUMENTS<|call|>
+                 (or the recipient first: " to=functions.NAME<|channel|>commentary ...", as the
+                 template renders past calls; the space or <|constrain|> before "json" may be left
+                 out, not both); NAME one of the tools, ARGUMENTS valid under its schema
+
+Message bodies are free text. <|call|> ends the turn, so a turn holds one call whatever
+`parallel` says.
 """
 
 from __future__ import annotations
@@ -29,15 +45,22 @@ from __future__ import annotations
 import json
 import re
 
+from hibana_core.messages import ToolSchemaError
+from hibana_core.turn import arguments_schema
 from hibana_plugins.hookspecs import GeneratedText, ParsedOutput, Span, ToolCallDelta, ToolCallStream, hookimpl
 from hibana_plugins.tool_parsers import _Decoded, _loads, _Stream, partial_tag_length
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
-MESSAGE_ENDS = ("<|end|>", "<|call|>", "<|return|>")
-END_OF_TURN_TOKENS = ("<|return|>", "<|call|>")
+END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
+MESSAGE_ENDS = (END, CALL, RETURN)
+END_OF_TURN_TOKENS = (RETURN, CALL)
 FUNCTIONS = "functions."
 _RECIPIENT = re.compile(r"to=(\S+?)(?=<\||\s|$)")
 _WORD = re.compile(r"\s*(\w+)")
+ANALYSIS_TOKENS = 512
+"""With a call required, the analysis message the model may write first ends within this many
+tokens (then the call comes): gpt-oss is trained to reason before it calls, and a call from the
+first token would be a turn it never saw; bounded, so that the call is not put off indefinitely."""
 
 
 class _Markers:
@@ -177,6 +200,58 @@ def _decode_arguments(name: str, body: str) -> _Decoded:
     return _Decoded(name, arguments, None, valid_json=True, arguments_json=arguments_json)
 
 
+# --- the grammar of a turn ------------------------------------------------------------------------
+
+def _token(marker: str) -> dict:
+    """A marker as the control token it is (the engine looks its text up in the vocabulary)."""
+    return {"type": "token", "token": marker}
+
+
+def _text(value: str) -> dict:
+    return {"type": "const_string", "value": value}
+
+
+def _sequence(*elements: dict) -> dict:
+    return {"type": "sequence", "elements": list(elements)}
+
+
+def _either(elements: list[dict]) -> dict:
+    return elements[0] if len(elements) == 1 else {"type": "or", "elements": elements}
+
+
+def _message(channel: str, end: str, max_tokens: int | None = None) -> dict:
+    """<|channel|>CHANNEL<|message|>free text END."""
+    body = {"type": "any_text"} if max_tokens is None else {"type": "any_text", "max_tokens": max_tokens}
+    return _sequence(_token(CHANNEL), _text(channel), _token(MESSAGE), body, _token(end))
+
+
+def _then_next(message: dict) -> dict:
+    """A message that ends with <|end|>, and the next one's start."""
+    return _sequence(message, _token(START), _text("assistant"))
+
+
+def _call(function: dict) -> dict:
+    """A call to `function`, its recipient after the channel (as gpt-oss writes it) or before (as
+    its template renders past calls), its arguments held to the function's schema. Between the
+    header and "json" a space, <|constrain|> or both: never nothing, which would run the name on."""
+    recipient = f"to={FUNCTIONS}{function['name']}"
+    header = _either([_sequence(_token(CHANNEL), _text(f"commentary {recipient}")),
+                      _sequence(_text(f" {recipient}"), _token(CHANNEL), _text("commentary"))])
+    content_type = _either([_sequence(_text(" "), {"type": "optional", "content": _token(CONSTRAIN)}, _text("json")),
+                            _sequence(_token(CONSTRAIN), _text("json"))])
+    arguments = {"type": "json_schema", "json_schema": arguments_schema(function)}
+    return _sequence(header, content_type, _token(MESSAGE), arguments, _token(CALL))
+
+
+def _callable(function: dict) -> dict:
+    """`function`, if its name can be a recipient (the header's `to=NAME` ends at whitespace or a marker)."""
+    name = function["name"]
+    if re.search(r"\s|<\|", name):
+        raise ToolSchemaError(f"tool {name!r} cannot be called in harmony: a recipient's name holds no "
+                              "whitespace and no '<|'; rename the tool")
+    return function
+
+
 class HarmonyToolParser:
     """gpt-oss's tool calls (commentary messages to `functions.NAME`), its answer (final and
     recipient-less commentary messages) as content, its analysis messages left out of the
@@ -191,6 +266,22 @@ class HarmonyToolParser:
 
     def stream(self) -> ToolCallStream:
         return _HarmonyStream()
+
+    def tool_call_grammar(self, tools: list[dict], tool_choice: str, parallel: bool) -> dict:
+        """The turn's grammar (module docstring): "auto" leaves the model its messages and holds a
+        call it writes; "required" or a tool's name: a call (the named tool's), after one bounded
+        analysis message at most. `parallel` changes nothing: <|call|> ends the turn."""
+        functions = [_callable(t["function"]) for t in tools
+                     if tool_choice in ("auto", "required") or t["function"]["name"] == tool_choice]
+        calls = _either([_call(f) for f in functions])
+        if tool_choice == "auto":
+            messages = {"type": "star", "content": _either([_then_next(_message("analysis", END)),
+                                                             _then_next(_message("commentary", END))])}
+            form = _sequence(messages, _either([_message("final", RETURN), calls]))
+        else:
+            analysis = _then_next(_message("analysis", END, ANALYSIS_TOKENS))
+            form = _sequence({"type": "optional", "content": analysis}, calls)
+        return {"type": "structural_tag", "format": form}
 
 
 class HarmonyChatFormat:

@@ -77,7 +77,8 @@ def register_tool_parsers(register) -> None:
     - `parser.tool_call_grammar(tools, tool_choice, parallel) -> dict`: the whole grammar, an
       xgrammar structural tag (`{"type": "structural_tag", "format": ...}`), for OpenAI-style
       `tools`, `tool_choice` "auto", "required" or a tool's name, and whether several calls
-      may follow one another.
+      may follow one another. Markup that is control tokens is named by `token` formats (by
+      text or id; harmony's is): the grammar allows those tokens there and nowhere else.
     """
 
 

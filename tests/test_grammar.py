@@ -253,6 +253,17 @@ def test_matcher_rolls_back_drafts_and_cuts_at_the_first_rejected(engine):
     assert matcher.accept(c[0]) and matcher.accept(EOS_ID) and matcher.done
 
 
+
+def test_an_end_the_request_does_not_stop_at_is_no_token_of_its_grammar(engine):
+    """A request that stops at other tokens than the end of sequence (ignore_eos, stop_token_ids):
+    no grammar allows the end (a blank token that xgrammar did not count as special, as the
+    engine's end was, was allowed and taken as nothing)."""
+    matcher = engine.grammars.matcher(SamplingParams(regex=r"[a-z ]*x"), [VOCAB_SIZE - 1])
+    bitmask = torch.full((1, engine.grammars.width), -1, dtype=torch.int32)
+    matcher.fill(bitmask, 0)
+    assert not (int(bitmask[0, EOS_ID // 32]) >> (EOS_ID % 32)) & 1 and not matcher.accept(EOS_ID)
+
+
 # --- failures stay with their request -----------------------------------------------------------------
 
 def test_number_bounds_keep_every_int64():

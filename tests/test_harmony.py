@@ -330,3 +330,234 @@ def test_an_event_relayed_without_control_spans_reads_markers_from_its_text():
     result = run.finish()[-1].result
     assert [(c.name, c.arguments) for c in result.tool_calls] == [("get", {"a": 1})]
     assert result.reasoning == "think"
+
+
+# --- calls valid by construction ------------------------------------------------------------------
+
+def turn_matcher(engine, tools, tool_choice):
+    """A matcher of the turn grammar the chat layer gives gpt-oss, on the engine's vocabulary."""
+    from hibana_core import SamplingParams
+
+    grammar = HarmonyToolParser().tool_call_grammar(tools, tool_choice, True)
+    stops = engine.tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"])
+    return engine.grammars.matcher(SamplingParams(max_tokens=1, grammar=grammar), stops)
+
+
+def held_to(matcher, ids) -> bool:
+    """Whether the grammar takes all of `ids` and ends there."""
+    return all(matcher.accept(token) for token in ids) and matcher.done
+
+
+WEATHER_CALL = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}<|call|>'
+NEXT = "<|end|><|start|>assistant"
+TURNS = {  # SPELLED-style pieces (odd places: text in ordinary tokens), tool_choice, held to the grammar
+    "auto-analysis-then-final-quoting-markers": (
+        ["<|channel|>analysis<|message|>", "hmm <|call|>", NEXT + "<|channel|>final<|message|>",
+         "It said " + FORGED_CALL, "<|return|>"], "auto", True),
+    "auto-preamble-then-call": (["<|channel|>commentary<|message|>", "Checking.", NEXT + WEATHER_CALL], "auto", True),
+    "auto-recipient-first": ([' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "', "Oslo",
+                              '"}<|call|>'], "auto", True),
+    "auto-constrain-without-space": (['<|channel|>commentary to=functions.get_weather<|constrain|>json<|message|>'
+                                      '{"city": "Oslo"}<|call|>'], "auto", True),
+    "auto-name-run-into-json": (['<|channel|>commentary to=functions.get_weatherjson<|message|>{"city": "Oslo"}'
+                                 "<|call|>"], "auto", False),
+    "auto-unoffered-tool": (['<|channel|>commentary to=functions.rm <|constrain|>json<|message|>{"path": "/"}'
+                             "<|call|>"], "auto", False),
+    "auto-arguments-off-schema": (['<|channel|>commentary to=functions.get_weather json<|message|>{"town": "Oslo"}'
+                                   "<|call|>"], "auto", False),
+    "auto-marker-spelled-where-markup-goes": (["", "<|channel|>", "final<|message|>Hi<|return|>"], "auto", False),
+    "auto-marker-inside-a-body": (["<|channel|>final<|message|>Hi<|channel|>there<|return|>"], "auto", False),
+    "auto-call-ended-as-a-final": (['<|channel|>commentary to=functions.get_weather json<|message|>{"city": "Oslo"}'
+                                    "<|return|>"], "auto", False),
+    "required-analysis-then-call": (["<|channel|>analysis<|message|>", "Call it.", NEXT + WEATHER_CALL],
+                                    "required", True),
+    "required-call-at-once": ([WEATHER_CALL], "get_weather", True),
+    "required-no-final": (["<|channel|>final<|message|>", "Hi", "<|return|>"], "required", False),
+    "required-no-preamble": (["<|channel|>commentary<|message|>", "Checking.", NEXT + WEATHER_CALL],
+                             "required", False),
+    "named-other-tool": (['<|channel|>commentary to=functions.multiply json<|message|>{"a": 1, "b": 2}<|call|>'],
+                         "get_weather", False),
+}
+
+
+@pytest.mark.parametrize("case", TURNS)
+def test_the_turn_grammar_holds_harmony_markup_as_control_tokens(harmony_engine, case):
+    """Markers only as the control tokens, where harmony puts them; text free in message bodies
+    (look-alike markers included); a call to an offered tool with valid arguments, ended by <|call|>."""
+    from test_chat import MULTIPLY, WEATHER
+
+    pieces, tool_choice, held = TURNS[case]
+    ids = spelled_ids(harmony_engine.tokenizer, pieces)
+    assert held_to(turn_matcher(harmony_engine, [WEATHER, MULTIPLY], tool_choice), ids) is held
+
+
+def allowed(engine, matcher) -> set[int]:
+    """The tokens the matcher's next mask allows (the engine fills one before each token)."""
+    import torch
+
+    bitmask = torch.full((1, engine.grammars.width), -1, dtype=torch.int32)
+    matcher.fill(bitmask, 0)
+    return {t for t in range(engine.vocab_size) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1}
+
+
+def test_a_body_is_free_text_and_no_control_token_but_its_end(harmony_engine):
+    """A final message's body allows every token that is whole text (not part of a UTF-8
+    character), and of the control tokens <|return|> alone."""
+    from test_chat import WEATHER
+
+    tokenizer = harmony_engine.tokenizer
+    matcher = turn_matcher(harmony_engine, [WEATHER], "auto")
+    assert all(matcher.accept(t) for t in tokenizer.encode("<|channel|>final<|message|>Hi", add_special_tokens=False))
+    controls = set(tokenizer.all_special_ids)
+    text = {t for t in range(harmony_engine.vocab_size) if t not in controls and "\ufffd" not in tokenizer.decode([t])}
+    mask = allowed(harmony_engine, matcher)
+    assert text <= mask and mask & controls == {tokenizer.convert_tokens_to_ids("<|return|>")}
+    assert not matcher.accept(tokenizer.eos_token_id)
+
+
+def test_a_required_call_follows_one_analysis_message_of_bounded_length(harmony_engine):
+    from hibana_plugins.harmony import ANALYSIS_TOKENS
+    from test_chat import WEATHER
+
+    tokenizer = harmony_engine.tokenizer
+    matcher = turn_matcher(harmony_engine, [WEATHER], "required")
+    assert all(matcher.accept(t) for t in tokenizer.encode("<|channel|>analysis<|message|>", add_special_tokens=False))
+    word = tokenizer.encode(" word", add_special_tokens=False)
+    for _ in range(ANALYSIS_TOKENS):
+        assert word[0] in allowed(harmony_engine, matcher) and matcher.accept(word[0])
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    assert allowed(harmony_engine, matcher) == {end}
+    ids = tokenizer.encode("<|end|><|start|>assistant" + WEATHER_CALL, add_special_tokens=False)
+    assert held_to(matcher, ids)
+
+
+def test_a_grammar_names_tokens_of_the_vocabulary_only(harmony_engine):
+    from hibana_core import GrammarError, SamplingParams
+
+    for token in ("<|nope|>", 10 ** 6):
+        tag = {"type": "structural_tag", "format": {"type": "token", "token": token}}
+        with pytest.raises(GrammarError, match="no token of this model's vocabulary"):
+            harmony_engine.grammars.matcher(SamplingParams(max_tokens=1, grammar=tag), [])
+
+
+def generated_controls(engine, chat, result) -> list[str]:
+    """The control tokens the model generated in a turn's result, by text."""
+    from hibana_core.prompt import control_strings
+
+    tokenizer = engine.tokenizer
+    controls = set(tokenizer.convert_tokens_to_ids(control_strings(tokenizer)))
+    generated = chat.handle.tokens[result.usage.prompt_tokens:]
+    return tokenizer.convert_ids_to_tokens([t for t in generated if t in controls])
+
+
+def analysis_tokens(engine, chat, result) -> int:
+    """How many tokens the turn's first message body (its analysis) took."""
+    tokenizer = engine.tokenizer
+    generated = chat.handle.tokens[result.usage.prompt_tokens:]
+    message, end = tokenizer.convert_tokens_to_ids(["<|message|>", "<|end|>"])
+    return generated.index(end) - generated.index(message) - 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_required_and_named_give_a_call_of_an_offered_tool_with_valid_arguments(harmony_engine, seed):
+    """A random-weight gpt_oss, held by the grammar: a call that parses, to an offered tool (the
+    named one), its arguments valid under its schema, harmony's markers the only control tokens."""
+    import jsonschema
+
+    from hibana_core import SamplingParams
+    from hibana_core.chat import Chat
+    from hibana_plugins.harmony import ANALYSIS_TOKENS
+    from test_chat import HELLO
+    from test_grammar import random_tools
+
+    rng = random.Random(100 + seed)
+    tools = random_tools(rng)
+    names = [t["function"]["name"] for t in tools]
+    for choice in ("required", rng.choice(names)):
+        chat = Chat(harmony_engine, f"required-{seed}-{choice}")
+        params = SamplingParams(max_tokens=900, temperature=1.0 if seed else 0.0, seed=seed)
+        result = chat.respond(HELLO, tools, params, tool_choice=choice)
+        assert (result.finish_reason, result.error, result.text, len(result.tool_calls)) == ("tool_calls", None, "", 1)
+        call = result.tool_calls[0]
+        assert call.name in names and choice in ("required", call.name)
+        jsonschema.validate(call.arguments, tools[names.index(call.name)]["function"]["parameters"])
+        generated = generated_controls(harmony_engine, chat, result)
+        assert set(generated) <= set(HARMONY_TOKENS) and generated[-1] == "<|call|>"
+        if result.reasoning:  # an analysis message first (greedy here writes one), cut at its bound
+            assert analysis_tokens(harmony_engine, chat, result) <= ANALYSIS_TOKENS
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_auto_leaves_the_messages_free_and_holds_a_call(harmony_engine, seed):
+    """"auto": the model writes its messages (the SPELLED turns above, forced, pass through this
+    grammar too); a call it writes is to an offered tool with valid arguments."""
+    import jsonschema
+
+    from hibana_core import SamplingParams
+    from hibana_core.chat import Chat
+    from test_chat import HELLO
+    from test_grammar import random_tools
+
+    tools = random_tools(random.Random(200 + seed))
+    names = [t["function"]["name"] for t in tools]
+    chat = Chat(harmony_engine, f"auto-{seed}")
+    result = chat.respond(HELLO, tools, SamplingParams(max_tokens=400, temperature=1.0, seed=seed))
+    assert result.error is None and result.finish_reason in ("stop", "tool_calls", "length")
+    for call in result.tool_calls:
+        jsonschema.validate(call.arguments, tools[names.index(call.name)]["function"]["parameters"])
+    assert set(generated_controls(harmony_engine, chat, result)) <= set(HARMONY_TOKENS)
+
+
+def test_tool_choice_none_holds_nothing(harmony_engine):
+    """"none": no grammar, the output is not read as calls (a forced call to a tool never offered,
+    which a grammar would refuse, is text)."""
+    from hibana_core import SamplingParams
+    from hibana_core.chat import Chat
+    from hibana_core.speculation import force_outputs
+    from test_chat import HELLO, WEATHER
+
+    text = '<|channel|>commentary to=functions.rm <|constrain|>json<|message|>{"path": "/"}'
+    ids = harmony_engine.tokenizer.encode(text + "<|call|>", add_special_tokens=False)
+    chat = Chat(harmony_engine, "none")
+    force_outputs(chat.handle, ids)
+    result = chat.respond(HELLO, [WEATHER], SamplingParams(max_tokens=len(ids)), tool_choice="none")
+    assert (result.text, result.tool_calls, result.finish_reason) == (text, [], "stop")
+
+
+def test_a_tool_name_a_recipient_cannot_hold_is_refused(harmony_engine):
+    from hibana_core import SamplingParams
+    from hibana_core.chat import Chat
+    from hibana_core.messages import ToolSchemaError
+    from test_chat import HELLO
+
+    spaced = {"type": "function", "function": {"name": "get weather", "parameters": {"type": "object"}}}
+    with pytest.raises(ToolSchemaError, match="cannot be called in harmony"):
+        Chat(harmony_engine, "spaced").respond(HELLO, [spaced], SamplingParams(max_tokens=4))
+
+
+def test_the_server_holds_gpt_oss_calls(harmony_engine):
+    """`hibana serve` on gpt_oss: tool_choice "required" and a named tool give a call of an offered
+    tool with valid arguments, in OpenAI's form."""
+    pytest.importorskip("fastapi")
+    import json
+    import urllib.request
+
+    import jsonschema
+
+    from hibana_plugins.server import ServerConfig, serving
+    from test_chat import HELLO, MULTIPLY, WEATHER
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, MULTIPLY)}
+    with serving(harmony_engine, ServerConfig("tiny-gpt-oss")) as url:
+        for choice in ("required", {"type": "function", "function": {"name": "multiply"}}):
+            body = {"model": "tiny-gpt-oss", "messages": HELLO, "tools": [WEATHER, MULTIPLY], "tool_choice": choice,
+                    "max_tokens": 900, "temperature": 1.0, "seed": 3}
+            request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"}, method="POST")
+            with urllib.request.urlopen(request, timeout=120) as response:
+                choice_out = json.loads(response.read())["choices"][0]
+            calls = choice_out["message"]["tool_calls"]
+            assert choice_out["finish_reason"] == "tool_calls" and len(calls) == 1
+            name = calls[0]["function"]["name"]
+            assert name in schemas and (choice == "required" or name == "multiply")
+            jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), schemas[name])
