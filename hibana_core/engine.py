@@ -486,6 +486,7 @@ class Engine:
                 # is collected: an engine opened next sizes its KV pool from the memory free then
                 self.model = self.core.runner = self.kv_cache = self._ctx.kv_cache = self.registry.kv_cache = None
         if self.device.type == "cuda":
+            gc.collect()  # whatever cycle still holds device tensors (a plugin's, a drafter's)
             torch.cuda.empty_cache()  # the blocks it held go back to the device
 
     def __enter__(self) -> "Engine":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import time
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -370,7 +371,10 @@ class DecodeGraphs:
     QUERY_LENS = (1, 2, 3, 5, 9, 17)  # 1 + draft tiers 0, 1, 2, 4, 8, 16
 
     def __init__(self, runner: ModelRunner, max_batch: int) -> None:
-        self.runner = runner
+        # a proxy: the runner holds its graphs, and a cycle back would keep the model's weights
+        # alive after the engine closed until the garbage collector ran (a second engine on the
+        # GPU meanwhile found its memory taken: qwen3-30b-a3b ran out of it loading)
+        self.runner = weakref.proxy(runner)
         self.buckets = [b for b in _BUCKETS if b <= max(1, max_batch)]
         if self.buckets[-1] < max_batch and max_batch <= _BUCKETS[-1]:
             self.buckets.append(_BUCKETS[bisect.bisect_left(_BUCKETS, max_batch)])

@@ -541,3 +541,26 @@ def test_close_frees_weights_and_kv_while_the_engine_is_still_referenced(specula
     gc.collect()
     assert kv() is None and weight() is None, "the engine object is alive, its tensors must not be"
     assert engine.stats is not None and h is not None  # both still referenced here
+
+
+def test_close_frees_weights_without_the_garbage_collector(tiny_checkpoints, make_engine):
+    """The runner's CUDA graphs point back at it without a reference cycle, so close() frees the
+    weights at once (the GPU's second engine of a benchmark ran out of memory while a cycle kept
+    the first one's weights until the collector ran). The graphs are built here on the CPU: their
+    buffers need no GPU, and no capture happens before a step."""
+    import gc
+    import weakref
+
+    from hibana_core.runner import DecodeGraphs
+
+    engine = make_engine(tiny_checkpoints["llama"], speculation="off")
+    runner = engine.core.runner
+    runner.graphs = DecodeGraphs(runner, 4)
+    weight = weakref.ref(next(engine.model.parameters()))
+    del runner
+    gc.disable()
+    try:
+        engine.close()
+        assert weight() is None
+    finally:
+        gc.enable()
