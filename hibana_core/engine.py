@@ -231,9 +231,8 @@ class Engine:
             one_pool = self.memory_budget is not None and self.device_memory.unified
             host_bytes = 0 if one_pool else default_host_budget()
         spill_dir = _spill_folder(config.cache.state_dir) if config.cache.state_dir is not None else None
-        # a side stream for the tier's copies where host memory is behind a bus (not unified memory)
-        copies = CopyStream(self.device, side=self.device.type == "cuda" and not self.device_memory.unified)
-        self.host_tier = (HostTier(self.kv_cache, self.pool, host_bytes, spill_dir, copies)
+        side = self.device.type == "cuda" and not self.device_memory.unified  # host memory behind a bus
+        self.host_tier = (HostTier(self.kv_cache, self.pool, host_bytes, spill_dir, CopyStream(self.device, side))
                           if host_bytes or spill_dir else None)
         """Idle states' KV parked in host memory, and on disk past it with a state_dir, under
         device pressure (kv/tiers.py); None: off (evicted KV is dropped and recomputed)."""
