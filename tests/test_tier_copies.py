@@ -15,7 +15,7 @@ import torch
 
 from hibana_core import SamplingParams
 from hibana_core.kv import policies
-from hibana_core.kv.transfers import CopyStream, Transfer, _runs
+from hibana_core.kv.transfers import CopyStream, Transfer, _copy_pages, _runs
 from tiny_models import random_tokens
 
 GREEDY_ONE = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -193,3 +193,12 @@ def test_agents_in_tool_loops_give_the_same_tokens_with_the_tier(tiny_checkpoint
 def test_runs_of_pages():
     assert _runs([3, 4, 5, 9, 10, 2]) == [(3, 3), (9, 2), (2, 1)]
     assert _runs([]) == []
+
+
+def test_pages_are_staged_as_host_kv_selects_them():
+    """The side stream's page copies (run by run, per layer slot and k/v), here on the CPU."""
+    host = torch.randn(3, 2, 7, 4, 2, 5)  # [page_layers, 2, pages, block_size, H_kv, D]
+    for pages in ([5, 6, 2, 3, 4], list(range(7)), [0], [6, 0]):
+        staging = torch.empty(3, 2, len(pages), 4, 2, 5)
+        _copy_pages(staging, host, pages)
+        assert torch.equal(staging, host[:, :, pages])
