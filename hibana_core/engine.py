@@ -232,7 +232,7 @@ class Engine:
             host_bytes = 0 if one_pool else default_host_budget()
         spill_dir = _spill_folder(config.cache.state_dir) if config.cache.state_dir is not None else None
         side = self.device.type == "cuda" and not self.device_memory.unified  # host memory behind a bus
-        self.host_tier = (HostTier(self.kv_cache, self.pool, host_bytes, spill_dir, CopyStream(self.device, side))
+        self.host_tier = (HostTier(self.kv_cache, self.pool, host_bytes, CopyStream(self.device, side), spill_dir)
                           if host_bytes or spill_dir else None)
         """Idle states' KV parked in host memory, and on disk past it with a state_dir, under
         device pressure (kv/tiers.py); None: off (evicted KV is dropped and recomputed)."""

@@ -124,10 +124,10 @@ class HostTier:
     and a copy larger than the whole host budget (or any, with a budget of 0: unified memory,
     where disk is the only tier below the device) goes there directly."""
 
-    def __init__(self, cache: KVCache, pool: BlockPool, budget_bytes: int, spill_dir: Path | None = None,
-                 copies: CopyStream | None = None) -> None:
+    def __init__(self, cache: KVCache, pool: BlockPool, budget_bytes: int, copies: CopyStream,
+                 spill_dir: Path | None = None) -> None:
         self.cache, self.pool, self.budget_bytes = cache, pool, budget_bytes
-        self.copies = copies or CopyStream(cache.data.device, side=False)
+        self.copies = copies  # where its copies run (a side stream on a discrete GPU)
         self._copying: list[Transfer] = []  # copies whose time is not counted yet (still in flight)
         self.spill_dir = spill_dir
         if spill_dir is not None:
