@@ -531,7 +531,7 @@ def check_tiers() -> Iterator[tuple[str, bool, str]]:
     for arch, path, _ in tiny_cases(("llama", "qwen3", "gemma3"), 17):
         rng = random.Random(17)
         prompts = [[rng.randrange(2, 512) for _ in range(rng.randint(40, 120))] for _ in range(8)]
-        with Engine.from_pretrained(path, **ON_GPU, dtype="float32", progress=False) as gpu:
+        with Engine.from_pretrained(path, **ON_GPU, dtype="float32", progress=False, speculation="off") as gpu:
             want = tool_loops(gpu, prompts, 4, 17)
         for graphs in (False, True):
             with Engine.from_pretrained(path, device="cuda", kv_device_blocks=26, dtype="float32", progress=False,
