@@ -124,25 +124,27 @@ def due_at_once(monkeypatch) -> None:
 def test_a_due_state_comes_back_between_steps_into_free_blocks_only(tiny_checkpoints, make_engine, hf_greedy,
                                                                     monkeypatch):
     """Idle prefetch is off: "a" can only come back between other agents' steps. While "b"
-    generates in a pool whose free blocks "a" would take from it, "a" stays parked and nothing is
-    evicted; once "c" closes there is room, and "a" comes back during "b"'s next generation."""
+    generates in a pool with as many free blocks as "a" needs and none to spare for "b" to grow
+    into, "a" stays parked and nothing is evicted; once "c" closes there is room, and "a" comes
+    back during "b"'s next generation."""
     due_at_once(monkeypatch)
     path = tiny_checkpoints["llama"]
     engine = deferred_engine(make_engine, path, num_blocks=10)
     engine.core.idle = None
     rng = random.Random(5)
-    a, b, c = (engine.open_state(name) for name in "abc")
-    a.generate(GREEDY_ONE, prompt=random_tokens(rng, 40))   # 3 blocks
+    a, b, c, d = (engine.open_state(name) for name in "abcd")
+    a.generate(GREEDY_ONE, prompt=random_tokens(rng, 40))  # 3 blocks of KV (40 tokens)
     engine.registry.note_turn(a, called_tools=True)
-    c.generate(GREEDY_ONE, prompt=random_tokens(rng, 60))   # 4 blocks
-    b.generate(GREEDY_ONE, prompt=random_tokens(rng, 60))   # 4 blocks: "a" is parked
-    tiers = {info.id: info.tier for info in engine.states()}
-    assert tiers == {"a": "host", "b": "device", "c": "device"}
-    b.generate(SamplingParams(max_tokens=20, ignore_eos=True))  # takes the 2 free blocks
+    c.generate(GREEDY_ONE, prompt=random_tokens(rng, 40))  # 3
+    d.generate(GREEDY_ONE, prompt=random_tokens(rng, 40))  # 3
+    b.generate(GREEDY_ONE, prompt=random_tokens(rng, 50))  # 4: "a" is parked
+    d.close()                                              # 3 free
+    assert {info.id: info.tier for info in engine.states()} == {"a": "host", "b": "device", "c": "device"}
+    b.generate(SamplingParams(max_tokens=20, ignore_eos=True))  # grows into a 5th block
     tier = engine.stats().host_tier
-    assert {info.id: info.tier for info in engine.states()} == tiers
+    assert {info.id: info.tier for info in engine.states()} == {"a": "host", "b": "device", "c": "device"}
     assert tier["parks"] == 1 and tier["prefetches"] == 0
-    c.close()
+    c.close()                                              # 5 free
     b.generate(SamplingParams(max_tokens=4, ignore_eos=True))
     assert {info.id: info.tier for info in engine.states()}["a"] == "device"
     assert engine.stats().host_tier["prefetches"] == 1
