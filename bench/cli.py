@@ -354,7 +354,8 @@ def print_agents(report: dict) -> None:
             print(f"{name}: KV pool {r['kv_blocks']:,} blocks in {r['kv_bytes'] / 1e9:.2f} GB")
         tier = r.get("host_tier")
         if tier and tier["parks"]:
-            print(f"{name}: host tier {tier['parks']} parks, {tier['resumes']} resumes, "
+            print(f"{name}: host tier {tier['parks']} parks, {tier['resumes']} resumes "
+                  f"({tier['prefetches']} ahead of their turn), "
                   f"{tier['bytes_moved'] / 1e9:.2f} GB moved in {tier['seconds']:.2f} s, "
                   f"{tier['tokens_restored']:,} prompt tokens not recomputed")
 

@@ -30,6 +30,9 @@
    returns each chosen token's log-probability and the top 5 as transformers' log_softmax on the
    GPU gives them (within 1e-3), 4 agents batched (two greedy with logprobs, one sampled with
    logprobs, one without: its tokens unchanged and no logprobs returned).
+9. tiers (issue 17): the host tier's copies on a side stream; agents in tool loops under a tight
+   kv_device_blocks park, resume and are prefetched, greedy equal to an unbounded run, float32,
+   graphs off and on.
 shapes: check 1 on shapes unlike the tiny checkpoints' (tiny_models.ODD_SHAPES: head_dim 8, 12
    and 24, one KV head or as many as query heads, windows shorter than a block), GPU == CPU.
 Prints a table; exits 1 if a check fails.
@@ -494,9 +497,58 @@ def check_window_pass() -> Iterator[tuple[str, bool, str]]:
             yield (f"window pass fp32 {arch} graphs={graphs}", same == len(prompts), f"{same}/4 agents equal")
 
 
+def tool_loops(engine: Engine, prompts: list[list[int]], turns: int, seed: int) -> list[list[list[int]]]:
+    """Agents (threads) in tool loops: each turn a greedy generation of 12 tokens, the chat
+    layer's word that it called tools, a tool wait of 20-100 ms and a tool result of 4 tokens;
+    agent i takes `turns + i % 2` turns, then closes its state (its blocks free for the others).
+    Per agent, per turn, the tokens generated."""
+    out: list[list[list[int]]] = [[] for _ in prompts]
+
+    def run(i: int) -> None:
+        rng = random.Random(seed + i)
+        h, history = engine.open_state(f"tool{i}"), list(prompts[i])
+        for _ in range(turns + i % 2):
+            done = h.generate(SamplingParams(max_tokens=12, ignore_eos=True), prompt=history)
+            out[i].append(list(done.token_ids))
+            engine.registry.note_turn(h, called_tools=True)
+            time.sleep(rng.uniform(0.02, 0.1))
+            history += list(done.token_ids) + [rng.randrange(2, 512) for _ in range(4)]
+        h.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def check_tiers() -> Iterator[tuple[str, bool, str]]:
+    """Issue 17's host tier on the GPU, its copies on a side stream (kv/transfers.py): 8 agents
+    in tool loops under kv_device_blocks for about two of them park, resume and are prefetched
+    between steps; their greedy tokens equal the same loops with the device KV unbounded, float32,
+    CUDA graphs off and on (gemma3: sliding-window layer groups, copied page by page)."""
+    for arch, path, _ in tiny_cases(("llama", "qwen3", "gemma3"), 17):
+        rng = random.Random(17)
+        prompts = [[rng.randrange(2, 512) for _ in range(rng.randint(40, 120))] for _ in range(8)]
+        with Engine.from_pretrained(path, **ON_GPU, dtype="float32", progress=False, speculation="off") as gpu:
+            want = tool_loops(gpu, prompts, 4, 17)
+        for graphs in (False, True):
+            with Engine.from_pretrained(path, device="cuda", kv_device_blocks=26, dtype="float32", progress=False,
+                                        cuda_graphs=graphs, speculation="off") as gpu:
+                got = tool_loops(gpu, prompts, 4, 17)
+                torch.cuda.synchronize()
+                tier = gpu.stats().host_tier
+            same = sum(a == b for a, b in zip(got, want))
+            moved = tier["parks"] > 0 and tier["resumes"] > 0
+            yield (f"tiers fp32 {arch} graphs={graphs}", same == len(prompts) and moved,
+                   f"{same}/8 agents equal; parks {tier['parks']}, resumes {tier['resumes']}, prefetches "
+                   f"{tier['prefetches']}, {tier['bytes_moved'] / 1e6:.1f} MB in {tier['seconds'] * 1e3:.1f} ms")
+
+
 CHECKS = {"float32": check_float32, "speculation": check_speculation, "surgery": check_surgery,
           "kv8": check_kv8, "fp8": check_fp8, "bf16": check_bf16_demo, "families": check_families,
-          "logprobs": check_logprobs, "window": check_window_pass, "shapes": check_shapes}
+          "logprobs": check_logprobs, "window": check_window_pass, "shapes": check_shapes, "tiers": check_tiers}
 
 
 def main() -> int:

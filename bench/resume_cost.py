@@ -2,9 +2,10 @@
 
 One state of `--context` tokens is prefilled (the re-prefill cost), then parked by a second state
 that needs the device pool (sized for one such state), then resumed by a one-token turn. The tier's
-own counters give the restore's seconds and bytes; beside them, in the same run, the raw
-bandwidths they are measured against: a pinned host-to-device copy of the same bytes, and reading
-a file of that size with the page cache dropped for it (posix_fadvise). Two tiers: host memory
+own counters give the restore's seconds and bytes (on a GPU the host-to-device copy on the tier's
+side stream, timed by CUDA events; the resumed turn's wall time has the scatter too); beside them,
+in the same run, the raw bandwidths they are measured against: a pinned host-to-device copy of the
+same bytes, and reading a file of that size with the page cache dropped for it (posix_fadvise). Two tiers: host memory
 (`host_kv_bytes` for one state) and disk (`host_kv_bytes=0`, spill files under a state_dir).
 
     python3 bench/resume_cost.py [--model qwen3-8b] [--context 8192] [--json FILE]
@@ -95,6 +96,7 @@ def resume_once(model, context: int, host_states: int, folder: Path, vocab: int)
             for spill in Path(engine.memory()["disk"]["folder"]).iterdir():
                 drop_from_page_cache(spill)
         engine.open_state("b").close()
+        sync(engine.device)  # the park's copy (on the tier's side stream) is done and counted before
         before = engine.stats().host_tier
         began = time.perf_counter()
         done = a.generate(one, prompt=a.tokens + [11])

@@ -49,6 +49,7 @@ from hibana_core.registry import ModelLimits, StateRegistry
 from hibana_core.runner import ModelRunner
 from hibana_core.sampler import Sampler
 from hibana_core.kv.tiers import HostTier, default_host_budget
+from hibana_core.kv.transfers import CopyStream
 from hibana_core.scheduler import IdleLRUEviction, Scheduler
 from hibana_core.speculation.speculator import Speculator, check_method, profile_step_costs
 from hibana_core.state import StateHandle, StateInfo
@@ -230,7 +231,9 @@ class Engine:
             one_pool = self.memory_budget is not None and self.device_memory.unified
             host_bytes = 0 if one_pool else default_host_budget()
         spill_dir = _spill_folder(config.cache.state_dir) if config.cache.state_dir is not None else None
-        self.host_tier = HostTier(self.kv_cache, self.pool, host_bytes, spill_dir) if host_bytes or spill_dir else None
+        side = self.device.type == "cuda" and not self.device_memory.unified  # host memory behind a bus
+        self.host_tier = (HostTier(self.kv_cache, self.pool, host_bytes, CopyStream(self.device, side), spill_dir)
+                          if host_bytes or spill_dir else None)
         """Idle states' KV parked in host memory, and on disk past it with a state_dir, under
         device pressure (kv/tiers.py); None: off (evicted KV is dropped and recomputed)."""
         eviction = IdleLRUEviction(self.pool, self._idle_sequences, self.host_tier)
@@ -246,8 +249,9 @@ class Engine:
                              None if switch is None else LongRope(switch, loaded.args.max_position_embeddings))
         self.registry = StateRegistry(self.core, self.kv_cache, config.cache, limits, self.grammars)
         self.registry.engine_ref = weakref.ref(self)
-        if self.host_tier is not None:  # idle time brings back parked states whose agents are due
+        if self.host_tier is not None:  # parked states whose agents are due come back ahead of them
             self.core.idle = self.registry.prefetch
+            self.core.between_steps = self.registry.prefetch_between_steps
         speculator.start()  # the step-cost profile of adaptive speculation, on this device
 
     def _guard(self, loaded) -> "guard.Guard":

@@ -1,7 +1,7 @@
 """The step loop: schedule, launch, update; the step in flight; the step counters.
 
-    step N:    schedule N -> launch N -> update N-1 (its tokens read back) -> [masks: sample N]
-               -> deliver events
+    step N:    schedule N -> launch N -> [between steps: prefetch] -> update N-1 (its tokens
+               read back) -> [masks: sample N] -> deliver events
                (without async scheduling, when a request's sampling reads its history on the
                host, or when step N verifies drafts: update N at once)
 
@@ -89,6 +89,9 @@ class EngineCore:
         self.idle: Callable[[], float] | None = None
         """Called (under the lock) when there is no work: what the engine does meanwhile (bring
         back the parked states whose agents are due); returns the seconds to sleep at most."""
+        self.between_steps: Callable[[], None] | None = None
+        """Called (under the lock) once a step is launched: work whose device part overlaps that
+        step's forward (bring back a parked state whose agent is due, its copy on a side stream)."""
         self.closed = False
         # the loop holds the core weakly, so an engine nobody closed is still collected
         self._thread = threading.Thread(target=_run_loop, args=(weakref.ref(self),),
@@ -109,6 +112,8 @@ class EngineCore:
             launched = self._launch(scheduled) if scheduled.chunks else None
             if launched is not None and self.async_scheduling and self.speculation is not None:
                 self.speculation.observe_host(time.perf_counter() - host_started)
+            if launched is not None and self.between_steps is not None:
+                self.between_steps()
             previous, self.in_flight = self.in_flight, launched
             if previous is not None:
                 self._update(previous)

@@ -300,18 +300,47 @@ class StateRegistry:
         it), soonest due first. Returns how long the engine may sleep before the next is due."""
         tier = self.core.scheduler.eviction.tier
         now = time.monotonic()
-        parked = [e for e in self._entries.values()
-                  if e.seq.parked is not None and not e.seq.num_blocks and e.use.expected_back() is not None]
+        parked = self._waiting_on_tools()
         if tier is None or not parked:
             return 1.0
-        parked.sort(key=lambda e: e.use.expected_back())
         for entry in parked:
             if entry.use.due(now, PREFETCH_LEAD) and not self.core.scheduler.busy(entry.seq):
-                where = entry.seq.parked.tier
-                if tier.restore(entry.seq, lambda blocks: False):
-                    logger.info("state %r brought back from %s before its agent's next turn", entry.handle.id, where)
+                self._prefetch(entry)
         later = [e.use.expected_back() - PREFETCH_LEAD - now for e in parked if e.seq.parked is not None]
         return min([1.0] + [max(0.01, t) for t in later if t > 0])
+
+    def prefetch_between_steps(self) -> None:
+        """While the engine steps (a step was just launched): bring back from host memory the
+        parked state due soonest from its tools, its copy overlapping that step's forward on a
+        discrete GPU. Only where no request waits for admission, and into free blocks beyond
+        one per running request (what their next decode may take): a prefetch never makes a
+        running request evict. One state per step, so that the forward after it does not wait
+        on many copies; disk is read only while the engine is idle (a file read would hold the
+        step loop)."""
+        scheduler = self.core.scheduler
+        if scheduler.eviction.tier is None or scheduler.waiting:
+            return
+        now = time.monotonic()
+        per_block = self.kv_cache.bytes_per_block_here
+        for entry in self._waiting_on_tools():
+            parked = entry.seq.parked
+            if parked.tier != "host" or not entry.use.due(now, PREFETCH_LEAD) or scheduler.busy(entry.seq):
+                continue
+            blocks = -(-parked.nbytes // per_block)  # at most: blocks another state holds are not copied
+            if self.pool.can_allocate(blocks + len(scheduler.running)):
+                self._prefetch(entry)
+            return
+
+    def _waiting_on_tools(self) -> list[_Entry]:
+        """States parked off the device whose agents wait on tools, soonest expected back first."""
+        parked = [e for e in self._entries.values()
+                  if e.seq.parked is not None and not e.seq.num_blocks and e.use.expected_back() is not None]
+        return sorted(parked, key=lambda e: e.use.expected_back())
+
+    def _prefetch(self, entry: _Entry) -> None:
+        where = entry.seq.parked.tier
+        if self.core.scheduler.eviction.tier.prefetch(entry.seq):
+            logger.info("state %r brought back from %s before its agent's next turn", entry.handle.id, where)
 
     def pin(self, handle: StateHandle, pinned: bool) -> None:
         """Pin (or unpin) a state's KV on the device, within the pin budget (`retention_order`)."""

@@ -461,19 +461,6 @@ def test_a_parked_state_comes_back_before_its_agent_does(tiny_checkpoints, make_
     assert done.stats.computed == 5 and list(done.token_ids) == hf_greedy(str(path), prompt, 4)
 
 
-def test_a_restored_slice_is_copied_as_its_contiguous_runs():
-    """A restore that skips the blocks other states still hold copies a strided slice of the
-    parked copy: it reaches the device as one copy per layer and K/V, exactly."""
-    from hibana_core.kv.tiers import _to_device
-
-    kv = torch.randn(3, 2, 7, 4, 2, 5)
-    part = kv[:, :, 2:5]
-    assert not part.is_contiguous()
-    moved = _to_device(part, torch.device("cpu"))
-    assert moved.is_contiguous() and torch.equal(moved, part)
-    assert _to_device(kv, torch.device("cpu")) is kv  # whole copies go as they are
-
-
 def test_default_host_budget_is_half_the_available_memory(monkeypatch):
     from hibana_core.kv import tiers
 

@@ -28,8 +28,8 @@ PATIENCE = 2.0
 SMOOTHING = 0.3
 """Weight of the newest observation in an agent's running mean of tool times."""
 PREFETCH_LEAD = 1.0
-"""Seconds before an agent's expected return that its parked KV is brought back, when the engine
-has nothing else to do and the device has free blocks for it."""
+"""Seconds before an agent's expected return that its parked KV is brought back, into free device
+blocks: while the engine is idle, and from host memory between its steps (`StateRegistry.prefetch`)."""
 
 
 @dataclass

@@ -14,9 +14,21 @@ host budget, least recently parked dropped first (those states recompute, as wit
 A restore checks the copy against the state's history: where the history was edited since, only
 the common prefix comes back. With `state_dir` set, what the host budget cannot hold goes to
 disk (a spill folder under it, removed when the engine closes) instead of being dropped; a
-restore reads it back. Copies are synchronous on the engine's stream (correct first; copies on
-a side stream overlapped with compute come next); a state due back from its tools is restored
-while the engine is idle (`StateRegistry.prefetch`).
+restore reads it back.
+
+On a discrete GPU the copies run on a side stream (kv/transfers.py): a park enqueues the gather
+and the device-to-host copy and returns, the state's blocks freed at once; a restore enqueues the
+host-to-device copy and the compute stream waits for it before the scatter. Nothing waits on the
+host but what reads a parked copy there: a spill file or a state file written from a copy still
+in flight waits for it (`ParkedKV.host_kv`). On the CPU and on unified memory the copies are
+synchronous, through the same code. A state due back from its tools is restored ahead of its
+request (`prefetch`): while the engine is idle (`StateRegistry.prefetch`), and while it steps,
+from host memory into free blocks, its copy overlapping the forward just launched
+(`StateRegistry.prefetch_between_steps`).
+
+`counters.seconds` is copy time: on a side stream the device-to-host and host-to-device copies
+as CUDA events measure them (the gather and scatter on the compute stream are not in it), added
+once each copy is done; elsewhere the wall time of the synchronous copies.
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ import torch
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.cache import KVCache
 from hibana_core.kv.sequence import KVSequence, common_prefix_len
+from hibana_core.kv.transfers import CopyStream, Transfer
 
 logger = logging.getLogger("hibana.states")
 
@@ -51,6 +64,7 @@ class ParkedKV:
     size: int = 0                 # its bytes on disk
     rotated_long: bool = False    # under LongRoPE's long rotation (`KVSequence.rotated_long`)
     starts: tuple[int, ...] = (0,)  # each layer group's first block among the pages (`KVSequence.pages`)
+    copy: Transfer | None = None  # the copy filling `kv`, maybe still in flight
 
     @property
     def nbytes(self) -> int:
@@ -61,8 +75,13 @@ class ParkedKV:
         return "host" if self.kv is not None else "disk"
 
     def host_kv(self) -> torch.Tensor:
-        """The KV in host memory (read from its spill file when it is on disk)."""
-        return self.kv if self.kv is not None else safetensors.torch.load_file(self.path)["kv"]
+        """The KV in host memory, its copy there waited for (read from its spill file when it is
+        on disk)."""
+        if self.kv is None:
+            return safetensors.torch.load_file(self.path)["kv"]
+        if self.copy is not None:
+            self.copy.wait()
+        return self.kv
 
     def page_index(self, n: int, seq: KVSequence) -> list[int]:
         """Which of the pages hold the KV of the first n tokens of `seq`'s layout (n <=
@@ -89,8 +108,9 @@ class TierCounters:
     parks: int = 0
     resumes: int = 0
     dropped: int = 0            # parked copies dropped for the host budget (those states recompute)
+    prefetches: int = 0         # restores made before the state's request came (its agent was due back)
     bytes_moved: int = 0        # both directions
-    seconds: float = 0.0        # spent copying, both directions
+    seconds: float = 0.0        # spent copying, both directions, once each copy is done (see the module)
     tokens_restored: int = 0    # prompt tokens whose recomputation a restore avoided
     spills: int = 0             # copies written to disk (the host budget was full, or there is none)
     disk_resumes: int = 0       # restores read from disk
@@ -104,8 +124,11 @@ class HostTier:
     and a copy larger than the whole host budget (or any, with a budget of 0: unified memory,
     where disk is the only tier below the device) goes there directly."""
 
-    def __init__(self, cache: KVCache, pool: BlockPool, budget_bytes: int, spill_dir: Path | None = None) -> None:
+    def __init__(self, cache: KVCache, pool: BlockPool, budget_bytes: int, copies: CopyStream,
+                 spill_dir: Path | None = None) -> None:
         self.cache, self.pool, self.budget_bytes = cache, pool, budget_bytes
+        self.copies = copies  # where its copies run (a side stream on a discrete GPU)
+        self._copying: list[Transfer] = []  # copies whose time is not counted yet (still in flight)
         self.spill_dir = spill_dir
         if spill_dir is not None:
             spill_dir.mkdir(parents=True, exist_ok=True)
@@ -144,13 +167,11 @@ class HostTier:
         to_host = n > 0 and self._room(nbytes)
         if not to_host and (n == 0 or self.spill_dir is None):
             return False
-        began = time.perf_counter()
         index = torch.tensor(pages, dtype=torch.long, device=self.cache.data.device)
-        device_kv = self.cache.gather(index)
+        device_kv = self.cache.gather(index)  # on the compute stream: before any later write of the blocks
         host = torch.empty(device_kv.shape, dtype=device_kv.dtype, pin_memory=self.pinned and to_host)
-        host.copy_(device_kv)
-        copied = time.perf_counter() - began
-        parked = ParkedKV(seq.tokens[:n], host, rotated_long=seq.rotated_long, starts=starts)
+        copy = self._count(self.copies.to_host(device_kv, host))
+        parked = ParkedKV(seq.tokens[:n], host, rotated_long=seq.rotated_long, starts=starts, copy=copy)
         if to_host:
             self._hold(seq, parked)
         elif not self._spill(seq, parked):
@@ -158,8 +179,7 @@ class HostTier:
         c = self.counters
         c.parks += 1
         c.bytes_moved += nbytes
-        c.seconds += copied
-        seq.release()
+        seq.release()  # its blocks may be written at once: the gather came first on the compute stream
         logger.info("evicting an idle state's KV (%d blocks, %d tokens): parked in the %s tier (%d bytes)",
                     blocks, n, seq.parked.tier, nbytes)
         return True
@@ -167,7 +187,8 @@ class HostTier:
     def restore(self, seq: KVSequence, make_room: Callable[[int], bool]) -> int:
         """Bring a parked state's KV back into fresh device blocks, as far as its history still
         starts with the parked tokens. Returns the tokens restored (0: nothing to do, or no room:
-        the copy stays parked and the state catches up by computing)."""
+        the copy stays parked and the state catches up by computing). On a side stream the copy
+        is enqueued, not done: the compute stream waits for it before its blocks are written."""
         parked = seq.parked
         if parked is None or seq.num_computed:
             return 0
@@ -184,15 +205,21 @@ class HostTier:
         if not self._device_room(seq, blocks - first, make_room):
             seq.release()
             return 0
-        began = time.perf_counter()
-        kv = self._read_copy(seq, began)
+        kv = self._read_copy(seq)
         if kv is None:
             return 0
         ids = self.pool.allocate(blocks - first)
-        self.cache.write_blocks(ids, _to_device(kv[:, :, first:blocks], self.cache.data.device))
+        self.cache.write_blocks(ids, self._to_device(seq.parked, kv, list(range(first, blocks))))
         seq.block_ids.extend(ids)
         seq.num_computed = n
-        self._restored(seq, n, n - first * seq.block_size, len(ids), began)
+        self._restored(seq, n, n - first * seq.block_size, len(ids))
+        return n
+
+    def prefetch(self, seq: KVSequence) -> int:
+        """`restore` ahead of the state's request (its agent is due back from its tools), into
+        free device blocks only: nothing is evicted for it."""
+        n = self.restore(seq, lambda blocks: False)
+        self.counters.prefetches += n > 0
         return n
 
     def _restore_pages(self, seq: KVSequence, n: int, make_room: Callable[[int], bool]) -> int:
@@ -202,14 +229,13 @@ class HostTier:
         index = parked.page_index(n, seq)
         if not self._device_room(seq, len(index), make_room):
             return 0
-        began = time.perf_counter()
-        kv = self._read_copy(seq, began)
+        kv = self._read_copy(seq)
         if kv is None:
             return 0
         ids = self.pool.allocate(len(index))
-        self.cache.write_blocks(ids, kv[:, :, index])
+        self.cache.write_blocks(ids, self._to_device(parked, kv, index))
         seq.place_pages(ids, parked.starts, n)
-        self._restored(seq, n, n, len(ids), began)
+        self._restored(seq, n, n, len(ids))
         return n
 
     def _device_room(self, seq: KVSequence, blocks: int, make_room: Callable[[int], bool]) -> bool:
@@ -224,13 +250,14 @@ class HostTier:
         finally:
             self._restoring = None
 
-    def _read_copy(self, seq: KVSequence, began: float) -> torch.Tensor | None:
-        """The parked copy's KV in host memory (a spill file read and counted as a disk resume);
-        None where the file cannot be read: the state then drops its KV and the copy, and
-        recomputes (nobody else fails)."""
+    def _read_copy(self, seq: KVSequence) -> torch.Tensor | None:
+        """The parked copy's KV in host memory, maybe still being copied there (a spill file read
+        and counted as a disk resume); None where the file cannot be read: the state then drops
+        its KV and the copy, and recomputes (nobody else fails)."""
         parked = seq.parked
+        began = time.perf_counter()
         try:
-            kv = parked.host_kv()
+            kv = parked.kv if parked.kv is not None else parked.host_kv()
         except Exception as exc:  # noqa: BLE001 - a spill file gone or damaged
             logger.warning("a parked state's spill file %s cannot be read (%s); its KV is recomputed", parked.path, exc)
             seq.release()
@@ -243,7 +270,30 @@ class HostTier:
             c.disk_seconds += time.perf_counter() - began
         return kv
 
-    def _restored(self, seq: KVSequence, n: int, tokens: int, blocks: int, began: float) -> None:
+    def _to_device(self, parked: ParkedKV, kv: torch.Tensor, pages: list[int]) -> torch.Tensor:
+        """`kv`'s pages for the compute stream to write into blocks, copied after the park that
+        filled a host copy (on a side stream, the compute stream waits for them)."""
+        pages_kv, copy = self.copies.to_device(kv, pages, parked.copy if parked.kv is not None else None)
+        self._count(copy)
+        return pages_kv
+
+    def _count(self, copy: Transfer) -> Transfer:
+        """Count a copy's time in `counters.seconds` once it is done."""
+        self._copying.append(copy)
+        self._settle()
+        return copy
+
+    def _settle(self) -> None:
+        """Add the time of the copies done since to `counters.seconds` (none is waited for)."""
+        copying = []
+        for copy in self._copying:
+            if copy.done:
+                self.counters.seconds += copy.seconds()
+            else:
+                copying.append(copy)
+        self._copying = copying
+
+    def _restored(self, seq: KVSequence, n: int, tokens: int, blocks: int) -> None:
         """Bookkeeping of a restore of n tokens (`tokens` of them copied, into `blocks`)."""
         parked = seq.parked
         seq.commit_full_blocks()
@@ -252,7 +302,6 @@ class HostTier:
         c.resumes += 1
         c.tokens_restored += tokens
         c.bytes_moved += blocks * self.cache.bytes_per_block_here
-        c.seconds += time.perf_counter() - began
         logger.info("resumed a parked state from %s (%d tokens)", "disk" if parked.kv is None else "host memory", n)
 
     def adopt(self, seq: KVSequence, tokens: list[int], kv: torch.Tensor, starts: tuple[int, ...] = (0,),
@@ -294,18 +343,20 @@ class HostTier:
 
     def _spill(self, seq: KVSequence, parked: ParkedKV) -> bool:
         """Write a host copy to a spill file and make that `seq`'s parked copy. False (nothing
-        changed) when the file cannot be written: a full or unwritable disk."""
+        changed) when the file cannot be written: a full or unwritable disk. A copy still in
+        flight to the host is waited for first."""
+        kv = parked.host_kv()
         began = time.perf_counter()
         path = self.spill_dir / f"{next(self._files):08d}.kv"
         try:
-            safetensors.torch.save_file({"kv": parked.kv.contiguous()}, str(path))
+            safetensors.torch.save_file({"kv": kv.contiguous()}, str(path))
         except Exception as exc:  # noqa: BLE001 - a disk that takes no more: the copy is dropped, not the step
             logger.warning("cannot write a spill file in %s (%s)", self.spill_dir, exc)
             path.unlink(missing_ok=True)
             return False
         size = path.stat().st_size
         self.forget(seq)
-        self._track_spill(seq, dataclasses.replace(parked, kv=None, path=path, size=size))
+        self._track_spill(seq, dataclasses.replace(parked, kv=None, path=path, size=size, copy=None))
         c = self.counters
         c.spills += 1
         c.disk_bytes_moved += size
@@ -357,30 +408,21 @@ class HostTier:
         self._parked.clear()
         self._bytes.clear()
         self._spilled.clear()
+        self._copying.clear()
         if self.spill_dir is not None:
             shutil.rmtree(self.spill_dir, ignore_errors=True)
         self.cache = None
 
     def summary(self) -> dict:
+        self._settle()
         c = self.counters
         return {"budget_bytes": self.budget_bytes, "bytes_used": self.bytes_used, "states": len(self._parked),
-                "parks": c.parks, "resumes": c.resumes, "dropped": c.dropped, "bytes_moved": c.bytes_moved,
+                "parks": c.parks, "resumes": c.resumes, "prefetches": c.prefetches, "dropped": c.dropped,
+                "bytes_moved": c.bytes_moved,
                 "seconds": round(c.seconds, 4), "tokens_restored": c.tokens_restored,
                 "disk_states": len(self._spilled), "disk_bytes_used": self.disk_bytes_used, "spills": c.spills,
                 "disk_resumes": c.disk_resumes, "disk_bytes_moved": c.disk_bytes_moved,
                 "disk_seconds": round(c.disk_seconds, 4)}
-
-
-def _to_device(kv: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`kv` ([page_layers, 2, blocks, ...], a slice of a parked copy along its blocks) on `device`,
-    copied as its contiguous runs, one per layer and K/V: copied whole, torch would first gather a
-    strided slice into pageable host memory (a restore ran at 6% of the pinned bandwidth)."""
-    if kv.is_contiguous():
-        return kv.to(device)
-    out = torch.empty(kv.shape, dtype=kv.dtype, device=device)
-    for dst, src in zip(out.flatten(0, 1), kv.flatten(0, 1)):
-        dst.copy_(src, non_blocking=src.is_pinned())
-    return out
 
 
 def _gone(owner: "weakref.ref[HostTier]", key: int, path: Path | None = None) -> None:

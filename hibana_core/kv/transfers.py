@@ -1,0 +1,129 @@
+"""Copies of parked KV between device and host memory, on a side stream of a discrete GPU.
+
+    compute stream:  ... forward N ── gather ─────────────────── wait(restore) ── scatter ── forward N+1
+    copy stream:                        └─wait─ device→host (park)    host→device (restore) ─┘
+
+A park gathers a state's blocks on the compute stream and copies them to pinned host memory on
+the copy stream, which waits for the gather and nothing after it: the host goes on at once, the
+state's blocks may be freed at once (whatever writes them next is ordered after the gather on the
+compute stream), and the gathered tensor is kept until the copy reads it (`record_stream`). A
+restore copies host pages into a staging tensor on the copy stream; the compute stream waits for
+that copy before it scatters them into blocks, and the host never waits.
+
+The destination of a copy in flight is read only after the copy: the host waits on its
+`Transfer` (a spill file or a state file is written from it), or a stream does (a restore after
+a park still in flight). On the CPU and on unified memory there is no side stream: every copy is
+synchronous and its `Transfer` done when made, so the same code runs with the waits as no-ops.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class Transfer:
+    """One copy between host and device memory. Its destination may be read once `done`; `wait`
+    blocks the host until then. `seconds` (once done): the copy's time, measured by CUDA events
+    on the copy stream, or the wall time of a synchronous copy."""
+
+    def __init__(self, seconds: float = 0.0, began: torch.cuda.Event | None = None,
+                 ended: torch.cuda.Event | None = None) -> None:
+        self._seconds, self._began, self.ended = seconds, began, ended
+
+    @property
+    def done(self) -> bool:
+        return self.ended is None or self.ended.query()
+
+    def wait(self) -> None:
+        if self.ended is not None:
+            self.ended.synchronize()
+
+    def seconds(self) -> float:
+        if self._began is not None:
+            return self._began.elapsed_time(self.ended) / 1e3
+        return self._seconds
+
+
+class CopyStream:
+    """Where `HostTier` copies run: a side stream on a discrete GPU (`side`), else synchronously
+    on the caller's thread (the CPU, unified memory)."""
+
+    def __init__(self, device: torch.device, side: bool) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if side else None
+
+    def to_host(self, device_kv: torch.Tensor, host: torch.Tensor) -> Transfer:
+        """Copy `device_kv` (just gathered on the compute stream) into `host`, after the compute
+        stream's work so far. Read `host` once the returned transfer is done."""
+        if self.stream is None:
+            began = time.perf_counter()
+            host.copy_(device_kv)
+            return Transfer(time.perf_counter() - began)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            began = _timing_event()
+            host.copy_(device_kv, non_blocking=host.is_pinned())
+            transfer = Transfer(0.0, began, _timing_event())
+        device_kv.record_stream(self.stream)  # its memory is not reused before the copy read it
+        return transfer
+
+    def to_device(self, host: torch.Tensor, pages: list[int], after: Transfer | None) -> tuple[torch.Tensor, Transfer]:
+        """`host[:, :, pages]` for the compute stream to scatter: [page_layers, 2, len(pages),
+        block_size, H_kv, D]. On a side stream it is copied there after `after` (the copy that
+        filled `host`, maybe still in flight), into a staging tensor the compute stream waits for;
+        elsewhere `after` is waited on and the pages are selected on the host."""
+        if self.stream is None:
+            if after is not None:
+                after.wait()
+            began = time.perf_counter()
+            pages_kv = host[:, :, pages]
+            return pages_kv, Transfer(time.perf_counter() - began)
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            if after is not None and after.ended is not None:
+                self.stream.wait_event(after.ended)
+            # allocated on the copy stream: its memory is ordered after that stream's earlier use
+            staging = torch.empty(host.shape[:2] + (len(pages),) + host.shape[3:], dtype=host.dtype,
+                                  device=self.device)
+            began = _timing_event()
+            _copy_pages(staging, host, pages)
+            transfer = Transfer(0.0, began, _timing_event())
+        compute.wait_event(transfer.ended)
+        staging.record_stream(compute)  # the scatter reads it on the compute stream
+        return staging, transfer
+
+
+def _timing_event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _copy_pages(staging: torch.Tensor, host: torch.Tensor, pages: list[int]) -> None:
+    """staging[:, :, i] = host[:, :, pages[i]], as copies of contiguous host memory: a strided
+    host source would be made contiguous in pageable memory first, synchronously. All the pages:
+    one copy; otherwise one per layer slot, k or v, and run of consecutive pages."""
+    if not host.is_contiguous():
+        host = host.contiguous()
+    if pages == list(range(host.shape[2])):
+        staging.copy_(host, non_blocking=host.is_pinned())
+        return
+    rows_in, rows_out = host.flatten(0, 1), staging.flatten(0, 1)  # [page_layers * 2, pages, ...]
+    at = 0
+    for first, count in _runs(pages):
+        for row in range(rows_in.shape[0]):
+            rows_out[row, at:at + count].copy_(rows_in[row, first:first + count], non_blocking=host.is_pinned())
+        at += count
+
+
+def _runs(pages: list[int]) -> list[tuple[int, int]]:
+    """(first, count) of each run of consecutive page indices, in order."""
+    runs: list[tuple[int, int]] = []
+    for page in pages:
+        if runs and runs[-1][0] + runs[-1][1] == page:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((page, 1))
+    return runs
