@@ -17,6 +17,8 @@ script, its figures meaning little there.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import os
 import tempfile
@@ -66,6 +68,43 @@ def file_read_bandwidth(nbytes: int, folder: Path) -> float:
     return size / seconds
 
 
+# what a resumed turn's time is spent on: each call timed between device synchronisations
+# (this serialises the asynchronous step loop: the breakdown is for reading, the turn's own
+# time is taken without it)
+BREAKDOWN = [("hibana_core.kv.tiers", "HostTier", "restore"), ("hibana_core.kv.tiers", "HostTier", "park"),
+             ("hibana_core.kv.tiers", "HostTier", "_read_copy"), ("hibana_core.kv.cache", "KVCache", "write_blocks"),
+             ("hibana_core.kv.sequence", "KVSequence", "commit_full_blocks"),
+             ("hibana_core.kv.sequence", "KVSequence", "reuse_cached_blocks"),
+             ("hibana_core.scheduler", "Scheduler", "schedule"), ("hibana_core.runner", "ModelRunner", "launch"),
+             ("hibana_core.runner", "ModelRunner", "sample"), ("hibana_core.runner", "DecodeGraphs", "_capture"),
+             ("hibana_core.engine_core", "EngineCore", "step")]
+
+
+@contextlib.contextmanager
+def timed_calls(device: torch.device, totals: dict[str, float]):
+    """Add the seconds of every BREAKDOWN method called inside to `totals` (name -> seconds)."""
+    originals = []
+    for module, cls_name, name in BREAKDOWN:
+        cls = getattr(importlib.import_module(module), cls_name)
+        original = getattr(cls, name)
+        originals.append((cls, name, original))
+
+        def wrapper(*args, _original=original, _key=f"{cls_name}.{name}", **kwargs):
+            sync(device)
+            began = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                sync(device)
+                totals[_key] = totals.get(_key, 0.0) + time.perf_counter() - began
+        setattr(cls, name, wrapper)
+    try:
+        yield totals
+    finally:
+        for cls, name, original in originals:
+            setattr(cls, name, original)
+
+
 def resume_once(model, context: int, host_states: int, folder: Path, vocab: int) -> dict:
     """Prefill a state, park it through a second one, resume it: the tier's figures."""
     from hibana_core import SamplingParams
@@ -83,6 +122,7 @@ def resume_once(model, context: int, host_states: int, folder: Path, vocab: int)
     try:
         warm = engine.open_state("warm-up")
         warm.generate(one, prompt=prompts[0][:512])
+        warm.generate(one, prompt=warm.tokens + [11])  # the resumed turn's shape: graphs captured now
         warm.close()
         a = engine.open_state("a")
         sync(engine.device)
@@ -103,6 +143,13 @@ def resume_once(model, context: int, host_states: int, folder: Path, vocab: int)
         sync(engine.device)
         turn = time.perf_counter() - began
         after = engine.stats().host_tier
+        breakdown: dict[str, float] = {}
+        b = engine.open_state("b")  # once more, timed call by call: "a" parked by "b", then resumed
+        b.generate(one, prompt=prompts[1])
+        b.close()
+        sync(engine.device)
+        with timed_calls(engine.device, breakdown):
+            a.generate(one, prompt=a.tokens + [12])
     finally:
         engine.close()
     seconds = after["seconds"] - before["seconds"] + after["disk_seconds"] - before["disk_seconds"]
@@ -110,7 +157,8 @@ def resume_once(model, context: int, host_states: int, folder: Path, vocab: int)
     return dict(tier=tier_of_a, prefill_s=prefill, resume_turn_s=turn, restore_s=seconds, bytes=moved,
                 disk_bytes=after["disk_bytes_moved"] - before["disk_bytes_moved"],
                 disk_read_s=after["disk_seconds"] - before["disk_seconds"],
-                computed=done.stats.computed, restore_bytes_s=moved / seconds if seconds else None)
+                computed=done.stats.computed, restore_bytes_s=moved / seconds if seconds else None,
+                breakdown={k: round(v, 6) for k, v in sorted(breakdown.items(), key=lambda kv: -kv[1])})
 
 
 def main() -> None:
@@ -140,6 +188,8 @@ def main() -> None:
               f"({speed / 1e9:.2f} GB/s, {speed / raw:.0%} of raw); resumed turn {row['resume_turn_s'] * 1e3:.1f} ms "
               f"computing {row['computed']} tokens; re-prefill {row['prefill_s'] * 1e3:.1f} ms "
               f"({row['prefill_s'] / row['resume_turn_s']:.1f}x the resumed turn)")
+        print("      a second resume, call by call (synchronised): " +
+              ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in row["breakdown"].items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(model=args.model, context=args.context, device=str(device), host_to_device=h2d,

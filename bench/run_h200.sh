@@ -70,13 +70,14 @@ case "${1:-check}" in
     # they come, each process's output together at the end
     # CHECK_SECONDS bounds each process, so that a call's limit still leaves every output
     LIMIT="timeout ${CHECK_SECONDS:-3600}"
-    $LIMIT python3 -m pytest tests/test_kernels.py -q -rs -x -p no:cacheprovider > "$OUT/kernel_tests.txt" 2>&1 &
+    [ "${KERNEL_TESTS:-1}" = 1 ] &&  # KERNEL_TESTS=0: the checks alone
+      $LIMIT python3 -m pytest tests/test_kernels.py -q -rs -x -p no:cacheprovider > "$OUT/kernel_tests.txt" 2>&1 &
     for check in ${CHECKS//,/ }; do
       $LIMIT python3 bench/gpu_correctness.py --only "$check" 2>&1 | grep -v "Token indices sequence length" \
         > "$OUT/gpu_correctness_$check.txt" &
     done
     wait
-    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernel_tests.txt"
+    [ -f "$OUT/kernel_tests.txt" ] && grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernel_tests.txt"
     cat "$OUT"/gpu_correctness_*.txt | tee "$OUT/gpu_correctness.txt" ;;
   decode)
     python3 -m hibana_bench.cli decode --model qwen3-8b --context 512,8192 --generate 128 \
