@@ -122,8 +122,9 @@ case "${1:-check}" in
       | tee "$OUT/tune_quant_sweep.txt" ;;
   memory)
     python3 -m hibana_bench.cli agents --model qwen3-8b --agents 64 --turns 6 --system 4096 --tool-result 200 \
-      --generate 100 --tool-latency 1,5 --device-kv-agents 16 --systems hibana,hibana_recompute \
+      --generate 100 --tool-latency 1,5 --device-kv-agents 16 --systems "${MEMORY_SYSTEMS:-hibana,hibana_recompute}" \
       --json "$OUT/agents_memory_qwen3-8b.json" 2>&1 | tee "$OUT/agents_memory_qwen3-8b.txt"
+    [ "${MEMORY_UNBOUNDED:-1}" = 1 ] &&  # MEMORY_UNBOUNDED=0: the bounded run alone
     python3 -m hibana_bench.cli agents --model qwen3-8b --agents 64 --turns 6 --system 4096 --tool-result 200 \
       --generate 100 --tool-latency 1,5 --systems hibana \
       --json "$OUT/agents_memory_unbounded_qwen3-8b.json" 2>&1 | tee "$OUT/agents_memory_unbounded_qwen3-8b.txt" ;;
