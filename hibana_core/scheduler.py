@@ -165,8 +165,9 @@ class EvictionPolicy(Protocol):
     def plan(self, num_blocks: int) -> "list[Eviction]":
         """Which idle states would leave the device, and where, for `num_blocks` (nothing moves)."""
 
-    def make_room(self, num_blocks: int) -> bool:
-        """Carry out `plan(num_blocks)`; whether `num_blocks` can now be allocated."""
+    def make_room(self, num_blocks: int, partial: bool = True) -> bool:
+        """Carry out `plan(num_blocks)`; whether `num_blocks` can now be allocated. With
+        `partial` False nothing moves unless the plan frees all of it."""
 
     def evict(self, seq: KVSequence) -> None:
         """Free one sequence's device blocks (parked or released)."""
@@ -187,6 +188,10 @@ class IdleLRUEviction:
         """The fewest idle states, from the front of the retention order, whose leaving lets
         `num_blocks` be allocated (all of them when that is not enough), each with where it
         goes. A block shared with a state that stays is not counted as freed. Nothing moves."""
+        return self._plan(num_blocks)[0]
+
+    def _plan(self, num_blocks: int) -> tuple[list[Eviction], bool]:
+        """`plan`, and whether it frees enough."""
         short = num_blocks - self.pool.num_free
         plan: list[Eviction] = []
         holders: collections.Counter[int] = collections.Counter()
@@ -197,10 +202,15 @@ class IdleLRUEviction:
             for block in seq.held_blocks():
                 holders[block] += 1
                 short -= holders[block] == self.pool.ref_count(block)
-        return plan
+        return plan, short <= 0
 
-    def make_room(self, num_blocks: int) -> bool:
-        for move in self.plan(num_blocks):
+    def make_room(self, num_blocks: int, partial: bool = True) -> bool:
+        """`partial` False: a restore's room, all of it or no move (parking every idle state
+        for a restore that still cannot run only sends them after it, to be copied back later)."""
+        plan, enough = self._plan(num_blocks)
+        if not enough and not partial:
+            return False
+        for move in plan:
             self.carry_out(move)
         return self.pool.can_allocate(num_blocks)
 
@@ -268,7 +278,9 @@ class Scheduler:
             request = self._next_waiting()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._admit(request)
+            if not self._admit(request):
+                self._requeue(request)  # its parked KV waits for room: running requests make it
+                break
             if request.finished:
                 continue
             chunk = self._schedule_one(request, budget)
@@ -354,14 +366,18 @@ class Scheduler:
             logger.info("queue timeout after %.2f s (state %r)", waited, request.state_id)
             self.finish(request, "error")
 
-    def _admit(self, request: Request) -> None:
-        """A parked state's KV comes back from the host tier first. A sampling request needs the
+    def _admit(self, request: Request) -> bool:
+        """A parked state's KV comes back from the host tier first: when the device has no room
+        for it while other requests run, False (the request waits for the room they free as they
+        finish, rather than recompute a history it has a copy of). A sampling request needs the
         logits of its last token: if the state already holds its KV (a fully synced state),
         recompute that one token. Where the prefix index holds more of
         the history than the state's own KV, the state switches to the index's blocks."""
         seq = request.seq
         if self.eviction.tier is not None and seq.parked is not None:
-            self.eviction.tier.restore(seq, self.eviction.make_room)
+            self.eviction.tier.restore(seq, lambda blocks: self.eviction.make_room(blocks, partial=False))
+            if seq.parked is not None and not seq.num_computed and len(self.running) > 1:
+                return False  # the copy stayed parked for want of room
         if request.samples and seq.num_uncomputed == 0:
             seq.trim_kv(len(seq) - 1)
         seq.prefer_index(len(seq) - (1 if request.samples else 0))
@@ -369,6 +385,7 @@ class Scheduler:
             request.reused = min(seq.num_computed, request.num_prompt)
         if not request.samples and seq.num_uncomputed == 0:
             self.finish(request, _done_reason(request))
+        return True
 
     def _schedule_one(self, request: Request, budget: int) -> ScheduledChunk | None:
         seq = request.seq

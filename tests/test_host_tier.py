@@ -469,3 +469,45 @@ def test_default_host_budget_is_half_the_available_memory(monkeypatch):
     assert tiers.default_host_budget() == 50 << 30
     monkeypatch.setattr(tiers, "_available_memory", lambda: None)
     assert tiers.default_host_budget() == 4 << 30
+
+
+def test_a_parked_state_waits_for_room_rather_than_recompute(tiny_checkpoints, make_engine, hf_greedy):
+    """A parked state's turn arrives while another agent's generation holds the pool: it waits
+    until that one finishes and then comes back from its copy (its turn computes only its new
+    tokens), instead of recomputing its history chunk by chunk in the little room there is (a
+    prefill chunk smaller than the state, as on a GPU: 2,048 tokens against 8k-token histories)."""
+    path = tiny_checkpoints["llama"]
+    engine = make_engine(path, num_blocks=10, speculation="off", max_prefill_chunk=16)
+    rng = random.Random(11)
+    history, other = random_tokens(rng, 64), random_tokens(rng, 112)
+    parked, busy = engine.open_state("parked"), engine.open_state("busy")
+    parked.sync(history)
+    busy.sync(other)  # 7 blocks + parked's 4 > 10: "parked" goes to the host tier
+    assert {i.id: i.tier for i in engine.states()}["parked"] == "host"
+    new = random_tokens(rng, 5)
+    with engine.core.lock:  # both queued before a step: "busy" first, then "parked"
+        events = busy.stream(SamplingParams(max_tokens=40, ignore_eos=True))
+        turn = parked.stream(SamplingParams(max_tokens=GENERATE, ignore_eos=True), prompt=history + new)
+    rest = list(events)  # "busy" held 8 blocks from its first step on, 2 free (the parked state needs 5)
+    out = list(turn)[-1].completion
+    assert rest[-1].finish_reason == "length"
+    assert out.stats.computed == len(new) and out.stats.preemptions == 0  # restored, not recomputed
+    assert list(out.token_ids) == hf_greedy(str(path), history + new, GENERATE)
+    assert engine.stats().host_tier["resumes"] >= 1
+
+
+def test_a_restore_that_cannot_get_its_room_moves_nobody(tiny_checkpoints, make_engine):
+    """Room for a restore is all or nothing: parking every idle state for a restore that still
+    does not fit would only send them after it (`make_room(partial=False)`); the scheduler's
+    own chunks still take the room there is."""
+    engine = make_engine(tiny_checkpoints["llama"], num_blocks=10, speculation="off")
+    rng = random.Random(12)
+    for name, n in (("a", 64), ("b", 80)):
+        engine.open_state(name).sync(random_tokens(rng, n))
+    eviction = engine.scheduler.eviction
+    with engine.core.lock:
+        assert not eviction.make_room(11, partial=False)
+        assert {i.id: i.tier for i in engine.states()} == {"a": "device", "b": "device"}
+        assert eviction.make_room(5, partial=False)  # b (or a and the free block) leaves: enough
+        assert not eviction.make_room(11)  # partial: everything idle leaves, still not enough
+        assert {i.tier for i in engine.states()} == {"host"}
