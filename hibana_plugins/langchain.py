@@ -206,12 +206,13 @@ class _Call:
         return ChatResult(generations=[ChatGeneration(message=self.message(result))])
 
     def message(self, result: TurnResult) -> AIMessage:
-        text = result.text.strip()  # a malformed call or a reply without tools comes as generated
+        # the text as streamed: a reply without tools as generated, a malformed call as written
         if self.as_content:  # the first call's arguments are the answer
             calls = []
-            content = json.dumps(result.tool_calls[0].arguments, ensure_ascii=False) if result.tool_calls else text
+            content = (json.dumps(result.tool_calls[0].arguments, ensure_ascii=False) if result.tool_calls
+                       else result.text)
         else:
-            content = text
+            content = result.text
             calls = [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in result.tool_calls]
         extra = {"reasoning_content": result.reasoning} if result.reasoning else {}
         return AIMessage(content=content, tool_calls=calls, usage_metadata=self.usage_metadata(result.usage),
