@@ -54,6 +54,7 @@ try:
                                          FunctionMessage, HumanMessage, SystemMessage, ToolMessage)
     from langchain_core.messages.tool import tool_call_chunk
     from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+    from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
     from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
     from langchain_core.runnables import RunnableMap, RunnablePassthrough
     from langchain_core.runnables.config import ensure_config
@@ -80,6 +81,10 @@ PROVIDER = "hibana"
 CALL_OPTIONS = frozenset({*SAMPLING, "tools", "tool_choice", "parallel_tool_calls", "state_id", "timeout", "model",
                           "reasoning", "answer_tool", "ls_structured_output_format"})
 """What a call (`invoke(..., **kwargs)`, `.bind(**kwargs)`) may set; anything else is a ConfigError."""
+STRUCTURED_METHODS = ("function_calling", "json_schema", "json_mode")
+_ANY_JSON = {"type": "function", "function": {"name": "json", "description": "Answer with a JSON object.",
+                                              "parameters": {"type": "object"}}}
+"""json_mode's answer tool when no schema is given."""
 _MEDIA_BLOCKS = frozenset({"image", "image_url", "audio", "input_audio", "video", "file", "document"})
 
 
@@ -383,22 +388,27 @@ class ChatHibana(BaseChatModel):
         "function_calling" forces a call to a tool made from the schema; "json_schema" and
         "json_mode" force the same call and return its arguments as the message's JSON content
         (json_mode without a schema lets the model write any JSON object). The grammar holds
-        the answer to the whole schema: lists, nested models, enums, optional fields."""
-        if method == "function_calling":
-            return super().with_structured_output(schema, include_raw=include_raw, **kwargs)
-        if method not in ("json_schema", "json_mode"):
-            raise ValueError(f"method must be function_calling, json_schema or json_mode, got {method!r}")
+        the answer to the whole schema: lists, nested models, enums, optional fields; `strict`
+        as for `bind_tools`. Refusals are HibanaErrors (ConfigError, ToolSchemaError)."""
+        if method not in STRUCTURED_METHODS:
+            raise ConfigError(f"with_structured_output: method must be one of {', '.join(STRUCTURED_METHODS)}, "
+                              f"got {method!r:.80}")
         if kwargs:
-            raise ValueError(f"unsupported arguments {kwargs}")
-        if schema is None and method == "json_schema":
-            raise ValueError("method='json_schema' needs a schema")
-        tool = (clean_tool(convert_to_openai_tool(schema)) if schema is not None else
-                {"type": "function", "function": {"name": "json", "description": "Answer with a JSON object.",
-                                                  "parameters": {"type": "object"}}})
-        trace = {"kwargs": {"method": method}, "schema": schema} if schema is not None else None
-        llm = self.bind(answer_tool=tool, ls_structured_output_format=trace)
+            raise ConfigError(f"with_structured_output does not take {', '.join(map(repr, kwargs))}; bind call "
+                              "options first (llm.bind(...).with_structured_output is LangChain's own)")
+        if schema is None and method != "json_mode":
+            raise ConfigError(f"with_structured_output: method={method!r} needs a schema (a pydantic class, a "
+                              "TypedDict or a JSON schema); json_mode alone takes none")
+        tool = clean_tool(_openai_tool(0, schema, strict)) if schema is not None else _ANY_JSON
+        trace = {"kwargs": {"method": method, "strict": strict}, "schema": schema} if schema is not None else None
         pydantic_schema = isinstance(schema, type) and is_basemodel_subclass(schema)
-        parser = PydanticOutputParser(pydantic_object=schema) if pydantic_schema else JsonOutputParser()
+        if method == "function_calling":
+            llm = self.bind(tools=[tool], tool_choice="required", ls_structured_output_format=trace)
+            parser = (PydanticToolsParser(tools=[schema], first_tool_only=True) if pydantic_schema else
+                      JsonOutputKeyToolsParser(key_name=tool["function"]["name"], first_tool_only=True))
+        else:
+            llm = self.bind(answer_tool=tool, ls_structured_output_format=trace)
+            parser = PydanticOutputParser(pydantic_object=schema) if pydantic_schema else JsonOutputParser()
         if not include_raw:
             return llm | parser
         parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)

@@ -545,3 +545,32 @@ def test_langchain_options_and_tools_of_the_wrong_kind(engine):
         llm.bind_tools([5])
     with pytest.raises(ConversationError, match="block"):
         llm.invoke([HumanMessage([{"type": "text", "text": 7}])])
+
+
+def test_langchain_structured_output_refusals_are_hibana_errors(engine):
+    """with_structured_output refuses a method, argument or schema it cannot use with a
+    HibanaError, whatever the method, and passes `strict` on to the tool schema."""
+    from pydantic import BaseModel
+
+    from hibana_core.chat import ToolSchemaError
+    from hibana_core.errors import ConfigError
+    from hibana_plugins.langchain import ChatHibana
+
+    class Answer(BaseModel):
+        text: str
+
+    llm = ChatHibana(engine=engine, max_tokens=2)
+    with pytest.raises(ConfigError, match="'xml'"):
+        llm.with_structured_output(Answer, method="xml")
+    for method in ("function_calling", "json_schema"):
+        with pytest.raises(ConfigError, match="needs a schema"):
+            llm.with_structured_output(None, method=method)
+        with pytest.raises(ConfigError, match="tools"):
+            llm.with_structured_output(Answer, method=method, tools=[])
+    for method in ("function_calling", "json_schema", "json_mode"):
+        with pytest.raises(ToolSchemaError, match="tool 0"):
+            llm.with_structured_output(42, method=method)
+        bound = llm.with_structured_output(Answer, method=method, strict=True).first
+        tool = bound.kwargs.get("answer_tool") or bound.kwargs["tools"][0]
+        assert tool["function"]["strict"] is True
+        assert tool["function"]["parameters"]["additionalProperties"] is False
