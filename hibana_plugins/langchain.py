@@ -463,12 +463,13 @@ class ChatHibana(BaseChatModel):
             tools = None
         reasoning = kwargs["reasoning"] if "reasoning" in kwargs else self.reasoning
         prompt = chat.render_text(_to_chat_messages(messages), tools, reasoning)
-        explicit = kwargs.get("state_id") or self.state_id
+        explicit = kwargs["state_id"] if kwargs.get("state_id") is not None else self.state_id  # "" is refused
         options = {"tool_choice": choice, "parse_tools": tools is not None, "guided": self.guided_tool_arguments,
                    "parallel_tool_calls": kwargs.get("parallel_tool_calls") is not False,
                    "timeout": kwargs.get("timeout", self.timeout), "reasoning_history": self.reasoning_history}
         return _Call(chat, prompt, tools, self._params(stop, kwargs), options,
-                     explicit or _graph_state_id(run_manager), explicit is None, model, answer_tool is not None)
+                     _graph_state_id(run_manager) if explicit is None else explicit, explicit is None, model,
+                     answer_tool is not None)
 
     def _chat_layer(self, model: str) -> Chat:
         """The chat layer of this object's engine (built once), or of another model's."""

@@ -574,3 +574,18 @@ def test_langchain_structured_output_refusals_are_hibana_errors(engine):
         tool = bound.kwargs.get("answer_tool") or bound.kwargs["tools"][0]
         assert tool["function"]["strict"] is True
         assert tool["function"]["parameters"]["additionalProperties"] is False
+
+
+def test_langchain_empty_state_id_is_refused_not_ignored(engine):
+    """state_id="" names no state: a ConfigError, as open_state("") is, never a silent switch to
+    a state the adapter picks."""
+    from hibana_core.errors import ConfigError
+    from hibana_plugins.langchain import ChatHibana
+
+    before = snapshot(engine)
+    for llm, kwargs in [(ChatHibana(engine=engine, max_tokens=2), {"state_id": ""}),
+                        (ChatHibana(engine=engine, max_tokens=2, state_id=""), {}),
+                        (ChatHibana(engine=engine, max_tokens=2).bind(state_id=""), {})]:
+        with pytest.raises(ConfigError, match="non-empty"):
+            llm.invoke("hi", **kwargs)
+    assert snapshot(engine) == before
