@@ -261,8 +261,8 @@ class ChatHibana(BaseChatModel):
     """The state that serves every call of this object; None picks one per call (module docstring)."""
     temperature: float = 0.0
     """0 is greedy decoding."""
-    max_tokens: int = 256
-    """Most tokens one call generates."""
+    max_tokens: int | None = 256
+    """Most tokens one call generates; None: no limit but the model's context (as ChatOpenAI's None)."""
     top_p: float = 1.0
     top_k: int = 0
     """0 keeps every token."""
@@ -467,7 +467,7 @@ class ChatHibana(BaseChatModel):
         options = {"tool_choice": choice, "parse_tools": tools is not None, "guided": self.guided_tool_arguments,
                    "parallel_tool_calls": kwargs.get("parallel_tool_calls") is not False,
                    "timeout": kwargs.get("timeout", self.timeout), "reasoning_history": self.reasoning_history}
-        return _Call(chat, prompt, tools, self._params(stop, kwargs), options,
+        return _Call(chat, prompt, tools, self._params(stop, kwargs, chat.engine.max_model_len), options,
                      _graph_state_id(run_manager) if explicit is None else explicit, explicit is None, model,
                      answer_tool is not None)
 
@@ -481,13 +481,14 @@ class ChatHibana(BaseChatModel):
             self._chat = Chat(self.engine)
         return self._chat
 
-    def _params(self, stop: list[str] | None, kwargs: dict[str, Any]) -> SamplingParams:
-        """The object's sampling options, overridden by the call's (`stop` as LangChain passes it)."""
+    def _params(self, stop: list[str] | None, kwargs: dict[str, Any], context: int) -> SamplingParams:
+        """The object's sampling options, overridden by the call's (`stop` as LangChain passes it);
+        `context`: the model's, the most tokens a call without max_tokens may generate."""
         values = {name: getattr(self, name) for name in SAMPLING}
         values |= {name: kwargs[name] for name in SAMPLING if kwargs.get(name) is not None}
         if stop is not None:
             values["stop"] = stop
-        return sampling_params(values, "ChatHibana call")
+        return sampling_params(values, "ChatHibana call", context)
 
 
 def _call_options(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -153,6 +153,7 @@ def llm_class() -> type:
                                                       LLMMetadata, LogProb, MessageRole, TextBlock, ThinkingBlock,
                                                       ToolCallBlock)
         from llama_index.core.bridge.pydantic import Field, PrivateAttr
+        from llama_index.core.constants import DEFAULT_NUM_OUTPUTS
         from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
         from llama_index.core.llms.function_calling import FunctionCallingLLM
         from llama_index.core.llms.llm import ToolSelection
@@ -172,7 +173,8 @@ def llm_class() -> type:
         state_id: Optional[str] = Field(default=None, description="The state serving every call (another "
                                         "while it is busy); None: the one `Chat.lease` picks.")
         temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy.")
-        max_tokens: int = Field(default=256, gt=0, description="Most tokens per reply.")
+        max_tokens: Optional[int] = Field(default=256, gt=0, description="Most tokens per reply; None: no limit "
+                                          "but the model's context.")
         top_p: float = Field(default=1.0, gt=0.0, le=1.0)
         top_k: int = Field(default=0, ge=0, description="0 keeps every token.")
         min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="Drop tokens less likely than min_p "
@@ -235,7 +237,8 @@ def llm_class() -> type:
 
         @property
         def metadata(self) -> LLMMetadata:
-            return LLMMetadata(context_window=self.engine.max_model_len, num_output=self.max_tokens,
+            return LLMMetadata(context_window=self.engine.max_model_len,
+                               num_output=self.max_tokens or DEFAULT_NUM_OUTPUTS,  # None: reserve the usual
                                is_chat_model=True, is_function_calling_model=True, model_name=self.model)
 
         # --- entry points -----------------------------------------------------------------------
@@ -362,7 +365,7 @@ def llm_class() -> type:
                   parallel: bool = True) -> _Call:
             values = {name: getattr(self, name) for name in SAMPLING}
             values |= {name: kwargs[name] for name in SAMPLING if kwargs.get(name) is not None}
-            params = sampling_params(values, "HibanaLLM call")
+            params = sampling_params(values, "HibanaLLM call", self.engine.max_model_len)
             options = {"tool_choice": choice, "parse_tools": tools is not None, "guided": self.guided_tool_arguments,
                        "parallel_tool_calls": parallel, "reasoning_history": self.reasoning_history}
             return _Call(self._chat, prompt, tools, params, options, self.state_id)

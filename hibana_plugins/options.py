@@ -77,11 +77,14 @@ def check_known(options: Iterable[str], accepted: Iterable[str], where: str) -> 
                       f"{', '.join(accepted)} (aliases: {', '.join(f'{a}={n}' for a, n in ALIASES.items())})")
 
 
-def sampling_params(values: Mapping[str, Any], where: str) -> SamplingParams:
+def sampling_params(values: Mapping[str, Any], where: str, context: int | None = None) -> SamplingParams:
     """SamplingParams from an adapter's sampling options (`SAMPLING` names; None: the default),
     its errors saying where the value came from; a speculation method must name a registered
-    drafter."""
+    drafter. With the model's `context` known, max_tokens None means no limit but the context
+    (ChatOpenAI's None), rather than SamplingParams' default."""
     given = {name: values[name] for name in SAMPLING if values.get(name) is not None}
+    if context is not None and values.get("max_tokens") is None:
+        given["max_tokens"] = context
     if "stop" in given and isinstance(given["stop"], str):
         given["stop"] = [given["stop"]]
     try:

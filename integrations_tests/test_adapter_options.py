@@ -9,6 +9,7 @@ import warnings
 import pytest
 from langchain_core.messages import HumanMessage
 from llama_index.core.base.llms.types import ChatMessage
+from llama_index.core.constants import DEFAULT_NUM_OUTPUTS
 
 from hibana_core import Engine
 from hibana_core.errors import ConfigError
@@ -205,3 +206,18 @@ def test_hibana_llm_metadata_from_the_model(engine):
     meta = HibanaLLM(engine=engine, max_tokens=77).metadata
     assert meta.context_window == engine.max_model_len and meta.num_output == 77
     assert meta.model_name == str(engine.config.model)
+
+
+def test_max_tokens_none_generates_up_to_the_context():
+    """max_tokens=None as the frameworks' own examples write it (`ChatOpenAI(..., max_tokens=None,
+    timeout=None, max_retries=2)`): no limit but the model's context, in both adapters."""
+    engine = Engine.shared("demo", max_model_len=64)
+    llm = ChatHibana(engine=engine, temperature=0, max_tokens=None, timeout=None, max_retries=2)
+    reply = llm.invoke("What is the weather in Paris?")
+    assert reply.response_metadata["finish_reason"] == "length"
+    assert reply.usage_metadata["total_tokens"] == 64
+    assert llm.invoke("What is the weather in Paris?", max_tokens=3).usage_metadata["output_tokens"] == 3
+    index_llm = HibanaLLM(engine=engine, max_tokens=None)
+    usage = index_llm.complete("What is the weather in Paris?").raw["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
+    assert index_llm.metadata.num_output == DEFAULT_NUM_OUTPUTS  # what LlamaIndex reserves when it is not told

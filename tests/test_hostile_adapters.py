@@ -537,7 +537,7 @@ def test_langchain_options_and_tools_of_the_wrong_kind(engine):
     from hibana_plugins.langchain import ChatHibana
 
     llm = ChatHibana(engine=engine, max_tokens=2)
-    assert llm._params(["abc"], {}).stop == ("abc",) and llm._params("abc", {}).stop == ("abc",)  # not a, b, c
+    assert llm._params(["abc"], {}, 64).stop == ("abc",) and llm._params("abc", {}, 64).stop == ("abc",)  # not a, b, c
     for stop in (5, [5], [""]):
         with pytest.raises(ConfigError):
             llm.invoke("hi", stop=stop)
