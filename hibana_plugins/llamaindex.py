@@ -47,7 +47,7 @@ from hibana_core.errors import ConfigError, HibanaError
 from hibana_plugins.hookspecs import hookimpl
 from hibana_plugins.options import SAMPLING, check_known, resolve_aliases, sampling_params
 
-COMPLETE_OPTIONS = frozenset({*SAMPLING, "reasoning"})
+COMPLETE_OPTIONS = frozenset({*SAMPLING, "reasoning", "timeout"})
 """What `complete(..., **kwargs)` may set."""
 CHAT_OPTIONS = COMPLETE_OPTIONS | {"tools", "tool_required", "tool_choice", "parallel_tool_calls"}
 """What `chat(..., **kwargs)` (and `chat_with_tools` through it) may set."""
@@ -185,6 +185,8 @@ def llm_class() -> type:
         presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="OpenAI-style.")
         frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="OpenAI-style.")
         stop: Optional[list[str]] = Field(default=None, description="Strings that end the reply (cut from it).")
+        timeout: Optional[float] = Field(default=None, gt=0, description="Seconds one call may take, checked as "
+                                         "tokens arrive (ChatTimeoutError); alias request_timeout (Ollama's).")
         logprobs: bool = Field(default=False, description="Return each generated token's log-probability "
                                "(ChatResponse.logprobs / CompletionResponse.logprobs).")
         top_logprobs: int = Field(default=0, ge=0, le=20, description="With logprobs: also this many most "
@@ -367,7 +369,8 @@ def llm_class() -> type:
             values |= {name: kwargs[name] for name in SAMPLING if kwargs.get(name) is not None}
             params = sampling_params(values, "HibanaLLM call", self.engine.max_model_len)
             options = {"tool_choice": choice, "parse_tools": tools is not None, "guided": self.guided_tool_arguments,
-                       "parallel_tool_calls": parallel, "reasoning_history": self.reasoning_history}
+                       "parallel_tool_calls": parallel, "reasoning_history": self.reasoning_history,
+                       "timeout": kwargs.get("timeout", self.timeout)}
             return _Call(self._chat, prompt, tools, params, options, self.state_id)
 
         def _chat_response(self, reply: _Call, delta: str) -> ChatResponse:

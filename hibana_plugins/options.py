@@ -28,8 +28,10 @@ SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "rep
             "presence_penalty", "frequency_penalty", "stop", "logprobs", "top_logprobs", "speculation")
 """The SamplingParams fields an adapter takes on the object and per call, under the same names."""
 
-ALIASES = {"num_predict": "max_tokens", "repeat_penalty": "repetition_penalty", "num_ctx": "max_model_len"}
-"""Ollama's / llama.cpp's names -> Hibana's. `max_model_len` is an engine option (engine_kwargs)."""
+ALIASES = {"num_predict": "max_tokens", "repeat_penalty": "repetition_penalty", "num_ctx": "max_model_len",
+           "context_window": "max_model_len", "request_timeout": "timeout"}
+"""Ollama's / llama.cpp's names (LlamaIndex's Ollama: context_window, request_timeout; also
+ChatOpenAI's request_timeout) -> Hibana's. `max_model_len` is an engine option (engine_kwargs)."""
 
 ENGINE_OPTIONS = frozenset({"max_model_len"})
 """Aliased names that go to the engine rather than to sampling (constructor only)."""

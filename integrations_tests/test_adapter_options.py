@@ -221,3 +221,20 @@ def test_max_tokens_none_generates_up_to_the_context():
     usage = index_llm.complete("What is the weather in Paris?").raw["usage"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
     assert index_llm.metadata.num_output == DEFAULT_NUM_OUTPUTS  # what LlamaIndex reserves when it is not told
+
+
+def test_hibana_llm_takes_ollamas_example_options(engine):
+    """`Ollama(model=..., request_timeout=120.0, context_window=8000)`, LlamaIndex's own local-model
+    example, becomes HibanaLLM unchanged: a per-call timeout and the engine's context."""
+    from hibana_core.errors import ChatTimeoutError
+
+    llm = HibanaLLM(engine=engine, max_tokens=4, request_timeout=120.0, context_window=1024)
+    assert (llm.timeout, llm.engine_kwargs) == (120.0, {"max_model_len": 1024})
+    msgs = [ChatMessage(role="user", content=PROMPT)]
+    assert llm.chat(msgs).raw["usage"]["completion_tokens"] == 4
+    with pytest.raises(ChatTimeoutError):
+        llm.chat(msgs, timeout=1e-9)
+    with pytest.raises(ChatTimeoutError):
+        HibanaLLM(engine=engine, timeout=1e-9).complete(PROMPT)
+    with pytest.raises(ConfigError, match="timeout"):
+        HibanaLLM(engine=engine, timeout=-1)
