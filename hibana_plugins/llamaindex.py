@@ -40,7 +40,7 @@ import json
 from typing import Any, AsyncIterator, Callable, Iterator, Literal, Optional, Sequence, Union
 
 from hibana_core import turn
-from hibana_core.chat import (Chat, ChatDelta, ChatResult, ConversationError, ToolChoiceError,
+from hibana_core.chat import (Chat, ChatDelta, ChatResult, ConversationError, ToolChoiceError, ToolSchemaError,
                               UnsupportedContentError, clean_tool, normalize_tool_choice, normalize_tools)
 from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError, HibanaError
@@ -331,7 +331,16 @@ def llm_class() -> type:
             return selections
 
         def _tool_spec(self, tool: Any) -> dict:
-            spec = tool.metadata.to_openai_tool(skip_length_check=True)
+            """The tool as an OpenAI function schema; a tool LlamaIndex cannot describe (no JSON schema
+            for an argument's type, or no tool at all) is a ToolSchemaError."""
+            try:
+                spec = tool.metadata.to_openai_tool(skip_length_check=True)
+            except Exception as exc:  # noqa: BLE001 - pydantic's schema errors, AttributeError, ...
+                name = (getattr(getattr(tool, "metadata", None), "name", None) or getattr(tool, "__name__", None)
+                        or repr(tool))
+                raise ToolSchemaError(f"tool '{name:.80}' is not a tool LlamaIndex can describe: {exc}; pass a "
+                                      "FunctionTool (FunctionTool.from_defaults(fn)) whose arguments are JSON "
+                                      "types") from exc
             return clean_tool(spec) if self.clean_tool_schemas else spec
 
         # --- requests and responses -------------------------------------------------------------

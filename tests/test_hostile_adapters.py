@@ -589,3 +589,30 @@ def test_langchain_empty_state_id_is_refused_not_ignored(engine):
         with pytest.raises(ConfigError, match="non-empty"):
             llm.invoke("hi", **kwargs)
     assert snapshot(engine) == before
+
+
+def test_llamaindex_tools_it_cannot_describe_are_tool_schema_errors(engine):
+    """A tool whose parameters have no JSON schema (a Callable argument), or something that is no
+    LlamaIndex tool, is a ToolSchemaError naming it, as in ChatHibana, before a state is leased."""
+    from typing import Callable
+
+    from llama_index.core.tools import FunctionTool
+
+    from hibana_core.chat import ToolSchemaError
+    from hibana_plugins.llamaindex import HibanaLLM
+
+    def apply(callback: Callable[[int], int], x: int = 1) -> int:
+        """Apply the callback to x."""
+        return callback(x)
+
+    def plain(x: int) -> int:
+        """Not wrapped in a FunctionTool."""
+        return x
+
+    llm = HibanaLLM(engine=engine, max_tokens=2)
+    before = snapshot(engine)
+    with pytest.raises(ToolSchemaError, match="tool 'apply' is not a tool LlamaIndex can describe"):
+        llm.chat_with_tools([FunctionTool.from_defaults(apply)], user_msg="go")
+    with pytest.raises(ToolSchemaError, match="tool 'plain' .*FunctionTool"):
+        llm.chat_with_tools([FunctionTool.from_defaults(plain), plain], user_msg="go")
+    assert snapshot(engine) == before
