@@ -42,7 +42,9 @@ IGNORED = {"keep_alive": "the model stays loaded as long as its engine lives",
 """Peers' options that mean nothing for an engine in the process: dropped with a warning."""
 
 HINTS = {"format": "for JSON output use with_structured_output(schema, method='json_mode' or 'json_schema')",
-         "model_kwargs": "pass each option by its own name"}
+         "model_kwargs": "pass each option by its own name",
+         "max_model_len": "the engine's context, fixed when it loads: give num_ctx or context_window to the "
+                          "constructor, or engine_kwargs={'max_model_len': ...}"}
 """What to do instead, for options a user of a peer is likely to try."""
 
 

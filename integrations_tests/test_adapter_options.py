@@ -238,3 +238,13 @@ def test_hibana_llm_takes_ollamas_example_options(engine):
         HibanaLLM(engine=engine, timeout=1e-9).complete(PROMPT)
     with pytest.raises(ConfigError, match="timeout"):
         HibanaLLM(engine=engine, timeout=-1)
+
+
+def test_the_context_per_call_is_refused_with_where_to_set_it(engine):
+    """num_ctx / context_window are the engine's context: a call giving one is told to set it on
+    the constructor (not offered max_tokens as a close match)."""
+    with pytest.raises(ConfigError, match="constructor") as info:
+        ChatHibana(engine=engine, max_tokens=2).invoke(PROMPT, num_ctx=512)
+    assert "did you mean" not in str(info.value)
+    with pytest.raises(ConfigError, match="constructor"):
+        HibanaLLM(engine=engine, max_tokens=2).chat([ChatMessage(role="user", content=PROMPT)], context_window=512)
