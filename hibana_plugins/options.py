@@ -38,7 +38,8 @@ ENGINE_OPTIONS = frozenset({"max_model_len"})
 
 IGNORED = {"keep_alive": "the model stays loaded as long as its engine lives",
            "api_key": "a local engine has no API to authenticate to",
-           "base_url": "the engine runs in this process; for a server use `hibana serve` and an OpenAI client"}
+           "base_url": "the engine runs in this process; for a server use `hibana serve` and an OpenAI client",
+           "stream_usage": "usage always comes on a stream's last chunk"}
 """Peers' options that mean nothing for an engine in the process: dropped with a warning."""
 
 HINTS = {"format": "for JSON output use with_structured_output(schema, method='json_mode' or 'json_schema')",

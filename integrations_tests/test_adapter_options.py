@@ -248,3 +248,12 @@ def test_the_context_per_call_is_refused_with_where_to_set_it(engine):
     assert "did you mean" not in str(info.value)
     with pytest.raises(ConfigError, match="constructor"):
         HibanaLLM(engine=engine, max_tokens=2).chat([ChatMessage(role="user", content=PROMPT)], context_window=512)
+
+
+def test_chat_openais_stream_usage_is_accepted_as_always_on(engine):
+    """`ChatOpenAI(..., stream_usage=True)` swapped for ChatHibana runs: usage always comes on a
+    stream's last chunk, so the option is dropped with a warning that says so."""
+    with pytest.warns(UserWarning, match="stream_usage.*last chunk"):
+        llm = ChatHibana(engine=engine, max_tokens=3, stream_usage=True)
+    chunks = list(llm.stream(PROMPT))
+    assert sum(chunks[1:], chunks[0]).usage_metadata["output_tokens"] == 3
