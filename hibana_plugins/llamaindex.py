@@ -51,6 +51,8 @@ COMPLETE_OPTIONS = frozenset({*SAMPLING, "reasoning", "timeout"})
 """What `complete(..., **kwargs)` may set."""
 CHAT_OPTIONS = COMPLETE_OPTIONS | {"tools", "tool_required", "tool_choice", "parallel_tool_calls"}
 """What `chat(..., **kwargs)` (and `chat_with_tools` through it) may set."""
+PROMPT_FORMATTERS = ("messages_to_prompt", "completion_to_prompt")
+"""LlamaIndex's own prompt formatting options, which a chat-template model does not use."""
 _ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant", "function": "tool"}
 
 
@@ -216,6 +218,11 @@ def llm_class() -> type:
                 kwargs["engine_kwargs"] = {**kwargs.get("engine_kwargs", {}),
                                            "max_model_len": kwargs.pop("max_model_len")}
             check_known(kwargs, type(self).model_fields, "HibanaLLM")
+            for name in PROMPT_FORMATTERS:
+                if kwargs.get(name) is not None:
+                    raise ConfigError(f"HibanaLLM does not use {name}: it renders every prompt with the model's "
+                                      "chat template (tools included); drop it, or pass your own formatted text "
+                                      "to complete(prompt, formatted=True)")
             sampling_params(kwargs, "HibanaLLM")
             if engine is None:
                 from hibana_core import Engine

@@ -257,3 +257,12 @@ def test_chat_openais_stream_usage_is_accepted_as_always_on(engine):
         llm = ChatHibana(engine=engine, max_tokens=3, stream_usage=True)
     chunks = list(llm.stream(PROMPT))
     assert sum(chunks[1:], chunks[0]).usage_metadata["output_tokens"] == 3
+
+
+def test_hibana_llm_refuses_prompt_formatters_it_would_not_use(engine):
+    """LlamaIndex's messages_to_prompt / completion_to_prompt (HuggingFaceLLM's) would be ignored:
+    HibanaLLM renders with the model's chat template. Given, they are a ConfigError that says so."""
+    for option in ("messages_to_prompt", "completion_to_prompt"):
+        with pytest.raises(ConfigError, match=f"{option}.*chat template"):
+            HibanaLLM(engine=engine, **{option: str})
+    assert HibanaLLM(engine=engine, messages_to_prompt=None, completion_to_prompt=None).max_tokens == 256
