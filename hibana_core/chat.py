@@ -343,6 +343,9 @@ class Chat:
         apart from the answer (`ChatResult.reasoning`, `ChatDelta.reasoning`); `reasoning_history`:
         `REASONING_HISTORY`."""
         normalize_tool_choice(tool_choice, normalize_tools(tools))  # options are refused before a lease
+        if params is not None and not isinstance(params, SamplingParams):
+            raise ConfigError(f"params must be SamplingParams or None, got {type(params).__name__}; "
+                              "build one: SamplingParams(max_tokens=..., temperature=...)")
         if not isinstance(prefill, str):
             raise ConfigError(f"prefill must be a string, got {type(prefill).__name__}")
         check_text(prefill, "prefill")

@@ -262,6 +262,8 @@ class StateRegistry:
         finally:
             with self.lock:
                 self._leased.discard(handle.id)
+                if self.is_unnamed(handle):  # calls at once may have held more than the bound
+                    self._close_unnamed(keep=self.config.max_unnamed_states)
 
     def _close_unnamed(self, keep: int) -> None:
         """Close the least recently used idle states that `lease` named, all but `keep`."""

@@ -54,6 +54,7 @@ try:
                                          FunctionMessage, HumanMessage, SystemMessage, ToolMessage)
     from langchain_core.messages.tool import tool_call_chunk
     from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+    from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
     from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
     from langchain_core.runnables import RunnableMap, RunnablePassthrough
     from langchain_core.runnables.config import ensure_config
@@ -80,6 +81,10 @@ PROVIDER = "hibana"
 CALL_OPTIONS = frozenset({*SAMPLING, "tools", "tool_choice", "parallel_tool_calls", "state_id", "timeout", "model",
                           "reasoning", "answer_tool", "ls_structured_output_format"})
 """What a call (`invoke(..., **kwargs)`, `.bind(**kwargs)`) may set; anything else is a ConfigError."""
+STRUCTURED_METHODS = ("function_calling", "json_schema", "json_mode")
+_ANY_JSON = {"type": "function", "function": {"name": "json", "description": "Answer with a JSON object.",
+                                              "parameters": {"type": "object"}}}
+"""json_mode's answer tool when no schema is given."""
 _MEDIA_BLOCKS = frozenset({"image", "image_url", "audio", "input_audio", "video", "file", "document"})
 
 
@@ -206,12 +211,13 @@ class _Call:
         return ChatResult(generations=[ChatGeneration(message=self.message(result))])
 
     def message(self, result: TurnResult) -> AIMessage:
-        text = result.text.strip()  # a malformed call or a reply without tools comes as generated
+        # the text as streamed: a reply without tools as generated, a malformed call as written
         if self.as_content:  # the first call's arguments are the answer
             calls = []
-            content = json.dumps(result.tool_calls[0].arguments, ensure_ascii=False) if result.tool_calls else text
+            content = (json.dumps(result.tool_calls[0].arguments, ensure_ascii=False) if result.tool_calls
+                       else result.text)
         else:
-            content = text
+            content = result.text
             calls = [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in result.tool_calls]
         extra = {"reasoning_content": result.reasoning} if result.reasoning else {}
         return AIMessage(content=content, tool_calls=calls, usage_metadata=self.usage_metadata(result.usage),
@@ -255,8 +261,8 @@ class ChatHibana(BaseChatModel):
     """The state that serves every call of this object; None picks one per call (module docstring)."""
     temperature: float = 0.0
     """0 is greedy decoding."""
-    max_tokens: int = 256
-    """Most tokens one call generates."""
+    max_tokens: int | None = 256
+    """Most tokens one call generates; None: no limit but the model's context (as ChatOpenAI's None)."""
     top_p: float = 1.0
     top_k: int = 0
     """0 keeps every token."""
@@ -382,22 +388,27 @@ class ChatHibana(BaseChatModel):
         "function_calling" forces a call to a tool made from the schema; "json_schema" and
         "json_mode" force the same call and return its arguments as the message's JSON content
         (json_mode without a schema lets the model write any JSON object). The grammar holds
-        the answer to the whole schema: lists, nested models, enums, optional fields."""
-        if method == "function_calling":
-            return super().with_structured_output(schema, include_raw=include_raw, **kwargs)
-        if method not in ("json_schema", "json_mode"):
-            raise ValueError(f"method must be function_calling, json_schema or json_mode, got {method!r}")
+        the answer to the whole schema: lists, nested models, enums, optional fields; `strict`
+        as for `bind_tools`. Refusals are HibanaErrors (ConfigError, ToolSchemaError)."""
+        if method not in STRUCTURED_METHODS:
+            raise ConfigError(f"with_structured_output: method must be one of {', '.join(STRUCTURED_METHODS)}, "
+                              f"got {method!r:.80}")
         if kwargs:
-            raise ValueError(f"unsupported arguments {kwargs}")
-        if schema is None and method == "json_schema":
-            raise ValueError("method='json_schema' needs a schema")
-        tool = (clean_tool(convert_to_openai_tool(schema)) if schema is not None else
-                {"type": "function", "function": {"name": "json", "description": "Answer with a JSON object.",
-                                                  "parameters": {"type": "object"}}})
-        trace = {"kwargs": {"method": method}, "schema": schema} if schema is not None else None
-        llm = self.bind(answer_tool=tool, ls_structured_output_format=trace)
+            raise ConfigError(f"with_structured_output does not take {', '.join(map(repr, kwargs))}; bind call "
+                              "options first (llm.bind(...).with_structured_output is LangChain's own)")
+        if schema is None and method != "json_mode":
+            raise ConfigError(f"with_structured_output: method={method!r} needs a schema (a pydantic class, a "
+                              "TypedDict or a JSON schema); json_mode alone takes none")
+        tool = clean_tool(_openai_tool(0, schema, strict)) if schema is not None else _ANY_JSON
+        trace = {"kwargs": {"method": method, "strict": strict}, "schema": schema} if schema is not None else None
         pydantic_schema = isinstance(schema, type) and is_basemodel_subclass(schema)
-        parser = PydanticOutputParser(pydantic_object=schema) if pydantic_schema else JsonOutputParser()
+        if method == "function_calling":
+            llm = self.bind(tools=[tool], tool_choice="required", ls_structured_output_format=trace)
+            parser = (PydanticToolsParser(tools=[schema], first_tool_only=True) if pydantic_schema else
+                      JsonOutputKeyToolsParser(key_name=tool["function"]["name"], first_tool_only=True))
+        else:
+            llm = self.bind(answer_tool=tool, ls_structured_output_format=trace)
+            parser = PydanticOutputParser(pydantic_object=schema) if pydantic_schema else JsonOutputParser()
         if not include_raw:
             return llm | parser
         parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
@@ -452,12 +463,13 @@ class ChatHibana(BaseChatModel):
             tools = None
         reasoning = kwargs["reasoning"] if "reasoning" in kwargs else self.reasoning
         prompt = chat.render_text(_to_chat_messages(messages), tools, reasoning)
-        explicit = kwargs.get("state_id") or self.state_id
+        explicit = kwargs["state_id"] if kwargs.get("state_id") is not None else self.state_id  # "" is refused
         options = {"tool_choice": choice, "parse_tools": tools is not None, "guided": self.guided_tool_arguments,
                    "parallel_tool_calls": kwargs.get("parallel_tool_calls") is not False,
                    "timeout": kwargs.get("timeout", self.timeout), "reasoning_history": self.reasoning_history}
-        return _Call(chat, prompt, tools, self._params(stop, kwargs), options,
-                     explicit or _graph_state_id(run_manager), explicit is None, model, answer_tool is not None)
+        return _Call(chat, prompt, tools, self._params(stop, kwargs, chat.engine.max_model_len), options,
+                     _graph_state_id(run_manager) if explicit is None else explicit, explicit is None, model,
+                     answer_tool is not None)
 
     def _chat_layer(self, model: str) -> Chat:
         """The chat layer of this object's engine (built once), or of another model's."""
@@ -469,13 +481,14 @@ class ChatHibana(BaseChatModel):
             self._chat = Chat(self.engine)
         return self._chat
 
-    def _params(self, stop: list[str] | None, kwargs: dict[str, Any]) -> SamplingParams:
-        """The object's sampling options, overridden by the call's (`stop` as LangChain passes it)."""
+    def _params(self, stop: list[str] | None, kwargs: dict[str, Any], context: int) -> SamplingParams:
+        """The object's sampling options, overridden by the call's (`stop` as LangChain passes it);
+        `context`: the model's, the most tokens a call without max_tokens may generate."""
         values = {name: getattr(self, name) for name in SAMPLING}
         values |= {name: kwargs[name] for name in SAMPLING if kwargs.get(name) is not None}
         if stop is not None:
             values["stop"] = stop
-        return sampling_params(values, "ChatHibana call")
+        return sampling_params(values, "ChatHibana call", context)
 
 
 def _call_options(kwargs: dict[str, Any]) -> dict[str, Any]:

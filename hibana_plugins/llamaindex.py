@@ -40,17 +40,19 @@ import json
 from typing import Any, AsyncIterator, Callable, Iterator, Literal, Optional, Sequence, Union
 
 from hibana_core import turn
-from hibana_core.chat import (Chat, ChatDelta, ChatResult, ConversationError, ToolChoiceError,
+from hibana_core.chat import (Chat, ChatDelta, ChatResult, ConversationError, ToolChoiceError, ToolSchemaError,
                               UnsupportedContentError, clean_tool, normalize_tool_choice, normalize_tools)
 from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError, HibanaError
 from hibana_plugins.hookspecs import hookimpl
 from hibana_plugins.options import SAMPLING, check_known, resolve_aliases, sampling_params
 
-COMPLETE_OPTIONS = frozenset({*SAMPLING, "reasoning"})
+COMPLETE_OPTIONS = frozenset({*SAMPLING, "reasoning", "timeout"})
 """What `complete(..., **kwargs)` may set."""
 CHAT_OPTIONS = COMPLETE_OPTIONS | {"tools", "tool_required", "tool_choice", "parallel_tool_calls"}
 """What `chat(..., **kwargs)` (and `chat_with_tools` through it) may set."""
+PROMPT_FORMATTERS = ("messages_to_prompt", "completion_to_prompt")
+"""LlamaIndex's own prompt formatting options, which a chat-template model does not use."""
 _ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant", "function": "tool"}
 
 
@@ -153,6 +155,7 @@ def llm_class() -> type:
                                                       LLMMetadata, LogProb, MessageRole, TextBlock, ThinkingBlock,
                                                       ToolCallBlock)
         from llama_index.core.bridge.pydantic import Field, PrivateAttr
+        from llama_index.core.constants import DEFAULT_NUM_OUTPUTS
         from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
         from llama_index.core.llms.function_calling import FunctionCallingLLM
         from llama_index.core.llms.llm import ToolSelection
@@ -172,7 +175,8 @@ def llm_class() -> type:
         state_id: Optional[str] = Field(default=None, description="The state serving every call (another "
                                         "while it is busy); None: the one `Chat.lease` picks.")
         temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy.")
-        max_tokens: int = Field(default=256, gt=0, description="Most tokens per reply.")
+        max_tokens: Optional[int] = Field(default=256, gt=0, description="Most tokens per reply; None: no limit "
+                                          "but the model's context.")
         top_p: float = Field(default=1.0, gt=0.0, le=1.0)
         top_k: int = Field(default=0, ge=0, description="0 keeps every token.")
         min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="Drop tokens less likely than min_p "
@@ -183,6 +187,8 @@ def llm_class() -> type:
         presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="OpenAI-style.")
         frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="OpenAI-style.")
         stop: Optional[list[str]] = Field(default=None, description="Strings that end the reply (cut from it).")
+        timeout: Optional[float] = Field(default=None, gt=0, description="Seconds one call may take, checked as "
+                                         "tokens arrive (ChatTimeoutError); alias request_timeout (Ollama's).")
         logprobs: bool = Field(default=False, description="Return each generated token's log-probability "
                                "(ChatResponse.logprobs / CompletionResponse.logprobs).")
         top_logprobs: int = Field(default=0, ge=0, le=20, description="With logprobs: also this many most "
@@ -212,6 +218,11 @@ def llm_class() -> type:
                 kwargs["engine_kwargs"] = {**kwargs.get("engine_kwargs", {}),
                                            "max_model_len": kwargs.pop("max_model_len")}
             check_known(kwargs, type(self).model_fields, "HibanaLLM")
+            for name in PROMPT_FORMATTERS:
+                if kwargs.get(name) is not None:
+                    raise ConfigError(f"HibanaLLM does not use {name}: it renders every prompt with the model's "
+                                      "chat template (tools included); drop it, or pass your own formatted text "
+                                      "to complete(prompt, formatted=True)")
             sampling_params(kwargs, "HibanaLLM")
             if engine is None:
                 from hibana_core import Engine
@@ -235,7 +246,8 @@ def llm_class() -> type:
 
         @property
         def metadata(self) -> LLMMetadata:
-            return LLMMetadata(context_window=self.engine.max_model_len, num_output=self.max_tokens,
+            return LLMMetadata(context_window=self.engine.max_model_len,
+                               num_output=self.max_tokens or DEFAULT_NUM_OUTPUTS,  # None: reserve the usual
                                is_chat_model=True, is_function_calling_model=True, model_name=self.model)
 
         # --- entry points -----------------------------------------------------------------------
@@ -326,7 +338,16 @@ def llm_class() -> type:
             return selections
 
         def _tool_spec(self, tool: Any) -> dict:
-            spec = tool.metadata.to_openai_tool(skip_length_check=True)
+            """The tool as an OpenAI function schema; a tool LlamaIndex cannot describe (no JSON schema
+            for an argument's type, or no tool at all) is a ToolSchemaError."""
+            try:
+                spec = tool.metadata.to_openai_tool(skip_length_check=True)
+            except Exception as exc:  # noqa: BLE001 - pydantic's schema errors, AttributeError, ...
+                name = (getattr(getattr(tool, "metadata", None), "name", None) or getattr(tool, "__name__", None)
+                        or repr(tool))
+                raise ToolSchemaError(f"tool '{name:.80}' is not a tool LlamaIndex can describe: {exc}; pass a "
+                                      "FunctionTool (FunctionTool.from_defaults(fn)) whose arguments are JSON "
+                                      "types") from exc
             return clean_tool(spec) if self.clean_tool_schemas else spec
 
         # --- requests and responses -------------------------------------------------------------
@@ -362,9 +383,10 @@ def llm_class() -> type:
                   parallel: bool = True) -> _Call:
             values = {name: getattr(self, name) for name in SAMPLING}
             values |= {name: kwargs[name] for name in SAMPLING if kwargs.get(name) is not None}
-            params = sampling_params(values, "HibanaLLM call")
+            params = sampling_params(values, "HibanaLLM call", self.engine.max_model_len)
             options = {"tool_choice": choice, "parse_tools": tools is not None, "guided": self.guided_tool_arguments,
-                       "parallel_tool_calls": parallel, "reasoning_history": self.reasoning_history}
+                       "parallel_tool_calls": parallel, "reasoning_history": self.reasoning_history,
+                       "timeout": kwargs.get("timeout", self.timeout)}
             return _Call(self._chat, prompt, tools, params, options, self.state_id)
 
         def _chat_response(self, reply: _Call, delta: str) -> ChatResponse:

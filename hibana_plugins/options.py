@@ -28,19 +28,24 @@ SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "rep
             "presence_penalty", "frequency_penalty", "stop", "logprobs", "top_logprobs", "speculation")
 """The SamplingParams fields an adapter takes on the object and per call, under the same names."""
 
-ALIASES = {"num_predict": "max_tokens", "repeat_penalty": "repetition_penalty", "num_ctx": "max_model_len"}
-"""Ollama's / llama.cpp's names -> Hibana's. `max_model_len` is an engine option (engine_kwargs)."""
+ALIASES = {"num_predict": "max_tokens", "repeat_penalty": "repetition_penalty", "num_ctx": "max_model_len",
+           "context_window": "max_model_len", "request_timeout": "timeout"}
+"""Ollama's / llama.cpp's names (LlamaIndex's Ollama: context_window, request_timeout; also
+ChatOpenAI's request_timeout) -> Hibana's. `max_model_len` is an engine option (engine_kwargs)."""
 
 ENGINE_OPTIONS = frozenset({"max_model_len"})
 """Aliased names that go to the engine rather than to sampling (constructor only)."""
 
 IGNORED = {"keep_alive": "the model stays loaded as long as its engine lives",
            "api_key": "a local engine has no API to authenticate to",
-           "base_url": "the engine runs in this process; for a server use `hibana serve` and an OpenAI client"}
+           "base_url": "the engine runs in this process; for a server use `hibana serve` and an OpenAI client",
+           "stream_usage": "usage always comes on a stream's last chunk"}
 """Peers' options that mean nothing for an engine in the process: dropped with a warning."""
 
 HINTS = {"format": "for JSON output use with_structured_output(schema, method='json_mode' or 'json_schema')",
-         "model_kwargs": "pass each option by its own name"}
+         "model_kwargs": "pass each option by its own name",
+         "max_model_len": "the engine's context, fixed when it loads: give num_ctx or context_window to the "
+                          "constructor, or engine_kwargs={'max_model_len': ...}"}
 """What to do instead, for options a user of a peer is likely to try."""
 
 
@@ -77,11 +82,14 @@ def check_known(options: Iterable[str], accepted: Iterable[str], where: str) -> 
                       f"{', '.join(accepted)} (aliases: {', '.join(f'{a}={n}' for a, n in ALIASES.items())})")
 
 
-def sampling_params(values: Mapping[str, Any], where: str) -> SamplingParams:
+def sampling_params(values: Mapping[str, Any], where: str, context: int | None = None) -> SamplingParams:
     """SamplingParams from an adapter's sampling options (`SAMPLING` names; None: the default),
     its errors saying where the value came from; a speculation method must name a registered
-    drafter."""
+    drafter. With the model's `context` known, max_tokens None means no limit but the context
+    (ChatOpenAI's None), rather than SamplingParams' default."""
     given = {name: values[name] for name in SAMPLING if values.get(name) is not None}
+    if context is not None and values.get("max_tokens") is None:
+        given["max_tokens"] = context
     if "stop" in given and isinstance(given["stop"], str):
         given["stop"] = [given["stop"]]
     try:

@@ -9,6 +9,7 @@ import warnings
 import pytest
 from langchain_core.messages import HumanMessage
 from llama_index.core.base.llms.types import ChatMessage
+from llama_index.core.constants import DEFAULT_NUM_OUTPUTS
 
 from hibana_core import Engine
 from hibana_core.errors import ConfigError
@@ -146,7 +147,7 @@ def test_chat_hibana_logprobs(engine):
     streamed = None
     for chunk in ChatHibana(engine=engine, max_tokens=8, logprobs=True).stream(PROMPT):
         streamed = chunk if streamed is None else streamed + chunk
-    assert streamed.content.strip() == plain.content
+    assert streamed.content == plain.content                                 # as streamed, whole
     assert [e["logprob"] for e in streamed.response_metadata["logprobs"]["content"]] == \
         pytest.approx([e["logprob"] for e in content], abs=1e-5)
 
@@ -205,3 +206,63 @@ def test_hibana_llm_metadata_from_the_model(engine):
     meta = HibanaLLM(engine=engine, max_tokens=77).metadata
     assert meta.context_window == engine.max_model_len and meta.num_output == 77
     assert meta.model_name == str(engine.config.model)
+
+
+def test_max_tokens_none_generates_up_to_the_context():
+    """max_tokens=None as the frameworks' own examples write it (`ChatOpenAI(..., max_tokens=None,
+    timeout=None, max_retries=2)`): no limit but the model's context, in both adapters."""
+    engine = Engine.shared("demo", max_model_len=64)
+    llm = ChatHibana(engine=engine, temperature=0, max_tokens=None, timeout=None, max_retries=2)
+    reply = llm.invoke("What is the weather in Paris?")
+    assert reply.response_metadata["finish_reason"] == "length"
+    assert reply.usage_metadata["total_tokens"] == 64
+    assert llm.invoke("What is the weather in Paris?", max_tokens=3).usage_metadata["output_tokens"] == 3
+    index_llm = HibanaLLM(engine=engine, max_tokens=None)
+    usage = index_llm.complete("What is the weather in Paris?").raw["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
+    assert index_llm.metadata.num_output == DEFAULT_NUM_OUTPUTS  # what LlamaIndex reserves when it is not told
+
+
+def test_hibana_llm_takes_ollamas_example_options(engine):
+    """`Ollama(model=..., request_timeout=120.0, context_window=8000)`, LlamaIndex's own local-model
+    example, becomes HibanaLLM unchanged: a per-call timeout and the engine's context."""
+    from hibana_core.errors import ChatTimeoutError
+
+    llm = HibanaLLM(engine=engine, max_tokens=4, request_timeout=120.0, context_window=1024)
+    assert (llm.timeout, llm.engine_kwargs) == (120.0, {"max_model_len": 1024})
+    msgs = [ChatMessage(role="user", content=PROMPT)]
+    assert llm.chat(msgs).raw["usage"]["completion_tokens"] == 4
+    with pytest.raises(ChatTimeoutError):
+        llm.chat(msgs, timeout=1e-9)
+    with pytest.raises(ChatTimeoutError):
+        HibanaLLM(engine=engine, timeout=1e-9).complete(PROMPT)
+    with pytest.raises(ConfigError, match="timeout"):
+        HibanaLLM(engine=engine, timeout=-1)
+
+
+def test_the_context_per_call_is_refused_with_where_to_set_it(engine):
+    """num_ctx / context_window are the engine's context: a call giving one is told to set it on
+    the constructor (not offered max_tokens as a close match)."""
+    with pytest.raises(ConfigError, match="constructor") as info:
+        ChatHibana(engine=engine, max_tokens=2).invoke(PROMPT, num_ctx=512)
+    assert "did you mean" not in str(info.value)
+    with pytest.raises(ConfigError, match="constructor"):
+        HibanaLLM(engine=engine, max_tokens=2).chat([ChatMessage(role="user", content=PROMPT)], context_window=512)
+
+
+def test_chat_openais_stream_usage_is_accepted_as_always_on(engine):
+    """`ChatOpenAI(..., stream_usage=True)` swapped for ChatHibana runs: usage always comes on a
+    stream's last chunk, so the option is dropped with a warning that says so."""
+    with pytest.warns(UserWarning, match="stream_usage.*last chunk"):
+        llm = ChatHibana(engine=engine, max_tokens=3, stream_usage=True)
+    chunks = list(llm.stream(PROMPT))
+    assert sum(chunks[1:], chunks[0]).usage_metadata["output_tokens"] == 3
+
+
+def test_hibana_llm_refuses_prompt_formatters_it_would_not_use(engine):
+    """LlamaIndex's messages_to_prompt / completion_to_prompt (HuggingFaceLLM's) would be ignored:
+    HibanaLLM renders with the model's chat template. Given, they are a ConfigError that says so."""
+    for option in ("messages_to_prompt", "completion_to_prompt"):
+        with pytest.raises(ConfigError, match=f"{option}.*chat template"):
+            HibanaLLM(engine=engine, **{option: str})
+    assert HibanaLLM(engine=engine, messages_to_prompt=None, completion_to_prompt=None).max_tokens == 256

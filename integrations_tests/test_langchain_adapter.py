@@ -378,3 +378,13 @@ def test_tool_choice_none_and_parallel_tool_calls_false_are_enforced(llm, script
 
 async def _collect(aiterator):
     return [item async for item in aiterator]
+
+
+def test_invoked_text_is_the_streamed_text(llm, scripted):
+    """A reply without tools comes whole as it streams: invoke does not strip what stream sends
+    (a stop string ending after a space, a reply ending in a newline)."""
+    scripted("  Hi! What \n")
+    streamed = list(llm.stream("Hello"))
+    astreamed = asyncio.run(_collect(llm.astream("Hello")))
+    assert {llm.invoke("Hello").content, asyncio.run(llm.ainvoke("Hello")).content,
+            sum(streamed[1:], streamed[0]).content, sum(astreamed[1:], astreamed[0]).content} == {"  Hi! What \n"}

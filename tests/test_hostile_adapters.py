@@ -537,7 +537,7 @@ def test_langchain_options_and_tools_of_the_wrong_kind(engine):
     from hibana_plugins.langchain import ChatHibana
 
     llm = ChatHibana(engine=engine, max_tokens=2)
-    assert llm._params(["abc"], {}).stop == ("abc",) and llm._params("abc", {}).stop == ("abc",)  # not a, b, c
+    assert llm._params(["abc"], {}, 64).stop == ("abc",) and llm._params("abc", {}, 64).stop == ("abc",)  # not a, b, c
     for stop in (5, [5], [""]):
         with pytest.raises(ConfigError):
             llm.invoke("hi", stop=stop)
@@ -545,3 +545,74 @@ def test_langchain_options_and_tools_of_the_wrong_kind(engine):
         llm.bind_tools([5])
     with pytest.raises(ConversationError, match="block"):
         llm.invoke([HumanMessage([{"type": "text", "text": 7}])])
+
+
+def test_langchain_structured_output_refusals_are_hibana_errors(engine):
+    """with_structured_output refuses a method, argument or schema it cannot use with a
+    HibanaError, whatever the method, and passes `strict` on to the tool schema."""
+    from pydantic import BaseModel
+
+    from hibana_core.chat import ToolSchemaError
+    from hibana_core.errors import ConfigError
+    from hibana_plugins.langchain import ChatHibana
+
+    class Answer(BaseModel):
+        text: str
+
+    llm = ChatHibana(engine=engine, max_tokens=2)
+    with pytest.raises(ConfigError, match="'xml'"):
+        llm.with_structured_output(Answer, method="xml")
+    for method in ("function_calling", "json_schema"):
+        with pytest.raises(ConfigError, match="needs a schema"):
+            llm.with_structured_output(None, method=method)
+        with pytest.raises(ConfigError, match="tools"):
+            llm.with_structured_output(Answer, method=method, tools=[])
+    for method in ("function_calling", "json_schema", "json_mode"):
+        with pytest.raises(ToolSchemaError, match="tool 0"):
+            llm.with_structured_output(42, method=method)
+        bound = llm.with_structured_output(Answer, method=method, strict=True).first
+        tool = bound.kwargs.get("answer_tool") or bound.kwargs["tools"][0]
+        assert tool["function"]["strict"] is True
+        assert tool["function"]["parameters"]["additionalProperties"] is False
+
+
+def test_langchain_empty_state_id_is_refused_not_ignored(engine):
+    """state_id="" names no state: a ConfigError, as open_state("") is, never a silent switch to
+    a state the adapter picks."""
+    from hibana_core.errors import ConfigError
+    from hibana_plugins.langchain import ChatHibana
+
+    before = snapshot(engine)
+    for llm, kwargs in [(ChatHibana(engine=engine, max_tokens=2), {"state_id": ""}),
+                        (ChatHibana(engine=engine, max_tokens=2, state_id=""), {}),
+                        (ChatHibana(engine=engine, max_tokens=2).bind(state_id=""), {})]:
+        with pytest.raises(ConfigError, match="non-empty"):
+            llm.invoke("hi", **kwargs)
+    assert snapshot(engine) == before
+
+
+def test_llamaindex_tools_it_cannot_describe_are_tool_schema_errors(engine):
+    """A tool whose parameters have no JSON schema (a Callable argument), or something that is no
+    LlamaIndex tool, is a ToolSchemaError naming it, as in ChatHibana, before a state is leased."""
+    from typing import Callable
+
+    from llama_index.core.tools import FunctionTool
+
+    from hibana_core.chat import ToolSchemaError
+    from hibana_plugins.llamaindex import HibanaLLM
+
+    def apply(callback: Callable[[int], int], x: int = 1) -> int:
+        """Apply the callback to x."""
+        return callback(x)
+
+    def plain(x: int) -> int:
+        """Not wrapped in a FunctionTool."""
+        return x
+
+    llm = HibanaLLM(engine=engine, max_tokens=2)
+    before = snapshot(engine)
+    with pytest.raises(ToolSchemaError, match="tool 'apply' is not a tool LlamaIndex can describe"):
+        llm.chat_with_tools([FunctionTool.from_defaults(apply)], user_msg="go")
+    with pytest.raises(ToolSchemaError, match="tool 'plain' .*FunctionTool"):
+        llm.chat_with_tools([FunctionTool.from_defaults(plain), plain], user_msg="go")
+    assert snapshot(engine) == before

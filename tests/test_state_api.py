@@ -5,6 +5,7 @@ Every greedy output is held to a fresh state on the same history and to transfor
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import threading
@@ -506,6 +507,20 @@ def test_states_made_for_unnamed_calls_are_bounded(tiny_checkpoints, make_engine
     with engine.lease(random_tokens(random.Random(9), 20)) as new:
         # held (used longest ago) and made[-2] closed: made[-1] and the new one remain
         assert {s.id for s in engine.states()} == {"named", made[-1].id, new.id}
+
+
+def test_unnamed_states_over_the_bound_close_when_their_calls_end(tiny_checkpoints, make_engine):
+    """Concurrent calls may hold more unnamed states than max_unnamed_states; once they end, only
+    that many idle ones stay (the least recently used are closed), not until the next new call."""
+    engine = make_engine(tiny_checkpoints["llama"], max_unnamed_states=2)
+    with contextlib.ExitStack() as stack:
+        held = []
+        for i in range(5):
+            prompt = random_tokens(random.Random(i), 20)
+            held.append(stack.enter_context(engine.lease(prompt)))
+            held[-1].sync(prompt)
+        assert len(engine.states()) == 5  # all busy: none is closed under a call
+    assert {s.id for s in engine.states()} == {held[-2].id, held[-1].id}
 
 
 def test_a_stream_stopped_early_still_ends_with_its_completion(tiny_checkpoints, make_engine):
