@@ -63,6 +63,7 @@ class DecodeTiles(NamedTuple):
     block_k: int  # columns of K a step (MXFP4: a multiple of 32; int4: of 8)
     num_warps: int
     down_per_route: bool = False  # down projection: a program per route, then _combine_kernel (else per token)
+    mma: int = 0  # EXPERIMENT MXFP4 with bf16 x: 0 FMA GEMV, 1 tl.dot_scaled
 
 
 class GroupedTiles(NamedTuple):
@@ -342,7 +343,7 @@ def _weighted_output(acc, weight, b_ptr, expert, offs_n, n_mask, stride_be, dtyp
 
 @triton.jit
 def _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexpr, BLOCK_K: tl.constexpr,
-          FORMAT: tl.constexpr, GROUP: tl.constexpr):
+          FORMAT: tl.constexpr, GROUP: tl.constexpr, MMA: tl.constexpr):
     """x[:K] . w[r, :K] in float32 [R] for R weight rows at element offsets w_rows (int64; int32
     words for the 4-bit formats) with scales (and zeros) at sz_rows. Products stay per column of
     the tile until the loop ends (a sum across threads each step costs more than the step), and
@@ -358,7 +359,9 @@ def _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexp
     words, SUB = min(BLOCK_K, GROUP), so scales load once a run, not once a code. The quantized
     weights are not rounded to x's dtype one by one as the reference dequantizes them: the sums
     are as exact or more."""
-    if FORMAT == 0 or FORMAT == 2:
+    if FORMAT == 1 and MMA == 1:
+        return _gemv_mxfp4_dot(x_row, w_ptr, s_ptr, w_rows, sz_rows, r_mask, K, R, BLOCK_K)
+    elif FORMAT == 0 or FORMAT == 2:
         acc = tl.zeros([R, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -409,11 +412,29 @@ def _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexp
 
 
 @triton.jit
+def _gemv_mxfp4_dot(x_row, w_ptr, s_ptr, w_rows, s_rows, r_mask, K, R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """EXPERIMENT"""
+    N: tl.constexpr = 16
+    acc = tl.zeros([R, N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        w = tl.load(w_ptr + w_rows[:, None] + offs_b[None, :], mask=r_mask[:, None] & (offs_b < K // 2)[None, :],
+                    other=0)
+        offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        s = tl.load(s_ptr + s_rows[:, None] + offs_g[None, :], mask=r_mask[:, None] & (offs_g < K // 32)[None, :],
+                    other=0)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0)
+        acc = tl.dot_scaled(w, s, "e2m1", tl.broadcast_to(x[:, None], [BLOCK_K, N]), None, "bf16", acc)
+    return tl.sum(tl.where(tl.arange(0, N)[None, :] == 0, acc, 0.0), axis=1)
+
+
+@triton.jit
 def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, z_ptr, b_ptr, act_ptr, H, I, TOP_K,
                            stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_be,
                            alpha, limit, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            FORMAT: tl.constexpr, GROUP: tl.constexpr, ACTIVATION: tl.constexpr,
-                           HAS_BIAS: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, MMA: tl.constexpr):
     """act[route, n] for one route and BLOCK_N intermediate features: its expert's gate rows n
     and up rows I + n as one tile of 2 BLOCK_N rows (row 2j + h: gate j for h = 0, up j for 1),
     streamed along H together."""
@@ -424,7 +445,7 @@ def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, z_ptr, b_ptr, act_ptr, 
     rows = (feature + (r % 2) * I).to(tl.int64)
     sums = _gemv(x_ptr + (route // TOP_K).to(tl.int64) * stride_xm, w_ptr, s_ptr, z_ptr,
                  expert * stride_we + rows * stride_wn, expert * stride_se + rows * stride_sn, feature < I, H,
-                 2 * BLOCK_N, BLOCK_K, FORMAT, GROUP)
+                 2 * BLOCK_N, BLOCK_K, FORMAT, GROUP, MMA)
     gate, up = tl.split(tl.reshape(sums, [BLOCK_N, 2]))
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
@@ -437,7 +458,7 @@ def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, z_ptr, b_ptr, act_ptr, 
 def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, H, I,
                         stride_om, stride_we, stride_wn, stride_se, stride_sn, stride_be,
                         ROUTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr):
+                        FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, MMA: tl.constexpr):
     """out[program 0, n] for BLOCK_N hidden features and ROUTES consecutive routes: each route's
     expert's down rows against that route's activation, weighted, summed over the ROUTES in
     float32. ROUTES = k: out is the layer's output, one program per token; ROUTES = 1: out holds
@@ -450,7 +471,7 @@ def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_pt
         route = tl.program_id(0) * ROUTES + j
         expert = tl.load(ids_ptr + route).to(tl.int64)
         acc = _gemv(act_ptr + route.to(tl.int64) * I, w_ptr, s_ptr, z_ptr, expert * stride_we + offs_n * stride_wn,
-                    expert * stride_se + offs_n * stride_sn, n_mask, I, BLOCK_N, BLOCK_K, FORMAT, GROUP)
+                    expert * stride_se + offs_n * stride_sn, n_mask, I, BLOCK_N, BLOCK_K, FORMAT, GROUP, MMA)
         total += _weighted_output(acc, tl.load(weights_ptr + route), b_ptr, expert, offs_n, n_mask, stride_be,
                                   act_ptr.dtype.element_ty, HAS_BIAS)
     tl.store(out_ptr + tl.program_id(0).to(tl.int64) * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
@@ -610,7 +631,8 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
     inter = experts.intermediate_size
     weight_format = _FORMAT[experts.kind]
     decode = isinstance(tiles, DecodeTiles)
-    words = decode and experts.kind in ("mxfp4", "int4")
+    mma = tiles.mma if decode and experts.kind == "mxfp4" and x.dtype == torch.bfloat16 else 0
+    words = decode and experts.kind in ("mxfp4", "int4") and not mma
     g13, g2 = experts.group_sizes if experts.kind == "int4" else (moe.MXFP4_BLOCK,) * 2
     w13 = _weights(experts.w13, experts.w13_scales, experts.w13_zeros, experts.b13, g13, words)
     w2 = _weights(experts.w2, experts.w2_scales, experts.w2_zeros, experts.b2, g2, words)
@@ -625,13 +647,13 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
         _gate_up_decode_kernel[(t * top_k, triton.cdiv(inter, tiles.block_n))](
             x, ids, w13.w, w13.s, w13.z, w13.b, act, h, inter, top_k, x.stride(0), *w13.strides, *swiglu,
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, GROUP=w13.group,
-            ACTIVATION=_ACTIVATION[experts.activation], HAS_BIAS=has_b13, num_warps=tiles.num_warps)
+            ACTIVATION=_ACTIVATION[experts.activation], HAS_BIAS=has_b13, MMA=mma, num_warps=tiles.num_warps)
         routes = 1 if tiles.down_per_route else top_k
         y = torch.empty((t * top_k, h), dtype=x.dtype, device=x.device) if routes == 1 else out
         _down_decode_kernel[(t * top_k // routes, triton.cdiv(h, tiles.block_n))](
             act, ids, weights, w2.w, w2.s, w2.z, w2.b, y, h, inter, y.stride(0), *w2.strides, ROUTES=routes,
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, GROUP=w2.group, HAS_BIAS=has_b2,
-            num_warps=tiles.num_warps)
+            MMA=mma, num_warps=tiles.num_warps)
         if routes == 1:
             _combine_kernel[(t, triton.cdiv(h, combine_block))](y, out, h, out.stride(0), TOP_K=top_k,
                                                                 BLOCK=combine_block, num_warps=4)

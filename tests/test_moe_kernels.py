@@ -496,3 +496,47 @@ def test_moe_dispatch_on_cpu_runs_the_references_without_importing_triton():
     """)
     subprocess.run([sys.executable, "-c", script], check=True,
                    cwd=os.path.dirname(os.path.dirname(os.path.abspath(moe.__file__))))
+
+
+def _pack_mxfp4(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes uint8 [N, K] -> MXFP4 blocks [N, K // 32, 16], the even column in the low nibble."""
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed.reshape(codes.shape[0], -1, 16)
+
+
+def check_mxfp4_codes_and_scales_are_exact(device, tiles):
+    """Every e2m1 code at every e8m0 scale exponent from 2 to 240 through one tile, exactly: token
+    t is the one-hot x = e_t, whose gate and up rows make the activation 64 at feature t alone
+    (silu(64) is 64 in float32) and 0 elsewhere, so out[t, h] = 64 w2[h, t], one product, exact in
+    bfloat16; w2's row h has the scale exponent min(h + 2, 240) and at feature t the code (h + t) % 16.
+    (Below 2 a weight of 0.5 is a bfloat16 subnormal, which the reference's own matmul flushes; above
+    240 `_e8m0_scale` is inf. Checkpoints' scales are near 2^0, exponent 127.)"""
+    mt = _moe_triton()
+    tokens, hidden, inter = 16, 256, 32
+    diagonal = torch.arange(tokens)
+    codes13 = torch.zeros(2 * inter, hidden, dtype=torch.uint8)
+    codes13[diagonal, diagonal] = 6  # gate row t: 4 at column t
+    codes13[inter + diagonal, diagonal] = 2  # up row t: 1 at column t
+    s13 = torch.full((2 * inter, hidden // 32), 127, dtype=torch.uint8)
+    s13[:inter] = 131  # gate: 4 * 2^4
+    codes2 = ((torch.arange(hidden)[:, None] + torch.arange(inter)[None, :]) % 16).to(torch.uint8)
+    s2 = (torch.arange(hidden) + 2).clamp(max=240).to(torch.uint8)[:, None].expand(hidden, inter // 32)
+    idle = (torch.zeros_like(codes13), torch.zeros_like(codes2))  # expert 1, never routed to
+    experts = MoEExperts("mxfp4", w13=torch.stack((_pack_mxfp4(codes13), _pack_mxfp4(idle[0]))),
+                         w2=torch.stack((_pack_mxfp4(codes2), _pack_mxfp4(idle[1]))),
+                         w13_scales=torch.stack((s13, s13)), w2_scales=torch.stack((s2, s2)))
+    x = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
+    x[diagonal, diagonal] = 1.0
+    weights, ids = torch.ones(tokens, 1), torch.zeros(tokens, 1, dtype=torch.int64)
+    expected = moe.fused_moe(x, experts, weights, ids)
+    assert torch.equal(expected, 64 * moe.mxfp4_dequantize(experts.w2[0], s2, torch.float32).t()[:tokens].bfloat16())
+    out = mt.fused_moe_launch(x.to(device), _on(experts, device), weights.to(device), ids.to(device), tiles)
+    assert torch.equal(out.cpu(), expected)
+
+
+@pytest.mark.parametrize("tiles", [(32, 64, 4, True, 0), (32, 64, 4, True, 1), (16, 64, 64, 4, 1)],
+                         ids=["decode", "decode-mma", "grouped"])
+def test_mxfp4_codes_and_scales_are_exact(run_check, tiles):
+    mt = _moe_triton()
+    run_check(check_mxfp4_codes_and_scales_are_exact,
+              tiles=mt.DecodeTiles(*tiles) if len(tiles) == 5 else mt.GroupedTiles(*tiles))
