@@ -27,11 +27,14 @@ a block of 32; int4 (code - zero) * scale a group; int8 codes, the row's scale t
 sum), so weights are read at 4.25, 4 + 32 / group and 8 bits. The decode GEMV (`_gemv`) does not
 dequantize weight by weight: at one token every weight costs its own instructions, so the
 4-bit formats are read as int32 words of 8 codes and their scales applied once a run of a group
-(see `_gemv`). Accumulation is in float32; the roundings follow transformers' order (gate|up and
-the expert's output rounded to x's dtype before the bias is added, the activation's steps rounded
-as torch's ops round them, the weighted output rounded), except that a token's k outputs are
-summed in float32 and rounded once, and the decode GEMV does not round int8 and int4 weights to
-x's dtype one by one (the reference's dequantization does; the GEMV's sums are as exact or more).
+(see `_gemv`); MXFP4 with bfloat16 x can instead go through the tensor cores (`DecodeTiles.mma`,
+`_gemv_mxfp4_dot`: tl.dot_scaled upcasts the codes with a byte-permute table, and the MMA does
+the multiply-adds that bound the FMA GEMV). Accumulation is in float32; the roundings follow
+transformers' order (gate|up and the expert's output rounded to x's dtype before the bias is
+added, the activation's steps rounded as torch's ops round them, the weighted output rounded),
+except that a token's k outputs are summed in float32 and rounded once, and the decode GEMV does
+not round int8 and int4 weights to x's dtype one by one (the reference's dequantization does; the
+GEMV's sums are as exact or more).
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ class DecodeTiles(NamedTuple):
     block_k: int  # columns of K a step (MXFP4: a multiple of 32; int4: of 8)
     num_warps: int
     down_per_route: bool = False  # down projection: a program per route, then _combine_kernel (else per token)
-    mma: int = 0  # EXPERIMENT MXFP4 with bf16 x: 0 FMA GEMV, 1 tl.dot_scaled
+    mma: bool = False  # MXFP4 with bfloat16 x: the GEMV on the tensor cores (`_gemv_mxfp4_dot`; block_n >= 16)
 
 
 class GroupedTiles(NamedTuple):
@@ -353,13 +356,14 @@ def _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexp
         int8    scale * (x . code), codes made float by a bit trick, not I2F (quarter rate)
         int4    words of 8 codes, each the unit 1 + code / 16 (a shift and a logic op); per run of
                 SUB columns inside one group: scale * (16 x . unit - (16 + zero) sum x)
-        MXFP4   words of 8 codes, each e2m1 * 2^-14 through fp16; per block: 2^(e + 14 - 127) (x . v)
+        MXFP4   words of 8 codes, each e2m1 * 2^-14 through fp16; per block: 2^(e + 14 - 127) (x . v);
+                with MMA (bfloat16 x) `_gemv_mxfp4_dot` instead: bytes, upcast for the tensor cores
 
     x at column 8i + p meets nibble p of word i; a 4-bit tile is [R, BLOCK_K // SUB, SUB // 8]
     words, SUB = min(BLOCK_K, GROUP), so scales load once a run, not once a code. The quantized
     weights are not rounded to x's dtype one by one as the reference dequantizes them: the sums
     are as exact or more."""
-    if FORMAT == 1 and MMA == 1:
+    if FORMAT == 1 and MMA:
         return _gemv_mxfp4_dot(x_row, w_ptr, s_ptr, w_rows, sz_rows, r_mask, K, R, BLOCK_K)
     elif FORMAT == 0 or FORMAT == 2:
         acc = tl.zeros([R, BLOCK_K], dtype=tl.float32)
@@ -413,19 +417,23 @@ def _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexp
 
 @triton.jit
 def _gemv_mxfp4_dot(x_row, w_ptr, s_ptr, w_rows, s_rows, r_mask, K, R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """EXPERIMENT"""
+    """`_gemv` of R MXFP4 rows (bytes at w_rows, e8m0 scales at s_rows) and a bfloat16 x, on the
+    tensor cores: tl.dot_scaled takes the codes and scales as stored and upcasts them to bfloat16
+    (a byte-permute table, about two integer ops a weight; code * 2^(e - 127) is exact there) for an
+    MMA against x as a [BLOCK_K, 16] operand of 16 equal columns (16: an MMA's least N). A weight
+    then costs its upcast, not the FMA GEMV's decode and FMA, and the sums are float32."""
     N: tl.constexpr = 16
     acc = tl.zeros([R, N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        w = tl.load(w_ptr + w_rows[:, None] + offs_b[None, :], mask=r_mask[:, None] & (offs_b < K // 2)[None, :],
-                    other=0)
+        codes = tl.load(w_ptr + w_rows[:, None] + offs_b[None, :],
+                        mask=r_mask[:, None] & (offs_b < K // 2)[None, :], other=0)  # [R, BLOCK_K // 2]
         offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        s = tl.load(s_ptr + s_rows[:, None] + offs_g[None, :], mask=r_mask[:, None] & (offs_g < K // 32)[None, :],
-                    other=0)
+        scales = tl.load(s_ptr + s_rows[:, None] + offs_g[None, :],
+                         mask=r_mask[:, None] & (offs_g < K // 32)[None, :], other=0)  # [R, BLOCK_K // 32]
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0)
-        acc = tl.dot_scaled(w, s, "e2m1", tl.broadcast_to(x[:, None], [BLOCK_K, N]), None, "bf16", acc)
+        acc = tl.dot_scaled(codes, scales, "e2m1", tl.broadcast_to(x[:, None], [BLOCK_K, N]), None, "bf16", acc)
     return tl.sum(tl.where(tl.arange(0, N)[None, :] == 0, acc, 0.0), axis=1)
 
 
@@ -572,7 +580,7 @@ def _combine_kernel(y_ptr, out_ptr, H, stride_om, TOP_K: tl.constexpr, BLOCK: tl
 
 class _Weights(NamedTuple):
     """One projection's kernel arguments: weight (MXFP4 and int4 as bytes, or as int32 words of
-    8 codes for the decode kernels), scales (the weight again when dense), zeros (int4; the scales
+    8 codes for the decode kernels' FMA GEMV), scales (the weight again when dense), zeros (int4; the scales
     again otherwise), bias (the weight again when absent), the inputs a scale covers (GROUP) and
     the strides the kernels take."""
 
@@ -631,7 +639,9 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
     inter = experts.intermediate_size
     weight_format = _FORMAT[experts.kind]
     decode = isinstance(tiles, DecodeTiles)
-    mma = tiles.mma if decode and experts.kind == "mxfp4" and x.dtype == torch.bfloat16 else 0
+    mma = decode and tiles.mma and experts.kind == "mxfp4" and x.dtype == torch.bfloat16
+    if mma and tiles.block_n < 16:
+        raise ValueError(f"{tiles}: an MMA takes at least 16 rows, block_n must be 16 or more")
     words = decode and experts.kind in ("mxfp4", "int4") and not mma
     g13, g2 = experts.group_sizes if experts.kind == "int4" else (moe.MXFP4_BLOCK,) * 2
     w13 = _weights(experts.w13, experts.w13_scales, experts.w13_zeros, experts.b13, g13, words)

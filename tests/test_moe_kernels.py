@@ -384,7 +384,8 @@ def check_fused_moe(device, kind, activation, bias, dtype, tokens, top_k, path):
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     weights, ids = moe.moe_route(torch.randn(tokens, num_experts, generator=gen), top_k, renormalize=True)
     expected = moe.fused_moe(x, experts, weights, ids).float()
-    tiles = mt.DecodeTiles(16, 32, 4) if path == "decode" else mt.GroupedTiles(16, 32, 32, 4, 1)
+    tiles = {"decode": mt.DecodeTiles(16, 32, 4), "decode-mma": mt.DecodeTiles(16, 32, 4, mma=True),
+             "grouped": mt.GroupedTiles(16, 32, 32, 4, 1)}[path]
     out = mt.fused_moe_launch(x.to(device), _on(experts, device), weights.to(device), ids.to(device), tiles)
     assert out.dtype == dtype and out.shape == x.shape
     # 16-bit: the reference rounds the sum of k at each add, the kernels once; and the interpreter
@@ -406,6 +407,26 @@ def test_fused_moe(run_check, kind, activation, bias, dtype, path, tokens, top_k
               top_k=top_k, path=path)
 
 
+@pytest.mark.parametrize("activation, bias, tokens", [("swiglu_oai", True, 1), ("silu", False, 3)])
+def test_fused_moe_mxfp4_on_the_tensor_cores(run_check, activation, bias, tokens):
+    run_check(check_fused_moe, kind="mxfp4", activation=activation, bias=bias, dtype=torch.bfloat16, tokens=tokens,
+              top_k=2, path="decode-mma")
+
+
+def check_mma_tiles_want_16_rows(device):
+    mt = _moe_triton()
+    gen = torch.Generator().manual_seed(16)
+    experts = _on(_random_experts("mxfp4", "silu", False, 4, 64, 32, gen), device)
+    x = torch.randn(1, 64, generator=gen).to(torch.bfloat16)
+    weights, ids = moe.moe_route(torch.randn(1, 4, generator=gen), 2)
+    with pytest.raises(ValueError, match="at least 16 rows"):
+        mt.fused_moe_launch(x.to(device), experts, weights.to(device), ids.to(device), mt.DecodeTiles(8, 32, 4, mma=True))
+
+
+def test_mma_tiles_want_16_rows(run_check):
+    run_check(check_mma_tiles_want_16_rows)
+
+
 @pytest.mark.parametrize("kind, activation", [("dense", "silu"), ("mxfp4", "swiglu_oai"), ("int8", "silu"),
                                               ("int4", "swiglu_oai")])
 def test_fused_moe_float16(run_check, kind, activation):
@@ -425,7 +446,8 @@ def check_fused_moe_tiles(device, kind, hidden, inter, groups, tiles):
     expected = moe.fused_moe(x, experts, weights, ids).float()
     on_device = _on(experts, device)
     for tile in tiles:
-        tile = mt.DecodeTiles(*tile) if len(tile) in (3, 4) else mt.GroupedTiles(*tile)
+        decode = len(tile) < 5 or isinstance(tile[4], bool)  # grouped tiles are five ints
+        tile = (mt.DecodeTiles if decode else mt.GroupedTiles)(*tile)
         out = mt.fused_moe_launch(x.to(device), on_device, weights.to(device), ids.to(device), tile)
         error = (out.cpu().float() - expected).abs().max() / expected.abs().max()
         assert error <= (6e-2 if device == "cpu" else 2e-2), f"{tile}: relative error {error:.2e}"
@@ -435,13 +457,13 @@ def check_fused_moe_tiles(device, kind, hidden, inter, groups, tiles):
 _TILE_SHAPES = {"int4": [(96, 96, (32, 32)), (192, 64, (64, 64)), (384, 128, (128, 128))],
                 "mxfp4": [(96, 160, None)], "int8": [(72, 40, None), (33, 17, None)], "dense": [(33, 17, None)]}
 _TILES = [(16, 32, 4), (8, 64, 2, True), (4, 256, 4, True), (16, 128, 4, False), (16, 32, 64, 4, 1),
-          (16, 64, 128, 4, 1)]
+          (16, 64, 128, 4, 1), (16, 32, 4, False, True), (16, 64, 4, True, True)]  # last two: MXFP4 on MMA
 
 
 @pytest.mark.parametrize("kind, hidden, inter, groups", [(k, *shape) for k, shapes in _TILE_SHAPES.items()
                                                          for shape in shapes])
 def test_fused_moe_tiles(run_check, kind, hidden, inter, groups):
-    # the larger shapes with one decode and one grouped tile (in the interpreter each tile of them
+    # the larger shapes with a decode, a grouped and an MMA tile (in the interpreter each tile of them
     # costs ~15 s): the smaller shapes of the same kind take every tile
     tiles = _TILES if hidden * inter <= 12288 else _TILES[1::3]
     tiles = tiles + ([(8, 16, 4)] if kind in ("dense", "int8") else [])  # 16 columns: no 4-bit tile
@@ -534,7 +556,7 @@ def check_mxfp4_codes_and_scales_are_exact(device, tiles):
     assert torch.equal(out.cpu(), expected)
 
 
-@pytest.mark.parametrize("tiles", [(32, 64, 4, True, 0), (32, 64, 4, True, 1), (16, 64, 64, 4, 1)],
+@pytest.mark.parametrize("tiles", [(32, 64, 4, True, False), (32, 64, 4, True, True), (16, 64, 64, 4, 1)],
                          ids=["decode", "decode-mma", "grouped"])
 def test_mxfp4_codes_and_scales_are_exact(run_check, tiles):
     mt = _moe_triton()
