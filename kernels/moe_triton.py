@@ -81,12 +81,15 @@ DECODE_TILES = {
     "dense": DecodeTiles(8, 256, 4, down_per_route=True),
     "int8": DecodeTiles(16, 256, 4, down_per_route=True),
     "int4": DecodeTiles(8, 512, 2, down_per_route=True),
-    "mxfp4": DecodeTiles(8, 512, 2, down_per_route=True),
+    "mxfp4": DecodeTiles(16, 256, 4, down_per_route=True, mma=True),
 }
 """The decode path's tiles per weight kind, the fastest of the sweep at T=1 (H200, 2026-12-01,
 one MoE layer of Qwen3-30B-A3B / gpt-oss-20b shape, % of 4.8 TB/s of the bytes read): bf16
-31.2 us 50.3%, int8 26.2 us 30.1%, int4 27.0 us 15.5%, MXFP4 60.1 us 18.4%. A program per route
-for the down projection (then `_combine_kernel`) won for every kind."""
+31.2 us 50.3%, int8 26.2 us 30.1%, int4 27.0 us 15.5%, MXFP4 on FMA 60.1 us 18.4% (its tiles
+then: DecodeTiles(8, 512, 2, down_per_route=True)). A program per route for the down projection
+(then `_combine_kernel`) won for every kind. MXFP4 now takes the tensor cores' GEMV, not yet
+timed on the H200: `bench/tune_moe.py --models gpt-oss-20b --tokens 1,8` times it against the
+FMA GEMV (add --sweep for more of its tiles)."""
 
 
 # ------------------------------------------------------------------------------------- routing
