@@ -73,14 +73,17 @@ SWEEP_TILES = {  # per kind, a few besides choose_tiles' own (each compiles: the
     "int4": [_D(8, 512, 2, True), _D(16, 512, 4), _D(16, 512, 4, True), _D(16, 1024, 4, True), _D(32, 256, 4, True),
              _G(16, 64, 256, 4, 2), _G(16, 128, 128, 4, 3)],
 }
-# MXFP4: int4's tiles (code pairs), then the tensor cores' (16 rows or more; the fewest SASS
-# instructions a weight at 64 rows, or 32 rows in 2 warps)
-SWEEP_TILES["mxfp4"] = SWEEP_TILES["int4"] + [_D(16, 256, 2, True), _D(16, 512, 2, True)] + [
+# MXFP4: int4's tiles (code pairs) and a few more (fewer registers: one wave of gate|up programs),
+# then the tensor cores' (16 rows or more; the fewest SASS instructions a weight at 64 rows, or
+# 32 rows in 2 warps)
+SWEEP_TILES["mxfp4"] = SWEEP_TILES["int4"] + [_D(16, 256, 2, True), _D(16, 128, 2, True), _D(8, 256, 1, True)] + [
     _D(*tiles, True, "mma") for tiles in ((32, 128, 2), (64, 128, 4), (64, 128, 8), (32, 256, 4), (16, 256, 4))]
-DECODE_GEMVS = {"mxfp4": [_D(8, 512, 2, True, "nibbles"), _D(8, 512, 2, True, "pairs"),
+DECODE_GEMVS = {"mxfp4": [_D(8, 512, 2, True, "nibbles"), _D(8, 512, 2, True, "pairs"), _D(8, 256, 2, True, "pairs"),
                           _D(64, 128, 4, True, "mma")]}
 """Decode tiles timed at every T besides choose_tiles' own: each of MXFP4's GEMVs (nibbles at the
-tiles that took 60.1 us at T=1 on 2026-12-01), so one run compares them without --sweep."""
+tiles that took 60.1 us at T=1 on 2026-12-01; pairs also at 8 x 256, whose 78 registers (sm_90,
+Triton 3.9) let all 1440 gate|up programs of a gpt-oss-20b token fit one wave), so one run
+compares them without --sweep."""
 TINY_MODELS = {  # --tiny: the same kinds at toy sizes, on the CPU through the Triton interpreter
     "tiny-bf16": Shape(128, 128, 4, 2, "dense", "silu", False, "softmax", True),
     "tiny-mxfp4": Shape(128, 128, 4, 2, "mxfp4", "swiglu_oai", True, "topk_softmax", False),
@@ -226,7 +229,7 @@ def print_fastest(rows: list[dict], max_err: float) -> None:
                 best[key] = r
     for (model, tokens, path), r in sorted(best.items()):
         tiles = (GroupedTiles if path == "grouped" else DecodeTiles)(**r["tiles"])
-        print(f"fastest {path:<10} {model:<17} T={tokens:<4} {r['us']:8.1f} us {r['peak_pct']:5.1f}%  {tiles!r}")
+        print(f"fastest {path:<14} {model:<17} T={tokens:<4} {r['us']:8.1f} us {r['peak_pct']:5.1f}%  {tiles!r}")
 
 
 def main() -> None:
