@@ -27,13 +27,12 @@ a block of 32; int4 (code - zero) * scale a group; int8 codes, the row's scale t
 sum), so weights are read at 4.25, 4 + 32 / group and 8 bits. The decode GEMV (`_gemv`) does not
 dequantize weight by weight: at one token every weight costs its own instructions, so the
 4-bit formats are read as int32 words of 8 codes and their scales applied once a run of a group
-(see `_gemv`; MXFP4 has three GEMVs, `DecodeTiles.mxfp4_gemv`, until the H200 has timed them).
-Accumulation is in float32; the roundings follow
-transformers' order (gate|up and the expert's output rounded to x's dtype before the bias is
-added, the activation's steps rounded as torch's ops round them, the weighted output rounded),
-except that a token's k outputs are summed in float32 and rounded once, and the decode GEMV does
-not round int8 and int4 weights to x's dtype one by one (the reference's dequantization does; the
-GEMV's sums are as exact or more).
+(see `_gemv`; MXFP4 has three GEMVs, `MXFP4_GEMVS`, until the H200 has timed them). Accumulation
+is in float32; the roundings follow transformers' order (gate|up and the expert's output rounded
+to x's dtype before the bias is added, the activation's steps rounded as torch's ops round them,
+the weighted output rounded), except that a token's k outputs are summed in float32 and rounded
+once, and the decode GEMV does not round int8 and int4 weights to x's dtype one by one (the
+reference's dequantization does; the GEMV's sums are as exact or more).
 """
 
 from __future__ import annotations
@@ -57,17 +56,18 @@ the grouped GEMM does (bf16 138 against 148, MXFP4 266 against 342, int8 107 aga
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ACTIVATION = {"silu": 0, "swiglu_oai": 1}
 _FORMAT = {"dense": 0, "mxfp4": 1, "int8": 2, "int4": 3}
+"""The kernels' FORMAT constexpr: how `_weight_tile` reads a weight."""
 MXFP4_GEMVS = {"nibbles": 0, "pairs": 1, "mma": 2}
 """The decode path's MXFP4 GEMVs (the kernels' MXFP4_GEMV constexpr), all exact, kept side by side
-for bench/tune_moe.py to time on the H200 (their instruction counts, read from sm_90 SASS of
-the gate|up loop, are the only comparison yet: 7.7, 5.6 and 8 to 13 a weight):
+until bench/tune_moe.py has timed them on the H200 (the only comparison yet: SASS instructions a
+weight in sm_90 builds' gate|up loop, Triton 3.9, at DECODE_TILES' 8 x 512 tile: 7.7, 5.9, and
+9.2 for mma at its best, 64 rows; the down loop 8.6, 6.3 and 9.1):
 
     nibbles  one e2m1 code at a time through fp16 (shift, masks, convert, FMA): the GEMV that
              took 60.1 us at T=1 on 2026-12-01
     pairs    codes p and p + 4 of a word at once, the two halves of an fp16x2 (`_e2m1_pair_scaled`)
     mma      the tensor cores (`_gemv_mxfp4_dot`, tl.dot_scaled), bfloat16 x and block_n >= 16
              only (other x take "pairs")"""
-"""The kernels' FORMAT constexpr: how `_weight_tile` reads a weight."""
 
 
 class DecodeTiles(NamedTuple):
@@ -461,9 +461,10 @@ def _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexp
 def _gemv_mxfp4_dot(x_row, w_ptr, s_ptr, w_rows, s_rows, r_mask, K, R: tl.constexpr, BLOCK_K: tl.constexpr):
     """`_gemv` of R MXFP4 rows (bytes at w_rows, e8m0 scales at s_rows) and a bfloat16 x, on the
     tensor cores: tl.dot_scaled takes the codes and scales as stored and upcasts them to bfloat16
-    (a byte-permute table, about two integer ops a weight; code * 2^(e - 127) is exact there) for an
-    MMA against x as a [BLOCK_K, 16] operand of 16 equal columns (16: an MMA's least N). A weight
-    then costs its upcast, not the FMA GEMV's decode and FMA, and the sums are float32."""
+    (code * 2^(e - 127), exact there) for an MMA against x as a [BLOCK_K, 16] operand of 16 equal
+    columns (16: an MMA's least N), float32 sums. The MMA takes the FMAs off the FMA GEMV's hands,
+    but the upcast's byte permutes and the moves into the MMA's operand layout cost more
+    instructions a weight than the FMA GEMV spends (MXFP4_GEMVS)."""
     N: tl.constexpr = 16
     acc = tl.zeros([R, N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -623,9 +624,9 @@ def _combine_kernel(y_ptr, out_ptr, H, stride_om, TOP_K: tl.constexpr, BLOCK: tl
 
 class _Weights(NamedTuple):
     """One projection's kernel arguments: weight (MXFP4 and int4 as bytes, or as int32 words of
-    8 codes for the decode kernels' FMA GEMV), scales (the weight again when dense), zeros (int4; the scales
-    again otherwise), bias (the weight again when absent), the inputs a scale covers (GROUP) and
-    the strides the kernels take."""
+    8 codes for the decode kernels' FMA GEMVs), scales (the weight again when dense), zeros (int4;
+    the scales again otherwise), bias (the weight again when absent), the inputs a scale covers
+    (GROUP) and the strides the kernels take."""
 
     w: torch.Tensor
     s: torch.Tensor
@@ -669,16 +670,15 @@ def choose_tiles(tokens: int, kind: str = "dense") -> DecodeTiles | GroupedTiles
 
 
 def _mxfp4_gemv(tiles: DecodeTiles, experts: MoEExperts, x: torch.Tensor) -> int:
-    """The kernels' MXFP4_GEMV for decode tiles: "mma" wants bfloat16 x (else "pairs") and 16 rows."""
+    """The kernels' MXFP4_GEMV for decode tiles: "mma" wants bfloat16 x (else "pairs") and 16
+    rows; the other kinds' kernels never read it."""
     if tiles.mxfp4_gemv not in MXFP4_GEMVS:
         raise ValueError(f"{tiles}: mxfp4_gemv must be one of {tuple(MXFP4_GEMVS)}")
-    if tiles.mxfp4_gemv != "mma" or experts.kind != "mxfp4":
-        return MXFP4_GEMVS[tiles.mxfp4_gemv]
-    if x.dtype != torch.bfloat16:
+    if experts.kind != "mxfp4" or (tiles.mxfp4_gemv == "mma" and x.dtype != torch.bfloat16):
         return MXFP4_GEMVS["pairs"]
-    if tiles.block_n < 16:
+    if tiles.mxfp4_gemv == "mma" and tiles.block_n < 16:
         raise ValueError(f"{tiles}: an MMA takes at least 16 rows, block_n must be 16 or more")
-    return MXFP4_GEMVS["mma"]
+    return MXFP4_GEMVS[tiles.mxfp4_gemv]
 
 
 def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor, ids: torch.Tensor,
