@@ -59,9 +59,10 @@ _FORMAT = {"dense": 0, "mxfp4": 1, "int8": 2, "int4": 3}
 """The kernels' FORMAT constexpr: how `_weight_tile` reads a weight."""
 MXFP4_GEMVS = {"nibbles": 0, "pairs": 1, "mma": 2}
 """The decode path's MXFP4 GEMVs (the kernels' MXFP4_GEMV constexpr), all exact, kept side by side
-until bench/tune_moe.py has timed them on the H200 (the only comparison yet: SASS instructions a
-weight in sm_90 builds' gate|up loop, Triton 3.9, at DECODE_TILES' 8 x 512 tile: 7.7, 5.9, and
-9.2 for mma at its best, 64 rows; the down loop 8.6, 6.3 and 9.1):
+until bench/tune_moe.py has timed them on the H200 (the only comparison yet, bench/sass_moe.py:
+SASS instructions a weight in sm_90 builds' gate|up loop, Triton 3.9, at DECODE_TILES' 8 x 512
+tile: 7.7, 5.9, and 9.2 for mma at its best, 64 rows; the down loop 8.6, 6.3 and 9.1; of which
+on the integer pipe, half the float pipe's rate: 4.2, 2.7 and 4.7):
 
     nibbles  one e2m1 code at a time through fp16 (shift, masks, convert, FMA): the GEMV that
              took 60.1 us at T=1 on 2026-12-01
