@@ -10,8 +10,8 @@ to overflow the L2 (so the weights come from memory, as in a model). Both expert
 (decode, grouped; MXFP4's decode with each of its GEMVs, "decode-nibbles", "decode-pairs" and
 "decode-mma": moe_triton.MXFP4_GEMVS); "*" marks the one the dispatcher picks. Bytes are those a
 layer must read: the distinct selected experts' weights, scales and biases, x and the output;
-GB/s is given as a share of the H200's 4.8 TB/s. The reference (a Python loop over the hit experts) is timed with
-events, without a graph (it syncs on the hit experts). --sweep also times each kind's SWEEP_TILES
+GB/s is given as a share of the H200's 4.8 TB/s. The reference (a Python loop over the hit
+experts) is timed with events, without a graph (it syncs on the hit experts). --sweep also times each kind's SWEEP_TILES
 (a few decode and grouped tiles; minutes, mostly compiling) and prints the fastest of each path.
 
     python3 bench/tune_moe.py [--tokens 1,8,64,512] [--models qwen3-30b-a3b,gpt-oss-20b,qwen3-30b-a3b-w8,...]

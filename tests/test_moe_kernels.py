@@ -539,6 +539,7 @@ def check_mxfp4_codes_and_scales_are_exact(device, tiles):
     (Below 2 a weight of 0.5 is a bfloat16 subnormal, which the reference's own matmul flushes; above
     240 `_e8m0_scale` is inf. Checkpoints' scales are near 2^0, exponent 127.)"""
     mt = _moe_triton()
+    tiles = mt.DecodeTiles(*tiles) if isinstance(tiles[-1], str) else mt.GroupedTiles(*tiles)
     tokens, hidden, inter = 16, 256, 32
     diagonal = torch.arange(tokens)
     codes13 = torch.zeros(2 * inter, hidden, dtype=torch.uint8)
@@ -565,6 +566,4 @@ def check_mxfp4_codes_and_scales_are_exact(device, tiles):
                                    (32, 64, 4, True, "mma"), (16, 64, 64, 4, 1)],
                          ids=["decode-nibbles", "decode-pairs", "decode-mma", "grouped"])
 def test_mxfp4_codes_and_scales_are_exact(run_check, tiles):
-    mt = _moe_triton()
-    run_check(check_mxfp4_codes_and_scales_are_exact,
-              tiles=mt.DecodeTiles(*tiles) if isinstance(tiles[-1], str) else mt.GroupedTiles(*tiles))
+    run_check(check_mxfp4_codes_and_scales_are_exact, tiles=tiles)
