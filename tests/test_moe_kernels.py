@@ -384,7 +384,8 @@ def check_fused_moe(device, kind, activation, bias, dtype, tokens, top_k, path):
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     weights, ids = moe.moe_route(torch.randn(tokens, num_experts, generator=gen), top_k, renormalize=True)
     expected = moe.fused_moe(x, experts, weights, ids).float()
-    tiles = mt.DecodeTiles(16, 32, 4) if path == "decode" else mt.GroupedTiles(16, 32, 32, 4, 1)
+    gemv = path.partition("-")[2] or "pairs"  # "decode-mma": the decode path, MXFP4 on the tensor cores
+    tiles = mt.GroupedTiles(16, 32, 32, 4, 1) if path == "grouped" else mt.DecodeTiles(16, 32, 4, mxfp4_gemv=gemv)
     out = mt.fused_moe_launch(x.to(device), _on(experts, device), weights.to(device), ids.to(device), tiles)
     assert out.dtype == dtype and out.shape == x.shape
     # 16-bit: the reference rounds the sum of k at each add, the kernels once; and the interpreter
@@ -406,6 +407,31 @@ def test_fused_moe(run_check, kind, activation, bias, dtype, path, tokens, top_k
               top_k=top_k, path=path)
 
 
+@pytest.mark.parametrize("gemv", ["nibbles", "mma"])
+@pytest.mark.parametrize("activation, bias, tokens", [("swiglu_oai", True, 1), ("silu", False, 3)])
+def test_fused_moe_mxfp4_gemvs(run_check, gemv, activation, bias, tokens):
+    """The MXFP4 decode GEMVs besides the default ("pairs", which test_fused_moe runs)."""
+    run_check(check_fused_moe, kind="mxfp4", activation=activation, bias=bias, dtype=torch.bfloat16, tokens=tokens,
+              top_k=2, path=f"decode-{gemv}")
+
+
+def check_mxfp4_gemv_refusals(device):
+    mt = _moe_triton()
+    gen = torch.Generator().manual_seed(16)
+    experts = _on(_random_experts("mxfp4", "silu", False, 4, 64, 32, gen), device)
+    x = torch.randn(1, 64, generator=gen).to(torch.bfloat16)
+    weights, ids = moe.moe_route(torch.randn(1, 4, generator=gen), 2)
+    x, weights, ids = x.to(device), weights.to(device), ids.to(device)
+    with pytest.raises(ValueError, match="at least 16 rows"):
+        mt.fused_moe_launch(x, experts, weights, ids, mt.DecodeTiles(8, 32, 4, mxfp4_gemv="mma"))
+    with pytest.raises(ValueError, match="mxfp4_gemv must be one of"):
+        mt.fused_moe_launch(x, experts, weights, ids, mt.DecodeTiles(16, 32, 4, mxfp4_gemv="lut"))
+
+
+def test_mxfp4_gemv_refusals(run_check):
+    run_check(check_mxfp4_gemv_refusals)
+
+
 @pytest.mark.parametrize("kind, activation", [("dense", "silu"), ("mxfp4", "swiglu_oai"), ("int8", "silu"),
                                               ("int4", "swiglu_oai")])
 def test_fused_moe_float16(run_check, kind, activation):
@@ -425,7 +451,8 @@ def check_fused_moe_tiles(device, kind, hidden, inter, groups, tiles):
     expected = moe.fused_moe(x, experts, weights, ids).float()
     on_device = _on(experts, device)
     for tile in tiles:
-        tile = mt.DecodeTiles(*tile) if len(tile) in (3, 4) else mt.GroupedTiles(*tile)
+        decode = len(tile) < 5 or isinstance(tile[4], str)  # grouped tiles are five ints
+        tile = (mt.DecodeTiles if decode else mt.GroupedTiles)(*tile)
         out = mt.fused_moe_launch(x.to(device), on_device, weights.to(device), ids.to(device), tile)
         error = (out.cpu().float() - expected).abs().max() / expected.abs().max()
         assert error <= (6e-2 if device == "cpu" else 2e-2), f"{tile}: relative error {error:.2e}"
@@ -435,13 +462,13 @@ def check_fused_moe_tiles(device, kind, hidden, inter, groups, tiles):
 _TILE_SHAPES = {"int4": [(96, 96, (32, 32)), (192, 64, (64, 64)), (384, 128, (128, 128))],
                 "mxfp4": [(96, 160, None)], "int8": [(72, 40, None), (33, 17, None)], "dense": [(33, 17, None)]}
 _TILES = [(16, 32, 4), (8, 64, 2, True), (4, 256, 4, True), (16, 128, 4, False), (16, 32, 64, 4, 1),
-          (16, 64, 128, 4, 1)]
+          (16, 64, 128, 4, 1), (16, 32, 4, False, "nibbles"), (16, 64, 4, True, "mma")]
 
 
 @pytest.mark.parametrize("kind, hidden, inter, groups", [(k, *shape) for k, shapes in _TILE_SHAPES.items()
                                                          for shape in shapes])
 def test_fused_moe_tiles(run_check, kind, hidden, inter, groups):
-    # the larger shapes with one decode and one grouped tile (in the interpreter each tile of them
+    # the larger shapes with a decode, a grouped and an MMA tile (in the interpreter each tile of them
     # costs ~15 s): the smaller shapes of the same kind take every tile
     tiles = _TILES if hidden * inter <= 12288 else _TILES[1::3]
     tiles = tiles + ([(8, 16, 4)] if kind in ("dense", "int8") else [])  # 16 columns: no 4-bit tile
@@ -496,3 +523,47 @@ def test_moe_dispatch_on_cpu_runs_the_references_without_importing_triton():
     """)
     subprocess.run([sys.executable, "-c", script], check=True,
                    cwd=os.path.dirname(os.path.dirname(os.path.abspath(moe.__file__))))
+
+
+def _pack_mxfp4(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes uint8 [N, K] -> MXFP4 blocks [N, K // 32, 16], the even column in the low nibble."""
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed.reshape(codes.shape[0], -1, 16)
+
+
+def check_mxfp4_codes_and_scales_are_exact(device, tiles):
+    """Every e2m1 code at every e8m0 scale exponent from 2 to 240 through one tile, exactly: token
+    t is the one-hot x = e_t, whose gate and up rows make the activation 64 at feature t alone
+    (silu(64) is 64 in float32) and 0 elsewhere, so out[t, h] = 64 w2[h, t], one product, exact in
+    bfloat16; w2's row h has the scale exponent min(h + 2, 240) and at feature t the code (h + t) % 16.
+    (Below 2 a weight of 0.5 is a bfloat16 subnormal, which the reference's own matmul flushes; above
+    240 `_e8m0_scale` is inf. Checkpoints' scales are near 2^0, exponent 127.)"""
+    mt = _moe_triton()
+    tiles = mt.DecodeTiles(*tiles) if isinstance(tiles[-1], str) else mt.GroupedTiles(*tiles)
+    tokens, hidden, inter = 16, 256, 32
+    diagonal = torch.arange(tokens)
+    codes13 = torch.zeros(2 * inter, hidden, dtype=torch.uint8)
+    codes13[diagonal, diagonal] = 6  # gate row t: 4 at column t
+    codes13[inter + diagonal, diagonal] = 2  # up row t: 1 at column t
+    s13 = torch.full((2 * inter, hidden // 32), 127, dtype=torch.uint8)
+    s13[:inter] = 131  # gate: 4 * 2^4
+    codes2 = ((torch.arange(hidden)[:, None] + torch.arange(inter)[None, :]) % 16).to(torch.uint8)
+    s2 = (torch.arange(hidden) + 2).clamp(max=240).to(torch.uint8)[:, None].expand(hidden, inter // 32)
+    idle = (torch.zeros_like(codes13), torch.zeros_like(codes2))  # expert 1, never routed to
+    experts = MoEExperts("mxfp4", w13=torch.stack((_pack_mxfp4(codes13), _pack_mxfp4(idle[0]))),
+                         w2=torch.stack((_pack_mxfp4(codes2), _pack_mxfp4(idle[1]))),
+                         w13_scales=torch.stack((s13, s13)), w2_scales=torch.stack((s2, s2)))
+    x = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
+    x[diagonal, diagonal] = 1.0
+    weights, ids = torch.ones(tokens, 1), torch.zeros(tokens, 1, dtype=torch.int64)
+    expected = moe.fused_moe(x, experts, weights, ids)
+    assert torch.equal(expected, 64 * moe.mxfp4_dequantize(experts.w2[0], s2, torch.float32).t()[:tokens].bfloat16())
+    out = mt.fused_moe_launch(x.to(device), _on(experts, device), weights.to(device), ids.to(device), tiles)
+    assert torch.equal(out.cpu(), expected)
+
+
+@pytest.mark.parametrize("tiles", [(32, 64, 4, True, "nibbles"), (32, 64, 4, True, "pairs"),
+                                   (32, 64, 4, True, "mma"), (16, 64, 64, 4, 1)],
+                         ids=["decode-nibbles", "decode-pairs", "decode-mma", "grouped"])
+def test_mxfp4_codes_and_scales_are_exact(run_check, tiles):
+    run_check(check_mxfp4_codes_and_scales_are_exact, tiles=tiles)
