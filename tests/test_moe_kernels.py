@@ -410,7 +410,7 @@ def test_fused_moe(run_check, kind, activation, bias, dtype, path, tokens, top_k
 @pytest.mark.parametrize("gemv", ["nibbles", "mma"])
 @pytest.mark.parametrize("activation, bias, tokens", [("swiglu_oai", True, 1), ("silu", False, 3)])
 def test_fused_moe_mxfp4_gemvs(run_check, gemv, activation, bias, tokens):
-    """The MXFP4 decode GEMVs besides the default ("pairs", which test_fused_moe runs)."""
+    """The MXFP4 decode GEMVs besides "pairs" (which test_fused_moe runs)."""
     run_check(check_fused_moe, kind="mxfp4", activation=activation, bias=bias, dtype=torch.bfloat16, tokens=tokens,
               top_k=2, path=f"decode-{gemv}")
 
