@@ -164,7 +164,8 @@ def test_greedy_equality_with_drafts_under_preemption(tiny_checkpoints, make_eng
         oracle.add(second, out2)
         plans.append([(first, out1), (second, out2)])
     with registered(oracle=oracle):
-        engine = make_engine(path, num_blocks=12, max_prefill_chunk=12, async_scheduling=True)
+        # no host tier: its KV given back, an agent recomputes (parked, it would wait for room instead)
+        engine = make_engine(path, num_blocks=12, max_prefill_chunk=12, async_scheduling=True, host_kv_bytes=0)
 
     def agent(i: int) -> list:
         h = engine.open_state(f"chunked-{i}")
