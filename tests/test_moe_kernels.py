@@ -471,6 +471,8 @@ def test_fused_moe_tiles(run_check, kind, hidden, inter, groups):
     # the larger shapes with a decode, a grouped and an MMA tile (in the interpreter each tile of them
     # costs ~15 s): the smaller shapes of the same kind take every tile
     tiles = _TILES if hidden * inter <= 12288 else _TILES[1::3]
+    if kind != "mxfp4" and (kind, hidden) != ("int4", 96):  # the GEMV-named tiles: MXFP4's choice, which
+        tiles = [t for t in tiles if not isinstance(t[-1], str)]  # others ignore (int4's smallest checks that)
     tiles = tiles + ([(8, 16, 4)] if kind in ("dense", "int8") else [])  # 16 columns: no 4-bit tile
     run_check(check_fused_moe_tiles, kind=kind, hidden=hidden, inter=inter, groups=groups, tiles=tiles)
 
