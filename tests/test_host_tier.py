@@ -181,6 +181,19 @@ def test_states_resume_after_a_restart_with_nothing_recomputed(tiny_checkpoints,
     assert engine.stats().prompt_tokens_computed == len(histories) * 6
 
 
+def test_a_state_shorter_than_a_block_resumes_with_nothing_recomputed(tiny_checkpoints, make_engine, tmp_path):
+    """A history shorter than one block (a first user message) comes back from its copy after a
+    restart too: the copy is all of it, not a first block the history diverged from."""
+    path = tiny_checkpoints["gemma3"]
+    history = random_tokens(random.Random(8), 9)
+    engine = make_engine(path, state_dir=tmp_path, num_blocks=DEVICE_BLOCKS, speculation="off")
+    engine.open_state("short").sync(history)
+    engine.close()
+    engine = make_engine(path, state_dir=tmp_path, num_blocks=DEVICE_BLOCKS, speculation="off")
+    done = engine.open_state("short").generate(SamplingParams(max_tokens=2, ignore_eos=True), prompt=history + [7, 8])
+    assert done.stats.computed == 2 and engine.stats().resumes == 1
+
+
 def test_a_state_emptied_before_a_restart_comes_back_empty(tiny_checkpoints, make_engine, tmp_path):
     path = tiny_checkpoints["qwen2"]
     engine = make_engine(path, state_dir=tmp_path)

@@ -193,8 +193,8 @@ class HostTier:
         if parked is None or seq.num_computed:
             return 0
         n = common_prefix_len(seq.tokens, parked.tokens)
-        if (n < seq.block_size or seq.index_match(n) >= n or parked.rotated_long != seq.rotated_long
-                or not seq.pages_fit(parked.starts, n)):
+        if (n < min(seq.block_size, len(parked.tokens)) or seq.index_match(n) >= n
+                or parked.rotated_long != seq.rotated_long or not seq.pages_fit(parked.starts, n)):
             self.forget(seq)  # diverged within its first block, all of it still in the prefix index,
             return 0          # under LongRoPE's other rotation, or back into freed windows (it recomputes)
         if parked.starts != (0,):  # layer groups: every page copied back
