@@ -48,7 +48,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -66,6 +66,15 @@ MIXED_SPECULATION = ({"method": "suffix", "k": 4}, "adaptive", {"method": "ngram
                      {"method": "suffix", "k": 8})
 
 
+def in_threads(run: Callable[[int], None], n: int) -> None:
+    """run(0), ..., run(n - 1) at once, each in its own thread (agents batched by the engine)."""
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def batched_greedy(engine: Engine, prompts: list[list[int]], n: int, specs=None, prefix: str = "p") -> list[list[int]]:
     out: list[list[int]] = [[] for _ in prompts]
 
@@ -75,11 +84,7 @@ def batched_greedy(engine: Engine, prompts: list[list[int]], n: int, specs=None,
         params = SamplingParams(max_tokens=n, ignore_eos=True, speculation=spec)
         out[i] = list(h.generate(params, prompt=prompts[i]).token_ids)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_threads(run, len(prompts))
     return out
 
 
@@ -440,11 +445,7 @@ def check_logprobs() -> Iterator[tuple[str, bool, str]]:
                     params = dataclasses.replace(wanted[i], speculation=spec)
                     results[i] = gpu.open_state(f"lp{i}").generate(params, prompt=prompts[i])
 
-                threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
+                in_threads(run, 4)
                 plain = batched_greedy(gpu, prompts, 24, specs=[spec], prefix="plain")
             worst, problems = 0.0, []
             for i, result in enumerate(results):
@@ -515,11 +516,7 @@ def tool_loops(engine: Engine, prompts: list[list[int]], turns: int, seed: int) 
             history += list(done.token_ids) + [rng.randrange(2, 512) for _ in range(4)]
         h.close()
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_threads(run, len(prompts))
     return out
 
 
