@@ -91,8 +91,8 @@ DECODE_TILES = {
     "dense": DecodeTiles(8, 256, 4, down_per_route=True),
     "int8": DecodeTiles(16, 256, 4, down_per_route=True),
     "int4": DecodeTiles(8, 512, 2, down_per_route=True),
-    # "nibbles" (the GEMV the GPU checks ran) until tune_moe has timed "pairs" on the H200
-    "mxfp4": DecodeTiles(8, 512, 2, down_per_route=True, mxfp4_gemv="nibbles"),
+    # H200, gpt-oss-20b layer at T=1: pairs 50.9 us, nibbles 59.0, mma 97.1 (bench/RESULTS.md)
+    "mxfp4": DecodeTiles(8, 512, 2, down_per_route=True, mxfp4_gemv="pairs"),
 }
 """The decode path's tiles per weight kind, the fastest of the sweep at T=1 (H200, 2026-12-01,
 one MoE layer of Qwen3-30B-A3B / gpt-oss-20b shape, % of 4.8 TB/s of the bytes read): bf16
