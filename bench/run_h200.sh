@@ -140,8 +140,10 @@ case "${1:-check}" in
     python3 -m hibana_bench.cli grammar --model qwen3-8b --batch 1,32 --json "$OUT/grammar_qwen3-8b.json" 2>&1 \
       | tee "$OUT/grammar_qwen3-8b.txt" ;;
   serve)
-    python3 -m hibana_bench.cli serve --model demo --device cuda --clients 64 --turns 20 \
-      --json "$OUT/serve_demo_h200.json" 2>&1 | tee "$OUT/serve_demo_h200.txt" ;;
+    for model in ${SERVE_MODELS:-demo qwen3-8b}; do  # qwen3-8b: the H200 preset (random weights)
+      python3 -m hibana_bench.cli serve --model "$model" --device cuda --clients 64 --turns 20 \
+        --json "$OUT/serve_${model}_h200.json" 2>&1 | tee "$OUT/serve_${model}_h200.txt"
+    done ;;
   train_demo)
     CORPUS="${CORPUS:-v2}"                 # v3: corpus_v3.py's open world, its own state and tokenizer
     TRAIN_DIR="${TRAIN_DIR:-bench/out/demo_train$([ "$CORPUS" = v2 ] || echo "_$CORPUS")}"
