@@ -16,7 +16,9 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +27,9 @@ from hibana_bench.models import PRESETS, load_bench_model
 from hibana_bench.spec_systems import SPEC_SYSTEMS, BenchError
 from hibana_bench.traces import TraceError
 from hibana_bench.workloads import AgentsConfig, agents_workload, decode_workload, surgery_systems
+
+if TYPE_CHECKING:
+    from hibana_core.engine import Engine
 
 DECODE_SYSTEMS = ("hibana", "hf_eager", "hf_compiled")
 FUSION_POLICIES = ("auto", "on", "off")  # hibana_kernels.fusion.POLICIES
@@ -144,9 +149,6 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         _check_model(parser, args.model)
         return device, []
     if args.workload == "serve":
-        if args.model in PRESETS:
-            parser.error("--model: serve needs a chat model (a checkpoint with a chat template, or demo), "
-                         "not a random-weight preset")
         _check_model(parser, args.model)
         return device, []
     default = TRACE_SYSTEMS if args.trace else DECODE_SYSTEMS if args.workload == "decode" else AGENT_SYSTEMS
@@ -221,17 +223,26 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_serve(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> int:
     """The serve workload; exit status 1 when a check failed (an error, a leaked block, a
-    conversation that differs over HTTP)."""
-    from hibana_core import Engine
-
-    def open_engine() -> Engine:
-        return Engine.from_pretrained(args.model, device=str(device), dtype=str(dtype).removeprefix("torch."),
-                                      progress=False)
+    conversation that differs over HTTP where outputs are exact: float32)."""
     cfg = serve_load.ServeLoadConfig(args.clients, args.turns, args.max_tokens)
-    report = serve_load.serve_load(open_engine, args.model, cfg)
+    report = serve_load.serve_load(_serve_engines(args.model, device, dtype), args.model, cfg,
+                                   exact=dtype == torch.float32)
     serve_load.print_serve_load(report)
     _finish(args, report, device, dtype)
-    return int(bool(report["errors"] or report["mismatched_clients"] or any(report["leaked_blocks"].values())))
+    mismatched = report["mismatched_clients"] and report["exact"]
+    return int(bool(report["errors"] or mismatched or any(report["leaked_blocks"].values())))
+
+
+def _serve_engines(model: str, device: torch.device, dtype: torch.dtype) -> Callable[[], Engine]:
+    """What opens each run's engine: the checkpoint's, or a random-weight preset's, built once,
+    with the demo model's tokenizer and chat template (`models.chat_tokenizer`)."""
+    from hibana_core import Engine
+
+    dtype_name = str(dtype).removeprefix("torch.")
+    if model in PRESETS:
+        bench_model = load_bench_model(model, device, dtype, chat=True)
+        return lambda: bench_model.engine(device=str(device), dtype=dtype_name)
+    return lambda: Engine.from_pretrained(model, device=str(device), dtype=dtype_name, progress=False)
 
 
 def _finish(args: argparse.Namespace, report: dict, device: torch.device, dtype: torch.dtype) -> int:

@@ -83,19 +83,35 @@ class BenchModel:
         return Engine.from_hf_model(self.hf_model, self.tokenizer, progress=False, **overrides)
 
 
-def load_bench_model(name: str, device: torch.device, dtype: torch.dtype) -> BenchModel:
-    """A preset (random weights), "demo", a checkpoint directory or a Hugging Face repo id."""
+def chat_tokenizer() -> Any:
+    """The demo model's tokenizer and chat template (hermes tool calls), which a random-weight
+    preset chats with (`hibana bench serve`): its replies are garbage, but every turn is a
+    well-formed chat turn, and its cost per token is the preset's."""
+    from transformers import AutoTokenizer
+
+    from hibana_core.loader import DEMO_MODEL_DIR
+
+    return AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+
+
+def load_bench_model(name: str, device: torch.device, dtype: torch.dtype, chat: bool = False) -> BenchModel:
+    """A preset (random weights), "demo", a checkpoint directory or a Hugging Face repo id.
+    `chat`: a preset gets `chat_tokenizer()` (its vocabulary covers the tokenizer's ids, and the
+    tokenizer's end of text is its end of sequence); the others have their own tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if name in PRESETS:
         spec = dict(PRESETS[name])
         mxfp4 = spec.pop("mxfp4_experts", False)
+        tokenizer = chat_tokenizer() if chat else None
+        if tokenizer is not None:
+            spec.update(vocab_size=max(spec["vocab_size"], len(tokenizer)), eos_token_id=tokenizer.eos_token_id)
         config = AutoConfig.for_model(spec.pop("model_type"), **spec)
         with torch.device("meta" if mxfp4 else device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         if mxfp4:
             model = _with_random_mxfp4_experts(model, device)
-        tokenizer, random_weights = None, True
+        random_weights = True
     else:
         from hibana_core.loader import resolve_checkpoint
 

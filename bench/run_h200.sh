@@ -45,7 +45,8 @@
 #                                   # Qwen3-30B-A3B (bf16) and gpt-oss-20b (MXFP4) expert shapes, T = 1, 8, 64, 512,
 #                                   # against the torch reference (MOE_ARGS appended, e.g. "--sweep --tokens 1,64";
 #                                   # MXFP4's three decode GEMVs side by side: "--models gpt-oss-20b --tokens 1,8")
-#   bash bench/run_h200.sh serve    # issue 19: hibana bench serve, the demo model on the GPU, 64 clients x 20
+#   bash bench/run_h200.sh serve    # issue 19: hibana bench serve, the demo model (float32) and qwen3-8b's preset
+#                                   # (bf16; SERVE_MODELS picks) on the GPU, 64 clients x 20
 #                                   # tool-loop turns over HTTP (127.0.0.1) against the same in process; needs
 #                                   # the grammar's wheels and the server's (bench/README.md) in .whl/
 # BENCH_ARGS is appended to the spec_* commands (e.g. "--real-outputs --systems hibana" on an
@@ -140,8 +141,12 @@ case "${1:-check}" in
     python3 -m hibana_bench.cli grammar --model qwen3-8b --batch 1,32 --json "$OUT/grammar_qwen3-8b.json" 2>&1 \
       | tee "$OUT/grammar_qwen3-8b.txt" ;;
   serve)
-    for model in ${SERVE_MODELS:-demo qwen3-8b}; do  # qwen3-8b: the H200 preset (random weights)
-      python3 -m hibana_bench.cli serve --model "$model" --device cuda --clients 64 --turns 20 \
+    # the demo model in float32, where greedy outputs over HTTP must equal the in-process ones (in
+    # bf16 the two runs' batches round differently); qwen3-8b: the H200 preset (random weights, the
+    # demo tokenizer; bf16, its equality reported, not checked)
+    for model in ${SERVE_MODELS:-demo qwen3-8b}; do
+      DTYPE=auto; [ "$model" = demo ] && DTYPE=float32
+      python3 -m hibana_bench.cli serve --model "$model" --device cuda --dtype "$DTYPE" --clients 64 --turns 20 \
         --json "$OUT/serve_${model}_h200.json" 2>&1 | tee "$OUT/serve_${model}_h200.txt"
     done ;;
   train_demo)

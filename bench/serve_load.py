@@ -13,6 +13,14 @@ model writes: greedy, every conversation over HTTP must be the in-process one, t
 
 Time to first token is to the first delta in process and to the first chunk over HTTP. Each run
 has an engine of its own; afterwards every state is closed and the KV pool must hold no block.
+Each run also reports the engine's steps in it: how many, the tokens generated per step and the
+wall time per step, which tell a server whose steps are slower (its threads holding the GIL while
+the step loop wants it) from one that keeps fewer requests in each step (time spent between turns).
+
+Greedy outputs are the same over HTTP only where the arithmetic is exact whatever the batch: in
+float32. In bfloat16 a request's logits depend on which requests share its step, and the two runs
+batch differently, so conversations may part ways; the report says so (`exact`) and the check is
+only made in float32.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hibana_core.engine import Engine
+    from hibana_core.engine import Engine, EngineStats
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather for a city.",
@@ -119,6 +127,9 @@ class Run:
     errors: list[str]
     cpu_seconds: float = 0.0
     client_cpu_seconds: float = 0.0
+    steps: int = 0                # the engine's steps during the run
+    generated_tokens: int = 0     # tokens they generated
+    step_seconds: float = 0.0     # their wall time, summed
 
     def summary(self) -> dict:
         turns = [t for client in self.turns if client for t in client]
@@ -126,7 +137,16 @@ class Run:
         return {"turns": len(turns), "seconds": self.seconds, "turns_per_hour": len(turns) / self.seconds * 3600,
                 "ttft_p50_s": _percentile(ttfts, 0.5), "ttft_p95_s": _percentile(ttfts, 0.95),
                 "turn_p50_s": _percentile(whole, 0.5), "errors": len(self.errors),
-                "cpu_s": self.cpu_seconds, "client_cpu_s": self.client_cpu_seconds}
+                "cpu_s": self.cpu_seconds, "client_cpu_s": self.client_cpu_seconds, "steps": self.steps,
+                "tokens_per_step": self.generated_tokens / max(self.steps, 1),
+                "step_ms": 1000 * self.step_seconds / max(self.steps, 1)}
+
+    def count_steps(self, before: "EngineStats", after: "EngineStats") -> "Run":
+        """The engine's steps between `before` and `after` (stats taken around the run)."""
+        self.steps = after.steps - before.steps
+        self.generated_tokens = after.generated_tokens - before.generated_tokens
+        self.step_seconds = after.step_seconds - before.step_seconds
+        return self
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -229,19 +249,22 @@ def close_states(engine: "Engine") -> int:
     return engine.stats().kv_blocks_used
 
 
-def serve_load(open_engine: "Any", model: str, cfg: ServeLoadConfig) -> dict:
-    """Both runs, each on an engine `open_engine()` makes; the figures and the checks."""
+def serve_load(open_engine: "Any", model: str, cfg: ServeLoadConfig, exact: bool = True) -> dict:
+    """Both runs, each on an engine `open_engine()` makes; the figures and the checks. `exact`:
+    whether greedy outputs must be equal in both runs (float32; module docstring)."""
     runs, leaked = {}, {}
     for system in ("in_process", "server"):
         with open_engine() as engine:
             warm_up(engine)
-            runs[system] = run_in_process(engine, cfg) if system == "in_process" else run_over_http(engine, model, cfg)
+            before = engine.stats()
+            run = run_in_process(engine, cfg) if system == "in_process" else run_over_http(engine, model, cfg)
+            runs[system] = run.count_steps(before, engine.stats())
             leaked[system] = close_states(engine)
     local, served = runs["in_process"], runs["server"]
     mismatched = [i for i, (a, b) in enumerate(zip(local.turns, served.turns))
                   if a is None or b is None or [(t.text, t.calls) for t in a] != [(t.text, t.calls) for t in b]]
     results = {system: run.summary() for system, run in runs.items()}
-    return {"config": asdict(cfg), "model": model, "results": results, "leaked_blocks": leaked,
+    return {"config": asdict(cfg), "model": model, "exact": exact, "results": results, "leaked_blocks": leaked,
             "errors": local.errors + served.errors, "mismatched_clients": mismatched,
             "server_overhead": results["in_process"]["turns_per_hour"] / results["server"]["turns_per_hour"] - 1,
             "differences": [_first_difference(i, local.turns[i], served.turns[i]) for i in mismatched[:5]]}
@@ -262,15 +285,18 @@ def print_serve_load(report: dict) -> None:
     print(f"serve, {report['model']}: {cfg['clients']} clients x {cfg['turns']} tool-loop turns "
           f"(max_tokens {cfg['max_tokens']}), greedy")
     header = ("system", "turns", "turns/h", "ttft p50", "ttft p95", "turn p50", "errors", "leaked", "engine cpu",
-              "client cpu")
+              "client cpu", "steps", "tok/step", "step ms")
     print("".join(f"{h:>12}" for h in header))
     for system, r in report["results"].items():
         cells = (system, r["turns"], f"{r['turns_per_hour']:.0f}", f"{r['ttft_p50_s']:.3f}s",
                  f"{r['ttft_p95_s']:.3f}s", f"{r['turn_p50_s']:.3f}s", r["errors"], report["leaked_blocks"][system],
-                 f"{r['cpu_s']:.1f}s", f"{r['client_cpu_s']:.1f}s")
+                 f"{r['cpu_s']:.1f}s", f"{r['client_cpu_s']:.1f}s", r["steps"], f"{r['tokens_per_step']:.1f}",
+                 f"{r['step_ms']:.2f}")
         print("".join(f"{c:>12}" for c in cells))
     equal = cfg["clients"] - len(report["mismatched_clients"])
-    print(f"conversations equal over HTTP and in process: {equal}/{cfg['clients']}; "
+    caveat = "" if report["exact"] else (" (not checked: outside float32 the two runs' batches round "
+                                         "differently, so greedy outputs may part ways)")
+    print(f"conversations equal over HTTP and in process: {equal}/{cfg['clients']}{caveat}; "
           f"server overhead per turn: {100 * report['server_overhead']:+.1f}%")
     for error in report["errors"][:5]:
         print(f"error: {error}")

@@ -115,7 +115,7 @@ BENCH_USAGE_ERRORS = [
     (["decode", "--context", "512,abc"], "argument --context: 'abc' is not an integer"),
     (["agents", "--agents", "0"], "argument --agents: must be at least 1"),
     (["agents", "--generate", "-3"], "argument --generate: must be at least 1"),
-    (["serve", "--model", "qwen3-8b"], "--model: serve needs a chat model"),
+    (["serve", "--model", "/no/such/checkpoint"], "--model: checkpoint directory '/no/such/checkpoint' does not"),
     (["serve", "--clients", "0"], "argument --clients: must be at least 1"),
 ]
 
