@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import numbers
@@ -47,17 +48,29 @@ def is_kind(value: Any, kind: type) -> bool:
 def _check_types(obj: Any) -> None:
     """Every scalar field holds its annotated type (or None where the annotation allows it), so a
     wrong type fails here, with the field's name, rather than inside a step."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        hint, value = hints[f.name], getattr(obj, f.name)
-        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-        kinds = [k for k in typing.get_args(hint) if k is not type(None)] if union else [hint]
-        optional = union and type(None) in typing.get_args(hint)
-        if not all(k in _KINDS for k in kinds) or (optional and value is None):
-            continue  # containers and nested configs check themselves
+    for name, kinds, optional in _scalar_fields(type(obj)):
+        value = getattr(obj, name)
+        if optional and value is None:
+            continue
         _check(any(is_kind(value, k) for k in kinds),
-               f"{type(obj).__name__}.{f.name} must be {_KINDS[kinds[0]]}"
+               f"{type(obj).__name__}.{name} must be {_KINDS[kinds[0]]}"
                f"{' or None' if optional else ''}, got {value!r}")
+
+
+@functools.cache
+def _scalar_fields(cls: type) -> tuple[tuple[str, tuple[type, ...], bool], ...]:
+    """A config class's scalar fields: (name, the kinds it may hold, whether None is allowed).
+    Once per class: resolving the annotations costs about a millisecond, and a SamplingParams is
+    made several times per request (a server's turn makes three)."""
+    hints = typing.get_type_hints(cls)
+    fields = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        kinds = tuple(k for k in typing.get_args(hint) if k is not type(None)) if union else (hint,)
+        if all(k in _KINDS for k in kinds):  # containers and nested configs check themselves
+            fields.append((f.name, kinds, union and type(None) in typing.get_args(hint)))
+    return tuple(fields)
 
 
 EVICTION_POLICIES = ("lru", "tool_aware")  # hibana_core.kv.policies.POLICIES
