@@ -51,6 +51,10 @@ class RequestStream:
     async def aget(self) -> object:
         return await self._queue.get()
 
+    def empty(self) -> bool:
+        """Whether no event waits to be read (a read now would wait)."""
+        return self._queue.empty()
+
 
 class RequestEvents:
     """One request's events, read with `for` (a thread) or `async for` (an event loop); both
@@ -91,6 +95,11 @@ class RequestEvents:
         except BaseException:
             self.close()
             raise
+
+    def ready(self) -> bool:
+        """Whether reading on would not wait: the next event is here, or none is to come (the
+        final event was read)."""
+        return self._done or not self._stream.empty()
 
     def stop(self) -> None:
         """End the request now, as "cancelled", and keep reading: the events already made, then

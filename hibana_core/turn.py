@@ -423,20 +423,29 @@ async def arun(open_turn: Open, convert: Callable[[ChatDelta], T | None] = _same
     (the lease, the state's tokens) and ending it (the lease let go) wait on the engine's lock,
     which a step holds while it runs: they run in Hibana's own worker threads (`_LOCK_WAITS`), so
     that the loop goes on serving other turns meanwhile (a server's clients, one loop)."""
+    async with contextlib.aclosing(arun_batches(open_turn, convert)) as batches:  # closed early: cancelled
+        async for batch in batches:
+            for item in batch:
+                yield item
+
+
+async def arun_batches(open_turn: Open, convert: Callable[[ChatDelta], T | None] = _same) -> AsyncIterator[list[T]]:
+    """`arun`, its items in lists: each list what the engine had made by the time the loop read
+    it (one step's tokens, or several steps' where the reader fell behind), the last one with the
+    result. For a reader that pays per read rather than per item: a server writes one network
+    send per list, not one per token."""
     stack = contextlib.ExitStack()
     try:
         turn, handle, held = await _opened(open_turn, stack)
         try:
-            async with contextlib.aclosing(_arun(turn, handle, convert)) as items:  # closed early: cancelled
-                async for item in items:
-                    yield item
+            async with contextlib.aclosing(_arun(turn, handle, convert)) as batches:  # closed early: cancelled
+                async for batch in batches:
+                    yield batch
         except HibanaError:
             await _off_loop(_restore, handle, held)
             raise
     finally:
         await _off_loop(stack.close)
-
-
 _LOCK_WAITS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="hibana-turn")
 """Threads for an async turn's calls that wait on the engine's lock: Hibana's own, not the loop's
 default executor, which the application sizes (and may refuse to share)."""
@@ -466,20 +475,28 @@ async def _opened(open_turn: Open, stack: contextlib.ExitStack) -> "tuple[TurnRu
         raise
 
 
-async def _arun(turn: TurnRun, handle: "StateHandle", convert: Callable[[ChatDelta], T | None]) -> AsyncIterator[T]:
+async def _arun(turn: TurnRun, handle: "StateHandle",
+                convert: Callable[[ChatDelta], T | None]) -> AsyncIterator[list[T]]:
     deltas, request = turn.begin()
-    for item in _converted(deltas, convert):
-        yield item
+    ready = _converted(deltas, convert)
     async with contextlib.aclosing(await _submitted(handle, request)) as events:
-        async for event in events:
-            for item in _converted(turn.on_event(event), convert):
-                yield item
-            if turn.stop_now():
-                events.stop()
-    finished = turn.finish()
+        try:
+            async for event in events:
+                ready += _converted(turn.on_event(event), convert)
+                if turn.stop_now():
+                    events.stop()
+                # what was made goes out once nothing more is here (after the final event,
+                # with the result, below)
+                if ready and not events.ready():
+                    yield ready
+                    ready = []
+        except HibanaError:
+            if ready:  # what came before the failure still goes out, as it would item by item
+                yield ready
+            raise
+    finished = ready + _converted(turn.finish(), convert)
     await _off_loop(_turn_ended, handle, turn)
-    for item in _converted(finished, convert):
-        yield item
+    yield finished
 
 
 async def _submitted(handle: "StateHandle", request: TurnRequest) -> "RequestEvents":

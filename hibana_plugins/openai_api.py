@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, TypeVar
+from typing import Any, Callable, Literal, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -351,6 +351,11 @@ class Reply:
             return self._chunk({"reasoning_content": delta.reasoning})
         return self._chunk({"content": delta.text})
 
+    def chunks(self, deltas: Sequence[ChatDelta]) -> list[dict]:
+        """The chunks for deltas made at once: a run of text (or of thinking) is one chunk, as
+        OpenAI's own deltas of several tokens; a tool-call delta or the result, one chunk each."""
+        return [self.chunk(delta) for delta in joined(deltas)]
+
     def role_chunk(self) -> dict | None:
         """The first chunk, before any text (None: the format has none)."""
         return self._chunk({"role": "assistant", "content": ""})
@@ -365,6 +370,25 @@ class Reply:
 
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+
+def joined(deltas: Sequence[ChatDelta]) -> list[ChatDelta]:
+    """`deltas` with each run of text-only deltas, and each run of thinking-only ones, made one."""
+    out: list[ChatDelta] = []
+    for delta in deltas:
+        kind = _piece_kind(delta)
+        if kind is not None and out and _piece_kind(out[-1]) == kind:
+            out[-1] = ChatDelta(text=out[-1].text + delta.text, reasoning=out[-1].reasoning + delta.reasoning)
+        else:
+            out.append(delta)
+    return out
+
+
+def _piece_kind(delta: ChatDelta) -> str | None:
+    """"text" or "reasoning" for a delta of that alone, None for any other."""
+    if delta.tool_call is not None or delta.result is not None or bool(delta.text) == bool(delta.reasoning):
+        return None
+    return "text" if delta.text else "reasoning"
 
 
 def finish_reason(result: ChatResult) -> str:

@@ -267,7 +267,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
     async def serve(request: Request, received: float, serving: "Serving", reply: Reply) -> Response:
         """One turn, streamed or whole; errors up to its first token come as HTTP errors. A client
         that goes away cancels the turn (Starlette stops a streamed reply; `unless_gone` the rest)."""
-        deltas = turn.arun(serving.open)
+        deltas = turn.arun_batches(serving.open)
         first = await unless_gone(request, first_delta(deltas, reply))
         metrics.ttft.observe(time.monotonic() - received)
         headers = {STATE_HEADER: serving.state_id}
@@ -284,7 +284,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         """Several prompts of one request, each its own turn, run at once and answered together;
         a turn's error fails the request once the others have ended (their states keep them)."""
         async def whole(serving: Serving) -> turn.ChatResult:
-            deltas = turn.arun(serving.open)
+            deltas = turn.arun_batches(serving.open)
             first = await first_delta(deltas, reply)
             metrics.ttft.observe(time.monotonic() - received)
             return await rest(deltas, first)
@@ -299,8 +299,8 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         return JSONResponse(reply.completion(*outcomes),
                             headers={STATE_HEADER: ", ".join(serving.state_id for serving in servings)})
 
-    async def first_delta(deltas: AsyncIterator[ChatDelta], reply: Reply) -> ChatDelta:
-        """The lease, the queue, the prefill and the first token, within the request timeout."""
+    async def first_delta(deltas: AsyncIterator[list[ChatDelta]], reply: Reply) -> list[ChatDelta]:
+        """The lease, the queue, the prefill and the first token(s), within the request timeout."""
         try:
             return await asyncio.wait_for(anext(deltas), config.request_timeout)
         except HibanaError as exc:  # ChatTimeoutError included: a TimeoutError too
@@ -310,14 +310,14 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
             raise ApiError(503, f"no token within the server's request timeout ({config.request_timeout:g} s): "
                                 "it is busy; retry later", code="timeout", kind="server_error") from None
 
-    async def rest(deltas: AsyncIterator[ChatDelta], first: ChatDelta) -> turn.ChatResult:
-        """The turn after its first delta, to its result."""
-        result = first.result
+    async def rest(deltas: AsyncIterator[list[ChatDelta]], first: list[ChatDelta]) -> turn.ChatResult:
+        """The turn after its first deltas, to its result."""
+        result = result_in(first)
         with metrics.in_flight.track_inprogress():
             async with contextlib.aclosing(deltas):
                 try:
-                    async for delta in deltas:
-                        result = delta.result or result
+                    async for batch in deltas:
+                        result = result_in(batch, result)
                 except HibanaError as exc:
                     raise api_error(exc) from None
         return result
@@ -342,34 +342,48 @@ class Serving:
         return run, handle
 
 
-async def sse(endpoint: str, reply: Reply, first: ChatDelta, deltas: AsyncIterator[ChatDelta], call: ChatCall,
-              metrics: Metrics) -> AsyncIterator[str]:
-    """The reply as server-sent events. A client that goes away closes this generator, which
-    cancels the turn (its state keeps what was generated so far)."""
-    def event(data: dict) -> str:
-        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+def result_in(batch: list[ChatDelta], result: turn.ChatResult | None = None) -> turn.ChatResult | None:
+    """The turn's result if `batch` brings it, else `result`."""
+    return next((delta.result for delta in batch if delta.result is not None), result)
 
-    result = first.result
+
+async def sse(endpoint: str, reply: Reply, first: list[ChatDelta], deltas: AsyncIterator[list[ChatDelta]],
+              call: ChatCall, metrics: Metrics) -> AsyncIterator[str]:
+    """The reply as server-sent events, one write per batch of deltas the engine made at once
+    (the role chunk goes with the first, the usage and [DONE] with the result): each write is a
+    send on the socket, and the GIL taken from the engine's step loop. A client that goes away
+    closes this generator, which cancels the turn (its state keeps what was generated so far)."""
+    def events(*chunks: dict) -> str:
+        return "".join(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n" for chunk in chunks)
+
+    opening = reply.role_chunk()
+    pending, result = events(opening) if opening is not None else "", None
     with metrics.in_flight.track_inprogress():
         async with contextlib.aclosing(deltas):
-            opening = reply.role_chunk()
-            if opening is not None:
-                yield event(opening)
-            yield event(reply.chunk(first))
             try:
-                async for delta in deltas:
-                    result = delta.result or result
-                    yield event(reply.chunk(delta))
+                async for batch in _after(first, deltas):
+                    pending += events(*reply.chunks(batch))
+                    result = result_in(batch, result)
+                    if result is None:  # the result's batch goes out with the usage and [DONE]
+                        yield pending
+                        pending = ""
             except HibanaError as exc:  # mid-stream: the status is sent; the error is the last event
                 metrics.requests.labels(endpoint, "stream_error").inc()
-                yield event(api_error(exc).body())
+                yield pending + events(api_error(exc).body())
                 return
     if result is not None:
         metrics.served(result.usage)
         if call.include_usage:
-            yield event(reply.usage_chunk(result))
+            pending += events(reply.usage_chunk(result))
     metrics.requests.labels(endpoint, "200").inc()
-    yield "data: [DONE]\n\n"
+    yield pending + "data: [DONE]\n\n"
+
+
+async def _after(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    """`first`, then the items of `rest`."""
+    yield first
+    async for item in rest:
+        yield item
 
 
 async def unless_gone(request: Request, work: Awaitable[T]) -> T:

@@ -86,6 +86,22 @@ def test_streaming_gives_the_same_text_and_a_usage_chunk(client):
     assert len({c.id for c in chunks}) == 1
 
 
+def test_deltas_made_at_once_are_one_chunk_per_run_of_text():
+    """Several tokens read in one go (a step's, or several steps' where the loop fell behind)
+    stream as one content chunk, as OpenAI's multi-token deltas; calls and the result stay apart."""
+    from hibana_core.turn import ChatDelta
+    from hibana_plugins.hookspecs import ToolCallDelta
+    from hibana_plugins.openai_api import Reply, joined
+
+    call = ChatDelta(tool_call=ToolCallDelta(0, "call_1", "get_weather", '{"city"'))
+    batch = [ChatDelta(text="Let"), ChatDelta(text=" me"), call, ChatDelta(text=" see"),
+             ChatDelta(reasoning="hm"), ChatDelta(reasoning="m"), ChatDelta(text="!")]
+    assert joined(batch) == [ChatDelta(text="Let me"), call, ChatDelta(text=" see"), ChatDelta(reasoning="hmm"),
+                             ChatDelta(text="!")]
+    chunks = Reply("demo").chunks(batch[:2])
+    assert [c["choices"][0]["delta"] for c in chunks] == [{"content": "Let me"}]
+
+
 def test_tool_call_then_its_result_reuses_the_prompt(client):
     messages = [{"role": "user", "content": "What's the weather in Oslo?"}]
     first = client.chat.completions.create(model="demo", messages=messages, tools=[WEATHER, MULTIPLY])

@@ -28,6 +28,10 @@ class ScriptedEvents:
         for event in self:
             yield event
 
+    def ready(self) -> bool:
+        """Events come one at a time, as from a step loop that makes one per step."""
+        return False
+
     def stop(self) -> None:
         self.stopped = True
 

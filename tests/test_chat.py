@@ -12,6 +12,7 @@ from hibana_core import Engine, HibanaError, SamplingParams, StateBusyError
 from hibana_core.chat import (MALFORMED, Chat, ChatResult, ToolChoiceError, assistant_message,
                               clean_tool, normalize_messages, normalize_tool_choice, normalize_tools)
 from hibana_core.state import UNNAMED_PREFIX
+from hibana_core import turn
 from hibana_core.turn import result as turn_result
 from hibana_core.demo import corpus, tasks as T, template
 from scripted import ScriptedEvents
@@ -421,6 +422,40 @@ def test_parallel_tool_calls_false_gives_one_call_in_stream_and_result(engine):
         return [d async for d in chat.on(ScriptedHandle(list(output))).astream_respond(
             HELLO, [WEATHER], parallel_tool_calls=False)]
     assert [c.name for c in asyncio.run(streamed())[-1].result.tool_calls] == ["get_weather"]
+
+
+class ArrivedTogether(ScriptedEvents):
+    """Events that all wait to be read by the time the reader comes (a loop behind the steps)."""
+
+    def ready(self) -> bool:
+        return True
+
+
+class TogetherHandle(ScriptedHandle):
+    def stream(self, params, *, prompt=None):
+        self.requests.append(ArrivedTogether(self.chunks, self.reason))
+        return self.requests[-1]
+
+
+def test_async_batches_are_the_deltas_made_at_once(engine):
+    """`turn.arun_batches` (what a server writes, one send each): events read one at a time give a
+    list each, the result's last; events all waiting give one list; flattened, both are `arun`'s."""
+    chat = Chat(engine)
+    chunks = list("Let me check the weather.")
+
+    def batches(handle):
+        async def read():
+            return [b async for b in turn.arun_batches(chat.on(handle).opener(HELLO, [WEATHER]))]
+        return asyncio.run(read())
+
+    async def deltas():
+        return [d async for d in chat.on(ScriptedHandle(chunks)).astream_respond(HELLO, [WEATHER])]
+
+    apart, together = batches(ScriptedHandle(chunks)), batches(TogetherHandle(chunks))
+    assert len(together) == 1 and together[0][-1].result is not None
+    assert len(apart) > len(chunks) // 2 and all(d.result is None for b in apart[:-1] for d in b)
+    assert [d for b in apart for d in b] == [d for b in together for d in b] == asyncio.run(deltas())
+    assert "".join(d.text for d in together[0]) == together[0][-1].result.text == "".join(chunks)
 
 
 def test_single_call_turn_stops_generating_after_the_call(engine):
