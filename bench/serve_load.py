@@ -233,6 +233,15 @@ def run_over_http(engine: "Engine", model: str, cfg: ServeLoadConfig) -> Run:
         return run
 
 
+def server_stack() -> str:
+    """What uvicorn serves on here: it takes httptools' HTTP parser and uvloop's event loop where
+    they are installed, else h11 and asyncio's loop (pure Python, more of the GIL per chunk)."""
+    import importlib.util
+
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    return f"uvicorn on {http} and {'uvloop' if importlib.util.find_spec('uvloop') else 'asyncio'}"
+
+
 # --- both, side by side -----------------------------------------------------------------------------
 
 def warm_up(engine: "Engine") -> None:
@@ -264,7 +273,8 @@ def serve_load(open_engine: "Any", model: str, cfg: ServeLoadConfig, exact: bool
     mismatched = [i for i, (a, b) in enumerate(zip(local.turns, served.turns))
                   if a is None or b is None or [(t.text, t.calls) for t in a] != [(t.text, t.calls) for t in b]]
     results = {system: run.summary() for system, run in runs.items()}
-    return {"config": asdict(cfg), "model": model, "exact": exact, "results": results, "leaked_blocks": leaked,
+    return {"config": asdict(cfg), "model": model, "exact": exact, "server_stack": server_stack(),
+            "results": results, "leaked_blocks": leaked,
             "errors": local.errors + served.errors, "mismatched_clients": mismatched,
             "server_overhead": results["in_process"]["turns_per_hour"] / results["server"]["turns_per_hour"] - 1,
             "differences": [_first_difference(i, local.turns[i], served.turns[i]) for i in mismatched[:5]]}
@@ -283,7 +293,7 @@ def _first_difference(client: int, local: list[Turn] | None, served: list[Turn] 
 def print_serve_load(report: dict) -> None:
     cfg = report["config"]
     print(f"serve, {report['model']}: {cfg['clients']} clients x {cfg['turns']} tool-loop turns "
-          f"(max_tokens {cfg['max_tokens']}), greedy")
+          f"(max_tokens {cfg['max_tokens']}), greedy; the server: {report['server_stack']}")
     header = ("system", "turns", "turns/h", "ttft p50", "ttft p95", "turn p50", "errors", "leaked", "engine cpu",
               "client cpu", "steps", "tok/step", "step ms")
     print("".join(f"{h:>12}" for h in header))
