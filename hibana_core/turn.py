@@ -446,6 +446,8 @@ async def arun_batches(open_turn: Open, convert: Callable[[ChatDelta], T | None]
             raise
     finally:
         await _off_loop(stack.close)
+
+
 _LOCK_WAITS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="hibana-turn")
 """Threads for an async turn's calls that wait on the engine's lock: Hibana's own, not the loop's
 default executor, which the application sizes (and may refuse to share)."""
