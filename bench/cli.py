@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--clients", type=_count, default=64, help="concurrent clients (default 64)")
     serve.add_argument("--turns", type=_count, default=20, help="chat completions per client (default 20)")
     serve.add_argument("--max-tokens", type=_count, default=64, help="most tokens a turn generates (default 64)")
+    serve.add_argument("--client-processes", type=_count, default=1,
+                       help="processes the HTTP clients are spread over, one openai SDK event loop each "
+                       "(default 1; on a fast GPU one loop parsing every client's chunks can pace the run)")
     return parser
 
 
@@ -224,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_serve(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> int:
     """The serve workload; exit status 1 when a check failed (an error, a leaked block, a
     conversation that differs over HTTP where outputs are exact: float32)."""
-    cfg = serve_load.ServeLoadConfig(args.clients, args.turns, args.max_tokens)
+    cfg = serve_load.ServeLoadConfig(args.clients, args.turns, args.max_tokens, args.client_processes)
     report = serve_load.serve_load(_serve_engines(args.model, device, dtype), args.model, cfg,
                                    exact=dtype == torch.float32)
     serve_load.print_serve_load(report)

@@ -143,11 +143,12 @@ case "${1:-check}" in
   serve)
     # the demo model in float32, where greedy outputs over HTTP must equal the in-process ones (in
     # bf16 the two runs' batches round differently); qwen3-8b: the H200 preset (random weights, the
-    # demo tokenizer; bf16, its equality reported, not checked)
+    # demo tokenizer; bf16, its equality reported, not checked); the clients in 4 processes, so that
+    # one openai SDK loop parsing every chunk does not pace the run (CLIENT_PROCESSES=1: as before)
     for model in ${SERVE_MODELS:-demo qwen3-8b}; do
       DTYPE=auto; [ "$model" = demo ] && DTYPE=float32
       python3 -m hibana_bench.cli serve --model "$model" --device cuda --dtype "$DTYPE" --clients 64 --turns 20 \
-        --json "$OUT/serve_${model}_h200.json" 2>&1 | tee "$OUT/serve_${model}_h200.txt"
+        --client-processes "${CLIENT_PROCESSES:-4}" --json "$OUT/serve_${model}_h200.json" 2>&1 | tee "$OUT/serve_${model}_h200.txt"
     done ;;
   train_demo)
     CORPUS="${CORPUS:-v2}"                 # v3: corpus_v3.py's open world, its own state and tokenizer

@@ -7,9 +7,11 @@ question. The tools answer from their arguments alone, so a conversation depends
 model writes: greedy, every conversation over HTTP must be the in-process one, turn for turn.
 
     in process: asyncio tasks on `Chat.astream_respond`, one named state per client
-    over HTTP:  the `openai` SDK in a process of its own (its JSON and sockets do not share the
-                server's interpreter), the server in a thread beside the engine; requests name
-                no state, so the server finds each conversation's state by its prefix
+    over HTTP:  the `openai` SDK in processes of its own (its JSON and sockets do not share the
+                server's interpreter; `client_processes` of them, each running its share of the
+                clients on one event loop, so that on a fast GPU the clients' parsing of every
+                chunk does not pace the run), the server in a thread beside the engine; requests
+                name no state, so the server finds each conversation's state by its prefix
 
 Time to first token is to the first delta in process and to the first chunk over HTTP. Each run
 has an engine of its own; afterwards every state is closed and the KV pool must hold no block.
@@ -54,6 +56,7 @@ class ServeLoadConfig:
     clients: int = 64      # concurrent conversations
     turns: int = 20        # chat completions per conversation
     max_tokens: int = 64   # per turn
+    client_processes: int = 1  # processes the HTTP clients are spread over, one SDK event loop each
 
 
 # --- the scripted conversation ----------------------------------------------------------------------
@@ -155,9 +158,10 @@ def _percentile(values: list[float], q: float) -> float:
     return statistics.median(values) if q == 0.5 else values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def _gather(clients: list) -> tuple[list[list[Turn] | None], list[str]]:
+async def _gather(clients: list, first: int = 0) -> tuple[list[list[Turn] | None], list[str]]:
+    """Each client's turns (None where it failed) and the failures; `first`: the first client's number."""
     done = await asyncio.gather(*clients, return_exceptions=True)
-    errors = [f"client {i}: {type(r).__name__}: {r}" for i, r in enumerate(done) if isinstance(r, BaseException)]
+    errors = [f"client {i}: {type(r).__name__}: {r}" for i, r in enumerate(done, first) if isinstance(r, BaseException)]
     return [None if isinstance(r, BaseException) else r for r in done], errors
 
 
@@ -209,28 +213,36 @@ async def http_client(client: Any, model: str, index: int, cfg: ServeLoadConfig)
     return turns
 
 
-def run_http_clients(url: str, model: str, cfg: ServeLoadConfig) -> Run:
-    """The clients' side (the entry point of their process)."""
+def run_http_clients(url: str, model: str, cfg: ServeLoadConfig, indices: range, start: Any) -> Run:
+    """The clients numbered `indices` (the entry point of one clients' process), timed from when
+    every clients' process is warmed (`start`: a barrier they all wait at)."""
     import openai
 
     async def clients() -> Run:
         async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600.0) as client:
             await client.models.list()  # the connection pool and the SDK warmed, untimed
-            start, cpu = time.perf_counter(), time.process_time()
-            turns, errors = await _gather([http_client(client, model, i, cfg) for i in range(cfg.clients)])
-            return Run(time.perf_counter() - start, turns, errors, client_cpu_seconds=time.process_time() - cpu)
+            start.wait()
+            began, cpu = time.perf_counter(), time.process_time()
+            turns, errors = await _gather([http_client(client, model, i, cfg) for i in indices], indices.start)
+            return Run(time.perf_counter() - began, turns, errors, client_cpu_seconds=time.process_time() - cpu)
     return asyncio.run(clients())
 
 
 def run_over_http(engine: "Engine", model: str, cfg: ServeLoadConfig) -> Run:
     from hibana_plugins.server import ServerConfig, serving
 
-    with serving(engine, ServerConfig(model)) as url, \
-            ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
-        cpu = time.process_time()  # the server's and the engine's (the clients' process starts idle)
-        run = clients.submit(run_http_clients, url, model, cfg).result()
-        run.cpu_seconds = time.process_time() - cpu
-        return run
+    n = min(cfg.client_processes, cfg.clients)
+    bounds = [cfg.clients * k // n for k in range(n + 1)]
+    spawn = multiprocessing.get_context("spawn")
+    with serving(engine, ServerConfig(model)) as url, spawn.Manager() as manager, \
+            ProcessPoolExecutor(n, mp_context=spawn) as pool:
+        start = manager.Barrier(n)
+        cpu = time.process_time()  # the server's and the engine's (the clients' processes start idle)
+        runs = [job.result() for job in [pool.submit(run_http_clients, url, model, cfg, range(a, b), start)
+                                         for a, b in zip(bounds, bounds[1:])]]
+        return Run(max(run.seconds for run in runs), [t for run in runs for t in run.turns],
+                   [e for run in runs for e in run.errors], time.process_time() - cpu,
+                   sum(run.client_cpu_seconds for run in runs))
 
 
 def server_stack() -> str:
@@ -293,7 +305,8 @@ def _first_difference(client: int, local: list[Turn] | None, served: list[Turn] 
 def print_serve_load(report: dict) -> None:
     cfg = report["config"]
     print(f"serve, {report['model']}: {cfg['clients']} clients x {cfg['turns']} tool-loop turns "
-          f"(max_tokens {cfg['max_tokens']}), greedy; the server: {report['server_stack']}")
+          f"(max_tokens {cfg['max_tokens']}; over HTTP from {cfg['client_processes']} clients' process(es)), greedy; "
+          f"the server: {report['server_stack']}")
     header = ("system", "turns", "turns/h", "ttft p50", "ttft p95", "turn p50", "errors", "leaked", "engine cpu",
               "client cpu", "steps", "tok/step", "step ms")
     print("".join(f"{h:>12}" for h in header))

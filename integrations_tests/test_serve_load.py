@@ -12,8 +12,9 @@ from hibana_bench.serve_load import ServeLoadConfig, serve_load  # noqa: E402
 from hibana_core import Engine  # noqa: E402
 
 
-def test_clients_in_tool_loops_over_http_get_the_in_process_conversations():
-    cfg = ServeLoadConfig(clients=3, turns=4)
+@pytest.mark.parametrize("client_processes", [1, 2])
+def test_clients_in_tool_loops_over_http_get_the_in_process_conversations(client_processes):
+    cfg = ServeLoadConfig(clients=3, turns=4, client_processes=client_processes)
     report = serve_load(lambda: Engine.from_pretrained("demo", progress=False), "demo", cfg)
     assert report["errors"] == []
     assert report["mismatched_clients"] == [], report["differences"]
