@@ -183,6 +183,7 @@ class SystemResult:
     kv_blocks: int | None = None      # the engine's KV pool (Hibana systems): blocks and bytes,
     kv_bytes: int | None = None       # so a KV dtype's agents per GB show
     host_tier: dict | None = None     # parks, resumes, bytes moved, tokens restored (Hibana systems)
+    timeline: dict | None = None      # `Timeline.summary()` (Hibana systems)
 
     def summary(self) -> dict:
         turns = len(self.records)
@@ -203,6 +204,7 @@ class SystemResult:
             "kv_blocks": self.kv_blocks,
             "kv_bytes": self.kv_bytes,
             "host_tier": self.host_tier,
+            "timeline": self.timeline,
         }
 
 
@@ -271,11 +273,58 @@ def run_hibana_agents(model: BenchModel, cfg: AgentsConfig, retention: bool, sys
                                               out.stats.time_to_first_token or 0.0))
                     bar.update()
 
-        seconds = run_agents(agent, cfg.agents)
+        with Timeline(engine) as timeline:
+            seconds = run_agents(agent, cfg.agents)
         bar.close()
         stats = engine.stats()
         kv_blocks, kv_bytes = stats.kv_blocks_total, engine.kv_cache.nbytes
-    return SystemResult(name, cfg.agents, seconds, records, kv_blocks, kv_bytes, stats.host_tier)
+    return SystemResult(name, cfg.agents, seconds, records, kv_blocks, kv_bytes, stats.host_tier, timeline.summary())
+
+
+class Timeline:
+    """What the engine did over a run, sampled every `period` seconds from `engine.stats()`:
+    requests running and waiting, KV blocks in use, steps and their time. Its summary says where
+    the wall time went (how long requests queued while the engine ran few, how busy the step
+    loop was), which turns/h alone does not."""
+
+    def __init__(self, engine, period: float = 0.05) -> None:
+        self.engine, self.period = engine, period
+        self.samples: list[tuple[float, object]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "Timeline":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        while not self._stop.wait(self.period):
+            self.samples.append((time.perf_counter() - start, self.engine.stats()))
+
+    def summary(self) -> dict | None:
+        if len(self.samples) < 2:
+            return None
+        (t0, first), (t1, last) = self.samples[0], self.samples[-1]
+        stats = [s for _, s in self.samples]
+        blocks = max(first.kv_blocks_total, 1)
+        queued = [s for s in stats if s.requests_waiting]
+        return {
+            "seconds": t1 - t0,
+            "running_mean": statistics.fmean(s.requests_running for s in stats),
+            "waiting_mean": statistics.fmean(s.requests_waiting for s in stats),
+            "queued_fraction": len(queued) / len(stats),  # of the samples, those with a request waiting
+            "running_when_queued": statistics.fmean(s.requests_running for s in queued) if queued else None,
+            "kv_used_mean": statistics.fmean(s.kv_blocks_used for s in stats) / blocks,
+            "kv_used_when_queued": statistics.fmean(s.kv_blocks_used for s in queued) / blocks if queued else None,
+            "steps_per_s": (last.steps - first.steps) / (t1 - t0),
+            "step_busy": (last.step_seconds - first.step_seconds) / (t1 - t0),  # fraction of wall time in steps
+            "tokens_per_step": (last.generated_tokens - first.generated_tokens) / max(last.steps - first.steps, 1),
+        }
 
 
 def run_agents(agent, n: int) -> float:

@@ -33,6 +33,7 @@ once each copy is done; elsewhere the wall time of the synchronous copies.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -116,6 +117,7 @@ class TierCounters:
     disk_resumes: int = 0       # restores read from disk
     disk_bytes_moved: int = 0   # written and read, on disk
     disk_seconds: float = 0.0   # spent writing and reading spill files
+    host_seconds: float = 0.0   # the caller's wall time in park and restore (the step loop's, in a step)
 
 
 class HostTier:
@@ -138,6 +140,7 @@ class HostTier:
         self._spilled: dict[int, tuple[weakref.ref, int]] = {}  # id(seq) -> (seq, bytes on disk)
         self._files = itertools.count()
         self._restoring: int | None = None  # id(seq) of the state being restored: its copy stays
+        self._depth = 0  # `_timed` calls in progress
         self.counters = TierCounters()
 
     @property
@@ -160,6 +163,10 @@ class HostTier:
     def park(self, seq: KVSequence) -> bool:
         """Copy the KV of `seq`'s computed tokens to the host (or, past the host budget, to disk)
         and free its device blocks. False (nothing copied, nothing freed) when neither takes it."""
+        with self._timed():
+            return self._park(seq)
+
+    def _park(self, seq: KVSequence) -> bool:
         n = min(seq.num_computed, len(seq.tokens))
         pages, starts = seq.pages(n)
         blocks = len(pages)
@@ -189,6 +196,22 @@ class HostTier:
         starts with the parked tokens. Returns the tokens restored (0: nothing to do, or no room:
         the copy stays parked and the state catches up by computing). On a side stream the copy
         is enqueued, not done: the compute stream waits for it before its blocks are written."""
+        with self._timed():
+            return self._restore(seq, make_room)
+
+    @contextlib.contextmanager
+    def _timed(self):
+        """Count the wall time inside in `counters.host_seconds` (time the caller did not step),
+        once: a restore parks the states it makes room from."""
+        began, self._depth = time.perf_counter(), self._depth + 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if not self._depth:
+                self.counters.host_seconds += time.perf_counter() - began
+
+    def _restore(self, seq: KVSequence, make_room: Callable[[int], bool]) -> int:
         parked = seq.parked
         if parked is None or seq.num_computed:
             return 0
@@ -422,7 +445,7 @@ class HostTier:
                 "seconds": round(c.seconds, 4), "tokens_restored": c.tokens_restored,
                 "disk_states": len(self._spilled), "disk_bytes_used": self.disk_bytes_used, "spills": c.spills,
                 "disk_resumes": c.disk_resumes, "disk_bytes_moved": c.disk_bytes_moved,
-                "disk_seconds": round(c.disk_seconds, 4)}
+                "disk_seconds": round(c.disk_seconds, 4), "host_seconds": round(c.host_seconds, 4)}
 
 
 def _gone(owner: "weakref.ref[HostTier]", key: int, path: Path | None = None) -> None:
