@@ -15,7 +15,8 @@ import torch
 
 from hibana_core import SamplingParams
 from hibana_core.kv import policies
-from hibana_core.kv.transfers import CopyStream, Transfer, _copy_pages, _runs
+from hibana_core.kv import transfers
+from hibana_core.kv.transfers import CopyStream, PinnedReserve, Transfer, _copy_pages, _runs, pinned_size
 from tiny_models import random_tokens
 
 GREEDY_ONE = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -204,3 +205,45 @@ def test_pages_are_staged_as_host_kv_selects_them():
         staging = torch.empty(3, 2, len(pages), 4, 2, 5)
         _copy_pages(staging, host, pages)
         assert torch.equal(staging, host[:, :, pages])
+
+
+def test_pinned_size_is_the_power_of_two_torch_holds():
+    assert [pinned_size(n) for n in (1, 2, 3, 1000, 1024, 1025, 617 << 20)] == [1, 2, 4, 1024, 1024, 2048, 1 << 30]
+
+
+def test_the_reserve_makes_one_spare_per_size_class_off_the_callers_thread(monkeypatch):
+    """Pinning is simulated (the CPU has none): each allocation of pinned memory is recorded with
+    its thread. The first tensor of a class is cold; the warmer then makes one spare of its class,
+    which the next tensor of that class takes; a freed tensor is a spare, so none is made for it."""
+    made: list[tuple[int, str]] = []
+    empty = torch.empty
+
+    def fake_empty(*shape, dtype=None, pin_memory=False, **kwargs):
+        tensor = empty(*shape, dtype=dtype, **kwargs)
+        if pin_memory:
+            made.append((tensor.numel() * tensor.element_size(), threading.current_thread().name))
+        return tensor
+
+    monkeypatch.setattr(transfers.torch, "empty", fake_empty)
+    reserve = PinnedReserve()
+
+    def settle():
+        deadline = time.monotonic() + 10
+        while reserve._asked and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not reserve._asked
+
+    first = reserve.empty(torch.Size([3, 100]), torch.float32)  # 1,200 bytes: the class of 2,048
+    settle()
+    assert reserve.cold == 1 and made[-1] == (2048, "hibana-pinned") and reserve.spare[2048] == 1
+    second = reserve.empty(torch.Size([500]), torch.float32)  # 2,000 bytes: the same class, warm
+    settle()
+    assert reserve.cold == 1 and reserve.spare[2048] == 1  # the warmer made the next spare
+    del first  # its block is cached: a spare, and no allocation is asked for
+    assert reserve.spare[2048] == 2
+    third = reserve.empty(torch.Size([10]), torch.float32)  # 40 bytes: another class, cold
+    settle()
+    assert reserve.cold == 2 and reserve.spare[64] == 1
+    assert sum(1 for _, thread in made if thread == "hibana-pinned") == 3
+    reserve.close()
+    assert second.shape == (500,) and third.dtype == torch.float32

@@ -52,7 +52,7 @@ import torch
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.cache import KVCache
 from hibana_core.kv.sequence import KVSequence, common_prefix_len
-from hibana_core.kv.transfers import CopyStream, Transfer
+from hibana_core.kv.transfers import CopyStream, PinnedReserve, Transfer, pinned_size
 
 logger = logging.getLogger("hibana.states")
 
@@ -135,8 +135,9 @@ class HostTier:
         if spill_dir is not None:
             spill_dir.mkdir(parents=True, exist_ok=True)
         self.pinned = cache.data.device.type == "cuda"
+        self.reserve = PinnedReserve() if self.pinned else None  # pinned memory made off the step loop
         self._parked: OrderedDict[int, weakref.ref] = OrderedDict()  # id(seq) -> seq, least recent first
-        self._bytes: dict[int, int] = {}  # host copies' bytes
+        self._bytes: dict[int, tuple[int, int]] = {}  # host copies: (their tensor's address, bytes held)
         self._spilled: dict[int, tuple[weakref.ref, int]] = {}  # id(seq) -> (seq, bytes on disk)
         self._files = itertools.count()
         self._restoring: int | None = None  # id(seq) of the state being restored: its copy stays
@@ -145,7 +146,12 @@ class HostTier:
 
     @property
     def bytes_used(self) -> int:
-        return sum(self._bytes.values())
+        """Host memory the copies hold: a tensor shared by a fork and its parent counted once,
+        pinned tensors at the size torch's allocator holds for them (`pinned_size`)."""
+        return sum(dict(self._bytes.values()).values())
+
+    def _held(self, nbytes: int) -> int:
+        return pinned_size(nbytes) if self.pinned else nbytes
 
     @property
     def disk_bytes_used(self) -> int:
@@ -156,7 +162,7 @@ class HostTier:
         n = min(seq.num_computed, len(seq.tokens))
         if n == 0:
             return "drop"
-        if len(seq.pages(n)[0]) * self.cache.bytes_per_block_here <= self.budget_bytes:
+        if self._held(len(seq.pages(n)[0]) * self.cache.bytes_per_block_here) <= self.budget_bytes:
             return "host"
         return "disk" if self.spill_dir is not None else "drop"
 
@@ -171,12 +177,13 @@ class HostTier:
         pages, starts = seq.pages(n)
         blocks = len(pages)
         nbytes = blocks * self.cache.bytes_per_block_here
-        to_host = n > 0 and self._room(nbytes)
+        to_host = n > 0 and self._room(self._held(nbytes))
         if not to_host and (n == 0 or self.spill_dir is None):
             return False
         index = torch.tensor(pages, dtype=torch.long, device=self.cache.data.device)
         device_kv = self.cache.gather(index)  # on the compute stream: before any later write of the blocks
-        host = torch.empty(device_kv.shape, dtype=device_kv.dtype, pin_memory=self.pinned and to_host)
+        host = (self.reserve.empty(device_kv.shape, device_kv.dtype) if self.pinned and to_host
+                else torch.empty(device_kv.shape, dtype=device_kv.dtype))
         copy = self._count(self.copies.to_host(device_kv, host))
         parked = ParkedKV(seq.tokens[:n], host, rotated_long=seq.rotated_long, starts=starts, copy=copy)
         if to_host:
@@ -335,7 +342,7 @@ class HostTier:
         parked = ParkedKV(list(tokens), kv, rotated_long=seq.rotated_long, starts=starts)
         if disk:
             return self.spill_dir is not None and self._spill(seq, parked)
-        if not self._room(parked.nbytes):
+        if not self._room(self._held(parked.nbytes)):
             return False
         self._hold(seq, dataclasses.replace(parked, kv=kv.pin_memory()) if self.pinned else parked)
         return True
@@ -346,16 +353,15 @@ class HostTier:
         seq.parked = parked
         key = id(seq)
         self._parked[key] = weakref.ref(seq, lambda _, key=key, owner=weakref.ref(self): _gone(owner, key))
-        self._bytes[key] = parked.nbytes
+        self._bytes[key] = (parked.kv.data_ptr(), self._held(parked.nbytes))
 
     def share(self, seq: KVSequence, twin: KVSequence) -> None:
-        """Give a fork of parked `seq` a parked copy of its own: the same host tensor (read-only),
-        counted again within the budget, or a hard link to the spill file; where neither fits,
-        the fork has none and recomputes."""
+        """Give a fork of parked `seq` a parked copy of its own: the same host tensor (read-only,
+        its bytes counted once however many states hold it), or a hard link to the spill file;
+        where the link cannot be made, the fork has none and recomputes."""
         parked = seq.parked
         if parked.kv is not None:
-            if self._room(parked.nbytes):
-                self._hold(twin, dataclasses.replace(parked))
+            self._hold(twin, dataclasses.replace(parked))  # the same tensor: no more bytes
             return
         path = self.spill_dir / f"{next(self._files):08d}.kv"
         try:
@@ -432,6 +438,8 @@ class HostTier:
         self._bytes.clear()
         self._spilled.clear()
         self._copying.clear()
+        if self.reserve is not None:
+            self.reserve.close()
         if self.spill_dir is not None:
             shutil.rmtree(self.spill_dir, ignore_errors=True)
         self.cache = None
