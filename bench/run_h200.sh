@@ -48,7 +48,7 @@
 #   bash bench/run_h200.sh moe      # issue 18: the MoE kernel tests on CUDA, then bench/tune_moe.py: fused_moe at
 #                                   # Qwen3-30B-A3B (bf16) and gpt-oss-20b (MXFP4) expert shapes, T = 1, 8, 64, 512,
 #                                   # against the torch reference (MOE_ARGS appended, e.g. "--sweep --tokens 1,64";
-#                                   # MXFP4's three decode GEMVs side by side: "--models gpt-oss-20b --tokens 1,8")
+#                                   # MXFP4's decode tiles: "--models gpt-oss-20b --tokens 1,8 --sweep")
 #   bash bench/run_h200.sh serve    # issue 19: hibana bench serve, the demo model on the GPU, 64 clients x 20
 #                                   # tool-loop turns over HTTP (127.0.0.1) against the same in process; needs
 #                                   # the grammar's wheels and the server's (bench/README.md) in .whl/
