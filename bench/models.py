@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import gc
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -205,12 +205,13 @@ class RandomWeights(Mapping):
         t = torch.empty(like.shape, dtype=like.dtype, device=self.device)
         if t.dtype == torch.uint8:  # MXFP4 blocks (two 4-bit codes a byte) and e8m0 scales
             return t.fill_(127 - 6) if name.endswith("_scales") else t.random_(0, 256, generator=generator)
-        if name.endswith("_bias"):  # MXFP4Experts' biases: transformers' init does not know them
+        if name.endswith("_bias"):  # stacked expert biases: zero, as transformers' init makes gpt-oss's
             return t.zero_()
         return t.normal_(0.0, self.std, generator=generator)
 
 
-def _swap_meta_parameters(model: torch.nn.Module, make) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+def _swap_meta_parameters(model: torch.nn.Module, make: Callable[[str, torch.Tensor], torch.Tensor],
+                          ) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
     """Each "meta" parameter of `model` replaced by `make(name, parameter)` on the device (tied
     ones stay tied); returns (module, key, meta parameter) to put back."""
     names = {id(p): name for name, p in model.named_parameters()}

@@ -16,7 +16,9 @@
 #   bash bench/run_h200.sh moe_agents    # issue 18: hibana bench agents, qwen3-30b-a3b preset, 32 agents as the
 #                                        # agents stage: hibana, hibana_no_retention, then hf_reprefill with the
 #                                        # transformers model on the GPU alone (MOE_MODEL, MOE_SYSTEMS: others;
-#                                        # gpt-oss presets have no transformers peer)
+#                                        # gpt-oss presets have no transformers peer). GPU memory: 61 GB of
+#                                        # weights + half the rest as KV (~40 GB) while the engines run, then
+#                                        # 61 GB + the peer's cache and activations (a few GB)
 #   bash bench/run_h200.sh surgery       # batch-1 decode of qwen3-8b in bf16, w8 and w4 (issue 14)
 #   bash bench/run_h200.sh kv8_check     # fp8 KV: its kernel tests on CUDA, GPU == CPU greedy (gpu_correctness --kv8-only)
 #   bash bench/run_h200.sh kv8           # fp8 KV: 32 agents' turns/h and batch-1 decode, bf16 KV vs kv8, qwen3-8b
