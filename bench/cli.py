@@ -170,6 +170,10 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         if missing:
             parser.error(f"--surgery: no pass named {', '.join(missing)}; registered: {', '.join(sorted(registered))}")
         systems += surgery_systems(passes)
+    peers = [s for s in systems if s.startswith("hf_")]
+    if peers and PRESETS.get(args.model, {}).get("mxfp4_experts"):
+        parser.error(f"--systems: {', '.join(peers)} cannot run {args.model}: the preset's experts are MXFP4, "
+                     "which transformers runs only with the Hub's kernels; name the hibana systems alone")
     _check_model(parser, args.model)
     return device, systems
 

@@ -86,7 +86,7 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
     under; a row under a policy other than "auto" is named SYSTEM/fuse-POLICY."""
     from hibana_kernels import fusion
 
-    device = next(model.hf_model.parameters()).device
+    device = model.device
     rng = random.Random(seed)
     prompts = {ctx: random_tokens(rng, ctx, model.vocab_size) for ctx in contexts}
     warmup = random_tokens(rng, 64, model.vocab_size)
@@ -128,24 +128,30 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
                                       getattr(engine, "weight_bytes", None), guard, _read_bytes(engine),
                                       generate / max(1, engine.stats().steps - steps)))
                 h.close()
-    for name, static in (("hf_eager", False), ("hf_compiled", True)):
-        if name not in systems:
-            continue
-        peer = HFPeer(model.hf_model, static_cache=static)
-        peer.generate(warmup, 4)
-        for ctx in tqdm(contexts, desc=name, leave=False):
-            prompt = prompts[ctx]
-            if static:  # compile on these very shapes first
-                peer.generate(prompt, generate)
-                peer.generate(prompt, 1)
-            first = statistics.median(peer.generate(prompt, 1)[1] for _ in range(PREFILL_REPEATS))
-            _, total = peer.generate(prompt, generate)
-            rows.append(DecodeRow(name, ctx, (generate - 1) / max(total - first, 1e-9), ctx / first))
+    peers = [(name, static) for name, static in (("hf_eager", False), ("hf_compiled", True)) if name in systems]
+    if peers:
+        with model.peer_model() as hf_model:  # the engines are closed: one copy of the weights at a time
+            for name, static in peers:
+                rows += _hf_decode_rows(HFPeer(hf_model, static_cache=static), name, prompts, warmup, generate)
     bandwidth = copy_bandwidth(device)
     roofline = bandwidth / model.weight_bytes if bandwidth else None
     return {"workload": "decode", "model": model.name, "random_weights": model.random_weights,
             "weight_bytes": model.weight_bytes, "copy_bandwidth_bytes_s": bandwidth,
             "roofline_tok_s": roofline, "rows": [asdict(r) for r in rows]}
+
+
+def _hf_decode_rows(peer: HFPeer, name: str, prompts: dict[int, list[int]], warmup: list[int],
+                    generate: int) -> list[DecodeRow]:
+    peer.generate(warmup, 4)
+    rows = []
+    for ctx, prompt in tqdm(prompts.items(), desc=name, leave=False):
+        if peer.static_cache:  # compile on these very shapes first
+            peer.generate(prompt, generate)
+            peer.generate(prompt, 1)
+        first = statistics.median(peer.generate(prompt, 1)[1] for _ in range(PREFILL_REPEATS))
+        _, total = peer.generate(prompt, generate)
+        rows.append(DecodeRow(name, ctx, (generate - 1) / max(total - first, 1e-9), ctx / first))
+    return rows
 
 
 # --- agents ---------------------------------------------------------------------------------
@@ -339,10 +345,15 @@ def run_agents(agent, n: int) -> float:
 
 
 def run_hf_agents(model: BenchModel, cfg: AgentsConfig, reuse_cache: bool) -> SystemResult:
-    """One agent after another, as a framework integration does; timed on cfg.peer_agents."""
-    script = agent_script(cfg, model.vocab_size)
-    peer = HFPeer(model.hf_model)
-    peer.generate(random_tokens(random.Random(-1), 64, model.vocab_size), 4)  # warm up
+    """One agent after another, as a framework integration does; timed on cfg.peer_agents. The
+    model is on the device for this run alone (`BenchModel.peer_model`)."""
+    with model.peer_model() as hf_model:
+        return _hf_agents(HFPeer(hf_model), model.vocab_size, cfg, reuse_cache)
+
+
+def _hf_agents(peer: HFPeer, vocab_size: int, cfg: AgentsConfig, reuse_cache: bool) -> SystemResult:
+    script = agent_script(cfg, vocab_size)
+    peer.generate(random_tokens(random.Random(-1), 64, vocab_size), 4)  # warm up
     name = "hf_cache_reuse" if reuse_cache else "hf_reprefill"
     records: list[TurnRecord] = []
     seconds = 0.0

@@ -289,7 +289,8 @@ class Engine:
 
     @classmethod
     def from_hf_model(cls, hf_model: torch.nn.Module, tokenizer=None, **overrides) -> "Engine":
-        """An engine on the weights of an in-memory transformers model (copied, not shared)."""
+        """An engine on the weights of an in-memory transformers model (copied, not shared), or of
+        a stand-in with its config and state_dict (`hibana_core.loader.load_from_hf_model`)."""
         name = getattr(hf_model.config, "name_or_path", "") or hf_model.config.model_type
         return cls(EngineConfig.from_overrides(str(name), **overrides), hf_model, tokenizer)
 
