@@ -361,7 +361,8 @@ def print_agents(report: dict) -> None:
             print(f"{name}: host tier {tier['parks']} parks, {tier['resumes']} resumes "
                   f"({tier['prefetches']} ahead of their turn), "
                   f"{tier['bytes_moved'] / 1e9:.2f} GB moved in {tier['seconds']:.2f} s "
-                  f"({tier.get('host_seconds', 0):.2f} s of the step loop in parks and restores), "
+                  f"({tier.get('host_seconds', 0):.2f} s of the step loop in parks and restores, "
+                  f"{tier.get('pinned_cold', 0)} pinned allocations without a spare), "
                   f"{tier['tokens_restored']:,} prompt tokens not recomputed")
         line = r.get("timeline")
         if line:

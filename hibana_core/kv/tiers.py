@@ -52,7 +52,7 @@ import torch
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.cache import KVCache
 from hibana_core.kv.sequence import KVSequence, common_prefix_len
-from hibana_core.kv.transfers import CopyStream, PinnedReserve, Transfer, pinned_size
+from hibana_core.kv.transfers import CopyStream, PinnedReserve, Transfer, device_tensor, pinned_size
 
 logger = logging.getLogger("hibana.states")
 
@@ -180,7 +180,7 @@ class HostTier:
         to_host = n > 0 and self._room(self._held(nbytes))
         if not to_host and (n == 0 or self.spill_dir is None):
             return False
-        index = torch.tensor(pages, dtype=torch.long, device=self.cache.data.device)
+        index = device_tensor(pages, torch.long, self.cache.data.device)  # no wait for the step in flight
         device_kv = self.cache.gather(index)  # on the compute stream: before any later write of the blocks
         host = (self.reserve.empty(device_kv.shape, device_kv.dtype) if self.pinned and to_host
                 else torch.empty(device_kv.shape, dtype=device_kv.dtype))
@@ -453,7 +453,8 @@ class HostTier:
                 "seconds": round(c.seconds, 4), "tokens_restored": c.tokens_restored,
                 "disk_states": len(self._spilled), "disk_bytes_used": self.disk_bytes_used, "spills": c.spills,
                 "disk_resumes": c.disk_resumes, "disk_bytes_moved": c.disk_bytes_moved,
-                "disk_seconds": round(c.disk_seconds, 4), "host_seconds": round(c.host_seconds, 4)}
+                "disk_seconds": round(c.disk_seconds, 4), "host_seconds": round(c.host_seconds, 4),
+                "pinned_cold": self.reserve.cold if self.reserve is not None else 0}
 
 
 def _gone(owner: "weakref.ref[HostTier]", key: int, path: Path | None = None) -> None:

@@ -99,6 +99,20 @@ class CopyStream:
         return staging, transfer
 
 
+def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device`, copied without waiting for the device."""
+    return small_to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def small_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small tensor (indices, per-row parameters) to `device` without waiting for it:
+    `torch.tensor(..., device="cuda")` synchronizes the stream after its copy, so the host would
+    wait for the step in flight (a park or restore inside scheduling waited a whole forward)."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def _timing_event() -> torch.cuda.Event:
     event = torch.cuda.Event(enable_timing=True)
     event.record()
