@@ -211,21 +211,22 @@ def test_pinned_size_is_the_power_of_two_torch_holds():
     assert [pinned_size(n) for n in (1, 2, 3, 1000, 1024, 1025, 617 << 20)] == [1, 2, 4, 1024, 1024, 2048, 1 << 30]
 
 
-def test_the_reserve_makes_one_spare_per_size_class_off_the_callers_thread(monkeypatch):
-    """Pinning is simulated (the CPU has none): each allocation of pinned memory is recorded with
-    its thread. The first tensor of a class is cold; the warmer then makes one spare of its class,
-    which the next tensor of that class takes; a freed tensor is a spare, so none is made for it."""
-    made: list[tuple[int, str]] = []
+def test_the_reserve_pins_spares_per_size_class_off_the_callers_thread(monkeypatch):
+    """Pinning is simulated (the CPU has none): each pinned allocation is recorded with its
+    thread. The first tensor of a class is pinned by the caller (cold); the warmer then pins
+    spares of its class (one, and one more per cold allocation of it), which the next tensors of
+    that class take; a tensor that dies gives its block back; the limit bounds the warmer."""
+    pinned: list[tuple[int, str]] = []
     empty = torch.empty
 
     def fake_empty(*shape, dtype=None, pin_memory=False, **kwargs):
         tensor = empty(*shape, dtype=dtype, **kwargs)
         if pin_memory:
-            made.append((tensor.numel() * tensor.element_size(), threading.current_thread().name))
+            pinned.append((tensor.numel() * tensor.element_size(), threading.current_thread().name))
         return tensor
 
     monkeypatch.setattr(transfers.torch, "empty", fake_empty)
-    reserve = PinnedReserve()
+    reserve = PinnedReserve(limit=4 * 2048 + 1024)
 
     def settle():
         deadline = time.monotonic() + 10
@@ -233,17 +234,23 @@ def test_the_reserve_makes_one_spare_per_size_class_off_the_callers_thread(monke
             time.sleep(0.01)
         assert not reserve._asked
 
-    first = reserve.empty(torch.Size([3, 100]), torch.float32)  # 1,200 bytes: the class of 2,048
+    def by(thread: str) -> list[int]:
+        return [size for size, name in pinned if name == thread]
+
+    first = reserve.empty(torch.Size([3, 100]), torch.float32)  # 1,200 bytes: the class of 2,048, cold
+    first.fill_(1.0)
     settle()
-    assert reserve.cold == 1 and made[-1] == (2048, "hibana-pinned") and reserve.spare[2048] == 1
+    assert first.shape == (3, 100) and by("MainThread") == [2048]
+    assert reserve.cold == 1 and by("hibana-pinned") == [2048, 2048]  # one spare + one per cold
     second = reserve.empty(torch.Size([500]), torch.float32)  # 2,000 bytes: the same class, warm
     settle()
-    assert reserve.cold == 1 and reserve.spare[2048] == 1  # the warmer made the next spare
-    del first  # its block is cached: a spare, and no allocation is asked for
-    assert reserve.spare[2048] == 2
-    third = reserve.empty(torch.Size([10]), torch.float32)  # 40 bytes: another class, cold
+    assert reserve.cold == 1 and len(reserve.free[2048]) == 2 and len(by("hibana-pinned")) == 3
+    assert second.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+    del first  # its block comes back: a third free block, and nothing is pinned for it
+    assert len(reserve.free[2048]) == 3 and len(pinned) == 4
+    third = reserve.empty(torch.Size([2, 256]), torch.float16)  # 1,024 bytes: another class, cold
     settle()
-    assert reserve.cold == 2 and reserve.spare[64] == 1
-    assert sum(1 for _, thread in made if thread == "hibana-pinned") == 3
+    # 4 blocks of 2,048 and the cold one of 1,024 reach the limit: no spare of 1,024 is pinned
+    assert reserve.cold == 2 and reserve.bytes == 4 * 2048 + 1024 and not reserve.free[1024]
     reserve.close()
-    assert second.shape == (500,) and third.dtype == torch.float32
+    assert second.shape == (500,) and third.dtype == torch.float16

@@ -135,7 +135,7 @@ class HostTier:
         if spill_dir is not None:
             spill_dir.mkdir(parents=True, exist_ok=True)
         self.pinned = cache.data.device.type == "cuda"
-        self.reserve = PinnedReserve() if self.pinned else None  # pinned memory made off the step loop
+        self.reserve = PinnedReserve(budget_bytes) if self.pinned else None  # pinned off the step loop
         self._parked: OrderedDict[int, weakref.ref] = OrderedDict()  # id(seq) -> seq, least recent first
         self._bytes: dict[int, tuple[int, int]] = {}  # host copies: (their tensor's address, bytes held)
         self._spilled: dict[int, tuple[weakref.ref, int]] = {}  # id(seq) -> (seq, bytes on disk)

@@ -154,47 +154,68 @@ def pinned_size(nbytes: int) -> int:
 
 
 class PinnedReserve:
-    """Page-locked host memory for parked copies, made before the parks that take it.
+    """Page-locked host memory for parked copies, pinned before the parks that take it.
 
     Pinning new memory is slow: on the H200 box 0.69 s for 617 MB (cudaHostAlloc page-locks
-    every page), against nothing for a block torch's host allocator has cached from an earlier
-    tensor of the same power-of-two size. A park runs inside an engine step, so each cold
-    allocation held up every agent: in a run of 64 agents with device KV for 16, the step loop
-    spent 35 s of 72 in parks, nearly all of it pinning. `empty` takes a block as before and asks
-    a background thread to keep one spare of the same size class: it allocates such a tensor and
-    lets it go, which leaves the block cached for the next park of that class. `spare` counts the
-    blocks believed cached per class (the warmer's, and those of parked copies freed since), so
-    that no more than one spare per class is made beyond what the copies themselves give back.
+    every page). A park runs inside an engine step, so each new pin held up every agent. This
+    keeps blocks of power-of-two sizes (`pinned_size`) for the life of the tier: `empty` hands out
+    a free block of the tensor's class (a view of its first bytes), which comes back when the
+    tensor dies, and a background thread pins spares ahead of demand, one per class and one more
+    for each `empty` of it that found none (bursts of parks as agents pile up), at most
+    `MAX_SPARES` a class and never past `limit` bytes in all. Only an `empty` that finds no free
+    block pins on the caller's thread (`cold` counts them).
+
+    A block is reused as soon as the tensor handed out dies, without waiting for copies: every
+    device copy from or to these tensors runs on the one copy stream, in order, and the host
+    reads them only after waiting for their copy (`ParkedKV.host_kv`).
     """
 
-    def __init__(self) -> None:
-        self.spare: collections.Counter[int] = collections.Counter()
+    MAX_SPARES = 8
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit  # bytes of blocks the warmer may bring the reserve to
+        self.free: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
+        self.bytes = 0  # of all blocks, in use and free
+        self._cold: collections.Counter[int] = collections.Counter()  # per class
         self._lock = threading.Lock()
-        self._asked: set[int] = set()  # classes the warmer is making a spare of
+        self._asked: set[int] = set()  # classes the warmer is making spares of
         self._todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self.cold = 0  # allocations that found no spare (each paid the pinning on the caller's thread)
+
+    @property
+    def cold(self) -> int:
+        """Blocks pinned on the caller's thread (no free one of their class)."""
+        return sum(self._cold.values())
 
     def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """A pinned tensor; the spare of its size class is replenished in the background."""
-        size = pinned_size(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
+        """A pinned tensor of `shape` and `dtype` (contents undefined)."""
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        size = pinned_size(nbytes)
         with self._lock:
-            if self.spare[size]:
-                self.spare[size] -= 1
-            else:
-                self.cold += 1
-        tensor = torch.empty(shape, dtype=dtype, pin_memory=True)
-        weakref.finalize(tensor, self._freed, size)  # torch keeps its block: a spare once it dies
+            block = self.free[size].pop() if self.free[size] else None
+            if block is None:
+                self._cold[size] += 1
+        if block is None:
+            block = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            with self._lock:
+                self.bytes += size
+        tensor = block[:nbytes].view(dtype).view(shape)
+        weakref.finalize(tensor, self._give_back, block)
         self._ask(size)
         return tensor
 
-    def _freed(self, size: int) -> None:
+    def _give_back(self, block: torch.Tensor) -> None:
         with self._lock:
-            self.spare[size] += 1
+            self.free[block.numel()].append(block)
+
+    def _wanted(self, size: int) -> int:
+        """Spares of class `size` still to pin (under the lock)."""
+        room = (self.limit - self.bytes) // size
+        return min(min(self.MAX_SPARES, 1 + self._cold[size]) - len(self.free[size]), room)
 
     def _ask(self, size: int) -> None:
         with self._lock:
-            if self.spare[size] or size in self._asked:
+            if self._wanted(size) <= 0 or size in self._asked:
                 return
             self._asked.add(size)
             if self._thread is None:
@@ -205,19 +226,25 @@ class PinnedReserve:
     def _warm(self) -> None:
         while (size := self._todo.get()) is not None:
             try:
-                block = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-                del block  # back to torch's cache, for the next park of its class
-                with self._lock:
-                    self.spare[size] += 1
-            except RuntimeError:  # out of page-lockable memory: the park pays (or fails) itself
+                while True:
+                    with self._lock:
+                        if self._wanted(size) <= 0:
+                            break
+                    block = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+                    with self._lock:
+                        self.bytes += size
+                        self.free[size].append(block)
+            except RuntimeError:  # out of page-lockable memory: a park pays (or fails) itself
                 pass
             finally:
                 with self._lock:
                     self._asked.discard(size)
 
     def close(self) -> None:
-        """Stop the warmer (blocks it made stay in torch's cache)."""
+        """Stop the warmer and let the free blocks go (tensors handed out keep theirs)."""
         if self._thread is not None:
             self._todo.put(None)
             self._thread.join()
             self._thread = None
+        with self._lock:
+            self.free.clear()
