@@ -175,6 +175,10 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         if missing:
             parser.error(f"--surgery: no pass named {', '.join(missing)}; registered: {', '.join(sorted(registered))}")
         systems += surgery_systems(passes)
+    peers = [s for s in systems if s.startswith("hf_")]
+    if peers and PRESETS.get(args.model, {}).get("mxfp4_experts"):
+        parser.error(f"--systems: {', '.join(peers)} cannot run {args.model}: the preset's experts are MXFP4, "
+                     "which transformers runs only with the Hub's kernels; name the hibana systems alone")
     _check_model(parser, args.model)
     return device, systems
 
@@ -370,8 +374,18 @@ def print_agents(report: dict) -> None:
         if tier and tier["parks"]:
             print(f"{name}: host tier {tier['parks']} parks, {tier['resumes']} resumes "
                   f"({tier['prefetches']} ahead of their turn), "
-                  f"{tier['bytes_moved'] / 1e9:.2f} GB moved in {tier['seconds']:.2f} s, "
+                  f"{tier['bytes_moved'] / 1e9:.2f} GB moved in {tier['seconds']:.2f} s "
+                  f"({tier.get('host_seconds', 0):.2f} s of the step loop in parks and restores, "
+                  f"{tier.get('pinned_cold', 0)} pinned allocations without a spare), "
                   f"{tier['tokens_restored']:,} prompt tokens not recomputed")
+        line = r.get("timeline")
+        if line:
+            queued = (f"; a request waited {line['queued_fraction']:.0%} of the time, with "
+                      f"{line['running_when_queued']:.1f} running and {line['kv_used_when_queued']:.0%} of KV in use"
+                      if line["running_when_queued"] is not None else "")
+            print(f"{name}: {line['running_mean']:.1f} requests running on average, {line['waiting_mean']:.1f} "
+                  f"waiting; {line['steps_per_s']:.1f} steps/s, {line['step_busy']:.0%} of the time in steps, "
+                  f"{line['tokens_per_step']:.1f} tokens generated a step{queued}")
 
 
 if __name__ == "__main__":

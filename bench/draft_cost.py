@@ -72,7 +72,8 @@ def main() -> None:
     rows = {}
     with tempfile.TemporaryDirectory() as folder:
         draft = load_bench_model(args.draft, device, dtype)
-        draft.hf_model.save_pretrained(folder)
+        with draft.peer_model() as hf_model:
+            hf_model.save_pretrained(folder)
         del draft
         target = load_bench_model(args.target, device, dtype)
         for name, speculation in (("off", "off"),

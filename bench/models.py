@@ -1,12 +1,21 @@
 """What a benchmark runs on: a checkpoint, the demo model, or an architecture preset built with
 random weights on the device (speed does not depend on weight values).
 
-Hibana and the transformers peers run on the very same weights: the peer's model is built (or
-loaded) first, and the engine copies its weights (`Engine.from_hf_model`).
+Hibana and the transformers peers run on the very same weights. A checkpoint's transformers model
+is loaded on the device and the engine copies its weights (`Engine.from_hf_model`). A preset never
+holds two copies on the device (qwen3-30b-a3b's 61 GB would not fit twice on one H200): its
+transformers model is built on "meta" but for its small tensors, the engine loads the big ones made
+on the device one at a time (`RandomWeights`, through the loader's own path: fused layouts, MXFP4
+experts), and a peer gets the model on the device, with the same values, only while it runs
+(`BenchModel.peer_model`, once the engines are closed).
 """
 
 from __future__ import annotations
 
+import gc
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,10 +77,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 @dataclass
 class BenchModel:
     name: str
-    hf_model: torch.nn.Module      # the transformers model the peers run
+    hf_model: torch.nn.Module      # the transformers model the peers run (a preset's: see peer_model)
     tokenizer: Any | None
-    random_weights: bool
+    device: torch.device
     weight_bytes: int
+    random: RandomWeights | None = None  # a preset's weights; None for a checkpoint
+
+    @property
+    def random_weights(self) -> bool:
+        return self.random is not None
 
     @property
     def vocab_size(self) -> int:
@@ -80,7 +94,26 @@ class BenchModel:
     def engine(self, **overrides):
         from hibana_core import Engine
 
-        return Engine.from_hf_model(self.hf_model, self.tokenizer, progress=False, **overrides)
+        source = self.hf_model if self.random is None else self.random
+        return Engine.from_hf_model(source, self.tokenizer, progress=False, **overrides)
+
+    @contextmanager
+    def peer_model(self) -> Iterator[torch.nn.Module]:
+        """The transformers model on the device while a peer runs. A preset's big tensors are made
+        on entry (the values its engines load) and go back to "meta" on exit, so close every
+        engine first: the device then holds one copy of the weights at a time."""
+        if self.random is None:
+            yield self.hf_model
+            return
+        swapped = _swap_meta_parameters(self.hf_model, self.random.make)
+        try:
+            yield self.hf_model
+        finally:
+            for module, key, meta in swapped:
+                setattr(module, key, meta)
+            gc.collect()  # a peer's caches may sit in cycles that hold the weights
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
 
 def chat_tokenizer() -> Any:
@@ -98,29 +131,114 @@ def load_bench_model(name: str, device: torch.device, dtype: torch.dtype, chat: 
     """A preset (random weights), "demo", a checkpoint directory or a Hugging Face repo id.
     `chat`: a preset gets `chat_tokenizer()` (its vocabulary covers the tokenizer's ids, and the
     tokenizer's end of text is its end of sequence); the others have their own tokenizer."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name in PRESETS:
         spec = dict(PRESETS[name])
-        mxfp4 = spec.pop("mxfp4_experts", False)
         tokenizer = chat_tokenizer() if chat else None
         if tokenizer is not None:
             spec.update(vocab_size=max(spec["vocab_size"], len(tokenizer)), eos_token_id=tokenizer.eos_token_id)
-        config = AutoConfig.for_model(spec.pop("model_type"), **spec)
-        with torch.device("meta" if mxfp4 else device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        if mxfp4:
-            model = _with_random_mxfp4_experts(model, device)
-        random_weights = True
+        model, random = _random_preset(spec, device, dtype)
     else:
         from hibana_core.loader import resolve_checkpoint
 
         path = resolve_checkpoint(name)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-        tokenizer, random_weights = AutoTokenizer.from_pretrained(path), False
+        tokenizer, random = AutoTokenizer.from_pretrained(path), None
     model.eval().requires_grad_(False)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return BenchModel(name, model, tokenizer, random_weights, weight_bytes)
+    return BenchModel(name, model, tokenizer, device, weight_bytes, random)
+
+
+def _random_preset(spec: dict[str, Any], device: torch.device, dtype: torch.dtype,
+                   seed: int = 0) -> tuple[torch.nn.Module, RandomWeights]:
+    """A preset's transformers model on "meta" but for its small tensors, and its weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    mxfp4 = spec.pop("mxfp4_experts", False)
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if mxfp4:
+            for layer in model.model.layers:
+                layer.mlp.experts = MXFP4Experts(model.config)
+    if mxfp4:
+        model.config.quantization_config = {"quant_method": "mxfp4"}
+    _init_small_tensors(model, device, seed)
+    return model, RandomWeights(model, device, seed)
+
+
+def _init_small_tensors(model: torch.nn.Module, device: torch.device, seed: int) -> None:
+    """Vectors (norms, biases, attention sinks) and buffers (rotary frequencies) on the device as
+    the model's own init makes them: norms are ones, or zeros where they scale by (1 + w) as
+    Gemma's do; a vector its init leaves alone stays zero."""
+    for module in model.modules():
+        for key, p in list(module.named_parameters(recurse=False)):
+            if p.dim() <= 1:
+                setattr(module, key, torch.nn.Parameter(torch.zeros(p.shape, dtype=p.dtype, device=device),
+                                                        requires_grad=False))
+        for key, b in list(module.named_buffers(recurse=False)):
+            module._buffers[key] = torch.zeros(b.shape, dtype=b.dtype, device=device)  # keeps its persistence
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)  # sinks and router biases are drawn: the same every run
+        for module in model.modules():
+            model._init_weights(module)  # on the meta matrices, a no-op
+
+
+class RandomWeights(Mapping):
+    """A preset's weights by name, each made on the device when asked for, from a generator seeded
+    by its name: the same name gives the same values every time, so the engine (which loads them
+    one at a time, as from a checkpoint) and the peer (`BenchModel.peer_model`) run the same
+    model. Matrices N(0, initializer_range) as transformers' init draws them; MXFP4 codes
+    uniform, scales 2^-6 (values within +-6/64), expert biases zero; the small tensors are the
+    model's own. Stands in for the transformers model in `Engine.from_hf_model` (config,
+    generation_config, state_dict)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, seed: int) -> None:
+        self.config, self.generation_config = model.config, model.generation_config
+        self.device, self.seed = device, seed
+        self.std = getattr(model.config, "initializer_range", None) or 0.02
+        self._params = dict(model.named_parameters(remove_duplicate=False))
+        first = {id(p): name for name, p in reversed(self._params.items())}
+        self._seed_names = {name: first[id(p)] for name, p in self._params.items()}  # tied weights: one value
+
+    def state_dict(self) -> Mapping[str, torch.Tensor]:
+        return self
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        p = self._params[name]
+        return p.detach() if not p.is_meta else self.make(self._seed_names[name], p)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._params)
+
+    def __len__(self) -> int:
+        return len(self._params)
+
+    def make(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The values of weight `name` (shaped and typed as `like`) on the device."""
+        generator = torch.Generator(self.device).manual_seed(self.seed << 32 | zlib.crc32(name.encode()))
+        t = torch.empty(like.shape, dtype=like.dtype, device=self.device)
+        if t.dtype == torch.uint8:  # MXFP4 blocks (two 4-bit codes a byte) and e8m0 scales
+            return t.fill_(127 - 6) if name.endswith("_scales") else t.random_(0, 256, generator=generator)
+        if name.endswith("_bias"):  # stacked expert biases: zero, as transformers' init makes gpt-oss's
+            return t.zero_()
+        return t.normal_(0.0, self.std, generator=generator)
+
+
+def _swap_meta_parameters(model: torch.nn.Module, make: Callable[[str, torch.Tensor], torch.Tensor],
+                          ) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+    """Each "meta" parameter of `model` replaced by `make(name, parameter)` on the device (tied
+    ones stay tied); returns (module, key, meta parameter) to put back."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    made: dict[int, torch.nn.Parameter] = {}
+    swapped = [(module, key, p) for module in model.modules()
+               for key, p in module.named_parameters(recurse=False) if p.is_meta]
+    for module, key, p in swapped:
+        if id(p) not in made:
+            made[id(p)] = torch.nn.Parameter(make(names[id(p)], p), requires_grad=False)
+        setattr(module, key, made[id(p)])
+    return swapped
 
 
 class MXFP4Experts(torch.nn.Module):
@@ -139,26 +257,3 @@ class MXFP4Experts(torch.nn.Module):
         self.down_proj_blocks, self.down_proj_scales = packed(e, h, i // 32, 16), packed(e, h, i // 32)
         self.gate_up_proj_bias = torch.nn.Parameter(torch.empty(e, 2 * i))
         self.down_proj_bias = torch.nn.Parameter(torch.empty(e, h))
-
-
-def _with_random_mxfp4_experts(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """A gpt-oss model built on "meta" -> on `device` with MXFP4 experts, random weights (the
-    released checkpoints' bytes per token without a bf16 copy of the experts: the 120B's would
-    not fit one GPU). Codes uniform, scales 2^-6 (values within +-6/64), other weights N(0, 0.02),
-    norms ones, biases zero; quantization_config says mxfp4, as a real checkpoint's does."""
-    for layer in model.model.layers:
-        with torch.device("meta"):
-            layer.mlp.experts = MXFP4Experts(model.config)
-    model = model.to_empty(device=device)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dtype == torch.uint8:
-                p.fill_(127 - 6) if name.endswith("_scales") else p.random_(0, 256)
-            elif "norm" in name:
-                p.fill_(1.0)
-            elif p.dim() == 1 or name.endswith("_bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02)
-    model.config.quantization_config = {"quant_method": "mxfp4"}
-    return model

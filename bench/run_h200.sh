@@ -11,8 +11,14 @@
 #                                   # qwen3-8b under fusion auto / on / off
 #   bash bench/run_h200.sh families      # issue 18: batch-1 decode of the gemma3-12b, phi4-mini,
 #                                        # qwen3-30b-a3b and gpt-oss-20b presets (MODELS="phi4-mini": only
-#                                        # those; gpt-oss-120b's random MXFP4 weights are built on the GPU and
-#                                        # copied, ~2 x 65 GB)
+#                                        # those; MODELS=gpt-oss-120b: its 65 GB of MXFP4 weights; a preset's
+#                                        # weights are on the GPU once, made as the engine loads them)
+#   bash bench/run_h200.sh moe_agents    # issue 18: hibana bench agents, qwen3-30b-a3b preset, 32 agents as the
+#                                        # agents stage: hibana, hibana_no_retention, then hf_reprefill with the
+#                                        # transformers model on the GPU alone (MOE_MODEL, MOE_SYSTEMS: others;
+#                                        # gpt-oss presets have no transformers peer). GPU memory: 61 GB of
+#                                        # weights + half the rest as KV (~40 GB) while the engines run, then
+#                                        # 61 GB + the peer's cache and activations (a few GB)
 #   bash bench/run_h200.sh surgery       # batch-1 decode of qwen3-8b in bf16, w8 and w4 (issue 14)
 #   bash bench/run_h200.sh kv8_check     # fp8 KV: its kernel tests on CUDA, GPU == CPU greedy (gpu_correctness --kv8-only)
 #   bash bench/run_h200.sh kv8           # fp8 KV: 32 agents' turns/h and batch-1 decode, bf16 KV vs kv8, qwen3-8b
@@ -44,7 +50,7 @@
 #   bash bench/run_h200.sh moe      # issue 18: the MoE kernel tests on CUDA, then bench/tune_moe.py: fused_moe at
 #                                   # Qwen3-30B-A3B (bf16) and gpt-oss-20b (MXFP4) expert shapes, T = 1, 8, 64, 512,
 #                                   # against the torch reference (MOE_ARGS appended, e.g. "--sweep --tokens 1,64";
-#                                   # MXFP4's three decode GEMVs side by side: "--models gpt-oss-20b --tokens 1,8")
+#                                   # MXFP4's decode tiles: "--models gpt-oss-20b --tokens 1,8 --sweep")
 #   bash bench/run_h200.sh serve    # issue 19: hibana bench serve, the demo model (float32) and qwen3-8b's preset
 #                                   # (bf16; SERVE_MODELS picks) on the GPU, 64 clients x 20
 #                                   # tool-loop turns over HTTP (127.0.0.1) against the same in process; needs
@@ -88,6 +94,12 @@ case "${1:-check}" in
     python3 -m hibana_bench.cli agents --model qwen3-8b --agents 32 --turns 6 --system 4096 \
       --tool-result 200 --generate 100 --peer-agents 1 \
       --json "$OUT/agents_qwen3-8b.json" 2>&1 | tee "$OUT/agents_qwen3-8b.txt" ;;
+  moe_agents)
+    model="${MOE_MODEL:-qwen3-30b-a3b}"
+    python3 -m hibana_bench.cli agents --model "$model" --agents 32 --turns 6 --system 4096 \
+      --tool-result 200 --generate 100 --peer-agents 1 \
+      --systems "${MOE_SYSTEMS:-hibana,hibana_no_retention,hf_reprefill}" \
+      --json "$OUT/agents_$model.json" 2>&1 | tee "$OUT/agents_$model.txt" ;;
   families)
     for model in ${MODELS:-gemma3-12b phi4-mini qwen3-30b-a3b gpt-oss-20b}; do
       python3 -m hibana_bench.cli decode --model "$model" --context 512,8192 --generate 128 \

@@ -1,12 +1,13 @@
-"""The MoE decode GEMVs' instruction cost without a GPU: each decode kernel compiled here for sm_90
-(Triton's bundled ptxas), its SASS read back (the bundled cuobjdump), and the instructions of its
-K loop counted per weight one pass of the loop reads (a thread's share), by pipe. The figures
-behind `moe_triton.MXFP4_GEMVS`: a guide to variants before the H200 times them
-(bench/tune_moe.py), not a timing (latency, occupancy and memory are not in it; the registers a
-thread takes, which bound occupancy, are printed beside).
+"""The MoE decode GEMV's instruction cost without a GPU: each MXFP4 decode kernel compiled here for
+sm_90 (Triton's bundled ptxas), its SASS read back (the bundled cuobjdump), and the instructions of
+its K loop counted per weight one pass of the loop reads (a thread's share), by pipe. A guide to
+GEMV variants and tiles before the H200 times them (bench/tune_moe.py), not a timing (latency,
+occupancy and memory are not in it; the registers a thread takes, which bound occupancy, are
+printed beside). It chose between MXFP4's GEMVs: 5.9 instructions a weight for the code pairs
+kept, 7.7 one code at a time, 9.2 on the tensor cores (gate|up loop, 8 x 512 tiles).
 
-    python3 bench/sass_moe.py                        # DecodeTiles of MXFP4_GEMVS' comparison
-    python3 bench/sass_moe.py --tiles 16,256,2,pairs 64,128,4,mma
+    python3 bench/sass_moe.py                        # DECODE_TILES' MXFP4 tiles and 8 x 256
+    python3 bench/sass_moe.py --tiles 16,256,2 8,512,4
 
 Needs the Triton of a Linux wheel (its NVIDIA backend and tools), no CUDA device; sm_90 code from
 another Triton version may differ.
@@ -30,28 +31,22 @@ from hibana_kernels.moe_triton import DecodeTiles
 
 H200 = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-DEFAULT_TILES = [DecodeTiles(8, 512, 2, True, "nibbles"), DecodeTiles(8, 512, 2, True, "pairs"),
-                 DecodeTiles(8, 256, 2, True, "pairs"), DecodeTiles(64, 128, 4, True, "mma")]
+DEFAULT_TILES = [moe_triton.DECODE_TILES["mxfp4"], DecodeTiles(8, 256, 2, True)]
 ALU = ("LOP3", "SHF", "PRMT", "MOV", "ISETP", "IADD3", "LEA", "SEL")  # the integer pipe
 FMA = ("FFMA", "FMUL", "FADD", "HADD2", "HMUL2", "IMAD")  # the float pipe (IMAD shifts and moves too)
-POINTERS = {"x_ptr": "*bf16", "act_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*fp32",
-            "s_ptr": "*u8", "z_ptr": "*u8", "b_ptr": "*fp32"}
+POINTERS = {"w_ptr": "*i32", "x_ptr": "*bf16", "act_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i64",
+            "weights_ptr": "*fp32", "s_ptr": "*u8", "z_ptr": "*u8", "b_ptr": "*fp32"}
 
 
-def _arg_type(name: str, weights: str) -> str:
-    if name == "w_ptr":
-        return weights
+def _arg_type(name: str) -> str:
     return "fp32" if name in ("alpha", "limit") else POINTERS.get(name, "i32")
 
 
 def compile_decode(kernel, tiles: DecodeTiles, constexprs: dict):
-    """`kernel` (a decode kernel of moe_triton) for sm_90 with MXFP4 weights: words or bytes as
-    fused_moe_launch passes them for tiles.mxfp4_gemv, bf16 x, scalar arguments int32 or float32."""
-    gemv = moe_triton.MXFP4_GEMVS[tiles.mxfp4_gemv]
-    weights = "*u8" if gemv == moe_triton.MXFP4_GEMVS["mma"] else "*i32"
-    signature = {p.name: "constexpr" if p.is_constexpr else _arg_type(p.name, weights) for p in kernel.params}
-    constexprs = dict(constexprs, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=1, GROUP=32, HAS_BIAS=True,
-                      MXFP4_GEMV=gemv)
+    """`kernel` (a decode kernel of moe_triton) for sm_90 with MXFP4 weights: int32 words as
+    fused_moe_launch passes them, bf16 x, scalar arguments int32 or float32."""
+    signature = {p.name: "constexpr" if p.is_constexpr else _arg_type(p.name) for p in kernel.params}
+    constexprs = dict(constexprs, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=1, GROUP=32, HAS_BIAS=True)
     return triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=H200,
                           options=dict(num_warps=tiles.num_warps))
 
@@ -94,10 +89,10 @@ def report(name: str, kernel, rows: int, tiles: DecodeTiles, constexprs: dict) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiles", nargs="*", help="block_n,block_k,num_warps,mxfp4_gemv (down per route)")
+    parser.add_argument("--tiles", nargs="*", help="block_n,block_k,num_warps (down per route)")
     args = parser.parse_args()
     tiles = DEFAULT_TILES if not args.tiles else [
-        DecodeTiles(*map(int, t.split(",")[:3]), True, t.split(",")[3]) for t in args.tiles]
+        DecodeTiles(*map(int, t.split(",")), True) for t in args.tiles]
     print(f"{'kernel':<8}{'tiles':<24}{'instr/w':>8}{'alu':>6}{'fma':>6}{'regs':>6}   most frequent, a weight")
     for t in tiles:
         report("gate_up", moe_triton._gate_up_decode_kernel, 2 * t.block_n, t, dict(ACTIVATION=1))

@@ -7,8 +7,7 @@ For every model and T: random router logits are routed by `moe_route` (Triton), 
 result is checked against the reference (relative error), then timed as the best of several
 CUDA-event-timed replays of a CUDA graph that runs it over enough copies of the layer's experts
 to overflow the L2 (so the weights come from memory, as in a model). Both expert paths are timed
-(decode, grouped; MXFP4's decode with each of its GEMVs, "decode-nibbles", "decode-pairs" and
-"decode-mma": moe_triton.MXFP4_GEMVS); "*" marks the one the dispatcher picks. Bytes are those a
+(decode, grouped); "*" marks the one the dispatcher picks. Bytes are those a
 layer must read: the distinct selected experts' weights, scales and biases, x and the output;
 GB/s is given as a share of the H200's 4.8 TB/s. The reference (a Python loop over the hit
 experts) is timed with events, without a graph (it syncs on the hit experts). --sweep also times each kind's SWEEP_TILES
@@ -16,7 +15,6 @@ experts) is timed with events, without a graph (it syncs on the hit experts). --
 
     python3 bench/tune_moe.py [--tokens 1,8,64,512] [--models qwen3-30b-a3b,gpt-oss-20b,qwen3-30b-a3b-w8,...]
                               [--sweep] [--json PATH]
-    python3 bench/tune_moe.py --models gpt-oss-20b --tokens 1,8    # MXFP4: its decode GEMVs compared
     TRITON_INTERPRET=1 python3 bench/tune_moe.py --tiny --sweep --tokens 1,8   # checks the script on a CPU
 
 It imports hibana_kernels: install the checkout, or run it through bench/run_h200.sh (stage moe).
@@ -73,17 +71,11 @@ SWEEP_TILES = {  # per kind, a few besides choose_tiles' own (each compiles: the
     "int4": [_D(8, 512, 2, True), _D(16, 512, 4), _D(16, 512, 4, True), _D(16, 1024, 4, True), _D(32, 256, 4, True),
              _G(16, 64, 256, 4, 2), _G(16, 128, 128, 4, 3)],
 }
-# MXFP4: int4's tiles (code pairs) and a few more (fewer registers: one wave of gate|up programs),
-# then the tensor cores' (16 rows or more; the fewest SASS instructions a weight at 64 rows, or
-# 32 rows in 2 warps)
-SWEEP_TILES["mxfp4"] = SWEEP_TILES["int4"] + [_D(16, 256, 2, True), _D(16, 128, 2, True), _D(8, 256, 1, True)] + [
-    _D(*tiles, True, "mma") for tiles in ((32, 128, 2), (64, 128, 4), (64, 128, 8), (32, 256, 4), (16, 256, 4))]
-DECODE_GEMVS = {"mxfp4": [_D(8, 512, 2, True, "nibbles"), _D(8, 512, 2, True, "pairs"), _D(8, 256, 2, True, "pairs"),
-                          _D(64, 128, 4, True, "mma")]}
-"""Decode tiles timed at every T besides choose_tiles' own: each of MXFP4's GEMVs (nibbles at the
-tiles that took 60.1 us at T=1 on 2026-12-01; pairs also at 8 x 256, whose 78 registers (sm_90,
-Triton 3.9) let all 1440 gate|up programs of a gpt-oss-20b token fit one wave), so one run
-compares them without --sweep."""
+# MXFP4: int4's tiles (words of 8 codes, as its GEMV reads them) and a few more (fewer registers:
+# 8 x 256 in 2 warps, 78 registers on sm_90 (Triton 3.9), fits all 1440 gate|up programs of a
+# gpt-oss-20b token in one wave)
+SWEEP_TILES["mxfp4"] = SWEEP_TILES["int4"] + [_D(8, 256, 2, True), _D(16, 256, 2, True), _D(16, 128, 2, True),
+                                               _D(8, 256, 1, True)]
 TINY_MODELS = {  # --tiny: the same kinds at toy sizes, on the CPU through the Triton interpreter
     "tiny-bf16": Shape(128, 128, 4, 2, "dense", "silu", False, "softmax", True),
     "tiny-mxfp4": Shape(128, 128, 4, 2, "mxfp4", "swiglu_oai", True, "topk_softmax", False),
@@ -178,13 +170,11 @@ def measure(name: str, shape: Shape, tokens: int, copies: list[MoEExperts], swee
     chosen = moe_triton.choose_tiles(tokens, kind)
     grouped_tokens = max(tokens, moe_triton.DECODE_MAX_TOKENS[kind] + 1)  # the grouped path's tiles at this T
     candidates = [moe_triton.choose_tiles(1, kind), moe_triton.choose_tiles(grouped_tokens, kind)]
-    candidates += DECODE_GEMVS.get(kind, [])
     if sweep:
         candidates += SWEEP_TILES[kind]
     rows = []
     for tiles in dict.fromkeys(candidates):
-        path = "grouped" if isinstance(tiles, GroupedTiles) else \
-            f"decode-{tiles.mxfp4_gemv}" if kind == "mxfp4" else "decode"
+        path = "grouped" if isinstance(tiles, GroupedTiles) else "decode"
         out = moe_triton.fused_moe_launch(x, copies[0], weights, ids, tiles)
         seconds = time_kernels(lambda: [moe_triton.fused_moe_launch(x, c, weights, ids, tiles) for c in copies])
         seconds /= len(copies)

@@ -86,7 +86,7 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
     under; a row under a policy other than "auto" is named SYSTEM/fuse-POLICY."""
     from hibana_kernels import fusion
 
-    device = next(model.hf_model.parameters()).device
+    device = model.device
     rng = random.Random(seed)
     prompts = {ctx: random_tokens(rng, ctx, model.vocab_size) for ctx in contexts}
     warmup = random_tokens(rng, 64, model.vocab_size)
@@ -128,24 +128,30 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
                                       getattr(engine, "weight_bytes", None), guard, _read_bytes(engine),
                                       generate / max(1, engine.stats().steps - steps)))
                 h.close()
-    for name, static in (("hf_eager", False), ("hf_compiled", True)):
-        if name not in systems:
-            continue
-        peer = HFPeer(model.hf_model, static_cache=static)
-        peer.generate(warmup, 4)
-        for ctx in tqdm(contexts, desc=name, leave=False):
-            prompt = prompts[ctx]
-            if static:  # compile on these very shapes first
-                peer.generate(prompt, generate)
-                peer.generate(prompt, 1)
-            first = statistics.median(peer.generate(prompt, 1)[1] for _ in range(PREFILL_REPEATS))
-            _, total = peer.generate(prompt, generate)
-            rows.append(DecodeRow(name, ctx, (generate - 1) / max(total - first, 1e-9), ctx / first))
+    peers = [(name, static) for name, static in (("hf_eager", False), ("hf_compiled", True)) if name in systems]
+    if peers:
+        with model.peer_model() as hf_model:  # the engines are closed: one copy of the weights at a time
+            for name, static in peers:
+                rows += _hf_decode_rows(HFPeer(hf_model, static_cache=static), name, prompts, warmup, generate)
     bandwidth = copy_bandwidth(device)
     roofline = bandwidth / model.weight_bytes if bandwidth else None
     return {"workload": "decode", "model": model.name, "random_weights": model.random_weights,
             "weight_bytes": model.weight_bytes, "copy_bandwidth_bytes_s": bandwidth,
             "roofline_tok_s": roofline, "rows": [asdict(r) for r in rows]}
+
+
+def _hf_decode_rows(peer: HFPeer, name: str, prompts: dict[int, list[int]], warmup: list[int],
+                    generate: int) -> list[DecodeRow]:
+    peer.generate(warmup, 4)
+    rows = []
+    for ctx, prompt in tqdm(prompts.items(), desc=name, leave=False):
+        if peer.static_cache:  # compile on these very shapes first
+            peer.generate(prompt, generate)
+            peer.generate(prompt, 1)
+        first = statistics.median(peer.generate(prompt, 1)[1] for _ in range(PREFILL_REPEATS))
+        _, total = peer.generate(prompt, generate)
+        rows.append(DecodeRow(name, ctx, (generate - 1) / max(total - first, 1e-9), ctx / first))
+    return rows
 
 
 # --- agents ---------------------------------------------------------------------------------
@@ -183,6 +189,7 @@ class SystemResult:
     kv_blocks: int | None = None      # the engine's KV pool (Hibana systems): blocks and bytes,
     kv_bytes: int | None = None       # so a KV dtype's agents per GB show
     host_tier: dict | None = None     # parks, resumes, bytes moved, tokens restored (Hibana systems)
+    timeline: dict | None = None      # `Timeline.summary()` (Hibana systems)
 
     def summary(self) -> dict:
         turns = len(self.records)
@@ -203,6 +210,7 @@ class SystemResult:
             "kv_blocks": self.kv_blocks,
             "kv_bytes": self.kv_bytes,
             "host_tier": self.host_tier,
+            "timeline": self.timeline,
         }
 
 
@@ -271,11 +279,58 @@ def run_hibana_agents(model: BenchModel, cfg: AgentsConfig, retention: bool, sys
                                               out.stats.time_to_first_token or 0.0))
                     bar.update()
 
-        seconds = run_agents(agent, cfg.agents)
+        with Timeline(engine) as timeline:
+            seconds = run_agents(agent, cfg.agents)
         bar.close()
         stats = engine.stats()
         kv_blocks, kv_bytes = stats.kv_blocks_total, engine.kv_cache.nbytes
-    return SystemResult(name, cfg.agents, seconds, records, kv_blocks, kv_bytes, stats.host_tier)
+    return SystemResult(name, cfg.agents, seconds, records, kv_blocks, kv_bytes, stats.host_tier, timeline.summary())
+
+
+class Timeline:
+    """What the engine did over a run, sampled every `period` seconds from `engine.stats()`:
+    requests running and waiting, KV blocks in use, steps and their time. Its summary says where
+    the wall time went (how long requests queued while the engine ran few, how busy the step
+    loop was), which turns/h alone does not."""
+
+    def __init__(self, engine, period: float = 0.05) -> None:
+        self.engine, self.period = engine, period
+        self.samples: list[tuple[float, object]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "Timeline":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        while not self._stop.wait(self.period):
+            self.samples.append((time.perf_counter() - start, self.engine.stats()))
+
+    def summary(self) -> dict | None:
+        if len(self.samples) < 2:
+            return None
+        (t0, first), (t1, last) = self.samples[0], self.samples[-1]
+        stats = [s for _, s in self.samples]
+        blocks = max(first.kv_blocks_total, 1)
+        queued = [s for s in stats if s.requests_waiting]
+        return {
+            "seconds": t1 - t0,
+            "running_mean": statistics.fmean(s.requests_running for s in stats),
+            "waiting_mean": statistics.fmean(s.requests_waiting for s in stats),
+            "queued_fraction": len(queued) / len(stats),  # of the samples, those with a request waiting
+            "running_when_queued": statistics.fmean(s.requests_running for s in queued) if queued else None,
+            "kv_used_mean": statistics.fmean(s.kv_blocks_used for s in stats) / blocks,
+            "kv_used_when_queued": statistics.fmean(s.kv_blocks_used for s in queued) / blocks if queued else None,
+            "steps_per_s": (last.steps - first.steps) / (t1 - t0),
+            "step_busy": (last.step_seconds - first.step_seconds) / (t1 - t0),  # fraction of wall time in steps
+            "tokens_per_step": (last.generated_tokens - first.generated_tokens) / max(last.steps - first.steps, 1),
+        }
 
 
 def run_agents(agent, n: int) -> float:
@@ -290,10 +345,15 @@ def run_agents(agent, n: int) -> float:
 
 
 def run_hf_agents(model: BenchModel, cfg: AgentsConfig, reuse_cache: bool) -> SystemResult:
-    """One agent after another, as a framework integration does; timed on cfg.peer_agents."""
-    script = agent_script(cfg, model.vocab_size)
-    peer = HFPeer(model.hf_model)
-    peer.generate(random_tokens(random.Random(-1), 64, model.vocab_size), 4)  # warm up
+    """One agent after another, as a framework integration does; timed on cfg.peer_agents. The
+    model is on the device for this run alone (`BenchModel.peer_model`)."""
+    with model.peer_model() as hf_model:
+        return _hf_agents(HFPeer(hf_model), model.vocab_size, cfg, reuse_cache)
+
+
+def _hf_agents(peer: HFPeer, vocab_size: int, cfg: AgentsConfig, reuse_cache: bool) -> SystemResult:
+    script = agent_script(cfg, vocab_size)
+    peer.generate(random_tokens(random.Random(-1), 64, vocab_size), 4)  # warm up
     name = "hf_cache_reuse" if reuse_cache else "hf_reprefill"
     records: list[TurnRecord] = []
     seconds = 0.0

@@ -289,7 +289,8 @@ class Engine:
 
     @classmethod
     def from_hf_model(cls, hf_model: torch.nn.Module, tokenizer=None, **overrides) -> "Engine":
-        """An engine on the weights of an in-memory transformers model (copied, not shared)."""
+        """An engine on the weights of an in-memory transformers model (copied, not shared), or of
+        a stand-in with its config and state_dict (`hibana_core.loader.load_from_hf_model`)."""
         name = getattr(hf_model.config, "name_or_path", "") or hf_model.config.model_type
         return cls(EngineConfig.from_overrides(str(name), **overrides), hf_model, tokenizer)
 
@@ -440,8 +441,9 @@ class Engine:
         """Bytes per tier and per state: the device (weights, the KV pool and what of it is in
         use, the workspace estimate, a draft model's weights and KV, the budget in bytes or None,
         the device's total and whether it is unified memory; on CUDA the allocator's current and
-        peak bytes), the host tier (its budget and the parked copies), and each state's tier and
-        bytes. EngineClosedError once the engine is closed (it holds nothing then)."""
+        peak bytes), the host tier (its budget and the host memory the parked copies hold: a copy
+        shared by a fork and its parent once; on a GPU the pinned blocks, whose sizes are powers of
+        two), and each state's tier and bytes (its copy's own size). EngineClosedError once the engine is closed (it holds nothing then)."""
         with self.core.lock:
             if self.core.closed:
                 raise EngineClosedError("the engine is closed and holds no memory; create a new one with "

@@ -133,8 +133,9 @@ def load_model(model: str, device: torch.device, dtype: str, ctx: ForwardContext
 
 def load_from_hf_model(hf_model: torch.nn.Module, device: torch.device, dtype: str,
                        ctx: ForwardContext, tokenizer: Any | None = None) -> LoadedModel:
-    """Our model with the weights of an in-memory transformers model (benchmarks build random
-    presets this way, and run the transformers peer on the very same weights)."""
+    """Our model with the weights of an in-memory transformers model, or of anything with its
+    `config`, `generation_config` and a `state_dict()` mapping names to tensors: the benchmarks'
+    random presets make each weight on the device when it is read, so no second copy exists."""
     hf_config = hf_model.config
     family = _family(hf_config.model_type)
     torch_dtype = resolve_dtype(dtype, device, hf_config)

@@ -28,6 +28,7 @@ from typing import Iterable, Sequence
 import torch
 
 from hibana_core.config import SamplingParams
+from hibana_core.kv.transfers import device_tensor, small_to_device
 
 _NEG_INF = float("-inf")
 # Floor on the Exp(1) noise: exponential_ may return exactly 0 on some backends, and p / 0 gives
@@ -247,21 +248,6 @@ def needs_history(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a tensor on `device`, copied without waiting for the device."""
-    return _to_device(torch.tensor(values, dtype=dtype), device)
-
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a small per-batch tensor without waiting for the device.
-
-    (`torch.tensor(..., device="cuda")` would synchronize the stream after the copy.)
-    """
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
-
-
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return device_tensor(values, torch.float32, device)[:, None]  # [B, 1]
 
@@ -281,7 +267,7 @@ def _token_table(x: torch.Tensor, rows: list[tuple[int, Iterable[int]]], dtype: 
     table = torch.zeros(batch, vocab + 1, dtype=dtype, device=x.device)  # column V: ignored ids
     if token_ids:
         # Histories can be long: array -> tensor is several times faster than torch.tensor(list).
-        ids = _to_device(torch.frombuffer(array.array("q", token_ids), dtype=torch.int64), x.device)
+        ids = small_to_device(torch.frombuffer(array.array("q", token_ids), dtype=torch.int64), x.device)
         ids = ids.masked_fill((ids < 0) | (ids > vocab), vocab)
         row_ids = torch.repeat_interleave(device_tensor([i for i, _ in rows], torch.int64, x.device),
                                           device_tensor(lengths, torch.int64, x.device),

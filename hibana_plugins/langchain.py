@@ -12,7 +12,8 @@ that differ from what the state holds are computed. Which state serves a call:
     1. `state_id`: on the object, through `.bind(state_id=...)`, or as a call kwarg. A call on an
        id that is serving another call raises `hibana_core.StateBusyError`.
     2. else LangGraph's `thread_id` and checkpoint namespace (task ids dropped): "t1/agent";
-       while another call holds it (a Send fan-out of one node), the choice below.
+       while another call holds it (a Send fan-out of one node), the choice below. Outside a
+       graph, `llm.invoke(..., config={"configurable": {"thread_id": "t1"}})` names "t1" the same way.
     3. else a state made for an earlier call that named none, when the prompt goes on from its
        conversation (holds it up to its last reply) and no other call is using it; else a new
        state (`Chat.lease`).
@@ -57,7 +58,7 @@ try:
     from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
     from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
     from langchain_core.runnables import RunnableMap, RunnablePassthrough
-    from langchain_core.runnables.config import ensure_config
+    from langchain_core.runnables.config import ensure_config, var_child_runnable_config
     from langchain_core.utils.function_calling import convert_to_openai_tool
     from langchain_core.utils.pydantic import is_basemodel_subclass
 except ImportError as _missing:  # langchain-core is an optional dependency
@@ -104,6 +105,25 @@ def _graph_state_id(run_manager) -> str | None:
     if not path and metadata.get("langgraph_node"):
         path = [metadata["langgraph_node"]]
     return "/".join([str(thread), *path])
+
+
+@contextlib.contextmanager
+def _call_config(config) -> Iterator[None]:
+    """A direct call's `configurable` (its thread_id) where `_graph_state_id` reads it: LangGraph
+    sets the run config of each node's calls; `llm.invoke(..., config=...)` passes only its
+    callbacks, tags and metadata on to `_generate`."""
+    configurable = (config or {}).get("configurable")
+    if not configurable:
+        yield
+        return
+    current = var_child_runnable_config.get() or {}
+    token = var_child_runnable_config.set(
+        {**current, "configurable": {**(current.get("configurable") or {}), **configurable}})
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):  # a stream closed from another context
+            var_child_runnable_config.reset(token)
 
 
 # --- messages ------------------------------------------------------------------------------------
@@ -416,6 +436,23 @@ class ChatHibana(BaseChatModel):
         return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
 
     # -- calls: thin drivers over one conversion (`_Call.chunk`, `_Call.chat_result`) -------------------
+
+    def invoke(self, input, config=None, **kwargs):
+        with _call_config(config):
+            return super().invoke(input, config, **kwargs)
+
+    async def ainvoke(self, input, config=None, **kwargs):
+        with _call_config(config):
+            return await super().ainvoke(input, config, **kwargs)
+
+    def stream(self, input, config=None, **kwargs):
+        with _call_config(config):
+            yield from super().stream(input, config, **kwargs)
+
+    async def astream(self, input, config=None, **kwargs):
+        with _call_config(config):
+            async for chunk in super().astream(input, config, **kwargs):
+                yield chunk
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager=None,
                   **kwargs: Any) -> ChatResult:

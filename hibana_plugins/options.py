@@ -93,6 +93,9 @@ def sampling_params(values: Mapping[str, Any], where: str, context: int | None =
     if "stop" in given and isinstance(given["stop"], str):
         given["stop"] = [given["stop"]]
     try:
+        if given.get("max_tokens") == 0:  # the server and HibanaLLM refuse it too: one rule for every adapter
+            raise ConfigError("max_tokens must be at least 1: a reply of no tokens says nothing (to fill a "
+                              "state with a prompt, use StateHandle.sync)")
         params = SamplingParams(**given)
         if params.speculation is not None:  # a drafter's name too, before any engine is loaded
             check_method(params.speculation, list(get_plugin_manager().drafters()))

@@ -48,6 +48,8 @@ def test_chat_hibana_refuses_unknown_options(options, named):
     ({"num_predict": 3, "max_tokens": 4}, "name the same option"),
     ({"speculation": {"method": "nope"}}, r"no drafter named 'nope' is registered \(registered: .*suffix"),
     ({"speculation": {"method": "suffix", "k": 99}}, "speculation k must lie in"),
+    ({"max_tokens": 0}, "max_tokens must be at least 1"),
+    ({"num_predict": -1}, "max_tokens must be >= 0"),
 ])
 def test_chat_hibana_checks_values_at_construction(options, message):
     with pytest.raises(ConfigError, match=message):
@@ -73,6 +75,8 @@ def test_chat_hibana_refuses_unknown_call_kwargs(engine):
         llm.invoke(PROMPT, foo=1)
     with pytest.raises(ConfigError, match="temperature"):
         llm.invoke(PROMPT, temperature=-0.5)
+    with pytest.raises(ConfigError, match="max_tokens must be at least 1"):  # as the server and HibanaLLM
+        llm.invoke(PROMPT, max_tokens=0)
 
 
 def test_chat_hibana_call_options_reach_the_sampler(engine):

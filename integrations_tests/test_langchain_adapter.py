@@ -147,6 +147,29 @@ def test_langgraph_thread_and_node_name_the_state(llm):
     assert reply["messages"][-1].response_metadata["state_id"] == "lc-t9/agent"
 
 
+def test_a_thread_id_in_the_call_config_names_the_state_outside_a_graph(llm):
+    """`configurable.thread_id` of a direct call (no graph sets the run config) names the state,
+    for invoke, ainvoke, stream and astream alike, and the thread's next turn goes on in it."""
+    import asyncio
+
+    def config(thread: str) -> dict:
+        return {"configurable": {"thread_id": thread}}
+
+    first = llm.invoke("Hello", config=config("direct-1"))
+    assert first.response_metadata["state_id"] == "direct-1"
+    again = llm.invoke([HumanMessage("Hello"), first, HumanMessage("And Oslo?")], config=config("direct-1"))
+    assert again.response_metadata["state_id"] == "direct-1"
+    assert again.usage_metadata["input_token_details"]["cache_read"] > 0
+    assert asyncio.run(llm.ainvoke("Hi", config=config("direct-2"))).response_metadata["state_id"] == "direct-2"
+    streamed = [c for c in llm.stream("Hi", config=config("direct-3"))]
+    assert any(c.response_metadata.get("state_id") == "direct-3" for c in streamed)
+
+    async def astream() -> list:
+        return [c async for c in llm.astream("Hi", config=config("direct-4"))]
+    assert any(c.response_metadata.get("state_id") == "direct-4" for c in asyncio.run(astream()))
+    assert llm.invoke("Hi").response_metadata["state_id"] not in {f"direct-{i}" for i in range(1, 5)}
+
+
 # --- tool choice -------------------------------------------------------------------------------------
 
 def test_tool_choice_auto_none_and_forced(llm):

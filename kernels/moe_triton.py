@@ -27,7 +27,7 @@ a block of 32; int4 (code - zero) * scale a group; int8 codes, the row's scale t
 sum), so weights are read at 4.25, 4 + 32 / group and 8 bits. The decode GEMV (`_gemv`) does not
 dequantize weight by weight: at one token every weight costs its own instructions, so the
 4-bit formats are read as int32 words of 8 codes and their scales applied once a run of a group
-(see `_gemv`; MXFP4 has three GEMVs, `MXFP4_GEMVS`, until the H200 has timed them). Accumulation
+(see `_gemv`; MXFP4's codes go two at a time, `_e2m1_pair_scaled`). Accumulation
 is in float32; the roundings follow transformers' order (gate|up and the expert's output rounded
 to x's dtype before the bias is added, the activation's steps rounded as torch's ops round them,
 the weighted output rounded), except that a token's k outputs are summed in float32 and rounded
@@ -57,26 +57,11 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ACTIVATION = {"silu": 0, "swiglu_oai": 1}
 _FORMAT = {"dense": 0, "mxfp4": 1, "int8": 2, "int4": 3}
 """The kernels' FORMAT constexpr: how `_weight_tile` reads a weight."""
-MXFP4_GEMVS = {"nibbles": 0, "pairs": 1, "mma": 2}
-"""The decode path's MXFP4 GEMVs (the kernels' MXFP4_GEMV constexpr), all exact, kept side by side
-until bench/tune_moe.py has timed them on the H200 (the only comparison yet, bench/sass_moe.py:
-SASS instructions a weight in sm_90 builds' gate|up loop, Triton 3.9, at DECODE_TILES' 8 x 512
-tile: 7.7, 5.9, and 9.2 for mma at its best, 64 rows; the down loop 8.6, 6.3 and 9.1; of which
-on the integer pipe, half the float pipe's rate: 4.2, 2.7 and 4.7):
-
-    nibbles  one e2m1 code at a time through fp16 (shift, masks, convert, FMA): the GEMV that
-             took 60.1 us at T=1 on 2026-12-01
-    pairs    codes p and p + 4 of a word at once, the two halves of an fp16x2 (`_e2m1_pair_scaled`)
-    mma      the tensor cores (`_gemv_mxfp4_dot`, tl.dot_scaled), bfloat16 x and block_n >= 16
-             only (other x take "pairs")"""
-
-
 class DecodeTiles(NamedTuple):
     block_n: int  # output features a program owns (gate_up: BLOCK_N gate rows and BLOCK_N up rows)
     block_k: int  # columns of K a step (MXFP4: a multiple of 32; int4: of 8)
     num_warps: int
     down_per_route: bool = False  # down projection: a program per route, then _combine_kernel (else per token)
-    mxfp4_gemv: str = "nibbles"  # how the MXFP4 GEMV decodes: one of MXFP4_GEMVS
 
 
 class GroupedTiles(NamedTuple):
@@ -91,17 +76,15 @@ DECODE_TILES = {
     "dense": DecodeTiles(8, 256, 4, down_per_route=True),
     "int8": DecodeTiles(16, 256, 4, down_per_route=True),
     "int4": DecodeTiles(8, 512, 2, down_per_route=True),
-    # H200, gpt-oss-20b layer at T=1: pairs 50.9 us, nibbles 59.0, mma 97.1 (bench/RESULTS.md)
-    "mxfp4": DecodeTiles(8, 512, 2, down_per_route=True, mxfp4_gemv="pairs"),
+    "mxfp4": DecodeTiles(8, 512, 2, down_per_route=True),
 }
 """The decode path's tiles per weight kind, the fastest of the sweep at T=1 (H200, 2026-12-01,
 one MoE layer of Qwen3-30B-A3B / gpt-oss-20b shape, % of 4.8 TB/s of the bytes read): bf16
-31.2 us 50.3%, int8 26.2 us 30.1%, int4 27.0 us 15.5%, MXFP4 on FMA 60.1 us 18.4% (its tiles
-then: DecodeTiles(8, 512, 2, down_per_route=True)). A program per route for the down projection
-(then `_combine_kernel`) won for every kind. MXFP4's code-pair GEMV (MXFP4_GEMVS) is not yet
-timed on the H200, so the default stays the one the GPU checks ran:
-`bench/tune_moe.py --models gpt-oss-20b --tokens 1,8` times the three GEMVs (add --sweep for more
-of their tiles)."""
+31.2 us 50.3%, int8 26.2 us 30.1%, int4 27.0 us 15.5%, MXFP4 60.1 us 18.4%. A program per route
+for the down projection (then `_combine_kernel`) won for every kind. MXFP4's GEMV decodes two
+codes at once since (`_e2m1_pair_scaled`): 50.9 us on a gpt-oss-20b layer at T=1, where one code
+at a time took 59.0 and the tensor cores (tl.dot_scaled against x broadcast to 16 columns) 97.1;
+at T=8 287.8, 342.5 and 442.3, the grouped path 263.1 (bench/RESULTS.md, 2026-12-01)."""
 
 
 # ------------------------------------------------------------------------------------- routing
@@ -383,7 +366,7 @@ def _weighted_output(acc, weight, b_ptr, expert, offs_n, n_mask, stride_be, dtyp
 
 @triton.jit
 def _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexpr, BLOCK_K: tl.constexpr,
-          FORMAT: tl.constexpr, GROUP: tl.constexpr, MXFP4_GEMV: tl.constexpr):
+          FORMAT: tl.constexpr, GROUP: tl.constexpr):
     """x[:K] . w[r, :K] in float32 [R] for R weight rows at element offsets w_rows (int64; int32
     words for the 4-bit formats) with scales (and zeros) at sz_rows. Products stay per column of
     the tile until the loop ends (a sum across threads each step costs more than the step), and
@@ -393,16 +376,14 @@ def _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexp
         int8    scale * (x . code), codes made float by a bit trick, not I2F (quarter rate)
         int4    words of 8 codes, each the unit 1 + code / 16 (a shift and a logic op); per run of
                 SUB columns inside one group: scale * (16 x . unit - (16 + zero) sum x)
-        MXFP4   words of 8 codes, each e2m1 * 2^-14 through fp16; per block: 2^(e + 14 - 127) (x . v);
-                the codes one by one (MXFP4_GEMV 0) or two at once (1); 2: `_gemv_mxfp4_dot`
+        MXFP4   words of 8 codes, two at a time e2m1 * 2^-14 through fp16x2 (`_e2m1_pair_scaled`);
+                per block: 2^(e + 14 - 127) (x . v)
 
     x at column 8i + p meets nibble p of word i; a 4-bit tile is [R, BLOCK_K // SUB, SUB // 8]
     words, SUB = min(BLOCK_K, GROUP), so scales load once a run, not once a code. The quantized
     weights are not rounded to x's dtype one by one as the reference dequantizes them: the sums
     are as exact or more."""
-    if FORMAT == 1 and MXFP4_GEMV == 2:
-        return _gemv_mxfp4_dot(x_row, w_ptr, s_ptr, w_rows, sz_rows, r_mask, K, R, BLOCK_K)
-    elif FORMAT == 0 or FORMAT == 2:
+    if FORMAT == 0 or FORMAT == 2:
         acc = tl.zeros([R, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -445,42 +426,14 @@ def _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexp
                 acc += (16.0 * scale)[:, :, None] * units - (scale * (16.0 + zero))[:, :, None] * x_sum[None, :, :]
             else:
                 values = tl.zeros([R, RUNS, WORDS], dtype=tl.float32)
-                if MXFP4_GEMV == 1:
-                    for p in tl.static_range(4):
-                        x_lo = tl.load(x_row + k_word + p, mask=k_mask, other=0.0).to(tl.float32)
-                        x_hi = tl.load(x_row + k_word + p + 4, mask=k_mask, other=0.0).to(tl.float32)
-                        lo, hi = _e2m1_pair_scaled(words, p)
-                        values += x_lo[None, :, :] * lo  # two FMAs: a sum of both products first costs a third op
-                        values += x_hi[None, :, :] * hi
-                else:
-                    for p in tl.static_range(8):
-                        x = tl.load(x_row + k_word + p, mask=k_mask, other=0.0).to(tl.float32)
-                        values += x[None, :, :] * _e2m1_scaled((words >> (4 * p)) & 0xF)
+                for p in tl.static_range(4):
+                    x_lo = tl.load(x_row + k_word + p, mask=k_mask, other=0.0).to(tl.float32)
+                    x_hi = tl.load(x_row + k_word + p + 4, mask=k_mask, other=0.0).to(tl.float32)
+                    lo, hi = _e2m1_pair_scaled(words, p)
+                    values += x_lo[None, :, :] * lo  # two FMAs: a sum of both products first costs a third op
+                    values += x_hi[None, :, :] * hi
                 acc += _e8m0_scale(tl.load(s_ptr + sz, mask=sz_mask, other=0))[:, :, None] * values
         return tl.sum(tl.sum(acc, axis=2), axis=1)
-
-
-@triton.jit
-def _gemv_mxfp4_dot(x_row, w_ptr, s_ptr, w_rows, s_rows, r_mask, K, R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`_gemv` of R MXFP4 rows (bytes at w_rows, e8m0 scales at s_rows) and a bfloat16 x, on the
-    tensor cores: tl.dot_scaled takes the codes and scales as stored and upcasts them to bfloat16
-    (code * 2^(e - 127), exact there) for an MMA against x as a [BLOCK_K, 16] operand of 16 equal
-    columns (16: an MMA's least N), float32 sums. The MMA takes the FMAs off the FMA GEMV's hands,
-    but the upcast's byte permutes and the moves into the MMA's operand layout cost more
-    instructions a weight than the FMA GEMV spends (MXFP4_GEMVS)."""
-    N: tl.constexpr = 16
-    acc = tl.zeros([R, N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        codes = tl.load(w_ptr + w_rows[:, None] + offs_b[None, :],
-                        mask=r_mask[:, None] & (offs_b < K // 2)[None, :], other=0)  # [R, BLOCK_K // 2]
-        offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        scales = tl.load(s_ptr + s_rows[:, None] + offs_g[None, :],
-                         mask=r_mask[:, None] & (offs_g < K // 32)[None, :], other=0)  # [R, BLOCK_K // 32]
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0)
-        acc = tl.dot_scaled(codes, scales, "e2m1", tl.broadcast_to(x[:, None], [BLOCK_K, N]), None, "bf16", acc)
-    return tl.sum(tl.where(tl.arange(0, N)[None, :] == 0, acc, 0.0), axis=1)
 
 
 @triton.jit
@@ -488,7 +441,7 @@ def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, z_ptr, b_ptr, act_ptr, 
                            stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_be,
                            alpha, limit, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            FORMAT: tl.constexpr, GROUP: tl.constexpr, ACTIVATION: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, MXFP4_GEMV: tl.constexpr):
+                           HAS_BIAS: tl.constexpr):
     """act[route, n] for one route and BLOCK_N intermediate features: its expert's gate rows n
     and up rows I + n as one tile of 2 BLOCK_N rows (row 2j + h: gate j for h = 0, up j for 1),
     streamed along H together."""
@@ -499,7 +452,7 @@ def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, z_ptr, b_ptr, act_ptr, 
     rows = (feature + (r % 2) * I).to(tl.int64)
     sums = _gemv(x_ptr + (route // TOP_K).to(tl.int64) * stride_xm, w_ptr, s_ptr, z_ptr,
                  expert * stride_we + rows * stride_wn, expert * stride_se + rows * stride_sn, feature < I, H,
-                 2 * BLOCK_N, BLOCK_K, FORMAT, GROUP, MXFP4_GEMV)
+                 2 * BLOCK_N, BLOCK_K, FORMAT, GROUP)
     gate, up = tl.split(tl.reshape(sums, [BLOCK_N, 2]))
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
@@ -512,8 +465,7 @@ def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, z_ptr, b_ptr, act_ptr, 
 def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, H, I,
                         stride_om, stride_we, stride_wn, stride_se, stride_sn, stride_be,
                         ROUTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        MXFP4_GEMV: tl.constexpr):
+                        FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr):
     """out[program 0, n] for BLOCK_N hidden features and ROUTES consecutive routes: each route's
     expert's down rows against that route's activation, weighted, summed over the ROUTES in
     float32. ROUTES = k: out is the layer's output, one program per token; ROUTES = 1: out holds
@@ -526,7 +478,7 @@ def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_pt
         route = tl.program_id(0) * ROUTES + j
         expert = tl.load(ids_ptr + route).to(tl.int64)
         acc = _gemv(act_ptr + route.to(tl.int64) * I, w_ptr, s_ptr, z_ptr, expert * stride_we + offs_n * stride_wn,
-                    expert * stride_se + offs_n * stride_sn, n_mask, I, BLOCK_N, BLOCK_K, FORMAT, GROUP, MXFP4_GEMV)
+                    expert * stride_se + offs_n * stride_sn, n_mask, I, BLOCK_N, BLOCK_K, FORMAT, GROUP)
         total += _weighted_output(acc, tl.load(weights_ptr + route), b_ptr, expert, offs_n, n_mask, stride_be,
                                   act_ptr.dtype.element_ty, HAS_BIAS)
     tl.store(out_ptr + tl.program_id(0).to(tl.int64) * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
@@ -672,18 +624,6 @@ def choose_tiles(tokens: int, kind: str = "dense") -> DecodeTiles | GroupedTiles
     return GroupedTiles(16, block_n=64, block_k=128, num_warps=4, num_stages=2)
 
 
-def _mxfp4_gemv(tiles: DecodeTiles, experts: MoEExperts, x: torch.Tensor) -> int:
-    """The kernels' MXFP4_GEMV for decode tiles: "mma" wants bfloat16 x (else "pairs") and 16
-    rows; the other kinds' kernels never read it."""
-    if tiles.mxfp4_gemv not in MXFP4_GEMVS:
-        raise ValueError(f"{tiles}: mxfp4_gemv must be one of {tuple(MXFP4_GEMVS)}")
-    if experts.kind != "mxfp4" or (tiles.mxfp4_gemv == "mma" and x.dtype != torch.bfloat16):
-        return MXFP4_GEMVS["pairs"]
-    if tiles.mxfp4_gemv == "mma" and tiles.block_n < 16:
-        raise ValueError(f"{tiles}: an MMA takes at least 16 rows, block_n must be 16 or more")
-    return MXFP4_GEMVS[tiles.mxfp4_gemv]
-
-
 def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor, ids: torch.Tensor,
                      tiles: DecodeTiles | GroupedTiles) -> torch.Tensor:
     """fused_moe on the path and tiles chosen by the caller (tests, the tuning script)."""
@@ -698,8 +638,7 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
     inter = experts.intermediate_size
     weight_format = _FORMAT[experts.kind]
     decode = isinstance(tiles, DecodeTiles)
-    gemv = _mxfp4_gemv(tiles, experts, x) if decode else 0
-    words = decode and experts.kind in ("mxfp4", "int4") and gemv != MXFP4_GEMVS["mma"]
+    words = decode and experts.kind in ("mxfp4", "int4")
     g13, g2 = experts.group_sizes if experts.kind == "int4" else (moe.MXFP4_BLOCK,) * 2
     w13 = _weights(experts.w13, experts.w13_scales, experts.w13_zeros, experts.b13, g13, words)
     w2 = _weights(experts.w2, experts.w2_scales, experts.w2_zeros, experts.b2, g2, words)
@@ -714,13 +653,13 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
         _gate_up_decode_kernel[(t * top_k, triton.cdiv(inter, tiles.block_n))](
             x, ids, w13.w, w13.s, w13.z, w13.b, act, h, inter, top_k, x.stride(0), *w13.strides, *swiglu,
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, GROUP=w13.group,
-            ACTIVATION=_ACTIVATION[experts.activation], HAS_BIAS=has_b13, MXFP4_GEMV=gemv, num_warps=tiles.num_warps)
+            ACTIVATION=_ACTIVATION[experts.activation], HAS_BIAS=has_b13, num_warps=tiles.num_warps)
         routes = 1 if tiles.down_per_route else top_k
         y = torch.empty((t * top_k, h), dtype=x.dtype, device=x.device) if routes == 1 else out
         _down_decode_kernel[(t * top_k // routes, triton.cdiv(h, tiles.block_n))](
             act, ids, weights, w2.w, w2.s, w2.z, w2.b, y, h, inter, y.stride(0), *w2.strides, ROUTES=routes,
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, GROUP=w2.group, HAS_BIAS=has_b2,
-            MXFP4_GEMV=gemv, num_warps=tiles.num_warps)
+            num_warps=tiles.num_warps)
         if routes == 1:
             _combine_kernel[(t, triton.cdiv(h, combine_block))](y, out, h, out.stride(0), TOP_K=top_k,
                                                                 BLOCK=combine_block, num_warps=4)

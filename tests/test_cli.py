@@ -115,6 +115,8 @@ BENCH_USAGE_ERRORS = [
     (["decode", "--context", "512,abc"], "argument --context: 'abc' is not an integer"),
     (["agents", "--agents", "0"], "argument --agents: must be at least 1"),
     (["agents", "--generate", "-3"], "argument --generate: must be at least 1"),
+    (["agents", "--model", "gpt-oss-20b", "--systems", "hibana,hf_reprefill"],
+     "--systems: hf_reprefill cannot run gpt-oss-20b: the preset's experts are MXFP4"),
     (["serve", "--model", "/no/such/checkpoint"], "--model: checkpoint directory '/no/such/checkpoint' does not"),
     (["serve", "--clients", "0"], "argument --clients: must be at least 1"),
 ]

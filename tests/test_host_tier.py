@@ -118,7 +118,9 @@ def test_fork_of_a_parked_state_resumes_without_recompute(tiny_checkpoints, make
     path = tiny_checkpoints["llama"]
     engine = make_engine(path, num_blocks=DEVICE_BLOCKS, speculation="off")
     handles, prompts = three_states(engine, seed=4)
+    before = engine.stats().host_tier["bytes_used"]
     twin = handles[0].fork("s0-twin")
+    assert engine.stats().host_tier["bytes_used"] == before  # one tensor for both: counted once
     handles[2].close()
     handles[1].close()
     done = twin.generate(SamplingParams(max_tokens=GENERATE, ignore_eos=True))

@@ -384,8 +384,7 @@ def check_fused_moe(device, kind, activation, bias, dtype, tokens, top_k, path):
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     weights, ids = moe.moe_route(torch.randn(tokens, num_experts, generator=gen), top_k, renormalize=True)
     expected = moe.fused_moe(x, experts, weights, ids).float()
-    gemv = path.partition("-")[2] or "pairs"  # "decode-mma": the decode path, MXFP4 on the tensor cores
-    tiles = mt.GroupedTiles(16, 32, 32, 4, 1) if path == "grouped" else mt.DecodeTiles(16, 32, 4, mxfp4_gemv=gemv)
+    tiles = mt.GroupedTiles(16, 32, 32, 4, 1) if path == "grouped" else mt.DecodeTiles(16, 32, 4)
     out = mt.fused_moe_launch(x.to(device), _on(experts, device), weights.to(device), ids.to(device), tiles)
     assert out.dtype == dtype and out.shape == x.shape
     # 16-bit: the reference rounds the sum of k at each add, the kernels once; and the interpreter
@@ -407,31 +406,6 @@ def test_fused_moe(run_check, kind, activation, bias, dtype, path, tokens, top_k
               top_k=top_k, path=path)
 
 
-@pytest.mark.parametrize("gemv", ["nibbles", "mma"])
-@pytest.mark.parametrize("activation, bias, tokens", [("swiglu_oai", True, 1), ("silu", False, 3)])
-def test_fused_moe_mxfp4_gemvs(run_check, gemv, activation, bias, tokens):
-    """The MXFP4 decode GEMVs besides "pairs" (which test_fused_moe runs)."""
-    run_check(check_fused_moe, kind="mxfp4", activation=activation, bias=bias, dtype=torch.bfloat16, tokens=tokens,
-              top_k=2, path=f"decode-{gemv}")
-
-
-def check_mxfp4_gemv_refusals(device):
-    mt = _moe_triton()
-    gen = torch.Generator().manual_seed(16)
-    experts = _on(_random_experts("mxfp4", "silu", False, 4, 64, 32, gen), device)
-    x = torch.randn(1, 64, generator=gen).to(torch.bfloat16)
-    weights, ids = moe.moe_route(torch.randn(1, 4, generator=gen), 2)
-    x, weights, ids = x.to(device), weights.to(device), ids.to(device)
-    with pytest.raises(ValueError, match="at least 16 rows"):
-        mt.fused_moe_launch(x, experts, weights, ids, mt.DecodeTiles(8, 32, 4, mxfp4_gemv="mma"))
-    with pytest.raises(ValueError, match="mxfp4_gemv must be one of"):
-        mt.fused_moe_launch(x, experts, weights, ids, mt.DecodeTiles(16, 32, 4, mxfp4_gemv="lut"))
-
-
-def test_mxfp4_gemv_refusals(run_check):
-    run_check(check_mxfp4_gemv_refusals)
-
-
 @pytest.mark.parametrize("kind, activation", [("dense", "silu"), ("mxfp4", "swiglu_oai"), ("int8", "silu"),
                                               ("int4", "swiglu_oai")])
 def test_fused_moe_float16(run_check, kind, activation):
@@ -451,8 +425,7 @@ def check_fused_moe_tiles(device, kind, hidden, inter, groups, tiles):
     expected = moe.fused_moe(x, experts, weights, ids).float()
     on_device = _on(experts, device)
     for tile in tiles:
-        decode = len(tile) < 5 or isinstance(tile[4], str)  # grouped tiles are five ints
-        tile = (mt.DecodeTiles if decode else mt.GroupedTiles)(*tile)
+        tile = (mt.DecodeTiles if len(tile) < 5 else mt.GroupedTiles)(*tile)  # grouped tiles are five ints
         out = mt.fused_moe_launch(x.to(device), on_device, weights.to(device), ids.to(device), tile)
         error = (out.cpu().float() - expected).abs().max() / expected.abs().max()
         assert error <= (6e-2 if device == "cpu" else 2e-2), f"{tile}: relative error {error:.2e}"
@@ -462,17 +435,15 @@ def check_fused_moe_tiles(device, kind, hidden, inter, groups, tiles):
 _TILE_SHAPES = {"int4": [(96, 96, (32, 32)), (192, 64, (64, 64)), (384, 128, (128, 128))],
                 "mxfp4": [(96, 160, None)], "int8": [(72, 40, None), (33, 17, None)], "dense": [(33, 17, None)]}
 _TILES = [(16, 32, 4), (8, 64, 2, True), (4, 256, 4, True), (16, 128, 4, False), (16, 32, 64, 4, 1),
-          (16, 64, 128, 4, 1), (16, 32, 4, False, "nibbles"), (16, 64, 4, True, "mma")]
+          (16, 64, 128, 4, 1)]
 
 
 @pytest.mark.parametrize("kind, hidden, inter, groups", [(k, *shape) for k, shapes in _TILE_SHAPES.items()
                                                          for shape in shapes])
 def test_fused_moe_tiles(run_check, kind, hidden, inter, groups):
-    # the larger shapes with a decode, a grouped and an MMA tile (in the interpreter each tile of them
-    # costs ~15 s): the smaller shapes of the same kind take every tile
+    # the larger shapes with a decode and a grouped tile (in the interpreter each tile of them costs
+    # ~15 s): the smaller shapes of the same kind take every tile
     tiles = _TILES if hidden * inter <= 12288 else _TILES[1::3]
-    if kind != "mxfp4" and (kind, hidden) != ("int4", 96):  # the GEMV-named tiles: MXFP4's choice, which
-        tiles = [t for t in tiles if not isinstance(t[-1], str)]  # others ignore (int4's smallest checks that)
     tiles = tiles + ([(8, 16, 4)] if kind in ("dense", "int8") else [])  # 16 columns: no 4-bit tile
     run_check(check_fused_moe_tiles, kind=kind, hidden=hidden, inter=inter, groups=groups, tiles=tiles)
 
@@ -541,7 +512,7 @@ def check_mxfp4_codes_and_scales_are_exact(device, tiles):
     (Below 2 a weight of 0.5 is a bfloat16 subnormal, which the reference's own matmul flushes; above
     240 `_e8m0_scale` is inf. Checkpoints' scales are near 2^0, exponent 127.)"""
     mt = _moe_triton()
-    tiles = mt.DecodeTiles(*tiles) if isinstance(tiles[-1], str) else mt.GroupedTiles(*tiles)
+    tiles = (mt.DecodeTiles if len(tiles) < 5 else mt.GroupedTiles)(*tiles)
     tokens, hidden, inter = 16, 256, 32
     diagonal = torch.arange(tokens)
     codes13 = torch.zeros(2 * inter, hidden, dtype=torch.uint8)
@@ -564,8 +535,6 @@ def check_mxfp4_codes_and_scales_are_exact(device, tiles):
     assert torch.equal(out.cpu(), expected)
 
 
-@pytest.mark.parametrize("tiles", [(32, 64, 4, True, "nibbles"), (32, 64, 4, True, "pairs"),
-                                   (32, 64, 4, True, "mma"), (16, 64, 64, 4, 1)],
-                         ids=["decode-nibbles", "decode-pairs", "decode-mma", "grouped"])
+@pytest.mark.parametrize("tiles", [(32, 64, 4, True), (16, 64, 64, 4, 1)], ids=["decode", "grouped"])
 def test_mxfp4_codes_and_scales_are_exact(run_check, tiles):
     run_check(check_mxfp4_codes_and_scales_are_exact, tiles=tiles)

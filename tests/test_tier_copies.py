@@ -15,7 +15,8 @@ import torch
 
 from hibana_core import SamplingParams
 from hibana_core.kv import policies
-from hibana_core.kv.transfers import CopyStream, Transfer, _copy_pages, _runs
+from hibana_core.kv import transfers
+from hibana_core.kv.transfers import CopyStream, PinnedReserve, Transfer, _copy_pages, _runs, pinned_size
 from tiny_models import random_tokens
 
 GREEDY_ONE = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -204,3 +205,52 @@ def test_pages_are_staged_as_host_kv_selects_them():
         staging = torch.empty(3, 2, len(pages), 4, 2, 5)
         _copy_pages(staging, host, pages)
         assert torch.equal(staging, host[:, :, pages])
+
+
+def test_pinned_size_is_the_power_of_two_torch_holds():
+    assert [pinned_size(n) for n in (1, 2, 3, 1000, 1024, 1025, 617 << 20)] == [1, 2, 4, 1024, 1024, 2048, 1 << 30]
+
+
+def test_the_reserve_pins_spares_per_size_class_off_the_callers_thread(monkeypatch):
+    """Pinning is simulated (the CPU has none): each pinned allocation is recorded with its
+    thread. The first tensor of a class is pinned by the caller (cold); the warmer then pins
+    spares of its class (one, and one more per cold allocation of it), which the next tensors of
+    that class take; a tensor that dies gives its block back; the limit bounds the warmer."""
+    pinned: list[tuple[int, str]] = []
+    empty = torch.empty
+
+    def fake_empty(*shape, dtype=None, pin_memory=False, **kwargs):
+        tensor = empty(*shape, dtype=dtype, **kwargs)
+        if pin_memory:
+            pinned.append((tensor.numel() * tensor.element_size(), threading.current_thread().name))
+        return tensor
+
+    monkeypatch.setattr(transfers.torch, "empty", fake_empty)
+    reserve = PinnedReserve(limit=4 * 2048 + 1024)
+
+    def settle():
+        deadline = time.monotonic() + 10
+        while reserve._asked and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not reserve._asked
+
+    def by(thread: str) -> list[int]:
+        return [size for size, name in pinned if name == thread]
+
+    first = reserve.empty(torch.Size([3, 100]), torch.float32)  # 1,200 bytes: the class of 2,048, cold
+    first.fill_(1.0)
+    settle()
+    assert first.shape == (3, 100) and by("MainThread") == [2048]
+    assert reserve.cold == 1 and by("hibana-pinned") == [2048, 2048]  # one spare + one per cold
+    second = reserve.empty(torch.Size([500]), torch.float32)  # 2,000 bytes: the same class, warm
+    settle()
+    assert reserve.cold == 1 and len(reserve.free[2048]) == 2 and len(by("hibana-pinned")) == 3
+    assert second.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+    del first  # its block comes back: a third free block, and nothing is pinned for it
+    assert len(reserve.free[2048]) == 3 and len(pinned) == 4
+    third = reserve.empty(torch.Size([2, 256]), torch.float16)  # 1,024 bytes: another class, cold
+    settle()
+    # 4 blocks of 2,048 and the cold one of 1,024 reach the limit: no spare of 1,024 is pinned
+    assert reserve.cold == 2 and reserve.bytes == 4 * 2048 + 1024 and not reserve.free[1024]
+    reserve.close()
+    assert second.shape == (500,) and third.dtype == torch.float16

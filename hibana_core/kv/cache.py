@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 
 from hibana_core.kv.layout import NULL_BLOCK, KVLayout
+from hibana_core.kv.transfers import device_tensor
 
 FP8 = torch.float8_e4m3fn
 
@@ -80,10 +81,9 @@ class KVCache:
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """[page_layers, 2, len(block_ids), block_size, H_kv, D], on the host."""
-        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.data.device)
-        return self.gather(index).cpu()
+        return self.gather(device_tensor(list(block_ids), torch.long, self.data.device)).cpu()
 
     def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
-        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.data.device)
+        index = device_tensor(list(block_ids), torch.long, self.data.device)  # no wait for the step in flight
         blocks = blocks.to(self.data.device, self.data.dtype)
         self._raw.index_copy_(2, index, blocks.view(self._raw.dtype))

@@ -33,6 +33,7 @@ once each copy is done; elsewhere the wall time of the synchronous copies.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -51,7 +52,7 @@ import torch
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.cache import KVCache
 from hibana_core.kv.sequence import KVSequence, common_prefix_len
-from hibana_core.kv.transfers import CopyStream, Transfer
+from hibana_core.kv.transfers import CopyStream, PinnedReserve, Transfer, device_tensor, pinned_size
 
 logger = logging.getLogger("hibana.states")
 
@@ -116,6 +117,7 @@ class TierCounters:
     disk_resumes: int = 0       # restores read from disk
     disk_bytes_moved: int = 0   # written and read, on disk
     disk_seconds: float = 0.0   # spent writing and reading spill files
+    host_seconds: float = 0.0   # the caller's wall time in park and restore (the step loop's, in a step)
 
 
 class HostTier:
@@ -133,16 +135,23 @@ class HostTier:
         if spill_dir is not None:
             spill_dir.mkdir(parents=True, exist_ok=True)
         self.pinned = cache.data.device.type == "cuda"
+        self.reserve = PinnedReserve(budget_bytes) if self.pinned else None  # pinned off the step loop
         self._parked: OrderedDict[int, weakref.ref] = OrderedDict()  # id(seq) -> seq, least recent first
-        self._bytes: dict[int, int] = {}  # host copies' bytes
+        self._bytes: dict[int, tuple[int, int]] = {}  # host copies: (their tensor's address, bytes held)
         self._spilled: dict[int, tuple[weakref.ref, int]] = {}  # id(seq) -> (seq, bytes on disk)
         self._files = itertools.count()
         self._restoring: int | None = None  # id(seq) of the state being restored: its copy stays
+        self._depth = 0  # `_timed` calls in progress
         self.counters = TierCounters()
 
     @property
     def bytes_used(self) -> int:
-        return sum(self._bytes.values())
+        """Host memory the copies hold: a tensor shared by a fork and its parent counted once,
+        pinned tensors at the size torch's allocator holds for them (`pinned_size`)."""
+        return sum(dict(self._bytes.values()).values())
+
+    def _held(self, nbytes: int) -> int:
+        return pinned_size(nbytes) if self.pinned else nbytes
 
     @property
     def disk_bytes_used(self) -> int:
@@ -153,23 +162,28 @@ class HostTier:
         n = min(seq.num_computed, len(seq.tokens))
         if n == 0:
             return "drop"
-        if len(seq.pages(n)[0]) * self.cache.bytes_per_block_here <= self.budget_bytes:
+        if self._held(len(seq.pages(n)[0]) * self.cache.bytes_per_block_here) <= self.budget_bytes:
             return "host"
         return "disk" if self.spill_dir is not None else "drop"
 
     def park(self, seq: KVSequence) -> bool:
         """Copy the KV of `seq`'s computed tokens to the host (or, past the host budget, to disk)
         and free its device blocks. False (nothing copied, nothing freed) when neither takes it."""
+        with self._timed():
+            return self._park(seq)
+
+    def _park(self, seq: KVSequence) -> bool:
         n = min(seq.num_computed, len(seq.tokens))
         pages, starts = seq.pages(n)
         blocks = len(pages)
         nbytes = blocks * self.cache.bytes_per_block_here
-        to_host = n > 0 and self._room(nbytes)
+        to_host = n > 0 and self._room(self._held(nbytes))
         if not to_host and (n == 0 or self.spill_dir is None):
             return False
-        index = torch.tensor(pages, dtype=torch.long, device=self.cache.data.device)
+        index = device_tensor(pages, torch.long, self.cache.data.device)  # no wait for the step in flight
         device_kv = self.cache.gather(index)  # on the compute stream: before any later write of the blocks
-        host = torch.empty(device_kv.shape, dtype=device_kv.dtype, pin_memory=self.pinned and to_host)
+        host = (self.reserve.empty(device_kv.shape, device_kv.dtype) if self.pinned and to_host
+                else torch.empty(device_kv.shape, dtype=device_kv.dtype))
         copy = self._count(self.copies.to_host(device_kv, host))
         parked = ParkedKV(seq.tokens[:n], host, rotated_long=seq.rotated_long, starts=starts, copy=copy)
         if to_host:
@@ -189,6 +203,22 @@ class HostTier:
         starts with the parked tokens. Returns the tokens restored (0: nothing to do, or no room:
         the copy stays parked and the state catches up by computing). On a side stream the copy
         is enqueued, not done: the compute stream waits for it before its blocks are written."""
+        with self._timed():
+            return self._restore(seq, make_room)
+
+    @contextlib.contextmanager
+    def _timed(self):
+        """Count the wall time inside in `counters.host_seconds` (time the caller did not step),
+        once: a restore parks the states it makes room from."""
+        began, self._depth = time.perf_counter(), self._depth + 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if not self._depth:
+                self.counters.host_seconds += time.perf_counter() - began
+
+    def _restore(self, seq: KVSequence, make_room: Callable[[int], bool]) -> int:
         parked = seq.parked
         if parked is None or seq.num_computed:
             return 0
@@ -312,7 +342,7 @@ class HostTier:
         parked = ParkedKV(list(tokens), kv, rotated_long=seq.rotated_long, starts=starts)
         if disk:
             return self.spill_dir is not None and self._spill(seq, parked)
-        if not self._room(parked.nbytes):
+        if not self._room(self._held(parked.nbytes)):
             return False
         self._hold(seq, dataclasses.replace(parked, kv=kv.pin_memory()) if self.pinned else parked)
         return True
@@ -323,16 +353,15 @@ class HostTier:
         seq.parked = parked
         key = id(seq)
         self._parked[key] = weakref.ref(seq, lambda _, key=key, owner=weakref.ref(self): _gone(owner, key))
-        self._bytes[key] = parked.nbytes
+        self._bytes[key] = (parked.kv.data_ptr(), self._held(parked.nbytes))
 
     def share(self, seq: KVSequence, twin: KVSequence) -> None:
-        """Give a fork of parked `seq` a parked copy of its own: the same host tensor (read-only),
-        counted again within the budget, or a hard link to the spill file; where neither fits,
-        the fork has none and recomputes."""
+        """Give a fork of parked `seq` a parked copy of its own: the same host tensor (read-only,
+        its bytes counted once however many states hold it), or a hard link to the spill file;
+        where the link cannot be made, the fork has none and recomputes."""
         parked = seq.parked
         if parked.kv is not None:
-            if self._room(parked.nbytes):
-                self._hold(twin, dataclasses.replace(parked))
+            self._hold(twin, dataclasses.replace(parked))  # the same tensor: no more bytes
             return
         path = self.spill_dir / f"{next(self._files):08d}.kv"
         try:
@@ -409,6 +438,8 @@ class HostTier:
         self._bytes.clear()
         self._spilled.clear()
         self._copying.clear()
+        if self.reserve is not None:
+            self.reserve.close()
         if self.spill_dir is not None:
             shutil.rmtree(self.spill_dir, ignore_errors=True)
         self.cache = None
@@ -422,7 +453,8 @@ class HostTier:
                 "seconds": round(c.seconds, 4), "tokens_restored": c.tokens_restored,
                 "disk_states": len(self._spilled), "disk_bytes_used": self.disk_bytes_used, "spills": c.spills,
                 "disk_resumes": c.disk_resumes, "disk_bytes_moved": c.disk_bytes_moved,
-                "disk_seconds": round(c.disk_seconds, 4)}
+                "disk_seconds": round(c.disk_seconds, 4), "host_seconds": round(c.host_seconds, 4),
+                "pinned_cold": self.reserve.cold if self.reserve is not None else 0}
 
 
 def _gone(owner: "weakref.ref[HostTier]", key: int, path: Path | None = None) -> None:

@@ -18,7 +18,11 @@ synchronous and its `Transfer` done when made, so the same code runs with the wa
 
 from __future__ import annotations
 
+import collections
+import queue
+import threading
 import time
+import weakref
 
 import torch
 
@@ -95,6 +99,20 @@ class CopyStream:
         return staging, transfer
 
 
+def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device`, copied without waiting for the device."""
+    return small_to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def small_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small tensor (indices, per-row parameters) to `device` without waiting for it:
+    `torch.tensor(..., device="cuda")` synchronizes the stream after its copy, so the host would
+    wait for the step in flight (a park or restore inside scheduling waited a whole forward)."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def _timing_event() -> torch.cuda.Event:
     event = torch.cuda.Event(enable_timing=True)
     event.record()
@@ -127,3 +145,106 @@ def _runs(pages: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((page, 1))
     return runs
+
+
+def pinned_size(nbytes: int) -> int:
+    """The page-locked bytes `torch.empty(..., pin_memory=True)` of `nbytes` holds: torch's host
+    allocator rounds each block up to a power of two (and keeps it for reuse once freed)."""
+    return 1 << max(nbytes - 1, 0).bit_length()
+
+
+class PinnedReserve:
+    """Page-locked host memory for parked copies, pinned before the parks that take it.
+
+    Pinning new memory is slow: on the H200 box 0.69 s for 617 MB (cudaHostAlloc page-locks
+    every page). A park runs inside an engine step, so each new pin held up every agent. This
+    keeps blocks of power-of-two sizes (`pinned_size`) for the life of the tier: `empty` hands out
+    a free block of the tensor's class (a view of its first bytes), which comes back when the
+    tensor dies, and a background thread pins spares ahead of demand, one per class and one more
+    for each `empty` of it that found none (bursts of parks as agents pile up), at most
+    `MAX_SPARES` a class and never past `limit` bytes in all. Only an `empty` that finds no free
+    block pins on the caller's thread (`cold` counts them).
+
+    A block is reused as soon as the tensor handed out dies, without waiting for copies: every
+    device copy from or to these tensors runs on the one copy stream, in order, and the host
+    reads them only after waiting for their copy (`ParkedKV.host_kv`).
+    """
+
+    MAX_SPARES = 8
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit  # bytes of blocks the warmer may bring the reserve to
+        self.free: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
+        self.bytes = 0  # of all blocks, in use and free
+        self._cold: collections.Counter[int] = collections.Counter()  # per class
+        self._lock = threading.Lock()
+        self._asked: set[int] = set()  # classes the warmer is making spares of
+        self._todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def cold(self) -> int:
+        """Blocks pinned on the caller's thread (no free one of their class)."""
+        return sum(self._cold.values())
+
+    def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A pinned tensor of `shape` and `dtype` (contents undefined)."""
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        size = pinned_size(nbytes)
+        with self._lock:
+            block = self.free[size].pop() if self.free[size] else None
+            if block is None:
+                self._cold[size] += 1
+        if block is None:
+            block = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            with self._lock:
+                self.bytes += size
+        tensor = block[:nbytes].view(dtype).view(shape)
+        weakref.finalize(tensor, self._give_back, block)
+        self._ask(size)
+        return tensor
+
+    def _give_back(self, block: torch.Tensor) -> None:
+        with self._lock:
+            self.free[block.numel()].append(block)
+
+    def _wanted(self, size: int) -> int:
+        """Spares of class `size` still to pin (under the lock)."""
+        room = (self.limit - self.bytes) // size
+        return min(min(self.MAX_SPARES, 1 + self._cold[size]) - len(self.free[size]), room)
+
+    def _ask(self, size: int) -> None:
+        with self._lock:
+            if self._wanted(size) <= 0 or size in self._asked:
+                return
+            self._asked.add(size)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._warm, name="hibana-pinned", daemon=True)
+                self._thread.start()
+        self._todo.put(size)
+
+    def _warm(self) -> None:
+        while (size := self._todo.get()) is not None:
+            try:
+                while True:
+                    with self._lock:
+                        if self._wanted(size) <= 0:
+                            break
+                    block = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+                    with self._lock:
+                        self.bytes += size
+                        self.free[size].append(block)
+            except RuntimeError:  # out of page-lockable memory: a park pays (or fails) itself
+                pass
+            finally:
+                with self._lock:
+                    self._asked.discard(size)
+
+    def close(self) -> None:
+        """Stop the warmer and let the free blocks go (tensors handed out keep theirs)."""
+        if self._thread is not None:
+            self._todo.put(None)
+            self._thread.join()
+            self._thread = None
+        with self._lock:
+            self.free.clear()
