@@ -63,6 +63,7 @@ class Chat:
         self.engine = engine
         chat_format = get_plugin_manager().chat_formats().get(getattr(engine.hf_config, "model_type", None))
         self.template: str | None = getattr(chat_format, "template", None)
+        self._prepare = getattr(chat_format, "prepare_messages", list)  # a format's fixes to what its template refuses
         self.parser_name = tool_parser or getattr(chat_format, "tool_parser", None) or DEFAULT_TOOL_PARSER
         self.parser = get_plugin_manager().lookup("tool_parser", self.parser_name)
         vocab = engine.tokenizer.get_vocab()
@@ -154,7 +155,7 @@ class Chat:
                 raise ConfigError(f"reasoning must be True, False or None, got {reasoning!r:.80}")
             kwargs["enable_thinking"] = reasoning
 
-        messages, tools = normalize_messages(messages), normalize_tools(tools)
+        messages, tools = self._prepare(normalize_messages(messages)), normalize_tools(tools)
         check_tool_results(messages)
         for i, role in enumerate(m["role"] for m in messages):
             if role not in KNOWN_ROLES and not self._renders_role(role):
