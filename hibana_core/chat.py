@@ -145,11 +145,17 @@ class Chat:
         return self._encode(self.render_text(messages, tools, reasoning))
 
     def render_text(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-                    reasoning: bool | None = None) -> prompt.Prompt:
+                    reasoning: bool | None = None, *, effort: str | None = None) -> prompt.Prompt:
         """The rendered prompt; message contents that hold control-token text are marked as such
         (`hibana_core.prompt`), so that they are tokenized as plain text. `reasoning` goes to the
-        template as `enable_thinking` (Qwen3's switch); None leaves the template's default."""
+        template as `enable_thinking` (Qwen3's switch); None leaves the template's default.
+        `effort` (OpenAI's reasoning_effort level) goes as `reasoning_effort`: gpt-oss's harmony
+        template writes it into its system message; templates without it ignore it."""
         kwargs = {"chat_template": self.template} if self.template else {}
+        if effort is not None:
+            if not isinstance(effort, str):
+                raise ConfigError(f"effort must be a reasoning_effort level (a string) or None, got {effort!r:.80}")
+            kwargs["reasoning_effort"] = effort
         if reasoning is not None:
             if not isinstance(reasoning, bool):
                 raise ConfigError(f"reasoning must be True, False or None, got {reasoning!r:.80}")

@@ -603,3 +603,23 @@ def test_a_call_after_analysis_and_a_preamble_renders_in_the_next_turn(harmony_e
     assert ("<|start|>assistant<|channel|>analysis<|message|>The user wants the weather; call the tool.<|end|>"
             "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>") in text
     assert "Checking the weather." not in text
+
+
+# gpt-oss's own template writes the effort into its system message, "medium" unless given
+EFFORT_TEMPLATE = ("<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
+                   "{%- for m in messages -%}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endfor -%}"
+                   "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}")
+
+
+@pytest.mark.parametrize("effort, written", [("high", "high"), ("low", "low"), (None, "medium"), ("none", "medium")])
+def test_a_requests_reasoning_effort_reaches_the_harmony_template(harmony_engine, monkeypatch, effort, written):
+    """An OpenAI request's reasoning_effort is the level gpt-oss's template writes (it once became
+    enable_thinking alone, which that template ignores: every request read "Reasoning: medium")."""
+    from hibana_core.chat import Chat
+    from hibana_plugins.openai_api import ChatRequest, chat_call
+
+    monkeypatch.setattr(harmony_engine.tokenizer, "chat_template", EFFORT_TEMPLATE)
+    messages = [{"role": "user", "content": "hi"}]
+    call = chat_call(ChatRequest(model="gpt-oss", messages=messages, reasoning_effort=effort), None, 1024)
+    text = Chat(harmony_engine).render_text(messages, reasoning=call.reasoning, effort=call.effort)
+    assert text.startswith(f"<|start|>system<|message|>Reasoning: {written}<|end|>")
