@@ -63,6 +63,7 @@ class Chat:
         self.engine = engine
         chat_format = get_plugin_manager().chat_formats().get(getattr(engine.hf_config, "model_type", None))
         self.template: str | None = getattr(chat_format, "template", None)
+        self._prepare = getattr(chat_format, "prepare_messages", list)  # a format's fixes to what its template refuses
         self.parser_name = tool_parser or getattr(chat_format, "tool_parser", None) or DEFAULT_TOOL_PARSER
         self.parser = get_plugin_manager().lookup("tool_parser", self.parser_name)
         vocab = engine.tokenizer.get_vocab()
@@ -144,17 +145,23 @@ class Chat:
         return self._encode(self.render_text(messages, tools, reasoning))
 
     def render_text(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-                    reasoning: bool | None = None) -> prompt.Prompt:
+                    reasoning: bool | None = None, *, effort: str | None = None) -> prompt.Prompt:
         """The rendered prompt; message contents that hold control-token text are marked as such
         (`hibana_core.prompt`), so that they are tokenized as plain text. `reasoning` goes to the
-        template as `enable_thinking` (Qwen3's switch); None leaves the template's default."""
+        template as `enable_thinking` (Qwen3's switch); None leaves the template's default.
+        `effort` (OpenAI's reasoning_effort level) goes as `reasoning_effort`: gpt-oss's harmony
+        template writes it into its system message; templates without it ignore it."""
         kwargs = {"chat_template": self.template} if self.template else {}
+        if effort is not None:
+            if not isinstance(effort, str):
+                raise ConfigError(f"effort must be a reasoning_effort level (a string) or None, got {effort!r:.80}")
+            kwargs["reasoning_effort"] = effort
         if reasoning is not None:
             if not isinstance(reasoning, bool):
                 raise ConfigError(f"reasoning must be True, False or None, got {reasoning!r:.80}")
             kwargs["enable_thinking"] = reasoning
 
-        messages, tools = normalize_messages(messages), normalize_tools(tools)
+        messages, tools = self._prepare(normalize_messages(messages)), normalize_tools(tools)
         check_tool_results(messages)
         for i, role in enumerate(m["role"] for m in messages):
             if role not in KNOWN_ROLES and not self._renders_role(role):

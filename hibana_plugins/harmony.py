@@ -284,6 +284,10 @@ class HarmonyToolParser:
         return {"type": "structural_tag", "format": form}
 
 
+# the names a message's reasoning goes by; transformers hands any of them to templates as `thinking`
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
 class HarmonyChatFormat:
     """gpt_oss: the checkpoint's own template (`template` None), the harmony parser, and turns
     that end at <|return|> or <|call|>."""
@@ -291,6 +295,14 @@ class HarmonyChatFormat:
     template = None
     tool_parser = HarmonyToolParser.name
     end_of_turn_tokens = END_OF_TURN_TOKENS
+
+    @staticmethod
+    def prepare_messages(messages: list[dict]) -> list[dict]:
+        """A call's turn that wrote analysis and a preamble (content) both: gpt-oss's template
+        renders one analysis message before a call and refuses the two, so the preamble is left
+        out and the analysis kept (the model's own tokens up to the call, reused as they are)."""
+        return [{**m, "content": ""} if m.get("role") == "assistant" and m.get("tool_calls") and m.get("content")
+                and any(m.get(key) for key in REASONING_KEYS) else m for m in messages]
 
 
 @hookimpl

@@ -150,6 +150,7 @@ class ChatCall:
     stream: bool
     include_usage: bool
     reasoning: bool | None = None  # a reasoning model's thinking on or off; None: the template's default
+    effort: str | None = None      # reasoning_effort's level, for a template that reads it (gpt-oss's)
 
 
 def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None,
@@ -189,7 +190,8 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
     return ChatCall(listed, tools, choice, not chat or request.parallel_tool_calls is not False, params, explicit,
                     fallback=state_header is None, stream=bool(request.stream),
                     include_usage=bool(request.stream_options and request.stream_options.include_usage),
-                    reasoning=thinking_switch(request) if chat else None)
+                    reasoning=thinking_switch(request) if chat else None,
+                    effort=reasoning_level(request) if chat else None)
 
 
 def contents_given(messages: list[dict]) -> None:
@@ -270,8 +272,9 @@ def prompts_of(request: CompletionRequest, state_header: str | None) -> list[str
 def thinking_switch(request: ChatRequest) -> bool | None:
     """Whether a reasoning model thinks (the chat template's `enable_thinking`, Qwen3's switch):
     `chat_template_kwargs.enable_thinking` as vLLM and SGLang take it, or `reasoning_effort`
-    ("none": off; any effort: on; Hibana has no finer control); None leaves the template's
-    default. A model without thinking ignores both, as OpenAI's non-reasoning models do."""
+    ("none": off; any effort: on, and its level goes to the template too: `reasoning_level`); None
+    leaves the template's default. A model without thinking ignores both, as OpenAI's
+    non-reasoning models do."""
     kwargs = request.chat_template_kwargs or {}
     other = sorted(set(kwargs) - {"enable_thinking"})
     if other:
@@ -286,6 +289,12 @@ def thinking_switch(request: ChatRequest) -> bool | None:
         raise ApiError(400, f"reasoning_effort={request.reasoning_effort!r} and chat_template_kwargs.enable_thinking="
                             f"{str(enabled).lower()} disagree; give one of them", "reasoning_effort")
     return effort if enabled is None else enabled
+
+
+def reasoning_level(request: ChatRequest) -> str | None:
+    """`reasoning_effort` as the level a template may read (gpt-oss's writes "Reasoning: high"
+    into its system message); "none" is no level, thinking off (`thinking_switch`)."""
+    return None if request.reasoning_effort in (None, "none") else request.reasoning_effort
 
 
 def _given(value: float | None, default: float) -> float:

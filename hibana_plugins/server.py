@@ -244,7 +244,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         try:
             call = chat_call(parsed, request.headers.get(STATE_HEADER), max_tokens_limit)
             prompt = await asyncio.to_thread(chat.render_text, parsed.messages, call.listed_tools,
-                                           call.reasoning)
+                                           call.reasoning, effort=call.effort)
         except HibanaError as exc:
             raise api_error(exc) from None
         return await serve(request, received, Serving(chat, prompt, call, config.request_timeout),

@@ -246,6 +246,18 @@ def test_qwen3_moe_windows_every_layer_when_use_sliding_window(tmp_path, make_en
     assert_greedy_matches(path, history, c.token_ids)
 
 
+def test_gemma3_with_one_flat_rope_reads_each_layer_kinds_own(tmp_path, make_engine):
+    """A Gemma 3 config given one flat rope_parameters keeps those keys beside the per-kind
+    entries transformers adds (full: theta 1e6, sliding: the flat theta); HF's layers read the
+    per-kind ones alone, and so does Hibana (it once read the flat keys as kinds and crashed)."""
+    path = make_tiny_checkpoint("gemma3", tmp_path / "flat-rope",
+                                rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+    engine = make_engine(path)
+    history = list(range(3, 60))
+    c = engine.open_state("a").generate(SamplingParams(max_tokens=12, ignore_eos=True), prompt=history)
+    assert_greedy_matches(path, history, c.token_ids)
+
+
 def test_a_llama_config_carrying_a_sliding_window_attends_to_everything(tmp_path, make_engine):
     """transformers' LlamaAttention never reads sliding_window: a llama config.json that carries
     one (from a conversion) attends to the whole history there, and here (it once windowed every

@@ -561,3 +561,65 @@ def test_the_server_holds_gpt_oss_calls(harmony_engine):
             name = calls[0]["function"]["name"]
             assert name in schemas and (choice == "required" or name == "multiply")
             jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), schemas[name])
+
+
+
+# gpt-oss's own template, its rule for the analysis before a call: `thinking` (transformers fills
+# it from `reasoning_content`) or the content rendered ahead of the call, both at once refused
+GPT_OSS_CALL_ANALYSIS = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' and m.tool_calls -%}"
+    "{%- if m.content and m.thinking -%}"
+    "{{ raise_exception('Cannot pass both content and thinking in an assistant message with tool calls!') }}"
+    "{%- elif m.content -%}<|start|>assistant<|channel|>analysis<|message|>{{ m.content }}<|end|>"
+    "{%- elif m.thinking -%}<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>{%- endif -%}"
+    "<|start|>assistant to=functions.{{ m.tool_calls[0].function.name }}<|channel|>commentary json<|message|>"
+    "{{ m.tool_calls[0].function.arguments | tojson }}<|call|>"
+    "{%- elif m.role == 'tool' -%}<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"
+    "{{ m.content | tojson }}<|end|>"
+    "{%- else -%}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}")
+
+
+def test_a_call_after_analysis_and_a_preamble_renders_in_the_next_turn(harmony_engine, monkeypatch):
+    """A gpt-oss turn may write analysis, then a preamble, then the call; appended as its result
+    says, gpt-oss's template refuses the message (content and thinking both). The next turn keeps
+    the analysis, the model's own tokens up to the call, and leaves the preamble out (it once
+    failed with a ConversationError)."""
+    from hibana_core.chat import Chat, ChatResult, Usage, assistant_message
+
+    monkeypatch.setattr(harmony_engine.tokenizer, "chat_template", GPT_OSS_CALL_ANALYSIS)
+    generated = "<|channel|>commentary<|message|>Checking the weather.<|end|>" + CALL_AFTER_CHANNEL
+    stream = HarmonyToolParser().stream()
+    stream.feed(ANALYSIS + generated)
+    parsed = stream.finish()
+    result = ChatResult(text=parsed.content, tool_calls=parsed.tool_calls, finish_reason="tool_calls",
+                        usage=Usage(prompt_tokens=1, cached_tokens=0, completion_tokens=1), reasoning=stream.reasoning)
+    assert (result.text, result.reasoning) == ("Checking the weather.", "The user wants the weather; call the tool.")
+    messages = [{"role": "user", "content": "Weather in Oslo?"}, assistant_message(result),
+                {"role": "tool", "tool_call_id": result.tool_calls[0].id, "content": "sunny"}]
+    text = harmony_engine.tokenizer.decode(Chat(harmony_engine).prompt_ids(messages), skip_special_tokens=False)
+    assert ("<|start|>assistant<|channel|>analysis<|message|>The user wants the weather; call the tool.<|end|>"
+            "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>") in text
+    assert "Checking the weather." not in text
+
+
+# gpt-oss's own template writes the effort into its system message, "medium" unless given
+EFFORT_TEMPLATE = ("<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
+                   "{%- for m in messages -%}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endfor -%}"
+                   "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}")
+
+
+@pytest.mark.parametrize("effort, written", [("high", "high"), ("low", "low"), (None, "medium"), ("none", "medium")])
+def test_a_requests_reasoning_effort_reaches_the_harmony_template(harmony_engine, monkeypatch, effort, written):
+    """An OpenAI request's reasoning_effort is the level gpt-oss's template writes (it once became
+    enable_thinking alone, which that template ignores: every request read "Reasoning: medium")."""
+    from hibana_core.chat import Chat
+    from hibana_plugins.openai_api import ChatRequest, chat_call
+
+    monkeypatch.setattr(harmony_engine.tokenizer, "chat_template", EFFORT_TEMPLATE)
+    messages = [{"role": "user", "content": "hi"}]
+    call = chat_call(ChatRequest(model="gpt-oss", messages=messages, reasoning_effort=effort), None, 1024)
+    text = Chat(harmony_engine).render_text(messages, reasoning=call.reasoning, effort=call.effort)
+    assert text.startswith(f"<|start|>system<|message|>Reasoning: {written}<|end|>")

@@ -32,8 +32,10 @@ def args_from_config(config: Any) -> DecoderArgs:
         raise UnsupportedModelError("bidirectional Gemma 3 text models (use_bidirectional_attention) are "
                                     "encoders, not generators; Hibana serves causal decoders")
     head_dim = text.head_dim
-    rope_by_kind = {kind: Rope.from_parameters(dict(params), head_dim, text)
-                    for kind, params in text.rope_parameters.items()}
+    # only the layer kinds' entries: a flat rope_parameters given to the config stays beside
+    # them, and transformers' Gemma 3 reads the per-kind ones alone
+    rope_by_kind = {kind: Rope.from_parameters(dict(text.rope_parameters[kind]), head_dim, text)
+                    for kind in set(text.layer_types)}
     return DecoderArgs.from_config(
         text,
         model_type=config.model_type,
