@@ -34,7 +34,7 @@ from hibana_core.config import SamplingParams, SchedulerConfig
 from hibana_core.errors import GrammarError, MemoryBudgetError, QueueTimeoutError
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.policies import Eviction
-from hibana_core.kv.sequence import KVSequence
+from hibana_core.kv.sequence import KVSequence, common_prefix_len
 
 logger = logging.getLogger("hibana.states")
 
@@ -104,6 +104,15 @@ class Request:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.seq.num_computed
+
+    @property
+    def num_to_compute(self) -> int:
+        """`num_uncomputed` less the history a parked copy of the state's KV holds: admission
+        copies that back instead of computing it, so a parked state's turn is as short as a
+        resident one's (what "shortest_first" orders by)."""
+        parked = self.seq.parked
+        restorable = common_prefix_len(self.seq.tokens, parked.tokens) if parked is not None else 0
+        return self.num_tokens - max(self.seq.num_computed, restorable)
 
     @property
     def finished(self) -> bool:
@@ -347,7 +356,7 @@ class Scheduler:
         elif strategy == "priority":
             request = min(self.waiting, key=lambda r: (not r.front, -(r.params.priority if r.params else 0)))
         else:  # shortest_first
-            request = min(self.waiting, key=lambda r: (not r.front, r.num_uncomputed))
+            request = min(self.waiting, key=lambda r: (not r.front, r.num_to_compute))
         self.waiting.remove(request)
         return request
 

@@ -104,3 +104,19 @@ def test_bad_admission_options(tiny_checkpoints, make_engine, options, message):
 def test_priority_must_be_an_integer():
     with pytest.raises(ConfigError, match="priority"):
         SamplingParams(priority="high")
+
+
+def test_shortest_first_counts_a_parked_states_kv_as_computed(tiny_checkpoints, make_engine):
+    """A state parked in the host tier brings its KV back by copy: its turn computes only its new
+    tokens, so under "shortest_first" it goes before a cold prompt, as a resident state does."""
+    engine = make_engine(tiny_checkpoints["llama"], max_concurrent_agents=1, priority_strategy="shortest_first",
+                         num_blocks=10, speculation="off")
+    rng = random.Random(5)
+    resumed = engine.open_state("resumed")
+    resumed.generate(SamplingParams(max_tokens=2, ignore_eos=True), prompt=random_tokens(rng, 100))
+    cold_prompt = random_tokens(rng, 20)
+    prompts = {"cold": cold_prompt, "resumed": resumed.tokens + [7]}
+    params = {name: SamplingParams(max_tokens=2, ignore_eos=True) for name in prompts}
+    order = _first_token_order(engine, prompts, params)
+    assert engine.stats().host_tier["resumes"] >= 1  # the blocker's KV had parked it
+    assert order == ["resumed", "cold"]
