@@ -185,7 +185,8 @@ class SchedulerConfig:
     priority_strategy: str = "fifo"
     """Admission order of waiting requests: "fifo" (arrival), "priority" (highest
     `SamplingParams.priority` first, arrival order among equals) or "shortest_first" (fewest
-    tokens left to compute first: a turn that reuses its state's KV goes before a cold prompt).
+    tokens left to compute first: a turn that reuses its state's KV, resident
+    or parked, goes before a cold prompt).
     A request that was preempted, or admitted and found no KV room yet, keeps its place at the head."""
 
     def __post_init__(self) -> None:
