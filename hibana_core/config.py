@@ -30,6 +30,10 @@ def _check(cond: bool, message: str) -> None:
 
 _KINDS = {int: "a 64-bit integer", float: "a finite number", bool: "True or False", str: "a string"}
 
+_SHOWN_AS = {"num_blocks": "kv_device_blocks (num_blocks)"}
+"""Fields an error names as users usually write them (the memory manager's option names, see
+`OPTION_ALIASES`), so the message points at the option they gave."""
+
 
 def is_kind(value: Any, kind: type) -> bool:
     """Strict scalar types (options, token ids, counts): a bool is no integer, an integer fits
@@ -53,7 +57,7 @@ def _check_types(obj: Any) -> None:
         if optional and value is None:
             continue
         _check(any(is_kind(value, k) for k in kinds),
-               f"{type(obj).__name__}.{name} must be {_KINDS[kinds[0]]}"
+               f"{_SHOWN_AS.get(name, f'{type(obj).__name__}.{name}')} must be {_KINDS[kinds[0]]}"
                f"{' or None' if optional else ''}, got {value!r}")
 
 
@@ -143,7 +147,7 @@ class CacheConfig:
         _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
                f"block_size must be a power of two, got {self.block_size}")
         _check(self.num_blocks is None or self.num_blocks >= 2,
-               f"num_blocks must be at least 2, got {self.num_blocks}")
+               f"{_SHOWN_AS['num_blocks']} must be at least 2, got {self.num_blocks}")
         _check(0.0 < self.memory_fraction <= 1.0, "memory_fraction must lie in (0, 1]")
         _check(self.max_unnamed_states >= 0, "max_unnamed_states must be >= 0")
         _check(0.0 <= self.pin_budget <= 1.0, f"pin_budget must lie in [0, 1], got {self.pin_budget}")

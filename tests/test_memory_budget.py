@@ -105,6 +105,12 @@ def test_kv_device_blocks_sets_the_device_pool(tiny_checkpoints):
         EngineConfig.from_overrides("demo", kv_device_blocks=24, memory_budget="1GB")
 
 
+@pytest.mark.parametrize("blocks", [1, 0, "8", 2.5, True])
+def test_a_bad_kv_device_blocks_is_named_as_given(blocks):
+    with pytest.raises(ConfigError, match=r"kv_device_blocks \(num_blocks\)"):
+        EngineConfig.from_overrides("demo", kv_device_blocks=blocks)
+
+
 def test_workspace_grows_with_the_step():
     shape = dict(hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8, head_dim=128,
                  vocab_size=151936, max_agents=64, dtype_bytes=2)
