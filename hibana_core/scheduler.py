@@ -461,7 +461,10 @@ class Scheduler:
             victim.preemptions += 1
             self._requeue(victim)
             return
-        holders = [r for r in self.waiting if r.seq.num_blocks]
+        # with nothing running, the head of the queue is the request that found no room: parking
+        # its own KV frees nothing for it (its restore brings the same blocks back), so it fails
+        stuck = None if self.running else self.waiting[0]
+        holders = [r for r in self.waiting if r.seq.num_blocks and r is not stuck]
         if holders:  # a queued request's resident KV goes first: it is not running anyway
             self.eviction.evict(holders[-1].seq)
             return

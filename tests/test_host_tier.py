@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from hibana_core import ConfigError, SamplingParams, StateFileError
+from hibana_core import ConfigError, MemoryBudgetError, SamplingParams, StateFileError
 from hibana_core.kv import state_file
 from tiny_models import random_tokens
 
@@ -526,3 +526,32 @@ def test_a_restore_that_cannot_get_its_room_moves_nobody(tiny_checkpoints, make_
         assert eviction.make_room(5, partial=False)  # b (or a and the free block) leaves: enough
         assert not eviction.make_room(11)  # partial: everything idle leaves, still not enough
         assert {i.tier for i in engine.states()} == {"host"}
+
+
+def test_a_history_longer_than_the_pool_fails_though_its_state_holds_kv(tiny_checkpoints, make_engine, hf_greedy,
+                                                                        join_all):
+    """A state with KV on the device asked to grow past the whole pool: parking its own KV makes
+    no room for it (its restore brings the same blocks back), so the request fails with a
+    MemoryBudgetError instead of parking and restoring itself forever; the state serves on."""
+    path = tiny_checkpoints["llama"]
+    engine = make_engine(path, num_blocks=4, speculation="off")
+    rng = random.Random(12)
+    state = engine.open_state("a")
+    state.generate(SamplingParams(max_tokens=3, ignore_eos=True), prompt=random_tokens(rng, 20))
+    history = state.tokens
+    errors = []
+
+    def too_long() -> None:
+        try:
+            state.generate(SamplingParams(max_tokens=3, ignore_eos=True), prompt=history + random_tokens(rng, 80))
+        except MemoryBudgetError as exc:
+            errors.append(exc)
+
+    call = threading.Thread(target=too_long, daemon=True)
+    call.start()
+    join_all([call], 30)
+    assert len(errors) == 1 and "kv_device_blocks" in str(errors[0])
+    state.truncate(len(history))
+    got = state.generate(SamplingParams(max_tokens=4, ignore_eos=True))
+    assert list(got.token_ids) == hf_greedy(str(path), history, 4)
+    assert engine.stats().kv_blocks_used <= engine.stats().kv_blocks_total
