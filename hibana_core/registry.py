@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from hibana_core.config import CacheConfig, SamplingParams, is_kind
 from hibana_core.errors import (ConfigError, ContextLengthError, EngineClosedError, GrammarError, HibanaError,
-                                InvalidTokenError, StateBusyError, StateClosedError, StateExistsError,
+                                InvalidTokenError, MemoryBudgetError, StateBusyError, StateClosedError, StateExistsError,
                                 StateFileError)
 from hibana_core.kv import state_file
 from hibana_core.kv.policies import POLICIES, PREFETCH_LEAD, StateUse, retention_order
@@ -377,7 +377,9 @@ class StateRegistry:
         tokens = self._validate(token_ids)  # outside the lock: a huge list stalls nobody else
         with self.lock:
             seq = self._editable(handle).seq
-            seq.set_tokens(self._check_length(seq.tokens + tokens if append else tokens))
+            tokens = self._check_length(seq.tokens + tokens if append else tokens)
+            self._check_fits(seq, len(tokens))
+            seq.set_tokens(tokens)
             if seq.num_uncomputed == 0:
                 self.core.outputs.counters.prompt_reused += len(seq)
                 return SyncStats(reused=len(seq), computed=0)
@@ -418,6 +420,7 @@ class StateRegistry:
                     f"{self.limits.max_model_len}: no room to generate; truncate or shorten it "
                     "(the state is unchanged)")
             if tokens is not None:
+                self._check_fits(seq, length)
                 seq.set_tokens(tokens)
             entry.use.priority = params.priority  # also how long its KV is kept once idle
             generator = make_generator(params.seed, self.limits.device) if params.seed is not None else None
@@ -598,6 +601,17 @@ class StateRegistry:
             raise InvalidTokenError(f"token ids {bad[:5]} lie outside the vocabulary "
                                     f"[0, {self.limits.vocab_size}); tokenize with this model's tokenizer")
         return self._check_length(tokens)
+
+    def _check_fits(self, seq: KVSequence, length: int) -> None:
+        """A history of `length` tokens whose KV the whole device pool could not hold is refused
+        before the state takes it (the scheduler would fail it later, the history set): unless
+        sliding windows bound its KV, each of its blocks must be there at once."""
+        blocks = -(-length // seq.block_size)
+        if not seq.windowed and blocks > self.pool.num_blocks:
+            raise MemoryBudgetError(
+                f"a history of {length} tokens needs {blocks} KV blocks of {seq.block_size} tokens, more than "
+                f"the device pool's {self.pool.num_blocks}; raise memory_budget or kv_device_blocks, or "
+                "shorten the history (the state is unchanged)")
 
     def _check_length(self, tokens: list[int]) -> list[int]:
         if len(tokens) > self.limits.max_model_len:

@@ -530,9 +530,10 @@ def test_a_restore_that_cannot_get_its_room_moves_nobody(tiny_checkpoints, make_
 
 def test_a_history_longer_than_the_pool_fails_though_its_state_holds_kv(tiny_checkpoints, make_engine, hf_greedy,
                                                                         join_all):
-    """A state with KV on the device asked to grow past the whole pool: parking its own KV makes
-    no room for it (its restore brings the same blocks back), so the request fails with a
-    MemoryBudgetError instead of parking and restoring itself forever; the state serves on."""
+    """A state with KV on the device whose generation grows past the whole pool (its prompt fits):
+    parking its own KV makes no room for it (its restore brings the same blocks back), so the
+    request fails with a MemoryBudgetError instead of parking and restoring itself forever; the
+    state serves on."""
     path = tiny_checkpoints["llama"]
     engine = make_engine(path, num_blocks=4, speculation="off")
     rng = random.Random(12)
@@ -543,7 +544,7 @@ def test_a_history_longer_than_the_pool_fails_though_its_state_holds_kv(tiny_che
 
     def too_long() -> None:
         try:
-            state.generate(SamplingParams(max_tokens=3, ignore_eos=True), prompt=history + random_tokens(rng, 80))
+            state.generate(SamplingParams(max_tokens=20, ignore_eos=True), prompt=history + random_tokens(rng, 40))
         except MemoryBudgetError as exc:
             errors.append(exc)
 
@@ -555,3 +556,25 @@ def test_a_history_longer_than_the_pool_fails_though_its_state_holds_kv(tiny_che
     got = state.generate(SamplingParams(max_tokens=4, ignore_eos=True))
     assert list(got.token_ids) == hf_greedy(str(path), history, 4)
     assert engine.stats().kv_blocks_used <= engine.stats().kv_blocks_total
+
+
+def test_a_history_the_pool_cannot_hold_is_refused_with_the_state_unchanged(tiny_checkpoints, make_engine, hf_greedy):
+    """generate and sync on a history needing more blocks than the whole device pool: a
+    MemoryBudgetError before the state takes it, as a refused call promises (the state unchanged)."""
+    path = tiny_checkpoints["llama"]
+    engine = make_engine(path, num_blocks=4, speculation="off")  # 64 tokens
+    rng = random.Random(13)
+    state = engine.open_state("a")
+    state.generate(SamplingParams(max_tokens=3, ignore_eos=True), prompt=random_tokens(rng, 20))
+    history = state.tokens
+    with pytest.raises(MemoryBudgetError, match="needs 7 KV blocks of 16 tokens.*the state is unchanged"):
+        state.generate(SamplingParams(max_tokens=3, ignore_eos=True), prompt=history + random_tokens(rng, 80))
+    assert state.tokens == history
+    with pytest.raises(MemoryBudgetError, match="kv_device_blocks"):
+        state.append(random_tokens(rng, 80))
+    with pytest.raises(MemoryBudgetError, match="kv_device_blocks"):
+        state.sync(random_tokens(rng, 65))
+    assert state.tokens == history
+    got = state.generate(SamplingParams(max_tokens=4, ignore_eos=True))
+    assert got.stats.computed <= 1  # its KV stayed where it was
+    assert list(got.token_ids) == hf_greedy(str(path), history, 4)
