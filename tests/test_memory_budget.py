@@ -22,13 +22,13 @@ def open_engine(path, **overrides) -> Engine:
 @pytest.mark.parametrize("given, want", [
     (123456789, 123456789), ("20GB", 20 * 10**9), ("20 GiB", 20 * GIB), ("512MiB", 512 << 20),
     ("1.5g", 1_500_000_000), (0.8, 0.8), ("80%", 0.8), ("4096", 4096), (2e10, 20 * 10**9),
-    ("0.5GB", 500_000_000), (".5 GiB", 512 << 20)])
+    ("0.5GB", 500_000_000), (".5 GiB", 512 << 20), ("0.25", 0.25), ("1.0", 1.0), (" .8 ", 0.8)])
 def test_a_budget_is_bytes_or_a_fraction(given, want):
     assert parse_budget(given) == want
     assert type(parse_budget(given)) is type(want)
 
 
-@pytest.mark.parametrize("given", [0, -5, 1.5, "150%", "lots", "0", "0.25", "1.5", "0.5b", "20 parsecs", True, [1], float("nan")])
+@pytest.mark.parametrize("given", [0, -5, 1.5, "150%", "lots", "0", "0.0", "2.0", "1.5", "0.5b", "20 parsecs", True, [1], float("nan")])
 def test_a_budget_that_is_neither_says_what_to_write(given):
     with pytest.raises(ConfigError, match="memory_budget") as info:
         EngineConfig.from_overrides("demo", memory_budget=given)

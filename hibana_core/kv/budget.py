@@ -27,7 +27,8 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(%|[a-z]*)\s*$", re.IGNORECASE)
 
 def parse_budget(value: int | float | str) -> int | float:
     """Bytes (an int, or a size string such as "20GB" / "512 MiB") or a fraction of the device's
-    memory (a float in (0, 1], or "80%"). Anything else is a ConfigError that says what to write."""
+    memory (a float in (0, 1], "80%", or "0.8" as the float reads). Anything else is a ConfigError
+    that says what to write."""
     hint = 'write bytes (20_000_000_000, "20GB", "512MiB") or a fraction of the device ("80%", 0.8)'
     if isinstance(value, bool):
         raise ConfigError(f"memory_budget must be bytes or a fraction, got {value!r}; {hint}")
@@ -45,6 +46,10 @@ def parse_budget(value: int | float | str) -> int | float:
         match = _SIZE.match(value)
         if match:
             number, unit = float(match.group(1)), match.group(2).lower()
+            if not unit and "." in match.group(1):  # "0.8", "1.0" (a CLI's or an env var's): a fraction
+                if 0 < number <= 1:
+                    return number
+                raise ConfigError(f"memory_budget {value!r} is not a fraction in (0, 1]; {hint}")
             if unit == "%" and 0 < number <= 100:
                 return number / 100
             if unit in _UNITS and unit != "%":  # a bare number is whole bytes, as an int is
