@@ -218,6 +218,8 @@ def test_an_inconsistent_state_file_is_refused(tiny_checkpoints, make_engine, tm
         assert engine.stats().kv_blocks_used == used
     with pytest.raises(StateFileError, match="directory"):
         engine.open_state("saved").save(tmp_path)
+    with pytest.raises(StateFileError, match="is a directory, not a state file"):
+        engine.load_state(tmp_path, state_id="from-a-folder")
 
 
 # --- options and state operations ----------------------------------------------------------------

@@ -103,6 +103,13 @@ def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, b
         raise StateFileError(f"cannot write the state file {str(path)!r}: {exc}") from exc
 
 
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except (OSError, UnicodeError, ValueError):
+        return False
+
+
 def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.dtype | None = None,
          layout: KVLayout | None = None) -> SavedState:
     """Read and verify a state file; `kv_shape` is the engine's [page_layers, 2, *, block, heads,
@@ -115,7 +122,8 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.
     except (OSError, UnicodeError, ValueError):
         exists = False
     if not exists:
-        raise StateFileError(f"state file {str(path)!r} does not exist")
+        what = "is a directory, not a state file" if _is_dir(path) else "does not exist"
+        raise StateFileError(f"state file {str(path)!r} {what}")
     try:
         data = path.read_bytes()  # once: a file another engine replaces meanwhile is read whole, old or new
         meta = _metadata(data)
