@@ -128,7 +128,7 @@ class StateRegistry:
         if saved.state_id != state_id:
             raise StateFileError(f"{path} holds state {saved.state_id!r}, not {state_id!r}; remove the file "
                                  "or open that id")
-        return saved
+        return self._in_this_pool(saved)
 
     def _resume(self, seq: KVSequence, saved: state_file.SavedState, path: Path) -> None:
         """Fill `seq` from its persisted state: its KV parked in the host tier (copied to the
@@ -476,8 +476,9 @@ class StateRegistry:
         (`share=True` publishes them in the prefix index, for files the caller trusts)."""
         if state_id is not None:
             _check_id(state_id)
-        saved = state_file.read(state_file.as_path(path), self.limits.fingerprint, self.kv_cache.data.shape,
-                                self.kv_cache.dtype, self.kv_cache.layout)
+        saved = self._in_this_pool(state_file.read(state_file.as_path(path), self.limits.fingerprint,
+                                                   self.kv_cache.data.shape, self.kv_cache.dtype,
+                                                   self.kv_cache.layout))
         tokens = self._validate(saved.tokens)
         with self.lock:
             self._check_open()
@@ -505,6 +506,14 @@ class StateRegistry:
         computed = seq.tokens[:saved.num_computed]
         return ((host and tier.adopt(seq, computed, saved.kv, saved.starts))
                 or tier.adopt(seq, computed, saved.kv, saved.starts, disk=True))
+
+    def _in_this_pool(self, saved: state_file.SavedState) -> state_file.SavedState:
+        """A saved state in this pool's block size: re-cut where its pages are one plain run
+        (else left as it is, and `_kv_fits` says its KV is recomputed)."""
+        if (saved.block_size != self.pool.block_size and saved.num_computed and saved.starts == (0,)
+                and len(self.kv_cache.layout.groups) == 1 and not self.kv_cache.layout.windowed):
+            return state_file.reblocked(saved, self.pool.block_size)
+        return saved
 
     def _kv_fits(self, seq: KVSequence, saved: state_file.SavedState) -> bool:
         """Whether a saved state's KV can be restored into `seq` (else its tokens only are, and

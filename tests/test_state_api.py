@@ -306,6 +306,30 @@ def test_save_and_load_state(arch, tiny_checkpoints, make_engine, tmp_path):
     assert list(h3.generate(greedy()).token_ids) == want
 
 
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_a_state_saved_in_other_blocks_keeps_its_kv(block_size, tiny_checkpoints, make_engine, tmp_path):
+    """A state file of an engine with 16-token blocks loads into one with `block_size`-token blocks
+    with its KV (re-cut into that engine's blocks), by load_state and from state_dir after a
+    restart: only the last sampled token is computed, and greedy output is the saver's."""
+    path = tiny_checkpoints["qwen3"]
+    rng = random.Random(52)
+    saver = make_engine(path, block_size=16, state_dir=str(tmp_path / "states"))
+    h = saver.open_state("agent")
+    h.sync(random_tokens(rng, 45))
+    h.generate(greedy())
+    tokens = h.tokens
+    h.save(tmp_path / "agent.state")
+    want = list(h.fork("agent-copy").generate(greedy()).token_ids)
+    saver.close()  # persists "agent" in state_dir
+
+    other = make_engine(path, block_size=block_size, state_dir=str(tmp_path / "states"))
+    for handle in (other.load_state(tmp_path / "agent.state", state_id="loaded"), other.open_state("agent")):
+        assert handle.tokens == tokens
+        out = handle.generate(greedy())
+        assert out.stats.computed == 1 and list(out.token_ids) == want
+    assert_greedy_matches(path, tokens, want)
+
+
 def check_stream_events(events: list) -> list[int]:
     """The tokens of a finished stream: one event per token, then exactly one final event (token_id
     None) with the finish reason and the completion, whose token ids are the streamed ones."""

@@ -9,6 +9,7 @@ engine keeps loaded blocks private to the loaded state unless asked to share the
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -38,6 +39,19 @@ class SavedState:
     kv: torch.Tensor  # [page_layers, 2, pages, block_size, H_kv, D]: `KVSequence.pages` order
     rotated_long: bool = False  # under LongRoPE's long rotation (`KVSequence.rotated_long`)
     starts: tuple[int, ...] = (0,)  # each layer group's first block among the pages (`KVSequence.pages`)
+
+
+def reblocked(saved: SavedState, block_size: int) -> SavedState:
+    """`saved` cut into pages of `block_size` tokens: the KV of a position does not depend on the
+    page it sits in, so a state saved by an engine of another block size keeps its KV (its
+    computed tokens' rows, the last page padded). Plain layouts only (one group of pages from
+    position 0: `starts == (0,)`), the caller's to check."""
+    kv, n = saved.kv, saved.num_computed
+    pages = -(-n // block_size)
+    rows = kv.new_zeros((*kv.shape[:2], pages * block_size, *kv.shape[4:]))
+    rows[:, :, :n] = kv.flatten(2, 3)[:, :, :n]
+    return dataclasses.replace(saved, block_size=block_size,
+                               kv=rows.view(*kv.shape[:2], pages, block_size, *kv.shape[4:]))
 
 
 def as_path(path: object) -> Path:
