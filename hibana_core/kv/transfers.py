@@ -177,7 +177,9 @@ class PinnedReserve:
         self.free: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
         self.bytes = 0  # of all blocks, in use and free
         self._cold: collections.Counter[int] = collections.Counter()  # per class
-        self._lock = threading.Lock()
+        # re-entrant: a tensor's finalizer (`_give_back`) may run inside a locked section of this
+        # thread, when an allocation there sets off the garbage collector
+        self._lock = threading.RLock()
         self._asked: set[int] = set()  # classes the warmer is making spares of
         self._todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
