@@ -64,7 +64,8 @@ import torch
 
 from hibana_core.config import SamplingParams
 from hibana_core.errors import GrammarError
-from hibana_core.sampler import TokenMasks, device_tensor
+from hibana_core.kv.transfers import device_tensor
+from hibana_core.sampler import TokenMasks
 
 if TYPE_CHECKING:
     from hibana_core.scheduler import SchedulerOutput

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from hibana_core.config import CacheConfig, SamplingParams, is_kind
 from hibana_core.errors import (ConfigError, ContextLengthError, EngineClosedError, GrammarError, HibanaError,
-                                InvalidTokenError, MemoryBudgetError, StateBusyError, StateClosedError, StateExistsError,
-                                StateFileError)
+                                InvalidTokenError, MemoryBudgetError, StateBusyError, StateClosedError,
+                                StateExistsError, StateFileError)
 from hibana_core.kv import state_file
 from hibana_core.kv.policies import POLICIES, PREFETCH_LEAD, StateUse, retention_order
 from hibana_core.kv.sequence import KVSequence, LongRope, common_prefix_len

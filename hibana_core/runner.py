@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from hibana_core.forward_context import ForwardBatch, ForwardContext
-from hibana_core.sampler import Sampler, SamplingRow, StepLogprobs, TokenMasks, device_tensor
+from hibana_core.kv.transfers import device_tensor
+from hibana_core.sampler import Sampler, SamplingRow, StepLogprobs, TokenMasks
 from hibana_core.scheduler import RunnerOutput, SchedulerOutput
 from hibana_core.state import TokenLogprob
 

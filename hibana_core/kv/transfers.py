@@ -125,14 +125,15 @@ def _copy_pages(staging: torch.Tensor, host: torch.Tensor, pages: list[int]) -> 
     one copy; otherwise one per layer slot, k or v, and run of consecutive pages."""
     if not host.is_contiguous():
         host = host.contiguous()
+    pinned = host.is_pinned()  # a driver query: once, not per copy
     if pages == list(range(host.shape[2])):
-        staging.copy_(host, non_blocking=host.is_pinned())
+        staging.copy_(host, non_blocking=pinned)
         return
     rows_in, rows_out = host.flatten(0, 1), staging.flatten(0, 1)  # [page_layers * 2, pages, ...]
     at = 0
     for first, count in _runs(pages):
         for row in range(rows_in.shape[0]):
-            rows_out[row, at:at + count].copy_(rows_in[row, first:first + count], non_blocking=host.is_pinned())
+            rows_out[row, at:at + count].copy_(rows_in[row, first:first + count], non_blocking=pinned)
         at += count
 
 
@@ -191,7 +192,7 @@ class PinnedReserve:
 
     def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """A pinned tensor of `shape` and `dtype` (contents undefined)."""
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         size = pinned_size(nbytes)
         with self._lock:
             block = self.free[size].pop() if self.free[size] else None

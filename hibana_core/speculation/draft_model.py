@@ -36,9 +36,9 @@ from hibana_core.forward_context import ForwardContext
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.cache import KVCache, kv_cache_dtype
 from hibana_core.kv.sequence import KVSequence
+from hibana_core.kv.transfers import device_tensor
 from hibana_core.loader import LoadedModel, load_model, model_bytes
 from hibana_core.runner import DeviceInput, ModelRunner, StepData
-from hibana_core.sampler import device_tensor
 from hibana_core.speculation.drafters import DraftInput
 
 
