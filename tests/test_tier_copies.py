@@ -207,8 +207,10 @@ def test_pages_are_staged_as_host_kv_selects_them():
         assert torch.equal(staging, host[:, :, pages])
 
 
-def test_pinned_size_is_the_power_of_two_torch_holds():
-    assert [pinned_size(n) for n in (1, 2, 3, 1000, 1024, 1025, 617 << 20)] == [1, 2, 4, 1024, 1024, 2048, 1 << 30]
+def test_pinned_sizes_are_four_classes_per_power_of_two():
+    assert [pinned_size(n) for n in (1, 3, 5, 1000, 1024, 1025, 617 << 20)] == [1, 3, 5, 1024, 1024, 1280, 640 << 20]
+    for n in range(1, 5000):
+        assert n <= pinned_size(n) <= n * 1.25 + 1 and pinned_size(pinned_size(n)) == pinned_size(n)
 
 
 def test_the_reserve_pins_spares_per_size_class_off_the_callers_thread(monkeypatch):
@@ -217,15 +219,12 @@ def test_the_reserve_pins_spares_per_size_class_off_the_callers_thread(monkeypat
     spares of its class (one, and one more per cold allocation of it), which the next tensors of
     that class take; a tensor that dies gives its block back; the limit bounds the warmer."""
     pinned: list[tuple[int, str]] = []
-    empty = torch.empty
 
-    def fake_empty(*shape, dtype=None, pin_memory=False, **kwargs):
-        tensor = empty(*shape, dtype=dtype, **kwargs)
-        if pin_memory:
-            pinned.append((tensor.numel() * tensor.element_size(), threading.current_thread().name))
-        return tensor
+    def fake_pin(nbytes):
+        pinned.append((nbytes, threading.current_thread().name))
+        return torch.empty(nbytes, dtype=torch.uint8)
 
-    monkeypatch.setattr(transfers.torch, "empty", fake_empty)
+    monkeypatch.setattr(transfers, "pin_block", fake_pin)
     reserve = PinnedReserve(limit=4 * 2048 + 1024)
 
     def settle():
@@ -237,10 +236,10 @@ def test_the_reserve_pins_spares_per_size_class_off_the_callers_thread(monkeypat
     def by(thread: str) -> list[int]:
         return [size for size, name in pinned if name == thread]
 
-    first = reserve.empty(torch.Size([3, 100]), torch.float32)  # 1,200 bytes: the class of 2,048, cold
+    first = reserve.empty(torch.Size([3, 150]), torch.float32)  # 1,800 bytes: the class of 2,048, cold
     first.fill_(1.0)
     settle()
-    assert first.shape == (3, 100) and by("MainThread") == [2048]
+    assert first.shape == (3, 150) and by("MainThread") == [2048]
     assert reserve.cold == 1 and by("hibana-pinned") == [2048, 2048]  # one spare + one per cold
     second = reserve.empty(torch.Size([500]), torch.float32)  # 2,000 bytes: the same class, warm
     settle()
@@ -254,3 +253,5 @@ def test_the_reserve_pins_spares_per_size_class_off_the_callers_thread(monkeypat
     assert reserve.cold == 2 and reserve.bytes == 4 * 2048 + 1024 and not reserve.free[1024]
     reserve.close()
     assert second.shape == (500,) and third.dtype == torch.float16
+    del second  # after close, a block given back is let go
+    assert not reserve.free[2048]

@@ -147,7 +147,7 @@ class HostTier:
     @property
     def bytes_used(self) -> int:
         """Host memory the copies hold: a tensor shared by a fork and its parent counted once,
-        pinned tensors at the size torch's allocator holds for them (`pinned_size`)."""
+        pinned tensors at the size of the reserve's block holding them (`pinned_size`)."""
         return sum(dict(self._bytes.values()).values())
 
     def _held(self, nbytes: int) -> int:

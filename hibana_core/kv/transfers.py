@@ -149,22 +149,42 @@ def _runs(pages: list[int]) -> list[tuple[int, int]]:
 
 
 def pinned_size(nbytes: int) -> int:
-    """The page-locked bytes `torch.empty(..., pin_memory=True)` of `nbytes` holds: torch's host
-    allocator rounds each block up to a power of two (and keeps it for reuse once freed)."""
-    return 1 << max(nbytes - 1, 0).bit_length()
+    """The bytes of the block `PinnedReserve` holds for a tensor of `nbytes`: rounded up to one
+    of four classes per power of two (at most a quarter more than asked; torch's own pinned
+    allocator rounds to a power of two, up to twice)."""
+    if nbytes <= 4:
+        return max(nbytes, 1)
+    step = 1 << (nbytes - 1).bit_length() - 3  # a quarter of the power of two below
+    return -(-nbytes // step) * step
+
+
+def pin_block(nbytes: int) -> torch.Tensor:
+    """`nbytes` of page-locked host memory (uint8). The pages are touched here first and then
+    registered with the driver (`cudaHostRegister`): on the H200 box 0.11 s a GiB, against 0.41 s
+    for `torch.empty(..., pin_memory=True)` (`cudaHostAlloc`), and only the registering (0.05 s)
+    holds the driver: while another thread pinned with `cudaHostAlloc`, a step's CUDA calls
+    waited up to 1.9 s (bench/pin_contention.py). Falls back to torch's allocator where
+    registering fails. The memory is unregistered when the block is collected (`PinnedReserve`
+    keeps its blocks until it closes)."""
+    block = torch.empty(nbytes, dtype=torch.uint8)
+    block.fill_(0)  # faults the pages in, off the driver (parallel over torch's threads)
+    cudart = torch.cuda.cudart()
+    if cudart.cudaHostRegister(block.data_ptr(), nbytes, 0) != 0:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    weakref.finalize(block, cudart.cudaHostUnregister, block.data_ptr())
+    return block
 
 
 class PinnedReserve:
     """Page-locked host memory for parked copies, pinned before the parks that take it.
 
-    Pinning new memory is slow: on the H200 box 0.69 s for 617 MB (cudaHostAlloc page-locks
-    every page). A park runs inside an engine step, so each new pin held up every agent. This
-    keeps blocks of power-of-two sizes (`pinned_size`) for the life of the tier: `empty` hands out
-    a free block of the tensor's class (a view of its first bytes), which comes back when the
-    tensor dies, and a background thread pins spares ahead of demand, one per class and one more
-    for each `empty` of it that found none (bursts of parks as agents pile up), at most
-    `MAX_SPARES` a class and never past `limit` bytes in all. Only an `empty` that finds no free
-    block pins on the caller's thread (`cold` counts them).
+    Pinning new memory is slow (`pin_block`), and a park runs inside an engine step: each new pin
+    there held up every agent. This keeps blocks of a few sizes (`pinned_size`) for the life of
+    the tier: `empty` hands out a free block of the tensor's class (a view of its first bytes),
+    which comes back when the tensor dies, and a background thread pins spares ahead of demand,
+    one per class and one more for each `empty` of it that found none (bursts of parks as agents
+    pile up), at most `MAX_SPARES` a class and never past `limit` bytes in all. Only an `empty`
+    that finds no free block pins on the caller's thread (`cold` counts them).
 
     A block is reused as soon as the tensor handed out dies, without waiting for copies: every
     device copy from or to these tensors runs on the one copy stream, in order, and the host
@@ -184,6 +204,7 @@ class PinnedReserve:
         self._asked: set[int] = set()  # classes the warmer is making spares of
         self._todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._closed = False
 
     @property
     def cold(self) -> int:
@@ -199,7 +220,7 @@ class PinnedReserve:
             if block is None:
                 self._cold[size] += 1
         if block is None:
-            block = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            block = pin_block(size)
             with self._lock:
                 self.bytes += size
         tensor = block[:nbytes].view(dtype).view(shape)
@@ -209,7 +230,8 @@ class PinnedReserve:
 
     def _give_back(self, block: torch.Tensor) -> None:
         with self._lock:
-            self.free[block.numel()].append(block)
+            if not self._closed:  # after `close` the block goes (unregistered once collected)
+                self.free[block.numel()].append(block)
 
     def _wanted(self, size: int) -> int:
         """Spares of class `size` still to pin (under the lock)."""
@@ -233,7 +255,7 @@ class PinnedReserve:
                     with self._lock:
                         if self._wanted(size) <= 0:
                             break
-                    block = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+                    block = pin_block(size)
                     with self._lock:
                         self.bytes += size
                         self.free[size].append(block)
@@ -250,4 +272,5 @@ class PinnedReserve:
             self._thread.join()
             self._thread = None
         with self._lock:
+            self._closed = True
             self.free.clear()
