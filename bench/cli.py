@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--client-processes", type=_count, default=1,
                        help="processes the HTTP clients are spread over, one openai SDK event loop each "
                        "(default 1; on a fast GPU one loop parsing every client's chunks can pace the run)")
+    serve.add_argument("--switch-interval", type=float, default=None,
+                       help="sys.setswitchinterval for this process, both runs (default: Python's, 5 ms): how "
+                       "long a thread waiting for the GIL (the engine's step loop) may wait for the one holding it")
     return parser
 
 
@@ -232,6 +235,8 @@ def run_serve(args: argparse.Namespace, device: torch.device, dtype: torch.dtype
     """The serve workload; exit status 1 when a check failed (an error, a leaked block, a
     conversation that differs over HTTP where outputs are exact: float32)."""
     cfg = serve_load.ServeLoadConfig(args.clients, args.turns, args.max_tokens, args.client_processes)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     report = serve_load.serve_load(_serve_engines(args.model, device, dtype), args.model, cfg,
                                    exact=dtype == torch.float32)
     serve_load.print_serve_load(report)
@@ -378,6 +383,9 @@ def print_agents(report: dict) -> None:
                   f"({tier.get('host_seconds', 0):.2f} s of the step loop in parks and restores, "
                   f"{tier.get('pinned_cold', 0)} pinned allocations without a spare), "
                   f"{tier['tokens_restored']:,} prompt tokens not recomputed")
+            if tier.get("host_phases"):
+                print(f"{name}: the step loop's time in the tier by phase: "
+                      + ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in tier["host_phases"].items()))
         line = r.get("timeline")
         if line:
             queued = (f"; a request waited {line['queued_fraction']:.0%} of the time, with "

@@ -255,3 +255,21 @@ def test_the_reserve_pins_spares_per_size_class_off_the_callers_thread(monkeypat
     assert second.shape == (500,) and third.dtype == torch.float16
     del second  # after close, a block given back is let go
     assert not reserve.free[2048]
+
+
+def test_the_reserve_hands_out_a_block_of_the_next_class_up(monkeypatch):
+    """A tensor whose class has no free block takes one of the next class (a quarter larger at
+    most) rather than pinning on the caller's thread; two classes up is too large."""
+    pinned: list[int] = []
+    monkeypatch.setattr(transfers, "pin_block", lambda n: pinned.append(n) or torch.empty(n, dtype=torch.uint8))
+    reserve = PinnedReserve(limit=0)  # no spares: only what the caller pins
+    first = reserve.empty(torch.Size([2048]), torch.uint8)
+    del first  # the block of 2,048 is free
+    assert pinned == [2048] and len(reserve.free[2048]) == 1
+    assert pinned_size(1700) == 1792 and PinnedReserve.largest_block(1700) == 2048
+    second = reserve.empty(torch.Size([1700]), torch.uint8)  # class 1,792: takes the free 2,048
+    assert pinned == [2048] and reserve.cold == 1 and second.untyped_storage().nbytes() == 2048
+    del second
+    third = reserve.empty(torch.Size([1500]), torch.uint8)  # class 1,536: two classes below, pins its own
+    assert pinned == [2048, 1536] and reserve.cold == 2 and third.untyped_storage().nbytes() == 1536
+    reserve.close()

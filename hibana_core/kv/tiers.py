@@ -33,6 +33,7 @@ once each copy is done; elsewhere the wall time of the synchronous copies.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -52,7 +53,7 @@ import torch
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.cache import KVCache
 from hibana_core.kv.sequence import KVSequence, common_prefix_len
-from hibana_core.kv.transfers import CopyStream, PinnedReserve, Transfer, device_tensor, pinned_size
+from hibana_core.kv.transfers import CopyStream, PinnedReserve, Transfer, device_tensor
 
 logger = logging.getLogger("hibana.states")
 
@@ -143,15 +144,17 @@ class HostTier:
         self._restoring: int | None = None  # id(seq) of the state being restored: its copy stays
         self._depth = 0  # `_timed` calls in progress
         self.counters = TierCounters()
+        self.phases: collections.Counter[str] = collections.Counter()  # seconds of `host_seconds` by phase
 
     @property
     def bytes_used(self) -> int:
         """Host memory the copies hold: a tensor shared by a fork and its parent counted once,
-        pinned tensors at the size of the reserve's block holding them (`pinned_size`)."""
+        pinned tensors at the size of the reserve's block holding them."""
         return sum(dict(self._bytes.values()).values())
 
     def _held(self, nbytes: int) -> int:
-        return pinned_size(nbytes) if self.pinned else nbytes
+        """The most host memory a copy of `nbytes` holds (its reserve block, when pinned)."""
+        return PinnedReserve.largest_block(nbytes) if self.pinned else nbytes
 
     @property
     def disk_bytes_used(self) -> int:
@@ -180,11 +183,14 @@ class HostTier:
         to_host = n > 0 and self._room(self._held(nbytes))
         if not to_host and (n == 0 or self.spill_dir is None):
             return False
-        index = device_tensor(pages, torch.long, self.cache.data.device)  # no wait for the step in flight
-        device_kv = self.cache.gather(index)  # on the compute stream: before any later write of the blocks
-        host = (self.reserve.empty(device_kv.shape, device_kv.dtype) if self.pinned and to_host
-                else torch.empty(device_kv.shape, dtype=device_kv.dtype))
-        copy = self._count(self.copies.to_host(device_kv, host))
+        with self._phase("gather"):
+            index = device_tensor(pages, torch.long, self.cache.data.device)  # no wait for the step in flight
+            device_kv = self.cache.gather(index)  # on the compute stream: before any later write of the blocks
+        with self._phase("host memory"):
+            host = (self.reserve.empty(device_kv.shape, device_kv.dtype) if self.pinned and to_host
+                    else torch.empty(device_kv.shape, dtype=device_kv.dtype))
+        with self._phase("to host"):
+            copy = self._count(self.copies.to_host(device_kv, host))
         parked = ParkedKV(seq.tokens[:n], host, rotated_long=seq.rotated_long, starts=starts, copy=copy)
         if to_host:
             self._hold(seq, parked)
@@ -218,6 +224,16 @@ class HostTier:
             if not self._depth:
                 self.counters.host_seconds += time.perf_counter() - began
 
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        """Count the wall time inside in `phases[name]` (where `host_seconds` goes; a restore's
+        "making room" includes the parks it makes, which count their own phases too)."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] += time.perf_counter() - began
+
     def _restore(self, seq: KVSequence, make_room: Callable[[int], bool]) -> int:
         parked = seq.parked
         if parked is None or seq.num_computed:
@@ -230,7 +246,8 @@ class HostTier:
         if parked.starts != (0,):  # layer groups: every page copied back
             return self._restore_pages(seq, n, make_room)
         blocks = -(-n // seq.block_size)
-        seq.reuse_cached_blocks(n)  # what other states still hold (a shared system prompt) is not copied
+        with self._phase("prefix index"):
+            seq.reuse_cached_blocks(n)  # what other states still hold (a shared system prompt) is not copied
         first = len(seq.block_ids)
         if not self._device_room(seq, blocks - first, make_room):
             seq.release()
@@ -239,7 +256,10 @@ class HostTier:
         if kv is None:
             return 0
         ids = self.pool.allocate(blocks - first)
-        self.cache.write_blocks(ids, self._to_device(seq.parked, kv, list(range(first, blocks))))
+        with self._phase("to device"):
+            pages_kv = self._to_device(seq.parked, kv, list(range(first, blocks)))
+        with self._phase("scatter"):
+            self.cache.write_blocks(ids, pages_kv)
         seq.block_ids.extend(ids)
         seq.num_computed = n
         self._restored(seq, n, n - first * seq.block_size, len(ids))
@@ -275,10 +295,12 @@ class HostTier:
         if self.pool.can_allocate(blocks):
             return True
         self._restoring = id(seq)
+        began = time.perf_counter()
         try:
             return make_room(blocks)
         finally:
             self._restoring = None
+            self.phases["making room"] += time.perf_counter() - began
 
     def _read_copy(self, seq: KVSequence) -> torch.Tensor | None:
         """The parked copy's KV in host memory, maybe still being copied there (a spill file read
@@ -344,7 +366,9 @@ class HostTier:
             return self.spill_dir is not None and self._spill(seq, parked)
         if not self._room(self._held(parked.nbytes)):
             return False
-        self._hold(seq, dataclasses.replace(parked, kv=kv.pin_memory()) if self.pinned else parked)
+        if self.pinned:
+            parked = dataclasses.replace(parked, kv=self.reserve.empty(kv.shape, kv.dtype).copy_(kv))
+        self._hold(seq, parked)
         return True
 
     def _hold(self, seq: KVSequence, parked: ParkedKV) -> None:
@@ -353,7 +377,8 @@ class HostTier:
         seq.parked = parked
         key = id(seq)
         self._parked[key] = weakref.ref(seq, lambda _, key=key, owner=weakref.ref(self): _gone(owner, key))
-        self._bytes[key] = (parked.kv.data_ptr(), self._held(parked.nbytes))
+        held = parked.kv.untyped_storage().nbytes() if self.pinned else parked.nbytes  # a block of the reserve
+        self._bytes[key] = (parked.kv.data_ptr(), held)
 
     def share(self, seq: KVSequence, twin: KVSequence) -> None:
         """Give a fork of parked `seq` a parked copy of its own: the same host tensor (read-only,
@@ -454,7 +479,8 @@ class HostTier:
                 "disk_states": len(self._spilled), "disk_bytes_used": self.disk_bytes_used, "spills": c.spills,
                 "disk_resumes": c.disk_resumes, "disk_bytes_moved": c.disk_bytes_moved,
                 "disk_seconds": round(c.disk_seconds, 4), "host_seconds": round(c.host_seconds, 4),
-                "pinned_cold": self.reserve.cold if self.reserve is not None else 0}
+                "pinned_cold": self.reserve.cold if self.reserve is not None else 0,
+                "host_phases": {name: round(seconds, 4) for name, seconds in self.phases.most_common()}}
 
 
 def _gone(owner: "weakref.ref[HostTier]", key: int, path: Path | None = None) -> None:

@@ -180,8 +180,8 @@ class PinnedReserve:
 
     Pinning new memory is slow (`pin_block`), and a park runs inside an engine step: each new pin
     there held up every agent. This keeps blocks of a few sizes (`pinned_size`) for the life of
-    the tier: `empty` hands out a free block of the tensor's class (a view of its first bytes),
-    which comes back when the tensor dies, and a background thread pins spares ahead of demand,
+    the tier: `empty` hands out a free block of the tensor's class or the next one up (a view of
+    its first bytes), which comes back when the tensor dies, and a background thread pins spares ahead of demand,
     one per class and one more for each `empty` of it that found none (bursts of parks as agents
     pile up), at most `MAX_SPARES` a class and never past `limit` bytes in all. Only an `empty`
     that finds no free block pins on the caller's thread (`cold` counts them).
@@ -212,11 +212,13 @@ class PinnedReserve:
         return sum(self._cold.values())
 
     def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """A pinned tensor of `shape` and `dtype` (contents undefined)."""
+        """A pinned tensor of `shape` and `dtype` (contents undefined), a view of a free block of
+        its class or else of the next class up (at most `largest_block(nbytes)` bytes held)."""
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         size = pinned_size(nbytes)
         with self._lock:
-            block = self.free[size].pop() if self.free[size] else None
+            fits = next((c for c in (size, pinned_size(size + 1)) if self.free[c]), None)
+            block = self.free[fits].pop() if fits is not None else None
             if block is None:
                 self._cold[size] += 1
         if block is None:
@@ -227,6 +229,11 @@ class PinnedReserve:
         weakref.finalize(tensor, self._give_back, block)
         self._ask(size)
         return tensor
+
+    @staticmethod
+    def largest_block(nbytes: int) -> int:
+        """The most bytes `empty` may hold for a tensor of `nbytes`."""
+        return pinned_size(pinned_size(nbytes) + 1)
 
     def _give_back(self, block: torch.Tensor) -> None:
         with self._lock:
