@@ -11,12 +11,13 @@ import random
 import threading
 import time
 
+import pytest
 import torch
 
 from hibana_core import SamplingParams
 from hibana_core.kv import policies
 from hibana_core.kv import transfers
-from hibana_core.kv.transfers import CopyStream, PinnedReserve, Transfer, _copy_pages, _runs, pinned_size
+from hibana_core.kv.transfers import CopyStream, PinnedReserve, Transfer, _copy_pages, _runs
 from tiny_models import random_tokens
 
 GREEDY_ONE = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -207,17 +208,13 @@ def test_pages_are_staged_as_host_kv_selects_them():
         assert torch.equal(staging, host[:, :, pages])
 
 
-def test_pinned_sizes_are_four_classes_per_power_of_two():
-    assert [pinned_size(n) for n in (1, 3, 5, 1000, 1024, 1025, 617 << 20)] == [1, 3, 5, 1024, 1024, 1280, 640 << 20]
-    for n in range(1, 5000):
-        assert n <= pinned_size(n) <= n * 1.25 + 1 and pinned_size(pinned_size(n)) == pinned_size(n)
+PAGE = PinnedReserve.ALIGN
 
 
-def test_the_reserve_pins_spares_per_size_class_off_the_callers_thread(monkeypatch):
-    """Pinning is simulated (the CPU has none): each pinned allocation is recorded with its
-    thread. The first tensor of a class is pinned by the caller (cold); the warmer then pins
-    spares of its class (one, and one more per cold allocation of it), which the next tensors of
-    that class take; a tensor that dies gives its block back; the limit bounds the warmer."""
+@pytest.fixture
+def fake_pinning(monkeypatch):
+    """Pinning simulated (the CPU has none): each pinned chunk recorded with its thread; chunks of
+    8 pages."""
     pinned: list[tuple[int, str]] = []
 
     def fake_pin(nbytes):
@@ -225,51 +222,65 @@ def test_the_reserve_pins_spares_per_size_class_off_the_callers_thread(monkeypat
         return torch.empty(nbytes, dtype=torch.uint8)
 
     monkeypatch.setattr(transfers, "pin_block", fake_pin)
-    reserve = PinnedReserve(limit=4 * 2048 + 1024)
+    monkeypatch.setattr(PinnedReserve, "CHUNK", 8 * PAGE)
+    return pinned
 
-    def settle():
-        deadline = time.monotonic() + 10
-        while reserve._asked and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not reserve._asked
 
-    def by(thread: str) -> list[int]:
-        return [size for size, name in pinned if name == thread]
+def settled(reserve: PinnedReserve) -> PinnedReserve:
+    """`reserve` once its warmer has nothing left to pin."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with reserve._lock:
+            if not reserve._wanted() and not reserve._wake.is_set():
+                time.sleep(0.05)  # a chunk being pinned
+                if not reserve._wanted():
+                    return reserve
+        time.sleep(0.01)
+    raise AssertionError("the warmer did not settle")
 
-    first = reserve.empty(torch.Size([3, 150]), torch.float32)  # 1,800 bytes: the class of 2,048, cold
+
+def test_the_reserve_pins_chunks_ahead_off_the_callers_thread(fake_pinning):
+    """The first tensor pins its own size on the caller's thread (cold); the warmer then pins
+    chunks until SPARES + cold more copies of the largest size fit, which the next tensors take
+    without pinning; the limit bounds the warmer."""
+    reserve = PinnedReserve(limit=20 * PAGE)
+    by = lambda thread: [size for size, name in fake_pinning if name == thread]  # noqa: E731
+    first = reserve.empty(torch.Size([3, PAGE]), torch.uint8)  # 3 pages, cold
     first.fill_(1.0)
-    settle()
-    assert first.shape == (3, 150) and by("MainThread") == [2048]
-    assert reserve.cold == 1 and by("hibana-pinned") == [2048, 2048]  # one spare + one per cold
-    second = reserve.empty(torch.Size([500]), torch.float32)  # 2,000 bytes: the same class, warm
-    settle()
-    assert reserve.cold == 1 and len(reserve.free[2048]) == 2 and len(by("hibana-pinned")) == 3
-    assert second.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-    del first  # its block comes back: a third free block, and nothing is pinned for it
-    assert len(reserve.free[2048]) == 3 and len(pinned) == 4
-    third = reserve.empty(torch.Size([2, 256]), torch.float16)  # 1,024 bytes: another class, cold
-    settle()
-    # 4 blocks of 2,048 and the cold one of 1,024 reach the limit: no spare of 1,024 is pinned
-    assert reserve.cold == 2 and reserve.bytes == 4 * 2048 + 1024 and not reserve.free[1024]
+    settled(reserve)
+    assert first.shape == (3, PAGE) and by("MainThread") == [3 * PAGE] and reserve.cold == 1
+    # SPARES + cold = 3 more copies of 3 pages wanted: a chunk of 8 pages holds 2, so two chunks
+    assert by("hibana-pinned") == [8 * PAGE, 8 * PAGE] and reserve.bytes == 19 * PAGE
+    taken = [reserve.empty(torch.Size([3 * PAGE]), torch.uint8) for _ in range(4)]  # from the chunks, warm
+    settled(reserve)  # room for fewer than 3 copies, but another chunk would pass the limit (20 pages)
+    assert reserve.cold == 1 and len(fake_pinning) == 3 and reserve.free_bytes == 4 * PAGE
+    assert len({t.data_ptr() for t in [first, *taken]}) == 5
+    taken.append(reserve.empty(torch.Size([3 * PAGE]), torch.uint8))  # no range of 3 pages left: cold
+    assert reserve.cold == 2 and by("MainThread") == [3 * PAGE, 3 * PAGE]
     reserve.close()
-    assert second.shape == (500,) and third.dtype == torch.float16
-    del second  # after close, a block given back is let go
-    assert not reserve.free[2048]
+    assert all(t.shape == (3 * PAGE,) for t in taken) and first.sum() == 3 * PAGE
 
 
-def test_the_reserve_hands_out_a_block_of_the_next_class_up(monkeypatch):
-    """A tensor whose class has no free block takes one of the next class (a quarter larger at
-    most) rather than pinning on the caller's thread; two classes up is too large."""
-    pinned: list[int] = []
-    monkeypatch.setattr(transfers, "pin_block", lambda n: pinned.append(n) or torch.empty(n, dtype=torch.uint8))
-    reserve = PinnedReserve(limit=0)  # no spares: only what the caller pins
-    first = reserve.empty(torch.Size([2048]), torch.uint8)
-    del first  # the block of 2,048 is free
-    assert pinned == [2048] and len(reserve.free[2048]) == 1
-    assert pinned_size(1700) == 1792 and PinnedReserve.largest_block(1700) == 2048
-    second = reserve.empty(torch.Size([1700]), torch.uint8)  # class 1,792: takes the free 2,048
-    assert pinned == [2048] and reserve.cold == 1 and second.untyped_storage().nbytes() == 2048
-    del second
-    third = reserve.empty(torch.Size([1500]), torch.uint8)  # class 1,536: two classes below, pins its own
-    assert pinned == [2048, 1536] and reserve.cold == 2 and third.untyped_storage().nbytes() == 1536
+def test_pinned_ranges_come_back_when_their_storage_dies_and_merge(fake_pinning):
+    """A range is free again only once no tensor uses its memory (a view keeps it), and freed
+    neighbours merge, so a larger tensor fits where two smaller ones were."""
+    reserve = PinnedReserve(limit=0)  # no warmer: only what the caller pins
+    whole = reserve.empty(torch.Size([8 * PAGE]), torch.uint8)  # cold: a chunk of 8 pages, all used
+    del whole
+    assert reserve._free == [[(0, 8 * PAGE)]]
+    a = reserve.empty(torch.Size([3 * PAGE]), torch.uint8)
+    b = reserve.empty(torch.Size([PAGE + 1]), torch.uint8)  # 2 pages held
+    assert reserve._free == [[(5 * PAGE, 3 * PAGE)]] and PinnedReserve.held(PAGE + 1) == 2 * PAGE
+    view = a[PAGE:].view(torch.int32)
+    del a
+    assert reserve._free == [[(5 * PAGE, 3 * PAGE)]]  # the view holds its storage
+    view.fill_(7)
+    del view, b
+    assert reserve._free == [[(0, 8 * PAGE)]]
+    again = reserve.empty(torch.Size([4, PAGE]), torch.float16)  # 8 pages: no new pin
+    assert [size for size, _ in fake_pinning] == [8 * PAGE] and reserve.cold == 1
+    assert again.is_contiguous() and again.shape == (4, PAGE)
     reserve.close()
+    assert reserve.bytes == 8 * PAGE  # in use: kept
+    del again
+    assert reserve.bytes == 0 and reserve._chunks == [None]

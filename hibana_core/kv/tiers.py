@@ -149,12 +149,12 @@ class HostTier:
     @property
     def bytes_used(self) -> int:
         """Host memory the copies hold: a tensor shared by a fork and its parent counted once,
-        pinned tensors at the size of the reserve's block holding them."""
+        pinned tensors at what they take from the reserve (page-aligned)."""
         return sum(dict(self._bytes.values()).values())
 
     def _held(self, nbytes: int) -> int:
-        """The most host memory a copy of `nbytes` holds (its reserve block, when pinned)."""
-        return PinnedReserve.largest_block(nbytes) if self.pinned else nbytes
+        """The host memory a copy of `nbytes` holds (what it takes from the reserve, when pinned)."""
+        return PinnedReserve.held(nbytes) if self.pinned else nbytes
 
     @property
     def disk_bytes_used(self) -> int:
@@ -377,8 +377,7 @@ class HostTier:
         seq.parked = parked
         key = id(seq)
         self._parked[key] = weakref.ref(seq, lambda _, key=key, owner=weakref.ref(self): _gone(owner, key))
-        held = parked.kv.untyped_storage().nbytes() if self.pinned else parked.nbytes  # a block of the reserve
-        self._bytes[key] = (parked.kv.data_ptr(), held)
+        self._bytes[key] = (parked.kv.data_ptr(), self._held(parked.nbytes))
 
     def share(self, seq: KVSequence, twin: KVSequence) -> None:
         """Give a fork of parked `seq` a parked copy of its own: the same host tensor (read-only,

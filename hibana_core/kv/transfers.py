@@ -18,8 +18,8 @@ synchronous and its `Transfer` done when made, so the same code runs with the wa
 
 from __future__ import annotations
 
-import collections
-import queue
+import bisect
+import ctypes
 import threading
 import time
 import weakref
@@ -148,16 +148,6 @@ def _runs(pages: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def pinned_size(nbytes: int) -> int:
-    """The bytes of the block `PinnedReserve` holds for a tensor of `nbytes`: rounded up to one
-    of four classes per power of two (at most a quarter more than asked; torch's own pinned
-    allocator rounds to a power of two, up to twice)."""
-    if nbytes <= 4:
-        return max(nbytes, 1)
-    step = 1 << (nbytes - 1).bit_length() - 3  # a quarter of the power of two below
-    return -(-nbytes // step) * step
-
-
 def pin_block(nbytes: int) -> torch.Tensor:
     """`nbytes` of page-locked host memory (uint8). The pages are touched here first and then
     registered with the driver (`cudaHostRegister`): on the H200 box 0.11 s a GiB, against 0.41 s
@@ -176,108 +166,162 @@ def pin_block(nbytes: int) -> torch.Tensor:
 
 
 class PinnedReserve:
-    """Page-locked host memory for parked copies, pinned before the parks that take it.
+    """Page-locked host memory for parked copies, pinned ahead of the parks that take it.
 
-    Pinning new memory is slow (`pin_block`), and a park runs inside an engine step: each new pin
-    there held up every agent. This keeps blocks of a few sizes (`pinned_size`) for the life of
-    the tier: `empty` hands out a free block of the tensor's class or the next one up (a view of
-    its first bytes), which comes back when the tensor dies, and a background thread pins spares ahead of demand,
-    one per class and one more for each `empty` of it that found none (bursts of parks as agents
-    pile up), at most `MAX_SPARES` a class and never past `limit` bytes in all. Only an `empty`
-    that finds no free block pins on the caller's thread (`cold` counts them).
+    Pinning is slow (`pin_block`) and a park runs inside an engine step: each pin there held up
+    every agent. The reserve pins chunks (`CHUNK` bytes, or the largest copy asked for where that
+    is more) on a background thread and carves tensors out of them: `empty` takes the smallest
+    free range that fits (page-aligned, `held` bytes), and the range comes back, merged with free
+    neighbours, when the last tensor on its memory dies (the storage: any view of it keeps it).
+    The warmer keeps room for `SPARES` more copies of the largest size asked for, and one more
+    for each `empty` that found none (bursts of parks as agents pile up), at most `MAX_SPARES`,
+    never pinning past `limit` bytes in all. Only an `empty` that finds no room pins on the
+    caller's thread, its own size (`cold` counts them). Chunks stay pinned until `close`.
 
-    A block is reused as soon as the tensor handed out dies, without waiting for copies: every
-    device copy from or to these tensors runs on the one copy stream, in order, and the host
-    reads them only after waiting for their copy (`ParkedKV.host_kv`).
+    A range is reused as soon as its tensors die, without waiting for copies: every device copy
+    from or to these tensors runs on the one copy stream, in order, and the host reads them only
+    after waiting for their copy (`ParkedKV.host_kv`).
     """
 
+    CHUNK = 2 << 30
+    ALIGN = 4096
+    SPARES = 2
     MAX_SPARES = 8
 
     def __init__(self, limit: int) -> None:
-        self.limit = limit  # bytes of blocks the warmer may bring the reserve to
-        self.free: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
-        self.bytes = 0  # of all blocks, in use and free
-        self._cold: collections.Counter[int] = collections.Counter()  # per class
-        # re-entrant: a tensor's finalizer (`_give_back`) may run inside a locked section of this
-        # thread, when an allocation there sets off the garbage collector
+        self.limit = limit  # bytes of chunks the warmer may bring the reserve to
+        self.bytes = 0  # pinned, in use and free
+        self.cold = 0  # `empty` calls that pinned on the caller's thread
+        self._chunks: list[torch.Tensor | None] = []  # None: let go after `close`
+        self._free: list[list[tuple[int, int]]] = []  # per chunk: free (offset, length), in order
+        self._largest = 0  # the largest size asked for
+        # re-entrant: a storage's finalizer (`_give_back`) may run inside a locked section of
+        # this thread, when an allocation there sets off the garbage collector
         self._lock = threading.RLock()
-        self._asked: set[int] = set()  # classes the warmer is making spares of
-        self._todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
 
+    @classmethod
+    def held(cls, nbytes: int) -> int:
+        """The bytes a tensor of `nbytes` takes from the reserve."""
+        return -(-nbytes // cls.ALIGN) * cls.ALIGN
+
     @property
-    def cold(self) -> int:
-        """Blocks pinned on the caller's thread (no free one of their class)."""
-        return sum(self._cold.values())
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(length for ranges in self._free for _, length in ranges)
 
     def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """A pinned tensor of `shape` and `dtype` (contents undefined), a view of a free block of
-        its class or else of the next class up (at most `largest_block(nbytes)` bytes held)."""
+        """A pinned tensor of `shape` and `dtype` (contents undefined)."""
         nbytes = torch.Size(shape).numel() * dtype.itemsize
-        size = pinned_size(nbytes)
+        size = self.held(nbytes)
+        if not size:
+            return torch.empty(shape, dtype=dtype)
         with self._lock:
-            fits = next((c for c in (size, pinned_size(size + 1)) if self.free[c]), None)
-            block = self.free[fits].pop() if fits is not None else None
-            if block is None:
-                self._cold[size] += 1
-        if block is None:
-            block = pin_block(size)
+            self._largest = max(self._largest, size)
+            place = self._take(size)
+        if place is None:
+            chunk = pin_block(size)
             with self._lock:
-                self.bytes += size
-        tensor = block[:nbytes].view(dtype).view(shape)
-        weakref.finalize(tensor, self._give_back, block)
-        self._ask(size)
-        return tensor
+                self.cold += 1
+                self._add(chunk)
+                place = self._take(size)
+        index, offset = place
+        buffer = (ctypes.c_uint8 * size).from_address(self._chunks[index].data_ptr() + offset)
+        weakref.finalize(buffer, self._give_back, index, offset, size)  # once no storage holds it
+        self._ask()
+        return torch.frombuffer(buffer, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
 
-    @staticmethod
-    def largest_block(nbytes: int) -> int:
-        """The most bytes `empty` may hold for a tensor of `nbytes`."""
-        return pinned_size(pinned_size(nbytes) + 1)
+    def _take(self, size: int) -> tuple[int, int] | None:
+        """(chunk, offset) of the smallest free range of at least `size` bytes, taken (under the lock)."""
+        best = None
+        for index, ranges in enumerate(self._free):
+            for at, (offset, length) in enumerate(ranges):
+                if length >= size and (best is None or length < best[0]):
+                    best = (length, index, at)
+        if best is None:
+            return None
+        length, index, at = best
+        offset = self._free[index][at][0]
+        if length == size:
+            del self._free[index][at]
+        else:
+            self._free[index][at] = (offset + size, length - size)
+        return index, offset
 
-    def _give_back(self, block: torch.Tensor) -> None:
+    def _add(self, chunk: torch.Tensor) -> None:
+        """(under the lock)"""
+        self._chunks.append(chunk)
+        self._free.append([(0, chunk.numel())])
+        self.bytes += chunk.numel()
+
+    def _give_back(self, index: int, offset: int, size: int) -> None:
         with self._lock:
-            if not self._closed:  # after `close` the block goes (unregistered once collected)
-                self.free[block.numel()].append(block)
+            ranges = self._free[index]
+            at = bisect.bisect(ranges, (offset, size))
+            if at < len(ranges) and ranges[at][0] == offset + size:  # merged with the next
+                size += ranges.pop(at)[1]
+            if at and sum(ranges[at - 1]) == offset:  # and the previous
+                offset, size = ranges[at - 1][0], ranges[at - 1][1] + size
+                del ranges[at - 1]
+                at -= 1
+            ranges.insert(at, (offset, size))
+            if self._closed and ranges == [(0, self._chunks[index].numel())]:
+                self._let_go(index)
 
-    def _wanted(self, size: int) -> int:
-        """Spares of class `size` still to pin (under the lock)."""
-        room = (self.limit - self.bytes) // size
-        return min(min(self.MAX_SPARES, 1 + self._cold[size]) - len(self.free[size]), room)
+    def _let_go(self, index: int) -> None:
+        """(under the lock)"""
+        self.bytes -= self._chunks[index].numel()
+        self._chunks[index] = None
+        self._free[index] = []
 
-    def _ask(self, size: int) -> None:
+    def _wanted(self) -> int:
+        """Bytes of the next chunk the warmer should pin; 0: none (under the lock)."""
+        if not self._largest or self._closed:
+            return 0
+        room = sum(length // self._largest for ranges in self._free for _, length in ranges)
+        if room >= min(self.SPARES + self.cold, self.MAX_SPARES):
+            return 0
+        size = max(self.CHUNK, self._largest)
+        return size if self.bytes + size <= self.limit else 0
+
+    def _ask(self) -> None:
         with self._lock:
-            if self._wanted(size) <= 0 or size in self._asked:
+            if not self._wanted():
                 return
-            self._asked.add(size)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._warm, name="hibana-pinned", daemon=True)
                 self._thread.start()
-        self._todo.put(size)
+        self._wake.set()
 
     def _warm(self) -> None:
-        while (size := self._todo.get()) is not None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._closed:
+                return
             try:
                 while True:
                     with self._lock:
-                        if self._wanted(size) <= 0:
-                            break
-                    block = pin_block(size)
+                        size = self._wanted()
+                    if not size:
+                        break
+                    chunk = pin_block(size)
                     with self._lock:
-                        self.bytes += size
-                        self.free[size].append(block)
+                        self._add(chunk)
             except RuntimeError:  # out of page-lockable memory: a park pays (or fails) itself
                 pass
-            finally:
-                with self._lock:
-                    self._asked.discard(size)
 
     def close(self) -> None:
-        """Stop the warmer and let the free blocks go (tensors handed out keep theirs)."""
+        """Stop the warmer and let the chunks go (those with tensors in use once they die)."""
+        with self._lock:
+            self._closed = True
         if self._thread is not None:
-            self._todo.put(None)
+            self._wake.set()
             self._thread.join()
             self._thread = None
         with self._lock:
-            self._closed = True
-            self.free.clear()
+            for index, chunk in enumerate(self._chunks):
+                if chunk is not None and self._free[index] == [(0, chunk.numel())]:
+                    self._let_go(index)
