@@ -161,7 +161,7 @@ def test_bad_host_budget(tiny_checkpoints, make_engine):
 def test_states_resume_after_a_restart_with_nothing_recomputed(tiny_checkpoints, make_engine, tmp_path, hf_greedy):
     path = tiny_checkpoints["qwen3"]
     rng = random.Random(5)
-    histories = {f"agent/{i}": random_tokens(rng, rng.randint(20, 90)) for i in range(8)}
+    histories = {f"agent/{i}": random_tokens(rng, rng.randint(20, 90)) for i in range(32)}
     engine = make_engine(path, state_dir=tmp_path, num_blocks=DEVICE_BLOCKS, speculation="off")
     for state_id, history in histories.items():
         done = engine.open_state(state_id).generate(SamplingParams(max_tokens=4, ignore_eos=True), prompt=history)
