@@ -7,10 +7,11 @@ from __future__ import annotations
 from hibana_plugins.hookspecs import HibanaError
 
 __all__ = [
-    "ChatTimeoutError", "CheckpointError", "ConfigError", "ContextLengthError", "EngineClosedError", "GrammarError",
-    "HibanaError",
-    "InvalidTokenError", "MemoryBudgetError", "QueueTimeoutError", "StateBusyError", "StateClosedError",
-    "StateExistsError", "StateFileError", "UnsupportedModelError",
+    "ChatTimeoutError", "CheckpointError", "ConfigError", "ContextLengthError", "ConversationError",
+    "EngineClosedError", "GrammarError", "HibanaError", "InvalidTokenError", "MemoryBudgetError",
+    "PromptMarkupError", "QueueTimeoutError", "StateBusyError", "StateClosedError", "StateExistsError",
+    "StateFileError", "SurgeryGuardError", "ToolChoiceError", "ToolSchemaError", "UnsupportedContentError",
+    "UnsupportedModelError",
 ]
 
 
@@ -77,3 +78,24 @@ class QueueTimeoutError(HibanaError, TimeoutError):
 class ChatTimeoutError(HibanaError, TimeoutError):
     """A call ran past its timeout; its state is left as it was before the call. Also a builtin
     TimeoutError, so `except TimeoutError` catches it."""
+
+
+class ConversationError(HibanaError, ValueError):
+    """A conversation that cannot be rendered faithfully: a tool result answering no call, a
+    message that is not a message, a role the chat template drops, text that is not Unicode."""
+
+
+class UnsupportedContentError(HibanaError, ValueError):
+    """A message carries content the model cannot read (an image, audio, a file)."""
+
+
+class ToolSchemaError(HibanaError, ValueError):
+    """A tool that is not an OpenAI function tool: no name, parameters that are not a schema."""
+
+
+class ToolChoiceError(HibanaError, ValueError):
+    """A tool_choice that names no offered tool, or requires a call with no tools offered."""
+
+
+class PromptMarkupError(HibanaError, ValueError):
+    """The chat template transforms message contents in a way that hides where they are."""

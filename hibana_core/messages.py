@@ -12,7 +12,8 @@ import json
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
-from hibana_core.errors import GrammarError, HibanaError
+from hibana_core.errors import (ConversationError, GrammarError, HibanaError, ToolChoiceError,
+                                ToolSchemaError, UnsupportedContentError)
 from hibana_plugins.hookspecs import ToolCall
 
 
@@ -164,23 +165,6 @@ def _check_enforceable(name: str, parameters: Mapping) -> None:
     if unenforced:
         raise ToolSchemaError(f"tool {name!r} is strict but its parameters cannot be held to its schema "
                               f"({'; '.join(unenforced)}); fix the schema, or bind it without strict")
-
-
-class ToolChoiceError(HibanaError, ValueError):
-    """A tool_choice that names no offered tool, or requires a call with no tools offered."""
-
-
-class UnsupportedContentError(HibanaError, ValueError):
-    """A message carries content the model cannot read (an image, audio, a file)."""
-
-
-class ConversationError(HibanaError, ValueError):
-    """A conversation that cannot be rendered faithfully: a tool result answering no call, a
-    message that is not a message, a role the chat template drops, text that is not Unicode."""
-
-
-class ToolSchemaError(HibanaError, ValueError):
-    """A tool that is not an OpenAI function tool: no name, parameters that are not a schema."""
 
 
 def check_tool_results(messages: Sequence[dict]) -> None:

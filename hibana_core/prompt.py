@@ -27,13 +27,9 @@ import re
 import uuid
 from typing import Any, Callable, Sequence
 
-from hibana_core.errors import HibanaError
+from hibana_core.errors import PromptMarkupError
 
 Span = tuple[int, int]
-
-
-class PromptMarkupError(HibanaError, ValueError):
-    """The chat template transforms message contents in a way that hides where they are."""
 
 
 class Prompt(str):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
+import pkgutil
 import random
 import shutil
 
@@ -73,6 +75,23 @@ def test_every_error_is_a_hibana_error():
     assert len(classes) >= 10
     for cls in classes:
         assert issubclass(cls, HibanaError), cls
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [c for sub in cls.__subclasses__() for c in (sub, *_subclasses(sub))]
+
+
+def test_every_hibana_error_in_hibana_core_is_importable_from_hibana_core():
+    """The README and callers write `from hibana_core import XError`: an error class defined in any
+    hibana_core module (found by importing them all) is exported there and from `errors`."""
+    for module in pkgutil.walk_packages(hibana_core.__path__, "hibana_core."):
+        importlib.import_module(module.name)
+    defined = {c for c in _subclasses(HibanaError) if c.__module__.split(".")[0] == "hibana_core"}
+    assert len(defined) >= 20
+    for cls in defined:
+        assert cls.__name__ in hibana_core.__all__, cls
+        assert getattr(hibana_core, cls.__name__) is cls, cls
+        assert cls.__name__ in errors.__all__ and cls.__module__ == errors.__name__, cls
 
 
 # --- loading --------------------------------------------------------------------------------
