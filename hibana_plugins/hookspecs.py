@@ -113,12 +113,15 @@ def register_model_families(register) -> None:
 def register_drafters(register) -> None:
     """Register speculation drafters: `register(name, factory)`.
 
-    `factory(engine)` returns a drafter (the `hibana_core.speculation.Drafter` protocol):
-    `propose(state, k) -> list[int]`, up to k tokens that may follow `state.tokens` (`state.key`
-    identifies the agent for per-agent caches, `state.version` changes when its history was
-    edited other than by appending), and `finished(context, output)`, a request's generated
-    tokens. Optional: `propose_many(states, ks)` (several states in one call), `shadows = False`
-    (proposals are costly), `summary()`, `close()`. A request uses it when it or the engine
+    `factory(engine)` returns a drafter (the `hibana_core.speculation.Drafter` protocol); a
+    drafter object may be registered as it is instead (anything with `propose`, not a class).
+    Required: `propose(state, k) -> list[int]`, up to k tokens that may follow `state.tokens`
+    (`state.key` identifies the agent for per-agent caches, `state.version` changes when its
+    history was edited other than by appending). Optional: `finished(context, output)`, a
+    request's generated tokens; `propose_many(states, ks)` (several states in one call),
+    `shadows = False` (proposals are costly), `summary()`, `resident_bytes()`, `close()`.
+    Anything else registered is a ConfigError when the drafter is first named (at engine build
+    for the engine's default). A request uses it when it or the engine
     names it: `speculation={"method": name, "k": 4}`. Drafts change speed only: the engine
     keeps the tokens its own model samples, ends a proposal at its first id outside the
     vocabulary, and lets a drafter that raises draft nothing (with a PluginWarning).

@@ -135,6 +135,15 @@ def _describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def describe_registered(obj: object) -> str:
+    """How an error names what a plugin registered: the class, function or instance, with the
+    module it comes from (which tells the user whose plugin it is)."""
+    if isinstance(obj, type) or (callable(obj) and hasattr(obj, "__qualname__")):
+        kind = "the class" if isinstance(obj, type) else "the function"
+        return f"{kind} {obj.__module__}.{obj.__qualname__}"
+    return f"an instance of {type(obj).__module__}.{type(obj).__qualname__}"
+
+
 def _entry_point_order(ep: importlib.metadata.EntryPoint) -> tuple[str, str]:
     # sys.path scanning order is the file system's; sort so that runs agree
     return (_canonical(ep.dist.metadata["Name"]) if ep.dist is not None else "", ep.name)

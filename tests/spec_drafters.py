@@ -5,9 +5,11 @@
                    rejections both happen, whatever the model
     FixedDrafter   always proposes the same tokens (the distribution tests)
     BrokenDrafter  a buggy plugin's: raises from a chosen call on, or proposes ids past the vocabulary
+    ProposeOnly    another drafter's proposals through the one required method, `propose`
 
 `registered(name=drafter, ...)` registers them on the process-wide plugin manager for the length
-of a `with` block; an engine built inside it sees them.
+of a `with` block, each behind a factory; `registered_as_is(name=obj, ...)` registers the objects
+themselves (a drafter, or a plugin's mistake). An engine built inside the block sees them.
 """
 
 from __future__ import annotations
@@ -76,9 +78,6 @@ class FixedDrafter:
         self.calls += 1
         return self.tokens[:k]
 
-    def finished(self, context: Sequence[int], output: Sequence[int]) -> None:
-        pass
-
 
 class BrokenDrafter:
     """Proposes `tokens[:k]` for `fine_calls` calls, then raises; `finished` raises too."""
@@ -98,22 +97,41 @@ class BrokenDrafter:
         raise RuntimeError("a drafter bug in finished")
 
 
+class ProposeOnly:
+    """`drafter`'s proposals, and nothing else a drafter may have (no `finished`, no `summary`)."""
+
+    def __init__(self, drafter) -> None:
+        self._drafter = drafter
+
+    def propose(self, state, k: int) -> list[int]:
+        return self._drafter.propose(state, k)
+
+
 class _Plugin:
-    def __init__(self, drafters: dict[str, object]) -> None:
-        self.drafters = drafters
+    def __init__(self, objects: dict[str, object]) -> None:
+        self.objects = objects
 
     @hookimpl
     def register_drafters(self, register) -> None:
-        for name, drafter in self.drafters.items():
-            register(name, lambda engine, _d=drafter, **options: _d)
+        for name, obj in self.objects.items():
+            register(name, obj)
 
 
 @contextlib.contextmanager
 def registered(**drafters) -> Iterator[None]:
     """Register `drafters` (name -> drafter instance; its factory returns that instance) as a
     third-party plugin for the block's length; the process-wide manager is rebuilt around it."""
+    factories = {name: (lambda engine, _d=drafter, **options: _d) for name, drafter in drafters.items()}
+    with registered_as_is(**factories):
+        yield
+
+
+@contextlib.contextmanager
+def registered_as_is(**objects) -> Iterator[None]:
+    """Register `objects` (name -> what a plugin passes to `register`) as a third-party plugin
+    for the block's length; the process-wide manager is rebuilt around it."""
     reset_plugin_manager()
-    get_plugin_manager().register(_Plugin(drafters), name="hibana-test-drafters")
+    get_plugin_manager().register(_Plugin(objects), name="hibana-test-drafters")
     try:
         yield
     finally:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -29,7 +30,7 @@ from hibana_core import SamplingParams
 from hibana_core.errors import ConfigError
 from hibana_plugins.manager import PluginWarning
 from hibana_core.speculation import force_outputs
-from spec_drafters import BrokenDrafter, OracleDrafter, registered
+from spec_drafters import BrokenDrafter, OracleDrafter, ProposeOnly, registered, registered_as_is
 from tiny_models import (ARCHS, VOCAB_SIZE, assert_greedy_matches, hf_greedy, make_tiny_checkpoint,
                          random_tokens)
 
@@ -339,6 +340,51 @@ def test_a_broken_plugin_drafter_costs_speed_only(tiny_checkpoints, make_engine)
     assert stats.draft_tokens_proposed > 0, "the valid prefix of past_vocab's proposals was drafted"
     errors = stats.speculation["drafter_errors"]
     assert errors["raising"] > 1 and set(errors) == {"raising", "past_vocab", "negative"}, errors  # finished raised
+
+
+def test_a_drafter_object_with_only_propose_is_used_as_it_is(tiny_checkpoints, make_engine):
+    """A plugin may register its drafter itself rather than a factory, and `propose` is all it
+    must have: no call to a missing `finished` (before, a PluginWarning at each request's end)."""
+    path = tiny_checkpoints["llama"]
+    history = random_tokens(random.Random(5), 30)
+    want = hf_greedy(path, history, GEN)
+    oracle = OracleDrafter(VOCAB_SIZE)
+    oracle.add(history, want)
+    with registered_as_is(bare=ProposeOnly(oracle)):
+        engine = make_engine(path, speculation={"method": "bare", "k": 3})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PluginWarning)
+        assert list(engine.open_state("a").generate(greedy(), prompt=history).token_ids) == want
+    stats = engine.stats()
+    assert stats.draft_tokens_accepted == oracle.proposed > 0
+    assert not stats.speculation["drafter_errors"]
+
+
+class NoEngineDrafter:
+    """A drafter class whose constructor takes no engine: a plugin's mistake."""
+
+    def __init__(self) -> None:
+        pass
+
+    def propose(self, state, k: int) -> list[int]:
+        return []
+
+
+@pytest.mark.parametrize("registered_obj, says", [
+    (NoEngineDrafter, r"'wrong' is registered as the class test_speculation\.NoEngineDrafter, which cannot be "
+                      r"called as factory\(engine\)"),
+    (42, r"'wrong' is registered as an instance of builtins\.int, which cannot be called as factory\(engine\)"),
+    (lambda engine: None, r"'wrong': its factory, the function test_speculation\.<lambda>, returned an instance of "
+                          r"builtins\.NoneType, which has no propose\(state, k\)"),
+], ids=["class-without-engine", "not-callable", "factory-returns-none"])
+def test_a_wrongly_registered_drafter_is_a_config_error_at_engine_build(tiny_checkpoints, make_engine,
+                                                                         registered_obj, says):
+    """What a plugin registers that is neither a drafter nor a `factory(engine) -> drafter` is a
+    ConfigError naming the expected signature and what was registered (its module: whose plugin),
+    at engine build when the engine's default names it; before, a raw TypeError."""
+    with registered_as_is(wrong=registered_obj), pytest.raises(ConfigError, match=says) as raised:
+        make_engine(tiny_checkpoints["llama"], speculation={"method": "wrong", "k": 3})
+    assert "register('wrong', factory) with factory(engine) -> drafter" in str(raised.value)
 
 
 # --- 5. endings, seeds and forced outputs inside drafts --------------------------------------------

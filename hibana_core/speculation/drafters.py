@@ -3,7 +3,7 @@
 A drafter proposes tokens that may follow a state's history; the engine verifies them in its
 ordinary batched step, so a drafter only affects speed, never output. Drafters are registered
 through the `register_drafters` hook like any plugin's: `register(name, factory)` with
-`factory(engine) -> Drafter`.
+`factory(engine) -> Drafter`, or `register(name, drafter)` with the drafter object itself.
 
 Both built-ins keep one index per state, caught up lazily with the tokens appended since their
 last proposal (one table update per token and order: the cost does not grow with the history)
@@ -36,15 +36,14 @@ class Drafter(Protocol):
     def propose(self, state: DraftInput, k: int) -> list[int]:
         """Up to k tokens that may follow `state.tokens` (fewer, or none, when unsure)."""
 
-    def finished(self, context: Sequence[int], output: Sequence[int]) -> None:
-        """A request generated `output` after `context` (its last tokens): drafters that learn
-        across agents (the suffix drafter's shared corpus) take it in."""
-
-    # Optional: `propose_many(states: list[DraftInput], ks: list[int]) -> list[list[int]]`, the
-    # proposals for several states in one call (a draft model batches its forwards); the engine
-    # uses it when a drafter has it. `shadows = False`: proposals are costly, so the controller
-    # learns acceptance from verify steps only (no free shadow proposals). `summary()`: figures
-    # for engine.stats().speculation["drafters"]. `close()`: called when the engine closes.
+    # Optional, each used when a drafter has it: `finished(context: Sequence[int], output:
+    # Sequence[int])`, a request generated `output` after `context` (its last tokens), for drafters
+    # that learn across agents (the suffix drafter's shared corpus). `propose_many(states:
+    # list[DraftInput], ks: list[int]) -> list[list[int]]`, the proposals for several states in
+    # one call (a draft model batches its forwards). `shadows = False`: proposals are costly, so
+    # the controller learns acceptance from verify steps only (no free shadow proposals).
+    # `summary()`: figures for engine.stats().speculation["drafters"]. `resident_bytes()`: device
+    # bytes it holds. `close()`: called when the engine closes.
 
 
 class _PerState:
@@ -166,9 +165,6 @@ class NgramDrafter:
         if n == 0:
             return []
         return list(state.tokens[at:at + k])
-
-    def finished(self, context: Sequence[int], output: Sequence[int]) -> None:
-        pass
 
 
 def _draft_model(engine: Any, **options: Any) -> Drafter:

@@ -16,6 +16,7 @@ which the step-cost model charges to verifying steps).
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import time
 import warnings
@@ -28,7 +29,7 @@ from hibana_core.errors import ConfigError
 from hibana_core.speculation.controller import (MAX_DRAFT, AcceptanceStats, Candidate, Controller,
                                                 StepCostModel)
 from hibana_core.speculation.drafters import DraftInput, Drafter
-from hibana_plugins.manager import PluginWarning
+from hibana_plugins.manager import PluginWarning, describe_registered
 
 if TYPE_CHECKING:
     from hibana_core.scheduler import Request, ScheduledChunk
@@ -43,6 +44,34 @@ def check_method(config: SpeculationConfig, registered: Sequence[str]) -> None:
         raise ConfigError(f"no drafter named {config.method!r} is registered (registered: "
                           f"{', '.join(sorted(registered)) or 'none'}); pass one of them as "
                           "speculation={'method': ...}, or install the plugin that provides it")
+
+
+def build_drafter(name: str, registered: Any, engine: Any) -> Drafter:
+    """The drafter a plugin registered under `name`: a `factory(engine) -> drafter` (a class whose
+    constructor takes the engine is one) is called; an object that already has `propose` is used
+    as it is. Anything else is a ConfigError at engine build rather than a TypeError in a step."""
+    if not isinstance(registered, type) and hasattr(registered, "propose"):
+        return registered
+    expected = (f"register({name!r}, factory) with factory(engine) -> drafter, a drafter being an "
+                "object with propose(state, k); or register the drafter object itself")
+    if not (callable(registered) and _accepts(registered, engine)):
+        raise ConfigError(f"drafter {name!r} is registered as {describe_registered(registered)}, which cannot be "
+                          f"called as factory(engine); {expected}")
+    drafter = registered(engine)
+    if not hasattr(drafter, "propose"):
+        raise ConfigError(f"drafter {name!r}: its factory, {describe_registered(registered)}, returned "
+                          f"{describe_registered(drafter)}, which has no propose(state, k); {expected}")
+    return drafter
+
+
+def _accepts(function: Callable, *args: Any) -> bool:
+    try:
+        inspect.signature(function).bind(*args)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a builtin): calling it is the only test
+        return True
+    return True
 
 
 def valid_draft(proposal: Any, k: int, vocab_size: int) -> list[int]:
@@ -112,7 +141,7 @@ class Speculator:
     def drafter(self, name: str) -> Drafter:
         drafter = self._drafters.get(name)
         if drafter is None:
-            drafter = self._drafters[name] = self._factories[name](self._engine)
+            drafter = self._drafters[name] = build_drafter(name, self._factories[name], self._engine)
         return drafter
 
     def start(self) -> None:
@@ -275,8 +304,11 @@ class Speculator:
             return
         seq = request.seq
         context = seq.tokens[max(0, request.num_prompt - 32):request.num_prompt]
+        finished = getattr(self.drafter(config.method), "finished", None)  # optional: not every drafter learns
+        if finished is None:
+            return
         try:
-            self.drafter(config.method).finished(context, request.output)
+            finished(context, request.output)
         except Exception as exc:  # noqa: BLE001 - as in `_propose`: a drafter's bug costs speed only
             self._drafter_failed(config.method, "finished", exc)
 
