@@ -134,7 +134,9 @@ def register_surgery_passes(register) -> None:
 
     A pass rewrites the loaded model in place to cut the bytes each token reads:
     `surgery_pass.apply(model, params) -> dict`, a JSON-able record of what it changed (layers,
-    bytes before and after), raising ConfigError for parameters it cannot take. A linear layer
+    bytes before and after), raising ConfigError for parameters it cannot take. Register the pass
+    object itself, not its class (a class, an object without `apply`, or an `apply` that returns
+    no dict is a ConfigError). A linear layer
     that supports packed weights has `set_packed(kind, tensors, group_size)` (kinds and layouts:
     `hibana_kernels.quant`); an attention layer that can store its KV in fp8 has
     `set_kv_scales(kv_scale)`. A pass with `calibrated = True` is called as

@@ -284,6 +284,38 @@ def test_a_plugin_pass_runs_when_named_and_joins_the_fingerprint(tiny_checkpoint
     assert torch.allclose(norm, dict(plain.model.named_parameters())["model.norm.weight"] * 0.25)
 
 
+class _ReturnsNothing:
+    """A plugin's pass whose apply forgets to return its record."""
+
+    def apply(self, model, params):
+        return None
+
+
+@pytest.mark.parametrize("registered_obj, says", [
+    (_Halve, r"'bad' is registered as the class test_surgery\._Halve, not an instance of it; register the pass "
+             r"object: register\('bad', _Halve\(\)\)"),
+    (lambda model, params: {}, r"'bad' is registered as the function test_surgery\.<lambda>, which has no "
+                               r"apply\(model, params\) method"),
+], ids=["class", "no-apply"])
+def test_a_pass_registered_as_no_pass_object_is_refused_before_the_model_loads(registered_obj, says,
+                                                                               tiny_checkpoints, monkeypatch):
+    from hibana_core import engine as engine_module
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the registered pass was checked")
+
+    monkeypatch.setattr(engine_module, "load_model", no_loading)
+    with registered_pass("bad", registered_obj), pytest.raises(ConfigError, match=says):
+        Engine.from_pretrained(tiny_checkpoints["llama"], surgery=["bad"], device="cpu")
+
+
+def test_a_pass_whose_apply_returns_no_record_is_a_config_error(tiny_checkpoints, make_engine):
+    with registered_pass("forgetful", _ReturnsNothing()), pytest.raises(
+            ConfigError, match=r"surgery pass 'forgetful' \(an instance of test_surgery\._ReturnsNothing\) returned "
+                               r"None from apply; apply\(model, params\) must return a dict"):
+        make_engine(tiny_checkpoints["llama"], surgery=["forgetful"], surgery_guard=False, speculation="off")
+
+
 def test_in_memory_models_take_the_checked_copy_path():
     from transformers import AutoModelForCausalLM
 

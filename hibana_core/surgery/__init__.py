@@ -19,10 +19,12 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from hibana_core.errors import ConfigError
+from hibana_plugins.manager import describe_registered
 
 if TYPE_CHECKING:  # torch stays unimported until a model is built (adapters import this module)
     import torch
@@ -96,6 +98,7 @@ def check_requests(requests: Sequence[PassRequest], passes: dict[str, Any]) -> t
         if request.name not in passes:
             raise ConfigError(f"no surgery pass named {request.name!r} is registered (registered: "
                               f"{', '.join(sorted(passes)) or 'none'}); install the plugin that provides it")
+        _check_registered(request.name, passes[request.name])
         params = dict(request.params)
         force = params.pop("force", False)
         if not isinstance(force, bool):
@@ -105,6 +108,18 @@ def check_requests(requests: Sequence[PassRequest], passes: dict[str, Any]) -> t
             params = dict(check(params))
         checked.append(PassRequest(request.name, {**params, **({"force": True} if force else {})}))
     return tuple(checked)
+
+
+def _check_registered(name: str, surgery_pass: Any) -> None:
+    """A ConfigError, before the model loads, unless a plugin registered a pass object: a class
+    registered in place of its instance would be called with the model as `self`."""
+    if isinstance(surgery_pass, type):
+        raise ConfigError(f"surgery pass {name!r} is registered as {describe_registered(surgery_pass)}, not an "
+                          f"instance of it; register the pass object: register({name!r}, "
+                          f"{surgery_pass.__name__}())")
+    if not callable(getattr(surgery_pass, "apply", None)):
+        raise ConfigError(f"surgery pass {name!r} is registered as {describe_registered(surgery_pass)}, which has "
+                          f"no apply(model, params) method; register an object with apply(model, params) -> dict")
 
 
 def apply_passes(model: "torch.nn.Module", requests: Sequence[PassRequest], passes: dict[str, Any],
@@ -133,7 +148,12 @@ def _apply(model: "torch.nn.Module", requests: Sequence[PassRequest], passes: di
                 raise ConfigError(f"surgery pass {request.name!r} runs the model on calibration text; "
                                   "apply it through the engine (Engine.from_pretrained(..., surgery=[...]))")
             extra = (calibration,)
-        record = {"name": request.name, "params": dict(params), **surgery_pass.apply(model, params, *extra)}
+        changed = surgery_pass.apply(model, params, *extra)
+        if not isinstance(changed, Mapping):
+            raise ConfigError(f"surgery pass {request.name!r} ({describe_registered(surgery_pass)}) returned "
+                              f"{changed!r} from apply; apply(model, params) must return a dict, a JSON-able "
+                              "record of what it changed ({} when nothing): fix the pass, or leave it out of surgery")
+        record = {"name": request.name, "params": dict(params), **changed}
         if guard is not None:
             record["guard"] = guard.check(request.name, surgery_pass, force)
         records.append(record)
