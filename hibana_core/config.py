@@ -212,8 +212,9 @@ MAX_DRAFT_TOKENS = 16
 class SpeculationConfig:
     """Speculative decoding: draft tokens from a drafter, verified in the ordinary step.
 
-    Given as `speculation=` to the engine or to `SamplingParams`: "adaptive" (the default: the
-    controller picks 0..16 drafts per agent and step by measured goodput), "off", or a dict
+    Given as `speculation=` to the engine or to `SamplingParams`: "adaptive" or True (the
+    default: the controller picks 0..16 drafts per agent and step by measured goodput), "off" or
+    False, or a dict
     `{"method": "suffix" | "ngram" | "draft_model" | <a plugin's drafter>, "k": 4}` (k given:
     always draft k; k left out: adaptive with that drafter). Output is the same either way
     (greedy: token for token; sampling: the same distribution). The draft model is given on the
@@ -241,19 +242,24 @@ class SpeculationConfig:
 
     @classmethod
     def parse(cls, value: Any) -> "SpeculationConfig":
-        """"adaptive", "off", a {"method": ..., "k": ...} dict, or a SpeculationConfig."""
+        """"adaptive" or True, "off" or False, a {"method": ..., "k": ...} dict, or a
+        SpeculationConfig. None is refused: it means "the engine's" on a request alone."""
         if isinstance(value, cls):
             return value
-        if value == "adaptive":
+        if value == "adaptive" or value is True:
             return cls()
         if value == "off" or value is False:
             return cls(enabled=False)
+        if value is None:
+            raise ConfigError("speculation=None means \"the engine's setting\" on a request (SamplingParams) only; "
+                              "the engine's own is 'adaptive' (the default; also True), 'off' (also False) or a dict "
+                              "like {'method': 'suffix', 'k': 4}")
         if isinstance(value, dict):
             unknown = set(value) - {"method", "k", "draft_model"}
             _check(not unknown, f"speculation takes the keys 'method', 'k' and 'draft_model', "
                                 f"got {sorted(map(str, unknown))}")
             return cls(**value)
-        raise ConfigError(f"speculation must be 'adaptive', 'off' or a dict like "
+        raise ConfigError(f"speculation must be 'adaptive' (or True), 'off' (or False) or a dict like "
                           f"{{'method': 'suffix', 'k': 4}}, got {value!r}")
 
     @property
@@ -292,8 +298,8 @@ class EngineConfig:
     """Launch each step before reading the previous one's tokens back, so host work overlaps
     the device's; None: on for CUDA (on the CPU nothing overlaps, but True runs the same logic)."""
     speculation: Any = "adaptive"
-    """Speculative decoding for every request that does not set its own: "adaptive", "off", or
-    {"method": ..., "k": ...} (see `SpeculationConfig`); stored parsed."""
+    """Speculative decoding for every request that does not set its own: "adaptive" (or True),
+    "off" (or False), or {"method": ..., "k": ...} (see `SpeculationConfig`); stored parsed."""
     surgery: Any = ()
     """Model surgery passes applied at load, in order: names or {"name": ..., parameters}, e.g.
     ["w8"] or [{"name": "w4", "group_size": 64}] (see `hibana_core.surgery`); stored parsed."""
@@ -397,8 +403,8 @@ class SamplingParams:
     top_logprobs: int = 0
     """With logprobs: also the this many most likely tokens at each position (0 to 20)."""
     speculation: Any = None
-    """This request's speculative decoding ("adaptive", "off", {"method": ..., "k": ...});
-    None: the engine's. It changes speed only, never the output."""
+    """This request's speculative decoding ("adaptive" or True, "off" or False, {"method": ...,
+    "k": ...}); None: the engine's. It changes speed only, never the output."""
     json_schema: Any = None
     """Constrain the output to JSON valid under this schema: a dict, its JSON text or a pydantic
     model class (stored as a dict). The JSON is compact, spaced as `json.dumps` writes it."""

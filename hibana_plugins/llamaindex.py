@@ -193,9 +193,9 @@ def llm_class() -> type:
                                "(ChatResponse.logprobs / CompletionResponse.logprobs).")
         top_logprobs: int = Field(default=0, ge=0, le=20, description="With logprobs: also this many most "
                                   "likely tokens at each position.")
-        speculation: Optional[Union[str, dict]] = Field(
-            default=None, description="Speculative decoding: \"adaptive\", \"off\" or {\"method\": ..., "
-            "\"k\": ...}; None: the engine's (engine_kwargs={\"speculation\": ...}). Speed only.")
+        speculation: Optional[Union[bool, str, dict]] = Field(
+            default=None, description="Speculative decoding: \"adaptive\" (or True), \"off\" (or False) or "
+            "{\"method\": ..., \"k\": ...}; None: the engine's (engine_kwargs={\"speculation\": ...}). Speed only.")
         tool_parser: Optional[str] = Field(default=None, description="A registered tool parser; None: the "
                                            "model's chat format's, else hermes.")
         clean_tool_schemas: bool = Field(default=True, description="Lay tool schemas out as OpenAI's "

@@ -221,6 +221,9 @@ def test_a_disturbed_profile_point_does_not_make_drafting_look_free():
 def test_speculation_config_parse():
     assert SpeculationConfig.parse("adaptive") == SpeculationConfig(True, "suffix", None)
     assert SpeculationConfig.parse("adaptive").adaptive
+    assert SpeculationConfig.parse(True) == SpeculationConfig.parse("adaptive"), "True: on, as by default"
+    assert EngineConfig(speculation=True).speculation.adaptive
+    assert SamplingParams(speculation=True).speculation.adaptive
     for off in ("off", False):
         config = SpeculationConfig.parse(off)
         assert not config.enabled and not config.active and not config.adaptive
@@ -236,7 +239,7 @@ def test_speculation_config_parse():
 
 
 @pytest.mark.parametrize("bad", [
-    "fast", "on", True, None, 3, ["suffix"],
+    "fast", "on", None, 1, 0, 3, ["suffix"],
     {"method": "suffix", "k": -1}, {"k": 17}, {"k": True}, {"k": 2.0}, {"k": "4"},
     {"method": ""}, {"method": 3}, {"kk": 1}, {"method": "suffix", "k": 2, "extra": 1},
 ], ids=repr)
@@ -248,3 +251,9 @@ def test_speculation_config_rejects_bad_values(bad):
     if bad is not None:  # None is SamplingParams' "the engine's"
         with pytest.raises(ConfigError):
             SamplingParams(speculation=bad)
+
+
+def test_speculation_none_is_the_engines_setting_on_a_request_and_refused_for_the_engine():
+    with pytest.raises(ConfigError, match=r"speculation=None means \"the engine's setting\" on a request"):
+        EngineConfig(speculation=None)
+    assert SamplingParams(speculation=None).speculation is None
