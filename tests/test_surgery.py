@@ -4,7 +4,9 @@ bytes and fingerprint) and the built-in weight-only passes w8 and w4 (on MoE exp
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
+import shutil
 
 import pytest
 import torch
@@ -507,6 +509,33 @@ def test_hibana_surgery_reports_a_refusal(tiny_checkpoints, capsys):
         assert main(["surgery", str(tiny_checkpoints["llama"]), "--passes", "halve_norms", "--device", "cpu",
                      "--force"]) == 0
         assert "guard: forced" in capsys.readouterr().out
+
+
+def test_hibana_surgery_without_a_tokenizer_names_its_own_flag(tiny_checkpoints, tmp_path, capsys):
+    """The guard reads its held-out text with the model's tokenizer; on a checkpoint without one
+    the advice names the command's flag, not only the Python option."""
+    from hibana_core.cli import main
+
+    bare = tmp_path / "no-tokenizer"
+    bare.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(tiny_checkpoints["llama"] / name, bare / name)
+    assert main(["surgery", str(bare), "--passes", "w8", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "needs the model's tokenizer" in err and "hibana surgery --no-guard" in err, err
+    assert main(["surgery", str(bare), "--passes", "w8", "--device", "cpu", "--no-guard"]) == 0
+
+
+def test_the_guard_table_is_logged_without_progress(tiny_checkpoints, make_engine, caplog, capfd):
+    """progress=False prints no guard table; the hibana.engine logger still has it, and the
+    figures are in engine.surgery[i]["guard"]."""
+    caplog.set_level(logging.INFO, logger="hibana.engine")
+    with registered_pass("halve_norms", _Halve()):
+        engine = make_engine(tiny_checkpoints["llama"], surgery=["halve_norms"], speculation="off", progress=False)
+    assert "surgery guard" not in capfd.readouterr().err
+    logged = [r.getMessage() for r in caplog.records if r.name == "hibana.engine"]
+    assert any(m.startswith("surgery guard (") and "halve_norms" in m for m in logged), logged
+    assert engine.surgery[0]["guard"]["decision"] == "ok"
 
 
 # --- the layer-skip self-draft -------------------------------------------------------------------

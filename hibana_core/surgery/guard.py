@@ -86,7 +86,8 @@ def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = N
         raise ConfigError(f"guard text {str(path)!r} cannot be read as UTF-8 text ({exc}); pass a UTF-8 text file") from None
     if tokenizer is None:
         raise ConfigError("the surgery guard needs the model's tokenizer to read its held-out text; "
-                          "this checkpoint has none: pass surgery_guard=False, or add tokenizer files")
+                          "this checkpoint has none: skip the guard (surgery_guard=False; `hibana surgery "
+                          "--no-guard`), or add tokenizer files")
     longest = MAX_DOCUMENT if max_positions is None else max(0, min(MAX_DOCUMENT, max_positions - GREEDY_TAIL))
     documents, total = [], 0
     for part in text.split(DOCUMENT_SEPARATOR):
@@ -100,7 +101,7 @@ def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = N
     if not documents:
         short = "" if longest > OPENING + 1 else \
             f" (a model of {max_positions} positions leaves {longest} per document: skip what measures on it," \
-            " surgery_guard=False, or use a drafter other than layer_skip)"
+            " surgery_guard=False (`hibana surgery --no-guard`), or use a drafter other than layer_skip)"
         raise ConfigError(f"guard text {str(path)!r} holds no document longer than {OPENING + 1} tokens{short}")
     return documents
 
