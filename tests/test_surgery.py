@@ -438,7 +438,8 @@ def test_the_guard_and_layer_skip_keep_their_text_within_a_short_context(make_en
     shorter = make_tiny_checkpoint("qwen3", tmp_path / "shorter", max_position_embeddings=48)
     for overrides in (dict(surgery=["w8"]), dict(speculation={"method": "layer_skip"})):
         with pytest.raises(ConfigError, match=r"48 positions leaves 0 per document: .*surgery_guard=False "
-                                              r"\(`hibana surgery --no-guard`\), or use a drafter other than layer_skip"):
+                                              r"\(`hibana surgery --no-guard`\), or use a drafter other than "
+                                              r"layer_skip"):
             make_engine(shorter, **overrides)
 
 
