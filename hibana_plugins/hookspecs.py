@@ -111,7 +111,7 @@ def register_model_families(register) -> None:
 
 @hookspec
 def register_drafters(register) -> None:
-    """Register speculation drafters: `register(name, factory)`.
+    """Register speculation drafters: `register(name, factory)` or `register(name, drafter)`.
 
     `factory(engine)` returns a drafter (the `hibana_core.speculation.Drafter` protocol); a
     drafter object may be registered as it is instead (anything with `propose`, not a class).
@@ -121,8 +121,8 @@ def register_drafters(register) -> None:
     request's generated tokens; `propose_many(states, ks)` (several states in one call),
     `shadows = False` (proposals are costly), `summary()`, `resident_bytes()`, `close()`.
     Anything else registered is a ConfigError when the drafter is first named (at engine build
-    for the engine's default). A request uses it when it or the engine
-    names it: `speculation={"method": name, "k": 4}`. Drafts change speed only: the engine
+    for the engine's default). A request uses it when it or the engine names it:
+    `speculation={"method": name, "k": 4}`. Drafts change speed only: the engine
     keeps the tokens its own model samples, ends a proposal at its first id outside the
     vocabulary, and lets a drafter that raises draft nothing (with a PluginWarning).
     """
@@ -136,8 +136,8 @@ def register_surgery_passes(register) -> None:
     `surgery_pass.apply(model, params) -> dict`, a JSON-able record of what it changed (layers,
     bytes before and after), raising ConfigError for parameters it cannot take. Register the pass
     object itself, not its class (a class, an object without `apply`, or an `apply` that returns
-    no dict is a ConfigError). A linear layer
-    that supports packed weights has `set_packed(kind, tensors, group_size)` (kinds and layouts:
+    no dict is a ConfigError). A linear layer that supports packed weights has
+    `set_packed(kind, tensors, group_size)` (kinds and layouts:
     `hibana_kernels.quant`); an attention layer that can store its KV in fp8 has
     `set_kv_scales(kv_scale)`. A pass with `calibrated = True` is called as
     `apply(model, params, calibration)` and may run the model on calibration text

@@ -119,7 +119,7 @@ def _check_registered(name: str, surgery_pass: Any) -> None:
                           f"{surgery_pass.__name__}())")
     if not callable(getattr(surgery_pass, "apply", None)):
         raise ConfigError(f"surgery pass {name!r} is registered as {describe_registered(surgery_pass)}, which has "
-                          f"no apply(model, params) method; register an object with apply(model, params) -> dict")
+                          "no apply(model, params) method; register an object with apply(model, params) -> dict")
 
 
 def apply_passes(model: "torch.nn.Module", requests: Sequence[PassRequest], passes: dict[str, Any],
