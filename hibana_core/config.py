@@ -298,8 +298,9 @@ class EngineConfig:
     """Model surgery passes applied at load, in order: names or {"name": ..., parameters}, e.g.
     ["w8"] or [{"name": "w4", "group_size": 64}] (see `hibana_core.surgery`); stored parsed."""
     surgery_guard: bool = True
-    """Measure each surgery pass against the unmodified model on held-out text and refuse one
-    over its floors (see `hibana_core.surgery.guard`); False skips it (random-weight benchmarks)."""
+    """Measure each surgery pass against the unmodified model on held-out text (seeded random
+    tokens for a checkpoint without a tokenizer) and refuse one over its floors (see
+    `hibana_core.surgery.guard`); False skips it (random-weight benchmarks)."""
     surgery_guard_text: str | None = None
     """A UTF-8 text file the guard measures on instead of the demo agents' conversations."""
     cache: CacheConfig = field(default_factory=CacheConfig)
