@@ -325,6 +325,13 @@ class EngineConfig:
         _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive")
 
     @classmethod
+    def option_names(cls) -> frozenset[str]:
+        """Every key `from_overrides` takes: the fields, the nested configs' fields, the aliases
+        (what the adapters' `engine_kwargs` take)."""
+        nested = (CacheConfig, SchedulerConfig)
+        return frozenset({f.name for kind in (cls, *nested) for f in dataclasses.fields(kind)} | OPTION_ALIASES.keys())
+
+    @classmethod
     def from_overrides(cls, model: str, **overrides: Any) -> "EngineConfig":
         """Build a config from flat keyword overrides.
 
@@ -346,7 +353,7 @@ class EngineConfig:
             owner = [name for name, kind in nested.items()
                      if key in {f.name for f in dataclasses.fields(kind)}]
             if not owner:
-                known = sorted(own | {f.name for k in nested.values() for f in dataclasses.fields(k)})
+                known = sorted(cls.option_names() - OPTION_ALIASES.keys())
                 raise ConfigError(f"unknown engine option {key!r}; known options: {', '.join(known)}")
             parts[owner[0]][key] = value
         for name, kind in nested.items():
