@@ -57,6 +57,7 @@ class DecodeRow:
     guard: dict | None = None         # the surgery guard's figures (checkpoints with real weights)
     read_bytes: int | None = None     # weight bytes one decode token reads (MoE: its experts only)
     tokens_per_step: float | None = None  # generated tokens per engine step (above 1: drafts accepted)
+    kv_read_bytes: int | None = None  # KV bytes one decode token reads at this context (kv8: 1 per value)
 
 
 def surgery_systems(passes: list[str]) -> list[str]:
@@ -78,6 +79,20 @@ def _read_bytes(engine) -> int | None:
     (`decode_bytes_per_token`: all weights but unselected experts and unread embedding rows)."""
     model = getattr(engine, "model", None)
     return model.decode_bytes_per_token() if hasattr(model, "decode_bytes_per_token") else None
+
+
+def _kv_read_bytes(engine, context: int) -> int | None:
+    """The KV bytes one decode token reads at `context` tokens of history: every attention
+    layer's keys and values in the cache's dtype (after kv8: fp8), a sliding-window layer's (or
+    one the window pass switched) up to its window and sink tokens."""
+    from hibana_core.kv.layout import attention_layers
+    from hibana_core.surgery.window import kv_bytes_per_agent
+
+    cache, args = getattr(engine, "kv_cache", None), getattr(engine, "model_args", None)
+    if cache is None or args is None:
+        return None
+    per_layer = 2 * args.num_kv_heads * args.head_dim * cache.dtype.itemsize  # of one token
+    return kv_bytes_per_agent(attention_layers(engine.model), context, per_layer)
 
 
 def decode_workload(model: BenchModel, contexts: list[int], generate: int, systems: list[str],
@@ -126,7 +141,7 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
                 decode = out.stats.elapsed - (out.stats.time_to_first_token or 0.0)
                 rows.append(DecodeRow(label, ctx, (generate - 1) / decode, ctx / statistics.median(times),
                                       getattr(engine, "weight_bytes", None), guard, _read_bytes(engine),
-                                      generate / max(1, engine.stats().steps - steps)))
+                                      generate / max(1, engine.stats().steps - steps), _kv_read_bytes(engine, ctx)))
                 h.close()
     peers = [(name, static) for name, static in (("hf_eager", False), ("hf_compiled", True)) if name in systems]
     if peers:

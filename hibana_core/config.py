@@ -304,8 +304,9 @@ class EngineConfig:
     """Model surgery passes applied at load, in order: names or {"name": ..., parameters}, e.g.
     ["w8"] or [{"name": "w4", "group_size": 64}] (see `hibana_core.surgery`); stored parsed."""
     surgery_guard: bool = True
-    """Measure each surgery pass against the unmodified model on held-out text and refuse one
-    over its floors (see `hibana_core.surgery.guard`); False skips it (random-weight benchmarks)."""
+    """Measure each surgery pass against the unmodified model on held-out text (seeded random
+    tokens for a checkpoint without a tokenizer) and refuse one over its floors (see
+    `hibana_core.surgery.guard`); False skips it (random-weight benchmarks)."""
     surgery_guard_text: str | None = None
     """A UTF-8 text file the guard measures on instead of the demo agents' conversations."""
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -330,6 +331,13 @@ class EngineConfig:
         _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive")
 
     @classmethod
+    def option_names(cls) -> frozenset[str]:
+        """Every key `from_overrides` takes: the fields, the nested configs' fields, the aliases
+        (what the adapters' `engine_kwargs` take)."""
+        nested = (CacheConfig, SchedulerConfig)
+        return frozenset({f.name for kind in (cls, *nested) for f in dataclasses.fields(kind)} | OPTION_ALIASES.keys())
+
+    @classmethod
     def from_overrides(cls, model: str, **overrides: Any) -> "EngineConfig":
         """Build a config from flat keyword overrides.
 
@@ -351,7 +359,7 @@ class EngineConfig:
             owner = [name for name, kind in nested.items()
                      if key in {f.name for f in dataclasses.fields(kind)}]
             if not owner:
-                known = sorted(own | {f.name for k in nested.values() for f in dataclasses.fields(k)})
+                known = sorted(cls.option_names() - OPTION_ALIASES.keys())
                 raise ConfigError(f"unknown engine option {key!r}; known options: {', '.join(known)}")
             parts[owner[0]][key] = value
         for name, kind in nested.items():

@@ -263,7 +263,8 @@ class Engine:
                                             loaded.args.max_position_embeddings)
         scorer = guard.Scorer(loaded.model, self._ctx, loaded.args, loaded.dtype, self.device,
                               guard.scorer_length(documents))
-        return guard.Guard(scorer, documents, self.config.progress, loaded.tokenizer)
+        return guard.Guard(scorer, documents, self.config.progress, loaded.tokenizer,
+                           guard.heldout_source(loaded.tokenizer, self.config.surgery_guard_text))
 
     def _profile_steps(self, runner: ModelRunner):
         device = self.device

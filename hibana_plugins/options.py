@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from hibana_core.config import SamplingParams
+from hibana_core.config import EngineConfig, SamplingParams
 from hibana_core.errors import ConfigError
 from hibana_core.speculation.speculator import check_method
 from hibana_plugins.manager import get_plugin_manager
@@ -76,10 +76,17 @@ def check_known(options: Iterable[str], accepted: Iterable[str], where: str) -> 
     notes = []
     for name in unknown:
         close = difflib.get_close_matches(name, accepted, n=1)
-        note = HINTS.get(name) or (f"did you mean {close[0]!r}?" if close else "")
+        note = HINTS.get(name) or _engine_hint(name) or (f"did you mean {close[0]!r}?" if close else "")
         notes.append(f"{name!r}" + (f" ({note})" if note else ""))
     raise ConfigError(f"{where} does not take {', '.join(notes)}; it accepts "
                       f"{', '.join(accepted)} (aliases: {', '.join(f'{a}={n}' for a, n in ALIASES.items())})")
+
+
+def _engine_hint(name: str) -> str:
+    """Where an engine option goes when given to an adapter (`ChatHibana(surgery=...)`)."""
+    if name not in EngineConfig.option_names():
+        return ""
+    return f"an engine option, fixed when the engine loads: give the constructor engine_kwargs={{{name!r}: ...}}"
 
 
 def sampling_params(values: Mapping[str, Any], where: str, context: int | None = None) -> SamplingParams:

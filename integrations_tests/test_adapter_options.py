@@ -31,6 +31,9 @@ def engine():
     ({"format": "json"}, "json_mode"),
     ({"logprob": True}, "did you mean 'logprobs'"),
     ({"model_kwargs": {"top_p": 0.5}}, "'model_kwargs'"),
+    ({"surgery": ["w8"]}, "an engine option, fixed when the engine loads: give the constructor "
+                          "engine_kwargs={'surgery': ...}"),
+    ({"kv_dtype": "fp8"}, "engine_kwargs={'kv_dtype': ...}"),
 ])
 def test_chat_hibana_refuses_unknown_options(options, named):
     with pytest.raises(ConfigError, match="accepts .*temperature") as info:
@@ -100,6 +103,8 @@ def test_chat_hibana_call_options_reach_the_sampler(engine):
 def test_hibana_llm_refuses_unknown_options_before_loading():
     with pytest.raises(ConfigError, match="'temperatur' .*did you mean 'temperature'.*accepts"):
         HibanaLLM(model="/nonexistent", temperatur=0.7)
+    with pytest.raises(ConfigError, match=r"'surgery' \(an engine option, .*engine_kwargs=\{'surgery': \.\.\.\}"):
+        HibanaLLM(model="/nonexistent", surgery=["w8"])
     with pytest.raises(ConfigError, match="temperature must be >= 0"):
         HibanaLLM(model="/nonexistent", temperature=-1)
     with pytest.raises(ConfigError, match="repetition_penalty"):

@@ -77,3 +77,19 @@ def test_mxfp4_preset_engine_loads_the_experts_as_from_the_model_built_on_the_de
             want = _engine_greedy(engine, prompt, 12)
     assert got == want
     assert len(set(got)) > 1
+
+
+def test_decode_rows_count_the_kv_bytes_a_token_reads_at_their_context(tiny_preset):
+    """`kv_read_bytes`: every layer's keys and values at the row's context, a sliding layer's up
+    to its window (tiny mistral: 48 tokens), in the cache's dtype (kv8: 1 byte, float32: 4)."""
+    from hibana_bench.models import load_bench_model
+    from hibana_bench.workloads import decode_workload
+
+    spec = {**_COMMON, **ARCH_CONFIGS["mistral"]}
+    model = load_bench_model(tiny_preset("mistral"), CPU, torch.float32)
+    rows = decode_workload(model, [32, 96], 2, ["hibana_spec_off", "hibana+kv8"])["rows"]
+    per_token = 2 * spec["num_hidden_layers"] * spec["num_key_value_heads"] * spec["hidden_size"] // spec[
+        "num_attention_heads"]  # keys and values of one token, elements
+    got = {(r["system"], r["context"]): r["kv_read_bytes"] for r in rows}
+    assert got == {("hibana_spec_off", 32): 4 * 32 * per_token, ("hibana_spec_off", 96): 4 * 48 * per_token,
+                   ("hibana+kv8", 32): 32 * per_token, ("hibana+kv8", 96): 48 * per_token}

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -454,6 +455,53 @@ def test_a_guard_text_that_is_no_utf8_file_is_a_config_error(tmp_path):
         heldout_documents(None, 512, str(tmp_path))
 
 
+def without_tokenizer(source, path):
+    """A copy of the checkpoint at `source` with its weights and configs only."""
+    import shutil
+
+    return Path(shutil.copytree(source, path, ignore=shutil.ignore_patterns(
+        "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")))
+
+
+def test_the_guard_measures_a_checkpoint_without_a_tokenizer_on_seeded_random_tokens(tiny_checkpoints, make_engine,
+                                                                                    tmp_path):
+    """No tokenizer, no text to read: the guard scores seeded random ids cut as the held-out text
+    is (here 4 documents of 1,024 tokens, as the tiny tokenizer reads it), and says so."""
+    from transformers import AutoModelForCausalLM
+
+    from hibana_core.surgery.calibration import Calibration
+    from hibana_core.surgery.guard import RANDOM_TEXT, heldout_documents
+    from tiny_models import make_tokenizer
+
+    random_ids = heldout_documents(None, 512)
+    assert random_ids == heldout_documents(None, 512), "seeded: the same documents every time"
+    assert [len(d) for d in random_ids] == [len(d) for d in heldout_documents(make_tokenizer(), 512)]
+    assert [len(d) for d in heldout_documents(None, 512, max_positions=256)] == [192] * 8  # one per conversation
+    path = without_tokenizer(tiny_checkpoints["llama"], tmp_path / "notok")
+    engine = make_engine(path, surgery=["w8"], speculation="off")
+    assert engine.tokenizer is None
+    guard = engine.surgery[0]["guard"]
+    scored = heldout_documents(None, 512, max_positions=engine.model_args.max_position_embeddings)
+    assert guard["text"] == RANDOM_TEXT and guard["decision"] == "ok"
+    assert guard["tokens"] == sum(len(d) - 1 for d in scored) > 4000
+    assert 0 < guard["mean_kl"] < 0.05 and guard["tool_calls_valid"] is None
+    calibration = Calibration(engine.model, engine._ctx, engine.model_args, engine.dtype, engine.device)
+    assert not {tuple(d[:16]) for d in calibration.documents} & {tuple(d[:16]) for d in random_ids}, \
+        "the guard never scores the kv8 calibration's random tokens"
+    mine = tmp_path / "mine.txt"
+    mine.write_text("the user's own held-out text " * 80)
+    with pytest.raises(ConfigError, match=r"needs the model's tokenizer to read .*leave surgery_guard_text out"):
+        make_engine(path, surgery=["w8"], surgery_guard_text=str(mine), speculation="off")
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    in_memory = Engine.from_hf_model(hf, device="cpu", dtype="float32", num_blocks=32, progress=False,
+                                     speculation="off", surgery=["window"])
+    try:
+        assert in_memory.surgery[0]["guard"]["text"] == RANDOM_TEXT
+    finally:
+        in_memory.close()
+
+
 # --- surgery written to disk ---------------------------------------------------------------------
 
 
@@ -512,19 +560,24 @@ def test_hibana_surgery_reports_a_refusal(tiny_checkpoints, capsys):
         assert "guard: forced" in capsys.readouterr().out
 
 
-def test_hibana_surgery_without_a_tokenizer_names_its_own_flag(tiny_checkpoints, tmp_path, capsys):
-    """The guard reads its held-out text with the model's tokenizer; on a checkpoint without one
-    the advice names the command's flag, not only the Python option."""
+def test_hibana_surgery_without_a_tokenizer_guards_on_random_tokens_and_names_its_own_flag(tiny_checkpoints,
+                                                                                          tmp_path, capsys):
+    """On a checkpoint without a tokenizer `hibana surgery` guards on seeded random token ids;
+    a guard text it cannot read without one is refused with the command's own flag named."""
     from hibana_core.cli import main
 
     bare = tmp_path / "no-tokenizer"
     bare.mkdir()
     for name in ("config.json", "generation_config.json", "model.safetensors"):
         shutil.copy(tiny_checkpoints["llama"] / name, bare / name)
-    assert main(["surgery", str(bare), "--passes", "w8", "--device", "cpu"]) == 1
+    assert main(["surgery", str(bare), "--passes", "w8", "--device", "cpu", "--out", str(tmp_path / "w8")]) == 0
+    printed = capsys.readouterr()
+    assert "guard: ok" in printed.out and "seeded random ids" in printed.err  # the guard's table
+    text = tmp_path / "heldout.txt"
+    text.write_text("some held-out text", encoding="utf-8")
+    assert main(["surgery", str(bare), "--passes", "w8", "--device", "cpu", "--guard-text", str(text)]) == 1
     err = capsys.readouterr().err
     assert "needs the model's tokenizer" in err and "hibana surgery --no-guard" in err, err
-    assert main(["surgery", str(bare), "--passes", "w8", "--device", "cpu", "--no-guard"]) == 0
 
 
 def test_the_guard_table_is_logged_without_progress(tiny_checkpoints, make_engine, caplog, capfd):
@@ -571,6 +624,19 @@ def test_layer_skip_self_draft_is_lossless_and_shares_the_weights(tiny_checkpoin
     with pytest.raises(ConfigError, match=r"layers must be increasing indices"):
         LayerSkipDrafter(engine, layers=[1, 0])
     drafter.close()
+
+
+def test_layer_skip_ranks_the_layers_of_a_checkpoint_without_a_tokenizer(tiny_checkpoints, make_engine, tmp_path):
+    """With no held-out text to read, the layers are ranked on the guard's seeded random ids; the
+    draft is built and greedy output is the target's own."""
+    path = without_tokenizer(tiny_checkpoints["llama"], tmp_path / "notok")
+    engine = make_engine(path, speculation={"method": "layer_skip", "k": 3})
+    plain = make_engine(path, speculation="off")
+    prompt = random_tokens(random.Random(7), 40) * 2
+    got = engine.open_state("s").generate(greedy(30), prompt=prompt).token_ids
+    assert list(got) == list(plain.open_state("p").generate(greedy(30), prompt=prompt).token_ids)
+    summary = engine.stats().speculation["drafters"]["layer_skip"]
+    assert summary["tokens_drafted"] > 0 and summary["layers_kept"][0] == 0
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe"])

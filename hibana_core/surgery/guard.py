@@ -14,14 +14,18 @@
 
 The held-out text is the demo agents' conversations (`heldout/agent_traces.txt`: system prompts
 with tool schemas, questions, tool calls and results), tokenized by the model's tokenizer, or a
-text file the user passes. A pass may declare floors (`floors = {"ppl_ratio": 1.005, ...}`);
-one over its floor is refused with a SurgeryGuardError unless it is forced.
+text file the user passes. A checkpoint without a tokenizer is measured on seeded random tokens
+instead, one document per held-out conversation, cut as the text would be: the figures then
+compare the two models on tokens that are no language, so they are relative only (the record
+and the table say so). A pass may declare floors (`floors = {"ppl_ratio": 1.005, ...}`); one over
+its floor is refused with a SurgeryGuardError unless it is forced.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -40,6 +44,8 @@ MAX_DOCUMENT = 1024     # tokens per document at most
 OPENING = 128           # tokens of each document that open its greedy continuation
 CONTINUATION = 48       # tokens of greedy continuation compared
 GREEDY_TAIL = 64        # most tokens written greedily after a document (ToolCalls.MAX_TOKENS)
+RANDOM_SEED = "hibana-guard"  # without a tokenizer (not calibration.py's seed: never score on calibration)
+RANDOM_TEXT = "seeded random ids (the checkpoint has no tokenizer: figures are relative only)"
 
 
 @dataclass
@@ -75,7 +81,8 @@ class Reference:
 def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = None,
                       max_positions: int | None = None) -> list[list[int]]:
     """The held-out text as token-id documents (at most MAX_TOKENS tokens in all), each short
-    enough that the greedy text written after it stays within the model's `max_positions`."""
+    enough that the greedy text written after it stays within the model's `max_positions`.
+    Without a tokenizer: seeded random tokens in the same documents (see `heldout_source`)."""
     path = Path(text_file) if text_file is not None else HELDOUT
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
@@ -84,14 +91,16 @@ def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = N
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"guard text {str(path)!r} cannot be read as UTF-8 text ({exc}); pass a UTF-8 text file") from None
-    if tokenizer is None:
-        raise ConfigError("the surgery guard needs the model's tokenizer to read its held-out text; "
-                          "this checkpoint has none: skip the guard (surgery_guard=False; `hibana surgery "
-                          "--no-guard`), or add tokenizer files")
+    if tokenizer is None and text_file is not None:
+        raise ConfigError(f"the surgery guard needs the model's tokenizer to read {str(path)!r}; this checkpoint "
+                          "has none: leave surgery_guard_text out (the guard then measures on seeded random "
+                          "tokens), add tokenizer files, or pass surgery_guard=False (`hibana surgery --no-guard`)")
+    encode = _random_tokens(vocab_size) if tokenizer is None else \
+        (lambda part: tokenizer(part, add_special_tokens=False)["input_ids"])
     longest = MAX_DOCUMENT if max_positions is None else max(0, min(MAX_DOCUMENT, max_positions - GREEDY_TAIL))
     documents, total = [], 0
     for part in text.split(DOCUMENT_SEPARATOR):
-        ids = [i for i in tokenizer(part, add_special_tokens=False)["input_ids"] if i < vocab_size]
+        ids = [i for i in encode(part) if i < vocab_size]
         ids = ids[:min(longest, MAX_TOKENS - total)]
         if len(ids) > OPENING + 1:
             documents.append(ids)
@@ -104,6 +113,20 @@ def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = N
             " surgery_guard=False (`hibana surgery --no-guard`), or use a drafter other than layer_skip)"
         raise ConfigError(f"guard text {str(path)!r} holds no document longer than {OPENING + 1} tokens{short}")
     return documents
+
+
+def _random_tokens(vocab_size: int):
+    """A stand-in tokenizer that reads every document as MAX_DOCUMENT seeded random token ids
+    (cut to the same lengths as real text that long): the same documents on every call."""
+    rng = random.Random(RANDOM_SEED)
+    return lambda part: [rng.randrange(vocab_size) for _ in range(MAX_DOCUMENT)]
+
+
+def heldout_source(tokenizer: Any, text_file: str | None = None) -> str:
+    """What `heldout_documents` measures on: the held-out file's name, or RANDOM_TEXT."""
+    if tokenizer is None:
+        return RANDOM_TEXT
+    return HELDOUT.name if text_file is None else str(text_file)
 
 
 class Scorer:
@@ -260,13 +283,15 @@ def table(rows: list[tuple[str, GuardReport, str]]) -> str:
 
 
 class Guard:
-    """Measures the unmodified model once, then each pass's cumulative effect against it."""
+    """Measures the unmodified model once, then each pass's cumulative effect against it.
+    `source` names what the documents are (`heldout_source`); each record and the table say it."""
 
-    def __init__(self, scorer: Scorer, documents: list[list[int]], progress: bool, tokenizer: Any = None) -> None:
+    def __init__(self, scorer: Scorer, documents: list[list[int]], progress: bool, tokenizer: Any = None,
+                 source: str = HELDOUT.name) -> None:
         need = scorer_length(documents)
         if scorer.max_len < need:  # greedy text is generated past a document's end
             raise ValueError(f"the guard's scorer holds {scorer.max_len} tokens; it needs {need}")
-        self.scorer, self.progress = scorer, progress
+        self.scorer, self.progress, self.source = scorer, progress, source
         self.calls = ToolCalls(tokenizer, documents)
         self.reference = measure_reference(scorer, documents, progress, self.calls)
         self.rows: list[tuple[str, GuardReport, str]] = []
@@ -280,14 +305,14 @@ class Guard:
         if broken and not force:
             raise SurgeryGuardError(
                 f"surgery pass {name!r} costs more quality than its floors allow ({'; '.join(broken)}), "
-                f"measured on {report.tokens} held-out tokens against the unmodified model:\n"
+                f"measured on {report.tokens} tokens of {self.source} against the unmodified model:\n"
                 f"{table(self.rows)}\nuse a gentler pass (e.g. w8, or w4 with a smaller group_size), "
                 f"or force it: surgery=[{{'name': {name!r}, 'force': True}}]")
-        return {**report.as_dict(), "floors": floors, "decision": decision}
+        return {**report.as_dict(), "text": self.source, "floors": floors, "decision": decision}
 
     def summary(self) -> str:
         tokens = sum(len(d) - 1 for d in self.reference.documents)
-        return f"surgery guard ({tokens} held-out tokens):\n{table(self.rows)}"
+        return f"surgery guard, {tokens} tokens of {self.source}:\n{table(self.rows)}"
 
 
 def scorer_length(documents: list[list[int]]) -> int:

@@ -1,8 +1,9 @@
 """The layer-skip self-draft: the target model with a subset of its decoder layers drafts for it.
 
-    rank     on held-out text (the guard's documents), how much each layer turns the residual
-             stream: 1 - mean cosine(stream before the layer, stream after it); the layers that
-             turn it least matter least
+    rank     on held-out text (the guard's documents; seeded random tokens for a checkpoint
+             without a tokenizer), how much each layer turns the residual stream:
+             1 - mean cosine(stream before the layer, stream after it); the layers that turn it
+             least matter least
     keep     the first and the last layer always, then the most important of the rest, so that
              a `keep` share of the layers remains (default half)
     draft    a shallow copy of the model that shares every weight (packed ones too) and runs the
