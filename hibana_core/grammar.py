@@ -137,7 +137,7 @@ def _bound_numbers(ebnf: str) -> str:
 
 
 UNENFORCED_KEYWORDS = ("contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas",
-                       "if", "then", "else")
+                       "if", "then", "else", "not")
 """JSON-schema keywords xgrammar 0.2.9 compiles but does not hold the output to (as allOf with
 more than one subschema): an output "valid by construction" could break them, so they are refused.
 (oneOf is held as anyOf and uniqueItems not at all: pydantic writes both, for unions and sets, and
@@ -150,15 +150,19 @@ _SUBSCHEMAS = ("additionalProperties", "items", "not", "propertyNames", "unevalu
 
 def unenforced_keywords(schema: Any, at: str = "#") -> list[str]:
     """Where `schema` uses a keyword the grammar cannot hold ("contains at #/properties/xs"),
-    walking subschemas only (a property named "if" is no keyword)."""
+    and what to do instead where there is something; walking subschemas only (a property named
+    "if" is no keyword)."""
     if not isinstance(schema, dict):
         return []
     found = [f"{key} at {at}" for key in UNENFORCED_KEYWORDS if key in schema]
     if len(schema.get("allOf") or ()) > 1:
         found.append(f"allOf with {len(schema['allOf'])} subschemas at {at}")
+    found += [f"{what} at {at} ({todo})" for what, todo in _dropped_beside_others(schema)]
     for key in _SUBSCHEMA_MAPS:
         if isinstance(schema.get(key), dict):
             for name, sub in schema[key].items():
+                if key == "patternProperties":
+                    found += [f"{what} at {at}/{key} ({todo})" for what, todo in unenforced_regex(name, repr(name))]
                 found += unenforced_keywords(sub, f"{at}/{key}/{name}")
     for key in _SUBSCHEMA_LISTS:
         if isinstance(schema.get(key), list):
@@ -167,6 +171,49 @@ def unenforced_keywords(schema: Any, at: str = "#") -> list[str]:
     for key in _SUBSCHEMAS:
         found += unenforced_keywords(schema.get(key), f"{at}/{key}")
     return found
+
+
+def _dropped_beside_others(schema: dict) -> list[tuple[str, str]]:
+    """(keyword, what to do) for each keyword of one schema that xgrammar 0.2.9 drops with a
+    warning on stderr alone: a length beside a pattern or a format, a multipleOf but an integer's
+    by an integer, and the parts of a pattern its regex reader skips."""
+    found = []
+    lengths = "/".join(key for key in ("minLength", "maxLength") if key in schema)
+    if lengths and "pattern" in schema:
+        found.append((f"{lengths} beside pattern", "bound the length in the pattern, as ^[a-z]{1,8}$"))
+    if lengths and "format" in schema:
+        found.append((f"{lengths} beside format", "drop one of them and check the other in your code"))
+    step, kind = schema.get("multipleOf"), schema.get("type")
+    integers = kind == "integer" or (isinstance(kind, list) and "integer" in kind and "number" not in kind)
+    if step is not None and not (integers and isinstance(step, (int, float)) and float(step).is_integer()):
+        found.append(("multipleOf", 'held on {"type": "integer"} by an integer alone; bound the value with '
+                                    "minimum/maximum, or check it in your code"))
+    if isinstance(schema.get("pattern"), str):
+        found += unenforced_regex(schema["pattern"], "pattern")
+    return found
+
+
+def unenforced_regex(pattern: str, what: str = "regex") -> list[tuple[str, str]]:
+    """(part, what to do) for each part of `pattern` xgrammar 0.2.9's regex reader skips with a
+    warning, so that an output could break it: lookaheads, and anchors but at its two ends."""
+    found: dict[str, str] = {}
+    i, in_class = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 1  # the escaped character is a literal
+        elif in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            i += pattern.startswith("^", i + 1)  # a negation, and then a leading "]", end no class
+            i += pattern.startswith("]", i + 1)
+        elif pattern.startswith(("(?=", "(?!"), i):
+            found[f"a lookahead {pattern[i:i + 3]} in {what}"] = "write it without lookaheads"
+        elif (c == "^" and i > 0) or (c == "$" and i < len(pattern) - 1):
+            found[f"an anchor {c} inside {what}"] = "anchor it at its two ends alone: ^(a|b)$, not ^a$|^b$"
+        i += 1
+    return list(found.items())
 
 
 def compact_json_tag(tag: dict) -> dict:
@@ -386,9 +433,14 @@ class Grammars:
             unenforced = unenforced_keywords(params.json_schema)
             if unenforced:
                 raise GrammarError(f"the JSON schema uses keywords the grammar cannot hold the output to "
-                                   f"({'; '.join(unenforced)}): the output could break them; drop them "
-                                   "from the schema and check them in your code")
+                                   f"({'; '.join(unenforced)}): the output could break them; drop them, or "
+                                   "bound the values another way, and check the rest in your code")
             return compiler.compile_grammar(json_schema_grammar(params.json_schema))
+        unheld = unenforced_regex(params.regex) if kind == "regex" else []
+        if unheld:
+            raise GrammarError(f"the regex has parts the grammar cannot hold the output to "
+                               f"({'; '.join(f'{part}: {todo}' for part, todo in unheld)}): the output could "
+                               "break them")
         what = {"regex": "regex", "ebnf": "grammar", "structural_tag": "structural tag"}[kind]
         try:
             if kind == "regex":
