@@ -89,7 +89,11 @@ _JSON_CHARACTER = r'[^\0-\x1f\"\\]'
 # small model that starts repeating a digit never leaves the number (json_schema_grammar bounds them)
 MAX_NUMBER_DIGITS = 18
 """Digits a JSON number may have after its first, before the point, and after the point (18 + the
-first: every int64, such as the 19-digit ids some APIs use); an exponent has 3 at most."""
+first: every int64, such as the 19-digit ids some APIs use)."""
+MAX_EXPONENT_DIGITS = 2
+"""Digits of a JSON number's exponent: every number the grammar allows is then below 1e119, a
+finite double (three digits let "429000888e906" through, which JSON readers take as infinity),
+and every double from 1e-99 to 1e99 keeps a spelling."""
 _DIGIT_RULE = re.compile(r"^(\w+) ::= \(\(\[0-9\]\)\)$", re.MULTILINE)
 _EXPONENT = "basic_number_4 basic_number_digits{1, -1}"
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
@@ -126,9 +130,10 @@ def json_schema_grammar(schema: Any) -> Any:
 
 
 def _bound_numbers(ebnf: str) -> str:
-    """`ebnf` with every run of digits bounded (MAX_NUMBER_DIGITS): the numbers it allows that
-    JSON readers hold exactly stay, and an output cannot be one endless number."""
-    ebnf = ebnf.replace(_EXPONENT, _EXPONENT.replace("{1, -1}", "{1, 3}"))
+    """`ebnf` with every run of digits bounded (MAX_NUMBER_DIGITS, MAX_EXPONENT_DIGITS): the numbers
+    it allows that JSON readers hold exactly stay, an output cannot be one endless number, and no
+    number overflows a double."""
+    ebnf = ebnf.replace(_EXPONENT, _EXPONENT.replace("{1, -1}", f"{{1, {MAX_EXPONENT_DIGITS}}}"))
     ebnf = ebnf.replace("[0-9]*", f"[0-9]{{0, {MAX_NUMBER_DIGITS}}}")
     for rule in _DIGIT_RULE.findall(ebnf):
         ebnf = re.sub(rf"\b{rule}\{{(\d+), -1\}}",

@@ -8,6 +8,7 @@ even a random model finishes them within max_tokens: every output must then pars
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 import string
@@ -266,14 +267,17 @@ def test_an_end_the_request_does_not_stop_at_is_no_token_of_its_grammar(engine):
 
 # --- failures stay with their request -----------------------------------------------------------------
 
-def test_number_bounds_keep_every_int64():
-    """The digit bound lets every int64 through (19-digit ids) and ends a number at 20 digits."""
+def test_number_bounds_keep_every_int64_and_no_number_overflows():
+    """The digit bound lets every int64 through (19-digit ids) and ends a number at 20 digits; an
+    exponent has two digits, so that the largest number allowed is a finite double and ordinary
+    doubles (as `json.dumps` writes them) keep their spelling."""
     import xgrammar as xgr
 
     from hibana_core.grammar import json_schema_grammar
 
-    grammar = json_schema_grammar({"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]})
-    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([chr(c) for c in range(32, 127)])).compile_grammar(grammar)
+    schema = {"type": "object", "properties": {"id": {"type": "integer"}, "x": {"type": "number"}}}
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([chr(c) for c in range(32, 127)])).compile_grammar(
+        json_schema_grammar(schema))
 
     def accepts(text: str) -> bool:
         matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
@@ -281,6 +285,11 @@ def test_number_bounds_keep_every_int64():
 
     assert accepts('{"id": -9223372036854775808}') and accepts('{"id": 1234567890123456789}')
     assert not accepts('{"id": 12345678901234567890}')
+    for x in (6.02214076e23, -1.602176634e-19, 1e-99, 9.999e99, 0.1, 2.5e-05, 1234.5678):
+        assert accepts(json.dumps({"x": x})), x
+    largest = "9" * (MAX_NUMBER_DIGITS + 1) + "." + "9" * MAX_NUMBER_DIGITS + "e+99"
+    assert accepts(f'{{"x": {largest}}}') and math.isfinite(json.loads(largest))
+    assert not accepts('{"x": 429000888e906}') and not accepts('{"x": 1e100}')
 
 
 def test_unbounded_numbers_end(engine):
@@ -297,6 +306,16 @@ def test_unbounded_numbers_end(engine):
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), schema)
         assert all(len(run) <= MAX_NUMBER_DIGITS + 1 for run in re.findall(r"[0-9]+", out.text)), out.text
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_generated_numbers_are_finite(engine, seed):
+    """Numbers sampled from a random model, exponents included, are finite doubles once read."""
+    schema = {"type": "array", "items": {"type": "number"}, "minItems": 4, "maxItems": 8}
+    out = _generate(engine, f"finite-{seed}", random_tokens(random.Random(40 + seed), 10), max_tokens=400,
+                    json_schema=schema, temperature=1.3, seed=seed)
+    assert out.finish_reason == "stop", out.text
+    assert all(math.isfinite(x) for x in json.loads(out.text)), out.text
 
 
 def test_a_bad_schema_fails_its_call_alone(engine):
