@@ -7,6 +7,7 @@ even a random model finishes them within max_tokens: every output must then pars
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -15,8 +16,10 @@ import string
 import threading
 
 import jsonschema
+import pydantic
 import pytest
 import torch
+from typing_extensions import NotRequired, TypedDict
 
 from hibana_core import GrammarError, HibanaError, SamplingParams
 from hibana_core.grammar import MAX_NUMBER_DIGITS, unenforced_keywords
@@ -434,6 +437,34 @@ def test_sampling_params_refuse_constraints_that_are_not_one():
 
     assert SamplingParams(json_schema=Point).json_schema["required"] == ["x", "tags"]
     assert SamplingParams(json_schema='{"type": "integer"}').json_schema == {"type": "integer"}
+    with pytest.raises(GrammarError, match="the type Opaque, which has no JSON schema"):
+        SamplingParams(json_schema=type("Opaque", (), {}))
+
+
+class Place(TypedDict):  # at module level: pydantic resolves the (postponed) annotations here
+    city: str
+    rank: int
+    tags: NotRequired[list[str]]
+
+
+@dataclasses.dataclass
+class Trip:
+    place: Place
+    days: int = 1
+
+
+def test_a_typeddict_or_a_dataclass_is_a_json_schema(engine):
+    """Any type pydantic writes a schema for is taken as that schema (`TypeAdapter(t).json_schema()`),
+    and the output parses as the type."""
+    for kind in (Place, Trip, list[Place]):
+        params = SamplingParams(max_tokens=300, json_schema=kind)
+        assert params.json_schema == pydantic.TypeAdapter(kind).json_schema()
+    schema = SamplingParams(json_schema=Place).json_schema
+    assert schema["required"] == ["city", "rank"] and schema["properties"]["tags"]["type"] == "array"
+    assert SamplingParams(json_schema=Trip).json_schema["required"] == ["place"]
+    out = _generate(engine, "typed", random_tokens(random.Random(4), 8), max_tokens=40,
+                    json_schema=list[pydantic.conint(ge=0, le=9)])
+    assert out.finish_reason == "stop" and all(0 <= n <= 9 for n in json.loads(out.text))
 
 
 # --- the sampler's masks ------------------------------------------------------------------------------
