@@ -178,6 +178,15 @@ def unenforced_keywords(schema: Any, at: str = "#") -> list[str]:
     return found
 
 
+def check_held(schema: Any) -> None:
+    """A GrammarError naming each keyword of `schema` that the grammar cannot hold the output to."""
+    unenforced = unenforced_keywords(schema)
+    if unenforced:
+        raise GrammarError(f"the JSON schema uses keywords the grammar cannot hold the output to "
+                           f"({'; '.join(unenforced)}): the output could break them; drop them, or "
+                           "bound the values another way, and check the rest in your code")
+
+
 def _dropped_beside_others(schema: dict) -> list[tuple[str, str]]:
     """(keyword, what to do) for each keyword of one schema that xgrammar 0.2.9 drops with a
     warning on stderr alone: a length beside a pattern or a format, a multipleOf but an integer's
@@ -435,11 +444,7 @@ class Grammars:
     def _compiled(compiler: Any, kind: str, params: SamplingParams, tag: dict | None) -> Any:
         xgr = _xgrammar()
         if kind == "json_schema":
-            unenforced = unenforced_keywords(params.json_schema)
-            if unenforced:
-                raise GrammarError(f"the JSON schema uses keywords the grammar cannot hold the output to "
-                                   f"({'; '.join(unenforced)}): the output could break them; drop them, or "
-                                   "bound the values another way, and check the rest in your code")
+            check_held(params.json_schema)
             return compiler.compile_grammar(json_schema_grammar(params.json_schema))
         unheld = unenforced_regex(params.regex) if kind == "regex" else []
         if unheld:
