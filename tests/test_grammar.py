@@ -499,3 +499,17 @@ def test_the_overhead_benchmark_runs(tiny_checkpoints, capsys):
                  "--generate", "12", "--prompt", "16", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "batch   1:" in out and "batch   3:" in out and "grammar host work" in out
+
+
+def test_a_strict_tool_whose_schema_the_grammar_cannot_hold_is_refused():
+    """A strict tool's arguments are held to its schema: a keyword xgrammar would drop is refused
+    by name, as it is in a json_schema; without strict the tool is taken (its arguments best-effort)."""
+    from hibana_core.messages import ToolSchemaError, normalize_tools
+
+    code = {"type": "string", "pattern": "^[a-c]+$", "maxLength": 3}
+    tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"code": code}}}}
+    with pytest.raises(ToolSchemaError, match="maxLength beside pattern at #/properties/code"):
+        normalize_tools([tool])
+    tool["function"]["strict"] = False
+    assert normalize_tools([tool])[0]["function"]["parameters"]["properties"]["code"] == code
