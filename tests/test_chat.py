@@ -525,8 +525,8 @@ def test_a_json_schema_beside_tools_holds_the_answer_and_leaves_the_calls(engine
         assert free.tool_calls and held.finish_reason == "tool_calls"
         calls = [(c.name, c.arguments) for c in free.tool_calls]
         assert [(c.name, c.arguments) for c in held.tool_calls] == calls
-        forced = Chat(engine, f"forced-{i}").respond(messages, schemas, SamplingParams(max_tokens=120, json_schema=ANSWER),
-                                                     tool_choice="required")  # "required": calls, whatever the schema
+        forced = Chat(engine, f"forced-{i}").respond(  # "required": calls, whatever the schema
+            messages, schemas, SamplingParams(max_tokens=120, json_schema=ANSWER), tool_choice="required")
         assert [(c.name, c.arguments) for c in forced.tool_calls] == calls and forced.text == ""
         messages += [assistant_message(held)] + [
             {"role": "tool", "tool_call_id": c.id, "content": run_tool(tools, c.name, c.arguments)}

@@ -367,7 +367,8 @@ def test_a_schema_keyword_the_grammar_cannot_hold_is_refused_by_name(engine):
         "multipleOf at #/properties/x": {"type": "object", "properties": {"x": {"type": "number", "multipleOf": 0.5}}},
         "a lookahead (?= in pattern at #/anyOf/0": {"anyOf": [{"type": "string", "pattern": "^(?=.*x)[a-z]+$"}]},
         "an anchor ^ inside pattern at #": {"type": "string", "pattern": "^a$|^b$"},
-        "a lookahead (?! in '^(?!a)' at #/patternProperties": {"type": "object", "patternProperties": {"^(?!a)": digit}},
+        "a lookahead (?! in '^(?!a)' at #/patternProperties": {"type": "object",
+                                                               "patternProperties": {"^(?!a)": digit}},
     }
     for where, schema in cases.items():
         with pytest.raises(GrammarError, match="cannot hold") as failure:
