@@ -514,3 +514,32 @@ def test_a_strict_tool_whose_schema_the_grammar_cannot_hold_is_refused():
         normalize_tools([tool])
     tool["function"]["strict"] = False
     assert normalize_tools([tool])[0]["function"]["parameters"]["properties"]["code"] == code
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json"])
+def test_an_answer_schema_beside_tools_takes_calls_or_the_answer_alone(parser_name):
+    """`answer_or_calls` with "auto": a call of an offered tool, or JSON valid under the answer's
+    schema (which the parser reads as content), and nothing else."""
+    import xgrammar as xgr
+
+    from hibana_core.grammar import compact_json_tag
+    from hibana_core.turn import answer_or_calls
+
+    parser = {"hermes": HermesToolParser(), "llama3_json": Llama3JsonToolParser()}[parser_name]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    answer = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    tag = compact_json_tag(answer_or_calls(parser, parser_name, tools, "auto", answer))
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([chr(c) for c in range(32, 127)] + ["\n"]))
+    compiled = compiler.compile_structural_tag(xgr.StructuralTag.from_json(json.dumps(tag)))
+
+    def accepts(text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    syntax = SYNTAX[parser_name]
+    call = f'{syntax.open}get_weather{syntax.mid}{{"city": "Paris"}}{syntax.close}'
+    assert accepts(call) and parser.parse(call).tool_calls[0].arguments == {"city": "Paris"}
+    assert accepts('{"answer": "hi"}') and parser.parse('{"answer": "hi"}').content == '{"answer": "hi"}'
+    for text in ('{"answer": 3}', "hello", '{"answer": "hi"} and more', call.replace("get_weather", "nope")):
+        assert not accepts(text), text
