@@ -342,8 +342,10 @@ class Chat:
         `tool_choice`: "auto" (the model may call), "none" (the tools are not offered and the
         output is never read as calls), "required"/"any" (some call), or a tool's name (that
         call); a grammar holds every call to an offered tool and, with `guided` (the default),
-        its arguments to the tool's schema (`hibana_core.turn`). `params` that carry their own
-        constraint (json_schema, regex, grammar) keep it and get no tool-call grammar.
+        its arguments to the tool's schema (`hibana_core.turn`). A `params.json_schema` beside
+        tools holds the text answer, as OpenAI's response_format does: with "auto" the model calls
+        tools or answers in JSON valid under it (`turn.answer_or_calls`). `params` with a regex or a
+        grammar keep it and get no tool-call grammar.
         `parallel_tool_calls=False`: at most one call, in the stream as in the result.
         `timeout`: seconds, checked per token. `reasoning`: the template's `enable_thinking`
         (messages as dicts; a rendered prompt already says). A reasoning model's thinking comes
@@ -388,13 +390,20 @@ class Chat:
         # a template may open the think block itself (its generation prompt ends in "<think>")
         open_in_prompt = str(messages).rstrip().endswith(turn.THINK_OPEN)
         thinking = turn.Thinking(open_in_prompt) if self.thinks else None
-        if parse_tools and not params.constrained:
-            grammar = turn.parser_grammar(self.parser, self.parser_name, tools, tool_choice,
-                                          parallel=parallel_tool_calls, strict=guided)
+        answer = params.json_schema if parse_tools and tools else None  # the text answer's schema, beside calls
+        if parse_tools and (answer is not None or not params.constrained):
+            if answer is None:
+                grammar = turn.parser_grammar(self.parser, self.parser_name, tools, tool_choice,
+                                              parallel=parallel_tool_calls, strict=guided)
+            else:
+                grammar = turn.answer_or_calls(self.parser, self.parser_name, tools, tool_choice, answer,
+                                               parallel=parallel_tool_calls, strict=guided)
             if grammar is not None and thinking is not None and grammar.get("type") == "structural_tag":
-                grammar = turn.after_thinking(grammar, tool_choice, open_in_prompt)
+                # an answer in JSON follows the blank line after the think block, as a forced call does
+                grammar = turn.after_thinking(grammar, "required" if answer is not None else tool_choice,
+                                              open_in_prompt)
             if grammar is not None:
-                params = dataclasses.replace(params, grammar=grammar)
+                params = dataclasses.replace(params, json_schema=None, grammar=grammar)
         stream = self.parser.stream() if parse_tools else turn.PlainText()
         return turn.TurnRun(self.prompt_ids(messages, tools, reasoning_history), prefill, params, stream,
                             self._encode, timeout, max_calls=None if parallel_tool_calls else 1, thinking=thinking)

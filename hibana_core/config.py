@@ -414,8 +414,9 @@ class SamplingParams:
     """This request's speculative decoding ("adaptive" or True, "off" or False, {"method": ...,
     "k": ...}); None: the engine's. It changes speed only, never the output."""
     json_schema: Any = None
-    """Constrain the output to JSON valid under this schema: a dict, its JSON text or a pydantic
-    model class (stored as a dict). The JSON is compact, spaced as `json.dumps` writes it."""
+    """Constrain the output to JSON valid under this schema: a dict, its JSON text or a type (a
+    pydantic model, a TypedDict, a dataclass; stored as its schema, a dict). The JSON is compact,
+    spaced as `json.dumps` writes it."""
     regex: str | None = None
     """Constrain the whole output to match this regular expression."""
     grammar: Any = None
@@ -481,6 +482,8 @@ class SamplingParams:
         schema = self.json_schema
         if isinstance(schema, type) and hasattr(schema, "model_json_schema"):  # a pydantic model class
             schema = schema.model_json_schema()
+        elif isinstance(schema, (type, types.GenericAlias)):  # a TypedDict, a dataclass, list[int] ...
+            schema = _type_schema(schema)
         elif isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -488,8 +491,8 @@ class SamplingParams:
                 raise GrammarError(f"json_schema is a string but not JSON ({exc}); pass the schema as a dict "
                                    "or its JSON text") from None
         if schema is not None and not isinstance(schema, (dict, bool)):
-            raise GrammarError(f"json_schema must be a JSON schema (a dict, its JSON text or a pydantic model "
-                               f"class), got {type(schema).__name__}")
+            raise GrammarError(f"json_schema must be a JSON schema (a dict, its JSON text, or a type: a pydantic "
+                               f"model, a TypedDict, a dataclass), got {type(schema).__name__}")
         object.__setattr__(self, "json_schema", schema)
         if self.regex is not None and not self.regex:
             raise GrammarError("regex is empty; pass a regular expression, or None for no constraint")
@@ -499,3 +502,19 @@ class SamplingParams:
                 or (isinstance(grammar, dict) and grammar.get("type") == "structural_tag")):
             raise GrammarError(f"grammar must be EBNF text or a structural tag dict "
                                f"({{'type': 'structural_tag', 'format': ...}}), got {grammar!r:.80}")
+
+
+def _type_schema(kind: Any) -> dict:
+    """The JSON schema of a type that is no pydantic model (a TypedDict, a dataclass, `list[int]`),
+    as pydantic writes it: the schema its parsing (`TypeAdapter(kind).validate_json`) checks."""
+    import pydantic
+
+    name = getattr(kind, "__name__", kind)
+    try:
+        return pydantic.TypeAdapter(kind).json_schema()
+    except pydantic.PydanticSchemaGenerationError:
+        raise GrammarError(f"json_schema is the type {name}, which has no JSON schema; pass a pydantic model, a "
+                           "TypedDict, a dataclass or a schema dict") from None
+    except pydantic.PydanticUserError as exc:  # typing.TypedDict before Python 3.12, ...
+        raise GrammarError(f"json_schema is the type {name}, which pydantic writes no schema for: "
+                           f"{str(exc).splitlines()[0]}") from None

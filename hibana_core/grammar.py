@@ -89,7 +89,11 @@ _JSON_CHARACTER = r'[^\0-\x1f\"\\]'
 # small model that starts repeating a digit never leaves the number (json_schema_grammar bounds them)
 MAX_NUMBER_DIGITS = 18
 """Digits a JSON number may have after its first, before the point, and after the point (18 + the
-first: every int64, such as the 19-digit ids some APIs use); an exponent has 3 at most."""
+first: every int64, such as the 19-digit ids some APIs use)."""
+MAX_EXPONENT_DIGITS = 2
+"""Digits of a JSON number's exponent: every number the grammar allows is then below 1e119, a
+finite double (three digits let "429000888e906" through, which JSON readers take as infinity),
+and every double from 1e-99 to 1e99 keeps a spelling."""
 _DIGIT_RULE = re.compile(r"^(\w+) ::= \(\(\[0-9\]\)\)$", re.MULTILINE)
 _EXPONENT = "basic_number_4 basic_number_digits{1, -1}"
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
@@ -126,9 +130,10 @@ def json_schema_grammar(schema: Any) -> Any:
 
 
 def _bound_numbers(ebnf: str) -> str:
-    """`ebnf` with every run of digits bounded (MAX_NUMBER_DIGITS): the numbers it allows that
-    JSON readers hold exactly stay, and an output cannot be one endless number."""
-    ebnf = ebnf.replace(_EXPONENT, _EXPONENT.replace("{1, -1}", "{1, 3}"))
+    """`ebnf` with every run of digits bounded (MAX_NUMBER_DIGITS, MAX_EXPONENT_DIGITS): the numbers
+    it allows that JSON readers hold exactly stay, an output cannot be one endless number, and no
+    number overflows a double."""
+    ebnf = ebnf.replace(_EXPONENT, _EXPONENT.replace("{1, -1}", f"{{1, {MAX_EXPONENT_DIGITS}}}"))
     ebnf = ebnf.replace("[0-9]*", f"[0-9]{{0, {MAX_NUMBER_DIGITS}}}")
     for rule in _DIGIT_RULE.findall(ebnf):
         ebnf = re.sub(rf"\b{rule}\{{(\d+), -1\}}",
@@ -137,7 +142,7 @@ def _bound_numbers(ebnf: str) -> str:
 
 
 UNENFORCED_KEYWORDS = ("contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas",
-                       "if", "then", "else")
+                       "if", "then", "else", "not")
 """JSON-schema keywords xgrammar 0.2.9 compiles but does not hold the output to (as allOf with
 more than one subschema): an output "valid by construction" could break them, so they are refused.
 (oneOf is held as anyOf and uniqueItems not at all: pydantic writes both, for unions and sets, and
@@ -150,15 +155,19 @@ _SUBSCHEMAS = ("additionalProperties", "items", "not", "propertyNames", "unevalu
 
 def unenforced_keywords(schema: Any, at: str = "#") -> list[str]:
     """Where `schema` uses a keyword the grammar cannot hold ("contains at #/properties/xs"),
-    walking subschemas only (a property named "if" is no keyword)."""
+    and what to do instead where there is something; walking subschemas only (a property named
+    "if" is no keyword)."""
     if not isinstance(schema, dict):
         return []
     found = [f"{key} at {at}" for key in UNENFORCED_KEYWORDS if key in schema]
     if len(schema.get("allOf") or ()) > 1:
         found.append(f"allOf with {len(schema['allOf'])} subschemas at {at}")
+    found += [f"{what} at {at} ({todo})" for what, todo in _dropped_beside_others(schema)]
     for key in _SUBSCHEMA_MAPS:
         if isinstance(schema.get(key), dict):
             for name, sub in schema[key].items():
+                if key == "patternProperties":
+                    found += [f"{what} at {at}/{key} ({todo})" for what, todo in unenforced_regex(name, repr(name))]
                 found += unenforced_keywords(sub, f"{at}/{key}/{name}")
     for key in _SUBSCHEMA_LISTS:
         if isinstance(schema.get(key), list):
@@ -167,6 +176,58 @@ def unenforced_keywords(schema: Any, at: str = "#") -> list[str]:
     for key in _SUBSCHEMAS:
         found += unenforced_keywords(schema.get(key), f"{at}/{key}")
     return found
+
+
+def check_held(schema: Any) -> None:
+    """A GrammarError naming each keyword of `schema` that the grammar cannot hold the output to."""
+    unenforced = unenforced_keywords(schema)
+    if unenforced:
+        raise GrammarError(f"the JSON schema uses keywords the grammar cannot hold the output to "
+                           f"({'; '.join(unenforced)}): the output could break them; drop them, or "
+                           "bound the values another way, and check the rest in your code")
+
+
+def _dropped_beside_others(schema: dict) -> list[tuple[str, str]]:
+    """(keyword, what to do) for each keyword of one schema that xgrammar 0.2.9 drops with a
+    warning on stderr alone: a length beside a pattern or a format, a multipleOf but an integer's
+    by an integer, and the parts of a pattern its regex reader skips."""
+    found = []
+    lengths = "/".join(key for key in ("minLength", "maxLength") if key in schema)
+    if lengths and "pattern" in schema:
+        found.append((f"{lengths} beside pattern", "bound the length in the pattern, as ^[a-z]{1,8}$"))
+    if lengths and "format" in schema:
+        found.append((f"{lengths} beside format", "drop one of them and check the other in your code"))
+    step, kind = schema.get("multipleOf"), schema.get("type")
+    integers = kind == "integer" or (isinstance(kind, list) and "integer" in kind and "number" not in kind)
+    if step is not None and not (integers and isinstance(step, (int, float)) and float(step).is_integer()):
+        found.append(("multipleOf", 'held on {"type": "integer"} by an integer alone; bound the value with '
+                                    "minimum/maximum, or check it in your code"))
+    if isinstance(schema.get("pattern"), str):
+        found += unenforced_regex(schema["pattern"], "pattern")
+    return found
+
+
+def unenforced_regex(pattern: str, what: str = "regex") -> list[tuple[str, str]]:
+    """(part, what to do) for each part of `pattern` xgrammar 0.2.9's regex reader skips with a
+    warning, so that an output could break it: lookaheads, and anchors but at its two ends."""
+    found: dict[str, str] = {}
+    i, in_class = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 1  # the escaped character is a literal
+        elif in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            i += pattern.startswith("^", i + 1)  # a negation, and then a leading "]", end no class
+            i += pattern.startswith("]", i + 1)
+        elif pattern.startswith(("(?=", "(?!"), i):
+            found[f"a lookahead {pattern[i:i + 3]} in {what}"] = "write it without lookaheads"
+        elif (c == "^" and i > 0) or (c == "$" and i < len(pattern) - 1):
+            found[f"an anchor {c} inside {what}"] = "anchor it at its two ends alone: ^(a|b)$, not ^a$|^b$"
+        i += 1
+    return list(found.items())
 
 
 def compact_json_tag(tag: dict) -> dict:
@@ -383,12 +444,13 @@ class Grammars:
     def _compiled(compiler: Any, kind: str, params: SamplingParams, tag: dict | None) -> Any:
         xgr = _xgrammar()
         if kind == "json_schema":
-            unenforced = unenforced_keywords(params.json_schema)
-            if unenforced:
-                raise GrammarError(f"the JSON schema uses keywords the grammar cannot hold the output to "
-                                   f"({'; '.join(unenforced)}): the output could break them; drop them "
-                                   "from the schema and check them in your code")
+            check_held(params.json_schema)
             return compiler.compile_grammar(json_schema_grammar(params.json_schema))
+        unheld = unenforced_regex(params.regex) if kind == "regex" else []
+        if unheld:
+            raise GrammarError(f"the regex has parts the grammar cannot hold the output to "
+                               f"({'; '.join(f'{part}: {todo}' for part, todo in unheld)}): the output could "
+                               "break them")
         what = {"regex": "regex", "ebnf": "grammar", "structural_tag": "structural tag"}[kind]
         try:
             if kind == "regex":

@@ -13,6 +13,8 @@ syntax (`tool_call_grammar`; hermes shown):
                  calls only, from the first token (the named tool's, when one is named), one or
                  more separated by newlines, then the end of the turn
     parallel_tool_calls=False: the grammar ends after the first call
+    a json_schema beside tools ("auto"): calls as "required" writes them, or a text answer that is
+                 JSON valid under the schema (`answer_or_calls`, OpenAI's response_format)
 
 The tool's name is one of those offered and its arguments follow its JSON schema (nested objects,
 arrays, enums, required keys); a schema xgrammar cannot compile leaves that tool's arguments free
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequence, TypeVar
 
 from hibana_core.config import SamplingParams
-from hibana_core.errors import ChatTimeoutError, GrammarError, HibanaError
+from hibana_core.errors import ChatTimeoutError, ConfigError, GrammarError, HibanaError
 from hibana_plugins.hookspecs import GeneratedText, ParsedOutput, ToolCall, ToolCallDelta, ToolCallStream
 
 if TYPE_CHECKING:
@@ -143,6 +145,28 @@ def parser_grammar(parser: Any, parser_name: str, tools: Sequence[dict] | None, 
     if syntax is None:
         return None
     return tool_call_grammar(tools, tool_choice, syntax, parallel=parallel, strict=strict)
+
+
+def answer_or_calls(parser: Any, parser_name: str, tools: Sequence[dict], tool_choice: str, schema: Any, *,
+                    parallel: bool = True, strict: bool = True) -> dict:
+    """The grammar of a turn with tools whose text answer follows a JSON schema (OpenAI's
+    response_format beside tools): with "auto", calls (as "required" writes them) or the answer,
+    JSON valid under `schema`; with "required" or a tool's name, calls only. A parser that builds
+    its own grammar (harmony's channels) or has no call syntax cannot take it: ConfigError."""
+    from hibana_core.grammar import check_held
+
+    check_held(schema)
+    own = callable(getattr(parser, "tool_call_grammar", None))
+    calls = None if own else parser_grammar(parser, parser_name, tools, "required" if tool_choice == "auto"
+                                            else tool_choice, parallel=parallel, strict=strict)
+    if calls is None:
+        raise ConfigError(f"the {parser_name} tool-call format cannot hold a text answer to a JSON schema beside "
+                          "tool calls; either drop the tools (the answer follows the schema) or drop json_schema "
+                          "(response_format) and read the answer yourself")
+    if tool_choice != "auto":
+        return calls
+    answer = {"type": "json_schema", "json_schema": schema}
+    return {"type": "structural_tag", "format": {"type": "or", "elements": [calls["format"], answer]}}
 
 
 def after_thinking(grammar: dict, tool_choice: str, open_in_prompt: bool) -> dict:

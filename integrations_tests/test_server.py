@@ -184,6 +184,24 @@ def test_response_format_json_schema_holds_the_reply(client):
     assert reply.choices[0].finish_reason == "stop"
 
 
+def test_response_format_beside_tools_holds_the_answer_and_leaves_the_calls(client):
+    """As OpenAI: with tools and a response_format the model may still call, and its text answer
+    (here after the tool's result) follows the schema."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 60}}, "required": ["answer"],
+              "additionalProperties": False}
+    ask = dict(model="demo", tools=[WEATHER, MULTIPLY], max_tokens=96,
+               response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    messages = [{"role": "user", "content": "What's the weather in Rome?"}]
+    called = client.chat.completions.create(messages=messages, **ask).choices[0]
+    assert called.finish_reason == "tool_calls" and called.message.tool_calls[0].function.name == "get_weather"
+    call = called.message.tool_calls[0]
+    messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                 {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "condition": "sunny"}'}]
+    answered = client.chat.completions.create(messages=messages, **ask).choices[0]
+    assert answered.finish_reason == "stop" and not answered.message.tool_calls
+    assert isinstance(json.loads(answered.message.content)["answer"], str)
+
+
 def test_stop_strings_end_the_reply_before_them(client):
     messages = [{"role": "user", "content": "Hello!"}]
     whole = client.chat.completions.create(model="demo", messages=messages, max_tokens=48).choices[0].message.content

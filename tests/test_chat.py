@@ -504,3 +504,52 @@ def test_a_reply_stopped_before_its_end_token_is_kept_where_the_prompt_ends_it(e
         chat.handle.sync(prompt + spelled + run_on)
         kept = prompt + spelled
         assert chat.prompt_ids(then, [WEATHER])[:len(kept)] == kept
+
+
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 60}}, "required": ["answer"],
+          "additionalProperties": False}
+
+
+def test_a_json_schema_beside_tools_holds_the_answer_and_leaves_the_calls(engine):
+    """OpenAI's response_format with tools: the model may still call (greedy, the same call as
+    without the schema), and its text answer, once it has the tool's result, follows the schema."""
+    import jsonschema
+
+    task_list, tools = agent_setup(3, ("weather", "arithmetic"))
+    schemas = [t.schema for t in tools]
+    for i, task in enumerate(task_list):
+        messages = [{"role": "user", "content": task.question}]
+        free = Chat(engine, f"free-{i}").respond(messages, schemas, SamplingParams(max_tokens=120))
+        chat = Chat(engine, f"answer-{i}")
+        held = chat.respond(messages, schemas, SamplingParams(max_tokens=120, json_schema=ANSWER))
+        assert free.tool_calls and held.finish_reason == "tool_calls"
+        calls = [(c.name, c.arguments) for c in free.tool_calls]
+        assert [(c.name, c.arguments) for c in held.tool_calls] == calls
+        forced = Chat(engine, f"forced-{i}").respond(  # "required": calls, whatever the schema
+            messages, schemas, SamplingParams(max_tokens=120, json_schema=ANSWER), tool_choice="required")
+        assert [(c.name, c.arguments) for c in forced.tool_calls] == calls and forced.text == ""
+        messages += [assistant_message(held)] + [
+            {"role": "tool", "tool_call_id": c.id, "content": run_tool(tools, c.name, c.arguments)}
+            for c in held.tool_calls]
+        answer = chat.respond(messages, schemas, SamplingParams(max_tokens=120, json_schema=ANSWER))
+        assert answer.finish_reason == "stop" and not answer.tool_calls, answer.raw_text
+        jsonschema.validate(json.loads(answer.text), ANSWER)
+
+
+def test_a_json_schema_beside_tools_is_refused_where_it_cannot_be_held(engine):
+    """A call format that builds its own grammar (harmony's channels) or has none cannot take an
+    answer schema beside calls: ConfigError naming both ways out; a schema keyword the grammar
+    cannot hold is the GrammarError a json_schema alone gets."""
+    from hibana_core import ConfigError, GrammarError
+
+    class OwnGrammar:
+        def tool_call_grammar(self, tools, tool_choice, parallel):
+            return {"type": "structural_tag", "format": {"type": "any_text"}}
+
+    tools = [WEATHER]
+    for parser, name in ((OwnGrammar(), "own"), (object(), "unknown")):
+        with pytest.raises(ConfigError, match="either drop the tools .* or drop json_schema"):
+            turn.answer_or_calls(parser, name, tools, "auto", ANSWER)
+    with pytest.raises(GrammarError, match=r"not at #/properties/answer"):
+        Chat(engine, "unheld").respond(HELLO, tools, SamplingParams(max_tokens=8, json_schema={
+            "type": "object", "properties": {"answer": {"type": "integer", "not": {"const": 3}}}}))

@@ -7,18 +7,22 @@ even a random model finishes them within max_tokens: every output must then pars
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import random
 import re
 import string
 import threading
 
 import jsonschema
+import pydantic
 import pytest
 import torch
+from typing_extensions import NotRequired, TypedDict
 
 from hibana_core import GrammarError, HibanaError, SamplingParams
-from hibana_core.grammar import MAX_NUMBER_DIGITS
+from hibana_core.grammar import MAX_NUMBER_DIGITS, unenforced_keywords
 from hibana_core.sampler import Sampler, SamplingRow, TokenMasks
 from hibana_core.turn import SYNTAX, tool_call_grammar
 from hibana_plugins.tool_parsers import HermesToolParser, Llama3JsonToolParser
@@ -266,14 +270,17 @@ def test_an_end_the_request_does_not_stop_at_is_no_token_of_its_grammar(engine):
 
 # --- failures stay with their request -----------------------------------------------------------------
 
-def test_number_bounds_keep_every_int64():
-    """The digit bound lets every int64 through (19-digit ids) and ends a number at 20 digits."""
+def test_number_bounds_keep_every_int64_and_no_number_overflows():
+    """The digit bound lets every int64 through (19-digit ids) and ends a number at 20 digits; an
+    exponent has two digits, so that the largest number allowed is a finite double and ordinary
+    doubles (as `json.dumps` writes them) keep their spelling."""
     import xgrammar as xgr
 
     from hibana_core.grammar import json_schema_grammar
 
-    grammar = json_schema_grammar({"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]})
-    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([chr(c) for c in range(32, 127)])).compile_grammar(grammar)
+    schema = {"type": "object", "properties": {"id": {"type": "integer"}, "x": {"type": "number"}}}
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([chr(c) for c in range(32, 127)])).compile_grammar(
+        json_schema_grammar(schema))
 
     def accepts(text: str) -> bool:
         matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
@@ -281,6 +288,11 @@ def test_number_bounds_keep_every_int64():
 
     assert accepts('{"id": -9223372036854775808}') and accepts('{"id": 1234567890123456789}')
     assert not accepts('{"id": 12345678901234567890}')
+    for x in (6.02214076e23, -1.602176634e-19, 1e-99, 9.999e99, 0.1, 2.5e-05, 1234.5678):
+        assert accepts(json.dumps({"x": x})), x
+    largest = "9" * (MAX_NUMBER_DIGITS + 1) + "." + "9" * MAX_NUMBER_DIGITS + "e+99"
+    assert accepts(f'{{"x": {largest}}}') and math.isfinite(json.loads(largest))
+    assert not accepts('{"x": 429000888e906}') and not accepts('{"x": 1e100}')
 
 
 def test_unbounded_numbers_end(engine):
@@ -297,6 +309,16 @@ def test_unbounded_numbers_end(engine):
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), schema)
         assert all(len(run) <= MAX_NUMBER_DIGITS + 1 for run in re.findall(r"[0-9]+", out.text)), out.text
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_generated_numbers_are_finite(engine, seed):
+    """Numbers sampled from a random model, exponents included, are finite doubles once read."""
+    schema = {"type": "array", "items": {"type": "number"}, "minItems": 4, "maxItems": 8}
+    out = _generate(engine, f"finite-{seed}", random_tokens(random.Random(40 + seed), 10), max_tokens=400,
+                    json_schema=schema, temperature=1.3, seed=seed)
+    assert out.finish_reason == "stop", out.text
+    assert all(math.isfinite(x) for x in json.loads(out.text)), out.text
 
 
 def test_a_bad_schema_fails_its_call_alone(engine):
@@ -335,17 +357,70 @@ def test_a_schema_keyword_the_grammar_cannot_hold_is_refused_by_name(engine):
         "if at #/$defs/p": {"$defs": {"p": {"if": {"required": ["a"]}, "then": {"required": ["b"]}}},
                             "$ref": "#/$defs/p"},
         "allOf with 2 subschemas at #/anyOf/1": {"anyOf": [digit, {"allOf": [{"type": "object"}, {"required": ["a"]}]}]},
+        # dropped with a warning on stderr alone: "cccc" under maxLength 3, 3 under not const 3, ...
+        "maxLength beside pattern at #/properties/code": {"type": "object", "properties": {"code": {
+            "type": "string", "pattern": "^[a-c]+$", "maxLength": 3}}},
+        "minLength/maxLength beside format at #/$defs/E": {"$defs": {"E": {"type": "string", "format": "email",
+                                                                           "minLength": 5, "maxLength": 30}},
+                                                          "$ref": "#/$defs/E"},
+        "not at #/items": {"type": "array", "items": {"type": "integer", "not": {"const": 3}}},
+        "multipleOf at #/properties/x": {"type": "object", "properties": {"x": {"type": "number", "multipleOf": 0.5}}},
+        "a lookahead (?= in pattern at #/anyOf/0": {"anyOf": [{"type": "string", "pattern": "^(?=.*x)[a-z]+$"}]},
+        "an anchor ^ inside pattern at #": {"type": "string", "pattern": "^a$|^b$"},
+        "a lookahead (?! in '^(?!a)' at #/patternProperties": {"type": "object",
+                                                               "patternProperties": {"^(?!a)": digit}},
     }
     for where, schema in cases.items():
         with pytest.raises(GrammarError, match="cannot hold") as failure:
             h.generate(SamplingParams(max_tokens=5, json_schema=schema), prompt=[5, 6])
         assert where in str(failure.value)
         assert h.tokens == []
+    with pytest.raises(GrammarError, match=r"a lookahead \(\?! in regex: write it without"):
+        h.generate(SamplingParams(max_tokens=5, regex=r"(?!0)[0-9]+"), prompt=[5, 6])
+    # a multiple of an integer on integers, and anchors that are escaped or in a class, are held
+    for schema in ({"type": ["integer", "null"], "multipleOf": 2, "minimum": 0, "maximum": 8},
+                   {"type": "string", "pattern": r"^[$^]\$$"}):
+        out = h.generate(SamplingParams(max_tokens=20, json_schema=schema), prompt=[5, 6])
+        jsonschema.validate(json.loads(out.text), schema)
     # a property named like a keyword is no keyword; one allOf subschema (pydantic's $ref) is held
     fine = {"$defs": {"D": digit}, "type": "object", "properties": {"if": {"allOf": [{"$ref": "#/$defs/D"}]}},
             "required": ["if"], "additionalProperties": False}
     out = h.generate(SamplingParams(max_tokens=20, json_schema=fine), prompt=[5, 6])
     assert set(json.loads(out.text)) == {"if"} and 0 <= json.loads(out.text)["if"] <= 9
+
+
+HELD_SCHEMAS = [
+    {"type": "number", "minimum": -2.5, "maximum": 7},
+    {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+    {"type": "integer", "exclusiveMinimum": 3, "exclusiveMaximum": 6},
+    {"type": "integer", "multipleOf": 7, "minimum": -50, "maximum": 100},
+    {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 3},
+    {"type": "string", "pattern": "^[a-c]{2,5}$"},
+    {"type": "string", "format": "date"},
+    {"type": "string", "format": "uuid"},
+    {"const": "fixed"},
+    {"type": "string", "minLength": 2, "maxLength": 5},
+    {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9}, "minProperties": 1,
+     "maxProperties": 2, "propertyNames": {"pattern": "^[a-z]{1,3}$"}},
+    {"type": "object", "patternProperties": {"^x[0-9]$": {"type": "boolean"}}, "additionalProperties": False,
+     "maxProperties": 2},
+]
+
+
+@pytest.mark.parametrize("schema", HELD_SCHEMAS, ids=lambda s: json.dumps(s)[:40])
+def test_the_keywords_the_grammar_holds_are_accepted_and_held(engine, schema):
+    """Number ranges, integer multipleOf, item and property counts, patterns and formats alone,
+    const, lengths alone, propertyNames, patternProperties: accepted, and every sampled output of
+    a random model validates (formats checked too). Not ipv4 and date-time, which xgrammar holds
+    more loosely than jsonschema's checks: a part with leading zeros ("38.081.48.53", Python's
+    ipaddress refuses it), a second 60 at any time ("21:38:60Z", RFC 3339 at 23:59 alone)."""
+    assert not unenforced_keywords(schema)
+    for seed in range(3):
+        out = _generate(engine, "held", random_tokens(random.Random(seed), 8), max_tokens=120, json_schema=schema,
+                        temperature=1.0, seed=seed)
+        assert out.finish_reason == "stop", out.text
+        value = json.loads(out.text)
+        jsonschema.validate(value, schema, format_checker=jsonschema.FormatChecker())
 
 
 def test_sampling_params_refuse_constraints_that_are_not_one():
@@ -363,6 +438,34 @@ def test_sampling_params_refuse_constraints_that_are_not_one():
 
     assert SamplingParams(json_schema=Point).json_schema["required"] == ["x", "tags"]
     assert SamplingParams(json_schema='{"type": "integer"}').json_schema == {"type": "integer"}
+    with pytest.raises(GrammarError, match="the type Opaque, which has no JSON schema"):
+        SamplingParams(json_schema=type("Opaque", (), {}))
+
+
+class Place(TypedDict):  # at module level: pydantic resolves the (postponed) annotations here
+    city: str
+    rank: int
+    tags: NotRequired[list[str]]
+
+
+@dataclasses.dataclass
+class Trip:
+    place: Place
+    days: int = 1
+
+
+def test_a_typeddict_or_a_dataclass_is_a_json_schema(engine):
+    """Any type pydantic writes a schema for is taken as that schema (`TypeAdapter(t).json_schema()`),
+    and the output parses as the type."""
+    for kind in (Place, Trip, list[Place]):
+        params = SamplingParams(max_tokens=300, json_schema=kind)
+        assert params.json_schema == pydantic.TypeAdapter(kind).json_schema()
+    schema = SamplingParams(json_schema=Place).json_schema
+    assert schema["required"] == ["city", "rank"] and schema["properties"]["tags"]["type"] == "array"
+    assert SamplingParams(json_schema=Trip).json_schema["required"] == ["place"]
+    out = _generate(engine, "typed", random_tokens(random.Random(4), 8), max_tokens=40,
+                    json_schema=list[pydantic.conint(ge=0, le=9)])
+    assert out.finish_reason == "stop" and all(0 <= n <= 9 for n in json.loads(out.text))
 
 
 # --- the sampler's masks ------------------------------------------------------------------------------
@@ -397,3 +500,46 @@ def test_the_overhead_benchmark_runs(tiny_checkpoints, capsys):
                  "--generate", "12", "--prompt", "16", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "batch   1:" in out and "batch   3:" in out and "grammar host work" in out
+
+
+def test_a_strict_tool_whose_schema_the_grammar_cannot_hold_is_refused():
+    """A strict tool's arguments are held to its schema: a keyword xgrammar would drop is refused
+    by name, as it is in a json_schema; without strict the tool is taken (its arguments best-effort)."""
+    from hibana_core.messages import ToolSchemaError, normalize_tools
+
+    code = {"type": "string", "pattern": "^[a-c]+$", "maxLength": 3}
+    tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"code": code}}}}
+    with pytest.raises(ToolSchemaError, match="maxLength beside pattern at #/properties/code"):
+        normalize_tools([tool])
+    tool["function"]["strict"] = False
+    assert normalize_tools([tool])[0]["function"]["parameters"]["properties"]["code"] == code
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json"])
+def test_an_answer_schema_beside_tools_takes_calls_or_the_answer_alone(parser_name):
+    """`answer_or_calls` with "auto": a call of an offered tool, or JSON valid under the answer's
+    schema (which the parser reads as content), and nothing else."""
+    import xgrammar as xgr
+
+    from hibana_core.grammar import compact_json_tag
+    from hibana_core.turn import answer_or_calls
+
+    parser = {"hermes": HermesToolParser(), "llama3_json": Llama3JsonToolParser()}[parser_name]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    answer = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    tag = compact_json_tag(answer_or_calls(parser, parser_name, tools, "auto", answer))
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([chr(c) for c in range(32, 127)] + ["\n"]))
+    compiled = compiler.compile_structural_tag(xgr.StructuralTag.from_json(json.dumps(tag)))
+
+    def accepts(text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    syntax = SYNTAX[parser_name]
+    call = f'{syntax.open}get_weather{syntax.mid}{{"city": "Paris"}}{syntax.close}'
+    assert accepts(call) and parser.parse(call).tool_calls[0].arguments == {"city": "Paris"}
+    assert accepts('{"answer": "hi"}') and parser.parse('{"answer": "hi"}').content == '{"answer": "hi"}'
+    for text in ('{"answer": 3}', "hello", '{"answer": "hi"} and more', call.replace("get_weather", "nope")):
+        assert not accepts(text), text

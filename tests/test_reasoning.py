@@ -134,3 +134,24 @@ def test_tool_call_grammar_waits_for_the_thinking(engine, choice, opened):
     result = chat.respond(prompt, tools, SamplingParams(max_tokens=n), tool_choice=choice)
     assert result.reasoning == thought
     assert [(c.name, c.arguments) for c in result.tool_calls] == [("get_weather", {"city": "Paris"})]
+
+
+@pytest.mark.parametrize("reply", ["json", "call"])
+def test_an_answer_schema_beside_tools_waits_for_the_thinking(engine, reply):
+    """A json_schema beside tools: after the think block and its blank line, a call or the answer
+    in JSON under the schema (forced tokens the grammar refused would be a GrammarError)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    thought = 'Maybe {"answer": 3} or <tool_call> will do.'
+    body = ('{"answer": "sunny"}' if reply == "json"
+            else '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    state = f"answer-{reply}"
+    n = force(engine, state, f"<think>\n{thought}\n</think>\n\n{body}<|im_end|>")
+    result = Chat(engine, state).respond([{"role": "user", "content": "weather in Paris?"}], tools,
+                                         SamplingParams(max_tokens=n, json_schema=schema))
+    assert result.reasoning == thought
+    if reply == "json":
+        assert result.text == body and not result.tool_calls and result.finish_reason == "stop"
+    else:
+        assert [(c.name, c.arguments) for c in result.tool_calls] == [("get_weather", {"city": "Paris"})]
