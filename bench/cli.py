@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -316,11 +317,14 @@ def run_random(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
 
 
 def environment(device: torch.device, dtype: torch.dtype) -> dict:
+    """Where a report was made. The commit: $HIBANA_COMMIT where set (a copy of the tree whose git
+    metadata is not the tree's, as on the device machine, which keeps its first copy's), else git's."""
+    commit = os.environ.get("HIBANA_COMMIT", "")
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=Path(__file__).parent).stdout.strip()
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                          text=True, cwd=Path(__file__).parent).stdout.strip()
     except OSError:
-        commit = ""
+        pass
     return {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(device)
             if device.type == "cuda" else platform.processor() or "cpu", "dtype": str(dtype),
             "torch": torch.__version__, "commit": commit}

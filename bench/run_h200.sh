@@ -57,6 +57,8 @@
 #                                   # the grammar's wheels and the server's (bench/README.md) in .whl/
 # BENCH_ARGS is appended to the spec_* commands (e.g. "--real-outputs --systems hibana" on an
 # engine without speculation, to time the stages).
+# HIBANA_COMMIT (e.g. `HIBANA_COMMIT=$(git rev-parse --short HEAD)` put into the run's command line from the
+# local checkout) names the commit in the reports: the device's copy keeps the git metadata of its first copy.
 # Runs from the repository root with the image's python3 (no install: PYTHONPATH). The wheel
 # installs kernels/ and bench/ as hibana_kernels and hibana_bench; here a folder of links gives
 # the checkout's folders those names.
