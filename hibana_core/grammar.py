@@ -187,11 +187,21 @@ def check_held(schema: Any) -> None:
                            "bound the values another way, and check the rest in your code")
 
 
+_BOUNDS = ("minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
+           "exclusiveMaximum", "minItems", "maxItems", "minProperties", "maxProperties", "required")
+"""Keywords that bound a value; beside an enum or a const xgrammar writes the listed values alone."""
+
+
 def _dropped_beside_others(schema: dict) -> list[tuple[str, str]]:
-    """(keyword, what to do) for each keyword of one schema that xgrammar 0.2.9 drops with a
-    warning on stderr alone: a length beside a pattern or a format, a multipleOf but an integer's
-    by an integer, and the parts of a pattern its regex reader skips."""
+    """(keyword, what to do) for each keyword of one schema that xgrammar 0.2.9 drops, with a
+    warning on stderr or none: a length beside a pattern or a format, a multipleOf but an
+    integer's by an integer, a bound beside an enum or a const (`{"enum": ["abcdef"], "maxLength":
+    2}` allows "abcdef"), and the parts of a pattern its regex reader skips."""
     found = []
+    listed = next((key for key in ("enum", "const") if key in schema), None)
+    bounds = "/".join(key for key in _BOUNDS if key in schema)
+    if listed and bounds:
+        found.append((f"{bounds} beside {listed}", f"list only the values that meet {bounds}, and drop it"))
     lengths = "/".join(key for key in ("minLength", "maxLength") if key in schema)
     if lengths and "pattern" in schema:
         found.append((f"{lengths} beside pattern", "bound the length in the pattern, as ^[a-z]{1,8}$"))

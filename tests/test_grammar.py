@@ -367,6 +367,10 @@ def test_a_schema_keyword_the_grammar_cannot_hold_is_refused_by_name(engine):
         "multipleOf at #/properties/x": {"type": "object", "properties": {"x": {"type": "number", "multipleOf": 0.5}}},
         "a lookahead (?= in pattern at #/anyOf/0": {"anyOf": [{"type": "string", "pattern": "^(?=.*x)[a-z]+$"}]},
         "an anchor ^ inside pattern at #": {"type": "string", "pattern": "^a$|^b$"},
+        # the listed values alone are written: "abcdef" under maxLength 2, 7 under maximum 3
+        "maxLength beside enum at #/properties/e": {"type": "object", "properties": {"e": {
+            "enum": ["abcdef", "a"], "maxLength": 2}}},
+        "maximum beside const at #/items": {"type": "array", "items": {"const": 7, "maximum": 3}},
         "a lookahead (?! in '^(?!a)' at #/patternProperties": {"type": "object",
                                                                "patternProperties": {"^(?!a)": digit}},
     }
