@@ -151,14 +151,18 @@ def answer_or_calls(parser: Any, parser_name: str, tools: Sequence[dict], tool_c
                     parallel: bool = True, strict: bool = True) -> dict:
     """The grammar of a turn with tools whose text answer follows a JSON schema (OpenAI's
     response_format beside tools): with "auto", calls (as "required" writes them) or the answer,
-    JSON valid under `schema`; with "required" or a tool's name, calls only. A parser that builds
-    its own grammar (harmony's channels) or has no call syntax cannot take it: ConfigError."""
+    JSON valid under `schema`; with "required" or a tool's name, calls only, as without a schema.
+    With "auto", a parser that builds its own grammar (harmony's channels) cannot take it, nor
+    one without a grammar ever: ConfigError."""
     from hibana_core.grammar import check_held
 
     check_held(schema)
-    own = callable(getattr(parser, "tool_call_grammar", None))
-    calls = None if own else parser_grammar(parser, parser_name, tools, "required" if tool_choice == "auto"
-                                            else tool_choice, parallel=parallel, strict=strict)
+    if tool_choice != "auto":  # calls only, as without the schema: it has no text to hold
+        calls = parser_grammar(parser, parser_name, tools, tool_choice, parallel=parallel, strict=strict)
+    else:
+        own = callable(getattr(parser, "tool_call_grammar", None))
+        calls = None if own else parser_grammar(parser, parser_name, tools, "required", parallel=parallel,
+                                                strict=strict)
     if calls is None:
         raise ConfigError(f"the {parser_name} tool-call format cannot hold a text answer to a JSON schema beside "
                           "tool calls; either drop the tools (the answer follows the schema) or drop json_schema "

@@ -551,6 +551,10 @@ def test_a_json_schema_beside_tools_is_refused_where_it_cannot_be_held(engine):
     for parser, name in ((OwnGrammar(), "own"), (object(), "unknown")):
         with pytest.raises(ConfigError, match="either drop the tools .* or drop json_schema"):
             turn.answer_or_calls(parser, name, tools, "auto", ANSWER)
+    # a call forced: the schema has no text to hold, the parser's own grammar of calls serves
+    assert turn.answer_or_calls(OwnGrammar(), "own", tools, "required", ANSWER)["format"] == {"type": "any_text"}
+    with pytest.raises(ConfigError, match="either drop the tools"):
+        turn.answer_or_calls(object(), "unknown", tools, "required", ANSWER)
     with pytest.raises(GrammarError, match=r"not at #/properties/answer"):
         Chat(engine, "unheld").respond(HELLO, tools, SamplingParams(max_tokens=8, json_schema={
             "type": "object", "properties": {"answer": {"type": "integer", "not": {"const": 3}}}}))
