@@ -130,8 +130,9 @@ def chat_tokenizer() -> Any:
 def load_bench_model(name: str, device: torch.device, dtype: torch.dtype, chat: bool = False) -> BenchModel:
     """A preset (random weights), "demo", a checkpoint directory or a Hugging Face repo id.
     `chat`: a preset gets `chat_tokenizer()` (its vocabulary covers the tokenizer's ids, and the
-    tokenizer's end of text is its end of sequence); the others have their own tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer's end of text is its end of sequence); the others have their own tokenizer, where
+    they have one."""
+    from transformers import AutoModelForCausalLM
 
     if name in PRESETS:
         spec = dict(PRESETS[name])
@@ -140,11 +141,11 @@ def load_bench_model(name: str, device: torch.device, dtype: torch.dtype, chat: 
             spec.update(vocab_size=max(spec["vocab_size"], len(tokenizer)), eos_token_id=tokenizer.eos_token_id)
         model, random = _random_preset(spec, device, dtype)
     else:
-        from hibana_core.loader import resolve_checkpoint
+        from hibana_core.loader import load_tokenizer, resolve_checkpoint
 
         path = resolve_checkpoint(name)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-        tokenizer, random = AutoTokenizer.from_pretrained(path), None
+        tokenizer, random = load_tokenizer(path), None  # None: a checkpoint without one, timed as a preset
     model.eval().requires_grad_(False)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return BenchModel(name, model, tokenizer, device, weight_bytes, random)

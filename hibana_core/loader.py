@@ -125,7 +125,7 @@ def load_model(model: str, device: torch.device, dtype: str, ctx: ForwardContext
         manifest = read_manifest(path)
         _load_weights(module, path, progress, manifest, quantization)
     with stages.stage("tokenizer"):
-        loaded = _loaded(module, args, hf_config, _load_tokenizer(path), _eos_token_ids(path, hf_config),
+        loaded = _loaded(module, args, hf_config, load_tokenizer(path), _eos_token_ids(path, hf_config),
                          torch_dtype, _fingerprint(path))
     loaded.surgery = list(manifest["passes"]) if manifest else []
     return loaded
@@ -339,7 +339,8 @@ def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progr
                               "another architecture")
 
 
-def _load_tokenizer(path: Path) -> Any | None:
+def load_tokenizer(path: Path) -> Any | None:
+    """The checkpoint's tokenizer; None where it has no tokenizer files (a model alone)."""
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
     from transformers import AutoTokenizer

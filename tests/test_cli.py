@@ -152,6 +152,22 @@ def test_demo_reports_its_cold_start(capsys):
         assert stage in out, out
 
 
+def test_bench_times_a_checkpoint_without_a_tokenizer(tiny_checkpoints, tmp_path, capsys):
+    """A model alone (no tokenizer files) is timed on token ids, as a preset is."""
+    import shutil
+
+    from hibana_bench.cli import main
+
+    bare = tmp_path / "no-tokenizer"
+    bare.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(tiny_checkpoints["qwen3"] / name, bare / name)
+    out = tmp_path / "report.json"
+    assert main(["decode", "--model", str(bare), "--device", "cpu", "--systems", "hibana", "--context", "16",
+                 "--generate", "4", "--no-cold-start", "--json", str(out)]) == 0
+    assert [row["system"] for row in json.loads(out.read_text())["rows"]] == ["hibana"]
+
+
 def test_bench_measures_cold_start_in_fresh_processes(tiny_checkpoints, tmp_path, capsys):
     from hibana_bench.cli import main
 
