@@ -17,7 +17,7 @@ import time
 import torch
 
 
-def step_loop(seconds: float, stop: threading.Event | None = None) -> list[float]:
+def step_loop(seconds: float) -> list[float]:
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     pool = torch.randn(36, 2, 256, 16, 8, 128, device="cuda", dtype=torch.bfloat16)  # ~600 MB
     host = torch.empty(36, 2, 32, 16, 8, 128, dtype=torch.bfloat16, pin_memory=True)
