@@ -152,6 +152,29 @@ def test_gpt_oss_chat_uses_harmony(harmony_engine):
     assert set(chat.stop_token_ids) == set(tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"]))
 
 
+def test_a_gpt_oss_checkpoint_whose_tokenizer_has_no_harmony_tokens_chats_in_its_own_template(tmp_path):
+    """Harmony is gpt_oss's format only where the tokenizer has its tokens: a gpt_oss checkpoint
+    with another tokenizer (the tests' hermes one) renders and parses as its template does."""
+    from hibana_core import SamplingParams
+    from hibana_core.chat import DEFAULT_TOOL_PARSER, Chat
+
+    from tiny_models import make_tiny_checkpoint, open_engine
+
+    from transformers import AutoTokenizer
+
+    from hibana_core.loader import DEMO_MODEL_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)  # hermes: <|im_end|> ends a turn
+    path = make_tiny_checkpoint("gpt_oss", tmp_path / "gpt_oss", vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(path)
+    with open_engine(path) as engine:
+        chat = Chat(engine, "hermes-speaking")
+        assert chat.parser_name == DEFAULT_TOOL_PARSER and not isinstance(chat.parser, HarmonyToolParser)
+        assert chat.template is None and chat.stop_token_ids == (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+        result = chat.respond([{"role": "user", "content": "Hello!"}], params=SamplingParams(max_tokens=4))
+        assert 1 <= result.usage.completion_tokens <= 4 and not result.reasoning
+
+
 def test_a_message_to_a_builtin_tool_is_no_call_of_an_offered_function():
     """gpt-oss's built-in recipients (python, browser.search) are not the user's tools."""
     from hibana_plugins.harmony import HarmonyToolParser
