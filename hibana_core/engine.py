@@ -445,8 +445,8 @@ class Engine:
         use, the workspace estimate, a draft model's weights and KV, the budget in bytes or None,
         the device's total and whether it is unified memory; on CUDA the allocator's current and
         peak bytes), the host tier (its budget and the host memory the parked copies hold: a copy
-        shared by a fork and its parent once; on a GPU the pinned blocks, whose sizes are powers of
-        two), and each state's tier and bytes (its copy's own size). EngineClosedError once the
+        shared by a fork and its parent once; on a GPU the pinned pages each copy takes), and each
+        state's tier and bytes (its copy's own size). EngineClosedError once the
         engine is closed (it holds nothing then)."""
         with self.core.lock:
             if self.core.closed:
