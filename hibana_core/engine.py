@@ -87,8 +87,9 @@ class EngineStats:
     verified_sequences: int = 0     # (sequence, step) pairs that verified drafts
     verified_tokens: int = 0        # tokens those emitted: accepted drafts + one each
     speculation: dict | None = None
-    """The controller's figures: draft lengths chosen, acceptance by position per drafter,
-    tokens per verifying sequence, the step-cost table."""
+    """The controller's figures: draft lengths chosen, acceptance by position per drafter (and per
+    drafter for each state, "acceptance_by_state"), tokens per verifying sequence, the step-cost
+    table."""
     parks: int = 0                  # idle states' KV parked in the host tier under device pressure
     resumes: int = 0                # parked KV copied back for a request (not recomputed)
     host_tier: dict | None = None   # its budget, bytes, bytes moved, time, tokens restored (kv/tiers.py)
@@ -435,7 +436,8 @@ class Engine:
                                self.pool.num_blocks, self.pool.num_used, self.pool.num_cached, len(self.registry),
                                spec.counters.draft_tokens_proposed, spec.counters.draft_tokens_accepted,
                                spec.counters.verify_steps, spec.counters.verified_sequences,
-                               spec.counters.verified_tokens, spec.summary(),
+                               spec.counters.verified_tokens,
+                               {**spec.summary(), "acceptance_by_state": self.registry.acceptance(spec)},
                                tier.counters.parks if tier else 0, tier.counters.resumes if tier else 0,
                                tier.summary() if tier else None, len(self.scheduler.waiting),
                                len(self.scheduler.running), steps.step_seconds, tuple(steps.step_time_buckets))

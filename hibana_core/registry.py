@@ -19,7 +19,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 from hibana_core.config import CacheConfig, SamplingParams, is_kind
 from hibana_core.errors import (ConfigError, ContextLengthError, EngineClosedError, GrammarError, HibanaError,
@@ -284,6 +284,13 @@ class StateRegistry:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def acceptance(self, speculation: Any) -> dict[str, dict[str, list[float]]]:
+        """Each state's acceptance by draft position and drafter (`Speculator.acceptance`), by
+        state id; states that never drafted are left out."""
+        with self.lock:
+            found = {e.handle.id: speculation.acceptance(e.seq) for e in self._entries.values()}
+        return {state_id: figures for state_id, figures in found.items() if figures}
 
     def parked_bytes(self, state_id: str) -> int:
         entry = self._entries.get(state_id)

@@ -156,6 +156,12 @@ class Speculator:
             self._controller = Controller(self._profile())
         return self._controller
 
+    def acceptance(self, seq: object) -> dict[str, list[float]]:
+        """One state's acceptance rate by draft position, per drafter it drafted with (what the
+        controller picks its draft lengths from; shrunk towards the engine-wide rate while the
+        state has few tries)."""
+        return {method: stats.summary() for method, stats in self._stats.get(seq, {}).items()}
+
     def stats(self, request: "Request", method: str) -> AcceptanceStats:
         per_state = self._stats.setdefault(request.seq, {})
         stats = per_state.get(method)
