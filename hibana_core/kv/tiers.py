@@ -295,12 +295,11 @@ class HostTier:
         if self.pool.can_allocate(blocks):
             return True
         self._restoring = id(seq)
-        began = time.perf_counter()
         try:
-            return make_room(blocks)
+            with self._phase("making room"):
+                return make_room(blocks)
         finally:
             self._restoring = None
-            self.phases["making room"] += time.perf_counter() - began
 
     def _read_copy(self, seq: KVSequence) -> torch.Tensor | None:
         """The parked copy's KV in host memory, maybe still being copied there (a spill file read
