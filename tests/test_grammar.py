@@ -14,6 +14,7 @@ import random
 import re
 import string
 import threading
+from typing import Annotated, List, Literal, Optional, Union
 
 import jsonschema
 import pydantic
@@ -461,7 +462,8 @@ class Trip:
 def test_a_typeddict_or_a_dataclass_is_a_json_schema(engine):
     """Any type pydantic writes a schema for is taken as that schema (`TypeAdapter(t).json_schema()`),
     and the output parses as the type."""
-    for kind in (Place, Trip, list[Place]):
+    for kind in (Place, Trip, list[Place], Optional[Trip], Union[Place, Trip], Trip | None, Literal["a", "b"],
+                 Annotated[int, pydantic.Field(ge=0)], List[int]):
         params = SamplingParams(max_tokens=300, json_schema=kind)
         assert params.json_schema == pydantic.TypeAdapter(kind).json_schema()
     schema = SamplingParams(json_schema=Place).json_schema
