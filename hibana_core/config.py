@@ -507,7 +507,8 @@ class SamplingParams:
 
 def _type_schema(kind: Any) -> dict:
     """The JSON schema of a type that is no pydantic model (a TypedDict, a dataclass, `list[int]`,
-    `Optional[Model]`, `Literal["a", "b"]`), as pydantic writes it: the schema its parsing (`TypeAdapter(kind).validate_json`) checks."""
+    `Optional[Model]`, `Literal["a", "b"]`), as pydantic writes it: the schema its parsing
+    (`TypeAdapter(kind).validate_json`) checks."""
     import pydantic
 
     name = getattr(kind, "__name__", kind)
