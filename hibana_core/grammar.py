@@ -196,7 +196,8 @@ def _dropped_beside_others(schema: dict) -> list[tuple[str, str]]:
     """(keyword, what to do) for each keyword of one schema that xgrammar 0.2.9 drops, with a
     warning on stderr or none: a length beside a pattern or a format, a multipleOf but an
     integer's by an integer, a bound beside an enum or a const (`{"enum": ["abcdef"], "maxLength":
-    2}` allows "abcdef"), and the parts of a pattern its regex reader skips."""
+    2}` allows "abcdef"), a required key that properties does not declare, and the parts of a
+    pattern its regex reader skips."""
     found = []
     listed = next((key for key in ("enum", "const") if key in schema), None)
     bounds = "/".join(key for key in _BOUNDS if key in schema)
@@ -212,9 +213,22 @@ def _dropped_beside_others(schema: dict) -> list[tuple[str, str]]:
     if step is not None and not (integers and isinstance(step, (int, float)) and float(step).is_integer()):
         found.append(("multipleOf", 'held on {"type": "integer"} by an integer alone; bound the value with '
                                     "minimum/maximum, or check it in your code"))
+    undeclared = _undeclared_required(schema)
+    if undeclared:
+        found.append((f"required {undeclared} not under properties", "declare each required key under properties"))
     if isinstance(schema.get("pattern"), str):
         found += unenforced_regex(schema["pattern"], "pattern")
     return found
+
+
+def _undeclared_required(schema: dict) -> list[str]:
+    """The keys `required` names that `properties` does not declare: xgrammar writes the declared
+    keys alone, so `{"required": ["a"]}` allowed `{}`."""
+    required = schema.get("required")
+    if not isinstance(required, list):
+        return []
+    declared = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    return [key for key in required if key not in declared]
 
 
 def unenforced_regex(pattern: str, what: str = "regex") -> list[tuple[str, str]]:

@@ -374,6 +374,10 @@ def test_a_schema_keyword_the_grammar_cannot_hold_is_refused_by_name(engine):
         "maximum beside const at #/items": {"type": "array", "items": {"const": 7, "maximum": 3}},
         "a lookahead (?! in '^(?!a)' at #/patternProperties": {"type": "object",
                                                                "patternProperties": {"^(?!a)": digit}},
+        # the declared keys alone are written: {} under required ["zz"], {"r": 1} without q
+        "required ['zz'] not under properties at #": {"type": "object", "required": ["zz"], "maxProperties": 2},
+        "required ['q'] not under properties at #/properties/a": {"type": "object", "properties": {"a": {
+            "type": "object", "properties": {"r": digit}, "required": ["r", "q"]}}, "required": ["a"]},
     }
     for where, schema in cases.items():
         with pytest.raises(GrammarError, match="cannot hold") as failure:
