@@ -380,7 +380,8 @@ def test_a_schema_keyword_the_grammar_cannot_hold_is_refused_by_name(engine):
             "type": "object", "properties": {"r": digit}, "required": ["r", "q"]}}, "required": ["a"]},
         # not followed, so any value passes: 2e40 for a digit
         "$ref '#dig' at #": {"$defs": {"D": {"$anchor": "dig", **digit}}, "$ref": "#dig"},
-        "$ref 'https://example.com/s.json' at #/items": {"type": "array", "items": {"$ref": "https://example.com/s.json"}},
+        "$ref 'https://example.com/s.json' at #/items": {"type": "array",
+                                                          "items": {"$ref": "https://example.com/s.json"}},
         "$dynamicRef at #": {"$dynamicRef": "#/$defs/D", "$defs": {"D": digit}},
         "$recursiveRef at #/properties/n": {"type": "object", "properties": {"n": {"$recursiveRef": "#"}}},
     }
