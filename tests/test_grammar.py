@@ -383,6 +383,11 @@ def test_a_schema_keyword_the_grammar_cannot_hold_is_refused_by_name(engine):
         "$ref 'https://example.com/s.json' at #/items": {"type": "array",
                                                           "items": {"$ref": "https://example.com/s.json"}},
         "$dynamicRef at #": {"$dynamicRef": "#/$defs/D", "$defs": {"D": digit}},
+        # the referenced schema alone is held: 2e18 under maximum 5, a runaway string under maxLength 2
+        "maximum beside $ref at #/properties/x": {"$defs": {"D": digit}, "type": "object",
+                                                 "properties": {"x": {"$ref": "#/$defs/D", "maximum": 5}}},
+        "type/maxLength beside $ref at #": {"$defs": {"S": {"type": "string"}}, "$ref": "#/$defs/S",
+                                            "type": "string", "maxLength": 2},
         "$recursiveRef at #/properties/n": {"type": "object", "properties": {"n": {"$recursiveRef": "#"}}},
     }
     for where, schema in cases.items():
@@ -402,6 +407,9 @@ def test_a_schema_keyword_the_grammar_cannot_hold_is_refused_by_name(engine):
             "required": ["if"], "additionalProperties": False}
     out = h.generate(SamplingParams(max_tokens=20, json_schema=fine), prompt=[5, 6])
     assert set(json.loads(out.text)) == {"if"} and 0 <= json.loads(out.text)["if"] <= 9
+    # annotations beside a $ref (pydantic writes a field's description and default there) are no constraints
+    annotated = {"$defs": {"D": digit}, "$ref": "#/$defs/D", "description": "a digit", "default": 3, "title": "D"}
+    assert 0 <= json.loads(h.generate(SamplingParams(max_tokens=20, json_schema=annotated), prompt=[5, 6]).text) <= 9
 
 
 HELD_SCHEMAS = [
