@@ -301,10 +301,11 @@ class ChatHibana(BaseChatModel):
     (OpenAI's shape: {"content": [{"token", "bytes", "logprob", "top_logprobs"}]})."""
     top_logprobs: int = 0
     """With logprobs: also this many most likely tokens at each position (0 to 20)."""
-    speculation: bool | str | dict[str, Any] | None = None
+    speculation: Any = None
     """Speculative decoding of this model's calls: "adaptive" (or True), "off" (or False) or
     {"method": ..., "k": ...}; None: the engine's (set it engine-wide with
-    engine_kwargs={"speculation": ...}). Speed only."""
+    engine_kwargs={"speculation": ...}). Speed only. Checked by SamplingParams, not by pydantic,
+    which would read 1 and 0 as True and False where the engine refuses them."""
     stop: list[str] | None = None
     """Strings that end the generation (cut from the output)."""
     timeout: float | None = None

@@ -51,6 +51,8 @@ def test_chat_hibana_refuses_unknown_options(options, named):
     ({"num_predict": 3, "max_tokens": 4}, "name the same option"),
     ({"speculation": {"method": "nope"}}, r"no drafter named 'nope' is registered \(registered: .*suffix"),
     ({"speculation": {"method": "suffix", "k": 99}}, "speculation k must lie in"),
+    ({"speculation": 1}, r"speculation must be 'adaptive' \(or True\), 'off' \(or False\).*got 1"),
+    ({"speculation": 0}, r"speculation must be .*got 0"),
     ({"max_tokens": 0}, "max_tokens must be at least 1"),
     ({"num_predict": -1}, "max_tokens must be >= 0"),
 ])
