@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -339,6 +340,8 @@ class ChatHibana(BaseChatModel):
         check_known(kwargs, type(self).model_fields, "ChatHibana")
         if engine is not None and "model" not in kwargs:
             kwargs["model"] = engine.config.model
+        if isinstance(kwargs.get("model"), os.PathLike):  # a checkpoint's Path, as Engine.from_pretrained takes
+            kwargs["model"] = os.fspath(kwargs["model"])
         try:
             super().__init__(**kwargs)
         except ValidationError as exc:

@@ -61,6 +61,12 @@ def test_chat_hibana_checks_values_at_construction(options, message):
         ChatHibana(**options)
 
 
+def test_chat_hibana_takes_a_checkpoint_path_as_the_engine_does(tmp_path):
+    """A pathlib.Path is a model as it is for Engine.from_pretrained (and HibanaLLM); it was a
+    ConfigError "Input should be a valid string"."""
+    assert ChatHibana(model=tmp_path / "checkpoint").model == str(tmp_path / "checkpoint")
+
+
 def test_chat_hibana_aliases_and_ignored_options():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
