@@ -12,7 +12,7 @@ import logging as _logging
 from hibana_core.config import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
 from hibana_core.errors import (ChatTimeoutError, CheckpointError, ConfigError, ContextLengthError, ConversationError,
                                 EngineClosedError, GrammarError, HibanaError, InvalidTokenError, MemoryBudgetError,
-                                PromptMarkupError, QueueTimeoutError, StateBusyError, StateClosedError,
+                                PluginError, PromptMarkupError, QueueTimeoutError, StateBusyError, StateClosedError,
                                 StateExistsError, StateFileError, SurgeryGuardError, ToolChoiceError, ToolSchemaError,
                                 UnsupportedContentError, UnsupportedModelError)
 from hibana_core.state import (Completion, RequestStats, StateHandle, StateInfo, StreamEvent, SyncStats,
@@ -38,7 +38,7 @@ def __getattr__(name: str):
 __all__ = [
     "CacheConfig", "ChatTimeoutError", "CheckpointError", "Completion", "ConfigError", "ContextLengthError",
     "ConversationError", "Engine", "EngineClosedError", "EngineConfig", "EngineStats", "GrammarError", "HibanaError",
-    "InvalidTokenError", "MemoryBudgetError", "PromptMarkupError", "QueueTimeoutError", "RequestStats",
+    "InvalidTokenError", "MemoryBudgetError", "PluginError", "PromptMarkupError", "QueueTimeoutError", "RequestStats",
     "SamplingParams", "SchedulerConfig", "StateBusyError", "StateClosedError", "StateExistsError", "StateFileError",
     "StateHandle", "TokenLogprob", "StateInfo", "StreamEvent", "SurgeryGuardError", "SyncStats", "ToolChoiceError",
     "ToolSchemaError", "UnsupportedContentError", "UnsupportedModelError",

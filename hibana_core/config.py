@@ -482,7 +482,8 @@ class SamplingParams:
         schema = self.json_schema
         if isinstance(schema, type) and hasattr(schema, "model_json_schema"):  # a pydantic model class
             schema = schema.model_json_schema()
-        elif isinstance(schema, (type, types.GenericAlias)):  # a TypedDict, a dataclass, list[int] ...
+        elif isinstance(schema, type) or typing.get_origin(schema) is not None:
+            # a TypedDict, a dataclass, list[int], Optional[int], a Union, a Literal, Annotated[...]
             schema = _type_schema(schema)
         elif isinstance(schema, str):
             try:
@@ -505,8 +506,9 @@ class SamplingParams:
 
 
 def _type_schema(kind: Any) -> dict:
-    """The JSON schema of a type that is no pydantic model (a TypedDict, a dataclass, `list[int]`),
-    as pydantic writes it: the schema its parsing (`TypeAdapter(kind).validate_json`) checks."""
+    """The JSON schema of a type that is no pydantic model (a TypedDict, a dataclass, `list[int]`,
+    `Optional[Model]`, `Literal["a", "b"]`), as pydantic writes it: the schema its parsing
+    (`TypeAdapter(kind).validate_json`) checks."""
     import pydantic
 
     name = getattr(kind, "__name__", kind)

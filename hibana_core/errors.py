@@ -5,11 +5,14 @@ from __future__ import annotations
 # The base class lives in the plugin contract (a leaf) so that the plugin manager can subclass it
 # without loading the engine.
 from hibana_plugins.hookspecs import HibanaError
+# Raised by the plugin manager (a leaf too) and re-exported so that every HibanaError a caller can
+# meet is importable from `hibana_core`.
+from hibana_plugins.manager import PluginError
 
 __all__ = [
     "ChatTimeoutError", "CheckpointError", "ConfigError", "ContextLengthError", "ConversationError",
     "EngineClosedError", "GrammarError", "HibanaError", "InvalidTokenError", "MemoryBudgetError",
-    "PromptMarkupError", "QueueTimeoutError", "StateBusyError", "StateClosedError", "StateExistsError",
+    "PluginError", "PromptMarkupError", "QueueTimeoutError", "StateBusyError", "StateClosedError", "StateExistsError",
     "StateFileError", "SurgeryGuardError", "ToolChoiceError", "ToolSchemaError", "UnsupportedContentError",
     "UnsupportedModelError",
 ]

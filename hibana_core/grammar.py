@@ -142,7 +142,7 @@ def _bound_numbers(ebnf: str) -> str:
 
 
 UNENFORCED_KEYWORDS = ("contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas",
-                       "if", "then", "else", "not")
+                       "if", "then", "else", "not", "$dynamicRef", "$recursiveRef")
 """JSON-schema keywords xgrammar 0.2.9 compiles but does not hold the output to (as allOf with
 more than one subschema): an output "valid by construction" could break them, so they are refused.
 (oneOf is held as anyOf and uniqueItems not at all: pydantic writes both, for unions and sets, and
@@ -192,11 +192,20 @@ _BOUNDS = ("minLength", "maxLength", "pattern", "format", "minimum", "maximum", 
 """Keywords that bound a value; beside an enum or a const xgrammar writes the listed values alone."""
 
 
+_VALIDATION = ("type", "enum", "const", *_BOUNDS, "multipleOf", "properties", "patternProperties",
+               "additionalProperties", "propertyNames", "items", "prefixItems", "unevaluatedItems",
+               "unevaluatedProperties", "anyOf", "oneOf", "allOf", "uniqueItems")
+"""Keywords that constrain a value (annotations such as description or default do not); beside a
+$ref xgrammar holds the referenced schema alone and drops them."""
+
+
 def _dropped_beside_others(schema: dict) -> list[tuple[str, str]]:
     """(keyword, what to do) for each keyword of one schema that xgrammar 0.2.9 drops, with a
     warning on stderr or none: a length beside a pattern or a format, a multipleOf but an
     integer's by an integer, a bound beside an enum or a const (`{"enum": ["abcdef"], "maxLength":
-    2}` allows "abcdef"), and the parts of a pattern its regex reader skips."""
+    2}` allows "abcdef"), a required key that properties does not declare, a $ref that is no
+    JSON pointer into the schema (an anchor, another document: any value passes) or that has
+    constraints beside it, and the parts of a pattern its regex reader skips."""
     found = []
     listed = next((key for key in ("enum", "const") if key in schema), None)
     bounds = "/".join(key for key in _BOUNDS if key in schema)
@@ -212,9 +221,29 @@ def _dropped_beside_others(schema: dict) -> list[tuple[str, str]]:
     if step is not None and not (integers and isinstance(step, (int, float)) and float(step).is_integer()):
         found.append(("multipleOf", 'held on {"type": "integer"} by an integer alone; bound the value with '
                                     "minimum/maximum, or check it in your code"))
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        found.append((f"$ref {ref!r}", "point it into this schema, as #/$defs/Name: anchors and other documents "
+                                       "are not followed"))
+    beside_ref = "/".join(key for key in _VALIDATION if key in schema) if "$ref" in schema else ""
+    if beside_ref:
+        found.append((f"{beside_ref} beside $ref", "the referenced schema is held alone: move them into it"))
+    undeclared = _undeclared_required(schema)
+    if undeclared:
+        found.append((f"required {undeclared} not under properties", "declare each required key under properties"))
     if isinstance(schema.get("pattern"), str):
         found += unenforced_regex(schema["pattern"], "pattern")
     return found
+
+
+def _undeclared_required(schema: dict) -> list[str]:
+    """The keys `required` names that `properties` does not declare: xgrammar writes the declared
+    keys alone, so `{"required": ["a"]}` allowed `{}`."""
+    required = schema.get("required")
+    if not isinstance(required, list):
+        return []
+    declared = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    return [key for key in required if key not in declared]
 
 
 def unenforced_regex(pattern: str, what: str = "regex") -> list[tuple[str, str]]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -301,10 +302,11 @@ class ChatHibana(BaseChatModel):
     (OpenAI's shape: {"content": [{"token", "bytes", "logprob", "top_logprobs"}]})."""
     top_logprobs: int = 0
     """With logprobs: also this many most likely tokens at each position (0 to 20)."""
-    speculation: bool | str | dict[str, Any] | None = None
+    speculation: Any = None
     """Speculative decoding of this model's calls: "adaptive" (or True), "off" (or False) or
     {"method": ..., "k": ...}; None: the engine's (set it engine-wide with
-    engine_kwargs={"speculation": ...}). Speed only."""
+    engine_kwargs={"speculation": ...}). Speed only. Checked by SamplingParams, not by pydantic,
+    which would read 1 and 0 as True and False where the engine refuses them."""
     stop: list[str] | None = None
     """Strings that end the generation (cut from the output)."""
     timeout: float | None = None
@@ -338,6 +340,8 @@ class ChatHibana(BaseChatModel):
         check_known(kwargs, type(self).model_fields, "ChatHibana")
         if engine is not None and "model" not in kwargs:
             kwargs["model"] = engine.config.model
+        if isinstance(kwargs.get("model"), os.PathLike):  # a checkpoint's Path, as Engine.from_pretrained takes
+            kwargs["model"] = os.fspath(kwargs["model"])
         try:
             super().__init__(**kwargs)
         except ValidationError as exc:

@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
 import os
 import re
 import threading
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import pluggy
 
@@ -142,6 +144,19 @@ def describe_registered(obj: object) -> str:
         kind = "the class" if isinstance(obj, type) else "the function"
         return f"{kind} {obj.__module__}.{obj.__qualname__}"
     return f"an instance of {type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def accepts(function: Callable[..., Any], *args: Any) -> bool:
+    """Whether `function(*args)` binds to its signature: what a plugin registered is checked
+    against the shape Hibana will call it with before it is called (a builtin, whose signature
+    cannot be read, is given the benefit of the doubt)."""
+    try:
+        inspect.signature(function).bind(*args)
+    except TypeError:
+        return False
+    except ValueError:
+        pass
+    return True
 
 
 def _entry_point_order(ep: importlib.metadata.EntryPoint) -> tuple[str, str]:

@@ -51,12 +51,20 @@ def test_chat_hibana_refuses_unknown_options(options, named):
     ({"num_predict": 3, "max_tokens": 4}, "name the same option"),
     ({"speculation": {"method": "nope"}}, r"no drafter named 'nope' is registered \(registered: .*suffix"),
     ({"speculation": {"method": "suffix", "k": 99}}, "speculation k must lie in"),
+    ({"speculation": 1}, r"speculation must be 'adaptive' \(or True\), 'off' \(or False\).*got 1"),
+    ({"speculation": 0}, r"speculation must be .*got 0"),
     ({"max_tokens": 0}, "max_tokens must be at least 1"),
     ({"num_predict": -1}, "max_tokens must be >= 0"),
 ])
 def test_chat_hibana_checks_values_at_construction(options, message):
     with pytest.raises(ConfigError, match=message):
         ChatHibana(**options)
+
+
+def test_chat_hibana_takes_a_checkpoint_path_as_the_engine_does(tmp_path):
+    """A pathlib.Path is a model as it is for Engine.from_pretrained (and HibanaLLM); it was a
+    ConfigError "Input should be a valid string"."""
+    assert ChatHibana(model=tmp_path / "checkpoint").model == str(tmp_path / "checkpoint")
 
 
 def test_chat_hibana_aliases_and_ignored_options():

@@ -12,9 +12,11 @@ import shutil
 import pytest
 
 import hibana_core
+import hibana_plugins
 from hibana_core import (CheckpointError, ConfigError, ContextLengthError, HibanaError,
                          InvalidTokenError, SamplingParams, StateClosedError, UnsupportedModelError,
                          errors)
+from hibana_plugins.manager import PluginError
 from tiny_models import (VOCAB_SIZE, assert_greedy_matches, hf_greedy, make_tiny_checkpoint,
                          open_engine, random_tokens)
 
@@ -92,6 +94,21 @@ def test_every_hibana_error_in_hibana_core_is_importable_from_hibana_core():
         assert cls.__name__ in hibana_core.__all__, cls
         assert getattr(hibana_core, cls.__name__) is cls, cls
         assert cls.__name__ in errors.__all__ and cls.__module__ == errors.__name__, cls
+
+
+def test_every_hibana_error_a_plugin_module_defines_is_importable_from_hibana_core():
+    """A caller catches what the plugin manager and adapters raise (PluginError for a missing or
+    conflicting plugin name) by importing it from `hibana_core`, as every other HibanaError."""
+    for module in pkgutil.walk_packages(hibana_plugins.__path__, "hibana_plugins."):
+        try:
+            importlib.import_module(module.name)
+        except ImportError:  # an adapter whose framework is not installed
+            continue
+    defined = {c for c in _subclasses(HibanaError) if c.__module__.split(".")[0] == "hibana_plugins"}
+    assert PluginError in defined
+    for cls in defined:
+        assert cls.__name__ in hibana_core.__all__ and getattr(hibana_core, cls.__name__) is cls, cls
+        assert getattr(errors, cls.__name__) is cls, cls
 
 
 # --- loading --------------------------------------------------------------------------------

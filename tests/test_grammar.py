@@ -14,6 +14,7 @@ import random
 import re
 import string
 import threading
+from typing import Annotated, List, Literal, Optional, Union
 
 import jsonschema
 import pydantic
@@ -373,6 +374,21 @@ def test_a_schema_keyword_the_grammar_cannot_hold_is_refused_by_name(engine):
         "maximum beside const at #/items": {"type": "array", "items": {"const": 7, "maximum": 3}},
         "a lookahead (?! in '^(?!a)' at #/patternProperties": {"type": "object",
                                                                "patternProperties": {"^(?!a)": digit}},
+        # the declared keys alone are written: {} under required ["zz"], {"r": 1} without q
+        "required ['zz'] not under properties at #": {"type": "object", "required": ["zz"], "maxProperties": 2},
+        "required ['q'] not under properties at #/properties/a": {"type": "object", "properties": {"a": {
+            "type": "object", "properties": {"r": digit}, "required": ["r", "q"]}}, "required": ["a"]},
+        # not followed, so any value passes: 2e40 for a digit
+        "$ref '#dig' at #": {"$defs": {"D": {"$anchor": "dig", **digit}}, "$ref": "#dig"},
+        "$ref 'https://example.com/s.json' at #/items": {"type": "array",
+                                                          "items": {"$ref": "https://example.com/s.json"}},
+        "$dynamicRef at #": {"$dynamicRef": "#/$defs/D", "$defs": {"D": digit}},
+        # the referenced schema alone is held: 2e18 under maximum 5, a runaway string under maxLength 2
+        "maximum beside $ref at #/properties/x": {"$defs": {"D": digit}, "type": "object",
+                                                 "properties": {"x": {"$ref": "#/$defs/D", "maximum": 5}}},
+        "type/maxLength beside $ref at #": {"$defs": {"S": {"type": "string"}}, "$ref": "#/$defs/S",
+                                            "type": "string", "maxLength": 2},
+        "$recursiveRef at #/properties/n": {"type": "object", "properties": {"n": {"$recursiveRef": "#"}}},
     }
     for where, schema in cases.items():
         with pytest.raises(GrammarError, match="cannot hold") as failure:
@@ -391,6 +407,9 @@ def test_a_schema_keyword_the_grammar_cannot_hold_is_refused_by_name(engine):
             "required": ["if"], "additionalProperties": False}
     out = h.generate(SamplingParams(max_tokens=20, json_schema=fine), prompt=[5, 6])
     assert set(json.loads(out.text)) == {"if"} and 0 <= json.loads(out.text)["if"] <= 9
+    # annotations beside a $ref (pydantic writes a field's description and default there) are no constraints
+    annotated = {"$defs": {"D": digit}, "$ref": "#/$defs/D", "description": "a digit", "default": 3, "title": "D"}
+    assert 0 <= json.loads(h.generate(SamplingParams(max_tokens=20, json_schema=annotated), prompt=[5, 6]).text) <= 9
 
 
 HELD_SCHEMAS = [
@@ -461,7 +480,8 @@ class Trip:
 def test_a_typeddict_or_a_dataclass_is_a_json_schema(engine):
     """Any type pydantic writes a schema for is taken as that schema (`TypeAdapter(t).json_schema()`),
     and the output parses as the type."""
-    for kind in (Place, Trip, list[Place]):
+    for kind in (Place, Trip, list[Place], Optional[Trip], Union[Place, Trip], Trip | None, Literal["a", "b"],
+                 Annotated[int, pydantic.Field(ge=0)], List[int]):
         params = SamplingParams(max_tokens=300, json_schema=kind)
         assert params.json_schema == pydantic.TypeAdapter(kind).json_schema()
     schema = SamplingParams(json_schema=Place).json_schema

@@ -370,13 +370,25 @@ class NoEngineDrafter:
         return []
 
 
+class ProposeOfStateOnly:
+    """A drafter whose propose forgets k."""
+
+    def propose(self, state) -> list[int]:
+        return []
+
+
 @pytest.mark.parametrize("registered_obj, says", [
     (NoEngineDrafter, r"'wrong' is registered as the class test_speculation\.NoEngineDrafter, which cannot be "
                       r"called as factory\(engine\)"),
     (42, r"'wrong' is registered as an instance of builtins\.int, which cannot be called as factory\(engine\)"),
     (lambda engine: None, r"'wrong': its factory, the function test_speculation\.<lambda>, returned an instance of "
                           r"builtins\.NoneType, which has no propose\(state, k\)"),
-], ids=["class-without-engine", "not-callable", "factory-returns-none"])
+    (ProposeOfStateOnly(), r"'wrong' is registered as an instance of test_speculation\.ProposeOfStateOnly, whose "
+                           r"propose cannot be called as propose\(state, k\)"),
+    (lambda engine: ProposeOfStateOnly(), r"'wrong' \(from its factory, the function test_speculation\.<lambda>\) "
+                                          r"is an instance of test_speculation\.ProposeOfStateOnly, whose propose"),
+], ids=["class-without-engine", "not-callable", "factory-returns-none", "propose-of-state-only",
+        "factory-returns-propose-of-state-only"])
 def test_a_wrongly_registered_drafter_is_a_config_error_at_engine_build(tiny_checkpoints, make_engine,
                                                                          registered_obj, says):
     """What a plugin registers that is neither a drafter nor a `factory(engine) -> drafter` is a

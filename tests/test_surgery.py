@@ -294,12 +294,32 @@ class _ReturnsNothing:
         return None
 
 
+class _ApplyOfModelOnly:
+    """A plugin's pass whose apply forgets the params argument."""
+
+    def apply(self, model):
+        return {}
+
+
+class _CalibratedWithoutCalibration:
+    """A calibrated pass whose apply does not take the calibration it is given."""
+
+    calibrated = True
+
+    def apply(self, model, params):
+        return {}
+
+
 @pytest.mark.parametrize("registered_obj, says", [
     (_Halve, r"'bad' is registered as the class test_surgery\._Halve, not an instance of it; register the pass "
              r"object: register\('bad', _Halve\(\)\)"),
     (lambda model, params: {}, r"'bad' is registered as the function test_surgery\.<lambda>, which has no "
                                r"apply\(model, params\) method"),
-], ids=["class", "no-apply"])
+    (_ApplyOfModelOnly(), r"'bad' \(an instance of test_surgery\._ApplyOfModelOnly\) has an apply that cannot be "
+                          r"called as apply\(model, params\); give it that signature"),
+    (_CalibratedWithoutCalibration(), r"'bad' \(an instance of test_surgery\._CalibratedWithoutCalibration\) has an "
+                                      r"apply that cannot be called as apply\(model, params, calibration\)"),
+], ids=["class", "no-apply", "apply-of-model-only", "calibrated-without-calibration"])
 def test_a_pass_registered_as_no_pass_object_is_refused_before_the_model_loads(registered_obj, says,
                                                                                tiny_checkpoints, monkeypatch):
     from hibana_core import engine as engine_module

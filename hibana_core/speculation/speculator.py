@@ -16,7 +16,6 @@ which the step-cost model charges to verifying steps).
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import time
 import warnings
@@ -29,7 +28,7 @@ from hibana_core.errors import ConfigError
 from hibana_core.speculation.controller import (MAX_DRAFT, AcceptanceStats, Candidate, Controller,
                                                 StepCostModel)
 from hibana_core.speculation.drafters import DraftInput, Drafter
-from hibana_plugins.manager import PluginWarning, describe_registered
+from hibana_plugins.manager import PluginWarning, accepts, describe_registered
 
 if TYPE_CHECKING:
     from hibana_core.scheduler import Request, ScheduledChunk
@@ -50,28 +49,28 @@ def build_drafter(name: str, registered: Any, engine: Any) -> Drafter:
     """The drafter a plugin registered under `name`: a `factory(engine) -> drafter` (a class whose
     constructor takes the engine is one) is called; an object that already has `propose` is used
     as it is. Anything else is a ConfigError at engine build rather than a TypeError in a step."""
-    if not isinstance(registered, type) and hasattr(registered, "propose"):
-        return registered
     expected = (f"register({name!r}, factory) with factory(engine) -> drafter, a drafter being an "
                 "object with propose(state, k); or register the drafter object itself")
-    if not (callable(registered) and _accepts(registered, engine)):
+    if not isinstance(registered, type) and hasattr(registered, "propose"):
+        return _checked_proposer(name, registered, f"is registered as {describe_registered(registered)}", expected)
+    if not (callable(registered) and accepts(registered, engine)):
         raise ConfigError(f"drafter {name!r} is registered as {describe_registered(registered)}, which cannot be "
                           f"called as factory(engine); {expected}")
     drafter = registered(engine)
     if not hasattr(drafter, "propose"):
         raise ConfigError(f"drafter {name!r}: its factory, {describe_registered(registered)}, returned "
                           f"{describe_registered(drafter)}, which has no propose(state, k); {expected}")
+    return _checked_proposer(name, drafter, f"(from its factory, {describe_registered(registered)}) is "
+                                            f"{describe_registered(drafter)}", expected)
+
+
+def _checked_proposer(name: str, drafter: Any, what: str, expected: str) -> Drafter:
+    """`drafter` unless its propose cannot be called as propose(state, k): a ConfigError at engine
+    build then, where every step would otherwise raise and draft nothing."""
+    if not (callable(drafter.propose) and accepts(drafter.propose, None, 1)):
+        raise ConfigError(f"drafter {name!r} {what}, whose propose cannot be called as propose(state, k); "
+                          f"{expected}")
     return drafter
-
-
-def _accepts(function: Callable, *args: Any) -> bool:
-    try:
-        inspect.signature(function).bind(*args)
-    except TypeError:
-        return False
-    except ValueError:  # no signature to read (a builtin): calling it is the only test
-        pass
-    return True
 
 
 def valid_draft(proposal: Any, k: int, vocab_size: int) -> list[int]:

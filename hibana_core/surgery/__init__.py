@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from hibana_core.errors import ConfigError
-from hibana_plugins.manager import describe_registered
+from hibana_plugins.manager import accepts, describe_registered
 
 if TYPE_CHECKING:  # torch stays unimported until a model is built (adapters import this module)
     import torch
@@ -111,8 +111,9 @@ def check_requests(requests: Sequence[PassRequest], passes: dict[str, Any]) -> t
 
 
 def _check_registered(name: str, surgery_pass: Any) -> None:
-    """A ConfigError, before the model loads, unless a plugin registered a pass object: a class
-    registered in place of its instance would be called with the model as `self`."""
+    """A ConfigError, before the model loads, unless a plugin registered a pass object whose apply
+    takes what it will be given: a class registered in place of its instance would be called with
+    the model as `self`, and an apply of another signature would fail after the model loaded."""
     if isinstance(surgery_pass, type):
         raise ConfigError(f"surgery pass {name!r} is registered as {describe_registered(surgery_pass)}, not an "
                           f"instance of it; register the pass object: register({name!r}, "
@@ -120,6 +121,13 @@ def _check_registered(name: str, surgery_pass: Any) -> None:
     if not callable(getattr(surgery_pass, "apply", None)):
         raise ConfigError(f"surgery pass {name!r} is registered as {describe_registered(surgery_pass)}, which has "
                           "no apply(model, params) method; register an object with apply(model, params) -> dict")
+    if getattr(surgery_pass, "calibrated", False):
+        shape, args = "apply(model, params, calibration) (its calibrated = True adds the calibration)", (None, {}, None)
+    else:
+        shape, args = "apply(model, params)", (None, {})
+    if not accepts(surgery_pass.apply, *args):
+        raise ConfigError(f"surgery pass {name!r} ({describe_registered(surgery_pass)}) has an apply that cannot "
+                          f"be called as {shape}; give it that signature")
 
 
 def apply_passes(model: "torch.nn.Module", requests: Sequence[PassRequest], passes: dict[str, Any],
