@@ -65,12 +65,12 @@ class Chat:
         chat_format = get_plugin_manager().chat_formats().get(getattr(engine.hf_config, "model_type", None))
         ends = getattr(chat_format, "end_of_turn_tokens", None)
         if ends and not any(t in vocab for t in ends):
-            chat_format = None  # a tokenizer that does not speak the family's format: its own template's is used
+            chat_format = ends = None  # a tokenizer that does not speak the family's format: its template's is used
         self.template: str | None = getattr(chat_format, "template", None)
         self._prepare = getattr(chat_format, "prepare_messages", list)  # a format's fixes to what its template refuses
         self.parser_name = tool_parser or getattr(chat_format, "tool_parser", None) or DEFAULT_TOOL_PARSER
         self.parser = get_plugin_manager().lookup("tool_parser", self.parser_name)
-        self.stop_token_ids = tuple(vocab[t] for t in getattr(chat_format, "end_of_turn_tokens", END_OF_TURN_TOKENS)
+        self.stop_token_ids = tuple(vocab[t] for t in (END_OF_TURN_TOKENS if ends is None else ends)
                                     if t in vocab)  # a format's own (harmony: <|end|> ends a message, not the turn)
         self._end_texts = tuple(engine.tokenizer.decode([t], skip_special_tokens=False) for t in self.stop_token_ids)
         self.control = prompt.control_strings(engine.tokenizer)  # what contents never turn into
