@@ -382,6 +382,10 @@ def print_agents(report: dict) -> None:
     for name, r in report["results"].items():
         if r.get("kv_blocks"):
             print(f"{name}: KV pool {r['kv_blocks']:,} blocks in {r['kv_bytes'] / 1e9:.2f} GB")
+            if r.get("device_memory_before"):  # a system's pool is a share of what the one before it left free
+                m = r["device_memory_before"]
+                print(f"{name}: at its start {m['free'] / 1e9:.2f} GB of the device free, {m['allocated'] / 1e9:.2f} GB "
+                      f"held by this process's tensors ({m['reserved'] / 1e9:.2f} GB reserved)")
         tier = r.get("host_tier")
         if tier and tier["parks"]:
             print(f"{name}: host tier {tier['parks']} parks, {tier['resumes']} resumes "

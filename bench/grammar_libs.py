@@ -11,6 +11,13 @@ tool_choice="auto" and "required"), the script walks a valid output token by tok
 token, the mask computation (`fill_next_token_bitmask` / `fill_next_token_bitmask`) and the
 advance (`accept_token` / `consume_token`), single-threaded, as the engine calls them. Also: the
 tokenizer set-up once per engine, and the first compile of each grammar (no cache).
+
+    python -m hibana_bench.grammar_libs --walks 32         # the engine's masks under random walks
+
+`--walks B`: B requests under the JSON schema of `hibana bench grammar`, each taking a random
+allowed token a step (what a model with random weights does: long strings of any text), their
+masks filled by the engine's `Grammars.masks` each step, once for each size of xgrammar's thread
+pool: where a constrained batch's host time goes, and whether the pool's threads shorten it.
 """
 
 from __future__ import annotations
@@ -301,15 +308,60 @@ def run(args) -> dict:
     return report
 
 
+def random_walks(tokenizer_dir: Path, batch: int, steps: int = 60) -> dict:
+    """`Grammars.masks` of `batch` requests taking random allowed tokens, per step, by the number
+    of threads of xgrammar's batch matcher (each count on the same walks: the same seed)."""
+    import types
+
+    import xgrammar as xgr
+
+    from hibana_bench.grammar_overhead import SCHEMA
+    from hibana_core import SamplingParams
+    from hibana_core.grammar import Grammars
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    vocab = len(tokenizer)
+    grammars = Grammars(tokenizer, vocab, [tokenizer.eos_token_id or 0], torch.device("cpu"))
+    params = SamplingParams(max_tokens=steps, ignore_eos=True, json_schema=SCHEMA)
+    bits = torch.arange(32, dtype=torch.int32)
+    counts = sorted({1, 2, 4, 8, 16, os.cpu_count() or 1})
+    rows = []
+    for threads in [*counts, "auto"]:
+        grammars.masks(types.SimpleNamespace(sampling=[]), 0)  # nothing constrained: no pool made
+        rng = random.Random(0)
+        requests = [types.SimpleNamespace(grammar=grammars.matcher(params, []), finished=False) for _ in range(batch)]
+        scheduled = types.SimpleNamespace(sampling=[types.SimpleNamespace(request=r, draft_token_ids=())
+                                                    for r in requests])
+        grammars._batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            masks = grammars.masks(scheduled, batch)
+            times.append(time.perf_counter() - start)
+            for i, r in enumerate(requests):
+                allowed = torch.nonzero(((masks.bitmask[i].unsqueeze(-1) >> bits) & 1).flatten()).flatten()
+                allowed = allowed[allowed < vocab]
+                if not r.grammar.done and len(allowed):
+                    r.grammar.accept(int(allowed[rng.randrange(len(allowed))]))
+        row = {"threads": threads, "batch": batch, "masks": _stats(times[5:])}
+        rows.append(row)
+        print(f"walks {batch:3d}  xgrammar threads {threads!s:>4}  Grammars.masks per step mean "
+              f"{row['masks']['mean_us'] / 1e3:7.3f} ms  p50 {row['masks']['p50_us'] / 1e3:7.3f} ms  "
+              f"max {row['masks']['max_us'] / 1e3:7.3f} ms", flush=True)
+    return {"cpu": os.cpu_count(), "walks": rows}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hibana_bench.grammar_libs", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--big-tokenizer", type=Path, default=Path("/tmp/hibana-qwen3-size-tokenizer"),
                         help="directory of the 151k tokenizer (built there when missing)")
     parser.add_argument("--repeat", type=int, default=5, help="walks per case (a fresh matcher each)")
+    parser.add_argument("--walks", type=int, metavar="B",
+                        help="only the random walks of B requests (see above)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    report = run(args)
+    report = random_walks(build_big_tokenizer(args.big_tokenizer), args.walks) if args.walks else run(args)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

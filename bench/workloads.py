@@ -388,6 +388,15 @@ def _hf_agents(peer: HFPeer, vocab_size: int, cfg: AgentsConfig, reuse_cache: bo
     return SystemResult(name, timed, seconds, records)
 
 
+def _device_memory(device: torch.device) -> dict | None:
+    """Free and total device bytes, and what this process's tensors hold (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return {"free": free, "total": total, "allocated": torch.cuda.memory_allocated(device),
+            "reserved": torch.cuda.memory_reserved(device)}
+
+
 def agents_workload(model: BenchModel, cfg: AgentsConfig, systems: list[str]) -> dict:
     runners = {
         **{name: (lambda name=name: run_hibana_agents(model, cfg, retention=True, system=name)) for name in SPEC_SYSTEMS},
@@ -399,7 +408,12 @@ def agents_workload(model: BenchModel, cfg: AgentsConfig, systems: list[str]) ->
     for name in systems:
         if name.startswith("hibana+"):
             runners[name] = lambda name=name: run_hibana_agents(model, cfg, retention=True, system=name)
-    results = {name: runners[name]().summary() for name in systems}
+    results = {}
+    for name in systems:
+        memory = _device_memory(model.device)  # what the system's engine finds free (its KV pool's share)
+        results[name] = runners[name]().summary()
+        if memory is not None:
+            results[name]["device_memory_before"] = memory
     if "hibana" in results:
         base = results["hibana"]["turns_per_hour"]
         for name, summary in results.items():
