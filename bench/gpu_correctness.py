@@ -33,6 +33,11 @@
 9. tiers (issue 17): the host tier's copies on a side stream; agents in tool loops under a tight
    kv_device_blocks park, resume and are prefetched, greedy equal to an unbounded run, float32,
    graphs off and on.
+10. grammar (issue 15): float32, 8 agents batched, half under a JSON schema (greedy through the
+   masks filled on the host while the device runs the forward, copied from pinned buffers taken
+   in turn), half free: the GPU (eager and CUDA graphs, speculation off and suffix k=4) gives the
+   CPU's tokens for both halves, the free agents the tokens they get alone, and every constrained
+   output that ended is JSON of the schema.
 shapes: check 1 on shapes unlike the tiny checkpoints' (tiny_models.ODD_SHAPES: head_dim 8, 12
    and 24, one KV head or as many as query heads, windows shorter than a block), GPU == CPU.
 Prints a table; exits 1 if a check fails.
@@ -543,9 +548,63 @@ def check_tiers() -> Iterator[tuple[str, bool, str]]:
                    f"{tier['prefetches']}, {tier['bytes_moved'] / 1e6:.1f} MB in {tier['seconds'] * 1e3:.1f} ms")
 
 
+GRAMMAR_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12}, "count": {"type": "integer"},
+    "tags": {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]}, "maxItems": 3}},
+    "required": ["name", "count", "tags"]}
+
+
+def check_grammar(seed: int = 17) -> Iterator[tuple[str, bool, str]]:
+    """Constrained and free agents in one batch on the GPU == the CPU; free agents == alone."""
+    import json
+
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        yield "grammar", False, "xgrammar is not installed here (carry its wheels: bench/README.md)"
+        return
+    for arch, path, prompts in tiny_cases(("qwen3", "llama"), seed, max_prompt=80):
+        prompts = prompts + [p[::-1] for p in prompts]  # 8 agents
+        wanted = [SamplingParams(max_tokens=96, json_schema=GRAMMAR_SCHEMA) if i % 2 == 0 else
+                  SamplingParams(max_tokens=48, ignore_eos=True) for i in range(8)]
+
+        def run_all(engine: Engine, spec, only=None) -> list:
+            results = [None] * 8
+
+            def run(i: int) -> None:
+                if only is None or i in only:
+                    params = dataclasses.replace(wanted[i], speculation=spec)
+                    results[i] = engine.open_state(f"g{i}").generate(params, prompt=prompts[i])
+
+            in_threads(run, 8)
+            return results
+
+        with Engine.from_pretrained(path, device="cpu", progress=False) as cpu:
+            want = [list(r.token_ids) for r in run_all(cpu, "off")]
+        for graphs, spec in ((False, "off"), (True, "off"), (True, {"method": "suffix", "k": 4})):
+            with Engine.from_pretrained(path, **ON_GPU, dtype="float32", progress=False, cuda_graphs=graphs) as gpu:
+                got = run_all(gpu, spec)
+                alone = {i: list(gpu.open_state(f"alone{i}").generate(
+                    dataclasses.replace(wanted[i], speculation=spec), prompt=prompts[i]).token_ids) for i in (1, 5)}
+            problems = [f"agent {i}: GPU != CPU" for i in range(8) if list(got[i].token_ids) != want[i]]
+            problems += [f"free agent {i} changed beside constrained ones" for i in alone
+                         if alone[i] != list(got[i].token_ids)]
+            for i in range(0, 8, 2):
+                if got[i].finish_reason == "stop":
+                    try:
+                        value = json.loads(got[i].text)
+                        assert set(value) == {"name", "count", "tags"} and isinstance(value["count"], int)
+                    except (ValueError, AssertionError):
+                        problems.append(f"agent {i}: {got[i].text!r:.80} is not JSON of the schema")
+            ended = sum(got[i].finish_reason == "stop" for i in range(0, 8, 2))
+            yield (f"grammar {arch} graphs={graphs} spec={spec if isinstance(spec, str) else 'suffix4'}",
+                   not problems, "; ".join(problems) or f"8/8 agents equal, {ended}/4 constrained ended as JSON")
+
+
 CHECKS = {"float32": check_float32, "speculation": check_speculation, "surgery": check_surgery,
           "kv8": check_kv8, "fp8": check_fp8, "bf16": check_bf16_demo, "families": check_families,
-          "logprobs": check_logprobs, "window": check_window_pass, "shapes": check_shapes, "tiers": check_tiers}
+          "logprobs": check_logprobs, "window": check_window_pass, "shapes": check_shapes, "tiers": check_tiers,
+          "grammar": check_grammar}
 
 
 def main() -> int:

@@ -22,6 +22,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -43,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens per agent (default 256)")
     parser.add_argument("--repeats", type=int, default=5,
                         help="constrained/unconstrained pairs timed back to back; medians reported (default 5)")
+    parser.add_argument("--switch-interval", type=float, metavar="SECONDS",
+                        help="the process's GIL switch interval while the engine runs (default: the engine's "
+                        "own, hibana_core.engine_core.SWITCH_INTERVAL; 0.005 is Python's default)")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer directory for a preset (default: build one "
                         "of Qwen3's size)")
 
@@ -108,12 +112,16 @@ class HostTimer:
         self.steps = 0
 
 
-def grammar_workload(model, batches: list[int], generate: int, prompt_len: int, repeats: int) -> dict:
+def grammar_workload(model, batches: list[int], generate: int, prompt_len: int, repeats: int,
+                     switch_interval: float | None = None) -> dict:
     rng = random.Random(0)
     vocab = len(model.tokenizer)
     rows = []
     engine = model.engine(speculation="off", max_concurrent_agents=max(batches),
                           max_model_len=prompt_len + generate + 16)
+    if switch_interval is not None:  # after the engine set its own
+        sys.setswitchinterval(switch_interval)
+    interval = sys.getswitchinterval()
     with engine:
         warm = [[rng.randrange(16, vocab) for _ in range(prompt_len)] for _ in range(max(batches))]
         for params in (SamplingParams(max_tokens=8, ignore_eos=True),
@@ -154,7 +162,7 @@ def grammar_workload(model, batches: list[int], generate: int, prompt_len: int, 
                   f"{row['grammar_host_ms_per_step']:.3f} ms per step, {100 * row['grammar_host_share_of_step']:.1f}% "
                   "of step time", flush=True)
     return {"workload": "grammar", "model": model.name, "random_weights": model.random_weights,
-            "schema": SCHEMA, "generate": generate, "prompt": prompt_len, "rows": rows}
+            "switch_interval": interval, "schema": SCHEMA, "generate": generate, "prompt": prompt_len, "rows": rows}
 
 
 def run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
@@ -167,7 +175,7 @@ def run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> d
         path = args.tokenizer or build_big_tokenizer(Path("/tmp/hibana-qwen3-size-tokenizer"))
         model.tokenizer = load_tokenizer(Path(path))
     return grammar_workload(model, [int(b) for b in args.batch.split(",")], args.generate, args.prompt,
-                            args.repeats)
+                            args.repeats, args.switch_interval)
 
 
 if __name__ == "__main__":

@@ -74,6 +74,9 @@ CACHE_SIZE = 256
 """Compiled grammars kept per engine (least recently used dropped)."""
 BATCH_FILL_ROWS = 8
 """From this many rows without drafts, masks are filled by xgrammar's thread pool in one call."""
+STAGING_BUFFERS = 2
+"""Pinned host bitmasks a CUDA engine fills in turn (one step's copy may still be queued while
+the next is filled: never, as steps run, but two cost nothing)."""
 SPELLINGS_CACHED = 4096
 """Forced strings whose tokens are kept (the table is emptied when full)."""
 UNSPELLABLE = b"\xff"
@@ -390,6 +393,8 @@ class Grammars:
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[tuple, _Compiled] = collections.OrderedDict()
         self._spellings: dict[str, tuple[int, ...]] = {}
+        self._staging: list[tuple[torch.Tensor, Any]] = []  # pinned host bitmasks and their copies' events
+        self._next_staging = 0
 
     def spell(self, text: str) -> tuple[int, ...]:
         """The tokenizer's tokens of a forced string (cached: grammars force the same keys and
@@ -555,8 +560,7 @@ class Grammars:
             row += n
         if not constrained:
             return None
-        pinned = self.device.type == "cuda"
-        bitmask = torch.full((len(rows), self.width), -1, dtype=torch.int32, pin_memory=pinned)
+        bitmask = self._host_bitmask(len(rows))
         batch: list[tuple[Matcher, int]] = []
         at = 0
         for matcher, drafts in constrained:
@@ -575,5 +579,25 @@ class Grammars:
             for matcher, i in batch:
                 matcher.fill(bitmask, i)
         every = len(rows) == total_rows
-        return TokenMasks(bitmask.to(self.device, non_blocking=True),
-                          device_tensor(rows, torch.int64, self.device), every)
+        on_device = bitmask.to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            self._staging[self._next_staging - 1][1].record()  # the copy's end: when the buffer is free again
+        return TokenMasks(on_device, device_tensor(rows, torch.int64, self.device), every)
+
+    def _host_bitmask(self, rows: int) -> torch.Tensor:
+        """`rows` rows of a host bitmask that allows everything. Off CUDA a new tensor; on CUDA
+        one of STAGING_BUFFERS pinned buffers taken in turn (pinning one per step went to the
+        driver while the forward ran), once the copy that last read it has ended (long done: a
+        step's masks are filled after the previous step's tokens, sampled after its copy, came back)."""
+        if self.device.type != "cuda":
+            return torch.full((rows, self.width), -1, dtype=torch.int32)
+        if len(self._staging) < STAGING_BUFFERS:
+            self._staging.append((torch.empty(0, self.width, dtype=torch.int32), torch.cuda.Event()))
+        slot = self._next_staging % len(self._staging)
+        buffer, copied = self._staging[slot]
+        copied.synchronize()  # returns at once for an event never recorded
+        if buffer.shape[0] < rows:  # room for the largest step so far
+            buffer = torch.empty(max(rows, 2 * buffer.shape[0]), self.width, dtype=torch.int32, pin_memory=True)
+            self._staging[slot] = (buffer, copied)
+        self._next_staging = slot + 1
+        return buffer[:rows].fill_(-1)

@@ -510,32 +510,13 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-# How long a thread that wants the GIL waits for the one holding it before Python makes it let go
-# (default 5 ms). The engine's step loop lets the GIL go at every torch call and the event loop,
-# serving many clients, takes it: at 5 ms the loop waited that long each time, a busy server's
-# GPU sat idle between steps, and a turn over HTTP cost 18.6% more than in process on the H200's
-# qwen3-8b preset (64 clients in tool loops); at 0.5 ms, 5.1% (`bench/run_h200.sh serve`).
-SWITCH_INTERVAL = 0.0005
-
-
-@contextlib.contextmanager
-def quick_gil_handoff() -> Iterator[None]:
-    """`SWITCH_INTERVAL` while the server runs (a process-wide setting, put back after)."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(min(before, SWITCH_INTERVAL))
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(before)
-
-
 @contextlib.contextmanager
 def serving(engine: "Engine", config: ServerConfig, host: str = "127.0.0.1", port: int = 0,
             startup_timeout: float = 30.0) -> Iterator[str]:
     """The server in a thread of this process (a notebook, a test, a benchmark), on `port` (0: a
     free one); yields its URL and stops it on leaving as `hibana serve` stops on a signal:
     requests in flight finish (within `config.shutdown_timeout`). The engine stays the caller's
-    to close. The process's GIL switch interval is `SWITCH_INTERVAL` while it runs."""
+    to close."""
     import uvicorn
 
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -546,18 +527,17 @@ def serving(engine: "Engine", config: ServerConfig, host: str = "127.0.0.1", por
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="hibana-serve", daemon=True)
     thread.start()
     deadline = time.monotonic() + startup_timeout
-    with quick_gil_handoff():
-        try:
-            while not server.started:
-                if not thread.is_alive() or time.monotonic() > deadline:
-                    raise HibanaError(f"the server did not start on {host}:{port} within {startup_timeout:g} s")
-                time.sleep(0.02)
-            bound = sock.getsockname()[1]
-            yield f"http://{f'[{host}]' if ':' in host else host}:{bound}"
-        finally:
-            server.should_exit = True
-            thread.join()
-            sock.close()
+    try:
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise HibanaError(f"the server did not start on {host}:{port} within {startup_timeout:g} s")
+            time.sleep(0.02)
+        bound = sock.getsockname()[1]
+        yield f"http://{f'[{host}]' if ':' in host else host}:{bound}"
+    finally:
+        server.should_exit = True
+        thread.join()
+        sock.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -577,7 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
         log.warning("serving on %s with no API key: anyone who can reach it can use the model", args.host)
-    with engine, stop_signals_unwind(), quick_gil_handoff():
+    with engine, stop_signals_unwind():
         uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level,
                     timeout_graceful_shutdown=config.shutdown_timeout)
     return 0

@@ -4,7 +4,6 @@ port of 127.0.0.1, in this process, on the bundled demo model (nothing downloade
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 import urllib.request
@@ -542,21 +541,6 @@ def test_a_request_past_the_timeout_gets_a_503_and_frees_its_state(engine):
     assert caught.value.status_code == 503 and caught.value.body["code"] == "timeout"
     with engine.lease(state_id="hurried-1") as handle:  # not held by the request that timed out (StateBusyError)
         assert handle.id == "hurried-1"
-
-
-def test_the_server_hands_the_gil_over_quickly_while_it_runs(engine):
-    """The engine's step loop waits for the GIL at most `SWITCH_INTERVAL` while the event loop
-    holds it; the process's own setting is put back when the server stops."""
-    from hibana_plugins.server import SWITCH_INTERVAL
-
-    before = sys.getswitchinterval()  # this module's own server may be running (SWITCH_INTERVAL)
-    sys.setswitchinterval(0.01)
-    try:
-        with serving(engine, ServerConfig("demo")):
-            assert sys.getswitchinterval() == SWITCH_INTERVAL < 0.01
-        assert sys.getswitchinterval() == 0.01
-    finally:
-        sys.setswitchinterval(before)
 
 
 def scrape(base_url: str) -> dict[str, float]:

@@ -7,6 +7,8 @@ for their tokens)."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -214,3 +216,34 @@ def test_random_concurrent_operations_keep_every_state_exact(tiny_checkpoints, m
     assert len(generations) > 20
     for history, got in generations:
         assert_greedy_matches(path, history, got)
+
+
+GIL_SCRIPT = """
+import sys
+from hibana_core import Engine, SamplingParams
+from hibana_core.engine_core import SWITCH_INTERVAL
+sys.setswitchinterval(0.01)
+options = dict(device="cpu", dtype="float32", block_size=16, num_blocks=64, progress=False)
+first, second = Engine.from_pretrained(sys.argv[1], **options), Engine.from_pretrained(sys.argv[1], **options)
+assert sys.getswitchinterval() == SWITCH_INTERVAL < 0.01, sys.getswitchinterval()
+first.close()
+assert sys.getswitchinterval() == SWITCH_INTERVAL, "the other engine still runs"
+second.open_state("a").generate(SamplingParams(max_tokens=2), prompt=[5, 6, 7])
+second.close()
+assert sys.getswitchinterval() == 0.01, sys.getswitchinterval()
+third = Engine.from_pretrained(sys.argv[1], **options)
+del third  # an engine nobody closed, once collected, lets the setting go too
+import gc; gc.collect()
+assert sys.getswitchinterval() == 0.01, sys.getswitchinterval()
+print("ok")
+"""
+
+
+def test_the_step_loop_takes_the_gil_back_quickly_while_an_engine_runs(tiny_checkpoints):
+    """While any engine runs, the process's GIL switch interval is at most SWITCH_INTERVAL (the
+    step loop gets the GIL back quickly from callers' busy threads); the last engine to stop, closed
+    or collected, puts the process's own setting back. In a process of its own: the other tests'
+    engines are alive in this one."""
+    out = subprocess.run([sys.executable, "-c", GIL_SCRIPT, str(tiny_checkpoints["qwen3"])],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
