@@ -272,7 +272,7 @@ class RMSNorm(nn.Module):
     """Llama's RMSNorm: the fused kernels (`rms_norm_linear`, the attention prologue) take its weight."""
 
     fusable = True  # `rms_norm_linear` can fold it
-    unit_offset = False
+    unit_offset = False  # Gemma's (1 + weight): UnitOffsetRMSNorm
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -446,12 +446,10 @@ class Attention(nn.Module):
         (`kernels.qk_norm_rotary_store`)."""
         cos, sin = self.rotary.tables(positions.device)
         q_norm, k_norm = self.q_norm, self.k_norm
-        if q_norm is None:
-            return kernels.qk_norm_rotary_store(positions, q, k, v, cos, sin, k_cache, v_cache,
-                                                slot_mapping, kv_scale=self.kv_scale)
+        norms = {} if q_norm is None else dict(q_weight=q_norm.weight, k_weight=k_norm.weight,
+                                               eps=q_norm.eps, unit_offset=q_norm.unit_offset)
         return kernels.qk_norm_rotary_store(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
-                                            q_norm.weight, k_norm.weight, q_norm.eps, self.kv_scale,
-                                            q_norm.unit_offset)
+                                            kv_scale=self.kv_scale, **norms)
 
 
 class MLP(nn.Module):
