@@ -8,7 +8,6 @@ takes the bytes of `attention_triton.quantize_kv`. A head's dims, as it reads th
 
     [ x1: HALF | x2: HALF | x3: PASS ]    rotary over x1, x2 (the table's width, 2 * HALF);
                                           x3, Phi's partial rotary, passes through (PASS = 0: none)
-
 """
 
 from __future__ import annotations
@@ -109,8 +108,8 @@ def _normed(x, inv, w_ptr, offs, mask, UNIT_OFFSET: tl.constexpr):
 
 @triton.jit
 def _store(ptr, x, mask, scale, QUANTIZE: tl.constexpr):
-    """x stored, as fp8 codes of `scale` when QUANTIZE (k rounded to the activations' dtype first,
-    as the reference quantizes it)."""
+    """x stored; as fp8 codes of its head's `scale` when QUANTIZE (x in the activations' dtype:
+    the reference quantizes keys as rounded to it)."""
     if QUANTIZE:
         x = quantize_kv(x, scale)
     tl.store(ptr, x, mask=mask)
@@ -178,13 +177,13 @@ def _prologue_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_
     if slot >= 0:  # (names inside the branch are new: Triton wants one type per name)
         one = tl.arange(0, 1)[:, None]  # the one key head, as [1, 1] rows
         slot_row = slot * stride_slot + kv_head * stride_head
-        k_scale = tl.load(k_scale_ptr + kv_head).to(tl.float32) if KV_FP8 else 1.0
+        k_scale = tl.load(k_scale_ptr + kv_head) if KV_FP8 else 1.0
         _prologue_rows(k_ptr + token * stride_kt + kv_head * stride_kh + one, k_cache_ptr + slot_row + one,
                        one < 1, kw_ptr, c1, c2, s1, s2, eps, j, p, k_scale,
                        HALF, PASS, HAS_NORM, UNIT_OFFSET, KV_FP8)
         d = tl.arange(0, BLOCK_D)[None, :]
         v_row = tl.load(v_ptr + token * stride_vt + kv_head * stride_vh + d, mask=d < HEAD_DIM)
-        v_scale = tl.load(v_scale_ptr + kv_head).to(tl.float32) if KV_FP8 else 1.0
+        v_scale = tl.load(v_scale_ptr + kv_head) if KV_FP8 else 1.0
         _store(v_cache_ptr + slot_row + d, v_row, d < HEAD_DIM, v_scale, KV_FP8)
 
 
