@@ -905,9 +905,10 @@ def test_qk_norm_rotary_store(run_check, dtype, num_heads, head_dim, qk_norm):
 
 
 # partial rotary: Phi-4-mini's head (128 dims, 96 rotate: halves of 48, not a power of two) and
-# group of 3, rotated halves of 12 and 8 passed through in groups of 7, one query head per KV head
-# (group 1); with q/k norms (no such model yet: the norm spans the whole head)
-PARTIAL_ROTARY_CASES = [(6, 128, 96, False), (14, 32, 24, False), (2, 32, 16, False), (14, 32, 24, True)]
+# group of 3; rotated halves of 12 and 8 passed through in groups of 7; one query head per KV head
+# (group 1) with halves of 9 and 6 passed through (both masked); with q/k norms (no such model
+# yet: the norm spans the whole head)
+PARTIAL_ROTARY_CASES = [(6, 128, 96, False), (14, 32, 24, False), (2, 24, 18, False), (14, 32, 24, True)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
