@@ -20,6 +20,10 @@
 #                                        # weights + half the rest as KV (~40 GB) while the engines run, then
 #                                        # 61 GB + the peer's cache and activations (a few GB)
 #   bash bench/run_h200.sh surgery       # batch-1 decode of qwen3-8b in bf16, w8 and w4 (issue 14)
+#   bash bench/run_h200.sh prologue      # the one-launch attention prologue (partial rotary, Gemma's q/k norms):
+#                                        # its kernel tests on CUDA, then tune_decode.py --skip-sweep on phi4-mini
+#                                        # (PROLOGUE_MODEL: another preset): decode with the prologue split and
+#                                        # fused, and the kernels of a step
 #   bash bench/run_h200.sh kv8_check     # fp8 KV: its kernel tests on CUDA, GPU == CPU greedy (gpu_correctness --kv8-only)
 #   bash bench/run_h200.sh kv8           # fp8 KV: 32 agents' turns/h and batch-1 decode, bf16 KV vs kv8, qwen3-8b
 #   bash bench/run_h200.sh quant    # bench/tune_quant.py: int8/int4/fp8 linears against bf16 cuBLAS, Qwen3-8B shapes
@@ -115,6 +119,10 @@ case "${1:-check}" in
       python3 -m hibana_bench.cli decode --model "$model" --context 512,8192 --generate 128 --systems hibana \
         --fusion auto,on,off --json "$OUT/decode_fusion_$model.json" 2>&1 | tee "$OUT/decode_fusion_$model.txt"
     done ;;
+  prologue)
+    model="${PROLOGUE_MODEL:-phi4-mini}"
+    python3 -m pytest tests/test_kernels.py -q -rs -x -p no:cacheprovider -k "rotary" 2>&1 | tail -5
+    python3 bench/tune_decode.py --model "$model" --skip-sweep 2>&1 | tee "$OUT/tune_decode_$model.txt" ;;
   surgery)
     python3 -m hibana_bench.cli decode --model qwen3-8b --context 512,8192 --generate 128 --systems hibana \
       --surgery w8,w4 --json "$OUT/decode_surgery_qwen3-8b.json" 2>&1 | tee "$OUT/decode_surgery_qwen3-8b.txt" ;;

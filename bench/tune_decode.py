@@ -249,15 +249,21 @@ def set_variant(engine, gemv: bool, prologue: bool, overlap: bool) -> None:
     runner.graphs = DecodeGraphs(runner, runner.graphs.buckets[-1])
 
 
-def _unfused_prologue(positions, q, k, v, cos, sin, k_cache, v_cache, slots, qw=None, kw=None, eps=0.0):
-    """The prologue as four launches (q/k norm, rotary, KV store), as before the fused kernel."""
+def _unfused_prologue(positions, q, k, v, cos, sin, k_cache, v_cache, slots, qw=None, kw=None, eps=0.0,
+                      kv_scale=None, unit_offset=False):
+    """The prologue as separate launches (q/k norms, rotary, the pass-through dims of a partial
+    rotary joined back, KV store), as before the fused kernel; `kernels.qk_norm_rotary_store`'s
+    signature, which the model calls."""
     import hibana_kernels as kernels
 
     if qw is not None:
-        q, k = kernels.rms_norm(q, qw, eps), kernels.rms_norm(k, kw, eps)
-    q, k = kernels.rotary_embedding(positions, q, k, cos, sin)
-    kernels.store_kv(k, v, k_cache, v_cache, slots)
-    return q
+        q, k = kernels.rms_norm(q, qw, eps, unit_offset), kernels.rms_norm(k, kw, eps, unit_offset)
+    r = cos.shape[-1]
+    q_rot, k_rot = kernels.rotary_embedding(positions, q[..., :r], k[..., :r], cos, sin)
+    if r < q.shape[-1]:
+        q_rot, k_rot = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
+    kernels.store_kv(k_rot, v, k_cache, v_cache, slots, kv_scale)
+    return q_rot
 
 
 def _rotated(count_bytes: int, make) -> list:

@@ -85,13 +85,15 @@ def qk_norm_rotary_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
                          v: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                          q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                         eps: float = 0.0, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """An attention layer's prologue (q/k norm when weights are given, rotary, K/V stored, into
-    an fp8 cache quantized with `kv_scale`); returns the rotated q. See
+                         eps: float = 0.0, kv_scale: torch.Tensor | None = None,
+                         unit_offset: bool = False) -> torch.Tensor:
+    """An attention layer's prologue (q/k norm when weights are given, Gemma's with `unit_offset`;
+    rotary on the first cos_table.shape[-1] dims of each head; K/V stored, into an fp8 cache
+    quantized with `kv_scale`); returns the rotated q. See
     `hibana_kernels.rotary.qk_norm_rotary_store`."""
     impl = _triton("rotary", q) or rotary
     return impl.qk_norm_rotary_store(positions, q, k, v, cos_table, sin_table, k_cache, v_cache,
-                                     slot_mapping, q_weight, k_weight, eps, kv_scale)
+                                     slot_mapping, q_weight, k_weight, eps, kv_scale, unit_offset)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

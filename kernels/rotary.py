@@ -1,7 +1,8 @@
 """Rotary position embedding (rotate_half convention): plain-torch reference (CPU path, oracle).
 
-cos/sin tables are float32 [max_positions, head_dim]; as in Hugging Face, the rows are cast to
-the activations' dtype before the products, and each product and the sum round to that dtype.
+cos/sin tables are float32 [max_positions, rotary_dim] (rotary_dim: the head's dims that rotate,
+all or, for Phi's partial rotary, the first ones); as in Hugging Face, the rows are cast to the
+activations' dtype before the products, and each product and the sum round to that dtype.
 """
 
 from __future__ import annotations
@@ -30,13 +31,22 @@ def qk_norm_rotary_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
                          v: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                          q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                         eps: float = 0.0, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """An attention layer's prologue: per-head RMSNorm of q and k when weights are given (Qwen3),
-    rotary on both, then k and v into their cache slots (negative slot: skipped; an fp8 cache:
-    quantized with `kv_scale`, see `attention.store_kv`). Returns the rotated q [T, H, D]. The
-    Triton version does all of it in one launch."""
+                         eps: float = 0.0, kv_scale: torch.Tensor | None = None,
+                         unit_offset: bool = False) -> torch.Tensor:
+    """An attention layer's prologue: per-head RMSNorm of q and k when weights are given (Qwen3;
+    `unit_offset`: Gemma's, see `norm.rms_norm`), rotary on the first cos_table.shape[-1] dims
+    of each head (all of them, or Phi's partial rotary: the rest pass through), then k and v
+    into their cache slots (negative slot: skipped; an fp8 cache: quantized with `kv_scale`, see
+    `attention.store_kv`). Returns the rotated q [T, H, D]. The Triton version does all of it in
+    one launch."""
     if q_weight is not None:
-        q, k = norm.rms_norm(q, q_weight, eps), norm.rms_norm(k, k_weight, eps)
-    q, k = rotary_embedding(positions, q, k, cos_table, sin_table)
+        q = norm.rms_norm(q, q_weight, eps, unit_offset)
+        k = norm.rms_norm(k, k_weight, eps, unit_offset)
+    r = cos_table.shape[-1]
+    if r == q.shape[-1]:
+        q, k = rotary_embedding(positions, q, k, cos_table, sin_table)
+    else:
+        q_rot, k_rot = rotary_embedding(positions, q[..., :r], k[..., :r], cos_table, sin_table)
+        q, k = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
     attention.store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scale)
     return q

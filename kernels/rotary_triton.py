@@ -4,7 +4,10 @@
 strided views (e.g. slices of a fused QKV projection), the results are new contiguous tensors.
 `qk_norm_rotary_store`: the whole attention prologue (q/k norm, rotary, K/V into the cache) in
 one launch, one program per (token, KV head) handling the query heads of its group; an fp8 cache
-takes the bytes of `attention_triton.quantize_kv`.
+takes the bytes of `attention_triton.quantize_kv`. A head's dims, as it reads them:
+
+    [ x1: HALF | x2: HALF | x3: PASS ]    rotary over x1, x2 (the table's width, 2 * HALF);
+                                          x3, Phi's partial rotary, passes through (PASS = 0: none)
 """
 
 from __future__ import annotations
@@ -90,20 +93,59 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 
 @triton.jit
-def _norm_rotate(x1, x2, w_ptr, c1, c2, s1, s2, eps, j, jm,
-                 HALF: tl.constexpr, HAS_NORM: tl.constexpr):
-    """Rows of head halves (float32 values of the activations' dtype) -> rotated halves, with
-    every rounding of the reference: norm output and each rotary product and sum in `dtype`."""
+def _normed(x, inv, w_ptr, offs, mask, UNIT_OFFSET: tl.constexpr):
+    """A part of head rows (float32 values of the activations' dtype, w_ptr's) normalised by
+    `inv` as the reference's RMSNorm rounds it: Llama's weight * round(x * inv), or Gemma's
+    round(x * inv * (1 + weight)) all in float32."""
     dtype = w_ptr.dtype.element_ty
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        x = (x * inv) * (1.0 + w)
+    else:
+        x = w * (x * inv).to(dtype).to(tl.float32)
+    return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _store(ptr, x, mask, scale, QUANTIZE: tl.constexpr):
+    """x stored; as fp8 codes of its head's `scale` when QUANTIZE (x in the activations' dtype:
+    the reference quantizes keys as rounded to it)."""
+    if QUANTIZE:
+        x = quantize_kv(x, scale)
+    tl.store(ptr, x, mask=mask)
+
+
+@triton.jit
+def _prologue_rows(src, dst, rows, w_ptr, c1, c2, s1, s2, eps, j, p, scale,
+                   HALF: tl.constexpr, PASS: tl.constexpr, HAS_NORM: tl.constexpr,
+                   UNIT_OFFSET: tl.constexpr, QUANTIZE: tl.constexpr):
+    """Head rows from `src` to `dst` ([rows, 1] pointers, `rows` their mask): RMSNorm over the
+    whole head when HAS_NORM, rotary on its first 2 * HALF dims, its last PASS dims through.
+    Every rounding of the reference: the norm's output, each rotary product and sum in the
+    activations' dtype (w_ptr's)."""
+    dtype = w_ptr.dtype.element_ty
+    jm = j < HALF
+    x1 = tl.load(src + j, mask=rows & jm, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + j, mask=rows & jm, other=0.0).to(tl.float32)
+    if PASS > 0:  # (a constexpr branch: x3 exists only where PASS does)
+        pm = p < PASS
+        x3 = tl.load(src + 2 * HALF + p, mask=rows & pm, other=0.0).to(tl.float32)
     if HAS_NORM:
-        inv = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
-        w1 = tl.load(w_ptr + j, mask=jm, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + j, mask=jm, other=0.0).to(tl.float32)
-        x1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        x2 = (w2 * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        squares = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)
+        if PASS > 0:
+            squares += tl.sum(x3 * x3, 1)
+        inv = tl.rsqrt(squares / (2 * HALF + PASS) + eps)[:, None]
+        x1 = _normed(x1, inv, w_ptr, j, jm, UNIT_OFFSET)
+        x2 = _normed(x2, inv, w_ptr + HALF, j, jm, UNIT_OFFSET)
+        if PASS > 0:
+            x3 = _normed(x3, inv, w_ptr + 2 * HALF, p, pm, UNIT_OFFSET)
+    # out = x * cos + rotate_half(x) * sin over the rotated dims; rotate_half(x) = [-x2, x1]
     o1 = (x1 * c1).to(dtype).to(tl.float32) + (-x2 * s1).to(dtype).to(tl.float32)
     o2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
-    return o1.to(dtype), o2.to(dtype)
+    _store(dst + j, o1.to(dtype), rows & jm, scale, QUANTIZE)
+    _store(dst + HALF + j, o2.to(dtype), rows & jm, scale, QUANTIZE)
+    if PASS > 0:
+        _store(dst + 2 * HALF + p, x3.to(dtype), rows & pm, scale, QUANTIZE)
 
 
 @triton.jit
@@ -111,61 +153,59 @@ def _prologue_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_
                      k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr, k_scale_ptr, v_scale_ptr, eps,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_table, stride_slot, stride_head,
-                     GROUP: tl.constexpr, HALF: tl.constexpr, BLOCK_G: tl.constexpr,
-                     BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, KV_FP8: tl.constexpr):
+                     GROUP: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
+                     BLOCK_G: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+                     BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+                     KV_FP8: tl.constexpr):
+    """One program per (token, KV head): its query heads' rows, then its key and value rows."""
+    HEAD_DIM: tl.constexpr = 2 * HALF + PASS
     token = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)[None, :]
-    jm = j < HALF
-    c1, c2, s1, s2 = _table_row(cos_ptr, sin_ptr, pos * stride_table, j, jm, q_ptr, HALF)
+    p = tl.arange(0, BLOCK_PASS)[None, :]
+    c1, c2, s1, s2 = _table_row(cos_ptr, sin_ptr, pos * stride_table, j, j < HALF, q_ptr, HALF)
 
-    # the query heads of this KV head's group
-    g = tl.arange(0, BLOCK_G)[:, None]
+    g = tl.arange(0, BLOCK_G)[:, None]  # the query heads of this KV head's group
     head = kv_head * GROUP + g
-    mask = (g < GROUP) & jm
-    src = q_ptr + token * stride_qt + head * stride_qh + j
-    q1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    q2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    o1, o2 = _norm_rotate(q1, q2, qw_ptr, c1, c2, s1, s2, eps, j, jm, HALF, HAS_NORM)
-    dst = q_out_ptr + token * (GROUP * tl.num_programs(1) * 2 * HALF) + head * (2 * HALF) + j
-    tl.store(dst, o1, mask=mask)
-    tl.store(dst + HALF, o2, mask=mask)
+    _prologue_rows(q_ptr + token * stride_qt + head * stride_qh,
+                   q_out_ptr + token * (GROUP * tl.num_programs(1) * HEAD_DIM) + head * HEAD_DIM,
+                   g < GROUP, qw_ptr, c1, c2, s1, s2, eps, j, p, 1.0,
+                   HALF, PASS, HAS_NORM, UNIT_OFFSET, False)
 
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:  # (names inside the branch are new: Triton wants one type per name)
-        k_src = k_ptr + token * stride_kt + kv_head * stride_kh + j
-        k1 = tl.load(k_src, mask=jm, other=0.0).to(tl.float32)
-        k2 = tl.load(k_src + HALF, mask=jm, other=0.0).to(tl.float32)
-        r1, r2 = _norm_rotate(k1, k2, kw_ptr, c1, c2, s1, s2, eps, j, jm, HALF, HAS_NORM)
-        slot_row = slot * stride_slot + kv_head * stride_head + j
-        v_src = v_ptr + token * stride_vt + kv_head * stride_vh + j
-        v1, v2 = tl.load(v_src, mask=jm), tl.load(v_src + HALF, mask=jm)
-        if KV_FP8:  # k as rounded to the activations' dtype, as the reference quantizes it
-            k_scale, v_scale = tl.load(k_scale_ptr + kv_head), tl.load(v_scale_ptr + kv_head)
-            r1, r2 = quantize_kv(r1, k_scale), quantize_kv(r2, k_scale)
-            v1, v2 = quantize_kv(v1, v_scale), quantize_kv(v2, v_scale)
-        tl.store(k_cache_ptr + slot_row, r1, mask=jm)
-        tl.store(k_cache_ptr + slot_row + HALF, r2, mask=jm)
-        tl.store(v_cache_ptr + slot_row, v1, mask=jm)
-        tl.store(v_cache_ptr + slot_row + HALF, v2, mask=jm)
+        one = tl.arange(0, 1)[:, None]  # the one key head, as [1, 1] rows
+        slot_row = slot * stride_slot + kv_head * stride_head
+        k_scale = tl.load(k_scale_ptr + kv_head) if KV_FP8 else 1.0
+        _prologue_rows(k_ptr + token * stride_kt + kv_head * stride_kh + one, k_cache_ptr + slot_row + one,
+                       one < 1, kw_ptr, c1, c2, s1, s2, eps, j, p, k_scale,
+                       HALF, PASS, HAS_NORM, UNIT_OFFSET, KV_FP8)
+        d = tl.arange(0, BLOCK_D)[None, :]
+        v_row = tl.load(v_ptr + token * stride_vt + kv_head * stride_vh + d, mask=d < HEAD_DIM)
+        v_scale = tl.load(v_scale_ptr + kv_head) if KV_FP8 else 1.0
+        _store(v_cache_ptr + slot_row + d, v_row, d < HEAD_DIM, v_scale, KV_FP8)
 
 
 def qk_norm_rotary_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          v: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                          q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                         eps: float = 0.0, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                         eps: float = 0.0, kv_scale: torch.Tensor | None = None,
+                         unit_offset: bool = False) -> torch.Tensor:
     """See `hibana_kernels.rotary.qk_norm_rotary_store`."""
     check_kv_scale(k_cache, kv_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    if (q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or head_dim % 2
+    rotary_dim = cos_table.shape[1]
+    if (q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or rotary_dim % 2
+            or not 0 < rotary_dim <= head_dim
             or cos_table.stride() != sin_table.stride() or cos_table.stride(1) != 1
             or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1
             or k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1)):
-        raise ValueError("qk_norm_rotary_store wants head_dim contiguous and even, cos and sin "
-                         "tables alike, k_cache and v_cache alike with slots contiguous")
+        raise ValueError("qk_norm_rotary_store wants head_dim contiguous, cos and sin tables alike "
+                         "and of an even width up to head_dim, k_cache and v_cache alike with slots "
+                         "contiguous")
     has_norm = q_weight is not None
     if has_norm and (q_weight.dtype != q.dtype or k_weight is None or k_weight.dtype != q.dtype):
         raise ValueError("qk_norm_rotary_store wants q and k norm weights in the activations' dtype")
@@ -174,14 +214,15 @@ def qk_norm_rotary_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
     if kv_fp8:  # fp8 codes are written as bytes
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     if num_tokens:
-        group, half = num_heads // num_kv_heads, head_dim // 2
+        group, half, rest = num_heads // num_kv_heads, rotary_dim // 2, head_dim - rotary_dim
         _prologue_kernel[(num_tokens, num_kv_heads)](
             positions, q, k, v, cos_table, sin_table, q_weight if has_norm else q,
             k_weight if has_norm else k, k_cache, v_cache, slot_mapping, q_out,
             kv_scale[0] if kv_fp8 else q, kv_scale[1] if kv_fp8 else q, eps,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cos_table.stride(0), k_cache.stride(1), k_cache.stride(2),
-            GROUP=group, HALF=half, BLOCK_G=triton.next_power_of_2(group),
-            BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=has_norm, KV_FP8=kv_fp8,
-            num_warps=1 if group <= 2 else 4)
+            GROUP=group, HALF=half, PASS=rest, BLOCK_G=triton.next_power_of_2(group),
+            BLOCK_HALF=triton.next_power_of_2(half), BLOCK_PASS=triton.next_power_of_2(max(rest, 1)),
+            BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, UNIT_OFFSET=unit_offset,
+            KV_FP8=kv_fp8, num_warps=1 if group <= 2 else 4)
     return q_out

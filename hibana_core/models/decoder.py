@@ -271,7 +271,8 @@ class DecoderArgs:
 class RMSNorm(nn.Module):
     """Llama's RMSNorm: the fused kernels (`rms_norm_linear`, the attention prologue) take its weight."""
 
-    fusable = True
+    fusable = True  # `rms_norm_linear` can fold it
+    unit_offset = False  # Gemma's (1 + weight): UnitOffsetRMSNorm
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -281,21 +282,17 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with a residual, (norm(x + residual), x + residual) in one pass."""
         if residual is None:
-            return kernels.rms_norm(x, self.weight, self.eps)
-        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return kernels.rms_norm(x, self.weight, self.eps, self.unit_offset)
+        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
 
 
 class UnitOffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + weight) all in float32, then cast to
-    x's dtype (Llama's casts before the product). Its own launch: the fused kernels take only
-    Llama's arithmetic."""
+    x's dtype (Llama's casts before the product). `rms_norm_linear` takes only Llama's
+    arithmetic; the attention prologue takes both."""
 
     fusable = False
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is None:
-            return kernels.rms_norm(x, self.weight, self.eps, unit_offset=True)
-        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps, unit_offset=True)
+    unit_offset = True
 
 
 def make_norm(args: DecoderArgs, dim: int) -> RMSNorm:
@@ -444,22 +441,15 @@ class Attention(nn.Module):
 
     def _prologue(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-        """q/k norms, rotary, k and v into the cache; returns q. One launch
-        (`kernels.qk_norm_rotary_store`) where every head dim rotates and the norms are
-        fusable, else step by step (Gemma's norms, Phi's partial rotary)."""
+        """q/k norms (Llama's or Gemma's), rotary (on the first rope.dim dims of each head: the
+        tables' width), k and v into the cache; returns q. One launch on the GPU
+        (`kernels.qk_norm_rotary_store`)."""
         cos, sin = self.rotary.tables(positions.device)
         q_norm, k_norm = self.q_norm, self.k_norm
-        if self.rotary.rope.dim == self.head_dim and (q_norm is None or q_norm.fusable):
-            norms = (None, None, 0.0) if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
-            return kernels.qk_norm_rotary_store(positions, q, k, v, cos, sin, k_cache, v_cache,
-                                                slot_mapping, *norms, self.kv_scale)
-        if q_norm is not None:
-            q, k = q_norm(q), k_norm(k)
-        r = self.rotary.rope.dim
-        q_rot, k_rot = kernels.rotary_embedding(positions, q[..., :r], k[..., :r], cos, sin)
-        q, k = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
-        kernels.store_kv(k, v, k_cache, v_cache, slot_mapping, self.kv_scale)
-        return q
+        norms = {} if q_norm is None else dict(q_weight=q_norm.weight, k_weight=k_norm.weight,
+                                               eps=q_norm.eps, unit_offset=q_norm.unit_offset)
+        return kernels.qk_norm_rotary_store(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
+                                            kv_scale=self.kv_scale, **norms)
 
 
 class MLP(nn.Module):
