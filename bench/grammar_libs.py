@@ -16,8 +16,9 @@ tokenizer set-up once per engine, and the first compile of each grammar (no cach
 
 `--walks B`: B requests under the JSON schema of `hibana bench grammar`, each taking a random
 allowed token a step (what a model with random weights does: long strings of any text), their
-masks filled by the engine's `Grammars.masks` each step, once for each size of xgrammar's thread
-pool: where a constrained batch's host time goes, and whether the pool's threads shorten it.
+masks filled each step by the engine's `Grammars.masks` and by the ways to fill them in
+parallel (xgrammar's batch matcher, Python threads), on the same states: where a constrained
+batch's host time goes, and which threads shorten it.
 """
 
 from __future__ import annotations
@@ -309,9 +310,12 @@ def run(args) -> dict:
 
 
 def random_walks(tokenizer_dir: Path, batch: int, steps: int = 60) -> dict:
-    """`Grammars.masks` of `batch` requests taking random allowed tokens, per step, by the number
-    of threads of xgrammar's batch matcher (each count on the same walks: the same seed)."""
+    """The masks of `batch` requests taking random allowed tokens, per step: `Grammars.masks`
+    as the engine calls it, then each row's `fill_next_token_bitmask` filled serially, by
+    xgrammar's batch matcher with 1, 2, 4, 8, 16 threads, and by as many Python threads (the
+    call releases the GIL), every variant on the same states, step by step."""
     import types
+    from concurrent.futures import ThreadPoolExecutor
 
     import xgrammar as xgr
 
@@ -323,31 +327,40 @@ def random_walks(tokenizer_dir: Path, batch: int, steps: int = 60) -> dict:
     vocab = len(tokenizer)
     grammars = Grammars(tokenizer, vocab, [tokenizer.eos_token_id or 0], torch.device("cpu"))
     params = SamplingParams(max_tokens=steps, ignore_eos=True, json_schema=SCHEMA)
-    bits = torch.arange(32, dtype=torch.int32)
-    counts = sorted({1, 2, 4, 8, 16, os.cpu_count() or 1})
-    rows = []
-    for threads in [*counts, "auto"]:
-        grammars.masks(types.SimpleNamespace(sampling=[]), 0)  # nothing constrained: no pool made
-        rng = random.Random(0)
-        requests = [types.SimpleNamespace(grammar=grammars.matcher(params, []), finished=False) for _ in range(batch)]
-        scheduled = types.SimpleNamespace(sampling=[types.SimpleNamespace(request=r, draft_token_ids=())
-                                                    for r in requests])
-        grammars._batch = xgr.BatchGrammarMatcher(max_threads=threads)
-        times = []
-        for _ in range(steps):
+    requests = [types.SimpleNamespace(grammar=grammars.matcher(params, []), finished=False) for _ in range(batch)]
+    scheduled = types.SimpleNamespace(sampling=[types.SimpleNamespace(request=r, draft_token_ids=())
+                                                for r in requests])
+    matchers = [r.grammar._matcher for r in requests]
+    bitmask = torch.empty(batch, grammars.width, dtype=torch.int32)
+
+    def serial(rows=range(batch)) -> None:
+        for i in rows:
+            matchers[i].fill_next_token_bitmask(bitmask, i)
+
+    variants = {"Grammars.masks": lambda: grammars.masks(scheduled, batch), "serial": serial}
+    for n in (1, 2, 4, 8, 16):
+        pool, threads = xgr.BatchGrammarMatcher(max_threads=n), ThreadPoolExecutor(n)
+        variants[f"xgrammar pool {n}"] = lambda pool=pool: pool.batch_fill_next_token_bitmask(matchers, bitmask)
+        variants[f"python threads {n}"] = lambda n=n, threads=threads: list(
+            threads.map(serial, [range(k, batch, n) for k in range(n)]))
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    rng, bits = random.Random(0), torch.arange(32, dtype=torch.int32)
+    for _ in range(steps):
+        for name, fill in variants.items():
             start = time.perf_counter()
-            masks = grammars.masks(scheduled, batch)
-            times.append(time.perf_counter() - start)
-            for i, r in enumerate(requests):
-                allowed = torch.nonzero(((masks.bitmask[i].unsqueeze(-1) >> bits) & 1).flatten()).flatten()
-                allowed = allowed[allowed < vocab]
-                if not r.grammar.done and len(allowed):
-                    r.grammar.accept(int(allowed[rng.randrange(len(allowed))]))
-        row = {"threads": threads, "batch": batch, "masks": _stats(times[5:])}
+            fill()
+            times[name].append(time.perf_counter() - start)
+        for i, r in enumerate(requests):  # the serial fill's masks: a random allowed token each
+            allowed = torch.nonzero(((bitmask[i].unsqueeze(-1) >> bits) & 1).flatten()).flatten()
+            allowed = allowed[allowed < vocab]
+            if not r.grammar.done and len(allowed):
+                r.grammar.accept(int(allowed[rng.randrange(len(allowed))]))
+    rows = []
+    for name, samples in times.items():
+        row = {"variant": name, "batch": batch, "step": _stats(samples[5:])}
         rows.append(row)
-        print(f"walks {batch:3d}  xgrammar threads {threads!s:>4}  Grammars.masks per step mean "
-              f"{row['masks']['mean_us'] / 1e3:7.3f} ms  p50 {row['masks']['p50_us'] / 1e3:7.3f} ms  "
-              f"max {row['masks']['max_us'] / 1e3:7.3f} ms", flush=True)
+        print(f"walks {batch:3d}  {name:18s} per step mean {row['step']['mean_us'] / 1e3:7.3f} ms  p50 "
+              f"{row['step']['p50_us'] / 1e3:7.3f} ms  max {row['step']['max_us'] / 1e3:7.3f} ms", flush=True)
     return {"cpu": os.cpu_count(), "walks": rows}
 
 
