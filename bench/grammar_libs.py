@@ -17,8 +17,8 @@ tokenizer set-up once per engine, and the first compile of each grammar (no cach
 `--walks B`: B requests under the JSON schema of `hibana bench grammar`, each taking a random
 allowed token a step (what a model with random weights does: long strings of any text), their
 masks filled each step by the engine's `Grammars.masks` and by the ways to fill them in
-parallel (xgrammar's batch matcher, Python threads), on the same states: where a constrained
-batch's host time goes, and which threads shorten it.
+parallel (xgrammar's batch matcher, Python threads), each variant on the same walk: where a
+constrained batch's host time goes, and which threads shorten it.
 """
 
 from __future__ import annotations
@@ -310,10 +310,11 @@ def run(args) -> dict:
 
 
 def random_walks(tokenizer_dir: Path, batch: int, steps: int = 60) -> dict:
-    """The masks of `batch` requests taking random allowed tokens, per step: `Grammars.masks`
-    as the engine calls it, then each row's `fill_next_token_bitmask` filled serially, by
-    xgrammar's batch matcher with 1, 2, 4, 8, 16 threads, and by as many Python threads (the
-    call releases the GIL), every variant on the same states, step by step."""
+    """The masks of `batch` requests taking random allowed tokens, per step: by the engine's
+    `Grammars.masks`, each row's `fill_next_token_bitmask` in turn, xgrammar's batch matcher with
+    1, 2, 4, 8, 16 threads, and as many Python threads (the call releases the GIL). Each variant
+    walks from the start with the same seed, so all see the same states, each state first after
+    its token was accepted (a second fill of a state is faster)."""
     import types
     from concurrent.futures import ThreadPoolExecutor
 
@@ -321,47 +322,62 @@ def random_walks(tokenizer_dir: Path, batch: int, steps: int = 60) -> dict:
 
     from hibana_bench.grammar_overhead import SCHEMA
     from hibana_core import SamplingParams
-    from hibana_core.grammar import Grammars
+    from hibana_core.grammar import Grammars, fill_threads
 
     tokenizer = load_tokenizer(tokenizer_dir)
     vocab = len(tokenizer)
     grammars = Grammars(tokenizer, vocab, [tokenizer.eos_token_id or 0], torch.device("cpu"))
     params = SamplingParams(max_tokens=steps, ignore_eos=True, json_schema=SCHEMA)
-    requests = [types.SimpleNamespace(grammar=grammars.matcher(params, []), finished=False) for _ in range(batch)]
-    scheduled = types.SimpleNamespace(sampling=[types.SimpleNamespace(request=r, draft_token_ids=())
-                                                for r in requests])
-    matchers = [r.grammar._matcher for r in requests]
+    bits = torch.arange(32, dtype=torch.int32)
     bitmask = torch.empty(batch, grammars.width, dtype=torch.int32)
 
-    def serial(rows=range(batch)) -> None:
-        for i in rows:
+    def walk(fill) -> list[float]:
+        requests = [types.SimpleNamespace(grammar=grammars.matcher(params, []), finished=False)
+                    for _ in range(batch)]
+        scheduled = types.SimpleNamespace(sampling=[types.SimpleNamespace(request=r, draft_token_ids=())
+                                                    for r in requests])
+        matchers = [r.grammar._matcher for r in requests]
+        rng, times = random.Random(0), []
+        for _ in range(steps):
+            start = time.perf_counter()
+            masks = fill(scheduled, matchers)
+            times.append(time.perf_counter() - start)
+            for i, r in enumerate(requests):
+                allowed = torch.nonzero(((masks[i].unsqueeze(-1) >> bits) & 1).flatten()).flatten()
+                allowed = allowed[allowed < vocab]
+                if not r.grammar.done and len(allowed):
+                    r.grammar.accept(int(allowed[rng.randrange(len(allowed))]))
+        return times
+
+    def rows(matchers, chosen) -> None:
+        for i in chosen:
             matchers[i].fill_next_token_bitmask(bitmask, i)
 
-    variants = {"Grammars.masks": lambda: grammars.masks(scheduled, batch), "serial": serial}
+    def serial(scheduled, matchers):
+        rows(matchers, range(batch))
+        return bitmask
+
+    variants = {f"Grammars.masks ({fill_threads()} threads)": lambda scheduled, _: grammars.masks(scheduled, batch).bitmask,
+                "serial": serial}
     for n in (1, 2, 4, 8, 16):
         pool, threads = xgr.BatchGrammarMatcher(max_threads=n), ThreadPoolExecutor(n)
-        variants[f"xgrammar pool {n}"] = lambda pool=pool: pool.batch_fill_next_token_bitmask(matchers, bitmask)
-        variants[f"python threads {n}"] = lambda n=n, threads=threads: list(
-            threads.map(serial, [range(k, batch, n) for k in range(n)]))
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    rng, bits = random.Random(0), torch.arange(32, dtype=torch.int32)
-    for _ in range(steps):
-        for name, fill in variants.items():
-            start = time.perf_counter()
-            fill()
-            times[name].append(time.perf_counter() - start)
-        for i, r in enumerate(requests):  # the serial fill's masks: a random allowed token each
-            allowed = torch.nonzero(((bitmask[i].unsqueeze(-1) >> bits) & 1).flatten()).flatten()
-            allowed = allowed[allowed < vocab]
-            if not r.grammar.done and len(allowed):
-                r.grammar.accept(int(allowed[rng.randrange(len(allowed))]))
-    rows = []
-    for name, samples in times.items():
-        row = {"variant": name, "batch": batch, "step": _stats(samples[5:])}
-        rows.append(row)
-        print(f"walks {batch:3d}  {name:18s} per step mean {row['step']['mean_us'] / 1e3:7.3f} ms  p50 "
+
+        def pooled(scheduled, matchers, pool=pool):
+            pool.batch_fill_next_token_bitmask(matchers, bitmask)
+            return bitmask
+
+        def threaded(scheduled, matchers, n=n, threads=threads):
+            list(threads.map(lambda k: rows(matchers, range(k, batch, n)), range(n)))
+            return bitmask
+
+        variants[f"xgrammar pool {n}"], variants[f"python threads {n}"] = pooled, threaded
+    report = []
+    for name, fill in variants.items():
+        row = {"variant": name, "batch": batch, "step": _stats(walk(fill)[5:])}
+        report.append(row)
+        print(f"walks {batch:3d}  {name:28s} per step mean {row['step']['mean_us'] / 1e3:7.3f} ms  p50 "
               f"{row['step']['p50_us'] / 1e3:7.3f} ms  max {row['step']['max_us'] / 1e3:7.3f} ms", flush=True)
-    return {"cpu": os.cpu_count(), "walks": rows}
+    return {"cpu": os.cpu_count(), "walks": report}
 
 
 def main(argv=None) -> int:

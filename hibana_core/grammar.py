@@ -56,6 +56,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import os
 import re
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
@@ -74,6 +75,23 @@ CACHE_SIZE = 256
 """Compiled grammars kept per engine (least recently used dropped)."""
 BATCH_FILL_ROWS = 8
 """From this many rows without drafts, masks are filled by xgrammar's thread pool in one call."""
+MAX_FILL_THREADS = 8
+"""Threads of xgrammar's pool that fills a batch's masks: 32 rows of a 151k vocabulary under a JSON
+schema took 5.9 ms serially on the H200 machine's host, 3.3 ms with 2 threads, 2.1 with 4, 2.0 with
+8 and 2.3 with 16 (`python -m hibana_bench.grammar_libs --walks 32`)."""
+
+
+def fill_threads() -> int:
+    """Half the cores this process may run on (the engine's own threads and the callers' need
+    the rest), at most MAX_FILL_THREADS. xgrammar's own "auto" takes half of the machine's hardware
+    threads, which in a container limited to a few cores of a large host oversubscribes them."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_FILL_THREADS, cores // 2))
+
+
 STAGING_BUFFERS = 2
 """Pinned host bitmasks a CUDA engine fills in turn (one step's copy may still be queued while
 the next is filled: never, as steps run, but two cost nothing)."""
@@ -418,7 +436,7 @@ class Grammars:
                 info = self._tokenizer_info(xgr, detected, named)
                 vocabulary = self._vocabularies[named] = _Vocabulary(
                     xgr.GrammarCompiler(info, cache_enabled=False), frozenset(info.special_token_ids))
-                self._batch = self._batch or xgr.BatchGrammarMatcher()
+                self._batch = self._batch or xgr.BatchGrammarMatcher(max_threads=fill_threads())
             return vocabulary
 
     def _describe(self) -> Any:
@@ -560,15 +578,17 @@ class Grammars:
             row += n
         if not constrained:
             return None
-        bitmask = self._host_bitmask(len(rows))
+        bitmask = self._host_bitmask(len(rows))  # not initialized: xgrammar writes a live row whole
         batch: list[tuple[Matcher, int]] = []
         at = 0
         for matcher, drafts in constrained:
-            if matcher is not None:
-                if drafts:
+            if matcher is None or drafts:  # all allowed, but where a verify step's matcher reaches
+                for i in range(at, at + 1 + len(drafts)):
+                    bitmask[i].fill_(-1)  # a row at a time: below the size torch spreads over threads
+                if matcher is not None:
                     matcher.fill(bitmask, at, drafts)
-                else:
-                    batch.append((matcher, at))
+            else:
+                batch.append((matcher, at))
             at += 1 + len(drafts)
         if len(batch) >= BATCH_FILL_ROWS:
             self._batch.batch_fill_next_token_bitmask([m._matcher for m, _ in batch], bitmask,
@@ -585,12 +605,13 @@ class Grammars:
         return TokenMasks(on_device, device_tensor(rows, torch.int64, self.device), every)
 
     def _host_bitmask(self, rows: int) -> torch.Tensor:
-        """`rows` rows of a host bitmask that allows everything. Off CUDA a new tensor; on CUDA
-        one of STAGING_BUFFERS pinned buffers taken in turn (pinning one per step went to the
-        driver while the forward ran), once the copy that last read it has ended (long done: a
-        step's masks are filled after the previous step's tokens, sampled after its copy, came back)."""
+        """`rows` rows of a host bitmask, not initialized (filling 600 KB a step with -1 cost up to
+        a millisecond where torch spread it over busy cores). Off CUDA a new tensor; on CUDA one of
+        STAGING_BUFFERS pinned buffers taken in turn (pinning one per step went to the driver while
+        the forward ran), once the copy that last read it has ended (long done: a step's masks are
+        filled after the previous step's tokens, sampled after its copy, came back)."""
         if self.device.type != "cuda":
-            return torch.full((rows, self.width), -1, dtype=torch.int32)
+            return torch.empty((rows, self.width), dtype=torch.int32)
         if len(self._staging) < STAGING_BUFFERS:
             self._staging.append((torch.empty(0, self.width, dtype=torch.int32), torch.cuda.Event()))
         slot = self._next_staging % len(self._staging)
@@ -600,4 +621,4 @@ class Grammars:
             buffer = torch.empty(max(rows, 2 * buffer.shape[0]), self.width, dtype=torch.int32, pin_memory=True)
             self._staging[slot] = (buffer, copied)
         self._next_staging = slot + 1
-        return buffer[:rows].fill_(-1)
+        return buffer[:rows]
