@@ -154,6 +154,22 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _release_tensors(model: torch.nn.Module) -> None:
+    """Empty every parameter and buffer of a closing engine's model, so its weights' memory goes
+    back whoever still holds the module. On the H200 something did after a CUDA engine with
+    captured verify graphs closed (not found; not on the CPU, nor without graphs or speculation):
+    the next engine in the process found the 61 GB of a qwen3-30b-a3b preset's weights still
+    allocated and sized its KV pool from the rest. The engine's tensors are its own (loading
+    copies into them), so a caller's transformers model keeps its weights."""
+    for module in model.modules():
+        for key, tensor in module._parameters.items():
+            if tensor is not None:
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        for key, tensor in module._buffers.items():
+            if tensor is not None:
+                module._buffers[key] = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+
+
 class Engine:
     def __init__(self, config: EngineConfig, hf_model: torch.nn.Module | None = None,
                  tokenizer=None) -> None:
@@ -496,6 +512,7 @@ class Engine:
                     self.host_tier.close()
                 # drop the big tensors now (weights, KV cache, CUDA graphs), not when the last handle
                 # is collected: an engine opened next sizes its KV pool from the memory free then
+                _release_tensors(self.model)
                 self.model = self.core.runner = self.kv_cache = self._ctx.kv_cache = self.registry.kv_cache = None
         if self.device.type == "cuda":
             gc.collect()  # whatever cycle still holds device tensors (a plugin's, a drafter's)

@@ -582,6 +582,30 @@ def test_close_frees_weights_and_kv_while_the_engine_is_still_referenced(specula
     assert engine.stats is not None and h is not None  # both still referenced here
 
 
+def test_close_empties_the_weights_even_where_something_holds_the_model(tiny_checkpoints, make_engine):
+    """On the H200 a closed CUDA engine's model stayed referenced (graphs and speculation on) and
+    its 61 GB of weights with it: close() now empties every weight of the model, whoever holds it.
+    A transformers model the engine was made from keeps its own weights (the engine copies them)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hibana_core import Engine
+
+    path = tiny_checkpoints["qwen3_moe"]
+    engine = make_engine(path, speculation="adaptive")
+    engine.open_state("a").generate(greedy(4), prompt=random_tokens(random.Random(0), 20))
+    held = engine.model  # as a leaked reference would
+    engine.close()
+    assert all(t.numel() == 0 for t in [*held.parameters(), *held.buffers()])
+
+    hf = AutoModelForCausalLM.from_pretrained(path)
+    before = {name: t.clone() for name, t in hf.state_dict().items()}
+    with Engine.from_hf_model(hf, None, device="cpu", progress=False) as from_hf:
+        from_hf.open_state("b").generate(greedy(2), prompt=[5, 6, 7])
+    after = hf.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
 def test_close_frees_weights_without_the_garbage_collector(tiny_checkpoints, make_engine):
     """The runner's CUDA graphs point back at it without a reference cycle, so close() frees the
     weights at once (the GPU's second engine of a benchmark ran out of memory while a cycle kept
