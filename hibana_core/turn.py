@@ -65,6 +65,7 @@ class ChatResult:
     raw_text: str = ""        # the assistant's turn as generated (prefill included)
     logprobs: "list[TokenLogprob] | None" = None  # per generated token, when params.logprobs
     reasoning: str = ""       # the model's thinking (`<think>...</think>`), apart from `text`
+    cut_call: str = ""        # the end of `text` that is a call max_tokens cut off (`TurnRun.finish`)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class ChatDelta:
     tool_call: ToolCallDelta | None = None
     result: ChatResult | None = None
     reasoning: str = ""       # a piece of the model's thinking
+    cut_call: bool = False    # `text` is a call max_tokens cut off (ChatResult.cut_call)
 
 
 # --- the tool-call grammar ----------------------------------------------------------------------------
@@ -328,7 +330,11 @@ class TurnRun:
             thought, answer = self.thinking.close()
             deltas = [ChatDelta(reasoning=thought)] if thought else []
             deltas += self._deltas(self.stream.feed(answer)) if answer and not self.full else []
-        deltas += self._deltas(self.stream.close())
+        closing = self._deltas(self.stream.close())
+        if self.finish_reason == "length":  # a parser holds text back only while it may be a call (a tag
+            # begun, a call's JSON unfinished): what it lets go at max_tokens is the call being written
+            closing = [dataclasses.replace(d, cut_call=True) if d.text else d for d in closing]
+        deltas += closing
         usage = dataclasses.replace(self.usage, completion_tokens=self.generated)
         parsed = self.stream.finish()
         if self.max_calls is not None:
@@ -336,8 +342,9 @@ class TurnRun:
         self.called_tools = bool(parsed.tool_calls)
         # think blocks, or what the parser kept apart as reasoning (harmony's analysis channel)
         reasoning = self.thinking.text if self.thinking is not None else getattr(self.stream, "reasoning", "").strip()
+        cut_call = "".join(d.text for d in closing if d.cut_call)
         return deltas + [ChatDelta(result=result(parsed, self.text, self.finish_reason, usage, self.logprobs,
-                                                 reasoning))]
+                                                 reasoning, cut_call))]
 
     def stop_now(self) -> bool:
         """Whether the driver should stop the current request now (once): the turn holds all the
@@ -374,11 +381,12 @@ class TurnRun:
 
 
 def result(parsed: ParsedOutput, raw_text: str, finish_reason: str, usage: Usage,
-           logprobs: "list[TokenLogprob] | None" = None, reasoning: str = "") -> ChatResult:
+           logprobs: "list[TokenLogprob] | None" = None, reasoning: str = "", cut_call: str = "") -> ChatResult:
     """What a turn comes to. Model output never raises: a malformed call is text, and says so.
 
     The calls that parsed are kept and a malformed or cut-off call stays in the text where it
-    stood, in the result as in the stream (the parser streams a call only once it is decided).
+    stood, in the result as in the stream (the parser streams a call only once it is decided);
+    a call cut off by max_tokens is `cut_call` too, which OpenAI's wire format leaves out.
     A LangGraph agent runs the calls it is streamed as they arrive: voiding every call of a turn
     because one is malformed would mean holding all calls back until the turn ends, and ending
     the agent (no calls) where it could run the good ones and let the model see its broken text."""
@@ -386,7 +394,8 @@ def result(parsed: ParsedOutput, raw_text: str, finish_reason: str, usage: Usage
         reason = finish_reason
     else:
         reason = MALFORMED if parsed.error else "tool_calls" if parsed.tool_calls else finish_reason
-    return ChatResult(parsed.content, parsed.tool_calls, reason, usage, parsed.error, raw_text, logprobs, reasoning)
+    return ChatResult(parsed.content, parsed.tool_calls, reason, usage, parsed.error, raw_text, logprobs, reasoning,
+                      cut_call)
 
 
 # --- driving a turn: the only code that does I/O, once for threads and once for an event loop ------

@@ -338,7 +338,8 @@ class Reply:
 
     def completion(self, result: ChatResult) -> dict:
         message = assistant_message(result)  # the thinking as reasoning_content, never inside the content
-        if result.tool_calls and not result.text:
+        message["content"] = result.text.removesuffix(result.cut_call)  # a cut call's markup is no answer
+        if result.tool_calls and not message["content"]:
             message["content"] = None  # OpenAI's shape for a turn of calls only
         choice = {"index": 0, "message": message, "logprobs": self._logprobs(result),
                   "finish_reason": finish_reason(result)}
@@ -362,8 +363,9 @@ class Reply:
 
     def chunks(self, deltas: Sequence[ChatDelta]) -> list[dict]:
         """The chunks for deltas made at once: a run of text (or of thinking) is one chunk, as
-        OpenAI's own deltas of several tokens; a tool-call delta or the result, one chunk each."""
-        return [self.chunk(delta) for delta in joined(deltas)]
+        OpenAI's own deltas of several tokens; a tool-call delta or the result, one chunk each. The
+        markup of a call max_tokens cut off is left out, as from the whole reply's content."""
+        return [self.chunk(delta) for delta in joined(deltas) if not delta.cut_call]
 
     def role_chunk(self) -> dict | None:
         """The first chunk, before any text (None: the format has none)."""
@@ -395,16 +397,18 @@ def joined(deltas: Sequence[ChatDelta]) -> list[ChatDelta]:
 
 def _piece_kind(delta: ChatDelta) -> str | None:
     """"text" or "reasoning" for a delta of that alone, None for any other."""
-    if delta.tool_call is not None or delta.result is not None or bool(delta.text) == bool(delta.reasoning):
+    if delta.tool_call is not None or delta.result is not None or delta.cut_call \
+            or bool(delta.text) == bool(delta.reasoning):
         return None
     return "text" if delta.text else "reasoning"
 
 
 def finish_reason(result: ChatResult) -> str:
-    """OpenAI's finish reasons: a malformed call ends the turn as text ("stop")."""
-    if result.tool_calls:
-        return "tool_calls"
-    return "length" if result.finish_reason == "length" else "stop"
+    """OpenAI's finish reasons: "length" whenever max_tokens stopped the output, calls or not (as
+    OpenAI and vLLM); a malformed call ends the turn as text ("stop")."""
+    if result.finish_reason == "length":
+        return "length"
+    return "tool_calls" if result.tool_calls else "stop"
 
 
 def usage(u: Usage) -> dict:

@@ -168,6 +168,24 @@ def test_parallel_tool_calls_false_gives_one_call(client):
     assert len(client.chat.completions.create(**ask, parallel_tool_calls=False).choices[0].message.tool_calls) == 1
 
 
+def test_a_reply_cut_by_max_tokens_inside_its_second_call_is_length_with_the_first_call(client):
+    """As OpenAI and vLLM: output stopped by max_tokens is "length", calls or not; the complete
+    call is a tool call and the cut one's markup is nobody's content, streamed or not."""
+    ask = dict(model="demo", tools=[WEATHER, MULTIPLY], tool_choice="required",
+               messages=[{"role": "user", "content": "Weather in Oslo and in Rome?"}])
+    whole = client.chat.completions.create(**ask, max_tokens=96)
+    assert len(whole.choices[0].message.tool_calls) == 2
+    ask["max_tokens"] = whole.usage.completion_tokens - 4  # inside the second call's arguments
+    cut = client.chat.completions.create(**ask).choices[0]
+    assert cut.finish_reason == "length" and not cut.message.content
+    assert [c.function for c in cut.message.tool_calls] == [whole.choices[0].message.tool_calls[0].function]
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+    named = [piece.function.name for c in chunks for piece in c.choices[0].delta.tool_calls or () if piece.id]
+    assert named == [cut.message.tool_calls[0].function.name]
+
+
 def test_tool_choice_none_offers_no_tools(client):
     reply = client.chat.completions.create(model="demo", tools=[WEATHER], tool_choice="none", max_tokens=48,
                                            messages=[{"role": "user", "content": "What's the weather in Oslo?"}])
