@@ -18,7 +18,7 @@ from typing import Any, Callable, Literal, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hibana_core.chat import assistant_message
+from hibana_core.chat import TokenIds, assistant_message
 from hibana_core.config import SamplingParams
 from hibana_core.messages import normalize_tool_choice, normalize_tools
 from hibana_core.turn import ChatDelta, ChatResult, Usage
@@ -93,9 +93,10 @@ class ChatRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    """A legacy completions request: a prompt continued as it is, no chat template."""
+    """A legacy completions request: a prompt continued as it is, no chat template; as text or as
+    token ids (OpenAI's four forms: a string, strings, ids, lists of ids)."""
 
-    prompt: str | list[str] = Field(min_length=1)  # a list: one choice per prompt (`prompts_of`)
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)  # a list: a choice per prompt
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for this endpoint
     echo: Literal[False] | None = None
     logprobs: Literal[0] | None = None
@@ -252,10 +253,14 @@ def allowed_tools(spec: Any, tools: list[dict] | None) -> tuple[str, list[dict]]
     return mode, [t for t in tools if t["function"]["name"] in names]
 
 
-def prompts_of(request: CompletionRequest, state_header: str | None) -> list[str]:
-    """A completions request's prompts: its string, or its list, each prompt its own turn and
-    choice. Several are answered whole (not streamed), each on the state it continues."""
-    prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+def prompts_of(request: CompletionRequest, state_header: str | None) -> list[str | TokenIds]:
+    """A completions request's prompts: its string or token ids, or its list of either, each
+    prompt its own turn and choice. Several are answered whole (not streamed), each on the state
+    it continues. Token ids are the prompt as given (`TokenIds`)."""
+    given = request.prompt
+    if isinstance(given, str) or isinstance(given[0], int):
+        given = [given]
+    prompts = [p if isinstance(p, str) else TokenIds(p) for p in given]
     if len(prompts) > 1 and request.stream:
         raise ApiError(400, f"prompt: {len(prompts)} prompts cannot be streamed; stream one prompt per request, or "
                             "leave stream out", "prompt")
@@ -265,7 +270,7 @@ def prompts_of(request: CompletionRequest, state_header: str | None) -> list[str
     if len(prompts) > MAX_PROMPTS:
         raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
     if not all(prompts):
-        raise ApiError(400, "prompt: every prompt needs at least one character", "prompt")
+        raise ApiError(400, "prompt: every prompt needs at least one character (or token)", "prompt")
     return prompts
 
 

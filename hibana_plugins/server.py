@@ -1,7 +1,7 @@
 """`hibana serve`: Hibana behind OpenAI's HTTP API (FastAPI + uvicorn), an adapter like the others.
 
     POST /v1/chat/completions   messages, tools, tool_choice, response_format, stream (SSE)
-    POST /v1/completions        a prompt continued as it is (no chat template)
+    POST /v1/completions        a prompt (text or token ids) continued as it is (no chat template)
     GET  /v1/models   GET /health   GET /metrics (Prometheus)
 
 Every conversation keeps its KV resident between requests: a request is served on the state
@@ -47,10 +47,10 @@ from prometheus_client.utils import floatToGoString
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hibana_core import turn
-from hibana_core.chat import Chat
+from hibana_core.chat import Chat, TokenIds
 from hibana_core.engine_core import STEP_TIME_BUCKETS
 from hibana_core.errors import (ChatTimeoutError, ConfigError, ContextLengthError, EngineClosedError, GrammarError,
-                                HibanaError, QueueTimeoutError, StateBusyError)
+                                HibanaError, InvalidTokenError, QueueTimeoutError, StateBusyError)
 from hibana_core.messages import ConversationError, ToolChoiceError, ToolSchemaError, UnsupportedContentError
 from hibana_core.turn import ChatDelta
 from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatRequest, CompletionRequest, Reply,
@@ -176,7 +176,7 @@ def api_error(exc: HibanaError, prompt_param: str = "messages") -> ApiError:
     if isinstance(exc, EngineClosedError):
         return ApiError(503, message, None, "engine_closed", "server_error")
     params = [(ToolChoiceError, "tool_choice"), (ToolSchemaError, "tools"), (ConversationError, "messages"),
-              (UnsupportedContentError, "messages"), (GrammarError, "response_format")]
+              (UnsupportedContentError, "messages"), (GrammarError, "response_format"), (InvalidTokenError, "prompt")]
     return ApiError(400, message, next((p for kind, p in params if isinstance(exc, kind)), None))
 
 
@@ -328,7 +328,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
 class Serving:
     """One request's turn on the state `Chat.lease` picks (`turn.Open`); remembers that state."""
 
-    def __init__(self, chat: Chat, prompt: str, call: ChatCall, timeout: float | None) -> None:
+    def __init__(self, chat: Chat, prompt: "str | TokenIds", call: ChatCall, timeout: float | None) -> None:
         self.chat, self.prompt, self.call, self.timeout = chat, prompt, call, timeout
         self.state_id = ""
 

@@ -401,6 +401,29 @@ def test_completions_of_several_prompts_give_a_choice_each(client):
         assert caught.value.body["param"] == "prompt" and says in caught.value.body["message"]
 
 
+def test_completions_take_prompts_as_token_ids(client, engine):
+    """OpenAI's other prompt forms: token ids, or a list of them. They are the prompt as given (no
+    template, no re-tokenizing: control tokens the caller wrote stay, as in a text prompt); ids
+    outside the vocabulary are a 400 on `prompt`."""
+    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}], add_generation_prompt=True,
+                                                tokenize=False)
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    as_text = client.completions.create(model="demo", prompt=text, max_tokens=12)
+    as_ids = client.completions.create(model="demo", prompt=ids, max_tokens=12)
+    assert as_ids.choices[0].text == as_text.choices[0].text and as_ids.usage.prompt_tokens == len(ids)
+    streamed = list(client.completions.create(model="demo", prompt=ids, max_tokens=12, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == as_text.choices[0].text
+    other = engine.tokenizer.encode("Once upon a time", add_special_tokens=False)
+    both = client.completions.create(model="demo", prompt=[ids, other], max_tokens=12)
+    alone = client.completions.create(model="demo", prompt=other, max_tokens=12)
+    assert [c.text for c in both.choices] == [as_text.choices[0].text, alone.choices[0].text]
+    for prompt, says in [([engine.vocab_size], "vocabulary"), ([ids, [5, -1]], "vocabulary"), ([ids, []], "token"),
+                         ([1, "a"], "prompt")]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model="demo", prompt=prompt, max_tokens=2)
+        assert caught.value.body["param"] == "prompt" and says in caught.value.body["message"], caught.value.body
+
+
 # --- errors ------------------------------------------------------------------------------------------
 
 def test_a_wrong_or_missing_key_is_refused(base_url):
