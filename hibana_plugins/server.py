@@ -2,7 +2,7 @@
 
     POST /v1/chat/completions   messages, tools, tool_choice, response_format, stream (SSE)
     POST /v1/completions        a prompt (text or token ids) continued as it is (no chat template)
-    GET  /v1/models   GET /health   GET /metrics (Prometheus)
+    GET  /v1/models, /v1/models/{model}   GET /health   GET /metrics (Prometheus)
 
 Every conversation keeps its KV resident between requests: a request is served on the state
 whose conversation it continues (`Chat.lease`: the longest resident prefix), or on the state the
@@ -221,10 +221,21 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         closed = engine.core.closed
         return JSONResponse({"status": "closed" if closed else "ok"}, status_code=503 if closed else 200)
 
+    served = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "hibana"}
+
+    def unknown_model(name: str) -> ApiError:
+        return ApiError(404, f"the model {name!r:.80} does not exist here; this server serves {config.model_name!r}",
+                        "model", "model_not_found")
+
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "hibana"}]}
+        return {"object": "list", "data": [served]}
+
+    @app.get("/v1/models/{name:path}", dependencies=[Depends(authorized)])
+    async def model(name: str) -> dict:  # the SDK's models.retrieve; a repo id as name holds a "/"
+        if name != config.model_name:
+            raise unknown_model(name)
+        return served
 
     @app.get("/metrics", dependencies=[Depends(authorized)])
     async def prometheus() -> Response:
@@ -233,8 +244,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
     async def checked(request: Request, kind: type) -> Any:
         parsed = parse_request(await read_json(request, config.max_body_bytes), kind)
         if parsed.model != config.model_name:
-            raise ApiError(404, f"the model {parsed.model!r:.80} does not exist here; this server serves "
-                                f"{config.model_name!r}", "model", "model_not_found")
+            raise unknown_model(parsed.model)
         return parsed
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])

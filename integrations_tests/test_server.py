@@ -56,6 +56,10 @@ def post(base_url: str, body: bytes, key: str | None = KEY) -> tuple[int, dict]:
 
 def test_models_and_health(client, base_url):
     assert [m.id for m in client.models.list()] == ["demo"]
+    assert client.models.retrieve("demo").id == "demo"  # GET /v1/models/{model}, as OpenAI serves it
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("gpt-9")
+    assert caught.value.body["code"] == "model_not_found" and caught.value.body["param"] == "model"
     with urllib.request.urlopen(base_url + "/health", timeout=10) as response:  # no key wanted
         assert json.loads(response.read()) == {"status": "ok"}
 
