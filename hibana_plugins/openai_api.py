@@ -5,12 +5,13 @@
 
 `hibana_plugins.server` does the HTTP (FastAPI); this module only reads and writes the JSON, so
 that what a request means can be tested without a server. A request the spec allows but Hibana
-cannot serve (n > 1) is an ApiError, as is every malformed one: each says which field is wrong
-(`param`), as OpenAI's errors do.
+cannot serve (n > 1 streamed) is an ApiError, as is every malformed one: each says which field is
+wrong (`param`), as OpenAI's errors do.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from hibana_core.turn import ChatDelta, ChatResult, Usage
 
 STATE_HEADER = "X-Hibana-State"
 MAX_STATE_ID = 256  # characters of an id a client names its state by
-MAX_PROMPTS = 64    # prompts one legacy completions request may give (each one turn, at once)
+MAX_PROMPTS = 64    # turns one request may run at once: its prompts (legacy completions) times n
 
 
 class ApiError(Exception):
@@ -150,16 +151,23 @@ class ChatCall:
     fallback: bool              # another state when the pinned one is busy (`user`, not the header)
     stream: bool
     include_usage: bool
+    n: int = 1                     # choices per prompt, each its own turn (`choice_calls`)
     reasoning: bool | None = None  # a reasoning model's thinking on or off; None: the template's default
     effort: str | None = None      # reasoning_effort's level, for a template that reads it (gpt-oss's)
 
 
 def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None,
               max_tokens_limit: int) -> ChatCall:
-    """The call a checked request makes; ApiError for what Hibana refuses (n > 1, too many tokens)."""
-    if request.n not in (None, 1):
-        raise ApiError(400, f"n={request.n}: Hibana returns one choice per request; send n=1 (or leave it out) "
-                            "and make several requests", "n")
+    """The call a checked request makes; ApiError for what Hibana refuses (n > 1 streamed, too many tokens)."""
+    n = request.n or 1
+    if n > MAX_PROMPTS:
+        raise ApiError(400, f"n={n}: at most {MAX_PROMPTS} choices per request", "n")
+    if n > 1 and request.stream:
+        raise ApiError(400, f"n={n}: several choices are answered whole, not streamed; leave stream out, or stream "
+                            "n=1", "n")
+    if n > 1 and state_header is not None:
+        raise ApiError(400, f"n={n}: the {STATE_HEADER} header pins one state, and each choice is a turn on a state "
+                            "of its own; ask n=1 with it", "n")
     if request.logit_bias:
         raise ApiError(400, "logit_bias is not supported by Hibana; leave it out", "logit_bias")
     chat = isinstance(request, ChatRequest)
@@ -190,9 +198,17 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
     explicit = state_header or request.user
     return ChatCall(listed, tools, choice, not chat or request.parallel_tool_calls is not False, params, explicit,
                     fallback=state_header is None, stream=bool(request.stream),
-                    include_usage=bool(request.stream_options and request.stream_options.include_usage),
+                    include_usage=bool(request.stream_options and request.stream_options.include_usage), n=n,
                     reasoning=thinking_switch(request) if chat else None,
                     effort=reasoning_level(request) if chat else None)
+
+
+def choice_calls(call: ChatCall) -> list[ChatCall]:
+    """The call of each of the n choices, each its own turn: a seeded request's choice i samples
+    with seed + i (one seed samples the same tokens), so that choice 0 is the reply to n=1."""
+    seed = call.params.seed
+    return [call if i == 0 or seed is None else dataclasses.replace(
+        call, params=dataclasses.replace(call.params, seed=seed + i)) for i in range(call.n)]
 
 
 def contents_given(messages: list[dict]) -> None:
@@ -267,8 +283,9 @@ def prompts_of(request: CompletionRequest, state_header: str | None) -> list[str
     if len(prompts) > 1 and state_header is not None:
         raise ApiError(400, f"prompt: the {STATE_HEADER} header pins one state, and {len(prompts)} prompts were given; "
                             "give one prompt with it", "prompt")
-    if len(prompts) > MAX_PROMPTS:
-        raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
+    if len(prompts) * (request.n or 1) > MAX_PROMPTS:
+        raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts per request (times n), got {len(prompts)}"
+                            f"{f' times n={request.n}' if (request.n or 1) > 1 else ''}", "prompt")
     if not all(prompts):
         raise ApiError(400, "prompt: every prompt needs at least one character (or token)", "prompt")
     return prompts
@@ -331,24 +348,30 @@ def response_schema(response_format: dict | None) -> dict | None:
 class Reply:
     """The id, time and model that every chunk of one reply carries."""
 
-    def __init__(self, model: str, logprobs: Callable[[ChatResult], list[dict] | None] = lambda _: None) -> None:
+    def __init__(self, model: str, logprobs: Callable[[ChatResult], list[dict] | None] = lambda _: None,
+                 n: int = 1) -> None:
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
         self.logprobs = logprobs  # a result's token log-probabilities in OpenAI's shape (Chat.openai_logprobs)
+        self.n = n                # choices per prompt
 
     def _logprobs(self, result: ChatResult) -> dict | None:
         content = self.logprobs(result)
         return None if content is None else {"content": content, "refusal": None}
 
-    def completion(self, result: ChatResult) -> dict:
+    def completion(self, *results: ChatResult) -> dict:
+        """The whole reply: one choice per result (the request's n)."""
+        return {**self._head("chat.completion"), "choices": [self._choice(i, r) for i, r in enumerate(results)],
+                "usage": usage(total_usage(results, self.n))}
+
+    def _choice(self, index: int, result: ChatResult) -> dict:
         message = assistant_message(result)  # the thinking as reasoning_content, never inside the content
         message["content"] = result.text.removesuffix(result.cut_call)  # a cut call's markup is no answer
         if result.tool_calls and not message["content"]:
             message["content"] = None  # OpenAI's shape for a turn of calls only
-        choice = {"index": 0, "message": message, "logprobs": self._logprobs(result),
-                  "finish_reason": finish_reason(result)}
-        return {**self._head("chat.completion"), "choices": [choice], "usage": usage(result.usage)}
+        return {"index": index, "message": message, "logprobs": self._logprobs(result),
+                "finish_reason": finish_reason(result)}
 
     def chunk(self, delta: ChatDelta) -> dict:
         """The chunk for one delta; the result's chunk carries the finish reason."""
@@ -416,6 +439,16 @@ def finish_reason(result: ChatResult) -> str:
     return "tool_calls" if result.tool_calls else "stop"
 
 
+def total_usage(results: Sequence[ChatResult], n: int) -> Usage:
+    """The usage of a request's results, n choices per prompt: each prompt counted once, as
+    OpenAI counts it for n choices (with what its first choice's state held), every choice's
+    completion tokens."""
+    firsts = results[::n]
+    return Usage(prompt_tokens=sum(r.usage.prompt_tokens for r in firsts),
+                 cached_tokens=sum(r.usage.cached_tokens for r in firsts),
+                 completion_tokens=sum(r.usage.completion_tokens for r in results))
+
+
 def usage(u: Usage) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
@@ -425,18 +458,15 @@ def usage(u: Usage) -> dict:
 class TextReply(Reply):
     """A legacy completion: the text as generated, in `text_completion` objects."""
 
-    def __init__(self, model: str) -> None:
-        super().__init__(model)
+    def __init__(self, model: str, n: int = 1) -> None:
+        super().__init__(model, n=n)
         self.id = "cmpl-" + uuid.uuid4().hex
 
     def completion(self, *results: ChatResult) -> dict:
-        """The reply to one prompt, or to several (one choice each, their usage summed)."""
+        """The reply to one prompt, or to several (n choices each, in order; their usage summed)."""
         choices = [{"index": i, "text": r.text, "logprobs": None, "finish_reason": finish_reason(r)}
                    for i, r in enumerate(results)]
-        total = Usage(prompt_tokens=sum(r.usage.prompt_tokens for r in results),
-                      cached_tokens=sum(r.usage.cached_tokens for r in results),
-                      completion_tokens=sum(r.usage.completion_tokens for r in results))
-        return {**self._head("text_completion"), "choices": choices, "usage": usage(total)}
+        return {**self._head("text_completion"), "choices": choices, "usage": usage(total_usage(results, self.n))}
 
     def chunk(self, delta: ChatDelta) -> dict:
         finish = finish_reason(delta.result) if delta.result is not None else None

@@ -54,7 +54,7 @@ from hibana_core.errors import (ChatTimeoutError, ConfigError, ContextLengthErro
 from hibana_core.messages import ConversationError, ToolChoiceError, ToolSchemaError, UnsupportedContentError
 from hibana_core.turn import ChatDelta
 from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatRequest, CompletionRequest, Reply,
-                                       TextReply, chat_call, parse_request, prompts_of)
+                                       TextReply, chat_call, choice_calls, parse_request, prompts_of)
 
 if TYPE_CHECKING:
     from hibana_core.engine import Engine, EngineStats
@@ -257,8 +257,11 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
                                            call.reasoning, effort=call.effort)
         except HibanaError as exc:
             raise api_error(exc) from None
-        return await serve(request, received, Serving(chat, prompt, call, config.request_timeout),
-                           Reply(config.model_name, chat.openai_logprobs))
+        servings = [Serving(chat, prompt, choice, config.request_timeout) for choice in choice_calls(call)]
+        reply = Reply(config.model_name, chat.openai_logprobs, call.n)
+        if len(servings) == 1:
+            return await serve(request, received, servings[0], reply)
+        return await serve_together(request, received, servings, reply)
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request) -> Response:
@@ -269,10 +272,11 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
             call = chat_call(parsed, request.headers.get(STATE_HEADER), max_tokens_limit)
         except HibanaError as exc:
             raise api_error(exc) from None
-        servings = [Serving(text_chat, prompt, call, config.request_timeout) for prompt in prompts]
+        servings = [Serving(text_chat, prompt, choice, config.request_timeout)
+                    for prompt in prompts for choice in choice_calls(call)]
         if len(servings) == 1:
             return await serve(request, received, servings[0], TextReply(config.model_name))
-        return await serve_together(request, received, servings, TextReply(config.model_name))
+        return await serve_together(request, received, servings, TextReply(config.model_name, call.n))
 
     async def serve(request: Request, received: float, serving: "Serving", reply: Reply) -> Response:
         """One turn, streamed or whole; errors up to its first token come as HTTP errors. A client
@@ -289,10 +293,9 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         metrics.requests.labels(request.url.path, "200").inc()
         return JSONResponse(reply.completion(result), headers=headers)
 
-    async def serve_together(request: Request, received: float, servings: "list[Serving]",
-                             reply: TextReply) -> Response:
-        """Several prompts of one request, each its own turn, run at once and answered together;
-        a turn's error fails the request once the others have ended (their states keep them)."""
+    async def serve_together(request: Request, received: float, servings: "list[Serving]", reply: Reply) -> Response:
+        """Several turns of one request (its prompts, its n choices), run at once and answered
+        together; a turn's error fails the request once the others have ended (their states keep them)."""
         async def whole(serving: Serving) -> turn.ChatResult:
             deltas = turn.arun_batches(serving.open)
             first = await first_delta(deltas, reply)

@@ -444,7 +444,8 @@ def test_a_wrong_or_missing_key_is_refused(base_url):
     (b'[1, 2]', None),                                                                  # not an object
     (b'{"model": "demo", "messages": "hi"}', "messages"),                              # wrong type
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "temperature": "1"}', "temperature"),
-    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "n": 2}', "n"),
+    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "n": 65}', "n"),
+    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "n": 2, "stream": true}', "n"),
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000000}', "max_tokens"),
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "sometimes"}',
      "tool_choice"),
@@ -550,10 +551,29 @@ def test_hostile_requests_get_4xx_and_leave_a_client_beside_them_unaffected(clie
         assert got == status and body["error"]["message"], (status, got, body)
 
 
-def test_n_above_one_through_the_client(client):
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], n=2)
-    assert caught.value.status_code == 400 and caught.value.body["param"] == "n"
+def test_n_choices_are_the_replies_of_n_requests(client):
+    """n > 1 as OpenAI answers it: n choices by index, the prompt counted once in the usage. Choice
+    i of a seeded request samples with seed + i, so choice 0 is the reply to n=1; greedy choices
+    are alike. Answered whole, as several prompts are (streamed, or pinned to one state: 400)."""
+    ask = dict(model="demo", messages=[{"role": "user", "content": "Tell me something."}], max_tokens=12)
+    alone = [client.chat.completions.create(**ask, temperature=1.5, seed=seed) for seed in (7, 8, 9)]
+    together = client.chat.completions.create(**ask, temperature=1.5, seed=7, n=3)
+    assert [c.index for c in together.choices] == [0, 1, 2]
+    assert [c.message.content for c in together.choices] == [r.choices[0].message.content for r in alone]
+    assert len({c.message.content for c in together.choices}) > 1
+    assert together.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert together.usage.completion_tokens == sum(r.usage.completion_tokens for r in alone)
+    greedy = client.chat.completions.create(**ask, n=2).choices
+    assert greedy[0].message.content == greedy[1].message.content
+    for options in ({"stream": True}, {"extra_headers": {STATE_HEADER: "pinned-n"}}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(**ask, n=2, **options)
+        assert caught.value.body["param"] == "n"
+    texts = client.completions.create(model="demo", prompt=["Once upon a time", "Hello"], max_tokens=6, n=2,
+                                      temperature=1.5, seed=3).choices
+    one = [client.completions.create(model="demo", prompt=p, max_tokens=6, temperature=1.5, seed=s).choices[0].text
+           for p in ("Once upon a time", "Hello") for s in (3, 4)]
+    assert [c.index for c in texts] == [0, 1, 2, 3] and [c.text for c in texts] == one
 
 
 def test_unknown_model_and_oversized_body(client, base_url):
