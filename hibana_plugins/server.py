@@ -369,13 +369,17 @@ async def sse(endpoint: str, reply: Reply, first: list[ChatDelta], deltas: Async
     def events(*chunks: dict) -> str:
         return "".join(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n" for chunk in chunks)
 
+    def reply_events(*chunks: dict) -> str:
+        """The reply's chunks; with include_usage each has the field, null but in the last (OpenAI's rule)."""
+        return events(*({**chunk, "usage": None} for chunk in chunks)) if call.include_usage else events(*chunks)
+
     opening = reply.role_chunk()
-    pending, result = events(opening) if opening is not None else "", None
+    pending, result = reply_events(opening) if opening is not None else "", None
     with metrics.in_flight.track_inprogress():
         async with contextlib.aclosing(deltas):
             try:
                 async for batch in _after(first, deltas):
-                    pending += events(*reply.chunks(batch))
+                    pending += reply_events(*reply.chunks(batch))
                     result = result_in(batch, result)
                     if result is None:  # the result's batch goes out with the usage and [DONE]
                         yield pending

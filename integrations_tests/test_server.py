@@ -89,6 +89,13 @@ def test_streaming_gives_the_same_text_and_a_usage_chunk(client):
         [whole.choices[0].finish_reason]
     assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert len({c.id for c in chunks}) == 1
+    # OpenAI's rule with include_usage: every other chunk has the field too, null (here, legacy completions too)
+    assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1])
+    texts = list(client.completions.create(model="demo", prompt="Hello", max_tokens=4, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert all("usage" in c.model_fields_set and c.usage is None for c in texts[:-1]) and texts[-1].usage
+    plain = list(client.chat.completions.create(model="demo", messages=messages, max_tokens=4, stream=True))
+    assert not any("usage" in c.model_fields_set for c in plain)  # asked for no usage: no field
 
 
 def test_deltas_made_at_once_are_one_chunk_per_run_of_text():
