@@ -5,7 +5,7 @@
 
 `hibana_plugins.server` does the HTTP (FastAPI); this module only reads and writes the JSON, so
 that what a request means can be tested without a server. A request the spec allows but Hibana
-cannot serve (n > 1 streamed) is an ApiError, as is every malformed one: each says which field is
+cannot serve (logit_bias) is an ApiError, as is every malformed one: each says which field is
 wrong (`param`), as OpenAI's errors do.
 """
 
@@ -158,13 +158,10 @@ class ChatCall:
 
 def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None,
               max_tokens_limit: int) -> ChatCall:
-    """The call a checked request makes; ApiError for what Hibana refuses (n > 1 streamed, too many tokens)."""
+    """The call a checked request makes; ApiError for what Hibana refuses (too many choices or tokens)."""
     n = request.n or 1
     if n > MAX_PROMPTS:
         raise ApiError(400, f"n={n}: at most {MAX_PROMPTS} choices per request", "n")
-    if n > 1 and request.stream:
-        raise ApiError(400, f"n={n}: several choices are answered whole, not streamed; leave stream out, or stream "
-                            "n=1", "n")
     if n > 1 and state_header is not None:
         raise ApiError(400, f"n={n}: the {STATE_HEADER} header pins one state, and each choice is a turn on a state "
                             "of its own; ask n=1 with it", "n")
@@ -271,15 +268,12 @@ def allowed_tools(spec: Any, tools: list[dict] | None) -> tuple[str, list[dict]]
 
 def prompts_of(request: CompletionRequest, state_header: str | None) -> list[str | TokenIds]:
     """A completions request's prompts: its string or token ids, or its list of either, each
-    prompt its own turn and choice. Several are answered whole (not streamed), each on the state
-    it continues. Token ids are the prompt as given (`TokenIds`)."""
+    prompt its own turns (n) and choices, each on the state it continues. Token ids are the
+    prompt as given (`TokenIds`)."""
     given = request.prompt
     if isinstance(given, str) or isinstance(given[0], int):
         given = [given]
     prompts = [p if isinstance(p, str) else TokenIds(p) for p in given]
-    if len(prompts) > 1 and request.stream:
-        raise ApiError(400, f"prompt: {len(prompts)} prompts cannot be streamed; stream one prompt per request, or "
-                            "leave stream out", "prompt")
     if len(prompts) > 1 and state_header is not None:
         raise ApiError(400, f"prompt: the {STATE_HEADER} header pins one state, and {len(prompts)} prompts were given; "
                             "give one prompt with it", "prompt")
@@ -373,10 +367,10 @@ class Reply:
         return {"index": index, "message": message, "logprobs": self._logprobs(result),
                 "finish_reason": finish_reason(result)}
 
-    def chunk(self, delta: ChatDelta) -> dict:
-        """The chunk for one delta; the result's chunk carries the finish reason."""
+    def chunk(self, delta: ChatDelta, index: int = 0) -> dict:
+        """The chunk for one delta of choice `index`; the result's chunk carries the finish reason."""
         if delta.result is not None:  # the log-probabilities, if asked, all on this last chunk
-            return self._chunk({}, finish_reason(delta.result), self._logprobs(delta.result))
+            return self._chunk({}, finish_reason(delta.result), self._logprobs(delta.result), index)
         if delta.tool_call is not None:
             call = delta.tool_call
             piece: dict[str, Any] = {"index": call.index}
@@ -384,27 +378,27 @@ class Reply:
             if call.id is not None:  # the call's first delta
                 piece.update(id=call.id, type="function")
                 function = {"name": call.name or "", **function}
-            return self._chunk({"tool_calls": [{**piece, "function": function}]})
+            return self._chunk({"tool_calls": [{**piece, "function": function}]}, index=index)
         if delta.reasoning:
-            return self._chunk({"reasoning_content": delta.reasoning})
-        return self._chunk({"content": delta.text})
+            return self._chunk({"reasoning_content": delta.reasoning}, index=index)
+        return self._chunk({"content": delta.text}, index=index)
 
-    def chunks(self, deltas: Sequence[ChatDelta]) -> list[dict]:
+    def chunks(self, deltas: Sequence[ChatDelta], index: int = 0) -> list[dict]:
         """The chunks for deltas made at once: a run of text (or of thinking) is one chunk, as
         OpenAI's own deltas of several tokens; a tool-call delta or the result, one chunk each. The
         markup of a call max_tokens cut off is left out, as from the whole reply's content."""
-        return [self.chunk(delta) for delta in joined(deltas) if not delta.cut_call]
+        return [self.chunk(delta, index) for delta in joined(deltas) if not delta.cut_call]
 
-    def role_chunk(self) -> dict | None:
-        """The first chunk, before any text (None: the format has none)."""
-        return self._chunk({"role": "assistant", "content": ""})
+    def role_chunk(self, index: int = 0) -> dict | None:
+        """Choice `index`'s first chunk, before any text (None: the format has none)."""
+        return self._chunk({"role": "assistant", "content": ""}, index=index)
 
-    def usage_chunk(self, result: ChatResult) -> dict:
+    def usage_chunk(self, *results: ChatResult) -> dict:
         """The last chunk with `stream_options.include_usage`: no choices, the usage."""
-        return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage(result.usage)}
+        return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage(total_usage(results, self.n))}
 
-    def _chunk(self, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    def _chunk(self, delta: dict, finish: str | None = None, logprobs: dict | None = None, index: int = 0) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
     def _head(self, kind: str) -> dict:
@@ -468,13 +462,13 @@ class TextReply(Reply):
                    for i, r in enumerate(results)]
         return {**self._head("text_completion"), "choices": choices, "usage": usage(total_usage(results, self.n))}
 
-    def chunk(self, delta: ChatDelta) -> dict:
+    def chunk(self, delta: ChatDelta, index: int = 0) -> dict:
         finish = finish_reason(delta.result) if delta.result is not None else None
-        choice = {"index": 0, "text": delta.text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": delta.text, "logprobs": None, "finish_reason": finish}
         return {**self._head("text_completion"), "choices": [choice]}
 
-    def role_chunk(self) -> None:
+    def role_chunk(self, index: int = 0) -> None:
         return None
 
-    def usage_chunk(self, result: ChatResult) -> dict:
-        return {**self._head("text_completion"), "choices": [], "usage": usage(result.usage)}
+    def usage_chunk(self, *results: ChatResult) -> dict:
+        return {**self._head("text_completion"), "choices": [], "usage": usage(total_usage(results, self.n))}

@@ -258,10 +258,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         except HibanaError as exc:
             raise api_error(exc) from None
         servings = [Serving(chat, prompt, choice, config.request_timeout) for choice in choice_calls(call)]
-        reply = Reply(config.model_name, chat.openai_logprobs, call.n)
-        if len(servings) == 1:
-            return await serve(request, received, servings[0], reply)
-        return await serve_together(request, received, servings, reply)
+        return await serve(request, received, servings, Reply(config.model_name, chat.openai_logprobs, call.n))
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request) -> Response:
@@ -274,21 +271,23 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
             raise api_error(exc) from None
         servings = [Serving(text_chat, prompt, choice, config.request_timeout)
                     for prompt in prompts for choice in choice_calls(call)]
-        if len(servings) == 1:
-            return await serve(request, received, servings[0], TextReply(config.model_name))
-        return await serve_together(request, received, servings, TextReply(config.model_name, call.n))
+        return await serve(request, received, servings, TextReply(config.model_name, call.n))
 
-    async def serve(request: Request, received: float, serving: "Serving", reply: Reply) -> Response:
-        """One turn, streamed or whole; errors up to its first token come as HTTP errors. A client
-        that goes away cancels the turn (Starlette stops a streamed reply; `unless_gone` the rest)."""
-        deltas = turn.arun_batches(serving.open)
-        first = await unless_gone(request, first_delta(deltas, reply))
+    async def serve(request: Request, received: float, servings: "list[Serving]", reply: Reply) -> Response:
+        """A request's turns (usually one; its n choices, its prompts), streamed or whole; errors up
+        to their first tokens come as HTTP errors. A client that goes away cancels the turns
+        (Starlette stops a streamed reply; `unless_gone` the rest)."""
+        call = servings[0].call
+        if len(servings) > 1 and not call.stream:
+            return await serve_together(request, received, servings, reply)
+        streams = [turn.arun_batches(serving.open) for serving in servings]
+        firsts = await unless_gone(request, first_deltas(streams, reply))
         metrics.ttft.observe(time.monotonic() - received)
-        headers = {STATE_HEADER: serving.state_id}
-        if serving.call.stream:
-            return StreamingResponse(sse(request.url.path, reply, first, deltas, serving.call, metrics),
-                                     media_type="text/event-stream", headers=headers)
-        result = await unless_gone(request, rest(deltas, first))
+        headers = {STATE_HEADER: ", ".join(serving.state_id for serving in servings)}
+        if call.stream:
+            return StreamingResponse(sse(request.url.path, reply, interleaved(firsts, streams), len(streams), call,
+                                         metrics), media_type="text/event-stream", headers=headers)
+        result = await unless_gone(request, rest(streams[0], firsts[0]))
         metrics.served(result.usage)
         metrics.requests.labels(request.url.path, "200").inc()
         return JSONResponse(reply.completion(result), headers=headers)
@@ -311,6 +310,21 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         metrics.requests.labels(request.url.path, "200").inc()
         return JSONResponse(reply.completion(*outcomes),
                             headers={STATE_HEADER: ", ".join(serving.state_id for serving in servings)})
+
+    async def first_deltas(streams: "list[AsyncIterator[list[ChatDelta]]]", reply: Reply) -> list[list[ChatDelta]]:
+        """Each turn's first deltas (`first_delta`), the turns started at once. If one fails, or the
+        wait is cancelled, every turn is closed (its state let go) before the error goes on."""
+        try:
+            outcomes = await asyncio.gather(*(first_delta(stream, reply) for stream in streams),
+                                            return_exceptions=True)
+            failed = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+            if failed:
+                raise failed[0]
+            return outcomes
+        except BaseException:
+            for stream in streams:
+                await stream.aclose()
+            raise
 
     async def first_delta(deltas: AsyncIterator[list[ChatDelta]], reply: Reply) -> list[ChatDelta]:
         """The lease, the queue, the prefill and the first token(s), within the request timeout."""
@@ -360,12 +374,13 @@ def result_in(batch: list[ChatDelta], result: turn.ChatResult | None = None) -> 
     return next((delta.result for delta in batch if delta.result is not None), result)
 
 
-async def sse(endpoint: str, reply: Reply, first: list[ChatDelta], deltas: AsyncIterator[list[ChatDelta]],
+async def sse(endpoint: str, reply: Reply, choices: AsyncIterator[tuple[int, list[ChatDelta]]], turns: int,
               call: ChatCall, metrics: Metrics) -> AsyncIterator[str]:
-    """The reply as server-sent events, one write per batch of deltas the engine made at once
-    (the role chunk goes with the first, the usage and [DONE] with the result): each write is a
-    send on the socket, and the GIL taken from the engine's step loop. A client that goes away
-    closes this generator, which cancels the turn (its state keeps what was generated so far)."""
+    """The reply as server-sent events, one write per batch of deltas the engine made at once for
+    one of the request's `turns` (`interleaved`: each choice's chunks carry its index; the role
+    chunks go with the first, the usage and [DONE] with the last result): each write is a send on
+    the socket, and the GIL taken from the engine's step loop. A client that goes away closes
+    this generator, which cancels the turns (their states keep what was generated so far)."""
     def events(*chunks: dict) -> str:
         return "".join(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n" for chunk in chunks)
 
@@ -373,34 +388,62 @@ async def sse(endpoint: str, reply: Reply, first: list[ChatDelta], deltas: Async
         """The reply's chunks; with include_usage each has the field, null but in the last (OpenAI's rule)."""
         return events(*({**chunk, "usage": None} for chunk in chunks)) if call.include_usage else events(*chunks)
 
-    opening = reply.role_chunk()
-    pending, result = reply_events(opening) if opening is not None else "", None
+    opening = [chunk for chunk in map(reply.role_chunk, range(turns)) if chunk is not None]
+    pending, results = reply_events(*opening), {}
     with metrics.in_flight.track_inprogress():
-        async with contextlib.aclosing(deltas):
+        async with contextlib.aclosing(choices):
             try:
-                async for batch in _after(first, deltas):
-                    pending += reply_events(*reply.chunks(batch))
-                    result = result_in(batch, result)
-                    if result is None:  # the result's batch goes out with the usage and [DONE]
+                async for index, batch in choices:
+                    pending += reply_events(*reply.chunks(batch, index))
+                    result = result_in(batch)
+                    if result is not None:
+                        results[index] = result
+                    if len(results) < turns:  # the last result's batch goes out with the usage and [DONE]
                         yield pending
                         pending = ""
             except HibanaError as exc:  # mid-stream: the status is sent; the error is the last event
                 metrics.requests.labels(endpoint, "stream_error").inc()
                 yield pending + events(api_error(exc).body())
                 return
-    if result is not None:
-        metrics.served(result.usage)
+    if len(results) == turns:
+        ordered = [results[index] for index in range(turns)]
+        for result in ordered:
+            metrics.served(result.usage)
         if call.include_usage:
-            pending += events(reply.usage_chunk(result))
+            pending += events(reply.usage_chunk(*ordered))
     metrics.requests.labels(endpoint, "200").inc()
     yield pending + "data: [DONE]\n\n"
 
 
-async def _after(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
-    """`first`, then the items of `rest`."""
-    yield first
-    async for item in rest:
-        yield item
+async def interleaved(firsts: list[list[ChatDelta]], streams: "list[AsyncIterator[list[ChatDelta]]]"
+                      ) -> AsyncIterator[tuple[int, list[ChatDelta]]]:
+    """The turns' batches, each with its turn's index: the first ones, then each as it comes, the
+    next one of its turn awaited meanwhile. Closing this closes every turn."""
+    waiting: dict[asyncio.Future, int] = {}
+    try:
+        for index, first in enumerate(firsts):
+            yield index, first
+        if len(streams) == 1:  # the usual request: no task per batch
+            async for batch in streams[0]:
+                yield 0, batch
+            return
+        waiting = {asyncio.ensure_future(anext(stream)): index for index, stream in enumerate(streams)}
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=waiting.__getitem__):
+                index = waiting.pop(future)
+                try:
+                    batch = future.result()
+                except StopAsyncIteration:  # that turn has ended
+                    continue
+                waiting[asyncio.ensure_future(anext(streams[index]))] = index
+                yield index, batch
+    finally:
+        for future in waiting:
+            future.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
 
 
 async def unless_gone(request: Request, work: Awaitable[T]) -> T:

@@ -337,6 +337,21 @@ def test_a_client_gone_mid_stream_cancels_its_turn(client, engine):
     assert engine.stats().generated_tokens - before < 150
 
 
+def test_a_client_gone_mid_stream_cancels_every_choice(client, engine):
+    before = engine.stats().generated_tokens
+    stream = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Count on."}],
+                                            max_tokens=500, stream=True, response_format=LONG_LIST, n=3)
+    chunks = iter(stream)
+    while not next(chunks).choices[0].delta.content:  # past the role chunks: the turns generate
+        pass
+    stream.close()
+    deadline = time.monotonic() + 30
+    while any(info.busy for info in engine.states()):
+        assert time.monotonic() < deadline, "an abandoned choice still holds its state"
+        time.sleep(0.02)
+    assert engine.stats().generated_tokens - before < 3 * 150
+
+
 def test_a_client_gone_before_its_whole_reply_cancels_its_turn(client, engine, base_url):
     """Not streamed: the client's timeout closes the connection while the server generates; the
     turn stops within a step or two and lets its state go, and a client beside it gets its reply."""
@@ -388,9 +403,6 @@ def test_completions_continue_the_prompt_as_it_is(client, engine):
                                             stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == local.raw_text
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the first request's state
-    with pytest.raises(openai.BadRequestError) as caught:  # several prompts are answered whole
-        client.completions.create(model="demo", prompt=["one", "two"], stream=True)
-    assert caught.value.body["param"] == "prompt"
 
 
 def test_completions_of_several_prompts_give_a_choice_each(client):
@@ -452,7 +464,6 @@ def test_a_wrong_or_missing_key_is_refused(base_url):
     (b'{"model": "demo", "messages": "hi"}', "messages"),                              # wrong type
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "temperature": "1"}', "temperature"),
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "n": 65}', "n"),
-    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "n": 2, "stream": true}', "n"),
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000000}', "max_tokens"),
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "sometimes"}',
      "tool_choice"),
@@ -561,7 +572,7 @@ def test_hostile_requests_get_4xx_and_leave_a_client_beside_them_unaffected(clie
 def test_n_choices_are_the_replies_of_n_requests(client):
     """n > 1 as OpenAI answers it: n choices by index, the prompt counted once in the usage. Choice
     i of a seeded request samples with seed + i, so choice 0 is the reply to n=1; greedy choices
-    are alike. Answered whole, as several prompts are (streamed, or pinned to one state: 400)."""
+    are alike. Pinned to one state (X-Hibana-State): 400."""
     ask = dict(model="demo", messages=[{"role": "user", "content": "Tell me something."}], max_tokens=12)
     alone = [client.chat.completions.create(**ask, temperature=1.5, seed=seed) for seed in (7, 8, 9)]
     together = client.chat.completions.create(**ask, temperature=1.5, seed=7, n=3)
@@ -572,15 +583,36 @@ def test_n_choices_are_the_replies_of_n_requests(client):
     assert together.usage.completion_tokens == sum(r.usage.completion_tokens for r in alone)
     greedy = client.chat.completions.create(**ask, n=2).choices
     assert greedy[0].message.content == greedy[1].message.content
-    for options in ({"stream": True}, {"extra_headers": {STATE_HEADER: "pinned-n"}}):
-        with pytest.raises(openai.BadRequestError) as caught:
-            client.chat.completions.create(**ask, n=2, **options)
-        assert caught.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**ask, n=2, extra_headers={STATE_HEADER: "pinned-n"})
+    assert caught.value.body["param"] == "n"
     texts = client.completions.create(model="demo", prompt=["Once upon a time", "Hello"], max_tokens=6, n=2,
                                       temperature=1.5, seed=3).choices
     one = [client.completions.create(model="demo", prompt=p, max_tokens=6, temperature=1.5, seed=s).choices[0].text
            for p in ("Once upon a time", "Hello") for s in (3, 4)]
     assert [c.index for c in texts] == [0, 1, 2, 3] and [c.text for c in texts] == one
+
+
+def test_n_choices_and_several_prompts_stream_by_index(client):
+    """Streamed, each choice's chunks carry its index (interleaved as the turns run at once): a
+    role chunk each, its text, its finish reason; then one usage chunk for the whole request."""
+    ask = dict(model="demo", messages=[{"role": "user", "content": "Tell me something."}], max_tokens=12,
+               temperature=1.5, seed=7, n=3)
+    whole = client.chat.completions.create(**ask)
+    chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    deltas = [c.choices[0] for c in chunks if c.choices]
+    assert sorted(d.index for d in deltas if d.delta.role) == [0, 1, 2]
+    for choice in whole.choices:
+        mine = [d for d in deltas if d.index == choice.index]
+        assert "".join(d.delta.content or "" for d in mine) == choice.message.content
+        assert [d.finish_reason for d in mine if d.finish_reason] == [choice.finish_reason]
+    assert chunks[-1].usage.model_dump() == whole.usage.model_dump() and len({c.id for c in chunks}) == 1
+    prompts = ["Once upon a time", "Hello"]
+    texts = client.completions.create(model="demo", prompt=prompts, max_tokens=6, n=2, seed=3, temperature=1.5)
+    streamed = list(client.completions.create(model="demo", prompt=prompts, max_tokens=6, n=2, seed=3,
+                                              temperature=1.5, stream=True))
+    assert ["".join(c.choices[0].text for c in streamed if c.choices[0].index == i) for i in range(4)] == \
+        [c.text for c in texts.choices]
 
 
 def test_unknown_model_and_oversized_body(client, base_url):
