@@ -208,7 +208,10 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return await on_api_error(request, ApiError(exc.status_code, str(exc.detail)))
+        message = str(exc.detail)
+        if exc.status_code in (404, 405):  # no such route or method: say which, as OpenAI's "Invalid URL (...)"
+            message = f"{message} ({request.method} {request.url.path:.200}); this server serves {', '.join(ENDPOINTS)}"
+        return await on_api_error(request, ApiError(exc.status_code, message))
 
     @app.exception_handler(Exception)
     async def on_bug(request: Request, exc: Exception) -> JSONResponse:

@@ -624,6 +624,17 @@ def test_unknown_model_and_oversized_body(client, base_url):
     assert status == 413 and reply["error"]["code"] == "request_too_large"
 
 
+def test_a_wrong_url_or_method_says_which(base_url):
+    """As OpenAI's: the error names the method and path it got, not a bare "Not Found"."""
+    for method, path, status in [("POST", "/v1/chat/complete", 404), ("GET", "/v1/chat/completions", 405)]:
+        request = urllib.request.Request(base_url + path, method=method, data=b"{}" if method == "POST" else None,
+                                         headers={"Authorization": f"Bearer {KEY}"})
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=10)
+        error = json.loads(caught.value.read())["error"]
+        assert caught.value.code == status and f"({method} {path})" in error["message"], error
+
+
 def test_a_context_too_long_is_refused_and_the_server_goes_on(client, engine):
     words = " ".join(["hello"] * (engine.max_model_len + 10))
     status_error = None
