@@ -234,12 +234,11 @@ class Chat:
     def prompt_ids(self, messages: "Sequence[dict] | str | TokenIds", tools: Sequence[dict] | None = None,
                    reasoning_history: str = "template") -> list[int]:
         """What `respond` syncs: the rendered prompt (`messages` may be rendered text already; token
-        ids are the prompt as they are),
-        except that the state's own tokens are kept up to the last end-of-turn token where they
-        still spell the prompt's text, and only the rest is tokenized. A model may spell a word in
-        other tokens than the tokenizer would (an unseen name copied piece by piece);
-        re-tokenizing would recompute everything after it. Held tokens are never kept where one
-        of their control tokens would stand for a message content's text.
+        ids are the prompt as they are), except that the state's own tokens are kept up to the last
+        end-of-turn token where they still spell the prompt's text, and only the rest is tokenized.
+        A model may spell a word in other tokens than the tokenizer would (an unseen name copied
+        piece by piece); re-tokenizing would recompute everything after it. Held tokens are never
+        kept where one of their control tokens would stand for a message content's text.
 
         `reasoning_history="generated"`: held tokens are also kept where they spell the prompt's
         text once think blocks are left out of both (a template that drops old thinking), so the
