@@ -372,9 +372,9 @@ class Chat:
         `messages` may be a rendered prompt, or token ids (`TokenIds`), continued as it is.
         `prefill` starts the assistant's turn with given text; `parse_tools=False` returns the text
         as generated (no grammar).
-        `tool_choice`: "auto" (the model may call), "none" (the tools are not offered and the
-        output is never read as calls), "required"/"any" (some call), or a tool's name (that
-        call); a grammar holds every call to an offered tool and, with `guided` (the default),
+        `tool_choice`: "auto" (the model may call), "none" (the tools are listed, a grammar keeps
+        the model from opening a call, and the output is never read as calls), "required"/"any"
+        (some call), or a tool's name (that call); a grammar holds every call to an offered tool and, with `guided` (the default),
         its arguments to the tool's schema (`hibana_core.turn`). A `params.json_schema` beside
         tools holds the text answer, as OpenAI's response_format does: with "auto" the model calls
         tools or answers in JSON valid under it (`turn.answer_or_calls`). `params` with a regex or a
@@ -417,6 +417,7 @@ class Chat:
                               "each call on a leased one (`with chat.lease(prompt) as c: c.respond(...)`)")
         tools = normalize_tools(tools)
         tool_choice = normalize_tool_choice(tool_choice, tools)
+        listed = tools  # "none" still lists them in the prompt
         if tool_choice == "none":
             tools, parse_tools = None, False
         params = params or SamplingParams(max_tokens=256)
@@ -441,6 +442,8 @@ class Chat:
                                               open_in_prompt)
             if grammar is not None:
                 params = dataclasses.replace(params, json_schema=None, grammar=grammar)
+        elif tool_choice == "none" and listed and not params.constrained:  # the model sees tools it may not call
+            params = dataclasses.replace(params, grammar=turn.no_call_grammar(self.parser, self.parser_name))
         stream = self.parser.stream() if parse_tools else turn.PlainText()
         return turn.TurnRun(self.prompt_ids(messages, tools, reasoning_history), prefill, params, stream,
                             self._encode, timeout, max_calls=None if parallel_tool_calls else 1, thinking=thinking)

@@ -9,6 +9,7 @@ syntax (`tool_call_grammar`; hermes shown):
     "auto":      free text; once the model opens a call (`<tool_call>`), the rest of the call is
                  held to '<tool_call>\n{"name": "<one of the tools>", "arguments": <JSON valid
                  under that tool's schema>}\n</tool_call>', then free text again
+    "none":      the tools are listed all the same; free text that never opens a call (`no_call_grammar`)
     "required" / "any", or a tool's name:
                  calls only, from the first token (the named tool's, when one is named), one or
                  more separated by newlines, then the end of the turn
@@ -147,6 +148,20 @@ def parser_grammar(parser: Any, parser_name: str, tools: Sequence[dict] | None, 
     if syntax is None:
         return None
     return tool_call_grammar(tools, tool_choice, syntax, parallel=parallel, strict=strict)
+
+
+def no_call_grammar(parser: Any, parser_name: str) -> dict | None:
+    """The grammar of a turn with tool_choice "none" whose prompt lists the tools (as OpenAI's
+    "none" keeps them, and with them the KV of a tool loop): any text without the start of a call
+    (the parser's trigger), so that the model answers rather than writing a call as text. None
+    for a parser without a known call syntax (one that builds its own grammar included)."""
+    if callable(getattr(parser, "tool_call_grammar", None)):
+        return None
+    syntax = getattr(parser, "call_syntax", None) or SYNTAX.get(parser_name)
+    if syntax is None:
+        return None
+    trigger = getattr(syntax, "trigger", "") or syntax.open
+    return {"type": "structural_tag", "format": {"type": "any_text", "excludes": [trigger]}}
 
 
 def answer_or_calls(parser: Any, parser_name: str, tools: Sequence[dict], tool_choice: str, schema: Any, *,

@@ -179,8 +179,6 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
         contents_given(request.messages)
     listed = normalize_tools(function_tools(request.tools)) if chat else None
     choice, tools = tool_choice(request.tool_choice, listed) if chat else ("none", None)
-    if choice == "none":
-        listed = tools = None
     logprobs = bool(chat and request.logprobs)
     if chat and request.top_logprobs and not logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")

@@ -197,10 +197,22 @@ def test_a_reply_cut_by_max_tokens_inside_its_second_call_is_length_with_the_fir
     assert named == [cut.message.tool_calls[0].function.name]
 
 
-def test_tool_choice_none_offers_no_tools(client):
+def test_tool_choice_none_lists_the_tools_and_calls_none(client):
+    """As OpenAI's "none": the model sees the tools (the prompt is the one with them, so a tool
+    loop's state goes on being reused) and writes no call, not even as text."""
+    messages = [{"role": "user", "content": "What's the weather in Oslo?"}]
+    first = client.chat.completions.create(model="demo", tools=[WEATHER], messages=messages, max_tokens=48)
+    call = first.choices[0].message.tool_calls[0]
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "condition": "sunny"}'}]
     reply = client.chat.completions.create(model="demo", tools=[WEATHER], tool_choice="none", max_tokens=48,
-                                           messages=[{"role": "user", "content": "What's the weather in Oslo?"}])
-    assert not reply.choices[0].message.tool_calls and reply.choices[0].finish_reason != "tool_calls"
+                                           messages=messages)
+    choice = reply.choices[0]
+    assert not choice.message.tool_calls and choice.finish_reason != "tool_calls"
+    assert "<tool_call>" not in choice.message.content
+    assert reply.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens  # the loop's state
+    auto = client.chat.completions.create(model="demo", tools=[WEATHER], messages=messages, max_tokens=1)
+    assert reply.usage.prompt_tokens == auto.usage.prompt_tokens
 
 
 def test_response_format_json_schema_holds_the_reply(client):

@@ -420,6 +420,18 @@ def test_tool_choice_none_never_returns_calls(engine):
     assert all(d.tool_call is None for d in deltas) and "".join(d.text for d in deltas) == CALL
 
 
+def test_tool_choice_none_holds_the_model_off_a_call(engine):
+    """The prompt lists the tools and a grammar keeps the model from opening a call: the demo,
+    which calls for the weather, answers in text instead of writing a call as text."""
+    ask = [{"role": "user", "content": "What's the weather in Oslo?"}]
+    free = Chat(engine, "none-free").respond(ask, [WEATHER], SamplingParams(max_tokens=40, grammar=None),
+                                             tool_choice="auto")
+    assert free.tool_calls  # what the demo does when it may call
+    held = Chat(engine, "none-held").respond(ask, [WEATHER], SamplingParams(max_tokens=40), tool_choice="none")
+    assert not held.tool_calls and held.text and "<tool_call>" not in held.raw_text
+    assert held.usage.prompt_tokens == free.usage.prompt_tokens  # the tools are listed all the same
+
+
 def test_parallel_tool_calls_false_gives_one_call_in_stream_and_result(engine):
     """Defect 2: parallel_tool_calls=False: the first call only, streamed and returned alike."""
     chat = Chat(engine)
