@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequen
 
 from hibana_core.config import SamplingParams
 from hibana_core.errors import ChatTimeoutError, ConfigError, GrammarError, HibanaError
-from hibana_plugins.hookspecs import GeneratedText, ParsedOutput, ToolCall, ToolCallDelta, ToolCallStream
+from hibana_plugins.hookspecs import CutCall, GeneratedText, ParsedOutput, ToolCall, ToolCallDelta, ToolCallStream
 
 if TYPE_CHECKING:
     from hibana_core.output import RequestEvents
@@ -66,7 +66,7 @@ class ChatResult:
     raw_text: str = ""        # the assistant's turn as generated (prefill included)
     logprobs: "list[TokenLogprob] | None" = None  # per generated token, when params.logprobs
     reasoning: str = ""       # the model's thinking (`<think>...</think>`), apart from `text`
-    cut_call: str = ""        # the end of `text` that is a call max_tokens cut off (`TurnRun.finish`)
+    cut_call: str = ""        # the end of `text` that is a call max_tokens cut off (the parser's `CutCall`)
 
 
 @dataclass(frozen=True)
@@ -346,9 +346,6 @@ class TurnRun:
             deltas = [ChatDelta(reasoning=thought)] if thought else []
             deltas += self._deltas(self.stream.feed(answer)) if answer and not self.full else []
         closing = self._deltas(self.stream.close())
-        if self.finish_reason == "length":  # a parser holds text back only while it may be a call (a tag
-            # begun, a call's JSON unfinished): what it lets go at max_tokens is the call being written
-            closing = [dataclasses.replace(d, cut_call=True) if d.text else d for d in closing]
         deltas += closing
         usage = dataclasses.replace(self.usage, completion_tokens=self.generated)
         parsed = self.stream.finish()
@@ -388,7 +385,8 @@ class TurnRun:
         out = []
         for piece in pieces:
             if not isinstance(piece, ToolCallDelta):
-                out.append(ChatDelta(text=piece))
+                cut = isinstance(piece, CutCall) and self.finish_reason == "length"  # a call max_tokens cut off
+                out.append(ChatDelta(text=piece, cut_call=cut))
             elif self.max_calls is None or piece.index < self.max_calls:
                 self.calls += piece.id is not None
                 out.append(ChatDelta(tool_call=piece))

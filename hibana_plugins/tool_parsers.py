@@ -15,6 +15,8 @@ Both follow one contract:
   name, then the arguments' JSON. So for every chunking of a text, the calls assembled from the
   deltas are `parse(text).tool_calls`, ids included, and a call that is cut off or malformed is
   never streamed. Text deltas concatenate to the final content.
+- text let go at the end because the generation ended inside a call (a tag begun, a call not
+  closed) comes as a `CutCall` (content like any other; a reply cut by max_tokens leaves it out).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import uuid
 from dataclasses import dataclass
 
 from hibana_plugins.hookspecs import (  # noqa: F401 (the protocol types, re-exported)
+    CutCall,
     ParsedOutput,
     ToolCall,
     ToolCallDelta,
@@ -287,10 +290,11 @@ class _Stream:
     def _error(self) -> str | None:
         return "; ".join(self._errors) or None
 
-    def _text(self, out: list, text: str) -> None:
+    def _text(self, out: list, text: str, cut: bool = False) -> None:
+        """Content; `cut`: a call the generation ended inside (`CutCall`)."""
         emitted = self._content.add(text)
         if emitted:
-            out.append(emitted)
+            out.append(CutCall(emitted) if cut else emitted)
 
     def _accept(self, out: list, decoded: _Decoded) -> None:
         """A complete, well-formed call: streamed now, whole, and kept for the result."""
@@ -300,9 +304,9 @@ class _Stream:
         out.append(ToolCallDelta(index, call.id, call.name))
         out.append(ToolCallDelta(index, None, None, decoded.arguments_json))
 
-    def _reject(self, out: list, raw: str, error: str) -> None:
+    def _reject(self, out: list, raw: str, error: str, cut: bool = False) -> None:
         self._errors.append(error)
-        self._text(out, raw)
+        self._text(out, raw, cut)
 
     def _advance(self, out: list, final: bool) -> None:
         raise NotImplementedError
@@ -318,10 +322,12 @@ class _HermesStream(_Stream):
             if self._call is None:
                 start = self._buffer.find(HERMES_START)
                 if start < 0:
-                    keep = 0 if final else partial_tag_length(self._buffer, HERMES_START)
-                    cut = len(self._buffer) - keep
-                    self._text(out, self._buffer[:cut])
-                    self._buffer = self._buffer[cut:]
+                    begun = len(self._buffer) - partial_tag_length(self._buffer, HERMES_START)
+                    self._text(out, self._buffer[:begun])
+                    self._buffer = self._buffer[begun:]  # may open a call: decided by what follows
+                    if final:
+                        self._text(out, self._buffer, cut=True)
+                        self._buffer = ""
                     return
                 self._text(out, self._buffer[:start])
                 self._buffer = self._buffer[start + len(HERMES_START) :]
@@ -338,7 +344,7 @@ class _HermesStream(_Stream):
             if decoded.error is None:
                 self._accept(out, decoded)
             elif end is None:
-                self._reject(out, HERMES_START + body, f"unclosed {HERMES_START}: {decoded.error}")
+                self._reject(out, HERMES_START + body, f"unclosed {HERMES_START}: {decoded.error}", cut=True)
             else:
                 self._reject(out, HERMES_START + body + HERMES_END, decoded.error)
 
@@ -381,10 +387,12 @@ class _Llama3Stream(_Stream):
             elif self._mode == "text":
                 tag = self._buffer.find(PYTHON_TAG)
                 if tag < 0:
-                    keep = 0 if final else partial_tag_length(self._buffer, PYTHON_TAG)
-                    cut = len(self._buffer) - keep
-                    self._text(out, self._buffer[:cut])
-                    self._buffer = self._buffer[cut:]
+                    begun = len(self._buffer) - partial_tag_length(self._buffer, PYTHON_TAG)
+                    self._text(out, self._buffer[:begun])
+                    self._buffer = self._buffer[begun:]  # may open the calls: decided by what follows
+                    if final:
+                        self._text(out, self._buffer, cut=True)
+                        self._buffer = ""
                     return
                 self._text(out, self._buffer[:tag])
                 self._buffer = self._buffer[tag + len(PYTHON_TAG) :]
@@ -424,7 +432,7 @@ class _Llama3Stream(_Stream):
             self._mode = "text"
         else:
             tag = PYTHON_TAG if not self._bare and self._region_calls == 1 else ""
-            self._reject(out, tag + text, decoded.error)
+            self._reject(out, tag + text, decoded.error, cut=not scanner.complete)
         return True
 
 

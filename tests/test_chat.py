@@ -401,6 +401,15 @@ def test_a_call_cut_by_max_tokens_is_marked_in_stream_and_result(engine):
     assert whole.cut_call == "" and len(whole.tool_calls) == 2
 
 
+@pytest.mark.parametrize("text, cut", [('{"answer": "Oslo is', False),  # an answer in JSON: content
+                                       ('{"name": "get_weather", "parameters": {"ci', True),
+                                       ('Let me see. <|python_ta', True)])
+def test_a_cut_call_is_what_the_parser_read_as_one(engine, text, cut):
+    """Llama 3's calls open with "{": a JSON answer cut by max_tokens is the answer, not a cut call."""
+    result = Chat(engine, tool_parser="llama3_json").on(ScriptedHandle([text], "length")).respond(HELLO, [WEATHER])
+    assert result.text == text and bool(result.cut_call) == cut and result.finish_reason == "length"
+
+
 def test_valid_and_malformed_calls_keep_the_valid_one_in_stream_and_result(engine):
     output = TRUTH_OUTPUTS[3]
     result = Chat(engine).on(ScriptedHandle([output])).respond(HELLO, [WEATHER])
