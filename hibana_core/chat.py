@@ -40,7 +40,7 @@ from hibana_plugins.manager import get_plugin_manager
 
 if TYPE_CHECKING:
     from hibana_core.engine import Engine
-    from hibana_core.state import StateHandle, TokenLogprob
+    from hibana_core.state import StateHandle
 
 DEFAULT_TOOL_PARSER = "hermes"
 REASONING_HISTORY = ("template", "generated")
@@ -323,18 +323,15 @@ class Chat:
         """A result's token log-probabilities in OpenAI's shape (`choices[0].logprobs.content`):
         per token {"token", "bytes", "logprob", "top_logprobs": [{"token", "bytes", "logprob"}]};
         None when the call did not ask for them."""
-        return None if result.logprobs is None else self.openai_token_logprobs(result.logprobs)
-
-    def openai_token_logprobs(self, logprobs: "Sequence[TokenLogprob]") -> list[dict]:
-        """Token log-probabilities in OpenAI's shape (`openai_logprobs`): a result's, or a streamed
-        delta's (`ChatDelta.logprobs`)."""
+        if result.logprobs is None:
+            return None
         decode = self.engine.tokenizer.decode
 
         def entry(token_id: int, logprob: float) -> dict:
             text = decode([token_id], skip_special_tokens=False)
             return {"token": text, "bytes": list(text.encode("utf-8")), "logprob": logprob}
         return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-                for lp in logprobs]
+                for lp in result.logprobs]
 
     def _markup(self, text: str) -> list[int]:
         return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
@@ -377,8 +374,8 @@ class Chat:
         as generated (no grammar).
         `tool_choice`: "auto" (the model may call), "none" (the tools are listed, a grammar keeps
         the model from opening a call, and the output is never read as calls), "required"/"any"
-        (some call), or a tool's name (that call); a grammar holds every call to an offered tool
-        and, with `guided` (the default), its arguments to the tool's schema (`hibana_core.turn`). A `params.json_schema` beside
+        (some call), or a tool's name (that call); a grammar holds every call to an offered tool and, with `guided` (the default),
+        its arguments to the tool's schema (`hibana_core.turn`). A `params.json_schema` beside
         tools holds the text answer, as OpenAI's response_format does: with "auto" the model calls
         tools or answers in JSON valid under it (`turn.answer_or_calls`). `params` with a regex or a
         grammar keep it and get no tool-call grammar.

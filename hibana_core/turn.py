@@ -78,7 +78,6 @@ class ChatDelta:
     result: ChatResult | None = None
     reasoning: str = ""       # a piece of the model's thinking
     cut_call: bool = False    # `text` is a call max_tokens cut off (ChatResult.cut_call)
-    logprobs: "tuple[TokenLogprob, ...]" = ()  # the tokens' since the last delta that had some (params.logprobs)
 
 
 # --- the tool-call grammar ----------------------------------------------------------------------------
@@ -320,7 +319,6 @@ class TurnRun:
         self.stopped = False       # the turn ended its request itself (`stop_now`)
         self.called_tools = False  # the turn ended in tool calls (set by `finish`)
         self.logprobs: "list[TokenLogprob] | None" = [] if params.logprobs else None
-        self.unsent: "list[TokenLogprob]" = []  # log-probabilities no delta has carried yet
 
     def begin(self) -> tuple[list[ChatDelta], TurnRequest]:
         deltas = self._feed(self.prefill)
@@ -332,7 +330,6 @@ class TurnRun:
             raise ChatTimeoutError("the chat call ran past its timeout; raise the timeout or lower max_tokens")
         if event.logprob is not None and self.logprobs is not None:
             self.logprobs.append(event.logprob)
-            self.unsent.append(event.logprob)
         if event.completion is not None:
             stats = event.completion.stats
             self.usage = Usage(stats.prompt_tokens, stats.reused, 0)
@@ -340,7 +337,7 @@ class TurnRun:
             reason = event.completion.finish_reason
             self.finish_reason = "stop" if self.stopped and reason == "cancelled" else reason
         known = event.control_spans is not None  # an event relayed without them: markers read from text
-        return self._sent(self._feed(GeneratedText(event.text, event.control_spans) if known else event.text))
+        return self._feed(GeneratedText(event.text, event.control_spans) if known else event.text)
 
     def finish(self) -> list[ChatDelta]:
         deltas = []
@@ -358,18 +355,8 @@ class TurnRun:
         # think blocks, or what the parser kept apart as reasoning (harmony's analysis channel)
         reasoning = self.thinking.text if self.thinking is not None else getattr(self.stream, "reasoning", "").strip()
         cut_call = "".join(d.text for d in closing if d.cut_call)
-        return self._sent(deltas + [ChatDelta(result=result(parsed, self.text, self.finish_reason, usage,
-                                                            self.logprobs, reasoning, cut_call))])
-
-    def _sent(self, deltas: list[ChatDelta]) -> list[ChatDelta]:
-        """`deltas`, the first that goes out (not a cut call's) carrying the log-probabilities of
-        the tokens generated since the last one that did: a stream gives each piece its tokens'
-        (text the parser held back gets them with the delta it ends up in)."""
-        first = next((i for i, delta in enumerate(deltas) if not delta.cut_call), None)
-        if self.unsent and first is not None:
-            deltas[first] = dataclasses.replace(deltas[first], logprobs=tuple(self.unsent))
-            self.unsent = []
-        return deltas
+        return deltas + [ChatDelta(result=result(parsed, self.text, self.finish_reason, usage, self.logprobs,
+                                                 reasoning, cut_call))]
 
     def stop_now(self) -> bool:
         """Whether the driver should stop the current request now (once): the turn holds all the

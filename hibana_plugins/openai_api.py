@@ -22,7 +22,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from hibana_core.chat import TokenIds, assistant_message
 from hibana_core.config import SamplingParams
 from hibana_core.messages import normalize_tool_choice, normalize_tools
-from hibana_core.state import TokenLogprob
 from hibana_core.turn import ChatDelta, ChatResult, Usage
 
 STATE_HEADER = "X-Hibana-State"
@@ -341,16 +340,17 @@ def response_schema(response_format: dict | None) -> dict | None:
 class Reply:
     """The id, time and model that every chunk of one reply carries."""
 
-    def __init__(self, model: str, logprobs: Callable[[Sequence[TokenLogprob]], list[dict]] = lambda _: [],
+    def __init__(self, model: str, logprobs: Callable[[ChatResult], list[dict] | None] = lambda _: None,
                  n: int = 1) -> None:
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
-        self.logprobs = logprobs  # token log-probabilities in OpenAI's shape (Chat.openai_token_logprobs)
+        self.logprobs = logprobs  # a result's token log-probabilities in OpenAI's shape (Chat.openai_logprobs)
         self.n = n                # choices per prompt
 
-    def _logprobs(self, tokens: Sequence[TokenLogprob] | None) -> dict | None:
-        return None if tokens is None else {"content": self.logprobs(tokens), "refusal": None}
+    def _logprobs(self, result: ChatResult) -> dict | None:
+        content = self.logprobs(result)
+        return None if content is None else {"content": content, "refusal": None}
 
     def completion(self, *results: ChatResult) -> dict:
         """The whole reply: one choice per result (the request's n)."""
@@ -362,15 +362,13 @@ class Reply:
         message["content"] = result.text.removesuffix(result.cut_call)  # a cut call's markup is no answer
         if result.tool_calls and not message["content"]:
             message["content"] = None  # OpenAI's shape for a turn of calls only
-        return {"index": index, "message": message, "logprobs": self._logprobs(result.logprobs),
+        return {"index": index, "message": message, "logprobs": self._logprobs(result),
                 "finish_reason": finish_reason(result)}
 
     def chunk(self, delta: ChatDelta, index: int = 0) -> dict:
-        """The chunk for one delta of choice `index`, with the log-probabilities of its tokens (as
-        OpenAI's chunks; `ChatDelta.logprobs`); the result's chunk carries the finish reason."""
-        logprobs = self._logprobs(delta.logprobs or None)
-        if delta.result is not None:
-            return self._chunk({}, finish_reason(delta.result), logprobs, index)
+        """The chunk for one delta of choice `index`; the result's chunk carries the finish reason."""
+        if delta.result is not None:  # the log-probabilities, if asked, all on this last chunk
+            return self._chunk({}, finish_reason(delta.result), self._logprobs(delta.result), index)
         if delta.tool_call is not None:
             call = delta.tool_call
             piece: dict[str, Any] = {"index": call.index}
@@ -378,10 +376,10 @@ class Reply:
             if call.id is not None:  # the call's first delta
                 piece.update(id=call.id, type="function")
                 function = {"name": call.name or "", **function}
-            return self._chunk({"tool_calls": [{**piece, "function": function}]}, logprobs=logprobs, index=index)
+            return self._chunk({"tool_calls": [{**piece, "function": function}]}, index=index)
         if delta.reasoning:
-            return self._chunk({"reasoning_content": delta.reasoning}, logprobs=logprobs, index=index)
-        return self._chunk({"content": delta.text}, logprobs=logprobs, index=index)
+            return self._chunk({"reasoning_content": delta.reasoning}, index=index)
+        return self._chunk({"content": delta.text}, index=index)
 
     def chunks(self, deltas: Sequence[ChatDelta], index: int = 0) -> list[dict]:
         """The chunks for deltas made at once: a run of text (or of thinking) is one chunk, as
@@ -411,8 +409,7 @@ def joined(deltas: Sequence[ChatDelta]) -> list[ChatDelta]:
     for delta in deltas:
         kind = _piece_kind(delta)
         if kind is not None and out and _piece_kind(out[-1]) == kind:
-            out[-1] = ChatDelta(text=out[-1].text + delta.text, reasoning=out[-1].reasoning + delta.reasoning,
-                                logprobs=out[-1].logprobs + delta.logprobs)
+            out[-1] = ChatDelta(text=out[-1].text + delta.text, reasoning=out[-1].reasoning + delta.reasoning)
         else:
             out.append(delta)
     return out
