@@ -374,8 +374,8 @@ class Chat:
         as generated (no grammar).
         `tool_choice`: "auto" (the model may call), "none" (the tools are listed, a grammar keeps
         the model from opening a call, and the output is never read as calls), "required"/"any"
-        (some call), or a tool's name (that call); a grammar holds every call to an offered tool and, with `guided` (the default),
-        its arguments to the tool's schema (`hibana_core.turn`). A `params.json_schema` beside
+        (some call), or a tool's name (that call); a grammar holds every call to an offered tool
+        and, with `guided` (the default), its arguments to the tool's schema (`hibana_core.turn`). A `params.json_schema` beside
         tools holds the text answer, as OpenAI's response_format does: with "auto" the model calls
         tools or answers in JSON valid under it (`turn.answer_or_calls`). `params` with a regex or a
         grammar keep it and get no tool-call grammar.
