@@ -338,13 +338,15 @@ class _HermesStream(_Stream):
             if end is None and not final:
                 return  # the call is decided at its </tool_call> or at the end of the text
             body = self._buffer if end is None else self._buffer[:end]
-            self._buffer = "" if end is None else self._buffer[end + len(HERMES_END) :]
+            if end is None and HERMES_END.startswith(body[self._call.pos:]):  # the text ended inside its end tag
+                body = body[:self._call.pos]
+            raw, self._buffer = (self._buffer, "") if end is None else (body, self._buffer[end + len(HERMES_END):])
             self._call = None
             decoded = _decode_call(body, require_arguments=False)
             if decoded.error is None:
                 self._accept(out, decoded)
             elif end is None:
-                self._reject(out, HERMES_START + body, f"unclosed {HERMES_START}: {decoded.error}", cut=True)
+                self._reject(out, HERMES_START + raw, f"unclosed {HERMES_START}: {decoded.error}", cut=True)
             else:
                 self._reject(out, HERMES_START + body + HERMES_END, decoded.error)
 
@@ -352,7 +354,8 @@ class _HermesStream(_Stream):
 class HermesToolParser:
     """Hermes / Qwen tool calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
 
-    A block left unclosed at the end of the generation is accepted when its JSON is complete.
+    A block left unclosed at the end of the generation (or cut inside its end tag) is accepted
+    when its JSON is complete.
     """
 
     name = "hermes"
