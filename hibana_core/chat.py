@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequen
 
 from hibana_core import prompt, turn
 from hibana_core.config import SamplingParams
-from hibana_core.errors import ConfigError, ContextLengthError, HibanaError, StateBusyError
+from hibana_core.errors import ConfigError, ContextLengthError, HibanaError, InvalidTokenError, StateBusyError
 from hibana_core.messages import (KNOWN_ROLES, ConversationError, ToolChoiceError,  # noqa: F401 (re-exported)
                                   ToolSchemaError, UnsupportedContentError, check_text, check_tool_results,
                                   clean_schema, clean_tool, normalize_messages, normalize_tool_choice,
@@ -50,6 +50,19 @@ own tokens are kept, thinking included: nothing is recomputed, but the model see
 _THINK_BLOCK = re.compile(r"<think>.*?</think>\s*", re.S)
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 RUN_PAST_STOP = 16  # tokens a request may generate past the stop a turn asked for (async steps, accepted drafts)
+
+
+class TokenIds(tuple):
+    """A prompt given as token ids (OpenAI's completions take them): continued as it is, never
+    rendered nor re-tokenized. Checked as `StateHandle.sync` checks ids (`Chat.prompt_tokens`):
+    control tokens are the caller's markup, as the control-token text of a rendered prompt is."""
+
+    def __new__(cls, ids: Sequence[int]) -> "TokenIds":
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)]
+        if bad:
+            raise InvalidTokenError(f"token ids must be integers, got {bad[0]!r:.40}; tokenize with this model's "
+                                    "tokenizer")
+        return super().__new__(cls, ids)
 
 
 class Chat:
@@ -92,17 +105,17 @@ class Chat:
     # --- which state serves a call ------------------------------------------------------------
 
     @contextlib.contextmanager
-    def lease(self, prompt: str, state_id: str | None = None, *, fallback: bool = False,
+    def lease(self, prompt: "str | TokenIds", state_id: str | None = None, *, fallback: bool = False,
               reasoning_history: str = "template") -> Iterator["Chat"]:
         """This chat layer on the state that serves one call, held until the block ends, so that
-        concurrent calls never share a state. `prompt` is the call's rendered text. The state:
+        concurrent calls never share a state. `prompt` is the call's rendered text (or its token
+        ids). The state:
           1. `state_id`, when given; StateBusyError while another call holds it, unless
              `fallback`: then the choice below;
           2. else an idle state made for an earlier call that named none, when the prompt
              continues its conversation (`continues`);
           3. else a new one, which still shares every full KV block of a common prefix."""
-        check_text(prompt, "the prompt")
-        ids = self._encode(prompt)
+        ids = self.prompt_tokens(prompt)
         if len(ids) > self.engine.max_model_len:  # refused before a state is leased, or made
             raise ContextLengthError(f"{len(ids)} tokens exceed the model's context of {self.engine.max_model_len}; "
                                      "shorten the history")
@@ -126,14 +139,16 @@ class Chat:
                 return None
             raise
 
-    def continues(self, held: Sequence[int], prompt: str, reasoning_history: str = "template") -> bool:
-        """Whether `prompt` (rendered text) goes on from a state's conversation: holds it up to its
-        last reply, which a re-render may spell differently. Taking over a state that merely
-        shares the system prompt and tools would throw another conversation away."""
+    def continues(self, held: Sequence[int], prompt: "str | TokenIds", reasoning_history: str = "template") -> bool:
+        """Whether `prompt` (rendered text, or token ids) goes on from a state's conversation: holds
+        it up to its last reply, which a re-render may spell differently. Taking over a state that
+        merely shares the system prompt and tools would throw another conversation away."""
         ends = [i + 1 for i, token in enumerate(held) if token in self.stop_token_ids]
         if ends and ends[-1] == len(held):
             ends.pop()  # the end of the last reply
         needed = ends[-1] if ends else len(held)
+        if isinstance(prompt, TokenIds):
+            return list(prompt[:needed]) == list(held[:needed])
         held_text = self.engine.tokenizer.decode(held[:needed], skip_special_tokens=False)
         if prompt.startswith(held_text):
             return True
@@ -216,19 +231,21 @@ class Chat:
             self._roles[role] = marker in text
         return self._roles[role]
 
-    def prompt_ids(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None = None,
+    def prompt_ids(self, messages: "Sequence[dict] | str | TokenIds", tools: Sequence[dict] | None = None,
                    reasoning_history: str = "template") -> list[int]:
-        """What `respond` syncs: the rendered prompt (`messages` may be rendered text already),
-        except that the state's own tokens are kept up to the last end-of-turn token where they
-        still spell the prompt's text, and only the rest is tokenized. A model may spell a word in
-        other tokens than the tokenizer would (an unseen name copied piece by piece);
-        re-tokenizing would recompute everything after it. Held tokens are never kept where one
-        of their control tokens would stand for a message content's text.
+        """What `respond` syncs: the rendered prompt (`messages` may be rendered text already; token
+        ids are the prompt as they are), except that the state's own tokens are kept up to the last
+        end-of-turn token where they still spell the prompt's text, and only the rest is tokenized.
+        A model may spell a word in other tokens than the tokenizer would (an unseen name copied
+        piece by piece); re-tokenizing would recompute everything after it. Held tokens are never
+        kept where one of their control tokens would stand for a message content's text.
 
         `reasoning_history="generated"`: held tokens are also kept where they spell the prompt's
         text once think blocks are left out of both (a template that drops old thinking), so the
         model's earlier thinking stays in the state (`REASONING_HISTORY`); not where a message
         content holds control-token text."""
+        if isinstance(messages, TokenIds):
+            return self.prompt_tokens(messages)
         if isinstance(messages, str):
             check_text(messages, "the prompt")
         text = messages if isinstance(messages, str) else self.render_text(messages, tools)
@@ -283,6 +300,18 @@ class Chat:
             pos += len(decode([token], skip_special_tokens=False))
         return True
 
+    def prompt_tokens(self, prompt: "str | TokenIds") -> list[int]:
+        """A call's prompt as token ids: rendered text tokenized (`_encode`), or token ids checked
+        as `StateHandle.sync` checks them (InvalidTokenError outside the vocabulary)."""
+        if not isinstance(prompt, TokenIds):
+            check_text(prompt, "the prompt")
+            return self._encode(prompt)
+        bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
+        if bad:
+            raise InvalidTokenError(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, "
+                                    f"{self.engine.vocab_size}); tokenize with this model's tokenizer")
+        return list(prompt)
+
     def _encode(self, text: str, start: int = 0) -> list[int]:
         """Token ids of `text[start:]`: the template's markup as `apply_chat_template(tokenize=True)`
         encodes it (control tokens included), a Prompt's content spans as plain text."""
@@ -309,29 +338,29 @@ class Chat:
 
     # --- one assistant turn -------------------------------------------------------------------
 
-    def respond(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None = None,
+    def respond(self, messages: "Sequence[dict] | str | TokenIds", tools: Sequence[dict] | None = None,
                 params: SamplingParams | None = None, **options: Any) -> ChatResult:
         """Render, sync the state, generate one assistant turn, parse its tool calls. `options`
         are those of `stream_respond`."""
         *_, last = turn.run(self.opener(messages, tools, params, **options), turn.result_of)
         return last
 
-    async def arespond(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None = None,
+    async def arespond(self, messages: "Sequence[dict] | str | TokenIds", tools: Sequence[dict] | None = None,
                        params: SamplingParams | None = None, **options: Any) -> ChatResult:
         return [r async for r in turn.arun(self.opener(messages, tools, params, **options), turn.result_of)][-1]
 
-    def stream_respond(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None = None,
+    def stream_respond(self, messages: "Sequence[dict] | str | TokenIds", tools: Sequence[dict] | None = None,
                        params: SamplingParams | None = None, **options: Any) -> Iterator[ChatDelta]:
         """Text deltas and tool-call deltas as they are generated; the last item carries the
         ChatResult. Closing the iterator early cancels the generation. `options` are `opener`'s."""
         return turn.run(self.opener(messages, tools, params, **options))
 
-    def astream_respond(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None = None,
+    def astream_respond(self, messages: "Sequence[dict] | str | TokenIds", tools: Sequence[dict] | None = None,
                         params: SamplingParams | None = None, **options: Any) -> AsyncIterator[ChatDelta]:
         """`stream_respond` on the caller's event loop: awaits the engine, never blocks the loop."""
         return turn.arun(self.opener(messages, tools, params, **options))
 
-    def opener(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None = None,
+    def opener(self, messages: "Sequence[dict] | str | TokenIds", tools: Sequence[dict] | None = None,
                params: SamplingParams | None = None, *, lease: bool = False, state_id: str | None = None,
                fallback: bool = False, prefill: str = "", parse_tools: bool = True, tool_choice: Any = "auto",
                parallel_tool_calls: bool = True, guided: bool = True, timeout: float | None = None,
@@ -340,12 +369,13 @@ class Chat:
         `lease`, on the state `self.lease(messages, state_id, fallback=fallback)` picks (then
         `messages` is the rendered prompt), held until the turn ends.
 
-        `messages` may be a rendered prompt, continued as it is. `prefill` starts the assistant's
-        turn with given text; `parse_tools=False` returns the text as generated (no grammar).
-        `tool_choice`: "auto" (the model may call), "none" (the tools are not offered and the
-        output is never read as calls), "required"/"any" (some call), or a tool's name (that
-        call); a grammar holds every call to an offered tool and, with `guided` (the default),
-        its arguments to the tool's schema (`hibana_core.turn`). A `params.json_schema` beside
+        `messages` may be a rendered prompt, or token ids (`TokenIds`), continued as it is.
+        `prefill` starts the assistant's turn with given text; `parse_tools=False` returns the text
+        as generated (no grammar).
+        `tool_choice`: "auto" (the model may call), "none" (the tools are listed, a grammar keeps
+        the model from opening a call, and the output is never read as calls), "required"/"any"
+        (some call), or a tool's name (that call); a grammar holds every call to an offered tool
+        and, with `guided` (the default), its arguments to the tool's schema (`hibana_core.turn`). A `params.json_schema` beside
         tools holds the text answer, as OpenAI's response_format does: with "auto" the model calls
         tools or answers in JSON valid under it (`turn.answer_or_calls`). `params` with a regex or a
         grammar keep it and get no tool-call grammar.
@@ -366,7 +396,9 @@ class Chat:
             raise ConfigError(f"timeout must be a number of seconds > 0, or None; got {timeout!r:.80}")
         if reasoning_history not in REASONING_HISTORY:
             raise ConfigError(f"reasoning_history must be one of {REASONING_HISTORY}, got {reasoning_history!r:.80}")
-        if not isinstance(messages, str):
+        if isinstance(messages, TokenIds):
+            self.prompt_tokens(messages)  # refused before a lease
+        elif not isinstance(messages, str):
             messages = self.render_text(messages, tools, reasoning)
 
         def open_turn(stack: contextlib.ExitStack) -> "tuple[turn.TurnRun, StateHandle]":
@@ -377,7 +409,7 @@ class Chat:
             return run, chat.handle
         return open_turn
 
-    def _turn(self, messages: Sequence[dict] | str, tools: Sequence[dict] | None, params: SamplingParams | None,
+    def _turn(self, messages: "str | TokenIds", tools: Sequence[dict] | None, params: SamplingParams | None,
               prefill: str, parse_tools: bool, tool_choice: Any, parallel_tool_calls: bool, guided: bool,
               timeout: float | None, reasoning_history: str = "template") -> turn.TurnRun:
         if self.handle is None:
@@ -385,13 +417,16 @@ class Chat:
                               "each call on a leased one (`with chat.lease(prompt) as c: c.respond(...)`)")
         tools = normalize_tools(tools)
         tool_choice = normalize_tool_choice(tool_choice, tools)
+        listed = tools  # "none" still lists them in the prompt
         if tool_choice == "none":
             tools, parse_tools = None, False
         params = params or SamplingParams(max_tokens=256)
         params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys(
             tuple(params.stop_token_ids) + self.stop_token_ids)))
         # a template may open the think block itself (its generation prompt ends in "<think>")
-        open_in_prompt = str(messages).rstrip().endswith(turn.THINK_OPEN)
+        end = (self.engine.tokenizer.decode(list(messages[-4:]), skip_special_tokens=False)
+               if isinstance(messages, TokenIds) else str(messages))
+        open_in_prompt = end.rstrip().endswith(turn.THINK_OPEN)
         thinking = turn.Thinking(open_in_prompt) if self.thinks else None
         answer = params.json_schema if parse_tools and tools else None  # the text answer's schema, beside calls
         if parse_tools and (answer is not None or not params.constrained):
@@ -407,6 +442,8 @@ class Chat:
                                               open_in_prompt)
             if grammar is not None:
                 params = dataclasses.replace(params, json_schema=None, grammar=grammar)
+        elif tool_choice == "none" and listed and not params.constrained:  # the model sees tools it may not call
+            params = dataclasses.replace(params, grammar=turn.no_call_grammar(self.parser, self.parser_name))
         stream = self.parser.stream() if parse_tools else turn.PlainText()
         return turn.TurnRun(self.prompt_ids(messages, tools, reasoning_history), prefill, params, stream,
                             self._encode, timeout, max_calls=None if parallel_tool_calls else 1, thinking=thinking)

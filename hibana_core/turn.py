@@ -9,6 +9,7 @@ syntax (`tool_call_grammar`; hermes shown):
     "auto":      free text; once the model opens a call (`<tool_call>`), the rest of the call is
                  held to '<tool_call>\n{"name": "<one of the tools>", "arguments": <JSON valid
                  under that tool's schema>}\n</tool_call>', then free text again
+    "none":      the tools are listed all the same; free text that never opens a call (`no_call_grammar`)
     "required" / "any", or a tool's name:
                  calls only, from the first token (the named tool's, when one is named), one or
                  more separated by newlines, then the end of the turn
@@ -39,7 +40,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequen
 
 from hibana_core.config import SamplingParams
 from hibana_core.errors import ChatTimeoutError, ConfigError, GrammarError, HibanaError
-from hibana_plugins.hookspecs import GeneratedText, ParsedOutput, ToolCall, ToolCallDelta, ToolCallStream
+from hibana_plugins.hookspecs import CutCall, GeneratedText, ParsedOutput, ToolCall, ToolCallDelta, ToolCallStream
 
 if TYPE_CHECKING:
     from hibana_core.output import RequestEvents
@@ -65,6 +66,7 @@ class ChatResult:
     raw_text: str = ""        # the assistant's turn as generated (prefill included)
     logprobs: "list[TokenLogprob] | None" = None  # per generated token, when params.logprobs
     reasoning: str = ""       # the model's thinking (`<think>...</think>`), apart from `text`
+    cut_call: str = ""        # the end of `text` that is a call max_tokens cut off (the parser's `CutCall`)
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ class ChatDelta:
     tool_call: ToolCallDelta | None = None
     result: ChatResult | None = None
     reasoning: str = ""       # a piece of the model's thinking
+    cut_call: bool = False    # `text` is a call max_tokens cut off (ChatResult.cut_call)
 
 
 # --- the tool-call grammar ----------------------------------------------------------------------------
@@ -145,6 +148,20 @@ def parser_grammar(parser: Any, parser_name: str, tools: Sequence[dict] | None, 
     if syntax is None:
         return None
     return tool_call_grammar(tools, tool_choice, syntax, parallel=parallel, strict=strict)
+
+
+def no_call_grammar(parser: Any, parser_name: str) -> dict | None:
+    """The grammar of a turn with tool_choice "none" whose prompt lists the tools (as OpenAI's
+    "none" keeps them, and with them the KV of a tool loop): any text without the start of a call
+    (the parser's trigger), so that the model answers rather than writing a call as text. None
+    for a parser without a known call syntax (one that builds its own grammar included)."""
+    if callable(getattr(parser, "tool_call_grammar", None)):
+        return None
+    syntax = getattr(parser, "call_syntax", None) or SYNTAX.get(parser_name)
+    if syntax is None:
+        return None
+    trigger = getattr(syntax, "trigger", "") or syntax.open
+    return {"type": "structural_tag", "format": {"type": "any_text", "excludes": [trigger]}}
 
 
 def answer_or_calls(parser: Any, parser_name: str, tools: Sequence[dict], tool_choice: str, schema: Any, *,
@@ -328,7 +345,8 @@ class TurnRun:
             thought, answer = self.thinking.close()
             deltas = [ChatDelta(reasoning=thought)] if thought else []
             deltas += self._deltas(self.stream.feed(answer)) if answer and not self.full else []
-        deltas += self._deltas(self.stream.close())
+        closing = self._deltas(self.stream.close())
+        deltas += closing
         usage = dataclasses.replace(self.usage, completion_tokens=self.generated)
         parsed = self.stream.finish()
         if self.max_calls is not None:
@@ -336,8 +354,9 @@ class TurnRun:
         self.called_tools = bool(parsed.tool_calls)
         # think blocks, or what the parser kept apart as reasoning (harmony's analysis channel)
         reasoning = self.thinking.text if self.thinking is not None else getattr(self.stream, "reasoning", "").strip()
+        cut_call = "".join(d.text for d in closing if d.cut_call)
         return deltas + [ChatDelta(result=result(parsed, self.text, self.finish_reason, usage, self.logprobs,
-                                                 reasoning))]
+                                                 reasoning, cut_call))]
 
     def stop_now(self) -> bool:
         """Whether the driver should stop the current request now (once): the turn holds all the
@@ -366,7 +385,8 @@ class TurnRun:
         out = []
         for piece in pieces:
             if not isinstance(piece, ToolCallDelta):
-                out.append(ChatDelta(text=piece))
+                cut = isinstance(piece, CutCall) and self.finish_reason == "length"  # a call max_tokens cut off
+                out.append(ChatDelta(text=piece, cut_call=cut))
             elif self.max_calls is None or piece.index < self.max_calls:
                 self.calls += piece.id is not None
                 out.append(ChatDelta(tool_call=piece))
@@ -374,11 +394,12 @@ class TurnRun:
 
 
 def result(parsed: ParsedOutput, raw_text: str, finish_reason: str, usage: Usage,
-           logprobs: "list[TokenLogprob] | None" = None, reasoning: str = "") -> ChatResult:
+           logprobs: "list[TokenLogprob] | None" = None, reasoning: str = "", cut_call: str = "") -> ChatResult:
     """What a turn comes to. Model output never raises: a malformed call is text, and says so.
 
     The calls that parsed are kept and a malformed or cut-off call stays in the text where it
-    stood, in the result as in the stream (the parser streams a call only once it is decided).
+    stood, in the result as in the stream (the parser streams a call only once it is decided);
+    a call cut off by max_tokens is `cut_call` too, which OpenAI's wire format leaves out.
     A LangGraph agent runs the calls it is streamed as they arrive: voiding every call of a turn
     because one is malformed would mean holding all calls back until the turn ends, and ending
     the agent (no calls) where it could run the good ones and let the model see its broken text."""
@@ -386,7 +407,8 @@ def result(parsed: ParsedOutput, raw_text: str, finish_reason: str, usage: Usage
         reason = finish_reason
     else:
         reason = MALFORMED if parsed.error else "tool_calls" if parsed.tool_calls else finish_reason
-    return ChatResult(parsed.content, parsed.tool_calls, reason, usage, parsed.error, raw_text, logprobs, reasoning)
+    return ChatResult(parsed.content, parsed.tool_calls, reason, usage, parsed.error, raw_text, logprobs, reasoning,
+                      cut_call)
 
 
 # --- driving a turn: the only code that does I/O, once for threads and once for an event loop ------

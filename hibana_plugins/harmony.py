@@ -127,7 +127,7 @@ class _HarmonyStream(_Stream):
                 return
             body = self._take(len(self._buffer) if end < 0 else end)
             self._take(len(marker))
-            self._end_message(out, body)
+            self._end_message(out, body, cut=end < 0)
             self._mode = "header"
             if end < 0:
                 return
@@ -165,18 +165,19 @@ class _HarmonyStream(_Stream):
     def _streams_text(self) -> bool:
         return self._recipient is None and self._channel != "analysis"
 
-    def _end_message(self, out: list, body: str) -> None:
+    def _end_message(self, out: list, body: str, cut: bool = False) -> None:
+        """One message's body, by its channel and recipient; `cut`: the generation ended inside it."""
         if self._recipient is not None:
             if not self._recipient.startswith(FUNCTIONS):  # gpt-oss's built-ins (python, browser.*): not offered
                 self._reject(out, body, f"a message to {self._recipient!r}, not to an offered function "
-                                        f"({FUNCTIONS}NAME)")
+                                        f"({FUNCTIONS}NAME)", cut)
                 return
             name = self._recipient.removeprefix(FUNCTIONS)
             decoded = _decode_arguments(name, body)
             if decoded.error is None:
                 self._accept(out, decoded)
             else:
-                self._reject(out, body, decoded.error)
+                self._reject(out, body, decoded.error, cut)
         elif self._channel == "analysis":
             self.reasoning += body
         else:

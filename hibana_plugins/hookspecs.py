@@ -63,6 +63,9 @@ def register_tool_parsers(register) -> None:
       deltas: id and name first, then argument fragments), `close() -> list[...]` (what was held
       back, at the end of the generation) and `finish() -> ParsedOutput` (authoritative).
       The argument fragments of one call concatenate to JSON equal to its final arguments.
+      Text that `close()` lets go because the generation ended inside a call (a tag begun, a
+      call unfinished) may come as a `CutCall`: content all the same, and left out of an
+      OpenAI-shaped reply when max_tokens stopped the generation there.
     - Generated text comes as a `GeneratedText` (a `str`; `parse` and `feed` take either): its
       `control_spans` are where the model generated control (special) tokens. A parser whose
       markup is made of special tokens (harmony's `<|call|>`) splits at those spans only: the
@@ -168,6 +171,12 @@ class GeneratedText(str):
         generated = super().__new__(cls, text)
         generated.control_spans = tuple(control_spans)
         return generated
+
+
+class CutCall(str):
+    """Text a tool-call stream lets go at `close()` because the generation ended inside a call
+    (a tag begun, a call's JSON unfinished): content, as a malformed call's text is, and, when
+    max_tokens ended the generation there, the markup of a call cut off (`ChatResult.cut_call`)."""
 
 
 @dataclass(frozen=True)

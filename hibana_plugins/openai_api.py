@@ -5,12 +5,13 @@
 
 `hibana_plugins.server` does the HTTP (FastAPI); this module only reads and writes the JSON, so
 that what a request means can be tested without a server. A request the spec allows but Hibana
-cannot serve (n > 1) is an ApiError, as is every malformed one: each says which field is wrong
-(`param`), as OpenAI's errors do.
+cannot serve (logit_bias) is an ApiError, as is every malformed one: each says which field is
+wrong (`param`), as OpenAI's errors do.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -18,14 +19,14 @@ from typing import Any, Callable, Literal, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hibana_core.chat import assistant_message
+from hibana_core.chat import TokenIds, assistant_message
 from hibana_core.config import SamplingParams
 from hibana_core.messages import normalize_tool_choice, normalize_tools
 from hibana_core.turn import ChatDelta, ChatResult, Usage
 
 STATE_HEADER = "X-Hibana-State"
 MAX_STATE_ID = 256  # characters of an id a client names its state by
-MAX_PROMPTS = 64    # prompts one legacy completions request may give (each one turn, at once)
+MAX_PROMPTS = 64    # turns one request may run at once: its prompts (legacy completions) times n
 
 
 class ApiError(Exception):
@@ -93,9 +94,10 @@ class ChatRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    """A legacy completions request: a prompt continued as it is, no chat template."""
+    """A legacy completions request: a prompt continued as it is, no chat template; as text or as
+    token ids (OpenAI's four forms: a string, strings, ids, lists of ids)."""
 
-    prompt: str | list[str] = Field(min_length=1)  # a list: one choice per prompt (`prompts_of`)
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)  # a list: a choice per prompt
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for this endpoint
     echo: Literal[False] | None = None
     logprobs: Literal[0] | None = None
@@ -149,16 +151,20 @@ class ChatCall:
     fallback: bool              # another state when the pinned one is busy (`user`, not the header)
     stream: bool
     include_usage: bool
+    n: int = 1                     # choices per prompt, each its own turn (`choice_calls`)
     reasoning: bool | None = None  # a reasoning model's thinking on or off; None: the template's default
     effort: str | None = None      # reasoning_effort's level, for a template that reads it (gpt-oss's)
 
 
 def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None,
               max_tokens_limit: int) -> ChatCall:
-    """The call a checked request makes; ApiError for what Hibana refuses (n > 1, too many tokens)."""
-    if request.n not in (None, 1):
-        raise ApiError(400, f"n={request.n}: Hibana returns one choice per request; send n=1 (or leave it out) "
-                            "and make several requests", "n")
+    """The call a checked request makes; ApiError for what Hibana refuses (too many choices or tokens)."""
+    n = request.n or 1
+    if n > MAX_PROMPTS:
+        raise ApiError(400, f"n={n}: at most {MAX_PROMPTS} choices per request", "n")
+    if n > 1 and state_header is not None:
+        raise ApiError(400, f"n={n}: the {STATE_HEADER} header pins one state, and each choice is a turn on a state "
+                            "of its own; ask n=1 with it", "n")
     if request.logit_bias:
         raise ApiError(400, "logit_bias is not supported by Hibana; leave it out", "logit_bias")
     chat = isinstance(request, ChatRequest)
@@ -173,8 +179,6 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
         contents_given(request.messages)
     listed = normalize_tools(function_tools(request.tools)) if chat else None
     choice, tools = tool_choice(request.tool_choice, listed) if chat else ("none", None)
-    if choice == "none":
-        listed = tools = None
     logprobs = bool(chat and request.logprobs)
     if chat and request.top_logprobs and not logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
@@ -189,9 +193,17 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
     explicit = state_header or request.user
     return ChatCall(listed, tools, choice, not chat or request.parallel_tool_calls is not False, params, explicit,
                     fallback=state_header is None, stream=bool(request.stream),
-                    include_usage=bool(request.stream_options and request.stream_options.include_usage),
+                    include_usage=bool(request.stream_options and request.stream_options.include_usage), n=n,
                     reasoning=thinking_switch(request) if chat else None,
                     effort=reasoning_level(request) if chat else None)
+
+
+def choice_calls(call: ChatCall) -> list[ChatCall]:
+    """The call of each of the n choices, each its own turn: a seeded request's choice i samples
+    with seed + i (one seed samples the same tokens), so that choice 0 is the reply to n=1."""
+    seed = call.params.seed
+    return [call if i == 0 or seed is None else dataclasses.replace(
+        call, params=dataclasses.replace(call.params, seed=seed + i)) for i in range(call.n)]
 
 
 def contents_given(messages: list[dict]) -> None:
@@ -252,20 +264,22 @@ def allowed_tools(spec: Any, tools: list[dict] | None) -> tuple[str, list[dict]]
     return mode, [t for t in tools if t["function"]["name"] in names]
 
 
-def prompts_of(request: CompletionRequest, state_header: str | None) -> list[str]:
-    """A completions request's prompts: its string, or its list, each prompt its own turn and
-    choice. Several are answered whole (not streamed), each on the state it continues."""
-    prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
-    if len(prompts) > 1 and request.stream:
-        raise ApiError(400, f"prompt: {len(prompts)} prompts cannot be streamed; stream one prompt per request, or "
-                            "leave stream out", "prompt")
+def prompts_of(request: CompletionRequest, state_header: str | None) -> list[str | TokenIds]:
+    """A completions request's prompts: its string or token ids, or its list of either, each
+    prompt its own turns (n) and choices, each on the state it continues. Token ids are the
+    prompt as given (`TokenIds`)."""
+    given = request.prompt
+    if isinstance(given, str) or isinstance(given[0], int):
+        given = [given]
+    prompts = [p if isinstance(p, str) else TokenIds(p) for p in given]
     if len(prompts) > 1 and state_header is not None:
         raise ApiError(400, f"prompt: the {STATE_HEADER} header pins one state, and {len(prompts)} prompts were given; "
                             "give one prompt with it", "prompt")
-    if len(prompts) > MAX_PROMPTS:
-        raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
+    if len(prompts) * (request.n or 1) > MAX_PROMPTS:
+        raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts per request (times n), got {len(prompts)}"
+                            f"{f' times n={request.n}' if (request.n or 1) > 1 else ''}", "prompt")
     if not all(prompts):
-        raise ApiError(400, "prompt: every prompt needs at least one character", "prompt")
+        raise ApiError(400, "prompt: every prompt needs at least one character (or token)", "prompt")
     return prompts
 
 
@@ -326,28 +340,35 @@ def response_schema(response_format: dict | None) -> dict | None:
 class Reply:
     """The id, time and model that every chunk of one reply carries."""
 
-    def __init__(self, model: str, logprobs: Callable[[ChatResult], list[dict] | None] = lambda _: None) -> None:
+    def __init__(self, model: str, logprobs: Callable[[ChatResult], list[dict] | None] = lambda _: None,
+                 n: int = 1) -> None:
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
         self.logprobs = logprobs  # a result's token log-probabilities in OpenAI's shape (Chat.openai_logprobs)
+        self.n = n                # choices per prompt
 
     def _logprobs(self, result: ChatResult) -> dict | None:
         content = self.logprobs(result)
         return None if content is None else {"content": content, "refusal": None}
 
-    def completion(self, result: ChatResult) -> dict:
-        message = assistant_message(result)  # the thinking as reasoning_content, never inside the content
-        if result.tool_calls and not result.text:
-            message["content"] = None  # OpenAI's shape for a turn of calls only
-        choice = {"index": 0, "message": message, "logprobs": self._logprobs(result),
-                  "finish_reason": finish_reason(result)}
-        return {**self._head("chat.completion"), "choices": [choice], "usage": usage(result.usage)}
+    def completion(self, *results: ChatResult) -> dict:
+        """The whole reply: one choice per result (the request's n)."""
+        return {**self._head("chat.completion"), "choices": [self._choice(i, r) for i, r in enumerate(results)],
+                "usage": usage(total_usage(results, self.n))}
 
-    def chunk(self, delta: ChatDelta) -> dict:
-        """The chunk for one delta; the result's chunk carries the finish reason."""
+    def _choice(self, index: int, result: ChatResult) -> dict:
+        message = assistant_message(result)  # the thinking as reasoning_content, never inside the content
+        message["content"] = result.text.removesuffix(result.cut_call)  # a cut call's markup is no answer
+        if result.tool_calls and not message["content"]:
+            message["content"] = None  # OpenAI's shape for a turn of calls only
+        return {"index": index, "message": message, "logprobs": self._logprobs(result),
+                "finish_reason": finish_reason(result)}
+
+    def chunk(self, delta: ChatDelta, index: int = 0) -> dict:
+        """The chunk for one delta of choice `index`; the result's chunk carries the finish reason."""
         if delta.result is not None:  # the log-probabilities, if asked, all on this last chunk
-            return self._chunk({}, finish_reason(delta.result), self._logprobs(delta.result))
+            return self._chunk({}, finish_reason(delta.result), self._logprobs(delta.result), index)
         if delta.tool_call is not None:
             call = delta.tool_call
             piece: dict[str, Any] = {"index": call.index}
@@ -355,26 +376,27 @@ class Reply:
             if call.id is not None:  # the call's first delta
                 piece.update(id=call.id, type="function")
                 function = {"name": call.name or "", **function}
-            return self._chunk({"tool_calls": [{**piece, "function": function}]})
+            return self._chunk({"tool_calls": [{**piece, "function": function}]}, index=index)
         if delta.reasoning:
-            return self._chunk({"reasoning_content": delta.reasoning})
-        return self._chunk({"content": delta.text})
+            return self._chunk({"reasoning_content": delta.reasoning}, index=index)
+        return self._chunk({"content": delta.text}, index=index)
 
-    def chunks(self, deltas: Sequence[ChatDelta]) -> list[dict]:
+    def chunks(self, deltas: Sequence[ChatDelta], index: int = 0) -> list[dict]:
         """The chunks for deltas made at once: a run of text (or of thinking) is one chunk, as
-        OpenAI's own deltas of several tokens; a tool-call delta or the result, one chunk each."""
-        return [self.chunk(delta) for delta in joined(deltas)]
+        OpenAI's own deltas of several tokens; a tool-call delta or the result, one chunk each. The
+        markup of a call max_tokens cut off is left out, as from the whole reply's content."""
+        return [self.chunk(delta, index) for delta in joined(deltas) if not delta.cut_call]
 
-    def role_chunk(self) -> dict | None:
-        """The first chunk, before any text (None: the format has none)."""
-        return self._chunk({"role": "assistant", "content": ""})
+    def role_chunk(self, index: int = 0) -> dict | None:
+        """Choice `index`'s first chunk, before any text (None: the format has none)."""
+        return self._chunk({"role": "assistant", "content": ""}, index=index)
 
-    def usage_chunk(self, result: ChatResult) -> dict:
+    def usage_chunk(self, *results: ChatResult) -> dict:
         """The last chunk with `stream_options.include_usage`: no choices, the usage."""
-        return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage(result.usage)}
+        return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage(total_usage(results, self.n))}
 
-    def _chunk(self, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    def _chunk(self, delta: dict, finish: str | None = None, logprobs: dict | None = None, index: int = 0) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
     def _head(self, kind: str) -> dict:
@@ -395,16 +417,28 @@ def joined(deltas: Sequence[ChatDelta]) -> list[ChatDelta]:
 
 def _piece_kind(delta: ChatDelta) -> str | None:
     """"text" or "reasoning" for a delta of that alone, None for any other."""
-    if delta.tool_call is not None or delta.result is not None or bool(delta.text) == bool(delta.reasoning):
+    if delta.tool_call is not None or delta.result is not None or delta.cut_call \
+            or bool(delta.text) == bool(delta.reasoning):
         return None
     return "text" if delta.text else "reasoning"
 
 
 def finish_reason(result: ChatResult) -> str:
-    """OpenAI's finish reasons: a malformed call ends the turn as text ("stop")."""
-    if result.tool_calls:
-        return "tool_calls"
-    return "length" if result.finish_reason == "length" else "stop"
+    """OpenAI's finish reasons: "length" whenever max_tokens stopped the output, calls or not (as
+    OpenAI and vLLM); a malformed call ends the turn as text ("stop")."""
+    if result.finish_reason == "length":
+        return "length"
+    return "tool_calls" if result.tool_calls else "stop"
+
+
+def total_usage(results: Sequence[ChatResult], n: int) -> Usage:
+    """The usage of a request's results, n choices per prompt: each prompt counted once, as
+    OpenAI counts it for n choices (with what its first choice's state held), every choice's
+    completion tokens."""
+    firsts = results[::n]
+    return Usage(prompt_tokens=sum(r.usage.prompt_tokens for r in firsts),
+                 cached_tokens=sum(r.usage.cached_tokens for r in firsts),
+                 completion_tokens=sum(r.usage.completion_tokens for r in results))
 
 
 def usage(u: Usage) -> dict:
@@ -416,26 +450,23 @@ def usage(u: Usage) -> dict:
 class TextReply(Reply):
     """A legacy completion: the text as generated, in `text_completion` objects."""
 
-    def __init__(self, model: str) -> None:
-        super().__init__(model)
+    def __init__(self, model: str, n: int = 1) -> None:
+        super().__init__(model, n=n)
         self.id = "cmpl-" + uuid.uuid4().hex
 
     def completion(self, *results: ChatResult) -> dict:
-        """The reply to one prompt, or to several (one choice each, their usage summed)."""
+        """The reply to one prompt, or to several (n choices each, in order; their usage summed)."""
         choices = [{"index": i, "text": r.text, "logprobs": None, "finish_reason": finish_reason(r)}
                    for i, r in enumerate(results)]
-        total = Usage(prompt_tokens=sum(r.usage.prompt_tokens for r in results),
-                      cached_tokens=sum(r.usage.cached_tokens for r in results),
-                      completion_tokens=sum(r.usage.completion_tokens for r in results))
-        return {**self._head("text_completion"), "choices": choices, "usage": usage(total)}
+        return {**self._head("text_completion"), "choices": choices, "usage": usage(total_usage(results, self.n))}
 
-    def chunk(self, delta: ChatDelta) -> dict:
+    def chunk(self, delta: ChatDelta, index: int = 0) -> dict:
         finish = finish_reason(delta.result) if delta.result is not None else None
-        choice = {"index": 0, "text": delta.text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": delta.text, "logprobs": None, "finish_reason": finish}
         return {**self._head("text_completion"), "choices": [choice]}
 
-    def role_chunk(self) -> None:
+    def role_chunk(self, index: int = 0) -> None:
         return None
 
-    def usage_chunk(self, result: ChatResult) -> dict:
-        return {**self._head("text_completion"), "choices": [], "usage": usage(result.usage)}
+    def usage_chunk(self, *results: ChatResult) -> dict:
+        return {**self._head("text_completion"), "choices": [], "usage": usage(total_usage(results, self.n))}

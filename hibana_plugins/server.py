@@ -1,8 +1,8 @@
 """`hibana serve`: Hibana behind OpenAI's HTTP API (FastAPI + uvicorn), an adapter like the others.
 
     POST /v1/chat/completions   messages, tools, tool_choice, response_format, stream (SSE)
-    POST /v1/completions        a prompt continued as it is (no chat template)
-    GET  /v1/models   GET /health   GET /metrics (Prometheus)
+    POST /v1/completions        a prompt (text or token ids) continued as it is (no chat template)
+    GET  /v1/models, /v1/models/{model}   GET /health   GET /metrics (Prometheus)
 
 Every conversation keeps its KV resident between requests: a request is served on the state
 whose conversation it continues (`Chat.lease`: the longest resident prefix), or on the state the
@@ -47,14 +47,14 @@ from prometheus_client.utils import floatToGoString
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hibana_core import turn
-from hibana_core.chat import Chat
+from hibana_core.chat import Chat, TokenIds
 from hibana_core.engine_core import STEP_TIME_BUCKETS
 from hibana_core.errors import (ChatTimeoutError, ConfigError, ContextLengthError, EngineClosedError, GrammarError,
-                                HibanaError, QueueTimeoutError, StateBusyError)
+                                HibanaError, InvalidTokenError, QueueTimeoutError, StateBusyError)
 from hibana_core.messages import ConversationError, ToolChoiceError, ToolSchemaError, UnsupportedContentError
 from hibana_core.turn import ChatDelta
 from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatRequest, CompletionRequest, Reply,
-                                       TextReply, chat_call, parse_request, prompts_of)
+                                       TextReply, chat_call, choice_calls, parse_request, prompts_of)
 
 if TYPE_CHECKING:
     from hibana_core.engine import Engine, EngineStats
@@ -176,7 +176,7 @@ def api_error(exc: HibanaError, prompt_param: str = "messages") -> ApiError:
     if isinstance(exc, EngineClosedError):
         return ApiError(503, message, None, "engine_closed", "server_error")
     params = [(ToolChoiceError, "tool_choice"), (ToolSchemaError, "tools"), (ConversationError, "messages"),
-              (UnsupportedContentError, "messages"), (GrammarError, "response_format")]
+              (UnsupportedContentError, "messages"), (GrammarError, "response_format"), (InvalidTokenError, "prompt")]
     return ApiError(400, message, next((p for kind, p in params if isinstance(exc, kind)), None))
 
 
@@ -208,7 +208,10 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return await on_api_error(request, ApiError(exc.status_code, str(exc.detail)))
+        message = str(exc.detail)
+        if exc.status_code in (404, 405):  # no such route or method: say which, as OpenAI's "Invalid URL (...)"
+            message = f"{message} ({request.method} {request.url.path:.200}); this server serves {', '.join(ENDPOINTS)}"
+        return await on_api_error(request, ApiError(exc.status_code, message))
 
     @app.exception_handler(Exception)
     async def on_bug(request: Request, exc: Exception) -> JSONResponse:
@@ -221,10 +224,21 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         closed = engine.core.closed
         return JSONResponse({"status": "closed" if closed else "ok"}, status_code=503 if closed else 200)
 
+    served = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "hibana"}
+
+    def unknown_model(name: str) -> ApiError:
+        return ApiError(404, f"the model {name!r:.80} does not exist here; this server serves {config.model_name!r}",
+                        "model", "model_not_found")
+
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "hibana"}]}
+        return {"object": "list", "data": [served]}
+
+    @app.get("/v1/models/{name:path}", dependencies=[Depends(authorized)])
+    async def model(name: str) -> dict:  # the SDK's models.retrieve; a repo id as name holds a "/"
+        if name != config.model_name:
+            raise unknown_model(name)
+        return served
 
     @app.get("/metrics", dependencies=[Depends(authorized)])
     async def prometheus() -> Response:
@@ -233,8 +247,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
     async def checked(request: Request, kind: type) -> Any:
         parsed = parse_request(await read_json(request, config.max_body_bytes), kind)
         if parsed.model != config.model_name:
-            raise ApiError(404, f"the model {parsed.model!r:.80} does not exist here; this server serves "
-                                f"{config.model_name!r}", "model", "model_not_found")
+            raise unknown_model(parsed.model)
         return parsed
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
@@ -247,8 +260,8 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
                                            call.reasoning, effort=call.effort)
         except HibanaError as exc:
             raise api_error(exc) from None
-        return await serve(request, received, Serving(chat, prompt, call, config.request_timeout),
-                           Reply(config.model_name, chat.openai_logprobs))
+        servings = [Serving(chat, prompt, choice, config.request_timeout) for choice in choice_calls(call)]
+        return await serve(request, received, servings, Reply(config.model_name, chat.openai_logprobs, call.n))
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request) -> Response:
@@ -259,30 +272,32 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
             call = chat_call(parsed, request.headers.get(STATE_HEADER), max_tokens_limit)
         except HibanaError as exc:
             raise api_error(exc) from None
-        servings = [Serving(text_chat, prompt, call, config.request_timeout) for prompt in prompts]
-        if len(servings) == 1:
-            return await serve(request, received, servings[0], TextReply(config.model_name))
-        return await serve_together(request, received, servings, TextReply(config.model_name))
+        servings = [Serving(text_chat, prompt, choice, config.request_timeout)
+                    for prompt in prompts for choice in choice_calls(call)]
+        return await serve(request, received, servings, TextReply(config.model_name, call.n))
 
-    async def serve(request: Request, received: float, serving: "Serving", reply: Reply) -> Response:
-        """One turn, streamed or whole; errors up to its first token come as HTTP errors. A client
-        that goes away cancels the turn (Starlette stops a streamed reply; `unless_gone` the rest)."""
-        deltas = turn.arun_batches(serving.open)
-        first = await unless_gone(request, first_delta(deltas, reply))
+    async def serve(request: Request, received: float, servings: "list[Serving]", reply: Reply) -> Response:
+        """A request's turns (usually one; its n choices, its prompts), streamed or whole; errors up
+        to their first tokens come as HTTP errors. A client that goes away cancels the turns
+        (Starlette stops a streamed reply; `unless_gone` the rest)."""
+        call = servings[0].call
+        if len(servings) > 1 and not call.stream:
+            return await serve_together(request, received, servings, reply)
+        streams = [turn.arun_batches(serving.open) for serving in servings]
+        firsts = await unless_gone(request, first_deltas(streams, reply))
         metrics.ttft.observe(time.monotonic() - received)
-        headers = {STATE_HEADER: serving.state_id}
-        if serving.call.stream:
-            return StreamingResponse(sse(request.url.path, reply, first, deltas, serving.call, metrics),
-                                     media_type="text/event-stream", headers=headers)
-        result = await unless_gone(request, rest(deltas, first))
+        headers = {STATE_HEADER: ", ".join(serving.state_id for serving in servings)}
+        if call.stream:
+            return StreamingResponse(sse(request.url.path, reply, interleaved(firsts, streams), len(streams), call,
+                                         metrics), media_type="text/event-stream", headers=headers)
+        result = await unless_gone(request, rest(streams[0], firsts[0]))
         metrics.served(result.usage)
         metrics.requests.labels(request.url.path, "200").inc()
         return JSONResponse(reply.completion(result), headers=headers)
 
-    async def serve_together(request: Request, received: float, servings: "list[Serving]",
-                             reply: TextReply) -> Response:
-        """Several prompts of one request, each its own turn, run at once and answered together;
-        a turn's error fails the request once the others have ended (their states keep them)."""
+    async def serve_together(request: Request, received: float, servings: "list[Serving]", reply: Reply) -> Response:
+        """Several turns of one request (its prompts, its n choices), run at once and answered
+        together; a turn's error fails the request once the others have ended (their states keep them)."""
         async def whole(serving: Serving) -> turn.ChatResult:
             deltas = turn.arun_batches(serving.open)
             first = await first_delta(deltas, reply)
@@ -298,6 +313,21 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         metrics.requests.labels(request.url.path, "200").inc()
         return JSONResponse(reply.completion(*outcomes),
                             headers={STATE_HEADER: ", ".join(serving.state_id for serving in servings)})
+
+    async def first_deltas(streams: "list[AsyncIterator[list[ChatDelta]]]", reply: Reply) -> list[list[ChatDelta]]:
+        """Each turn's first deltas (`first_delta`), the turns started at once. If one fails, or the
+        wait is cancelled, every turn is closed (its state let go) before the error goes on."""
+        try:
+            outcomes = await asyncio.gather(*(first_delta(stream, reply) for stream in streams),
+                                            return_exceptions=True)
+            failed = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+            if failed:
+                raise failed[0]
+            return outcomes
+        except BaseException:
+            for stream in streams:
+                await stream.aclose()
+            raise
 
     async def first_delta(deltas: AsyncIterator[list[ChatDelta]], reply: Reply) -> list[ChatDelta]:
         """The lease, the queue, the prefill and the first token(s), within the request timeout."""
@@ -328,7 +358,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
 class Serving:
     """One request's turn on the state `Chat.lease` picks (`turn.Open`); remembers that state."""
 
-    def __init__(self, chat: Chat, prompt: str, call: ChatCall, timeout: float | None) -> None:
+    def __init__(self, chat: Chat, prompt: "str | TokenIds", call: ChatCall, timeout: float | None) -> None:
         self.chat, self.prompt, self.call, self.timeout = chat, prompt, call, timeout
         self.state_id = ""
 
@@ -347,43 +377,76 @@ def result_in(batch: list[ChatDelta], result: turn.ChatResult | None = None) -> 
     return next((delta.result for delta in batch if delta.result is not None), result)
 
 
-async def sse(endpoint: str, reply: Reply, first: list[ChatDelta], deltas: AsyncIterator[list[ChatDelta]],
+async def sse(endpoint: str, reply: Reply, choices: AsyncIterator[tuple[int, list[ChatDelta]]], turns: int,
               call: ChatCall, metrics: Metrics) -> AsyncIterator[str]:
-    """The reply as server-sent events, one write per batch of deltas the engine made at once
-    (the role chunk goes with the first, the usage and [DONE] with the result): each write is a
-    send on the socket, and the GIL taken from the engine's step loop. A client that goes away
-    closes this generator, which cancels the turn (its state keeps what was generated so far)."""
+    """The reply as server-sent events, one write per batch of deltas the engine made at once for
+    one of the request's `turns` (`interleaved`: each choice's chunks carry its index; the role
+    chunks go with the first, the usage and [DONE] with the last result): each write is a send on
+    the socket, and the GIL taken from the engine's step loop. A client that goes away closes
+    this generator, which cancels the turns (their states keep what was generated so far)."""
     def events(*chunks: dict) -> str:
         return "".join(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n" for chunk in chunks)
 
-    opening = reply.role_chunk()
-    pending, result = events(opening) if opening is not None else "", None
+    def reply_events(*chunks: dict) -> str:
+        """The reply's chunks; with include_usage each has the field, null but in the last (OpenAI's rule)."""
+        return events(*({**chunk, "usage": None} for chunk in chunks)) if call.include_usage else events(*chunks)
+
+    opening = [chunk for chunk in map(reply.role_chunk, range(turns)) if chunk is not None]
+    pending, results = reply_events(*opening), {}
     with metrics.in_flight.track_inprogress():
-        async with contextlib.aclosing(deltas):
+        async with contextlib.aclosing(choices):
             try:
-                async for batch in _after(first, deltas):
-                    pending += events(*reply.chunks(batch))
-                    result = result_in(batch, result)
-                    if result is None:  # the result's batch goes out with the usage and [DONE]
+                async for index, batch in choices:
+                    pending += reply_events(*reply.chunks(batch, index))
+                    result = result_in(batch)
+                    if result is not None:
+                        results[index] = result
+                    if len(results) < turns:  # the last result's batch goes out with the usage and [DONE]
                         yield pending
                         pending = ""
             except HibanaError as exc:  # mid-stream: the status is sent; the error is the last event
                 metrics.requests.labels(endpoint, "stream_error").inc()
                 yield pending + events(api_error(exc).body())
                 return
-    if result is not None:
-        metrics.served(result.usage)
+    if len(results) == turns:
+        ordered = [results[index] for index in range(turns)]
+        for result in ordered:
+            metrics.served(result.usage)
         if call.include_usage:
-            pending += events(reply.usage_chunk(result))
+            pending += events(reply.usage_chunk(*ordered))
     metrics.requests.labels(endpoint, "200").inc()
     yield pending + "data: [DONE]\n\n"
 
 
-async def _after(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
-    """`first`, then the items of `rest`."""
-    yield first
-    async for item in rest:
-        yield item
+async def interleaved(firsts: list[list[ChatDelta]], streams: "list[AsyncIterator[list[ChatDelta]]]"
+                      ) -> AsyncIterator[tuple[int, list[ChatDelta]]]:
+    """The turns' batches, each with its turn's index: the first ones, then each as it comes, the
+    next one of its turn awaited meanwhile. Closing this closes every turn."""
+    waiting: dict[asyncio.Future, int] = {}
+    try:
+        for index, first in enumerate(firsts):
+            yield index, first
+        if len(streams) == 1:  # the usual request: no task per batch
+            async for batch in streams[0]:
+                yield 0, batch
+            return
+        waiting = {asyncio.ensure_future(anext(stream)): index for index, stream in enumerate(streams)}
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=waiting.__getitem__):
+                index = waiting.pop(future)
+                try:
+                    batch = future.result()
+                except StopAsyncIteration:  # that turn has ended
+                    continue
+                waiting[asyncio.ensure_future(anext(streams[index]))] = index
+                yield index, batch
+    finally:
+        for future in waiting:
+            future.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
 
 
 async def unless_gone(request: Request, work: Awaitable[T]) -> T:

@@ -15,6 +15,8 @@ Both follow one contract:
   name, then the arguments' JSON. So for every chunking of a text, the calls assembled from the
   deltas are `parse(text).tool_calls`, ids included, and a call that is cut off or malformed is
   never streamed. Text deltas concatenate to the final content.
+- text let go at the end because the generation ended inside a call (a tag begun, a call not
+  closed) comes as a `CutCall` (content like any other; a reply cut by max_tokens leaves it out).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import uuid
 from dataclasses import dataclass
 
 from hibana_plugins.hookspecs import (  # noqa: F401 (the protocol types, re-exported)
+    CutCall,
     ParsedOutput,
     ToolCall,
     ToolCallDelta,
@@ -287,10 +290,11 @@ class _Stream:
     def _error(self) -> str | None:
         return "; ".join(self._errors) or None
 
-    def _text(self, out: list, text: str) -> None:
+    def _text(self, out: list, text: str, cut: bool = False) -> None:
+        """Content; `cut`: a call the generation ended inside (`CutCall`)."""
         emitted = self._content.add(text)
         if emitted:
-            out.append(emitted)
+            out.append(CutCall(emitted) if cut else emitted)
 
     def _accept(self, out: list, decoded: _Decoded) -> None:
         """A complete, well-formed call: streamed now, whole, and kept for the result."""
@@ -300,9 +304,9 @@ class _Stream:
         out.append(ToolCallDelta(index, call.id, call.name))
         out.append(ToolCallDelta(index, None, None, decoded.arguments_json))
 
-    def _reject(self, out: list, raw: str, error: str) -> None:
+    def _reject(self, out: list, raw: str, error: str, cut: bool = False) -> None:
         self._errors.append(error)
-        self._text(out, raw)
+        self._text(out, raw, cut)
 
     def _advance(self, out: list, final: bool) -> None:
         raise NotImplementedError
@@ -318,10 +322,12 @@ class _HermesStream(_Stream):
             if self._call is None:
                 start = self._buffer.find(HERMES_START)
                 if start < 0:
-                    keep = 0 if final else partial_tag_length(self._buffer, HERMES_START)
-                    cut = len(self._buffer) - keep
-                    self._text(out, self._buffer[:cut])
-                    self._buffer = self._buffer[cut:]
+                    begun = len(self._buffer) - partial_tag_length(self._buffer, HERMES_START)
+                    self._text(out, self._buffer[:begun])
+                    self._buffer = self._buffer[begun:]  # may open a call: decided by what follows
+                    if final:
+                        self._text(out, self._buffer, cut=True)
+                        self._buffer = ""
                     return
                 self._text(out, self._buffer[:start])
                 self._buffer = self._buffer[start + len(HERMES_START) :]
@@ -332,13 +338,15 @@ class _HermesStream(_Stream):
             if end is None and not final:
                 return  # the call is decided at its </tool_call> or at the end of the text
             body = self._buffer if end is None else self._buffer[:end]
-            self._buffer = "" if end is None else self._buffer[end + len(HERMES_END) :]
+            if end is None and HERMES_END.startswith(body[self._call.pos:]):  # the text ended inside its end tag
+                body = body[:self._call.pos]
+            raw, self._buffer = (self._buffer, "") if end is None else (body, self._buffer[end + len(HERMES_END):])
             self._call = None
             decoded = _decode_call(body, require_arguments=False)
             if decoded.error is None:
                 self._accept(out, decoded)
             elif end is None:
-                self._reject(out, HERMES_START + body, f"unclosed {HERMES_START}: {decoded.error}")
+                self._reject(out, HERMES_START + raw, f"unclosed {HERMES_START}: {decoded.error}", cut=True)
             else:
                 self._reject(out, HERMES_START + body + HERMES_END, decoded.error)
 
@@ -346,7 +354,8 @@ class _HermesStream(_Stream):
 class HermesToolParser:
     """Hermes / Qwen tool calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
 
-    A block left unclosed at the end of the generation is accepted when its JSON is complete.
+    A block left unclosed at the end of the generation (or cut inside its end tag) is accepted
+    when its JSON is complete.
     """
 
     name = "hermes"
@@ -381,10 +390,12 @@ class _Llama3Stream(_Stream):
             elif self._mode == "text":
                 tag = self._buffer.find(PYTHON_TAG)
                 if tag < 0:
-                    keep = 0 if final else partial_tag_length(self._buffer, PYTHON_TAG)
-                    cut = len(self._buffer) - keep
-                    self._text(out, self._buffer[:cut])
-                    self._buffer = self._buffer[cut:]
+                    begun = len(self._buffer) - partial_tag_length(self._buffer, PYTHON_TAG)
+                    self._text(out, self._buffer[:begun])
+                    self._buffer = self._buffer[begun:]  # may open the calls: decided by what follows
+                    if final:
+                        self._text(out, self._buffer, cut=True)
+                        self._buffer = ""
                     return
                 self._text(out, self._buffer[:tag])
                 self._buffer = self._buffer[tag + len(PYTHON_TAG) :]
@@ -424,7 +435,7 @@ class _Llama3Stream(_Stream):
             self._mode = "text"
         else:
             tag = PYTHON_TAG if not self._bare and self._region_calls == 1 else ""
-            self._reject(out, tag + text, decoded.error)
+            self._reject(out, tag + text, decoded.error, cut=not scanner.complete)
         return True
 
 

@@ -55,6 +55,10 @@ def post(base_url: str, body: bytes, key: str | None = KEY) -> tuple[int, dict]:
 
 def test_models_and_health(client, base_url):
     assert [m.id for m in client.models.list()] == ["demo"]
+    assert client.models.retrieve("demo").id == "demo"  # GET /v1/models/{model}, as OpenAI serves it
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("gpt-9")
+    assert caught.value.body["code"] == "model_not_found" and caught.value.body["param"] == "model"
     with urllib.request.urlopen(base_url + "/health", timeout=10) as response:  # no key wanted
         assert json.loads(response.read()) == {"status": "ok"}
 
@@ -84,6 +88,13 @@ def test_streaming_gives_the_same_text_and_a_usage_chunk(client):
         [whole.choices[0].finish_reason]
     assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert len({c.id for c in chunks}) == 1
+    # OpenAI's rule with include_usage: every other chunk has the field too, null (here, legacy completions too)
+    assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1])
+    texts = list(client.completions.create(model="demo", prompt="Hello", max_tokens=4, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert all("usage" in c.model_fields_set and c.usage is None for c in texts[:-1]) and texts[-1].usage
+    plain = list(client.chat.completions.create(model="demo", messages=messages, max_tokens=4, stream=True))
+    assert not any("usage" in c.model_fields_set for c in plain)  # asked for no usage: no field
 
 
 def test_deltas_made_at_once_are_one_chunk_per_run_of_text():
@@ -167,10 +178,40 @@ def test_parallel_tool_calls_false_gives_one_call(client):
     assert len(client.chat.completions.create(**ask, parallel_tool_calls=False).choices[0].message.tool_calls) == 1
 
 
-def test_tool_choice_none_offers_no_tools(client):
+def test_a_reply_cut_by_max_tokens_inside_its_second_call_is_length_with_the_first_call(client):
+    """As OpenAI and vLLM: output stopped by max_tokens is "length", calls or not; the complete
+    call is a tool call and the cut one's markup is nobody's content, streamed or not."""
+    ask = dict(model="demo", tools=[WEATHER, MULTIPLY], tool_choice="required",
+               messages=[{"role": "user", "content": "Weather in Oslo and in Rome?"}])
+    whole = client.chat.completions.create(**ask, max_tokens=96)
+    assert len(whole.choices[0].message.tool_calls) == 2
+    ask["max_tokens"] = whole.usage.completion_tokens - 4  # inside the second call's arguments
+    cut = client.chat.completions.create(**ask).choices[0]
+    assert cut.finish_reason == "length" and not cut.message.content
+    assert [c.function for c in cut.message.tool_calls] == [whole.choices[0].message.tool_calls[0].function]
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+    named = [piece.function.name for c in chunks for piece in c.choices[0].delta.tool_calls or () if piece.id]
+    assert named == [cut.message.tool_calls[0].function.name]
+
+
+def test_tool_choice_none_lists_the_tools_and_calls_none(client):
+    """As OpenAI's "none": the model sees the tools (the prompt is the one with them, so a tool
+    loop's state goes on being reused) and writes no call, not even as text."""
+    messages = [{"role": "user", "content": "What's the weather in Oslo?"}]
+    first = client.chat.completions.create(model="demo", tools=[WEATHER], messages=messages, max_tokens=48)
+    call = first.choices[0].message.tool_calls[0]
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "condition": "sunny"}'}]
     reply = client.chat.completions.create(model="demo", tools=[WEATHER], tool_choice="none", max_tokens=48,
-                                           messages=[{"role": "user", "content": "What's the weather in Oslo?"}])
-    assert not reply.choices[0].message.tool_calls and reply.choices[0].finish_reason != "tool_calls"
+                                           messages=messages)
+    choice = reply.choices[0]
+    assert not choice.message.tool_calls and choice.finish_reason != "tool_calls"
+    assert "<tool_call>" not in choice.message.content
+    assert reply.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens  # the loop's state
+    auto = client.chat.completions.create(model="demo", tools=[WEATHER], messages=messages, max_tokens=1)
+    assert reply.usage.prompt_tokens == auto.usage.prompt_tokens
 
 
 def test_response_format_json_schema_holds_the_reply(client):
@@ -307,6 +348,21 @@ def test_a_client_gone_mid_stream_cancels_its_turn(client, engine):
     assert engine.stats().generated_tokens - before < 150
 
 
+def test_a_client_gone_mid_stream_cancels_every_choice(client, engine):
+    before = engine.stats().generated_tokens
+    stream = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Count on."}],
+                                            max_tokens=500, stream=True, response_format=LONG_LIST, n=3)
+    chunks = iter(stream)
+    while not next(chunks).choices[0].delta.content:  # past the role chunks: the turns generate
+        pass
+    stream.close()
+    deadline = time.monotonic() + 30
+    while any(info.busy for info in engine.states()):
+        assert time.monotonic() < deadline, "an abandoned choice still holds its state"
+        time.sleep(0.02)
+    assert engine.stats().generated_tokens - before < 3 * 150
+
+
 def test_a_client_gone_before_its_whole_reply_cancels_its_turn(client, engine, base_url):
     """Not streamed: the client's timeout closes the connection while the server generates; the
     turn stops within a step or two and lets its state go, and a client beside it gets its reply."""
@@ -358,9 +414,6 @@ def test_completions_continue_the_prompt_as_it_is(client, engine):
                                             stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == local.raw_text
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the first request's state
-    with pytest.raises(openai.BadRequestError) as caught:  # several prompts are answered whole
-        client.completions.create(model="demo", prompt=["one", "two"], stream=True)
-    assert caught.value.body["param"] == "prompt"
 
 
 def test_completions_of_several_prompts_give_a_choice_each(client):
@@ -382,6 +435,29 @@ def test_completions_of_several_prompts_give_a_choice_each(client):
         assert caught.value.body["param"] == "prompt" and says in caught.value.body["message"]
 
 
+def test_completions_take_prompts_as_token_ids(client, engine):
+    """OpenAI's other prompt forms: token ids, or a list of them. They are the prompt as given (no
+    template, no re-tokenizing: control tokens the caller wrote stay, as in a text prompt); ids
+    outside the vocabulary are a 400 on `prompt`."""
+    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}], add_generation_prompt=True,
+                                                tokenize=False)
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    as_text = client.completions.create(model="demo", prompt=text, max_tokens=12)
+    as_ids = client.completions.create(model="demo", prompt=ids, max_tokens=12)
+    assert as_ids.choices[0].text == as_text.choices[0].text and as_ids.usage.prompt_tokens == len(ids)
+    streamed = list(client.completions.create(model="demo", prompt=ids, max_tokens=12, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == as_text.choices[0].text
+    other = engine.tokenizer.encode("Once upon a time", add_special_tokens=False)
+    both = client.completions.create(model="demo", prompt=[ids, other], max_tokens=12)
+    alone = client.completions.create(model="demo", prompt=other, max_tokens=12)
+    assert [c.text for c in both.choices] == [as_text.choices[0].text, alone.choices[0].text]
+    for prompt, says in [([engine.vocab_size], "vocabulary"), ([ids, [5, -1]], "vocabulary"), ([ids, []], "token"),
+                         ([1, "a"], "prompt")]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model="demo", prompt=prompt, max_tokens=2)
+        assert caught.value.body["param"] == "prompt" and says in caught.value.body["message"], caught.value.body
+
+
 # --- errors ------------------------------------------------------------------------------------------
 
 def test_a_wrong_or_missing_key_is_refused(base_url):
@@ -398,7 +474,7 @@ def test_a_wrong_or_missing_key_is_refused(base_url):
     (b'[1, 2]', None),                                                                  # not an object
     (b'{"model": "demo", "messages": "hi"}', "messages"),                              # wrong type
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "temperature": "1"}', "temperature"),
-    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "n": 2}', "n"),
+    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "n": 65}', "n"),
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000000}', "max_tokens"),
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "sometimes"}',
      "tool_choice"),
@@ -504,10 +580,50 @@ def test_hostile_requests_get_4xx_and_leave_a_client_beside_them_unaffected(clie
         assert got == status and body["error"]["message"], (status, got, body)
 
 
-def test_n_above_one_through_the_client(client):
+def test_n_choices_are_the_replies_of_n_requests(client):
+    """n > 1 as OpenAI answers it: n choices by index, the prompt counted once in the usage. Choice
+    i of a seeded request samples with seed + i, so choice 0 is the reply to n=1; greedy choices
+    are alike. Pinned to one state (X-Hibana-State): 400."""
+    ask = dict(model="demo", messages=[{"role": "user", "content": "Tell me something."}], max_tokens=12)
+    alone = [client.chat.completions.create(**ask, temperature=1.5, seed=seed) for seed in (7, 8, 9)]
+    together = client.chat.completions.create(**ask, temperature=1.5, seed=7, n=3)
+    assert [c.index for c in together.choices] == [0, 1, 2]
+    assert [c.message.content for c in together.choices] == [r.choices[0].message.content for r in alone]
+    assert len({c.message.content for c in together.choices}) > 1
+    assert together.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert together.usage.completion_tokens == sum(r.usage.completion_tokens for r in alone)
+    greedy = client.chat.completions.create(**ask, n=2).choices
+    assert greedy[0].message.content == greedy[1].message.content
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], n=2)
-    assert caught.value.status_code == 400 and caught.value.body["param"] == "n"
+        client.chat.completions.create(**ask, n=2, extra_headers={STATE_HEADER: "pinned-n"})
+    assert caught.value.body["param"] == "n"
+    texts = client.completions.create(model="demo", prompt=["Once upon a time", "Hello"], max_tokens=6, n=2,
+                                      temperature=1.5, seed=3).choices
+    one = [client.completions.create(model="demo", prompt=p, max_tokens=6, temperature=1.5, seed=s).choices[0].text
+           for p in ("Once upon a time", "Hello") for s in (3, 4)]
+    assert [c.index for c in texts] == [0, 1, 2, 3] and [c.text for c in texts] == one
+
+
+def test_n_choices_and_several_prompts_stream_by_index(client):
+    """Streamed, each choice's chunks carry its index (interleaved as the turns run at once): a
+    role chunk each, its text, its finish reason; then one usage chunk for the whole request."""
+    ask = dict(model="demo", messages=[{"role": "user", "content": "Tell me something."}], max_tokens=12,
+               temperature=1.5, seed=7, n=3)
+    whole = client.chat.completions.create(**ask)
+    chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    deltas = [c.choices[0] for c in chunks if c.choices]
+    assert sorted(d.index for d in deltas if d.delta.role) == [0, 1, 2]
+    for choice in whole.choices:
+        mine = [d for d in deltas if d.index == choice.index]
+        assert "".join(d.delta.content or "" for d in mine) == choice.message.content
+        assert [d.finish_reason for d in mine if d.finish_reason] == [choice.finish_reason]
+    assert chunks[-1].usage.model_dump() == whole.usage.model_dump() and len({c.id for c in chunks}) == 1
+    prompts = ["Once upon a time", "Hello"]
+    texts = client.completions.create(model="demo", prompt=prompts, max_tokens=6, n=2, seed=3, temperature=1.5)
+    streamed = list(client.completions.create(model="demo", prompt=prompts, max_tokens=6, n=2, seed=3,
+                                              temperature=1.5, stream=True))
+    assert ["".join(c.choices[0].text for c in streamed if c.choices[0].index == i) for i in range(4)] == \
+        [c.text for c in texts.choices]
 
 
 def test_unknown_model_and_oversized_body(client, base_url):
@@ -517,6 +633,17 @@ def test_unknown_model_and_oversized_body(client, base_url):
     status, reply = post(base_url, json.dumps({"model": "demo", "messages": [
         {"role": "user", "content": "x" * (70 << 10)}]}).encode())
     assert status == 413 and reply["error"]["code"] == "request_too_large"
+
+
+def test_a_wrong_url_or_method_says_which(base_url):
+    """As OpenAI's: the error names the method and path it got, not a bare "Not Found"."""
+    for method, path, status in [("POST", "/v1/chat/complete", 404), ("GET", "/v1/chat/completions", 405)]:
+        request = urllib.request.Request(base_url + path, method=method, data=b"{}" if method == "POST" else None,
+                                         headers={"Authorization": f"Bearer {KEY}"})
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=10)
+        error = json.loads(caught.value.read())["error"]
+        assert caught.value.code == status and f"({method} {path})" in error["message"], error
 
 
 def test_a_context_too_long_is_refused_and_the_server_goes_on(client, engine):

@@ -386,6 +386,30 @@ def test_stream_and_result_agree_for_every_cut_and_chunking(engine, output):
             assert whole.text == result.text and whole.finish_reason == result.finish_reason
 
 
+def test_a_call_cut_by_max_tokens_is_marked_in_stream_and_result(engine):
+    """Cut anywhere by max_tokens, the text the parser lets go only at the end is the call being
+    written: marked `cut_call` (in the result too), so the rest is the answer without any markup."""
+    chat = Chat(engine)
+    output = TRUTH_OUTPUTS[1]  # text, a call, a second call
+    for end in range(len(output)):
+        deltas = list(chat.on(ScriptedHandle([output[:end]], "length")).stream_respond(HELLO, [WEATHER]))
+        result = deltas[-1].result
+        answer = "".join(d.text for d in deltas if not d.cut_call)
+        assert "<" not in answer and answer == result.text.removesuffix(result.cut_call), output[:end]
+        assert result.cut_call == "".join(d.text for d in deltas if d.cut_call)
+    whole = chat.on(ScriptedHandle([output], "stop")).respond(HELLO, [WEATHER])
+    assert whole.cut_call == "" and len(whole.tool_calls) == 2
+
+
+@pytest.mark.parametrize("text, cut", [('{"answer": "Oslo is', False),  # an answer in JSON: content
+                                       ('{"name": "get_weather", "parameters": {"ci', True),
+                                       ('Let me see. <|python_ta', True)])
+def test_a_cut_call_is_what_the_parser_read_as_one(engine, text, cut):
+    """Llama 3's calls open with "{": a JSON answer cut by max_tokens is the answer, not a cut call."""
+    result = Chat(engine, tool_parser="llama3_json").on(ScriptedHandle([text], "length")).respond(HELLO, [WEATHER])
+    assert result.text == text and bool(result.cut_call) == cut and result.finish_reason == "length"
+
+
 def test_valid_and_malformed_calls_keep_the_valid_one_in_stream_and_result(engine):
     output = TRUTH_OUTPUTS[3]
     result = Chat(engine).on(ScriptedHandle([output])).respond(HELLO, [WEATHER])
@@ -403,6 +427,18 @@ def test_tool_choice_none_never_returns_calls(engine):
         assert result.tool_calls == [] and result.text == CALL and result.finish_reason == "stop"
     deltas = list(chat.on(ScriptedHandle(list(CALL))).stream_respond(HELLO, [WEATHER], tool_choice="none"))
     assert all(d.tool_call is None for d in deltas) and "".join(d.text for d in deltas) == CALL
+
+
+def test_tool_choice_none_holds_the_model_off_a_call(engine):
+    """The prompt lists the tools and a grammar keeps the model from opening a call: the demo,
+    which calls for the weather, answers in text instead of writing a call as text."""
+    ask = [{"role": "user", "content": "What's the weather in Oslo?"}]
+    free = Chat(engine, "none-free").respond(ask, [WEATHER], SamplingParams(max_tokens=40, grammar=None),
+                                             tool_choice="auto")
+    assert free.tool_calls  # what the demo does when it may call
+    held = Chat(engine, "none-held").respond(ask, [WEATHER], SamplingParams(max_tokens=40), tool_choice="none")
+    assert not held.tool_calls and held.text and "<tool_call>" not in held.raw_text
+    assert held.usage.prompt_tokens == free.usage.prompt_tokens  # the tools are listed all the same
 
 
 def test_parallel_tool_calls_false_gives_one_call_in_stream_and_result(engine):

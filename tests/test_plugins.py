@@ -387,6 +387,17 @@ def test_hermes_unclosed_block_at_the_end():
     assert "unclosed" in cut.error
 
 
+def test_hermes_call_cut_inside_its_end_tag_is_complete():
+    """Cut by max_tokens inside `</tool_call>`, a call whose JSON is whole is a call, as one whose
+    end tag is missing altogether; a cut that is no end tag's start stays malformed text."""
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n'
+    for end_tag in ("", "<", "</tool_c", "</tool_call"):
+        output = HermesToolParser().parse(call + end_tag)
+        assert [(c.name, c.arguments) for c in output.tool_calls] == [("f", {"a": 1})] and not output.content, end_tag
+    broken = HermesToolParser().parse(call + "<x")
+    assert broken.tool_calls == [] and broken.content == call + "<x" and "unclosed" in broken.error
+
+
 def test_hermes_stream_holds_back_a_possible_tag_until_decided():
     stream = HermesToolParser().stream()
     assert stream.feed("Hello <tool") == ["Hello"]
