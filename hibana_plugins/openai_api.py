@@ -182,6 +182,8 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
     logprobs = bool(chat and request.logprobs)
     if chat and request.top_logprobs and not logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    if request.stream_options is not None and not request.stream:  # as OpenAI refuses it
+        raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
     params = SamplingParams(
         max_tokens=max_tokens or max_tokens_limit,
         temperature=_given(request.temperature, 0.0),  # greedy unless asked: as in-process

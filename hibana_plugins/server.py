@@ -219,7 +219,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         return await on_api_error(request, ApiError(500, "the server failed on this request; its log says why",
                                                     kind="server_error"))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and uptime checkers' probe
     async def health() -> JSONResponse:
         closed = engine.core.closed
         return JSONResponse({"status": "closed" if closed else "ok"}, status_code=503 if closed else 200)

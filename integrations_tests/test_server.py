@@ -61,6 +61,8 @@ def test_models_and_health(client, base_url):
     assert caught.value.body["code"] == "model_not_found" and caught.value.body["param"] == "model"
     with urllib.request.urlopen(base_url + "/health", timeout=10) as response:  # no key wanted
         assert json.loads(response.read()) == {"status": "ok"}
+    with urllib.request.urlopen(urllib.request.Request(base_url + "/health", method="HEAD"), timeout=10) as response:
+        assert response.status == 200  # a load balancer's probe
 
 
 def test_plain_chat_is_the_in_process_reply(client, engine):
@@ -484,6 +486,8 @@ def test_a_wrong_or_missing_key_is_refused(base_url):
      "top_logprobs"),
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": 1}}',
      "stream_options.include_usage"),
+    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": true}}',
+     "stream_options"),                                                                   # without stream: true
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}',
      "tools"),
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
