@@ -4,6 +4,7 @@ and their per-state indexes, the controller's plan, acceptance statistics, Specu
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -213,6 +214,32 @@ def test_a_disturbed_profile_point_does_not_make_drafting_look_free():
     assert Controller(model).plan([Candidate(stats_with(0.004), 16, None)], 1, 1) == [0]
     model.observe(64, 1e-4)  # a measurement below the smaller points pulls them down with it
     assert [model.cost(n, False) for n in (1, 8, 64)] == sorted(model.cost(n, False) for n in (1, 8, 64))
+
+
+def test_a_profile_of_disturbed_multi_token_steps_does_not_stop_drafting():
+    """A busy CPU timed every step of 2 to 256 tokens 50x too slow at start-up (0.5 s for 2 tokens
+    against 10 ms for 1); no verify step then ran to correct it, and adaptive speculation drafted
+    almost nothing. A step of n tokens costs at most n one-token steps, measured or profiled."""
+    model = StepCostModel([1, 2, 4, 8, 16, 32, 64, 128, 256],
+                          [0.0097, 0.499, 0.499, 0.572, 0.572, 0.572, 0.820, 1.040, 2.244], sync_overhead=0.0064)
+    assert model.cost(2, False) == pytest.approx(2 * 0.0097) and model.cost(8, False) == pytest.approx(8 * 0.0097)
+    model.observe(4, 0.06)  # measured: dearer than four one-token steps, kept to that bound
+    assert model.cost(4, False) == pytest.approx(4 * 0.0097)
+
+
+def test_the_start_up_profile_outlasts_a_burst_of_other_work():
+    """The profile times the whole ladder round after round: a burst that slows several timings
+    in a row (here five, 40 ms each instead of 1 ms) leaves every count a clean timing."""
+    from hibana_core.speculation.speculator import profile_step_costs
+
+    calls = []
+
+    def forward(n: int) -> None:
+        calls.append(n)
+        time.sleep(0.04 if 12 <= len(calls) < 17 else 0.001)
+
+    model = profile_step_costs(forward, 64, lambda: None)
+    assert all(s < 0.02 for s in model.seconds), model.seconds
 
 
 # --- configuration -------------------------------------------------------------------------------

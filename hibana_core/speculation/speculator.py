@@ -348,19 +348,27 @@ class Speculator:
         }
 
 
-def profile_step_costs(forward: Callable[[int], None], max_tokens: int, sync: Callable[[], None]) -> StepCostModel:
-    """Time `forward(num_tokens)` on the device at a ladder of token counts (best of 2 each): a
-    coarse prior, which the steps the engine runs then refine (`StepCostModel.observe`)."""
+PROFILE_ROUNDS = 3
+"""Timings per token count in the start-up profile of step costs (the best one counts)."""
+
+
+def profile_step_costs(forward: Callable[[int], None], max_tokens: int, sync: Callable[[], None],
+                       rounds: int = PROFILE_ROUNDS) -> StepCostModel:
+    """Time `forward(num_tokens)` on the device at a ladder of token counts: a coarse prior, which
+    the steps the engine runs then refine (`StepCostModel.observe`). Each count's best of `rounds`
+    timings, taken round after round over the whole ladder, so that a burst of other work on the
+    machine slows one timing of several counts rather than every timing of a few (best of two in
+    a row timed 2- to 256-token steps 50x too slow on a busy CPU: verify steps looked too dear
+    to run, and so were never timed again)."""
     points = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= max(max_tokens, 1)]
-    seconds = []
     for n in points:
         forward(n)  # warm up (kernels compile, caches fill)
-        best = float("inf")
-        for _ in range(2):
+    seconds = [float("inf")] * len(points)
+    for _ in range(rounds):
+        for i, n in enumerate(points):
             sync()
             start = time.perf_counter()
             forward(n)
             sync()
-            best = min(best, time.perf_counter() - start)
-        seconds.append(best)
+            seconds[i] = min(seconds[i], time.perf_counter() - start)
     return StepCostModel(points, seconds, sync_overhead=0.1 * seconds[0])
