@@ -222,6 +222,60 @@ def _pointed(schema: Any, ref: str) -> Any:
     return node
 
 
+_EBNF_TOKEN = re.compile(r'\s*("(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[A-Za-z_][A-Za-z0-9_]*|\(=|'
+                         r'\{\s*\d+\s*,\s*-?\d+\s*\}|[()|*+?])')
+
+
+def rules_without_finite_string(ebnf: str) -> list[str]:
+    """The rules of xgrammar's normalized EBNF (`str(Grammar)`) that derive no finite string (a
+    fixpoint: a rule is finite once one alternative needs only finite rules); xgrammar's
+    forced-string search never ends on them. Text this reader does not follow leaves every rule
+    counted finite."""
+    rules = {}
+    for line in ebnf.splitlines():
+        name, sep, body = line.partition(" ::= ")
+        if not sep:
+            return []
+        tokens = _EBNF_TOKEN.findall(body)
+        if re.sub(r"\s+", "", "".join(tokens)) != re.sub(r"\s+", "", body):
+            return []
+        rules[name.strip()] = tokens
+    finite: set[str] = set()
+
+    def expression(tokens: list[str], at: int) -> tuple[bool, int]:
+        ok, at = sequence(tokens, at)
+        while at < len(tokens) and tokens[at] == "|":
+            more, at = sequence(tokens, at + 1)
+            ok = ok or more
+        return ok, at
+
+    def sequence(tokens: list[str], at: int) -> tuple[bool, int]:
+        ok = True
+        while at < len(tokens) and tokens[at] not in ("|", ")"):
+            token = tokens[at]
+            if token in ("(", "(="):
+                item, at = expression(tokens, at + 1)
+                item = item or token == "(="  # a lookahead reads nothing
+                at += 1  # the closing parenthesis
+            else:
+                item, at = (token in finite) if token[0].isalpha() or token[0] == "_" else True, at + 1
+            if at < len(tokens) and (tokens[at] in ("*", "?", "+") or tokens[at].startswith("{")):
+                suffix = tokens[at]
+                item = item or suffix in ("*", "?") or (suffix.startswith("{") and int(suffix[1:].split(",")[0]) == 0)
+                at += 1
+            ok = ok and item
+        return ok, at
+
+    grew = True
+    while grew:
+        grew = False
+        for name, tokens in rules.items():
+            if name not in finite and expression(tokens, 0)[0]:
+                finite.add(name)
+                grew = True
+    return [name for name in rules if name not in finite]
+
+
 def _bound_numbers(ebnf: str) -> str:
     """`ebnf` with every run of digits bounded (MAX_NUMBER_DIGITS, MAX_EXPONENT_DIGITS): the numbers
     it allows that JSON readers hold exactly stay, an output cannot be one endless number, and no
@@ -590,8 +644,15 @@ class Grammars:
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
             if kind == "ebnf":
-                return compiler.compile_grammar(params.grammar)
+                grammar = xgr.Grammar.from_ebnf(params.grammar)
+                endless = rules_without_finite_string(str(grammar))
+                if "root" in endless:
+                    raise GrammarError(f"the grammar has no finite string: its rules {', '.join(endless)} never end "
+                                       "(every alternative leads back to one of them); give each a way out")
+                return compiler.compile_grammar(grammar)
             return compiler.compile_structural_tag(xgr.StructuralTag.from_json(json.dumps(tag)))
+        except GrammarError:
+            raise
         except Exception as exc:  # noqa: BLE001 - RuntimeError from C++, pydantic's ValidationError
             raise GrammarError(f"the {what} cannot be compiled: {_message(exc)}; fix it (xgrammar's "
                                "syntax) or drop the constraint") from None

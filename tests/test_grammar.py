@@ -482,6 +482,18 @@ def test_a_recursive_schema_with_a_way_out_compiles(schema):
     json_schema_grammar(SamplingParams(json_schema=schema).json_schema)
 
 
+@pytest.mark.parametrize("grammar, endless", [('root ::= "a" root', "root"),
+                                             ('root ::= "{" root "}" | x\nx ::= "(" x ")"', "root, x")])
+def test_a_grammar_without_a_finite_string_is_refused(engine, grammar, endless):
+    """An EBNF grammar whose every derivation goes on for ever is a GrammarError naming its rules
+    (compiled here, not generated: xgrammar's forced-string search never ended on it and took the
+    process down); one with a way out compiles."""
+    grammars = engine.grammars
+    with pytest.raises(GrammarError, match=f"no finite string: its rules {endless} never end"):
+        grammars.compile(SamplingParams(grammar=grammar))
+    grammars.compile(SamplingParams(grammar='root ::= "a" root | "b"'))
+
+
 def test_sampling_params_refuse_constraints_that_are_not_one():
     with pytest.raises(GrammarError, match="one of json_schema, regex and grammar"):
         SamplingParams(json_schema={}, regex="a")
