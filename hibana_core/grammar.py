@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 
-from hibana_core.config import SamplingParams
+from hibana_core.config import SamplingParams, is_kind
 from hibana_core.errors import GrammarError
 from hibana_core.kv.transfers import device_tensor
 from hibana_core.sampler import TokenMasks
@@ -140,6 +140,11 @@ def json_schema_grammar(schema: Any) -> Any:
         text = json.dumps(schema)
     except (TypeError, ValueError) as exc:
         raise GrammarError(f"the JSON schema is not plain JSON data ({exc})") from None
+    endless = without_finite_value(schema)
+    if endless is not None:
+        raise GrammarError(f"the JSON schema has no finite value: every value of {endless} holds another (through "
+                           "required properties, or lists that may not be empty); make one of them optional or let "
+                           "the list be empty")
     try:
         grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
     except RuntimeError as exc:
@@ -148,6 +153,127 @@ def json_schema_grammar(schema: Any) -> Any:
     ebnf = str(grammar)
     bounded = _bound_numbers(ebnf.replace(_LOOSE_CHARACTER, _JSON_CHARACTER))  # strings with
     return grammar if bounded == ebnf else xgr.Grammar.from_ebnf(bounded)  # min/maxLength: no control chars
+
+
+def without_finite_value(schema: Any) -> str | None:
+    """The first `$ref` target of `schema` ("#/$defs/Node") whose every value contains another
+    value of it (a required property or a non-empty list leading back), where the whole schema
+    has no finite value; else None. xgrammar's forced-string search (`find_jump_forward_string`)
+    never ends on such a grammar. A fixpoint over the $ref targets: one is finite once a value
+    of it needs only targets already known finite. Unsure cases count as finite."""
+    found: dict[str, None] = {}  # $ref targets met, in order
+    finite: set[str] = set()
+
+    def ok(node: Any) -> bool:
+        if not isinstance(node, dict):
+            return node is not False
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            found.setdefault(ref)
+            return ref in finite or _pointed(schema, ref) is None
+        if "enum" in node or "const" in node:
+            return True
+        branches = node.get("anyOf", node.get("oneOf"))
+        if isinstance(branches, list) and branches and not any(ok(b) for b in branches):
+            return False
+        if isinstance(node.get("allOf"), list) and not all(ok(b) for b in node["allOf"]):
+            return False
+        kinds = node.get("type")
+        kinds = [kinds] if isinstance(kinds, str) else kinds
+        return not isinstance(kinds, list) or any(kind_ok(kind, node) for kind in kinds)
+
+    def kind_ok(kind: Any, node: dict) -> bool:
+        if kind == "object":
+            properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+            required = node.get("required") if isinstance(node.get("required"), list) else []
+            return all(ok(properties.get(key, True)) for key in required if isinstance(key, str))
+        if kind == "array":
+            least = node.get("minItems", 0) if is_kind(node.get("minItems", 0), int) else 0
+            prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+            return all(ok(p) for p in prefix[:least]) and (least <= len(prefix) or ok(node.get("items", True)))
+        return True
+
+    root_ok, grew = ok(schema), True
+    while not root_ok and grew:
+        grew = False
+        for ref in list(found):
+            if ref not in finite and ok(_pointed(schema, ref)):
+                finite.add(ref)
+                grew = True
+        root_ok = ok(schema)
+    return None if root_ok else next((ref for ref in found if ref not in finite), "#")
+
+
+def _pointed(schema: Any, ref: str) -> Any:
+    """The subschema a "#/..." JSON pointer names, or None (another document, a missing key)."""
+    if ref == "#":
+        return schema
+    if not ref.startswith("#/"):
+        return None
+    node = schema
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+_EBNF_TOKEN = re.compile(r'\s*("(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[A-Za-z_][A-Za-z0-9_]*|\(=|'
+                         r'\{\s*\d+\s*,\s*-?\d+\s*\}|[()|*+?])')
+
+
+def rules_without_finite_string(ebnf: str) -> list[str]:
+    """The rules of xgrammar's normalized EBNF (`str(Grammar)`) that derive no finite string (a
+    fixpoint: a rule is finite once one alternative needs only finite rules); xgrammar's
+    forced-string search never ends on them. Text this reader does not follow leaves every rule
+    counted finite."""
+    rules = {}
+    for line in ebnf.splitlines():
+        name, sep, body = line.partition(" ::= ")
+        if not sep:
+            return []
+        tokens = _EBNF_TOKEN.findall(body)
+        if re.sub(r"\s+", "", "".join(tokens)) != re.sub(r"\s+", "", body):
+            return []
+        rules[name.strip()] = tokens
+    finite: set[str] = set()
+
+    def expression(tokens: list[str], at: int) -> tuple[bool, int]:
+        ok, at = sequence(tokens, at)
+        while at < len(tokens) and tokens[at] == "|":
+            more, at = sequence(tokens, at + 1)
+            ok = ok or more
+        return ok, at
+
+    def sequence(tokens: list[str], at: int) -> tuple[bool, int]:
+        ok = True
+        while at < len(tokens) and tokens[at] not in ("|", ")"):
+            token = tokens[at]
+            if token in ("(", "(="):
+                item, at = expression(tokens, at + 1)
+                item = item or token == "(="  # a lookahead reads nothing
+                at += 1  # the closing parenthesis
+            else:
+                item, at = (token in finite) if token[0].isalpha() or token[0] == "_" else True, at + 1
+            if at < len(tokens) and (tokens[at] in ("*", "?", "+") or tokens[at].startswith("{")):
+                suffix = tokens[at]
+                item = item or suffix in ("*", "?") or (suffix.startswith("{") and int(suffix[1:].split(",")[0]) == 0)
+                at += 1
+            ok = ok and item
+        return ok, at
+
+    grew = True
+    while grew:
+        grew = False
+        for name, tokens in rules.items():
+            if name not in finite and expression(tokens, 0)[0]:
+                finite.add(name)
+                grew = True
+    return [name for name in rules if name not in finite]
 
 
 def _bound_numbers(ebnf: str) -> str:
@@ -518,8 +644,15 @@ class Grammars:
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
             if kind == "ebnf":
-                return compiler.compile_grammar(params.grammar)
+                grammar = xgr.Grammar.from_ebnf(params.grammar)
+                endless = rules_without_finite_string(str(grammar))
+                if "root" in endless:
+                    raise GrammarError(f"the grammar has no finite string: its rules {', '.join(endless)} never end "
+                                       "(every alternative leads back to one of them); give each a way out")
+                return compiler.compile_grammar(grammar)
             return compiler.compile_structural_tag(xgr.StructuralTag.from_json(json.dumps(tag)))
+        except GrammarError:
+            raise
         except Exception as exc:  # noqa: BLE001 - RuntimeError from C++, pydantic's ValidationError
             raise GrammarError(f"the {what} cannot be compiled: {_message(exc)}; fix it (xgrammar's "
                                "syntax) or drop the constraint") from None

@@ -515,11 +515,10 @@ class StateRegistry:
                 or tier.adopt(seq, computed, saved.kv, saved.starts, disk=True))
 
     def _in_this_pool(self, saved: state_file.SavedState) -> state_file.SavedState:
-        """A saved state in this pool's block size: re-cut where its pages are one plain run
-        (else left as it is, and `_kv_fits` says its KV is recomputed)."""
-        if (saved.block_size != self.pool.block_size and saved.num_computed and saved.starts == (0,)
-                and len(self.kv_cache.layout.groups) == 1 and not self.kv_cache.layout.windowed):
-            return state_file.reblocked(saved, self.pool.block_size)
+        """A saved state in this pool's block size: re-cut, group by group (else left as it is,
+        and `_kv_fits` says its KV is recomputed)."""
+        if saved.block_size != self.pool.block_size and saved.num_computed:
+            return state_file.reblocked(saved, self.pool.block_size, self.kv_cache.layout) or saved
         return saved
 
     def _kv_fits(self, seq: KVSequence, saved: state_file.SavedState) -> bool:

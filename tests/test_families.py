@@ -224,6 +224,21 @@ def test_unsupported_options_are_refused(tmp_path, arch, override, message):
         open_engine(path)
 
 
+@pytest.mark.parametrize("arch, top_k", [("qwen3_moe", 17), ("qwen3_moe", 0), ("gpt_oss", 9)])
+def test_a_top_k_outside_the_experts_is_a_checkpoint_error(tmp_path, arch, top_k):
+    """num_experts_per_tok outside [1, experts] cannot route: refused at load by name (it was a
+    bare ValueError from the router's kernel in the warm-up forward)."""
+    import json
+
+    from hibana_core import CheckpointError
+
+    path = make_tiny_checkpoint(arch, tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": top_k}))
+    with pytest.raises(CheckpointError, match=f"num_experts_per_tok {top_k} "):
+        open_engine(path)
+
+
 def test_the_llama_family_reads_its_mlp_activation(tmp_path, make_engine):
     """transformers' llama-family MLP applies ACT2FN[hidden_act], silu only by default: a
     gelu-tanh one runs gelu-tanh (it once ran silu whatever the config said)."""

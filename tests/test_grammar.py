@@ -446,6 +446,54 @@ def test_the_keywords_the_grammar_holds_are_accepted_and_held(engine, schema):
         jsonschema.validate(value, schema, format_checker=jsonschema.FormatChecker())
 
 
+class _Node(pydantic.BaseModel):
+    name: str
+    child: "_Node"  # required at every level: no finite value
+
+
+class _Tree(pydantic.BaseModel):
+    name: str
+    parent: Optional["_Tree"] = None
+    children: List["_Tree"] = []
+
+
+@pytest.mark.parametrize("schema, where", [
+    (_Node, "#/$defs/_Node"),
+    ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, "#"),
+    ({"$defs": {"A": {"type": "array", "items": {"$ref": "#/$defs/B"}, "minItems": 1},
+                "B": {"anyOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/A"}]}},
+      "type": "object", "properties": {"x": {"$ref": "#/$defs/A"}}, "required": ["x"]}, "#/$defs/A"),
+])
+def test_a_schema_without_a_finite_value_is_refused(schema, where):
+    """A schema whose every value contains itself (a required property or a non-empty list of it,
+    all the way down) is a GrammarError naming where: xgrammar's forced-string search ran without
+    end on it and took the process down (out of memory, 24 GB in a second)."""
+    from hibana_core.grammar import json_schema_grammar
+
+    with pytest.raises(GrammarError, match=f"no finite value.*{re.escape(where)}"):
+        json_schema_grammar(SamplingParams(json_schema=schema).json_schema)
+
+
+@pytest.mark.parametrize("schema", [_Tree, {"type": "object", "properties": {"a": {"$ref": "#"}}},
+                                    {"type": "array", "items": {"$ref": "#"}}])
+def test_a_recursive_schema_with_a_way_out_compiles(schema):
+    from hibana_core.grammar import json_schema_grammar
+
+    json_schema_grammar(SamplingParams(json_schema=schema).json_schema)
+
+
+@pytest.mark.parametrize("grammar, endless", [('root ::= "a" root', "root"),
+                                             ('root ::= "{" root "}" | x\nx ::= "(" x ")"', "root, x")])
+def test_a_grammar_without_a_finite_string_is_refused(engine, grammar, endless):
+    """An EBNF grammar whose every derivation goes on for ever is a GrammarError naming its rules
+    (compiled here, not generated: xgrammar's forced-string search never ended on it and took the
+    process down); one with a way out compiles."""
+    grammars = engine.grammars
+    with pytest.raises(GrammarError, match=f"no finite string: its rules {endless} never end"):
+        grammars.compile(SamplingParams(grammar=grammar))
+    grammars.compile(SamplingParams(grammar='root ::= "a" root | "b"'))
+
+
 def test_sampling_params_refuse_constraints_that_are_not_one():
     with pytest.raises(GrammarError, match="one of json_schema, regex and grammar"):
         SamplingParams(json_schema={}, regex="a")

@@ -202,6 +202,26 @@ def test_windowed_states_park_save_and_load_exactly(windowed, make_engine, tmp_p
     assert state_blocks(other, loaded.id) < len(layout.groups) * blocks  # not every group's every block
 
 
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_a_windowed_state_saved_in_other_blocks_keeps_its_kv(windowed, block_size, make_engine, tmp_path, hf_greedy):
+    """A state past its windows, saved by an engine of 16-token blocks, loads into one of
+    `block_size`-token blocks with its KV (each group's live pages re-cut), by load_state and from
+    state_dir after a restart: the next turn computes only the last sampled token."""
+    arch, path = windowed
+    saver = make_engine(path, speculation="off", state_dir=str(tmp_path / "states"))
+    h = saver.open_state("agent")
+    h.generate(SamplingParams(max_tokens=6, ignore_eos=True), prompt=random_tokens(random.Random(21), 90))
+    tokens = h.tokens
+    h.save(tmp_path / "agent.state")
+    saver.close()  # persists "agent" in state_dir
+    other = make_engine(path, speculation="off", block_size=block_size, state_dir=str(tmp_path / "states"))
+    for handle in (other.load_state(tmp_path / "agent.state", state_id="loaded"), other.open_state("agent")):
+        assert handle.tokens == tokens
+        out = handle.generate(SamplingParams(max_tokens=8, ignore_eos=True))
+        assert out.stats.computed == 1
+        assert list(out.token_ids) == hf_greedy(str(path), tokens, 8)
+
+
 def test_a_prompt_past_a_small_pool_is_prefilled_in_chunks_that_fit(tmp_path, make_engine, hf_greedy):
     """All layers windowed (window 12) and a pool of 3 blocks: a 199-token prompt never fits in
     one chunk (a MemoryBudgetError once), but its KV need is bounded by the window, so the

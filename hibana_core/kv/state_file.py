@@ -3,7 +3,8 @@
 The metadata carries the fingerprint of model and tokenizer, so a state is never restored into a
 model it was not computed by, and a checksum over the metadata and every KV byte, verified before
 the engine allocates anything, so a damaged file is refused whole. A file with another block size
-restores its tokens only (the KV is recomputed on next use). A checksum proves no origin: the
+is re-cut into the engine's blocks (where a page would need a row the file does not hold, it
+restores its tokens only and the KV is recomputed on next use). A checksum proves no origin: the
 engine keeps loaded blocks private to the loaded state unless asked to share them.
 """
 
@@ -41,17 +42,41 @@ class SavedState:
     starts: tuple[int, ...] = (0,)  # each layer group's first block among the pages (`KVSequence.pages`)
 
 
-def reblocked(saved: SavedState, block_size: int) -> SavedState:
+def reblocked(saved: SavedState, block_size: int, layout: KVLayout | None = None) -> SavedState | None:
     """`saved` cut into pages of `block_size` tokens: the KV of a position does not depend on the
     page it sits in, so a state saved by an engine of another block size keeps its KV (its
-    computed tokens' rows, the last page padded). Plain layouts only (one group of pages from
-    position 0: `starts == (0,)`), the caller's to check."""
-    kv, n = saved.kv, saved.num_computed
-    pages = -(-n // block_size)
-    rows = kv.new_zeros((*kv.shape[:2], pages * block_size, *kv.shape[4:]))
-    rows[:, :, :n] = kv.flatten(2, 3)[:, :, :n]
-    return dataclasses.replace(saved, block_size=block_size,
-                               kv=rows.view(*kv.shape[:2], pages, block_size, *kv.shape[4:]))
+    computed tokens' rows, each last page padded). Each layer group of `layout` (None: one plain
+    group) is re-cut on its own: its sink pages, then its window pages from the first new block
+    whose rows the file holds. None where a new page would need a row the file does not hold
+    (the caller then recomputes the KV)."""
+    old, n = saved.block_size, saved.num_computed
+    sinks_old = layout.sink_blocks(old) if layout is not None else (0,)
+    sinks_new = layout.sink_blocks(block_size) if layout is not None else (0,)
+    end_old, end_new = -(-n // old), -(-n // block_size)
+    pieces, starts, at = [], [], 0
+    for (sink, rest), start, sink_new in zip(page_counts(sinks_old, saved.starts, n, old), saved.starts, sinks_new):
+        first = max(start, sink)  # the window pages resume at this old block
+        held = list(range(sink)) + list(range(first, end_old))
+        row = torch.full((end_old * old,), -1, dtype=torch.long)  # position -> row of the group's pages
+        for i, block in enumerate(held):
+            row[block * old:(block + 1) * old] = torch.arange(i * old, (i + 1) * old)
+        kept_sinks = min(sink_new, end_new)
+        new_start = kept_sinks if first == sink else min(max(-(-first * old // block_size), kept_sinks), end_new)
+        blocks = list(range(kept_sinks)) + list(range(new_start, end_new))
+        positions = torch.cat([torch.arange(b * block_size, min((b + 1) * block_size, n)) for b in blocks]) \
+            if blocks else torch.zeros(0, dtype=torch.long)
+        src = row[positions]
+        if bool((src < 0).any()):
+            return None
+        dst = torch.cat([torch.arange(j * block_size, j * block_size + min(block_size, n - b * block_size))
+                         for j, b in enumerate(blocks)]) if blocks else positions
+        group = saved.kv[:, :, at:at + sink + rest].flatten(2, 3)  # [page_layers, 2, rows, H_kv, D]
+        rows = group.new_zeros((*group.shape[:2], len(blocks) * block_size, *group.shape[3:]))
+        rows[:, :, dst] = group[:, :, src]
+        pieces.append(rows.unflatten(2, (len(blocks), block_size)))
+        starts.append(new_start)
+        at += sink + rest
+    return dataclasses.replace(saved, block_size=block_size, kv=torch.cat(pieces, dim=2), starts=tuple(starts))
 
 
 def as_path(path: object) -> Path:

@@ -32,7 +32,7 @@ from hibana_core.errors import UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.loader import ConvertedTensor
 from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM
-from hibana_core.models.moe import ExpertsBlock, StackedExperts
+from hibana_core.models.moe import ExpertsBlock, StackedExperts, check_top_k
 from hibana_kernels.moe import MXFP4_BLOCK, deinterleave_gate_up
 
 MODEL_TYPES = ("gpt_oss",)
@@ -129,6 +129,7 @@ class GptOssMoE(ExpertsBlock):
 
     def __init__(self, config: Any, mxfp4: bool) -> None:
         super().__init__()
+        check_top_k(config.num_experts_per_tok, config.num_local_experts)
         self.top_k = config.num_experts_per_tok
         self.router = GptOssRouter(config)
         self.experts = GptOssExperts(config, mxfp4)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hibana_kernels as kernels
+from hibana_core.errors import CheckpointError
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,18 @@ class MoEArgs:
     intermediate_size: int  # of each expert
     renormalize: bool  # top-k weights divided by their sum (Qwen3-MoE's norm_topk_prob)
     layers: tuple[bool, ...]  # per decoder layer: a sparse block (True) or the dense MLP
+
+    def __post_init__(self) -> None:
+        if any(self.layers):
+            check_top_k(self.top_k, self.num_experts)
+
+
+def check_top_k(top_k: int, num_experts: int) -> None:
+    """A config whose tokens cannot be routed (top k outside [1, experts]) is a broken
+    checkpoint, refused at load rather than by the router's kernel in the first forward."""
+    if not 1 <= top_k <= num_experts:
+        raise CheckpointError(f"the checkpoint's config.json sets num_experts_per_tok {top_k} with {num_experts} "
+                              f"experts; it must lie in [1, {num_experts}]: fix config.json")
 
 
 class Router(nn.Module):
