@@ -296,6 +296,16 @@ class _Stream:
         if emitted:
             out.append(CutCall(emitted) if cut else emitted)
 
+    def _text_before(self, out: list, tag: str, final: bool) -> None:
+        """The buffer (which holds no `tag`) as content but for a tail that may begin it, kept
+        until what follows decides; at the end of the output that tail is a cut call too."""
+        begun = len(self._buffer) - partial_tag_length(self._buffer, tag)
+        self._text(out, self._buffer[:begun])
+        self._buffer = self._buffer[begun:]
+        if final:
+            self._text(out, self._buffer, cut=True)
+            self._buffer = ""
+
     def _accept(self, out: list, decoded: _Decoded) -> None:
         """A complete, well-formed call: streamed now, whole, and kept for the result."""
         call = ToolCall(new_call_id(), decoded.name, decoded.arguments or {})
@@ -322,12 +332,7 @@ class _HermesStream(_Stream):
             if self._call is None:
                 start = self._buffer.find(HERMES_START)
                 if start < 0:
-                    begun = len(self._buffer) - partial_tag_length(self._buffer, HERMES_START)
-                    self._text(out, self._buffer[:begun])
-                    self._buffer = self._buffer[begun:]  # may open a call: decided by what follows
-                    if final:
-                        self._text(out, self._buffer, cut=True)
-                        self._buffer = ""
+                    self._text_before(out, HERMES_START, final)
                     return
                 self._text(out, self._buffer[:start])
                 self._buffer = self._buffer[start + len(HERMES_START) :]
@@ -390,12 +395,7 @@ class _Llama3Stream(_Stream):
             elif self._mode == "text":
                 tag = self._buffer.find(PYTHON_TAG)
                 if tag < 0:
-                    begun = len(self._buffer) - partial_tag_length(self._buffer, PYTHON_TAG)
-                    self._text(out, self._buffer[:begun])
-                    self._buffer = self._buffer[begun:]  # may open the calls: decided by what follows
-                    if final:
-                        self._text(out, self._buffer, cut=True)
-                        self._buffer = ""
+                    self._text_before(out, PYTHON_TAG, final)
                     return
                 self._text(out, self._buffer[:tag])
                 self._buffer = self._buffer[tag + len(PYTHON_TAG) :]
