@@ -162,7 +162,7 @@ def _release_tensors(model: torch.nn.Module) -> None:
     allocated and sized its KV pool from the rest. The engine's tensors are its own (loading
     copies into them), so a caller's transformers model keeps its weights."""
     for module in model.modules():
-        for key, tensor in module._parameters.items():
+        for tensor in module._parameters.values():
             if tensor is not None:
                 tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
         for key, tensor in module._buffers.items():
