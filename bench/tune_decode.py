@@ -29,7 +29,7 @@ import triton
 import triton.testing
 
 from hibana_bench.models import PRESETS, load_bench_model
-from hibana_bench.workloads import copy_bandwidth, random_tokens
+from hibana_bench.workloads import _read_bytes, copy_bandwidth, random_tokens
 from hibana_core import SamplingParams
 from hibana_kernels import fusion
 
@@ -447,6 +447,8 @@ def main() -> None:
     parser.add_argument("--generate", type=int, default=128)
     parser.add_argument("--skip-sweep", action="store_true", help="skip the GEMV sweep")
     parser.add_argument("--sweeps-only", action="store_true", help="stop after the kernel sweeps")
+    parser.add_argument("--step-only", action="store_true",
+                        help="no kernel sweeps: the model's decode step alone (its variants and kernels)")
     parser.add_argument("--fusion", action="store_true",
                         help="compare the fusion policies (hibana_kernels.fusion); --skip-sweep skips their sweep")
     args = parser.parse_args()
@@ -457,27 +459,33 @@ def main() -> None:
         main_fusion(args, bandwidth)
         return
     report: dict = {"bandwidth": bandwidth}
-    if not args.skip_sweep:
+    if not (args.skip_sweep or args.step_only):
         report["gemv"] = sweep_gemv(args.model, bandwidth)
-    report["attention"] = sweep_attention(bandwidth)
-    report["prefill"] = sweep_prefill(bandwidth)
+    if not args.step_only:
+        report["attention"] = sweep_attention(bandwidth)
+        report["prefill"] = sweep_prefill(bandwidth)
     if args.sweeps_only:
         return
 
     t0 = time.time()
     model = load_bench_model(args.model, torch.device("cuda"), torch.bfloat16)
-    print(f"model built in {time.time() - t0:.0f} s; {model.weight_bytes / 1e9:.2f} GB, "
-          f"roofline {bandwidth / model.weight_bytes:.1f} tok/s", flush=True)
     contexts = [int(c) for c in args.context.split(",")]
     rng = random.Random(0)
     prompts = {c: random_tokens(rng, c, model.vocab_size) for c in contexts}
-    engine = model.engine(max_model_len=max(contexts) + args.generate + 16, max_concurrent_agents=8)
+    # no speculation: every step a plain decode step (a random model's greedy output loops, and
+    # its drafts would mix verify steps in)
+    engine = model.engine(max_model_len=max(contexts) + args.generate + 16, max_concurrent_agents=8,
+                          speculation="off")
+    read = _read_bytes(engine) or model.weight_bytes  # MoE: the selected experts' bytes, not all
+    print(f"model built in {time.time() - t0:.0f} s; {model.weight_bytes / 1e9:.2f} GB, {read / 1e9:.2f} GB read "
+          f"a token, roofline {bandwidth / read:.1f} tok/s", flush=True)
     warm = engine.open_state("warm")
     warm.generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=prompts[contexts[0]][:64])
     warm.close()
     report["variants"] = {}
-    roofline = bandwidth / model.weight_bytes
-    for gemv, prologue, overlap in ((False, False, False), (True, True, False), (True, True, True)):
+    roofline = bandwidth / read
+    variants = ((False, False, False), (True, True, False), (True, True, True))
+    for gemv, prologue, overlap in variants[-1:] if args.step_only else variants:
         label = (f"gemv={'on' if gemv else 'off'} prologue={'fused' if prologue else 'split'} "
                  f"async={'on' if overlap else 'off'}")
         set_variant(engine, gemv, prologue, overlap)
