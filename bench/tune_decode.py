@@ -31,7 +31,7 @@ import triton.testing
 from hibana_bench.models import PRESETS, load_bench_model
 from hibana_bench.workloads import _read_bytes, copy_bandwidth, random_tokens
 from hibana_core import SamplingParams
-from hibana_kernels import fusion
+from hibana_kernels import fusion, pdl
 
 OUT = os.environ.get("OUT", "bench/out")
 
@@ -484,22 +484,25 @@ def main() -> None:
     warm.close()
     report["variants"] = {}
     roofline = bandwidth / read
-    variants = ((False, False, False), (True, True, False), (True, True, True))
-    for gemv, prologue, overlap in variants[-1:] if args.step_only else variants:
+    # (GEMV, fused prologue, async scheduling, programmatic dependent launch)
+    variants = ((False, False, False, False), (True, True, False, False), (True, True, True, False),
+                (True, True, True, True))
+    for gemv, prologue, overlap, dependent in variants[-2:] if args.step_only else variants:
         label = (f"gemv={'on' if gemv else 'off'} prologue={'fused' if prologue else 'split'} "
-                 f"async={'on' if overlap else 'off'}")
-        set_variant(engine, gemv, prologue, overlap)
-        warm = engine.open_state("warm")
-        warm.generate(SamplingParams(max_tokens=4, ignore_eos=True), prompt=prompts[contexts[0]][:64])
-        warm.close()
-        for rep in range(2):  # twice: the spread between runs of one version
-            figures = decode_figures(engine, prompts, args.generate)
-            report["variants"][f"{label} run {rep}"] = figures
-            for ctx, f in figures.items():
-                print(f"{label:42s} ctx {ctx:5d}: {f['tok_s']:6.1f} tok/s ({f['tok_s'] / roofline:.0%} of roofline), "
-                      f"wall {f['wall_ms']:.3f} ms/token, graph replay {f['replay_ms']:.3f} ms, "
-                      f"host {f['wall_ms'] - f['replay_ms']:.3f} ms", flush=True)
-    report["kernels"] = kernel_table(engine, "gemv=on prologue=fused, ctx " + str(contexts[-1]))
+                 f"async={'on' if overlap else 'off'} pdl={'on' if dependent else 'off'}")
+        with pdl.using(dependent):  # graphs captured (and kernels launched) under it
+            set_variant(engine, gemv, prologue, overlap)
+            warm = engine.open_state("warm")
+            warm.generate(SamplingParams(max_tokens=4, ignore_eos=True), prompt=prompts[contexts[0]][:64])
+            warm.close()
+            for rep in range(2):  # twice: the spread between runs of one version
+                figures = decode_figures(engine, prompts, args.generate)
+                report["variants"][f"{label} run {rep}"] = figures
+                for ctx, f in figures.items():
+                    print(f"{label:50s} ctx {ctx:5d}: {f['tok_s']:6.1f} tok/s ({f['tok_s'] / roofline:.0%} of "
+                          f"roofline), wall {f['wall_ms']:.3f} ms/token, graph replay {f['replay_ms']:.3f} ms, "
+                          f"host {f['wall_ms'] - f['replay_ms']:.3f} ms", flush=True)
+    report["kernels"] = kernel_table(engine, "the last variant, ctx " + str(contexts[-1]))
     with open(os.path.join(OUT, "tune_decode.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
     engine.close()

@@ -6,11 +6,16 @@ import torch
 import triton
 import triton.language as tl
 
+from hibana_kernels import pdl
+from hibana_kernels.pdl import wait_for_previous
+
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, INTER: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, INTER: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER
@@ -31,5 +36,5 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(gate_up.shape[:-1] + (inter,), dtype=gate_up.dtype, device=gate_up.device)
     if x.shape[0]:
         _silu_and_mul_kernel[(x.shape[0], triton.cdiv(inter, BLOCK))](
-            x, out, x.stride(0), INTER=inter, BLOCK=BLOCK, num_warps=4)
+            x, out, x.stride(0), INTER=inter, BLOCK=BLOCK, num_warps=4, **pdl.launch_args(x.device))
     return out

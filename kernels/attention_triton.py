@@ -34,8 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from hibana_kernels import fusion
+from hibana_kernels import fusion, pdl
 from hibana_kernels.attention import check_kv_scale
+from hibana_kernels.pdl import wait_for_previous
 
 LOG2E = 1.4426950408889634
 DECODE_MIN_SPLIT = 64  # keys per split at least (one key tile)
@@ -222,8 +223,10 @@ def _decode_kernel(
         BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
         SLIDING: tl.constexpr, SINK_TOKENS: tl.constexpr, SPLIT: tl.constexpr,
         MERGE: tl.constexpr, SPLITS_P: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr, QUERY_LEN: tl.constexpr, KV_FP8: tl.constexpr, SINKS: tl.constexpr):
+        UPCAST: tl.constexpr, QUERY_LEN: tl.constexpr, KV_FP8: tl.constexpr, SINKS: tl.constexpr,
+        PDL: tl.constexpr):
     # rows of a tile: QUERY_LEN new tokens x the GROUP heads of one KV head
+    wait_for_previous(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -337,8 +340,9 @@ def _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, token, head
 def _reduce_splits_kernel(
         out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, num_splits,
         stride_ot, stride_oh,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):
+        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr, PDL: tl.constexpr):
     # every query row of the batch: each was written by its splits
+    wait_for_previous(PDL)
     _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, tl.program_id(0),
                   tl.program_id(1), tl.num_programs(1), num_splits, num_splits, stride_ot,
                   stride_oh, HEAD_DIM, HEAD_DIM_P, SPLITS_P)
@@ -444,12 +448,12 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         query_start_loc, num_splits=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group * max_query_len)), BLOCK_N=block_n, SPLIT=split,
         MERGE=merge, SPLITS_P=splits_p, QUERY_LEN=max_query_len, num_warps=num_warps,
-        num_stages=num_stages, **common)
+        num_stages=num_stages, **common, **pdl.launch_args(q.device))
     if split and not merge:
         _reduce_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_max, part_sum, num_splits,
             out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_P=common["HEAD_DIM_P"],
-            SPLITS_P=splits_p, num_warps=4)
+            SPLITS_P=splits_p, num_warps=4, **pdl.launch_args(q.device))
     return out
 
 

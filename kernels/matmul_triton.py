@@ -21,8 +21,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hibana_kernels import fusion, norm_triton
+from hibana_kernels import fusion, norm_triton, pdl
 from hibana_kernels.activation_triton import silu_and_mul
+from hibana_kernels.pdl import wait_for_previous
 
 MAX_ROWS = 1  # rows the GEMV takes; measured in bench/notes_decode.md
 
@@ -38,9 +39,31 @@ def _silu_mul(x_rows, offs_k, mask, K):
 
 
 @triton.jit
+def _weight_tile(w_rows, offs_k, n_mask, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+    return tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _accumulate(acc, w, x_rows, offs_k, m_mask, K, EVEN_K: tl.constexpr, SILU_INPUT: tl.constexpr):
+    """acc + the products of one weight tile with its input tile."""
+    if EVEN_K:
+        x_mask = m_mask[:, None]
+    else:
+        x_mask = m_mask[:, None] & (offs_k < K)[None, :]
+    if SILU_INPUT:
+        x = _silu_mul(x_rows, offs_k, x_mask, K)
+    else:
+        x = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
+    return acc + tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SILU_INPUT: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SILU_INPUT: tl.constexpr,
+                 PDL: tl.constexpr):
     # SILU_INPUT: x rows are [gate | up], 2 * K wide; the product's input is silu(gate) * up
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -48,21 +71,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     m_mask = offs_m < M
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + offs_m[:, None] * stride_xm
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    offs_k = tl.arange(0, BLOCK_K)
+    w = _weight_tile(w_rows, offs_k, n_mask, K, EVEN_K)  # the first tile's load goes out before the wait
+    wait_for_previous(PDL)
+    acc = _accumulate(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), w, x_rows, offs_k, m_mask, K, EVEN_K,
+                      SILU_INPUT)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
-            x_mask = m_mask[:, None]
-        else:
-            k_mask = offs_k < K
-            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            x_mask = m_mask[:, None] & k_mask[None, :]
-        if SILU_INPUT:
-            x = _silu_mul(x_rows, offs_k, x_mask, K)
-        else:
-            x = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        acc = _accumulate(acc, _weight_tile(w_rows, offs_k, n_mask, K, EVEN_K), x_rows, offs_k, m_mask, K,
+                          EVEN_K, SILU_INPUT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
@@ -94,7 +111,7 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, 
                       M, N, K, stride_xm, stride_rm, stride_wn, stride_ym,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                      ONE_TILE: tl.constexpr):
+                      ONE_TILE: tl.constexpr, PDL: tl.constexpr):
     """y = rms_norm(x + residual) @ W^T + b; program 0 also writes x + residual [M, K]."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,6 +124,7 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, 
         offs_k = tl.arange(0, BLOCK_K)
         k_mask = (offs_k < K) | EVEN_K  # EVEN_K: a mask the compiler sees is all true
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        wait_for_previous(PDL)
         mask = m_mask[:, None] & k_mask[None, :]
         s = _stream_tile(x_ptr, res_ptr, offs_m, offs_k, mask, stride_xm, stride_rm, HAS_RESIDUAL)
         if HAS_RESIDUAL:
@@ -117,6 +135,7 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, 
         x = _normed_tile(s, inv_rms, nw_ptr, offs_k, k_mask)
         acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     else:  # the statistic in a first pass over the row, from the caches
+        wait_for_previous(PDL)
         sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -170,7 +189,7 @@ def linear_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0),
         weight.stride(0), y.stride(0), BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n,
         BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        SILU_INPUT=silu_input, num_warps=num_warps, num_stages=num_stages)
+        SILU_INPUT=silu_input, num_warps=num_warps, num_stages=num_stages, **pdl.launch_args(x.device))
     return y.view(*x.shape[:-1], n)
 
 
@@ -190,8 +209,7 @@ def rms_norm_linear_launch(x: torch.Tensor, residual: torch.Tensor | None, norm_
         m, n, k, x2.stride(0), res2.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        ONE_TILE=k <= block_k,
-        num_warps=num_warps)
+        ONE_TILE=k <= block_k, num_warps=num_warps, **pdl.launch_args(x.device))
     return y.view(*x.shape[:-1], n), res_out
 
 

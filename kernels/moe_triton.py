@@ -43,8 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
-from hibana_kernels import moe
+from hibana_kernels import moe, pdl
 from hibana_kernels.moe import ExpertBlocks, MoEExperts
+from hibana_kernels.pdl import wait_for_previous
 from hibana_kernels.quant_triton import _as_float, _unit  # the int GEMVs' exact integer -> float tricks
 
 DECODE_MAX_TOKENS = {"dense": 4, "mxfp4": 4, "int8": 4, "int4": 4}
@@ -93,10 +94,11 @@ at T=8 287.8, 342.5 and 442.3, the grouped path 263.1 (bench/RESULTS.md, 2026-12
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_t, TOP_K: tl.constexpr,
                   E_PAD: tl.constexpr, K_PAD: tl.constexpr, SOFTMAX: tl.constexpr,
-                  RENORMALIZE: tl.constexpr):
+                  RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
     """One token: k rounds of argmax over the logits (the largest; among equals the lowest
     index, the experts torch.topk picks on CUDA), then the weights. Softmax is monotone, so the
     top-k of the probabilities is the top-k of the logits, picked exactly on the logits."""
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
     logits = tl.load(logits_ptr + t * stride_t + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
@@ -136,7 +138,8 @@ def moe_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softma
     if t:
         _route_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k,
                             E_PAD=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
-                            SOFTMAX=scoring == "softmax", RENORMALIZE=renormalize, num_warps=4)
+                            SOFTMAX=scoring == "softmax", RENORMALIZE=renormalize, num_warps=4,
+                            **pdl.launch_args(logits.device))
     return weights, ids
 
 
@@ -441,10 +444,11 @@ def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, z_ptr, b_ptr, act_ptr, 
                            stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_be,
                            alpha, limit, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            FORMAT: tl.constexpr, GROUP: tl.constexpr, ACTIVATION: tl.constexpr,
-                           HAS_BIAS: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
     """act[route, n] for one route and BLOCK_N intermediate features: its expert's gate rows n
     and up rows I + n as one tile of 2 BLOCK_N rows (row 2j + h: gate j for h = 0, up j for 1),
     streamed along H together."""
+    wait_for_previous(PDL)  # the expert is the router's output: nothing to read before
     route = tl.program_id(0)
     expert = tl.load(ids_ptr + route).to(tl.int64)
     r = tl.arange(0, 2 * BLOCK_N)
@@ -465,12 +469,14 @@ def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, z_ptr, b_ptr, act_ptr, 
 def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, H, I,
                         stride_om, stride_we, stride_wn, stride_se, stride_sn, stride_be,
                         ROUTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr):
+                        FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        PDL: tl.constexpr):
     """out[program 0, n] for BLOCK_N hidden features and ROUTES consecutive routes: each route's
     expert's down rows against that route's activation, weighted, summed over the ROUTES in
     float32. ROUTES = k: out is the layer's output, one program per token; ROUTES = 1: out holds
     one row per route, summed by `_combine_kernel` (k times the programs: a token's k experts
     are read at once, not one after another)."""
+    wait_for_previous(PDL)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -563,8 +569,10 @@ def _down_grouped_kernel(act_ptr, routes_ptr, block_expert_ptr, weights_ptr, w_p
 
 
 @triton.jit
-def _combine_kernel(y_ptr, out_ptr, H, stride_om, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_kernel(y_ptr, out_ptr, H, stride_om, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
     """out[t] = the sum of its k routes' rows, in float32, rounded once."""
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
@@ -649,20 +657,21 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
     swiglu = (experts.swiglu_alpha, experts.swiglu_limit)
     has_b13, has_b2 = experts.b13 is not None, experts.b2 is not None
     combine_block = min(1024, triton.next_power_of_2(h))
+    launch = pdl.launch_args(x.device)
     if decode:
         _gate_up_decode_kernel[(t * top_k, triton.cdiv(inter, tiles.block_n))](
             x, ids, w13.w, w13.s, w13.z, w13.b, act, h, inter, top_k, x.stride(0), *w13.strides, *swiglu,
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, GROUP=w13.group,
-            ACTIVATION=_ACTIVATION[experts.activation], HAS_BIAS=has_b13, num_warps=tiles.num_warps)
+            ACTIVATION=_ACTIVATION[experts.activation], HAS_BIAS=has_b13, num_warps=tiles.num_warps, **launch)
         routes = 1 if tiles.down_per_route else top_k
         y = torch.empty((t * top_k, h), dtype=x.dtype, device=x.device) if routes == 1 else out
         _down_decode_kernel[(t * top_k // routes, triton.cdiv(h, tiles.block_n))](
             act, ids, weights, w2.w, w2.s, w2.z, w2.b, y, h, inter, y.stride(0), *w2.strides, ROUTES=routes,
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, GROUP=w2.group, HAS_BIAS=has_b2,
-            num_warps=tiles.num_warps)
+            num_warps=tiles.num_warps, **launch)
         if routes == 1:
             _combine_kernel[(t, triton.cdiv(h, combine_block))](y, out, h, out.stride(0), TOP_K=top_k,
-                                                                BLOCK=combine_block, num_warps=4)
+                                                                BLOCK=combine_block, num_warps=4, **launch)
         return out
     blocks = moe_align(ids, experts.num_experts, tiles.block_m)
     num_blocks = blocks.block_expert.numel()
@@ -679,7 +688,7 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
         FORMAT=weight_format, GROUP=w2.group, HAS_BIAS=has_b2, UPCAST=upcast, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     _combine_kernel[(t, triton.cdiv(h, combine_block))](y, out, h, out.stride(0), TOP_K=top_k,
-                                                        BLOCK=combine_block, num_warps=4)
+                                                        BLOCK=combine_block, num_warps=4, PDL=False)
     return out
 
 

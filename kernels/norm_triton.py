@@ -6,14 +6,18 @@ import torch
 import triton
 import triton.language as tl
 
+from hibana_kernels import pdl
+from hibana_kernels.pdl import wait_for_previous
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, stride_x, stride_res,
                      N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     UNIT_OFFSET: tl.constexpr):
+                     UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    wait_for_previous(PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
@@ -49,7 +53,8 @@ def _launch(x, residual, weight, eps, unit_offset):
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(rows,)](x2, res2, weight, out, res_out, eps, x2.stride(0), res2.stride(0),
                                   N=n, BLOCK=block, HAS_RESIDUAL=residual is not None,
-                                  UNIT_OFFSET=unit_offset, num_warps=min(max(block // 256, 1), 8))
+                                  UNIT_OFFSET=unit_offset, num_warps=min(max(block // 256, 1), 8),
+                                  **pdl.launch_args(x.device))
     return out, res_out
 
 

@@ -46,7 +46,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hibana_kernels import quant
+from hibana_kernels import pdl, quant
+from hibana_kernels.pdl import wait_for_previous
 
 GEMV_MAX_ROWS = 4  # rows the GEMV takes; more go to the GEMM (a first guess: bench/tune_quant.py)
 DEQUANT_MIN_ROWS = 128  # from here on: dequantize to x's dtype, then cuBLAS (compute-bound)
@@ -87,9 +88,10 @@ def _as_float(v):
 @triton.jit
 def _gemv_int8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      HAS_BIAS: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
     """y[:, n] = scale[n] * sum_k x[:, k] * code[n, k]: BLOCK_N rows of codes per program,
     streamed in BLOCK_K-wide tiles; the scale multiplies the finished sum."""
+    wait_for_previous(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
@@ -115,12 +117,13 @@ def _gemv_int8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, str
 def _gemv_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K,
                       stride_xm, stride_wn, stride_sn, stride_ym,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP: tl.constexpr, HAS_BIAS: tl.constexpr):
+                      GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
     """y[:, n] = sum over groups g of scale[n, g] * sum_{k in g} x[:, k] (code[n, k] - zero[n, g]),
     the codes read as int32 words of eight (nibble p of word i is column 8i + p). As units
     f = 1 + code / 16, a group's share is scale * (16 sum x f - (16 + zero) sum x): per code a
     shift, a logic op and one multiply-add, scale and zero twice a word. Sums stay per word
     column of the tile until the loop ends; BLOCK_K is a whole number of groups, unrolled."""
+    wait_for_previous(PDL)
     WORDS: tl.constexpr = GROUP // 8
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -310,13 +313,14 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             x2, qweight, scales, bias_arg, y, m, n, k, x2.stride(0),
             qweight.stride(0), y.stride(0), BLOCK_M=triton.next_power_of_2(m),
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, HAS_BIAS=bias is not None,
-            num_warps=tiles.num_warps, num_stages=1)
+            num_warps=tiles.num_warps, num_stages=1, **pdl.launch_args(x.device))
     elif isinstance(tiles, GemvTiles):
         _gemv_int4_kernel[(triton.cdiv(n, tiles.block_n),)](
             x2, qweight.view(torch.int32), scales, zeros, bias_arg, y, m, n, k,
             x2.stride(0), qweight.stride(0) // 4, scales.stride(0), y.stride(0),
             BLOCK_M=triton.next_power_of_2(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-            GROUP=group_size, HAS_BIAS=bias is not None, num_warps=tiles.num_warps, num_stages=1)
+            GROUP=group_size, HAS_BIAS=bias is not None, num_warps=tiles.num_warps, num_stages=1,
+            **pdl.launch_args(x.device))
     else:
         _gemm_kernel[(triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))](
             x2, qweight, scales, zeros if int4 else scales, bias_arg, y, m, n, k,
@@ -403,11 +407,13 @@ def _fp8_finish(acc, s_ptr, b_ptr, offs_n, n_mask, BN, stride_sn, ONE_K_BLOCK: t
 def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, BN, BK,
                      stride_xm, stride_wn, stride_sn, stride_ym,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SUB: tl.constexpr, ONE_K_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+                     SUB: tl.constexpr, ONE_K_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     PDL: tl.constexpr):
     """y[:, n] = sum_k x[:, k] w[n, k]: BLOCK_N weight rows per program, streamed in BLOCK_K-wide
     tiles dequantized in registers. Products stay per tile column until the loop ends: threads
     sit along K, and a reduction across them every step costs more than the step's loads
     (bench/notes_quant.md)."""
+    wait_for_previous(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
@@ -532,7 +538,7 @@ def linear_fp8_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
         _gemv_fp8_kernel[(triton.cdiv(n, tiles.block_n),)](
             *common, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
             SUB=sub, ONE_K_BLOCK=one_k_block, HAS_BIAS=bias is not None, num_warps=tiles.num_warps,
-            num_stages=1)
+            num_stages=1, **pdl.launch_args(x.device))
     else:
         _gemm_fp8_kernel[(triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))](
             *common, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,

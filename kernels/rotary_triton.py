@@ -16,8 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
+from hibana_kernels import pdl
 from hibana_kernels.attention import check_kv_scale
 from hibana_kernels.attention_triton import quantize_kv
+from hibana_kernels.pdl import wait_for_previous
 
 
 @triton.jit
@@ -156,8 +158,9 @@ def _prologue_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_
                      GROUP: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
                      BLOCK_G: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
                      BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
-                     KV_FP8: tl.constexpr):
+                     KV_FP8: tl.constexpr, PDL: tl.constexpr):
     """One program per (token, KV head): its query heads' rows, then its key and value rows."""
+    wait_for_previous(PDL)
     HEAD_DIM: tl.constexpr = 2 * HALF + PASS
     token = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -224,5 +227,5 @@ def qk_norm_rotary_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
             GROUP=group, HALF=half, PASS=rest, BLOCK_G=triton.next_power_of_2(group),
             BLOCK_HALF=triton.next_power_of_2(half), BLOCK_PASS=triton.next_power_of_2(max(rest, 1)),
             BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, UNIT_OFFSET=unit_offset,
-            KV_FP8=kv_fp8, num_warps=1 if group <= 2 else 4)
+            KV_FP8=kv_fp8, num_warps=1 if group <= 2 else 4, **pdl.launch_args(q.device))
     return q_out

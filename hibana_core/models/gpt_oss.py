@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import Any, Callable, Collection
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import hibana_kernels as kernels
@@ -135,7 +134,7 @@ class GptOssMoE(ExpertsBlock):
         self.experts = GptOssExperts(config, mxfp4)
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(h, self.router.weight, self.router.bias)  # [T, E]
+        logits = kernels.linear(h, self.router.weight, self.router.bias)  # [T, E]
         return kernels.moe_route(logits, self.top_k, scoring="topk_softmax")
 
 

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import hibana_kernels as kernels
@@ -158,5 +157,5 @@ class SparseMoE(ExpertsBlock):
         self.experts = Experts(moe, hidden_size)
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(h, self.gate.weight)  # [T, E], in the model dtype as transformers
+        logits = kernels.linear(h, self.gate.weight)  # [T, E], in the model dtype as transformers
         return kernels.moe_route(logits, self.top_k, scoring="softmax", renormalize=self.renormalize)
