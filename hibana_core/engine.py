@@ -508,6 +508,7 @@ class Engine:
             finally:  # whatever writing the states met, everything is freed
                 self.registry.close_all()
                 self.scheduler.speculation.close()  # a draft model's weights and KV
+                self.grammars.close()  # its worker thread
                 if self.host_tier is not None:
                     self.host_tier.close()
                 # drop the big tensors now (weights, KV cache, CUDA graphs), not when the last handle

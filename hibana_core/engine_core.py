@@ -30,7 +30,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from hibana_core.errors import HibanaError
 from hibana_core.output import OutputProcessor, RequestEvents
@@ -40,6 +40,7 @@ from hibana_core.scheduler import Request, Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:
     from hibana_core.grammar import Grammars
+    from hibana_core.sampler import TokenMasks
 
 
 _LIVE_CORES: "weakref.WeakSet[EngineCore]" = weakref.WeakSet()
@@ -151,10 +152,15 @@ class EngineCore:
             if launched is not None and self.between_steps is not None:
                 self.between_steps()
             previous, self.in_flight = self.in_flight, launched
+            masks = None
             if previous is not None:
-                self._update(previous)
+                # the launched step's grammar masks are filled while the previous one's outputs
+                # are processed (its tokens are in the matchers by then)
+                start = None if launched is None or launched.pending is None else \
+                    lambda: self._start_masks(launched)
+                masks = self._update(previous, start)
             if launched is not None and launched.pending is not None:
-                launched = self._sample(launched)
+                launched = self._sample(launched, masks)
             if launched is not None and not self._overlaps(scheduled):
                 self.in_flight = None
                 self._update(launched)
@@ -185,11 +191,12 @@ class EngineCore:
         self.counters.count(scheduled)
         return launched
 
-    def _sample(self, step: StepInFlight) -> StepInFlight | None:
+    def _sample(self, step: StepInFlight,
+                masks: "Callable[[], TokenMasks | None] | None" = None) -> StepInFlight | None:
         """Sample a step whose rows wait for grammar masks: the matchers now hold every token
-        read back, the forward runs on the device meanwhile."""
+        read back, the forward runs on the device meanwhile. `masks`: their fill, started."""
         try:
-            masks = self.grammars.masks(step.scheduled, len(step.pending.rows))
+            masks = masks() if masks is not None else self.grammars.masks(step.scheduled, len(step.pending.rows))
             self.runner.sample(step, masks)
         except Exception as exc:  # fails this step's requests, as a failed launch does
             self.in_flight = None
@@ -198,6 +205,16 @@ class EngineCore:
             return None
         return step
 
+    def _start_masks(self, step: StepInFlight) -> "Callable[[], TokenMasks | None]":
+        """Start filling a launched step's grammar masks; an error is raised where they are
+        waited for (`_sample`, which fails the step's requests)."""
+        try:
+            return self.grammars.start_masks(step.scheduled, len(step.pending.rows))
+        except Exception as exc:  # noqa: BLE001 - raised again by _sample
+            def failed() -> None:
+                raise exc
+            return failed
+
     def _overlaps(self, scheduled: SchedulerOutput) -> bool:
         """Whether this step's tokens may be read during the next step: not where a request's
         sampling reads its history on the host (penalties), which must then be complete, nor
@@ -205,17 +222,22 @@ class EngineCore:
         return self.async_scheduling and not self._verifies(scheduled) and not any(
             needs_history(c.request.params) for c in scheduled.sampling)
 
-    def _update(self, step: StepInFlight) -> None:
+    def _update(self, step: StepInFlight, then: Callable[[], Any] | None = None) -> Any:
+        """Read a step's tokens back and deliver them. `then` runs once the requests hold them,
+        before their outputs are processed; what it returns is returned (None if the step failed)."""
         try:
             output = step.result()
         except Exception as exc:  # the device failed under this step
             self.scheduler.fail(step.scheduled, HibanaError(f"model step failed on the device: {exc!r}"))
-            return
-        self.outputs.process(self.scheduler.update_from_output(step.scheduled, output))
+            return None
+        updated = self.scheduler.update_from_output(step.scheduled, output)
+        started = then() if then is not None else None
+        self.outputs.process(updated)
         if self.speculation is not None:
             self.speculation.updated(step.scheduled.chunks)
             self.speculation.observe_step(step.scheduled.num_tokens, self._verifies(step.scheduled),
                                           None if step.timer is None else step.timer.seconds())
+        return started
 
     def deliver_finished(self) -> None:
         for request in self.scheduler.take_finished():

@@ -54,6 +54,7 @@ CPU than xgrammar's own kernel, and no per-call host synchronisation).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -539,6 +540,8 @@ class Grammars:
         self._spellings: dict[str, tuple[int, ...]] = {}
         self._staging: list[tuple[torch.Tensor, Any]] = []  # pinned host bitmasks and their copies' events
         self._next_staging = 0
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None  # fills masks beside the step loop
+        self._filling: concurrent.futures.Future | None = None
 
     def spell(self, text: str) -> tuple[int, ...]:
         """The tokenizer's tokens of a forced string (cached: grammars force the same keys and
@@ -699,6 +702,14 @@ class Grammars:
         """The masks of a step's constrained rows (None when none is): a row per sampling chunk,
         and one per draft it verifies. Rows of a request that finished meanwhile, or whose
         grammar ended, allow everything: their tokens are dropped."""
+        return self.start_masks(scheduled, total_rows, background=False)()
+
+    def start_masks(self, scheduled: "SchedulerOutput", total_rows: int,
+                    background: bool = True) -> Callable[[], TokenMasks | None]:
+        """`masks`, filled on the grammar's worker thread while the caller goes on (the engine
+        processes the previous step's outputs meanwhile: xgrammar's fills release the GIL); the
+        function returned waits for the fill and copies the masks to the device. Which rows are
+        live is read now; until the function returns, only the fill touches the matchers."""
         constrained: list[tuple[Matcher | None, tuple[int, ...]]] = []
         rows: list[int] = []
         row = 0
@@ -710,8 +721,34 @@ class Grammars:
                 rows.extend(range(row, row + n))
             row += n
         if not constrained:
-            return None
+            return lambda: None
+        if self._filling is not None:  # a fill whose step failed meanwhile: never two on one buffer
+            self._filling.exception()
+            self._filling = None
         bitmask = self._host_bitmask(len(rows))  # not initialized: xgrammar writes a live row whole
+
+        def finish() -> TokenMasks:
+            every = len(rows) == total_rows
+            on_device = bitmask.to(self.device, non_blocking=True)
+            if self.device.type == "cuda":
+                self._staging[self._next_staging - 1][1].record()  # the copy's end: when the buffer is free again
+            return TokenMasks(on_device, device_tensor(rows, torch.int64, self.device), every)
+
+        if not background:
+            self._fill(constrained, bitmask)
+            return finish
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hibana-grammar")
+        self._filling = self._worker.submit(self._fill, constrained, bitmask)
+
+        def wait() -> TokenMasks:
+            filling, self._filling = self._filling, None
+            filling.result()  # the fill's error, if any, is the step's
+            return finish()
+
+        return wait
+
+    def _fill(self, constrained: list[tuple[Matcher | None, tuple[int, ...]]], bitmask: torch.Tensor) -> None:
         batch: list[tuple[Matcher, int]] = []
         at = 0
         for matcher, drafts in constrained:
@@ -731,11 +768,12 @@ class Grammars:
         else:
             for matcher, i in batch:
                 matcher.fill(bitmask, i)
-        every = len(rows) == total_rows
-        on_device = bitmask.to(self.device, non_blocking=True)
-        if self.device.type == "cuda":
-            self._staging[self._next_staging - 1][1].record()  # the copy's end: when the buffer is free again
-        return TokenMasks(on_device, device_tensor(rows, torch.int64, self.device), every)
+
+    def close(self) -> None:
+        """Stop the worker thread (an engine's close)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=False)
+            self._worker = None
 
     def _host_bitmask(self, rows: int) -> torch.Tensor:
         """`rows` rows of a host bitmask, not initialized (filling 600 KB a step with -1 cost up to

@@ -187,10 +187,12 @@ def test_unconstrained_rows_are_unchanged_beside_constrained_ones(tiny_checkpoin
             assert_greedy_matches(path, prompts[i], outputs[i])
 
 
-def test_async_scheduling_samples_constrained_rows_as_one_step_scheduling_does(tiny_checkpoints, make_engine):
+def test_async_scheduling_samples_constrained_rows_as_one_step_scheduling_does(tiny_checkpoints, make_engine,
+                                                                              monkeypatch):
     """With async scheduling a constrained step's masks are filled after the previous step's
-    tokens are read back, while its forward runs: greedy output is the same as stepping one at a
-    time, for a batch of agents under different grammars."""
+    tokens are read back, while its forward runs (on the grammar's worker thread, while the engine
+    processes the previous step's outputs): greedy output is the same as stepping one at a time,
+    for a batch of agents under different grammars."""
     path = tiny_checkpoints[ARCH]
     rng = random.Random(21)
     schemas = [random_schema(random.Random(s)) for s in (6, 7, 8, 9)]
@@ -198,6 +200,10 @@ def test_async_scheduling_samples_constrained_rows_as_one_step_scheduling_does(t
     outputs = []
     for async_scheduling in (False, True):
         engine = make_engine(path, async_scheduling=async_scheduling, speculation="off")
+        fills = []  # the threads that filled masks: with async scheduling, the grammar's worker
+        fill = engine.grammars._fill
+        monkeypatch.setattr(engine.grammars, "_fill",
+                            lambda *a: (fills.append(threading.current_thread().name), fill(*a))[1])
         handles = [engine.open_state(f"a{i}") for i in range(len(schemas))]
         with engine.core.lock:
             streams = [h.stream(SamplingParams(max_tokens=300, json_schema=s), prompt=p)
@@ -205,6 +211,8 @@ def test_async_scheduling_samples_constrained_rows_as_one_step_scheduling_does(t
         outputs.append([[ev.token_id for ev in st if ev.token_id is not None] for st in streams])
         for out, schema in zip(outputs[-1], schemas):
             jsonschema.validate(json.loads(engine.tokenizer.decode(out[:-1])), schema)
+        on_worker = sum(name.startswith("hibana-grammar") for name in fills)
+        assert on_worker > len(fills) // 2 if async_scheduling else on_worker == 0
     assert outputs[0] == outputs[1]
 
 
