@@ -447,6 +447,10 @@ def main() -> None:
     parser.add_argument("--generate", type=int, default=128)
     parser.add_argument("--skip-sweep", action="store_true", help="skip the GEMV sweep")
     parser.add_argument("--sweeps-only", action="store_true", help="stop after the kernel sweeps")
+    parser.add_argument("--pdl", default="all",
+                        help="programmatic dependent launch variants beside off, comma-separated: all, or "
+                             "kinds of hibana_kernels.pdl.KINDS joined by + (gemv+attention), each with "
+                             "<N for GEMV grids of at most N programs (all<1024)")
     parser.add_argument("--step-only", action="store_true",
                         help="no kernel sweeps: the model's decode step alone (its variants and kernels)")
     parser.add_argument("--fusion", action="store_true",
@@ -484,13 +488,17 @@ def main() -> None:
     warm.close()
     report["variants"] = {}
     roofline = bandwidth / read
-    # (GEMV, fused prologue, async scheduling, programmatic dependent launch)
-    variants = ((False, False, False, False), (True, True, False, False), (True, True, True, False),
-                (True, True, True, True))
-    for gemv, prologue, overlap, dependent in variants[-2:] if args.step_only else variants:
+    # (GEMV, fused prologue, async scheduling, programmatic dependent launch: off, "all", or the
+    # kinds of kernels that take it, "+" between, with "<N" for GEMV grids of at most N programs)
+    variants = ((False, False, False, "off"), (True, True, False, "off"), (True, True, True, "off"),
+                *((True, True, True, choice) for choice in args.pdl.split(",")))
+    for gemv, prologue, overlap, dependent in variants[2:] if args.step_only else variants:
         label = (f"gemv={'on' if gemv else 'off'} prologue={'fused' if prologue else 'split'} "
-                 f"async={'on' if overlap else 'off'} pdl={'on' if dependent else 'off'}")
-        with pdl.using(dependent):  # graphs captured (and kernels launched) under it
+                 f"async={'on' if overlap else 'off'} pdl={dependent}")
+        kinds, _, most = dependent.partition("<")
+        scope = dict(kinds=None if kinds == "all" else tuple(kinds.split("+")),
+                     max_programs=int(most) if most else None)
+        with pdl.using(dependent != "off", **scope):  # graphs captured (and kernels launched) under it
             set_variant(engine, gemv, prologue, overlap)
             warm = engine.open_state("warm")
             warm.generate(SamplingParams(max_tokens=4, ignore_eos=True), prompt=prompts[contexts[0]][:64])

@@ -448,12 +448,12 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         query_start_loc, num_splits=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group * max_query_len)), BLOCK_N=block_n, SPLIT=split,
         MERGE=merge, SPLITS_P=splits_p, QUERY_LEN=max_query_len, num_warps=num_warps,
-        num_stages=num_stages, **common, **pdl.launch_args(q.device))
+        num_stages=num_stages, **common, **pdl.launch_args(q.device, "attention"))
     if split and not merge:
         _reduce_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_max, part_sum, num_splits,
             out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_P=common["HEAD_DIM_P"],
-            SPLITS_P=splits_p, num_warps=4, **pdl.launch_args(q.device))
+            SPLITS_P=splits_p, num_warps=4, **pdl.launch_args(q.device, "attention"))
     return out
 
 

@@ -189,7 +189,8 @@ def linear_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0),
         weight.stride(0), y.stride(0), BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n,
         BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        SILU_INPUT=silu_input, num_warps=num_warps, num_stages=num_stages, **pdl.launch_args(x.device))
+        SILU_INPUT=silu_input, num_warps=num_warps, num_stages=num_stages,
+        **pdl.launch_args(x.device, "gemv", triton.cdiv(n, block_n)))
     return y.view(*x.shape[:-1], n)
 
 
@@ -209,7 +210,8 @@ def rms_norm_linear_launch(x: torch.Tensor, residual: torch.Tensor | None, norm_
         m, n, k, x2.stride(0), res2.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        ONE_TILE=k <= block_k, num_warps=num_warps, **pdl.launch_args(x.device))
+        ONE_TILE=k <= block_k, num_warps=num_warps,
+        **pdl.launch_args(x.device, "gemv", triton.cdiv(n, block_n)))
     return y.view(*x.shape[:-1], n), res_out
 
 

@@ -139,7 +139,7 @@ def moe_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softma
         _route_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k,
                             E_PAD=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
                             SOFTMAX=scoring == "softmax", RENORMALIZE=renormalize, num_warps=4,
-                            **pdl.launch_args(logits.device))
+                            **pdl.launch_args(logits.device, "moe"))
     return weights, ids
 
 
@@ -657,7 +657,7 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
     swiglu = (experts.swiglu_alpha, experts.swiglu_limit)
     has_b13, has_b2 = experts.b13 is not None, experts.b2 is not None
     combine_block = min(1024, triton.next_power_of_2(h))
-    launch = pdl.launch_args(x.device)
+    launch = pdl.launch_args(x.device, "moe")
     if decode:
         _gate_up_decode_kernel[(t * top_k, triton.cdiv(inter, tiles.block_n))](
             x, ids, w13.w, w13.s, w13.z, w13.b, act, h, inter, top_k, x.stride(0), *w13.strides, *swiglu,

@@ -45,6 +45,9 @@ except ImportError:  # a Triton before grid dependency control: PDL stays off, t
         pass
 
 _enabled = os.environ.get("HIBANA_PDL", "1") != "0"
+_kinds: frozenset[str] | None = None  # the kinds of kernels that launch with PDL (None: all)
+_max_programs: int | None = None  # a grid larger than this launches plainly (None: any)
+KINDS = ("gemv", "attention", "moe", "other")
 
 
 @functools.cache
@@ -52,29 +55,35 @@ def _device_supports(index: int) -> bool:
     return _HAS_GDC and torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL now."""
+def enabled(device: torch.device, kind: str = "other", programs: int | None = None) -> bool:
+    """Whether a kernel of `kind` (KINDS) with a grid of `programs` on `device` launches with PDL now."""
     if not _enabled or device.type != "cuda":
+        return False
+    if _kinds is not None and kind not in _kinds:
+        return False
+    if _max_programs is not None and programs is not None and programs > _max_programs:
         return False
     return _device_supports(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def launch_args(device: torch.device) -> dict[str, bool]:
+def launch_args(device: torch.device, kind: str = "other", programs: int | None = None) -> dict[str, bool]:
     """The kernel's PDL constexpr and the launcher's launch_pdl, together."""
-    on = enabled(device)
+    on = enabled(device, kind, programs)
     return {"PDL": on, "launch_pdl": on}
 
 
 @contextlib.contextmanager
-def using(on: bool) -> Iterator[None]:
-    """Launch with PDL on or off inside the block (benchmarks compare both in one process; CUDA
-    graphs captured inside keep the choice)."""
-    global _enabled
-    previous, _enabled = _enabled, on
+def using(on: bool, kinds: tuple[str, ...] | None = None, max_programs: int | None = None) -> Iterator[None]:
+    """Launch with PDL on or off inside the block, for the kernels of `kinds` only and grids of
+    at most `max_programs` (benchmarks compare choices in one process; CUDA graphs captured
+    inside keep them)."""
+    global _enabled, _kinds, _max_programs
+    previous = _enabled, _kinds, _max_programs
+    _enabled, _kinds, _max_programs = on, None if kinds is None else frozenset(kinds), max_programs
     try:
         yield
     finally:
-        _enabled = previous
+        _enabled, _kinds, _max_programs = previous
 
 
 @triton.jit

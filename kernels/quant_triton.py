@@ -313,14 +313,15 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             x2, qweight, scales, bias_arg, y, m, n, k, x2.stride(0),
             qweight.stride(0), y.stride(0), BLOCK_M=triton.next_power_of_2(m),
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, HAS_BIAS=bias is not None,
-            num_warps=tiles.num_warps, num_stages=1, **pdl.launch_args(x.device))
+            num_warps=tiles.num_warps, num_stages=1,
+            **pdl.launch_args(x.device, "gemv", triton.cdiv(n, tiles.block_n)))
     elif isinstance(tiles, GemvTiles):
         _gemv_int4_kernel[(triton.cdiv(n, tiles.block_n),)](
             x2, qweight.view(torch.int32), scales, zeros, bias_arg, y, m, n, k,
             x2.stride(0), qweight.stride(0) // 4, scales.stride(0), y.stride(0),
             BLOCK_M=triton.next_power_of_2(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
             GROUP=group_size, HAS_BIAS=bias is not None, num_warps=tiles.num_warps, num_stages=1,
-            **pdl.launch_args(x.device))
+            **pdl.launch_args(x.device, "gemv", triton.cdiv(n, tiles.block_n)))
     else:
         _gemm_kernel[(triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))](
             x2, qweight, scales, zeros if int4 else scales, bias_arg, y, m, n, k,
@@ -538,7 +539,7 @@ def linear_fp8_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
         _gemv_fp8_kernel[(triton.cdiv(n, tiles.block_n),)](
             *common, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
             SUB=sub, ONE_K_BLOCK=one_k_block, HAS_BIAS=bias is not None, num_warps=tiles.num_warps,
-            num_stages=1, **pdl.launch_args(x.device))
+            num_stages=1, **pdl.launch_args(x.device, "gemv", triton.cdiv(n, tiles.block_n)))
     else:
         _gemm_fp8_kernel[(triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))](
             *common, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
