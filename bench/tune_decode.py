@@ -450,7 +450,7 @@ def main() -> None:
     parser.add_argument("--pdl", default="all",
                         help="programmatic dependent launch variants beside off, comma-separated: all, or "
                              "kinds of hibana_kernels.pdl.KINDS joined by + (gemv+attention), each with "
-                             "<N for GEMV grids of at most N programs (all<1024)")
+                             "<N for GEMV grids of at most N programs (all<1024; default pdl.MAX_PROGRAMS)")
     parser.add_argument("--step-only", action="store_true",
                         help="no kernel sweeps: the model's decode step alone (its variants and kernels)")
     parser.add_argument("--fusion", action="store_true",
@@ -497,7 +497,7 @@ def main() -> None:
                  f"async={'on' if overlap else 'off'} pdl={dependent}")
         kinds, _, most = dependent.partition("<")
         scope = dict(kinds=None if kinds == "all" else tuple(kinds.split("+")),
-                     max_programs=int(most) if most else None)
+                     max_programs=int(most) if most else pdl.MAX_PROGRAMS)
         with pdl.using(dependent != "off", **scope):  # graphs captured (and kernels launched) under it
             set_variant(engine, gemv, prologue, overlap)
             warm = engine.open_state("warm")

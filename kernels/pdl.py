@@ -46,7 +46,13 @@ except ImportError:  # a Triton before grid dependency control: PDL stays off, t
 
 _enabled = os.environ.get("HIBANA_PDL", "1") != "0"
 _kinds: frozenset[str] | None = None  # the kinds of kernels that launch with PDL (None: all)
-_max_programs: int | None = None  # a grid larger than this launches plainly (None: any)
+MAX_PROGRAMS = 4096
+"""GEMV grids above this many programs launch plainly. Measured on the H200 (tune_decode.py --pdl,
+batch 1, 512 keys, tok/s, 2026-12-02): PDL on every kernel against none: qwen3-0.6b 1045 -> 1170,
+qwen3-30b-a3b 302 -> 327, but qwen3-8b 215 -> 206 and phi4-mini 348 -> 334; their multi-wave GEMVs
+(8B's gate_up: 12,288 programs; the lm_heads: 76k-100k) lose with it. With GEMVs of at most 4096
+programs: 1173, 327, 214 and 352 (1100: 1061, 322, 216, 352)."""
+_max_programs: int | None = MAX_PROGRAMS  # a grid larger than this launches plainly (None: any)
 KINDS = ("gemv", "attention", "moe", "other")
 
 
@@ -73,7 +79,8 @@ def launch_args(device: torch.device, kind: str = "other", programs: int | None 
 
 
 @contextlib.contextmanager
-def using(on: bool, kinds: tuple[str, ...] | None = None, max_programs: int | None = None) -> Iterator[None]:
+def using(on: bool, kinds: tuple[str, ...] | None = None,
+          max_programs: int | None = MAX_PROGRAMS) -> Iterator[None]:
     """Launch with PDL on or off inside the block, for the kernels of `kinds` only and grids of
     at most `max_programs` (benchmarks compare choices in one process; CUDA graphs captured
     inside keep them)."""
