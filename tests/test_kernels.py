@@ -1045,3 +1045,23 @@ def test_linear_fp8(run_check, dtype, lead, n, k, block, bias):
 def test_linear_fp8_tiles(run_check, dtype, rows, n, k, block, kernel, tiles):
     run_check(check_linear_fp8, dtype=dtype, lead=(rows,), n=n, k=k, block=block, bias=True,
               tiles=(kernel, tiles))
+
+
+def test_pdl_launches_only_where_it_may(monkeypatch):
+    """Programmatic dependent launch is off on the CPU (the interpreter has no grid dependency
+    control) and wherever `pdl.using` turns it off; on a device that has it, it follows the kind of
+    kernel and leaves GEMV grids above MAX_PROGRAMS to launch plainly. (On the GPU every kernel
+    test above runs with it.)"""
+    from hibana_kernels import pdl
+
+    assert pdl.launch_args(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+    monkeypatch.setattr(pdl, "_device_supports", lambda index: True)
+    cuda = torch.device("cuda", 0)
+    assert pdl.enabled(cuda) and pdl.enabled(cuda, "gemv", pdl.MAX_PROGRAMS)
+    assert not pdl.enabled(cuda, "gemv", pdl.MAX_PROGRAMS + 1)
+    with pdl.using(True, kinds=("attention",), max_programs=None):
+        assert pdl.enabled(cuda, "attention") and not pdl.enabled(cuda, "gemv", 1)
+        with pdl.using(False):
+            assert pdl.launch_args(cuda, "attention") == {"PDL": False, "launch_pdl": False}
+        assert pdl.enabled(cuda, "attention")
+    assert pdl.enabled(cuda, "moe") and not pdl.enabled(cuda, "gemv", 10**6)  # the defaults again
