@@ -63,7 +63,12 @@ MODELS = {
 }
 _D, _G = DecodeTiles, GroupedTiles
 SWEEP_TILES = {  # per kind, a few besides choose_tiles' own (each compiles: the sweep stays within minutes)
-    "dense": [_D(8, 256, 4, True), _D(16, 256, 4, True), _D(8, 512, 4, True), _G(16, 128, 64, 4, 3)],
+    # narrow and wide (a whole 2048-wide row of Qwen3-30B-A3B's gate|up in one step, as the dense
+    # GEMV reads its rows: every load of a program in flight at once; the same accumulator size
+    # as 8 x 256's), not swept before 2026-12-02
+    "dense": [_D(8, 256, 4, True), _D(16, 256, 4, True), _D(8, 512, 4, True), _D(1, 2048, 4, True),
+              _D(2, 1024, 4, True), _D(2, 2048, 8, True), _D(4, 512, 4, True), _D(1, 1024, 2, True),
+              _G(16, 128, 64, 4, 3)],
     # int8 rows are half bf16's bytes: wider K steps for the same bytes in flight
     "int8": [_D(8, 512, 4), _D(16, 512, 4, True), _D(8, 1024, 4, True), _D(16, 256, 4, True),
              _G(16, 64, 256, 4, 2), _G(16, 128, 128, 4, 3)],
