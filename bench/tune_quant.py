@@ -179,8 +179,8 @@ def sweep(fmt: str, group_size: int, rows: int, n: int, k: int, bandwidth: float
     """Tiles of the kernel for `rows` (GEMV at decode rows, GEMM above), best first."""
     group = group_size if fmt == "int4" else 1
     if rows <= quant_triton.GEMV_MAX_ROWS:
-        grid = [GemvTiles(bn, bk, w) for bn, bk, w in itertools.product(
-            (8, 16, 32, 64), (128, 256, 512, 1024), (2, 4, 8))
+        grid = [GemvTiles(bn, bk, w, xv) for bn, bk, w, xv in itertools.product(
+            (8, 16, 32, 64), (128, 256, 512, 1024), (2, 4, 8), (False, True) if fmt == "int4" else (False,))
             if bk >= group and bn * bk <= 32768 and bk <= triton.next_power_of_2(k)]
     else:
         grid = [GemmTiles(bm, bn, bk, w, s) for bm, bn, bk, w, s in itertools.product(

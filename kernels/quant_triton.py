@@ -57,6 +57,7 @@ class GemvTiles(NamedTuple):
     block_n: int  # output features a program owns
     block_k: int  # columns of K a step (int4: a whole number of groups)
     num_warps: int
+    x_vector: bool = False  # int4: a word's 8 inputs in one vector load, its 8 codes in one tensor
 
 
 class GemmTiles(NamedTuple):
@@ -117,12 +118,17 @@ def _gemv_int8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, str
 def _gemv_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K,
                       stride_xm, stride_wn, stride_sn, stride_ym,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+                      GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+                      X_VECTOR: tl.constexpr):
     """y[:, n] = sum over groups g of scale[n, g] * sum_{k in g} x[:, k] (code[n, k] - zero[n, g]),
     the codes read as int32 words of eight (nibble p of word i is column 8i + p). As units
     f = 1 + code / 16, a group's share is scale * (16 sum x f - (16 + zero) sum x): per code a
     shift, a logic op and one multiply-add, scale and zero twice a word. Sums stay per word
-    column of the tile until the loop ends; BLOCK_K is a whole number of groups, unrolled."""
+    column of the tile until the loop ends; BLOCK_K is a whole number of groups, unrolled.
+    X_VECTOR: a word's 8 inputs come in one 16-byte load ([.., WORDS, 8]) and its 8 units as one
+    tensor of shifts, summed along the 8 inside each thread, where the default loads the inputs of
+    nibble p of every word, strided, eight times a group (which of the two is faster is measured
+    by bench/tune_quant.py --sweep)."""
     wait_for_previous(PDL)
     WORDS: tl.constexpr = GROUP // 8
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -143,13 +149,24 @@ def _gemv_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K,
             g_mask = n_mask & (offs_n * 0 + kg < K)
             scale = tl.load(s_ptr + sz_rows + kg // GROUP, mask=g_mask, other=0.0).to(tl.float32)
             zero = tl.load(z_ptr + sz_rows + kg // GROUP, mask=g_mask, other=0.0).to(tl.float32)
-            units = tl.zeros([BLOCK_M, BLOCK_N, WORDS], dtype=tl.float32)
-            x_sum = tl.zeros([BLOCK_M, WORDS], dtype=tl.float32)
-            for p in tl.static_range(8):
-                x = tl.load(x_rows + (kg + 8 * offs_w + p)[None, :], mask=m_mask[:, None] & w_mask[None, :],
-                            other=0.0).to(tl.float32)  # [BLOCK_M, WORDS]
-                units += x[:, None, :] * _unit(words, 4 * p, 4)[None, :, :]
-                x_sum += x
+            if X_VECTOR:
+                offs_p = tl.arange(0, 8)
+                cols = kg + 8 * offs_w[:, None] + offs_p[None, :]  # [WORDS, 8]
+                x8 = tl.load(x_rows[:, :, None] + cols[None, :, :],
+                             mask=m_mask[:, None, None] & w_mask[None, :, None], other=0.0).to(tl.float32)
+                # nibble p of each word at the top of the mantissa of 1.0: the unit 1 + code / 16
+                field = ((words[:, :, None] >> (4 * offs_p)[None, None, :]) << 19) & 0x780000
+                unit8 = (field | 0x3F800000).to(tl.float32, bitcast=True)  # [BLOCK_N, WORDS, 8]
+                units = tl.sum(x8[:, None, :, :] * unit8[None, :, :, :], axis=3)  # [BLOCK_M, BLOCK_N, WORDS]
+                x_sum = tl.sum(x8, axis=2)
+            else:
+                units = tl.zeros([BLOCK_M, BLOCK_N, WORDS], dtype=tl.float32)
+                x_sum = tl.zeros([BLOCK_M, WORDS], dtype=tl.float32)
+                for p in tl.static_range(8):
+                    x = tl.load(x_rows + (kg + 8 * offs_w + p)[None, :], mask=m_mask[:, None] & w_mask[None, :],
+                                other=0.0).to(tl.float32)  # [BLOCK_M, WORDS]
+                    units += x[:, None, :] * _unit(words, 4 * p, 4)[None, :, :]
+                    x_sum += x
             acc += (16.0 * scale)[None, :, None] * units \
                 - (scale * (16.0 + zero))[None, :, None] * x_sum[:, None, :]
     total = tl.sum(acc, axis=2)
@@ -320,7 +337,8 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             x2, qweight.view(torch.int32), scales, zeros, bias_arg, y, m, n, k,
             x2.stride(0), qweight.stride(0) // 4, scales.stride(0), y.stride(0),
             BLOCK_M=triton.next_power_of_2(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-            GROUP=group_size, HAS_BIAS=bias is not None, num_warps=tiles.num_warps, num_stages=1,
+            GROUP=group_size, HAS_BIAS=bias is not None, X_VECTOR=tiles.x_vector, num_warps=tiles.num_warps,
+            num_stages=1,
             **pdl.launch_args(x.device, "gemv", triton.cdiv(n, tiles.block_n)))
     else:
         _gemm_kernel[(triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))](

@@ -1008,7 +1008,10 @@ def test_linear_quant(run_check, dtype, bits, lead, n, k, group_size, bias):
     # (a word and two), int8 in steps of 128 over K=200
     (4, 2, 37, 384, 64, "gemv", (16, 128, 4)), (4, 1, 70, 96, 32, "gemv", (32, 64, 2)),
     (4, 4, 19, 48, 8, "gemv", (8, 16, 1)), (4, 1, 33, 64, 16, "gemv", (4, 64, 4)),
-    (8, 1, 65, 200, 1, "gemv", (16, 128, 4))])
+    (8, 1, 65, 200, 1, "gemv", (16, 128, 4)),
+    # the int4 GEMV's vector-input variant (x_vector): groups of 128 in two steps, of 8, of 16
+    (4, 3, 37, 384, 128, "gemv", (4, 128, 4, True)), (4, 4, 19, 48, 8, "gemv", (8, 16, 1, True)),
+    (4, 1, 33, 64, 16, "gemv", (4, 64, 4, True))])
 def test_linear_quant_tiles(run_check, dtype, bits, rows, n, k, group_size, kernel, tiles):
     run_check(check_linear_quant, dtype=dtype, bits=bits, lead=(rows,), n=n, k=k,
               group_size=group_size, bias=True, tiles=(kernel, tiles))
