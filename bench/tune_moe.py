@@ -81,6 +81,11 @@ SWEEP_TILES = {  # per kind, a few besides choose_tiles' own (each compiles: the
 # gpt-oss-20b token in one wave)
 SWEEP_TILES["mxfp4"] = SWEEP_TILES["int4"] + [_D(8, 256, 2, True), _D(16, 256, 2, True), _D(16, 128, 2, True),
                                                _D(8, 256, 1, True)]
+# the 4-bit GEMVs' vector-input variant (`_gemv`'s X_VECTOR: a word's inputs in vector loads, its
+# codes decoded as one tensor), at the tiles that won without it and two more
+for _kind in ("int4", "mxfp4"):
+    SWEEP_TILES[_kind] += [_D(8, 512, 2, True, True), _D(8, 256, 2, True, True), _D(16, 512, 4, True, True),
+                           _D(4, 512, 2, True, True)]
 TINY_MODELS = {  # --tiny: the same kinds at toy sizes, on the CPU through the Triton interpreter
     "tiny-bf16": Shape(128, 128, 4, 2, "dense", "silu", False, "softmax", True),
     "tiny-mxfp4": Shape(128, 128, 4, 2, "mxfp4", "swiglu_oai", True, "topk_softmax", False),

@@ -63,6 +63,7 @@ class DecodeTiles(NamedTuple):
     block_k: int  # columns of K a step (MXFP4: a multiple of 32; int4: of 8)
     num_warps: int
     down_per_route: bool = False  # down projection: a program per route, then _combine_kernel (else per token)
+    x_vector: bool = False  # 4-bit formats: a word's inputs in vector loads (`_gemv`'s X_VECTOR)
 
 
 class GroupedTiles(NamedTuple):
@@ -369,7 +370,7 @@ def _weighted_output(acc, weight, b_ptr, expert, offs_n, n_mask, stride_be, dtyp
 
 @triton.jit
 def _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexpr, BLOCK_K: tl.constexpr,
-          FORMAT: tl.constexpr, GROUP: tl.constexpr):
+          FORMAT: tl.constexpr, GROUP: tl.constexpr, X_VECTOR: tl.constexpr):
     """x[:K] . w[r, :K] in float32 [R] for R weight rows at element offsets w_rows (int64; int32
     words for the 4-bit formats) with scales (and zeros) at sz_rows. Products stay per column of
     the tile until the loop ends (a sum across threads each step costs more than the step), and
@@ -385,7 +386,12 @@ def _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexp
     x at column 8i + p meets nibble p of word i; a 4-bit tile is [R, BLOCK_K // SUB, SUB // 8]
     words, SUB = min(BLOCK_K, GROUP), so scales load once a run, not once a code. The quantized
     weights are not rounded to x's dtype one by one as the reference dequantizes them: the sums
-    are as exact or more."""
+    are as exact or more.
+
+    X_VECTOR (4-bit formats): a word's inputs come in vector loads (int4: its 8 as [.., 8]; MXFP4:
+    the 4 of its low halves and the 4 of its high halves) and its codes are decoded as one tensor
+    along them, summed inside each thread, where the default loads the input of nibble p of every
+    word, strided, once per p (which is faster: bench/tune_moe.py --sweep)."""
     if FORMAT == 0 or FORMAT == 2:
         acc = tl.zeros([R, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -417,7 +423,30 @@ def _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexp
             k_run = k0 + offs_run
             sz = sz_rows[:, None] + (k_run // GROUP)[None, :]  # [R, RUNS]: each run's group
             sz_mask = r_mask[:, None] & (k_run < K)[None, :]
-            if FORMAT == 3:
+            if X_VECTOR and FORMAT == 3:
+                offs_p = tl.arange(0, 8)
+                x8 = tl.load(x_row + k_word[:, :, None] + offs_p[None, None, :], mask=k_mask[:, :, None],
+                             other=0.0).to(tl.float32)  # [RUNS, WORDS, 8]
+                field = ((words[:, :, :, None] >> (4 * offs_p)[None, None, None, :]) << 19) & 0x780000
+                unit8 = (field | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + code / 16, [R, RUNS, WORDS, 8]
+                units = tl.sum(x8[None, :, :, :] * unit8, axis=3)
+                x_sum = tl.sum(x8, axis=2)
+                scale = tl.load(s_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
+                zero = tl.load(z_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
+                acc += (16.0 * scale)[:, :, None] * units - (scale * (16.0 + zero))[:, :, None] * x_sum[None, :, :]
+            elif X_VECTOR:  # MXFP4: nibbles p and p + 4 of a word as the halves of an fp16x2, p = 0..3 at once
+                offs_p = tl.arange(0, 4)
+                x_lo = tl.load(x_row + k_word[:, :, None] + offs_p[None, None, :], mask=k_mask[:, :, None],
+                               other=0.0).to(tl.float32)  # [RUNS, WORDS, 4]
+                x_hi = tl.load(x_row + k_word[:, :, None] + 4 + offs_p[None, None, :], mask=k_mask[:, :, None],
+                               other=0.0).to(tl.float32)
+                shifted = words[:, :, :, None] >> (4 * offs_p)[None, None, None, :]  # [R, RUNS, WORDS, 4]
+                pair = ((shifted << 9) & 0x0E000E00) | ((shifted << 12) & -0x7FFF8000)
+                lo = pair.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                hi = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                values = tl.sum(x_lo[None, :, :, :] * lo + x_hi[None, :, :, :] * hi, axis=3)
+                acc += _e8m0_scale(tl.load(s_ptr + sz, mask=sz_mask, other=0))[:, :, None] * values
+            elif FORMAT == 3:
                 units = tl.zeros([R, RUNS, WORDS], dtype=tl.float32)
                 x_sum = tl.zeros([RUNS, WORDS], dtype=tl.float32)
                 for p in tl.static_range(8):
@@ -444,7 +473,7 @@ def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, z_ptr, b_ptr, act_ptr, 
                            stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_be,
                            alpha, limit, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            FORMAT: tl.constexpr, GROUP: tl.constexpr, ACTIVATION: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, X_VECTOR: tl.constexpr, PDL: tl.constexpr):
     """act[route, n] for one route and BLOCK_N intermediate features: its expert's gate rows n
     and up rows I + n as one tile of 2 BLOCK_N rows (row 2j + h: gate j for h = 0, up j for 1),
     streamed along H together."""
@@ -456,7 +485,7 @@ def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, z_ptr, b_ptr, act_ptr, 
     rows = (feature + (r % 2) * I).to(tl.int64)
     sums = _gemv(x_ptr + (route // TOP_K).to(tl.int64) * stride_xm, w_ptr, s_ptr, z_ptr,
                  expert * stride_we + rows * stride_wn, expert * stride_se + rows * stride_sn, feature < I, H,
-                 2 * BLOCK_N, BLOCK_K, FORMAT, GROUP)
+                 2 * BLOCK_N, BLOCK_K, FORMAT, GROUP, X_VECTOR)
     gate, up = tl.split(tl.reshape(sums, [BLOCK_N, 2]))
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
@@ -470,7 +499,7 @@ def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_pt
                         stride_om, stride_we, stride_wn, stride_se, stride_sn, stride_be,
                         ROUTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        PDL: tl.constexpr):
+                        X_VECTOR: tl.constexpr, PDL: tl.constexpr):
     """out[program 0, n] for BLOCK_N hidden features and ROUTES consecutive routes: each route's
     expert's down rows against that route's activation, weighted, summed over the ROUTES in
     float32. ROUTES = k: out is the layer's output, one program per token; ROUTES = 1: out holds
@@ -484,7 +513,7 @@ def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_pt
         route = tl.program_id(0) * ROUTES + j
         expert = tl.load(ids_ptr + route).to(tl.int64)
         acc = _gemv(act_ptr + route.to(tl.int64) * I, w_ptr, s_ptr, z_ptr, expert * stride_we + offs_n * stride_wn,
-                    expert * stride_se + offs_n * stride_sn, n_mask, I, BLOCK_N, BLOCK_K, FORMAT, GROUP)
+                    expert * stride_se + offs_n * stride_sn, n_mask, I, BLOCK_N, BLOCK_K, FORMAT, GROUP, X_VECTOR)
         total += _weighted_output(acc, tl.load(weights_ptr + route), b_ptr, expert, offs_n, n_mask, stride_be,
                                   act_ptr.dtype.element_ty, HAS_BIAS)
     tl.store(out_ptr + tl.program_id(0).to(tl.int64) * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
@@ -659,16 +688,18 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
     combine_block = min(1024, triton.next_power_of_2(h))
     launch = pdl.launch_args(x.device, "moe")
     if decode:
+        x_vector = tiles.x_vector and words  # a variant of the 4-bit GEMVs only
         _gate_up_decode_kernel[(t * top_k, triton.cdiv(inter, tiles.block_n))](
             x, ids, w13.w, w13.s, w13.z, w13.b, act, h, inter, top_k, x.stride(0), *w13.strides, *swiglu,
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, GROUP=w13.group,
-            ACTIVATION=_ACTIVATION[experts.activation], HAS_BIAS=has_b13, num_warps=tiles.num_warps, **launch)
+            ACTIVATION=_ACTIVATION[experts.activation], HAS_BIAS=has_b13, X_VECTOR=x_vector,
+            num_warps=tiles.num_warps, **launch)
         routes = 1 if tiles.down_per_route else top_k
         y = torch.empty((t * top_k, h), dtype=x.dtype, device=x.device) if routes == 1 else out
         _down_decode_kernel[(t * top_k // routes, triton.cdiv(h, tiles.block_n))](
             act, ids, weights, w2.w, w2.s, w2.z, w2.b, y, h, inter, y.stride(0), *w2.strides, ROUTES=routes,
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, GROUP=w2.group, HAS_BIAS=has_b2,
-            num_warps=tiles.num_warps, **launch)
+            X_VECTOR=x_vector, num_warps=tiles.num_warps, **launch)
         if routes == 1:
             _combine_kernel[(t, triton.cdiv(h, combine_block))](y, out, h, out.stride(0), TOP_K=top_k,
                                                                 BLOCK=combine_block, num_warps=4, **launch)

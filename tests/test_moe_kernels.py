@@ -425,7 +425,7 @@ def check_fused_moe_tiles(device, kind, hidden, inter, groups, tiles):
     expected = moe.fused_moe(x, experts, weights, ids).float()
     on_device = _on(experts, device)
     for tile in tiles:
-        tile = (mt.DecodeTiles if len(tile) < 5 else mt.GroupedTiles)(*tile)  # grouped tiles are five ints
+        tile = _tiles(mt, tile)
         out = mt.fused_moe_launch(x.to(device), on_device, weights.to(device), ids.to(device), tile)
         error = (out.cpu().float() - expected).abs().max() / expected.abs().max()
         assert error <= (6e-2 if device == "cpu" else 2e-2), f"{tile}: relative error {error:.2e}"
@@ -435,7 +435,14 @@ def check_fused_moe_tiles(device, kind, hidden, inter, groups, tiles):
 _TILE_SHAPES = {"int4": [(96, 96, (32, 32)), (192, 64, (64, 64)), (384, 128, (128, 128))],
                 "mxfp4": [(96, 160, None)], "int8": [(72, 40, None), (33, 17, None)], "dense": [(33, 17, None)]}
 _TILES = [(16, 32, 4), (8, 64, 2, True), (4, 256, 4, True), (16, 128, 4, False), (16, 32, 64, 4, 1),
-          (16, 64, 128, 4, 1)]
+          (16, 64, 128, 4, 1), (8, 64, 2, True, True)]
+
+
+def _tiles(mt, tile: tuple):
+    """A tile of the tests' lists as the kernels' NamedTuple: grouped tiles are five ints, decode
+    tiles three ints and then down_per_route and x_vector if given."""
+    grouped = len(tile) == 5 and not isinstance(tile[4], bool)
+    return (mt.GroupedTiles if grouped else mt.DecodeTiles)(*tile)
 
 
 # int4 groups of 32 and 128 are slow in the interpreter (40 s each); groups of 64 meet tiles of
@@ -518,7 +525,7 @@ def check_mxfp4_codes_and_scales_are_exact(device, tiles):
     (Below 2 a weight of 0.5 is a bfloat16 subnormal, which the reference's own matmul flushes; above
     240 `_e8m0_scale` is inf. Checkpoints' scales are near 2^0, exponent 127.)"""
     mt = _moe_triton()
-    tiles = (mt.DecodeTiles if len(tiles) < 5 else mt.GroupedTiles)(*tiles)
+    tiles = _tiles(mt, tiles)
     tokens, hidden, inter = 16, 256, 32
     diagonal = torch.arange(tokens)
     codes13 = torch.zeros(2 * inter, hidden, dtype=torch.uint8)
@@ -541,6 +548,7 @@ def check_mxfp4_codes_and_scales_are_exact(device, tiles):
     assert torch.equal(out.cpu(), expected)
 
 
-@pytest.mark.parametrize("tiles", [(32, 64, 4, True), (16, 64, 64, 4, 1)], ids=["decode", "grouped"])
+@pytest.mark.parametrize("tiles", [(32, 64, 4, True), (32, 64, 4, True, True), (16, 64, 64, 4, 1)],
+                         ids=["decode", "decode-x_vector", "grouped"])
 def test_mxfp4_codes_and_scales_are_exact(run_check, tiles):
     run_check(check_mxfp4_codes_and_scales_are_exact, tiles=tiles)
