@@ -27,6 +27,8 @@
 #   bash bench/run_h200.sh kv8_check     # fp8 KV: its kernel tests on CUDA, GPU == CPU greedy (gpu_correctness --kv8-only)
 #   bash bench/run_h200.sh kv8           # fp8 KV: 32 agents' turns/h and batch-1 decode, bf16 KV vs kv8, qwen3-8b
 #   bash bench/run_h200.sh quant    # bench/tune_quant.py: int8/int4/fp8 linears against bf16 cuBLAS, Qwen3-8B shapes
+#   bash bench/run_h200.sh tiles         # MoE expert tiles at T=1 (wide bf16, 4-bit x_vector) and the int4 GEMV's
+#                                        # x_vector variant, after their kernel tests on CUDA
 #   bash bench/run_h200.sh quant_sweep   # bench/tune_quant.py --sweep: their tiles at 1 and 64 rows
 #                                        # (QUANT_ARGS replaces "--rows 1,64", e.g. "--rows 4 --shapes o")
 #   bash bench/run_h200.sh memory        # issue 17: 64 agents, tools of 1-5 s, device KV for 16: the host tier
@@ -141,6 +143,15 @@ case "${1:-check}" in
   moe)
     python3 -m pytest tests/test_moe_kernels.py -q -rs -x -m "" -p no:cacheprovider 2>&1 | tail -5  # -m "": the slow tile shapes too
     python3 bench/tune_moe.py ${MOE_ARGS:-} --json "$OUT/tune_moe.json" 2>&1 | tee "$OUT/tune_moe.txt" ;;
+  tiles)
+    # the decode GEMVs' tile and variant sweeps in one call: the MoE experts at one token (the wide
+    # bf16 tiles, the 4-bit x_vector variant) and the int4 linears at one row (x_vector)
+    python3 -m pytest tests/test_moe_kernels.py tests/test_kernels.py -q -x -p no:cacheprovider \
+      -k "fused_moe_tiles or mxfp4_codes or linear_quant_tiles or pdl" 2>&1 | tail -3
+    python3 bench/tune_moe.py --sweep --tokens 1 --models qwen3-30b-a3b,gpt-oss-20b,qwen3-30b-a3b-w4 \
+      --json "$OUT/tune_moe_tiles.json" 2>&1 | tee "$OUT/tune_moe_tiles.txt"
+    python3 bench/tune_quant.py --sweep --formats int4 --rows 1 --shapes qkv,gate_up,down --json "$OUT/tune_quant_tiles.json" 2>&1 \
+      | tee "$OUT/tune_quant_tiles.txt" ;;
   quant_sweep)
     python3 bench/tune_quant.py --sweep ${QUANT_ARGS:---rows 1,64} --json "$OUT/tune_quant_sweep.json" 2>&1 \
       | tee "$OUT/tune_quant_sweep.txt" ;;

@@ -206,6 +206,7 @@ def main() -> None:
     parser.add_argument("--fp8-block", default="128,128", help="fp8 scale block: output rows,input columns")
     parser.add_argument("--rows", default="1,4,16,64,256", help="row counts M, comma-separated")
     parser.add_argument("--shapes", default=",".join(QWEN3_8B), help="layers, comma-separated")
+    parser.add_argument("--formats", default=",".join(FORMATS[1:]), help="--sweep: the formats swept")
     parser.add_argument("--sweep", action="store_true",
                         help="sweep the tiles at each of --rows instead (minutes: use few rows and shapes)")
     args = parser.parse_args()
@@ -239,7 +240,7 @@ def main() -> None:
         if fmt == FORMATS[-1]:
             _print_layer(results, name, rows_list)
     if args.sweep:
-        for (name, (n, k)), fmt, rows in itertools.product(shapes.items(), FORMATS[1:], rows_list):
+        for (name, (n, k)), fmt, rows in itertools.product(shapes.items(), args.formats.split(","), rows_list):
             best = sweep(fmt, args.group_size, rows, n, k, bandwidth, block)
             sweeps.append(dict(layer=name, n=n, k=k, m=rows, format=fmt, best=best[:8]))
             print(f"sweep {name:8s} {fmt} m={rows}: " + ", ".join(
