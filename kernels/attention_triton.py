@@ -39,6 +39,7 @@ from hibana_kernels.attention import check_kv_scale
 from hibana_kernels.pdl import wait_for_previous
 
 LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)  # the same, for the kernels
 DECODE_MIN_SPLIT = 64  # keys per split at least (one key tile)
 DECODE_PROGRAMS_PER_SM = 4  # splits are added until the grid has this many programs per SM
 MAX_SPLITS = 64
@@ -190,7 +191,7 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if SINKS:  # the sink as a first key with no value: its exp2 is 1 at the running maximum
-        m_i = tl.load(sinks_ptr + head, mask=row_mask, other=-1.0e30)
+        m_i = tl.load(sinks_ptr + head, mask=row_mask, other=-1.0e30).to(tl.float32) * _LOG2E
         l_i = tl.where(row_mask, 1.0, 0.0)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -261,7 +262,7 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     if SINKS:  # the sink as a first key with no value, in the first split only
         if split == 0:
-            m_i = tl.load(sinks_ptr + head, mask=g_mask, other=-1.0e30)
+            m_i = tl.load(sinks_ptr + head, mask=g_mask, other=-1.0e30).to(tl.float32) * _LOG2E
             l_i = tl.where(g_mask, 1.0, 0.0)
     acc = tl.zeros([BLOCK_G, HEAD_DIM_P], dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -404,7 +405,7 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     with_sink_tokens = sliding_window is not None and sink_tokens > 0
     common = dict(
         k_scale_ptr=kv_scale[0] if kv_fp8 else q, v_scale_ptr=kv_scale[1] if kv_fp8 else q,
-        sinks_ptr=q if sinks is None else (sinks.float() * LOG2E).contiguous(), SINKS=sinks is not None,
+        sinks_ptr=q if sinks is None else sinks.contiguous(), SINKS=sinks is not None,  # in log2 inside
         qk_scale=scale * LOG2E, window=sliding_window or 0, KV_FP8=kv_fp8,
         # unused, None: no kernel argument at all, so that path compiles as before sink tokens
         sink_tokens=sink_tokens if with_sink_tokens else None, SINK_TOKENS=with_sink_tokens,
