@@ -150,6 +150,9 @@ case "${1:-check}" in
       -k "fused_moe_tiles or mxfp4_codes or linear_quant_tiles or pdl" 2>&1 | tail -3
     python3 bench/tune_moe.py --sweep --tokens 1 --models qwen3-30b-a3b,gpt-oss-20b,qwen3-30b-a3b-w4 \
       --json "$OUT/tune_moe_tiles.json" 2>&1 | tee "$OUT/tune_moe_tiles.txt"
+    for model in qwen3-0.6b qwen3-30b-a3b; do  # the dense GEMV's tiles at small widths (K <= 2048), with PDL
+      python3 bench/tune_decode.py --model "$model" --gemv-sweep-only 2>&1 | tee "$OUT/tune_gemv_$model.txt"
+    done
     python3 bench/tune_quant.py --sweep --formats int4 --rows 1 --shapes qkv,gate_up,down --json "$OUT/tune_quant_tiles.json" 2>&1 \
       | tee "$OUT/tune_quant_tiles.txt" ;;
   quant_sweep)

@@ -54,7 +54,7 @@ def sweep_gemv(model: str, bandwidth: float) -> list[dict]:
 
     rows = []
     configs = [(bn, bk, w, st) for bn, bk, w, st in itertools.product(
-        (1, 2, 4, 8), (1024, 2048, 4096, 8192), (4, 8, 16), (1, 3))
+        (1, 2, 4, 8, 16), (1024, 2048, 4096, 8192), (4, 8, 16), (1, 3))
         if 2048 <= bn * bk <= 32768 and (st == 1 or bk <= 2048)]
     for (label, (n, k)), m in itertools.product(gemv_shapes(model).items(), (1,)):
         nbytes = n * k * 2
@@ -451,6 +451,8 @@ def main() -> None:
                         help="programmatic dependent launch variants beside off, comma-separated: all, or "
                              "kinds of hibana_kernels.pdl.KINDS joined by + (gemv+attention), each with "
                              "<N for GEMV grids of at most N programs (all<1024; default pdl.MAX_PROGRAMS)")
+    parser.add_argument("--gemv-sweep-only", action="store_true",
+                        help="the GEMV tile sweep at the model's shapes, nothing else")
     parser.add_argument("--step-only", action="store_true",
                         help="no kernel sweeps: the model's decode step alone (its variants and kernels)")
     parser.add_argument("--fusion", action="store_true",
@@ -465,10 +467,12 @@ def main() -> None:
     report: dict = {"bandwidth": bandwidth}
     if not (args.skip_sweep or args.step_only):
         report["gemv"] = sweep_gemv(args.model, bandwidth)
-    if not args.step_only:
+    if not (args.step_only or args.gemv_sweep_only):
         report["attention"] = sweep_attention(bandwidth)
         report["prefill"] = sweep_prefill(bandwidth)
-    if args.sweeps_only:
+    if args.sweeps_only or args.gemv_sweep_only:
+        with open(os.path.join(OUT, f"tune_decode_sweeps_{args.model}.json"), "w") as f:
+            json.dump(report, f, indent=1, default=str)
         return
 
     t0 = time.time()
