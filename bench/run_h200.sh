@@ -29,6 +29,7 @@
 #   bash bench/run_h200.sh quant    # bench/tune_quant.py: int8/int4/fp8 linears against bf16 cuBLAS, Qwen3-8B shapes
 #   bash bench/run_h200.sh tiles         # MoE expert tiles at T=1 (wide bf16, 4-bit x_vector) and the int4 GEMV's
 #                                        # x_vector variant, after their kernel tests on CUDA
+#   bash bench/run_h200.sh gemv_tiles    # the dense GEMV's tile sweep at qwen3-0.6b and qwen3-30b-a3b shapes (MODELS=)
 #   bash bench/run_h200.sh quant_sweep   # bench/tune_quant.py --sweep: their tiles at 1 and 64 rows
 #                                        # (QUANT_ARGS replaces "--rows 1,64", e.g. "--rows 4 --shapes o")
 #   bash bench/run_h200.sh memory        # issue 17: 64 agents, tools of 1-5 s, device KV for 16: the host tier
@@ -150,11 +151,12 @@ case "${1:-check}" in
       -k "fused_moe_tiles or mxfp4_codes or linear_quant_tiles or pdl" 2>&1 | tail -3
     python3 bench/tune_moe.py --sweep --tokens 1 --models qwen3-30b-a3b,gpt-oss-20b,qwen3-30b-a3b-w4 \
       --json "$OUT/tune_moe_tiles.json" 2>&1 | tee "$OUT/tune_moe_tiles.txt"
-    for model in qwen3-0.6b qwen3-30b-a3b; do  # the dense GEMV's tiles at small widths (K <= 2048), with PDL
-      python3 bench/tune_decode.py --model "$model" --gemv-sweep-only 2>&1 | tee "$OUT/tune_gemv_$model.txt"
-    done
     python3 bench/tune_quant.py --sweep --formats int4 --rows 1 --shapes qkv,gate_up,down --json "$OUT/tune_quant_tiles.json" 2>&1 \
       | tee "$OUT/tune_quant_tiles.txt" ;;
+  gemv_tiles)
+    for model in ${MODELS:-qwen3-0.6b qwen3-30b-a3b}; do  # the dense GEMV's tiles at small widths (K <= 2048), PDL on
+      python3 bench/tune_decode.py --model "$model" --gemv-sweep-only 2>&1 | tee "$OUT/tune_gemv_$model.txt"
+    done ;;
   quant_sweep)
     python3 bench/tune_quant.py --sweep ${QUANT_ARGS:---rows 1,64} --json "$OUT/tune_quant_sweep.json" 2>&1 \
       | tee "$OUT/tune_quant_sweep.txt" ;;
