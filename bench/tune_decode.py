@@ -314,7 +314,8 @@ def sweep_fusion(models: list[str], bandwidth: float, dev: str = "cuda") -> list
             n, k = shapes[label]
             nbytes = n * k * 2
             ws = _rotated(nbytes, lambda: torch.randn(n, k, device=dev, dtype=bf16) / k ** 0.5)
-            chosen = mt.gemv_config(1, n, k)
+            plain = mt.gemv_config(1, n, k)  # the separate kernels' GEMV
+            chosen = mt.silu_gemv_config(k) if label == "down" else plain  # the fused one's default
             wide = triton.next_power_of_2(k) if k <= 4096 else 2048
             tiles = list(dict.fromkeys([chosen, (4, wide, 4), (4, wide, 8), (8, min(wide, 2048), 8)]))
             if label == "down":  # silu_and_mul + down
@@ -322,12 +323,12 @@ def sweep_fusion(models: list[str], bandwidth: float, dev: str = "cuda") -> list
 
                 def separate():
                     for w in ws:
-                        mt.linear_launch(activation_triton.silu_and_mul(gate_up), w, None, *chosen)
+                        mt.linear_launch(activation_triton.silu_and_mul(gate_up), w, None, *plain)
 
                 def fused_fn(t):
                     return lambda: [mt.linear_launch(gate_up, w, None, *t, silu_input=True) for w in ws]
 
-                ref = mt.linear_launch(activation_triton.silu_and_mul(gate_up), ws[0], None, *chosen)
+                ref = mt.linear_launch(activation_triton.silu_and_mul(gate_up), ws[0], None, *plain)
 
                 def check(t, ref=ref):
                     return rel(mt.linear_launch(gate_up, ws[0], None, *t, silu_input=True), ref)

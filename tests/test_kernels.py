@@ -963,7 +963,8 @@ def test_rms_norm_linear(run_check, dtype, rows, n, k, bias, residual, tiles):
 
 
 SILU_LINEAR_CASES = [(1, 96, 64, False, None), (1, 37, 100, True, None), (1, 40, 300, True, (2, 128, 4)),
-                     (3, 33, 96, False, (4, 32, 4)), (2, 40, 64, False, None)]
+                     (3, 33, 96, False, (4, 32, 4)), (2, 40, 64, False, None),
+                     (1, 20, 4500, True, None)]  # K > 4096: silu_gemv_config's 2048-wide steps, the last masked
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
