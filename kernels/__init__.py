@@ -18,7 +18,7 @@ from hibana_kernels import activation, attention, matmul, moe, norm, quant, rota
 from hibana_kernels.moe import MoEExperts
 
 __all__ = ["MoEExperts", "fused_add_rms_norm", "fused_moe", "gelu_tanh_and_mul", "linear", "linear_fp8", "linear_int4",
-           "linear_int8", "moe_route", "mxfp4_dequantize", "paged_attention", "qk_norm_rotary_store", "rms_norm",
+           "linear_int8", "moe_norm_route", "moe_route", "mxfp4_dequantize", "paged_attention", "qk_norm_rotary_store", "rms_norm",
            "rms_norm_linear", "rotary_embedding", "silu_and_mul", "silu_and_mul_linear", "store_kv",
            "triton_available"]
 
@@ -153,6 +153,17 @@ def moe_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softma
     family's normalisation; see `hibana_kernels.moe.moe_route`."""
     impl = _triton("moe", router_logits) or moe
     return impl.moe_route(router_logits, top_k, scoring=scoring, renormalize=renormalize)
+
+
+def moe_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                   router_weight: torch.Tensor, router_bias: torch.Tensor | None, top_k: int, *,
+                   scoring: str = "softmax", renormalize: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sparse block's start: (rms_norm(x + residual), x + residual, weights, ids) of its router
+    (weight [E, H], bias) and top-k; one launch where `hibana_kernels.fusion` says. See
+    `hibana_kernels.moe.norm_route`."""
+    return (_triton("moe", x) or moe).norm_route(x, residual, norm_weight, eps, router_weight, router_bias, top_k,
+                                                 scoring=scoring, renormalize=renormalize)
 
 
 def fused_moe(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

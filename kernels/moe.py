@@ -44,6 +44,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from hibana_kernels import norm
 from hibana_kernels.quant import dequantize_int4, dequantize_int8
 
 KINDS = ("dense", "mxfp4", "int8", "int4")
@@ -235,6 +236,19 @@ def moe_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softma
         return weights, ids
     values, ids = torch.topk(router_logits, top_k, dim=-1)
     return torch.softmax(values, dim=-1, dtype=torch.float32), ids
+
+
+def norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+               router_weight: torch.Tensor, router_bias: torch.Tensor | None, top_k: int, *,
+               scoring: str = "softmax", renormalize: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sparse block's start: (h, x + residual, weights, ids) where h = rms_norm(x + residual)
+    (Llama's arithmetic) is the experts' input, the router's logits are `h @ router_weight^T (+
+    bias)` in x's dtype, and weights and ids are `moe_route` of them."""
+    h, residual = norm.fused_add_rms_norm(x, residual, norm_weight, eps)
+    logits = F.linear(h, router_weight, router_bias)
+    weights, ids = moe_route(logits, top_k, scoring=scoring, renormalize=renormalize)
+    return h, residual, weights, ids
 
 
 class ExpertBlocks(NamedTuple):

@@ -43,7 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hibana_kernels import moe, pdl
+from hibana_kernels import fusion, moe, pdl
+from hibana_kernels.matmul_triton import _normed_tile, _stream_tile  # the norm-then-GEMV's roundings
 from hibana_kernels.moe import ExpertBlocks, MoEExperts
 from hibana_kernels.pdl import wait_for_previous
 from hibana_kernels.quant_triton import _as_float, _unit  # the int GEMVs' exact integer -> float tricks
@@ -93,24 +94,21 @@ at T=8 287.8, 342.5 and 442.3, the grouped path 263.1 (bench/RESULTS.md, 2026-12
 
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_t, TOP_K: tl.constexpr,
-                  E_PAD: tl.constexpr, K_PAD: tl.constexpr, SOFTMAX: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
-    """One token: k rounds of argmax over the logits (the largest; among equals the lowest
-    index, the experts torch.topk picks on CUDA), then the weights. Softmax is monotone, so the
-    top-k of the probabilities is the top-k of the logits, picked exactly on the logits."""
-    wait_for_previous(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, E_PAD)
-    logits = tl.load(logits_ptr + t * stride_t + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
+def _top_k(logits, offs, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, SOFTMAX: tl.constexpr,
+           RENORMALIZE: tl.constexpr):
+    """(ids int64 [K_PAD], weights float32 [K_PAD]) of float32 logits [E_PAD] (-inf past E): k
+    rounds of argmax (the largest; among equals the lowest index, the experts torch.topk picks on
+    CUDA), then the weights. Softmax is monotone, so the top-k of the probabilities is the top-k
+    of the logits, picked exactly on the logits."""
     slots = tl.arange(0, K_PAD)
     chosen = tl.zeros([K_PAD], dtype=tl.float32)
+    ids = tl.zeros([K_PAD], dtype=tl.int64)
     scores = logits
     for j in tl.static_range(TOP_K):
         best = tl.max(scores, axis=0)
-        expert = tl.min(tl.where(scores == best, offs, E_PAD), axis=0)
+        expert = tl.min(tl.where(scores == best, offs, offs.shape[0]), axis=0)
         expert = tl.minimum(expert, E - 1)  # NaN logits match nothing: stay in bounds (the output is NaN)
-        tl.store(ids_ptr + t * TOP_K + j, expert.to(tl.int64))
+        ids = tl.where(slots == j, expert.to(tl.int64), ids)
         chosen = tl.where(slots == j, best, chosen)
         scores = tl.where(offs == expert, -float("inf"), scores)
     in_k = slots < TOP_K
@@ -124,7 +122,22 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_t, TOP_K: tl.const
         top = tl.max(tl.where(in_k, chosen, -float("inf")), axis=0)
         e = tl.where(in_k, tl.exp(chosen - top), 0.0)
         weights = e / tl.sum(e, axis=0)
-    tl.store(weights_ptr + t * TOP_K + slots, weights, mask=in_k)
+    return ids, weights
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_t, TOP_K: tl.constexpr,
+                  E_PAD: tl.constexpr, K_PAD: tl.constexpr, SOFTMAX: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
+    """One token's `_top_k`."""
+    wait_for_previous(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_PAD)
+    logits = tl.load(logits_ptr + t * stride_t + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
+    ids, weights = _top_k(logits, offs, E, TOP_K, K_PAD, SOFTMAX, RENORMALIZE)
+    slots = tl.arange(0, K_PAD)
+    tl.store(ids_ptr + t * TOP_K + slots, ids, mask=slots < TOP_K)
+    tl.store(weights_ptr + t * TOP_K + slots, weights, mask=slots < TOP_K)
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax",
@@ -142,6 +155,98 @@ def moe_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softma
                             SOFTMAX=scoring == "softmax", RENORMALIZE=renormalize, num_warps=4,
                             **pdl.launch_args(logits.device, "moe"))
     return weights, ids
+
+
+@triton.jit
+def _norm_route_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, h_ptr, res_out_ptr, logits_ptr, counter_ptr,
+                       weights_ptr, ids_ptr, eps, E, K, stride_xm, stride_rm, stride_wn,
+                       TOP_K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr,
+                       BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr,
+                       RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
+    """A sparse block's start for token t (program (t, i)): h = rms_norm(x + residual) over the
+    whole row (program 0 writes h and x + residual), the router's logits of experts
+    [i BLOCK_E, (i + 1) BLOCK_E) over h, rounded to x's dtype; then the last program of the token
+    to finish (a CTA barrier and an acq_rel count, as the attention's in-launch merge) reads all E
+    logits and writes `_top_k` of them, and zeroes the count for the next launch."""
+    t = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(1)
+    offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_mask = offs_e < E
+    offs_k = tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
+                mask=e_mask[:, None] & k_mask[None, :], other=0.0)  # the router's rows: before the wait
+    wait_for_previous(PDL)
+    offs_m = tl.arange(0, 1)
+    mask = k_mask[None, :]
+    s = _stream_tile(x_ptr + t * stride_xm, res_ptr + t * stride_rm, offs_m, offs_k, mask, 0, 0, True)  # [1, K]
+    sf = s.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(sf * sf, 1) / K + eps)
+    h = _normed_tile(s, inv_rms, nw_ptr, offs_k, k_mask)  # float32 of the rounded norm
+    if pid == 0:
+        tl.store(res_out_ptr + t * K + offs_m[:, None] * K + offs_k[None, :], s, mask=mask)
+        tl.store(h_ptr + t * K + offs_m[:, None] * K + offs_k[None, :], h.to(s.dtype), mask=mask)
+    logits = tl.sum(h * w.to(tl.float32), axis=1)  # [BLOCK_E]
+    if HAS_BIAS:
+        logits += tl.load(b_ptr + offs_e, mask=e_mask, other=0.0).to(tl.float32)
+    tl.store(logits_ptr + t * E + offs_e, logits.to(s.dtype), mask=e_mask)
+    tl.debug_barrier()  # every thread's logits are written before the count releases them
+    arrived = tl.atomic_add(counter_ptr + t, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(1) - 1:
+        offs = tl.arange(0, E_PAD)
+        every = tl.load(logits_ptr + t * E + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
+        ids, weights = _top_k(every, offs, E, TOP_K, K_PAD, SOFTMAX, RENORMALIZE)
+        slots = tl.arange(0, K_PAD)
+        tl.store(ids_ptr + t * TOP_K + slots, ids, mask=slots < TOP_K)
+        tl.store(weights_ptr + t * TOP_K + slots, weights, mask=slots < TOP_K)
+        tl.atomic_xchg(counter_ptr + t, 0, sem="relaxed", scope="gpu")
+
+
+NORM_ROUTE_MAX_K = 8192
+"""Hidden sizes `norm_route` takes in one launch: each program holds the whole row."""
+NORM_ROUTE_MAX_TOKENS = 16
+"""Rows `norm_route` takes in one launch (a count each, in a buffer kept per device)."""
+_ROUTE_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+               router_weight: torch.Tensor, router_bias: torch.Tensor | None, top_k: int, *,
+               scoring: str = "softmax", renormalize: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See `hibana_kernels.moe.norm_route`: one launch for a few bf16/fp16 rows where the fusion
+    policy says (`moe_norm_route`), else the norm, the router's linear and `moe_route`."""
+    t, k = x.shape[0] if x.dim() == 2 else -1, x.shape[-1]
+    e = router_weight.shape[0]
+    takes = (fusion.policy().moe_norm_route and x.dim() == 2 and 0 < t <= NORM_ROUTE_MAX_TOKENS
+             and k <= NORM_ROUTE_MAX_K and x.dtype in (torch.bfloat16, torch.float16)
+             and residual.shape == x.shape and residual.dtype == x.dtype
+             and norm_weight.dtype == x.dtype and router_weight.dtype == x.dtype
+             and scoring in moe.SCORINGS and 1 <= top_k <= e)
+    if not takes:
+        from hibana_kernels import matmul_triton, norm_triton
+
+        h, residual = norm_triton.fused_add_rms_norm(x, residual, norm_weight, eps)
+        weights, ids = moe_route(matmul_triton.linear(h, router_weight, router_bias), top_k, scoring=scoring,
+                                 renormalize=renormalize)
+        return h, residual, weights, ids
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    router_weight = router_weight if router_weight.stride(-1) == 1 else router_weight.contiguous()
+    h, res_out = torch.empty_like(x), torch.empty_like(x)
+    logits = torch.empty((t, e), dtype=x.dtype, device=x.device)
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=x.device)
+    if x.device not in _ROUTE_COUNTERS:  # zero between launches: each launch's last program zeroes its own
+        _ROUTE_COUNTERS[x.device] = torch.zeros(NORM_ROUTE_MAX_TOKENS, dtype=torch.int32, device=x.device)
+    block_e = 2
+    _norm_route_kernel[(t, triton.cdiv(e, block_e))](
+        x, residual, norm_weight, router_weight, router_bias if router_bias is not None else router_weight,
+        h, res_out, logits, _ROUTE_COUNTERS[x.device], weights, ids, eps, e, k, x.stride(0), residual.stride(0),
+        router_weight.stride(0), TOP_K=top_k, E_PAD=triton.next_power_of_2(e),
+        K_PAD=triton.next_power_of_2(top_k), BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k),
+        HAS_BIAS=router_bias is not None, SOFTMAX=scoring == "softmax", RENORMALIZE=renormalize, num_warps=4,
+        **pdl.launch_args(x.device, "moe"))
+    return h, res_out, weights, ids
 
 
 # ----------------------------------------------------------------------------------- alignment

@@ -414,6 +414,46 @@ def test_fused_moe_float16(run_check, kind, activation):
                   tokens=9, top_k=2, path=path)
 
 
+def check_norm_route(device, scoring, renormalize, bias, tokens, hidden, num_experts, top_k):
+    """The one-launch norm + router + top-k against the separate Triton kernels (rms_norm, the
+    router's GEMV or linear, moe_route): h and x + residual equal, the same experts, weights
+    within a bfloat16 logit's rounding; and near the reference. Twice in a row: the arrival
+    counts are zero again after a launch."""
+    from hibana_kernels import fusion
+
+    mt = _moe_triton()
+    gen = torch.Generator().manual_seed(tokens * hidden + num_experts)
+    x, res = (torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device) for _ in range(2))
+    nw = (1 + torch.randn(hidden, generator=gen) / 4).to(torch.bfloat16).to(device)
+    w = (torch.randn(num_experts, hidden, generator=gen) / hidden ** 0.5).to(torch.bfloat16).to(device)
+    b = torch.randn(num_experts, generator=gen).to(torch.bfloat16).to(device) if bias else None
+    args = (x, res, nw, 1e-6, w, b, top_k)
+    with fusion.using("off"):
+        h0, r0, w0, i0 = mt.norm_route(*args, scoring=scoring, renormalize=renormalize)
+    for _ in range(2):
+        with fusion.using("on"):
+            h1, r1, w1, i1 = mt.norm_route(*args, scoring=scoring, renormalize=renormalize)
+        assert torch.equal(h1, h0) and torch.equal(r1, r0)
+        assert torch.equal(i1, i0)
+        # logits rounded to bfloat16 from float32 sums in another order (and, on more rows than
+        # the GEMV takes, F.linear's): weights within a bfloat16 logit's step
+        torch.testing.assert_close(w1, w0, rtol=1e-2, atol=1e-3)
+    h, r, weights, ids = moe.norm_route(*(a if a is None or isinstance(a, (int, float)) else a.cpu() for a in args),
+                                        scoring=scoring, renormalize=renormalize)
+    # (the interpreter truncates where the GPU rounds to bfloat16: near the reference, not equal)
+    torch.testing.assert_close(r1.cpu().float(), r.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(h1.cpu().float(), h.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("scoring, renormalize, bias", [("softmax", True, False), ("topk_softmax", False, True)],
+                         ids=["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("tokens, hidden, num_experts, top_k", [(1, 64, 8, 2), (3, 96, 12, 4)],
+                         ids=["one-row", "three-rows-odd-experts"])
+def test_norm_route(run_check, scoring, renormalize, bias, tokens, hidden, num_experts, top_k):
+    run_check(check_norm_route, scoring=scoring, renormalize=renormalize, bias=bias, tokens=tokens,
+              hidden=hidden, num_experts=num_experts, top_k=top_k)
+
+
 def check_fused_moe_tiles(device, kind, hidden, inter, groups, tiles):
     """fused_moe_launch against the reference at shapes the tiles do not divide (K not a whole
     number of BLOCK_K, N not of BLOCK_N), for each of several tiles of both paths."""

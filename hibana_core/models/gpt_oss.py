@@ -126,6 +126,8 @@ class GptOssRouter(nn.Module):
 class GptOssMoE(ExpertsBlock):
     """gpt-oss's block: a router with a bias, the top k of the logits, softmax over those k."""
 
+    scoring = "topk_softmax"
+
     def __init__(self, config: Any, mxfp4: bool) -> None:
         super().__init__()
         check_top_k(config.num_experts_per_tok, config.num_local_experts)
@@ -133,9 +135,8 @@ class GptOssMoE(ExpertsBlock):
         self.router = GptOssRouter(config)
         self.experts = GptOssExperts(config, mxfp4)
 
-    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = kernels.linear(h, self.router.weight, self.router.bias)  # [T, E]
-        return kernels.moe_route(logits, self.top_k, scoring="topk_softmax")
+    def router_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.router.weight, self.router.bias
 
 
 class GptOssForCausalLM(DecoderForCausalLM):

@@ -129,10 +129,19 @@ class ExpertsBlock(nn.Module):
     family gives its router (`route`) and its experts (`self.experts`, with `kernel_experts()`)."""
 
     top_k: int
+    scoring: str  # `hibana_kernels.moe_route`'s
+    renormalize: bool = False
+
+    def router_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The router's weight [E, hidden] and bias (or None)."""
+        raise NotImplementedError
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, expert ids), each [T, top_k], for the normed hidden states h [T, hidden]."""
-        raise NotImplementedError
+        """(weights, expert ids), each [T, top_k], for the normed hidden states h [T, hidden]: the
+        router's logits in the model dtype, as transformers, then the family's top-k."""
+        weight, bias = self.router_weights()
+        return kernels.moe_route(kernels.linear(h, weight, bias), self.top_k, scoring=self.scoring,
+                                 renormalize=self.renormalize)
 
     def unread_bytes_per_token(self) -> int:
         """Weight bytes of the experts one token is not routed to."""
@@ -142,13 +151,21 @@ class ExpertsBlock(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor,
                 norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts' output for norm(x + residual); returns (it, x + residual)."""
-        h, residual = norm(x, residual)  # [T, hidden]
-        weights, ids = self.route(h)
+        if norm.fusable and residual is not None:  # Llama's norm: one launch with the router where it pays
+            weight, bias = self.router_weights()
+            h, residual, weights, ids = kernels.moe_norm_route(x, residual, norm.weight, norm.eps, weight, bias,
+                                                               self.top_k, scoring=self.scoring,
+                                                               renormalize=self.renormalize)
+        else:
+            h, residual = norm(x, residual)  # [T, hidden]
+            weights, ids = self.route(h)
         return kernels.fused_moe(h, self.experts.kernel_experts(), weights, ids), residual
 
 
 class SparseMoE(ExpertsBlock):
     """Qwen3-MoE's block: a bias-free router, softmax over all experts, then the top k."""
+
+    scoring = "softmax"
 
     def __init__(self, moe: MoEArgs, hidden_size: int) -> None:
         super().__init__()
@@ -156,6 +173,5 @@ class SparseMoE(ExpertsBlock):
         self.gate = Router(hidden_size, moe.num_experts)
         self.experts = Experts(moe, hidden_size)
 
-    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = kernels.linear(h, self.gate.weight)  # [T, E], in the model dtype as transformers
-        return kernels.moe_route(logits, self.top_k, scoring="softmax", renormalize=self.renormalize)
+    def router_weights(self) -> tuple[torch.Tensor, None]:
+        return self.gate.weight, None
