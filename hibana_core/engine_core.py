@@ -30,13 +30,13 @@ import threading
 import time
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from hibana_core.errors import HibanaError
 from hibana_core.output import OutputProcessor, RequestEvents
 from hibana_core.runner import ModelRunner, StepInFlight
 from hibana_core.sampler import needs_history
-from hibana_core.scheduler import Request, Scheduler, SchedulerOutput
+from hibana_core.scheduler import Request, RequestOutput, Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:
     from hibana_core.grammar import Grammars
@@ -154,11 +154,13 @@ class EngineCore:
             previous, self.in_flight = self.in_flight, launched
             masks = None
             if previous is not None:
-                # the launched step's grammar masks are filled while the previous one's outputs
-                # are processed (its tokens are in the matchers by then)
-                start = None if launched is None or launched.pending is None else \
-                    lambda: self._start_masks(launched)
-                masks = self._update(previous, start)
+                updated = self._read_back(previous)
+                if updated is not None:
+                    if launched is not None and launched.pending is not None:
+                        # filled while the previous step's outputs are delivered (the matchers
+                        # hold its tokens now)
+                        masks = self._start_masks(launched)
+                    self._deliver(previous, updated, masks is not None)
             if launched is not None and launched.pending is not None:
                 launched = self._sample(launched, masks)
             if launched is not None and not self._overlaps(scheduled):
@@ -192,11 +194,12 @@ class EngineCore:
         return launched
 
     def _sample(self, step: StepInFlight,
-                masks: "Callable[[], TokenMasks | None] | None" = None) -> StepInFlight | None:
+                started: "Callable[[], TokenMasks | None] | None" = None) -> StepInFlight | None:
         """Sample a step whose rows wait for grammar masks: the matchers now hold every token
-        read back, the forward runs on the device meanwhile. `masks`: their fill, started."""
+        read back, the forward runs on the device meanwhile. `started`: their fill, under way."""
         try:
-            masks = masks() if masks is not None else self.grammars.masks(step.scheduled, len(step.pending.rows))
+            masks = started() if started is not None else self.grammars.masks(step.scheduled,
+                                                                               len(step.pending.rows))
             self.runner.sample(step, masks)
         except Exception as exc:  # fails this step's requests, as a failed launch does
             self.in_flight = None
@@ -222,22 +225,33 @@ class EngineCore:
         return self.async_scheduling and not self._verifies(scheduled) and not any(
             needs_history(c.request.params) for c in scheduled.sampling)
 
-    def _update(self, step: StepInFlight, then: Callable[[], Any] | None = None) -> Any:
-        """Read a step's tokens back and deliver them. `then` runs once the requests hold them,
-        before their outputs are processed; what it returns is returned (None if the step failed)."""
+    def _update(self, step: StepInFlight) -> None:
+        updated = self._read_back(step)
+        if updated is not None:
+            self._deliver(step, updated)
+
+    def _read_back(self, step: StepInFlight) -> list[RequestOutput] | None:
+        """A step's tokens, read back and taken into its requests (None if the device failed)."""
         try:
             output = step.result()
         except Exception as exc:  # the device failed under this step
             self.scheduler.fail(step.scheduled, HibanaError(f"model step failed on the device: {exc!r}"))
             return None
-        updated = self.scheduler.update_from_output(step.scheduled, output)
-        started = then() if then is not None else None
-        self.outputs.process(updated)
-        if self.speculation is not None:
-            self.speculation.updated(step.scheduled.chunks)
-            self.speculation.observe_step(step.scheduled.num_tokens, self._verifies(step.scheduled),
-                                          None if step.timer is None else step.timer.seconds())
-        return started
+        return self.scheduler.update_from_output(step.scheduled, output)
+
+    def _deliver(self, step: StepInFlight, updated: list[RequestOutput], filling: bool = False) -> None:
+        """The outputs of a step read back; the speculation's figures. `filling`: grammar masks
+        are being filled meanwhile, which own the matchers until they end, also when this fails."""
+        try:
+            self.outputs.process(updated)
+            if self.speculation is not None:
+                self.speculation.updated(step.scheduled.chunks)
+                self.speculation.observe_step(step.scheduled.num_tokens, self._verifies(step.scheduled),
+                                              None if step.timer is None else step.timer.seconds())
+        except BaseException:
+            if filling:
+                self.grammars.wait_fill()
+            raise
 
     def deliver_finished(self) -> None:
         for request in self.scheduler.take_finished():

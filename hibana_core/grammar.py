@@ -722,16 +722,14 @@ class Grammars:
             row += n
         if not constrained:
             return lambda: None
-        if self._filling is not None:  # a fill whose step failed meanwhile: never two on one buffer
-            self._filling.exception()
-            self._filling = None
-        bitmask = self._host_bitmask(len(rows))  # not initialized: xgrammar writes a live row whole
+        self.wait_fill()  # a fill whose step failed meanwhile: never two on one buffer
+        bitmask, copied = self._host_bitmask(len(rows))  # not initialized: xgrammar writes a live row whole
 
         def finish() -> TokenMasks:
             every = len(rows) == total_rows
             on_device = bitmask.to(self.device, non_blocking=True)
-            if self.device.type == "cuda":
-                self._staging[self._next_staging - 1][1].record()  # the copy's end: when the buffer is free again
+            if copied is not None:
+                copied.record()  # the copy's end: when the buffer is free again
             return TokenMasks(on_device, device_tensor(rows, torch.int64, self.device), every)
 
         if not background:
@@ -769,20 +767,28 @@ class Grammars:
             for matcher, i in batch:
                 matcher.fill(bitmask, i)
 
+    def wait_fill(self) -> None:
+        """Wait for a fill started by `start_masks` whose result nobody will take (its step
+        failed): until it ends, it owns the matchers."""
+        if self._filling is not None:
+            self._filling.exception()
+            self._filling = None
+
     def close(self) -> None:
         """Stop the worker thread (an engine's close)."""
         if self._worker is not None:
             self._worker.shutdown(wait=False)
             self._worker = None
 
-    def _host_bitmask(self, rows: int) -> torch.Tensor:
+    def _host_bitmask(self, rows: int) -> tuple[torch.Tensor, Any]:
         """`rows` rows of a host bitmask, not initialized (filling 600 KB a step with -1 cost up to
         a millisecond where torch spread it over busy cores). Off CUDA a new tensor; on CUDA one of
         STAGING_BUFFERS pinned buffers taken in turn (pinning one per step went to the driver while
         the forward ran), once the copy that last read it has ended (long done: a step's masks are
-        filled after the previous step's tokens, sampled after its copy, came back)."""
+        filled after the previous step's tokens, sampled after its copy, came back). With it the
+        event to record once the copy is enqueued (None off CUDA)."""
         if self.device.type != "cuda":
-            return torch.empty((rows, self.width), dtype=torch.int32)
+            return torch.empty((rows, self.width), dtype=torch.int32), None
         if len(self._staging) < STAGING_BUFFERS:
             self._staging.append((torch.empty(0, self.width, dtype=torch.int32), torch.cuda.Event()))
         slot = self._next_staging % len(self._staging)
@@ -792,4 +798,4 @@ class Grammars:
             buffer = torch.empty(max(rows, 2 * buffer.shape[0]), self.width, dtype=torch.int32, pin_memory=True)
             self._staging[slot] = (buffer, copied)
         self._next_staging = slot + 1
-        return buffer[:rows]
+        return buffer[:rows], copied

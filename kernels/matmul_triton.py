@@ -200,7 +200,7 @@ def linear_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0),
         weight.stride(0), y.stride(0), BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n,
-        BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
+        BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN_K=k > 0 and k % block_k == 0,
         SILU_INPUT=silu_input, num_warps=num_warps, num_stages=num_stages,
         **pdl.launch_args(x.device, "gemv", triton.cdiv(n, block_n)))
     return y.view(*x.shape[:-1], n)
@@ -221,7 +221,7 @@ def rms_norm_linear_launch(x: torch.Tensor, residual: torch.Tensor | None, norm_
         x2, res2, norm_weight, weight, bias if bias is not None else weight, y, res_out, eps,
         m, n, k, x2.stride(0), res2.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, EVEN_K=k > 0 and k % block_k == 0,
         ONE_TILE=k <= block_k, num_warps=num_warps,
         **pdl.launch_args(x.device, "gemv", triton.cdiv(n, block_n)))
     return y.view(*x.shape[:-1], n), res_out

@@ -221,6 +221,7 @@ def norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tenso
              and k <= NORM_ROUTE_MAX_K and x.dtype in (torch.bfloat16, torch.float16)
              and residual.shape == x.shape and residual.dtype == x.dtype
              and norm_weight.dtype == x.dtype and router_weight.dtype == x.dtype
+             and router_weight.stride(-1) == 1  # read before the PDL wait: never a copy made here
              and scoring in moe.SCORINGS and 1 <= top_k <= e)
     if not takes:
         from hibana_kernels import matmul_triton, norm_triton
@@ -231,7 +232,6 @@ def norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tenso
         return h, residual, weights, ids
     x = x if x.stride(-1) == 1 else x.contiguous()
     residual = residual if residual.stride(-1) == 1 else residual.contiguous()
-    router_weight = router_weight if router_weight.stride(-1) == 1 else router_weight.contiguous()
     h, res_out = torch.empty_like(x), torch.empty_like(x)
     logits = torch.empty((t, e), dtype=x.dtype, device=x.device)
     weights = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
