@@ -10,9 +10,11 @@ prompts. Figures: decode tokens per second (from the moment every agent has its 
 the prefill's; median of the repeats) and the process's CPU seconds per decoded token; the
 overhead is unconstrained / constrained - 1 of the medians (the JSON also has the median of each
 pair's ratio). Speculation is off in both (it changes the step shapes, not the masks' cost). Also
-timed on the engine's thread, per constrained step: filling the masks on the host
-(`Grammars.masks`) and enqueuing their application (`Sampler.apply_masks`), against the step's
-wall time: the host work that must hide under the forward on a GPU. The presets have no tokenizer: a byte-level BPE of Qwen3's size is built
+timed on the engine's thread, per constrained step: starting and taking the masks
+(`Grammars.start_masks`; where steps overlap the fill runs on the grammar's worker thread, and
+the engine's part is the wait for it) and enqueuing their application (`Sampler.apply_masks`),
+against the step's wall time: the host work that must hide under the forward on a GPU; and the
+fill's own time per step, on whichever thread ran it. The presets have no tokenizer: a byte-level BPE of Qwen3's size is built
 (`hibana_bench.grammar_libs.build_big_tokenizer`, ~1 min) unless `--tokenizer DIR` names one.
 """
 
@@ -86,26 +88,42 @@ def _decode(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[f
 
 class HostTimer:
     """Wall time spent in the engine's grammar calls and in its steps (instance attributes
-    wrapped, so nothing else is touched)."""
+    wrapped, so nothing else is touched): on the engine's thread starting a step's masks and
+    taking them (`Grammars.start_masks` and the function it returns: where the fill runs on the
+    grammar's worker, the wait for it is its part, "wait"), enqueuing their application
+    (`Sampler.apply_masks`); and the fill itself, on whichever thread ran it ("fill")."""
 
     def __init__(self, engine) -> None:
-        self.seconds = {"masks": 0.0, "apply": 0.0, "step": 0.0}
+        self.seconds = {"masks": 0.0, "wait": 0.0, "apply": 0.0, "fill": 0.0, "step": 0.0}
         self.steps = 0
-        self._wrap(engine.grammars, "masks", "masks")
+        self._wrap(engine.grammars, "start_masks", "masks", returns_call=True)
+        self._wrap(engine.grammars, "_fill", "fill")
         self._wrap(engine.runner.sampler, "apply_masks", "apply")
         self._wrap(engine.core, "step", "step")
 
-    def _wrap(self, owner, name: str, key: str) -> None:
+    def _wrap(self, owner, name: str, key: str, returns_call: bool = False) -> None:
         inner = getattr(owner, name)
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
-                return inner(*args, **kwargs)
+                result = inner(*args, **kwargs)
             finally:
                 self.seconds[key] += time.perf_counter() - start
                 self.steps += key == "step"
+            return self._timed_call(result) if returns_call else result
         setattr(owner, name, timed)
+
+    def _timed_call(self, take):
+        def timed():
+            start = time.perf_counter()
+            try:
+                return take()
+            finally:
+                seconds = time.perf_counter() - start
+                self.seconds["masks"] += seconds
+                self.seconds["wait"] += seconds
+        return timed
 
     def reset(self) -> None:
         self.seconds = dict.fromkeys(self.seconds, 0.0)
@@ -142,8 +160,10 @@ def grammar_workload(model, batches: list[int], generate: int, prompt_len: int, 
                     pair[name] = {"tok_s": tokens / seconds, "cpu_ms_per_token": 1e3 * cpu / tokens}
                 runs.append(pair)
                 t = timer.seconds  # the constrained run's
-                host.append({"ms_per_step": 1e3 * (t["masks"] + t["apply"]) / max(timer.steps, 1),
-                             "share": (t["masks"] + t["apply"]) / t["step"]})
+                steps = max(timer.steps, 1)
+                host.append({"ms_per_step": 1e3 * (t["masks"] + t["apply"]) / steps,
+                             "share": (t["masks"] + t["apply"]) / t["step"],
+                             "wait_ms_per_step": 1e3 * t["wait"] / steps, "fill_ms_per_step": 1e3 * t["fill"] / steps})
             row = {"batch": b,
                    "plain_tok_s": statistics.median(p["plain"]["tok_s"] for p in runs),
                    "constrained_tok_s": statistics.median(p["constrained"]["tok_s"] for p in runs),
@@ -153,6 +173,8 @@ def grammar_workload(model, batches: list[int], generate: int, prompt_len: int, 
                                                      p["plain"]["cpu_ms_per_token"] - 1 for p in runs),
                    "grammar_host_ms_per_step": statistics.median(h["ms_per_step"] for h in host),
                    "grammar_host_share_of_step": statistics.median(h["share"] for h in host),
+                   "mask_wait_ms_per_step": statistics.median(h["wait_ms_per_step"] for h in host),
+                   "mask_fill_ms_per_step": statistics.median(h["fill_ms_per_step"] for h in host),
                    "runs": runs}
             row["overhead"] = row["plain_tok_s"] / row["constrained_tok_s"] - 1
             rows.append(row)
@@ -160,7 +182,8 @@ def grammar_workload(model, batches: list[int], generate: int, prompt_len: int, 
                   f"{row['constrained_tok_s']:9.1f} tok/s   overhead {100 * row['overhead']:+.1f}% "
                   f"(CPU time per token {100 * row['cpu_overhead']:+.1f}%); grammar host work "
                   f"{row['grammar_host_ms_per_step']:.3f} ms per step, {100 * row['grammar_host_share_of_step']:.1f}% "
-                  "of step time", flush=True)
+                  f"of step time (waiting for the fill {row['mask_wait_ms_per_step']:.3f} ms; the fill "
+                  f"{row['mask_fill_ms_per_step']:.3f} ms a step, on the worker where steps overlap)", flush=True)
     return {"workload": "grammar", "model": model.name, "random_weights": model.random_weights,
             "switch_interval": interval, "schema": SCHEMA, "generate": generate, "prompt": prompt_len, "rows": rows}
 
