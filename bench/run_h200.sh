@@ -30,6 +30,8 @@
 #   bash bench/run_h200.sh tiles         # MoE expert tiles at T=1 (wide bf16, 4-bit x_vector) and the int4 GEMV's
 #                                        # x_vector variant, after their kernel tests on CUDA
 #   bash bench/run_h200.sh gemv_tiles    # the dense GEMV's tile sweep at qwen3-0.6b and qwen3-30b-a3b shapes (MODELS=)
+#   bash bench/run_h200.sh kv8_w4        # issue 14: 32 agents with fp8 KV beside bf16 KV (qwen3-8b); qwen3-32b in int4
+#                                        # serving 32 agents (bf16 and w4 in one run: the bf16 one needs 65 GB)
 #   bash bench/run_h200.sh quant_sweep   # bench/tune_quant.py --sweep: their tiles at 1 and 64 rows
 #                                        # (QUANT_ARGS replaces "--rows 1,64", e.g. "--rows 4 --shapes o")
 #   bash bench/run_h200.sh memory        # issue 17: 64 agents, tools of 1-5 s, device KV for 16: the host tier
@@ -160,6 +162,14 @@ case "${1:-check}" in
   quant_sweep)
     python3 bench/tune_quant.py --sweep ${QUANT_ARGS:---rows 1,64} --json "$OUT/tune_quant_sweep.json" 2>&1 \
       | tee "$OUT/tune_quant_sweep.txt" ;;
+  kv8_w4)
+    # issue 14's fp8 KV (32 agents' turns/h against bf16 KV, in one run) and qwen3-32b in int4 serving 32 agents
+    python3 -m hibana_bench.cli agents --model qwen3-8b --agents 32 --turns 6 --system 4096 --tool-result 200 \
+      --generate 100 --systems hibana --surgery kv8 --json "$OUT/agents_kv8_qwen3-8b.json" 2>&1 \
+      | tee "$OUT/agents_kv8_qwen3-8b.txt"
+    python3 -m hibana_bench.cli agents --model qwen3-32b --agents 32 --turns 3 --system 4096 --tool-result 200 \
+      --generate 100 --systems hibana --surgery w4 --json "$OUT/agents_w4_qwen3-32b.json" 2>&1 \
+      | tee "$OUT/agents_w4_qwen3-32b.txt" ;;
   memory)
     python3 -m hibana_bench.cli agents --model qwen3-8b --agents 64 --turns 6 --system 4096 --tool-result 200 \
       --generate 100 --tool-latency 1,5 --device-kv-agents 16 --systems "${MEMORY_SYSTEMS:-hibana,hibana_recompute}" \
