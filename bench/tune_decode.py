@@ -17,6 +17,7 @@ through bench/run_h200.sh, which puts the checkout's folders on PYTHONPATH under
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -382,15 +383,22 @@ def sweep_fusion(models: list[str], bandwidth: float, dev: str = "cuda") -> list
     return rows
 
 
+def policy(spec: str) -> fusion.Fusion:
+    """A fusion policy by name ("off", "auto", "on"), with "+field" switching a flag on over it
+    ("auto+moe_norm_route")."""
+    name, *flags = spec.split("+")
+    return dataclasses.replace(fusion.POLICIES[name], **dict.fromkeys(flags, True))
+
+
 def fusion_ab(engine, prompts: dict[int, list[int]], generate: int, roofline: float,
-              num_layers: int) -> dict:
+              num_layers: int, policies: tuple[str, ...] = ("off", "auto", "on")) -> dict:
     """The engine's batch-1 decode under each fusion policy: graphs recaptured under it, tok/s
     and replay twice, then the kernels of one step."""
     from hibana_core.runner import DecodeGraphs
 
     out = {}
-    for name in ("off", "auto", "on"):
-        with fusion.using(name):
+    for name in policies:
+        with fusion.using(policy(name)):
             runner = engine.runner
             runner.graphs = DecodeGraphs(runner, runner.graphs.buckets[-1])
             warm = engine.open_state("warm")
@@ -435,7 +443,8 @@ def main_fusion(args: argparse.Namespace, bandwidth: float) -> None:
     engine = model.engine(max_model_len=max(contexts) + args.generate + 16, max_concurrent_agents=8,
                           speculation="off")
     report["roofline_tok_s"] = roofline
-    report["policies"] = fusion_ab(engine, prompts, args.generate, roofline, PRESETS[args.model]["num_hidden_layers"])
+    report["policies"] = fusion_ab(engine, prompts, args.generate, roofline, PRESETS[args.model]["num_hidden_layers"],
+                                   tuple(args.policies.split(",")))
     engine.close()
     with open(os.path.join(OUT, f"tune_decode_fusion_{args.model}.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
@@ -448,6 +457,9 @@ def main() -> None:
     parser.add_argument("--generate", type=int, default=128)
     parser.add_argument("--skip-sweep", action="store_true", help="skip the GEMV sweep")
     parser.add_argument("--sweeps-only", action="store_true", help="stop after the kernel sweeps")
+    parser.add_argument("--policies", default="off,auto,on",
+                        help="--fusion: the policies compared, e.g. auto,auto+moe_norm_route (a flag of "
+                             "hibana_kernels.fusion.Fusion after +)")
     parser.add_argument("--pdl", default="all",
                         help="programmatic dependent launch variants beside off, comma-separated: all, or "
                              "kinds of hibana_kernels.pdl.KINDS joined by + (gemv+attention), each with "
