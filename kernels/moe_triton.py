@@ -205,8 +205,20 @@ def _norm_route_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, h_ptr, res_out_ptr,
 NORM_ROUTE_MAX_K = 8192
 """Hidden sizes `norm_route` takes in one launch: each program holds the whole row."""
 NORM_ROUTE_MAX_TOKENS = 16
-"""Rows `norm_route` takes in one launch (a count each, in a buffer kept per device)."""
-_ROUTE_COUNTERS: dict[torch.device, torch.Tensor] = {}
+"""Rows `norm_route` takes in one launch (a count each, in a buffer kept per device and stream)."""
+_ROUTE_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _route_counters(device: torch.device) -> torch.Tensor:
+    """`_norm_route_kernel`'s arrival counts: zero between launches (each launch's last program
+    zeroes its own), so one buffer serves every launch on a stream, in order, and every replay of
+    a graph captured there; never freed (graphs hold its address). Per stream: launches on two
+    streams may run at once."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    if key not in _ROUTE_COUNTERS:
+        _ROUTE_COUNTERS[key] = torch.zeros(NORM_ROUTE_MAX_TOKENS, dtype=torch.int32, device=device)
+    return _ROUTE_COUNTERS[key]
 
 
 def norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -236,12 +248,10 @@ def norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tenso
     logits = torch.empty((t, e), dtype=x.dtype, device=x.device)
     weights = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((t, top_k), dtype=torch.int64, device=x.device)
-    if x.device not in _ROUTE_COUNTERS:  # zero between launches: each launch's last program zeroes its own
-        _ROUTE_COUNTERS[x.device] = torch.zeros(NORM_ROUTE_MAX_TOKENS, dtype=torch.int32, device=x.device)
     block_e = 2
     _norm_route_kernel[(t, triton.cdiv(e, block_e))](
         x, residual, norm_weight, router_weight, router_bias if router_bias is not None else router_weight,
-        h, res_out, logits, _ROUTE_COUNTERS[x.device], weights, ids, eps, e, k, x.stride(0), residual.stride(0),
+        h, res_out, logits, _route_counters(x.device), weights, ids, eps, e, k, x.stride(0), residual.stride(0),
         router_weight.stride(0), TOP_K=top_k, E_PAD=triton.next_power_of_2(e),
         K_PAD=triton.next_power_of_2(top_k), BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k),
         HAS_BIAS=router_bias is not None, SOFTMAX=scoring == "softmax", RENORMALIZE=renormalize, num_warps=4,
