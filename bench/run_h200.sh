@@ -27,8 +27,8 @@
 #   bash bench/run_h200.sh kv8_check     # fp8 KV: its kernel tests on CUDA, GPU == CPU greedy (gpu_correctness --kv8-only)
 #   bash bench/run_h200.sh kv8           # fp8 KV: 32 agents' turns/h and batch-1 decode, bf16 KV vs kv8, qwen3-8b
 #   bash bench/run_h200.sh quant    # bench/tune_quant.py: int8/int4/fp8 linears against bf16 cuBLAS, Qwen3-8B shapes
-#   bash bench/run_h200.sh tiles         # MoE expert tiles at T=1 (wide bf16, 4-bit x_vector) and the int4 GEMV's
-#                                        # x_vector variant, after their kernel tests on CUDA
+#   bash bench/run_h200.sh tiles         # MoE expert tiles at T=1 (wide bf16, 4-bit x_vector), after the new
+#                                        # kernels' tests on CUDA
 #   bash bench/run_h200.sh gemv_tiles    # the dense GEMV's tile sweep at qwen3-0.6b and qwen3-30b-a3b shapes (MODELS=)
 #   bash bench/run_h200.sh kv8_w4        # issue 14: 32 agents with fp8 KV beside bf16 KV (qwen3-8b); qwen3-32b in int4
 #                                        # serving 32 agents (bf16 and w4 in one run: the bf16 one needs 65 GB)
@@ -152,9 +152,9 @@ case "${1:-check}" in
     python3 -m pytest tests/test_moe_kernels.py tests/test_kernels.py -q -x -p no:cacheprovider \
       -k "fused_moe_tiles or mxfp4_codes or linear_quant_tiles or pdl or norm_route or sink or silu_and_mul_linear" 2>&1 | tail -3
     python3 bench/tune_moe.py --sweep --tokens 1 --models qwen3-30b-a3b,gpt-oss-20b,qwen3-30b-a3b-w4 \
-      --json "$OUT/tune_moe_tiles.json" 2>&1 | tee "$OUT/tune_moe_tiles.txt"
-    python3 bench/tune_quant.py --sweep --formats int4 --rows 1 --shapes qkv,gate_up,down --json "$OUT/tune_quant_tiles.json" 2>&1 \
-      | tee "$OUT/tune_quant_tiles.txt" ;;
+      --json "$OUT/tune_moe_tiles.json" 2>&1 | tee "$OUT/tune_moe_tiles.txt" ;;
+    # (the int4 linears' x_vector: QUANT_ARGS="--formats int4 --rows 1 --shapes gate_up" bash bench/run_h200.sh
+    # quant_sweep, a call of its own: ~60 tiles a shape)
   gemv_tiles)
     for model in ${MODELS:-qwen3-0.6b qwen3-30b-a3b}; do  # the dense GEMV's tiles at small widths (K <= 2048), PDL on
       python3 bench/tune_decode.py --model "$model" --gemv-sweep-only 2>&1 | tee "$OUT/tune_gemv_$model.txt"
