@@ -147,8 +147,7 @@ case "${1:-check}" in
     python3 -m pytest tests/test_moe_kernels.py -q -rs -x -m "" -p no:cacheprovider 2>&1 | tail -5  # -m "": the slow tile shapes too
     python3 bench/tune_moe.py ${MOE_ARGS:-} --json "$OUT/tune_moe.json" 2>&1 | tee "$OUT/tune_moe.txt" ;;
   tiles)
-    # the decode GEMVs' tile and variant sweeps in one call: the MoE experts at one token (the wide
-    # bf16 tiles, the 4-bit x_vector variant) and the int4 linears at one row (x_vector)
+    # the MoE experts' decode tiles at one token (the wide bf16 tiles, the 4-bit x_vector variant)
     python3 -m pytest tests/test_moe_kernels.py tests/test_kernels.py -q -x -p no:cacheprovider \
       -k "fused_moe_tiles or mxfp4_codes or linear_quant_tiles or pdl or norm_route or sink or silu_and_mul_linear" 2>&1 | tail -3
     python3 bench/tune_moe.py --sweep --tokens 1 --models qwen3-30b-a3b,gpt-oss-20b,qwen3-30b-a3b-w4 \
