@@ -40,6 +40,9 @@
    output that ended is JSON of the schema.
 shapes: check 1 on shapes unlike the tiny checkpoints' (tiny_models.ODD_SHAPES: head_dim 8, 12
    and 24, one KV head or as many as query heads, windows shorter than a block), GPU == CPU.
+moe_fusion: qwen3_moe and gpt_oss in bf16, batch 1: the sparse block's norm, router and top-k in
+   one launch (fusion `moe_norm_route`) give the tokens of the three launches (3 of 4 prompts at
+   least: bf16 logits summed in another order may part a near-tie).
 Prints a table; exits 1 if a check fails.
 """
 
@@ -614,10 +617,34 @@ def check_grammar(seed: int = 17) -> Iterator[tuple[str, bool, str]]:
                    not problems, "; ".join(problems) or f"8/8 agents equal, {ended}/4 constrained ended as JSON")
 
 
+def check_moe_fusion() -> Iterator[tuple[str, bool, str]]:
+    """The sparse block's norm, router and top-k in one launch (fusion `moe_norm_route`) against
+    the three kernels, bf16, batch-1 decode graphs, one prompt at a time (the fused kernel takes
+    a few rows): the same greedy tokens (its logits are float32 sums in the GEMV's order,
+    rounded to bf16 as the GEMV's; a near-tie of two experts may still part them, so the first
+    difference is reported)."""
+    from hibana_kernels import fusion
+
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    for arch, path, prompts in tiny_cases(("qwen3_moe", "gpt_oss"), 41):
+        runs = {}
+        for name, policy in (("3 launches", fusion.AUTO),
+                             ("1 launch", dataclasses.replace(fusion.AUTO, moe_norm_route=True))):
+            with fusion.using(policy), Engine.from_pretrained(path, **ON_GPU, dtype="bfloat16", progress=False,
+                                                              speculation="off") as engine:
+                runs[name] = [list(engine.open_state(f"one{i}").generate(params, prompt=p).token_ids)
+                              for i, p in enumerate(prompts)]
+        firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), 32)
+                  for x, y in zip(runs["1 launch"], runs["3 launches"])]
+        same = sum(f == 32 for f in firsts)
+        yield (f"bf16 {arch} moe_norm_route on vs off", same >= len(prompts) - 1,
+               f"{same}/4 prompts equal; first difference at {firsts}")
+
+
 CHECKS = {"float32": check_float32, "speculation": check_speculation, "surgery": check_surgery,
           "kv8": check_kv8, "fp8": check_fp8, "bf16": check_bf16_demo, "families": check_families,
           "logprobs": check_logprobs, "window": check_window_pass, "shapes": check_shapes, "tiers": check_tiers,
-          "grammar": check_grammar}
+          "grammar": check_grammar, "moe_fusion": check_moe_fusion}
 
 
 def main() -> int:
