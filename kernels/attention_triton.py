@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hibana_kernels import fusion, pdl
+from hibana_kernels import counters, fusion, pdl
 from hibana_kernels.attention import check_kv_scale
 from hibana_kernels.pdl import wait_for_previous
 
@@ -458,16 +458,9 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
 def _merge_counters(device: torch.device) -> torch.Tensor:
-    """The in-kernel merge's arrival counters, one per (sequence, KV head): zero between
-    launches (each merging program zeroes its own), so one buffer per device serves every
-    launch and every graph replay, and is never freed (graphs hold its address)."""
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
+    """The in-kernel merge's arrival counts, one per (sequence, KV head)."""
+    return counters.counters("attention merge", MERGE_COUNTERS, device)
 
 
 def _prefill_tiles(dtype: torch.dtype, head_dim_p: int) -> tuple[int, int, int, int]:

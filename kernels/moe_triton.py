@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hibana_kernels import fusion, moe, pdl
+from hibana_kernels import counters, fusion, moe, pdl
 from hibana_kernels.matmul_triton import _normed_tile, _stream_tile  # the norm-then-GEMV's roundings
 from hibana_kernels.moe import ExpertBlocks, MoEExperts
 from hibana_kernels.pdl import wait_for_previous
@@ -166,7 +166,7 @@ def _norm_route_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, h_ptr, res_out_ptr,
     """A sparse block's start for token t (program (t, i)): h = rms_norm(x + residual) over the
     whole row (program 0 writes h and x + residual), the router's logits of experts
     [i BLOCK_E, (i + 1) BLOCK_E) over h, rounded to x's dtype; then the last program of the token
-    to finish (a CTA barrier and an acq_rel count, as the attention's in-launch merge) reads all E
+    to finish (a CTA barrier and an acq_rel count: `hibana_kernels.counters`) reads all E
     logits and writes `_top_k` of them, and zeroes the count for the next launch."""
     t = tl.program_id(0).to(tl.int64)
     pid = tl.program_id(1)
@@ -205,20 +205,7 @@ def _norm_route_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, h_ptr, res_out_ptr,
 NORM_ROUTE_MAX_K = 8192
 """Hidden sizes `norm_route` takes in one launch: each program holds the whole row."""
 NORM_ROUTE_MAX_TOKENS = 16
-"""Rows `norm_route` takes in one launch (a count each, in a buffer kept per device and stream)."""
-_ROUTE_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def _route_counters(device: torch.device) -> torch.Tensor:
-    """`_norm_route_kernel`'s arrival counts: zero between launches (each launch's last program
-    zeroes its own), so one buffer serves every launch on a stream, in order, and every replay of
-    a graph captured there; never freed (graphs hold its address). Per stream: launches on two
-    streams may run at once."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    if key not in _ROUTE_COUNTERS:
-        _ROUTE_COUNTERS[key] = torch.zeros(NORM_ROUTE_MAX_TOKENS, dtype=torch.int32, device=device)
-    return _ROUTE_COUNTERS[key]
+"""Rows `norm_route` takes in one launch (an arrival count each: `hibana_kernels.counters`)."""
 
 
 def norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -251,8 +238,8 @@ def norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tenso
     block_e = 2
     _norm_route_kernel[(t, triton.cdiv(e, block_e))](
         x, residual, norm_weight, router_weight, router_bias if router_bias is not None else router_weight,
-        h, res_out, logits, _route_counters(x.device), weights, ids, eps, e, k, x.stride(0), residual.stride(0),
-        router_weight.stride(0), TOP_K=top_k, E_PAD=triton.next_power_of_2(e),
+        h, res_out, logits, counters.counters("norm_route", NORM_ROUTE_MAX_TOKENS, x.device), weights, ids, eps, e,
+        k, x.stride(0), residual.stride(0), router_weight.stride(0), TOP_K=top_k, E_PAD=triton.next_power_of_2(e),
         K_PAD=triton.next_power_of_2(top_k), BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k),
         HAS_BIAS=router_bias is not None, SOFTMAX=scoring == "softmax", RENORMALIZE=renormalize, num_warps=4,
         **pdl.launch_args(x.device, "moe"))

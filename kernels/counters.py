@@ -1,0 +1,24 @@
+"""Arrival counts for kernels whose last program to finish does the rest (split decode attention
+merging its splits; a sparse block's router picking the experts): a CTA barrier, then an acq_rel
+atomic increment per group of programs; the program that arrives last reads what the others
+wrote and sets the count back to zero.
+
+The counts are zero between launches, so one buffer serves every launch on a stream, in order,
+and every replay of a graph captured there; buffers are never freed (graphs hold their
+addresses). One per kernel, device and stream: launches on two streams may run at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_BUFFERS: dict[tuple, torch.Tensor] = {}
+
+
+def counters(kernel: str, size: int, device: torch.device) -> torch.Tensor:
+    """`size` int32 counts, zero, for `kernel`'s launches on the current stream of `device`."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (kernel, device, stream)
+    if key not in _BUFFERS:
+        _BUFFERS[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    return _BUFFERS[key]
