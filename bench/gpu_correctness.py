@@ -117,14 +117,19 @@ def tiny_cases(archs: tuple[str, ...], seed: int, max_prompt: int = 300, tied_ex
 def check_float32(seed: int = 7, overrides: dict | None = None, label: str = "fp32") -> Iterator[tuple[str, bool, str]]:
     """Float32 on the GPU (graphs off and on) equals the CPU, 4 agents batched per family."""
     for arch, path, prompts in tiny_cases(ARCHS, seed, overrides=overrides):
-        with Engine.from_pretrained(path, device="cpu", progress=False) as cpu:
-            want = batched_greedy(cpu, prompts, 32)
-        for graphs in (False, True):
-            with Engine.from_pretrained(path, **ON_GPU, dtype="float32", progress=False,
-                                        cuda_graphs=graphs) as gpu:
-                got = batched_greedy(gpu, prompts, 32)
-            same = sum(a == b for a, b in zip(got, want))
-            yield (f"{label} {arch} graphs={graphs}", same == len(prompts), f"{same}/4 agents equal")
+        yield from gpu_equals_cpu(path, prompts, f"{label} {arch}")
+
+
+def gpu_equals_cpu(path: Path, prompts: list[list[int]], label: str) -> Iterator[tuple[str, bool, str]]:
+    """The engine in float32 on the GPU, graphs off and on, against the engine on the CPU: 32
+    greedy tokens of 4 agents batched."""
+    with Engine.from_pretrained(path, device="cpu", dtype="float32", progress=False) as cpu:
+        want = batched_greedy(cpu, prompts, 32)
+    for graphs in (False, True):
+        with Engine.from_pretrained(path, **ON_GPU, dtype="float32", progress=False, cuda_graphs=graphs) as gpu:
+            got = batched_greedy(gpu, prompts, 32)
+        same = sum(a == b for a, b in zip(got, want))
+        yield (f"{label} graphs={graphs}", same == len(prompts), f"{same}/4 agents equal")
 
 
 def check_shapes() -> Iterator[tuple[str, bool, str]]:
@@ -416,15 +421,7 @@ def check_families() -> Iterator[tuple[str, bool, str]]:
         if "mxfp4" in arch:  # transformers runs MXFP4 experts in bf16 (and fails in float32 on CUDA):
             # the float32 reference is the engine on the CPU (torch references, equal to
             # transformers on the CPU tests' checkpoints), the row GPU kernels == CPU references
-            with Engine.from_pretrained(path, device="cpu", dtype="float32", progress=False) as cpu:
-                want = batched_greedy(cpu, prompts, 32)
-            for graphs in (False, True):
-                with Engine.from_pretrained(path, **ON_GPU, dtype="float32", progress=False,
-                                            cuda_graphs=graphs) as gpu:
-                    got = batched_greedy(gpu, prompts, 32)
-                same = sum(a == b for a, b in zip(got, want))
-                yield (f"fp32 {arch} vs the engine on the cpu graphs={graphs}", same == len(prompts),
-                       f"{same}/4 agents equal")
+            yield from gpu_equals_cpu(path, prompts, f"fp32 {arch} vs the engine on the cpu")
             continue
         on_cpu = arch.split()[0] in CPU_REFERENCE
         want = transformers_greedy(path, prompts, "cpu" if on_cpu else "cuda")

@@ -129,15 +129,23 @@ def _top_k(logits, offs, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, SOFTMAX: t
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_t, TOP_K: tl.constexpr,
                   E_PAD: tl.constexpr, K_PAD: tl.constexpr, SOFTMAX: tl.constexpr,
                   RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
-    """One token's `_top_k`."""
+    """One token's `_route_row`."""
     wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
+    _route_row(logits_ptr + t * stride_t, ids_ptr + t * TOP_K, weights_ptr + t * TOP_K, E, TOP_K, E_PAD, K_PAD,
+               SOFTMAX, RENORMALIZE)
+
+
+@triton.jit
+def _route_row(logits_row, ids_row, weights_row, E, TOP_K: tl.constexpr, E_PAD: tl.constexpr,
+               K_PAD: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """A token's E logits (in the model's dtype) -> its k expert ids and weights (`_top_k`)."""
     offs = tl.arange(0, E_PAD)
-    logits = tl.load(logits_ptr + t * stride_t + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
+    logits = tl.load(logits_row + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
     ids, weights = _top_k(logits, offs, E, TOP_K, K_PAD, SOFTMAX, RENORMALIZE)
     slots = tl.arange(0, K_PAD)
-    tl.store(ids_ptr + t * TOP_K + slots, ids, mask=slots < TOP_K)
-    tl.store(weights_ptr + t * TOP_K + slots, weights, mask=slots < TOP_K)
+    tl.store(ids_row + slots, ids, mask=slots < TOP_K)
+    tl.store(weights_row + slots, weights, mask=slots < TOP_K)
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax",
@@ -167,7 +175,7 @@ def _norm_route_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, h_ptr, res_out_ptr,
     whole row (program 0 writes h and x + residual), the router's logits of experts
     [i BLOCK_E, (i + 1) BLOCK_E) over h, rounded to x's dtype; then the last program of the token
     to finish (a CTA barrier and an acq_rel count: `hibana_kernels.counters`) reads all E
-    logits and writes `_top_k` of them, and zeroes the count for the next launch."""
+    logits and routes them (`_route_row`), and zeroes the count for the next launch."""
     t = tl.program_id(0).to(tl.int64)
     pid = tl.program_id(1)
     offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -193,12 +201,8 @@ def _norm_route_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, h_ptr, res_out_ptr,
     tl.debug_barrier()  # every thread's logits are written before the count releases them
     arrived = tl.atomic_add(counter_ptr + t, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(1) - 1:
-        offs = tl.arange(0, E_PAD)
-        every = tl.load(logits_ptr + t * E + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
-        ids, weights = _top_k(every, offs, E, TOP_K, K_PAD, SOFTMAX, RENORMALIZE)
-        slots = tl.arange(0, K_PAD)
-        tl.store(ids_ptr + t * TOP_K + slots, ids, mask=slots < TOP_K)
-        tl.store(weights_ptr + t * TOP_K + slots, weights, mask=slots < TOP_K)
+        _route_row(logits_ptr + t * E, ids_ptr + t * TOP_K, weights_ptr + t * TOP_K, E, TOP_K, E_PAD, K_PAD,
+                   SOFTMAX, RENORMALIZE)
         tl.atomic_xchg(counter_ptr + t, 0, sem="relaxed", scope="gpu")
 
 
