@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--fusion", default="auto", help="comma-separated kernel-fusion policies (auto, on, "
                         "off: hibana_kernels.fusion): each Hibana system runs once under each; rows of a "
                         "policy other than auto are named SYSTEM/fuse-POLICY")
+    decode.add_argument("--pdl", default="on", help="on, off or on,off: Hibana systems with programmatic "
+                        "dependent launch (hibana_kernels.pdl; a GPU from Hopper on), without, or both; rows "
+                        "without are named SYSTEM/pdl-off")
     agents = sub.add_parser("agents", parents=[common], help="agents in tool loops")
     agents.add_argument("--agents", type=_count, default=8,
                         help="concurrent agents (default 8); with --trace: agents cycle through the trace's "
@@ -170,6 +173,8 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     bad_fusion = [f for f in getattr(args, "fusion", "auto").split(",") if f not in FUSION_POLICIES]
     if bad_fusion:
         parser.error(f"unknown fusion policy {', '.join(bad_fusion)}; known: {', '.join(FUSION_POLICIES)}")
+    if any(p not in ("on", "off") for p in getattr(args, "pdl", "on").split(",")):
+        parser.error(f"--pdl takes on, off or on,off, not {args.pdl!r}")
     passes = [p for p in getattr(args, "surgery", "").split(",") if p]
     if passes:
         from hibana_plugins.manager import get_plugin_manager
@@ -306,7 +311,8 @@ def run_random(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
     model = load_bench_model(args.model, device, dtype)
     if args.workload == "decode":
         report = decode_workload(model, args.context, args.generate, systems,
-                                 fusions=[f for f in args.fusion.split(",") if f])
+                                 fusions=[f for f in args.fusion.split(",") if f],
+                                 pdls=[{"on": True, "off": False}[p] for p in args.pdl.split(",")])
         print_decode(report)
     else:
         cfg = AgentsConfig(args.agents, args.turns or 4, args.system, args.tool_result, args.generate,

@@ -96,10 +96,12 @@ def _kv_read_bytes(engine, context: int) -> int | None:
 
 
 def decode_workload(model: BenchModel, contexts: list[int], generate: int, systems: list[str],
-                    seed: int = 0, fusions: list[str] = ("auto",)) -> dict:
+                    seed: int = 0, fusions: list[str] = ("auto",), pdls: list[bool] = (True,)) -> dict:
     """`fusions`: the kernel-fusion policies (`hibana_kernels.fusion`) each Hibana system runs
-    under; a row under a policy other than "auto" is named SYSTEM/fuse-POLICY."""
-    from hibana_kernels import fusion
+    under; a row under a policy other than "auto" is named SYSTEM/fuse-POLICY. `pdls`: with and
+    or without programmatic dependent launch (`hibana_kernels.pdl`; a row without is named
+    SYSTEM/pdl-off)."""
+    from hibana_kernels import fusion, pdl
 
     device = model.device
     rng = random.Random(seed)
@@ -112,12 +114,12 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
     timed = {ctx: [prompts[ctx]] + [random_tokens(extra, ctx, model.vocab_size) for _ in range(PREFILL_REPEATS - 1)]
              for ctx in contexts}
     rows: list[DecodeRow] = []
-    runs = [(system, policy) for system in systems if system in SPEC_SYSTEMS or system.startswith("hibana+")
-            for policy in fusions]
-    for system, policy in runs:
-        label = system if policy == "auto" else f"{system}/fuse-{policy}"
+    runs = [(system, policy, dependent) for system in systems if system in SPEC_SYSTEMS or system.startswith("hibana+")
+            for policy in fusions for dependent in pdls]
+    for system, policy, dependent in runs:
+        label = (system if policy == "auto" else f"{system}/fuse-{policy}") + ("" if dependent else "/pdl-off")
         # room for the warm-up generations too (64 + 8 tokens), whatever the contexts asked for
-        with fusion.using(policy), open_engine(
+        with fusion.using(policy), pdl.using(dependent), open_engine(
                 model, system.split("+")[0], max_model_len=max(*contexts, len(warmup)) + max(generate, 8) + 16,
                 max_concurrent_agents=8, **_surgery_overrides(model, system)) as engine:
             guard = next((r.get("guard") for r in getattr(engine, "surgery", [])), None)

@@ -168,6 +168,21 @@ def test_bench_times_a_checkpoint_without_a_tokenizer(tiny_checkpoints, tmp_path
     assert [row["system"] for row in json.loads(out.read_text())["rows"]] == ["hibana"]
 
 
+def test_bench_decode_runs_each_system_with_and_without_pdl(tiny_checkpoints, tmp_path, capsys):
+    """`--pdl on,off`: each Hibana system twice, the second row named SYSTEM/pdl-off (on the CPU
+    both launch plainly; the rows still come); a value other than on and off is refused."""
+    from hibana_bench.cli import main
+
+    out = tmp_path / "report.json"
+    assert main(["decode", "--model", str(tiny_checkpoints["qwen3"]), "--device", "cpu", "--systems", "hibana",
+                 "--context", "16", "--generate", "4", "--no-cold-start", "--pdl", "on,off",
+                 "--json", str(out)]) == 0
+    assert [row["system"] for row in json.loads(out.read_text())["rows"]] == ["hibana", "hibana/pdl-off"]
+    with pytest.raises(SystemExit):
+        main(["decode", "--model", str(tiny_checkpoints["qwen3"]), "--device", "cpu", "--pdl", "maybe"])
+    assert "--pdl takes on, off or on,off" in capsys.readouterr().err
+
+
 def test_bench_measures_cold_start_in_fresh_processes(tiny_checkpoints, tmp_path, capsys):
     from hibana_bench.cli import main
 
