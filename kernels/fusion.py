@@ -1,13 +1,15 @@
 """Which launches of a one-row step (batch-1 decode) fold into a neighbouring kernel.
 
 A small model's decode step is made of kernels of 2-3 us each, so their number sets its speed.
-On the Triton path three pairs (and a sparse block's norm, router and top-k) can run as one launch:
+On the Triton path these run as one launch:
 
     rms_norm (+ residual add) -> linear   each GEMV program recomputes the row's scale from x
                                           (hidden-sized, in L2); program 0 writes the new residual
     silu_and_mul -> linear                the down GEMV applies silu(gate) * up to its input tiles
     decode attention -> split merge       the last split of a KV head to finish merges them
                                           (an atomic counter per head, reset by that program)
+    rms_norm -> router -> top-k           a sparse block's start: the router's programs each
+                                          normalise the row; the last to finish picks the experts
 
 Folding saves a launch but makes every GEMV program re-read (and re-normalise or re-activate)
 its whole input row, which grows with the layer's width: free at a 0.6B model's 1024/3072,
