@@ -1,0 +1,97 @@
+"""The kernels' GPU-only variants compile for the H200 (sm_90) without a GPU.
+
+The interpreter runs every kernel's arithmetic on the CPU (test_kernels.py, test_moe_kernels.py), but
+not what only a compiled kernel has: programmatic dependent launch (`gdc_wait` is not in the
+interpreter, so `PDL=True` branches never run there) and the constexpr combinations the GPU's
+dispatch picks (the 4-bit GEMVs' x_vector, the fused router, attention sinks in a split decode).
+Triton's compiler and ptxas need no device, so each is compiled here for sm_90 down to PTX, with
+its grid dependency instructions in it where PDL is asked for."""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from hibana_kernels import activation_triton as act  # noqa: E402
+from hibana_kernels import attention_triton as at  # noqa: E402
+from hibana_kernels import matmul_triton as mm  # noqa: E402
+from hibana_kernels import moe_triton as mt  # noqa: E402
+from hibana_kernels import norm_triton as nt  # noqa: E402
+from hibana_kernels import quant_triton as qt  # noqa: E402
+from hibana_kernels import rotary_triton as rt  # noqa: E402
+
+SPLIT_ATTENTION = dict(part_out_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32")
+EXPERT_IDS = dict(ids_ptr="*i64", alpha="fp32", limit="fp32")
+
+# (name, kernel, constexprs, argument types where not "*bf16" for a pointer and "i32" otherwise)
+CASES = [
+    ("gemv", mm._gemv_kernel, dict(BLOCK_M=1, BLOCK_N=2, BLOCK_K=1024, HAS_BIAS=False, EVEN_K=True,
+                                   SILU_INPUT=False), {}),
+    ("gemv-silu", mm._gemv_kernel, dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=4096, HAS_BIAS=True, EVEN_K=False,
+                                        SILU_INPUT=True), {}),
+    ("norm-gemv", mm._norm_gemv_kernel, dict(BLOCK_M=1, BLOCK_N=2, BLOCK_K=2048, HAS_RESIDUAL=True, HAS_BIAS=False,
+                                             EVEN_K=True, ONE_TILE=True), dict(eps="fp32")),
+    ("rms-norm", nt._rms_norm_kernel, dict(N=2048, BLOCK=2048, HAS_RESIDUAL=True, UNIT_OFFSET=False),
+     dict(eps="fp32")),
+    ("silu-and-mul", act._silu_and_mul_kernel, dict(INTER=3072, BLOCK=1024), {}),
+    ("prologue", rt._prologue_kernel, dict(GROUP=4, HALF=64, PASS=0, BLOCK_G=4, BLOCK_HALF=64, BLOCK_PASS=1,
+                                           BLOCK_D=128, HAS_NORM=True, UNIT_OFFSET=False, KV_FP8=False),
+     dict(pos_ptr="*i64", slot_ptr="*i64", eps="fp32", cos_ptr="*fp32", sin_ptr="*fp32", k_scale_ptr="*fp32",
+          v_scale_ptr="*fp32")),
+    ("decode-attention-sinks-window", at._decode_kernel,
+     dict(GROUP=8, HEAD_DIM=64, HEAD_DIM_P=64, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_N=64, SLIDING=True, SINK_TOKENS=False,
+          SPLIT=True, MERGE=False, SPLITS_P=16, DOT_PRECISION="ieee", UPCAST=False, QUERY_LEN=1, KV_FP8=False,
+          SINKS=True, sink_tokens=None),
+     dict(SPLIT_ATTENTION, counter_ptr="*i32", block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_ptr="*i32",
+          k_scale_ptr="*fp32", v_scale_ptr="*fp32", qk_scale="fp32")),
+    ("reduce-splits", at._reduce_splits_kernel, dict(HEAD_DIM=64, HEAD_DIM_P=64, SPLITS_P=16), SPLIT_ATTENTION),
+    ("route", mt._route_kernel, dict(TOP_K=4, E_PAD=32, K_PAD=4, SOFTMAX=False, RENORMALIZE=False),
+     dict(weights_ptr="*fp32", ids_ptr="*i64")),
+    ("norm-route", mt._norm_route_kernel, dict(TOP_K=8, E_PAD=128, K_PAD=8, BLOCK_E=2, BLOCK_K=2048, HAS_BIAS=False,
+                                               SOFTMAX=True, RENORMALIZE=True),
+     dict(eps="fp32", counter_ptr="*i32", weights_ptr="*fp32", ids_ptr="*i64")),
+    ("experts-gate-up-bf16-wide", mt._gate_up_decode_kernel,
+     dict(BLOCK_N=1, BLOCK_K=2048, FORMAT=0, GROUP=1, ACTIVATION=0, HAS_BIAS=False, X_VECTOR=False), EXPERT_IDS),
+    ("experts-gate-up-mxfp4-x_vector", mt._gate_up_decode_kernel,
+     dict(BLOCK_N=8, BLOCK_K=512, FORMAT=1, GROUP=32, ACTIVATION=1, HAS_BIAS=True, X_VECTOR=True),
+     dict(EXPERT_IDS, w_ptr="*i32", s_ptr="*u8", z_ptr="*u8")),
+    ("experts-down-mxfp4-x_vector", mt._down_decode_kernel,
+     dict(ROUTES=1, BLOCK_N=8, BLOCK_K=512, FORMAT=1, GROUP=32, HAS_BIAS=True, X_VECTOR=True),
+     dict(ids_ptr="*i64", weights_ptr="*fp32", w_ptr="*i32", s_ptr="*u8", z_ptr="*u8")),
+    ("experts-gate-up-int4-x_vector", mt._gate_up_decode_kernel,
+     dict(BLOCK_N=8, BLOCK_K=512, FORMAT=3, GROUP=128, ACTIVATION=0, HAS_BIAS=False, X_VECTOR=True),
+     dict(EXPERT_IDS, w_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16")),
+    ("experts-combine", mt._combine_kernel, dict(TOP_K=8, BLOCK=1024), {}),
+    ("int4-gemv-x_vector", qt._gemv_int4_kernel, dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, GROUP=128, HAS_BIAS=False,
+                                                      X_VECTOR=True),
+     dict(w_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16")),
+]
+
+
+def _compile(kernel, constexprs: dict, types: dict) -> str:
+    """The kernel's PTX for sm_90."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {name: "constexpr" if name in constexprs else
+                 types.get(name, "*bf16" if name.endswith("_ptr") else "i32") for name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32))
+    return compiled.asm["ptx"]
+
+
+@pytest.fixture(scope="module")
+def can_compile_for_cuda():
+    try:
+        _compile(act._silu_and_mul_kernel, dict(INTER=64, BLOCK=64, PDL=False), {})
+    except Exception as exc:  # noqa: BLE001 - a Triton without the NVIDIA backend or its ptxas
+        pytest.skip(f"Triton cannot compile for sm_90 here: {type(exc).__name__}: {exc}")
+
+
+@pytest.mark.parametrize("name, kernel, constexprs, types", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "plain"])
+def test_compiles_for_sm90(can_compile_for_cuda, name, kernel, constexprs, types, pdl):
+    ptx = _compile(kernel, dict(constexprs, PDL=pdl), types)
+    assert ("griddepcontrol.wait" in ptx) == pdl
+    assert ("griddepcontrol.launch_dependents" in ptx) == pdl
