@@ -47,7 +47,7 @@ from hibana_kernels import counters, fusion, moe, pdl
 from hibana_kernels.matmul_triton import _normed_tile, _stream_tile  # the norm-then-GEMV's roundings
 from hibana_kernels.moe import ExpertBlocks, MoEExperts
 from hibana_kernels.pdl import wait_for_previous
-from hibana_kernels.quant_triton import _as_float, _unit  # the int GEMVs' exact integer -> float tricks
+from hibana_kernels.quant_triton import _as_float, _nibble_units, _unit  # the int GEMVs' integer -> float tricks
 
 DECODE_MAX_TOKENS = {"dense": 4, "mxfp4": 4, "int8": 4, "int4": 4}
 """Tokens the decode path takes, per weight kind (H200, `bench/tune_moe.py --sweep --tokens 1,8`,
@@ -326,14 +326,30 @@ def _shift_left(v, n: tl.constexpr):
         return v >> -n
 
 
+_E2M1_MAGNITUDES = tl.constexpr(0x0E000E00)  # a pair's magnitude bits: 9..11 of each fp16 half
+_E2M1_SIGNS = tl.constexpr(-0x7FFF8000)  # its sign bits, 15 and 31 (0x80008000 as an int32)
+
+
 @triton.jit
 def _e2m1_pair_scaled(words, p: tl.constexpr):
     """`_e2m1_scaled` of nibbles p and p + 4 of int32 words at once: they sit 16 bits apart, as
     the two halves of an fp16x2, so one pair of shifts and masks places both (the magnitude bits
     at 9..11 of each half, the sign at 15); each half then converts to float32 on its own."""
-    MAGNITUDES: tl.constexpr = 0x0E000E00
-    SIGNS: tl.constexpr = -0x7FFF8000  # 0x80008000 as an int32
-    pair = (_shift_left(words, 9 - 4 * p) & MAGNITUDES) | (_shift_left(words, 12 - 4 * p) & SIGNS)
+    return _fp16_halves((_shift_left(words, 9 - 4 * p) & _E2M1_MAGNITUDES)
+                        | (_shift_left(words, 12 - 4 * p) & _E2M1_SIGNS))
+
+
+@triton.jit
+def _e2m1_pairs_scaled(words):
+    """`_e2m1_pair_scaled` for p = 0..3 at once, along a new last axis: each word shifted right
+    by 4p brings nibbles p and p + 4 to bits 0..3 and 16..19 (the shifted-in bits are masked)."""
+    shifted = tl.expand_dims(words, len(words.shape)) >> (4 * tl.arange(0, 4))
+    return _fp16_halves(((shifted << 9) & _E2M1_MAGNITUDES) | ((shifted << 12) & _E2M1_SIGNS))
+
+
+@triton.jit
+def _fp16_halves(pair):
+    """The two fp16 halves of int32 `pair` (low, high) as float32."""
     lo = pair.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     hi = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return lo, hi
@@ -529,47 +545,39 @@ def _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexp
             k_run = k0 + offs_run
             sz = sz_rows[:, None] + (k_run // GROUP)[None, :]  # [R, RUNS]: each run's group
             sz_mask = r_mask[:, None] & (k_run < K)[None, :]
-            if X_VECTOR and FORMAT == 3:
-                offs_p = tl.arange(0, 8)
-                x8 = tl.load(x_row + k_word[:, :, None] + offs_p[None, None, :], mask=k_mask[:, :, None],
-                             other=0.0).to(tl.float32)  # [RUNS, WORDS, 8]
-                field = ((words[:, :, :, None] >> (4 * offs_p)[None, None, None, :]) << 19) & 0x780000
-                unit8 = (field | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + code / 16, [R, RUNS, WORDS, 8]
-                units = tl.sum(x8[None, :, :, :] * unit8, axis=3)
-                x_sum = tl.sum(x8, axis=2)
-                scale = tl.load(s_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
-                zero = tl.load(z_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
-                acc += (16.0 * scale)[:, :, None] * units - (scale * (16.0 + zero))[:, :, None] * x_sum[None, :, :]
-            elif X_VECTOR:  # MXFP4: nibbles p and p + 4 of a word as the halves of an fp16x2, p = 0..3 at once
-                offs_p = tl.arange(0, 4)
-                x_lo = tl.load(x_row + k_word[:, :, None] + offs_p[None, None, :], mask=k_mask[:, :, None],
-                               other=0.0).to(tl.float32)  # [RUNS, WORDS, 4]
-                x_hi = tl.load(x_row + k_word[:, :, None] + 4 + offs_p[None, None, :], mask=k_mask[:, :, None],
-                               other=0.0).to(tl.float32)
-                shifted = words[:, :, :, None] >> (4 * offs_p)[None, None, None, :]  # [R, RUNS, WORDS, 4]
-                pair = ((shifted << 9) & 0x0E000E00) | ((shifted << 12) & -0x7FFF8000)
-                lo = pair.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                hi = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                values = tl.sum(x_lo[None, :, :, :] * lo + x_hi[None, :, :, :] * hi, axis=3)
-                acc += _e8m0_scale(tl.load(s_ptr + sz, mask=sz_mask, other=0))[:, :, None] * values
-            elif FORMAT == 3:
-                units = tl.zeros([R, RUNS, WORDS], dtype=tl.float32)
-                x_sum = tl.zeros([RUNS, WORDS], dtype=tl.float32)
-                for p in tl.static_range(8):
-                    x = tl.load(x_row + k_word + p, mask=k_mask, other=0.0).to(tl.float32)
-                    units += x[None, :, :] * _unit(words, 4 * p, 4)
-                    x_sum += x
+            if FORMAT == 3:
+                if X_VECTOR:
+                    x8 = tl.load(x_row + k_word[:, :, None] + tl.arange(0, 8)[None, None, :], mask=k_mask[:, :, None],
+                                 other=0.0).to(tl.float32)  # [RUNS, WORDS, 8]
+                    units = tl.sum(x8[None, :, :, :] * _nibble_units(words), axis=3)
+                    x_sum = tl.sum(x8, axis=2)
+                else:
+                    units = tl.zeros([R, RUNS, WORDS], dtype=tl.float32)
+                    x_sum = tl.zeros([RUNS, WORDS], dtype=tl.float32)
+                    for p in tl.static_range(8):
+                        x = tl.load(x_row + k_word + p, mask=k_mask, other=0.0).to(tl.float32)
+                        units += x[None, :, :] * _unit(words, 4 * p, 4)
+                        x_sum += x
                 scale = tl.load(s_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
                 zero = tl.load(z_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
                 acc += (16.0 * scale)[:, :, None] * units - (scale * (16.0 + zero))[:, :, None] * x_sum[None, :, :]
             else:
-                values = tl.zeros([R, RUNS, WORDS], dtype=tl.float32)
-                for p in tl.static_range(4):
-                    x_lo = tl.load(x_row + k_word + p, mask=k_mask, other=0.0).to(tl.float32)
-                    x_hi = tl.load(x_row + k_word + p + 4, mask=k_mask, other=0.0).to(tl.float32)
-                    lo, hi = _e2m1_pair_scaled(words, p)
-                    values += x_lo[None, :, :] * lo  # two FMAs: a sum of both products first costs a third op
-                    values += x_hi[None, :, :] * hi
+                if X_VECTOR:  # the low halves' 4 inputs and the high halves' 4 in vector loads
+                    offs_p = tl.arange(0, 4)
+                    x_lo = tl.load(x_row + k_word[:, :, None] + offs_p[None, None, :], mask=k_mask[:, :, None],
+                                   other=0.0).to(tl.float32)  # [RUNS, WORDS, 4]
+                    x_hi = tl.load(x_row + k_word[:, :, None] + 4 + offs_p[None, None, :], mask=k_mask[:, :, None],
+                                   other=0.0).to(tl.float32)
+                    lo, hi = _e2m1_pairs_scaled(words)  # [R, RUNS, WORDS, 4]
+                    values = tl.sum(x_lo[None, :, :, :] * lo + x_hi[None, :, :, :] * hi, axis=3)
+                else:
+                    values = tl.zeros([R, RUNS, WORDS], dtype=tl.float32)
+                    for p in tl.static_range(4):
+                        x_lo = tl.load(x_row + k_word + p, mask=k_mask, other=0.0).to(tl.float32)
+                        x_hi = tl.load(x_row + k_word + p + 4, mask=k_mask, other=0.0).to(tl.float32)
+                        lo, hi = _e2m1_pair_scaled(words, p)
+                        values += x_lo[None, :, :] * lo  # two FMAs: a sum of both products first costs a third op
+                        values += x_hi[None, :, :] * hi
                 acc += _e8m0_scale(tl.load(s_ptr + sz, mask=sz_mask, other=0))[:, :, None] * values
         return tl.sum(tl.sum(acc, axis=2), axis=1)
 

@@ -81,6 +81,14 @@ def _unit(words, BIT: tl.constexpr, WIDTH: tl.constexpr):
 
 
 @triton.jit
+def _nibble_units(words):
+    """The 8 nibbles of int32 `words` along a new last axis, each as `_unit` makes it (1 + code
+    / 16, nibble p from bit 4p): one tensor of shifts where `_unit` takes one nibble at a time."""
+    field = ((tl.expand_dims(words, len(words.shape)) >> (4 * tl.arange(0, 8))) << 19) & 0x780000
+    return (field | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _as_float(v):
     """Integers 0 <= v < 2^23 (int32) as float32, exactly, without I2F."""
     return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
@@ -154,10 +162,7 @@ def _gemv_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K,
                 cols = kg + 8 * offs_w[:, None] + offs_p[None, :]  # [WORDS, 8]
                 x8 = tl.load(x_rows[:, :, None] + cols[None, :, :],
                              mask=m_mask[:, None, None] & w_mask[None, :, None], other=0.0).to(tl.float32)
-                # nibble p of each word at the top of the mantissa of 1.0: the unit 1 + code / 16
-                field = ((words[:, :, None] >> (4 * offs_p)[None, None, :]) << 19) & 0x780000
-                unit8 = (field | 0x3F800000).to(tl.float32, bitcast=True)  # [BLOCK_N, WORDS, 8]
-                units = tl.sum(x8[:, None, :, :] * unit8[None, :, :, :], axis=3)  # [BLOCK_M, BLOCK_N, WORDS]
+                units = tl.sum(x8[:, None, :, :] * _nibble_units(words)[None, :, :, :], axis=3)  # [M, N, WORDS]
                 x_sum = tl.sum(x8, axis=2)
             else:
                 units = tl.zeros([BLOCK_M, BLOCK_N, WORDS], dtype=tl.float32)
