@@ -66,7 +66,7 @@ from hibana_core import Engine, SamplingParams  # noqa: E402
 from tiny_models import ARCHS, ODD_SHAPES  # noqa: E402  every family's tiny checkpoint, other shapes
 
 
-ON_GPU = {"device": "cuda", "memory_budget": os.environ.get("CHECK_MEMORY_BUDGET", "12GB")}
+ON_GPU = {"device": "cuda", "memory_budget": os.environ.get("CHECK_MEMORY_BUDGET", "8GB")}
 """Every GPU engine of a check: its own budget, so that the checks run as parallel processes
 (`run_h200.sh check`) do not each size their KV from what the others left free."""
 
@@ -638,10 +638,63 @@ def check_moe_fusion() -> Iterator[tuple[str, bool, str]]:
                f"{same}/4 prompts equal; first difference at {firsts}")
 
 
+def check_graph_capture() -> Iterator[tuple[str, bool, str]]:
+    """CUDA graphs captured while another thread of the process pins host memory (what the host
+    tier's warmer does; in torch's default capture mode that invalidates the capture), and a
+    capture that fails (made to raise): the step runs without its graph, later steps capture
+    again, the greedy tokens equal the CPU's, float32, 4 agents batched."""
+    from hibana_core.runner import DecodeGraphs
+
+    for arch, path, prompts in tiny_cases(("llama", "gemma3"), 23):
+        with Engine.from_pretrained(path, device="cpu", dtype="float32", progress=False) as cpu:
+            want = batched_greedy(cpu, prompts, 32)
+        stop, pinned = threading.Event(), [0]
+
+        def pin() -> None:
+            while not stop.is_set():
+                torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
+                pinned[0] += 1
+
+        pinner = threading.Thread(target=pin, daemon=True)
+        pinner.start()
+        try:
+            with Engine.from_pretrained(path, **ON_GPU, dtype="float32", progress=False, speculation="off") as gpu:
+                got = batched_greedy(gpu, prompts, 32)
+                graphs = len(gpu.core.runner.graphs.graphs)
+        finally:
+            stop.set()
+            pinner.join()
+        same = sum(a == b for a, b in zip(got, want))
+        yield (f"graphs fp32 {arch} captured beside pinning", same == len(prompts) and graphs > 0,
+               f"{same}/4 agents equal; {graphs} graphs, {pinned[0]} pinned allocations meanwhile")
+
+        forward, failed = DecodeGraphs._forward, [0]
+
+        def failing_forward(self, bucket, q):
+            if torch.cuda.is_current_stream_capturing() and not failed[0]:
+                failed[0] += 1  # a synchronisation inside the capture invalidates it, as a
+                torch.cuda.synchronize()  # forbidden call would: ending the capture raises too
+            return forward(self, bucket, q)
+
+        DecodeGraphs._forward = failing_forward
+        try:
+            with Engine.from_pretrained(path, **ON_GPU, dtype="float32", progress=False, speculation="off") as gpu:
+                got = batched_greedy(gpu, prompts, 32)
+                got += batched_greedy(gpu, prompts[:2], 8, prefix="again")
+                graphs = len(gpu.core.runner.graphs.graphs)
+        finally:
+            DecodeGraphs._forward = forward
+        with Engine.from_pretrained(path, device="cpu", dtype="float32", progress=False) as cpu:
+            want += batched_greedy(cpu, prompts[:2], 8, prefix="again")
+        same = sum(a == b for a, b in zip(got, want))
+        yield (f"graphs fp32 {arch} after failed captures", same == len(want) and graphs > 0,
+               f"{same}/{len(want)} runs equal; {failed[0]} captures failed, {graphs} graphs captured after")
+
+
 CHECKS = {"float32": check_float32, "speculation": check_speculation, "surgery": check_surgery,
           "kv8": check_kv8, "fp8": check_fp8, "bf16": check_bf16_demo, "families": check_families,
           "logprobs": check_logprobs, "window": check_window_pass, "shapes": check_shapes, "tiers": check_tiers,
-          "grammar": check_grammar, "moe_fusion": check_moe_fusion}
+          "grammar": check_grammar, "moe_fusion": check_moe_fusion, "graph_capture": check_graph_capture}
 
 
 def main() -> int:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device runs for bench/RESULTS.md, one stage per call (each well inside the 10-minute limit):
 #   bash bench/run_h200.sh check    # kernel tests on CUDA, GPU-vs-CPU and GPU-vs-transformers greedy
-#                                   # (CHECKS=float32,bf16 runs only those of bench/gpu_correctness.py)
+#                                   # (CHECKS=float32,bf16 runs only those of bench/gpu_correctness.py,
+#                                   # 8 GB of KV each: CHECK_MEMORY_BUDGET)
 #   bash bench/run_h200.sh decode   # hibana bench decode, qwen3-8b preset
 #   bash bench/run_h200.sh agents   # hibana bench agents, qwen3-8b preset, 32 agents
 #   bash bench/run_h200.sh tune     # bench/tune_decode.py: kernel sweeps, the decode step taken apart
@@ -78,7 +79,7 @@ ln -s "$PWD/kernels" "$NAMES/hibana_kernels"
 ln -s "$PWD/bench" "$NAMES/hibana_bench"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$NAMES:$PWD${PYTHONPATH:+:$PYTHONPATH}" TQDM_DISABLE=1  # keeps carried wheels (/tmp/site)
 OUT="${OUT:-bench/out}"
-CHECKS="${CHECKS:-float32,speculation,surgery,kv8,fp8,bf16,families,logprobs,window,shapes,tiers,grammar,moe_fusion}"
+CHECKS="${CHECKS:-float32,speculation,surgery,kv8,fp8,bf16,families,logprobs,window,shapes,tiers,grammar,moe_fusion,graph_capture}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
@@ -89,8 +90,10 @@ case "${1:-check}" in
     # they come, each process's output together at the end
     # CHECK_SECONDS bounds each process, so that a call's limit still leaves every output
     LIMIT="timeout ${CHECK_SECONDS:-3600}"
-    [ "${KERNEL_TESTS:-1}" = 1 ] &&  # KERNEL_TESTS=0: the checks alone
-      $LIMIT python3 -m pytest tests/test_kernels.py -q -rs -x -p no:cacheprovider > "$OUT/kernel_tests.txt" 2>&1 &
+    # KERNEL_TESTS=0: the checks alone; KERNEL_TESTS_K="pdl or sink": those kernel tests of both files
+    [ "${KERNEL_TESTS:-1}" = 1 ] &&
+      $LIMIT python3 -m pytest tests/test_kernels.py ${KERNEL_TESTS_K:+tests/test_moe_kernels.py -k "$KERNEL_TESTS_K"} \
+        -q -rs -x -p no:cacheprovider > "$OUT/kernel_tests.txt" 2>&1 &
     for check in ${CHECKS//,/ }; do
       $LIMIT python3 bench/gpu_correctness.py --only "$check" 2>&1 | grep -v "Token indices sequence length" \
         > "$OUT/gpu_correctness_$check.txt" &

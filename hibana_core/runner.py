@@ -11,6 +11,7 @@ grammar masks on the host (while the device runs the forward).
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 import weakref
 from dataclasses import dataclass, replace
@@ -22,6 +23,8 @@ from hibana_core.kv.transfers import device_tensor
 from hibana_core.sampler import Sampler, SamplingRow, StepLogprobs, TokenMasks
 from hibana_core.scheduler import RunnerOutput, SchedulerOutput
 from hibana_core.state import TokenLogprob
+
+logger = logging.getLogger("hibana.runner")
 
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -370,6 +373,7 @@ class DecodeGraphs:
     """
 
     QUERY_LENS = (1, 2, 3, 5, 9, 17)  # 1 + draft tiers 0, 1, 2, 4, 8, 16
+    MAX_CAPTURE_FAILURES = 2  # then that shape runs eagerly
 
     def __init__(self, runner: ModelRunner, max_batch: int) -> None:
         # a proxy: the runner holds its graphs, and a cycle back would keep the model's weights
@@ -383,6 +387,8 @@ class DecodeGraphs:
         groups = len(runner.ctx.kv_cache.layout.groups)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.mempool = None  # one CUDA graph memory pool shared by every graph
+        self.failures: dict[tuple[int, int], int] = {}  # failed captures per key
+        self.failed_graphs: list[torch.cuda.CUDAGraph] = []  # see `_forget`
         n, q, dev = self.buckets[-1], self.QUERY_LENS[-1], runner.device
         self.input_ids = torch.zeros(n * q, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n * q, dtype=torch.long, device=dev)
@@ -472,7 +478,19 @@ class DecodeGraphs:
     def _replay(self, bucket: int, q: int) -> torch.Tensor:
         key = (bucket, q)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(bucket, q)
+            if self.failures.get(key, 0) >= self.MAX_CAPTURE_FAILURES:
+                return self._forward(bucket, q)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                self.graphs[key] = graph, self._capture(graph, bucket, q)
+            except Exception as error:  # noqa: BLE001 - the step runs eagerly; the error is logged
+                self.failures[key] = self.failures.get(key, 0) + 1
+                self._forget(graph)
+                logger.warning("CUDA graph capture for %d sequences x %d tokens failed (%s: %s); this step "
+                            "runs without a graph%s", bucket, q, type(error).__name__, error,
+                            "" if self.failures[key] < self.MAX_CAPTURE_FAILURES else ", and so will the "
+                            "steps of this shape from now on")
+                return self._forward(bucket, q)
         graph, logits = self.graphs[key]
         graph.replay()
         return logits
@@ -509,15 +527,35 @@ class DecodeGraphs:
             hidden = model(self.input_ids[:size], self.positions[:size])
         return model.compute_logits(hidden)
 
-    def _capture(self, bucket: int, q: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _forget(self, graph: torch.cuda.CUDAGraph) -> None:
+        """After a failed capture: when ending the capture raised (an invalidated capture),
+        torch has not ended the allocator's recording into the graph's pool, whose filter
+        refers to the graph object, so the pool's recording is ended here where torch exposes
+        it, and the graph kept alive either way; later graphs take a new pool."""
+        failed = self.mempool if self.mempool is not None else graph.pool()
+        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        if end is not None:
+            try:
+                end(self.runner.device.index or 0, failed)
+            except Exception:  # noqa: BLE001, S110 - ended already (the capture's own end ran)
+                pass
+        self.failed_graphs.append(graph)
+        self.mempool = None
+
+    def _capture(self, graph: torch.cuda.CUDAGraph, bucket: int, q: int) -> torch.Tensor:
+        """Warm up, then capture. The capture is "thread_local": other threads of the process
+        may meanwhile call what a capture forbids (the pinned-memory warmer of the host tier
+        allocates page-locked chunks, a second engine loads), which in the default "global" mode
+        invalidates this capture. On failure the outer stream context restores the step loop's
+        stream, which `torch.cuda.graph` leaves set when ending the capture raises."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: Triton compiles, rotary tables get built
                 self._forward(bucket, q)
         torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=self.mempool, stream=stream,
+                                                         capture_error_mode="thread_local"):
             logits = self._forward(bucket, q)
         self.mempool = graph.pool()
-        return graph, logits
+        return logits

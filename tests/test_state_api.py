@@ -627,3 +627,50 @@ def test_close_frees_weights_without_the_garbage_collector(tiny_checkpoints, mak
         assert weight() is None
     finally:
         gc.enable()
+
+
+def test_a_failed_graph_capture_runs_the_step_without_a_graph(tiny_checkpoints, make_engine, monkeypatch, caplog):
+    """A capture that raises (on the GPU: another thread's forbidden call, a synchronisation)
+    does not fail the step: it runs eagerly on the same static inputs, the failure is logged, the
+    next step of that shape captures again, and after MAX_CAPTURE_FAILURES that shape stays
+    eager. The bookkeeping is exercised on the CPU with a stand-in graph (bench/gpu_correctness.py
+    `graph_capture` makes real captures fail on the GPU)."""
+    import torch
+
+    from hibana_core import runner as runner_module
+    from hibana_core.runner import DecodeGraphs
+
+    class Graph:
+        replays = 0
+
+        def pool(self):
+            return (0, 1)
+
+        def replay(self):
+            Graph.replays += 1
+
+    engine = make_engine(tiny_checkpoints["llama"], speculation="off")
+    graphs = DecodeGraphs(engine.core.runner, 4)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    eager, captured = torch.full((1, 3), 7.0), torch.full((1, 3), 9.0)
+    monkeypatch.setattr(graphs, "_forward", lambda bucket, q: eager)
+    outcomes = iter([RuntimeError("capture invalidated"), captured,
+                     RuntimeError("invalidated"), RuntimeError("invalidated again")])
+
+    def capture(graph, bucket, q):
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    with caplog.at_level("WARNING", logger="hibana.runner"):
+        assert graphs._replay(1, 1) is eager  # failed: eager
+        assert graphs._replay(1, 1) is captured and Graph.replays == 1  # captured on the next step
+        assert graphs._replay(1, 1) is captured and Graph.replays == 2
+        assert graphs._replay(2, 1) is eager and graphs._replay(2, 1) is eager  # two failures
+        assert graphs._replay(2, 1) is eager  # that shape stays eager: no third capture
+    assert graphs.failures == {(1, 1): 1, (2, 1): 2} and set(graphs.graphs) == {(1, 1)}
+    assert len(graphs.failed_graphs) == 3 and graphs.mempool is None
+    assert "capture invalidated" in caplog.text and "from now on" in caplog.text
+    engine.close()
