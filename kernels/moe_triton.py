@@ -76,10 +76,10 @@ class GroupedTiles(NamedTuple):
 
 
 DECODE_TILES = {
-    "dense": DecodeTiles(8, 256, 4, down_per_route=True),
+    "dense": DecodeTiles(2, 1024, 4, down_per_route=True),
     "int8": DecodeTiles(16, 256, 4, down_per_route=True),
     "int4": DecodeTiles(8, 512, 2, down_per_route=True),
-    "mxfp4": DecodeTiles(8, 512, 2, down_per_route=True),
+    "mxfp4": DecodeTiles(8, 256, 1, down_per_route=True),
 }
 """The decode path's tiles per weight kind, the fastest of the sweep at T=1 (H200, 2026-12-01,
 one MoE layer of Qwen3-30B-A3B / gpt-oss-20b shape, % of 4.8 TB/s of the bytes read): bf16
@@ -87,7 +87,10 @@ one MoE layer of Qwen3-30B-A3B / gpt-oss-20b shape, % of 4.8 TB/s of the bytes r
 for the down projection (then `_combine_kernel`) won for every kind. MXFP4's GEMV decodes two
 codes at once since (`_e2m1_pair_scaled`): 50.9 us on a gpt-oss-20b layer at T=1, where one code
 at a time took 59.0 and the tensor cores (tl.dot_scaled against x broadcast to 16 columns) 97.1;
-at T=8 287.8, 342.5 and 442.3, the grouped path 263.1 (bench/RESULTS.md, 2026-12-01)."""
+at T=8 287.8, 342.5 and 442.3, the grouped path 263.1 (bench/RESULTS.md, 2026-12-01). Since
+2026-12-03 (PDL, the sweep's wide tiles): bf16 2 x 1024 in 4 warps, a whole row of the gate|up in
+two steps, 28.5 us 55.1% where 8 x 256 took 35.7 us; MXFP4 8 x 256 in one warp 49.1 us (8 x 512
+in 2: 52.5); int4 unchanged (25.7 us; its vector-input variant slower at every tile)."""
 
 
 # ------------------------------------------------------------------------------------- routing
