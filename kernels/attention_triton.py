@@ -153,7 +153,7 @@ def _prefill_kernel(
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, SINK_TOKENS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_FP16: tl.constexpr,
         SINKS: tl.constexpr):
     # rows of a tile: BLOCK_Q = BLOCK_M // GROUP query tokens x the GROUP heads of one KV head
     seq = tl.program_id(0)
@@ -187,6 +187,8 @@ def _prefill_kernel(
 
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+    if FP8_AS_FP16:  # see the decode kernel
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -224,7 +226,7 @@ def _decode_kernel(
         BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
         SLIDING: tl.constexpr, SINK_TOKENS: tl.constexpr, SPLIT: tl.constexpr,
         MERGE: tl.constexpr, SPLITS_P: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr, QUERY_LEN: tl.constexpr, KV_FP8: tl.constexpr, SINKS: tl.constexpr,
+        UPCAST: tl.constexpr, QUERY_LEN: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_FP16: tl.constexpr, SINKS: tl.constexpr,
         PDL: tl.constexpr):
     # rows of a tile: QUERY_LEN new tokens x the GROUP heads of one KV head
     wait_for_previous(PDL)
@@ -257,6 +259,8 @@ def _decode_kernel(
 
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+    if FP8_AS_FP16:  # fp8 tiles become fp16 in one conversion (bf16: three), exactly
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -407,6 +411,9 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_scale_ptr=kv_scale[0] if kv_fp8 else q, v_scale_ptr=kv_scale[1] if kv_fp8 else q,
         sinks_ptr=q if sinks is None else sinks.contiguous(), SINKS=sinks is not None,  # in log2 inside
         qk_scale=scale * LOG2E, window=sliding_window or 0, KV_FP8=kv_fp8,
+        # bf16 queries on an fp8 cache: the dots in fp16 (fp8 -> fp16 is one instruction on
+        # sm_89+, -> bf16 three; with bf16 the fp8 decode kernel ran slower than on a bf16 cache)
+        FP8_AS_FP16=kv_fp8 and q.dtype == torch.bfloat16,
         # unused, None: no kernel argument at all, so that path compiles as before sink tokens
         sink_tokens=sink_tokens if with_sink_tokens else None, SINK_TOKENS=with_sink_tokens,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0),
