@@ -98,6 +98,11 @@ STAGING_BUFFERS = 2
 the next is filled: never, as steps run, but two cost nothing)."""
 SPELLINGS_CACHED = 4096
 """Forced strings whose tokens are kept (the table is emptied when full)."""
+VERIFY_MAX = 16
+"""Allowed tokens of a row that are not whole UTF-8, each checked against its matcher, at most
+(see `Matcher.drop_refused`): more are where text is free (a string's content: 551 of a 151k
+byte-level BPE, 51 of the demo model's 4096), where they are right; where the mask was wrong
+(an integer's start) there was one. Each check costs 2-12 us."""
 UNSPELLABLE = b"\xff"
 """What a control token that a grammar names is spelled with, before its text, in the vocabulary
 xgrammar reads: no UTF-8 text holds the byte 0xFF, so no text rule (JSON, a regex, free text) can
@@ -432,6 +437,21 @@ def compact_json_tag(tag: dict) -> dict:
     return walk(tag)
 
 
+def allowed_tokens(words: torch.Tensor, most: int) -> list[int]:
+    """The token ids whose bits are set in a bitmask row (int32 words), or any `most` + 1 of
+    them where there are more."""
+    found: list[int] = []
+    for word in words.nonzero().flatten().tolist():
+        value = int(words[word]) & 0xFFFFFFFF
+        while value:
+            low = value & -value
+            found.append(32 * word + low.bit_length() - 1)
+            if len(found) > most:
+                return found
+            value ^= low
+    return found
+
+
 class Matcher:
     """One request's place in its grammar. Advanced by the tokens the request keeps; masks for
     drafts are filled by accepting the drafts and rolling them back."""
@@ -470,13 +490,16 @@ class Matcher:
             self._matcher.rollback(n)
         return n
 
-    def fill(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int] = ()) -> None:
+    def fill(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int] = (),
+             suspects: torch.Tensor | None = None) -> None:
         """Masks at `row` (the next token) and, for a verify step, at row + i + 1 after the first
-        i + 1 drafts (all allowed: `valid_prefix` cut them); the matcher ends where it began."""
+        i + 1 drafts (all allowed: `valid_prefix` cut them); the matcher ends where it began.
+        `suspects`: see `drop_refused`."""
         matcher = self._matcher
         if not matcher.is_terminated():
             matcher.fill_next_token_bitmask(bitmask, row)
             self.spell_forced(bitmask, row)
+            self.drop_refused(bitmask, row, suspects)
         accepted = 0
         for i, token in enumerate(drafts):
             if matcher.is_terminated() or not self.accept(token):
@@ -485,8 +508,32 @@ class Matcher:
             if not matcher.is_terminated():
                 matcher.fill_next_token_bitmask(bitmask, row + i + 1)
                 self.spell_forced(bitmask, row + i + 1)
+                self.drop_refused(bitmask, row + i + 1, suspects)
         if accepted:
             matcher.rollback(accepted)
+
+    def drop_refused(self, bitmask: torch.Tensor, row: int, suspects: torch.Tensor | None,
+                     tokens: Sequence[int] | None = None) -> None:
+        """Clear the bits of allowed tokens the matcher would refuse, among those that are not whole
+        UTF-8 (`suspects`, a bitmask row): xgrammar's mask can allow a token that its accept_token
+        then refuses (0.2.9: after '-' where an integer starts, the token '-' + the first byte of a
+        two-byte character), and a sampled token the grammar refuses fails its request. Each such
+        token is accepted and rolled back; a row with more than VERIFY_MAX of them is left as it
+        is (free text: a string's content, where they are right). `tokens`: the suspects allowed
+        in this row, where the caller found them already."""
+        if tokens is None:
+            if suspects is None:
+                return
+            tokens = allowed_tokens(bitmask[row] & suspects, VERIFY_MAX)
+        if not tokens or len(tokens) > VERIFY_MAX:
+            return
+        matcher = self._matcher
+        for token in tokens:
+            if matcher.accept_token(token):
+                matcher.rollback(1)
+            else:
+                word, bit = divmod(token, 32)
+                bitmask[row, word] &= ~(1 << bit) if bit < 31 else 0x7FFFFFFF
 
     def spell_forced(self, bitmask: torch.Tensor, row: int) -> None:
         """Where the grammar forces a string of two tokens or more, allow only its first."""
@@ -538,6 +585,7 @@ class Grammars:
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[tuple, _Compiled] = collections.OrderedDict()
         self._spellings: dict[str, tuple[int, ...]] = {}
+        self._suspects: torch.Tensor | None = None  # see `suspects`
         self._staging: list[tuple[torch.Tensor, Any]] = []  # pinned host bitmasks and their copies' events
         self._next_staging = 0
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None  # fills masks beside the step loop
@@ -747,6 +795,7 @@ class Grammars:
         return wait
 
     def _fill(self, constrained: list[tuple[Matcher | None, tuple[int, ...]]], bitmask: torch.Tensor) -> None:
+        suspects = self.suspects()
         batch: list[tuple[Matcher, int]] = []
         at = 0
         for matcher, drafts in constrained:
@@ -754,18 +803,41 @@ class Grammars:
                 for i in range(at, at + 1 + len(drafts)):
                     bitmask[i].fill_(-1)  # a row at a time: below the size torch spreads over threads
                 if matcher is not None:
-                    matcher.fill(bitmask, at, drafts)
+                    matcher.fill(bitmask, at, drafts, suspects)
             else:
                 batch.append((matcher, at))
             at += 1 + len(drafts)
         if len(batch) >= BATCH_FILL_ROWS:
-            self._batch.batch_fill_next_token_bitmask([m._matcher for m, _ in batch], bitmask,
-                                                      [i for _, i in batch])
+            rows = [i for _, i in batch]
+            self._batch.batch_fill_next_token_bitmask([m._matcher for m, _ in batch], bitmask, rows)
             for matcher, i in batch:
                 matcher.spell_forced(bitmask, i)
+            # the suspects allowed, for all the rows at once (few rows have any)
+            first = rows[0]
+            together = rows == list(range(first, first + len(rows)))
+            hits = (bitmask[first:first + len(rows)] if together else bitmask[rows]) & suspects
+            for (matcher, i), hit in zip(batch, hits.any(dim=1).tolist()):
+                if hit:
+                    matcher.drop_refused(bitmask, i, suspects)
         else:
             for matcher, i in batch:
-                matcher.fill(bitmask, i)
+                matcher.fill(bitmask, i, suspects=suspects)
+
+    def suspects(self) -> torch.Tensor:
+        """A bitmask row of the tokens whose bytes, as xgrammar reads them, are not whole UTF-8 (a
+        character cut at an end, or bytes that are none): the tokens `Matcher.drop_refused` checks."""
+        if self._suspects is None:
+            detected = self._describe()
+            bits = torch.zeros(self.width * 32, dtype=torch.bool)
+            for token, text in enumerate(detected.decoded_vocab[:self.vocab_size]):
+                try:
+                    text.decode("utf-8")
+                except UnicodeDecodeError:
+                    bits[token] = True
+            weights = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int64)
+            words = (bits.view(self.width, 32).long() * weights).sum(dim=1)
+            self._suspects = words.to(torch.int32)
+        return self._suspects
 
     def wait_fill(self) -> None:
         """Wait for a fill started by `start_masks` whose result nobody will take (its step

@@ -267,6 +267,69 @@ def test_matcher_rolls_back_drafts_and_cuts_at_the_first_rejected(engine):
 
 
 
+def test_allowed_tokens_a_matcher_refuses_are_dropped_from_the_mask(engine):
+    """xgrammar's mask can allow a token that its accept_token refuses (0.2.9, a 151k byte-level
+    BPE: '-' + the first byte of a two-byte character where an integer starts; the H200's batch-32
+    grammar run failed a request on it). Allowed tokens that are not whole UTF-8 are checked
+    against the matcher and the refused ones cleared, in both fill paths; where many are allowed
+    (free text) none is checked."""
+    from hibana_core.grammar import VERIFY_MAX, allowed_tokens
+
+    grammars = engine.grammars
+    suspects = grammars.suspects()
+    cut = set(allowed_tokens(suspects, 10 ** 6))
+    vocab = grammars._describe().decoded_vocab
+    assert cut and all(_utf8(vocab[t]) != (t in cut) for t in range(len(vocab)))
+
+    class Refusing:  # xgrammar's matcher, refusing the tokens in `refused`
+        def __init__(self, inner, refused):
+            self.inner, self.refused, self.rollbacks = inner, refused, 0
+
+        def accept_token(self, token):
+            return token not in self.refused and self.inner.accept_token(token)
+
+        def rollback(self, n):
+            self.rollbacks += n
+            self.inner.rollback(n)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    def fill(regex, batch, refuse_all):
+        matchers = [grammars.matcher(SamplingParams(regex=regex), [EOS_ID]) for _ in range(batch)]
+        raw = torch.zeros((batch, grammars.width), dtype=torch.int32)
+        for i, m in enumerate(matchers):
+            m._matcher.fill_next_token_bitmask(raw, i)
+        few = allowed_tokens(raw[0] & suspects, 10 ** 6)
+        for m in matchers:
+            m._matcher = Refusing(m._matcher, set(few) if refuse_all else set())
+        bitmask = torch.zeros_like(raw)
+        grammars._fill([(m, ()) for m in matchers], bitmask)
+        return raw, bitmask, few, matchers
+
+    for batch in (1, 9):  # one row at a time, and xgrammar's batch fill
+        raw, bitmask, few, matchers = fill(r"[a-z\u00e9]{0,8}", batch, refuse_all=True)
+        assert 0 < len(few) <= VERIFY_MAX  # the first byte of "\u00e9"
+        expected = raw.clone()
+        for token in few:
+            expected[:, token // 32] &= ~(1 << token % 32) if token % 32 < 31 else 0x7FFFFFFF
+        assert torch.equal(bitmask, expected) and not torch.equal(bitmask, raw)
+        raw, bitmask, few, matchers = fill(r"[a-z\u00e9]{0,8}", batch, refuse_all=False)
+        assert torch.equal(bitmask, raw)  # accepted: kept, and rolled back
+        assert all(m._matcher.rollbacks == len(few) for m in matchers)
+        raw, bitmask, few, matchers = fill(r"[\s\S]{0,8}", batch, refuse_all=True)
+        assert len(few) > VERIFY_MAX and torch.equal(bitmask, raw)  # free text: not checked
+        assert all(m._matcher.rollbacks == 0 for m in matchers)
+
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def test_an_end_the_request_does_not_stop_at_is_no_token_of_its_grammar(engine):
     """A request that stops at other tokens than the end of sequence (ignore_eos, stop_token_ids):
     no grammar allows the end (a blank token that xgrammar did not count as special, as the
