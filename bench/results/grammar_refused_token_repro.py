@@ -1,14 +1,22 @@
+"""The constrained request that failed in the H200's batch-32 grammar run, on the CPU: a tiny random
+qwen3 with a byte-level BPE of Qwen3's size, 32 agents under bench/grammar_overhead.py's schema.
+
+    python bench/results/grammar_refused_token_repro.py async|sync TEMPERATURE REPEATS
+
+Prints each request that failed and the count after each repeat."""
 import sys, threading, time, random
 import torch
 from pathlib import Path
 from transformers import Qwen3Config, Qwen3ForCausalLM, AutoTokenizer
-sys.path.insert(0, "/work/main/bench")
+BENCH = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(BENCH))
 from hibana_core import Engine, SamplingParams
 from grammar_overhead import SCHEMA
+from grammar_libs import build_big_tokenizer
 
-tok_dir = Path("/work/main/bench/out/qwen3-size-tokenizer")
+tok_dir = build_big_tokenizer(BENCH / "out" / "qwen3-size-tokenizer")
 tok = AutoTokenizer.from_pretrained(tok_dir)
-out = Path("/tmp/gr/model")
+out = BENCH / "out" / "grammar_repro_model"
 if not out.exists():
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=max(len(tok), 151936), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
