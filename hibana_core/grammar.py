@@ -528,12 +528,20 @@ class Matcher:
         if not tokens or len(tokens) > VERIFY_MAX:
             return
         matcher = self._matcher
+        refused = []
         for token in tokens:
             if matcher.accept_token(token):
                 matcher.rollback(1)
             else:
-                word, bit = divmod(token, 32)
-                bitmask[row, word] &= ~(1 << bit) if bit < 31 else 0x7FFFFFFF
+                refused.append(token)
+        if not refused:
+            return
+        before = bitmask[row].clone()
+        for token in refused:
+            word, bit = divmod(token, 32)
+            bitmask[row, word] &= ~(1 << bit) if bit < 31 else 0x7FFFFFFF
+        if not bitmask[row].any():  # nothing left: the row as it was (the request fails on its
+            bitmask[row] = before   # token with a GrammarError rather than sampling from nothing)
 
     def spell_forced(self, bitmask: torch.Tensor, row: int) -> None:
         """Where the grammar forces a string of two tokens or more, allow only its first."""
@@ -742,6 +750,7 @@ class Grammars:
         if not params.constrained:
             return None
         compiled = self.compile(params)
+        self.suspects()  # made here, on the caller's thread, not in a step's fill
         return Matcher(compiled.grammar, stop_token_ids, self.spell, compiled.refused)
 
     # --- one step's masks ---------------------------------------------------------------------

@@ -529,18 +529,20 @@ class DecodeGraphs:
 
     def _forget(self, graph: torch.cuda.CUDAGraph) -> None:
         """After a failed capture: when ending the capture raised (an invalidated capture),
-        torch has not ended the allocator's recording into the graph's pool, whose filter
-        refers to the graph object, so the pool's recording is ended here where torch exposes
-        it, and the graph kept alive either way; later graphs take a new pool."""
-        failed = self.mempool if self.mempool is not None else graph.pool()
+        torch has not ended the allocator's recording into the pool, whose filter refers to the
+        graph object, so the graph is kept alive and the recording ended here where torch
+        exposes it (`graph.pool()` itself raises after a failed capture: the pool is ours,
+        `_capture`). Later graphs take a new pool; the failed one's memory stays allocated
+        (torch releases a pool only after a capture that ended), at most two partial captures
+        a shape."""
+        self.failed_graphs.append(graph)
+        failed, self.mempool = self.mempool, None
         end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-        if end is not None:
+        if failed is not None and end is not None:
             try:
                 end(self.runner.device.index or 0, failed)
             except Exception:  # noqa: BLE001, S110 - ended already (the capture's own end ran)
                 pass
-        self.failed_graphs.append(graph)
-        self.mempool = None
 
     def _capture(self, graph: torch.cuda.CUDAGraph, bucket: int, q: int) -> torch.Tensor:
         """Warm up, then capture. The capture is "thread_local": other threads of the process
@@ -554,8 +556,9 @@ class DecodeGraphs:
             for _ in range(2):  # warm up: Triton compiles, rotary tables get built
                 self._forward(bucket, q)
         torch.cuda.current_stream().wait_stream(stream)
+        if self.mempool is None:  # the pool's id is ours, known also when the capture fails
+            self.mempool = torch.cuda.graph_pool_handle()
         with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=self.mempool, stream=stream,
                                                          capture_error_mode="thread_local"):
             logits = self._forward(bucket, q)
-        self.mempool = graph.pool()
         return logits

@@ -188,7 +188,7 @@ def _prefill_kernel(
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
     if FP8_AS_FP16:  # see the decode kernel
-        q = q.to(tl.float16)
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -259,8 +259,8 @@ def _decode_kernel(
 
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
-    if FP8_AS_FP16:  # fp8 tiles become fp16 in one conversion (bf16: three), exactly
-        q = q.to(tl.float16)
+    if FP8_AS_FP16:  # fp8 tiles become fp16 in one conversion (bf16: three), exactly; queries
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)  # past fp16's range: its largest
 
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)

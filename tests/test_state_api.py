@@ -643,8 +643,8 @@ def test_a_failed_graph_capture_runs_the_step_without_a_graph(tiny_checkpoints, 
     class Graph:
         replays = 0
 
-        def pool(self):
-            return (0, 1)
+        def pool(self):  # as torch's after a failed capture
+            raise RuntimeError("Called CUDAGraph::pool() without a preceding successful capture")
 
         def replay(self):
             Graph.replays += 1
