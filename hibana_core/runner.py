@@ -468,7 +468,9 @@ class DecodeGraphs:
         if data.from_device:
             moved = [DeviceInput(rows[d.index], d.row) for d in data.from_device]
             self.runner.take_from_device(self.input_ids, replace(data, from_device=moved), previous)
-        captured = (bucket, q) not in self.graphs
+        # a capture (or an attempt) makes this step's time no measure of the shape's; a shape
+        # that stays eager (`MAX_CAPTURE_FAILURES`) costs what it costs
+        captured = (bucket, q) not in self.graphs and self.failures.get((bucket, q), 0) < self.MAX_CAPTURE_FAILURES
         logits = self._replay(bucket, q)
         if q == 1:
             return logits[:n], captured
@@ -487,9 +489,9 @@ class DecodeGraphs:
                 self.failures[key] = self.failures.get(key, 0) + 1
                 self._forget(graph)
                 logger.warning("CUDA graph capture for %d sequences x %d tokens failed (%s: %s); this step "
-                            "runs without a graph%s", bucket, q, type(error).__name__, error,
-                            "" if self.failures[key] < self.MAX_CAPTURE_FAILURES else ", and so will the "
-                            "steps of this shape from now on")
+                               "runs without a graph%s", bucket, q, type(error).__name__, error,
+                               "" if self.failures[key] < self.MAX_CAPTURE_FAILURES else ", and so will the "
+                               "steps of this shape from now on")
                 return self._forward(bucket, q)
         graph, logits = self.graphs[key]
         graph.replay()

@@ -226,8 +226,8 @@ def _decode_kernel(
         BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
         SLIDING: tl.constexpr, SINK_TOKENS: tl.constexpr, SPLIT: tl.constexpr,
         MERGE: tl.constexpr, SPLITS_P: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr, QUERY_LEN: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_FP16: tl.constexpr, SINKS: tl.constexpr,
-        PDL: tl.constexpr):
+        UPCAST: tl.constexpr, QUERY_LEN: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_FP16: tl.constexpr,
+        SINKS: tl.constexpr, PDL: tl.constexpr):
     # rows of a tile: QUERY_LEN new tokens x the GROUP heads of one KV head
     wait_for_previous(PDL)
     seq = tl.program_id(0)

@@ -41,8 +41,8 @@ CASES = [
           v_scale_ptr="*fp32")),
     ("decode-attention-sinks-window", at._decode_kernel,
      dict(GROUP=8, HEAD_DIM=64, HEAD_DIM_P=64, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_N=64, SLIDING=True, SINK_TOKENS=False,
-          SPLIT=True, MERGE=False, SPLITS_P=16, DOT_PRECISION="ieee", UPCAST=False, QUERY_LEN=1, KV_FP8=False, FP8_AS_FP16=False,
-          SINKS=True, sink_tokens=None),
+          SPLIT=True, MERGE=False, SPLITS_P=16, DOT_PRECISION="ieee", UPCAST=False, QUERY_LEN=1, KV_FP8=False,
+          FP8_AS_FP16=False, SINKS=True, sink_tokens=None),
      dict(SPLIT_ATTENTION, counter_ptr="*i32", block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_ptr="*i32",
           k_scale_ptr="*fp32", v_scale_ptr="*fp32", qk_scale="fp32")),
     ("decode-attention-fp8-cache", at._decode_kernel,  # bf16 queries, fp8 keys and values: the dots in fp16
