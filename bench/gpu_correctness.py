@@ -672,8 +672,8 @@ def check_graph_capture() -> Iterator[tuple[str, bool, str]]:
 
         def failing_forward(self, bucket, q):
             if torch.cuda.is_current_stream_capturing() and not failed[0]:
-                failed[0] += 1  # a synchronisation inside the capture invalidates it, as a
-                torch.cuda.synchronize()  # forbidden call would: ending the capture raises too
+                failed[0] += 1  # a call a capture forbids: it raises, and the capture is dropped
+                torch.cuda.synchronize()
             return forward(self, bucket, q)
 
         DecodeGraphs._forward = failing_forward

@@ -437,6 +437,11 @@ def compact_json_tag(tag: dict) -> dict:
     return walk(tag)
 
 
+def _bit(bit: int) -> int:
+    """1 << bit as the value of a signed 32-bit word (a bitmask's int32 elements)."""
+    return (1 << bit) - (1 << 32 if bit == 31 else 0)
+
+
 def allowed_tokens(words: torch.Tensor, most: int) -> list[int]:
     """The token ids whose bits are set in a bitmask row (int32 words), or any `most` + 1 of
     them where there are more."""
@@ -512,19 +517,16 @@ class Matcher:
         if accepted:
             matcher.rollback(accepted)
 
-    def drop_refused(self, bitmask: torch.Tensor, row: int, suspects: torch.Tensor | None,
-                     tokens: Sequence[int] | None = None) -> None:
+    def drop_refused(self, bitmask: torch.Tensor, row: int, suspects: torch.Tensor | None) -> None:
         """Clear the bits of allowed tokens the matcher would refuse, among those that are not whole
         UTF-8 (`suspects`, a bitmask row): xgrammar's mask can allow a token that its accept_token
         then refuses (0.2.9: after '-' where an integer starts, the token '-' + the first byte of a
         two-byte character), and a sampled token the grammar refuses fails its request. Each such
         token is accepted and rolled back; a row with more than VERIFY_MAX of them is left as it
-        is (free text: a string's content, where they are right). `tokens`: the suspects allowed
-        in this row, where the caller found them already."""
-        if tokens is None:
-            if suspects is None:
-                return
-            tokens = allowed_tokens(bitmask[row] & suspects, VERIFY_MAX)
+        is (free text: a string's content, where they are right)."""
+        if suspects is None:
+            return
+        tokens = allowed_tokens(bitmask[row] & suspects, VERIFY_MAX)
         if not tokens or len(tokens) > VERIFY_MAX:
             return
         matcher = self._matcher
@@ -539,7 +541,7 @@ class Matcher:
         before = bitmask[row].clone()
         for token in refused:
             word, bit = divmod(token, 32)
-            bitmask[row, word] &= ~(1 << bit) if bit < 31 else 0x7FFFFFFF
+            bitmask[row, word] &= ~_bit(bit)
         if not bitmask[row].any():  # nothing left: the row as it was (the request fails on its
             bitmask[row] = before   # token with a GrammarError rather than sampling from nothing)
 
@@ -556,7 +558,7 @@ class Matcher:
         if not (int(bitmask[row, word]) >> bit) & 1:  # the grammar forbids it (a control token)
             return
         bitmask[row].zero_()
-        bitmask[row, word] = (1 << bit) - (1 << 32 if bit == 31 else 0)  # as a signed 32-bit word
+        bitmask[row, word] = _bit(bit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -821,11 +823,9 @@ class Grammars:
             self._batch.batch_fill_next_token_bitmask([m._matcher for m, _ in batch], bitmask, rows)
             for matcher, i in batch:
                 matcher.spell_forced(bitmask, i)
-            # the suspects allowed, for all the rows at once (few rows have any)
-            first = rows[0]
-            together = rows == list(range(first, first + len(rows)))
-            hits = (bitmask[first:first + len(rows)] if together else bitmask[rows]) & suspects
-            for (matcher, i), hit in zip(batch, hits.any(dim=1).tolist()):
+            # the rows that allow suspects, found for all at once (few have any)
+            hits = (bitmask[rows] & suspects).any(dim=1).tolist()
+            for (matcher, i), hit in zip(batch, hits):
                 if hit:
                     matcher.drop_refused(bitmask, i, suspects)
         else:
@@ -836,16 +836,13 @@ class Grammars:
         """A bitmask row of the tokens whose bytes, as xgrammar reads them, are not whole UTF-8 (a
         character cut at an end, or bytes that are none): the tokens `Matcher.drop_refused` checks."""
         if self._suspects is None:
-            detected = self._describe()
-            bits = torch.zeros(self.width * 32, dtype=torch.bool)
-            for token, text in enumerate(detected.decoded_vocab[:self.vocab_size]):
+            words = [0] * self.width
+            for token, text in enumerate(self._describe().decoded_vocab[:self.vocab_size]):
                 try:
                     text.decode("utf-8")
                 except UnicodeDecodeError:
-                    bits[token] = True
-            weights = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int64)
-            words = (bits.view(self.width, 32).long() * weights).sum(dim=1)
-            self._suspects = words.to(torch.int32)
+                    words[token // 32] |= _bit(token % 32)
+            self._suspects = torch.tensor(words, dtype=torch.int32)
         return self._suspects
 
     def wait_fill(self) -> None:

@@ -637,7 +637,6 @@ def test_a_failed_graph_capture_runs_the_step_without_a_graph(tiny_checkpoints, 
     `graph_capture` makes real captures fail on the GPU)."""
     import torch
 
-    from hibana_core import runner as runner_module
     from hibana_core.runner import DecodeGraphs
 
     class Graph:
