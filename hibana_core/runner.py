@@ -470,7 +470,7 @@ class DecodeGraphs:
             self.runner.take_from_device(self.input_ids, replace(data, from_device=moved), previous)
         # a capture (or an attempt) makes this step's time no measure of the shape's; a shape
         # that stays eager (`MAX_CAPTURE_FAILURES`) costs what it costs
-        captured = (bucket, q) not in self.graphs and self.failures.get((bucket, q), 0) < self.MAX_CAPTURE_FAILURES
+        captured = (bucket, q) not in self.graphs and not self._stays_eager((bucket, q))
         logits = self._replay(bucket, q)
         if q == 1:
             return logits[:n], captured
@@ -480,7 +480,7 @@ class DecodeGraphs:
     def _replay(self, bucket: int, q: int) -> torch.Tensor:
         key = (bucket, q)
         if key not in self.graphs:
-            if self.failures.get(key, 0) >= self.MAX_CAPTURE_FAILURES:
+            if self._stays_eager(key):
                 return self._forward(bucket, q)
             graph = torch.cuda.CUDAGraph()
             try:
@@ -490,12 +490,14 @@ class DecodeGraphs:
                 self._forget(graph)
                 logger.warning("CUDA graph capture for %d sequences x %d tokens failed (%s: %s); this step "
                                "runs without a graph%s", bucket, q, type(error).__name__, error,
-                               "" if self.failures[key] < self.MAX_CAPTURE_FAILURES else ", and so will the "
-                               "steps of this shape from now on")
+                               ", and so will the steps of this shape from now on" if self._stays_eager(key) else "")
                 return self._forward(bucket, q)
         graph, logits = self.graphs[key]
         graph.replay()
         return logits
+
+    def _stays_eager(self, key: tuple[int, int]) -> bool:
+        return self.failures.get(key, 0) >= self.MAX_CAPTURE_FAILURES
 
     def profile(self, num_tokens: int) -> bool:
         """Replay the graph a step of `num_tokens` sampling tokens runs (one sequence with up to

@@ -91,6 +91,13 @@ def quantize_kv(x, scale):
 
 
 @triton.jit
+def _queries_fp16(q):
+    """Queries for dots on an fp8 cache taken in fp16: fp8 tiles become fp16 in one conversion
+    (bf16: three), exactly; a bf16 query past fp16's range becomes its largest value, not inf."""
+    return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+
+
+@triton.jit
 def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     if UPCAST:  # exact for bf16/fp16 inputs: their products are exact in float32
         a, b = a.to(tl.float32), b.to(tl.float32)
@@ -187,8 +194,8 @@ def _prefill_kernel(
 
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
-    if FP8_AS_FP16:  # see the decode kernel
-        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    if FP8_AS_FP16:
+        q = _queries_fp16(q)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -259,8 +266,8 @@ def _decode_kernel(
 
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
-    if FP8_AS_FP16:  # fp8 tiles become fp16 in one conversion (bf16: three), exactly; queries
-        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)  # past fp16's range: its largest
+    if FP8_AS_FP16:
+        q = _queries_fp16(q)
 
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
