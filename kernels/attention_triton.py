@@ -436,7 +436,7 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if decode is None:
         decode = max_query_len == 1
     if not decode:
-        block_m, block_n, num_warps, num_stages = tiles or _prefill_tiles(q.dtype, common["HEAD_DIM_P"])
+        block_m, block_n, num_warps, num_stages = tiles or _prefill_tiles(q.dtype, common["HEAD_DIM_P"], kv_fp8)
         block_m = max(block_m, triton.next_power_of_2(group))  # rows: query tokens x group heads
         block_q = block_m // group
         grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
@@ -456,7 +456,7 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     merge = (split and merge and num_seqs * num_kv_heads <= MERGE_COUNTERS
              and group * max_query_len <= MERGE_MAX_ROWS)
     splits_p = max(2, triton.next_power_of_2(num_splits))
-    block_n, num_warps, num_stages = tiles or _decode_tiles(q.dtype, common["HEAD_DIM_P"])
+    block_n, num_warps, num_stages = tiles or _decode_tiles(q.dtype, common["HEAD_DIM_P"], kv_fp8)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_max, part_sum,
         _merge_counters(q.device) if merge else part_max, block_tables, seq_lens,
@@ -477,21 +477,28 @@ def _merge_counters(device: torch.device) -> torch.Tensor:
     return counters.counters("attention merge", MERGE_COUNTERS, device)
 
 
-def _prefill_tiles(dtype: torch.dtype, head_dim_p: int) -> tuple[int, int, int, int]:
+def _prefill_tiles(dtype: torch.dtype, head_dim_p: int, kv_fp8: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): for 16-bit inputs the best of a sweep on the
-    H200 for 512-token chunks (bench/notes_decode.md); float32, the exactness path, the largest
-    tiles ptxas fits in registers for sm_90 with 4 warps."""
+    H200 for 512-token chunks (bench/notes_decode.md; an fp8 cache: twice the keys a tile,
+    bench/kv8_attention.py); float32, the exactness path, the largest tiles ptxas fits in
+    registers for sm_90 with 4 warps."""
     if dtype == torch.float32:
         return ((32, 16) if head_dim_p <= 64 else (16, 16)) + (4, NUM_STAGES)
-    return (64, 64, 4, 3) if head_dim_p <= 128 else (32, 16, 4, NUM_STAGES)
+    if head_dim_p > 128:
+        return 32, 16, 4, NUM_STAGES
+    return (64, 128, 4, 3) if kv_fp8 else (64, 64, 4, 3)
 
 
-def _decode_tiles(dtype: torch.dtype, head_dim_p: int) -> tuple[int, int, int]:
+def _decode_tiles(dtype: torch.dtype, head_dim_p: int, kv_fp8: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages): for 16-bit caches, the best of a sweep over tiles and
-    splits on the H200 (bench/notes_decode.md); float32 as in _prefill_tiles."""
+    splits on the H200 (bench/notes_decode.md); an fp8 cache reads half the bytes a key, so
+    its tile takes twice the keys (bench/kv8_attention.py: 32 x 4608 keys 121 us against 181
+    at 64 keys and bf16's 146); float32 as in _prefill_tiles."""
     if dtype == torch.float32:
         return ((32, 8) if head_dim_p <= 128 else (16, 4)) + (NUM_STAGES,)
-    return (64, 4, 3) if head_dim_p <= 128 else (32, 4, NUM_STAGES)
+    if head_dim_p > 128:
+        return 32, 4, NUM_STAGES
+    return (128, 4, 3) if kv_fp8 else (64, 4, 3)
 
 
 def _num_splits(device: torch.device, programs: int, max_seq_len: int) -> int:
