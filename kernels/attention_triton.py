@@ -28,7 +28,6 @@ max_seq_len), never from device values: no host sync, and the launches can be gr
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
@@ -505,16 +504,9 @@ def _num_splits(device: torch.device, programs: int, max_seq_len: int) -> int:
     """As many splits as keep the grid within one wave of DECODE_PROGRAMS_PER_SM programs per SM
     (a second, partial wave costs more than the splits save), none shorter than DECODE_MIN_SPLIT
     keys. (With the bound overstated, as in CUDA graphs, splits past a sequence's end exit.)"""
-    target = DECODE_PROGRAMS_PER_SM * _sm_count(device)
+    target = DECODE_PROGRAMS_PER_SM * counters.sm_count(device)
     by_length = triton.cdiv(max(max_seq_len, 1), DECODE_MIN_SPLIT)
     return max(1, min(target // programs, by_length, MAX_SPLITS))
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter on the CPU: any small number exercises both paths
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

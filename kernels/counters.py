@@ -10,6 +10,8 @@ addresses). One per kernel, device and stream: launches on two streams may run a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _BUFFERS: dict[tuple, torch.Tensor] = {}
@@ -22,3 +24,12 @@ def counters(kernel: str, size: int, device: torch.device) -> torch.Tensor:
     if key not in _BUFFERS:
         _BUFFERS[key] = torch.zeros(size, dtype=torch.int32, device=device)
     return _BUFFERS[key]
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """The device's multiprocessors, which split launches size their grids by; 4 for the
+    interpreter on the CPU (a small number exercises both the split and the whole paths)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4

@@ -2,7 +2,10 @@
 
 Three paths, picked by the number of rows:
 
-- a GEMV for decode (up to GEMV_MAX_ROWS rows): as in matmul_triton, the time should be the
+- int4 with 16-bit inputs, up to GEMV_MAX_ROWS rows (decode): the codes become 16-bit floats on
+  tensor cores' inputs (`_int4_dot_kernel`, below);
+- a GEMV for decode (up to GEMV_MAX_ROWS rows; int8, float32 inputs, int4 groups under 32): as in
+  matmul_triton, the time should be the
   weight's bytes over memory bandwidth, now a half (int8) or a quarter (int4) of bf16's. At a
   quarter, arithmetic bounds it unless each code costs very little: the I2F instruction runs at a
   quarter of the float rate, and a reduction across threads every step costs more than the
@@ -26,6 +29,15 @@ so BLOCK_K is a multiple of the group size G, and G a power of two (32, 64, 128 
 checkpoints we repack; others take the torch reference). int8's per-channel scale is constant
 along K and multiplies the finished sum instead.
 
+The int4 kernel for 16-bit inputs takes a group a step: its bytes become pairs of 16-bit floats
+OFFSET + code (a byte permute, a shift and one logic op per pair: the code moved into the mantissa
+of OFFSET, 128 in bf16 and 1024 in fp16, exact), two tensor-core dots take the even and odd
+columns against x's, and the group's share is scale * (dots - (OFFSET + zero) * sum(x)). Rows of
+x are padded to 16, the dots' smallest tile: at one row the tensor cores idle, the point is that
+a code costs one integer operation, not four. Layers with few output tiles split K over programs
+(`DotTiles.splits`); each writes its float32 partial sum and the last to arrive adds them in
+order (deterministic) and writes the output.
+
 fp8 (e4m3) weights take the same three paths with their own kernels (the last section): codes
 become float32 in registers (a hardware conversion from sm_89 on), and a tile is cut into
 sub-tiles of SUB columns, each inside one scale block (SUB a power of two dividing the block's
@@ -46,7 +58,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hibana_kernels import pdl, quant
+from hibana_kernels import counters, pdl, quant
 from hibana_kernels.pdl import wait_for_previous
 
 GEMV_MAX_ROWS = 4  # rows the GEMV takes; more go to the GEMM (a first guess: bench/tune_quant.py)
@@ -58,6 +70,15 @@ class GemvTiles(NamedTuple):
     block_k: int  # columns of K a step (int4: a whole number of groups)
     num_warps: int
     x_vector: bool = False  # int4: a word's 8 inputs in one vector load, its 8 codes in one tensor
+
+
+class DotTiles(NamedTuple):
+    """int4 on tensor cores (16-bit inputs): BLOCK_N output features a program, a group a step,
+    K split over `splits` programs (whole groups each)."""
+    block_n: int
+    splits: int
+    num_warps: int
+    num_stages: int
 
 
 class GemmTiles(NamedTuple):
@@ -181,6 +202,99 @@ def _gemv_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K,
              total.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+_PAIRS_ASM = """{
+    .reg .b32 t<2>;
+    prmt.b32 t0, $4, 0, 0x4140;
+    prmt.b32 t1, $4, 0, 0x4342;
+    lop3.b32 $0, t0, 0x000F000F, MAGIC, 0xEA;
+    lop3.b32 $1, t1, 0x000F000F, MAGIC, 0xEA;
+    shr.b32 t0, t0, 4;
+    shr.b32 t1, t1, 4;
+    lop3.b32 $2, t0, 0x000F000F, MAGIC, 0xEA;
+    lop3.b32 $3, t1, 0x000F000F, MAGIC, 0xEA;
+}"""  # 4 bytes b3 b2 b1 b0 in $4 -> 00 b1 00 b0 and 00 b3 00 b2 -> each 16-bit half's low nibble
+#       (then its high one) | MAGIC's bits (0xEA: a & b | c): OFFSET + code, two a register
+_PAIRS_BF16 = tl.constexpr(_PAIRS_ASM.replace("MAGIC", "0x43004300"))  # bf16 128.0 twice
+_PAIRS_FP16 = tl.constexpr(_PAIRS_ASM.replace("MAGIC", "0x64006400"))  # fp16 1024.0 twice
+
+
+@triton.jit
+def _int4_pairs(packed, FP16: tl.constexpr, ASM: tl.constexpr):
+    """uint8 bytes of two codes (low nibble: the even column) -> (OFFSET + low, OFFSET + high), in
+    fp16 (OFFSET 1024) or bf16 (128) through inline PTX (ASM), else in float32 (the interpreter,
+    whose 16-bit dots are wrong); exact either way."""
+    if ASM:
+        if FP16:
+            lo, hi = tl.inline_asm_elementwise(_PAIRS_FP16, "=r,=r,=r,=r,r", [packed],
+                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        else:
+            lo, hi = tl.inline_asm_elementwise(_PAIRS_BF16, "=r,=r,=r,=r,r", [packed],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        offset = 1024.0 if FP16 else 128.0
+        lo = (packed & 0xF).to(tl.float32) + offset
+        hi = (packed >> 4).to(tl.float32) + offset
+    return lo, hi
+
+
+@triton.jit
+def _int4_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, counter_ptr, M, N, K,
+                     stride_xm, stride_wn, stride_sn, stride_ym, groups_per_split,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+                     STAGES: tl.constexpr, FP16: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+    """y[m, n] = sum over groups g of scale[n, g] * (sum_{k in g} x[m, k] (OFFSET + code[n, k])
+    - (OFFSET + zero[n, g]) sum_{k in g} x[m, k]), the inner sums on tensor cores ([BLOCK_N, GROUP
+    / 2] codes of the even and of the odd columns against x's, padded to BLOCK_M rows). Program
+    (n tile, split, m tile) takes groups split * groups_per_split onward; with SPLIT its float32
+    sum goes to part_ptr [splits, m tiles * BLOCK_M, N] and the last program of the output tile
+    to arrive adds the splits in order and writes y."""
+    wait_for_previous(PDL)
+    HALF: tl.constexpr = GROUP // 2
+    OFFSET: tl.constexpr = 1024.0 if FP16 else 128.0
+    pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    offs_j = tl.arange(0, HALF)
+    w_tile = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_j[None, :]  # [BLOCK_N, HALF] bytes
+    x_even = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + 2 * offs_j[:, None]  # [HALF, BLOCK_M]
+    sz_rows = offs_n.to(tl.int64) * stride_sn
+    first = split * groups_per_split
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for g in tl.range(first, tl.minimum(first + groups_per_split, K // GROUP), num_stages=STAGES):
+        lo, hi = _int4_pairs(tl.load(w_tile + g * HALF, mask=n_mask[:, None], other=0), FP16, ASM)
+        xe = tl.load(x_even + g * GROUP, mask=m_mask[None, :], other=0.0)
+        xo = tl.load(x_even + g * GROUP + 1, mask=m_mask[None, :], other=0.0)
+        x_sum = tl.sum(xe.to(tl.float32), axis=0) + tl.sum(xo.to(tl.float32), axis=0)  # [BLOCK_M]
+        if not ASM:
+            xe, xo = xe.to(tl.float32), xo.to(tl.float32)
+        dots = tl.dot(hi, xo, tl.dot(lo, xe))  # [BLOCK_N, BLOCK_M]
+        scale = tl.load(s_ptr + sz_rows + g, mask=n_mask, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + sz_rows + g, mask=n_mask, other=0.0).to(tl.float32)
+        acc += scale[:, None] * (dots - (OFFSET + zero)[:, None] * x_sum[None, :])
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    last = True
+    if SPLIT:  # as the split decode attention merges (kernels/counters.py)
+        rows = tl.num_programs(2) * BLOCK_M
+        tl.store(part_ptr + (split * rows + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None], acc, mask=out_mask)
+        tl.debug_barrier()
+        counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
+        last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1
+        if last:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for other in range(0, tl.num_programs(1)):
+                acc += tl.load(part_ptr + (other * rows + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None],
+                               mask=out_mask, other=0.0)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+    if last:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=out_mask)
+
+
 @triton.jit
 def _weight_tile(w_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, K, stride_wn, stride_sn,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
@@ -269,12 +383,35 @@ def gemv_fits(k: int, group_size: int = 1) -> bool:
     return group_size == 1 or group_size >= 8 and group_size & (group_size - 1) == 0
 
 
-def choose_tiles(rows: int, n: int, k: int, group_size: int = 1) -> GemvTiles | GemmTiles | None:
-    """The kernel and its tiles for an [rows, k] x [n, k]^T product (group_size 1: int8), or
-    None from DEQUANT_MIN_ROWS rows on (dequantize, then cuBLAS). First guesses, to be replaced
-    by bench/tune_quant.py's measurements."""
+DOT_BLOCK_M = 16  # x's rows padded to the tensor cores' smallest tile
+DOT_PROGRAMS_PER_SM = 2.5  # splits of K until the grid has this many programs an SM
+
+
+def dot_fits(k: int, group_size: int) -> bool:
+    """Whether the int4 tensor-core kernel takes rows of k columns: groups of 32 columns or more
+    (a dot's 16 columns of each parity), a power of two, K a whole number of groups."""
+    return group_size >= 32 and group_size & (group_size - 1) == 0 and k % group_size == 0
+
+
+def choose_tiles(rows: int, n: int, k: int, group_size: int = 1, dtype: torch.dtype | None = None,
+                 sms: int = 132) -> GemvTiles | DotTiles | GemmTiles | None:
+    """The kernel and its tiles for an [rows, k] x [n, k]^T product (group_size 1: int8) with x
+    of `dtype` on a device of `sms` multiprocessors, or None from DEQUANT_MIN_ROWS rows on
+    (dequantize, then cuBLAS). From bench/tune_quant.py's measurements on the H200 where it
+    says so, first guesses elsewhere."""
     if rows >= DEQUANT_MIN_ROWS:
         return None
+    if (rows <= GEMV_MAX_ROWS and group_size > 1 and dtype in (torch.bfloat16, torch.float16)
+            and dot_fits(k, group_size)):
+        # Qwen3-8B's layers at one row on the H200, 1.11-1.36x the GEMV below (a probe of BLOCK_N,
+        # stages and splits: bench/RESULTS.md, fourteenth session); 64 output
+        # features a program (16, 32 and 128 slower), K split until ~2.5 programs an SM
+        block_n = 64
+        tiles, groups = triton.cdiv(n, block_n), k // group_size
+        splits = 1
+        while tiles * splits < DOT_PROGRAMS_PER_SM * sms and splits * 2 <= groups:
+            splits *= 2
+        return DotTiles(block_n, splits, num_warps=4, num_stages=4)
     k_tile = triton.next_power_of_2(k)
     if rows == 1 and group_size == 1:  # int8 from 2 rows: the GEMM (measured at 4)
         return GemvTiles(block_n=8, block_k=min(k_tile, 2048), num_warps=4)
@@ -310,8 +447,8 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
 
 def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             zeros: torch.Tensor | None, group_size: int, bias: torch.Tensor | None,
-            tiles: GemvTiles | GemmTiles | None) -> torch.Tensor:
-    """Any of the three paths on either format; int4 when zeros are given."""
+            tiles: GemvTiles | DotTiles | GemmTiles | None) -> torch.Tensor:
+    """Any of the paths on either format; int4 when zeros are given."""
     int4 = zeros is not None
     n = qweight.shape[0]
     k = qweight.shape[1] * 2 if int4 else qweight.shape[1]
@@ -330,6 +467,10 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     bias_arg = bias if bias is not None else scales
     if isinstance(tiles, GemvTiles) and not gemv_fits(k, group_size if int4 else 1):
         raise ValueError(f"the GEMV cannot take K={k} with group size {group_size}; see gemv_fits")
+    if isinstance(tiles, DotTiles) and not (int4 and dot_fits(k, group_size) and x.dtype in (torch.bfloat16,
+                                                                                             torch.float16)):
+        raise ValueError(f"the int4 tensor-core kernel takes 16-bit x and groups of 32 or more (see dot_fits), "
+                         f"not {x.dtype}, K={k}, group size {group_size}")
     if isinstance(tiles, GemvTiles) and not int4:
         _gemv_int8_kernel[(triton.cdiv(n, tiles.block_n),)](
             x2, qweight, scales, bias_arg, y, m, n, k, x2.stride(0),
@@ -337,6 +478,8 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, HAS_BIAS=bias is not None,
             num_warps=tiles.num_warps, num_stages=1,
             **pdl.launch_args(x.device, "gemv", triton.cdiv(n, tiles.block_n)))
+    elif isinstance(tiles, DotTiles):
+        _int4_dot(x2, qweight, scales, zeros, group_size, bias, tiles, y)
     elif isinstance(tiles, GemvTiles):
         _gemv_int4_kernel[(triton.cdiv(n, tiles.block_n),)](
             x2, qweight.view(torch.int32), scales, zeros, bias_arg, y, m, n, k,
@@ -357,6 +500,32 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return y.view(*x.shape[:-1], n)
 
 
+DOT_COUNTERS = 4096  # output tiles a split launch may have (n tiles x m tiles)
+
+
+def _int4_dot(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              group_size: int, bias: torch.Tensor | None, tiles: DotTiles, y: torch.Tensor) -> None:
+    m, n = y.shape
+    k = x2.shape[1]
+    groups = k // group_size
+    per_split = triton.cdiv(groups, max(1, min(tiles.splits, groups)))
+    splits = triton.cdiv(groups, per_split)  # none empty
+    grid = (triton.cdiv(n, tiles.block_n), splits, triton.cdiv(m, DOT_BLOCK_M))
+    if grid[0] * grid[2] > DOT_COUNTERS:
+        per_split, splits = groups, 1
+        grid = (grid[0], 1, grid[2])
+    split = splits > 1
+    part = (torch.empty((splits, grid[2] * DOT_BLOCK_M, n), dtype=torch.float32, device=y.device)
+            if split else y)
+    counts = counters.counters("int4 split-K", DOT_COUNTERS, y.device) if split else y
+    _int4_dot_kernel[grid](
+        x2, qweight, scales, zeros, bias if bias is not None else scales, y, part, counts, m, n, k,
+        x2.stride(0), qweight.stride(0), scales.stride(0), y.stride(0), per_split,
+        BLOCK_M=DOT_BLOCK_M, BLOCK_N=tiles.block_n, GROUP=group_size, STAGES=tiles.num_stages,
+        FP16=x2.dtype == torch.float16, ASM=x2.device.type == "cuda", SPLIT=split, HAS_BIAS=bias is not None,
+        num_warps=tiles.num_warps, **pdl.launch_args(y.device, "gemv", grid[0] * grid[1] * grid[2]))
+
+
 def linear_int8_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                        bias: torch.Tensor | None, tiles: GemvTiles | GemmTiles | None) -> torch.Tensor:
     """linear_int8 with the kernel and tiles chosen by the caller (tests, the tuning script)."""
@@ -365,7 +534,7 @@ def linear_int8_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 
 def linear_int4_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                        zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None,
-                       tiles: GemvTiles | GemmTiles | None) -> torch.Tensor:
+                       tiles: GemvTiles | DotTiles | GemmTiles | None) -> torch.Tensor:
     """linear_int4 with the kernel and tiles chosen by the caller (tests, the tuning script)."""
     return _launch(x, qweight, scales, zeros, group_size, bias, tiles)
 
@@ -389,7 +558,7 @@ def linear_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     if x.dtype not in _DTYPES or group_size & (group_size - 1):  # the tile views need 2^i groups
         return quant.linear_int4(x, qweight, scales, zeros, group_size, bias)
     n, k = qweight.shape[0], qweight.shape[1] * 2
-    tiles = choose_tiles(x.numel() // k if k else 0, n, k, group_size)
+    tiles = choose_tiles(x.numel() // k if k else 0, n, k, group_size, x.dtype, counters.sm_count(x.device))
     return linear_int4_launch(x, qweight, scales, zeros, group_size, bias, tiles)
 
 

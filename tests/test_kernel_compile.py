@@ -75,6 +75,14 @@ CASES = [
     ("int4-gemv-x_vector", qt._gemv_int4_kernel, dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, GROUP=128, HAS_BIAS=False,
                                                       X_VECTOR=True),
      dict(w_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16")),
+    # int4 on tensor cores: the codes' conversion is inline PTX (never run by the interpreter)
+    ("int4-dot-split-bf16", qt._int4_dot_kernel, dict(BLOCK_M=16, BLOCK_N=64, GROUP=128, STAGES=4, FP16=False,
+                                                      ASM=True, SPLIT=True, HAS_BIAS=True),
+     dict(w_ptr="*u8", s_ptr="*fp16", z_ptr="*fp16", part_ptr="*fp32", counter_ptr="*i32")),
+    ("int4-dot-fp16", qt._int4_dot_kernel, dict(BLOCK_M=16, BLOCK_N=32, GROUP=32, STAGES=3, FP16=True,
+                                                ASM=True, SPLIT=False, HAS_BIAS=False),
+     dict(x_ptr="*fp16", y_ptr="*fp16", b_ptr="*fp16", w_ptr="*u8", s_ptr="*fp16", z_ptr="*fp16",
+          part_ptr="*fp32", counter_ptr="*i32")),
 ]
 
 

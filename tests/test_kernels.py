@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import hibana_kernels as kernels
-from hibana_kernels import activation, attention, fusion, matmul, norm, quant, rotary
+from hibana_kernels import activation, attention, counters, fusion, matmul, norm, quant, rotary
 
 BLOCK_SIZE = 16
 HEAD_DIM = 32
@@ -670,7 +670,8 @@ def check_linear_quant(device, dtype, bits, lead, n, k, group_size, bias, tiles)
     quant_triton = _triton_module("quant")
     if tiles is not None:
         kernel, sizes = tiles
-        tiles = {"gemv": quant_triton.GemvTiles, "gemm": quant_triton.GemmTiles}[kernel](*sizes)
+        tiles = {"gemv": quant_triton.GemvTiles, "gemm": quant_triton.GemmTiles,
+                 "dot": quant_triton.DotTiles}[kernel](*sizes)
     gen = torch.Generator().manual_seed(bits * n + k + len(lead))
     qweight, scales, zeros = (t if t is None else t.to(device)
                               for t in make_quant_weight(bits, n, k, group_size, gen))
@@ -687,6 +688,9 @@ def check_linear_quant(device, dtype, bits, lead, n, k, group_size, bias, tiles)
                else quant_triton.linear_int4_launch(x, qweight, scales, zeros, group_size, b, tiles))
     assert out.shape == (*lead, n) and out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
+    if isinstance(tiles, quant_triton.DotTiles) and tiles.splits > 1:  # each output tile's last
+        counts = counters.counters("int4 split-K", quant_triton.DOT_COUNTERS, x.device)  # program
+        assert not counts.any(), counts.nonzero()  # set its arrival count back to zero
 
 
 
@@ -1012,10 +1016,16 @@ def test_linear_quant(run_check, dtype, bits, lead, n, k, group_size, bias):
     (8, 1, 65, 200, 1, "gemv", (16, 128, 4)),
     # the int4 GEMV's vector-input variant (x_vector): groups of 128 in two steps, of 8, of 16
     (4, 3, 37, 384, 128, "gemv", (4, 128, 4, True)), (4, 4, 19, 48, 8, "gemv", (8, 16, 1, True)),
-    (4, 1, 33, 64, 16, "gemv", (4, 64, 4, True))])
+    (4, 1, 33, 64, 16, "gemv", (4, 64, 4, True)),
+    # int4 on tensor cores: K split over programs (3 groups in 3, 8 in 4, uneven: 5 in 2 of 3 and
+    # 2), masked output features, 16 rows (one tile of rows) and 17 (two, split)
+    (4, 1, 37, 384, 128, "dot", (16, 3, 4, 2)), (4, 3, 70, 256, 32, "dot", (32, 4, 4, 3)),
+    (4, 2, 24, 320, 64, "dot", (16, 2, 4, 1)), (4, 16, 33, 128, 64, "dot", (64, 1, 4, 1)),
+    (4, 17, 20, 64, 32, "dot", (16, 2, 4, 2))])
 def test_linear_quant_tiles(run_check, dtype, bits, rows, n, k, group_size, kernel, tiles):
     run_check(check_linear_quant, dtype=dtype, bits=bits, lead=(rows,), n=n, k=k,
               group_size=group_size, bias=True, tiles=(kernel, tiles))
+
 
 
 
