@@ -31,7 +31,7 @@ import triton
 
 from hibana_bench.workloads import copy_bandwidth
 from hibana_kernels import quant, quant_triton
-from hibana_kernels.quant_triton import GemmTiles, GemvTiles
+from hibana_kernels.quant_triton import DotTiles, GemmTiles, GemvTiles
 
 QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
             "down": (4096, 12288), "lm_head": (151936, 4096)}  # name: (N, K) of the weight
@@ -91,7 +91,7 @@ def weight_bytes(weights: dict) -> int:
     return sum(t.nbytes for t in weights.values() if isinstance(t, torch.Tensor))
 
 
-def runner(fmt: str, group_size: int, tiles: GemvTiles | GemmTiles | None = None):
+def runner(fmt: str, group_size: int, tiles: GemvTiles | DotTiles | GemmTiles | None = None):
     """fn(x, weights) for format fmt: the dispatcher's kernel, or the one `tiles` names."""
     if fmt == "bf16":
         return lambda x, w: F.linear(x, w["weight"])
@@ -130,7 +130,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def measure(fmt: str, group_size: int, x: torch.Tensor, copies: list[dict], bandwidth: float,
-            ref: torch.Tensor, tiles: GemvTiles | GemmTiles | None = None) -> dict:
+            ref: torch.Tensor, tiles: GemvTiles | DotTiles | GemmTiles | None = None) -> dict:
     """Check one variant against `ref` (the reference's output on copies[0]), then time it
     over the weight copies."""
     fn = runner(fmt, group_size, tiles)
@@ -182,6 +182,9 @@ def sweep(fmt: str, group_size: int, rows: int, n: int, k: int, bandwidth: float
         grid = [GemvTiles(bn, bk, w, xv) for bn, bk, w, xv in itertools.product(
             (8, 16, 32, 64), (128, 256, 512, 1024), (2, 4, 8), (False, True) if fmt == "int4" else (False,))
             if bk >= group and bn * bk <= 32768 and bk <= triton.next_power_of_2(k)]
+        if fmt == "int4" and quant_triton.dot_fits(k, group_size):  # on tensor cores, K split or whole
+            grid += [DotTiles(bn, sp, 4, st) for bn, sp, st in itertools.product(
+                (16, 32, 64, 128), (1, 2, 4, 8, 16), (3, 4)) if sp <= k // group_size]
     else:
         grid = [GemmTiles(bm, bn, bk, w, s) for bm, bn, bk, w, s in itertools.product(
             (16, 32, 64, 128), (64, 128, 256), (64, 128), (4, 8), (3,))
