@@ -247,7 +247,7 @@ def _int4_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, counter
     - (OFFSET + zero[n, g]) sum_{k in g} x[m, k]), the inner sums on tensor cores ([BLOCK_N, GROUP
     / 2] codes of the even and of the odd columns against x's, padded to BLOCK_M rows). Program
     (n tile, split, m tile) takes groups split * groups_per_split onward; with SPLIT its float32
-    sum goes to part_ptr [splits, m tiles * BLOCK_M, N] and the last program of the output tile
+    sum goes to part_ptr [splits, M, N] and the last program of the output tile
     to arrive adds the splits in order and writes y."""
     wait_for_previous(PDL)
     HALF: tl.constexpr = GROUP // 2
@@ -277,15 +277,14 @@ def _int4_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, counter
     out_mask = n_mask[:, None] & m_mask[None, :]
     last = True
     if SPLIT:  # as the split decode attention merges (kernels/counters.py)
-        rows = tl.num_programs(2) * BLOCK_M
-        tl.store(part_ptr + (split * rows + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None], acc, mask=out_mask)
+        tl.store(part_ptr + (split * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None], acc, mask=out_mask)
         tl.debug_barrier()
         counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
         last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1
         if last:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             for other in range(0, tl.num_programs(1)):
-                acc += tl.load(part_ptr + (other * rows + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None],
+                acc += tl.load(part_ptr + (other * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None],
                                mask=out_mask, other=0.0)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     if last:
@@ -515,8 +514,7 @@ def _int4_dot(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         per_split, splits = groups, 1
         grid = (grid[0], 1, grid[2])
     split = splits > 1
-    part = (torch.empty((splits, grid[2] * DOT_BLOCK_M, n), dtype=torch.float32, device=y.device)
-            if split else y)
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=y.device) if split else y
     counts = counters.counters("int4 split-K", DOT_COUNTERS, y.device) if split else y
     _int4_dot_kernel[grid](
         x2, qweight, scales, zeros, bias if bias is not None else scales, y, part, counts, m, n, k,
