@@ -74,11 +74,13 @@ class GemvTiles(NamedTuple):
 
 class DotTiles(NamedTuple):
     """int4 on tensor cores (16-bit inputs): BLOCK_N output features a program, a group a step,
-    K split over `splits` programs (whole groups each)."""
+    K split over `splits` programs (whole groups each); `words`: `_int4_words_kernel` (groups of
+    128 or more), else `_int4_dot_kernel`."""
     block_n: int
     splits: int
     num_warps: int
     num_stages: int
+    words: bool = False
 
 
 class GemmTiles(NamedTuple):
@@ -238,45 +240,23 @@ def _int4_pairs(packed, FP16: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _int4_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, counter_ptr, M, N, K,
-                     stride_xm, stride_wn, stride_sn, stride_ym, groups_per_split,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-                     STAGES: tl.constexpr, FP16: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
-    """y[m, n] = sum over groups g of scale[n, g] * (sum_{k in g} x[m, k] (OFFSET + code[n, k])
-    - (OFFSET + zero[n, g]) sum_{k in g} x[m, k]), the inner sums on tensor cores ([BLOCK_N, GROUP
-    / 2] codes of the even and of the odd columns against x's, padded to BLOCK_M rows). Program
-    (n tile, split, m tile) takes groups split * groups_per_split onward; with SPLIT its float32
-    sum goes to part_ptr [splits, M, N] and the last program of the output tile
-    to arrive adds the splits in order and writes y."""
-    wait_for_previous(PDL)
-    HALF: tl.constexpr = GROUP // 2
-    OFFSET: tl.constexpr = 1024.0 if FP16 else 128.0
-    pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_mask = offs_n < N
-    m_mask = offs_m < M
-    offs_j = tl.arange(0, HALF)
-    w_tile = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_j[None, :]  # [BLOCK_N, HALF] bytes
-    x_even = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + 2 * offs_j[:, None]  # [HALF, BLOCK_M]
-    sz_rows = offs_n.to(tl.int64) * stride_sn
-    first = split * groups_per_split
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for g in tl.range(first, tl.minimum(first + groups_per_split, K // GROUP), num_stages=STAGES):
-        lo, hi = _int4_pairs(tl.load(w_tile + g * HALF, mask=n_mask[:, None], other=0), FP16, ASM)
-        xe = tl.load(x_even + g * GROUP, mask=m_mask[None, :], other=0.0)
-        xo = tl.load(x_even + g * GROUP + 1, mask=m_mask[None, :], other=0.0)
-        x_sum = tl.sum(xe.to(tl.float32), axis=0) + tl.sum(xo.to(tl.float32), axis=0)  # [BLOCK_M]
-        if not ASM:
-            xe, xo = xe.to(tl.float32), xo.to(tl.float32)
-        dots = tl.dot(hi, xo, tl.dot(lo, xe))  # [BLOCK_N, BLOCK_M]
-        scale = tl.load(s_ptr + sz_rows + g, mask=n_mask, other=0.0).to(tl.float32)
-        zero = tl.load(z_ptr + sz_rows + g, mask=n_mask, other=0.0).to(tl.float32)
-        acc += scale[:, None] * (dots - (OFFSET + zero)[:, None] * x_sum[None, :])
+def _group_share(acc, dots, x_sum, s_ptr, z_ptr, sz, n_mask, OFFSET: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] plus a group's scale * (dots - (OFFSET + zero) * sum x)."""
+    scale = tl.load(s_ptr + sz, mask=n_mask, other=0.0).to(tl.float32)
+    zero = tl.load(z_ptr + sz, mask=n_mask, other=0.0).to(tl.float32)
+    return acc + scale[:, None] * (dots - (OFFSET + zero)[:, None] * x_sum[None, :])
+
+
+@triton.jit
+def _finish_split(acc, y_ptr, b_ptr, part_ptr, counter_ptr, offs_n, offs_m, n_mask, m_mask, M, N, stride_ym,
+                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Write y^T's tile acc [BLOCK_N, BLOCK_M] (float32) with the bias. With SPLIT, this program's
+    sum goes to part_ptr [splits, M, N] and the last program of the output tile to arrive (as the
+    split decode attention merges, kernels/counters.py) adds the splits in order and writes y."""
     out_mask = n_mask[:, None] & m_mask[None, :]
     last = True
-    if SPLIT:  # as the split decode attention merges (kernels/counters.py)
+    if SPLIT:
+        pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         tl.store(part_ptr + (split * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None], acc, mask=out_mask)
         tl.debug_barrier()
         counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
@@ -292,6 +272,142 @@ def _int4_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, counter
             acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
                  mask=out_mask)
+
+
+@triton.jit
+def _int4_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, counter_ptr, M, N, K,
+                     stride_xm, stride_wn, stride_sn, stride_ym, groups_per_split,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+                     STAGES: tl.constexpr, FP16: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+    """y[m, n] = sum over groups g of scale[n, g] * (sum_{k in g} x[m, k] (OFFSET + code[n, k])
+    - (OFFSET + zero[n, g]) sum_{k in g} x[m, k]), the inner sums on tensor cores ([BLOCK_N, GROUP
+    / 2] codes of the even and of the odd columns against x's, padded to BLOCK_M rows). Program
+    (n tile, split, m tile) takes groups split * groups_per_split onward (`_finish_split`)."""
+    wait_for_previous(PDL)
+    HALF: tl.constexpr = GROUP // 2
+    OFFSET: tl.constexpr = 1024.0 if FP16 else 128.0
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    offs_j = tl.arange(0, HALF)
+    w_tile = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_j[None, :]  # [BLOCK_N, HALF] bytes
+    x_even = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + 2 * offs_j[:, None]  # [HALF, BLOCK_M]
+    sz_rows = offs_n.to(tl.int64) * stride_sn
+    first = tl.program_id(1) * groups_per_split
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for g in tl.range(first, tl.minimum(first + groups_per_split, K // GROUP), num_stages=STAGES):
+        lo, hi = _int4_pairs(tl.load(w_tile + g * HALF, mask=n_mask[:, None], other=0), FP16, ASM)
+        xe = tl.load(x_even + g * GROUP, mask=m_mask[None, :], other=0.0)
+        xo = tl.load(x_even + g * GROUP + 1, mask=m_mask[None, :], other=0.0)
+        x_sum = tl.sum(xe.to(tl.float32), axis=0) + tl.sum(xo.to(tl.float32), axis=0)  # [BLOCK_M]
+        if not ASM:
+            xe, xo = xe.to(tl.float32), xo.to(tl.float32)
+        dots = tl.dot(hi, xo, tl.dot(lo, xe))  # [BLOCK_N, BLOCK_M]
+        acc = _group_share(acc, dots, x_sum, s_ptr, z_ptr, sz_rows + g, n_mask, OFFSET)
+    _finish_split(acc, y_ptr, b_ptr, part_ptr, counter_ptr, offs_n, offs_m, n_mask, m_mask, M, N, stride_ym,
+                  BLOCK_N, BLOCK_M, SPLIT, HAS_BIAS)
+
+
+_UNITS_ASM = """{
+    .reg .b32 t<4>, u<4>;
+    prmt.b32 t0, $8, $9, 0x4400;
+    prmt.b32 t1, $8, $9, 0x5511;
+    prmt.b32 t2, $8, $9, 0x6622;
+    prmt.b32 t3, $8, $9, 0x7733;
+    shr.b32 u0, t0, 4;
+    shr.b32 u1, t1, 4;
+    shr.b32 u2, t2, 4;
+    shr.b32 u3, t3, 4;
+    lop3.b32 $0, t0, 0x000F000F, MAGIC, 0xEA;
+    lop3.b32 $1, u0, 0x000F000F, MAGIC, 0xEA;
+    lop3.b32 $2, t1, 0x000F000F, MAGIC, 0xEA;
+    lop3.b32 $3, u1, 0x000F000F, MAGIC, 0xEA;
+    lop3.b32 $4, t2, 0x000F000F, MAGIC, 0xEA;
+    lop3.b32 $5, u2, 0x000F000F, MAGIC, 0xEA;
+    lop3.b32 $6, t3, 0x000F000F, MAGIC, 0xEA;
+    lop3.b32 $7, u3, 0x000F000F, MAGIC, 0xEA;
+}"""  # words a ($8) and b ($9): t_j = byte j of a in the low half, of b in the high (selector 4+j 4+j j j);
+#       nibble p of both words -> output p: (OFFSET + code p of a, OFFSET + code p of b), the pair the dot
+#       wants in one register (consecutive words are consecutive k of output p's tile)
+_UNITS_BF16 = tl.constexpr(_UNITS_ASM.replace("MAGIC", "0x43004300"))
+_UNITS_FP16 = tl.constexpr(_UNITS_ASM.replace("MAGIC", "0x64006400"))
+
+
+@triton.jit
+def _int4_units(words, FP16: tl.constexpr, ASM: tl.constexpr):
+    """int32 words of eight codes (nibble p: column 8i + p) -> eight tensors, tensor p the codes of
+    nibble p as OFFSET + code, in fp16 / bf16 through inline PTX (ASM: two words a call, no
+    repacking for the dot), else in float32 (the interpreter)."""
+    if ASM:
+        if FP16:
+            units = tl.inline_asm_elementwise(_UNITS_FP16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words],
+                                              dtype=(tl.float16,) * 8, is_pure=True, pack=2)
+        else:
+            units = tl.inline_asm_elementwise(_UNITS_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words],
+                                              dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+    else:
+        offset = 1024.0 if FP16 else 128.0
+        units = (((words >> 0) & 0xF).to(tl.float32) + offset, ((words >> 4) & 0xF).to(tl.float32) + offset,
+                 ((words >> 8) & 0xF).to(tl.float32) + offset, ((words >> 12) & 0xF).to(tl.float32) + offset,
+                 ((words >> 16) & 0xF).to(tl.float32) + offset, ((words >> 20) & 0xF).to(tl.float32) + offset,
+                 ((words >> 24) & 0xF).to(tl.float32) + offset, ((words >> 28) & 0xF).to(tl.float32) + offset)
+    return units
+
+
+@triton.jit
+def _int4_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, counter_ptr, M, N, K,
+                       stride_xm, stride_wn, stride_sn, stride_ym, groups_per_split,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+                       STAGES: tl.constexpr, FP16: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+    """`_int4_dot_kernel` with the codes read as int32 words (stride_wn in words): eight dots a
+    group, dot p over the codes of nibble p ([BLOCK_N, GROUP / 8], column 8i + p) against x's
+    columns 8i + p. Its conversion is four byte permutes, four shifts and eight logic ops for two
+    words, and no repacking into the dots' registers (sm_90 SASS: ~6 instructions a weight byte
+    against ~8-12 for the byte kernel's tiles); GROUP of 128 or more (a dot's 16 words)."""
+    wait_for_previous(PDL)
+    WORDS: tl.constexpr = GROUP // 8
+    OFFSET: tl.constexpr = 1024.0 if FP16 else 128.0
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    offs_w = tl.arange(0, WORDS)
+    w_tile = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_w[None, :]  # [BLOCK_N, WORDS]
+    x_tile = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + 8 * offs_w[:, None]  # [WORDS, BLOCK_M]
+    sz_rows = offs_n.to(tl.int64) * stride_sn
+    first = tl.program_id(1) * groups_per_split
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for g in tl.range(first, tl.minimum(first + groups_per_split, K // GROUP), num_stages=STAGES):
+        c0, c1, c2, c3, c4, c5, c6, c7 = _int4_units(tl.load(w_tile + g * WORDS, mask=n_mask[:, None], other=0),
+                                                     FP16, ASM)
+        xg = x_tile + g * GROUP
+        x0 = tl.load(xg + 0, mask=m_mask[None, :], other=0.0)
+        x1 = tl.load(xg + 1, mask=m_mask[None, :], other=0.0)
+        x2 = tl.load(xg + 2, mask=m_mask[None, :], other=0.0)
+        x3 = tl.load(xg + 3, mask=m_mask[None, :], other=0.0)
+        x4 = tl.load(xg + 4, mask=m_mask[None, :], other=0.0)
+        x5 = tl.load(xg + 5, mask=m_mask[None, :], other=0.0)
+        x6 = tl.load(xg + 6, mask=m_mask[None, :], other=0.0)
+        x7 = tl.load(xg + 7, mask=m_mask[None, :], other=0.0)
+        x_sum = tl.sum(x0.to(tl.float32) + x1.to(tl.float32) + x2.to(tl.float32) + x3.to(tl.float32)
+                       + x4.to(tl.float32) + x5.to(tl.float32) + x6.to(tl.float32) + x7.to(tl.float32), axis=0)
+        if not ASM:
+            x0, x1, x2, x3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
+            x4, x5, x6, x7 = x4.to(tl.float32), x5.to(tl.float32), x6.to(tl.float32), x7.to(tl.float32)
+        dots = tl.dot(c0, x0)
+        dots = tl.dot(c1, x1, dots)
+        dots = tl.dot(c2, x2, dots)
+        dots = tl.dot(c3, x3, dots)
+        dots = tl.dot(c4, x4, dots)
+        dots = tl.dot(c5, x5, dots)
+        dots = tl.dot(c6, x6, dots)
+        dots = tl.dot(c7, x7, dots)
+        acc = _group_share(acc, dots, x_sum, s_ptr, z_ptr, sz_rows + g, n_mask, OFFSET)
+    _finish_split(acc, y_ptr, b_ptr, part_ptr, counter_ptr, offs_n, offs_m, n_mask, m_mask, M, N, stride_ym,
+                  BLOCK_N, BLOCK_M, SPLIT, HAS_BIAS)
 
 
 @triton.jit
@@ -467,9 +583,10 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if isinstance(tiles, GemvTiles) and not gemv_fits(k, group_size if int4 else 1):
         raise ValueError(f"the GEMV cannot take K={k} with group size {group_size}; see gemv_fits")
     if isinstance(tiles, DotTiles) and not (int4 and dot_fits(k, group_size) and x.dtype in (torch.bfloat16,
-                                                                                             torch.float16)):
-        raise ValueError(f"the int4 tensor-core kernel takes 16-bit x and groups of 32 or more (see dot_fits), "
-                         f"not {x.dtype}, K={k}, group size {group_size}")
+                                                                                             torch.float16)
+                                            and (group_size >= 128 or not tiles.words)):
+        raise ValueError(f"the int4 tensor-core kernels take 16-bit x and groups of 32 or more (see dot_fits; "
+                         f"words: 128), not {x.dtype}, K={k}, group size {group_size}")
     if isinstance(tiles, GemvTiles) and not int4:
         _gemv_int8_kernel[(triton.cdiv(n, tiles.block_n),)](
             x2, qweight, scales, bias_arg, y, m, n, k, x2.stride(0),
@@ -516,9 +633,13 @@ def _int4_dot(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     split = splits > 1
     part = torch.empty((splits, m, n), dtype=torch.float32, device=y.device) if split else y
     counts = counters.counters("int4 split-K", DOT_COUNTERS, y.device) if split else y
-    _int4_dot_kernel[grid](
-        x2, qweight, scales, zeros, bias if bias is not None else scales, y, part, counts, m, n, k,
-        x2.stride(0), qweight.stride(0), scales.stride(0), y.stride(0), per_split,
+    if tiles.words:
+        kernel, weight, stride_wn = _int4_words_kernel, qweight.view(torch.int32), qweight.stride(0) // 4
+    else:
+        kernel, weight, stride_wn = _int4_dot_kernel, qweight, qweight.stride(0)
+    kernel[grid](
+        x2, weight, scales, zeros, bias if bias is not None else scales, y, part, counts, m, n, k,
+        x2.stride(0), stride_wn, scales.stride(0), y.stride(0), per_split,
         BLOCK_M=DOT_BLOCK_M, BLOCK_N=tiles.block_n, GROUP=group_size, STAGES=tiles.num_stages,
         FP16=x2.dtype == torch.float16, ASM=x2.device.type == "cuda", SPLIT=split, HAS_BIAS=bias is not None,
         num_warps=tiles.num_warps, **pdl.launch_args(y.device, "gemv", grid[0] * grid[1] * grid[2]))
