@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton
 
 from hibana_bench.workloads import copy_bandwidth
-from hibana_kernels import quant, quant_triton
+from hibana_kernels import counters, quant, quant_triton
 from hibana_kernels.quant_triton import DotTiles, GemmTiles, GemvTiles
 
 QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
@@ -154,7 +154,8 @@ def _kernel_name(fmt, rows, w, group_size, tiles) -> str:
     if tiles is None:
         n, k = w["qweight"].shape[0], w["qweight"].shape[1] * (2 if fmt == "int4" else 1)
         tiles = (quant_triton.choose_tiles_fp8(rows, n, k) if fmt == "fp8" else
-                 quant_triton.choose_tiles(rows, n, k, group_size if fmt == "int4" else 1))
+                 quant_triton.choose_tiles(rows, n, k, group_size if fmt == "int4" else 1, torch.bfloat16,
+                                           counters.sm_count(torch.device("cuda"))))
     return DEQUANTIZE if tiles in (None, DEQUANTIZE) else f"{type(tiles).__name__}{tuple(tiles)}"
 
 
@@ -165,7 +166,7 @@ def other_kernel(fmt: str, rows: int, n: int, k: int, group_size: int) -> GemvTi
 
     def choose(rows_: int):
         return quant_triton.choose_tiles_fp8(rows_, n, k) if fmt == "fp8" else \
-            quant_triton.choose_tiles(rows_, n, k, group)
+            quant_triton.choose_tiles(rows_, n, k, group, torch.bfloat16, counters.sm_count(torch.device("cuda")))
 
     if rows <= quant_triton.GEMV_MAX_ROWS:
         return choose(quant_triton.GEMV_MAX_ROWS + 1)

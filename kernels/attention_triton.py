@@ -39,7 +39,7 @@ from hibana_kernels.pdl import wait_for_previous
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # the same, for the kernels
-DECODE_MIN_SPLIT = 64  # keys per split at least (one key tile)
+DECODE_MIN_SPLIT = 64  # keys per split at least (a 16-bit cache's key tile; an fp8 cache's tile: 128)
 DECODE_PROGRAMS_PER_SM = 4  # splits are added until the grid has this many programs per SM
 MAX_SPLITS = 64
 MAX_DECODE_QUERY_LEN = 32  # verify steps up to this many tokens per sequence take the decode kernel
@@ -372,8 +372,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_kv_heads = k_cache.shape[2]
     num_splits = 1
     decode = max_query_len == 1 or (uniform_query_len and max_query_len <= MAX_DECODE_QUERY_LEN)
-    if decode:
-        num_splits = _num_splits(q.device, num_seqs * num_kv_heads, max_seq_len)
+    if decode:  # a split holds whole key tiles: no shorter than the cache's tile
+        head_dim_p = max(16, triton.next_power_of_2(q.shape[-1]))
+        min_split = max(DECODE_MIN_SPLIT, _decode_tiles(q.dtype, head_dim_p, kv_scale is not None)[0])
+        num_splits = _num_splits(q.device, num_seqs * num_kv_heads, max_seq_len, min_split)
     return paged_attention_launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                   max_query_len, scale, sliding_window, num_splits, decode=decode,
                                   kv_scale=kv_scale, sinks=sinks, sink_tokens=sink_tokens)
@@ -500,12 +502,13 @@ def _decode_tiles(dtype: torch.dtype, head_dim_p: int, kv_fp8: bool = False) -> 
     return (128, 4, 3) if kv_fp8 else (64, 4, 3)
 
 
-def _num_splits(device: torch.device, programs: int, max_seq_len: int) -> int:
+def _num_splits(device: torch.device, programs: int, max_seq_len: int,
+                min_split: int = DECODE_MIN_SPLIT) -> int:
     """As many splits as keep the grid within one wave of DECODE_PROGRAMS_PER_SM programs per SM
-    (a second, partial wave costs more than the splits save), none shorter than DECODE_MIN_SPLIT
+    (a second, partial wave costs more than the splits save), none shorter than `min_split`
     keys. (With the bound overstated, as in CUDA graphs, splits past a sequence's end exit.)"""
     target = DECODE_PROGRAMS_PER_SM * counters.sm_count(device)
-    by_length = triton.cdiv(max(max_seq_len, 1), DECODE_MIN_SPLIT)
+    by_length = triton.cdiv(max(max_seq_len, 1), min_split)
     return max(1, min(target // programs, by_length, MAX_SPLITS))
 
 

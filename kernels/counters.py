@@ -23,7 +23,10 @@ def counters(kernel: str, size: int, device: torch.device) -> torch.Tensor:
     key = (kernel, device, stream)
     if key not in _BUFFERS:
         _BUFFERS[key] = torch.zeros(size, dtype=torch.int32, device=device)
-    return _BUFFERS[key]
+    buffer = _BUFFERS[key]
+    if buffer.numel() < size:  # a kernel asks one size always; a larger one would index past it
+        raise ValueError(f"{kernel}'s counts were made for {buffer.numel()} groups, {size} asked")
+    return buffer
 
 
 @functools.lru_cache(maxsize=None)

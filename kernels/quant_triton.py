@@ -502,16 +502,21 @@ DOT_BLOCK_M = 16  # x's rows padded to the tensor cores' smallest tile
 DOT_PROGRAMS_PER_SM = 2.5  # splits of K until the grid has this many programs an SM
 
 
+DOT_MAX_GROUP = 256  # a group is one step's tile: larger ones spill registers (512: 80 B a thread)
+
+
 def dot_fits(k: int, group_size: int) -> bool:
-    """Whether the int4 tensor-core kernel takes rows of k columns: groups of 32 columns or more
-    (a dot's 16 columns of each parity), a power of two, K a whole number of groups."""
-    return group_size >= 32 and group_size & (group_size - 1) == 0 and k % group_size == 0
+    """Whether the int4 tensor-core kernels take rows of k columns: groups of 32 to DOT_MAX_GROUP
+    columns (a dot's 16 columns of each parity; one group a step), a power of two, K a whole
+    number of groups. Per-channel int4 (one group of K) takes the GEMV."""
+    return 32 <= group_size <= DOT_MAX_GROUP and group_size & (group_size - 1) == 0 and k % group_size == 0
 
 
 def choose_tiles(rows: int, n: int, k: int, group_size: int = 1, dtype: torch.dtype | None = None,
                  sms: int = 132) -> GemvTiles | DotTiles | GemmTiles | None:
     """The kernel and its tiles for an [rows, k] x [n, k]^T product (group_size 1: int8) with x
-    of `dtype` on a device of `sms` multiprocessors, or None from DEQUANT_MIN_ROWS rows on
+    of `dtype` on a device of `sms` multiprocessors (`counters.sm_count`; the H200's by default:
+    it sizes the int4 tensor-core kernels' K splits), or None from DEQUANT_MIN_ROWS rows on
     (dequantize, then cuBLAS). From bench/tune_quant.py's measurements on the H200 where it
     says so, first guesses elsewhere."""
     if rows >= DEQUANT_MIN_ROWS:

@@ -693,6 +693,41 @@ def check_linear_quant(device, dtype, bits, lead, n, k, group_size, bias, tiles)
         assert not counts.any(), counts.nonzero()  # set its arrival count back to zero
 
 
+def check_int4_dot_split_falls_back(device):
+    """More output tiles than the split-K's arrival counts: the launch runs unsplit, still right."""
+    quant_triton = _triton_module("quant")
+    gen = torch.Generator().manual_seed(7)
+    qweight, scales, zeros = (t.to(device) for t in make_quant_weight(4, 48, 256, 128, gen))
+    x = torch.randn(1, 256, generator=gen).to(torch.bfloat16).to(device)
+    counts = quant_triton.DOT_COUNTERS
+    quant_triton.DOT_COUNTERS = 2  # 3 output tiles of 16 features
+    try:
+        out = quant_triton.linear_int4_launch(x, qweight, scales, zeros, 128, None, quant_triton.DotTiles(16, 2, 4, 1))
+    finally:
+        quant_triton.DOT_COUNTERS = counts
+    ref = quant.linear_int4(x.double(), qweight, scales, zeros, 128)
+    torch.testing.assert_close(out.double(), ref, **TOLERANCE[torch.bfloat16])
+
+
+def test_int4_dot_split_falls_back(run_check):
+    run_check(check_int4_dot_split_falls_back)
+
+
+def test_int4_dispatch():
+    """Decode rows of 16-bit x with groups of 32-256 take the int4 tensor-core kernel, with K split
+    until the grid fills the device; float32 x, small or per-channel groups and 5+ rows do not."""
+    from hibana_kernels import quant_triton
+
+    choose = quant_triton.choose_tiles
+    assert choose(1, 24576, 4096, 128, torch.bfloat16, 132) == quant_triton.DotTiles(64, 1, 4, 4)
+    assert choose(1, 4096, 4096, 128, torch.float16, 132).splits == 8  # 64 output tiles
+    assert choose(4, 6144, 4096, 64, torch.bfloat16, 132).splits == 4
+    assert choose(1, 4096, 256, 128, torch.bfloat16, 132).splits == 2  # no more than the groups
+    for rows, group, dtype in ((1, 128, torch.float32), (1, 16, torch.bfloat16), (1, 4096, torch.bfloat16),
+                               (1, 512, torch.bfloat16)):
+        assert isinstance(choose(rows, 4096, 4096, group, dtype, 132), quant_triton.GemvTiles), (group, dtype)
+    assert isinstance(choose(5, 4096, 4096, 128, torch.bfloat16, 132), quant_triton.GemmTiles)
+
 
 def check_linear_fp8(device, dtype, lead, n, k, block, bias, tiles):
     """linear_fp8 against its reference (in float64) on x [*lead, k]; `tiles` ("gemv", "gemm" or
@@ -1001,7 +1036,6 @@ def test_linear_quant(run_check, dtype, bits, lead, n, k, group_size, bias):
               group_size=group_size, bias=bias, tiles=None)
 
 
-
 # each kernel outside the dispatcher's range and with K in several steps: the GEMV over 3 and 9
 # rows in 128- and 64-wide steps (int8's K=200: the last one masked), the GEMM over one row
 # and over 5 in two pipelined steps; float16 here only
@@ -1025,12 +1059,10 @@ def test_linear_quant(run_check, dtype, bits, lead, n, k, group_size, bias):
     # the same with the codes as int32 words (eight dots a group): split 3 in 3, 4 in 2 with
     # masked features, groups of 256 over 17 rows
     (4, 1, 37, 384, 128, "dot", (16, 3, 4, 2, True)), (4, 3, 70, 512, 128, "dot", (32, 2, 4, 3, True)),
-    (4, 17, 20, 512, 256, "dot", (16, 2, 4, 1, True))])
+    (4, 17, 20, 512, 256, "dot", (16, 2, 4, 1, True)), (4, 2, 24, 640, 128, "dot", (16, 2, 4, 1, True))])
 def test_linear_quant_tiles(run_check, dtype, bits, rows, n, k, group_size, kernel, tiles):
     run_check(check_linear_quant, dtype=dtype, bits=bits, lead=(rows,), n=n, k=k,
               group_size=group_size, bias=True, tiles=(kernel, tiles))
-
-
 
 
 # fp8 through the dispatcher at the row counts of decode (GEMV: 1, 3), verify and prefill chunks
