@@ -275,6 +275,16 @@ def _finish_split(acc, y_ptr, b_ptr, part_ptr, counter_ptr, offs_n, offs_m, n_ma
 
 
 @triton.jit
+def _int4_tile(N, M, K, groups_per_split, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr):
+    """Program (n tile, split, m tile)'s output features and rows with their masks, and its groups
+    [first, end)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    first = tl.program_id(1) * groups_per_split
+    return offs_n, offs_m, offs_n < N, offs_m < M, first, tl.minimum(first + groups_per_split, K // GROUP)
+
+
+@triton.jit
 def _int4_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, counter_ptr, M, N, K,
                      stride_xm, stride_wn, stride_sn, stride_ym, groups_per_split,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
@@ -287,17 +297,13 @@ def _int4_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, counter
     wait_for_previous(PDL)
     HALF: tl.constexpr = GROUP // 2
     OFFSET: tl.constexpr = 1024.0 if FP16 else 128.0
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_mask = offs_n < N
-    m_mask = offs_m < M
+    offs_n, offs_m, n_mask, m_mask, first, end = _int4_tile(N, M, K, groups_per_split, BLOCK_N, BLOCK_M, GROUP)
     offs_j = tl.arange(0, HALF)
     w_tile = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_j[None, :]  # [BLOCK_N, HALF] bytes
     x_even = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + 2 * offs_j[:, None]  # [HALF, BLOCK_M]
     sz_rows = offs_n.to(tl.int64) * stride_sn
-    first = tl.program_id(1) * groups_per_split
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for g in tl.range(first, tl.minimum(first + groups_per_split, K // GROUP), num_stages=STAGES):
+    for g in tl.range(first, end, num_stages=STAGES):
         lo, hi = _int4_pairs(tl.load(w_tile + g * HALF, mask=n_mask[:, None], other=0), FP16, ASM)
         xe = tl.load(x_even + g * GROUP, mask=m_mask[None, :], other=0.0)
         xo = tl.load(x_even + g * GROUP + 1, mask=m_mask[None, :], other=0.0)
@@ -370,17 +376,13 @@ def _int4_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count
     wait_for_previous(PDL)
     WORDS: tl.constexpr = GROUP // 8
     OFFSET: tl.constexpr = 1024.0 if FP16 else 128.0
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_mask = offs_n < N
-    m_mask = offs_m < M
+    offs_n, offs_m, n_mask, m_mask, first, end = _int4_tile(N, M, K, groups_per_split, BLOCK_N, BLOCK_M, GROUP)
     offs_w = tl.arange(0, WORDS)
     w_tile = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_w[None, :]  # [BLOCK_N, WORDS]
     x_tile = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + 8 * offs_w[:, None]  # [WORDS, BLOCK_M]
     sz_rows = offs_n.to(tl.int64) * stride_sn
-    first = tl.program_id(1) * groups_per_split
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for g in tl.range(first, tl.minimum(first + groups_per_split, K // GROUP), num_stages=STAGES):
+    for g in tl.range(first, end, num_stages=STAGES):
         c0, c1, c2, c3, c4, c5, c6, c7 = _int4_units(tl.load(w_tile + g * WORDS, mask=n_mask[:, None], other=0),
                                                      FP16, ASM)
         xg = x_tile + g * GROUP
