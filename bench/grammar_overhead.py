@@ -14,7 +14,9 @@ timed on the engine's thread, per constrained step: starting and taking the mask
 (`Grammars.start_masks`; where steps overlap the fill runs on the grammar's worker thread, and
 the engine's part is the wait for it) and enqueuing their application (`Sampler.apply_masks`),
 against the step's wall time: the host work that must hide under the forward on a GPU; and the
-fill's own time per step, on whichever thread ran it. The presets have no tokenizer: a byte-level BPE of Qwen3's size is built
+fill's own time per step, on whichever thread ran it; and in both runs the engine thread's step
+and its parts (reading the previous step back, which waits for the device; delivering its
+tokens; launching the sampler, which waits for the fill). The presets have no tokenizer: a byte-level BPE of Qwen3's size is built
 (`hibana_bench.grammar_libs.build_big_tokenizer`, ~1 min) unless `--tokenizer DIR` names one.
 """
 
@@ -27,6 +29,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -53,13 +56,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "of Qwen3's size)")
 
 
-def _decode(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, float, int]:
-    """All prompts synced, then generated at once (one thread each): the decode time (from the
-    moment every agent has its first token to the last token), the process's CPU time over the
-    same span, and the tokens decoded in it."""
+def _decode(engine, prompts: list[list[int]], params: SamplingParams,
+            synced: Callable[[], None] | None = None) -> tuple[float, float, int]:
+    """All prompts synced (then `synced` is called), then generated at once (one thread each):
+    the decode time (from the moment every agent has its first token to the last token), the
+    process's CPU time over the same span, and the tokens decoded in it."""
     handles = [engine.open_state(f"g{i}-{time.monotonic_ns()}") for i in range(len(prompts))]
     for h, p in zip(handles, prompts):
         h.sync(p)
+    if synced is not None:
+        synced()
     stamps: list[list[float]] = [[] for _ in handles]  # when each token arrived, per agent
     cpu: dict[str, float] = {}
     lock = threading.Lock()
@@ -86,6 +92,9 @@ def _decode(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[f
     return end - start, cpu["end"] - cpu["start"], tokens
 
 
+THREAD_PARTS = ("step", "read_back", "deliver", "sample")  # timed in both runs (HostTimer)
+
+
 class HostTimer:
     """Wall time spent in the engine's grammar calls and in its steps (instance attributes
     wrapped, so nothing else is touched): on the engine's thread starting a step's masks and
@@ -94,12 +103,19 @@ class HostTimer:
     (`Sampler.apply_masks`); and the fill itself, on whichever thread ran it ("fill")."""
 
     def __init__(self, engine) -> None:
-        self.seconds = {"masks": 0.0, "wait": 0.0, "apply": 0.0, "fill": 0.0, "step": 0.0}
+        self.seconds = {"masks": 0.0, "wait": 0.0, "apply": 0.0, "fill": 0.0, "step": 0.0,
+                        "read_back": 0.0, "deliver": 0.0, "sample": 0.0}
         self.steps = 0
         self._wrap(engine.grammars, "start_masks", "masks", returns_call=True)
         self._wrap(engine.grammars, "_fill", "fill")
         self._wrap(engine.runner.sampler, "apply_masks", "apply")
         self._wrap(engine.core, "step", "step")
+        # the rest of a step on the engine's thread, in both runs: reading the previous step's
+        # tokens back (waiting for the device: long where the host is ahead), delivering them,
+        # and launching the sampler (with the wait for the fill where there are masks)
+        self._wrap(engine.core, "_read_back", "read_back")
+        self._wrap(engine.core, "_deliver", "deliver")
+        self._wrap(engine.runner, "sample", "sample")
 
     def _wrap(self, owner, name: str, key: str, returns_call: bool = False) -> None:
         inner = getattr(owner, name)
@@ -110,7 +126,7 @@ class HostTimer:
                 result = inner(*args, **kwargs)
             finally:
                 self.seconds[key] += time.perf_counter() - start
-                self.steps += key == "step"
+            self.steps += key == "step" and bool(result)  # steps that did work
             return self._timed_call(result) if returns_call else result
         setattr(owner, name, timed)
 
@@ -155,9 +171,10 @@ def grammar_workload(model, batches: list[int], generate: int, prompt_len: int, 
                 for name, params in (("plain", SamplingParams(max_tokens=generate, ignore_eos=True)),
                                      ("constrained", SamplingParams(max_tokens=generate, ignore_eos=True,
                                                                     json_schema=SCHEMA))):
-                    timer.reset()
-                    seconds, cpu, tokens = _decode(engine, prompts, params)
-                    pair[name] = {"tok_s": tokens / seconds, "cpu_ms_per_token": 1e3 * cpu / tokens}
+                    seconds, cpu, tokens = _decode(engine, prompts, params, synced=timer.reset)
+                    steps = max(timer.steps, 1)
+                    pair[name] = {"tok_s": tokens / seconds, "cpu_ms_per_token": 1e3 * cpu / tokens,
+                                  **{f"{k}_ms_per_step": 1e3 * timer.seconds[k] / steps for k in THREAD_PARTS}}
                 runs.append(pair)
                 t = timer.seconds  # the constrained run's
                 steps = max(timer.steps, 1)
@@ -177,6 +194,9 @@ def grammar_workload(model, batches: list[int], generate: int, prompt_len: int, 
                    "mask_fill_ms_per_step": statistics.median(h["fill_ms_per_step"] for h in host),
                    "runs": runs}
             row["overhead"] = row["plain_tok_s"] / row["constrained_tok_s"] - 1
+            row["engine_thread_ms_per_step"] = {
+                name: {k: statistics.median(p[name][f"{k}_ms_per_step"] for p in runs) for k in THREAD_PARTS}
+                for name in ("plain", "constrained")}
             rows.append(row)
             print(f"batch {b:>3}: unconstrained {row['plain_tok_s']:9.1f} tok/s   constrained "
                   f"{row['constrained_tok_s']:9.1f} tok/s   overhead {100 * row['overhead']:+.1f}% "
@@ -184,6 +204,10 @@ def grammar_workload(model, batches: list[int], generate: int, prompt_len: int, 
                   f"{row['grammar_host_ms_per_step']:.3f} ms per step, {100 * row['grammar_host_share_of_step']:.1f}% "
                   f"of step time (waiting for the fill {row['mask_wait_ms_per_step']:.3f} ms; the fill "
                   f"{row['mask_fill_ms_per_step']:.3f} ms a step, on the worker where steps overlap)", flush=True)
+            parts = row["engine_thread_ms_per_step"]
+            print("           engine thread, ms a step, unconstrained -> constrained: " + ", ".join(
+                f"{k.replace('_', ' ')} {parts['plain'][k]:.3f} -> {parts['constrained'][k]:.3f}" for k in THREAD_PARTS),
+                flush=True)
     return {"workload": "grammar", "model": model.name, "random_weights": model.random_weights,
             "switch_interval": interval, "schema": SCHEMA, "generate": generate, "prompt": prompt_len, "rows": rows}
 

@@ -643,6 +643,7 @@ def test_the_overhead_benchmark_runs(tiny_checkpoints, capsys):
                  "--generate", "12", "--prompt", "16", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "batch   1:" in out and "batch   3:" in out and "grammar host work" in out
+    assert "engine thread, ms a step, unconstrained -> constrained: step" in out
 
 
 def test_a_strict_tool_whose_schema_the_grammar_cannot_hold_is_refused():
