@@ -3,6 +3,7 @@ for sm_90 (Triton's compiler and ptxas need no device), its cubin disassembled w
 Triton ships, the longest backward branch's body counted by opcode.
 
     python bench/kernel_sass.py                 # the int4 tensor-core kernels at their sweep's tiles
+    python bench/kernel_sass.py --moe           # the MoE experts' gate/up decode kernel at its tiles
 
 An issue-bound kernel reads at most (warp instructions a second) / (instructions a byte) bytes a
 second: the H200's 132 SMs x 4 schedulers x 1.98 GHz issue ~1.05e12 warp instructions a second,
@@ -24,6 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from hibana_kernels import moe_triton as mt
 from hibana_kernels import quant_triton as qt
 
 
@@ -55,10 +57,33 @@ def loop_opcodes(compiled) -> collections.Counter:
     return collections.Counter(re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", x).group(1) for x in body)
 
 
+def moe_rows() -> None:
+    """The experts' gate/up decode kernel at each kind's DECODE_TILES (gpt-oss's SwiGLU with bias
+    for MXFP4, SiLU otherwise): weight bytes a thread streams a step, codes plus their scales."""
+    print("experts gate/up   BLOCK_N BLOCK_K warps  bytes/thread  loop instr  instr/byte  top opcodes")
+    ids = dict(ids_ptr="*i64", alpha="fp32", limit="fp32")
+    for kind, fmt, group, code_bytes, types, activation in [
+            ("dense", 0, 1, 2.0, {}, 0), ("mxfp4", 1, 32, 0.5 + 1 / 32, dict(w_ptr="*i32", s_ptr="*u8", z_ptr="*u8"), 1),
+            ("int4", 3, 128, 0.5 + 4 / 128, dict(w_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16"), 0)]:
+        tiles = mt.DECODE_TILES[kind]
+        compiled = compile_sm90(mt._gate_up_decode_kernel, dict(
+            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=fmt, GROUP=group, ACTIVATION=activation,
+            HAS_BIAS=kind == "mxfp4", X_VECTOR=False, PDL=True), dict(ids, **types), tiles.num_warps)
+        ops = loop_opcodes(compiled)
+        total, per_thread = sum(ops.values()), 2 * tiles.block_n * tiles.block_k * code_bytes / (32 * tiles.num_warps)
+        top = ", ".join(f"{op} {n}" for op, n in ops.most_common(5))
+        print(f"{kind:16s} {tiles.block_n:8d} {tiles.block_k:7d} {tiles.num_warps:5d} {per_thread:13.0f} {total:11d} "
+              f"{total / per_thread:11.1f}  {top}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--group", type=int, default=128)
+    parser.add_argument("--moe", action="store_true", help="the MoE experts' decode kernel instead")
     args = parser.parse_args()
+    if args.moe:
+        moe_rows()
+        return
     types = dict(s_ptr="*fp16", z_ptr="*fp16", part_ptr="*fp32", counter_ptr="*i32")
     print("kernel            BLOCK_N warps  bytes/thread  loop instr  instr/byte  top opcodes")
     for name, kernel, weight, tiles in [
