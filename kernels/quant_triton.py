@@ -1,12 +1,11 @@
 """Weight-only quantized linear layers in Triton, same signatures as `hibana_kernels.quant`.
 
-Three paths, picked by the number of rows:
+Paths, picked by the number of rows and the format:
 
-- int4 with 16-bit inputs, up to GEMV_MAX_ROWS rows (decode): the codes become 16-bit floats on
-  tensor cores' inputs (`_int4_dot_kernel`, below);
-- a GEMV for decode (up to GEMV_MAX_ROWS rows; int8, float32 inputs, int4 groups under 32): as in
-  matmul_triton, the time should be the
-  weight's bytes over memory bandwidth, now a half (int8) or a quarter (int4) of bf16's. At a
+- int4 with 16-bit inputs and groups of 32-256, up to GEMV_MAX_ROWS rows (decode): the codes
+  become 16-bit floats on tensor cores' inputs (`_int4_dot_kernel`, `_int4_words_kernel`, below);
+- a GEMV for decode (up to GEMV_MAX_ROWS rows; int8, float32 inputs, other int4 groups): as in
+  matmul_triton, the time should be the weight's bytes over memory bandwidth, now a half (int8) or a quarter (int4) of bf16's. At a
   quarter, arithmetic bounds it unless each code costs very little: the I2F instruction runs at a
   quarter of the float rate, and a reduction across threads every step costs more than the
   step. So the codes are read as int32 words and each becomes the float 1 + code / 2^bits by a
@@ -36,7 +35,9 @@ columns against x's, and the group's share is scale * (dots - (OFFSET + zero) * 
 x are padded to 16, the dots' smallest tile: at one row the tensor cores idle, the point is that
 a code costs one integer operation, not four. Layers with few output tiles split K over programs
 (`DotTiles.splits`); each writes its float32 partial sum and the last to arrive adds them in
-order (deterministic) and writes the output.
+order (deterministic) and writes the output. `_int4_words_kernel` reads the codes as int32 words
+and takes eight dots a group, one per nibble position: its conversion needs no regrouping of
+registers (bench/kernel_sass.py counts both; it is chosen only by `DotTiles.words` until measured).
 
 fp8 (e4m3) weights take the same three paths with their own kernels (the last section): codes
 become float32 in registers (a hardware conversion from sm_89 on), and a tile is cut into
