@@ -5,10 +5,10 @@ Paths, picked by the number of rows and the format:
 - int4 with 16-bit inputs and groups of 32-256, up to GEMV_MAX_ROWS rows (decode): the codes
   become 16-bit floats on tensor cores' inputs (`_int4_dot_kernel`, `_int4_words_kernel`, below);
 - a GEMV for decode (up to GEMV_MAX_ROWS rows; int8, float32 inputs, other int4 groups): as in
-  matmul_triton, the time should be the weight's bytes over memory bandwidth, now a half (int8) or a quarter (int4) of bf16's. At a
-  quarter, arithmetic bounds it unless each code costs very little: the I2F instruction runs at a
-  quarter of the float rate, and a reduction across threads every step costs more than the
-  step. So the codes are read as int32 words and each becomes the float 1 + code / 2^bits by a
+  matmul_triton, the time should be the weight's bytes over memory bandwidth, now a half (int8)
+  or a quarter (int4) of bf16's. At a quarter, arithmetic bounds it unless each code costs very
+  little: the I2F instruction runs at a quarter of the float rate, and a reduction across threads
+  every step costs more than the step. So the codes are read as int32 words and each becomes the float 1 + code / 2^bits by a
   shift and one logic op (its bits moved into the mantissa of 1.0); the offset leaves the sum
   through sum(x), and int4's scale and zero apply twice a word, not once a code. Products stay
   per column of the tile in float32 until the last step;
