@@ -73,6 +73,8 @@
 # installs kernels/ and bench/ as hibana_kernels and hibana_bench; here a folder of links gives
 # the checkout's folders those names.
 set -uo pipefail
+# pyproject's addopts ask for pytest-xdist's two workers, which the image lacks; a later -m wins
+kernel_pytest() { python3 -m pytest -o addopts= -m "not slow" "$@"; }
 NAMES="$(mktemp -d)"
 trap 'rm -rf "$NAMES"' EXIT
 ln -s "$PWD/kernels" "$NAMES/hibana_kernels"
@@ -92,7 +94,7 @@ case "${1:-check}" in
     LIMIT="timeout ${CHECK_SECONDS:-3600}"
     # KERNEL_TESTS=0: the checks alone; KERNEL_TESTS_K="pdl or sink": those kernel tests of both files
     [ "${KERNEL_TESTS:-1}" = 1 ] &&
-      $LIMIT python3 -m pytest tests/test_kernels.py ${KERNEL_TESTS_K:+tests/test_moe_kernels.py -k "$KERNEL_TESTS_K"} \
+      $LIMIT python3 -m pytest -o addopts= -m "not slow" tests/test_kernels.py ${KERNEL_TESTS_K:+tests/test_moe_kernels.py -k "$KERNEL_TESTS_K"} \
         -q -rs -x -p no:cacheprovider > "$OUT/kernel_tests.txt" 2>&1 &
     for check in ${CHECKS//,/ }; do
       $LIMIT python3 bench/gpu_correctness.py --only "$check" 2>&1 | grep -v "Token indices sequence length" \
@@ -129,13 +131,13 @@ case "${1:-check}" in
     done ;;
   prologue)
     model="${PROLOGUE_MODEL:-phi4-mini}"
-    python3 -m pytest tests/test_kernels.py -q -rs -x -p no:cacheprovider -k "rotary" 2>&1 | tail -5
+    kernel_pytest tests/test_kernels.py -q -rs -x -p no:cacheprovider -k "rotary" 2>&1 | tail -5
     python3 bench/tune_decode.py --model "$model" --skip-sweep 2>&1 | tee "$OUT/tune_decode_$model.txt" ;;
   surgery)
     python3 -m hibana_bench.cli decode --model qwen3-8b --context 512,8192 --generate 128 --systems hibana \
       --surgery w8,w4 --json "$OUT/decode_surgery_qwen3-8b.json" 2>&1 | tee "$OUT/decode_surgery_qwen3-8b.txt" ;;
   kv8_check)
-    python3 -m pytest tests/test_kernels.py -q -rs -x -p no:cacheprovider -k "fp8 or store_kv or attention" 2>&1 | tail -15
+    kernel_pytest tests/test_kernels.py -q -rs -x -p no:cacheprovider -k "fp8 or store_kv or attention" 2>&1 | tail -15
     python3 bench/gpu_correctness.py --kv8-only 2>&1 | tee "$OUT/gpu_correctness_kv8.txt" ;;
   kv8)
     python3 -m hibana_bench.cli agents --model qwen3-8b --agents 32 --turns 6 --system 4096 \
@@ -144,14 +146,14 @@ case "${1:-check}" in
     python3 -m hibana_bench.cli decode --model qwen3-8b --context 512,8192 --generate 128 --systems hibana \
       --surgery kv8 --json "$OUT/decode_kv8_qwen3-8b.json" 2>&1 | tee "$OUT/decode_kv8_qwen3-8b.txt" ;;
   quant)
-    python3 -m pytest tests/test_kernels.py -q -x -k "quant or fp8" -p no:cacheprovider 2>&1 | tail -2
+    kernel_pytest tests/test_kernels.py -q -x -k "quant or fp8" -p no:cacheprovider 2>&1 | tail -2
     python3 bench/tune_quant.py --json "$OUT/tune_quant.json" 2>&1 | tee "$OUT/tune_quant.txt" ;;
   moe)
-    python3 -m pytest tests/test_moe_kernels.py -q -rs -x -m "" -p no:cacheprovider 2>&1 | tail -5  # -m "": the slow tile shapes too
+    kernel_pytest tests/test_moe_kernels.py -q -rs -x -m "" -p no:cacheprovider 2>&1 | tail -5  # -m "": the slow tile shapes too
     python3 bench/tune_moe.py ${MOE_ARGS:-} --json "$OUT/tune_moe.json" 2>&1 | tee "$OUT/tune_moe.txt" ;;
   tiles)
     # the MoE experts' decode tiles at one token (the wide bf16 tiles, the 4-bit x_vector variant)
-    python3 -m pytest tests/test_moe_kernels.py tests/test_kernels.py -q -x -p no:cacheprovider \
+    kernel_pytest tests/test_moe_kernels.py tests/test_kernels.py -q -x -p no:cacheprovider \
       -k "fused_moe_tiles or mxfp4_codes or linear_quant_tiles or pdl or norm_route or sink or silu_and_mul_linear" 2>&1 | tail -3
     python3 bench/tune_moe.py --sweep --tokens 1 --models qwen3-30b-a3b,gpt-oss-20b,qwen3-30b-a3b-w4 \
       --json "$OUT/tune_moe_tiles.json" 2>&1 | tee "$OUT/tune_moe_tiles.txt" ;;
