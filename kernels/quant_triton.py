@@ -37,7 +37,8 @@ a code costs one integer operation, not four. Layers with few output tiles split
 (`DotTiles.splits`); each writes its float32 partial sum and the last to arrive adds them in
 order (deterministic) and writes the output. `_int4_words_kernel` reads the codes as int32 words
 and takes eight dots a group, one per nibble position: its conversion needs no regrouping of
-registers (bench/kernel_sass.py counts both; it is chosen only by `DotTiles.words` until measured).
+registers (bench/kernel_sass.py counts both): 1.13-1.27x the first's speed on the H200, the default
+for groups of 128 and more.
 
 fp8 (e4m3) weights take the same three paths with their own kernels (the last section): codes
 become float32 in registers (a hardware conversion from sm_89 on), and a tile is cut into
@@ -505,6 +506,19 @@ DOT_BLOCK_M = 16  # x's rows padded to the tensor cores' smallest tile
 DOT_PROGRAMS_PER_SM = 2.5  # splits of K until the grid has this many programs an SM
 
 
+WORDS_MIN_GROUP = 128  # `_int4_words_kernel` takes a group's words 16 bytes a row at least
+WORDS_PROGRAMS_PER_SM = 2.9
+
+
+def _splits(tiles: int, groups: int, programs: float, least: int = 1) -> int:
+    """Splits of K (a power of two, none empty) until `tiles` output tiles make `programs`
+    programs, and `least` splits where there are groups enough."""
+    splits = 1
+    while (tiles * splits < programs or splits < least) and splits * 2 <= groups:
+        splits *= 2
+    return splits
+
+
 DOT_MAX_GROUP = 256  # a group is one step's tile: larger ones spill registers (512: 80 B a thread)
 
 
@@ -526,15 +540,18 @@ def choose_tiles(rows: int, n: int, k: int, group_size: int = 1, dtype: torch.dt
         return None
     if (rows <= GEMV_MAX_ROWS and group_size > 1 and dtype in (torch.bfloat16, torch.float16)
             and dot_fits(k, group_size)):
-        # Qwen3-8B's layers at one row on the H200, 1.11-1.36x the GEMV below (a probe of BLOCK_N,
-        # stages and splits: bench/RESULTS.md, fourteenth session); 64 output
+        groups = k // group_size
+        if group_size >= WORDS_MIN_GROUP:
+            # Qwen3-8B's layers at one row on the H200, 1.13-1.27x the bytes kernel's best tiles
+            # (`tune_quant.py --sweep`: bench/RESULTS.md, fifteenth session): 128 output features
+            # a program, 3 stages, K split until ~2.9 programs an SM, in 4 at least (gate_up's
+            # 192 tiles: 8 splits 33.5 us, 4 35.3)
+            return DotTiles(128, _splits(triton.cdiv(n, 128), groups, WORDS_PROGRAMS_PER_SM * sms, 4),
+                            num_warps=4, num_stages=3, words=True)
+        # (groups of 32 and 64) 1.11-1.36x the GEMV below (fourteenth session): 64 output
         # features a program (16, 32 and 128 slower), K split until ~2.5 programs an SM
-        block_n = 64
-        tiles, groups = triton.cdiv(n, block_n), k // group_size
-        splits = 1
-        while tiles * splits < DOT_PROGRAMS_PER_SM * sms and splits * 2 <= groups:
-            splits *= 2
-        return DotTiles(block_n, splits, num_warps=4, num_stages=4)
+        return DotTiles(64, _splits(triton.cdiv(n, 64), groups, DOT_PROGRAMS_PER_SM * sms),
+                        num_warps=4, num_stages=4)
     k_tile = triton.next_power_of_2(k)
     if rows == 1 and group_size == 1:  # int8 from 2 rows: the GEMM (measured at 4)
         return GemvTiles(block_n=8, block_k=min(k_tile, 2048), num_warps=4)
@@ -592,7 +609,7 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"the GEMV cannot take K={k} with group size {group_size}; see gemv_fits")
     if isinstance(tiles, DotTiles) and not (int4 and dot_fits(k, group_size) and x.dtype in (torch.bfloat16,
                                                                                              torch.float16)
-                                            and (group_size >= 128 or not tiles.words)):
+                                            and (group_size >= WORDS_MIN_GROUP or not tiles.words)):
         raise ValueError(f"the int4 tensor-core kernels take 16-bit x and groups of 32 or more (see dot_fits; "
                          f"words: 128), not {x.dtype}, K={k}, group size {group_size}")
     if isinstance(tiles, GemvTiles) and not int4:

@@ -714,15 +714,19 @@ def test_int4_dot_split_falls_back(run_check):
 
 
 def test_int4_dispatch():
-    """Decode rows of 16-bit x with groups of 32-256 take the int4 tensor-core kernel, with K split
-    until the grid fills the device; float32 x, small or per-channel groups and 5+ rows do not."""
+    """Decode rows of 16-bit x with groups of 32-256 take the int4 tensor-core kernels (the
+    words kernel from groups of 128), with K split until the grid fills the device; float32 x,
+    small or per-channel groups and 5+ rows do not."""
     from hibana_kernels import quant_triton
 
-    choose = quant_triton.choose_tiles
-    assert choose(1, 24576, 4096, 128, torch.bfloat16, 132) == quant_triton.DotTiles(64, 1, 4, 4)
-    assert choose(1, 4096, 4096, 128, torch.float16, 132).splits == 8  # 64 output tiles
-    assert choose(4, 6144, 4096, 64, torch.bfloat16, 132).splits == 4
+    choose, Dot = quant_triton.choose_tiles, quant_triton.DotTiles
+    assert choose(1, 24576, 4096, 128, torch.bfloat16, 132) == Dot(128, 4, 4, 3, words=True)  # 4 at least
+    assert choose(1, 4096, 12288, 128, torch.float16, 132) == Dot(128, 16, 4, 3, words=True)  # 32 output tiles
+    assert choose(3, 6144, 4096, 256, torch.bfloat16, 132).splits == 8
     assert choose(1, 4096, 256, 128, torch.bfloat16, 132).splits == 2  # no more than the groups
+    assert choose(1, 24576, 4096, 64, torch.bfloat16, 132) == Dot(64, 1, 4, 4)
+    assert choose(1, 4096, 4096, 32, torch.float16, 132).splits == 8  # 64 output tiles
+    assert choose(4, 6144, 4096, 64, torch.bfloat16, 132).splits == 4
     for rows, group, dtype in ((1, 128, torch.float32), (1, 16, torch.bfloat16), (1, 4096, torch.bfloat16),
                                (1, 512, torch.bfloat16)):
         assert isinstance(choose(rows, 4096, 4096, group, dtype, 132), quant_triton.GemvTiles), (group, dtype)
