@@ -15,8 +15,10 @@ timed on the engine's thread, per constrained step: starting and taking the mask
 the engine's part is the wait for it) and enqueuing their application (`Sampler.apply_masks`),
 against the step's wall time: the host work that must hide under the forward on a GPU; and the
 fill's own time per step, on whichever thread ran it; and in both runs the engine thread's step
-and its parts (reading the previous step back, which waits for the device; delivering its
-tokens; launching the sampler, which waits for the fill). The presets have no tokenizer: a byte-level BPE of Qwen3's size is built
+and its parts (scheduling, launching; reading the previous step back, which waits for the device,
+and within it taking its tokens into the requests, where the matchers accept them; delivering
+them; launching the sampler, without the wait for the fill). The presets have no tokenizer: a
+byte-level BPE of Qwen3's size is built
 (`hibana_bench.grammar_libs.build_big_tokenizer`, ~1 min) unless `--tokenizer DIR` names one.
 """
 
@@ -92,7 +94,7 @@ def _decode(engine, prompts: list[list[int]], params: SamplingParams,
     return end - start, cpu["end"] - cpu["start"], tokens
 
 
-THREAD_PARTS = ("step", "read_back", "deliver", "sample")  # timed in both runs (HostTimer)
+THREAD_PARTS = ("step", "schedule", "launch", "read_back", "update", "deliver", "sample")  # in both runs (HostTimer)
 
 
 class HostTimer:
@@ -103,17 +105,21 @@ class HostTimer:
     (`Sampler.apply_masks`); and the fill itself, on whichever thread ran it ("fill")."""
 
     def __init__(self, engine) -> None:
-        self.seconds = {"masks": 0.0, "wait": 0.0, "apply": 0.0, "fill": 0.0, "step": 0.0,
-                        "read_back": 0.0, "deliver": 0.0, "sample": 0.0}
+        self.seconds = {"masks": 0.0, "wait": 0.0, "apply": 0.0, "fill": 0.0,
+                        **dict.fromkeys(THREAD_PARTS, 0.0)}
         self.steps = 0
         self._wrap(engine.grammars, "start_masks", "masks", returns_call=True)
         self._wrap(engine.grammars, "_fill", "fill")
         self._wrap(engine.runner.sampler, "apply_masks", "apply")
         self._wrap(engine.core, "step", "step")
-        # the rest of a step on the engine's thread, in both runs: reading the previous step's
-        # tokens back (waiting for the device: long where the host is ahead), delivering them,
-        # and launching the sampler (with the wait for the fill where there are masks)
+        # the rest of a step on the engine's thread, in both runs: scheduling and launching it,
+        # reading the previous step's tokens back (waiting for the device: long where the host
+        # is ahead) and taking them into the requests ("update": the matchers accept them),
+        # delivering them, and launching the sampler (without the wait for the fill)
+        self._wrap(engine.core.scheduler, "schedule", "schedule")
+        self._wrap(engine.core, "_launch", "launch")
         self._wrap(engine.core, "_read_back", "read_back")
+        self._wrap(engine.core.scheduler, "update_from_output", "update")
         self._wrap(engine.core, "_deliver", "deliver")
         self._wrap(engine.runner, "sample", "sample")
 
