@@ -1,13 +1,22 @@
 """The step loop: schedule, launch, update; the step in flight; the step counters.
 
     step N:    schedule N -> launch N -> [between steps: prefetch] -> update N-1 (its tokens
-               read back) -> [masks: sample N] -> deliver events
+               read back) -> deliver events
                (without async scheduling, when a request's sampling reads its history on the
                host, or when step N verifies drafts: update N at once)
 
-A step with constrained rows (json_schema, regex, grammar) launches its forward alone; its
-sampling is enqueued after update N-1, when every matcher holds its request's tokens and the
-grammar masks are filled on the host (`hibana_core.grammar`), while the device runs forward N.
+A step with constrained rows (json_schema, regex, grammar) launches its forward alone. Once
+update N-1 has given every matcher its request's tokens, the grammar masks of step N are filled
+on the host (`hibana_core.grammar`, on its worker thread) while the device runs forward N and
+the engine thread delivers N-1's events, schedules N+1 and prepares its inputs; step N's
+sampling is enqueued with the masks just before forward N+1 (`ModelRunner.launch`'s `ready`):
+
+    step N+1:  schedule N+1 -> launch N+1 [host work -> sample N -> forward N+1] -> update N ...
+
+so that the fill hides under the forward where the host is the bound (32 rows of a 151k
+vocabulary take ~2.7 ms on the H200 machine's host). Without a step to launch next, step N is
+sampled where the next step would have been launched; a sampling that fails there fails step N's
+requests, and step N+1, scheduled meanwhile, is reverted and scheduled again.
 
 Speculation needs a sequence's real history to draft from: when the speculation policy says some
 running sequence would draft (`Speculator.wants_history`), the step in flight is updated before
@@ -119,6 +128,8 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         self.counters = StepCounters()
         self.in_flight: StepInFlight | None = None
+        self._masks: "Callable[[], TokenMasks | None] | None" = None
+        """The grammar masks of the step in flight, being filled while it waits to be sampled"""
         self.lock = lock
         self.work = threading.Condition(lock)
         self.idle: Callable[[], float] | None = None
@@ -143,26 +154,30 @@ class EngineCore:
             early = self.in_flight if self.in_flight is not None and self._drafting_next() else None
             if early is not None:  # drafts are made from the tokens it brings back
                 self.in_flight = None
-                self._update(early)
+                if early.pending is None or self._sample(early, self._take_masks()) is not None:
+                    self._update(early)
             host_started = time.perf_counter()
             scheduled = self.scheduler.schedule()
             launched = self._launch(scheduled) if scheduled.chunks else None
+            self._sample_in_flight()  # where nothing was launched, or the launch failed before it
             if launched is not None and self.async_scheduling and self.speculation is not None:
                 self.speculation.observe_host(time.perf_counter() - host_started)
             if launched is not None and self.between_steps is not None:
                 self.between_steps()
             previous, self.in_flight = self.in_flight, launched
-            masks = None
             if previous is not None:
                 updated = self._read_back(previous)
                 if updated is not None:
                     if launched is not None and launched.pending is not None:
-                        # filled while the previous step's outputs are delivered (the matchers
-                        # hold its tokens now)
-                        masks = self._start_masks(launched)
-                    self._deliver(previous, updated, masks is not None)
+                        # the matchers hold the previous step's tokens now
+                        self._masks = self._start_masks(launched)
+                    self._deliver(previous, updated, self._masks is not None)
             if launched is not None and launched.pending is not None:
-                launched = self._sample(launched, masks)
+                if self._overlaps(scheduled):  # sampled before the next step's forward
+                    if self._masks is None:
+                        self._masks = self._start_masks(launched)
+                else:
+                    launched = self._sample(launched, self._take_masks())
             if launched is not None and not self._overlaps(scheduled):
                 self.in_flight = None
                 self._update(launched)
@@ -184,14 +199,36 @@ class EngineCore:
         return any(c.draft_token_ids for c in scheduled.chunks)
 
     def _launch(self, scheduled: SchedulerOutput) -> StepInFlight | None:
+        unsampled = self.in_flight is not None and self.in_flight.pending is not None
         try:
-            launched = self.runner.launch(scheduled, self.in_flight)
+            launched = self.runner.launch(scheduled, self.in_flight,
+                                          ready=self._ready_to_launch if unsampled else None)
+        except _PreviousFailed:  # the step before it could not be sampled: this one runs later
+            self.scheduler.revert(scheduled)
+            return None
         except Exception as exc:  # fails this step's requests; their states keep their KV
             self.scheduler.fail(scheduled, exc if isinstance(exc, HibanaError)
                                 else HibanaError(f"model step failed: {exc!r}"))
             return None
         self.counters.count(scheduled)
         return launched
+
+    def _sample_in_flight(self) -> bool:
+        """Enqueue the sampling of the step in flight if it waits for its masks (their fill
+        began when the step before it was read back); False where that failed (the step's
+        requests failed with it, and nothing is in flight)."""
+        step = self.in_flight
+        return step is None or step.pending is None or self._sample(step, self._take_masks()) is not None
+
+    def _ready_to_launch(self) -> None:
+        """`ModelRunner.launch`'s `ready`: a step scheduled after a step that could not be
+        sampled must not run (it took that step's tokens as its inputs)."""
+        if not self._sample_in_flight():
+            raise _PreviousFailed
+
+    def _take_masks(self) -> "Callable[[], TokenMasks | None] | None":
+        masks, self._masks = self._masks, None
+        return masks
 
     def _sample(self, step: StepInFlight,
                 started: "Callable[[], TokenMasks | None] | None" = None) -> StepInFlight | None:
@@ -279,6 +316,9 @@ class EngineCore:
     def abort_all(self, error: BaseException) -> None:
         with self.lock:
             self.in_flight = None
+            if self._masks is not None:  # a fill under way owns the matchers until it ends
+                self._masks = None
+                self.grammars.wait_fill()
             self.scheduler.abort_all(error)
             self.deliver_finished()
 
@@ -293,6 +333,10 @@ class EngineCore:
         self._handoff()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
+
+
+class _PreviousFailed(Exception):
+    """The step in flight could not be sampled (`EngineCore._ready_to_launch`)."""
 
 
 def _run_loop(ref: "weakref.ReferenceType[EngineCore]") -> None:

@@ -14,6 +14,7 @@ import bisect
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -269,10 +270,14 @@ class ModelRunner:
         input_ids.index_copy_(0, index, previous.sampled.index_select(0, rows))
 
     @torch.inference_mode()
-    def launch(self, scheduled: SchedulerOutput, previous: StepInFlight | None = None) -> StepInFlight:
+    def launch(self, scheduled: SchedulerOutput, previous: StepInFlight | None = None,
+               ready: Callable[[], None] | None = None) -> StepInFlight:
         """Enqueue one scheduled step. `previous`: the step before, which may still be in flight.
         A step with constrained rows comes back `pending`: its forward is enqueued and its
-        sampling waits for `sample` with the grammar masks (filled while the device computes)."""
+        sampling waits for `sample` with the grammar masks (filled while the device computes).
+        `ready`: called once the step's host work is done, before its first device work that
+        must follow the previous step's (which may still be `pending`: its sampling is enqueued
+        there, so the host work overlaps the fill of its masks)."""
         data = gather_step(scheduled, previous)
         rows = sampling_rows(scheduled)
         timer = StepTimer(self.device)
@@ -281,9 +286,11 @@ class ModelRunner:
         representative = self.graphs is None and all(
             c.sample and c.num_tokens == 1 + len(c.draft_token_ids) for c in scheduled.chunks)
         if self.graphs is not None and self.graphs.fits(data, len(rows)):
-            logits, captured = self.graphs.run(data, previous)
+            logits, captured = self.graphs.run(data, previous, ready)
             representative = not captured
         else:
+            if ready is not None:
+                ready()
             inputs = self.prepare(data)
             self.take_from_device(inputs.input_ids, data, previous)
             with self.ctx.forward_batch(inputs.batch):
@@ -441,8 +448,10 @@ class DecodeGraphs:
                     group += [-1] * q
         return ids, positions, slots, rows
 
-    def run(self, data: StepData, previous: StepInFlight | None) -> tuple[torch.Tensor, bool]:
-        """The step's logits, and whether its graph was captured now."""
+    def run(self, data: StepData, previous: StepInFlight | None,
+            ready: Callable[[], None] | None = None) -> tuple[torch.Tensor, bool]:
+        """The step's logits, and whether its graph was captured now (`ready`: as for
+        `ModelRunner.launch`, called between the host work and the copies)."""
         n = len(data.seq_lens)
         bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
         q = self._query_len(data.max_query_len)
@@ -458,12 +467,15 @@ class DecodeGraphs:
         for g, group in enumerate(data.tables):
             for i, table in enumerate(group):
                 tables[g, i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        ids, positions, slots = torch.tensor(ids), torch.tensor(positions), torch.tensor(slots)
+        seq_lens = torch.tensor(data.seq_lens + [q] * (bucket - n), dtype=torch.int32)
+        if ready is not None:
+            ready()
         size = bucket * q
-        self.input_ids[:size].copy_(torch.tensor(ids), non_blocking=True)
-        self.positions[:size].copy_(torch.tensor(positions), non_blocking=True)
-        self.slot_mapping[:, :size].copy_(torch.tensor(slots), non_blocking=True)
-        self.seq_lens[:bucket].copy_(torch.tensor(data.seq_lens + [q] * (bucket - n), dtype=torch.int32),
-                                     non_blocking=True)
+        self.input_ids[:size].copy_(ids, non_blocking=True)
+        self.positions[:size].copy_(positions, non_blocking=True)
+        self.slot_mapping[:, :size].copy_(slots, non_blocking=True)
+        self.seq_lens[:bucket].copy_(seq_lens, non_blocking=True)
         self.block_tables[:, :bucket].copy_(tables, non_blocking=True)
         if data.from_device:
             moved = [DeviceInput(rows[d.index], d.row) for d in data.from_device]

@@ -536,15 +536,24 @@ class Scheduler:
         valid). A request alone in its step fails; several run again one at a time (`suspect`)
         until the one that makes the step fail is found, and the others go on."""
         live = [c for c in scheduled.chunks if not c.request.finished]
+        self.revert(scheduled)
         for chunk in live:
-            request = chunk.request
-            request.num_output_placeholders -= chunk.sample
-            request.seq.trim_kv(chunk.start)
-            request.computed -= max(0, min(chunk.end, request.num_prompt) - chunk.start)
-            request.suspect = len(live) > 1
+            chunk.request.suspect = len(live) > 1
         if len(live) == 1:
             live[0].request.error = error
             self.finish(live[0].request, "error")
+
+    def revert(self, scheduled: SchedulerOutput) -> None:
+        """A step that will not run (or failed): its requests give back the KV it was to write
+        and its placeholders, and are scheduled again. Any order of reverting overlapping steps
+        gives the same state (KV is kept up to the earliest start)."""
+        for chunk in scheduled.chunks:
+            request = chunk.request
+            if request.finished:
+                continue
+            request.num_output_placeholders -= chunk.sample
+            request.seq.trim_kv(chunk.start)
+            request.computed -= max(0, min(chunk.end, request.num_prompt) - chunk.start)
 
     def _drop_cancelled(self) -> None:
         for request in [r for r in self.requests() if r.cancelled]:

@@ -216,6 +216,54 @@ def test_async_scheduling_samples_constrained_rows_as_one_step_scheduling_does(t
     assert outputs[0] == outputs[1]
 
 
+@pytest.mark.parametrize("fail_at", [3, 6])
+def test_a_constrained_sampling_that_fails_after_the_next_step_was_scheduled_loses_nothing(
+        tiny_checkpoints, make_engine, monkeypatch, fail_at):
+    """With async scheduling a constrained step is sampled just before the next step's forward,
+    after that step was scheduled. A fill that fails there (once) fails its step: the step
+    scheduled after it is reverted (nothing of it ran), the agents run again one at a time, and
+    every agent ends with the tokens and KV it has without the failure."""
+    path = tiny_checkpoints[ARCH]
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                                 "maximum": 9}, "maxItems": 6}}}
+    rng = random.Random(5)
+    prompts = [random_tokens(rng, 12), random_tokens(rng, 17), random_tokens(rng, 9)]
+
+    def run(fail: bool):
+        engine = make_engine(path, async_scheduling=True, speculation="off")
+        fills, reverts = [], []
+        fill, revert = engine.grammars._fill, engine.core.scheduler.revert
+
+        def flaky(*args):
+            fills.append(threading.current_thread().name)
+            if fail and len(fills) == fail_at:
+                raise RuntimeError("a fill that fails")
+            return fill(*args)
+        monkeypatch.setattr(engine.grammars, "_fill", flaky)
+        monkeypatch.setattr(engine.core.scheduler, "revert", lambda s: (reverts.append(s), revert(s))[1])
+        handles = [engine.open_state(f"f{i}") for i in range(3)]
+        with engine.core.lock:  # one batch: two constrained agents and one free
+            streams = [h.stream(SamplingParams(max_tokens=60, json_schema=schema) if i < 2
+                                else SamplingParams(max_tokens=20, ignore_eos=True), prompt=p)
+                       for i, (h, p) in enumerate(zip(handles, prompts))]
+        outputs = [[ev.token_id for ev in st if ev.token_id is not None] for st in streams]
+        assert fills[fail_at - 1].startswith("hibana-grammar")  # filled while the next step was scheduled
+        reverted = [r for r in reverts if r.chunks]
+        seqs = [engine.registry._entry(h).seq for h in handles]  # white box: the KV behind each state
+        data, bs = engine.kv_cache.data, engine.kv_cache.block_size
+        kv = [torch.stack([data[:, :, q.block_ids[p // bs], p % bs] for p in range(q.num_computed)]) for q in seqs]
+        for out in outputs[:2]:  # the end token last
+            jsonschema.validate(json.loads(engine.tokenizer.decode(out[:-1])), schema)
+        return outputs, [(list(q.tokens), q.num_computed) for q in seqs], kv, reverted
+
+    clean, clean_states, clean_kv, clean_reverts = run(fail=False)
+    failed, failed_states, failed_kv, failed_reverts = run(fail=True)
+    assert not clean_reverts and failed_reverts  # the failure met a step scheduled after it
+    assert failed == clean and failed_states == clean_states
+    for a, b in zip(failed_kv, clean_kv):  # run again alone, a row's sums may round otherwise (~1e-6)
+        assert (a - b).abs().max() <= 1e-5
+
+
 def test_constrained_speculation_equals_constrained_without(tiny_checkpoints, make_engine):
     """Greedy under a grammar: drafts (from an oracle, some deliberately wrong: the grammar cuts
     some, verification rejects others) change nothing but speed."""

@@ -198,9 +198,9 @@ def test_drafts_share_a_small_token_budget(tiny_checkpoints, make_engine):
     sizes = []
     launch = engine.runner.launch
 
-    def counting_launch(scheduled, previous=None):
+    def counting_launch(scheduled, previous=None, **kwargs):
         sizes.append(scheduled.num_tokens)
-        return launch(scheduled, previous)
+        return launch(scheduled, previous, **kwargs)
 
     engine.runner.launch = counting_launch
     outs = concurrently(lambda i: list(engine.open_state(f"b{i}").generate(greedy(12), prompt=histories[i]).token_ids),
