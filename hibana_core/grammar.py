@@ -62,6 +62,7 @@ import re
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 
 from hibana_core.config import SamplingParams, is_kind
@@ -437,6 +438,10 @@ def compact_json_tag(tag: dict) -> dict:
     return walk(tag)
 
 
+_POPCOUNT16 = np.array([bin(i).count("1") for i in range(1 << 16)], dtype=np.int32)
+"""Bits set in each 16-bit value."""
+
+
 def _bit(bit: int) -> int:
     """1 << bit as the value of a signed 32-bit word (a bitmask's int32 elements)."""
     return (1 << bit) - (1 << 32 if bit == 31 else 0)
@@ -596,6 +601,7 @@ class Grammars:
         self._cache: collections.OrderedDict[tuple, _Compiled] = collections.OrderedDict()
         self._spellings: dict[str, tuple[int, ...]] = {}
         self._suspects: torch.Tensor | None = None  # see `suspects`
+        self._suspect_words: tuple[np.ndarray, np.ndarray] | None = None  # see `_suspects_allowed`
         self._staging: list[tuple[torch.Tensor, Any]] = []  # pinned host bitmasks and their copies' events
         self._next_staging = 0
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None  # fills masks beside the step loop
@@ -823,10 +829,10 @@ class Grammars:
             self._batch.batch_fill_next_token_bitmask([m._matcher for m, _ in batch], bitmask, rows)
             for matcher, i in batch:
                 matcher.spell_forced(bitmask, i)
-            # the rows that allow suspects, found for all at once (few have any)
-            hits = (bitmask[rows] & suspects).any(dim=1).tolist()
-            for (matcher, i), hit in zip(batch, hits):
-                if hit:
+            # the rows that allow a few suspects, found for all at once (most allow none, or
+            # hundreds: a string's content)
+            for (matcher, i), count in zip(batch, self._suspects_allowed(bitmask, rows)):
+                if 0 < count <= VERIFY_MAX:
                     matcher.drop_refused(bitmask, i, suspects)
         else:
             for matcher, i in batch:
@@ -844,6 +850,18 @@ class Grammars:
                     words[token // 32] |= _bit(token % 32)
             self._suspects = torch.tensor(words, dtype=torch.int32)
         return self._suspects
+
+    def _suspects_allowed(self, bitmask: torch.Tensor, rows: list[int]) -> list[int]:
+        """How many suspect tokens each of `rows` allows: the bits set in the row and in
+        `suspects`, counted over the few words that hold any (389 of 4,740 for a 151k byte-level
+        BPE), 16 bits a lookup (0.7 ms less a batch-32 fill than a test per row)."""
+        if self._suspect_words is None:
+            words = self.suspects().numpy().view(np.uint32)
+            held = np.flatnonzero(words)
+            self._suspect_words = held, words[held]
+        held, bits = self._suspect_words
+        found = np.ascontiguousarray(bitmask.numpy().view(np.uint32)[np.ix_(rows, held)] & bits)
+        return _POPCOUNT16[found.view(np.uint16)].sum(axis=1).tolist()
 
     def wait_fill(self) -> None:
         """Wait for a fill started by `start_masks` whose result nobody will take (its step
