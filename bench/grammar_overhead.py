@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "own, hibana_core.engine_core.SWITCH_INTERVAL; 0.005 is Python's default)")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer directory for a preset (default: build one "
                         "of Qwen3's size)")
+    parser.add_argument("--profile", action="store_true",
+                        help="then profile 32 decode steps of each run at the largest batch (torch.profiler): "
+                        "the device's kernels per step, to tell the device's part of the overhead from the host's")
 
 
 def _decode(engine, prompts: list[list[int]], params: SamplingParams,
@@ -153,7 +156,7 @@ class HostTimer:
 
 
 def grammar_workload(model, batches: list[int], generate: int, prompt_len: int, repeats: int,
-                     switch_interval: float | None = None) -> dict:
+                     switch_interval: float | None = None, profile: bool = False) -> dict:
     rng = random.Random(0)
     vocab = len(model.tokenizer)
     rows = []
@@ -214,8 +217,34 @@ def grammar_workload(model, batches: list[int], generate: int, prompt_len: int, 
             print("           engine thread, ms a step, unconstrained -> constrained: " + ", ".join(
                 f"{k.replace('_', ' ')} {parts['plain'][k]:.3f} -> {parts['constrained'][k]:.3f}" for k in THREAD_PARTS),
                 flush=True)
+        if profile:
+            _profile(engine, [[rng.randrange(16, vocab) for _ in range(prompt_len)] for _ in range(max(batches))])
     return {"workload": "grammar", "model": model.name, "random_weights": model.random_weights,
             "switch_interval": interval, "schema": SCHEMA, "generate": generate, "prompt": prompt_len, "rows": rows}
+
+
+def _profile(engine, prompts: list[list[int]], steps: int = 32) -> None:
+    """Each run's device kernels over `steps` decode steps (torch.profiler, from the prompts'
+    prefill on), per step: busy time against the span from the first kernel to the last, and the
+    kernels that take most of it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, params in (("unconstrained", SamplingParams(max_tokens=steps, ignore_eos=True)),
+                         ("constrained", SamplingParams(max_tokens=steps, ignore_eos=True, json_schema=SCHEMA))):
+        prof = profile(activities=[ProfilerActivity.CUDA])
+        _decode(engine, prompts, params, synced=prof.start)
+        prof.stop()
+        events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        if not events:
+            print(f"profile, {name}: no device kernels recorded", flush=True)
+            continue
+        busy = sum(e.time_range.elapsed_us() for e in events)
+        span = max(e.time_range.end for e in events) - min(e.time_range.start for e in events)
+        print(f"profile, {name}, batch {len(prompts)}, {steps} steps: device busy {busy / 1e3 / steps:.3f} ms a step "
+              f"of {span / 1e3 / steps:.3f}; most of it, us a step (launches a step):", flush=True)
+        kernels = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+        for e in kernels[:12]:
+            print(f"    {e.device_time_total / steps:9.1f}  x{e.count / steps:5.1f}  {e.key[:90]}", flush=True)
 
 
 def run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
@@ -228,7 +257,7 @@ def run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> d
         path = args.tokenizer or build_big_tokenizer(Path("/tmp/hibana-qwen3-size-tokenizer"))
         model.tokenizer = load_tokenizer(Path(path))
     return grammar_workload(model, [int(b) for b in args.batch.split(",")], args.generate, args.prompt,
-                            args.repeats, args.switch_interval)
+                            args.repeats, args.switch_interval, args.profile)
 
 
 if __name__ == "__main__":
