@@ -229,12 +229,13 @@ def _profile(engine, prompts: list[list[int]], steps: int = 32) -> None:
     kernels that take most of it."""
     from torch.profiler import ProfilerActivity, profile
 
+    kind = "CUDA" if engine.device.type == "cuda" else "CPU"  # on the CPU: the ops, nested (a test of the code)
     for name, params in (("unconstrained", SamplingParams(max_tokens=steps, ignore_eos=True)),
                          ("constrained", SamplingParams(max_tokens=steps, ignore_eos=True, json_schema=SCHEMA))):
-        prof = profile(activities=[ProfilerActivity.CUDA])
+        prof = profile(activities=[getattr(ProfilerActivity, kind)])
         _decode(engine, prompts, params, synced=prof.start)
         prof.stop()
-        events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        events = [e for e in prof.events() if e.device_type.name == kind]
         if not events:
             print(f"profile, {name}: no device kernels recorded", flush=True)
             continue
@@ -242,9 +243,9 @@ def _profile(engine, prompts: list[list[int]], steps: int = 32) -> None:
         span = max(e.time_range.end for e in events) - min(e.time_range.start for e in events)
         print(f"profile, {name}, batch {len(prompts)}, {steps} steps: device busy {busy / 1e3 / steps:.3f} ms a step "
               f"of {span / 1e3 / steps:.3f}; most of it, us a step (launches a step):", flush=True)
-        kernels = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
-        for e in kernels[:12]:
-            print(f"    {e.device_time_total / steps:9.1f}  x{e.count / steps:5.1f}  {e.key[:90]}", flush=True)
+        total = (lambda e: e.device_time_total) if kind == "CUDA" else (lambda e: e.self_cpu_time_total)
+        for e in sorted(prof.key_averages(), key=lambda e: -total(e))[:12]:
+            print(f"    {total(e) / steps:9.1f}  x{e.count / steps:5.1f}  {e.key[:90]}", flush=True)
 
 
 def run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
