@@ -134,20 +134,29 @@ class Sampler:
         top_values, top_ids = logprobs.topk(k, dim=-1)  # [W, K], most likely first
         return StepLogprobs(wanted, chosen, top_values, top_ids)
 
-    def apply_masks(self, logits: torch.Tensor, masks: TokenMasks) -> torch.Tensor:
+    def apply_masks(self, logits: torch.Tensor, masks: TokenMasks, shift: bool | None = None) -> torch.Tensor:
         """logits with -inf where a constrained row's grammar forbids the token (a new tensor).
 
-        Each byte of the bitmask indexes a table of 8 additive biases (0 or -inf): one gather
-        unpacks the whole mask, several times faster than shifting bits out, on CPU and GPU."""
-        table = self._bias_tables.get(logits.dtype)
-        if table is None:
-            bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1  # [256, 8]: bit j of byte b
-            table = torch.where(bits.bool(), 0.0, _NEG_INF).to(device=logits.device, dtype=logits.dtype)
-            self._bias_tables[logits.dtype] = table
+        On a GPU (`shift`, by default where the logits are on CUDA) each bit is shifted out of its
+        word in one elementwise pass; on the CPU each byte of the bitmask indexes a table of 8
+        additive biases (0 or -inf): one gather unpacks the whole mask, several times faster
+        there than shifting, and on the H200 over ten times slower (367 us a step for 32 rows
+        of a 151k vocabulary: `hibana bench grammar --profile`)."""
         rows, width = masks.bitmask.shape
         vocab = logits.shape[1]
-        bytes_ = masks.bitmask.view(torch.uint8).view(rows, 4 * width).int()  # [R, 4 W]
-        bias = torch.nn.functional.embedding(bytes_, table).view(rows, 32 * width)[:, :vocab]  # [R, V]
+        if logits.is_cuda if shift is None else shift:
+            shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+            allowed = ((masks.bitmask.unsqueeze(-1) >> shifts) & 1).view(rows, 32 * width)[:, :vocab]
+            bias = torch.zeros((rows, vocab), dtype=logits.dtype, device=logits.device).masked_fill_(
+                allowed == 0, _NEG_INF)
+        else:
+            table = self._bias_tables.get(logits.dtype)
+            if table is None:
+                bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1  # [256, 8]: bit j of byte b
+                table = torch.where(bits.bool(), 0.0, _NEG_INF).to(device=logits.device, dtype=logits.dtype)
+                self._bias_tables[logits.dtype] = table
+            bytes_ = masks.bitmask.view(torch.uint8).view(rows, 4 * width).int()  # [R, 4 W]
+            bias = torch.nn.functional.embedding(bytes_, table).view(rows, 32 * width)[:, :vocab]  # [R, V]
         if masks.every_row:
             return logits + bias
         return logits.index_add(0, masks.rows, bias)

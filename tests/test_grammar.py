@@ -670,6 +670,7 @@ def test_masks_set_forbidden_logits_to_minus_infinity_on_their_rows_only(every):
     bitmask = torch.randint(-2**31, 2**31 - 1, (len(constrained), 3), dtype=torch.int32, generator=gen)
     masks = TokenMasks(bitmask, torch.tensor(constrained), every)
     out = Sampler(torch.device("cpu")).apply_masks(logits, masks)
+    assert torch.equal(Sampler(torch.device("cpu")).apply_masks(logits, masks, shift=True), out)  # the GPU's way
     for r in range(rows):
         for t in range(vocab):
             if r in constrained:
