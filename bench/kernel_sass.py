@@ -86,12 +86,13 @@ def main() -> None:
         return
     types = dict(s_ptr="*fp16", z_ptr="*fp16", part_ptr="*fp32", counter_ptr="*i32")
     print("kernel            BLOCK_N warps  bytes/thread  loop instr  instr/byte  top opcodes")
-    for name, kernel, weight, tiles in [
-            ("int4 bytes", qt._int4_dot_kernel, "*u8", [(32, 4), (64, 4), (128, 4), (128, 8), (256, 8)]),
-            ("int4 words", qt._int4_words_kernel, "*i32", [(64, 4), (128, 4), (128, 8), (256, 8)])]:
+    for name, kernel, weight, tiles, variant in [
+            ("int4 bytes", qt._int4_dot_kernel, "*u8", [(32, 4), (64, 4), (128, 4), (128, 8), (256, 8)], {}),
+            ("int4 words", qt._int4_words_kernel, "*i32", [(64, 4), (128, 4), (128, 8), (256, 8)], {}),
+            ("words prefetch", qt._int4_words_kernel, "*i32", [(128, 4), (256, 8)], dict(PREFETCH=True))]:
         for block_n, warps in tiles:
             compiled = compile_sm90(kernel, dict(BLOCK_M=16, BLOCK_N=block_n, GROUP=args.group, STAGES=4, FP16=False,
-                                                 ASM=True, SPLIT=True, HAS_BIAS=False, PDL=True),
+                                                 ASM=True, SPLIT=True, HAS_BIAS=False, PDL=True, **variant),
                                     dict(types, w_ptr=weight), warps)
             ops = loop_opcodes(compiled)
             total, per_thread = sum(ops.values()), block_n * args.group // 2 / (32 * warps)

@@ -184,9 +184,10 @@ def sweep(fmt: str, group_size: int, rows: int, n: int, k: int, bandwidth: float
             (8, 16, 32, 64), (128, 256, 512, 1024), (2, 4, 8), (False, True) if fmt == "int4" else (False,))
             if bk >= group and bn * bk <= 32768 and bk <= triton.next_power_of_2(k)]
         if fmt == "int4" and quant_triton.dot_fits(k, group_size):  # on tensor cores, K split or whole
-            grid += [DotTiles(bn, sp, 8 if bn == 256 else 4, st, words) for bn, sp, st, words in itertools.product(
-                (16, 32, 64, 128, 256), (1, 2, 4, 8, 16), (3, 4), (False, True))
-                if sp <= k // group_size and (group_size >= 128 or not words) and (bn < 256 or words)]
+            grid += [DotTiles(bn, sp, 8 if bn == 256 else 4, st, words, pre) for bn, sp, st, words, pre in
+                     itertools.product((16, 32, 64, 128, 256), (1, 2, 4, 8, 16), (3, 4), (False, True), (False, True))
+                     if sp <= k // group_size and (group_size >= 128 or not words) and (bn < 256 or words)
+                     and (words or not pre) and (bn >= 64 or not pre)]
     else:
         grid = [GemmTiles(bm, bn, bk, w, s) for bm, bn, bk, w, s in itertools.product(
             (16, 32, 64, 128), (64, 128, 256), (64, 128), (4, 8), (3,))

@@ -77,12 +77,13 @@ class GemvTiles(NamedTuple):
 class DotTiles(NamedTuple):
     """int4 on tensor cores (16-bit inputs): BLOCK_N output features a program, a group a step,
     K split over `splits` programs (whole groups each); `words`: `_int4_words_kernel` (groups of
-    128 or more), else `_int4_dot_kernel`."""
+    128 or more), else `_int4_dot_kernel`; `prefetch`: the words kernel's PREFETCH."""
     block_n: int
     splits: int
     num_warps: int
     num_stages: int
     words: bool = False
+    prefetch: bool = False
 
 
 class GemmTiles(NamedTuple):
@@ -365,16 +366,52 @@ def _int4_units(words, FP16: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _x_nibbles(xg, m_mask):
+    """x's columns 8i + p of a group for p = 0 .. 7 ([WORDS, BLOCK_M] each, from `xg`: the group's
+    pointers of p = 0)."""
+    return (tl.load(xg + 0, mask=m_mask[None, :], other=0.0), tl.load(xg + 1, mask=m_mask[None, :], other=0.0),
+            tl.load(xg + 2, mask=m_mask[None, :], other=0.0), tl.load(xg + 3, mask=m_mask[None, :], other=0.0),
+            tl.load(xg + 4, mask=m_mask[None, :], other=0.0), tl.load(xg + 5, mask=m_mask[None, :], other=0.0),
+            tl.load(xg + 6, mask=m_mask[None, :], other=0.0), tl.load(xg + 7, mask=m_mask[None, :], other=0.0))
+
+
+@triton.jit
+def _words_dots(words, xs, FP16: tl.constexpr, ASM: tl.constexpr):
+    """A group's eight dots of its words against x's columns (`xs`, `_x_nibbles`), and sum x."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = xs
+    c0, c1, c2, c3, c4, c5, c6, c7 = _int4_units(words, FP16, ASM)
+    x_sum = tl.sum(x0.to(tl.float32) + x1.to(tl.float32) + x2.to(tl.float32) + x3.to(tl.float32)
+                   + x4.to(tl.float32) + x5.to(tl.float32) + x6.to(tl.float32) + x7.to(tl.float32), axis=0)
+    if not ASM:
+        x0, x1, x2, x3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
+        x4, x5, x6, x7 = x4.to(tl.float32), x5.to(tl.float32), x6.to(tl.float32), x7.to(tl.float32)
+    dots = tl.dot(c0, x0)
+    dots = tl.dot(c1, x1, dots)
+    dots = tl.dot(c2, x2, dots)
+    dots = tl.dot(c3, x3, dots)
+    dots = tl.dot(c4, x4, dots)
+    dots = tl.dot(c5, x5, dots)
+    dots = tl.dot(c6, x6, dots)
+    dots = tl.dot(c7, x7, dots)
+    return dots, x_sum
+
+
+@triton.jit
 def _int4_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, counter_ptr, M, N, K,
                        stride_xm, stride_wn, stride_sn, stride_ym, groups_per_split,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
                        STAGES: tl.constexpr, FP16: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False):
     """`_int4_dot_kernel` with the codes read as int32 words (stride_wn in words): eight dots a
     group, dot p over the codes of nibble p ([BLOCK_N, GROUP / 8], column 8i + p) against x's
     columns 8i + p. Its conversion is four byte permutes, four shifts and eight logic ops for two
     words, and no repacking into the dots' registers (sm_90 SASS: ~6 instructions a weight byte
-    against ~8-12 for the byte kernel's tiles); GROUP of 128 or more (a dot's 16 words)."""
+    against ~8-12 for the byte kernel's tiles); GROUP of 128 or more (a dot's 16 words).
+
+    The weights' words are pipelined by Triton (asynchronous copies, STAGES deep), but not x's
+    columns (two-byte loads, too small for them) nor a group's scales and zeros (two bytes a row):
+    their loads are issued in the step that uses them, whose time then holds their latency (sm_90
+    SASS at 128 x 4 warps). PREFETCH loads them one group ahead, in registers."""
     wait_for_previous(PDL)
     WORDS: tl.constexpr = GROUP // 8
     OFFSET: tl.constexpr = 1024.0 if FP16 else 128.0
@@ -384,32 +421,24 @@ def _int4_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count
     x_tile = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + 8 * offs_w[:, None]  # [WORDS, BLOCK_M]
     sz_rows = offs_n.to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for g in tl.range(first, end, num_stages=STAGES):
-        c0, c1, c2, c3, c4, c5, c6, c7 = _int4_units(tl.load(w_tile + g * WORDS, mask=n_mask[:, None], other=0),
-                                                     FP16, ASM)
-        xg = x_tile + g * GROUP
-        x0 = tl.load(xg + 0, mask=m_mask[None, :], other=0.0)
-        x1 = tl.load(xg + 1, mask=m_mask[None, :], other=0.0)
-        x2 = tl.load(xg + 2, mask=m_mask[None, :], other=0.0)
-        x3 = tl.load(xg + 3, mask=m_mask[None, :], other=0.0)
-        x4 = tl.load(xg + 4, mask=m_mask[None, :], other=0.0)
-        x5 = tl.load(xg + 5, mask=m_mask[None, :], other=0.0)
-        x6 = tl.load(xg + 6, mask=m_mask[None, :], other=0.0)
-        x7 = tl.load(xg + 7, mask=m_mask[None, :], other=0.0)
-        x_sum = tl.sum(x0.to(tl.float32) + x1.to(tl.float32) + x2.to(tl.float32) + x3.to(tl.float32)
-                       + x4.to(tl.float32) + x5.to(tl.float32) + x6.to(tl.float32) + x7.to(tl.float32), axis=0)
-        if not ASM:
-            x0, x1, x2, x3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
-            x4, x5, x6, x7 = x4.to(tl.float32), x5.to(tl.float32), x6.to(tl.float32), x7.to(tl.float32)
-        dots = tl.dot(c0, x0)
-        dots = tl.dot(c1, x1, dots)
-        dots = tl.dot(c2, x2, dots)
-        dots = tl.dot(c3, x3, dots)
-        dots = tl.dot(c4, x4, dots)
-        dots = tl.dot(c5, x5, dots)
-        dots = tl.dot(c6, x6, dots)
-        dots = tl.dot(c7, x7, dots)
-        acc = _group_share(acc, dots, x_sum, s_ptr, z_ptr, sz_rows + g, n_mask, OFFSET)
+    if PREFETCH:
+        xs = _x_nibbles(x_tile + first * GROUP, m_mask)
+        scale = tl.load(s_ptr + sz_rows + first, mask=n_mask, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + sz_rows + first, mask=n_mask, other=0.0).to(tl.float32)
+        for g in tl.range(first, end, num_stages=STAGES):
+            words = tl.load(w_tile + g * WORDS, mask=n_mask[:, None], other=0)
+            ahead = tl.minimum(g + 1, end - 1)  # the next group's x, scales and zeros (the last: again)
+            xs_next = _x_nibbles(x_tile + ahead * GROUP, m_mask)
+            scale_next = tl.load(s_ptr + sz_rows + ahead, mask=n_mask, other=0.0).to(tl.float32)
+            zero_next = tl.load(z_ptr + sz_rows + ahead, mask=n_mask, other=0.0).to(tl.float32)
+            dots, x_sum = _words_dots(words, xs, FP16, ASM)
+            acc += scale[:, None] * (dots - (OFFSET + zero)[:, None] * x_sum[None, :])
+            xs, scale, zero = xs_next, scale_next, zero_next
+    else:
+        for g in tl.range(first, end, num_stages=STAGES):
+            words = tl.load(w_tile + g * WORDS, mask=n_mask[:, None], other=0)
+            dots, x_sum = _words_dots(words, _x_nibbles(x_tile + g * GROUP, m_mask), FP16, ASM)
+            acc = _group_share(acc, dots, x_sum, s_ptr, z_ptr, sz_rows + g, n_mask, OFFSET)
     _finish_split(acc, y_ptr, b_ptr, part_ptr, counter_ptr, offs_n, offs_m, n_mask, m_mask, M, N, stride_ym,
                   BLOCK_N, BLOCK_M, SPLIT, HAS_BIAS)
 
@@ -609,7 +638,8 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"the GEMV cannot take K={k} with group size {group_size}; see gemv_fits")
     if isinstance(tiles, DotTiles) and not (int4 and dot_fits(k, group_size) and x.dtype in (torch.bfloat16,
                                                                                              torch.float16)
-                                            and (group_size >= WORDS_MIN_GROUP or not tiles.words)):
+                                            and (group_size >= WORDS_MIN_GROUP or not tiles.words)
+                                            and (tiles.words or not tiles.prefetch)):
         raise ValueError(f"the int4 tensor-core kernels take 16-bit x and groups of 32 or more (see dot_fits; "
                          f"words: 128), not {x.dtype}, K={k}, group size {group_size}")
     if isinstance(tiles, GemvTiles) and not int4:
@@ -660,14 +690,16 @@ def _int4_dot(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     counts = counters.counters("int4 split-K", DOT_COUNTERS, y.device) if split else y
     if tiles.words:
         kernel, weight, stride_wn = _int4_words_kernel, qweight.view(torch.int32), qweight.stride(0) // 4
+        variant = dict(PREFETCH=tiles.prefetch)
     else:
         kernel, weight, stride_wn = _int4_dot_kernel, qweight, qweight.stride(0)
+        variant = {}
     kernel[grid](
         x2, weight, scales, zeros, bias if bias is not None else scales, y, part, counts, m, n, k,
         x2.stride(0), stride_wn, scales.stride(0), y.stride(0), per_split,
         BLOCK_M=DOT_BLOCK_M, BLOCK_N=tiles.block_n, GROUP=group_size, STAGES=tiles.num_stages,
         FP16=x2.dtype == torch.float16, ASM=x2.device.type == "cuda", SPLIT=split, HAS_BIAS=bias is not None,
-        num_warps=tiles.num_warps, **pdl.launch_args(y.device, "gemv", grid[0] * grid[1] * grid[2]))
+        num_warps=tiles.num_warps, **variant, **pdl.launch_args(y.device, "gemv", grid[0] * grid[1] * grid[2]))
 
 
 def linear_int8_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

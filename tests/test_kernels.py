@@ -1063,7 +1063,10 @@ def test_linear_quant(run_check, dtype, bits, lead, n, k, group_size, bias):
     # the same with the codes as int32 words (eight dots a group): split 3 in 3, 4 in 2 with
     # masked features, groups of 256 over 17 rows
     (4, 1, 37, 384, 128, "dot", (16, 3, 4, 2, True)), (4, 3, 70, 512, 128, "dot", (32, 2, 4, 3, True)),
-    (4, 17, 20, 512, 256, "dot", (16, 2, 4, 1, True)), (4, 2, 24, 640, 128, "dot", (16, 2, 4, 1, True))])
+    (4, 17, 20, 512, 256, "dot", (16, 2, 4, 1, True)), (4, 2, 24, 640, 128, "dot", (16, 2, 4, 1, True)),
+    # and with x, scales and zeros loaded a group ahead (PREFETCH): one group a split, uneven splits
+    (4, 1, 37, 384, 128, "dot", (16, 3, 4, 2, True, True)), (4, 3, 70, 640, 128, "dot", (32, 2, 4, 3, True, True)),
+    (4, 17, 20, 512, 256, "dot", (16, 1, 4, 1, True, True))])
 def test_linear_quant_tiles(run_check, dtype, bits, rows, n, k, group_size, kernel, tiles):
     run_check(check_linear_quant, dtype=dtype, bits=bits, lead=(rows,), n=n, k=k,
               group_size=group_size, bias=True, tiles=(kernel, tiles))
