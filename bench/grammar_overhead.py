@@ -17,7 +17,9 @@ against the step's wall time: the host work that must hide under the forward on 
 fill's own time per step, on whichever thread ran it; and in both runs the engine thread's step
 and its parts (scheduling, launching; reading the previous step back, which waits for the device,
 and within it taking its tokens into the requests, where the matchers accept them; delivering
-them; launching the sampler, without the wait for the fill). The presets have no tokenizer: a
+them; launching the sampler, without the wait for the fill; with async scheduling a constrained
+step is sampled inside the next step's launch, whose time then holds that sampling and its wait,
+counted in "sample" and the wait too). The presets have no tokenizer: a
 byte-level BPE of Qwen3's size is built
 (`hibana_bench.grammar_libs.build_big_tokenizer`, ~1 min) unless `--tokenizer DIR` names one.
 """

@@ -130,6 +130,7 @@ class EngineCore:
         self.in_flight: StepInFlight | None = None
         self._masks: "Callable[[], TokenMasks | None] | None" = None
         """The grammar masks of the step in flight, being filled while it waits to be sampled"""
+        self._ready_seconds = 0.0  # of this step's host time, spent sampling the previous step
         self.lock = lock
         self.work = threading.Condition(lock)
         self.idle: Callable[[], float] | None = None
@@ -151,22 +152,32 @@ class EngineCore:
         """One engine step. False when there was nothing to do."""
         with self.lock:
             started = time.perf_counter()
+            if self.speculation is not None and self.speculation.may_profile(self.scheduler.running):
+                # profiling the step costs replays CUDA graphs, whose outputs may share memory
+                # with the logits of a step still waiting to be sampled
+                self._sample_in_flight()
             early = self.in_flight if self.in_flight is not None and self._drafting_next() else None
             if early is not None:  # drafts are made from the tokens it brings back
                 self.in_flight = None
                 if early.pending is None or self._sample(early, self._take_masks()) is not None:
                     self._update(early)
-            host_started = time.perf_counter()
+            host_started, self._ready_seconds = time.perf_counter(), 0.0
             scheduled = self.scheduler.schedule()
             launched = self._launch(scheduled) if scheduled.chunks else None
             self._sample_in_flight()  # where nothing was launched, or the launch failed before it
             if launched is not None and self.async_scheduling and self.speculation is not None:
-                self.speculation.observe_host(time.perf_counter() - host_started)
+                # the host's own work: not the previous step's sampling (and its wait for the fill)
+                self.speculation.observe_host(time.perf_counter() - host_started - self._ready_seconds)
             if launched is not None and self.between_steps is not None:
                 self.between_steps()
             previous, self.in_flight = self.in_flight, launched
             if previous is not None:
                 updated = self._read_back(previous)
+                if updated is None and launched is not None:
+                    # the device failed under the previous step, whose tokens this one took as
+                    # inputs: it is dropped, its requests scheduled again
+                    self.in_flight, launched = None, None
+                    self.scheduler.revert(scheduled)
                 if updated is not None:
                     if launched is not None and launched.pending is not None:
                         # the matchers hold the previous step's tokens now
@@ -223,7 +234,10 @@ class EngineCore:
     def _ready_to_launch(self) -> None:
         """`ModelRunner.launch`'s `ready`: a step scheduled after a step that could not be
         sampled must not run (it took that step's tokens as its inputs)."""
-        if not self._sample_in_flight():
+        started = time.perf_counter()
+        sampled = self._sample_in_flight()
+        self._ready_seconds += time.perf_counter() - started
+        if not sampled:
             raise _PreviousFailed
 
     def _take_masks(self) -> "Callable[[], TokenMasks | None] | None":

@@ -280,17 +280,22 @@ class ModelRunner:
         there, so the host work overlaps the fill of its masks)."""
         data = gather_step(scheduled, previous)
         rows = sampling_rows(scheduled)
-        timer = StepTimer(self.device)
+        timers: list[StepTimer] = []
+
+        def start() -> None:  # the step's time counts from here, not from the previous one's sampling
+            if ready is not None:
+                ready()
+            timers.append(StepTimer(self.device))
+
         # the steps speculation plans: decodes and verify steps (graph replays where graphs exist);
         # a prompt chunk's cost depends on its context as much as on its tokens
         representative = self.graphs is None and all(
             c.sample and c.num_tokens == 1 + len(c.draft_token_ids) for c in scheduled.chunks)
         if self.graphs is not None and self.graphs.fits(data, len(rows)):
-            logits, captured = self.graphs.run(data, previous, ready)
+            logits, captured = self.graphs.run(data, previous, start)
             representative = not captured
         else:
-            if ready is not None:
-                ready()
+            start()
             inputs = self.prepare(data)
             self.take_from_device(inputs.input_ids, data, previous)
             with self.ctx.forward_batch(inputs.batch):
@@ -298,7 +303,7 @@ class ModelRunner:
             if not rows:
                 return StepInFlight(scheduled, torch.empty(0, dtype=torch.long))
             logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, vocab]
-        step = StepInFlight(scheduled, pending=PendingSample(logits, rows, timer if representative else None))
+        step = StepInFlight(scheduled, pending=PendingSample(logits, rows, timers[0] if representative else None))
         if not step.constrained:
             self.sample(step)
         return step

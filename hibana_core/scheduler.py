@@ -536,7 +536,7 @@ class Scheduler:
         valid). A request alone in its step fails; several run again one at a time (`suspect`)
         until the one that makes the step fail is found, and the others go on."""
         live = [c for c in scheduled.chunks if not c.request.finished]
-        self.revert(scheduled)
+        self._give_back(scheduled)
         for chunk in live:
             chunk.request.suspect = len(live) > 1
         if len(live) == 1:
@@ -544,9 +544,14 @@ class Scheduler:
             self.finish(live[0].request, "error")
 
     def revert(self, scheduled: SchedulerOutput) -> None:
-        """A step that will not run (or failed): its requests give back the KV it was to write
-        and its placeholders, and are scheduled again. Any order of reverting overlapping steps
-        gives the same state (KV is kept up to the earliest start)."""
+        """A step that will not run, or ran on wrong inputs: its requests give back the KV it was
+        to write and its placeholders, and are scheduled again (nobody is blamed). Any order of
+        reverting overlapping steps gives the same state (KV is kept up to the earliest start).
+        What speculation recorded of the step's drafts stays (statistics only)."""
+        self._give_back(scheduled)
+
+    @staticmethod
+    def _give_back(scheduled: SchedulerOutput) -> None:
         for chunk in scheduled.chunks:
             request = chunk.request
             if request.finished:

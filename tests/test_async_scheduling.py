@@ -247,3 +247,39 @@ def test_the_step_loop_takes_the_gil_back_quickly_while_an_engine_runs(tiny_chec
     out = subprocess.run([sys.executable, "-c", GIL_SCRIPT, str(tiny_checkpoints["qwen3"])],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("fail_at", [2, 5])
+def test_a_read_back_that_fails_drops_the_step_launched_after_it(tiny_checkpoints, make_engine, monkeypatch, fail_at):
+    """With async scheduling a step is launched before the previous one is read back, with that
+    step's tokens as its inputs. Where reading the previous step back fails (the device failed
+    under it), its requests fail or run again, and the step launched after it is dropped and
+    scheduled again: every agent ends with the tokens of a run without the failure."""
+    from hibana_core.runner import StepInFlight
+
+    path = tiny_checkpoints[ARCH]
+    rng = random.Random(9)
+    prompts = [random_tokens(rng, 11 + 3 * i) for i in range(3)]
+
+    def run(fail: bool):
+        engine = make_engine(path, async_scheduling=True, speculation="off")
+        reads = []
+        result = StepInFlight.result
+
+        def flaky(step):
+            reads.append(step)
+            if fail and len(reads) == fail_at:
+                raise RuntimeError("the device failed under this step")
+            return result(step)
+        monkeypatch.setattr(StepInFlight, "result", flaky)
+        handles = [engine.open_state(f"r{i}") for i in range(3)]
+        with engine.core.lock:  # one batch
+            streams = [h.stream(SamplingParams(max_tokens=12, ignore_eos=True), prompt=p)
+                       for h, p in zip(handles, prompts)]
+        outputs = [[ev.token_id for ev in st if ev.token_id is not None] for st in streams]
+        monkeypatch.setattr(StepInFlight, "result", result)
+        return outputs, [h.tokens for h in handles]
+
+    assert run(fail=True) == run(fail=False)
+    for p, (out, _) in zip(prompts, zip(*run(fail=False))):
+        assert_greedy_matches(path, p, out)

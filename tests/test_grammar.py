@@ -12,8 +12,10 @@ import json
 import math
 import random
 import re
+import statistics
 import string
 import threading
+import time
 from typing import Annotated, List, Literal, Optional, Union
 
 import jsonschema
@@ -262,6 +264,26 @@ def test_a_constrained_sampling_that_fails_after_the_next_step_was_scheduled_los
     assert failed == clean and failed_states == clean_states
     for a, b in zip(failed_kv, clean_kv):  # run again alone, a row's sums may round otherwise (~1e-6)
         assert (a - b).abs().max() <= 1e-5
+
+
+def test_a_constrained_steps_time_holds_its_own_fill_once(tiny_checkpoints, make_engine, monkeypatch):
+    """A constrained step sampled inside the next step's launch: the next step's time (what the
+    speculation controller learns step costs from) starts after that sampling, so no step's time
+    holds two fills (each fill made 0.2 s slow: a step's time ~0.2 s, not 0.4)."""
+    engine = make_engine(tiny_checkpoints[ARCH], async_scheduling=True, speculation="off")
+    fill = engine.grammars._fill
+    monkeypatch.setattr(engine.grammars, "_fill", lambda *a: (time.sleep(0.2), fill(*a))[1])
+    times = []
+    deliver = engine.core._deliver
+
+    def timed(step, updated, filling=False):
+        if step.timer is not None:
+            times.append(step.timer.seconds())
+        return deliver(step, updated, filling)
+    monkeypatch.setattr(engine.core, "_deliver", timed)
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}, "maxItems": 4}}}
+    engine.open_state("t").generate(SamplingParams(max_tokens=8, json_schema=schema), prompt=[5, 6, 7, 8])
+    assert len(times) >= 4 and 0.19 < statistics.median(times) < 0.33, times
 
 
 def test_constrained_speculation_equals_constrained_without(tiny_checkpoints, make_engine):

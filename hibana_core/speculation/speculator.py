@@ -149,6 +149,12 @@ class Speculator:
         if self.default.enabled and self.default.k is None:
             _ = self.controller  # built, so profiled, now
 
+    def may_profile(self, running: Sequence["Request"]) -> bool:
+        """Whether planning the next step may profile the step costs now (the first adaptive
+        request of an engine whose default is not adaptive): building `controller` runs steps."""
+        return self._controller is None and any(
+            (config := self.config(r)).active and config.k is None for r in running)
+
     @property
     def controller(self) -> Controller:
         if self._controller is None:  # an engine without adaptive default profiles on first use
