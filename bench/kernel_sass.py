@@ -2,7 +2,8 @@
 for sm_90 (Triton's compiler and ptxas need no device), its cubin disassembled with the nvdisasm
 Triton ships, the longest backward branch's body counted by opcode.
 
-    python bench/kernel_sass.py                 # the int4 tensor-core kernels at their sweep's tiles
+    python bench/kernel_sass.py                 # the int4 tensor-core kernels at their sweep's tiles, and
+                                                # at 8-64 rows against the GEMM
     python bench/kernel_sass.py --moe           # the MoE experts' gate/up decode kernel at its tiles
 
 An issue-bound kernel reads at most (warp instructions a second) / (instructions a byte) bytes a
@@ -98,6 +99,31 @@ def main() -> None:
             total, per_thread = sum(ops.values()), block_n * args.group // 2 / (32 * warps)
             top = ", ".join(f"{op} {n}" for op, n in ops.most_common(5))
             print(f"{name:16s} {block_n:8d} {warps:5d} {per_thread:13.0f} {total:11d} {total / per_thread:11.1f}  {top}")
+    batch_rows(args.group, types)
+
+
+def batch_rows(group: int, types: dict) -> None:
+    """Steps of several rows (verify and batch steps): the GEMM at its tiles for 8, 32 and 64 rows
+    against the words kernel taking 16, 32 and 64 rows a program (BLOCK_M)."""
+    print("\nrows a program    BLOCK_N warps  bytes/thread  loop instr  instr/byte  top opcodes")
+    for rows in (8, 32, 64):
+        t = qt._gemm_tiles(rows, 4096, group)
+        compiled = compile_sm90(qt._gemm_kernel, dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                                                      GROUP=group, INT4=True, HAS_BIAS=False, UPCAST=False),
+                                dict(types, w_ptr="*u8"), t.num_warps)
+        _row(f"gemm {t.block_m}", t.block_n, t.num_warps, t.block_n * t.block_k / 2 / (32 * t.num_warps),
+             loop_opcodes(compiled))
+    for block_m in (16, 32, 64):
+        compiled = compile_sm90(qt._int4_words_kernel, dict(BLOCK_M=block_m, BLOCK_N=128, GROUP=group, STAGES=3,
+                                                            FP16=False, ASM=True, SPLIT=True, HAS_BIAS=False,
+                                                            PDL=True), dict(types, w_ptr="*i32"), 4)
+        _row(f"words {block_m}", 128, 4, 128 * group // 2 / 128, loop_opcodes(compiled))
+
+
+def _row(name: str, block_n: int, warps: int, per_thread: float, ops: collections.Counter) -> None:
+    total = sum(ops.values())
+    top = ", ".join(f"{op} {n}" for op, n in ops.most_common(5))
+    print(f"{name:16s} {block_n:8d} {warps:5d} {per_thread:13.0f} {total:11d} {total / per_thread:11.1f}  {top}")
 
 
 if __name__ == "__main__":

@@ -192,6 +192,11 @@ def sweep(fmt: str, group_size: int, rows: int, n: int, k: int, bandwidth: float
         grid = [GemmTiles(bm, bn, bk, w, s) for bm, bn, bk, w, s in itertools.product(
             (16, 32, 64, 128), (64, 128, 256), (64, 128), (4, 8), (3,))
             if bk >= group and bm <= max(16, triton.next_power_of_2(rows)) and bm * bn <= 128 * 256]
+        if fmt == "int4" and group_size >= quant_triton.WORDS_MIN_GROUP and quant_triton.dot_fits(k, group_size):
+            # the words kernel over batch rows: 16-64 rows a program (more programs over x's rows)
+            grid += [DotTiles(bn, sp, 4, 3, True, pre, bm) for bn, sp, pre, bm in itertools.product(
+                (64, 128), (1, 2, 4, 8), (False, True), (16, 32, 64))
+                if sp <= k // group_size and bm <= max(16, triton.next_power_of_2(rows))]
     copies = make_weights(fmt, n, k, group_size, block)
     x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
     ref = reference(fmt, group_size, x, copies[0])

@@ -77,13 +77,15 @@ class GemvTiles(NamedTuple):
 class DotTiles(NamedTuple):
     """int4 on tensor cores (16-bit inputs): BLOCK_N output features a program, a group a step,
     K split over `splits` programs (whole groups each); `words`: `_int4_words_kernel` (groups of
-    128 or more), else `_int4_dot_kernel`; `prefetch`: the words kernel's PREFETCH."""
+    128 or more), else `_int4_dot_kernel`; `prefetch`: the words kernel's PREFETCH; `block_m`:
+    rows of x a program takes (16, the dots' smallest, or more for verify and batch steps)."""
     block_n: int
     splits: int
     num_warps: int
     num_stages: int
     words: bool = False
     prefetch: bool = False
+    block_m: int = 16
 
 
 class GemmTiles(NamedTuple):
@@ -531,7 +533,6 @@ def gemv_fits(k: int, group_size: int = 1) -> bool:
     return group_size == 1 or group_size >= 8 and group_size & (group_size - 1) == 0
 
 
-DOT_BLOCK_M = 16  # x's rows padded to the tensor cores' smallest tile
 DOT_PROGRAMS_PER_SM = 2.5  # splits of K until the grid has this many programs an SM
 
 
@@ -639,7 +640,8 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if isinstance(tiles, DotTiles) and not (int4 and dot_fits(k, group_size) and x.dtype in (torch.bfloat16,
                                                                                              torch.float16)
                                             and (group_size >= WORDS_MIN_GROUP or not tiles.words)
-                                            and (tiles.words or not tiles.prefetch)):
+                                            and (tiles.words or not tiles.prefetch)
+                                            and tiles.block_m >= 16 and tiles.block_m & (tiles.block_m - 1) == 0):
         raise ValueError(f"the int4 tensor-core kernels take 16-bit x and groups of 32 or more (see dot_fits; "
                          f"words: 128), not {x.dtype}, K={k}, group size {group_size}")
     if isinstance(tiles, GemvTiles) and not int4:
@@ -681,7 +683,7 @@ def _int4_dot(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     groups = k // group_size
     per_split = triton.cdiv(groups, max(1, min(tiles.splits, groups)))
     splits = triton.cdiv(groups, per_split)  # none empty
-    grid = (triton.cdiv(n, tiles.block_n), splits, triton.cdiv(m, DOT_BLOCK_M))
+    grid = (triton.cdiv(n, tiles.block_n), splits, triton.cdiv(m, tiles.block_m))
     if grid[0] * grid[2] > DOT_COUNTERS:
         per_split, splits = groups, 1
         grid = (grid[0], 1, grid[2])
@@ -697,7 +699,7 @@ def _int4_dot(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     kernel[grid](
         x2, weight, scales, zeros, bias if bias is not None else scales, y, part, counts, m, n, k,
         x2.stride(0), stride_wn, scales.stride(0), y.stride(0), per_split,
-        BLOCK_M=DOT_BLOCK_M, BLOCK_N=tiles.block_n, GROUP=group_size, STAGES=tiles.num_stages,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, GROUP=group_size, STAGES=tiles.num_stages,
         FP16=x2.dtype == torch.float16, ASM=x2.device.type == "cuda", SPLIT=split, HAS_BIAS=bias is not None,
         num_warps=tiles.num_warps, **variant, **pdl.launch_args(y.device, "gemv", grid[0] * grid[1] * grid[2]))
 
