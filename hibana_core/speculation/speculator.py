@@ -150,10 +150,10 @@ class Speculator:
             _ = self.controller  # built, so profiled, now
 
     def may_profile(self, running: Sequence["Request"]) -> bool:
-        """Whether planning the next step may profile the step costs now (the first adaptive
-        request of an engine whose default is not adaptive): building `controller` runs steps."""
-        return self._controller is None and any(
-            (config := self.config(r)).active and config.k is None for r in running)
+        """Whether planning the next step may profile the step costs now (the first speculating
+        request of an engine whose default is not adaptive: `draft` plans fixed draft lengths
+        through the controller too): building `controller` runs steps."""
+        return self._controller is None and any(self.config(r).active for r in running)
 
     @property
     def controller(self) -> Controller:
