@@ -384,13 +384,23 @@ class Chat:
         (messages as dicts; a rendered prompt already says). A reasoning model's thinking comes
         apart from the answer (`ChatResult.reasoning`, `ChatDelta.reasoning`); `reasoning_history`:
         `REASONING_HISTORY`."""
-        normalize_tool_choice(tool_choice, normalize_tools(tools))  # options are refused before a lease
+        choice = normalize_tool_choice(tool_choice, normalize_tools(tools))  # options are refused before a lease
         if params is not None and not isinstance(params, SamplingParams):
             raise ConfigError(f"params must be SamplingParams or None, got {type(params).__name__}; "
                               "build one: SamplingParams(max_tokens=..., temperature=...)")
         if not isinstance(prefill, str):
             raise ConfigError(f"prefill must be a string, got {type(prefill).__name__}")
         check_text(prefill, "prefill")
+        forced = bool(tools) and parse_tools and choice not in ("auto", "none")
+        own = params is not None and (params.regex is not None or params.grammar is not None)
+        if forced and own:
+            raise ConfigError(f"tool_choice={tool_choice!r:.60} asks for a tool call, and params' "
+                              f"{'regex' if params.regex is not None else 'grammar'} takes the whole output: "
+                              "give one or the other")
+        if prefill and (forced or (params is not None and params.constrained)):
+            raise ConfigError("prefill with a grammar from the turn's first token (a json_schema, regex or grammar in "
+                              "params, or a tool_choice that forces a call) is not supported: the grammar would "
+                              "start after the prefill as if nothing were written; drop one of them")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout > 0):
             raise ConfigError(f"timeout must be a number of seconds > 0, or None; got {timeout!r:.80}")

@@ -147,6 +147,10 @@ def json_schema_grammar(schema: Any) -> Any:
         text = json.dumps(schema)
     except (TypeError, ValueError) as exc:
         raise GrammarError(f"the JSON schema is not plain JSON data ({exc})") from None
+    impossible = unsatisfiable(schema)
+    if impossible:
+        raise GrammarError(f"the JSON schema allows no value at some places ({'; '.join(impossible)}); fix them "
+                           "(an output would break the schema there)")
     endless = without_finite_value(schema)
     if endless is not None:
         raise GrammarError(f"the JSON schema has no finite value: every value of {endless} holds another (through "
@@ -160,6 +164,47 @@ def json_schema_grammar(schema: Any) -> Any:
     ebnf = str(grammar)
     bounded = _bound_numbers(ebnf.replace(_LOOSE_CHARACTER, _JSON_CHARACTER))  # strings with
     return grammar if bounded == ebnf else xgr.Grammar.from_ebnf(bounded)  # min/maxLength: no control chars
+
+
+_JSON_TYPES = {bool: ("boolean",), int: ("integer", "number"), float: ("number",), str: ("string",),
+               type(None): ("null",), list: ("array",), dict: ("object",)}
+
+
+def _json_types(value: Any) -> tuple[str, ...]:
+    kinds = _JSON_TYPES.get(type(value), ())
+    return ("integer", "number") if isinstance(value, float) and value.is_integer() else kinds
+
+
+def unsatisfiable(schema: Any, at: str = "#") -> list[str]:
+    """Where `schema` allows no value that xgrammar would still write one for ("anyOf with no
+    subschema at #/properties/a"): an empty anyOf, oneOf or enum, and enum or const values of
+    another type than the schema's (xgrammar writes the values, whatever the type says)."""
+    if not isinstance(schema, dict):
+        return []
+    found = [f"{key} with no subschema at {at}" for key in ("anyOf", "oneOf")
+             if isinstance(schema.get(key), list) and not schema[key]]
+    kinds = schema.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else None
+    if isinstance(schema.get("enum"), list):
+        if not schema["enum"]:
+            found.append(f"an empty enum at {at}")
+        elif kinds is not None:
+            wrong = [v for v in schema["enum"] if not set(_json_types(v)) & set(kinds)]
+            if wrong:
+                found.append(f"enum values {json.dumps(wrong)[:60]} at {at} are not of type {'/'.join(kinds)}")
+    if "const" in schema and kinds is not None and not set(_json_types(schema["const"])) & set(kinds):
+        found.append(f"const {json.dumps(schema['const'])[:40]} at {at} is not of type {'/'.join(kinds)}")
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                found += unsatisfiable(sub, f"{at}/{key}/{name}")
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                found += unsatisfiable(sub, f"{at}/{key}/{i}")
+    for key in _SUBSCHEMAS:
+        found += unsatisfiable(schema.get(key), f"{at}/{key}")
+    return found
 
 
 def without_finite_value(schema: Any) -> str | None:
@@ -400,15 +445,28 @@ def _undeclared_required(schema: dict) -> list[str]:
     return [key for key in required if key not in declared]
 
 
+_REGEX_ESCAPES = frozenset("dDwWsSntrfvxuca")
+"""Letters after a backslash that xgrammar 0.2.9's regex reader reads as Python's `re` does
+(classes, control characters, \\x.. and \\u....); others it reads as the letter itself (\\A, \\q),
+as nothing (\\0), or refuses (\\b, \\1, \\p{..}: a GrammarError from the compiler anyway)."""
+
+
 def unenforced_regex(pattern: str, what: str = "regex") -> list[tuple[str, str]]:
     """(part, what to do) for each part of `pattern` xgrammar 0.2.9's regex reader skips with a
-    warning, so that an output could break it: lookaheads, and anchors but at its two ends."""
+    warning or reads otherwise than Python's `re`, so that an output could break it: lookaheads,
+    anchors but at its two ends, and escapes it reads as their letter (\\A, \\Z, \\z: anchors)
+    or as nothing (\\0)."""
     found: dict[str, str] = {}
     i, in_class = 0, False
     while i < len(pattern):
         c = pattern[i]
         if c == "\\":
-            i += 1  # the escaped character is a literal
+            i += 1  # the escaped character is a literal, or a class or character it names
+            escaped = pattern[i:i + 1]
+            if escaped in ("A", "Z", "z"):
+                found[f"an anchor \\{escaped} in {what}"] = "leave it out: the whole output matches the pattern"
+            elif escaped.isascii() and escaped.isalnum() and escaped not in _REGEX_ESCAPES:
+                found[f"an escape \\{escaped} in {what}"] = f"xgrammar reads it otherwise than Python's re"
         elif in_class:
             in_class = c != "]"
         elif c == "[":
@@ -667,7 +725,10 @@ class Grammars:
         """The compiled grammar of a request's constraint (cached); GrammarError if it has none
         that compiles."""
         if params.json_schema is not None:
-            key = ("json_schema", json.dumps(params.json_schema, sort_keys=False))
+            try:
+                key = ("json_schema", json.dumps(params.json_schema, sort_keys=False))
+            except (TypeError, ValueError) as exc:
+                raise GrammarError(f"the JSON schema is not plain JSON data ({exc})") from None
         elif params.regex is not None:
             key = ("regex", params.regex)
         elif isinstance(params.grammar, str):

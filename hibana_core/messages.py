@@ -125,7 +125,12 @@ def normalize_tools(tools: Sequence[dict] | None) -> list[dict] | None:
         return None
     if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
         raise ToolSchemaError(f"tools must be a list of tools, got {type(tools).__name__}")
-    return [_normalize_tool(i, t) for i, t in enumerate(tools)] or None
+    normalized = [_normalize_tool(i, t) for i, t in enumerate(tools)]
+    names = [t["function"]["name"] for t in normalized]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:  # a call names its tool: which one would it be
+        raise ToolSchemaError(f"tools {', '.join(map(repr, twice))} are offered twice; give each tool a name of its own")
+    return normalized or None
 
 
 def _normalize_tool(i: int, tool: Any) -> dict:
@@ -144,6 +149,9 @@ def _normalize_tool(i: int, tool: Any) -> dict:
     if parameters is not None and not isinstance(parameters, Mapping):
         raise ToolSchemaError(f"tool {name!r} has parameters of type {type(parameters).__name__}; give a JSON "
                               "schema object (a dict), or none")
+    if parameters is not None and parameters.get("type", "object") != "object":
+        raise ToolSchemaError(f"tool {name!r} has parameters of type {parameters.get('type')!r:.40}; a call's "
+                              "arguments are a JSON object: give {'type': 'object', 'properties': {...}}")
     _check_json(dict(function), lambda exc: ToolSchemaError(f"tool {name!r} is not JSON ({exc}); a schema that "
                                                             "refers to itself must do so with $ref"))
     if function.get("strict") is True and parameters is not None:

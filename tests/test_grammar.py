@@ -758,3 +758,68 @@ def test_an_answer_schema_beside_tools_takes_calls_or_the_answer_alone(parser_na
     assert accepts('{"answer": "hi"}') and parser.parse('{"answer": "hi"}').content == '{"answer": "hi"}'
     for text in ('{"answer": 3}', "hello", '{"answer": "hi"} and more', call.replace("get_weather", "nope")):
         assert not accepts(text), text
+
+
+# --- what a new user's trial found (fifteenth session) ----------------------------------------------
+
+@pytest.mark.parametrize("schema, where", [
+    ({"anyOf": []}, "anyOf with no subschema at #"),
+    ({"type": "object", "properties": {"a": {"anyOf": []}}, "required": ["a"]}, "anyOf with no subschema at #/properties/a"),
+    ({"type": "string", "enum": [1, 2]}, "enum values [1, 2] at # are not of type string"),
+    ({"type": "integer", "const": "x"}, 'const "x" at # is not of type integer'),
+    ({"type": "array", "items": {"enum": []}}, "an empty enum at #/items")])
+def test_a_schema_that_allows_no_value_somewhere_is_refused(engine, schema, where):
+    """xgrammar writes something there anyway ('' or '{"a": }' ended with "stop", an enum's values
+    whatever the type says): the output would break the schema."""
+    with pytest.raises(GrammarError, match=re.escape(where)):
+        _generate(engine, "impossible", [5, 6, 7], max_tokens=8, json_schema=schema)
+    for fine in ({"type": "number", "enum": [1, 2.5]}, {"type": ["string", "null"], "enum": ["a", None]}):
+        _generate(engine, "possible", [5, 6, 7], max_tokens=8, json_schema=fine)
+
+
+def test_a_schema_that_is_not_json_data_is_a_grammar_error(engine):
+    with pytest.raises(GrammarError, match="not plain JSON data"):
+        _generate(engine, "bytes", [5, 6], max_tokens=4, json_schema={"type": "object", "properties": {b"a": {}}})
+
+
+@pytest.mark.parametrize("pattern, part", [(r"\Aab\Z", r"an anchor \A"), (r"\d\z", r"an anchor \z"),
+                                           (r"a\0", r"an escape \0"), (r"\qx", r"an escape \q")])
+def test_regex_escapes_xgrammar_reads_otherwise_are_refused(engine, pattern, part):
+    """xgrammar 0.2.9 reads \\A, \\Z, \\z and unknown letters as the letter itself ('AabZ' matched
+    \\Aab\\Z) and \\0 as nothing; the escapes it reads as re does stay allowed."""
+    with pytest.raises(GrammarError, match=re.escape(part)):
+        _generate(engine, "escape", [5, 6], max_tokens=4, regex=pattern)
+    out = _generate(engine, "escapes", [5, 6], max_tokens=12, regex=r"\d\w\s\x41\u0042\.")
+    assert re.fullmatch(r"\d\w\s\x41\u0042\.", out.text), out.text
+
+
+def test_tools_a_call_cannot_name_or_fill_are_refused(engine):
+    from hibana_core.errors import ToolSchemaError
+
+    def tool(name, parameters):
+        return {"type": "function", "function": {"name": name, "parameters": parameters}}
+    obj = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    chat = engine.chat("tools")
+    with pytest.raises(ToolSchemaError, match="'f' are offered twice"):
+        chat.respond([{"role": "user", "content": "hi"}], [tool("f", obj), tool("f", obj)])
+    with pytest.raises(ToolSchemaError, match="arguments are a JSON object"):
+        chat.respond([{"role": "user", "content": "hi"}], [tool("s", {"type": "string"})], tool_choice="required")
+
+
+def test_options_that_contradict_the_tool_choice_or_the_prefill_are_refused(engine):
+    """A forced call beside a regex or grammar that takes the whole output, and a prefill beside a
+    grammar that starts at the turn's first token (it would not see the prefill)."""
+    from hibana_core.errors import ConfigError
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}]
+    chat, hi = engine.chat("options"), [{"role": "user", "content": "call f"}]
+    with pytest.raises(ConfigError, match="asks for a tool call"):
+        chat.respond(hi, tools, SamplingParams(max_tokens=8, regex="[0-9]+"), tool_choice="required")
+    with pytest.raises(ConfigError, match="asks for a tool call"):
+        chat.respond(hi, tools, SamplingParams(max_tokens=8, grammar='root ::= "no"'), tool_choice="f")
+    with pytest.raises(ConfigError, match="prefill with a grammar"):
+        chat.respond(hi, None, SamplingParams(max_tokens=8, json_schema={"type": "object"}), prefill='{"a": ')
+    with pytest.raises(ConfigError, match="prefill with a grammar"):
+        chat.respond(hi, tools, SamplingParams(max_tokens=8), prefill="<tool_call>\n", tool_choice="required")
+    # with "auto" a prefill stays allowed (tests/test_chat.py forces a call by prefilling its opening)
