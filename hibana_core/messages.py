@@ -159,6 +159,14 @@ def _normalize_tool(i: int, tool: Any) -> dict:
     return tool if wrapped and tool.get("type") == "function" else {"type": "function", "function": function}
 
 
+def check_enforceable(tool: Mapping) -> None:
+    """ToolSchemaError where a (normalized) tool's arguments cannot be held to its schema, as
+    for a strict tool: for structured output, whose answer must parse into the schema."""
+    function = tool["function"]
+    if function.get("parameters") is not None:
+        _check_enforceable(function["name"], function["parameters"])
+
+
 def _check_enforceable(name: str, parameters: Mapping) -> None:
     """A strict tool's (`"strict": true`, OpenAI's and LangChain's `bind_tools(strict=True)`)
     arguments are held to its schema, so a schema the grammar cannot hold is refused, as OpenAI

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -47,6 +48,7 @@ from hibana_core.chat import (Chat, ChatDelta, ChatResult as TurnResult, Convers
                               normalize_tools)
 from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError
+from hibana_core.messages import check_enforceable
 from hibana_plugins.hookspecs import hookimpl
 from hibana_plugins.options import SAMPLING, check_known, resolve_aliases, sampling_params
 
@@ -186,6 +188,35 @@ def _openai_tool(i: int, tool: Any, strict: bool | None) -> dict:
     except Exception as exc:  # noqa: BLE001 - ValueError, TypeError, KeyError, pydantic's, ...
         raise ToolSchemaError(f"tool {i} ({tool!r:.80}) is not a tool LangChain can describe: {exc}; pass a "
                               "@tool function, a pydantic model or an OpenAI function dict") from exc
+
+
+def _structured_tool(schema: Any, strict: bool | None) -> dict:
+    """The tool `with_structured_output` forces: LangChain's conversion, but a pydantic model that
+    holds itself keeps its own schema (the conversion writes {} where it recurs: any value), and
+    the answer must parse into the schema, so one the grammar cannot hold is refused (ToolSchemaError)
+    unless `strict=False` says the caller checks the answer."""
+    tool = clean_tool(_openai_tool(0, schema, strict))
+    if isinstance(schema, type) and is_basemodel_subclass(schema) and hasattr(schema, "model_json_schema"):
+        own = schema.model_json_schema()  # (pydantic 2; a v1 model keeps LangChain's conversion)
+        if _refers_to_itself(own):
+            tool["function"]["parameters"] = own
+    if strict is not False:
+        check_enforceable(normalize_tools([tool])[0])
+    return tool
+
+
+def _refers_to_itself(schema: dict) -> bool:
+    """Whether a "$defs" entry of `schema` reaches itself through "#/$defs/..." references."""
+    defs = schema.get("$defs") if isinstance(schema.get("$defs"), dict) else {}
+    prefix = "#/$defs/"
+    edges = {name: set(re.findall(re.escape(prefix) + r'([^"/]+)', json.dumps(sub))) for name, sub in defs.items()}
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        for nxt in edges.get(start, ()):
+            if nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt})):
+                return True
+        return False
+    return any(reaches(name, name, {name}) for name in edges)
 
 
 # --- the chat model ------------------------------------------------------------------------------
@@ -424,7 +455,7 @@ class ChatHibana(BaseChatModel):
         if schema is None and method != "json_mode":
             raise ConfigError(f"with_structured_output: method={method!r} needs a schema (a pydantic class, a "
                               "TypedDict or a JSON schema); json_mode alone takes none")
-        tool = clean_tool(_openai_tool(0, schema, strict)) if schema is not None else _ANY_JSON
+        tool = _structured_tool(schema, strict) if schema is not None else _ANY_JSON
         trace = {"kwargs": {"method": method, "strict": strict}, "schema": schema} if schema is not None else None
         pydantic_schema = isinstance(schema, type) and is_basemodel_subclass(schema)
         if method == "function_calling":
