@@ -424,6 +424,8 @@ def test_structured_output_of_a_model_that_holds_itself_is_held_to_its_own_schem
     "kids": [53539, "x"] through); the model's own schema is kept instead, every answer parses."""
     import jsonschema
 
+    bound = llm.with_structured_output(Tree).first.kwargs["tools"][0]["function"]["parameters"]
+    assert bound == Tree.model_json_schema()  # not LangChain's, whose "kids" take any items
     for method in ("function_calling", "json_schema"):
         for seed in range(3):
             out = llm.bind(seed=seed, temperature=1.0).with_structured_output(Tree, method=method, include_raw=True)
