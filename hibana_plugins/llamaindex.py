@@ -348,6 +348,13 @@ def llm_class() -> type:
                 raise ToolSchemaError(f"tool '{name:.80}' is not a tool LlamaIndex can describe: {exc}; pass a "
                                       "FunctionTool (FunctionTool.from_defaults(fn)) whose arguments are JSON "
                                       "types") from exc
+            parameters = spec["function"].get("parameters")
+            own = getattr(getattr(tool, "metadata", None), "fn_schema", None)
+            if (isinstance(parameters, dict) and "$ref" not in parameters and "properties" not in parameters
+                    and hasattr(own, "model_json_schema")):
+                own = own.model_json_schema()  # LlamaIndex drops a self-referring model's root "$ref":
+                if "$ref" in own:              # its "$defs" alone take any object
+                    spec["function"]["parameters"] = own
             return clean_tool(spec) if self.clean_tool_schemas else spec
 
         # --- requests and responses -------------------------------------------------------------

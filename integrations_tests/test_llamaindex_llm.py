@@ -344,3 +344,18 @@ def test_tool_choice_none_and_single_calls_are_enforced(engine, scripted):
     streamed_none = list(llm.stream_chat(user(question), tools=[llm._tool_spec(t) for t in TOOLS],
                                          tool_choice="none"))
     assert calls(llm, streamed_none[-1]) == []
+
+
+class Tree(BaseModel):
+    """A tree of small numbers."""
+    v: int = Field(ge=0, le=9)
+    kids: List["Tree"] = Field(default_factory=list, max_length=2)
+
+
+def test_a_self_referring_output_class_keeps_its_root_schema(engine):
+    """LlamaIndex's tool description of a model that refers to itself keeps its "$defs" but drops
+    the root "$ref" (the arguments then take any object); the model's own schema is used."""
+    from llama_index.core.program.function_program import get_function_tool
+
+    spec = HibanaLLM(engine=engine)._tool_spec(get_function_tool(Tree))
+    assert spec["function"]["parameters"]["$ref"] == "#/$defs/Tree"
