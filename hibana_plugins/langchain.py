@@ -532,8 +532,8 @@ class ChatHibana(BaseChatModel):
             tools, choice = [answer_tool], answer_tool["function"]["name"]
         tools = normalize_tools(tools)
         choice = normalize_tool_choice(choice, tools)  # refused before a state is leased
-        if choice == "none":
-            tools = None
+        # "none": the tools stay listed in the prompt, as OpenAI keeps them; the chat layer's
+        # grammar keeps the model from calling them
         reasoning = kwargs["reasoning"] if "reasoning" in kwargs else self.reasoning
         prompt = chat.render_text(_to_chat_messages(messages), tools, reasoning)
         explicit = kwargs["state_id"] if kwargs.get("state_id") is not None else self.state_id  # "" is refused

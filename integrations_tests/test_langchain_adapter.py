@@ -449,3 +449,17 @@ def test_structured_output_refuses_a_schema_the_grammar_cannot_hold_unless_stric
         with pytest.raises(ToolSchemaError, match="maxLength beside pattern"):
             llm.with_structured_output(Code, method=method)
     llm.with_structured_output(Code, strict=False)  # built; its answers are the caller's to check
+
+
+def test_tool_choice_none_keeps_the_tools_listed_and_calls_none(llm):
+    """As OpenAI does and the README says: the prompt is the one "auto" renders (the tools listed),
+    and the grammar keeps the model from calling them."""
+
+    class Find(BaseModel):
+        """Find a thing."""
+        q: str
+
+    auto = llm.bind_tools([Find], tool_choice="auto").invoke("hello", max_tokens=4)
+    none = llm.bind_tools([Find], tool_choice="none").invoke("hello", max_tokens=24)
+    assert none.usage_metadata["input_tokens"] == auto.usage_metadata["input_tokens"]
+    assert none.tool_calls == [] and "<tool_call>" not in none.content
