@@ -82,6 +82,17 @@ def test_adaptive_draft_model_leaves_output_unchanged(tiny_checkpoints, make_eng
     assert engine.stats().draft_tokens_accepted > 0
 
 
+def test_adaptive_draft_model_proposes_what_can_pay_not_sixteen_forwards_a_step(tiny_checkpoints, make_engine):
+    """A draft model whose drafts are rejected (another model's) costs a forward a drafted token:
+    the adaptive controller asks it for what could pay, and one more, not for the most it could
+    verify (15 forwards a step thrown away when the plan took none)."""
+    target, draft = tiny_checkpoints["qwen3"], tiny_checkpoints["llama"]
+    engine = make_engine(target, speculation={"method": "draft_model", "draft_model": str(draft)})
+    generate_all(engine, prompts(1, seed=2), SamplingParams(max_tokens=48, ignore_eos=True))
+    own = engine.stats().speculation["drafters"]["draft_model"]
+    assert own["calls"] > 20 and own["tokens_drafted"] <= 3 * own["calls"], own
+
+
 def test_proposals_are_the_draft_models_greedy_continuation_batched_and_chunked(tiny_checkpoints, make_engine):
     target, draft = tiny_checkpoints["qwen3"], tiny_checkpoints["llama"]
     engine = make_engine(target, speculation=spec(draft), max_num_batched_tokens=48)

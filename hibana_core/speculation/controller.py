@@ -159,6 +159,12 @@ class Controller:
             ks[i] += 1
         return ks
 
+    def ceiling(self, stats: AcceptanceStats, step_tokens: int, num_sampling: int, most: int) -> int:
+        """The drafts (at most `most`) this agent alone would be given in a step like this one:
+        how many a costly drafter proposes, plus one (to see whether one more pays), rather than
+        `most` forwards thrown away when the plan takes fewer."""
+        return self.plan([Candidate(stats, most, None)], step_tokens, num_sampling)[0]
+
     def promising(self, stats: AcceptanceStats, step_tokens: int, num_sampling: int) -> bool:
         """Whether drafting one token for this agent could pay in a step like the last one:
         worth reading the step's tokens back before scheduling the next."""

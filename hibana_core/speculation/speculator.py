@@ -201,7 +201,12 @@ class Speculator:
             config = self.config(request)
             if not chunk.sample or not config.active or chunk.end != len(request.seq):
                 continue
-            want = room(chunk, config.k if config.k is not None else MAX_DRAFT)
+            most = config.k if config.k is not None else MAX_DRAFT
+            if config.k is None and not getattr(self.drafter(config.method), "shadows", True):
+                # a costly drafter (a draft model's forward a token) proposes what can pay, and one more
+                most = 1 + self.controller.ceiling(self.stats(request, config.method), step_tokens, sampling,
+                                                   MAX_DRAFT - 1)
+            want = room(chunk, most)
             if want > 0:
                 wanted.setdefault(config.method, []).append((i, want))
         candidates: list[tuple[int, list[int], Candidate]] = []
