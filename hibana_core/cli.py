@@ -71,8 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "passes applied. Example: hibana surgery path/to/model --passes w4 --out model-w4")
     surgery.add_argument("model", help="checkpoint directory, Hugging Face repo id (org/name[@revision]), or demo")
     surgery.add_argument("--passes", required=True,
-                         help='comma-separated pass names (w8, w4: int8/int4 weights; kv8: fp8 KV cache), '
-                              'or a JSON list such as \'[{"name": "w4", "group_size": 64}]\'')
+                         help='comma-separated pass names (w8, w4: int8/int4 weights; kv8: fp8 KV cache; window: '
+                              'sink-plus-window attention on the layers that matter least for long context; '
+                              '`hibana plugins` lists every registered pass), or a JSON list such as '
+                              '\'[{"name": "w4", "group_size": 64}]\'')
     surgery.add_argument("--out", help="write the rewritten checkpoint to this (new or empty) directory")
     surgery.add_argument("--force", action="store_true", help="keep passes over their guard floors")
     surgery.add_argument("--guard-text", help="a UTF-8 text file to measure on instead of the demo conversations")
@@ -145,6 +147,8 @@ def run_surgery(args: argparse.Namespace) -> int:
     if args.force:
         passes = [{**({"name": p} if isinstance(p, str) else p), "force": True} for p in passes]
     try:
+        if args.out:  # before the minutes of loading, surgery and guard
+            checkpoint.check_out(Path(args.out))
         engine = Engine.from_pretrained(args.model, surgery=passes, speculation="off", device=args.device,
                                         dtype=args.dtype, surgery_guard=not args.no_guard,
                                         surgery_guard_text=args.guard_text, num_blocks=16)

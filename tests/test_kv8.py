@@ -301,3 +301,28 @@ def test_the_guard_measures_kv8_on_an_fp8_scratch_cache(tiny_checkpoints, make_e
     with pytest.raises(ValueError, match="takes no kv_scale"):
         attention.store_kv(torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), torch.zeros(1, 16, 1, 4),
                            torch.zeros(1, 16, 1, 4), torch.tensor([0]), torch.ones(2, 1))
+
+
+def test_surgery_checks_its_out_directory_before_loading(tmp_path, capsys, monkeypatch):
+    """A file, a directory with files in it, or one that cannot be made is refused before the
+    model loads (it was after loading, surgery and the guard; an unwritable path raised a
+    FileNotFoundError); a comma-separated string for surgery= says to give a list."""
+    import hibana_core
+
+    from hibana_core.cli import main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("loaded before checking --out")
+    monkeypatch.setattr(hibana_core.Engine, "from_pretrained", no_load)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("x")
+    for out, said in (("afile", "is a file"), ("full", "is not empty")):
+        assert main(["surgery", "demo", "--passes", "w8", "--out", str(tmp_path / out), "--no-guard"]) == 1
+        assert said in capsys.readouterr().err
+    blocked = tmp_path / "afile" / "sub"  # under a file: cannot be made
+    assert main(["surgery", "demo", "--passes", "w8", "--out", str(blocked), "--no-guard"]) == 1
+    assert "cannot make the directory" in capsys.readouterr().err
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match=r"give a list: surgery=\['w8', 'kv8'\]"):
+        hibana_core.Engine.from_pretrained("demo", surgery="w8,kv8", progress=False)

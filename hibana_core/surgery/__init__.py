@@ -96,6 +96,9 @@ def check_requests(requests: Sequence[PassRequest], passes: dict[str, Any]) -> t
     checked = []
     for request in requests:
         if request.name not in passes:
+            names = [n.strip() for n in request.name.split(",")]
+            if len(names) > 1 and all(n in passes for n in names):  # the CLI's spelling
+                raise ConfigError(f"surgery={request.name!r} is one name; give a list: surgery={names!r}")
             raise ConfigError(f"no surgery pass named {request.name!r} is registered (registered: "
                               f"{', '.join(sorted(passes)) or 'none'}); install the plugin that provides it")
         _check_registered(request.name, passes[request.name])

@@ -52,15 +52,27 @@ def windowed_layers(model: torch.nn.Module) -> dict[str, list[int]]:
             if getattr(m, "surgery_window", None) is not None}
 
 
+def check_out(out: Path) -> None:
+    """CheckpointError unless `out` is a new or empty directory that can be written (made now,
+    empty: a run checks it before its minutes of work)."""
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out} is a file; choose a new or empty directory")
+    if out.exists() and any(out.iterdir()):
+        what = "already holds a checkpoint" if (out / MANIFEST).exists() or any(out.glob("*.safetensors")) \
+            else "is not empty"
+        raise CheckpointError(f"{out} {what}; choose a new or empty directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot make the directory {out} ({exc.strerror or exc}); choose one you can "
+                              "write") from None
+
+
 def save(engine: Any, source: Path, out: Path) -> Path:
     """Write `engine`'s rewritten model (loaded from `source`) as a checkpoint in `out`."""
     from safetensors.torch import save_file
 
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        what = "already holds a checkpoint" if (out / MANIFEST).exists() or any(out.glob("*.safetensors")) \
-            else "is not empty"
-        raise CheckpointError(f"{out} {what}; choose a new or empty directory")
-    out.mkdir(parents=True, exist_ok=True)
+    check_out(out)
     for name in _COPIED:
         if (source / name).is_file():
             shutil.copy2(source / name, out / name)
