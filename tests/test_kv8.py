@@ -326,3 +326,11 @@ def test_surgery_checks_its_out_directory_before_loading(tmp_path, capsys, monke
     monkeypatch.undo()
     with pytest.raises(ConfigError, match=r"give a list: surgery=\['w8', 'kv8'\]"):
         hibana_core.Engine.from_pretrained("demo", surgery="w8,kv8", progress=False)
+
+
+def test_a_second_weight_pass_says_the_layers_are_packed_already(tiny_checkpoints, make_engine):
+    """w8 then w4 (or w4 on a checkpoint written by w8) said it "found no linear layer it can pack"."""
+    path = tiny_checkpoints["qwen3"]
+    for passes, kind in ((["w8", "w4"], "int8"), (["w4", "w8"], "int4")):
+        with pytest.raises(ConfigError, match=f"the linear layers are already {kind}"):
+            make_engine(path, surgery=passes, surgery_guard=False, speculation="off")

@@ -59,6 +59,12 @@ class WeightQuantPass:
 
         params = self.check(params)
         wanted, clip = params.get("group_size"), params.get("clip")
+        packed = [(name, m.kind) for name, m in model.named_modules() if getattr(m, "kind", None) in ("int8", "int4")]
+        if packed:  # an earlier pass in the list, or the checkpoint's manifest
+            raise ConfigError(f"surgery pass w{self.bits}: the linear layers are already {packed[0][1]} "
+                              f"({len(packed)} layers, e.g. {packed[0][0]}: by an earlier pass, the checkpoint's "
+                              "manifest or its quantization_config); give one weight pass, on the unquantized "
+                              "checkpoint")
         fp8 = [name for name, m in model.named_modules() if getattr(m, "kind", None) == "fp8"]
         if fp8:  # requantizing fp8 codes rounds twice, and w8 would not even save a byte
             raise ConfigError(f"surgery pass w{self.bits} on an FP8 checkpoint ({len(fp8)} fp8 layers, e.g. "

@@ -67,8 +67,9 @@ class SinkWindowPass:
         attentions = attention_layers(model)
         full = [m.layer_idx for m in attentions if m.sliding_window is None]
         if not full:
+            what = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
             raise ConfigError("surgery pass window found no full-attention layer to switch (every layer of "
-                              f"{type(model).__name__} has a sliding window already); leave it out")
+                              f"this {what} model has a sliding window already); leave it out")
         ranking: dict[int, float] = {}
         probe = None
         if isinstance(wanted, list):
