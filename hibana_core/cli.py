@@ -165,6 +165,9 @@ def run_surgery(args: argparse.Namespace) -> int:
                 layers = f"{record.get('layers', '?')} layers"
                 if record.get("experts"):
                     layers += f" and {record['experts']} MoE expert layers"
+                asked = record.get("params", {}).get("group_size")
+                if record.get("group_sizes_used") not in (None, [], [asked]):  # w4: where asked does not divide
+                    layers += f" (groups of {', '.join(map(str, record['group_sizes_used']))})"
                 if record.get("experts_kept_float"):  # w4: no even group size divides their inputs
                     layers += f" ({len(record['experts_kept_float'])} MoE expert layers kept float)"
                 print(f"{record['name']}: {layers}, {what}"

@@ -334,3 +334,13 @@ def test_a_second_weight_pass_says_the_layers_are_packed_already(tiny_checkpoint
     for passes, kind in ((["w8", "w4"], "int8"), (["w4", "w8"], "int4")):
         with pytest.raises(ConfigError, match=f"the linear layers are already {kind}"):
             make_engine(path, surgery=passes, surgery_guard=False, speculation="off")
+
+
+def test_w4_records_the_group_sizes_it_used(tiny_checkpoints, make_engine):
+    """A group size that divides no layer's inputs is replaced per layer by one that does: the
+    record says which (it said group_size 4096 alone)."""
+    engine = make_engine(tiny_checkpoints["qwen3"], surgery=[{"name": "w4", "group_size": 4096}],
+                         surgery_guard=False, speculation="off")
+    record = engine.surgery[0]
+    assert record["params"]["group_size"] == 4096 and record["group_sizes_used"]
+    assert 4096 not in record["group_sizes_used"]

@@ -73,6 +73,7 @@ class WeightQuantPass:
         layers = [(name, m) for name, m in model.named_modules() if _packable(name, m)]
         before = after = 0
         kept: list[str] = []
+        groups: set[int] = set()  # the group sizes used: the asked one where it divides a layer's inputs
         for name, layer in progress_bar(layers, desc=f"surgery w{self.bits}", unit="layer", leave=False):
             weight = layer.weight.data
             group = 0
@@ -84,13 +85,15 @@ class WeightQuantPass:
                     kept.append(name)
                     continue
                 packed = quantize_int4(weight, group, clip)
+                groups.add(group)
             before += _tensor_bytes([weight])
             layer.set_packed(f"int{self.bits}", packed, group)
             after += _tensor_bytes(packed.values())
         if not layers or len(kept) == len(layers):
             raise ConfigError(f"surgery pass w{self.bits} found no linear layer it can pack in this model")
         experts = self._pack_experts(model, wanted, clip)
-        return {"layers": len(layers) - len(kept), "kept_dense": kept, "experts": experts["experts"],
+        used = {"group_sizes_used": sorted(groups)} if self.bits == 4 else {}
+        return {"layers": len(layers) - len(kept), "kept_dense": kept, **used, "experts": experts["experts"],
                 "experts_kept_float": experts["experts_kept_float"],
                 "bytes_before": before + experts["bytes_before"], "bytes_after": after + experts["bytes_after"]}
 
