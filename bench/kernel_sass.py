@@ -95,10 +95,7 @@ def main() -> None:
             compiled = compile_sm90(kernel, dict(BLOCK_M=16, BLOCK_N=block_n, GROUP=args.group, STAGES=4, FP16=False,
                                                  ASM=True, SPLIT=True, HAS_BIAS=False, PDL=True, **variant),
                                     dict(types, w_ptr=weight), warps)
-            ops = loop_opcodes(compiled)
-            total, per_thread = sum(ops.values()), block_n * args.group // 2 / (32 * warps)
-            top = ", ".join(f"{op} {n}" for op, n in ops.most_common(5))
-            print(f"{name:16s} {block_n:8d} {warps:5d} {per_thread:13.0f} {total:11d} {total / per_thread:11.1f}  {top}")
+            _row(name, block_n, warps, block_n * args.group // 2 / (32 * warps), loop_opcodes(compiled))
     batch_rows(args.group, types)
 
 

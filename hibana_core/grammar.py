@@ -60,7 +60,7 @@ import json
 import os
 import re
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -194,16 +194,8 @@ def unsatisfiable(schema: Any, at: str = "#") -> list[str]:
                 found.append(f"enum values {json.dumps(wrong)[:60]} at {at} are not of type {'/'.join(kinds)}")
     if "const" in schema and kinds is not None and not set(_json_types(schema["const"])) & set(kinds):
         found.append(f"const {json.dumps(schema['const'])[:40]} at {at} is not of type {'/'.join(kinds)}")
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(schema.get(key), dict):
-            for name, sub in schema[key].items():
-                found += unsatisfiable(sub, f"{at}/{key}/{name}")
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(schema.get(key), list):
-            for i, sub in enumerate(schema[key]):
-                found += unsatisfiable(sub, f"{at}/{key}/{i}")
-    for key in _SUBSCHEMAS:
-        found += unsatisfiable(schema.get(key), f"{at}/{key}")
+    for _, _, sub, where in _subschemas(schema, at):
+        found += unsatisfiable(sub, where)
     return found
 
 
@@ -362,19 +354,27 @@ def unenforced_keywords(schema: Any, at: str = "#") -> list[str]:
     if len(schema.get("allOf") or ()) > 1:
         found.append(f"allOf with {len(schema['allOf'])} subschemas at {at}")
     found += [f"{what} at {at} ({todo})" for what, todo in _dropped_beside_others(schema)]
+    for key, name, sub, where in _subschemas(schema, at):
+        if key == "patternProperties":  # its name is a regex too
+            found += [f"{what} at {at}/{key} ({todo})" for what, todo in unenforced_regex(name, repr(name))]
+        found += unenforced_keywords(sub, where)
+    return found
+
+
+def _subschemas(schema: dict, at: str) -> Iterator[tuple[str, Any, Any, str]]:
+    """Each subschema of `schema` (where a keyword takes one: a property named "if" is none): its
+    keyword, its name or index under it (None for a single subschema), it, and its place
+    ("#/properties/a")."""
     for key in _SUBSCHEMA_MAPS:
         if isinstance(schema.get(key), dict):
             for name, sub in schema[key].items():
-                if key == "patternProperties":
-                    found += [f"{what} at {at}/{key} ({todo})" for what, todo in unenforced_regex(name, repr(name))]
-                found += unenforced_keywords(sub, f"{at}/{key}/{name}")
+                yield key, name, sub, f"{at}/{key}/{name}"
     for key in _SUBSCHEMA_LISTS:
         if isinstance(schema.get(key), list):
             for i, sub in enumerate(schema[key]):
-                found += unenforced_keywords(sub, f"{at}/{key}/{i}")
+                yield key, i, sub, f"{at}/{key}/{i}"
     for key in _SUBSCHEMAS:
-        found += unenforced_keywords(schema.get(key), f"{at}/{key}")
-    return found
+        yield key, None, schema.get(key), f"{at}/{key}"
 
 
 def check_held(schema: Any) -> None:
