@@ -23,7 +23,7 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from tqdm.auto import tqdm
+from hibana_core.progress import bar as progress_bar
 
 from hibana_bench.models import BenchModel
 from hibana_bench.spec_systems import (BASELINE, SPEC_SYSTEMS, BenchError, SpecCounters, force_outputs_fn, open_engine,
@@ -124,7 +124,7 @@ def trace_decode_workload(model: BenchModel, trace: Trace, path: str, systems: l
             warm_up(engine, min(trace.vocab_bound, model.vocab_size), replay)
             before = snapshot(engine)
             tokens, seconds, generated, turns = 0, 0.0, 0, 0
-            bar = tqdm(total=sum(len(c.turns) for c in convs), desc=f"{system} trace decode", leave=False)
+            bar = progress_bar(total=sum(len(c.turns) for c in convs), desc=f"{system} trace decode", leave=False)
             for i, conv in enumerate(convs):
                 h, history = engine.open_state(f"trace-{i}"), []
                 for turn in conv.turns:
@@ -156,7 +156,7 @@ def run_trace_agents(model: BenchModel, system: str, convs: list[Conversation], 
         records: list[TurnRecord] = []
         errors: list[BaseException] = []
         lock = threading.Lock()
-        bar = tqdm(total=sum(len(c.turns) for c in convs), desc=f"{system} trace agents", leave=False)
+        bar = progress_bar(total=sum(len(c.turns) for c in convs), desc=f"{system} trace agents", leave=False)
 
         def agent(i: int) -> None:
             try:

@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from tqdm.auto import tqdm
+from hibana_core.progress import bar as progress_bar
 
 from hibana_bench.models import BenchModel
 from hibana_bench.peers import HFPeer, sync
@@ -127,7 +127,7 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
                 warm = engine.open_state("warm")  # Triton compiles, CUDA graphs are captured
                 warm.generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=prompt)
                 warm.close()
-            for ctx in tqdm(contexts, desc=f"{label} decode", leave=False):
+            for ctx in progress_bar(contexts, desc=f"{label} decode", leave=False):
                 times = []
                 for prompt in timed[ctx]:
                     h = engine.open_state(f"ctx{ctx}-{len(times)}")
@@ -161,7 +161,7 @@ def _hf_decode_rows(peer: HFPeer, name: str, prompts: dict[int, list[int]], warm
                     generate: int) -> list[DecodeRow]:
     peer.generate(warmup, 4)
     rows = []
-    for ctx, prompt in tqdm(prompts.items(), desc=name, leave=False):
+    for ctx, prompt in progress_bar(prompts.items(), desc=name, leave=False):
         if peer.static_cache:  # compile on these very shapes first
             peer.generate(prompt, generate)
             peer.generate(prompt, 1)
@@ -274,7 +274,7 @@ def run_hibana_agents(model: BenchModel, cfg: AgentsConfig, retention: bool, sys
                       prompt=random_tokens(random.Random(-1), 64, model.vocab_size))
         warm.close()
         records: list[TurnRecord] = []
-        bar = tqdm(total=cfg.agents * cfg.turns, desc=name, leave=False)
+        bar = progress_bar(total=cfg.agents * cfg.turns, desc=name, leave=False)
         lock = threading.Lock()
 
         def agent(i: int) -> None:
@@ -375,7 +375,7 @@ def _hf_agents(peer: HFPeer, vocab_size: int, cfg: AgentsConfig, reuse_cache: bo
     records: list[TurnRecord] = []
     seconds = 0.0
     timed = min(cfg.peer_agents, cfg.agents)
-    with tqdm(total=timed * cfg.turns, desc=name, leave=False) as bar:
+    with progress_bar(total=timed * cfg.turns, desc=name, leave=False) as bar:
         for i in range(timed):
             history: list[int] = []
             cache = peer.new_cache() if reuse_cache else None

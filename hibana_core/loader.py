@@ -16,13 +16,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from tqdm.auto import tqdm
 
 from hibana_core import hub
 from hibana_core.errors import CheckpointError, UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.models.moe import PACKED_PARTS, STACKS
-from hibana_core.progress import LoadProgress
+from hibana_core.progress import LoadProgress, bar as progress_bar
 from hibana_core.surgery.checkpoint import MANIFEST, read_manifest
 from hibana_plugins.manager import get_plugin_manager
 
@@ -311,7 +310,7 @@ def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progr
     else:
         params = dict(module.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    with tqdm(total=total, desc=desc, unit="tensor", disable=not progress, leave=False) as bar:
+    with progress_bar(total=total, desc=desc, unit="tensor", disable=not progress, leave=False) as bar:
         for name, where, read in items:
             bar.update()
             if name.endswith(_IGNORED_SUFFIXES) or name not in params:

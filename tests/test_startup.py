@@ -33,6 +33,22 @@ def test_every_stage_is_timed_and_shown_on_stderr(tiny_checkpoints, capsys):
     for stage in STAGES:
         assert stage in captured.err, stage
     assert "hibana: weights" in captured.err  # the weight tensors, nested
+    assert "\x1b[" not in captured.err  # stderr is not a terminal: no cursor movement in a log
+
+
+def test_surgery_bars_in_a_log_have_no_terminal_codes(tiny_checkpoints, tmp_path):
+    """`hibana surgery` with stderr sent to a file: the loading, weights, guard and pass bars are all
+    there as text, without the cursor-up codes tqdm nests bars with in a terminal."""
+    log = tmp_path / "surgery.log"
+    with log.open("w") as stderr:
+        result = subprocess.run([sys.executable, "-m", "hibana_core.cli", "surgery", str(tiny_checkpoints[ARCH]),
+                                 "--passes", "w8", "--out", str(tmp_path / "w8")],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=600)
+    text = log.read_text()
+    assert result.returncode == 0, text
+    for bar in ("hibana: loading", "hibana: weights", "guard: unmodified model", "surgery w8"):
+        assert bar in text, bar
+    assert "\x1b[" not in text, repr(text)
 
 
 def test_surgery_is_a_stage_and_in_memory_models_time_theirs(tiny_checkpoints, capsys):

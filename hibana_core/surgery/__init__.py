@@ -35,10 +35,10 @@ _PROGRESS: contextvars.ContextVar[bool] = contextvars.ContextVar("hibana_surgery
 def progress_bar(iterable: Any, **tqdm_args: Any) -> Any:
     """`tqdm(iterable, **tqdm_args)` for a pass's work, hidden while the passes run under an
     engine started with `progress=False` (the pass interface stays `apply(model, params)`)."""
-    from tqdm.auto import tqdm
+    from hibana_core.progress import bar
 
     disable = tqdm_args.pop("disable", False) or not _PROGRESS.get()
-    return tqdm(iterable, disable=disable, **tqdm_args)
+    return bar(iterable, disable=disable, **tqdm_args)
 
 
 class SurgeryPass(Protocol):

@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from hibana_core.errors import ConfigError, SurgeryGuardError
 from hibana_core.forward_context import ForwardBatch, ForwardContext
 from hibana_core.kv.cache import KVCache, kv_cache_dtype
+from hibana_core.progress import bar as progress_bar
 
 HELDOUT = Path(__file__).parent / "heldout" / "agent_traces.txt"
 DOCUMENT_SEPARATOR = "\n\n<|hibana-guard-document|>\n\n"
@@ -228,7 +228,7 @@ def _is_call(text: str) -> bool:
 def measure_reference(scorer: Scorer, documents: list[list[int]], progress: bool,
                       calls: ToolCalls | None = None) -> Reference:
     reference = Reference(documents)
-    for doc in tqdm(documents, desc="guard: unmodified model", unit="doc", disable=not progress, leave=False):
+    for doc in progress_bar(documents, desc="guard: unmodified model", unit="doc", disable=not progress, leave=False):
         log_probs = scorer.log_probs(doc).cpu()
         reference.nll.append(-log_probs.gather(1, torch.tensor(doc[1:])[:, None])[:, 0])
         reference.top1.append(log_probs.argmax(-1))
@@ -245,7 +245,7 @@ def compare(scorer: Scorer, reference: Reference, progress: bool, desc: str = "g
     positions = 0
     divergences = []
     r = reference
-    for i, doc in enumerate(tqdm(r.documents, desc=desc, unit="doc", disable=not progress, leave=False)):
+    for i, doc in enumerate(progress_bar(r.documents, desc=desc, unit="doc", disable=not progress, leave=False)):
         new_lp = scorer.log_probs(doc).cpu()
         ref = r.log_probs[i].float()
         nll_ref += r.nll[i].sum().item()
