@@ -157,11 +157,16 @@ async def test_async_calls_run_on_the_callers_loop(engine):
     task = asyncio.create_task(ticker())
     llm = HibanaLLM(engine=engine, state_id="async")
     seen = []
+    before = ticks
     async for chunk in await llm.astream_chat(user("Who are you?")):
         seen.append(ticks)
     response = await llm.achat_with_tools(TOOLS, user_msg="What's the weather in Paris?")
+    after = ticks
     task.cancel()
-    assert len(seen) > 3 and seen[-1] > seen[0]
+    # the ticker ran while each call waited for the engine (its first chunk, the tool call's
+    # reply). How many chunks the reply came in, and whether the loop turned between them, is the
+    # machine's speed: where the engine ran ahead of a loaded loop, the tokens come in one chunk
+    assert seen and before < seen[0] and seen[-1] < after, (before, seen, after)
     assert calls(llm, response) == [("get_weather", {"city": "Paris"})]
 
 

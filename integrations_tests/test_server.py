@@ -742,7 +742,11 @@ def test_thinking_comes_as_reasoning_content_never_in_the_content(thinker):
                                                  **forced(engine, "think-2")))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     thinking = [d.reasoning_content for d in deltas if getattr(d, "reasoning_content", None)]
-    assert len(thinking) > 1 and "".join(thinking).strip() == THOUGHT  # streamed as it comes
+    assert "".join(thinking).strip() == THOUGHT
+    # streamed as it comes, ahead of the answer (in how many chunks is the server loop's lag
+    # behind the engine: a loaded machine may read the whole thought in one go)
+    first_answer = next(i for i, d in enumerate(deltas) if d.content)
+    assert all(i < first_answer for i, d in enumerate(deltas) if getattr(d, "reasoning_content", None))
     assert "".join(d.content or "" for d in deltas) == ANSWER
 
 

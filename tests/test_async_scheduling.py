@@ -76,12 +76,12 @@ def test_a_cancelled_stream_drops_the_token_in_flight(tiny_checkpoints, make_eng
     h = engine.open_state("a")
     prompt = random_tokens(random.Random(7), 30)
     h.sync(prompt)
-    events = h.stream(greedy(64))
+    events = h.stream(greedy(900))  # far more than a loaded machine makes before the close lands
     seen = [next(events).token_id for _ in range(3)]
     events.close()  # cancels: the engine may be a step (and a token on the device) ahead
     tokens = h.tokens
     assert tokens[:len(prompt) + 3] == prompt + seen
-    assert min(tokens) >= 0 and len(h) == len(tokens) < len(prompt) + 64
+    assert min(tokens) >= 0 and len(h) == len(tokens) < len(prompt) + 900
     assert_greedy_matches(path, prompt, tokens[len(prompt):])
     more = h.generate(greedy(10))
     assert_greedy_matches(path, tokens, more.token_ids)
@@ -104,7 +104,8 @@ def test_preemption_under_async_scheduling(tiny_checkpoints, make_engine, host_k
                          host_kv_bytes=host_kv_bytes)
     plans = [(random_tokens(random.Random(200 + i), 40), greedy(40)) for i in range(4)]
     handles = [engine.open_state(f"p{i}") for i in range(4)]
-    streams = [h.stream(params, prompt=prompt) for h, (prompt, params) in zip(handles, plans)]
+    with engine.core.lock:  # all four queued before a step, whatever the machine's load
+        streams = [h.stream(params, prompt=prompt) for h, (prompt, params) in zip(handles, plans)]
     outs = [[ev for ev in events][-1].completion for events in streams]
     if host_kv_bytes == 0:
         assert recomputed_prompt_tokens(outs) > 0, "no agent was preempted: the pool was meant to run out"

@@ -30,13 +30,23 @@ def prompts(n: int, seed: int = 7) -> list[list[int]]:
 
 
 def generate_all(engine, histories, params) -> list[list[int]]:
-    """Generate on one state per history at once (the engine batches them)."""
+    """Generate on one state per history at once (the engine batches them): all submitted under
+    the engine's lock, so that every step batches them on any machine (each `agenerate` of a
+    gather waits for the lock on its own, and a step or more may run between them)."""
     handles = [engine.open_state(f"agent-{i}") for i in range(len(histories))]
     for h, tokens in zip(handles, histories):
         h.sync(tokens)
 
     async def run():
-        return await asyncio.gather(*(h.agenerate(params) for h in handles))
+        with engine.core.lock:
+            streams = [h.astream(params) for h in handles]
+
+        async def last(events):
+            event = None
+            async for event in events:
+                pass
+            return event.completion
+        return await asyncio.gather(*map(last, streams))
 
     return [list(c.token_ids) for c in asyncio.run(run())]
 

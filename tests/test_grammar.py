@@ -272,18 +272,29 @@ def test_a_constrained_steps_time_holds_its_own_fill_once(tiny_checkpoints, make
     holds two fills (each fill made 0.2 s slow: a step's time ~0.2 s, not 0.4)."""
     engine = make_engine(tiny_checkpoints[ARCH], async_scheduling=True, speculation="off")
     fill = engine.grammars._fill
-    monkeypatch.setattr(engine.grammars, "_fill", lambda *a: (time.sleep(0.2), fill(*a))[1])
-    times = []
+    fills_ended = []  # perf_counter() once each fill returned (before the step waiting on it goes on)
+
+    def slow_fill(*args):
+        time.sleep(0.2)
+        out = fill(*args)
+        fills_ended.append(time.perf_counter())
+        return out
+    monkeypatch.setattr(engine.grammars, "_fill", slow_fill)
+    windows = []  # each timed step's (start, end) on the same clock (a CPU timer is wall time)
     deliver = engine.core._deliver
 
     def timed(step, updated, filling=False):
         if step.timer is not None:
-            times.append(step.timer.seconds())
+            windows.append((step.timer._start, step.timer._start + step.timer.seconds()))
         return deliver(step, updated, filling)
     monkeypatch.setattr(engine.core, "_deliver", timed)
     schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}, "maxItems": 4}}}
     engine.open_state("t").generate(SamplingParams(max_tokens=8, json_schema=schema), prompt=[5, 6, 7, 8])
-    assert len(times) >= 4 and 0.19 < statistics.median(times) < 0.33, times
+    # each step's time holds its own fill (so it is longer than one fill) and no other fill's end:
+    # counted by order, not by an upper bound on wall time that a loaded machine may pass
+    held = [sum(start < end_of_fill <= end for end_of_fill in fills_ended) for start, end in windows]
+    assert len(windows) >= 4 and held == [1] * len(windows), (held, windows, fills_ended)
+    assert statistics.median(end - start for start, end in windows) > 0.19
 
 
 def test_constrained_speculation_equals_constrained_without(tiny_checkpoints, make_engine):

@@ -4,7 +4,6 @@ and their per-state indexes, the controller's plan, acceptance statistics, Specu
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
@@ -227,19 +226,24 @@ def test_a_profile_of_disturbed_multi_token_steps_does_not_stop_drafting():
     assert model.cost(4, False) == pytest.approx(4 * 0.0097)
 
 
-def test_the_start_up_profile_outlasts_a_burst_of_other_work():
+def test_the_start_up_profile_outlasts_a_burst_of_other_work(monkeypatch):
     """The profile times the whole ladder round after round: a burst that slows several timings
-    in a row (here five, 40 ms each instead of 1 ms) leaves every count a clean timing."""
-    from hibana_core.speculation.speculator import profile_step_costs
+    in a row (here five, 40 ms each instead of 1 ms) leaves every count a clean timing. On a
+    clock of the test's own, which only `forward` moves: with real sleeps a loaded machine could
+    slow the clean timings too."""
+    import types
 
-    calls = []
+    from hibana_core.speculation import speculator
+
+    calls, clock = [], [0.0]
 
     def forward(n: int) -> None:
         calls.append(n)
-        time.sleep(0.04 if 12 <= len(calls) < 17 else 0.001)
+        clock[0] += 0.04 if 12 <= len(calls) < 17 else 0.001
 
-    model = profile_step_costs(forward, 64, lambda: None)
-    assert all(s < 0.02 for s in model.seconds), model.seconds
+    monkeypatch.setattr(speculator, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    model = speculator.profile_step_costs(forward, 64, lambda: None)
+    assert model.seconds == pytest.approx([0.001] * len(model.seconds)), model.seconds
 
 
 # --- configuration -------------------------------------------------------------------------------

@@ -551,7 +551,9 @@ def test_a_stream_stopped_early_still_ends_with_its_completion(tiny_checkpoints,
     engine = make_engine(tiny_checkpoints["llama"])
     h = engine.open_state("a")
     prompt = random_tokens(random.Random(4), 30)
-    events = h.stream(greedy(64), prompt=prompt)
+    # max_tokens far past what the engine makes while a loaded machine's reader is held up (the
+    # engine's thread runs ahead of it): the stop lands before the request could end by itself
+    events = h.stream(greedy(900), prompt=prompt)
     seen = [next(events).token_id for _ in range(3)]
     events.stop()
     rest = list(events)
