@@ -90,6 +90,7 @@ class Chat:
         self.control_ids = frozenset(vocab[t] for t in self.control if t in vocab)
         self._plain: dict[str, Callable[[str], list[int]]] = {}   # built on first hostile content, shared by `on`
         self._roles: dict[str, bool] = {}     # roles outside KNOWN_ROLES: whether the template renders them
+        self._tools_rendered: bool | None = None  # whether the template renders tools (probed on first use)
         self.handle: StateHandle | None = engine.open_state(state_id) if state_id is not None else None
         template = self.template or getattr(engine.tokenizer, "chat_template", None) or ""
         self.thinks = turn.THINK_CLOSE in str(template)
@@ -185,6 +186,12 @@ class Chat:
             if role not in KNOWN_ROLES and not self._renders_role(role):
                 raise ConversationError(f"message {i} has role {role!r}, which the chat template does not render "
                                         f"(it would be dropped); use one of {sorted(KNOWN_ROLES)}")
+        if tools and not self._renders_tools():
+            raise ConversationError(
+                "this model's chat template does not render tools (Gemma 3's and Phi-3's do not): the model would "
+                "not see them, yet be made to call one. Give it a template that does (the tokenizer's "
+                "chat_template, or a chat format registered through register_chat_formats for its model_type), "
+                "or call without tools and describe them in the system message")
         for what, value in [*((f"message {i}", m) for i, m in enumerate(messages)),
                             *((f"tool {i}", t) for i, t in enumerate(tools or ()))]:
             try:
@@ -216,6 +223,23 @@ class Chat:
         texts = [json.dumps(m.get("tool_calls"), ensure_ascii=False) + str(m.get("content") or "")
                  if m.get("tool_calls") else str(m.get("content") or "") for m in messages]
         return len(self._markup(tool_text)) + sum(len(self._markup(t)) + overhead for t in texts)
+
+    def _renders_tools(self) -> bool:
+        """Whether the chat template writes the tools it is given (templates without a tools
+        section drop them without a word)."""
+        if self._tools_rendered is None:
+            marker = "hibana_tool_probe"
+            probe = {"type": "function", "function": {"name": marker, "description": "A probe.",
+                                                      "parameters": {"type": "object", "properties": {}}}}
+            kwargs = {"chat_template": self.template} if self.template else {}
+            try:
+                text = self.engine.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": "hi"}], tools=[probe], add_generation_prompt=True, tokenize=False,
+                    **kwargs)
+            except Exception:  # noqa: BLE001 - a template that refuses tools does not render them
+                text = ""
+            self._tools_rendered = marker in text
+        return self._tools_rendered
 
     def _renders_role(self, role: str) -> bool:
         """Whether the chat template writes a message of `role` (templates drop roles they do not

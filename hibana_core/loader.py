@@ -326,6 +326,10 @@ def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progr
             if isinstance(target, ConvertedTensor):
                 target.load(tensor)
             else:
+                if target.dtype.is_floating_point and not tensor.dtype.is_floating_point:  # a copy would cast it
+                    raise CheckpointError(f"{name} in {where} is {tensor.dtype}, where a floating-point weight "
+                                          "belongs (a quantized checkpoint needs its quantization_config); "
+                                          "the checkpoint is corrupt or its config is missing that section")
                 target.data.copy_(tensor)
             loaded.add(name)
     expected = set(params)

@@ -169,8 +169,12 @@ class _HarmonyStream(_Stream):
         """One message's body, by its channel and recipient; `cut`: the generation ended inside it."""
         if self._recipient is not None:
             if not self._recipient.startswith(FUNCTIONS):  # gpt-oss's built-ins (python, browser.*): not offered
-                self._reject(out, body, f"a message to {self._recipient!r}, not to an offered function "
-                                        f"({FUNCTIONS}NAME)", cut)
+                error = f"a message to {self._recipient!r}, not to an offered function ({FUNCTIONS}NAME)"
+                if self._channel == "analysis":  # the built-ins are called from the reasoning: it stays there
+                    self.reasoning += body
+                    self._errors.append(error)
+                else:
+                    self._reject(out, body, error, cut)
                 return
             name = self._recipient.removeprefix(FUNCTIONS)
             decoded = _decode_arguments(name, body)

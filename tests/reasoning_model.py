@@ -13,6 +13,11 @@ ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 """Added tokens that are not special, as in Qwen3's tokenizer (they are text to a grammar)."""
 
 TEMPLATE = """\
+{%- if tools -%}
+{{- "<|im_start|>system\\n# Tools\\n<tools>" -}}
+{%- for t in tools -%}{{- "\\n" + (t | tojson) -}}{%- endfor -%}
+{{- "\\n</tools><|im_end|>\\n" -}}
+{%- endif -%}
 {%- set ns = namespace(last_query=-1) -%}
 {%- for m in messages -%}{%- if m.role == "user" -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}{%- endfor -%}
 {%- for m in messages -%}

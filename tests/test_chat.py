@@ -609,3 +609,24 @@ def test_a_json_schema_beside_tools_is_refused_where_it_cannot_be_held(engine):
     with pytest.raises(GrammarError, match=r"not at #/properties/answer"):
         Chat(engine, "unheld").respond(HELLO, tools, SamplingParams(max_tokens=8, json_schema={
             "type": "object", "properties": {"answer": {"type": "integer", "not": {"const": 3}}}}))
+
+
+GEMMA_LIKE = ("{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n{% endfor %}"
+              "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def test_a_template_without_tools_refuses_tools_rather_than_hide_them(engine):
+    """A chat template with no tools section (Gemma 3's, Phi-3's) drops the tools it is given: the
+    model would not see them, yet the grammar would make it call one. Refused, with what to do;
+    the same chat answers without tools."""
+    from hibana_core.chat import ConversationError
+
+    chat = Chat(engine, "no-tools-template")
+    chat.template = GEMMA_LIKE
+    user = [{"role": "user", "content": "What's the weather in Oslo?"}]
+    for choice in ("auto", "required", "none"):
+        with pytest.raises(ConversationError, match="does not render tools.*register_chat_formats"):
+            chat.respond(user, [WEATHER], SamplingParams(max_tokens=4), tool_choice=choice)
+    assert chat.respond(user, params=SamplingParams(max_tokens=4)).usage.completion_tokens >= 1
+    assert "get_weather" in Chat(engine, "own-template").render_text(user, [WEATHER])  # the demo's renders them
+

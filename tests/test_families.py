@@ -239,6 +239,47 @@ def test_a_top_k_outside_the_experts_is_a_checkpoint_error(tmp_path, arch, top_k
         open_engine(path)
 
 
+@pytest.mark.parametrize("arch, edit, error, message", [
+    ("qwen3_moe", {"decoder_sparse_step": 0}, "CheckpointError", "decoder_sparse_step is 0"),
+    ("gpt_oss", {"sliding_window": 0}, "CheckpointError", "sliding_window is 0"),
+    ("gpt_oss", {"sliding_window": -4}, "CheckpointError", "sliding_window is -4"),
+    ("gpt_oss", {"sliding_window": None}, "CheckpointError", "sliding_window is None"),
+    ("gemma3", {"layer_types": ["chunked_attention", "full_attention"]}, "UnsupportedModelError",
+     "chunked_attention"),
+])
+def test_a_config_that_cannot_be_run_as_written_is_refused(tmp_path, arch, edit, error, message):
+    """Values transformers itself fails on (or, for a layer type, would run otherwise) are refused
+    by name at load: they ran as full attention, or as a ZeroDivisionError."""
+    import json
+
+    import hibana_core
+
+    path = make_tiny_checkpoint(arch, tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    if "layer_types" in edit:
+        edit = {"layer_types": (edit["layer_types"] * config["num_hidden_layers"])[:config["num_hidden_layers"]]}
+    (path / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(getattr(hibana_core, error), match=message):
+        open_engine(path)
+
+
+def test_integer_weights_where_floats_belong_are_refused(tmp_path):
+    """A checkpoint's int32 tensor for a float weight (a quantized checkpoint without its config, or
+    a corrupt one) is refused; a copy would have cast its values without a word."""
+    from safetensors.torch import load_file, save_file
+
+    from hibana_core import CheckpointError
+
+    path = make_tiny_checkpoint("qwen3_moe", tmp_path / "m")
+    [file] = path.glob("*.safetensors")
+    tensors = load_file(file)
+    name = next(n for n in tensors if "experts" in n)
+    tensors[name] = tensors[name].to(torch.int32)
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="int32"):
+        open_engine(path)
+
+
 def test_the_llama_family_reads_its_mlp_activation(tmp_path, make_engine):
     """transformers' llama-family MLP applies ACT2FN[hidden_act], silu only by default: a
     gelu-tanh one runs gelu-tanh (it once ran silu whatever the config said)."""

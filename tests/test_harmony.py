@@ -85,9 +85,14 @@ def test_registered_as_gpt_oss_chat_format_and_parser():
 
 HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>"]
 
-# a small harmony template for the tiny checkpoint (gpt-oss checkpoints ship their own): messages
-# as harmony writes them, tool calls as commentary messages to functions.NAME, results from them
+# a small harmony template for the tiny checkpoint (gpt-oss checkpoints ship their own): the tools
+# in a developer message, messages as harmony writes them, tool calls as commentary messages to
+# functions.NAME, results from them
 HARMONY_TEMPLATE = (
+    "{%- if tools -%}<|start|>developer<|message|># Tools\n\n## functions\n\nnamespace functions {\n"
+    "{%- for t in tools -%}\n// {{ t.function.description }}\ntype {{ t.function.name }} = "
+    "(_: {{ t.function.parameters | tojson }}) => any;\n{%- endfor -%}\n} // namespace functions<|end|>"
+    "{%- endif -%}"
     "{%- for m in messages -%}"
     "{%- if m.role == 'assistant' and m.tool_calls -%}"
     "{%- for c in m.tool_calls -%}"
@@ -182,6 +187,22 @@ def test_a_message_to_a_builtin_tool_is_no_call_of_an_offered_function():
     text = '<|channel|>commentary to=python <|constrain|>json<|message|>{"code": "rm -rf /"}<|call|>'
     parsed = HarmonyToolParser().parse(text)
     assert not parsed.tool_calls
+
+
+@pytest.mark.parametrize("recipient", ["python code", "browser.search"])
+def test_a_builtin_tool_called_from_the_reasoning_stays_reasoning(recipient):
+    """gpt-oss calls its built-ins from the analysis channel: with no tools offered (so no grammar)
+    such a message is reasoning, never the turn's content, and the turn is told what it asked for."""
+    from hibana_plugins.harmony import HarmonyToolParser
+
+    text = ("<|channel|>analysis<|message|>Need to compute.<|end|><|start|>assistant<|channel|>analysis "
+            f"to={recipient}<|message|>import os; print(os.environ)<|call|>")
+    parsed = HarmonyToolParser().parse(text)
+    assert parsed.content == "" and not parsed.tool_calls
+    assert "not to an offered function" in parsed.error
+    stream = HarmonyToolParser().stream()
+    stream.feed(text)
+    assert stream.finish() == parsed and "os.environ" in stream.reasoning
 
 
 # --- markers the model spells with ordinary tokens are text -----------------------------------------

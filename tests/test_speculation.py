@@ -217,10 +217,11 @@ def test_drafts_share_a_small_token_budget(tiny_checkpoints, make_engine):
 
 # --- 3. after rejections the KV is what a run without speculation holds ---------------------------
 
-KV_ATOL = 1e-5
-"""Float32 on the CPU: a token's KV computed in a multi-token verify step runs matmuls of other
-shapes than a one-token decode, so its sums may round differently (observed ~1e-6); a KV row
-of a wrong token or position differs by ~1e-1."""
+KV_ATOL = 1e-4
+"""Float32 on the CPU: a token's KV computed in a multi-token verify step, or beside other
+states' tokens (which batch they share is the threads' timing), runs matmuls of other shapes
+than a one-token decode, so its sums may round differently (observed up to 1.06e-5 in a full
+run under two workers); a KV row of a wrong token or position differs by ~1e-1."""
 
 
 def kv_rows(engine, seq, n: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import hibana_kernels as kernels
-from hibana_core.errors import UnsupportedModelError
+from hibana_core.errors import CheckpointError, UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.models.moe import Experts, MoEArgs, SparseMoE
 
@@ -185,10 +185,23 @@ def sliding_windows(config: Any) -> tuple[int | None, ...]:
     window, num_layers = getattr(config, "sliding_window", None), config.num_hidden_layers
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
+        unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+        if unknown:
+            raise UnsupportedModelError(f"layer_types {unknown} are not supported; Hibana runs 'full_attention' "
+                                        "and 'sliding_attention' layers")
+        if "sliding_attention" in layer_types:
+            _check_window(window)
         return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
-    if not getattr(config, "use_sliding_window", True):
+    if not getattr(config, "use_sliding_window", True) or window is None:
         return (None,) * num_layers
+    _check_window(window)
     return (window,) * num_layers
+
+
+def _check_window(window: Any) -> None:
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise CheckpointError(f"config.json's sliding_window is {window!r}; sliding-window layers need a positive "
+                              "number of tokens (the config is corrupt)")
 
 
 @dataclass(frozen=True)

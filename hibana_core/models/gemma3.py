@@ -14,7 +14,7 @@ from typing import Any
 
 from hibana_core.errors import UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
-from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM, Rope
+from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM, Rope, sliding_windows
 
 MODEL_TYPES = ("gemma3_text", "gemma3")
 
@@ -31,6 +31,7 @@ def args_from_config(config: Any) -> DecoderArgs:
     if getattr(text, "use_bidirectional_attention", False):
         raise UnsupportedModelError("bidirectional Gemma 3 text models (use_bidirectional_attention) are "
                                     "encoders, not generators; Hibana serves causal decoders")
+    sliding_windows(text)  # refuses layer kinds and windows it cannot run, before their ropes are looked up
     head_dim = text.head_dim
     # only the layer kinds' entries: a flat rope_parameters given to the config stays beside
     # them, and transformers' Gemma 3 reads the per-kind ones alone

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hibana_core.errors import UnsupportedModelError
+from hibana_core.errors import CheckpointError, UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM
 from hibana_core.models.moe import MoEArgs
@@ -22,10 +22,14 @@ def args_from_config(config: Any) -> DecoderArgs:
         raise UnsupportedModelError(f"qwen3_moe with hidden_act {config.hidden_act!r} is not supported; "
                                     "its experts run SwiGLU (hidden_act 'silu')")
     dense_only = set(getattr(config, "mlp_only_layers", None) or ())
+    step = config.decoder_sparse_step
+    if config.num_experts > 0 and (isinstance(step, bool) or not isinstance(step, int) or step <= 0):
+        raise CheckpointError(f"config.json's decoder_sparse_step is {step!r}; it must be a positive integer "
+                              "(every how many layers one is a MoE layer; 1: all)")
     moe = MoEArgs(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
                   intermediate_size=config.moe_intermediate_size, renormalize=bool(config.norm_topk_prob),
                   layers=tuple(i not in dense_only and config.num_experts > 0
-                               and (i + 1) % config.decoder_sparse_step == 0 for i in range(config.num_hidden_layers)))
+                               and (i + 1) % step == 0 for i in range(config.num_hidden_layers)))
     return DecoderArgs.from_config(config, mlp_bias=False, qk_norm=True, moe=moe)
 
 
