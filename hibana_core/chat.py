@@ -478,7 +478,12 @@ class Chat:
                 params = dataclasses.replace(params, json_schema=None, grammar=grammar)
         elif tool_choice == "none" and listed and not params.constrained:  # the model sees tools it may not call
             params = dataclasses.replace(params, grammar=turn.no_call_grammar(self.parser, self.parser_name))
-        stream = self.parser.stream() if parse_tools else turn.PlainText()
+        if parse_tools:
+            stream = self.parser.stream()
+        elif getattr(self.parser, "splits_channels", False):  # harmony: its channels are the format, calls or not
+            stream = self.parser.stream(calls=False)
+        else:
+            stream = turn.PlainText()
         return turn.TurnRun(self.prompt_ids(messages, tools, reasoning_history), prefill, params, stream,
                             self._encode, timeout, max_calls=None if parallel_tool_calls else 1, thinking=thinking)
 

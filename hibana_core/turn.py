@@ -319,6 +319,7 @@ class TurnRun:
         self.stopped = False       # the turn ended its request itself (`stop_now`)
         self.called_tools = False  # the turn ended in tool calls (set by `finish`)
         self.logprobs: "list[TokenLogprob] | None" = [] if params.logprobs else None
+        self._reasoned = 0         # how much of the parser's own reasoning (harmony's analysis) was streamed
 
     def begin(self) -> tuple[list[ChatDelta], TurnRequest]:
         deltas = self._feed(self.prefill)
@@ -346,7 +347,7 @@ class TurnRun:
             deltas = [ChatDelta(reasoning=thought)] if thought else []
             deltas += self._deltas(self.stream.feed(answer)) if answer and not self.full else []
         closing = self._deltas(self.stream.close())
-        deltas += closing
+        deltas += self._parser_reasoning() + closing
         usage = dataclasses.replace(self.usage, completion_tokens=self.generated)
         parsed = self.stream.finish()
         if self.max_calls is not None:
@@ -376,10 +377,18 @@ class TurnRun:
         if not text or self.full:
             return []
         if self.thinking is None:
-            return self._deltas(self.stream.feed(text))
+            pieces = self.stream.feed(text)
+            return self._parser_reasoning() + self._deltas(pieces)
         thought, answer = self.thinking.feed(text)
         deltas = [ChatDelta(reasoning=thought)] if thought else []
         return deltas + (self._deltas(self.stream.feed(answer)) if answer else [])
+
+    def _parser_reasoning(self) -> list[ChatDelta]:
+        """What the parser kept apart as reasoning since last asked (harmony's analysis), as it comes;
+        the parser decides the channels, so it comes before the text it was fed with."""
+        reasoning = getattr(self.stream, "reasoning", "")
+        new, self._reasoned = reasoning[self._reasoned:], len(reasoning)
+        return [ChatDelta(reasoning=new)] if new else []
 
     def _deltas(self, pieces: list) -> list[ChatDelta]:
         out = []

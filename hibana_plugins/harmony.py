@@ -95,14 +95,16 @@ class _HarmonyStream(_Stream):
     message; `_channel` and `_recipient` say where its body goes). The analysis bodies are kept
     apart as `reasoning`. Markers count where `_markers` says they are markers only."""
 
-    def __init__(self) -> None:
+    def __init__(self, calls: bool = True) -> None:
         super().__init__()
         self._mode = "header"
         self._channel: str | None = None
         self._recipient: str | None = None
         self._markers = _Markers()
         self._start = 0  # where `_buffer` starts in the text fed
+        self._calls_allowed = calls
         self.reasoning = ""
+        """The analysis messages' bodies so far (one line break between two), as they come."""
 
     def feed(self, text_delta: str) -> list[str | ToolCallDelta]:
         self._markers.add(text_delta)
@@ -113,17 +115,24 @@ class _HarmonyStream(_Stream):
             if self._mode == "header":
                 at = self._find(MESSAGE)
                 if at < 0:
-                    if final:  # no harmony markup (or a header cut off): plain content
-                        self._text(out, self._take(len(self._buffer)))
+                    if final:  # no harmony markup: plain content; a header max_tokens cut: dropped
+                        cut = min((at for m in (START, CHANNEL) if (at := self._find(m)) >= 0),
+                                  default=len(self._buffer))
+                        self._text(out, self._take(cut))
+                        self._take(len(self._buffer))
                     return
                 self._read_header(at)
                 self._take(at + len(MESSAGE))
                 self._mode = "body"
+                if self._streams_reasoning() and self.reasoning:
+                    self.reasoning += "\n"
             end, marker = self._first_end()
-            if end < 0 and not final:
-                if self._streams_text():  # text as it comes, less what may begin an end marker
-                    keep = max(partial_tag_length(self._buffer, m) for m in MESSAGE_ENDS)
+            if end < 0 and not final:  # the body as it comes, less what may begin an end marker
+                keep = max(partial_tag_length(self._buffer, m) for m in MESSAGE_ENDS)
+                if self._streams_text():
                     self._text(out, self._take(len(self._buffer) - keep))
+                elif self._streams_reasoning():
+                    self.reasoning += self._take(len(self._buffer) - keep)
                 return
             body = self._take(len(self._buffer) if end < 0 else end)
             self._take(len(marker))
@@ -165,6 +174,10 @@ class _HarmonyStream(_Stream):
     def _streams_text(self) -> bool:
         return self._recipient is None and self._channel != "analysis"
 
+    def _streams_reasoning(self) -> bool:
+        """An analysis message that is no call of a function (a built-in's is reasoning too)."""
+        return self._channel == "analysis" and not (self._recipient or "").startswith(FUNCTIONS)
+
     def _end_message(self, out: list, body: str, cut: bool = False) -> None:
         """One message's body, by its channel and recipient; `cut`: the generation ended inside it."""
         if self._recipient is not None:
@@ -177,6 +190,9 @@ class _HarmonyStream(_Stream):
                     self._reject(out, body, error, cut)
                 return
             name = self._recipient.removeprefix(FUNCTIONS)
+            if not self._calls_allowed:
+                self._reject(out, body, f"a call of {name!r}, where no tools may be called", cut)
+                return
             decoded = _decode_arguments(name, body)
             if decoded.error is None:
                 self._accept(out, decoded)
@@ -269,8 +285,14 @@ class HarmonyToolParser:
         stream.feed(text)
         return stream.finish()
 
-    def stream(self) -> ToolCallStream:
-        return _HarmonyStream()
+    splits_channels = True
+    """Its stream is the format's reader, not only the calls' (the chat layer uses it without
+    tools too, with `calls=False`)."""
+
+    def stream(self, calls: bool = True) -> ToolCallStream:
+        """`calls=False`: no tools were offered (or none may be called): a message to a function
+        is content with an error, not a call."""
+        return _HarmonyStream(calls)
 
     def tool_call_grammar(self, tools: list[dict], tool_choice: str, parallel: bool) -> dict:
         """The turn's grammar (module docstring): "auto" leaves the model its messages and holds a

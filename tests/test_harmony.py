@@ -553,10 +553,12 @@ def test_auto_leaves_the_messages_free_and_holds_a_call(harmony_engine, seed):
 
 
 def test_tool_choice_none_holds_nothing(harmony_engine):
-    """"none": no grammar, the output is not read as calls (a forced call to a tool never offered,
-    which a grammar would refuse, is text)."""
+    """"none": the output is not read as calls (a forced call to a tool never offered, which a
+    grammar would refuse, is its body as text, and an error), but still read as harmony: no markup
+    in the content."""
     from hibana_core import SamplingParams
     from hibana_core.chat import Chat
+    from hibana_core.chat import MALFORMED
     from hibana_core.speculation import force_outputs
     from test_chat import HELLO, WEATHER
 
@@ -565,7 +567,8 @@ def test_tool_choice_none_holds_nothing(harmony_engine):
     chat = Chat(harmony_engine, "none")
     force_outputs(chat.handle, ids)
     result = chat.respond(HELLO, [WEATHER], SamplingParams(max_tokens=len(ids)), tool_choice="none")
-    assert (result.text, result.tool_calls, result.finish_reason) == (text, [], "stop")
+    assert (result.text, result.tool_calls) == ('{"path": "/"}', [])
+    assert "where no tools may be called" in result.error and result.finish_reason == MALFORMED
 
 
 def test_a_tool_name_a_recipient_cannot_hold_is_refused(harmony_engine):
@@ -667,3 +670,55 @@ def test_a_requests_reasoning_effort_reaches_the_harmony_template(harmony_engine
     call = chat_call(ChatRequest(model="gpt-oss", messages=messages, reasoning_effort=effort), None, 1024)
     text = Chat(harmony_engine).render_text(messages, reasoning=call.reasoning, effort=call.effort)
     assert text.startswith(f"<|start|>system<|message|>Reasoning: {written}<|end|>")
+
+
+# --- harmony without tools: the channels are still the format ---------------------------------------
+
+THOUGHT_AND_ANSWER = ("<|channel|>analysis<|message|>First thought.<|end|><|start|>assistant<|channel|>analysis"
+                      "<|message|>Second thought.<|end|><|start|>assistant<|channel|>final<|message|>It is sunny.")
+
+
+def forced_chat(engine, name: str, text: str):
+    from hibana_core.chat import Chat
+    from hibana_core.speculation import force_outputs
+
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    chat = Chat(engine, name)
+    force_outputs(chat.handle, ids)
+    return chat, len(ids)
+
+
+@pytest.mark.parametrize("tools", ["no-tools", "none"])
+def test_a_turn_without_tools_is_split_into_its_channels(harmony_engine, tools):
+    """With no tools (or tool_choice "none") the reply is still harmony: the answer is the content,
+    the analysis messages the reasoning (a line apart), streamed as they come, and the reply
+    renders back for the next turn (raw markup in it was refused there)."""
+    from hibana_core import SamplingParams
+    from test_chat import HELLO, WEATHER
+
+    chat, n = forced_chat(harmony_engine, f"plain-{tools}", THOUGHT_AND_ANSWER + "<|return|>")
+    offered = dict(tools=[WEATHER], tool_choice="none") if tools == "none" else {}
+    deltas = list(chat.stream_respond(HELLO, params=SamplingParams(max_tokens=n), **offered))
+    result = deltas[-1].result
+    assert (result.text, result.reasoning, result.error) == ("It is sunny.", "First thought.\nSecond thought.", None)
+    streamed = [d.reasoning for d in deltas[:-1] if d.reasoning]
+    assert "".join(streamed) == result.reasoning and len(streamed) > 1  # as the analysis came
+    first_text = next(i for i, d in enumerate(deltas) if d.text)
+    assert all(i < first_text for i, d in enumerate(deltas) if d.reasoning)
+    history = [*HELLO, {"role": "assistant", "content": result.text}, {"role": "user", "content": "And tomorrow?"}]
+    chat.render_text(history)  # the next turn renders
+
+
+def test_a_header_cut_by_max_tokens_leaves_no_markup_in_the_content(harmony_engine):
+    from hibana_core import SamplingParams
+    from test_chat import HELLO
+
+    text = "<|channel|>analysis<|message|>Thinking.<|end|><|start|>assistant<|channel|>final<|message|>Done.<|return|>"
+    ids = harmony_engine.tokenizer.encode(text, add_special_tokens=False)
+    marker = harmony_engine.tokenizer.convert_tokens_to_ids("<|start|>")
+    for cut in range(1, len(ids)):
+        chat, _ = forced_chat(harmony_engine, f"cut-{cut}", text)
+        result = chat.respond(HELLO, params=SamplingParams(max_tokens=cut))
+        assert "<|" not in result.text and "<|" not in result.reasoning, (cut, result.text)
+        if marker in ids[:cut]:  # the analysis message ended
+            assert result.reasoning == "Thinking."
