@@ -181,6 +181,9 @@ class Chat:
             kwargs["enable_thinking"] = reasoning
 
         messages, tools = self._prepare(normalize_messages(messages)), normalize_tools(tools)
+        if tools:  # OpenAI's description is optional; templates (gpt-oss's) read it unguarded
+            tools = [t if "description" in t["function"] else {**t, "function": {**t["function"], "description": ""}}
+                     for t in tools]
         check_tool_results(messages)
         for i, role in enumerate(m["role"] for m in messages):
             if role not in KNOWN_ROLES and not self._renders_role(role):

@@ -45,6 +45,7 @@ from __future__ import annotations
 import json
 import re
 
+from hibana_core.errors import ConversationError
 from hibana_core.messages import ToolSchemaError
 from hibana_core.turn import arguments_schema
 from hibana_plugins.hookspecs import GeneratedText, ParsedOutput, Span, ToolCallDelta, ToolCallStream, hookimpl
@@ -325,11 +326,45 @@ class HarmonyChatFormat:
 
     @staticmethod
     def prepare_messages(messages: list[dict]) -> list[dict]:
-        """A call's turn that wrote analysis and a preamble (content) both: gpt-oss's template
-        renders one analysis message before a call and refuses the two, so the preamble is left
-        out and the analysis kept (the model's own tokens up to the call, reused as they are)."""
-        return [{**m, "content": ""} if m.get("role") == "assistant" and m.get("tool_calls") and m.get("content")
-                and any(m.get(key) for key in REASONING_KEYS) else m for m in messages]
+        """What gpt-oss's template would render unfaithfully, made faithful or refused:
+
+        - a call's turn that wrote analysis and a preamble (content) both: the template renders
+          one analysis message before a call and refuses the two, so the preamble is left out and
+          the analysis kept (the model's own tokens up to the call, reused as they are);
+        - a turn of several calls (another model's, or a client's): the template renders the first
+          call alone and names every result after the last call, so each call becomes a message of
+          its own followed by its result (by tool_call_id, else in order), as harmony writes them;
+        - a system message after the conversation began: the template drops it (ConversationError)."""
+        out: list[dict] = []
+        i = 0
+        while i < len(messages):
+            m = messages[i]
+            if m.get("role") == "system" and any(o.get("role") not in ("system", "developer") for o in out):
+                raise ConversationError(f"message {i} is a system message after the conversation began, which "
+                                        "gpt-oss's template drops; put system messages first")
+            if m.get("role") == "assistant" and m.get("tool_calls") and m.get("content") \
+                    and any(m.get(key) for key in REASONING_KEYS):
+                m = {**m, "content": ""}
+            calls = m.get("tool_calls") or []
+            if m.get("role") != "assistant" or len(calls) < 2:
+                out.append(m)
+                i += 1
+                continue
+            results = []
+            i += 1
+            while i < len(messages) and messages[i].get("role") == "tool":
+                results.append(messages[i])
+                i += 1
+            by_id = {r.get("tool_call_id"): r for r in results if r.get("tool_call_id")}
+            unmatched = [r for r in results if r.get("tool_call_id") not in {c.get("id") for c in calls}]
+            for n, call in enumerate(calls):
+                out.append({**m, "tool_calls": [call]} if n == 0 else {"role": "assistant", "content": "",
+                                                                         "tool_calls": [call]})
+                result = by_id.get(call.get("id")) or (unmatched.pop(0) if unmatched else None)
+                if result is not None:
+                    out.append(result)
+            out.extend(unmatched)
+        return out
 
 
 @hookimpl

@@ -630,3 +630,13 @@ def test_a_template_without_tools_refuses_tools_rather_than_hide_them(engine):
     assert chat.respond(user, params=SamplingParams(max_tokens=4)).usage.completion_tokens >= 1
     assert "get_weather" in Chat(engine, "own-template").render_text(user, [WEATHER])  # the demo's renders them
 
+
+
+def test_a_tool_without_a_description_renders(engine):
+    """OpenAI's description is optional, and templates (gpt-oss's) read it unguarded: a tool
+    without one reaches the template with an empty description, not a Jinja error."""
+    chat = Chat(engine, "no-description")
+    chat.template = ("{% for t in tools %}{{ t.function.name }}: {{ t.function.description.strip() }}\n{% endfor %}"
+                     + GEMMA_LIKE)
+    bare = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+    assert "lookup: \n" in chat.render_text([{"role": "user", "content": "hi"}], [bare])

@@ -722,3 +722,29 @@ def test_a_header_cut_by_max_tokens_leaves_no_markup_in_the_content(harmony_engi
         assert "<|" not in result.text and "<|" not in result.reasoning, (cut, result.text)
         if marker in ids[:cut]:  # the analysis message ended
             assert result.reasoning == "Thinking."
+
+
+def test_a_turn_of_several_calls_becomes_harmony_messages_each_with_its_result():
+    """gpt-oss's template renders one call a message (and names results after the last call): a
+    turn of two calls (another model's history) becomes call, its result, call, its result,
+    matched by tool_call_id whatever order the results came in; a late system message, which
+    the template drops, is refused."""
+    from hibana_core.errors import ConversationError
+    from hibana_plugins.harmony import HarmonyChatFormat
+
+    def call(i, name):
+        return {"id": f"c{i}", "type": "function", "function": {"name": name, "arguments": {}}}
+
+    user = {"role": "user", "content": "hi"}
+    turn = {"role": "assistant", "content": "", "reasoning_content": "Two lookups.",
+            "tool_calls": [call(1, "get_weather"), call(2, "multiply")]}
+    results = [{"role": "tool", "tool_call_id": "c2", "content": "42"},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    prepared = HarmonyChatFormat.prepare_messages([user, turn, *results, {"role": "user", "content": "thanks"}])
+    assert [(m["role"], [c["id"] for c in m.get("tool_calls", [])], m.get("tool_call_id")) for m in prepared] == [
+        ("user", [], None), ("assistant", ["c1"], None), ("tool", [], "c1"), ("assistant", ["c2"], None),
+        ("tool", [], "c2"), ("user", [], None)]
+    assert prepared[1]["reasoning_content"] == "Two lookups." and "reasoning_content" not in prepared[3]
+    with pytest.raises(ConversationError, match="system message after"):
+        HarmonyChatFormat.prepare_messages([user, {"role": "system", "content": "late"}])
+    assert HarmonyChatFormat.prepare_messages([{"role": "system", "content": "x"}, user])[0]["role"] == "system"
