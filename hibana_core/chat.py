@@ -481,6 +481,15 @@ class Chat:
                 params = dataclasses.replace(params, json_schema=None, grammar=grammar)
         elif tool_choice == "none" and listed and not params.constrained:  # the model sees tools it may not call
             params = dataclasses.replace(params, grammar=turn.no_call_grammar(self.parser, self.parser_name))
+        if params.json_schema is not None and answer is None:  # the answer's schema, held after the reasoning
+            own = getattr(self.parser, "answer_grammar", None) if getattr(self.parser, "splits_channels", False) else None
+            if own is not None:
+                params = dataclasses.replace(params, json_schema=None, grammar=own(params.json_schema))
+            elif thinking is not None:
+                answer_only = {"type": "structural_tag",
+                               "format": {"type": "json_schema", "json_schema": params.json_schema}}
+                params = dataclasses.replace(params, json_schema=None,
+                                             grammar=turn.after_thinking(answer_only, "required", open_in_prompt))
         if parse_tools:
             stream = self.parser.stream()
         elif getattr(self.parser, "splits_channels", False):  # harmony: its channels are the format, calls or not

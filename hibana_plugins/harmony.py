@@ -295,6 +295,15 @@ class HarmonyToolParser:
         is content with an error, not a call."""
         return _HarmonyStream(calls)
 
+    def answer_grammar(self, schema: dict) -> dict:
+        """A turn whose answer follows a JSON schema (response_format, no tools): one analysis
+        message of ANALYSIS_TOKENS at most, as before a required call, then the answer as the
+        final message (held from the first token, gpt-oss would answer in a form it never saw)."""
+        analysis = _then_next(_message("analysis", END, ANALYSIS_TOKENS))
+        answer = _sequence(_token(CHANNEL), _text("final"), _token(MESSAGE),
+                           {"type": "json_schema", "json_schema": schema}, _token(RETURN))
+        return {"type": "structural_tag", "format": _sequence({"type": "optional", "content": analysis}, answer)}
+
     def tool_call_grammar(self, tools: list[dict], tool_choice: str, parallel: bool) -> dict:
         """The turn's grammar (module docstring): "auto" leaves the model its messages and holds a
         call it writes; "required" or a tool's name: a call (the named tool's), after one bounded

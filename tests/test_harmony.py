@@ -748,3 +748,16 @@ def test_a_turn_of_several_calls_becomes_harmony_messages_each_with_its_result()
     with pytest.raises(ConversationError, match="system message after"):
         HarmonyChatFormat.prepare_messages([user, {"role": "system", "content": "late"}])
     assert HarmonyChatFormat.prepare_messages([{"role": "system", "content": "x"}, user])[0]["role"] == "system"
+
+
+def test_an_answer_schema_without_tools_is_the_final_message_after_the_analysis(harmony_engine):
+    """response_format on gpt-oss: an analysis message, then the JSON as the final message (held
+    from the first token, the model would have written JSON straight after the header's start)."""
+    from hibana_core import SamplingParams
+    from test_chat import HELLO
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    text = "<|channel|>analysis<|message|>Pick one.<|end|><|start|>assistant<|channel|>final<|message|>{\"n\": 5}"
+    chat, n = forced_chat(harmony_engine, "answer-schema", text + "<|return|>")
+    result = chat.respond(HELLO, params=SamplingParams(max_tokens=n, json_schema=schema))
+    assert (result.text, result.reasoning, result.error) == ('{"n": 5}', "Pick one.", None)

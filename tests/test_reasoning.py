@@ -155,3 +155,19 @@ def test_an_answer_schema_beside_tools_waits_for_the_thinking(engine, reply):
         assert result.text == body and not result.tool_calls and result.finish_reason == "stop"
     else:
         assert [(c.name, c.arguments) for c in result.tool_calls] == [("get_weather", {"city": "Paris"})]
+
+
+@pytest.mark.parametrize("tools", ["no-tools", "none"])
+def test_an_answer_schema_without_tools_waits_for_the_thinking(engine, tools):
+    """response_format without tools (or with tool_choice "none") on a reasoning model: the think
+    block first, then the answer under the schema (the schema held from the first token made the
+    model skip its thinking, and a forced think block was a GrammarError)."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    thought = 'Maybe {"answer": 3} will do.'
+    state = f"answer-only-{tools}"
+    n = force(engine, state, f'<think>\n{thought}\n</think>\n\n{{"answer": "sunny"}}<|im_end|>')
+    offered = {} if tools == "no-tools" else dict(tools=[{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": {}}}}], tool_choice="none")
+    result = Chat(engine, state).respond([{"role": "user", "content": "weather in Paris?"}],
+                                         params=SamplingParams(max_tokens=n, json_schema=schema), **offered)
+    assert (result.reasoning, result.text, result.finish_reason) == (thought, '{"answer": "sunny"}', "stop")
