@@ -237,6 +237,8 @@ class Thinking:
         self.mode = "thinking" if open_in_prompt else "start"   # start, thinking, after, answer
         self.held = ""
         self.reasoning = ""
+        self._spaces = ""      # whitespace at the end of the thinking streamed so far, held back
+        self._spoken = False   # whether any thinking was streamed (whitespace before it is dropped)
 
     def feed(self, delta: str) -> tuple[str, str]:
         """(thinking, answer) pieces of `delta`."""
@@ -265,15 +267,26 @@ class Thinking:
         if self.mode == "answer":
             answer = text
         self.reasoning += thinking
-        return thinking, answer
+        return self._streamed(thinking, ended=self.mode != "thinking"), answer
 
     def close(self) -> tuple[str, str]:
         """What was held back at the end of the turn (thinking cut off by max_tokens stays thinking)."""
         held, self.held = self.held, ""
         if self.mode == "thinking":
             self.reasoning += held
-            return held, ""
+            return self._streamed(held, ended=True), ""
         return "", held if self.mode != "after" else ""
+
+    def _streamed(self, thinking: str, ended: bool) -> str:
+        """`thinking` as streamed: the pieces join to `text` (stripped), so a stream's reasoning
+        equals the result's: leading whitespace dropped, trailing held until more text follows."""
+        piece = self._spaces + thinking
+        if not self._spoken:
+            piece = piece.lstrip()
+        kept = piece.rstrip()
+        self._spaces = "" if ended else piece[len(kept):]
+        self._spoken = self._spoken or bool(kept)
+        return kept
 
     @property
     def text(self) -> str:

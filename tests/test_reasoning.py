@@ -171,3 +171,21 @@ def test_an_answer_schema_without_tools_waits_for_the_thinking(engine, tools):
     result = Chat(engine, state).respond([{"role": "user", "content": "weather in Paris?"}],
                                          params=SamplingParams(max_tokens=n, json_schema=schema), **offered)
     assert (result.reasoning, result.text, result.finish_reason) == (thought, '{"answer": "sunny"}', "stop")
+
+
+def test_streamed_thinking_joins_to_the_results_reasoning():
+    """However the text is cut into deltas, the thinking streamed joins to the result's (stripped)
+    reasoning: the newlines around the think block are not streamed either."""
+    from hibana_core.turn import Thinking
+
+    text = "<think>\n\nA thought,  with  spaces.\n\n more \n</think>\n\nAnswer"
+    for seed in range(200):
+        rng = random.Random(seed)
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, 12)))
+        thinking, streamed, answer = Thinking(), "", ""
+        for piece in (text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])):
+            thought, said = thinking.feed(piece)
+            streamed, answer = streamed + thought, answer + said
+        thought, said = thinking.close()
+        assert (streamed + thought, answer + said) == (thinking.text, "Answer") == \
+            ("A thought,  with  spaces.\n\n more", "Answer"), cuts
