@@ -209,12 +209,16 @@ def choice_calls(call: ChatCall) -> list[ChatCall]:
 
 
 def contents_given(messages: list[dict]) -> None:
-    """OpenAI's rule: a system, developer, user or tool message has content (an assistant's may
-    hold calls only); rendered without it, the model would read an empty turn."""
+    """OpenAI's rules: a system, developer, user or tool message has content (an assistant's may
+    hold calls only), rendered without it the model would read an empty turn; a tool message
+    names the call it answers (`tool_call_id`)."""
     for i, message in enumerate(messages):
         if message.get("role") in ("system", "developer", "user", "tool") and message.get("content") is None:
             raise ApiError(400, f"messages[{i}] is a {message['role']} message without content; give it a string "
                                 "or a list of text parts", "messages")
+        if message.get("role") == "tool" and not message.get("tool_call_id"):
+            raise ApiError(400, f"messages[{i}] is a tool message without tool_call_id; give the id of the call "
+                                "it answers", "messages")
 
 
 def function_tools(tools: list[dict] | None) -> list[dict] | None:
