@@ -323,6 +323,7 @@ class HarmonyToolParser:
 
 # the names a message's reasoning goes by; transformers hands any of them to templates as `thinking`
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+INSTRUCTION_ROLES = ("system", "developer")
 
 
 class HarmonyChatFormat:
@@ -343,14 +344,24 @@ class HarmonyChatFormat:
         - a turn of several calls (another model's, or a client's): the template renders the first
           call alone and names every result after the last call, so each call becomes a message of
           its own followed by its result (by tool_call_id, else in order), as harmony writes them;
-        - a system message after the conversation began: the template drops it (ConversationError)."""
+        - system and developer messages: the template renders the first message alone as the
+          instructions, so leading ones are joined into it (a line apart) and a later one, which it
+          would drop, is a ConversationError."""
         out: list[dict] = []
         i = 0
         while i < len(messages):
             m = messages[i]
-            if m.get("role") == "system" and any(o.get("role") not in ("system", "developer") for o in out):
-                raise ConversationError(f"message {i} is a system message after the conversation began, which "
-                                        "gpt-oss's template drops; put system messages first")
+            if m.get("role") in INSTRUCTION_ROLES:
+                if len(out) > 1 or out and out[0].get("role") not in INSTRUCTION_ROLES:
+                    raise ConversationError(f"message {i} is a {m['role']} message after the conversation began, "
+                                            "which gpt-oss's template drops; put system messages first")
+                if out:
+                    if not (isinstance(out[0].get("content"), str) and isinstance(m.get("content"), str)):
+                        raise ConversationError(f"message {i} is a second {m['role']} message, which gpt-oss's "
+                                                "template drops; give one system message")
+                    out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + m["content"]}
+                    i += 1
+                    continue
             if m.get("role") == "assistant" and m.get("tool_calls") and m.get("content") \
                     and any(m.get(key) for key in REASONING_KEYS):
                 m = {**m, "content": ""}

@@ -728,7 +728,7 @@ def test_a_turn_of_several_calls_becomes_harmony_messages_each_with_its_result()
     """gpt-oss's template renders one call a message (and names results after the last call): a
     turn of two calls (another model's history) becomes call, its result, call, its result,
     matched by tool_call_id whatever order the results came in; a late system message, which
-    the template drops, is refused."""
+    the template drops, is refused, and leading ones (it renders the first alone) are joined."""
     from hibana_core.errors import ConversationError
     from hibana_plugins.harmony import HarmonyChatFormat
 
@@ -747,7 +747,8 @@ def test_a_turn_of_several_calls_becomes_harmony_messages_each_with_its_result()
     assert prepared[1]["reasoning_content"] == "Two lookups." and "reasoning_content" not in prepared[3]
     with pytest.raises(ConversationError, match="system message after"):
         HarmonyChatFormat.prepare_messages([user, {"role": "system", "content": "late"}])
-    assert HarmonyChatFormat.prepare_messages([{"role": "system", "content": "x"}, user])[0]["role"] == "system"
+    leading = [{"role": "system", "content": "A."}, {"role": "developer", "content": "B."}, user]
+    assert HarmonyChatFormat.prepare_messages(leading) == [{"role": "system", "content": "A.\n\nB."}, user]
 
 
 def test_an_answer_schema_without_tools_is_the_final_message_after_the_analysis(harmony_engine):
