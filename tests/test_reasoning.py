@@ -72,9 +72,10 @@ def test_thinking_apart_in_respond_and_stream(engine):
     n = force(engine, "b", OUTPUT)
     deltas = list(Chat(engine, "b").stream_respond(messages, params=SamplingParams(max_tokens=n)))
     thinking = "".join(d.reasoning for d in deltas)
-    assert thinking.strip() == THOUGHT and "<think>" not in thinking and "</think>" not in thinking
+    assert thinking == THOUGHT and "<think>" not in thinking and "</think>" not in thinking
     assert "".join(d.text for d in deltas) == ANSWER
-    assert sum(bool(d.reasoning) for d in deltas) > 1                          # streamed, not at the end
+    # streamed, not at the end: ahead of the answer (in how many pieces is the reader's lag)
+    assert max(i for i, d in enumerate(deltas) if d.reasoning) < min(i for i, d in enumerate(deltas) if d.text)
     assert deltas[-1].result.reasoning == THOUGHT and deltas[-1].result.text == ANSWER
 
 
