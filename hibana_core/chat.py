@@ -231,32 +231,28 @@ class Chat:
         """Whether the chat template writes the tools it is given (templates without a tools
         section drop them without a word)."""
         if self._tools_rendered is None:
-            marker = "hibana_tool_probe"
-            probe = {"type": "function", "function": {"name": marker, "description": "A probe.",
+            probe = {"type": "function", "function": {"name": "hibana_tool_probe", "description": "A probe.",
                                                       "parameters": {"type": "object", "properties": {}}}}
-            kwargs = {"chat_template": self.template} if self.template else {}
-            try:
-                text = self.engine.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": "hi"}], tools=[probe], add_generation_prompt=True, tokenize=False,
-                    **kwargs)
-            except Exception:  # noqa: BLE001 - a template that refuses tools does not render them
-                text = ""
-            self._tools_rendered = marker in text
+            self._tools_rendered = self._writes("hibana_tool_probe", [{"role": "user", "content": "hi"}],
+                                                tools=[probe], add_generation_prompt=True)
         return self._tools_rendered
 
     def _renders_role(self, role: str) -> bool:
         """Whether the chat template writes a message of `role` (templates drop roles they do not
         know without a word)."""
         if role not in self._roles:
-            marker = "hibana-role-probe"
-            kwargs = {"chat_template": self.template} if self.template else {}
-            try:
-                text = self.engine.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": "hi"}, {"role": role, "content": marker}], tokenize=False, **kwargs)
-            except Exception:  # noqa: BLE001 - a template that refuses the role does not render it
-                text = ""
-            self._roles[role] = marker in text
+            self._roles[role] = self._writes("hibana-role-probe", [{"role": "user", "content": "hi"},
+                                                                   {"role": role, "content": "hibana-role-probe"}])
         return self._roles[role]
+
+    def _writes(self, marker: str, messages: list[dict], **options: Any) -> bool:
+        """Whether the chat template, rendering `messages` (and `options`), writes `marker`."""
+        kwargs = {"chat_template": self.template} if self.template else {}
+        try:
+            text = self.engine.tokenizer.apply_chat_template(messages, tokenize=False, **options, **kwargs)
+        except Exception:  # noqa: BLE001 - a template that refuses the probe does not render it
+            return False
+        return marker in text
 
     def prompt_ids(self, messages: "Sequence[dict] | str | TokenIds", tools: Sequence[dict] | None = None,
                    reasoning_history: str = "template") -> list[int]:
@@ -481,10 +477,11 @@ class Chat:
                 params = dataclasses.replace(params, json_schema=None, grammar=grammar)
         elif tool_choice == "none" and listed and not params.constrained:  # the model sees tools it may not call
             params = dataclasses.replace(params, grammar=turn.no_call_grammar(self.parser, self.parser_name))
+        channels = getattr(self.parser, "splits_channels", False)  # harmony: its channels are the format, calls or not
         if params.json_schema is not None and answer is None:  # the answer's schema, held after the reasoning
-            own = getattr(self.parser, "answer_grammar", None) if getattr(self.parser, "splits_channels", False) else None
-            if own is not None:
-                params = dataclasses.replace(params, json_schema=None, grammar=own(params.json_schema))
+            if channels:
+                params = dataclasses.replace(params, json_schema=None,
+                                             grammar=self.parser.answer_grammar(params.json_schema))
             elif thinking is not None:
                 answer_only = {"type": "structural_tag",
                                "format": {"type": "json_schema", "json_schema": params.json_schema}}
@@ -492,7 +489,7 @@ class Chat:
                                              grammar=turn.after_thinking(answer_only, "required", open_in_prompt))
         if parse_tools:
             stream = self.parser.stream()
-        elif getattr(self.parser, "splits_channels", False):  # harmony: its channels are the format, calls or not
+        elif channels:
             stream = self.parser.stream(calls=False)
         else:
             stream = turn.PlainText()

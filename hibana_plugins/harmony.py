@@ -288,7 +288,7 @@ class HarmonyToolParser:
 
     splits_channels = True
     """Its stream is the format's reader, not only the calls' (the chat layer uses it without
-    tools too, with `calls=False`)."""
+    tools too, with `calls=False`, and holds a response_format's answer by `answer_grammar`)."""
 
     def stream(self, calls: bool = True) -> ToolCallStream:
         """`calls=False`: no tools were offered (or none may be called): a message to a function
@@ -352,39 +352,55 @@ class HarmonyChatFormat:
         while i < len(messages):
             m = messages[i]
             if m.get("role") in INSTRUCTION_ROLES:
-                if len(out) > 1 or out and out[0].get("role") not in INSTRUCTION_ROLES:
-                    raise ConversationError(f"message {i} is a {m['role']} message after the conversation began, "
-                                            "which gpt-oss's template drops; put system messages first")
-                if out:
-                    if not (isinstance(out[0].get("content"), str) and isinstance(m.get("content"), str)):
-                        raise ConversationError(f"message {i} is a second {m['role']} message, which gpt-oss's "
-                                                "template drops; give one system message")
-                    out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + m["content"]}
-                    i += 1
-                    continue
+                _join_instructions(out, i, m)
+                i += 1
+                continue
             if m.get("role") == "assistant" and m.get("tool_calls") and m.get("content") \
                     and any(m.get(key) for key in REASONING_KEYS):
                 m = {**m, "content": ""}
-            calls = m.get("tool_calls") or []
-            if m.get("role") != "assistant" or len(calls) < 2:
+            i += 1
+            if m.get("role") != "assistant" or len(m.get("tool_calls") or ()) < 2:
                 out.append(m)
-                i += 1
                 continue
             results = []
-            i += 1
             while i < len(messages) and messages[i].get("role") == "tool":
                 results.append(messages[i])
                 i += 1
-            by_id = {r.get("tool_call_id"): r for r in results if r.get("tool_call_id")}
-            unmatched = [r for r in results if r.get("tool_call_id") not in {c.get("id") for c in calls}]
-            for n, call in enumerate(calls):
-                out.append({**m, "tool_calls": [call]} if n == 0 else {"role": "assistant", "content": "",
-                                                                         "tool_calls": [call]})
-                result = by_id.get(call.get("id")) or (unmatched.pop(0) if unmatched else None)
-                if result is not None:
-                    out.append(result)
-            out.extend(unmatched)
+            out.extend(_one_call_a_message(m, results))
         return out
+
+
+def _join_instructions(out: list[dict], i: int, message: dict) -> None:
+    """Message `i`, a system or developer one, joined into the first of `out` (the messages
+    prepared so far), or refused where the template would drop it."""
+    if len(out) > 1 or out and out[0].get("role") not in INSTRUCTION_ROLES:
+        raise ConversationError(f"message {i} is a {message['role']} message after the conversation began, "
+                                "which gpt-oss's template drops; put system messages first")
+    if not out:
+        out.append(message)
+    elif isinstance(out[0].get("content"), str) and isinstance(message.get("content"), str):
+        out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + message["content"]}
+    else:
+        raise ConversationError(f"message {i} is a second {message['role']} message, which gpt-oss's "
+                                "template drops; give one system message")
+
+
+def _one_call_a_message(turn: dict, results: list[dict]) -> list[dict]:
+    """An assistant turn of several calls and the tool results after it, as harmony writes them:
+    each call a message of its own (the first keeps the turn's reasoning), followed by its result
+    (by tool_call_id, else in order); results that answer no call last."""
+    calls = turn["tool_calls"]
+    ids = {call.get("id") for call in calls} - {None}  # results without an id are matched in order
+    by_id = {r["tool_call_id"]: r for r in results if r.get("tool_call_id") in ids}
+    unmatched = [r for r in results if r.get("tool_call_id") not in ids]
+    out = []
+    for n, call in enumerate(calls):
+        out.append({**turn, "tool_calls": [call]} if n == 0 else {"role": "assistant", "content": "",
+                                                                    "tool_calls": [call]})
+        result = by_id.get(call.get("id")) or (unmatched.pop(0) if unmatched else None)
+        if result is not None:
+            out.append(result)
+    return out + unmatched
 
 
 @hookimpl
