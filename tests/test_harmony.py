@@ -745,6 +745,11 @@ def test_a_turn_of_several_calls_becomes_harmony_messages_each_with_its_result()
         ("user", [], None), ("assistant", ["c1"], None), ("tool", [], "c1"), ("assistant", ["c2"], None),
         ("tool", [], "c2"), ("user", [], None)]
     assert prepared[1]["reasoning_content"] == "Two lookups." and "reasoning_content" not in prepared[3]
+    anonymous = [{**c, "id": None} for c in turn["tool_calls"]]
+    results_without_ids = [{"role": "tool", "content": "sunny"}, {"role": "tool", "content": "42"}]
+    prepared = HarmonyChatFormat.prepare_messages([user, {**turn, "tool_calls": anonymous}, *results_without_ids])
+    assert [m.get("content") for m in prepared if m["role"] == "tool"] == ["sunny", "42"]  # in order, none lost
+    assert [m["role"] for m in prepared] == ["user", "assistant", "tool", "assistant", "tool"]
     with pytest.raises(ConversationError, match="system message after"):
         HarmonyChatFormat.prepare_messages([user, {"role": "system", "content": "late"}])
     leading = [{"role": "system", "content": "A."}, {"role": "developer", "content": "B."}, user]
