@@ -176,10 +176,19 @@ def other_kernel(fmt: str, rows: int, n: int, k: int, group_size: int) -> GemvTi
 
 
 def sweep(fmt: str, group_size: int, rows: int, n: int, k: int, bandwidth: float,
-          block: tuple[int, int] = (128, 128)) -> list[dict]:
-    """Tiles of the kernel for `rows` (GEMV at decode rows, GEMM above), best first."""
+          block: tuple[int, int] = (128, 128), words_only: bool = False) -> list[dict]:
+    """Tiles of the kernel for `rows` (GEMV at decode rows, GEMM above), best first. words_only
+    (int4, groups of 128+): the words kernel's tiles alone (with and without PREFETCH; at batch
+    rows beside the GEMM's default), a few minutes for the four layers."""
     group = group_size if fmt == "int4" else 1
-    if rows <= quant_triton.GEMV_MAX_ROWS:
+    if words_only and fmt == "int4" and group_size >= quant_triton.WORDS_MIN_GROUP:
+        grid = [DotTiles(bn, sp, 8 if bn == 256 else 4, st, True, pre, bm) for bn, sp, st, pre, bm in
+                itertools.product((128, 256), (2, 4, 8, 16), (3, 4), (False, True), (16, 32, 64))
+                if sp <= k // group_size and bm <= max(16, triton.next_power_of_2(rows))
+                and (rows <= quant_triton.GEMV_MAX_ROWS or st == 3)]
+        if rows > quant_triton.GEMV_MAX_ROWS:
+            grid.append(quant_triton.choose_tiles(rows, n, k, group_size, torch.bfloat16))
+    elif rows <= quant_triton.GEMV_MAX_ROWS:
         grid = [GemvTiles(bn, bk, w, xv) for bn, bk, w, xv in itertools.product(
             (8, 16, 32, 64), (128, 256, 512, 1024), (2, 4, 8), (False, True) if fmt == "int4" else (False,))
             if bk >= group and bn * bk <= 32768 and bk <= triton.next_power_of_2(k)]
@@ -220,6 +229,8 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(FORMATS[1:]), help="--sweep: the formats swept")
     parser.add_argument("--sweep", action="store_true",
                         help="sweep the tiles at each of --rows instead (minutes: use few rows and shapes)")
+    parser.add_argument("--words-only", action="store_true",
+                        help="--sweep of int4: the words kernel's tiles only (and the GEMM's default at batch rows)")
     args = parser.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     block = tuple(int(b) for b in args.fp8_block.split(","))
@@ -252,7 +263,7 @@ def main() -> None:
             _print_layer(results, name, rows_list)
     if args.sweep:
         for (name, (n, k)), fmt, rows in itertools.product(shapes.items(), args.formats.split(","), rows_list):
-            best = sweep(fmt, args.group_size, rows, n, k, bandwidth, block)
+            best = sweep(fmt, args.group_size, rows, n, k, bandwidth, block, args.words_only)
             sweeps.append(dict(layer=name, n=n, k=k, m=rows, format=fmt, best=best[:8]))
             print(f"sweep {name:8s} {fmt} m={rows}: " + ", ".join(
                 f"{r['kernel']} {r['us']:.1f} us ({r['of_copy_bw']:.0%})" for r in best[:4]), flush=True)
