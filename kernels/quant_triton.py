@@ -537,7 +537,8 @@ DOT_PROGRAMS_PER_SM = 2.5  # splits of K until the grid has this many programs a
 
 
 WORDS_MIN_GROUP = 128  # `_int4_words_kernel` takes a group's words 16 bytes a row at least
-WORDS_PROGRAMS_PER_SM = 2.9
+WORDS_PROGRAMS_PER_SM = 0.95  # its K splits: until the grid has about a program an SM
+WORDS_MAX_ROWS = 32  # rows it takes (16 or 32 a program); from 33 on the GEMM (not swept above 32)
 
 
 def _splits(tiles: int, groups: int, programs: float, least: int = 1) -> int:
@@ -568,16 +569,20 @@ def choose_tiles(rows: int, n: int, k: int, group_size: int = 1, dtype: torch.dt
     says so, first guesses elsewhere."""
     if rows >= DEQUANT_MIN_ROWS:
         return None
+    words = (group_size >= WORDS_MIN_GROUP and dtype in (torch.bfloat16, torch.float16)
+             and dot_fits(k, group_size))
+    if words and rows <= WORDS_MAX_ROWS:
+        # Qwen3-8B's layers on the H200 (`tune_quant.py --sweep --words-only`: bench/RESULTS.md,
+        # seventeenth session): 256 output features a program in 8 warps, 3 stages, x's columns
+        # and the group's scales and zeros loaded a group ahead (PREFETCH: 1.05-1.19x), K split
+        # until the grid has about a program an SM, in 4 at least (one row: gate_up 4 splits
+        # 28.2 us, down 8 17.3, qkv 8 11.5, o 8 8.3); batch rows 16 or 32 a program, which at 32
+        # rows beats the GEMM (gate_up 52.8 against 56.1 us, down 27.3, qkv 19.0, o 14.4)
+        return DotTiles(256, _splits(triton.cdiv(n, 256), k // group_size, WORDS_PROGRAMS_PER_SM * sms, 4),
+                        num_warps=8, num_stages=3, words=True, prefetch=True, block_m=16 if rows <= 16 else 32)
     if (rows <= GEMV_MAX_ROWS and group_size > 1 and dtype in (torch.bfloat16, torch.float16)
             and dot_fits(k, group_size)):
         groups = k // group_size
-        if group_size >= WORDS_MIN_GROUP:
-            # Qwen3-8B's layers at one row on the H200, 1.13-1.27x the bytes kernel's best tiles
-            # (`tune_quant.py --sweep`: bench/RESULTS.md, fifteenth session): 128 output features
-            # a program, 3 stages, K split until ~2.9 programs an SM, in 4 at least (gate_up's
-            # 192 tiles: 8 splits 33.5 us, 4 35.3)
-            return DotTiles(128, _splits(triton.cdiv(n, 128), groups, WORDS_PROGRAMS_PER_SM * sms, 4),
-                            num_warps=4, num_stages=3, words=True)
         # (groups of 32 and 64) 1.11-1.36x the GEMV below (fourteenth session): 64 output
         # features a program (16, 32 and 128 slower), K split until ~2.5 programs an SM
         return DotTiles(64, _splits(triton.cdiv(n, 64), groups, DOT_PROGRAMS_PER_SM * sms),

@@ -714,23 +714,31 @@ def test_int4_dot_split_falls_back(run_check):
 
 
 def test_int4_dispatch():
-    """Decode rows of 16-bit x with groups of 32-256 take the int4 tensor-core kernels (the
-    words kernel from groups of 128), with K split until the grid fills the device; float32 x,
-    small or per-channel groups and 5+ rows do not."""
+    """Up to 32 rows of 16-bit x with groups of 128-256 take the int4 words kernel (256 features a
+    program, PREFETCH, 16 or 32 rows a program), K split until the grid has about a program an
+    SM and in 4 at least; groups of 32 and 64 the byte kernel at decode rows; float32 x, small or
+    per-channel groups and rows past the words kernel's do not."""
     from hibana_kernels import quant_triton
 
     choose, Dot = quant_triton.choose_tiles, quant_triton.DotTiles
-    assert choose(1, 24576, 4096, 128, torch.bfloat16, 132) == Dot(128, 4, 4, 3, words=True)  # 4 at least
-    assert choose(1, 4096, 12288, 128, torch.float16, 132) == Dot(128, 16, 4, 3, words=True)  # 32 output tiles
+    words = dict(num_warps=8, num_stages=3, words=True, prefetch=True)
+    assert choose(1, 24576, 4096, 128, torch.bfloat16, 132) == Dot(256, 4, **words)  # 4 at least
+    assert choose(1, 4096, 12288, 128, torch.float16, 132) == Dot(256, 8, **words)  # 16 output tiles
+    assert choose(1, 4096, 4096, 128, torch.bfloat16, 132) == Dot(256, 8, **words)
     assert choose(3, 6144, 4096, 256, torch.bfloat16, 132).splits == 8
     assert choose(1, 4096, 256, 128, torch.bfloat16, 132).splits == 2  # no more than the groups
+    assert choose(16, 4096, 4096, 128, torch.bfloat16, 132) == Dot(256, 8, **words, block_m=16)
+    assert choose(17, 4096, 4096, 128, torch.bfloat16, 132) == Dot(256, 8, **words, block_m=32)
+    assert choose(32, 24576, 4096, 128, torch.bfloat16, 132) == Dot(256, 4, **words, block_m=32)
     assert choose(1, 24576, 4096, 64, torch.bfloat16, 132) == Dot(64, 1, 4, 4)
     assert choose(1, 4096, 4096, 32, torch.float16, 132).splits == 8  # 64 output tiles
     assert choose(4, 6144, 4096, 64, torch.bfloat16, 132).splits == 4
     for rows, group, dtype in ((1, 128, torch.float32), (1, 16, torch.bfloat16), (1, 4096, torch.bfloat16),
                                (1, 512, torch.bfloat16)):
         assert isinstance(choose(rows, 4096, 4096, group, dtype, 132), quant_triton.GemvTiles), (group, dtype)
-    assert isinstance(choose(5, 4096, 4096, 128, torch.bfloat16, 132), quant_triton.GemmTiles)
+    for rows, group in ((5, 64), (33, 128), (127, 128)):
+        assert isinstance(choose(rows, 4096, 4096, group, torch.bfloat16, 132), quant_triton.GemmTiles), rows
+    assert choose(128, 4096, 4096, 128, torch.bfloat16, 132) is None  # dequantize, then cuBLAS
 
 
 def check_linear_fp8(device, dtype, lead, n, k, block, bias, tiles):
@@ -1028,7 +1036,8 @@ def test_fusion_dispatch(run_check):
 # chunks (GEMM: 64, 130 as [2, 65]); odd N (masked programs), K a multiple of the group but not of
 # the K tile (a masked last step), every group size, with and without bias
 QUANT_CASES = [((1,), 33, 96, 32, False), ((2,), 257, 192, 64, True), ((5,), 40, 384, 128, False),
-               ((17,), 33, 160, 32, True), ((64,), 257, 192, 64, False), ((2, 65), 70, 384, 128, True)]
+               ((17,), 33, 160, 32, True), ((4, 5), 300, 256, 128, True), ((64,), 257, 192, 64, False),
+               ((2, 65), 70, 384, 128, True)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
