@@ -538,7 +538,6 @@ DOT_PROGRAMS_PER_SM = 2.5  # splits of K until the grid has this many programs a
 
 WORDS_MIN_GROUP = 128  # `_int4_words_kernel` takes a group's words 16 bytes a row at least
 WORDS_PROGRAMS_PER_SM = 0.95  # its K splits: until the grid has about a program an SM
-WORDS_MAX_ROWS = 32  # rows it takes (16 or 32 a program); from 33 on the GEMM (not swept above 32)
 
 
 def _splits(tiles: int, groups: int, programs: float, least: int = 1) -> int:
@@ -571,15 +570,19 @@ def choose_tiles(rows: int, n: int, k: int, group_size: int = 1, dtype: torch.dt
         return None
     words = (group_size >= WORDS_MIN_GROUP and dtype in (torch.bfloat16, torch.float16)
              and dot_fits(k, group_size))
-    if words and rows <= WORDS_MAX_ROWS:
+    if words:
         # Qwen3-8B's layers on the H200 (`tune_quant.py --sweep --words-only`: bench/RESULTS.md,
         # seventeenth session): 256 output features a program in 8 warps, 3 stages, x's columns
         # and the group's scales and zeros loaded a group ahead (PREFETCH: 1.05-1.19x), K split
         # until the grid has about a program an SM, in 4 at least (one row: gate_up 4 splits
-        # 28.2 us, down 8 17.3, qkv 8 11.5, o 8 8.3); batch rows 16 or 32 a program, which at 32
-        # rows beats the GEMM (gate_up 52.8 against 56.1 us, down 27.3, qkv 19.0, o 14.4)
-        return DotTiles(256, _splits(triton.cdiv(n, 256), k // group_size, WORDS_PROGRAMS_PER_SM * sms, 4),
-                        num_warps=8, num_stages=3, words=True, prefetch=True, block_m=16 if rows <= 16 else 32)
+        # 28.2 us, down 8 17.3, qkv 8 11.5, o 8 8.3). Batch rows 16, 32 or 64 a program: from 32
+        # rows on it beats the GEMM on three layers of four (at 32 gate_up 52.8 against 56.1 us;
+        # at 64 the GEMM's gate_up 71.6 against 79.2, but down 40.5, qkv 28.7, o 18.9 where the
+        # GEMM's are over 50, 31 and 21), and from 64 rows half the splits (each one's partial
+        # sums grow with the rows: at 96, gate_up 128.9 us in 2 against 143.9 in 4)
+        splits = _splits(triton.cdiv(n, 256), k // group_size, WORDS_PROGRAMS_PER_SM * sms, 4)
+        return DotTiles(256, splits if rows <= 64 else max(1, splits // 2), num_warps=8, num_stages=3,
+                        words=True, prefetch=True, block_m=16 if rows <= 16 else 32 if rows <= 32 else 64)
     if (rows <= GEMV_MAX_ROWS and group_size > 1 and dtype in (torch.bfloat16, torch.float16)
             and dot_fits(k, group_size)):
         groups = k // group_size

@@ -714,10 +714,10 @@ def test_int4_dot_split_falls_back(run_check):
 
 
 def test_int4_dispatch():
-    """Up to 32 rows of 16-bit x with groups of 128-256 take the int4 words kernel (256 features a
-    program, PREFETCH, 16 or 32 rows a program), K split until the grid has about a program an
-    SM and in 4 at least; groups of 32 and 64 the byte kernel at decode rows; float32 x, small or
-    per-channel groups and rows past the words kernel's do not."""
+    """Up to 127 rows of 16-bit x with groups of 128-256 take the int4 words kernel (256 features
+    a program, PREFETCH, 16, 32 or 64 rows a program), K split until the grid has about a program
+    an SM and in 4 at least (half that from 65 rows); groups of 32 and 64 the byte kernel at decode
+    rows, the GEMM above; float32 x and small or per-channel groups the GEMV; from 128 rows cuBLAS."""
     from hibana_kernels import quant_triton
 
     choose, Dot = quant_triton.choose_tiles, quant_triton.DotTiles
@@ -736,8 +736,11 @@ def test_int4_dispatch():
     for rows, group, dtype in ((1, 128, torch.float32), (1, 16, torch.bfloat16), (1, 4096, torch.bfloat16),
                                (1, 512, torch.bfloat16)):
         assert isinstance(choose(rows, 4096, 4096, group, dtype, 132), quant_triton.GemvTiles), (group, dtype)
-    for rows, group in ((5, 64), (33, 128), (127, 128)):
-        assert isinstance(choose(rows, 4096, 4096, group, torch.bfloat16, 132), quant_triton.GemmTiles), rows
+    assert choose(64, 4096, 4096, 128, torch.bfloat16, 132) == Dot(256, 8, **words, block_m=64)
+    assert choose(65, 4096, 4096, 128, torch.bfloat16, 132) == Dot(256, 4, **words, block_m=64)
+    assert choose(127, 24576, 4096, 128, torch.bfloat16, 132) == Dot(256, 2, **words, block_m=64)
+    for rows, group, dtype in ((5, 64, torch.bfloat16), (33, 32, torch.bfloat16), (33, 128, torch.float32)):
+        assert isinstance(choose(rows, 4096, 4096, group, dtype, 132), quant_triton.GemmTiles), rows
     assert choose(128, 4096, 4096, 128, torch.bfloat16, 132) is None  # dequantize, then cuBLAS
 
 
@@ -1076,8 +1079,10 @@ def test_linear_quant(run_check, dtype, bits, lead, n, k, group_size, bias):
     # and with x, scales and zeros loaded a group ahead (PREFETCH): one group a split, uneven splits
     (4, 1, 37, 384, 128, "dot", (16, 3, 4, 2, True, True)), (4, 3, 70, 640, 128, "dot", (32, 2, 4, 3, True, True)),
     (4, 17, 20, 512, 256, "dot", (16, 1, 4, 1, True, True)),
-    # 32 rows a program (batch and verify steps): 33 rows in two, both kernels
-    (4, 33, 20, 256, 128, "dot", (16, 2, 4, 2, True, False, 32)), (4, 33, 24, 128, 32, "dot", (16, 1, 4, 2, False, False, 32))])
+    # 32 and 64 rows a program (batch and verify steps): 33 rows in two, both kernels; 70 in two
+    # of 64 with PREFETCH
+    (4, 33, 20, 256, 128, "dot", (16, 2, 4, 2, True, False, 32)), (4, 33, 24, 128, 32, "dot", (16, 1, 4, 2, False, False, 32)),
+    (4, 70, 20, 384, 128, "dot", (16, 2, 4, 2, True, True, 64))])
 def test_linear_quant_tiles(run_check, dtype, bits, rows, n, k, group_size, kernel, tiles):
     run_check(check_linear_quant, dtype=dtype, bits=bits, lead=(rows,), n=n, k=k,
               group_size=group_size, bias=True, tiles=(kernel, tiles))
