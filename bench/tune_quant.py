@@ -175,25 +175,19 @@ def other_kernel(fmt: str, rows: int, n: int, k: int, group_size: int) -> GemvTi
     return DEQUANTIZE
 
 
-def _gemm_tiles_default(rows: int, n: int, k: int, group_size: int) -> GemmTiles:
-    """The GEMM's tiles at `rows` (whichever kernel the dispatcher now picks there)."""
-    return quant_triton._gemm_tiles(rows, triton.next_power_of_2(k), group_size)
-
-
 def sweep(fmt: str, group_size: int, rows: int, n: int, k: int, bandwidth: float,
           block: tuple[int, int] = (128, 128), words_only: bool = False) -> list[dict]:
     """Tiles of the kernel for `rows` (GEMV at decode rows, GEMM above), best first. words_only
-    (int4, groups of 128+): the words kernel's tiles alone, with PREFETCH, each with and without
-    WIDE and SUM_DOT (at batch rows beside the GEMM at its tiles), a few minutes for the four layers."""
+    (int4, groups of 128+): the words kernel's tiles alone (with and without PREFETCH; at batch
+    rows beside the GEMM's default), a few minutes for the four layers."""
     group = group_size if fmt == "int4" else 1
     if words_only and fmt == "int4" and group_size >= quant_triton.WORDS_MIN_GROUP:
-        bm_top = max(16, triton.next_power_of_2(rows))
-        grid = [DotTiles(bn, sp, 8 if bn == 256 else 4, 3, True, True, bm, wide, sum_dot)
-                for bn, sp, bm, (wide, sum_dot) in itertools.product(
-                    (128, 256), (2, 4, 8, 16), (16, 32, 64), ((False, False), (True, False), (False, True), (True, True)))
-                if sp <= k // group_size and bm <= bm_top and bm >= min(64, bm_top) // 2]
+        grid = [DotTiles(bn, sp, 8 if bn == 256 else 4, st, True, pre, bm) for bn, sp, st, pre, bm in
+                itertools.product((128, 256), (2, 4, 8, 16), (3, 4), (False, True), (16, 32, 64))
+                if sp <= k // group_size and bm <= max(16, triton.next_power_of_2(rows))
+                and (rows <= quant_triton.GEMV_MAX_ROWS or st == 3)]
         if rows > quant_triton.GEMV_MAX_ROWS:
-            grid.append(_gemm_tiles_default(rows, n, k, group_size))
+            grid.append(quant_triton.choose_tiles(rows, n, k, group_size, torch.bfloat16))
     elif rows <= quant_triton.GEMV_MAX_ROWS:
         grid = [GemvTiles(bn, bk, w, xv) for bn, bk, w, xv in itertools.product(
             (8, 16, 32, 64), (128, 256, 512, 1024), (2, 4, 8), (False, True) if fmt == "int4" else (False,))

@@ -78,8 +78,7 @@ class DotTiles(NamedTuple):
     """int4 on tensor cores (16-bit inputs): BLOCK_N output features a program, a group a step,
     K split over `splits` programs (whole groups each); `words`: `_int4_words_kernel` (groups of
     128 or more), else `_int4_dot_kernel`; `prefetch`: the words kernel's PREFETCH; `block_m`:
-    rows of x a program takes (16, the dots' smallest, or more for verify and batch steps); `wide`
-    and `sum_dot`: the words kernel's WIDE and SUM_DOT."""
+    rows of x a program takes (16, the dots' smallest, or more for verify and batch steps)."""
     block_n: int
     splits: int
     num_warps: int
@@ -87,8 +86,6 @@ class DotTiles(NamedTuple):
     words: bool = False
     prefetch: bool = False
     block_m: int = 16
-    wide: bool = False
-    sum_dot: bool = False
 
 
 class GemmTiles(NamedTuple):
@@ -402,63 +399,11 @@ def _words_dots(words, xs, FP16: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _wide_units(words, FP16: tl.constexpr, ASM: tl.constexpr):
-    """`_int4_units` joined along K into one operand [BLOCK_N, 8 WORDS]: position 8i + t holds
-    word i's nibble p(t) = 4 (t & 1) + (t & 2) + (t >> 2) (the joins' order; `_wide_columns`)."""
-    c0, c1, c2, c3, c4, c5, c6, c7 = _int4_units(words, FP16, ASM)
-    units = tl.join(tl.join(tl.join(c0, c1), tl.join(c2, c3)), tl.join(tl.join(c4, c5), tl.join(c6, c7)))
-    return tl.reshape(units, [words.shape[0], 8 * words.shape[1]])
-
-
-@triton.jit
-def _wide_columns(GROUP: tl.constexpr):
-    """x's column for each K position of `_wide_units`' operand within a group."""
-    t = tl.arange(0, GROUP)
-    return 8 * (t // 8) + ((t & 1) << 2) + (t & 2) + ((t >> 2) & 1)
-
-
-@triton.jit
-def _group_x(x_tile, m_mask, WIDE: tl.constexpr):
-    """A group's x: the eight [WORDS, BLOCK_M] tiles of `_x_nibbles`, or WIDE one [GROUP, BLOCK_M]."""
-    if WIDE:
-        return tl.load(x_tile, mask=m_mask[None, :], other=0.0)
-    else:
-        return _x_nibbles(x_tile, m_mask)
-
-
-@triton.jit
-def _group_step(acc, words, xg, scale, zero, OFFSET: tl.constexpr, FP16: tl.constexpr, ASM: tl.constexpr,
-                WIDE: tl.constexpr, SUM_DOT: tl.constexpr):
-    """acc plus a group's scale * (dots - (OFFSET + zero) * sum x): the dots as eight (or WIDE
-    one), sum x reduced across the tile's threads or (SUM_DOT) a dot of ones, which lands in the
-    dots' own layout."""
-    if WIDE:
-        units = _wide_units(words, FP16, ASM)
-        x = xg if ASM else xg.to(tl.float32)
-        dots = tl.dot(units, x)
-    else:
-        dots, x_sum = _words_dots(words, xg, FP16, ASM)
-    if SUM_DOT:
-        if WIDE:
-            sums = tl.dot(tl.full([acc.shape[0], x.shape[0]], 1.0, x.dtype), x)
-        else:
-            sums = tl.zeros(acc.shape, tl.float32)
-            for p in tl.static_range(8):
-                xp = xg[p] if ASM else xg[p].to(tl.float32)
-                sums = tl.dot(tl.full([acc.shape[0], xp.shape[0]], 1.0, xp.dtype), xp, sums)
-        return acc + scale[:, None] * (dots - (OFFSET + zero)[:, None] * sums)
-    if WIDE:
-        x_sum = tl.sum(xg.to(tl.float32), axis=0)
-    return acc + scale[:, None] * (dots - (OFFSET + zero)[:, None] * x_sum[None, :])
-
-
-@triton.jit
 def _int4_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, counter_ptr, M, N, K,
                        stride_xm, stride_wn, stride_sn, stride_ym, groups_per_split,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
                        STAGES: tl.constexpr, FP16: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
-                       WIDE: tl.constexpr = False, SUM_DOT: tl.constexpr = False):
+                       HAS_BIAS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False):
     """`_int4_dot_kernel` with the codes read as int32 words (stride_wn in words): eight dots a
     group, dot p over the codes of nibble p ([BLOCK_N, GROUP / 8], column 8i + p) against x's
     columns 8i + p. Its conversion is four byte permutes, four shifts and eight logic ops for two
@@ -468,44 +413,34 @@ def _int4_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count
     The weights' words are pipelined by Triton (asynchronous copies, STAGES deep), but not x's
     columns (two-byte loads, too small for them) nor a group's scales and zeros (two bytes a row):
     their loads are issued in the step that uses them, whose time then holds their latency (sm_90
-    SASS at 128 x 4 warps). PREFETCH loads them one group ahead, in registers.
-
-    On sm_90 each dot's operands go through shared memory for the warpgroup MMA, each with its
-    fences and barriers (18 barriers a group at 256 x 8 warps, 12 from the dots, bench/kernel_sass.py).
-    WIDE joins the eight operands along K into one (x's columns gathered to match,
-    `_wide_columns`): one dot a group; SUM_DOT takes sum x as a dot of ones, in the dots' layout,
-    rather than a reduction across the tile's threads (7 barriers a group with both)."""
+    SASS at 128 x 4 warps). PREFETCH loads them one group ahead, in registers."""
     wait_for_previous(PDL)
     WORDS: tl.constexpr = GROUP // 8
     OFFSET: tl.constexpr = 1024.0 if FP16 else 128.0
     offs_n, offs_m, n_mask, m_mask, first, end = _int4_tile(N, M, K, groups_per_split, BLOCK_N, BLOCK_M, GROUP)
     offs_w = tl.arange(0, WORDS)
     w_tile = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_w[None, :]  # [BLOCK_N, WORDS]
-    if WIDE:
-        x_tile = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + _wide_columns(GROUP)[:, None]  # [GROUP, BLOCK_M]
-    else:
-        x_tile = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + 8 * offs_w[:, None]  # [WORDS, BLOCK_M]
+    x_tile = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + 8 * offs_w[:, None]  # [WORDS, BLOCK_M]
     sz_rows = offs_n.to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if PREFETCH:
-        xg = _group_x(x_tile + first * GROUP, m_mask, WIDE)
+        xs = _x_nibbles(x_tile + first * GROUP, m_mask)
         scale = tl.load(s_ptr + sz_rows + first, mask=n_mask, other=0.0).to(tl.float32)
         zero = tl.load(z_ptr + sz_rows + first, mask=n_mask, other=0.0).to(tl.float32)
         for g in tl.range(first, end, num_stages=STAGES):
             words = tl.load(w_tile + g * WORDS, mask=n_mask[:, None], other=0)
             ahead = tl.minimum(g + 1, end - 1)  # the next group's x, scales and zeros (the last: again)
-            xg_next = _group_x(x_tile + ahead * GROUP, m_mask, WIDE)
+            xs_next = _x_nibbles(x_tile + ahead * GROUP, m_mask)
             scale_next = tl.load(s_ptr + sz_rows + ahead, mask=n_mask, other=0.0).to(tl.float32)
             zero_next = tl.load(z_ptr + sz_rows + ahead, mask=n_mask, other=0.0).to(tl.float32)
-            acc = _group_step(acc, words, xg, scale, zero, OFFSET, FP16, ASM, WIDE, SUM_DOT)
-            xg, scale, zero = xg_next, scale_next, zero_next
+            dots, x_sum = _words_dots(words, xs, FP16, ASM)
+            acc += scale[:, None] * (dots - (OFFSET + zero)[:, None] * x_sum[None, :])
+            xs, scale, zero = xs_next, scale_next, zero_next
     else:
         for g in tl.range(first, end, num_stages=STAGES):
             words = tl.load(w_tile + g * WORDS, mask=n_mask[:, None], other=0)
-            scale = tl.load(s_ptr + sz_rows + g, mask=n_mask, other=0.0).to(tl.float32)
-            zero = tl.load(z_ptr + sz_rows + g, mask=n_mask, other=0.0).to(tl.float32)
-            acc = _group_step(acc, words, _group_x(x_tile + g * GROUP, m_mask, WIDE), scale, zero, OFFSET, FP16,
-                              ASM, WIDE, SUM_DOT)
+            dots, x_sum = _words_dots(words, _x_nibbles(x_tile + g * GROUP, m_mask), FP16, ASM)
+            acc = _group_share(acc, dots, x_sum, s_ptr, z_ptr, sz_rows + g, n_mask, OFFSET)
     _finish_split(acc, y_ptr, b_ptr, part_ptr, counter_ptr, offs_n, offs_m, n_mask, m_mask, M, N, stride_ym,
                   BLOCK_N, BLOCK_M, SPLIT, HAS_BIAS)
 
@@ -713,7 +648,7 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if isinstance(tiles, DotTiles) and not (int4 and dot_fits(k, group_size) and x.dtype in (torch.bfloat16,
                                                                                              torch.float16)
                                             and (group_size >= WORDS_MIN_GROUP or not tiles.words)
-                                            and (tiles.words or not (tiles.prefetch or tiles.wide or tiles.sum_dot))
+                                            and (tiles.words or not tiles.prefetch)
                                             and tiles.block_m >= 16 and tiles.block_m & (tiles.block_m - 1) == 0):
         raise ValueError(f"the int4 tensor-core kernels take 16-bit x and groups of 32 or more (see dot_fits; "
                          f"words: 128), not {x.dtype}, K={k}, group size {group_size}")
@@ -765,7 +700,7 @@ def _int4_dot(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     counts = counters.counters("int4 split-K", DOT_COUNTERS, y.device) if split else y
     if tiles.words:
         kernel, weight, stride_wn = _int4_words_kernel, qweight.view(torch.int32), qweight.stride(0) // 4
-        variant = dict(PREFETCH=tiles.prefetch, WIDE=tiles.wide, SUM_DOT=tiles.sum_dot)
+        variant = dict(PREFETCH=tiles.prefetch)
     else:
         kernel, weight, stride_wn = _int4_dot_kernel, qweight, qweight.stride(0)
         variant = {}
