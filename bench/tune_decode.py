@@ -385,9 +385,13 @@ def sweep_fusion(models: list[str], bandwidth: float, dev: str = "cuda") -> list
 
 def policy(spec: str) -> fusion.Fusion:
     """A fusion policy by name ("off", "auto", "on"), with "+field" switching a flag on over it
-    ("auto+moe_norm_route")."""
-    name, *flags = spec.split("+")
-    return dataclasses.replace(fusion.POLICIES[name], **dict.fromkeys(flags, True))
+    ("auto+moe_norm_route") and "+field=N" setting a width limit ("auto+norm_max_k=3072")."""
+    name, *changes = spec.split("+")
+    fields = {}
+    for change in changes:
+        field, _, value = change.partition("=")
+        fields[field] = int(value) if value else True
+    return dataclasses.replace(fusion.POLICIES[name], **fields)
 
 
 def fusion_ab(engine, prompts: dict[int, list[int]], generate: int, roofline: float,
@@ -458,7 +462,7 @@ def main() -> None:
     parser.add_argument("--skip-sweep", action="store_true", help="skip the GEMV sweep")
     parser.add_argument("--sweeps-only", action="store_true", help="stop after the kernel sweeps")
     parser.add_argument("--policies", default="off,auto,on",
-                        help="--fusion: the policies compared, e.g. auto,auto+moe_norm_route (a flag of "
+                        help="--fusion: the policies compared, e.g. auto,auto+moe_norm_route,auto+norm_max_k=3072 (a field of "
                              "hibana_kernels.fusion.Fusion after +)")
     parser.add_argument("--pdl", default="all",
                         help="programmatic dependent launch variants beside off, comma-separated: all, or "
