@@ -285,6 +285,7 @@ def test_compressed_tensors_targets_and_ignore():
     ({"bits": 4}, "supported"),
     ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits=8"),
     ({"quant_method": "gptq", "bits": 3}, "4-bit"),
+    ({"quant_method": "gptq", "bits": "4"}, "bits='4'"),  # a string, named as one (not "bits=4: 4-bit only")
     ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "gptq_v2"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 7}, "even"),
     ({"quant_method": "gptq", "bits": 4, "dynamic": {"+:.*down": {"bits": 8}}}, "own bits"),
@@ -340,6 +341,7 @@ GPTQ = QuantFormat("gptq", 16, zero_offset=1)
     (lambda t: t.update(g_idx=torch.zeros(64, dtype=torch.int32)), "exactly 16"),
     (lambda t: t.update(g_idx=torch.zeros(5, dtype=torch.int32)), "g_idx"),
     (lambda t: t.update(scales=t["scales"].float() * 1e7), "not finite"),
+    (lambda t: t.update(scales=torch.ones_like(t["scales"], dtype=torch.int32)), "scales is torch.int32, not a float"),
 ])
 def test_malformed_gptq_layers_are_refused(edit, words):
     t = _gptq_tensors()
@@ -355,6 +357,13 @@ def test_group_count_must_match_the_config():
     q, z, s = _layer(16, 64, 16, seed=0)
     with pytest.raises(CheckpointError, match="qzeros"):
         repack_layer(QuantFormat("awq", 32), _pack_awq(q, z, s))  # tensors from G=16, config G=32
+
+
+def test_integer_awq_scales_are_refused():
+    """Integer scales were cast to fp16 and loaded: weights off by orders of magnitude, no error."""
+    q, z, s = _layer(16, 64, 16, seed=0)
+    with pytest.raises(CheckpointError, match="scales is torch.int16, not a float"):
+        repack_layer(QuantFormat("awq", 16), _pack_awq(q, z, s.to(torch.int16)))
 
 
 @needs_ct

@@ -164,7 +164,7 @@ def parse_quantization_config(cfg: dict) -> QuantFormat:
 def _bits4(cfg: dict, what: str) -> None:
     bits = cfg.get("bits", 4)
     if bits != 4:
-        raise CheckpointError(f"{what} checkpoint with bits={bits}: Hibana loads 4-bit weights only; "
+        raise CheckpointError(f"{what} checkpoint with bits={bits!r}: Hibana loads 4-bit weights only; "
                               "use a 4-bit checkpoint or the unquantized model")
 
 
@@ -368,6 +368,14 @@ def _shape(t: torch.Tensor, shape: tuple[int, ...], what: str, name: str) -> tor
     return t
 
 
+def _scales(t: torch.Tensor, shape: tuple[int, ...], what: str, name: str) -> torch.Tensor:
+    # an integer tensor here would be cast to fp16 and give weights off by orders of magnitude
+    if not t.dtype.is_floating_point:
+        raise CheckpointError(f"{name}: {what} is {t.dtype}, not a float; the checkpoint is damaged or "
+                              "not in the format its config names")
+    return _shape(t, shape, what, name)
+
+
 def _groups(fmt: QuantFormat, k: int, name: str) -> tuple[int, int]:
     """(group size, number of groups) for K input features. When G does not divide K the last
     group holds the K % G inputs left (GPTQ's and compressed-tensors' ceil(K / G) groups);
@@ -390,7 +398,7 @@ def _repack_gptq(fmt: QuantFormat, t: dict[str, torch.Tensor], name: str) -> Int
     if n % 8:
         raise CheckpointError(f"{name}: out_features {n} is not a multiple of 8, as GPTQ's qzeros need")
     qzeros = _int32(t["qzeros"], "qzeros", name, (groups, n // 8))
-    scales = _shape(t["scales"], (groups, n), "scales", name)
+    scales = _scales(t["scales"], (groups, n), "scales", name)
     codes = _nibbles(qweight).permute(0, 2, 1).reshape(k, n).T  # [N, K]
     zeros = _nibbles(qzeros).reshape(groups, n).T.float() + fmt.zero_offset  # [N, groups]
     return _finish(codes, scales.T, zeros, g, t.get("g_idx"), name)
@@ -404,7 +412,7 @@ def _repack_awq(fmt: QuantFormat, t: dict[str, torch.Tensor], name: str) -> Int4
     k, n = qweight.shape[0], qweight.shape[1] * 8
     g, groups = _groups(fmt, k, name)
     qzeros = _int32(t["qzeros"], "qzeros", name, (groups, n // 8))
-    scales = _shape(t["scales"], (groups, n), "scales", name)
+    scales = _scales(t["scales"], (groups, n), "scales", name)
     reverse = list(AWQ_REVERSE)
     codes = _nibbles(qweight)[..., reverse].reshape(k, n).T  # [N, K]
     zeros = _nibbles(qzeros)[..., reverse].reshape(groups, n).T.float()
@@ -426,7 +434,7 @@ def _repack_compressed_tensors(fmt: QuantFormat, t: dict[str, torch.Tensor], nam
     n, k = (int(s) for s in shape)
     g, groups = _groups(fmt, k, name)
     packed = _int32(t["weight_packed"], "weight_packed", name, (n, -(-k // 8)))
-    scales = _shape(t["weight_scale"], (n, groups), "weight_scale", name)
+    scales = _scales(t["weight_scale"], (n, groups), "weight_scale", name)
     codes = (unpack_from_int32(packed, 4, torch.Size((n, k))).to(torch.int16) + 8).to(torch.uint8)
     zp = t.get("weight_zero_point")
     if zp is None:
