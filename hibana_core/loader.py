@@ -263,6 +263,8 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
             if layer is None or not hasattr(layer, "sink_tokens"):
                 raise CheckpointError(f"{path}: {name} is no attention layer; re-run `hibana surgery`")
             layer.sliding_window, layer.sink_tokens, layer.surgery_window = window, sinks, (window, sinks)
+    if quantization is None and not own_names:
+        _refuse_packed_without_config(path, where)
     if quantization is not None and not own_names and quantization.get("quant_method") not in FAMILY_QUANT_METHODS:
         # GPTQ / AWQ / FP8: packed layers as they are
         from hibana_core.surgery.prequantized import fp8_expert_readers, load_packed_layers, parse_quantization_config
@@ -277,6 +279,24 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
     items = ((name, str(file), readers.get(name) or (lambda f=file, h=handle, n=name: read(f, h, n)))
              for name, (file, handle) in where.items())
     _copy_weights(module, items, len(where), str(path), progress, desc="hibana: weights", own_names=own_names)
+
+
+_PACKED_SUFFIXES = (".qweight", ".weight_packed")
+"""The packed tensors of GPTQ / AWQ (`qweight`) and compressed-tensors (`weight_packed`) layers."""
+
+
+def _refuse_packed_without_config(path: Path, names) -> None:
+    """Packed int4 layers without a quantization_config would be reported as missing weights;
+    say what is missing instead (older AutoGPTQ / AutoAWQ checkpoints keep the config in a file
+    of their own, which transformers does not read either)."""
+    packed = sorted(n for n in names if n.endswith(_PACKED_SUFFIXES))
+    if not packed:
+        return
+    beside = [f for f in ("quantize_config.json", "quant_config.json") if (path / f).is_file()]
+    hint = (f"; its {beside[0]} holds that config: write it into config.json as \"quantization_config\" in "
+            "transformers' terms (quant_method \"gptq\" or \"awq\", bits, group_size, ...)" if beside else "")
+    raise CheckpointError(f"{path} holds packed quantized layers ({packed[0]}, {len(packed)} in all) but its "
+                          f"config.json has no quantization_config saying how they are packed{hint}")
 
 
 def _load_packed_experts(experts: torch.nn.Module | None, name: str, kind: str, where: dict[str, Any],

@@ -166,6 +166,19 @@ def test_an_unsupported_quantization_config_says_what_loads(tiny_checkpoints, ma
                                       "zero_point": True}).method == "awq"
 
 
+def test_packed_layers_without_a_quantization_config_say_so(tiny_checkpoints, make_engine, tmp_path):
+    """Older AutoGPTQ checkpoints keep their config in quantize_config.json; without a
+    quantization_config in config.json the packed layers were reported as missing weights."""
+    dst = tmp_path / "gptq"
+    write_quantized(tiny_checkpoints["llama"], dst, "gptq")
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "quantize_config.json").write_text(json.dumps(config.pop("quantization_config")))
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"packed quantized layers .*qweight.* no quantization_config.*"
+                                              r"its quantize_config.json holds"):
+        make_engine(dst)
+
+
 def test_a_damaged_packed_layer_is_a_checkpoint_error(tiny_checkpoints, make_engine, tmp_path):
     dst = tmp_path / "gptq"
     write_quantized(tiny_checkpoints["llama"], dst, "gptq")
