@@ -330,9 +330,12 @@ def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progr
     else:
         params = dict(module.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
+    packed: set[str] = set()  # layers the checkpoint stores packed that nothing took
     with progress_bar(total=total, desc=desc, unit="tensor", disable=not progress, leave=False) as bar:
         for name, where, read in items:
             bar.update()
+            if name.endswith(_PACKED_SUFFIXES):
+                packed.add(name.rpartition(".")[0])
             if name.endswith(_IGNORED_SUFFIXES) or name not in params:
                 continue
             tensor, target = read(), params[name]
@@ -356,6 +359,11 @@ def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progr
     if getattr(module, "tied_weight_names", ()):
         expected -= set(module.tied_weight_names)  # filled by their twin
     missing = sorted(expected - loaded)
+    unpackable = [m for m in missing if m.removesuffix(".weight") in packed]
+    if unpackable:  # e.g. a MoE router quantized: its qweight is there, its weight is not
+        raise CheckpointError(f"{source} stores {unpackable[0].removesuffix('.weight')} packed (quantized), which "
+                              "Hibana loads into linear layers of its decoder only, and this layer is none (a MoE "
+                              "router, an embedding); a checkpoint that leaves it unquantized loads")
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"{source} lacks weights {shown}; the checkpoint is incomplete or for "

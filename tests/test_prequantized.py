@@ -179,6 +179,23 @@ def test_packed_layers_without_a_quantization_config_say_so(tiny_checkpoints, ma
         make_engine(dst)
 
 
+def test_a_quantized_moe_router_is_refused_by_name(tiny_checkpoints, make_engine, tmp_path):
+    """A router stored packed (its qweight, no weight) was reported as a missing weight of an
+    incomplete checkpoint; Hibana packs decoder linears only, and says so."""
+    dst = tmp_path / "moe-gptq"
+    write_quantized(tiny_checkpoints["qwen3_moe"], dst, "gptq")
+    tensors = load_file(str(dst / "model.safetensors"))
+    router = "model.layers.0.mlp.gate"
+    w = tensors.pop(f"{router}.weight")  # [experts, hidden]
+    groups = torch.arange(w.shape[1]) // GROUP
+    codes, zeros, scales, _ = rtn(w, groups, w.shape[1] // GROUP)
+    tensors.update({f"{router}.qweight": pack_along_rows(codes), f"{router}.qzeros": pack_along_cols((zeros - 1) & 0xF),
+                    f"{router}.scales": scales, f"{router}.g_idx": groups.to(torch.int32)})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"stores {router} packed .*a MoE router"):
+        make_engine(dst)
+
+
 def test_a_damaged_packed_layer_is_a_checkpoint_error(tiny_checkpoints, make_engine, tmp_path):
     dst = tmp_path / "gptq"
     write_quantized(tiny_checkpoints["llama"], dst, "gptq")
