@@ -143,6 +143,11 @@ def test_act_order_without_g_idx_is_refused(method, config):
         repack_layer(parse_quantization_config(config), t, name="model.layers.0.mlp.up_proj")
 
 
+def test_gptq_int32_pack_dtype_is_read():
+    for pack_dtype in ("int32", "torch.int32", None):
+        assert parse_quantization_config({"quant_method": "gptq", "bits": 4, "pack_dtype": pack_dtype}).method == "gptq"
+
+
 def test_gptq_desc_act_with_trivial_g_idx_needs_no_perm():
     fmt = parse_quantization_config({"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": True})
     q, z, s = _layer(16, 64, 16, seed=3)
@@ -285,7 +290,8 @@ def test_compressed_tensors_targets_and_ignore():
     ({"bits": 4}, "supported"),
     ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits=8"),
     ({"quant_method": "gptq", "bits": 3}, "4-bit"),
-    ({"quant_method": "gptq", "bits": "4"}, "bits='4'"),  # a string, named as one (not "bits=4: 4-bit only")
+    ({"quant_method": "gptq", "bits": "4"}, "bits='4'"),
+    ({"quant_method": "gptq", "bits": 4, "pack_dtype": "int16"}, "pack_dtype 'int16'"),  # was "qweight is int16: damaged"  # a string, named as one (not "bits=4: 4-bit only")
     ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "gptq_v2"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 7}, "even"),
     ({"quant_method": "gptq", "bits": 4, "dynamic": {"+:.*down": {"bits": 8}}}, "own bits"),

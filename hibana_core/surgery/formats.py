@@ -194,6 +194,11 @@ def _parse_gptq(cfg: dict) -> QuantFormat:
     if fmt not in ("gptq", "gptq_v2"):
         raise CheckpointError(f"GPTQ checkpoint_format {fmt!r} is packed for one kernel and cannot be "
                               "repacked by Hibana; supported: 'gptq' and 'gptq_v2'")
+    # GPTQModel can pack into int16 / int8 / int64 words (its `pack_dtype`); Hibana reads int32 words
+    pack_dtype = str(cfg.get("pack_dtype") or "int32").lower().removeprefix("torch.")
+    if pack_dtype != "int32":
+        raise CheckpointError(f"GPTQ pack_dtype {cfg['pack_dtype']!r} is not supported: Hibana reads GPTQ "
+                              "tensors packed into int32 words (GPTQModel's default pack_dtype)")
     # GPTQModel's per-module `dynamic` overrides ("-:regex" skips a module, "+:regex" or a bare
     # regex overrides its bits/group_size/...), read as in vLLM's
     # model_executor/layers/quantization/utils/gptq_utils.py `get_dynamic_override`.
