@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
 def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[torch.device, list[str]]:
     """The device and the systems to run, or exit with a usage error (status 2) for options that
     cannot work: unknown systems or surgery passes, a device this machine lacks, a model that
-    is neither a preset nor a checkpoint that can be found. Runs before anything loads."""
+    is neither a preset nor a checkpoint that can be found, histories longer than the model's
+    context. Runs before anything loads."""
     from hibana_core import HibanaError
     from hibana_core.engine import resolve_device
 
@@ -188,20 +189,51 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if peers and PRESETS.get(args.model, {}).get("mxfp4_experts"):
         parser.error(f"--systems: {', '.join(peers)} cannot run {args.model}: the preset's experts are MXFP4, "
                      "which transformers runs only with the Hub's kernels; name the hibana systems alone")
-    _check_model(parser, args.model)
+    path = _check_model(parser, args.model)
+    if not args.trace:  # a trace's conversations are checked against the context once it is read
+        _check_context(parser, args, path)
     return device, systems
 
 
-def _check_model(parser: argparse.ArgumentParser, model: str) -> None:
-    """Exit with a usage error unless `model` is a preset or a checkpoint that can be found."""
+def _check_model(parser: argparse.ArgumentParser, model: str) -> Path | None:
+    """The checkpoint directory `model` names (None for a preset), or exit with a usage error
+    unless it is a preset or a checkpoint that can be found."""
     from hibana_core import HibanaError
     from hibana_core.loader import resolve_checkpoint
 
-    if model not in PRESETS:
+    if model in PRESETS:
+        return None
+    try:
+        return resolve_checkpoint(model, progress=True)  # a repo id is downloaded here, once
+    except HibanaError as exc:
+        parser.error(f"--model: {exc} (or name a preset: {', '.join(PRESETS)})")
+
+
+def _check_context(parser: argparse.ArgumentParser, args: argparse.Namespace, path: Path | None) -> None:
+    """Exit with a usage error where the workload's longest history is past the model's context
+    (its config's max_position_embeddings), rather than fail on it after the loads."""
+    if path is None:
+        limit = PRESETS[args.model].get("max_position_embeddings")
+    else:
         try:
-            resolve_checkpoint(model, progress=True)  # a repo id is downloaded here, once
-        except HibanaError as exc:
-            parser.error(f"--model: {exc} (or name a preset: {', '.join(PRESETS)})")
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            return  # the load names what is wrong with the checkpoint
+        limit = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
+            "max_position_embeddings")
+    if not isinstance(limit, int):
+        return
+    if args.workload == "decode" and max(args.context) + args.generate > limit:
+        parser.error(f"--context: {max(args.context)} tokens plus --generate {args.generate} exceed "
+                     f"{args.model}'s context of {limit} tokens; give contexts up to {limit - args.generate}, "
+                     f"e.g. --context 512,{limit - args.generate}")
+    if args.workload == "agents":
+        turns = args.turns or 4
+        history = args.system + turns * (args.tool_result + args.generate)
+        if history > limit:
+            parser.error(f"an agent's history reaches {history} tokens (--system {args.system} plus --turns "
+                         f"{turns} of --tool-result {args.tool_result} and --generate {args.generate}), past "
+                         f"{args.model}'s context of {limit} tokens; give fewer turns or smaller parts")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -117,6 +117,10 @@ BENCH_USAGE_ERRORS = [
     (["agents", "--generate", "-3"], "argument --generate: must be at least 1"),
     (["agents", "--model", "gpt-oss-20b", "--systems", "hibana,hf_reprefill"],
      "--systems: hf_reprefill cannot run gpt-oss-20b: the preset's experts are MXFP4"),
+    # the demo model's context is 2,048 tokens: decode's default contexts (512,8192) do not fit
+    (["decode", "--model", "demo"], "--context: 8192 tokens plus --generate 128 exceed demo's context of 2048"),
+    (["decode", "--model", "qwen3-0.6b", "--context", "40960"], "exceed qwen3-0.6b's context of 40960"),
+    (["agents", "--model", "demo", "--turns", "20"], "an agent's history reaches 2432 tokens"),
     (["serve", "--model", "/no/such/checkpoint"], "--model: checkpoint directory '/no/such/checkpoint' does not"),
     (["serve", "--clients", "0"], "argument --clients: must be at least 1"),
 ]
