@@ -344,3 +344,29 @@ def test_w4_records_the_group_sizes_it_used(tiny_checkpoints, make_engine):
     record = engine.surgery[0]
     assert record["params"]["group_size"] == 4096 and record["group_sizes_used"]
     assert 4096 not in record["group_sizes_used"]
+
+
+def test_a_pass_that_cannot_apply_is_refused_before_the_guard_measures(tiny_checkpoints, make_engine, tmp_path,
+                                                                      monkeypatch):
+    """w8 on a checkpoint written by w8, kv8 on one written by kv8 and window on named layers the
+    model lacks are refused before the guard measures the unmodified model (minutes on a large
+    model on a CPU: the refusal came after them); the guard still measures before any pass runs."""
+    from hibana_core.cli import main
+    from hibana_core.surgery import guard
+
+    path = tiny_checkpoints["qwen3"]
+    out = tmp_path / "w8kv8"
+    assert main(["surgery", str(path), "--passes", "w8,kv8", "--out", str(out), "--no-guard", "--device", "cpu",
+                 "--dtype", "float32"]) == 0
+    measured = []
+    real = guard.measure_reference
+    monkeypatch.setattr(guard, "measure_reference", lambda *a, **k: measured.append(1) or real(*a, **k))
+    for passes, said in ((["w8"], "the linear layers are already int8"),
+                         (["kv8"], "already stores its KV cache in fp8"),
+                         (["w8", {"name": "window", "layers": [0, 7]}], r"window: layers \[7\] are not full-attention")):
+        with pytest.raises(ConfigError, match=said):
+            make_engine(out if passes != ["w8", {"name": "window", "layers": [0, 7]}] else path, surgery=passes,
+                        speculation="off")
+        assert not measured, passes
+    engine = make_engine(path, surgery=[{"name": "w8", "force": True}], speculation="off")
+    assert measured == [1] and engine.surgery[0]["guard"]["tokens"] > 0

@@ -49,6 +49,9 @@ class SurgeryPass(Protocol):
 
     # Optional: `check(params) -> dict`, the parameters with their defaults filled in, or a
     # ConfigError, before the model loads (a pass without it gets its parameters as given).
+    # Optional: `refuse(model, params)`, a ConfigError where the pass cannot apply to the model as
+    # loaded (already quantized, no layer it takes), changing nothing: every pass's runs before
+    # the guard measures the unmodified model, which takes minutes on a large model on a CPU.
 
 
 @dataclass(frozen=True)
@@ -149,7 +152,14 @@ def apply_passes(model: "torch.nn.Module", requests: Sequence[PassRequest], pass
 def _apply(model: "torch.nn.Module", requests: Sequence[PassRequest], passes: dict[str, Any],
            guard: Any, calibration: Any) -> list[dict[str, Any]]:
     records = []
-    for request in check_requests(requests, passes):  # every request before any pass runs
+    requests = check_requests(requests, passes)  # every request before any pass runs
+    for request in requests:  # and whether each applies to the model as loaded, before the guard's reference
+        refuse = getattr(passes[request.name], "refuse", None)
+        if callable(refuse):
+            refuse(model, {k: v for k, v in request.params.items() if k != "force"})
+    if guard is not None:
+        guard.measure_reference()
+    for request in requests:
         params = dict(request.params)
         force = params.pop("force", False)
         surgery_pass = passes[request.name]

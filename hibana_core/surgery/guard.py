@@ -283,20 +283,29 @@ def table(rows: list[tuple[str, GuardReport, str]]) -> str:
 
 
 class Guard:
-    """Measures the unmodified model once, then each pass's cumulative effect against it.
-    `source` names what the documents are (`heldout_source`); each record and the table say it."""
+    """Measures the unmodified model once (`measure_reference`, which the passes' runner calls
+    after every pass has said it applies and before the first one changes the model), then each
+    pass's cumulative effect against it. `source` names what the documents are
+    (`heldout_source`); each record and the table say it."""
 
     def __init__(self, scorer: Scorer, documents: list[list[int]], progress: bool, tokenizer: Any = None,
                  source: str = HELDOUT.name) -> None:
         need = scorer_length(documents)
         if scorer.max_len < need:  # greedy text is generated past a document's end
             raise ValueError(f"the guard's scorer holds {scorer.max_len} tokens; it needs {need}")
-        self.scorer, self.progress, self.source = scorer, progress, source
+        self.scorer, self.progress, self.source, self.documents = scorer, progress, source, documents
         self.calls = ToolCalls(tokenizer, documents)
-        self.reference = measure_reference(scorer, documents, progress, self.calls)
+        self.reference: Reference | None = None
         self.rows: list[tuple[str, GuardReport, str]] = []
 
+    def measure_reference(self) -> None:
+        """The unmodified model's figures (once): call it before any pass changes the model."""
+        if self.reference is None:
+            self.reference = measure_reference(self.scorer, self.documents, self.progress, self.calls)
+
     def check(self, name: str, surgery_pass: Any, force: bool) -> dict[str, Any]:
+        if self.reference is None:
+            raise RuntimeError("Guard.check before measure_reference: the reference must be the unmodified model")
         report = compare(self.scorer, self.reference, self.progress, desc=f"guard: after {name}", calls=self.calls)
         floors = dict(getattr(surgery_pass, "floors", {}) or {})
         broken = violations(report, floors)
@@ -311,7 +320,7 @@ class Guard:
         return {**report.as_dict(), "text": self.source, "floors": floors, "decision": decision}
 
     def summary(self) -> str:
-        tokens = sum(len(d) - 1 for d in self.reference.documents)
+        tokens = sum(len(d) - 1 for d in self.documents)
         return f"surgery guard, {tokens} tokens of {self.source}:\n{table(self.rows)}"
 
 

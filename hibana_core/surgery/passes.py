@@ -53,12 +53,9 @@ class WeightQuantPass:
                 raise ConfigError(f"w4: clip must be true or false, got {params['clip']!r}")
         return params
 
-    def apply(self, model: "torch.nn.Module", params: dict[str, Any]) -> dict[str, Any]:
-        from hibana_core.surgery import progress_bar
-        from hibana_core.surgery.quantize import group_size_for, quantize_int4, quantize_int8
-
-        params = self.check(params)
-        wanted, clip = params.get("group_size"), params.get("clip")
+    def refuse(self, model: "torch.nn.Module", params: dict[str, Any]) -> None:
+        """A ConfigError where the linear layers are packed already (an earlier pass, the
+        checkpoint's manifest or its quantization_config) or in fp8."""
         packed = [(name, m.kind) for name, m in model.named_modules() if getattr(m, "kind", None) in ("int8", "int4")]
         if packed:  # an earlier pass in the list, or the checkpoint's manifest
             raise ConfigError(f"surgery pass w{self.bits}: the linear layers are already {packed[0][1]} "
@@ -70,6 +67,14 @@ class WeightQuantPass:
             raise ConfigError(f"surgery pass w{self.bits} on an FP8 checkpoint ({len(fp8)} fp8 layers, e.g. "
                               f"{fp8[0]}): its weights are already 8-bit; load it without w{self.bits}, or "
                               "apply w4 to the unquantized checkpoint")
+
+    def apply(self, model: "torch.nn.Module", params: dict[str, Any]) -> dict[str, Any]:
+        from hibana_core.surgery import progress_bar
+        from hibana_core.surgery.quantize import group_size_for, quantize_int4, quantize_int8
+
+        params = self.check(params)
+        wanted, clip = params.get("group_size"), params.get("clip")
+        self.refuse(model, params)  # again: an earlier pass of the same list may have packed them
         layers = [(name, m) for name, m in model.named_modules() if _packable(name, m)]
         before = after = 0
         kept: list[str] = []
@@ -155,6 +160,27 @@ class KVQuantPass:
         # rounding, not the range, is the cost); between w8's floor and w4's
         self.floors = {"ppl_ratio": 1.02, "top1_agreement": 0.95}
 
+    def refuse(self, model: "torch.nn.Module", params: dict[str, Any]) -> None:
+        """A ConfigError for parameters, a model without attention layers that take KV scales, a
+        GPU without fp8, or a KV cache in fp8 already."""
+        import torch
+
+        from hibana_core.kv.layout import attention_layers
+
+        if params:
+            raise ConfigError(f"surgery pass kv8 takes no parameters, got {sorted(params)}")
+        layers = attention_layers(model)
+        if not layers:
+            raise ConfigError(f"surgery pass kv8 found no attention layer that takes KV scales in "
+                              f"{type(model).__name__}")
+        device = next(model.parameters()).device
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ConfigError("kv8 needs a GPU with fp8 support (compute capability 8.9 or newer: Ada, Hopper "
+                              f"and later); {torch.cuda.get_device_name(device)} has none; leave kv8 out")
+        if any(m.kv_scale is not None for m in layers):
+            raise ConfigError("this model already stores its KV cache in fp8 (kv8 was applied, e.g. by "
+                              "`hibana surgery`); leave kv8 out of surgery and kv_dtype at 'auto'")
+
     def apply(self, model: "torch.nn.Module", params: dict[str, Any], calibration: Any) -> dict[str, Any]:
         import hashlib
 
@@ -162,19 +188,8 @@ class KVQuantPass:
 
         from hibana_core.kv.layout import attention_layers
 
-        if params:
-            raise ConfigError(f"surgery pass kv8 takes no parameters, got {sorted(params)}")
+        self.refuse(model, params)
         layers = [(m.layer_idx, m) for m in attention_layers(model)]
-        if not layers:
-            raise ConfigError(f"surgery pass kv8 found no attention layer that takes KV scales in "
-                              f"{type(model).__name__}")
-        device = calibration.device
-        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-            raise ConfigError("kv8 needs a GPU with fp8 support (compute capability 8.9 or newer: Ada, Hopper "
-                              f"and later); {torch.cuda.get_device_name(device)} has none; leave kv8 out")
-        if any(m.kv_scale is not None for _, m in layers):
-            raise ConfigError("this model already stores its KV cache in fp8 (kv8 was applied, e.g. by "
-                              "`hibana surgery`); leave kv8 out of surgery and kv_dtype at 'auto'")
         amax = None
         for doc in calibration.documents:
             kv = calibration.kv(doc)  # [num_layers, 2, T, H_kv, D]

@@ -61,22 +61,28 @@ class SinkWindowPass:
                               f"list of distinct layer indices, got {layers!r}")
         return params
 
-    def apply(self, model: Any, params: dict[str, Any], calibration: Any) -> dict[str, Any]:
-        params = self.check(params)
-        window, sinks, wanted = params["window"], params["sink_tokens"], params["layers"]
-        attentions = attention_layers(model)
-        full = [m.layer_idx for m in attentions if m.sliding_window is None]
+    def refuse(self, model: Any, params: dict[str, Any]) -> None:
+        """A ConfigError where the model has no full-attention layer, or not the ones named."""
+        wanted = self.check(params)["layers"]
+        full = [m.layer_idx for m in attention_layers(model) if m.sliding_window is None]
         if not full:
             what = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
             raise ConfigError("surgery pass window found no full-attention layer to switch (every layer of "
                               f"this {what} model has a sliding window already); leave it out")
+        if isinstance(wanted, list) and not set(wanted) <= set(full):
+            raise ConfigError(f"window: layers {sorted(set(wanted) - set(full))} are not full-attention "
+                              f"layers of this model (those are {full})")
+
+    def apply(self, model: Any, params: dict[str, Any], calibration: Any) -> dict[str, Any]:
+        params = self.check(params)
+        self.refuse(model, params)
+        window, sinks, wanted = params["window"], params["sink_tokens"], params["layers"]
+        attentions = attention_layers(model)
+        full = [m.layer_idx for m in attentions if m.sliding_window is None]
         ranking: dict[int, float] = {}
         probe = None
         if isinstance(wanted, list):
             chosen = sorted(set(wanted))
-            if not set(chosen) <= set(full):
-                raise ConfigError(f"window: layers {sorted(set(chosen) - set(full))} are not full-attention "
-                                  f"layers of this model (those are {full})")
         else:
             probe, ranking = rank_layers(attentions, full, window, sinks, calibration)
             count = max(1, round(wanted * len(full)))
