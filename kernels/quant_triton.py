@@ -2,8 +2,10 @@
 
 Paths, picked by the number of rows and the format:
 
-- int4 with 16-bit inputs and groups of 32-256, up to GEMV_MAX_ROWS rows (decode): the codes
-  become 16-bit floats on tensor cores' inputs (`_int4_dot_kernel`, `_int4_words_kernel`, below);
+- int4 with 16-bit inputs on tensor cores, the codes become 16-bit floats in the dots' inputs
+  (below): groups of 128-256 through `_int4_words_kernel` up to DEQUANT_MIN_ROWS rows (decode,
+  verify and batch steps, 16-64 rows of x a program), groups of 32 and 64 through
+  `_int4_dot_kernel` up to GEMV_MAX_ROWS rows;
 - a GEMV for decode (up to GEMV_MAX_ROWS rows; int8, float32 inputs, other int4 groups): as in
   matmul_triton, the time should be the weight's bytes over memory bandwidth, now a half (int8)
   or a quarter (int4) of bf16's. At a quarter, arithmetic bounds it unless each code costs very
@@ -12,9 +14,9 @@ Paths, picked by the number of rows and the format:
   shift and one logic op (its bits moved into the mantissa of 1.0); the offset leaves the sum
   through sum(x), and int4's scale and zero apply twice a word, not once a code. Products stay
   per column of the tile in float32 until the last step;
-- a GEMM for verify batches and short prefill chunks: tiles of x against dequantized weight
-  tiles through tl.dot. The grid runs the row tiles of one weight tile together, so the weight
-  still comes from memory once and x, the small operand, from the L2;
+- a GEMM for verify batches and short prefill chunks of the other formats: tiles of x against
+  dequantized weight tiles through tl.dot. The grid runs the row tiles of one weight tile
+  together, so the weight still comes from memory once and x, the small operand, from the L2;
 - from DEQUANT_MIN_ROWS rows the product is compute-bound: the weight is dequantized to x's
   dtype once and cuBLAS takes it.
 
@@ -38,7 +40,7 @@ a code costs one integer operation, not four. Layers with few output tiles split
 order (deterministic) and writes the output. `_int4_words_kernel` reads the codes as int32 words
 and takes eight dots a group, one per nibble position: its conversion needs no regrouping of
 registers (bench/kernel_sass.py counts both): 1.13-1.27x the first's speed on the H200, the default
-for groups of 128 and more.
+for groups of 128 and more (with PREFETCH, 256 features a program: `choose_tiles`).
 
 fp8 (e4m3) weights take the same three paths with their own kernels (the last section): codes
 become float32 in registers (a hardware conversion from sm_89 on), and a tile is cut into
