@@ -146,6 +146,18 @@ def test_demo_reports_a_model_it_cannot_load(offline_hub, capsys):
     assert "hibana demo:" in out and "hf download acme/absent" in out
 
 
+@pytest.mark.parametrize("value", ["suffix:x", "suffix:", "suffix:-1", "ngram:4:5"])
+def test_demo_refuses_a_speculation_length_that_is_no_count(value, capsys):
+    """Before anything loads; it was adaptive speculation without a word."""
+    from hibana_core.demo.run import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--speculation", value, "--no-live"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --speculation" in err and "K must be a number of tokens" in err, err
+
+
 def test_demo_reports_its_cold_start(capsys):
     from hibana_core.demo.run import main
 

@@ -195,11 +195,14 @@ def print_summary(console, result: DemoResult, engine) -> None:
 # --- command line -------------------------------------------------------------------------------
 
 def parse_speculation(value: str) -> str | dict:
-    """ "adaptive" | "off" | METHOD[:K] -> the engine's `speculation` option."""
+    """ "adaptive" | "off" | METHOD[:K] -> the engine's `speculation` option (an argparse type: a K
+    that is no count is a usage error, not adaptive speculation under another name)."""
     if value in ("adaptive", "off"):
         return value
-    method, _, k = value.partition(":")
-    return {"method": method, "k": int(k)} if k.isdigit() else {"method": method}
+    method, colon, k = value.partition(":")
+    if colon and not k.isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r}: K must be a number of tokens, as in suffix:4")
+    return {"method": method, "k": int(k)} if colon else {"method": method}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -213,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--max-tokens", type=int, default=160, help="most tokens per model turn")
     p.add_argument("--no-live", action="store_true", help="no live view, only the final table")
-    p.add_argument("--speculation", default="adaptive",
+    p.add_argument("--speculation", default="adaptive", type=parse_speculation,
                    help='"adaptive" (default), "off", or METHOD[:K] (e.g. suffix:4, ngram)')
     return p
 
@@ -236,7 +239,7 @@ def main(argv=None, started: float | None = None) -> int:
     console = Console(width=None if sys.stdout.isatty() else 120)
     try:
         cold, engine = measure(args.model, started, device=args.device, progress=sys.stderr.isatty(),
-                               speculation=parse_speculation(args.speculation))
+                               speculation=args.speculation)
     except HibanaError as exc:
         console.print(f"hibana demo: {exc}", markup=False)
         return 1
