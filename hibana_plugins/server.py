@@ -582,9 +582,7 @@ def serving(engine: "Engine", config: ServerConfig, host: str = "127.0.0.1", por
     to close."""
     import uvicorn
 
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    sock = bind(host, port)
     server = uvicorn.Server(uvicorn.Config(create_app(engine, config), log_level="warning",
                                            timeout_graceful_shutdown=config.shutdown_timeout))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="hibana-serve", daemon=True)
@@ -611,19 +609,42 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
+    sock = None
     try:
         config = ServerConfig(args.served_model_name or args.model, args.api_key, args.max_body_bytes,
                               args.max_tokens_limit, args.request_timeout, args.shutdown_timeout)
+        sock = bind(args.host, args.port)  # before the load: an address in use is said at once
         engine = Engine.from_pretrained(args.model, **engine_options(args))
     except HibanaError as exc:
+        if sock is not None:
+            sock.close()
         print(f"hibana serve: {exc}", file=sys.stderr)
         return 2
     if args.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
         log.warning("serving on %s with no API key: anyone who can reach it can use the model", args.host)
-    with engine, stop_signals_unwind():
-        uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=config.shutdown_timeout)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, config), host=args.host, port=args.port,
+                                           log_level=args.log_level,
+                                           timeout_graceful_shutdown=config.shutdown_timeout))
+    host, port = sock.getsockname()[:2]  # uvicorn names no address for sockets it is given
+    log.info("serving %s on http://%s:%d/v1 (Ctrl+C to stop)", config.model_name, f"[{host}]" if ":" in host
+             else host, port)
+    with engine, sock, stop_signals_unwind():
+        server.run(sockets=[sock])
+    return 0 if server.started else 1
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound to `host`:`port`; a ConfigError where it cannot be (in use, no
+    such address)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port "
+                          "(0: a free one) or --host") from None
+    return sock
 
 
 class Stopped(Exception):

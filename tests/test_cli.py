@@ -84,6 +84,25 @@ def test_every_listed_command_runs(command, capsys):
     assert "usage:" in capsys.readouterr().out
 
 
+def test_serve_refuses_an_address_in_use_before_it_loads(monkeypatch, capsys):
+    """It said so in uvicorn's words, once the model had loaded (minutes, for a large one)."""
+    import socket
+
+    server = pytest.importorskip("hibana_plugins.server")
+    from hibana_core import Engine
+
+    def load(*args, **kwargs):
+        raise AssertionError("hibana serve loaded the model before binding its address")
+
+    monkeypatch.setattr(Engine, "from_pretrained", load)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert server.main(["demo", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"hibana serve: cannot listen on 127.0.0.1:{port}" in err and "--port" in err, err
+    assert "Traceback" not in err
+
+
 @pytest.fixture
 def offline_hub(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
