@@ -103,6 +103,23 @@ def test_serve_refuses_an_address_in_use_before_it_loads(monkeypatch, capsys):
     assert "Traceback" not in err
 
 
+def test_surgery_writes_a_checkpoint_as_readable_as_its_folder_lets_it(tiny_checkpoints, tmp_path, capsys):
+    """safetensors writes owner-only (0600) files: the weights were the one file another user
+    could not read."""
+    import os
+    import stat
+
+    out = tmp_path / "w8"
+    old = os.umask(0o022)
+    try:
+        assert cli.main(["surgery", str(tiny_checkpoints["qwen3"]), "--passes", "w8", "--out", str(out),
+                         "--no-guard", "--device", "cpu"]) == 0
+    finally:
+        os.umask(old)
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()}
+    assert set(modes.values()) == {0o644}, modes
+
+
 @pytest.fixture
 def offline_hub(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))

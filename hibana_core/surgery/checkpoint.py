@@ -85,6 +85,9 @@ def save(engine: Any, source: Path, out: Path) -> Path:
                 "packed_experts": packed_experts(model),
                 "kv_scaled_layers": kv_scaled_layers(model), "windowed_layers": windowed_layers(model)}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    # safetensors writes its file owner-only (0600): as readable as the manifest beside it, so
+    # that whoever may read the checkpoint (a server under another user) can load it
+    shutil.copymode(out / MANIFEST, out / "model.safetensors")
     return out
 
 
