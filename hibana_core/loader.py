@@ -7,13 +7,14 @@ sharded), tokenizer files and optionally generation_config.json. It is named by 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import struct
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -161,12 +162,39 @@ def _family(model_type: str) -> Any:
 
 def _build(family: Any, hf_config: Any, device: torch.device, dtype: torch.dtype,
            ctx: ForwardContext) -> tuple[torch.nn.Module, Any]:
-    with torch.device("meta"):  # no memory and no random init for weights about to be loaded
+    with torch.device("meta"), _no_init():  # no memory and no random init for weights about to be loaded
         module, args = family.build(hf_config, ctx)
     module = module.to(dtype=dtype).to_empty(device=device)
     if hasattr(module, "tie_weights"):
         module.tie_weights()  # to_empty gives each twin its own storage
     return module, args
+
+
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+                   "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+                   "sparse_")
+
+
+@contextlib.contextmanager
+def _no_init() -> Iterator[None]:
+    """torch.nn.init's functions as no-ops while a model is built on the meta device, whose
+    values `to_empty` discards anyway: a meta tensor's normal_ goes through torch's reference
+    implementations, whose first call imports torch._dynamo (1.8 s of a 7.8 s cold start of
+    `hibana demo` on a 2-core CPU). As transformers' `no_init_weights`, this patches the module
+    for the build's duration (milliseconds), for every thread."""
+    init = torch.nn.init
+    saved = {name: getattr(init, name) for name in _INIT_FUNCTIONS if hasattr(init, name)}
+    for name in saved:
+        setattr(init, name, _keep)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(init, name, function)
+
+
+def _keep(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensor
 
 
 def _loaded(module: torch.nn.Module, args: Any, hf_config: Any, tokenizer: Any | None,
