@@ -179,7 +179,7 @@ def sweep(fmt: str, group_size: int, rows: int, n: int, k: int, bandwidth: float
           block: tuple[int, int] = (128, 128), words_only: bool = False) -> list[dict]:
     """Tiles of the kernel for `rows` (GEMV at decode rows, GEMM above), best first. words_only
     (int4, groups of 128+): the words kernel's tiles alone (with and without PREFETCH; at batch
-    rows beside the GEMM's default), a few minutes for the four layers."""
+    rows beside the GEMM at its tiles), a few minutes for the four layers."""
     group = group_size if fmt == "int4" else 1
     if words_only and fmt == "int4" and group_size >= quant_triton.WORDS_MIN_GROUP:
         grid = [DotTiles(bn, sp, 8 if bn == 256 else 4, st, True, pre, bm) for bn, sp, st, pre, bm in
@@ -187,7 +187,7 @@ def sweep(fmt: str, group_size: int, rows: int, n: int, k: int, bandwidth: float
                 if sp <= k // group_size and bm <= max(16, triton.next_power_of_2(rows))
                 and (rows <= quant_triton.GEMV_MAX_ROWS or st == 3)]
         if rows > quant_triton.GEMV_MAX_ROWS:
-            grid.append(quant_triton.choose_tiles(rows, n, k, group_size, torch.bfloat16))
+            grid.append(quant_triton._gemm_tiles(rows, triton.next_power_of_2(k), group_size))  # (not chosen there)
     elif rows <= quant_triton.GEMV_MAX_ROWS:
         grid = [GemvTiles(bn, bk, w, xv) for bn, bk, w, xv in itertools.product(
             (8, 16, 32, 64), (128, 256, 512, 1024), (2, 4, 8), (False, True) if fmt == "int4" else (False,))

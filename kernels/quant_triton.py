@@ -570,9 +570,8 @@ def choose_tiles(rows: int, n: int, k: int, group_size: int = 1, dtype: torch.dt
     says so, first guesses elsewhere."""
     if rows >= DEQUANT_MIN_ROWS:
         return None
-    words = (group_size >= WORDS_MIN_GROUP and dtype in (torch.bfloat16, torch.float16)
-             and dot_fits(k, group_size))
-    if words:
+    tensor_cores = dtype in (torch.bfloat16, torch.float16) and dot_fits(k, group_size)
+    if tensor_cores and group_size >= WORDS_MIN_GROUP:
         # Qwen3-8B's layers on the H200 (`tune_quant.py --sweep --words-only`: bench/RESULTS.md,
         # seventeenth session): 256 output features a program in 8 warps, 3 stages, x's columns
         # and the group's scales and zeros loaded a group ahead (PREFETCH: 1.05-1.19x), K split
@@ -585,8 +584,7 @@ def choose_tiles(rows: int, n: int, k: int, group_size: int = 1, dtype: torch.dt
         splits = _splits(triton.cdiv(n, 256), k // group_size, WORDS_PROGRAMS_PER_SM * sms, 4)
         return DotTiles(256, splits if rows <= 64 else max(1, splits // 2), num_warps=8, num_stages=3,
                         words=True, prefetch=True, block_m=16 if rows <= 16 else 32 if rows <= 32 else 64)
-    if (rows <= GEMV_MAX_ROWS and group_size > 1 and dtype in (torch.bfloat16, torch.float16)
-            and dot_fits(k, group_size)):
+    if tensor_cores and rows <= GEMV_MAX_ROWS:
         groups = k // group_size
         # (groups of 32 and 64) 1.11-1.36x the GEMV below (fourteenth session): 64 output
         # features a program (16, 32 and 128 slower), K split until ~2.5 programs an SM

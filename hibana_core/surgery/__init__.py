@@ -152,16 +152,17 @@ def apply_passes(model: "torch.nn.Module", requests: Sequence[PassRequest], pass
 def _apply(model: "torch.nn.Module", requests: Sequence[PassRequest], passes: dict[str, Any],
            guard: Any, calibration: Any) -> list[dict[str, Any]]:
     records = []
-    requests = check_requests(requests, passes)  # every request before any pass runs
-    for request in requests:  # and whether each applies to the model as loaded, before the guard's reference
+    runs = []  # (request, its parameters, force) for every request before any pass runs
+    for request in check_requests(requests, passes):
+        params = dict(request.params)
+        runs.append((request, params, params.pop("force", False)))
+    for request, params, _ in runs:  # whether each applies to the model as loaded, before the guard's reference
         refuse = getattr(passes[request.name], "refuse", None)
         if callable(refuse):
-            refuse(model, {k: v for k, v in request.params.items() if k != "force"})
+            refuse(model, dict(params))
     if guard is not None:
         guard.measure_reference()
-    for request in requests:
-        params = dict(request.params)
-        force = params.pop("force", False)
+    for request, params, force in runs:
         surgery_pass = passes[request.name]
         extra = ()
         if getattr(surgery_pass, "calibrated", False):
