@@ -41,8 +41,11 @@ def gemv_shapes(name: str) -> dict[str, tuple[int, int]]:
     p = PRESETS[name]
     h, i, d = p["hidden_size"], p["intermediate_size"], p.get("head_dim", p["hidden_size"] // p["num_attention_heads"])
     qkv = (p["num_attention_heads"] + 2 * p["num_key_value_heads"]) * d
-    return {"qkv": (qkv, h), "o": (p["num_attention_heads"] * d, h), "gate_up": (2 * i, h),
-            "down": (h, i), "lm_head": (p["vocab_size"], h)}
+    shapes = {"qkv": (qkv, h), "o": (h, p["num_attention_heads"] * d), "gate_up": (2 * i, h),
+              "down": (h, i), "lm_head": (p["vocab_size"], h)}
+    if "num_experts" in p or "num_local_experts" in p:  # the experts are fused_moe's (bench/tune_moe.py)
+        del shapes["gate_up"], shapes["down"]
+    return shapes
 
 
 def time_graph(fn, reps: int = 20) -> float:
@@ -50,14 +53,27 @@ def time_graph(fn, reps: int = 20) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=reps, return_mode="median") / 1e3
 
 
-def sweep_gemv(model: str, bandwidth: float) -> list[dict]:
+def _gemv_configs(k: int, focused: bool) -> list[tuple]:
+    """(BLOCK_N, BLOCK_K, warps, stages, unroll) to time at one row of K inputs: the full grid, or
+    (focused) the default's neighbours and the row in 2-4 steps written out (`unroll`)."""
+    if not focused:
+        return [(bn, bk, w, st, False) for bn, bk, w, st in itertools.product(
+            (1, 2, 4, 8, 16), (1024, 2048, 4096, 8192), (4, 8, 16), (1, 3))
+            if 2048 <= bn * bk <= 32768 and (st == 1 or bk <= 2048) and bk <= triton.next_power_of_2(k)]
+    configs = [(bn, bk, w, 1, False) for bn, bk, w in itertools.product((2, 4), (1024, 2048, 4096), (4, 8))
+               if bk <= triton.next_power_of_2(k)]
+    configs += [(bn, bk, w, 1, True) for bn, bk, w in itertools.product((1, 2, 4), (512, 1024, 2048, 4096), (4,))
+                if 2 <= -(-k // bk) <= 4]
+    configs += [(2, bk, 8, 1, True) for bk in (1024, 2048) if 2 <= -(-k // bk) <= 4]
+    return configs
+
+
+def sweep_gemv(model: str, bandwidth: float, focused: bool = False) -> list[dict]:
     from hibana_kernels import matmul_triton
 
     rows = []
-    configs = [(bn, bk, w, st) for bn, bk, w, st in itertools.product(
-        (1, 2, 4, 8, 16), (1024, 2048, 4096, 8192), (4, 8, 16), (1, 3))
-        if 2048 <= bn * bk <= 32768 and (st == 1 or bk <= 2048)]
     for (label, (n, k)), m in itertools.product(gemv_shapes(model).items(), (1,)):
+        configs = _gemv_configs(k, focused)
         nbytes = n * k * 2
         copies = max(1, -(-(256 << 20) // nbytes))  # rotate through > 256 MB: the L2 is 50 MB
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
@@ -71,9 +87,7 @@ def sweep_gemv(model: str, bandwidth: float) -> list[dict]:
         t_cublas = time_graph(cublas) / copies
         best, results = None, []
         for cfg in configs:
-            if cfg[1] > triton.next_power_of_2(k):
-                continue
-            out = matmul_triton.linear_launch(x, ws[0], None, *cfg)
+            out = matmul_triton.linear_launch(x, ws[0], None, *cfg[:4], unroll=cfg[4])
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             if not err < 1e-2:
                 print(f"WRONG {label} m={m} {cfg}: rel err {err}")
@@ -81,7 +95,7 @@ def sweep_gemv(model: str, bandwidth: float) -> list[dict]:
 
             def ours(cfg=cfg):
                 for w in ws:
-                    matmul_triton.linear_launch(x, w, None, *cfg)
+                    matmul_triton.linear_launch(x, w, None, *cfg[:4], unroll=cfg[4])
 
             t = time_graph(ours) / copies
             results.append((round(t * 1e6, 1), cfg))
@@ -95,7 +109,7 @@ def sweep_gemv(model: str, bandwidth: float) -> list[dict]:
                          best_bw=nbytes / best[0] / bandwidth, best=best[1:],
                          chosen=chosen, chosen_us=t_chosen * 1e6))
         r = rows[-1]
-        print(f"{label:8s} m={m} cublas {r['cublas_us']:8.1f} us ({r['cublas_bw']:.0%})  best {r['best_us']:8.1f} us "
+        print(f"{model} {label:8s} m={m} n={n} k={k} cublas {r['cublas_us']:8.1f} us ({r['cublas_bw']:.0%})  best {r['best_us']:8.1f} us "
               f"({r['best_bw']:.0%}) {r['best']}  chosen {r['chosen_us']:8.1f} us", flush=True)
         del ws
     return rows
@@ -469,7 +483,9 @@ def main() -> None:
                              "kinds of hibana_kernels.pdl.KINDS joined by + (gemv+attention), each with "
                              "<N for GEMV grids of at most N programs (all<1024; default pdl.MAX_PROGRAMS)")
     parser.add_argument("--gemv-sweep-only", action="store_true",
-                        help="the GEMV tile sweep at the model's shapes, nothing else")
+                        help="the GEMV tile sweep at the model's shapes, nothing else (--model may list several)")
+    parser.add_argument("--focused", action="store_true",
+                        help="--gemv-sweep-only: the default's neighbours and the unrolled rows, not the full grid")
     parser.add_argument("--step-only", action="store_true",
                         help="no kernel sweeps: the model's decode step alone (its variants and kernels)")
     parser.add_argument("--fusion", action="store_true",
@@ -482,6 +498,11 @@ def main() -> None:
         main_fusion(args, bandwidth)
         return
     report: dict = {"bandwidth": bandwidth}
+    if args.gemv_sweep_only:
+        report["gemv"] = [row for model in args.model.split(",") for row in sweep_gemv(model, bandwidth, args.focused)]
+        with open(os.path.join(OUT, f"tune_decode_gemv_{args.model.replace(',', '+')}.json"), "w") as f:
+            json.dump(report, f, indent=1, default=str)
+        return
     if not (args.skip_sweep or args.step_only):
         report["gemv"] = sweep_gemv(args.model, bandwidth)
     if not (args.step_only or args.gemv_sweep_only):

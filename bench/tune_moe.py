@@ -86,6 +86,20 @@ SWEEP_TILES["mxfp4"] = SWEEP_TILES["int4"] + [_D(8, 256, 2, True), _D(16, 256, 2
 for _kind in ("int4", "mxfp4"):
     SWEEP_TILES[_kind] += [_D(8, 512, 2, True, True), _D(8, 256, 2, True, True), _D(16, 512, 4, True, True),
                            _D(4, 512, 2, True, True)]
+# --wide: whole rows a program, or a row's steps written out (`unroll`: every step's load issued
+# before the first product; 16-bit and int8), swept from 2026-12-03 (eighteenth session); a
+# gpt-oss-20b row of 2880 codes is 360 words: a 4096-wide tile reads it in one step
+WIDE_TILES = {
+    "dense": [_D(2, 1024, 4, True, False, True), _D(2, 512, 4, True, False, True), _D(4, 512, 4, True, False, True),
+              _D(1, 1024, 4, True, False, True), _D(2, 1024, 8, True, False, True), _D(1, 512, 2, True, False, True),
+              _D(4, 1024, 8, True, False, True)],
+    "int8": [_D(4, 1024, 4, True, False, True), _D(8, 512, 4, True, False, True), _D(2, 1024, 4, True, False, True),
+             _D(4, 2048, 4, True)],
+    "mxfp4": [_D(1, 4096, 4, True), _D(2, 4096, 4, True), _D(2, 4096, 8, True), _D(1, 4096, 2, True),
+              _D(2, 2048, 4, True), _D(1, 2048, 2, True), _D(4, 1024, 2, True), _D(2, 1024, 1, True),
+              _D(4, 4096, 8, True), _D(8, 1024, 4, True)],
+}
+WIDE_TILES["int4"] = WIDE_TILES["mxfp4"]
 TINY_MODELS = {  # --tiny: the same kinds at toy sizes, on the CPU through the Triton interpreter
     "tiny-bf16": Shape(128, 128, 4, 2, "dense", "silu", False, "softmax", True),
     "tiny-mxfp4": Shape(128, 128, 4, 2, "mxfp4", "swiglu_oai", True, "topk_softmax", False),
@@ -166,7 +180,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12)).item()
 
 
-def measure(name: str, shape: Shape, tokens: int, copies: list[MoEExperts], sweep: bool) -> list[dict]:
+def measure(name: str, shape: Shape, tokens: int, copies: list[MoEExperts], sweep: bool,
+            wide: bool = False) -> list[dict]:
     """Rows for one model and T: each path at its default tiles (and the sweep's), the reference."""
     gen = torch.Generator(device=DEVICE).manual_seed(tokens)
     x = torch.randn(tokens, shape.hidden, device=DEVICE, generator=gen).to(torch.bfloat16)
@@ -182,6 +197,8 @@ def measure(name: str, shape: Shape, tokens: int, copies: list[MoEExperts], swee
     candidates = [moe_triton.choose_tiles(1, kind), moe_triton.choose_tiles(grouped_tokens, kind)]
     if sweep:
         candidates += SWEEP_TILES[kind]
+    if wide:
+        candidates += WIDE_TILES[kind]
     rows = []
     for tiles in dict.fromkeys(candidates):
         path = "grouped" if isinstance(tiles, GroupedTiles) else "decode"
@@ -238,6 +255,7 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,8,64,512")
     parser.add_argument("--models", help=f"default: all of {', '.join(MODELS)} (--tiny: of {', '.join(TINY_MODELS)})")
     parser.add_argument("--sweep", action="store_true", help="also time each kind's SWEEP_TILES")
+    parser.add_argument("--wide", action="store_true", help="also time each kind's WIDE_TILES")
     parser.add_argument("--tiny", action="store_true",
                         help="toy shapes on the CPU through the Triton interpreter: checks the script, times nothing")
     parser.add_argument("--json", help="write the rows here")
@@ -255,7 +273,7 @@ def main() -> None:
         copies = [first] + [make_experts(shape, gen) for _ in range(0 if args.tiny else
                                                                     max(1, ROTATE_BYTES // layer_bytes(first)))]
         for tokens in (int(t) for t in args.tokens.split(",")):
-            rows += measure(name, shape, tokens, copies, args.sweep)
+            rows += measure(name, shape, tokens, copies, args.sweep, args.wide)
         del copies, first
         if DEVICE == "cuda":
             torch.cuda.empty_cache()

@@ -63,8 +63,11 @@ def _accumulate(acc, w, x_rows, offs_k, m_mask, K, EVEN_K: tl.constexpr, SILU_IN
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SILU_INPUT: tl.constexpr,
-                 PDL: tl.constexpr):
-    # SILU_INPUT: x rows are [gate | up], 2 * K wide; the product's input is silu(gate) * up
+                 TILES: tl.constexpr, PDL: tl.constexpr):
+    # SILU_INPUT: x rows are [gate | up], 2 * K wide; the product's input is silu(gate) * up.
+    # TILES (1-4, K <= TILES * BLOCK_K): the row's steps written out, their loads issued together
+    # (a row that is not a power of two long, e.g. 3072, without the masked lanes of one wider
+    # tile); 0: a loop over K
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
@@ -72,14 +75,31 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     offs_k = tl.arange(0, BLOCK_K)
-    w = _weight_tile(w_rows, offs_k, n_mask, K, EVEN_K)  # the first tile's load goes out before the wait
-    wait_for_previous(PDL)
-    acc = _accumulate(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), w, x_rows, offs_k, m_mask, K, EVEN_K,
-                      SILU_INPUT)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        acc = _accumulate(acc, _weight_tile(w_rows, offs_k, n_mask, K, EVEN_K), x_rows, offs_k, m_mask, K,
-                          EVEN_K, SILU_INPUT)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if TILES > 0:  # the row in TILES steps, every step's load out before the wait and the first product
+        w0 = _weight_tile(w_rows, offs_k, n_mask, K, EVEN_K)
+        if TILES > 1:
+            w1 = _weight_tile(w_rows, BLOCK_K + offs_k, n_mask, K, EVEN_K)
+        if TILES > 2:
+            w2 = _weight_tile(w_rows, 2 * BLOCK_K + offs_k, n_mask, K, EVEN_K)
+        if TILES > 3:
+            w3 = _weight_tile(w_rows, 3 * BLOCK_K + offs_k, n_mask, K, EVEN_K)
+        wait_for_previous(PDL)
+        acc = _accumulate(acc, w0, x_rows, offs_k, m_mask, K, EVEN_K, SILU_INPUT)
+        if TILES > 1:
+            acc = _accumulate(acc, w1, x_rows, BLOCK_K + offs_k, m_mask, K, EVEN_K, SILU_INPUT)
+        if TILES > 2:
+            acc = _accumulate(acc, w2, x_rows, 2 * BLOCK_K + offs_k, m_mask, K, EVEN_K, SILU_INPUT)
+        if TILES > 3:
+            acc = _accumulate(acc, w3, x_rows, 3 * BLOCK_K + offs_k, m_mask, K, EVEN_K, SILU_INPUT)
+    else:
+        w = _weight_tile(w_rows, offs_k, n_mask, K, EVEN_K)  # the first tile's load goes out before the wait
+        wait_for_previous(PDL)
+        acc = _accumulate(acc, w, x_rows, offs_k, m_mask, K, EVEN_K, SILU_INPUT)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            acc = _accumulate(acc, _weight_tile(w_rows, offs_k, n_mask, K, EVEN_K), x_rows, offs_k, m_mask, K,
+                              EVEN_K, SILU_INPUT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
@@ -190,10 +210,15 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def linear_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   block_n: int, block_k: int, num_warps: int, num_stages: int = 1,
-                  silu_input: bool = False) -> torch.Tensor:
+                  silu_input: bool = False, unroll: bool = False) -> torch.Tensor:
     """The GEMV with its tiles chosen by the caller (the tuning script sweeps them).
-    `silu_input`: x is a gate/up output [..., 2 * K] and the product's input silu(gate) * up."""
+    `silu_input`: x is a gate/up output [..., 2 * K] and the product's input silu(gate) * up.
+    `unroll`: the row's steps (at most 4) written out, all their loads issued before the first
+    product, instead of a loop."""
     n, k = weight.shape
+    tiles = triton.cdiv(k, block_k) if unroll else 0
+    if tiles > 4:
+        raise ValueError(f"unroll takes rows of at most 4 steps: K {k} is {tiles} steps of {block_k}")
     x2 = _rows(x, 2 * k if silu_input else k)
     m = x2.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -201,7 +226,7 @@ def linear_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0),
         weight.stride(0), y.stride(0), BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n,
         BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN_K=k > 0 and k % block_k == 0,
-        SILU_INPUT=silu_input, num_warps=num_warps, num_stages=num_stages,
+        SILU_INPUT=silu_input, TILES=tiles, num_warps=num_warps, num_stages=num_stages,
         **pdl.launch_args(x.device, "gemv", triton.cdiv(n, block_n)))
     return y.view(*x.shape[:-1], n)
 

@@ -65,6 +65,7 @@ class DecodeTiles(NamedTuple):
     num_warps: int
     down_per_route: bool = False  # down projection: a program per route, then _combine_kernel (else per token)
     x_vector: bool = False  # 4-bit formats: a word's inputs in vector loads (`_gemv`'s X_VECTOR)
+    unroll: bool = False  # 16-bit and int8: rows of at most 4 steps written out (`_gemv`'s TILES)
 
 
 class GroupedTiles(NamedTuple):
@@ -494,8 +495,28 @@ def _weighted_output(acc, weight, b_ptr, expert, offs_n, n_mask, stride_be, dtyp
 
 
 @triton.jit
+def _row_tile(w_ptr, w_rows, r_mask, k0, K, BLOCK_K: tl.constexpr):
+    """Columns k0 .. k0 + BLOCK_K of a 16-bit or int8 tile's rows, zero past K."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + w_rows[:, None] + offs_k[None, :], mask=r_mask[:, None] & (offs_k < K)[None, :], other=0)
+
+
+@triton.jit
+def _row_products(acc, x_row, w, k0, K, BLOCK_K: tl.constexpr, FORMAT: tl.constexpr):
+    """acc + x[k0 .. k0 + BLOCK_K] * w elementwise in float32 (int8 codes as they are; 16-bit
+    weights rounded to x's dtype as the reference casts them)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    if FORMAT == 2:
+        w = _int8_as_float(w)
+    else:
+        w = w.to(x_row.dtype.element_ty).to(tl.float32)
+    return acc + x[None, :] * w
+
+
+@triton.jit
 def _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexpr, BLOCK_K: tl.constexpr,
-          FORMAT: tl.constexpr, GROUP: tl.constexpr, X_VECTOR: tl.constexpr):
+          FORMAT: tl.constexpr, GROUP: tl.constexpr, X_VECTOR: tl.constexpr, TILES: tl.constexpr):
     """x[:K] . w[r, :K] in float32 [R] for R weight rows at element offsets w_rows (int64; int32
     words for the 4-bit formats) with scales (and zeros) at sz_rows. Products stay per column of
     the tile until the loop ends (a sum across threads each step costs more than the step), and
@@ -513,22 +534,34 @@ def _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexp
     weights are not rounded to x's dtype one by one as the reference dequantizes them: the sums
     are as exact or more.
 
+    TILES (16-bit and int8, 1-4 with K <= TILES * BLOCK_K): the row's steps written out, all their
+    loads issued before the first product; 0: a loop over K.
+
     X_VECTOR (4-bit formats): a word's inputs come in vector loads (int4: its 8 as [.., 8]; MXFP4:
     the 4 of its low halves and the 4 of its high halves) and its codes are decoded as one tensor
     along them, summed inside each thread, where the default loads the input of nibble p of every
     word, strided, once per p (which is faster: bench/tune_moe.py --sweep)."""
     if FORMAT == 0 or FORMAT == 2:
         acc = tl.zeros([R, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
-            x = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + w_rows[:, None] + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0)
-            if FORMAT == 2:
-                w = _int8_as_float(w)
-            else:
-                w = w.to(x_row.dtype.element_ty).to(tl.float32)
-            acc += x[None, :] * w
+        if TILES > 0:  # the row's steps written out: every step's load issued before the first product
+            w0 = _row_tile(w_ptr, w_rows, r_mask, 0, K, BLOCK_K)
+            if TILES > 1:
+                w1 = _row_tile(w_ptr, w_rows, r_mask, BLOCK_K, K, BLOCK_K)
+            if TILES > 2:
+                w2 = _row_tile(w_ptr, w_rows, r_mask, 2 * BLOCK_K, K, BLOCK_K)
+            if TILES > 3:
+                w3 = _row_tile(w_ptr, w_rows, r_mask, 3 * BLOCK_K, K, BLOCK_K)
+            acc = _row_products(acc, x_row, w0, 0, K, BLOCK_K, FORMAT)
+            if TILES > 1:
+                acc = _row_products(acc, x_row, w1, BLOCK_K, K, BLOCK_K, FORMAT)
+            if TILES > 2:
+                acc = _row_products(acc, x_row, w2, 2 * BLOCK_K, K, BLOCK_K, FORMAT)
+            if TILES > 3:
+                acc = _row_products(acc, x_row, w3, 3 * BLOCK_K, K, BLOCK_K, FORMAT)
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                acc = _row_products(acc, x_row, _row_tile(w_ptr, w_rows, r_mask, k0, K, BLOCK_K), k0, K, BLOCK_K,
+                                    FORMAT)
         total = tl.sum(acc, axis=1)
         if FORMAT == 2:
             total *= tl.load(s_ptr + sz_rows, mask=r_mask, other=0.0)
@@ -590,7 +623,8 @@ def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, z_ptr, b_ptr, act_ptr, 
                            stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_be,
                            alpha, limit, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            FORMAT: tl.constexpr, GROUP: tl.constexpr, ACTIVATION: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, X_VECTOR: tl.constexpr, PDL: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, X_VECTOR: tl.constexpr, TILES: tl.constexpr,
+                           PDL: tl.constexpr):
     """act[route, n] for one route and BLOCK_N intermediate features: its expert's gate rows n
     and up rows I + n as one tile of 2 BLOCK_N rows (row 2j + h: gate j for h = 0, up j for 1),
     streamed along H together."""
@@ -602,7 +636,7 @@ def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, z_ptr, b_ptr, act_ptr, 
     rows = (feature + (r % 2) * I).to(tl.int64)
     sums = _gemv(x_ptr + (route // TOP_K).to(tl.int64) * stride_xm, w_ptr, s_ptr, z_ptr,
                  expert * stride_we + rows * stride_wn, expert * stride_se + rows * stride_sn, feature < I, H,
-                 2 * BLOCK_N, BLOCK_K, FORMAT, GROUP, X_VECTOR)
+                 2 * BLOCK_N, BLOCK_K, FORMAT, GROUP, X_VECTOR, TILES)
     gate, up = tl.split(tl.reshape(sums, [BLOCK_N, 2]))
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
@@ -616,7 +650,7 @@ def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_pt
                         stride_om, stride_we, stride_wn, stride_se, stride_sn, stride_be,
                         ROUTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        X_VECTOR: tl.constexpr, PDL: tl.constexpr):
+                        X_VECTOR: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr):
     """out[program 0, n] for BLOCK_N hidden features and ROUTES consecutive routes: each route's
     expert's down rows against that route's activation, weighted, summed over the ROUTES in
     float32. ROUTES = k: out is the layer's output, one program per token; ROUTES = 1: out holds
@@ -630,7 +664,8 @@ def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_pt
         route = tl.program_id(0) * ROUTES + j
         expert = tl.load(ids_ptr + route).to(tl.int64)
         acc = _gemv(act_ptr + route.to(tl.int64) * I, w_ptr, s_ptr, z_ptr, expert * stride_we + offs_n * stride_wn,
-                    expert * stride_se + offs_n * stride_sn, n_mask, I, BLOCK_N, BLOCK_K, FORMAT, GROUP, X_VECTOR)
+                    expert * stride_se + offs_n * stride_sn, n_mask, I, BLOCK_N, BLOCK_K, FORMAT, GROUP, X_VECTOR,
+                    TILES)
         total += _weighted_output(acc, tl.load(weights_ptr + route), b_ptr, expert, offs_n, n_mask, stride_be,
                                   act_ptr.dtype.element_ty, HAS_BIAS)
     tl.store(out_ptr + tl.program_id(0).to(tl.int64) * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
@@ -806,17 +841,22 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
     launch = pdl.launch_args(x.device, "moe")
     if decode:
         x_vector = tiles.x_vector and words  # a variant of the 4-bit GEMVs only
+        unroll = tiles.unroll and not words  # a variant of the 16-bit and int8 GEMVs only
+        tiles13, tiles2 = (triton.cdiv(h, tiles.block_k), triton.cdiv(inter, tiles.block_k)) if unroll else (0, 0)
+        if max(tiles13, tiles2) > 4:
+            raise ValueError(f"unrolled decode tiles take rows of at most 4 steps: {h} and {inter} inputs "
+                             f"in steps of {tiles.block_k}")
         _gate_up_decode_kernel[(t * top_k, triton.cdiv(inter, tiles.block_n))](
             x, ids, w13.w, w13.s, w13.z, w13.b, act, h, inter, top_k, x.stride(0), *w13.strides, *swiglu,
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, GROUP=w13.group,
-            ACTIVATION=_ACTIVATION[experts.activation], HAS_BIAS=has_b13, X_VECTOR=x_vector,
+            ACTIVATION=_ACTIVATION[experts.activation], HAS_BIAS=has_b13, X_VECTOR=x_vector, TILES=tiles13,
             num_warps=tiles.num_warps, **launch)
         routes = 1 if tiles.down_per_route else top_k
         y = torch.empty((t * top_k, h), dtype=x.dtype, device=x.device) if routes == 1 else out
         _down_decode_kernel[(t * top_k // routes, triton.cdiv(h, tiles.block_n))](
             act, ids, weights, w2.w, w2.s, w2.z, w2.b, y, h, inter, y.stride(0), *w2.strides, ROUTES=routes,
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, GROUP=w2.group, HAS_BIAS=has_b2,
-            X_VECTOR=x_vector, num_warps=tiles.num_warps, **launch)
+            X_VECTOR=x_vector, TILES=tiles2, num_warps=tiles.num_warps, **launch)
         if routes == 1:
             _combine_kernel[(t, triton.cdiv(h, combine_block))](y, out, h, out.stride(0), TOP_K=top_k,
                                                                 BLOCK=combine_block, num_warps=4, **launch)

@@ -623,7 +623,7 @@ def check_silu_and_mul_linear(device, dtype, rows, n, k, bias, tiles):
     if tiles is None:
         out = triton_matmul.silu_and_mul_linear(gate_up, w, b)
     else:
-        out = triton_matmul.linear_launch(gate_up, w, b, *tiles, silu_input=True)
+        out = triton_matmul.linear_launch(gate_up, w, b, *tiles[:3], silu_input=True, unroll=tiles[3:] == (True,))
     assert out.shape == (rows, n) and out.dtype == dtype
     # two chained bf16 roundings per input, which the interpreter truncates: summed over k
     # inputs, some outputs near zero are a few hundredths off there
@@ -987,7 +987,10 @@ def test_qk_norm_rotary_store_unit_offset(run_check, dtype, num_heads, head_dim,
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("rows, n, k, bias, tiles", [
     (1, 96, 64, False, None), (3, 37, 100, True, None), (4, 64, 256, False, (4, 64, 4)),
-    (2, 130, 48, True, (16, 32, 4)), (9, 40, 64, False, None)])
+    (2, 130, 48, True, (16, 32, 4)), (9, 40, 64, False, None),
+    # the row's steps written out (unroll): 2 masked, 3 masked, 4 whole
+    (1, 37, 100, True, (2, 64, 4, 1, False, True)), (1, 33, 300, False, (2, 128, 4, 1, False, True)),
+    (1, 40, 256, True, (1, 64, 4, 1, False, True))])
 def test_linear(run_check, dtype, rows, n, k, bias, tiles):
     if dtype == torch.float32 and tiles is not None:
         tiles = None  # float32 always goes to cuBLAS; checked through the dispatcher
@@ -1018,7 +1021,8 @@ def test_rms_norm_linear(run_check, dtype, rows, n, k, bias, residual, tiles):
 
 SILU_LINEAR_CASES = [(1, 96, 64, False, None), (1, 37, 100, True, None), (1, 40, 300, True, (2, 128, 4)),
                      (3, 33, 96, False, (4, 32, 4)), (2, 40, 64, False, None),
-                     (1, 20, 4500, True, None)]  # K > 4096: silu_gemv_config's 2048-wide steps, the last masked
+                     (1, 20, 4500, True, None),  # K > 4096: silu_gemv_config's 2048-wide steps, the last masked
+                     (1, 24, 300, True, (2, 128, 4, True))]  # the steps written out (unroll), the last masked
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)

@@ -480,7 +480,7 @@ _TILES = [(16, 32, 4), (8, 64, 2, True), (4, 256, 4, True), (16, 128, 4, False),
 
 def _tiles(mt, tile: tuple):
     """A tile of the tests' lists as the kernels' NamedTuple: grouped tiles are five ints, decode
-    tiles three ints and then down_per_route and x_vector if given."""
+    tiles three ints and then down_per_route, x_vector and unroll if given."""
     grouped = len(tile) == 5 and not isinstance(tile[4], bool)
     return (mt.GroupedTiles if grouped else mt.DecodeTiles)(*tile)
 
@@ -498,6 +498,9 @@ def test_fused_moe_tiles(run_check, kind, hidden, inter, groups):
     # ~15 s): the smaller shapes of the same kind take every tile
     tiles = _TILES if hidden * inter <= 12288 else _TILES[1::3]
     tiles = tiles + ([(8, 16, 4)] if kind in ("dense", "int8") else [])  # 16 columns: no 4-bit tile
+    # rows in 2-3 steps written out (unroll), the last masked
+    tiles = tiles + ([(8, 32, 4, True, False, True)] if kind in ("dense", "int8") else [])
+    tiles = tiles + ([(2, 16, 4, True, False, True)] if kind == "dense" else [])
     run_check(check_fused_moe_tiles, kind=kind, hidden=hidden, inter=inter, groups=groups, tiles=tiles)
 
 
@@ -513,6 +516,22 @@ def check_int4_groups_the_kernels_do_not_take(device):
     torch.testing.assert_close(out.cpu(), moe.fused_moe(x, _on(experts, "cpu"), weights, ids))
     with pytest.raises(ValueError, match="powers of two"):
         mt.fused_moe_launch(x.to(device), experts, weights.to(device), ids.to(device), mt.DecodeTiles(8, 32, 4))
+
+
+def check_unrolled_rows_of_more_than_four_steps(device):
+    """Decode tiles that would write out more than 4 steps a row are refused."""
+    mt = _moe_triton()
+    gen = torch.Generator().manual_seed(5)
+    experts = _on(_random_experts("dense", "silu", False, 4, 80, 24, gen, None), device)
+    x = torch.randn(1, 80, generator=gen).to(torch.bfloat16)
+    weights, ids = moe.moe_route(torch.randn(1, 4, generator=gen), 2)
+    with pytest.raises(ValueError, match="at most 4 steps"):
+        mt.fused_moe_launch(x.to(device), experts, weights.to(device), ids.to(device),
+                            mt.DecodeTiles(2, 16, 4, unroll=True))
+
+
+def test_unrolled_rows_of_more_than_four_steps(run_check):
+    run_check(check_unrolled_rows_of_more_than_four_steps)
 
 
 def test_int4_groups_the_kernels_do_not_take(run_check):
