@@ -17,6 +17,7 @@ through bench/run_h200.sh, which puts the checkout's folders on PYTHONPATH under
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -60,11 +61,10 @@ def _gemv_configs(k: int, focused: bool) -> list[tuple]:
         return [(bn, bk, w, st, False) for bn, bk, w, st in itertools.product(
             (1, 2, 4, 8, 16), (1024, 2048, 4096, 8192), (4, 8, 16), (1, 3))
             if 2048 <= bn * bk <= 32768 and (st == 1 or bk <= 2048) and bk <= triton.next_power_of_2(k)]
-    configs = [(bn, bk, w, 1, False) for bn, bk, w in itertools.product((2, 4), (1024, 2048, 4096), (4, 8))
+    configs = [(bn, bk, w, 1, False) for bn, bk, w in itertools.product((2, 4, 8), (1024, 2048, 4096), (4, 8))
                if bk <= triton.next_power_of_2(k)]
-    configs += [(bn, bk, w, 1, True) for bn, bk, w in itertools.product((1, 2, 4), (512, 1024, 2048, 4096), (4,))
+    configs += [(bn, bk, w, 1, True) for bn, bk, w in itertools.product((4,), (512, 1024, 2048), (4, 8))
                 if 2 <= -(-k // bk) <= 4]
-    configs += [(2, bk, 8, 1, True) for bk in (1024, 2048) if 2 <= -(-k // bk) <= 4]
     return configs
 
 
@@ -408,15 +408,37 @@ def policy(spec: str) -> fusion.Fusion:
     return dataclasses.replace(fusion.POLICIES[name], **fields)
 
 
+def variant(spec: str) -> contextlib.AbstractContextManager:
+    """A decode variant by spec: a fusion policy (see `policy`), then optionally ";gemv=RULE" (one
+    of matmul_triton.GEMV_RULES) and ";moe=N,K,WARPS[,u]" (the bf16 experts' decode tiles, u:
+    unrolled), e.g. "auto;gemv=whole_rows;moe=2,1024,4"."""
+    from hibana_kernels import matmul_triton, moe_triton
+
+    name, *options = spec.split(";")
+    stack = contextlib.ExitStack()
+    stack.enter_context(fusion.using(policy(name)))
+    for option in options:
+        key, _, value = option.partition("=")
+        if key == "gemv":
+            stack.enter_context(matmul_triton.using_gemv_rule(value))
+        elif key == "moe":
+            n, k, warps, *unroll = value.split(",")
+            tiles = moe_triton.DecodeTiles(int(n), int(k), int(warps), down_per_route=True, unroll=unroll == ["u"])
+            stack.enter_context(moe_triton.using_decode_tiles("dense", tiles))
+        else:
+            raise SystemExit(f"unknown variant option {option!r}")
+    return stack
+
+
 def fusion_ab(engine, prompts: dict[int, list[int]], generate: int, roofline: float,
               num_layers: int, policies: tuple[str, ...] = ("off", "auto", "on")) -> dict:
-    """The engine's batch-1 decode under each fusion policy: graphs recaptured under it, tok/s
-    and replay twice, then the kernels of one step."""
+    """The engine's batch-1 decode under each fusion policy (or `variant` spec): graphs
+    recaptured under it, tok/s and replay twice, then the kernels of one step."""
     from hibana_core.runner import DecodeGraphs
 
     out = {}
     for name in policies:
-        with fusion.using(policy(name)):
+        with variant(name):
             runner = engine.runner
             runner.graphs = DecodeGraphs(runner, runner.graphs.buckets[-1])
             warm = engine.open_state("warm")
@@ -425,7 +447,7 @@ def fusion_ab(engine, prompts: dict[int, list[int]], generate: int, roofline: fl
             runs = [decode_figures(engine, prompts, generate) for _ in range(2)]
             for figures in runs:
                 for ctx, f in figures.items():
-                    print(f"fusion={name:5s} ctx {ctx:5d}: {f['tok_s']:7.1f} tok/s ({f['tok_s'] / roofline:.0%} of "
+                    print(f"{name:5s} ctx {ctx:5d}: {f['tok_s']:7.1f} tok/s ({f['tok_s'] / roofline:.0%} of "
                           f"roofline), wall {f['wall_ms']:.3f} ms/token, graph replay {f['replay_ms']:.3f} ms, "
                           f"host {f['wall_ms'] - f['replay_ms']:.3f} ms", flush=True)
             table = kernel_table(engine, f"fusion={name}, ctx {max(prompts)}")
@@ -451,8 +473,6 @@ def main_fusion(args: argparse.Namespace, bandwidth: float) -> None:
     if not args.skip_sweep:
         report["sweep"] = sweep_fusion(list(dict.fromkeys([args.model, "qwen3-0.6b", "qwen3-8b"])), bandwidth)
     model = load_bench_model(args.model, torch.device("cuda"), torch.bfloat16)
-    roofline = bandwidth / model.weight_bytes
-    print(f"{args.model}: {model.weight_bytes / 1e9:.2f} GB, roofline {roofline:.1f} tok/s", flush=True)
     contexts = [int(c) for c in args.context.split(",")]
     rng = random.Random(0)
     prompts = {c: random_tokens(rng, c, model.vocab_size) for c in contexts}
@@ -460,6 +480,10 @@ def main_fusion(args: argparse.Namespace, bandwidth: float) -> None:
     # and their drafts would mix verify steps in)
     engine = model.engine(max_model_len=max(contexts) + args.generate + 16, max_concurrent_agents=8,
                           speculation="off")
+    read = _read_bytes(engine) or model.weight_bytes  # MoE: the selected experts' bytes, not all
+    roofline = bandwidth / read
+    print(f"{args.model}: {model.weight_bytes / 1e9:.2f} GB, {read / 1e9:.2f} GB read a token, roofline "
+          f"{roofline:.1f} tok/s", flush=True)
     report["roofline_tok_s"] = roofline
     report["policies"] = fusion_ab(engine, prompts, args.generate, roofline, PRESETS[args.model]["num_hidden_layers"],
                                    tuple(args.policies.split(",")))
@@ -477,7 +501,8 @@ def main() -> None:
     parser.add_argument("--sweeps-only", action="store_true", help="stop after the kernel sweeps")
     parser.add_argument("--policies", default="off,auto,on",
                         help="--fusion: the policies compared, e.g. auto,auto+moe_norm_route,auto+norm_max_k=3072 (a field of "
-                             "hibana_kernels.fusion.Fusion after +)")
+                             "hibana_kernels.fusion.Fusion after +), each with ;gemv=RULE and ;moe=N,K,WARPS[,u] "
+                             "(see variant), e.g. 'auto;gemv=whole_rows,auto'")
     parser.add_argument("--pdl", default="all",
                         help="programmatic dependent launch variants beside off, comma-separated: all, or "
                              "kinds of hibana_kernels.pdl.KINDS joined by + (gemv+attention), each with "

@@ -92,7 +92,9 @@ for _kind in ("int4", "mxfp4"):
 WIDE_TILES = {
     "dense": [_D(2, 1024, 4, True, False, True), _D(2, 512, 4, True, False, True), _D(4, 512, 4, True, False, True),
               _D(1, 1024, 4, True, False, True), _D(2, 1024, 8, True, False, True), _D(1, 512, 2, True, False, True),
-              _D(4, 1024, 8, True, False, True)],
+              _D(4, 1024, 8, True, False, True), _D(8, 512, 8, True, False, True), _D(4, 512, 8, True, False, True),
+              _D(8, 1024, 8, True, False, True), _D(4, 2048, 8, True), _D(8, 256, 8, True, False, True),
+              _D(4, 1024, 4, True, False, True), _D(8, 512, 4, True, False, True)],
     "int8": [_D(4, 1024, 4, True, False, True), _D(8, 512, 4, True, False, True), _D(2, 1024, 4, True, False, True),
              _D(4, 2048, 4, True)],
     "mxfp4": [_D(1, 4096, 4, True), _D(2, 4096, 4, True), _D(2, 4096, 8, True), _D(1, 4096, 2, True),

@@ -16,6 +16,9 @@ of the separate kernels, so the fused result is theirs.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -181,13 +184,50 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, 
              acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [n, k]^T product, from the H200 sweep in
-    bench/notes_decode.md: rows up to 4096 long in one tile of two rows (every load of a program
-    in flight at once), longer rows in 2048-wide steps over four."""
+def _whole_rows_config(n: int, k: int) -> tuple[int, int, int]:
+    """The first rule (2026-11-30, qwen3-8b's shapes before PDL): rows up to 4096 long in one tile
+    of two rows (every load of a program in flight at once), longer rows in 2048-wide steps over
+    four. The norm-then-GEMV kernel keeps it (its one-tile path reads the row once)."""
     if k <= 4096:
         return 2, triton.next_power_of_2(k), 4
     return 4, 2048, 4
+
+
+def _by_grid_config(n: int, k: int) -> tuple[int, int, int]:
+    """The rule of the 2026-12-03 sweep (H200, PDL on, `tune_decode.py --gemv-sweep-only --focused`
+    at eight presets' shapes, bench/RESULTS.md): large grids (gate_up, lm_head) read whole rows
+    (four of a program from 65,536 rows on); the rest own four rows and step 1024 inputs at a time
+    up to 3072 (qwen3-30b-a3b's qkv 8.2 -> 6.3 us, phi4-mini's 12.2 -> 9.7) and 2048 up to 4096;
+    rows longer than 4096 step 4096 (qwen3-8b's down 31.7 -> 28.4 us, gemma3-12b's 39.1 -> 35.8)."""
+    if k > 4096:
+        return 4, 4096, 4
+    if n >= 20000:
+        return (4 if n >= 65536 else 2), triton.next_power_of_2(k), 4
+    if k <= 3072:
+        return 4, min(1024, triton.next_power_of_2(k)), 4
+    return 2, 2048, 4
+
+
+GEMV_RULES = {"whole_rows": _whole_rows_config, "by_grid": _by_grid_config}
+_gemv_rule = "by_grid"
+
+
+@contextlib.contextmanager
+def using_gemv_rule(name: str) -> Iterator[None]:
+    """gemv_config by another of GEMV_RULES inside the block (bench/tune_decode.py compares them)."""
+    global _gemv_rule
+    if name not in GEMV_RULES:
+        raise ValueError(f"no GEMV rule {name!r}: one of {', '.join(GEMV_RULES)}")
+    previous, _gemv_rule = _gemv_rule, name
+    try:
+        yield
+    finally:
+        _gemv_rule = previous
+
+
+def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [n, k]^T product (see GEMV_RULES)."""
+    return GEMV_RULES[_gemv_rule](n, k)
 
 
 def silu_gemv_config(k: int) -> tuple[int, int, int]:
@@ -275,7 +315,7 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     n, k = weight.shape
     if (_gemv_takes(x, weight, k) and fusion.policy().norm_linear(k) and norm_weight.dtype == x.dtype
             and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))):
-        return rms_norm_linear_launch(x, residual, norm_weight, eps, weight, bias, *gemv_config(1, n, k))
+        return rms_norm_linear_launch(x, residual, norm_weight, eps, weight, bias, *_whole_rows_config(n, k))
     if residual is None:
         return linear(norm_triton.rms_norm(x, norm_weight, eps), weight, bias), x
     normed, residual = norm_triton.fused_add_rms_norm(x, residual, norm_weight, eps)

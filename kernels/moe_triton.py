@@ -37,7 +37,8 @@ reference's dequantization does; the GEMV's sums are as exact or more).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import contextlib
+from typing import Iterator, NamedTuple
 
 import torch
 import triton
@@ -92,6 +93,16 @@ at T=8 287.8, 342.5 and 442.3, the grouped path 263.1 (bench/RESULTS.md, 2026-12
 2026-12-03 (PDL, the sweep's wide tiles): bf16 2 x 1024 in 4 warps, a whole row of the gate|up in
 two steps, 28.5 us 55.1% where 8 x 256 took 35.7 us; MXFP4 8 x 256 in one warp 49.1 us (8 x 512
 in 2: 52.5); int4 unchanged (25.7 us; its vector-input variant slower at every tile)."""
+
+
+@contextlib.contextmanager
+def using_decode_tiles(kind: str, tiles: DecodeTiles) -> Iterator[None]:
+    """DECODE_TILES[kind] replaced inside the block (bench/tune_decode.py compares whole models)."""
+    previous, DECODE_TILES[kind] = DECODE_TILES[kind], tiles
+    try:
+        yield
+    finally:
+        DECODE_TILES[kind] = previous
 
 
 # ------------------------------------------------------------------------------------- routing
