@@ -410,8 +410,8 @@ def policy(spec: str) -> fusion.Fusion:
 
 def variant(spec: str) -> contextlib.AbstractContextManager:
     """A decode variant by spec: a fusion policy (see `policy`), then optionally ";gemv=RULE" (one
-    of matmul_triton.GEMV_RULES) and ";moe=N,K,WARPS[,u]" (the bf16 experts' decode tiles, u:
-    unrolled), e.g. "auto;gemv=whole_rows;moe=2,1024,4"."""
+    of matmul_triton.GEMV_RULES) and ";moe=NxKxWARPS[xu]" (the bf16 experts' decode tiles, u:
+    unrolled), e.g. "auto;gemv=whole_rows;moe=2x1024x4"."""
     from hibana_kernels import matmul_triton, moe_triton
 
     name, *options = spec.split(";")
@@ -422,7 +422,7 @@ def variant(spec: str) -> contextlib.AbstractContextManager:
         if key == "gemv":
             stack.enter_context(matmul_triton.using_gemv_rule(value))
         elif key == "moe":
-            n, k, warps, *unroll = value.split(",")
+            n, k, warps, *unroll = value.split("x")
             tiles = moe_triton.DecodeTiles(int(n), int(k), int(warps), down_per_route=True, unroll=unroll == ["u"])
             stack.enter_context(moe_triton.using_decode_tiles("dense", tiles))
         else:
@@ -501,7 +501,7 @@ def main() -> None:
     parser.add_argument("--sweeps-only", action="store_true", help="stop after the kernel sweeps")
     parser.add_argument("--policies", default="off,auto,on",
                         help="--fusion: the policies compared, e.g. auto,auto+moe_norm_route,auto+norm_max_k=3072 (a field of "
-                             "hibana_kernels.fusion.Fusion after +), each with ;gemv=RULE and ;moe=N,K,WARPS[,u] "
+                             "hibana_kernels.fusion.Fusion after +), each with ;gemv=RULE and ;moe=NxKxWARPS[xu] "
                              "(see variant), e.g. 'auto;gemv=whole_rows,auto'")
     parser.add_argument("--pdl", default="all",
                         help="programmatic dependent launch variants beside off, comma-separated: all, or "
