@@ -997,6 +997,27 @@ def test_linear(run_check, dtype, rows, n, k, bias, tiles):
     run_check(check_linear, dtype=dtype, rows=rows, n=n, k=k, bias=bias, tiles=tiles)
 
 
+def test_gemv_rules():
+    """Every rule's tiles cover the row (at most 4 steps' worth of programs per row, a power-of-two
+    step) at the presets' shapes and odd ones; using_gemv_rule switches and restores, and refuses a
+    rule it does not have."""
+    triton_matmul = _triton_module("matmul")
+    shapes = [(1024, 2048), (4096, 1024), (5120, 2880), (200064, 3072), (4096, 12288), (30720, 3840), (37, 100)]
+    for name in triton_matmul.GEMV_RULES:
+        with triton_matmul.using_gemv_rule(name):
+            for n, k in shapes:
+                block_n, block_k, warps = triton_matmul.gemv_config(1, n, k)
+                assert block_k & (block_k - 1) == 0 and block_n & (block_n - 1) == 0 and warps in (1, 2, 4, 8, 16)
+                assert block_k <= max(4096, triton_matmul.triton.next_power_of_2(k))
+    default = triton_matmul.gemv_config(1, 5120, 2880)
+    with triton_matmul.using_gemv_rule("whole_rows"):
+        assert triton_matmul.gemv_config(1, 5120, 2880) == (2, 4096, 4)
+    assert triton_matmul.gemv_config(1, 5120, 2880) == default
+    with pytest.raises(ValueError, match="no GEMV rule"):
+        with triton_matmul.using_gemv_rule("fastest"):
+            pass
+
+
 # one row (the dispatcher folds: the default policy takes these widths), odd N and K (masked
 # tiles), the first layer's norm without a residual, K in several steps (the statistic in a first
 # pass; the last step masked or not), a few rows through the kernel, and rows the dispatcher
