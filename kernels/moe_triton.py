@@ -66,7 +66,7 @@ class DecodeTiles(NamedTuple):
     num_warps: int
     down_per_route: bool = False  # down projection: a program per route, then _combine_kernel (else per token)
     x_vector: bool = False  # 4-bit formats: a word's inputs in vector loads (`_gemv`'s X_VECTOR)
-    unroll: bool = False  # 16-bit and int8: rows of at most 4 steps written out (`_gemv`'s TILES)
+    unroll: bool = False  # 16-bit and int8: rows of at most 4 steps written out (`_gemv`'s TILES), longer ones loop
 
 
 class GroupedTiles(NamedTuple):
@@ -853,10 +853,9 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
     if decode:
         x_vector = tiles.x_vector and words  # a variant of the 4-bit GEMVs only
         unroll = tiles.unroll and not words  # a variant of the 16-bit and int8 GEMVs only
-        tiles13, tiles2 = (triton.cdiv(h, tiles.block_k), triton.cdiv(inter, tiles.block_k)) if unroll else (0, 0)
-        if max(tiles13, tiles2) > 4:
-            raise ValueError(f"unrolled decode tiles take rows of at most 4 steps: {h} and {inter} inputs "
-                             f"in steps of {tiles.block_k}")
+        # rows of at most 4 steps written out; longer rows (a larger model's) loop
+        tiles13, tiles2 = ((steps if unroll and steps <= 4 else 0)
+                           for steps in (triton.cdiv(h, tiles.block_k), triton.cdiv(inter, tiles.block_k)))
         _gate_up_decode_kernel[(t * top_k, triton.cdiv(inter, tiles.block_n))](
             x, ids, w13.w, w13.s, w13.z, w13.b, act, h, inter, top_k, x.stride(0), *w13.strides, *swiglu,
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, GROUP=w13.group,

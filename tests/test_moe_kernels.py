@@ -519,15 +519,18 @@ def check_int4_groups_the_kernels_do_not_take(device):
 
 
 def check_unrolled_rows_of_more_than_four_steps(device):
-    """Decode tiles that would write out more than 4 steps a row are refused."""
+    """Unrolled decode tiles on rows of more than 4 steps (gate_up's 80 inputs in steps of 16) loop
+    there and write out the down projection's 2: the result is the reference's."""
     mt = _moe_triton()
     gen = torch.Generator().manual_seed(5)
-    experts = _on(_random_experts("dense", "silu", False, 4, 80, 24, gen, None), device)
+    experts = _random_experts("dense", "silu", False, 4, 80, 24, gen, None)
     x = torch.randn(1, 80, generator=gen).to(torch.bfloat16)
     weights, ids = moe.moe_route(torch.randn(1, 4, generator=gen), 2)
-    with pytest.raises(ValueError, match="at most 4 steps"):
-        mt.fused_moe_launch(x.to(device), experts, weights.to(device), ids.to(device),
-                            mt.DecodeTiles(2, 16, 4, unroll=True))
+    expected = moe.fused_moe(x, experts, weights, ids).float()
+    out = mt.fused_moe_launch(x.to(device), _on(experts, device), weights.to(device), ids.to(device),
+                              mt.DecodeTiles(2, 16, 4, unroll=True))
+    error = (out.cpu().float() - expected).abs().max() / expected.abs().max()
+    assert error <= (6e-2 if device == "cpu" else 2e-2)
 
 
 def test_unrolled_rows_of_more_than_four_steps(run_check):
