@@ -78,7 +78,7 @@ class GroupedTiles(NamedTuple):
 
 
 DECODE_TILES = {
-    "dense": DecodeTiles(2, 1024, 4, down_per_route=True),
+    "dense": DecodeTiles(4, 1024, 8, down_per_route=True, unroll=True),
     "int8": DecodeTiles(16, 256, 4, down_per_route=True),
     "int4": DecodeTiles(8, 512, 2, down_per_route=True),
     "mxfp4": DecodeTiles(8, 256, 1, down_per_route=True),
@@ -92,7 +92,12 @@ at a time took 59.0 and the tensor cores (tl.dot_scaled against x broadcast to 1
 at T=8 287.8, 342.5 and 442.3, the grouped path 263.1 (bench/RESULTS.md, 2026-12-01). Since
 2026-12-03 (PDL, the sweep's wide tiles): bf16 2 x 1024 in 4 warps, a whole row of the gate|up in
 two steps, 28.5 us 55.1% where 8 x 256 took 35.7 us; MXFP4 8 x 256 in one warp 49.1 us (8 x 512
-in 2: 52.5); int4 unchanged (25.7 us; its vector-input variant slower at every tile)."""
+in 2: 52.5); int4 unchanged (25.7 us; its vector-input variant slower at every tile). Since
+2026-12-03 (eighteenth session, `tune_moe.py --wide`): bf16 4 x 1024 in 8 warps with the row's
+steps written out (`unroll`), 26.5 us 59.3% where 2 x 1024 took 31.8 in the same run; the whole
+qwen3-30b-a3b decode step 336.7 -> 359.1 tok/s (`tune_decode.py --fusion --policies
+'auto,auto;moe=4x1024x8xu'`). MXFP4 whole-row tiles (1-4 rows of 2048-4096 codes) were 1.1-3.5x
+slower than 8 x 256; int8's unrolled tiles 1.1-1.2x slower."""
 
 
 @contextlib.contextmanager
