@@ -628,7 +628,11 @@ def test_n_choices_and_several_prompts_stream_by_index(client):
         mine = [d for d in deltas if d.index == choice.index]
         assert "".join(d.delta.content or "" for d in mine) == choice.message.content
         assert [d.finish_reason for d in mine if d.finish_reason] == [choice.finish_reason]
-    assert chunks[-1].usage.model_dump() == whole.usage.model_dump() and len({c.id for c in chunks}) == 1
+    # the counts, not prompt_tokens_details.cached_tokens: how much of the prompt the cache held
+    # depends on what ran before and what was evicted since (seen as 12 and 0 in one CI run)
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [getattr(chunks[-1].usage, f) for f in counts] == [getattr(whole.usage, f) for f in counts]
+    assert len({c.id for c in chunks}) == 1
     prompts = ["Once upon a time", "Hello"]
     texts = client.completions.create(model="demo", prompt=prompts, max_tokens=6, n=2, seed=3, temperature=1.5)
     streamed = list(client.completions.create(model="demo", prompt=prompts, max_tokens=6, n=2, seed=3,
