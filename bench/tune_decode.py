@@ -525,15 +525,15 @@ def main() -> None:
     report: dict = {"bandwidth": bandwidth}
     if args.gemv_sweep_only:
         report["gemv"] = [row for model in args.model.split(",") for row in sweep_gemv(model, bandwidth, args.focused)]
-        with open(os.path.join(OUT, f"tune_decode_gemv_{args.model.replace(',', '+')}.json"), "w") as f:
+        with open(os.path.join(OUT, f"tune_decode_gemv_{args.model.replace(',', '_')}.json"), "w") as f:
             json.dump(report, f, indent=1, default=str)
         return
     if not (args.skip_sweep or args.step_only):
         report["gemv"] = sweep_gemv(args.model, bandwidth)
-    if not (args.step_only or args.gemv_sweep_only):
+    if not args.step_only:
         report["attention"] = sweep_attention(bandwidth)
         report["prefill"] = sweep_prefill(bandwidth)
-    if args.sweeps_only or args.gemv_sweep_only:
+    if args.sweeps_only:
         with open(os.path.join(OUT, f"tune_decode_sweeps_{args.model}.json"), "w") as f:
             json.dump(report, f, indent=1, default=str)
         return

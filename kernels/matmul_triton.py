@@ -199,8 +199,8 @@ def _by_grid_config(n: int, k: int) -> tuple[int, int, int]:
     (four of a program from 65,536 rows on); the rest own four rows and step 1024 inputs at a time
     up to 3072 (qwen3-30b-a3b's qkv 8.2 -> 6.3 us, phi4-mini's 12.2 -> 9.7) and 2048 up to 4096;
     rows longer than 4096 step 4096 (qwen3-8b's down 31.7 -> 28.4 us, gemma3-12b's 39.1 -> 35.8).
-    Layers of fewer than 2048 rows keep whole rows (qwen3-0.6b's o: its decode 2.8% slower in four
-    rows a program)."""
+    Layers of fewer than 2048 rows and at most 4096 inputs keep whole rows (qwen3-0.6b's o: its
+    decode 2.8% slower in four rows a program)."""
     if k > 4096:
         return 4, 4096, 4
     if n < 2048:  # under 512 programs of four rows: two-row programs over whole rows keep the SMs busier

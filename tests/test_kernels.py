@@ -998,8 +998,8 @@ def test_linear(run_check, dtype, rows, n, k, bias, tiles):
 
 
 def test_gemv_rules():
-    """Every rule's tiles cover the row (at most 4 steps' worth of programs per row, a power-of-two
-    step) at the presets' shapes and odd ones; using_gemv_rule switches and restores, and refuses a
+    """Every rule gives power-of-two tiles (steps of at most 4096 inputs, or the row's own power of
+    two) at the presets' shapes and odd ones; using_gemv_rule switches and restores, and refuses a
     rule it does not have."""
     triton_matmul = _triton_module("matmul")
     shapes = [(1024, 2048), (4096, 1024), (5120, 2880), (200064, 3072), (4096, 12288), (30720, 3840), (37, 100)]
