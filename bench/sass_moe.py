@@ -38,6 +38,9 @@ POINTERS = {"w_ptr": "*i32", "x_ptr": "*bf16", "act_ptr": "*bf16", "out_ptr": "*
             "weights_ptr": "*fp32", "s_ptr": "*u8", "z_ptr": "*u8", "b_ptr": "*fp32"}
 
 
+DIVISIBLE = ("H", "I", "stride_xm", "stride_om", "stride_we", "stride_se", "stride_be")
+
+
 def _arg_type(name: str) -> str:
     return "fp32" if name in ("alpha", "limit") else POINTERS.get(name, "i32")
 
@@ -46,8 +49,13 @@ def compile_decode(kernel, tiles: DecodeTiles, constexprs: dict):
     """`kernel` (a decode kernel of moe_triton) for sm_90 with MXFP4 weights: int32 words as
     fused_moe_launch passes them, bf16 x, scalar arguments int32 or float32."""
     signature = {p.name: "constexpr" if p.is_constexpr else _arg_type(p.name) for p in kernel.params}
-    constexprs = dict(constexprs, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=1, GROUP=32, HAS_BIAS=True)
-    return triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=H200,
+    constexprs = dict(constexprs, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=1, GROUP=32, HAS_BIAS=True,
+                      X_VECTOR=tiles.x_vector, TILES=0, PDL=False, DIRECT=tiles.direct)
+    # what a launch at gpt-oss-20b's shapes specializes: pointers and the ints divisible by 16 (the
+    # row strides of words and scales, 360 and 90, are not)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
+             if signature[p.name] != "constexpr" and (p.name.endswith("_ptr") or p.name in DIVISIBLE)}
+    return triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=H200,
                           options=dict(num_warps=tiles.num_warps))
 
 
@@ -89,10 +97,10 @@ def report(name: str, kernel, rows: int, tiles: DecodeTiles, constexprs: dict) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiles", nargs="*", help="block_n,block_k,num_warps (down per route)")
+    parser.add_argument("--tiles", nargs="*", help="block_n,block_k,num_warps[,d] (down per route; d: direct)")
     args = parser.parse_args()
     tiles = DEFAULT_TILES if not args.tiles else [
-        DecodeTiles(*map(int, t.split(",")), True) for t in args.tiles]
+        DecodeTiles(*map(int, t.split(",")[:3]), True, direct=t.endswith(",d")) for t in args.tiles]
     print(f"{'kernel':<8}{'tiles':<24}{'instr/w':>8}{'alu':>6}{'fma':>6}{'regs':>6}   most frequent, a weight")
     for t in tiles:
         report("gate_up", moe_triton._gate_up_decode_kernel, 2 * t.block_n, t, dict(ACTIVATION=1))

@@ -102,6 +102,17 @@ WIDE_TILES = {
               _D(4, 4096, 8, True), _D(8, 1024, 4, True)],
 }
 WIDE_TILES["int4"] = WIDE_TILES["mxfp4"]
+# --direct: MXFP4's codes straight into float32 bits, a block's 4 words in one load (`_gemv`'s DIRECT),
+# from 2026-12-03 (nineteenth session)
+DIRECT_TILES = {"mxfp4": [_D(n, k, w, True, direct=True) for n, k, w in (
+    (8, 256, 1), (8, 512, 1), (4, 512, 1), (2, 1024, 1), (4, 1024, 1), (8, 1024, 1), (16, 1024, 1), (4, 1024, 2),
+    (8, 1024, 2), (4, 2048, 2), (8, 2048, 2), (16, 2048, 4))]}
+# --down: the down projection's own tiles beside the default gate|up's (DecodeTiles.down), from
+# 2026-12-03: Qwen3-30B-A3B's down rows are 768 long, so a 1024-wide step leaves a quarter masked
+_DEFAULT = {"dense": _D(4, 1024, 8, True, False, True), "mxfp4": _D(8, 256, 1, True)}
+DOWN_TILES = {"dense": [_DEFAULT["dense"]._replace(down=d) for d in (
+    (4, 256, 4), (8, 256, 4), (4, 256, 2), (8, 256, 8), (4, 512, 4), (8, 512, 8), (2, 1024, 4), (2, 512, 2),
+    (16, 256, 8), (1, 1024, 4), (2, 256, 2), (4, 128, 2))]}
 TINY_MODELS = {  # --tiny: the same kinds at toy sizes, on the CPU through the Triton interpreter
     "tiny-bf16": Shape(128, 128, 4, 2, "dense", "silu", False, "softmax", True),
     "tiny-mxfp4": Shape(128, 128, 4, 2, "mxfp4", "swiglu_oai", True, "topk_softmax", False),
@@ -183,7 +194,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def measure(name: str, shape: Shape, tokens: int, copies: list[MoEExperts], sweep: bool,
-            wide: bool = False) -> list[dict]:
+            wide: bool = False, direct: bool = False, down: bool = False) -> list[dict]:
     """Rows for one model and T: each path at its default tiles (and the sweep's), the reference."""
     gen = torch.Generator(device=DEVICE).manual_seed(tokens)
     x = torch.randn(tokens, shape.hidden, device=DEVICE, generator=gen).to(torch.bfloat16)
@@ -201,6 +212,10 @@ def measure(name: str, shape: Shape, tokens: int, copies: list[MoEExperts], swee
         candidates += SWEEP_TILES[kind]
     if wide:
         candidates += WIDE_TILES[kind]
+    if direct:
+        candidates += DIRECT_TILES.get(kind, [])
+    if down:
+        candidates += DOWN_TILES.get(kind, [])
     rows = []
     for tiles in dict.fromkeys(candidates):
         path = "grouped" if isinstance(tiles, GroupedTiles) else "decode"
@@ -258,6 +273,8 @@ def main() -> None:
     parser.add_argument("--models", help=f"default: all of {', '.join(MODELS)} (--tiny: of {', '.join(TINY_MODELS)})")
     parser.add_argument("--sweep", action="store_true", help="also time each kind's SWEEP_TILES")
     parser.add_argument("--wide", action="store_true", help="also time each kind's WIDE_TILES")
+    parser.add_argument("--direct", action="store_true", help="also time each kind's DIRECT_TILES (MXFP4)")
+    parser.add_argument("--down", action="store_true", help="also time each kind's DOWN_TILES (the down projection's own)")
     parser.add_argument("--tiny", action="store_true",
                         help="toy shapes on the CPU through the Triton interpreter: checks the script, times nothing")
     parser.add_argument("--json", help="write the rows here")
@@ -275,7 +292,7 @@ def main() -> None:
         copies = [first] + [make_experts(shape, gen) for _ in range(0 if args.tiny else
                                                                     max(1, ROTATE_BYTES // layer_bytes(first)))]
         for tokens in (int(t) for t in args.tokens.split(",")):
-            rows += measure(name, shape, tokens, copies, args.sweep, args.wide)
+            rows += measure(name, shape, tokens, copies, args.sweep, args.wide, args.direct, args.down)
         del copies, first
         if DEVICE == "cuda":
             torch.cuda.empty_cache()

@@ -67,6 +67,8 @@ class DecodeTiles(NamedTuple):
     down_per_route: bool = False  # down projection: a program per route, then _combine_kernel (else per token)
     x_vector: bool = False  # 4-bit formats: a word's inputs in vector loads (`_gemv`'s X_VECTOR)
     unroll: bool = False  # 16-bit and int8: rows of at most 4 steps written out (`_gemv`'s TILES), longer ones loop
+    direct: bool = False  # MXFP4: codes straight into float32 bits, a block's words in one thread (`_gemv`'s DIRECT)
+    down: tuple[int, int, int] | None = None  # the down projection's (block_n, block_k, num_warps), if not these
 
 
 class GroupedTiles(NamedTuple):
@@ -367,6 +369,29 @@ def _e2m1_pairs_scaled(words):
     return _fp16_halves(((shifted << 9) & _E2M1_MAGNITUDES) | ((shifted << 12) & _E2M1_SIGNS))
 
 
+_E2M1_FP32 = tl.constexpr(-0x7E400000)  # 0x81C00000 as an int32: float32's sign bit and bits 22..24
+E2M1_X_SCALE = tl.constexpr(2.0 ** 64)
+"""x's scale in `_gemv`'s DIRECT path: `_e2m1_fp32`'s values are e2m1 * 2^-126, x * 2^64 brings their
+products to x * w * 2^-62, normal (so exact) for |x * w| >= 2^-64, finite for |x| < 2^64; a block's
+sum times 2^48 is then what `_e2m1_pair_scaled`'s products sum to (x * w * 2^-14), which
+`_e8m0_scale` scales."""
+
+
+@triton.jit
+def _e2m1_fp32(words, p: tl.constexpr):
+    """Nibble p of int32 words as float32 e2m1 values times 2^-126, in three integer ops (two for
+    p = 7): shifted to the top, the nibble's sign is bit 31 and its magnitude bits 28..30; an
+    arithmetic shift right by 6 takes the magnitude to 22..24 (float32's lowest exponent bits and
+    top mantissa bit) and copies the sign over the bits between, which the mask clears. Exponent
+    0 lands on float32's subnormals (0 and 0.5 * 2^-126 come out right): FMAs keep them, as
+    Triton compiles them (no flush to zero)."""
+    if p == 7:
+        top = words
+    else:
+        top = words << (28 - 4 * p)
+    return ((top >> 6) & _E2M1_FP32).to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def _fp16_halves(pair):
     """The two fp16 halves of int32 `pair` (low, high) as float32."""
@@ -532,7 +557,8 @@ def _row_products(acc, x_row, w, k0, K, BLOCK_K: tl.constexpr, FORMAT: tl.conste
 
 @triton.jit
 def _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexpr, BLOCK_K: tl.constexpr,
-          FORMAT: tl.constexpr, GROUP: tl.constexpr, X_VECTOR: tl.constexpr, TILES: tl.constexpr):
+          FORMAT: tl.constexpr, GROUP: tl.constexpr, X_VECTOR: tl.constexpr, TILES: tl.constexpr,
+          DIRECT: tl.constexpr):
     """x[:K] . w[r, :K] in float32 [R] for R weight rows at element offsets w_rows (int64; int32
     words for the 4-bit formats) with scales (and zeros) at sz_rows. Products stay per column of
     the tile until the loop ends (a sum across threads each step costs more than the step), and
@@ -556,8 +582,30 @@ def _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexp
     X_VECTOR (4-bit formats): a word's inputs come in vector loads (int4: its 8 as [.., 8]; MXFP4:
     the 4 of its low halves and the 4 of its high halves) and its codes are decoded as one tensor
     along them, summed inside each thread, where the default loads the input of nibble p of every
-    word, strided, once per p (which is faster: bench/tune_moe.py --sweep)."""
-    if FORMAT == 0 or FORMAT == 2:
+    word, strided, once per p (which is faster: bench/tune_moe.py --sweep).
+
+    DIRECT (MXFP4): a tile is [R, BLOCK_K // 32, 4] words, a block's 4 words (its 32 codes, one
+    scale) in one 16-byte load, masked by whole blocks; each code goes straight into float32 bits
+    (`_e2m1_fp32`: three integer ops, no fp16 conversion) against x * 2^64; per block, its scale
+    times the sum of its 32 products."""
+    if FORMAT == 1 and DIRECT:
+        BLOCKS: tl.constexpr = BLOCK_K // 32
+        offs_blk = tl.arange(0, BLOCKS)
+        acc = tl.zeros([R, BLOCKS], dtype=tl.float32)
+        for kb in range(0, K // 32, BLOCKS):
+            blk = kb + offs_blk
+            b_mask = blk < K // 32
+            wb_mask = r_mask[:, None] & b_mask[None, :]
+            block_sum = tl.zeros([R, BLOCKS], dtype=tl.float32)
+            for j in tl.static_range(4):  # a block's words: the thread of a block reads all four
+                words = tl.load(w_ptr + w_rows[:, None] + (4 * blk + j)[None, :], mask=wb_mask, other=0)  # [R, BLOCKS]
+                for p in tl.static_range(8):
+                    x = tl.load(x_row + 32 * blk + 8 * j + p, mask=b_mask, other=0.0).to(tl.float32) * E2M1_X_SCALE
+                    block_sum += x[None, :] * _e2m1_fp32(words, p)
+            e8m0 = tl.load(s_ptr + sz_rows[:, None] + blk[None, :], mask=wb_mask, other=0)
+            acc += _e8m0_scale(e8m0) * (block_sum * 2.0 ** 48)
+        return tl.sum(acc, axis=1)
+    elif FORMAT == 0 or FORMAT == 2:
         acc = tl.zeros([R, BLOCK_K], dtype=tl.float32)
         if TILES > 0:  # the row's steps written out: every step's load issued before the first product
             w0 = _row_tile(w_ptr, w_rows, r_mask, 0, K, BLOCK_K)
@@ -640,7 +688,7 @@ def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, z_ptr, b_ptr, act_ptr, 
                            alpha, limit, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            FORMAT: tl.constexpr, GROUP: tl.constexpr, ACTIVATION: tl.constexpr,
                            HAS_BIAS: tl.constexpr, X_VECTOR: tl.constexpr, TILES: tl.constexpr,
-                           PDL: tl.constexpr):
+                           PDL: tl.constexpr, DIRECT: tl.constexpr = False):
     """act[route, n] for one route and BLOCK_N intermediate features: its expert's gate rows n
     and up rows I + n as one tile of 2 BLOCK_N rows (row 2j + h: gate j for h = 0, up j for 1),
     streamed along H together."""
@@ -652,7 +700,7 @@ def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, z_ptr, b_ptr, act_ptr, 
     rows = (feature + (r % 2) * I).to(tl.int64)
     sums = _gemv(x_ptr + (route // TOP_K).to(tl.int64) * stride_xm, w_ptr, s_ptr, z_ptr,
                  expert * stride_we + rows * stride_wn, expert * stride_se + rows * stride_sn, feature < I, H,
-                 2 * BLOCK_N, BLOCK_K, FORMAT, GROUP, X_VECTOR, TILES)
+                 2 * BLOCK_N, BLOCK_K, FORMAT, GROUP, X_VECTOR, TILES, DIRECT)
     gate, up = tl.split(tl.reshape(sums, [BLOCK_N, 2]))
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
@@ -666,7 +714,8 @@ def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_pt
                         stride_om, stride_we, stride_wn, stride_se, stride_sn, stride_be,
                         ROUTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        X_VECTOR: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr):
+                        X_VECTOR: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
+                        DIRECT: tl.constexpr = False):
     """out[program 0, n] for BLOCK_N hidden features and ROUTES consecutive routes: each route's
     expert's down rows against that route's activation, weighted, summed over the ROUTES in
     float32. ROUTES = k: out is the layer's output, one program per token; ROUTES = 1: out holds
@@ -681,7 +730,7 @@ def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_pt
         expert = tl.load(ids_ptr + route).to(tl.int64)
         acc = _gemv(act_ptr + route.to(tl.int64) * I, w_ptr, s_ptr, z_ptr, expert * stride_we + offs_n * stride_wn,
                     expert * stride_se + offs_n * stride_sn, n_mask, I, BLOCK_N, BLOCK_K, FORMAT, GROUP, X_VECTOR,
-                    TILES)
+                    TILES, DIRECT)
         total += _weighted_output(acc, tl.load(weights_ptr + route), b_ptr, expert, offs_n, n_mask, stride_be,
                                   act_ptr.dtype.element_ty, HAS_BIAS)
     tl.store(out_ptr + tl.program_id(0).to(tl.int64) * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
@@ -858,20 +907,22 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
     if decode:
         x_vector = tiles.x_vector and words  # a variant of the 4-bit GEMVs only
         unroll = tiles.unroll and not words  # a variant of the 16-bit and int8 GEMVs only
+        direct = tiles.direct and experts.kind == "mxfp4"
         # rows of at most 4 steps written out; longer rows (a larger model's) loop
+        down_n, down_k, down_warps = tiles.down or (tiles.block_n, tiles.block_k, tiles.num_warps)
         tiles13, tiles2 = ((steps if unroll and steps <= 4 else 0)
-                           for steps in (triton.cdiv(h, tiles.block_k), triton.cdiv(inter, tiles.block_k)))
+                           for steps in (triton.cdiv(h, tiles.block_k), triton.cdiv(inter, down_k)))
         _gate_up_decode_kernel[(t * top_k, triton.cdiv(inter, tiles.block_n))](
             x, ids, w13.w, w13.s, w13.z, w13.b, act, h, inter, top_k, x.stride(0), *w13.strides, *swiglu,
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, GROUP=w13.group,
             ACTIVATION=_ACTIVATION[experts.activation], HAS_BIAS=has_b13, X_VECTOR=x_vector, TILES=tiles13,
-            num_warps=tiles.num_warps, **launch)
+            DIRECT=direct, num_warps=tiles.num_warps, **launch)
         routes = 1 if tiles.down_per_route else top_k
         y = torch.empty((t * top_k, h), dtype=x.dtype, device=x.device) if routes == 1 else out
-        _down_decode_kernel[(t * top_k // routes, triton.cdiv(h, tiles.block_n))](
+        _down_decode_kernel[(t * top_k // routes, triton.cdiv(h, down_n))](
             act, ids, weights, w2.w, w2.s, w2.z, w2.b, y, h, inter, y.stride(0), *w2.strides, ROUTES=routes,
-            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, GROUP=w2.group, HAS_BIAS=has_b2,
-            X_VECTOR=x_vector, TILES=tiles2, num_warps=tiles.num_warps, **launch)
+            BLOCK_N=down_n, BLOCK_K=down_k, FORMAT=weight_format, GROUP=w2.group, HAS_BIAS=has_b2,
+            X_VECTOR=x_vector, TILES=tiles2, DIRECT=direct, num_warps=down_warps, **launch)
         if routes == 1:
             _combine_kernel[(t, triton.cdiv(h, combine_block))](y, out, h, out.stride(0), TOP_K=top_k,
                                                                 BLOCK=combine_block, num_warps=4, **launch)

@@ -71,6 +71,13 @@ CASES = [
     ("experts-gate-up-mxfp4", mt._gate_up_decode_kernel,
      dict(BLOCK_N=8, BLOCK_K=512, FORMAT=1, GROUP=32, ACTIVATION=1, HAS_BIAS=True, X_VECTOR=False, TILES=0),
      dict(EXPERT_IDS, w_ptr="*i32", s_ptr="*u8", z_ptr="*u8")),
+    ("experts-gate-up-mxfp4-direct", mt._gate_up_decode_kernel,
+     dict(BLOCK_N=4, BLOCK_K=1024, FORMAT=1, GROUP=32, ACTIVATION=1, HAS_BIAS=True, X_VECTOR=False, TILES=0,
+          DIRECT=True),
+     dict(EXPERT_IDS, w_ptr="*i32", s_ptr="*u8", z_ptr="*u8")),
+    ("experts-down-mxfp4-direct", mt._down_decode_kernel,
+     dict(ROUTES=1, BLOCK_N=8, BLOCK_K=512, FORMAT=1, GROUP=32, HAS_BIAS=True, X_VECTOR=False, TILES=0, DIRECT=True),
+     dict(ids_ptr="*i64", weights_ptr="*fp32", w_ptr="*i32", s_ptr="*u8", z_ptr="*u8")),
     ("experts-down-mxfp4-x_vector", mt._down_decode_kernel,
      dict(ROUTES=1, BLOCK_N=8, BLOCK_K=512, FORMAT=1, GROUP=32, HAS_BIAS=True, X_VECTOR=True, TILES=0),
      dict(ids_ptr="*i64", weights_ptr="*fp32", w_ptr="*i32", s_ptr="*u8", z_ptr="*u8")),
@@ -108,6 +115,9 @@ def _compile(kernel, constexprs: dict, types: dict) -> str:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    # constexprs the case leaves out take their defaults (a runtime argument in their place would
+    # turn static branches into dynamic ones)
+    constexprs = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default} | constexprs
     signature = {name: "constexpr" if name in constexprs else
                  types.get(name, "*bf16" if name.endswith("_ptr") else "i32") for name in kernel.arg_names}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),

@@ -480,7 +480,7 @@ _TILES = [(16, 32, 4), (8, 64, 2, True), (4, 256, 4, True), (16, 128, 4, False),
 
 def _tiles(mt, tile: tuple):
     """A tile of the tests' lists as the kernels' NamedTuple: grouped tiles are five ints, decode
-    tiles three ints and then down_per_route, x_vector and unroll if given."""
+    tiles three ints and then down_per_route, x_vector, unroll and direct if given."""
     grouped = len(tile) == 5 and not isinstance(tile[4], bool)
     return (mt.GroupedTiles if grouped else mt.DecodeTiles)(*tile)
 
@@ -501,6 +501,9 @@ def test_fused_moe_tiles(run_check, kind, hidden, inter, groups):
     # rows in 2-3 steps written out (unroll), the last masked
     tiles = tiles + ([(8, 32, 4, True, False, True)] if kind in ("dense", "int8") else [])
     tiles = tiles + ([(2, 16, 4, True, False, True)] if kind == "dense" else [])
+    # MXFP4's direct GEMV (codes straight into float32 bits): a whole step, and steps past K masked
+    tiles = tiles + ([(8, 64, 2, True, False, False, True), (4, 128, 1, True, False, False, True)]
+                     if kind == "mxfp4" else [])
     run_check(check_fused_moe_tiles, kind=kind, hidden=hidden, inter=inter, groups=groups, tiles=tiles)
 
 
@@ -610,7 +613,8 @@ def check_mxfp4_codes_and_scales_are_exact(device, tiles):
     assert torch.equal(out.cpu(), expected)
 
 
-@pytest.mark.parametrize("tiles", [(32, 64, 4, True), (32, 64, 4, True, True), (16, 64, 64, 4, 1)],
-                         ids=["decode", "decode-x_vector", "grouped"])
+@pytest.mark.parametrize("tiles", [(32, 64, 4, True), (32, 64, 4, True, True), (16, 64, 64, 4, 1),
+                                   (32, 64, 4, True, False, False, True), (8, 256, 2, True, False, False, True)],
+                         ids=["decode", "decode-x_vector", "grouped", "decode-direct", "decode-direct-masked"])
 def test_mxfp4_codes_and_scales_are_exact(run_check, tiles):
     run_check(check_mxfp4_codes_and_scales_are_exact, tiles=tiles)
