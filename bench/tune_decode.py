@@ -410,8 +410,10 @@ def policy(spec: str) -> fusion.Fusion:
 
 def variant(spec: str) -> contextlib.AbstractContextManager:
     """A decode variant by spec: a fusion policy (see `policy`), then optionally ";gemv=RULE" (one
-    of matmul_triton.GEMV_RULES) and ";moe=NxKxWARPS[xu]" (the bf16 experts' decode tiles, u:
-    unrolled), e.g. "auto;gemv=whole_rows;moe=2x1024x4"."""
+    of matmul_triton.GEMV_RULES), ";moe=NxKxWARPS[xu]" (the bf16 experts' decode tiles, u:
+    unrolled), ";moe_down=NxKxWARPS" (only their down projection's), ";mxfp4=NxKxWARPS[xd]" (the
+    MXFP4 experts', d: direct) and ";norm_gemv=NxKxWARPS" (the norm-then-GEMV's), e.g.
+    "auto;gemv=whole_rows;moe=2x1024x4"."""
     from hibana_kernels import matmul_triton, moe_triton
 
     name, *options = spec.split(";")
@@ -421,10 +423,21 @@ def variant(spec: str) -> contextlib.AbstractContextManager:
         key, _, value = option.partition("=")
         if key == "gemv":
             stack.enter_context(matmul_triton.using_gemv_rule(value))
-        elif key == "moe":
+        elif key in ("moe", "moe_down"):  # the bf16 experts' tiles, or only their down projection's
             n, k, warps, *unroll = value.split("x")
-            tiles = moe_triton.DecodeTiles(int(n), int(k), int(warps), down_per_route=True, unroll=unroll == ["u"])
+            tiles = moe_triton.DECODE_TILES["dense"]
+            if key == "moe":
+                tiles = moe_triton.DecodeTiles(int(n), int(k), int(warps), down_per_route=True, unroll=unroll == ["u"],
+                                               down=tiles.down)
+            else:
+                tiles = tiles._replace(down=(int(n), int(k), int(warps)))
             stack.enter_context(moe_triton.using_decode_tiles("dense", tiles))
+        elif key == "mxfp4":  # the MXFP4 experts' tiles, d: the direct GEMV
+            n, k, warps, *direct = value.split("x")
+            tiles = moe_triton.DecodeTiles(int(n), int(k), int(warps), down_per_route=True, direct=direct == ["d"])
+            stack.enter_context(moe_triton.using_decode_tiles("mxfp4", tiles))
+        elif key == "norm_gemv":
+            stack.enter_context(matmul_triton.using_norm_gemv_tiles(tuple(int(v) for v in value.split("x"))))
         else:
             raise SystemExit(f"unknown variant option {option!r}")
     return stack

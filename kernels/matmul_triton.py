@@ -214,6 +214,19 @@ def _by_grid_config(n: int, k: int) -> tuple[int, int, int]:
 
 GEMV_RULES = {"whole_rows": _whole_rows_config, "by_grid": _by_grid_config}
 _gemv_rule = "by_grid"
+_norm_gemv_tiles: tuple[int, int, int] | None = None  # the norm-then-GEMV's tiles, if not _whole_rows_config's
+
+
+@contextlib.contextmanager
+def using_norm_gemv_tiles(tiles: tuple[int, int, int]) -> Iterator[None]:
+    """The norm-then-GEMV kernel on these (BLOCK_N, BLOCK_K, num_warps) inside the block, for every
+    shape (bench/tune_decode.py compares whole models)."""
+    global _norm_gemv_tiles
+    previous, _norm_gemv_tiles = _norm_gemv_tiles, tiles
+    try:
+        yield
+    finally:
+        _norm_gemv_tiles = previous
 
 
 @contextlib.contextmanager
@@ -319,7 +332,8 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     n, k = weight.shape
     if (_gemv_takes(x, weight, k) and fusion.policy().norm_linear(k) and norm_weight.dtype == x.dtype
             and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))):
-        return rms_norm_linear_launch(x, residual, norm_weight, eps, weight, bias, *_whole_rows_config(n, k))
+        return rms_norm_linear_launch(x, residual, norm_weight, eps, weight, bias,
+                                      *(_norm_gemv_tiles or _whole_rows_config(n, k)))
     if residual is None:
         return linear(norm_triton.rms_norm(x, norm_weight, eps), weight, bias), x
     normed, residual = norm_triton.fused_add_rms_norm(x, residual, norm_weight, eps)
