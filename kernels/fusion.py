@@ -53,7 +53,10 @@ class Fusion:
 # 17.5 us for qkv) and so stays separate. Merging the splits in the attention launch is slower
 # at both sizes (0.6B, 8192 keys: 16.8 -> 19.9 us; 8B: 15.1 -> 23.0 us): the last split waits
 # for the others and merges alone, where the separate merge runs wide. So AUTO leaves it off.
-# moe_norm_route: not yet measured on the GPU (2026-12-02), so AUTO leaves it off.
+# moe_norm_route (H200, 2026-12-03, `tune_decode.py --fusion --policies auto,auto+moe_norm_route`,
+# batch 1, 512 keys): qwen3-30b-a3b 360.6 -> 359.1 tok/s (96 launches a step fewer, no faster),
+# gpt-oss-20b 437.7 -> 361.7 (each of its 32 router programs normalises a 2880-wide row, and
+# the last one picks the experts alone). AUTO leaves it off.
 AUTO = Fusion(norm_max_k=2048, silu_max_k=6144, attention_merge=False, moe_norm_route=False)
 ON = Fusion(norm_max_k=sys.maxsize, silu_max_k=sys.maxsize, attention_merge=True, moe_norm_route=True)
 OFF = Fusion(norm_max_k=0, silu_max_k=0, attention_merge=False)  # the launches as before

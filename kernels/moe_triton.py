@@ -377,6 +377,19 @@ sum times 2^48 is then what `_e2m1_pair_scaled`'s products sum to (x * w * 2^-14
 `_e8m0_scale` scales."""
 
 
+_HIGH_HALF = tl.constexpr(-0x10000)  # 0xFFFF0000 as an int32
+_X_EXPONENT = tl.constexpr(64 << 23)  # E2M1_X_SCALE's exponent, added to a float32's bits
+
+
+@triton.jit
+def _x_scaled(bits):
+    """A bf16 input already in the top half of int32 `bits` (as float32) times E2M1_X_SCALE, by an
+    integer add to its exponent: exact for normal inputs below 2^64; zeros and bf16 subnormals
+    (under 2^-126) come out as 2^-63-ish values whose products with `_e2m1_fp32`'s (at most 6 *
+    2^-126) fall under float32's smallest subnormal and round away, as the true products do."""
+    return (bits + _X_EXPONENT).to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def _e2m1_fp32(words, p: tl.constexpr):
     """Nibble p of int32 words as float32 e2m1 values times 2^-126, in three integer ops (two for
@@ -591,6 +604,7 @@ def _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexp
     if FORMAT == 1 and DIRECT:
         BLOCKS: tl.constexpr = BLOCK_K // 32
         offs_blk = tl.arange(0, BLOCKS)
+        x_pairs = x_row.to(tl.pointer_type(tl.int32), bitcast=True)  # x (bf16) two at a time
         acc = tl.zeros([R, BLOCKS], dtype=tl.float32)
         for kb in range(0, K // 32, BLOCKS):
             blk = kb + offs_blk
@@ -599,9 +613,10 @@ def _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexp
             block_sum = tl.zeros([R, BLOCKS], dtype=tl.float32)
             for j in tl.static_range(4):  # a block's words: the thread of a block reads all four
                 words = tl.load(w_ptr + w_rows[:, None] + (4 * blk + j)[None, :], mask=wb_mask, other=0)  # [R, BLOCKS]
-                for p in tl.static_range(8):
-                    x = tl.load(x_row + 32 * blk + 8 * j + p, mask=b_mask, other=0.0).to(tl.float32) * E2M1_X_SCALE
-                    block_sum += x[None, :] * _e2m1_fp32(words, p)
+                for q in tl.static_range(4):  # inputs 2q and 2q + 1 of the word's 8, one 32-bit load
+                    pair = tl.load(x_pairs + 16 * blk + 4 * j + q, mask=b_mask, other=0)
+                    block_sum += _x_scaled(pair << 16)[None, :] * _e2m1_fp32(words, 2 * q)
+                    block_sum += _x_scaled(pair & _HIGH_HALF)[None, :] * _e2m1_fp32(words, 2 * q + 1)
             e8m0 = tl.load(s_ptr + sz_rows[:, None] + blk[None, :], mask=wb_mask, other=0)
             acc += _e8m0_scale(e8m0) * (block_sum * 2.0 ** 48)
         return tl.sum(acc, axis=1)
