@@ -80,7 +80,7 @@ class GroupedTiles(NamedTuple):
 
 
 DECODE_TILES = {
-    "dense": DecodeTiles(4, 1024, 8, down_per_route=True, unroll=True),
+    "dense": DecodeTiles(4, 1024, 8, down_per_route=True, unroll=True, down=(4, 256, 4)),
     "int8": DecodeTiles(16, 256, 4, down_per_route=True),
     "int4": DecodeTiles(8, 512, 2, down_per_route=True),
     "mxfp4": DecodeTiles(8, 256, 1, down_per_route=True),
@@ -99,7 +99,12 @@ in 2: 52.5); int4 unchanged (25.7 us; its vector-input variant slower at every t
 steps written out (`unroll`), 26.5 us 59.3% where 2 x 1024 took 31.8 in the same run; the whole
 qwen3-30b-a3b decode step 336.7 -> 359.1 tok/s (`tune_decode.py --fusion --policies
 'auto,auto;moe=4x1024x8xu'`). MXFP4 whole-row tiles (1-4 rows of 2048-4096 codes) were 1.1-3.5x
-slower than 8 x 256; int8's unrolled tiles 1.1-1.2x slower."""
+slower than 8 x 256; int8's unrolled tiles 1.1-1.2x slower. Since 2026-12-03 (nineteenth session,
+`tune_moe.py --down`): the bf16 down projection on its own tiles, 4 x 256 in 4 warps (its 768-long
+rows in three steps written out, where a 1024-wide step left a quarter masked): 28.4 -> 24.8 us a
+layer, qwen3-30b-a3b decode 360.2 -> 366.6 tok/s. MXFP4's direct GEMV (`_gemv`'s DIRECT, 4.8-5.3
+instructions a weight against 5.9) was no faster: 46.6 us at best (4 x 1024, 2 warps) against 49.0,
+and gpt-oss-20b's decode 9% slower at 4 or 8 x 1024 in one warp; the fp16 pairs stay."""
 
 
 @contextlib.contextmanager

@@ -501,6 +501,8 @@ def test_fused_moe_tiles(run_check, kind, hidden, inter, groups):
     # rows in 2-3 steps written out (unroll), the last masked
     tiles = tiles + ([(8, 32, 4, True, False, True)] if kind in ("dense", "int8") else [])
     tiles = tiles + ([(2, 16, 4, True, False, True)] if kind == "dense" else [])
+    # the down projection on its own tiles (DecodeTiles.down), unrolled as the default's
+    tiles = tiles + ([(4, 64, 4, True, False, True, False, (8, 16, 2))] if kind in ("dense", "int8") else [])
     # MXFP4's direct GEMV (codes straight into float32 bits): a whole step, and steps past K masked
     tiles = tiles + ([(8, 64, 2, True, False, False, True), (4, 128, 1, True, False, False, True)]
                      if kind == "mxfp4" else [])
