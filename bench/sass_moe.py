@@ -35,7 +35,8 @@ DEFAULT_TILES = [moe_triton.DECODE_TILES["mxfp4"], DecodeTiles(8, 256, 2, True)]
 ALU = ("LOP3", "SHF", "PRMT", "MOV", "ISETP", "IADD3", "LEA", "SEL")  # the integer pipe
 FMA = ("FFMA", "FMUL", "FADD", "HADD2", "HMUL2", "IMAD")  # the float pipe (IMAD shifts and moves too)
 POINTERS = {"w_ptr": "*i32", "x_ptr": "*bf16", "act_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i64",
-            "weights_ptr": "*fp32", "s_ptr": "*u8", "z_ptr": "*u8", "b_ptr": "*fp32"}
+            "weights_ptr": "*fp32", "s_ptr": "*u8", "z_ptr": "*u8", "b_ptr": "*fp32", "part_ptr": "*fp32",
+            "counter_ptr": "*i32"}
 
 
 DIVISIBLE = ("H", "I", "stride_xm", "stride_om", "stride_we", "stride_se", "stride_be")
@@ -50,7 +51,7 @@ def compile_decode(kernel, tiles: DecodeTiles, constexprs: dict):
     fused_moe_launch passes them, bf16 x, scalar arguments int32 or float32."""
     signature = {p.name: "constexpr" if p.is_constexpr else _arg_type(p.name) for p in kernel.params}
     constexprs = dict(constexprs, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=1, GROUP=32, HAS_BIAS=True,
-                      X_VECTOR=tiles.x_vector, TILES=0, PDL=False, DIRECT=tiles.direct)
+                      X_VECTOR=tiles.x_vector, TILES=0, PDL=False, DIRECT=tiles.direct, SPLIT=tiles.split > 1)
     # what a launch at gpt-oss-20b's shapes specializes: pointers and the ints divisible by 16 (the
     # row strides of words and scales, 360 and 90, are not)
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
@@ -97,10 +98,12 @@ def report(name: str, kernel, rows: int, tiles: DecodeTiles, constexprs: dict) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiles", nargs="*", help="block_n,block_k,num_warps[,d] (down per route; d: direct)")
+    parser.add_argument("--tiles", nargs="*", help="block_n,block_k,num_warps[,d][,sN] (down per route; d: direct, "
+                        "sN: split-K in N)")
     args = parser.parse_args()
     tiles = DEFAULT_TILES if not args.tiles else [
-        DecodeTiles(*map(int, t.split(",")[:3]), True, direct=t.endswith(",d")) for t in args.tiles]
+        DecodeTiles(*map(int, t.split(",")[:3]), True, direct="d" in t.split(",")[3:],
+                    split=next((int(f[1:]) for f in t.split(",")[3:] if f.startswith("s")), 1)) for t in args.tiles]
     print(f"{'kernel':<8}{'tiles':<24}{'instr/w':>8}{'alu':>6}{'fma':>6}{'regs':>6}   most frequent, a weight")
     for t in tiles:
         report("gate_up", moe_triton._gate_up_decode_kernel, 2 * t.block_n, t, dict(ACTIVATION=1))

@@ -113,6 +113,12 @@ _DEFAULT = {"dense": _D(4, 1024, 8, True, False, True), "mxfp4": _D(8, 256, 1, T
 DOWN_TILES = {"dense": [_DEFAULT["dense"]._replace(down=d) for d in (
     (4, 256, 4), (8, 256, 4), (4, 256, 2), (8, 256, 8), (4, 512, 4), (8, 512, 8), (2, 1024, 4), (2, 512, 2),
     (16, 256, 8), (1, 1024, 4), (2, 256, 2), (4, 128, 2))]}
+# --split: split-K (DecodeTiles.split: a row shared among programs, the last to finish adding
+# them), from 2026-12-03, for the MXFP4 GEMV's shortage of warps (bench/notes_decode.md); not yet timed
+SPLIT_TILES = {"mxfp4": [_D(8, 256, 1, True, split=s) for s in (2, 3, 4)]
+               + [_D(16, 256, 2, True, split=s) for s in (2, 3)] + [_D(8, 512, 2, True, split=3)]
+               + [_D(8, 256, 1, True, direct=True, split=s) for s in (2, 3)],
+               "dense": [_DEFAULT["dense"]._replace(split=s) for s in (2, 3)]}
 TINY_MODELS = {  # --tiny: the same kinds at toy sizes, on the CPU through the Triton interpreter
     "tiny-bf16": Shape(128, 128, 4, 2, "dense", "silu", False, "softmax", True),
     "tiny-mxfp4": Shape(128, 128, 4, 2, "mxfp4", "swiglu_oai", True, "topk_softmax", False),
@@ -194,7 +200,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def measure(name: str, shape: Shape, tokens: int, copies: list[MoEExperts], sweep: bool,
-            wide: bool = False, direct: bool = False, down: bool = False) -> list[dict]:
+            wide: bool = False, direct: bool = False, down: bool = False, split: bool = False) -> list[dict]:
     """Rows for one model and T: each path at its default tiles (and the sweep's), the reference."""
     gen = torch.Generator(device=DEVICE).manual_seed(tokens)
     x = torch.randn(tokens, shape.hidden, device=DEVICE, generator=gen).to(torch.bfloat16)
@@ -216,6 +222,8 @@ def measure(name: str, shape: Shape, tokens: int, copies: list[MoEExperts], swee
         candidates += DIRECT_TILES.get(kind, [])
     if down:
         candidates += DOWN_TILES.get(kind, [])
+    if split:
+        candidates += SPLIT_TILES.get(kind, [])
     rows = []
     for tiles in dict.fromkeys(candidates):
         path = "grouped" if isinstance(tiles, GroupedTiles) else "decode"
@@ -275,6 +283,7 @@ def main() -> None:
     parser.add_argument("--wide", action="store_true", help="also time each kind's WIDE_TILES")
     parser.add_argument("--direct", action="store_true", help="also time each kind's DIRECT_TILES (MXFP4)")
     parser.add_argument("--down", action="store_true", help="also time each kind's DOWN_TILES (the down projection's own)")
+    parser.add_argument("--split", action="store_true", help="also time each kind's SPLIT_TILES (split-K)")
     parser.add_argument("--tiny", action="store_true",
                         help="toy shapes on the CPU through the Triton interpreter: checks the script, times nothing")
     parser.add_argument("--json", help="write the rows here")
@@ -292,7 +301,7 @@ def main() -> None:
         copies = [first] + [make_experts(shape, gen) for _ in range(0 if args.tiny else
                                                                     max(1, ROTATE_BYTES // layer_bytes(first)))]
         for tokens in (int(t) for t in args.tokens.split(",")):
-            rows += measure(name, shape, tokens, copies, args.sweep, args.wide, args.direct, args.down)
+            rows += measure(name, shape, tokens, copies, args.sweep, args.wide, args.direct, args.down, args.split)
         del copies, first
         if DEVICE == "cuda":
             torch.cuda.empty_cache()

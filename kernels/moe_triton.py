@@ -69,6 +69,7 @@ class DecodeTiles(NamedTuple):
     unroll: bool = False  # 16-bit and int8: rows of at most 4 steps written out (`_gemv`'s TILES), longer ones loop
     direct: bool = False  # MXFP4: codes straight into float32 bits, a block's words in one thread (`_gemv`'s DIRECT)
     down: tuple[int, int, int] | None = None  # the down projection's (block_n, block_k, num_warps), if not these
+    split: int = 1  # split-K: programs a tile's row is shared among (the down projection: with down_per_route)
 
 
 class GroupedTiles(NamedTuple):
@@ -703,29 +704,86 @@ def _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexp
 
 
 @triton.jit
+def _split_range(K, split_k, FORMAT: tl.constexpr, GROUP: tl.constexpr):
+    """Program axis 2's share of a row of K inputs in `split_k` columns a split (a whole number
+    of steps and of groups): its first column, its length, and the offsets of its first weight
+    (an int32 word of 8 codes for the 4-bit formats) and first scale (0 for int8: one a row)."""
+    k_start = tl.program_id(2) * split_k
+    k_len = tl.minimum(K - k_start, split_k)
+    if FORMAT == 1 or FORMAT == 3:
+        return k_start, k_len, k_start // 8, k_start // GROUP
+    else:
+        return k_start, k_len, k_start, 0
+
+
+@triton.jit
+def _last_split(sums, part_ptr, counter_ptr, group, offs, SPLITS_ROWS: tl.constexpr):
+    """Split-K's meeting point: this program's float32 `sums` [SPLITS_ROWS] go to its slot of the
+    group's partials, a CTA barrier and an acq_rel count (`hibana_kernels.counters`) follow;
+    (True, the partials added in split order) for the program that arrives last, which zeroes the
+    count for the next launch, (False, sums) for the others. The order is fixed, so results do not
+    depend on which split finishes last."""
+    splits = tl.num_programs(2)
+    base = part_ptr + group.to(tl.int64) * splits * SPLITS_ROWS
+    tl.store(base + tl.program_id(2) * SPLITS_ROWS + offs, sums)
+    tl.debug_barrier()  # every thread's partials are written before the count releases them
+    arrived = tl.atomic_add(counter_ptr + group, 1, sem="acq_rel", scope="gpu")
+    last = arrived == splits - 1
+    if last:
+        sums = tl.load(base + offs)
+        for i in range(1, splits):
+            sums += tl.load(base + i * SPLITS_ROWS + offs)
+        tl.atomic_xchg(counter_ptr + group, 0, sem="relaxed", scope="gpu")
+    return last, sums
+
+
+@triton.jit
 def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, z_ptr, b_ptr, act_ptr, H, I, TOP_K,
                            stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_be,
                            alpha, limit, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            FORMAT: tl.constexpr, GROUP: tl.constexpr, ACTIVATION: tl.constexpr,
                            HAS_BIAS: tl.constexpr, X_VECTOR: tl.constexpr, TILES: tl.constexpr,
-                           PDL: tl.constexpr, DIRECT: tl.constexpr = False):
+                           PDL: tl.constexpr, DIRECT: tl.constexpr = False, part_ptr=None, counter_ptr=None,
+                           split_k=0, SPLIT: tl.constexpr = False):
     """act[route, n] for one route and BLOCK_N intermediate features: its expert's gate rows n
     and up rows I + n as one tile of 2 BLOCK_N rows (row 2j + h: gate j for h = 0, up j for 1),
-    streamed along H together."""
+    streamed along H together. SPLIT: program (route, tile, s) takes split s of H (`split_k`
+    columns), and the last of a tile's splits to finish adds their sums (`_last_split`) and
+    writes the activation."""
     wait_for_previous(PDL)  # the expert is the router's output: nothing to read before
     route = tl.program_id(0)
     expert = tl.load(ids_ptr + route).to(tl.int64)
     r = tl.arange(0, 2 * BLOCK_N)
     feature = tl.program_id(1) * BLOCK_N + r // 2
     rows = (feature + (r % 2) * I).to(tl.int64)
-    sums = _gemv(x_ptr + (route // TOP_K).to(tl.int64) * stride_xm, w_ptr, s_ptr, z_ptr,
-                 expert * stride_we + rows * stride_wn, expert * stride_se + rows * stride_sn, feature < I, H,
-                 2 * BLOCK_N, BLOCK_K, FORMAT, GROUP, X_VECTOR, TILES, DIRECT)
+    x_row = x_ptr + (route // TOP_K).to(tl.int64) * stride_xm
+    w_rows = expert * stride_we + rows * stride_wn
+    sz_rows = expert * stride_se + rows * stride_sn
+    if SPLIT:
+        k_start, k_len, w_off, sz_off = _split_range(H, split_k, FORMAT, GROUP)
+        sums = _gemv(x_row + k_start, w_ptr, s_ptr, z_ptr, w_rows + w_off, sz_rows + sz_off, feature < I, k_len,
+                     2 * BLOCK_N, BLOCK_K, FORMAT, GROUP, X_VECTOR, TILES, DIRECT)
+        last, sums = _last_split(sums, part_ptr, counter_ptr, route * tl.num_programs(1) + tl.program_id(1), r,
+                                 2 * BLOCK_N)
+        if last:
+            _gate_up_store(sums, b_ptr, act_ptr, expert, route, I, stride_be, alpha, limit,
+                           x_ptr.dtype.element_ty, BLOCK_N, ACTIVATION, HAS_BIAS)
+    else:
+        sums = _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, feature < I, H,
+                     2 * BLOCK_N, BLOCK_K, FORMAT, GROUP, X_VECTOR, TILES, DIRECT)
+        _gate_up_store(sums, b_ptr, act_ptr, expert, route, I, stride_be, alpha, limit,
+                       x_ptr.dtype.element_ty, BLOCK_N, ACTIVATION, HAS_BIAS)
+
+
+@triton.jit
+def _gate_up_store(sums, b_ptr, act_ptr, expert, route, I, stride_be, alpha, limit, dtype: tl.constexpr,
+                   BLOCK_N: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A gate|up tile's float32 sums [2 BLOCK_N] (gate and up interleaved) to act[route, n]."""
     gate, up = tl.split(tl.reshape(sums, [BLOCK_N, 2]))
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
-    act = _gate_up_activation(gate, up, b_ptr, expert, offs_n, n_mask, I, stride_be, alpha, limit,
-                              x_ptr.dtype.element_ty, ACTIVATION, HAS_BIAS)
+    act = _gate_up_activation(gate, up, b_ptr, expert, offs_n, n_mask, I, stride_be, alpha, limit, dtype,
+                              ACTIVATION, HAS_BIAS)
     tl.store(act_ptr + route.to(tl.int64) * I + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -735,26 +793,43 @@ def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_pt
                         ROUTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                         X_VECTOR: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
-                        DIRECT: tl.constexpr = False):
+                        DIRECT: tl.constexpr = False, part_ptr=None, counter_ptr=None, split_k=0,
+                        SPLIT: tl.constexpr = False):
     """out[program 0, n] for BLOCK_N hidden features and ROUTES consecutive routes: each route's
     expert's down rows against that route's activation, weighted, summed over the ROUTES in
     float32. ROUTES = k: out is the layer's output, one program per token; ROUTES = 1: out holds
     one row per route, summed by `_combine_kernel` (k times the programs: a token's k experts
-    are read at once, not one after another)."""
+    are read at once, not one after another). SPLIT (ROUTES = 1): program (route, tile, s) takes
+    split s of I, the last of a tile's splits to finish adds their sums and writes the row."""
     wait_for_previous(PDL)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in tl.static_range(ROUTES):
-        route = tl.program_id(0) * ROUTES + j
+    if SPLIT:
+        route = tl.program_id(0)
         expert = tl.load(ids_ptr + route).to(tl.int64)
-        acc = _gemv(act_ptr + route.to(tl.int64) * I, w_ptr, s_ptr, z_ptr, expert * stride_we + offs_n * stride_wn,
-                    expert * stride_se + offs_n * stride_sn, n_mask, I, BLOCK_N, BLOCK_K, FORMAT, GROUP, X_VECTOR,
-                    TILES, DIRECT)
-        total += _weighted_output(acc, tl.load(weights_ptr + route), b_ptr, expert, offs_n, n_mask, stride_be,
-                                  act_ptr.dtype.element_ty, HAS_BIAS)
-    tl.store(out_ptr + tl.program_id(0).to(tl.int64) * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
-             mask=n_mask)
+        k_start, k_len, w_off, sz_off = _split_range(I, split_k, FORMAT, GROUP)
+        acc = _gemv(act_ptr + route.to(tl.int64) * I + k_start, w_ptr, s_ptr, z_ptr,
+                    expert * stride_we + offs_n * stride_wn + w_off, expert * stride_se + offs_n * stride_sn + sz_off,
+                    n_mask, k_len, BLOCK_N, BLOCK_K, FORMAT, GROUP, X_VECTOR, TILES, DIRECT)
+        last, acc = _last_split(acc, part_ptr, counter_ptr, route * tl.num_programs(1) + tl.program_id(1),
+                                tl.arange(0, BLOCK_N), BLOCK_N)
+        if last:
+            total = _weighted_output(acc, tl.load(weights_ptr + route), b_ptr, expert, offs_n, n_mask, stride_be,
+                                     act_ptr.dtype.element_ty, HAS_BIAS)
+            tl.store(out_ptr + route.to(tl.int64) * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
+                     mask=n_mask)
+    else:
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(ROUTES):
+            route = tl.program_id(0) * ROUTES + j
+            expert = tl.load(ids_ptr + route).to(tl.int64)
+            acc = _gemv(act_ptr + route.to(tl.int64) * I, w_ptr, s_ptr, z_ptr, expert * stride_we + offs_n * stride_wn,
+                        expert * stride_se + offs_n * stride_sn, n_mask, I, BLOCK_N, BLOCK_K, FORMAT, GROUP, X_VECTOR,
+                        TILES, DIRECT)
+            total += _weighted_output(acc, tl.load(weights_ptr + route), b_ptr, expert, offs_n, n_mask, stride_be,
+                                      act_ptr.dtype.element_ty, HAS_BIAS)
+        tl.store(out_ptr + tl.program_id(0).to(tl.int64) * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
+                 mask=n_mask)
 
 
 # --------------------------------------------------------------------------------- grouped path
@@ -881,6 +956,29 @@ def _weights(w: torch.Tensor, scales: torch.Tensor | None, zeros: torch.Tensor |
     return _Weights(w, s, z, b, group, strides)
 
 
+SPLIT_GROUPS = 1 << 16
+"""Tiles (routes x output tiles) a split-K decode launch may count arrivals for: past it, no split."""
+
+
+class _Split(NamedTuple):
+    count: int  # programs a tile's row is shared among (1: no split)
+    columns: int  # inputs a split reads (the whole row when count is 1)
+    partials: torch.Tensor | None  # float32 [groups, count, rows] scratch
+    counters: torch.Tensor | None  # arrival counts, zero between launches
+
+
+def _split(k: int, block_k: int, group: int, split: int, groups: int, rows: int, device: torch.device) -> _Split:
+    """A row of k inputs shared among up to `split` programs: each takes a whole number of steps
+    and of groups (so its first scale is a whole group's), the last what is left."""
+    unit = max(block_k, group)
+    columns = triton.cdiv(triton.cdiv(k, unit), max(split, 1)) * unit
+    count = triton.cdiv(k, columns) if k else 1
+    if count <= 1 or groups > SPLIT_GROUPS:
+        return _Split(1, k, None, None)
+    partials = torch.empty((groups * count * rows,), dtype=torch.float32, device=device)
+    return _Split(count, columns, partials, counters.counters("moe decode split", SPLIT_GROUPS, device))
+
+
 def supports(experts: MoEExperts) -> bool:
     """Whether the kernels take these experts: int4 groups must be a power of two of at least 8
     inputs (whole int32 words; the tiles' aranges), as checkpoints' 32, 64 and 128 are."""
@@ -930,19 +1028,25 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
         direct = tiles.direct and experts.kind == "mxfp4"
         # rows of at most 4 steps written out; longer rows (a larger model's) loop
         down_n, down_k, down_warps = tiles.down or (tiles.block_n, tiles.block_k, tiles.num_warps)
+        routes = 1 if tiles.down_per_route else top_k
+        tiles_n13, tiles_n2 = triton.cdiv(inter, tiles.block_n), triton.cdiv(h, down_n)
+        split13 = _split(h, tiles.block_k, w13.group, tiles.split, t * top_k * tiles_n13, 2 * tiles.block_n, x.device)
+        split2 = _split(inter, down_k, w2.group, tiles.split if routes == 1 else 1, t * top_k * tiles_n2, down_n,
+                        x.device)
         tiles13, tiles2 = ((steps if unroll and steps <= 4 else 0)
-                           for steps in (triton.cdiv(h, tiles.block_k), triton.cdiv(inter, down_k)))
-        _gate_up_decode_kernel[(t * top_k, triton.cdiv(inter, tiles.block_n))](
+                           for steps in (triton.cdiv(split13.columns, tiles.block_k), triton.cdiv(split2.columns, down_k)))
+        _gate_up_decode_kernel[(t * top_k, tiles_n13, split13.count)](
             x, ids, w13.w, w13.s, w13.z, w13.b, act, h, inter, top_k, x.stride(0), *w13.strides, *swiglu,
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, GROUP=w13.group,
             ACTIVATION=_ACTIVATION[experts.activation], HAS_BIAS=has_b13, X_VECTOR=x_vector, TILES=tiles13,
-            DIRECT=direct, num_warps=tiles.num_warps, **launch)
-        routes = 1 if tiles.down_per_route else top_k
+            DIRECT=direct, part_ptr=split13.partials, counter_ptr=split13.counters, split_k=split13.columns,
+            SPLIT=split13.count > 1, num_warps=tiles.num_warps, **launch)
         y = torch.empty((t * top_k, h), dtype=x.dtype, device=x.device) if routes == 1 else out
-        _down_decode_kernel[(t * top_k // routes, triton.cdiv(h, down_n))](
+        _down_decode_kernel[(t * top_k // routes, tiles_n2, split2.count)](
             act, ids, weights, w2.w, w2.s, w2.z, w2.b, y, h, inter, y.stride(0), *w2.strides, ROUTES=routes,
             BLOCK_N=down_n, BLOCK_K=down_k, FORMAT=weight_format, GROUP=w2.group, HAS_BIAS=has_b2,
-            X_VECTOR=x_vector, TILES=tiles2, DIRECT=direct, num_warps=down_warps, **launch)
+            X_VECTOR=x_vector, TILES=tiles2, DIRECT=direct, part_ptr=split2.partials, counter_ptr=split2.counters,
+            split_k=split2.columns, SPLIT=split2.count > 1, num_warps=down_warps, **launch)
         if routes == 1:
             _combine_kernel[(t, triton.cdiv(h, combine_block))](y, out, h, out.stride(0), TOP_K=top_k,
                                                                 BLOCK=combine_block, num_warps=4, **launch)

@@ -480,7 +480,7 @@ _TILES = [(16, 32, 4), (8, 64, 2, True), (4, 256, 4, True), (16, 128, 4, False),
 
 def _tiles(mt, tile: tuple):
     """A tile of the tests' lists as the kernels' NamedTuple: grouped tiles are five ints, decode
-    tiles three ints and then down_per_route, x_vector, unroll and direct if given."""
+    tiles three ints and then down_per_route, x_vector, unroll, direct, down and split if given."""
     grouped = len(tile) == 5 and not isinstance(tile[4], bool)
     return (mt.GroupedTiles if grouped else mt.DecodeTiles)(*tile)
 
@@ -503,6 +503,9 @@ def test_fused_moe_tiles(run_check, kind, hidden, inter, groups):
     tiles = tiles + ([(2, 16, 4, True, False, True)] if kind == "dense" else [])
     # the down projection on its own tiles (DecodeTiles.down), unrolled as the default's
     tiles = tiles + ([(4, 64, 4, True, False, True, False, (8, 16, 2))] if kind in ("dense", "int8") else [])
+    # split-K: rows shared among 3 programs (the last shorter), the last to finish adding them; unrolled steps
+    tiles = tiles + [(8, 32, 2, True, False, False, False, None, 3)]
+    tiles = tiles + ([(8, 32, 4, True, False, True, False, None, 2)] if kind in ("dense", "int8") else [])
     # MXFP4's direct GEMV (codes straight into float32 bits): a whole step, and steps past K masked
     tiles = tiles + ([(8, 64, 2, True, False, False, True), (4, 128, 1, True, False, False, True)]
                      if kind == "mxfp4" else [])
