@@ -411,7 +411,8 @@ def policy(spec: str) -> fusion.Fusion:
 def variant(spec: str) -> contextlib.AbstractContextManager:
     """A decode variant by spec: a fusion policy (see `policy`), then optionally ";gemv=RULE" (one
     of matmul_triton.GEMV_RULES), ";moe=NxKxWARPS[xu]" (the bf16 experts' decode tiles, u:
-    unrolled), ";moe_down=NxKxWARPS" (only their down projection's), ";mxfp4=NxKxWARPS[xd][xsN]" (the
+    unrolled; the default's own down tiles kept, so before 2026-12-03 it set the down's too),
+    ";moe_down=NxKxWARPS" (only their down projection's), ";mxfp4=NxKxWARPS[xd][xsN]" (the
     MXFP4 experts', d: direct, sN: split-K in N) and ";norm_gemv=NxKxWARPS" (the norm-then-GEMV's), e.g.
     "auto;gemv=whole_rows;moe=2x1024x4"."""
     from hibana_kernels import matmul_triton, moe_triton

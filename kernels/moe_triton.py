@@ -392,7 +392,9 @@ def _x_scaled(bits):
     """A bf16 input already in the top half of int32 `bits` (as float32) times E2M1_X_SCALE, by an
     integer add to its exponent: exact for normal inputs below 2^64; zeros and bf16 subnormals
     (under 2^-126) come out as 2^-63-ish values whose products with `_e2m1_fp32`'s (at most 6 *
-    2^-126) fall under float32's smallest subnormal and round away, as the true products do."""
+    2^-126) fall under float32's smallest subnormal and round away, as the true products do. Not
+    passed on: inf, NaN and |x| >= 2^64 (the add carries into the sign bit) give wrong finite
+    values, where the fp16-pair GEMV gives inf or NaN."""
     return (bits + _X_EXPONENT).to(tl.float32, bitcast=True)
 
 
@@ -603,10 +605,10 @@ def _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexp
     along them, summed inside each thread, where the default loads the input of nibble p of every
     word, strided, once per p (which is faster: bench/tune_moe.py --sweep).
 
-    DIRECT (MXFP4): a tile is [R, BLOCK_K // 32, 4] words, a block's 4 words (its 32 codes, one
-    scale) in one 16-byte load, masked by whole blocks; each code goes straight into float32 bits
-    (`_e2m1_fp32`: three integer ops, no fp16 conversion) against x * 2^64; per block, its scale
-    times the sum of its 32 products."""
+    DIRECT (MXFP4, bf16 x): a thread takes whole blocks (a block's 4 words, its 32 codes and one
+    scale), masked by whole blocks; each code goes straight into float32 bits (`_e2m1_fp32`:
+    three integer ops, no fp16 conversion) against x * 2^64 (`_x_scaled`, x read two at a time);
+    per block, its scale times the sum of its 32 products."""
     if FORMAT == 1 and DIRECT:
         BLOCKS: tl.constexpr = BLOCK_K // 32
         offs_blk = tl.arange(0, BLOCKS)
@@ -962,19 +964,20 @@ SPLIT_GROUPS = 1 << 16
 
 class _Split(NamedTuple):
     count: int  # programs a tile's row is shared among (1: no split)
-    columns: int  # inputs a split reads (the whole row when count is 1)
-    partials: torch.Tensor | None  # float32 [groups, count, rows] scratch
+    columns: int  # inputs a split reads (0 when count is 1: the whole row)
+    partials: torch.Tensor | None  # float32 scratch, groups x count x rows, flat
     counters: torch.Tensor | None  # arrival counts, zero between launches
 
 
 def _split(k: int, block_k: int, group: int, split: int, groups: int, rows: int, device: torch.device) -> _Split:
     """A row of k inputs shared among up to `split` programs: each takes a whole number of steps
-    and of groups (so its first scale is a whole group's), the last what is left."""
+    and of groups (so its first scale is a whole group's), the last what is left. Not split
+    (columns 0: the kernels read the whole row) for one program or more groups than the counts."""
     unit = max(block_k, group)
     columns = triton.cdiv(triton.cdiv(k, unit), max(split, 1)) * unit
     count = triton.cdiv(k, columns) if k else 1
     if count <= 1 or groups > SPLIT_GROUPS:
-        return _Split(1, k, None, None)
+        return _Split(1, 0, None, None)
     partials = torch.empty((groups * count * rows,), dtype=torch.float32, device=device)
     return _Split(count, columns, partials, counters.counters("moe decode split", SPLIT_GROUPS, device))
 
@@ -1000,6 +1003,10 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
                      tiles: DecodeTiles | GroupedTiles) -> torch.Tensor:
     """fused_moe on the path and tiles chosen by the caller (tests, the tuning script)."""
     moe.check_moe_inputs(x, experts, weights, ids)
+    if isinstance(tiles, DecodeTiles) and experts.kind in ("mxfp4", "int4"):
+        step = 32 if experts.kind == "mxfp4" else 8  # whole MXFP4 blocks; whole int32 words of codes
+        if any(k % step for k in (tiles.block_k, *(tiles.down[1:2] if tiles.down else ()))):
+            raise ValueError(f"{experts.kind} decode tiles step a multiple of {step} inputs, not {tiles}")
     if not supports(experts):
         raise ValueError(f"int4 groups of {experts.group_sizes} inputs: the kernels want powers of two from 8")
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -1025,16 +1032,22 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
     if decode:
         x_vector = tiles.x_vector and words  # a variant of the 4-bit GEMVs only
         unroll = tiles.unroll and not words  # a variant of the 16-bit and int8 GEMVs only
-        direct = tiles.direct and experts.kind == "mxfp4"
+        # the direct GEMV reads x as pairs of bf16 in int32 loads: bf16 rows starting on 4 bytes only
+        direct = (tiles.direct and experts.kind == "mxfp4" and x.dtype == torch.bfloat16
+                  and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0)
         # rows of at most 4 steps written out; longer rows (a larger model's) loop
-        down_n, down_k, down_warps = tiles.down or (tiles.block_n, tiles.block_k, tiles.num_warps)
+        # the down projection's own tiles where its rows take at most 4 of their steps (as measured:
+        # Qwen3-30B-A3B's 768 in 3 of 256); longer rows, a larger model's, take the gate|up's
+        own = tiles.down is not None and triton.cdiv(inter, tiles.down[1]) <= 4
+        down_n, down_k, down_warps = tiles.down if own else (tiles.block_n, tiles.block_k, tiles.num_warps)
         routes = 1 if tiles.down_per_route else top_k
         tiles_n13, tiles_n2 = triton.cdiv(inter, tiles.block_n), triton.cdiv(h, down_n)
         split13 = _split(h, tiles.block_k, w13.group, tiles.split, t * top_k * tiles_n13, 2 * tiles.block_n, x.device)
         split2 = _split(inter, down_k, w2.group, tiles.split if routes == 1 else 1, t * top_k * tiles_n2, down_n,
                         x.device)
         tiles13, tiles2 = ((steps if unroll and steps <= 4 else 0)
-                           for steps in (triton.cdiv(split13.columns, tiles.block_k), triton.cdiv(split2.columns, down_k)))
+                           for steps in (triton.cdiv(split13.columns or h, tiles.block_k),
+                                         triton.cdiv(split2.columns or inter, down_k)))
         _gate_up_decode_kernel[(t * top_k, tiles_n13, split13.count)](
             x, ids, w13.w, w13.s, w13.z, w13.b, act, h, inter, top_k, x.stride(0), *w13.strides, *swiglu,
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, GROUP=w13.group,

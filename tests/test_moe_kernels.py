@@ -512,6 +512,35 @@ def test_fused_moe_tiles(run_check, kind, hidden, inter, groups):
     run_check(check_fused_moe_tiles, kind=kind, hidden=hidden, inter=inter, groups=groups, tiles=tiles)
 
 
+def check_split_counts_and_direct_inputs(device):
+    """Split-K leaves its arrival counts at zero for the next launch (graphs replay them), also
+    after launches of two kinds and shapes; the direct MXFP4 GEMV, which reads x as bf16 pairs,
+    is not taken for fp16 or fp32 x (the fp16-pair GEMV runs: results as right as bf16's); decode
+    tiles that step past whole MXFP4 blocks are refused."""
+    from hibana_kernels import counters
+    mt = _moe_triton()
+    gen = torch.Generator().manual_seed(23)
+    for kind, hidden, inter in (("mxfp4", 96, 160), ("dense", 160, 96)):
+        experts = _on(_random_experts(kind, "silu", False, 4, hidden, inter, gen), device)
+        x = torch.randn(2, hidden, generator=gen)
+        weights, ids = moe.moe_route(torch.randn(2, 4, generator=gen), 2)
+        expected = moe.fused_moe(x, _on(experts, "cpu"), weights, ids).float()
+        for dtype in (torch.bfloat16, torch.float16, torch.float32) if kind == "mxfp4" else (torch.bfloat16,):
+            tiles = mt.DecodeTiles(8, 32, 2, True, direct=True, split=3)
+            out = mt.fused_moe_launch(x.to(device, dtype), experts, weights.to(device), ids.to(device), tiles)
+            error = (out.cpu().float() - expected).abs().max() / expected.abs().max()
+            assert error <= 6e-2, f"{kind} {dtype}: relative error {error:.2e}"
+        assert not counters.counters("moe decode split", mt.SPLIT_GROUPS, torch.device(device)).any()
+    experts = _on(_random_experts("mxfp4", "silu", False, 4, 64, 64, gen), device)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mt.fused_moe_launch(torch.randn(2, 64, generator=gen).to(device, torch.bfloat16), experts, weights.to(device),
+                            ids.to(device), mt.DecodeTiles(8, 16, 2, True))
+
+
+def test_split_counts_and_direct_inputs(run_check):
+    run_check(check_split_counts_and_direct_inputs)
+
+
 def check_int4_groups_the_kernels_do_not_take(device):
     """Groups of 12 inputs (not a power of two): fused_moe runs the reference; the launch refuses."""
     mt = _moe_triton()
