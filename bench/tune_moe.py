@@ -282,7 +282,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time each kind's SWEEP_TILES")
     parser.add_argument("--wide", action="store_true", help="also time each kind's WIDE_TILES")
     parser.add_argument("--direct", action="store_true", help="also time each kind's DIRECT_TILES (MXFP4)")
-    parser.add_argument("--down", action="store_true", help="also time each kind's DOWN_TILES (the down projection's own)")
+    parser.add_argument("--down", action="store_true",
+                        help="also time each kind's DOWN_TILES (the down projection's own)")
     parser.add_argument("--split", action="store_true", help="also time each kind's SPLIT_TILES (split-K)")
     parser.add_argument("--tiny", action="store_true",
                         help="toy shapes on the CPU through the Triton interpreter: checks the script, times nothing")

@@ -969,6 +969,12 @@ class _Split(NamedTuple):
     counters: torch.Tensor | None  # arrival counts, zero between launches
 
 
+def _or(tensor: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
+    """A pointer argument the kernel does not read without split-K: another tensor stands in (as
+    an absent bias's does), not None."""
+    return stand_in if tensor is None else tensor
+
+
 def _split(k: int, block_k: int, group: int, split: int, groups: int, rows: int, device: torch.device) -> _Split:
     """A row of k inputs shared among up to `split` programs: each takes a whole number of steps
     and of groups (so its first scale is a whole group's), the last what is left. Not split
@@ -1052,14 +1058,15 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
             x, ids, w13.w, w13.s, w13.z, w13.b, act, h, inter, top_k, x.stride(0), *w13.strides, *swiglu,
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, GROUP=w13.group,
             ACTIVATION=_ACTIVATION[experts.activation], HAS_BIAS=has_b13, X_VECTOR=x_vector, TILES=tiles13,
-            DIRECT=direct, part_ptr=split13.partials, counter_ptr=split13.counters, split_k=split13.columns,
-            SPLIT=split13.count > 1, num_warps=tiles.num_warps, **launch)
+            DIRECT=direct, part_ptr=_or(split13.partials, x), counter_ptr=_or(split13.counters, ids),
+            split_k=split13.columns, SPLIT=split13.count > 1, num_warps=tiles.num_warps, **launch)
         y = torch.empty((t * top_k, h), dtype=x.dtype, device=x.device) if routes == 1 else out
         _down_decode_kernel[(t * top_k // routes, tiles_n2, split2.count)](
             act, ids, weights, w2.w, w2.s, w2.z, w2.b, y, h, inter, y.stride(0), *w2.strides, ROUTES=routes,
             BLOCK_N=down_n, BLOCK_K=down_k, FORMAT=weight_format, GROUP=w2.group, HAS_BIAS=has_b2,
-            X_VECTOR=x_vector, TILES=tiles2, DIRECT=direct, part_ptr=split2.partials, counter_ptr=split2.counters,
-            split_k=split2.columns, SPLIT=split2.count > 1, num_warps=down_warps, **launch)
+            X_VECTOR=x_vector, TILES=tiles2, DIRECT=direct, part_ptr=_or(split2.partials, x),
+            counter_ptr=_or(split2.counters, ids), split_k=split2.columns, SPLIT=split2.count > 1,
+            num_warps=down_warps, **launch)
         if routes == 1:
             _combine_kernel[(t, triton.cdiv(h, combine_block))](y, out, h, out.stride(0), TOP_K=top_k,
                                                                 BLOCK=combine_block, num_warps=4, **launch)
