@@ -67,8 +67,8 @@ class DecodeTiles(NamedTuple):
     down_per_route: bool = False  # down projection: a program per route, then _combine_kernel (else per token)
     x_vector: bool = False  # 4-bit formats: a word's inputs in vector loads (`_gemv`'s X_VECTOR)
     unroll: bool = False  # 16-bit and int8: rows of at most 4 steps written out (`_gemv`'s TILES), longer ones loop
-    direct: bool = False  # MXFP4: codes straight into float32 bits, a block's words in one thread (`_gemv`'s DIRECT)
-    down: tuple[int, int, int] | None = None  # the down projection's (block_n, block_k, num_warps), if not these
+    direct: bool = False  # MXFP4, bf16 x: codes straight into float32 bits, a block's words a thread (`_gemv`'s DIRECT)
+    down: tuple[int, int, int] | None = None  # the down's (block_n, block_k, num_warps), for rows of <= 4 of its steps
     split: int = 1  # split-K: programs a tile's row is shared among (the down projection: with down_per_route)
 
 
