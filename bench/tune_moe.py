@@ -109,8 +109,8 @@ DIRECT_TILES = {"mxfp4": [_D(n, k, w, True, direct=True) for n, k, w in (
     (8, 1024, 2), (4, 2048, 2), (8, 2048, 2), (16, 2048, 4))]}
 # --down: the down projection's own tiles beside the default gate|up's (DecodeTiles.down), from
 # 2026-12-03: Qwen3-30B-A3B's down rows are 768 long, so a 1024-wide step leaves a quarter masked
-_DEFAULT = {"dense": _D(4, 1024, 8, True, False, True), "mxfp4": _D(8, 256, 1, True)}  # before DecodeTiles.down
-DOWN_TILES = {"dense": [_DEFAULT["dense"]._replace(down=d) for d in (
+_DENSE_BEFORE_DOWN = _D(4, 1024, 8, True, False, True)  # the bf16 default before DecodeTiles.down
+DOWN_TILES = {"dense": [_DENSE_BEFORE_DOWN._replace(down=d) for d in (
     (4, 256, 4), (8, 256, 4), (4, 256, 2), (8, 256, 8), (4, 512, 4), (8, 512, 8), (2, 1024, 4), (2, 512, 2),
     (16, 256, 8), (1, 1024, 4), (2, 256, 2), (4, 128, 2))]}
 # --split: split-K (DecodeTiles.split: a row shared among programs, the last to finish adding

@@ -376,20 +376,17 @@ def _e2m1_pairs_scaled(words):
 
 
 _E2M1_FP32 = tl.constexpr(-0x7E400000)  # 0x81C00000 as an int32: float32's sign bit and bits 22..24
-E2M1_X_SCALE = tl.constexpr(2.0 ** 64)
-"""x's scale in `_gemv`'s DIRECT path: `_e2m1_fp32`'s values are e2m1 * 2^-126, x * 2^64 brings their
-products to x * w * 2^-62, normal (so exact) for |x * w| >= 2^-64, finite for |x| < 2^64; a block's
-sum times 2^48 is then what `_e2m1_pair_scaled`'s products sum to (x * w * 2^-14), which
-`_e8m0_scale` scales."""
-
-
 _HIGH_HALF = tl.constexpr(-0x10000)  # 0xFFFF0000 as an int32
-_X_EXPONENT = tl.constexpr(64 << 23)  # E2M1_X_SCALE's exponent, added to a float32's bits
+_X_EXPONENT = tl.constexpr(64 << 23)
+"""x's scale in `_gemv`'s DIRECT path, 2^64, as an add to float32 bits: `_e2m1_fp32`'s values are
+e2m1 * 2^-126, x * 2^64 brings their products to x * w * 2^-62, normal (so exact) for |x * w| >=
+2^-64; a block's sum times 2^48 is then what `_e2m1_pair_scaled`'s products sum to (x * w * 2^-14),
+which `_e8m0_scale` scales."""
 
 
 @triton.jit
 def _x_scaled(bits):
-    """A bf16 input already in the top half of int32 `bits` (as float32) times E2M1_X_SCALE, by an
+    """A bf16 input already in the top half of int32 `bits` (as float32) times 2^64, by an
     integer add to its exponent: exact for normal inputs below 2^64; zeros and bf16 subnormals
     (under 2^-126) come out as 2^-63-ish values whose products with `_e2m1_fp32`'s (at most 6 *
     2^-126) fall under float32's smallest subnormal and round away, as the true products do. Not
@@ -1041,7 +1038,6 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
         # the direct GEMV reads x as pairs of bf16 in int32 loads: bf16 rows starting on 4 bytes only
         direct = (tiles.direct and experts.kind == "mxfp4" and x.dtype == torch.bfloat16
                   and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0)
-        # rows of at most 4 steps written out; longer rows (a larger model's) loop
         # the down projection's own tiles where its rows take at most 4 of their steps (as measured:
         # Qwen3-30B-A3B's 768 in 3 of 256); longer rows, a larger model's, take the gate|up's
         own = tiles.down is not None and triton.cdiv(inter, tiles.down[1]) <= 4
@@ -1051,6 +1047,7 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
         split13 = _split(h, tiles.block_k, w13.group, tiles.split, t * top_k * tiles_n13, 2 * tiles.block_n, x.device)
         split2 = _split(inter, down_k, w2.group, tiles.split if routes == 1 else 1, t * top_k * tiles_n2, down_n,
                         x.device)
+        # rows (a split's share) of at most 4 steps written out; longer rows (a larger model's) loop
         tiles13, tiles2 = ((steps if unroll and steps <= 4 else 0)
                            for steps in (triton.cdiv(split13.columns or h, tiles.block_k),
                                          triton.cdiv(split2.columns or inter, down_k)))
