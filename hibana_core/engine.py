@@ -265,7 +265,8 @@ class Engine:
         switch = longrope_switch(loaded.args)
         limits = ModelLimits(self.vocab_size, self.max_model_len, self.eos_token_ids, self.fingerprint,
                              self.tokenizer is not None, self.device,
-                             None if switch is None else LongRope(switch, loaded.args.max_position_embeddings))
+                             None if switch is None else LongRope(switch, loaded.args.max_position_embeddings,
+                                                                    loaded.args.longrope_recompute))
         self.registry = StateRegistry(self.core, self.kv_cache, config.cache, limits, self.grammars)
         self.registry.engine_ref = weakref.ref(self)
         if self.host_tier is not None:  # parked states whose agents are due come back ahead of them

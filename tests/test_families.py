@@ -186,6 +186,44 @@ def test_longrope_histories_past_the_switch_match_transformers(longrope_checkpoi
     assert_greedy_matches(longrope_checkpoint, long[:48], c.token_ids)
 
 
+@pytest.mark.parametrize("speculation", ["off", "adaptive"])
+def test_longrope_on_a_family_whose_generate_keeps_its_cache(tmp_path_factory, make_engine, speculation):
+    """LongRoPE on llama: transformers' LlamaForCausalLM has no Phi-3 rule, so a generation that
+    crosses the switch keeps the prefill's short-rotated KV and rotates only the positions past
+    it by the long factors; the next turn's prefill (generate on the whole history) rotates every
+    position by the long factors. 3 agents at once, 3 turns each with retention: the first
+    generation computes no position twice, the second turn recomputes its whole history once,
+    the third computes only its new tokens; every generation is transformers' greedy."""
+    rope = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=SWITCH,
+                short_factor=[1.0, 1.1, 1.3, 1.7, 2.0, 2.5, 3.0, 4.0],
+                long_factor=[1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 21.0, 34.0])
+    checkpoint = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("longrope") / "llama", rope_parameters=rope)
+    engine = make_engine(checkpoint, max_num_batched_tokens=48, speculation=speculation)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2, 512) for _ in range(40 + 4 * a)] for a in range(AGENTS)]
+    results, computed = {}, {}
+
+    def run_agent(agent: int) -> None:
+        h, history, turns, counts = engine.open_state(f"llr-{agent}"), prompts[agent], [], []
+        for new, n in ((prompts[agent], 40), (list(range(7, 17)), 6), ([11, 12], 6)):
+            history = history if not turns else history + new
+            c = h.generate(SamplingParams(max_tokens=n, ignore_eos=True), prompt=history)
+            turns.append((history, list(c.token_ids)))
+            counts.append(c.stats.computed)
+            history = history + list(c.token_ids)
+        results[agent], computed[agent] = turns, counts
+
+    run_agents_at_once(run_agent)
+    assert sorted(results) == list(range(AGENTS))
+    for agent, turns in results.items():
+        (first, out), second, third = turns
+        assert len(first) < SWITCH < len(first) + len(out)
+        assert computed[agent] == [len(first), len(second[0]),  # the first turn recomputed nothing
+                                   len(third[0]) - len(second[0] + second[1]) + 1]
+        for history, generated in turns:
+            assert_greedy_matches(checkpoint, history, generated)
+
+
 def test_a_long_rotated_state_persists_and_parks_as_it_is(longrope_checkpoint, tmp_path, make_engine):
     """A state under the long rotation, saved and loaded in another engine and parked in the host
     tier and brought back: its next turn computes only its new tokens and is transformers'."""

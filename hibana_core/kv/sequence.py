@@ -40,17 +40,27 @@ from hibana_core.kv.layout import NULL_BLOCK, KVLayout
 
 @dataclass(frozen=True)
 class LongRope:
-    """LongRoPE (Phi-3, Phi-4-mini) as transformers applies it: a sequence up to `switch`
-    (original_max_position_embeddings) tokens long is rotated by the short factors; once it is
-    longer, every position by the long factors: transformers' generate drops its cache at the
-    token that crosses the switch and recomputes the whole sequence, and so does a state here
-    (`KVSequence.rotate_for`, once per state; a history that shrinks back below the switch goes
-    back to the short rotation). The model's cos/sin tables hold a per-position rotation (short
-    below the switch, long from there: what a draft model's states read) and, from row `offset`
-    on, the long rotation of the positions below the switch (`rope_positions`)."""
+    """LongRoPE as transformers applies it. A request's prefill over a history of more than
+    `switch` (original_max_position_embeddings) tokens rotates every position by the long
+    factors, a shorter one by the short factors; a token generated at position p >= switch is
+    rotated by the long ones. What the KV of the positions below the switch holds once
+    generation crosses it is the family's:
+
+        recompute     (Phi-3's generate) its cache is dropped at the token that crosses the
+                      switch and the whole sequence recomputed under the long factors; so is a
+                      state's here (`KVSequence.rotate_for`, once per state)
+        otherwise     (llama's, qwen2's, ...: no such rule in their generate) it keeps the short
+                      rotation until the next request's prefill, which recomputes the whole
+                      history under the long factors (`KVSequence.begin_request`)
+
+    A history that shrinks back below the switch goes back to the short rotation. The model's
+    cos/sin tables hold a per-position rotation (short below the switch, long from there: what
+    generation past the switch and a draft model's states read) and, from row `offset` on,
+    the long rotation of the positions below the switch (`rope_positions`)."""
 
     switch: int
     offset: int
+    recompute: bool = True
 
 
 _LONG_ROPE_SALT = b"long-rope"
@@ -179,15 +189,19 @@ class KVSequence:
         return self._rotate(long)
 
     def rotate_for(self, length: int) -> bool:
-        """Under LongRoPE, before a step computes the positions up to `length`: once the sequence
-        grows past the switch, its whole KV turns to the long rotation, as transformers' generate
-        recomputes its cache at the token that crosses it. Returns whether KV was dropped."""
-        return self._rotate(self.rotated_long or (self.long_rope is not None and length > self.long_rope.switch))
+        """Under a recomputing LongRoPE (`LongRope.recompute`), before a step computes the
+        positions up to `length`: once the sequence grows past the switch, its whole KV turns to
+        the long rotation, as Phi-3's generate recomputes its cache at the token that crosses
+        it. Returns whether KV was dropped."""
+        if self.long_rope is None or not self.long_rope.recompute:
+            return False  # positions past the switch read their long rows; the rest stays
+        return self._rotate(self.rotated_long or length > self.long_rope.switch)
 
     def rotation_room(self, end: int) -> int:
-        """Positions a step may compute from `end` on before a drafted chunk would cross
-        LongRoPE's switch under the short rotation (it would then be recomputed: `rotate_for`)."""
-        if self.long_rope is None or self.rotated_long:
+        """Positions a step may compute from `end` on before a drafted chunk would cross a
+        recomputing LongRoPE's switch under the short rotation (it would then be recomputed:
+        `rotate_for`)."""
+        if self.long_rope is None or not self.long_rope.recompute or self.rotated_long:
             return 1 << 30
         return max(0, self.long_rope.switch - end)
 

@@ -236,6 +236,8 @@ class DecoderArgs:
     # multimodal checkpoint's language model
     moe: MoEArgs | None = None  # sparse blocks in place of the MLP, in the layers it names
     attention_sinks: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
+    longrope_recompute: bool = False  # generate recomputes the whole cache once the sequence crosses
+    # LongRoPE's switch (Phi-3's; `hibana_core.kv.sequence.LongRope`)
 
     @classmethod
     def from_config(cls, config: Any, **differences: Any) -> "DecoderArgs":

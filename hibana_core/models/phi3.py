@@ -3,8 +3,9 @@
 Its differences: the checkpoint already holds q/k/v as one qkv_proj and gate/up as one
 gate_up_proj (loaded as they are); rotary may cover only the first partial_rotary_factor of each
 head (Phi-4-mini: 0.75); LongRoPE scaling, whose short/long factors apply per position (see
-`Rope.angles`) and whose attention factor scales cos and sin; a sliding_window, where set, on
-every layer.
+`Rope.angles`), whose attention factor scales cos and sin, and whose crossing of the switch
+recomputes the whole cache under the long factors (transformers' Phi-3 generate does); a
+sliding_window, where set, on every layer.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ MODEL_TYPES = ("phi3",)
 
 
 def args_from_config(config: Any) -> DecoderArgs:
-    return DecoderArgs.from_config(config, qkv_bias=False, o_bias=False, mlp_bias=False, fused_in_checkpoint=True)
+    return DecoderArgs.from_config(config, qkv_bias=False, o_bias=False, mlp_bias=False, fused_in_checkpoint=True,
+                                   longrope_recompute=True)
 
 
 def build(config: Any, ctx: ForwardContext) -> tuple[DecoderForCausalLM, DecoderArgs]:
