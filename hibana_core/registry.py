@@ -407,7 +407,9 @@ class StateRegistry:
             raise HibanaError("stop strings need a tokenizer, and this checkpoint has none; "
                               "use stop_token_ids instead")
         if params.speculation is not None and self.core.speculation is not None:
-            self.core.speculation.check(params.speculation)
+            with self.lock:  # between steps: a drafter named for the first time is built here, and
+                # building one may run the model (layer_skip ranks its layers) or take pool blocks
+                self.core.speculation.check(params.speculation)
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.limits.eos_token_ids)
         grammar = None
         if params.constrained:  # compiled here, outside the lock: a new grammar may take 100 ms

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import random
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -657,6 +658,43 @@ def test_layer_skip_ranks_the_layers_of_a_checkpoint_without_a_tokenizer(tiny_ch
     assert list(got) == list(plain.open_state("p").generate(greedy(30), prompt=prompt).token_ids)
     summary = engine.stats().speculation["drafters"]["layer_skip"]
     assert summary["tokens_drafted"] > 0 and summary["layers_kept"][0] == 0
+
+
+def test_a_layer_skip_named_first_mid_load_leaves_the_other_agents_alone(tiny_checkpoints, make_engine):
+    """The first request naming layer_skip builds the drafter, which ranks the target's layers
+    by running the target: between the engine's steps, never inside one (a new user's trial saw
+    every other agent's request fail with "forward_batch scopes do not nest", and the scorer's
+    swapped cache could have been read by their step)."""
+    import threading
+
+    path = tiny_checkpoints["llama"]  # 3 layers: the draft skips one
+    engine = make_engine(path, speculation="off")
+    plain = make_engine(path, speculation="off")
+    rng = random.Random(13)
+    prompts = [random_tokens(rng, 40) for _ in range(3)]
+    handles = [engine.open_state(f"bg{i}") for i in range(3)]
+    got, errors = {}, []
+
+    def agent(i: int) -> None:
+        try:
+            got[i] = list(handles[i].generate(greedy(150), prompt=prompts[i]).token_ids)
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=agent, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while engine.stats().generated_tokens < 6:  # the three are decoding
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    skip = engine.open_state("skip").generate(SamplingParams(max_tokens=5, speculation={"method": "layer_skip", "k": 2}),
+                                              prompt=prompts[0][:20])
+    for thread in threads:
+        thread.join()
+    assert not errors and len(skip.token_ids) == 5
+    for i in range(3):
+        assert got[i] == list(plain.open_state(f"p{i}").generate(greedy(150), prompt=prompts[i]).token_ids)
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe"])
