@@ -526,6 +526,29 @@ def test_the_guard_measures_a_checkpoint_without_a_tokenizer_on_seeded_random_to
 # --- surgery written to disk ---------------------------------------------------------------------
 
 
+def test_a_checkpoint_written_from_a_float32_engine_keeps_the_sources_bfloat16(make_engine, tmp_path):
+    """The demo model is bfloat16; the CPU computes in float32. The written checkpoint stores the
+    tensors no pass rewrote (embeddings, norms) as they came, in bfloat16, the pass's own results
+    in float32, and loads into the same model: a new user's trial found embeddings written in
+    float32, twice their bytes."""
+    from safetensors import safe_open
+
+    from hibana_core.cli import main
+    from hibana_core.loader import DEMO_MODEL_DIR
+
+    out = tmp_path / "w8"
+    assert main(["surgery", "demo", "--passes", "w8", "--out", str(out), "--no-guard", "--device", "cpu"]) == 0
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    assert dtypes["model.embed_tokens.weight"] == "BF16" and dtypes["model.norm.weight"] == "BF16"
+    assert {dtypes[n] for n in dtypes if n.endswith("qweight")} == {"I8"}
+    direct = make_engine(DEMO_MODEL_DIR, surgery=["w8"], speculation="off", surgery_guard=False)
+    saved = make_engine(out, speculation="off")
+    prompt = random_tokens(random.Random(10), 40)
+    assert list(saved.open_state("a").generate(greedy(), prompt=prompt).token_ids) == \
+        list(direct.open_state("a").generate(greedy(), prompt=prompt).token_ids)
+
+
 @pytest.mark.parametrize("arch, passes", [("qwen3", "w8"), ("qwen3", '[{"name": "w4", "group_size": 32}]'),
                                          ("qwen3_moe", "w8"), ("qwen3_moe", '[{"name": "w4", "group_size": 32}]')])
 def test_hibana_surgery_writes_a_checkpoint_that_loads_with_its_passes(arch, passes, tiny_checkpoints, make_engine,

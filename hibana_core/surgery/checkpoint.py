@@ -77,7 +77,8 @@ def save(engine: Any, source: Path, out: Path) -> Path:
         if (source / name).is_file():
             shutil.copy2(source / name, out / name)
     model = engine.model
-    tensors = {name: t.detach().contiguous().cpu() for name, t in
+    declared = checkpoint_dtype(engine.hf_config)
+    tensors = {name: narrowed(t.detach().contiguous().cpu(), declared) for name, t in
                [*model.named_parameters(), *model.named_buffers()]}  # tied parameters once
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     manifest = {"format": FORMAT, "source": str(source), "dtype": str(engine.dtype).removeprefix("torch."),
@@ -89,6 +90,26 @@ def save(engine: Any, source: Path, out: Path) -> Path:
     # that whoever may read the checkpoint (a server under another user) can load it
     shutil.copymode(out / MANIFEST, out / "model.safetensors")
     return out
+
+
+def checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
+    """The floating dtype the source checkpoint declares (config.json's dtype), if any."""
+    declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(declared, str):
+        declared = getattr(torch, declared, None)
+    return declared if isinstance(declared, torch.dtype) and declared.is_floating_point else None
+
+
+def narrowed(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """`tensor` in the checkpoint's own `dtype` where that is narrower and holds it exactly, else
+    as it is: a float32 engine (the CPU's default) upcast a bfloat16 checkpoint, and the tensors
+    no pass rewrote (embeddings, norms, layers left dense) go back at their own size, while a
+    pass's float32 results (scales, rewritten weights) keep every bit."""
+    if (dtype is None or not tensor.is_floating_point() or tensor.dtype == dtype
+            or tensor.element_size() <= dtype.itemsize):
+        return tensor
+    narrow = tensor.to(dtype)
+    return narrow if torch.equal(narrow.to(tensor.dtype), tensor) else tensor
 
 
 def read_manifest(path: Path) -> dict[str, Any] | None:
