@@ -186,18 +186,23 @@ def test_longrope_histories_past_the_switch_match_transformers(longrope_checkpoi
     assert_greedy_matches(longrope_checkpoint, long[:48], c.token_ids)
 
 
-@pytest.mark.parametrize("speculation", ["off", "adaptive"])
-def test_longrope_on_a_family_whose_generate_keeps_its_cache(tmp_path_factory, make_engine, speculation):
-    """LongRoPE on llama: transformers' LlamaForCausalLM has no Phi-3 rule, so a generation that
-    crosses the switch keeps the prefill's short-rotated KV and rotates only the positions past
-    it by the long factors; the next turn's prefill (generate on the whole history) rotates every
-    position by the long factors. 3 agents at once, 3 turns each with retention: the first
-    generation computes no position twice, the second turn recomputes its whole history once,
-    the third computes only its new tokens; every generation is transformers' greedy."""
-    rope = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=SWITCH,
+LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=SWITCH,
                 short_factor=[1.0, 1.1, 1.3, 1.7, 2.0, 2.5, 3.0, 4.0],
                 long_factor=[1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 21.0, 34.0])
-    checkpoint = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("longrope") / "llama", rope_parameters=rope)
+
+
+@pytest.mark.parametrize("arch, speculation", [("llama", "off"), ("llama", "adaptive"), ("gemma3", "off")])
+def test_longrope_on_a_family_whose_generate_keeps_its_cache(tmp_path_factory, make_engine, arch, speculation):
+    """LongRoPE on llama (and on gemma3's global layers only, beside its sliding layers' plain
+    rope): their transformers classes have no Phi-3 rule, so a generation that crosses the switch
+    keeps the prefill's short-rotated KV and rotates only the positions past it by the long
+    factors; the next turn's prefill (generate on the whole history) rotates every position by
+    the long factors. 3 agents at once, 3 turns each with retention: the first generation
+    computes no position twice, the second turn recomputes its whole history once, the third
+    computes only its new tokens; every generation is transformers' greedy."""
+    rope = LONGROPE if arch == "llama" else {
+        "full_attention": {**LONGROPE, "rope_theta": 1e6}, "sliding_attention": dict(rope_type="default", rope_theta=1e4)}
+    checkpoint = make_tiny_checkpoint(arch, tmp_path_factory.mktemp("longrope") / arch, rope_parameters=rope)
     engine = make_engine(checkpoint, max_num_batched_tokens=48, speculation=speculation)
     rng = random.Random(5)
     prompts = [[rng.randrange(2, 512) for _ in range(40 + 4 * a)] for a in range(AGENTS)]

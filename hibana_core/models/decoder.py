@@ -388,15 +388,21 @@ class Linear(nn.Linear):
 class RotaryTables:
     """cos/sin tables of one `Rope` indexed by position, [max_positions, rope.dim], always
     float32, which the rotary kernels read. Built on first use on the device of the positions
-    (the model is constructed on "meta"), shared by the layers of that rope."""
+    (the model is constructed on "meta"), shared by the layers of that rope.
 
-    def __init__(self, rope: Rope, max_positions: int) -> None:
-        self.rope, self.max_positions = rope, max_positions
+    In a model with LongRoPE on some layers (`longrope_switch`), every table has the long
+    rotation's rows past max_positions (`Rope.angles`), which a state under the long rotation
+    reads on every layer: the other ropes' are their own rows of those positions again."""
+
+    def __init__(self, rope: Rope, max_positions: int, longrope_switch: int | None = None) -> None:
+        self.rope, self.max_positions, self.longrope_switch = rope, max_positions, longrope_switch
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
 
     def _build(self, device: torch.device) -> None:
         freqs = self.rope.angles(self.max_positions)
+        if self.longrope_switch is not None and self.rope.rope_type != "longrope":
+            freqs = torch.cat((freqs, freqs[:self.longrope_switch]))
         emb = torch.cat((freqs, freqs), dim=-1)
         factor = self.rope.attention_factor
         self.cos, self.sin = (emb.cos() * factor).to(device), (emb.sin() * factor).to(device)
@@ -525,7 +531,8 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_scale = args.embed_scale
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        rotaries = {rope: RotaryTables(rope, args.max_position_embeddings) for rope in dict.fromkeys(args.ropes)}
+        switch = longrope_switch(args)
+        rotaries = {rope: RotaryTables(rope, args.max_position_embeddings, switch) for rope in dict.fromkeys(args.ropes)}
         self.layers = nn.ModuleList(DecoderLayer(args, i, ctx, rotaries[rope]) for i, rope in enumerate(args.ropes))
         self.norm = make_norm(args, args.hidden_size)
 
