@@ -293,6 +293,11 @@ def test_bind_tools_strict_holds_calls_to_the_strict_schema(llm):
     assert strict["additionalProperties"] is False and set(strict["required"]) == set(Shelf.model_fields)
     jsonschema.validate(call["args"], strict)
     assert set(call["args"]) == set(Shelf.model_fields)
+    # the same tool as an OpenAI tool dict (LangChain's conversion hands those back as they are)
+    as_dict = {"type": "function", "function": {"name": "Shelf", "description": "a shelf",
+                                                "parameters": Shelf.model_json_schema()}}
+    bound = ChatHibana(model="demo").bind_tools([as_dict], strict=True).kwargs["tools"][0]["function"]
+    assert bound["strict"] is True and bound["parameters"]["additionalProperties"] is False
 
 
 def test_bind_tools_strict_refuses_a_schema_the_grammar_cannot_hold(llm):
@@ -304,7 +309,10 @@ def test_bind_tools_strict_refuses_a_schema_the_grammar_cannot_hold(llm):
         numbers: list[int] = Field(json_schema_extra={"contains": {"const": 7}})
 
     unknown_type = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "objekt"}}}
+    lookahead = {"type": "function", "function": {"name": "g", "parameters": {  # strict from bind_tools alone
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "^(?!b)[a-z]{1,3}$"}}, "required": ["x"]}}}
     for tool_, named in ((Picks, "'Picks' is strict.*contains at #/properties/numbers"),
+                         (lookahead, "'g' is strict.*lookahead"),
                          (unknown_type, "'f' has parameters of type 'objekt'; a call's arguments are a JSON object")):
         with pytest.raises(ToolSchemaError, match=named):
             llm.bind_tools([tool_], tool_choice="required", strict=True).invoke("go", state_id="strict-refused")
