@@ -99,6 +99,10 @@ STAGING_BUFFERS = 2
 the next is filled: never, as steps run, but two cost nothing)."""
 SPELLINGS_CACHED = 4096
 """Forced strings whose tokens are kept (the table is emptied when full)."""
+SPELLED_CHARS = 128
+"""How much of a forced string is spelled to find its first token (`Matcher.spell_forced`): a
+grammar may force a long text (a const of 200k characters), whose whole spelling each step
+cost that row's step 100 ms, and every other agent's with it."""
 VERIFY_MAX = 16
 """Allowed tokens of a row that are not whole UTF-8, each checked against its matcher, at most
 (see `Matcher.drop_refused`): more are where text is free (a string's content: 551 of a 151k
@@ -609,11 +613,12 @@ class Matcher:
             bitmask[row] = before   # token with a GrammarError rather than sampling from nothing)
 
     def spell_forced(self, bitmask: torch.Tensor, row: int) -> None:
-        """Where the grammar forces a string of two tokens or more, allow only its first."""
+        """Where the grammar forces a string of two tokens or more, allow only its first (the
+        first of its first SPELLED_CHARS characters' spelling)."""
         forced = self._matcher.find_jump_forward_string()
         if not forced or self._matcher.is_completed():  # where the output may also end, nothing is forced
             return
-        tokens = self._spell(forced)
+        tokens = self._spell(forced[:SPELLED_CHARS])
         if len(tokens) < 2:
             return
         first = tokens[0]

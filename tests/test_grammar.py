@@ -421,6 +421,22 @@ def test_an_end_the_request_does_not_stop_at_is_no_token_of_its_grammar(engine):
     assert not (int(bitmask[0, EOS_ID // 32]) >> (EOS_ID % 32)) & 1 and not matcher.accept(EOS_ID)
 
 
+def test_a_long_forced_string_is_spelled_from_its_beginning_only(engine, monkeypatch):
+    """A grammar that forces a long text (a const of 200k characters) spells only the first
+    SPELLED_CHARS of what is left to find its next token: its whole spelling each step made
+    every agent's step wait 100 ms (a new user's trial), and the output is the const all the same."""
+    from hibana_core.grammar import SPELLED_CHARS
+
+    spelled = []
+    spell = engine.grammars.spell
+    monkeypatch.setattr(engine.grammars, "spell", lambda text: spelled.append(len(text)) or spell(text))
+    const = "ab" * 5000
+    c = _generate(engine, "long-const", random_tokens(random.Random(2), 8), max_tokens=12,
+                  json_schema={"const": const})
+    assert spelled and max(spelled) <= SPELLED_CHARS
+    assert len(c.token_ids) == 12 and (json.dumps(const)).startswith(c.text)
+
+
 # --- failures stay with their request -----------------------------------------------------------------
 
 def test_number_bounds_keep_every_int64_and_no_number_overflows():
