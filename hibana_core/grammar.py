@@ -166,7 +166,7 @@ def json_schema_grammar(schema: Any) -> Any:
         raise GrammarError(f"the JSON schema cannot be compiled: {_message(exc)}; fix the schema or "
                            "drop the keywords named") from None
     ebnf = str(grammar)
-    bounded = _bound_numbers(ebnf.replace(_LOOSE_CHARACTER, _JSON_CHARACTER))  # strings with
+    bounded = _real_dates(_bound_numbers(ebnf.replace(_LOOSE_CHARACTER, _JSON_CHARACTER)))  # strings with
     return grammar if bounded == ebnf else xgr.Grammar.from_ebnf(bounded)  # min/maxLength: no control chars
 
 
@@ -333,6 +333,41 @@ def _bound_numbers(ebnf: str) -> str:
     for rule in _DIGIT_RULE.findall(ebnf):
         ebnf = re.sub(rf"\b{rule}\{{(\d+), -1\}}",
                       lambda m: f"{rule}{{{m[1]}, {max(int(m[1]), MAX_NUMBER_DIGITS)}}}", ebnf)
+    return ebnf
+
+
+_MONTH = '(("0" [1-9]) | ("1" [0-2]))'
+_DAY = '(("0" [1-9]) | ([1-2] [0-9]) | ("3" [01]))'
+_MONTH_DAY = ('((("0" [13578]) | ("1" [02])) "-" (("0" [1-9]) | ([1-2] [0-9]) | ("3" [01])))'
+              ' | ((("0" [469]) | ("11")) "-" (("0" [1-9]) | ([1-2] [0-9]) | ("30")))'
+              ' | ("02" "-" (("0" [1-9]) | ("1" [0-9]) | ("2" [0-8])))')
+_YEAR = '(([1-9] [0-9]{3}) | ("0" [1-9] [0-9]{2}) | ("00" [1-9] [0-9]) | ("000" [1-9]))'
+_SECOND = '(([0-5] [0-9]) | ("6" "0"))'
+_SECONDS_AND_FRACTION = re.compile(r'":" \[0-5\] \[0-9\] ":" (\w+) (\w+)')
+MAX_FRACTION_DIGITS = 9
+"""Digits of a second's fraction in a `format` of time or date-time (nanoseconds)."""
+
+
+def _real_dates(ebnf: str) -> str:
+    """`ebnf` with xgrammar's `format` date, time and date-time held to dates and times that
+    exist (its grammars let through Feb 30, Apr 31, year 0000, second 60 at any minute and
+    endless fractions of a second, which Python's datetime and so pydantic refuse): each month
+    with its own days (February's 1-28: a year's leapness is more than a grammar should carry),
+    years from 0001, seconds below 60, fractions of 1-9 digits."""
+    rules = dict(re.findall(r"^(\w+) ::= (.*)$", ebnf, re.MULTILINE))
+    months = [name for name, body in rules.items() if body == _MONTH]
+    days = [name for name, body in rules.items() if body == _DAY]
+    for year in [name for name, body in rules.items() if body == "(([0-9]))"]:
+        for month in months:
+            for day in days:
+                ebnf = ebnf.replace(f'{year}{{4, 4}} "-" {month} "-" {day}', f'{_YEAR} "-" ({_MONTH_DAY})')
+    for second, fraction in _SECONDS_AND_FRACTION.findall(ebnf):  # hh ":" mm ":" ss fraction
+        if rules.get(second) == _SECOND:
+            ebnf = ebnf.replace(f"{second} ::= {_SECOND}", f"{second} ::= (([0-5] [0-9]))")
+        digits = re.fullmatch(r'\(\"\" \| \("\." (\w+)\)\)', rules.get(fraction, ""))
+        if digits and rules.get(digits[1]) == f"(([0-9] {digits[1]}) | ([0-9]))":
+            ebnf = ebnf.replace(f"{digits[1]} ::= {rules[digits[1]]}",
+                                f"{digits[1]} ::= (([0-9]{{1, {MAX_FRACTION_DIGITS}}}))")
     return ebnf
 
 

@@ -421,6 +421,54 @@ def test_an_end_the_request_does_not_stop_at_is_no_token_of_its_grammar(engine):
     assert not (int(bitmask[0, EOS_ID // 32]) >> (EOS_ID % 32)) & 1 and not matcher.accept(EOS_ID)
 
 
+def test_date_and_time_formats_allow_only_dates_and_times_that_exist():
+    """xgrammar's formats let through Feb 30, Apr 31, year 0000, second 60 and endless fractions
+    of a second, which Python's datetime (and pydantic) refuse: every day of a (common) year is
+    allowed and no other, and seconds and fractions are bounded."""
+    import datetime
+
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from hibana_core.grammar import MAX_FRACTION_DIGITS, json_schema_grammar
+
+    date, moment, time_ = (json_schema_grammar({"type": "string", "format": f}) for f in ("date", "date-time", "time"))
+    for month in range(1, 13):
+        for day in range(1, 32):
+            text = f"2023-{month:02d}-{day:02d}"
+            try:
+                real = bool(datetime.date(2023, month, day))
+            except ValueError:
+                real = False
+            assert accepts(date, f'"{text}"') == real, text
+            assert accepts(moment, f'"{text}T12:34:56Z"') == real, text
+    for year, ok in (("0000", False), ("0001", True), ("0999", True), ("9999", True)):
+        assert accepts(date, f'"{year}-01-31"') == ok
+    fraction = "1" * MAX_FRACTION_DIGITS
+    for grammar, prefix in ((moment, "2024-06-30T"), (time_, "")):
+        assert accepts(grammar, f'"{prefix}23:59:59.{fraction}+05:30"')
+        assert not accepts(grammar, f'"{prefix}23:59:59.{fraction}1Z"')
+        assert not accepts(grammar, f'"{prefix}23:59:60Z"') and not accepts(grammar, f'"{prefix}24:00:00Z"')
+    # a pattern that reads like a second is the user's, not narrowed
+    assert accepts(json_schema_grammar({"type": "string", "pattern": "^([0-5][0-9]|60)$"}), '"60"')
+
+
+def test_pydantic_dates_and_times_parse_from_a_random_model(engine):
+    """Sampled from a random-weight model: every datetime, date and time validates in pydantic."""
+    import datetime
+
+    class When(pydantic.BaseModel):
+        at: datetime.datetime
+        day: datetime.date
+        clock: datetime.time
+
+    schema = When.model_json_schema()
+    for seed in range(6):
+        out = _generate(engine, f"when-{seed}", random_tokens(random.Random(seed), 10), max_tokens=200,
+                        json_schema=schema, temperature=1.0, seed=seed)
+        assert out.finish_reason == "stop", out.text
+        When.model_validate_json(out.text)
+
+
 def test_a_long_forced_string_is_spelled_from_its_beginning_only(engine, monkeypatch):
     """A grammar that forces a long text (a const of 200k characters) spells only the first
     SPELLED_CHARS of what is left to find its next token: its whole spelling each step made
