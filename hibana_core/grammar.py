@@ -148,7 +148,7 @@ def json_schema_grammar(schema: Any) -> Any:
     """An xgrammar Grammar for JSON valid under `schema`, compact (`json.dumps` spacing)."""
     xgr = _xgrammar()
     try:
-        text = json.dumps(schema)
+        text = json.dumps(_opened(schema))
     except (TypeError, ValueError) as exc:
         raise GrammarError(f"the JSON schema is not plain JSON data ({exc})") from None
     impossible = unsatisfiable(schema)
@@ -414,6 +414,32 @@ def _subschemas(schema: dict, at: str) -> Iterator[tuple[str, Any, Any, str]]:
                 yield key, i, sub, f"{at}/{key}/{i}"
     for key in _SUBSCHEMAS:
         yield key, None, schema.get(key), f"{at}/{key}"
+
+
+def _opened(schema: Any) -> Any:
+    """`schema` with `additionalProperties: true` on each object that leaves it out yet asks for
+    more keys (minProperties) than it declares. xgrammar's strict mode, which keeps an object to
+    its declared keys where additionalProperties is left out (as OpenAI's strict outputs do),
+    refuses such a schema, which JSON Schema's default (open objects) satisfies."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key, name, sub, _ in _subschemas(schema, "#"):
+        if not isinstance(sub, dict):
+            continue
+        if name is None:
+            out[key] = _opened(sub)
+        elif isinstance(out[key], dict):
+            out[key] = {**out[key], name: _opened(sub)}
+        else:
+            out[key] = [_opened(s) if i == name else s for i, s in enumerate(out[key])]
+    declared = schema.get("properties")
+    declared = len(declared) if isinstance(declared, dict) else 0
+    wanted = schema.get("minProperties")
+    if (isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > declared
+            and "additionalProperties" not in schema and "patternProperties" not in schema):
+        out["additionalProperties"] = True
+    return out
 
 
 def check_held(schema: Any) -> None:

@@ -452,6 +452,24 @@ def test_date_and_time_formats_allow_only_dates_and_times_that_exist():
     assert accepts(json_schema_grammar({"type": "string", "pattern": "^([0-5][0-9]|60)$"}), '"60"')
 
 
+def test_an_object_asking_more_keys_than_it_declares_is_open():
+    """JSON Schema's objects are open where additionalProperties is left out; the grammar keeps
+    an object to its declared keys (xgrammar's strict mode, as OpenAI's strict outputs), which
+    refused {"minProperties": 1} as unsatisfiable: such an object takes other keys now."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from hibana_core.grammar import json_schema_grammar
+
+    some = json_schema_grammar({"type": "object", "minProperties": 1})
+    assert accepts(some, '{"k": 1}') and not accepts(some, "{}")
+    two = json_schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}}, "minProperties": 2})
+    assert accepts(two, '{"a": 1, "b": [true]}') and not accepts(two, '{"a": 1}')
+    nested = json_schema_grammar({"type": "array", "items": {"type": "object", "minProperties": 1}})
+    assert accepts(nested, '[{"x": null}]') and not accepts(nested, "[{}]")
+    closed = json_schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert accepts(closed, '{"a": 1}') and not accepts(closed, '{"b": 1}')  # declared keys only
+
+
 def test_pydantic_dates_and_times_parse_from_a_random_model(engine):
     """Sampled from a random-weight model: every datetime, date and time validates in pydantic."""
     import datetime
