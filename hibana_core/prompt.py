@@ -141,18 +141,19 @@ def encode(text: str, start: int, markup: Callable[[str], list[int]], plain: Cal
 
 
 def plain_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
-    """Tokenizes text as text: a copy of a fast tokenizer's backend without its special tokens, so
-    no control-token string becomes its id (`<tool_call>`-like vocabulary words still do, as in
-    `control_strings`). A copy: the tokenizer's own `split_special_tokens` flips a flag that
-    every thread's encode shares."""
+    """Tokenizes text as text: a copy of a fast tokenizer's backend that encodes its special
+    tokens' strings as ordinary text (`encode_special_tokens`), so no control-token string
+    becomes its id (`<tool_call>`-like vocabulary words still do, as in `control_strings`). A
+    copy: the flag is the backend's, which every thread's encode shares. (Dropping the special
+    tokens from a copy instead renumbered the added tokens after them: Qwen's `<think>` became
+    `<|im_start|>`.)"""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:  # a slow tokenizer: its own switch
         return lambda text: list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
     from tokenizers import Tokenizer
 
-    data = json.loads(backend.to_str())
-    data["added_tokens"] = [t for t in data.get("added_tokens", []) if not t.get("special")]
-    backend = Tokenizer.from_str(json.dumps(data))
+    backend = Tokenizer.from_str(backend.to_str())
+    backend.encode_special_tokens = True
 
     def plain(text: str) -> list[int]:
         return backend.encode(text, add_special_tokens=False).ids
