@@ -91,6 +91,7 @@ class Chat:
         self._plain: dict[str, Callable[[str], list[int]]] = {}   # built on first hostile content, shared by `on`
         self._roles: dict[str, bool] = {}     # roles outside KNOWN_ROLES: whether the template renders them
         self._tools_rendered: bool | None = None  # whether the template renders tools (probed on first use)
+        self._opening: str | None = None  # what the template writes before a reply (`_reply_opening`)
         self.handle: StateHandle | None = engine.open_state(state_id) if state_id is not None else None
         template = self.template or getattr(engine.tokenizer, "chat_template", None) or ""
         self.thinks = turn.THINK_CLOSE in str(template)
@@ -153,8 +154,8 @@ class Chat:
         held_text = self.engine.tokenizer.decode(held[:needed], skip_special_tokens=False)
         if prompt.startswith(held_text):
             return True
-        return reasoning_history == "generated" and self.thinks and _without_thinking(prompt)[0].startswith(
-            _without_thinking(held_text)[0])
+        return reasoning_history == "generated" and self.thinks and self._without_thinking(prompt)[0].startswith(
+            self._without_thinking(held_text)[0])
 
     # --- rendering ----------------------------------------------------------------------------
 
@@ -245,6 +246,28 @@ class Chat:
                                                                    {"role": role, "content": "hibana-role-probe"}])
         return self._roles[role]
 
+    def _without_thinking(self, text: str) -> tuple[str, list[int]]:
+        """`text` without the think blocks that open an assistant's reply (what a template that
+        drops old thinking leaves out; a think block a user or a tool wrote stays: an edit in it
+        is an edit of the conversation), and for each character left its index in `text`."""
+        return _without_thinking(text, self._reply_opening())
+
+    def _reply_opening(self) -> str:
+        """What the template writes before an assistant's reply (Qwen's "<|im_start|>assistant\n"):
+        the generation prompt, up to a think block it may open; "" where the template does not
+        say (then no thinking is left out)."""
+        if self._opening is None:
+            kwargs = {"chat_template": self.template} if self.template else {}
+            hello = [{"role": "user", "content": "hibana-opening-probe"}]
+            try:
+                bare, asked = (self.engine.tokenizer.apply_chat_template(hello, tokenize=False, add_generation_prompt=g,
+                                                                         **kwargs) for g in (False, True))
+            except Exception:  # noqa: BLE001 - a template that refuses the probe says nothing
+                bare, asked = "", ""
+            opening = asked[len(bare):] if asked.startswith(bare) else ""
+            self._opening = opening.split(turn.THINK_OPEN)[0]
+        return self._opening
+
     def _writes(self, marker: str, messages: list[dict], **options: Any) -> bool:
         """Whether the chat template, rendering `messages` (and `options`), writes `marker`."""
         kwargs = {"chat_template": self.template} if self.template else {}
@@ -275,7 +298,7 @@ class Chat:
         held = self.handle.tokens if self.handle is not None else []
         ends = [i + 1 for i, token in enumerate(held) if token in self.stop_token_ids]
         generated = reasoning_history == "generated" and self.thinks and not prompt.spans_of(text)
-        stripped, positions = _without_thinking(text) if generated else (text, [])
+        stripped, positions = self._without_thinking(text) if generated else (text, [])
         for end in reversed(ends):  # usually the last one matches: the previous reply, unchanged
             held_text = self.engine.tokenizer.decode(held[:end], skip_special_tokens=False)
             if text.startswith(held_text) and self._controls_are_markup(held[:end], prompt.spans_of(text)):
@@ -283,7 +306,7 @@ class Chat:
                 if end == ends[-1]:
                     kept, at = self._stopped_reply(held, end, text, at)
                 return held[:kept] + self._encode(text, at)
-            bare = _without_thinking(held_text)[0] if generated else ""
+            bare = self._without_thinking(held_text)[0] if generated else ""
             if bare and stripped.startswith(bare):  # the prompt left this reply's thinking out
                 return held[:end] + self._encode(text, positions[len(bare) - 1] + 1)
         return self._encode(text)
@@ -504,11 +527,13 @@ def _close_if_empty(handle: "StateHandle") -> None:
             handle.close()
 
 
-def _without_thinking(text: str) -> tuple[str, list[int]]:
-    """`text` without its think blocks (and the blank lines after them), and for each character
-    left its index in `text`."""
+def _without_thinking(text: str, opening: str) -> tuple[str, list[int]]:
+    """`text` without the think blocks (and the blank lines after them) right after an `opening`
+    (an assistant reply's), and for each character left its index in `text`."""
     kept, positions, pos = [], [], 0
     for block in _THINK_BLOCK.finditer(text):
+        if not opening or not text[:block.start()].rstrip().endswith(opening.rstrip()):
+            continue
         kept.append(text[pos:block.start()])
         positions.extend(range(pos, block.start()))
         pos = block.end()

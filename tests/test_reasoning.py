@@ -103,6 +103,27 @@ def test_reuse_across_user_turns_under_both_policies(engine):
     assert reused["template"] < reused["generated"]
 
 
+def test_generated_history_leaves_out_the_replies_thinking_only(engine):
+    """"generated" keeps the state where the prompt differs from it only by the replies' think
+    blocks; a think block a user wrote is the conversation's text: edited, it is recomputed
+    (a new user's trial saw the state keep the old question and the model answer it)."""
+    n = force(engine, "edited", OUTPUT)
+    chat = Chat(engine, "edited")
+    first = [{"role": "user", "content": "Translate this: <think>attack at dawn</think>"}]
+    result = chat.respond(first, params=SamplingParams(max_tokens=n), reasoning_history="generated")
+    reply = {"role": "assistant", "content": result.text, "reasoning_content": result.reasoning}
+    edited = [{"role": "user", "content": "Translate this: <think>retreat at noon</think>"}, reply,
+              {"role": "user", "content": "Again, please."}]
+    assert not chat.continues(chat.handle.tokens, chat.render_text(edited), "generated")
+    again = chat.respond(edited, params=SamplingParams(max_tokens=1), reasoning_history="generated")
+    held = engine.tokenizer.decode(chat.handle.tokens)
+    assert "retreat at noon" in held and "attack at dawn" not in held and again.usage.cached_tokens < 20
+    unedited = [{"role": "user", "content": "Translate this: <think>retreat at noon</think>"}, reply,
+                {"role": "user", "content": "Again, please."}, {"role": "assistant", "content": "x"},
+                {"role": "user", "content": "Once more."}]
+    assert chat.continues(chat.handle.tokens, chat.render_text(unedited), "generated")
+
+
 def test_tool_calls_parse_after_thinking(engine, monkeypatch):
     from hibana_core.state import StateHandle
     from scripted import ScriptedEvents
