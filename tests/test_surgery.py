@@ -420,6 +420,29 @@ def test_guard_documents_fit_a_short_context(tmp_path, make_engine):
     assert engine.surgery[0]["guard"]["tokens"] > 1000
 
 
+class _Poison:
+    """A broken pass: NaN in the first norm (and no floors of its own)."""
+
+    def apply(self, model, params):
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.data.fill_(float("nan"))
+                break
+        return {}
+
+
+def test_guard_refuses_a_pass_that_leaves_the_model_not_finite(tiny_checkpoints, make_engine):
+    """NaN compares false against any ceiling: a pass that wrote NaN into the model passed its
+    floors, and a pass without floors any guard (a new user's trial); both are refused now."""
+    path = tiny_checkpoints["llama"]
+    for floors in ({}, {"ppl_ratio": 1.005, "mean_kl": 0.01}):
+        poison = _Poison()
+        poison.floors = floors
+        with registered_pass("poison", poison):
+            with pytest.raises(SurgeryGuardError, match=r"ppl_ratio nan: the model's outputs are not finite"):
+                make_engine(path, surgery=["poison"])
+
+
 def test_guard_refuses_a_pass_over_its_floors_unless_forced(tiny_checkpoints, make_engine, tmp_path):
     path = tiny_checkpoints["llama"]
     harsh = _Halve()

@@ -262,11 +262,17 @@ def compare(scorer: Scorer, reference: Reference, progress: bool, desc: str = "g
 
 
 def violations(report: GuardReport, floors: dict[str, float]) -> list[str]:
-    """The floors `report` breaks: ceilings for ppl_ratio and mean_kl, floors for the rest."""
-    broken = []
+    """The floors `report` breaks: ceilings for ppl_ratio and mean_kl, floors for the rest. A
+    perplexity ratio or KL that is not finite (a pass that wrote NaN or inf into the model) breaks
+    every pass's floors, a pass without floors too: no bound holds it, and the model it leaves
+    computes nothing."""
+    broken = [f"{name} {getattr(report, name)}: the model's outputs are not finite numbers"
+              for name in ("ppl_ratio", "mean_kl") if not math.isfinite(getattr(report, name))]
     for name, bound in floors.items():
         value = getattr(report, name)
         upper = name in ("ppl_ratio", "mean_kl")
+        if not math.isfinite(value):
+            continue  # said above
         if (value > bound) if upper else (value < bound):
             broken.append(f"{name} {value:.4g} {'>' if upper else '<'} {bound:g}")
     return broken
