@@ -443,6 +443,18 @@ def test_guard_refuses_a_pass_that_leaves_the_model_not_finite(tiny_checkpoints,
                 make_engine(path, surgery=["poison"])
 
 
+def test_a_pass_that_raises_is_a_config_error_naming_it(tiny_checkpoints, make_engine):
+    """A plugin pass's own bug (a module path it expected) is a ConfigError that names the pass,
+    not its bare KeyError (a new user's trial)."""
+    class Lost:
+        def apply(self, model, params):
+            return {"found": dict(model.named_modules())["model.layers.0.mlp.nowhere"]}
+
+    with registered_pass("lost", Lost()):
+        with pytest.raises(ConfigError, match=r"surgery pass 'lost' .*failed in apply: KeyError"):
+            make_engine(tiny_checkpoints["llama"], surgery=["lost"], surgery_guard=False)
+
+
 def test_guard_refuses_a_pass_over_its_floors_unless_forced(tiny_checkpoints, make_engine, tmp_path):
     path = tiny_checkpoints["llama"]
     harsh = _Halve()

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
-from hibana_core.errors import ConfigError
+from hibana_core.errors import ConfigError, HibanaError
 from hibana_plugins.manager import accepts, describe_registered
 
 if TYPE_CHECKING:  # torch stays unimported until a model is built (adapters import this module)
@@ -157,9 +157,8 @@ def _apply(model: "torch.nn.Module", requests: Sequence[PassRequest], passes: di
         params = dict(request.params)
         runs.append((request, params, params.pop("force", False)))
     for request, params, _ in runs:  # whether each applies to the model as loaded, before the guard's reference
-        refuse = getattr(passes[request.name], "refuse", None)
-        if callable(refuse):
-            refuse(model, dict(params))
+        if callable(getattr(passes[request.name], "refuse", None)):
+            _run(request.name, passes[request.name], "refuse", model, dict(params))
     if guard is not None:
         guard.measure_reference()
     for request, params, force in runs:
@@ -170,7 +169,7 @@ def _apply(model: "torch.nn.Module", requests: Sequence[PassRequest], passes: di
                 raise ConfigError(f"surgery pass {request.name!r} runs the model on calibration text; "
                                   "apply it through the engine (Engine.from_pretrained(..., surgery=[...]))")
             extra = (calibration,)
-        changed = surgery_pass.apply(model, params, *extra)
+        changed = _run(request.name, surgery_pass, "apply", model, params, *extra)
         if not isinstance(changed, Mapping):
             raise ConfigError(f"surgery pass {request.name!r} ({describe_registered(surgery_pass)}) returned "
                               f"{changed!r} from apply; apply(model, params) must return a dict, a JSON-able "
@@ -180,6 +179,18 @@ def _apply(model: "torch.nn.Module", requests: Sequence[PassRequest], passes: di
             record["guard"] = guard.check(request.name, surgery_pass, force)
         records.append(record)
     return records
+
+
+def _run(name: str, surgery_pass: Any, method: str, *args: Any) -> Any:
+    """`surgery_pass.method(*args)`; what else than a HibanaError it raises (a plugin's bug, a
+    layout it did not expect) becomes a ConfigError that names the pass and its plugin."""
+    try:
+        return getattr(surgery_pass, method)(*args)
+    except HibanaError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"surgery pass {name!r} ({describe_registered(surgery_pass)}) failed in {method}: "
+                          f"{exc!r}; leave it out of surgery, or report it to its author") from exc
 
 
 def fingerprint(base: str, dtype: "torch.dtype", kv_dtype: "torch.dtype", records: Sequence[dict]) -> str:
