@@ -8,6 +8,7 @@ progress=False) and a line per stage under the `hibana.load` logger.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -24,10 +25,12 @@ def bar(iterable: Iterable | None = None, **tqdm_args: Any) -> Any:
     while another runs is drawn on the line below it; where stderr is a log or a pipe, tqdm's
     nesting writes cursor-movement codes into the file, so there every bar takes the first line
     (the one running draws over the one waiting) and is redrawn every LOG_REFRESH_SECONDS, not
-    ten times a second. A notebook's bars are widgets: left to tqdm."""
+    ten times a second. A notebook's bars are widgets: left to tqdm. TQDM_DISABLE=1 hides them all."""
     from tqdm.auto import tqdm
     from tqdm.notebook import tqdm as notebook_tqdm
 
+    if os.environ.get("TQDM_DISABLE", "").strip().lower() in ("1", "true", "yes", "on"):
+        tqdm_args["disable"] = True  # tqdm reads TQDM_* only for arguments not given; Hibana gives `disable`
     if not issubclass(tqdm, notebook_tqdm) and not _is_terminal(tqdm_args.get("file") or sys.stderr):
         tqdm_args.setdefault("position", 0)
         tqdm_args.setdefault("mininterval", LOG_REFRESH_SECONDS)

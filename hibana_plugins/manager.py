@@ -267,9 +267,9 @@ class HibanaPluginManager:
         except Exception as exc:  # pluggy.PluginValidationError: a hook with wrong arguments
             self._report(name, "register", exc, package=source.package)
             return
-        self._sources[name] = source
         unknown = sorted(c.name for c in self.pm.get_hookcallers(plugin) or () if c.spec is None)
-        if unknown:
+        if unknown:  # written for another Hibana: its other hooks may count on those; skipped whole
+            self.pm.unregister(plugin)
             self._report(
                 name,
                 "register",
@@ -277,6 +277,8 @@ class HibanaPluginManager:
                 f" the hooks are {', '.join(HOOKS.values())}",
                 package=source.package,
             )
+            return
+        self._sources[name] = source
 
     def _report(
         self,

@@ -236,9 +236,11 @@ def test_registering_a_name_twice_in_one_plugin_is_a_reported_plugin_bug():
 
 def test_misspelt_hook_and_wrong_hook_arguments_are_reported():
     manager = HibanaPluginManager(entry_point_group=None)
-    misspelt = types.SimpleNamespace(register_tool_parser=hookimpl(lambda register: None))
-    with pytest.warns(PluginWarning, match="unknown hook.*register_tool_parser"):
+    misspelt = types.SimpleNamespace(register_tool_parser=hookimpl(lambda register: None),
+                                     register_drafters=hookimpl(lambda register: register("half", object())))
+    with pytest.warns(PluginWarning, match="unknown hook.*register_tool_parser.*It is skipped"):
         manager.register(misspelt, name="misspelt")
+    assert "half" not in manager.drafters()  # skipped as the warning says, its known hooks too
     wrong_args = types.SimpleNamespace(register_drafters=hookimpl(lambda add: None))
     with pytest.warns(PluginWarning, match="'wrong-args' failed to register"):
         manager.register(wrong_args, name="wrong-args")

@@ -69,6 +69,15 @@ def test_progress_false_writes_nothing(tiny_checkpoints, capsys):
     assert captured.out == "" and captured.err == ""
 
 
+def test_tqdm_disable_hides_every_bar(tiny_checkpoints, capsys, monkeypatch):
+    """TQDM_DISABLE=1, tqdm's own switch, hides Hibana's bars too, though they pass `disable`
+    (tqdm reads its environment only for the arguments not given)."""
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    with open_engine(tiny_checkpoints[ARCH], progress=True) as engine:
+        engine.open_state("a").generate(SamplingParams(max_tokens=2), prompt=[5, 6, 7])
+    assert capsys.readouterr().err == ""
+
+
 def test_logs_are_silent_unless_configured(tiny_checkpoints):
     """A fresh interpreter that configures no logging: nothing on stdout or stderr, though every
     logger fires (load, lease, request, eviction)."""
