@@ -97,6 +97,21 @@ def read_model_type(path: Path) -> str:
                               "re-export the checkpoint with save_pretrained") from exc
 
 
+def read_config(path: Path, model_type: str) -> Any:
+    """The checkpoint's transformers config: its own class where transformers knows the
+    model_type, else (a plugin's family for a model transformers does not know) a plain
+    PretrainedConfig holding config.json's fields as attributes, for the family's build to read."""
+    from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        if model_type not in CONFIG_MAPPING:  # (from_pretrained would warn that the types differ)
+            return PretrainedConfig.from_dict(PretrainedConfig.get_config_dict(path)[0])
+        return AutoConfig.from_pretrained(path)
+    except Exception as exc:  # transformers raises many types for a bad config
+        raise CheckpointError(f"cannot read {path / 'config.json'}: {exc}") from exc
+
+
 LOAD_STAGES = ("resolve", "config", "weights", "tokenizer")
 """The stages of `load_model`, as `LoadProgress` names them."""
 
@@ -110,12 +125,7 @@ def load_model(model: str, device: torch.device, dtype: str, ctx: ForwardContext
     with stages.stage("config"):
         model_type = read_model_type(path)
         family = _family(model_type)
-        from transformers import AutoConfig
-
-        try:
-            hf_config = AutoConfig.from_pretrained(path)
-        except Exception as exc:  # transformers raises many types for a bad config
-            raise CheckpointError(f"cannot read {path / 'config.json'}: {exc}") from exc
+        hf_config = read_config(path, model_type)
         torch_dtype = resolve_dtype(dtype, device, hf_config)
         module, args = _build(family, hf_config, device, torch_dtype, ctx)
     with stages.stage("weights"):

@@ -229,6 +229,50 @@ def test_longrope_on_a_family_whose_generate_keeps_its_cache(tmp_path_factory, m
             assert_greedy_matches(checkpoint, history, generated)
 
 
+def test_a_plugin_family_loads_a_model_type_transformers_does_not_know(tiny_checkpoints, make_engine, tmp_path):
+    """A family registered through register_model_families for a model_type of its own: the
+    config reaches its build as a plain PretrainedConfig of config.json's fields (AutoConfig
+    refused the type, and the load failed before the family was asked: a new user's trial)."""
+    import json
+    import shutil
+
+    from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM
+    from hibana_plugins.hookspecs import hookimpl
+    from hibana_plugins.manager import get_plugin_manager, reset_plugin_manager
+
+    built = []
+
+    class Family:
+        @staticmethod
+        def build(hf_config, ctx):  # Qwen3's architecture under another name
+            built.append(hf_config.model_type)
+            args = DecoderArgs.from_config(hf_config, qkv_bias=False, o_bias=False, qk_norm=True)
+            return DecoderForCausalLM(args, ctx), args
+
+    class Plugin:
+        @hookimpl
+        def register_model_families(self, register):
+            register("plugqwen", Family())
+
+    source = tiny_checkpoints["qwen3"]
+    path = tmp_path / "plugqwen"
+    shutil.copytree(source, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "plugqwen"}))
+    reset_plugin_manager()
+    get_plugin_manager().register(Plugin(), name="hibana-test-family")
+    try:
+        engine = make_engine(path, speculation="off")
+        prompt = list(range(3, 40))
+        got = engine.open_state("a").generate(SamplingParams(max_tokens=12, ignore_eos=True), prompt=prompt)
+    finally:
+        reset_plugin_manager()
+    assert built == ["plugqwen"]
+    want = make_engine(source, speculation="off").open_state("a").generate(
+        SamplingParams(max_tokens=12, ignore_eos=True), prompt=prompt)
+    assert list(got.token_ids) == list(want.token_ids)
+
+
 def test_a_long_rotated_state_persists_and_parks_as_it_is(longrope_checkpoint, tmp_path, make_engine):
     """A state under the long rotation, saved and loaded in another engine and parked in the host
     tier and brought back: its next turn computes only its new tokens and is transformers'."""
