@@ -171,6 +171,10 @@ def _download(ref: RepoRef, cache: Path, progress: bool) -> Path:
                               + "; or retry once online") from None
     except (OSError, ValueError) as exc:  # HTTP errors are OSErrors; a full disk, a bad token ...
         raise CheckpointError(f"downloading {ref} from the Hugging Face Hub failed: {exc}") from exc
+    missing = missing_files(path)
+    if missing:  # huggingface_hub answers from a partial cached snapshot when the Hub is unreachable
+        raise CheckpointError(_not_cached(ref, cache, path, missing, "and the Hub did not supply them (it may "
+                                          "be unreachable)") + "; or retry once online")
     logger.info("%s: downloaded to %s", ref, path)
     return path
 

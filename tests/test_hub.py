@@ -298,6 +298,19 @@ def test_a_partly_cached_repo_is_completed_online(checkpoints, online, monkeypat
     assert (path / "model.safetensors").is_file() and len(fake.calls) == 3
 
 
+def test_a_partial_cache_the_unreachable_hub_cannot_complete_says_what_it_lacks(checkpoints, online,
+                                                                               monkeypatch):
+    """Online but the Hub unreachable, huggingface_hub answers from the cached snapshot without an
+    error: what it lacks is named, with what to run (it was a loader's error about .bin files)."""
+    import huggingface_hub
+
+    snapshot = put_snapshot(online, "acme/tiny", checkpoints["v1"], commit_hash("one"), only=("config.json",))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: str(snapshot))
+    with pytest.raises(CheckpointError, match=r"incomplete: it lacks \*\.safetensors weights, and the Hub did "
+                                              r"not supply them .*hf download acme/tiny.*retry once online"):
+        resolve_checkpoint("acme/tiny")
+
+
 def _http_error(cls, message):
     from types import SimpleNamespace
 
