@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequen
 
 from hibana_core import prompt, turn
 from hibana_core.config import SamplingParams
-from hibana_core.errors import ConfigError, ContextLengthError, HibanaError, InvalidTokenError, StateBusyError
+from hibana_core.errors import (ConfigError, ContextLengthError, HibanaError, InvalidTokenError, StateBusyError,
+                                StateClosedError)
 from hibana_core.messages import (KNOWN_ROLES, ConversationError, ToolChoiceError,  # noqa: F401 (re-exported)
                                   ToolSchemaError, UnsupportedContentError, check_text, check_tool_results,
                                   clean_schema, clean_tool, normalize_messages, normalize_tool_choice,
@@ -125,8 +126,11 @@ class Chat:
             handle = self._lease(stack, state_id, busy_ok=fallback) if state_id is not None else None
             if handle is None:
                 match = self.engine.match_state(ids)
-                if (match is not None and self.engine.registry.is_unnamed(match)
-                        and self.continues(match.tokens, prompt, reasoning_history)):
+                try:
+                    held = match.tokens if match is not None and self.engine.registry.is_unnamed(match) else None
+                except StateClosedError:  # closed meanwhile (unnamed states over their bound close)
+                    held = None
+                if held is not None and self.continues(held, prompt, reasoning_history):
                     handle = self._lease(stack, match.id, busy_ok=True)  # None if taken meanwhile
             if handle is None:  # a new state: a call that fails leaves none behind
                 handle = stack.enter_context(self.engine.lease())

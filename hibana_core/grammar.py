@@ -531,7 +531,7 @@ def unenforced_regex(pattern: str, what: str = "regex") -> list[tuple[str, str]]
             if escaped in ("A", "Z", "z"):
                 found[f"an anchor \\{escaped} in {what}"] = "leave it out: the whole output matches the pattern"
             elif escaped.isascii() and escaped.isalnum() and escaped not in _REGEX_ESCAPES:
-                found[f"an escape \\{escaped} in {what}"] = f"xgrammar reads it otherwise than Python's re"
+                found[f"an escape \\{escaped} in {what}"] = "xgrammar reads it otherwise than Python's re"
         elif in_class:
             in_class = c != "]"
         elif c == "[":

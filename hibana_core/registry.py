@@ -371,14 +371,12 @@ class StateRegistry:
     # --- what a handle asks for -----------------------------------------------------------------
 
     def tokens(self, handle: StateHandle) -> list[int]:
-        """The state's history ([] once closed)."""
+        """The state's history (StateClosedError once closed: a closed state holds nothing to read)."""
         with self.lock:
-            entry = self._live(handle)
-            return list(entry.seq.tokens) if entry is not None else []
+            return list(self._entry(handle).seq.tokens)
 
     def length(self, handle: StateHandle) -> int:
-        entry = self._live(handle)
-        return len(entry.seq) if entry is not None else 0
+        return len(self._entry(handle).seq)
 
     def sync(self, handle: StateHandle, token_ids: Sequence[int], append: bool = False) -> SyncStats:
         tokens = self._validate(token_ids)  # outside the lock: a huge list stalls nobody else

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from hibana_core.config import SamplingParams
+from hibana_core.errors import HibanaError
 
 UNNAMED_PREFIX = "auto-"
 """Ids of the states `Engine.lease` makes for calls that name none start with this. The engine
@@ -114,14 +115,20 @@ class StateHandle:
 
     @property
     def tokens(self) -> list[int]:
-        """A copy of the token ids the state holds."""
+        """A copy of the token ids the state holds (StateClosedError once the handle or its
+        engine is closed)."""
         return self._registry.tokens(self)
 
     def __len__(self) -> int:
         return self._registry.length(self)
 
     def __repr__(self) -> str:
-        return f"StateHandle(id={self._id!r}, tokens={len(self)}, closed={self.closed})"
+        if self.closed:
+            return f"StateHandle(id={self._id!r}, closed=True)"
+        try:
+            return f"StateHandle(id={self._id!r}, tokens={len(self)}, closed=False)"
+        except HibanaError:  # its engine closed
+            return f"StateHandle(id={self._id!r}, closed=True)"
 
     def sync(self, token_ids: Sequence[int]) -> SyncStats:
         """Hold exactly token_ids: keep the longest common prefix (own or shared blocks), drop the

@@ -233,6 +233,8 @@ def test_closed_handle(served, bystander, tmp_path):
         "truncate": lambda: h.truncate(1),
         "fork": lambda: h.fork("from-closed"),
         "save": lambda: h.save(tmp_path / "closed.state"),
+        "tokens": lambda: h.tokens,  # a closed state holds nothing to read ([] and 0 before: an empty state's)
+        "len": lambda: len(h),
     }
     for name, op in ops.items():
         with pytest.raises(StateClosedError):

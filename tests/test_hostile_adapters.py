@@ -505,8 +505,10 @@ def test_forced_calls_on_odd_schemas_fall_back_to_free_arguments():
 
     for parameters in ({"type": "object", "properties": {"a": {"type": "frobnicate"}}},
                        {"$ref": "#/$defs/missing"},
-                       {"type": "object", "minProperties": 3}):
+                       {"type": "object", "minProperties": 3, "additionalProperties": False}):
         assert arguments_schema({"name": "f", "parameters": parameters}) == ANY_OBJECT
+    opened = {"type": "object", "minProperties": 3}  # JSON Schema's objects are open: it compiles
+    assert arguments_schema({"name": "f", "parameters": opened}) == opened
     good = {"type": "object", "properties": {"a": {"type": "array", "items": {"enum": [1, 2]}}}, "required": ["a"]}
     assert arguments_schema({"name": "f", "parameters": good}) == good
     assert arguments_schema({"name": "f"}) == {"type": "object", "properties": {}}
