@@ -215,8 +215,11 @@ class Engine:
         self.hf_config, self.dtype = loaded.hf_config, loaded.dtype
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.vocab_size = loaded.args.vocab_size
-        self.max_model_len = min(config.max_model_len or loaded.args.max_position_embeddings,
-                                 loaded.args.max_position_embeddings)
+        limit = loaded.args.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ConfigError(f"max_model_len={config.max_model_len} is more than this model's context of {limit} "
+                              "positions (max_position_embeddings); give at most that, or leave it out")
+        self.max_model_len = config.max_model_len or limit
         kv_dtype = kv_cache_dtype(loaded.model, loaded.dtype)  # after kv8: fp8
         if config.cache.kv_dtype != "auto" and not config.cache.fp8 and _DTYPES[config.cache.kv_dtype] != kv_dtype:
             raise ConfigError(f"kv_dtype={config.cache.kv_dtype!r} differs from the KV dtype of this model "

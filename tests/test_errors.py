@@ -220,6 +220,16 @@ def test_context_longer_than_the_model(served, bystander):
     h.close()
 
 
+def test_a_max_model_len_past_the_models_context_is_refused(tiny_checkpoints, make_engine):
+    """More positions than the model has is a ConfigError, not a quiet cap that a later
+    ContextLengthError reveals (a new user's trial)."""
+    path = tiny_checkpoints["llama"]
+    limit = make_engine(path).max_model_len
+    with pytest.raises(ConfigError, match=rf"max_model_len={limit + 1} is more than this model's context of {limit}"):
+        make_engine(path, max_model_len=limit + 1)
+    assert make_engine(path, max_model_len=limit).max_model_len == limit
+
+
 def test_closed_handle(served, bystander, tmp_path):
     engine, _ = served
     h = engine.open_state("to-close")
