@@ -82,6 +82,8 @@ class Chat:
             chat_format = ends = None  # a tokenizer that does not speak the family's format: its template's is used
         self.template: str | None = getattr(chat_format, "template", None)
         self._prepare = getattr(chat_format, "prepare_messages", list)  # a format's fixes to what its template refuses
+        self._efforts: tuple[str, ...] | None = getattr(chat_format, "reasoning_efforts", None)  # levels it reads
+        self._always_thinks = bool(getattr(chat_format, "always_thinks", False))  # no switch for thinking
         self.parser_name = tool_parser or getattr(chat_format, "tool_parser", None) or DEFAULT_TOOL_PARSER
         self.parser = get_plugin_manager().lookup("tool_parser", self.parser_name)
         self.stop_token_ids = tuple(vocab[t] for t in (END_OF_TURN_TOKENS if ends is None else ends)
@@ -179,10 +181,16 @@ class Chat:
         if effort is not None:
             if not isinstance(effort, str):
                 raise ConfigError(f"effort must be a reasoning_effort level (a string) or None, got {effort!r:.80}")
+            if self._efforts is not None and effort not in self._efforts:  # the template would write it as it is
+                raise ConfigError(f"reasoning_effort {effort!r:.40} is no level of this model's; its levels are "
+                                  f"{', '.join(self._efforts)}")
             kwargs["reasoning_effort"] = effort
         if reasoning is not None:
             if not isinstance(reasoning, bool):
                 raise ConfigError(f"reasoning must be True, False or None, got {reasoning!r:.80}")
+            if not reasoning and self._always_thinks:  # the template would think at its default level
+                raise ConfigError("this model always reasons; its thinking cannot be switched off"
+                                  + (f" (its least reasoning_effort is {self._efforts[0]!r})" if self._efforts else ""))
             kwargs["enable_thinking"] = reasoning
 
         messages, tools = self._prepare(normalize_messages(messages)), normalize_tools(tools)

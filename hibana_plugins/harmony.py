@@ -327,12 +327,14 @@ INSTRUCTION_ROLES = ("system", "developer")
 
 
 class HarmonyChatFormat:
-    """gpt_oss: the checkpoint's own template (`template` None), the harmony parser, and turns
-    that end at <|return|> or <|call|>."""
+    """gpt_oss: the checkpoint's own template (`template` None), the harmony parser, turns that
+    end at <|return|> or <|call|>, reasoning always on at one of three levels."""
 
     template = None
     tool_parser = HarmonyToolParser.name
     end_of_turn_tokens = END_OF_TURN_TOKENS
+    reasoning_efforts = ("low", "medium", "high")  # what gpt-oss was trained on (its template writes any string)
+    always_thinks = True  # the analysis channel is the format: no switch turns it off
 
     @staticmethod
     def prepare_messages(messages: list[dict]) -> list[dict]:

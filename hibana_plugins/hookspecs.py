@@ -93,9 +93,11 @@ def register_chat_formats(register) -> None:
     explicitly). `chat_format` provides `template: str`, a Jinja chat template used instead of
     the checkpoint's own (same variables as transformers' `apply_chat_template`: messages, tools,
     add_generation_prompt), and may provide `tool_parser: str`, the registered name of the tool
-    parser that reads its output, `end_of_turn_tokens`, the tokens that end an assistant turn, and
+    parser that reads its output, `end_of_turn_tokens`, the tokens that end an assistant turn,
     `prepare_messages(messages) -> messages`, applied to the normalised OpenAI-style messages
-    before the template renders them (to leave out what the template would refuse).
+    before the template renders them (to leave out what the template would refuse),
+    `reasoning_efforts`, the reasoning_effort levels its template reads (another is refused),
+    and `always_thinks`, true where thinking cannot be switched off (reasoning=False is refused).
     `hibana_core.chat.Chat` reads these attributes alone.
     """
 

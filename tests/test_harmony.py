@@ -658,7 +658,7 @@ EFFORT_TEMPLATE = ("<|start|>system<|message|>Reasoning: {{ reasoning_effort | d
                    "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}")
 
 
-@pytest.mark.parametrize("effort, written", [("high", "high"), ("low", "low"), (None, "medium"), ("none", "medium")])
+@pytest.mark.parametrize("effort, written", [("high", "high"), ("low", "low"), (None, "medium")])
 def test_a_requests_reasoning_effort_reaches_the_harmony_template(harmony_engine, monkeypatch, effort, written):
     """An OpenAI request's reasoning_effort is the level gpt-oss's template writes (it once became
     enable_thinking alone, which that template ignores: every request read "Reasoning: medium")."""
@@ -670,6 +670,26 @@ def test_a_requests_reasoning_effort_reaches_the_harmony_template(harmony_engine
     call = chat_call(ChatRequest(model="gpt-oss", messages=messages, reasoning_effort=effort), None, 1024)
     text = Chat(harmony_engine).render_text(messages, reasoning=call.reasoning, effort=call.effort)
     assert text.startswith(f"<|start|>system<|message|>Reasoning: {written}<|end|>")
+
+
+@pytest.mark.parametrize("request_, refused", [
+    (dict(reasoning_effort="none"), "always reasons; its thinking cannot be switched off .*'low'"),
+    (dict(chat_template_kwargs={"enable_thinking": False}), "always reasons"),
+    (dict(reasoning_effort="minimal"), "'minimal' is no level of this model's; its levels are low, medium, high"),
+])
+def test_a_reasoning_effort_gpt_oss_cannot_take_is_refused(harmony_engine, monkeypatch, request_, refused):
+    """gpt-oss always reasons, at low, medium or high: "none" and enable_thinking=false rendered
+    "Reasoning: medium" without a word, and "minimal" was written as a level it was never trained
+    on (a new user's trial); each is a ConfigError (a 400 from the server)."""
+    from hibana_core.chat import Chat
+    from hibana_core.errors import ConfigError
+    from hibana_plugins.openai_api import ChatRequest, chat_call
+
+    monkeypatch.setattr(harmony_engine.tokenizer, "chat_template", EFFORT_TEMPLATE)
+    messages = [{"role": "user", "content": "hi"}]
+    call = chat_call(ChatRequest(model="gpt-oss", messages=messages, **request_), None, 1024)
+    with pytest.raises(ConfigError, match=refused):
+        Chat(harmony_engine).render_text(messages, reasoning=call.reasoning, effort=call.effort)
 
 
 # --- harmony without tools: the channels are still the format ---------------------------------------
