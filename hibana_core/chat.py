@@ -37,7 +37,7 @@ from hibana_core.messages import (KNOWN_ROLES, ConversationError, ToolChoiceErro
                                   clean_schema, clean_tool, normalize_messages, normalize_tool_choice,
                                   normalize_tools)
 from hibana_core.turn import MALFORMED, ChatDelta, ChatResult, Usage  # noqa: F401 (re-exported)
-from hibana_plugins.manager import get_plugin_manager
+from hibana_plugins.manager import describe_registered, get_plugin_manager
 
 if TYPE_CHECKING:
     from hibana_core.engine import Engine
@@ -85,7 +85,7 @@ class Chat:
         self._efforts: tuple[str, ...] | None = getattr(chat_format, "reasoning_efforts", None)  # levels it reads
         self._always_thinks = bool(getattr(chat_format, "always_thinks", False))  # no switch for thinking
         self.parser_name = tool_parser or getattr(chat_format, "tool_parser", None) or DEFAULT_TOOL_PARSER
-        self.parser = get_plugin_manager().lookup("tool_parser", self.parser_name)
+        self.parser = _checked_parser(self.parser_name, get_plugin_manager().lookup("tool_parser", self.parser_name))
         self.stop_token_ids = tuple(vocab[t] for t in (END_OF_TURN_TOKENS if ends is None else ends)
                                     if t in vocab)  # a format's own (harmony: <|end|> ends a message, not the turn)
         self._end_texts = tuple(engine.tokenizer.decode([t], skip_special_tokens=False) for t in self.stop_token_ids)
@@ -522,14 +522,60 @@ class Chat:
                                "format": {"type": "json_schema", "json_schema": params.json_schema}}
                 params = dataclasses.replace(params, json_schema=None,
                                              grammar=turn.after_thinking(answer_only, "required", open_in_prompt))
-        if parse_tools:
-            stream = self.parser.stream()
-        elif channels:
-            stream = self.parser.stream(calls=False)
+        if parse_tools or channels:
+            stream = _CheckedStream.open(self.parser_name, self.parser, {} if parse_tools else {"calls": False})
         else:
             stream = turn.PlainText()
         return turn.TurnRun(self.prompt_ids(messages, tools, reasoning_history), prefill, params, stream,
                             self._encode, timeout, max_calls=None if parallel_tool_calls else 1, thinking=thinking)
+
+
+def _checked_parser(name: str, parser: Any) -> Any:
+    """The registered tool parser `name`, a ConfigError where it cannot be one: a class registered
+    in place of its instance, an object without parse and stream."""
+    if isinstance(parser, type) or not all(callable(getattr(parser, m, None)) for m in ("parse", "stream")):
+        raise ConfigError(f"tool parser {name!r} is registered as {describe_registered(parser)}, which is no tool "
+                          "parser object with parse(text) and stream() methods (an instance, not its class); "
+                          "fix its plugin, or name another tool_parser")
+    return parser
+
+
+class _CheckedStream:
+    """A tool parser's stream whose failures, a plugin's bug or a result of the wrong type, are
+    HibanaErrors naming the parser (the engine goes on; the turn fails, its state put back)."""
+
+    def __init__(self, name: str, parser: Any, stream: Any) -> None:
+        self._name, self._parser, self._stream = name, parser, stream
+
+    @classmethod
+    def open(cls, name: str, parser: Any, options: dict) -> "_CheckedStream":
+        return cls(name, parser, cls._guard(name, parser, "stream", lambda: parser.stream(**options), object))
+
+    @staticmethod
+    def _guard(name: str, parser: Any, method: str, call: Callable[[], Any], kind: type) -> Any:
+        try:
+            out = call()
+        except HibanaError:
+            raise
+        except Exception as exc:
+            raise HibanaError(f"tool parser {name!r} ({describe_registered(parser)}) failed in {method}: {exc!r}; "
+                              "fix its plugin, or name another tool_parser") from exc
+        if not isinstance(out, kind):
+            raise HibanaError(f"tool parser {name!r} ({describe_registered(parser)}) returned {type(out).__name__} "
+                              f"from {method}, not a {kind.__name__}; fix its plugin, or name another tool_parser")
+        return out
+
+    def feed(self, text: str) -> list:
+        return self._guard(self._name, self._parser, "feed", lambda: self._stream.feed(text), list)
+
+    def close(self) -> list:
+        return self._guard(self._name, self._parser, "close", self._stream.close, list)
+
+    def finish(self) -> Any:
+        return self._guard(self._name, self._parser, "finish", self._stream.finish, object)
+
+    def __getattr__(self, attribute: str) -> Any:  # what else the turn reads of it (its reasoning)
+        return getattr(self._stream, attribute)
 
 
 def _close_if_empty(handle: "StateHandle") -> None:

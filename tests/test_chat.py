@@ -640,3 +640,50 @@ def test_a_tool_without_a_description_renders(engine):
                      + GEMMA_LIKE)
     bare = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
     assert "lookup: \n" in chat.render_text([{"role": "user", "content": "hi"}], [bare])
+
+
+def test_a_plugin_tool_parser_that_is_none_or_breaks_is_a_hibana_error(engine):
+    """A parser registered as its class or as an object without parse/stream is a ConfigError
+    when named; one that raises, or returns another type, fails its turn with a HibanaError that
+    names it, the state put back and the engine serving the next call (they were bare TypeErrors,
+    AttributeErrors and the plugin's own exceptions: a new user's trial)."""
+    from hibana_core.errors import ConfigError
+    from hibana_plugins.hookspecs import ParsedOutput, hookimpl
+    from hibana_plugins.manager import reset_plugin_manager
+
+    class Raises:
+        def parse(self, text):
+            return ParsedOutput(text, [])
+
+        def stream(self):
+            return self
+
+        def feed(self, text):
+            raise ZeroDivisionError("a parser bug")
+
+    class Strings(Raises):
+        def feed(self, text):
+            return text  # a str where a list of pieces is due
+
+    class Plugin:
+        @hookimpl
+        def register_tool_parsers(self, register):
+            register("as_class", Raises)
+            register("nothing", object())
+            register("raises", Raises())
+            register("strings", Strings())
+
+    reset_plugin_manager()
+    get_plugin_manager().register(Plugin(), name="hibana-test-parsers")
+    try:
+        for name in ("as_class", "nothing"):
+            with pytest.raises(ConfigError, match=rf"tool parser '{name}' is registered as .*no tool parser object"):
+                Chat(engine, tool_parser=name)
+        for name, says in (("raises", "failed in feed: ZeroDivisionError"), ("strings", "returned GeneratedText from feed, not a list")):
+            chat = Chat(engine, f"parser-{name}", tool_parser=name)
+            with pytest.raises(HibanaError, match=rf"tool parser '{name}' .*{says}"):
+                chat.respond(HELLO, tools=[WEATHER], params=SamplingParams(max_tokens=8))
+            assert chat.handle.tokens == [], "the state is put back as it was"
+    finally:
+        reset_plugin_manager()
+    assert Chat(engine, "after-parsers").respond(HELLO, params=SamplingParams(max_tokens=4)).usage.completion_tokens
