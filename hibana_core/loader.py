@@ -66,6 +66,9 @@ def resolve_checkpoint(model: str, progress: bool = False) -> Path:
     path = DEMO_MODEL_DIR if model == "demo" else Path(model).expanduser()
     if path.is_dir():
         return path
+    if path.exists():
+        raise CheckpointError(f"{str(path)!r} is a file, not a checkpoint directory; pass the directory that "
+                              f"holds it{f' ({str(path.parent)!r})' if (path.parent / 'config.json').is_file() else ''}")
     repo = hub.parse_repo_id(model) if model != "demo" else None
     if repo is not None:
         return hub.snapshot(repo, progress)

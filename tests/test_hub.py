@@ -194,6 +194,12 @@ def test_a_local_directory_wins_over_a_repo_id(checkpoints, hub_env, tmp_path, m
     assert resolve_checkpoint("acme/tiny") == Path("acme/tiny")
 
 
+def test_a_file_is_named_a_file_not_a_missing_directory(checkpoints, tmp_path):
+    with pytest.raises(CheckpointError, match=r"config\.json' is a file, not a checkpoint directory; pass the "
+                                              r"directory that holds it \('"):
+        resolve_checkpoint(str(checkpoints["v1"] / "config.json"))
+
+
 def test_adapters_load_models_by_name(checkpoints, hub_env):
     pytest.importorskip("langchain_core")
     pytest.importorskip("llama_index.core")
