@@ -131,7 +131,7 @@ def run_entry_point_command(name: str, argv: list[str]) -> int:
 def run_surgery(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from hibana_core import Engine, HibanaError, SurgeryGuardError
+    from hibana_core import ConfigError, Engine, HibanaError, SurgeryGuardError
     from hibana_core.loader import resolve_checkpoint
     from hibana_core.surgery import checkpoint
 
@@ -181,7 +181,7 @@ def run_surgery(args: argparse.Namespace) -> int:
         return 1
     except HibanaError as exc:
         print(f"hibana surgery: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, ConfigError) else 1  # an option's value (a pass, its parameters): a usage error
     return 0
 
 

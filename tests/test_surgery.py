@@ -654,7 +654,7 @@ def test_hibana_surgery_without_a_tokenizer_guards_on_random_tokens_and_names_it
     assert "guard: ok" in printed.out and "seeded random ids" in printed.err  # the guard's table
     text = tmp_path / "heldout.txt"
     text.write_text("some held-out text", encoding="utf-8")
-    assert main(["surgery", str(bare), "--passes", "w8", "--device", "cpu", "--guard-text", str(text)]) == 1
+    assert main(["surgery", str(bare), "--passes", "w8", "--device", "cpu", "--guard-text", str(text)]) == 2  # an option it cannot take: a usage error
     err = capsys.readouterr().err
     assert "needs the model's tokenizer" in err and "hibana surgery --no-guard" in err, err
 

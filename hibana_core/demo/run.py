@@ -202,6 +202,12 @@ def parse_speculation(value: str) -> str | dict:
     method, colon, k = value.partition(":")
     if colon and not k.isdigit():
         raise argparse.ArgumentTypeError(f"{value!r}: K must be a number of tokens, as in suffix:4")
+    from hibana_plugins.manager import get_plugin_manager
+
+    registered = sorted(get_plugin_manager().drafters())
+    if method not in registered:
+        raise argparse.ArgumentTypeError(f"{value!r}: no drafter {method!r} is registered; give adaptive, off or "
+                                          f"METHOD[:K] with METHOD one of {', '.join(registered)}")
     return {"method": method, "k": int(k)} if colon else {"method": method}
 
 
@@ -234,7 +240,7 @@ def main(argv=None, started: float | None = None) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from hibana_core import HibanaError
+    from hibana_core import ConfigError, HibanaError
 
     console = Console(width=None if sys.stdout.isatty() else 120)
     try:
@@ -242,7 +248,7 @@ def main(argv=None, started: float | None = None) -> int:
                                speculation=args.speculation)
     except HibanaError as exc:
         console.print(f"hibana demo: {exc}", markup=False)
-        return 1
+        return 2 if isinstance(exc, ConfigError) else 1  # an option's value: a usage error
     with engine:
         if console.is_terminal and not args.no_live:
             with Live(live_table([], args.tasks, 0.0), console=console, refresh_per_second=8) as live:
