@@ -194,6 +194,18 @@ def test_demo_refuses_a_speculation_length_that_is_no_count(value, capsys):
     assert "argument --speculation" in err and "K must be a number of tokens" in err, err
 
 
+def test_demo_refuses_a_drafter_nobody_registered_in_its_own_words(capsys):
+    """A usage error before anything loads, naming the drafters (it was the engine's ConfigError,
+    in the Python form, with status 1)."""
+    from hibana_core.demo.run import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--speculation", "bogus:4", "--no-live"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "no drafter 'bogus' is registered" in err and "suffix" in err and "speculation={" not in err, err
+
+
 def test_demo_reports_its_cold_start(capsys):
     from hibana_core.demo.run import main
 
