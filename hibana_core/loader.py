@@ -418,9 +418,15 @@ def load_tokenizer(path: Path) -> Any | None:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as exc:
         raise CheckpointError(f"cannot load the tokenizer in {path}: {exc}") from exc
+    # transformers warns once that a text longer than model_max_length "will result in indexing
+    # errors": the engine measures contexts itself (a ContextLengthError says so) and cuts nothing
+    warned = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(warned, dict):
+        warned["sequence-length-is-longer-than-the-specified-maximum"] = True
+    return tokenizer
 
 
 def _eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
