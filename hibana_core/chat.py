@@ -37,6 +37,7 @@ from hibana_core.messages import (KNOWN_ROLES, ConversationError, ToolChoiceErro
                                   clean_schema, clean_tool, normalize_messages, normalize_tool_choice,
                                   normalize_tools)
 from hibana_core.turn import MALFORMED, ChatDelta, ChatResult, Usage  # noqa: F401 (re-exported)
+from hibana_plugins.hookspecs import ParsedOutput
 from hibana_plugins.manager import describe_registered, get_plugin_manager
 
 if TYPE_CHECKING:
@@ -94,7 +95,8 @@ class Chat:
         self._plain: dict[str, Callable[[str], list[int]]] = {}   # built on first hostile content, shared by `on`
         self._roles: dict[str, bool] = {}     # roles outside KNOWN_ROLES: whether the template renders them
         self._tools_rendered: bool | None = None  # whether the template renders tools (probed on first use)
-        self._opening: str | None = None  # what the template writes before a reply (`_reply_opening`)
+        self._opening: list[str] = []  # what the template writes before a reply (`_reply_opening`), once
+        # found: a list that the copies `on` makes share
         self.handle: StateHandle | None = engine.open_state(state_id) if state_id is not None else None
         template = self.template or getattr(engine.tokenizer, "chat_template", None) or ""
         self.thinks = turn.THINK_CLOSE in str(template)
@@ -268,7 +270,7 @@ class Chat:
         """What the template writes before an assistant's reply (Qwen's "<|im_start|>assistant\n"):
         the generation prompt, up to a think block it may open; "" where the template does not
         say (then no thinking is left out)."""
-        if self._opening is None:
+        if not self._opening:
             kwargs = {"chat_template": self.template} if self.template else {}
             hello = [{"role": "user", "content": "hibana-opening-probe"}]
             try:
@@ -277,8 +279,8 @@ class Chat:
             except Exception:  # noqa: BLE001 - a template that refuses the probe says nothing
                 bare, asked = "", ""
             opening = asked[len(bare):] if asked.startswith(bare) else ""
-            self._opening = opening.split(turn.THINK_OPEN)[0]
-        return self._opening
+            self._opening[:] = [opening.split(turn.THINK_OPEN)[0]]
+        return self._opening[0]
 
     def _writes(self, marker: str, messages: list[dict], **options: Any) -> bool:
         """Whether the chat template, rendering `messages` (and `options`), writes `marker`."""
@@ -549,30 +551,51 @@ class _CheckedStream:
 
     @classmethod
     def open(cls, name: str, parser: Any, options: dict) -> "_CheckedStream":
-        return cls(name, parser, cls._guard(name, parser, "stream", lambda: parser.stream(**options), object))
-
-    @staticmethod
-    def _guard(name: str, parser: Any, method: str, call: Callable[[], Any], kind: type) -> Any:
         try:
-            out = call()
+            return cls(name, parser, parser.stream(**options))
         except HibanaError:
             raise
         except Exception as exc:
-            raise HibanaError(f"tool parser {name!r} ({describe_registered(parser)}) failed in {method}: {exc!r}; "
-                              "fix its plugin, or name another tool_parser") from exc
+            raise cls._failed(name, parser, "stream", exc) from exc
+
+    @staticmethod
+    def _failed(name: str, parser: Any, method: str, exc: Exception) -> HibanaError:
+        return HibanaError(f"tool parser {name!r} ({describe_registered(parser)}) failed in {method}: {exc!r}; "
+                           "fix its plugin, or name another tool_parser")
+
+    def _checked(self, method: str, out: Any, kind: type) -> Any:
         if not isinstance(out, kind):
-            raise HibanaError(f"tool parser {name!r} ({describe_registered(parser)}) returned {type(out).__name__} "
-                              f"from {method}, not a {kind.__name__}; fix its plugin, or name another tool_parser")
+            raise HibanaError(f"tool parser {self._name!r} ({describe_registered(self._parser)}) returned "
+                              f"{type(out).__name__} from {method}, not a {kind.__name__}; fix its plugin, or "
+                              "name another tool_parser")
         return out
 
     def feed(self, text: str) -> list:
-        return self._guard(self._name, self._parser, "feed", lambda: self._stream.feed(text), list)
+        try:
+            out = self._stream.feed(text)
+        except HibanaError:
+            raise
+        except Exception as exc:
+            raise self._failed(self._name, self._parser, "feed", exc) from exc
+        return out if type(out) is list else self._checked("feed", out, list)
 
     def close(self) -> list:
-        return self._guard(self._name, self._parser, "close", self._stream.close, list)
+        try:
+            out = self._stream.close()
+        except HibanaError:
+            raise
+        except Exception as exc:
+            raise self._failed(self._name, self._parser, "close", exc) from exc
+        return self._checked("close", out, list)
 
-    def finish(self) -> Any:
-        return self._guard(self._name, self._parser, "finish", self._stream.finish, object)
+    def finish(self) -> ParsedOutput:
+        try:
+            out = self._stream.finish()
+        except HibanaError:
+            raise
+        except Exception as exc:
+            raise self._failed(self._name, self._parser, "finish", exc) from exc
+        return self._checked("finish", out, ParsedOutput)
 
     def __getattr__(self, attribute: str) -> Any:  # what else the turn reads of it (its reasoning)
         return getattr(self._stream, attribute)

@@ -275,6 +275,10 @@ OPTION_ALIASES = {"kv_device_blocks": "num_blocks", "memory_budget_bytes": "memo
 """Other names engine options answer to: the memory manager's (issue 17) and earlier releases'."""
 
 
+def _alias_of(name: str) -> str | None:
+    return next((alias for alias, target in OPTION_ALIASES.items() if target == name), None)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything `Engine.from_pretrained` needs; overrides are keyword arguments of it."""
@@ -359,8 +363,12 @@ class EngineConfig:
             owner = [name for name, kind in nested.items()
                      if key in {f.name for f in dataclasses.fields(kind)}]
             if not owner:
-                known = sorted(cls.option_names() - OPTION_ALIASES.keys())
-                raise ConfigError(f"unknown engine option {key!r}; known options: {', '.join(known)}")
+                names = cls.option_names()
+                close = difflib.get_close_matches(key, names, n=1)
+                known = ", ".join(f"{name} (or {alias})" if (alias := _alias_of(name)) else name
+                                  for name in sorted(names - OPTION_ALIASES.keys()))
+                raise ConfigError(f"unknown engine option {key!r}"
+                                  f"{f' (did you mean {close[0]!r}?)' if close else ''}; known options: {known}")
             parts[owner[0]][key] = value
         for name, kind in nested.items():
             if parts[name]:

@@ -437,7 +437,7 @@ def _opened(schema: Any) -> Any:
     declared = len(declared) if isinstance(declared, dict) else 0
     wanted = schema.get("minProperties")
     if (isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > declared
-            and "additionalProperties" not in schema and "patternProperties" not in schema):
+            and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & schema.keys()):
         out["additionalProperties"] = True
     return out
 

@@ -172,6 +172,10 @@ def _download(ref: RepoRef, cache: Path, progress: bool) -> Path:
     except (OSError, ValueError) as exc:  # HTTP errors are OSErrors; a full disk, a bad token ...
         raise CheckpointError(f"downloading {ref} from the Hugging Face Hub failed: {exc}") from exc
     missing = missing_files(path)
+    if missing == ["*.safetensors weights"]:  # a repo of .bin weights alone, or the Hub unreachable
+        raise CheckpointError(f"{ref} ({path}) has no *.safetensors weights: either the repo ships none (Hibana "
+                              "reads safetensors only; convert .bin weights with transformers' save_pretrained) or "
+                              "the Hub could not be reached to fetch them (retry once online)")
     if missing:  # huggingface_hub answers from a partial cached snapshot when the Hub is unreachable
         raise CheckpointError(_not_cached(ref, cache, path, missing, "and the Hub did not supply them (it may "
                                           "be unreachable)") + "; or retry once online")

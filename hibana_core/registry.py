@@ -404,10 +404,6 @@ class StateRegistry:
         if params.stop and not self.limits.has_tokenizer:
             raise HibanaError("stop strings need a tokenizer, and this checkpoint has none; "
                               "use stop_token_ids instead")
-        if params.speculation is not None and self.core.speculation is not None:
-            with self.lock:  # between steps: a drafter named for the first time is built here, and
-                # building one may run the model (layer_skip ranks its layers) or take pool blocks
-                self.core.speculation.check(params.speculation)
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.limits.eos_token_ids)
         grammar = None
         if params.constrained:  # compiled here, outside the lock: a new grammar may take 100 ms
@@ -416,6 +412,10 @@ class StateRegistry:
             grammar = self.grammars.matcher(params, stops)
         tokens = self._validate(prompt) if prompt is not None else None
         with self.lock:
+            if params.speculation is not None and self.core.speculation is not None:
+                # between steps: a drafter named for the first time is built here, and building
+                # one may run the model (layer_skip ranks its layers) or take pool blocks
+                self.core.speculation.check(params.speculation)
             entry = self._editable(handle)
             seq = entry.seq
             length = len(tokens if tokens is not None else seq)

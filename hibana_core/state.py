@@ -115,8 +115,8 @@ class StateHandle:
 
     @property
     def tokens(self) -> list[int]:
-        """A copy of the token ids the state holds (StateClosedError once the handle or its
-        engine is closed)."""
+        """A copy of the token ids the state holds (StateClosedError once the handle is closed,
+        EngineClosedError once its engine is)."""
         return self._registry.tokens(self)
 
     def __len__(self) -> int:

@@ -185,9 +185,9 @@ def _openai_tool(i: int, tool: Any, strict: bool | None) -> dict:
     """`convert_to_openai_tool`, its refusals (of many types) as ToolSchemaError. An OpenAI tool
     dict is converted from its function, which the conversion would return as it is, `strict`
     left out."""
-    if strict is not None and isinstance(tool, dict) and tool.get("type") == "function" \
-            and isinstance(tool.get("function"), dict):
-        tool = tool["function"]
+    if (strict is not None and isinstance(tool, dict) and tool.get("type") == "function"
+            and isinstance(tool.get("function"), dict)):  # (OpenAI's parameters may be left out: none)
+        tool = {"parameters": {"type": "object", "properties": {}}, **tool["function"]}
     try:
         return convert_to_openai_tool(tool, strict=strict)
     except Exception as exc:  # noqa: BLE001 - ValueError, TypeError, KeyError, pydantic's, ...

@@ -298,6 +298,9 @@ def test_bind_tools_strict_holds_calls_to_the_strict_schema(llm):
                                                 "parameters": Shelf.model_json_schema()}}
     bound = ChatHibana(model="demo").bind_tools([as_dict], strict=True).kwargs["tools"][0]["function"]
     assert bound["strict"] is True and bound["parameters"]["additionalProperties"] is False
+    bare = {"type": "function", "function": {"name": "now", "description": "the time"}}  # OpenAI's: no parameters
+    bound = ChatHibana(model="demo").bind_tools([bare], strict=True).kwargs["tools"][0]["function"]
+    assert bound["strict"] is True and bound["parameters"]["properties"] == {}
 
 
 def test_bind_tools_strict_refuses_a_schema_the_grammar_cannot_hold(llm):

@@ -312,9 +312,16 @@ def test_a_partial_cache_the_unreachable_hub_cannot_complete_says_what_it_lacks(
 
     snapshot = put_snapshot(online, "acme/tiny", checkpoints["v1"], commit_hash("one"), only=("config.json",))
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: str(snapshot))
-    with pytest.raises(CheckpointError, match=r"incomplete: it lacks \*\.safetensors weights, and the Hub did "
-                                              r"not supply them .*hf download acme/tiny.*retry once online"):
+    with pytest.raises(CheckpointError, match=r"has no \*\.safetensors weights: either the repo ships none .*"
+                                              r"save_pretrained\) or the Hub could not be reached"):
         resolve_checkpoint("acme/tiny")
+    source = checkpoints["sharded"]
+    shards = sorted(p.name for p in source.glob("*.safetensors"))
+    snapshot = put_snapshot(online, "acme/sharded", source, commit_hash("two"),
+                            only=("config.json", "model.safetensors.index.json", shards[0]))
+    with pytest.raises(CheckpointError, match=rf"incomplete: it lacks {shards[1]}.*, and the Hub did not supply "
+                                              r"them .*hf download acme/sharded.*retry once online"):
+        resolve_checkpoint("acme/sharded")
 
 
 def _http_error(cls, message):

@@ -443,15 +443,17 @@ def test_guard_refuses_a_pass_that_leaves_the_model_not_finite(tiny_checkpoints,
                 make_engine(path, surgery=["poison"])
 
 
-def test_a_pass_that_raises_is_a_config_error_naming_it(tiny_checkpoints, make_engine):
-    """A plugin pass's own bug (a module path it expected) is a ConfigError that names the pass,
+def test_a_pass_that_raises_is_a_hibana_error_naming_it(tiny_checkpoints, make_engine):
+    """A plugin pass's own bug (a module path it expected) is a HibanaError that names the pass,
     not its bare KeyError (a new user's trial)."""
+    from hibana_core import HibanaError
+
     class Lost:
         def apply(self, model, params):
             return {"found": dict(model.named_modules())["model.layers.0.mlp.nowhere"]}
 
     with registered_pass("lost", Lost()):
-        with pytest.raises(ConfigError, match=r"surgery pass 'lost' .*failed in apply: KeyError"):
+        with pytest.raises(HibanaError, match=r"surgery pass 'lost' .*failed in apply: KeyError"):
             make_engine(tiny_checkpoints["llama"], surgery=["lost"], surgery_guard=False)
 
 
@@ -577,6 +579,7 @@ def test_a_checkpoint_written_from_a_float32_engine_keeps_the_sources_bfloat16(m
         dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
     assert dtypes["model.embed_tokens.weight"] == "BF16" and dtypes["model.norm.weight"] == "BF16"
     assert {dtypes[n] for n in dtypes if n.endswith("qweight")} == {"I8"}
+    assert {dtypes[n] for n in dtypes if n.endswith("scales")} == {"F32"}  # as the kernels read them
     direct = make_engine(DEMO_MODEL_DIR, surgery=["w8"], speculation="off", surgery_guard=False)
     saved = make_engine(out, speculation="off")
     prompt = random_tokens(random.Random(10), 40)

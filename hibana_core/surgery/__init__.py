@@ -182,14 +182,17 @@ def _apply(model: "torch.nn.Module", requests: Sequence[PassRequest], passes: di
 
 
 def _run(name: str, surgery_pass: Any, method: str, *args: Any) -> Any:
-    """`surgery_pass.method(*args)`; what else than a HibanaError it raises (a plugin's bug, a
-    layout it did not expect) becomes a ConfigError that names the pass and its plugin."""
+    """`surgery_pass.method(*args)`; what else than a HibanaError or running out of memory it
+    raises (a plugin's bug, a layout it did not expect) becomes a HibanaError that names the pass
+    and its plugin."""
+    import torch
+
     try:
         return getattr(surgery_pass, method)(*args)
-    except HibanaError:
+    except (HibanaError, MemoryError, torch.OutOfMemoryError):
         raise
     except Exception as exc:
-        raise ConfigError(f"surgery pass {name!r} ({describe_registered(surgery_pass)}) failed in {method}: "
+        raise HibanaError(f"surgery pass {name!r} ({describe_registered(surgery_pass)}) failed in {method}: "
                           f"{exc!r}; leave it out of surgery, or report it to its author") from exc
 
 

@@ -78,8 +78,12 @@ def save(engine: Any, source: Path, out: Path) -> Path:
             shutil.copy2(source / name, out / name)
     model = engine.model
     declared = checkpoint_dtype(engine.hf_config)
-    tensors = {name: narrowed(t.detach().contiguous().cpu(), declared) for name, t in
+    rewritten = tuple(f"{name}." for name in [*packed_layers(model), *packed_experts(model), *kv_scaled_layers(model)])
+    tensors = {name: t.detach().contiguous().cpu() for name, t in
                [*model.named_parameters(), *model.named_buffers()]}  # tied parameters once
+    for name, _ in model.named_parameters():  # the weights no pass rewrote, at their own size
+        if not name.startswith(rewritten):
+            tensors[name] = narrowed(tensors[name], declared)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     manifest = {"format": FORMAT, "source": str(source), "dtype": str(engine.dtype).removeprefix("torch."),
                 "passes": engine.surgery, "packed_layers": packed_layers(model),
@@ -102,9 +106,9 @@ def checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
 
 def narrowed(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """`tensor` in the checkpoint's own `dtype` where that is narrower and holds it exactly, else
-    as it is: a float32 engine (the CPU's default) upcast a bfloat16 checkpoint, and the tensors
-    no pass rewrote (embeddings, norms, layers left dense) go back at their own size, while a
-    pass's float32 results (scales, rewritten weights) keep every bit."""
+    as it is: a float32 engine (the CPU's default) upcast a bfloat16 checkpoint, and the weights
+    no pass rewrote (embeddings, norms, layers left dense) go back at their own size (`save`
+    leaves the rewritten layers' tensors, scales above all, in the dtypes their kernels read)."""
     if (dtype is None or not tensor.is_floating_point() or tensor.dtype == dtype
             or tensor.element_size() <= dtype.itemsize):
         return tensor

@@ -124,7 +124,7 @@ class LayerSkipDrafter(DraftModelDrafter):
             layers = choose_layers(layer_importance(engine, documents), keep)
         if not layers or sorted(set(layers)) != list(layers) or layers[0] < 0 or layers[-1] >= n:
             raise ConfigError(f"layer_skip: layers must be increasing indices below {n}, got {layers!r}")
-        if len(layers) == n:  # a 2-layer model: the first and the last are all there is
+        if len(layers) == n:  # a 2-layer model (the first and the last are kept), keep=1.0, every layer named
             warnings.warn(f"layer_skip keeps all {n} layers of this model, so each drafted token costs a whole "
                           "forward of the target; suffix or ngram drafting costs next to nothing", stacklevel=2)
         self.layers = list(layers)
