@@ -95,6 +95,9 @@ class BenchModel:
         from hibana_core import Engine
 
         source = self.hf_model if self.random is None else self.random
+        limit = getattr(getattr(source, "config", None), "max_position_embeddings", None)
+        if limit and (overrides.get("max_model_len") or 0) > limit:  # the workloads pad what they need;
+            overrides["max_model_len"] = limit  # past the model's context a workload's own check says so
         return Engine.from_hf_model(source, self.tokenizer, progress=False, **overrides)
 
     @contextmanager

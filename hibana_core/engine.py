@@ -41,7 +41,7 @@ from hibana_core.kv.layout import KVLayout
 from hibana_core.kv.sequence import LongRope
 from hibana_core import surgery
 from hibana_core.surgery.calibration import Calibration
-from hibana_core.loader import LOAD_STAGES, load_from_hf_model, load_model, model_bytes
+from hibana_core.loader import LOAD_STAGES, check_max_model_len, load_from_hf_model, load_model, model_bytes
 from hibana_core.models.decoder import longrope_switch
 from hibana_core.output import OutputProcessor
 from hibana_core.progress import LoadProgress
@@ -193,7 +193,8 @@ class Engine:
         passes = surgery.check_requests(config.surgery, get_plugin_manager().surgery_passes())  # before loading
         check_method(config.speculation, list(get_plugin_manager().drafters()))
         if hf_model is None:
-            loaded = load_model(config.model, self.device, config.dtype, self._ctx, config.progress, stages)
+            loaded = load_model(config.model, self.device, config.dtype, self._ctx, config.progress, stages,
+                                max_model_len=config.max_model_len)
         else:
             stages.begin("weights")
             loaded = load_from_hf_model(hf_model, self.device, config.dtype, self._ctx, tokenizer)
@@ -215,11 +216,8 @@ class Engine:
         self.hf_config, self.dtype = loaded.hf_config, loaded.dtype
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.vocab_size = loaded.args.vocab_size
-        limit = loaded.args.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise ConfigError(f"max_model_len={config.max_model_len} is more than this model's context of {limit} "
-                              "positions (max_position_embeddings); give at most that, or leave it out")
-        self.max_model_len = config.max_model_len or limit
+        check_max_model_len(config.max_model_len, loaded.args)  # (load_model checked before the weights)
+        self.max_model_len = config.max_model_len or loaded.args.max_position_embeddings
         kv_dtype = kv_cache_dtype(loaded.model, loaded.dtype)  # after kv8: fp8
         if config.cache.kv_dtype != "auto" and not config.cache.fp8 and _DTYPES[config.cache.kv_dtype] != kv_dtype:
             raise ConfigError(f"kv_dtype={config.cache.kv_dtype!r} differs from the KV dtype of this model "

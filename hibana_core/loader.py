@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from hibana_core import hub
-from hibana_core.errors import CheckpointError, UnsupportedModelError
+from hibana_core.errors import CheckpointError, ConfigError, UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.models.moe import PACKED_PARTS, STACKS
 from hibana_core.progress import LoadProgress, bar as progress_bar
@@ -119,9 +119,19 @@ LOAD_STAGES = ("resolve", "config", "weights", "tokenizer")
 """The stages of `load_model`, as `LoadProgress` names them."""
 
 
+def check_max_model_len(asked: int | None, args: Any) -> None:
+    """A ConfigError where `asked` is more positions than the model has."""
+    limit = args.max_position_embeddings
+    if asked is not None and asked > limit:
+        raise ConfigError(f"max_model_len={asked} is more than this model's context of {limit} positions "
+                          "(max_position_embeddings); give at most that, or leave it out")
+
+
 def load_model(model: str, device: torch.device, dtype: str, ctx: ForwardContext,
-               progress: bool = True, stages: LoadProgress | None = None) -> LoadedModel:
-    """`stages`: times (and shows) the LOAD_STAGES; without it, they run untimed."""
+               progress: bool = True, stages: LoadProgress | None = None,
+               max_model_len: int | None = None) -> LoadedModel:
+    """`stages`: times (and shows) the LOAD_STAGES; without it, they run untimed. `max_model_len`
+    is checked against the model's context before its weights load."""
     stages = stages or LoadProgress(model, LOAD_STAGES, enabled=False)
     with stages.stage("resolve"):
         path = resolve_checkpoint(model, progress)
@@ -131,6 +141,7 @@ def load_model(model: str, device: torch.device, dtype: str, ctx: ForwardContext
         hf_config = read_config(path, model_type)
         torch_dtype = resolve_dtype(dtype, device, hf_config)
         module, args = _build(family, hf_config, device, torch_dtype, ctx)
+        check_max_model_len(max_model_len, args)
     with stages.stage("weights"):
         quantization = getattr(hf_config, "quantization_config", None)
         if quantization is not None and not isinstance(quantization, dict):

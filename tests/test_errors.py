@@ -220,13 +220,18 @@ def test_context_longer_than_the_model(served, bystander):
     h.close()
 
 
-def test_a_max_model_len_past_the_models_context_is_refused(tiny_checkpoints, make_engine):
-    """More positions than the model has is a ConfigError, not a quiet cap that a later
-    ContextLengthError reveals (a new user's trial)."""
+def test_a_max_model_len_past_the_models_context_is_refused(tiny_checkpoints, make_engine, monkeypatch):
+    """More positions than the model has is a ConfigError, before the weights load, not a quiet
+    cap that a later ContextLengthError reveals (a new user's trial)."""
+    from hibana_core import loader
+
     path = tiny_checkpoints["llama"]
     limit = make_engine(path).max_model_len
-    with pytest.raises(ConfigError, match=rf"max_model_len={limit + 1} is more than this model's context of {limit}"):
-        make_engine(path, max_model_len=limit + 1)
+    with monkeypatch.context() as m:
+        m.setattr(loader, "_load_weights", lambda *a, **k: pytest.fail("the weights loaded first"))
+        with pytest.raises(ConfigError, match=rf"max_model_len={limit + 1} is more than this model's context of "
+                                              rf"{limit}"):
+            make_engine(path, max_model_len=limit + 1)
     assert make_engine(path, max_model_len=limit).max_model_len == limit
 
 
