@@ -243,11 +243,13 @@ def without_finite_value(schema: Any) -> str | None:
 
     root_ok, grew = ok(schema), True
     while not root_ok and grew:
+        met = len(found)  # a pass meets targets too (b, met while a was weighed): they are weighed next
         grew = False
         for ref in list(found):
             if ref not in finite and ok(_pointed(schema, ref)):
                 finite.add(ref)
                 grew = True
+        grew = grew or len(found) > met
         root_ok = ok(schema)
     return None if root_ok else next((ref for ref in found if ref not in finite), "#")
 

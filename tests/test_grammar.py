@@ -708,8 +708,14 @@ def test_a_schema_without_a_finite_value_is_refused(schema, where):
         json_schema_grammar(SamplingParams(json_schema=schema).json_schema)
 
 
+_MUTUAL = {"$defs": {"a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
+                    "b": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}}}, "$ref": "#/$defs/a"}
+"""a needs a b, whose a is optional: {"b": {}} is finite (refused once: b, met while a was
+weighed, was never weighed itself; a new user's trial)."""
+
+
 @pytest.mark.parametrize("schema", [_Tree, {"type": "object", "properties": {"a": {"$ref": "#"}}},
-                                    {"type": "array", "items": {"$ref": "#"}}])
+                                    {"type": "array", "items": {"$ref": "#"}}, _MUTUAL])
 def test_a_recursive_schema_with_a_way_out_compiles(schema):
     from hibana_core.grammar import json_schema_grammar
 
