@@ -628,8 +628,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     host, port = sock.getsockname()[:2]  # uvicorn names no address for sockets it is given
     log.info("serving %s on http://%s:%d/v1 (Ctrl+C to stop)", config.model_name, f"[{host}]" if ":" in host
              else host, port)
-    with engine, sock, stop_signals_unwind():
+    with stop_signals_unwind() as stopping, engine, sock:  # the handlers outlast the engine's close
         server.run(sockets=[sock])
+        stopping.append("closing")  # a stop signal from here on waits for the named states
     return 0 if server.started else 1
 
 
@@ -652,17 +653,26 @@ class Stopped(Exception):
 
 
 @contextlib.contextmanager
-def stop_signals_unwind() -> Iterator[None]:
+def stop_signals_unwind() -> Iterator[list]:
     """After its graceful shutdown uvicorn raises the stop signal again, for the handler it found:
     Python's default for SIGTERM ends the process at once, before the engine closes and writes
-    the named states to --state-dir. With this handler the signal unwinds the stack instead (the
-    engine closes) and the process ends normally."""
+    the named states to --state-dir. With this handler the first signal unwinds the stack instead
+    (the engine closes) and the process ends normally; a later one, or one after the caller has
+    put something in the list this yields (its server stopped), is logged and waits: a second
+    Ctrl+C or a supervisor's repeated SIGTERM once killed the process among the states' writes."""
+    stopping: list = []
+
     def stop(signum: int, frame: object) -> None:
-        raise Stopped(signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if stopping:
+            log.warning("%s while stopping: the engine is closing and writing the named states; wait", name)
+            return
+        stopping.append(name)
+        raise Stopped(name)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield stopping
     except Stopped as exc:
         log.info("stopped on %s", exc)
     finally:

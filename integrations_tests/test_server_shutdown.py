@@ -112,3 +112,22 @@ def test_past_the_shutdown_timeout_a_request_in_flight_is_cancelled_cleanly():
             engine.open_state(info.id).close()
         assert engine.stats().kv_blocks_used == 0
         assert engine.chat("after").respond([{"role": "user", "content": "hi"}]).usage.completion_tokens > 0
+
+
+def test_a_second_stop_signal_waits_for_the_named_states():
+    """The first SIGTERM unwinds (the engine closes, writing the named states); one more while that
+    runs is logged and waits, where it once ended the process among the states' writes (a
+    supervisor's repeated SIGTERM, a second Ctrl+C: a new user's trial)."""
+    from hibana_plugins.server import stop_signals_unwind
+
+    closed = []
+    with stop_signals_unwind():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # the first: unwinds from here
+            time.sleep(5)
+            pytest.fail("the first signal did not unwind")
+        finally:  # as the engine's close, writing the states
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)
+            closed.append("written")
+    assert closed == ["written"]
