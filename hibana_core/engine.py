@@ -128,20 +128,57 @@ def _moe_shape(hf_config) -> dict[str, int]:
     return {"moe_top_k": top_k, "moe_intermediate_size": width}
 
 
-def _spill_folder(state_dir) -> Path:
+SPILL_LOCK = "owner.lock"
+"""In a spill folder: the file its engine holds an exclusive flock on while it lives."""
+
+
+def _spill_folder(state_dir) -> tuple[Path, Any]:
     """This engine's own folder for spilled KV under `state_dir` (engines may share a state_dir),
-    named by its process so that the folders of processes that died without closing their
-    engine are removed here; a ConfigError where it cannot be made."""
+    and the lock it holds on it while it lives (`_owned`); the folders of engines that died
+    without closing are removed here. A ConfigError where it cannot be made."""
     try:
         Path(state_dir).mkdir(parents=True, exist_ok=True)
         for stale in Path(state_dir).glob("spill-*-*"):
-            pid = stale.name.split("-")[1]
-            if pid.isdigit() and not _alive(int(pid)):
+            if _abandoned(stale):
                 shutil.rmtree(stale, ignore_errors=True)
-        return Path(tempfile.mkdtemp(prefix=f"spill-{os.getpid()}-", dir=state_dir))
+        folder = Path(tempfile.mkdtemp(prefix=f"spill-{os.getpid()}-", dir=state_dir))
+        return folder, _owned(folder)
     except (OSError, UnicodeError) as exc:
         raise ConfigError(f"state_dir {str(state_dir)!r} cannot be written ({exc}); give a folder this "
                           "process may write") from None
+
+
+def _owned(folder: Path) -> Any:
+    """An open file in `folder` whose exclusive flock this engine holds until it closes it (None
+    where the platform has no flock): other engines see the folder as live, whatever their PID
+    namespace (a container's) says of its pid."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    handle = open(folder / SPILL_LOCK, "w")  # noqa: SIM115 - held open for the engine's life
+    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return handle
+
+
+def _abandoned(folder: Path) -> bool:
+    """Whether no live engine owns a spill folder: its lock can be taken (its engine's process
+    died, in any PID namespace of this host; a pid alone named a live process in another
+    container, or this one after a restart that reused it), or, without a lock (an earlier
+    Hibana's folder, a platform without flock), no process has its pid."""
+    try:
+        import fcntl
+    except ImportError:
+        fcntl = None
+    if fcntl is not None and (folder / SPILL_LOCK).is_file():
+        try:
+            with open(folder / SPILL_LOCK, "a") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError:  # held: its engine lives
+            return False
+    pid = folder.name.split("-")[1]
+    return pid.isdigit() and not _alive(int(pid))
 
 
 def _alive(pid: int) -> bool:
@@ -250,7 +287,8 @@ class Engine:
         if host_bytes is None:  # on unified memory a budget is one pool: parking would only copy
             one_pool = self.memory_budget is not None and self.device_memory.unified
             host_bytes = 0 if one_pool else default_host_budget()
-        spill_dir = _spill_folder(config.cache.state_dir) if config.cache.state_dir is not None else None
+        spill_dir, self._spill_lock = (_spill_folder(config.cache.state_dir) if config.cache.state_dir is not None
+                                       else (None, None))
         side = self.device.type == "cuda" and not self.device_memory.unified  # host memory behind a bus
         self.host_tier = (HostTier(self.kv_cache, self.pool, host_bytes, CopyStream(self.device, side), spill_dir)
                           if host_bytes or spill_dir else None)
@@ -513,6 +551,8 @@ class Engine:
                 self.grammars.close()  # its worker thread
                 if self.host_tier is not None:
                     self.host_tier.close()
+                if self._spill_lock is not None:  # its folder is gone: the lock with it
+                    self._spill_lock.close()
                 # drop the big tensors now (weights, KV cache, CUDA graphs), not when the last handle
                 # is collected: an engine opened next sizes its KV pool from the memory free then
                 _release_tensors(self.model)

@@ -141,6 +141,35 @@ def test_a_dead_process_spill_folder_is_removed_at_start(tiny_checkpoints, make_
     other.close()
 
 
+def test_a_spill_folder_lives_by_its_lock_not_its_pid(tiny_checkpoints, make_engine, tmp_path):
+    """A pid means nothing in another container sharing the volume, and after a restart that
+    reused it: a folder whose owner lock is held stays whatever its pid, and one whose lock is
+    free goes, though its pid is this very process's (a new user's trial: a live engine's folder
+    deleted by another container's, a crashed one's kept forever)."""
+    import fcntl
+    import os
+
+    from hibana_core.engine import SPILL_LOCK
+
+    live = tmp_path / "spill-999999999-other"  # no such pid here: another container's engine
+    live.mkdir()
+    held = open(live / SPILL_LOCK, "w")
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    crashed = tmp_path / f"spill-{os.getpid()}-crashed"  # this pid, reused after a crash
+    crashed.mkdir()
+    (crashed / SPILL_LOCK).write_text("")
+    (crashed / "00000000.kv").write_bytes(b"left by a crash")
+    try:
+        engine = make_engine(tiny_checkpoints["llama"], num_blocks=DEVICE_BLOCKS, state_dir=tmp_path, host_kv_bytes=0)
+        assert live.exists() and not crashed.exists()
+        folder = tmp_path / engine.memory()["disk"]["folder"]
+        assert (folder / SPILL_LOCK).is_file()
+        engine.close()
+        assert not folder.exists()
+    finally:
+        held.close()
+
+
 def test_the_resume_benchmark_parks_and_resumes_through_each_tier(tmp_path):
     """bench/resume_cost.py (run_h200.sh resume) on the demo model: each tier takes the state and
     gives it back, the resumed turn computing only its new token and the last generated one."""
