@@ -25,7 +25,7 @@ import torch
 from typing_extensions import NotRequired, TypedDict
 
 from hibana_core import GrammarError, HibanaError, SamplingParams
-from hibana_core.grammar import MAX_NUMBER_DIGITS, unenforced_keywords
+from hibana_core.grammar import MAX_NUMBER_DIGITS, allowed_tokens, unenforced_keywords
 from hibana_core.sampler import Sampler, SamplingRow, TokenMasks
 from hibana_core.turn import SYNTAX, tool_call_grammar
 from hibana_plugins.tool_parsers import HermesToolParser, Llama3JsonToolParser
@@ -501,6 +501,40 @@ def test_a_long_forced_string_is_spelled_from_its_beginning_only(engine, monkeyp
                   json_schema={"const": const})
     assert spelled and max(spelled) <= SPELLED_CHARS
     assert len(c.token_ids) == 12 and (json.dumps(const)).startswith(c.text)
+
+
+def test_a_forced_string_is_searched_for_once_and_followed_token_by_token(engine):
+    """xgrammar's forced-string search reads all of what is forced, each call (a const of 1M
+    characters cost every step 58 ms): it runs once, and each kept token takes its bytes off what
+    it found; the tokens are the forced text's, and a draft rolled back leaves it as it was."""
+    from hibana_core.grammar import Matcher
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner, self.searches = inner, 0
+
+        def find_jump_forward_string(self):
+            self.searches += 1
+            return self.inner.find_jump_forward_string()
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    const = "ab" * 5000
+    matcher = engine.grammars.matcher(SamplingParams(json_schema={"const": const}), [EOS_ID])
+    assert isinstance(matcher, Matcher)
+    counting = matcher._matcher = Counting(matcher._matcher)
+    tokens = []
+    for _ in range(40):
+        bitmask = torch.full((3, engine.grammars.width), -1, dtype=torch.int32)
+        matcher.fill(bitmask, 0)  # a row, as a step fills it
+        [token] = allowed_tokens(bitmask[0], 2)  # the forced text's next token alone
+        if tokens:  # a draft accepted and rolled back changes nothing
+            assert matcher.valid_prefix([token]) == 1
+        assert matcher.accept(token)
+        tokens.append(token)
+    assert counting.searches == 1
+    assert json.dumps(const).startswith(engine.tokenizer.decode(tokens))
 
 
 # --- failures stay with their request -----------------------------------------------------------------
