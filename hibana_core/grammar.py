@@ -743,6 +743,7 @@ class Grammars:
         self._batch: Any = None
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[tuple, _Compiled] = collections.OrderedDict()
+        self._compiling: dict[tuple, concurrent.futures.Future] = {}  # compiles under way: one per grammar
         self._spellings: dict[str, tuple[int, ...]] = {}
         self._suspects: torch.Tensor | None = None  # see `suspects`
         self._suspect_words: tuple[np.ndarray, np.ndarray] | None = None  # see `_suspects_allowed`
@@ -834,11 +835,27 @@ class Grammars:
             if compiled is not None:
                 self._cache.move_to_end(key)
                 return compiled
-        compiled = self._compile(key[0], params)  # outside the lock: it may take 100 ms
+            running = self._compiling.get(key)
+            if running is None:  # this call compiles; the same grammar asked meanwhile waits for it
+                running = self._compiling[key] = concurrent.futures.Future()
+                mine = True
+            else:
+                mine = False
+        if not mine:
+            return running.result()  # its GrammarError too
+        try:
+            compiled = self._compile(key[0], params)  # outside the lock: it may take seconds
+        except BaseException as exc:
+            with self._lock:
+                del self._compiling[key]
+            running.set_exception(exc)
+            raise
         with self._lock:
+            del self._compiling[key]
             self._cache[key] = compiled
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
+        running.set_result(compiled)
         return compiled
 
     def _compile(self, kind: str, params: SamplingParams) -> _Compiled:
