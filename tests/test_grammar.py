@@ -562,6 +562,24 @@ def test_one_grammar_asked_by_many_at_once_compiles_once(engine, monkeypatch):
     assert len(compiles) == 2 and all(isinstance(f, GrammarError) for f in failures)
 
 
+async def test_agenerate_compiles_a_new_grammar_off_the_event_loop(engine, monkeypatch):
+    """A big grammar compiles for seconds: agenerate does it in a worker thread, not on the loop."""
+    grammars, threads = engine.grammars, []
+    compile_ = grammars._compile
+
+    def noting(kind, params):
+        threads.append(threading.get_ident())
+        return compile_(kind, params)
+
+    monkeypatch.setattr(grammars, "_compile", noting)
+    h = engine.open_state("async-new-grammar")
+    try:
+        out = await h.agenerate(SamplingParams(max_tokens=8, regex=r"[a-z]{3}x"), prompt=random_tokens(random.Random(3), 6))
+    finally:
+        h.close()
+    assert out.text[-1] == "x" and threads and threading.get_ident() not in threads
+
+
 def _error_of(call):
     try:
         call()
