@@ -176,7 +176,7 @@ class StateHandle:
         return self._registry.generate(self, params or SamplingParams(), prompt, loop or asyncio.get_running_loop())
 
     def truncate(self, n: int) -> None:
-        """Keep the first n tokens."""
+        """Keep the first n tokens (every one where the state holds n or fewer, as a slice does)."""
         self._registry.truncate(self, n)
 
     def fork(self, new_id: str) -> "StateHandle":
