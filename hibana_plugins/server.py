@@ -107,8 +107,8 @@ class Metrics:
         self.states = Gauge("hibana_states", "states the engine holds", registry=r)
         self.kv_bytes = Gauge("hibana_kv_bytes", "KV bytes per memory tier (device: blocks in use; host, "
                               "disk: idle states' KV parked there)", ["tier"], registry=r)
-        self.moves = Gauge("hibana_kv_moves", "idle states' KV parked in the host tier and copied back "
-                           "(since start)", ["kind"], registry=r)
+        self.moves = Gauge("hibana_kv_moves", "idle states' KV parked in the host tier and copied back, "
+                           "spilled to disk and read back (since start)", ["kind"], registry=r)
         self.queue = Gauge("hibana_requests_queued", "requests waiting in the engine's queue for admission",
                            registry=r)
         self.running = Gauge("hibana_requests_running", "requests the engine has admitted (prefilling or "
@@ -133,6 +133,9 @@ class Metrics:
         self.kv_bytes.labels("disk").set(memory["disk"]["kv_parked"])
         self.moves.labels("parks").set(stats.parks)
         self.moves.labels("resumes").set(stats.resumes)
+        tier = stats.host_tier or {}
+        self.moves.labels("spills").set(tier.get("spills", 0))
+        self.moves.labels("disk_resumes").set(tier.get("disk_resumes", 0))
         self.queue.set(stats.requests_waiting)
         self.running.set(stats.requests_running)
         self.steps.stats = stats

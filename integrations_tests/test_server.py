@@ -714,7 +714,8 @@ def test_metrics_count_requests_and_reused_tokens(client, base_url):
     assert values['hibana_kv_blocks{kind="total"}'] > 0
     assert values['hibana_kv_bytes{tier="device"}'] > 0 and values['hibana_kv_bytes{tier="host"}'] >= 0
     assert values['hibana_kv_bytes{tier="disk"}'] >= 0
-    assert 'hibana_kv_moves{kind="parks"}' in values
+    assert {'hibana_kv_moves{kind="parks"}', 'hibana_kv_moves{kind="spills"}',
+            'hibana_kv_moves{kind="disk_resumes"}'} <= set(values)
     assert values["hibana_requests_queued"] == 0 and values["hibana_requests_running"] >= 0
     steps = values["hibana_step_seconds_count"]
     assert steps >= 1 and values['hibana_step_seconds_bucket{le="+Inf"}'] == steps
