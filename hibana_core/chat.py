@@ -500,12 +500,13 @@ class Chat:
         thinking = turn.Thinking(open_in_prompt) if self.thinks else None
         answer = params.json_schema if parse_tools and tools else None  # the text answer's schema, beside calls
         if parse_tools and (answer is not None or not params.constrained):
-            if answer is None:
-                grammar = turn.parser_grammar(self.parser, self.parser_name, tools, tool_choice,
-                                              parallel=parallel_tool_calls, strict=guided)
-            else:
-                grammar = turn.answer_or_calls(self.parser, self.parser_name, tools, tool_choice, answer,
-                                               parallel=parallel_tool_calls, strict=guided)
+            with _blamed_on(self.parser_name, self.parser, "building its call grammar"):
+                if answer is None:
+                    grammar = turn.parser_grammar(self.parser, self.parser_name, tools, tool_choice,
+                                                  parallel=parallel_tool_calls, strict=guided)
+                else:
+                    grammar = turn.answer_or_calls(self.parser, self.parser_name, tools, tool_choice, answer,
+                                                   parallel=parallel_tool_calls, strict=guided)
             if grammar is not None and thinking is not None and grammar.get("type") == "structural_tag":
                 # an answer in JSON follows the blank line after the think block, as a forced call does
                 grammar = turn.after_thinking(grammar, "required" if answer is not None else tool_choice,
@@ -513,12 +514,14 @@ class Chat:
             if grammar is not None:
                 params = dataclasses.replace(params, json_schema=None, grammar=grammar)
         elif tool_choice == "none" and listed and not params.constrained:  # the model sees tools it may not call
-            params = dataclasses.replace(params, grammar=turn.no_call_grammar(self.parser, self.parser_name))
+            with _blamed_on(self.parser_name, self.parser, "building its no-call grammar"):
+                params = dataclasses.replace(params, grammar=turn.no_call_grammar(self.parser, self.parser_name))
         channels = getattr(self.parser, "splits_channels", False)  # harmony: its channels are the format, calls or not
         if params.json_schema is not None and answer is None:  # the answer's schema, held after the reasoning
             if channels:
-                params = dataclasses.replace(params, json_schema=None,
-                                             grammar=self.parser.answer_grammar(params.json_schema))
+                with _blamed_on(self.parser_name, self.parser, "in answer_grammar"):
+                    params = dataclasses.replace(params, json_schema=None,
+                                                 grammar=self.parser.answer_grammar(params.json_schema))
             elif thinking is not None:
                 answer_only = {"type": "structural_tag",
                                "format": {"type": "json_schema", "json_schema": params.json_schema}}
@@ -530,6 +533,18 @@ class Chat:
             stream = turn.PlainText()
         return turn.TurnRun(self.prompt_ids(messages, tools, reasoning_history), prefill, params, stream,
                             self._encode, timeout, max_calls=None if parallel_tool_calls else 1, thinking=thinking)
+
+
+@contextlib.contextmanager
+def _blamed_on(name: str, parser: Any, what: str) -> Iterator[None]:
+    """What a tool parser's hooks raise but a HibanaError, as a HibanaError that names it."""
+    try:
+        yield
+    except HibanaError:
+        raise
+    except Exception as exc:
+        raise HibanaError(f"tool parser {name!r} ({describe_registered(parser)}) failed {what}: {exc!r}; "
+                          "fix its plugin, or name another tool_parser") from exc
 
 
 def _checked_parser(name: str, parser: Any) -> Any:

@@ -665,6 +665,10 @@ def test_a_plugin_tool_parser_that_is_none_or_breaks_is_a_hibana_error(engine):
         def feed(self, text):
             return text  # a str where a list of pieces is due
 
+    class BadGrammar(Raises):
+        def tool_call_grammar(self, tools, tool_choice, parallel):
+            return {}["no grammar here"]
+
     class Plugin:
         @hookimpl
         def register_tool_parsers(self, register):
@@ -672,6 +676,7 @@ def test_a_plugin_tool_parser_that_is_none_or_breaks_is_a_hibana_error(engine):
             register("nothing", object())
             register("raises", Raises())
             register("strings", Strings())
+            register("bad_grammar", BadGrammar())
 
     reset_plugin_manager()
     get_plugin_manager().register(Plugin(), name="hibana-test-parsers")
@@ -679,7 +684,9 @@ def test_a_plugin_tool_parser_that_is_none_or_breaks_is_a_hibana_error(engine):
         for name in ("as_class", "nothing"):
             with pytest.raises(ConfigError, match=rf"tool parser '{name}' is registered as .*no tool parser object"):
                 Chat(engine, tool_parser=name)
-        for name, says in (("raises", "failed in feed: ZeroDivisionError"), ("strings", "returned GeneratedText from feed, not a list")):
+        for name, says in (("raises", "failed in feed: ZeroDivisionError"),
+                           ("strings", "returned GeneratedText from feed, not a list"),
+                           ("bad_grammar", "failed building its call grammar: KeyError")):
             chat = Chat(engine, f"parser-{name}", tool_parser=name)
             with pytest.raises(HibanaError, match=rf"tool parser '{name}' .*{says}"):
                 chat.respond(HELLO, tools=[WEATHER], params=SamplingParams(max_tokens=8))
