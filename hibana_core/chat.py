@@ -543,8 +543,12 @@ def _blamed_on(name: str, parser: Any, what: str) -> Iterator[None]:
     except HibanaError:
         raise
     except Exception as exc:
-        raise HibanaError(f"tool parser {name!r} ({describe_registered(parser)}) failed {what}: {exc!r}; "
-                          "fix its plugin, or name another tool_parser") from exc
+        raise _parser_failed(name, parser, what, exc) from exc
+
+
+def _parser_failed(name: str, parser: Any, what: str, exc: Exception) -> HibanaError:
+    return HibanaError(f"tool parser {name!r} ({describe_registered(parser)}) failed {what}: {exc!r}; "
+                       "fix its plugin, or name another tool_parser")
 
 
 def _checked_parser(name: str, parser: Any) -> Any:
@@ -566,17 +570,8 @@ class _CheckedStream:
 
     @classmethod
     def open(cls, name: str, parser: Any, options: dict) -> "_CheckedStream":
-        try:
+        with _blamed_on(name, parser, "in stream"):
             return cls(name, parser, parser.stream(**options))
-        except HibanaError:
-            raise
-        except Exception as exc:
-            raise cls._failed(name, parser, "stream", exc) from exc
-
-    @staticmethod
-    def _failed(name: str, parser: Any, method: str, exc: Exception) -> HibanaError:
-        return HibanaError(f"tool parser {name!r} ({describe_registered(parser)}) failed in {method}: {exc!r}; "
-                           "fix its plugin, or name another tool_parser")
 
     def _checked(self, method: str, out: Any, kind: type) -> Any:
         if not isinstance(out, kind):
@@ -586,30 +581,22 @@ class _CheckedStream:
         return out
 
     def feed(self, text: str) -> list:
-        try:
+        try:  # (per token: no context manager's frames here)
             out = self._stream.feed(text)
         except HibanaError:
             raise
         except Exception as exc:
-            raise self._failed(self._name, self._parser, "feed", exc) from exc
+            raise _parser_failed(self._name, self._parser, "in feed", exc) from exc
         return out if type(out) is list else self._checked("feed", out, list)
 
     def close(self) -> list:
-        try:
+        with _blamed_on(self._name, self._parser, "in close"):
             out = self._stream.close()
-        except HibanaError:
-            raise
-        except Exception as exc:
-            raise self._failed(self._name, self._parser, "close", exc) from exc
         return self._checked("close", out, list)
 
     def finish(self) -> ParsedOutput:
-        try:
+        with _blamed_on(self._name, self._parser, "in finish"):
             out = self._stream.finish()
-        except HibanaError:
-            raise
-        except Exception as exc:
-            raise self._failed(self._name, self._parser, "finish", exc) from exc
         return self._checked("finish", out, ParsedOutput)
 
     def __getattr__(self, attribute: str) -> Any:  # what else the turn reads of it (its reasoning)
