@@ -129,6 +129,27 @@ SWITCH = 64
 """original_max_position_embeddings of the LongRoPE checkpoint below: histories cross it."""
 
 
+def three_turns_at_once(engine, prefix: str, prompts: list[list[int]]) -> tuple[dict, dict]:
+    """Each prompt an agent of its own, all at once, 3 turns with retention (the prompt and 40
+    tokens, then 10 new tokens and 6, then 2 and 6): per agent its turns as (history, generated)
+    and each turn's computed count."""
+    results, computed = {}, {}
+
+    def run_agent(agent: int) -> None:
+        h, history, turns, counts = engine.open_state(f"{prefix}-{agent}"), prompts[agent], [], []
+        for new, n in ((prompts[agent], 40), (list(range(7, 17)), 6), ([11, 12], 6)):
+            history = history if not turns else history + new
+            c = h.generate(SamplingParams(max_tokens=n, ignore_eos=True), prompt=history)
+            turns.append((history, list(c.token_ids)))
+            counts.append(c.stats.computed)
+            history = history + list(c.token_ids)
+        results[agent], computed[agent] = turns, counts
+
+    run_agents_at_once(run_agent)
+    assert sorted(results) == list(range(len(prompts)))
+    return results, computed
+
+
 @pytest.fixture(scope="module")
 def longrope_checkpoint(tmp_path_factory):
     return make_tiny_checkpoint("phi3", tmp_path_factory.mktemp("longrope") / "phi3",
@@ -149,21 +170,8 @@ def test_longrope_histories_past_the_switch_match_transformers(longrope_checkpoi
     engine = make_engine(longrope_checkpoint, max_num_batched_tokens=48, speculation=speculation,
                          async_scheduling=async_scheduling)  # the recompute takes two chunks
     rng = random.Random(3)
-    prompts = [[rng.randrange(2, 512) for _ in range(36 + 4 * a)] for a in range(AGENTS)]
-    results, computed = {}, {}
-
-    def run_agent(agent: int) -> None:
-        h, history, turns, counts = engine.open_state(f"lr-{agent}"), prompts[agent], [], []
-        for new, n in ((prompts[agent], 40), (list(range(7, 17)), 6), ([11, 12], 6)):
-            history = history if not turns else history + new
-            c = h.generate(SamplingParams(max_tokens=n, ignore_eos=True), prompt=history)
-            turns.append((history, list(c.token_ids)))
-            counts.append(c.stats.computed)
-            history = history + list(c.token_ids)
-        results[agent], computed[agent] = turns, counts
-
-    run_agents_at_once(run_agent)
-    assert sorted(results) == list(range(AGENTS))
+    results, computed = three_turns_at_once(engine, "lr", [[rng.randrange(2, 512) for _ in range(36 + 4 * a)]
+                                                           for a in range(AGENTS)])
     for agent, turns in results.items():
         (first, out), second, third = turns
         assert len(first) < SWITCH < len(first) + len(out)
@@ -205,21 +213,8 @@ def test_longrope_on_a_family_whose_generate_keeps_its_cache(tmp_path_factory, m
     checkpoint = make_tiny_checkpoint(arch, tmp_path_factory.mktemp("longrope") / arch, rope_parameters=rope)
     engine = make_engine(checkpoint, max_num_batched_tokens=48, speculation=speculation)
     rng = random.Random(5)
-    prompts = [[rng.randrange(2, 512) for _ in range(40 + 4 * a)] for a in range(AGENTS)]
-    results, computed = {}, {}
-
-    def run_agent(agent: int) -> None:
-        h, history, turns, counts = engine.open_state(f"llr-{agent}"), prompts[agent], [], []
-        for new, n in ((prompts[agent], 40), (list(range(7, 17)), 6), ([11, 12], 6)):
-            history = history if not turns else history + new
-            c = h.generate(SamplingParams(max_tokens=n, ignore_eos=True), prompt=history)
-            turns.append((history, list(c.token_ids)))
-            counts.append(c.stats.computed)
-            history = history + list(c.token_ids)
-        results[agent], computed[agent] = turns, counts
-
-    run_agents_at_once(run_agent)
-    assert sorted(results) == list(range(AGENTS))
+    results, computed = three_turns_at_once(engine, "llr", [[rng.randrange(2, 512) for _ in range(40 + 4 * a)]
+                                                            for a in range(AGENTS)])
     for agent, turns in results.items():
         (first, out), second, third = turns
         assert len(first) < SWITCH < len(first) + len(out)
