@@ -736,8 +736,8 @@ class Grammars:
         self.tokenizer, self.vocab_size, self.device = tokenizer, vocab_size, device
         self.eos_token_ids = sorted(eos_token_ids)
         self.width = -(-vocab_size // 32)
-        self._detected: Any = None  # xgrammar's reading of the tokenizer (bytes of each token)
-        self._bytes: list[bytes] | None = None  # its decoded_vocab, once (`_token_bytes`)
+        self._detected: Any = None  # xgrammar's reading of the tokenizer
+        self._bytes: list[bytes] = []  # each token's bytes in that reading (its decoded_vocab, read once)
         self._control: dict[int, str] = {}  # id -> text of the tokenizer's control tokens
         self._vocabularies: dict[frozenset[int], _Vocabulary] = {}  # by the control tokens named
         self._batch: Any = None
@@ -790,23 +790,17 @@ class Grammars:
                 vocab = self.tokenizer.get_vocab()
                 self._control = {vocab[text]: text for text in control_strings(self.tokenizer)
                                  if vocab.get(text, self.vocab_size) < self.vocab_size}
-                self._detected = _xgrammar().TokenizerInfo.from_huggingface(
+                detected = _xgrammar().TokenizerInfo.from_huggingface(
                     self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids or None)
+                self._bytes = list(detected.decoded_vocab)  # (the property builds a new list each read)
+                self._detected = detected
             return self._detected
-
-    def _token_bytes(self) -> list[bytes]:
-        """Each token's bytes as xgrammar reads them (read once: the property builds a new list)."""
-        if self._bytes is None:
-            detected = self._describe()
-            with self._lock:
-                self._bytes = self._bytes or list(detected.decoded_vocab)
-        return self._bytes
 
     def _tokenizer_info(self, xgr, detected: Any, named: frozenset[int]) -> Any:
         """The vocabulary as xgrammar reads it, with the control tokens blanked (xgrammar then
         treats them as special and allows them nowhere but as a matcher's stop tokens) but those in `named`,
         spelled `UNSPELLABLE` + their text: reached by a `token` format only."""
-        vocab = list(detected.decoded_vocab)
+        vocab = list(self._bytes)
         for index, text in self._control.items():
             vocab[index] = UNSPELLABLE + text.encode() if index in named else b""
         metadata = json.loads(detected.dump_metadata())
@@ -931,7 +925,7 @@ class Grammars:
             return None
         compiled = self.compile(params)
         self.suspects()  # made here, on the caller's thread, not in a step's fill
-        return Matcher(compiled.grammar, stop_token_ids, self.spell, compiled.refused, self._token_bytes())
+        return Matcher(compiled.grammar, stop_token_ids, self.spell, compiled.refused, self._bytes)
 
     # --- one step's masks ---------------------------------------------------------------------
 
@@ -1015,7 +1009,8 @@ class Grammars:
         character cut at an end, or bytes that are none): the tokens `Matcher.drop_refused` checks."""
         if self._suspects is None:
             words = [0] * self.width
-            for token, text in enumerate(self._describe().decoded_vocab[:self.vocab_size]):
+            self._describe()
+            for token, text in enumerate(self._bytes[:self.vocab_size]):
                 try:
                     text.decode("utf-8")
                 except UnicodeDecodeError:
