@@ -271,25 +271,24 @@ class Chat:
         the generation prompt, up to a think block it may open; "" where the template does not
         say (then no thinking is left out)."""
         if not self._opening:
-            kwargs = {"chat_template": self.template} if self.template else {}
             hello = [{"role": "user", "content": "hibana-opening-probe"}]
-            try:
-                bare, asked = (self.engine.tokenizer.apply_chat_template(hello, tokenize=False, add_generation_prompt=g,
-                                                                         **kwargs) for g in (False, True))
-            except Exception:  # noqa: BLE001 - a template that refuses the probe says nothing
-                bare, asked = "", ""
-            opening = asked[len(bare):] if asked.startswith(bare) else ""
+            bare, asked = (self._probe(hello, add_generation_prompt=g) or "" for g in (False, True))
+            opening = asked[len(bare):] if bare and asked.startswith(bare) else ""
             self._opening[:] = [opening.split(turn.THINK_OPEN)[0]]
         return self._opening[0]
 
     def _writes(self, marker: str, messages: list[dict], **options: Any) -> bool:
         """Whether the chat template, rendering `messages` (and `options`), writes `marker`."""
+        text = self._probe(messages, **options)
+        return text is not None and marker in text
+
+    def _probe(self, messages: list[dict], **options: Any) -> str | None:
+        """The chat template's text of a probe's `messages` (and `options`); None where it refuses them."""
         kwargs = {"chat_template": self.template} if self.template else {}
         try:
-            text = self.engine.tokenizer.apply_chat_template(messages, tokenize=False, **options, **kwargs)
-        except Exception:  # noqa: BLE001 - a template that refuses the probe does not render it
-            return False
-        return marker in text
+            return self.engine.tokenizer.apply_chat_template(messages, tokenize=False, **options, **kwargs)
+        except Exception:  # noqa: BLE001 - a template that refuses the probe says nothing of it
+            return None
 
     def prompt_ids(self, messages: "Sequence[dict] | str | TokenIds", tools: Sequence[dict] | None = None,
                    reasoning_history: str = "template") -> list[int]:
