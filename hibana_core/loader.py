@@ -83,10 +83,17 @@ def resolve_dtype(dtype: str, device: torch.device, hf_config: Any) -> torch.dty
         return _DTYPES[dtype]
     if device.type == "cpu":
         return torch.float32
+    declared = declared_dtype(hf_config)
+    return declared if declared not in (None, torch.float32) else torch.bfloat16
+
+
+def declared_dtype(hf_config: Any) -> torch.dtype | None:
+    """The dtype config.json declares (`dtype`, transformers 4's `torch_dtype`), where it is one
+    Hibana computes in; else None."""
     declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(declared, str):
         declared = _DTYPES.get(declared)
-    return declared if declared in _DTYPES.values() and declared != torch.float32 else torch.bfloat16
+    return declared if declared in _DTYPES.values() else None
 
 
 def read_model_type(path: Path) -> str:

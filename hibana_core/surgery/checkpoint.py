@@ -72,12 +72,14 @@ def save(engine: Any, source: Path, out: Path) -> Path:
     """Write `engine`'s rewritten model (loaded from `source`) as a checkpoint in `out`."""
     from safetensors.torch import save_file
 
+    from hibana_core.loader import declared_dtype  # here: the loader reads this module's manifests
+
     check_out(out)
     for name in _COPIED:
         if (source / name).is_file():
             shutil.copy2(source / name, out / name)
     model = engine.model
-    declared = checkpoint_dtype(engine.hf_config)
+    declared = declared_dtype(engine.hf_config)
     rewritten = tuple(f"{name}." for name in [*packed_layers(model), *packed_experts(model), *kv_scaled_layers(model)])
     tensors = {name: t.detach().contiguous().cpu() for name, t in
                [*model.named_parameters(), *model.named_buffers()]}  # tied parameters once
@@ -94,14 +96,6 @@ def save(engine: Any, source: Path, out: Path) -> Path:
     # that whoever may read the checkpoint (a server under another user) can load it
     shutil.copymode(out / MANIFEST, out / "model.safetensors")
     return out
-
-
-def checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
-    """The floating dtype the source checkpoint declares (config.json's dtype), if any."""
-    declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(declared, str):
-        declared = getattr(torch, declared, None)
-    return declared if isinstance(declared, torch.dtype) and declared.is_floating_point else None
 
 
 def narrowed(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
