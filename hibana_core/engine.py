@@ -128,6 +128,11 @@ def _moe_shape(hf_config) -> dict[str, int]:
     return {"moe_top_k": top_k, "moe_intermediate_size": width}
 
 
+try:
+    import fcntl
+except ImportError:  # no flock (Windows): a spill folder lives by its pid
+    fcntl = None
+
 SPILL_LOCK = "owner.lock"
 """In a spill folder: the file its engine holds an exclusive flock on while it lives."""
 
@@ -152,9 +157,7 @@ def _owned(folder: Path) -> Any:
     """An open file in `folder` whose exclusive flock this engine holds until it closes it (None
     where the platform has no flock): other engines see the folder as live, whatever their PID
     namespace (a container's) says of its pid."""
-    try:
-        import fcntl
-    except ImportError:
+    if fcntl is None:
         return None
     handle = open(folder / SPILL_LOCK, "w")  # noqa: SIM115 - held open for the engine's life
     fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -166,10 +169,6 @@ def _abandoned(folder: Path) -> bool:
     died, in any PID namespace of this host; a pid alone named a live process in another
     container, or this one after a restart that reused it), or, without a lock (an earlier
     Hibana's folder, a platform without flock), no process has its pid."""
-    try:
-        import fcntl
-    except ImportError:
-        fcntl = None
     if fcntl is not None and (folder / SPILL_LOCK).is_file():
         try:
             with open(folder / SPILL_LOCK, "a") as handle:
