@@ -29,6 +29,11 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
+try:
+    import fcntl
+except ImportError:  # no flock (Windows): a spill folder lives by its pid
+    fcntl = None
+
 from hibana_core.config import EngineConfig
 from hibana_core.engine_core import EngineCore
 from hibana_core.errors import ConfigError, EngineClosedError, MemoryBudgetError
@@ -127,11 +132,6 @@ def _moe_shape(hf_config) -> dict[str, int]:
     width = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
     return {"moe_top_k": top_k, "moe_intermediate_size": width}
 
-
-try:
-    import fcntl
-except ImportError:  # no flock (Windows): a spill folder lives by its pid
-    fcntl = None
 
 SPILL_LOCK = "owner.lock"
 """In a spill folder: the file its engine holds an exclusive flock on while it lives."""
