@@ -810,20 +810,30 @@ class Grammars:
         metadata["stop_token_ids"] = []
         return xgr.TokenizerInfo.from_vocab_and_metadata(vocab, json.dumps(metadata))
 
+    @staticmethod
+    def _key(params: SamplingParams) -> tuple[str, str]:
+        """A request's constraint as the cache knows it: its kind and its text."""
+        if params.json_schema is not None:
+            try:
+                return "json_schema", json.dumps(params.json_schema, sort_keys=False)
+            except (TypeError, ValueError) as exc:
+                raise GrammarError(f"the JSON schema is not plain JSON data ({exc})") from None
+        if params.regex is not None:
+            return "regex", params.regex
+        if isinstance(params.grammar, str):
+            return "ebnf", params.grammar
+        return "structural_tag", json.dumps(params.grammar, sort_keys=False, default=str)
+
+    def cached(self, params: SamplingParams) -> bool:
+        """Whether `compile(params)` would return at once: the grammar is compiled already."""
+        key = self._key(params)
+        with self._lock:
+            return key in self._cache
+
     def compile(self, params: SamplingParams) -> _Compiled:
         """The compiled grammar of a request's constraint (cached); GrammarError if it has none
         that compiles."""
-        if params.json_schema is not None:
-            try:
-                key = ("json_schema", json.dumps(params.json_schema, sort_keys=False))
-            except (TypeError, ValueError) as exc:
-                raise GrammarError(f"the JSON schema is not plain JSON data ({exc})") from None
-        elif params.regex is not None:
-            key = ("regex", params.regex)
-        elif isinstance(params.grammar, str):
-            key = ("ebnf", params.grammar)
-        else:
-            key = ("structural_tag", json.dumps(params.grammar, sort_keys=False, default=str))
+        key = self._key(params)
         with self._lock:
             compiled = self._cache.get(key)
             if compiled is not None:

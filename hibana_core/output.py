@@ -124,6 +124,55 @@ class RequestEvents:
                 pass
 
 
+class CompilingEvents:
+    """The events of a request whose grammar is new to the engine, asked for on an event loop:
+    the grammar compiles in a worker thread at the first read (seconds for a big one; the loop
+    serves others meanwhile), then the request is submitted and read as its `RequestEvents`.
+    Closed before that, nothing is submitted; stopped, it is stopped once submitted (its final
+    event, with the completion, still comes)."""
+
+    def __init__(self, compile: Callable[[], object], submit: Callable[[], RequestEvents]) -> None:
+        self._compile, self._submit = compile, submit
+        self._events: RequestEvents | None = None
+        self._done = self._stopped = False
+
+    def __aiter__(self) -> "CompilingEvents":
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        if self._events is None:
+            if self._done:
+                raise StopAsyncIteration
+            try:
+                await asyncio.to_thread(self._compile)  # the submission then finds it cached
+                if self._done:  # closed while it compiled
+                    raise StopAsyncIteration
+                self._events = self._submit()
+            except BaseException:
+                self._done = True
+                raise
+            if self._stopped:
+                self._events.stop()
+        return await self._events.__anext__()
+
+    def ready(self) -> bool:
+        return self._done if self._events is None else self._events.ready()
+
+    def stop(self) -> None:
+        if self._events is None:
+            self._stopped = True
+        else:
+            self._events.stop()
+
+    def close(self) -> None:
+        self._done = True
+        if self._events is not None:
+            self._events.close()
+
+    async def aclose(self) -> None:
+        self.close()
+
+
 @dataclass
 class OutputCounters:
     prompt_computed: int = 0

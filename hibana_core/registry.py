@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -28,7 +29,7 @@ from hibana_core.errors import (ConfigError, ContextLengthError, EngineClosedErr
 from hibana_core.kv import state_file
 from hibana_core.kv.policies import POLICIES, PREFETCH_LEAD, StateUse, retention_order
 from hibana_core.kv.sequence import KVSequence, LongRope, common_prefix_len
-from hibana_core.output import RequestEvents
+from hibana_core.output import CompilingEvents, RequestEvents
 from hibana_core.sampler import make_generator
 from hibana_core.scheduler import Request
 from hibana_core.state import UNNAMED_PREFIX, StateHandle, StateInfo, SyncStats
@@ -395,15 +396,20 @@ class StateRegistry:
         return SyncStats(reused=events.request.reused, computed=events.request.computed)
 
     def generate(self, handle: StateHandle, params: SamplingParams, prompt: Sequence[int] | None,
-                 loop: asyncio.AbstractEventLoop | None) -> RequestEvents:
+                 loop: asyncio.AbstractEventLoop | None) -> RequestEvents | CompilingEvents:
         """Submit a generation on the state (synced to `prompt` first, when given). Everything
-        is checked before the state changes: a refused call leaves it as it was."""
+        is checked before the state changes: a refused call leaves it as it was. Called on an
+        event loop with a grammar not compiled yet, the compile and the submission wait for the
+        first read (`CompilingEvents`)."""
         if not isinstance(params, SamplingParams):
             raise ConfigError(f"params must be SamplingParams, got {type(params).__name__}; "
                               "build one: SamplingParams(max_tokens=..., temperature=...)")
         if params.stop and not self.limits.has_tokenizer:
             raise HibanaError("stop strings need a tokenizer, and this checkpoint has none; "
                               "use stop_token_ids instead")
+        if loop is not None and self._compiles_on_loop(params):
+            return CompilingEvents(functools.partial(self.grammars.compile, params),
+                                   functools.partial(self.generate, handle, params, prompt, loop))
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.limits.eos_token_ids)
         grammar = None
         if params.constrained:  # compiled here, outside the lock: a new grammar may take 100 ms
@@ -435,6 +441,16 @@ class StateRegistry:
                               grammar=grammar)
             request.forced, entry.forced = entry.forced, None
             return self.core.submit(request, loop)
+
+    def _compiles_on_loop(self, params: SamplingParams) -> bool:
+        """Whether submitting `params` now would compile a new grammar on a running event loop."""
+        if not params.constrained or self.grammars is None or self.grammars.cached(params):
+            return False
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return False  # a worker thread (`turn.arun` submits from one): it may wait
+        return True
 
     def force_outputs(self, handle: StateHandle, token_ids: Sequence[int]) -> None:
         """Bench only (trace replay): the state's next generation emits `token_ids`."""

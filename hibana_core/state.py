@@ -20,7 +20,7 @@ marks those states itself: a user's own state is never taken for one, whatever i
 
 if TYPE_CHECKING:
     from hibana_core.engine import Engine
-    from hibana_core.output import RequestEvents
+    from hibana_core.output import CompilingEvents, RequestEvents
     from hibana_core.registry import StateRegistry
 
 
@@ -158,21 +158,19 @@ class StateHandle:
 
     async def agenerate(self, params: SamplingParams | None = None, *,
                         prompt: Sequence[int] | None = None) -> Completion:
-        params = params or SamplingParams()
-        grammars = self._registry.grammars
-        if params.constrained and grammars is not None:  # a new grammar compiles off the event loop (seconds
-            await asyncio.to_thread(grammars.compile, params)  # for a big one); the submission finds it cached
         event = None
         async for event in self.astream(params, prompt=prompt):
             pass
         return event.completion
 
     def astream(self, params: SamplingParams | None = None, *, prompt: Sequence[int] | None = None,
-                loop: asyncio.AbstractEventLoop | None = None) -> "RequestEvents":
+                loop: asyncio.AbstractEventLoop | None = None) -> "RequestEvents | CompilingEvents":
         """`stream` for `async for` on an event loop: `loop`, by default the running one. The
-        call itself waits for the engine's lock, which a step holds, and compiles a grammar the
-        engine has not seen (`agenerate` compiles it in a worker thread first): a loop that must
-        not wait makes it from a worker thread, naming itself as `loop` (as `turn.arun` does)."""
+        call itself waits for the engine's lock, which a step holds: a loop that must not wait
+        makes it from a worker thread, naming itself as `loop` (as `turn.arun` does). A grammar
+        the engine has not compiled yet (seconds for a big one) never compiles on the loop: the
+        call returns at once, and the compile, in a worker thread, and the submission, with its
+        refusals, come at the first read (`CompilingEvents`)."""
         return self._registry.generate(self, params or SamplingParams(), prompt, loop or asyncio.get_running_loop())
 
     def truncate(self, n: int) -> None:

@@ -580,6 +580,59 @@ async def test_agenerate_compiles_a_new_grammar_off_the_event_loop(engine, monke
     assert out.text[-1] == "x" and threads and threading.get_ident() not in threads
 
 
+async def test_astream_compiles_a_new_grammar_off_the_event_loop(engine, monkeypatch):
+    """astream too: its call returns at once, the grammar compiles in a worker thread at the
+    first read while the loop serves others (a coroutine beside it keeps ticking), and the
+    request is submitted once it is compiled."""
+    import asyncio
+
+    grammars, threads, ticked = engine.grammars, [], []
+    compile_ = grammars._compile
+
+    def slow(kind, params):
+        threads.append(threading.get_ident())
+        before = ticks
+        time.sleep(0.5)  # a big schema's seconds
+        ticked.append(ticks - before)
+        return compile_(kind, params)
+
+    async def tick():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    monkeypatch.setattr(grammars, "_compile", slow)
+    ticks, ticker = 0, asyncio.create_task(tick())
+    h = engine.open_state("astream-new-grammar")
+    try:
+        events = h.astream(SamplingParams(max_tokens=8, regex=r"[a-z]{3}q"), prompt=random_tokens(random.Random(4), 6))
+        assert not threads and h.tokens == []  # nothing compiled nor submitted yet
+        last = [event async for event in events][-1]
+    finally:
+        ticker.cancel()
+        h.close()
+    assert last.completion.text[-1] == "q" and threads and threading.get_ident() not in threads
+    assert ticked[0] >= 10, ticked  # the loop went on while it compiled
+
+
+async def test_an_astream_closed_or_stopped_before_its_grammar_compiled(engine):
+    """Closed before its first read, an astream whose grammar is new submits nothing; stopped
+    then, it is stopped once submitted and its final event still carries the completion."""
+    h = engine.open_state("astream-closed-first")
+    try:
+        closed = h.astream(SamplingParams(max_tokens=8, regex=r"[a-z]{4}w"), prompt=random_tokens(random.Random(5), 6))
+        assert not closed.ready()
+        await closed.aclose()
+        assert closed.ready() and [event async for event in closed] == [] and h.tokens == []
+        stopped = h.astream(SamplingParams(max_tokens=8, regex=r"[a-z]{5}w"), prompt=random_tokens(random.Random(5), 6))
+        stopped.stop()
+        events = [event async for event in stopped]
+        assert events[-1].completion.finish_reason == "cancelled"
+    finally:
+        h.close()
+
+
 def _error_of(call):
     try:
         call()
