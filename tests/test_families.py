@@ -458,3 +458,23 @@ def test_a_parked_copy_of_the_other_rotation_is_never_restored(longrope_checkpoi
         seq.rotate_for(SWITCH + 1)  # what a step past the switch does
         assert tier.restore(seq, lambda blocks: False) == 0
     assert seq.parked is None and seq.num_computed == 0
+
+
+def test_only_a_recomputing_longrope_bounds_a_step_at_the_switch_and_turns_long_past_it():
+    """`rotation_room` and `rotate_for` share one reading of when the switch matters: under no
+    LongRoPE, or one that does not recompute, a step is unbounded and nothing turns; under a
+    recomputing one, a step stops at the switch and crossing it turns the KV long, unbounded
+    from then on."""
+    from hibana_core.kv.block_pool import BlockPool
+    from hibana_core.kv.sequence import KVSequence, LongRope
+
+    pool = BlockPool(16, 16)
+    for rope in (None, LongRope(SWITCH, 4 * SWITCH, recompute=False)):
+        seq = KVSequence(pool, lambda src, dst: None, long_rope=rope)
+        assert seq.rotation_room(SWITCH - 3) == 1 << 30
+        assert not seq.rotate_for(SWITCH + 1) and not seq.rotated_long
+    seq = KVSequence(pool, lambda src, dst: None, long_rope=LongRope(SWITCH, 4 * SWITCH))
+    assert seq.rotation_room(SWITCH - 3) == 3 and seq.rotation_room(SWITCH + 5) == 0
+    assert not seq.rotate_for(SWITCH) and not seq.rotated_long
+    assert seq.rotate_for(SWITCH + 1) and seq.rotated_long
+    assert seq.rotation_room(SWITCH - 3) == 1 << 30 and not seq.rotate_for(SWITCH + 2)

@@ -193,7 +193,7 @@ class KVSequence:
         positions up to `length`: once the sequence grows past the switch, its whole KV turns to
         the long rotation, as Phi-3's generate recomputes its cache at the token that crosses
         it. Returns whether KV was dropped."""
-        if self.long_rope is None or not self.long_rope.recompute:
+        if not self._recomputes_at_switch():
             return False  # positions past the switch read their long rows; the rest stays
         return self._rotate(self.rotated_long or length > self.long_rope.switch)
 
@@ -201,9 +201,13 @@ class KVSequence:
         """Positions a step may compute from `end` on before a drafted chunk would cross a
         recomputing LongRoPE's switch under the short rotation (it would then be recomputed:
         `rotate_for`)."""
-        if self.long_rope is None or not self.long_rope.recompute or self.rotated_long:
+        if not self._recomputes_at_switch() or self.rotated_long:
             return 1 << 30
         return max(0, self.long_rope.switch - end)
+
+    def _recomputes_at_switch(self) -> bool:
+        """Whether crossing the LongRoPE switch recomputes the KV (`LongRope.recompute`)."""
+        return self.long_rope is not None and self.long_rope.recompute
 
     def _rotate(self, long: bool) -> bool:
         """Hold KV under the long rotation or not; KV of the other one is dropped (recomputed)."""
@@ -279,7 +283,7 @@ class KVSequence:
 
     def _free_below(self, group: int, start: int) -> None:
         """Free a group's blocks from its sink blocks to block `start`; they become NULL_BLOCK."""
-        table, (lo, hi) = self.tables[group], self._gap(group)
+        table, (_, hi) = self.tables[group], self._gap(group)
         if start > hi:
             self.pool.free(reversed(table[hi:start]))
             table[hi:start] = [NULL_BLOCK] * (start - hi)
