@@ -17,7 +17,7 @@ import torch
 from hibana_kernels import activation, attention, matmul, moe, norm, quant, rotary
 from hibana_kernels.moe import MoEExperts
 
-__all__ = ["MoEExperts", "fused_add_rms_norm", "fused_moe", "gelu_tanh_and_mul", "linear", "linear_fp8", "linear_int4",
+__all__ = ["MoEExperts", "folds_glu", "fused_add_rms_norm", "fused_moe", "gelu_tanh_and_mul", "linear", "linear_fp8", "linear_int4",
            "linear_int8", "moe_norm_route", "moe_route", "mxfp4_dequantize", "paged_attention", "qk_norm_rotary_store", "rms_norm",
            "rms_norm_linear", "rotary_embedding", "silu_and_mul", "silu_and_mul_linear", "store_kv",
            "triton_available"]
@@ -96,18 +96,29 @@ def qk_norm_rotary_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
                                      slot_mapping, q_weight, k_weight, eps, kv_scale, unit_offset)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T + bias; decode-sized bf16/fp16 batches take a Triton GEMV on CUDA."""
-    return (_triton("matmul", x) or matmul).linear(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           glu: str | None = None) -> torch.Tensor:
+    """x @ weight^T + bias; decode-sized bf16/fp16 batches take a Triton GEMV on CUDA. With
+    `glu` ("silu", "gelu_tanh") the weight is a fused [gate | up] [2I, K] and the result
+    act(gate) * up [..., I]: in the GEMV's epilogue where `folds_glu` says."""
+    return (_triton("matmul", x) or matmul).linear(x, weight, bias, glu)
 
 
 def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                    eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    glu: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rms_norm(x + residual)), x + residual), or (linear(rms_norm(x)), x) without a
-    residual: one kernel where `hibana_kernels.fusion` folds the norm into the GEMV."""
+    residual: one kernel where `hibana_kernels.fusion` folds the norm into the GEMV (`glu` as
+    `linear`'s)."""
     impl = _triton("matmul", x) or matmul
-    return impl.rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
+    return impl.rms_norm_linear(x, residual, norm_weight, eps, weight, bias, glu)
+
+
+def folds_glu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a gate/up projection of x takes its activation into the GEMV (`linear(...,
+    glu=)`): one decode row on the Triton GEMV, under a fusion policy with the GLU epilogue on.
+    Then an MLP applies the activation there rather than folding it into the down GEMV."""
+    return (_triton("matmul", x) or matmul).folds_glu(x, weight)
 
 
 def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,

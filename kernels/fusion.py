@@ -6,6 +6,9 @@ On the Triton path these run as one launch:
     rms_norm (+ residual add) -> linear   each GEMV program recomputes the row's scale from x
                                           (hidden-sized, in L2); program 0 writes the new residual
     silu_and_mul -> linear                the down GEMV applies silu(gate) * up to its input tiles
+    linear -> silu_and_mul (or gelu)      or the gate/up GEMV writes act(gate) * up: a program owns
+                                          both rows of its features (glu_epilogue; the MLP then
+                                          does not fold the activation into the down GEMV)
     decode attention -> split merge       the last split of a KV head to finish merges them
                                           (an atomic counter per head, reset by that program)
     rms_norm -> router -> top-k           a sparse block's start: the router's programs each
@@ -39,6 +42,10 @@ class Fusion:
     moe_norm_route: bool = False
     """a sparse block's norm, router GEMV and top-k in one launch (`moe_norm_route`: the last of
     the router's programs to finish picks the experts)"""
+    glu_epilogue: bool = False
+    """a gated MLP's activation (silu or tanh gelu, times up) in its gate/up GEMV's epilogue:
+    each program owns gate and up rows of the same features and writes act(gate) * up, so the
+    activation's launch (or its fold into the down GEMV) goes, and I values are written, not 2I"""
 
     def norm_linear(self, k: int) -> bool:
         return k <= self.norm_max_k
@@ -58,7 +65,8 @@ class Fusion:
 # gpt-oss-20b 437.7 -> 361.7 (each of its 32 router programs normalises a 2880-wide row, and
 # the last one picks the experts alone). AUTO leaves it off.
 AUTO = Fusion(norm_max_k=2048, silu_max_k=6144, attention_merge=False, moe_norm_route=False)
-ON = Fusion(norm_max_k=sys.maxsize, silu_max_k=sys.maxsize, attention_merge=True, moe_norm_route=True)
+ON = Fusion(norm_max_k=sys.maxsize, silu_max_k=sys.maxsize, attention_merge=True, moe_norm_route=True,
+            glu_epilogue=True)
 OFF = Fusion(norm_max_k=0, silu_max_k=0, attention_merge=False)  # the launches as before
 POLICIES = {"auto": AUTO, "on": ON, "off": OFF}
 

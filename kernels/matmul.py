@@ -9,20 +9,34 @@ import torch.nn.functional as F
 from hibana_kernels import activation, norm
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T (+ bias [N]) -> [..., N], as `torch.nn.Linear`."""
-    return F.linear(x, weight, bias)
+GLU = {"silu": activation.silu_and_mul, "gelu_tanh": activation.gelu_tanh_and_mul}
+"""The activations a gate/up projection's `glu` names."""
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           glu: str | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias [N]) -> [..., N], as `torch.nn.Linear`; with `glu`
+    ("silu", "gelu_tanh") the weight is a fused [gate | up] and the result act(gate) * up
+    [..., N // 2], an MLP's up side."""
+    y = F.linear(x, weight, bias)
+    return y if glu is None else GLU[glu](y)
 
 
 def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                    eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    glu: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rms_norm(x + residual)), x + residual): a decoder layer's residual add, the norm
-    after it and the projection after that. Without a residual: (linear(rms_norm(x)), x)."""
+    after it and the projection after that (`glu` as `linear`'s). Without a residual:
+    (linear(rms_norm(x)), x)."""
     if residual is None:
-        return linear(norm.rms_norm(x, norm_weight, eps), weight, bias), x
+        return linear(norm.rms_norm(x, norm_weight, eps), weight, bias, glu), x
     normed, residual = norm.fused_add_rms_norm(x, residual, norm_weight, eps)
-    return linear(normed, weight, bias), residual
+    return linear(normed, weight, bias, glu), residual
+
+
+def folds_glu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight, glu=...)` takes the activation into the GEMV: never here."""
+    return False
 
 
 def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hibana_kernels import fusion, norm_triton, pdl
+from hibana_kernels import activation, fusion, norm_triton, pdl
 from hibana_kernels.activation_triton import silu_and_mul
 from hibana_kernels.pdl import wait_for_previous
 
@@ -39,6 +39,52 @@ def _silu_mul(x_rows, offs_k, mask, K):
     g = gate.to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
     return (silu * up.to(tl.float32)).to(gate.dtype)
+
+
+GLU_CODES = {"silu": 1, "gelu_tanh": 2}
+"""The GEMVs' GLU constexpr by activation: the output is act(gate) * up of a fused gate/up weight."""
+
+
+@triton.jit
+def _output_rows(pid, N, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
+    """A program's weight rows and their mask. With a GLU epilogue (N the output's width, the
+    weight [gate | up] 2N rows) it owns BLOCK_N // 2 features, gate row f and up row N + f of
+    each interleaved (row 2j + h: gate for h = 0, up for 1), so the pairs meet in registers."""
+    r = tl.arange(0, BLOCK_N)
+    if GLU:
+        feature = pid * (BLOCK_N // 2) + r // 2
+        return feature + (r % 2) * N, feature < N
+    rows = pid * BLOCK_N + r
+    return rows, rows < N
+
+
+@triton.jit
+def _tanh(u):
+    """tanh in float32 through exp (libdevice's is not in the interpreter): within a few ulps of
+    tanhf in absolute terms, which is all 1 + tanh(u) sees."""
+    return 1.0 - 2.0 / (1.0 + tl.exp(2.0 * u))
+
+
+@triton.jit
+def _store_output(y_ptr, acc, pid, offs_m, m_mask, stride_ym, N, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
+    """The float32 sums `acc` [BLOCK_M, BLOCK_N] (bias added) rounded to y's dtype and stored;
+    with a GLU epilogue, act(gate) * up of each interleaved pair with the roundings of the
+    separate kernels: the gate/up output rounded, silu (or torch's tanh gelu) rounded, the
+    product rounded (`_silu_and_mul_kernel`; torch's gelu then mul)."""
+    dtype: tl.constexpr = y_ptr.dtype.element_ty
+    if GLU:
+        gate, up = tl.split(tl.reshape(acc.to(dtype).to(tl.float32), [acc.shape[0], BLOCK_N // 2, 2]))
+        if GLU == 1:
+            act = gate / (1.0 + tl.exp(-gate))
+        else:  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), torch's order
+            act = 0.5 * gate * (1.0 + _tanh(0.7978845608028654 * (gate + 0.044715 * (gate * gate * gate))))
+        out = act.to(dtype).to(tl.float32) * up
+        offs_n = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    else:
+        out = acc
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], out.to(dtype),
+             mask=m_mask[:, None] & (offs_n < N)[None, :])
 
 
 @triton.jit
@@ -66,16 +112,16 @@ def _accumulate(acc, w, x_rows, offs_k, m_mask, K, EVEN_K: tl.constexpr, SILU_IN
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SILU_INPUT: tl.constexpr,
-                 TILES: tl.constexpr, PDL: tl.constexpr):
+                 TILES: tl.constexpr, PDL: tl.constexpr, GLU: tl.constexpr = 0):
     # SILU_INPUT: x rows are [gate | up], 2 * K wide; the product's input is silu(gate) * up.
     # TILES (1-4, K <= TILES * BLOCK_K): the row's steps written out, their loads issued together
     # (a row that is not a power of two long, e.g. 3072, without the masked lanes of one wider
-    # tile); 0: a loop over K
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    # tile); 0: a loop over K. GLU (see GLU_CODES): y [M, N] = act(gate) * up of a [2N, K] weight.
+    pid = tl.program_id(0)
+    rows, n_mask = _output_rows(pid, N, BLOCK_N, GLU)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -104,9 +150,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
             acc = _accumulate(acc, _weight_tile(w_rows, offs_k, n_mask, K, EVEN_K), x_rows, offs_k, m_mask, K,
                               EVEN_K, SILU_INPUT)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        acc += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    _store_output(y_ptr, acc, pid, offs_m, m_mask, stride_ym, N, BLOCK_N, GLU)
 
 
 @triton.jit
@@ -134,14 +179,14 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, 
                       M, N, K, stride_xm, stride_rm, stride_wn, stride_ym,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                      ONE_TILE: tl.constexpr, PDL: tl.constexpr):
-    """y = rms_norm(x + residual) @ W^T + b; program 0 also writes x + residual [M, K]."""
+                      ONE_TILE: tl.constexpr, PDL: tl.constexpr, GLU: tl.constexpr = 0):
+    """y = rms_norm(x + residual) @ W^T + b (GLU: act(gate) * up of it, y [M, N] of a [2N, K]
+    weight); program 0 also writes x + residual [M, K]."""
     pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    rows, n_mask = _output_rows(pid, N, BLOCK_N, GLU)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if ONE_TILE:  # the whole row in one tile: the weight's load goes out before the norm's work
         offs_k = tl.arange(0, BLOCK_K)
@@ -179,9 +224,8 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, 
             x = _normed_tile(s, inv_rms, nw_ptr, offs_k, k_mask)
             acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        acc += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    _store_output(y_ptr, acc, pid, offs_m, m_mask, stride_ym, N, BLOCK_N, GLU)
 
 
 def _whole_rows_config(n: int, k: int) -> tuple[int, int, int]:
@@ -265,48 +309,65 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+def _glu_width(n: int, block_n: int, glu: str | None) -> int:
+    """The output's width: n, or with a GLU epilogue n // 2 of a [gate | up] weight's n rows
+    (its programs then own block_n // 2 features each)."""
+    if glu is None:
+        return n
+    if glu not in GLU_CODES:
+        raise ValueError(f"unknown GLU activation {glu!r}: one of {', '.join(GLU_CODES)}")
+    if n % 2 or block_n < 2:
+        raise ValueError(f"a GLU epilogue takes an even number of weight rows and two or more a program "
+                         f"(rows {n}, BLOCK_N {block_n})")
+    return n // 2
+
+
 def linear_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   block_n: int, block_k: int, num_warps: int, num_stages: int = 1,
-                  silu_input: bool = False, unroll: bool = False) -> torch.Tensor:
+                  silu_input: bool = False, unroll: bool = False, glu: str | None = None) -> torch.Tensor:
     """The GEMV with its tiles chosen by the caller (the tuning script sweeps them).
     `silu_input`: x is a gate/up output [..., 2 * K] and the product's input silu(gate) * up.
     `unroll`: the row's steps (at most 4) written out, all their loads issued before the first
-    product, instead of a loop."""
+    product, instead of a loop. `glu` ("silu", "gelu_tanh"): the weight is a fused [gate | up]
+    [2I, K] and the output act(gate) * up [..., I], the activation in the GEMV's epilogue."""
     n, k = weight.shape
     tiles = triton.cdiv(k, block_k) if unroll else 0
     if tiles > 4:
         raise ValueError(f"unroll takes rows of at most 4 steps: K {k} is {tiles} steps of {block_k}")
+    width = _glu_width(n, block_n, glu)
     x2 = _rows(x, 2 * k if silu_input else k)
     m = x2.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, width), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0),
+        x2, weight, bias if bias is not None else weight, y, m, width, k, x2.stride(0),
         weight.stride(0), y.stride(0), BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n,
         BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN_K=k > 0 and k % block_k == 0,
-        SILU_INPUT=silu_input, TILES=tiles, num_warps=num_warps, num_stages=num_stages,
+        SILU_INPUT=silu_input, TILES=tiles, GLU=GLU_CODES.get(glu, 0), num_warps=num_warps, num_stages=num_stages,
         **pdl.launch_args(x.device, "gemv", triton.cdiv(n, block_n)))
-    return y.view(*x.shape[:-1], n)
+    return y.view(*x.shape[:-1], width)
 
 
 def rms_norm_linear_launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                            eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
-                           block_n: int, block_k: int, num_warps: int
+                           block_n: int, block_k: int, num_warps: int, glu: str | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The norm-then-GEMV kernel with its tiles chosen by the caller (tests, tuning)."""
+    """The norm-then-GEMV kernel with its tiles chosen by the caller (tests, tuning); `glu` as
+    `linear_launch`'s."""
     n, k = weight.shape
+    width = _glu_width(n, block_n, glu)
     x2 = _rows(x, k)
     res2 = x2 if residual is None else _rows(residual, k)
     m = x2.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, width), dtype=x.dtype, device=x.device)
     res_out = x if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
         x2, res2, norm_weight, weight, bias if bias is not None else weight, y, res_out, eps,
-        m, n, k, x2.stride(0), res2.stride(0), weight.stride(0), y.stride(0),
+        m, width, k, x2.stride(0), res2.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, EVEN_K=k > 0 and k % block_k == 0,
-        ONE_TILE=k <= block_k, num_warps=num_warps,
+        ONE_TILE=k <= block_k, GLU=GLU_CODES.get(glu, 0), num_warps=num_warps,
         **pdl.launch_args(x.device, "gemv", triton.cdiv(n, block_n)))
-    return y.view(*x.shape[:-1], n), res_out
+    return y.view(*x.shape[:-1], width), res_out
 
 
 def _gemv_takes(x: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
@@ -316,28 +377,45 @@ def _gemv_takes(x: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
             and weight.dtype == x.dtype and weight.stride(-1) == 1)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _activated(gate_up: torch.Tensor, glu: str | None) -> torch.Tensor:
+    """The separate activation after a gate/up GEMV (None: the GEMV's output as it is)."""
+    if glu is None:
+        return gate_up
+    return silu_and_mul(gate_up) if glu == "silu" else activation.gelu_tanh_and_mul(gate_up)
+
+
+def folds_glu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the gate/up GEMV of x takes its activation in (`linear(..., glu=)`): one row the
+    GEMV takes, under a fusion policy with the GLU epilogue on."""
+    return fusion.policy().glu_epilogue and _gemv_takes(x, weight, weight.shape[1])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           glu: str | None = None) -> torch.Tensor:
     """See `hibana_kernels.matmul.linear`."""
     if not _gemv_takes(x, weight, x.shape[-1]):
-        return F.linear(x, weight, bias)
+        return _activated(F.linear(x, weight, bias), glu)
     n, k = weight.shape
-    return linear_launch(x, weight, bias, *gemv_config(1, n, k))
+    inside = glu if fusion.policy().glu_epilogue else None
+    return _activated(linear_launch(x, weight, bias, *gemv_config(1, n, k), glu=inside), glu if inside is None else None)
 
 
 def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                    eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    glu: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """See `hibana_kernels.matmul.rms_norm_linear`: one launch for one row where the fusion
     policy takes the layer's width, else the norm kernel and `linear`."""
     n, k = weight.shape
     if (_gemv_takes(x, weight, k) and fusion.policy().norm_linear(k) and norm_weight.dtype == x.dtype
             and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))):
-        return rms_norm_linear_launch(x, residual, norm_weight, eps, weight, bias,
-                                      *(_norm_gemv_tiles or _whole_rows_config(n, k)))
+        inside = glu if fusion.policy().glu_epilogue else None
+        y, residual = rms_norm_linear_launch(x, residual, norm_weight, eps, weight, bias,
+                                             *(_norm_gemv_tiles or _whole_rows_config(n, k)), glu=inside)
+        return _activated(y, glu if inside is None else None), residual
     if residual is None:
-        return linear(norm_triton.rms_norm(x, norm_weight, eps), weight, bias), x
+        return linear(norm_triton.rms_norm(x, norm_weight, eps), weight, bias, glu), x
     normed, residual = norm_triton.fused_add_rms_norm(x, residual, norm_weight, eps)
-    return linear(normed, weight, bias), residual
+    return linear(normed, weight, bias, glu), residual
 
 
 def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,

@@ -10,6 +10,7 @@ Shapes are small: the interpreter runs each program in Python.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import math
@@ -634,6 +635,61 @@ def check_silu_and_mul_linear(device, dtype, rows, n, k, bias, tiles):
     torch.testing.assert_close(out, separate, **TOLERANCE[dtype])
 
 
+def check_linear_glu(device, dtype, rows, n, k, bias, tiles, glu, normed):
+    """The gate/up GEMV ([2n, k] weight) with the activation in its epilogue, plain or after the
+    norm (with a residual), through the dispatcher (`tiles` None) or forced on those tiles:
+    against the same GEMV activated separately (same tiles, so the same sums: silu's result is
+    exact, tanh gelu's within its tanh) and against the references in float64."""
+    triton_matmul = _triton_module("matmul")
+    gen, x, w, b = _fused_inputs(dtype, device, rows, 2 * n, k, bias, seed=rows * n + k + normed)
+    res = torch.randn(rows, k, generator=gen).to(dtype).to(device)
+    nw = (1 + torch.randn(k, generator=gen) / 4).to(dtype).to(device)
+    epilogue, separate = (dataclasses.replace(fusion.AUTO, glu_epilogue=on) for on in (True, False))
+
+    def run(inside: bool):
+        if tiles is None:
+            with fusion.using(epilogue if inside else separate):
+                if normed:
+                    return triton_matmul.rms_norm_linear(x, res, nw, 1e-6, w, b, glu)[0]
+                return triton_matmul.linear(x, w, b, glu)
+        if normed:
+            y = triton_matmul.rms_norm_linear_launch(x, res, nw, 1e-6, w, b, *tiles[:3], glu=glu if inside else None)[0]
+        else:
+            y = triton_matmul.linear_launch(x, w, b, *tiles[:3], unroll=tiles[3:] == (True,), glu=glu if inside else None)
+        return y if inside else triton_matmul._activated(y, glu)
+
+    out = run(inside=True)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    inputs = norm.fused_add_rms_norm(x, res, nw, 1e-6)[0] if normed else x
+    ref = matmul.linear(inputs.double(), w.double(), None if b is None else b.double(), glu)
+    tolerance = dict(atol=0.1, rtol=2e-2) if device == "cpu" and dtype == torch.bfloat16 else TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), ref, **tolerance)
+    exact = _exact(device, dtype) if glu == "silu" else TOLERANCE[dtype]
+    torch.testing.assert_close(out, run(inside=False), **exact)
+
+
+def check_glu_dispatch(device):
+    """One bf16 row takes the activation into the gate/up GEMV under a policy with the epilogue
+    on (no activation launch), the separate kernel under one without it; two rows never."""
+    triton_matmul = _triton_module("matmul")
+    calls = []
+    original = triton_matmul.silu_and_mul
+    triton_matmul.silu_and_mul = lambda gate_up: calls.append(gate_up.shape[0]) or original(gate_up)
+    try:
+        _, x, w, _ = _fused_inputs(torch.bfloat16, device, 2, 48, 64, False, seed=2)
+        on = dataclasses.replace(fusion.AUTO, glu_epilogue=True)
+        for policy, rows, separate in ((on, 1, []), (fusion.OFF, 1, [1]), (on, 2, [2])):
+            calls.clear()
+            with fusion.using(policy):
+                assert triton_matmul.folds_glu(x[:rows], w) == (not separate), (policy, rows)
+                assert triton_matmul.linear(x[:rows], w, glu="silu").shape == (rows, 24)
+            assert calls == separate, (policy, rows, calls)
+        with fusion.using(on):
+            assert not triton_matmul.folds_glu(x[:1].float(), w.float())
+    finally:
+        triton_matmul.silu_and_mul = original
+
+
 def check_fusion_dispatch(device):
     """One bf16 row folds the norm and the activation into the GEMV under a policy that takes
     the width, and runs the separate kernels under one that does not; two rows never fold."""
@@ -1054,6 +1110,29 @@ def test_silu_and_mul_linear(run_check, dtype, rows, n, k, bias, tiles):
     if dtype == torch.float32:
         tiles = None
     run_check(check_silu_and_mul_linear, dtype=dtype, rows=rows, n=n, k=k, bias=bias, tiles=tiles)
+
+
+# (rows, n, k, bias, tiles, glu, normed): one row through the dispatcher (plain and after the
+# folded norm), an odd n (the last program's features masked), forced tiles of two and four
+# rows, the steps written out, K > 4096 (steps of 4096, the last masked), three rows through the
+# kernel, and two rows the dispatcher leaves to F.linear and the separate activation
+GLU_CASES = [(1, 48, 64, False, None, "silu", False), (1, 37, 100, True, None, "silu", False),
+             (1, 36, 64, True, None, "gelu_tanh", True), (1, 33, 96, False, (2, 32, 4), "silu", True),
+             (1, 40, 300, True, (4, 128, 4), "gelu_tanh", False), (1, 24, 300, True, (2, 128, 4, True), "silu", False),
+             (1, 20, 4500, False, None, "gelu_tanh", False), (3, 24, 64, True, (4, 64, 4), "silu", False),
+             (2, 40, 64, False, None, "silu", True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows, n, k, bias, tiles, glu, normed", GLU_CASES,
+                         ids=[f"rows{c[0]}-n{c[1]}-k{c[2]}-{c[5]}" + ("-bias" if c[3] else "")
+                              + ("-tiles" if c[4] else "") + ("-normed" if c[6] else "") for c in GLU_CASES])
+def test_linear_glu(run_check, dtype, rows, n, k, bias, tiles, glu, normed):
+    run_check(check_linear_glu, dtype=dtype, rows=rows, n=n, k=k, bias=bias, tiles=tiles, glu=glu, normed=normed)
+
+
+def test_glu_dispatch(run_check):
+    run_check(check_glu_dispatch)
 
 
 def test_fusion_dispatch(run_check):

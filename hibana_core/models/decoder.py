@@ -24,7 +24,8 @@ from hibana_core.forward_context import ForwardContext
 from hibana_core.models.moe import Experts, MoEArgs, SparseMoE
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+GLU = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # a config's hidden_act -> the kernels' GLU name
+ACTIVATIONS = tuple(GLU)
 
 
 @dataclass(frozen=True)
@@ -360,17 +361,16 @@ class Linear(nn.Linear):
             return kernels.linear_fp8(x, self.qweight, self.scales, self.block, self.bias)
         return kernels.linear_int4(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
 
-    def after_norm(self, norm: RMSNorm, x: torch.Tensor,
-                   residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def after_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
+                   glu: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(norm(x + residual)), x + residual); without a residual (self(norm(x)), x).
         A dense weight after a fusable norm takes `kernels.rms_norm_linear`, one launch where
-        the GEMV folds the norm in."""
+        the GEMV folds the norm in. `glu` (a dense fused gate/up weight): act(gate) * up of the
+        projection (`kernels.linear`'s glu)."""
         if self.kind == "dense" and norm.fusable:
-            return kernels.rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
-        if residual is None:
-            return self(norm(x)), x
-        x, residual = norm(x, residual)
-        return self(x), residual
+            return kernels.rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, glu)
+        normed, residual = (norm(x), x) if residual is None else norm(x, residual)
+        return (self(normed) if glu is None else kernels.linear(normed, self.weight, self.bias, glu)), residual
 
     def after_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """self(silu(gate) * up) of a fused gate/up output; one launch where a dense weight's GEMV
@@ -485,8 +485,14 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor,
                 norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MLP of norm(x + residual); returns (its output, x + residual)."""
-        gate_up, residual = self.gate_up_proj.after_norm(norm, x, residual)
+        """The MLP of norm(x + residual); returns (its output, x + residual). The activation runs
+        in the gate/up GEMV's epilogue where `kernels.folds_glu` says, else after it (silu
+        folded into the down GEMV where the fusion policy takes its width)."""
+        up = self.gate_up_proj
+        if up.kind == "dense" and kernels.folds_glu(x, up.weight):
+            act, residual = up.after_norm(norm, x, residual, glu=GLU[self.activation])
+            return self.down_proj(act), residual
+        gate_up, residual = up.after_norm(norm, x, residual)
         if self.activation == "silu":
             return self.down_proj.after_silu_and_mul(gate_up), residual
         return self.down_proj(kernels.gelu_tanh_and_mul(gate_up)), residual

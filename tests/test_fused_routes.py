@@ -1,0 +1,44 @@
+"""The decoder's fused-kernel routes, taken on the CPU: the GPU decides them by device and
+fusion policy, which the CPU never meets, so here the references are told to take them and the
+engine's greedy output is held to transformers' on those routes too."""
+
+from __future__ import annotations
+
+import pytest
+
+import hibana_kernels as kernels
+from hibana_core import SamplingParams
+from hibana_kernels import matmul
+from tiny_models import assert_greedy_matches, make_tiny_checkpoint
+
+
+@pytest.mark.parametrize("arch, overrides, glu", [
+    ("llama", {}, "silu"),  # after the foldable norm: `rms_norm_linear(..., glu=)`
+    ("qwen2", dict(hidden_act="gelu_pytorch_tanh"), "gelu_tanh"),
+    ("gemma3", {}, "gelu_tanh"),  # after Gemma's norm, which does not fold: `linear(..., glu=)`
+])
+def test_the_mlp_activation_in_the_gate_up_gemv_matches_transformers(tmp_path, make_engine, monkeypatch, arch,
+                                                                     overrides, glu):
+    """Where `kernels.folds_glu` says (one decode row under a policy with the GLU epilogue), the
+    MLP asks its gate/up projection for act(gate) * up and the down projection takes that as it
+    is: the route must be taken and must give transformers' tokens."""
+    taken = []
+    linear = matmul.linear
+
+    def counted(x, weight, bias=None, glu=None):
+        taken.append(glu)
+        return linear(x, weight, bias, glu)
+
+    monkeypatch.setattr(matmul, "folds_glu", lambda x, weight: True)
+    monkeypatch.setattr(matmul, "linear", counted)
+    path = make_tiny_checkpoint(arch, tmp_path / arch, **overrides)
+    history = list(range(3, 50))
+    c = make_engine(path).open_state("a").generate(SamplingParams(max_tokens=12, ignore_eos=True), prompt=history)
+    assert glu in taken, f"the MLP never asked for {glu} in the GEMV"
+    assert_greedy_matches(path, history, c.token_ids)
+
+
+def test_no_route_folds_the_activation_on_the_cpu():
+    import torch
+
+    assert not kernels.folds_glu(torch.ones(1, 8, dtype=torch.bfloat16), torch.ones(6, 8, dtype=torch.bfloat16))
