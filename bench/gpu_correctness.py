@@ -5,7 +5,7 @@
 2. bfloat16: the demo model on the GPU gives transformers' greedy tokens for at least the first
    32 tokens of 8 prompts; at batch 1 (one prompt at a time: one-row GEMVs, CUDA graphs) with
    every kernel fusion on (`hibana_kernels.fusion`) the tokens are those with none, and agree
-   with transformers as often.
+   with transformers as often; so are those with silu in the gate/up GEMV's epilogue.
 3. speculation: on the GPU (eager, and CUDA graphs of verify steps), float32, the tiny checkpoints
    give the CPU's speculation-off greedy tokens with speculation on, 4 agents batched with mixed
    draft lengths (suffix k=4 and k=8, ngram k=2, adaptive) on histories that repeat themselves
@@ -249,9 +249,9 @@ def check_speculation() -> Iterator[tuple[str, bool, str]]:
                    f"drafts accepted")
 
 
-def one_at_a_time(prompts: list[list[int]], n: int, policy: str) -> list[list[int]]:
+def one_at_a_time(prompts: list[list[int]], n: int, policy) -> list[list[int]]:
     """Greedy tokens of the bf16 demo model, one prompt at a time (batch-1 decode graphs),
-    under a kernel-fusion policy."""
+    under a kernel-fusion policy (a name or a `hibana_kernels.fusion.Fusion`)."""
     from hibana_kernels import fusion
 
     params = SamplingParams(max_tokens=n, ignore_eos=True)
@@ -263,6 +263,8 @@ def one_at_a_time(prompts: list[list[int]], n: int, policy: str) -> list[list[in
 
 def check_bf16_demo() -> Iterator[tuple[str, bool, str]]:
     from transformers import AutoModelForCausalLM
+
+    from hibana_kernels import fusion
 
     from hibana_core.loader import DEMO_MODEL_DIR
 
@@ -281,6 +283,8 @@ def check_bf16_demo() -> Iterator[tuple[str, bool, str]]:
         spec = batched_greedy(engine, prompts, 32, MIXED_SPECULATION)
         spec_stats = engine.stats()
     single = {policy: one_at_a_time(prompts, 32, policy) for policy in ("on", "off")}
+    # silu in the gate/up GEMV's epilogue (AUTO takes it only at widths the demo does not have)
+    single["glu"] = one_at_a_time(prompts, 32, dataclasses.replace(fusion.AUTO, silu_max_k=0, glu_max_n=sys.maxsize))
 
     def greedy(model, prompt):
         ids = torch.tensor([prompt], device="cuda")
@@ -300,12 +304,15 @@ def check_bf16_demo() -> Iterator[tuple[str, bool, str]]:
     noise, noise_firsts = agreement(eager, sdpa)
     spec_same = sum(a == b for a, b in zip(spec, got))
     fused_same = sum(a == b for a, b in zip(single["on"], single["off"]))
+    glu_same = sum(a == b for a, b in zip(single["glu"], single["off"]))
     fused_hf, fused_firsts = agreement(single["on"], sdpa)
     unfused_hf, unfused_firsts = agreement(single["off"], sdpa)
     return [("bf16 demo vs transformers (sdpa), first 32 tokens", matched == len(prompts),
              f"{matched}/8 prompts equal; first difference at {firsts}"),
             ("bf16 demo batch 1, kernel fusion on vs off", fused_same == len(prompts),
              f"{fused_same}/8 prompts equal"),
+            ("bf16 demo batch 1, silu in the gate/up GEMV vs fusion off", glu_same == len(prompts),
+             f"{glu_same}/8 prompts equal"),
             ("bf16 demo batch 1 vs transformers (sdpa), fusion on / off", fused_hf >= unfused_hf,
              f"{fused_hf}/8 and {unfused_hf}/8 prompts equal; first differences at {fused_firsts} / {unfused_firsts}"),
             ("bf16 demo, speculation mixed vs off (graphs)", spec_same == len(prompts),

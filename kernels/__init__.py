@@ -114,11 +114,11 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     return impl.rms_norm_linear(x, residual, norm_weight, eps, weight, bias, glu)
 
 
-def folds_glu(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a gate/up projection of x takes its activation into the GEMV (`linear(...,
-    glu=)`): one decode row on the Triton GEMV, under a fusion policy with the GLU epilogue on.
+def folds_glu(x: torch.Tensor, weight: torch.Tensor, glu: str) -> bool:
+    """Whether a gate/up projection of x takes its activation `glu` into the GEMV (`linear(...,
+    glu=)`): one decode row on the Triton GEMV, where `hibana_kernels.fusion` takes the width.
     Then an MLP applies the activation there rather than folding it into the down GEMV."""
-    return (_triton("matmul", x) or matmul).folds_glu(x, weight)
+    return (_triton("matmul", x) or matmul).folds_glu(x, weight, glu)
 
 
 def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,

@@ -7,7 +7,7 @@ On the Triton path these run as one launch:
                                           (hidden-sized, in L2); program 0 writes the new residual
     silu_and_mul -> linear                the down GEMV applies silu(gate) * up to its input tiles
     linear -> silu_and_mul (or gelu)      or the gate/up GEMV writes act(gate) * up: a program owns
-                                          both rows of its features (glu_epilogue; the MLP then
+                                          both rows of its features (glu_max_n; the MLP then
                                           does not fold the activation into the down GEMV)
     decode attention -> split merge       the last split of a KV head to finish merges them
                                           (an atomic counter per head, reset by that program)
@@ -42,16 +42,24 @@ class Fusion:
     moe_norm_route: bool = False
     """a sparse block's norm, router GEMV and top-k in one launch (`moe_norm_route`: the last of
     the router's programs to finish picks the experts)"""
-    glu_epilogue: bool = False
-    """a gated MLP's activation (silu or tanh gelu, times up) in its gate/up GEMV's epilogue:
-    each program owns gate and up rows of the same features and writes act(gate) * up, so the
-    activation's launch (or its fold into the down GEMV) goes, and I values are written, not 2I"""
+    glu_max_n: int = 0
+    """a gated MLP's activation runs in its gate/up GEMV's epilogue (each program owns the gate
+    and up rows of its features and writes act(gate) * up: the activation's launch goes, and I
+    values are written, not 2I) for intermediate sizes up to this, silu only where the down GEMV
+    does not take it in (`silu_max_k`); tanh gelu, which has no kernel of its own (torch's gelu
+    and mul otherwise), at any size once this is not 0"""
 
     def norm_linear(self, k: int) -> bool:
         return k <= self.norm_max_k
 
     def silu_linear(self, k: int) -> bool:
         return k <= self.silu_max_k
+
+    def glu_linear(self, n: int, activation: str) -> bool:
+        """Whether a gate/up GEMV of n features takes `activation` ("silu", "gelu_tanh") in."""
+        if activation == "gelu_tanh":
+            return self.glu_max_n > 0
+        return self.silu_max_k < n <= self.glu_max_n
 
 
 # Measured on the H200 (bench/tune_decode.py --fusion, RESULTS.md 2026-12-01 second session):
@@ -64,9 +72,14 @@ class Fusion:
 # batch 1, 512 keys): qwen3-30b-a3b 360.6 -> 359.1 tok/s (96 launches a step fewer, no faster),
 # gpt-oss-20b 437.7 -> 361.7 (each of its 32 router programs normalises a 2880-wide row, and
 # the last one picks the experts alone). AUTO leaves it off.
-AUTO = Fusion(norm_max_k=2048, silu_max_k=6144, attention_merge=False, moe_norm_route=False)
+# The GLU epilogue (H200, 2026-12-03, `tune_decode.py --fusion --policies auto,auto+glu_max_n=N`,
+# batch 1, 512 keys, two runs): phi4-mini (silu, I 8192) 372.4 -> 376.3 and 369.1 -> 376.2 tok/s;
+# gemma3-12b (tanh gelu, I 15360, two torch launches a layer fewer) 136.6 -> 138.1 and 135.0 ->
+# 138.0; qwen3-8b (silu, I 12288) 222.9 -> 219.9 and 221.4 -> 219.6; qwen3-0.6b (silu already in
+# its down GEMV) 1226.7 -> 1201.0. AUTO takes silu up to 8192, gelu at every size.
+AUTO = Fusion(norm_max_k=2048, silu_max_k=6144, attention_merge=False, moe_norm_route=False, glu_max_n=8192)
 ON = Fusion(norm_max_k=sys.maxsize, silu_max_k=sys.maxsize, attention_merge=True, moe_norm_route=True,
-            glu_epilogue=True)
+            glu_max_n=sys.maxsize)
 OFF = Fusion(norm_max_k=0, silu_max_k=0, attention_merge=False)  # the launches as before
 POLICIES = {"auto": AUTO, "on": ON, "off": OFF}
 

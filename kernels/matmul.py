@@ -34,7 +34,7 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     return linear(normed, weight, bias, glu), residual
 
 
-def folds_glu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def folds_glu(x: torch.Tensor, weight: torch.Tensor, glu: str) -> bool:
     """Whether `linear(x, weight, glu=...)` takes the activation into the GEMV: never here."""
     return False
 

@@ -384,10 +384,15 @@ def _activated(gate_up: torch.Tensor, glu: str | None) -> torch.Tensor:
     return silu_and_mul(gate_up) if glu == "silu" else activation.gelu_tanh_and_mul(gate_up)
 
 
-def folds_glu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def folds_glu(x: torch.Tensor, weight: torch.Tensor, glu: str) -> bool:
     """Whether the gate/up GEMV of x takes its activation in (`linear(..., glu=)`): one row the
-    GEMV takes, under a fusion policy with the GLU epilogue on."""
-    return fusion.policy().glu_epilogue and _gemv_takes(x, weight, weight.shape[1])
+    GEMV takes, where the fusion policy takes the activation at the layer's width."""
+    return _gemv_takes(x, weight, weight.shape[1]) and fusion.policy().glu_linear(weight.shape[0] // 2, glu)
+
+
+def _inside(glu: str | None, n: int) -> str | None:
+    """The GLU a one-row GEMV of n weight rows takes in under the policy (None: none, or applied after)."""
+    return glu if glu is not None and fusion.policy().glu_linear(n // 2, glu) else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -396,7 +401,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not _gemv_takes(x, weight, x.shape[-1]):
         return _activated(F.linear(x, weight, bias), glu)
     n, k = weight.shape
-    inside = glu if fusion.policy().glu_epilogue else None
+    inside = _inside(glu, n)
     return _activated(linear_launch(x, weight, bias, *gemv_config(1, n, k), glu=inside), glu if inside is None else None)
 
 
@@ -408,7 +413,7 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     n, k = weight.shape
     if (_gemv_takes(x, weight, k) and fusion.policy().norm_linear(k) and norm_weight.dtype == x.dtype
             and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))):
-        inside = glu if fusion.policy().glu_epilogue else None
+        inside = _inside(glu, n)
         y, residual = rms_norm_linear_launch(x, residual, norm_weight, eps, weight, bias,
                                              *(_norm_gemv_tiles or _whole_rows_config(n, k)), glu=inside)
         return _activated(y, glu if inside is None else None), residual

@@ -29,7 +29,7 @@ def test_the_mlp_activation_in_the_gate_up_gemv_matches_transformers(tmp_path, m
         taken.append(glu)
         return linear(x, weight, bias, glu)
 
-    monkeypatch.setattr(matmul, "folds_glu", lambda x, weight: True)
+    monkeypatch.setattr(matmul, "folds_glu", lambda x, weight, glu: True)
     monkeypatch.setattr(matmul, "linear", counted)
     path = make_tiny_checkpoint(arch, tmp_path / arch, **overrides)
     history = list(range(3, 50))
@@ -41,4 +41,4 @@ def test_the_mlp_activation_in_the_gate_up_gemv_matches_transformers(tmp_path, m
 def test_no_route_folds_the_activation_on_the_cpu():
     import torch
 
-    assert not kernels.folds_glu(torch.ones(1, 8, dtype=torch.bfloat16), torch.ones(6, 8, dtype=torch.bfloat16))
+    assert not kernels.folds_glu(torch.ones(1, 8, dtype=torch.bfloat16), torch.ones(6, 8, dtype=torch.bfloat16), "silu")

@@ -644,7 +644,8 @@ def check_linear_glu(device, dtype, rows, n, k, bias, tiles, glu, normed):
     gen, x, w, b = _fused_inputs(dtype, device, rows, 2 * n, k, bias, seed=rows * n + k + normed)
     res = torch.randn(rows, k, generator=gen).to(dtype).to(device)
     nw = (1 + torch.randn(k, generator=gen) / 4).to(dtype).to(device)
-    epilogue, separate = (dataclasses.replace(fusion.AUTO, glu_epilogue=on) for on in (True, False))
+    epilogue = dataclasses.replace(fusion.AUTO, silu_max_k=0, glu_max_n=sys.maxsize)
+    separate = dataclasses.replace(fusion.AUTO, glu_max_n=0)
 
     def run(inside: bool):
         if tiles is None:
@@ -677,15 +678,15 @@ def check_glu_dispatch(device):
     triton_matmul.silu_and_mul = lambda gate_up: calls.append(gate_up.shape[0]) or original(gate_up)
     try:
         _, x, w, _ = _fused_inputs(torch.bfloat16, device, 2, 48, 64, False, seed=2)
-        on = dataclasses.replace(fusion.AUTO, glu_epilogue=True)
+        on = dataclasses.replace(fusion.AUTO, silu_max_k=0, glu_max_n=sys.maxsize)
         for policy, rows, separate in ((on, 1, []), (fusion.OFF, 1, [1]), (on, 2, [2])):
             calls.clear()
             with fusion.using(policy):
-                assert triton_matmul.folds_glu(x[:rows], w) == (not separate), (policy, rows)
+                assert triton_matmul.folds_glu(x[:rows], w, "silu") == (not separate), (policy, rows)
                 assert triton_matmul.linear(x[:rows], w, glu="silu").shape == (rows, 24)
             assert calls == separate, (policy, rows, calls)
         with fusion.using(on):
-            assert not triton_matmul.folds_glu(x[:1].float(), w.float())
+            assert not triton_matmul.folds_glu(x[:1].float(), w.float(), "silu")
     finally:
         triton_matmul.silu_and_mul = original
 
@@ -1133,6 +1134,17 @@ def test_linear_glu(run_check, dtype, rows, n, k, bias, tiles, glu, normed):
 
 def test_glu_dispatch(run_check):
     run_check(check_glu_dispatch)
+
+
+def test_the_glu_epilogue_takes_the_widths_it_was_measured_to_win():
+    """AUTO: silu in the gate/up GEMV from where the down GEMV stops taking it up to 8192 features
+    (phi4-mini gained, qwen3-8b's 12288 lost), tanh gelu at every width (its separate path is two
+    torch launches); OFF never."""
+    auto = fusion.AUTO
+    assert [auto.glu_linear(n, "silu") for n in (3072, auto.silu_max_k, auto.silu_max_k + 1, 8192, 12288)] == \
+        [False, False, True, True, False]
+    assert auto.glu_linear(15360, "gelu_tanh") and not fusion.OFF.glu_linear(15360, "gelu_tanh")
+    assert not fusion.OFF.glu_linear(8192, "silu")
 
 
 def test_fusion_dispatch(run_check):

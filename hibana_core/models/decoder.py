@@ -488,9 +488,9 @@ class MLP(nn.Module):
         """The MLP of norm(x + residual); returns (its output, x + residual). The activation runs
         in the gate/up GEMV's epilogue where `kernels.folds_glu` says, else after it (silu
         folded into the down GEMV where the fusion policy takes its width)."""
-        up = self.gate_up_proj
-        if up.kind == "dense" and kernels.folds_glu(x, up.weight):
-            act, residual = up.after_norm(norm, x, residual, glu=GLU[self.activation])
+        up, glu = self.gate_up_proj, GLU[self.activation]
+        if up.kind == "dense" and kernels.folds_glu(x, up.weight, glu):
+            act, residual = up.after_norm(norm, x, residual, glu)
             return self.down_proj(act), residual
         gate_up, residual = up.after_norm(norm, x, residual)
         if self.activation == "silu":
