@@ -63,6 +63,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from hibana_core import Engine, SamplingParams  # noqa: E402
+from hibana_kernels.fusion import Fusion  # noqa: E402
 from tiny_models import ARCHS, ODD_SHAPES  # noqa: E402  every family's tiny checkpoint, other shapes
 
 
@@ -249,7 +250,7 @@ def check_speculation() -> Iterator[tuple[str, bool, str]]:
                    f"drafts accepted")
 
 
-def one_at_a_time(prompts: list[list[int]], n: int, policy) -> list[list[int]]:
+def one_at_a_time(prompts: list[list[int]], n: int, policy: str | Fusion) -> list[list[int]]:
     """Greedy tokens of the bf16 demo model, one prompt at a time (batch-1 decode graphs),
     under a kernel-fusion policy (a name or a `hibana_kernels.fusion.Fusion`)."""
     from hibana_kernels import fusion
@@ -284,7 +285,7 @@ def check_bf16_demo() -> Iterator[tuple[str, bool, str]]:
         spec_stats = engine.stats()
     single = {policy: one_at_a_time(prompts, 32, policy) for policy in ("on", "off")}
     # silu in the gate/up GEMV's epilogue (AUTO takes it only at widths the demo does not have)
-    single["glu"] = one_at_a_time(prompts, 32, dataclasses.replace(fusion.AUTO, silu_max_k=0, glu_max_n=sys.maxsize))
+    single["glu"] = one_at_a_time(prompts, 32, dataclasses.replace(fusion.AUTO, silu_max_k=0, glu_silu_max_n=sys.maxsize))
 
     def greedy(model, prompt):
         ids = torch.tensor([prompt], device="cuda")

@@ -7,8 +7,8 @@ On the Triton path these run as one launch:
                                           (hidden-sized, in L2); program 0 writes the new residual
     silu_and_mul -> linear                the down GEMV applies silu(gate) * up to its input tiles
     linear -> silu_and_mul (or gelu)      or the gate/up GEMV writes act(gate) * up: a program owns
-                                          both rows of its features (glu_max_n; the MLP then
-                                          does not fold the activation into the down GEMV)
+                                          both rows of its features (glu_silu_max_n, glu_gelu;
+                                          the MLP then does not fold silu into the down GEMV)
     decode attention -> split merge       the last split of a KV head to finish merges them
                                           (an atomic counter per head, reset by that program)
     rms_norm -> router -> top-k           a sparse block's start: the router's programs each
@@ -42,12 +42,10 @@ class Fusion:
     moe_norm_route: bool = False
     """a sparse block's norm, router GEMV and top-k in one launch (`moe_norm_route`: the last of
     the router's programs to finish picks the experts)"""
-    glu_max_n: int = 0
-    """a gated MLP's activation runs in its gate/up GEMV's epilogue (each program owns the gate
-    and up rows of its features and writes act(gate) * up: the activation's launch goes, and I
-    values are written, not 2I) for intermediate sizes up to this, silu only where the down GEMV
-    does not take it in (`silu_max_k`); tanh gelu, which has no kernel of its own (torch's gelu
-    and mul otherwise), at any size once this is not 0"""
+    glu_silu_max_n: int = 0
+    """silu * up in the gate/up GEMV's epilogue for intermediate sizes above silu_max_k up to this"""
+    glu_gelu: bool = False
+    """tanh gelu * up in the gate/up GEMV's epilogue (it has no kernel of its own: torch's gelu and mul)"""
 
     def norm_linear(self, k: int) -> bool:
         return k <= self.norm_max_k
@@ -56,11 +54,14 @@ class Fusion:
         return k <= self.silu_max_k
 
     def glu_linear(self, n: int, activation: str) -> bool:
-        """Whether a gate/up GEMV of n features takes `activation` ("silu", "gelu_tanh") in."""
+        """Whether a gate/up GEMV of n features takes `activation` in: each program owns the gate
+        and up rows of its features and writes act(gate) * up (the activation's launch goes, and
+        n values are written, not 2n)."""
+        if activation == "silu":
+            return self.silu_max_k < n <= self.glu_silu_max_n
         if activation == "gelu_tanh":
-            return self.glu_max_n > 0
-        return self.silu_max_k < n <= self.glu_max_n
-
+            return self.glu_gelu
+        raise ValueError(f"no GLU epilogue for activation {activation!r}")
 
 # Measured on the H200 (bench/tune_decode.py --fusion, RESULTS.md 2026-12-01 second session):
 # at Qwen3-0.6B widths the folds save about a sixth of each pair (norm + qkv 6.3 -> 5.1 us,
@@ -72,14 +73,17 @@ class Fusion:
 # batch 1, 512 keys): qwen3-30b-a3b 360.6 -> 359.1 tok/s (96 launches a step fewer, no faster),
 # gpt-oss-20b 437.7 -> 361.7 (each of its 32 router programs normalises a 2880-wide row, and
 # the last one picks the experts alone). AUTO leaves it off.
-# The GLU epilogue (H200, 2026-12-03, `tune_decode.py --fusion --policies auto,auto+glu_max_n=N`,
-# batch 1, 512 keys, two runs): phi4-mini (silu, I 8192) 372.4 -> 376.3 and 369.1 -> 376.2 tok/s;
-# gemma3-12b (tanh gelu, I 15360, two torch launches a layer fewer) 136.6 -> 138.1 and 135.0 ->
-# 138.0; qwen3-8b (silu, I 12288) 222.9 -> 219.9 and 221.4 -> 219.6; qwen3-0.6b (silu already in
-# its down GEMV) 1226.7 -> 1201.0. AUTO takes silu up to 8192, gelu at every size.
-AUTO = Fusion(norm_max_k=2048, silu_max_k=6144, attention_merge=False, moe_norm_route=False, glu_max_n=8192)
+# The GLU epilogue (H200, 2026-12-03, `tune_decode.py --fusion`, batch 1, 512 keys, two A/B runs
+# of the epilogue on every gated MLP against AUTO without it): phi4-mini (silu, I 8192) 372.4 ->
+# 376.3 and 369.1 -> 376.2 tok/s; gemma3-12b (tanh gelu, I 15360; two torch launches a layer
+# fewer) 136.6 -> 138.1 and 135.0 -> 138.0; qwen3-8b (silu, I 12288) 222.9 -> 219.9 and 221.4 ->
+# 219.6; qwen3-0.6b (I 3072, the epilogue in place of its silu folded into the down GEMV) 1226.7
+# -> 1201.0. Gains of 1-2%, about the runs' spread but of one sign. AUTO takes silu above
+# silu_max_k up to 8192, and gelu.
+AUTO = Fusion(norm_max_k=2048, silu_max_k=6144, attention_merge=False, moe_norm_route=False, glu_silu_max_n=8192,
+              glu_gelu=True)
 ON = Fusion(norm_max_k=sys.maxsize, silu_max_k=sys.maxsize, attention_merge=True, moe_norm_route=True,
-            glu_max_n=sys.maxsize)
+            glu_gelu=True)
 OFF = Fusion(norm_max_k=0, silu_max_k=0, attention_merge=False)  # the launches as before
 POLICIES = {"auto": AUTO, "on": ON, "off": OFF}
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hibana_kernels import activation, norm
 
 
-GLU = {"silu": activation.silu_and_mul, "gelu_tanh": activation.gelu_tanh_and_mul}
+GLU_ACTIVATIONS = {"silu": activation.silu_and_mul, "gelu_tanh": activation.gelu_tanh_and_mul}
 """The activations a gate/up projection's `glu` names."""
 
 
@@ -19,7 +19,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ("silu", "gelu_tanh") the weight is a fused [gate | up] and the result act(gate) * up
     [..., N // 2], an MLP's up side."""
     y = F.linear(x, weight, bias)
-    return y if glu is None else GLU[glu](y)
+    return y if glu is None else GLU_ACTIVATIONS[glu](y)
 
 
 def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,

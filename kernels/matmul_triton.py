@@ -41,8 +41,11 @@ def _silu_mul(x_rows, offs_k, mask, K):
     return (silu * up.to(tl.float32)).to(gate.dtype)
 
 
-GLU_CODES = {"silu": 1, "gelu_tanh": 2}
-"""The GEMVs' GLU constexpr by activation: the output is act(gate) * up of a fused gate/up weight."""
+GLU_SILU = tl.constexpr(1)
+GLU_GELU_TANH = tl.constexpr(2)
+GLU_CODES = {"silu": GLU_SILU.value, "gelu_tanh": GLU_GELU_TANH.value}
+"""The GEMVs' GLU constexpr by activation (0: none): the output is act(gate) * up of a fused
+gate/up weight."""
 
 
 @triton.jit
@@ -74,7 +77,7 @@ def _store_output(y_ptr, acc, pid, offs_m, m_mask, stride_ym, N, BLOCK_N: tl.con
     dtype: tl.constexpr = y_ptr.dtype.element_ty
     if GLU:
         gate, up = tl.split(tl.reshape(acc.to(dtype).to(tl.float32), [acc.shape[0], BLOCK_N // 2, 2]))
-        if GLU == 1:
+        if GLU == GLU_SILU:
             act = gate / (1.0 + tl.exp(-gate))
         else:  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), torch's order
             act = 0.5 * gate * (1.0 + _tanh(0.7978845608028654 * (gate + 0.044715 * (gate * gate * gate))))
@@ -390,9 +393,10 @@ def folds_glu(x: torch.Tensor, weight: torch.Tensor, glu: str) -> bool:
     return _gemv_takes(x, weight, weight.shape[1]) and fusion.policy().glu_linear(weight.shape[0] // 2, glu)
 
 
-def _inside(glu: str | None, n: int) -> str | None:
-    """The GLU a one-row GEMV of n weight rows takes in under the policy (None: none, or applied after)."""
-    return glu if glu is not None and fusion.policy().glu_linear(n // 2, glu) else None
+def _inside(glu: str | None, n: int, block_n: int) -> str | None:
+    """The GLU a one-row GEMV of n weight rows, BLOCK_N a program, takes in under the policy
+    (None: none, or it is applied after: also where a program owns fewer than a gate/up pair)."""
+    return glu if glu is not None and block_n >= 2 and fusion.policy().glu_linear(n // 2, glu) else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -401,8 +405,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not _gemv_takes(x, weight, x.shape[-1]):
         return _activated(F.linear(x, weight, bias), glu)
     n, k = weight.shape
-    inside = _inside(glu, n)
-    return _activated(linear_launch(x, weight, bias, *gemv_config(1, n, k), glu=inside), glu if inside is None else None)
+    tiles = gemv_config(1, n, k)
+    inside = _inside(glu, n, tiles[0])
+    return _activated(linear_launch(x, weight, bias, *tiles, glu=inside), None if inside else glu)
 
 
 def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
@@ -413,10 +418,10 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     n, k = weight.shape
     if (_gemv_takes(x, weight, k) and fusion.policy().norm_linear(k) and norm_weight.dtype == x.dtype
             and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))):
-        inside = _inside(glu, n)
-        y, residual = rms_norm_linear_launch(x, residual, norm_weight, eps, weight, bias,
-                                             *(_norm_gemv_tiles or _whole_rows_config(n, k)), glu=inside)
-        return _activated(y, glu if inside is None else None), residual
+        tiles = _norm_gemv_tiles or _whole_rows_config(n, k)
+        inside = _inside(glu, n, tiles[0])
+        y, residual = rms_norm_linear_launch(x, residual, norm_weight, eps, weight, bias, *tiles, glu=inside)
+        return _activated(y, None if inside else glu), residual
     if residual is None:
         return linear(norm_triton.rms_norm(x, norm_weight, eps), weight, bias, glu), x
     normed, residual = norm_triton.fused_add_rms_norm(x, residual, norm_weight, eps)

@@ -5,6 +5,7 @@ engine's greedy output is held to transformers' on those routes too."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import hibana_kernels as kernels
 from hibana_core import SamplingParams
@@ -39,6 +40,4 @@ def test_the_mlp_activation_in_the_gate_up_gemv_matches_transformers(tmp_path, m
 
 
 def test_no_route_folds_the_activation_on_the_cpu():
-    import torch
-
     assert not kernels.folds_glu(torch.ones(1, 8, dtype=torch.bfloat16), torch.ones(6, 8, dtype=torch.bfloat16), "silu")

@@ -644,8 +644,8 @@ def check_linear_glu(device, dtype, rows, n, k, bias, tiles, glu, normed):
     gen, x, w, b = _fused_inputs(dtype, device, rows, 2 * n, k, bias, seed=rows * n + k + normed)
     res = torch.randn(rows, k, generator=gen).to(dtype).to(device)
     nw = (1 + torch.randn(k, generator=gen) / 4).to(dtype).to(device)
-    epilogue = dataclasses.replace(fusion.AUTO, silu_max_k=0, glu_max_n=sys.maxsize)
-    separate = dataclasses.replace(fusion.AUTO, glu_max_n=0)
+    epilogue = dataclasses.replace(fusion.AUTO, silu_max_k=0, glu_silu_max_n=sys.maxsize, glu_gelu=True)
+    separate = dataclasses.replace(fusion.AUTO, glu_silu_max_n=0, glu_gelu=False)
 
     def run(inside: bool):
         if tiles is None:
@@ -670,25 +670,35 @@ def check_linear_glu(device, dtype, rows, n, k, bias, tiles, glu, normed):
 
 
 def check_glu_dispatch(device):
-    """One bf16 row takes the activation into the gate/up GEMV under a policy with the epilogue
-    on (no activation launch), the separate kernel under one without it; two rows never."""
+    """One bf16 row takes silu and tanh gelu into the gate/up GEMV under a policy with the
+    epilogue on, plain and after the norm (folded or not): no activation launch; under one
+    without it, and for two rows, the separate activation runs once each."""
     triton_matmul = _triton_module("matmul")
     calls = []
-    original = triton_matmul.silu_and_mul
-    triton_matmul.silu_and_mul = lambda gate_up: calls.append(gate_up.shape[0]) or original(gate_up)
+    originals = triton_matmul.silu_and_mul, triton_matmul.activation.gelu_tanh_and_mul
+    triton_matmul.silu_and_mul = lambda gate_up: calls.append("silu") or originals[0](gate_up)
+    triton_matmul.activation.gelu_tanh_and_mul = lambda gate_up: calls.append("gelu_tanh") or originals[1](gate_up)
     try:
         _, x, w, _ = _fused_inputs(torch.bfloat16, device, 2, 48, 64, False, seed=2)
-        on = dataclasses.replace(fusion.AUTO, silu_max_k=0, glu_max_n=sys.maxsize)
-        for policy, rows, separate in ((on, 1, []), (fusion.OFF, 1, [1]), (on, 2, [2])):
+        nw = torch.ones(64, dtype=torch.bfloat16, device=device)
+        on = dataclasses.replace(fusion.AUTO, silu_max_k=0, glu_silu_max_n=sys.maxsize, glu_gelu=True)
+        norm_apart = dataclasses.replace(on, norm_max_k=32)
+        every = ["silu", "gelu_tanh"] * 3
+        for policy, rows, separate in ((on, 1, []), (norm_apart, 1, []), (fusion.OFF, 1, every), (on, 2, every)):
             calls.clear()
             with fusion.using(policy):
-                assert triton_matmul.folds_glu(x[:rows], w, "silu") == (not separate), (policy, rows)
-                assert triton_matmul.linear(x[:rows], w, glu="silu").shape == (rows, 24)
+                for glu in ("silu", "gelu_tanh"):
+                    assert triton_matmul.folds_glu(x[:rows], w, glu) == (not separate), (policy, rows, glu)
+                for glu in ("silu", "gelu_tanh"):
+                    assert triton_matmul.linear(x[:rows], w, glu=glu).shape == (rows, 24)
+                for residual in (x[:rows], None):
+                    for glu in ("silu", "gelu_tanh"):
+                        assert triton_matmul.rms_norm_linear(x[:rows], residual, nw, 1e-6, w, glu=glu)[0].shape == (rows, 24)
             assert calls == separate, (policy, rows, calls)
         with fusion.using(on):
             assert not triton_matmul.folds_glu(x[:1].float(), w.float(), "silu")
     finally:
-        triton_matmul.silu_and_mul = original
+        triton_matmul.silu_and_mul, triton_matmul.activation.gelu_tanh_and_mul = originals
 
 
 def check_fusion_dispatch(device):
@@ -1114,10 +1124,11 @@ def test_silu_and_mul_linear(run_check, dtype, rows, n, k, bias, tiles):
 
 
 # (rows, n, k, bias, tiles, glu, normed): one row through the dispatcher (plain and after the
-# folded norm), an odd n (the last program's features masked), forced tiles of two and four
+# folded norm), an odd n (forced tiles of 8 and 4 rows: the last program's features masked), forced tiles of two and four
 # rows, the steps written out, K > 4096 (steps of 4096, the last masked), three rows through the
 # kernel, and two rows the dispatcher leaves to F.linear and the separate activation
 GLU_CASES = [(1, 48, 64, False, None, "silu", False), (1, 37, 100, True, None, "silu", False),
+             (1, 37, 100, True, (8, 64, 4), "gelu_tanh", True), (1, 37, 64, False, (4, 64, 4), "silu", False),
              (1, 36, 64, True, None, "gelu_tanh", True), (1, 33, 96, False, (2, 32, 4), "silu", True),
              (1, 40, 300, True, (4, 128, 4), "gelu_tanh", False), (1, 24, 300, True, (2, 128, 4, True), "silu", False),
              (1, 20, 4500, False, None, "gelu_tanh", False), (3, 24, 64, True, (4, 64, 4), "silu", False),
@@ -1145,6 +1156,8 @@ def test_the_glu_epilogue_takes_the_widths_it_was_measured_to_win():
         [False, False, True, True, False]
     assert auto.glu_linear(15360, "gelu_tanh") and not fusion.OFF.glu_linear(15360, "gelu_tanh")
     assert not fusion.OFF.glu_linear(8192, "silu")
+    with pytest.raises(ValueError, match="relu"):
+        auto.glu_linear(8192, "relu")
 
 
 def test_fusion_dispatch(run_check):

@@ -24,8 +24,8 @@ from hibana_core.forward_context import ForwardContext
 from hibana_core.models.moe import Experts, MoEArgs, SparseMoE
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
-GLU = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # a config's hidden_act -> the kernels' GLU name
-ACTIVATIONS = tuple(GLU)
+KERNEL_GLU = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # a config's hidden_act -> the kernels' glu name
+ACTIVATIONS = tuple(KERNEL_GLU)
 
 
 @dataclass(frozen=True)
@@ -367,6 +367,8 @@ class Linear(nn.Linear):
         A dense weight after a fusable norm takes `kernels.rms_norm_linear`, one launch where
         the GEMV folds the norm in. `glu` (a dense fused gate/up weight): act(gate) * up of the
         projection (`kernels.linear`'s glu)."""
+        if glu is not None and self.kind != "dense":
+            raise ValueError(f"a {self.kind} weight has no GLU epilogue: apply the activation after it")
         if self.kind == "dense" and norm.fusable:
             return kernels.rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, glu)
         normed, residual = (norm(x), x) if residual is None else norm(x, residual)
@@ -488,11 +490,11 @@ class MLP(nn.Module):
         """The MLP of norm(x + residual); returns (its output, x + residual). The activation runs
         in the gate/up GEMV's epilogue where `kernels.folds_glu` says, else after it (silu
         folded into the down GEMV where the fusion policy takes its width)."""
-        up, glu = self.gate_up_proj, GLU[self.activation]
-        if up.kind == "dense" and kernels.folds_glu(x, up.weight, glu):
-            act, residual = up.after_norm(norm, x, residual, glu)
+        gate_up_proj, glu = self.gate_up_proj, KERNEL_GLU[self.activation]
+        if gate_up_proj.kind == "dense" and kernels.folds_glu(x, gate_up_proj.weight, glu):
+            act, residual = gate_up_proj.after_norm(norm, x, residual, glu)
             return self.down_proj(act), residual
-        gate_up, residual = up.after_norm(norm, x, residual)
+        gate_up, residual = gate_up_proj.after_norm(norm, x, residual)
         if self.activation == "silu":
             return self.down_proj.after_silu_and_mul(gate_up), residual
         return self.down_proj(kernels.gelu_tanh_and_mul(gate_up)), residual
