@@ -21,6 +21,10 @@
 #                                        # weights + half the rest as KV (~40 GB) while the engines run, then
 #                                        # 61 GB + the peer's cache and activations (a few GB)
 #   bash bench/run_h200.sh surgery       # batch-1 decode of qwen3-8b in bf16, w8 and w4 (issue 14)
+#   bash bench/run_h200.sh policies      # tune_decode.py --fusion at 512 keys: MODEL's (phi4-mini) batch-1 decode
+#                                        # under each of POLICIES (fusion policies and tile variants, see
+#                                        # tune_decode.py's variant; default: the norm folded at K 3072 on the
+#                                        # GEMV sweep's tiles against AUTO), the kernels of each step
 #   bash bench/run_h200.sh prologue      # the one-launch attention prologue (partial rotary, Gemma's q/k norms):
 #                                        # its kernel tests on CUDA, then tune_decode.py --skip-sweep on phi4-mini
 #                                        # (PROLOGUE_MODEL: another preset): decode with the prologue split and
@@ -133,6 +137,11 @@ case "${1:-check}" in
     model="${PROLOGUE_MODEL:-phi4-mini}"
     kernel_pytest tests/test_kernels.py -q -rs -x -p no:cacheprovider -k "rotary" 2>&1 | tail -5
     python3 bench/tune_decode.py --model "$model" --skip-sweep 2>&1 | tee "$OUT/tune_decode_$model.txt" ;;
+  policies)
+    model="${MODEL:-phi4-mini}"
+    python3 bench/tune_decode.py --model "$model" --fusion --skip-sweep --context 512 --policies \
+      "${POLICIES:-auto,auto+norm_max_k=3072;norm_gemv=4x1024x4,auto+norm_max_k=3072;norm_gemv=4x1024x8,auto+norm_max_k=3072;norm_gemv=2x1024x4}" \
+      2>&1 | tee "$OUT/policies_$model.txt" ;;
   surgery)
     python3 -m hibana_bench.cli decode --model qwen3-8b --context 512,8192 --generate 128 --systems hibana \
       --surgery w8,w4 --json "$OUT/decode_surgery_qwen3-8b.json" 2>&1 | tee "$OUT/decode_surgery_qwen3-8b.txt" ;;

@@ -105,7 +105,9 @@ slower than 8 x 256; int8's unrolled tiles 1.1-1.2x slower. Since 2026-12-03 (ni
 rows in three steps written out, where a 1024-wide step left a quarter masked): 28.4 -> 24.8 us a
 layer, qwen3-30b-a3b decode 360.2 -> 366.6 tok/s. MXFP4's direct GEMV (`_gemv`'s DIRECT, 4.8-5.3
 instructions a weight against 5.9) was no faster: 46.6 us at best (4 x 1024, 2 warps) against 49.0,
-and gpt-oss-20b's decode 9% slower at 4 or 8 x 1024 in one warp; the fp16 pairs stay."""
+and gpt-oss-20b's decode 9% slower at 4 or 8 x 1024 in one warp; the fp16 pairs stay. Split-K
+(twenty-first session, `tune_moe.py --split`): MXFP4 8 x 256 split in 2-4 48.3-51.8 us against 49.0
+unsplit, the whole gpt-oss-20b decode 436.8 -> 439.6 tok/s at best: no split by default."""
 
 
 @contextlib.contextmanager
