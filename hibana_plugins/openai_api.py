@@ -182,6 +182,8 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
     logprobs = bool(chat and request.logprobs)
     if chat and request.top_logprobs and not logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    if isinstance(request.stop, list) and not all(request.stop):  # (a lone "" is no stop, as `stop or ()` reads it)
+        raise ApiError(400, "stop: each stop string needs at least one character", "stop")
     if request.stream_options is not None and not request.stream:  # as OpenAI refuses it
         raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
     params = SamplingParams(

@@ -83,7 +83,7 @@ class ServerConfig:
             raise ConfigError("the served model name must not be empty")
         if self.api_key is not None and not self.api_key.strip():  # it would take an empty bearer token
             raise ConfigError("the API key must not be empty or blank; leave it unset to want none")
-        if self.max_body_bytes <= 0 or any(limit is not None and limit <= 0
+        if self.max_body_bytes <= 0 or any(limit is not None and not limit > 0  # NaN is not positive either
                                            for limit in (self.max_tokens_limit, self.request_timeout)):
             raise ConfigError("max_body_bytes, max_tokens_limit and request_timeout must be positive")
         if self.shutdown_timeout is not None and not self.shutdown_timeout >= 0:
@@ -411,6 +411,9 @@ async def sse(endpoint: str, reply: Reply, choices: AsyncIterator[tuple[int, lis
                 metrics.requests.labels(endpoint, "stream_error").inc()
                 yield pending + events(api_error(exc).body())
                 return
+            except (GeneratorExit, asyncio.CancelledError):  # the client went away: counted as when not streamed
+                metrics.requests.labels(endpoint, "499").inc()
+                raise
     if len(results) == turns:
         ordered = [results[index] for index in range(turns)]
         for result in ordered:
@@ -490,9 +493,15 @@ async def read_json(request: Request, limit: int) -> Any:
             raise ApiError(413, f"the request body is more than this server's limit of {limit} bytes",
                            code="request_too_large")
     try:
-        return json.loads(body)
+        return json.loads(body, parse_constant=not_json)
     except (ValueError, RecursionError) as exc:
         raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+
+
+def not_json(name: str) -> Any:
+    """Python's json reads NaN and Infinity, which JSON has not (a NaN temperature passed the range
+    checks' wording as "less than or equal to 2"): refused as the invalid JSON they are."""
+    raise ValueError(f"{name} is not a JSON value")
 
 
 # --- hibana serve ---------------------------------------------------------------------------------

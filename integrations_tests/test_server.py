@@ -338,9 +338,13 @@ def wait_until_free(client, pinned: dict) -> None:
             time.sleep(0.05)
 
 
-def test_a_client_gone_mid_stream_cancels_its_turn(client, engine):
+def test_a_client_gone_mid_stream_cancels_its_turn(client, engine, base_url):
+    """The connection goes mid-stream: the turn stops, lets its state go and is counted as a 499,
+    as a non-streamed request whose client left (/metrics once left abandoned streams out)."""
     pinned = {"X-Hibana-State": "gone-1"}
     before = engine.stats().generated_tokens
+    closed = 'hibana_requests_total{endpoint="/v1/chat/completions",status="499"}'
+    closed_before = scrape(base_url).get(closed, 0)
     stream = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Count."}],
                                             max_tokens=500, stream=True, response_format=LONG_LIST,
                                             extra_headers=pinned)
@@ -348,6 +352,10 @@ def test_a_client_gone_mid_stream_cancels_its_turn(client, engine):
     stream.close()  # the connection goes: the turn must stop and let the state go
     wait_until_free(client, pinned)
     assert engine.stats().generated_tokens - before < 500  # cancelled short of its length (and 2 for the probe)
+    deadline = time.monotonic() + 30
+    while scrape(base_url).get(closed, 0) != closed_before + 1:
+        assert time.monotonic() < deadline, "the abandoned stream was never counted as a 499"
+        time.sleep(0.02)
 
 
 def test_a_client_gone_mid_stream_cancels_every_choice(client, engine):
@@ -496,6 +504,9 @@ def test_a_wrong_or_missing_key_is_refused(base_url):
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "sometimes"}',
      "tool_choice"),
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "temprature": 0.5}', "temprature"),
+    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', None),  # not JSON
+    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "presence_penalty": -Infinity}', None),
+    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "stop": ["\\n", ""]}', "stop"),
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}', "top_logprobs"),
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21}',
      "top_logprobs"),
@@ -865,6 +876,8 @@ def test_the_api_key_comes_from_the_environment_too(monkeypatch):
     assert server.build_parser().parse_args(["demo"]).api_key is None
     with pytest.raises(ConfigError, match="API key must not be empty"):  # nor a key that is the empty bearer token
         ServerConfig("demo", api_key=" ")
+    with pytest.raises(ConfigError, match="must be positive"):  # `--request-timeout nan` once served with it
+        ServerConfig("demo", request_timeout=float("nan"))
 
 
 def test_engine_options_from_the_command_line():
