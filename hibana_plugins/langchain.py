@@ -255,8 +255,11 @@ class _Call:
                 "input_token_details": {"cache_read": usage.cached_tokens}}
 
     def response_metadata(self, result: TurnResult) -> dict:
+        reason = result.finish_reason
+        if self.as_content and reason == "tool_calls":
+            reason = "stop"  # the call's arguments are the content: the message has no tool calls
         metadata = {"model_name": self.model_name, "model_provider": PROVIDER,
-                    "finish_reason": result.finish_reason, "state_id": self.served_by}
+                    "finish_reason": reason, "state_id": self.served_by}
         if result.error:
             metadata["tool_call_error"] = result.error
         logprobs = self.chat.openai_logprobs(result)

@@ -223,6 +223,10 @@ def test_structured_output_include_raw(llm):
     out = llm.with_structured_output(Book, method="json_schema", include_raw=True).invoke(BOOK)
     assert isinstance(out["raw"], AIMessage) and json.loads(out["raw"].content)["year"] == 1987
     assert out["parsed"].author == "Maya Tanaka" and out["parsing_error"] is None
+    # the answer is the content, not a call: a turn that calls no tool, as OpenAI's json_schema reply
+    assert out["raw"].tool_calls == [] and out["raw"].response_metadata["finish_reason"] == "stop"
+    bound = llm.with_structured_output(Book, method="json_schema").first  # the chat model, bound
+    assert list(bound.stream(BOOK))[-1].response_metadata["finish_reason"] == "stop"
 
 
 class Author(BaseModel):
