@@ -550,6 +550,29 @@ def test_bad_requests_get_openai_shaped_400s(base_url, body, param):
     assert reply["error"]["param"] == param
 
 
+def nested_schema(levels: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+@pytest.mark.parametrize("asked", [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": nested_schema(400)}}},
+    {"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": nested_schema(400)}}]},
+])
+def test_a_body_nested_too_deep_is_a_400_not_a_500(base_url, asked):
+    """A schema 400 levels deep ran the schema checks out of stack: a 500. The body's nesting is
+    bounded as its size is; a schema nested within it is served."""
+    status, reply = post(base_url, json.dumps({"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+                                               "max_tokens": 2, **asked}).encode())
+    assert status == 400 and "levels deep" in reply["error"]["message"], reply
+    within = {"type": "json_schema", "json_schema": {"name": "deep", "schema": nested_schema(60)}}
+    status, reply = post(base_url, json.dumps({"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+                                               "max_tokens": 2, "response_format": within}).encode())
+    assert status == 200, reply
+
+
 def test_top_logprobs_past_twenty_is_out_of_range_not_unsupported(base_url):
     status, reply = post(base_url, json.dumps({"model": "demo", "messages": [{"role": "user", "content": "hi"}],
                                                "logprobs": True, "top_logprobs": 21}).encode())
