@@ -24,6 +24,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from hibana_bench import coldstart, grammar_overhead, serve_load
+from hibana_bench.argtypes import count as _count
+from hibana_bench.argtypes import counts as _counts
+from hibana_bench.argtypes import latency as _latency
+from hibana_bench.argtypes import seconds as _seconds
 from hibana_bench.models import PRESETS, load_bench_model
 from hibana_bench.spec_systems import SPEC_SYSTEMS, BenchError
 from hibana_bench.traces import TraceError
@@ -40,34 +44,6 @@ ALL_SYSTEMS = ", ".join(dict.fromkeys(TRACE_SYSTEMS + DECODE_SYSTEMS + AGENT_SYS
 # the systems each workload runs (a trace runs the speculation systems and reports the rest skipped)
 WORKLOAD_SYSTEMS = {"decode": tuple(dict.fromkeys(TRACE_SYSTEMS + DECODE_SYSTEMS)),
                     "agents": tuple(dict.fromkeys(TRACE_SYSTEMS + AGENT_SYSTEMS + ("hibana_recompute",)))}
-
-
-def _count(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _latency(text: str) -> tuple[float, float]:
-    """An argparse type: "LO" or "LO,HI" seconds, 0 <= LO <= HI."""
-    try:
-        parts = [float(p) for p in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not LO or LO,HI in seconds") from None
-    lo, hi = (parts[0], parts[0]) if len(parts) == 1 else parts if len(parts) == 2 else (-1.0, -1.0)
-    if not 0 <= lo <= hi or hi != hi:
-        raise argparse.ArgumentTypeError(f"{text!r}: want LO or LO,HI seconds with 0 <= LO <= HI")
-    return lo, hi
-
-
-def _counts(text: str) -> list[int]:
-    """An argparse type: comma-separated integers >= 1."""
-    return [_count(part.strip()) for part in text.split(",") if part.strip()] or [_count(text)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--client-processes", type=_count, default=1,
                        help="processes the HTTP clients are spread over, one openai SDK event loop each "
                        "(default 1; on a fast GPU one loop parsing every client's chunks can pace the run)")
-    serve.add_argument("--switch-interval", type=float, default=None,
+    serve.add_argument("--switch-interval", type=_seconds, default=None,
                        help="sys.setswitchinterval for this process, both runs (default: Python's, 5 ms): how "
                        "long a thread waiting for the GIL (the engine's step loop) may wait for the one holding it")
     return parser
@@ -146,9 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[torch.device, list[str]]:
     """The device and the systems to run, or exit with a usage error (status 2) for options that
-    cannot work: unknown systems or surgery passes, a device this machine lacks, a model that
-    is neither a preset nor a checkpoint that can be found, histories longer than the model's
-    context. Runs before anything loads."""
+    cannot work: unknown systems or surgery passes, a trace that cannot be read, a device this
+    machine lacks, a model that is neither a preset nor a checkpoint that can be found, histories
+    longer than the model's context. Runs before anything loads."""
     from hibana_core import HibanaError
     from hibana_core.engine import resolve_device
 
@@ -157,6 +133,8 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     except HibanaError as exc:
         parser.error(f"--device: {exc}")
     if args.workload == "grammar":
+        if args.tokenizer is not None and not args.tokenizer.is_dir():
+            parser.error(f"--tokenizer: {str(args.tokenizer)!r} is not a directory; give a tokenizer's folder")
         _check_model(parser, args.model)
         return device, []
     if args.workload == "serve":
@@ -169,6 +147,13 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if unknown:
         parser.error(f"unknown system(s) for {args.workload}{' --trace' if args.trace else ''}: "
                      f"{', '.join(unknown)}; known: {', '.join(known)}")
+    if args.trace:  # a bad trace fails before the cold start and the loads
+        from hibana_bench.traces import load_trace
+
+        try:
+            load_trace(args.trace)
+        except TraceError as exc:
+            parser.error(f"--trace: {exc}")
     if args.workload == "agents" and args.trace and (args.tool_latency or args.device_kv_agents):
         parser.error("--tool-latency and --device-kv-agents apply to the random workload, not to --trace")
     bad_fusion = [f for f in getattr(args, "fusion", "auto").split(",") if f not in FUSION_POLICIES]

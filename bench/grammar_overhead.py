@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from hibana_bench.argtypes import count, counts, seconds
 from hibana_core import SamplingParams
 
 SCHEMA = {"type": "array", "minItems": 64, "items": {"type": "object", "properties": {
@@ -47,13 +48,13 @@ SCHEMA = {"type": "array", "minItems": 64, "items": {"type": "object", "properti
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch", default="1,32",
+    parser.add_argument("--batch", type=counts, default=[1, 32],
                         help="comma-separated numbers of agents decoding at once (default 1,32)")
-    parser.add_argument("--generate", type=int, default=128, help="tokens per agent (default 128)")
-    parser.add_argument("--prompt", type=int, default=256, help="prompt tokens per agent (default 256)")
-    parser.add_argument("--repeats", type=int, default=5,
+    parser.add_argument("--generate", type=count, default=128, help="tokens per agent (default 128)")
+    parser.add_argument("--prompt", type=count, default=256, help="prompt tokens per agent (default 256)")
+    parser.add_argument("--repeats", type=count, default=5,
                         help="constrained/unconstrained pairs timed back to back; medians reported (default 5)")
-    parser.add_argument("--switch-interval", type=float, metavar="SECONDS",
+    parser.add_argument("--switch-interval", type=seconds, metavar="SECONDS",
                         help="the process's GIL switch interval while the engine runs (default: the engine's "
                         "own, hibana_core.engine_core.SWITCH_INTERVAL; 0.005 is Python's default)")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer directory for a preset (default: build one "
@@ -259,7 +260,7 @@ def run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> d
 
         path = args.tokenizer or build_big_tokenizer(Path("/tmp/hibana-qwen3-size-tokenizer"))
         model.tokenizer = load_tokenizer(Path(path))
-    return grammar_workload(model, [int(b) for b in args.batch.split(",")], args.generate, args.prompt,
+    return grammar_workload(model, args.batch, args.generate, args.prompt,
                             args.repeats, args.switch_interval, args.profile)
 
 

@@ -159,6 +159,17 @@ BENCH_USAGE_ERRORS = [
     (["agents", "--model", "demo", "--turns", "20"], "an agent's history reaches 2432 tokens"),
     (["serve", "--model", "/no/such/checkpoint"], "--model: checkpoint directory '/no/such/checkpoint' does not"),
     (["serve", "--clients", "0"], "argument --clients: must be at least 1"),
+    # these were tracebacks after the model loaded (grammar, serve) or came after the cold start (--trace)
+    (["grammar", "--batch", "x"], "argument --batch: 'x' is not an integer"),
+    (["grammar", "--batch", "1,0"], "argument --batch: must be at least 1, got 0"),
+    (["grammar", "--generate", "0"], "argument --generate: must be at least 1"),
+    (["grammar", "--prompt", "-1"], "argument --prompt: must be at least 1"),
+    (["grammar", "--repeats", "0"], "argument --repeats: must be at least 1"),
+    (["grammar", "--switch-interval", "-1"], "argument --switch-interval: must be more than 0 seconds"),
+    (["grammar", "--tokenizer", "/no/such/tokenizer"], "--tokenizer: '/no/such/tokenizer' is not a directory"),
+    (["serve", "--switch-interval", "0"], "argument --switch-interval: must be more than 0 seconds"),
+    (["decode", "--trace", "nosuch"], "--trace: no trace file 'nosuch'"),
+    (["agents", "--trace", "nosuch"], "--trace: no trace file 'nosuch'"),
 ]
 
 
