@@ -80,6 +80,22 @@ def _scalar_fields(cls: type) -> tuple[tuple[str, tuple[type, ...], bool], ...]:
 EVICTION_POLICIES = ("lru", "tool_aware")  # hibana_core.kv.policies.POLICIES
 
 
+MAX_JSON_DEPTH = 128
+"""Levels of objects and arrays a schema (or a request body) may nest: the grammar's schema checks
+and chat templates recurse through them, and 200-400 levels ran them out of stack."""
+
+
+def nests_deeper(value: Any, limit: int) -> bool:
+    """Whether `value` nests dicts and lists more than `limit` levels deep (a walk without recursion)."""
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache."""
@@ -496,12 +512,16 @@ class SamplingParams:
         elif isinstance(schema, str):
             try:
                 schema = json.loads(schema)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise GrammarError(f"json_schema is a string but not JSON ({exc}); pass the schema as a dict "
                                    "or its JSON text") from None
         if schema is not None and not isinstance(schema, (dict, bool)):
             raise GrammarError(f"json_schema must be a JSON schema (a dict, its JSON text, or a type: a pydantic "
                                f"model, a TypedDict, a dataclass), got {type(schema).__name__}")
+        if nests_deeper(schema, MAX_JSON_DEPTH) or nests_deeper(self.grammar, MAX_JSON_DEPTH):
+            raise GrammarError(f"the {'json_schema' if schema is not None else 'structural tag'} nests objects and "
+                               f"arrays more than {MAX_JSON_DEPTH} levels deep, more than the grammar's checks take; "
+                               "flatten it (a $ref to a shared definition instead of nesting it again)")
         object.__setattr__(self, "json_schema", schema)
         if self.regex is not None and not self.regex:
             raise GrammarError("regex is empty; pass a regular expression, or None for no constraint")

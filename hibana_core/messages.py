@@ -12,6 +12,7 @@ import json
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
+from hibana_core.config import MAX_JSON_DEPTH, nests_deeper
 from hibana_core.errors import (ConversationError, GrammarError, HibanaError, ToolChoiceError,
                                 ToolSchemaError, UnsupportedContentError)
 from hibana_plugins.hookspecs import ToolCall
@@ -154,6 +155,10 @@ def _normalize_tool(i: int, tool: Any) -> dict:
                               "arguments are a JSON object: give {'type': 'object', 'properties': {...}}")
     _check_json(dict(function), lambda exc: ToolSchemaError(f"tool {name!r} is not JSON ({exc}); a schema that "
                                                             "refers to itself must do so with $ref"))
+    if nests_deeper(parameters, MAX_JSON_DEPTH):
+        raise ToolSchemaError(f"tool {name!r} has parameters nesting objects and arrays more than {MAX_JSON_DEPTH} "
+                              "levels deep, more than the grammar's checks take; flatten them (a $ref to a shared "
+                              "definition instead of nesting it again)")
     if function.get("strict") is True and parameters is not None:
         _check_enforceable(name, parameters)
     return tool if wrapped and tool.get("type") == "function" else {"type": "function", "function": function}

@@ -48,6 +48,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hibana_core import turn
 from hibana_core.chat import Chat, TokenIds
+from hibana_core.config import MAX_JSON_DEPTH, nests_deeper
 from hibana_core.engine_core import STEP_TIME_BUCKETS
 from hibana_core.errors import (ChatTimeoutError, ConfigError, ContextLengthError, EngineClosedError, GrammarError,
                                 HibanaError, InvalidTokenError, QueueTimeoutError, StateBusyError)
@@ -64,8 +65,6 @@ log = logging.getLogger("hibana.server")
 T = TypeVar("T")
 API_KEY_ENV = "HIBANA_API_KEY"
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
-MAX_JSON_DEPTH = 128  # levels of objects and arrays a body may nest: the schema checks and the chat template
-#                      recurse through them, and a schema nested 200 levels deep ran out of stack (a 500)
 
 
 @dataclass(frozen=True)
@@ -502,18 +501,6 @@ async def read_json(request: Request, limit: int) -> Any:
         raise ApiError(400, f"the request body nests objects and arrays more than {MAX_JSON_DEPTH} levels deep, "
                             "more than this server takes; flatten it")
     return value
-
-
-def nests_deeper(value: Any, limit: int) -> bool:
-    """Whether `value` nests objects and arrays more than `limit` levels deep (a walk without recursion)."""
-    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
-    while stack:
-        node, depth = stack.pop()
-        if depth > limit:
-            return True
-        children = node.values() if isinstance(node, dict) else node
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return False
 
 
 def not_json(name: str) -> Any:

@@ -1043,6 +1043,35 @@ def test_tools_a_call_cannot_name_or_fill_are_refused(engine):
         chat.respond([{"role": "user", "content": "hi"}], [tool("s", {"type": "string"})], tool_choice="required")
 
 
+def _nested(levels: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def test_a_schema_nested_past_the_checks_depth_is_refused_and_the_engine_serves_on(engine):
+    """A json_schema (as a dict or its text), a structural tag or a tool's parameters nested 400
+    levels deep ran the grammar's schema checks out of stack: a bare RecursionError from generate.
+    Refused when given, saying how deep they may go (dicts and lists: a nested object is two); 60
+    levels of objects still serve."""
+    from hibana_core.errors import ToolSchemaError
+
+    deep = _nested(400)
+    for schema in (deep, json.dumps(deep)):
+        with pytest.raises(GrammarError, match="more than 128 levels deep"):
+            SamplingParams(max_tokens=4, json_schema=schema)
+    with pytest.raises(GrammarError, match="structural tag nests"):
+        SamplingParams(max_tokens=4, grammar={"type": "structural_tag", "format": deep})
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    with pytest.raises(ToolSchemaError, match="more than 128 levels deep"):
+        engine.chat("deep").respond([{"role": "user", "content": "hi"}], [tool])
+    state = engine.open_state("deep-ok")
+    out = state.generate(SamplingParams(max_tokens=40, json_schema=_nested(60)), prompt=[5, 6, 7])
+    assert out.text.startswith('{"a":'), out.text
+    state.close()
+
+
 def test_options_that_contradict_the_tool_choice_or_the_prefill_are_refused(engine):
     """A forced call beside a regex or grammar that takes the whole output, and a prefill beside a
     grammar that starts at the turn's first token (it would not see the prefill)."""
