@@ -189,8 +189,19 @@ def test_demo_reports_a_model_it_cannot_load(offline_hub, capsys):
     from hibana_core.demo.run import main
 
     assert main(["--model", "acme/absent", "--no-live"]) == 1
-    out = capsys.readouterr().out
-    assert "hibana demo:" in out and "hf download acme/absent" in out
+    out, err = capsys.readouterr()
+    assert "hibana demo:" in err and "hf download acme/absent" in err and not out, (out, err)
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_demo_refuses_turns_of_no_tokens(value, capsys):
+    """Before anything loads; --max-tokens 0 ran every agent's tasks generating nothing."""
+    from hibana_core.demo.run import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--max-tokens", value, "--no-live"])
+    assert e.value.code == 2
+    assert f"--max-tokens must be at least 1, got {value}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", ["suffix:x", "suffix:", "suffix:-1", "ngram:4:5"])

@@ -220,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="demo", help="checkpoint directory or Hugging Face repo id (default: the "
                    "bundled demo model; the tasks need a model trained on them)")
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
-    p.add_argument("--max-tokens", type=int, default=160, help="most tokens per model turn")
+    p.add_argument("--max-tokens", type=int, default=160, help="most tokens per model turn (default 160)")
     p.add_argument("--no-live", action="store_true", help="no live view, only the final table")
     p.add_argument("--speculation", default="adaptive", type=parse_speculation,
                    help='"adaptive" (default), "off", or METHOD[:K] (e.g. suffix:4, ngram)')
@@ -237,6 +237,8 @@ def main(argv=None, started: float | None = None) -> int:
     args = p.parse_args(argv)
     if args.agents < 1 or args.tasks < 1:
         p.error("--agents and --tasks must be at least 1")
+    if args.max_tokens < 1:  # a turn of no tokens solves nothing (the adapters and the server refuse 0 too)
+        p.error(f"--max-tokens must be at least 1, got {args.max_tokens}")
     from rich.console import Console
     from rich.live import Live
 
@@ -247,7 +249,7 @@ def main(argv=None, started: float | None = None) -> int:
         cold, engine = measure(args.model, started, device=args.device, progress=sys.stderr.isatty(),
                                speculation=args.speculation)
     except HibanaError as exc:
-        console.print(f"hibana demo: {exc}", markup=False)
+        print(f"hibana demo: {exc}", file=sys.stderr)  # as every command's errors: not in the output
         return 2 if isinstance(exc, ConfigError) else 1  # an option's value: a usage error
     with engine:
         if console.is_terminal and not args.no_live:
