@@ -63,6 +63,10 @@ class SamplingRequest(BaseModel):
     n: int | None = Field(None, ge=1)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    # vLLM's extra sampling fields (OpenAI has none of them; clients send them in extra_body)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: every token
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
     user: str | None = Field(None, max_length=MAX_STATE_ID)
     logit_bias: dict[str, Any] | None = None  # refused when given (`chat_call`)
 
@@ -192,6 +196,8 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
         top_p=_given(request.top_p, 1.0), seed=request.seed, stop=request.stop or (),
         presence_penalty=_given(request.presence_penalty, 0.0),
         frequency_penalty=_given(request.frequency_penalty, 0.0),
+        top_k=max(_given(request.top_k, 0), 0), min_p=_given(request.min_p, 0.0),
+        repetition_penalty=_given(request.repetition_penalty, 1.0),
         json_schema=response_schema(request.response_format) if chat else None,
         logprobs=logprobs, top_logprobs=(request.top_logprobs or 0) if logprobs else 0)
     explicit = state_header or request.user

@@ -259,6 +259,26 @@ def test_seeded_sampling_repeats(client):
     assert replies[0] == replies[1] and replies[0] != replies[2]
 
 
+def test_vllm_sampling_fields_in_extra_body_sample_as_asked(client):
+    """vLLM's top_k, min_p and repetition_penalty (sent in extra_body) were a 400 "Unrecognized
+    request argument"; they sample now: top_k=1 or min_p=1 at a high temperature is the greedy
+    reply, a repetition penalty changes it, and out-of-range values are 400s."""
+    import openai
+
+    ask = dict(model="demo", messages=[{"role": "user", "content": "Tell me something."}], max_tokens=24)
+    greedy = client.chat.completions.create(**ask).choices[0].message.content
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):
+        reply = client.chat.completions.create(**ask, temperature=1.5, seed=3, extra_body=extra)
+        assert reply.choices[0].message.content == greedy, extra
+    assert client.chat.completions.create(**ask, temperature=1.5, seed=3, extra_body={"top_k": -1}) \
+        .choices[0].message.content != greedy
+    penalized = client.chat.completions.create(**ask, extra_body={"repetition_penalty": 2.0})
+    assert penalized.choices[0].message.content != greedy
+    for bad in ({"top_k": -2}, {"min_p": 1.5}, {"repetition_penalty": 0}):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(**ask, extra_body=bad)
+
+
 def test_concurrent_clients_get_their_own_states_and_the_sequential_replies(client):
     from concurrent.futures import ThreadPoolExecutor
 
