@@ -149,6 +149,10 @@ def run_surgery(args: argparse.Namespace) -> int:
     try:
         if args.out:  # before the minutes of loading, surgery and guard
             checkpoint.check_out(Path(args.out))
+    except HibanaError as exc:  # the option's value: a usage error
+        print(f"hibana surgery: --out: {exc}", file=sys.stderr)
+        return 2
+    try:
         engine = Engine.from_pretrained(args.model, surgery=passes, speculation="off", device=args.device,
                                         dtype=args.dtype, surgery_guard=not args.no_guard,
                                         surgery_guard_text=args.guard_text, num_blocks=16)
@@ -162,7 +166,10 @@ def run_surgery(args: argparse.Namespace) -> int:
                 if "kv_bytes_per_agent" in record:  # window: the KV of a long history stops growing
                     before, after = record["kv_bytes_per_agent"]["32768"]
                     what = f"KV bytes of a 32k-token agent {before / 1e6:,.1f} MB -> {after / 1e6:,.1f} MB"
-                layers = f"{record.get('layers', '?')} layers"
+                layers = record.get("layers", "?")
+                # window: the indices it switched, of the model's full-attention layers
+                layers = (f"layers {', '.join(map(str, layers))} of {record.get('full_layers_before', '?')} "
+                          "full-attention" if isinstance(layers, list) else f"{layers} layers")
                 if record.get("experts"):
                     layers += f" and {record['experts']} MoE expert layers"
                 asked = record.get("params", {}).get("group_size")
@@ -170,8 +177,8 @@ def run_surgery(args: argparse.Namespace) -> int:
                     layers += f" (groups of {', '.join(map(str, record['group_sizes_used']))})"
                 if record.get("experts_kept_float"):  # w4: no even group size divides their inputs
                     layers += f" ({len(record['experts_kept_float'])} MoE expert layers kept float)"
-                print(f"{record['name']}: {layers}, {what}"
-                      + (f"; guard: {record['guard']['decision']}" if "guard" in record else ""))
+                print(f"{record['name']}: {layers}, {what}" + (f"; guard: {_guard_figures(record['guard'])}"
+                                                               if "guard" in record else ""))
             print(f"model bytes now {engine.weight_bytes / 1e6:,.1f} MB")
             if args.out:
                 out = checkpoint.save(engine, resolve_checkpoint(args.model), Path(args.out))
@@ -183,6 +190,13 @@ def run_surgery(args: argparse.Namespace) -> int:
         print(f"hibana surgery: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1  # an option's value (a pass, its parameters): a usage error
     return 0
+
+
+def _guard_figures(guard: dict) -> str:
+    """'ok (ppl ratio 1.0052, mean KL 0.00424, top-1 96.9%)': the decision and what the pass cost,
+    on stdout with the rest (the guard's full table goes to stderr with the progress bars)."""
+    return (f"{guard['decision']} (ppl ratio {guard['ppl_ratio']:.4f}, mean KL {guard['mean_kl']:.5f}, "
+            f"top-1 {guard['top1_agreement']:.1%})")
 
 
 # -- hibana plugins ------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 import torch
@@ -118,6 +119,19 @@ def test_surgery_writes_a_checkpoint_as_readable_as_its_folder_lets_it(tiny_chec
         os.umask(old)
     modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()}
     assert set(modes.values()) == {0o644}, modes
+
+
+def test_surgery_prints_what_each_pass_cost_on_stdout(tiny_checkpoints, capsys):
+    """The guard's figures with its decision, not the decision alone (the table went to stderr
+    only); the window pass's layers as indices, not a Python list followed by "layers"."""
+    assert cli.main(["surgery", str(tiny_checkpoints["qwen3"]), "--passes", "w8", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"w8: 8 layers, .*; guard: ok \(ppl ratio \d\.\d{4}, mean KL \d\.\d{5}, top-1 \d+\.\d%\)",
+                     out), out
+    assert cli.main(["surgery", str(tiny_checkpoints["qwen3"]), "--passes", '[{"name": "window", "layers": [1]}]',
+                     "--device", "cpu", "--no-guard"]) == 0
+    out = capsys.readouterr().out
+    assert "window: layers 1 of 2 full-attention, KV bytes of a 32k-token agent" in out and "[1]" not in out, out
 
 
 @pytest.fixture

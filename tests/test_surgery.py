@@ -613,12 +613,12 @@ def test_hibana_surgery_writes_a_checkpoint_that_loads_with_its_passes(arch, pas
 
     # a second run refuses to overwrite, as it refuses any non-empty directory; no pass is no run;
     # a damaged manifest is a CheckpointError
-    assert main(["surgery", str(path), "--passes", "w8", "--out", str(out), "--no-guard", "--device", "cpu"]) == 1
-    assert "already holds a checkpoint" in capsys.readouterr().err
+    assert main(["surgery", str(path), "--passes", "w8", "--out", str(out), "--no-guard", "--device", "cpu"]) == 2
+    assert "--out: " in (err := capsys.readouterr().err) and "already holds a checkpoint" in err
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("mine")
     assert main(["surgery", str(path), "--passes", "w8", "--out", str(tmp_path / "busy"), "--no-guard",
-                 "--device", "cpu"]) == 1
+                 "--device", "cpu"]) == 2  # a usage error, before anything loads
     assert "is not empty; choose a new or empty directory" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == ["notes.txt"]
     assert main(["surgery", str(path), "--passes", "", "--device", "cpu"]) == 2
