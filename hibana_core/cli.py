@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import os
 import platform
 import sys
 import time
@@ -33,6 +34,17 @@ COMMAND_EXTRAS = {"serve": "serve"}
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hibana` console script; returns the exit status."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `hibana plugins --json | head`: the reader left; say nothing more
+        try:  # and let the interpreter's last flush of stdout write nowhere instead of raising again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        return 1
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args, rest = build_parser().parse_known_args(argv)
     if args.command == "demo":  # the demo and the benchmarks parse their own options
         return run_demo(rest)

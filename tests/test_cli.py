@@ -121,6 +121,22 @@ def test_surgery_writes_a_checkpoint_as_readable_as_its_folder_lets_it(tiny_chec
     assert set(modes.values()) == {0o644}, modes
 
 
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """`hibana plugins --json | head -3` printed a BrokenPipeError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first write
+    try:
+        done = subprocess.run([sys.executable, "-m", "hibana_core.cli", "plugins", "--json"], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert done.returncode == 1 and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
 def test_surgery_prints_what_each_pass_cost_on_stdout(tiny_checkpoints, capsys):
     """The guard's figures with its decision, not the decision alone (the table went to stderr
     only); the window pass's layers as indices, not a Python list followed by "layers"."""
