@@ -114,9 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--client-processes", type=_count, default=1,
                        help="processes the HTTP clients are spread over, one openai SDK event loop each "
                        "(default 1; on a fast GPU one loop parsing every client's chunks can pace the run)")
-    serve.add_argument("--switch-interval", type=_seconds, default=None,
-                       help="sys.setswitchinterval for this process, both runs (default: Python's, 5 ms): how "
-                       "long a thread waiting for the GIL (the engine's step loop) may wait for the one holding it")
+    serve.add_argument("--switch-interval", type=_seconds, default=None, metavar="SECONDS",
+                       help="sys.setswitchinterval for this process once each run's engine started (default: the "
+                       "engine's own, hibana_core.engine_core.SWITCH_INTERVAL; 0.005 is Python's): how long a "
+                       "thread waiting for the GIL (the engine's step loop) may wait for the one holding it")
     return parser
 
 
@@ -258,10 +259,15 @@ def run_serve(args: argparse.Namespace, device: torch.device, dtype: torch.dtype
     """The serve workload; exit status 1 when a check failed (an error, a leaked block, a
     conversation that differs over HTTP where outputs are exact: float32)."""
     cfg = serve_load.ServeLoadConfig(args.clients, args.turns, args.max_tokens, args.client_processes)
-    if args.switch_interval is not None:
-        sys.setswitchinterval(args.switch_interval)
-    report = serve_load.serve_load(_serve_engines(args.model, device, dtype), args.model, cfg,
-                                   exact=dtype == torch.float32)
+    open_engine = _serve_engines(args.model, device, dtype)
+    if args.switch_interval is not None:  # after each engine lowered it to its own (set before, 5 ms was 0.5)
+        engine_alone = open_engine
+
+        def open_engine() -> Engine:
+            engine = engine_alone()
+            sys.setswitchinterval(args.switch_interval)
+            return engine
+    report = serve_load.serve_load(open_engine, args.model, cfg, exact=dtype == torch.float32)
     serve_load.print_serve_load(report)
     _finish(args, report, device, dtype)
     mismatched = report["mismatched_clients"] and report["exact"]

@@ -319,6 +319,32 @@ def test_bench_measures_cold_start_in_fresh_processes(tiny_checkpoints, tmp_path
     assert json.loads(out.read_text())["cold_start"] is None
 
 
+def test_bench_serve_switch_interval_holds_while_its_engines_run(tiny_checkpoints, monkeypatch, capsys):
+    """--switch-interval 0.005 was set before the engine started, which lowers it to its own
+    0.5 ms: the run measured the engine's interval whatever the option said."""
+    import sys
+
+    from hibana_bench import cli as bench_cli
+    from hibana_bench import serve_load
+
+    seen = []
+
+    def fake_serve_load(open_engine, model, cfg, exact):
+        with open_engine():
+            seen.append(sys.getswitchinterval())
+        return {"errors": [], "mismatched_clients": [], "exact": exact, "leaked_blocks": {}}
+
+    monkeypatch.setattr(serve_load, "serve_load", fake_serve_load)
+    monkeypatch.setattr(serve_load, "print_serve_load", lambda report: None)
+    before = sys.getswitchinterval()
+    try:
+        assert bench_cli.main(["serve", "--model", str(tiny_checkpoints["qwen3"]), "--device", "cpu",
+                               "--switch-interval", "0.005"]) == 0
+    finally:
+        sys.setswitchinterval(before)
+    assert seen == [0.005]
+
+
 def test_serve_refuses_a_bad_engine_option_before_it_serves(capsys, monkeypatch):
     server = pytest.importorskip("hibana_plugins.server")
     monkeypatch.setattr("uvicorn.run", lambda *a, **k: pytest.fail("served despite a bad option"))
