@@ -318,10 +318,10 @@ def test_surgery_checks_its_out_directory_before_loading(tmp_path, capsys, monke
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "notes.txt").write_text("x")
     for out, said in (("afile", "is a file"), ("full", "is not empty")):
-        assert main(["surgery", "demo", "--passes", "w8", "--out", str(tmp_path / out), "--no-guard"]) == 1
+        assert main(["surgery", "demo", "--passes", "w8", "--out", str(tmp_path / out), "--no-guard"]) == 2  # a usage error
         assert said in capsys.readouterr().err
     blocked = tmp_path / "afile" / "sub"  # under a file: cannot be made
-    assert main(["surgery", "demo", "--passes", "w8", "--out", str(blocked), "--no-guard"]) == 1
+    assert main(["surgery", "demo", "--passes", "w8", "--out", str(blocked), "--no-guard"]) == 2
     assert "cannot make the directory" in capsys.readouterr().err
     monkeypatch.undo()
     with pytest.raises(ConfigError, match=r"give a list: surgery=\['w8', 'kv8'\]"):
