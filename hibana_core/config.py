@@ -96,6 +96,7 @@ def nests_deeper(value: Any, limit: int) -> bool:
         stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
     return False
 
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache."""

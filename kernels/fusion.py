@@ -63,6 +63,7 @@ class Fusion:
             return self.glu_gelu
         raise ValueError(f"no GLU epilogue for activation {activation!r}")
 
+
 # Measured on the H200 (bench/tune_decode.py --fusion, RESULTS.md 2026-12-01 second session):
 # at Qwen3-0.6B widths the folds save about a sixth of each pair (norm + qkv 6.3 -> 5.1 us,
 # silu + down 5.8 -> 4.8 us); at 8B widths the folded norm costs more than its launch (16.9 ->

@@ -239,16 +239,16 @@ class HostTier:
         if parked is None or seq.num_computed:
             return 0
         n = common_prefix_len(seq.tokens, parked.tokens)
-        if n >= min(seq.block_size, len(parked.tokens)) and seq.index_match(n) >= n:
+        diverged = n < min(seq.block_size, len(parked.tokens))  # within its first block
+        if not diverged and seq.index_match(n) >= n:
             # the index holds it all, maybe in blocks nobody holds (the state's own, freed by its
             # park): adopted now, before the copy goes, or the next allocation may take them
             seq.reuse_cached_blocks(n)
             self.forget(seq)
             return 0
-        if (n < min(seq.block_size, len(parked.tokens))
-                or parked.rotated_long != seq.rotated_long or not seq.pages_fit(parked.starts, n)):
-            self.forget(seq)  # diverged within its first block, all of it still in the prefix index,
-            return 0          # under LongRoPE's other rotation, or back into freed windows (it recomputes)
+        if diverged or parked.rotated_long != seq.rotated_long or not seq.pages_fit(parked.starts, n):
+            self.forget(seq)  # diverged within its first block, under LongRoPE's other rotation,
+            return 0          # or back into freed windows: it recomputes
         if parked.starts != (0,):  # layer groups: every page copied back
             return self._restore_pages(seq, n, make_room)
         blocks = -(-n // seq.block_size)
