@@ -37,6 +37,8 @@
 #   bash bench/run_h200.sh gemv_tiles    # the dense GEMV's tile sweep at qwen3-0.6b and qwen3-30b-a3b shapes (MODELS=)
 #   bash bench/run_h200.sh kv8_w4        # issue 14: 32 agents with fp8 KV beside bf16 KV (qwen3-8b); qwen3-32b in int4
 #                                        # serving 32 agents (bf16 and w4 in one run: the bf16 one needs 65 GB)
+#   bash bench/run_h200.sh a8            # issue 14: int4 x int8 (dp4a) at one row: bench/tune_quant.py --a8 at the
+#                                        # Qwen3-8B layers (A8_SHAPES), then qwen3-8b decode, bf16 beside w4 through it
 #   bash bench/run_h200.sh quant_sweep   # bench/tune_quant.py --sweep: their tiles at 1 and 64 rows
 #                                        # (QUANT_ARGS replaces "--rows 1,64", e.g. "--rows 4 --shapes o")
 #   bash bench/run_h200.sh memory        # issue 17: 64 agents, tools of 1-5 s, device KV for 16: the host tier
@@ -172,6 +174,13 @@ case "${1:-check}" in
     for model in ${MODELS:-qwen3-0.6b qwen3-30b-a3b}; do  # the dense GEMV's tiles at small widths (K <= 2048), PDL on
       python3 bench/tune_decode.py --model "$model" --gemv-sweep-only 2>&1 | tee "$OUT/tune_gemv_$model.txt"
     done ;;
+  a8)
+    # int4 x int8 (dp4a) at one row: its tiles against the dispatcher's int4 kernel (x's quantization
+    # in each time), then qwen3-8b's batch-1 decode, bf16 beside w4 with it (HIBANA_INT4_A8_ROWS=1)
+    python3 bench/tune_quant.py --a8 --shapes "${A8_SHAPES:-gate_up,down,qkv,o}" --json "$OUT/tune_quant_a8.json" 2>&1 \
+      | tee "$OUT/tune_quant_a8.txt"
+    HIBANA_INT4_A8_ROWS=1 python3 -m hibana_bench.cli decode --model qwen3-8b --context 512 --generate 128 \
+      --systems hibana --surgery w4 --json "$OUT/decode_a8_qwen3-8b.json" 2>&1 | tee "$OUT/decode_a8_qwen3-8b.txt" ;;
   quant_sweep)
     python3 bench/tune_quant.py --sweep ${QUANT_ARGS:---rows 1,64} --json "$OUT/tune_quant_sweep.json" 2>&1 \
       | tee "$OUT/tune_quant_sweep.txt" ;;

@@ -55,6 +55,7 @@ One block spanning all of K (per channel, per tensor) multiplies the finished su
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -447,6 +448,186 @@ def _int4_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count
                   BLOCK_N, BLOCK_M, SPLIT, HAS_BIAS)
 
 
+# ------------------------------------------------------------ int4 x int8 (dp4a) for decode rows
+#
+# At one row the tensor cores idle and what bounds the int4 GEMV is instructions a weight, not
+# bytes (bench/RESULTS.md, seventeenth session: the words kernel reads at 26-45% of the copy
+# bandwidth whatever its tiles). The way llama.cpp's CUDA decode reads 4-bit weights: x becomes
+# int8 codes in blocks of 32 (x ~ d * code, d = max |x| / 127), and a word of eight weight codes
+# meets x's codes in two integer dot products of four (dp4a) after two masks and a shift: about
+# 0.7 instructions a weight where a float path needs 3-6. The sums are exact in int32; the block's
+# d and the group's scale and zero apply once per 32 weights. What this computes is the weight
+# dequantized against x rounded to 8 bits a block of 32: `reference_int4_a8` below, the oracle.
+
+A8_BLOCK = 32  # x's columns sharing one scale d
+A8_MAX_ROWS = int(os.environ.get("HIBANA_INT4_A8_ROWS", "0"))  # rows of 16-bit x choose_tiles sends to it (0: none)
+
+
+class A8Tiles(NamedTuple):
+    """`_int4_a8_kernel`: BLOCK_N output features a program, K split over `splits` programs (whole
+    groups each), a group a step pipelined `num_stages` deep; a program a row of x."""
+    block_n: int
+    splits: int
+    num_warps: int
+    num_stages: int
+
+
+def a8_fits(k: int, group_size: int) -> bool:
+    """Whether the int4 x int8 kernel takes rows of k columns: groups of 32 or more (whole blocks
+    of x's codes), a power of two, K a whole number of them."""
+    return group_size >= A8_BLOCK and group_size & (group_size - 1) == 0 and k % group_size == 0
+
+
+def reference_quantize_a8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (codes int8 [M, K], d float32 [M, K // 32]): code = floor(x * (127 / max |x|) +
+    0.5) per block of 32 columns (0 where the block is all zero), d = max |x| / 127."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // A8_BLOCK, A8_BLOCK)
+    amax = blocks.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    codes = torch.floor(blocks * inv[..., None] + 0.5).clamp(-127, 127)
+    return codes.to(torch.int8).view(m, k), amax / 127.0
+
+
+def reference_int4_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                      group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What `_int4_a8_kernel` computes, in float64: the dequantized weight against x's int8
+    codes times their blocks' d."""
+    codes, d = reference_quantize_a8(x.reshape(-1, x.shape[-1]))
+    m, k = codes.shape
+    x_hat = (codes.double().view(m, k // A8_BLOCK, A8_BLOCK) * d.double()[..., None]).view(m, k)
+    out = x_hat @ quant.dequantize_int4(qweight, scales, zeros, group_size, torch.float64).T
+    out = out if bias is None else out + bias.double()
+    return out.view(*x.shape[:-1], -1)
+
+
+@triton.jit
+def _quantize_a8_kernel(x_ptr, q_ptr, d_ptr, K, stride_xm, BLOCKS: tl.constexpr, PDL: tl.constexpr):
+    """Program (row m, chunk c): x's blocks c * BLOCKS onward in row m as int8 codes packed for
+    `_int4_a8_kernel`, q [M, K / 4] int32: block b's words 8b .. 8b + 3 hold the codes of its even
+    columns, 8b + 4 .. 8b + 7 of its odd ones, four a word from the low byte (columns 32b + 8w +
+    2j + parity), the order in which a word of weight codes gives its even and odd nibbles; and
+    d [M, K / 32, 2] float32: the block's d and d * (sum of its codes)."""
+    wait_for_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    mask = blocks < K // 32
+    parity, word, byte = tl.arange(0, 2), tl.arange(0, 4), tl.arange(0, 4)
+    col = (blocks[:, None, None, None] * 32 + parity[None, :, None, None] + 8 * word[None, None, :, None]
+           + 2 * byte[None, None, None, :])  # [BLOCKS, 2, 4, 4]
+    x = tl.load(x_ptr + row * stride_xm + col, mask=mask[:, None, None, None], other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1)
+    inv = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.maximum(amax, 1e-30)), 0.0)
+    scaled = x * inv[:, None, None, None]
+    codes = tl.minimum(tl.maximum(tl.floor(scaled + 0.5), -127.0), 127.0).to(tl.int32)
+    words = tl.sum((codes & 0xFF) << (8 * byte[None, None, None, :]), axis=3)  # [BLOCKS, 2, 4]
+    tl.store(q_ptr + row * (K // 4) + blocks[:, None, None] * 8 + parity[None, :, None] * 4 + word[None, None, :],
+             words, mask=mask[:, None, None])
+    d = amax / 127.0
+    code_sum = tl.sum(tl.sum(tl.sum(codes, axis=3), axis=2), axis=1).to(tl.float32)
+    tl.store(d_ptr + row * (K // 16) + 2 * blocks, d, mask=mask)
+    tl.store(d_ptr + row * (K // 16) + 2 * blocks + 1, d * code_sum, mask=mask)
+
+
+_DP4A_ASM = tl.constexpr("""{
+    .reg .b32 lo, hi, t;
+    and.b32 lo, $1, 0x0F0F0F0F;
+    shr.u32 hi, $1, 4;
+    and.b32 hi, hi, 0x0F0F0F0F;
+    dp4a.s32.s32 t, lo, $2, 0;
+    dp4a.s32.s32 $0, hi, $3, t;
+}""")  # word $1 of eight codes: bytes' low nibbles (the even columns) against x's even codes $2,
+#       high nibbles (odd columns) against $3
+
+
+@triton.jit
+def _dp4a_nibbles(words, x_even, x_odd, ASM: tl.constexpr):
+    """sum over a word's eight codes of code * x's code: dp4a through inline PTX (ASM), else the
+    same integer sum byte by byte (the interpreter)."""
+    if ASM:
+        out = tl.inline_asm_elementwise(_DP4A_ASM, "=r,r,r,r", [words, x_even, x_odd], dtype=tl.int32,
+                                        is_pure=True, pack=1)
+    else:
+        out = tl.zeros(words.shape, tl.int32) + 0 * (x_even + x_odd)
+        for j in tl.static_range(4):
+            xe = (x_even << (24 - 8 * j)) >> 24  # byte j, sign-extended
+            xo = (x_odd << (24 - 8 * j)) >> 24
+            out += ((words >> (8 * j)) & 0xF) * xe + ((words >> (8 * j + 4)) & 0xF) * xo
+    return out
+
+
+@triton.jit
+def _int4_a8_kernel(q_ptr, d_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, counter_ptr, M, N, K,
+                    stride_wn, stride_sn, stride_ym, groups_per_split,
+                    BLOCK_N: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr,
+                    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+    """y[m, n] = sum over groups g of scale[n, g] * sum over x's blocks b in g of (d_b * sum_{k in b}
+    code[n, k] xcode[m, k] - zero[n, g] * d_b * sum_{k in b} xcode[m, k]), the inner sums exact in
+    int32 (`_dp4a_nibbles`), x's codes and d from `_quantize_a8_kernel`. Program (n tile, split,
+    row m) takes groups split * groups_per_split onward (`_finish_split`); stride_wn in words."""
+    wait_for_previous(PDL)
+    BLOCKS: tl.constexpr = GROUP // 32
+    offs_n, offs_m, n_mask, m_mask, first, end = _int4_tile(N, M, K, groups_per_split, BLOCK_N, 1, GROUP)
+    row = tl.program_id(2).to(tl.int64)
+    offs_b, offs_w = tl.arange(0, BLOCKS), tl.arange(0, 4)
+    w_tile = (w_ptr + offs_n.to(tl.int64)[:, None, None] * stride_wn + 4 * offs_b[None, :, None]
+              + offs_w[None, None, :])  # [BLOCK_N, BLOCKS, 4]: a group's words
+    q_group = q_ptr + row * (K // 4) + 8 * offs_b[:, None] + offs_w[None, :]  # [BLOCKS, 4]: x's even words
+    d_group = d_ptr + row * (K // 16) + 2 * offs_b
+    sz_rows = offs_n.to(tl.int64) * stride_sn
+    acc = tl.zeros([BLOCK_N, BLOCKS], dtype=tl.float32)
+    for g in tl.range(first, end, num_stages=STAGES):
+        words = tl.load(w_tile + g * (GROUP // 8), mask=n_mask[:, None, None], other=0)
+        x_even = tl.load(q_group + g * (8 * BLOCKS))
+        x_odd = tl.load(q_group + g * (8 * BLOCKS) + 4)
+        d = tl.load(d_group + g * (2 * BLOCKS))
+        d_sum = tl.load(d_group + g * (2 * BLOCKS) + 1)
+        scale = tl.load(s_ptr + sz_rows + g, mask=n_mask, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + sz_rows + g, mask=n_mask, other=0.0).to(tl.float32)
+        dots = tl.sum(_dp4a_nibbles(words, x_even[None, :, :], x_odd[None, :, :], ASM), axis=2)
+        acc += scale[:, None] * (dots.to(tl.float32) * d[None, :] - zero[:, None] * d_sum[None, :])
+    _finish_split(tl.sum(acc, axis=1)[:, None], y_ptr, b_ptr, part_ptr, counter_ptr, offs_n, offs_m, n_mask, m_mask,
+                  M, N, stride_ym, BLOCK_N, 1, SPLIT, HAS_BIAS)
+
+
+A8_QUANT_BLOCKS = 16  # blocks of x a `_quantize_a8_kernel` program takes
+
+
+def quantize_a8(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of 32) -> (q int32 [M, K / 4], d float32 [M, K / 32, 2]) as
+    `_quantize_a8_kernel` packs them."""
+    m, k = x2.shape
+    q = torch.empty((m, k // 4), dtype=torch.int32, device=x2.device)
+    d = torch.empty((m, k // A8_BLOCK, 2), dtype=torch.float32, device=x2.device)
+    grid = (m, triton.cdiv(k // A8_BLOCK, A8_QUANT_BLOCKS))
+    _quantize_a8_kernel[grid](x2, q, d, k, x2.stride(0), BLOCKS=A8_QUANT_BLOCKS, num_warps=4,
+                              **pdl.launch_args(x2.device, "other", grid[0] * grid[1]))
+    return q, d
+
+
+def _int4_a8(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+             group_size: int, bias: torch.Tensor | None, tiles: A8Tiles, y: torch.Tensor) -> None:
+    m, n = y.shape
+    k = x2.shape[1]
+    q, d = quantize_a8(x2)
+    groups = k // group_size
+    per_split = triton.cdiv(groups, max(1, min(tiles.splits, groups)))
+    splits = triton.cdiv(groups, per_split)
+    grid = (triton.cdiv(n, tiles.block_n), splits, m)
+    if grid[0] * grid[2] > DOT_COUNTERS:
+        per_split, splits = groups, 1
+        grid = (grid[0], 1, grid[2])
+    split = splits > 1
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=y.device) if split else y
+    counts = counters.counters("int4 split-K", DOT_COUNTERS, y.device) if split else y
+    _int4_a8_kernel[grid](
+        q, d, qweight.view(torch.int32), scales, zeros, bias if bias is not None else scales, y, part, counts, m, n, k,
+        qweight.stride(0) // 4, scales.stride(0), y.stride(0), per_split,
+        BLOCK_N=tiles.block_n, GROUP=group_size, STAGES=tiles.num_stages, ASM=y.device.type == "cuda",
+        SPLIT=split, HAS_BIAS=bias is not None, num_warps=tiles.num_warps,
+        **pdl.launch_args(y.device, "gemv", grid[0] * grid[1] * grid[2]))
+
+
 @triton.jit
 def _weight_tile(w_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, K, stride_wn, stride_sn,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
@@ -562,7 +743,7 @@ def dot_fits(k: int, group_size: int) -> bool:
 
 
 def choose_tiles(rows: int, n: int, k: int, group_size: int = 1, dtype: torch.dtype | None = None,
-                 sms: int = 132) -> GemvTiles | DotTiles | GemmTiles | None:
+                 sms: int = 132) -> GemvTiles | DotTiles | A8Tiles | GemmTiles | None:
     """The kernel and its tiles for an [rows, k] x [n, k]^T product (group_size 1: int8) with x
     of `dtype` on a device of `sms` multiprocessors (`counters.sm_count`; the H200's by default:
     it sizes the int4 tensor-core kernels' K splits), or None from DEQUANT_MIN_ROWS rows on
@@ -570,6 +751,10 @@ def choose_tiles(rows: int, n: int, k: int, group_size: int = 1, dtype: torch.dt
     says so, first guesses elsewhere."""
     if rows >= DEQUANT_MIN_ROWS:
         return None
+    if rows <= A8_MAX_ROWS and dtype in (torch.bfloat16, torch.float16) and a8_fits(k, group_size):
+        # a first guess, before its measurement: 128 features a program in 4 warps, 3 stages, K
+        # split until the grid has about 4 programs an SM
+        return A8Tiles(128, _splits(triton.cdiv(n, 128), k // group_size, 4 * sms, 2), num_warps=4, num_stages=3)
     tensor_cores = dtype in (torch.bfloat16, torch.float16) and dot_fits(k, group_size)
     if tensor_cores and group_size >= WORDS_MIN_GROUP:
         # Qwen3-8B's layers on the H200 (`tune_quant.py --sweep --words-only`: bench/RESULTS.md,
@@ -652,7 +837,12 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                                             and tiles.block_m >= 16 and tiles.block_m & (tiles.block_m - 1) == 0):
         raise ValueError(f"the int4 tensor-core kernels take 16-bit x and groups of 32 or more (see dot_fits; "
                          f"words: 128), not {x.dtype}, K={k}, group size {group_size}")
-    if isinstance(tiles, GemvTiles) and not int4:
+    if isinstance(tiles, A8Tiles) and not (int4 and a8_fits(k, group_size)):
+        raise ValueError(f"the int4 x int8 kernel takes groups of 32 or more (see a8_fits), not K={k} with "
+                         f"group size {group_size}")
+    if isinstance(tiles, A8Tiles):
+        _int4_a8(x2, qweight, scales, zeros, group_size, bias, tiles, y)
+    elif isinstance(tiles, GemvTiles) and not int4:
         _gemv_int8_kernel[(triton.cdiv(n, tiles.block_n),)](
             x2, qweight, scales, bias_arg, y, m, n, k, x2.stride(0),
             qweight.stride(0), y.stride(0), BLOCK_M=triton.next_power_of_2(m),
@@ -720,7 +910,7 @@ def linear_int8_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 
 def linear_int4_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                        zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None,
-                       tiles: GemvTiles | DotTiles | GemmTiles | None) -> torch.Tensor:
+                       tiles: GemvTiles | DotTiles | A8Tiles | GemmTiles | None) -> torch.Tensor:
     """linear_int4 with the kernel and tiles chosen by the caller (tests, the tuning script)."""
     return _launch(x, qweight, scales, zeros, group_size, bias, tiles)
 
