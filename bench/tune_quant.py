@@ -32,7 +32,7 @@ import triton
 
 from hibana_bench.workloads import copy_bandwidth
 from hibana_kernels import counters, quant, quant_triton
-from hibana_kernels.quant_triton import A8Tiles, DotTiles, GemmTiles, GemvTiles
+from hibana_kernels.quant_triton import A8GemvTiles, A8Tiles, DotTiles, GemmTiles, GemvTiles
 
 QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
             "down": (4096, 12288), "lm_head": (151936, 4096)}  # name: (N, K) of the weight
@@ -221,7 +221,7 @@ def sweep(fmt: str, group_size: int, rows: int, n: int, k: int, bandwidth: float
 
 
 def sweep_a8(n: int, k: int, group_size: int, bandwidth: float) -> tuple[dict, list[dict]]:
-    """One row of bf16 x: the int4 x int8 kernel's tiles (x's quantization included in each
+    """One row of bf16 x: the int4 x int8 kernels' tiles (x's quantization included in each
     time), checked against its own reference (x rounded to 8 bits a block of 32), beside the
     dispatcher's int4 kernel checked against the exact one; the error of the int8 x against the
     exact product is reported, not judged. Returns (the dispatcher's row, the a8 rows best first)."""
@@ -232,9 +232,10 @@ def sweep_a8(n: int, k: int, group_size: int, bandwidth: float) -> tuple[dict, l
     a8_ref = quant_triton.reference_int4_a8(x, w0["qweight"], w0["scales"], w0["zeros"], group_size).float()
     base = measure("int4", group_size, x, copies, bandwidth, exact)
     groups = k // group_size
-    grid = [A8Tiles(bn, sp, w, st) for bn, sp, (w, st) in itertools.product(
-        (64, 128, 256), (2, 4, 8, 16), ((2, 2), (4, 2), (4, 3), (8, 3)))
-        if sp <= groups and not (bn == 64 and w == 8)]
+    grid = [A8GemvTiles(bn, bk, w, st) for bn, bk, w, st in itertools.product(
+        (1, 2, 4, 8), (1024, 2048, 4096), (2, 4, 8), (1, 2))
+        if bk <= triton.next_power_of_2(k) and (st == 1 or bk == 1024)]
+    grid += [A8Tiles(256, 8, 4, 2), A8Tiles(128, 16, 2, 2)]  # the split kernel's best (26ce085's sweep)
     results = []
     for tiles in grid:
         try:

@@ -590,6 +590,76 @@ def _int4_a8_kernel(q_ptr, d_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, c
                   M, N, stride_ym, BLOCK_N, 1, SPLIT, HAS_BIAS)
 
 
+class A8GemvTiles(NamedTuple):
+    """`_int4_a8_gemv_kernel`: BLOCK_N output features a program, their rows read BLOCK_K columns
+    a step (long runs of each row, as the bf16 GEMV reads: a warp 512 contiguous bytes of one row),
+    no split of K; a program a row of x."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int = 1
+
+
+@triton.jit
+def _a8_step(w_rows, q_row, d_row, sz_rows, s_ptr, z_ptr, words, k0, offs_b, n_mask, K, GROUP: tl.constexpr,
+             ASM: tl.constexpr):
+    """One step's share [BLOCK_N, BLOCKS] of `_int4_a8_gemv_kernel`: columns k0 onward, whose
+    weight words `words` are loaded."""
+    # x's codes and d loaded for every row of the tile (the same addresses: the L1 serves them),
+    # so that they come in the words' layout, not in a narrower one converted through shared memory
+    blocks = (k0 // 32 + offs_b)[None, :] + 0 * sz_rows[:, None]  # [BLOCK_N, BLOCKS]
+    b_mask = blocks < K // 32
+    x_words = q_row + 8 * blocks[:, :, None] + tl.arange(0, 4)[None, None, :]
+    x_even = tl.load(x_words, mask=b_mask[:, :, None], other=0)
+    x_odd = tl.load(x_words + 4, mask=b_mask[:, :, None], other=0)
+    d = tl.load(d_row + 2 * blocks, mask=b_mask, other=0.0)
+    d_sum = tl.load(d_row + 2 * blocks + 1, mask=b_mask, other=0.0)
+    groups = sz_rows[:, None] + blocks * 32 // GROUP
+    mask = n_mask[:, None] & b_mask
+    scale = tl.load(s_ptr + groups, mask=mask, other=0.0).to(tl.float32)
+    zero = tl.load(z_ptr + groups, mask=mask, other=0.0).to(tl.float32)
+    dots = tl.sum(_dp4a_nibbles(words, x_even, x_odd, ASM), axis=2)
+    return scale * (dots.to(tl.float32) * d - zero * d_sum)
+
+
+@triton.jit
+def _a8_words(w_rows, k0, offs_b, n_mask, K):
+    blocks = k0 // 32 + offs_b
+    return tl.load(w_rows + 4 * blocks[None, :, None] + tl.arange(0, 4)[None, None, :],
+                   mask=n_mask[:, None, None] & (blocks < K // 32)[None, :, None], other=0)
+
+
+@triton.jit
+def _int4_a8_gemv_kernel(q_ptr, d_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_qm, stride_dm,
+                         stride_wn, stride_sn, stride_ym,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr,
+                         ASM: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+    """`_int4_a8_kernel`'s sum with the bf16 GEMV's reads: program (n tile, row m) streams its
+    BLOCK_N rows BLOCK_K columns a step (a thread one block of 32: 16 bytes of weight words, x's
+    8 words of codes, the block's group scale and zero), sums [BLOCK_N, BLOCK_K / 32] per block
+    to the end, then across them once; the first step's words are loaded before the wait for
+    the previous kernel (PDL: weights are no kernel's output)."""
+    BLOCKS: tl.constexpr = BLOCK_K // 32
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    row = tl.program_id(1).to(tl.int64)
+    offs_b = tl.arange(0, BLOCKS)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None, None] * stride_wn
+    q_row = q_ptr + row * stride_qm  # (K / 4 and K / 16: as arguments, their divisibility is known)
+    d_row = d_ptr + row * stride_dm
+    sz_rows = offs_n.to(tl.int64) * stride_sn
+    words = _a8_words(w_rows, 0, offs_b, n_mask, K)
+    wait_for_previous(PDL)
+    acc = _a8_step(w_rows, q_row, d_row, sz_rows, s_ptr, z_ptr, words, 0, offs_b, n_mask, K, GROUP, ASM)
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+        acc += _a8_step(w_rows, q_row, d_row, sz_rows, s_ptr, z_ptr, _a8_words(w_rows, k0, offs_b, n_mask, K), k0,
+                        offs_b, n_mask, K, GROUP, ASM)
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
 A8_QUANT_BLOCKS = 16  # blocks of x a `_quantize_a8_kernel` program takes
 
 
@@ -606,10 +676,19 @@ def quantize_a8(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _int4_a8(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-             group_size: int, bias: torch.Tensor | None, tiles: A8Tiles, y: torch.Tensor) -> None:
+             group_size: int, bias: torch.Tensor | None, tiles: A8Tiles | A8GemvTiles, y: torch.Tensor) -> None:
     m, n = y.shape
     k = x2.shape[1]
     q, d = quantize_a8(x2)
+    if isinstance(tiles, A8GemvTiles):
+        grid = (triton.cdiv(n, tiles.block_n), m)
+        _int4_a8_gemv_kernel[grid](
+            q, d, qweight.view(torch.int32), scales, zeros, bias if bias is not None else scales, y, m, n, k,
+            q.stride(0), d.stride(0), qweight.stride(0) // 4, scales.stride(0), y.stride(0),
+            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+            GROUP=group_size, STAGES=tiles.num_stages, ASM=y.device.type == "cuda", HAS_BIAS=bias is not None,
+            num_warps=tiles.num_warps, **pdl.launch_args(y.device, "gemv", grid[0] * grid[1]))
+        return
     groups = k // group_size
     per_split = triton.cdiv(groups, max(1, min(tiles.splits, groups)))
     splits = triton.cdiv(groups, per_split)
@@ -743,7 +822,7 @@ def dot_fits(k: int, group_size: int) -> bool:
 
 
 def choose_tiles(rows: int, n: int, k: int, group_size: int = 1, dtype: torch.dtype | None = None,
-                 sms: int = 132) -> GemvTiles | DotTiles | A8Tiles | GemmTiles | None:
+                 sms: int = 132) -> GemvTiles | DotTiles | A8GemvTiles | GemmTiles | None:
     """The kernel and its tiles for an [rows, k] x [n, k]^T product (group_size 1: int8) with x
     of `dtype` on a device of `sms` multiprocessors (`counters.sm_count`; the H200's by default:
     it sizes the int4 tensor-core kernels' K splits), or None from DEQUANT_MIN_ROWS rows on
@@ -752,9 +831,7 @@ def choose_tiles(rows: int, n: int, k: int, group_size: int = 1, dtype: torch.dt
     if rows >= DEQUANT_MIN_ROWS:
         return None
     if rows <= A8_MAX_ROWS and dtype in (torch.bfloat16, torch.float16) and a8_fits(k, group_size):
-        # a first guess, before its measurement: 128 features a program in 4 warps, 3 stages, K
-        # split until the grid has about 4 programs an SM
-        return A8Tiles(128, _splits(triton.cdiv(n, 128), k // group_size, 4 * sms, 2), num_warps=4, num_stages=3)
+        return A8GemvTiles(4, 2048, num_warps=4)  # a first guess, before its measurement
     tensor_cores = dtype in (torch.bfloat16, torch.float16) and dot_fits(k, group_size)
     if tensor_cores and group_size >= WORDS_MIN_GROUP:
         # Qwen3-8B's layers on the H200 (`tune_quant.py --sweep --words-only`: bench/RESULTS.md,
@@ -837,10 +914,10 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                                             and tiles.block_m >= 16 and tiles.block_m & (tiles.block_m - 1) == 0):
         raise ValueError(f"the int4 tensor-core kernels take 16-bit x and groups of 32 or more (see dot_fits; "
                          f"words: 128), not {x.dtype}, K={k}, group size {group_size}")
-    if isinstance(tiles, A8Tiles) and not (int4 and a8_fits(k, group_size)):
+    if isinstance(tiles, (A8Tiles, A8GemvTiles)) and not (int4 and a8_fits(k, group_size)):
         raise ValueError(f"the int4 x int8 kernel takes groups of 32 or more (see a8_fits), not K={k} with "
                          f"group size {group_size}")
-    if isinstance(tiles, A8Tiles):
+    if isinstance(tiles, (A8Tiles, A8GemvTiles)):
         _int4_a8(x2, qweight, scales, zeros, group_size, bias, tiles, y)
     elif isinstance(tiles, GemvTiles) and not int4:
         _gemv_int8_kernel[(triton.cdiv(n, tiles.block_n),)](
@@ -910,7 +987,7 @@ def linear_int8_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 
 def linear_int4_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                        zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None,
-                       tiles: GemvTiles | DotTiles | A8Tiles | GemmTiles | None) -> torch.Tensor:
+                       tiles: GemvTiles | DotTiles | A8Tiles | A8GemvTiles | GemmTiles | None) -> torch.Tensor:
     """linear_int4 with the kernel and tiles chosen by the caller (tests, the tuning script)."""
     return _launch(x, qweight, scales, zeros, group_size, bias, tiles)
 
