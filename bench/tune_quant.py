@@ -231,7 +231,6 @@ def sweep_a8(n: int, k: int, group_size: int, bandwidth: float) -> tuple[dict, l
     w0 = copies[0]
     a8_ref = quant_triton.reference_int4_a8(x, w0["qweight"], w0["scales"], w0["zeros"], group_size).float()
     base = measure("int4", group_size, x, copies, bandwidth, exact)
-    groups = k // group_size
     grid = [A8GemvTiles(bn, bk, w, st) for bn, bk, w, st in itertools.product(
         (1, 2, 4, 8), (1024, 2048, 4096), (2, 4, 8), (1, 2))
         if bk <= triton.next_power_of_2(k) and (st == 1 or bk == 1024)]
