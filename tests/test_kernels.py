@@ -1217,6 +1217,50 @@ def test_linear_quant_tiles(run_check, dtype, bits, rows, n, k, group_size, kern
               group_size=group_size, bias=True, tiles=(kernel, tiles))
 
 
+def check_int4_a8(device, dtype, rows, n, k, group_size, tiles, outlier):
+    """The int4 x int8 kernels against their reference (x rounded to int8 a block of 32, the
+    product in float64); x's codes and d against the reference's; and the whole against the
+    exact product, within what rounding x to 8 bits costs."""
+    quant_triton = _triton_module("quant")
+    tiles = (quant_triton.A8GemvTiles if len(tiles) == 3 else quant_triton.A8Tiles)(*tiles)
+    gen = torch.Generator().manual_seed(n + k + rows)
+    qweight, scales, zeros = (t.to(device) for t in make_quant_weight(4, n, k, group_size, gen))
+    x = torch.randn(rows, k, generator=gen)
+    x[:, 1:k // 2 + 1] = 0  # all-zero blocks (d = 0)
+    x[0, -1] = outlier  # one large column: its block's other codes coarse, the others' unaffected
+    x = x.to(dtype).to(device)
+    b = torch.randn(n, generator=gen).to(dtype).to(device)
+    out = quant_triton.linear_int4_launch(x, qweight, scales, zeros, group_size, b, tiles)
+    ref = quant_triton.reference_int4_a8(x, qweight, scales, zeros, group_size, b)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
+    exact = quant.linear_int4(x.double(), qweight, scales, zeros, group_size, b.double())
+    assert ((out.double() - exact).norm() / exact.norm()).item() < 0.02
+    q, d = quant_triton.quantize_a8(x)
+    codes, d_ref = quant_triton.reference_quantize_a8(x)
+    blocks = q.view(rows, k // 32, 2, 4).cpu()  # block, parity, word: bytes j = columns 8w + 2j + parity
+    unpacked = torch.stack([(blocks << (24 - 8 * j)) >> 24 for j in range(4)], dim=-1)  # sign-extended bytes
+    kernel_codes = unpacked.permute(0, 1, 3, 4, 2).reshape(rows, k)
+    off = kernel_codes - codes.long().cpu()
+    # x * (127 / max) within an ulp of a half: the two sides' 127 / max may round apart
+    assert off.abs().max() <= 1 and (off != 0).sum() <= 2, off.nonzero()
+    torch.testing.assert_close(d[..., 0], d_ref)
+    torch.testing.assert_close(d[..., 1].cpu(), d_ref.cpu() * kernel_codes.view(rows, k // 32, 32).float().sum(-1))
+
+
+# int4 x int8 (dp4a) at decode rows: the long-row GEMV (block_n, block_k, warps) with K in one
+# step, in several with a masked last one (K 384 in steps of 256), groups of 32 (a step spanning
+# several) and of 128 over steps narrower than a group, odd N; the split kernel (block_n, splits,
+# warps, stages), uneven splits; one and three rows, an outlier in x and none
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows, n, k, group_size, tiles, outlier", [
+    (1, 37, 256, 128, (4, 256, 4), 0.0), (1, 37, 384, 128, (2, 256, 2), 40.0), (3, 33, 384, 32, (8, 128, 4), 8.0),
+    (1, 70, 512, 128, (4, 64, 2), 0.0), (2, 19, 96, 32, (1, 1024, 4), 40.0),
+    (1, 37, 384, 128, (16, 3, 4, 2), 40.0), (3, 70, 640, 128, (32, 2, 2, 1), 0.0)])
+def test_int4_a8(run_check, dtype, rows, n, k, group_size, tiles, outlier):
+    run_check(check_int4_a8, dtype=dtype, rows=rows, n=n, k=k, group_size=group_size, tiles=tiles, outlier=outlier)
+
+
 # fp8 through the dispatcher at the row counts of decode (GEMV: 1, 3), verify and prefill chunks
 # (GEMM: 5, 17, 130 as [2, 65]) and from 128 rows (dequantize + F.linear); blocks as checkpoints
 # have them (128x128 over a K of 200: a partial block), blocks that divide neither N nor K (and
