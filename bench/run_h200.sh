@@ -37,8 +37,9 @@
 #   bash bench/run_h200.sh gemv_tiles    # the dense GEMV's tile sweep at qwen3-0.6b and qwen3-30b-a3b shapes (MODELS=)
 #   bash bench/run_h200.sh kv8_w4        # issue 14: 32 agents with fp8 KV beside bf16 KV (qwen3-8b); qwen3-32b in int4
 #                                        # serving 32 agents (bf16 and w4 in one run: the bf16 one needs 65 GB)
-#   bash bench/run_h200.sh a8            # issue 14: int4 x int8 (dp4a) at one row: bench/tune_quant.py --a8 at the
-#                                        # Qwen3-8B layers (A8_SHAPES), then qwen3-8b decode, bf16 beside w4 through it
+#   bash bench/run_h200.sh a8            # issue 14: x int8 (dp4a) at one row: its kernel tests, bench/tune_quant.py --a8
+#                                        # at the Qwen3-8B layers (A8_SHAPES), qwen3-8b decode bf16 / w8 / w4 with and
+#                                        # without it, the demo model's w4 / w8 guard in bf16 on the GPU
 #   bash bench/run_h200.sh quant_sweep   # bench/tune_quant.py --sweep: their tiles at 1 and 64 rows
 #                                        # (QUANT_ARGS replaces "--rows 1,64", e.g. "--rows 4 --shapes o")
 #   bash bench/run_h200.sh memory        # issue 17: 64 agents, tools of 1-5 s, device KV for 16: the host tier
@@ -175,12 +176,21 @@ case "${1:-check}" in
       python3 bench/tune_decode.py --model "$model" --gemv-sweep-only 2>&1 | tee "$OUT/tune_gemv_$model.txt"
     done ;;
   a8)
-    # int4 x int8 (dp4a) at one row: its tiles against the dispatcher's int4 kernel (x's quantization
-    # in each time), then qwen3-8b's batch-1 decode, bf16 beside w4 with it (HIBANA_INT4_A8_ROWS=1)
+    # x int8 (dp4a) at one row: its kernel tests on CUDA, its tiles on int4 and int8 weights against the
+    # 16-bit x kernels (x's quantization in each time), qwen3-8b's batch-1 decode in bf16, w8 and w4
+    # with it (the default) and without (HIBANA_A8_ROWS=0), and the guard of w4 and w8 on the demo
+    # model in bf16 on the GPU
+    kernel_pytest tests/test_kernels.py -q -rs -x -p no:cacheprovider -k "a8 or linear_quant or dispatch" 2>&1 | tail -3
     python3 bench/tune_quant.py --a8 --shapes "${A8_SHAPES:-gate_up,down,qkv,o}" --json "$OUT/tune_quant_a8.json" 2>&1 \
-      | tee "$OUT/tune_quant_a8.txt"
-    HIBANA_INT4_A8_ROWS=1 python3 -m hibana_bench.cli decode --model qwen3-8b --context 512 --generate 128 \
-      --systems hibana --surgery w4 --json "$OUT/decode_a8_qwen3-8b.json" 2>&1 | tee "$OUT/decode_a8_qwen3-8b.txt" ;;
+      | grep -v "^  a8 " | tee "$OUT/tune_quant_a8.txt"
+    for rows in 1 0; do
+      HIBANA_A8_ROWS=$rows python3 -m hibana_bench.cli decode --model qwen3-8b --context 512,8192 --generate 128 \
+        --systems hibana --surgery w8,w4 --json "$OUT/decode_a8_rows$rows.json" 2>&1 | tee "$OUT/decode_a8_rows$rows.txt"
+    done
+    for pass in w4 w8; do
+      python3 -m hibana_core.cli surgery demo --passes $pass --device cuda --dtype bfloat16 --force 2>&1 \
+        | tee "$OUT/guard_demo_${pass}_bf16.txt" | tail -12
+    done ;;
   quant_sweep)
     python3 bench/tune_quant.py --sweep ${QUANT_ARGS:---rows 1,64} --json "$OUT/tune_quant_sweep.json" 2>&1 \
       | tee "$OUT/tune_quant_sweep.txt" ;;

@@ -13,7 +13,7 @@ choose_tiles (minutes: give it few rows and shapes).
 
     python3 bench/tune_quant.py [--json PATH] [--group-size 128] [--fp8-block 128,128] [--rows 1,4,16,64,256]
     python3 bench/tune_quant.py --sweep --rows 1,64 [--shapes o,down] [--json PATH]
-    python3 bench/tune_quant.py --a8 [--shapes ...] [--json PATH]   # int4 x int8 (dp4a) at one row
+    python3 bench/tune_quant.py --a8 [--shapes ...] [--json PATH]   # x int8 (dp4a) at one row, int4 and int8
 
 It imports hibana_kernels and hibana_bench: install the checkout, or run it through
 bench/run_h200.sh, which puts the checkout's folders on PYTHONPATH under those names.
@@ -32,7 +32,7 @@ import triton
 
 from hibana_bench.workloads import copy_bandwidth
 from hibana_kernels import counters, quant, quant_triton
-from hibana_kernels.quant_triton import A8GemvTiles, A8Tiles, DotTiles, GemmTiles, GemvTiles
+from hibana_kernels.quant_triton import A8GemvTiles, DotTiles, GemmTiles, GemvTiles
 
 QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
             "down": (4096, 12288), "lm_head": (151936, 4096)}  # name: (N, K) of the weight
@@ -220,29 +220,35 @@ def sweep(fmt: str, group_size: int, rows: int, n: int, k: int, bandwidth: float
     return sorted((r for r in results if r["ok"]), key=lambda r: r["us"])
 
 
-def sweep_a8(n: int, k: int, group_size: int, bandwidth: float) -> tuple[dict, list[dict]]:
-    """One row of bf16 x: the int4 x int8 kernels' tiles (x's quantization included in each
-    time), checked against its own reference (x rounded to 8 bits a block of 32), beside the
-    dispatcher's int4 kernel checked against the exact one; the error of the int8 x against the
-    exact product is reported, not judged. Returns (the dispatcher's row, the a8 rows best first)."""
-    copies = make_weights("int4", n, k, group_size)
+def sweep_a8(fmt: str, n: int, k: int, group_size: int, bandwidth: float) -> tuple[dict, list[dict]]:
+    """One row of bf16 x: the x int8 GEMV's tiles (x's quantization included in each time) on
+    int4 or int8 weights, checked against its own reference (x rounded to 8 bits a block of 32),
+    beside the kernel the dispatcher takes without it (HIBANA_A8_ROWS=0) checked against the
+    exact one; the x int8 GEMV's error against the exact product is reported, not judged.
+    Returns (the other kernel's row, the GEMV's rows best first)."""
+    copies = make_weights(fmt, n, k, group_size)
     x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
-    exact = reference("int4", group_size, x, copies[0])
+    exact = reference(fmt, group_size, x, copies[0])
     w0 = copies[0]
-    a8_ref = quant_triton.reference_int4_a8(x, w0["qweight"], w0["scales"], w0["zeros"], group_size).float()
-    base = measure("int4", group_size, x, copies, bandwidth, exact)
+    group = group_size if fmt == "int4" else 1
+    a8_ref = quant_triton.reference_a8(x, w0["qweight"], w0["scales"], w0.get("zeros"), group).float()
+    a8_rows, quant_triton.A8_MAX_ROWS = quant_triton.A8_MAX_ROWS, 0
+    try:
+        tiles = quant_triton.choose_tiles(1, n, k, group, torch.bfloat16, counters.sm_count(x.device))
+        base = measure(fmt, group_size, x, copies, bandwidth, exact, tiles)
+    finally:
+        quant_triton.A8_MAX_ROWS = a8_rows
     grid = [A8GemvTiles(bn, bk, w, st) for bn, bk, w, st in itertools.product(
         (1, 2, 4, 8), (1024, 2048, 4096), (2, 4, 8), (1, 2))
         if bk <= triton.next_power_of_2(k) and (st == 1 or bk == 1024)]
-    grid += [A8Tiles(256, 8, 4, 2), A8Tiles(128, 16, 2, 2)]  # the split kernel's best (26ce085's sweep)
     results = []
     for tiles in grid:
         try:
-            row = measure("int4", group_size, x, copies, bandwidth, a8_ref, tiles)
+            row = measure(fmt, group_size, x, copies, bandwidth, a8_ref, tiles)
         except Exception as error:  # noqa: BLE001 - tiles too large, or worse
             print(f"  a8 {tiles}: {type(error).__name__}: {str(error)[:120]}", flush=True)
             continue
-        row["rel_err_vs_exact"] = rel_err(runner("int4", group_size, tiles)(x, w0), exact)
+        row["rel_err_vs_exact"] = rel_err(runner(fmt, group_size, tiles)(x, w0), exact)
         results.append(row)
     del copies
     return base, sorted((r for r in results if r["ok"]), key=lambda r: r["us"])
@@ -261,7 +267,7 @@ def main() -> None:
     parser.add_argument("--words-only", action="store_true",
                         help="--sweep of int4: the words kernel's tiles only (and the GEMM's default at batch rows)")
     parser.add_argument("--a8", action="store_true",
-                        help="int4 at one row: the int4 x int8 (dp4a) kernel's tiles against the dispatcher's kernel")
+                        help="one row: the x int8 (dp4a) GEMV's tiles on int4 and int8 weights against the 16-bit x kernels")
     args = parser.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     block = tuple(int(b) for b in args.fp8_block.split(","))
@@ -275,11 +281,11 @@ def main() -> None:
               f"{'x bf16':>6s} | other kernel (int8 / int4 / fp8 us)")
     results, sweeps = [], []
     if args.a8:
-        for name in args.shapes.split(","):
+        for name, fmt in itertools.product(args.shapes.split(","), ("int4", "int8")):
             n, k = QWEN3_8B[name]
-            base, best = sweep_a8(n, k, args.group_size, bandwidth)
-            sweeps.append(dict(layer=name, n=n, k=k, m=1, format="int4_a8", base=base, best=best[:12]))
-            print(f"a8 {name:8s}: dispatcher {base['kernel']} {base.get('us', float('nan')):.1f} us "
+            base, best = sweep_a8(fmt, n, k, args.group_size, bandwidth)
+            sweeps.append(dict(layer=name, n=n, k=k, m=1, format=f"{fmt}_a8", base=base, best=best[:12]))
+            print(f"a8 {fmt} {name:8s}: 16-bit x {base['kernel']} {base.get('us', float('nan')):.1f} us "
                   f"({base.get('of_copy_bw', 0):.0%}); a8 best: " + ", ".join(
                       f"{tuple(r['kernel'].split('(')[1].rstrip(')').split(', '))} {r['us']:.1f} us "
                       f"({r['of_copy_bw']:.0%}, err vs exact {r['rel_err_vs_exact']:.2%})" for r in best[:5]),

@@ -448,33 +448,43 @@ def _int4_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count
                   BLOCK_N, BLOCK_M, SPLIT, HAS_BIAS)
 
 
-# ------------------------------------------------------------ int4 x int8 (dp4a) for decode rows
+# ---------------------------------------------------------- int4 / int8 x int8 (dp4a) at one row
 #
-# At one row the tensor cores idle and what bounds the int4 GEMV is instructions a weight, not
-# bytes (bench/RESULTS.md, seventeenth session: the words kernel reads at 26-45% of the copy
-# bandwidth whatever its tiles). The way llama.cpp's CUDA decode reads 4-bit weights: x becomes
-# int8 codes in blocks of 32 (x ~ d * code, d = max |x| / 127), and a word of eight weight codes
-# meets x's codes in two integer dot products of four (dp4a) after two masks and a shift: about
-# 0.7 instructions a weight where a float path needs 3-6. The sums are exact in int32; the block's
-# d and the group's scale and zero apply once per 32 weights. What this computes is the weight
-# dequantized against x rounded to 8 bits a block of 32: `reference_int4_a8` below, the oracle.
+# At one row the tensor cores idle, and the float paths above spend 3-6 instructions a weight
+# converting codes: the int4 words kernel reads at 26-45% of the copy bandwidth whatever its tiles
+# (bench/RESULTS.md, seventeenth session). Here, as llama.cpp's CUDA decode reads its quantized
+# weights: x becomes int8 codes in blocks of 32 columns (x ~ d * code, d = max |x| / 127, one
+# small kernel a product), and each int32 word of weight codes meets x's codes in integer dot
+# products of four (dp4a): an int4 word is two masks, a shift and two dp4a for eight weights, an
+# int8 word one dp4a for four. The sums are exact in int32; a block's d and the group's scale and
+# zero apply once per 32 weights. Each program reads long runs of a few rows (a warp 512
+# contiguous bytes of one row), as the bf16 GEMV does: on the H200 the int4 layers of Qwen3-8B went
+# from 25-43% to 44-73% of the copy bandwidth (bench/RESULTS.md, twenty-second session).
+#
+# The cost is x's rounding to 8 bits a block of 32 (relative error of a layer's output ~0.5% for
+# Gaussian x, against ~5-10% for the int4 weight itself); `reference_a8` is the oracle. Rows of
+# 16-bit x up to A8_MAX_ROWS take it (decode); batch and verify rows keep x in 16 bits (the
+# kernels above), so a sequence's decode and a verify or prefill of the same tokens round
+# differently. HIBANA_A8_ROWS=0 turns it off.
 
 A8_BLOCK = 32  # x's columns sharing one scale d
-A8_MAX_ROWS = int(os.environ.get("HIBANA_INT4_A8_ROWS", "0"))  # rows of 16-bit x choose_tiles sends to it (0: none)
+A8_MAX_ROWS = int(os.environ.get("HIBANA_A8_ROWS", "1"))  # rows of 16-bit x that take it (0: none)
 
 
-class A8Tiles(NamedTuple):
-    """`_int4_a8_kernel`: BLOCK_N output features a program, K split over `splits` programs (whole
-    groups each), a group a step pipelined `num_stages` deep; a program a row of x."""
+class A8GemvTiles(NamedTuple):
+    """The int4 / int8 x int8 GEMV: BLOCK_N output features a program, their rows read BLOCK_K
+    columns a step (no split of K); a program a row of x."""
     block_n: int
-    splits: int
+    block_k: int
     num_warps: int
-    num_stages: int
+    num_stages: int = 1
 
 
 def a8_fits(k: int, group_size: int) -> bool:
-    """Whether the int4 x int8 kernel takes rows of k columns: groups of 32 or more (whole blocks
-    of x's codes), a power of two, K a whole number of them."""
+    """Whether the x int8 kernels take rows of k columns: whole blocks of x's codes, int8 (group
+    size 1) or int4 groups of whole blocks, a power of two."""
+    if group_size == 1:
+        return k % A8_BLOCK == 0
     return group_size >= A8_BLOCK and group_size & (group_size - 1) == 0 and k % group_size == 0
 
 
@@ -489,39 +499,45 @@ def reference_quantize_a8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.to(torch.int8).view(m, k), amax / 127.0
 
 
-def reference_int4_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                      group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """What `_int4_a8_kernel` computes, in float64: the dequantized weight against x's int8
-    codes times their blocks' d."""
+def reference_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What the x int8 kernels compute, in float64: the dequantized weight (int4 when zeros are
+    given, else int8) against x's int8 codes times their blocks' d."""
     codes, d = reference_quantize_a8(x.reshape(-1, x.shape[-1]))
     m, k = codes.shape
     x_hat = (codes.double().view(m, k // A8_BLOCK, A8_BLOCK) * d.double()[..., None]).view(m, k)
-    out = x_hat @ quant.dequantize_int4(qweight, scales, zeros, group_size, torch.float64).T
+    weight = (quant.dequantize_int4(qweight, scales, zeros, group_size, torch.float64) if zeros is not None
+              else quant.dequantize_int8(qweight, scales, torch.float64))
+    out = x_hat @ weight.T
     out = out if bias is None else out + bias.double()
     return out.view(*x.shape[:-1], -1)
 
 
 @triton.jit
-def _quantize_a8_kernel(x_ptr, q_ptr, d_ptr, K, stride_xm, BLOCKS: tl.constexpr, PDL: tl.constexpr):
-    """Program (row m, chunk c): x's blocks c * BLOCKS onward in row m as int8 codes packed for
-    `_int4_a8_kernel`, q [M, K / 4] int32: block b's words 8b .. 8b + 3 hold the codes of its even
-    columns, 8b + 4 .. 8b + 7 of its odd ones, four a word from the low byte (columns 32b + 8w +
-    2j + parity), the order in which a word of weight codes gives its even and odd nibbles; and
-    d [M, K / 32, 2] float32: the block's d and d * (sum of its codes)."""
+def _quantize_a8_kernel(x_ptr, q_ptr, d_ptr, K, stride_xm, BLOCKS: tl.constexpr, PAIRS: tl.constexpr,
+                        PDL: tl.constexpr):
+    """Program (row m, chunk c): x's blocks c * BLOCKS onward in row m as int8 codes, four a word
+    from the low byte, q [M, K / 4] int32, block b in words 8b .. 8b + 7: in column order, or
+    (PAIRS, for int4) the codes of the block's even columns in its first four words and of its odd
+    ones in the last four (columns 32b + 8w + 2j + parity), the order in which a word of int4
+    codes gives its low and high nibbles; and d [M, K / 32, 2] float32: the block's d and d * (sum
+    of its codes)."""
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     mask = blocks < K // 32
-    parity, word, byte = tl.arange(0, 2), tl.arange(0, 4), tl.arange(0, 4)
-    col = (blocks[:, None, None, None] * 32 + parity[None, :, None, None] + 8 * word[None, None, :, None]
-           + 2 * byte[None, None, None, :])  # [BLOCKS, 2, 4, 4]
+    half, word, byte = tl.arange(0, 2), tl.arange(0, 4), tl.arange(0, 4)
+    if PAIRS:
+        within = half[:, None, None] + 8 * word[None, :, None] + 2 * byte[None, None, :]
+    else:
+        within = 16 * half[:, None, None] + 4 * word[None, :, None] + byte[None, None, :]
+    col = blocks[:, None, None, None] * 32 + within[None, :, :, :]  # [BLOCKS, 2, 4, 4]
     x = tl.load(x_ptr + row * stride_xm + col, mask=mask[:, None, None, None], other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1)
     inv = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.maximum(amax, 1e-30)), 0.0)
-    scaled = x * inv[:, None, None, None]
-    codes = tl.minimum(tl.maximum(tl.floor(scaled + 0.5), -127.0), 127.0).to(tl.int32)
+    codes = tl.minimum(tl.maximum(tl.floor(x * inv[:, None, None, None] + 0.5), -127.0), 127.0).to(tl.int32)
     words = tl.sum((codes & 0xFF) << (8 * byte[None, None, None, :]), axis=3)  # [BLOCKS, 2, 4]
-    tl.store(q_ptr + row * (K // 4) + blocks[:, None, None] * 8 + parity[None, :, None] * 4 + word[None, None, :],
+    tl.store(q_ptr + row * (K // 4) + blocks[:, None, None] * 8 + half[None, :, None] * 4 + word[None, None, :],
              words, mask=mask[:, None, None])
     d = amax / 127.0
     code_sum = tl.sum(tl.sum(tl.sum(codes, axis=3), axis=2), axis=1).to(tl.float32)
@@ -529,132 +545,117 @@ def _quantize_a8_kernel(x_ptr, q_ptr, d_ptr, K, stride_xm, BLOCKS: tl.constexpr,
     tl.store(d_ptr + row * (K // 16) + 2 * blocks + 1, d * code_sum, mask=mask)
 
 
-_DP4A_ASM = tl.constexpr("""{
+_DP4A_NIBBLES_ASM = tl.constexpr("""{
     .reg .b32 lo, hi, t;
     and.b32 lo, $1, 0x0F0F0F0F;
     shr.u32 hi, $1, 4;
     and.b32 hi, hi, 0x0F0F0F0F;
     dp4a.s32.s32 t, lo, $2, 0;
     dp4a.s32.s32 $0, hi, $3, t;
-}""")  # word $1 of eight codes: bytes' low nibbles (the even columns) against x's even codes $2,
-#       high nibbles (odd columns) against $3
+}""")  # word $1 of eight int4 codes: the bytes' low nibbles (even columns) against x's codes $2,
+#        the high nibbles (odd columns) against $3
+
+
+@triton.jit
+def _signed_byte(v, J: tl.constexpr):
+    return (v << (24 - 8 * J)) >> 24
 
 
 @triton.jit
 def _dp4a_nibbles(words, x_even, x_odd, ASM: tl.constexpr):
-    """sum over a word's eight codes of code * x's code: dp4a through inline PTX (ASM), else the
-    same integer sum byte by byte (the interpreter)."""
+    """Sum over a word's eight int4 codes of code * x's code: dp4a through inline PTX (ASM), else
+    the same integer sum byte by byte (the interpreter)."""
     if ASM:
-        out = tl.inline_asm_elementwise(_DP4A_ASM, "=r,r,r,r", [words, x_even, x_odd], dtype=tl.int32,
+        out = tl.inline_asm_elementwise(_DP4A_NIBBLES_ASM, "=r,r,r,r", [words, x_even, x_odd], dtype=tl.int32,
                                         is_pure=True, pack=1)
     else:
-        out = tl.zeros(words.shape, tl.int32) + 0 * (x_even + x_odd)
+        out = tl.zeros(words.shape, tl.int32)
         for j in tl.static_range(4):
-            xe = (x_even << (24 - 8 * j)) >> 24  # byte j, sign-extended
-            xo = (x_odd << (24 - 8 * j)) >> 24
-            out += ((words >> (8 * j)) & 0xF) * xe + ((words >> (8 * j + 4)) & 0xF) * xo
+            out += ((words >> (8 * j)) & 0xF) * _signed_byte(x_even, j) + ((words >> (8 * j + 4)) & 0xF) * \
+                _signed_byte(x_odd, j)
     return out
 
 
 @triton.jit
-def _int4_a8_kernel(q_ptr, d_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, counter_ptr, M, N, K,
-                    stride_wn, stride_sn, stride_ym, groups_per_split,
-                    BLOCK_N: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr,
-                    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
-    """y[m, n] = sum over groups g of scale[n, g] * sum over x's blocks b in g of (d_b * sum_{k in b}
-    code[n, k] xcode[m, k] - zero[n, g] * d_b * sum_{k in b} xcode[m, k]), the inner sums exact in
-    int32 (`_dp4a_nibbles`), x's codes and d from `_quantize_a8_kernel`. Program (n tile, split,
-    row m) takes groups split * groups_per_split onward (`_finish_split`); stride_wn in words."""
-    wait_for_previous(PDL)
-    BLOCKS: tl.constexpr = GROUP // 32
-    offs_n, offs_m, n_mask, m_mask, first, end = _int4_tile(N, M, K, groups_per_split, BLOCK_N, 1, GROUP)
-    row = tl.program_id(2).to(tl.int64)
-    offs_b, offs_w = tl.arange(0, BLOCKS), tl.arange(0, 4)
-    w_tile = (w_ptr + offs_n.to(tl.int64)[:, None, None] * stride_wn + 4 * offs_b[None, :, None]
-              + offs_w[None, None, :])  # [BLOCK_N, BLOCKS, 4]: a group's words
-    q_group = q_ptr + row * (K // 4) + 8 * offs_b[:, None] + offs_w[None, :]  # [BLOCKS, 4]: x's even words
-    d_group = d_ptr + row * (K // 16) + 2 * offs_b
-    sz_rows = offs_n.to(tl.int64) * stride_sn
-    acc = tl.zeros([BLOCK_N, BLOCKS], dtype=tl.float32)
-    for g in tl.range(first, end, num_stages=STAGES):
-        words = tl.load(w_tile + g * (GROUP // 8), mask=n_mask[:, None, None], other=0)
-        x_even = tl.load(q_group + g * (8 * BLOCKS))
-        x_odd = tl.load(q_group + g * (8 * BLOCKS) + 4)
-        d = tl.load(d_group + g * (2 * BLOCKS))
-        d_sum = tl.load(d_group + g * (2 * BLOCKS) + 1)
-        scale = tl.load(s_ptr + sz_rows + g, mask=n_mask, other=0.0).to(tl.float32)
-        zero = tl.load(z_ptr + sz_rows + g, mask=n_mask, other=0.0).to(tl.float32)
-        dots = tl.sum(_dp4a_nibbles(words, x_even[None, :, :], x_odd[None, :, :], ASM), axis=2)
-        acc += scale[:, None] * (dots.to(tl.float32) * d[None, :] - zero[:, None] * d_sum[None, :])
-    _finish_split(tl.sum(acc, axis=1)[:, None], y_ptr, b_ptr, part_ptr, counter_ptr, offs_n, offs_m, n_mask, m_mask,
-                  M, N, stride_ym, BLOCK_N, 1, SPLIT, HAS_BIAS)
-
-
-class A8GemvTiles(NamedTuple):
-    """`_int4_a8_gemv_kernel`: BLOCK_N output features a program, their rows read BLOCK_K columns
-    a step (long runs of each row, as the bf16 GEMV reads: a warp 512 contiguous bytes of one row),
-    no split of K; a program a row of x."""
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int = 1
+def _dp4a(words, x, ASM: tl.constexpr):
+    """Sum over a word's four int8 codes of code * x's code (dp4a; byte by byte in the interpreter)."""
+    if ASM:
+        out = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, 0;", "=r,r,r", [words, x], dtype=tl.int32,
+                                        is_pure=True, pack=1)
+    else:
+        out = tl.zeros(words.shape, tl.int32)
+        for j in tl.static_range(4):
+            out += _signed_byte(words, j) * _signed_byte(x, j)
+    return out
 
 
 @triton.jit
-def _a8_step(w_rows, q_row, d_row, sz_rows, s_ptr, z_ptr, words, k0, offs_b, n_mask, K, GROUP: tl.constexpr,
-             ASM: tl.constexpr):
-    """One step's share [BLOCK_N, BLOCKS] of `_int4_a8_gemv_kernel`: columns k0 onward, whose
-    weight words `words` are loaded."""
-    # x's codes and d loaded for every row of the tile (the same addresses: the L1 serves them),
-    # so that they come in the words' layout, not in a narrower one converted through shared memory
-    blocks = (k0 // 32 + offs_b)[None, :] + 0 * sz_rows[:, None]  # [BLOCK_N, BLOCKS]
-    b_mask = blocks < K // 32
-    x_words = q_row + 8 * blocks[:, :, None] + tl.arange(0, 4)[None, None, :]
-    x_even = tl.load(x_words, mask=b_mask[:, :, None], other=0)
-    x_odd = tl.load(x_words + 4, mask=b_mask[:, :, None], other=0)
-    d = tl.load(d_row + 2 * blocks, mask=b_mask, other=0.0)
-    d_sum = tl.load(d_row + 2 * blocks + 1, mask=b_mask, other=0.0)
-    groups = sz_rows[:, None] + blocks * 32 // GROUP
-    mask = n_mask[:, None] & b_mask
-    scale = tl.load(s_ptr + groups, mask=mask, other=0.0).to(tl.float32)
-    zero = tl.load(z_ptr + groups, mask=mask, other=0.0).to(tl.float32)
-    dots = tl.sum(_dp4a_nibbles(words, x_even, x_odd, ASM), axis=2)
-    return scale * (dots.to(tl.float32) * d - zero * d_sum)
-
-
-@triton.jit
-def _a8_words(w_rows, k0, offs_b, n_mask, K):
+def _a8_words(w_rows, k0, offs_b, n_mask, K, WORDS: tl.constexpr):
+    """Weight words [BLOCK_N, BLOCKS, WORDS] of blocks k0 / 32 onward (WORDS a block: int4 4, int8 8)."""
     blocks = k0 // 32 + offs_b
-    return tl.load(w_rows + 4 * blocks[None, :, None] + tl.arange(0, 4)[None, None, :],
+    return tl.load(w_rows + WORDS * blocks[None, :, None] + tl.arange(0, WORDS)[None, None, :],
                    mask=n_mask[:, None, None] & (blocks < K // 32)[None, :, None], other=0)
 
 
 @triton.jit
-def _int4_a8_gemv_kernel(q_ptr, d_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_qm, stride_dm,
-                         stride_wn, stride_sn, stride_ym,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr,
-                         ASM: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
-    """`_int4_a8_kernel`'s sum with the bf16 GEMV's reads: program (n tile, row m) streams its
-    BLOCK_N rows BLOCK_K columns a step (a thread one block of 32: 16 bytes of weight words, x's
-    8 words of codes, the block's group scale and zero), sums [BLOCK_N, BLOCK_K / 32] per block
-    to the end, then across them once; the first step's words are loaded before the wait for
-    the previous kernel (PDL: weights are no kernel's output)."""
+def _a8_step(q_row, d_row, sz_rows, s_ptr, z_ptr, words, k0, offs_b, n_mask, K, GROUP: tl.constexpr,
+             INT4: tl.constexpr, ASM: tl.constexpr):
+    """One step's share [BLOCK_N, BLOCKS] of `_a8_gemv_kernel`: columns k0 onward, whose weight
+    words `words` are loaded. int4: scale * (d * dots - zero * d * sum of x's codes) per block;
+    int8: d * dots (the row's scale multiplies the finished sum)."""
+    # x's codes and d loaded for every row of the tile (the same addresses: the L1 serves them), so
+    # that they come in the words' layout, not in a narrower one converted through shared memory
+    blocks = (k0 // 32 + offs_b)[None, :] + 0 * sz_rows[:, None]  # [BLOCK_N, BLOCKS]
+    b_mask = blocks < K // 32
+    d = tl.load(d_row + 2 * blocks, mask=b_mask, other=0.0)
+    if INT4:
+        x_words = q_row + 8 * blocks[:, :, None] + tl.arange(0, 4)[None, None, :]
+        x_even = tl.load(x_words, mask=b_mask[:, :, None], other=0)
+        x_odd = tl.load(x_words + 4, mask=b_mask[:, :, None], other=0)
+        d_sum = tl.load(d_row + 2 * blocks + 1, mask=b_mask, other=0.0)
+        groups = sz_rows[:, None] + blocks * 32 // GROUP
+        mask = n_mask[:, None] & b_mask
+        scale = tl.load(s_ptr + groups, mask=mask, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + groups, mask=mask, other=0.0).to(tl.float32)
+        dots = tl.sum(_dp4a_nibbles(words, x_even, x_odd, ASM), axis=2)
+        share = scale * (dots.to(tl.float32) * d - zero * d_sum)
+    else:
+        x = tl.load(q_row + 8 * blocks[:, :, None] + tl.arange(0, 8)[None, None, :], mask=b_mask[:, :, None], other=0)
+        share = tl.sum(_dp4a(words, x, ASM), axis=2).to(tl.float32) * d
+    return share
+
+
+@triton.jit
+def _a8_gemv_kernel(q_ptr, d_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, stride_qm, stride_dm,
+                    stride_wn, stride_sn, stride_ym,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, INT4: tl.constexpr,
+                    STAGES: tl.constexpr, ASM: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+    """y[m, n] = sum over x's blocks b of d_b * sum_{k in b} w[n, k] xcode[m, k], w the int4 or int8
+    weight (int4: (code - zero) * scale per group, the zero's share through d_b * sum of the block's
+    x codes; int8: the row's scale once at the end). Program (n tile, row m) streams its BLOCK_N
+    rows BLOCK_K columns a step (a thread one block of 32 a row: 16 or 32 bytes of weight words),
+    sums [BLOCK_N, BLOCK_K / 32] per block to the end, then across them once. The first step's
+    words are loaded before the wait for the previous kernel (PDL: weights are no kernel's
+    output); stride_wn in int32 words, x's codes and d from `_quantize_a8_kernel`."""
     BLOCKS: tl.constexpr = BLOCK_K // 32
+    WORDS: tl.constexpr = 4 if INT4 else 8
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     row = tl.program_id(1).to(tl.int64)
     offs_b = tl.arange(0, BLOCKS)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None, None] * stride_wn
-    q_row = q_ptr + row * stride_qm  # (K / 4 and K / 16: as arguments, their divisibility is known)
+    q_row = q_ptr + row * stride_qm  # (K / 4 and K / 16 as arguments: their divisibility is known)
     d_row = d_ptr + row * stride_dm
     sz_rows = offs_n.to(tl.int64) * stride_sn
-    words = _a8_words(w_rows, 0, offs_b, n_mask, K)
+    words = _a8_words(w_rows, 0, offs_b, n_mask, K, WORDS)
     wait_for_previous(PDL)
-    acc = _a8_step(w_rows, q_row, d_row, sz_rows, s_ptr, z_ptr, words, 0, offs_b, n_mask, K, GROUP, ASM)
+    acc = _a8_step(q_row, d_row, sz_rows, s_ptr, z_ptr, words, 0, offs_b, n_mask, K, GROUP, INT4, ASM)
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
-        acc += _a8_step(w_rows, q_row, d_row, sz_rows, s_ptr, z_ptr, _a8_words(w_rows, k0, offs_b, n_mask, K), k0,
-                        offs_b, n_mask, K, GROUP, ASM)
+        acc += _a8_step(q_row, d_row, sz_rows, s_ptr, z_ptr, _a8_words(w_rows, k0, offs_b, n_mask, K, WORDS), k0,
+                        offs_b, n_mask, K, GROUP, INT4, ASM)
     out = tl.sum(acc, axis=1)
+    if not INT4:
+        out *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_mask)
@@ -663,48 +664,30 @@ def _int4_a8_gemv_kernel(q_ptr, d_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, 
 A8_QUANT_BLOCKS = 16  # blocks of x a `_quantize_a8_kernel` program takes
 
 
-def quantize_a8(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_a8(x2: torch.Tensor, pairs: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (K a multiple of 32) -> (q int32 [M, K / 4], d float32 [M, K / 32, 2]) as
-    `_quantize_a8_kernel` packs them."""
+    `_quantize_a8_kernel` packs them (pairs: for int4 weights)."""
     m, k = x2.shape
     q = torch.empty((m, k // 4), dtype=torch.int32, device=x2.device)
     d = torch.empty((m, k // A8_BLOCK, 2), dtype=torch.float32, device=x2.device)
     grid = (m, triton.cdiv(k // A8_BLOCK, A8_QUANT_BLOCKS))
-    _quantize_a8_kernel[grid](x2, q, d, k, x2.stride(0), BLOCKS=A8_QUANT_BLOCKS, num_warps=4,
+    _quantize_a8_kernel[grid](x2, q, d, k, x2.stride(0), BLOCKS=A8_QUANT_BLOCKS, PAIRS=pairs, num_warps=4,
                               **pdl.launch_args(x2.device, "other", grid[0] * grid[1]))
     return q, d
 
 
-def _int4_a8(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-             group_size: int, bias: torch.Tensor | None, tiles: A8Tiles | A8GemvTiles, y: torch.Tensor) -> None:
+def _a8_gemv(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+             group_size: int, bias: torch.Tensor | None, tiles: A8GemvTiles, y: torch.Tensor) -> None:
     m, n = y.shape
-    k = x2.shape[1]
-    q, d = quantize_a8(x2)
-    if isinstance(tiles, A8GemvTiles):
-        grid = (triton.cdiv(n, tiles.block_n), m)
-        _int4_a8_gemv_kernel[grid](
-            q, d, qweight.view(torch.int32), scales, zeros, bias if bias is not None else scales, y, m, n, k,
-            q.stride(0), d.stride(0), qweight.stride(0) // 4, scales.stride(0), y.stride(0),
-            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-            GROUP=group_size, STAGES=tiles.num_stages, ASM=y.device.type == "cuda", HAS_BIAS=bias is not None,
-            num_warps=tiles.num_warps, **pdl.launch_args(y.device, "gemv", grid[0] * grid[1]))
-        return
-    groups = k // group_size
-    per_split = triton.cdiv(groups, max(1, min(tiles.splits, groups)))
-    splits = triton.cdiv(groups, per_split)
-    grid = (triton.cdiv(n, tiles.block_n), splits, m)
-    if grid[0] * grid[2] > DOT_COUNTERS:
-        per_split, splits = groups, 1
-        grid = (grid[0], 1, grid[2])
-    split = splits > 1
-    part = torch.empty((splits, m, n), dtype=torch.float32, device=y.device) if split else y
-    counts = counters.counters("int4 split-K", DOT_COUNTERS, y.device) if split else y
-    _int4_a8_kernel[grid](
-        q, d, qweight.view(torch.int32), scales, zeros, bias if bias is not None else scales, y, part, counts, m, n, k,
-        qweight.stride(0) // 4, scales.stride(0), y.stride(0), per_split,
-        BLOCK_N=tiles.block_n, GROUP=group_size, STAGES=tiles.num_stages, ASM=y.device.type == "cuda",
-        SPLIT=split, HAS_BIAS=bias is not None, num_warps=tiles.num_warps,
-        **pdl.launch_args(y.device, "gemv", grid[0] * grid[1] * grid[2]))
+    int4 = zeros is not None
+    q, d = quantize_a8(x2, pairs=int4)
+    grid = (triton.cdiv(n, tiles.block_n), m)
+    _a8_gemv_kernel[grid](
+        q, d, qweight.view(torch.int32), scales, zeros if int4 else scales, bias if bias is not None else scales, y,
+        n, x2.shape[1], q.stride(0), d.stride(0), qweight.view(torch.int32).stride(0), scales.stride(0), y.stride(0),
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP=group_size, INT4=int4, STAGES=tiles.num_stages,
+        ASM=y.device.type == "cuda", HAS_BIAS=bias is not None, num_warps=tiles.num_warps,
+        **pdl.launch_args(y.device, "gemv", grid[0] * grid[1]))
 
 
 @triton.jit
@@ -831,7 +814,11 @@ def choose_tiles(rows: int, n: int, k: int, group_size: int = 1, dtype: torch.dt
     if rows >= DEQUANT_MIN_ROWS:
         return None
     if rows <= A8_MAX_ROWS and dtype in (torch.bfloat16, torch.float16) and a8_fits(k, group_size):
-        return A8GemvTiles(4, 2048, num_warps=4)  # a first guess, before its measurement
+        # int4, Qwen3-8B's layers on the H200 (`tune_quant.py --a8`, bench/RESULTS.md,
+        # twenty-second session): 2 output features a program in 2 warps, 2048 columns a step, best
+        # or within 2% of it on all four (gate_up 17.4 us against the words kernel's 29.7, down
+        # 9.7 / 17.5, qkv 6.4 / 11.6, o 4.8 / 8.4); int8 the same rows of twice the bytes (a guess)
+        return A8GemvTiles(2, 2048, num_warps=2)
     tensor_cores = dtype in (torch.bfloat16, torch.float16) and dot_fits(k, group_size)
     if tensor_cores and group_size >= WORDS_MIN_GROUP:
         # Qwen3-8B's layers on the H200 (`tune_quant.py --sweep --words-only`: bench/RESULTS.md,
@@ -914,11 +901,11 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                                             and tiles.block_m >= 16 and tiles.block_m & (tiles.block_m - 1) == 0):
         raise ValueError(f"the int4 tensor-core kernels take 16-bit x and groups of 32 or more (see dot_fits; "
                          f"words: 128), not {x.dtype}, K={k}, group size {group_size}")
-    if isinstance(tiles, (A8Tiles, A8GemvTiles)) and not (int4 and a8_fits(k, group_size)):
-        raise ValueError(f"the int4 x int8 kernel takes groups of 32 or more (see a8_fits), not K={k} with "
-                         f"group size {group_size}")
-    if isinstance(tiles, (A8Tiles, A8GemvTiles)):
-        _int4_a8(x2, qweight, scales, zeros, group_size, bias, tiles, y)
+    if isinstance(tiles, A8GemvTiles) and not a8_fits(k, group_size if int4 else 1):
+        raise ValueError(f"the x int8 GEMV takes whole blocks of 32 columns and int4 groups of them (see a8_fits), "
+                         f"not K={k} with group size {group_size}")
+    if isinstance(tiles, A8GemvTiles):
+        _a8_gemv(x2, qweight, scales, zeros, group_size, bias, tiles, y)
     elif isinstance(tiles, GemvTiles) and not int4:
         _gemv_int8_kernel[(triton.cdiv(n, tiles.block_n),)](
             x2, qweight, scales, bias_arg, y, m, n, k, x2.stride(0),
@@ -980,14 +967,14 @@ def _int4_dot(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
 
 
 def linear_int8_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                       bias: torch.Tensor | None, tiles: GemvTiles | GemmTiles | None) -> torch.Tensor:
+                       bias: torch.Tensor | None, tiles: GemvTiles | A8GemvTiles | GemmTiles | None) -> torch.Tensor:
     """linear_int8 with the kernel and tiles chosen by the caller (tests, the tuning script)."""
     return _launch(x, qweight, scales, None, 1, bias, tiles)
 
 
 def linear_int4_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                        zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None,
-                       tiles: GemvTiles | DotTiles | A8Tiles | A8GemvTiles | GemmTiles | None) -> torch.Tensor:
+                       tiles: GemvTiles | DotTiles | A8GemvTiles | GemmTiles | None) -> torch.Tensor:
     """linear_int4 with the kernel and tiles chosen by the caller (tests, the tuning script)."""
     return _launch(x, qweight, scales, zeros, group_size, bias, tiles)
 
@@ -1001,7 +988,7 @@ def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if x.dtype not in _DTYPES:
         return quant.linear_int8(x, qweight, scales, bias)
     n, k = qweight.shape
-    tiles = choose_tiles(x.numel() // k if k else 0, n, k)
+    tiles = choose_tiles(x.numel() // k if k else 0, n, k, 1, x.dtype, counters.sm_count(x.device))
     return linear_int8_launch(x, qweight, scales, bias, tiles)
 
 

@@ -780,13 +780,35 @@ def test_int4_dot_split_falls_back(run_check):
     run_check(check_int4_dot_split_falls_back)
 
 
-def test_int4_dispatch():
-    """Up to 127 rows of 16-bit x with groups of 128-256 take the int4 words kernel (256 features
-    a program, PREFETCH, 16, 32 or 64 rows a program), K split until the grid has about a program
-    an SM and in 4 at least (half that from 65 rows); groups of 32 and 64 the byte kernel at decode
-    rows, the GEMM above; float32 x and small or per-channel groups the GEMV; from 128 rows cuBLAS."""
+def test_quant_dispatch_at_one_row():
+    """One row of 16-bit x takes the x int8 GEMV: int4 with groups of whole blocks of 32 (per
+    channel too), int8 with K a whole number of blocks; float32 x, int4 groups of 16 and K not
+    a whole number of blocks do not, nor two rows, nor any with A8_MAX_ROWS 0 (HIBANA_A8_ROWS=0)."""
     from hibana_kernels import quant_triton
 
+    choose, a8 = quant_triton.choose_tiles, quant_triton.A8GemvTiles(2, 2048, 2)
+    for group, k, dtype in ((128, 4096, torch.bfloat16), (32, 12288, torch.float16), (4096, 4096, torch.bfloat16),
+                            (1, 4096, torch.bfloat16), (1, 96, torch.float16)):
+        assert choose(1, 4096, k, group, dtype, 132) == a8, (group, k, dtype)
+    for rows, group, k, dtype in ((1, 128, 4096, torch.float32), (1, 16, 4096, torch.bfloat16),
+                                  (1, 1, 100, torch.bfloat16), (2, 128, 4096, torch.bfloat16), (2, 1, 4096, torch.bfloat16)):
+        assert not isinstance(choose(rows, 4096, k, group, dtype, 132), quant_triton.A8GemvTiles), (rows, group, k)
+    a8_rows, quant_triton.A8_MAX_ROWS = quant_triton.A8_MAX_ROWS, 0
+    try:
+        assert isinstance(choose(1, 4096, 4096, 128, torch.bfloat16, 132), quant_triton.DotTiles)
+    finally:
+        quant_triton.A8_MAX_ROWS = a8_rows
+
+
+def test_int4_dispatch(monkeypatch):
+    """Without the x int8 GEMV (one row takes it by default: above), up to 127 rows of 16-bit x
+    with groups of 128-256 take the int4 words kernel (256 features a program, PREFETCH, 16, 32 or
+    64 rows a program), K split until the grid has about a program an SM and in 4 at least (half
+    that from 65 rows); groups of 32 and 64 the byte kernel at decode rows, the GEMM above; float32
+    x and small or per-channel groups the GEMV; from 128 rows cuBLAS."""
+    from hibana_kernels import quant_triton
+
+    monkeypatch.setattr(quant_triton, "A8_MAX_ROWS", 0)
     choose, Dot = quant_triton.choose_tiles, quant_triton.DotTiles
     words = dict(num_warps=8, num_stages=3, words=True, prefetch=True)
     assert choose(1, 24576, 4096, 128, torch.bfloat16, 132) == Dot(256, 4, **words)  # 4 at least
@@ -1217,30 +1239,36 @@ def test_linear_quant_tiles(run_check, dtype, bits, rows, n, k, group_size, kern
               group_size=group_size, bias=True, tiles=(kernel, tiles))
 
 
-def check_int4_a8(device, dtype, rows, n, k, group_size, tiles, outlier):
-    """The int4 x int8 kernels against their reference (x rounded to int8 a block of 32, the
-    product in float64); x's codes and d against the reference's; and the whole against the
-    exact product, within what rounding x to 8 bits costs."""
+def check_a8(device, dtype, bits, rows, n, k, group_size, tiles, outlier):
+    """The x int8 GEMV (int4 or int8 weights) against its reference (x rounded to int8 a block of
+    32, the product in float64); x's codes and d against the reference's; and the whole against
+    the exact product, within what rounding x to 8 bits costs."""
     quant_triton = _triton_module("quant")
-    tiles = (quant_triton.A8GemvTiles if len(tiles) == 3 else quant_triton.A8Tiles)(*tiles)
-    gen = torch.Generator().manual_seed(n + k + rows)
-    qweight, scales, zeros = (t.to(device) for t in make_quant_weight(4, n, k, group_size, gen))
+    gen = torch.Generator().manual_seed(n + k + rows + bits)
+    qweight, scales, zeros = (t if t is None else t.to(device) for t in make_quant_weight(bits, n, k, group_size, gen))
     x = torch.randn(rows, k, generator=gen)
     x[:, 1:k // 2 + 1] = 0  # all-zero blocks (d = 0)
     x[0, -1] = outlier  # one large column: its block's other codes coarse, the others' unaffected
     x = x.to(dtype).to(device)
     b = torch.randn(n, generator=gen).to(dtype).to(device)
-    out = quant_triton.linear_int4_launch(x, qweight, scales, zeros, group_size, b, tiles)
-    ref = quant_triton.reference_int4_a8(x, qweight, scales, zeros, group_size, b)
+    tiles = quant_triton.A8GemvTiles(*tiles)
+    if bits == 4:
+        out = quant_triton.linear_int4_launch(x, qweight, scales, zeros, group_size, b, tiles)
+        exact = quant.linear_int4(x.double(), qweight, scales, zeros, group_size, b.double())
+    else:
+        out = quant_triton.linear_int8_launch(x, qweight, scales, b, tiles)
+        exact = quant.linear_int8(x.double(), qweight, scales, b.double())
+    ref = quant_triton.reference_a8(x, qweight, scales, zeros, group_size, b)
     assert out.shape == (rows, n) and out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
-    exact = quant.linear_int4(x.double(), qweight, scales, zeros, group_size, b.double())
     assert ((out.double() - exact).norm() / exact.norm()).item() < 0.02
-    q, d = quant_triton.quantize_a8(x)
+    q, d = quant_triton.quantize_a8(x, pairs=bits == 4)
     codes, d_ref = quant_triton.reference_quantize_a8(x)
-    blocks = q.view(rows, k // 32, 2, 4).cpu()  # block, parity, word: bytes j = columns 8w + 2j + parity
-    unpacked = torch.stack([(blocks << (24 - 8 * j)) >> 24 for j in range(4)], dim=-1)  # sign-extended bytes
-    kernel_codes = unpacked.permute(0, 1, 3, 4, 2).reshape(rows, k)
+    words = q.view(rows, k // 32, 2, 4).cpu()  # block, half, word
+    unpacked = torch.stack([(words << (24 - 8 * j)) >> 24 for j in range(4)], dim=-1)  # sign-extended bytes
+    # int4: byte j of word w of half h is column 8w + 2j + h of its block; int8: column 16h + 4w + j
+    order = (0, 1, 3, 4, 2) if bits == 4 else (0, 1, 2, 3, 4)
+    kernel_codes = unpacked.permute(*order).reshape(rows, k)
     off = kernel_codes - codes.long().cpu()
     # x * (127 / max) within an ulp of a half: the two sides' 127 / max may round apart
     assert off.abs().max() <= 1 and (off != 0).sum() <= 2, off.nonzero()
@@ -1248,17 +1276,19 @@ def check_int4_a8(device, dtype, rows, n, k, group_size, tiles, outlier):
     torch.testing.assert_close(d[..., 1].cpu(), d_ref.cpu() * kernel_codes.view(rows, k // 32, 32).float().sum(-1))
 
 
-# int4 x int8 (dp4a) at decode rows: the long-row GEMV (block_n, block_k, warps) with K in one
-# step, in several with a masked last one (K 384 in steps of 256), groups of 32 (a step spanning
-# several) and of 128 over steps narrower than a group, odd N; the split kernel (block_n, splits,
-# warps, stages), uneven splits; one and three rows, an outlier in x and none
+# the x int8 GEMV (block_n, block_k, warps): K in one step, in several with a masked last one (K 384
+# in steps of 256), int4 groups of 32 (a step spanning several) and of 128 over steps narrower than
+# a group, odd N, per-channel int4 (one group of K); int8 likewise; one to three rows, an outlier
+# in x and none
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("rows, n, k, group_size, tiles, outlier", [
-    (1, 37, 256, 128, (4, 256, 4), 0.0), (1, 37, 384, 128, (2, 256, 2), 40.0), (3, 33, 384, 32, (8, 128, 4), 8.0),
-    (1, 70, 512, 128, (4, 64, 2), 0.0), (2, 19, 96, 32, (1, 1024, 4), 40.0),
-    (1, 37, 384, 128, (16, 3, 4, 2), 40.0), (3, 70, 640, 128, (32, 2, 2, 1), 0.0)])
-def test_int4_a8(run_check, dtype, rows, n, k, group_size, tiles, outlier):
-    run_check(check_int4_a8, dtype=dtype, rows=rows, n=n, k=k, group_size=group_size, tiles=tiles, outlier=outlier)
+@pytest.mark.parametrize("bits, rows, n, k, group_size, tiles, outlier", [
+    (4, 1, 37, 256, 128, (4, 256, 4), 0.0), (4, 1, 37, 384, 128, (2, 256, 2), 40.0),
+    (4, 3, 33, 384, 32, (8, 128, 4), 8.0), (4, 1, 70, 512, 128, (4, 64, 2), 0.0), (4, 2, 19, 96, 32, (1, 1024, 4), 40.0),
+    (4, 1, 20, 256, 256, (2, 128, 2, 2), 0.0),
+    (8, 1, 37, 384, 1, (2, 256, 2), 40.0), (8, 2, 33, 96, 1, (4, 1024, 4), 0.0), (8, 1, 70, 512, 1, (8, 64, 2, 2), 8.0)])
+def test_a8(run_check, dtype, bits, rows, n, k, group_size, tiles, outlier):
+    run_check(check_a8, dtype=dtype, bits=bits, rows=rows, n=n, k=k, group_size=group_size, tiles=tiles,
+              outlier=outlier)
 
 
 # fp8 through the dispatcher at the row counts of decode (GEMV: 1, 3), verify and prefill chunks
