@@ -40,6 +40,29 @@ def dequantized_stack(experts, stack: str) -> torch.Tensor:
     return torch.stack([dequantize_int4(c, s, z, group, torch.float32) for c, s, z in zip(codes, scales, zeros)])
 
 
+@pytest.mark.parametrize("name", ["w8", "w4"])
+def test_the_output_head_packs_in_int8_unless_asked_or_tied(name, tiny_checkpoints, make_engine):
+    """w8 and w4 pack an output head with its own weight in int8 per channel (lm_head="int8", the
+    default), keep it with lm_head="dense", and keep a head tied to the embedding (packing it
+    would hold both); the bytes saved count the head's."""
+    params = {"group_size": 32} if name == "w4" else {}
+    path = tiny_checkpoints["llama"]  # its own head (the tiny qwen3's is its embedding)
+    packed = make_engine(path, surgery=[{"name": name, **params}], speculation="off", surgery_guard=False)
+    dense = make_engine(path, surgery=[{"name": name, **params, "lm_head": "dense"}], speculation="off",
+                        surgery_guard=False)
+    assert packed.surgery[0]["params"]["lm_head"] == "int8" and dense.surgery[0]["params"]["lm_head"] == "dense"
+    assert (packed.model.lm_head.kind, dense.model.lm_head.kind) == ("int8", "dense"), packed.surgery
+    head = dense.model.lm_head.weight
+    assert dense.weight_bytes - packed.weight_bytes == head.numel() * head.element_size() - head.shape[0] * (
+        head.shape[1] + 4)  # int8 codes and a float32 scale a row
+    assert packed.surgery[0]["bytes_before"] - dense.surgery[0]["bytes_before"] == head.numel() * head.element_size()
+
+    tied = make_engine(tiny_checkpoints["qwen3"], surgery=[{"name": name, **params}], speculation="off", surgery_guard=False)
+    assert tied.surgery[0]["lm_head"] == "dense (tied to the embedding)" and tied.model.lm_head.kind == "dense"
+    with pytest.raises(ConfigError, match="lm_head must be one of"):
+        make_engine(path, surgery=[{"name": name, **params, "lm_head": "int4"}], surgery_guard=False)
+
+
 def dense_twin(engine, make_engine, path):
     """A surgery-free engine on the same checkpoint whose linear layers (and MoE experts) hold
     the dequantized weights of `engine`'s packed ones: what the packed kernels must compute."""
@@ -67,7 +90,10 @@ def test_packed_model_computes_its_dequantized_weights(arch, passes, tiny_checkp
     kinds = {m.kind for n, m in engine.model.named_modules() if hasattr(m, "set_packed") and not n.endswith("lm_head")}
     assert kinds == {"int8" if record["name"] == "w8" else "int4"}
     assert record["layers"] == 2 * engine.model_args.num_layers * 2  # qkv, o, gate_up, down per layer
-    assert record["bytes_after"] < record["bytes_before"] / (3.5 if record["name"] == "w8" else 6)
+    tied = engine.model_args.tie_word_embeddings  # the tiny qwen3's head is its embedding, llama's its own
+    assert (record["lm_head"], engine.model.lm_head.kind) == (("dense (tied to the embedding)", "dense") if tied
+                                                               else ("int8", "int8"))
+    assert record["bytes_after"] < record["bytes_before"] / (3.5 if record["name"] == "w8" or not tied else 6)
 
     twin = dense_twin(engine, make_engine, path)
     rng = random.Random(3)
@@ -214,7 +240,7 @@ def test_an_unknown_pass_is_refused_before_the_model_loads(monkeypatch):
     # so are parameters the pass cannot take (the guard's reference run is minutes on a big model)
     with pytest.raises(ConfigError, match=r"group_size must be an even integer"):
         Engine.from_pretrained("demo", surgery=["w8", {"name": "w4", "group_size": 7}], device="cpu")
-    with pytest.raises(ConfigError, match=r"w8 takes no parameters, got \['bogus'\]"):
+    with pytest.raises(ConfigError, match=r"w8 takes \['lm_head'\], got \['bogus'\]"):
         Engine.from_pretrained("demo", surgery=[{"name": "w8", "bogus": 1}], device="cpu")
 
 
@@ -224,15 +250,17 @@ def test_the_record_and_fingerprint_hold_the_parameters_in_effect(tiny_checkpoin
     spelled = make_engine(path, surgery=[{"name": "w4", "group_size": 128, "clip": True}], surgery_guard=False,
                           speculation="off")
     other = make_engine(path, surgery=[{"name": "w4", "group_size": 32}], surgery_guard=False, speculation="off")
-    assert default.surgery[0]["params"] == {"group_size": 128, "clip": True}
+    dense_head = make_engine(path, surgery=[{"name": "w4", "lm_head": "dense"}], surgery_guard=False, speculation="off")
+    assert default.surgery[0]["params"] == {"group_size": 128, "clip": True, "lm_head": "int8"}
     assert default.fingerprint == spelled.fingerprint != other.fingerprint
+    assert dense_head.fingerprint not in (default.fingerprint, other.fingerprint)
 
 
 @pytest.mark.parametrize("bad, message", [
     (["w9"], r"no surgery pass named 'w9'.*registered: kv8, w4, w8"),
     (["w8", "w8"], r"names a pass twice"),
     ([{"name": "w4", "group_size": 3}], r"group_size must be an even integer"),
-    ([{"name": "w8", "group_size": 64}], r"w8 takes no parameters"),
+    ([{"name": "w8", "group_size": 64}], r"w8 takes \['lm_head'\], got \['group_size'\]"),
     ([{"name": "w4", "clip": "yes"}], r"clip must be true or false"),
     ([{"name": "w8", "force": "yes"}], r"force must be true or false"),
     ([42], r"a surgery pass is a name"),
@@ -602,7 +630,7 @@ def test_hibana_surgery_writes_a_checkpoint_that_loads_with_its_passes(arch, pas
     params = {} if name == "w8" else {"group_size": 32}
     direct = make_engine(path, surgery=[{"name": name, **params}], speculation="off", surgery_guard=False)
     saved = make_engine(out, speculation="off")
-    in_effect = {} if name == "w8" else {"group_size": 32, "clip": True}
+    in_effect = {"lm_head": "int8"} if name == "w8" else {"group_size": 32, "clip": True, "lm_head": "int8"}
     assert [r["name"] for r in saved.surgery] == [name] and saved.surgery[0]["params"] == in_effect
     assert saved.weight_bytes == direct.weight_bytes
     assert [m.experts_kind for m in saved.model.modules() if isinstance(m, StackedExperts)] == \
