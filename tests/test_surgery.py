@@ -471,6 +471,33 @@ def test_guard_refuses_a_pass_that_leaves_the_model_not_finite(tiny_checkpoints,
                 make_engine(path, surgery=["poison"])
 
 
+class _DecodeRowsOnly:
+    """Changes what one-row forwards compute and nothing else (as the GPU's int8-x kernels of
+    packed weights do): the output head's logits of a single row shifted off the argmax."""
+
+    def apply(self, model, params):
+        def hook(module, args, output):
+            if output.shape[0] != 1:
+                return output
+            shifted = output.clone()
+            shifted[0, output[0].argmax()] -= 1e4
+            return shifted
+        model.lm_head.register_forward_hook(hook)
+        return {}
+
+
+def test_the_guards_divergence_follows_decode_rows(tiny_checkpoints, make_engine):
+    """Free greedy output decodes one row a step: a change only those rows see leaves the
+    teacher-forced figures (whole documents) as they were and shows in the first divergence,
+    which is taken a row at a time after the opening (the first token comes from its prefill)."""
+    with registered_pass("decode_rows", _DecodeRowsOnly()):
+        engine = make_engine(tiny_checkpoints["qwen3"], surgery=[{"name": "decode_rows", "force": True}],
+                             speculation="off")
+    guard = engine.surgery[0]["guard"]
+    assert guard["ppl_ratio"] == 1.0 and guard["top1_agreement"] == 1.0 and guard["mean_kl"] < 1e-4  # (rounding)
+    assert guard["first_divergence"] == 1.0  # the prefill's token agrees, the first decode row's does not
+
+
 def test_a_pass_that_raises_is_a_hibana_error_naming_it(tiny_checkpoints, make_engine):
     """A plugin pass's own bug (a module path it expected) is a HibanaError that names the pass,
     not its bare KeyError (a new user's trial)."""

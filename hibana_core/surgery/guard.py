@@ -8,7 +8,9 @@
         top-1 agreement         share of positions whose most likely token is unchanged
         first divergence        the first generated token where free greedy output differs
                                 (teacher-forcing the unmodified model's continuation finds it:
-                                up to there both models saw the same history)
+                                up to there both models saw the same history), one decode row
+                                a step as generation runs, so kernels that only decode rows take
+                                (the GPU's int8 x for packed weights) are in this figure
         tool calls valid        at each "<tool_call>" of the conversations the model writes the
                                 call; the share that parses as {"name": ..., "arguments": {...}}
 
@@ -177,6 +179,23 @@ class Scorer:
         """[T - 1, V]: log-probabilities of the token after each position but the last."""
         return torch.log_softmax(self._forward(tokens, 0)[:-1], dim=-1)
 
+    def forced_greedy(self, opening: Sequence[int], continuation: Sequence[int]) -> list[int]:
+        """This model's greedy choices along `continuation`, computed as generation computes them:
+        the first from the opening's forward (a prefill), each next from a one-row forward (a
+        decode step, where the GPU's int8-x kernels of packed weights take the row); up to and
+        including the first that differs from `continuation` (free greedy output is the same up
+        to there)."""
+        tokens = list(opening)
+        logits = self._forward(tokens, 0)[-1]
+        out: list[int] = []
+        for token in continuation:
+            out.append(int(logits.argmax()))
+            if out[-1] != token or len(out) == len(continuation):
+                break
+            tokens.append(token)
+            logits = self._forward(tokens, len(tokens) - 1)[-1]
+        return out
+
     def greedy(self, opening: Sequence[int], n: int, stop: int | None = None) -> list[int]:
         tokens = list(opening)
         logits = self._forward(tokens, 0)[-1]
@@ -254,7 +273,7 @@ def compare(scorer: Scorer, reference: Reference, progress: bool, desc: str = "g
         agree += (r.top1[i] == new_lp.argmax(-1)).sum().item()
         cont = r.continuations[i]
         positions += len(doc) - 1
-        forced = scorer.log_probs(doc[:OPENING] + cont)[OPENING - 1:].argmax(-1).tolist()
+        forced = scorer.forced_greedy(doc[:OPENING], cont)
         divergences.append(next((i for i, (a, b) in enumerate(zip(forced, cont)) if a != b), len(cont)))
     return GuardReport(math.exp((nll_new - nll_ref) / positions), kl / positions, agree / positions,
                        sum(divergences) / len(divergences), positions,
