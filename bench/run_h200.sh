@@ -40,6 +40,8 @@
 #   bash bench/run_h200.sh a8            # issue 14: x int8 (dp4a) at one row: its kernel tests, bench/tune_quant.py --a8
 #                                        # at the Qwen3-8B layers (A8_SHAPES), qwen3-8b decode bf16 / w8 / w4 with and
 #                                        # without it, the demo model's w4 / w8 guard in bf16 on the GPU
+#   bash bench/run_h200.sh moe_a8        # issue 18: MXFP4 experts against int8 x: kernel tests, tune_moe.py --a8 at
+#                                        # gpt-oss-20b's shape, gpt-oss-20b decode under AUTO and a8 tiles
 #   bash bench/run_h200.sh quant_sweep   # bench/tune_quant.py --sweep: their tiles at 1 and 64 rows
 #                                        # (QUANT_ARGS replaces "--rows 1,64", e.g. "--rows 4 --shapes o")
 #   bash bench/run_h200.sh memory        # issue 17: 64 agents, tools of 1-5 s, device KV for 16: the host tier
@@ -191,6 +193,16 @@ case "${1:-check}" in
       python3 -m hibana_core.cli surgery demo --passes $pass --device cuda --dtype bfloat16 --force 2>&1 \
         | tee "$OUT/guard_demo_${pass}_bf16.txt" | tail -12
     done ;;
+  moe_a8)
+    # issue 18: MXFP4 experts against int8 x (DecodeTiles.a8): its kernel tests on CUDA, its tiles at
+    # gpt-oss-20b's shape at T=1 beside the float GEMV's, then the whole gpt-oss-20b decode under AUTO
+    # and three a8 tiles (A8_POLICIES)
+    kernel_pytest tests/test_moe_kernels.py tests/test_kernel_compile.py -q -rs -x -p no:cacheprovider -k "a8" 2>&1 | tail -3
+    python3 bench/tune_moe.py --models gpt-oss-20b --tokens 1 --a8 --json "$OUT/tune_moe_a8.json" 2>&1 \
+      | tee "$OUT/tune_moe_a8.txt" | grep -E "fastest|mxfp4.*True|a8" | head -40
+    python3 bench/tune_decode.py --model gpt-oss-20b --fusion --skip-sweep --context 512 --policies \
+      "${A8_POLICIES:-auto,auto;mxfp4=8x256x1xa,auto;mxfp4=2x2048x2xa,auto;mxfp4=4x1024x2xa}" \
+      2>&1 | tee "$OUT/decode_moe_a8_gpt-oss-20b.txt" | tail -8 ;;
   quant_sweep)
     python3 bench/tune_quant.py --sweep ${QUANT_ARGS:---rows 1,64} --json "$OUT/tune_quant_sweep.json" 2>&1 \
       | tee "$OUT/tune_quant_sweep.txt" ;;

@@ -412,8 +412,9 @@ def variant(spec: str) -> contextlib.AbstractContextManager:
     """A decode variant by spec: a fusion policy (see `policy`), then optionally ";gemv=RULE" (one
     of matmul_triton.GEMV_RULES), ";moe=NxKxWARPS[xu]" (the bf16 experts' decode tiles, u:
     unrolled; the default's own down tiles kept, so before 2026-12-03 it set the down's too),
-    ";moe_down=NxKxWARPS" (only their down projection's), ";mxfp4=NxKxWARPS[xd][xsN]" (the
-    MXFP4 experts', d: direct, sN: split-K in N) and ";norm_gemv=NxKxWARPS" (the norm-then-GEMV's), e.g.
+    ";moe_down=NxKxWARPS" (only their down projection's), ";mxfp4=NxKxWARPS[xd][xa][xsN]" (the
+    MXFP4 experts', d: direct, a: against int8 x, sN: split-K in N) and ";norm_gemv=NxKxWARPS" (the
+    norm-then-GEMV's), e.g.
     "auto;gemv=whole_rows;moe=2x1024x4"."""
     from hibana_kernels import matmul_triton, moe_triton
 
@@ -433,11 +434,11 @@ def variant(spec: str) -> contextlib.AbstractContextManager:
             else:
                 tiles = tiles._replace(down=(int(n), int(k), int(warps)))
             stack.enter_context(moe_triton.using_decode_tiles("dense", tiles))
-        elif key == "mxfp4":  # the MXFP4 experts' tiles, then d: the direct GEMV, sN: split-K in N
+        elif key == "mxfp4":  # the MXFP4 experts' tiles, then d: the direct GEMV, a: int8 x, sN: split-K in N
             n, k, warps, *flags = value.split("x")
             split = next((int(f[1:]) for f in flags if f.startswith("s")), 1)
             tiles = moe_triton.DecodeTiles(int(n), int(k), int(warps), down_per_route=True, direct="d" in flags,
-                                           split=split)
+                                           split=split, a8="a" in flags)
             stack.enter_context(moe_triton.using_decode_tiles("mxfp4", tiles))
         elif key == "norm_gemv":
             stack.enter_context(matmul_triton.using_norm_gemv_tiles(tuple(int(v) for v in value.split("x"))))

@@ -119,6 +119,13 @@ SPLIT_TILES = {"mxfp4": [_D(8, 256, 1, True, split=s) for s in (2, 3, 4)]
                + [_D(16, 256, 2, True, split=s) for s in (2, 3)] + [_D(8, 512, 2, True, split=3)]
                + [_D(8, 256, 1, True, direct=True, split=s) for s in (2, 3)],
                "dense": [moe_triton.DECODE_TILES["dense"]._replace(split=s) for s in (2, 3)]}
+# --a8: MXFP4 against x and the activations as int8 codes per block of 32 (DecodeTiles.a8: e2m1
+# table lookups and dp4a, ~2 instructions a weight), from 2026-12-03 (twenty-second session), the
+# float GEMV's tiles and the long rows the dense x-int8 GEMV liked (2 rows x 2048 in 2 warps)
+A8_TILES = {"mxfp4": [_D(n, k, w, True, a8=True) for n, k, w in (
+    (8, 256, 1), (4, 256, 1), (8, 512, 2), (4, 512, 1), (2, 1024, 1), (4, 1024, 2), (2, 2048, 2), (1, 2048, 1),
+    (4, 2048, 4), (2, 1024, 2), (1, 1024, 1), (8, 1024, 4))]
+    + [_D(8, 256, 1, True, a8=True, split=s) for s in (2, 3)]}
 TINY_MODELS = {  # --tiny: the same kinds at toy sizes, on the CPU through the Triton interpreter
     "tiny-bf16": Shape(128, 128, 4, 2, "dense", "silu", False, "softmax", True),
     "tiny-mxfp4": Shape(128, 128, 4, 2, "mxfp4", "swiglu_oai", True, "topk_softmax", False),
@@ -200,7 +207,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def measure(name: str, shape: Shape, tokens: int, copies: list[MoEExperts], sweep: bool,
-            wide: bool = False, direct: bool = False, down: bool = False, split: bool = False) -> list[dict]:
+            wide: bool = False, direct: bool = False, down: bool = False, split: bool = False,
+            a8: bool = False) -> list[dict]:
     """Rows for one model and T: each path at its default tiles (and the sweep's), the reference."""
     gen = torch.Generator(device=DEVICE).manual_seed(tokens)
     x = torch.randn(tokens, shape.hidden, device=DEVICE, generator=gen).to(torch.bfloat16)
@@ -224,6 +232,8 @@ def measure(name: str, shape: Shape, tokens: int, copies: list[MoEExperts], swee
         candidates += DOWN_TILES.get(kind, [])
     if split:
         candidates += SPLIT_TILES.get(kind, [])
+    if a8:
+        candidates += A8_TILES.get(kind, [])
     rows = []
     for tiles in dict.fromkeys(candidates):
         path = "grouped" if isinstance(tiles, GroupedTiles) else "decode"
@@ -285,6 +295,7 @@ def main() -> None:
     parser.add_argument("--down", action="store_true",
                         help="also time each kind's DOWN_TILES (the down projection's own)")
     parser.add_argument("--split", action="store_true", help="also time each kind's SPLIT_TILES (split-K)")
+    parser.add_argument("--a8", action="store_true", help="also time each kind's A8_TILES (MXFP4 against int8 x)")
     parser.add_argument("--tiny", action="store_true",
                         help="toy shapes on the CPU through the Triton interpreter: checks the script, times nothing")
     parser.add_argument("--json", help="write the rows here")
@@ -302,7 +313,8 @@ def main() -> None:
         copies = [first] + [make_experts(shape, gen) for _ in range(0 if args.tiny else
                                                                     max(1, ROTATE_BYTES // layer_bytes(first)))]
         for tokens in (int(t) for t in args.tokens.split(",")):
-            rows += measure(name, shape, tokens, copies, args.sweep, args.wide, args.direct, args.down, args.split)
+            rows += measure(name, shape, tokens, copies, args.sweep, args.wide, args.direct, args.down, args.split,
+                            args.a8)
         del copies, first
         if DEVICE == "cuda":
             torch.cuda.empty_cache()

@@ -48,6 +48,7 @@ from hibana_kernels import counters, fusion, moe, pdl
 from hibana_kernels.matmul_triton import _normed_tile, _stream_tile  # the norm-then-GEMV's roundings
 from hibana_kernels.moe import ExpertBlocks, MoEExperts
 from hibana_kernels.pdl import wait_for_previous
+from hibana_kernels import quant_triton
 from hibana_kernels.quant_triton import _as_float, _nibble_units, _unit  # the int GEMVs' integer -> float tricks
 
 DECODE_MAX_TOKENS = {"dense": 4, "mxfp4": 4, "int8": 4, "int4": 4}
@@ -70,6 +71,7 @@ class DecodeTiles(NamedTuple):
     direct: bool = False  # MXFP4, bf16 x: codes straight into float32 bits, a block's words a thread (`_gemv`'s DIRECT)
     down: tuple[int, int, int] | None = None  # the down's (block_n, block_k, num_warps), for rows of <= 4 of its steps
     split: int = 1  # split-K: programs a tile's row is shared among (the down projection: with down_per_route)
+    a8: bool = False  # MXFP4, 16-bit x: x and the activations as int8 codes per block of 32, dp4a (`_gemv_mxfp4_a8`)
 
 
 class GroupedTiles(NamedTuple):
@@ -575,6 +577,84 @@ def _row_products(acc, x_row, w, k0, K, BLOCK_K: tl.constexpr, FORMAT: tl.conste
     return acc + x[None, :] * w
 
 
+_E2M1_INT8_ASM = tl.constexpr("""{
+    .reg .b32 s0, s1, h, c0, c1, p0, p1, n0, n1, v0, v1, t;
+    and.b32 s0, $1, 0x7777;
+    shr.u32 h, $1, 16;
+    and.b32 s1, h, 0x7777;
+    prmt.b32 p0, $4, $5, s0;
+    prmt.b32 n0, $6, $7, s0;
+    prmt.b32 p1, $4, $5, s1;
+    prmt.b32 n1, $6, $7, s1;
+    shr.u32 c0, $1, 1;
+    lop3.b32 c0, c0, 0x4444, 0x3210, 0xEA;
+    shr.u32 c1, h, 1;
+    lop3.b32 c1, c1, 0x4444, 0x3210, 0xEA;
+    prmt.b32 v0, p0, n0, c0;
+    prmt.b32 v1, p1, n1, c1;
+    dp4a.s32.s32 t, v0, $2, 0;
+    dp4a.s32.s32 $0, v1, $3, t;
+}""")  # word $1 of eight e2m1 codes (nibble p: column 8i + p) -> each code's value times 2 as an int8
+#        (0, 1, 2, 3, 4, 6, 8, 12 and their negatives): its magnitude bits index a byte of the positive
+#        table ($4 $5) and of the negative one ($6 $7) (a selector nibble's bit 3 would ask prmt for
+#        a sign fill, so the selectors keep three bits), then its sign bit picks one of the two (byte
+#        i or 4 + i); nibbles 0-3 against x's codes $2, 4-7 against $3 in two dp4a
+
+
+@triton.jit
+def _dp4a_e2m1(words, x_lo, x_hi, ASM: tl.constexpr):
+    """Sum over a word's eight e2m1 codes of 2 * value * x's code (an int8 code each: nibbles 0-3
+    against x_lo's bytes, 4-7 against x_hi's): table lookups and dp4a through inline PTX (ASM),
+    else the same integer sum nibble by nibble (the interpreter)."""
+    if ASM:
+        out = tl.inline_asm_elementwise(
+            _E2M1_INT8_ASM, "=r,r,r,r,r,r,r,r",
+            [words, x_lo, x_hi, tl.full(words.shape, 0x03020100, tl.int32), tl.full(words.shape, 0x0C080604, tl.int32),
+             tl.full(words.shape, -0x02010100, tl.int32), tl.full(words.shape, -0x0B070504, tl.int32)],
+            dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        out = tl.zeros(words.shape, tl.int32)
+        for p in tl.static_range(8):
+            code = (words >> (4 * p)) & 0xF
+            magnitude = code & 7
+            twice = tl.where(magnitude <= 4, magnitude, tl.where(magnitude == 5, 6, tl.where(magnitude == 6, 8, 12)))
+            value = tl.where(code >= 8, -twice, twice)
+            x = x_lo if p < 4 else x_hi
+            out += value * ((x << (24 - 8 * (p % 4))) >> 24)
+    return out
+
+
+@triton.jit
+def _gemv_mxfp4_a8(q_row, d_row, w_ptr, s_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   ASM: tl.constexpr):
+    """`_gemv` of MXFP4 weights against x as int8 codes per block of 32 (q_row: the row's words in
+    quant_triton's A8_HALVES order, d_row: its blocks' (d, d * sum)): a thread a block of a row (4
+    words of codes, 16 bytes), each word's codes against x's in two dp4a after table lookups
+    (`_dp4a_e2m1`, ~2 instructions a weight where the float GEMVs take 5-6), exact in int32; per
+    block 2^(e - 128) * d * the sum (the codes' values count twice)."""
+    BLOCKS: tl.constexpr = BLOCK_K // 32
+    offs_blk = tl.arange(0, BLOCKS)
+    offs_w = tl.arange(0, 4)
+    acc = tl.zeros([R, BLOCKS], dtype=tl.float32)
+    for kb in range(0, K // 32, BLOCKS):
+        blk = kb + offs_blk
+        b_mask = blk < K // 32
+        wb_mask = r_mask[:, None] & b_mask[None, :]
+        words = tl.load(w_ptr + w_rows[:, None, None] + (4 * blk)[None, :, None] + offs_w[None, None, :],
+                        mask=wb_mask[:, :, None], other=0)  # [R, BLOCKS, 4]
+        # x's codes and d loaded for every row (the same addresses: the L1 serves them), in the
+        # words' layout (a narrower one would be converted through shared memory)
+        rows_blk = blk[None, :] + 0 * sz_rows[:, None]  # [R, BLOCKS]
+        x_words = q_row + 8 * rows_blk[:, :, None] + offs_w[None, None, :]
+        x_lo = tl.load(x_words, mask=b_mask[None, :, None], other=0)
+        x_hi = tl.load(x_words + 4, mask=b_mask[None, :, None], other=0)
+        d = tl.load(d_row + 2 * rows_blk, mask=b_mask[None, :], other=0.0)
+        dots = tl.sum(_dp4a_e2m1(words, x_lo, x_hi, ASM), axis=2)
+        e8m0 = tl.load(s_ptr + sz_rows[:, None] + blk[None, :], mask=wb_mask, other=0)
+        acc += (_e8m0_scale(e8m0) * 2.0 ** -15) * (dots.to(tl.float32) * d)
+    return tl.sum(acc, axis=1)
+
+
 @triton.jit
 def _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, r_mask, K, R: tl.constexpr, BLOCK_K: tl.constexpr,
           FORMAT: tl.constexpr, GROUP: tl.constexpr, X_VECTOR: tl.constexpr, TILES: tl.constexpr,
@@ -745,12 +825,13 @@ def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, z_ptr, b_ptr, act_ptr, 
                            FORMAT: tl.constexpr, GROUP: tl.constexpr, ACTIVATION: tl.constexpr,
                            HAS_BIAS: tl.constexpr, X_VECTOR: tl.constexpr, TILES: tl.constexpr,
                            PDL: tl.constexpr, DIRECT: tl.constexpr = False, part_ptr=None, counter_ptr=None,
-                           split_k=0, SPLIT: tl.constexpr = False):
+                           split_k=0, SPLIT: tl.constexpr = False, q_ptr=None, d_ptr=None, stride_qm=0, stride_dm=0,
+                           A8: tl.constexpr = False, ASM: tl.constexpr = False):
     """act[route, n] for one route and BLOCK_N intermediate features: its expert's gate rows n
     and up rows I + n as one tile of 2 BLOCK_N rows (row 2j + h: gate j for h = 0, up j for 1),
     streamed along H together. SPLIT: program (route, tile, s) takes split s of H (`split_k`
     columns), and the last of a tile's splits to finish adds their sums (`_last_split`) and
-    writes the activation."""
+    writes the activation. A8 (MXFP4): x as int8 codes (q_ptr, d_ptr: `_gemv_mxfp4_a8`)."""
     wait_for_previous(PDL)  # the expert is the router's output: nothing to read before
     route = tl.program_id(0)
     expert = tl.load(ids_ptr + route).to(tl.int64)
@@ -760,18 +841,28 @@ def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, z_ptr, b_ptr, act_ptr, 
     x_row = x_ptr + (route // TOP_K).to(tl.int64) * stride_xm
     w_rows = expert * stride_we + rows * stride_wn
     sz_rows = expert * stride_se + rows * stride_sn
+    token = (route // TOP_K).to(tl.int64)
     if SPLIT:
         k_start, k_len, w_off, sz_off = _split_range(H, split_k, FORMAT, GROUP)
-        sums = _gemv(x_row + k_start, w_ptr, s_ptr, z_ptr, w_rows + w_off, sz_rows + sz_off, feature < I, k_len,
-                     2 * BLOCK_N, BLOCK_K, FORMAT, GROUP, X_VECTOR, TILES, DIRECT)
+        if A8:
+            sums = _gemv_mxfp4_a8(q_ptr + token * stride_qm + k_start // 4, d_ptr + token * stride_dm + k_start // 16,
+                                  w_ptr, s_ptr, w_rows + w_off, sz_rows + sz_off, feature < I, k_len, 2 * BLOCK_N,
+                                  BLOCK_K, ASM)
+        else:
+            sums = _gemv(x_row + k_start, w_ptr, s_ptr, z_ptr, w_rows + w_off, sz_rows + sz_off, feature < I, k_len,
+                         2 * BLOCK_N, BLOCK_K, FORMAT, GROUP, X_VECTOR, TILES, DIRECT)
         last, sums = _last_split(sums, part_ptr, counter_ptr, route * tl.num_programs(1) + tl.program_id(1), r,
                                  2 * BLOCK_N)
         if last:
             _gate_up_store(sums, b_ptr, act_ptr, expert, route, I, stride_be, alpha, limit,
                            x_ptr.dtype.element_ty, BLOCK_N, ACTIVATION, HAS_BIAS)
     else:
-        sums = _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, feature < I, H,
-                     2 * BLOCK_N, BLOCK_K, FORMAT, GROUP, X_VECTOR, TILES, DIRECT)
+        if A8:
+            sums = _gemv_mxfp4_a8(q_ptr + token * stride_qm, d_ptr + token * stride_dm, w_ptr, s_ptr, w_rows, sz_rows,
+                                  feature < I, H, 2 * BLOCK_N, BLOCK_K, ASM)
+        else:
+            sums = _gemv(x_row, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, feature < I, H,
+                         2 * BLOCK_N, BLOCK_K, FORMAT, GROUP, X_VECTOR, TILES, DIRECT)
         _gate_up_store(sums, b_ptr, act_ptr, expert, route, I, stride_be, alpha, limit,
                        x_ptr.dtype.element_ty, BLOCK_N, ACTIVATION, HAS_BIAS)
 
@@ -795,13 +886,15 @@ def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_pt
                         FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                         X_VECTOR: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
                         DIRECT: tl.constexpr = False, part_ptr=None, counter_ptr=None, split_k=0,
-                        SPLIT: tl.constexpr = False):
+                        SPLIT: tl.constexpr = False, q_ptr=None, d_ptr=None, stride_qm=0, stride_dm=0,
+                        A8: tl.constexpr = False, ASM: tl.constexpr = False):
     """out[program 0, n] for BLOCK_N hidden features and ROUTES consecutive routes: each route's
     expert's down rows against that route's activation, weighted, summed over the ROUTES in
     float32. ROUTES = k: out is the layer's output, one program per token; ROUTES = 1: out holds
     one row per route, summed by `_combine_kernel` (k times the programs: a token's k experts
     are read at once, not one after another). SPLIT (ROUTES = 1): program (route, tile, s) takes
-    split s of I, the last of a tile's splits to finish adds their sums and writes the row."""
+    split s of I, the last of a tile's splits to finish adds their sums and writes the row. A8
+    (MXFP4): the activations as int8 codes, a row a route (q_ptr, d_ptr: `_gemv_mxfp4_a8`)."""
     wait_for_previous(PDL)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
@@ -809,9 +902,15 @@ def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_pt
         route = tl.program_id(0)
         expert = tl.load(ids_ptr + route).to(tl.int64)
         k_start, k_len, w_off, sz_off = _split_range(I, split_k, FORMAT, GROUP)
-        acc = _gemv(act_ptr + route.to(tl.int64) * I + k_start, w_ptr, s_ptr, z_ptr,
-                    expert * stride_we + offs_n * stride_wn + w_off, expert * stride_se + offs_n * stride_sn + sz_off,
-                    n_mask, k_len, BLOCK_N, BLOCK_K, FORMAT, GROUP, X_VECTOR, TILES, DIRECT)
+        w_rows = expert * stride_we + offs_n * stride_wn + w_off
+        sz_rows = expert * stride_se + offs_n * stride_sn + sz_off
+        if A8:
+            acc = _gemv_mxfp4_a8(q_ptr + route.to(tl.int64) * stride_qm + k_start // 4,
+                                 d_ptr + route.to(tl.int64) * stride_dm + k_start // 16, w_ptr, s_ptr, w_rows, sz_rows,
+                                 n_mask, k_len, BLOCK_N, BLOCK_K, ASM)
+        else:
+            acc = _gemv(act_ptr + route.to(tl.int64) * I + k_start, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, n_mask, k_len,
+                        BLOCK_N, BLOCK_K, FORMAT, GROUP, X_VECTOR, TILES, DIRECT)
         last, acc = _last_split(acc, part_ptr, counter_ptr, route * tl.num_programs(1) + tl.program_id(1),
                                 tl.arange(0, BLOCK_N), BLOCK_N)
         if last:
@@ -824,9 +923,14 @@ def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_pt
         for j in tl.static_range(ROUTES):
             route = tl.program_id(0) * ROUTES + j
             expert = tl.load(ids_ptr + route).to(tl.int64)
-            acc = _gemv(act_ptr + route.to(tl.int64) * I, w_ptr, s_ptr, z_ptr, expert * stride_we + offs_n * stride_wn,
-                        expert * stride_se + offs_n * stride_sn, n_mask, I, BLOCK_N, BLOCK_K, FORMAT, GROUP, X_VECTOR,
-                        TILES, DIRECT)
+            w_rows = expert * stride_we + offs_n * stride_wn
+            sz_rows = expert * stride_se + offs_n * stride_sn
+            if A8:
+                acc = _gemv_mxfp4_a8(q_ptr + route.to(tl.int64) * stride_qm, d_ptr + route.to(tl.int64) * stride_dm,
+                                     w_ptr, s_ptr, w_rows, sz_rows, n_mask, I, BLOCK_N, BLOCK_K, ASM)
+            else:
+                acc = _gemv(act_ptr + route.to(tl.int64) * I, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, n_mask, I, BLOCK_N,
+                            BLOCK_K, FORMAT, GROUP, X_VECTOR, TILES, DIRECT)
             total += _weighted_output(acc, tl.load(weights_ptr + route), b_ptr, expert, offs_n, n_mask, stride_be,
                                       act_ptr.dtype.element_ty, HAS_BIAS)
         tl.store(out_ptr + tl.program_id(0).to(tl.int64) * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
@@ -1040,6 +1144,10 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
         # the direct GEMV reads x as pairs of bf16 in int32 loads: bf16 rows starting on 4 bytes only
         direct = (tiles.direct and experts.kind == "mxfp4" and x.dtype == torch.bfloat16
                   and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0)
+        a8 = (tiles.a8 and experts.kind == "mxfp4" and x.dtype in (torch.bfloat16, torch.float16)
+              and h % moe.MXFP4_BLOCK == 0 and inter % moe.MXFP4_BLOCK == 0)
+        q13, d13 = quant_triton.quantize_a8(x, quant_triton.A8_HALVES) if a8 else (x, x)
+        asm = x.device.type == "cuda"
         # the down projection's own tiles where its rows take at most 4 of their steps (as measured:
         # Qwen3-30B-A3B's 768 in 3 of 256); longer rows, a larger model's, take the gate|up's
         own = tiles.down is not None and triton.cdiv(inter, tiles.down[1]) <= 4
@@ -1058,14 +1166,16 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, FORMAT=weight_format, GROUP=w13.group,
             ACTIVATION=_ACTIVATION[experts.activation], HAS_BIAS=has_b13, X_VECTOR=x_vector, TILES=tiles13,
             DIRECT=direct, part_ptr=_or(split13.partials, x), counter_ptr=_or(split13.counters, ids),
-            split_k=split13.columns, SPLIT=split13.count > 1, num_warps=tiles.num_warps, **launch)
+            split_k=split13.columns, SPLIT=split13.count > 1, q_ptr=q13, d_ptr=d13, stride_qm=q13.stride(0),
+            stride_dm=d13.stride(0), A8=a8, ASM=asm, num_warps=tiles.num_warps, **launch)
+        q2, d2 = quant_triton.quantize_a8(act, quant_triton.A8_HALVES) if a8 else (act, act)
         y = torch.empty((t * top_k, h), dtype=x.dtype, device=x.device) if routes == 1 else out
         _down_decode_kernel[(t * top_k // routes, tiles_n2, split2.count)](
             act, ids, weights, w2.w, w2.s, w2.z, w2.b, y, h, inter, y.stride(0), *w2.strides, ROUTES=routes,
             BLOCK_N=down_n, BLOCK_K=down_k, FORMAT=weight_format, GROUP=w2.group, HAS_BIAS=has_b2,
             X_VECTOR=x_vector, TILES=tiles2, DIRECT=direct, part_ptr=_or(split2.partials, x),
-            counter_ptr=_or(split2.counters, ids), split_k=split2.columns, SPLIT=split2.count > 1,
-            num_warps=down_warps, **launch)
+            counter_ptr=_or(split2.counters, ids), split_k=split2.columns, SPLIT=split2.count > 1, q_ptr=q2,
+            d_ptr=d2, stride_qm=q2.stride(0), stride_dm=d2.stride(0), A8=a8, ASM=asm, num_warps=down_warps, **launch)
         if routes == 1:
             _combine_kernel[(t, triton.cdiv(h, combine_block))](y, out, h, out.stride(0), TOP_K=top_k,
                                                                 BLOCK=combine_block, num_warps=4, **launch)

@@ -513,22 +513,28 @@ def reference_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     return out.view(*x.shape[:-1], -1)
 
 
+A8_COLUMNS, A8_PAIRS, A8_HALVES = 0, 1, 2
+"""Orders of x's codes in a block's eight words (`_quantize_a8_kernel`'s ORDER), each the order in
+which a kernel's weight words give their codes: half h (words 4h .. 4h + 3), word w, byte j holds
+column 32b + 16h + 4w + j (COLUMNS: int8 weights), 8w + 2j + h (PAIRS: int4, the bytes' low
+nibbles then their high ones) or 8w + 4h + j (HALVES: MXFP4, a word's nibbles 0-3 then 4-7)."""
+
+
 @triton.jit
-def _quantize_a8_kernel(x_ptr, q_ptr, d_ptr, K, stride_xm, BLOCKS: tl.constexpr, PAIRS: tl.constexpr,
+def _quantize_a8_kernel(x_ptr, q_ptr, d_ptr, K, stride_xm, BLOCKS: tl.constexpr, ORDER: tl.constexpr,
                         PDL: tl.constexpr):
     """Program (row m, chunk c): x's blocks c * BLOCKS onward in row m as int8 codes, four a word
-    from the low byte, q [M, K / 4] int32, block b in words 8b .. 8b + 7: in column order, or
-    (PAIRS, for int4) the codes of the block's even columns in its first four words and of its odd
-    ones in the last four (columns 32b + 8w + 2j + parity), the order in which a word of int4
-    codes gives its low and high nibbles; and d [M, K / 32, 2] float32: the block's d and d * (sum
-    of its codes)."""
+    from the low byte, q [M, K / 4] int32, block b in words 8b .. 8b + 7 in ORDER (A8_COLUMNS,
+    A8_PAIRS, A8_HALVES); and d [M, K / 32, 2] float32: the block's d and d * (sum of its codes)."""
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     mask = blocks < K // 32
     half, word, byte = tl.arange(0, 2), tl.arange(0, 4), tl.arange(0, 4)
-    if PAIRS:
+    if ORDER == 1:
         within = half[:, None, None] + 8 * word[None, :, None] + 2 * byte[None, None, :]
+    elif ORDER == 2:
+        within = 4 * half[:, None, None] + 8 * word[None, :, None] + byte[None, None, :]
     else:
         within = 16 * half[:, None, None] + 4 * word[None, :, None] + byte[None, None, :]
     col = blocks[:, None, None, None] * 32 + within[None, :, :, :]  # [BLOCKS, 2, 4, 4]
@@ -664,14 +670,14 @@ def _a8_gemv_kernel(q_ptr, d_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, strid
 A8_QUANT_BLOCKS = 16  # blocks of x a `_quantize_a8_kernel` program takes
 
 
-def quantize_a8(x2: torch.Tensor, pairs: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (K a multiple of 32) -> (q int32 [M, K / 4], d float32 [M, K / 32, 2]) as
-    `_quantize_a8_kernel` packs them (pairs: for int4 weights)."""
+def quantize_a8(x2: torch.Tensor, order: int = A8_PAIRS) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of 32, unit stride along it) -> (q int32 [M, K / 4], d float32
+    [M, K / 32, 2]) as `_quantize_a8_kernel` packs them, codes in `order` (A8_PAIRS: int4's)."""
     m, k = x2.shape
     q = torch.empty((m, k // 4), dtype=torch.int32, device=x2.device)
     d = torch.empty((m, k // A8_BLOCK, 2), dtype=torch.float32, device=x2.device)
     grid = (m, triton.cdiv(k // A8_BLOCK, A8_QUANT_BLOCKS))
-    _quantize_a8_kernel[grid](x2, q, d, k, x2.stride(0), BLOCKS=A8_QUANT_BLOCKS, PAIRS=pairs, num_warps=4,
+    _quantize_a8_kernel[grid](x2, q, d, k, x2.stride(0), BLOCKS=A8_QUANT_BLOCKS, ORDER=order, num_warps=4,
                               **pdl.launch_args(x2.device, "other", grid[0] * grid[1]))
     return q, d
 
@@ -680,7 +686,7 @@ def _a8_gemv(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
              group_size: int, bias: torch.Tensor | None, tiles: A8GemvTiles, y: torch.Tensor) -> None:
     m, n = y.shape
     int4 = zeros is not None
-    q, d = quantize_a8(x2, pairs=int4)
+    q, d = quantize_a8(x2, A8_PAIRS if int4 else A8_COLUMNS)
     grid = (triton.cdiv(n, tiles.block_n), m)
     _a8_gemv_kernel[grid](
         q, d, qweight.view(torch.int32), scales, zeros if int4 else scales, bias if bias is not None else scales, y,

@@ -1262,7 +1262,7 @@ def check_a8(device, dtype, bits, rows, n, k, group_size, tiles, outlier):
     assert out.shape == (rows, n) and out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
     assert ((out.double() - exact).norm() / exact.norm()).item() < 0.02
-    q, d = quant_triton.quantize_a8(x, pairs=bits == 4)
+    q, d = quant_triton.quantize_a8(x, quant_triton.A8_PAIRS if bits == 4 else quant_triton.A8_COLUMNS)
     codes, d_ref = quant_triton.reference_quantize_a8(x)
     words = q.view(rows, k // 32, 2, 4).cpu()  # block, half, word
     unpacked = torch.stack([(words << (24 - 8 * j)) >> 24 for j in range(4)], dim=-1)  # sign-extended bytes

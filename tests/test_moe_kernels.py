@@ -512,6 +512,61 @@ def test_fused_moe_tiles(run_check, kind, hidden, inter, groups):
     run_check(check_fused_moe_tiles, kind=kind, hidden=hidden, inter=inter, groups=groups, tiles=tiles)
 
 
+def _a8_reference(x, experts, weights, ids):
+    """What the MXFP4 decode with int8 x (DecodeTiles.a8) computes, in float64: gate|up against x
+    rounded to int8 codes a block of 32, the activation rounded to x's dtype, the down projection
+    against that rounded to int8 codes again, weighted, summed."""
+    from hibana_kernels.quant_triton import reference_quantize_a8
+
+    def rounded(v):
+        codes, d = reference_quantize_a8(v)
+        return (codes.double().view(v.shape[0], -1, 32) * d.double()[..., None]).view(v.shape)
+
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    x_hat = rounded(x)
+    for t in range(x.shape[0]):
+        for slot in range(ids.shape[1]):
+            expert = int(ids[t, slot])
+            w13, w2 = experts.expert_weights(expert, torch.float64)
+            gate_up = x_hat[t] @ w13.T + (experts.b13[expert].double() if experts.b13 is not None else 0)
+            act = moe.expert_activation(gate_up.float(), experts).to(x.dtype)
+            y = rounded(act[None])[0] @ w2.T + (experts.b2[expert].double() if experts.b2 is not None else 0)
+            out[t] += float(weights[t, slot]) * y
+    return out
+
+
+def check_mxfp4_a8(device, activation, bias, tokens, top_k, hidden, inter, tiles):
+    """MXFP4 experts against x and the activations as int8 codes (DecodeTiles.a8): near what the
+    same roundings give in float64, and within what rounding to 8 bits costs of the exact
+    reference; every code value of e2m1 occurs."""
+    mt = _moe_triton()
+    gen = torch.Generator().manual_seed(tokens * 100 + hidden)
+    experts = _random_experts("mxfp4", activation, bias, 8, hidden, inter, gen)
+    # float16: the interpreter truncates at each rounding where compiled Triton rounds to nearest,
+    # which in bfloat16 costs about what rounding to 8 bits does
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.float16)
+    x[0, 32:64] = 0  # an all-zero block of x (d = 0)
+    weights, ids = moe.moe_route(torch.randn(tokens, 8, generator=gen), top_k, renormalize=True)
+    codes = experts.w13[ids.unique()]
+    assert torch.cat([codes & 15, codes >> 4]).unique().tolist() == list(range(16))  # every e2m1 value
+    out = mt.fused_moe_launch(x.to(device), _on(experts, device), weights.to(device), ids.to(device),
+                              mt.DecodeTiles(*tiles, a8=True)).cpu().double()
+    reference = _a8_reference(x, experts, weights, ids)
+    near = ((out - reference).abs().max() / reference.abs().max()).item()
+    exact = moe.fused_moe(x.double(), experts, weights.double(), ids)
+    off = ((out - exact).abs().max() / exact.abs().max()).item()
+    assert near < 8e-3 and off < 3e-2, (near, off)  # (seen in the interpreter: 0.2-0.5% and 1.1-1.3%)
+
+
+@pytest.mark.parametrize("activation, bias, tokens, top_k, hidden, inter, tiles", [
+    ("swiglu_oai", True, 1, 4, 96, 160, (8, 64, 2, True)),  # steps past K masked, a route's down rows
+    ("silu", False, 3, 2, 64, 64, (4, 32, 1, False)),  # a token's k experts in one program
+    ("swiglu_oai", True, 1, 2, 128, 96, (8, 32, 2, True, False, False, False, None, 3))])  # split-K
+def test_mxfp4_a8(run_check, activation, bias, tokens, top_k, hidden, inter, tiles):
+    run_check(check_mxfp4_a8, activation=activation, bias=bias, tokens=tokens, top_k=top_k, hidden=hidden,
+              inter=inter, tiles=tiles)
+
+
 def check_split_counts_and_direct_inputs(device):
     """Split-K leaves its arrival counts at zero for the next launch (graphs replay them), also
     after launches of two kinds and shapes; the direct MXFP4 GEMV, which reads x as bf16 pairs,
