@@ -27,7 +27,9 @@ a block of 32; int4 (code - zero) * scale a group; int8 codes, the row's scale t
 sum), so weights are read at 4.25, 4 + 32 / group and 8 bits. The decode GEMV (`_gemv`) does not
 dequantize weight by weight: at one token every weight costs its own instructions, so the
 4-bit formats are read as int32 words of 8 codes and their scales applied once a run of a group
-(see `_gemv`; MXFP4's codes go two at a time, `_e2m1_pair_scaled`). Accumulation
+(see `_gemv`; MXFP4's codes go two at a time, `_e2m1_pair_scaled`; with DecodeTiles.a8, not yet
+the default, x and the activations are rounded to int8 codes per block of 32 and MXFP4's codes met
+in integer dot products, `_gemv_mxfp4_a8`). Accumulation
 is in float32; the roundings follow transformers' order (gate|up and the expert's output rounded
 to x's dtype before the bias is added, the activation's steps rounded as torch's ops round them,
 the weighted output rounded), except that a token's k outputs are summed in float32 and rounded
