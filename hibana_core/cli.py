@@ -184,6 +184,8 @@ def run_surgery(args: argparse.Namespace) -> int:
                           "full-attention" if isinstance(layers, list) else f"{layers} layers")
                 if record.get("experts"):
                     layers += f" and {record['experts']} MoE expert layers"
+                if record.get("lm_head") == "int8":  # w8 / w4: an output head with its own weight
+                    layers += " and the output head (int8)"
                 asked = record.get("params", {}).get("group_size")
                 if record.get("group_sizes_used") not in (None, [], [asked]):  # w4: where asked does not divide
                     layers += f" (groups of {', '.join(map(str, record['group_sizes_used']))})"

@@ -653,6 +653,7 @@ def test_hibana_surgery_writes_a_checkpoint_that_loads_with_its_passes(arch, pas
                  "--dtype", "float32"]) == 0
     printed = capsys.readouterr().out
     assert "wrote" in printed and ("and 2 MoE expert layers" in printed) == (arch == "qwen3_moe")
+    assert ("and the output head (int8)" in printed) == (arch == "qwen3_moe")  # the tiny qwen3's is its embedding
     name = "w8" if passes == "w8" else "w4"
     params = {} if name == "w8" else {"group_size": 32}
     direct = make_engine(path, surgery=[{"name": name, **params}], speculation="off", surgery_guard=False)
