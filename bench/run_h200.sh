@@ -37,8 +37,9 @@
 #   bash bench/run_h200.sh gemv_tiles    # the dense GEMV's tile sweep at qwen3-0.6b and qwen3-30b-a3b shapes (MODELS=)
 #   bash bench/run_h200.sh kv8_w4        # issue 14: 32 agents with fp8 KV beside bf16 KV (qwen3-8b); qwen3-32b in int4
 #                                        # serving 32 agents (bf16 and w4 in one run: the bf16 one needs 65 GB)
-#   bash bench/run_h200.sh a8            # issue 14: x int8 (dp4a) at one row: its kernel tests, bench/tune_quant.py --a8
-#                                        # at the Qwen3-8B layers (A8_SHAPES), qwen3-8b decode bf16 / w8 / w4 with and
+#   bash bench/run_h200.sh a8            # issue 14: x int8 (dp4a): its kernel tests, bench/tune_quant.py --a8 at the
+#                                        # Qwen3-8B layers (A8_SHAPES) and row counts (A8_ROWS: 1,4; several rows a
+#                                        # program from 2), qwen3-8b decode bf16 / w8 / w4 with and
 #                                        # without it, the demo model's w4 / w8 guard in bf16 on the GPU
 #   bash bench/run_h200.sh moe_a8        # issue 18: MXFP4 experts against int8 x: kernel tests, tune_moe.py --a8 at
 #                                        # gpt-oss-20b's shape, gpt-oss-20b decode under AUTO and a8 tiles
@@ -183,7 +184,8 @@ case "${1:-check}" in
     # with it (the default) and without (HIBANA_A8_ROWS=0), and the guard of w4 and w8 on the demo
     # model in bf16 on the GPU
     kernel_pytest tests/test_kernels.py -q -rs -x -p no:cacheprovider -k "a8 or linear_quant or dispatch" 2>&1 | tail -3
-    python3 bench/tune_quant.py --a8 --shapes "${A8_SHAPES:-gate_up,down,qkv,o}" --json "$OUT/tune_quant_a8.json" 2>&1 \
+    python3 bench/tune_quant.py --a8 --a8-rows "${A8_ROWS:-1,4}" --shapes "${A8_SHAPES:-gate_up,down,qkv,o}" \
+      --json "$OUT/tune_quant_a8.json" 2>&1 \
       | grep -v "^  a8 " | tee "$OUT/tune_quant_a8.txt"
     for rows in 1 0; do
       HIBANA_A8_ROWS=$rows python3 -m hibana_bench.cli decode --model qwen3-8b --context 512,8192 --generate 128 \

@@ -220,27 +220,32 @@ def sweep(fmt: str, group_size: int, rows: int, n: int, k: int, bandwidth: float
     return sorted((r for r in results if r["ok"]), key=lambda r: r["us"])
 
 
-def sweep_a8(fmt: str, n: int, k: int, group_size: int, bandwidth: float) -> tuple[dict, list[dict]]:
-    """One row of bf16 x: the x int8 GEMV's tiles (x's quantization included in each time) on
+def sweep_a8(fmt: str, n: int, k: int, group_size: int, bandwidth: float, rows: int = 1) -> tuple[dict, list[dict]]:
+    """`rows` rows of bf16 x: the x int8 GEMV's tiles (x's quantization included in each time) on
     int4 or int8 weights, checked against its own reference (x rounded to 8 bits a block of 32),
     beside the kernel the dispatcher takes without it (HIBANA_A8_ROWS=0) checked against the
     exact one; the x int8 GEMV's error against the exact product is reported, not judged.
     Returns (the other kernel's row, the GEMV's rows best first)."""
     copies = make_weights(fmt, n, k, group_size)
-    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
     exact = reference(fmt, group_size, x, copies[0])
     w0 = copies[0]
     group = group_size if fmt == "int4" else 1
     a8_ref = quant_triton.reference_a8(x, w0["qweight"], w0["scales"], w0.get("zeros"), group).float()
     a8_rows, quant_triton.A8_MAX_ROWS = quant_triton.A8_MAX_ROWS, 0
     try:
-        tiles = quant_triton.choose_tiles(1, n, k, group, torch.bfloat16, counters.sm_count(x.device))
+        tiles = quant_triton.choose_tiles(rows, n, k, group, torch.bfloat16, counters.sm_count(x.device))
         base = measure(fmt, group_size, x, copies, bandwidth, exact, tiles)
     finally:
         quant_triton.A8_MAX_ROWS = a8_rows
-    grid = [A8GemvTiles(bn, bk, w, st) for bn, bk, w, st in itertools.product(
-        (1, 2, 4, 8), (1024, 2048, 4096), (2, 4, 8), (1, 2))
-        if bk <= triton.next_power_of_2(k) and (st == 1 or bk == 1024)]
+    if rows == 1:
+        grid = [A8GemvTiles(bn, bk, w, st) for bn, bk, w, st in itertools.product(
+            (1, 2, 4, 8), (1024, 2048, 4096), (2, 4, 8), (1, 2))
+            if bk <= triton.next_power_of_2(k) and (st == 1 or bk == 1024)]
+    else:  # a program a row (each reads the weight again) or several (the weight's words once for them)
+        grid = [A8GemvTiles(bn, bk, w, 1, bm) for bn, bk, w, bm in itertools.product(
+            (1, 2, 4), (1024, 2048), (2, 4), sorted({1, 2, min(8, triton.next_power_of_2(rows))}))
+            if bk <= triton.next_power_of_2(k) and bm <= triton.next_power_of_2(rows)]
     results = []
     for tiles in grid:
         try:
@@ -267,7 +272,8 @@ def main() -> None:
     parser.add_argument("--words-only", action="store_true",
                         help="--sweep of int4: the words kernel's tiles only (and the GEMM's default at batch rows)")
     parser.add_argument("--a8", action="store_true",
-                        help="one row: the x int8 (dp4a) GEMV's tiles on int4 and int8 weights against the 16-bit x kernels")
+                        help="the x int8 (dp4a) GEMV's tiles on int4 and int8 weights against the 16-bit x kernels")
+    parser.add_argument("--a8-rows", default="1", help="--a8: row counts, comma-separated (e.g. 1,2,4,8)")
     args = parser.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     block = tuple(int(b) for b in args.fp8_block.split(","))
@@ -281,11 +287,12 @@ def main() -> None:
               f"{'x bf16':>6s} | other kernel (int8 / int4 / fp8 us)")
     results, sweeps = [], []
     if args.a8:
-        for name, fmt in itertools.product(args.shapes.split(","), ("int4", "int8")):
+        for rows, name, fmt in itertools.product([int(r) for r in args.a8_rows.split(",")], args.shapes.split(","),
+                                                 ("int4", "int8")):
             n, k = QWEN3_8B[name]
-            base, best = sweep_a8(fmt, n, k, args.group_size, bandwidth)
-            sweeps.append(dict(layer=name, n=n, k=k, m=1, format=f"{fmt}_a8", base=base, best=best[:12]))
-            print(f"a8 {fmt} {name:8s}: 16-bit x {base['kernel']} {base.get('us', float('nan')):.1f} us "
+            base, best = sweep_a8(fmt, n, k, args.group_size, bandwidth, rows)
+            sweeps.append(dict(layer=name, n=n, k=k, m=rows, format=f"{fmt}_a8", base=base, best=best[:12]))
+            print(f"a8 {fmt} {name:8s} m={rows}: 16-bit x {base['kernel']} {base.get('us', float('nan')):.1f} us "
                   f"({base.get('of_copy_bw', 0):.0%}); a8 best: " + ", ".join(
                       f"{tuple(r['kernel'].split('(')[1].rstrip(')').split(', '))} {r['us']:.1f} us "
                       f"({r['of_copy_bw']:.0%}, err vs exact {r['rel_err_vs_exact']:.2%})" for r in best[:5]),

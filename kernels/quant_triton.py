@@ -473,11 +473,13 @@ A8_MAX_ROWS = int(os.environ.get("HIBANA_A8_ROWS", "1"))  # rows of 16-bit x tha
 
 class A8GemvTiles(NamedTuple):
     """The int4 / int8 x int8 GEMV: BLOCK_N output features a program, their rows read BLOCK_K
-    columns a step (no split of K); a program a row of x."""
+    columns a step (no split of K); block_m rows of x a program (each weight word unpacked once
+    for all of them: verify steps and small batches)."""
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int = 1
+    block_m: int = 1
 
 
 def a8_fits(k: int, group_size: int) -> bool:
@@ -632,39 +634,89 @@ def _a8_step(q_row, d_row, sz_rows, s_ptr, z_ptr, words, k0, offs_b, n_mask, K, 
 
 
 @triton.jit
-def _a8_gemv_kernel(q_ptr, d_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, stride_qm, stride_dm,
+def _a8_step_rows(q_rows, d_rows, m_mask, sz_rows, s_ptr, z_ptr, words, k0, offs_b, n_mask, K,
+                  GROUP: tl.constexpr, INT4: tl.constexpr, ASM: tl.constexpr):
+    """`_a8_step` for BLOCK_M rows of x at once (q_rows, d_rows: [BLOCK_M] pointers): the share
+    [BLOCK_M, BLOCK_N, BLOCKS], each weight word's nibbles taken apart once for all the rows."""
+    blocks = (k0 // 32 + offs_b)[None, :] + 0 * sz_rows[:, None]  # [BLOCK_N, BLOCKS]
+    b_mask = blocks < K // 32
+    x_mask = m_mask[:, None, None] & b_mask[None, :, :]  # [BLOCK_M, BLOCK_N, BLOCKS]
+    d = tl.load(d_rows[:, None, None] + 2 * blocks[None, :, :], mask=x_mask, other=0.0)
+    if INT4:
+        x_words = q_rows[:, None, None, None] + 8 * blocks[None, :, :, None] + tl.arange(0, 4)[None, None, None, :]
+        x_even = tl.load(x_words, mask=x_mask[:, :, :, None], other=0)
+        x_odd = tl.load(x_words + 4, mask=x_mask[:, :, :, None], other=0)
+        d_sum = tl.load(d_rows[:, None, None] + 2 * blocks[None, :, :] + 1, mask=x_mask, other=0.0)
+        groups = sz_rows[:, None] + blocks * 32 // GROUP
+        mask = n_mask[:, None] & b_mask
+        scale = tl.load(s_ptr + groups, mask=mask, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + groups, mask=mask, other=0.0).to(tl.float32)
+        low, high = (words & 0x0F0F0F0F)[None], ((words >> 4) & 0x0F0F0F0F)[None]  # even, odd columns' codes
+        dots = tl.sum(_dp4a(low, x_even, ASM) + _dp4a(high, x_odd, ASM), axis=3)
+        share = scale[None] * (dots.to(tl.float32) * d - zero[None] * d_sum)
+    else:
+        x = tl.load(q_rows[:, None, None, None] + 8 * blocks[None, :, :, None] + tl.arange(0, 8)[None, None, None, :],
+                    mask=x_mask[:, :, :, None], other=0)
+        share = tl.sum(_dp4a(words[None], x, ASM), axis=3).to(tl.float32) * d
+    return share
+
+
+@triton.jit
+def _a8_gemv_kernel(q_ptr, d_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_qm, stride_dm,
                     stride_wn, stride_sn, stride_ym,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, INT4: tl.constexpr,
-                    STAGES: tl.constexpr, ASM: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+                    STAGES: tl.constexpr, ASM: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+                    BLOCK_M: tl.constexpr = 1):
     """y[m, n] = sum over x's blocks b of d_b * sum_{k in b} w[n, k] xcode[m, k], w the int4 or int8
     weight (int4: (code - zero) * scale per group, the zero's share through d_b * sum of the block's
     x codes; int8: the row's scale once at the end). Program (n tile, row m) streams its BLOCK_N
     rows BLOCK_K columns a step (a thread one block of 32 a row: 16 or 32 bytes of weight words),
     sums [BLOCK_N, BLOCK_K / 32] per block to the end, then across them once. The first step's
     words are loaded before the wait for the previous kernel (PDL: weights are no kernel's
-    output); stride_wn in int32 words, x's codes and d from `_quantize_a8_kernel`."""
+    output); stride_wn in int32 words, x's codes and d from `_quantize_a8_kernel`. BLOCK_M > 1:
+    program (n tile, m tile) takes BLOCK_M rows of x against the weight words it reads once
+    (`_a8_step_rows`)."""
     BLOCKS: tl.constexpr = BLOCK_K // 32
     WORDS: tl.constexpr = 4 if INT4 else 8
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    row = tl.program_id(1).to(tl.int64)
     offs_b = tl.arange(0, BLOCKS)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None, None] * stride_wn
-    q_row = q_ptr + row * stride_qm  # (K / 4 and K / 16 as arguments: their divisibility is known)
-    d_row = d_ptr + row * stride_dm
     sz_rows = offs_n.to(tl.int64) * stride_sn
     words = _a8_words(w_rows, 0, offs_b, n_mask, K, WORDS)
     wait_for_previous(PDL)
-    acc = _a8_step(q_row, d_row, sz_rows, s_ptr, z_ptr, words, 0, offs_b, n_mask, K, GROUP, INT4, ASM)
-    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
-        acc += _a8_step(q_row, d_row, sz_rows, s_ptr, z_ptr, _a8_words(w_rows, k0, offs_b, n_mask, K, WORDS), k0,
-                        offs_b, n_mask, K, GROUP, INT4, ASM)
-    out = tl.sum(acc, axis=1)
-    if not INT4:
-        out *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_mask)
+    if BLOCK_M == 1:
+        row = tl.program_id(1).to(tl.int64)
+        q_row = q_ptr + row * stride_qm  # (K / 4 and K / 16 as arguments: their divisibility is known)
+        d_row = d_ptr + row * stride_dm
+        acc = _a8_step(q_row, d_row, sz_rows, s_ptr, z_ptr, words, 0, offs_b, n_mask, K, GROUP, INT4, ASM)
+        for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+            acc += _a8_step(q_row, d_row, sz_rows, s_ptr, z_ptr, _a8_words(w_rows, k0, offs_b, n_mask, K, WORDS), k0,
+                            offs_b, n_mask, K, GROUP, INT4, ASM)
+        out = tl.sum(acc, axis=1)
+        if not INT4:
+            out *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+        q_rows = q_ptr + offs_m.to(tl.int64) * stride_qm
+        d_rows = d_ptr + offs_m.to(tl.int64) * stride_dm
+        acc = _a8_step_rows(q_rows, d_rows, m_mask, sz_rows, s_ptr, z_ptr, words, 0, offs_b, n_mask, K, GROUP, INT4,
+                            ASM)
+        for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+            acc += _a8_step_rows(q_rows, d_rows, m_mask, sz_rows, s_ptr, z_ptr,
+                                 _a8_words(w_rows, k0, offs_b, n_mask, K, WORDS), k0, offs_b, n_mask, K, GROUP, INT4,
+                                 ASM)
+        out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+        if not INT4:
+            out *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], out.to(y_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])
 
 
 A8_QUANT_BLOCKS = 16  # blocks of x a `_quantize_a8_kernel` program takes
@@ -687,13 +739,13 @@ def _a8_gemv(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     m, n = y.shape
     int4 = zeros is not None
     q, d = quantize_a8(x2, A8_PAIRS if int4 else A8_COLUMNS)
-    grid = (triton.cdiv(n, tiles.block_n), m)
+    grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m))
     _a8_gemv_kernel[grid](
         q, d, qweight.view(torch.int32), scales, zeros if int4 else scales, bias if bias is not None else scales, y,
-        n, x2.shape[1], q.stride(0), d.stride(0), qweight.view(torch.int32).stride(0), scales.stride(0), y.stride(0),
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP=group_size, INT4=int4, STAGES=tiles.num_stages,
-        ASM=y.device.type == "cuda", HAS_BIAS=bias is not None, num_warps=tiles.num_warps,
-        **pdl.launch_args(y.device, "gemv", grid[0] * grid[1]))
+        m, n, x2.shape[1], q.stride(0), d.stride(0), qweight.view(torch.int32).stride(0), scales.stride(0),
+        y.stride(0), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP=group_size, INT4=int4,
+        STAGES=tiles.num_stages, ASM=y.device.type == "cuda", HAS_BIAS=bias is not None, BLOCK_M=tiles.block_m,
+        num_warps=tiles.num_warps, **pdl.launch_args(y.device, "gemv", grid[0] * grid[1]))
 
 
 @triton.jit
@@ -907,6 +959,8 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                                             and tiles.block_m >= 16 and tiles.block_m & (tiles.block_m - 1) == 0):
         raise ValueError(f"the int4 tensor-core kernels take 16-bit x and groups of 32 or more (see dot_fits; "
                          f"words: 128), not {x.dtype}, K={k}, group size {group_size}")
+    if isinstance(tiles, A8GemvTiles) and (tiles.block_m < 1 or tiles.block_m & (tiles.block_m - 1)):
+        raise ValueError(f"the x int8 GEMV takes a power of two of rows a program, not {tiles.block_m}")
     if isinstance(tiles, A8GemvTiles) and not a8_fits(k, group_size if int4 else 1):
         raise ValueError(f"the x int8 GEMV takes whole blocks of 32 columns and int4 groups of them (see a8_fits), "
                          f"not K={k} with group size {group_size}")

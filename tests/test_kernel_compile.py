@@ -122,6 +122,9 @@ CASES = [
     ("a8-gemv-int8", qt._a8_gemv_kernel, dict(BLOCK_N=4, BLOCK_K=1024, GROUP=1, INT4=False, STAGES=2, ASM=True,
                                               HAS_BIAS=False),
      dict(q_ptr="*i32", d_ptr="*fp32", w_ptr="*i32", s_ptr="*fp32", z_ptr="*fp32")),
+    ("a8-gemv-int4-rows", qt._a8_gemv_kernel, dict(BLOCK_N=2, BLOCK_K=2048, GROUP=128, INT4=True, STAGES=1, ASM=True,
+                                                   HAS_BIAS=True, BLOCK_M=4),
+     dict(q_ptr="*i32", d_ptr="*fp32", w_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16")),
     ("quantize-a8", qt._quantize_a8_kernel, dict(BLOCKS=16, ORDER=2), dict(q_ptr="*i32", d_ptr="*fp32")),
     # MXFP4 experts against int8 x: the e2m1 table lookups and dp4a are inline PTX
     ("moe-gate-up-mxfp4-a8", mt._gate_up_decode_kernel,

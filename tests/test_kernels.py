@@ -1276,7 +1276,7 @@ def check_a8(device, dtype, bits, rows, n, k, group_size, tiles, outlier):
     torch.testing.assert_close(d[..., 1].cpu(), d_ref.cpu() * kernel_codes.view(rows, k // 32, 32).float().sum(-1))
 
 
-# the x int8 GEMV (block_n, block_k, warps): K in one step, in several with a masked last one (K 384
+# the x int8 GEMV (block_n, block_k, warps[, stages, block_m]): K in one step, in several with a masked last one (K 384
 # in steps of 256), int4 groups of 32 (a step spanning several) and of 128 over steps narrower than
 # a group, odd N, per-channel int4 (one group of K); int8 likewise; one to three rows, an outlier
 # in x and none
@@ -1285,7 +1285,10 @@ def check_a8(device, dtype, bits, rows, n, k, group_size, tiles, outlier):
     (4, 1, 37, 256, 128, (4, 256, 4), 0.0), (4, 1, 37, 384, 128, (2, 256, 2), 40.0),
     (4, 3, 33, 384, 32, (8, 128, 4), 8.0), (4, 1, 70, 512, 128, (4, 64, 2), 0.0), (4, 2, 19, 96, 32, (1, 1024, 4), 40.0),
     (4, 1, 20, 256, 256, (2, 128, 2, 2), 0.0),
-    (8, 1, 37, 384, 1, (2, 256, 2), 40.0), (8, 2, 33, 96, 1, (4, 1024, 4), 0.0), (8, 1, 70, 512, 1, (8, 64, 2, 2), 8.0)])
+    (8, 1, 37, 384, 1, (2, 256, 2), 40.0), (8, 2, 33, 96, 1, (4, 1024, 4), 0.0), (8, 1, 70, 512, 1, (8, 64, 2, 2), 8.0),
+    # several rows a program (block_m): 3 rows in a tile of 4, 5 in tiles of 2 (the last masked)
+    (4, 3, 37, 384, 128, (2, 256, 2, 1, 4), 40.0), (4, 5, 33, 256, 32, (4, 128, 4, 2, 2), 0.0),
+    (8, 3, 37, 384, 1, (2, 256, 2, 1, 4), 8.0)])
 def test_a8(run_check, dtype, bits, rows, n, k, group_size, tiles, outlier):
     run_check(check_a8, dtype=dtype, bits=bits, rows=rows, n=n, k=k, group_size=group_size, tiles=tiles,
               outlier=outlier)
