@@ -875,8 +875,9 @@ def choose_tiles(rows: int, n: int, k: int, group_size: int = 1, dtype: torch.dt
         # int4, Qwen3-8B's layers on the H200 (`tune_quant.py --a8`, bench/RESULTS.md,
         # twenty-second session): 2 output features a program in 2 warps, 2048 columns a step, best
         # or within 2% of it on all four (gate_up 17.4 us against the words kernel's 29.7, down
-        # 9.7 / 17.5, qkv 6.4 / 11.6, o 4.8 / 8.4); int8 the same rows of twice the bytes (a guess)
-        return A8GemvTiles(2, 2048, num_warps=2)
+        # 9.7 / 17.5, qkv 6.4 / 11.6, o 4.8 / 8.4), and for int8 (60.5 us over the four, the best
+        # sum). Several rows (HIBANA_A8_ROWS > 1, not measured yet): all of them in a program
+        return A8GemvTiles(2, 2048, num_warps=2, block_m=triton.next_power_of_2(rows))
     tensor_cores = dtype in (torch.bfloat16, torch.float16) and dot_fits(k, group_size)
     if tensor_cores and group_size >= WORDS_MIN_GROUP:
         # Qwen3-8B's layers on the H200 (`tune_quant.py --sweep --words-only`: bench/RESULTS.md,

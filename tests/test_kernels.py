@@ -796,6 +796,8 @@ def test_quant_dispatch_at_one_row():
     a8_rows, quant_triton.A8_MAX_ROWS = quant_triton.A8_MAX_ROWS, 0
     try:
         assert isinstance(choose(1, 4096, 4096, 128, torch.bfloat16, 132), quant_triton.DotTiles)
+        quant_triton.A8_MAX_ROWS = 4  # several rows: all of them in one program
+        assert choose(3, 4096, 4096, 128, torch.bfloat16, 132) == a8._replace(block_m=4)
     finally:
         quant_triton.A8_MAX_ROWS = a8_rows
 
