@@ -468,7 +468,15 @@ def _int4_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count
 # differently. HIBANA_A8_ROWS=0 turns it off.
 
 A8_BLOCK = 32  # x's columns sharing one scale d
-A8_MAX_ROWS = int(os.environ.get("HIBANA_A8_ROWS", "1"))  # rows of 16-bit x that take it (0: none)
+def _a8_rows_setting() -> int:
+    """HIBANA_A8_ROWS (read once, when the kernels are imported): rows of 16-bit x that take the
+    x int8 GEMV, 0 for none; 1 when unset or not a whole number of 0 or more."""
+    value = os.environ.get("HIBANA_A8_ROWS", "1").strip()
+    return int(value) if value.isdigit() else 1
+
+
+A8_MAX_ROWS = _a8_rows_setting()
+A8_MAX_BLOCK_M = 8  # rows of x a program takes at most (more: more programs)
 
 
 class A8GemvTiles(NamedTuple):
@@ -547,7 +555,10 @@ def _quantize_a8_kernel(x_ptr, q_ptr, d_ptr, K, stride_xm, BLOCKS: tl.constexpr,
     words = tl.sum((codes & 0xFF) << (8 * byte[None, None, None, :]), axis=3)  # [BLOCKS, 2, 4]
     tl.store(q_ptr + row * (K // 4) + blocks[:, None, None] * 8 + half[None, :, None] * 4 + word[None, None, :],
              words, mask=mask[:, None, None])
-    d = amax / 127.0
+    # a NaN in a block makes its d NaN (tl.max passes over NaN), so the product is NaN as the 16-bit
+    # kernels' is, not that of clamped codes; an inf makes it inf, and 0 codes times inf NaN
+    nans = tl.sum(tl.sum(tl.sum((x != x).to(tl.int32), axis=3), axis=2), axis=1)
+    d = tl.where(nans > 0, float("nan"), amax / 127.0)
     code_sum = tl.sum(tl.sum(tl.sum(codes, axis=3), axis=2), axis=1).to(tl.float32)
     tl.store(d_ptr + row * (K // 16) + 2 * blocks, d, mask=mask)
     tl.store(d_ptr + row * (K // 16) + 2 * blocks + 1, d * code_sum, mask=mask)
@@ -877,7 +888,7 @@ def choose_tiles(rows: int, n: int, k: int, group_size: int = 1, dtype: torch.dt
         # or within 2% of it on all four (gate_up 17.4 us against the words kernel's 29.7, down
         # 9.7 / 17.5, qkv 6.4 / 11.6, o 4.8 / 8.4), and for int8 (60.5 us over the four, the best
         # sum). Several rows (HIBANA_A8_ROWS > 1, not measured yet): all of them in a program
-        return A8GemvTiles(2, 2048, num_warps=2, block_m=triton.next_power_of_2(rows))
+        return A8GemvTiles(2, 2048, num_warps=2, block_m=min(A8_MAX_BLOCK_M, triton.next_power_of_2(rows)))
     tensor_cores = dtype in (torch.bfloat16, torch.float16) and dot_fits(k, group_size)
     if tensor_cores and group_size >= WORDS_MIN_GROUP:
         # Qwen3-8B's layers on the H200 (`tune_quant.py --sweep --words-only`: bench/RESULTS.md,

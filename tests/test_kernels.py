@@ -802,6 +802,18 @@ def test_quant_dispatch_at_one_row():
         quant_triton.A8_MAX_ROWS = a8_rows
 
 
+def test_a8_rows_setting(monkeypatch):
+    """HIBANA_A8_ROWS: a whole number of rows (0: off); unset, empty or anything else: the default,
+    one row (a bad value must not stop the kernels from importing)."""
+    from hibana_kernels import quant_triton
+
+    for value, rows in (("0", 0), ("4", 4), (" 2 ", 2), ("", 1), ("off", 1), ("-1", 1), ("1.5", 1)):
+        monkeypatch.setenv("HIBANA_A8_ROWS", value)
+        assert quant_triton._a8_rows_setting() == rows, value
+    monkeypatch.delenv("HIBANA_A8_ROWS")
+    assert quant_triton._a8_rows_setting() == 1
+
+
 def test_int4_dispatch(monkeypatch):
     """Without the x int8 GEMV (one row takes it by default: above), up to 127 rows of 16-bit x
     with groups of 128-256 take the int4 words kernel (256 features a program, PREFETCH, 16, 32 or
@@ -1276,6 +1288,26 @@ def check_a8(device, dtype, bits, rows, n, k, group_size, tiles, outlier):
     assert off.abs().max() <= 1 and (off != 0).sum() <= 2, off.nonzero()
     torch.testing.assert_close(d[..., 0], d_ref)
     torch.testing.assert_close(d[..., 1].cpu(), d_ref.cpu() * kernel_codes.view(rows, k // 32, 32).float().sum(-1))
+
+
+def check_a8_nan(device, bits):
+    """A NaN in x gives NaN outputs from the x int8 GEMV as from the 16-bit kernels (its block's d
+    is NaN), not the finite product of a clamped code; the other row is untouched."""
+    quant_triton = _triton_module("quant")
+    gen = torch.Generator().manual_seed(5)
+    qweight, scales, zeros = (t if t is None else t.to(device) for t in make_quant_weight(bits, 20, 128, 32, gen))
+    x = torch.randn(2, 128, generator=gen).to(torch.bfloat16)
+    x[0, 40] = float("nan")
+    x = x.to(device)
+    tiles = quant_triton.A8GemvTiles(2, 256, 2, 1, 2)
+    out = (quant_triton.linear_int4_launch(x, qweight, scales, zeros, 32, None, tiles) if bits == 4 else
+           quant_triton.linear_int8_launch(x, qweight, scales, None, tiles))
+    assert out[0].isnan().all() and not out[1].isnan().any()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a8_nan(run_check, bits):
+    run_check(check_a8_nan, bits=bits)
 
 
 # the x int8 GEMV (block_n, block_k, warps[, stages, block_m]): K in one step, in several with a masked last one (K 384

@@ -489,13 +489,21 @@ class _DecodeRowsOnly:
 def test_the_guards_divergence_follows_decode_rows(tiny_checkpoints, make_engine):
     """Free greedy output decodes one row a step: a change only those rows see leaves the
     teacher-forced figures (whole documents) as they were and shows in the first divergence,
-    which is taken a row at a time after the opening (the first token comes from its prefill)."""
+    which is taken as generation runs: the head on the prefill's last row alone, then one row a
+    step (this pass changes the first token already)."""
     with registered_pass("decode_rows", _DecodeRowsOnly()):
         engine = make_engine(tiny_checkpoints["qwen3"], surgery=[{"name": "decode_rows", "force": True}],
                              speculation="off")
     guard = engine.surgery[0]["guard"]
     assert guard["ppl_ratio"] == 1.0 and guard["top1_agreement"] == 1.0 and guard["mean_kl"] < 1e-4  # (rounding)
-    assert guard["first_divergence"] == 1.0  # the prefill's token agrees, the first decode row's does not
+    assert guard["first_divergence"] == 0.0
+    plain = make_engine(tiny_checkpoints["qwen3"], speculation="off")
+    with registered_pass("decode_rows", _DecodeRowsOnly()):
+        changed = make_engine(tiny_checkpoints["qwen3"], surgery=[{"name": "decode_rows", "force": True}],
+                              speculation="off", surgery_guard=False)
+    prompt = random_tokens(random.Random(4), 20)
+    first = [list(e.open_state("a").generate(greedy(1), prompt=prompt).token_ids) for e in (plain, changed)]
+    assert first[0] != first[1]  # as the guard says: generation's first token differs
 
 
 def test_a_pass_that_raises_is_a_hibana_error_naming_it(tiny_checkpoints, make_engine):

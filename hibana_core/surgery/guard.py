@@ -156,8 +156,10 @@ class Scorer:
         self._forward(tokens, 0, logits=False)
         return self.cache.data.flatten(2, 3)[:, :, :len(tokens)]
 
-    def _forward(self, tokens: Sequence[int], start: int, logits: bool = True) -> torch.Tensor | None:
-        """Logits of tokens[start:] given the cache holds tokens[:start]."""
+    def _forward(self, tokens: Sequence[int], start: int, logits: bool = True,
+                 last: bool = False) -> torch.Tensor | None:
+        """Logits of tokens[start:] given the cache holds tokens[:start]; `last`: of the last
+        token only (as generation asks the head for one row: [1, V])."""
         n, bs = len(tokens), self.block_size
         new = n - start
         tensor = lambda values, dtype=torch.long: torch.tensor(values, dtype=dtype, device=self.device)  # noqa: E731
@@ -171,7 +173,7 @@ class Scorer:
         try:
             with torch.inference_mode(), self.ctx.forward_batch(batch):
                 hidden = self.model(tensor(list(tokens[start:])), tensor(list(range(start, n))))
-                return self.model.compute_logits(hidden).float() if logits else None
+                return self.model.compute_logits(hidden[-1:] if last else hidden).float() if logits else None
         finally:
             self.ctx.kv_cache = saved
 
@@ -181,31 +183,32 @@ class Scorer:
 
     def forced_greedy(self, opening: Sequence[int], continuation: Sequence[int]) -> list[int]:
         """This model's greedy choices along `continuation`, computed as generation computes them:
-        the first from the opening's forward (a prefill), each next from a one-row forward (a
-        decode step, where the GPU's int8-x kernels of packed weights take the row); up to and
+        the first from the opening's forward (a prefill whose head takes its last row alone),
+        each next from a one-row forward (a decode step; on the GPU the int8-x kernels of packed
+        weights take such rows); up to and
         including the first that differs from `continuation` (free greedy output is the same up
         to there)."""
         tokens = list(opening)
-        logits = self._forward(tokens, 0)[-1]
+        logits = self._forward(tokens, 0, last=True)[-1]
         out: list[int] = []
         for token in continuation:
             out.append(int(logits.argmax()))
             if out[-1] != token or len(out) == len(continuation):
                 break
             tokens.append(token)
-            logits = self._forward(tokens, len(tokens) - 1)[-1]
+            logits = self._forward(tokens, len(tokens) - 1, last=True)[-1]
         return out
 
     def greedy(self, opening: Sequence[int], n: int, stop: int | None = None) -> list[int]:
         tokens = list(opening)
-        logits = self._forward(tokens, 0)[-1]
+        logits = self._forward(tokens, 0, last=True)[-1]
         out = []
         for _ in range(n):
             out.append(int(logits.argmax()))
             if out[-1] == stop or len(out) == n:
                 break
             tokens.append(out[-1])
-            logits = self._forward(tokens, len(tokens) - 1)[-1]
+            logits = self._forward(tokens, len(tokens) - 1, last=True)[-1]
         return out
 
 

@@ -230,7 +230,7 @@ def _pack_lm_head(model: "torch.nn.Module", wanted: str) -> tuple[str, tuple[int
     if wanted == "dense":
         return "dense", (0, 0)
     weight = head.weight
-    shared = any(p is weight for name, p in model.named_parameters(remove_duplicate=False)
+    shared = any(p.data_ptr() == weight.data_ptr() for name, p in model.named_parameters(remove_duplicate=False)
                  if not name.startswith("lm_head."))
     if shared or weight.dim() != 2:
         return "dense (tied to the embedding)", (0, 0)

@@ -24,10 +24,17 @@ _CHUNK_ELEMENTS = 1 << 24  # rows are quantized in chunks of about this many wei
 
 
 def quantize_int8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Dense [N, K] -> {"qweight": int8 [N, K], "scales": float32 [N]}."""
-    w = weight.float()
-    scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    """Dense [N, K] -> {"qweight": int8 [N, K], "scales": float32 [N]}, in chunks of rows (an
+    output head of 150k x 4k weights would take 12 bytes a weight in float32 temporaries at once)."""
+    n, k = weight.shape
+    q = torch.empty((n, k), dtype=torch.int8, device=weight.device)
+    scales = torch.empty(n, dtype=torch.float32, device=weight.device)
+    step = max(1, _CHUNK_ELEMENTS // max(k, 1))
+    for start in range(0, n, step):
+        w = weight[start:start + step].float()
+        s = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        q[start:start + step] = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
+        scales[start:start + step] = s
     return {"qweight": q, "scales": scales}
 
 
