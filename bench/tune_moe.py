@@ -133,6 +133,12 @@ TINY_MODELS = {  # --tiny: the same kinds at toy sizes, on the CPU through the T
     "tiny-w4": Shape(128, 128, 4, 2, "int4", "silu", False, "softmax", True),
 }
 TINY_MAX_REL_ERR = 6e-2  # the interpreter truncates at each rounding to bfloat16 where CUDA rounds to nearest
+A8_ERR_FACTOR = 2  # a8 tiles: x and the activations rounded to 8 bits a block cost ~1% more (tests: 1.1-1.3%)
+
+
+def err_limit(row: dict, max_err: float) -> float:
+    """The relative error a row may have against the reference: more for tiles that round x to int8."""
+    return max_err * A8_ERR_FACTOR if row["tiles"] and row["tiles"].get("a8") else max_err
 
 
 def make_experts(shape: Shape, gen: torch.Generator) -> MoEExperts:
@@ -275,7 +281,7 @@ def print_fastest(rows: list[dict], max_err: float) -> None:
     take them (the decode and grouped lines at one T also show which path should take that T)."""
     best = {}
     for r in rows:
-        if r["tiles"] and r["rel_err"] <= max_err:
+        if r["tiles"] and r["rel_err"] <= err_limit(r, max_err):
             key = (r["model"], r["tokens"], r["path"])
             if key not in best or r["us"] < best[key]["us"]:
                 best[key] = r
@@ -322,7 +328,7 @@ def main() -> None:
     print_table(rows)
     max_err = TINY_MAX_REL_ERR if args.tiny else MAX_REL_ERR
     print_fastest(rows, max_err)
-    bad = [r for r in rows if r["rel_err"] > max_err or not r["route_matches_torch"]]
+    bad = [r for r in rows if r["rel_err"] > err_limit(r, max_err) or not r["route_matches_torch"]]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__,
