@@ -43,6 +43,8 @@ shapes: check 1 on shapes unlike the tiny checkpoints' (tiny_models.ODD_SHAPES: 
 moe_fusion: qwen3_moe and gpt_oss in bf16, batch 1: the sparse block's norm, router and top-k in
    one launch (fusion `moe_norm_route`) give the tokens of the three launches (3 of 4 prompts at
    least: bf16 logits summed in another order may part a near-tie).
+a8_fold: bf16 w8 / w4 one agent at a time: the norm's and SiLU-and-mul's launches writing x's int8
+   codes (`Fusion.a8_fold`) give the tokens of the separate quantize launches.
 Prints a table; exits 1 if a check fails.
 """
 
@@ -156,6 +158,29 @@ def check_surgery() -> Iterator[tuple[str, bool, str]]:
             same = sum(a == b for a, b in zip(got, want))
             name = surgery if isinstance(surgery, str) else f"{surgery['name']} g{surgery['group_size']}"
             yield (f"surgery {name} fp32 {arch}", same == len(prompts), f"{same}/4 agents equal")
+
+
+def check_a8_fold() -> Iterator[tuple[str, bool, str]]:
+    """bf16 w8 / w4 on the GPU, one agent at a time (one-row steps: the x int8 GEMV): the norm and
+    SiLU-and-mul launches that write x's int8 codes (`Fusion.a8_fold`, the "on" policy's) give the
+    same tokens as the separate quantize launches (AUTO's): the same codes of the same bf16 rows."""
+    from hibana_kernels import fusion
+
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for arch, path, prompts in tiny_cases(("llama", "qwen3"), 5):
+        for surgery in SURGERY:
+            outputs = {}
+            for policy in ("auto", dataclasses.replace(fusion.AUTO, a8_fold=True)):
+                with fusion.using(policy), Engine.from_pretrained(path, **ON_GPU, dtype="bfloat16", progress=False,
+                                                                 surgery=[surgery], surgery_guard=False,
+                                                                 speculation="off") as engine:
+                    outputs[policy if isinstance(policy, str) else "fold"] = [
+                        list(engine.open_state(f"one{i}").generate(params, prompt=p).token_ids)
+                        for i, p in enumerate(prompts)]
+            same = sum(a == b for a, b in zip(outputs["auto"], outputs["fold"]))
+            name = surgery if isinstance(surgery, str) else f"{surgery['name']} g{surgery['group_size']}"
+            yield (f"a8 fold {name} bf16 {arch}: x's codes from the norm / SiLU", same == len(prompts),
+                   f"{same}/{len(prompts)} agents equal")
 
 
 def kv_scales(engine: Engine) -> list[torch.Tensor]:
@@ -702,7 +727,8 @@ def check_graph_capture() -> Iterator[tuple[str, bool, str]]:
 CHECKS = {"float32": check_float32, "speculation": check_speculation, "surgery": check_surgery,
           "kv8": check_kv8, "fp8": check_fp8, "bf16": check_bf16_demo, "families": check_families,
           "logprobs": check_logprobs, "window": check_window_pass, "shapes": check_shapes, "tiers": check_tiers,
-          "grammar": check_grammar, "moe_fusion": check_moe_fusion, "graph_capture": check_graph_capture}
+          "grammar": check_grammar, "moe_fusion": check_moe_fusion, "graph_capture": check_graph_capture,
+          "a8_fold": check_a8_fold}
 
 
 def main() -> int:

@@ -41,6 +41,8 @@
 #                                        # Qwen3-8B layers (A8_SHAPES) and row counts (A8_ROWS: 1,4; several rows a
 #                                        # program from 2), qwen3-8b decode bf16 / w8 / w4 with and
 #                                        # without it, the demo model's w4 / w8 guard in bf16 on the GPU
+#   bash bench/run_h200.sh a8_fold       # issue 14: qwen3-8b w4 / w8 decode with the quantize launches folded into
+#                                        # the norm and SiLU kernels (Fusion.a8_fold) against AUTO
 #   bash bench/run_h200.sh moe_a8        # issue 18: MXFP4 experts against int8 x: kernel tests, tune_moe.py --a8 at
 #                                        # gpt-oss-20b's shape, gpt-oss-20b decode under AUTO and a8 tiles
 #   bash bench/run_h200.sh quant_sweep   # bench/tune_quant.py --sweep: their tiles at 1 and 64 rows
@@ -184,6 +186,7 @@ case "${1:-check}" in
     # with it (the default) and without (HIBANA_A8_ROWS=0), and the guard of w4 and w8 on the demo
     # model in bf16 on the GPU
     kernel_pytest tests/test_kernels.py -q -rs -x -p no:cacheprovider -k "a8 or linear_quant or dispatch" 2>&1 | tail -3
+    python3 bench/gpu_correctness.py --only a8_fold 2>&1 | grep -E "PASS|FAIL"
     python3 bench/tune_quant.py --a8 --a8-rows "${A8_ROWS:-1,4}" --shapes "${A8_SHAPES:-gate_up,down,qkv,o}" \
       --json "$OUT/tune_quant_a8.json" 2>&1 \
       | grep -v "^  a8 " | tee "$OUT/tune_quant_a8.txt"
@@ -194,6 +197,13 @@ case "${1:-check}" in
     for pass in w4 w8; do
       python3 -m hibana_core.cli surgery demo --passes $pass --device cuda --dtype bfloat16 --force 2>&1 \
         | tee "$OUT/guard_demo_${pass}_bf16.txt" | tail -12
+    done ;;
+  a8_fold)
+    # issue 14: qwen3-8b in w4 (and w8), batch-1 decode at 512 keys, the quantize launches separate (AUTO)
+    # against folded into the norm and SiLU-and-mul kernels that write x (Fusion.a8_fold), kernels per step
+    for pass in ${A8_FOLD_PASSES:-w4 w8}; do
+      python3 bench/tune_decode.py --model qwen3-8b --fusion --skip-sweep --context 512 --surgery $pass \
+        --policies "auto,auto+a8_fold" 2>&1 | tee "$OUT/a8_fold_$pass.txt" | tail -4
     done ;;
   moe_a8)
     # issue 18: MXFP4 experts against int8 x (DecodeTiles.a8): its kernel tests on CUDA, its tiles at

@@ -495,8 +495,9 @@ def main_fusion(args: argparse.Namespace, bandwidth: float) -> None:
     prompts = {c: random_tokens(rng, c, model.vocab_size) for c in contexts}
     # no speculation: every step a plain decode step (random weights can repeat themselves,
     # and their drafts would mix verify steps in)
+    surgery = [p for p in args.surgery.split(",") if p] if args.surgery else []
     engine = model.engine(max_model_len=max(contexts) + args.generate + 16, max_concurrent_agents=8,
-                          speculation="off")
+                          speculation="off", **(dict(surgery=surgery, surgery_guard=False) if surgery else {}))
     read = _read_bytes(engine) or model.weight_bytes  # MoE: the selected experts' bytes, not all
     roofline = bandwidth / read
     print(f"{args.model}: {model.weight_bytes / 1e9:.2f} GB, {read / 1e9:.2f} GB read a token, roofline "
@@ -530,6 +531,7 @@ def main() -> None:
                         help="--gemv-sweep-only: the default's neighbours and the unrolled rows, not the full grid")
     parser.add_argument("--step-only", action="store_true",
                         help="no kernel sweeps: the model's decode step alone (its variants and kernels)")
+    parser.add_argument("--surgery", default="", help="--fusion: surgery passes of the engine (e.g. w4; no guard)")
     parser.add_argument("--fusion", action="store_true",
                         help="compare the fusion policies (hibana_kernels.fusion); --skip-sweep skips their sweep")
     args = parser.parse_args()
@@ -562,8 +564,9 @@ def main() -> None:
     prompts = {c: random_tokens(rng, c, model.vocab_size) for c in contexts}
     # no speculation: every step a plain decode step (a random model's greedy output loops, and
     # its drafts would mix verify steps in)
+    surgery = [p for p in args.surgery.split(",") if p] if args.surgery else []
     engine = model.engine(max_model_len=max(contexts) + args.generate + 16, max_concurrent_agents=8,
-                          speculation="off")
+                          speculation="off", **(dict(surgery=surgery, surgery_guard=False) if surgery else {}))
     read = _read_bytes(engine) or model.weight_bytes  # MoE: the selected experts' bytes, not all
     print(f"model built in {time.time() - t0:.0f} s; {model.weight_bytes / 1e9:.2f} GB, {read / 1e9:.2f} GB read "
           f"a token, roofline {bandwidth / read:.1f} tok/s", flush=True)

@@ -17,9 +17,10 @@ import torch
 from hibana_kernels import activation, attention, matmul, moe, norm, quant, rotary
 from hibana_kernels.moe import MoEExperts
 
-__all__ = ["MoEExperts", "folds_glu", "fused_add_rms_norm", "fused_moe", "gelu_tanh_and_mul", "linear", "linear_fp8", "linear_int4",
+__all__ = ["MoEExperts", "a8_order", "folds_a8", "folds_glu", "fused_add_rms_norm", "fused_moe", "gelu_tanh_and_mul", "linear", "linear_fp8", "linear_int4",
            "linear_int8", "moe_norm_route", "moe_route", "mxfp4_dequantize", "paged_attention", "qk_norm_rotary_store", "rms_norm",
-           "rms_norm_linear", "rotary_embedding", "silu_and_mul", "silu_and_mul_linear", "store_kv",
+           "linear_a8", "rms_norm_a8", "rms_norm_linear", "rotary_embedding", "silu_and_mul", "silu_and_mul_a8",
+           "silu_and_mul_linear", "store_kv",
            "triton_available"]
 
 
@@ -145,6 +146,43 @@ def linear_fp8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, blo
     """x @ W^T + bias for an e4m3 weight with a float32 scale per (bn, bk) block; see
     `hibana_kernels.quant`."""
     return (_triton("quant", x) or quant).linear_fp8(x, qweight, scales, block, bias)
+
+
+def folds_a8(x: torch.Tensor, k: int, group_size: int) -> bool:
+    """Whether the kernel writing the k-wide input of an int8 (group_size 1) or int4 linear layer
+    from x (a tensor of the step's rows) hands the layer that input as int8 codes (`rms_norm_a8`,
+    `silu_and_mul_a8`, then `linear_a8`): on CUDA where the x int8 GEMV takes those rows
+    (`quant_triton.takes_a8`) and the fusion policy folds (`Fusion.a8_fold`); never on the CPU."""
+    from hibana_kernels import fusion
+
+    impl = _triton("quant", x)
+    return impl is not None and fusion.policy().a8_fold and impl.takes_a8(x, k, group_size)
+
+
+def a8_order(kind: str) -> int:
+    """The order of x's codes an `kind` ("int8", "int4") weight's x int8 GEMV reads."""
+    return quant.A8_PAIRS if kind == "int4" else quant.A8_COLUMNS
+
+
+def rms_norm_a8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                unit_offset: bool, order: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual, q, d) with the normed rows as int8 codes too (CUDA only:
+    where `folds_a8`)."""
+    return importlib.import_module("hibana_kernels.norm_triton").rms_norm_a8(x, residual, weight, eps, unit_offset,
+                                                                             order)
+
+
+def silu_and_mul_a8(gate_up: torch.Tensor, order: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(silu(gate) * up, q, d) with the product as int8 codes too (CUDA only: where `folds_a8`)."""
+    return importlib.import_module("hibana_kernels.activation_triton").silu_and_mul_a8(gate_up, order)
+
+
+def linear_a8(q: torch.Tensor, d: torch.Tensor, lead: tuple[int, ...], dtype: torch.dtype, qweight: torch.Tensor,
+              scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear_int8` / `linear_int4` (zeros given) of an input given as its int8 codes (CUDA only)."""
+    return importlib.import_module("hibana_kernels.quant_triton").linear_a8(q, d, lead, dtype, qweight, scales, zeros,
+                                                                            group_size, bias)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,9 @@ class Fusion:
     """silu * up in the gate/up GEMV's epilogue for intermediate sizes above silu_max_k up to this"""
     glu_gelu: bool = False
     """tanh gelu * up in the gate/up GEMV's epilogue (it has no kernel of its own: torch's gelu and mul)"""
+    a8_fold: bool = False
+    """the norm or SiLU-and-mul kernel before an int8 / int4 layer's x int8 GEMV writes x's int8 codes
+    too (the quantize launch goes; `hibana_kernels.folds_a8`)"""
 
     def norm_linear(self, k: int) -> bool:
         return k <= self.norm_max_k
@@ -84,7 +87,7 @@ class Fusion:
 AUTO = Fusion(norm_max_k=2048, silu_max_k=6144, attention_merge=False, moe_norm_route=False, glu_silu_max_n=8192,
               glu_gelu=True)
 ON = Fusion(norm_max_k=sys.maxsize, silu_max_k=sys.maxsize, attention_merge=True, moe_norm_route=True,
-            glu_gelu=True)
+            glu_gelu=True, a8_fold=True)
 OFF = Fusion(norm_max_k=0, silu_max_k=0, attention_merge=False)  # the launches as before
 POLICIES = {"auto": AUTO, "on": ON, "off": OFF}
 

@@ -29,6 +29,14 @@ import torch
 import torch.nn.functional as F
 
 
+A8_COLUMNS, A8_PAIRS, A8_HALVES = 0, 1, 2
+"""Orders of x's int8 codes in a block's eight words, for the GPU's x int8 GEMVs
+(`quant_triton.quantize_a8`), each the order in which a kernel's weight words give their codes:
+half h (words 4h .. 4h + 3), word w, byte j holds column 32b + 16h + 4w + j (COLUMNS: int8
+weights), 8w + 2j + h (PAIRS: int4, the bytes' low nibbles then their high ones) or 8w + 4h + j
+(HALVES: MXFP4, a word's nibbles 0-3 then 4-7)."""
+
+
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K // 2] -> the codes as uint8 [N, K], each in [0, 15]."""
     low, high = qweight & 0xF, qweight >> 4

@@ -523,11 +523,7 @@ def reference_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     return out.view(*x.shape[:-1], -1)
 
 
-A8_COLUMNS, A8_PAIRS, A8_HALVES = 0, 1, 2
-"""Orders of x's codes in a block's eight words (`_quantize_a8_kernel`'s ORDER), each the order in
-which a kernel's weight words give their codes: half h (words 4h .. 4h + 3), word w, byte j holds
-column 32b + 16h + 4w + j (COLUMNS: int8 weights), 8w + 2j + h (PAIRS: int4, the bytes' low
-nibbles then their high ones) or 8w + 4h + j (HALVES: MXFP4, a word's nibbles 0-3 then 4-7)."""
+A8_COLUMNS, A8_PAIRS, A8_HALVES = quant.A8_COLUMNS, quant.A8_PAIRS, quant.A8_HALVES  # (see there)
 
 
 @triton.jit
@@ -538,7 +534,16 @@ def _quantize_a8_kernel(x_ptr, q_ptr, d_ptr, K, stride_xm, BLOCKS: tl.constexpr,
     A8_PAIRS, A8_HALVES); and d [M, K / 32, 2] float32: the block's d and d * (sum of its codes)."""
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
-    blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    quantize_a8_blocks(x_ptr + row * stride_xm, q_ptr + row * (K // 4), d_ptr + row * (K // 16),
+                       tl.program_id(1) * BLOCKS, K, BLOCKS, ORDER)
+
+
+@triton.jit
+def quantize_a8_blocks(x_row, q_row, d_row, first, K, BLOCKS: tl.constexpr, ORDER: tl.constexpr):
+    """Blocks first .. first + BLOCKS of one row of x (x_row: its first column) as
+    `_quantize_a8_kernel` writes them (q_row, d_row: the row's words and (d, d * sum) pairs); the
+    kernels that write x call it too (norms, SiLU-and-mul: `rms_norm_a8`, `silu_and_mul_a8`)."""
+    blocks = first + tl.arange(0, BLOCKS)
     mask = blocks < K // 32
     half, word, byte = tl.arange(0, 2), tl.arange(0, 4), tl.arange(0, 4)
     if ORDER == 1:
@@ -548,20 +553,20 @@ def _quantize_a8_kernel(x_ptr, q_ptr, d_ptr, K, stride_xm, BLOCKS: tl.constexpr,
     else:
         within = 16 * half[:, None, None] + 4 * word[None, :, None] + byte[None, None, :]
     col = blocks[:, None, None, None] * 32 + within[None, :, :, :]  # [BLOCKS, 2, 4, 4]
-    x = tl.load(x_ptr + row * stride_xm + col, mask=mask[:, None, None, None], other=0.0).to(tl.float32)
+    x = tl.load(x_row + col, mask=mask[:, None, None, None], other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1)
     inv = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.maximum(amax, 1e-30)), 0.0)
     codes = tl.minimum(tl.maximum(tl.floor(x * inv[:, None, None, None] + 0.5), -127.0), 127.0).to(tl.int32)
     words = tl.sum((codes & 0xFF) << (8 * byte[None, None, None, :]), axis=3)  # [BLOCKS, 2, 4]
-    tl.store(q_ptr + row * (K // 4) + blocks[:, None, None] * 8 + half[None, :, None] * 4 + word[None, None, :],
-             words, mask=mask[:, None, None])
+    tl.store(q_row + blocks[:, None, None] * 8 + half[None, :, None] * 4 + word[None, None, :], words,
+             mask=mask[:, None, None])
     # a NaN in a block makes its d NaN (tl.max passes over NaN), so the product is NaN as the 16-bit
     # kernels' is, not that of clamped codes; an inf makes it inf, and 0 codes times inf NaN
     nans = tl.sum(tl.sum(tl.sum((x != x).to(tl.int32), axis=3), axis=2), axis=1)
     d = tl.where(nans > 0, float("nan"), amax / 127.0)
     code_sum = tl.sum(tl.sum(tl.sum(codes, axis=3), axis=2), axis=1).to(tl.float32)
-    tl.store(d_ptr + row * (K // 16) + 2 * blocks, d, mask=mask)
-    tl.store(d_ptr + row * (K // 16) + 2 * blocks + 1, d * code_sum, mask=mask)
+    tl.store(d_row + 2 * blocks, d, mask=mask)
+    tl.store(d_row + 2 * blocks + 1, d * code_sum, mask=mask)
 
 
 _DP4A_NIBBLES_ASM = tl.constexpr("""{
@@ -737,23 +742,58 @@ def quantize_a8(x2: torch.Tensor, order: int = A8_PAIRS) -> tuple[torch.Tensor, 
     """x [M, K] (K a multiple of 32, unit stride along it) -> (q int32 [M, K / 4], d float32
     [M, K / 32, 2]) as `_quantize_a8_kernel` packs them, codes in `order` (A8_PAIRS: int4's)."""
     m, k = x2.shape
-    q = torch.empty((m, k // 4), dtype=torch.int32, device=x2.device)
-    d = torch.empty((m, k // A8_BLOCK, 2), dtype=torch.float32, device=x2.device)
+    q, d = a8_codes(m, k, x2.device)
     grid = (m, triton.cdiv(k // A8_BLOCK, A8_QUANT_BLOCKS))
     _quantize_a8_kernel[grid](x2, q, d, k, x2.stride(0), BLOCKS=A8_QUANT_BLOCKS, ORDER=order, num_warps=4,
                               **pdl.launch_args(x2.device, "other", grid[0] * grid[1]))
     return q, d
 
 
+def a8_codes(m: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (q, d) for m rows of k columns of x's codes, as `quantize_a8` returns them."""
+    return (torch.empty((m, k // 4), dtype=torch.int32, device=device),
+            torch.empty((m, k // A8_BLOCK, 2), dtype=torch.float32, device=device))
+
+
+def takes_a8(x: torch.Tensor, k: int, group_size: int) -> bool:
+    """Whether `linear_int8` (group_size 1) / `linear_int4` would take the rows of x (a tensor of
+    the step's rows: x itself, or what x is made from) as k-wide input through the x int8 GEMV
+    (choose_tiles' rule): then a kernel writing x may hand its codes over (`linear_a8`)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (x.device.type == "cuda" and 0 < rows <= A8_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and a8_fits(k, group_size))
+
+
+def linear_a8(q: torch.Tensor, d: torch.Tensor, lead: tuple[int, ...], dtype: torch.dtype, qweight: torch.Tensor,
+              scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear_int8` / `linear_int4` (int4 when zeros are given) of x given as its int8 codes (q, d
+    in the weight's order: A8_PAIRS for int4, A8_COLUMNS for int8), [*lead, N] in `dtype`."""
+    m, n = q.shape[0], qweight.shape[0]
+    k = q.shape[1] * 4
+    y = torch.empty((m, n), dtype=dtype, device=q.device)
+    tiles = choose_tiles(m, n, k, group_size if zeros is not None else 1, dtype, counters.sm_count(q.device))
+    if not isinstance(tiles, A8GemvTiles):
+        raise ValueError(f"{m} rows of {k} columns do not take the x int8 GEMV (see takes_a8)")
+    _a8_gemv_codes(q, d, qweight, scales, zeros, group_size, bias, tiles, y)
+    return y.view(*lead, n)
+
+
 def _a8_gemv(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
              group_size: int, bias: torch.Tensor | None, tiles: A8GemvTiles, y: torch.Tensor) -> None:
+    q, d = quantize_a8(x2, A8_PAIRS if zeros is not None else A8_COLUMNS)
+    _a8_gemv_codes(q, d, qweight, scales, zeros, group_size, bias, tiles, y)
+
+
+def _a8_gemv_codes(q: torch.Tensor, d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                   zeros: torch.Tensor | None, group_size: int, bias: torch.Tensor | None, tiles: A8GemvTiles,
+                   y: torch.Tensor) -> None:
     m, n = y.shape
     int4 = zeros is not None
-    q, d = quantize_a8(x2, A8_PAIRS if int4 else A8_COLUMNS)
     grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m))
     _a8_gemv_kernel[grid](
         q, d, qweight.view(torch.int32), scales, zeros if int4 else scales, bias if bias is not None else scales, y,
-        m, n, x2.shape[1], q.stride(0), d.stride(0), qweight.view(torch.int32).stride(0), scales.stride(0),
+        m, n, q.shape[1] * 4, q.stride(0), d.stride(0), qweight.view(torch.int32).stride(0), scales.stride(0),
         y.stride(0), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP=group_size, INT4=int4,
         STAGES=tiles.num_stages, ASM=y.device.type == "cuda", HAS_BIAS=bias is not None, BLOCK_M=tiles.block_m,
         num_warps=tiles.num_warps, **pdl.launch_args(y.device, "gemv", grid[0] * grid[1]))

@@ -1310,6 +1310,45 @@ def test_a8_nan(run_check, bits):
     run_check(check_a8_nan, bits=bits)
 
 
+def check_a8_folds(device, bits, residual, unit_offset):
+    """The norm's and SiLU-and-mul's launches that also write x's int8 codes (`rms_norm_a8`,
+    `silu_and_mul_a8`): their outputs equal the plain kernels', their codes equal `quantize_a8` of
+    those outputs, and `linear_a8` of the codes equals the linear layer through its x int8 GEMV."""
+    import hibana_kernels.activation_triton as act
+    import hibana_kernels.norm_triton as nt
+
+    quant_triton = _triton_module("quant")
+    gen = torch.Generator().manual_seed(11 + bits)
+    k, n, order = 320, 37, quant.A8_PAIRS if bits == 4 else quant.A8_COLUMNS
+    x, r = (torch.randn(2, k, generator=gen).to(torch.bfloat16).to(device) for _ in range(2))
+    w = (1 + torch.randn(k, generator=gen) / 4).to(torch.bfloat16).to(device)
+    normed, res_out, q, d = nt.rms_norm_a8(x, r if residual else None, w, 1e-6, unit_offset, order)
+    want = nt.fused_add_rms_norm(x, r, w, 1e-6, unit_offset) if residual else (nt.rms_norm(x, w, 1e-6, unit_offset), x)
+    assert torch.equal(normed, want[0]) and torch.equal(res_out, want[1])
+    q_ref, d_ref = quant_triton.quantize_a8(normed, order)
+    assert torch.equal(q, q_ref) and torch.equal(d, d_ref)
+    gate_up = torch.randn(2, 2 * k, generator=gen).to(torch.bfloat16).to(device)
+    product, q2, d2 = act.silu_and_mul_a8(gate_up, order)
+    assert torch.equal(product, act.silu_and_mul(gate_up))
+    q2_ref, d2_ref = quant_triton.quantize_a8(product, order)
+    assert torch.equal(q2, q2_ref) and torch.equal(d2, d2_ref)
+    qweight, scales, zeros = (t if t is None else t.to(device) for t in make_quant_weight(bits, n, k, 32, gen))
+    b = torch.randn(n, generator=gen).to(torch.bfloat16).to(device)
+    a8_rows, quant_triton.A8_MAX_ROWS = quant_triton.A8_MAX_ROWS, 2
+    try:
+        out = quant_triton.linear_a8(q, d, (2,), torch.bfloat16, qweight, scales, zeros, 32 if bits == 4 else 1, b)
+        direct = (quant_triton.linear_int4(normed, qweight, scales, zeros, 32, b) if bits == 4 else
+                  quant_triton.linear_int8(normed, qweight, scales, b))
+    finally:
+        quant_triton.A8_MAX_ROWS = a8_rows
+    assert torch.equal(out, direct)
+
+
+@pytest.mark.parametrize("bits, residual, unit_offset", [(4, True, False), (8, False, True)])
+def test_a8_folds(run_check, bits, residual, unit_offset):
+    run_check(check_a8_folds, bits=bits, residual=residual, unit_offset=unit_offset)
+
+
 # the x int8 GEMV (block_n, block_k, warps[, stages, block_m]): K in one step, in several with a masked last one (K 384
 # in steps of 256), int4 groups of 32 (a step spanning several) and of 128 over steps narrower than
 # a group, odd N, per-channel int4 (one group of K); int8 likewise; one to three rows, an outlier

@@ -371,15 +371,33 @@ class Linear(nn.Linear):
             raise ValueError(f"a {self.kind} weight has no GLU epilogue: apply the activation after it")
         if self.kind == "dense" and norm.fusable:
             return kernels.rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, glu)
+        if self._folds_a8(x, x.shape[-1]):  # the norm's launch writes x's int8 codes for the GEMV
+            _, residual, q, d = kernels.rms_norm_a8(x, residual, norm.weight, norm.eps, norm.unit_offset,
+                                                    kernels.a8_order(self.kind))
+            return self._from_codes(q, d, x), residual
         normed, residual = (norm(x), x) if residual is None else norm(x, residual)
         return (self(normed) if glu is None else kernels.linear(normed, self.weight, self.bias, glu)), residual
 
     def after_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """self(silu(gate) * up) of a fused gate/up output; one launch where a dense weight's GEMV
-        folds the activation in (`kernels.silu_and_mul_linear`)."""
+        folds the activation in (`kernels.silu_and_mul_linear`), or where the activation's launch
+        writes int8 codes for a packed weight's x int8 GEMV (`kernels.folds_a8`)."""
         if self.kind == "dense":
             return kernels.silu_and_mul_linear(gate_up, self.weight, self.bias)
+        if self._folds_a8(gate_up, gate_up.shape[-1] // 2):
+            _, q, d = kernels.silu_and_mul_a8(gate_up, kernels.a8_order(self.kind))
+            return self._from_codes(q, d, gate_up)
         return self(kernels.silu_and_mul(gate_up))
+
+    def _folds_a8(self, source: torch.Tensor, k: int) -> bool:
+        """Whether this int8 / int4 layer takes its k-wide input, made from `source`'s rows, as int8
+        codes from the kernel that makes it (not with a column permutation: GPTQ's act order)."""
+        return (self.kind in ("int8", "int4") and self.perm is None
+                and kernels.folds_a8(source, k, self.group_size if self.kind == "int4" else 1))
+
+    def _from_codes(self, q: torch.Tensor, d: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        return kernels.linear_a8(q, d, source.shape[:-1], source.dtype, self.qweight, self.scales,
+                                 self.zeros if self.kind == "int4" else None, self.group_size, self.bias)
 
     def extra_repr(self) -> str:
         packed = "" if self.kind == "dense" else f", {self.kind}" + (f" g{self.group_size}" if self.group_size else "") \
