@@ -760,8 +760,8 @@ def takes_a8(x: torch.Tensor, k: int, group_size: int) -> bool:
     the step's rows: x itself, or what x is made from) as k-wide input through the x int8 GEMV
     (choose_tiles' rule): then a kernel writing x may hand its codes over (`linear_a8`)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (x.device.type == "cuda" and 0 < rows <= A8_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
-            and a8_fits(k, group_size))
+    return x.device.type == "cuda" and rows > 0 and isinstance(
+        choose_tiles(rows, 1, k, group_size, x.dtype, counters.sm_count(x.device)), A8GemvTiles)
 
 
 def linear_a8(q: torch.Tensor, d: torch.Tensor, lead: tuple[int, ...], dtype: torch.dtype, qweight: torch.Tensor,
@@ -772,6 +772,10 @@ def linear_a8(q: torch.Tensor, d: torch.Tensor, lead: tuple[int, ...], dtype: to
     m, n = q.shape[0], qweight.shape[0]
     k = q.shape[1] * 4
     y = torch.empty((m, n), dtype=dtype, device=q.device)
+    if m == 0 or n == 0:
+        return y.view(*lead, n)
+    qweight, scales = qweight.contiguous(), scales.contiguous()
+    zeros = zeros.contiguous() if zeros is not None else None
     tiles = choose_tiles(m, n, k, group_size if zeros is not None else 1, dtype, counters.sm_count(q.device))
     if not isinstance(tiles, A8GemvTiles):
         raise ValueError(f"{m} rows of {k} columns do not take the x int8 GEMV (see takes_a8)")

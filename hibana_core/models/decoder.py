@@ -371,7 +371,9 @@ class Linear(nn.Linear):
             raise ValueError(f"a {self.kind} weight has no GLU epilogue: apply the activation after it")
         if self.kind == "dense" and norm.fusable:
             return kernels.rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, glu)
-        if self._folds_a8(x, x.shape[-1]):  # the norm's launch writes x's int8 codes for the GEMV
+        # the norm's launch writes x's int8 codes for the GEMV (a norm weight of x's dtype: the
+        # norm's output dtype is then x's, which the GEMV's output keeps)
+        if norm.weight.dtype == x.dtype and self._folds_a8(x, x.shape[-1]):
             _, residual, q, d = kernels.rms_norm_a8(x, residual, norm.weight, norm.eps, norm.unit_offset,
                                                     kernels.a8_order(self.kind))
             return self._from_codes(q, d, x), residual
@@ -396,8 +398,9 @@ class Linear(nn.Linear):
                 and kernels.folds_a8(source, k, self.group_size if self.kind == "int4" else 1))
 
     def _from_codes(self, q: torch.Tensor, d: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        int4 = self.kind == "int4"
         return kernels.linear_a8(q, d, source.shape[:-1], source.dtype, self.qweight, self.scales,
-                                 self.zeros if self.kind == "int4" else None, self.group_size, self.bias)
+                                 self.zeros if int4 else None, self.group_size if int4 else 1, self.bias)
 
     def extra_repr(self) -> str:
         packed = "" if self.kind == "dense" else f", {self.kind}" + (f" g{self.group_size}" if self.group_size else "") \
