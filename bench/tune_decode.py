@@ -485,6 +485,12 @@ def fusion_ab(engine, prompts: dict[int, list[int]], generate: int, roofline: fl
     return out
 
 
+def surgery_options(args: argparse.Namespace) -> dict:
+    """The engine options of --surgery (passes, no guard: these runs time, they do not judge)."""
+    passes = [p for p in args.surgery.split(",") if p]
+    return dict(surgery=passes, surgery_guard=False) if passes else {}
+
+
 def main_fusion(args: argparse.Namespace, bandwidth: float) -> None:
     report: dict = {"bandwidth": bandwidth, "model": args.model}
     if not args.skip_sweep:
@@ -495,9 +501,8 @@ def main_fusion(args: argparse.Namespace, bandwidth: float) -> None:
     prompts = {c: random_tokens(rng, c, model.vocab_size) for c in contexts}
     # no speculation: every step a plain decode step (random weights can repeat themselves,
     # and their drafts would mix verify steps in)
-    surgery = [p for p in args.surgery.split(",") if p] if args.surgery else []
     engine = model.engine(max_model_len=max(contexts) + args.generate + 16, max_concurrent_agents=8,
-                          speculation="off", **(dict(surgery=surgery, surgery_guard=False) if surgery else {}))
+                          speculation="off", **surgery_options(args))
     read = _read_bytes(engine) or model.weight_bytes  # MoE: the selected experts' bytes, not all
     roofline = bandwidth / read
     print(f"{args.model}: {model.weight_bytes / 1e9:.2f} GB, {read / 1e9:.2f} GB read a token, roofline "
@@ -564,9 +569,8 @@ def main() -> None:
     prompts = {c: random_tokens(rng, c, model.vocab_size) for c in contexts}
     # no speculation: every step a plain decode step (a random model's greedy output loops, and
     # its drafts would mix verify steps in)
-    surgery = [p for p in args.surgery.split(",") if p] if args.surgery else []
     engine = model.engine(max_model_len=max(contexts) + args.generate + 16, max_concurrent_agents=8,
-                          speculation="off", **(dict(surgery=surgery, surgery_guard=False) if surgery else {}))
+                          speculation="off", **surgery_options(args))
     read = _read_bytes(engine) or model.weight_bytes  # MoE: the selected experts' bytes, not all
     print(f"model built in {time.time() - t0:.0f} s; {model.weight_bytes / 1e9:.2f} GB, {read / 1e9:.2f} GB read "
           f"a token, roofline {bandwidth / read:.1f} tok/s", flush=True)

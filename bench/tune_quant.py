@@ -231,7 +231,7 @@ def sweep_a8(fmt: str, n: int, k: int, group_size: int, bandwidth: float, rows: 
     exact = reference(fmt, group_size, x, copies[0])
     w0 = copies[0]
     group = group_size if fmt == "int4" else 1
-    a8_ref = quant_triton.reference_a8(x, w0["qweight"], w0["scales"], w0.get("zeros"), group).float()
+    a8_ref = quant.reference_a8(x, w0["qweight"], w0["scales"], w0.get("zeros"), group).float()
     a8_rows, quant_triton.A8_MAX_ROWS = quant_triton.A8_MAX_ROWS, 0
     try:
         tiles = quant_triton.choose_tiles(rows, n, k, group, torch.bfloat16, counters.sm_count(x.device))

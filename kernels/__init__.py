@@ -160,7 +160,7 @@ def folds_a8(x: torch.Tensor, k: int, group_size: int) -> bool:
 
 
 def a8_order(kind: str) -> int:
-    """The order of x's codes an `kind` ("int8", "int4") weight's x int8 GEMV reads."""
+    """The order of x's codes a `kind` ("int8", "int4") weight's x int8 GEMV reads."""
     return quant.A8_PAIRS if kind == "int4" else quant.A8_COLUMNS
 
 

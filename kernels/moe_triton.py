@@ -46,12 +46,11 @@ import torch
 import triton
 import triton.language as tl
 
-from hibana_kernels import counters, fusion, moe, pdl
+from hibana_kernels import counters, fusion, moe, pdl, quant_triton
 from hibana_kernels.matmul_triton import _normed_tile, _stream_tile  # the norm-then-GEMV's roundings
 from hibana_kernels.moe import ExpertBlocks, MoEExperts
 from hibana_kernels.pdl import wait_for_previous
-from hibana_kernels import quant_triton
-from hibana_kernels.quant_triton import _as_float, _nibble_units, _unit  # the int GEMVs' integer -> float tricks
+from hibana_kernels.quant_triton import _as_float, _nibble_units, _signed_byte, _unit  # the int GEMVs' bit tricks
 
 DECODE_MAX_TOKENS = {"dense": 4, "mxfp4": 4, "int8": 4, "int4": 4}
 """Tokens the decode path takes, per weight kind (H200, `bench/tune_moe.py --sweep --tokens 1,8`,
@@ -621,8 +620,7 @@ def _dp4a_e2m1(words, x_lo, x_hi, ASM: tl.constexpr):
             magnitude = code & 7
             twice = tl.where(magnitude <= 4, magnitude, tl.where(magnitude == 5, 6, tl.where(magnitude == 6, 8, 12)))
             value = tl.where(code >= 8, -twice, twice)
-            x = x_lo if p < 4 else x_hi
-            out += value * ((x << (24 - 8 * (p % 4))) >> 24)
+            out += value * _signed_byte(x_lo if p < 4 else x_hi, p % 4)
     return out
 
 
@@ -840,10 +838,10 @@ def _gate_up_decode_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, z_ptr, b_ptr, act_ptr, 
     r = tl.arange(0, 2 * BLOCK_N)
     feature = tl.program_id(1) * BLOCK_N + r // 2
     rows = (feature + (r % 2) * I).to(tl.int64)
-    x_row = x_ptr + (route // TOP_K).to(tl.int64) * stride_xm
+    token = (route // TOP_K).to(tl.int64)
+    x_row = x_ptr + token * stride_xm
     w_rows = expert * stride_we + rows * stride_wn
     sz_rows = expert * stride_se + rows * stride_sn
-    token = (route // TOP_K).to(tl.int64)
     if SPLIT:
         k_start, k_len, w_off, sz_off = _split_range(H, split_k, FORMAT, GROUP)
         if A8:

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 
+A8_BLOCK = 32  # x's columns sharing one scale d in the GPU's x int8 GEMVs
 A8_COLUMNS, A8_PAIRS, A8_HALVES = 0, 1, 2
 """Orders of x's int8 codes in a block's eight words, for the GPU's x int8 GEMVs
 (`quant_triton.quantize_a8`), each the order in which a kernel's weight words give their codes:
@@ -93,3 +94,28 @@ def linear_fp8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, blo
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ dequantized weight [N, K]^T (+ bias) -> [..., N] in x's dtype."""
     return F.linear(x, dequantize_fp8(qweight, scales, block, x.dtype), bias)
+
+
+def reference_quantize_a8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (codes int8 [M, K], d float32 [M, K // 32]): code = floor(x * (127 / max |x|) +
+    0.5) per block of 32 columns (0 where the block is all zero), d = max |x| / 127."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // A8_BLOCK, A8_BLOCK)
+    amax = blocks.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    codes = torch.floor(blocks * inv[..., None] + 0.5).clamp(-127, 127)
+    return codes.to(torch.int8).view(m, k), amax / 127.0
+
+
+def reference_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What the GPU's x int8 kernels (`quant_triton`) compute, in float64: the dequantized weight
+    (int4 when zeros are given, else int8) against x's int8 codes times their blocks' d."""
+    codes, d = reference_quantize_a8(x.reshape(-1, x.shape[-1]))
+    m, k = codes.shape
+    x_hat = (codes.double().view(m, k // A8_BLOCK, A8_BLOCK) * d.double()[..., None]).view(m, k)
+    weight = (dequantize_int4(qweight, scales, zeros, group_size, torch.float64) if zeros is not None
+              else dequantize_int8(qweight, scales, torch.float64))
+    out = x_hat @ weight.T
+    out = out if bias is None else out + bias.double()
+    return out.view(*x.shape[:-1], -1)

@@ -462,12 +462,14 @@ def _int4_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count
 # from 25-43% to 44-73% of the copy bandwidth (bench/RESULTS.md, twenty-second session).
 #
 # The cost is x's rounding to 8 bits a block of 32 (relative error of a layer's output ~0.5% for
-# Gaussian x, against ~5-10% for the int4 weight itself); `reference_a8` is the oracle. Rows of
+# Gaussian x, against ~5-10% for the int4 weight itself); `quant.reference_a8` is the oracle. Rows of
 # 16-bit x up to A8_MAX_ROWS take it (decode); batch and verify rows keep x in 16 bits (the
 # kernels above), so a sequence's decode and a verify or prefill of the same tokens round
 # differently. HIBANA_A8_ROWS=0 turns it off.
 
-A8_BLOCK = 32  # x's columns sharing one scale d
+A8_BLOCK, A8_COLUMNS, A8_PAIRS, A8_HALVES = quant.A8_BLOCK, quant.A8_COLUMNS, quant.A8_PAIRS, quant.A8_HALVES
+
+
 def _a8_rows_setting() -> int:
     """HIBANA_A8_ROWS (read once, when the kernels are imported): rows of 16-bit x that take the
     x int8 GEMV, 0 for none; 1 when unset or not a whole number of 0 or more."""
@@ -496,34 +498,6 @@ def a8_fits(k: int, group_size: int) -> bool:
     if group_size == 1:
         return k % A8_BLOCK == 0
     return group_size >= A8_BLOCK and group_size & (group_size - 1) == 0 and k % group_size == 0
-
-
-def reference_quantize_a8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (codes int8 [M, K], d float32 [M, K // 32]): code = floor(x * (127 / max |x|) +
-    0.5) per block of 32 columns (0 where the block is all zero), d = max |x| / 127."""
-    m, k = x.shape
-    blocks = x.float().view(m, k // A8_BLOCK, A8_BLOCK)
-    amax = blocks.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    codes = torch.floor(blocks * inv[..., None] + 0.5).clamp(-127, 127)
-    return codes.to(torch.int8).view(m, k), amax / 127.0
-
-
-def reference_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                 group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """What the x int8 kernels compute, in float64: the dequantized weight (int4 when zeros are
-    given, else int8) against x's int8 codes times their blocks' d."""
-    codes, d = reference_quantize_a8(x.reshape(-1, x.shape[-1]))
-    m, k = codes.shape
-    x_hat = (codes.double().view(m, k // A8_BLOCK, A8_BLOCK) * d.double()[..., None]).view(m, k)
-    weight = (quant.dequantize_int4(qweight, scales, zeros, group_size, torch.float64) if zeros is not None
-              else quant.dequantize_int8(qweight, scales, torch.float64))
-    out = x_hat @ weight.T
-    out = out if bias is None else out + bias.double()
-    return out.view(*x.shape[:-1], -1)
-
-
-A8_COLUMNS, A8_PAIRS, A8_HALVES = quant.A8_COLUMNS, quant.A8_PAIRS, quant.A8_HALVES  # (see there)
 
 
 @triton.jit

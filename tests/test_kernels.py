@@ -1272,12 +1272,12 @@ def check_a8(device, dtype, bits, rows, n, k, group_size, tiles, outlier):
     else:
         out = quant_triton.linear_int8_launch(x, qweight, scales, b, tiles)
         exact = quant.linear_int8(x.double(), qweight, scales, b.double())
-    ref = quant_triton.reference_a8(x, qweight, scales, zeros, group_size, b)
+    ref = quant.reference_a8(x, qweight, scales, zeros, group_size, b)
     assert out.shape == (rows, n) and out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
     assert ((out.double() - exact).norm() / exact.norm()).item() < 0.02
     q, d = quant_triton.quantize_a8(x, quant_triton.A8_PAIRS if bits == 4 else quant_triton.A8_COLUMNS)
-    codes, d_ref = quant_triton.reference_quantize_a8(x)
+    codes, d_ref = quant.reference_quantize_a8(x)
     words = q.view(rows, k // 32, 2, 4).cpu()  # block, half, word
     unpacked = torch.stack([(words << (24 - 8 * j)) >> 24 for j in range(4)], dim=-1)  # sign-extended bytes
     # int4: byte j of word w of half h is column 8w + 2j + h of its block; int8: column 16h + 4w + j

@@ -516,7 +516,7 @@ def _a8_reference(x, experts, weights, ids):
     """What the MXFP4 decode with int8 x (DecodeTiles.a8) computes, in float64: gate|up against x
     rounded to int8 codes a block of 32, the activation rounded to x's dtype, the down projection
     against that rounded to int8 codes again, weighted, summed."""
-    from hibana_kernels.quant_triton import reference_quantize_a8
+    from hibana_kernels.quant import reference_quantize_a8
 
     def rounded(v):
         codes, d = reference_quantize_a8(v)
