@@ -45,6 +45,9 @@ moe_fusion: qwen3_moe and gpt_oss in bf16, batch 1: the sparse block's norm, rou
    least: bf16 logits summed in another order may part a near-tie).
 a8_fold: bf16 w8 / w4 one agent at a time: the norm's and SiLU-and-mul's launches writing x's int8
    codes (`Fusion.a8_fold`) give the tokens of the separate quantize launches.
+moe_a8: bf16 gpt_oss with MXFP4 experts, one agent at a time: the experts against int8 x (the default
+   decode tiles) beside the float GEMV: the first decoded token of every prompt, and half the
+   prompts throughout, agree.
 Prints a table; exits 1 if a check fails.
 """
 
@@ -689,6 +692,43 @@ def check_moe_fusion() -> Iterator[tuple[str, bool, str]]:
                f"{same}/4 prompts equal; first difference at {firsts}")
 
 
+def check_moe_a8() -> Iterator[tuple[str, bool, str]]:
+    """MXFP4 experts against int8 x (`DecodeTiles.a8`, the default decode tiles since 2026-12-04)
+    beside the float GEMV on 16-bit x, bf16, batch-1 decode graphs, one prompt at a time: x and
+    the activations rounded to 8 bits a block of 32 (0.5% of a layer's output) may part two
+    near-tied tokens, so the first difference is reported; a broken kernel parts them at the
+    first decoded token. Passes when every prompt's first decoded token agrees and at least half
+    the prompts agree throughout."""
+    from hibana_kernels import moe_triton, quant_triton
+
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    quantized = {"launches": 0}  # the a8 path really ran: its x quantize launches (counted at capture)
+    original = quant_triton.quantize_a8
+
+    def counted(*args, **kwargs):
+        quantized["launches"] += 1
+        return original(*args, **kwargs)
+
+    a8 = moe_triton.DECODE_TILES["mxfp4"]
+    float_tiles = a8._replace(block_n=8, block_k=256, num_warps=1, a8=False)
+    quant_triton.quantize_a8 = counted
+    try:
+        for _, path, prompts in (case for case in family_cases() if case[0] == "gpt_oss untied mxfp4"):
+            runs = {}
+            for name, tiles in (("a8", a8), ("float", float_tiles)):
+                with moe_triton.using_decode_tiles("mxfp4", tiles), Engine.from_pretrained(
+                        path, **ON_GPU, dtype="bfloat16", progress=False, speculation="off") as engine:
+                    runs[name] = [list(engine.open_state(f"one{i}").generate(params, prompt=p).token_ids)
+                                  for i, p in enumerate(prompts)]
+            firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), 24)
+                      for x, y in zip(runs["a8"], runs["float"])]
+            ok = a8.a8 and quantized["launches"] > 0 and min(firsts) >= 2 and 2 * sum(f == 24 for f in firsts) >= len(firsts)
+            yield ("bf16 gpt_oss mxfp4 experts: int8 x vs 16-bit x", ok,
+                   f"first difference at {firsts} (24: none); x quantize launches {quantized['launches']}")
+    finally:
+        quant_triton.quantize_a8 = original
+
+
 def check_graph_capture() -> Iterator[tuple[str, bool, str]]:
     """CUDA graphs captured while another thread of the process pins host memory (what the host
     tier's warmer does; in torch's default capture mode that invalidates the capture), and a
@@ -746,7 +786,7 @@ CHECKS = {"float32": check_float32, "speculation": check_speculation, "surgery":
           "kv8": check_kv8, "fp8": check_fp8, "bf16": check_bf16_demo, "families": check_families,
           "logprobs": check_logprobs, "window": check_window_pass, "shapes": check_shapes, "tiers": check_tiers,
           "grammar": check_grammar, "moe_fusion": check_moe_fusion, "graph_capture": check_graph_capture,
-          "a8_fold": check_a8_fold}
+          "a8_fold": check_a8_fold, "moe_a8": check_moe_a8}
 
 
 def main() -> int:

@@ -87,7 +87,7 @@ DECODE_TILES = {
     "dense": DecodeTiles(4, 1024, 8, down_per_route=True, unroll=True, down=(4, 256, 4)),
     "int8": DecodeTiles(16, 256, 4, down_per_route=True),
     "int4": DecodeTiles(8, 512, 2, down_per_route=True),
-    "mxfp4": DecodeTiles(8, 256, 1, down_per_route=True),
+    "mxfp4": DecodeTiles(2, 1024, 1, down_per_route=True, a8=True),
 }
 """The decode path's tiles per weight kind, the fastest of the sweep at T=1 (H200, 2026-12-01,
 one MoE layer of Qwen3-30B-A3B / gpt-oss-20b shape, % of 4.8 TB/s of the bytes read): bf16
@@ -110,7 +110,11 @@ layer, qwen3-30b-a3b decode 360.2 -> 366.6 tok/s. MXFP4's direct GEMV (`_gemv`'s
 instructions a weight against 5.9) was no faster: 46.6 us at best (4 x 1024, 2 warps) against 49.0,
 and gpt-oss-20b's decode 9% slower at 4 or 8 x 1024 in one warp; the fp16 pairs stay. Split-K
 (twenty-first session, `tune_moe.py --split`): MXFP4 8 x 256 split in 2-4 48.3-51.8 us against 49.0
-unsplit, the whole gpt-oss-20b decode 436.8 -> 439.6 tok/s at best: no split by default."""
+unsplit, the whole gpt-oss-20b decode 436.8 -> 439.6 tok/s at best: no split by default. Since
+2026-12-04 (twenty-third session, `run_h200.sh moe_a8`): MXFP4 against int8 x (`a8`, dp4a), 2 x 1024
+in one warp, 33.1 us a gpt-oss-20b layer at T=1 where 8 x 256 on 16-bit x took 49.4; the whole
+gpt-oss-20b decode 438.3 -> 521.3 tok/s (8 x 256 a8: 442.0, 4 x 1024 in 2 warps: 497.9-502.0,
+4 x 512: 504.7). float32 x keeps the float GEMV."""
 
 
 @contextlib.contextmanager
