@@ -45,6 +45,8 @@
 #                                        # the norm and SiLU kernels (Fusion.a8_fold) against AUTO
 #   bash bench/run_h200.sh moe_a8        # issue 18: MXFP4 experts against int8 x: kernel tests, tune_moe.py --a8 at
 #                                        # gpt-oss-20b's shape, gpt-oss-20b decode under AUTO and a8 tiles
+#   bash bench/run_h200.sh step_gaps     # bench/step_gaps.py: qwen3-8b batch-1 decode at 512 keys in bf16 and w4
+#                                        # (GAPS_PASSES), the step's wall time against its graph's replay
 #   bash bench/run_h200.sh moe_a8_check  # issue 18: gpu_correctness moe_a8 (int8 x vs 16-bit x, tiny gpt_oss MXFP4
 #                                        # in bf16), then hibana bench decode of gpt-oss-20b
 #   bash bench/run_h200.sh quant_sweep   # bench/tune_quant.py --sweep: their tiles at 1 and 64 rows
@@ -217,6 +219,11 @@ case "${1:-check}" in
     python3 bench/tune_decode.py --model gpt-oss-20b --fusion --skip-sweep --context 512 --policies \
       "${A8_POLICIES:-auto,auto;mxfp4=8x256x1xa,auto;mxfp4=2x2048x2xa,auto;mxfp4=4x1024x2xa}" \
       2>&1 | tee "$OUT/decode_moe_a8_gpt-oss-20b.txt" | tail -8 ;;
+  step_gaps)
+    for pass in ${GAPS_PASSES:-none w4}; do
+      python3 bench/step_gaps.py --model qwen3-8b --surgery "${pass#none}" --context 512 2>&1 \
+        | grep -v Warning | tee "$OUT/step_gaps_$pass.txt"
+    done ;;
   moe_a8_check)
     python3 bench/gpu_correctness.py --only moe_a8 2>&1 | grep -E "PASS|FAIL"
     python3 -m hibana_bench.cli decode --model gpt-oss-20b --context 512,8192 --generate 128 \
