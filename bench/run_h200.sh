@@ -46,7 +46,8 @@
 #   bash bench/run_h200.sh moe_a8        # issue 18: MXFP4 experts against int8 x: kernel tests, tune_moe.py --a8 at
 #                                        # gpt-oss-20b's shape, gpt-oss-20b decode under AUTO and a8 tiles
 #   bash bench/run_h200.sh step_gaps     # bench/step_gaps.py: qwen3-8b batch-1 decode at 512 keys in bf16 and w4
-#                                        # (GAPS_PASSES), the step's wall time against its graph's replay
+#                                        # (GAPS_PASSES; GAPS_ARGS="--speculation adaptive"), the step's wall time
+#                                        # against its graph's replay
 #   bash bench/run_h200.sh moe_a8_check  # issue 18: gpu_correctness moe_a8 (int8 x vs 16-bit x, tiny gpt_oss MXFP4
 #                                        # in bf16), then hibana bench decode of gpt-oss-20b
 #   bash bench/run_h200.sh quant_sweep   # bench/tune_quant.py --sweep: their tiles at 1 and 64 rows
@@ -221,7 +222,7 @@ case "${1:-check}" in
       2>&1 | tee "$OUT/decode_moe_a8_gpt-oss-20b.txt" | tail -8 ;;
   step_gaps)
     for pass in ${GAPS_PASSES:-none w4}; do
-      python3 bench/step_gaps.py --model qwen3-8b --surgery "${pass#none}" --context 512 2>&1 \
+      python3 bench/step_gaps.py --model qwen3-8b --surgery "${pass#none}" --context 512 $GAPS_ARGS 2>&1 \
         | grep -v Warning | tee "$OUT/step_gaps_$pass.txt"
     done ;;
   moe_a8_check)

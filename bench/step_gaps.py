@@ -50,13 +50,27 @@ def main() -> None:
     parser.add_argument("--surgery", default="", help="a pass (w4, w8) or empty for none")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--speculation", default="off", help='"off" (the default) or "adaptive" (the bench\'s '
+                        '"hibana"): then also the speculation figures and the steps read back early to draft')
     args = parser.parse_args()
+    early = {"asked": 0, "yes": 0}
+    if args.speculation != "off":  # count the steps whose tokens were read back before the next was scheduled
+        from hibana_core.speculation import speculator
+
+        wants = speculator.Speculator.wants_history
+
+        def counted(self, running):
+            yes = wants(self, running)
+            early["asked"] += 1
+            early["yes"] += yes
+            return yes
+        speculator.Speculator.wants_history = counted
 
     model = load_bench_model(args.model, torch.device("cuda"), torch.bfloat16)
     system = f"hibana+{args.surgery}" if args.surgery else "hibana"
     rng = random.Random(0)
     with model.engine(max_model_len=args.context + 2 * args.steps + 256, max_concurrent_agents=4,
-                      speculation="off", **_surgery_overrides(model, system)) as engine:
+                      speculation=args.speculation, **_surgery_overrides(model, system)) as engine:
         for i in range(2):  # compiles, graph captures
             warm = engine.open_state(f"warm{i}")
             warm.generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=random_tokens(rng, 64, model.vocab_size))
@@ -71,6 +85,9 @@ def main() -> None:
         replay = triton.testing.do_bench(graph.replay, rep=300, return_mode="median") / 1e3
         out, prof = profile_decode(handle, args.steps)
         profiled = (out.stats.elapsed - (out.stats.time_to_first_token or 0.0)) / (args.steps - 1)
+        spec = engine.stats().speculation
+
+    print(f"speculation {args.speculation}: steps read back early to draft {early['yes']} of {early['asked']}; {spec}")
 
     kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
     # the decode steps alone: from the second step's first kernel (the first is the prefill's tail)
