@@ -31,7 +31,15 @@ def graph_kernels(engine) -> Counter:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
-    return Counter(e.name[:60] for e in prof.events() if e.device_type.name == "CUDA")
+    names, times = Counter(), Counter()
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            names[e.name[:60]] += 1
+            times[e.name[:60]] += e.device_time_total
+    print("  the graph's kernels by time, us a step (launches)")
+    for name, us in times.most_common(12):
+        print(f"    {us:8.1f}  x{names[name]:<4d} {name}")
+    return names
 
 
 def profile_decode(handle, steps: int):
@@ -50,6 +58,9 @@ def main() -> None:
     parser.add_argument("--surgery", default="", help="a pass (w4, w8) or empty for none")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="the engine's (default: the context and the steps, with room); the decode graphs' "
+                             "attention splits for it (`hibana bench decode` at 512,8192 keys: 8336)")
     parser.add_argument("--speculation", default="off", help='"off" (the default) or "adaptive" (the bench\'s '
                         '"hibana"): then also the speculation figures and the steps read back early to draft')
     args = parser.parse_args()
@@ -69,7 +80,7 @@ def main() -> None:
     model = load_bench_model(args.model, torch.device("cuda"), torch.bfloat16)
     system = f"hibana+{args.surgery}" if args.surgery else "hibana"
     rng = random.Random(0)
-    with model.engine(max_model_len=args.context + 2 * args.steps + 256, max_concurrent_agents=4,
+    with model.engine(max_model_len=args.max_model_len or args.context + 2 * args.steps + 256, max_concurrent_agents=4,
                       speculation=args.speculation, **_surgery_overrides(model, system)) as engine:
         for i in range(2):  # compiles, graph captures
             warm = engine.open_state(f"warm{i}")
