@@ -292,13 +292,21 @@ def _decode_kernel(
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr + kv_head)
     if SPLIT:
-        # partials: [T, H, num_splits] for max and sum, [T, H, num_splits, D] for the output
+        # partials: [T, H, num_splits] for max and sum, [T, H, num_splits, D] for the output.
+        # Splits past the keys (bounds overstated in graphs: num_splits for the longest
+        # sequence the engine takes) write nothing; only the first `with_keys` are read
         num_heads = GROUP * tl.num_programs(1)
         part = (token * num_heads + head) * num_splits + split
-        tl.store(part_max_ptr + part, m_i, mask=g_mask)
-        tl.store(part_sum_ptr + part, l_i, mask=g_mask)
+        with_keys = tl.cdiv(seq_len - lo, tl.maximum(per_split, 1))
+        keys_mask = g < tl.where(split < with_keys, GROUP * q_len, 0)  # g_mask where the split holds keys
+        tl.store(part_max_ptr + part, m_i, mask=keys_mask)
+        tl.store(part_sum_ptr + part, l_i, mask=keys_mask)
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], acc,
-                 mask=g_mask[:, None])
+                 mask=keys_mask[:, None])
+        if not MERGE:  # the first split tells the reduce how many to read, per query row
+            first_mask = g < tl.where(split == 0, GROUP * q_len, 0)
+            tl.store(counter_ptr + token * num_heads + head, tl.zeros([BLOCK_G], dtype=tl.int32) + with_keys,
+                     mask=first_mask)
         if MERGE:
             # every thread's partials are written before one thread releases them with the
             # count (a CTA barrier, then an acq_rel atomic: the pattern of CUTLASS's semaphores);
@@ -306,10 +314,7 @@ def _decode_kernel(
             tl.debug_barrier()
             counter = counter_ptr + seq * tl.num_programs(1) + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                # splits past the keys (bounds overstated in graphs) hold m = -1e30, l = 0,
-                # acc = 0, the values a masked load gives: only those with keys are read
-                with_keys = tl.cdiv(seq_len - lo, tl.maximum(per_split, 1))
+            if arrived == num_splits - 1:  # only the splits with keys are read
                 for row in tl.static_range(GROUP * QUERY_LEN):
                     if row < GROUP * q_len:
                         _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
@@ -349,14 +354,16 @@ def _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, token, head
 
 @triton.jit
 def _reduce_splits_kernel(
-        out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, num_splits,
+        out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, with_keys_ptr, num_splits,
         stride_ot, stride_oh,
         HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr, PDL: tl.constexpr):
-    # every query row of the batch: each was written by its splits
+    # every query row of the batch: each was written by its splits that hold keys, as many as
+    # its first split wrote in with_keys [T, H]
     wait_for_previous(PDL)
-    _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, tl.program_id(0),
-                  tl.program_id(1), tl.num_programs(1), num_splits, num_splits, stride_ot,
-                  stride_oh, HEAD_DIM, HEAD_DIM_P, SPLITS_P)
+    token, head, num_heads = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    read_splits = tl.load(with_keys_ptr + token * num_heads + head)
+    _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, token, head, num_heads,
+                  num_splits, read_splits, stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_P, SPLITS_P)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -458,16 +465,19 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
              and group * max_query_len <= MERGE_MAX_ROWS)
     splits_p = max(2, triton.next_power_of_2(num_splits))
     block_n, num_warps, num_stages = tiles or _decode_tiles(q.dtype, common["HEAD_DIM_P"], kv_fp8)
+    # MERGE: the arrival counters; else the splits with keys per query row, for the reduce
+    with_keys = torch.empty((num_tokens, num_heads) if split and not merge else (1,), dtype=torch.int32,
+                            device=q.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_max, part_sum,
-        _merge_counters(q.device) if merge else part_max, block_tables, seq_lens,
+        _merge_counters(q.device) if merge else with_keys, block_tables, seq_lens,
         query_start_loc, num_splits=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group * max_query_len)), BLOCK_N=block_n, SPLIT=split,
         MERGE=merge, SPLITS_P=splits_p, QUERY_LEN=max_query_len, num_warps=num_warps,
         num_stages=num_stages, **common, **pdl.launch_args(q.device, "attention"))
     if split and not merge:
         _reduce_splits_kernel[(num_tokens, num_heads)](
-            out, part_out, part_max, part_sum, num_splits,
+            out, part_out, part_max, part_sum, with_keys, num_splits,
             out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_P=common["HEAD_DIM_P"],
             SPLITS_P=splits_p, num_warps=4, **pdl.launch_args(q.device, "attention"))
     return out

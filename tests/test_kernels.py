@@ -10,6 +10,7 @@ Shapes are small: the interpreter runs each program in Python.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -19,6 +20,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import unittest.mock
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -388,15 +390,25 @@ def _triton_module(name):
     return importlib.import_module(f"hibana_kernels.{name}_triton")
 
 
+def _poisoned_empty(empty):
+    """torch.empty whose tensors hold NaN (integers: -2**30): a kernel that reads what nobody
+    wrote gives NaN or a wild index."""
+    def poisoned(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan") if out.is_floating_point() else -(2 ** 30))
+    return poisoned
+
+
 def check_paged_attention(device, group, window, lens, dtype, num_splits, head_dim=HEAD_DIM,
-                          bounds_slack=0, merge=None, kv_fp8=False, sinks=False, sink_tokens=0):
+                          bounds_slack=0, merge=None, kv_fp8=False, sinks=False, sink_tokens=0, poison=False):
     """bounds_slack: pass max_query_len and max_seq_len overstated by this much (CUDA graphs).
     merge: split decode merges in its own launch (True; a verify step of more rows than one
     program merges still takes `_reduce_splits_kernel`) or in that second launch (False). A
     launch merging in-kernel runs twice, as graph replays do: the counters it left must be zero.
     kv_fp8: an fp8 cache with its scales. sinks: per-head attention sinks (gpt-oss).
     sink_tokens: the first keys stay visible past the window; the slots between them and the
-    window then hold NaN (`poison_gap`), and the reference must give the same output."""
+    window then hold NaN (`poison_gap`), and the reference must give the same output. poison:
+    the launch's own buffers (the splits' partials) start as NaN."""
     triton_attention = _triton_module("attention")
     batch, _, _ = make_paged_batch(lens, group * NUM_KV_HEADS, NUM_KV_HEADS, dtype, device,
                                    seed=7 * group + len(lens), head_dim=head_dim, kv_fp8=kv_fp8)
@@ -420,7 +432,9 @@ def check_paged_attention(device, group, window, lens, dtype, num_splits, head_d
                 num_splits)
         kwargs = dict(decode=uniform or None, merge=merge, kv_scale=batch.get("kv_scale"),
                       sinks=batch.get("sinks"), sink_tokens=sink_tokens)
-        out = triton_attention.paged_attention_launch(*args, **kwargs)
+        with unittest.mock.patch.object(torch, "empty", _poisoned_empty(torch.empty)) if poison \
+                else contextlib.nullcontext():
+            out = triton_attention.paged_attention_launch(*args, **kwargs)
         if merge:
             again = triton_attention.paged_attention_launch(*args, **kwargs)
             torch.testing.assert_close(again, out, atol=0, rtol=0, equal_nan=True)
@@ -960,6 +974,16 @@ def test_paged_attention_odd_shapes(run_check, group, head_dim):
                                     (DECODE_BATCH, 2, False)):
         run_check(check_paged_attention, group=group, window=WINDOW, lens=lens,
                   dtype=torch.float32, num_splits=num_splits, head_dim=head_dim, merge=merge)
+
+
+@pytest.mark.parametrize("merge", [False, True], ids=["separate-merge", "merge"])
+@pytest.mark.parametrize("window", [None, WINDOW])
+def test_paged_attention_splits_past_the_keys(run_check, merge, window):
+    """Decode split for a longer sequence than any of the batch's (a graph's splits are for the
+    engine's longest): the splits past a sequence's keys write no partials, and the merge reads
+    only those of the splits that hold keys (the partials start as NaN)."""
+    run_check(check_paged_attention, group=2, window=window, lens=DECODE_BATCH, dtype=torch.float32,
+              num_splits=16, merge=merge, poison=True)
 
 
 @pytest.mark.parametrize("lens", [DECODE_BATCH, MIXED_BATCH], ids=["decode", "mixed"])
