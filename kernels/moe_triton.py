@@ -1104,9 +1104,10 @@ def supports(experts: MoEExperts) -> bool:
 def choose_tiles(tokens: int, kind: str = "dense") -> DecodeTiles | GroupedTiles:
     """The path and its tiles for `tokens` tokens of `kind` experts: the fastest of
     bench/tune_moe.py --sweep on the H200 at Qwen3-30B-A3B (bf16, int8, int4) and gpt-oss-20b
-    (MXFP4) shapes."""
+    (MXFP4) shapes. HIBANA_A8_ROWS=0 (`quant_triton.A8_MAX_ROWS`) keeps x in 16 bits here too."""
     if tokens <= DECODE_MAX_TOKENS[kind]:
-        return DECODE_TILES[kind]
+        tiles = DECODE_TILES[kind]
+        return tiles._replace(a8=False) if tiles.a8 and quant_triton.A8_MAX_ROWS == 0 else tiles
     if tokens >= 256:
         return GroupedTiles(64, block_n=64, block_k=64, num_warps=4, num_stages=3)
     return GroupedTiles(16, block_n=64, block_k=128, num_warps=4, num_stages=2)

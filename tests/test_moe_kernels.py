@@ -707,3 +707,18 @@ def check_mxfp4_codes_and_scales_are_exact(device, tiles):
                          ids=["decode", "decode-x_vector", "grouped", "decode-direct", "decode-direct-masked"])
 def test_mxfp4_codes_and_scales_are_exact(run_check, tiles):
     run_check(check_mxfp4_codes_and_scales_are_exact, tiles=tiles)
+
+
+def test_mxfp4_decode_takes_int8_x_unless_turned_off(monkeypatch):
+    """MXFP4 decode rows meet the experts as int8 codes of x by default (measured faster on the
+    H200: DECODE_TILES), and HIBANA_A8_ROWS=0 (quant_triton.A8_MAX_ROWS 0) keeps x in 16 bits there
+    as it does for the dense int4 / int8 layers; batches past the decode path are grouped."""
+    mt = _moe_triton()
+    from hibana_kernels import quant_triton
+
+    assert mt.choose_tiles(1, "mxfp4").a8 and mt.choose_tiles(mt.DECODE_MAX_TOKENS["mxfp4"], "mxfp4").a8
+    assert isinstance(mt.choose_tiles(mt.DECODE_MAX_TOKENS["mxfp4"] + 1, "mxfp4"), mt.GroupedTiles)
+    assert not mt.choose_tiles(1, "dense").a8
+    monkeypatch.setattr(quant_triton, "A8_MAX_ROWS", 0)
+    off = mt.choose_tiles(1, "mxfp4")
+    assert not off.a8 and off._replace(a8=True) == mt.DECODE_TILES["mxfp4"]
