@@ -102,6 +102,7 @@ class EngineStats:
     requests_running: int = 0       # requests admitted, generating or prefilling
     step_seconds: float = 0.0       # wall time of the engine's steps, summed
     step_time_buckets: tuple[int, ...] = ()  # steps per bucket of engine_core.STEP_TIME_BUCKETS, then past them
+    pool_limited: int = 0           # requests ended "length" as their history outgrew the device KV pool
 
 
 def resolve_device(device: str) -> torch.device:
@@ -495,7 +496,8 @@ class Engine:
                                {**spec.summary(), "acceptance_by_state": self.registry.acceptance(spec)},
                                tier.counters.parks if tier else 0, tier.counters.resumes if tier else 0,
                                tier.summary() if tier else None, len(self.scheduler.waiting),
-                               len(self.scheduler.running), steps.step_seconds, tuple(steps.step_time_buckets))
+                               len(self.scheduler.running), steps.step_seconds, tuple(steps.step_time_buckets),
+                               self.scheduler.pool_limited)
 
     def memory(self) -> dict:
         """Bytes per tier and per state: the device (weights, the KV pool and what of it is in

@@ -248,6 +248,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished: list[Request] = []  # finished since the last `take_finished`
+        self.pool_limited = 0  # requests ended "length" because their history outgrew the device pool
 
     def add(self, request: Request) -> None:
         request.queued_at = time.monotonic()
@@ -453,8 +454,9 @@ class Scheduler:
     def _preempt_or_fail(self) -> None:
         """Nothing fits: the newest running request gives its KV back and waits (parked in the
         host tier when there is one, so it resumes without recomputing; otherwise it recomputes
-        later, often from its blocks still in the prefix index); a request that cannot fit even
-        alone fails."""
+        later, often from its blocks still in the prefix index). A request that cannot fit even
+        alone ends: with finish reason "length" and its output where it has generated some (the
+        pool is then its context limit; `pool_limited` counts them), else it fails."""
         if len(self.running) > 1:
             victim = self.running[-1]
             self.eviction.evict(victim.seq)
@@ -469,6 +471,12 @@ class Scheduler:
             self.eviction.evict(holders[-1].seq)
             return
         victim = self.running[-1] if self.running else self.waiting[0]
+        if victim.output:
+            # its own history outgrew the pool while it generated: it ends as at the context
+            # limit, with what it generated (the state holds it), rather than failing and losing it
+            self.pool_limited += 1
+            self.finish(victim, "length")
+            return
         victim.error = MemoryBudgetError(
             f"a history of {len(victim.seq)} tokens needs more KV blocks than the pool has "
             f"({self.pool.num_blocks} blocks of {self.pool.block_size}); raise memory_budget "

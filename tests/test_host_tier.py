@@ -533,33 +533,33 @@ def test_a_restore_that_cannot_get_its_room_moves_nobody(tiny_checkpoints, make_
         assert {i.tier for i in engine.states()} == {"host"}
 
 
-def test_a_history_longer_than_the_pool_fails_though_its_state_holds_kv(tiny_checkpoints, make_engine, hf_greedy,
-                                                                        join_all):
+def test_a_history_that_outgrows_the_pool_ends_with_length_and_keeps_its_output(tiny_checkpoints, make_engine,
+                                                                                hf_greedy, join_all):
     """A state with KV on the device whose generation grows past the whole pool (its prompt fits):
     parking its own KV makes no room for it (its restore brings the same blocks back), so the
-    request fails with a MemoryBudgetError instead of parking and restoring itself forever; the
-    state serves on."""
+    request ends as at a context limit, finish reason "length", with the tokens it generated
+    (transformers' greedy ones; the state holds them), instead of parking and restoring itself
+    forever or failing and losing them; `pool_limited` counts it; the state serves on."""
     path = tiny_checkpoints["llama"]
-    engine = make_engine(path, num_blocks=4, speculation="off")
+    engine = make_engine(path, num_blocks=4, speculation="off")  # 64 tokens
     rng = random.Random(12)
     state = engine.open_state("a")
     state.generate(SamplingParams(max_tokens=3, ignore_eos=True), prompt=random_tokens(rng, 20))
-    history = state.tokens
-    errors = []
-
-    def too_long() -> None:
-        try:
-            state.generate(SamplingParams(max_tokens=20, ignore_eos=True), prompt=history + random_tokens(rng, 40))
-        except MemoryBudgetError as exc:
-            errors.append(exc)
-
-    call = threading.Thread(target=too_long, daemon=True)
+    history = state.tokens + random_tokens(rng, 40)
+    results = []
+    call = threading.Thread(target=lambda: results.append(state.generate(
+        SamplingParams(max_tokens=20, ignore_eos=True), prompt=history)), daemon=True)
     call.start()
     join_all([call], 30)
-    assert len(errors) == 1 and "kv_device_blocks" in str(errors[0])
-    state.truncate(len(history))
+    done, = results
+    assert done.finish_reason == "length" and 0 < len(done.token_ids) < 20
+    assert len(history) + len(done.token_ids) <= 64 + 1  # the last token has no KV yet
+    assert list(done.token_ids) == hf_greedy(str(path), history, len(done.token_ids))
+    assert state.tokens == history + list(done.token_ids)
+    assert engine.stats().pool_limited == 1
+    state.truncate(len(history) - 40)
     got = state.generate(SamplingParams(max_tokens=4, ignore_eos=True))
-    assert list(got.token_ids) == hf_greedy(str(path), history, 4)
+    assert list(got.token_ids) == hf_greedy(str(path), history[:-40], 4)
     assert engine.stats().kv_blocks_used <= engine.stats().kv_blocks_total
 
 

@@ -59,7 +59,7 @@ PUBLIC_FIELDS = {
                         draft_tokens_accepted=int, verify_steps=int, verified_sequences=int,
                         verified_tokens=int, speculation=dict | None, parks=int, resumes=int,
                         host_tier=dict | None, requests_waiting=int, requests_running=int, step_seconds=float,
-                        step_time_buckets=tuple[int, ...]),
+                        step_time_buckets=tuple[int, ...], pool_limited=int),
 }
 """The stable API's result types (DESIGN.md, hibana_core/state.py): field names, order and types.
 Adding, renaming or retyping a field is a conscious change of this table."""
