@@ -26,7 +26,8 @@ def graph_kernels(engine) -> Counter:
     """Kernel names (first 60 characters) of one replay of the batch-1 decode graph."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph, _ = engine.runner.graphs.graphs[(1, 1)]
+    graphs = engine.runner.graphs  # the batch-1 decode graph of the longest span captured
+    graph, _ = graphs.graphs[max(k for k in graphs.graphs if k[:2] == (1, 1))]
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
@@ -92,7 +93,7 @@ def main() -> None:
         wall = (plain.stats.elapsed - (plain.stats.time_to_first_token or 0.0)) / (args.steps - 1)
         in_graph = graph_kernels(engine)
         g = engine.runner.graphs
-        graph, _ = g.graphs[(1, 1)]
+        graph, _ = g.graphs[g.key(1, 1, args.context + 2 * args.steps)]  # the graph the decodes used
         replay = triton.testing.do_bench(graph.replay, rep=300, return_mode="median") / 1e3
         out, prof = profile_decode(handle, args.steps)
         profiled = (out.stats.elapsed - (out.stats.time_to_first_token or 0.0)) / (args.steps - 1)

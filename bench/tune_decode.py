@@ -211,7 +211,8 @@ def kernel_table(engine, label: str, top: int = 25) -> list[tuple[str, float, in
     """GPU time per kernel name over 10 replays of the batch-1 decode graph."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph, _ = engine.runner.graphs.graphs[(1, 1)]
+    graphs = engine.runner.graphs  # the batch-1 decode graph of the longest span captured
+    graph, _ = graphs.graphs[max(k for k in graphs.graphs if k[:2] == (1, 1))]
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
@@ -240,7 +241,7 @@ def decode_figures(engine, prompts: dict[int, list[int]], generate: int) -> dict
         res = h.generate(SamplingParams(max_tokens=generate, ignore_eos=True))
         wall = (res.stats.elapsed - (res.stats.time_to_first_token or 0.0)) / (generate - 1)
         g = engine.runner.graphs
-        graph, _ = g.graphs[(1, 1)]
+        graph, _ = g.graphs[g.key(1, 1, ctx + generate)]  # the graph the decode above ended on
         g.seq_lens[:1].fill_(ctx)  # the replay attends over ctx keys (the state's blocks)
         g.slot_mapping[:, :1].fill_(-1)  # and writes nowhere
         replay = triton.testing.do_bench(graph.replay, rep=300, return_mode="median") / 1e3

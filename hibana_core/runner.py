@@ -377,8 +377,9 @@ class DecodeGraphs:
     padded at the front with rows that recompute earlier positions and write nowhere (slot -1):
     attention reads keys from the cache, so those rows change nothing; their logits are dropped.
     Padding sequences write nowhere either. Inputs live in static buffers. Attention is captured
-    with max_seq_len = the model's context, which the kernels allow (bounds may overstate), so
-    one graph serves every context length.
+    with max_seq_len = a span (`SPANS`, then the engine's max_model_len) at least the step's
+    longest sequence, which the kernels allow (bounds may overstate): one graph per span serves
+    every context length up to it.
 
         query_len 5:   seq 0 (2 new):  pad pad pad | t  d          (rows i * 5 ... i * 5 + 4)
                        seq 1 (5 new):  t   d   d   d  d
@@ -386,6 +387,16 @@ class DecodeGraphs:
 
     QUERY_LENS = (1, 2, 3, 5, 9, 17)  # 1 + draft tiers 0, 1, 2, 4, 8, 16
     MAX_CAPTURE_FAILURES = 2  # then that shape runs eagerly
+    SPANS = (1024, 2048)
+    """Context lengths below the engine's max_model_len that get graphs of their own. Decode
+    attention is split for the longest sequence a graph may see (`attention_triton._num_splits`),
+    and a split past a sequence's keys is a program that does nothing: at batch 1 an 8k context
+    makes 64 splits a KV head where 1024 keys make 16 (qwen3-8b w4 at 512 keys on the H200: a
+    2.055 ms replay against 1.948, bench/RESULTS.md 2026-12-04). A shorter span splits the keys of
+    a sequence it covers as the longer one does where the key tile is the split's least length
+    (splits of one tile each; heads up to 128 wide), so the outputs agree; with wider heads the
+    splits, and the last bits, may differ. Graphs are captured on first use: a span costs nothing
+    until a step uses it."""
 
     def __init__(self, runner: ModelRunner, max_batch: int) -> None:
         # a proxy: the runner holds its graphs, and a cycle back would keep the model's weights
@@ -396,10 +407,12 @@ class DecodeGraphs:
         if self.buckets[-1] < max_batch and max_batch <= _BUCKETS[-1]:
             self.buckets.append(_BUCKETS[bisect.bisect_left(_BUCKETS, max_batch)])
         self.max_blocks = -(-runner.max_model_len // runner.ctx.kv_cache.block_size)
+        self.spans = sorted({s for s in self.SPANS if s < runner.max_model_len} | {runner.max_model_len})
         groups = len(runner.ctx.kv_cache.layout.groups)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # keyed by (batch bucket, query length, span): `key`
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.mempool = None  # one CUDA graph memory pool shared by every graph
-        self.failures: dict[tuple[int, int], int] = {}  # failed captures per key
+        self.failures: dict[tuple[int, int, int], int] = {}  # failed captures per key
         self.failed_graphs: list[torch.cuda.CUDAGraph] = []  # see `_forget`
         n, q, dev = self.buckets[-1], self.QUERY_LENS[-1], runner.device
         self.input_ids = torch.zeros(n * q, dtype=torch.long, device=dev)
@@ -425,6 +438,13 @@ class DecodeGraphs:
     def _samples_every_chunk(data: StepData) -> bool:
         ends = set(data.starts[1:])
         return len({i for i in data.logits_indices if i + 1 in ends}) == len(data.seq_lens)
+
+    def key(self, sequences: int, max_query_len: int, longest: int) -> tuple[int, int, int]:
+        """The graph of a step of `sequences` sequences, at most `max_query_len` new tokens each,
+        the longest `longest` tokens with them (`fits` said one covers it): (batch bucket, query
+        length tier, span)."""
+        return (self.buckets[bisect.bisect_left(self.buckets, sequences)], self._query_len(max_query_len),
+                self.spans[bisect.bisect_left(self.spans, longest)])
 
     def _query_len(self, max_query_len: int) -> int | None:
         i = bisect.bisect_left(self.QUERY_LENS, max_query_len)
@@ -458,8 +478,7 @@ class DecodeGraphs:
         """The step's logits, and whether its graph was captured now (`ready`: as for
         `ModelRunner.launch`, called between the host work and the copies)."""
         n = len(data.seq_lens)
-        bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
-        q = self._query_len(data.max_query_len)
+        bucket, q, span = self.key(n, data.max_query_len, max(data.seq_lens))
         if q == 1:  # decode: the packed rows are the graph's rows
             pad = bucket - n
             ids, positions = data.ids + [0] * pad, data.positions + [0] * pad
@@ -487,33 +506,33 @@ class DecodeGraphs:
             self.runner.take_from_device(self.input_ids, replace(data, from_device=moved), previous)
         # a capture (or an attempt) makes this step's time no measure of the shape's; a shape
         # that stays eager (`MAX_CAPTURE_FAILURES`) costs what it costs
-        captured = (bucket, q) not in self.graphs and not self._stays_eager((bucket, q))
-        logits = self._replay(bucket, q)
+        captured = (bucket, q, span) not in self.graphs and not self._stays_eager((bucket, q, span))
+        logits = self._replay(bucket, q, span)
         if q == 1:
             return logits[:n], captured
         index = self.runner._tensor([rows[i] for i in data.logits_indices])
         return logits.index_select(0, index), captured
 
-    def _replay(self, bucket: int, q: int) -> torch.Tensor:
-        key = (bucket, q)
+    def _replay(self, bucket: int, q: int, span: int) -> torch.Tensor:
+        key = (bucket, q, span)
         if key not in self.graphs:
             if self._stays_eager(key):
-                return self._forward(bucket, q)
+                return self._forward(bucket, q, span)
             graph = torch.cuda.CUDAGraph()
             try:
-                self.graphs[key] = graph, self._capture(graph, bucket, q)
+                self.graphs[key] = graph, self._capture(graph, bucket, q, span)
             except Exception as error:  # noqa: BLE001 - the step runs eagerly; the error is logged
                 self.failures[key] = self.failures.get(key, 0) + 1
                 self._forget(graph)
-                logger.warning("CUDA graph capture for %d sequences x %d tokens failed (%s: %s); this step "
-                               "runs without a graph%s", bucket, q, type(error).__name__, error,
+                logger.warning("CUDA graph capture for %d sequences x %d tokens up to %d keys failed (%s: %s); "
+                               "this step runs without a graph%s", bucket, q, span, type(error).__name__, error,
                                ", and so will the steps of this shape from now on" if self._stays_eager(key) else "")
-                return self._forward(bucket, q)
+                return self._forward(bucket, q, span)
         graph, logits = self.graphs[key]
         graph.replay()
         return logits
 
-    def _stays_eager(self, key: tuple[int, int]) -> bool:
+    def _stays_eager(self, key: tuple[int, int, int]) -> bool:
         return self.failures.get(key, 0) >= self.MAX_CAPTURE_FAILURES
 
     def profile(self, num_tokens: int) -> bool:
@@ -534,14 +553,14 @@ class DecodeGraphs:
         self.slot_mapping[:, :size].fill_(-1)
         self.seq_lens[:bucket].fill_(q)
         self.block_tables[:, :bucket].zero_()
-        self._replay(bucket, q)
+        self._replay(bucket, q, self.spans[0])  # the few positions fit the shortest span
         return True
 
-    def _forward(self, bucket: int, q: int) -> torch.Tensor:
+    def _forward(self, bucket: int, q: int, span: int) -> torch.Tensor:
         size = bucket * q
         batch = ForwardBatch(self.slot_mapping[:, :size], self.block_tables[:, :bucket],
                              self.seq_lens[:bucket], self.query_starts[q][:bucket + 1],
-                             max_query_len=q, max_seq_len=self.runner.max_model_len,
+                             max_query_len=q, max_seq_len=span,
                              uniform_query_len=True)
         model = self.runner.model
         with self.runner.ctx.forward_batch(batch):
@@ -565,7 +584,7 @@ class DecodeGraphs:
             except Exception:  # noqa: BLE001, S110 - ended already (the capture's own end ran)
                 pass
 
-    def _capture(self, graph: torch.cuda.CUDAGraph, bucket: int, q: int) -> torch.Tensor:
+    def _capture(self, graph: torch.cuda.CUDAGraph, bucket: int, q: int, span: int) -> torch.Tensor:
         """Warm up, then capture. The capture is "thread_local": other threads of the process
         may meanwhile call what a capture forbids (the pinned-memory warmer of the host tier
         allocates page-locked chunks, a second engine loads), which in the default "global" mode
@@ -575,11 +594,11 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: Triton compiles, rotary tables get built
-                self._forward(bucket, q)
+                self._forward(bucket, q, span)
         torch.cuda.current_stream().wait_stream(stream)
         if self.mempool is None:  # the pool's id is ours, known also when the capture fails
             self.mempool = torch.cuda.graph_pool_handle()
         with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=self.mempool, stream=stream,
                                                          capture_error_mode="thread_local"):
-            logits = self._forward(bucket, q)
+            logits = self._forward(bucket, q, span)
         return logits

@@ -230,7 +230,7 @@ def _decode_kernel(
         stride_block, stride_slot, stride_head,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-        SLIDING: tl.constexpr, SINK_TOKENS: tl.constexpr, SPLIT: tl.constexpr,
+        SLIDING: tl.constexpr, SINK_TOKENS: tl.constexpr, SPLIT: tl.constexpr, SPLIT_TILE: tl.constexpr,
         MERGE: tl.constexpr, SPLITS_P: tl.constexpr, DOT_PRECISION: tl.constexpr,
         UPCAST: tl.constexpr, QUERY_LEN: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_FP16: tl.constexpr,
         SINKS: tl.constexpr, PDL: tl.constexpr):
@@ -246,8 +246,10 @@ def _decode_kernel(
     lo = 0
     if SLIDING:
         lo = tl.maximum(seq_len - QUERY_LEN - window + 1, 0)
-    # this split's share of [lo, seq_len), whole key tiles (the sink tokens before lo: split 0's)
-    per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    # this split's share of [lo, seq_len), whole SPLIT_TILEs of keys (a multiple of BLOCK_N; the
+    # sink tokens before lo: split 0's). A sequence of at most num_splits tiles gets a tile a
+    # split whatever num_splits is: launches of several split counts part its keys alike
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), SPLIT_TILE) * SPLIT_TILE
     split_lo = lo + split * per_split
     split_hi = tl.minimum(split_lo + per_split, seq_len)
 
@@ -463,7 +465,9 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         merge = fusion.policy().attention_merge
     merge = (split and merge and num_seqs * num_kv_heads <= MERGE_COUNTERS
              and group * max_query_len <= MERGE_MAX_ROWS)
-    splits_p = max(2, triton.next_power_of_2(num_splits))
+    # the merge's tile of splits: one size whatever the count, so that its sums run in one order
+    # and launches that split a sequence's keys alike agree to the bit (graphs of several spans)
+    splits_p = max(MAX_SPLITS, triton.next_power_of_2(num_splits))
     block_n, num_warps, num_stages = tiles or _decode_tiles(q.dtype, common["HEAD_DIM_P"], kv_fp8)
     # MERGE: the arrival counters; else the splits with keys per query row, for the reduce
     with_keys = torch.empty((num_tokens, num_heads) if split and not merge else (1,), dtype=torch.int32,
@@ -473,6 +477,7 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         _merge_counters(q.device) if merge else with_keys, block_tables, seq_lens,
         query_start_loc, num_splits=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group * max_query_len)), BLOCK_N=block_n, SPLIT=split,
+        SPLIT_TILE=max(DECODE_MIN_SPLIT, block_n),
         MERGE=merge, SPLITS_P=splits_p, QUERY_LEN=max_query_len, num_warps=num_warps,
         num_stages=num_stages, **common, **pdl.launch_args(q.device, "attention"))
     if split and not merge:

@@ -986,6 +986,28 @@ def test_paged_attention_splits_past_the_keys(run_check, merge, window):
               num_splits=16, merge=merge, poison=True)
 
 
+def check_split_counts_partition_alike(device, merge, window):
+    """A decode graph captured for a short span splits fewer times than one for the engine's
+    whole context (runner.DecodeGraphs.SPANS); on the sequences the short one covers both split
+    the keys alike (one key tile a split), so their outputs are equal to the bit."""
+    triton_attention = _triton_module("attention")
+    batch, _, _ = make_paged_batch(DECODE_BATCH, 2 * NUM_KV_HEADS, NUM_KV_HEADS, torch.float32, device, seed=3)
+    tile = max(triton_attention.DECODE_MIN_SPLIT, triton_attention._decode_tiles(torch.float32, HEAD_DIM, False)[0])
+    short = -(-max(n for n, _ in DECODE_BATCH) // tile)  # the splits of a span just covering the batch
+    args = (batch["q"], batch["k_cache"], batch["v_cache"], batch["block_tables"], batch["seq_lens"],
+            batch["query_start_loc"], 1, HEAD_DIM ** -0.5, window)
+    few = triton_attention.paged_attention_launch(*args, short, merge=merge)
+    many = triton_attention.paged_attention_launch(*args, triton_attention.MAX_SPLITS, merge=merge)
+    assert short > 1 and not few.isnan().any()
+    torch.testing.assert_close(few, many, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("merge", [False, True], ids=["separate-merge", "merge"])
+@pytest.mark.parametrize("window", [None, WINDOW])
+def test_decode_split_counts_partition_alike(run_check, merge, window):
+    run_check(check_split_counts_partition_alike, merge=merge, window=window)
+
+
 @pytest.mark.parametrize("lens", [DECODE_BATCH, MIXED_BATCH], ids=["decode", "mixed"])
 def test_paged_attention_with_overstated_bounds(run_check, lens):
     run_check(check_paged_attention, group=2, window=None, lens=lens, dtype=torch.float32,

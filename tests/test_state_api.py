@@ -654,11 +654,11 @@ def test_a_failed_graph_capture_runs_the_step_without_a_graph(tiny_checkpoints, 
     graphs = DecodeGraphs(engine.core.runner, 4)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     eager, captured = torch.full((1, 3), 7.0), torch.full((1, 3), 9.0)
-    monkeypatch.setattr(graphs, "_forward", lambda bucket, q: eager)
+    monkeypatch.setattr(graphs, "_forward", lambda bucket, q, span: eager)
     outcomes = iter([RuntimeError("capture invalidated"), captured,
                      RuntimeError("invalidated"), RuntimeError("invalidated again")])
 
-    def capture(graph, bucket, q):
+    def capture(graph, bucket, q, span):
         outcome = next(outcomes)
         if isinstance(outcome, Exception):
             raise outcome
@@ -666,12 +666,45 @@ def test_a_failed_graph_capture_runs_the_step_without_a_graph(tiny_checkpoints, 
 
     monkeypatch.setattr(graphs, "_capture", capture)
     with caplog.at_level("WARNING", logger="hibana.runner"):
-        assert graphs._replay(1, 1) is eager  # failed: eager
-        assert graphs._replay(1, 1) is captured and Graph.replays == 1  # captured on the next step
-        assert graphs._replay(1, 1) is captured and Graph.replays == 2
-        assert graphs._replay(2, 1) is eager and graphs._replay(2, 1) is eager  # two failures
-        assert graphs._replay(2, 1) is eager  # that shape stays eager: no third capture
-    assert graphs.failures == {(1, 1): 1, (2, 1): 2} and set(graphs.graphs) == {(1, 1)}
+        assert graphs._replay(1, 1, 1024) is eager  # failed: eager
+        assert graphs._replay(1, 1, 1024) is captured and Graph.replays == 1  # captured on the next step
+        assert graphs._replay(1, 1, 1024) is captured and Graph.replays == 2
+        assert graphs._replay(2, 1, 1024) is eager and graphs._replay(2, 1, 1024) is eager  # two failures
+        assert graphs._replay(2, 1, 1024) is eager  # that shape stays eager: no third capture
+    assert graphs.failures == {(2, 1, 1024): 2, (1, 1, 1024): 1} and set(graphs.graphs) == {(1, 1, 1024)}
     assert len(graphs.failed_graphs) == 3 and graphs.mempool is None
     assert "capture invalidated" in caplog.text and "from now on" in caplog.text
     engine.close()
+
+
+def test_decode_graphs_are_keyed_by_the_span_their_attention_splits_for(tiny_checkpoints, make_engine,
+                                                                           monkeypatch):
+    """A step's graph is the one of the shortest span (DecodeGraphs.SPANS, then max_model_len)
+    covering its longest sequence, and that graph's attention is captured for that span (the
+    decode kernel splits for it: fewer empty programs at short contexts). Exercised on the CPU
+    with a stand-in for the capture."""
+    import contextlib
+
+    from hibana_core.runner import DecodeGraphs
+
+    monkeypatch.setattr(DecodeGraphs, "SPANS", (256, 512))  # the tiny model's context is 1024 positions
+    engine = make_engine(tiny_checkpoints["llama"], speculation="off")
+    graphs = DecodeGraphs(engine.core.runner, 4)
+    assert graphs.spans == [256, 512, 1024]
+    assert graphs.key(1, 1, 1) == (1, 1, 256) and graphs.key(1, 1, 256) == (1, 1, 256)
+    assert graphs.key(3, 2, 257) == (4, 2, 512) and graphs.key(2, 17, 1024) == (2, 17, 1024)
+    short = DecodeGraphs(make_engine(tiny_checkpoints["llama"], speculation="off", max_model_len=300).core.runner, 1)
+    assert short.spans == [256, 300] and short.key(1, 1, 299) == (1, 1, 300)
+
+    seen = []
+    forward_batch = graphs.runner.ctx.forward_batch
+
+    @contextlib.contextmanager
+    def recording(batch):
+        seen.append(batch.max_seq_len)
+        with forward_batch(batch):
+            yield
+
+    monkeypatch.setattr(graphs.runner.ctx, "forward_batch", recording)
+    logits = graphs._forward(1, 1, 512)
+    assert seen == [512] and logits.shape[0] == 1
