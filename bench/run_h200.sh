@@ -48,9 +48,9 @@
 #   bash bench/run_h200.sh step_gaps     # bench/step_gaps.py: qwen3-8b batch-1 decode at 512 keys in bf16 and w4
 #                                        # (GAPS_PASSES; GAPS_ARGS="--speculation adaptive"), the step's wall time
 #                                        # against its graph's replay
-#   bash bench/run_h200.sh splits        # decode attention's splits past the keys (graphs) write and read nothing:
-#                                        # its kernel tests on CUDA, the bf16 demo vs transformers, qwen3-8b decode
-#                                        # bf16 / w8 / w4
+#   bash bench/run_h200.sh splits        # decode attention's splits past the keys (graphs) write and read nothing,
+#                                        # graphs keyed by span: its kernel tests on CUDA, the bf16 demo vs
+#                                        # transformers, qwen3-8b decode bf16 / w8 / w4, qwen3-0.6b decode
 #   bash bench/run_h200.sh moe_a8_check  # issue 18: gpu_correctness moe_a8 (int8 x vs 16-bit x, tiny gpt_oss MXFP4
 #                                        # in bf16), then hibana bench decode of gpt-oss-20b
 #   bash bench/run_h200.sh quant_sweep   # bench/tune_quant.py --sweep: their tiles at 1 and 64 rows
@@ -232,7 +232,9 @@ case "${1:-check}" in
     kernel_pytest tests/test_kernels.py -q -rs -x -p no:cacheprovider -k "paged_attention" 2>&1 | tail -2
     timeout 200 python3 bench/gpu_correctness.py --only bf16 2>&1 | grep -E "PASS|FAIL"
     python3 -m hibana_bench.cli decode --model qwen3-8b --context 512,8192 --generate 128 \
-      --systems hibana --surgery w8,w4 --json "$OUT/decode_splits.json" 2>&1 | tee "$OUT/decode_splits.txt" ;;
+      --systems hibana --surgery w8,w4 --json "$OUT/decode_splits.json" 2>&1 | tee "$OUT/decode_splits.txt"
+    python3 -m hibana_bench.cli decode --model qwen3-0.6b --context 512,8192 --generate 128 \
+      --systems hibana --json "$OUT/decode_splits_qwen3-0.6b.json" 2>&1 | tee "$OUT/decode_splits_qwen3-0.6b.txt" ;;
   moe_a8_check)
     python3 bench/gpu_correctness.py --only moe_a8 2>&1 | grep -E "PASS|FAIL"
     python3 -m hibana_bench.cli decode --model gpt-oss-20b --context 512,8192 --generate 128 \
