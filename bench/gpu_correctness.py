@@ -761,11 +761,11 @@ def check_graph_capture() -> Iterator[tuple[str, bool, str]]:
 
         forward, failed = DecodeGraphs._forward, [0]
 
-        def failing_forward(self, bucket, q):
+        def failing_forward(self, bucket, q, span):
             if torch.cuda.is_current_stream_capturing() and not failed[0]:
                 failed[0] += 1  # a call a capture forbids: it raises, and the capture is dropped
                 torch.cuda.synchronize()
-            return forward(self, bucket, q)
+            return forward(self, bucket, q, span)
 
         DecodeGraphs._forward = failing_forward
         try:

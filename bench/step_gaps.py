@@ -22,12 +22,11 @@ from hibana_bench.workloads import _surgery_overrides, random_tokens
 from hibana_core import SamplingParams
 
 
-def graph_kernels(engine) -> Counter:
-    """Kernel names (first 60 characters) of one replay of the batch-1 decode graph."""
+def graph_kernels(engine, key) -> Counter:
+    """Kernel names (first 60 characters) of one replay of the decode graph `key`."""
     from torch.profiler import ProfilerActivity, profile
 
-    graphs = engine.runner.graphs  # the batch-1 decode graph of the longest span captured
-    graph, _ = graphs.graphs[max(k for k in graphs.graphs if k[:2] == (1, 1))]
+    graph, _ = engine.runner.graphs.graphs[key]
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
@@ -91,9 +90,10 @@ def main() -> None:
         handle.sync(random_tokens(rng, args.context, model.vocab_size))
         plain = handle.generate(SamplingParams(max_tokens=args.steps, ignore_eos=True))
         wall = (plain.stats.elapsed - (plain.stats.time_to_first_token or 0.0)) / (args.steps - 1)
-        in_graph = graph_kernels(engine)
         g = engine.runner.graphs
-        graph, _ = g.graphs[g.key(1, 1, args.context + 2 * args.steps)]  # the graph the decodes used
+        key = g.key(1, 1, args.context + args.steps - 1)  # the graph the decodes ended on
+        in_graph = graph_kernels(engine, key)
+        graph, _ = g.graphs[key]
         replay = triton.testing.do_bench(graph.replay, rep=300, return_mode="median") / 1e3
         out, prof = profile_decode(handle, args.steps)
         profiled = (out.stats.elapsed - (out.stats.time_to_first_token or 0.0)) / (args.steps - 1)
@@ -102,7 +102,7 @@ def main() -> None:
     print(f"speculation {args.speculation}: steps read back early to draft {early['yes']} of {early['asked']}; {spec}")
 
     kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
-    # the decode steps alone: from the second step's first kernel (the first is the prefill's tail)
+    # every kernel of the profiled generate, its first step (the prefill of the last token) too
     n = args.steps
     busy = sum(e.time_range.elapsed_us() for e in kernels)
     span = kernels[-1].time_range.end - kernels[0].time_range.start

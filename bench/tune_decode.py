@@ -241,7 +241,7 @@ def decode_figures(engine, prompts: dict[int, list[int]], generate: int) -> dict
         res = h.generate(SamplingParams(max_tokens=generate, ignore_eos=True))
         wall = (res.stats.elapsed - (res.stats.time_to_first_token or 0.0)) / (generate - 1)
         g = engine.runner.graphs
-        graph, _ = g.graphs[g.key(1, 1, ctx + generate)]  # the graph the decode above ended on
+        graph, _ = g.graphs[g.key(1, 1, ctx + generate - 1)]  # the graph the decode above ended on
         g.seq_lens[:1].fill_(ctx)  # the replay attends over ctx keys (the state's blocks)
         g.slot_mapping[:, :1].fill_(-1)  # and writes nowhere
         replay = triton.testing.do_bench(graph.replay, rep=300, return_mode="median") / 1e3

@@ -393,9 +393,9 @@ class DecodeGraphs:
     and a split past a sequence's keys is a program that does nothing: at batch 1 an 8k context
     makes 64 splits a KV head where 1024 keys make 16 (qwen3-8b w4 at 512 keys on the H200: a
     2.055 ms replay against 1.948, bench/RESULTS.md 2026-12-04). A shorter span splits the keys of
-    a sequence it covers as the longer one does where the key tile is the split's least length
-    (splits of one tile each; heads up to 128 wide), so the outputs agree; with wider heads the
-    splits, and the last bits, may differ. Graphs are captured on first use: a span costs nothing
+    a sequence it covers as the longer one does (splits are whole key tiles, and the merge reduces
+    them in one order whatever their count), so a step's outputs agree to the bit whichever span
+    runs it. Graphs are captured on first use: a span costs nothing
     until a step uses it."""
 
     def __init__(self, runner: ModelRunner, max_batch: int) -> None:
@@ -432,6 +432,7 @@ class DecodeGraphs:
                 and num_sampling == len(data.logits_indices)
                 and (query_len == 1 or min(data.seq_lens) >= query_len)
                 and self._samples_every_chunk(data)
+                and max(data.seq_lens) <= self.spans[-1]
                 and max(len(t) for group in data.tables for t in group) <= self.max_blocks)
 
     @staticmethod

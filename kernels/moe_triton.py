@@ -72,7 +72,8 @@ class DecodeTiles(NamedTuple):
     direct: bool = False  # MXFP4, bf16 x: codes straight into float32 bits, a block's words a thread (`_gemv`'s DIRECT)
     down: tuple[int, int, int] | None = None  # the down's (block_n, block_k, num_warps), for rows of <= 4 of its steps
     split: int = 1  # split-K: programs a tile's row is shared among (the down projection: with down_per_route)
-    a8: bool = False  # MXFP4, 16-bit x: x and the activations as int8 codes per block of 32, dp4a (`_gemv_mxfp4_a8`)
+    a8: bool = False  # MXFP4, 16-bit x: x and the activations as int8 codes per block of 32, dp4a (`_gemv_mxfp4_a8`);
+    # where x cannot take them (float32 x, HIBANA_A8_ROWS=0, sizes not whole blocks): FLOAT_TILES
 
 
 class GroupedTiles(NamedTuple):
@@ -114,7 +115,12 @@ unsplit, the whole gpt-oss-20b decode 436.8 -> 439.6 tok/s at best: no split by 
 2026-12-04 (twenty-third session, `run_h200.sh moe_a8`): MXFP4 against int8 x (`a8`, dp4a), 2 x 1024
 in one warp, 33.1 us a gpt-oss-20b layer at T=1 where 8 x 256 on 16-bit x took 49.4; the whole
 gpt-oss-20b decode 438.3 -> 521.3 tok/s (8 x 256 a8: 442.0, 4 x 1024 in 2 warps: 497.9-502.0,
-4 x 512: 504.7). float32 x keeps the float GEMV."""
+4 x 512: 504.7). float32 x keeps the float GEMV, on its own tiles (`FLOAT_TILES`)."""
+
+FLOAT_TILES = {"mxfp4": DecodeTiles(8, 256, 1, down_per_route=True)}
+"""The tiles of a kind whose DECODE_TILES are `a8` where x stays in floats: MXFP4's fastest on
+16-bit x before a8 (49.1 us a gpt-oss-20b layer at T=1, where a8's 2 x 1024 in one warp would
+run the float GEMV a program a route for whole rows)."""
 
 
 @contextlib.contextmanager
@@ -1107,7 +1113,7 @@ def choose_tiles(tokens: int, kind: str = "dense") -> DecodeTiles | GroupedTiles
     (MXFP4) shapes. HIBANA_A8_ROWS=0 (`quant_triton.A8_MAX_ROWS`) keeps x in 16 bits here too."""
     if tokens <= DECODE_MAX_TOKENS[kind]:
         tiles = DECODE_TILES[kind]
-        return tiles._replace(a8=False) if tiles.a8 and quant_triton.A8_MAX_ROWS == 0 else tiles
+        return FLOAT_TILES[kind] if tiles.a8 and quant_triton.A8_MAX_ROWS == 0 else tiles
     if tokens >= 256:
         return GroupedTiles(64, block_n=64, block_k=64, num_warps=4, num_stages=3)
     return GroupedTiles(16, block_n=64, block_k=128, num_warps=4, num_stages=2)
@@ -1151,6 +1157,8 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
                   and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0)
         a8 = (tiles.a8 and experts.kind == "mxfp4" and x.dtype in (torch.bfloat16, torch.float16)
               and h % moe.MXFP4_BLOCK == 0 and inter % moe.MXFP4_BLOCK == 0)
+        if tiles.a8 and not a8 and experts.kind in FLOAT_TILES:
+            tiles = FLOAT_TILES[experts.kind]
         q13, d13 = quant_triton.quantize_a8(x, quant_triton.A8_HALVES) if a8 else (x, x)
         asm = x.device.type == "cuda"
         # the down projection's own tiles where its rows take at most 4 of their steps (as measured:

@@ -465,7 +465,8 @@ def _int4_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count
 # Gaussian x, against ~5-10% for the int4 weight itself); `quant.reference_a8` is the oracle. Rows of
 # 16-bit x up to A8_MAX_ROWS take it (decode); batch and verify rows keep x in 16 bits (the
 # kernels above), so a sequence's decode and a verify or prefill of the same tokens round
-# differently. HIBANA_A8_ROWS=0 turns it off.
+# differently. MXFP4 experts (moe_triton's DecodeTiles.a8) take it on all the rows of their decode
+# path (up to moe_triton.DECODE_MAX_TOKENS tokens). HIBANA_A8_ROWS=0 turns both off.
 
 A8_BLOCK, A8_COLUMNS, A8_PAIRS, A8_HALVES = quant.A8_BLOCK, quant.A8_COLUMNS, quant.A8_PAIRS, quant.A8_HALVES
 

@@ -712,13 +712,30 @@ def test_mxfp4_codes_and_scales_are_exact(run_check, tiles):
 def test_mxfp4_decode_takes_int8_x_unless_turned_off(monkeypatch):
     """MXFP4 decode rows meet the experts as int8 codes of x by default (measured faster on the
     H200: DECODE_TILES), and HIBANA_A8_ROWS=0 (quant_triton.A8_MAX_ROWS 0) keeps x in 16 bits there
-    as it does for the dense int4 / int8 layers; batches past the decode path are grouped."""
+    as it does for the dense int4 / int8 layers (on MXFP4's float tiles); batches past the decode
+    path are grouped."""
     mt = _moe_triton()
     from hibana_kernels import quant_triton
 
+    monkeypatch.setattr(quant_triton, "A8_MAX_ROWS", 1)  # the default, whatever the environment says
     assert mt.choose_tiles(1, "mxfp4").a8 and mt.choose_tiles(mt.DECODE_MAX_TOKENS["mxfp4"], "mxfp4").a8
     assert isinstance(mt.choose_tiles(mt.DECODE_MAX_TOKENS["mxfp4"] + 1, "mxfp4"), mt.GroupedTiles)
     assert not mt.choose_tiles(1, "dense").a8
     monkeypatch.setattr(quant_triton, "A8_MAX_ROWS", 0)
-    off = mt.choose_tiles(1, "mxfp4")
-    assert not off.a8 and off._replace(a8=True) == mt.DECODE_TILES["mxfp4"]
+    assert mt.choose_tiles(1, "mxfp4") == mt.FLOAT_TILES["mxfp4"] and not mt.FLOAT_TILES["mxfp4"].a8
+
+
+def check_a8_tiles_on_float32_x_run_the_float_tiles(device):
+    """float32 x cannot take int8 codes: a8 decode tiles run the float GEMV on FLOAT_TILES, to the bit."""
+    mt = _moe_triton()
+    gen = torch.Generator().manual_seed(31)
+    experts = _on(_random_experts("mxfp4", "silu", False, 4, 96, 64, gen), device)
+    x = torch.randn(2, 96, generator=gen).to(device)
+    weights, ids = (t.to(device) for t in moe.moe_route(torch.randn(2, 4, generator=gen), 2))
+    got = mt.fused_moe_launch(x, experts, weights, ids, mt.DECODE_TILES["mxfp4"])
+    want = mt.fused_moe_launch(x, experts, weights, ids, mt.FLOAT_TILES["mxfp4"])
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_a8_tiles_on_float32_x_run_the_float_tiles(run_check):
+    run_check(check_a8_tiles_on_float32_x_run_the_float_tiles)
