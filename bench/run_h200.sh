@@ -124,8 +124,9 @@ case "${1:-check}" in
     [ -f "$OUT/kernel_tests.txt" ] && grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernel_tests.txt"
     cat "$OUT"/gpu_correctness_*.txt | tee "$OUT/gpu_correctness.txt" ;;
   decode)
-    python3 -m hibana_bench.cli decode --model qwen3-8b --context 512,8192 --generate 128 \
-      --json "$OUT/decode_qwen3-8b.json" 2>&1 | tee "$OUT/decode_qwen3-8b.txt" ;;
+    model="${DECODE_MODEL:-qwen3-8b}"  # DECODE_SYSTEMS=hibana: without the peer
+    python3 -m hibana_bench.cli decode --model "$model" --context 512,8192 --generate 128 \
+      ${DECODE_SYSTEMS:+--systems $DECODE_SYSTEMS} --json "$OUT/decode_$model.json" 2>&1 | tee "$OUT/decode_$model.txt" ;;
   agents)
     python3 -m hibana_bench.cli agents --model qwen3-8b --agents 32 --turns 6 --system 4096 \
       --tool-result 200 --generate 100 --peer-agents 1 \
