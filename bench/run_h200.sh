@@ -156,7 +156,7 @@ case "${1:-check}" in
     python3 bench/tune_decode.py --model "$model" --skip-sweep 2>&1 | tee "$OUT/tune_decode_$model.txt" ;;
   policies)
     model="${MODEL:-phi4-mini}"
-    python3 bench/tune_decode.py --model "$model" --fusion --skip-sweep --context 512 ${SURGERY:+--surgery $SURGERY} --policies \
+    python3 bench/tune_decode.py --model "$model" --fusion --skip-sweep --context "${CONTEXT:-512}" ${SURGERY:+--surgery $SURGERY} --policies \
       "${POLICIES:-auto,auto+norm_max_k=3072;norm_gemv=4x1024x4,auto+norm_max_k=3072;norm_gemv=4x1024x8,auto+norm_max_k=3072;norm_gemv=2x1024x4}" \
       2>&1 | tee "$OUT/policies_$model.txt" ;;
   surgery)

@@ -414,8 +414,8 @@ def variant(spec: str) -> contextlib.AbstractContextManager:
     of matmul_triton.GEMV_RULES), ";moe=NxKxWARPS[xu]" (the bf16 experts' decode tiles, u:
     unrolled; the default's own down tiles kept, so before 2026-12-03 it set the down's too),
     ";moe_down=NxKxWARPS" (only their down projection's), ";mxfp4=NxKxWARPS[xd][xa][xsN]" (the
-    MXFP4 experts', d: direct, a: against int8 x, sN: split-K in N) and ";norm_gemv=NxKxWARPS" (the
-    norm-then-GEMV's), e.g.
+    MXFP4 experts', d: direct, a: against int8 x, sN: split-K in N), ";norm_gemv=NxKxWARPS" (the
+    norm-then-GEMV's) and ";splits=MAXxPERSM" (decode attention's most splits and programs an SM), e.g.
     "auto;gemv=whole_rows;moe=2x1024x4"."""
     from hibana_kernels import matmul_triton, moe_triton
 
@@ -443,6 +443,14 @@ def variant(spec: str) -> contextlib.AbstractContextManager:
             stack.enter_context(moe_triton.using_decode_tiles("mxfp4", tiles))
         elif key == "norm_gemv":
             stack.enter_context(matmul_triton.using_norm_gemv_tiles(tuple(int(v) for v in value.split("x"))))
+        elif key == "splits":  # decode attention's MAX_SPLITS x DECODE_PROGRAMS_PER_SM
+            from hibana_kernels import attention_triton
+
+            most, per_sm = (int(v) for v in value.split("x"))
+            before = attention_triton.MAX_SPLITS, attention_triton.DECODE_PROGRAMS_PER_SM
+            attention_triton.MAX_SPLITS, attention_triton.DECODE_PROGRAMS_PER_SM = most, per_sm
+            stack.callback(setattr, attention_triton, "MAX_SPLITS", before[0])
+            stack.callback(setattr, attention_triton, "DECODE_PROGRAMS_PER_SM", before[1])
         else:
             raise SystemExit(f"unknown variant option {option!r}")
     return stack
