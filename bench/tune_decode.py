@@ -451,6 +451,11 @@ def variant(spec: str) -> contextlib.AbstractContextManager:
             attention_triton.MAX_SPLITS, attention_triton.DECODE_PROGRAMS_PER_SM = most, per_sm
             stack.callback(setattr, attention_triton, "MAX_SPLITS", before[0])
             stack.callback(setattr, attention_triton, "DECODE_PROGRAMS_PER_SM", before[1])
+        elif key == "merge_tile":  # decode attention's MERGE_TILE
+            from hibana_kernels import attention_triton
+
+            stack.callback(setattr, attention_triton, "MERGE_TILE", attention_triton.MERGE_TILE)
+            attention_triton.MERGE_TILE = int(value)
         else:
             raise SystemExit(f"unknown variant option {option!r}")
     return stack

@@ -41,8 +41,11 @@ LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # the same, for the kernels
 DECODE_MIN_SPLIT = 64  # keys per split at least (a 16-bit cache's key tile; an fp8 cache's tile: 128)
 DECODE_PROGRAMS_PER_SM = 4  # splits are added until the grid has this many programs per SM
-MAX_SPLITS = 64
-SPLITS_CHUNK = 16  # splits the merge sums at a time (`_merge_splits`)
+MAX_SPLITS = 64  # 128 or 256 were slower at 8192 keys (H200: qwen3-30b-a3b 283.6 -> 260.2 / 177.0 tok/s)
+MERGE_TILE = MAX_SPLITS
+"""The split merge's tile of splits at least (`paged_attention_launch`): 64 where 16 would do at
+1024 keys costs nothing measurable (qwen3-0.6b, H200: graph replay 0.786-0.792 ms against
+0.788-0.789 at 512 keys) and keeps the merge's sums in one order across span graphs."""
 MAX_DECODE_QUERY_LEN = 32  # verify steps up to this many tokens per sequence take the decode kernel
 NUM_STAGES = 2
 MERGE_COUNTERS = 1 << 16  # (sequence, KV head) pairs the in-kernel merge counts for, per device
@@ -232,7 +235,7 @@ def _decode_kernel(
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
         SLIDING: tl.constexpr, SINK_TOKENS: tl.constexpr, SPLIT: tl.constexpr, SPLIT_TILE: tl.constexpr,
-        MERGE: tl.constexpr, SPLITS_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        MERGE: tl.constexpr, SPLITS_P: tl.constexpr, DOT_PRECISION: tl.constexpr,
         UPCAST: tl.constexpr, QUERY_LEN: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_FP16: tl.constexpr,
         SINKS: tl.constexpr, PDL: tl.constexpr):
     # rows of a tile: QUERY_LEN new tokens x the GROUP heads of one KV head
@@ -323,7 +326,7 @@ def _decode_kernel(
                         _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
                                       q_start + row // GROUP, kv_head * GROUP + row % GROUP,
                                       num_heads, num_splits, with_keys, stride_ot, stride_oh,
-                                      HEAD_DIM, HEAD_DIM_P, SPLITS_CHUNK)
+                                      HEAD_DIM, HEAD_DIM_P, SPLITS_P)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -335,34 +338,26 @@ def _decode_kernel(
 @triton.jit
 def _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, token, head, num_heads,
                   num_splits, read_splits, stride_ot, stride_oh,
-                  HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_CHUNK: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):
     """One query row's output from the partials of its first `read_splits` splits (read past
-    the L1: the splits ran on other SMs). The splits are summed a chunk at a time, in order: the
-    sums do not depend on `num_splits`, so launches that part a sequence's keys alike agree to
-    the bit (decode graphs of several spans), and a chunk's tile stays small in registers."""
+    the L1: the splits ran on other SMs), all of them in one tile of SPLITS_P: one round of
+    loads. (Summed 16 at a time in a loop, in an order that would not depend on the tile's
+    width, the merge made qwen3-8b's decode at 8192 keys 7% slower on the H200: bf16 188.4
+    against 203.1 tok/s, int4 361.6 against 408.4, bench/RESULTS.md 2026-12-04.)"""
     read_splits = tl.minimum(tl.maximum(read_splits, 0), num_splits)
-    row = (token * num_heads + head) * num_splits
-    m_all = tl.full([], -1.0e30, tl.float32)
-    for first in range(0, read_splits, SPLITS_CHUNK):
-        splits = first + tl.arange(0, SPLITS_CHUNK)
-        m = tl.load(part_max_ptr + row + splits, mask=splits < read_splits, other=-1.0e30, cache_modifier=".cg")
-        m_all = tl.maximum(m_all, tl.max(m, 0))
+    splits = tl.arange(0, SPLITS_P)
+    s_mask = splits < read_splits
+    part = (token * num_heads + head) * num_splits + splits
+    m = tl.load(part_max_ptr + part, mask=s_mask, other=-1.0e30, cache_modifier=".cg")
+    l = tl.load(part_sum_ptr + part, mask=s_mask, other=0.0, cache_modifier=".cg")
     offs_d = tl.arange(0, HEAD_DIM_P)
-    total = tl.zeros([], dtype=tl.float32)
-    out = tl.zeros([HEAD_DIM_P], dtype=tl.float32)
-    for first in range(0, read_splits, SPLITS_CHUNK):
-        splits = first + tl.arange(0, SPLITS_CHUNK)
-        s_mask = splits < read_splits
-        part = row + splits
-        m = tl.load(part_max_ptr + part, mask=s_mask, other=-1.0e30, cache_modifier=".cg")
-        l = tl.load(part_sum_ptr + part, mask=s_mask, other=0.0, cache_modifier=".cg")
-        acc = tl.load(part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :],
-                      mask=s_mask[:, None], other=0.0, cache_modifier=".cg")  # [chunk, D]
-        w = tl.exp2(m - m_all)
-        total += tl.sum(l * w, 0)
-        out += tl.sum(acc * w[:, None], 0)
+    acc = tl.load(part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :],
+                  mask=s_mask[:, None], other=0.0, cache_modifier=".cg")  # [S, D]
+    m_all = tl.max(m, 0)
+    w = tl.exp2(m - m_all)
+    total = tl.sum(l * w, 0)
     total = tl.where(total == 0.0, 1.0, total)
-    out = out / total
+    out = tl.sum(acc * w[:, None], 0) / total
     tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
@@ -371,14 +366,14 @@ def _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, token, head
 def _reduce_splits_kernel(
         out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, with_keys_ptr, num_splits,
         stride_ot, stride_oh,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_CHUNK: tl.constexpr, PDL: tl.constexpr):
+        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr, PDL: tl.constexpr):
     # every query row of the batch: each was written by its splits that hold keys, as many as
     # its first split wrote in with_keys [T, H]
     wait_for_previous(PDL)
     token, head, num_heads = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     read_splits = tl.load(with_keys_ptr + token * num_heads + head)
     _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, token, head, num_heads,
-                  num_splits, read_splits, stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_P, SPLITS_CHUNK)
+                  num_splits, read_splits, stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_P, SPLITS_P)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -478,6 +473,10 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         merge = fusion.policy().attention_merge
     merge = (split and merge and num_seqs * num_kv_heads <= MERGE_COUNTERS
              and group * max_query_len <= MERGE_MAX_ROWS)
+    # the merge's tile of splits: one width whatever the count (a tree's sums depend on its
+    # width), so that launches which part a sequence's keys alike agree to the bit (graphs of
+    # several spans)
+    splits_p = max(MERGE_TILE, triton.next_power_of_2(num_splits))
     block_n, num_warps, num_stages = tiles or _decode_tiles(q.dtype, common["HEAD_DIM_P"], kv_fp8)
     # MERGE: the arrival counters; else the splits with keys per query row, for the reduce
     with_keys = torch.empty((num_tokens, num_heads) if split and not merge else (1,), dtype=torch.int32,
@@ -488,13 +487,13 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         query_start_loc, num_splits=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group * max_query_len)), BLOCK_N=block_n, SPLIT=split,
         SPLIT_TILE=max(DECODE_MIN_SPLIT, block_n),
-        MERGE=merge, SPLITS_CHUNK=SPLITS_CHUNK, QUERY_LEN=max_query_len, num_warps=num_warps,
+        MERGE=merge, SPLITS_P=splits_p, QUERY_LEN=max_query_len, num_warps=num_warps,
         num_stages=num_stages, **common, **pdl.launch_args(q.device, "attention"))
     if split and not merge:
         _reduce_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_max, part_sum, with_keys, num_splits,
             out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_P=common["HEAD_DIM_P"],
-            SPLITS_CHUNK=SPLITS_CHUNK, num_warps=4, **pdl.launch_args(q.device, "attention"))
+            SPLITS_P=splits_p, num_warps=4, **pdl.launch_args(q.device, "attention"))
     return out
 
 
