@@ -296,8 +296,8 @@ case "${1:-check}" in
       sha256sum "$TRAIN_DIR/model/model.safetensors" | tee "$OUT/model.sha256"
     fi ;;
   spec_decode)
-    for spec in "coding 2" "demo 8"; do
-      set -- $spec
+    for spec in ${SPEC_TRACES:-coding:2 demo:8}; do  # trace:conversations
+      set -- "${spec%:*}" "${spec#*:}"
       python3 -m hibana_bench.cli decode --model qwen3-8b --trace "$1" --conversations "$2" ${BENCH_ARGS:-} \
         --json "$OUT/spec_decode_$1.json" 2>&1 | tee "$OUT/spec_decode_$1.txt"
     done ;;
