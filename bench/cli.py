@@ -388,6 +388,9 @@ def print_decode(report: dict) -> None:
         per_step = f"{row['tokens_per_step']:.2f}" if row.get("tokens_per_step") else "-"
         print(f"{row['system']:<16}{row['context']:>8}{row['decode_tok_s']:>14.1f}{share:>12}{per_step:>9}"
               f"{row['prefill_tok_s']:>15.0f}{size:>11}{kv:>11}{ratio:>10}  {verdict}")
+    if any((row.get("tokens_per_step") or 1.0) > 1.0 for row in report["rows"]):
+        print("tok/step above 1: speculation's accepted drafts count in decode tok/s and % roofline (a random "
+              "model's greedy output repeats itself); hibana_spec_off's rows are the decode speed")
 
 
 def print_agents(report: dict) -> None:

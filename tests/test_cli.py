@@ -368,3 +368,19 @@ def test_serve_refuses_a_port_that_is_no_port(port, says, capsys):
     with pytest.raises(SystemExit) as e:
         server.main(["demo", "--port", port])
     assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_bench_decode_says_when_accepted_drafts_count(capsys):
+    """A speculating row whose drafts were accepted (tok/step above 1) makes decode tok/s more than
+    a decode speed: the table says so, and says nothing when every row took one token a step."""
+    from hibana_bench.cli import print_decode
+
+    row = dict(system="hibana", context=512, decode_tok_s=800.0, prefill_tok_s=1e4, weight_bytes=1e9,
+               kv_read_bytes=1e6, tokens_per_step=2.78, guard=None)
+    report = dict(model="tiny", random_weights=True, weight_bytes=1e9, roofline_tok_s=600.0,
+                  copy_bandwidth_bytes_s=6e11, rows=[row, dict(row, system="hibana_spec_off", decode_tok_s=300.0,
+                                                                tokens_per_step=1.0)])
+    print_decode(report)
+    assert "accepted drafts count" in capsys.readouterr().out
+    print_decode(dict(report, rows=report["rows"][1:]))
+    assert "accepted drafts" not in capsys.readouterr().out
