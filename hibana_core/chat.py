@@ -24,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import difflib
+import inspect
 import json
 import re
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequence
@@ -401,22 +403,26 @@ class Chat:
                 params: SamplingParams | None = None, **options: Any) -> ChatResult:
         """Render, sync the state, generate one assistant turn, parse its tool calls. `options`
         are those of `stream_respond`."""
+        _check_turn_options(options)
         *_, last = turn.run(self.opener(messages, tools, params, **options), turn.result_of)
         return last
 
     async def arespond(self, messages: "Sequence[dict] | str | TokenIds", tools: Sequence[dict] | None = None,
                        params: SamplingParams | None = None, **options: Any) -> ChatResult:
+        _check_turn_options(options)
         return [r async for r in turn.arun(self.opener(messages, tools, params, **options), turn.result_of)][-1]
 
     def stream_respond(self, messages: "Sequence[dict] | str | TokenIds", tools: Sequence[dict] | None = None,
                        params: SamplingParams | None = None, **options: Any) -> Iterator[ChatDelta]:
         """Text deltas and tool-call deltas as they are generated; the last item carries the
         ChatResult. Closing the iterator early cancels the generation. `options` are `opener`'s."""
+        _check_turn_options(options)
         return turn.run(self.opener(messages, tools, params, **options))
 
     def astream_respond(self, messages: "Sequence[dict] | str | TokenIds", tools: Sequence[dict] | None = None,
                         params: SamplingParams | None = None, **options: Any) -> AsyncIterator[ChatDelta]:
         """`stream_respond` on the caller's event loop: awaits the engine, never blocks the loop."""
+        _check_turn_options(options)
         return turn.arun(self.opener(messages, tools, params, **options))
 
     def opener(self, messages: "Sequence[dict] | str | TokenIds", tools: Sequence[dict] | None = None,
@@ -447,6 +453,9 @@ class Chat:
         if params is not None and not isinstance(params, SamplingParams):
             raise ConfigError(f"params must be SamplingParams or None, got {type(params).__name__}; "
                               "build one: SamplingParams(max_tokens=..., temperature=...)")
+        if params is not None and params.max_tokens == 0:
+            raise ConfigError("max_tokens=0 leaves a chat turn no reply; give 1 or more (a state handle's "
+                              "generate with max_tokens=0 only takes its prompt in)")
         if not isinstance(prefill, str):
             raise ConfigError(f"prefill must be a string, got {type(prefill).__name__}")
         check_text(prefill, "prefill")
@@ -460,6 +469,10 @@ class Chat:
             raise ConfigError("prefill with a grammar from the turn's first token (a json_schema, regex or grammar in "
                               "params, or a tool_choice that forces a call) is not supported: the grammar would "
                               "start after the prefill as if nothing were written; drop one of them")
+        for name, value in (("lease", lease), ("fallback", fallback), ("parse_tools", parse_tools),
+                            ("parallel_tool_calls", parallel_tool_calls), ("guided", guided)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name} must be True or False, got {value!r:.80}")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout > 0):
             raise ConfigError(f"timeout must be a number of seconds > 0, or None; got {timeout!r:.80}")
@@ -636,3 +649,17 @@ def assistant_message(result: ChatResult) -> dict:
              "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
             for c in result.tool_calls]
     return message
+
+
+def _check_turn_options(options: dict) -> None:
+    """A turn's options are `Chat.opener`'s keywords: another name is a ConfigError that says
+    where it belongs (a sampling option goes in `params`), not Python's bare TypeError."""
+    known = [name for name, p in inspect.signature(Chat.opener).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    for name in options:
+        if name in known:
+            continue
+        if name in {f.name for f in dataclasses.fields(SamplingParams)}:
+            raise ConfigError(f"{name!r} is a sampling option: pass params=SamplingParams({name}=...)")
+        close = difflib.get_close_matches(name, known, n=1)
+        raise ConfigError(f"a chat turn has no option {name!r}{f' (did you mean {close[0]!r}?)' if close else ''}; "
+                          f"its options: {', '.join(known)}, and params=SamplingParams(...)")

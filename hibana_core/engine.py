@@ -241,7 +241,8 @@ class Engine:
         calibration = Calibration(loaded.model, self._ctx, loaded.args, loaded.dtype, self.device, loaded.tokenizer)
         self.surgery = loaded.surgery + surgery.apply_passes(loaded.model, passes,
                                                              get_plugin_manager().surgery_passes(), guard, calibration,
-                                                             progress=config.progress)
+                                                             progress=config.progress,
+                                                             applied=[record["name"] for record in loaded.surgery])
         """What each surgery pass changed (name, parameters, layers, bytes before and after) and,
         where the guard ran, its figures against the unmodified model."""
         if guard is not None:  # logged too: progress=False (servers, scripts) must not lose it

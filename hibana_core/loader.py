@@ -40,7 +40,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     dtype: torch.dtype
     weight_bytes: int
-    fingerprint: str          # sha256 of config, tokenizer and weight layout: guards state files
+    fingerprint: str          # sha256 of config, tokenizer, weight layout and values: guards state files
     surgery: list = field(default_factory=list)  # passes a surgery checkpoint was written with
 
 
@@ -470,19 +470,55 @@ def _as_ids(eos: Any) -> tuple[int, ...]:
     return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
+FINGERPRINT_SAMPLES = 64  # evenly spaced runs of bytes a larger tensor's values are sampled at
+FINGERPRINT_RUN = 64  # bytes a run
+
+
 def _fingerprint(path: Path) -> str:
-    """Identifies model and tokenizer without reading the weights: config, tokenizer files and
-    each safetensors header (names, shapes, dtypes, offsets) with the file size."""
+    """Identifies model and tokenizer: config, tokenizer files and, of each safetensors file, its
+    header (names, shapes, dtypes, offsets), its size and samples of its values (the whole of
+    small tensors, FINGERPRINT_SAMPLES runs spread over each larger one: some hundred kilobytes
+    read, not the checkpoint's gigabytes). Two checkpoints of one architecture, or one retrained
+    or fine-tuned and saved over itself, differ in their values, so a state saved by one does not
+    load into the other; a copy of a checkpoint (a directory, or the hub cache's snapshot) is the
+    same model. An edit of a few values between the samples goes unseen."""
     digest = hashlib.sha256()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         file = path / name
         if file.is_file():
             digest.update(name.encode() + file.read_bytes())
     for file in sorted(path.glob("*.safetensors")):
+        digest.update(str(file.stat().st_size).encode())
         with file.open("rb") as f:
             head = f.read(8)
-            if len(head) == 8:
-                (length,) = struct.unpack("<Q", head)
-                digest.update(f.read(min(length, 100 << 20)))
-        digest.update(str(file.stat().st_size).encode())
+            if len(head) < 8:
+                continue
+            (length,) = struct.unpack("<Q", head)
+            header = f.read(min(length, 100 << 20))
+            digest.update(header)
+            _sample_values(f, 8 + length, header, digest)
     return digest.hexdigest()
+
+
+def _sample_values(f: Any, data_start: int, header: bytes, digest: Any) -> None:
+    """Feed `digest` runs of each tensor's bytes (by name, in the header's offsets); a header
+    that does not parse is left to the weight loader to report."""
+    try:
+        entries = json.loads(header)
+    except ValueError:
+        return
+    if not isinstance(entries, dict):
+        return
+    run, samples = FINGERPRINT_RUN, FINGERPRINT_SAMPLES
+    for name in sorted(k for k in entries if k != "__metadata__"):
+        offsets = entries[name].get("data_offsets") if isinstance(entries[name], dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            continue
+        begin, end = offsets
+        size = end - begin
+        if begin < 0 or size <= 0:
+            continue
+        starts = [0] if size <= run * samples else [i * (size - run) // (samples - 1) for i in range(samples)]
+        for start in starts:
+            f.seek(data_start + begin + start)
+            digest.update(f.read(min(size, run * samples) if size <= run * samples else run))

@@ -285,6 +285,23 @@ def test_timeout_cancels_the_turn(engine):
     assert chat.respond(HELLO).text  # the state is free again
 
 
+def test_a_turns_unknown_or_mistyped_options_are_config_errors(engine):
+    """A sampling option given to the turn says where it goes, a misspelt one its close match, a
+    flag that is no bool is refused, and max_tokens=0 (no reply) too; the chat goes on."""
+    from hibana_core import ConfigError
+
+    chat = Chat(engine, "options")
+    with pytest.raises(ConfigError, match=r"'temperature' is a sampling option: pass params=SamplingParams"):
+        chat.respond(HELLO, temperature=0.5)
+    with pytest.raises(ConfigError, match="did you mean 'tool_choice'"):
+        list(chat.stream_respond(HELLO, tool_chioce="auto"))
+    with pytest.raises(ConfigError, match="parallel_tool_calls must be True or False"):
+        chat.respond(HELLO, parallel_tool_calls="yes")
+    with pytest.raises(ConfigError, match="max_tokens=0 leaves a chat turn no reply"):
+        chat.respond(HELLO, params=SamplingParams(max_tokens=0))
+    assert chat.respond(HELLO, params=SamplingParams(max_tokens=3)).text
+
+
 # --- Chat without a state: render, then lease one per call ------------------------------------------
 
 def test_chat_without_a_state_renders_and_leases(engine):

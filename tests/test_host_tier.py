@@ -258,6 +258,37 @@ def test_a_damaged_or_foreign_state_file_fails_its_open_alone(tiny_checkpoints, 
     assert other.open_state("fresh").generate(SamplingParams(max_tokens=2), prompt=[5, 6, 7]).token_ids
 
 
+def test_a_state_of_other_weights_in_one_architecture_is_foreign(tiny_checkpoints, make_engine, tmp_path):
+    """Two checkpoints alike but for their values (one config, another seed: a retrained or
+    fine-tuned model saved over the first) are two models: a state saved by one is refused by the
+    other, through load_state and through state_dir (where it would otherwise reach new states
+    sharing its prefix), and a copy of the same checkpoint is the same model."""
+    import shutil
+
+    from tiny_models import make_tiny_checkpoint
+
+    other = make_tiny_checkpoint("llama", tmp_path / "retrained", seed=123)
+    copy = shutil.copytree(tiny_checkpoints["llama"], tmp_path / "copy")
+    assert (other / "config.json").read_bytes() == (tiny_checkpoints["llama"] / "config.json").read_bytes()
+    engine = make_engine(tiny_checkpoints["llama"], state_dir=tmp_path / "states")
+    handle = engine.open_state("agent")
+    handle.sync(list(range(5, 45)))
+    handle.save(tmp_path / "agent.safetensors")
+    engine.close()
+    retrained = make_engine(other, state_dir=tmp_path / "states")
+    assert retrained.fingerprint != engine.fingerprint
+    with pytest.raises(StateFileError, match="another model"):
+        retrained.load_state(tmp_path / "agent.safetensors")
+    with pytest.raises(StateFileError, match="another model"):
+        retrained.open_state("agent")
+    fresh = retrained.open_state("fresh")
+    assert fresh.sync(list(range(5, 45))).reused == 0  # nothing of the foreign state reached the prefix index
+    retrained.close()
+    same = make_engine(copy)
+    assert same.fingerprint == engine.fingerprint
+    assert same.load_state(tmp_path / "agent.safetensors").tokens == list(range(5, 45))
+
+
 def test_writers_of_one_state_file_at_once_each_write_it_whole(tmp_path, monkeypatch):
     """Engines sharing a state_dir may close at once and write the same state: a second writer
     that writes the file whole while the first is between writing and renaming its temporary

@@ -324,3 +324,17 @@ def test_a_state_file_names_its_layout(tiny_checkpoints, make_engine, tmp_path):
     with pytest.raises(StateFileError, match="max_model_len"):
         short.load_state(tmp_path / "s.state")
     assert make_engine(path, speculation="off").load_state(tmp_path / "s.state").tokens == h.tokens
+
+
+def test_a_window_checkpoint_refuses_the_window_pass_again(tiny_checkpoints, make_engine, tmp_path):
+    """In-process a pass applies once; so it does on a checkpoint written with it (where the window
+    pass alone would still find a full-attention layer to switch)."""
+    from hibana_core.errors import ConfigError
+    from hibana_core.surgery import checkpoint
+
+    engine = make_engine(tiny_checkpoints["llama"], surgery=[{"name": "window", "window": 24, "layers": [1]}],
+                         surgery_guard=False, speculation="off")
+    out = checkpoint.save(engine, tiny_checkpoints["llama"], tmp_path / "windowed")
+    with pytest.raises(ConfigError, match=r"written with 'window' applied already .*leave it out of surgery"):
+        make_engine(out, surgery=[{"name": "window", "window": 24, "layers": [0]}], surgery_guard=False)
+    assert [r["name"] for r in make_engine(out, speculation="off").surgery] == ["window"]

@@ -137,20 +137,22 @@ def _check_registered(name: str, surgery_pass: Any) -> None:
 
 
 def apply_passes(model: "torch.nn.Module", requests: Sequence[PassRequest], passes: dict[str, Any],
-                 guard: Any = None, calibration: Any = None, progress: bool = True) -> list[dict[str, Any]]:
+                 guard: Any = None, calibration: Any = None, progress: bool = True,
+                 applied: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Run the passes in order; their records, each with its name and parameters (and, with a
     guard, its figures against the unmodified model: a pass over its floors raises
     SurgeryGuardError unless its request says `force: True`). `calibration`: what passes with
-    `calibrated = True` run the model on; `progress`: whether their `progress_bar`s show."""
+    `calibrated = True` run the model on; `progress`: whether their `progress_bar`s show;
+    `applied`: the passes a surgery checkpoint was written with (each applies once)."""
     token = _PROGRESS.set(progress)
     try:
-        return _apply(model, requests, passes, guard, calibration)
+        return _apply(model, requests, passes, guard, calibration, applied)
     finally:
         _PROGRESS.reset(token)
 
 
 def _apply(model: "torch.nn.Module", requests: Sequence[PassRequest], passes: dict[str, Any],
-           guard: Any, calibration: Any) -> list[dict[str, Any]]:
+           guard: Any, calibration: Any, applied: Sequence[str] = ()) -> list[dict[str, Any]]:
     records = []
     runs = []  # (request, its parameters, force) for every request before any pass runs
     for request in check_requests(requests, passes):
@@ -159,6 +161,11 @@ def _apply(model: "torch.nn.Module", requests: Sequence[PassRequest], passes: di
     for request, params, _ in runs:  # whether each applies to the model as loaded, before the guard's reference
         if callable(getattr(passes[request.name], "refuse", None)):
             _run(request.name, passes[request.name], "refuse", model, dict(params))
+    again = [request.name for request, _, _ in runs if request.name in applied]  # where no refuse said so
+    if again:
+        raise ConfigError(f"the checkpoint was written with {', '.join(map(repr, again))} applied already (its "
+                          f"surgery manifest: {list(applied)}); each pass applies once: leave "
+                          f"{'it' if len(again) == 1 else 'them'} out of surgery")
     if guard is not None:
         guard.measure_reference()
     for request, params, force in runs:
