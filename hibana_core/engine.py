@@ -262,6 +262,7 @@ class Engine:
                               f"({str(kv_dtype).removeprefix('torch.')}); the KV cache is kept in the compute "
                               "dtype or, through model surgery, in fp8 (kv_dtype='fp8', the kv8 pass); leave "
                               "kv_dtype='auto' or set dtype to match")
+        self.checkpoint_fingerprint = loaded.fingerprint  # the model as loaded, before this engine's passes
         self.fingerprint = surgery.fingerprint(loaded.fingerprint, loaded.dtype, kv_dtype, self.surgery)
         self.weight_bytes = model_bytes(loaded.model)  # after surgery: packed weights, buffers too
         stages.begin("kv cache")

@@ -156,8 +156,11 @@ def load_model(model: str, device: torch.device, dtype: str, ctx: ForwardContext
         manifest = read_manifest(path)
         _load_weights(module, path, progress, manifest, quantization)
     with stages.stage("tokenizer"):
+        # a surgery checkpoint is its source with its passes (the engine adds them): states of an
+        # engine that applied them to the source at load load here, and the other way round
+        source = manifest.get("source_fingerprint") if manifest else None
         loaded = _loaded(module, args, hf_config, load_tokenizer(path), _eos_token_ids(path, hf_config),
-                         torch_dtype, _fingerprint(path))
+                         torch_dtype, source if isinstance(source, str) and source else _fingerprint(path))
     loaded.surgery = list(manifest["passes"]) if manifest else []
     return loaded
 

@@ -674,6 +674,12 @@ def test_hibana_surgery_writes_a_checkpoint_that_loads_with_its_passes(arch, pas
     prompt = random_tokens(random.Random(9), 33)
     assert list(saved.open_state("a").generate(greedy(), prompt=prompt).token_ids) == \
         list(direct.open_state("a").generate(greedy(), prompt=prompt).token_ids)
+    # the checkpoint is its source with its passes, as the engine that wrote it: states go both ways
+    assert saved.fingerprint == direct.fingerprint
+    handle = direct.open_state("s")
+    handle.sync(prompt)
+    handle.save(tmp_path / "s.safetensors")
+    assert saved.load_state(tmp_path / "s.safetensors", state_id="s").tokens == prompt
 
     # a second run refuses to overwrite, as it refuses any non-empty directory; no pass is no run;
     # a damaged manifest is a CheckpointError

@@ -87,7 +87,10 @@ def save(engine: Any, source: Path, out: Path) -> Path:
         if not name.startswith(rewritten):
             tensors[name] = narrowed(tensors[name], declared)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    manifest = {"format": FORMAT, "source": str(source), "dtype": str(engine.dtype).removeprefix("torch."),
+    # the source's fingerprint: an engine on this checkpoint is the engine that wrote it (the same
+    # weights, bit for bit, with the same passes), and their states load into each other
+    manifest = {"format": FORMAT, "source": str(source), "source_fingerprint": engine.checkpoint_fingerprint,
+                "dtype": str(engine.dtype).removeprefix("torch."),
                 "passes": engine.surgery, "packed_layers": packed_layers(model),
                 "packed_experts": packed_experts(model),
                 "kv_scaled_layers": kv_scaled_layers(model), "windowed_layers": windowed_layers(model)}
