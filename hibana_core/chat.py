@@ -90,7 +90,8 @@ class Chat:
         self.parser_name = tool_parser or getattr(chat_format, "tool_parser", None) or DEFAULT_TOOL_PARSER
         self.parser = _checked_parser(self.parser_name, get_plugin_manager().lookup("tool_parser", self.parser_name))
         self.stop_token_ids = tuple(vocab[t] for t in (END_OF_TURN_TOKENS if ends is None else ends)
-                                    if t in vocab)  # a format's own (harmony: <|end|> ends a message, not the turn)
+                                    if t in vocab and vocab[t] < engine.vocab_size)  # a format's own (harmony:
+        # <|end|> ends a message, not the turn); a token the tokenizer adds past the model's vocabulary never comes
         self._end_texts = tuple(engine.tokenizer.decode([t], skip_special_tokens=False) for t in self.stop_token_ids)
         self.control = prompt.control_strings(engine.tokenizer)  # what contents never turn into
         self.control_ids = frozenset(vocab[t] for t in self.control if t in vocab)

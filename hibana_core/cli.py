@@ -149,15 +149,18 @@ def run_surgery(args: argparse.Namespace) -> int:
 
     text = args.passes.strip()
     try:
-        passes = json.loads(text) if text.startswith("[") else [p for p in text.split(",") if p]
+        passes = json.loads(text) if text.startswith(("[", "{")) else [p for p in text.split(",") if p]
+        if isinstance(passes, dict):  # one pass as a JSON object
+            passes = [passes]
     except json.JSONDecodeError as exc:
-        print(f"hibana surgery: --passes is neither names nor a JSON list ({exc})", file=sys.stderr)
+        print(f"hibana surgery: --passes is neither names nor JSON (a list of passes, or one) ({exc})", file=sys.stderr)
         return 2
     if not passes:
         print("hibana surgery: --passes names no pass; e.g. --passes w8", file=sys.stderr)
         return 2
     if args.force:
-        passes = [{**({"name": p} if isinstance(p, str) else p), "force": True} for p in passes]
+        passes = [{**({"name": p} if isinstance(p, str) else p), "force": True} if isinstance(p, (str, dict)) else p
+                  for p in passes]  # what is neither the engine refuses, saying what a pass is
     try:
         if args.out:  # before the minutes of loading, surgery and guard
             checkpoint.check_out(Path(args.out))

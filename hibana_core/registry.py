@@ -407,6 +407,11 @@ class StateRegistry:
         if params.stop and not self.limits.has_tokenizer:
             raise HibanaError("stop strings need a tokenizer, and this checkpoint has none; "
                               "use stop_token_ids instead")
+        outside = [t for t in params.stop_token_ids if not 0 <= t < self.limits.vocab_size]
+        if outside:
+            raise InvalidTokenError(f"stop_token_ids {outside[:5]} lie outside the vocabulary [0, "
+                                    f"{self.limits.vocab_size}): the model never emits them; give ids of this "
+                                    "model's tokenizer")
         if loop is not None and self._compiles_on_loop(params):
             return CompilingEvents(functools.partial(self.grammars.compile, params),
                                    functools.partial(self.generate, handle, params, prompt, loop))

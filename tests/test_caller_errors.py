@@ -108,6 +108,17 @@ def test_a_call_timeout_is_a_hibana_error_and_a_builtin_timeout_error(demo_engin
         chat.respond([{"role": "user", "content": "hi"}], timeout=-1)
 
 
+def test_stop_token_ids_outside_the_vocabulary_are_refused_and_the_state_kept(demo_engine):
+    from hibana_core.errors import InvalidTokenError
+
+    handle = demo_engine.open_state("stops")
+    handle.sync([5, 6, 7])
+    with pytest.raises(InvalidTokenError, match=r"stop_token_ids \[1000000\] lie outside the vocabulary"):
+        handle.generate(SamplingParams(max_tokens=2, stop_token_ids=[3, 10 ** 6]), prompt=[5, 6, 7, 8])
+    assert handle.tokens == [5, 6, 7]
+    assert len(handle.generate(SamplingParams(max_tokens=2, ignore_eos=True)).token_ids) == 2
+
+
 def test_bad_sampling_parameters():
     for kwargs, says in (({"temperature": -1}, "temperature must be >= 0"), ({"top_p": 0}, "top_p"),
                          ({"max_tokens": -1}, "max_tokens"), ({"stop": [""]}, "stop strings")):

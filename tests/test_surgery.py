@@ -693,6 +693,10 @@ def test_hibana_surgery_writes_a_checkpoint_that_loads_with_its_passes(arch, pas
     assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == ["notes.txt"]
     assert main(["surgery", str(path), "--passes", "", "--device", "cpu"]) == 2
     assert "names no pass" in capsys.readouterr().err
+    assert main(["surgery", str(path), "--passes", "[3]", "--force", "--device", "cpu"]) == 2
+    assert "a surgery pass is a name or {'name': ..., parameters}, got 3" in capsys.readouterr().err
+    assert main(["surgery", str(path), "--passes", '{"name": "nosuch", "bits": 3}', "--device", "cpu"]) == 2
+    assert "no surgery pass named 'nosuch'" in capsys.readouterr().err  # one pass as a JSON object
     (out / "hibana_surgery.json").write_text("{not json")
     with pytest.raises(CheckpointError, match=r"hibana_surgery\.json is damaged"):
         make_engine(out)

@@ -305,8 +305,9 @@ def table(rows: list[tuple[str, GuardReport, str]]) -> str:
              f"{'tool calls ok':>20}  decision"]
     for name, r, decision in rows:
         calls = "-" if r.tool_calls is None else f"{r.tool_calls:.0%} (was {r.tool_calls_before:.0%})"
-        lines.append(f"{name:<24}{r.ppl_ratio:>11.4f}{r.mean_kl:>10.5f}{r.top1_agreement:>8.1%}"
-                     f"{r.first_divergence:>13.1f}{calls:>20}  {decision}")
+        shown = r.as_dict()  # the record's figures, which the command's summary prints too
+        lines.append(f"{name:<24}{shown['ppl_ratio']:>11.4f}{shown['mean_kl']:>10.5f}{shown['top1_agreement']:>8.1%}"
+                     f"{shown['first_divergence']:>13.1f}{calls:>20}  {decision}")
     return "\n".join(lines)
 
 
