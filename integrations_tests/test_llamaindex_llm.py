@@ -292,8 +292,19 @@ async def test_state_selection(engine):
     assert second.raw["usage"]["cached_tokens"] >= first.raw["usage"]["total_tokens"] - 1
     assert engine.open_state("bound").tokens == held
 
-    # concurrent calls never share a state: the bound one serves one, the others get their own
-    replies = await asyncio.gather(*(bound.achat(user("Who are you?")) for _ in range(3)))
+    # calls at once never share a state: the bound one serves one, the others get their own. Three
+    # streams, each read to its first response (its state leased) before the next opens, are at
+    # once for certain (three gathered achats need not be: a short reply may end before the next
+    # call leases, which may then take the bound state, free again)
+    streams = []
+    for _ in range(3):
+        stream = await bound.astream_chat(user("Who are you?"))
+        streams.append((stream, await stream.__anext__()))
+    replies = []
+    for stream, last in streams:
+        async for last in stream:
+            pass
+        replies.append(last)
     assert len({r.raw["state_id"] for r in replies}) == 3 and "bound" in {r.raw["state_id"] for r in replies}
     assert len({r.message.content for r in replies}) == 1
 
