@@ -156,11 +156,8 @@ def load_model(model: str, device: torch.device, dtype: str, ctx: ForwardContext
         manifest = read_manifest(path)
         _load_weights(module, path, progress, manifest, quantization)
     with stages.stage("tokenizer"):
-        # a surgery checkpoint is its source with its passes (the engine adds them): states of an
-        # engine that applied them to the source at load load here, and the other way round
-        source = manifest.get("source_fingerprint") if manifest else None
         loaded = _loaded(module, args, hf_config, load_tokenizer(path), _eos_token_ids(path, hf_config),
-                         torch_dtype, source if isinstance(source, str) and source else _fingerprint(path))
+                         torch_dtype, _checkpoint_fingerprint(path, manifest, torch_dtype))
     loaded.surgery = list(manifest["passes"]) if manifest else []
     return loaded
 
@@ -473,55 +470,90 @@ def _as_ids(eos: Any) -> tuple[int, ...]:
     return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-FINGERPRINT_SAMPLES = 64  # evenly spaced runs of bytes a larger tensor's values are sampled at
+FINGERPRINT_SAMPLES = 64  # runs of bytes a larger tensor's values are sampled at, at most
+FINGERPRINT_FILE_SAMPLES = 8192  # runs a weight file at most (per-expert MoE files hold ~10^4 tensors)
 FINGERPRINT_RUN = 64  # bytes a run
 
 
 def _fingerprint(path: Path) -> str:
-    """Identifies model and tokenizer: config, tokenizer files and, of each safetensors file, its
-    header (names, shapes, dtypes, offsets), its size and samples of its values (the whole of
-    small tensors, FINGERPRINT_SAMPLES runs spread over each larger one: some hundred kilobytes
-    read, not the checkpoint's gigabytes). Two checkpoints of one architecture, or one retrained
-    or fine-tuned and saved over itself, differ in their values, so a state saved by one does not
-    load into the other; a copy of a checkpoint (a directory, or the hub cache's snapshot) is the
-    same model. An edit of a few values between the samples goes unseen."""
+    """Identifies model and tokenizer: config, tokenizer files and, of each weight file the loader
+    reads, its header (names, shapes, dtypes, offsets), its size and samples of its values (the
+    whole of tensors up to FINGERPRINT_RUN * FINGERPRINT_SAMPLES bytes, evenly spaced runs of
+    larger ones: about a megabyte read a file at most, in file order). Two checkpoints of one
+    architecture, or one retrained or fine-tuned and saved over itself, differ in their values,
+    so a state saved by one does not load into the other; a copy of a checkpoint (a directory, or
+    the hub cache's snapshot) is the same model. An edit of a few values between the samples goes
+    unseen."""
     digest = hashlib.sha256()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         file = path / name
         if file.is_file():
             digest.update(name.encode() + file.read_bytes())
-    for file in sorted(path.glob("*.safetensors")):
-        digest.update(str(file.stat().st_size).encode())
-        with file.open("rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                continue
-            (length,) = struct.unpack("<Q", head)
-            header = f.read(min(length, 100 << 20))
-            digest.update(header)
-            _sample_values(f, 8 + length, header, digest)
+    try:
+        files = _weight_files(path)
+    except CheckpointError:
+        files = []  # loading the weights says what is wrong
+    for file in files:
+        try:
+            _digest_weight_file(file, digest)
+        except (OSError, ValueError, OverflowError):
+            digest.update(b"unreadable")
     return digest.hexdigest()
 
 
-def _sample_values(f: Any, data_start: int, header: bytes, digest: Any) -> None:
-    """Feed `digest` runs of each tensor's bytes (by name, in the header's offsets); a header
-    that does not parse is left to the weight loader to report."""
+def _checkpoint_fingerprint(path: Path, manifest: dict | None, dtype: torch.dtype) -> str:
+    """A surgery checkpoint loaded in the dtype it was written in, its files as written, is its
+    source with its passes (the engine adds them): the source's fingerprint, so that states of an
+    engine that applied the passes to the source at load load here, and the other way round. In
+    another dtype (the writer's narrower one held other values than this engine's would), or
+    edited since, it is a checkpoint of its own."""
+    own = _fingerprint(path)
+    source = manifest.get("source_fingerprint") if manifest else None
+    if (isinstance(source, str) and source and manifest.get("fingerprint") == own
+            and manifest.get("dtype") == str(dtype).removeprefix("torch.")):
+        return source
+    return own
+
+
+def _digest_weight_file(file: Path, digest: Any) -> None:
+    size = file.stat().st_size
+    digest.update(str(size).encode())
+    with file.open("rb", buffering=0) as f:  # unbuffered: a run is one read, no buffer refilled around it
+        head = f.read(8)
+        if len(head) < 8:
+            return
+        (length,) = struct.unpack("<Q", head)
+        header = f.read(min(length, 100 << 20))
+        digest.update(header)
+        for offset, count in _samples(header, 8 + length, size):
+            f.seek(offset)
+            digest.update(f.read(count))
+
+
+def _samples(header: bytes, data_start: int, file_size: int) -> list[tuple[int, int]]:
+    """(file offset, bytes) of the runs `_fingerprint` reads from a safetensors file, in file
+    order; none from a header that does not parse (loading the weights reports it) nor from a
+    tensor whose bytes lie outside the file."""
     try:
         entries = json.loads(header)
     except ValueError:
-        return
+        return []
     if not isinstance(entries, dict):
-        return
-    run, samples = FINGERPRINT_RUN, FINGERPRINT_SAMPLES
+        return []
+    spans = []
     for name in sorted(k for k in entries if k != "__metadata__"):
         offsets = entries[name].get("data_offsets") if isinstance(entries[name], dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
-            continue
-        begin, end = offsets
-        size = end - begin
-        if begin < 0 or size <= 0:
-            continue
-        starts = [0] if size <= run * samples else [i * (size - run) // (samples - 1) for i in range(samples)]
-        for start in starts:
-            f.seek(data_start + begin + start)
-            digest.update(f.read(min(size, run * samples) if size <= run * samples else run))
+        if isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets):
+            begin, end = offsets
+            if 0 <= begin < end and data_start + end <= file_size:
+                spans.append((data_start + begin, end - begin))
+    run, whole = FINGERPRINT_RUN, FINGERPRINT_RUN * FINGERPRINT_SAMPLES
+    large = sum(1 for _, size in spans if size > whole)
+    per_tensor = max(2, min(FINGERPRINT_SAMPLES, FINGERPRINT_FILE_SAMPLES // max(large, 1)))
+    runs = []
+    for start, size in spans:
+        if size <= whole:
+            runs.append((start, size))
+        else:
+            runs.extend((start + i * (size - run) // (per_tensor - 1), run) for i in range(per_tensor))
+    return sorted(runs)

@@ -307,7 +307,7 @@ def llm_class() -> type:
                                 if isinstance(user_msg, str) else user_msg)
             specs = [self._tool_spec(tool) for tool in tools]
             return {"messages": messages, "tools": specs, "tool_required": tool_required,
-                    "tool_choice": tool_choice, "parallel_tool_calls": allow_parallel_tool_calls, **kwargs}
+                    "tool_choice": tool_choice, "parallel_tool_calls": bool(allow_parallel_tool_calls), **kwargs}
 
         def _validate_chat_with_tools_response(self, response: ChatResponse, tools: Sequence[Any],
                                                allow_parallel_tool_calls: bool = False,
@@ -373,8 +373,8 @@ def llm_class() -> type:
             if choice == "none":
                 tools = None
             prompt = self._chat.render_text(openai_messages(messages), tools, kwargs.get("reasoning", self.reasoning))
-            return self._call(prompt, tools, choice, kwargs,
-                              kwargs.get("parallel_tool_calls", True))
+            return self._call(prompt, tools, choice, kwargs,  # as OpenAI reads it: None is the default
+                              kwargs.get("parallel_tool_calls") is not False)
 
         def _completion_call(self, prompt: str, formatted: bool, kwargs: dict) -> _Call:
             kwargs = resolve_aliases(kwargs, "HibanaLLM.complete")

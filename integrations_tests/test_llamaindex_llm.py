@@ -200,6 +200,12 @@ def test_every_streamed_chunk_carries_the_calls_so_far(engine):
 
     single = llm.chat_with_tools(TOOLS, user_msg="What's the weather in Paris and in Oslo?")
     assert calls(llm, single) == [("get_weather", {"city": "Paris"})]  # allow_parallel_tool_calls=False
+    unset = llm.chat_with_tools(TOOLS, user_msg="What's the weather in Paris and in Oslo?",
+                                allow_parallel_tool_calls=None)  # falsy, as LlamaIndex reads it: one call
+    assert calls(llm, unset) == [("get_weather", {"city": "Paris"})]
+    both = llm.chat([ChatMessage(role="user", content="What's the weather in Paris and in Oslo?")],
+                    tools=llm._prepare_chat_with_tools(TOOLS)["tools"], parallel_tool_calls=None)
+    assert len(calls(llm, both)) == 2  # None, as OpenAI reads it: the default, calls in parallel
 
 
 def test_tool_required_forces_a_call(engine):

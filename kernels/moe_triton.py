@@ -1113,7 +1113,9 @@ def choose_tiles(tokens: int, kind: str = "dense") -> DecodeTiles | GroupedTiles
     (MXFP4) shapes. HIBANA_A8_ROWS=0 (`quant_triton.A8_MAX_ROWS`) keeps x in 16 bits here too."""
     if tokens <= DECODE_MAX_TOKENS[kind]:
         tiles = DECODE_TILES[kind]
-        return FLOAT_TILES[kind] if tiles.a8 and quant_triton.A8_MAX_ROWS == 0 else tiles
+        if tiles.a8 and quant_triton.A8_MAX_ROWS == 0:
+            return FLOAT_TILES.get(kind, tiles._replace(a8=False))
+        return tiles
     if tokens >= 256:
         return GroupedTiles(64, block_n=64, block_k=64, num_warps=4, num_stages=3)
     return GroupedTiles(16, block_n=64, block_k=128, num_warps=4, num_stages=2)

@@ -873,3 +873,21 @@ def test_progress_false_silences_the_passes_bars(tiny_checkpoints, capfd):
     Engine.from_pretrained(str(path), surgery=passes, speculation="off", num_blocks=32).close()
     err = capfd.readouterr().err
     assert "surgery w8" in err, err.replace("\r", "\n")
+
+
+def test_a_surgery_checkpoint_is_its_source_only_in_its_writers_dtype_and_as_written(tiny_checkpoints, make_engine,
+                                                                                     tmp_path):
+    """Written by a bfloat16 engine from a float32 source, the checkpoint holds what a bfloat16
+    engine applying the pass at load holds, not what a float32 one does: it shares the first's
+    fingerprint only; edited afterwards, or written by an in-memory engine, it is its own."""
+    from hibana_core.surgery import checkpoint
+
+    path = tiny_checkpoints["llama"]
+    writer = make_engine(path, dtype="bfloat16", surgery=["w8"], surgery_guard=False, speculation="off")
+    out = checkpoint.save(writer, path, tmp_path / "w8-bf16")
+    assert make_engine(out, dtype="bfloat16", speculation="off").fingerprint == writer.fingerprint
+    direct = make_engine(path, dtype="float32", surgery=["w8"], surgery_guard=False, speculation="off")
+    assert make_engine(out, dtype="float32", speculation="off").fingerprint != direct.fingerprint
+    tokenizer = out / "tokenizer_config.json"  # edited: another tokenizer, as far as anyone can tell
+    tokenizer.write_text(tokenizer.read_text().replace("}", ', "edited": 1}', 1))
+    assert make_engine(out, dtype="bfloat16", speculation="off").fingerprint != writer.fingerprint

@@ -28,6 +28,7 @@ from hibana_core.kv.layout import KVLayout
 from hibana_core.kv.sequence import page_counts
 
 FORMAT = "hibana-state/2"
+FINGERPRINT_SCHEME = "2"  # 2: fingerprints sample the weights' values (loader._fingerprint)
 _CHECKED = ("format", "fingerprint", "state_id", "tokens", "num_computed", "block_size")
 
 
@@ -117,8 +118,8 @@ def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, b
         raise StateFileError(f"cannot write the state file {str(path)!r}: {exc}") from exc
     if is_dir:
         raise StateFileError(f"{str(path)!r} is a directory; save the state to a file path in it")
-    metadata = {"format": FORMAT, "fingerprint": fingerprint, "state_id": state_id,
-                "tokens": json.dumps(list(tokens)), "num_computed": str(num_computed),
+    metadata = {"format": FORMAT, "fingerprint": fingerprint, "fingerprint_scheme": FINGERPRINT_SCHEME,
+                "state_id": state_id, "tokens": json.dumps(list(tokens)), "num_computed": str(num_computed),
                 "block_size": str(block_size)}
     if rotated_long:
         metadata["rotation"] = "long"
@@ -189,9 +190,11 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.
     if not checksum_ok:
         raise StateFileError(f"state file {path} is damaged (its checksum does not match); save the state again")
     if meta.get("fingerprint") != fingerprint:
+        older = ("; or by a Hibana from before 2026-12-04, whose fingerprints did not read the weights' values: "
+                 "compute the state again" if "fingerprint_scheme" not in meta else "")
         raise StateFileError(f"{path} was saved by another model or tokenizer, or under another dtype, kv_dtype "
                              "or surgery; load it into an engine on the same checkpoint with the same dtype, "
-                             "kv_dtype and surgery")
+                             f"kv_dtype and surgery{older}")
     if (json.loads(meta["layout"]) if "layout" in meta else None) != (layout.describe() if layout else None):
         raise StateFileError(f"{path} was saved by an engine whose layers share their KV pages otherwise (sliding "
                              "windows that max_model_len turns into full attention, or the window surgery pass): "

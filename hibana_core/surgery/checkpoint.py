@@ -72,7 +72,7 @@ def save(engine: Any, source: Path, out: Path) -> Path:
     """Write `engine`'s rewritten model (loaded from `source`) as a checkpoint in `out`."""
     from safetensors.torch import save_file
 
-    from hibana_core.loader import declared_dtype  # here: the loader reads this module's manifests
+    from hibana_core.loader import _fingerprint, declared_dtype  # here: the loader reads this module's manifests
 
     check_out(out)
     for name in _COPIED:
@@ -87,13 +87,15 @@ def save(engine: Any, source: Path, out: Path) -> Path:
         if not name.startswith(rewritten):
             tensors[name] = narrowed(tensors[name], declared)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    # the source's fingerprint: an engine on this checkpoint is the engine that wrote it (the same
-    # weights, bit for bit, with the same passes), and their states load into each other
-    manifest = {"format": FORMAT, "source": str(source), "source_fingerprint": engine.checkpoint_fingerprint,
-                "dtype": str(engine.dtype).removeprefix("torch."),
+    manifest = {"format": FORMAT, "source": str(source), "dtype": str(engine.dtype).removeprefix("torch."),
                 "passes": engine.surgery, "packed_layers": packed_layers(model),
                 "packed_experts": packed_experts(model),
                 "kv_scaled_layers": kv_scaled_layers(model), "windowed_layers": windowed_layers(model)}
+    if not engine.checkpoint_fingerprint.startswith("in-memory:"):
+        # an engine on this checkpoint in the writer's dtype is the engine that wrote it (its weights
+        # bit for bit, the same passes): it takes the source's fingerprint, and their states load
+        # into each other, while the files are as written (`fingerprint`: theirs then)
+        manifest |= {"source_fingerprint": engine.checkpoint_fingerprint, "fingerprint": _fingerprint(out)}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     # safetensors writes its file owner-only (0600): as readable as the manifest beside it, so
     # that whoever may read the checkpoint (a server under another user) can load it
@@ -121,6 +123,12 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
         manifest = json.loads(file.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{file} is damaged ({exc}); re-run `hibana surgery`") from exc
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{file} has format {manifest.get('format')!r}; this Hibana reads {FORMAT!r}")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else manifest
+        raise CheckpointError(f"{file} has format {found!r:.80}; this Hibana reads {FORMAT!r}")
+    passes = manifest.get("passes", [])
+    if not (isinstance(passes, list) and all(isinstance(r, dict) and isinstance(r.get("name"), str)
+                                             and isinstance(r.get("params", {}), dict) for r in passes)):
+        raise CheckpointError(f"{file} is damaged (its passes are not records with a name and parameters); "
+                              "re-run `hibana surgery`")
     return manifest
