@@ -524,6 +524,11 @@ class Chat:
                 # an answer in JSON follows the blank line after the think block, as a forced call does
                 grammar = turn.after_thinking(grammar, "required" if answer is not None else tool_choice,
                                               open_in_prompt)
+            if grammar is not None and prefill and grammar.get("format", {}).get("type") not in FREE_START:
+                raise ConfigError(f"prefill with {self.parser_name}'s tool-call grammar is not supported: it holds the "
+                                  "turn from its first token (a message header, a think block), and would start after "
+                                  "the prefill as if nothing were written; drop the prefill, or the tools "
+                                  "(parse_tools=False reads no calls)")
             if grammar is not None:
                 params = dataclasses.replace(params, json_schema=None, grammar=grammar)
         elif tool_choice == "none" and listed and not params.constrained:  # the model sees tools it may not call
@@ -650,6 +655,11 @@ def assistant_message(result: ChatResult) -> dict:
              "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
             for c in result.tool_calls]
     return message
+
+
+FREE_START = ("triggered_tags", "any_text")
+"""Tool-call grammars (xgrammar structural tags) that let a turn begin anywhere in free text, so
+that a prefill may come first: calls opened by a trigger (hermes' <tool_call>), or none."""
 
 
 def _check_turn_options(options: dict) -> None:

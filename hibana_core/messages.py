@@ -8,6 +8,7 @@ as OpenAI-style schemas are, the layout small models trained on read best (`clea
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
@@ -159,9 +160,31 @@ def _normalize_tool(i: int, tool: Any) -> dict:
         raise ToolSchemaError(f"tool {name!r} has parameters nesting objects and arrays more than {MAX_JSON_DEPTH} "
                               "levels deep, more than the grammar's checks take; flatten them (a $ref to a shared "
                               "definition instead of nesting it again)")
+    if parameters is not None:
+        problem = _schema_problem(json.dumps(parameters, sort_keys=True))
+        if problem:
+            raise ToolSchemaError(f"tool {name!r} has parameters that are not a valid JSON schema: {problem}; "
+                                  "write them as JSON Schema defines its keywords")
     if function.get("strict") is True and parameters is not None:
         _check_enforceable(name, parameters)
     return tool if wrapped and tool.get("type") == "function" else {"type": "function", "function": function}
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_problem(schema_json: str) -> str | None:
+    """Where a schema breaks JSON Schema's own metaschema (its draft's, by `$schema`; 2020-12 when
+    it names none), checked by jsonschema, or None: "type": "strang", "required": "x" and
+    "properties": [...] are mistakes, not keywords the grammar may leave free. (A tool's schema
+    recurs at every turn: each one checked once.)"""
+    import jsonschema
+
+    schema = json.loads(schema_json)
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    error = jsonschema.exceptions.best_match(validator(validator.META_SCHEMA).iter_errors(schema))
+    if error is None:
+        return None
+    where = "/".join(str(part) for part in error.absolute_path)
+    return f"{error.message}" + (f" (at {where})" if where else "")
 
 
 def check_enforceable(tool: Mapping) -> None:

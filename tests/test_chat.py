@@ -711,3 +711,21 @@ def test_a_plugin_tool_parser_that_is_none_or_breaks_is_a_hibana_error(engine):
     finally:
         reset_plugin_manager()
     assert Chat(engine, "after-parsers").respond(HELLO, params=SamplingParams(max_tokens=4)).usage.completion_tokens
+
+
+@pytest.mark.parametrize("parameters, says", [
+    ({"type": "object", "properties": {"x": {"type": "strang"}}, "required": ["x"]}, "at properties/x/type"),
+    ({"type": "object", "properties": {"x": {"type": "integer"}}, "required": "x"}, "'x' is not of type 'array'"),
+    ({"type": "object", "properties": [1, 2]}, "at properties"),
+    ({"type": "object", "properties": {"x": {"type": "integer", "minimum": "a"}}}, "at properties/x/minimum"),
+])
+def test_a_tool_schema_that_breaks_json_schema_is_refused(parameters, says):
+    """A mistake in a tool's schema is a ToolSchemaError saying where, not a schema the grammar
+    leaves free (the call's arguments would then ignore even its valid parts); keywords JSON
+    Schema does not define stay allowed."""
+    from hibana_core.messages import ToolSchemaError, normalize_tools
+
+    with pytest.raises(ToolSchemaError, match=f"not a valid JSON schema: .*{says}"):
+        normalize_tools([{"type": "function", "function": {"name": "f", "parameters": parameters}}])
+    ok = {"type": "object", "properties": {"x": {"type": ["string", "null"], "x-vendor": 1}}, "$defs": {}}
+    assert normalize_tools([{"type": "function", "function": {"name": "f", "parameters": ok}}])

@@ -787,3 +787,19 @@ def test_an_answer_schema_without_tools_is_the_final_message_after_the_analysis(
     chat, n = forced_chat(harmony_engine, "answer-schema", text + "<|return|>")
     result = chat.respond(HELLO, params=SamplingParams(max_tokens=n, json_schema=schema))
     assert (result.text, result.reasoning, result.error) == ('{"n": 5}', "Pick one.", None)
+
+
+def test_a_prefill_with_the_harmony_call_grammar_is_refused_and_without_tools_taken(harmony_engine):
+    """Harmony's grammar holds the turn from its first token (a message header): after a prefill
+    that opens a final message it would force a header inside the body, and its call would read as
+    text. So a prefill with tools is a ConfigError; without tools (no grammar) it continues."""
+    from hibana_core import ConfigError, SamplingParams
+    from hibana_core.chat import Chat
+    from test_chat import HELLO, WEATHER
+
+    chat = Chat(harmony_engine, "prefill-tools")
+    prefill = "<|channel|>final<|message|>Sure"
+    with pytest.raises(ConfigError, match="prefill with harmony's tool-call grammar is not supported"):
+        chat.respond(HELLO, [WEATHER], SamplingParams(max_tokens=8), prefill=prefill)
+    result = chat.respond(HELLO, None, SamplingParams(max_tokens=8), prefill=prefill)
+    assert result.error is None and not result.tool_calls
