@@ -274,8 +274,8 @@ class _Call:
         # the text as streamed: a reply without tools as generated, a malformed call as written
         if self.as_content:  # the first call's arguments are the answer
             calls = []
-            content = (json.dumps(result.tool_calls[0].arguments, ensure_ascii=False) if result.tool_calls
-                       else result.text)
+            # none (a reply cut at max_tokens: finish_reason "length"): no answer, never the call's markup
+            content = json.dumps(result.tool_calls[0].arguments, ensure_ascii=False) if result.tool_calls else ""
         else:
             content = result.text
             calls = [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in result.tool_calls]

@@ -227,6 +227,11 @@ def test_structured_output_include_raw(llm):
     assert out["raw"].tool_calls == [] and out["raw"].response_metadata["finish_reason"] == "stop"
     bound = llm.with_structured_output(Book, method="json_schema").first  # the chat model, bound
     assert list(bound.stream(BOOK))[-1].response_metadata["finish_reason"] == "stop"
+    # cut at max_tokens: no answer, with its reason, and never the call's markup as the content
+    short = ChatHibana(model="demo", max_tokens=6)
+    cut = short.with_structured_output(Book, method="json_schema", include_raw=True).invoke(BOOK)
+    assert cut["raw"].content == "" and cut["raw"].response_metadata["finish_reason"] == "length"
+    assert cut["parsed"] is None and cut["parsing_error"] is not None
 
 
 class Author(BaseModel):
