@@ -25,6 +25,7 @@ import contextlib
 import copy
 import dataclasses
 import difflib
+import functools
 import inspect
 import json
 import re
@@ -662,14 +663,21 @@ FREE_START = ("triggered_tags", "any_text")
 that a prefill may come first: calls opened by a trigger (hermes' <tool_call>), or none."""
 
 
+@functools.cache
+def _turn_option_names() -> tuple[tuple[str, ...], frozenset[str]]:
+    """`Chat.opener`'s keywords, and SamplingParams' fields (read once, not at every turn)."""
+    known = tuple(name for name, p in inspect.signature(Chat.opener).parameters.items() if p.kind is p.KEYWORD_ONLY)
+    return known, frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
 def _check_turn_options(options: dict) -> None:
     """A turn's options are `Chat.opener`'s keywords: another name is a ConfigError that says
     where it belongs (a sampling option goes in `params`), not Python's bare TypeError."""
-    known = [name for name, p in inspect.signature(Chat.opener).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    known, sampling = _turn_option_names()
     for name in options:
         if name in known:
             continue
-        if name in {f.name for f in dataclasses.fields(SamplingParams)}:
+        if name in sampling:
             raise ConfigError(f"{name!r} is a sampling option: pass params=SamplingParams({name}=...)")
         close = difflib.get_close_matches(name, known, n=1)
         raise ConfigError(f"a chat turn has no option {name!r}{f' (did you mean {close[0]!r}?)' if close else ''}; "

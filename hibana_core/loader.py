@@ -541,8 +541,8 @@ def _samples(header: bytes, data_start: int, file_size: int) -> list[tuple[int, 
     if not isinstance(entries, dict):
         return []
     spans = []
-    for name in sorted(k for k in entries if k != "__metadata__"):
-        offsets = entries[name].get("data_offsets") if isinstance(entries[name], dict) else None
+    for name, entry in entries.items():  # the runs are read in file order, whatever the header's
+        offsets = entry.get("data_offsets") if name != "__metadata__" and isinstance(entry, dict) else None
         if isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets):
             begin, end = offsets
             if 0 <= begin < end and data_start + end <= file_size:
