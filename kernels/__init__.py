@@ -11,8 +11,31 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
+import sys
+from pathlib import Path
 
-import torch
+
+def _yield_the_name() -> None:
+    """This folder imported as `kernels`: the repository's root is on sys.path (`python -m` run
+    there, pytest), and `kernels` is another project's package (Hugging Face's, which transformers
+    imports when it is installed). The import gets that package, found past this checkout, and an
+    ImportError where none is installed; Hibana's own name is `hibana_kernels`."""
+    root = Path(__file__).resolve().parent.parent
+    others = [entry for entry in sys.path if Path(entry or ".").resolve() != root]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", others)
+    if spec is None or spec.loader is None:
+        raise ModuleNotFoundError("No module named 'kernels' (this checkout's kernels/ folder is hibana_kernels)",
+                                  name="kernels")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module  # what the import statement returns, once this file is run
+    spec.loader.exec_module(module)
+
+
+if __name__ == "kernels":
+    _yield_the_name()
+
+import torch  # noqa: E402 (under `kernels`, the rest runs on a module no one holds: harmless)
 
 from hibana_kernels import activation, attention, matmul, moe, norm, quant, rotary
 from hibana_kernels.moe import MoEExperts

@@ -137,6 +137,35 @@ def test_nothing_imports_the_folders_by_their_uninstalled_names():
     assert not bad, sorted(bad)
 
 
+def test_the_kernels_folder_yields_its_name_to_the_package_installed_under_it(tmp_path):
+    """Run from the repository's root (`python -m`, pytest), `import kernels` finds this folder
+    first; it is another project's name (Hugging Face's `kernels`, which transformers imports
+    when installed): the import gets that package, or a ModuleNotFoundError where none is."""
+    other = tmp_path / "site" / "kernels"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("CUDAProperties = 'theirs'\n")
+    _run(f"""
+        import sys
+        sys.path.append({str(tmp_path / "site")!r})
+        import kernels, hibana_kernels
+        assert kernels.CUDAProperties == "theirs", kernels.__file__
+        assert hasattr(hibana_kernels, "paged_attention")
+    """)
+    _run(f"""
+        import importlib.metadata
+        try:
+            installed = bool(importlib.metadata.version("kernels"))
+        except importlib.metadata.PackageNotFoundError:
+            installed = False
+        try:
+            import kernels
+        except ModuleNotFoundError as error:
+            assert not installed and error.name == "kernels"
+        else:
+            assert installed and not kernels.__file__.startswith({str(ROOT)!r}), kernels.__file__
+    """)
+
+
 # -- installed names -------------------------------------------------------------------------------
 
 
