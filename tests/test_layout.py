@@ -146,7 +146,7 @@ def test_the_kernels_folder_yields_its_name_to_the_package_installed_under_it(tm
     (other / "__init__.py").write_text("CUDAProperties = 'theirs'\n")
     _run(f"""
         import sys
-        sys.path.append({str(tmp_path / "site")!r})
+        sys.path.insert(1, {str(tmp_path / "site")!r})  # after the root (""), before site-packages
         import kernels, hibana_kernels
         assert kernels.CUDAProperties == "theirs", kernels.__file__
         assert hasattr(hibana_kernels, "paged_attention")
