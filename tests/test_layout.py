@@ -153,6 +153,7 @@ def test_the_kernels_folder_yields_its_name_to_the_package_installed_under_it(tm
     """)
     _run(f"""
         import importlib.metadata
+        from pathlib import Path
         try:
             installed = bool(importlib.metadata.version("kernels"))
         except importlib.metadata.PackageNotFoundError:
@@ -162,7 +163,7 @@ def test_the_kernels_folder_yields_its_name_to_the_package_installed_under_it(tm
         except ModuleNotFoundError as error:
             assert not installed and error.name == "kernels"
         else:
-            assert installed and not kernels.__file__.startswith({str(ROOT)!r}), kernels.__file__
+            assert installed and Path(kernels.__file__).resolve().parent.parent != Path({str(ROOT)!r}), kernels.__file__
     """)
 
 
