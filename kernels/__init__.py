@@ -11,25 +11,47 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.machinery
 import importlib.util
 import sys
+import types
 from pathlib import Path
 
 
 def _yield_the_name() -> None:
     """This folder imported as `kernels`: the repository's root is on sys.path (`python -m` run
     there, pytest), and `kernels` is another project's package (Hugging Face's, which transformers
-    imports when it is installed). The import gets that package, found past this checkout, and an
-    ImportError where none is installed; Hibana's own name is `hibana_kernels`."""
+    imports when it is installed). The import gets that package, found past this checkout; where
+    none is installed, a module that reads as nothing installed. Hibana's own name is
+    `hibana_kernels`."""
     root = Path(__file__).resolve().parent.parent
     others = [entry for entry in sys.path if Path(entry or ".").resolve() != root]
     spec = importlib.machinery.PathFinder.find_spec("kernels", others)
     if spec is None or spec.loader is None:
-        raise ModuleNotFoundError("No module named 'kernels' (this checkout's kernels/ folder is hibana_kernels)",
-                                  name="kernels")
+        sys.modules["kernels"] = _nothing_installed()
+        return
     module = importlib.util.module_from_spec(spec)
     sys.modules["kernels"] = module  # what the import statement returns, once this file is run
     spec.loader.exec_module(module)
+
+
+def _nothing_installed() -> types.ModuleType:
+    """`kernels` where no package of that name is installed. Not an ImportError: transformers finds
+    this folder by `find_spec`, finds no metadata, and imports the name to tell an editable install
+    from a stray folder; an error there fails every model load. It takes a module with no `__file__`
+    and no `__version__` (a namespace package's reading) as nothing installed, and so does a
+    `from kernels import ...`, an ImportError here."""
+    module = types.ModuleType("kernels", "No package named 'kernels' is installed "
+                                         "(this checkout's kernels/ folder is hibana_kernels).")
+    module.__spec__ = importlib.machinery.ModuleSpec("kernels", None, is_package=True)
+    module.__path__ = []
+
+    def __getattr__(name: str):
+        raise AttributeError(f"module 'kernels' has no attribute {name!r}: no package named 'kernels' is "
+                             "installed (this checkout's kernels/ folder is hibana_kernels)")
+
+    module.__getattr__ = __getattr__
+    return module
 
 
 if __name__ == "kernels":
