@@ -138,8 +138,8 @@ def _text(message: BaseMessage, media_allowed: bool = False) -> str:
     for block in message.content:
         if isinstance(block, str):
             parts.append(block)
-        elif block.get("type") == "text" and isinstance(block.get("text", ""), str):
-            parts.append(block.get("text", ""))
+        elif block.get("type") == "text" and isinstance(block.get("text"), str):
+            parts.append(block["text"])
         elif block.get("type") in _MEDIA_BLOCKS and not media_allowed:
             raise UnsupportedContentError(
                 f"ChatHibana reads text only, and a {message.type} message holds a {block['type']!r} "

@@ -44,6 +44,7 @@ from hibana_core.chat import (Chat, ChatDelta, ChatResult, ConversationError, To
                               UnsupportedContentError, clean_tool, normalize_tool_choice, normalize_tools)
 from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError, HibanaError
+from hibana_core.messages import check_enforceable
 from hibana_plugins.hookspecs import hookimpl
 from hibana_plugins.options import SAMPLING, check_known, resolve_aliases, sampling_params
 
@@ -143,6 +144,12 @@ class _Call:
             if self.result.error:
                 raw["error"] = self.result.error
         return raw
+
+
+@functools.lru_cache(maxsize=256)
+def _check_enforceable(spec: str) -> None:
+    """`check_enforceable` on a tool spec's JSON text, once per schema (it compiles the schema)."""
+    check_enforceable(json.loads(spec))
 
 
 # --- the LlamaIndex side ------------------------------------------------------------------------------
@@ -337,6 +344,38 @@ def llm_class() -> type:
                                                 tool_kwargs=arguments))
             return selections
 
+        # --- structured output: the answer must parse into the class ----------------------------
+
+        def structured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict | None = None,
+                               **prompt_args: Any) -> Any:
+            self._check_structured(output_cls)
+            return super().structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+
+        async def astructured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict | None = None,
+                                      **prompt_args: Any) -> Any:
+            self._check_structured(output_cls)
+            return await super().astructured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+
+        def stream_structured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict | None = None,
+                                      **prompt_args: Any) -> Any:
+            self._check_structured(output_cls)
+            return super().stream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+
+        async def astream_structured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict | None = None,
+                                             **prompt_args: Any) -> Any:
+            self._check_structured(output_cls)
+            return await super().astream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+
+        def _check_structured(self, output_cls: Any) -> None:
+            """A ToolSchemaError, before any token, where the grammar cannot hold the answer to the
+            output class's schema (`maxLength` beside a `pattern`, ...): the answer must parse into
+            the class, as `ChatHibana.with_structured_output` requires. (as_structured_llm comes
+            here too: StructuredLLM calls these methods.)"""
+            from llama_index.core.program.function_program import get_function_tool
+
+            spec = self._tool_spec(get_function_tool(output_cls))
+            _check_enforceable(json.dumps(spec, sort_keys=True, default=str))
+
         def _tool_spec(self, tool: Any) -> dict:
             """The tool as an OpenAI function schema; a tool LlamaIndex cannot describe (no JSON schema
             for an argument's type, or no tool at all) is a ToolSchemaError."""
@@ -370,8 +409,8 @@ def llm_class() -> type:
             if kwargs.get("tool_required") and choice in (None, "auto"):
                 choice = "required"
             choice = normalize_tool_choice(choice, tools)
-            if choice == "none":
-                tools = None
+            # "none": the tools stay listed in the prompt, as OpenAI keeps them; the chat layer's
+            # grammar keeps the model from calling them
             prompt = self._chat.render_text(openai_messages(messages), tools, kwargs.get("reasoning", self.reasoning))
             return self._call(prompt, tools, choice, kwargs,  # as OpenAI reads it: None is the default
                               kwargs.get("parallel_tool_calls") is not False)

@@ -222,6 +222,20 @@ def test_tool_required_forces_a_call(engine):
     assert len(calls(llm, streamed[-1])) == 1
 
 
+def test_tool_choice_none_keeps_the_tools_in_the_prompt_and_never_opens_a_call(engine):
+    """As OpenAI's "none" and ChatHibana's: the prompt is the one with the tools (the turn's
+    prompt tokens equal "auto"'s), and the grammar keeps the model from writing a call, which it
+    otherwise opens on this question (a new user's trial: "none" dropped the tools, and the reply
+    held `<tool_call>` markup)."""
+    llm = HibanaLLM(engine=engine, max_tokens=48)
+    question = "What is 2 plus 3?"
+    auto = llm.chat_with_tools(TOOLS, user_msg=question)
+    none = llm.chat_with_tools(TOOLS, user_msg=question, tool_choice="none")
+    assert calls(llm, auto), "the demo model calls a tool here; the check below needs it"
+    assert none.additional_kwargs["prompt_tokens"] == auto.additional_kwargs["prompt_tokens"]
+    assert calls(llm, none) == [] and "<tool_call>" not in none.message.content, none.message.content
+
+
 def test_forced_call_has_the_schemas_keys(engine):
     """A forced call on a flat schema is written around the model's values: whatever the model
     makes of the question, the call parses and has every required key (guided_tool_arguments)."""
@@ -276,6 +290,32 @@ async def test_structured_output_holds_full_schemas(engine):
     assert isinstance(shelf, Shelf)
     response = llm.as_structured_llm(Shelf).chat(user(text))
     assert isinstance(response.raw, Shelf) and response.raw.genre in ("fiction", "history", "science")
+
+
+class Code(BaseModel):
+    """A code of capital letters."""
+    code: str = Field(pattern=r"^[A-Z]+$", max_length=2)
+
+
+async def test_structured_output_refuses_a_schema_the_grammar_cannot_hold(engine):
+    """The answer must parse into the class: a keyword the grammar would drop (maxLength beside a
+    pattern) is a ToolSchemaError before any token, as ChatHibana's with_structured_output has it,
+    for every structured entry point (a new user's trial: 12 of 12 answers broke maxLength and
+    failed LlamaIndex's parsing with a ValueError)."""
+    from hibana_core.chat import ToolSchemaError
+
+    llm = HibanaLLM(engine=engine, max_tokens=16)
+    prompt = PromptTemplate("{text}")
+    with pytest.raises(ToolSchemaError, match="maxLength beside pattern"):
+        llm.structured_predict(Code, prompt, text="code?")
+    with pytest.raises(ToolSchemaError):
+        await llm.astructured_predict(Code, prompt, text="code?")
+    with pytest.raises(ToolSchemaError):
+        llm.stream_structured_predict(Code, prompt, text="code?")
+    with pytest.raises(ToolSchemaError):
+        await llm.astream_structured_predict(Code, prompt, text="code?")
+    with pytest.raises(ToolSchemaError):
+        llm.as_structured_llm(Code).chat(user("code?"))
 
 
 # --- which state serves a call ------------------------------------------------------------------------

@@ -1113,12 +1113,16 @@ def choose_tiles(tokens: int, kind: str = "dense") -> DecodeTiles | GroupedTiles
     (MXFP4) shapes. HIBANA_A8_ROWS=0 (`quant_triton.A8_MAX_ROWS`) keeps x in 16 bits here too."""
     if tokens <= DECODE_MAX_TOKENS[kind]:
         tiles = DECODE_TILES[kind]
-        if tiles.a8 and quant_triton.A8_MAX_ROWS == 0:
-            return FLOAT_TILES.get(kind, tiles._replace(a8=False))
-        return tiles
+        return _float_x(tiles, kind) if tiles.a8 and quant_triton.A8_MAX_ROWS == 0 else tiles
     if tokens >= 256:
         return GroupedTiles(64, block_n=64, block_k=64, num_warps=4, num_stages=3)
     return GroupedTiles(16, block_n=64, block_k=128, num_warps=4, num_stages=2)
+
+
+def _float_x(tiles: DecodeTiles, kind: str) -> DecodeTiles:
+    """Decode tiles measured with int8 x, for x kept in floats: the float GEMV's own
+    (`FLOAT_TILES`) where they were measured apart, the same tiles otherwise."""
+    return FLOAT_TILES.get(kind, tiles._replace(a8=False))
 
 
 def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor, ids: torch.Tensor,
@@ -1159,8 +1163,8 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
                   and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0)
         a8 = (tiles.a8 and experts.kind == "mxfp4" and x.dtype in (torch.bfloat16, torch.float16)
               and h % moe.MXFP4_BLOCK == 0 and inter % moe.MXFP4_BLOCK == 0)
-        if tiles.a8 and not a8 and experts.kind in FLOAT_TILES:
-            tiles = FLOAT_TILES[experts.kind]
+        if tiles.a8 and not a8:
+            tiles = _float_x(tiles, experts.kind)
         q13, d13 = quant_triton.quantize_a8(x, quant_triton.A8_HALVES) if a8 else (x, x)
         asm = x.device.type == "cuda"
         # the down projection's own tiles where its rows take at most 4 of their steps (as measured:

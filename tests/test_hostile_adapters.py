@@ -545,8 +545,9 @@ def test_langchain_options_and_tools_of_the_wrong_kind(engine):
             llm.invoke("hi", stop=stop)
     with pytest.raises(ToolSchemaError, match="tool 0"):
         llm.bind_tools([5])
-    with pytest.raises(ConversationError, match="block"):
-        llm.invoke([HumanMessage([{"type": "text", "text": 7}])])
+    for block in ({"type": "text", "text": 7}, {"type": "text"}, {"type": "text", "content": "hi"}):
+        with pytest.raises(ConversationError, match="block"):
+            llm.invoke([HumanMessage([block])])
 
 
 def test_langchain_structured_output_refusals_are_hibana_errors(engine):
