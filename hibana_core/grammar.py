@@ -422,7 +422,8 @@ def _opened(schema: Any) -> Any:
     """`schema` with `additionalProperties: true` on each object that leaves it out yet asks for
     more keys (minProperties) than it declares. xgrammar's strict mode, which keeps an object to
     its declared keys where additionalProperties is left out (as OpenAI's strict outputs do),
-    refuses such a schema, which JSON Schema's default (open objects) satisfies."""
+    refuses such a schema, which JSON Schema's default (open objects) satisfies. A `oneOf` is
+    written `anyOf`, as xgrammar holds it anyway (it says so on stderr at every compile)."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -441,6 +442,8 @@ def _opened(schema: Any) -> Any:
     if (isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > declared
             and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & schema.keys()):
         out["additionalProperties"] = True
+    if "oneOf" in out and "anyOf" not in out:  # held as anyOf (README), without xgrammar's stderr warning
+        out["anyOf"] = out.pop("oneOf")
     return out
 
 

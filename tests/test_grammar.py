@@ -1089,3 +1089,13 @@ def test_options_that_contradict_the_tool_choice_or_the_prefill_are_refused(engi
     with pytest.raises(ConfigError, match="prefill with a grammar"):
         chat.respond(hi, tools, SamplingParams(max_tokens=8), prefill="<tool_call>\n", tool_choice="required")
     # with "auto" a prefill stays allowed (tests/test_chat.py forces a call by prefilling its opening)
+
+
+def test_one_of_compiles_as_any_of_without_xgrammar_warning_on_stderr(capfd):
+    """oneOf is held as anyOf (README); handed over as anyOf, xgrammar compiles it without its
+    C++ warning, which pydantic's unions printed on stderr at every call."""
+    from hibana_core.grammar import json_schema_grammar
+
+    json_schema_grammar({"type": "object", "required": ["a"],
+                         "properties": {"a": {"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 3}]}}})
+    assert "oneOf" not in capfd.readouterr().err
