@@ -143,8 +143,7 @@ def run_entry_point_command(name: str, argv: list[str]) -> int:
 def run_surgery(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from hibana_core import ConfigError, Engine, HibanaError, SurgeryGuardError
-    from hibana_core.loader import resolve_checkpoint
+    from hibana_core import HibanaError
     from hibana_core.surgery import checkpoint
 
     text = args.passes.strip()
@@ -161,6 +160,7 @@ def run_surgery(args: argparse.Namespace) -> int:
     if args.force:
         passes = [{**({"name": p} if isinstance(p, str) else p), "force": True} if isinstance(p, (str, dict)) else p
                   for p in passes]  # what is neither the engine refuses, saying what a pass is
+    made = bool(args.out) and not Path(args.out).exists()
     try:
         if args.out:  # before the minutes of loading, surgery and guard
             checkpoint.check_out(Path(args.out))
@@ -168,13 +168,28 @@ def run_surgery(args: argparse.Namespace) -> int:
         print(f"hibana surgery: --out: {exc}", file=sys.stderr)
         return 2
     try:
+        return _surgery_run(args, passes)
+    finally:  # a run that wrote nothing leaves no directory it made behind
+        if made and Path(args.out).is_dir() and not any(Path(args.out).iterdir()):
+            Path(args.out).rmdir()
+
+
+def _surgery_run(args: argparse.Namespace, passes: list) -> int:
+    """`hibana surgery` after its options are checked: load with the passes, report, write."""
+    from pathlib import Path
+
+    from hibana_core import ConfigError, Engine, HibanaError, SurgeryGuardError
+    from hibana_core.loader import resolve_checkpoint
+    from hibana_core.surgery import checkpoint
+
+    try:
         engine = Engine.from_pretrained(args.model, surgery=passes, speculation="off", device=args.device,
                                         dtype=args.dtype, surgery_guard=not args.no_guard,
                                         surgery_guard_text=args.guard_text, num_blocks=16)
         with engine:
             for record in engine.surgery:
                 saved = record.get("bytes_before", 0) - record.get("bytes_after", 0)
-                what = f"{saved / 1e6:,.1f} MB saved"
+                what = f"{saved / 1e6:,.1f} MB less in memory ({str(engine.dtype).removeprefix('torch.')} weights)"
                 if "kv_bytes_per_token_after" in record:  # kv8: the weights stay, the KV shrinks
                     what = (f"KV bytes per token {record['kv_bytes_per_token_before']:,} -> "
                             f"{record['kv_bytes_per_token_after']:,}")
@@ -198,8 +213,11 @@ def run_surgery(args: argparse.Namespace) -> int:
                                                                if "guard" in record else ""))
             print(f"model bytes now {engine.weight_bytes / 1e6:,.1f} MB")
             if args.out:
-                out = checkpoint.save(engine, resolve_checkpoint(args.model), Path(args.out))
-                print(f"wrote {out} (load it as any checkpoint: Engine.from_pretrained({str(out)!r}))")
+                source = resolve_checkpoint(args.model)
+                out = checkpoint.save(engine, source, Path(args.out))
+                sizes = [sum(f.stat().st_size for f in d.glob("*.safetensors")) for d in (out, source)]
+                print(f"wrote {out}, {sizes[0] / 1e6:,.1f} MB of weights (the source's: {sizes[1] / 1e6:,.1f} MB; load it "
+                      f"as any checkpoint: Engine.from_pretrained({str(out)!r}))")
     except SurgeryGuardError as exc:  # its advice is the Python form: say the command's too
         print(f"hibana surgery: {exc}\n(here: add --force to keep every pass over its floors)", file=sys.stderr)
         return 1

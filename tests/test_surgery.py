@@ -288,10 +288,17 @@ class _Halve:
 
 @contextlib.contextmanager
 def registered_pass(name, surgery_pass):
+    with registered_passes({name: surgery_pass}):
+        yield
+
+
+@contextlib.contextmanager
+def registered_passes(passes):
     class Plugin:
         @hookimpl
         def register_surgery_passes(self, register):
-            register(name, surgery_pass)
+            for name, surgery_pass in passes.items():
+                register(name, surgery_pass)
 
     reset_plugin_manager()
     get_plugin_manager().register(Plugin(), name="hibana-test-surgery")
@@ -520,6 +527,45 @@ def test_a_pass_that_raises_is_a_hibana_error_naming_it(tiny_checkpoints, make_e
             make_engine(tiny_checkpoints["llama"], surgery=["lost"], surgery_guard=False)
 
 
+class _Nothing:
+    """A pass that changes nothing, with floors nothing but the unmodified model meets."""
+
+    floors = {"ppl_ratio": 1.0001, "top1_agreement": 0.9999}
+
+    def apply(self, model, params):
+        return {}
+
+
+def test_a_pass_after_a_forced_one_is_held_to_its_own_cost(tiny_checkpoints, make_engine):
+    """The floors bound what a pass itself costs: after a forced pass that costs much, a pass
+    that costs nothing is kept, whatever the order (a new user's trial: w4 forced, then kv8,
+    refused kv8 for w4's cost; kv8 then w4 was kept)."""
+    path = tiny_checkpoints["llama"]
+    halve = _Halve()
+    halve.floors = {"top1_agreement": 1.0001}
+    with registered_passes({"halve_norms": halve, "nothing": _Nothing()}):
+        for order in (["halve_norms", "nothing"], ["nothing", "halve_norms"]):
+            passes = [{"name": name, "force": True} if name == "halve_norms" else name for name in order]
+            engine = make_engine(path, surgery=passes, speculation="off")
+            records = {r["name"]: r["guard"] for r in engine.surgery}
+            assert records["halve_norms"]["decision"].startswith("forced: ")
+            assert records["nothing"]["decision"] == "ok", records["nothing"]
+            later = records[order[1]]
+            assert later["own_cost"]["after"] == [order[0]] and "own_cost" not in records[order[0]]
+            if order[1] == "nothing":  # cumulative: halve's cost; its own: none
+                assert later["top1_agreement"] < 1 and later["own_cost"]["top1_agreement"] == 1.0
+                assert later["own_cost"]["ppl_ratio"] == pytest.approx(1.0)
+            else:  # after a pass that changed nothing, its own cost is its cumulative one
+                assert later["own_cost"]["top1_agreement"] == later["top1_agreement"] < 1
+        # and a pass whose own cost is over its floors after another is still refused
+        harsh = _Halve()
+        harsh.floors = {"top1_agreement": 1.0001}
+    with registered_passes({"nothing": _Nothing(), "halve_norms": harsh}):
+        with pytest.raises(SurgeryGuardError, match=r"(?s)'halve_norms' costs more.*against the model nothing "
+                                                    r"left.*halve_norms's own cost"):
+            make_engine(path, surgery=["nothing", "halve_norms"], speculation="off")
+
+
 def test_guard_refuses_a_pass_over_its_floors_unless_forced(tiny_checkpoints, make_engine, tmp_path):
     path = tiny_checkpoints["llama"]
     harsh = _Halve()
@@ -643,6 +689,11 @@ def test_a_checkpoint_written_from_a_float32_engine_keeps_the_sources_bfloat16(m
     assert dtypes["model.embed_tokens.weight"] == "BF16" and dtypes["model.norm.weight"] == "BF16"
     assert {dtypes[n] for n in dtypes if n.endswith("qweight")} == {"I8"}
     assert {dtypes[n] for n in dtypes if n.endswith("scales")} == {"F32"}  # as the kernels read them
+    kv8 = tmp_path / "kv8"  # its scales are buffers; the attention weights stay the source's
+    assert main(["surgery", "demo", "--passes", "kv8", "--out", str(kv8), "--no-guard", "--device", "cpu"]) == 0
+    with safe_open(str(kv8 / "model.safetensors"), "pt") as f:
+        kept = {name: f.get_slice(name).get_dtype() for name in f.keys() if not name.endswith("kv_scale")}
+    assert set(kept.values()) == {"BF16"}, {n: d for n, d in kept.items() if d != "BF16"}
     direct = make_engine(DEMO_MODEL_DIR, surgery=["w8"], speculation="off", surgery_guard=False)
     saved = make_engine(out, speculation="off")
     prompt = random_tokens(random.Random(10), 40)
@@ -702,15 +753,26 @@ def test_hibana_surgery_writes_a_checkpoint_that_loads_with_its_passes(arch, pas
         make_engine(out)
 
 
-def test_hibana_surgery_reports_a_refusal(tiny_checkpoints, capsys):
+def test_hibana_surgery_reports_a_refusal(tiny_checkpoints, capsys, tmp_path):
+    """A refusal is exit 1 with the guard's advice, and leaves no --out directory it made behind
+    (a new user's trial found empty ones after refusals, unknown passes and a second w8)."""
     from hibana_core.cli import main
 
     halve = _Halve()
     halve.floors = {"top1_agreement": 1.0001}  # nothing passes this
     with registered_pass("halve_norms", halve):
-        assert main(["surgery", str(tiny_checkpoints["llama"]), "--passes", "halve_norms", "--device", "cpu"]) == 1
+        assert main(["surgery", str(tiny_checkpoints["llama"]), "--passes", "halve_norms", "--device", "cpu",
+                     "--out", str(tmp_path / "refused")]) == 1
         err = capsys.readouterr().err
         assert "costs more quality than its floors allow" in err and "add --force" in err
+        assert not (tmp_path / "refused").exists()
+        assert main(["surgery", str(tiny_checkpoints["llama"]), "--passes", "w3", "--device", "cpu",
+                     "--out", str(tmp_path / "unknown")]) == 2
+        assert not (tmp_path / "unknown").exists()
+        (tmp_path / "mine").mkdir()  # made by the user: stays
+        assert main(["surgery", str(tiny_checkpoints["llama"]), "--passes", "w3", "--device", "cpu",
+                     "--out", str(tmp_path / "mine")]) == 2
+        assert (tmp_path / "mine").is_dir()
         assert main(["surgery", str(tiny_checkpoints["llama"]), "--passes", "halve_norms", "--device", "cpu",
                      "--force"]) == 0
         assert "guard: forced" in capsys.readouterr().out

@@ -80,10 +80,12 @@ def save(engine: Any, source: Path, out: Path) -> Path:
             shutil.copy2(source / name, out / name)
     model = engine.model
     declared = declared_dtype(engine.hf_config)
-    rewritten = tuple(f"{name}." for name in [*packed_layers(model), *packed_experts(model), *kv_scaled_layers(model)])
+    rewritten = tuple(f"{name}." for name in [*packed_layers(model), *packed_experts(model)])
     tensors = {name: t.detach().contiguous().cpu() for name, t in
                [*model.named_parameters(), *model.named_buffers()]}  # tied parameters once
-    for name, _ in model.named_parameters():  # the weights no pass rewrote, at their own size
+    # the weights no pass packed, at their own size where that holds them exactly (kv8's layers
+    # too: their scales are buffers, kept in the kernels' dtype, their weights are the source's)
+    for name, _ in model.named_parameters():
         if not name.startswith(rewritten):
             tensors[name] = narrowed(tensors[name], declared)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -251,36 +251,62 @@ def measure_reference(scorer: Scorer, documents: list[list[int]], progress: bool
                       calls: ToolCalls | None = None) -> Reference:
     reference = Reference(documents)
     for doc in progress_bar(documents, desc="guard: unmodified model", unit="doc", disable=not progress, leave=False):
-        log_probs = scorer.log_probs(doc).cpu()
-        reference.nll.append(-log_probs.gather(1, torch.tensor(doc[1:])[:, None])[:, 0])
-        reference.top1.append(log_probs.argmax(-1))
-        reference.log_probs.append(log_probs.half())
-        reference.continuations.append(scorer.greedy(doc[:OPENING], CONTINUATION))
+        _keep(reference, scorer, doc, scorer.log_probs(doc).cpu())
     if calls is not None:
         reference.tool_calls = calls.validity(scorer)
     return reference
 
 
+def _keep(reference: Reference, scorer: Scorer, doc: list[int], log_probs: torch.Tensor) -> None:
+    """One document's figures of the model `scorer` runs, added to `reference`."""
+    reference.nll.append(-log_probs.gather(1, torch.tensor(doc[1:])[:, None])[:, 0])
+    reference.top1.append(log_probs.argmax(-1))
+    reference.log_probs.append(log_probs.half())
+    reference.continuations.append(scorer.greedy(doc[:OPENING], CONTINUATION))
+
+
 def compare(scorer: Scorer, reference: Reference, progress: bool, desc: str = "guard",
             calls: ToolCalls | None = None) -> GuardReport:
-    nll_ref = nll_new = kl = agree = 0.0
+    """The model `scorer` runs, measured against `reference`."""
+    return measure(scorer, [reference], progress, desc, calls)[0][0]
+
+
+def measure(scorer: Scorer, references: Sequence[Reference], progress: bool, desc: str = "guard",
+            calls: ToolCalls | None = None, keep: bool = False) -> tuple[list[GuardReport], Reference | None]:
+    """The model `scorer` runs, measured against each of `references` in one pass over the
+    documents, and with `keep` its own figures as a Reference (for the next pass's own cost). A
+    reference after the first gives its log-probabilities up as the sweep passes them, so at most
+    two documents' sets of them are held beyond the first reference."""
+    documents = references[0].documents
+    sums = [dict(nll_ref=0.0, nll_new=0.0, kl=0.0, agree=0.0, divergences=[]) for _ in references]
+    kept = Reference(documents) if keep else None
     positions = 0
-    divergences = []
-    r = reference
-    for i, doc in enumerate(progress_bar(r.documents, desc=desc, unit="doc", disable=not progress, leave=False)):
+    for i, doc in enumerate(progress_bar(documents, desc=desc, unit="doc", disable=not progress, leave=False)):
         new_lp = scorer.log_probs(doc).cpu()
-        ref = r.log_probs[i].float()
-        nll_ref += r.nll[i].sum().item()
-        nll_new -= new_lp.gather(1, torch.tensor(doc[1:])[:, None]).sum().item()
-        kl += (ref.exp() * (ref - new_lp)).sum().item()
-        agree += (r.top1[i] == new_lp.argmax(-1)).sum().item()
-        cont = r.continuations[i]
+        nll_new = -new_lp.gather(1, torch.tensor(doc[1:])[:, None]).sum().item()
+        top1 = new_lp.argmax(-1)
         positions += len(doc) - 1
-        forced = scorer.forced_greedy(doc[:OPENING], cont)
-        divergences.append(next((i for i, (a, b) in enumerate(zip(forced, cont)) if a != b), len(cont)))
-    return GuardReport(math.exp((nll_new - nll_ref) / positions), kl / positions, agree / positions,
-                       sum(divergences) / len(divergences), positions,
-                       None if calls is None else calls.validity(scorer), reference.tool_calls)
+        for j, (r, total) in enumerate(zip(references, sums)):
+            ref = r.log_probs[i].float()
+            if j:
+                r.log_probs[i] = None  # an earlier pass's model: read once
+            total["nll_ref"] += r.nll[i].sum().item()
+            total["nll_new"] += nll_new
+            total["kl"] += (ref.exp() * (ref - new_lp)).sum().item()
+            total["agree"] += (r.top1[i] == top1).sum().item()
+            cont = r.continuations[i]
+            forced = scorer.forced_greedy(doc[:OPENING], cont)
+            total["divergences"].append(next((k for k, (a, b) in enumerate(zip(forced, cont)) if a != b), len(cont)))
+        if kept is not None:
+            _keep(kept, scorer, doc, new_lp)
+    valid = None if calls is None else calls.validity(scorer)
+    if kept is not None:
+        kept.tool_calls = valid
+    reports = [GuardReport(math.exp((t["nll_new"] - t["nll_ref"]) / positions), t["kl"] / positions,
+                           t["agree"] / positions, sum(t["divergences"]) / len(t["divergences"]), positions,
+                           valid, r.tool_calls)
+               for r, t in zip(references, sums)]
+    return reports, kept
 
 
 def violations(report: GuardReport, floors: dict[str, float]) -> list[str]:
@@ -313,8 +339,11 @@ def table(rows: list[tuple[str, GuardReport, str]]) -> str:
 
 class Guard:
     """Measures the unmodified model once (`measure_reference`, which the passes' runner calls
-    after every pass has said it applies and before the first one changes the model), then each
-    pass's cumulative effect against it. `source` names what the documents are
+    after every pass has said it applies and before the first one changes the model), then after
+    each pass its cumulative effect against it (the record's and the table's figures) and, for a
+    pass after others, its own cost: against the model the earlier passes left, which is what
+    the pass's floors bound (a forced w4 before kv8 does not make kv8 over its floors, and the
+    order of passes does not decide which are kept). `source` names what the documents are
     (`heldout_source`); each record and the table say it."""
 
     def __init__(self, scorer: Scorer, documents: list[list[int]], progress: bool, tokenizer: Any = None,
@@ -325,6 +354,8 @@ class Guard:
         self.scorer, self.progress, self.source, self.documents = scorer, progress, source, documents
         self.calls = ToolCalls(tokenizer, documents)
         self.reference: Reference | None = None
+        self.before: Reference | None = None  # the model after the passes checked so far
+        self.passes: list[str] = []           # those passes
         self.rows: list[tuple[str, GuardReport, str]] = []
 
     def measure_reference(self) -> None:
@@ -332,25 +363,45 @@ class Guard:
         if self.reference is None:
             self.reference = measure_reference(self.scorer, self.documents, self.progress, self.calls)
 
-    def check(self, name: str, surgery_pass: Any, force: bool) -> dict[str, Any]:
+    def check(self, name: str, surgery_pass: Any, force: bool, last: bool = True) -> dict[str, Any]:
+        """The pass's record figures; a SurgeryGuardError where its own cost is over its floors
+        and it is not forced. `last`: no pass follows (its model's figures need not be kept)."""
         if self.reference is None:
             raise RuntimeError("Guard.check before measure_reference: the reference must be the unmodified model")
-        report = compare(self.scorer, self.reference, self.progress, desc=f"guard: after {name}", calls=self.calls)
+        references = [self.reference] if self.before is None else [self.reference, self.before]
+        reports, self.before = measure(self.scorer, references, self.progress, desc=f"guard: after {name}",
+                                       calls=self.calls, keep=not last)
+        report, own = reports[0], reports[-1]
         floors = dict(getattr(surgery_pass, "floors", {}) or {})
-        broken = violations(report, floors)
+        broken = violations(own, floors)
         decision = "ok" if not broken else ("forced: " if force else "refused: ") + "; ".join(broken)
-        self.rows.append((name, report, decision))
+        after = " + ".join(self.passes)
+        if after:
+            self.rows += [(f"{name} (after {after})", report, ""), (f"  {name}'s own cost", own, decision)]
+        else:
+            self.rows.append((name, report, decision))
         if broken and not force:
+            against = f"the model {after} left" if after else "the unmodified model"
             raise SurgeryGuardError(
                 f"surgery pass {name!r} costs more quality than its floors allow ({'; '.join(broken)}), "
-                f"measured on {report.tokens} tokens of {self.source} against the unmodified model:\n"
-                f"{table(self.rows)}\nuse a gentler pass (e.g. w8, or w4 with a smaller group_size), "
+                f"measured on {report.tokens} tokens of {self.source} against {against}:\n"
+                f"{table(self.rows)}\n{_advice(surgery_pass)}, "
                 f"or force it: surgery=[{{'name': {name!r}, 'force': True}}]")
-        return {**report.as_dict(), "text": self.source, "floors": floors, "decision": decision}
+        self.passes.append(name)
+        record = {**report.as_dict(), "text": self.source, "floors": floors, "decision": decision}
+        if after:
+            record["own_cost"] = {**own.as_dict(), "after": list(self.passes[:-1])}
+        return record
 
     def summary(self) -> str:
         tokens = sum(len(d) - 1 for d in self.documents)
         return f"surgery guard, {tokens} tokens of {self.source}:\n{table(self.rows)}"
+
+
+def _advice(surgery_pass: Any) -> str:
+    """What to do about a refused pass: its own `advice` where it gives one."""
+    advice = getattr(surgery_pass, "advice", None)
+    return advice if isinstance(advice, str) and advice else "leave the pass out"
 
 
 def scorer_length(documents: list[list[int]]) -> int:

@@ -36,6 +36,8 @@ class WeightQuantPass:
         self.bits = bits
         # the guard's default floors (hibana_core.surgery.guard): int8 should be all but free
         self.floors = {"ppl_ratio": 1.005} if bits == 8 else {"ppl_ratio": 1.05, "top1_agreement": 0.93}
+        self.advice = ("keep the output head dense (lm_head: 'dense'), or the weights (leave w8 out)" if bits == 8
+                       else "use a gentler pass (w8, or w4 with a smaller group_size)")
 
     def check(self, params: dict[str, Any]) -> dict[str, Any]:
         """The parameters with their defaults (w4: group_size 128, clip true; both: lm_head "int8",
@@ -164,6 +166,7 @@ class KVQuantPass:
         # of ~1.005, top-1 agreement ~97% and mean KL ~0.005 (any margin, any power of two: the
         # rounding, not the range, is the cost); between w8's floor and w4's
         self.floors = {"ppl_ratio": 1.02, "top1_agreement": 0.95}
+        self.advice = "keep the KV cache in the model's dtype (leave kv8 out)"
 
     def refuse(self, model: "torch.nn.Module", params: dict[str, Any]) -> None:
         """A ConfigError for parameters, a model without attention layers that take KV scales, a

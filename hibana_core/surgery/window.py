@@ -42,6 +42,7 @@ class SinkWindowPass:
 
     def __init__(self) -> None:
         self.floors = {"ppl_ratio": 1.05, "top1_agreement": 0.93}  # as w4's: a visible but bounded cost
+        self.advice = "switch fewer layers (a smaller layers share) or widen the window"
 
     def check(self, params: dict[str, Any]) -> dict[str, Any]:
         unknown = set(params) - set(DEFAULTS)
