@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import gc
 import logging
+import math
 import os
 import shutil
 import sys
@@ -393,7 +394,7 @@ class Engine:
             layout = self.kv_layout
             return -(-cache.num_blocks * layout.num_layers // layout.page_layers) + layout.windowed
         if cache.memory_budget is not None:
-            return self._blocks_in_budget(per_block, weight_bytes)
+            return self._blocks_in_budget(per_block, weight_bytes, kv_dtype)
         if self.device.type == "cuda":  # a fraction of what is free, never the workspace's share
             free = self.device_memory.free
             kv_bytes = min(int(free * cache.memory_fraction), free - self.workspace_bytes)
@@ -408,37 +409,61 @@ class Engine:
                                     "set memory_budget / kv_device_blocks")
         return kv_bytes // per_block
 
-    def _blocks_in_budget(self, per_block: int, weight_bytes: int) -> int:
-        """KV blocks that fit the budget once the weights, the workspace and a draft model (its
-        checkpoint's bytes, and its KV: a share of the target's) are counted."""
+    def _blocks_in_budget(self, per_block: int, weight_bytes: int, kv_dtype: torch.dtype) -> int:
+        """KV blocks that fit the budget once the weights, the workspace and a drafter's own model
+        (`_draft_reserve`: its weights, and its KV, which is sized from the target's) are counted."""
         memory, given = self.device_memory, self.config.cache.memory_budget
         budget = self.memory_budget = memory.resolve(given)
         if budget > memory.total:
             raise MemoryBudgetError(f"memory_budget={given!r} ({budget:,} bytes) is more than the "
                                     f"{memory.total:,} bytes of {self.device}; lower it, or give a fraction")
-        draft_bytes, draft_share = self._draft_model_reserve()
+        draft_bytes, draft_least, draft_share = self.draft_reserve = self._draft_reserve(kv_dtype)
         fixed = weight_bytes + self.workspace_bytes + draft_bytes
         if memory.unified:  # a host tier asked for lives in the same memory
             fixed += self.config.cache.host_kv_bytes or 0
-        kv_bytes = int((budget - fixed) / (1 + draft_share))
+        # the drafter's KV is max(share x the target's, least): kv + that fits what is left
+        left = budget - fixed
+        kv_bytes = int(min(left / (1 + draft_share), left - draft_least))
         if kv_bytes < 2 * per_block:
             parts = f"weights {weight_bytes:,}, workspace {self.workspace_bytes:,}"
-            parts += f", draft model {draft_bytes:,}" if draft_bytes else ""
+            if draft_bytes or draft_least:
+                parts += (f", the {self.config.speculation.method} drafter's weights {draft_bytes:,} and KV "
+                          f"(one full-context sequence at least: {draft_least:,})")
+            least = fixed + max(math.ceil(2 * per_block * (1 + draft_share)), 2 * per_block + draft_least)
             raise MemoryBudgetError(
                 f"memory_budget={given!r} ({budget:,} bytes) cannot hold {parts} bytes and two KV blocks "
-                f"({2 * per_block:,} bytes); raise it to at least {fixed + 2 * per_block:,} bytes, lower "
+                f"({2 * per_block:,} bytes); raise it to at least {least:,} bytes, lower "
                 "max_num_batched_tokens / max_concurrent_agents (the workspace), or pick a smaller model")
         return kv_bytes // per_block
 
-    def _draft_model_reserve(self) -> tuple[int, float]:
-        """(bytes, KV share) the draft model of `speculation` will take; (0, 0) without one."""
+    def _draft_reserve(self, kv_dtype: torch.dtype) -> tuple[int, int, float]:
+        """(weight bytes, least KV bytes, KV share) of the drafter `speculation` names when it runs a
+        model of its own (a draft model, the layer-skip self-draft), for the budget to count: the
+        draft's weights as they will load (the engine's dtype: a bfloat16 draft on the CPU takes
+        float32's bytes; a quantized one counted dense, at most what it takes), and its KV as
+        `DraftModelDrafter` sizes it, `DRAFT_KV_SHARE` of the target's and at least one full-context
+        sequence. (0, 0, 0.0) for drafters without one."""
         spec = self.config.speculation
-        if not spec.enabled or spec.method != "draft_model" or not spec.draft_model:
-            return 0, 0.0
-        from hibana_core.loader import checkpoint_bytes
+        if not spec.enabled or spec.method not in ("draft_model", "layer_skip"):
+            return 0, 0, 0.0
         from hibana_core.speculation.draft_model import DRAFT_KV_SHARE
 
-        return checkpoint_bytes(spec.draft_model), DRAFT_KV_SHARE
+        if spec.method == "draft_model":
+            if not spec.draft_model:
+                return 0, 0, 0.0  # the drafter refuses it, saying what to give
+            from hibana_core.loader import planned_model
+
+            weights, args = planned_model(spec.draft_model, self.dtype)
+            layers, kv_dtype = args.num_layers, self.dtype
+        else:  # the target's own weights, a share of its layers
+            from hibana_core.surgery.layer_skip import DEFAULT_KEEP, kept_count
+
+            weights, args = 0, self.model_args
+            layers = kept_count(args.num_layers, DEFAULT_KEEP)
+        bs = self.config.cache.block_size
+        max_len = min(self.max_model_len, args.max_position_embeddings)
+        per_block = KVCache.bytes_per_block(layers, bs, args.num_kv_heads, args.head_dim, kv_dtype)
+        return weights, (-(-max_len // bs) + 1) * per_block, DRAFT_KV_SHARE
 
     def step(self) -> bool:
         """One engine step (the engine's thread runs these while there is work)."""

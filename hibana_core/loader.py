@@ -241,10 +241,16 @@ def model_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def checkpoint_bytes(model: str) -> int:
-    """Bytes of a checkpoint's weight files (what it will take loaded in the dtype it is stored
-    in): the memory budget counts a draft model before loading it."""
-    return sum(f.stat().st_size for f in _weight_files(resolve_checkpoint(model)))
+def planned_model(model: str, dtype: torch.dtype) -> tuple[int, Any]:
+    """(bytes its weights take loaded in `dtype`, its DecoderArgs), from its config alone: the
+    module built on the meta device as `load_model` builds it, no weight read. A quantized
+    checkpoint's weights count dense: at most what they take."""
+    path = resolve_checkpoint(model)
+    model_type = read_model_type(path)
+    family = _family(model_type)
+    with torch.device("meta"), _no_init():
+        module, args = family.build(read_config(path, model_type), ForwardContext())
+    return model_bytes(module.to(dtype=dtype)), args
 
 
 def _weight_files(path: Path) -> list[Path]:

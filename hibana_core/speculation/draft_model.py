@@ -102,6 +102,19 @@ DRAFT_KV_SHARE = 0.25
 """A draft model's KV bytes as a share of the target's (the memory budget counts them)."""
 
 
+def check_reserved(engine: Any, method: str) -> None:
+    """A MemoryBudgetError where the engine has a memory budget that counted no room for this
+    drafter's model and KV: the budget reserves them for the drafter the engine's `speculation`
+    names, and one named by a request alone would take memory past it."""
+    if getattr(engine, "memory_budget", None) is None or engine.config.speculation.method == method:
+        return
+    raise MemoryBudgetError(f"the {method} drafter runs a model with KV of its own, and memory_budget="
+                            f"{engine.config.cache.memory_budget!r} counts none for it (the budget counts the "
+                            f"drafter the engine names, {engine.config.speculation.method!r}); name it on the engine "
+                            f"(speculation={{'method': {method!r}}}) so that the budget holds it, or leave it out "
+                            "of the request")
+
+
 class DraftModelDrafter:
     """Drafts with a smaller checkpoint of the target's family, on the engine's device and dtype.
 
@@ -112,11 +125,14 @@ class DraftModelDrafter:
 
     shadows = False
     """No free "shadow" proposals for the controller: each costs draft-model forwards."""
+    method = "draft_model"
+    """The speculation method this drafter is (the memory budget reserves for the engine's)."""
 
     def __init__(self, engine: Any, model: str | None = None, num_blocks: int | None = None,
                  kv_share: float = DRAFT_KV_SHARE, loaded: LoadedModel | None = None, ctx: ForwardContext | None = None) -> None:
         """`loaded` and `ctx`: a model already built on its own ForwardContext (the layer-skip
         self-draft) instead of a checkpoint to load."""
+        check_reserved(engine, self.method)
         if loaded is None:
             path = model if model is not None else engine.config.speculation.draft_model
             if not path:

@@ -27,7 +27,7 @@ import torch
 from hibana_core.errors import ConfigError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.loader import LoadedModel
-from hibana_core.speculation.draft_model import DRAFT_KV_SHARE, DraftModelDrafter
+from hibana_core.speculation.draft_model import DRAFT_KV_SHARE, DraftModelDrafter, check_reserved
 
 DEFAULT_KEEP = 0.5
 
@@ -69,9 +69,14 @@ def layer_importance(engine: Any, documents: list[list[int]]) -> list[float]:
     return [t / count[0] for t in turned]
 
 
+def kept_count(n: int, keep: float) -> int:
+    """Layers a `keep` share of `n` keeps: the first and the last at least."""
+    return max(2, min(n, round(keep * n)))
+
+
 def choose_layers(importance: list[float], keep: float) -> list[int]:
     n = len(importance)
-    wanted = max(2, min(n, round(keep * n)))
+    wanted = kept_count(n, keep)
     middle = sorted(range(1, n - 1), key=lambda i: -importance[i])[:max(0, wanted - 2)]
     return sorted({0, n - 1, *middle})
 
@@ -111,10 +116,13 @@ def kept_args(args: Any, keep: list[int]) -> Any:
 class LayerSkipDrafter(DraftModelDrafter):
     """`DraftModelDrafter` on the target's own layers (a `keep` share of them)."""
 
+    method = "layer_skip"
+
     def __init__(self, engine: Any, keep: float = DEFAULT_KEEP, layers: list[int] | None = None,
                  num_blocks: int | None = None, kv_share: float = DRAFT_KV_SHARE) -> None:
         from hibana_core.surgery.guard import heldout_documents
 
+        check_reserved(engine, self.method)
         n = engine.model_args.num_layers
         if layers is None:
             if not 0 < keep < 1:
