@@ -246,6 +246,18 @@ def test_demo_refuses_a_speculation_length_that_is_no_count(value, capsys):
     assert "argument --speculation" in err and "K must be a number of tokens" in err, err
 
 
+@pytest.mark.parametrize("argv, says", [(["--speculation", "draft_model:2"], "needs --draft-model PATH"),
+                                         (["--draft-model", "somewhere"], "goes with --speculation draft_model")])
+def test_demo_draft_model_speculation_takes_its_checkpoint_from_draft_model(argv, says, capsys):
+    """A usage error that names the demo's own option (it told the user to call
+    Engine.from_pretrained, which the command cannot)."""
+    from hibana_core.demo.run import main
+
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--no-live"])
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_demo_refuses_a_drafter_nobody_registered_in_its_own_words(capsys):
     """A usage error before anything loads, naming the drafters (it was the engine's ConfigError,
     in the Python form, with status 1)."""

@@ -193,3 +193,10 @@ def test_draft_model_options_are_checked(tiny_checkpoints, make_engine):
         engine.open_state("a").generate(SamplingParams(max_tokens=2, speculation={"method": "draft_model"}))
     with pytest.raises(ConfigError, match="loaded once per engine"):
         engine.open_state("b").generate(SamplingParams(max_tokens=2, speculation=spec(target)))
+    drafting = make_engine(target, speculation=spec(target))
+    for same in (str(target) + "/", str(target) + "/."):  # the engine's directory, written otherwise
+        out = drafting.open_state(same).generate(SamplingParams(max_tokens=2, speculation=spec(same, k=2)),
+                                                 prompt=[5, 6, 7])
+        assert len(out.token_ids) >= 1
+    with pytest.raises(ConfigError, match="loaded once per engine"):
+        drafting.open_state("c").generate(SamplingParams(max_tokens=2, speculation=spec(tiny_checkpoints["llama"])))

@@ -620,6 +620,14 @@ def test_a_guard_text_that_is_no_utf8_file_is_a_config_error(tmp_path):
         heldout_documents(None, 512, str(binary))
     with pytest.raises(ConfigError, match=r"is a directory"):
         heldout_documents(None, 512, str(tmp_path))
+    if Path("/dev/null").exists():
+        with pytest.raises(ConfigError, match=r"'/dev/null' is not a regular file"):
+            heldout_documents(None, 512, "/dev/null")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match=r"no document longer than .*give a longer text"):
+        heldout_documents(lambda text, add_special_tokens: {"input_ids": [ord(c) % 512 for c in text]}, 512,
+                          str(empty))
 
 
 def without_tokenizer(source, path):

@@ -223,7 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=160, help="most tokens per model turn (default 160)")
     p.add_argument("--no-live", action="store_true", help="no live view, only the final table")
     p.add_argument("--speculation", default="adaptive", type=parse_speculation,
-                   help='"adaptive" (default), "off", or METHOD[:K] (e.g. suffix:4, ngram)')
+                   help='"adaptive" (default), "off", or METHOD[:K] (e.g. suffix:4, ngram, draft_model:4)')
+    p.add_argument("--draft-model", metavar="PATH", help="the draft checkpoint of --speculation draft_model[:K] "
+                   "(a smaller model with the same tokenizer)")
     return p
 
 
@@ -239,6 +241,12 @@ def main(argv=None, started: float | None = None) -> int:
         p.error("--agents and --tasks must be at least 1")
     if args.max_tokens < 1:  # a turn of no tokens solves nothing (the adapters and the server refuse 0 too)
         p.error(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    drafting = isinstance(args.speculation, dict) and args.speculation["method"] == "draft_model"
+    if drafting != (args.draft_model is not None):
+        p.error("--speculation draft_model[:K] needs --draft-model PATH (a smaller checkpoint with the model's "
+                "tokenizer)" if drafting else "--draft-model goes with --speculation draft_model[:K]")
+    if drafting:
+        args.speculation = {**args.speculation, "draft_model": args.draft_model}
     from rich.console import Console
     from rich.live import Live
 

@@ -21,6 +21,7 @@ import time
 import warnings
 import weakref
 from collections import Counter
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from hibana_core.config import SpeculationConfig, is_kind
@@ -43,6 +44,17 @@ def check_method(config: SpeculationConfig, registered: Sequence[str]) -> None:
         raise ConfigError(f"no drafter named {config.method!r} is registered (registered: "
                           f"{', '.join(sorted(registered)) or 'none'}); pass one of them as "
                           "speculation={'method': ...}, or install the plugin that provides it")
+
+
+def _same_checkpoint(given: str, engine: str | None) -> bool:
+    """Whether a request's draft_model names the engine's: the same text, or the same directory
+    ("dir/" and "./dir" are "dir")."""
+    if engine is None:
+        return False
+    if given == engine:
+        return True
+    mine, theirs = Path(given).expanduser(), Path(engine).expanduser()
+    return mine.is_dir() and theirs.is_dir() and mine.resolve() == theirs.resolve()
 
 
 def build_drafter(name: str, registered: Any, engine: Any) -> Drafter:
@@ -127,7 +139,7 @@ class Speculator:
         if not config.enabled:
             return
         check_method(config, list(self._factories))
-        if config.draft_model is not None and config.draft_model != self.default.draft_model:
+        if config.draft_model is not None and not _same_checkpoint(config.draft_model, self.default.draft_model):
             raise ConfigError(f"draft_model={config.draft_model!r} differs from the engine's "
                               f"({self.default.draft_model!r}): the draft model is loaded once per engine; "
                               "give it in Engine.from_pretrained(..., speculation={...}) and leave it out here")

@@ -87,7 +87,8 @@ def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = N
     Without a tokenizer: seeded random tokens in the same documents (see `heldout_source`)."""
     path = Path(text_file) if text_file is not None else HELDOUT
     if not path.is_file():
-        what = "is a directory" if path.is_dir() else "does not exist"
+        what = ("is a directory" if path.is_dir() else "is not a regular file" if path.exists()
+                else "does not exist")
         raise ConfigError(f"guard text {str(path)!r} {what}; pass a UTF-8 text file")
     try:
         text = path.read_text(encoding="utf-8")
@@ -113,6 +114,9 @@ def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = N
         short = "" if longest > OPENING + 1 else \
             f" (a model of {max_positions} positions leaves {longest} per document: skip what measures on it," \
             " surgery_guard=False (`hibana surgery --no-guard`), or use a drafter other than layer_skip)"
+        if not short:
+            short = (f"; give a longer text (documents are split at {DOCUMENT_SEPARATOR.strip()!r}; the guard scores "
+                     f"up to {MAX_TOKENS} tokens), or leave surgery_guard_text out for the bundled agent traces")
         raise ConfigError(f"guard text {str(path)!r} holds no document longer than {OPENING + 1} tokens{short}")
     return documents
 
