@@ -438,7 +438,7 @@ class Chat:
 
         `messages` may be a rendered prompt, or token ids (`TokenIds`), continued as it is.
         `prefill` starts the assistant's turn with given text; `parse_tools=False` returns the text
-        as generated (no grammar).
+        as generated (no grammar), as does a turn without tools: no call can name an offered tool.
         `tool_choice`: "auto" (the model may call), "none" (the tools are listed, a grammar keeps
         the model from opening a call, and the output is never read as calls), "required"/"any"
         (some call), or a tool's name (that call); a grammar holds every call to an offered tool
@@ -502,7 +502,7 @@ class Chat:
         tools = normalize_tools(tools)
         tool_choice = normalize_tool_choice(tool_choice, tools)
         listed = tools  # "none" still lists them in the prompt
-        if tool_choice == "none":
+        if tool_choice == "none" or not tools:  # no tool offered: a call would name none, its text is content
             tools, parse_tools = None, False
         params = params or SamplingParams(max_tokens=256)
         params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys(

@@ -384,6 +384,19 @@ TRUTH_OUTPUTS = [
 ]
 
 
+def test_a_turn_without_tools_returns_call_markup_as_text(engine):
+    """No tool offered: no call can name one, so `<tool_call>` markup the model writes anyway is
+    content, as the adapters and the server have it (a new user's trial: Chat.respond without
+    tools returned calls to a tool named 'drowim', finish_reason "tool_calls")."""
+    chat = Chat(engine)
+    for tools in (None, []):
+        result = chat.on(ScriptedHandle([CALL])).respond(HELLO, tools)
+        assert result.tool_calls == [] and result.text == CALL and result.finish_reason == "stop"
+        deltas = list(chat.on(ScriptedHandle(list(CALL))).stream_respond(HELLO, tools))
+        assert "".join(d.text for d in deltas) == CALL and all(d.tool_call is None for d in deltas)
+    assert chat.on(ScriptedHandle([CALL])).respond(HELLO, [WEATHER]).tool_calls  # offered: a call
+
+
 @pytest.mark.parametrize("output", TRUTH_OUTPUTS)
 def test_stream_and_result_agree_for_every_cut_and_chunking(engine, output):
     """Defect 1: what `stream_respond` sends as calls is exactly what `respond` returns, for the
