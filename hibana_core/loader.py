@@ -425,7 +425,18 @@ def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progr
         expected -= set(module.tied_weight_names)  # filled by their twin
     missing = sorted(expected - loaded)
     unpackable = [m for m in missing if m.removesuffix(".weight") in packed]
-    if unpackable:  # e.g. a MoE router quantized: its qweight is there, its weight is not
+    if unpackable:
+        layer = unpackable[0].removesuffix(".weight")
+        try:
+            takes_packed = hasattr(module.get_submodule(layer), "kind")  # a Linear that dispatches on its kind
+        except AttributeError:
+            takes_packed = False
+        if takes_packed:  # packed where nothing said so: a surgery manifest or quantization_config that lost it
+            raise CheckpointError(f"{source} stores {layer} packed (quantized; {len(unpackable)} layers in all), "
+                                  "and neither its surgery manifest (hibana_surgery.json) nor config.json's "
+                                  "quantization_config names it packed: the manifest or the config is damaged or "
+                                  "another checkpoint's; write the checkpoint again (hibana surgery)")
+        # e.g. a MoE router quantized: its qweight is there, its weight is not
         raise CheckpointError(f"{source} stores {unpackable[0].removesuffix('.weight')} packed (quantized), which "
                               "Hibana loads into linear layers of its decoder only, and this layer is none (a MoE "
                               "router, an embedding); a checkpoint that leaves it unquantized loads")

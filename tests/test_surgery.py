@@ -4,6 +4,7 @@ bytes and fingerprint) and the built-in weight-only passes w8 and w4 (on MoE exp
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import random
 import shutil
@@ -756,6 +757,10 @@ def test_hibana_surgery_writes_a_checkpoint_that_loads_with_its_passes(arch, pas
     assert "a surgery pass is a name or {'name': ..., parameters}, got 3" in capsys.readouterr().err
     assert main(["surgery", str(path), "--passes", '{"name": "nosuch", "bits": 3}', "--device", "cpu"]) == 2
     assert "no surgery pass named 'nosuch'" in capsys.readouterr().err  # one pass as a JSON object
+    manifest = json.loads((out / "hibana_surgery.json").read_text())
+    (out / "hibana_surgery.json").write_text(json.dumps({**manifest, "packed_layers": {}}))
+    with pytest.raises(CheckpointError, match=r"stores .* packed .*neither its surgery manifest .* names it packed"):
+        make_engine(out)  # (it blamed the layer for being "a MoE router, an embedding")
     (out / "hibana_surgery.json").write_text("{not json")
     with pytest.raises(CheckpointError, match=r"hibana_surgery\.json is damaged"):
         make_engine(out)
