@@ -12,6 +12,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -160,7 +161,12 @@ def run_surgery(args: argparse.Namespace) -> int:
     if args.force:
         passes = [{**({"name": p} if isinstance(p, str) else p), "force": True} if isinstance(p, (str, dict)) else p
                   for p in passes]  # what is neither the engine refuses, saying what a pass is
-    made = bool(args.out) and not Path(args.out).exists()
+    made = None  # the outermost directory this run makes for --out, removed again if it writes nothing
+    if args.out:
+        for folder in (Path(args.out).absolute(), *Path(args.out).absolute().parents):
+            if folder.exists():
+                break
+            made = folder
     try:
         if args.out:  # before the minutes of loading, surgery and guard
             checkpoint.check_out(Path(args.out))
@@ -170,8 +176,9 @@ def run_surgery(args: argparse.Namespace) -> int:
     try:
         return _surgery_run(args, passes)
     finally:  # a run that wrote nothing leaves no directory it made behind
-        if made and Path(args.out).is_dir() and not any(Path(args.out).iterdir()):
-            Path(args.out).rmdir()
+        out = Path(args.out).absolute() if args.out else None
+        if made is not None and out.is_dir() and not any(out.iterdir()):
+            shutil.rmtree(made)  # the folders it made down to --out, all empty
 
 
 def _surgery_run(args: argparse.Namespace, passes: list) -> int:
@@ -216,8 +223,8 @@ def _surgery_run(args: argparse.Namespace, passes: list) -> int:
                 source = resolve_checkpoint(args.model)
                 out = checkpoint.save(engine, source, Path(args.out))
                 sizes = [sum(f.stat().st_size for f in d.glob("*.safetensors")) for d in (out, source)]
-                print(f"wrote {out}, {sizes[0] / 1e6:,.1f} MB of weights (the source's: {sizes[1] / 1e6:,.1f} MB; load it "
-                      f"as any checkpoint: Engine.from_pretrained({str(out)!r}))")
+                print(f"wrote {out}, {sizes[0] / 1e6:,.1f} MB of weights (the source's: {sizes[1] / 1e6:,.1f} MB; "
+                      f"load it as any checkpoint: Engine.from_pretrained({str(out)!r}))")
     except SurgeryGuardError as exc:  # its advice is the Python form: say the command's too
         print(f"hibana surgery: {exc}\n(here: add --force to keep every pass over its floors)", file=sys.stderr)
         return 1
@@ -229,9 +236,16 @@ def _surgery_run(args: argparse.Namespace, passes: list) -> int:
 
 def _guard_figures(guard: dict) -> str:
     """'ok (ppl ratio 1.0052, mean KL 0.00424, top-1 96.9%)': the decision and what the pass cost,
-    on stdout with the rest (the guard's full table goes to stderr with the progress bars)."""
-    return (f"{guard['decision']} (ppl ratio {guard['ppl_ratio']:.4f}, mean KL {guard['mean_kl']:.5f}, "
-            f"top-1 {guard['top1_agreement']:.1%})")
+    on stdout with the rest (the guard's full table goes to stderr with the progress bars); after
+    other passes, its own cost (which the decision is on), then all the passes' so far."""
+    def figures(f: dict) -> str:
+        kl = "" if f["mean_kl"] is None else f", mean KL {f['mean_kl']:.5f}"
+        return f"ppl ratio {f['ppl_ratio']:.4f}{kl}, top-1 {f['top1_agreement']:.1%}"
+
+    own = guard.get("own_cost")
+    if own is None:
+        return f"{guard['decision']} ({figures(guard)})"
+    return f"{guard['decision']} (its own: {figures(own)}; with {' + '.join(own['after'])}: {figures(guard)})"
 
 
 # -- hibana plugins ------------------------------------------------------------------------------

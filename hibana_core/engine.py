@@ -390,6 +390,7 @@ class Engine:
         """What a step may allocate besides weights and KV (an estimate, kv/budget.py)."""
         self.memory_budget = None
         """The budget in bytes (None: none given; `num_blocks` or the default sizing)."""
+        self.draft_reserve = None
         if cache.num_blocks is not None:  # blocks of every layer: the layout's pages of those bytes
             layout = self.kv_layout
             return -(-cache.num_blocks * layout.num_layers // layout.page_layers) + layout.windowed
@@ -411,13 +412,18 @@ class Engine:
 
     def _blocks_in_budget(self, per_block: int, weight_bytes: int, kv_dtype: torch.dtype) -> int:
         """KV blocks that fit the budget once the weights, the workspace and a drafter's own model
-        (`_draft_reserve`: its weights, and its KV, which is sized from the target's) are counted."""
+        (`draft_reserve`: its weights, and its KV, which is sized from the target's) are counted."""
         memory, given = self.device_memory, self.config.cache.memory_budget
         budget = self.memory_budget = memory.resolve(given)
         if budget > memory.total:
             raise MemoryBudgetError(f"memory_budget={given!r} ({budget:,} bytes) is more than the "
                                     f"{memory.total:,} bytes of {self.device}; lower it, or give a fraction")
-        draft_bytes, draft_least, draft_share = self.draft_reserve = self._draft_reserve(kv_dtype)
+        from hibana_core.speculation.draft_model import draft_reserve
+
+        self.draft_reserve = draft_reserve(self, kv_dtype)
+        """What the budget holds for the drafter `speculation` names when it runs a model of its own."""
+        draft_bytes, draft_least, draft_share = (self.draft_reserve[1:] if self.draft_reserve is not None
+                                                 else (0, 0, 0.0))
         fixed = weight_bytes + self.workspace_bytes + draft_bytes
         if memory.unified:  # a host tier asked for lives in the same memory
             fixed += self.config.cache.host_kv_bytes or 0
@@ -435,35 +441,6 @@ class Engine:
                 f"({2 * per_block:,} bytes); raise it to at least {least:,} bytes, lower "
                 "max_num_batched_tokens / max_concurrent_agents (the workspace), or pick a smaller model")
         return kv_bytes // per_block
-
-    def _draft_reserve(self, kv_dtype: torch.dtype) -> tuple[int, int, float]:
-        """(weight bytes, least KV bytes, KV share) of the drafter `speculation` names when it runs a
-        model of its own (a draft model, the layer-skip self-draft), for the budget to count: the
-        draft's weights as they will load (the engine's dtype: a bfloat16 draft on the CPU takes
-        float32's bytes; a quantized one counted dense, at most what it takes), and its KV as
-        `DraftModelDrafter` sizes it, `DRAFT_KV_SHARE` of the target's and at least one full-context
-        sequence. (0, 0, 0.0) for drafters without one."""
-        spec = self.config.speculation
-        if not spec.enabled or spec.method not in ("draft_model", "layer_skip"):
-            return 0, 0, 0.0
-        from hibana_core.speculation.draft_model import DRAFT_KV_SHARE
-
-        if spec.method == "draft_model":
-            if not spec.draft_model:
-                return 0, 0, 0.0  # the drafter refuses it, saying what to give
-            from hibana_core.loader import planned_model
-
-            weights, args = planned_model(spec.draft_model, self.dtype)
-            layers, kv_dtype = args.num_layers, self.dtype
-        else:  # the target's own weights, a share of its layers
-            from hibana_core.surgery.layer_skip import DEFAULT_KEEP, kept_count
-
-            weights, args = 0, self.model_args
-            layers = kept_count(args.num_layers, DEFAULT_KEEP)
-        bs = self.config.cache.block_size
-        max_len = min(self.max_model_len, args.max_position_embeddings)
-        per_block = KVCache.bytes_per_block(layers, bs, args.num_kv_heads, args.head_dim, kv_dtype)
-        return weights, (-(-max_len // bs) + 1) * per_block, DRAFT_KV_SHARE
 
     def step(self) -> bool:
         """One engine step (the engine's thread runs these while there is work)."""

@@ -374,7 +374,14 @@ def llm_class() -> type:
             from llama_index.core.program.function_program import get_function_tool
 
             spec = self._tool_spec(get_function_tool(output_cls))
-            _check_enforceable(json.dumps(spec, sort_keys=True, default=str))
+            try:
+                _check_enforceable(json.dumps(spec, sort_keys=True, default=str))
+            except ToolSchemaError as exc:
+                problems = str(exc).partition("held to its schema (")[2].rpartition("); fix")[0] or str(exc)
+                raise ToolSchemaError(f"structured output into {getattr(output_cls, '__name__', output_cls)!r}: the "
+                                      f"grammar cannot hold the answer to its schema ({problems}), and the answer "
+                                      "must parse into it: relax those fields, and check the rest in your code"
+                                      ) from None
 
         def _tool_spec(self, tool: Any) -> dict:
             """The tool as an OpenAI function schema; a tool LlamaIndex cannot describe (no JSON schema

@@ -57,7 +57,8 @@ def _nothing_installed() -> types.ModuleType:
 if __name__ == "kernels":
     _yield_the_name()
 
-import torch  # noqa: E402 (under `kernels`, the rest runs on a module no one holds: harmless)
+import torch  # noqa: E402 (under `kernels`, the rest runs on a module no one holds: the cost of
+#             importing torch and hibana_kernels, run from the repository root only)
 
 from hibana_kernels import activation, attention, matmul, moe, norm, quant, rotary
 from hibana_kernels.moe import MoEExperts

@@ -131,6 +131,8 @@ def test_the_least_budget_an_error_names_builds_the_engine(tiny_checkpoints):
     least = int(str(info.value).split("at least ")[1].split(" bytes")[0].replace(",", ""))
     with open_engine(path, memory_budget=least, speculation=spec) as engine:
         assert engine.pool.num_blocks >= 2
+    with pytest.raises(MemoryBudgetError, match="raise it to at least"):
+        open_engine(path, memory_budget=least - 1, speculation=spec)
 
 
 def test_a_budget_too_small_or_too_large_is_a_memory_budget_error(tiny_checkpoints):

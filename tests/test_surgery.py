@@ -558,6 +558,17 @@ def test_a_pass_after_a_forced_one_is_held_to_its_own_cost(tiny_checkpoints, mak
                 assert later["own_cost"]["ppl_ratio"] == pytest.approx(1.0)
             else:  # after a pass that changed nothing, its own cost is its cumulative one
                 assert later["own_cost"]["top1_agreement"] == later["top1_agreement"] < 1
+        # three passes: the middle one is measured against two models and keeps its own for the
+        # last; only a later floor on the KL keeps whole distributions
+        kl_floor = _Nothing()
+        kl_floor.floors = {"mean_kl": 1e-6}
+    with registered_passes({"halve_norms": halve, "nothing": _Nothing(), "kl_floor": kl_floor}):
+        engine = make_engine(path, surgery=[{"name": "halve_norms", "force": True}, "nothing", "kl_floor"],
+                             speculation="off")
+        nothing, last = (r["guard"] for r in engine.surgery[1:])
+        assert nothing["own_cost"]["after"] == ["halve_norms"] and nothing["own_cost"]["mean_kl"] is None
+        assert last["own_cost"]["after"] == ["halve_norms", "nothing"]
+        assert last["own_cost"]["mean_kl"] == pytest.approx(0.0, abs=1e-6) and last["decision"] == "ok"
         # and a pass whose own cost is over its floors after another is still refused
         harsh = _Halve()
         harsh.floors = {"top1_agreement": 1.0001}
@@ -782,6 +793,9 @@ def test_hibana_surgery_reports_a_refusal(tiny_checkpoints, capsys, tmp_path):
         assert main(["surgery", str(tiny_checkpoints["llama"]), "--passes", "w3", "--device", "cpu",
                      "--out", str(tmp_path / "unknown")]) == 2
         assert not (tmp_path / "unknown").exists()
+        assert main(["surgery", str(tiny_checkpoints["llama"]), "--passes", "w3", "--device", "cpu",
+                     "--out", str(tmp_path / "deep" / "er" / "out")]) == 2
+        assert not (tmp_path / "deep").exists()  # every folder it made
         (tmp_path / "mine").mkdir()  # made by the user: stays
         assert main(["surgery", str(tiny_checkpoints["llama"]), "--passes", "w3", "--device", "cpu",
                      "--out", str(tmp_path / "mine")]) == 2
@@ -966,3 +980,41 @@ def test_a_surgery_checkpoint_is_its_source_only_in_its_writers_dtype_and_as_wri
     tokenizer = out / "tokenizer_config.json"  # edited: another tokenizer, as far as anyone can tell
     tokenizer.write_text(tokenizer.read_text().replace("}", ', "edited": 1}', 1))
     assert make_engine(out, dtype="bfloat16", speculation="off").fingerprint != writer.fingerprint
+
+
+def test_the_guard_keeps_an_earlier_models_distributions_only_for_a_kl_floor():
+    """What the guard holds between passes: the figures of the model the earlier passes left, its
+    whole distributions (V numbers a position, as many bytes as the unmodified model's) only where
+    a later pass's floors bound the KL, and nothing once the last pass is checked."""
+    from hibana_core.surgery import guard as guard_module
+
+    class Scorer:  # a model of 8 tokens whose distributions a pass may shift
+        max_len, shift = 4096, 0.0
+
+        def log_probs(self, doc):
+            logits = torch.arange(8.0).repeat(len(doc) - 1, 1) * (1 + self.shift)
+            return torch.log_softmax(logits, -1)
+
+        def greedy(self, opening, n, stop=None):
+            return [7] * n
+
+        def forced_greedy(self, opening, continuation):
+            return [7] * len(continuation)
+
+    class Floors:
+        def __init__(self, **floors):
+            self.floors = floors
+
+    scorer = Scorer()
+    documents = [[1] * 200, [2] * 300]
+    guard = guard_module.Guard(scorer, documents, progress=False)
+    guard.measure_reference()
+    guard.check("a", Floors(), force=False, later=[Floors(ppl_ratio=2.0)])
+    assert guard.before is not None and guard.before.log_probs == []  # light: no distributions
+    guard.check("b", Floors(), force=False, later=[Floors(mean_kl=0.1)])
+    assert len(guard.before.log_probs) == 2 and guard.before.nll  # a KL floor follows
+    scorer.shift = 0.5
+    record = guard.check("c", Floors(mean_kl=1.0), force=False, later=[])
+    assert guard.before is None and record["own_cost"]["mean_kl"] > 0  # measured against b's model
+    with pytest.raises(RuntimeError, match="told no pass follows"):
+        guard.check("d", Floors(), force=False, later=[])

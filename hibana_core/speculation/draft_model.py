@@ -102,17 +102,63 @@ DRAFT_KV_SHARE = 0.25
 """A draft model's KV bytes as a share of the target's (the memory budget counts them)."""
 
 
+class DraftReserve(NamedTuple):
+    """What a memory budget holds for the drafter the engine names, when it runs a model of its
+    own: its weights as they load, and its KV (`DraftModelDrafter`'s sizing: `share` of the
+    target's KV bytes, `least_kv_bytes` at the least)."""
+
+    method: str
+    weight_bytes: int
+    least_kv_bytes: int
+    share: float
+
+
+def least_blocks(max_len: int, block_size: int) -> int:
+    """A drafter's KV blocks at the least: one sequence of `max_len` tokens, and a block to grow."""
+    return -(-max_len // block_size) + 1
+
+
+def draft_reserve(engine: Any, kv_dtype: torch.dtype) -> DraftReserve | None:
+    """The reserve for the drafter the engine's `speculation` names, where it is a draft model
+    (its weights in the engine's dtype, as they will load: a bfloat16 draft on the CPU takes
+    float32's bytes; a quantized one counted dense, at most what it takes) or the layer-skip
+    self-draft (the target's weights; KV for its kept layers, in the target's KV dtype); None
+    for drafters without a model."""
+    spec = engine.config.speculation
+    if not spec.enabled or spec.method not in ("draft_model", "layer_skip"):
+        return None
+    if spec.method == "draft_model":
+        if not spec.draft_model:
+            return None  # the drafter refuses it, saying what to give
+        from hibana_core.loader import planned_model
+
+        weights, args = planned_model(spec.draft_model, engine.dtype)
+        layers, kv_dtype = args.num_layers, engine.dtype
+    else:
+        from hibana_core.surgery.layer_skip import DEFAULT_KEEP, kept_count
+
+        weights, args = 0, engine.model_args
+        layers = kept_count(args.num_layers, DEFAULT_KEEP)
+    bs = engine.config.cache.block_size
+    max_len = min(engine.max_model_len, args.max_position_embeddings)
+    per_block = KVCache.bytes_per_block(layers, bs, args.num_kv_heads, args.head_dim, kv_dtype)
+    return DraftReserve(spec.method, weights, least_blocks(max_len, bs) * per_block, DRAFT_KV_SHARE)
+
+
 def check_reserved(engine: Any, method: str) -> None:
-    """A MemoryBudgetError where the engine has a memory budget that counted no room for this
-    drafter's model and KV: the budget reserves them for the drafter the engine's `speculation`
-    names, and one named by a request alone would take memory past it."""
-    if getattr(engine, "memory_budget", None) is None or engine.config.speculation.method == method:
+    """A MemoryBudgetError where the engine has a memory budget that holds no room for this
+    drafter's model and KV: the budget reserves them for the drafter the engine names, and one
+    a request alone names would take memory past it."""
+    if getattr(engine, "memory_budget", None) is None:
+        return
+    reserve = getattr(engine, "draft_reserve", None)
+    if reserve is not None and reserve.method == method:
         return
     raise MemoryBudgetError(f"the {method} drafter runs a model with KV of its own, and memory_budget="
-                            f"{engine.config.cache.memory_budget!r} counts none for it (the budget counts the "
-                            f"drafter the engine names, {engine.config.speculation.method!r}); name it on the engine "
-                            f"(speculation={{'method': {method!r}}}) so that the budget holds it, or leave it out "
-                            "of the request")
+                            f"{engine.config.cache.memory_budget!r} holds no room for it (the budget holds the "
+                            "draft_model or layer_skip drafter that the engine's speculation names); name it on the "
+                            f"engine (speculation={{'method': {method!r}}}) so that the budget holds it, or leave it "
+                            "out of the request")
 
 
 class DraftModelDrafter:
@@ -158,7 +204,7 @@ class DraftModelDrafter:
         per_block = KVCache.bytes_per_block(a.num_layers, bs, a.num_kv_heads, a.head_dim, kv_dtype)
         if num_blocks is None:
             share = int(kv_share * engine.kv_cache.nbytes) // per_block
-            num_blocks = min(engine.pool.num_blocks, max(share, -(-self.max_len // bs) + 1))
+            num_blocks = min(engine.pool.num_blocks, max(share, least_blocks(self.max_len, bs)))
         try:
             self.kv_cache = KVCache(a.num_layers, num_blocks, bs, a.num_kv_heads, a.head_dim, kv_dtype,
                                     engine.device)

@@ -140,8 +140,9 @@ def apply_passes(model: "torch.nn.Module", requests: Sequence[PassRequest], pass
                  guard: Any = None, calibration: Any = None, progress: bool = True,
                  applied: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Run the passes in order; their records, each with its name and parameters (and, with a
-    guard, its figures against the unmodified model, and a later pass's own cost: a pass whose
-    own cost is over its floors raises SurgeryGuardError unless its request says `force: True`). `calibration`: what passes with
+    guard, its figures against the unmodified model, and a later pass's own cost: a pass
+    whose own cost is over its floors raises SurgeryGuardError unless its request says
+    `force: True`). `calibration`: what passes with
     `calibrated = True` run the model on; `progress`: whether their `progress_bar`s show;
     `applied`: the passes a surgery checkpoint was written with (each applies once)."""
     token = _PROGRESS.set(progress)
@@ -183,7 +184,8 @@ def _apply(model: "torch.nn.Module", requests: Sequence[PassRequest], passes: di
                               "record of what it changed ({} when nothing): fix the pass, or leave it out of surgery")
         record = {"name": request.name, "params": dict(params), **changed}
         if guard is not None:
-            record["guard"] = guard.check(request.name, surgery_pass, force, last=i == len(runs) - 1)
+            record["guard"] = guard.check(request.name, surgery_pass, force,
+                                          later=[passes[r.name] for r, _, _ in runs[i + 1:]])
         records.append(record)
     return records
 

@@ -53,7 +53,7 @@ RANDOM_TEXT = "seeded random ids (the checkpoint has no tokenizer: figures are r
 @dataclass
 class GuardReport:
     ppl_ratio: float
-    mean_kl: float
+    mean_kl: float | None        # None: not measured (an own cost whose floors do not ask for it)
     top1_agreement: float
     first_divergence: float      # mean over documents; CONTINUATION where none diverged
     tokens: int                  # positions scored
@@ -61,7 +61,8 @@ class GuardReport:
     tool_calls_before: float | None = None  # the same share for the unmodified model
 
     def as_dict(self) -> dict[str, float]:
-        return {"ppl_ratio": round(self.ppl_ratio, 5), "mean_kl": round(self.mean_kl, 6),
+        return {"ppl_ratio": round(self.ppl_ratio, 5),
+                "mean_kl": None if self.mean_kl is None else round(self.mean_kl, 6),
                 "top1_agreement": round(self.top1_agreement, 5),
                 "first_divergence": round(self.first_divergence, 2), "tokens": self.tokens,
                 "tool_calls_valid": self.tool_calls, "tool_calls_valid_before": self.tool_calls_before}
@@ -72,7 +73,8 @@ class Reference:
     """The unmodified model's figures on the held-out documents."""
 
     documents: list[list[int]]
-    log_probs: list[torch.Tensor] = field(default_factory=list)     # [T - 1, V] float16, host (for KL)
+    log_probs: list[torch.Tensor] = field(default_factory=list)     # [T - 1, V] float16, host (for KL);
+                                                                     # none kept: no KL against it
     nll: list[torch.Tensor] = field(default_factory=list)           # [T - 1] float32: of the text's tokens
     top1: list[torch.Tensor] = field(default_factory=list)          # [T - 1]: most likely tokens
     continuations: list[list[int]] = field(default_factory=list)    # greedy after each opening
@@ -261,11 +263,14 @@ def measure_reference(scorer: Scorer, documents: list[list[int]], progress: bool
     return reference
 
 
-def _keep(reference: Reference, scorer: Scorer, doc: list[int], log_probs: torch.Tensor) -> None:
-    """One document's figures of the model `scorer` runs, added to `reference`."""
+def _keep(reference: Reference, scorer: Scorer, doc: list[int], log_probs: torch.Tensor,
+          distributions: bool = True) -> None:
+    """One document's figures of the model `scorer` runs, added to `reference` (its whole
+    distributions with `distributions`: V numbers a position, for the KL against it)."""
     reference.nll.append(-log_probs.gather(1, torch.tensor(doc[1:])[:, None])[:, 0])
     reference.top1.append(log_probs.argmax(-1))
-    reference.log_probs.append(log_probs.half())
+    if distributions:
+        reference.log_probs.append(log_probs.half())
     reference.continuations.append(scorer.greedy(doc[:OPENING], CONTINUATION))
 
 
@@ -275,14 +280,26 @@ def compare(scorer: Scorer, reference: Reference, progress: bool, desc: str = "g
     return measure(scorer, [reference], progress, desc, calls)[0][0]
 
 
+@dataclass
+class _Totals:
+    """Sums over the documents of one comparison."""
+
+    nll_ref: float = 0.0
+    nll_new: float = 0.0
+    kl: float | None = 0.0
+    agree: float = 0.0
+    divergences: list[int] = field(default_factory=list)
+
+
 def measure(scorer: Scorer, references: Sequence[Reference], progress: bool, desc: str = "guard",
-            calls: ToolCalls | None = None, keep: bool = False) -> tuple[list[GuardReport], Reference | None]:
+            calls: ToolCalls | None = None, keep: str | None = None) -> tuple[list[GuardReport], Reference | None]:
     """The model `scorer` runs, measured against each of `references` in one pass over the
-    documents, and with `keep` its own figures as a Reference (for the next pass's own cost). A
-    reference after the first gives its log-probabilities up as the sweep passes them, so at most
-    two documents' sets of them are held beyond the first reference."""
+    documents (the KL only against those that kept their distributions), and with `keep` its
+    own figures as a Reference for the next pass's own cost: "distributions" with the KL's
+    log-probabilities (as many bytes as the first reference's: V numbers a position), "light"
+    without them."""
     documents = references[0].documents
-    sums = [dict(nll_ref=0.0, nll_new=0.0, kl=0.0, agree=0.0, divergences=[]) for _ in references]
+    totals = [_Totals(kl=0.0 if r.log_probs else None) for r in references]
     kept = Reference(documents) if keep else None
     positions = 0
     for i, doc in enumerate(progress_bar(documents, desc=desc, unit="doc", disable=not progress, leave=False)):
@@ -290,26 +307,27 @@ def measure(scorer: Scorer, references: Sequence[Reference], progress: bool, des
         nll_new = -new_lp.gather(1, torch.tensor(doc[1:])[:, None]).sum().item()
         top1 = new_lp.argmax(-1)
         positions += len(doc) - 1
-        for j, (r, total) in enumerate(zip(references, sums)):
-            ref = r.log_probs[i].float()
-            if j:
-                r.log_probs[i] = None  # an earlier pass's model: read once
-            total["nll_ref"] += r.nll[i].sum().item()
-            total["nll_new"] += nll_new
-            total["kl"] += (ref.exp() * (ref - new_lp)).sum().item()
-            total["agree"] += (r.top1[i] == top1).sum().item()
+        for j, (r, total) in enumerate(zip(references, totals)):
+            if total.kl is not None:
+                ref = r.log_probs[i].float()
+                if j:
+                    r.log_probs[i] = None  # an earlier pass's model: read once
+                total.kl += (ref.exp() * (ref - new_lp)).sum().item()
+            total.nll_ref += r.nll[i].sum().item()
+            total.nll_new += nll_new
+            total.agree += (r.top1[i] == top1).sum().item()
             cont = r.continuations[i]
             forced = scorer.forced_greedy(doc[:OPENING], cont)
-            total["divergences"].append(next((k for k, (a, b) in enumerate(zip(forced, cont)) if a != b), len(cont)))
+            total.divergences.append(next((k for k, (a, b) in enumerate(zip(forced, cont)) if a != b), len(cont)))
         if kept is not None:
-            _keep(kept, scorer, doc, new_lp)
+            _keep(kept, scorer, doc, new_lp, distributions=keep == "distributions")
     valid = None if calls is None else calls.validity(scorer)
     if kept is not None:
         kept.tool_calls = valid
-    reports = [GuardReport(math.exp((t["nll_new"] - t["nll_ref"]) / positions), t["kl"] / positions,
-                           t["agree"] / positions, sum(t["divergences"]) / len(t["divergences"]), positions,
+    reports = [GuardReport(math.exp((t.nll_new - t.nll_ref) / positions), None if t.kl is None else t.kl / positions,
+                           t.agree / positions, sum(t.divergences) / len(t.divergences), positions,
                            valid, r.tool_calls)
-               for r, t in zip(references, sums)]
+               for r, t in zip(references, totals)]
     return reports, kept
 
 
@@ -319,24 +337,27 @@ def violations(report: GuardReport, floors: dict[str, float]) -> list[str]:
     every pass's floors, a pass without floors too: no bound holds it, and the model it leaves
     computes nothing."""
     broken = [f"{name} {getattr(report, name)}: the model's outputs are not finite numbers"
-              for name in ("ppl_ratio", "mean_kl") if not math.isfinite(getattr(report, name))]
+              for name in ("ppl_ratio", "mean_kl")
+              if getattr(report, name) is not None and not math.isfinite(getattr(report, name))]
     for name, bound in floors.items():
         value = getattr(report, name)
         upper = name in ("ppl_ratio", "mean_kl")
-        if not math.isfinite(value):
-            continue  # said above
+        if value is None or not math.isfinite(value):
+            continue  # said above (a figure not measured bounds nothing: `Guard` measures what floors ask)
         if (value > bound) if upper else (value < bound):
             broken.append(f"{name} {value:.4g} {'>' if upper else '<'} {bound:g}")
     return broken
 
 
 def table(rows: list[tuple[str, GuardReport, str]]) -> str:
-    lines = [f"{'pass':<24}{'ppl ratio':>11}{'mean KL':>10}{'top-1':>8}{'diverges at':>13}"
+    width = max(24, *(len(name) + 2 for name, _, _ in rows))
+    lines = [f"{'pass':<{width}}{'ppl ratio':>11}{'mean KL':>10}{'top-1':>8}{'diverges at':>13}"
              f"{'tool calls ok':>20}  decision"]
     for name, r, decision in rows:
         calls = "-" if r.tool_calls is None else f"{r.tool_calls:.0%} (was {r.tool_calls_before:.0%})"
         shown = r.as_dict()  # the record's figures, which the command's summary prints too
-        lines.append(f"{name:<24}{shown['ppl_ratio']:>11.4f}{shown['mean_kl']:>10.5f}{shown['top1_agreement']:>8.1%}"
+        kl = "-" if shown["mean_kl"] is None else f"{shown['mean_kl']:.5f}"
+        lines.append(f"{name:<{width}}{shown['ppl_ratio']:>11.4f}{kl:>10}{shown['top1_agreement']:>8.1%}"
                      f"{shown['first_divergence']:>13.1f}{calls:>20}  {decision}")
     return "\n".join(lines)
 
@@ -367,14 +388,19 @@ class Guard:
         if self.reference is None:
             self.reference = measure_reference(self.scorer, self.documents, self.progress, self.calls)
 
-    def check(self, name: str, surgery_pass: Any, force: bool, last: bool = True) -> dict[str, Any]:
+    def check(self, name: str, surgery_pass: Any, force: bool, *, later: Sequence[Any]) -> dict[str, Any]:
         """The pass's record figures; a SurgeryGuardError where its own cost is over its floors
-        and it is not forced. `last`: no pass follows (its model's figures need not be kept)."""
+        and it is not forced. `later`: the passes that follow, whose own costs are measured
+        against this pass's model (its distributions kept only where a floor of theirs is a KL)."""
         if self.reference is None:
             raise RuntimeError("Guard.check before measure_reference: the reference must be the unmodified model")
+        if self.passes and self.before is None:
+            raise RuntimeError(f"Guard.check of {name!r}: the check of {self.passes[-1]!r} was told no pass follows")
         references = [self.reference] if self.before is None else [self.reference, self.before]
+        kl = bool(later) and "mean_kl" in (getattr(later[0], "floors", None) or {})  # the next one's own cost
+        keep = None if not later else "distributions" if kl else "light"
         reports, self.before = measure(self.scorer, references, self.progress, desc=f"guard: after {name}",
-                                       calls=self.calls, keep=not last)
+                                       calls=self.calls, keep=keep)
         report, own = reports[0], reports[-1]
         floors = dict(getattr(surgery_pass, "floors", {}) or {})
         broken = violations(own, floors)
