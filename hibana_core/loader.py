@@ -396,6 +396,8 @@ def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progr
         params = dict(module.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     packed: set[str] = set()  # layers the checkpoint stores packed that nothing took
+    tied = set(getattr(module, "tied_weight_names", ()))
+    stored_twins: dict[str, tuple[torch.Tensor, str]] = {}  # tied names the checkpoint stores too
     with progress_bar(total=total, desc=desc, unit="tensor", disable=not progress, leave=False) as bar:
         for name, where, read in items:
             bar.update()
@@ -404,6 +406,9 @@ def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progr
             if name.endswith(_IGNORED_SUFFIXES) or name not in params:
                 continue
             tensor, target = read(), params[name]
+            if name in tied:  # its twin's storage: compared once both are read, not copied over it
+                stored_twins[name] = (tensor, where)
+                continue
             if tensor.dtype.is_floating_point and tensor.element_size() == 1:  # a copy would drop its scale
                 raise CheckpointError(f"{name} in {where} is {tensor.dtype} without a weight scale Hibana "
                                       "applies; FP8 checkpoints need their quantization_config (quant_method "
@@ -420,9 +425,15 @@ def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progr
                                           "the checkpoint is corrupt or its config is missing that section")
                 target.data.copy_(tensor)
             loaded.add(name)
+    for name, (tensor, where) in stored_twins.items():
+        target = params[name]
+        if tuple(tensor.shape) != tuple(target.shape) or not torch.equal(tensor.to(target.dtype), target.data):
+            raise CheckpointError(f"config.json ties {name} to the input embedding (tie_word_embeddings), and {where} "
+                                  f"stores {name} with other values; transformers uses the stored one: set "
+                                  "\"tie_word_embeddings\": false in config.json, or drop the stored tensor")
     expected = set(params)
-    if getattr(module, "tied_weight_names", ()):
-        expected -= set(module.tied_weight_names)  # filled by their twin
+    if tied:
+        expected -= tied  # filled by their twin
     missing = sorted(expected - loaded)
     unpackable = [m for m in missing if m.removesuffix(".weight") in packed]
     if unpackable:

@@ -379,3 +379,36 @@ def test_failures_while_others_generate(served, bystander):
     assert_greedy_matches(path, history, generated)
     bystander.check()
     busy.close()
+
+
+@pytest.mark.parametrize("positions", [0, -5])
+def test_a_config_without_positions_is_a_checkpoint_error(tiny_checkpoints, tmp_path, positions):
+    """It was an IndexError from the rotary tables (0) or a RuntimeError from torch.arange (-5),
+    raised out of from_pretrained (a new user's trial)."""
+    ckpt = copy_checkpoint(tiny_checkpoints[ARCH], tmp_path / "c")
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "max_position_embeddings": positions}))
+    with pytest.raises(CheckpointError, match=f"max_position_embeddings is {positions}"):
+        open_engine(ckpt)
+
+
+def test_a_tied_config_beside_a_stored_head_of_other_values_is_a_checkpoint_error(tmp_path):
+    """transformers keeps a stored lm_head.weight where config.json ties it (5.25); the engine tied
+    the head to the embedding and differed from the first token. Now a CheckpointError saying
+    what to change; a stored head equal to the embedding (exports that save both) loads."""
+    untied = make_tiny_checkpoint("llama", tmp_path / "untied", tie_word_embeddings=False)
+    config = json.loads((untied / "config.json").read_text())
+    (untied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    with pytest.raises(CheckpointError, match=r"stores lm_head.weight with other values.*tie_word_embeddings"):
+        open_engine(untied)
+
+    from safetensors.torch import load_file, save_file
+
+    both = make_tiny_checkpoint("llama", tmp_path / "both", tie_word_embeddings=True)
+    tensors = load_file(both / "model.safetensors")
+    save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].clone()},
+              str(both / "model.safetensors"), metadata={"format": "pt"})
+    history = list(range(3, 30))
+    with open_engine(both) as engine:
+        got = engine.open_state("a").generate(SamplingParams(max_tokens=6, ignore_eos=True), prompt=history)
+    assert_greedy_matches(both, history, got.token_ids)

@@ -276,6 +276,10 @@ class DecoderArgs:
         return cls(**{**common, **differences})
 
     def __post_init__(self) -> None:
+        positions = self.max_position_embeddings
+        if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
+            raise CheckpointError(f"config.json's max_position_embeddings is {positions!r}; a model holds at "
+                                  "least one position: give the context length it was trained for")
         if self.activation not in ACTIVATIONS:
             raise UnsupportedModelError(f"MLP activation {self.activation!r} is not supported; "
                                         f"supported: {', '.join(ACTIVATIONS)}")
