@@ -176,8 +176,7 @@ def run_surgery(args: argparse.Namespace) -> int:
     try:
         return _surgery_run(args, passes)
     finally:  # a run that wrote nothing leaves no directory it made behind
-        out = Path(args.out).absolute() if args.out else None
-        if made is not None and out.is_dir() and not any(out.iterdir()):
+        if made is not None and Path(args.out).is_dir() and not any(Path(args.out).iterdir()):
             shutil.rmtree(made)  # the folders it made down to --out, all empty
 
 

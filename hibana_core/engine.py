@@ -420,10 +420,11 @@ class Engine:
                                     f"{memory.total:,} bytes of {self.device}; lower it, or give a fraction")
         from hibana_core.speculation.draft_model import draft_reserve
 
-        self.draft_reserve = draft_reserve(self, kv_dtype)
+        reserve = self.draft_reserve = draft_reserve(self, kv_dtype)
         """What the budget holds for the drafter `speculation` names when it runs a model of its own."""
-        draft_bytes, draft_least, draft_share = (self.draft_reserve[1:] if self.draft_reserve is not None
-                                                 else (0, 0, 0.0))
+        draft_bytes = reserve.weight_bytes if reserve else 0
+        draft_least = reserve.least_kv_bytes if reserve else 0
+        draft_share = reserve.share if reserve else 0.0
         fixed = weight_bytes + self.workspace_bytes + draft_bytes
         if memory.unified:  # a host tier asked for lives in the same memory
             fixed += self.config.cache.host_kv_bytes or 0

@@ -195,17 +195,24 @@ def check_enforceable(tool: Mapping) -> None:
         _check_enforceable(function["name"], function["parameters"])
 
 
+def unheld(schema: Mapping) -> list[str]:
+    """What of `schema` the grammar cannot hold the output to: keywords it would drop, or why it
+    does not compile; [] where every output it allows is valid under the schema."""
+    from hibana_core.grammar import json_schema_grammar, unenforced_keywords
+
+    unenforced = unenforced_keywords(dict(schema))
+    try:
+        json_schema_grammar(dict(schema))
+    except GrammarError as exc:
+        unenforced.append(str(exc))
+    return unenforced
+
+
 def _check_enforceable(name: str, parameters: Mapping) -> None:
     """A strict tool's (`"strict": true`, OpenAI's and LangChain's `bind_tools(strict=True)`)
     arguments are held to its schema, so a schema the grammar cannot hold is refused, as OpenAI
     refuses it; other tools' arguments fall back to any JSON object (`turn.arguments_schema`)."""
-    from hibana_core.grammar import json_schema_grammar, unenforced_keywords
-
-    unenforced = unenforced_keywords(dict(parameters))
-    try:
-        json_schema_grammar(dict(parameters))
-    except GrammarError as exc:
-        unenforced.append(str(exc))
+    unenforced = unheld(parameters)
     if unenforced:
         raise ToolSchemaError(f"tool {name!r} is strict but its parameters cannot be held to its schema "
                               f"({'; '.join(unenforced)}); fix the schema, or bind it without strict")

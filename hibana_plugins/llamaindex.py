@@ -44,7 +44,7 @@ from hibana_core.chat import (Chat, ChatDelta, ChatResult, ConversationError, To
                               UnsupportedContentError, clean_tool, normalize_tool_choice, normalize_tools)
 from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError, HibanaError
-from hibana_core.messages import check_enforceable
+from hibana_core.messages import unheld
 from hibana_plugins.hookspecs import hookimpl
 from hibana_plugins.options import SAMPLING, check_known, resolve_aliases, sampling_params
 
@@ -147,9 +147,9 @@ class _Call:
 
 
 @functools.lru_cache(maxsize=256)
-def _check_enforceable(spec: str) -> None:
-    """`check_enforceable` on a tool spec's JSON text, once per schema (it compiles the schema)."""
-    check_enforceable(json.loads(spec))
+def _unheld(parameters: str) -> tuple[str, ...]:
+    """`messages.unheld` on a schema's JSON text, once per schema (it compiles the schema)."""
+    return tuple(unheld(json.loads(parameters)))
 
 
 # --- the LlamaIndex side ------------------------------------------------------------------------------
@@ -373,15 +373,12 @@ def llm_class() -> type:
             here too: StructuredLLM calls these methods.)"""
             from llama_index.core.program.function_program import get_function_tool
 
-            spec = self._tool_spec(get_function_tool(output_cls))
-            try:
-                _check_enforceable(json.dumps(spec, sort_keys=True, default=str))
-            except ToolSchemaError as exc:
-                problems = str(exc).partition("held to its schema (")[2].rpartition("); fix")[0] or str(exc)
+            parameters = self._tool_spec(get_function_tool(output_cls))["function"].get("parameters") or {}
+            problems = _unheld(json.dumps(parameters, sort_keys=True, default=str))
+            if problems:
                 raise ToolSchemaError(f"structured output into {getattr(output_cls, '__name__', output_cls)!r}: the "
-                                      f"grammar cannot hold the answer to its schema ({problems}), and the answer "
-                                      "must parse into it: relax those fields, and check the rest in your code"
-                                      ) from None
+                                      f"grammar cannot hold the answer to its schema ({'; '.join(problems)}), and the "
+                                      "answer must parse into it: relax those fields, and check the rest in your code")
 
         def _tool_spec(self, tool: Any) -> dict:
             """The tool as an OpenAI function schema; a tool LlamaIndex cannot describe (no JSON schema

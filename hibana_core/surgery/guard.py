@@ -274,12 +274,6 @@ def _keep(reference: Reference, scorer: Scorer, doc: list[int], log_probs: torch
     reference.continuations.append(scorer.greedy(doc[:OPENING], CONTINUATION))
 
 
-def compare(scorer: Scorer, reference: Reference, progress: bool, desc: str = "guard",
-            calls: ToolCalls | None = None) -> GuardReport:
-    """The model `scorer` runs, measured against `reference`."""
-    return measure(scorer, [reference], progress, desc, calls)[0][0]
-
-
 @dataclass
 class _Totals:
     """Sums over the documents of one comparison."""
@@ -367,8 +361,8 @@ class Guard:
     after every pass has said it applies and before the first one changes the model), then after
     each pass its cumulative effect against it (the record's and the table's figures) and, for a
     pass after others, its own cost: against the model the earlier passes left, which is what
-    the pass's floors bound (a forced w4 before kv8 does not make kv8 over its floors, and the
-    order of passes does not decide which are kept). `source` names what the documents are
+    the pass's floors bound (a forced w4 before kv8 does not make kv8 over its floors; the floors
+    do not bound the passes' total). `source` names what the documents are
     (`heldout_source`); each record and the table say it."""
 
     def __init__(self, scorer: Scorer, documents: list[list[int]], progress: bool, tokenizer: Any = None,
@@ -390,8 +384,8 @@ class Guard:
 
     def check(self, name: str, surgery_pass: Any, force: bool, *, later: Sequence[Any]) -> dict[str, Any]:
         """The pass's record figures; a SurgeryGuardError where its own cost is over its floors
-        and it is not forced. `later`: the passes that follow, whose own costs are measured
-        against this pass's model (its distributions kept only where a floor of theirs is a KL)."""
+        and it is not forced. `later`: the passes that follow; the next one's own cost is measured
+        against this pass's model (its distributions kept only where that pass's floors bound the KL)."""
         if self.reference is None:
             raise RuntimeError("Guard.check before measure_reference: the reference must be the unmodified model")
         if self.passes and self.before is None:
