@@ -51,6 +51,8 @@
 #   bash bench/run_h200.sh splits        # decode attention's splits past the keys (graphs) write and read nothing,
 #                                        # graphs keyed by span: its kernel tests on CUDA, the bf16 demo vs
 #                                        # transformers, qwen3-8b decode bf16 / w8 / w4, qwen3-0.6b decode
+#   bash bench/run_h200.sh attention     # bench/tune_attention.py: decode attention's splits, tiles and merge by
+#                                        # model shape at 512 and 8192 keys (ATTENTION_ARGS="--models qwen3-30b-a3b")
 #   bash bench/run_h200.sh moe_a8_check  # issue 18: gpu_correctness moe_a8 (int8 x vs 16-bit x, tiny gpt_oss MXFP4
 #                                        # in bf16), then hibana bench decode of gpt-oss-20b
 #   bash bench/run_h200.sh quant_sweep   # bench/tune_quant.py --sweep: their tiles at 1 and 64 rows
@@ -236,6 +238,9 @@ case "${1:-check}" in
       --systems hibana --surgery w8,w4 --json "$OUT/decode_splits.json" 2>&1 | tee "$OUT/decode_splits.txt"
     python3 -m hibana_bench.cli decode --model qwen3-0.6b --context 512,8192 --generate 128 \
       --systems hibana --json "$OUT/decode_splits_qwen3-0.6b.json" 2>&1 | tee "$OUT/decode_splits_qwen3-0.6b.txt" ;;
+  attention)
+    # decode attention at batch 1 by model shape: split counts, decode tiles, the split merge's tiles
+    python3 bench/tune_attention.py ${ATTENTION_ARGS:-} --json "$OUT/tune_attention.json" 2>&1 | tee "$OUT/tune_attention.txt" ;;
   moe_a8_check)
     python3 bench/gpu_correctness.py --only moe_a8 2>&1 | grep -E "PASS|FAIL"
     python3 -m hibana_bench.cli decode --model gpt-oss-20b --context 512,8192 --generate 128 \

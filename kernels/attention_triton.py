@@ -325,8 +325,8 @@ def _decode_kernel(
                     if row < GROUP * q_len:
                         _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
                                       q_start + row // GROUP, kv_head * GROUP + row % GROUP,
-                                      num_heads, num_splits, with_keys, stride_ot, stride_oh,
-                                      HEAD_DIM, HEAD_DIM_P, SPLITS_P)
+                                      num_heads, num_splits, with_keys, stride_ot, stride_oh, 0,
+                                      HEAD_DIM, HEAD_DIM_P, SPLITS_P, HEAD_DIM_P)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -337,22 +337,24 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, token, head, num_heads,
-                  num_splits, read_splits, stride_ot, stride_oh,
-                  HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):
+                  num_splits, read_splits, stride_ot, stride_oh, d_start,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
     """One query row's output from the partials of its first `read_splits` splits (read past
     the L1: the splits ran on other SMs), all of them in one tile of SPLITS_P: one round of
     loads. (Summed 16 at a time in a loop, in an order that would not depend on the tile's
     width, the merge made qwen3-8b's decode at 8192 keys 7% slower on the H200: bf16 188.4
-    against 203.1 tok/s, int4 361.6 against 408.4, bench/RESULTS.md 2026-12-04.)"""
+    against 203.1 tok/s, int4 361.6 against 408.4, bench/RESULTS.md 2026-12-04.) The columns
+    [d_start, d_start + BLOCK_D) of the row: each column's sum is the same whatever BLOCK_D."""
     read_splits = tl.minimum(tl.maximum(read_splits, 0), num_splits)
     splits = tl.arange(0, SPLITS_P)
     s_mask = splits < read_splits
     part = (token * num_heads + head) * num_splits + splits
     m = tl.load(part_max_ptr + part, mask=s_mask, other=-1.0e30, cache_modifier=".cg")
     l = tl.load(part_sum_ptr + part, mask=s_mask, other=0.0, cache_modifier=".cg")
-    offs_d = tl.arange(0, HEAD_DIM_P)
+    offs_d = d_start + tl.arange(0, BLOCK_D)
     acc = tl.load(part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :],
-                  mask=s_mask[:, None], other=0.0, cache_modifier=".cg")  # [S, D]
+                  mask=s_mask[:, None], other=0.0, cache_modifier=".cg")  # [S, BLOCK_D]
     m_all = tl.max(m, 0)
     w = tl.exp2(m - m_all)
     total = tl.sum(l * w, 0)
@@ -366,14 +368,16 @@ def _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, token, head
 def _reduce_splits_kernel(
         out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, with_keys_ptr, num_splits,
         stride_ot, stride_oh,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr, PDL: tl.constexpr):
-    # every query row of the batch: each was written by its splits that hold keys, as many as
-    # its first split wrote in with_keys [T, H]
+        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr, BLOCK_D: tl.constexpr,
+        PDL: tl.constexpr):
+    # every query row of the batch, BLOCK_D columns a program: each row was written by its splits
+    # that hold keys, as many as its first split wrote in with_keys [T, H]
     wait_for_previous(PDL)
     token, head, num_heads = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     read_splits = tl.load(with_keys_ptr + token * num_heads + head)
     _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, token, head, num_heads,
-                  num_splits, read_splits, stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_P, SPLITS_P)
+                  num_splits, read_splits, stride_ot, stride_oh, tl.program_id(2) * BLOCK_D,
+                  HEAD_DIM, HEAD_DIM_P, SPLITS_P, BLOCK_D)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -403,7 +407,7 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                            sliding_window: int | None, num_splits: int,
                            tiles: tuple[int, ...] | None = None, decode: bool | None = None,
-                           merge: bool | None = None,
+                           merge: bool | None = None, merge_tiles: tuple[int, int] | None = None,
                            kv_scale: torch.Tensor | None = None,
                            sinks: torch.Tensor | None = None, sink_tokens: int = 0) -> torch.Tensor:
     """The launches behind `paged_attention`, with the decode split count chosen by the caller
@@ -412,7 +416,8 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_stages) for prefill. `decode`: every sequence has max_query_len new tokens (or none) and
     the decode kernel takes them (default: when max_query_len == 1). `merge`: split decode
     merges in the same launch (default: as the fusion policy says) where a program's query rows
-    are few enough (MERGE_MAX_ROWS) for its last split to merge them in turn. `kv_scale`: an
+    are few enough (MERGE_MAX_ROWS) for its last split to merge them in turn. `merge_tiles`:
+    (columns, num_warps) of a program of the separate merge (default `_merge_tiles`). `kv_scale`: an
     fp8 cache's. `sinks`: per-head sink logits [H], which the kernels start each row's online
     softmax from (in the log2 domain, as the scores). `sink_tokens`: with a sliding window, the
     keys below it stay visible: those before a program's window get a loop of their own ahead
@@ -490,11 +495,18 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         MERGE=merge, SPLITS_P=splits_p, QUERY_LEN=max_query_len, num_warps=num_warps,
         num_stages=num_stages, **common, **pdl.launch_args(q.device, "attention"))
     if split and not merge:
-        _reduce_splits_kernel[(num_tokens, num_heads)](
+        block_d, merge_warps = merge_tiles or _merge_tiles(common["HEAD_DIM_P"])
+        _reduce_splits_kernel[(num_tokens, num_heads, triton.cdiv(common["HEAD_DIM_P"], block_d))](
             out, part_out, part_max, part_sum, with_keys, num_splits,
             out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_P=common["HEAD_DIM_P"],
-            SPLITS_P=splits_p, num_warps=4, **pdl.launch_args(q.device, "attention"))
+            SPLITS_P=splits_p, BLOCK_D=block_d, num_warps=merge_warps,
+            **pdl.launch_args(q.device, "attention"))
     return out
+
+
+def _merge_tiles(head_dim_p: int) -> tuple[int, int]:
+    """(columns, num_warps) of a separate merge's program: a whole row in 4 warps."""
+    return head_dim_p, 4
 
 
 def _merge_counters(device: torch.device) -> torch.Tensor:
