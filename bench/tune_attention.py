@@ -6,8 +6,8 @@ max_model_len (8336 in `hibana bench decode`). Each variant is checked against o
 and timed as a CUDA graph over enough layers' caches that they do not sit in L2; the table gives
 us a layer and the share of the copy bandwidth that the layer's KV bytes would take.
 
-    python3 bench/tune_attention.py                       # every shape, 512 and 8192 keys
-    python3 bench/tune_attention.py --models qwen3-30b-a3b --contexts 8192
+    python3 bench/tune_attention.py             # every model at 1 x 512 and 1 x 8192, two at 8 x 8192 and 32 x 4096
+    python3 bench/tune_attention.py --models qwen3-30b-a3b --shapes 1x8192 --batched ""
 """
 
 from __future__ import annotations
@@ -67,97 +67,103 @@ def time_graph(fn, reps: int = 30) -> float:
     return start.elapsed_time(end) / 1e3 / reps
 
 
-def variants(head_dim_p: int, by_length: int, default_splits: int):
-    splits = sorted({s for s in (default_splits, 16, 32, 64, 128, 256) if s <= by_length})
-    tiles = [(64, 4, 3), (32, 4, 3), (64, 8, 3), (64, 2, 3)]
-    merges = [("sep", (head_dim_p, 4)), ("sep", (head_dim_p, 8)), ("sep", (64, 4)), ("sep", (32, 4)),
-              ("sep", (32, 2)), ("sep", (16, 1)), ("in", None)]
-    return [(s, t, m) for s, t, m in itertools.product(splits, tiles, merges) if s > 1 or m[0] == "sep"]
+TILES = [(64, 4, 3), (64, 2, 3), (32, 4, 3), (32, 2, 3), (16, 2, 3)]
+MERGES = [(16, 1), (32, 1), (32, 2), (64, 4)]
 
 
-def sweep(model: str, keys: int, bandwidth: float, quick: bool) -> dict:
+def sweep(model: str, batch: int, keys: int, bandwidth: float) -> dict:
     heads, kv_heads, d = SHAPES[model]
     head_dim_p = max(16, triton.next_power_of_2(d))
-    span = SPANS.get(keys, keys)
-    blocks = triton.cdiv(span, BLOCK_SIZE)
-    kv_bytes = 2 * keys * kv_heads * d * 2
+    span = SPANS.get(keys, keys) if batch == 1 else 8336
+    per_seq = triton.cdiv(span, BLOCK_SIZE)
+    blocks = batch * per_seq
+    kv_bytes = 2 * batch * keys * kv_heads * d * 2
     cache_bytes = 2 * blocks * BLOCK_SIZE * kv_heads * d * 2
     layers = max(2, -(-(512 << 20) // cache_bytes))
     caches = [tuple(torch.randn(blocks, BLOCK_SIZE, kv_heads, d, device="cuda", dtype=torch.bfloat16)
                     for _ in range(2)) for _ in range(layers)]
-    tables = torch.randperm(blocks, device="cuda").to(torch.int32).view(1, blocks)
-    seq_lens = torch.full((1,), keys, dtype=torch.int32, device="cuda")
-    qsl = torch.arange(2, dtype=torch.int32, device="cuda")
-    q = torch.randn(1, heads, d, device="cuda", dtype=torch.bfloat16)
+    tables = torch.randperm(blocks, device="cuda").to(torch.int32).view(batch, per_seq)
+    seq_lens = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, heads, d, device="cuda", dtype=torch.bfloat16)
     scale = d ** -0.5
     ref = at.paged_attention_launch(q, *caches[0], tables, seq_lens, qsl, 1, scale, None, 1, (16, 4, 2))
-    min_split = max(at.DECODE_MIN_SPLIT, at._decode_tiles(q.dtype, head_dim_p)[0])
-    default_splits = at._num_splits(q.device, kv_heads, span, min_split)
-    by_length = triton.cdiv(span, 32)
-    candidates = variants(head_dim_p, by_length, default_splits)
-    default_key = (default_splits, at._decode_tiles(q.dtype, head_dim_p), ("sep", at._merge_tiles(head_dim_p)))
-    if quick:
-        candidates = [c for c in candidates if c[1] == default_key[1]]
-    results = []
-    for splits, tile, (kind, merge_tiles) in candidates:
-        min_split = min(at.DECODE_MIN_SPLIT, tile[0]) if tile[0] < 64 else at.DECODE_MIN_SPLIT
-        if splits > triton.cdiv(span, max(min_split, tile[0])):
-            continue  # splits past the span's keys hold none
-        saved, at.DECODE_MIN_SPLIT = at.DECODE_MIN_SPLIT, min_split  # 32-key tiles: 32-key splits
-        try:
-            def launch(k, v, splits=splits, tile=tile, kind=kind, merge_tiles=merge_tiles):
-                return at.paged_attention_launch(q, k, v, tables, seq_lens, qsl, 1, scale, None, splits, tile,
-                                                 decode=True, merge=kind == "in", merge_tiles=merge_tiles)
-            out = launch(*caches[0])
-            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-            if not err < 1e-2:
-                print(f"  WRONG {model} {keys} splits {splits} tile {tile} merge {kind} {merge_tiles}: {err:.3g}")
-                continue
+    default_tile = at._decode_tiles(q.dtype, head_dim_p)
+    default_min_split = max(at.DECODE_MIN_SPLIT, default_tile[0])
+    default_key = (at._num_splits(q.device, batch * kv_heads, span, default_min_split), default_tile,
+                   at._merge_tiles(head_dim_p))
+    results, default = [], None
+    for tile in TILES:
+        min_split = tile[0]  # a split of whole tiles: as short as one
+        by_length = triton.cdiv(span, min_split)
+        # the split count as the engine picks it for this tile, then twice that and the powers of two
+        pick = min(at.DECODE_PROGRAMS_PER_SM * torch.cuda.get_device_properties(0).multi_processor_count
+                   // (batch * kv_heads), by_length)
+        wider = (16, 32, 64, 128, 256) if batch == 1 else (1,)
+        splits_set = sorted({max(1, s) for s in (min(pick, at.MAX_SPLITS), pick, 2 * pick) + wider
+                             if s <= min(by_length, 256)})
+        keys_here = [(splits, tile, merge) for splits, merge in itertools.product(splits_set, MERGES)
+                     if splits > 1 or merge == MERGES[0]]
+        if tile == default_tile and default_key not in keys_here:
+            keys_here.append(default_key)
+        for key in keys_here:
+            splits, _, merge_tiles = key
+            saved, at.DECODE_MIN_SPLIT = at.DECODE_MIN_SPLIT, min_split
+            try:
+                def launch(k, v, splits=splits, tile=tile, merge_tiles=merge_tiles):
+                    return at.paged_attention_launch(q, k, v, tables, seq_lens, qsl, 1, scale, None, splits, tile,
+                                                     decode=True, merge=False, merge_tiles=merge_tiles)
+                out = launch(*caches[0])
+                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                if not err < 1e-2:
+                    print(f"  WRONG {model} {batch}x{keys} {key}: {err:.3g}")
+                    continue
 
-            def run(launch=launch):
-                for k, v in caches:
-                    launch(k, v)
-            us = time_graph(run) / layers * 1e6
-        except Exception as exc:  # a tile that does not compile (registers, shared memory) is skipped
-            print(f"  skipped {model} {keys} splits {splits} tile {tile} merge {kind} {merge_tiles}: "
-                  f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
-            continue
-        finally:
-            at.DECODE_MIN_SPLIT = saved
-        results.append(dict(us=round(us, 2), splits=splits, tile=tile, merge=kind, merge_tiles=merge_tiles,
-                            key=(splits, tile, (kind, merge_tiles))))
+                def run(launch=launch):
+                    for k, v in caches:
+                        launch(k, v)
+                us = time_graph(run) / layers * 1e6
+            except Exception as exc:  # a tile that does not compile (registers, shared memory) is skipped
+                print(f"  skipped {model} {batch}x{keys} {key}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+                continue
+            finally:
+                at.DECODE_MIN_SPLIT = saved
+            results.append(dict(us=round(us, 2), splits=splits, tile=tile, merge_tiles=merge_tiles))
+            if key == default_key and min_split == default_min_split:
+                default = results[-1]
     results.sort(key=lambda r: r["us"])
-    default = next((r for r in results if r["key"] == default_key), None)
-    for r in results:
-        del r["key"]
     floor = kv_bytes / bandwidth * 1e6
-    row = dict(model=model, keys=keys, span=span, kv_mb=kv_bytes / 1e6, floor_us=round(floor, 2),
-               default=default, best=results[:8])
     best = results[0] if results else None
-    print(f"{model:14s} {keys:5d} keys (span {span}): {kv_bytes / 1e6:5.1f} MB, floor {floor:5.2f} us | default "
-          f"{default['us'] if default else '-':>6} us ({default_splits} splits) | best {best['us'] if best else '-':>6} us: "
-          f"{best}", flush=True)
-    for r in results[1:6]:
-        print(f"{'':40s} {r}")
+    print(f"{model:14s} {batch:2d} x {keys:5d} keys (span {span}): {kv_bytes / 1e6:6.1f} MB, floor {floor:6.2f} us | "
+          f"default {default['us'] if default else '-':>6} us {default_key} | best {best}", flush=True)
+    for r in results[1:5]:
+        print(f"{'':50s} {r}")
     caches.clear()
     torch.cuda.empty_cache()
-    return row
+    return dict(model=model, batch=batch, keys=keys, span=span, kv_mb=kv_bytes / 1e6, floor_us=round(floor, 2),
+                default=default, results=results)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default=",".join(SHAPES))
-    parser.add_argument("--contexts", default="512,8192")
-    parser.add_argument("--quick", action="store_true", help="the default decode tile only")
+    parser.add_argument("--shapes", default="1x512,1x8192", help="batch x keys, comma-separated")
+    parser.add_argument("--batched", default="qwen3-8b,qwen3-30b-a3b",
+                        help="models also swept at --batched-shapes")
+    parser.add_argument("--batched-shapes", default="8x8192,32x4096")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; us a layer, batch 1")
-    rows = [sweep(m, int(c), bandwidth, args.quick) for m in args.models.split(",")
-            for c in args.contexts.split(",")]
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; us a layer (attention and its split merge)")
+    runs = [(m, s) for m in args.models.split(",") for s in args.shapes.split(",")]
+    runs += [(m, s) for m in args.batched.split(",") if m for s in args.batched_shapes.split(",")]
+    rows = []
+    for model, shape in runs:
+        batch, keys = (int(x) for x in shape.split("x"))
+        rows.append(sweep(model, batch, keys, bandwidth))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(bandwidth=bandwidth, rows=rows), f, indent=1)
+            json.dump(dict(bandwidth=bandwidth, rows=rows), f)
 
 
 if __name__ == "__main__":
