@@ -504,8 +504,7 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         MERGE=merge, SPLITS_P=splits_p, QUERY_LEN=max_query_len, num_warps=num_warps,
         num_stages=num_stages, **common, **pdl.launch_args(q.device, "attention"))
     if split and not merge:
-        block_d, merge_warps = merge_tiles or _merge_tiles(common["HEAD_DIM_P"], num_tokens * num_heads,
-                                                           num_splits, splits_p)
+        block_d, merge_warps = merge_tiles or _merge_tiles(common["HEAD_DIM_P"], splits_p)
         _reduce_splits_kernel[(num_tokens, num_heads, triton.cdiv(common["HEAD_DIM_P"], block_d))](
             out, part_out, part_max, part_sum, with_keys, num_splits,
             out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_P=common["HEAD_DIM_P"],
@@ -514,16 +513,14 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-def _merge_tiles(head_dim_p: int, rows: int, num_splits: int, splits_p: int) -> tuple[int, int]:
-    """(columns, num_warps) of a separate merge's program, for `rows` query rows (tokens x heads)
-    of `num_splits` splits in a tile of `splits_p`. The best of a sweep on the H200
-    (bench/tune_attention.py, bench/RESULTS.md 2026-12-04): a few rows of few splits, 16 columns
-    in one warp (8 programs a row of 128: 4.9 against 5.8 us a layer with the whole row in 4 warps,
-    qwen3-8b at 512 keys); else 32 columns, a warp per 64 splits of the tile (qwen3-30b-a3b at
-    8192 keys, 128 splits: 9.9 against 10.5 us in one warp). A batch's many rows want the wider
-    programs (32 x 4096 keys: 16 columns in a warp 137.6 us against 132.8)."""
-    if rows <= 64 and num_splits <= 32:
-        return min(16, head_dim_p), 1
+def _merge_tiles(head_dim_p: int, splits_p: int) -> tuple[int, int]:
+    """(columns, num_warps) of a separate merge's program over a tile of `splits_p` splits: 32
+    columns, a warp per 64 splits. Its reduction's layout, and so its bits, follow these: they
+    depend on the tile of splits alone, never on the split count, so that graphs of several spans
+    agree. The best overall of a sweep on the H200 (bench/tune_attention.py, bench/RESULTS.md
+    2026-12-04; us a layer at 512 + 8192 keys, against the whole row in 4 warps before): qwen3-8b
+    20.5 against 21.9, gpt-oss-20b 14.2 against 14.6; qwen3-30b-a3b at 8192 keys, 128 splits: 9.9
+    against 10.5 in one warp."""
     return min(32, head_dim_p), max(1, splits_p // 64)
 
 
