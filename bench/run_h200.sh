@@ -53,7 +53,6 @@
 #                                        # transformers, qwen3-8b decode bf16 / w8 / w4, qwen3-0.6b decode
 #   bash bench/run_h200.sh attention     # bench/tune_attention.py: decode attention's splits, tiles and merge by
 #                                        # model shape at 512 and 8192 keys (ATTENTION_ARGS="--models qwen3-30b-a3b")
-#   bash bench/run_h200.sh attention_ab  # whole-model batch-1 decode, decode attention's plan against the one before
 #   bash bench/run_h200.sh moe_a8_check  # issue 18: gpu_correctness moe_a8 (int8 x vs 16-bit x, tiny gpt_oss MXFP4
 #                                        # in bf16), then hibana bench decode of gpt-oss-20b
 #   bash bench/run_h200.sh quant_sweep   # bench/tune_quant.py --sweep: their tiles at 1 and 64 rows
@@ -242,14 +241,6 @@ case "${1:-check}" in
   attention)
     # decode attention at batch 1 by model shape: split counts, decode tiles, the split merge's tiles
     python3 bench/tune_attention.py ${ATTENTION_ARGS:-} --json "$OUT/tune_attention.json" 2>&1 | tee "$OUT/tune_attention.txt" ;;
-  attention_ab)
-    # decode attention's plan against the one before 2026-12-04, whole models at batch 1 (graphs
-    # recaptured under each; MODELS picks)
-    for model in ${MODELS:-qwen3-30b-a3b qwen3-8b}; do
-      timeout "${AB_SECONDS:-200}" python3 bench/tune_decode.py --model "$model" --fusion --skip-sweep --context 512,8192 \
-        --policies "auto;attention=before,auto" > "$OUT/attention_ab_$model.txt" 2>&1
-      grep -E "roofline|^auto|Error" "$OUT/attention_ab_$model.txt" | tail -8
-    done ;;
   moe_a8_check)
     python3 bench/gpu_correctness.py --only moe_a8 2>&1 | grep -E "PASS|FAIL"
     python3 -m hibana_bench.cli decode --model gpt-oss-20b --context 512,8192 --generate 128 \

@@ -4,7 +4,13 @@ The decode graphs size their splits for the longest sequence a graph takes (its 
 or max_model_len), so at 512 keys a layer runs the 1024 span's splits and at 8192 those of
 max_model_len (8336 in `hibana bench decode`). Each variant is checked against one unsplit launch
 and timed as a CUDA graph over enough layers' caches that they do not sit in L2; the table gives
-us a layer and the share of the copy bandwidth that the layer's KV bytes would take.
+us a layer and the floor that the layer's KV bytes set at the copy bandwidth.
+
+These are the kernels alone, launch after launch. In a decode step they sit between the prologue
+and the o projection, overlapped with both under programmatic dependent launch: a variant that
+wins here by 1-2 us a layer gave nothing or lost in whole models (bench/RESULTS.md 2026-12-04:
+qwen3-30b-a3b 2.3 us a layer faster here at 8192 keys, +0.5% tok/s in the model, -0.7% at
+512). Judge a change by `tune_decode.py --fusion` with graphs recaptured.
 
     python3 bench/tune_attention.py             # every model at 1 x 512 and 1 x 8192, two at 8 x 8192 and 32 x 4096
     python3 bench/tune_attention.py --models qwen3-30b-a3b --shapes 1x8192 --batched ""

@@ -415,8 +415,7 @@ def variant(spec: str) -> contextlib.AbstractContextManager:
     unrolled; the default's own down tiles kept, so before 2026-12-03 it set the down's too),
     ";moe_down=NxKxWARPS" (only their down projection's), ";mxfp4=NxKxWARPS[xd][xa][xsN]" (the
     MXFP4 experts', d: direct, a: against int8 x, sN: split-K in N), ";norm_gemv=NxKxWARPS" (the
-    norm-then-GEMV's), ";splits=MAXxPERSM" (decode attention's most splits and programs an SM) and
-    ";attention=before" (decode attention's tiles, splits and merge as before 2026-12-04), e.g.
+    norm-then-GEMV's) and ";splits=MAXxPERSM" (decode attention's most splits and programs an SM), e.g.
     "auto;gemv=whole_rows;moe=2x1024x4"."""
     from hibana_kernels import matmul_triton, moe_triton
 
@@ -452,18 +451,6 @@ def variant(spec: str) -> contextlib.AbstractContextManager:
             attention_triton.MAX_SPLITS, attention_triton.DECODE_PROGRAMS_PER_SM = most, per_sm
             stack.callback(setattr, attention_triton, "MAX_SPLITS", before[0])
             stack.callback(setattr, attention_triton, "DECODE_PROGRAMS_PER_SM", before[1])
-        elif key == "attention" and value == "before":  # decode attention's plan before 2026-12-04
-            from hibana_kernels import attention_triton as at
-
-            plan, merge_tiles = at._decode_plan, at._merge_tiles
-
-            def before(dtype, head_dim_p, kv_fp8=False, programs=1 << 30):
-                if dtype == torch.float32 or head_dim_p > 128 or kv_fp8:
-                    return plan(dtype, head_dim_p, kv_fp8, programs)
-                return at.DecodePlan(64, 4, 3, at.DECODE_MIN_SPLIT, at.MAX_SPLITS, at.MERGE_TILE)
-            at._decode_plan, at._merge_tiles = before, lambda head_dim_p, *_: (head_dim_p, 4)
-            stack.callback(setattr, at, "_decode_plan", plan)
-            stack.callback(setattr, at, "_merge_tiles", merge_tiles)
         elif key == "merge_tile":  # decode attention's MERGE_TILE
             from hibana_kernels import attention_triton
 

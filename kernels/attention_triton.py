@@ -29,8 +29,6 @@ max_seq_len), never from device values: no host sync, and the launches can be gr
 from __future__ import annotations
 
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -43,16 +41,11 @@ LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # the same, for the kernels
 DECODE_MIN_SPLIT = 64  # keys per split at least (a 16-bit cache's key tile; an fp8 cache's tile: 128)
 DECODE_PROGRAMS_PER_SM = 4  # splits are added until the grid has this many programs per SM
-MAX_SPLITS = 64  # 128 or 256 were slower at 8192 keys with 64-key tiles (H200: qwen3-30b-a3b 283.6 -> 260.2 / 177.0 tok/s)
+MAX_SPLITS = 64  # 128 or 256 were slower at 8192 keys (H200: qwen3-30b-a3b 283.6 -> 260.2 / 177.0 tok/s)
 MERGE_TILE = MAX_SPLITS
 """The split merge's tile of splits at least (`paged_attention_launch`): 64 where 16 would do at
 1024 keys costs nothing measurable (qwen3-0.6b, H200: graph replay 0.786-0.792 ms against
 0.788-0.789 at 512 keys) and keeps the merge's sums in one order across span graphs."""
-FEW_PROGRAMS = 4
-"""Decode launches of at most this many (sequence, KV head) programs before splitting (batch 1 of
-a model with 4 KV heads: Qwen3-30B-A3B) take `DecodePlan`'s short splits: 32-key tiles, up to
-FEW_PROGRAMS_MAX_SPLITS splits, the merge's tile as wide."""
-FEW_PROGRAMS_MAX_SPLITS = 128
 MAX_DECODE_QUERY_LEN = 32  # verify steps up to this many tokens per sequence take the decode kernel
 NUM_STAGES = 2
 MERGE_COUNTERS = 1 << 16  # (sequence, KV head) pairs the in-kernel merge counts for, per device
@@ -352,7 +345,10 @@ def _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, token, head
     loads. (Summed 16 at a time in a loop, in an order that would not depend on the tile's
     width, the merge made qwen3-8b's decode at 8192 keys 7% slower on the H200: bf16 188.4
     against 203.1 tok/s, int4 361.6 against 408.4, bench/RESULTS.md 2026-12-04.) The columns
-    [d_start, d_start + BLOCK_D) of the row: each column's sum is the same whatever BLOCK_D."""
+    [d_start, d_start + BLOCK_D) of the row. The order of each column's sum follows the tile's
+    layout on the GPU (its columns and warps; on the CUDA partition test, 32 columns in one warp
+    gave other last bits than the whole row in four): every launch keeps one merge tile
+    (`_merge_tiles`) so that graphs of several spans agree."""
     read_splits = tl.minimum(tl.maximum(read_splits, 0), num_splits)
     splits = tl.arange(0, SPLITS_P)
     s_mask = splits < read_splits
@@ -402,9 +398,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     decode = max_query_len == 1 or (uniform_query_len and max_query_len <= MAX_DECODE_QUERY_LEN)
     if decode:  # a split holds whole key tiles: no shorter than the cache's tile
         head_dim_p = max(16, triton.next_power_of_2(q.shape[-1]))
-        plan = _decode_plan(q.dtype, head_dim_p, kv_scale is not None, num_seqs * num_kv_heads)
-        num_splits = _num_splits(q.device, num_seqs * num_kv_heads, max_seq_len, plan.split_tile,
-                                 plan.max_splits)
+        min_split = max(DECODE_MIN_SPLIT, _decode_tiles(q.dtype, head_dim_p, kv_scale is not None)[0])
+        num_splits = _num_splits(q.device, num_seqs * num_kv_heads, max_seq_len, min_split)
     return paged_attention_launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                   max_query_len, scale, sliding_window, num_splits, decode=decode,
                                   kv_scale=kv_scale, sinks=sinks, sink_tokens=sink_tokens)
@@ -486,12 +481,11 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         merge = fusion.policy().attention_merge
     merge = (split and merge and num_seqs * num_kv_heads <= MERGE_COUNTERS
              and group * max_query_len <= MERGE_MAX_ROWS)
-    # the plan: a function of the batch and the model, never of the span, so that graphs of several
-    # spans part a sequence's keys alike (whole split tiles) and merge them with one tile width
-    # (a tree's sums depend on its width): their outputs agree to the bit
-    plan = _decode_plan(q.dtype, common["HEAD_DIM_P"], kv_fp8, num_seqs * num_kv_heads)
-    splits_p = max(plan.merge_tile, triton.next_power_of_2(num_splits))
-    block_n, num_warps, num_stages = tiles or plan[:3]
+    # the merge's tile of splits: one width whatever the count (a tree's sums depend on its
+    # width), so that launches which part a sequence's keys alike agree to the bit (graphs of
+    # several spans)
+    splits_p = max(MERGE_TILE, triton.next_power_of_2(num_splits))
+    block_n, num_warps, num_stages = tiles or _decode_tiles(q.dtype, common["HEAD_DIM_P"], kv_fp8)
     # MERGE: the arrival counters; else the splits with keys per query row, for the reduce
     with_keys = torch.empty((num_tokens, num_heads) if split and not merge else (1,), dtype=torch.int32,
                             device=q.device)
@@ -500,11 +494,11 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         _merge_counters(q.device) if merge else with_keys, block_tables, seq_lens,
         query_start_loc, num_splits=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group * max_query_len)), BLOCK_N=block_n, SPLIT=split,
-        SPLIT_TILE=max(plan.split_tile, block_n),
+        SPLIT_TILE=max(DECODE_MIN_SPLIT, block_n),
         MERGE=merge, SPLITS_P=splits_p, QUERY_LEN=max_query_len, num_warps=num_warps,
         num_stages=num_stages, **common, **pdl.launch_args(q.device, "attention"))
     if split and not merge:
-        block_d, merge_warps = merge_tiles or _merge_tiles(common["HEAD_DIM_P"], splits_p)
+        block_d, merge_warps = merge_tiles or _merge_tiles(common["HEAD_DIM_P"])
         _reduce_splits_kernel[(num_tokens, num_heads, triton.cdiv(common["HEAD_DIM_P"], block_d))](
             out, part_out, part_max, part_sum, with_keys, num_splits,
             out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_P=common["HEAD_DIM_P"],
@@ -513,15 +507,9 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-def _merge_tiles(head_dim_p: int, splits_p: int) -> tuple[int, int]:
-    """(columns, num_warps) of a separate merge's program over a tile of `splits_p` splits: 32
-    columns, a warp per 64 splits. Its reduction's layout, and so its bits, follow these: they
-    depend on the tile of splits alone, never on the split count, so that graphs of several spans
-    agree. The best overall of a sweep on the H200 (bench/tune_attention.py, bench/RESULTS.md
-    2026-12-04; us a layer at 512 + 8192 keys, against the whole row in 4 warps before): qwen3-8b
-    20.5 against 21.9, gpt-oss-20b 14.2 against 14.6; qwen3-30b-a3b at 8192 keys, 128 splits: 9.9
-    against 10.5 in one warp."""
-    return min(32, head_dim_p), max(1, splits_p // 64)
+def _merge_tiles(head_dim_p: int) -> tuple[int, int]:
+    """(columns, num_warps) of a separate merge's program: a whole row in 4 warps."""
+    return head_dim_p, 4
 
 
 def _merge_counters(device: torch.device) -> torch.Tensor:
@@ -541,60 +529,26 @@ def _prefill_tiles(dtype: torch.dtype, head_dim_p: int, kv_fp8: bool = False) ->
     return (64, 128, 4, 3) if kv_fp8 else (64, 64, 4, 3)
 
 
-class DecodePlan(NamedTuple):
-    """How a decode launch tiles and splits its keys: (BLOCK_N, num_warps, num_stages) of the
-    decode kernel, the keys a split holds in whole multiples of (`split_tile`), the most splits,
-    and the merge's tile of splits at least (`merge_tile`: as wide as the most splits, so that one
-    width serves every span's graph)."""
-
-    block_n: int
-    num_warps: int
-    num_stages: int
-    split_tile: int
-    max_splits: int
-    merge_tile: int
-
-
-def _decode_plan(dtype: torch.dtype, head_dim_p: int, kv_fp8: bool = False,
-                 programs: int = 1 << 30) -> DecodePlan:
-    """The decode plan for a launch of `programs` (sequence, KV head) pairs before splitting.
-    16-bit caches: the best of a sweep over tiles, splits and merge tiles on the H200
-    (bench/tune_attention.py, bench/RESULTS.md 2026-12-04, us a layer against the 64-key tiles in 4
-    warps before): 64-key tiles in 2 warps (qwen3-8b at 8192 keys 14.3-14.8 against 16.1; 8 x
-    8192 69.7 against 71.1); a launch of at most FEW_PROGRAMS programs, 32-key tiles in 4 warps and
-    splits of 32 keys up to 128 of them (qwen3-30b-a3b, 4 KV heads, batch 1: 9.9 against 12.2 at
-    8192 keys, 4.5-4.7 against 5.5 at 512). An fp8 cache reads half the bytes a key, so its tile
-    takes twice the keys (bench/kv8_attention.py: 32 x 4608 keys 121 us against 181 at 64 keys
-    and bf16's 146); float32, the exactness path, the largest tiles ptxas fits in registers for
-    sm_90, as in _prefill_tiles."""
+def _decode_tiles(dtype: torch.dtype, head_dim_p: int, kv_fp8: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages): for 16-bit caches, the best of a sweep over tiles and
+    splits on the H200 (bench/notes_decode.md); an fp8 cache reads half the bytes a key, so
+    its tile takes twice the keys (bench/kv8_attention.py: 32 x 4608 keys 121 us against 181
+    at 64 keys and bf16's 146); float32 as in _prefill_tiles."""
     if dtype == torch.float32:
-        tiles = ((32, 8) if head_dim_p <= 128 else (16, 4)) + (NUM_STAGES,)
-    elif head_dim_p > 128:
-        tiles = (32, 4, NUM_STAGES)
-    elif kv_fp8:
-        tiles = (128, 4, 3)
-    elif programs <= FEW_PROGRAMS:
-        return DecodePlan(32, 4, 3, 32, FEW_PROGRAMS_MAX_SPLITS, FEW_PROGRAMS_MAX_SPLITS)
-    else:
-        tiles = (64, 2, 3)
-    return DecodePlan(*tiles, max(DECODE_MIN_SPLIT, tiles[0]), MAX_SPLITS, MERGE_TILE)
-
-
-def _decode_tiles(dtype: torch.dtype, head_dim_p: int, kv_fp8: bool = False,
-                  programs: int = 1 << 30) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of `_decode_plan`."""
-    return tuple(_decode_plan(dtype, head_dim_p, kv_fp8, programs)[:3])
+        return ((32, 8) if head_dim_p <= 128 else (16, 4)) + (NUM_STAGES,)
+    if head_dim_p > 128:
+        return 32, 4, NUM_STAGES
+    return (128, 4, 3) if kv_fp8 else (64, 4, 3)
 
 
 def _num_splits(device: torch.device, programs: int, max_seq_len: int,
-                min_split: int = DECODE_MIN_SPLIT, max_splits: int | None = None) -> int:
+                min_split: int = DECODE_MIN_SPLIT) -> int:
     """As many splits as keep the grid within one wave of DECODE_PROGRAMS_PER_SM programs per SM
     (a second, partial wave costs more than the splits save), none shorter than `min_split`
-    keys, at most `max_splits` (MAX_SPLITS). (With the bound overstated, as in CUDA graphs, splits
-    past a sequence's end exit.)"""
+    keys. (With the bound overstated, as in CUDA graphs, splits past a sequence's end exit.)"""
     target = DECODE_PROGRAMS_PER_SM * counters.sm_count(device)
     by_length = triton.cdiv(max(max_seq_len, 1), min_split)
-    return max(1, min(target // programs, by_length, MAX_SPLITS if max_splits is None else max_splits))
+    return max(1, min(target // programs, by_length, MAX_SPLITS))
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -986,21 +986,20 @@ def test_paged_attention_splits_past_the_keys(run_check, merge, window):
               num_splits=16, merge=merge, poison=True)
 
 
-def check_split_counts_partition_alike(device, merge, window, lens=DECODE_BATCH, dtype=torch.float32):
+def check_split_counts_partition_alike(device, merge, window):
     """A decode graph captured for a short span splits fewer times than one for the engine's
     whole context (runner.DecodeGraphs.SPANS); on the sequences the short one covers both split
-    the keys alike (one split tile a split), so their outputs are equal to the bit. (The merge's
+    the keys alike (one key tile a split), so their outputs are equal to the bit. (The merge's
     tile width, MERGE_TILE, matters to the bits on the GPU's tree reductions; the interpreter's
-    numpy sums may agree whatever the width, so there only the partition is checked.) A batch of
-    few programs (`attention_triton.FEW_PROGRAMS`) takes the plan of short splits."""
+    numpy sums may agree whatever the width, so there only the partition is checked.)"""
     triton_attention = _triton_module("attention")
-    batch, _, _ = make_paged_batch(lens, 2 * NUM_KV_HEADS, NUM_KV_HEADS, dtype, device, seed=3)
-    plan = triton_attention._decode_plan(dtype, HEAD_DIM, False, len(lens) * NUM_KV_HEADS)
-    short = -(-max(n for n, _ in lens) // plan.split_tile)  # the splits of a span just covering the batch
+    batch, _, _ = make_paged_batch(DECODE_BATCH, 2 * NUM_KV_HEADS, NUM_KV_HEADS, torch.float32, device, seed=3)
+    tile = max(triton_attention.DECODE_MIN_SPLIT, triton_attention._decode_tiles(torch.float32, HEAD_DIM, False)[0])
+    short = -(-max(n for n, _ in DECODE_BATCH) // tile)  # the splits of a span just covering the batch
     args = (batch["q"], batch["k_cache"], batch["v_cache"], batch["block_tables"], batch["seq_lens"],
             batch["query_start_loc"], 1, HEAD_DIM ** -0.5, window)
     few = triton_attention.paged_attention_launch(*args, short, merge=merge)
-    many = triton_attention.paged_attention_launch(*args, plan.max_splits, merge=merge)
+    many = triton_attention.paged_attention_launch(*args, triton_attention.MAX_SPLITS, merge=merge)
     assert short > 1 and not few.isnan().any()
     torch.testing.assert_close(few, many, atol=0, rtol=0)
 
@@ -1009,27 +1008,6 @@ def check_split_counts_partition_alike(device, merge, window, lens=DECODE_BATCH,
 @pytest.mark.parametrize("window", [None, WINDOW])
 def test_decode_split_counts_partition_alike(run_check, merge, window):
     run_check(check_split_counts_partition_alike, merge=merge, window=window)
-
-
-FEW_PROGRAMS_BATCH = ((150, 1), (33, 1))  # 2 sequences x 2 KV heads: attention_triton.FEW_PROGRAMS
-
-
-@pytest.mark.parametrize("merge", [False, True], ids=["separate-merge", "merge"])
-def test_decode_few_programs_partition_alike(run_check, merge):
-    """bf16 at batch 2 of 2 KV heads: 32-key splits, up to 128 of them, and a merge tile as wide."""
-    plan = _triton_module("attention")._decode_plan(torch.bfloat16, HEAD_DIM, False, 4)
-    assert (plan.block_n, plan.split_tile, plan.max_splits, plan.merge_tile) == (32, 32, 128, 128)
-    run_check(check_split_counts_partition_alike, merge=merge, window=None, lens=FEW_PROGRAMS_BATCH,
-              dtype=torch.bfloat16)
-
-
-@pytest.mark.parametrize("num_splits", [None, 3, 128])
-@pytest.mark.parametrize("window", [None, WINDOW])
-def test_paged_attention_few_programs(run_check, num_splits, window):
-    """The few-programs plan against the reference: chosen by the public entry point, and with
-    splits of several counts (past the keys: 128 splits of 32 keys for at most 150 keys)."""
-    run_check(check_paged_attention, group=2, window=window, lens=FEW_PROGRAMS_BATCH, dtype=torch.bfloat16,
-              num_splits=num_splits, merge=False, poison=num_splits == 128)
 
 
 @pytest.mark.parametrize("lens", [DECODE_BATCH, MIXED_BATCH], ids=["decode", "mixed"])
