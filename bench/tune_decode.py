@@ -415,7 +415,8 @@ def variant(spec: str) -> contextlib.AbstractContextManager:
     unrolled; the default's own down tiles kept, so before 2026-12-03 it set the down's too),
     ";moe_down=NxKxWARPS" (only their down projection's), ";mxfp4=NxKxWARPS[xd][xa][xsN]" (the
     MXFP4 experts', d: direct, a: against int8 x, sN: split-K in N), ";norm_gemv=NxKxWARPS" (the
-    norm-then-GEMV's) and ";splits=MAXxPERSM" (decode attention's most splits and programs an SM), e.g.
+    norm-then-GEMV's), ";splits=MAXxPERSM" (decode attention's most splits and programs an SM) and
+    ";window_splits=0|1" (a sliding layer's decode split for its window's keys), e.g.
     "auto;gemv=whole_rows;moe=2x1024x4"."""
     from hibana_kernels import matmul_triton, moe_triton
 
@@ -451,6 +452,11 @@ def variant(spec: str) -> contextlib.AbstractContextManager:
             attention_triton.MAX_SPLITS, attention_triton.DECODE_PROGRAMS_PER_SM = most, per_sm
             stack.callback(setattr, attention_triton, "MAX_SPLITS", before[0])
             stack.callback(setattr, attention_triton, "DECODE_PROGRAMS_PER_SM", before[1])
+        elif key == "window_splits":  # decode attention's splits for a window's keys (1) or the sequence's (0)
+            from hibana_kernels import attention_triton
+
+            stack.callback(setattr, attention_triton, "WINDOW_SPLITS", attention_triton.WINDOW_SPLITS)
+            attention_triton.WINDOW_SPLITS = value == "1"
         elif key == "merge_tile":  # decode attention's MERGE_TILE
             from hibana_kernels import attention_triton
 

@@ -46,6 +46,11 @@ MERGE_TILE = MAX_SPLITS
 """The split merge's tile of splits at least (`paged_attention_launch`): 64 where 16 would do at
 1024 keys costs nothing measurable (qwen3-0.6b, H200: graph replay 0.786-0.792 ms against
 0.788-0.789 at 512 keys) and keeps the merge's sums in one order across span graphs."""
+WINDOW_SPLITS = True
+"""Split a sliding-window layer's decode for its window's keys, not for the longest sequence: the
+splits past the window held nothing (gpt-oss-20b at 8192 keys: 512 programs a sliding layer, 16 of
+them with keys). The keys part alike either way (whole split tiles), so the outputs are the same
+to the bit; False for A/B runs (bench/tune_decode.py's variant window_splits=0)."""
 MAX_DECODE_QUERY_LEN = 32  # verify steps up to this many tokens per sequence take the decode kernel
 NUM_STAGES = 2
 MERGE_COUNTERS = 1 << 16  # (sequence, KV head) pairs the in-kernel merge counts for, per device
@@ -399,7 +404,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if decode:  # a split holds whole key tiles: no shorter than the cache's tile
         head_dim_p = max(16, triton.next_power_of_2(q.shape[-1]))
         min_split = max(DECODE_MIN_SPLIT, _decode_tiles(q.dtype, head_dim_p, kv_scale is not None)[0])
-        num_splits = _num_splits(q.device, num_seqs * num_kv_heads, max_seq_len, min_split)
+        keys = max_seq_len
+        if sliding_window is not None and WINDOW_SPLITS:  # a window's keys at most (sink tokens: split 0's)
+            keys = min(keys, sliding_window + max_query_len - 1)
+        num_splits = _num_splits(q.device, num_seqs * num_kv_heads, keys, min_split)
     return paged_attention_launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                   max_query_len, scale, sliding_window, num_splits, decode=decode,
                                   kv_scale=kv_scale, sinks=sinks, sink_tokens=sink_tokens)

@@ -1010,6 +1010,34 @@ def test_decode_split_counts_partition_alike(run_check, merge, window):
     run_check(check_split_counts_partition_alike, merge=merge, window=window)
 
 
+def check_window_splits(device, sink_tokens):
+    """A sliding layer's decode splits for its window's keys, however long the sequences (the
+    bound overstated, as in graphs): fewer splits than for the sequence, the same output to the
+    bit (the splits past the window held no keys)."""
+    triton_attention = _triton_module("attention")
+    lens = ((150, 1), (37, 1))
+    batch, _, _ = make_paged_batch(lens, 2 * NUM_KV_HEADS, NUM_KV_HEADS, torch.float32, device, seed=5)
+    batch["max_seq_len"] += 4000
+    splits, launch = [], triton_attention.paged_attention_launch
+
+    def spy(*args, **kwargs):
+        splits.append(args[9])
+        return launch(*args, **kwargs)
+    kwargs = dict(scale=HEAD_DIM ** -0.5, sliding_window=WINDOW, sink_tokens=sink_tokens)
+    with unittest.mock.patch.object(triton_attention, "paged_attention_launch", spy):
+        windowed = triton_attention.paged_attention(**batch, **kwargs)
+        with unittest.mock.patch.object(triton_attention, "WINDOW_SPLITS", False):
+            whole = triton_attention.paged_attention(**batch, **kwargs)
+    assert splits[0] == 1 < splits[1], splits  # WINDOW keys: one split tile
+    torch.testing.assert_close(windowed, whole, atol=0, rtol=0)
+    torch.testing.assert_close(windowed, attention.paged_attention(**batch, **kwargs), **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("sink_tokens", [0, 4])
+def test_decode_splits_for_the_window(run_check, sink_tokens):
+    run_check(check_window_splits, sink_tokens=sink_tokens)
+
+
 @pytest.mark.parametrize("lens", [DECODE_BATCH, MIXED_BATCH], ids=["decode", "mixed"])
 def test_paged_attention_with_overstated_bounds(run_check, lens):
     run_check(check_paged_attention, group=2, window=None, lens=lens, dtype=torch.float32,
