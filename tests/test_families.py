@@ -194,6 +194,21 @@ def test_longrope_histories_past_the_switch_match_transformers(longrope_checkpoi
     assert_greedy_matches(longrope_checkpoint, long[:48], c.token_ids)
 
 
+@pytest.mark.parametrize("before", [10, -6], ids=["crossing", "past"])
+def test_a_draft_model_turns_to_the_long_rotation_with_the_target(longrope_checkpoint, make_engine, before):
+    """The checkpoint drafting for itself: every greedy draft is the target's token, also on a
+    history past the LongRoPE switch (whose drafts read the per-position rotation, and the target's
+    states the long one at every position, accepted 9 of 80 drafts), and on one that crosses it
+    while generating."""
+    engine = make_engine(longrope_checkpoint, speculation={"method": "draft_model",
+                                                           "draft_model": str(longrope_checkpoint), "k": 4})
+    history = [random.Random(before).randrange(2, 512) for _ in range(SWITCH - before)]
+    c = engine.open_state("a").generate(SamplingParams(max_tokens=24, ignore_eos=True), prompt=history)
+    assert_greedy_matches(longrope_checkpoint, history, c.token_ids)
+    stats = engine.stats()
+    assert stats.draft_tokens_accepted == stats.draft_tokens_proposed > 0, stats
+
+
 LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=SWITCH,
                 short_factor=[1.0, 1.1, 1.3, 1.7, 2.0, 2.5, 3.0, 4.0],
                 long_factor=[1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 21.0, 34.0])

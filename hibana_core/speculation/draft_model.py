@@ -35,9 +35,10 @@ from hibana_core.errors import ConfigError, MemoryBudgetError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.cache import KVCache, kv_cache_dtype
-from hibana_core.kv.sequence import KVSequence
+from hibana_core.kv.sequence import KVSequence, LongRope
 from hibana_core.kv.transfers import device_tensor
 from hibana_core.loader import LoadedModel, load_model, model_bytes
+from hibana_core.models.decoder import longrope_switch
 from hibana_core.runner import DeviceInput, ModelRunner, StepData
 from hibana_core.speculation.drafters import DraftInput
 
@@ -199,6 +200,11 @@ class DraftModelDrafter:
         # history ids past the draft's embedding (padding ids of a larger target) are clamped
         self._cap = loaded.args.vocab_size - 1 if engine.vocab_size > loaded.args.vocab_size else None
         self.max_len = min(engine.max_model_len, loaded.args.max_position_embeddings)
+        switch = longrope_switch(loaded.args)
+        self.long_rope = (None if switch is None else
+                          LongRope(switch, loaded.args.max_position_embeddings, loaded.args.longrope_recompute))
+        """The draft model's own LongRoPE: its states turn to the long rotation as the target's do
+        (a history past the switch rotated per position drafts what the target would not)."""
         a, bs = loaded.args, engine.config.cache.block_size
         kv_dtype = kv_cache_dtype(loaded.model, loaded.dtype)  # fp8 for layer-skip on a kv8 target
         per_block = KVCache.bytes_per_block(a.num_layers, bs, a.num_kv_heads, a.head_dim, kv_dtype)
@@ -264,7 +270,8 @@ class DraftModelDrafter:
                 entry.seq.release()
             dead = self._dead  # the callback must not hold self
             ref = weakref.ref(state.key, lambda r, key=key: dead.append((key, r)))
-            entry = self._states[key] = _Entry(ref, KVSequence(self.pool, self.kv_cache.copy_block), -1)
+            seq = KVSequence(self.pool, self.kv_cache.copy_block, long_rope=self.long_rope)
+            entry = self._states[key] = _Entry(ref, seq, -1)
         self._states.move_to_end(key)
         seq, tokens = entry.seq, state.tokens
         if entry.version == state.version and len(seq.tokens) <= len(tokens):
@@ -272,6 +279,7 @@ class DraftModelDrafter:
         else:
             seq.set_tokens(tokens)
         entry.version = state.version
+        seq.begin_request()  # LongRoPE: the rotation its history asks for (KV of the other one dropped)
         return seq
 
     def _reap(self) -> None:
@@ -352,7 +360,7 @@ class DraftModelDrafter:
         ids, positions, slots, seq_lens, starts, tables = [], [], [], [], [0], []
         for seq, start, end, part_ids in parts:
             ids.extend(part_ids if part_ids is not None else [0])
-            positions.extend(range(start, end))
+            positions.extend(seq.rope_positions(start, end))  # LongRoPE: its long rows
             slots.extend(seq.slot(p) for p in range(start, end))
             seq_lens.append(end)
             starts.append(starts[-1] + end - start)
