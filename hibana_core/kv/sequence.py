@@ -55,7 +55,7 @@ class LongRope:
 
     A history that shrinks back below the switch goes back to the short rotation. The model's
     cos/sin tables hold a per-position rotation (short below the switch, long from there: what
-    generation past the switch and a draft model's states read) and, from row `offset` on,
+    generation past the switch reads; a draft model's states hold its own LongRoPE alike) and, from row `offset` on,
     the long rotation of the positions below the switch (`rope_positions`)."""
 
     switch: int
