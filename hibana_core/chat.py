@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequen
 
 from hibana_core import prompt, turn
 from hibana_core.config import SamplingParams
+from hibana_core.detokenizer import token_bytes
 from hibana_core.errors import (ConfigError, ContextLengthError, HibanaError, InvalidTokenError, StateBusyError,
                                 StateClosedError)
 from hibana_core.messages import (KNOWN_ROLES, ConversationError, ToolChoiceError,  # noqa: F401 (re-exported)
@@ -97,6 +98,7 @@ class Chat:
         self.control = prompt.control_strings(engine.tokenizer)  # what contents never turn into
         self.control_ids = frozenset(vocab[t] for t in self.control if t in vocab)
         self._plain: dict[str, Callable[[str], list[int]]] = {}   # built on first hostile content, shared by `on`
+        self._token_bytes: Callable[[int], bytes] | None = None  # a token id's raw bytes (logprobs), built on first use
         self._roles: dict[str, bool] = {}     # roles outside KNOWN_ROLES: whether the template renders them
         self._tools_rendered: bool | None = None  # whether the template renders tools (probed on first use)
         self._opening: list[str] = []  # what the template writes before a reply (`_reply_opening`), once
@@ -388,11 +390,14 @@ class Chat:
         None when the call did not ask for them."""
         if result.logprobs is None:
             return None
-        decode = self.engine.tokenizer.decode
+        tokenizer = self.engine.tokenizer
+        if self._token_bytes is None:
+            self._token_bytes = token_bytes(tokenizer)
+        raw = self._token_bytes
 
         def entry(token_id: int, logprob: float) -> dict:
-            text = decode([token_id], skip_special_tokens=False)
-            return {"token": text, "bytes": list(text.encode("utf-8")), "logprob": logprob}
+            return {"token": tokenizer.decode([token_id], skip_special_tokens=False),
+                    "bytes": list(raw(token_id)), "logprob": logprob}
         return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                 for lp in result.logprobs]
 

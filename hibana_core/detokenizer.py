@@ -13,11 +13,67 @@ characters spelled by ordinary tokens. A control token's text is never split bet
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import json
+from typing import Any, Callable, Mapping, Sequence
 
 from hibana_plugins.hookspecs import GeneratedText, Span
 
 _CONTEXT_TOKENS = 4
+
+
+def token_bytes(tokenizer: Any) -> Callable[[int], bytes]:
+    """A token id's raw bytes, as OpenAI's logprobs give them ("bytes"): a token that holds part
+    of a UTF-8 character gives its own bytes, so that the tokens' bytes joined are the text's
+    (decoding it alone gives U+FFFD). Byte-level BPE (GPT-2, Qwen, Llama 3) maps each character
+    of the token back to its byte (transformers' `bytes_to_unicode`); SentencePiece's byte
+    fallback (Llama 2, Gemma, Phi-3) reads `<0xNN>` as that byte and "▁" as a space. Added tokens,
+    and tokens of other tokenizers, give their decoded text's bytes."""
+    def text(token_id: int) -> bytes:
+        return tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        decoder = json.loads(backend.to_str()).get("decoder") if backend is not None else None
+    except (AttributeError, TypeError, ValueError):
+        decoder = None
+    kinds = _types(decoder)
+    added = set(getattr(tokenizer, "added_tokens_decoder", {}) or ())
+    if "ByteLevel" in kinds:
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+
+        def raw(token_id: int) -> bytes:
+            token = tokenizer.convert_ids_to_tokens(token_id)
+            if token_id in added or not isinstance(token, str) or any(c not in byte_of for c in token):
+                return text(token_id)
+            return bytes(byte_of[c] for c in token)
+        return raw
+    if "ByteFallback" in kinds:
+        def raw(token_id: int) -> bytes:
+            token = tokenizer.convert_ids_to_tokens(token_id)
+            if token_id in added or not isinstance(token, str):
+                return text(token_id)
+            if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+                try:
+                    return bytes([int(token[3:5], 16)])
+                except ValueError:
+                    pass
+            return token.replace("\u2581", " ").encode("utf-8")
+        return raw
+    return text
+
+
+def _types(node: Any) -> set[str]:
+    """The "type" names anywhere in a tokenizer component's JSON (a Sequence's members too)."""
+    if isinstance(node, dict):
+        found = {node["type"]} if isinstance(node.get("type"), str) else set()
+        for value in node.values():
+            found |= _types(value)
+        return found
+    if isinstance(node, list):
+        return set().union(*(_types(v) for v in node)) if node else set()
+    return set()
 
 
 class StopMatcher:

@@ -33,9 +33,15 @@ class ApiError(Exception):
     """An error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` with a status."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", retry: bool | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.retry = retry
+        """Whether a client should repeat the request: `x-should-retry`, which OpenAI's own SDKs
+        read before their rule (retry 408, 409, 429 and 5xx); None: no header."""
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry is None else {"x-should-retry": "true" if self.retry else "false"}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}

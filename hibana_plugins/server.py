@@ -173,8 +173,8 @@ def api_error(exc: HibanaError, prompt_param: str = "messages") -> ApiError:
         return ApiError(400, message, prompt_param, "context_length_exceeded")
     if isinstance(exc, StateBusyError):
         return ApiError(409, message, None, "state_busy")
-    if isinstance(exc, ChatTimeoutError):
-        return ApiError(408, message, None, "timeout")
+    if isinstance(exc, ChatTimeoutError):  # it would run as long again: not to be repeated as it is
+        return ApiError(503, message, None, "timeout", "server_error", retry=False)
     if isinstance(exc, QueueTimeoutError):  # the server is full: retry later (as a rate limit)
         return ApiError(429, message, None, "queue_timeout")
     if isinstance(exc, EngineClosedError):
@@ -208,7 +208,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
     async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
         path = request.url.path  # any path a client sends would be a new time series
         metrics.requests.labels(path if path in ENDPOINTS else "other", str(exc.status)).inc()
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

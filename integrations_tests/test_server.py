@@ -750,6 +750,17 @@ def test_a_request_past_the_timeout_gets_a_503_and_frees_its_state(engine):
         assert handle.id == "hurried-1"
 
 
+def test_a_turn_past_the_timeout_after_its_first_token_is_not_to_be_repeated():
+    """Not streamed, a turn cut by the timeout after it started: a 503 that OpenAI's clients do not
+    retry (their rule retries 408 and 5xx: three times the wait for the same cut)."""
+    from hibana_core.errors import ChatTimeoutError
+    from hibana_plugins.server import api_error
+
+    error = api_error(ChatTimeoutError("the chat call ran past its timeout"))
+    assert (error.status, error.code, error.kind) == (503, "timeout", "server_error")
+    assert error.headers() == {"x-should-retry": "false"}
+
+
 def scrape(base_url: str) -> dict[str, float]:
     """/metrics as {series: value}."""
     request = urllib.request.Request(base_url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})

@@ -94,3 +94,34 @@ def test_logprobs_under_speculation(qwen3, make_engine):
         assert got.logprobs[i].logprob == pytest.approx(float(ref[got.token_ids[i]]), abs=1e-4)
     assert torch.tensor([lp.logprob for lp in got.logprobs]).le(0).all()
     assert engine.stats().draft_tokens_accepted > 0
+
+
+def _byte_fallback_tokenizer():
+    """A SentencePiece-style tokenizer (Llama 2, Gemma): a few pieces, "▁" for spaces, and every
+    other character as its UTF-8 bytes in <0xNN> tokens."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁": 257, "a": 258, "▁a": 259}
+    backend = Tokenizer(models.BPE(vocab, [("▁", "a")], unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "byte_fallback"])
+def test_token_bytes_are_the_tokens_own(kind):
+    """OpenAI's logprobs "bytes": a token holding part of a character gives its own bytes, so the
+    tokens' bytes joined are the text's (the decoded text of such a token alone is U+FFFD)."""
+    from transformers import AutoTokenizer
+
+    from hibana_core.detokenizer import token_bytes
+    from hibana_core.loader import DEMO_MODEL_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR) if kind == "byte_level" else _byte_fallback_tokenizer()
+    text = "a こんにちは 🌸 aé" if kind == "byte_fallback" else "こんにちは 🌸 東京 <tool_call> ok"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    raw = token_bytes(tokenizer)
+    pieces = [raw(t) for t in ids]
+    assert any(tokenizer.decode([t]) == "\ufffd" for t in ids), "no token holds part of a character"
+    assert b"".join(pieces).decode("utf-8").strip() == text
