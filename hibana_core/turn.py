@@ -407,7 +407,8 @@ class TurnRun:
         out = []
         for piece in pieces:
             if not isinstance(piece, ToolCallDelta):
-                cut = isinstance(piece, CutCall) and self.finish_reason == "length"  # a call max_tokens cut off
+                # a call max_tokens or a stop (string or token) cut off: the grammar lets no call end early
+                cut = isinstance(piece, CutCall) and self.finish_reason in ("length", "stop")
                 out.append(ChatDelta(text=piece, cut_call=cut))
             elif self.max_calls is None or piece.index < self.max_calls:
                 self.calls += piece.id is not None
@@ -421,7 +422,7 @@ def result(parsed: ParsedOutput, raw_text: str, finish_reason: str, usage: Usage
 
     The calls that parsed are kept and a malformed or cut-off call stays in the text where it
     stood, in the result as in the stream (the parser streams a call only once it is decided);
-    a call cut off by max_tokens is `cut_call` too, which OpenAI's wire format leaves out.
+    a call cut off by max_tokens or a stop is `cut_call` too, which OpenAI's wire format leaves out.
     A LangGraph agent runs the calls it is streamed as they arrive: voiding every call of a turn
     because one is malformed would mean holding all calls back until the turn ends, and ending
     the agent (no calls) where it could run the good ones and let the model see its broken text."""

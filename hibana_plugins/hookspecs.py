@@ -178,7 +178,8 @@ class GeneratedText(str):
 class CutCall(str):
     """Text a tool-call stream lets go at `close()` because the generation ended inside a call
     (a tag begun, a call's JSON unfinished): content, as a malformed call's text is, and, when
-    max_tokens ended the generation there, the markup of a call cut off (`ChatResult.cut_call`)."""
+    max_tokens or a stop ended the generation there, the markup of a call cut off
+    (`ChatResult.cut_call`)."""
 
 
 @dataclass(frozen=True)

@@ -416,13 +416,15 @@ def test_stream_and_result_agree_for_every_cut_and_chunking(engine, output):
             assert whole.text == result.text and whole.finish_reason == result.finish_reason
 
 
-def test_a_call_cut_by_max_tokens_is_marked_in_stream_and_result(engine):
-    """Cut anywhere by max_tokens, the text the parser lets go only at the end is the call being
-    written: marked `cut_call` (in the result too), so the rest is the answer without any markup."""
+@pytest.mark.parametrize("reason", ["length", "stop"])
+def test_a_call_cut_by_max_tokens_is_marked_in_stream_and_result(engine, reason):
+    """Cut anywhere by max_tokens or a stop string, the text the parser lets go only at the end is
+    the call being written: marked `cut_call` (in the result too), so the rest is the answer
+    without any markup."""
     chat = Chat(engine)
     output = TRUTH_OUTPUTS[1]  # text, a call, a second call
     for end in range(len(output)):
-        deltas = list(chat.on(ScriptedHandle([output[:end]], "length")).stream_respond(HELLO, [WEATHER]))
+        deltas = list(chat.on(ScriptedHandle([output[:end]], reason)).stream_respond(HELLO, [WEATHER]))
         result = deltas[-1].result
         answer = "".join(d.text for d in deltas if not d.cut_call)
         assert "<" not in answer and answer == result.text.removesuffix(result.cut_call), output[:end]
