@@ -387,9 +387,13 @@ class Chat:
     def openai_logprobs(self, result: ChatResult) -> list[dict] | None:
         """A result's token log-probabilities in OpenAI's shape (`choices[0].logprobs.content`):
         per token {"token", "bytes", "logprob", "top_logprobs": [{"token", "bytes", "logprob"}]};
-        None when the call did not ask for them."""
+        None when the call did not ask for them. The end-of-turn token that closed the reply is
+        left out, as its text is (OpenAI's tokens joined are the content)."""
         if result.logprobs is None:
             return None
+        logprobs = result.logprobs
+        if logprobs and result.finish_reason != "length" and logprobs[-1].token_id in self.stop_token_ids:
+            logprobs = logprobs[:-1]
         tokenizer = self.engine.tokenizer
         if self._token_bytes is None:
             self._token_bytes = token_bytes(tokenizer)
@@ -399,7 +403,7 @@ class Chat:
             return {"token": tokenizer.decode([token_id], skip_special_tokens=False),
                     "bytes": list(raw(token_id)), "logprob": logprob}
         return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-                for lp in result.logprobs]
+                for lp in logprobs]
 
     def _markup(self, text: str) -> list[int]:
         return list(self.engine.tokenizer.encode(text, add_special_tokens=False))

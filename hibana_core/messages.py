@@ -182,9 +182,55 @@ def _schema_problem(schema_json: str) -> str | None:
     validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     error = jsonschema.exceptions.best_match(validator(validator.META_SCHEMA).iter_errors(schema))
     if error is None:
-        return None
+        return _unsatisfiable(schema)
     where = "/".join(str(part) for part in error.absolute_path)
     return f"{error.message}" + (f" (at {where})" if where else "")
+
+
+def _unsatisfiable(schema: Any) -> str | None:
+    """What the metaschema lets pass but no value could meet: a `$ref` within the schema to
+    nothing there (a JSON pointer or an `$anchor` not found), an empty `enum`. (The grammar could
+    not compile such a schema, and arguments of any shape would have been let through.)"""
+    anchors: set[str] = set()
+    refs: list[tuple[str, str]] = []
+
+    def walk(node: Any, where: str) -> str | None:
+        if isinstance(node, dict):
+            if isinstance(node.get("$anchor"), str):
+                anchors.add(node["$anchor"])
+            if isinstance(node.get("$ref"), str):
+                refs.append((node["$ref"], where))
+            if node.get("enum") == []:
+                return f"an empty enum allows no value (at {where or '/'})"
+            items = node.items()
+        elif isinstance(node, list):
+            items = ((str(i), v) for i, v in enumerate(node))
+        else:
+            return None
+        return next((p for key, value in items if (p := walk(value, f"{where}/{key}"))), None)
+
+    problem = walk(schema, "")
+    if problem:
+        return problem
+    for ref, where in refs:
+        if not ref.startswith("#"):
+            continue  # another document's: the grammar's own error says it cannot follow it
+        fragment = ref[1:]
+        if fragment and not fragment.startswith("/"):
+            found = fragment in anchors
+        else:
+            found, node = True, schema
+            for part in (p.replace("~1", "/").replace("~0", "~") for p in fragment.split("/")[1:]):
+                if isinstance(node, dict) and part in node:
+                    node = node[part]
+                elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                    node = node[int(part)]
+                else:
+                    found = False
+                    break
+        if not found:
+            return f"$ref {ref!r} points at nothing in the schema (at {where or '/'})"
+    return None
 
 
 def check_enforceable(tool: Mapping) -> None:

@@ -1016,7 +1016,9 @@ def test_logprobs_plain_and_streamed(client):
     got = client.chat.completions.create(model="demo", messages=messages, max_tokens=12, logprobs=True, top_logprobs=3)
     assert got.choices[0].message.content == plain.choices[0].message.content
     content = got.choices[0].logprobs.content
-    assert len(content) == got.usage.completion_tokens
+    # the content's tokens: their bytes joined are the content; the end-of-turn token is left out
+    assert len(content) == got.usage.completion_tokens - (got.choices[0].finish_reason == "stop")
+    assert b"".join(bytes(entry.bytes) for entry in content).decode() == got.choices[0].message.content
     for entry in content:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-5  # greedy: the sampled token is the top one

@@ -733,6 +733,10 @@ def test_a_plugin_tool_parser_that_is_none_or_breaks_is_a_hibana_error(engine):
     ({"type": "object", "properties": {"x": {"type": "integer"}}, "required": "x"}, "'x' is not of type 'array'"),
     ({"type": "object", "properties": [1, 2]}, "at properties"),
     ({"type": "object", "properties": {"x": {"type": "integer", "minimum": "a"}}}, "at properties/x/minimum"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}, "required": ["a"]},
+     r"\$ref '#/\$defs/nope' points at nothing in the schema \(at /properties/a\)"),
+    ({"type": "object", "properties": {"a": {"$ref": "#here"}}}, r"\$ref '#here' points at nothing"),
+    ({"type": "object", "properties": {"a": {"enum": []}}}, r"an empty enum allows no value \(at /properties/a\)"),
 ])
 def test_a_tool_schema_that_breaks_json_schema_is_refused(parameters, says):
     """A mistake in a tool's schema is a ToolSchemaError saying where, not a schema the grammar
@@ -744,3 +748,7 @@ def test_a_tool_schema_that_breaks_json_schema_is_refused(parameters, says):
         normalize_tools([{"type": "function", "function": {"name": "f", "parameters": parameters}}])
     ok = {"type": "object", "properties": {"x": {"type": ["string", "null"], "x-vendor": 1}}, "$defs": {}}
     assert normalize_tools([{"type": "function", "function": {"name": "f", "parameters": ok}}])
+    refs = {"type": "object", "properties": {"a": {"$ref": "#/$defs/a~1b"}, "b": {"$ref": "#there"},
+                                             "c": {"$ref": "#"}, "d": {"$ref": "#/properties/a"}},
+            "$defs": {"a/b": {"type": "integer"}, "c": {"$anchor": "there", "type": "string"}}}
+    assert normalize_tools([{"type": "function", "function": {"name": "f", "parameters": refs}}])
