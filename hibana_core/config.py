@@ -56,9 +56,12 @@ def _check_types(obj: Any) -> None:
         value = getattr(obj, name)
         if optional and value is None:
             continue
-        _check(any(is_kind(value, k) for k in kinds),
+        kind = next((k for k in kinds if is_kind(value, k)), None)
+        _check(kind is not None,
                f"{_SHOWN_AS.get(name, f'{type(obj).__name__}.{name}')} must be {_KINDS[kinds[0]]}"
                f"{' or None' if optional else ''}, got {value!r}")
+        if kind in (int, float) and type(value) is not kind:  # numpy's and torch's scalars: Python's own
+            object.__setattr__(obj, name, kind(value))
 
 
 @functools.cache

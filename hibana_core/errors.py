@@ -48,7 +48,7 @@ class StateClosedError(HibanaError):
 
 
 class StateBusyError(HibanaError):
-    """The state is generating; edits must wait until that request ends."""
+    """The state is busy with a request (a generation, or a sync's prefill); edits must wait until it ends."""
 
 
 class StateFileError(HibanaError):

@@ -17,10 +17,11 @@ import os
 import time
 import uuid
 import weakref
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
 
 from hibana_core.config import CacheConfig, SamplingParams, is_kind
 from hibana_core.errors import (ConfigError, ContextLengthError, EngineClosedError, GrammarError, HibanaError,
@@ -393,6 +394,9 @@ class StateRegistry:
                                       None)
         for _ in events:
             pass
+        if events.request.cancelled and handle.closed:  # closed meanwhile: it holds nothing now
+            raise StateClosedError(f"state {handle.id!r} was closed while it synced; open a new one with "
+                                   "engine.open_state")
         return SyncStats(reused=events.request.reused, computed=events.request.computed)
 
     def generate(self, handle: StateHandle, params: SamplingParams, prompt: Sequence[int] | None,
@@ -613,8 +617,8 @@ class StateRegistry:
         """The handle's entry, when no request uses its state; marks it used now."""
         entry = self._entry(handle)
         if self.core.scheduler.busy(entry.seq):
-            raise StateBusyError(f"state {handle.id!r} is generating; wait for that request to finish "
-                                 "or cancel its stream first")
+            raise StateBusyError(f"state {handle.id!r} is busy with a request (a generation, or a sync's "
+                                 "prefill); wait for it to finish or cancel its stream first")
         now = time.monotonic()
         entry.use.request_came(now)  # a wait on tools ends here: one observation of its length
         entry.use.last_use = now
@@ -624,8 +628,9 @@ class StateRegistry:
         """Token ids as a list of ints in the vocabulary, no longer than the context."""
         if hasattr(tokens, "tolist"):  # a tensor or an array
             tokens = tokens.tolist()
-        if isinstance(tokens, (str, bytes, dict)) or not isinstance(tokens, Iterable):
-            raise InvalidTokenError(f"token ids must be a list of integers, got {type(tokens).__name__}")
+        if isinstance(tokens, (str, bytes, bytearray, Mapping, AbstractSet)) or not isinstance(tokens, Iterable):
+            raise InvalidTokenError(f"token ids must be a list of integers, got {type(tokens).__name__}"
+                                    + (" (unordered: give them in order)" if isinstance(tokens, AbstractSet) else ""))
         tokens = list(tokens)
         bad = [t for t in tokens if not is_kind(t, int)]
         if bad:

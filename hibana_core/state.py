@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from hibana_core.config import SamplingParams
-from hibana_core.errors import HibanaError
+from hibana_core.errors import ConfigError, HibanaError
 
 UNNAMED_PREFIX = "auto-"
 """Ids of the states `Engine.lease` makes for calls that name none start with this. The engine
@@ -171,7 +171,13 @@ class StateHandle:
         the engine has not compiled yet (seconds for a big one) never compiles on the loop: the
         call returns at once, and the compile, in a worker thread, and the submission, with its
         refusals, come at the first read (`CompilingEvents`)."""
-        return self._registry.generate(self, params or SamplingParams(), prompt, loop or asyncio.get_running_loop())
+        if loop is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                raise ConfigError("astream wants an event loop: call it inside a coroutine, name one with "
+                                  "loop=, or use stream() from synchronous code") from None
+        return self._registry.generate(self, params or SamplingParams(), prompt, loop)
 
     def truncate(self, n: int) -> None:
         """Keep the first n tokens (every one where the state holds n or fewer, as a slice does)."""

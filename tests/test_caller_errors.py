@@ -119,6 +119,62 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused_and_the_state_kept(de
     assert len(handle.generate(SamplingParams(max_tokens=2, ignore_eos=True)).token_ids) == 2
 
 
+def test_numpy_scalars_are_taken_as_python_numbers(demo_engine):
+    """A numpy seed (or any field) checks as an integer and is one: a seeded sample ran into torch's
+    manual_seed with an np.int64 (a TypeError, after the state had taken the prompt)."""
+    import numpy as np
+
+    params = SamplingParams(max_tokens=np.int32(3), temperature=np.float32(0.5), seed=np.int64(3), ignore_eos=True)
+    assert (type(params.max_tokens), type(params.temperature), type(params.seed)) == (int, float, int)
+    handle = demo_engine.open_state("numpy-seed")
+    first = handle.generate(params, prompt=[5, 6, 7]).token_ids
+    again = demo_engine.open_state("numpy-seed-2").generate(dataclasses.replace(params, seed=3), prompt=[5, 6, 7])
+    assert first == again.token_ids and len(first) == 3
+
+
+def test_unordered_token_ids_are_refused(demo_engine):
+    from hibana_core.errors import InvalidTokenError
+
+    handle = demo_engine.open_state("unordered")
+    for unordered in ({5, 6}, frozenset({5, 6}), {5: 1}.keys()):
+        with pytest.raises(InvalidTokenError, match="a list of integers"):
+            handle.sync(unordered)
+    assert handle.tokens == []
+
+
+def test_astream_outside_an_event_loop_says_what_to_do(demo_engine):
+    with pytest.raises(ConfigError, match="astream wants an event loop"):
+        demo_engine.open_state("no-loop").astream(SamplingParams(max_tokens=2), prompt=[5, 6])
+
+
+def test_a_sync_whose_state_closes_meanwhile_says_so(demo_engine):
+    """Closed by another thread while its prefill ran: StateClosedError, not the stats of a prefill
+    that the state no longer holds."""
+    import threading
+    import time
+
+    from hibana_core.errors import StateClosedError
+
+    with Engine.from_pretrained("demo", device="cpu", progress=False, speculation="off", num_blocks=64,
+                                max_num_batched_tokens=2, max_prefill_chunk=2) as engine:
+        handle = engine.open_state("closing")
+        outcome = []
+
+        def sync():
+            try:
+                outcome.append(handle.sync(list(range(5, 245))))
+            except StateClosedError as exc:
+                outcome.append(exc)
+        worker = threading.Thread(target=sync)
+        worker.start()
+        while not engine.states() or not any(s.busy for s in engine.states()):
+            time.sleep(0.001)
+        handle.close()
+        worker.join(60)
+        assert len(outcome) == 1 and isinstance(outcome[0], StateClosedError), outcome
+        assert "closed while it synced" in str(outcome[0])
+
+
 def test_bad_sampling_parameters():
     for kwargs, says in (({"temperature": -1}, "temperature must be >= 0"), ({"top_p": 0}, "top_p"),
                          ({"max_tokens": -1}, "max_tokens"), ({"stop": [""]}, "stop strings")):
