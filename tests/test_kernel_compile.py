@@ -58,7 +58,7 @@ CASES = [
           KV_FP8=True, FP8_AS_FP16=True, SINKS=False, sink_tokens=None, window=None),
      dict(SPLIT_ATTENTION, counter_ptr="*i32", block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_ptr="*i32",
           k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", k_scale_ptr="*fp32", v_scale_ptr="*fp32", qk_scale="fp32")),
-    ("reduce-splits", at._reduce_splits_kernel, dict(HEAD_DIM=64, HEAD_DIM_P=64, SPLITS_P=64),
+    ("reduce-splits", at._reduce_splits_kernel, dict(HEAD_DIM=64, HEAD_DIM_P=64, SPLITS_P=64, BLOCK_D=64),
      dict(SPLIT_ATTENTION, with_keys_ptr="*i32")),
     ("route", mt._route_kernel, dict(TOP_K=4, E_PAD=32, K_PAD=4, SOFTMAX=False, RENORMALIZE=False),
      dict(weights_ptr="*fp32", ids_ptr="*i64")),
