@@ -388,7 +388,7 @@ class Chat:
         """A result's token log-probabilities in OpenAI's shape (`choices[0].logprobs.content`):
         per token {"token", "bytes", "logprob", "top_logprobs": [{"token", "bytes", "logprob"}]};
         None when the call did not ask for them. The end-of-turn token that closed the reply is
-        left out, as its text is (OpenAI's tokens joined are the content)."""
+        left out, as its text is."""
         if result.logprobs is None:
             return None
         logprobs = result.logprobs
@@ -522,6 +522,7 @@ class Chat:
         open_in_prompt = end.rstrip().endswith(turn.THINK_OPEN)
         thinking = turn.Thinking(open_in_prompt) if self.thinks else None
         answer = params.json_schema if parse_tools and tools else None  # the text answer's schema, beside calls
+        calls_held = False  # a call grammar holds the turn
         if parse_tools and (answer is not None or not params.constrained):
             with _blamed_on(self.parser_name, self.parser, "building its call grammar"):
                 if answer is None:
@@ -541,6 +542,7 @@ class Chat:
                                   "(parse_tools=False reads no calls)")
             if grammar is not None:
                 params = dataclasses.replace(params, json_schema=None, grammar=grammar)
+                calls_held = True
         elif tool_choice == "none" and listed and not params.constrained:  # the model sees tools it may not call
             with _blamed_on(self.parser_name, self.parser, "building its no-call grammar"):
                 params = dataclasses.replace(params, grammar=turn.no_call_grammar(self.parser, self.parser_name))
@@ -560,7 +562,8 @@ class Chat:
         else:
             stream = turn.PlainText()
         return turn.TurnRun(self.prompt_ids(messages, tools, reasoning_history), prefill, params, stream,
-                            self._encode, timeout, max_calls=None if parallel_tool_calls else 1, thinking=thinking)
+                            self._encode, timeout, max_calls=None if parallel_tool_calls else 1, thinking=thinking,
+                            calls_held=calls_held)
 
 
 @contextlib.contextmanager

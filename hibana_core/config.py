@@ -60,7 +60,7 @@ def _check_types(obj: Any) -> None:
         _check(kind is not None,
                f"{_SHOWN_AS.get(name, f'{type(obj).__name__}.{name}')} must be {_KINDS[kinds[0]]}"
                f"{' or None' if optional else ''}, got {value!r}")
-        if kind in (int, float) and type(value) is not kind:  # numpy's and torch's scalars: Python's own
+        if kind in (int, float) and type(value) is not kind:  # numpy's scalars (and ints for floats): Python's own
             object.__setattr__(obj, name, kind(value))
 
 

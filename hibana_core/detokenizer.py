@@ -29,15 +29,19 @@ def token_bytes(tokenizer: Any) -> Callable[[int], bytes]:
     fallback (Llama 2, Gemma, Phi-3) reads `<0xNN>` as that byte and "▁" as a space. Added tokens,
     and tokens of other tokenizers, give their decoded text's bytes."""
     def text(token_id: int) -> bytes:
+        """A byte-fallback piece's byte (from any tokenizer, slow ones too), else the decoded text's."""
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if (token_id not in added and isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x")
+                and piece.endswith(">") and all(c in "0123456789abcdefABCDEF" for c in piece[3:5])):
+            return bytes([int(piece[3:5], 16)])
         return tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    try:
-        decoder = json.loads(backend.to_str()).get("decoder") if backend is not None else None
-    except (AttributeError, TypeError, ValueError):
-        decoder = None
-    kinds = _types(decoder)
     added = set(getattr(tokenizer, "added_tokens_decoder", {}) or ())
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    try:  # the decoder's own JSON (the whole tokenizer's would serialize its vocabulary)
+        kinds = _types(json.loads(decoder.__getstate__())) if decoder is not None else set()
+    except (AttributeError, TypeError, ValueError):
+        kinds = set()
     if "ByteLevel" in kinds:
         from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -49,16 +53,11 @@ def token_bytes(tokenizer: Any) -> Callable[[int], bytes]:
                 return text(token_id)
             return bytes(byte_of[c] for c in token)
         return raw
-    if "ByteFallback" in kinds:
+    if "ByteFallback" in kinds or "Metaspace" in kinds:
         def raw(token_id: int) -> bytes:
             token = tokenizer.convert_ids_to_tokens(token_id)
-            if token_id in added or not isinstance(token, str):
+            if token_id in added or not isinstance(token, str) or token.startswith("<0x"):
                 return text(token_id)
-            if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
-                try:
-                    return bytes([int(token[3:5], 16)])
-                except ValueError:
-                    pass
             return token.replace("\u2581", " ").encode("utf-8")
         return raw
     return text

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
@@ -165,6 +166,10 @@ def _normalize_tool(i: int, tool: Any) -> dict:
         if problem:
             raise ToolSchemaError(f"tool {name!r} has parameters that are not a valid JSON schema: {problem}; "
                                   "write them as JSON Schema defines its keywords")
+        problem = _unsatisfiable(json.dumps(parameters, sort_keys=True))
+        if problem:
+            raise ToolSchemaError(f"tool {name!r} has parameters that no arguments can meet: {problem}; fix the "
+                                  "schema (a call's arguments would not be held to it)")
     if function.get("strict") is True and parameters is not None:
         _check_enforceable(name, parameters)
     return tool if wrapped and tool.get("type") == "function" else {"type": "function", "function": function}
@@ -182,40 +187,59 @@ def _schema_problem(schema_json: str) -> str | None:
     validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     error = jsonschema.exceptions.best_match(validator(validator.META_SCHEMA).iter_errors(schema))
     if error is None:
-        return _unsatisfiable(schema)
+        return None
     where = "/".join(str(part) for part in error.absolute_path)
     return f"{error.message}" + (f" (at {where})" if where else "")
 
 
-def _unsatisfiable(schema: Any) -> str | None:
-    """What the metaschema lets pass but no value could meet: a `$ref` within the schema to
-    nothing there (a JSON pointer or an `$anchor` not found), an empty `enum`. (The grammar could
-    not compile such a schema, and arguments of any shape would have been let through.)"""
+_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+_ONE_SCHEMA = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "contains",
+              "propertyNames", "not", "if", "then", "else", "additionalItems")  # a schema
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")  # schemas
+
+
+@functools.lru_cache(maxsize=256)
+def _unsatisfiable(schema_json: str) -> str | None:
+    """What the metaschema lets pass but no arguments could meet, where the grammar would not
+    compile it and would have let arguments of any shape through: a `$ref` within the document
+    to nothing there (a JSON pointer, percent-encoded or not, or an anchor not found), a property
+    whose `enum` is empty. Only schema keywords are read (`default`, `const`, `examples` hold
+    data), and references under a nested `$id` are left alone (their base is another)."""
+    schema = json.loads(schema_json)
     anchors: set[str] = set()
     refs: list[tuple[str, str]] = []
 
-    def walk(node: Any, where: str) -> str | None:
-        if isinstance(node, dict):
-            if isinstance(node.get("$anchor"), str):
-                anchors.add(node["$anchor"])
-            if isinstance(node.get("$ref"), str):
-                refs.append((node["$ref"], where))
-            if node.get("enum") == []:
-                return f"an empty enum allows no value (at {where or '/'})"
-            items = node.items()
-        elif isinstance(node, list):
-            items = ((str(i), v) for i, v in enumerate(node))
-        else:
-            return None
-        return next((p for key, value in items if (p := walk(value, f"{where}/{key}"))), None)
+    def walk(node: Any, where: str, scoped: bool) -> None:
+        if not isinstance(node, dict):
+            return
+        for key in ("$anchor", "$dynamicAnchor"):
+            if isinstance(node.get(key), str):
+                anchors.add(node[key])
+        own_id = node.get("$id")
+        if isinstance(own_id, str) and own_id.startswith("#"):  # draft 7's anchors
+            anchors.add(own_id[1:])
+        scoped = scoped or (isinstance(own_id, str) and not own_id.startswith("#") and bool(where))
+        if isinstance(node.get("$ref"), str) and not scoped:
+            refs.append((node["$ref"], where))
+        for key in _NAMED_SCHEMAS:
+            if isinstance(node.get(key), dict):
+                for name, sub in node[key].items():
+                    walk(sub, f"{where}/{key}/{name}", scoped)
+        for key in _ONE_SCHEMA:
+            walk(node.get(key), f"{where}/{key}", scoped)
+        for key in _SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                for i, sub in enumerate(node[key]):
+                    walk(sub, f"{where}/{key}/{i}", scoped)
 
-    problem = walk(schema, "")
-    if problem:
-        return problem
+    walk(schema, "", False)
+    for name, sub in (schema.get("properties") or {}).items() if isinstance(schema.get("properties"), dict) else ():
+        if isinstance(sub, dict) and sub.get("enum") == []:
+            return f"property {name!r} has an empty enum, which allows no value"
     for ref, where in refs:
         if not ref.startswith("#"):
             continue  # another document's: the grammar's own error says it cannot follow it
-        fragment = ref[1:]
+        fragment = urllib.parse.unquote(ref[1:])
         if fragment and not fragment.startswith("/"):
             found = fragment in anchors
         else:
@@ -223,7 +247,7 @@ def _unsatisfiable(schema: Any) -> str | None:
             for part in (p.replace("~1", "/").replace("~0", "~") for p in fragment.split("/")[1:]):
                 if isinstance(node, dict) and part in node:
                     node = node[part]
-                elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                elif isinstance(node, list) and part.isascii() and part.isdigit() and int(part) < len(node):
                     node = node[int(part)]
                 else:
                     found = False

@@ -17,11 +17,11 @@ import os
 import time
 import uuid
 import weakref
-from collections.abc import Set as AbstractSet
+from collections.abc import Mapping, Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 from hibana_core.config import CacheConfig, SamplingParams, is_kind
 from hibana_core.errors import (ConfigError, ContextLengthError, EngineClosedError, GrammarError, HibanaError,
@@ -394,7 +394,9 @@ class StateRegistry:
                                       None)
         for _ in events:
             pass
-        if events.request.cancelled and handle.closed:  # closed meanwhile: it holds nothing now
+        with self.lock:  # close_state cancels, frees and marks the handle under it: all or none seen
+            closed = events.request.cancelled and handle.closed
+        if closed:  # closed meanwhile: it holds nothing now
             raise StateClosedError(f"state {handle.id!r} was closed while it synced; open a new one with "
                                    "engine.open_state")
         return SyncStats(reused=events.request.reused, computed=events.request.computed)

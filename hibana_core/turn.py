@@ -314,12 +314,15 @@ class TurnRun:
     prefill is written, then one request generates. `max_calls` (1 for
     `parallel_tool_calls=False`): calls past it are dropped from the stream and the result alike,
     and once it is reached the request is stopped (`stop_now`): the turn ends with its calls,
-    finish_reason "tool_calls" (a tool-call grammar usually ends the turn there already)."""
+    finish_reason "tool_calls" (a tool-call grammar usually ends the turn there already).
+    `calls_held`: a tool-call grammar holds the turn, so no call ends early but where a stop string
+    or stop token cuts it (without one the model may end its turn inside malformed call text)."""
 
     def __init__(self, prompt: list[int], prefill: str, params: SamplingParams, stream: ToolCallStream,
                  encode: Callable[[str], list[int]], timeout: float | None, max_calls: int | None = None,
-                 thinking: Thinking | None = None) -> None:
+                 thinking: Thinking | None = None, calls_held: bool = False) -> None:
         self.base, self.prefill, self.params, self.stream = prompt, prefill, params, stream
+        self.calls_held = calls_held
         self.thinking = thinking   # splits a reasoning model's thinking off before the tool parser
         self.encode = encode
         self.deadline = time.monotonic() + timeout if timeout else None
@@ -407,8 +410,9 @@ class TurnRun:
         out = []
         for piece in pieces:
             if not isinstance(piece, ToolCallDelta):
-                # a call max_tokens or a stop (string or token) cut off: the grammar lets no call end early
-                cut = isinstance(piece, CutCall) and self.finish_reason in ("length", "stop")
+                # a call max_tokens cut off, or a stop under the call grammar (which lets no call end early)
+                cut = isinstance(piece, CutCall) and (self.finish_reason == "length"
+                                                      or self.finish_reason == "stop" and self.calls_held)
                 out.append(ChatDelta(text=piece, cut_call=cut))
             elif self.max_calls is None or piece.index < self.max_calls:
                 self.calls += piece.id is not None
@@ -422,7 +426,8 @@ def result(parsed: ParsedOutput, raw_text: str, finish_reason: str, usage: Usage
 
     The calls that parsed are kept and a malformed or cut-off call stays in the text where it
     stood, in the result as in the stream (the parser streams a call only once it is decided);
-    a call cut off by max_tokens or a stop is `cut_call` too, which OpenAI's wire format leaves out.
+    a call cut off by max_tokens, or by a stop where the call grammar held the turn, is `cut_call`
+    too, which OpenAI's wire format leaves out.
     A LangGraph agent runs the calls it is streamed as they arrive: voiding every call of a turn
     because one is malformed would mean holding all calls back until the turn ends, and ending
     the agent (no calls) where it could run the good ones and let the model see its broken text."""

@@ -65,7 +65,8 @@ def register_tool_parsers(register) -> None:
       The argument fragments of one call concatenate to JSON equal to its final arguments.
       Text that `close()` lets go because the generation ended inside a call (a tag begun, a
       call unfinished) may come as a `CutCall`: content all the same, and left out of an
-      OpenAI-shaped reply when max_tokens stopped the generation there.
+      OpenAI-shaped reply when max_tokens stopped the generation there (or a stop string or
+      token, where the call grammar held the turn).
     - Generated text comes as a `GeneratedText` (a `str`; `parse` and `feed` take either): its
       `control_spans` are where the model generated control (special) tokens. A parser whose
       markup is made of special tokens (harmony's `<|call|>`) splits at those spans only: the
@@ -178,8 +179,8 @@ class GeneratedText(str):
 class CutCall(str):
     """Text a tool-call stream lets go at `close()` because the generation ended inside a call
     (a tag begun, a call's JSON unfinished): content, as a malformed call's text is, and, when
-    max_tokens or a stop ended the generation there, the markup of a call cut off
-    (`ChatResult.cut_call`)."""
+    max_tokens ended the generation there (or a stop, where the call grammar held the turn), the
+    markup of a call cut off (`ChatResult.cut_call`)."""
 
 
 @dataclass(frozen=True)

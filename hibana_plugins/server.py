@@ -335,14 +335,18 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
 
     async def first_delta(deltas: AsyncIterator[list[ChatDelta]], reply: Reply) -> list[ChatDelta]:
         """The lease, the queue, the prefill and the first token(s), within the request timeout."""
+        def busy() -> ApiError:
+            return ApiError(503, f"no token within the server's request timeout ({config.request_timeout:g} s): "
+                                 "it is busy; retry later", code="timeout", kind="server_error")
         try:
             return await asyncio.wait_for(anext(deltas), config.request_timeout)
-        except HibanaError as exc:  # ChatTimeoutError included: a TimeoutError too
+        except ChatTimeoutError:  # no token yet, by the turn's clock
+            raise busy() from None
+        except HibanaError as exc:  # a QueueTimeoutError is a TimeoutError too: a 429 of its own
             raise api_error(exc, "prompt" if isinstance(reply, TextReply) else "messages") from None
-        except asyncio.TimeoutError:
+        except asyncio.TimeoutError:  # no token yet, by this clock
             await deltas.aclose()
-            raise ApiError(503, f"no token within the server's request timeout ({config.request_timeout:g} s): "
-                                "it is busy; retry later", code="timeout", kind="server_error") from None
+            raise busy() from None
 
     async def rest(deltas: AsyncIterator[list[ChatDelta]], first: list[ChatDelta]) -> turn.ChatResult:
         """The turn after its first deltas, to its result."""

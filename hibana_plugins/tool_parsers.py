@@ -16,7 +16,8 @@ Both follow one contract:
   deltas are `parse(text).tool_calls`, ids included, and a call that is cut off or malformed is
   never streamed. Text deltas concatenate to the final content.
 - text let go at the end because the generation ended inside a call (a tag begun, a call not
-  closed) comes as a `CutCall` (content like any other; a reply cut by max_tokens leaves it out).
+  closed) comes as a `CutCall` (content like any other; a reply cut by max_tokens, or by a stop
+  under the call grammar, leaves it out).
 """
 
 from __future__ import annotations

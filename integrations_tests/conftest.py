@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import worker_threads  # noqa: F401 - before torch: one thread a test worker (tests/worker_threads.py)
+import worker_threads  # noqa: F401  # isort: skip - before torch (tests/worker_threads.py)
 import pytest
 
 

@@ -50,7 +50,7 @@ WINDOW_SPLITS = True
 """Split a sliding-window layer's decode for its window's keys, not for the longest sequence: the
 splits past the window held nothing (gpt-oss-20b at 8192 keys: 512 programs a sliding layer, 16 of
 them with keys). The keys part alike either way (whole split tiles), so the outputs are the same
-to the bit; False for A/B runs (bench/tune_decode.py's variant window_splits=0)."""
+to the bit. A switch for A/B runs only (bench/tune_decode.py's variant window_splits=0)."""
 MAX_DECODE_QUERY_LEN = 32  # verify steps up to this many tokens per sequence take the decode kernel
 NUM_STAGES = 2
 MERGE_COUNTERS = 1 << 16  # (sequence, KV head) pairs the in-kernel merge counts for, per device
@@ -507,6 +507,7 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_stages=num_stages, **common, **pdl.launch_args(q.device, "attention"))
     if split and not merge:
         block_d, merge_warps = merge_tiles or _merge_tiles(common["HEAD_DIM_P"])
+        block_d = min(block_d, common["HEAD_DIM_P"])  # a tile past the row would read the next row's
         _reduce_splits_kernel[(num_tokens, num_heads, triton.cdiv(common["HEAD_DIM_P"], block_d))](
             out, part_out, part_max, part_sum, with_keys, num_splits,
             out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_P=common["HEAD_DIM_P"],

@@ -6,7 +6,7 @@ import sys
 import threading
 import time
 
-import worker_threads  # noqa: F401 - before torch: one thread a test worker
+import worker_threads  # noqa: F401  # isort: skip - before torch: one thread a test worker
 import pytest
 import torch
 from transformers.utils import logging as hf_logging

@@ -167,7 +167,9 @@ def test_a_sync_whose_state_closes_meanwhile_says_so(demo_engine):
                 outcome.append(exc)
         worker = threading.Thread(target=sync)
         worker.start()
-        while not engine.states() or not any(s.busy for s in engine.states()):
+        deadline = time.monotonic() + 60
+        while not any(s.busy for s in engine.states()):
+            assert time.monotonic() < deadline and worker.is_alive(), outcome
             time.sleep(0.001)
         handle.close()
         worker.join(60)

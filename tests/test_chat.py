@@ -417,7 +417,7 @@ def test_stream_and_result_agree_for_every_cut_and_chunking(engine, output):
 
 
 @pytest.mark.parametrize("reason", ["length", "stop"])
-def test_a_call_cut_by_max_tokens_is_marked_in_stream_and_result(engine, reason):
+def test_a_call_cut_by_max_tokens_or_a_stop_is_marked_in_stream_and_result(engine, reason):
     """Cut anywhere by max_tokens or a stop string, the text the parser lets go only at the end is
     the call being written: marked `cut_call` (in the result too), so the rest is the answer
     without any markup."""
@@ -431,6 +431,17 @@ def test_a_call_cut_by_max_tokens_is_marked_in_stream_and_result(engine, reason)
         assert result.cut_call == "".join(d.text for d in deltas if d.cut_call)
     whole = chat.on(ScriptedHandle([output], "stop")).respond(HELLO, [WEATHER])
     assert whole.cut_call == "" and len(whole.tool_calls) == 2
+
+
+def test_a_call_the_model_ended_without_the_call_grammar_stays_content(engine):
+    """No call grammar held the turn (the request's own regex): a turn that ends ("stop") inside a
+    call is the model's malformed text, kept as content; under the call grammar only a stop string
+    or token could cut a call there, and that is a cut call (above)."""
+    output = TRUTH_OUTPUTS[1]
+    cut = output[:output.index("<tool_call>") + 20]
+    result = Chat(engine).on(ScriptedHandle([cut], "stop")).respond(
+        HELLO, [WEATHER], SamplingParams(max_tokens=64, regex="(.|\n)*"))
+    assert result.cut_call == "" and result.text == cut and result.finish_reason == "malformed_tool_call"
 
 
 @pytest.mark.parametrize("text, cut", [('{"answer": "Oslo is', False),  # an answer in JSON: content
@@ -733,10 +744,6 @@ def test_a_plugin_tool_parser_that_is_none_or_breaks_is_a_hibana_error(engine):
     ({"type": "object", "properties": {"x": {"type": "integer"}}, "required": "x"}, "'x' is not of type 'array'"),
     ({"type": "object", "properties": [1, 2]}, "at properties"),
     ({"type": "object", "properties": {"x": {"type": "integer", "minimum": "a"}}}, "at properties/x/minimum"),
-    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}, "required": ["a"]},
-     r"\$ref '#/\$defs/nope' points at nothing in the schema \(at /properties/a\)"),
-    ({"type": "object", "properties": {"a": {"$ref": "#here"}}}, r"\$ref '#here' points at nothing"),
-    ({"type": "object", "properties": {"a": {"enum": []}}}, r"an empty enum allows no value \(at /properties/a\)"),
 ])
 def test_a_tool_schema_that_breaks_json_schema_is_refused(parameters, says):
     """A mistake in a tool's schema is a ToolSchemaError saying where, not a schema the grammar
@@ -748,7 +755,41 @@ def test_a_tool_schema_that_breaks_json_schema_is_refused(parameters, says):
         normalize_tools([{"type": "function", "function": {"name": "f", "parameters": parameters}}])
     ok = {"type": "object", "properties": {"x": {"type": ["string", "null"], "x-vendor": 1}}, "$defs": {}}
     assert normalize_tools([{"type": "function", "function": {"name": "f", "parameters": ok}}])
+
+
+
+@pytest.mark.parametrize("parameters, says", [
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}, "required": ["a"]},
+     r"\$ref '#/\$defs/nope' points at nothing in the schema \(at /properties/a\)"),
+    ({"type": "object", "properties": {"a": {"anyOf": [{"$ref": "#here"}]}}}, r"\$ref '#here' points at nothing"),
+    ({"type": "object", "properties": {"a": {"enum": []}}}, "property 'a' has an empty enum"),
+    ({"type": "object", "allOf": [{}], "properties": {"a": {"$ref": "#/allOf/\u00b2"}}}, "points at nothing"),
+])
+def test_a_tool_schema_no_arguments_can_meet_is_refused(parameters, says):
+    """Valid JSON Schema that no arguments meet (the grammar would not compile it, and the
+    arguments would have been left free): a ToolSchemaError saying where."""
+    from hibana_core.messages import ToolSchemaError, normalize_tools
+
+    with pytest.raises(ToolSchemaError, match=f"no arguments can meet: .*{says}"):
+        normalize_tools([{"type": "function", "function": {"name": "f", "parameters": parameters}}])
+
+
+def test_references_that_resolve_and_data_that_looks_like_schemas_pass():
+    from hibana_core.messages import normalize_tools
+
     refs = {"type": "object", "properties": {"a": {"$ref": "#/$defs/a~1b"}, "b": {"$ref": "#there"},
-                                             "c": {"$ref": "#"}, "d": {"$ref": "#/properties/a"}},
-            "$defs": {"a/b": {"type": "integer"}, "c": {"$anchor": "there", "type": "string"}}}
+                                             "c": {"$ref": "#"}, "d": {"$ref": "#/properties/a"},
+                                             "e": {"$ref": "#/$defs/a%20c"}, "f": {"$ref": "#/%24defs/x"},
+                                             "h": {"$ref": "#dyn"},
+                                             "i": {"default": {"$ref": "#/components/x"}, "const": {"enum": []}},
+                                             "j": {"not": {"enum": []}},
+                                             "k": {"$id": "https://example.com/k", "$ref": "#/$defs/local",
+                                                   "$defs": {"local": {"type": "integer"}}}},
+            "$defs": {"a/b": {"type": "integer"}, "c": {"$anchor": "there", "type": "string"},
+                      "a c": {"type": "number"}, "x": {"type": "boolean"},
+                      "dyn": {"$dynamicAnchor": "dyn"},
+                      "unused": {"enum": []}}}
     assert normalize_tools([{"type": "function", "function": {"name": "f", "parameters": refs}}])
+    draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+              "properties": {"a": {"$ref": "#old"}}, "definitions": {"d": {"$id": "#old", "type": "string"}}}
+    assert normalize_tools([{"type": "function", "function": {"name": "f", "parameters": draft7}}])

@@ -195,16 +195,22 @@ def test_longrope_histories_past_the_switch_match_transformers(longrope_checkpoi
 
 
 @pytest.mark.parametrize("before", [10, -6], ids=["crossing", "past"])
-def test_a_draft_model_turns_to_the_long_rotation_with_the_target(longrope_checkpoint, make_engine, before):
-    """The checkpoint drafting for itself: every greedy draft is the target's token, also on a
-    history past the LongRoPE switch (whose drafts read the per-position rotation, and the target's
-    states the long one at every position, accepted 9 of 80 drafts), and on one that crosses it
-    while generating."""
-    engine = make_engine(longrope_checkpoint, speculation={"method": "draft_model",
-                                                           "draft_model": str(longrope_checkpoint), "k": 4})
+@pytest.mark.parametrize("family", ["phi3", "llama"])
+def test_a_draft_model_holds_the_rotation_of_its_target(longrope_checkpoint, tmp_path_factory, make_engine,
+                                                         family, before):
+    """The checkpoint drafting for itself: every greedy draft is the target's token, on a history
+    past the LongRoPE switch (its drafts read the per-position rotation where the target's state
+    held the long one: 16 of 28 accepted) and on one that crosses it while generating: Phi-3's
+    states turn long there, llama's keep the per-position rotation until the next request."""
+    checkpoint = longrope_checkpoint if family == "phi3" else make_tiny_checkpoint(
+        "llama", tmp_path_factory.mktemp("longrope") / "llama", rope_parameters=LONGROPE)
+    engine = make_engine(checkpoint, speculation={"method": "draft_model", "draft_model": str(checkpoint), "k": 4})
     history = [random.Random(before).randrange(2, 512) for _ in range(SWITCH - before)]
-    c = engine.open_state("a").generate(SamplingParams(max_tokens=24, ignore_eos=True), prompt=history)
-    assert_greedy_matches(longrope_checkpoint, history, c.token_ids)
+    handle = engine.open_state("a")
+    for turn in range(2):  # the second turn's request turns a llama state long
+        c = handle.generate(SamplingParams(max_tokens=24, ignore_eos=True), prompt=history)
+        assert_greedy_matches(checkpoint, history, c.token_ids)
+        history = history + list(c.token_ids) + [7, 8]
     stats = engine.stats()
     assert stats.draft_tokens_accepted == stats.draft_tokens_proposed > 0, stats
 

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import importlib
 import importlib.util
+import inspect
 import math
 import multiprocessing
 import os
@@ -1021,7 +1022,7 @@ def check_window_splits(device, sink_tokens):
     splits, launch = [], triton_attention.paged_attention_launch
 
     def spy(*args, **kwargs):
-        splits.append(args[9])
+        splits.append(inspect.signature(launch).bind(*args, **kwargs).arguments["num_splits"])
         return launch(*args, **kwargs)
     kwargs = dict(scale=HEAD_DIM ** -0.5, sliding_window=WINDOW, sink_tokens=sink_tokens)
     with unittest.mock.patch.object(triton_attention, "paged_attention_launch", spy):

@@ -188,6 +188,11 @@ class KVSequence:
         long = self.long_rope is not None and len(self.tokens) > self.long_rope.switch
         return self._rotate(long)
 
+    def hold_rotation(self, long: bool) -> bool:
+        """Hold the KV under LongRoPE's long rotation or the per-position one, as another state
+        does (a draft model's states follow their target's). Returns whether KV was dropped."""
+        return self.long_rope is not None and self._rotate(long)
+
     def rotate_for(self, length: int) -> bool:
         """Under a recomputing LongRoPE (`LongRope.recompute`), before a step computes the
         positions up to `length`: once the sequence grows past the switch, its whole KV turns to

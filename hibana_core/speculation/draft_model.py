@@ -203,8 +203,8 @@ class DraftModelDrafter:
         switch = longrope_switch(loaded.args)
         self.long_rope = (None if switch is None else
                           LongRope(switch, loaded.args.max_position_embeddings, loaded.args.longrope_recompute))
-        """The draft model's own LongRoPE: its states turn to the long rotation as the target's do
-        (a history past the switch rotated per position drafts what the target would not)."""
+        """The draft model's own LongRoPE: its states hold the rotation their target's state holds
+        (a history past the switch rotated per position drafts what a long-rotated target would not)."""
         a, bs = loaded.args, engine.config.cache.block_size
         kv_dtype = kv_cache_dtype(loaded.model, loaded.dtype)  # fp8 for layer-skip on a kv8 target
         per_block = KVCache.bytes_per_block(a.num_layers, bs, a.num_kv_heads, a.head_dim, kv_dtype)
@@ -279,7 +279,13 @@ class DraftModelDrafter:
         else:
             seq.set_tokens(tokens)
         entry.version = state.version
-        seq.begin_request()  # LongRoPE: the rotation its history asks for (KV of the other one dropped)
+        # LongRoPE: the rotation the target's state holds (KV of the other one dropped); a target's
+        # state that does not say, the rotation the history asks for
+        target_long = getattr(state.key, "rotated_long", None)
+        if target_long is None:
+            seq.begin_request()
+        else:
+            seq.hold_rotation(target_long)
         return seq
 
     def _reap(self) -> None:
