@@ -487,6 +487,8 @@ class SamplingParams:
         _check(isinstance(self.stop, str) or isinstance(self.stop, Sequence), "stop must be a string or a list of them")
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty str")
+        if hasattr(self.stop_token_ids, "tolist") and not isinstance(self.stop_token_ids, Sequence):  # as sync takes
+            object.__setattr__(self, "stop_token_ids", self.stop_token_ids.tolist())  # an array, a tensor
         _check(isinstance(self.stop_token_ids, Sequence) and not isinstance(self.stop_token_ids, str)
                and all(is_kind(t, int) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")

@@ -126,6 +126,8 @@ def test_numpy_scalars_are_taken_as_python_numbers(demo_engine):
 
     params = SamplingParams(max_tokens=np.int32(3), temperature=np.float32(0.5), seed=np.int64(3), ignore_eos=True)
     assert (type(params.max_tokens), type(params.temperature), type(params.seed)) == (int, float, int)
+    assert SamplingParams(stop_token_ids=np.array([3, 4])).stop_token_ids == (3, 4)
+    assert SamplingParams(stop_token_ids=torch.tensor([3])).stop_token_ids == (3,)
     handle = demo_engine.open_state("numpy-seed")
     first = handle.generate(params, prompt=[5, 6, 7]).token_ids
     again = demo_engine.open_state("numpy-seed-2").generate(dataclasses.replace(params, seed=3), prompt=[5, 6, 7])
