@@ -3,6 +3,7 @@ given, sized against the device's memory, with unified memory as one pool."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from hibana_core import Engine, SamplingParams
@@ -22,7 +23,8 @@ def open_engine(path, **overrides) -> Engine:
 @pytest.mark.parametrize("given, want", [
     (123456789, 123456789), ("20GB", 20 * 10**9), ("20 GiB", 20 * GIB), ("512MiB", 512 << 20),
     ("1.5g", 1_500_000_000), (0.8, 0.8), ("80%", 0.8), ("4096", 4096), (2e10, 20 * 10**9),
-    ("0.5GB", 500_000_000), (".5 GiB", 512 << 20), ("0.25", 0.25), ("1.0", 1.0), (" .8 ", 0.8)])
+    ("0.5GB", 500_000_000), (".5 GiB", 512 << 20), ("0.25", 0.25), ("1.0", 1.0), (" .8 ", 0.8),
+    (np.int64(GIB), GIB), (np.float32(0.5), 0.5)])
 def test_a_budget_is_bytes_or_a_fraction(given, want):
     assert parse_budget(given) == want
     assert type(parse_budget(given)) is type(want)

@@ -10,6 +10,7 @@ since the weights, the KV cache and everything else running there share it.
 
 from __future__ import annotations
 
+import numbers
 import os
 import re
 from dataclasses import dataclass
@@ -32,6 +33,10 @@ def parse_budget(value: int | float | str) -> int | float:
     hint = 'write bytes (20_000_000_000, "20GB", "512MiB") or a fraction of the device ("80%", 0.8)'
     if isinstance(value, bool):
         raise ConfigError(f"memory_budget must be bytes or a fraction, got {value!r}; {hint}")
+    if isinstance(value, numbers.Integral) and not isinstance(value, int):  # numpy's: Python's own
+        value = int(value)
+    elif isinstance(value, numbers.Real) and not isinstance(value, (int, float)):
+        value = float(value)
     if isinstance(value, int):
         if value <= 0:
             raise ConfigError(f"memory_budget must be positive, got {value}; {hint}")
