@@ -133,6 +133,9 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         device = resolve_device(args.device)
     except HibanaError as exc:
         parser.error(f"--device: {exc}")
+    json_path = getattr(args, "json", None)
+    if json_path is not None and (json_path.is_dir() or not json_path.parent.is_dir()):
+        parser.error(f"--json: {str(json_path)!r} is a folder, or its folder does not exist; give a file's path")
     if args.workload == "grammar":
         if args.tokenizer is not None and not args.tokenizer.is_dir():
             parser.error(f"--tokenizer: {str(args.tokenizer)!r} is not a directory; give a tokenizer's folder")
@@ -369,7 +372,7 @@ def print_decode(report: dict) -> None:
     print("weight GB: what the engine holds (after surgery); KV MB/tok: the keys and values one decode "
           "token reads at the row's context")
     print(f"{'system':<16}{'context':>8}{'decode tok/s':>14}{'% roofline':>12}{'tok/step':>9}{'prefill tok/s':>15}"
-          f"{'weight GB':>11}{'KV MB/tok':>11}{'x hibana':>10}  guard")
+          f"{'weight GB':>11}{'KV MB/tok':>11}{'row/hibana':>11}  guard")
     bandwidth = report["copy_bandwidth_bytes_s"]
     base = {r["context"]: r["decode_tok_s"] for r in report["rows"] if r["system"] == "hibana"}
     for row in report["rows"]:
@@ -387,7 +390,7 @@ def print_decode(report: dict) -> None:
                                          f"{guard['decision']}")
         per_step = f"{row['tokens_per_step']:.2f}" if row.get("tokens_per_step") else "-"
         print(f"{row['system']:<16}{row['context']:>8}{row['decode_tok_s']:>14.1f}{share:>12}{per_step:>9}"
-              f"{row['prefill_tok_s']:>15.0f}{size:>11}{kv:>11}{ratio:>10}  {verdict}")
+              f"{row['prefill_tok_s']:>15.0f}{size:>11}{kv:>11}{ratio:>11}  {verdict}")
     if any((row.get("tokens_per_step") or 1.0) > 1.0 for row in report["rows"]):
         print("tok/step above 1: speculation's accepted drafts count in decode tok/s and % roofline (a random "
               "model's greedy output repeats itself); hibana_spec_off's rows are the decode speed")
@@ -400,17 +403,19 @@ def print_agents(report: dict) -> None:
           f"{cfg['system']} (half shared), tool result {cfg['tool_result']}, generate {cfg['generate']}"
           + (f", tool latency {cfg['tool_latency'][0]:g}-{cfg['tool_latency'][1]:g} s" if cfg.get("tool_latency") else "")
           + (f", device KV for {cfg['device_kv_agents']} agents" if cfg.get("device_kv_agents") else ""))
-    header = ("system", "turns/h", "x hibana", "decode tok/s", "computed/turn", "reused/turn",
-              "ttft p50", "ttft p95", "timed on")
-    print("".join(f"{h:>14}" for h in header))
+    # hibana/row: how many times this row's turns/h hibana's are (the speedup over a peer)
+    header = ("turns/h", "hibana/row", "decode tok/s", "computed/turn", "reused/turn", "ttft p50", "ttft p95",
+              "timed on")
+    width = max(len(name) for name in report["results"]) + 2 if report["results"] else 14
+    print(f"{'system':<{width}}" + "".join(f"{h:>14}" for h in header))
     for name, r in report["results"].items():
         timed = f"{r['agents_timed']} agents"
         ttft = (f"{r['ttft_p50_s']:.3f}s", f"{r['ttft_p95_s']:.3f}s") if r["ttft_p50_s"] == r["ttft_p50_s"] \
             else ("-", "-")
-        cells = (name, f"{r['turns_per_hour']:.0f}", f"{r.get('hibana_ratio', float('nan')):.2f}",
+        cells = (f"{r['turns_per_hour']:.0f}", f"{r.get('hibana_ratio', float('nan')):.2f}x",
                  f"{r['decode_tok_s']:.1f}", f"{r['computed_per_turn']:.0f}", f"{r['reused_per_turn']:.0f}",
                  *ttft, timed)
-        print("".join(f"{c:>14}" for c in cells))
+        print(f"{name:<{width}}" + "".join(f"{c:>14}" for c in cells))
     for name, r in report["results"].items():
         if r.get("kv_blocks"):
             print(f"{name}: KV pool {r['kv_blocks']:,} blocks in {r['kv_bytes'] / 1e9:.2f} GB")

@@ -177,8 +177,9 @@ async def in_process_client(engine: "Engine", client: int, cfg: ServeLoadConfig,
         async for delta in chat.astream_respond(conversation.messages, tools=TOOLS, params=params):
             first, result = first or time.perf_counter(), delta.result or result
         calls = [(c.id, c.name, c.arguments) for c in result.tool_calls]
-        turns.append(_turn(result.text, calls, start, first))
-        conversation.reply(result.text, calls)
+        text = result.text.removesuffix(result.cut_call)  # as OpenAI's content carries it
+        turns.append(_turn(text, calls, start, first))
+        conversation.reply(text, calls)
     return turns
 
 

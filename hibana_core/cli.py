@@ -289,7 +289,7 @@ def run_plugins(args: argparse.Namespace) -> int:
     notes = []
     if manager.allow is not None:
         allowed = ", ".join(sorted(manager.allow)) or "none"
-        notes.append(f"{ENV_VAR} is set: third-party plugins loaded: {allowed}")
+        notes.append(f"{ENV_VAR} is set: third-party plugins allowed: {allowed} (the table lists those loaded)")
     notes += [f"skipped {e.plugin} ({e.stage}): {e.error}" for e in manager.load_errors]
     _print_table(rows, notes)
     return 0

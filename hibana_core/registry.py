@@ -231,7 +231,8 @@ class StateRegistry:
     def lease(self, token_ids: Sequence[int] = (), state_id: str | None = None, *,
               min_shared: float = 1.0) -> Iterator[StateHandle]:
         """See `Engine.lease`."""
-        if state_id is None:  # the scan runs before the lock is taken
+        named = state_id is not None
+        if not named:  # the scan runs before the lock is taken
             token_ids = self._validate(token_ids)
             candidate = self._match(token_ids, min_shared)
         with self.lock:
@@ -240,7 +241,7 @@ class StateRegistry:
                 if self._taken(self._entries[state_id]):
                     raise StateBusyError(f"state {state_id!r} is serving another call; give concurrent "
                                          "calls different state ids")
-                how = "named by the call"
+                how = f"named by the call, {len(self._entries[state_id].seq)} tokens held"
             else:
                 entry = self._live(candidate) if candidate is not None else None
                 handle = candidate
@@ -258,7 +259,10 @@ class StateRegistry:
                 else:
                     how = f"continues its conversation ({len(entry.seq)} tokens held)"
             self._leased.add(handle.id)
-        logger.info("state %s serves a call of %d tokens (%s)", handle.id, len(token_ids), how)
+        if not named:
+            logger.info("state %s serves a call of %d tokens (%s)", handle.id, len(token_ids), how)
+        else:  # a named call's tokens are not known here
+            logger.info("state %s serves a call (%s)", handle.id, how)
         try:
             yield handle
         finally:

@@ -170,7 +170,7 @@ def _row(label: str, group: list[TurnRecord]) -> tuple[str, ...]:
 TURN_COLUMNS = ("turn", "agents", "prompt", "reused", "computed", "reused %", "of held", "generated", "tok/s")
 
 
-def print_summary(console, result: DemoResult, engine) -> None:
+def print_summary(console, result: DemoResult, engine, tasks: int) -> None:
     from rich.table import Table
 
     table = Table(*TURN_COLUMNS, title="model turns (reused %: of the prompt; of held: of the tokens the state "
@@ -178,7 +178,7 @@ def print_summary(console, result: DemoResult, engine) -> None:
     for row in per_turn_rows(result.records):
         table.add_row(*row)
     console.print(table)
-    total = sum(len(v.solved) for v in result.views)
+    total = tasks
     generated = sum(r.generated for r in result.records)
     stats = engine.stats()
     console.print(f"tasks solved: {result.solved}/{total}; {generated} tokens generated in {result.seconds:.1f}s "
@@ -260,6 +260,12 @@ def main(argv=None, started: float | None = None) -> int:
         print(f"hibana demo: {exc}", file=sys.stderr)  # as every command's errors: not in the output
         return 2 if isinstance(exc, ConfigError) else 1  # an option's value: a usage error
     with engine:
+        try:  # a model the chat layer cannot talk to (no chat template): said once, before any agent runs
+            from hibana_core.chat import Chat
+            Chat(engine)
+        except HibanaError as exc:
+            print(f"hibana demo: {args.model} cannot run the demo's agents: {exc}", file=sys.stderr)
+            return 1
         if console.is_terminal and not args.no_live:
             with Live(live_table([], args.tasks, 0.0), console=console, refresh_per_second=8) as live:
                 result = run_demo(engine, args.agents, args.tasks, args.seed, args.max_tokens,
@@ -268,10 +274,10 @@ def main(argv=None, started: float | None = None) -> int:
         else:
             result = run_demo(engine, args.agents, args.tasks, args.seed, args.max_tokens)
             console.print(live_table(result.views, args.tasks, result.seconds))
-        print_summary(console, result, engine)
+        print_summary(console, result, engine, args.agents * args.tasks)
         console.print(cold.describe(), markup=False, highlight=False)
-    for exc in result.errors:
-        console.print(f"an agent failed: {exc!r}", markup=False)
+    for exc in result.errors:  # on stderr, as every command's errors
+        print(f"hibana demo: an agent failed: {type(exc).__name__}: {exc}", file=sys.stderr)
     return 1 if result.errors else 0
 
 
