@@ -69,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="skip the cold-start measurement (a fresh process per system that loads the "
                         "checkpoint and generates one token; never run on random-weight presets)")
     decode = sub.add_parser("decode", parents=[common], help="batch-1 decode and prefill speed")
-    decode.add_argument("--context", default=[512, 8192], type=_counts,
-                        help="comma-separated context lengths (default 512,8192)")
+    decode.add_argument("--context", default=None, type=_counts,
+                        help="comma-separated context lengths (default 512,8192; a model of a shorter context: "
+                             "512 and the longest it takes)")
     decode.add_argument("--generate", type=_count, default=128, help="tokens generated per context (default 128)")
     decode.add_argument("--conversations", type=_count, default=1,
                         help="with --trace: replay the first N conversations one after another (default 1)")
@@ -181,6 +182,8 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     path = _check_model(parser, args.model)
     if not args.trace:  # a trace's conversations are checked against the context once it is read
         _check_context(parser, args, path)
+    if getattr(args, "context", 0) is None:  # no context limit read: the defaults as they are
+        args.context = [512, 8192]
     return device, systems
 
 
@@ -212,6 +215,9 @@ def _check_context(parser: argparse.ArgumentParser, args: argparse.Namespace, pa
             "max_position_embeddings")
     if not isinstance(limit, int):
         return
+    if args.workload == "decode" and args.context is None:  # the defaults, within the model's context
+        room = limit - args.generate
+        args.context = [512, 8192] if room >= 8192 else sorted({min(512, room), room}) if room > 0 else [512]
     if args.workload == "decode" and max(args.context) + args.generate > limit:
         parser.error(f"--context: {max(args.context)} tokens plus --generate {args.generate} exceed "
                      f"{args.model}'s context of {limit} tokens; give contexts up to {limit - args.generate}, "
@@ -392,8 +398,10 @@ def print_decode(report: dict) -> None:
         print(f"{row['system']:<16}{row['context']:>8}{row['decode_tok_s']:>14.1f}{share:>12}{per_step:>9}"
               f"{row['prefill_tok_s']:>15.0f}{size:>11}{kv:>11}{ratio:>11}  {verdict}")
     if any((row.get("tokens_per_step") or 1.0) > 1.0 for row in report["rows"]):
-        print("tok/step above 1: speculation's accepted drafts count in decode tok/s and % roofline (a random "
-              "model's greedy output repeats itself); hibana_spec_off's rows are the decode speed")
+        print("tok/step above 1: speculation's accepted drafts count in decode tok/s and % roofline"
+              + (" (a random model's greedy output repeats itself)" if report.get("random_weights") else "")
+              + ("; hibana_spec_off's rows are the decode speed"
+                 if any(row["system"] == "hibana_spec_off" for row in report["rows"]) else ""))
 
 
 def print_agents(report: dict) -> None:

@@ -183,8 +183,9 @@ BENCH_USAGE_ERRORS = [
     (["agents", "--generate", "-3"], "argument --generate: must be at least 1"),
     (["agents", "--model", "gpt-oss-20b", "--systems", "hibana,hf_reprefill"],
      "--systems: hf_reprefill cannot run gpt-oss-20b: the preset's experts are MXFP4"),
-    # the demo model's context is 2,048 tokens: decode's default contexts (512,8192) do not fit
-    (["decode", "--model", "demo"], "--context: 8192 tokens plus --generate 128 exceed demo's context of 2048"),
+    # the demo model's context is 2,048 tokens: 8192 given does not fit (the defaults shrink to fit it)
+    (["decode", "--model", "demo", "--context", "512,8192"],
+     "--context: 8192 tokens plus --generate 128 exceed demo's context of 2048"),
     (["decode", "--model", "qwen3-0.6b", "--context", "40960"], "exceed qwen3-0.6b's context of 40960"),
     (["agents", "--model", "demo", "--turns", "20"], "an agent's history reaches 2432 tokens"),
     (["serve", "--model", "/no/such/checkpoint"], "--model: checkpoint directory '/no/such/checkpoint' does not"),
@@ -213,6 +214,22 @@ def test_bench_refuses_options_that_cannot_work(argv, says, offline_hub, no_load
     err = capsys.readouterr().err
     assert says in err, err
     assert "Traceback" not in err
+
+
+def test_bench_decode_defaults_fit_the_models_context(tmp_path):
+    """decode's default contexts (512,8192) shrink to what the model takes (the demo: 2,048 tokens,
+    128 generated): `hibana bench decode` runs as it is; --json into a folder is refused first."""
+    from hibana_bench.cli import build_parser, check_options
+
+    parser = build_parser()
+    args = parser.parse_args(["decode", "--model", "demo"])
+    check_options(parser, args)
+    assert args.context == [512, 2048 - 128]
+    args = parser.parse_args(["decode", "--model", "qwen3-8b", "--device", "cpu"])
+    check_options(parser, args)
+    assert args.context == [512, 8192]
+    with pytest.raises(SystemExit):
+        check_options(parser, parser.parse_args(["decode", "--model", "demo", "--json", str(tmp_path)]))
 
 
 def test_demo_reports_a_model_it_cannot_load(offline_hub, capsys):
