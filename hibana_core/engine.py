@@ -248,8 +248,9 @@ class Engine:
         where the guard ran, its figures against the unmodified model."""
         if guard is not None:  # logged too: progress=False (servers, scripts) must not lose it
             logger.info("%s", guard.summary())
-            if config.progress:
-                print(guard.summary(), file=sys.stderr)
+            if config.progress:  # above the loading bar, which tqdm draws again below it
+                from tqdm.auto import tqdm
+                tqdm.write(guard.summary(), file=sys.stderr)
         del guard, calibration  # their scratch KV caches
         self.model, self.model_args, self.tokenizer = loaded.model, loaded.args, loaded.tokenizer
         self.hf_config, self.dtype = loaded.hf_config, loaded.dtype
