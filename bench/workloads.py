@@ -153,6 +153,8 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
     bandwidth = copy_bandwidth(device)
     roofline = bandwidth / model.weight_bytes if bandwidth else None
     return {"workload": "decode", "model": model.name, "random_weights": model.random_weights,
+            "config": {"contexts": list(contexts), "generate": generate, "systems": list(systems), "seed": seed,
+                       "fusions": list(fusions), "pdl": list(pdls)},
             "weight_bytes": model.weight_bytes, "copy_bandwidth_bytes_s": bandwidth,
             "roofline_tok_s": roofline, "rows": [asdict(r) for r in rows]}
 
