@@ -46,6 +46,10 @@ WORKLOAD_SYSTEMS = {"decode": tuple(dict.fromkeys(TRACE_SYSTEMS + DECODE_SYSTEMS
                     "agents": tuple(dict.fromkeys(TRACE_SYSTEMS + AGENT_SYSTEMS + ("hibana_recompute",)))}
 
 
+DEFAULT_CONTEXTS = (512, 8192)
+"""decode's context lengths where --context is not given (those the model takes: `_check_context`)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hibana bench", description=__doc__)
     sub = parser.add_subparsers(dest="workload", required=True)
@@ -70,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint and generates one token; never run on random-weight presets)")
     decode = sub.add_parser("decode", parents=[common], help="batch-1 decode and prefill speed")
     decode.add_argument("--context", default=None, type=_counts,
-                        help="comma-separated context lengths (default 512,8192; a model of a shorter context: "
-                             "512 and the longest it takes)")
+                        help="comma-separated context lengths (default %s; a model of a shorter context: "
+                             "%d and the longest it takes)" % (",".join(map(str, DEFAULT_CONTEXTS)), DEFAULT_CONTEXTS[0]))
     decode.add_argument("--generate", type=_count, default=128, help="tokens generated per context (default 128)")
     decode.add_argument("--conversations", type=_count, default=1,
                         help="with --trace: replay the first N conversations one after another (default 1)")
@@ -183,7 +187,7 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if not args.trace:  # a trace's conversations are checked against the context once it is read
         _check_context(parser, args, path)
     if getattr(args, "context", 0) is None:  # no context limit read: the defaults as they are
-        args.context = [512, 8192]
+        args.context = list(DEFAULT_CONTEXTS)
     return device, systems
 
 
@@ -217,7 +221,8 @@ def _check_context(parser: argparse.ArgumentParser, args: argparse.Namespace, pa
         return
     if args.workload == "decode" and args.context is None:  # the defaults, within the model's context
         room = limit - args.generate
-        args.context = [512, 8192] if room >= 8192 else sorted({min(512, room), room}) if room > 0 else [512]
+        short, long = DEFAULT_CONTEXTS
+        args.context = [short, long] if room >= long else sorted({min(short, room), room}) if room > 0 else [short]
     if args.workload == "decode" and max(args.context) + args.generate > limit:
         parser.error(f"--context: {max(args.context)} tokens plus --generate {args.generate} exceed "
                      f"{args.model}'s context of {limit} tokens; give contexts up to {limit - args.generate}, "

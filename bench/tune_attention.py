@@ -25,6 +25,8 @@ import json
 import torch
 import triton
 
+from hibana_bench.tune_decode import time_graph
+from hibana_bench.workloads import copy_bandwidth
 from hibana_kernels import attention_triton as at
 
 SHAPES = {  # query heads, KV heads, head_dim
@@ -36,41 +38,6 @@ SHAPES = {  # query heads, KV heads, head_dim
 }
 SPANS = {512: 1024, 8192: 8336}  # keys -> the span whose graph serves them
 BLOCK_SIZE = 16
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        y.copy_(x)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 10 / (start.elapsed_time(end) / 1e3)
-
-
-def time_graph(fn, reps: int = 30) -> float:
-    """Seconds per call of `fn`, replayed from a CUDA graph."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
 
 
 TILES = [(64, 4, 3), (64, 2, 3), (32, 4, 3), (32, 2, 3), (16, 2, 3)]
@@ -159,7 +126,7 @@ def main() -> None:
     parser.add_argument("--batched-shapes", default="8x8192,32x4096")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(torch.device("cuda"))
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; us a layer (attention and its split merge)")
     runs = [(m, s) for m in args.models.split(",") for s in args.shapes.split(",")]
     runs += [(m, s) for m in args.batched.split(",") if m for s in args.batched_shapes.split(",")]

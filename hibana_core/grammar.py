@@ -198,7 +198,7 @@ def unsatisfiable(schema: Any, at: str = "#") -> list[str]:
                 found.append(f"enum values {json.dumps(wrong)[:60]} at {at} are not of type {'/'.join(kinds)}")
     if "const" in schema and kinds is not None and not set(_json_types(schema["const"])) & set(kinds):
         found.append(f"const {json.dumps(schema['const'])[:40]} at {at} is not of type {'/'.join(kinds)}")
-    for _, _, sub, where in _subschemas(schema, at):
+    for _, _, sub, where in subschemas(schema, at):
         found += unsatisfiable(sub, where)
     return found
 
@@ -395,14 +395,14 @@ def unenforced_keywords(schema: Any, at: str = "#") -> list[str]:
     if len(schema.get("allOf") or ()) > 1:
         found.append(f"allOf with {len(schema['allOf'])} subschemas at {at}")
     found += [f"{what} at {at} ({todo})" for what, todo in _dropped_beside_others(schema)]
-    for key, name, sub, where in _subschemas(schema, at):
+    for key, name, sub, where in subschemas(schema, at):
         if key == "patternProperties":  # its name is a regex too
             found += [f"{what} at {at}/{key} ({todo})" for what, todo in unenforced_regex(name, repr(name))]
         found += unenforced_keywords(sub, where)
     return found
 
 
-def _subschemas(schema: dict, at: str) -> Iterator[tuple[str, Any, Any, str]]:
+def subschemas(schema: dict, at: str) -> Iterator[tuple[str, Any, Any, str]]:
     """Each subschema of `schema` (where a keyword takes one: a property named "if" is none): its
     keyword, its name or index under it (None for a single subschema), it, and its place
     ("#/properties/a")."""
@@ -427,7 +427,7 @@ def _opened(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    for key, name, sub, _ in _subschemas(schema, "#"):
+    for key, name, sub, _ in subschemas(schema, "#"):
         if not isinstance(sub, dict):
             continue
         if name is None:

@@ -162,11 +162,12 @@ def _normalize_tool(i: int, tool: Any) -> dict:
                               "levels deep, more than the grammar's checks take; flatten them (a $ref to a shared "
                               "definition instead of nesting it again)")
     if parameters is not None:
-        problem = _schema_problem(json.dumps(parameters, sort_keys=True))
+        text = json.dumps(parameters, sort_keys=True)  # both checks are cached by it
+        problem = _schema_problem(text)
         if problem:
             raise ToolSchemaError(f"tool {name!r} has parameters that are not a valid JSON schema: {problem}; "
                                   "write them as JSON Schema defines its keywords")
-        problem = _unsatisfiable(json.dumps(parameters, sort_keys=True))
+        problem = _unsatisfiable(text)
         if problem:
             raise ToolSchemaError(f"tool {name!r} has parameters that no arguments can meet: {problem}; fix the "
                                   "schema (a call's arguments would not be held to it)")
@@ -192,12 +193,6 @@ def _schema_problem(schema_json: str) -> str | None:
     return f"{error.message}" + (f" (at {where})" if where else "")
 
 
-_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
-_ONE_SCHEMA = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "contains",
-              "propertyNames", "not", "if", "then", "else", "additionalItems")  # a schema
-_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")  # schemas
-
-
 @functools.lru_cache(maxsize=256)
 def _unsatisfiable(schema_json: str) -> str | None:
     """What the metaschema lets pass but no arguments could meet, where the grammar would not
@@ -205,6 +200,8 @@ def _unsatisfiable(schema_json: str) -> str | None:
     to nothing there (a JSON pointer, percent-encoded or not, or an anchor not found), a property
     whose `enum` is empty. Only schema keywords are read (`default`, `const`, `examples` hold
     data), and references under a nested `$id` are left alone (their base is another)."""
+    from hibana_core.grammar import subschemas
+
     schema = json.loads(schema_json)
     anchors: set[str] = set()
     refs: list[tuple[str, str]] = []
@@ -221,16 +218,8 @@ def _unsatisfiable(schema_json: str) -> str | None:
         scoped = scoped or (isinstance(own_id, str) and not own_id.startswith("#") and bool(where))
         if isinstance(node.get("$ref"), str) and not scoped:
             refs.append((node["$ref"], where))
-        for key in _NAMED_SCHEMAS:
-            if isinstance(node.get(key), dict):
-                for name, sub in node[key].items():
-                    walk(sub, f"{where}/{key}/{name}", scoped)
-        for key in _ONE_SCHEMA:
-            walk(node.get(key), f"{where}/{key}", scoped)
-        for key in _SCHEMA_LISTS:
-            if isinstance(node.get(key), list):
-                for i, sub in enumerate(node[key]):
-                    walk(sub, f"{where}/{key}/{i}", scoped)
+        for _, _, sub, at in subschemas(node, where):
+            walk(sub, at, scoped)
 
     walk(schema, "", False)
     for name, sub in (schema.get("properties") or {}).items() if isinstance(schema.get("properties"), dict) else ():

@@ -178,10 +178,9 @@ def print_summary(console, result: DemoResult, engine, tasks: int) -> None:
     for row in per_turn_rows(result.records):
         table.add_row(*row)
     console.print(table)
-    total = tasks
     generated = sum(r.generated for r in result.records)
     stats = engine.stats()
-    console.print(f"tasks solved: {result.solved}/{total}; {generated} tokens generated in {result.seconds:.1f}s "
+    console.print(f"tasks solved: {result.solved}/{tasks}; {generated} tokens generated in {result.seconds:.1f}s "
                   f"({generated / result.seconds:.1f} tok/s over all agents); engine steps: {stats.steps}, "
                   f"most agents in one step: {stats.max_batch_sequences}", markup=False, highlight=False)
     spec = stats.speculation or {}
