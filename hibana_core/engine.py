@@ -238,7 +238,7 @@ class Engine:
             loaded = load_from_hf_model(hf_model, self.device, config.dtype, self._ctx, tokenizer)
         if config.surgery:
             stages.begin("surgery")
-        guard = self._guard(loaded) if config.surgery and config.surgery_guard else None
+        guard = self._guard(loaded, passes) if config.surgery and config.surgery_guard else None
         calibration = Calibration(loaded.model, self._ctx, loaded.args, loaded.dtype, self.device, loaded.tokenizer)
         self.surgery = loaded.surgery + surgery.apply_passes(loaded.model, passes,
                                                              get_plugin_manager().surgery_passes(), guard, calibration,
@@ -317,11 +317,14 @@ class Engine:
             self.core.between_steps = self.registry.prefetch_between_steps
         speculator.start()  # the step-cost profile of adaptive speculation, on this device
 
-    def _guard(self, loaded) -> "guard.Guard":
+    def _guard(self, loaded, passes) -> "guard.Guard":
         from hibana_core.surgery import guard
 
+        registered = get_plugin_manager().surgery_passes()  # the documents reach past every pass's reach
+        reach = max((guard.guard_reach(registered[p.name], {k: v for k, v in p.params.items() if k != "force"})
+                     for p in passes), default=0)
         documents = guard.heldout_documents(loaded.tokenizer, loaded.args.vocab_size, self.config.surgery_guard_text,
-                                            loaded.args.max_position_embeddings)
+                                            loaded.args.max_position_embeddings, reach)
         scorer = guard.Scorer(loaded.model, self._ctx, loaded.args, loaded.dtype, self.device,
                               guard.scorer_length(documents))
         return guard.Guard(scorer, documents, self.config.progress, loaded.tokenizer,

@@ -144,7 +144,7 @@ def test_surgery_prints_what_each_pass_cost_on_stdout(tiny_checkpoints, capsys):
     out = capsys.readouterr().out
     assert re.search(r"w8: 8 layers, .*; guard: ok \(ppl ratio \d\.\d{4}, mean KL \d\.\d{5}, top-1 \d+\.\d%\)",
                      out), out
-    assert cli.main(["surgery", str(tiny_checkpoints["qwen3"]), "--passes", '[{"name": "window", "layers": [1]}]',
+    assert cli.main(["surgery", str(tiny_checkpoints["qwen3"]), "--passes", '[{"name": "window", "window": 256, "layers": [1]}]',
                      "--device", "cpu", "--no-guard"]) == 0
     out = capsys.readouterr().out
     assert "window: layers 1 of 2 full-attention, KV bytes of a 32k-token agent" in out and "[1]" not in out, out

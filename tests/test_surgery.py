@@ -682,7 +682,7 @@ def test_the_guard_measures_a_checkpoint_without_a_tokenizer_on_seeded_random_to
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     in_memory = Engine.from_hf_model(hf, device="cpu", dtype="float32", num_blocks=32, progress=False,
-                                     speculation="off", surgery=["window"])
+                                     speculation="off", surgery=[{"name": "window", "window": 256, "force": True}])
     try:
         assert in_memory.surgery[0]["guard"]["text"] == RANDOM_TEXT
     finally:

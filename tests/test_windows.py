@@ -275,6 +275,31 @@ def test_bad_window_pass_options(bad, message, tiny_checkpoints, make_engine):
         make_engine(tiny_checkpoints["llama"], surgery=[{"name": "window", **bad}], surgery_guard=False)
 
 
+def test_the_guard_scores_the_window_pass_past_its_window_or_refuses_it(tiny_checkpoints, make_engine):
+    """The guard's documents were 1024 tokens at most, so with the default window (1024 + 4 sinks)
+    it scored nothing the pass changes and said "ok" (a new user's trial of `hibana surgery`):
+    documents are now joined past the window, and a pass the text cannot reach is refused."""
+    from hibana_core.errors import ConfigError, SurgeryGuardError
+    from hibana_core.surgery.guard import GREEDY_TAIL, MAX_DOCUMENT, heldout_documents
+
+    assert max(map(len, heldout_documents(None, 512, max_positions=1024))) == MAX_DOCUMENT - GREEDY_TAIL
+    joined = heldout_documents(None, 512, max_positions=4096, reach=1500)
+    assert min(map(len, joined)) > 1500 and max(map(len, joined)) == 1500 + 750  # up to 750 tokens past it
+    assert sum(map(len, joined)) <= 3 * 2250
+    path = tiny_checkpoints["llama"]  # 1024 positions: documents of 960 tokens
+    engine = make_engine(path, surgery=[{"name": "window", "window": 800, "layers": [1]}], speculation="off")
+    guard = engine.surgery[0]["guard"]
+    assert guard["decision"] == "ok" and guard["mean_kl"] > 0, guard  # 156 positions a document see fewer keys
+    with pytest.raises(SurgeryGuardError, match=r"cannot be measured .* documents reach 960 tokens .* within 1004; "
+                                                r"give a longer guard text"):
+        make_engine(path, surgery=[{"name": "window", "window": 1000, "layers": [1]}], speculation="off")
+    forced = make_engine(path, surgery=[{"name": "window", "window": 1000, "layers": [1], "force": True}],
+                         speculation="off")
+    assert forced.surgery[0]["guard"]["decision"].startswith("forced: not measured: the guard's documents reach 960")
+    with pytest.raises(ConfigError, match=r"covers all 1024 positions of this model, so the pass would change nothing"):
+        make_engine(path, surgery=[{"name": "window", "window": 1020}], surgery_guard=False)
+
+
 def test_sink_window_layers_free_their_middle_and_turns_match_one_shot_prefills(tiny_checkpoints, make_engine,
                                                                               tmp_path):
     """The switched model is its own reference (transformers has no sink + window attention):

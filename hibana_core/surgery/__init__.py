@@ -52,6 +52,9 @@ class SurgeryPass(Protocol):
     # Optional: `refuse(model, params)`, a ConfigError where the pass cannot apply to the model as
     # loaded (already quantized, no layer it takes), changing nothing: every pass's runs before
     # the guard measures the unmodified model, which takes minutes on a large model on a CPU.
+    # Optional: `guard_reach(params) -> int`, the tokens at the start of a text within which the
+    # pass changes nothing (a window's span): the guard scores documents that run past it, and
+    # refuses the pass unless forced where the model's positions or the text cannot.
 
 
 @dataclass(frozen=True)
@@ -185,7 +188,7 @@ def _apply(model: "torch.nn.Module", requests: Sequence[PassRequest], passes: di
         record = {"name": request.name, "params": dict(params), **changed}
         if guard is not None:
             record["guard"] = guard.check(request.name, surgery_pass, force,
-                                          later=[passes[r.name] for r, _, _ in runs[i + 1:]])
+                                          later=[passes[r.name] for r, _, _ in runs[i + 1:]], params=params)
         records.append(record)
     return records
 

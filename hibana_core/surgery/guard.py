@@ -83,10 +83,15 @@ class Reference:
 
 
 def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = None,
-                      max_positions: int | None = None) -> list[list[int]]:
+                      max_positions: int | None = None, reach: int = 0) -> list[list[int]]:
     """The held-out text as token-id documents (at most MAX_TOKENS tokens in all), each short
     enough that the greedy text written after it stays within the model's `max_positions`.
-    Without a tokenizer: seeded random tokens in the same documents (see `heldout_source`)."""
+    Without a tokenizer: seeded random tokens in the same documents (see `heldout_source`).
+
+    `reach`: a pass changes nothing within a document's first `reach` tokens (the window pass:
+    its sink and window); the documents are then consecutive parts of the text joined until they
+    run `reach_margin(reach)` tokens past it (as far as the model's positions allow), and the
+    total grows to three of them."""
     path = Path(text_file) if text_file is not None else HELDOUT
     if not path.is_file():
         what = ("is a directory" if path.is_dir() else "is not a regular file" if path.exists()
@@ -102,15 +107,25 @@ def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = N
                           "tokens), add tokenizer files, or pass surgery_guard=False (`hibana surgery --no-guard`)")
     encode = _random_tokens(vocab_size) if tokenizer is None else \
         (lambda part: tokenizer(part, add_special_tokens=False)["input_ids"])
-    longest = MAX_DOCUMENT if max_positions is None else max(0, min(MAX_DOCUMENT, max_positions - GREEDY_TAIL))
-    documents, total = [], 0
-    for part in text.split(DOCUMENT_SEPARATOR):
+    size = max(MAX_DOCUMENT, reach + reach_margin(reach)) if reach else MAX_DOCUMENT
+    longest = size if max_positions is None else max(0, min(size, max_positions - GREEDY_TAIL))
+    budget = max(MAX_TOKENS, 3 * longest) if reach else MAX_TOKENS
+    joint = [] if tokenizer is None else [i for i in encode("\n\n") if i < vocab_size]
+    documents, total, pending = [], 0, []
+    parts = text.split(DOCUMENT_SEPARATOR)
+    for n, part in enumerate(parts):
         ids = [i for i in encode(part) if i < vocab_size]
-        ids = ids[:min(longest, MAX_TOKENS - total)]
+        if reach and pending:
+            ids = pending + joint + ids
+        pending = []
+        if reach and len(ids) < longest and n + 1 < len(parts):
+            pending = ids  # joined to the next part: a window pass is seen only past its reach
+            continue
+        ids = ids[:min(longest, budget - total)]
         if len(ids) > OPENING + 1:
             documents.append(ids)
             total += len(ids)
-        if total >= MAX_TOKENS:
+        if total >= budget:
             break
     if not documents:
         short = "" if longest > OPENING + 1 else \
@@ -121,6 +136,11 @@ def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = N
                      f"up to {MAX_TOKENS} tokens), or leave surgery_guard_text out for the bundled agent traces")
         raise ConfigError(f"guard text {str(path)!r} holds no document longer than {OPENING + 1} tokens{short}")
     return documents
+
+
+def reach_margin(reach: int) -> int:
+    """Tokens the guard's documents run past a pass's reach: half the reach, at least 128."""
+    return max(128, reach // 2)
 
 
 def _random_tokens(vocab_size: int):
@@ -382,8 +402,10 @@ class Guard:
         if self.reference is None:
             self.reference = measure_reference(self.scorer, self.documents, self.progress, self.calls)
 
-    def check(self, name: str, surgery_pass: Any, force: bool, *, later: Sequence[Any]) -> dict[str, Any]:
-        """The pass's record figures; a SurgeryGuardError where its own cost is over its floors
+    def check(self, name: str, surgery_pass: Any, force: bool, *, later: Sequence[Any],
+              params: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The pass's record figures; a SurgeryGuardError where its own cost is over its floors,
+        or cannot be seen on the documents (none longer than the pass's `guard_reach(params)`),
         and it is not forced. `later`: the passes that follow; the next one's own cost is measured
         against this pass's model (its distributions kept only where that pass's floors bound the KL)."""
         if self.reference is None:
@@ -398,12 +420,23 @@ class Guard:
         report, own = reports[0], reports[-1]
         floors = dict(getattr(surgery_pass, "floors", {}) or {})
         broken = violations(own, floors)
+        reach, longest = guard_reach(surgery_pass, params), max(map(len, self.documents))
+        unseen = longest <= reach  # no scored position differs: figures of 1.0 would say nothing
+        if unseen:
+            broken.insert(0, f"not measured: the guard's documents reach {longest} tokens and the pass changes "
+                             f"nothing within {reach}")
         decision = "ok" if not broken else ("forced: " if force else "refused: ") + "; ".join(broken)
         after = " + ".join(self.passes)
         if after:
             self.rows += [(f"{name} (after {after})", report, ""), (f"  {name}'s own cost", own, decision)]
         else:
             self.rows.append((name, report, decision))
+        if broken and not force and unseen:
+            raise SurgeryGuardError(
+                f"surgery pass {name!r} cannot be measured on {self.source}: its documents reach {longest} "
+                f"tokens (all the text holds, within the model's positions) and the pass changes nothing within "
+                f"{reach}; give a longer guard text (surgery_guard_text=PATH, `hibana surgery --guard-text PATH`), "
+                f"{_advice(surgery_pass)}, or force it: surgery=[{{'name': {name!r}, 'force': True}}]")
         if broken and not force:
             against = f"the model {after} left" if after else "the unmodified model"
             raise SurgeryGuardError(
@@ -420,6 +453,16 @@ class Guard:
     def summary(self) -> str:
         tokens = sum(len(d) - 1 for d in self.documents)
         return f"surgery guard, {tokens} tokens of {self.source}:\n{table(self.rows)}"
+
+
+def guard_reach(surgery_pass: Any, params: dict[str, Any] | None) -> int:
+    """Tokens at the start of a document within which the pass changes nothing (its optional
+    `guard_reach(params)`; 0 without one)."""
+    reach = getattr(surgery_pass, "guard_reach", None)
+    if not callable(reach) or params is None:
+        return 0
+    value = reach(params)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _advice(surgery_pass: Any) -> str:

@@ -13,8 +13,9 @@ whose blocks between the sinks and the window go back to the pool).
 
 Positions keep their rotary angles (no re-rotation of the cached keys, unlike StreamingLLM's
 rolling cache): a switched layer sees exactly the keys it saw before, fewer of them. The guard
-measures the cost against the unmodified model; its documents must be longer than
-`sink_tokens + window` for it to see any (the record says how long the calibration's were).
+measures the cost against the unmodified model on documents joined past `sink_tokens + window`
+(`guard_reach`); where the model's positions or the text stop short of that, the pass is refused
+unless forced (the record says how long the calibration's documents were).
 """
 
 from __future__ import annotations
@@ -62,9 +63,15 @@ class SinkWindowPass:
                               f"list of distinct layer indices, got {layers!r}")
         return params
 
+    def guard_reach(self, params: dict[str, Any]) -> int:
+        """A document's first sink + window tokens attend as before: the guard must score past them."""
+        params = self.check(params)
+        return params["sink_tokens"] + params["window"]
+
     def refuse(self, model: Any, params: dict[str, Any]) -> None:
         """A ConfigError where the model has no full-attention layer, or not the ones named."""
-        wanted = self.check(params)["layers"]
+        params = self.check(params)
+        wanted, reach = params["layers"], params["sink_tokens"] + params["window"]
         full = [m.layer_idx for m in attention_layers(model) if m.sliding_window is None]
         if not full:
             what = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
@@ -73,6 +80,11 @@ class SinkWindowPass:
         if isinstance(wanted, list) and not set(wanted) <= set(full):
             raise ConfigError(f"window: layers {sorted(set(wanted) - set(full))} are not full-attention "
                               f"layers of this model (those are {full})")
+        positions = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+        if isinstance(positions, int) and positions <= reach:
+            raise ConfigError(f"window: sink_tokens + window ({reach}) covers all {positions} positions of this "
+                              f"model, so the pass would change nothing; take a window under "
+                              f"{positions - params['sink_tokens']} or leave the pass out")
 
     def apply(self, model: Any, params: dict[str, Any], calibration: Any) -> dict[str, Any]:
         params = self.check(params)
