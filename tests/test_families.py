@@ -436,6 +436,19 @@ def test_a_llama_config_carrying_a_sliding_window_attends_to_everything(tmp_path
     assert list(c.token_ids) == want
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "llama"])
+def test_mlp_bias_is_read_where_transformers_reads_it(arch, tmp_path, make_engine):
+    """transformers' Qwen2, Qwen3 and Mistral MLPs have no bias whatever `mlp_bias` says (their
+    checkpoints hold none); Llama's follows it. A stray "mlp_bias": true made these three refuse
+    their complete checkpoints as missing the biases (an outside tester's config fuzz)."""
+    path = make_tiny_checkpoint(arch, tmp_path / f"{arch}-mlp-bias", mlp_bias=True)
+    engine = make_engine(path)
+    assert (engine.model.args.mlp_bias is True) == (arch == "llama")
+    history = [random.Random(2).randrange(2, 512) for _ in range(30)]
+    c = engine.open_state("a").generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=history)
+    assert_greedy_matches(path, history, c.token_ids)
+
+
 def test_moe_experts_load_stacked_or_one_tensor_per_expert(tiny_checkpoints, make_engine):
     """A qwen3_moe checkpoint on disk holds one tensor per expert; transformers 5 holds them
     stacked in memory (what `Engine.from_hf_model` copies): both load into the same experts."""

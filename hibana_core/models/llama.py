@@ -17,6 +17,10 @@ MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # model_type -> (q/k/v bias, o bias) where the architecture fixes them; else config.attention_bias
 _FIXED_BIASES = {"qwen2": (True, False), "mistral": (False, False)}
 
+# transformers' Llama alone reads config.mlp_bias; Qwen2, Qwen3 and Mistral MLPs have no bias whatever
+# a config.json says (their checkpoints hold none)
+_MLP_BIAS_FROM_CONFIG = ("llama",)
+
 # transformers' Llama attends to the whole history: a sliding_window (or layer_types) that a
 # llama config.json carries from elsewhere is not read there, so not here either
 _FULL_ATTENTION_ONLY = ("llama",)
@@ -26,8 +30,9 @@ def args_from_config(config: Any) -> DecoderArgs:
     attention_bias = bool(getattr(config, "attention_bias", False))
     qkv_bias, o_bias = _FIXED_BIASES.get(config.model_type, (attention_bias, attention_bias))
     windows = {"sliding_windows": (None,) * config.num_hidden_layers} if config.model_type in _FULL_ATTENTION_ONLY else {}
-    return DecoderArgs.from_config(config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=config.model_type == "qwen3",
-                                   **windows)
+    mlp_bias = bool(getattr(config, "mlp_bias", False)) and config.model_type in _MLP_BIAS_FROM_CONFIG
+    return DecoderArgs.from_config(config, qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
+                                   qk_norm=config.model_type == "qwen3", **windows)
 
 
 def build(config: Any, ctx: ForwardContext) -> tuple[DecoderForCausalLM, DecoderArgs]:
