@@ -615,7 +615,8 @@ class Matcher:
         if token in self._refused or not self._matcher.accept_token(token):
             return False
         forced = self._forced
-        if forced:  # what the grammar forced here, less what the token took of it, is forced next
+        if forced is not None:  # what the grammar forced here, less what the token took of it, is
+            # forced next; where nothing was forced (b""), nothing is known of the next state
             piece = self._token_bytes[token] if token < len(self._token_bytes) else b""
             self._forced = forced[len(piece):] if piece and len(piece) < len(forced) and forced.startswith(piece) \
                 else None

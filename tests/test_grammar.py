@@ -348,6 +348,60 @@ def test_matcher_rolls_back_drafts_and_cuts_at_the_first_rejected(engine):
 
 
 
+DEMO_SCHEMA = {"type": "object", "required": ["name", "items", "n"], "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "items": {"type": "array", "items": {"enum": ["x", "y", "zz"]}, "maxItems": 4}, "n": {"type": "integer"}}}
+
+
+def test_a_matchers_masks_depend_on_its_state_alone():
+    """A forced string ('", "items": [' after a full name) is spelled with the tokenizer's first
+    token and followed token by token; where nothing was forced, the next state was once taken to
+    force nothing too, so the spelling stopped for good after the first free token in a row that
+    fills step by step, but not in one that fills drafts and rolls them back: speculation changed
+    greedy output under a grammar (an outside tester). At every position of a text, the mask of a
+    matcher that filled at each step equals that of a new one that only accepted the text."""
+    from hibana_core import Engine
+
+    with Engine.from_pretrained("demo", progress=False, speculation="off") as demo:
+        grammars, params = demo.grammars, SamplingParams(json_schema=DEMO_SCHEMA)
+        text = demo.tokenizer.encode('{"name": "kg. The robo", "items": ["y", "zz"], "n": 97}', add_special_tokens=False)
+        stepped = grammars.matcher(params, demo.eos_token_ids)
+        suspects = grammars.suspects()
+        spelled = 0
+        for p, token in enumerate(text):
+            fresh = grammars.matcher(params, demo.eos_token_ids)
+            assert all(fresh.accept(t) for t in text[:p])
+            masks = torch.full((2, grammars.width), -1, dtype=torch.int32)
+            stepped.fill(masks, 0, suspects=suspects)
+            fresh.fill(masks, 1, suspects=suspects)
+            assert torch.equal(masks[0], masks[1]), (p, demo.tokenizer.decode(text[:p]))
+            spelled += int(sum(bin(int(w) & 0xFFFFFFFF).count("1") for w in masks[0]) == 1)
+            assert stepped.accept(token)
+        assert spelled >= 3  # the forced keys were spelled, not just the first
+
+
+@pytest.mark.parametrize("k, wrong_every", [(16, 0), (8, 5)], ids=["k16-exact", "k8-some-wrong"])
+def test_long_drafts_under_a_schema_change_nothing_on_the_demo_model(k, wrong_every):
+    """The outside tester's case: the demo tokenizer spells forced JSON keys in several tokens;
+    an oracle's drafts, exact or with some wrong, leave greedy output as without speculation."""
+    from hibana_core import Engine
+
+    with Engine.from_pretrained("demo", progress=False, speculation="off") as plain:
+        prompts = [plain.tokenizer.encode(p) for p in ('Example: {"name": "bob", "items": ["x", "y"], "n": 5} Now:',
+                                                        '{"name": "ann", "items": ["zz", "zz"], "n": 1} again:')]
+        expected = [_generate(plain, f"p{i}", p, max_tokens=60, json_schema=DEMO_SCHEMA).token_ids
+                    for i, p in enumerate(prompts)]
+    oracle = OracleDrafter(4096, wrong=lambda p: bool(wrong_every) and p % wrong_every == 2)
+    for p, e in zip(prompts, expected):
+        oracle.add(p, e)
+    with registered(oracle=oracle), Engine.from_pretrained("demo", progress=False,
+                                                           speculation={"method": "oracle", "k": k}) as engine:
+        got = [_generate(engine, f"s{i}", p, max_tokens=60, json_schema=DEMO_SCHEMA).token_ids
+               for i, p in enumerate(prompts)]
+        accepted = engine.stats().draft_tokens_accepted
+    assert got == expected and accepted > 10
+
+
 def test_allowed_tokens_a_matcher_refuses_are_dropped_from_the_mask(engine):
     """xgrammar's mask can allow a token that its accept_token refuses (0.2.9, a 151k byte-level
     BPE: '-' + the first byte of a two-byte character where an integer starts; the H200's batch-32
