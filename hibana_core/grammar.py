@@ -594,13 +594,17 @@ class Matcher:
     """One request's place in its grammar. Advanced by the tokens the request keeps; masks for
     drafts are filled by accepting the drafts and rolling them back."""
 
-    __slots__ = ("_matcher", "_spell", "_refused", "_token_bytes", "_forced")
+    __slots__ = ("_matcher", "_spell", "_refused", "_token_bytes", "_forced", "_last_resort")
 
     def __init__(self, compiled: Any, stop_token_ids: Iterable[int],
                  spell: Callable[[str], Sequence[int]] = lambda text: (),
-                 control_token_ids: frozenset[int] = frozenset(), token_bytes: Sequence[bytes] = ()) -> None:
+                 control_token_ids: frozenset[int] = frozenset(), token_bytes: Sequence[bytes] = (),
+                 last_resort: Iterable[int] = ()) -> None:
         xgr = _xgrammar()
-        stops = sorted(stop_token_ids)
+        # `last_resort` (the end-of-sequence tokens of an ignore_eos request): stop tokens allowed
+        # only where the grammar allows nothing else, so that the output runs on while it can
+        self._last_resort = sorted(set(last_resort) - set(stop_token_ids))
+        stops = sorted(set(stop_token_ids) | set(self._last_resort))
         self._spell = spell  # the tokenizer's tokens of a forced string
         self._token_bytes = token_bytes  # each token's bytes (xgrammar's reading): what it takes of a forced string
         self._forced: bytes | None = None  # the string forced from here, where known (`spell_forced`)
@@ -621,6 +625,11 @@ class Matcher:
             self._forced = forced[len(piece):] if piece and len(piece) < len(forced) and forced.startswith(piece) \
                 else None
         return True
+
+    def last_resort(self, token: int) -> bool:
+        """Whether `token` is one of the stop tokens allowed only where nothing else is (it then
+        ends the output as a stop token does: not part of its text)."""
+        return token in self._last_resort
 
     @property
     def done(self) -> bool:
@@ -649,6 +658,7 @@ class Matcher:
             matcher.fill_next_token_bitmask(bitmask, row)
             self.spell_forced(bitmask, row)
             self.drop_refused(bitmask, row, suspects)
+            self.hold_back(bitmask, row)
         accepted, forced = 0, self._forced
         for i, token in enumerate(drafts):
             if matcher.is_terminated() or not self.accept(token):
@@ -658,9 +668,21 @@ class Matcher:
                 matcher.fill_next_token_bitmask(bitmask, row + i + 1)
                 self.spell_forced(bitmask, row + i + 1)
                 self.drop_refused(bitmask, row + i + 1, suspects)
+                self.hold_back(bitmask, row + i + 1)
         if accepted:
             matcher.rollback(accepted)
             self._forced = forced
+
+    def hold_back(self, bitmask: torch.Tensor, row: int) -> None:
+        """Clear the last-resort stop tokens' bits where the row allows any other token."""
+        if not self._last_resort or not self._matcher.is_completed():  # (stops are allowed only there)
+            return
+        held = bitmask[row].clone()
+        for token in self._last_resort:
+            word, bit = divmod(token, 32)
+            held[word] &= ~_bit(bit)
+        if held.any():
+            bitmask[row] = held
 
     def drop_refused(self, bitmask: torch.Tensor, row: int, suspects: torch.Tensor | None) -> None:
         """Clear the bits of allowed tokens the matcher would refuse, among those that are not whole
@@ -934,12 +956,15 @@ class Grammars:
 
     def matcher(self, params: SamplingParams, stop_token_ids: Iterable[int]) -> Matcher | None:
         """A matcher for one request (None when it is not constrained); its stop tokens are the
-        request's, allowed only where the grammar is complete."""
+        request's, allowed only where the grammar is complete. With ignore_eos the end-of-sequence
+        tokens stay the grammar's last resort: the output goes on past a complete grammar while it
+        allows more (`[a-z]+` runs to max_tokens) and ends where it allows nothing else."""
         if not params.constrained:
             return None
         compiled = self.compile(params)
         self.suspects()  # made here, on the caller's thread, not in a step's fill
-        return Matcher(compiled.grammar, stop_token_ids, self.spell, compiled.refused, self._bytes)
+        last_resort = self.eos_token_ids if params.ignore_eos else ()
+        return Matcher(compiled.grammar, stop_token_ids, self.spell, compiled.refused, self._bytes, last_resort)
 
     # --- one step's masks ---------------------------------------------------------------------
 
@@ -1009,6 +1034,7 @@ class Grammars:
             self._batch.batch_fill_next_token_bitmask([m._matcher for m, _ in batch], bitmask, rows)
             for matcher, i in batch:
                 matcher.spell_forced(bitmask, i)
+                matcher.hold_back(bitmask, i)
             # the rows that allow a few suspects, found for all at once (most allow none, or
             # hundreds: a string's content)
             for (matcher, i), count in zip(batch, self._suspects_allowed(bitmask, rows)):

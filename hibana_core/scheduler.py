@@ -531,6 +531,8 @@ class Scheduler:
             request.seq.append([token])
             request.output.append(token)
             accepted.append(token)
+            if request.grammar is not None and request.grammar.done and request.grammar.last_resort(token):
+                return accepted, "stop"  # an ignore_eos grammar's end: a stop token, not text
             if token in request.stop_token_ids or (request.stop_check is not None and request.stop_check(token)):
                 return accepted, "stop"
             if request.grammar is not None and request.grammar.done:

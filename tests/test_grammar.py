@@ -183,7 +183,7 @@ def test_unconstrained_rows_are_unchanged_beside_constrained_ones(tiny_checkpoin
     assert engine.stats().max_batch_sequences == 6
     for i in range(6):
         if i in constrained:
-            jsonschema.validate(json.loads(engine.tokenizer.decode(outputs[i])), schema)
+            jsonschema.validate(json.loads(engine.tokenizer.decode(outputs[i], skip_special_tokens=True)), schema)
         else:
             assert len(outputs[i]) == 24
             assert_greedy_matches(path, prompts[i], outputs[i])
@@ -346,6 +346,23 @@ def test_matcher_rolls_back_drafts_and_cuts_at_the_first_rejected(engine):
     assert allowed(1) == {EOS_ID}  # after "c" only the end
     assert matcher.accept(c[0]) and matcher.accept(EOS_ID) and matcher.done
 
+
+
+def test_ignore_eos_runs_a_complete_grammar_on_while_it_allows_more(engine):
+    """ignore_eos under a grammar once ended the output where the grammar could first end
+    (`[a-z]+`: one token, "stop"; an outside tester): the end-of-sequence tokens are the
+    grammar's last resort now, so the output runs on to max_tokens while the grammar allows more,
+    and ends where it allows nothing else."""
+    free = engine.open_state("free").generate(SamplingParams(max_tokens=12, regex="[a-z]+", ignore_eos=True),
+                                              prompt=[5, 6, 7])
+    assert free.finish_reason == "length" and len(free.token_ids) == 12
+    assert re.fullmatch("[a-z]+", engine.tokenizer.decode(list(free.token_ids)))
+    bounded = engine.open_state("bounded").generate(SamplingParams(max_tokens=30, regex="[a-z]{5}", ignore_eos=True),
+                                                    prompt=[5, 6, 7])
+    text = engine.tokenizer.decode(list(bounded.token_ids), skip_special_tokens=True)
+    assert bounded.finish_reason == "stop" and re.fullmatch("[a-z]{5}", text), (bounded.token_ids, text)
+    assert bounded.token_ids[-1] == EOS_ID  # the grammar's end, taken only where nothing else was allowed
+    assert bounded.text == text  # and, as a stop token, not part of the text
 
 
 DEMO_SCHEMA = {"type": "object", "required": ["name", "items", "n"], "properties": {
