@@ -384,6 +384,17 @@ class Chat:
             self._plain["encode"] = prompt.plain_encoder(self.engine.tokenizer)
         return prompt.encode(text, start, self._markup, self._plain.get("encode"))
 
+    def cut_arguments(self, cut_call: str) -> str:
+        """The arguments a call that max_tokens cut off had begun (`ChatResult.cut_call`, or a
+        delta's text with `cut_call`), as generated: the text after its syntax's `mid`, where the
+        tool parser's call syntax is known; else "". What a structured answer (the call's
+        arguments as content) shows of a reply cut short."""
+        syntax = getattr(self.parser, "call_syntax", None) or turn.SYNTAX.get(self.parser_name)
+        if not cut_call or syntax is None:
+            return ""
+        _, mid, arguments = cut_call.partition(syntax.mid)
+        return arguments if mid else ""
+
     def openai_logprobs(self, result: ChatResult) -> list[dict] | None:
         """A result's token log-probabilities in OpenAI's shape (`choices[0].logprobs.content`):
         per token {"token", "bytes", "logprob", "top_logprobs": [{"token", "bytes", "logprob"}]};

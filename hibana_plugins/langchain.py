@@ -241,6 +241,7 @@ class _Call:
     model_name: str
     as_content: bool              # structured output by json_schema / json_mode: the arguments are the answer
     served_by: str = field(default="", init=False)
+    answered: bool = field(default=False, init=False)  # a call's arguments streamed (as_content)
 
     def open(self, stack: contextlib.ExitStack) -> tuple[turn.TurnRun, Any]:
         """Starts the turn on the state `Chat.lease` picks (`turn.Open`)."""
@@ -274,8 +275,10 @@ class _Call:
         # the text as streamed: a reply without tools as generated, a malformed call as written
         if self.as_content:  # the first call's arguments are the answer
             calls = []
-            # none (a reply cut at max_tokens: finish_reason "length"): no answer, never the call's markup
-            content = json.dumps(result.tool_calls[0].arguments, ensure_ascii=False) if result.tool_calls else ""
+            # a reply cut at max_tokens (finish_reason "length"): the arguments it had begun, as
+            # streaming sends them, never the call's markup
+            content = (json.dumps(result.tool_calls[0].arguments, ensure_ascii=False) if result.tool_calls
+                       else self.chat.cut_arguments(result.cut_call))
         else:
             content = result.text
             calls = [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in result.tool_calls]
@@ -292,11 +295,14 @@ class _Call:
         elif delta.tool_call is not None and self.as_content:
             if delta.tool_call.index or not delta.tool_call.arguments_fragment:
                 return None  # the answer is the first call's arguments
+            self.answered = True
             message = AIMessageChunk(content=delta.tool_call.arguments_fragment)
         elif delta.tool_call is not None:
             call = delta.tool_call
             message = AIMessageChunk(content="", tool_call_chunks=[tool_call_chunk(
                 name=call.name, args=call.arguments_fragment, id=call.id, index=call.index)])
+        elif self.as_content and delta.cut_call and not self.answered and self.chat.cut_arguments(delta.text):
+            message = AIMessageChunk(content=self.chat.cut_arguments(delta.text))  # as `message` has it
         elif self.as_content:
             return None  # text around the call is not part of a structured answer
         else:

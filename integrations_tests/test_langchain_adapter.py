@@ -232,6 +232,12 @@ def test_structured_output_include_raw(llm):
     cut = short.with_structured_output(Book, method="json_schema", include_raw=True).invoke(BOOK)
     assert cut["raw"].content == "" and cut["raw"].response_metadata["finish_reason"] == "length"
     assert cut["parsed"] is None and cut["parsing_error"] is not None
+    # cut inside the arguments: those it had begun, as streaming sends them (it was "" here alone)
+    inside = ChatHibana(model="demo", max_tokens=18)
+    cut = inside.with_structured_output(Book, method="json_schema", include_raw=True).invoke(BOOK)
+    streamed = "".join(c.content for c in inside.with_structured_output(Book, method="json_schema").first.stream(BOOK))
+    assert cut["raw"].response_metadata["finish_reason"] == "length" and cut["parsed"] is None
+    assert cut["raw"].content.startswith('{"') and cut["raw"].content == streamed, (cut["raw"].content, streamed)
 
 
 class Author(BaseModel):
