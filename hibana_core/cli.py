@@ -149,14 +149,15 @@ def run_surgery(args: argparse.Namespace) -> int:
 
     text = args.passes.strip()
     try:
-        passes = json.loads(text) if text.startswith(("[", "{")) else [p for p in text.split(",") if p]
+        passes = json.loads(text) if text.startswith(("[", "{")) else [p.strip() for p in text.split(",")]
         if isinstance(passes, dict):  # one pass as a JSON object
             passes = [passes]
     except json.JSONDecodeError as exc:
         print(f"hibana surgery: --passes is neither names nor JSON (a list of passes, or one) ({exc})", file=sys.stderr)
         return 2
-    if not passes:
-        print("hibana surgery: --passes names no pass; e.g. --passes w8", file=sys.stderr)
+    if not passes or (text and not text.startswith(("[", "{")) and "" in passes):
+        print(f"hibana surgery: --passes {args.passes!r} names {'an empty pass' if passes else 'no pass'}; "
+              "name passes with commas between, e.g. --passes w8,kv8", file=sys.stderr)
         return 2
     if args.force:
         passes = [{**({"name": p} if isinstance(p, str) else p), "force": True} if isinstance(p, (str, dict)) else p

@@ -323,7 +323,7 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
                 raise CheckpointError(f"{path}: {name} is no attention layer with KV scales in its weights; "
                                       "re-run `hibana surgery`")
             layer.set_kv_scales(read(*where.pop(tensor), tensor).to(next(module.parameters()).device))
-        for name, (window, sinks) in manifest.get("windowed_layers", {}).items():  # the window pass's layers
+        for name, (window, sinks) in _windowed_layers(manifest, path).items():  # the window pass's layers
             layer = layers.get(name)
             if layer is None or not hasattr(layer, "sink_tokens"):
                 raise CheckpointError(f"{path}: {name} is no attention layer; re-run `hibana surgery`")
@@ -348,6 +348,21 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
 
 _PACKED_SUFFIXES = (".qweight", ".weight_packed")
 """The packed tensors of GPTQ / AWQ (`qweight`) and compressed-tensors (`weight_packed`) layers."""
+
+
+def _windowed_layers(manifest: dict, path: Path) -> dict[str, tuple[int, int]]:
+    """The manifest's window-pass layers, name -> (window, sink tokens): a CheckpointError for
+    anything else (a hand-edited manifest must not load another model than it says)."""
+    entries = manifest.get("windowed_layers", {})
+
+    def whole(value: Any, least: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+    if not isinstance(entries, dict) or not all(
+            isinstance(v, (list, tuple)) and len(v) == 2 and whole(v[0], 1) and whole(v[1], 0) for v in entries.values()):
+        raise CheckpointError(f"{path}: windowed_layers in {MANIFEST} is not a mapping of layer names to [window >= 1, "
+                              f"sink tokens >= 0]; re-run `hibana surgery`")
+    return {name: (v[0], v[1]) for name, v in entries.items()}
 
 
 def _refuse_packed_without_config(path: Path, names) -> None:

@@ -137,6 +137,18 @@ def test_a_reader_that_leaves_early_gets_no_traceback():
     assert done.returncode == 1 and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
 
 
+def test_surgery_reads_pass_names_with_spaces_and_refuses_empty_ones(tiny_checkpoints, capsys, tmp_path):
+    """`--passes 'w8, kv8'` was refused as no pass named ' kv8', and `w8,,kv8` taken silently
+    (an outside tester)."""
+    for empty in ("w8,,kv8", ",", " "):
+        assert cli.main(["surgery", str(tiny_checkpoints["llama"]), "--passes", empty, "--device", "cpu"]) == 2
+        assert "names an empty pass" in capsys.readouterr().err or empty == " "
+    assert cli.main(["surgery", str(tiny_checkpoints["llama"]), "--passes", "w8, kv8", "--device", "cpu",
+                     "--no-guard"]) == 0
+    out = capsys.readouterr().out
+    assert "w8:" in out and "kv8:" in out, out
+
+
 def test_surgery_prints_what_each_pass_cost_on_stdout(tiny_checkpoints, capsys):
     """The guard's figures with its decision, not the decision alone (the table went to stderr
     only); the window pass's layers as indices, not a Python list followed by "layers"."""

@@ -363,3 +363,14 @@ def test_a_window_checkpoint_refuses_the_window_pass_again(tiny_checkpoints, mak
     with pytest.raises(ConfigError, match=r"written with 'window' applied already .*leave it out of surgery"):
         make_engine(out, surgery=[{"name": "window", "window": 24, "layers": [0]}], surgery_guard=False)
     assert [r["name"] for r in make_engine(out, speculation="off").surgery] == ["window"]
+    # a hand-damaged manifest is a CheckpointError, never Python's own errors or another window
+    import json
+
+    from hibana_core.errors import CheckpointError
+
+    manifest = json.loads((out / "hibana_surgery.json").read_text())
+    for damaged in ({"model.layers.1.self_attn": [24]}, {"model.layers.1.self_attn": ["24", 4]}, [[24, 4]],
+                    {"model.layers.1.self_attn": [-3, 4]}):
+        (out / "hibana_surgery.json").write_text(json.dumps({**manifest, "windowed_layers": damaged}))
+        with pytest.raises(CheckpointError, match=r"windowed_layers in hibana_surgery.json is not a mapping"):
+            make_engine(out, speculation="off")
