@@ -29,6 +29,7 @@ from hibana_bench.argtypes import counts as _counts
 from hibana_bench.argtypes import latency as _latency
 from hibana_bench.argtypes import seconds as _seconds
 from hibana_bench.models import PRESETS, load_bench_model
+from hibana_core.surgery.checkpoint import MANIFEST
 from hibana_bench.spec_systems import SPEC_SYSTEMS, BenchError
 from hibana_bench.traces import TraceError
 from hibana_bench.workloads import AgentsConfig, agents_workload, decode_workload, surgery_systems
@@ -184,6 +185,11 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error(f"--systems: {', '.join(peers)} cannot run {args.model}: the preset's experts are MXFP4, "
                      "which transformers runs only with the Hub's kernels; name the hibana systems alone")
     path = _check_model(parser, args.model)
+    if peers and path is not None and (path / MANIFEST).is_file():
+        parser.error(f"--systems: {', '.join(peers)} cannot run {args.model}: `hibana surgery` wrote it "
+                     f"({MANIFEST}: packed layers, sink + window attention), which transformers does not read "
+                     "(it would run made-up weights); bench its source checkpoint against transformers, or name "
+                     "the hibana systems alone")
     if not args.trace:  # a trace's conversations are checked against the context once it is read
         _check_context(parser, args, path)
     if getattr(args, "context", 0) is None:  # no context limit read: the defaults as they are
@@ -310,11 +316,16 @@ def _finish(args: argparse.Namespace, report: dict, device: torch.device, dtype:
 
 def cold_start(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict | None:
     """Hibana's and transformers' cold start on the checkpoint, each in a fresh process, before
-    this process loads anything; None on a random-weight preset or with --no-cold-start."""
+    this process loads anything (Hibana's alone on a checkpoint `hibana surgery` wrote, which
+    transformers does not read); None on a random-weight preset or with --no-cold-start."""
     if args.no_cold_start or args.model in PRESETS:
         return None
     dtype_name = str(dtype).removeprefix("torch.")
-    return {system: coldstart.measure(system, args.model, str(device), dtype_name) for system in coldstart.SYSTEMS}
+    from hibana_core.loader import resolve_checkpoint
+
+    ours = (resolve_checkpoint(args.model) / MANIFEST).is_file()
+    return {system: coldstart.measure(system, args.model, str(device), dtype_name) for system in coldstart.SYSTEMS
+            if not ours or system != "transformers"}
 
 
 def print_cold_start(cold: dict) -> None:

@@ -17,6 +17,7 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -77,11 +78,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 @dataclass
 class BenchModel:
     name: str
-    hf_model: torch.nn.Module      # the transformers model the peers run (a preset's: see peer_model)
+    hf_model: torch.nn.Module | None  # the transformers model the peers run (a preset's: see peer_model;
+                                      # a checkpoint's is loaded there, for the peers alone)
     tokenizer: Any | None
     device: torch.device
     weight_bytes: int
     random: RandomWeights | None = None  # a preset's weights; None for a checkpoint
+    path: Path | None = None             # a checkpoint's directory, which the engines load as it is
+    config: Any = None                   # its transformers config
+    dtype: torch.dtype | None = None
 
     @property
     def random_weights(self) -> bool:
@@ -89,24 +94,47 @@ class BenchModel:
 
     @property
     def vocab_size(self) -> int:
-        return self.hf_model.config.vocab_size
+        return (self.config or self.hf_model.config).vocab_size
 
     def engine(self, **overrides):
         from hibana_core import Engine
 
-        source = self.hf_model if self.random is None else self.random
-        limit = getattr(getattr(source, "config", None), "max_position_embeddings", None)
+        config = self.config or self.hf_model.config
+        limit = getattr(config, "max_position_embeddings", None)
         if limit and (overrides.get("max_model_len") or 0) > limit:  # the workloads pad what they need;
             overrides["max_model_len"] = limit  # past the model's context a workload's own check says so
-        return Engine.from_hf_model(source, self.tokenizer, progress=False, **overrides)
+        if self.path is not None:  # the checkpoint as it is: packed layers, a surgery manifest, its own dtype
+            overrides.setdefault("device", str(self.device))
+            overrides.setdefault("dtype", str(self.dtype).removeprefix("torch."))
+            return Engine.from_pretrained(str(self.path), progress=False, **overrides)
+        return Engine.from_hf_model(self.random, self.tokenizer, progress=False, **overrides)
 
     @contextmanager
     def peer_model(self) -> Iterator[torch.nn.Module]:
         """The transformers model on the device while a peer runs. A preset's big tensors are made
-        on entry (the values its engines load) and go back to "meta" on exit, so close every
-        engine first: the device then holds one copy of the weights at a time."""
+        on entry (the values its engines load) and go back to "meta" on exit, a checkpoint is
+        loaded on entry and dropped on exit, so close every engine first: the device then holds
+        one copy of the weights at a time. A checkpoint transformers cannot read whole (weights it
+        would make up) is a BenchError."""
         if self.random is None:
-            yield self.hf_model
+            from transformers import AutoModelForCausalLM
+
+            from hibana_bench.spec_systems import BenchError
+
+            model, info = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype, output_loading_info=True)
+            missing = sorted(info.get("missing_keys") or ())
+            if missing:
+                raise BenchError(f"transformers cannot read {self.name} whole: it lacks {len(missing)} weights "
+                                 f"there ({', '.join(missing[:3])}, ...) and would run them randomly initialised; "
+                                 "leave the hf_ systems out")
+            model = model.to(self.device).eval().requires_grad_(False)
+            try:
+                yield model
+            finally:
+                del model
+                gc.collect()
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
             return
         swapped = _swap_meta_parameters(self.hf_model, self.random.make)
         try:
@@ -143,12 +171,18 @@ def load_bench_model(name: str, device: torch.device, dtype: torch.dtype, chat: 
         if tokenizer is not None:
             spec.update(vocab_size=max(spec["vocab_size"], len(tokenizer)), eos_token_id=tokenizer.eos_token_id)
         model, random = _random_preset(spec, device, dtype)
-    else:
+    else:  # the engines load the checkpoint, the peers transformers' model of it (`peer_model`)
+        from transformers import AutoConfig
+
         from hibana_core.loader import load_tokenizer, resolve_checkpoint
 
         path = resolve_checkpoint(name)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-        tokenizer, random = load_tokenizer(path), None  # None: a checkpoint without one, timed as a preset
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):  # its parameters' bytes in `dtype`, without the weights
+            shape = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        weight_bytes = sum(p.numel() * p.element_size() for p in shape.parameters())
+        tokenizer = load_tokenizer(path)  # None: a checkpoint without one, timed as a preset
+        return BenchModel(name, None, tokenizer, device, weight_bytes, None, path, config, dtype)
     model.eval().requires_grad_(False)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return BenchModel(name, model, tokenizer, device, weight_bytes, random)

@@ -360,6 +360,33 @@ def test_bench_measures_cold_start_in_fresh_processes(tiny_checkpoints, tmp_path
     assert json.loads(out.read_text())["cold_start"] is None
 
 
+def test_bench_runs_a_surgery_checkpoint_as_written_and_refuses_transformers_on_it(tiny_checkpoints, tmp_path,
+                                                                                    capsys):
+    """`hibana bench decode` on a checkpoint `hibana surgery` wrote built its engines from
+    transformers' model of it, whose packed layers transformers had left randomly initialised, and
+    timed transformers on them too (an outside tester): the engines load the checkpoint as it is
+    (its w8 layers: fewer bytes than the source's), and the transformers systems are refused."""
+    from hibana_bench.cli import main
+
+    written = tmp_path / "w8"
+    assert cli.main(["surgery", str(tiny_checkpoints["llama"]), "--passes", "w8", "--no-guard", "--device", "cpu",
+                     "--out", str(written)]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main(["decode", "--model", str(written), "--device", "cpu", "--systems", "hibana,hf_eager", "--context", "16",
+              "--generate", "4", "--no-cold-start"])
+    assert exit_.value.code == 2 and "hf_eager cannot run" in capsys.readouterr().err
+    reports = {}
+    for name, model in (("source", tiny_checkpoints["llama"]), ("w8", written)):
+        out = tmp_path / f"{name}.json"
+        assert main(["decode", "--model", str(model), "--device", "cpu", "--systems", "hibana", "--context", "16",
+                     "--generate", "4", "--json", str(out)]) == 0
+        reports[name] = json.loads(out.read_text())
+    assert set(reports["w8"]["cold_start"]) == {"hibana"}  # transformers does not read it
+    held = {name: r["rows"][0]["weight_bytes"] for name, r in reports.items()}
+    assert held["w8"] < 0.6 * held["source"], held
+
+
 def test_bench_serve_switch_interval_holds_while_its_engines_run(tiny_checkpoints, monkeypatch, capsys):
     """--switch-interval 0.005 was set before the engine started, which lowers it to its own
     0.5 ms: the run measured the engine's interval whatever the option said."""
