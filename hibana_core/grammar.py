@@ -103,6 +103,12 @@ SPELLED_CHARS = 128
 """How much of a forced string is spelled to find its first token (`Matcher.spell_forced`): a
 grammar may force a long text (a const of 200k characters), whose whole spelling each step
 cost that row's step 100 ms, and every other agent's with it."""
+FORCED_MAX_WORDS = 64
+"""Where a row's mask allows tokens in more words of 32 than this, nothing is looked up as
+forced (`Matcher.spell_forced`): a forced string fixes the next bytes, and the tokens that spell
+its start are few (a 151k byte-level BPE's: under 20), while free text allows thousands. Looking
+it up at every free position cost a batch-32 step's fill 4.4 ms against 0.5 (H200 host,
+qwen3-8b's 151k vocabulary, 2026-12-04)."""
 VERIFY_MAX = 16
 """Allowed tokens of a row that are not whole UTF-8, each checked against its matcher, at most
 (see `Matcher.drop_refused`): more are where text is free (a string's content: 551 of a 151k
@@ -716,9 +722,13 @@ class Matcher:
         """Where the grammar forces a string of two tokens or more, allow only its first (the
         first of its first SPELLED_CHARS characters' spelling). The forced string is found once
         and then followed token by token (`accept`): xgrammar's search for it reads all of it,
-        each time (a const of 1M characters cost every step 58 ms, a 10k-value enum 1.7 ms)."""
+        each time (a const of 1M characters cost every step 58 ms, a 10k-value enum 1.7 ms).
+        Only looked for where the mask allows few tokens (FORCED_MAX_WORDS): what is allowed
+        there depends on the state alone, as speculation's verify rows need."""
         if self._matcher.is_completed():  # where the output may also end, nothing is forced
             return
+        if int(torch.count_nonzero(bitmask[row])) > FORCED_MAX_WORDS:
+            return  # free text here (a function of the mask, so of the state, whatever is cached)
         forced = self._forced
         if forced is None or (forced and 0x80 <= forced[0] < 0xC0):  # (a token ended inside a character)
             forced = self._forced = self._matcher.find_jump_forward_string().encode()
