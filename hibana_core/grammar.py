@@ -718,16 +718,19 @@ class Matcher:
         if not bitmask[row].any():  # nothing left: the row as it was (the request fails on its
             bitmask[row] = before   # token with a GrammarError rather than sampling from nothing)
 
-    def spell_forced(self, bitmask: torch.Tensor, row: int) -> None:
+    def spell_forced(self, bitmask: torch.Tensor, row: int, free: bool | None = None) -> None:
         """Where the grammar forces a string of two tokens or more, allow only its first (the
         first of its first SPELLED_CHARS characters' spelling). The forced string is found once
         and then followed token by token (`accept`): xgrammar's search for it reads all of it,
         each time (a const of 1M characters cost every step 58 ms, a 10k-value enum 1.7 ms).
         Only looked for where the mask allows few tokens (FORCED_MAX_WORDS): what is allowed
-        there depends on the state alone, as speculation's verify rows need."""
+        there depends on the state alone, as speculation's verify rows need. `free`: whether the
+        row allows tokens in more words than that, where the caller counted them (`Grammars._fill`,
+        for all its rows at once)."""
         if self._matcher.is_completed():  # where the output may also end, nothing is forced
             return
-        if int(torch.count_nonzero(bitmask[row])) > FORCED_MAX_WORDS:
+        words = bitmask.numpy()  # (rows through numpy: torch's indexing costs ~10 us a call)
+        if free if free is not None else np.count_nonzero(words[row]) > FORCED_MAX_WORDS:
             return  # free text here (a function of the mask, so of the state, whatever is cached)
         forced = self._forced
         if forced is None or (forced and 0x80 <= forced[0] < 0xC0):  # (a token ended inside a character)
@@ -739,10 +742,10 @@ class Matcher:
             return
         first = tokens[0]
         word, bit = divmod(first, 32)
-        if not (int(bitmask[row, word]) >> bit) & 1:  # the grammar forbids it (a control token)
+        if not (int(words[row, word]) >> bit) & 1:  # the grammar forbids it (a control token)
             return
-        bitmask[row].zero_()
-        bitmask[row, word] = _bit(bit)
+        words[row] = 0
+        words[row, word] = _bit(bit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1042,8 +1045,9 @@ class Grammars:
         if len(batch) >= BATCH_FILL_ROWS:
             rows = [i for _, i in batch]
             self._batch.batch_fill_next_token_bitmask([m._matcher for m, _ in batch], bitmask, rows)
-            for matcher, i in batch:
-                matcher.spell_forced(bitmask, i)
+            few = np.count_nonzero(bitmask.numpy()[rows], axis=1) <= FORCED_MAX_WORDS  # all rows at once
+            for (matcher, i), row_few in zip(batch, few.tolist()):
+                matcher.spell_forced(bitmask, i, free=not row_few)
                 matcher.hold_back(bitmask, i)
             # the rows that allow a few suspects, found for all at once (most allow none, or
             # hundreds: a string's content)
