@@ -149,13 +149,14 @@ def run_surgery(args: argparse.Namespace) -> int:
 
     text = args.passes.strip()
     try:
-        passes = json.loads(text) if text.startswith(("[", "{")) else [p.strip() for p in text.split(",")]
+        named = not text.startswith(("[", "{"))  # names with commas between, not JSON
+        passes = ([p.strip() for p in text.split(",")] if text else []) if named else json.loads(text)
         if isinstance(passes, dict):  # one pass as a JSON object
             passes = [passes]
     except json.JSONDecodeError as exc:
         print(f"hibana surgery: --passes is neither names nor JSON (a list of passes, or one) ({exc})", file=sys.stderr)
         return 2
-    if not passes or (text and not text.startswith(("[", "{")) and "" in passes):
+    if not passes or (named and "" in passes):
         print(f"hibana surgery: --passes {args.passes!r} names {'an empty pass' if passes else 'no pass'}; "
               "name passes with commas between, e.g. --passes w8,kv8", file=sys.stderr)
         return 2

@@ -1048,12 +1048,13 @@ class Grammars:
             few = np.count_nonzero(bitmask.numpy()[rows], axis=1) <= FORCED_MAX_WORDS  # all rows at once
             for (matcher, i), row_few in zip(batch, few.tolist()):
                 matcher.spell_forced(bitmask, i, free=not row_few)
-                matcher.hold_back(bitmask, i)
             # the rows that allow a few suspects, found for all at once (most allow none, or
             # hundreds: a string's content)
             for (matcher, i), count in zip(batch, self._suspects_allowed(bitmask, rows)):
                 if 0 < count <= VERIFY_MAX:
                     matcher.drop_refused(bitmask, i, suspects)
+            for matcher, i in batch:  # last, as `Matcher.fill` does: a row's mask is one function of its state
+                matcher.hold_back(bitmask, i)
         else:
             for matcher, i in batch:
                 matcher.fill(bitmask, i, suspects=suspects)
