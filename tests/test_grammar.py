@@ -397,6 +397,34 @@ def test_a_matchers_masks_depend_on_its_state_alone():
         assert spelled >= 3  # the forced keys were spelled, not just the first
 
 
+def test_batched_and_single_fills_give_a_state_one_mask():
+    """`Grammars._fill` fills 8 rows or more through xgrammar's batched fill, then spells forced
+    strings, drops refused tokens and holds an ignore_eos row's end back row by row; a verify
+    step's rows go through `Matcher.fill`. The masks of one state must not depend on the path
+    (speculation compares the two), forced keys and ignore_eos ends included."""
+    from hibana_core import Engine
+    from hibana_core.grammar import BATCH_FILL_ROWS
+
+    with Engine.from_pretrained("demo", progress=False, speculation="off") as demo:
+        grammars, tok = demo.grammars, demo.tokenizer
+        text = tok.encode('{"name": "kg. The robo", "items": ["y", "zz"], "n": 97}', add_special_tokens=False)
+        cases = [(SamplingParams(json_schema=DEMO_SCHEMA), text[:p]) for p in range(0, len(text), 3)]
+        cases += [(SamplingParams(regex="[a-z]+", ignore_eos=True), tok.encode(w, add_special_tokens=False))
+                  for w in ("", "ab", "word")]
+        assert len(cases) >= BATCH_FILL_ROWS
+        matchers = []
+        for params, prefix in cases:
+            m = grammars.matcher(params, set() if params.ignore_eos else demo.eos_token_ids)
+            assert all(m.accept(t) for t in prefix)
+            matchers.append(m)
+        batched = torch.empty((len(cases), grammars.width), dtype=torch.int32)
+        grammars._fill([(m, ()) for m in matchers], batched)
+        for i, m in enumerate(matchers):
+            single = torch.full((1, grammars.width), -1, dtype=torch.int32)
+            m.fill(single, 0, suspects=grammars.suspects())
+            assert torch.equal(batched[i], single[0]), (i, tok.decode(cases[i][1]))
+
+
 @pytest.mark.parametrize("k, wrong_every", [(16, 0), (8, 5)], ids=["k16-exact", "k8-some-wrong"])
 def test_long_drafts_under_a_schema_change_nothing_on_the_demo_model(k, wrong_every):
     """The outside tester's case: the demo tokenizer spells forced JSON keys in several tokens;
