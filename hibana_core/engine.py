@@ -430,13 +430,15 @@ class Engine:
         draft_least = reserve.least_kv_bytes if reserve else 0
         draft_share = reserve.share if reserve else 0.0
         fixed = weight_bytes + self.workspace_bytes + draft_bytes
-        if memory.unified:  # a host tier asked for lives in the same memory
-            fixed += self.config.cache.host_kv_bytes or 0
+        host_bytes = (self.config.cache.host_kv_bytes or 0) if memory.unified else 0
+        fixed += host_bytes  # on unified memory a host tier asked for lives in the same memory
         # the drafter's KV is max(share x the target's, least): kv + that fits what is left
         left = budget - fixed
         kv_bytes = int(min(left / (1 + draft_share), left - draft_least))
         if kv_bytes < 2 * per_block:
             parts = f"weights {weight_bytes:,}, workspace {self.workspace_bytes:,}"
+            if host_bytes:
+                parts += f", the host tier's host_kv_bytes {host_bytes:,} (the same memory here)"
             if draft_bytes or draft_least:
                 parts += (f", the {self.config.speculation.method} drafter's weights {draft_bytes:,} and KV "
                           f"(one full-context sequence at least: {draft_least:,})")
@@ -444,7 +446,8 @@ class Engine:
             raise MemoryBudgetError(
                 f"memory_budget={given!r} ({budget:,} bytes) cannot hold {parts} bytes and two KV blocks "
                 f"({2 * per_block:,} bytes); raise it to at least {least:,} bytes, lower "
-                "max_num_batched_tokens / max_concurrent_agents (the workspace), or pick a smaller model")
+                + ("host_kv_bytes, " if host_bytes else "")
+                + "max_num_batched_tokens / max_concurrent_agents (the workspace), or pick a smaller model")
         return kv_bytes // per_block
 
     def step(self) -> bool:

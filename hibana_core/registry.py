@@ -70,10 +70,30 @@ class _Entry:
     use: StateUse          # last use, tool waits: what the eviction policy orders by
     unnamed: bool = False  # made by `lease` for a call that named no state (not the user's)
     forced: list[int] | None = None  # bench only: what its next generation emits (`force_outputs`)
+    stored: tuple[int, int, int] | None = None  # the state_dir file it resumed from (`_file_key`), if any
 
     @property
     def last_use(self) -> float:
         return self.use.last_use
+
+
+def _file_key(path: Path) -> tuple[int, int, int] | None:
+    """What tells a file from one written over it (inode, size, modification time), or None
+    where there is none."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _drop_stored(entry: _Entry, path: Path) -> None:
+    """Remove the state_dir file `entry` resumed from, where it is still that file: an engine
+    sharing the folder may have written the id since, and a state that resumed nothing has no
+    file of its own to remove."""
+    if entry.stored is not None and _file_key(path) == entry.stored:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 class StateRegistry:
@@ -101,7 +121,8 @@ class StateRegistry:
             if entry is not None:
                 return entry.handle
             cache, path = self.kv_cache, self.persisted_path(state_id)
-        saved = self._read_persisted(state_id, path, cache) if path is not None and path.exists() else None
+        stored = _file_key(path) if path is not None else None
+        saved = self._read_persisted(state_id, path, cache) if stored is not None else None
         with self.lock:
             self._check_open()
             entry = self._entries.get(state_id)
@@ -110,7 +131,9 @@ class StateRegistry:
             seq = self._new_sequence()
             if saved is not None:
                 self._resume(seq, saved, path)
-            return self._add(state_id, seq)
+            handle = self._add(state_id, seq)
+            self._entries[state_id].stored = stored
+            return handle
 
     # --- persistence (state_dir) ----------------------------------------------------------------
 
@@ -159,9 +182,18 @@ class StateRegistry:
                 if entry.seq.tokens:
                     self._write(entry.seq, state_id, path)
                 else:
-                    path.unlink(missing_ok=True)
+                    _drop_stored(entry, path)
             except Exception as exc:  # noqa: BLE001 - one state's file (a spill file gone, a full disk) never stops the rest
                 logger.warning("state %r was not persisted: %s", state_id, exc)
+
+    def _refuse_stored(self, state_id: str, advice: str) -> None:
+        """A StateExistsError where `state_dir` keeps a state of this id that is not open: a new
+        state of the id would replace its history when the engine closes (`open_state` brings
+        it back)."""
+        path = self.persisted_path(state_id)
+        if path is not None and path.exists():
+            raise StateExistsError(f"state_dir keeps a state with id {state_id!r} ({path}); open_state({state_id!r}) "
+                                   f"brings it back (closing it removes it), or {advice}")
 
     def _new_sequence(self) -> KVSequence:
         return KVSequence(self.pool, self.kv_cache.copy_block, self.config.enable_prefix_caching,
@@ -486,6 +518,7 @@ class StateRegistry:
             seq = self._editable(handle).seq
             if new_id in self._entries:
                 raise StateExistsError(f"a state with id {new_id!r} is open; fork under another id")
+            self._refuse_stored(new_id, "fork under another id")
             twin = seq.fork()
             tier = self.core.scheduler.eviction.tier
             if seq.parked is not None and tier is not None:
@@ -524,6 +557,7 @@ class StateRegistry:
             if state_id in self._entries:
                 raise StateExistsError(f"a state with id {state_id!r} is open; close it or pass "
                                        "load_state(path, state_id=...) with another id")
+            self._refuse_stored(state_id, "pass load_state(path, state_id=...) with another id")
             seq = self._new_sequence()
             seq.share = self.config.enable_prefix_caching and share
             seq.tokens = tokens
@@ -588,8 +622,7 @@ class StateRegistry:
             del self._entries[handle.id]
             path = self.persisted_path(handle.id)
             if path is not None:  # closed: the user is done with it, after a restart too
-                with contextlib.suppress(OSError):
-                    path.unlink(missing_ok=True)
+                _drop_stored(entry, path)
 
     def close_all(self) -> None:
         with self.lock:

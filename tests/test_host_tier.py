@@ -210,6 +210,38 @@ def test_a_state_emptied_before_a_restart_comes_back_empty(tiny_checkpoints, mak
     assert [len(engine.open_state(name)) for name in ("synced", "truncated", "kept")] == [0, 0, 40]
 
 
+def test_a_stored_state_is_neither_replaced_by_a_fork_or_load_nor_removed_by_another_engine(
+        tiny_checkpoints, make_engine, tmp_path):
+    """An outside tester: forking (or loading a file) onto the id of a state kept in state_dir but
+    not open replaced its history for good; and an engine sharing the folder that had only
+    opened an id (empty) removed, as it closed, the file another engine had written for it."""
+    from hibana_core import StateExistsError
+
+    path, history = tiny_checkpoints["qwen2"], list(range(5, 50))
+    first = make_engine(path, state_dir=tmp_path)
+    first.open_state("x").sync(history)
+    first.close()
+    engine = make_engine(path, state_dir=tmp_path)
+    other = engine.open_state("y")
+    other.sync([5, 6, 7])
+    with pytest.raises(StateExistsError, match=r"state_dir keeps a state with id 'x' .* fork under another id"):
+        other.fork("x")
+    saved = tmp_path / "y.file"
+    other.save(saved)
+    with pytest.raises(StateExistsError, match=r"state_dir keeps a state with id 'x'"):
+        engine.load_state(saved, state_id="x")
+    engine.close()
+    assert len(make_engine(path, state_dir=tmp_path).open_state("x")) == len(history)
+
+    shared = tmp_path / "shared"
+    a, b = make_engine(path, state_dir=shared), make_engine(path, state_dir=shared)
+    b.open_state("z")  # nothing stored yet: B's "z" is new and empty
+    a.open_state("z").sync(history)
+    a.close()  # writes z
+    b.close()  # B never held z's file: it leaves it
+    assert len(make_engine(path, state_dir=shared).open_state("z")) == len(history)
+
+
 def test_other_agents_run_while_a_persisted_state_is_read(tiny_checkpoints, make_engine, tmp_path, monkeypatch):
     """Reading a large state file takes a while: it is read outside the engine's lock, so a
     request of another agent runs meanwhile instead of waiting for the read."""
