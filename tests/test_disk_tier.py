@@ -126,7 +126,8 @@ def _greedy():
     return SamplingParams(max_tokens=GENERATE, ignore_eos=True)
 
 
-def test_a_dead_process_spill_folder_is_removed_at_start(tiny_checkpoints, make_engine, tmp_path):
+def test_a_dead_process_spill_folder_is_removed_at_start(tiny_checkpoints, make_engine, tmp_path, caplog):
+    import logging
     import subprocess
     import sys
 
@@ -134,8 +135,11 @@ def test_a_dead_process_spill_folder_is_removed_at_start(tiny_checkpoints, make_
     stale = tmp_path / f"spill-{dead.stdout.strip()}-abc123"
     stale.mkdir()
     (stale / "00000000.kv").write_bytes(b"left by a crash")
-    mine = make_engine(tiny_checkpoints["llama"], num_blocks=DEVICE_BLOCKS, state_dir=tmp_path, host_kv_bytes=0)
+    with caplog.at_level(logging.WARNING, logger="hibana.engine"):
+        mine = make_engine(tiny_checkpoints["llama"], num_blocks=DEVICE_BLOCKS, state_dir=tmp_path, host_kv_bytes=0)
     assert not stale.exists()
+    # scratch of an engine that never closed: removed, and said (an outside tester found it silent)
+    assert "1 spilled KV file(s) of an engine that ended without closing" in caplog.text
     other = make_engine(tiny_checkpoints["llama"], num_blocks=DEVICE_BLOCKS, state_dir=tmp_path, host_kv_bytes=0)
     assert (tmp_path / mine.memory()["disk"]["folder"]).exists()  # a live process's folder stays
     other.close()
