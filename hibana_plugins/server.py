@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -98,9 +98,6 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("hibana_requests", "HTTP requests served", ["endpoint", "status"], registry=r)
-        self.prompt_tokens = Counter("hibana_prompt_tokens", "prompt tokens, by whether their KV was reused "
-                                     "from a resident state or computed", ["kind"], registry=r)
-        self.generated = Counter("hibana_generated_tokens", "completion tokens generated", registry=r)
         self.ttft = Histogram("hibana_time_to_first_token_seconds", "request received to first token",
                               buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30), registry=r)
         self.in_flight = Gauge("hibana_requests_in_flight", "chat requests being served", registry=r)
@@ -117,13 +114,9 @@ class Metrics:
         self.steps = StepTimes()
         r.register(self.steps)
 
-    def served(self, usage: turn.Usage) -> None:
-        self.prompt_tokens.labels("reused").inc(usage.cached_tokens)
-        self.prompt_tokens.labels("computed").inc(usage.prompt_tokens - usage.cached_tokens)
-        self.generated.inc(usage.completion_tokens)
-
     def scrape(self, engine: "Engine") -> bytes:
         stats = engine.stats()
+        self.steps.stats = stats  # its tokens too (`StepTimes.collect`)
         self.kv_blocks.labels("total").set(stats.kv_blocks_total)
         self.kv_blocks.labels("used").set(stats.kv_blocks_used)
         self.kv_blocks.labels("cached").set(stats.kv_blocks_cached)
@@ -145,23 +138,35 @@ class Metrics:
 
 class StepTimes:
     """The engine's step-time histogram, which the engine keeps (`EngineStats.step_time_buckets`),
-    as a Prometheus histogram: read at each scrape, not observed step by step from here."""
+    as a Prometheus histogram, and its prompt and generated token counts as counters (those of
+    every request, cancelled and timed out too): read at each scrape, not counted from here."""
 
     HELP = "wall time of one engine step (schedule, launch, read back; under load the engine's cadence)"
 
     def __init__(self) -> None:
         self.stats: "EngineStats | None" = None  # the last scrape's
 
+    PROMPT_HELP = "prompt tokens, by whether their KV was reused from a resident state or computed"
+    GENERATED_HELP = "completion tokens generated"
+
     def describe(self) -> list:
-        return [HistogramMetricFamily("hibana_step_seconds", self.HELP)]
+        return [HistogramMetricFamily("hibana_step_seconds", self.HELP),
+                CounterMetricFamily("hibana_prompt_tokens", self.PROMPT_HELP, labels=["kind"]),
+                CounterMetricFamily("hibana_generated_tokens", self.GENERATED_HELP)]
 
     def collect(self) -> list:
         family = HistogramMetricFamily("hibana_step_seconds", self.HELP)
-        if self.stats is not None and self.stats.step_time_buckets:
-            cumulative = list(itertools.accumulate(self.stats.step_time_buckets))
-            bounds = [floatToGoString(b) for b in STEP_TIME_BUCKETS] + ["+Inf"]
-            family.add_metric([], list(zip(bounds, cumulative)), self.stats.step_seconds)
-        return [family]
+        prompt = CounterMetricFamily("hibana_prompt_tokens", self.PROMPT_HELP, labels=["kind"])
+        generated = CounterMetricFamily("hibana_generated_tokens", self.GENERATED_HELP)
+        if self.stats is not None:  # the engine's own counts: requests cancelled or timed out included
+            prompt.add_metric(["reused"], self.stats.prompt_tokens_reused)
+            prompt.add_metric(["computed"], self.stats.prompt_tokens_computed)
+            generated.add_metric([], self.stats.generated_tokens)
+            if self.stats.step_time_buckets:
+                cumulative = list(itertools.accumulate(self.stats.step_time_buckets))
+                bounds = [floatToGoString(b) for b in STEP_TIME_BUCKETS] + ["+Inf"]
+                family.add_metric([], list(zip(bounds, cumulative)), self.stats.step_seconds)
+        return [family, prompt, generated]
 
 
 # --- HibanaError -> HTTP ---------------------------------------------------------------------------
@@ -295,7 +300,6 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
             return StreamingResponse(sse(request.url.path, reply, interleaved(firsts, streams), len(streams), call,
                                          metrics), media_type="text/event-stream", headers=headers)
         result = await unless_gone(request, rest(streams[0], firsts[0]))
-        metrics.served(result.usage)
         metrics.requests.labels(request.url.path, "200").inc()
         return JSONResponse(reply.completion(result), headers=headers)
 
@@ -312,8 +316,6 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         failed = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
         if failed:
             raise failed[0]
-        for result in outcomes:
-            metrics.served(result.usage)
         metrics.requests.labels(request.url.path, "200").inc()
         return JSONResponse(reply.completion(*outcomes),
                             headers={STATE_HEADER: ", ".join(serving.state_id for serving in servings)})
@@ -421,8 +423,6 @@ async def sse(endpoint: str, reply: Reply, choices: AsyncIterator[tuple[int, lis
                 raise
     if len(results) == turns:
         ordered = [results[index] for index in range(turns)]
-        for result in ordered:
-            metrics.served(result.usage)
         if call.include_usage:
             pending += events(reply.usage_chunk(*ordered))
     metrics.requests.labels(endpoint, "200").inc()

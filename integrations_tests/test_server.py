@@ -770,6 +770,22 @@ def scrape(base_url: str) -> dict[str, float]:
             if line and not line.startswith("#")}
 
 
+def test_metrics_count_the_tokens_of_cancelled_streams(client, base_url):
+    """An outside tester: a stream the client left, or a turn cut by --request-timeout, did work
+    that /metrics never counted (its tokens were counted from completed replies alone); they are
+    the engine's counts now."""
+    before = scrape(base_url)["hibana_generated_tokens_total"]
+    stream = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Tell me a story."}],
+                                            max_tokens=400, stream=True)
+    read = 0
+    for chunk in stream:
+        read += bool(chunk.choices and chunk.choices[0].delta.content)
+        if read >= 5:
+            break
+    stream.close()
+    assert scrape(base_url)["hibana_generated_tokens_total"] - before >= 5
+
+
 def test_metrics_count_requests_and_reused_tokens(client, base_url):
     client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8)
     values = scrape(base_url)
