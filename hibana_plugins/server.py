@@ -58,6 +58,8 @@ from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatReq
                                        TextReply, chat_call, choice_calls, parse_request, prompts_of)
 
 if TYPE_CHECKING:
+    import uvicorn
+
     from hibana_core.engine import Engine, EngineStats
 
 log = logging.getLogger("hibana.server")
@@ -191,9 +193,47 @@ def api_error(exc: HibanaError, prompt_param: str = "messages") -> ApiError:
 
 # --- the app --------------------------------------------------------------------------------------
 
+class Drain:
+    """The server's shutdown as requests in flight see it: `begin` (uvicorn's shutdown started)
+    sets `expired` a little before uvicorn's graceful-shutdown timeout runs out, so that each
+    request still running ends itself with a 503 (a stream with an error event) rather than be
+    cancelled by uvicorn mid-body, its connection cut and an ERROR traceback logged."""
+
+    MARGIN = 0.25
+    """Seconds (at most a quarter of the timeout) left for the last replies to go out."""
+
+    def __init__(self) -> None:
+        self.expired = False
+        self._event: asyncio.Event | None = None
+
+    def begin(self, timeout: float | None) -> None:
+        """On the server's loop, as its shutdown starts; None: requests may take as long as they take."""
+        if timeout is None:
+            return
+        asyncio.get_running_loop().call_later(max(0.0, timeout - min(self.MARGIN, timeout / 4)), self._expire)
+
+    def _expire(self) -> None:
+        self.expired = True
+        if self._event is not None:
+            self._event.set()
+
+    async def wait(self) -> None:
+        """Returns once the drain has expired."""
+        if self._event is None:
+            self._event = asyncio.Event()
+            if self.expired:
+                self._event.set()
+        await self._event.wait()
+
+
+SHUTTING_DOWN = ("the server is shutting down and its --shutdown-timeout ran out before this request ended; "
+                 "send it again (to this server once it is back, or another)")
+
+
 def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
     """The HTTP face of one engine; the engine stays the caller's to close."""
     app = FastAPI(title="Hibana", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.drain = Drain()
     chat = Chat(engine)
     text_chat = copy.copy(chat)  # legacy completions: the text as generated, a model's thinking left in it
     text_chat.thinks = False
@@ -298,7 +338,8 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         headers = {STATE_HEADER: ", ".join(serving.state_id for serving in servings)}
         if call.stream:
             return StreamingResponse(sse(request.url.path, reply, interleaved(firsts, streams), len(streams), call,
-                                         metrics), media_type="text/event-stream", headers=headers)
+                                         metrics, request.app.state.drain),
+                                     media_type="text/event-stream", headers=headers)
         result = await unless_gone(request, rest(streams[0], firsts[0]))
         metrics.requests.labels(request.url.path, "200").inc()
         return JSONResponse(reply.completion(result), headers=headers)
@@ -388,12 +429,13 @@ def result_in(batch: list[ChatDelta], result: turn.ChatResult | None = None) -> 
 
 
 async def sse(endpoint: str, reply: Reply, choices: AsyncIterator[tuple[int, list[ChatDelta]]], turns: int,
-              call: ChatCall, metrics: Metrics) -> AsyncIterator[str]:
+              call: ChatCall, metrics: Metrics, drain: Drain | None = None) -> AsyncIterator[str]:
     """The reply as server-sent events, one write per batch of deltas the engine made at once for
     one of the request's `turns` (`interleaved`: each choice's chunks carry its index; the role
     chunks go with the first, the usage and [DONE] with the last result): each write is a send on
     the socket, and the GIL taken from the engine's step loop. A client that goes away closes
-    this generator, which cancels the turns (their states keep what was generated so far)."""
+    this generator, which cancels the turns (their states keep what was generated so far); so
+    does the server's shutdown when its timeout is near (`Drain`), after a last, error event."""
     def events(*chunks: dict) -> str:
         return "".join(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n" for chunk in chunks)
 
@@ -411,6 +453,10 @@ async def sse(endpoint: str, reply: Reply, choices: AsyncIterator[tuple[int, lis
                     result = result_in(batch)
                     if result is not None:
                         results[index] = result
+                    if len(results) < turns and drain is not None and drain.expired:  # the turns cancelled on leaving
+                        metrics.requests.labels(endpoint, "stream_error").inc()
+                        yield pending + events(ApiError(503, SHUTTING_DOWN, code="server_shutting_down").body())
+                        return
                     if len(results) < turns:  # the last result's batch goes out with the usage and [DONE]
                         yield pending
                         pending = ""
@@ -466,15 +512,20 @@ async def unless_gone(request: Request, work: Awaitable[T]) -> T:
     let go before this raises a 499 (nginx's "client closed request", for the metrics only)."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(disconnected(request))
+    drain: Drain = request.app.state.drain
+    drained = asyncio.ensure_future(drain.wait())
     try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((task, gone, drained), return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
+        drained.cancel()
         if not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     if task.cancelled():
+        if drain.expired:
+            raise ApiError(503, SHUTTING_DOWN, code="server_shutting_down")
         raise ApiError(499, "the client closed the connection before the reply", code="client_closed")
     return task.result()
 
@@ -601,11 +652,8 @@ def serving(engine: "Engine", config: ServerConfig, host: str = "127.0.0.1", por
     free one); yields its URL and stops it on leaving as `hibana serve` stops on a signal:
     requests in flight finish (within `config.shutdown_timeout`). The engine stays the caller's
     to close."""
-    import uvicorn
-
     sock = bind(host, port)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, config), log_level="warning",
-                                           timeout_graceful_shutdown=config.shutdown_timeout))
+    server = uvicorn_server(create_app(engine, config), config, log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="hibana-serve", daemon=True)
     thread.start()
     deadline = time.monotonic() + startup_timeout
@@ -624,8 +672,6 @@ def serving(engine: "Engine", config: ServerConfig, host: str = "127.0.0.1", por
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`hibana serve` (an entry point of `hibana.commands`); returns the exit status."""
-    import uvicorn
-
     from hibana_core import Engine
 
     args = build_parser().parse_args(argv)
@@ -643,9 +689,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
         log.warning("serving on %s with no API key: anyone who can reach it can use the model", args.host)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, config), host=args.host, port=args.port,
-                                           log_level=args.log_level,
-                                           timeout_graceful_shutdown=config.shutdown_timeout))
+    server = uvicorn_server(create_app(engine, config), config, host=args.host, port=args.port,
+                            log_level=args.log_level)
     host, port = sock.getsockname()[:2]  # uvicorn names no address for sockets it is given
     log.info("serving %s on http://%s:%d/v1 (Ctrl+C to stop)", config.model_name, f"[{host}]" if ":" in host
              else host, port)
@@ -653,6 +698,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         server.run(sockets=[sock])
         stopping.append("closing")  # a stop signal from here on waits for the named states
     return 0 if server.started else 1
+
+
+def uvicorn_server(app: FastAPI, config: ServerConfig, **options: Any) -> "uvicorn.Server":
+    """uvicorn's server for `app`, whose shutdown starts the app's `Drain` (the requests in flight
+    end themselves just before `config.shutdown_timeout` runs out)."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets: "list[socket.socket] | None" = None) -> None:
+            app.state.drain.begin(config.shutdown_timeout)
+            await super().shutdown(sockets=sockets)
+
+    return DrainingServer(uvicorn.Config(app, timeout_graceful_shutdown=config.shutdown_timeout, **options))
 
 
 def bind(host: str, port: int) -> socket.socket:

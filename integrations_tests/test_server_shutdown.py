@@ -85,7 +85,9 @@ def test_sigterm_lets_the_request_in_flight_finish_and_keeps_the_named_states(tm
         assert process.wait(60) == 0
 
 
-def test_past_the_shutdown_timeout_a_request_in_flight_is_cancelled_cleanly():
+def test_past_the_shutdown_timeout_a_request_in_flight_is_cancelled_cleanly(caplog):
+    """Just before the timeout runs out, the stream ends itself with an error event (uvicorn's own
+    cancellation at the timeout cut it mid-body and logged an ASGI traceback: an outside tester)."""
     with Engine.from_pretrained("demo", progress=False) as engine:
         with serving(engine, ServerConfig("demo", shutdown_timeout=0.2)) as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -94,11 +96,13 @@ def test_past_the_shutdown_timeout_a_request_in_flight_is_cancelled_cleanly():
                                                          extra_headers={"X-Hibana-State": "cut-1"}))
             next(stream)
             before = engine.stats().generated_tokens
-        try:  # the server has stopped: what it sent, then the connection's end, never the reply's end
+        finish, ended = [], ""
+        try:  # the server has stopped: what it sent, then an error event, never the reply's end
             finish = [c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason]
-        except (httpx.HTTPError, openai.APIError):
-            finish = []
-        assert finish == []
+        except openai.APIError as exc:
+            ended = str(exc)
+        assert finish == [] and "the server is shutting down" in ended, (finish, ended)
+        assert "Exception in ASGI application" not in caplog.text
         assert engine.stats().generated_tokens - before < 400
         # the turn lets its state go in a worker thread, which the stopped server's loop may not
         # have waited for: let go within a deadline, not at this instant
