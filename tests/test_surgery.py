@@ -376,6 +376,18 @@ def test_a_pass_whose_apply_returns_no_record_is_a_config_error(tiny_checkpoints
         make_engine(tiny_checkpoints["llama"], surgery=["forgetful"], surgery_guard=False, speculation="off")
 
 
+class _ReachRaises(_ReturnsNothing):
+    def guard_reach(self, params):
+        raise KeyError("window")
+
+
+def test_a_pass_whose_guard_reach_raises_is_a_config_error_naming_it(tiny_checkpoints, make_engine):
+    with registered_pass("reaching", _ReachRaises()), pytest.raises(
+            ConfigError, match=r"surgery pass an instance of test_surgery\._ReachRaises raised KeyError from "
+                               r"guard_reach .*fix the pass"):
+        make_engine(tiny_checkpoints["llama"], surgery=["reaching"], speculation="off")
+
+
 def test_in_memory_models_take_the_checked_copy_path():
     from transformers import AutoModelForCausalLM
 

@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 import torch
 
-from hibana_core.errors import ConfigError, SurgeryGuardError
+from hibana_core.errors import ConfigError, HibanaError, SurgeryGuardError
 from hibana_core.forward_context import ForwardBatch, ForwardContext
 from hibana_core.kv.cache import KVCache, kv_cache_dtype
 from hibana_core.progress import bar as progress_bar
@@ -461,7 +461,15 @@ def guard_reach(surgery_pass: Any, params: dict[str, Any] | None) -> int:
     reach = getattr(surgery_pass, "guard_reach", None)
     if not callable(reach) or params is None:
         return 0
-    value = reach(params)
+    try:
+        value = reach(params)
+    except HibanaError:
+        raise
+    except Exception as exc:  # a plugin's bug: named, as the passes' runner names its others
+        from hibana_plugins.manager import describe_registered
+
+        raise ConfigError(f"surgery pass {describe_registered(surgery_pass)} raised {type(exc).__name__} from "
+                          f"guard_reach ({exc}); fix the pass, or leave it out of surgery") from exc
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
