@@ -94,12 +94,13 @@ class BenchModel:
 
     @property
     def vocab_size(self) -> int:
-        return (self.config or self.hf_model.config).vocab_size
+        config = self.config or self.hf_model.config
+        return config.get_text_config().vocab_size  # (a multimodal config keeps it in its text config)
 
     def engine(self, **overrides):
         from hibana_core import Engine
 
-        config = self.config or self.hf_model.config
+        config = (self.config or self.hf_model.config).get_text_config()
         limit = getattr(config, "max_position_embeddings", None)
         if limit and (overrides.get("max_model_len") or 0) > limit:  # the workloads pad what they need;
             overrides["max_model_len"] = limit  # past the model's context a workload's own check says so
