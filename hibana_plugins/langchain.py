@@ -83,8 +83,10 @@ def register_adapters(register) -> None:
 
 PROVIDER = "hibana"
 CALL_OPTIONS = frozenset({*SAMPLING, "tools", "tool_choice", "parallel_tool_calls", "state_id", "timeout", "model",
-                          "reasoning", "answer_tool", "ls_structured_output_format"})
-"""What a call (`invoke(..., **kwargs)`, `.bind(**kwargs)`) may set; anything else is a ConfigError."""
+                          "reasoning", "answer_tool", "ls_structured_output_format", "stream"})
+"""What a call (`invoke(..., **kwargs)`, `.bind(**kwargs)`) may set; anything else is a ConfigError.
+`stream` is LangChain's own per-call switch (`BaseChatModel._should_stream` reads it, then passes
+it on): taken and left to LangChain."""
 STRUCTURED_METHODS = ("function_calling", "json_schema", "json_mode")
 _ANY_JSON = {"type": "function", "function": {"name": "json", "description": "Answer with a JSON object.",
                                               "parameters": {"type": "object"}}}

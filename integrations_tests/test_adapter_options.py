@@ -88,6 +88,8 @@ def test_chat_hibana_refuses_unknown_call_kwargs(engine):
         llm.invoke(PROMPT, temperature=-0.5)
     with pytest.raises(ConfigError, match="max_tokens must be at least 1"):  # as the server and HibanaLLM
         llm.invoke(PROMPT, max_tokens=0)
+    # LangChain's own per-call switch: `invoke(..., stream=...)` picks _stream or _generate (it was refused)
+    assert llm.invoke(PROMPT, stream=True).content == llm.invoke(PROMPT, stream=False).content
 
 
 def test_chat_hibana_call_options_reach_the_sampler(engine):
