@@ -384,16 +384,26 @@ class Chat:
             self._plain["encode"] = prompt.plain_encoder(self.engine.tokenizer)
         return prompt.encode(text, start, self._markup, self._plain.get("encode"))
 
-    def cut_arguments(self, cut_call: str) -> str:
-        """The arguments a call that max_tokens cut off had begun (`ChatResult.cut_call`, or a
-        delta's text with `cut_call`), as generated: the text after its syntax's `mid`, where the
-        tool parser's call syntax is known; else "". What a structured answer (the call's
-        arguments as content) shows of a reply cut short."""
+    def cut_call_parts(self, cut_call: str) -> tuple[str, str]:
+        """(the name, the arguments) a call that max_tokens cut off had begun (`ChatResult.cut_call`,
+        or a delta's text with `cut_call`), as generated, where the tool parser's call syntax is
+        known: what an adapter reports as an invalid call, and a structured answer (the call's
+        arguments as content) shows of a reply cut short; ("", "") for what it has not reached."""
         syntax = getattr(self.parser, "call_syntax", None) or turn.SYNTAX.get(self.parser_name)
         if not cut_call or syntax is None:
-            return ""
-        _, mid, arguments = cut_call.partition(syntax.mid)
-        return arguments if mid else ""
+            return "", ""
+        head, mid, arguments = cut_call.lstrip().partition(syntax.mid)
+        if not head.startswith(syntax.open):
+            return "", ""
+        name = head.removeprefix(syntax.open)
+        if not mid:  # cut inside the markup after the name: what of it was written goes
+            written = next((k for k in range(len(syntax.mid), 0, -1) if name.endswith(syntax.mid[:k])), 0)
+            name = name[:len(name) - written]
+        return name, arguments
+
+    def cut_arguments(self, cut_call: str) -> str:
+        """The arguments of `cut_call_parts`."""
+        return self.cut_call_parts(cut_call)[1]
 
     def openai_logprobs(self, result: ChatResult) -> list[dict] | None:
         """A result's token log-probabilities in OpenAI's shape (`choices[0].logprobs.content`):

@@ -56,7 +56,7 @@ try:
     from langchain_core.language_models import BaseChatModel
     from langchain_core.messages import (AIMessage, AIMessageChunk, BaseMessage, ChatMessage,
                                          FunctionMessage, HumanMessage, SystemMessage, ToolMessage)
-    from langchain_core.messages.tool import tool_call_chunk
+    from langchain_core.messages.tool import invalid_tool_call, tool_call_chunk
     from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
     from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
     from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
@@ -284,8 +284,16 @@ class _Call:
         else:
             content = result.text
             calls = [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in result.tool_calls]
+        invalid = []
+        if result.cut_call and not self.as_content:  # an invalid call, as ChatOpenAI's on a cut, not markup in the text
+            content = content.removesuffix(result.cut_call)
+            name, arguments = self.chat.cut_call_parts(result.cut_call)
+            invalid = [invalid_tool_call(name=name or None, args=arguments, id=None,
+                                         error=f"the reply ended inside this call (finish_reason "
+                                               f"{result.finish_reason!r}): raise max_tokens")]
         extra = {"reasoning_content": result.reasoning} if result.reasoning else {}
-        return AIMessage(content=content, tool_calls=calls, usage_metadata=self.usage_metadata(result.usage),
+        return AIMessage(content=content, tool_calls=calls, invalid_tool_calls=invalid,
+                         usage_metadata=self.usage_metadata(result.usage),
                          response_metadata=self.response_metadata(result), additional_kwargs=extra)
 
     def chunk(self, delta: ChatDelta) -> ChatGenerationChunk | None:
@@ -303,6 +311,10 @@ class _Call:
             call = delta.tool_call
             message = AIMessageChunk(content="", tool_call_chunks=[tool_call_chunk(
                 name=call.name, args=call.arguments_fragment, id=call.id, index=call.index)])
+        elif delta.cut_call and not self.as_content:
+            # a call the reply ended inside: no text, and no chunk either, which LangChain's merge
+            # would parse into a call the model never finished (invoke reports it as invalid)
+            return None
         elif self.as_content and delta.cut_call and not self.answered and self.chat.cut_arguments(delta.text):
             message = AIMessageChunk(content=self.chat.cut_arguments(delta.text))  # as `message` has it
         elif self.as_content:

@@ -107,12 +107,15 @@ class _Call:
         """The text delta of a chat delta ("" at the end, or when the calls grew), or None when
         it changed nothing visible."""
         call = delta.tool_call
-        if delta.result is not None:
-            self.result, self.content, self.reasoning = delta.result, delta.result.text, delta.result.reasoning
+        if delta.result is not None:  # a call the reply ended inside is no part of its text (the server's rule)
+            self.result, self.reasoning = delta.result, delta.result.reasoning
+            self.content = delta.result.text.removesuffix(delta.result.cut_call)
             return ""
         if delta.reasoning:
             self.reasoning += delta.reasoning
             return ""
+        if call is None and delta.cut_call:
+            return None
         if call is None:
             self.content += delta.text
             return delta.text or None

@@ -240,6 +240,23 @@ def test_structured_output_include_raw(llm):
     assert cut["raw"].content.startswith('{"') and cut["raw"].content == streamed, (cut["raw"].content, streamed)
 
 
+def test_a_call_cut_by_max_tokens_is_an_invalid_call_not_text(llm):
+    """A forced call that max_tokens cut came back as its `<tool_call>` markup in the content (an
+    outside tester: an agent took it as the answer). It is an invalid tool call now, as ChatOpenAI
+    reports a cut one; a stream sends nothing of it (a chunk would merge into a call the model
+    never finished); neither content holds its markup."""
+    bound = ChatHibana(model="demo", max_tokens=12).bind_tools([get_weather], tool_choice="get_weather")
+    reply = bound.invoke("What's the weather in Paris?")
+    assert reply.response_metadata["finish_reason"] == "length" and reply.tool_calls == []
+    assert "<tool_call>" not in reply.content
+    (cut,) = reply.invalid_tool_calls
+    assert cut["name"] and "get_weather".startswith(cut["name"]) and "length" in cut["error"]
+    streamed = None
+    for chunk in bound.stream("What's the weather in Paris?"):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert streamed.content == reply.content and not streamed.tool_calls
+
+
 class Author(BaseModel):
     """An author of the book."""
 

@@ -421,3 +421,15 @@ def test_a_self_referring_output_class_keeps_its_root_schema(engine):
 
     spec = HibanaLLM(engine=engine)._tool_spec(get_function_tool(Tree))
     assert spec["function"]["parameters"]["$ref"] == "#/$defs/Tree"
+
+
+def test_a_call_cut_by_max_tokens_leaves_no_markup_in_the_text(engine):
+    """A call that max_tokens cut came back as `<tool_call>` markup in a TextBlock (an outside
+    tester); the text holds none of it, as the server's reply holds none."""
+    llm = HibanaLLM(engine=engine, max_tokens=12)
+    history = [ChatMessage(role="user", content="What's the weather in Paris?")]
+    reply = llm.chat_with_tools(TOOLS[:1], chat_history=history, tool_required=True)
+    assert "<tool_call>" not in (reply.message.content or "")
+    assert llm.get_tool_calls_from_response(reply, error_on_no_tool_call=False) == []
+    streamed = list(llm.stream_chat_with_tools(TOOLS[:1], chat_history=history, tool_required=True))
+    assert "<tool_call>" not in (streamed[-1].message.content or "")
