@@ -179,8 +179,8 @@ def load_bench_model(name: str, device: torch.device, dtype: torch.dtype, chat: 
 
         path = resolve_checkpoint(name)
         config = AutoConfig.from_pretrained(path)
-        with torch.device("meta"):  # its parameters' bytes in `dtype`, without the weights
-            shape = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        with torch.device("meta"):  # its language model's bytes in `dtype` (what the engine loads), no weights
+            shape = AutoModelForCausalLM.from_config(config.get_text_config(), dtype=dtype)
         weight_bytes = sum(p.numel() * p.element_size() for p in shape.parameters())
         tokenizer = load_tokenizer(path)  # None: a checkpoint without one, timed as a preset
         return BenchModel(name, None, tokenizer, device, weight_bytes, None, path, config, dtype)

@@ -147,7 +147,10 @@ def _spill_folder(state_dir) -> tuple[Path, Any]:
         Path(state_dir).mkdir(parents=True, exist_ok=True)
         for stale in Path(state_dir).glob("spill-*-*"):
             if _abandoned(stale):
-                spilled = sum(1 for f in stale.iterdir() if f.name != SPILL_LOCK)
+                try:  # (another engine starting may have removed it meanwhile)
+                    spilled = sum(1 for f in stale.iterdir() if f.name != SPILL_LOCK)
+                except OSError:
+                    spilled = 0
                 if spilled:  # scratch of an engine that never closed: said, not silently dropped
                     logger.warning("state_dir: removed %s, %d spilled KV file(s) of an engine that ended without "
                                    "closing; states are kept in state_dir only when their engine closes", stale,

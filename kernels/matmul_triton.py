@@ -326,9 +326,9 @@ def norm_gemv_config(n: int, k: int) -> tuple[int, int, int, bool]:
     if _norm_gemv_tiles == "by_grid":
         block_n, block_k, warps = _by_grid_config(n, k)
         return block_n, block_k, warps, 1 < triton.cdiv(k, block_k) <= 4
-    if _norm_gemv_tiles is not None:
+    if _norm_gemv_tiles is not None:  # (a row of more than 4 steps loops whatever the tiles ask)
         block_n, block_k, warps, *unroll = _norm_gemv_tiles
-        return block_n, block_k, warps, bool(unroll and unroll[0])
+        return block_n, block_k, warps, bool(unroll and unroll[0]) and triton.cdiv(k, block_k) <= 4
     return (*_whole_rows_config(n, k), False)
 
 

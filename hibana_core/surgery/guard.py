@@ -46,6 +46,7 @@ MAX_DOCUMENT = 1024     # tokens per document at most
 OPENING = 128           # tokens of each document that open its greedy continuation
 CONTINUATION = 48       # tokens of greedy continuation compared
 GREEDY_TAIL = 64        # most tokens written greedily after a document (ToolCalls.MAX_TOKENS)
+MIN_PAST = 256          # scored positions past a pass's reach (`guard_reach`) that its figures ask
 RANDOM_SEED = "hibana-guard"  # without a tokenizer (not calibration.py's seed: never score on calibration)
 RANDOM_TEXT = "seeded random ids (the checkpoint has no tokenizer: figures are relative only)"
 
@@ -122,7 +123,7 @@ def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = N
             pending = ids  # joined to the next part: a window pass is seen only past its reach
             continue
         ids = ids[:min(longest, budget - total)]
-        if len(ids) > OPENING + 1:
+        if len(ids) > OPENING + 1 and (len(ids) > reach or not documents):  # (one within the reach says nothing)
             documents.append(ids)
             total += len(ids)
         if total >= budget:
@@ -421,10 +422,11 @@ class Guard:
         floors = dict(getattr(surgery_pass, "floors", {}) or {})
         broken = violations(own, floors)
         reach, longest = guard_reach(surgery_pass, params), max(map(len, self.documents))
-        unseen = longest <= reach  # no scored position differs: figures of 1.0 would say nothing
+        past = sum(max(0, len(d) - 1 - reach) for d in self.documents) if reach else None
+        unseen = past is not None and past < MIN_PAST  # figures of ~1.0 from positions it cannot change
         if unseen:
             broken.insert(0, f"not measured: the guard's documents reach {longest} tokens and the pass changes "
-                             f"nothing within {reach}")
+                             f"nothing within {reach} ({past} scored positions past it, {MIN_PAST} asked)")
         decision = "ok" if not broken else ("forced: " if force else "refused: ") + "; ".join(broken)
         after = " + ".join(self.passes)
         if after:
@@ -435,7 +437,7 @@ class Guard:
             raise SurgeryGuardError(
                 f"surgery pass {name!r} cannot be measured on {self.source}: its documents reach {longest} "
                 f"tokens (all the text holds, within the model's positions) and the pass changes nothing within "
-                f"{reach}; give a longer guard text (surgery_guard_text=PATH, `hibana surgery --guard-text PATH`), "
+                f"{reach}: {past} scored positions lie past it, {MIN_PAST} are asked; give a longer guard text (surgery_guard_text=PATH, `hibana surgery --guard-text PATH`), "
                 f"{_advice(surgery_pass)}, or force it: surgery=[{{'name': {name!r}, 'force': True}}]")
         if broken and not force:
             against = f"the model {after} left" if after else "the unmodified model"
