@@ -1204,8 +1204,9 @@ def test_gemv_rules():
         assert triton_matmul.norm_gemv_config(5120, 3072) == (4, 1024, 4, True)
         assert triton_matmul.norm_gemv_config(6144, 4096) == (2, 2048, 4, True)
         assert triton_matmul.norm_gemv_config(24576, 4096) == (2, 4096, 4, False)  # whole rows: one step
-    with triton_matmul.using_norm_gemv_tiles((4, 512, 8, True)):
-        assert triton_matmul.norm_gemv_config(5120, 3072) == (4, 512, 8, True)
+    with triton_matmul.using_norm_gemv_tiles((4, 1024, 8, True)):
+        assert triton_matmul.norm_gemv_config(5120, 3072) == (4, 1024, 8, True)
+        assert triton_matmul.norm_gemv_config(5120, 8192) == (4, 1024, 8, False)  # 8 steps: the loop
     with pytest.raises(ValueError, match="no GEMV rule"):
         with triton_matmul.using_gemv_rule("fastest"):
             pass
