@@ -414,8 +414,8 @@ def variant(spec: str) -> contextlib.AbstractContextManager:
     of matmul_triton.GEMV_RULES), ";moe=NxKxWARPS[xu]" (the bf16 experts' decode tiles, u:
     unrolled; the default's own down tiles kept, so before 2026-12-03 it set the down's too),
     ";moe_down=NxKxWARPS" (only their down projection's), ";mxfp4=NxKxWARPS[xd][xa][xsN]" (the
-    MXFP4 experts', d: direct, a: against int8 x, sN: split-K in N), ";norm_gemv=NxKxWARPS[xu]" or
-    ";norm_gemv=by_grid" (the norm-then-GEMV's; u: the row's steps written out), ";splits=MAXxPERSM" (decode attention's most splits and programs an SM) and
+    MXFP4 experts', d: direct, a: against int8 x, sN: split-K in N), ";norm_gemv=NxKxWARPS" (the
+    norm-then-GEMV's), ";splits=MAXxPERSM" (decode attention's most splits and programs an SM) and
     ";window_splits=0|1" (a sliding layer's decode split for its window's keys), e.g.
     "auto;gemv=whole_rows;moe=2x1024x4"."""
     from hibana_kernels import matmul_triton, moe_triton
@@ -442,9 +442,8 @@ def variant(spec: str) -> contextlib.AbstractContextManager:
             tiles = moe_triton.DecodeTiles(int(n), int(k), int(warps), down_per_route=True, direct="d" in flags,
                                            split=split, a8="a" in flags)
             stack.enter_context(moe_triton.using_decode_tiles("mxfp4", tiles))
-        elif key == "norm_gemv":  # "by_grid" or NxKxWARPS[xu] (u: the row's steps written out)
-            tiles = value if value == "by_grid" else tuple(int(v) if v != "u" else True for v in value.split("x"))
-            stack.enter_context(matmul_triton.using_norm_gemv_tiles(tiles))
+        elif key == "norm_gemv":
+            stack.enter_context(matmul_triton.using_norm_gemv_tiles(tuple(int(v) for v in value.split("x"))))
         elif key == "splits":  # decode attention's MAX_SPLITS x DECODE_PROGRAMS_PER_SM
             from hibana_kernels import attention_triton
 

@@ -178,42 +178,19 @@ def _normed_tile(s, inv_rms, nw_ptr, offs_k, k_mask):
 
 
 @triton.jit
-def _stream_step(x_ptr, res_ptr, offs_m, offs_k, m_mask, K, stride_xm, stride_rm, EVEN_K: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr):
-    """One step's row tile of x + residual and its mask."""
-    k_mask = (offs_k < K) | EVEN_K
-    mask = m_mask[:, None] & k_mask[None, :]
-    return _stream_tile(x_ptr, res_ptr, offs_m, offs_k, mask, stride_xm, stride_rm, HAS_RESIDUAL), mask
-
-
-@triton.jit
-def _normed_product(acc, s, mask, w, inv_rms, nw_ptr, offs_k, offs_m, res_out_ptr, K, pid, EVEN_K: tl.constexpr,
-                    HAS_RESIDUAL: tl.constexpr):
-    """acc + one step's normed row tile times its weight tile; program 0 writes the step's x + residual."""
-    if HAS_RESIDUAL:
-        if pid == 0:
-            tl.store(res_out_ptr + offs_m[:, None] * K + offs_k[None, :], s, mask=mask)
-    x = _normed_tile(s, inv_rms, nw_ptr, offs_k, (offs_k < K) | EVEN_K)
-    return acc + tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-
-
-@triton.jit
 def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, eps,
                       M, N, K, stride_xm, stride_rm, stride_wn, stride_ym,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                      ONE_TILE: tl.constexpr, PDL: tl.constexpr, GLU: tl.constexpr = 0, TILES: tl.constexpr = 0):
+                      ONE_TILE: tl.constexpr, PDL: tl.constexpr, GLU: tl.constexpr = 0):
     """y = rms_norm(x + residual) @ W^T + b (GLU: act(gate) * up of it, y [M, N] of a [2N, K]
-    weight); program 0 also writes x + residual [M, K]. TILES (2-4, not ONE_TILE): the row in
-    TILES steps written out, every step's weight load out before the wait (the loop's sums, so
-    its bits); 0: the statistic in a first pass over the row, then a loop over K."""
+    weight); program 0 also writes x + residual [M, K]."""
     pid = tl.program_id(0)
     rows, n_mask = _output_rows(pid, N, BLOCK_N, GLU)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    offs_k0 = tl.arange(0, BLOCK_K)
     if ONE_TILE:  # the whole row in one tile: the weight's load goes out before the norm's work
         offs_k = tl.arange(0, BLOCK_K)
         k_mask = (offs_k < K) | EVEN_K  # EVEN_K: a mask the compiler sees is all true
@@ -228,38 +205,6 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, 
         inv_rms = tl.rsqrt(tl.sum(sf * sf, 1) / K + eps)
         x = _normed_tile(s, inv_rms, nw_ptr, offs_k, k_mask)
         acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    elif TILES > 0:  # the row's steps written out: their weight loads out before the wait
-        w0 = _weight_tile(w_rows, offs_k0, n_mask, K, EVEN_K)
-        w1 = _weight_tile(w_rows, BLOCK_K + offs_k0, n_mask, K, EVEN_K)
-        if TILES > 2:
-            w2 = _weight_tile(w_rows, 2 * BLOCK_K + offs_k0, n_mask, K, EVEN_K)
-        if TILES > 3:
-            w3 = _weight_tile(w_rows, 3 * BLOCK_K + offs_k0, n_mask, K, EVEN_K)
-        wait_for_previous(PDL)
-        s0, m0 = _stream_step(x_ptr, res_ptr, offs_m, offs_k0, m_mask, K, stride_xm, stride_rm, EVEN_K, HAS_RESIDUAL)
-        s1, m1 = _stream_step(x_ptr, res_ptr, offs_m, BLOCK_K + offs_k0, m_mask, K, stride_xm, stride_rm, EVEN_K,
-                              HAS_RESIDUAL)
-        sumsq = tl.sum(s0.to(tl.float32) * s0.to(tl.float32), 1)
-        sumsq += tl.sum(s1.to(tl.float32) * s1.to(tl.float32), 1)
-        if TILES > 2:
-            s2, m2 = _stream_step(x_ptr, res_ptr, offs_m, 2 * BLOCK_K + offs_k0, m_mask, K, stride_xm, stride_rm,
-                                  EVEN_K, HAS_RESIDUAL)
-            sumsq += tl.sum(s2.to(tl.float32) * s2.to(tl.float32), 1)
-        if TILES > 3:
-            s3, m3 = _stream_step(x_ptr, res_ptr, offs_m, 3 * BLOCK_K + offs_k0, m_mask, K, stride_xm, stride_rm,
-                                  EVEN_K, HAS_RESIDUAL)
-            sumsq += tl.sum(s3.to(tl.float32) * s3.to(tl.float32), 1)
-        inv_rms = tl.rsqrt(sumsq / K + eps)
-        acc = _normed_product(acc, s0, m0, w0, inv_rms, nw_ptr, offs_k0, offs_m, res_out_ptr, K, pid, EVEN_K,
-                              HAS_RESIDUAL)
-        acc = _normed_product(acc, s1, m1, w1, inv_rms, nw_ptr, BLOCK_K + offs_k0, offs_m, res_out_ptr, K, pid,
-                              EVEN_K, HAS_RESIDUAL)
-        if TILES > 2:
-            acc = _normed_product(acc, s2, m2, w2, inv_rms, nw_ptr, 2 * BLOCK_K + offs_k0, offs_m, res_out_ptr, K,
-                                  pid, EVEN_K, HAS_RESIDUAL)
-        if TILES > 3:
-            acc = _normed_product(acc, s3, m3, w3, inv_rms, nw_ptr, 3 * BLOCK_K + offs_k0, offs_m, res_out_ptr, K,
-                                  pid, EVEN_K, HAS_RESIDUAL)
     else:  # the statistic in a first pass over the row, from the caches
         wait_for_previous(PDL)
         sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -316,26 +261,13 @@ def _by_grid_config(n: int, k: int) -> tuple[int, int, int]:
 
 GEMV_RULES = {"whole_rows": _whole_rows_config, "by_grid": _by_grid_config}
 _gemv_rule = "by_grid"
-_norm_gemv_tiles: tuple | str | None = None  # the norm-then-GEMV's tiles, if not _whole_rows_config's
-
-
-def norm_gemv_config(n: int, k: int) -> tuple[int, int, int, bool]:
-    """(BLOCK_N, BLOCK_K, num_warps, unroll) of the norm-then-GEMV: the first rule's whole rows,
-    or inside `using_norm_gemv_tiles` its tiles ("by_grid": the plain GEMV's rule, a row of 2-4
-    steps written out)."""
-    if _norm_gemv_tiles == "by_grid":
-        block_n, block_k, warps = _by_grid_config(n, k)
-        return block_n, block_k, warps, 1 < triton.cdiv(k, block_k) <= 4
-    if _norm_gemv_tiles is not None:  # (a row of more than 4 steps loops whatever the tiles ask)
-        block_n, block_k, warps, *unroll = _norm_gemv_tiles
-        return block_n, block_k, warps, bool(unroll and unroll[0]) and triton.cdiv(k, block_k) <= 4
-    return (*_whole_rows_config(n, k), False)
+_norm_gemv_tiles: tuple[int, int, int] | None = None  # the norm-then-GEMV's tiles, if not _whole_rows_config's
 
 
 @contextlib.contextmanager
-def using_norm_gemv_tiles(tiles: tuple | str) -> Iterator[None]:
-    """The norm-then-GEMV kernel on these (BLOCK_N, BLOCK_K, num_warps[, unroll]) inside the block,
-    for every shape, or "by_grid" (`norm_gemv_config`; bench/tune_decode.py compares whole models)."""
+def using_norm_gemv_tiles(tiles: tuple[int, int, int]) -> Iterator[None]:
+    """The norm-then-GEMV kernel on these (BLOCK_N, BLOCK_K, num_warps) inside the block, for every
+    shape (bench/tune_decode.py compares whole models)."""
     global _norm_gemv_tiles
     previous, _norm_gemv_tiles = _norm_gemv_tiles, tiles
     try:
@@ -420,15 +352,11 @@ def linear_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def rms_norm_linear_launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                            eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
-                           block_n: int, block_k: int, num_warps: int, glu: str | None = None,
-                           unroll: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                           block_n: int, block_k: int, num_warps: int, glu: str | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The norm-then-GEMV kernel with its tiles chosen by the caller (tests, tuning); `glu` as
-    `linear_launch`'s; `unroll`: a row of 2-4 steps written out, every weight load issued
-    before the wait (the same sums as the loop's)."""
+    `linear_launch`'s."""
     n, k = weight.shape
-    tiles = triton.cdiv(k, block_k) if unroll and k > block_k else 0
-    if tiles > 4:
-        raise ValueError(f"unroll takes rows of at most 4 steps: K {k} is {tiles} steps of {block_k}")
     width = _glu_width(n, block_n, glu)
     x2 = _rows(x, k)
     res2 = x2 if residual is None else _rows(residual, k)
@@ -440,7 +368,7 @@ def rms_norm_linear_launch(x: torch.Tensor, residual: torch.Tensor | None, norm_
         m, width, k, x2.stride(0), res2.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, EVEN_K=k > 0 and k % block_k == 0,
-        ONE_TILE=k <= block_k, GLU=GLU_CODES.get(glu, 0), TILES=tiles, num_warps=num_warps,
+        ONE_TILE=k <= block_k, GLU=GLU_CODES.get(glu, 0), num_warps=num_warps,
         **pdl.launch_args(x.device, "gemv", triton.cdiv(n, block_n)))
     return y.view(*x.shape[:-1], width), res_out
 
@@ -490,10 +418,9 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     n, k = weight.shape
     if (_gemv_takes(x, weight, k) and fusion.policy().norm_linear(k) and norm_weight.dtype == x.dtype
             and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))):
-        block_n, block_k, warps, unroll = norm_gemv_config(n, k)
-        inside = _inside(glu, n, block_n)
-        y, residual = rms_norm_linear_launch(x, residual, norm_weight, eps, weight, bias, block_n, block_k, warps,
-                                             glu=inside, unroll=unroll)
+        tiles = _norm_gemv_tiles or _whole_rows_config(n, k)
+        inside = _inside(glu, n, tiles[0])
+        y, residual = rms_norm_linear_launch(x, residual, norm_weight, eps, weight, bias, *tiles, glu=inside)
         return _activated(y, None if inside else glu), residual
     if residual is None:
         return linear(norm_triton.rms_norm(x, norm_weight, eps), weight, bias, glu), x
