@@ -93,15 +93,18 @@ class BenchModel:
         return self.random is not None
 
     @property
+    def text_config(self) -> Any:
+        """The model's transformers config (a multimodal one's text config, which has its vocabulary and context)."""
+        return (self.config or self.hf_model.config).get_text_config()
+
+    @property
     def vocab_size(self) -> int:
-        config = self.config or self.hf_model.config
-        return config.get_text_config().vocab_size  # (a multimodal config keeps it in its text config)
+        return self.text_config.vocab_size
 
     def engine(self, **overrides):
         from hibana_core import Engine
 
-        config = (self.config or self.hf_model.config).get_text_config()
-        limit = getattr(config, "max_position_embeddings", None)
+        limit = getattr(self.text_config, "max_position_embeddings", None)
         if limit and (overrides.get("max_model_len") or 0) > limit:  # the workloads pad what they need;
             overrides["max_model_len"] = limit  # past the model's context a workload's own check says so
         if self.path is not None:  # the checkpoint as it is: packed layers, a surgery manifest, its own dtype

@@ -1045,9 +1045,9 @@ class Grammars:
         if len(batch) >= BATCH_FILL_ROWS:
             rows = [i for _, i in batch]
             self._batch.batch_fill_next_token_bitmask([m._matcher for m, _ in batch], bitmask, rows)
-            few = np.count_nonzero(bitmask.numpy()[rows], axis=1) <= FORCED_MAX_WORDS  # all rows at once
-            for (matcher, i), row_few in zip(batch, few.tolist()):
-                matcher.spell_forced(bitmask, i, free=not row_few)
+            free = np.count_nonzero(bitmask.numpy()[rows], axis=1) > FORCED_MAX_WORDS  # all rows at once
+            for (matcher, i), row_free in zip(batch, free.tolist()):
+                matcher.spell_forced(bitmask, i, free=row_free)
             # the rows that allow a few suspects, found for all at once (most allow none, or
             # hundreds: a string's content)
             for (matcher, i), count in zip(batch, self._suspects_allowed(bitmask, rows)):

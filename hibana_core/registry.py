@@ -131,9 +131,7 @@ class StateRegistry:
             seq = self._new_sequence()
             if saved is not None:
                 self._resume(seq, saved, path)
-            handle = self._add(state_id, seq)
-            self._entries[state_id].stored = stored
-            return handle
+            return self._add(state_id, seq, stored=stored)
 
     # --- persistence (state_dir) ----------------------------------------------------------------
 
@@ -199,9 +197,10 @@ class StateRegistry:
         return KVSequence(self.pool, self.kv_cache.copy_block, self.config.enable_prefix_caching,
                           self.limits.long_rope, self.kv_cache.layout)
 
-    def _add(self, state_id: str, seq: KVSequence, unnamed: bool = False) -> StateHandle:
+    def _add(self, state_id: str, seq: KVSequence, unnamed: bool = False,
+             stored: tuple[int, int, int] | None = None) -> StateHandle:
         handle = StateHandle(self, state_id)
-        self._entries[state_id] = _Entry(handle, seq, StateUse(time.monotonic()), unnamed)
+        self._entries[state_id] = _Entry(handle, seq, StateUse(time.monotonic()), unnamed, stored=stored)
         return handle
 
     def _live(self, handle: StateHandle) -> _Entry | None:

@@ -68,6 +68,12 @@ class ChatResult:
     reasoning: str = ""       # the model's thinking (`<think>...</think>`), apart from `text`
     cut_call: str = ""        # the end of `text` that is a call max_tokens cut off (the parser's `CutCall`)
 
+    @property
+    def content(self) -> str:
+        """`text` without the markup of a call the reply ended inside: what an answer shows (the
+        server's message content, the adapters' text)."""
+        return self.text.removesuffix(self.cut_call)
+
 
 @dataclass(frozen=True)
 class ChatDelta:

@@ -275,22 +275,20 @@ class _Call:
 
     def message(self, result: TurnResult) -> AIMessage:
         # the text as streamed: a reply without tools as generated, a malformed call as written
+        calls, invalid = [], []
         if self.as_content:  # the first call's arguments are the answer
-            calls = []
             # a reply cut at max_tokens (finish_reason "length"): the arguments it had begun, as
             # streaming sends them, never the call's markup
             content = (json.dumps(result.tool_calls[0].arguments, ensure_ascii=False) if result.tool_calls
                        else self.chat.cut_arguments(result.cut_call))
         else:
-            content = result.text
+            content = result.content
             calls = [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in result.tool_calls]
-        invalid = []
-        if result.cut_call and not self.as_content:  # an invalid call, as ChatOpenAI's on a cut, not markup in the text
-            content = content.removesuffix(result.cut_call)
-            name, arguments = self.chat.cut_call_parts(result.cut_call)
-            invalid = [invalid_tool_call(name=name or None, args=arguments, id=None,
-                                         error=f"the reply ended inside this call (finish_reason "
-                                               f"{result.finish_reason!r}): raise max_tokens")]
+            if result.cut_call:  # an invalid call, as ChatOpenAI reports a cut one, not markup in the text
+                name, arguments = self.chat.cut_call_parts(result.cut_call)
+                invalid = [invalid_tool_call(name=name or None, args=arguments, id=None,
+                                             error=f"the reply ended inside this call (finish_reason "
+                                                   f"{result.finish_reason!r}): raise max_tokens")]
         extra = {"reasoning_content": result.reasoning} if result.reasoning else {}
         return AIMessage(content=content, tool_calls=calls, invalid_tool_calls=invalid,
                          usage_metadata=self.usage_metadata(result.usage),
@@ -311,12 +309,14 @@ class _Call:
             call = delta.tool_call
             message = AIMessageChunk(content="", tool_call_chunks=[tool_call_chunk(
                 name=call.name, args=call.arguments_fragment, id=call.id, index=call.index)])
-        elif delta.cut_call and not self.as_content:
-            # a call the reply ended inside: no text, and no chunk either, which LangChain's merge
-            # would parse into a call the model never finished (invoke reports it as invalid)
-            return None
-        elif self.as_content and delta.cut_call and not self.answered and self.chat.cut_arguments(delta.text):
-            message = AIMessageChunk(content=self.chat.cut_arguments(delta.text))  # as `message` has it
+        elif delta.cut_call:
+            # a call the reply ended inside: never its markup, nor a chunk, which LangChain's merge
+            # would parse into a call the model never finished (invoke reports it as invalid); a
+            # structured answer gets the arguments it had begun, as `message` has them
+            arguments = self.chat.cut_arguments(delta.text) if self.as_content and not self.answered else ""
+            if not arguments:
+                return None
+            message = AIMessageChunk(content=arguments)
         elif self.as_content:
             return None  # text around the call is not part of a structured answer
         else:

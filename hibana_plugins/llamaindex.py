@@ -109,7 +109,7 @@ class _Call:
         call = delta.tool_call
         if delta.result is not None:  # a call the reply ended inside is no part of its text (the server's rule)
             self.result, self.reasoning = delta.result, delta.result.reasoning
-            self.content = delta.result.text.removesuffix(delta.result.cut_call)
+            self.content = delta.result.content
             return ""
         if delta.reasoning:
             self.reasoning += delta.reasoning

@@ -379,7 +379,7 @@ class Reply:
 
     def _choice(self, index: int, result: ChatResult) -> dict:
         message = assistant_message(result)  # the thinking as reasoning_content, never inside the content
-        message["content"] = result.text.removesuffix(result.cut_call)  # a cut call's markup is no answer
+        message["content"] = result.content  # a cut call's markup is no answer
         if result.tool_calls and not message["content"]:
             message["content"] = None  # OpenAI's shape for a turn of calls only
         return {"index": index, "message": message, "logprobs": self._logprobs(result),

@@ -113,12 +113,12 @@ class Metrics:
                            registry=r)
         self.running = Gauge("hibana_requests_running", "requests the engine has admitted (prefilling or "
                              "generating)", registry=r)
-        self.steps = StepTimes()
+        self.steps = EngineFigures()
         r.register(self.steps)
 
     def scrape(self, engine: "Engine") -> bytes:
         stats = engine.stats()
-        self.steps.stats = stats  # its tokens too (`StepTimes.collect`)
+        self.steps.stats = stats  # its tokens too (`EngineFigures.collect`)
         self.kv_blocks.labels("total").set(stats.kv_blocks_total)
         self.kv_blocks.labels("used").set(stats.kv_blocks_used)
         self.kv_blocks.labels("cached").set(stats.kv_blocks_cached)
@@ -138,18 +138,17 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class StepTimes:
+class EngineFigures:
     """The engine's step-time histogram, which the engine keeps (`EngineStats.step_time_buckets`),
     as a Prometheus histogram, and its prompt and generated token counts as counters (those of
     every request, cancelled and timed out too): read at each scrape, not counted from here."""
 
     HELP = "wall time of one engine step (schedule, launch, read back; under load the engine's cadence)"
+    PROMPT_HELP = "prompt tokens, by whether their KV was reused from a resident state or computed"
+    GENERATED_HELP = "completion tokens generated"
 
     def __init__(self) -> None:
         self.stats: "EngineStats | None" = None  # the last scrape's
-
-    PROMPT_HELP = "prompt tokens, by whether their KV was reused from a resident state or computed"
-    GENERATED_HELP = "completion tokens generated"
 
     def describe(self) -> list:
         return [HistogramMetricFamily("hibana_step_seconds", self.HELP),
@@ -226,8 +225,11 @@ class Drain:
         await self._event.wait()
 
 
-SHUTTING_DOWN = ("the server is shutting down and its --shutdown-timeout ran out before this request ended; "
-                 "send it again (to this server once it is back, or another)")
+def shutting_down() -> ApiError:
+    """What a request still running when the `Drain` expires gets (the body of a stream's last event)."""
+    return ApiError(503, "the server is shutting down and its --shutdown-timeout ran out before this request "
+                         "ended; send it again (to this server once it is back, or another)",
+                    code="server_shutting_down")
 
 
 def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
@@ -429,7 +431,7 @@ def result_in(batch: list[ChatDelta], result: turn.ChatResult | None = None) -> 
 
 
 async def sse(endpoint: str, reply: Reply, choices: AsyncIterator[tuple[int, list[ChatDelta]]], turns: int,
-              call: ChatCall, metrics: Metrics, drain: Drain | None = None) -> AsyncIterator[str]:
+              call: ChatCall, metrics: Metrics, drain: Drain) -> AsyncIterator[str]:
     """The reply as server-sent events, one write per batch of deltas the engine made at once for
     one of the request's `turns` (`interleaved`: each choice's chunks carry its index; the role
     chunks go with the first, the usage and [DONE] with the last result): each write is a send on
@@ -453,9 +455,9 @@ async def sse(endpoint: str, reply: Reply, choices: AsyncIterator[tuple[int, lis
                     result = result_in(batch)
                     if result is not None:
                         results[index] = result
-                    if len(results) < turns and drain is not None and drain.expired:  # the turns cancelled on leaving
+                    if len(results) < turns and drain.expired:  # the turns cancelled on leaving
                         metrics.requests.labels(endpoint, "stream_error").inc()
-                        yield pending + events(ApiError(503, SHUTTING_DOWN, code="server_shutting_down").body())
+                        yield pending + events(shutting_down().body())
                         return
                     if len(results) < turns:  # the last result's batch goes out with the usage and [DONE]
                         yield pending
@@ -525,7 +527,7 @@ async def unless_gone(request: Request, work: Awaitable[T]) -> T:
                 await task
     if task.cancelled():
         if drain.expired:
-            raise ApiError(503, SHUTTING_DOWN, code="server_shutting_down")
+            raise shutting_down()
         raise ApiError(499, "the client closed the connection before the reply", code="client_closed")
     return task.result()
 

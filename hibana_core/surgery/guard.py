@@ -406,8 +406,8 @@ class Guard:
     def check(self, name: str, surgery_pass: Any, force: bool, *, later: Sequence[Any],
               params: dict[str, Any] | None = None) -> dict[str, Any]:
         """The pass's record figures; a SurgeryGuardError where its own cost is over its floors,
-        or cannot be seen on the documents (none longer than the pass's `guard_reach(params)`),
-        and it is not forced. `later`: the passes that follow; the next one's own cost is measured
+        or cannot be seen on the documents (fewer than MIN_PAST scored positions past the pass's
+        `guard_reach(params)`), and it is not forced. `later`: the passes that follow; the next one's own cost is measured
         against this pass's model (its distributions kept only where that pass's floors bound the KL)."""
         if self.reference is None:
             raise RuntimeError("Guard.check before measure_reference: the reference must be the unmodified model")
@@ -437,8 +437,8 @@ class Guard:
             raise SurgeryGuardError(
                 f"surgery pass {name!r} cannot be measured on {self.source}: its documents reach {longest} "
                 f"tokens (all the text holds, within the model's positions) and the pass changes nothing within "
-                f"{reach}: {past} scored positions lie past it, {MIN_PAST} are asked; give a longer guard text (surgery_guard_text=PATH, `hibana surgery --guard-text PATH`), "
-                f"{_advice(surgery_pass)}, or force it: surgery=[{{'name': {name!r}, 'force': True}}]")
+                f"{reach}: {past} scored positions lie past it, {MIN_PAST} are asked; give a longer guard text "
+                f"(surgery_guard_text=PATH, `hibana surgery --guard-text PATH`), {_advice(surgery_pass)}, or force it: surgery=[{{'name': {name!r}, 'force': True}}]")
         if broken and not force:
             against = f"the model {after} left" if after else "the unmodified model"
             raise SurgeryGuardError(
