@@ -546,9 +546,11 @@ class StateRegistry:
         (`share=True` publishes them in the prefix index, for files the caller trusts)."""
         if state_id is not None:
             _check_id(state_id)
+        with self.lock:  # the file is read without the lock, against the cache as it was (close drops it)
+            self._check_open()
+            cache = self.kv_cache
         saved = self._in_this_pool(state_file.read(state_file.as_path(path), self.limits.fingerprint,
-                                                   self.kv_cache.data.shape, self.kv_cache.dtype,
-                                                   self.kv_cache.layout))
+                                                   cache.data.shape, cache.dtype, cache.layout))
         tokens = self._validate(saved.tokens)
         with self.lock:
             self._check_open()

@@ -153,7 +153,10 @@ class StateHandle:
     def stream(self, params: SamplingParams | None = None, *,
                prompt: Sequence[int] | None = None) -> "RequestEvents":
         """Token by token; the last event carries the completion. Closing the iterator early
-        cancels the request."""
+        cancels the request at the engine's next step: the state keeps the tokens generated until
+        then, which may be more than were read (the engine runs ahead of a slow reader; `tokens`
+        says what it holds). `events.stop()`, then reading on, ends it so and still delivers the
+        completion with all of them."""
         return self._registry.generate(self, params or SamplingParams(), prompt, None)
 
     async def agenerate(self, params: SamplingParams | None = None, *,

@@ -275,7 +275,8 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         closed = engine.core.closed
         return JSONResponse({"status": "closed" if closed else "ok"}, status_code=503 if closed else 200)
 
-    served = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "hibana"}
+    # created: when this server started serving the model (as vLLM's and Ollama's lists say)
+    served = {"id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "hibana"}
 
     def unknown_model(name: str) -> ApiError:
         return ApiError(404, f"the model {name!r:.80} does not exist here; this server serves {config.model_name!r}",

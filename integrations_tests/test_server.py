@@ -55,6 +55,7 @@ def post(base_url: str, body: bytes, key: str | None = KEY) -> tuple[int, dict]:
 
 def test_models_and_health(client, base_url):
     assert [m.id for m in client.models.list()] == ["demo"]
+    assert abs(client.models.list().data[0].created - time.time()) < 24 * 3600  # when it began serving, not 1970
     assert client.models.retrieve("demo").id == "demo"  # GET /v1/models/{model}, as OpenAI serves it
     with pytest.raises(openai.NotFoundError) as caught:
         client.models.retrieve("gpt-9")

@@ -584,6 +584,23 @@ def test_close_frees_weights_and_kv_while_the_engine_is_still_referenced(specula
     assert engine.stats is not None and h is not None  # both still referenced here
 
 
+def test_every_call_on_a_closed_engine_is_an_engine_closed_error(tiny_checkpoints, make_engine, tmp_path):
+    """load_state read the cache's shape before it looked whether the engine was open (an
+    AttributeError on the dropped cache)."""
+    from hibana_core.errors import EngineClosedError
+
+    engine = make_engine(tiny_checkpoints["qwen3"], speculation="off")
+    h = engine.open_state("a")
+    h.sync(random_tokens(random.Random(1), 20))
+    h.save(tmp_path / "a.state")
+    engine.close()
+    for name, call in {"load_state": lambda: engine.load_state(tmp_path / "a.state", state_id="b"),
+                       "open_state": lambda: engine.open_state("c"), "chat": lambda: engine.chat("d").respond(
+                           [{"role": "user", "content": "hi"}])}.items():
+        with pytest.raises(EngineClosedError, match="closed"):
+            call()
+
+
 def test_close_empties_the_weights_even_where_something_holds_the_model(tiny_checkpoints, make_engine):
     """On the H200 a closed CUDA engine's model stayed referenced (graphs and speculation on) and
     its 61 GB of weights with it: close() now empties every weight of the model, whoever holds it.

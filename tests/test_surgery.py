@@ -1030,3 +1030,25 @@ def test_the_guard_keeps_an_earlier_models_distributions_only_for_a_kl_floor():
     assert guard.before is None and record["own_cost"]["mean_kl"] > 0  # measured against b's model
     with pytest.raises(RuntimeError, match="told no pass follows"):
         guard.check("d", Floors(), force=False, later=[])
+
+
+def test_the_guards_scorer_runs_the_head_a_few_hundred_positions_at_a_time(tiny_checkpoints, make_engine,
+                                                                           monkeypatch):
+    """A window pass's documents run thousands of tokens: the scorer never asks the head for more
+    than LOGIT_ROWS positions at once, and its figures are those of one whole-document head."""
+    from hibana_core.surgery import guard as guard_module
+
+    engine = make_engine(tiny_checkpoints["qwen3"], speculation="off")
+    scorer = guard_module.Scorer(engine.model, engine._ctx, engine.model_args, engine.dtype, engine.device, 300)
+    doc = random_tokens(random.Random(5), 300)
+    whole = torch.log_softmax(scorer._forward(doc, 0)[:-1], dim=-1)
+    monkeypatch.setattr(guard_module, "LOGIT_ROWS", 64)
+    rows = []
+    head = engine.model.compute_logits
+    monkeypatch.setattr(engine.model, "compute_logits", lambda hidden: rows.append(len(hidden)) or head(hidden))
+    chunked = scorer.log_probs(doc)
+    assert max(rows) == 64 and sum(rows) == 299 and chunked.device.type == "cpu"
+    torch.testing.assert_close(chunked, whole.cpu())
+    target = torch.tensor(doc[1:])
+    assert scorer.nll(doc) == pytest.approx(-whole.cpu().gather(1, target[:, None]).sum().item(), rel=1e-5)
+    assert scorer.hidden(doc).shape[0] == 300

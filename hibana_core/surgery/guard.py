@@ -46,6 +46,7 @@ MAX_DOCUMENT = 1024     # tokens per document at most
 OPENING = 128           # tokens of each document that open its greedy continuation
 CONTINUATION = 48       # tokens of greedy continuation compared
 GREEDY_TAIL = 64        # most tokens written greedily after a document (ToolCalls.MAX_TOKENS)
+LOGIT_ROWS = 512        # positions whose logits the scorer holds on the device at once (V floats each)
 MIN_PAST = 256          # scored positions past a pass's reach (`guard_reach`) that its figures ask
 RANDOM_SEED = "hibana-guard"  # without a tokenizer (not calibration.py's seed: never score on calibration)
 RANDOM_TEXT = "seeded random ids (the checkpoint has no tokenizer: figures are relative only)"
@@ -184,9 +185,10 @@ class Scorer:
         return self.cache.data.flatten(2, 3)[:, :, :len(tokens)]
 
     def _forward(self, tokens: Sequence[int], start: int, logits: bool = True,
-                 last: bool = False) -> torch.Tensor | None:
+                 last: bool = False, hidden_only: bool = False) -> torch.Tensor | None:
         """Logits of tokens[start:] given the cache holds tokens[:start]; `last`: of the last
-        token only (as generation asks the head for one row: [1, V])."""
+        token only (as generation asks the head for one row: [1, V]); `hidden_only`: the final
+        hidden states instead (the head's input)."""
         n, bs = len(tokens), self.block_size
         new = n - start
         tensor = lambda values, dtype=torch.long: torch.tensor(values, dtype=dtype, device=self.device)  # noqa: E731
@@ -200,13 +202,36 @@ class Scorer:
         try:
             with torch.inference_mode(), self.ctx.forward_batch(batch):
                 hidden = self.model(tensor(list(tokens[start:])), tensor(list(range(start, n))))
+                if hidden_only:
+                    return hidden
                 return self.model.compute_logits(hidden[-1:] if last else hidden).float() if logits else None
         finally:
             self.ctx.kv_cache = saved
 
     def log_probs(self, tokens: Sequence[int]) -> torch.Tensor:
-        """[T - 1, V]: log-probabilities of the token after each position but the last."""
-        return torch.log_softmax(self._forward(tokens, 0)[:-1], dim=-1)
+        """[T - 1, V] float32 on the host: log-probabilities of the token after each position but
+        the last. The head runs LOGIT_ROWS positions at a time, so a long document (a window
+        pass's, thousands of tokens) never holds its whole [T, V] logits on the device."""
+        hidden = self._forward(tokens, 0, hidden_only=True)[:-1]
+        with torch.inference_mode():
+            return torch.cat([torch.log_softmax(self.model.compute_logits(hidden[i:i + LOGIT_ROWS]).float(), dim=-1).cpu()
+                              for i in range(0, hidden.shape[0], LOGIT_ROWS)])
+
+    def nll(self, tokens: Sequence[int]) -> float:
+        """The summed negative log-likelihood of tokens[1:] (the head LOGIT_ROWS positions at a
+        time, on the device)."""
+        hidden = self._forward(tokens, 0, hidden_only=True)[:-1]
+        target = torch.tensor(list(tokens[1:]), device=hidden.device)
+        total = 0.0
+        with torch.inference_mode():
+            for i in range(0, hidden.shape[0], LOGIT_ROWS):
+                logp = torch.log_softmax(self.model.compute_logits(hidden[i:i + LOGIT_ROWS]).float(), dim=-1)
+                total -= logp.gather(1, target[i:i + LOGIT_ROWS, None]).sum().item()
+        return total
+
+    def hidden(self, tokens: Sequence[int]) -> torch.Tensor:
+        """The final hidden states of `tokens` ([T, hidden]): one forward, no head."""
+        return self._forward(tokens, 0, hidden_only=True)
 
     def forced_greedy(self, opening: Sequence[int], continuation: Sequence[int]) -> list[int]:
         """This model's greedy choices along `continuation`, computed as generation computes them:

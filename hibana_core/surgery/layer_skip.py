@@ -61,7 +61,7 @@ def layer_importance(engine: Any, documents: list[list[int]]) -> list[float]:
         scorer = Scorer(engine.model, engine._ctx, engine.model_args, engine.dtype, engine.device,
                         max(len(d) for d in documents))
         for doc in documents:
-            scorer.log_probs(doc)
+            scorer.hidden(doc)
             count[0] += len(doc)
     finally:
         for handle in handles:

@@ -123,8 +123,6 @@ def rank_layers(attentions: list[Any], full: list[int], window: int, sinks: int,
                 calibration: Any) -> tuple[int, dict[int, float]]:
     """(probe window, per full-attention layer the mean NLL increase on the calibration text when
     that layer alone attends to `sinks` first tokens and the probe window)."""
-    import torch
-
     from hibana_core.surgery import progress_bar
     from hibana_core.surgery.guard import Scorer
 
@@ -137,9 +135,7 @@ def rank_layers(attentions: list[Any], full: list[int], window: int, sinks: int,
     def nll() -> float:
         total, count = 0.0, 0
         for doc in documents:
-            logp = scorer.log_probs(doc)
-            target = torch.tensor(doc[1:], device=logp.device)
-            total -= logp.gather(1, target[:, None]).sum().item()
+            total += scorer.nll(doc)
             count += len(doc) - 1
         return total / max(count, 1)
 
