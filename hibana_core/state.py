@@ -50,8 +50,9 @@ class RequestStats:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A generated token's log-probability under the model (`SamplingParams.logprobs`), and the
-    most likely tokens at its position (`top_logprobs`), most likely first."""
+    """A generated token's log-probability under the model (`SamplingParams.logprobs`), and in
+    `top` the most likely tokens at its position (as many as `SamplingParams.top_logprobs`), most
+    likely first."""
 
     token_id: int
     logprob: float

@@ -72,7 +72,7 @@ class SamplingRequest(BaseModel):
     # vLLM's extra sampling fields (OpenAI has none of them; clients send them in extra_body)
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: every token
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)  # vLLM's: no upper bound
     user: str | None = Field(None, max_length=MAX_STATE_ID)
     logit_bias: dict[str, Any] | None = None  # refused when given (`chat_call`)
 
@@ -219,7 +219,12 @@ def choice_calls(call: ChatCall) -> list[ChatCall]:
     with seed + i (one seed samples the same tokens), so that choice 0 is the reply to n=1."""
     seed = call.params.seed
     return [call if i == 0 or seed is None else dataclasses.replace(
-        call, params=dataclasses.replace(call.params, seed=seed + i)) for i in range(call.n)]
+        call, params=dataclasses.replace(call.params, seed=_int64(seed + i))) for i in range(call.n)]
+
+
+def _int64(seed: int) -> int:
+    """`seed` wrapped into the signed 64-bit range the sampler takes (choice i of a seed near its top)."""
+    return (seed + 2**63) % 2**64 - 2**63
 
 
 def contents_given(messages: list[dict]) -> None:

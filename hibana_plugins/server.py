@@ -310,9 +310,10 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
             call = chat_call(parsed, request.headers.get(STATE_HEADER), max_tokens_limit)
             prompt = await asyncio.to_thread(chat.render_text, parsed.messages, call.listed_tools,
                                            call.reasoning, effort=call.effort)
+            choices = choice_calls(call)
         except HibanaError as exc:
             raise api_error(exc) from None
-        servings = [Serving(chat, prompt, choice, config.request_timeout) for choice in choice_calls(call)]
+        servings = [Serving(chat, prompt, choice, config.request_timeout) for choice in choices]
         return await serve(request, received, servings, Reply(config.model_name, chat.openai_logprobs, call.n))
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
@@ -322,10 +323,10 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         prompts = prompts_of(parsed, request.headers.get(STATE_HEADER))
         try:
             call = chat_call(parsed, request.headers.get(STATE_HEADER), max_tokens_limit)
+            choices = choice_calls(call)
         except HibanaError as exc:
             raise api_error(exc) from None
-        servings = [Serving(text_chat, prompt, choice, config.request_timeout)
-                    for prompt in prompts for choice in choice_calls(call)]
+        servings = [Serving(text_chat, prompt, choice, config.request_timeout) for prompt in prompts for choice in choices]
         return await serve(request, received, servings, TextReply(config.model_name, call.n))
 
     async def serve(request: Request, received: float, servings: "list[Serving]", reply: Reply) -> Response:

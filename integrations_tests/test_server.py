@@ -275,6 +275,7 @@ def test_vllm_sampling_fields_in_extra_body_sample_as_asked(client):
         .choices[0].message.content != greedy
     penalized = client.chat.completions.create(**ask, extra_body={"repetition_penalty": 2.0})
     assert penalized.choices[0].message.content != greedy
+    assert client.chat.completions.create(**ask, extra_body={"repetition_penalty": 3.0}).choices  # vLLM's: no cap
     for bad in ({"top_k": -2}, {"min_p": 1.5}, {"repetition_penalty": 0}):
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(**ask, extra_body=bad)
@@ -679,6 +680,12 @@ def test_n_choices_are_the_replies_of_n_requests(client):
     one = [client.completions.create(model="demo", prompt=p, max_tokens=6, temperature=1.5, seed=s).choices[0].text
            for p in ("Once upon a time", "Hello") for s in (3, 4)]
     assert [c.index for c in texts] == [0, 1, 2, 3] and [c.text for c in texts] == one
+    top = 2**63 - 1  # the largest seed taken: choice 1 samples with the bottom of the range (was a 500)
+    edge = client.chat.completions.create(**ask, temperature=1.5, seed=top, n=2).choices
+    assert edge[0].message.content == client.chat.completions.create(**ask, temperature=1.5, seed=top) \
+        .choices[0].message.content
+    assert edge[1].message.content == client.chat.completions.create(**ask, temperature=1.5, seed=-2**63) \
+        .choices[0].message.content
 
 
 def test_n_choices_and_several_prompts_stream_by_index(client):
