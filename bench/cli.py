@@ -392,9 +392,10 @@ def print_decode(report: dict) -> None:
         print(f"copy bandwidth {report['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s -> batch-1 roofline "
               f"{roof:.1f} tok/s (weights only)")
     print("weight GB: what the engine holds (after surgery); KV MB/tok: the keys and values one decode "
-          "token reads at the row's context")
-    print(f"{'system':<16}{'context':>8}{'decode tok/s':>14}{'% roofline':>12}{'tok/step':>9}{'prefill tok/s':>15}"
-          f"{'weight GB':>11}{'KV MB/tok':>11}{'row/hibana':>11}  guard")
+          "token reads at the row's context; % roofline: of the weight bytes a token reads, % +KV: of "
+          "those and its KV bytes")
+    print(f"{'system':<16}{'context':>8}{'decode tok/s':>14}{'% roofline':>12}{'% +KV':>7}{'tok/step':>9}"
+          f"{'prefill tok/s':>15}{'weight GB':>11}{'KV MB/tok':>11}{'row/hibana':>11}  guard")
     bandwidth = report["copy_bandwidth_bytes_s"]
     base = {r["context"]: r["decode_tok_s"] for r in report["rows"] if r["system"] == "hibana"}
     for row in report["rows"]:
@@ -404,6 +405,9 @@ def print_decode(report: dict) -> None:
         read = row.get("read_bytes") or row.get("weight_bytes")
         own = bandwidth / read if bandwidth and read else roof
         share = f"{100 * row['decode_tok_s'] / own:.0f}%" if own else "-"
+        # the same against every byte a token reads: its weights and its context's keys and values
+        with_kv = f"{100 * row['decode_tok_s'] * (read + row['kv_read_bytes']) / bandwidth:.0f}%" \
+            if bandwidth and read and row.get("kv_read_bytes") else "-"
         size = f"{row['weight_bytes'] / 1e9:.3f}" if row.get("weight_bytes") else "-"
         kv = f"{row['kv_read_bytes'] / 1e6:.3f}" if row.get("kv_read_bytes") else "-"  # at the row's context
         ratio = f"{row['decode_tok_s'] / base[row['context']]:.2f}x" if row["context"] in base else "-"
@@ -411,7 +415,7 @@ def print_decode(report: dict) -> None:
         verdict = "-" if not guard else (f"ppl x{guard['ppl_ratio']:.4f}, top-1 {guard['top1_agreement']:.1%}: "
                                          f"{guard['decision']}")
         per_step = f"{row['tokens_per_step']:.2f}" if row.get("tokens_per_step") else "-"
-        print(f"{row['system']:<16}{row['context']:>8}{row['decode_tok_s']:>14.1f}{share:>12}{per_step:>9}"
+        print(f"{row['system']:<16}{row['context']:>8}{row['decode_tok_s']:>14.1f}{share:>12}{with_kv:>7}{per_step:>9}"
               f"{row['prefill_tok_s']:>15.0f}{size:>11}{kv:>11}{ratio:>11}  {verdict}")
     if any((row.get("tokens_per_step") or 1.0) > 1.0 for row in report["rows"]):
         print("tok/step above 1: speculation's accepted drafts count in decode tok/s and % roofline"

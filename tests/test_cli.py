@@ -452,3 +452,17 @@ def test_bench_decode_says_when_accepted_drafts_count(capsys):
     assert "accepted drafts count" in capsys.readouterr().out
     print_decode(dict(report, rows=report["rows"][1:]))
     assert "accepted drafts" not in capsys.readouterr().out
+
+
+def test_bench_decode_shows_the_roofline_with_the_kv_a_token_reads(capsys):
+    """At long contexts a token reads its KV beside the weights: the table's "% +KV" column is the
+    decode speed against both (300 tok/s x (1 GB + 0.5 GB) at 0.6 TB/s: 75%), "% roofline" against the
+    weights alone (50%)."""
+    from hibana_bench.cli import print_decode
+
+    row = dict(system="hibana_spec_off", context=8192, decode_tok_s=300.0, prefill_tok_s=1e4, weight_bytes=1e9,
+               read_bytes=1e9, kv_read_bytes=5e8, tokens_per_step=1.0, guard=None)
+    print_decode(dict(model="tiny", random_weights=True, weight_bytes=1e9, roofline_tok_s=600.0,
+                      copy_bandwidth_bytes_s=6e11, rows=[row]))
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("hibana_spec_off"))
+    assert line.split()[3:5] == ["50%", "75%"], line
