@@ -41,8 +41,8 @@ from hibana_core.messages import (KNOWN_ROLES, ConversationError, ToolChoiceErro
                                   clean_schema, clean_tool, normalize_messages, normalize_tool_choice,
                                   normalize_tools)
 from hibana_core.turn import MALFORMED, ChatDelta, ChatResult, Usage  # noqa: F401 (re-exported)
-from hibana_plugins.hookspecs import ParsedOutput
-from hibana_plugins.manager import describe_registered, get_plugin_manager
+from hibana_plugins.hookspecs import ParsedOutput, ToolCall, ToolCallDelta
+from hibana_plugins.manager import PluginError, describe_registered, get_plugin_manager
 
 if TYPE_CHECKING:
     from hibana_core.engine import Engine
@@ -81,16 +81,33 @@ class Chat:
                               "has none; use state handles with token ids instead")
         self.engine = engine
         vocab = engine.tokenizer.get_vocab()
-        chat_format = get_plugin_manager().chat_formats().get(getattr(engine.hf_config, "model_type", None))
+        model_type = getattr(engine.hf_config, "model_type", None)
+        chat_format = get_plugin_manager().chat_formats().get(model_type)
+        self._format: str | None = None  # how errors name the chat format in use, and its plugin
+        if chat_format is not None:
+            self._format = f"chat format {model_type!r} ({describe_registered(chat_format)})"
+            _check_format(self._format, chat_format)
         ends = getattr(chat_format, "end_of_turn_tokens", None)
         if ends and not any(t in vocab for t in ends):
-            chat_format = ends = None  # a tokenizer that does not speak the family's format: its template's is used
+            chat_format = ends = self._format = None  # a tokenizer that does not speak the family's format:
+            # its template's is used
         self.template: str | None = getattr(chat_format, "template", None)
-        self._prepare = getattr(chat_format, "prepare_messages", list)  # a format's fixes to what its template refuses
+        if self.template:
+            self._check_compiles(self.template)
+        # a format's fixes to what its template refuses
+        self._prepare: Callable[[list[dict]], list[dict]] = getattr(chat_format, "prepare_messages", None) or list
         self._efforts: tuple[str, ...] | None = getattr(chat_format, "reasoning_efforts", None)  # levels it reads
         self._always_thinks = bool(getattr(chat_format, "always_thinks", False))  # no switch for thinking
-        self.parser_name = tool_parser or getattr(chat_format, "tool_parser", None) or DEFAULT_TOOL_PARSER
-        self.parser = _checked_parser(self.parser_name, get_plugin_manager().lookup("tool_parser", self.parser_name))
+        named = None if tool_parser else getattr(chat_format, "tool_parser", None)  # the format's choice
+        self.parser_name = tool_parser or named or DEFAULT_TOOL_PARSER
+        try:
+            registered = get_plugin_manager().lookup("tool_parser", self.parser_name)
+        except PluginError as exc:
+            if not named:
+                raise
+            raise PluginError(f"{self._format} names tool parser {named!r} (its tool_parser), and {exc} Or give "
+                              "another: tool_parser=...") from exc
+        self.parser = _checked_parser(self.parser_name, registered)
         self.stop_token_ids = tuple(vocab[t] for t in (END_OF_TURN_TOKENS if ends is None else ends)
                                     if t in vocab and vocab[t] < engine.vocab_size)  # a format's own (harmony:
         # <|end|> ends a message, not the turn); a token the tokenizer adds past the model's vocabulary never comes
@@ -201,7 +218,7 @@ class Chat:
                                   + (f" (its least reasoning_effort is {self._efforts[0]!r})" if self._efforts else ""))
             kwargs["enable_thinking"] = reasoning
 
-        messages, tools = self._prepare(normalize_messages(messages)), normalize_tools(tools)
+        messages, tools = self._prepared(normalize_messages(messages)), normalize_tools(tools)
         if tools:  # OpenAI's description is optional; templates (gpt-oss's) read it unguarded
             tools = [t if "description" in t["function"] else {**t, "function": {**t["function"], "description": ""}}
                      for t in tools]
@@ -229,8 +246,40 @@ class Chat:
                 return self.engine.tokenizer.apply_chat_template(
                     messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs)
             except Exception as exc:  # jinja raises many types for a conversation it rejects
-                raise ConversationError(f"cannot render the conversation with the chat template: {exc}") from exc
+                whose = f"{self._format}'s template" if self._format and self.template else "the chat template"
+                raise ConversationError(f"cannot render the conversation with {whose}: {exc}") from exc
         return prompt.render(template, messages, tools, self.control)
+
+    def _prepared(self, messages: list[dict]) -> list[dict]:
+        """`messages` after the chat format's prepare_messages; what it raises but a HibanaError (a
+        refusal of the conversation is a ConversationError), or a result that is no list of
+        messages, is a ConfigError naming the format."""
+        try:
+            prepared = self._prepare(messages)
+        except HibanaError:
+            raise
+        except Exception as exc:
+            raise ConfigError(f"{self._format} failed in prepare_messages: {exc!r}; fix its plugin") from exc
+        if not isinstance(prepared, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                     for m in prepared):
+            raise ConfigError(f"{self._format} returned {type(prepared).__name__} {prepared!r:.80} from "
+                              "prepare_messages, not a list of messages (dicts with a role); fix its plugin")
+        return prepared
+
+    def _check_compiles(self, template: str) -> None:
+        """A ConfigError naming the chat format unless its template compiles, in the Jinja
+        environment transformers renders with: a probe is rendered (a template that refuses the
+        probe's conversation compiled all the same)."""
+        import jinja2
+
+        try:
+            self.engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=template,
+                                                      add_generation_prompt=True, tokenize=False)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ConfigError(f"{self._format} has a template that is no valid Jinja ({exc.message}, line "
+                              f"{exc.lineno}); fix its plugin") from exc
+        except Exception:  # noqa: BLE001 - it compiled; what it says of the probe is no fault of its own
+            pass
 
     def count_tokens(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
                      reasoning: bool | None = None) -> int:
@@ -535,8 +584,10 @@ class Chat:
         if tool_choice == "none" or not tools:  # no tool offered: a call would name none, its text is content
             tools, parse_tools = None, False
         params = params or SamplingParams(max_tokens=256)
-        params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys(
-            tuple(params.stop_token_ids) + self.stop_token_ids)))
+        # ignore_eos: the turn runs on past the end-of-turn tokens that are the model's end of sequence (as the
+        # engine's generate and vLLM's chat do; a grammar still ends there where it allows nothing else)
+        ends = tuple(t for t in self.stop_token_ids if not (params.ignore_eos and t in self.engine.eos_token_ids))
+        params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys(tuple(params.stop_token_ids) + ends)))
         # a template may open the think block itself (its generation prompt ends in "<think>")
         end = (self.engine.tokenizer.decode(list(messages[-4:]), skip_special_tokens=False)
                if isinstance(messages, TokenIds) else str(messages))
@@ -613,6 +664,24 @@ def _checked_parser(name: str, parser: Any) -> Any:
     return parser
 
 
+def _check_format(described: str, chat_format: Any) -> None:
+    """A ConfigError naming the chat format where an attribute `Chat` reads is of another type
+    than register_chat_formats says (each may be left out, or None)."""
+    def is_strings(value: Any) -> bool:
+        return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+
+    expected = {"template": ("a Jinja template (str)", lambda v: isinstance(v, str)),
+                "tool_parser": ("a registered tool parser's name (str)", lambda v: isinstance(v, str)),
+                "end_of_turn_tokens": ("a list of token texts", is_strings),
+                "reasoning_efforts": ("a list of reasoning_effort levels (str)", is_strings),
+                "prepare_messages": ("a function of the messages", callable)}
+    for attribute, (what, fits) in expected.items():
+        value = getattr(chat_format, attribute, None)
+        if value is not None and not fits(value):
+            raise ConfigError(f"{described} has {attribute} = {type(value).__name__} {value!r:.80}, where "
+                              f"{what} or None belongs; fix its plugin")
+
+
 class _CheckedStream:
     """A tool parser's stream whose failures, a plugin's bug or a result of the wrong type, are
     HibanaErrors naming the parser (the engine goes on; the turn fails, its state put back)."""
@@ -627,9 +696,26 @@ class _CheckedStream:
 
     def _checked(self, method: str, out: Any, kind: type) -> Any:
         if not isinstance(out, kind):
-            raise HibanaError(f"tool parser {self._name!r} ({describe_registered(self._parser)}) returned "
-                              f"{type(out).__name__} from {method}, not a {kind.__name__}; fix its plugin, or "
-                              "name another tool_parser")
+            self._returned(f"{type(out).__name__}", method, f"not a {kind.__name__}")
+        return out
+
+    def _returned(self, what: str, method: str, instead: str) -> None:
+        raise HibanaError(f"tool parser {self._name!r} ({describe_registered(self._parser)}) returned {what} from "
+                          f"{method}, {instead}; fix its plugin, or name another tool_parser")
+
+    def _pieces(self, method: str, out: Any) -> list:
+        """`out`, checked to be a list of text (str) and ToolCallDelta pieces."""
+        self._checked(method, out, list)
+        for piece in out:
+            if isinstance(piece, str):
+                continue
+            if not isinstance(piece, ToolCallDelta):
+                self._returned(f"a list holding {type(piece).__name__} {piece!r:.60}", method,
+                               "where text (str) and ToolCallDelta pieces belong")
+            if not (isinstance(piece.arguments_fragment, str) and all(isinstance(v, (str, type(None)))
+                                                                       for v in (piece.id, piece.name))):
+                self._returned(f"{piece!r:.100}", method, "whose id and name are str or None and "
+                               "arguments_fragment a str (JSON text)")
         return out
 
     def feed(self, text: str) -> list:
@@ -639,17 +725,32 @@ class _CheckedStream:
             raise
         except Exception as exc:
             raise _parser_failed(self._name, self._parser, "in feed", exc) from exc
-        return out if type(out) is list else self._checked("feed", out, list)
+        return out if type(out) is list and not out else self._pieces("feed", out)
 
     def close(self) -> list:
         with _blamed_on(self._name, self._parser, "in close"):
             out = self._stream.close()
-        return self._checked("close", out, list)
+        return self._pieces("close", out)
 
     def finish(self) -> ParsedOutput:
         with _blamed_on(self._name, self._parser, "in finish"):
             out = self._stream.finish()
-        return self._checked("finish", out, ParsedOutput)
+        self._checked("finish", out, ParsedOutput)
+        if not isinstance(out.content, str):
+            self._returned(f"a ParsedOutput whose content is {type(out.content).__name__}", "finish", "not a str")
+        if not isinstance(out.error, (str, type(None))):
+            self._returned(f"a ParsedOutput whose error is {type(out.error).__name__}", "finish", "not a str or None")
+        if not isinstance(out.tool_calls, list):
+            self._returned(f"a ParsedOutput whose tool_calls is {type(out.tool_calls).__name__}", "finish",
+                           "not a list")
+        for call in out.tool_calls:
+            if not isinstance(call, ToolCall):
+                self._returned(f"a tool call that is {type(call).__name__} {call!r:.60}", "finish",
+                               "not a ToolCall(id, name, arguments)")
+            if not (isinstance(call.id, str) and isinstance(call.name, str) and isinstance(call.arguments, dict)):
+                self._returned(f"{call!r:.100}", "finish", "where a ToolCall's id and name are str and its "
+                               "arguments a dict (the JSON decoded)")
+        return out
 
     def __getattr__(self, attribute: str) -> Any:  # what else the turn reads of it (its reasoning)
         return getattr(self._stream, attribute)

@@ -19,12 +19,12 @@ from typing import Any, Callable, Iterator
 import torch
 
 from hibana_core import hub
-from hibana_core.errors import CheckpointError, ConfigError, UnsupportedModelError
+from hibana_core.errors import CheckpointError, ConfigError, HibanaError, UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.models.moe import PACKED_PARTS, STACKS
 from hibana_core.progress import LoadProgress, bar as progress_bar
 from hibana_core.surgery.checkpoint import MANIFEST, read_manifest
-from hibana_plugins.manager import get_plugin_manager
+from hibana_plugins.manager import describe_registered, get_plugin_manager
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo" / "model"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -147,7 +147,7 @@ def load_model(model: str, device: torch.device, dtype: str, ctx: ForwardContext
         family = _family(model_type)
         hf_config = read_config(path, model_type)
         torch_dtype = resolve_dtype(dtype, device, hf_config)
-        module, args = _build(family, hf_config, device, torch_dtype, ctx)
+        module, args = _build(model_type, family, hf_config, device, torch_dtype, ctx)
         check_max_model_len(max_model_len, args)
     with stages.stage("weights"):
         quantization = getattr(hf_config, "quantization_config", None)
@@ -156,7 +156,7 @@ def load_model(model: str, device: torch.device, dtype: str, ctx: ForwardContext
         manifest = read_manifest(path)
         _load_weights(module, path, progress, manifest, quantization)
     with stages.stage("tokenizer"):
-        loaded = _loaded(module, args, hf_config, load_tokenizer(path), _eos_token_ids(path, hf_config),
+        loaded = _loaded(module, args, hf_config, load_tokenizer(path, hf_config), _eos_token_ids(path, hf_config),
                          torch_dtype, _checkpoint_fingerprint(path, manifest, torch_dtype))
     loaded.surgery = list(manifest["passes"]) if manifest else []
     return loaded
@@ -170,7 +170,7 @@ def load_from_hf_model(hf_model: torch.nn.Module, device: torch.device, dtype: s
     hf_config = hf_model.config
     family = _family(hf_config.model_type)
     torch_dtype = resolve_dtype(dtype, device, hf_config)
-    module, args = _build(family, hf_config, device, torch_dtype, ctx)
+    module, args = _build(hf_config.model_type, family, hf_config, device, torch_dtype, ctx)
     state = hf_model.state_dict()
     source = f"the in-memory {type(hf_model).__name__}"
     _copy_weights(module, ((name, source, lambda name=name: state[name]) for name in state), len(state),
@@ -191,14 +191,57 @@ def _family(model_type: str) -> Any:
     return families[model_type]
 
 
-def _build(family: Any, hf_config: Any, device: torch.device, dtype: torch.dtype,
+def _build(model_type: str, family: Any, hf_config: Any, device: torch.device, dtype: torch.dtype,
            ctx: ForwardContext) -> tuple[torch.nn.Module, Any]:
-    with torch.device("meta"), _no_init():  # no memory and no random init for weights about to be loaded
-        module, args = family.build(hf_config, ctx)
+    module, args = _built_on_meta(model_type, family, hf_config, ctx)
     module = module.to(dtype=dtype).to_empty(device=device)
     if hasattr(module, "tie_weights"):
         module.tie_weights()  # to_empty gives each twin its own storage
     return module, args
+
+
+FAMILY_ARGS = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_position_embeddings")
+"""What the engine reads of a family's args (positive integers): the KV cache's layout and the limits."""
+
+
+def _built_on_meta(model_type: str, family: Any, hf_config: Any, ctx: ForwardContext) -> tuple[torch.nn.Module, Any]:
+    """`family.build(hf_config, ctx)` on the meta device (no memory, and no random init for weights
+    about to be loaded), checked: what a plugin's build raises but a HibanaError, or a result of
+    another shape, is a ConfigError that names the family and its plugin."""
+    described = f"model family {model_type!r} ({describe_registered(family)})"
+    if not callable(getattr(family, "build", None)):
+        raise ConfigError(f"{described} has no build(hf_config, ctx) method; fix its plugin: register an "
+                          "object or module with build")
+    try:
+        with torch.device("meta"), _no_init():
+            built = family.build(hf_config, ctx)
+    except HibanaError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"{described} failed in build: {exc!r}; the checkpoint's config.json may lack what "
+                          "the family reads, else fix its plugin or report it to its author") from exc
+    shape = (" must return (model, args): an nn.Module with compute_logits(hidden), and args with "
+             f"{', '.join(FAMILY_ARGS)} (positive integers); fix its plugin")
+    if not isinstance(built, tuple) or len(built) != 2:
+        raise ConfigError(f"{described} returned {_shown(built)} from build, which{shape}")
+    module, args = built
+    if not isinstance(module, torch.nn.Module) or not callable(getattr(module, "compute_logits", None)):
+        raise ConfigError(f"{described} returned {_shown(module)} as the model from build, which{shape}")
+    bad = [name for name in FAMILY_ARGS if not _positive_int(getattr(args, name, None))]
+    if bad:
+        raise ConfigError(f"{described} returned args whose {', '.join(bad)} "
+                          f"{'is' if len(bad) == 1 else 'are'} missing or no positive integer "
+                          f"({_shown(args)}) from build, which{shape}")
+    return module, args
+
+
+def _shown(value: Any) -> str:
+    """A value in an error message: its type, and its repr cut short."""
+    return f"{type(value).__name__} {value!r:.80}"
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 _INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
@@ -248,8 +291,7 @@ def planned_model(model: str, dtype: torch.dtype) -> tuple[int, Any]:
     path = resolve_checkpoint(model)
     model_type = read_model_type(path)
     family = _family(model_type)
-    with torch.device("meta"), _no_init():
-        module, args = family.build(read_config(path, model_type), ForwardContext())
+    module, args = _built_on_meta(model_type, family, read_config(path, model_type), ForwardContext())
     return model_bytes(module.to(dtype=dtype)), args
 
 
@@ -472,14 +514,17 @@ def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progr
                               "another architecture")
 
 
-def load_tokenizer(path: Path) -> Any | None:
-    """The checkpoint's tokenizer; None where it has no tokenizer files (a model alone)."""
+def load_tokenizer(path: Path, hf_config: Any | None = None) -> Any | None:
+    """The checkpoint's tokenizer; None where it has no tokenizer files (a model alone).
+    `hf_config`: the checkpoint's config (`read_config`), which transformers would otherwise read
+    again, and for a model_type it does not know (a plugin's family) read with a warning that the
+    types differ."""
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, **({"config": hf_config} if hf_config is not None else {}))
     except Exception as exc:
         raise CheckpointError(f"cannot load the tokenizer in {path}: {exc}") from exc
     # transformers warns once that a text longer than model_max_length "will result in indexing

@@ -72,6 +72,11 @@ def register_tool_parsers(register) -> None:
       markup is made of special tokens (harmony's `<|call|>`) splits at those spans only: the
       same characters spelled by ordinary tokens (a quoted tool result) are content. A plain
       `str` is read as its tokenizer would encode it: every marker's text is the marker.
+    - The chat layer checks what a stream returns: pieces that are `str` or `ToolCallDelta`, and a
+      `ParsedOutput` whose content is a `str`, error a `str` or None, and tool_calls a list of
+      `ToolCall` with a `str` id and name and `dict` arguments (decoded, not JSON text). Anything
+      else, or an exception (but a HibanaError), fails the turn with a HibanaError naming the
+      parser.
 
     Optional, for calls valid by construction (grammar-constrained; otherwise the hermes and
     llama3_json syntaxes are known by name and other parsers get no grammar):
@@ -90,16 +95,21 @@ def register_tool_parsers(register) -> None:
 def register_chat_formats(register) -> None:
     """Register chat-template overrides or fixes: `register(name, chat_format)`.
 
-    `name` is the Hugging Face `model_type` the format applies to (or a name a user selects
-    explicitly). `chat_format` provides `template: str`, a Jinja chat template used instead of
-    the checkpoint's own (same variables as transformers' `apply_chat_template`: messages, tools,
-    add_generation_prompt), and may provide `tool_parser: str`, the registered name of the tool
-    parser that reads its output, `end_of_turn_tokens`, the tokens that end an assistant turn,
-    `prepare_messages(messages) -> messages`, applied to the normalised OpenAI-style messages
-    before the template renders them (to leave out what the template would refuse),
-    `reasoning_efforts`, the reasoning_effort levels its template reads (another is refused),
-    and `always_thinks`, true where thinking cannot be switched off (reasoning=False is refused).
-    `hibana_core.chat.Chat` reads these attributes alone.
+    `name` is the Hugging Face `model_type` the format applies to: the chat layer looks a format
+    up by the checkpoint's model_type alone (no option selects one by another name).
+    `chat_format` provides `template: str`, a Jinja chat template used instead of the
+    checkpoint's own (same variables as transformers' `apply_chat_template`: messages, tools,
+    add_generation_prompt; None keeps the checkpoint's), and may provide `tool_parser: str`, the
+    registered name of the tool parser that reads its output, `end_of_turn_tokens`, the tokens
+    that end an assistant turn, `prepare_messages(messages) -> messages`, applied to the
+    normalised OpenAI-style messages before the template renders them (to leave out what the
+    template would refuse; a ConversationError refuses the conversation), `reasoning_efforts`,
+    the reasoning_effort levels its template reads (another is refused), and `always_thinks`,
+    true where thinking cannot be switched off (reasoning=False is refused).
+    `hibana_core.chat.Chat` reads these attributes alone. One of another type, a template that is
+    no valid Jinja or a tool_parser no plugin registers is an error naming the format when the
+    chat layer is made; a prepare_messages that raises (but a HibanaError) or returns no list of
+    messages is a ConfigError naming it when a conversation is rendered.
     """
 
 
@@ -111,7 +121,8 @@ def register_model_families(register) -> None:
     provides `build(hf_config, ctx) -> (model, args)`: the model is an `nn.Module` with
     `forward(input_ids, positions) -> hidden` and `compute_logits(hidden)` whose parameter names
     match the checkpoint's; args carries num_layers, num_kv_heads, head_dim, vocab_size and
-    max_position_embeddings (see `hibana_core.models`).
+    max_position_embeddings, positive integers (see `hibana_core.models`). A build that raises
+    (but a HibanaError) or returns another shape is a ConfigError naming the family.
     """
 
 

@@ -140,6 +140,8 @@ def _describe_exception(exc: BaseException) -> str:
 def describe_registered(obj: object) -> str:
     """How an error names what a plugin registered: the class, function or instance, with the
     module it comes from (which tells the user whose plugin it is)."""
+    if isinstance(obj, ModuleType):  # (model families are modules)
+        return f"the module {obj.__name__}"
     if isinstance(obj, type) or (callable(obj) and hasattr(obj, "__qualname__")):
         kind = "the class" if isinstance(obj, type) else "the function"
         return f"{kind} {obj.__module__}.{obj.__qualname__}"
@@ -311,7 +313,7 @@ class HibanaPluginManager:
         return self.registry("tool_parser")
 
     def chat_formats(self) -> dict[str, object]:
-        """Chat-template overrides by model_type (or chosen name)."""
+        """Chat formats by the model_type they apply to (the chat layer looks them up by it alone)."""
         return self.registry("chat_format")
 
     def model_families(self) -> dict[str, object]:
@@ -370,7 +372,8 @@ class HibanaPluginManager:
             try:
                 impl.function(**{arg: register for arg in impl.argnames})
             except Exception as exc:
-                self._report(impl.plugin_name, caller.name, exc)
+                source = self._sources.get(impl.plugin_name)
+                self._report(impl.plugin_name, caller.name, exc, package=source.package if source else None)
                 continue
             for name, obj in offered.items():
                 if name in entries:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
+import types
 
 import pytest
 
@@ -737,6 +739,160 @@ def test_a_plugin_tool_parser_that_is_none_or_breaks_is_a_hibana_error(engine):
     finally:
         reset_plugin_manager()
     assert Chat(engine, "after-parsers").respond(HELLO, params=SamplingParams(max_tokens=4)).usage.completion_tokens
+
+
+@contextlib.contextmanager
+def with_plugin(plugin, name: str):
+    """`plugin` registered on a fresh plugin manager until the block ends (then the manager is fresh again)."""
+    from hibana_plugins.manager import reset_plugin_manager
+
+    reset_plugin_manager()
+    get_plugin_manager().register(plugin, name=name)
+    try:
+        yield
+    finally:
+        reset_plugin_manager()
+
+
+def test_a_plugin_chat_format_that_breaks_is_an_error_naming_it_and_what_is_wrong(engine):
+    """A chat format's template that is no string or no valid Jinja was a ConversationError at the
+    first call ("cannot render the conversation", blaming the user's messages); its
+    prepare_messages raising was the plugin's bare exception; a tool_parser that no plugin
+    registers was a PluginError that did not say which format asked. Each is now a ConfigError
+    (PluginError for the missing parser) naming the chat format, its plugin and the attribute at
+    fault: the template's when the Chat is made. A refusal of the conversation (a ConversationError
+    from prepare_messages, a template that raises on it) stays a ConversationError."""
+    from hibana_core.errors import ConfigError, ConversationError, PluginError
+    from hibana_plugins.hookspecs import hookimpl
+
+    def prepare_raises(messages):
+        raise RuntimeError("a bug in prepare_messages")
+
+    def prepare_refuses(messages):
+        raise ConversationError("this format takes no such conversation")
+
+    refusing = "{% if messages[0].content == 'Hello!' %}{{ raise_exception('no hellos here') }}{% endif %}hi"
+    named = r"chat format 'qwen3' \(an instance of .*BrokenFormat\)"
+    cases = [  # attributes, what goes wrong, when: at Chat(engine) ("made") or at a render
+        ({"template": 42}, ConfigError,
+         rf"{named} has template = int 42, where a Jinja template \(str\) or None belongs", "made"),
+        ({"template": "{% for m in messages %}{{ m.content }"}, ConfigError,
+         rf"{named} has a template that is no valid Jinja \(unexpected '}}', line 1\)", "made"),
+        ({"end_of_turn_tokens": "<|im_end|>"}, ConfigError, rf"{named} has end_of_turn_tokens = str '<\|im_end",
+         "made"),
+        ({"tool_parser": "no_such_parser"}, PluginError,
+         rf"{named} names tool parser 'no_such_parser' \(its tool_parser\), and no tool parser named", "made"),
+        ({"prepare_messages": staticmethod(prepare_raises)}, ConfigError,
+         rf"{named} failed in prepare_messages: RuntimeError\('a bug in prepare_messages'\)", "render"),
+        ({"prepare_messages": staticmethod(tuple)}, ConfigError,
+         rf"{named} returned tuple .* from prepare_messages, not a list of messages", "render"),
+        ({"prepare_messages": staticmethod(prepare_refuses)}, ConversationError, "takes no such conversation",
+         "render"),
+        ({"template": refusing}, ConversationError,
+         rf"cannot render the conversation with {named}'s template: no hellos here", "render"),
+    ]
+    for attributes, error, says, when in cases:
+        chat_format = type("BrokenFormat", (), attributes)()
+        plugin = types.SimpleNamespace(register_chat_formats=hookimpl(lambda register: register("qwen3", chat_format)))
+        with with_plugin(plugin, "hibana-test-format"):
+            with pytest.raises(error, match=says):
+                if when == "made":
+                    Chat(engine)
+                else:
+                    Chat(engine).render_text(HELLO)
+            if "tool_parser" in attributes:  # one the caller names is used instead
+                assert Chat(engine, tool_parser="hermes").parser_name == "hermes"
+    assert Chat(engine).render_text(HELLO)
+
+
+def test_a_plugin_tool_parser_whose_results_hold_the_wrong_types_is_a_hibana_error(engine):
+    """Tool parsers' results were checked by their outer type only: tool calls as dicts, a
+    ToolCall's arguments as a JSON string (encoded twice over on the next turn, silently), content
+    None, pieces of feed that are ints all passed into the result. Each is a HibanaError naming
+    the parser and what it returned, the state put back."""
+    from hibana_plugins.hookspecs import ParsedOutput, ToolCall, ToolCallDelta, hookimpl
+
+    call = "call_" + "1" * 24
+
+    def parser(finished=ParsedOutput("text", []), fed=(), closed=()):
+        class Parser:
+            def parse(self, text):
+                return finished
+
+            def stream(self):
+                return self
+
+            def feed(self, text):
+                return list(fed)
+
+            def close(self):
+                return list(closed)
+
+            def finish(self):
+                return finished
+        return Parser()
+
+    cases = {
+        "dict_calls": (parser(ParsedOutput("", [{"name": "get_weather", "arguments": {}}])),
+                       r"returned a tool call that is dict .* from finish, not a ToolCall\(id, name, arguments\)"),
+        "str_arguments": (parser(ParsedOutput("", [ToolCall(call, "get_weather", '{"city": "Oslo"}')])),
+                          r"returned ToolCall\(.*arguments='.*from finish, where a ToolCall's .* arguments a dict"),
+        "no_name": (parser(ParsedOutput("", [ToolCall(call, None, {})])),
+                    "returned .* from finish, where a ToolCall's id and name"),
+        "none_content": (parser(ParsedOutput(None, [])),
+                         "returned a ParsedOutput whose content is NoneType from finish"),
+        "int_error": (parser(ParsedOutput("", [], 1)), "returned a ParsedOutput whose error is int from finish"),
+        "tuple_calls": (parser(ParsedOutput("", ())), "returned a ParsedOutput whose tool_calls is tuple from finish"),
+        "int_pieces": (parser(fed=[123]), r"returned a list holding int 123 from feed, where text \(str\) and "
+                                          "ToolCallDelta pieces belong"),
+        "none_closed": (parser(closed=[None]), "returned a list holding NoneType None from close"),
+        "dict_fragment": (parser(fed=[ToolCallDelta(0, call, "get_weather", {"city": "Oslo"})]),
+                          "returned .* from feed, whose id and name are str or None and arguments_fragment a str"),
+    }
+    plugin = types.SimpleNamespace(register_tool_parsers=hookimpl(
+        lambda register: [register(name, p) for name, (p, _) in cases.items()]))
+    with with_plugin(plugin, "hibana-test-sloppy-parsers"):
+        for name, (_, says) in cases.items():
+            chat = Chat(engine, f"contents-{name}", tool_parser=name)
+            with pytest.raises(HibanaError,
+                               match=rf"tool parser '{name}' \(an instance of .*\) {says}.*; fix its plugin"):
+                chat.respond(HELLO, tools=[WEATHER], params=SamplingParams(max_tokens=3))
+            assert chat.handle.tokens == [], "the state is put back as it was"
+
+
+def test_ignore_eos_runs_a_chat_turn_past_its_end_of_turn_token(engine):
+    """`ignore_eos=True` was dropped by the chat layer, which always stopped at the end-of-turn
+    token (the demo's <|im_end|>, its EOS too): a turn ran to max_tokens on a state handle and
+    stopped after ten tokens in a chat. It runs on as the handle's generate does (and vLLM's
+    chat), with or without tools, streamed alike; the reply is all it generated, and the next
+    turn renders and reuses it. A grammar still ends at the EOS where it allows nothing else
+    (its last resort)."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    chat = Chat(engine, "ignore-eos")
+    prompt = chat.prompt_ids(HELLO)
+    result = chat.respond(HELLO, params=params)
+    assert (result.finish_reason, result.usage.completion_tokens) == ("length", 40)
+    raw = engine.open_state("ignore-eos-raw")
+    raw.sync(prompt)
+    completion = raw.generate(params)
+    assert set(completion.token_ids[:-1]) & set(chat.stop_token_ids), "the turn ran past an end of turn"
+    assert result.text == completion.text.strip()
+    streamed = list(Chat(engine, "ignore-eos-stream").stream_respond(HELLO, params=params))[-1].result
+    assert (streamed.text, streamed.finish_reason) == (result.text, "length")
+
+    with_tools = Chat(engine, "ignore-eos-tools").respond(HELLO, [WEATHER], params)
+    assert with_tools.usage.completion_tokens == 40
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    answer = Chat(engine, "ignore-eos-json").respond(
+        HELLO, params=SamplingParams(max_tokens=60, ignore_eos=True, json_schema=schema))
+    assert answer.finish_reason == "stop" and answer.usage.completion_tokens < 60
+    assert set(json.loads(answer.text)) == {"a"}
+
+    follow_up = [*HELLO, assistant_message(result), {"role": "user", "content": "Thanks!"}]
+    after = chat.respond(follow_up, params=SamplingParams(max_tokens=4))
+    assert after.usage.cached_tokens >= len(prompt) and after.usage.completion_tokens >= 1
 
 
 @pytest.mark.parametrize("parameters, says", [

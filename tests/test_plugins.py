@@ -194,7 +194,9 @@ def test_plugin_whose_hook_raises_is_skipped_with_a_warning(make_dist, alpha_and
         """,
     )
     manager = get_plugin_manager()
-    with pytest.warns(PluginWarning, match=r"'raises'.*register_tool_parsers.*hook failed"):
+    # named with its package, as a plugin that fails to import or register is
+    with pytest.warns(PluginWarning, match=r"'raises' \(from hibana-test-raises\) raised in register_tool_parsers"
+                                           r".*hook failed"):
         parsers = manager.tool_parsers()
     assert "half_registered" not in parsers  # nothing of a failed hook is kept
     assert {"alpha_parser", "beta_parser", "hermes"} <= set(parsers)
@@ -558,3 +560,115 @@ def test_cli_surgery_asks_for_its_passes(capsys):
     with pytest.raises(SystemExit) as exit:
         main(["surgery", "demo"])
     assert exit.value.code == 2 and "--passes" in capsys.readouterr().err
+
+
+# -- model families from plugins -----------------------------------------------------------------
+
+
+class QwenUnderAnotherName:
+    """A plugin's family: the qwen3 decoder for a model_type transformers does not know."""
+
+    def build(self, hf_config, ctx):
+        from transformers import Qwen3Config
+
+        from hibana_core.models import llama
+
+        return llama.build(Qwen3Config(**{k: v for k, v in hf_config.to_dict().items() if k != "model_type"}), ctx)
+
+
+def checkpoint_as(tmp_path, model_type: str):
+    """A tiny qwen3 checkpoint whose config.json names `model_type`."""
+    import tiny_models
+
+    path = tiny_models.make_tiny_checkpoint("qwen3", tmp_path / model_type)
+    config = json.loads((path / "config.json").read_text())
+    config["model_type"] = model_type
+    config.pop("architectures", None)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def register_families(**families) -> None:
+    plugin = types.ModuleType("hibana_test_families")
+    plugin.register_model_families = hookimpl(lambda register: [register(n, f) for n, f in families.items()])
+    get_plugin_manager().register(plugin)
+
+
+def test_a_family_whose_build_raises_or_returns_another_shape_is_a_config_error_naming_it(tmp_path):
+    """A family's build that raises, or returns something else than (model, args), was a bare
+    ValueError ("too many values to unpack") or the plugin's own exception, naming no plugin: a
+    ConfigError naming the family and its plugin, the plugin's exception chained, at load and
+    when a draft model is planned (`planned_model`)."""
+    import torch
+
+    from hibana_core import loader
+    from hibana_core.errors import ConfigError
+    from hibana_core.forward_context import ForwardContext
+    from hibana_core.models import llama
+
+    class Raises:
+        def build(self, hf_config, ctx):
+            raise RuntimeError("a bug in the plugin's build")
+
+    class Returns:
+        def __init__(self, built):
+            self.built = built
+
+        def build(self, hf_config, ctx):
+            return self.built(hf_config, ctx) if callable(self.built) else self.built
+
+    def without(field):
+        def built(hf_config, ctx):
+            module, args = QwenUnderAnotherName().build(hf_config, ctx)
+            return module, types.SimpleNamespace(**{k: v for k, v in vars(args).items() if k != field})
+        return built
+
+    cases = {
+        "raises": (Raises(), r"failed in build: RuntimeError\(.a bug in the plugin's build"),
+        "a_string": (Returns("not a pair"), r"returned str 'not a pair' from build, which must return \(model, args\)"),
+        "a_triple": (Returns((1, 2, 3)), "returned tuple .* from build"),
+        "no_module": (Returns(lambda c, ctx: (object(), llama.build(c, ctx)[1])), "returned object .* as the model"),
+        "no_logits": (Returns(lambda c, ctx: (torch.nn.Linear(2, 2), llama.build(c, ctx)[1])), "as the model"),
+        "no_head_dim": (Returns(without("head_dim")), "args whose head_dim is missing or no positive integer"),
+        "no_build": (object(), "has no build"),
+    }
+    register_families(**{name: family for name, (family, _) in cases.items()})
+    for name, (family, says) in cases.items():
+        path = checkpoint_as(tmp_path, name)
+        for load in (lambda: loader.load_model(str(path), torch.device("cpu"), "float32", ForwardContext(),
+                                               progress=False),
+                     lambda: loader.planned_model(str(path), torch.float32)):
+            with pytest.raises(ConfigError, match=rf"model family '{name}' \(an instance of .*\) .*{says}") as caught:
+                load()
+            if name == "raises":
+                assert isinstance(caught.value.__cause__, RuntimeError)
+
+
+def test_a_plugin_family_of_a_model_type_transformers_does_not_know_loads_without_its_warning(tmp_path):
+    """transformers read such a checkpoint's config again to load its tokenizer, and warned "You are
+    using a model of type `myqwen` to instantiate a model of type ``": the config the loader read
+    goes to the tokenizer, which reads none (the model loads and serves as it did)."""
+    import logging
+
+    import tiny_models
+    from transformers.utils import logging as hf_logging
+
+    register_families(myqwen=QwenUnderAnotherName())
+    path = checkpoint_as(tmp_path, "myqwen")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()  # (the tests' conftest lets errors alone through)
+    hf_logging.get_logger().addHandler(handler)
+    try:
+        engine = tiny_models.open_engine(path)
+        try:
+            assert engine.tokenizer is not None and len(engine.tokenizer.encode("hello")) > 0
+        finally:
+            engine.close()
+    finally:
+        hf_logging.get_logger().removeHandler(handler)
+        hf_logging.set_verbosity(verbosity)
+    assert not [r for r in records if "to instantiate a model of type" in r.getMessage()]
+
