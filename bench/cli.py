@@ -389,7 +389,10 @@ def print_decode(report: dict) -> None:
     print(f"decode, {report['model']}{note}; weights {report['weight_bytes'] / 1e9:.2f} GB")
     roof = report["roofline_tok_s"]
     if roof:
-        print(f"copy bandwidth {report['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s -> batch-1 roofline "
+        measured = report.get("copy_bandwidth_before_after")
+        when = (" (measured before / after the engines: " + " / ".join(f"{b / 1e12:.2f}" for b in measured) + ")"
+                if measured else "")
+        print(f"copy bandwidth {report['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s{when} -> batch-1 roofline "
               f"{roof:.1f} tok/s (weights only)")
     print("weight GB: what the engine holds (after surgery); KV MB/tok: the keys and values one decode "
           "token reads at the row's context; % roofline: of the weight bytes a token reads, % +KV: of "

@@ -26,21 +26,27 @@ def random_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(16, vocab) for _ in range(n)]
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float | None:
-    """Device-to-device copy bandwidth in bytes/s (read + write), best of 5."""
+def copy_bandwidth(device: torch.device, nbytes: int = 4 << 30) -> float | None:
+    """Device-to-device copy bandwidth in bytes/s (read + write), the best of 10 copies of nbytes / 2
+    timed on the device (CUDA events). Timed on the host it read ~10% low inside a bench process
+    (3.67-3.81 TB/s on the H200 against 4.2-4.3 in a process of its own: the host's share of a
+    1 ms copy), which made every share of the roofline as much too high (bench/RESULTS.md,
+    twenty-eighth session)."""
     if device.type != "cuda":
         return None
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    src = torch.empty(nbytes // 4, dtype=torch.float16, device=device)
     dst = torch.empty_like(src)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    dst.copy_(src)  # warm-up
     best = float("inf")
-    for _ in range(6):
-        sync(device)
-        start = time.perf_counter()
+    for _ in range(10):
+        begin.record()
         dst.copy_(src)
-        sync(device)
-        best = min(best, time.perf_counter() - start)
+        end.record()
+        end.synchronize()
+        best = min(best, begin.elapsed_time(end) / 1e3)
     del src, dst
-    return 2 * nbytes / best
+    return nbytes / best
 
 
 # --- decode ---------------------------------------------------------------------------------
@@ -104,6 +110,7 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
     from hibana_kernels import fusion, pdl
 
     device = model.device
+    before = copy_bandwidth(device)  # before any engine: the memory as a fresh process finds it
     rng = random.Random(seed)
     prompts = {ctx: random_tokens(rng, ctx, model.vocab_size) for ctx in contexts}
     warmup = random_tokens(rng, 64, model.vocab_size)
@@ -150,12 +157,15 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
         with model.peer_model() as hf_model:  # the engines are closed: one copy of the weights at a time
             for name, static in peers:
                 rows += _hf_decode_rows(HFPeer(hf_model, static_cache=static), name, prompts, warmup, generate)
-    bandwidth = copy_bandwidth(device)
+    after = copy_bandwidth(device)
+    # the roofline's bandwidth: the higher of the two (after the engines it has read up to 10% lower)
+    bandwidth = max(before, after) if before and after else None
     roofline = bandwidth / model.weight_bytes if bandwidth else None
     return {"workload": "decode", "model": model.name, "random_weights": model.random_weights,
             "config": {"contexts": list(contexts), "generate": generate, "systems": list(systems), "seed": seed,
                        "fusions": list(fusions), "pdl": list(pdls)},
             "weight_bytes": model.weight_bytes, "copy_bandwidth_bytes_s": bandwidth,
+            "copy_bandwidth_before_after": [before, after],
             "roofline_tok_s": roofline, "rows": [asdict(r) for r in rows]}
 
 
