@@ -10,7 +10,8 @@ template, and runs one assistant turn on one state (`hibana_core.chat.Chat`): on
 that differ from what the state holds are computed. Which state serves a call:
 
     1. `state_id`: on the object, through `.bind(state_id=...)`, or as a call kwarg. A call on an
-       id that is serving another call raises `hibana_core.StateBusyError`.
+       id that is serving another call raises `hibana_core.StateBusyError` (an async call first
+       waits, two seconds at most, for a stream its caller left: `options.lease_holder`).
     2. else LangGraph's `thread_id` and checkpoint namespace (task ids dropped): "t1/agent";
        while another call holds it (a Send fan-out of one node), the choice below. Outside a
        graph, `llm.invoke(..., config={"configurable": {"thread_id": "t1"}})` names "t1" the same way.
@@ -31,7 +32,9 @@ every start) and `ChatHibana(...)` raises an ImportError that says what to insta
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
 import json
 import os
 import re
@@ -50,7 +53,8 @@ from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError
 from hibana_core.messages import check_enforceable
 from hibana_plugins.hookspecs import hookimpl
-from hibana_plugins.options import SAMPLING, check_known, resolve_aliases, sampling_params
+from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_known, choose_engine, lease_holder,
+                                    resolve_aliases, sampling_params)
 
 try:
     from langchain_core.language_models import BaseChatModel
@@ -129,6 +133,14 @@ def _call_config(config) -> Iterator[None]:
     finally:
         with contextlib.suppress(ValueError):  # a stream closed from another context
             var_child_runnable_config.reset(token)
+
+
+_CALLER: contextvars.ContextVar[asyncio.Task | None] = contextvars.ContextVar("hibana_langchain_caller", default=None)
+"""The task that called `ainvoke`, for its call's `options.lease_holder`: LangChain runs
+`_agenerate` in a task of its own (agenerate's gather), and a call waits only for a state that a
+stream of its caller's still holds."""
+_OPENED: contextvars.ContextVar[list | None] = contextvars.ContextVar("hibana_langchain_opened", default=None)
+"""Where `_astream` leaves its call (and the engine stream), while `astream` awaits its first chunk."""
 
 
 # --- messages ------------------------------------------------------------------------------------
@@ -244,13 +256,27 @@ class _Call:
     as_content: bool              # structured output by json_schema / json_mode: the arguments are the answer
     served_by: str = field(default="", init=False)
     answered: bool = field(default=False, init=False)  # a call's arguments streamed (as_content)
+    holder: LeaseHolder | None = field(default=None, init=False)  # an async call's (`lease_holder`)
+    stream: Any = field(default=None, init=False)  # `_astream`'s engine stream
 
     def open(self, stack: contextlib.ExitStack) -> tuple[turn.TurnRun, Any]:
         """Starts the turn on the state `Chat.lease` picks (`turn.Open`)."""
-        run, handle = self.chat.opener(self.prompt, self.tools, self.params, lease=True, state_id=self.state_id,
-                                       fallback=self.fallback, **self.options)(stack)
+        open_turn = self.chat.opener(self.prompt, self.tools, self.params, lease=True, state_id=self.state_id,
+                                     fallback=self.fallback, **self.options)
+        run, handle = open_turn(stack) if self.holder is None else self.holder.open(open_turn, stack)
         self.served_by = handle.id
         return run, handle
+
+    async def held(self) -> "_Call":
+        """This call, made async: once a stream its caller left is done with the state it names."""
+        self.holder = await lease_holder(self.chat.engine, self.state_id, _CALLER.get())
+        return self
+
+    async def close(self) -> None:
+        """Close the engine's stream (its state let go) when `astream` is closed, before its end
+        or after it."""
+        self.holder.left = True  # a call on the state meanwhile waits for it
+        await self.stream.aclose()
 
     def usage_metadata(self, usage: Usage) -> dict:
         return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
@@ -287,12 +313,21 @@ class _Call:
             if result.cut_call:  # an invalid call, as ChatOpenAI reports a cut one, not markup in the text
                 name, arguments = self.chat.cut_call_parts(result.cut_call)
                 invalid = [invalid_tool_call(name=name or None, args=arguments, id=None,
-                                             error=f"the reply ended inside this call (finish_reason "
-                                                   f"{result.finish_reason!r}): raise max_tokens")]
+                                             error=self.cut_call_error(result.finish_reason))]
         extra = {"reasoning_content": result.reasoning} if result.reasoning else {}
         return AIMessage(content=content, tool_calls=calls, invalid_tool_calls=invalid,
                          usage_metadata=self.usage_metadata(result.usage),
                          response_metadata=self.response_metadata(result), additional_kwargs=extra)
+
+    def cut_call_error(self, finish_reason: str) -> str:
+        """What ended the reply inside a call, and what to do: max_tokens ("length"), else a stop
+        (a stop string, or a stop token, where the call grammar held the turn)."""
+        if finish_reason == "length":
+            return "the reply ended inside this call (finish_reason 'length'): raise max_tokens"
+        if self.params.stop:
+            return (f"the reply ended inside this call at a stop sequence (stop={list(self.params.stop)!r}, "
+                    f"finish_reason {finish_reason!r}): take that sequence out of stop")
+        return f"the reply ended inside this call at a stop token (finish_reason {finish_reason!r})"
 
     def chunk(self, delta: ChatDelta) -> ChatGenerationChunk | None:
         if delta.result is not None:  # usage and metadata once, on the last chunk
@@ -330,6 +365,14 @@ class ChatHibana(BaseChatModel):
     Objects on the same `model` and `engine_kwargs` share one engine per process
     (`Engine.shared`); pass `engine=` to use one you built. The engine loads on first use;
     `.engine` returns it.
+
+    Copies: a copy runs on the engine of its own `model` and `engine_kwargs`. One made with
+    another (`model_copy(update={"model": ...})`, a configurable field) runs on
+    `Engine.shared(model, **engine_kwargs)`, whether or not the original was given `engine=`:
+    a given engine serves only the `model` and `engine_kwargs` it was given with, since options
+    that ask for another engine must not run silently on this one. `copy.deepcopy` shares the
+    engine. A pickle carries no engine (it does not pickle), not even a given one: the unpickled
+    object loads or finds `Engine.shared(model, **engine_kwargs)` on first use.
     """
 
     model: str = "demo"
@@ -384,9 +427,12 @@ class ChatHibana(BaseChatModel):
     guided_tool_arguments: bool = True
     """Hold tool-call arguments to the tool's JSON schema (the grammar); False: any JSON object
     (the call is still held to a bound tool's name)."""
+    given_engine: Any = Field(default=None, exclude=True, repr=False)
+    """The engine passed as `engine=`, with the options it serves (an `EngineChoice`). A field,
+    left out of dumps, so that LangChain's rebuilt objects (`configurable_fields`) get it back."""
 
-    _engine: Any = PrivateAttr(default=None)
-    _chat: Any = PrivateAttr(default=None)
+    _engine: Any = PrivateAttr(default=None)  # the EngineChoice in use
+    _chat: Any = PrivateAttr(default=None)    # the chat layer of its engine
 
     def __init__(self, *, engine: Any = None, **kwargs: Any) -> None:
         """Unknown options raise a ConfigError and values are checked here, not on the first call
@@ -396,16 +442,21 @@ class ChatHibana(BaseChatModel):
         kwargs = resolve_aliases(kwargs, "ChatHibana")
         if "max_model_len" in kwargs:
             kwargs["engine_kwargs"] = {**kwargs.get("engine_kwargs", {}), "max_model_len": kwargs.pop("max_model_len")}
-        check_known(kwargs, type(self).model_fields, "ChatHibana")
+        given = kwargs.pop("given_engine", None)  # a rebuilt object's; users pass engine=
+        if given is not None and not isinstance(given, EngineChoice):
+            raise ConfigError("ChatHibana: given_engine is ChatHibana's own record of the engine passed; pass "
+                              "your engine as engine=")
+        check_known(kwargs, set(type(self).model_fields) - {"given_engine"} | {"engine"}, "ChatHibana")
         if engine is not None and "model" not in kwargs:
             kwargs["model"] = engine.config.model
         if isinstance(kwargs.get("model"), os.PathLike):  # a checkpoint's Path, as Engine.from_pretrained takes
             kwargs["model"] = os.fspath(kwargs["model"])
         try:
-            super().__init__(**kwargs)
+            super().__init__(given_engine=given, **kwargs)
         except ValidationError as exc:
             raise ConfigError(f"ChatHibana: {exc}") from None
-        self._engine = engine
+        if engine is not None:
+            self.given_engine = EngineChoice(engine, self.model, dict(self.engine_kwargs))
         sampling_params(vars(self), "ChatHibana")
 
     def bind(self, **kwargs: Any):
@@ -415,12 +466,25 @@ class ChatHibana(BaseChatModel):
 
     @property
     def engine(self):
-        """The `hibana_core.Engine` this model runs on (loaded on first use)."""
-        if self._engine is None:
-            from hibana_core import Engine
+        """The `hibana_core.Engine` this model runs on (loaded on first use): the one passed while
+        `model` and `engine_kwargs` are those it was passed with, else `Engine.shared`'s."""
+        self._engine = choose_engine(self.model, self.engine_kwargs, self._engine, self.given_engine)
+        return self._engine.engine
 
-            self._engine = Engine.shared(self.model, **self.engine_kwargs)
-        return self._engine
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> "ChatHibana":
+        """A deep copy on the same engine (weights, KV pool and step loop are not copied)."""
+        memo = {} if memo is None else memo
+        for shared in (self.given_engine, self._engine, self._chat):
+            if shared is not None:
+                memo[id(shared)] = shared
+        return super().__deepcopy__(memo)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its engine, which does not pickle: the copy loads or finds
+        `Engine.shared(model, **engine_kwargs)` on first use, also where an engine was passed."""
+        state = super().__getstate__()
+        private = {**(state["__pydantic_private__"] or {}), "_engine": None, "_chat": None}
+        return {**state, "__dict__": {**state["__dict__"], "given_engine": None}, "__pydantic_private__": private}
 
     @property
     def _llm_type(self) -> str:
@@ -428,8 +492,19 @@ class ChatHibana(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self.model, "temperature": self.temperature, "max_tokens": self.max_tokens,
-                "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
+        """Every option that changes a reply. LangChain's cache keys on these and on the call's
+        options (`_get_invocation_params`): objects that differ in any never share a cached reply."""
+        params = {"model": self.model, **{name: getattr(self, name) for name in SAMPLING if name != "stop"},
+                  "engine_kwargs": dict(sorted(self.engine_kwargs.items())), "reasoning": self.reasoning,
+                  "reasoning_history": self.reasoning_history,
+                  "guided_tool_arguments": self.guided_tool_arguments, "state_id": self.state_id}
+        if self.given_engine is not None and self.given_engine.serves(self.model, self.engine_kwargs):
+            params["engine"] = repr(self.given_engine.engine.config)  # what another engine of `model` may differ in
+        return params
+
+    def _get_invocation_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
+        """LangChain's, its "stop" the stop strings that apply: the call's, else the object's."""
+        return super()._get_invocation_params(stop=self.stop if stop is None else stop, **kwargs)
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
         params = {"ls_provider": PROVIDER, "ls_model_name": kwargs.get("model") or self.model,
@@ -506,17 +581,37 @@ class ChatHibana(BaseChatModel):
             return super().invoke(input, config, **kwargs)
 
     async def ainvoke(self, input, config=None, **kwargs):
-        with _call_config(config):
-            return await super().ainvoke(input, config, **kwargs)
+        caller = _CALLER.set(asyncio.current_task())
+        try:
+            with _call_config(config):
+                return await super().ainvoke(input, config, **kwargs)
+        finally:
+            _CALLER.reset(caller)
 
     def stream(self, input, config=None, **kwargs):
         with _call_config(config):
             yield from super().stream(input, config, **kwargs)
 
     async def astream(self, input, config=None, **kwargs):
+        # closed, closes the engine's stream and LangChain's astream at once, in that order:
+        # LangChain's never closes `_astream`, which the event loop's finalizer would close later
+        # (the state leased until then) in a task of its own (`yield from` does this for `stream`)
+        opened: list[_Call] = []  # `_astream`'s call, which it leaves here
         with _call_config(config):
-            async for chunk in super().astream(input, config, **kwargs):
-                yield chunk
+            chunks = super().astream(input, config, **kwargs)
+            try:
+                token = _OPENED.set(opened)
+                try:  # the first chunk: `_astream` opens the engine's stream meanwhile
+                    chunk = await anext(chunks, None)
+                finally:
+                    _OPENED.reset(token)
+                while chunk is not None:
+                    yield chunk
+                    chunk = await anext(chunks, None)
+            finally:
+                for call in opened:
+                    await call.close()
+                await chunks.aclose()
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager=None,
                   **kwargs: Any) -> ChatResult:
@@ -526,7 +621,7 @@ class ChatHibana(BaseChatModel):
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager=None,
                          **kwargs: Any) -> ChatResult:
-        call = self._prepare(messages, stop, run_manager, kwargs)
+        call = await self._prepare(messages, stop, run_manager, kwargs).held()
         return call.chat_result([r async for r in turn.arun(call.open, turn.result_of)][-1])
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager=None,
@@ -541,8 +636,11 @@ class ChatHibana(BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager=None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         # closing the generator at once cancels the request (left to the collector, it would run on)
-        call = self._prepare(messages, stop, run_manager, kwargs)
-        async with contextlib.aclosing(turn.arun(call.open, call.chunk)) as chunks:
+        call = await self._prepare(messages, stop, run_manager, kwargs).held()
+        call.stream = turn.arun(call.open, call.chunk)
+        if _OPENED.get() is not None:  # `astream` closes it when it is closed
+            _OPENED.get().append(call)
+        async with contextlib.aclosing(call.stream) as chunks:
             async for chunk in chunks:
                 if run_manager is not None:
                     await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
@@ -573,13 +671,14 @@ class ChatHibana(BaseChatModel):
                      answer_tool is not None)
 
     def _chat_layer(self, model: str) -> Chat:
-        """The chat layer of this object's engine (built once), or of another model's."""
+        """The chat layer of this object's engine (built once per engine), or of another model's."""
         if model != self.model:
             from hibana_core import Engine
 
             return Chat(Engine.shared(model, **self.engine_kwargs))
-        if self._chat is None:
-            self._chat = Chat(self.engine)
+        engine = self.engine
+        if self._chat is None or self._chat.engine is not engine:
+            self._chat = Chat(engine)
         return self._chat
 
     def _params(self, stop: list[str] | None, kwargs: dict[str, Any], context: int) -> SamplingParams:

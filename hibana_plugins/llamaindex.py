@@ -11,8 +11,10 @@ One call, whatever the entry point (chat, complete, streamed, async, with tools)
     --Chat.lease: the state that serves the call--> one assistant turn (only the new tail is
     computed) --> ChatDeltas --_Call.convert--> ChatResponse: TextBlock + ToolCallBlocks, usage in raw
 
-Every entry point, sync or async, is one line: `turn.run` or `turn.arun` (the only loops) over
-`_Call.open` and `_Call.convert`, so the conversion to LlamaIndex's types is written once.
+Every entry point, sync or async, drives `turn.run` or `turn.arun` (the only loops) over
+`_Call.open` and `_Call.convert`, so the conversion to LlamaIndex's types is written once. An async
+call first waits for a stream its own task left to let go of the state it names
+(`options.lease_holder`), and closing an async stream closes the engine's stream within at once.
 
 Which state serves a call (`Chat.lease`): the `state_id` bound on the object (one HibanaLLM per
 agent, all on one Engine, is the documented pattern) unless another call holds it; else a state
@@ -46,7 +48,8 @@ from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError, HibanaError
 from hibana_core.messages import unheld
 from hibana_plugins.hookspecs import hookimpl
-from hibana_plugins.options import SAMPLING, check_known, resolve_aliases, sampling_params
+from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_known, choose_engine, lease_holder,
+                                    resolve_aliases, sampling_params)
 
 COMPLETE_OPTIONS = frozenset({*SAMPLING, "reasoning", "timeout"})
 """What `complete(..., **kwargs)` may set."""
@@ -88,13 +91,33 @@ class _Call:
         self.reasoning = ""                     # a reasoning model's thinking so far
         self.calls: dict[int, dict] = {}        # streamed calls by index: id, name, arguments text
         self.result: ChatResult | None = None
+        self.holder: LeaseHolder | None = None  # an async call's (`lease_holder`)
+        self.stream: AsyncIterator | None = None  # an async call's engine stream
 
     def open(self, stack: contextlib.ExitStack) -> tuple[turn.TurnRun, Any]:
         """Starts the turn on the state `Chat.lease` picks (`turn.Open`)."""
-        run, handle = self.chat.opener(self.prompt, self.tools, self.params, lease=True, state_id=self.state_id,
-                                       fallback=True, **self.options)(stack)
+        open_turn = self.chat.opener(self.prompt, self.tools, self.params, lease=True, state_id=self.state_id,
+                                     fallback=True, **self.options)
+        run, handle = open_turn(stack) if self.holder is None else self.holder.open(open_turn, stack)
         self.state_id = handle.id
         return run, handle
+
+    def run(self, respond: Callable[["_Call", str], Any]) -> Iterator[Any]:
+        """`turn.run` over the call: `respond(self, text delta)` whenever the reply grew visibly."""
+        return turn.run(self.open, self.convert(respond))
+
+    async def arun(self, respond: Callable[["_Call", str], Any]) -> AsyncIterator[Any]:
+        """`run` for the event loop (`turn.arun`), once a stream its caller left is done with the
+        state the call names."""
+        self.holder = await lease_holder(self.chat.engine, self.state_id)
+        self.stream = turn.arun(self.open, self.convert(respond))
+        return self.stream
+
+    async def close(self) -> None:
+        """Close the engine's stream (its state let go) when the stream handed out is closed,
+        before its end or after it."""
+        self.holder.left = True  # a call on the state meanwhile waits for it
+        await self.stream.aclose()
 
     def convert(self, respond: Callable[["_Call", str], Any]) -> Callable[[ChatDelta], Any]:
         """A `turn.run` converter: `respond(self, text delta)` whenever the reply grew visibly."""
@@ -149,6 +172,27 @@ class _Call:
         return raw
 
 
+async def _closing_both(outer: AsyncIterator, call: _Call) -> AsyncIterator:
+    """`outer`'s items, `outer` reading `call`'s stream; closed, closes the call's stream and
+    then `outer`."""
+    try:
+        async for item in outer:
+            yield item
+    finally:
+        await call.close()
+        await outer.aclose()
+
+
+def _no_call_message(response: Any) -> str:
+    """Why a response holds no tool call: the reply's text, and the engine's finish reason and
+    parse error from `raw` (a call that max_tokens cut parses as none)."""
+    raw = response.raw if isinstance(response.raw, dict) else {}
+    reason, error = raw.get("finish_reason"), raw.get("error")
+    why = f"finish_reason {reason!r}" + (f", {error}" if error else "")
+    hint = "; the reply ended inside a call: raise max_tokens" if reason == "length" and error else ""
+    return f"expected at least one tool call, got none ({why}){hint}: {response.message.content!r:.200}"
+
+
 @functools.lru_cache(maxsize=256)
 def _unheld(parameters: str) -> tuple[str, ...]:
     """`messages.unheld` on a schema's JSON text, once per schema (it compiles the schema)."""
@@ -168,16 +212,28 @@ def llm_class() -> type:
         from llama_index.core.constants import DEFAULT_NUM_OUTPUTS
         from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
         from llama_index.core.llms.function_calling import FunctionCallingLLM
-        from llama_index.core.llms.llm import ToolSelection
+        from llama_index.core.llms.llm import (ToolSelection, default_completion_to_prompt,
+                                               generic_messages_to_prompt)
         from llama_index.core.llms.utils import parse_partial_json
     except ImportError as exc:
         raise HibanaError(f"HibanaLLM needs llama-index-core 0.14 or later ({exc}); install it with "
                           "`pip install 'hibana[llamaindex]'`") from exc
 
+    # LlamaIndex's defaults, which its unpickling passes back to __init__: not the user's
+    defaults = dict(zip(PROMPT_FORMATTERS, (generic_messages_to_prompt, default_completion_to_prompt)))
+
     class HibanaLLM(FunctionCallingLLM):
         """A LlamaIndex LLM on a Hibana engine. `HibanaLLM(model="demo")` shares one engine per
         model and options in the process (`Engine.shared`); `HibanaLLM(engine=engine,
-        state_id="agent-1")` binds an agent to its own resident state."""
+        state_id="agent-1")` binds an agent to its own resident state.
+
+        Copies: a copy runs on the engine of its own `model` and `engine_kwargs`; one made with
+        another (`model_copy(update={"model": ...})`) runs on `Engine.shared(model,
+        **engine_kwargs)`, whether or not the original was given `engine=`: a given engine serves
+        only the `model` and `engine_kwargs` it was given with. `copy.deepcopy` shares the engine.
+        A pickle carries no engine (it does not pickle), not even a given one: unpickling
+        (LlamaIndex's, which runs `__init__` again) loads or finds `Engine.shared(model,
+        **engine_kwargs)`."""
 
         model: str = Field(default="demo", description="A Hugging Face repo id (\"Qwen/Qwen3-8B\", "
                            "\"org/name@revision\"), a checkpoint directory, or \"demo\".")
@@ -219,7 +275,10 @@ def llm_class() -> type:
         guided_tool_arguments: bool = Field(default=True, description="Hold tool-call arguments to the tool's "
                                             "JSON schema (the grammar); False: any JSON object.")
 
-        _chat: Chat = PrivateAttr()
+        _given: Any = PrivateAttr(default=None)   # the EngineChoice of the engine passed, if one was
+        _engine: Any = PrivateAttr(default=None)  # the EngineChoice in use
+        _chat: Any = PrivateAttr(default=None)    # the chat layer of its engine
+        _chat_parser: Any = PrivateAttr(default=None)  # the tool_parser `_chat` was built with
 
         def __init__(self, model: str = "demo", engine: Any = None, **kwargs: Any) -> None:
             # unknown options and bad values are refused before an engine loads (`hibana_plugins.options`)
@@ -229,22 +288,22 @@ def llm_class() -> type:
                                            "max_model_len": kwargs.pop("max_model_len")}
             check_known(kwargs, type(self).model_fields, "HibanaLLM")
             for name in PROMPT_FORMATTERS:
-                if kwargs.get(name) is not None:
+                if kwargs.get(name) is defaults[name]:
+                    del kwargs[name]
+                elif kwargs.get(name) is not None:
                     raise ConfigError(f"HibanaLLM does not use {name}: it renders every prompt with the model's "
                                       "chat template (tools included); drop it, or pass your own formatted text "
                                       "to complete(prompt, formatted=True)")
             sampling_params(kwargs, "HibanaLLM")
-            if engine is None:
-                from hibana_core import Engine
-
-                engine = Engine.shared(model, **kwargs.get("engine_kwargs", {}))
-            else:
+            if engine is not None:
                 model = str(engine.config.model)
             try:
                 super().__init__(model=model, **kwargs)
             except ValueError as exc:  # pydantic's ValidationError
                 raise ConfigError(f"HibanaLLM: {exc}") from None
-            self._chat = Chat(engine, tool_parser=self.tool_parser)
+            if engine is not None:
+                self._given = EngineChoice(engine, self.model, dict(self.engine_kwargs))
+            self._chat_layer()  # the engine loads here: a model that does not load fails at construction
 
         @classmethod
         def class_name(cls) -> str:
@@ -252,7 +311,33 @@ def llm_class() -> type:
 
         @property
         def engine(self) -> Any:
-            return self._chat.engine
+            """The engine this LLM runs on: the one passed while `model` and `engine_kwargs` are
+            those it was passed with, else `Engine.shared`'s."""
+            self._engine = choose_engine(self.model, self.engine_kwargs, self._engine, self._given)
+            return self._engine.engine
+
+        def _chat_layer(self) -> Chat:
+            """The chat layer of this LLM's engine and tool parser (built once for them)."""
+            engine = self.engine
+            if self._chat is None or self._chat.engine is not engine or self._chat_parser != self.tool_parser:
+                self._chat, self._chat_parser = Chat(engine, tool_parser=self.tool_parser), self.tool_parser
+            return self._chat
+
+        def __deepcopy__(self, memo: dict[int, Any] | None = None) -> "HibanaLLM":
+            """A deep copy on the same engine (weights, KV pool and step loop are not copied)."""
+            memo = {} if memo is None else memo
+            for shared in (self._given, self._engine, self._chat):
+                if shared is not None:
+                    memo[id(shared)] = shared
+            return super().__deepcopy__(memo)
+
+        def __getstate__(self) -> dict[str, Any]:
+            """LlamaIndex's pickled state (the fields that pickle; unpickling runs `__init__` on
+            them), without the engine: an engine does not pickle, and LlamaIndex's trial pickling
+            of each attribute would walk its weights to find that out."""
+            bare = self.model_copy()
+            bare._given = bare._engine = bare._chat = None
+            return super(HibanaLLM, bare).__getstate__()
 
         @property
         def metadata(self) -> LLMMetadata:
@@ -264,46 +349,55 @@ def llm_class() -> type:
 
         @llm_chat_callback()
         def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-            *_, last = self._drive(turn.run, self._chat_call(messages, kwargs), self._chat_response)
+            *_, last = self._chat_call(messages, kwargs).run(self._chat_response)
             return last
 
         @llm_chat_callback()
         def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> Iterator[ChatResponse]:
-            return self._drive(turn.run, self._chat_call(messages, kwargs), self._chat_response)
+            return self._chat_call(messages, kwargs).run(self._chat_response)
 
         @llm_chat_callback()
         async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-            return [r async for r in self._drive(turn.arun, self._chat_call(messages, kwargs), self._chat_response)][-1]
+            return [r async for r in await self._chat_call(messages, kwargs).arun(self._chat_response)][-1]
 
-        @llm_chat_callback()
         async def astream_chat(self, messages: Sequence[ChatMessage],
                                **kwargs: Any) -> AsyncIterator[ChatResponse]:
-            return self._drive(turn.arun, self._chat_call(messages, kwargs), self._chat_response)
+            return await self._closing(llm_chat_callback(), (messages,), kwargs,
+                                       lambda: self._chat_call(messages, kwargs), self._chat_response)
 
         @llm_completion_callback()
         def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-            call = self._completion_call(prompt, formatted, kwargs)
-            *_, last = self._drive(turn.run, call, self._completion_response)
+            *_, last = self._completion_call(prompt, formatted, kwargs).run(self._completion_response)
             return last
 
         @llm_completion_callback()
         def stream_complete(self, prompt: str, formatted: bool = False,
                             **kwargs: Any) -> Iterator[CompletionResponse]:
-            return self._drive(turn.run, self._completion_call(prompt, formatted, kwargs), self._completion_response)
+            return self._completion_call(prompt, formatted, kwargs).run(self._completion_response)
 
         @llm_completion_callback()
         async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
             call = self._completion_call(prompt, formatted, kwargs)
-            return [r async for r in self._drive(turn.arun, call, self._completion_response)][-1]
+            return [r async for r in await call.arun(self._completion_response)][-1]
 
-        @llm_completion_callback()
         async def astream_complete(self, prompt: str, formatted: bool = False,
                                    **kwargs: Any) -> AsyncIterator[CompletionResponse]:
-            return self._drive(turn.arun, self._completion_call(prompt, formatted, kwargs), self._completion_response)
+            return await self._closing(llm_completion_callback(), (prompt, formatted), kwargs,
+                                       lambda: self._completion_call(prompt, formatted, kwargs),
+                                       self._completion_response)
 
-        def _drive(self, driver: Callable, call: _Call, respond: Callable[[_Call, str], Any]) -> Any:
-            """`driver` (turn.run or turn.arun) over the call: a response whenever the reply grew."""
-            return driver(call.open, call.convert(respond))
+        async def _closing(self, callback: Callable, args: tuple, kwargs: dict, make: Callable[[], _Call],
+                           respond: Callable[[_Call, str], Any]) -> AsyncIterator:
+            """An async stream entry point: the stream of the call `make()` makes, under LlamaIndex's
+            `callback` decorator (its events and callbacks), in a stream that closes both when it
+            is closed. The decorator's wrapper never closes the stream it reads: left to the event
+            loop's finalizer, the engine's would hold its state a while longer."""
+            made: list[_Call] = []
+
+            async def started(_self: Any, *_args: Any, **_kwargs: Any) -> AsyncIterator:
+                made.append(make())
+                return await made[0].arun(respond)
+            return _closing_both(await callback(started)(self, *args, **kwargs), made[0])
 
         # --- tool calling -----------------------------------------------------------------------
 
@@ -334,7 +428,7 @@ def llm_class() -> type:
                                          **kwargs: Any) -> list[ToolSelection]:
             calls = [b for b in response.message.blocks if isinstance(b, ToolCallBlock)]
             if not calls and error_on_no_tool_call:
-                raise ValueError(f"expected at least one tool call, got none: {response.message.content!r}")
+                raise ValueError(_no_call_message(response))
             selections = []
             for call in calls:
                 arguments = call.tool_kwargs
@@ -418,7 +512,8 @@ def llm_class() -> type:
             choice = normalize_tool_choice(choice, tools)
             # "none": the tools stay listed in the prompt, as OpenAI keeps them; the chat layer's
             # grammar keeps the model from calling them
-            prompt = self._chat.render_text(openai_messages(messages), tools, kwargs.get("reasoning", self.reasoning))
+            prompt = self._chat_layer().render_text(openai_messages(messages), tools,
+                                                    kwargs.get("reasoning", self.reasoning))
             return self._call(prompt, tools, choice, kwargs,  # as OpenAI reads it: None is the default
                               kwargs.get("parallel_tool_calls") is not False)
 
@@ -428,8 +523,8 @@ def llm_class() -> type:
             if not isinstance(prompt, str):
                 raise ConversationError(f"the prompt is a {type(prompt).__name__}; complete() takes a string")
             if not formatted:  # else the caller applied the chat template: continue the text as it is
-                prompt = self._chat.render_text([{"role": "user", "content": prompt}],
-                                                reasoning=kwargs.get("reasoning", self.reasoning))
+                prompt = self._chat_layer().render_text([{"role": "user", "content": prompt}],
+                                                        reasoning=kwargs.get("reasoning", self.reasoning))
             return self._call(prompt, None, "auto", kwargs)
 
         def _call(self, prompt: str, tools: list[dict] | None, choice: str, kwargs: dict,
@@ -440,7 +535,7 @@ def llm_class() -> type:
             options = {"tool_choice": choice, "parse_tools": tools is not None, "guided": self.guided_tool_arguments,
                        "parallel_tool_calls": parallel, "reasoning_history": self.reasoning_history,
                        "timeout": kwargs.get("timeout", self.timeout)}
-            return _Call(self._chat, prompt, tools, params, options, self.state_id)
+            return _Call(self._chat_layer(), prompt, tools, params, options, self.state_id)
 
         def _chat_response(self, reply: _Call, delta: str) -> ChatResponse:
             calls = reply.tool_calls()
@@ -461,7 +556,7 @@ def llm_class() -> type:
         def _logprobs(self, reply: _Call) -> list[list[LogProb]] | None:
             """Per generated token, the token itself then its top_logprobs alternatives (the
             result's, so on the last streamed response)."""
-            entries = self._chat.openai_logprobs(reply.result) if reply.result is not None else None
+            entries = reply.chat.openai_logprobs(reply.result) if reply.result is not None else None
             if entries is None:
                 return None
             return [[LogProb(token=e["token"], logprob=e["logprob"], bytes=e["bytes"])

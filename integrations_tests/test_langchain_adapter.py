@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
+import pickle
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 from typing import Annotated, Literal
 
 import pytest
@@ -20,10 +23,12 @@ from langchain_core.tools import tool  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 from typing_extensions import TypedDict  # noqa: E402
 
-from hibana_core import StateBusyError  # noqa: E402
+import hibana_core  # noqa: E402
+from hibana_core import Engine, StateBusyError  # noqa: E402
 from hibana_core.turn import SYNTAX, tool_call_grammar  # noqa: E402
 from hibana_plugins.langchain import ChatHibana, UnsupportedContentError  # noqa: E402
 from hibana_plugins.manager import HibanaPluginManager  # noqa: E402
+from hibana_plugins.options import RELEASE_WAIT  # noqa: E402
 
 
 @tool
@@ -47,6 +52,7 @@ class Book(BaseModel):
 
 
 BOOK = 'Save the book "The Silent River" by Maya Tanaka, published in 1987.'   # a task the demo knows
+DEMO_CHECKPOINT = str(Path(hibana_core.__file__).parent / "demo" / "model")  # the demo by path: another engine
 
 
 @pytest.fixture(scope="module")
@@ -516,3 +522,122 @@ def test_tool_choice_none_keeps_the_tools_listed_and_calls_none(llm):
     none = llm.bind_tools([Find], tool_choice="none").invoke("hello", max_tokens=24)
     assert none.usage_metadata["input_tokens"] == auto.usage_metadata["input_tokens"]
     assert none.tool_calls == [] and "<tool_call>" not in none.content
+
+
+# --- copies, LangChain's cache, streams left early (an outside trial of the adapters) -----------------
+
+def test_the_cache_keeps_apart_objects_whose_options_differ():
+    """LangChain's cache keyed on six options: with `cache=InMemoryCache()`, ChatHibana(stop=[...])
+    (or logprobs, min_p, a repetition penalty, other engine options, ...) got another object's reply."""
+    from langchain_core.caches import InMemoryCache
+
+    base = {"model": "demo", "max_tokens": 12}
+    variants = [{}, {"stop": ["What"]}, {"logprobs": True}, {"logprobs": True, "top_logprobs": 2}, {"min_p": 0.5},
+                {"repetition_penalty": 3.0}, {"presence_penalty": 1.0}, {"frequency_penalty": 1.0},
+                {"speculation": "off"}, {"engine_kwargs": {"max_model_len": 64}}, {"reasoning": False},
+                {"reasoning_history": "generated"}, {"guided_tool_arguments": False}, {"state_id": "lc-cache"}]
+    keys = [ChatHibana(**base, **options)._get_llm_string() for options in variants]
+    assert len(set(keys)) == len(keys)
+    # the object's stop strings and a call's are one key: the call's apply where it gives them
+    assert ChatHibana(**base, stop=["x"])._get_llm_string() == ChatHibana(**base)._get_llm_string(stop=["x"])
+    cache = InMemoryCache()
+    assert "What" in ChatHibana(**base, cache=cache).invoke("hello").content
+    assert "What" not in ChatHibana(**base, cache=cache, stop=["What"]).invoke("hello").content
+
+
+def test_a_copy_for_another_model_or_engine_options_runs_on_their_engine(llm):
+    """`model_copy(update=...)` copied the engine the original had loaded: a copy for another model
+    (or with other engine options) ran on the original's engine, reporting the other model. A given
+    engine serves only the model and engine_kwargs it was given with."""
+    llm.invoke("Hello", max_tokens=2)  # the engine is loaded
+    by_path = llm.model_copy(update={"model": DEMO_CHECKPOINT})
+    assert by_path.engine is Engine.shared(DEMO_CHECKPOINT) and by_path.engine is not llm.engine
+    shorter = llm.model_copy(update={"engine_kwargs": {"max_model_len": 128}})
+    assert shorter.engine.max_model_len == 128 and llm.engine.max_model_len == 2048
+    given = ChatHibana(engine=shorter.engine)
+    assert given.model_copy(update={"max_tokens": 3}).engine is shorter.engine
+    assert given.model_copy(update={"model": DEMO_CHECKPOINT}).engine is by_path.engine
+    assert given.model_copy(update={"engine_kwargs": {"max_model_len": 128}}).engine is shorter.engine
+
+
+def test_configured_objects_keep_the_engine_passed(llm):
+    """LangChain rebuilds a configured object from its fields, and `engine=` was none of them: the
+    configured calls ran on Engine.shared(model), not on the engine passed. The engine is no part of
+    what LangChain serialises."""
+    from langchain_core.load import dumpd
+    from langchain_core.runnables import ConfigurableField
+
+    engine = ChatHibana(model="demo", engine_kwargs={"max_model_len": 128}).engine  # not llm's
+    given = ChatHibana(engine=engine, max_tokens=8, state_id="lc-configured")
+    configured = given.configurable_fields(max_tokens=ConfigurableField(id="mt"))
+    reply = configured.invoke("Hello", config={"configurable": {"mt": 3}})
+    assert reply.usage_metadata["output_tokens"] <= 3
+    assert "lc-configured" in {s.id for s in engine.states()}
+    assert "lc-configured" not in {s.id for s in llm.engine.states()}
+    assert "given_engine" not in given.model_dump() and "given_engine" not in json.dumps(dumpd(given))
+
+
+def test_deep_copies_and_pickles_after_the_first_call(llm):
+    """Once the engine had loaded, copy.deepcopy and pickle.dumps failed: "cannot pickle
+    '_thread.lock'". A deep copy shares the engine; a pickle carries none, not even a given one."""
+    llm.invoke("Hello", max_tokens=2)
+    twin = copy.deepcopy(llm)
+    assert twin.engine is llm.engine and twin.max_tokens == llm.max_tokens
+    back = pickle.loads(pickle.dumps(llm))
+    assert back.engine is llm.engine and back.invoke("Hello", max_tokens=2).content
+    shorter = ChatHibana(model="demo", engine_kwargs={"max_model_len": 128}).engine
+    given = ChatHibana(engine=shorter, max_tokens=2)
+    given.invoke("Hello")
+    assert copy.deepcopy(given).engine is shorter
+    assert pickle.loads(pickle.dumps(given)).engine is llm.engine  # Engine.shared("demo")
+
+
+async def test_a_stream_left_early_lets_its_callers_next_call_have_the_state(llm):
+    """Breaking out of astream left the state leased until the event loop's finalizer closed the
+    streams: the next call on it raised StateBusyError (2 trials in 3), or, named by a thread_id,
+    went to another state without a word. Through a binding (LangChain's own stream around ours,
+    closed by the finalizer a loop turn later) only the call's wait for the release helps."""
+    for trial in range(3):
+        state = f"lc-left-{trial}"
+        async for _ in llm.astream("Tell me a long story about Paris", state_id=state, max_tokens=30):
+            break
+        assert (await llm.ainvoke("Hello", state_id=state)).response_metadata["state_id"] == state
+        bound = llm.bind(state_id=f"lc-left-bound-{trial}", max_tokens=30)
+        async for _ in bound.astream("Tell me a long story about Paris"):
+            break
+        assert (await bound.ainvoke("Hello")).response_metadata["state_id"] == f"lc-left-bound-{trial}"
+        thread = llm.with_config({"configurable": {"thread_id": f"lc-left-thread-{trial}"}})
+        async for _ in thread.astream("Tell me a long story", max_tokens=30):
+            break
+        assert (await thread.ainvoke("Hello")).response_metadata["state_id"] == f"lc-left-thread-{trial}"
+
+
+async def test_a_closed_stream_frees_its_state_at_once_and_a_read_one_is_not_waited_for(llm):
+    """Closing astream closes the engine's stream before it returns (LangChain's astream never
+    closes `_astream`, which the event loop's finalizer closed later): the state is free at once.
+    A stream still open is not waited for: a call from another task, or from its own, finds its
+    state busy (at once, or once the stream had a moment to be closed)."""
+    for _trial in range(3):
+        async with contextlib.aclosing(llm.astream("Tell me a long story about Paris", state_id="lc-closed",
+                                                   max_tokens=30)) as stream:
+            async for _ in stream:
+                break
+        with llm.engine.lease(state_id="lc-closed"):  # StateBusyError while the stream holds it
+            pass
+
+    async with contextlib.aclosing(llm.astream("Tell me a long story about Paris", state_id="lc-read",
+                                               max_tokens=30)) as stream:
+        await anext(stream)
+        for call in (asyncio.create_task(llm.ainvoke("Hello", state_id="lc-read")),
+                     llm.ainvoke("Hello", state_id="lc-read")):
+            start = time.monotonic()
+            with pytest.raises(StateBusyError, match="lc-read"):
+                await call
+            assert time.monotonic() - start < RELEASE_WAIT / 2
+
+
+def test_a_call_cut_by_a_stop_sequence_says_so(llm):
+    """The invalid call's error said "raise max_tokens" for a call that a stop string ended."""
+    reply = llm.bind_tools([get_weather]).invoke("What is the weather in Paris?", stop=["Paris"], max_tokens=40)
+    (cut,) = reply.invalid_tool_calls
+    assert "stop sequence" in cut["error"] and "'Paris'" in cut["error"] and "max_tokens" not in cut["error"]

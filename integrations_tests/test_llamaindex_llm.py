@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
+import logging
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -18,12 +21,15 @@ from llama_index.core.bridge.pydantic import BaseModel, Field
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.tools import FunctionTool
 
+import hibana_core
 from hibana_core import Engine
 from hibana_core.chat import clean_schema
+from hibana_core.errors import ConfigError
 from hibana_plugins.llamaindex import HibanaLLM, openai_messages
 from hibana_plugins.manager import HibanaPluginManager
 
 REPO = Path(__file__).resolve().parents[1]
+DEMO_CHECKPOINT = str(Path(hibana_core.__file__).parent / "demo" / "model")  # the demo by path: another engine
 
 
 @pytest.fixture(scope="module")
@@ -433,3 +439,61 @@ def test_a_call_cut_by_max_tokens_leaves_no_markup_in_the_text(engine):
     assert llm.get_tool_calls_from_response(reply, error_on_no_tool_call=False) == []
     streamed = list(llm.stream_chat_with_tools(TOOLS[:1], chat_history=history, tool_required=True))
     assert "<tool_call>" not in (streamed[-1].message.content or "")
+
+
+# --- copies, pickles, streams left early (an outside trial of the adapters) -----------------------------
+
+def test_a_copy_for_another_model_or_engine_options_runs_on_their_engine(engine):
+    """`model_copy(update=...)` copied the chat layer, and the engine with it: a copy for another
+    model ran on the original's engine. A given engine serves only the model and engine_kwargs it
+    was given with."""
+    given = HibanaLLM(engine=engine, max_tokens=4)
+    assert given.model_copy(update={"max_tokens": 2}).engine is engine
+    by_path = given.model_copy(update={"model": DEMO_CHECKPOINT})
+    assert by_path.engine is Engine.shared(DEMO_CHECKPOINT) and by_path.complete("Hello").text
+    shorter = given.model_copy(update={"engine_kwargs": {"max_model_len": 128}})
+    assert shorter.engine.max_model_len == 128 and shorter.metadata.context_window == 128
+
+
+def test_deep_copies_and_pickles(engine, caplog):
+    """LlamaIndex's unpickling runs __init__ again, with its own default messages_to_prompt, which
+    HibanaLLM refused: the unpickled LLM had no chat layer (AttributeError on the first call), and
+    copy.deepcopy failed ("cannot pickle '_thread.lock'"). A pickle carries no engine, not even a
+    given one; a deep copy shares it."""
+    llm = HibanaLLM(engine=engine, max_tokens=4, state_id="li-pickled")
+    assert copy.deepcopy(llm).engine is engine
+    with caplog.at_level(logging.WARNING):
+        back = pickle.loads(pickle.dumps(llm))
+    assert "unpickleable" not in caplog.text  # nothing dropped but the engine, which never tries
+    assert (back.max_tokens, back.state_id) == (4, "li-pickled") and back.engine is Engine.shared("demo")
+    assert back.complete("Hello").text
+    assert HibanaLLM(engine=engine, messages_to_prompt=llm.messages_to_prompt).engine is engine  # LlamaIndex's own
+    with pytest.raises(ConfigError, match="messages_to_prompt"):
+        HibanaLLM(engine=engine, messages_to_prompt=lambda messages: "")
+
+
+async def test_a_stream_left_early_lets_its_callers_next_call_have_the_state(engine):
+    """Breaking out of astream_chat left the bound state leased until the event loop's finalizer
+    closed the streams: the next call went to another state (2 trials in 3). Closing the stream
+    frees the state before aclose returns."""
+    llm = HibanaLLM(engine=engine, max_tokens=30, state_id="li-left")
+    for _ in range(3):
+        async for _ in await llm.astream_chat(user("Tell me a long story about Paris")):
+            break
+        assert (await llm.achat(user("Hello"))).raw["state_id"] == "li-left"
+        async for _ in await llm.astream_complete("Tell me a long story about Paris"):
+            break
+        assert (await llm.acomplete("Hello")).raw["state_id"] == "li-left"
+    stream = await llm.astream_chat(user("Tell me a long story about Paris"))
+    await anext(stream)
+    await stream.aclose()
+    with engine.lease(state_id="li-left"):  # StateBusyError while the stream holds it
+        pass
+
+
+def test_a_missing_call_says_why(engine):
+    """A required call that max_tokens cut: "expected at least one tool call, got none: ''"."""
+    llm = HibanaLLM(engine=engine, max_tokens=10)
+    reply = llm.chat_with_tools(TOOLS[:1], user_msg="What is the weather in Paris?", tool_required=True)
+    with pytest.raises(ValueError, match="finish_reason 'length'.*unclosed <tool_call>.*raise max_tokens"):
+        llm.get_tool_calls_from_response(reply)
