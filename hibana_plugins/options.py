@@ -1,4 +1,6 @@
-"""The options both framework adapters take: sampling names, the peers' aliases, strict checks.
+"""What both framework adapters share: their options (sampling names, the peers' aliases, strict
+checks), the engine an adapter object runs on (`EngineChoice`), and the wait of an async call for
+a state that a stream its consumer left still holds (`lease_holder`).
 
 An adapter's constructor and its calls accept only the options it knows. An unknown or misspelt
 one raises a `ConfigError` that names it and lists the accepted ones: a local engine has no
@@ -14,9 +16,13 @@ its name with different values is an error.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import difflib
+import threading
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from hibana_core.config import EngineConfig, SamplingParams
@@ -77,6 +83,8 @@ def check_known(options: Iterable[str], accepted: Iterable[str], where: str) -> 
     for name in unknown:
         close = difflib.get_close_matches(name, accepted, n=1)
         note = HINTS.get(name) or _engine_hint(name) or (f"did you mean {close[0]!r}?" if close else "")
+        given = [alias for alias, own in ALIASES.items() if own == name]  # (the caller may have written one)
+        note = f"{name} is what {' and '.join(given)} mean" + (f": {note}" if note else "") if given else note
         notes.append(f"{name!r}" + (f" ({note})" if note else ""))
     raise ConfigError(f"{where} does not take {', '.join(notes)}; it accepts "
                       f"{', '.join(accepted)} (aliases: {', '.join(f'{a}={n}' for a, n in ALIASES.items())})")
@@ -109,3 +117,100 @@ def sampling_params(values: Mapping[str, Any], where: str, context: int | None =
     except ConfigError as exc:
         raise type(exc)(f"{where}: {exc}") from None
     return params
+
+
+# --- the engine an adapter object runs on ----------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class EngineChoice:
+    """An engine and the adapter options it was chosen for: an object runs on it while its `model`
+    and `engine_kwargs` are these. Pydantic copies an object's private attributes into its copies,
+    so a copy given another model (`model_copy(update=...)`) would otherwise keep the first one's
+    engine."""
+
+    engine: Any
+    model: str
+    engine_kwargs: dict
+
+    def serves(self, model: str, engine_kwargs: Mapping[str, Any]) -> bool:
+        return self.model == model and self.engine_kwargs == engine_kwargs
+
+
+def choose_engine(model: str, engine_kwargs: Mapping[str, Any], *choices: EngineChoice | None) -> EngineChoice:
+    """The first of `choices` that serves `model` and `engine_kwargs`, else the engine
+    `Engine.shared(model, **engine_kwargs)` loads or finds."""
+    for choice in choices:
+        if choice is not None and choice.serves(model, engine_kwargs):
+            return choice
+    from hibana_core import Engine  # the engine, torch with it, loads on first use
+
+    return EngineChoice(Engine.shared(model, **engine_kwargs), model, dict(engine_kwargs))
+
+
+# --- async calls on a state that a stream their consumer left still holds -------------------------
+
+RELEASE_WAIT = 2.0
+"""Seconds an async call waits for a state that a call whose consumer is gone still holds (a
+stream closed early, or a call of a task now done): its lease is let go in a worker thread once
+the stream is closed. Without the wait the next call of the same agent found its state busy
+(StateBusyError, or another state)."""
+
+CLOSING_WAIT = 0.25
+"""Seconds an async call waits for a stream of its own task that holds its state to be closed: one
+left by `break` is closed by the event loop's finalizer a few loop turns later (a turn or two per
+framework generator around it). One still open after that is in use: its state is busy."""
+
+_holders: dict[tuple[int, str], "LeaseHolder"] = {}
+"""The async call holding each state, by (id(engine), state id), from its lease until it is let go."""
+_holders_lock = threading.Lock()  # leases are taken and let go in worker threads
+
+
+class LeaseHolder:
+    """An async adapter call's note of the state it leased, kept until the lease is let go, so
+    that a later call on that state whose consumer is gone is waited for (`lease_holder`). Sync
+    calls keep none: a sync stream left early is closed at once."""
+
+    def __init__(self, engine: Any, task: asyncio.Task | None) -> None:
+        self.engine, self.task = engine, task
+        self.key: tuple[int, str] | None = None
+        self.left = False
+        """Set by the adapter's stream when it is closed before its end: the release is on its way."""
+
+    def open(self, open_turn: Callable[[contextlib.ExitStack], Any], stack: contextlib.ExitStack) -> Any:
+        """`open_turn(stack)` (a `turn.Open`), noting the state it leased until the lease is let go."""
+        stack.callback(self._let_go)  # entered before the lease: called after the lease is let go
+        run, handle = open_turn(stack)
+        with _holders_lock:
+            self.key = (id(self.engine), handle.id)
+            _holders[self.key] = self
+        return run, handle
+
+    def gone_for(self, task: asyncio.Task | None, waited: float) -> bool:
+        """Whether this call's consumer is gone, for a call of `task` that has waited `waited`
+        seconds: its stream was left, or its task is done; a call of `task` itself, busy with
+        another call now, is given CLOSING_WAIT for its stream to be closed."""
+        done = self.task is not None and self.task.done()
+        return self.left or done or (self.task is task and waited < CLOSING_WAIT)
+
+    def _let_go(self) -> None:
+        with _holders_lock:
+            if self.key is not None and _holders.get(self.key) is self:
+                del _holders[self.key]
+
+
+async def lease_holder(engine: Any, state_id: str | None, task: asyncio.Task | None = None) -> LeaseHolder:
+    """The note for an async call on `state_id` of `engine` made by `task` (None: the current
+    one), once no call whose consumer is gone (`LeaseHolder.gone_for`) holds that state, or after
+    RELEASE_WAIT seconds. A state held by a call that is still read (another task's, or a stream
+    still open) is not waited for: concurrent calls on one state are refused, or served by another
+    state, as they were."""
+    task = asyncio.current_task() if task is None else task
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while state_id is not None:
+        holder = _holders.get((id(engine), state_id))
+        waited = loop.time() - start
+        if holder is None or waited >= RELEASE_WAIT or not holder.gone_for(task, waited):
+            break
+        await asyncio.sleep(0.005)
+    return LeaseHolder(engine, task)
