@@ -201,12 +201,14 @@ def _check_model(parser: argparse.ArgumentParser, model: str) -> Path | None:
     """The checkpoint directory `model` names (None for a preset), or exit with a usage error
     unless it is a preset or a checkpoint that can be found."""
     from hibana_core import HibanaError
-    from hibana_core.loader import resolve_checkpoint
+    from hibana_core.loader import family_of, read_model_type, resolve_checkpoint
 
     if model in PRESETS:
         return None
     try:
-        return resolve_checkpoint(model, progress=True)  # a repo id is downloaded here, once
+        path = resolve_checkpoint(model, progress=True)  # a repo id is downloaded here, once
+        family_of(read_model_type(path))  # an architecture no family serves: UnsupportedModelError, listing them
+        return path
     except HibanaError as exc:
         parser.error(f"--model: {exc} (or name a preset: {', '.join(PRESETS)})")
 

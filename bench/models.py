@@ -176,16 +176,12 @@ def load_bench_model(name: str, device: torch.device, dtype: torch.dtype, chat: 
             spec.update(vocab_size=max(spec["vocab_size"], len(tokenizer)), eos_token_id=tokenizer.eos_token_id)
         model, random = _random_preset(spec, device, dtype)
     else:  # the engines load the checkpoint, the peers transformers' model of it (`peer_model`)
-        from transformers import AutoConfig
-
-        from hibana_core.loader import load_tokenizer, resolve_checkpoint
+        from hibana_core.loader import load_tokenizer, planned_model, read_config, read_model_type, resolve_checkpoint
 
         path = resolve_checkpoint(name)
-        config = AutoConfig.from_pretrained(path)
-        with torch.device("meta"):  # its language model's bytes in `dtype` (what the engine loads), no weights
-            shape = AutoModelForCausalLM.from_config(config.get_text_config(), dtype=dtype)
-        weight_bytes = sum(p.numel() * p.element_size() for p in shape.parameters())
-        tokenizer = load_tokenizer(path)  # None: a checkpoint without one, timed as a preset
+        config = read_config(path, read_model_type(path))  # (a plugin family's model_type too)
+        weight_bytes, _ = planned_model(str(path), dtype)  # what the engine loads, in `dtype`, no weights read
+        tokenizer = load_tokenizer(path, config)  # None: a checkpoint without one, timed as a preset
         return BenchModel(name, None, tokenizer, device, weight_bytes, None, path, config, dtype)
     model.eval().requires_grad_(False)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -130,7 +130,7 @@ class CacheConfig:
     host_kv_bytes: int | None = None
     """The host tier: bytes of host memory where idle states' KV is parked when the device pool
     needs room (and copied back when they resume) instead of being dropped and recomputed.
-    None: a quarter of physical memory, at most 16 GiB, except on unified memory with a
+    None: half the host memory available at start, except on unified memory with a
     `memory_budget`, where the budget is one pool and there is no host tier (parking would copy
     within the same memory); 0: no host tier (drop and recompute). On unified memory a host tier
     given in bytes comes out of the budget. With `state_dir` set, what the host tier cannot hold
@@ -539,6 +539,66 @@ class SamplingParams:
                                f"({{'type': 'structural_tag', 'format': ...}}), got {grammar!r:.80}")
 
 
+def _extension_typed_dicts(kind: Any, done: dict | None = None) -> Any:
+    """`kind` with every `typing.TypedDict` in it (its own fields, list items, unions, ...) rebuilt
+    as a `typing_extensions.TypedDict` with the same keys, required ones and docstring: before
+    Python 3.12 pydantic reads only those, and refuses the other as LangChain's users write it."""
+    import sys
+
+    import typing_extensions
+
+    if sys.version_info >= (3, 12):
+        return kind
+    done = {} if done is None else done
+    if typing.is_typeddict(kind) and type(kind).__module__ == "typing":  # (typing's, not the extension's)
+        if kind not in done:
+            hints = typing.get_type_hints(kind, include_extras=True)
+            done[kind] = None  # (a self-reference stays as written)
+            fields = {key: (typing_extensions.Required if _required(key, hint, kind) else typing_extensions.NotRequired)[
+                _extension_typed_dicts(_unmarked(hint), done)] for key, hint in hints.items()}
+            rebuilt = typing_extensions.TypedDict(kind.__name__, fields)
+            rebuilt.__doc__, rebuilt.__module__ = kind.__doc__, kind.__module__
+            done[kind] = rebuilt
+        return done[kind] or kind
+    args = typing.get_args(kind)
+    if not args:
+        return kind
+    rebuilt_args = tuple(_extension_typed_dicts(a, done) for a in args)  # (a Literal's values come back as they are)
+    if rebuilt_args == args:
+        return kind
+    origin = typing.get_origin(kind)
+    if origin is typing_extensions.Annotated or origin is typing.Annotated:
+        return typing.Annotated[(rebuilt_args[0], *kind.__metadata__)]
+    if origin is types.UnionType:
+        return typing.Union[rebuilt_args]
+    if isinstance(kind, types.GenericAlias):
+        return types.GenericAlias(origin, rebuilt_args)
+    return kind.copy_with(rebuilt_args) if hasattr(kind, "copy_with") else kind
+
+
+def _required(key: str, hint: Any, kind: Any) -> bool:
+    """Whether a TypedDict's key is required: its field's own mark where it has one (a postponed
+    annotation's NotRequired is not in `__required_keys__` before Python 3.12), else its class's."""
+    import typing_extensions
+
+    origin = typing.get_origin(hint)
+    if origin in (typing.Required, typing_extensions.Required):
+        return True
+    if origin in (typing.NotRequired, typing_extensions.NotRequired):
+        return False
+    return key in kind.__required_keys__
+
+
+def _unmarked(hint: Any) -> Any:
+    """A field's type without its Required / NotRequired mark (the rebuilt class marks each anew)."""
+    import typing_extensions
+
+    while typing.get_origin(hint) in (typing.Required, typing.NotRequired, typing_extensions.Required,
+                                      typing_extensions.NotRequired):
+        hint = typing.get_args(hint)[0]
+    return hint
+
+
 def _type_schema(kind: Any) -> dict:
     """The JSON schema of a type that is no pydantic model (a TypedDict, a dataclass, `list[int]`,
     `Optional[Model]`, `Literal["a", "b"]`), as pydantic writes it: the schema its parsing
@@ -547,7 +607,7 @@ def _type_schema(kind: Any) -> dict:
 
     name = getattr(kind, "__name__", kind)
     try:
-        return pydantic.TypeAdapter(kind).json_schema()
+        return pydantic.TypeAdapter(_extension_typed_dicts(kind)).json_schema()
     except pydantic.PydanticSchemaGenerationError:
         raise GrammarError(f"json_schema is the type {name}, which has no JSON schema; pass a pydantic model, a "
                            "TypedDict, a dataclass or a schema dict") from None

@@ -144,7 +144,7 @@ def load_model(model: str, device: torch.device, dtype: str, ctx: ForwardContext
         path = resolve_checkpoint(model, progress)
     with stages.stage("config"):
         model_type = read_model_type(path)
-        family = _family(model_type)
+        family = family_of(model_type)
         hf_config = read_config(path, model_type)
         torch_dtype = resolve_dtype(dtype, device, hf_config)
         module, args = _build(model_type, family, hf_config, device, torch_dtype, ctx)
@@ -168,7 +168,7 @@ def load_from_hf_model(hf_model: torch.nn.Module, device: torch.device, dtype: s
     `config`, `generation_config` and a `state_dict()` mapping names to tensors: the benchmarks'
     random presets make each weight on the device when it is read, so no second copy exists."""
     hf_config = hf_model.config
-    family = _family(hf_config.model_type)
+    family = family_of(hf_config.model_type)
     torch_dtype = resolve_dtype(dtype, device, hf_config)
     module, args = _build(hf_config.model_type, family, hf_config, device, torch_dtype, ctx)
     state = hf_model.state_dict()
@@ -182,7 +182,7 @@ def load_from_hf_model(hf_model: torch.nn.Module, device: torch.device, dtype: s
                    torch_dtype, f"in-memory:{digest}:{id(hf_model)}")
 
 
-def _family(model_type: str) -> Any:
+def family_of(model_type: str) -> Any:
     families = get_plugin_manager().model_families()
     if model_type not in families:
         raise UnsupportedModelError(
@@ -290,7 +290,7 @@ def planned_model(model: str, dtype: torch.dtype) -> tuple[int, Any]:
     checkpoint's weights count dense: at most what they take."""
     path = resolve_checkpoint(model)
     model_type = read_model_type(path)
-    family = _family(model_type)
+    family = family_of(model_type)
     module, args = _built_on_meta(model_type, family, read_config(path, model_type), ForwardContext())
     return model_bytes(module.to(dtype=dtype)), args
 

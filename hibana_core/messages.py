@@ -260,6 +260,8 @@ def unheld(schema: Mapping) -> list[str]:
     from hibana_core.grammar import json_schema_grammar, unenforced_keywords
 
     unenforced = unenforced_keywords(dict(schema))
+    if unenforced:  # refused already: compiling would only print xgrammar's own warnings about them
+        return unenforced
     try:
         json_schema_grammar(dict(schema))
     except GrammarError as exc:

@@ -84,6 +84,8 @@ def test_chat_hibana_refuses_unknown_call_kwargs(engine):
         llm.invoke(PROMPT, top_logprobs=2)
     with pytest.raises(ConfigError, match="does not take 'foo'.*accepts"):
         llm.invoke(PROMPT, foo=1)
+    with pytest.raises(ConfigError, match="does not take 'max_model_len' .max_model_len is what num_ctx"):
+        llm.invoke(PROMPT, num_ctx=512)  # the alias the caller wrote is named, not only its meaning
     with pytest.raises(ConfigError, match="temperature"):
         llm.invoke(PROMPT, temperature=-0.5)
     with pytest.raises(ConfigError, match="max_tokens must be at least 1"):  # as the server and HibanaLLM

@@ -325,6 +325,25 @@ def test_bench_times_a_checkpoint_without_a_tokenizer(tiny_checkpoints, tmp_path
     assert [row["system"] for row in json.loads(out.read_text())["rows"]] == ["hibana"]
 
 
+def test_bench_refuses_a_checkpoint_of_an_unsupported_model_type_in_one_line(tiny_checkpoints, tmp_path, capsys):
+    """A model_type no family serves was transformers' traceback from bench (it read the config
+    with AutoConfig before anything else): now the usage error, exit 2, listing the supported ones,
+    as Engine.from_pretrained says it."""
+    import shutil
+
+    from hibana_bench.cli import main
+
+    unknown = tmp_path / "qwen4"
+    shutil.copytree(tiny_checkpoints["qwen3"], unknown)
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps(dict(config, model_type="qwen4")))
+    with pytest.raises(SystemExit) as exit_:
+        main(["decode", "--model", str(unknown), "--device", "cpu", "--systems", "hibana", "--context", "16",
+              "--generate", "4", "--no-cold-start"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "'qwen4' is not supported" in err and "qwen3" in err and "Traceback" not in err
+
+
 def test_bench_decode_runs_each_system_with_and_without_pdl(tiny_checkpoints, tmp_path, capsys):
     """`--pdl on,off`: each Hibana system twice, the second row named SYSTEM/pdl-off (on the CPU
     both launch plainly; the rows still come); a value other than on and off is refused."""

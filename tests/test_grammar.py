@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 import math
 import random
 import re
@@ -1017,6 +1018,35 @@ def test_a_typeddict_or_a_dataclass_is_a_json_schema(engine):
     assert out.finish_reason == "stop" and all(0 <= n <= 9 for n in json.loads(out.text))
 
 
+class TypingPlace(typing.TypedDict):  # typing's own TypedDict, as LangChain's docs write them
+    """A place."""
+    city: str
+    rank: typing.NotRequired[int]
+
+
+class TypingTrip(typing.TypedDict, total=False):
+    places: list[TypingPlace]
+    home: TypingPlace | None
+
+
+def test_typings_own_typeddict_is_a_json_schema_before_python_3_12():
+    """pydantic refuses typing.TypedDict before Python 3.12 ("use typing_extensions.TypedDict"):
+    it is read as the typing_extensions class with the same keys, nested ones too."""
+    class ExtensionPlace(TypedDict):
+        """A place."""
+        city: str
+        rank: NotRequired[int]
+
+    class ExtensionTrip(TypedDict, total=False):
+        places: list[ExtensionPlace]
+        home: ExtensionPlace | None
+
+    want = pydantic.TypeAdapter(ExtensionTrip).json_schema()
+    got = SamplingParams(json_schema=TypingTrip).json_schema
+    assert json.dumps(got).replace("Typing", "Extension") == json.dumps(want)
+    assert SamplingParams(json_schema=list[TypingPlace]).json_schema["$defs"]["TypingPlace"]["required"] == ["city"]
+
+
 # --- the sampler's masks ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("every", [True, False])
@@ -1198,3 +1228,14 @@ def test_one_of_compiles_as_any_of_without_xgrammar_warning_on_stderr(capfd):
     json_schema_grammar({"type": "object", "required": ["a"],
                          "properties": {"a": {"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 3}]}}})
     assert "oneOf" not in capfd.readouterr().err
+
+
+def test_a_schema_refused_for_its_keywords_prints_nothing_of_its_own(capfd):
+    """unheld() compiled a schema it had already found keywords the grammar drops in, and xgrammar's
+    C++ warning about them ("pattern combined with minLength/maxLength ...") reached stderr ahead of
+    the refusal."""
+    from hibana_core.messages import unheld
+
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5, "pattern": "^[a-z]+$"}}}
+    assert unheld(schema)
+    assert "json_schema_converter" not in capfd.readouterr().err
