@@ -167,8 +167,6 @@ def load_bench_model(name: str, device: torch.device, dtype: torch.dtype, chat: 
     `chat`: a preset gets `chat_tokenizer()` (its vocabulary covers the tokenizer's ids, and the
     tokenizer's end of text is its end of sequence); the others have their own tokenizer, where
     they have one."""
-    from transformers import AutoModelForCausalLM
-
     if name in PRESETS:
         spec = dict(PRESETS[name])
         tokenizer = chat_tokenizer() if chat else None
