@@ -206,7 +206,7 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
         repetition_penalty=_given(request.repetition_penalty, 1.0),
         json_schema=response_schema(request.response_format) if chat else None,
         logprobs=logprobs, top_logprobs=(request.top_logprobs or 0) if logprobs else 0)
-    explicit = state_header or request.user
+    explicit = state_header or request.user or None  # an empty user names no one (OpenAI takes it)
     return ChatCall(listed, tools, choice, not chat or request.parallel_tool_calls is not False, params, explicit,
                     fallback=state_header is None, stream=bool(request.stream),
                     include_usage=bool(request.stream_options and request.stream_options.include_usage), n=n,
@@ -384,7 +384,7 @@ class Reply:
 
     def _choice(self, index: int, result: ChatResult) -> dict:
         message = assistant_message(result)  # the thinking as reasoning_content, never inside the content
-        message["content"] = result.content  # a cut call's markup is no answer
+        message["content"] = _answer(result)
         if result.tool_calls and not message["content"]:
             message["content"] = None  # OpenAI's shape for a turn of calls only
         return {"index": index, "message": message, "logprobs": self._logprobs(result),
@@ -409,8 +409,10 @@ class Reply:
     def chunks(self, deltas: Sequence[ChatDelta], index: int = 0) -> list[dict]:
         """The chunks for deltas made at once: a run of text (or of thinking) is one chunk, as
         OpenAI's own deltas of several tokens; a tool-call delta or the result, one chunk each. The
-        markup of a call max_tokens cut off is left out, as from the whole reply's content."""
-        return [self.chunk(delta, index) for delta in joined(deltas) if not delta.cut_call]
+        markup of a call max_tokens cut off is left out, as from the whole reply's content (`_answer`)."""
+        final = next((delta.result for delta in deltas if delta.result is not None), None)
+        drop = final is None or final.finish_reason == "length"
+        return [self.chunk(delta, index) for delta in joined(deltas) if not (delta.cut_call and drop)]
 
     def role_chunk(self, index: int = 0) -> dict | None:
         """Choice `index`'s first chunk, before any text (None: the format has none)."""
@@ -446,6 +448,14 @@ def _piece_kind(delta: ChatDelta) -> str | None:
             or bool(delta.text) == bool(delta.reasoning):
         return None
     return "text" if delta.text else "reasoning"
+
+
+def _answer(result: ChatResult) -> str:
+    """A reply's message content: the markup of a call max_tokens cut off is left out (finish
+    "length" says why there is no call); that of a call a stop sequence cut stays, as vLLM's
+    parsers leave a call they cannot parse, so that the reply does not come back empty with
+    finish "stop" and nothing to say a call was begun."""
+    return result.content if result.finish_reason == "length" else result.text
 
 
 def finish_reason(result: ChatResult) -> str:

@@ -351,10 +351,13 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
     async def serve_together(request: Request, received: float, servings: "list[Serving]", reply: Reply) -> Response:
         """Several turns of one request (its prompts, its n choices), run at once and answered
         together; a turn's error fails the request once the others have ended (their states keep them)."""
+        timed = []  # the request's first token is timed once, as a streamed request's is
+
         async def whole(serving: Serving) -> turn.ChatResult:
             deltas = turn.arun_batches(serving.open)
             first = await first_delta(deltas, reply)
-            metrics.ttft.observe(time.monotonic() - received)
+            if not timed:
+                timed.append(metrics.ttft.observe(time.monotonic() - received))
             return await rest(deltas, first)
 
         outcomes = await unless_gone(request, asyncio.gather(*map(whole, servings), return_exceptions=True))
@@ -761,3 +764,7 @@ def stop_signals_unwind() -> Iterator[list]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+if __name__ == "__main__":  # python -m hibana_plugins.server MODEL ...: `hibana serve`
+    sys.exit(main())

@@ -1052,3 +1052,31 @@ def test_logprobs_plain_and_streamed(client):
                                                  stream=True))
     streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs is not None]
     assert len(streamed) == 1 and [e.token for e in streamed[0].content] == [e.token for e in content]
+
+
+def test_a_call_cut_by_a_stop_sequence_stays_in_the_content(client):
+    """An outside tester: stop=["Paris"] inside a call's arguments answered an empty message with
+    finish "stop" and no calls, nothing to say a call was begun. Its markup is the content now, as
+    vLLM leaves a call it cannot parse, streamed or not (a max_tokens cut still leaves it out)."""
+    ask = dict(model="demo", tools=[WEATHER], max_tokens=40,
+               messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    whole = client.chat.completions.create(**ask).choices[0]
+    assert whole.message.tool_calls[0].function.arguments == '{"city": "Paris"}'
+    cut = client.chat.completions.create(**ask, stop=["Paris"]).choices[0]
+    assert cut.finish_reason == "stop" and not cut.message.tool_calls
+    assert "<tool_call>" in cut.message.content and '"get_weather"' in cut.message.content
+    chunks = list(client.chat.completions.create(**ask, stop=["Paris"], stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == cut.message.content
+
+
+def test_an_empty_user_names_no_state_and_a_request_is_timed_once(client, base_url):
+    """user: "" was a 400 about state ids (OpenAI takes it); n choices answered whole were timed
+    to their first token once each, where a streamed request is timed once."""
+    ask = dict(model="demo", messages=[{"role": "user", "content": "Hello!"}], max_tokens=4)
+    assert client.chat.completions.create(**ask, user="").choices[0].message.content is not None
+    for stream in (False, True):
+        before = scrape(base_url)["hibana_time_to_first_token_seconds_count"]
+        reply = client.chat.completions.create(**ask, n=3, stream=stream)
+        if stream:
+            list(reply)
+        assert scrape(base_url)["hibana_time_to_first_token_seconds_count"] - before == 1, stream
