@@ -599,9 +599,14 @@ class StateRegistry:
         return self.pool.can_allocate(blocks) or self.core.scheduler.eviction.make_room(blocks)
 
     def _place(self, seq: KVSequence, saved: state_file.SavedState, path: object) -> None:
-        """A saved state's KV into device blocks now (idle states evicted for room)."""
+        """A saved state's KV into device blocks now (idle states evicted for room). Where running
+        requests hold the blocks and no tier took the KV, the state keeps its tokens alone: its KV
+        is recomputed at its next request, which waits for room as any request does (it was a
+        MemoryBudgetError that sent the caller to idle states there were none of)."""
         blocks = saved.kv.shape[2]
-        self._device_room(blocks)
+        if not self._device_room(blocks):
+            seq.rotated_long = False  # (as a state of tokens alone)
+            return
         ids = self.pool.allocate(blocks)
         seq.place_pages(ids, saved.starts, saved.num_computed)
         try:

@@ -725,3 +725,29 @@ def test_decode_graphs_are_keyed_by_the_span_their_attention_splits_for(tiny_che
     monkeypatch.setattr(graphs.runner.ctx, "forward_batch", recording)
     logits = graphs._forward(1, 1, 512)
     assert seen == [512] and logits.shape[0] == 1
+
+
+def test_a_state_loaded_while_running_requests_hold_the_pool_keeps_its_tokens(tiny_checkpoints, make_engine,
+                                                                              tmp_path):
+    """An outside tester: load_state while another agent's running request held most of a small
+    pool (no host tier) was a MemoryBudgetError pointing at idle states there were none of, where a
+    request in the same spot waits for room. The state now holds its tokens, its KV computed at its
+    next request, and generates what a state that never left would."""
+    engine = make_engine(tiny_checkpoints["qwen3"], speculation="off", block_size=16, num_blocks=10,
+                         host_kv_bytes=0)
+    rng = random.Random(0)
+    history = random_tokens(rng, 60)
+    a = engine.open_state("a")
+    a.sync(history)
+    a.save(tmp_path / "a.state")
+    a.close()
+    busy = engine.open_state("busy")
+    events = busy.stream(SamplingParams(max_tokens=40, ignore_eos=True), prompt=random_tokens(rng, 100))
+    next(iter(events))  # running: 7 of the 10 blocks held
+    loaded = engine.load_state(tmp_path / "a.state", state_id="a2")
+    assert loaded.tokens == history
+    for _ in events:
+        pass
+    out = loaded.generate(greedy(6))
+    fresh = engine.open_state("fresh")
+    assert out.token_ids == fresh.generate(greedy(6), prompt=history).token_ids
