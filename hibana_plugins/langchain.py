@@ -54,7 +54,7 @@ from hibana_core.errors import ConfigError
 from hibana_core.messages import check_enforceable
 from hibana_plugins.hookspecs import hookimpl
 from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_known, choose_engine, lease_holder,
-                                    resolve_aliases, sampling_params)
+                                    resolve_aliases, sampling_params, sharing)
 
 try:
     from langchain_core.language_models import BaseChatModel
@@ -473,11 +473,7 @@ class ChatHibana(BaseChatModel):
 
     def __deepcopy__(self, memo: dict[int, Any] | None = None) -> "ChatHibana":
         """A deep copy on the same engine (weights, KV pool and step loop are not copied)."""
-        memo = {} if memo is None else memo
-        for shared in (self.given_engine, self._engine, self._chat):
-            if shared is not None:
-                memo[id(shared)] = shared
-        return super().__deepcopy__(memo)
+        return super().__deepcopy__(sharing(memo, self.given_engine, self._engine, self._chat))
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without its engine, which does not pickle: the copy loads or finds

@@ -49,7 +49,7 @@ from hibana_core.errors import ConfigError, HibanaError
 from hibana_core.messages import unheld
 from hibana_plugins.hookspecs import hookimpl
 from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_known, choose_engine, lease_holder,
-                                    resolve_aliases, sampling_params)
+                                    resolve_aliases, sampling_params, sharing)
 
 COMPLETE_OPTIONS = frozenset({*SAMPLING, "reasoning", "timeout"})
 """What `complete(..., **kwargs)` may set."""
@@ -325,11 +325,7 @@ def llm_class() -> type:
 
         def __deepcopy__(self, memo: dict[int, Any] | None = None) -> "HibanaLLM":
             """A deep copy on the same engine (weights, KV pool and step loop are not copied)."""
-            memo = {} if memo is None else memo
-            for shared in (self._given, self._engine, self._chat):
-                if shared is not None:
-                    memo[id(shared)] = shared
-            return super().__deepcopy__(memo)
+            return super().__deepcopy__(sharing(memo, self._given, self._engine, self._chat))
 
         def __getstate__(self) -> dict[str, Any]:
             """LlamaIndex's pickled state (the fields that pickle; unpickling runs `__init__` on

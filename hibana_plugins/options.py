@@ -147,6 +147,14 @@ def choose_engine(model: str, engine_kwargs: Mapping[str, Any], *choices: Engine
     return EngineChoice(Engine.shared(model, **engine_kwargs), model, dict(engine_kwargs))
 
 
+def sharing(memo: dict[int, Any] | None, *shared: Any) -> dict[int, Any]:
+    """A `copy.deepcopy` memo in which `shared` (an engine, its chat layer) are copied as
+    themselves: an adapter's deep copy runs on the same engine."""
+    memo = {} if memo is None else memo
+    memo.update({id(obj): obj for obj in shared if obj is not None})
+    return memo
+
+
 # --- async calls on a state that a stream their consumer left still holds -------------------------
 
 RELEASE_WAIT = 2.0
