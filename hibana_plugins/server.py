@@ -351,13 +351,14 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
     async def serve_together(request: Request, received: float, servings: "list[Serving]", reply: Reply) -> Response:
         """Several turns of one request (its prompts, its n choices), run at once and answered
         together; a turn's error fails the request once the others have ended (their states keep them)."""
-        timed = []  # the request's first token is timed once, as a streamed request's is
+        first_token = asyncio.Event()  # the request's first token is timed once, as a streamed request's is
 
         async def whole(serving: Serving) -> turn.ChatResult:
             deltas = turn.arun_batches(serving.open)
             first = await first_delta(deltas, reply)
-            if not timed:
-                timed.append(metrics.ttft.observe(time.monotonic() - received))
+            if not first_token.is_set():
+                first_token.set()
+                metrics.ttft.observe(time.monotonic() - received)
             return await rest(deltas, first)
 
         outcomes = await unless_gone(request, asyncio.gather(*map(whole, servings), return_exceptions=True))

@@ -30,7 +30,7 @@ import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -212,22 +212,21 @@ class Scorer:
         """[T - 1, V] float32 on the host: log-probabilities of the token after each position but
         the last. The head runs LOGIT_ROWS positions at a time, so a long document (a window
         pass's, thousands of tokens) never holds its whole [T, V] logits on the device."""
-        hidden = self._forward(tokens, 0, hidden_only=True)[:-1]
-        with torch.inference_mode():
-            return torch.cat([torch.log_softmax(self.model.compute_logits(hidden[i:i + LOGIT_ROWS]).float(), dim=-1).cpu()
-                              for i in range(0, hidden.shape[0], LOGIT_ROWS)])
+        return torch.cat([logp.cpu() for _, logp in self._log_prob_rows(tokens)])
 
     def nll(self, tokens: Sequence[int]) -> float:
-        """The summed negative log-likelihood of tokens[1:] (the head LOGIT_ROWS positions at a
-        time, on the device)."""
-        hidden = self._forward(tokens, 0, hidden_only=True)[:-1]
-        target = torch.tensor(list(tokens[1:]), device=hidden.device)
-        total = 0.0
+        """The summed negative log-likelihood of tokens[1:], on the device (`_log_prob_rows`)."""
+        target = torch.tensor(list(tokens[1:]), device=self.device)
+        return -sum(logp.gather(1, target[i:i + len(logp), None]).sum().item()
+                    for i, logp in self._log_prob_rows(tokens))
+
+    def _log_prob_rows(self, tokens: Sequence[int]) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first position, [<= LOGIT_ROWS, V] float32 log-probabilities on the device) for the
+        token after each position but the last: one forward, the head a few hundred rows at a time."""
+        hidden = self.hidden(tokens)[:-1]
         with torch.inference_mode():
             for i in range(0, hidden.shape[0], LOGIT_ROWS):
-                logp = torch.log_softmax(self.model.compute_logits(hidden[i:i + LOGIT_ROWS]).float(), dim=-1)
-                total -= logp.gather(1, target[i:i + LOGIT_ROWS, None]).sum().item()
-        return total
+                yield i, torch.log_softmax(self.model.compute_logits(hidden[i:i + LOGIT_ROWS]).float(), dim=-1)
 
     def hidden(self, tokens: Sequence[int]) -> torch.Tensor:
         """The final hidden states of `tokens` ([T, hidden]): one forward, no head."""
