@@ -68,8 +68,9 @@
 #   bash bench/run_h200.sh grammar  # issue 15: xgrammar against llguidance on the host's CPU, then constrained
 #                                   # decoding's overhead per token, qwen3-8b preset, batch 1 and 32; needs
 #                                   # xgrammar (and llguidance) as wheels in .whl/ (bench/README.md)
-#   bash bench/run_h200.sh train_demo   # issue 15: demo model v2 (--corpus $CORPUS --shape v2; CORPUS=v2, or v3
-#                                       # with its state in bench/out/demo_train_v3), TRAIN_MINUTES (7) of
+#   bash bench/run_h200.sh train_demo   # issue 15: demo model v2 (--corpus $CORPUS --shape v2; CORPUS=v2, or v3 / v4
+#                                       # with its state in bench/out/demo_train_v3 / _v4; v4 needs pycountry:
+#                                       # carry .whl and put /tmp/site on PYTHONPATH first), TRAIN_MINUTES (7) of
 #                                       # training a call; run it again on the same warm machine to resume
 #                                       # (the state stays in bench/out/demo_train, ignored, kept between calls;
 #                                       # a cold machine starts over). The first call cuts TRAIN_STEPS (4000)
@@ -285,7 +286,7 @@ case "${1:-check}" in
         --client-processes "${CLIENT_PROCESSES:-4}" --json "$OUT/serve_${model}_h200.json" 2>&1 | tee "$OUT/serve_${model}_h200.txt"
     done ;;
   train_demo)
-    CORPUS="${CORPUS:-v2}"                 # v3: corpus_v3.py's open world, its own state and tokenizer
+    CORPUS="${CORPUS:-v2}"                 # v3 / v4: corpus_v3.py / corpus_v4.py, each its own state and tokenizer
     TRAIN_DIR="${TRAIN_DIR:-bench/out/demo_train$([ "$CORPUS" = v2 ] || echo "_$CORPUS")}"
     RESUME=""
     [ -f "$TRAIN_DIR/train_state.pt" ] && RESUME="--resume"

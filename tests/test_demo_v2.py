@@ -10,11 +10,11 @@ import json
 
 import jsonschema
 
-from hibana_core.demo import (corpus, corpus_v2, corpus_v3, evaluate, heldout_v2, perturb, template, tools, tools_v2,
-                              tools_v3)
+from hibana_core.demo import (corpus, corpus_v2, corpus_v3, corpus_v4, evaluate, heldout_v2, perturb, template, tools,
+                              tools_v2, tools_v3)
 
 
-TRAINING_CORPORA = (corpus.conversation, corpus_v2.conversation, corpus_v3.conversation)
+TRAINING_CORPORA = (corpus.conversation, corpus_v2.conversation, corpus_v3.conversation, corpus_v4.conversation)
 
 
 def _training_tool_names(n: int = 400) -> set[str]:

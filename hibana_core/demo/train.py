@@ -10,7 +10,8 @@
 `--tokenizer DIR` reuses one. The model wants a GPU: a few thousand steps take minutes on one.
 
 Demo model v2 (issue 15): `--corpus v2 --shape v2` (corpus_v2.py's natural tools; 18.8M
-parameters, 37.6 MB in bf16); `--corpus v3` is corpus_v3.py's open world, same shape. Training runs in chunks, each one device call:
+parameters, 37.6 MB in bf16); `--corpus v3` is corpus_v3.py's open world, same shape; `--corpus v4`
+(corpus_v4.py: synonyms, siblings, world knowledge; conversations up to 1536 tokens) needs pycountry. Training runs in chunks, each one device call:
 
     --train-dir DIR      the resumable state: tokenizer, the encoded corpus (built once, then
                          read back), train_state.pt (fp32 weights, AdamW moments, step, loss log)
@@ -43,6 +44,7 @@ from hibana_core.demo.template import END_OF_TURN
 
 DEMO_DIR = Path(__file__).parent / "model"
 MAX_TOKENS = 1024   # conversations longer than this are dropped (well under 1% of them)
+MAX_TOKENS_V4 = 1536  # corpus v4's schemas are as wordy as real ones; real prompts run past 1024
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,10 @@ def conversation(corpus_name: str, seed: int | str, index: int, extended: bool =
         from hibana_core.demo import corpus_v3
 
         return corpus_v3.conversation(seed, index)
+    if corpus_name == "v4":
+        from hibana_core.demo import corpus_v4
+
+        return corpus_v4.conversation(seed, index)
     return corpus.conversation(seed, index, extended=extended)
 
 
@@ -103,9 +109,9 @@ def _encode_range(args: tuple[str, int, int, int, bool]) -> list[tuple[np.ndarra
     corpus_name, seed, start, stop, extended = args
     rendered = [template.render_with_spans(c.messages, c.tools)
                 for c in (conversation(corpus_name, seed, i, extended) for i in range(start, stop))]
-    out = []
+    out, limit = [], MAX_TOKENS_V4 if corpus_name == "v4" else MAX_TOKENS
     for (text, spans), enc in zip(rendered, _worker_tok.encode_batch([t for t, _ in rendered])):
-        if len(enc.ids) > MAX_TOKENS:
+        if len(enc.ids) > limit:
             continue
         starts = np.array([s for s, _ in enc.offsets])
         mask = np.zeros(len(enc.ids), dtype=bool)
@@ -298,9 +304,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--conversations", type=int, default=200_000)
     p.add_argument("--base-corpus", action="store_true",
                    help="run 2's corpus exactly (no side stream: no call syntax, no non-ASCII values)")
-    p.add_argument("--corpus", choices=("v1", "v2", "v3"), default="v1",
+    p.add_argument("--corpus", choices=("v1", "v2", "v3", "v4"), default="v1",
                    help="v2: corpus_v2.py's natural tools from many domains, with run 3's corpus mixed in; "
-                        "v3: corpus_v3.py, v2's conversations over open values and open tools")
+                        "v3: corpus_v3.py, v2's conversations over open values and open tools; "
+                        "v4: corpus_v4.py, tools chosen by reading and values mapped with world knowledge")
     p.add_argument("--shape", choices=tuple(SHAPES), default="v1",
                    help="model size preset; --hidden etc. override single fields")
     p.add_argument("--train-dir", type=Path, help="resumable state: tokenizer, encoded corpus, train_state.pt")

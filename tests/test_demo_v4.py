@@ -1,0 +1,197 @@
+"""Corpus v4 (issue 15): tools chosen by reading, values mapped with world knowledge.
+
+Fast: no model runs here. What v4 adds over v3 is checked on its conversations: every call
+validates; a copied value is in what the user said; a mapped value is the right ISO code, unit,
+clock time or number for the words; tools beside a called one share its noun or verb often enough
+that choosing needs reading; nothing of the held-out set can be formed. The overlap with the
+held-out set is also checked in test_demo_v2.py (TRAINING_CORPORA).
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+from tokenizers import Tokenizer
+
+from hibana_core.demo import corpus_v4, heldout_v2, knowledge as K, template, tools_v4
+from hibana_core.demo.train import MAX_TOKENS_V4
+
+N = 1500
+
+
+def _own(n: int = N):
+    """Corpus v4's own conversations among the first `n` (v3's, mixed in, are skipped)."""
+    for i in range(n):
+        c = corpus_v4.conversation(0, i)
+        if c.tool_objects and isinstance(c.tool_objects[0], tools_v4.OpenTool):
+            yield c
+
+
+def _calls(c):
+    """(what the user has said so far, call, tool) for each call."""
+    tools = {t.name: t for t in c.tool_objects}
+    said = []
+    for m in c.messages:
+        if m["role"] == "user":
+            said.append(m["content"])
+        for call in m.get("tool_calls") or []:
+            yield " ".join(said), call["function"], tools[call["function"]["name"]]
+
+
+def test_calls_validate_and_copied_values_come_from_the_user():
+    calls = copied = 0
+    for c in _own():
+        for said, call, tool in _calls(c):
+            calls += 1
+            jsonschema.validate(call["arguments"], tool.schema["function"]["parameters"])
+            for slot in tool.slots:
+                if slot.mapped:
+                    continue
+                for name in slot.params:
+                    value = call["arguments"].get(name)
+                    for item in value if isinstance(value, list) else [value] if value is not None else []:
+                        copied += 1
+                        assert item in said, (item, said)
+    assert calls > 1500 and copied > 1000
+
+
+def test_mapped_values_are_the_standards():
+    currencies, languages, countries = K.currencies(), K.languages(), K.countries()
+    assert {"USD", "EUR", "JPY", "CHF", "GBP", "INR"} <= set(currencies) and "XAU" not in currencies
+    assert "Swiss francs" in currencies["CHF"] and "Japanese yen" in currencies["JPY"]
+    assert languages["de"] == "German" and languages["el"] == "Greek" and languages["es"] == "Spanish"
+    assert countries["KR"] == "South Korea" and countries["PE"] == "Peru"
+    assert all(len(c) == 2 and c.isupper() for c in countries) and "CA" in K.us_states()
+    seen = collections.Counter()
+    for c in _own():
+        for _, call, tool in _calls(c):
+            for slot in tool.slots:
+                for name, schema in slot.params.items():
+                    value = call["arguments"].get(name)
+                    description = schema.get("description", "")
+                    if value is None:
+                        continue
+                    if "ISO 4217" in description:
+                        assert value in currencies, value
+                        seen["currency"] += 1
+                    elif "language code" in description:
+                        assert value in languages, value
+                        seen["language"] += 1
+                    elif "alpha-2" in description:
+                        assert value in countries, value
+                        seen["country"] += 1
+                    elif "HH:MM" in description:
+                        assert re.fullmatch(r"([01]\d|2[0-3]):[0-5]\d", value), value
+                        seen["time"] += 1
+    assert min(seen.values()) > 20 and len(seen) == 4, seen
+
+
+@pytest.mark.parametrize("kind, unit, integer, said, value", [
+    ("duration", "minutes", True, "2 hours", 120), ("duration", "days", True, "a fortnight", 14),
+    ("duration", "minutes", True, "an hour and a half", 90), ("weight", "grams", True, "half a kilo", 500),
+    ("weight", "kilograms", False, "250 g", 0.25), ("length", "metres", False, "3 km", 3000),
+    ("volume", "millilitres", True, "a litre", 1000), ("duration", "days", True, "3 weeks", 21)])
+def test_quantities_convert_to_the_schemas_unit(kind, unit, integer, said, value):
+    """Every (value, said) a generator gives is right: draw until `said` comes out, check its value."""
+    rng = random.Random(0)
+    for _ in range(200_000):
+        v, s = K.quantity(rng, kind, unit, integer)
+        if s == said:
+            assert v == value
+            return
+    pytest.fail(f"{said!r} never drawn")
+
+
+def test_quantities_money_and_clock_times_say_their_value():
+    rng = random.Random(1)
+    numbers = {w: i for i, w in enumerate(K.ONES)} | {K.number_words(n): n for n in range(20, 1000)}
+    sizes = {name: (size, unit) for kind in K.QUANTITIES.values() for unit, (size, names) in kind[0].items()
+             for name in names}
+    for kind, (units, phrases) in K.QUANTITIES.items():
+        for unit in units:
+            for _ in range(300):
+                integer = rng.random() < 0.5
+                value, said = K.quantity(rng, kind, unit, integer)
+                assert not integer or isinstance(value, int), (kind, unit, value, said)
+                if any(said in p for p in phrases.values()):
+                    continue
+                name = next(n for n in sorted(sizes, key=len, reverse=True)
+                            if said.endswith(" " + n) or len(n) > 3 and said.endswith(" " + n[:-1]))
+                amount = said[:said.rindex(" " + name[:-1])]
+                amount = float(amount) if amount[0].isdigit() else numbers[amount]
+                size, said_unit = sizes[name]
+                assert value == pytest.approx(amount * size / units[unit][0]), (kind, unit, value, said)
+    for _ in range(500):
+        amount, code, said = K.money(rng)
+        assert str(amount).split(".")[0] in said.replace(",", "") and code in K.currencies()
+        value, said = K.clock_time(rng)
+        h, m = map(int, value.split(":"))
+        match = re.fullmatch(r"(\d+)(?::(\d\d))?\s?([ap])\.?m\.?", said.lower())
+        if match:
+            assert (int(match[1]) % 12 + 12 * (match[3] == "p"), int(match[2] or 0)) == (h, m), (value, said)
+    assert K.number_words(42) == "forty-two" and K.number_words(305) == "three hundred and five"
+
+
+def test_choosing_needs_reading():
+    """Most calls are made beside a tool sharing their noun or verb, and the question often says
+    the noun or verb in another word of its group than the tool's name."""
+    beside = synonym = total = 0
+    for c in _own():
+        for said, call, tool in _calls(c):
+            if tool.kind == "compose":
+                continue
+            total += 1
+            others = [t for t in c.tool_objects if t is not tool]
+            beside += any(t.noun == tool.noun or t.name.split("_")[0] == tool.name.split("_")[0] for t in others)
+            last = said.rsplit("?", 1)[0].lower()
+            synonym += tool.noun[0] not in last and any(w in last for w in tool.noun[1:])
+    assert beside / total > 0.4 and synonym / total > 0.1, (beside / total, synonym / total)
+
+
+def test_every_exchange_kind_is_drawn():
+    kinds = collections.Counter()
+    for c in _own(600):
+        for m in c.messages:
+            calls = m.get("tool_calls") or []
+            if len(calls) > 1:
+                kinds["parallel"] += 1
+            if m["role"] == "tool" and '"error"' in m["content"]:
+                kinds["failed"] += 1
+            if m["role"] == "assistant" and not calls and m["content"].startswith(("Sure - what", "Which ", "I need the")):
+                kinds["clarify"] += 1
+            if m["role"] == "user" and m["content"].startswith(("What about", "And for", "How about", "Try ")):
+                kinds["follow_up"] += 1
+            if m["role"] == "user" and m["content"].startswith(("Agent ", "Please continue", "Just say", "Repeat after")):
+                kinds["no_tool"] += 1
+    assert all(kinds[k] >= 5 for k in ("parallel", "failed", "clarify", "follow_up", "no_tool")), kinds
+
+
+def test_heldout_cannot_be_formed_from_v4s_words():
+    flat = lambda name: name.replace("_", "").replace(" ", "").lower()
+    verbs = {w for g in tools_v4.ACTIONS + tools_v4.LOOKUP_VERBS for w in g}
+    nouns = {w for g in tools_v4.NOUNS for w in g}
+    attributes = {w for g, _ in tools_v4.ATTRIBUTES for w in g}
+    formed = {flat(v + n) for v in verbs for n in nouns} | {flat(n + a) for n in nouns for a in attributes}
+    formed |= {flat(v + n + a) for v in verbs for n in nouns for a in attributes}
+    assert not formed & {flat(name) for name in heldout_v2.TOOLS}
+    held_words = {w for d in heldout_v2.HELD_OUT_DOMAINS for w in d.split("_")} | {
+        w for name in heldout_v2.TOOLS for w in name.split("_") if len(w) > 3}
+    assert not {n for n in nouns if set(n.split()) & held_words}
+    questions = {t.question for t in heldout_v2.tasks()}
+    assert not questions & {m["content"] for c in _own(400) for m in c.messages if m["role"] == "user"}
+
+
+def test_conversations_render_within_the_training_length():
+    tok = Tokenizer.from_file(str(Path(template.__file__).parent / "model" / "tokenizer.json"))
+    lengths = [len(tok.encode(template.render(c.messages, c.tools)).ids) for c in _own(400)]
+    assert sum(n > MAX_TOKENS_V4 for n in lengths) / len(lengths) < 0.03
+
+
+def test_seeded():
+    assert corpus_v4.conversation(3, 17).messages == corpus_v4.conversation(3, 17).messages
+    assert corpus_v4.conversation(3, 17).messages != corpus_v4.conversation(3, 18).messages
