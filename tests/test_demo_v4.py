@@ -18,7 +18,8 @@ import jsonschema
 import pytest
 from tokenizers import Tokenizer
 
-from hibana_core.demo import corpus_v4, heldout_v2, knowledge as K, template, tools_v4
+from hibana_core.demo import (corpus_v2, corpus_v4, evaluate, heldout_v2, knowledge as K, reading, template,
+                              tools_v4)
 from hibana_core.demo.train import MAX_TOKENS_V4
 
 N = 1500
@@ -195,3 +196,53 @@ def test_conversations_render_within_the_training_length():
 def test_seeded():
     assert corpus_v4.conversation(3, 17).messages == corpus_v4.conversation(3, 17).messages
     assert corpus_v4.conversation(3, 17).messages != corpus_v4.conversation(3, 18).messages
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z]+", re.sub(r"([a-z])([A-Z])", r"\1 \2", text).lower()))
+
+
+def test_gauge_words_are_in_no_training_conversation():
+    """reading.py's unseen rows mean something only if no corpus (v4 with v3's and run 3's share, v2)
+    ever shows their words: in names, descriptions, argument names or any message."""
+    lex = tools_v4.GAUGE
+    gauge = {w for g in lex.nouns + lex.actions + tuple(a for a, _ in lex.attributes) for p in g for w in p.split()
+             if len(w) > 3}
+    assert len(gauge) > 40
+    seen = set()
+    for make, n in ((corpus_v4.conversation, 1500), (corpus_v2.conversation, 500)):
+        for i in range(n):
+            c = make(0, i)
+            for t in c.tools or []:
+                f = t["function"]
+                seen |= _words(f["name"].replace("_", " ")) | _words(f["description"])
+                seen |= {w for k in f["parameters"]["properties"] for w in _words(k.replace("_", " "))}
+            seen |= {w for m in c.messages for w in _words(m.get("content") or "")}
+    assert not gauge & seen
+    held = {w for name, t in heldout_v2.TOOLS.items() for w in _words(name.replace("_", " ") + " " +
+                                                                    t.schema["function"]["description"])}
+    assert not gauge & held
+
+
+def test_reading_gauge_cases_and_scoring():
+    cases = reading.cases(8)
+    assert [c.kind for c in cases] == [k for k in reading.KINDS for _ in range(8)]
+    for c in cases:
+        names = [t["function"]["name"] for t in c.tools]
+        assert names.count(c.name) == 1 and 2 <= len(names) <= 6
+        schema = next(t for t in c.tools if t["function"]["name"] == c.name)["function"]["parameters"]
+        jsonschema.validate(c.arguments, schema)
+    unseen = [c for c in cases if c.kind == "unseen"]
+    gauge = {w for g in tools_v4.GAUGE.nouns for w in g}
+    assert sum(any(w in c.messages[0]["content"] for w in gauge) for c in unseen) >= 6
+
+    class Echo:
+        """Calls what each case expects, with a wrong value on the unseen_other row."""
+        def respond(self, batch):
+            expected = {f"reading-{i}": c for i, c in enumerate(reading.cases(3))}
+            return [evaluate.Reply("", [(c.name, c.arguments if c.kind != "unseen_other" else
+                                         {k: [v] for k, v in c.arguments.items()})])
+                    for c in (expected[key] for key, _, _ in batch)]
+    result = reading.evaluate(Echo(), 3)
+    assert result["seen"] == result["unseen"] == {"n": 3, "tool_ok": 3, "call_ok": 3}
+    assert result["unseen_other"] == {"n": 3, "tool_ok": 3, "call_ok": 0}

@@ -39,10 +39,15 @@ def _tools(rng: random.Random) -> list[OpenTool]:
     tools: list[OpenTool] = []
     while len(tools) < n:
         tool = sibling(rng, rng.choice(tools)) if tools and rng.random() < 0.6 else open_tool(rng)
-        if tool.name not in {t.name for t in tools}:
+        if distinct(tool, tools):
             tools.append(tool)
     rng.shuffle(tools)
     return tools
+
+
+def distinct(tool: OpenTool, tools: list[OpenTool]) -> bool:
+    """Neither the name nor what it does is already offered."""
+    return all(tool.name != t.name and tool.meaning != t.meaning for t in tools)
 
 
 def _sentence(rng: random.Random, core: str, phrases: list[str], lead: bool = True) -> str:

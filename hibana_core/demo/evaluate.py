@@ -17,7 +17,8 @@ or customer tasks, some values are non-ASCII and some schemas take LangChain's s
 other phrasing, written before v2 was trained); parallel calls may come in any order there.
 
 `--set perturbed` runs perturb.py's gauge: corpus v2 first calls with unseen values, tool names or
-argument names (`--tasks` of them, each posed four ways).
+argument names (`--tasks` of them, each posed four ways). `--set reading` runs reading.py's gauge:
+corpus v4 first calls among siblings, of training words and of words no training conversation has.
 
 `--grammar off` evaluates without the tool-call grammar: the chat layer generates with
 `parse_tools=False` (no grammar, the tools still in the prompt) and the hermes parser reads the
@@ -302,9 +303,10 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--extended", action="store_true",
                    help="run 3's task set: call syntax, generic tools, non-ASCII values, LangChain-shaped schemas")
-    p.add_argument("--set", choices=("v1", "v2", "perturbed"), default="v1",
+    p.add_argument("--set", choices=("v1", "v2", "perturbed", "reading"), default="v1",
                    help="v2: the independent held-out set of heldout_v2.py (--tasks, --seed, --extended unused); "
-                        "perturbed: perturb.py's gauge, --tasks corpus v2 first calls posed four ways")
+                        "perturbed: perturb.py's gauge, --tasks corpus v2 first calls posed four ways; "
+                        "reading: reading.py's gauge, --tasks corpus v4 first calls of each kind")
     p.add_argument("--grammar", choices=("on", "off", "both"), default="on",
                    help="the tool-call grammar (off: parse_tools=False, the text parsed afterwards)")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
@@ -316,10 +318,10 @@ def main(argv=None) -> int:
         for grammar in modes:
             backend = HibanaBackend(engine, args.concurrency, grammar=grammar)
             print(f"grammar {'on' if grammar else 'off'}:", flush=True)
-            if args.set == "perturbed":
-                from hibana_core.demo import perturb
+            if args.set in ("perturbed", "reading"):
+                from hibana_core.demo import perturb, reading
 
-                result = perturb.evaluate(backend, args.tasks)
+                result = (perturb if args.set == "perturbed" else reading).evaluate(backend, args.tasks)
                 print(json.dumps(result, indent=1) if args.json else perturb.summary(result), flush=True)
                 continue
             result = evaluate_v2(backend) if args.set == "v2" else evaluate(backend, args.tasks, args.seed,

@@ -103,9 +103,13 @@ def cases(n: int = 30, seed: str = "perturb") -> list[Case]:
 
 def evaluate(backend, n: int = 30, seed: str = "perturb") -> dict[str, dict[str, int]]:
     """kind -> {"n", "tool_ok", "call_ok"} for the first turn (`backend`: evaluate.Backend)."""
-    posed = cases(n, seed)
-    replies = backend.respond([(f"perturb-{i}", c.messages, c.tools) for i, c in enumerate(posed)])
-    out = {kind: {"n": 0, "tool_ok": 0, "call_ok": 0} for kind in KINDS}
+    return score(backend, cases(n, seed), KINDS, "perturb")
+
+
+def score(backend, posed: list[Case], kinds: tuple[str, ...], key: str) -> dict[str, dict[str, int]]:
+    """Pose each case's first turn; kind -> {"n", "tool_ok", "call_ok"} (reading.py scores the same way)."""
+    replies = backend.respond([(f"{key}-{i}", c.messages, c.tools) for i, c in enumerate(posed)])
+    out = {kind: {"n": 0, "tool_ok": 0, "call_ok": 0} for kind in kinds}
     for c, reply in zip(posed, replies):
         named = len(reply.calls) == 1 and reply.calls[0][0] == c.name
         args = reply.calls[0][1] if named else {}

@@ -392,6 +392,13 @@ def main(argv=None) -> int:
         gauge = perturb.evaluate(backend)               # unseen values / tool names / argument names
         print("corpus v2 calls with unseen words (perturb.py), no grammar:\n" + perturb.summary(gauge), flush=True)
         report["eval_perturbed_no_grammar"] = gauge
+        if args.corpus == "v4":
+            from hibana_core.demo import reading
+
+            gauge = reading.evaluate(backend)           # tools of words no training conversation has
+            print("corpus v4 first calls, seen and unseen words (reading.py), no grammar:\n" + perturb.summary(gauge),
+                  flush=True)
+            report["eval_reading_no_grammar"] = gauge
     (args.out / "training_report.json").write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
