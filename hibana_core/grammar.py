@@ -600,12 +600,12 @@ class Matcher:
     """One request's place in its grammar. Advanced by the tokens the request keeps; masks for
     drafts are filled by accepting the drafts and rolling them back."""
 
-    __slots__ = ("_matcher", "_spell", "_refused", "_token_bytes", "_forced", "_last_resort")
+    __slots__ = ("_matcher", "_spell", "_refused", "_token_bytes", "_forced", "_last_resort", "_tails", "_lead")
 
     def __init__(self, compiled: Any, stop_token_ids: Iterable[int],
                  spell: Callable[[str], Sequence[int]] = lambda text: (),
                  control_token_ids: frozenset[int] = frozenset(), token_bytes: Sequence[bytes] = (),
-                 last_resort: Iterable[int] = ()) -> None:
+                 last_resort: Iterable[int] = (), surrogate_tails: torch.Tensor | None = None) -> None:
         xgr = _xgrammar()
         # `last_resort` (the end-of-sequence tokens of an ignore_eos request): stop tokens allowed
         # only where the grammar allows nothing else, so that the output runs on while it can
@@ -614,6 +614,8 @@ class Matcher:
         self._spell = spell  # the tokenizer's tokens of a forced string
         self._token_bytes = token_bytes  # each token's bytes (xgrammar's reading): what it takes of a forced string
         self._forced: bytes | None = None  # the string forced from here, where known (`spell_forced`)
+        self._tails = surrogate_tails  # see `hold_surrogates`
+        self._lead = False  # the kept bytes end with the lead byte 0xED
         # control tokens this grammar does not name, refused here (xgrammar would log a warning for each)
         self._refused = control_token_ids - set(stops)
         # without stop tokens the matcher ends as soon as its grammar is complete
@@ -622,12 +624,15 @@ class Matcher:
 
     def accept(self, token: int) -> bool:
         """Advance by one kept token; False if the grammar forbids it (the matcher is unchanged)."""
+        piece = self._token_bytes[token] if token < len(self._token_bytes) else b""
+        if self._lead and b"\xa0" <= piece[:1] <= b"\xbf":
+            return False  # a UTF-16 surrogate, no character (`hold_surrogates`)
         if token in self._refused or not self._matcher.accept_token(token):
             return False
+        self._lead = piece.endswith(b"\xed")
         forced = self._forced
         if forced is not None:  # what the grammar forced here, less what the token took of it, is
             # forced next; where nothing was forced (b""), nothing is known of the next state
-            piece = self._token_bytes[token] if token < len(self._token_bytes) else b""
             self._forced = forced[len(piece):] if piece and len(piece) < len(forced) and forced.startswith(piece) \
                 else None
         return True
@@ -644,14 +649,14 @@ class Matcher:
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of `tokens` (a draft) the grammar allows in a row; the matcher is unchanged."""
-        n, forced = 0, self._forced
+        n, forced, lead = 0, self._forced, self._lead
         for token in tokens:
             if self._matcher.is_terminated() or not self.accept(token):
                 break
             n += 1
         if n:
             self._matcher.rollback(n)
-            self._forced = forced
+            self._forced, self._lead = forced, lead
         return n
 
     def fill(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int] = (),
@@ -665,7 +670,8 @@ class Matcher:
             self.spell_forced(bitmask, row)
             self.drop_refused(bitmask, row, suspects)
             self.hold_back(bitmask, row)
-        accepted, forced = 0, self._forced
+            self.hold_surrogates(bitmask, row)
+        accepted, forced, lead = 0, self._forced, self._lead
         for i, token in enumerate(drafts):
             if matcher.is_terminated() or not self.accept(token):
                 break  # rows after a stop or a rejected draft stay all-allowed: they are dropped
@@ -675,9 +681,17 @@ class Matcher:
                 self.spell_forced(bitmask, row + i + 1)
                 self.drop_refused(bitmask, row + i + 1, suspects)
                 self.hold_back(bitmask, row + i + 1)
+                self.hold_surrogates(bitmask, row + i + 1)
         if accepted:
             matcher.rollback(accepted)
-            self._forced = forced
+            self._forced, self._lead = forced, lead
+
+    def hold_surrogates(self, bitmask: torch.Tensor, row: int) -> None:
+        """After a lead byte 0xED, clear the tokens that start with a byte in A0-BF: xgrammar 0.2.9
+        takes them as a character, but they spell a UTF-16 surrogate, which the text decodes as
+        three U+FFFD (past a maxLength, outside a pattern)."""
+        if self._lead and self._tails is not None:
+            bitmask[row] &= ~self._tails
 
     def hold_back(self, bitmask: torch.Tensor, row: int) -> None:
         """Clear the last-resort stop tokens' bits where the row allows any other token."""
@@ -785,6 +799,7 @@ class Grammars:
         self._compiling: dict[tuple, concurrent.futures.Future] = {}  # compiles under way: one per grammar
         self._spellings: dict[str, tuple[int, ...]] = {}
         self._suspects: torch.Tensor | None = None  # see `suspects`
+        self._tails: torch.Tensor | None = None  # see `surrogate_tails`
         self._suspect_words: tuple[np.ndarray, np.ndarray] | None = None  # see `_suspects_allowed`
         self._staging: list[tuple[torch.Tensor, Any]] = []  # pinned host bitmasks and their copies' events
         self._next_staging = 0
@@ -977,7 +992,8 @@ class Grammars:
         compiled = self.compile(params)
         self.suspects()  # made here, on the caller's thread, not in a step's fill
         last_resort = self.eos_token_ids if params.ignore_eos else ()
-        return Matcher(compiled.grammar, stop_token_ids, self.spell, compiled.refused, self._bytes, last_resort)
+        return Matcher(compiled.grammar, stop_token_ids, self.spell, compiled.refused, self._bytes, last_resort,
+                       self.surrogate_tails())
 
     # --- one step's masks ---------------------------------------------------------------------
 
@@ -1055,6 +1071,7 @@ class Grammars:
                     matcher.drop_refused(bitmask, i, suspects)
             for matcher, i in batch:  # last, as `Matcher.fill` does: a row's mask is one function of its state
                 matcher.hold_back(bitmask, i)
+                matcher.hold_surrogates(bitmask, i)
         else:
             for matcher, i in batch:
                 matcher.fill(bitmask, i, suspects=suspects)
@@ -1072,6 +1089,18 @@ class Grammars:
                     words[token // 32] |= _bit(token % 32)
             self._suspects = torch.tensor(words, dtype=torch.int32)
         return self._suspects
+
+    def surrogate_tails(self) -> torch.Tensor:
+        """A bitmask row of the tokens whose bytes start with A0-BF: after 0xED, a surrogate
+        (`Matcher.hold_surrogates`)."""
+        if self._tails is None:
+            words = [0] * self.width
+            self._describe()
+            for token, text in enumerate(self._bytes[:self.vocab_size]):
+                if b"\xa0" <= text[:1] <= b"\xbf":
+                    words[token // 32] |= _bit(token % 32)
+            self._tails = torch.tensor(words, dtype=torch.int32)
+        return self._tails
 
     def _suspects_allowed(self, bitmask: torch.Tensor, rows: list[int]) -> list[int]:
         """How many suspect tokens each of `rows` allows: the bits set in the row and in

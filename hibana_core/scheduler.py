@@ -524,9 +524,14 @@ class Scheduler:
         accepted: list[int] = []
         for token in sampled:
             if request.grammar is not None and not request.grammar.accept(token):
+                # a stop token is allowed only where the grammar is complete: one the grammar needs
+                # as text leaves it nothing to continue with
+                stops = request.params.stop_token_ids
+                hint = (f", or take the tokens it needs out of stop_token_ids ({list(stops)[:8]}: a stop "
+                        "token ends a constrained output only where its grammar is complete)") if stops else ""
                 request.error = GrammarError(
                     f"the model's token {token} does not continue the request's grammar (a grammar the "
-                    "vocabulary cannot complete from here); loosen the schema or grammar")
+                    f"vocabulary cannot complete from here); loosen the schema or grammar{hint}")
                 return accepted, "error"
             request.seq.append([token])
             request.output.append(token)

@@ -521,6 +521,38 @@ def test_an_end_the_request_does_not_stop_at_is_no_token_of_its_grammar(engine):
     assert not (int(bitmask[0, EOS_ID // 32]) >> (EOS_ID % 32)) & 1 and not matcher.accept(EOS_ID)
 
 
+def test_a_stop_token_the_grammar_needs_as_text_fails_its_call_saying_so(engine):
+    """A stop token is allowed only where the grammar is complete: one the grammar needs as text
+    (the only token that spells "q") leaves it nothing to continue with, a GrammarError that names
+    stop_token_ids, not the schema alone; the engine serves on."""
+    q = engine.tokenizer.convert_tokens_to_ids("q")
+    with pytest.raises(GrammarError, match=rf"out of stop_token_ids \(\[{q}\]"):
+        _generate(engine, "stuck", [5, 6, 7], max_tokens=8, regex="qq", stop_token_ids=[q])
+    assert _generate(engine, "stuck", [5, 6, 7], max_tokens=8, regex="qq").text == "qq"
+
+
+@pytest.mark.parametrize("constraint", [{"json_schema": {"type": "string", "maxLength": 3}},
+                                        {"json_schema": {"type": "string", "pattern": "^.{0,3}$"}},
+                                        {"regex": '".{0,3}"'}])
+def test_no_utf16_surrogate_is_spelled_byte_by_byte(engine, constraint):
+    """xgrammar takes 0xED then A0-BF as a character; it is a UTF-16 surrogate, which the text
+    decodes as three U+FFFD (a sampled '":\\xed\\xac\\xb7u"' broke maxLength 3 and ^.{0,3}$): the
+    mask clears those tails after 0xED, and the matcher refuses them."""
+    matcher = engine.grammars.matcher(SamplingParams(**constraint), [EOS_ID])
+    byte = {text: token for token, text in enumerate(engine.grammars._bytes) if len(text) == 1}
+    assert matcher.accept(byte[b'"']) and matcher.accept(byte[b"\xed"])
+    bitmask = torch.full((2, engine.grammars.width), -1, dtype=torch.int32)
+    matcher.fill(bitmask, 0, drafts=[byte[b"\x9f"]])  # the second row after a draft: a whole character
+
+    def allowed(row: int, token: int) -> bool:
+        return bool((int(bitmask[row, token // 32]) >> (token % 32)) & 1)
+
+    assert allowed(0, byte[b"\x80"]) and allowed(0, byte[b"\x9f"])
+    assert not allowed(0, byte[b"\xa0"]) and not allowed(0, byte[b"\xac"]) and not allowed(0, byte[b"\xbf"])
+    assert allowed(1, byte[b"\xbf"])  # ED 9F BF is U+D7FF, a character: its next byte is free
+    assert not matcher.accept(byte[b"\xac"]) and matcher.accept(byte[b"\x9f"])
+
+
 def test_date_and_time_formats_allow_only_dates_and_times_that_exist():
     """xgrammar's formats let through Feb 30, Apr 31, year 0000, second 60 and endless fractions
     of a second, which Python's datetime (and pydantic) refuse: every day of a (common) year is
