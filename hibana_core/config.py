@@ -141,7 +141,8 @@ class CacheConfig:
     (its KV parked in the host tier, copied to the device at its next request, so nothing is
     recomputed). Files carry the model's fingerprint and a checksum; a damaged or foreign file
     is a StateFileError for that `open_state` alone. Closing a state (`h.close()`) deletes its
-    file. None: states live as long as the engine."""
+    file. A relative path is of the working directory where the config is made (the engine
+    opened), whatever `os.chdir` comes after. None: states live as long as the engine."""
     eviction_policy: str = "tool_aware"
     """Which idle state leaves the device first (hibana_core/kv/policies.py): "lru", or
     "tool_aware": least recently used first, except that a state whose last turn ended in tool
@@ -174,6 +175,8 @@ class CacheConfig:
         _check(self.state_dir is None or (isinstance(self.state_dir, (str, os.PathLike))
                                           and not isinstance(self.state_dir, bytes) and str(self.state_dir) != ""),
                f"state_dir must be a folder path (str or os.PathLike) or None, got {self.state_dir!r}")
+        if self.state_dir is not None:  # a relative one is of the folder it was given in, not of a later os.chdir
+            object.__setattr__(self, "state_dir", os.path.abspath(self.state_dir))
         _check(self.eviction_policy in EVICTION_POLICIES,
                f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction_policy!r}")
         _check(self.host_kv_bytes is None or self.host_kv_bytes >= 0,

@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 def _check_id(state_id: object) -> None:
     if not isinstance(state_id, str) or not state_id:
         raise ConfigError(f"state ids are non-empty strings, got {state_id!r}")
+    if any("\ud800" <= c <= "\udfff" for c in state_id):  # (JSON can spell one) no UTF-8: no state file holds it
+        raise ConfigError(f"state id {state_id!r} holds a lone surrogate, which no state file can hold; "
+                          "use text that UTF-8 encodes")
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class _Entry:
     unnamed: bool = False  # made by `lease` for a call that named no state (not the user's)
     forced: list[int] | None = None  # bench only: what its next generation emits (`force_outputs`)
     stored: tuple[int, int, int] | None = None  # the state_dir file it resumed from (`_file_key`), if any
+    resumed: list[int] | None = None  # the tokens it resumed with from that file
 
     @property
     def last_use(self) -> float:
@@ -131,7 +135,7 @@ class StateRegistry:
             seq = self._new_sequence()
             if saved is not None:
                 self._resume(seq, saved, path)
-            return self._add(state_id, seq, stored=stored)
+            return self._add(state_id, seq, stored=stored, resumed=list(seq.tokens) if stored is not None else None)
 
     # --- persistence (state_dir) ----------------------------------------------------------------
 
@@ -177,6 +181,8 @@ class StateRegistry:
                 continue
             path = self.persisted_path(state_id)
             try:
+                if entry.seq.tokens == entry.resumed and _file_key(path) != entry.stored:
+                    continue  # unchanged since it resumed; an engine sharing the folder wrote or closed it since
                 if entry.seq.tokens:
                     self._write(entry.seq, state_id, path)
                 else:
@@ -198,9 +204,10 @@ class StateRegistry:
                           self.limits.long_rope, self.kv_cache.layout)
 
     def _add(self, state_id: str, seq: KVSequence, unnamed: bool = False,
-             stored: tuple[int, int, int] | None = None) -> StateHandle:
+             stored: tuple[int, int, int] | None = None, resumed: list[int] | None = None) -> StateHandle:
         handle = StateHandle(self, state_id)
-        self._entries[state_id] = _Entry(handle, seq, StateUse(time.monotonic()), unnamed, stored=stored)
+        self._entries[state_id] = _Entry(handle, seq, StateUse(time.monotonic()), unnamed, stored=stored,
+                                         resumed=resumed)
         return handle
 
     def _live(self, handle: StateHandle) -> _Entry | None:

@@ -120,6 +120,23 @@ def test_closing_a_state_frees_its_parked_copy_at_once(tiny_checkpoints, make_en
     assert len(list((tmp_path / engine.memory()["disk"]["folder"]).iterdir())) == files - 1
 
 
+def test_a_relative_state_dir_stays_where_it_was_given_after_a_chdir(tiny_checkpoints, make_engine, tmp_path,
+                                                                     monkeypatch):
+    """An agent's tool changes the working directory: spills went to a folder that did not exist
+    there (KV dropped), states were written under the new directory and the spill folder was
+    left behind."""
+    (tmp_path / "given").mkdir(), (tmp_path / "later").mkdir()
+    monkeypatch.chdir(tmp_path / "given")
+    engine = make_engine(tiny_checkpoints["llama"], num_blocks=DEVICE_BLOCKS, speculation="off",
+                         state_dir="states", host_kv_bytes=0)
+    monkeypatch.chdir(tmp_path / "later")
+    round_robin(engine, seed=13)
+    assert engine.stats().host_tier["spills"] >= AGENTS and engine.stats().host_tier["dropped"] == 0
+    engine.close()
+    assert sorted(p.suffix for p in (tmp_path / "given" / "states").iterdir()) == [".state"] * AGENTS
+    assert not any((tmp_path / "later").iterdir())
+
+
 def _greedy():
     from hibana_core import SamplingParams
 
