@@ -320,11 +320,35 @@ def test_a_long_rotated_state_persists_and_parks_as_it_is(longrope_checkpoint, t
     ("qwen3_moe", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
     ("llama", dict(hidden_act="relu"), "activation 'relu'"),
     ("mistral", dict(hidden_act="gelu"), "activation 'gelu'"),
+    # transformers' scaled ropes apply the factor and its llama-family attention then fails
+    ("llama", dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=10000.0, partial_rotary_factor=0.5)),
+     "partial_rotary_factor 0.5 with rope type 'linear'"),
+    ("gpt_oss", dict(rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0,
+                                          original_max_position_embeddings=4096, partial_rotary_factor=0.5)),
+     "partial_rotary_factor 0.5 with rope type 'yarn'"),
 ])
 def test_unsupported_options_are_refused(tmp_path, arch, override, message):
     path = make_tiny_checkpoint(arch, tmp_path / "m", **override)
     with pytest.raises(UnsupportedModelError, match=message):
         open_engine(path)
+
+
+@pytest.mark.parametrize("arch, rope", [
+    ("qwen3", dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
+    ("gemma3", {"sliding_attention": dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+                "full_attention": dict(rope_type="default", rope_theta=1000000.0, partial_rotary_factor=0.25)}),
+    ("llama", dict(rope_type="linear", factor=2.0, rope_theta=10000.0, attention_factor=1.5)),
+    ("qwen2", dict(rope_type="default", rope_theta=10000.0, attention_factor=1.5)),
+])
+def test_rope_parameters_transformers_does_not_read_change_nothing(arch, rope, tmp_path, make_engine):
+    """transformers' default rope rotates whole heads on every family but Phi-3, whatever
+    partial_rotary_factor the config carries (a top-level one lands in rope_parameters), and only
+    YaRN and LongRoPE scale cos and sin by an attention_factor; Hibana rotated only that part of
+    each head, and scaled by any attention_factor: another model than transformers'."""
+    path = make_tiny_checkpoint(arch, tmp_path / arch, rope_parameters=rope)
+    history = random.Random(5).sample(range(1, 512), 80)
+    c = make_engine(path).open_state("a").generate(SamplingParams(max_tokens=12, ignore_eos=True), prompt=history)
+    assert_greedy_matches(path, history, c.token_ids)
 
 
 @pytest.mark.parametrize("arch, top_k", [("qwen3_moe", 17), ("qwen3_moe", 0), ("gpt_oss", 9)])
@@ -400,6 +424,30 @@ def test_qwen3_moe_windows_every_layer_when_use_sliding_window(tmp_path, make_en
                                 max_window_layers=2)
     engine = make_engine(path)
     assert engine.model.args.sliding_windows == (20, 20, 20)
+    history = list(range(3, 70))
+    c = engine.open_state("a").generate(SamplingParams(max_tokens=12, ignore_eos=True), prompt=history)
+    assert_greedy_matches(path, history, c.token_ids)
+
+
+@pytest.mark.parametrize("arch, windowing, edit", [
+    ("qwen3_moe", dict(use_sliding_window=True), "layer_types"),
+    ("phi3", {}, "layer_types"),
+    ("phi3", {}, "use_sliding_window"),
+    ("mistral", {}, "use_sliding_window"),
+])
+def test_windowing_keys_a_family_never_reads_change_nothing(arch, windowing, edit, tmp_path, make_engine):
+    """transformers' Qwen3-MoE, Phi-3 and Mistral window every layer by sliding_window; Qwen3-MoE
+    and Phi-3 never read layer_types, Phi-3 and Mistral never read use_sliding_window: a
+    config.json that carries them (all full attention, or off) runs windowed all the same (Hibana
+    once followed them, and attended to the whole history)."""
+    import json
+
+    path = make_tiny_checkpoint(arch, tmp_path / arch, sliding_window=9, **windowing)
+    config = json.loads((path / "config.json").read_text())
+    config[edit] = ["full_attention"] * config["num_hidden_layers"] if edit == "layer_types" else False
+    (path / "config.json").write_text(json.dumps(config))
+    engine = make_engine(path)
+    assert set(engine.model.args.sliding_windows) == {9}
     history = list(range(3, 70))
     c = engine.open_state("a").generate(SamplingParams(max_tokens=12, ignore_eos=True), prompt=history)
     assert_greedy_matches(path, history, c.token_ids)

@@ -37,19 +37,31 @@ class Rope:
     scaling: tuple[tuple[str, Any], ...]  # rope type and its parameters, sorted items (lists as tuples)
 
     @classmethod
-    def from_parameters(cls, params: dict[str, Any], head_dim: int, config: Any) -> "Rope":
-        """`params`: a transformers 5 rope_parameters dict (one layer type's, where they differ)."""
+    def from_parameters(cls, params: dict[str, Any], head_dim: int, config: Any,
+                        partial_rotary: bool = False) -> "Rope":
+        """`params`: a transformers 5 rope_parameters dict (one layer type's, where they differ).
+        `partial_rotary`: the family's transformers code rotates only the first
+        partial_rotary_factor of each head (Phi-3's); the others rotate whole heads, their default
+        rope ignoring the factor and their scaled ropes failing on it (refused here)."""
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(
                 f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        partial = params.get("partial_rotary_factor", 1.0)
+        if not partial_rotary and partial != 1.0:
+            if rope_type != "default":
+                raise UnsupportedModelError(
+                    f"partial_rotary_factor {partial} with rope type {rope_type!r} is not supported for model_type "
+                    f"{config.model_type!r}: its transformers code rotates whole heads and fails on this config; "
+                    "remove partial_rotary_factor from config.json")
+            partial = 1.0
         scaling = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items() if k != "rope_theta"}
         if rope_type == "longrope":
             scaling.update(_longrope_settings(params, config))
         if rope_type == "yarn":
             scaling.update(_yarn_settings(params, config))
         return cls(theta=float(params.get("rope_theta", 10000.0)),
-                   dim=int(head_dim * params.get("partial_rotary_factor", 1.0)),
+                   dim=int(head_dim * partial),
                    scaling=tuple(sorted(scaling.items())))
 
     @property
@@ -102,8 +114,11 @@ class Rope:
 
     @property
     def attention_factor(self) -> float:
-        """What cos and sin are multiplied by (LongRoPE's and YaRN's attention scaling; 1 otherwise)."""
-        return float(dict(self.scaling).get("attention_factor", 1.0))
+        """What cos and sin are multiplied by (LongRoPE's and YaRN's attention scaling; 1 otherwise:
+        transformers ignores an attention_factor in the other types' parameters)."""
+        if self.rope_type not in ("longrope", "yarn"):
+            return 1.0
+        return float(dict(self.scaling)["attention_factor"])
 
 
 def longrope_switch(args: Any) -> int | None:
@@ -178,13 +193,17 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return params
 
 
-def sliding_windows(config: Any) -> tuple[int | None, ...]:
+def sliding_windows(config: Any, reads: Collection[str] = ("layer_types", "use_sliding_window")
+                    ) -> tuple[int | None, ...]:
     """Each layer's window (None: full attention): by layer_types where the config has them
     (Qwen2 and Qwen3 derive theirs from max_window_layers), else sliding_window on every layer
     unless use_sliding_window is off. Qwen3-MoE has no layer_types, and transformers windows all
-    its layers when use_sliding_window is on, whatever max_window_layers says."""
+    its layers when use_sliding_window is on, whatever max_window_layers says. `reads`: which of
+    the two the family's transformers code follows (Phi-3's neither, Mistral's layer_types alone,
+    Qwen3-MoE's use_sliding_window alone); one it does not read changes nothing where a
+    config.json carries it."""
     window, num_layers = getattr(config, "sliding_window", None), config.num_hidden_layers
-    layer_types = getattr(config, "layer_types", None)
+    layer_types = getattr(config, "layer_types", None) if "layer_types" in reads else None
     if layer_types:
         unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
         if unknown:
@@ -193,7 +212,7 @@ def sliding_windows(config: Any) -> tuple[int | None, ...]:
         if "sliding_attention" in layer_types:
             _check_window(window)
         return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
-    if not getattr(config, "use_sliding_window", True) or window is None:
+    if window is None or ("use_sliding_window" in reads and not getattr(config, "use_sliding_window", True)):
         return (None,) * num_layers
     _check_window(window)
     return (window,) * num_layers
@@ -247,7 +266,8 @@ class DecoderArgs:
         hidden size, as many KV heads as heads, one rope for every layer from the config's rope
         parameters, attention biases from `attention_bias` (q/k/v and o alike), no MLP bias
         unless `mlp_bias`, untied embeddings, head_dim ** -0.5 as the attention scale, the
-        config's `hidden_act`."""
+        config's `hidden_act`. `partial_rotary=True` (not a field): the rope rotates the first
+        partial_rotary_factor of each head, as Phi-3's does (`Rope.from_parameters`)."""
         num_heads, num_layers = config.num_attention_heads, config.num_hidden_layers
         head_dim = differences.pop("head_dim", None) or getattr(config, "head_dim", None) or config.hidden_size // num_heads
         attention_bias = bool(getattr(config, "attention_bias", False))
@@ -262,7 +282,6 @@ class DecoderArgs:
             head_dim=head_dim,
             rms_norm_eps=config.rms_norm_eps,
             max_position_embeddings=config.max_position_embeddings,
-            sliding_windows=sliding_windows(config),
             qkv_bias=attention_bias,
             o_bias=attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
@@ -271,8 +290,11 @@ class DecoderArgs:
             attention_scale=head_dim ** -0.5,
             activation=getattr(config, "hidden_act", None) or "silu",
         )
+        if "sliding_windows" not in differences:  # (Llama, Mistral, Phi-3, Qwen3-MoE read theirs their own way)
+            common["sliding_windows"] = sliding_windows(config)
+        partial_rotary = differences.pop("partial_rotary", False)  # (Phi-3's; see Rope.from_parameters)
         if "ropes" not in differences:  # (Gemma gives one per layer kind)
-            common["ropes"] = (Rope.from_parameters(rope_parameters(config), head_dim, config),) * num_layers
+            common["ropes"] = (Rope.from_parameters(rope_parameters(config), head_dim, config, partial_rotary),) * num_layers
         return cls(**{**common, **differences})
 
     def __post_init__(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from hibana_core.forward_context import ForwardContext
-from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM
+from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM, sliding_windows
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -25,11 +25,17 @@ _MLP_BIAS_FROM_CONFIG = ("llama",)
 # llama config.json carries from elsewhere is not read there, so not here either
 _FULL_ATTENTION_ONLY = ("llama",)
 
+# transformers' Mistral windows every layer whenever sliding_window is set (use_sliding_window is
+# no field of its config), or by layer_types, which make it a Ministral
+_WINDOWING_READS = {"mistral": ("layer_types",)}
+
 
 def args_from_config(config: Any) -> DecoderArgs:
     attention_bias = bool(getattr(config, "attention_bias", False))
     qkv_bias, o_bias = _FIXED_BIASES.get(config.model_type, (attention_bias, attention_bias))
     windows = {"sliding_windows": (None,) * config.num_hidden_layers} if config.model_type in _FULL_ATTENTION_ONLY else {}
+    if config.model_type in _WINDOWING_READS:
+        windows = {"sliding_windows": sliding_windows(config, reads=_WINDOWING_READS[config.model_type])}
     mlp_bias = bool(getattr(config, "mlp_bias", False)) and config.model_type in _MLP_BIAS_FROM_CONFIG
     return DecoderArgs.from_config(config, qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
                                    qk_norm=config.model_type == "qwen3", **windows)

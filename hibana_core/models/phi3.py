@@ -13,14 +13,15 @@ from __future__ import annotations
 from typing import Any
 
 from hibana_core.forward_context import ForwardContext
-from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM
+from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM, sliding_windows
 
 MODEL_TYPES = ("phi3",)
 
 
 def args_from_config(config: Any) -> DecoderArgs:
     return DecoderArgs.from_config(config, qkv_bias=False, o_bias=False, mlp_bias=False, fused_in_checkpoint=True,
-                                   longrope_recompute=True)
+                                   longrope_recompute=True, partial_rotary=True,
+                                   sliding_windows=sliding_windows(config, reads=()))
 
 
 def build(config: Any, ctx: ForwardContext) -> tuple[DecoderForCausalLM, DecoderArgs]:

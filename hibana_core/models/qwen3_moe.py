@@ -11,7 +11,7 @@ from typing import Any
 
 from hibana_core.errors import CheckpointError, UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
-from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM
+from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM, sliding_windows
 from hibana_core.models.moe import MoEArgs
 
 MODEL_TYPES = ("qwen3_moe",)
@@ -30,7 +30,8 @@ def args_from_config(config: Any) -> DecoderArgs:
                   intermediate_size=config.moe_intermediate_size, renormalize=bool(config.norm_topk_prob),
                   layers=tuple(i not in dense_only and config.num_experts > 0
                                and (i + 1) % step == 0 for i in range(config.num_hidden_layers)))
-    return DecoderArgs.from_config(config, mlp_bias=False, qk_norm=True, moe=moe)
+    return DecoderArgs.from_config(config, mlp_bias=False, qk_norm=True, moe=moe,
+                                   sliding_windows=sliding_windows(config, reads=("use_sliding_window",)))
 
 
 def build(config: Any, ctx: ForwardContext) -> tuple[DecoderForCausalLM, DecoderArgs]:
