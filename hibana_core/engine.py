@@ -237,6 +237,10 @@ class Engine:
                stages: LoadProgress) -> None:
         self._ctx = ForwardContext()
         passes = surgery.check_requests(config.surgery, get_plugin_manager().surgery_passes())  # before loading
+        if config.surgery and config.surgery_guard and config.surgery_guard_text is not None:
+            from hibana_core.surgery.guard import guard_text_path
+
+            guard_text_path(config.surgery_guard_text)  # a wrong path said before the weights load
         check_method(config.speculation, list(get_plugin_manager().drafters()))
         if hf_model is None:
             loaded = load_model(config.model, self.device, config.dtype, self._ctx, config.progress, stages,
@@ -299,6 +303,9 @@ class Engine:
         if host_bytes is None:  # on unified memory a budget is one pool: parking would only copy
             one_pool = self.memory_budget is not None and self.device_memory.unified
             host_bytes = 0 if one_pool else default_host_budget()
+        elif host_bytes > (host_total := device_memory(torch.device("cpu")).total):  # parked until the OS kills us
+            raise MemoryBudgetError(f"host_kv_bytes={host_bytes:,} is more than the {host_total:,} bytes of host "
+                                    "memory; lower it, or leave it out (half the memory available at start)")
         spill_dir, self._spill_lock = (_spill_folder(config.cache.state_dir) if config.cache.state_dir is not None
                                        else (None, None))
         side = self.device.type == "cuda" and not self.device_memory.unified  # host memory behind a bus

@@ -156,6 +156,13 @@ def test_bad_host_budget(tiny_checkpoints, make_engine):
         make_engine(tiny_checkpoints["llama"], host_kv_bytes=-1)
 
 
+def test_a_host_budget_larger_than_the_machine_is_a_memory_budget_error(tiny_checkpoints, make_engine):
+    """As a memory_budget past the device's memory is: parking up to it would run the host out of
+    memory (the process killed, every state lost) rather than spill or drop."""
+    with pytest.raises(MemoryBudgetError, match="host_kv_bytes=.* is more than the .* bytes of host memory"):
+        make_engine(tiny_checkpoints["llama"], host_kv_bytes=1 << 60)
+
+
 # --- state_dir: states found again after a restart ---------------------------------------------
 
 def test_states_resume_after_a_restart_with_nothing_recomputed(tiny_checkpoints, make_engine, tmp_path, hf_greedy):
@@ -240,6 +247,33 @@ def test_a_stored_state_is_neither_replaced_by_a_fork_or_load_nor_removed_by_ano
     a.close()  # writes z
     b.close()  # B never held z's file: it leaves it
     assert len(make_engine(path, state_dir=shared).open_state("z")) == len(history)
+
+
+def test_an_engine_that_only_resumed_a_state_leaves_a_newer_file_of_it(tiny_checkpoints, make_engine, tmp_path):
+    """Two engines share a state_dir and both resume "x": one takes a turn and closes (writing
+    it); the other, which changed nothing, wrote its older copy over that turn as it closed."""
+    path, history = tiny_checkpoints["qwen2"], list(range(5, 50))
+    first = make_engine(path, state_dir=tmp_path)
+    first.open_state("x").sync(history)
+    first.close()
+    a, b = make_engine(path, state_dir=tmp_path), make_engine(path, state_dir=tmp_path)
+    b.open_state("x")
+    a.open_state("x").append([7, 8, 9])
+    a.close()
+    b.close()
+    assert make_engine(path, state_dir=tmp_path).open_state("x").tokens == history + [7, 8, 9]
+
+
+def test_a_state_id_no_state_file_can_hold_is_refused_up_front(tiny_checkpoints, make_engine, tmp_path):
+    """A lone surrogate (JSON's "\\ud800") has no UTF-8: the state was opened and used, then
+    not written when the engine closed (a warning in the log) and gone after the restart."""
+    engine = make_engine(tiny_checkpoints["qwen2"], state_dir=tmp_path)
+    for bad in ("\ud800", "agent-\udc80"):
+        with pytest.raises(ConfigError, match="lone surrogate"):
+            engine.open_state(bad)
+        with pytest.raises(ConfigError, match="lone surrogate"):
+            engine.open_state("fine").fork(bad)
+    assert [info.id for info in engine.states()] == ["fine"]
 
 
 def test_other_agents_run_while_a_persisted_state_is_read(tiny_checkpoints, make_engine, tmp_path, monkeypatch):

@@ -654,6 +654,31 @@ def test_a_guard_text_that_is_no_utf8_file_is_a_config_error(tmp_path):
                           str(empty))
 
 
+def test_a_guard_text_without_document_marks_is_scored_in_full(tmp_path):
+    """A user's file of plain text (no '<|hibana-guard-document|>' lines) was one document cut to
+    its first ~1,000 tokens: 4,000 tokens of a user's agent logs were scored on a quarter."""
+    from hibana_core.surgery.guard import MAX_TOKENS, heldout_documents
+
+    text = tmp_path / "logs.txt"
+    text.write_text("".join(chr(97 + i % 26) for i in range(6000)))
+    by_char = lambda part, add_special_tokens: {"input_ids": [ord(c) for c in part]}  # noqa: E731
+    documents = heldout_documents(by_char, 512, str(text), max_positions=1024)
+    assert [len(d) for d in documents] == [960] * 4 + [MAX_TOKENS - 4 * 960]
+    assert sum(documents, []) == [ord(c) for c in text.read_text()[:MAX_TOKENS]]  # consecutive, in order
+
+
+def test_a_missing_guard_text_is_refused_before_the_weights_load(tiny_checkpoints, monkeypatch):
+    import hibana_core.engine
+
+    def load(*args, **kwargs):
+        raise AssertionError("the weights loaded before the guard text was checked")
+
+    monkeypatch.setattr(hibana_core.engine, "load_model", load)
+    with pytest.raises(ConfigError, match=r"guard text '/no/such/guard\.txt' does not exist"):
+        Engine.from_pretrained(str(tiny_checkpoints["llama"]), device="cpu", surgery=["w8"], progress=False,
+                               surgery_guard_text="/no/such/guard.txt")
+
+
 def without_tokenizer(source, path):
     """A copy of the checkpoint at `source` with its weights and configs only."""
     import shutil

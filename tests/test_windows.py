@@ -275,6 +275,14 @@ def test_bad_window_pass_options(bad, message, tiny_checkpoints, make_engine):
         make_engine(tiny_checkpoints["llama"], surgery=[{"name": "window", **bad}], surgery_guard=False)
 
 
+def test_the_window_pass_names_the_model_type_it_finds_no_full_attention_layer_in(tiny_checkpoints, make_engine):
+    from hibana_core.errors import ConfigError
+
+    # (it said "this DecoderForCausalLM model", the class every family shares)
+    with pytest.raises(ConfigError, match=r"every layer of this mistral model has a sliding window already"):
+        make_engine(tiny_checkpoints["mistral"], surgery=["window"], surgery_guard=False)
+
+
 def test_the_guard_scores_the_window_pass_past_its_window_or_refuses_it(tiny_checkpoints, make_engine):
     """The guard's documents were 1024 tokens at most, so with the default window (1024 + 4 sinks)
     it scored nothing the pass changes and said "ok" (a new user's trial of `hibana surgery`):

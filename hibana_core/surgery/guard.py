@@ -93,12 +93,9 @@ def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = N
     `reach`: a pass changes nothing within a document's first `reach` tokens (the window pass:
     its sink and window); the documents are then consecutive parts of the text joined until they
     run `reach_margin(reach)` tokens past it (as far as the model's positions allow), and the
-    total grows to three of them."""
-    path = Path(text_file) if text_file is not None else HELDOUT
-    if not path.is_file():
-        what = ("is a directory" if path.is_dir() else "is not a regular file" if path.exists()
-                else "does not exist")
-        raise ConfigError(f"guard text {str(path)!r} {what}; pass a UTF-8 text file")
+    total grows to three of them. A part of the user's `text_file` longer than a document is read
+    as consecutive documents (a file need not mark its documents to be scored in full)."""
+    path = guard_text_path(text_file)
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -123,10 +120,13 @@ def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = N
         if reach and len(ids) < longest and n + 1 < len(parts):
             pending = ids  # joined to the next part: a window pass is seen only past its reach
             continue
-        ids = ids[:min(longest, budget - total)]
-        if len(ids) > OPENING + 1 and (len(ids) > reach or not documents):  # (one within the reach says nothing)
-            documents.append(ids)
-            total += len(ids)
+        for start in range(0, len(ids), longest) if text_file is not None and longest else [0]:
+            piece = ids[start:start + longest][:budget - total]
+            if len(piece) > OPENING + 1 and (len(piece) > reach or not documents):  # (within the reach: says nothing)
+                documents.append(piece)
+                total += len(piece)
+            if total >= budget:
+                break
         if total >= budget:
             break
     if not documents:
@@ -138,6 +138,18 @@ def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = N
                      f"up to {MAX_TOKENS} tokens), or leave surgery_guard_text out for the bundled agent traces")
         raise ConfigError(f"guard text {str(path)!r} holds no document longer than {OPENING + 1} tokens{short}")
     return documents
+
+
+def guard_text_path(text_file: str | None) -> Path:
+    """The held-out text's path (`text_file`, or the bundled agent traces), or a ConfigError where
+    it is no regular file: the engine asks before the weights load, so that a wrong path is said
+    at once rather than after minutes of loading."""
+    path = Path(text_file) if text_file is not None else HELDOUT
+    if not path.is_file():
+        what = ("is a directory" if path.is_dir() else "is not a regular file" if path.exists()
+                else "does not exist")
+        raise ConfigError(f"guard text {str(path)!r} {what}; pass a UTF-8 text file")
+    return path
 
 
 def reach_margin(reach: int) -> int:

@@ -74,7 +74,7 @@ class SinkWindowPass:
         wanted, reach = params["layers"], params["sink_tokens"] + params["window"]
         full = [m.layer_idx for m in attention_layers(model) if m.sliding_window is None]
         if not full:
-            what = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+            what = getattr(getattr(model, "args", None), "model_type", None) or type(model).__name__
             raise ConfigError("surgery pass window found no full-attention layer to switch (every layer of "
                               f"this {what} model has a sliding window already); leave it out")
         if isinstance(wanted, list) and not set(wanted) <= set(full):
