@@ -136,7 +136,7 @@ def no_tool(rng: random.Random, tools: list[OpenTool]) -> tuple[str, str]:
     if r < 0.45:
         word = rng.choice((pseudo_word(rng), title(rng), "OK", "yes", "ready", person(rng)))
         return rng.choice(((f"Just say {word}.", f"{word}"), (f"Reply with the word {word} and nothing else.", word),
-                           (f"Repeat after me: {word}", word), (f"Say '{word}' if you can read this.", word)))
+                           (f"Repeat after me: {word}", word), (f"Answer with {word} only.", word)))
     if r < 0.6 and tools:
         shown = tools[:3]
         listing = "; ".join(f"{t.name} ({t.schema['function']['description'].rstrip('.')})" for t in shown)
@@ -149,7 +149,7 @@ def no_tool(rng: random.Random, tools: list[OpenTool]) -> tuple[str, str]:
                             "Go on.", "Carry on from where we were.")),
                 rng.choice(("Understood. What would you like me to do next?", "Okay - how can I help?",
                             "Sure. What should I do?")))
-    return rng.choice((("Never mind, I'll do it myself.", "No problem."), ("Forget it.", "Okay."),
+    return rng.choice((("Forget about it, I'll sort it out myself.", "No problem."), ("Forget it.", "Okay."),
                        ("No need to look anything up, I was just thinking out loud.", "Sure, just let me know."),
                        ("Hold on, I'll come back to this later.", "Of course. I'm here when you need me.")))
 
