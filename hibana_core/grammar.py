@@ -166,6 +166,12 @@ def json_schema_grammar(schema: Any) -> Any:
         raise GrammarError(f"the JSON schema has no finite value: every value of {endless} holds another (through "
                            "required properties, or lists that may not be empty); make one of them optional or let "
                            "the list be empty")
+    from hibana_core.messages import schema_problem
+
+    problem = schema_problem(text)  # xgrammar reads `"maxLength": -1` as no bound, fails on `"minLength": -1`
+    if problem:
+        raise GrammarError(f"the JSON schema cannot be compiled: it breaks JSON Schema's metaschema: {problem}; "
+                           "write it as JSON Schema defines its keywords")
     try:
         grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
     except RuntimeError as exc:

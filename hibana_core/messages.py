@@ -163,7 +163,7 @@ def _normalize_tool(i: int, tool: Any) -> dict:
                               "definition instead of nesting it again)")
     if parameters is not None:
         text = json.dumps(parameters, sort_keys=True)  # both checks are cached by it
-        problem = _schema_problem(text)
+        problem = schema_problem(text)
         if problem:
             raise ToolSchemaError(f"tool {name!r} has parameters that are not a valid JSON schema: {problem}; "
                                   "write them as JSON Schema defines its keywords")
@@ -177,7 +177,7 @@ def _normalize_tool(i: int, tool: Any) -> dict:
 
 
 @functools.lru_cache(maxsize=256)
-def _schema_problem(schema_json: str) -> str | None:
+def schema_problem(schema_json: str) -> str | None:
     """Where a schema breaks JSON Schema's own metaschema (its draft's, by `$schema`; 2020-12 when
     it names none), checked by jsonschema, or None: "type": "strang", "required": "x" and
     "properties": [...] are mistakes, not keywords the grammar may leave free. (A tool's schema

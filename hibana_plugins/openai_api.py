@@ -12,7 +12,9 @@ wrong (`param`), as OpenAI's errors do.
 from __future__ import annotations
 
 import dataclasses
+import string
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence, TypeVar
@@ -27,6 +29,17 @@ from hibana_core.turn import ChatDelta, ChatResult, Usage
 STATE_HEADER = "X-Hibana-State"
 MAX_STATE_ID = 256  # characters of an id a client names its state by
 MAX_PROMPTS = 64    # turns one request may run at once: its prompts (legacy completions) times n
+
+
+def state_header(state_ids: Sequence[str]) -> dict[str, str]:
+    """The reply's `X-Hibana-State` header, naming the states that served it. A name that a header
+    cannot carry as it is (a `user` in another script than Latin-1, with control characters or
+    spaces at its ends) is percent-encoded as UTF-8: written raw, the reply would fail after its turn ran."""
+    def written(name: str) -> str:
+        if name.isprintable() and name == name.strip() and all(ord(c) < 256 for c in name):
+            return name
+        return urllib.parse.quote(name, safe=string.punctuation.replace("%", ""))
+    return {STATE_HEADER: ", ".join(map(written, state_ids))}
 
 
 class ApiError(Exception):

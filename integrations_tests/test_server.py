@@ -449,6 +449,19 @@ def test_the_user_field_pins_a_state_too(client):
     assert served == ["user-7", "user-7"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("user, header", [("张三", "%E5%BC%A0%E4%B8%89"), (" bob", "%20bob"), ("a\nb", "a%0Ab"),
+                                          ("José", "José")])
+def test_a_user_that_no_header_can_carry_still_gets_its_reply(client, engine, user, header, stream):
+    # the reply names the state in a header: written raw, it failed after the turn ran (a 500, a dropped connection)
+    reply = client.chat.completions.with_raw_response.create(
+        model="demo", messages=[{"role": "user", "content": "Hello!"}], max_tokens=4, user=user, stream=stream)
+    parsed = reply.parse()
+    assert list(parsed) if stream else parsed.choices[0].message.content
+    assert reply.headers["x-hibana-state"] == header
+    assert any(info.id == user for info in engine.states())
+
+
 def test_completions_continue_the_prompt_as_it_is(client, engine):
     messages = [{"role": "user", "content": "Hello!"}]
     prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

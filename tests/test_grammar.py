@@ -1180,6 +1180,17 @@ def test_a_schema_that_is_not_json_data_is_a_grammar_error(engine):
         _generate(engine, "bytes", [5, 6], max_tokens=4, json_schema={"type": "object", "properties": {b"a": {}}})
 
 
+@pytest.mark.parametrize("schema, where", [({"type": "string", "minLength": -1}, "at minLength"),
+                                           ({"type": "string", "maxLength": -1}, "at maxLength"),
+                                           ({"type": "array", "minItems": -1}, "at minItems"),
+                                           ({"type": "string", "format": 5}, "at format")])
+def test_a_schema_that_breaks_the_metaschema_is_a_grammar_error(engine, schema, where):
+    """xgrammar failed on `"minLength": -1` with a bare RuntimeError, and read `"maxLength": -1`
+    as no bound at all (any string let through)."""
+    with pytest.raises(GrammarError, match=f"metaschema: .*{where}"):
+        _generate(engine, "metaschema", [5, 6], max_tokens=4, json_schema=schema)
+
+
 @pytest.mark.parametrize("pattern, part", [(r"\Aab\Z", r"an anchor \A"), (r"\d\z", r"an anchor \z"),
                                            (r"a\0", r"an escape \0"), (r"\qx", r"an escape \q")])
 def test_regex_escapes_xgrammar_reads_otherwise_are_refused(engine, pattern, part):
