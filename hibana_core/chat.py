@@ -602,7 +602,8 @@ class Chat:
                                                   parallel=parallel_tool_calls, strict=guided)
                 else:
                     grammar = turn.answer_or_calls(self.parser, self.parser_name, tools, tool_choice, answer,
-                                                   parallel=parallel_tool_calls, strict=guided)
+                                                   parallel=parallel_tool_calls, strict=guided,
+                                                   strict_schema=params.strict_schema)
             if grammar is not None and thinking is not None and grammar.get("type") == "structural_tag":
                 # an answer in JSON follows the blank line after the think block, as a forced call does
                 grammar = turn.after_thinking(grammar, "required" if answer is not None else tool_choice,

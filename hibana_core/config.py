@@ -448,6 +448,11 @@ class SamplingParams:
     """Constrain the output to JSON valid under this schema: a dict, its JSON text or a type (a
     pydantic model, a TypedDict, a dataclass; stored as its schema, a dict). The JSON is compact,
     spaced as `json.dumps` writes it."""
+    strict_schema: bool = True
+    """With json_schema: a keyword the grammar cannot hold the output to (`not`, `if`/`then`,
+    `contains`, ...) is a GrammarError naming it (True), or is left to the model while the grammar
+    holds the rest (False: as OpenAI's `strict: false` and vLLM's guided decoding do; the server's
+    `response_format` without `"strict": true`). A schema the grammar holds whole is held either way."""
     regex: str | None = None
     """Constrain the whole output to match this regular expression."""
     grammar: Any = None

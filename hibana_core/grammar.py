@@ -874,8 +874,9 @@ class Grammars:
     def _key(params: SamplingParams) -> tuple[str, str]:
         """A request's constraint as the cache knows it: its kind and its text."""
         if params.json_schema is not None:
-            try:
-                return "json_schema", json.dumps(params.json_schema, sort_keys=False)
+            try:  # a loose schema compiles what a strict one refuses: apart in the cache
+                return ("json_schema" if params.strict_schema else "json_schema_loose",
+                        json.dumps(params.json_schema, sort_keys=False))
             except (TypeError, ValueError) as exc:
                 raise GrammarError(f"the JSON schema is not plain JSON data ({exc})") from None
         if params.regex is not None:
@@ -936,6 +937,7 @@ class Grammars:
         xgr = _xgrammar()
         if kind == "json_schema":
             check_held(params.json_schema)
+        if kind in ("json_schema", "json_schema_loose"):
             return compiler.compile_grammar(json_schema_grammar(params.json_schema))
         unheld = unenforced_regex(params.regex) if kind == "regex" else []
         if unheld:

@@ -171,15 +171,17 @@ def no_call_grammar(parser: Any, parser_name: str) -> dict | None:
 
 
 def answer_or_calls(parser: Any, parser_name: str, tools: Sequence[dict], tool_choice: str, schema: Any, *,
-                    parallel: bool = True, strict: bool = True) -> dict:
+                    parallel: bool = True, strict: bool = True, strict_schema: bool = True) -> dict:
     """The grammar of a turn with tools whose text answer follows a JSON schema (OpenAI's
     response_format beside tools): with "auto", calls (as "required" writes them) or the answer,
     JSON valid under `schema`; with "required" or a tool's name, calls only, as without a schema.
     With "auto", a parser that builds its own grammar (harmony's channels) cannot take it, nor
-    one without a grammar ever: ConfigError."""
+    one without a grammar ever: ConfigError. `strict_schema=False`: keywords the grammar cannot
+    hold are left to the model (SamplingParams.strict_schema)."""
     from hibana_core.grammar import check_held
 
-    check_held(schema)
+    if strict_schema:
+        check_held(schema)
     if tool_choice != "auto":  # calls only, as without the schema: it has no text to hold
         calls = parser_grammar(parser, parser_name, tools, tool_choice, parallel=parallel, strict=strict)
     else:

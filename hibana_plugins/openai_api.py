@@ -218,6 +218,7 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
         top_k=max(_given(request.top_k, 0), 0), min_p=_given(request.min_p, 0.0),
         repetition_penalty=_given(request.repetition_penalty, 1.0),
         json_schema=response_schema(request.response_format) if chat else None,
+        strict_schema=strict_schema(request.response_format),
         logprobs=logprobs, top_logprobs=(request.top_logprobs or 0) if logprobs else 0)
     explicit = state_header or request.user or None  # an empty user names no one (OpenAI takes it)
     return ChatCall(listed, tools, choice, not chat or request.parallel_tool_calls is not False, params, explicit,
@@ -371,6 +372,13 @@ def response_schema(response_format: dict | None) -> dict | None:
         return schema
     raise ApiError(400, f"response_format.type={kind!r:.40}: use 'text', 'json_object' or 'json_schema'",
                    "response_format.type")
+
+
+def strict_schema(response_format: dict | None) -> bool:
+    """Whether the schema's every keyword must be held (`"strict": true`, as OpenAI's structured
+    outputs), or those the grammar cannot hold are left to the model (OpenAI's default, false)."""
+    spec = (response_format or {}).get("json_schema")
+    return isinstance(spec, dict) and spec.get("strict") is True
 
 
 # --- the reply ---------------------------------------------------------------------------------

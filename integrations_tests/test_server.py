@@ -227,6 +227,22 @@ def test_response_format_json_schema_holds_the_reply(client):
     assert reply.choices[0].finish_reason == "stop"
 
 
+def test_response_format_keywords_the_grammar_cannot_hold_are_refused_only_when_strict(client):
+    """As OpenAI: `strict` defaults to false, and a schema keyword the grammar cannot hold (`not`)
+    is then left to the model, the rest of the schema held; with strict: true it is a 400 naming it."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9,
+                                                     "not": {"const": 3}}},
+              "required": ["n"], "additionalProperties": False}
+    ask = dict(model="demo", messages=[{"role": "user", "content": "Pick a digit."}], max_tokens=16)
+    for strict in (None, False):
+        spec = {"name": "digit", "schema": schema} | ({} if strict is None else {"strict": strict})
+        reply = client.chat.completions.create(response_format={"type": "json_schema", "json_schema": spec}, **ask)
+        assert 0 <= json.loads(reply.choices[0].message.content)["n"] <= 9
+    with pytest.raises(openai.BadRequestError, match="not at #/properties/n"):
+        client.chat.completions.create(response_format={"type": "json_schema", "json_schema": {
+            "name": "digit", "schema": schema, "strict": True}}, **ask)
+
+
 def test_response_format_beside_tools_holds_the_answer_and_leaves_the_calls(client):
     """As OpenAI: with tools and a response_format the model may still call, and its text answer
     (here after the tool's result) follows the schema."""

@@ -25,7 +25,7 @@ import pytest
 import torch
 from typing_extensions import NotRequired, TypedDict
 
-from hibana_core import GrammarError, HibanaError, SamplingParams
+from hibana_core import ConfigError, GrammarError, HibanaError, SamplingParams
 from hibana_core.grammar import MAX_NUMBER_DIGITS, allowed_tokens, unenforced_keywords
 from hibana_core.sampler import Sampler, SamplingRow, TokenMasks
 from hibana_core.turn import SYNTAX, tool_call_grammar
@@ -551,6 +551,26 @@ def test_no_utf16_surrogate_is_spelled_byte_by_byte(engine, constraint):
     assert not allowed(0, byte[b"\xa0"]) and not allowed(0, byte[b"\xac"]) and not allowed(0, byte[b"\xbf"])
     assert allowed(1, byte[b"\xbf"])  # ED 9F BF is U+D7FF, a character: its next byte is free
     assert not matcher.accept(byte[b"\xac"]) and matcher.accept(byte[b"\x9f"])
+
+
+def test_a_loose_schema_holds_what_the_grammar_can_and_leaves_the_rest_to_the_model(engine):
+    """strict_schema=False (OpenAI's strict: false, vLLM's guided decoding): a keyword the grammar
+    cannot hold is left to the model rather than refused, the rest held; the same schema stays
+    refused where strict (a cache of its own: neither compile answers for the other)."""
+    schema = {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                               "maximum": 9},
+                                                     "contains": {"const": 3}, "maxItems": 3}},
+              "required": ["xs"], "additionalProperties": False}
+    for strict in (True, False, True):
+        if strict:
+            with pytest.raises(GrammarError, match="contains at #/properties/xs"):
+                _generate(engine, "loose", [5, 6], max_tokens=24, json_schema=schema)
+            continue
+        out = _generate(engine, "loose", [5, 6], max_tokens=24, json_schema=schema, strict_schema=False)
+        value = json.loads(out.text)  # the held part: an object of up to three digits
+        assert set(value) == {"xs"} and len(value["xs"]) <= 3 and all(0 <= x <= 9 for x in value["xs"])
+    with pytest.raises(ConfigError, match="strict_schema"):
+        SamplingParams(json_schema=schema, strict_schema="no")
 
 
 def test_date_and_time_formats_allow_only_dates_and_times_that_exist():
