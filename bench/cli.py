@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -28,7 +29,7 @@ from hibana_bench.argtypes import count as _count
 from hibana_bench.argtypes import counts as _counts
 from hibana_bench.argtypes import latency as _latency
 from hibana_bench.argtypes import seconds as _seconds
-from hibana_bench.models import PRESETS, load_bench_model
+from hibana_bench.models import PRESETS, load_bench_model, preset_weight_bytes
 from hibana_core.surgery.checkpoint import MANIFEST
 from hibana_bench.spec_systems import SPEC_SYSTEMS, BenchError
 from hibana_bench.traces import TraceError
@@ -145,14 +146,17 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.workload == "grammar":
         if args.tokenizer is not None and not args.tokenizer.is_dir():
             parser.error(f"--tokenizer: {str(args.tokenizer)!r} is not a directory; give a tokenizer's folder")
-        _check_model(parser, args.model)
+        _check_context(parser, args, _check_model(parser, args.model))
         return device, []
     if args.workload == "serve":
-        _check_model(parser, args.model)
+        _check_context(parser, args, _check_model(parser, args.model))
         return device, []
     default = TRACE_SYSTEMS if args.trace else DECODE_SYSTEMS if args.workload == "decode" else AGENT_SYSTEMS
-    systems = [s for s in (args.systems or ",".join(default)).split(",") if s]
+    systems = [s.strip() for s in (args.systems or ",".join(default)).split(",") if s.strip()]  # "a, b" too
     known = ALL_SYSTEMS.split(", ") if args.trace else WORKLOAD_SYSTEMS[args.workload]
+    if not systems:  # `--systems ,` ran nothing and printed an empty table
+        parser.error(f"--systems {args.systems!r} names no system; name them with commas between, from: "
+                     f"{', '.join(known)}")
     unknown = [s for s in systems if s not in known]
     if unknown:
         parser.error(f"unknown system(s) for {args.workload}{' --trace' if args.trace else ''}: "
@@ -171,7 +175,7 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error(f"unknown fusion policy {', '.join(bad_fusion)}; known: {', '.join(FUSION_POLICIES)}")
     if any(p not in ("on", "off") for p in getattr(args, "pdl", "on").split(",")):
         parser.error(f"--pdl takes on, off or on,off, not {args.pdl!r}")
-    passes = [p for p in getattr(args, "surgery", "").split(",") if p]
+    passes = [p.strip() for p in getattr(args, "surgery", "").split(",") if p.strip()]
     if passes:
         from hibana_plugins.manager import get_plugin_manager
 
@@ -214,8 +218,9 @@ def _check_model(parser: argparse.ArgumentParser, model: str) -> Path | None:
 
 
 def _check_context(parser: argparse.ArgumentParser, args: argparse.Namespace, path: Path | None) -> None:
-    """Exit with a usage error where the workload's longest history is past the model's context
-    (its config's max_position_embeddings), rather than fail on it after the loads."""
+    """Exit with a usage error where the workload's longest history (grammar: a prompt and its
+    generation; serve: one turn's) is past the model's context (its config's
+    max_position_embeddings), rather than fail on it after the loads."""
     if path is None:
         limit = PRESETS[args.model].get("max_position_embeddings")
     else:
@@ -235,6 +240,12 @@ def _check_context(parser: argparse.ArgumentParser, args: argparse.Namespace, pa
         parser.error(f"--context: {max(args.context)} tokens plus --generate {args.generate} exceed "
                      f"{args.model}'s context of {limit} tokens; give contexts up to {limit - args.generate}, "
                      f"e.g. --context 512,{limit - args.generate}")
+    if args.workload == "grammar" and args.prompt + args.generate > limit:  # refused after the load, or cut short
+        parser.error(f"--prompt {args.prompt} plus --generate {args.generate} tokens exceed {args.model}'s context "
+                     f"of {limit} tokens; give fewer")
+    if args.workload == "serve" and args.max_tokens > limit:  # every request over HTTP would be a 400
+        parser.error(f"--max-tokens {args.max_tokens} is more than {args.model}'s context of {limit} tokens, which "
+                     f"the server refuses; give at most {limit}")
     if args.workload == "agents":
         turns = args.turns or 4
         history = args.system + turns * (args.tool_result + args.generate)
@@ -252,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     device, systems = check_options(parser, args)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.model in PRESETS:
+        _check_preset_fits(parser, args.model, device, dtype)
     if args.workload == "grammar":
         try:
             report = grammar_overhead.run(args, device, dtype)
@@ -275,6 +288,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report["cold_start"] = cold
     return _finish(args, report, device, dtype)
+
+
+def _check_preset_fits(parser: argparse.ArgumentParser, model: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Exit with a usage error where a preset's random weights alone are more than the device has
+    free (a GPU preset on the CPU: qwen3-8b's 33 GB in float32), rather than be killed for memory, or
+    fail with a traceback, while they are made."""
+    from hibana_core.kv.budget import device_memory
+
+    need, free = preset_weight_bytes(model, dtype), device_memory(device).free
+    if need > free:
+        name = str(dtype).removeprefix("torch.")
+        smaller = ", give --dtype bfloat16 (half float32's bytes)" if dtype == torch.float32 else ""
+        parser.error(f"--model: {model}'s weights take {need / 1e9:.1f} GB in {name}, more than the "
+                     f"{free / 1e9:.1f} GB free on {device}; run it on a GPU that holds them (--device cuda)"
+                     f"{smaller}, or name a smaller model (the demo model, a checkpoint)")
 
 
 def run_serve(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> int:
@@ -312,8 +340,21 @@ def _finish(args: argparse.Namespace, report: dict, device: torch.device, dtype:
     report["environment"] = environment(device, dtype)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+        args.json.write_text(json.dumps(_finite(report), indent=2, allow_nan=False))
     return 0
+
+
+def _finite(value):
+    """`value` with NaN and infinities as null: JSON has no such numbers (Python writes NaN, which
+    JavaScript's JSON.parse, Go's and serde's readers refuse); a figure not measured (a peer's time
+    to first token) is null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def cold_start(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict | None:

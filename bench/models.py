@@ -186,9 +186,14 @@ def load_bench_model(name: str, device: torch.device, dtype: torch.dtype, chat: 
     return BenchModel(name, model, tokenizer, device, weight_bytes, random)
 
 
-def _random_preset(spec: dict[str, Any], device: torch.device, dtype: torch.dtype,
-                   seed: int = 0) -> tuple[torch.nn.Module, RandomWeights]:
-    """A preset's transformers model on "meta" but for its small tensors, and its weights."""
+def preset_weight_bytes(name: str, dtype: torch.dtype) -> int:
+    """The bytes a preset's weights take in `dtype` (MXFP4 experts as they are), nothing allocated."""
+    model = _meta_preset(dict(PRESETS[name]), dtype)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _meta_preset(spec: dict[str, Any], dtype: torch.dtype) -> torch.nn.Module:
+    """A preset's transformers model, all of it on "meta"."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     mxfp4 = spec.pop("mxfp4_experts", False)
@@ -200,6 +205,13 @@ def _random_preset(spec: dict[str, Any], device: torch.device, dtype: torch.dtyp
                 layer.mlp.experts = MXFP4Experts(model.config)
     if mxfp4:
         model.config.quantization_config = {"quant_method": "mxfp4"}
+    return model
+
+
+def _random_preset(spec: dict[str, Any], device: torch.device, dtype: torch.dtype,
+                   seed: int = 0) -> tuple[torch.nn.Module, RandomWeights]:
+    """A preset's transformers model on "meta" but for its small tensors, and its weights."""
+    model = _meta_preset(spec, dtype)
     _init_small_tensors(model, device, seed)
     return model, RandomWeights(model, device, seed)
 

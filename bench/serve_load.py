@@ -286,10 +286,11 @@ def serve_load(open_engine: "Any", model: str, cfg: ServeLoadConfig, exact: bool
     mismatched = [i for i, (a, b) in enumerate(zip(local.turns, served.turns))
                   if a is None or b is None or [(t.text, t.calls) for t in a] != [(t.text, t.calls) for t in b]]
     results = {system: run.summary() for system, run in runs.items()}
+    served_rate = results["server"]["turns_per_hour"]  # 0 where every client over HTTP failed: see the errors
     return {"config": asdict(cfg), "model": model, "exact": exact, "server_stack": server_stack(),
             "results": results, "leaked_blocks": leaked,
             "errors": local.errors + served.errors, "mismatched_clients": mismatched,
-            "server_overhead": results["in_process"]["turns_per_hour"] / results["server"]["turns_per_hour"] - 1,
+            "server_overhead": results["in_process"]["turns_per_hour"] / served_rate - 1 if served_rate else None,
             "differences": [_first_difference(i, local.turns[i], served.turns[i]) for i in mismatched[:5]]}
 
 
@@ -312,16 +313,17 @@ def print_serve_load(report: dict) -> None:
               "client cpu", "steps", "tok/step", "step ms")
     print("".join(f"{h:>12}" for h in header))
     for system, r in report["results"].items():
-        cells = (system, r["turns"], f"{r['turns_per_hour']:.0f}", f"{r['ttft_p50_s']:.3f}s",
-                 f"{r['ttft_p95_s']:.3f}s", f"{r['turn_p50_s']:.3f}s", r["errors"], report["leaked_blocks"][system],
+        seconds = [f"{r[key]:.3f}s" if r[key] == r[key] else "-" for key in ("ttft_p50_s", "ttft_p95_s", "turn_p50_s")]
+        cells = (system, r["turns"], f"{r['turns_per_hour']:.0f}", *seconds, r["errors"], report["leaked_blocks"][system],
                  f"{r['cpu_s']:.1f}s", f"{r['client_cpu_s']:.1f}s", r["steps"], f"{r['tokens_per_step']:.1f}",
                  f"{r['step_ms']:.2f}")
         print("".join(f"{c:>12}" for c in cells))
     equal = cfg["clients"] - len(report["mismatched_clients"])
     caveat = "" if report["exact"] else (" (not checked: outside float32 the two runs' batches round "
                                          "differently, so greedy outputs may part ways)")
+    overhead = report["server_overhead"]
     print(f"conversations equal over HTTP and in process: {equal}/{cfg['clients']}{caveat}; "
-          f"server overhead per turn: {100 * report['server_overhead']:+.1f}%")
+          f"server overhead per turn: {'-' if overhead is None else f'{100 * overhead:+.1f}%'}")
     for error in report["errors"][:5]:
         print(f"error: {error}")
     for d in report["differences"]:

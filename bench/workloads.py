@@ -286,31 +286,39 @@ def run_hibana_agents(model: BenchModel, cfg: AgentsConfig, retention: bool, sys
                       prompt=random_tokens(random.Random(-1), 64, model.vocab_size))
         warm.close()
         records: list[TurnRecord] = []
+        errors: list[BaseException] = []
         bar = progress_bar(total=cfg.agents * cfg.turns, desc=name, leave=False)
         lock = threading.Lock()
 
         def agent(i: int) -> None:
             history: list[int] = []
             tool = random.Random(cfg.seed * 1000 + i)
-            for turn, new in enumerate(script[i]):
-                if turn and cfg.tool_latency is not None:  # the tool runs before its result comes in
-                    time.sleep(tool.uniform(*cfg.tool_latency))
-                history = history + new
-                state_id = f"agent{i}" if retention else f"agent{i}-turn{turn}"
-                h = engine.open_state(state_id)
-                out = h.generate(params, prompt=history)
-                history = history + list(out.token_ids)
-                if not retention:
-                    h.close()
-                with lock:
-                    records.append(TurnRecord(i, turn, out.stats.prompt_tokens, out.stats.computed,
-                                              out.stats.reused, len(out.token_ids),
-                                              out.stats.time_to_first_token or 0.0))
-                    bar.update()
+            try:
+                for turn, new in enumerate(script[i]):
+                    if turn and cfg.tool_latency is not None:  # the tool runs before its result comes in
+                        time.sleep(tool.uniform(*cfg.tool_latency))
+                    history = history + new
+                    state_id = f"agent{i}" if retention else f"agent{i}-turn{turn}"
+                    h = engine.open_state(state_id)
+                    out = h.generate(params, prompt=history)
+                    history = history + list(out.token_ids)
+                    if not retention:
+                        h.close()
+                    with lock:
+                        records.append(TurnRecord(i, turn, out.stats.prompt_tokens, out.stats.computed,
+                                                  out.stats.reused, len(out.token_ids),
+                                                  out.stats.time_to_first_token or 0.0))
+                        bar.update()
+            # raised after the others finish: a run missing an agent's turns is no result (and at
+            # Ctrl+C the engine closes under every agent, which must not print a traceback each)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
 
         with Timeline(engine) as timeline:
             seconds = run_agents(agent, cfg.agents)
         bar.close()
+        if errors:
+            raise errors[0]
         stats = engine.stats()
         kv_blocks, kv_bytes = stats.kv_blocks_total, engine.kv_cache.nbytes
     return SystemResult(name, cfg.agents, seconds, records, kv_blocks, kv_bytes, stats.host_tier, timeline.summary())

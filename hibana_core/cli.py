@@ -43,6 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError, AttributeError):
             pass
         return 1
+    except KeyboardInterrupt:  # Ctrl+C: one line, as a shell's own commands stop, not a traceback
+        print("hibana: interrupted", file=sys.stderr)
+        return 130  # 128 + SIGINT, what a shell reports for a command Ctrl+C stopped
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -167,10 +167,10 @@ def _download(ref: RepoRef, cache: Path, progress: bool) -> Path:
         raise CheckpointError(f"{ref.repo_id} has no revision {ref.revision!r} (a branch, tag or commit); "
                               "leave out @revision for the default branch") from None
     except LocalEntryNotFoundError as exc:  # the Hub is unreachable and the cache cannot answer
-        raise CheckpointError(_not_cached(ref, cache, None, [], f"and the Hub cannot be reached ({exc})")
+        raise CheckpointError(_not_cached(ref, cache, None, [], f"and the Hub cannot be reached ({_one_line(exc)})")
                               + "; or retry once online") from None
     except (OSError, ValueError) as exc:  # HTTP errors are OSErrors; a full disk, a bad token ...
-        raise CheckpointError(f"downloading {ref} from the Hugging Face Hub failed: {exc}") from exc
+        raise CheckpointError(f"downloading {ref} from the Hugging Face Hub failed: {_one_line(exc)}") from exc
     missing = missing_files(path)
     if missing == ["*.safetensors weights"]:  # a repo of .bin weights alone, or the Hub unreachable
         raise CheckpointError(f"{ref} ({path}) has no *.safetensors weights: either the repo ships none (Hibana "
@@ -181,6 +181,12 @@ def _download(ref: RepoRef, cache: Path, progress: bool) -> Path:
                                           "be unreachable)") + "; or retry once online")
     logger.info("%s: downloaded to %s", ref, path)
     return path
+
+
+def _one_line(exc: BaseException) -> str:
+    """huggingface_hub's message on one line: its errors run over several, and the commands print
+    an error as one line."""
+    return " ".join(str(exc).split())
 
 
 def _silent_tqdm() -> type:

@@ -297,9 +297,9 @@ class StateRegistry:
                 else:
                     how = f"continues its conversation ({len(entry.seq)} tokens held)"
             self._leased.add(handle.id)
-        if not named:
+        if not named and token_ids:
             logger.info("state %s serves a call of %d tokens (%s)", handle.id, len(token_ids), how)
-        else:  # a named call's tokens are not known here
+        else:  # a named call's tokens are not known here, nor those of one the chat layer leases a new state for
             logger.info("state %s serves a call (%s)", handle.id, how)
         try:
             yield handle

@@ -96,3 +96,24 @@ def test_decode_rows_count_the_kv_bytes_a_token_reads_at_their_context(tiny_pres
     got = {(r["system"], r["context"]): r["kv_read_bytes"] for r in rows}
     assert got == {("hibana_spec_off", 32): 4 * 32 * per_token, ("hibana_spec_off", 96): 4 * 48 * per_token,
                    ("hibana+kv8", 32): 32 * per_token, ("hibana+kv8", 96): 48 * per_token}
+
+
+def test_bench_agents_fails_with_an_agents_error_rather_than_report_the_others(tiny_preset, monkeypatch):
+    """An agent thread that failed printed a thread traceback, and the run reported the other
+    agents' turns as its result; at Ctrl+C every agent printed one as the engine closed."""
+    from hibana_bench.models import load_bench_model
+    from hibana_bench.workloads import AgentsConfig, run_hibana_agents
+    from hibana_core import QueueTimeoutError
+    from hibana_core.state import StateHandle
+
+    generate = StateHandle.generate
+
+    def failing(self, *args, **kwargs):
+        if self.id == "agent1":
+            raise QueueTimeoutError("agent1 waited too long")
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(StateHandle, "generate", failing)
+    model = load_bench_model(tiny_preset("qwen3"), CPU, torch.float32)
+    with pytest.raises(QueueTimeoutError, match="agent1 waited too long"):
+        run_hibana_agents(model, AgentsConfig(agents=2, turns=2, system=32, tool_result=8, generate=4), retention=True)

@@ -137,6 +137,33 @@ def test_a_reader_that_leaves_early_gets_no_traceback():
     assert done.returncode == 1 and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
 
 
+def test_ctrl_c_stops_a_command_in_one_line():
+    """Ctrl+C while `hibana demo` ran (or a bench, or `hibana serve` loading) printed a
+    KeyboardInterrupt traceback; a bench's agent threads added one each."""
+    import signal
+    import subprocess
+    import sys
+
+    script = ("import sys, time\n"
+              "from hibana_core import cli\n"
+              "from hibana_core.demo import run\n"
+              "def main(argv, started=None):\n"
+              "    print('running', flush=True)\n"
+              "    time.sleep(120)\n"
+              "run.main = main\n"
+              "sys.exit(cli.main(['demo']))\n")
+    # a child of a shell's background job inherits SIGINT ignored: give it Python's own handling
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert proc.stdout.readline() == "running\n"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and err == "hibana: interrupted\n", (proc.returncode, err)
+
+
 def test_surgery_reads_pass_names_with_spaces_and_refuses_empty_ones(tiny_checkpoints, capsys, tmp_path):
     """`--passes 'w8, kv8'` was refused as no pass named ' kv8', and `w8,,kv8` taken silently
     (an outside tester)."""
@@ -212,6 +239,11 @@ BENCH_USAGE_ERRORS = [
     (["grammar", "--tokenizer", "/no/such/tokenizer"], "--tokenizer: '/no/such/tokenizer' is not a directory"),
     (["serve", "--switch-interval", "0"], "argument --switch-interval: must be more than 0 seconds"),
     (["decode", "--trace", "nosuch"], "--trace: no trace file 'nosuch'"),
+    (["decode", "--systems", ","], "--systems ',' names no system"),  # ran nothing: an empty table, status 0
+    # a traceback (ZeroDivisionError) after both runs, every HTTP request refused; a 400 after the load
+    (["serve", "--max-tokens", "5000"], "--max-tokens 5000 is more than demo's context of 2048 tokens"),
+    (["grammar", "--prompt", "3000"], "--prompt 3000 plus --generate 128 tokens exceed demo's context of 2048"),
+    (["agents", "--systems", " , ,"], "--systems ' , ,' names no system"),
     (["agents", "--trace", "nosuch"], "--trace: no trace file 'nosuch'"),
 ]
 
@@ -226,6 +258,37 @@ def test_bench_refuses_options_that_cannot_work(argv, says, offline_hub, no_load
     err = capsys.readouterr().err
     assert says in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("workload", ["decode", "agents", "grammar", "serve"])
+def test_bench_refuses_a_preset_whose_weights_the_device_cannot_hold(workload, no_load, monkeypatch, capsys):
+    """`hibana bench decode --model qwen3-8b` on a CPU of 24 GB made 33 GB of float32 weights until
+    the kernel killed it (under a memory limit: a RuntimeError traceback from torch's allocator)."""
+    from hibana_bench import cli as bench_cli, models
+    from hibana_core.kv import budget
+
+    monkeypatch.setattr(models, "load_bench_model", bench_cli.load_bench_model)  # grammar's: no_load's too
+    monkeypatch.setattr(budget, "device_memory", lambda device: budget.DeviceMemory(24 << 30, 20 << 30, True))
+    with pytest.raises(SystemExit) as e:
+        bench_cli.main([workload, "--model", "qwen3-8b", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    assert "--model: qwen3-8b's weights take 32.8 GB in float32, more than the 21.5 GB free on cpu" in err, err
+    assert "--dtype bfloat16" in err, err
+    with pytest.raises(AssertionError, match="loaded a model"):  # half the bytes fit: it goes on to load
+        bench_cli.main([workload, "--model", "qwen3-8b", "--device", "cpu", "--dtype", "bfloat16", "--no-cold-start"]
+                       if workload in ("decode", "agents") else
+                       [workload, "--model", "qwen3-8b", "--device", "cpu", "--dtype", "bfloat16"])
+
+
+def test_bench_reads_systems_and_passes_with_spaces_after_the_commas():
+    """`--systems "hibana, hf_eager"` was refused as an unknown system ' hf_eager' (as `hibana
+    surgery --passes "w8, kv8"` once was)."""
+    from hibana_bench.cli import build_parser, check_options
+
+    parser = build_parser()
+    args = parser.parse_args(["decode", "--model", "demo", "--systems", "hibana, hf_eager", "--surgery", "w8, kv8"])
+    assert check_options(parser, args)[1] == ["hibana", "hf_eager", "hibana+w8", "hibana+kv8"]
 
 
 def test_bench_decode_defaults_fit_the_models_context(tmp_path):
@@ -404,6 +467,42 @@ def test_bench_runs_a_surgery_checkpoint_as_written_and_refuses_transformers_on_
     assert set(reports["w8"]["cold_start"]) == {"hibana"}  # transformers does not read it
     held = {name: r["rows"][0]["weight_bytes"] for name, r in reports.items()}
     assert held["w8"] < 0.6 * held["source"], held
+
+
+def test_bench_json_is_json_that_strict_readers_take(tiny_checkpoints, tmp_path):
+    """The agents report's transformers rows (no time to first token: NaN) were written as `NaN`,
+    which JavaScript's JSON.parse, Go's and serde's readers refuse: null instead."""
+    from hibana_bench.cli import main
+
+    out = tmp_path / "agents.json"
+    assert main(["agents", "--model", str(tiny_checkpoints["qwen3"]), "--device", "cpu", "--systems", "hf_reprefill",
+                 "--agents", "1", "--turns", "1", "--system", "16", "--tool-result", "4", "--generate", "2",
+                 "--no-cold-start", "--json", str(out)]) == 0
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is no JSON")
+
+    report = json.loads(out.read_text(), parse_constant=refuse)
+    assert report["results"]["hf_reprefill"]["ttft_p50_s"] is None
+
+
+def test_bench_serve_reports_a_run_whose_every_client_failed(monkeypatch, capsys):
+    """Every request over HTTP refused (a 400) ended the report in a ZeroDivisionError traceback
+    (the server's turns/h were 0), not with the errors it had."""
+    from hibana_bench import serve_load
+    from hibana_core import Engine
+
+    def refused(engine, model, cfg):
+        return serve_load.Run(0.5, [None] * cfg.clients, [f"client {i}: BadRequestError: 400" for i in range(cfg.clients)])
+
+    monkeypatch.setattr(serve_load, "run_over_http", refused)
+    report = serve_load.serve_load(lambda: Engine.from_pretrained("demo", device="cpu", progress=False), "demo",
+                                   serve_load.ServeLoadConfig(clients=1, turns=1, max_tokens=4))
+    assert report["server_overhead"] is None and report["errors"] == ["client 0: BadRequestError: 400"]
+    serve_load.print_serve_load(report)
+    out = capsys.readouterr().out
+    assert "server overhead per turn: -" in out and "error: client 0: BadRequestError: 400" in out, out
+    assert "nan" not in out, out
 
 
 def test_bench_serve_switch_interval_holds_while_its_engines_run(tiny_checkpoints, monkeypatch, capsys):

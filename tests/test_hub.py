@@ -350,3 +350,19 @@ def test_download_failures_are_checkpoint_errors(error, says, online, monkeypatc
     monkeypatch.setattr(huggingface_hub, "snapshot_download", FakeHub({}, error=exc))
     with pytest.raises(CheckpointError, match=says):
         resolve_checkpoint("acme/nope")
+
+
+@pytest.mark.parametrize("error", ["LocalEntryNotFoundError", "OSError"])
+def test_a_hub_error_over_several_lines_is_said_on_one(error, online, monkeypatch):
+    """Offline, `hibana demo --model foo/bar` printed huggingface_hub's two-line message inside its
+    own: the commands print an error as one line."""
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    message = ("Got: ConnectError: [Errno -2] Name or service not known\nAn error happened while trying to "
+               "locate the files on the Hub.")
+    exc = errors.LocalEntryNotFoundError(message) if error == "LocalEntryNotFoundError" else OSError(message)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", FakeHub({}, error=exc))
+    with pytest.raises(CheckpointError) as e:
+        resolve_checkpoint("acme/nope")
+    assert "\n" not in str(e.value) and "Name or service not known An error happened" in str(e.value), str(e.value)

@@ -146,6 +146,21 @@ def test_logs_say_what_served_each_call(tiny_checkpoints, caplog):
         assert any("evicting an idle state's KV" in r.getMessage() for r in caplog.records)
 
 
+def test_a_new_state_the_chat_layer_leases_is_logged_without_a_made_up_count(caplog):
+    """`hibana serve` logged "state auto-... serves a call of 0 tokens (new: ...)" for every new
+    conversation: the chat layer leases a new state without the call's tokens."""
+    from hibana_core import Engine
+    from hibana_core.chat import Chat
+
+    with Engine.from_pretrained("demo", progress=False, speculation="off") as engine:
+        caplog.set_level(logging.INFO, logger="hibana.states")
+        with Chat(engine).lease("<|im_start|>user\nHello!<|im_end|>\n") as chat:
+            pass
+    messages = [r.getMessage() for r in caplog.records if r.name == "hibana.states"]
+    assert messages[0] == f"state {chat.handle.id} serves a call (new: no idle state holds the start of this " \
+                          "conversation)", messages
+
+
 def test_cold_start_probe_leaves_no_state(tiny_checkpoints):
     from hibana_core.coldstart import ColdStart, first_token_seconds, process_start_time
 
