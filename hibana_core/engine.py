@@ -139,6 +139,18 @@ SPILL_LOCK = "owner.lock"
 """In a spill folder: the file its engine holds an exclusive flock on while it lives."""
 
 
+def _check_state_dir(state_dir) -> None:
+    """A ConfigError, before the weights load, where `state_dir` cannot be made or written (it
+    was said only after minutes of loading, where `_spill_folder` first writes there)."""
+    try:
+        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=state_dir):
+            pass
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(f"state_dir {str(state_dir)!r} cannot be written ({exc}); give a folder this "
+                          "process may write") from None
+
+
 def _spill_folder(state_dir) -> tuple[Path, Any]:
     """This engine's own folder for spilled KV under `state_dir` (engines may share a state_dir),
     and the lock it holds on it while it lives (`_owned`); the folders of engines that died
@@ -242,6 +254,8 @@ class Engine:
 
             guard_text_path(config.surgery_guard_text)  # a wrong path said before the weights load
         check_method(config.speculation, list(get_plugin_manager().drafters()))
+        if config.cache.state_dir is not None:
+            _check_state_dir(config.cache.state_dir)
         if hf_model is None:
             loaded = load_model(config.model, self.device, config.dtype, self._ctx, config.progress, stages,
                                 max_model_len=config.max_model_len)

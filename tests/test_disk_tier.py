@@ -250,3 +250,20 @@ def test_a_state_file_loaded_while_requests_fill_the_pool_is_parked(tiny_checkpo
         pass
     done = loaded.generate(SamplingParams(max_tokens=4, ignore_eos=True))
     assert done.stats.computed == 1 and list(done.token_ids) == hf_greedy(str(path), history, 4)
+
+
+def test_a_state_dir_that_cannot_be_written_is_refused_before_the_weights_load(tiny_checkpoints, tmp_path,
+                                                                                monkeypatch):
+    """(`hibana serve --state-dir` on such a folder said so only after the whole load and warm-up)"""
+    import hibana_core.engine
+    from hibana_core import ConfigError, Engine
+
+    def load(*args, **kwargs):
+        raise AssertionError("the weights loaded before state_dir was checked")
+
+    monkeypatch.setattr(hibana_core.engine, "load_model", load)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="state_dir .* cannot be written"):
+        Engine.from_pretrained(str(tiny_checkpoints["llama"]), device="cpu", progress=False,
+                               state_dir=str(blocker / "states"))
