@@ -86,9 +86,11 @@ class ServerConfig:
             raise ConfigError("the served model name must not be empty")
         if self.api_key is not None and not self.api_key.strip():  # it would take an empty bearer token
             raise ConfigError("the API key must not be empty or blank; leave it unset to want none")
-        if self.max_body_bytes <= 0 or any(limit is not None and not limit > 0  # NaN is not positive either
-                                           for limit in (self.max_tokens_limit, self.request_timeout)):
-            raise ConfigError("max_body_bytes, max_tokens_limit and request_timeout must be positive")
+        for name, flag in (("max_body_bytes", "--max-body-bytes"), ("max_tokens_limit", "--max-tokens-limit"),
+                           ("request_timeout", "--request-timeout")):
+            limit = getattr(self, name)
+            if limit is not None and not limit > 0:  # NaN is not positive either
+                raise ConfigError(f"{name} ({flag}) must be positive, got {limit!r}")
         if self.shutdown_timeout is not None and not self.shutdown_timeout >= 0:
             raise ConfigError(f"shutdown_timeout must be >= 0 seconds or None, got {self.shutdown_timeout!r}")
 

@@ -985,6 +985,11 @@ def test_the_api_key_comes_from_the_environment_too(monkeypatch):
         ServerConfig("demo", api_key=" ")
     with pytest.raises(ConfigError, match="must be positive"):  # `--request-timeout nan` once served with it
         ServerConfig("demo", request_timeout=float("nan"))
+    # each named with its flag (one message named all three fields)
+    with pytest.raises(ConfigError, match=r"^max_tokens_limit \(--max-tokens-limit\) must be positive, got 0$"):
+        ServerConfig("demo", max_tokens_limit=0)
+    with pytest.raises(ConfigError, match=r"^request_timeout \(--request-timeout\) must be positive, got -5"):
+        ServerConfig("demo", request_timeout=-5)
 
 
 def test_engine_options_from_the_command_line():
