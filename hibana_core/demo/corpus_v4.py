@@ -91,14 +91,21 @@ def _answer(rng: random.Random, tool: OpenTool, arguments: dict, result: dict, s
     if tool.kind == "compose":
         return " ".join(str(v) for v in arguments.values())
     thing = said.get(0, "")
+    values = dict(result)
     if tool.kind == "lookup":
-        (key, value), = result.items()
-        attribute = key.replace("_", " ")
-        return rng.choice((f"The {attribute} of {thing} is {value}.", f"{thing}'s {attribute}: {value}.",
-                           f"It's {value}.", f"{value}.", f"The {attribute} is {value}.")) if thing else f"{value}."
-    return rng.choice((f"Done - reference {result['reference']}.", f"All set. The reference is {result['reference']}.",
-                       f"Done: {result['reference']}.", f"I've done that ({result['reference']}).",
-                       f"Finished, reference number {result['reference']}."))
+        key = tool.keys[0]
+        value, attribute = values.pop(key), key.replace("_", " ")
+        main = rng.choice((f"The {attribute} of {thing} is {value}", f"{thing}'s {attribute}: {value}",
+                           f"It's {value}", f"The {attribute} is {value}")) if thing else f"{value}"
+    else:
+        status, reference = values.pop("status"), values.pop("reference")
+        main = rng.choice((f"Status {status} - reference {reference}", f"All set ({status}). The reference is "
+                           f"{reference}", f"It's {status}: {reference}", f"I've done that: {status}, "
+                           f"reference {reference}"))
+    if not values:
+        return main + "."
+    rest = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in values.items())
+    return rng.choice((f"{main} ({rest}).", f"{main}; {rest}.", f"{main}. Also: {rest}."))
 
 
 def _calls_message(calls: list[tuple[OpenTool, dict]]) -> dict:

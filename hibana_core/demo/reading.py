@@ -28,12 +28,12 @@ def case(kind: str, index: int, seed: str = "reading") -> Case:
     rng = random.Random(f"reading:{seed}:{kind}:{index}")
     lex, synonyms = (TRAIN, True) if kind == "seen" else (GAUGE, kind == "unseen_other")
     target = open_tool(rng, lex, synonyms)
-    tools = [target]
-    for _ in range(rng.randint(1, 3)):
+    tools, siblings, others = [target], rng.randint(1, 3), rng.randint(0, 2)
+    while len(tools) < 1 + siblings:                   # tools sharing its noun or verb
         candidate = sibling(rng, rng.choice(tools), lex, synonyms)
         if corpus_v4.distinct(candidate, tools):
             tools.append(candidate)
-    for _ in range(rng.randint(0, 2)):                 # and a tool or two of the training words
+    while len(tools) < 1 + siblings + others:          # and a tool or two of the training words
         candidate = open_tool(rng)
         if corpus_v4.distinct(candidate, tools):
             tools.append(candidate)

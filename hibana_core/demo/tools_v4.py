@@ -504,6 +504,26 @@ def _attribute_value(attribute: str, key: str) -> Any:
     return values.get(attribute, lambda: f"{pseudo_word(r)}-{h % 97}")()
 
 
+RESULT_FIELDS = {  # more of what a real tool returns, each field's value from the call's hash
+    "updated": lambda r: f"20{r.randint(25, 29)}-{r.randint(1, 12):02d}-{r.randint(1, 28):02d}",
+    "source": title, "confidence": lambda r: r.choice(("high", "medium", "low")), "region": place,
+    "contact": person, "eta": lambda r: f"{r.randint(1, 48)} hours", "queue_position": lambda r: r.randint(1, 40),
+    "expires": lambda r: f"20{r.randint(26, 30)}-{r.randint(1, 12):02d}-{r.randint(1, 28):02d}",
+    "note": phrase, "items": lambda r: r.randint(0, 300), "cost": lambda r: f"{r.randint(1, 400)} EUR"}
+STATUSES = ("done", "scheduled", "queued", "confirmed", "submitted", "accepted", "ok")
+
+
+def _result(main: dict, fields: tuple[str, ...], arguments: dict) -> dict:
+    """`main` and the tool's other `fields`, their values fixed by the call: the same call always gets
+    the same answer."""
+    r = random.Random(_h(*main.values(), json.dumps(arguments, sort_keys=True)))
+    return main | {f: RESULT_FIELDS[f](r) for f in fields}
+
+
+def _fields(rng: random.Random) -> tuple[str, ...]:
+    return tuple(rng.sample(sorted(RESULT_FIELDS), rng.choice((0, 0, 1, 1, 2))))
+
+
 def lookup_tool(rng: random.Random, noun_group: tuple[str, ...], lex: Lexicon = TRAIN, synonyms: bool = True
                 ) -> OpenTool:
     """A lookup of an attribute of `noun_group`'s thing; `synonyms=False`: questions use only the
@@ -527,10 +547,10 @@ def lookup_tool(rng: random.Random, noun_group: tuple[str, ...], lex: Lexicon = 
                                  f"{rng.choice(verbs)} the {attr} of {thing}", f"I need the {attr} for {thing}",
                                  rng.choice(asks).replace("{x}", thing) + "?" if synonyms else
                                  f"what is the {attr} of {thing}?")))
-    key = attribute.replace(" ", "_")
-    return OpenTool(_schema(name, description, slots), noun_group, tuple(cores), tuple(slots), (key,),
-                    lambda a, _attr=attribute: {key: _attribute_value(_attr, json.dumps(a, sort_keys=True))}, "lookup",
-                    words)
+    key, fields = attribute.replace(" ", "_"), _fields(rng)
+    return OpenTool(_schema(name, description, slots), noun_group, tuple(cores), tuple(slots), (key, *fields),
+                    lambda a, _attr=attribute: _result({key: _attribute_value(_attr, json.dumps(a, sort_keys=True))},
+                                                       fields, a), "lookup", words)
 
 
 def action_tool(rng: random.Random, noun_group: tuple[str, ...], verbs: tuple[str, ...] | None = None,
@@ -556,10 +576,13 @@ def action_tool(rng: random.Random, noun_group: tuple[str, ...], verbs: tuple[st
         else:
             cores.append(rng.choice((f"{said_verb} {_article(said_noun)} {said_noun}", f"{said_verb} a new {said_noun}",
                                      f"{said_verb} {_article(said_noun)} {said_noun} for me")))
-    key = "reference"
-    return OpenTool(_schema(name, description, slots), noun_group, tuple(cores), tuple(slots), (key, "status"),
-                    lambda a, _v=verb: {"status": "done", key: f"{_v[:3].upper()}-{_h(_v, json.dumps(a, sort_keys=True)) % 90000 + 10000}"},
-                    "action", verbs)
+    status, fields = rng.choice(STATUSES), _fields(rng)
+
+    def result(a: dict) -> dict:
+        reference = f"{verb[:3].upper()}-{_h(verb, json.dumps(a, sort_keys=True)) % 90000 + 10000}"
+        return _result({"status": status, "reference": reference}, fields, a)
+    return OpenTool(_schema(name, description, slots), noun_group, tuple(cores), tuple(slots),
+                    ("status", "reference", *fields), result, "action", verbs)
 
 
 COMPOSE = (  # (name words, description, fields, topic question forms, writer)
