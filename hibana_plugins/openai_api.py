@@ -218,7 +218,7 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
         top_k=max(_given(request.top_k, 0), 0), min_p=_given(request.min_p, 0.0),
         repetition_penalty=_given(request.repetition_penalty, 1.0),
         json_schema=response_schema(request.response_format) if chat else None,
-        strict_schema=strict_schema(request.response_format),
+        strict_schema=strict_schema(request.response_format) if chat else True,  # (completions have none)
         logprobs=logprobs, top_logprobs=(request.top_logprobs or 0) if logprobs else 0)
     explicit = state_header or request.user or None  # an empty user names no one (OpenAI takes it)
     return ChatCall(listed, tools, choice, not chat or request.parallel_tool_calls is not False, params, explicit,

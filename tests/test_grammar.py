@@ -573,6 +573,21 @@ def test_a_loose_schema_holds_what_the_grammar_can_and_leaves_the_rest_to_the_mo
         SamplingParams(json_schema=schema, strict_schema="no")
 
 
+def test_the_server_reads_strict_from_a_chat_request_only():
+    """A legacy completions request has no response_format: reading its strict switch made every
+    /v1/completions call a 500 (an AttributeError)."""
+    from hibana_plugins.openai_api import ChatRequest, CompletionRequest, chat_call
+
+    call = chat_call(CompletionRequest(model="demo", prompt="Once upon a time"), None, 1024)
+    assert call.params.json_schema is None and call.params.max_tokens == 16
+    loose = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    for strict in (None, False, True):
+        response_format = {**loose, "json_schema": {**loose["json_schema"], "strict": strict}}
+        call = chat_call(ChatRequest(model="demo", messages=[{"role": "user", "content": "hi"}],
+                                     response_format=response_format), None, 1024)
+        assert call.params.strict_schema is (strict is True)
+
+
 def test_date_and_time_formats_allow_only_dates_and_times_that_exist():
     """xgrammar's formats let through Feb 30, Apr 31, year 0000, second 60 and endless fractions
     of a second, which Python's datetime (and pydantic) refuse: every day of a (common) year is
