@@ -75,6 +75,35 @@ def _types(node: Any) -> set[str]:
     return set()
 
 
+def _context(tokenizer: Any, history: Sequence[int]) -> tuple[list[int], int]:
+    """The last few history tokens the text is decoded after, and how many of them precede the
+    generated text. The window begins where a character begins: one begun inside a character
+    decodes its first bytes as U+FFFD, and a byte-fallback decoder (Llama 2, Mistral, Phi-3) then
+    writes every byte of that run as U+FFFD, the generated ones too. A character the history
+    leaves unfinished (a reply that max_tokens cut inside it) is text of the tokens that finish it."""
+    start = max(0, len(history) - _CONTEXT_TOKENS)
+    if "\ufffd" not in tokenizer.decode(history[start:], skip_special_tokens=False):
+        return list(history[start:]), len(history) - start
+    pieces = [token_bytes(tokenizer)(t) for t in history[-3:]]  # an unfinished character has at most 3 bytes
+    tail = b"".join(pieces)
+    unfinished = 0  # bytes at the end of the history that begin a character they do not finish
+    for back in range(1, min(4, len(tail)) + 1):
+        byte = tail[-back]
+        if byte & 0xC0 != 0x80:  # a character's first byte says how long it is
+            length = 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4 if byte >> 3 == 0b11110 else 1
+            unfinished = back if back < length else 0
+            break
+    end = len(history)  # the history tokens before those that hold these bytes
+    while unfinished > 0:
+        end -= 1
+        unfinished -= len(pieces[end - len(history)])
+    for _ in range(3):  # a UTF-8 character has at most 3 bytes after its first
+        if start == 0 or not tokenizer.decode(history[start:end], skip_special_tokens=False).startswith("\ufffd"):
+            break
+        start -= 1
+    return list(history[start:]), end - start
+
+
 class StopMatcher:
     """Knuth-Morris-Pratt over streamed text: `matched` is the length of the longest end of the
     text fed so far that starts `stop`. The failure table grows only as far as a match has gone,
@@ -113,9 +142,9 @@ class Detokenizer:
         self._control_text = control or {}
         self.control_spans: list[Span] = []  # spans of `text` that are generated control tokens
         self._spans_emitted = 0  # how many of them were handed out
-        self._ids = list(history[-_CONTEXT_TOKENS:]) if tokenizer is not None else []
+        self._ids, self._read_offset = _context(tokenizer, history) if tokenizer is not None else ([], 0)
         self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        self._history_end = len(self._ids)  # past _read_offset where the history ends inside a character
         self.text = ""
         self._emitted = 0
         self._matchers = [StopMatcher(s) for s in self.stop]
@@ -132,11 +161,17 @@ class Detokenizer:
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return False  # an incomplete character: wait for the next token
         new = full[len(prefix):]
+        if self._read_offset < self._history_end:  # the first text after a history cut inside a character
+            if new.startswith("\ufffd"):  # which the model did not finish: it stays the history's
+                new = full[len(decode(self._ids[self._prefix_offset:self._history_end], skip_special_tokens=False)):]
+            self._history_end = 0
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         for i, char in enumerate(new):
             done = [m for m in self._matchers if m.feed(char)]
-            if done:  # the text ends before the stop string that completed first
-                self.text = (self.text + new[:i + 1])[:len(self.text) + i + 1 - len(done[0].stop)]
+            if done:  # the text ends before the stop string that completed first; of several
+                # completing at this character ("b" and "ab"), the longest began first
+                stop = max(len(m.stop) for m in done)
+                self.text = (self.text + new[:i + 1])[:len(self.text) + i + 1 - stop]
                 self.control_spans = [span for span in self.control_spans if span[1] <= len(self.text)]
                 self.stopped = True
                 return True

@@ -17,7 +17,7 @@ from hibana_core import (CheckpointError, ConfigError, ContextLengthError, Hiban
                          InvalidTokenError, SamplingParams, StateClosedError, UnsupportedModelError,
                          errors)
 from hibana_plugins.manager import PluginError
-from tiny_models import (VOCAB_SIZE, assert_greedy_matches, hf_greedy, make_tiny_checkpoint,
+from tiny_models import (VOCAB_SIZE, assert_greedy_matches, hf_greedy, make_tiny_checkpoint, make_tokenizer,
                          open_engine, random_tokens)
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma3_text", "phi3", "qwen3_moe", "gpt_oss")
@@ -332,6 +332,77 @@ def test_stop_string_spanning_tokens(served, bystander):
     assert c.finish_reason == "length" and list(c.token_ids) == out
     bystander.check()
     h.close()
+
+
+@pytest.mark.parametrize("stops", [["b", "ab"], ["ab", "b"]])
+def test_stop_strings_ending_on_one_character_cut_at_the_first_to_begin(stops):
+    """"ab" and "b" complete on the same "b": the text ends before "ab", whatever the list's order
+    (it kept the "a" when "b" came first)."""
+    from hibana_core.detokenizer import Detokenizer
+
+    class Chars:  # one token per character
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(map(chr, ids))
+
+    detok = Detokenizer(Chars(), [], stops)
+    streamed = ""
+    for char in "xa":
+        assert not detok.add(ord(char))
+        streamed += detok.take_delta()
+    assert detok.add(ord("b"))
+    streamed += detok.take_delta(final=True)
+    assert detok.text == streamed == "x"
+
+
+def _byte_fallback_tokenizer():
+    """A byte-fallback tokenizer (Llama 2, Mistral, Phi-3 spell characters outside their vocabulary
+    so) that has no character but "a" and " ": its decoder writes every byte of a run of byte
+    tokens that is not valid UTF-8 as U+FFFD."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁": 257, "a": 258}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+
+
+def _streamed(tokenizer, history, generated) -> str:
+    from hibana_core.detokenizer import Detokenizer
+
+    detok = Detokenizer(tokenizer, history, ())
+    streamed = ""
+    for token in generated:
+        detok.add(token)
+        streamed += detok.take_delta()
+    streamed += detok.take_delta(final=True)
+    assert streamed == detok.text
+    return streamed
+
+
+def test_text_after_a_prompt_ending_in_byte_fallback_characters_is_decoded():
+    """The decode window began 4 tokens back, inside the prompt's last character ("テ", after a
+    byte of "の"), so the generated "キスト" came out as nine U+FFFD."""
+    tokenizer = _byte_fallback_tokenizer()
+    prompt = tokenizer.encode("日本語のテ", add_special_tokens=False)
+    generated = tokenizer.encode("キスト a", add_special_tokens=False)
+    assert len(prompt) == len(generated) + 4  # every character a run of byte tokens
+    assert _streamed(tokenizer, prompt, generated) == "キスト a"
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "byte_fallback"])
+def test_a_character_cut_by_one_generation_is_text_of_the_next(kind):
+    """max_tokens may end a reply inside a character, whose text then waits for its last byte; the
+    next generation on the state finishes it, and its text has the character (it was lost: the
+    two texts joined missed it, where decoding all the tokens has it)."""
+    tokenizer = make_tokenizer() if kind == "byte_level" else _byte_fallback_tokenizer()
+    tokens = tokenizer.encode("The 中文 and 🙂 a", add_special_tokens=False)
+    prompt = tokenizer.encode("The", add_special_tokens=False)
+    for cut in range(len(prompt) + 1, len(tokens)):
+        first = _streamed(tokenizer, prompt, tokens[len(prompt):cut])
+        second = _streamed(tokenizer, tokens[:cut], tokens[cut:])
+        assert first + second == tokenizer.decode(tokens[len(prompt):]), cut
 
 
 @pytest.mark.parametrize("bad", [
