@@ -173,12 +173,13 @@ ASK_LEADS = ("", "", "", "Hey, ", "Quick one: ", "Question: ", "Tell me: ")
 DO_LEADS = ("", "", "", "Please ", "Could you ", "I need you to ", "Can you ", "Hey, ")
 
 
-def _casing(rng: random.Random, words: list[str]) -> str:
+def casing(rng: random.Random, words: list[str], snake: float = 0.65, camel: float = 0.9) -> str:
+    """`words` as one name: snake_case (`snake` of the time), camelCase (up to `camel`), or run together."""
     words = [w.replace(" ", "_") for w in words]
     r = rng.random()
-    if r < 0.65:
+    if r < snake:
         return "_".join(words)
-    if r < 0.9:
+    if r < camel:
         return words[0] + "".join(w.title().replace("_", "") for w in words[1:])
     return "".join(words).replace("_", "")
 
@@ -191,11 +192,11 @@ def _tool_name(rng: random.Random, verb: str, noun: str, attribute: str | None) 
     """Mostly the description's words; 15% an opaque pseudo-word, so only the description links."""
     if rng.random() < 0.15:
         words = [pseudo_word(rng, 2, 3, False)] + ([pseudo_word(rng, 1, 2, False)] if rng.random() < 0.5 else [])
-        return _casing(rng, words)
+        return casing(rng, words)
     words = [verb, noun] + ([attribute] if attribute else [])
     if attribute and rng.random() < 0.4:
         words = [noun, attribute]
-    return _casing(rng, words)
+    return casing(rng, words)
 
 
 def _extra(rng: random.Random, taken: set[str]) -> tuple[str, Arg, str]:
@@ -203,7 +204,7 @@ def _extra(rng: random.Random, taken: set[str]) -> tuple[str, Arg, str]:
     word = rng.choice([w for w in ARG_NOUNS if w not in taken])
     kind = ARG_SOURCES[word]
     said = rng.choice(STATES).replace("{w}", word)
-    arg = Arg((_casing(rng, [word]) if rng.random() < 0.8 else _casing(rng, [word, rng.choice(("name", "id"))]),),
+    arg = Arg((casing(rng, [word]) if rng.random() < 0.8 else casing(rng, [word, rng.choice(("name", "id"))]),),
               "string", f"The {word}.", open_value(kind), required=False)
     return word, arg, said
 
@@ -235,7 +236,7 @@ def open_spec(rng: random.Random, noun: str | None = None) -> Spec:
     noun = noun or _noun(rng)
     subject_kind = rng.choice(SUBJECT_SOURCES)
     key = rng.choice((noun, "name", "id", "target", "query", f"{noun} id"))
-    subject = Arg((_casing(rng, key.split()),), "string", f"Which {noun}.", open_value(subject_kind))
+    subject = Arg((casing(rng, key.split()),), "string", f"Which {noun}.", open_value(subject_kind))
     args, states = {"subject": subject}, []
     if rng.random() < 0.5:
         attribute, verb = rng.choice(ATTRIBUTES), rng.choice(FETCH)

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from hibana_core.demo import knowledge as K
 from hibana_core.demo.tools_v2 import _h
-from hibana_core.demo.tools_v3 import code, person, phrase, place, pseudo_word, title
+from hibana_core.demo.tools_v3 import casing, code, person, phrase, place, pseudo_word, title
 
 # --- lexicon: synonym groups of general English ----------------------------------------------------
 
@@ -160,13 +160,7 @@ class Slot:
 
 
 def _casing(rng: random.Random, words: list[str]) -> str:
-    words = [w.replace(" ", "_").replace("-", "_") for w in words]
-    r = rng.random()
-    if r < 0.7:
-        return "_".join(words)
-    if r < 0.92:
-        return words[0] + "".join(w.title().replace("_", "") for w in words[1:])
-    return "".join(words).replace("_", "")
+    return casing(rng, [w.replace("-", "_") for w in words], snake=0.7, camel=0.92)
 
 
 def _described(rng: random.Random, schema: dict, description: str) -> dict:
