@@ -677,9 +677,18 @@ class StateRegistry:
         return entry
 
     def _validate(self, tokens: Sequence[int]) -> list[int]:
-        """Token ids as a list of ints in the vocabulary, no longer than the context."""
+        """Token ids as a list of ints in the vocabulary, no longer than the context. A tokenizer's
+        output is taken as it comes: its `input_ids` (a BatchEncoding: transformers 5's
+        apply_chat_template(tokenize=True)), a batch of one sequence (return_tensors="pt")."""
+        if isinstance(tokens, Mapping) and "input_ids" in tokens:
+            tokens = tokens["input_ids"]
         if hasattr(tokens, "tolist"):  # a tensor or an array
             tokens = tokens.tolist()
+        if isinstance(tokens, list) and tokens and all(isinstance(t, (list, tuple)) for t in tokens):
+            if len(tokens) != 1:
+                raise InvalidTokenError(f"token ids must be one sequence, got a batch of {len(tokens)}; give "
+                                        "each state its own")
+            tokens = tokens[0]
         if isinstance(tokens, (str, bytes, bytearray, Mapping, AbstractSet)) or not isinstance(tokens, Iterable):
             raise InvalidTokenError(f"token ids must be a list of integers, got {type(tokens).__name__}"
                                     + (" (unordered: give them in order)" if isinstance(tokens, AbstractSet) else ""))

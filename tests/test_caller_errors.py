@@ -144,6 +144,26 @@ def test_unordered_token_ids_are_refused(demo_engine):
     assert handle.tokens == []
 
 
+def test_a_tokenizers_output_is_taken_as_it_comes(demo_engine):
+    """transformers 5's apply_chat_template(tokenize=True) returns a BatchEncoding, and
+    return_tensors="pt" a batch of one: both were InvalidTokenErrors; a real batch still is."""
+    from hibana_core.errors import InvalidTokenError
+
+    tokenizer = demo_engine.tokenizer
+    messages = [{"role": "user", "content": "Hi!"}]
+    ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                    add_special_tokens=False)["input_ids"]
+    handle = demo_engine.open_state("tokenizer-output")
+    for given in (tokenizer(tokenizer.decode(ids), add_special_tokens=False),
+                  torch.tensor([ids]), [ids], {"input_ids": ids, "attention_mask": [1] * len(ids)}):
+        handle.sync(given)
+        assert handle.tokens == ids
+    with pytest.raises(InvalidTokenError, match="one sequence, got a batch of 2"):
+        handle.sync([ids, ids])
+    assert handle.tokens == ids
+    handle.close()
+
+
 def test_astream_outside_an_event_loop_says_what_to_do(demo_engine):
     with pytest.raises(ConfigError, match="astream wants an event loop"):
         demo_engine.open_state("no-loop").astream(SamplingParams(max_tokens=2), prompt=[5, 6])
