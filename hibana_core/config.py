@@ -417,7 +417,7 @@ class SamplingParams:
     temperature: float = 0.0
     """0 means greedy (argmax)."""
     top_k: int = 0
-    """Keep the k most likely tokens; 0 keeps all."""
+    """Keep the k most likely tokens; 0 keeps all (so does -1, as vLLM spells it; stored as 0)."""
     top_p: float = 1.0
     """Keep the smallest set of tokens whose probability reaches top_p."""
     min_p: float = 0.0
@@ -483,7 +483,9 @@ class SamplingParams:
         self._check_constraint()
         _check(self.max_tokens >= 0, f"max_tokens must be >= 0, got {self.max_tokens}")
         _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-        _check(self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        _check(self.top_k >= -1, f"top_k must be >= 0 (0 or vLLM's -1 disables it), got {self.top_k}")
+        if self.top_k == -1:  # vLLM's spelling of "every token"
+            object.__setattr__(self, "top_k", 0)
         _check(0.0 < self.top_p <= 1.0, f"top_p must lie in (0, 1], got {self.top_p}")
         _check(0.0 <= self.min_p <= 1.0, f"min_p must lie in [0, 1], got {self.min_p}")
         _check(self.repetition_penalty > 0.0, "repetition_penalty must be > 0 (1 disables it)")

@@ -206,6 +206,10 @@ def test_bad_sampling_parameters():
             SamplingParams(**kwargs)
 
 
+def test_vllms_top_k_minus_one_keeps_every_token():
+    assert SamplingParams(top_k=-1).top_k == 0 == SamplingParams().top_k
+
+
 def test_unknown_sampling_options_name_the_close_match():
     for kwargs, says in (({"max_new_tokens": 8}, "'max_new_tokens' (did you mean 'max_tokens'?)"),
                          ({"n": 2}, "no option 'n'; its options: max_tokens, temperature")):

@@ -406,7 +406,7 @@ def test_a_character_cut_by_one_generation_is_text_of_the_next(kind):
 
 
 @pytest.mark.parametrize("bad", [
-    dict(max_tokens=-1), dict(temperature=-0.5), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5),
+    dict(max_tokens=-1), dict(temperature=-0.5), dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.5),
     dict(min_p=-0.1), dict(min_p=1.5), dict(repetition_penalty=0.0), dict(presence_penalty=3.0),
     dict(frequency_penalty=-2.5), dict(stop=[""]),
 ])
