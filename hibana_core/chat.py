@@ -28,6 +28,7 @@ import difflib
 import functools
 import inspect
 import json
+import logging
 import re
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequence
 
@@ -47,6 +48,8 @@ from hibana_plugins.manager import PluginError, describe_registered, get_plugin_
 if TYPE_CHECKING:
     from hibana_core.engine import Engine
     from hibana_core.state import StateHandle
+
+logger = logging.getLogger("hibana.states")
 
 DEFAULT_TOOL_PARSER = "hermes"
 REASONING_HISTORY = ("template", "generated")
@@ -151,6 +154,8 @@ class Chat:
                                      "shorten the history")
         with contextlib.ExitStack() as stack:
             handle = self._lease(stack, state_id, busy_ok=fallback) if state_id is not None else None
+            if handle is None and state_id is not None:  # (a fan-out's other calls) why it is not that one
+                logger.info("state %s is serving another call; this call goes to another state", state_id)
             if handle is None:
                 match = self.engine.match_state(ids)
                 try:

@@ -109,6 +109,9 @@ class StateRegistry:
         self.lock = core.lock
         self._entries: dict[str, _Entry] = {}
         self._leased: set[str] = set()  # states held by a call (see `lease`)
+        # states whose last turn ended in tool calls, kept apart so that a step's prefetch looks at
+        # those alone, not at every state the engine ever kept (see `_waiting_on_tools`)
+        self._tool_waits: set[_Entry] = set()
         self.engine_ref: "weakref.ReferenceType | None" = None  # the Engine, for `StateHandle.engine`
         self.policy = POLICIES[config.eviction_policy]  # which idle state is evicted first (kv/policies.py)
 
@@ -279,7 +282,10 @@ class StateRegistry:
                 if self._taken(self._entries[state_id]):
                     raise StateBusyError(f"state {state_id!r} is serving another call; give concurrent "
                                          "calls different state ids")
-                how = f"named by the call, {len(self._entries[state_id].seq)} tokens held"
+                entry = self._entries[state_id]
+                # the chat layer leases a state made for an earlier call by its id once the prompt continues it
+                how = (f"{'continues its conversation' if entry.unnamed else 'named by the call'}, "
+                       f"{len(entry.seq)} tokens held")
             else:
                 entry = self._live(candidate) if candidate is not None else None
                 handle = candidate
@@ -385,9 +391,12 @@ class StateRegistry:
             return
 
     def _waiting_on_tools(self) -> list[_Entry]:
-        """States parked off the device whose agents wait on tools, soonest expected back first."""
-        parked = [e for e in self._entries.values()
-                  if e.seq.parked is not None and not e.seq.num_blocks and e.use.expected_back() is not None]
+        """States parked off the device whose agents wait on tools, soonest expected back first.
+        Those past the window they are kept for are never due again (until another turn ends in
+        tool calls) and are dropped from `_tool_waits`."""
+        now = time.monotonic()
+        self._tool_waits = {e for e in self._tool_waits if e.use.tool_since is not None and now <= e.use.kept_until()}
+        parked = [e for e in self._tool_waits if e.seq.parked is not None and not e.seq.num_blocks]
         return sorted(parked, key=lambda e: e.use.expected_back())
 
     def _prefetch(self, entry: _Entry) -> None:
@@ -411,6 +420,10 @@ class StateRegistry:
             entry = self._live(handle)
             if entry is not None:
                 entry.use.turn_ended(time.monotonic(), called_tools)
+                if called_tools:
+                    self._tool_waits.add(entry)
+                else:
+                    self._tool_waits.discard(entry)
 
     # --- what a handle asks for -----------------------------------------------------------------
 
@@ -429,6 +442,7 @@ class StateRegistry:
             tokens = self._check_length(seq.tokens + tokens if append else tokens)
             self._check_fits(seq, len(tokens))
             seq.set_tokens(tokens)
+            self._drop_empty_copy(seq)
             if seq.num_uncomputed == 0:
                 self.core.outputs.counters.prompt_reused += len(seq)
                 return SyncStats(reused=len(seq), computed=0)
@@ -517,6 +531,13 @@ class StateRegistry:
         with self.lock:
             seq = self._editable(handle).seq
             seq.trim(min(n, len(seq)))
+            self._drop_empty_copy(seq)
+
+    def _drop_empty_copy(self, seq: KVSequence) -> None:
+        """An emptied state lets its parked copy go (host memory, a spill file): nothing of it can
+        come back, and it would stay until the state's next request."""
+        if not seq.tokens and seq.parked is not None:
+            self.core.scheduler.eviction.tier.forget(seq)
 
     def fork(self, handle: StateHandle, new_id: str) -> StateHandle:
         _check_id(new_id)
@@ -633,6 +654,7 @@ class StateRegistry:
             self._free(entry.seq)
             handle.closed = True
             del self._entries[handle.id]
+            self._tool_waits.discard(entry)
             path = self.persisted_path(handle.id)
             if path is not None:  # closed: the user is done with it, after a restart too
                 _drop_stored(entry, path)
@@ -643,6 +665,7 @@ class StateRegistry:
                 self._free(entry.seq)
                 entry.handle.closed = True
             self._entries.clear()
+            self._tool_waits.clear()
 
     def _free(self, seq: KVSequence) -> None:
         """A closed state's KV, on the device and parked: gone now, not when the last reference to
@@ -673,6 +696,7 @@ class StateRegistry:
                                  "prefill); wait for it to finish or cancel its stream first")
         now = time.monotonic()
         entry.use.request_came(now)  # a wait on tools ends here: one observation of its length
+        self._tool_waits.discard(entry)
         entry.use.last_use = now
         return entry
 

@@ -106,8 +106,8 @@ def _graph_state_id(run_manager) -> str | None:
     config = ensure_config()
     configurable = config.get("configurable") or {}
     metadata = {**(getattr(run_manager, "metadata", None) or {}), **(config.get("metadata") or {})}
-    thread = configurable.get("thread_id") or metadata.get("thread_id")
-    if thread is None:
+    thread = next((t for t in (configurable.get("thread_id"), metadata.get("thread_id")) if t not in (None, "")), None)
+    if thread is None:  # (LangGraph takes any id: thread 0 names a state too)
         return None
     namespace = configurable.get("checkpoint_ns") or metadata.get("langgraph_checkpoint_ns") or ""
     path = [part.split(":")[0] for part in namespace.split("|") if part]

@@ -154,6 +154,27 @@ def test_langgraph_thread_and_node_name_the_state(llm):
     assert reply["messages"][-1].response_metadata["state_id"] == "lc-t9/agent"
 
 
+def test_a_falsy_thread_id_still_names_the_state(llm):
+    """LangGraph takes any thread_id, integers too: thread 0 was read as no thread (an unnamed state,
+    chosen by prefix), while thread 1 named "1/agent". An empty one names none."""
+    from langgraph.graph import END, START, MessagesState, StateGraph
+
+    def agent(state: MessagesState):
+        return {"messages": [llm.invoke(state["messages"])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", agent)
+    graph.add_edge(START, "agent")
+    graph.add_edge("agent", END)
+    app = graph.compile()
+    for thread, state_id in [(0, "0/agent"), (1, "1/agent")]:
+        reply = app.invoke({"messages": [("user", "Hello")]}, {"configurable": {"thread_id": thread}})
+        assert reply["messages"][-1].response_metadata["state_id"] == state_id
+    assert llm.invoke("Hi", config={"configurable": {"thread_id": 0}}).response_metadata["state_id"] == "0"
+    reply = app.invoke({"messages": [("user", "Hello")]}, {"configurable": {"thread_id": ""}})
+    assert reply["messages"][-1].response_metadata["state_id"].startswith("auto-")
+
+
 def test_a_thread_id_in_the_call_config_names_the_state_outside_a_graph(llm):
     """`configurable.thread_id` of a direct call (no graph sets the run config) names the state,
     for invoke, ainvoke, stream and astream alike, and the thread's next turn goes on in it."""

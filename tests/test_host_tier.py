@@ -708,3 +708,66 @@ def test_a_parked_state_whose_blocks_the_index_holds_keeps_them_while_it_waits(t
     out = list(turn)[-1].completion
     assert out.stats.computed == len(new)  # its history came back, from the index or its copy
     assert list(out.token_ids) == hf_greedy(str(path), history + new, GENERATE)
+
+
+def test_a_step_does_not_look_at_every_parked_state(tiny_checkpoints, make_engine, monkeypatch):
+    """A server keeps thousands of idle conversations parked; a decode step must not scan them all
+    (it did, for prefetch candidates: 4,000 parked states made a tiny model's step 2 ms -> 20 ms).
+    Only states whose agents wait on tools, within the window they are kept for, are looked at."""
+    import time
+
+    from hibana_core.kv import policies
+    from hibana_core.kv.sequence import KVSequence
+
+    monkeypatch.setattr(policies, "DEFAULT_TOOL_SECONDS", 0.01)  # tool waits that expire at once
+    engine = make_engine(tiny_checkpoints["llama"], num_blocks=24, speculation="off")
+    rng = random.Random(13)
+    for i in range(60):
+        h = engine.open_state(f"idle-{i}")
+        h.sync(random_tokens(rng, 40))
+        engine.registry.note_turn(h, called_tools=i % 2 == 0)  # half ended in tool calls, long ago
+    for info in engine.states():  # room for the runner: no eviction scan while it decodes
+        if info.tier == "device":
+            engine.open_state(info.id).close()
+    parked = sum(info.tier == "host" for info in engine.states())
+    assert parked >= 50
+    time.sleep(0.2)
+    runner = engine.open_state("runner")
+    runner.sync(random_tokens(rng, 3))
+    looked = 0
+    num_blocks = KVSequence.num_blocks.fget
+
+    def counted(seq):
+        nonlocal looked
+        looked += 1
+        return num_blocks(seq)
+
+    monkeypatch.setattr(KVSequence, "num_blocks", property(counted))
+    steps = engine.stats().steps
+    runner.generate(SamplingParams(max_tokens=30, ignore_eos=True))
+    steps = engine.stats().steps - steps
+    assert steps >= 30 and looked < 5 * steps, f"{looked} looks at states' blocks in {steps} steps, {parked} parked"
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_an_emptied_parked_state_lets_its_copy_go(tiny_checkpoints, make_engine, tmp_path, tier):
+    """truncate(0) or sync([]) on a parked state: nothing of its copy can come back, so the host
+    memory or spill file goes at once (it stayed, reported as the empty state's tier and bytes,
+    until that state's next request)."""
+    options = dict(host_kv_bytes=0, state_dir=tmp_path) if tier == "disk" else {}
+    engine = make_engine(tiny_checkpoints["llama"], num_blocks=6, speculation="off", **options)
+    rng = random.Random(14)
+    greedy = SamplingParams(max_tokens=2, ignore_eos=True)
+    for emptied in ("truncate", "sync"):
+        a = engine.open_state(f"a-{emptied}")
+        a.generate(greedy, prompt=random_tokens(rng, 60))
+        b = engine.open_state(f"b-{emptied}")
+        b.generate(greedy, prompt=random_tokens(rng, 60))  # parks a
+        assert engine.memory()["states"][a.id]["tier"] == tier
+        a.truncate(0) if emptied == "truncate" else a.sync([])
+        memory = engine.memory()
+        assert memory["states"][a.id] == {"tier": "none", "tokens": 0, "bytes": 0}
+        assert memory["host"]["kv_parked"] == memory["disk"]["kv_parked"] == 0
+        assert not list(tmp_path.rglob("*.kv"))  # no spill file left
+        a.close()
+        b.close()

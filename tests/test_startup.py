@@ -161,6 +161,45 @@ def test_a_new_state_the_chat_layer_leases_is_logged_without_a_made_up_count(cap
                           "conversation)", messages
 
 
+def test_a_conversation_the_chat_layer_continues_is_logged_as_such(caplog):
+    """An adapter call that named no state and continues an earlier call's conversation was logged
+    "named by the call": the chat layer leases the state it matched by its id."""
+    from hibana_core import Engine, turn
+    from hibana_core.chat import Chat
+
+    with Engine.from_pretrained("demo", progress=False, speculation="off") as engine:
+        chat = Chat(engine)
+        messages = [{"role": "user", "content": "What is 12 times 7?"}]
+        params = SamplingParams(max_tokens=8)
+        *_, first = turn.run(chat.opener(chat.render_text(messages), params=params, lease=True), turn.result_of)
+        messages += [{"role": "assistant", "content": first.content}, {"role": "user", "content": "Thanks!"}]
+        (held,) = engine.states()
+        caplog.set_level(logging.INFO, logger="hibana.states")
+        *_, second = turn.run(chat.opener(chat.render_text(messages), params=params, lease=True), turn.result_of)
+    assert second.usage.cached_tokens > 0
+    messages = [r.getMessage() for r in caplog.records if r.name == "hibana.states"]
+    assert messages == [f"state {held.id} serves a call (continues its conversation, {held.tokens} tokens held)"]
+
+
+def test_a_call_whose_state_is_busy_is_logged_as_such(caplog):
+    """A LangGraph Send fan-out (one node's calls at once on one thread) names one state; the calls
+    that find it busy go to another, which was logged only as "new: no idle state holds the start
+    of this conversation", as though the thread's id had not been read."""
+    from hibana_core import Engine
+    from hibana_core.chat import Chat
+
+    prompt = "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n"
+    with Engine.from_pretrained("demo", progress=False, speculation="off") as engine:
+        chat = Chat(engine)
+        with chat.lease(prompt, "t1/worker", fallback=True):
+            caplog.set_level(logging.INFO, logger="hibana.states")
+            with chat.lease(prompt, "t1/worker", fallback=True) as other:
+                pass
+    messages = [r.getMessage() for r in caplog.records if r.name == "hibana.states"]
+    assert messages[0] == "state t1/worker is serving another call; this call goes to another state", messages
+    assert messages[1].startswith(f"state {other.handle.id} serves a call (new"), messages
+
+
 def test_cold_start_probe_leaves_no_state(tiny_checkpoints):
     from hibana_core.coldstart import ColdStart, first_token_seconds, process_start_time
 

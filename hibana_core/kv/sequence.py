@@ -138,6 +138,8 @@ class KVSequence:
     @property
     def num_blocks(self) -> int:
         """Device blocks this state holds, every group's (NULL_BLOCK entries not counted)."""
+        if not any(self.tables):  # parked or released: the eviction scan meets many of these
+            return 0
         return sum(len(t) - (hi - lo) for t, (lo, hi) in zip(self.tables, self._gaps()))
 
     def held_blocks(self) -> Iterable[int]:
