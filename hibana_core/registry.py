@@ -45,7 +45,8 @@ if TYPE_CHECKING:
     from hibana_core.kv.cache import KVCache
 
 
-def _check_id(state_id: object) -> None:
+def check_id(state_id: object) -> None:
+    """A ConfigError where `state_id` can name no state (adapters check theirs when made)."""
     if not isinstance(state_id, str) or not state_id:
         raise ConfigError(f"state ids are non-empty strings, got {state_id!r}")
     if any("\ud800" <= c <= "\udfff" for c in state_id):  # (JSON can spell one) no UTF-8: no state file holds it
@@ -121,7 +122,7 @@ class StateRegistry:
         """Get or create the state with this id; with a `state_dir`, one persisted there by an
         earlier engine comes back (tokens and KV, nothing recomputed). Its file is read and
         verified outside the engine's lock: other agents' steps go on meanwhile."""
-        _check_id(state_id)
+        check_id(state_id)
         with self.lock:
             self._check_open()
             entry = self._entries.get(state_id)
@@ -540,7 +541,7 @@ class StateRegistry:
             self.core.scheduler.eviction.tier.forget(seq)
 
     def fork(self, handle: StateHandle, new_id: str) -> StateHandle:
-        _check_id(new_id)
+        check_id(new_id)
         with self.lock:
             seq = self._editable(handle).seq
             if new_id in self._entries:
@@ -573,7 +574,7 @@ class StateRegistry:
         verified whole before anything is allocated. Its KV blocks stay private to the state
         (`share=True` publishes them in the prefix index, for files the caller trusts)."""
         if state_id is not None:
-            _check_id(state_id)
+            check_id(state_id)
         with self.lock:  # the file is read without the lock, against the cache as it was (close drops it)
             self._check_open()
             cache = self.kv_cache

@@ -53,8 +53,8 @@ from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError
 from hibana_core.messages import check_enforceable
 from hibana_plugins.hookspecs import hookimpl
-from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_known, choose_engine, lease_holder,
-                                    resolve_aliases, sampling_params, sharing)
+from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_known, check_state_id, choose_engine,
+                                    lease_holder, resolve_aliases, sampling_params, sharing)
 
 try:
     from langchain_core.language_models import BaseChatModel
@@ -458,6 +458,7 @@ class ChatHibana(BaseChatModel):
         if engine is not None:
             self.given_engine = EngineChoice(engine, self.model, dict(self.engine_kwargs))
         sampling_params(vars(self), "ChatHibana")
+        check_state_id(vars(self), "ChatHibana")
 
     def bind(self, **kwargs: Any):
         """`Runnable.bind`, its options checked now rather than on the first call."""

@@ -27,6 +27,7 @@ from typing import Any
 
 from hibana_core.config import EngineConfig, SamplingParams
 from hibana_core.errors import ConfigError
+from hibana_core.registry import check_id
 from hibana_core.speculation.speculator import check_method
 from hibana_plugins.manager import get_plugin_manager
 
@@ -95,6 +96,16 @@ def _engine_hint(name: str) -> str:
     if name not in EngineConfig.option_names():
         return ""
     return f"an engine option, fixed when the engine loads: give the constructor engine_kwargs={{{name!r}: ...}}"
+
+
+def check_state_id(values: Mapping[str, Any], where: str) -> None:
+    """An adapter's bound `state_id` checked when the object is made (an empty one failed only on
+    the first call)."""
+    if values.get("state_id") is not None:
+        try:
+            check_id(values["state_id"])
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
 
 
 def sampling_params(values: Mapping[str, Any], where: str, context: int | None = None) -> SamplingParams:

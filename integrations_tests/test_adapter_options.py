@@ -55,6 +55,8 @@ def test_chat_hibana_refuses_unknown_options(options, named):
     ({"speculation": 0}, r"speculation must be .*got 0"),
     ({"max_tokens": 0}, "max_tokens must be at least 1"),
     ({"num_predict": -1}, "max_tokens must be >= 0"),
+    ({"state_id": ""}, "ChatHibana: state ids are non-empty strings"),  # (it failed only on the first call)
+    ({"state_id": "a\ud800"}, "ChatHibana: state id .* holds a lone surrogate"),
 ])
 def test_chat_hibana_checks_values_at_construction(options, message):
     with pytest.raises(ConfigError, match=message):
@@ -287,3 +289,10 @@ def test_hibana_llm_refuses_prompt_formatters_it_would_not_use(engine):
         with pytest.raises(ConfigError, match=f"{option}.*chat template"):
             HibanaLLM(engine=engine, **{option: str})
     assert HibanaLLM(engine=engine, messages_to_prompt=None, completion_to_prompt=None).max_tokens == 256
+
+
+@pytest.mark.parametrize("state_id", ["", "a\ud800"])
+def test_hibana_llm_checks_its_state_id_at_construction(state_id, engine):
+    """(an empty one failed only on the first call)"""
+    with pytest.raises(ConfigError, match="HibanaLLM: state id"):
+        HibanaLLM(engine=engine, state_id=state_id)
