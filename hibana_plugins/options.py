@@ -27,7 +27,6 @@ from typing import Any
 
 from hibana_core.config import EngineConfig, SamplingParams
 from hibana_core.errors import ConfigError
-from hibana_core.registry import check_id
 from hibana_core.speculation.speculator import check_method
 from hibana_plugins.manager import get_plugin_manager
 
@@ -102,6 +101,8 @@ def check_state_id(values: Mapping[str, Any], where: str) -> None:
     """An adapter's bound `state_id` checked when the object is made (an empty one failed only on
     the first call)."""
     if values.get("state_id") is not None:
+        from hibana_core.registry import check_id  # (it brings torch, which importing an adapter must not)
+
         try:
             check_id(values["state_id"])
         except ConfigError as exc:
