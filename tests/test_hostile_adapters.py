@@ -587,10 +587,11 @@ def test_langchain_empty_state_id_is_refused_not_ignored(engine):
 
     before = snapshot(engine)
     for llm, kwargs in [(ChatHibana(engine=engine, max_tokens=2), {"state_id": ""}),
-                        (ChatHibana(engine=engine, max_tokens=2, state_id=""), {}),
                         (ChatHibana(engine=engine, max_tokens=2).bind(state_id=""), {})]:
         with pytest.raises(ConfigError, match="non-empty"):
             llm.invoke("hi", **kwargs)
+    with pytest.raises(ConfigError, match="non-empty"):  # bound on the object: refused when it is made
+        ChatHibana(engine=engine, max_tokens=2, state_id="")
     assert snapshot(engine) == before
 
 
