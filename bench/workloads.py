@@ -286,39 +286,31 @@ def run_hibana_agents(model: BenchModel, cfg: AgentsConfig, retention: bool, sys
                       prompt=random_tokens(random.Random(-1), 64, model.vocab_size))
         warm.close()
         records: list[TurnRecord] = []
-        errors: list[BaseException] = []
         bar = progress_bar(total=cfg.agents * cfg.turns, desc=name, leave=False)
         lock = threading.Lock()
 
         def agent(i: int) -> None:
             history: list[int] = []
             tool = random.Random(cfg.seed * 1000 + i)
-            try:
-                for turn, new in enumerate(script[i]):
-                    if turn and cfg.tool_latency is not None:  # the tool runs before its result comes in
-                        time.sleep(tool.uniform(*cfg.tool_latency))
-                    history = history + new
-                    state_id = f"agent{i}" if retention else f"agent{i}-turn{turn}"
-                    h = engine.open_state(state_id)
-                    out = h.generate(params, prompt=history)
-                    history = history + list(out.token_ids)
-                    if not retention:
-                        h.close()
-                    with lock:
-                        records.append(TurnRecord(i, turn, out.stats.prompt_tokens, out.stats.computed,
-                                                  out.stats.reused, len(out.token_ids),
-                                                  out.stats.time_to_first_token or 0.0))
-                        bar.update()
-            # raised after the others finish: a run missing an agent's turns is no result (and at
-            # Ctrl+C the engine closes under every agent, which must not print a traceback each)
-            except Exception as exc:  # noqa: BLE001
-                errors.append(exc)
+            for turn, new in enumerate(script[i]):
+                if turn and cfg.tool_latency is not None:  # the tool runs before its result comes in
+                    time.sleep(tool.uniform(*cfg.tool_latency))
+                history = history + new
+                state_id = f"agent{i}" if retention else f"agent{i}-turn{turn}"
+                h = engine.open_state(state_id)
+                out = h.generate(params, prompt=history)
+                history = history + list(out.token_ids)
+                if not retention:
+                    h.close()
+                with lock:
+                    records.append(TurnRecord(i, turn, out.stats.prompt_tokens, out.stats.computed,
+                                              out.stats.reused, len(out.token_ids),
+                                              out.stats.time_to_first_token or 0.0))
+                    bar.update()
 
         with Timeline(engine) as timeline:
-            seconds = run_agents(agent, cfg.agents)
+            seconds = run_agents(agent, cfg.agents)  # an agent's error raised once all have ended
         bar.close()
-        if errors:
-            raise errors[0]
         stats = engine.stats()
         kv_blocks, kv_bytes = stats.kv_blocks_total, engine.kv_cache.nbytes
     return SystemResult(name, cfg.agents, seconds, records, kv_blocks, kv_bytes, stats.host_tier, timeline.summary())
@@ -371,13 +363,26 @@ class Timeline:
 
 
 def run_agents(agent, n: int) -> float:
-    """Run `agent(i)` for i < n, each in its own thread, all at once; the wall time in seconds."""
+    """Run `agent(i)` for i < n, each in its own thread, all at once; the wall time in seconds. An
+    agent's error is raised once every agent has ended (the first one's): a run missing an agent's
+    turns is no result, and at Ctrl+C the engine closes under every agent, which must not print a
+    traceback each."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            agent(i)
+        except Exception as exc:  # noqa: BLE001 - raised below
+            errors.append(exc)
+
     start = time.perf_counter()
-    threads = [threading.Thread(target=agent, args=(i,)) for i in range(n)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        raise errors[0]
     return time.perf_counter() - start
 
 

@@ -147,8 +147,12 @@ def _check_state_dir(state_dir) -> None:
         with tempfile.TemporaryFile(dir=state_dir):
             pass
     except (OSError, UnicodeError) as exc:
-        raise ConfigError(f"state_dir {str(state_dir)!r} cannot be written ({exc}); give a folder this "
-                          "process may write") from None
+        raise _unwritable(state_dir, exc) from None
+
+
+def _unwritable(state_dir, exc: BaseException) -> ConfigError:
+    return ConfigError(f"state_dir {str(state_dir)!r} cannot be written ({exc}); give a folder this process may "
+                       "write")
 
 
 def _spill_folder(state_dir) -> tuple[Path, Any]:
@@ -171,8 +175,7 @@ def _spill_folder(state_dir) -> tuple[Path, Any]:
         folder = Path(tempfile.mkdtemp(prefix=f"spill-{os.getpid()}-", dir=state_dir))
         return folder, _owned(folder)
     except (OSError, UnicodeError) as exc:
-        raise ConfigError(f"state_dir {str(state_dir)!r} cannot be written ({exc}); give a folder this "
-                          "process may write") from None
+        raise _unwritable(state_dir, exc) from None
 
 
 def _owned(folder: Path) -> Any:

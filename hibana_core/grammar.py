@@ -582,6 +582,19 @@ _POPCOUNT16 = np.array([bin(i).count("1") for i in range(1 << 16)], dtype=np.int
 """Bits set in each 16-bit value."""
 
 
+def _whole_utf8(text: bytes) -> bool:
+    try:
+        text.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _surrogate_tail(piece: bytes) -> bool:
+    """Whether `piece` starts with a byte in A0-BF: after a lead byte 0xED, a UTF-16 surrogate."""
+    return b"\xa0" <= piece[:1] <= b"\xbf"
+
+
 def _bit(bit: int) -> int:
     """1 << bit as the value of a signed 32-bit word (a bitmask's int32 elements)."""
     return (1 << bit) - (1 << 32 if bit == 31 else 0)
@@ -631,7 +644,7 @@ class Matcher:
     def accept(self, token: int) -> bool:
         """Advance by one kept token; False if the grammar forbids it (the matcher is unchanged)."""
         piece = self._token_bytes[token] if token < len(self._token_bytes) else b""
-        if self._lead and b"\xa0" <= piece[:1] <= b"\xbf":
+        if self._lead and _surrogate_tail(piece):
             return False  # a UTF-16 surrogate, no character (`hold_surrogates`)
         if token in self._refused or not self._matcher.accept_token(token):
             return False
@@ -1088,27 +1101,24 @@ class Grammars:
         """A bitmask row of the tokens whose bytes, as xgrammar reads them, are not whole UTF-8 (a
         character cut at an end, or bytes that are none): the tokens `Matcher.drop_refused` checks."""
         if self._suspects is None:
-            words = [0] * self.width
-            self._describe()
-            for token, text in enumerate(self._bytes[:self.vocab_size]):
-                try:
-                    text.decode("utf-8")
-                except UnicodeDecodeError:
-                    words[token // 32] |= _bit(token % 32)
-            self._suspects = torch.tensor(words, dtype=torch.int32)
+            self._suspects = self._row(lambda text: not _whole_utf8(text))
         return self._suspects
 
     def surrogate_tails(self) -> torch.Tensor:
         """A bitmask row of the tokens whose bytes start with A0-BF: after 0xED, a surrogate
         (`Matcher.hold_surrogates`)."""
         if self._tails is None:
-            words = [0] * self.width
-            self._describe()
-            for token, text in enumerate(self._bytes[:self.vocab_size]):
-                if b"\xa0" <= text[:1] <= b"\xbf":
-                    words[token // 32] |= _bit(token % 32)
-            self._tails = torch.tensor(words, dtype=torch.int32)
+            self._tails = self._row(_surrogate_tail)
         return self._tails
+
+    def _row(self, takes: Callable[[bytes], bool]) -> torch.Tensor:
+        """A bitmask row with the bits of the tokens whose bytes (xgrammar's reading) `takes`."""
+        words = [0] * self.width
+        self._describe()
+        for token, text in enumerate(self._bytes[:self.vocab_size]):
+            if takes(text):
+                words[token // 32] |= _bit(token % 32)
+        return torch.tensor(words, dtype=torch.int32)
 
     def _suspects_allowed(self, bitmask: torch.Tensor, rows: list[int]) -> list[int]:
         """How many suspect tokens each of `rows` allows: the bits set in the row and in

@@ -31,7 +31,7 @@ MAX_STATE_ID = 256  # characters of an id a client names its state by
 MAX_PROMPTS = 64    # turns one request may run at once: its prompts (legacy completions) times n
 
 
-def state_header(state_ids: Sequence[str]) -> dict[str, str]:
+def served_by_header(state_ids: Sequence[str]) -> dict[str, str]:
     """The reply's `X-Hibana-State` header, naming the states that served it. A name that a header
     cannot carry as it is (a `user` in another script than Latin-1, with control characters or
     spaces at its ends) is percent-encoded as UTF-8: written raw, the reply would fail after its turn ran."""

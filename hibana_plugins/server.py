@@ -55,7 +55,7 @@ from hibana_core.errors import (ChatTimeoutError, ConfigError, ContextLengthErro
 from hibana_core.messages import ConversationError, ToolChoiceError, ToolSchemaError, UnsupportedContentError
 from hibana_core.turn import ChatDelta
 from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatRequest, CompletionRequest, Reply,
-                                       TextReply, chat_call, choice_calls, parse_request, prompts_of, state_header)
+                                       TextReply, chat_call, choice_calls, parse_request, prompts_of, served_by_header)
 
 if TYPE_CHECKING:
     import uvicorn
@@ -341,7 +341,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         streams = [turn.arun_batches(serving.open) for serving in servings]
         firsts = await unless_gone(request, first_deltas(streams, reply))
         metrics.ttft.observe(time.monotonic() - received)
-        headers = state_header([serving.state_id for serving in servings])
+        headers = served_by_header([serving.state_id for serving in servings])
         if call.stream:
             return StreamingResponse(sse(request.url.path, reply, interleaved(firsts, streams), len(streams), call,
                                          metrics, request.app.state.drain),
@@ -369,7 +369,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
             raise failed[0]
         metrics.requests.labels(request.url.path, "200").inc()
         return JSONResponse(reply.completion(*outcomes),
-                            headers=state_header([serving.state_id for serving in servings]))
+                            headers=served_by_header([serving.state_id for serving in servings]))
 
     async def first_deltas(streams: "list[AsyncIterator[list[ChatDelta]]]", reply: Reply) -> list[list[ChatDelta]]:
         """Each turn's first deltas (`first_delta`), the turns started at once. If one fails, or the

@@ -140,7 +140,8 @@ def test_a_conversation_goes_on_in_its_state_and_another_gets_its_own(llm):
     assert other.response_metadata["state_id"] != first.response_metadata["state_id"]
 
 
-def test_langgraph_thread_and_node_name_the_state(llm):
+def _one_agent_graph(llm):
+    """A compiled LangGraph graph of one node, "agent", that calls `llm` on the messages."""
     from langgraph.graph import END, START, MessagesState, StateGraph
 
     def agent(state: MessagesState):
@@ -150,23 +151,18 @@ def test_langgraph_thread_and_node_name_the_state(llm):
     graph.add_node("agent", agent)
     graph.add_edge(START, "agent")
     graph.add_edge("agent", END)
-    reply = graph.compile().invoke({"messages": [("user", "Hello")]}, {"configurable": {"thread_id": "lc-t9"}})
+    return graph.compile()
+
+
+def test_langgraph_thread_and_node_name_the_state(llm):
+    reply = _one_agent_graph(llm).invoke({"messages": [("user", "Hello")]}, {"configurable": {"thread_id": "lc-t9"}})
     assert reply["messages"][-1].response_metadata["state_id"] == "lc-t9/agent"
 
 
 def test_a_falsy_thread_id_still_names_the_state(llm):
     """LangGraph takes any thread_id, integers too: thread 0 was read as no thread (an unnamed state,
     chosen by prefix), while thread 1 named "1/agent". An empty one names none."""
-    from langgraph.graph import END, START, MessagesState, StateGraph
-
-    def agent(state: MessagesState):
-        return {"messages": [llm.invoke(state["messages"])]}
-
-    graph = StateGraph(MessagesState)
-    graph.add_node("agent", agent)
-    graph.add_edge(START, "agent")
-    graph.add_edge("agent", END)
-    app = graph.compile()
+    app = _one_agent_graph(llm)
     for thread, state_id in [(0, "0/agent"), (1, "1/agent")]:
         reply = app.invoke({"messages": [("user", "Hello")]}, {"configurable": {"thread_id": thread}})
         assert reply["messages"][-1].response_metadata["state_id"] == state_id

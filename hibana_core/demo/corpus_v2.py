@@ -58,14 +58,20 @@ def _answer(rng: random.Random, results: list[dict], keys: list[tuple[str, ...]]
     return rng.choice(ANSWERS).format(vals=vals)
 
 
-def _exchange(rng: random.Random, calls: list[tuple[NaturalTool, dict]], question: str) -> list[dict]:
-    results = [tool(args) for tool, args in calls]
-    parsed = [json.loads(r) for r in results]
+def exchange_messages(question: str, calls: list[tuple[str, dict]], results: list[str], answer: str) -> list[dict]:
+    """One exchange: the question, its calls (name, arguments) in one assistant turn, each call's
+    result (JSON text), the answer (corpus v4's exchanges too)."""
     return [{"role": "user", "content": question},
             {"role": "assistant", "content": "", "tool_calls": [
-                {"type": "function", "function": {"name": t.name, "arguments": a}} for t, a in calls]},
-            *({"role": "tool", "name": t.name, "content": r} for (t, _), r in zip(calls, results)),
-            {"role": "assistant", "content": _answer(rng, parsed, [t.spec.keys for t, _ in calls])}]
+                {"type": "function", "function": {"name": name, "arguments": a}} for name, a in calls]},
+            *({"role": "tool", "name": name, "content": r} for (name, _), r in zip(calls, results)),
+            {"role": "assistant", "content": answer}]
+
+
+def _exchange(rng: random.Random, calls: list[tuple[NaturalTool, dict]], question: str) -> list[dict]:
+    results = [tool(args) for tool, args in calls]
+    answer = _answer(rng, [json.loads(r) for r in results], [t.spec.keys for t, _ in calls])
+    return exchange_messages(question, [(t.name, a) for t, a in calls], results, answer)
 
 
 def _tools(rng: random.Random) -> list[NaturalTool]:

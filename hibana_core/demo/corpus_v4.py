@@ -23,6 +23,7 @@ import json
 import random
 
 from hibana_core.demo import corpus_v3
+from hibana_core.demo.corpus_v2 import exchange_messages
 from hibana_core.demo.corpus import SYSTEM_PROMPTS, Conversation
 from hibana_core.demo.tools_v3 import person, pseudo_word, title
 from hibana_core.demo.tools_v4 import OpenTool, open_tool, sibling
@@ -108,26 +109,20 @@ def _answer(rng: random.Random, tool: OpenTool, arguments: dict, result: dict, s
     return rng.choice((f"{main} ({rest}).", f"{main}; {rest}.", f"{main}. Also: {rest}."))
 
 
-def _calls_message(calls: list[tuple[OpenTool, dict]]) -> dict:
-    return {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": t.name, "arguments": a}} for t, a in calls]}
-
-
 def _exchange(rng: random.Random, question: str, calls: list[tuple[OpenTool, dict, dict]],
               fail: bool = False) -> list[dict]:
     results = []
     for tool, arguments, _ in calls:
-        result = json.loads(tool(arguments))
+        result = tool.result(arguments)
         if fail:
-            thing = next(iter(arguments.values()), tool.noun[0]) if arguments else tool.noun[0]
+            thing = next(iter(arguments.values()), tool.noun[0])
             result = {"error": rng.choice((f"{tool.noun[0]} '{thing}' not found", "permission denied",
-                                           "service unavailable, try again later", f"invalid {next(iter(arguments), 'input')}"))}
+                                           "service unavailable, try again later",
+                                           f"invalid {next(iter(arguments), 'input')}"))}
         results.append(result)
     answer = " ".join(_answer(rng, t, a, r, s) for (t, a, s), r in zip(calls, results))
-    return [{"role": "user", "content": question}, _calls_message([(t, a) for t, a, _ in calls]),
-            *({"role": "tool", "name": t.name, "content": json.dumps(r, ensure_ascii=False)}
-              for (t, _, _), r in zip(calls, results)),
-            {"role": "assistant", "content": answer}]
+    return exchange_messages(question, [(t.name, a) for t, a, _ in calls],
+                             [json.dumps(r, ensure_ascii=False) for r in results], answer)
 
 
 def no_tool(rng: random.Random, tools: list[OpenTool]) -> tuple[str, str]:

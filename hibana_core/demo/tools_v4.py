@@ -51,12 +51,14 @@ NOUNS = (
     ("event", "gathering"), ("festival", "fair"), ("venue", "location"), ("mountain", "peak"), ("river", "stream"),
     ("lake", "pond"), ("island", "isle"), ("volcano", "crater"), ("bridge", "crossing"), ("castle", "fortress"),
     ("library", "archive room"), ("newsletter", "bulletin"), ("survey", "poll", "questionnaire"),
-    ("badge", "pass", "access card"), ("locker", "cabinet"), ("bicycle", "bike"), ("boat", "vessel"), ("drone", "quadcopter"),
+    ("badge", "pass", "access card"), ("locker", "cabinet"), ("bicycle", "bike"), ("boat", "vessel"),
+    ("drone", "quadcopter"),
     ("robot", "bot"), ("sensor", "detector"), ("battery", "power cell"), ("password", "passcode"),
     ("certificate", "cert"), ("domain", "domain name"), ("playlist", "mix"), ("calendar", "agenda"),
     ("reminder", "nudge"), ("folder", "directory"), ("spreadsheet", "sheet"), ("presentation", "slide deck", "deck"),
     ("ballot", "vote"), ("petition", "appeal"), ("grant", "funding award"), ("warranty", "guarantee"),
-    ("lease", "tenancy agreement"), ("mortgage", "home financing"), ("insurance policy", "policy"), ("claim", "insurance claim"),
+    ("lease", "tenancy agreement"), ("mortgage", "home financing"), ("insurance policy", "policy"),
+    ("claim", "insurance claim"),
     ("license", "permit"), ("vaccine", "shot"), ("lab sample", "specimen"), ("experiment", "trial run"),
     ("satchel", "bag"), ("umbrella", "brolly"), ("keyboard", "keypad"), ("monitor", "screen", "display"))
 """Each group: the words for one thing; a tool's name and description use one, a question any."""
@@ -179,11 +181,6 @@ def subject_slot(rng: random.Random, noun: str) -> Slot:
         value = kind(r)
         return {name: value}, value
     return Slot({name: schema}, gen, ("{}",), required=True)
-
-
-def _copied(rng, words, source, forms, description, kind="string") -> Slot:
-    name = _casing(rng, rng.choice(words).split())
-    return Slot({name: _described(rng, {"type": kind}, description)}, lambda r: ({name: (v := source(r))}, v), forms)
 
 
 def money_slot(rng: random.Random) -> Slot:
@@ -415,8 +412,10 @@ def text_slot(rng: random.Random) -> Slot:
         ("recipient", person, ("to {}",)), ("email", email, ("at {}", "email {}")), ("reference", code,
                                                                                      ("with reference {}", "ref {}")),
         ("label", title, ("labelled {}",)), ("code", code, ("with code {}",))))
-    return _copied(rng, (word, f"{word} name" if word in ("owner", "contact", "recipient") else word), source, forms,
-                   f"The {word}.")
+    named = f"{word} name" if word in ("owner", "contact", "recipient") else word
+    name = _casing(rng, rng.choice((word, named)).split())
+    return Slot({name: _described(rng, {"type": "string"}, f"The {word}.")}, lambda r: ({name: (v := source(r))}, v),
+                forms)
 
 
 EXTRA_SLOTS = ((money_slot, 3), (currency_slot, 1), (language_slot, 2), (country_slot, 2), (count_slot, 3),
@@ -526,7 +525,8 @@ def lookup_tool(rng: random.Random, noun_group: tuple[str, ...], lex: Lexicon = 
     verbs = rng.choice(LOOKUP_VERBS)
     noun, attribute, verb = noun_group[0], words[0], rng.choice(_one_word(verbs))
     name = _name(rng, [verb, noun, attribute] if rng.random() < 0.6 else [noun, attribute])
-    description = rng.choice((f"Returns the {attribute} of {_article(noun)} {noun}.", f"Look up {_article(noun)} {noun}'s {attribute}.",
+    description = rng.choice((f"Returns the {attribute} of {_article(noun)} {noun}.",
+                              f"Look up {_article(noun)} {noun}'s {attribute}.",
                               f"Gives the current {attribute} for the given {noun}.",
                               f"{verb.capitalize()} the {attribute} of one {noun}. Use it when the user asks about "
                               f"{_article(noun)} {noun}'s {rng.choice(words)}."))
@@ -553,8 +553,9 @@ def action_tool(rng: random.Random, noun_group: tuple[str, ...], verbs: tuple[st
     verbs = verbs or rng.choice(lex.actions)
     noun, verb = noun_group[0], rng.choice(_one_word(verbs))
     name = _name(rng, [verb, noun])
-    description = rng.choice((f"{verb.capitalize()} {_article(noun)} {noun}.", f"{verb.capitalize()}s the given {noun}.",
-                              f"Use this to {verb} one {noun}.", f"{verb.capitalize()} {_article(noun)} {noun}. Returns a reference "
+    description = rng.choice((f"{verb.capitalize()} {_article(noun)} {noun}.",
+                              f"{verb.capitalize()}s the given {noun}.", f"Use this to {verb} one {noun}.",
+                              f"{verb.capitalize()} {_article(noun)} {noun}. Returns a reference "
                               f"number for the {rng.choice(noun_group)}."))
     with_subject = verb not in ("create", "register", "request", "buy", "estimate") or rng.random() < 0.3
     extras = extra_slots(rng, rng.choice((0, 1, 1, 2, 2, 3)) + (not with_subject))
@@ -580,7 +581,8 @@ def action_tool(rng: random.Random, noun_group: tuple[str, ...], verbs: tuple[st
 
 
 COMPOSE = (  # (name words, description, fields, topic question forms, writer)
-    (("joke",), "A joke to tell the user.", ("setup", "punchline"), ("tell me a joke about {t}", "a joke about {t}, please",
+    (("joke",), "A joke to tell the user.", ("setup", "punchline"), ("tell me a joke about {t}",
+                                                                     "a joke about {t}, please",
                                                                      "make me laugh with a {t} joke"),
      lambda t, r: {"setup": r.choice((f"Why did the {t} cross the road?", f"What do you call a sleepy {t}?",
                                       f"Why was the {t} so calm?")),
@@ -599,15 +601,14 @@ def compose_tool(rng: random.Random) -> OpenTool:
     words, description, fields, asks, write = rng.choice(COMPOSE)
     name = rng.choice((_casing(rng, list(words)), "".join(w.title() for w in words), f"respond_with_{words[0]}"))
     topic_gen = lambda r: r.choice((pseudo_word(r, 1, 2, False), rng.choice(TRAIN.nouns)[0]))
-    schema = _schema(name, description, [Slot({f: {"type": "string"}}, lambda r: ({}, ""), (), required=True)
-                                         for f in fields])
 
     def gen(r):
         topic = topic_gen(r)
         return write(topic, random.Random(_h(name, topic))), topic
     slot = Slot({f: {"type": "string"} for f in fields}, gen, ("{}",), required=True, mapped=True)
     cores = tuple(a.replace("{t}", "{s}") for a in asks)
-    return OpenTool(schema, (words[0],), cores, (slot,), (), lambda a: {"status": "shown"}, "compose")
+    return OpenTool(_schema(name, description, [slot]), (words[0],), cores, (slot,), (), lambda a: {"status": "shown"},
+                    "compose")
 
 
 def sibling(rng: random.Random, tool: OpenTool, lex: Lexicon = TRAIN, synonyms: bool = True) -> OpenTool:
