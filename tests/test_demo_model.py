@@ -175,3 +175,32 @@ def test_demo_command_exits_zero():
                            "--no-live"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "tasks solved" in done.stdout and "reused" in done.stdout
+
+
+
+def test_tools_answer_badly_typed_arguments_with_an_error_result():
+    """The evaluator runs whatever a model calls: a value of the wrong JSON type is an error result the
+    model reads (an int for search's query crashed train.py's evaluation of a v4 checkpoint), while
+    every task's own calls still run clean: v1's held-out sets and heldout_v2."""
+    import json
+
+    from hibana_core.demo import heldout_v2
+
+    wrong = {"string": 3, "integer": "3", "number": True, "boolean": "yes", "array": "a", "object": []}
+    tasks = [e.task for e in evaluate.held_out_episodes(60) + evaluate.held_out_episodes(60, extended=True)]
+    tools = {}
+    for task in tasks + list(heldout_v2.tasks()):
+        for call in (c for turn in task.turns for c in turn):
+            assert call.tool(call.arguments) == call.result
+            tools[call.tool.name] = (call.tool, call.arguments)
+    checked = 0
+    for tool, arguments in tools.values():
+        properties = tool.schema["function"]["parameters"]["properties"]
+        for n, value in arguments.items():
+            bad = dict(arguments, **{n: wrong[properties[n]["type"]]})
+            assert n in json.loads(evaluate.run_tool([tool], tool.name, bad))["error"]
+            if properties[n]["type"] == "array" and value:
+                listed = dict(arguments, **{n: [wrong[properties[n]["items"]["type"]]]})
+                assert n in json.loads(evaluate.run_tool([tool], tool.name, listed))["error"]
+            checked += 1
+    assert checked > 100

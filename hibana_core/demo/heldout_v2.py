@@ -23,6 +23,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from hibana_core.demo.tools import argument_type_error
+
 HELD_OUT_DOMAINS = frozenset((
     "currency", "flights", "hotels", "nutrition", "recipes", "sports", "timezones", "cinema", "parcels",
     "transit", "car_rental", "fitness", "restaurants", "shipping_rates", "astronomy", "plants", "parking",
@@ -58,6 +60,9 @@ class HeldOutTool:
 
     def __call__(self, arguments: dict) -> str:
         """The tool as the evaluation runs it: bad arguments give an error result."""
+        wrong = argument_type_error(self.schema, arguments)
+        if wrong:
+            return json.dumps({"error": wrong})
         try:
             return json.dumps(self.result(arguments), ensure_ascii=False)
         except (TypeError, ValueError, KeyError) as exc:

@@ -55,6 +55,9 @@ class Tool:
         missing = [n for n in self.arg_names if n not in arguments]
         if missing:
             return json.dumps({"error": f"missing argument {missing[0]!r}"})
+        wrong = argument_type_error(self.schema, arguments)
+        if wrong:
+            return json.dumps({"error": wrong})
         try:
             family = FAMILIES[self.family]
             values = tuple(arguments[n] for n in self.arg_names)
@@ -62,6 +65,31 @@ class Tool:
         except (TypeError, ValueError, ZeroDivisionError, SyntaxError, KeyError) as exc:
             return json.dumps({"error": str(exc) or type(exc).__name__})
         return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
+
+
+_JSON_TYPES: dict[str, Callable[[Any], bool]] = {   # JSON Schema's type names; bool is no number here
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
+}
+
+
+def argument_type_error(schema: dict, arguments: dict) -> str | None:
+    """What is wrong with the JSON types of a call's arguments (list items included), or None. A
+    model's call reaches a tool's function only through this: its functions assume their types."""
+    properties = schema["function"]["parameters"].get("properties", {})
+    for name, value in arguments.items():
+        prop = properties.get(name, {})
+        expected = prop.get("type")
+        if expected in _JSON_TYPES and not _JSON_TYPES[expected](value):
+            return f"argument {name!r} should be a {expected}, got {value!r}"
+        item = prop.get("items", {}).get("type") if expected == "array" else None
+        if item in _JSON_TYPES and not all(_JSON_TYPES[item](v) for v in value):
+            return f"argument {name!r} should be a list of {item} values, got {value!r}"
+    return None
 
 
 def _num(x: Any) -> float:

@@ -18,6 +18,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from hibana_core.demo.tools import argument_type_error
+
 Gen = Callable[[random.Random], tuple[Any, str]]     # -> (JSON value, how the question says it)
 
 
@@ -280,6 +282,9 @@ class NaturalTool:
 
     def __call__(self, arguments: dict) -> str:
         role_of = {a: r for r, a in self.arg_of.items()}
+        wrong = argument_type_error(self.schema, arguments)
+        if wrong:
+            return json.dumps({"error": wrong})
         try:
             result = self.spec.run(**{role_of[k]: v for k, v in arguments.items()})
         except (TypeError, ValueError, KeyError, ZeroDivisionError) as exc:
