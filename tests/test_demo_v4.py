@@ -264,3 +264,47 @@ def test_answers_quote_every_value_the_tools_returned():
                 answers += 1
                 results = []
     assert answers > 500
+
+
+def test_mixed_corpus_draws_each_share_from_its_corpus():
+    from hibana_core.demo import corpus, corpus_v3
+    from hibana_core.demo.train import conversation, mixed_name
+
+    name = mixed_name("v4", "v1=0.3, v3=0.2")
+    assert name == "v4+v1=0.3+v3=0.2"
+    picked = {"v1": 0, "v3": 0, "v4": 0}
+    for i in range(400):
+        got = conversation(name, 0, i).messages
+        source = [n for n, make in (("v1", corpus.conversation), ("v3", corpus_v3.conversation),
+                                    ("v4", corpus_v4.conversation)) if make(0, i).messages == got]
+        assert source, f"conversation {i} of the mix is none of its corpora's conversation {i}"
+        picked[source[0]] += 1
+    # v4 keeps its own v3 share (20%) and v3 its v1 share (10%): about 132 / 108 / 160 of 400
+    assert 100 <= picked["v1"] <= 165 and 80 <= picked["v3"] <= 140 and 130 <= picked["v4"] <= 190, picked
+    for bad in ("v9=0.1", "v1=1.2", "v1=0.6,v3=0.5", "v1"):
+        with pytest.raises(SystemExit, match="--mix"):
+            mixed_name("v4", bad)
+
+
+def test_init_starts_from_a_checkpoints_weights(tmp_path, capsys):
+    """--init loads a trained checkpoint (fine-tuning): at lr 0 its weights come back unchanged."""
+    import torch
+    from safetensors.torch import load_file
+
+    from hibana_core.demo import train
+
+    tiny = ["--shape", "v1", "--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+            "--head-dim", "16", "--intermediate", "64", "--conversations", "60", "--workers", "1",
+            "--tokenizer-conversations", "2000", "--eval-tasks", "0", "--batch-tokens", "4096", "--device", "cpu"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert train.main(tiny + ["--corpus", "v1", "--out", str(first), "--steps", "2"]) == 0
+    assert train.main(tiny + ["--corpus", "v4", "--mix", "v1=0.5", "--out", str(second), "--steps", "1",
+                              "--init", str(first), "--tokenizer", str(first), "--lr", "0"]) == 0
+    assert f"weights: {first}" in capsys.readouterr().out
+    a, b = load_file(str(first / "model.safetensors")), load_file(str(second / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    report = json.loads((second / "training_report.json").read_text())
+    assert report["corpus"] == "v4+v1=0.5" and report["init"] == str(first)
+    with pytest.raises(SystemExit, match="--init"):
+        train.main(tiny + ["--layers", "2", "--out", str(tmp_path / "third"), "--steps", "1",
+                           "--init", str(first), "--tokenizer", str(first)])

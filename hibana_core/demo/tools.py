@@ -273,7 +273,7 @@ def _magic(key: str, value: Callable[..., Any], roles: tuple[Role, ...], objects
 
 def _magic_value(*parts: Any) -> Any:
     r = world._rng("magic", *map(repr, parts))
-    name, values = parts[0], parts[1:]
+    values = parts[1:]                                  # parts[0] is the tool's name
     for v in values:
         if isinstance(v, bool):
             raise TypeError(f"expected a value, got {v!r}")

@@ -20,6 +20,11 @@ parameters, 37.6 MB in bf16); `--corpus v3` is corpus_v3.py's open world, same s
                          (the schedule is over --steps in all, or the cut --max-minutes makes in
                          the first chunk, which is saved: a chunk does not change it)
 
+`--mix v1=0.15,v3=0.2` draws those shares of the conversations from other corpora (conversation i
+of the named corpus, chosen by its own seeded draw), the rest from --corpus; `--init DIR` starts
+from a checkpoint's weights (same shape; pass `--tokenizer DIR` too), to fine-tune a trained model
+on another mix at a lower --lr.
+
 When the last step is reached the checkpoint (--out) is written and evaluated. The state lives on
 the device machine's disk (it is too large to come back through $OUT); a cold machine starts over.
 """
@@ -45,6 +50,7 @@ from hibana_core.demo.template import END_OF_TURN
 DEMO_DIR = Path(__file__).parent / "model"
 MAX_TOKENS = 1024   # conversations longer than this are dropped (well under 1% of them)
 MAX_TOKENS_V4 = 1536  # corpus v4's schemas are as wordy as real ones; real prompts run past 1024
+CORPORA = ("v1", "v2", "v3", "v4")
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,16 @@ SHAPES = {"v1": ModelShape(),
 
 
 def conversation(corpus_name: str, seed: int | str, index: int, extended: bool = True):
-    """Conversation `index` of the named corpus: v1 is run 3's (run 2's without `extended`)."""
+    """Conversation `index` of the named corpus: v1 is run 3's (run 2's without `extended`). A
+    mixed corpus is named like `v4+v1=0.15+v3=0.2` (see `mixed_name`)."""
+    if "+" in corpus_name:
+        base, *parts = corpus_name.split("+")
+        draw = random.Random(f"mix:{corpus_name}:{seed}:{index}").random()
+        for name, share in (p.split("=") for p in parts):
+            draw -= float(share)
+            if draw < 0:
+                return conversation(name, seed, index, extended)
+        return conversation(base, seed, index, extended)
     if corpus_name == "v2":
         from hibana_core.demo import corpus_v2
 
@@ -79,6 +94,19 @@ def conversation(corpus_name: str, seed: int | str, index: int, extended: bool =
 
         return corpus_v4.conversation(seed, index)
     return corpus.conversation(seed, index, extended=extended)
+
+
+def mixed_name(corpus_name: str, mix: str | None) -> str:
+    """The corpus name for `--corpus` with `--mix NAME=SHARE,...` mixed in (checked)."""
+    if not mix:
+        return corpus_name
+    parts = [p.strip().split("=") for p in mix.split(",") if p.strip()]
+    if any(len(p) != 2 or p[0] not in CORPORA for p in parts):
+        raise SystemExit(f"--mix {mix!r}: expected NAME=SHARE,... with names among {', '.join(CORPORA)}")
+    shares = [float(share) for _, share in parts]
+    if any(not 0 < x < 1 for x in shares) or sum(shares) >= 1:
+        raise SystemExit(f"--mix {mix!r}: shares must be in (0, 1) and add up to less than 1")
+    return "+".join([corpus_name] + [f"{name}={float(share):g}" for name, share in parts])
 
 
 def qwen3_config(shape: ModelShape, tok):
@@ -109,7 +137,7 @@ def _encode_range(args: tuple[str, int, int, int, bool]) -> list[tuple[np.ndarra
     corpus_name, seed, start, stop, extended = args
     rendered = [template.render_with_spans(c.messages, c.tools)
                 for c in (conversation(corpus_name, seed, i, extended) for i in range(start, stop))]
-    out, limit = [], MAX_TOKENS_V4 if corpus_name == "v4" else MAX_TOKENS
+    out, limit = [], MAX_TOKENS_V4 if corpus_name.split("+")[0] == "v4" else MAX_TOKENS
     for (text, spans), enc in zip(rendered, _worker_tok.encode_batch([t for t, _ in rendered])):
         if len(enc.ids) > limit:
             continue
@@ -195,6 +223,16 @@ def train_model(args, tok, data):
     torch.backends.cuda.matmul.allow_tf32 = True
     config = qwen3_config(model_shape(args), tok)
     model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa").to(device)
+    if args.init is not None:
+        from safetensors.torch import load_file
+
+        weights = load_file(str(args.init / "model.safetensors"))
+        missing, unexpected = model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:     # the head is tied to the embedding
+            raise SystemExit(f"--init {args.init}: not this shape's weights (missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}); pass the --shape it was trained with")
+        model.tie_weights()
+        print(f"weights: {args.init}", flush=True)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters, {n_params * 2 / 1e6:.1f} MB in bf16", flush=True)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
@@ -304,10 +342,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--conversations", type=int, default=200_000)
     p.add_argument("--base-corpus", action="store_true",
                    help="run 2's corpus exactly (no side stream: no call syntax, no non-ASCII values)")
-    p.add_argument("--corpus", choices=("v1", "v2", "v3", "v4"), default="v1",
+    p.add_argument("--corpus", choices=CORPORA, default="v1",
                    help="v2: corpus_v2.py's natural tools from many domains, with run 3's corpus mixed in; "
                         "v3: corpus_v3.py, v2's conversations over open values and open tools; "
                         "v4: corpus_v4.py, tools chosen by reading and values mapped with world knowledge")
+    p.add_argument("--mix", help="NAME=SHARE,...: those shares of the conversations from other corpora")
+    p.add_argument("--init", type=Path, help="start from this checkpoint's weights (fine-tuning)")
     p.add_argument("--shape", choices=tuple(SHAPES), default="v1",
                    help="model size preset; --hidden etc. override single fields")
     p.add_argument("--train-dir", type=Path, help="resumable state: tokenizer, encoded corpus, train_state.pt")
@@ -344,6 +384,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from tokenizers import Tokenizer
 
+    corpus_name = mixed_name(args.corpus, args.mix)
+
     if args.train_dir:
         args.train_dir.mkdir(parents=True, exist_ok=True)
     from hibana_core.demo import tokenizer as demo_tokenizer
@@ -352,7 +394,7 @@ def main(argv=None) -> int:
     if args.tokenizer is None and args.resume and (tok_dir / "tokenizer.json").exists():
         print(f"tokenizer: reusing {tok_dir}", flush=True)
     elif args.tokenizer is None:
-        sample = (conversation(args.corpus, f"tokenizer:{args.seed}", i) for i in range(args.tokenizer_conversations))
+        sample = (conversation(corpus_name, f"tokenizer:{args.seed}", i) for i in range(args.tokenizer_conversations))
         texts = (template.render(c.messages, c.tools) for c in sample)
         tok = demo_tokenizer.train_tokenizer(texts)
         demo_tokenizer.save_tokenizer(tok, tok_dir, ModelShape().max_positions)
@@ -361,12 +403,12 @@ def main(argv=None) -> int:
             return 0
     tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
     t0 = time.time()
-    cached = args.train_dir / f"corpus_{args.corpus}_{args.seed}_{args.conversations}.npz" if args.train_dir else None
+    cached = args.train_dir / f"corpus_{corpus_name}_{args.seed}_{args.conversations}.npz" if args.train_dir else None
     if cached is not None and cached.exists() and args.resume:
         data = load_corpus(cached)
     else:
         data = build_corpus(args.seed, args.conversations, tok_dir / "tokenizer.json", args.workers,
-                            extended=not args.base_corpus, corpus_name=args.corpus)
+                            extended=not args.base_corpus, corpus_name=corpus_name)
         if cached is not None:
             save_corpus(data, cached)
     total = sum(len(ids) for ids, _ in data)
@@ -377,7 +419,8 @@ def main(argv=None) -> int:
     if report is None:                                  # a chunk ended before the last step
         return 0
     save_checkpoint(model, tok_dir, args.out)
-    report.update(conversations=len(data), corpus_tokens=total, trained_tokens=trained)
+    report.update(corpus=corpus_name, init=str(args.init) if args.init else None, conversations=len(data),
+                  corpus_tokens=total, trained_tokens=trained)
     if args.eval_tasks:
         from hibana_core.demo import evaluate, perturb
 
