@@ -531,3 +531,16 @@ def test_stats_give_each_states_acceptance_by_drafter_and_position(tiny_checkpoi
     assert set(by_state) == {"drafting"} and set(by_state["drafting"]) == {"ngram"}
     rates = by_state["drafting"]["ngram"]
     assert rates and all(0.0 <= r <= 1.0 for r in rates)
+
+
+def test_stats_report_the_drafters_host_memory(tiny_checkpoints, make_engine):
+    """The suffix drafter's per-state indexes are bounded host memory, and engine.stats() says how
+    much: states indexed, tokens, estimated bytes, the window and the budget."""
+    engine = make_engine(tiny_checkpoints["llama"], speculation={"method": "suffix", "k": 3})
+    loop = random_tokens(random.Random(4), 6) * 6
+    for name in ("a", "b"):
+        engine.open_state(name).generate(greedy(8), prompt=loop)
+    figures = engine.stats().speculation["drafters"]["suffix"]
+    assert figures["states"] == 2 and len(loop) * 2 <= figures["indexed_tokens"] <= (len(loop) + 8) * 2
+    assert figures["host_bytes"] > figures["indexed_tokens"] * 100
+    assert figures["state_window"] == 1 << 14 and figures["max_tokens"] == 1 << 19 and figures["evictions"] == 0

@@ -3,6 +3,8 @@ and their per-state indexes, the controller's plan, acceptance statistics, Specu
 
 from __future__ import annotations
 
+import gc
+import json
 import random
 
 import pytest
@@ -13,6 +15,7 @@ from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.sequence import KVSequence
 from hibana_core.speculation import DraftInput, NgramDrafter, SuffixDrafter
 from hibana_core.speculation.controller import AcceptanceStats, Candidate, Controller, StepCostModel
+from hibana_core.speculation.index import CONTEXT_INDEX_BYTES_PER_TOKEN, LAST_SEEN_BYTES_PER_TOKEN
 
 
 class Key:
@@ -79,7 +82,7 @@ def test_suffix_index_catches_up_incrementally_and_is_rebuilt_after_edits():
         return DraftInput(seq.tokens, seq, seq.edits)
 
     def index():
-        return drafter.states._indexes[seq][1]
+        return drafter.states._entries[seq].index
 
     seq.set_tokens(x + y)
     assert drafter.propose(state(), 3) == []
@@ -127,6 +130,240 @@ def test_ngram_index_is_rebuilt_after_edits():
     assert drafter.propose(draft_input([1, 2, 3, 1, 2], key, 0), 1) == [3]
     assert drafter.propose(draft_input([4, 5, 6, 1, 2], key, 1), 1) == [], "stale index served"
     assert drafter.propose(draft_input([4, 5, 6, 1, 2, 4, 5], key, 1), 1) == [6]
+
+
+# --- bounded per-state indexes --------------------------------------------------------------------
+
+
+def semi_repetitive(rng: random.Random, n: int, vocab: int, copy_share: float = 0.3) -> list[int]:
+    """Random tokens with spans copied from earlier in the stream."""
+    tokens: list[int] = []
+    while len(tokens) < n:
+        if len(tokens) > 8 and rng.random() < copy_share:
+            at = rng.randrange(len(tokens) - 4)
+            tokens += tokens[at:at + rng.randint(4, 40)]
+        else:
+            tokens += [rng.randrange(vocab) for _ in range(rng.randint(1, 20))]
+    return tokens[:n]
+
+
+BOUNDED = [SuffixDrafter, NgramDrafter]
+
+
+@pytest.mark.parametrize("make", BOUNDED, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("seed, vocab", [(0, 8), (1, 50), (2, 5000)])
+def test_drafts_do_not_depend_on_the_window_for_histories_shorter_than_it(make, seed, vocab):
+    rng = random.Random(seed)
+    tokens = semi_repetitive(rng, 300, vocab)
+    windowed, unbounded, key = make(state_window=300), make(state_window=1 << 30, max_tokens=1 << 31), Key()
+    history: list[int] = []
+    drafted = 0
+    for t in tokens:  # the history grows token by token, with a proposal after each
+        history.append(t)
+        state = DraftInput(history, key, 0)
+        draft = windowed.propose(state, 8)
+        assert draft == unbounded.propose(state, 8), len(history)
+        drafted += len(draft)
+    assert drafted > 50, "the streams exercise drafting"
+    assert windowed.summary()["indexed_tokens"] == len(tokens)
+
+
+def grown(drafter, tokens, key, step: int = 16, k: int = 8) -> list[int]:
+    """Feed `tokens` to `drafter` as a growing history, `step` tokens at a time; the last draft."""
+    draft: list[int] = []
+    for end in range(step, len(tokens) + step, step):
+        draft = drafter.propose(DraftInput(tokens[:end], key, 0), k)
+    return draft
+
+
+@pytest.mark.parametrize("make", BOUNDED, ids=lambda c: c.__name__)
+def test_a_small_window_bounds_the_index_and_keeps_recent_copies(make):
+    w = 64
+    rng = random.Random(5)
+    drafter, key = make(state_window=w), Key()
+    history: list[int] = []
+    for t in semi_repetitive(rng, 20 * w, 30):
+        history.append(t)
+        drafter.propose(DraftInput(history, key, 0), 4)
+        index = drafter.states._entries[key].index
+        assert min(len(history), w) <= index.indexed <= 2 * w, len(history)
+        assert sum(g.num_tokens for g in index.generations) <= 2 * (w + index.seed), "seeds are hashes only"
+        assert index.num_tokens == len(history)
+
+    # a copy whose source spans a generation boundary (at 5w: a history grown from empty rolls
+    # every w tokens): its first drafts come from the older generation, the rest from contexts
+    # that end at or after the boundary, which only the newer one's seed lets it index
+    noise, x = distinct(rng, 5 * w + 40), distinct(rng, 40, 20_000, 30_000)
+    tokens = noise[:5 * w - 20] + x + noise[5 * w - 20:5 * w - 10] + x[:8]
+    drafter, key = make(state_window=w), Key()
+    k = 24
+    assert grown(drafter, tokens, key, step=1, k=k) == x[8:8 + k]
+    index = drafter.states._entries[key].index
+    assert index.starts == [4 * w, 5 * w], "the source straddles the boundary between the two generations"
+
+    # the context x[:8] ends right at the boundary: only the newer generation has its continuation
+    tokens = noise[:5 * w - 8] + x + noise[:10] + x[:8]
+    drafter, key = make(state_window=w), Key()
+    assert grown(drafter, tokens, key, step=1, k=4) == x[8:12]
+    assert drafter.states._entries[key].index.starts[-1] == 5 * w
+
+    # a source older than two windows is forgotten (an unbounded index still has it)
+    tokens = x + noise[:3 * w] + x[:8]
+    assert grown(make(state_window=w), tokens, Key()) == []
+    assert grown(make(state_window=1 << 20, max_tokens=1 << 21), tokens, Key()) == x[8:16]
+
+
+def test_the_ngram_drafter_copies_from_the_whole_history_past_dropped_generations():
+    w = 64
+    rng = random.Random(6)
+    noise, x = distinct(rng, 8 * w), distinct(rng, 30, 20_000, 30_000)
+    tokens = noise[:6 * w - 20] + x + noise[6 * w - 20:6 * w] + x[:8]
+    drafter, key = NgramDrafter(state_window=w), Key()
+    assert grown(drafter, tokens, key, k=6) == x[8:14]
+    index = drafter.states._entries[key].index
+    assert index.starts == [5 * w, 6 * w] and index.latest(len(tokens)) == (8, 6 * w - 12), \
+        "found in the older generation, at its position in the history"
+
+    # x[:8] was followed by 5 (in the older generation), then by 6 (in the newer): the latest wins
+    tokens = noise[:72] + x[:8] + [5] + noise[72:119] + x[:8] + [6] + noise[119:125] + x[:8]
+    drafter, key = NgramDrafter(state_window=w), Key()
+    assert grown(drafter, tokens, key, step=1, k=3) == [6] + noise[119:121]
+    assert drafter.states._entries[key].index.starts == [w, 2 * w]
+    # ... unless the newer occurrence is shorter: the longest wins
+    tokens = noise[:72] + x[:8] + [5] + noise[72:121] + x[2:8] + [6] + noise[119:125] + x[:8]
+    assert grown(NgramDrafter(state_window=w), tokens, Key(), step=1, k=3) == [5] + noise[72:74]
+
+
+def test_suffix_drafts_add_up_the_counts_of_every_generation():
+    w = 64
+    rng = random.Random(10)
+    noise, c, (a, b) = distinct(rng, 80), distinct(rng, 8, 20_000, 30_000), distinct(rng, 2, 30_000, 40_000)
+    # c was followed by a twice in the older generation, by b once in the newer: a, 2 to 1
+    tokens = noise[:10] + c + [a] + noise[10:20] + c + [a] + noise[20:75] + c + [b] + noise[75:80] + c
+    drafter, key = SuffixDrafter(state_window=w), Key()
+    assert grown(drafter, tokens, key, step=1, k=1) == [a]
+    index = drafter.states._entries[key].index
+    assert index.starts == [0, w]
+    assert index.continuations(index.hashes, len(index.hashes) - 1) == (8, {b: 1, a: 2})
+
+
+@pytest.mark.parametrize("make", BOUNDED, ids=lambda c: c.__name__)
+def test_all_states_together_stay_within_the_budget(make):
+    w, budget = 32, 128
+    rng = random.Random(7)
+    drafter = make(state_window=w, max_tokens=budget)
+    keys = [Key() for _ in range(6)]
+    histories = []
+    for _ in keys:
+        y = distinct(rng, 10)
+        histories.append(distinct(rng, 14) + y + distinct(rng, 2) + y[:4])  # 30 tokens, drafts y[4:]
+
+    def propose(i: int, k: int = 4) -> list[int]:
+        draft = drafter.propose(DraftInput(histories[i], keys[i], 0), k)
+        assert drafter.summary()["indexed_tokens"] <= budget
+        assert keys[i] in drafter.states._entries, "the state being served is never evicted"
+        return draft
+
+    for i in range(4):
+        assert propose(i) == histories[i][18:22]
+    assert drafter.summary()["indexed_tokens"] == 120 and drafter.summary()["evictions"] == 0
+    propose(0)  # state 1 is now the least recently used, then 2, 3, 0
+    propose(4)  # 150 tokens: dropped down to 3/4 of the budget, least recently used first
+    assert set(drafter.states._entries.keys()) == {keys[0], keys[3], keys[4]}
+    assert drafter.summary()["indexed_tokens"] == 90 and drafter.summary()["evictions"] == 2
+
+    # an evicted state is rebuilt from its last window: as a fresh drafter sees it
+    histories[1] = distinct(rng, 20) + histories[1]  # longer than the window now
+    state = DraftInput(histories[1], keys[1], 0)
+    assert propose(1) == make(state_window=w, max_tokens=budget).propose(state, 4) == histories[1][38:42]
+    assert drafter.states._entries[keys[1]].index.indexed == w
+
+    # the state being served grows to its largest index while the others are older
+    for _ in range(3):
+        histories[5] += distinct(rng, 30)
+        propose(5)
+    assert drafter.states._entries[keys[5]].index.indexed > w
+
+    # the smallest budget (one state's largest index): serving a state that outgrows 3/4 of it
+    # evicts every other state, never the served one
+    small = make(state_window=w, max_tokens=2 * w)
+    other, served, tokens = Key(), Key(), distinct(rng, 2 * w)
+    small.propose(DraftInput(distinct(rng, 8), other, 0), 4)
+    for end in range(w, 2 * w + 1, 4):
+        small.propose(DraftInput(tokens[:end], served, 0), 4)
+        assert served in small.states._entries and small.summary()["indexed_tokens"] <= 2 * w
+    assert list(small.states._entries.keys()) == [served] and small.summary()["indexed_tokens"] == 2 * w
+
+    # states that died leave the count without being evicted
+    evictions = drafter.summary()["evictions"]
+    del keys[:5], histories[:5], state
+    gc.collect()
+    assert drafter.summary()["states"] == 1
+    fresh = [Key() for _ in range(2)]
+    for key in fresh:
+        drafter.propose(DraftInput(distinct(rng, 30), key, 0), 4)
+    assert drafter.summary()["evictions"] == evictions and drafter.summary()["states"] == 3
+
+
+@pytest.mark.parametrize("make", BOUNDED, ids=lambda c: c.__name__)
+def test_an_edit_rebuilds_the_index_from_the_last_window_only(make):
+    w = 64
+    rng = random.Random(8)
+    x, noise = distinct(rng, 20), distinct(rng, 4 * w)
+    history = x + noise + x[:8]
+    drafter, key = make(state_window=w), Key()
+    assert drafter.propose(DraftInput(history, key, 0), 4) == [], "x lies before the last window"
+    index = drafter.states._entries[key].index
+    assert (index.indexed, index.starts[0]) == (w, len(history) - w)
+    # an edit that keeps x in the last window: rebuilt, and x is found
+    history = noise[:w - 28] + x + x[:8]
+    assert drafter.propose(DraftInput(history, key, 1), 4) == x[8:12]
+    assert drafter.states._entries[key].index is not index
+    # a shorter history under the same version: rebuilt too
+    history = x + noise[:20] + x[:8]
+    index = drafter.states._entries[key].index
+    assert drafter.propose(DraftInput(history[:30], key, 1), 4) == []
+    assert drafter.states._entries[key].index is not index
+
+
+def test_drafter_summaries_report_what_is_indexed():
+    rng = random.Random(9)
+    suffix, ngram = SuffixDrafter(state_window=64, max_tokens=1024), NgramDrafter(state_window=64, max_tokens=1024)
+    keys = [Key() for _ in range(3)]
+    for key, n in zip(keys, (10, 100, 300)):
+        history = distinct(rng, n)
+        suffix.propose(DraftInput(history, key, 0), 4)
+        ngram.propose(DraftInput(history, key, 0), 4)
+    suffix.finished(distinct(rng, 40), distinct(rng, 12))  # the last 32 tokens of the context, and the output
+    indexed = 10 + 64 + 64  # rebuilt from the last window: fresh states see a window, no more
+    assert suffix.summary() == {"states": 3, "indexed_tokens": indexed, "state_window": 64, "max_tokens": 1024,
+                                "evictions": 0, "corpus_tokens": 44,
+                                "host_bytes": (indexed + 44) * CONTEXT_INDEX_BYTES_PER_TOKEN}
+    assert ngram.summary() == {"states": 3, "indexed_tokens": indexed, "state_window": 64, "max_tokens": 1024,
+                               "evictions": 0, "host_bytes": indexed * LAST_SEEN_BYTES_PER_TOKEN}
+    assert all(type(v) is int for v in [*suffix.summary().values(), *ngram.summary().values()])
+    json.dumps(suffix.summary())
+    defaults = SuffixDrafter().summary()
+    assert (defaults["state_window"], defaults["max_tokens"], defaults["states"]) == (1 << 14, 1 << 19, 0)
+    assert NgramDrafter().summary()["max_tokens"] == 1 << 20
+
+
+@pytest.mark.parametrize("make, options, message", [
+    (SuffixDrafter, {"state_window": 0}, r"state_window=0 is not a positive int; pass"),
+    (SuffixDrafter, {"state_window": -64}, r"state_window=-64 is not a positive int"),
+    (SuffixDrafter, {"state_window": 64.0}, r"state_window=64\.0 is not a positive int"),
+    (SuffixDrafter, {"state_window": True}, r"state_window=True is not a positive int"),
+    (SuffixDrafter, {"max_tokens": "1024"}, r"max_tokens='1024' is not a positive int"),
+    (SuffixDrafter, {"state_window": 16}, r"shorter than the longest context it indexes \(32 tokens\); "
+                                          r"pass state_window >= 32"),
+    (NgramDrafter, {"state_window": 4}, r"pass state_window >= 8"),
+    (NgramDrafter, {"max_tokens": 0}, r"max_tokens=0 is not a positive int"),
+    (SuffixDrafter, {"state_window": 64, "max_tokens": 100}, r"pass max_tokens >= 128"),
+    (NgramDrafter, {"max_tokens": 1 << 14}, r"pass max_tokens >= 32768"),
+])
+def test_drafter_bounds_reject_bad_values(make, options, message):
+    with pytest.raises(ConfigError, match=message):
+        make(**options)
 
 
 # --- the controller ------------------------------------------------------------------------------

@@ -7,16 +7,23 @@ through the `register_drafters` hook like any plugin's: `register(name, factory)
 
 Both built-ins keep one index per state, caught up lazily with the tokens appended since their
 last proposal (one table update per token and order: the cost does not grow with the history)
-and rebuilt when the history was edited (a sync that dropped a tail, a truncate).
+and rebuilt when the history was edited (a sync that dropped a tail, a truncate). Host memory is
+bounded twice: a state's index covers its last `state_window` to `2 * state_window` tokens only
+(generations dropped whole, `WindowedIndex`), and all states' indexes together hold at most
+`max_tokens` tokens (the least recently used states' indexes are dropped whole, and rebuilt from
+their last window when next used). `summary()` reports both (engine.stats().speculation).
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
-from hibana_core.speculation.index import ORDERS, ContextIndex, LastSeenIndex, extend_hashes
+from hibana_core.errors import ConfigError
+from hibana_core.speculation.index import (CONTEXT_INDEX_BYTES_PER_TOKEN, LAST_SEEN_BYTES_PER_TOKEN, ORDERS,
+                                           ContextIndex, Seen, WindowedContextIndex, WindowedIndex,
+                                           WindowedLastSeenIndex, context_keys, extend_hashes, longest)
 from hibana_plugins.hookspecs import hookimpl
 
 
@@ -46,21 +53,87 @@ class Drafter(Protocol):
     # bytes it holds. `close()`: called when the engine closes.
 
 
+STATE_WINDOW = 1 << 14
+"""Tokens of each state's history its index covers at least (at most twice that)."""
+
+
+class _Entry:
+    __slots__ = ("version", "index", "used")
+
+    def __init__(self, version: int, index: WindowedIndex, used: int) -> None:
+        self.version, self.index, self.used = version, index, used
+
+
 class _PerState:
-    """One index per state, caught up with its history on use, rebuilt after edits."""
+    """One windowed index per state, caught up with its history on use, rebuilt after edits; all
+    of them together hold at most `max_tokens` indexed tokens.
 
-    def __init__(self, make) -> None:
+    The running total counts what `get` indexed and dropped, not the indexes of states that died
+    (they leave the weak dictionary unseen): when it says "over budget" the exact total is taken
+    over the live entries and, if still over, the least recently used indexes are dropped whole
+    down to 3/4 of the budget, so that eviction is amortised over many tokens.
+    """
+
+    def __init__(self, make: Callable[[], WindowedIndex], window: int, max_tokens: int) -> None:
         self._make = make
-        self._indexes: "weakref.WeakKeyDictionary[object, tuple[int, Any]]" = weakref.WeakKeyDictionary()
+        self.window = window
+        self.max_tokens = max_tokens
+        self._entries: "weakref.WeakKeyDictionary[object, _Entry]" = weakref.WeakKeyDictionary()
+        self._total = 0  # indexed tokens: exact, or over by the indexes of states that died
+        self._clock = 0
+        self.evictions = 0
 
-    def get(self, state: DraftInput):
-        version, index = self._indexes.get(state.key, (None, None))
-        if index is None or version != state.version or index.num_tokens > len(state.tokens):
+    def get(self, state: DraftInput) -> WindowedIndex:
+        tokens = state.tokens
+        self._clock += 1
+        entry = self._entries.get(state.key)
+        counted = 0 if entry is None else entry.index.indexed
+        if entry is None or entry.version != state.version or entry.index.num_tokens > len(tokens):
             index = self._make()
-            self._indexes[state.key] = (state.version, index)
-        if index.num_tokens < len(state.tokens):
-            index.extend(state.tokens[index.num_tokens:])
+            index.skip_to(tokens, max(0, len(tokens) - self.window))  # a rebuild takes the last window
+            entry = self._entries[state.key] = _Entry(state.version, index, self._clock)
+        index, entry.used = entry.index, self._clock
+        if index.num_tokens < len(tokens):
+            index.extend(tokens[index.num_tokens:])
+        self._total += index.indexed - counted
+        if self._total > self.max_tokens:
+            self._shrink(state.key)
         return index
+
+    def _shrink(self, serving: object) -> None:
+        live = list(self._entries.items())
+        self._total = sum(entry.index.indexed for _, entry in live)
+        if self._total <= self.max_tokens:
+            return
+        for key, entry in sorted(live, key=lambda item: item[1].used):
+            if self._total <= self.max_tokens * 3 // 4:
+                break
+            if key is not serving:  # it fits alone: max_tokens >= 2 * window
+                del self._entries[key]
+                self._total -= entry.index.indexed
+                self.evictions += 1
+
+    def indexed(self) -> int:
+        return sum(entry.index.indexed for entry in list(self._entries.values()))
+
+    def summary(self, bytes_per_token: int) -> dict:
+        indexed = self.indexed()
+        return {"states": len(self._entries), "indexed_tokens": indexed, "host_bytes": indexed * bytes_per_token,
+                "state_window": self.window, "max_tokens": self.max_tokens, "evictions": self.evictions}
+
+
+def _check_bounds(drafter: str, state_window: Any, max_tokens: Any, longest_context: int) -> None:
+    for name, value in (("state_window", state_window), ("max_tokens", max_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{drafter}: {name}={value!r} is not a positive int; pass a token count "
+                              f"(state_window >= {longest_context}, max_tokens >= 2 * state_window)")
+    if state_window < longest_context:
+        raise ConfigError(f"{drafter}: state_window={state_window} is shorter than the longest context it "
+                          f"indexes ({longest_context} tokens); pass state_window >= {longest_context}")
+    if max_tokens < 2 * state_window:
+        raise ConfigError(f"{drafter}: max_tokens={max_tokens} cannot hold even one state's index (up to "
+                          f"2 * state_window = {2 * state_window} tokens); pass max_tokens >= {2 * state_window} "
+                          f"or a smaller state_window")
 
 
 class _Corpus:
@@ -72,30 +145,22 @@ class _Corpus:
         self.old, self.new = ContextIndex(), ContextIndex()
         self.size = 0
 
+    @property
+    def num_tokens(self) -> int:
+        return self.old.num_tokens + self.new.num_tokens
+
     def add(self, context: Sequence[int], output: Sequence[int]) -> None:
         if self.size >= self.half:
             self.old, self.new, self.size = self.new, ContextIndex(), 0
         self.new.extend(list(context) + list(output))  # contexts spanning into the output count
         self.size += len(context) + len(output)
 
-    def continuations(self, prefix: Sequence[int], end: int) -> tuple[int, dict[int, int] | int | None]:
-        n_new, new = self.new.continuations(prefix, end)
-        n_old, old = self.old.continuations(prefix, end)
-        if n_old > n_new:
-            return n_old, old
-        if n_old == n_new and old is not None and new is not None:
-            return n_new, _merge(new, old)
-        return n_new, new
+    def newest_first(self) -> tuple[ContextIndex, ContextIndex]:
+        """The generations, for `longest` (with other indexes)."""
+        return self.new, self.old
 
 
-def _merge(a: dict[int, int] | int, b: dict[int, int] | int) -> dict[int, int]:
-    merged = dict(a) if isinstance(a, dict) else {a: 1}
-    for token, count in (b.items() if isinstance(b, dict) else [(b, 1)]):
-        merged[token] = merged.get(token, 0) + count
-    return merged
-
-
-def _best(seen: dict[int, int] | int) -> tuple[int, float]:
+def _best(seen: Seen) -> tuple[int, float]:
     """The most frequent continuation and its share of all continuations of that context."""
     if not isinstance(seen, dict):
         return seen, 1.0
@@ -111,33 +176,33 @@ class SuffixDrafter:
     up); its most frequent continuation is drafted. Each token's score is its share of that
     context's continuations, discounted for short matches (n / (n + 1)); drafting stops once the
     running product of scores falls below `min_score`, so unsure drafts stay short.
+
+    Each state's index covers its last `state_window` to `2 * state_window` tokens, and all of
+    them together at most `max_tokens` (about 950 bytes of host memory per token: 1 << 19 tokens,
+    some 500 MB, hold 16 to 32 agents' windows).
     """
 
-    def __init__(self, engine: Any = None, corpus_tokens: int = 1 << 16, min_score: float = 0.1) -> None:
-        self.states = _PerState(ContextIndex)
+    def __init__(self, engine: Any = None, corpus_tokens: int = 1 << 16, min_score: float = 0.1, *,
+                 state_window: int = STATE_WINDOW, max_tokens: int = 1 << 19) -> None:
+        self.context = max(ORDERS)
+        _check_bounds("the suffix drafter", state_window, max_tokens, self.context)
+        self.states = _PerState(lambda: WindowedContextIndex(state_window), state_window, max_tokens)
         self.corpus = _Corpus(corpus_tokens)
         self.min_score = min_score
-        self.context = max(ORDERS)
 
     def propose(self, state: DraftInput, k: int) -> list[int]:
         index = self.states.get(state)
         # prefix hashes of the last `context` tokens, then of the drafts: a context's hash depends
         # on its tokens alone, so this window serves every lookup
         prefix = index.hashes[-self.context - 1:]
+        indexes = index.newest_first() + list(self.corpus.newest_first())  # own first: they win ties
         draft: list[int] = []
         score = 1.0
         while len(draft) < k:
             end = len(prefix) - 1
-            n_own, own = index.continuations(prefix, end)
-            n_all, shared = self.corpus.continuations(prefix, end)
-            if own is None and shared is None:
+            n, seen = longest(indexes, context_keys(prefix, end))
+            if seen is None:
                 break
-            if n_all > n_own:
-                n, seen = n_all, shared
-            elif n_all == n_own and shared is not None:
-                n, seen = n_own, _merge(own, shared)
-            else:
-                n, seen = n_own, own
             token, share = _best(seen)
             score *= share * n / (n + 1)
             if score < self.min_score:
@@ -150,21 +215,42 @@ class SuffixDrafter:
         if output:
             self.corpus.add(context[-self.context:], output)
 
+    def summary(self) -> dict:
+        """Indexed states and tokens, the window and budget, the shared corpus's tokens, and the
+        host bytes all of it holds (an estimate: `CONTEXT_INDEX_BYTES_PER_TOKEN`)."""
+        figures = self.states.summary(CONTEXT_INDEX_BYTES_PER_TOKEN)
+        figures["corpus_tokens"] = self.corpus.num_tokens
+        figures["host_bytes"] += self.corpus.num_tokens * CONTEXT_INDEX_BYTES_PER_TOKEN
+        return figures
+
 
 class NgramDrafter:
     """Prompt lookup: find the latest earlier occurrence of the longest suffix of the history (of
-    `min_n`..`max_n` tokens) and copy the k tokens that followed it."""
+    `min_n`..`max_n` tokens) and copy the k tokens that followed it.
 
-    def __init__(self, engine: Any = None, min_n: int = 2, max_n: int = 8) -> None:
+    Bounded like the suffix drafter's: each state's last `state_window` to `2 * state_window`
+    tokens, all states together at most `max_tokens`. Its index costs about 550 bytes per token
+    against the suffix drafter's 950, so its default budget holds twice the tokens (1 << 20, some
+    580 MB): the same order of host memory, and twice the agents' windows.
+    """
+
+    def __init__(self, engine: Any = None, min_n: int = 2, max_n: int = 8, *,
+                 state_window: int = STATE_WINDOW, max_tokens: int = 1 << 20) -> None:
         orders = tuple(range(min_n, max_n + 1))
-        self.states = _PerState(lambda: LastSeenIndex(orders))
+        _check_bounds("the ngram drafter", state_window, max_tokens, max(orders, default=0))
+        self.states = _PerState(lambda: WindowedLastSeenIndex(orders, state_window), state_window, max_tokens)
 
     def propose(self, state: DraftInput, k: int) -> list[int]:
         index = self.states.get(state)
-        n, at = index.latest(index.num_tokens)
+        n, at = index.latest(index.num_tokens)  # `at`: a position in the whole history
         if n == 0:
             return []
         return list(state.tokens[at:at + k])
+
+    def summary(self) -> dict:
+        """Indexed states and tokens, the window and budget, and the host bytes the indexes hold
+        (an estimate: `LAST_SEEN_BYTES_PER_TOKEN`)."""
+        return self.states.summary(LAST_SEEN_BYTES_PER_TOKEN)
 
 
 def _draft_model(engine: Any, **options: Any) -> Drafter:

@@ -9,11 +9,27 @@ wrong: drafts are verified.
 
     ContextIndex   context -> continuation counts (the suffix drafter's scores)
     LastSeenIndex  context -> where it last ended (prompt lookup: copy what followed)
+
+A state's index covers only its recent tokens (`WindowedContextIndex`, `WindowedLastSeenIndex`):
+two generations of `window` tokens each, the older dropped whole when the newer fills.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence, Union
+
+Seen = Union[int, dict[int, int]]
+"""What followed a context: one token (seen once), or {token: count}."""
+
+CONTEXT_INDEX_BYTES_PER_TOKEN = 950
+"""Host bytes a `ContextIndex` (all `ORDERS`) holds per indexed token, for reports: measured with
+tracemalloc on 4k-36k tokens of random text with 30% copied spans, 820 to 1040 depending on
+where its dicts are in their doubling (about 870 at 200k tokens; less on more repetitive text,
+whose contexts repeat). `nbytes` counts table entries of one index instead."""
+
+LAST_SEEN_BYTES_PER_TOKEN = 550
+"""The same for a `LastSeenIndex` of orders 2..8 (the ngram drafter's): 440 to 600 per token on
+that text (about 460 at 200k tokens)."""
 
 ORDERS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 """Context lengths indexed: short ones find scaffolds, long ones pin down where a copy is."""
@@ -33,9 +49,11 @@ def extend_hashes(prefix: list[int], tokens: Iterable[int]) -> None:
         prefix.append(h)
 
 
-def context_hash(prefix: Sequence[int], end: int, n: int) -> int:
-    """Hash of the n tokens before position `end`, from the prefix hashes."""
-    return (prefix[end] - prefix[end - n] * _POW[n]) % _MOD
+def context_keys(prefix: Sequence[int], end: int, orders: Sequence[int] = ORDERS) -> list[int | None]:
+    """The hashes of the contexts of each order, longest first, that end at `end` (None for those
+    longer than `end`): computed once, then looked up in every index of these orders (`lookup`)."""
+    h = prefix[end]
+    return [(h - prefix[end - n] * _POW[n]) % _MOD if n <= end else None for n in reversed(orders)]
 
 
 class ContextIndex:
@@ -49,6 +67,7 @@ class ContextIndex:
         self.orders = tuple(orders)
         self.tables: list[dict[int, int | dict[int, int]]] = [{} for _ in self.orders]
         self.hashes = [0]  # prefix hashes of the stream indexed so far
+        self._longest_first = tuple(zip(reversed(self.orders), reversed(self.tables)))
 
     @property
     def num_tokens(self) -> int:
@@ -71,12 +90,21 @@ class ContextIndex:
                     seen[t] = seen.get(t, 0) + 1
             hashes.append((hashes[end] * _BASE + t + 1) % _MOD)
 
-    def continuations(self, prefix: Sequence[int], end: int) -> tuple[int, dict[int, int] | int | None]:
+    def continuations(self, prefix: Sequence[int], end: int) -> tuple[int, Seen | None]:
         """The longest indexed context ending at `end` of a stream with prefix hashes `prefix`:
         (its length, what followed it), or (0, None)."""
-        for n, table in zip(reversed(self.orders), reversed(self.tables)):
-            if n <= end:
-                seen = table.get((prefix[end] - prefix[end - n] * _POW[n]) % _MOD)
+        return self.lookup(context_keys(prefix, end, self.orders))
+
+    def lookup(self, keys: Sequence[int | None], at_least: int = 1) -> tuple[int, Seen | None]:
+        """`continuations` of the contexts `keys` (`context_keys` of this index's orders), of
+        `at_least` tokens or more."""
+        if not self.tables[0]:
+            return 0, None
+        for (n, table), key in zip(self._longest_first, keys):
+            if n < at_least:
+                break
+            if key is not None:
+                seen = table.get(key)
                 if seen is not None:
                     return n, seen
         return 0, None
@@ -86,6 +114,26 @@ class ContextIndex:
         return 100 * sum(len(t) for t in self.tables) + 8 * len(self.hashes)
 
 
+def longest(indexes: Iterable[ContextIndex], keys: Sequence[int | None]) -> tuple[int, Seen | None]:
+    """The longest of the contexts `keys` (`context_keys`) that any of `indexes` holds, as (its
+    length, what followed it), or (0, None): contexts of equal length add up their counts (the
+    first index's continuations first, so that they win ties of `max`)."""
+    best_n, best = 1, None
+    for index in indexes:
+        n, seen = index.lookup(keys, best_n)
+        if seen is not None:
+            best = seen if best is None or n > best_n else _merge(best, seen)
+            best_n = n
+    return (best_n, best) if best is not None else (0, None)
+
+
+def _merge(a: Seen, b: Seen) -> dict[int, int]:
+    merged = dict(a) if isinstance(a, dict) else {a: 1}
+    for token, count in (b.items() if isinstance(b, dict) else [(b, 1)]):
+        merged[token] = merged.get(token, 0) + count
+    return merged
+
+
 class LastSeenIndex:
     """For each indexed context, the position right after its latest occurrence."""
 
@@ -93,6 +141,7 @@ class LastSeenIndex:
         self.orders = tuple(orders)
         self.tables: list[dict[int, int]] = [{} for _ in self.orders]
         self.hashes = [0]
+        self._longest_first = tuple(zip(reversed(self.orders), reversed(self.tables)))
 
     @property
     def num_tokens(self) -> int:
@@ -111,9 +160,118 @@ class LastSeenIndex:
         """Where the longest context ending at `end` (of the indexed stream itself) occurred
         before, as (its length, the position after it), or (0, -1). The context at `end` itself
         is not indexed yet, so a match is always an earlier occurrence."""
-        for n, table in zip(reversed(self.orders), reversed(self.tables)):
-            if n <= end:
-                at = table.get(context_hash(self.hashes, end, n))
+        return self.lookup(context_keys(self.hashes, end, self.orders))
+
+    def lookup(self, keys: Sequence[int | None], at_least: int = 1) -> tuple[int, int]:
+        """`latest` for the contexts `keys` (`context_keys` of this index's orders, of any stream),
+        of `at_least` tokens or more: (the length, the position in this index's stream after its
+        latest occurrence), or (0, -1)."""
+        for (n, table), key in zip(self._longest_first, keys):
+            if n < at_least:
+                break
+            if key is not None:
+                at = table.get(key)
                 if at is not None:
                     return n, at
         return 0, -1
+
+
+class WindowedIndex:
+    """One stream's last `window` to `2 * window` tokens, indexed in generations: when the newest
+    has indexed `window` tokens a new one starts, and the older of the previous two is dropped
+    whole (O(1) amortised per token, no per-entry eviction).
+
+        stream            dropped | older: window tokens | newest: up to window tokens
+        newest's hashes                           [ seed ]+ one per token it indexed
+
+    A new generation starts with the prefix hashes of the stream's last `seed` (the longest
+    order) tokens and indexes none of them, so a context that spans the boundary is indexed by
+    the new generation and no context twice. A context's hash depends on its tokens alone, so the
+    newest generation's prefix hashes (`hashes`) serve lookups in every generation. Positions are
+    absolute: the stream's, from its first token, indexed or not.
+    """
+
+    def __init__(self, make: Callable[[], ContextIndex | LastSeenIndex], window: int) -> None:
+        self._make = make
+        self.window = window
+        self.generations = [make()]  # oldest first, at most two
+        self.bases = [0]  # the stream position of each generation's local position 0 (its seed's start)
+        self.starts = [0]  # the stream position of each generation's first indexed token
+        self.seed = max(self.generations[0].orders, default=0)
+        self.orders = self.generations[0].orders
+        self.num_tokens = 0
+        """The stream's length (indexed or not)."""
+
+    @property
+    def hashes(self) -> list[int]:
+        """Prefix hashes of the newest generation: at least the stream's last `seed` tokens'."""
+        return self.generations[-1].hashes
+
+    @property
+    def indexed(self) -> int:
+        """Tokens indexed (seeds excluded): at most `2 * window`."""
+        return self.num_tokens - self.starts[0]
+
+    def skip_to(self, history: Sequence[int], start: int) -> None:
+        """On an empty index: index `history` from `start` on only (the tokens before it are the
+        first generation's seed); `extend(history[start:])` follows."""
+        assert self.num_tokens == 0, "skip_to starts an empty index"
+        seed = history[max(0, start - self.seed):start]
+        extend_hashes(self.hashes, seed)
+        self.bases[0], self.starts[0], self.num_tokens = start - len(seed), start, start
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        done, count = 0, len(tokens)
+        while done < count:
+            room = self.window - (self.num_tokens - self.starts[-1])
+            if room <= 0:
+                self._roll()
+                room = self.window
+            take = min(count - done, room)
+            self.generations[-1].extend(tokens if take == count else tokens[done:done + take])
+            done += take
+            self.num_tokens += take
+
+    def _roll(self) -> None:
+        fresh = self._make()
+        fresh.hashes[:] = self.hashes[-self.seed - 1:]  # the seed: prefix hashes only, nothing indexed
+        end = self.num_tokens
+        self.generations.append(fresh)
+        self.bases.append(end - fresh.num_tokens)
+        self.starts.append(end)
+        if len(self.generations) > 2:
+            del self.generations[0], self.bases[0], self.starts[0]
+
+
+class WindowedContextIndex(WindowedIndex):
+    """A `ContextIndex` of a stream's recent tokens (see `WindowedIndex`)."""
+
+    def __init__(self, window: int, orders: Sequence[int] = ORDERS) -> None:
+        super().__init__(lambda: ContextIndex(orders), window)
+
+    def continuations(self, prefix: Sequence[int], end: int) -> tuple[int, Seen | None]:
+        """As `ContextIndex.continuations`, over every generation: the longest context wins, equal
+        lengths add up their counts."""
+        return longest(self.newest_first(), context_keys(prefix, end, self.orders))
+
+    def newest_first(self) -> list[ContextIndex]:
+        """The generations, for `longest` (with other indexes)."""
+        return self.generations[::-1]
+
+
+class WindowedLastSeenIndex(WindowedIndex):
+    """A `LastSeenIndex` of a stream's recent tokens (see `WindowedIndex`)."""
+
+    def __init__(self, orders: Sequence[int], window: int) -> None:
+        super().__init__(lambda: LastSeenIndex(orders), window)
+
+    def latest(self, end: int) -> tuple[int, int]:
+        """As `LastSeenIndex.latest` (`end` and the position returned are the stream's): the
+        longest context wins, and of equal ones the most recent occurrence."""
+        keys = context_keys(self.hashes, end - self.bases[-1], self.orders)
+        best_n, best_at = 0, -1
+        for generation, base in zip(reversed(self.generations), reversed(self.bases)):
+            n, at = generation.lookup(keys, best_n + 1)  # an older occurrence must be longer
+            if n > best_n:
+                best_n, best_at = n, base + at
+        return best_n, best_at
