@@ -183,16 +183,63 @@ class StateRegistry:
         for state_id, entry in self._entries.items():
             if entry.unnamed:
                 continue
-            path = self.persisted_path(state_id)
             try:
-                if entry.seq.tokens == entry.resumed and _file_key(path) != entry.stored:
-                    continue  # unchanged since it resumed; an engine sharing the folder wrote or closed it since
-                if entry.seq.tokens:
-                    self._write(entry.seq, state_id, path)
-                else:
-                    _drop_stored(entry, path)
+                self._persist(state_id, entry)
             except Exception as exc:  # noqa: BLE001 - one state's file (a spill file gone, a full disk) never stops the rest
                 logger.warning("state %r was not persisted: %s", state_id, exc)
+
+    def _persist(self, state_id: str, entry: _Entry) -> None:
+        """Write one named state to `state_dir` (see `persist_all`)."""
+        path = self.persisted_path(state_id)
+        if entry.seq.tokens == entry.resumed and _file_key(path) != entry.stored:
+            return  # unchanged since it resumed; an engine sharing the folder wrote or closed it since
+        if entry.seq.tokens:
+            self._write(entry.seq, state_id, path)
+        else:
+            _drop_stored(entry, path)
+
+    def put_away(self, handle: StateHandle) -> bool:
+        """Close an idle named state, written to `state_dir` first (where there is one) so that
+        opening its id again brings its history back (a server's bound on the states its clients
+        name). False, the state left as it is, where it is leased, busy, unnamed or closed, or
+        could not be written (logged)."""
+        with self.lock:
+            entry = self._live(handle)
+            if entry is None or entry.unnamed or self._taken(entry):
+                return False
+            if self.config.state_dir is not None:
+                try:
+                    self._persist(handle.id, entry)
+                except Exception as exc:  # noqa: BLE001 - kept open rather than its history lost
+                    logger.warning("state %r was not put away (kept open): %s", handle.id, exc)
+                    return False
+                entry.stored = None  # its file stays: `close_state` removes only the one it resumed from
+            self.close_state(handle)
+            return True
+
+    def forget(self, state_id: str) -> bool:
+        """Close the state with this id and remove its `state_dir` file, so that neither comes back
+        (a server's DELETE). False where there was neither; StateBusyError, nothing changed,
+        while a call holds the state or a request runs on it."""
+        check_id(state_id)
+        with self.lock:
+            self._check_open()
+            entry = self._entries.get(state_id)
+            if entry is not None and self._taken(entry):
+                raise StateBusyError(f"state {state_id!r} is serving a call; close it once the call has ended")
+            if entry is not None:
+                self.close_state(entry.handle)
+            path = self.persisted_path(state_id)
+            try:
+                if path is not None:
+                    path.unlink()
+                    return True
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise StateFileError(f"state {state_id!r} is closed, but its file {path} could not be removed "
+                                     f"({exc.strerror or exc}); remove it, or it comes back when the id is opened") from None
+            return entry is not None
 
     def _refuse_stored(self, state_id: str, advice: str) -> None:
         """A StateExistsError where `state_dir` keeps a state of this id that is not open: a new
@@ -218,6 +265,10 @@ class StateRegistry:
         """The handle's entry while the handle is open (an id reused after a close is another)."""
         entry = self._entries.get(handle.id)
         return entry if entry is not None and entry.handle is handle and not handle.closed else None
+
+    def is_open(self, state_id: str) -> bool:
+        """Whether a state with this id is open (an O(1) look-up)."""
+        return state_id in self._entries
 
     def is_unnamed(self, handle: StateHandle) -> bool:
         """Whether the engine made this state for a call that named none (a user's state never

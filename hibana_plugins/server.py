@@ -3,12 +3,15 @@
     POST /v1/chat/completions   messages, tools, tool_choice, response_format, stream (SSE)
     POST /v1/completions        a prompt (text or token ids) continued as it is (no chat template)
     GET  /v1/models, /v1/models/{model}   GET /health   GET /metrics (Prometheus)
+    GET  /v1/hibana/states   DELETE /v1/hibana/states/{id}   the engine's states; forget one
 
 Every conversation keeps its KV resident between requests: a request is served on the state
 whose conversation it continues (`Chat.lease`: the longest resident prefix), or on the state the
 client names with an `X-Hibana-State` header (that state only: 409 while it is busy) or the
 `user` field (another state while that one is busy). `usage.prompt_tokens_details.cached_tokens`
-says how much of the prompt the state already held.
+says how much of the prompt the state already held. At most `max_named_states` idle states that
+clients named are kept (`NamedStates`: the least recently used are closed, written to the
+state_dir first where there is one, and come back from it when named again).
 
 A reasoning model thinks unless `reasoning_effort: "none"` or `chat_template_kwargs:
 {"enable_thinking": false}` says otherwise; its thinking comes as `reasoning_content` in the
@@ -35,6 +38,7 @@ import socket
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -61,12 +65,13 @@ if TYPE_CHECKING:
     import uvicorn
 
     from hibana_core.engine import Engine, EngineStats
+    from hibana_core.state import StateHandle
 
 log = logging.getLogger("hibana.server")
 
 T = TypeVar("T")
 API_KEY_ENV = "HIBANA_API_KEY"
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/hibana/states", "/health", "/metrics")
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,8 @@ class ServerConfig:
     request_timeout: float | None = None  # seconds a request may take, queue included; None: no limit
     shutdown_timeout: float | None = None  # seconds requests in flight may go on once the server is told
     #                                       to stop, then they are cancelled; None: until they finish
+    max_named_states: int = 4096          # idle states named by clients (X-Hibana-State, `user`) kept open;
+    #                                       past it the least recently used are closed (to the state_dir)
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -93,6 +100,10 @@ class ServerConfig:
                 raise ConfigError(f"{name} ({flag}) must be positive, got {limit!r}")
         if self.shutdown_timeout is not None and not self.shutdown_timeout >= 0:
             raise ConfigError(f"shutdown_timeout must be >= 0 seconds or None, got {self.shutdown_timeout!r}")
+        if isinstance(self.max_named_states, bool) or not isinstance(self.max_named_states, int) \
+                or self.max_named_states < 0:
+            raise ConfigError(f"max_named_states (--max-named-states) must be an integer >= 0, got "
+                              f"{self.max_named_states!r}")
 
 
 class Metrics:
@@ -243,6 +254,8 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
     text_chat.thinks = False
     metrics = Metrics()
     app.state.metrics = metrics
+    named = NamedStates(engine, config.max_named_states)
+    app.state.named_states = named
     max_tokens_limit = min(config.max_tokens_limit or engine.max_model_len, engine.max_model_len)
 
     async def authorized(request: Request) -> None:
@@ -298,6 +311,30 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
     async def prometheus() -> Response:
         return Response(await asyncio.to_thread(metrics.scrape, engine), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/v1/hibana/states", dependencies=[Depends(authorized)])
+    async def states() -> dict:
+        """The engine's states, most recently used first."""
+        infos = sorted(await asyncio.to_thread(engine.states), key=lambda info: info.last_use, reverse=True)
+        since = time.time() - time.monotonic()  # StateInfo.last_use is of the monotonic clock
+        return {"object": "list", "data": [
+            {"id": info.id, "object": "hibana.state", "tokens": info.tokens, "computed": info.computed,
+             "tier": info.tier, "busy": info.busy, "pinned": info.pinned, "last_used_at": round(since + info.last_use, 3),
+             "client_named": named.holds(info.id)} for info in infos]}
+
+    @app.delete("/v1/hibana/states/{state_id:path}", dependencies=[Depends(authorized)])
+    async def delete_state(state_id: str) -> dict:
+        """Close the state and remove its --state-dir file: neither comes back (an id holds a "/" as it is)."""
+        try:
+            found = await asyncio.to_thread(engine.registry.forget, state_id)
+        except HibanaError as exc:
+            raise api_error(exc) from None
+        named.drop(state_id)
+        if not found:
+            kept = " nor kept in its --state-dir" if engine.config.cache.state_dir is not None else ""
+            raise ApiError(404, f"no state {state_id!r:.300} is open on this server{kept}; GET /v1/hibana/states "
+                                "lists those that are", None, "state_not_found")
+        return {"id": state_id, "object": "hibana.state", "deleted": True}
+
     async def checked(request: Request, kind: type) -> Any:
         parsed = parse_request(await read_json(request, config.max_body_bytes), kind)
         if parsed.model != config.model_name:
@@ -315,7 +352,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
             choices = choice_calls(call)
         except HibanaError as exc:
             raise api_error(exc) from None
-        servings = [Serving(chat, prompt, choice, config.request_timeout) for choice in choices]
+        servings = [Serving(chat, prompt, choice, config.request_timeout, named) for choice in choices]
         return await serve(request, received, servings, Reply(config.model_name, chat.openai_logprobs, call.n))
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
@@ -328,7 +365,8 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
             choices = choice_calls(call)
         except HibanaError as exc:
             raise api_error(exc) from None
-        servings = [Serving(text_chat, prompt, choice, config.request_timeout) for prompt in prompts for choice in choices]
+        servings = [Serving(text_chat, prompt, choice, config.request_timeout, named)
+                    for prompt in prompts for choice in choices]
         return await serve(request, received, servings, TextReply(config.model_name, call.n))
 
     async def serve(request: Request, received: float, servings: "list[Serving]", reply: Reply) -> Response:
@@ -419,18 +457,79 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
 class Serving:
     """One request's turn on the state `Chat.lease` picks (`turn.Open`); remembers that state."""
 
-    def __init__(self, chat: Chat, prompt: "str | TokenIds", call: ChatCall, timeout: float | None) -> None:
-        self.chat, self.prompt, self.call, self.timeout = chat, prompt, call, timeout
+    def __init__(self, chat: Chat, prompt: "str | TokenIds", call: ChatCall, timeout: float | None,
+                 named: "NamedStates | None" = None) -> None:
+        self.chat, self.prompt, self.call, self.timeout, self.named = chat, prompt, call, timeout, named
         self.state_id = ""
+        self.handle: "StateHandle | None" = None
 
     def open(self, stack: contextlib.ExitStack) -> "tuple[turn.TurnRun, Any]":
         call = self.call
+        if self.named is not None and call.state_id is not None:
+            # on `stack` first: called last, once the lease has let the state go
+            stack.callback(self.ended, self.named.in_process(call.state_id))
         run, handle = self.chat.opener(
             self.prompt, call.tools, call.params, lease=True, state_id=call.state_id, fallback=call.fallback,
             tool_choice=call.tool_choice, parse_tools=call.tools is not None,
             parallel_tool_calls=call.parallel_tool_calls, timeout=self.timeout)(stack)
-        self.state_id = handle.id
+        self.state_id, self.handle = handle.id, handle
         return run, handle
+
+    def ended(self, in_process: bool) -> None:
+        """The turn has ended (in a worker thread): the state its client named (not another one
+        that served it while that one was busy) counts towards `NamedStates`' bound."""
+        if self.handle is not None and self.handle.id == self.call.state_id and not in_process:
+            try:
+                self.named.served(self.handle)
+            except Exception:  # noqa: BLE001 - the reply is made: housekeeping never fails it
+                log.exception("the states clients named could not be bounded after a request on %r", self.handle.id)
+
+
+class NamedStates:
+    """The states this server's clients named (`X-Hibana-State`, `user`), least recently used
+    first. Once a request on one ends, past `limit` the least recently used idle ones are closed
+    (`StateRegistry.put_away`: written to the engine's state_dir first where it has one, so that
+    a client naming one again finds its history); one in use is kept. States the engine made for
+    calls that named none have their own bound (`max_unnamed_states`); states opened in process
+    are not counted. A request costs a move to the end of an ordered dict: no scan."""
+
+    def __init__(self, engine: "Engine", limit: int) -> None:
+        self.registry, self.limit = engine.registry, limit
+        self._order: "OrderedDict[str, StateHandle]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def holds(self, state_id: str) -> bool:
+        return state_id in self._order
+
+    def in_process(self, state_id: str) -> bool:
+        """Before a request naming `state_id` leases it: whether it is open but not of a client's naming."""
+        with self._lock:
+            return state_id not in self._order and self.registry.is_open(state_id)
+
+    def drop(self, state_id: str) -> None:
+        with self._lock:
+            self._order.pop(state_id, None)
+
+    def served(self, handle: "StateHandle") -> None:
+        """A request on `handle`, the state its client named, has ended and let it go."""
+        if handle.closed or self.registry.is_unnamed(handle):
+            return
+        with self._lock:
+            self._order[handle.id] = handle
+            self._order.move_to_end(handle.id)
+        kept = 0  # in use: put back at the end
+        while True:
+            with self._lock:
+                if len(self._order) <= self.limit or kept >= len(self._order):
+                    return
+                state_id, oldest = self._order.popitem(last=False)
+            if oldest.closed or self.registry.put_away(oldest):
+                log.debug("state %r closed: more than --max-named-states=%d states named by clients", state_id,
+                          self.limit)
+                continue
+            kept += 1
+            with self._lock:  # in use (or not written): kept, as used now
+                self._order.setdefault(state_id, oldest)
 
 
 def result_in(batch: list[ChatDelta], result: turn.ChatResult | None = None) -> turn.ChatResult | None:
@@ -599,6 +698,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     parser.add_argument("--state-dir", help="folder where named states (X-Hibana-State) persist across "
                         "restarts: written when the server stops, found again by id after it starts")
+    parser.add_argument("--max-named-states", type=state_count, default=ServerConfig.max_named_states, metavar="N",
+                        help="states named by clients (X-Hibana-State, user) kept open between requests; past N "
+                             "the least recently used idle ones are closed, written to --state-dir first where "
+                             "given (a request naming one again resumes its history), else forgotten (default "
+                             "%(default)s; 0: none kept between requests). DELETE /v1/hibana/states/ID forgets one")
     parser.add_argument("--memory-budget", type=_number_or_text, help="the engine's memory: weights, KV and workspace in bytes "
                         "(\"20GB\") or a fraction of the device (\"80%%\"); unified memory keeps headroom for the OS")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -621,6 +725,17 @@ def port_number(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {port}")
     return port
+
+
+def state_count(text: str) -> int:
+    """--max-named-states: a whole number >= 0, refused at parsing."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"a number of states is 0 or more, got {count}")
+    return count
 
 
 def _json_or_text(text: str) -> Any:
@@ -689,7 +804,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sock = None
     try:
         config = ServerConfig(args.served_model_name or args.model, args.api_key, args.max_body_bytes,
-                              args.max_tokens_limit, args.request_timeout, args.shutdown_timeout)
+                              args.max_tokens_limit, args.request_timeout, args.shutdown_timeout,
+                              args.max_named_states)
         sock = bind(args.host, args.port)  # before the load: an address in use is said at once
         engine = Engine.from_pretrained(args.model, **engine_options(args))
     except HibanaError as exc:
