@@ -70,7 +70,7 @@ logger = logging.getLogger("hibana.engine")
 
 # Engines that `Engine.shared` made, while anything uses them; the most recently asked for stay
 # alive even unused, so a framework object made anew per call still finds its agents' KV.
-_SHARED: "weakref.WeakValueDictionary[tuple, Engine]" = weakref.WeakValueDictionary()
+_SHARED: "weakref.WeakValueDictionary[str, Engine]" = weakref.WeakValueDictionary()
 _SHARED_RECENT: "collections.deque[Engine]" = collections.deque(maxlen=2)
 _SHARED_LOCK = threading.Lock()
 
@@ -395,14 +395,15 @@ class Engine:
 
     @classmethod
     def shared(cls, model: str | os.PathLike = "demo", **overrides) -> "Engine":
-        """One engine per (model, overrides) per process: what adapters use, so several chat
+        """One engine per model and options (as parsed) per process: what adapters use, so several chat
         model objects on one checkpoint share weights, KV pool and step loop. An engine lives
         while an object uses it, the two most recently asked for also while none does."""
-        key = (str(model), tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        config = EngineConfig.from_overrides(str(model), **overrides)
+        key = repr(config)  # the parsed options: speculation=False and "off", or a dict in any key order, share one
         with _SHARED_LOCK:
             engine = _SHARED.get(key)
             if engine is None or engine.core.closed:
-                engine = _SHARED[key] = cls.from_pretrained(model, **overrides)
+                engine = _SHARED[key] = cls(config)
             if engine in _SHARED_RECENT:
                 _SHARED_RECENT.remove(engine)
             _SHARED_RECENT.append(engine)  # one pushed out closes once nothing else uses it

@@ -30,7 +30,7 @@ from hibana_core import SamplingParams
 from hibana_core.errors import ConfigError
 from hibana_plugins.manager import PluginWarning
 from hibana_core.speculation import force_outputs
-from spec_drafters import BrokenDrafter, OracleDrafter, ProposeOnly, registered, registered_as_is
+from spec_drafters import BrokenDrafter, FixedDrafter, OracleDrafter, ProposeOnly, registered, registered_as_is
 from tiny_models import (ARCHS, VOCAB_SIZE, assert_greedy_matches, hf_greedy, make_tiny_checkpoint,
                          random_tokens)
 
@@ -345,6 +345,38 @@ def test_a_broken_plugin_drafter_costs_speed_only(tiny_checkpoints, make_engine)
     assert stats.draft_tokens_proposed > 0, "the valid prefix of past_vocab's proposals was drafted"
     errors = stats.speculation["drafter_errors"]
     assert errors["raising"] > 1 and set(errors) == {"raising", "past_vocab", "negative"}, errors  # finished raised
+
+
+class _BrokenOptionals(FixedDrafter):
+    """Drafts fine; its optional `summary`, `resident_bytes` and `close` raise."""
+
+    def summary(self) -> dict:
+        raise RuntimeError("a drafter bug in summary")
+
+    def resident_bytes(self) -> int:
+        raise RuntimeError("a drafter bug in resident_bytes")
+
+    def close(self) -> None:
+        raise RuntimeError("a drafter bug in close")
+
+
+def test_a_drafter_whose_optional_calls_raise_fails_no_engine_call(tiny_checkpoints, make_engine):
+    """A plugin drafter's `summary`, `resident_bytes` or `close` that raises is skipped, counted
+    and warned of, as one in `propose` is: before, engine.stats() and engine.memory() raised its
+    RuntimeError, and engine.close() stopped there (the model and the KV cache not freed)."""
+    path = tiny_checkpoints["llama"]
+    with registered(broken=_BrokenOptionals(tokens=[5, 6])):
+        engine = make_engine(path, speculation={"method": "broken", "k": 2})
+    history = random_tokens(random.Random(23), 20)
+    engine.open_state("a").generate(greedy(6, speculation={"method": "ngram", "k": 2}), prompt=history)
+    assert_greedy_matches(path, history, engine.open_state("b").generate(greedy(6), prompt=history).token_ids)
+    with pytest.warns(PluginWarning, match=r"drafter 'broken' raised in summary: .*its summary\(\) is skipped"):
+        figures = engine.stats().speculation
+    assert set(figures["drafters"]) == {"ngram"} and figures["drafter_errors"] == {"broken": 1}, figures
+    assert "draft_model" not in engine.memory()["device"]
+    errors = engine.scheduler.speculation.drafter_errors
+    engine.close()
+    assert errors["broken"] == 3 and engine.model is None and engine.kv_cache is None
 
 
 def test_a_drafter_object_with_only_propose_is_used_as_it_is(tiny_checkpoints, make_engine):

@@ -485,6 +485,24 @@ def test_shared_engines_are_one_per_model_and_options(tiny_checkpoints):
         Engine.shared(path, device="cpu", num_blocks=64, progress=False).close()
 
 
+def test_shared_engines_are_one_per_meaning_of_the_options(tiny_checkpoints):
+    """Options that mean the same engine find it: speculation False and "off", a dict in another
+    key order (two adapters' engine_kwargs); before, each loaded the model again."""
+    from hibana_core import Engine
+
+    path = str(tiny_checkpoints["qwen3"])
+    options = dict(device="cpu", num_blocks=64, progress=False)
+    off = Engine.shared(path, speculation=False, **options)
+    ngram = Engine.shared(path, speculation={"method": "ngram", "k": 3}, **options)
+    try:
+        assert Engine.shared(path, speculation="off", **options) is off
+        assert Engine.shared(path, **options, speculation={"k": 3, "method": "ngram"}) is ngram
+        assert ngram is not off
+    finally:
+        off.close()
+        ngram.close()
+
+
 def test_without_prefix_caching_states_share_nothing(tiny_checkpoints, make_engine):
     engine = make_engine(tiny_checkpoints["llama"], enable_prefix_caching=False)
     system = list(range(1, 65))

@@ -260,8 +260,9 @@ class Speculator:
 
     def _drafter_failed(self, method: str, call: str, exc: Exception) -> None:
         if not self.drafter_errors[method]:
-            warnings.warn(f"Hibana drafter {method!r} raised in {call}: {exc!r}; its requests decode "
-                          "without its drafts (output is unchanged)", PluginWarning, stacklevel=2)
+            skipped = "its requests decode without its drafts" if call == "propose" else f"its {call}() is skipped"
+            warnings.warn(f"Hibana drafter {method!r} raised in {call}: {exc!r}; {skipped} (output is unchanged)",
+                          PluginWarning, stacklevel=2)
         self.drafter_errors[method] += 1
 
     @staticmethod
@@ -340,21 +341,30 @@ class Speculator:
         except Exception as exc:  # noqa: BLE001 - as in `_propose`: a drafter's bug costs speed only
             self._drafter_failed(config.method, "finished", exc)
 
+    def _optional(self, method: str, call: str) -> Any:
+        """A drafter's optional `call()` (`summary`, `resident_bytes`, `close`), or None where it
+        has none or it raised: a plugin's bug there fails no engine call (`stats`, `memory`,
+        `close`), as one in `propose` fails no step."""
+        bound = getattr(self._drafters[method], call, None)
+        try:
+            return None if bound is None else bound()
+        except Exception as exc:  # noqa: BLE001 - as in `_propose`
+            self._drafter_failed(method, call, exc)
+            return None
+
     def resident_bytes(self) -> int:
         """Device bytes the drafters in use hold (a draft model's weights and KV)."""
-        return sum(d.resident_bytes() for d in self._drafters.values() if hasattr(d, "resident_bytes"))
+        return sum(self._optional(method, "resident_bytes") or 0 for method in self._drafters)
 
     def close(self) -> None:
         """The engine closes: drafters that hold memory (a draft model's weights and KV) free it."""
-        for drafter in self._drafters.values():
-            close = getattr(drafter, "close", None)
-            if close is not None:
-                close()
+        for method in self._drafters:
+            self._optional(method, "close")
         self._drafters.clear()
 
     def summary(self) -> dict:
         c = self.counters
-        own = {name: d.summary() for name, d in self._drafters.items() if hasattr(d, "summary")}
+        own = {name: figures for name in self._drafters if (figures := self._optional(name, "summary")) is not None}
         return {
             "default": "off" if not self.default.enabled else
                        ("adaptive" if self.default.k is None else f"k={self.default.k}") + f" ({self.default.method})",
