@@ -208,9 +208,11 @@ def _surgery_run(args: argparse.Namespace, passes: list) -> int:
                     before, after = record["kv_bytes_per_agent"]["32768"]
                     what = f"KV bytes of a 32k-token agent {before / 1e6:,.1f} MB -> {after / 1e6:,.1f} MB"
                 layers = record.get("layers", "?")
-                # window: the indices it switched, of the model's full-attention layers
-                layers = (f"layers {', '.join(map(str, layers))} of {record.get('full_layers_before', '?')} "
-                          "full-attention" if isinstance(layers, list) else f"{layers} layers")
+                # window: how many of the model's full-attention layers it switched, and which
+                # ("layers 2 of 1 full-attention" read as two of one)
+                layers = (f"{len(layers)} of {record.get('full_layers_before', '?')} full-attention layers "
+                          f"(layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))})"
+                          if isinstance(layers, list) else f"{layers} layers")
                 if record.get("experts"):
                     layers += f" and {record['experts']} MoE expert layers"
                 if record.get("lm_head") == "int8":  # w8 / w4: an output head with its own weight
@@ -218,6 +220,8 @@ def _surgery_run(args: argparse.Namespace, passes: list) -> int:
                 asked = record.get("params", {}).get("group_size")
                 if record.get("group_sizes_used") not in (None, [], [asked]):  # w4: where asked does not divide
                     layers += f" (groups of {', '.join(map(str, record['group_sizes_used']))})"
+                if record.get("kept_dense"):  # w4: no even group size divides their inputs
+                    layers += f" ({len(record['kept_dense'])} layers kept dense)"
                 if record.get("experts_kept_float"):  # w4: no even group size divides their inputs
                     layers += f" ({len(record['experts_kept_float'])} MoE expert layers kept float)"
                 print(f"{record['name']}: {layers}, {what}" + (f"; guard: {_guard_figures(record['guard'])}"

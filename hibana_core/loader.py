@@ -178,8 +178,9 @@ def load_from_hf_model(hf_model: torch.nn.Module, device: torch.device, dtype: s
     generation_config = getattr(hf_model, "generation_config", None)
     eos = getattr(generation_config, "eos_token_id", None)
     digest = hashlib.sha256(hf_config.to_json_string().encode()).hexdigest()
-    return _loaded(module, args, hf_config, tokenizer, _as_ids(_config_eos(hf_config) if eos is None else eos),
-                   torch_dtype, f"in-memory:{digest}:{id(hf_model)}")
+    return _loaded(module, args, hf_config, quiet_length_warning(tokenizer),
+                   _as_ids(_config_eos(hf_config) if eos is None else eos), torch_dtype,
+                   f"in-memory:{digest}:{id(hf_model)}")
 
 
 def family_of(model_type: str) -> Any:
@@ -527,8 +528,13 @@ def load_tokenizer(path: Path, hf_config: Any | None = None) -> Any | None:
         tokenizer = AutoTokenizer.from_pretrained(path, **({"config": hf_config} if hf_config is not None else {}))
     except Exception as exc:
         raise CheckpointError(f"cannot load the tokenizer in {path}: {exc}") from exc
-    # transformers warns once that a text longer than model_max_length "will result in indexing
-    # errors": the engine measures contexts itself (a ContextLengthError says so) and cuts nothing
+    return quiet_length_warning(tokenizer)
+
+
+def quiet_length_warning(tokenizer: Any) -> Any:
+    """`tokenizer`, told that it has warned already: transformers warns once that a text longer than
+    model_max_length "will result in indexing errors", while the engine measures contexts itself
+    (a ContextLengthError says so) and cuts nothing, and the guard cuts its texts into documents."""
     warned = getattr(tokenizer, "deprecation_warnings", None)
     if isinstance(warned, dict):
         warned["sequence-length-is-longer-than-the-specified-maximum"] = True

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hibana_core import cli
+from tiny_models import make_tiny_checkpoint
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -176,7 +177,7 @@ def test_surgery_reads_pass_names_with_spaces_and_refuses_empty_ones(tiny_checkp
     assert "w8:" in out and "kv8:" in out, out
 
 
-def test_surgery_prints_what_each_pass_cost_on_stdout(tiny_checkpoints, capsys):
+def test_surgery_prints_what_each_pass_cost_on_stdout(tiny_checkpoints, capsys, tmp_path):
     """The guard's figures with its decision, not the decision alone (the table went to stderr
     only); the window pass's layers as indices, not a Python list followed by "layers"."""
     assert cli.main(["surgery", str(tiny_checkpoints["qwen3"]), "--passes", "w8", "--device", "cpu"]) == 0
@@ -186,7 +187,14 @@ def test_surgery_prints_what_each_pass_cost_on_stdout(tiny_checkpoints, capsys):
     assert cli.main(["surgery", str(tiny_checkpoints["qwen3"]), "--passes", '[{"name": "window", "window": 256, "layers": [1]}]',
                      "--device", "cpu", "--no-guard"]) == 0
     out = capsys.readouterr().out
-    assert "window: layers 1 of 2 full-attention, KV bytes of a 32k-token agent" in out and "[1]" not in out, out
+    assert "window: 1 of 2 full-attention layers (layer 1), KV bytes of a 32k-token agent" in out, out
+    assert "[1]" not in out, out
+    # the layers w4 leaves dense (no even group size divides their 77 inputs) are said, not only counted out
+    odd = make_tiny_checkpoint("llama", tmp_path / "odd", intermediate_size=77)
+    assert cli.main(["surgery", str(odd), "--passes", '[{"name": "w4", "group_size": 64}]', "--device", "cpu",
+                     "--no-guard"]) == 0
+    out = capsys.readouterr().out
+    assert "w4: 9 layers and the output head (int8) (3 layers kept dense), " in out, out
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ import torch
 from hibana_core import SamplingParams
 from hibana_core.errors import ConfigError, StateFileError
 from hibana_core.kv.cache import FP8
+from hibana_core.surgery.passes import WeightQuantPass
 from hibana_kernels import attention
 from tiny_models import ARCHS, _no_stop_config, random_tokens
 
@@ -324,16 +325,19 @@ def test_surgery_checks_its_out_directory_before_loading(tmp_path, capsys, monke
     assert main(["surgery", "demo", "--passes", "w8", "--out", str(blocked), "--no-guard"]) == 2
     assert "cannot make the directory" in capsys.readouterr().err
     monkeypatch.undo()
-    with pytest.raises(ConfigError, match=r"give a list: surgery=\['w8', 'kv8'\]"):
+    with pytest.raises(ConfigError, match=r'give a list: surgery=\["w8", "kv8"\]'):
         hibana_core.Engine.from_pretrained("demo", surgery="w8,kv8", progress=False)
 
 
 def test_a_second_weight_pass_says_the_layers_are_packed_already(tiny_checkpoints, make_engine):
     """w8 then w4 (or w4 on a checkpoint written by w8) said it "found no linear layer it can pack"."""
     path = tiny_checkpoints["qwen3"]
-    for passes, kind in ((["w8", "w4"], "int8"), (["w4", "w8"], "int4")):
-        with pytest.raises(ConfigError, match=f"the linear layers are already {kind}"):
-            make_engine(path, surgery=passes, surgery_guard=False, speculation="off")
+    for first, second in (("w8", "w4"), ("w4", "w8")):  # in one list: refused before the model loads
+        with pytest.raises(ConfigError, match=f"passes '{first}' and '{second}' both rewrite the linear weights"):
+            make_engine(path, surgery=[first, second], surgery_guard=False, speculation="off")
+    packed = make_engine(path, surgery=["w8"], surgery_guard=False, speculation="off")
+    with pytest.raises(ConfigError, match="the linear layers are already int8"):
+        WeightQuantPass(4).refuse(packed.model, {})
 
 
 def test_w4_records_the_group_sizes_it_used(tiny_checkpoints, make_engine):

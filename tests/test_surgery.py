@@ -243,6 +243,15 @@ def test_an_unknown_pass_is_refused_before_the_model_loads(monkeypatch):
         Engine.from_pretrained("demo", surgery=["w8", {"name": "w4", "group_size": 7}], device="cpu")
     with pytest.raises(ConfigError, match=r"w8 takes \['lm_head'\], got \['bogus'\]"):
         Engine.from_pretrained("demo", surgery=[{"name": "w8", "bogus": 1}], device="cpu")
+    with pytest.raises(ConfigError, match=r"kv8 takes no parameters, got \['margin'\]"):
+        Engine.from_pretrained("demo", surgery=[{"name": "kv8", "margin": 4}], device="cpu")
+    # the command line's spelling, with a list `hibana serve --option surgery=...` reads too (JSON)
+    with pytest.raises(ConfigError, match=r"surgery='w8,kv8' is one name; give a list") as refused:
+        Engine.from_pretrained("demo", surgery="w8,kv8", device="cpu")
+    assert json.loads(str(refused.value).split("give a list: surgery=")[1]) == ["w8", "kv8"]
+    # and two weight passes: the second used to be refused only after the guard measured the first
+    with pytest.raises(ConfigError, match=r"passes 'w8' and 'w4' both rewrite the linear weights; give one"):
+        Engine.from_pretrained("demo", surgery=["w8", "kv8", {"name": "w4", "force": True}], device="cpu")
 
 
 def test_the_record_and_fingerprint_hold_the_parameters_in_effect(tiny_checkpoints, make_engine):
@@ -264,6 +273,7 @@ def test_the_record_and_fingerprint_hold_the_parameters_in_effect(tiny_checkpoin
     ([{"name": "w8", "group_size": 64}], r"w8 takes \['lm_head'\], got \['group_size'\]"),
     ([{"name": "w4", "clip": "yes"}], r"clip must be true or false"),
     ([{"name": "w8", "force": "yes"}], r"force must be true or false"),
+    ([{"name": "w4", "clip": True, "bogus": 1, 5: 2}], r"'w4': parameters must be plain data named by strings"),
     ([42], r"a surgery pass is a name"),
     ("", r"a surgery pass is a name"),
     (7, r"surgery must be a list"),
@@ -408,6 +418,20 @@ def test_in_memory_models_take_the_checked_copy_path():
     hf.model.layers[1].mlp.down_proj.weight = torch.nn.Parameter(state["model.layers.1.mlp.down_proj.weight"][:, :-1])
     with pytest.raises(CheckpointError, match=r"down_proj\.weight in the in-memory .* has shape"):
         Engine.from_hf_model(hf, device="cpu", dtype="float32", num_blocks=32, progress=False)
+
+
+def test_the_guard_on_an_in_memory_model_warns_of_no_indexing_errors(tiny_checkpoints, caplog):
+    """The guard encodes texts longer than the tokenizer's model_max_length and cuts them into
+    documents: transformers' "will result in indexing errors" is silenced for a tokenizer given to
+    from_hf_model as for one the loader reads (it was logged there)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tiny_checkpoints["qwen3"]
+    hf, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    with caplog.at_level(logging.WARNING, logger="transformers"):
+        Engine.from_hf_model(hf, tokenizer, device="cpu", dtype="float32", num_blocks=32, progress=False,
+                             speculation="off", surgery=["w8"]).close()
+    assert not [r for r in caplog.records if "indexing errors" in r.getMessage()]
 
 
 # --- the guard -----------------------------------------------------------------------------------

@@ -52,6 +52,8 @@ class SurgeryPass(Protocol):
     # Optional: `refuse(model, params)`, a ConfigError where the pass cannot apply to the model as
     # loaded (already quantized, no layer it takes), changing nothing: every pass's runs before
     # the guard measures the unmodified model, which takes minutes on a large model on a CPU.
+    # Optional: `rewrites`, a str naming what the pass rewrites ("the linear weights"): two passes
+    # of one list that rewrite the same thing are refused before the model loads.
     # Optional: `guard_reach(params) -> int`, the tokens at the start of a text within which the
     # pass changes nothing (a window's span): the guard scores documents that run past it, and
     # refuses the pass unless forced where the model's positions or the text cannot.
@@ -70,11 +72,13 @@ class PassRequest:
             return cls(value)
         if isinstance(value, dict) and isinstance(value.get("name"), str):
             params = {k: v for k, v in value.items() if k != "name"}
-            try:
-                json.dumps(params)
+            try:  # named by strings (a pass sorts and compares its parameters' names)
+                plain = all(isinstance(k, str) for k in params) and bool(json.dumps(params))
             except (TypeError, ValueError):
-                raise ConfigError(f"surgery pass {value['name']!r}: parameters must be plain data, got "
-                                  f"{params!r}") from None
+                plain = False
+            if not plain:
+                raise ConfigError(f"surgery pass {value['name']!r}: parameters must be plain data named by "
+                                  f"strings, got {params!r}")
             return cls(value["name"], params)
         raise ConfigError(f"a surgery pass is a name or {{'name': ..., parameters}}, got {value!r}; "
                           "e.g. surgery=['w8'] or surgery=[{'name': 'w4', 'group_size': 64}]")
@@ -104,7 +108,8 @@ def check_requests(requests: Sequence[PassRequest], passes: dict[str, Any]) -> t
         if request.name not in passes:
             names = [n.strip() for n in request.name.split(",")]
             if len(names) > 1 and all(n in passes for n in names):  # the CLI's spelling
-                raise ConfigError(f"surgery={request.name!r} is one name; give a list: surgery={names!r}")
+                # the list as JSON: Python reads it, and so does `hibana serve --option surgery=...`
+                raise ConfigError(f"surgery={request.name!r} is one name; give a list: surgery={json.dumps(names)}")
             raise ConfigError(f"no surgery pass named {request.name!r} is registered (registered: "
                               f"{', '.join(sorted(passes)) or 'none'}); install the plugin that provides it")
         _check_registered(request.name, passes[request.name])
@@ -116,6 +121,11 @@ def check_requests(requests: Sequence[PassRequest], passes: dict[str, Any]) -> t
         if check is not None:
             params = dict(check(params))
         checked.append(PassRequest(request.name, {**params, **({"force": True} if force else {})}))
+    rewrites = [(r.name, getattr(passes[r.name], "rewrites", None)) for r in checked]
+    for i, (name, what) in enumerate(rewrites):
+        clash = [other for other, theirs in rewrites[:i] if what is not None and theirs == what]
+        if clash:  # the second would refuse only after the guard measured the first
+            raise ConfigError(f"surgery passes {clash[0]!r} and {name!r} both rewrite {what}; give one of them")
     return tuple(checked)
 
 

@@ -32,6 +32,8 @@ def _tensor_bytes(tensors) -> int:
 class WeightQuantPass:
     """Pack the dense linear weights of the decoder layers."""
 
+    rewrites = "the linear weights"  # w8 and w4 in one list: refused before the model loads
+
     def __init__(self, bits: int) -> None:
         self.bits = bits
         # the guard's default floors (hibana_core.surgery.guard): int8 should be all but free
@@ -168,6 +170,12 @@ class KVQuantPass:
         self.floors = {"ppl_ratio": 1.02, "top1_agreement": 0.95}
         self.advice = "keep the KV cache in the model's dtype (leave kv8 out)"
 
+    def check(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The parameters (none), or a ConfigError before the model loads."""
+        if params:
+            raise ConfigError(f"surgery pass kv8 takes no parameters, got {sorted(params)}")
+        return params
+
     def refuse(self, model: "torch.nn.Module", params: dict[str, Any]) -> None:
         """A ConfigError for parameters, a model without attention layers that take KV scales, a
         GPU without fp8, or a KV cache in fp8 already."""
@@ -175,8 +183,7 @@ class KVQuantPass:
 
         from hibana_core.kv.layout import attention_layers
 
-        if params:
-            raise ConfigError(f"surgery pass kv8 takes no parameters, got {sorted(params)}")
+        self.check(params)
         layers = attention_layers(model)
         if not layers:
             raise ConfigError(f"surgery pass kv8 found no attention layer that takes KV scales in "
