@@ -12,7 +12,7 @@ import pytest
 from hibana_core.config import EngineConfig, SamplingParams, SpeculationConfig
 from hibana_core.errors import ConfigError
 from hibana_core.kv.block_pool import BlockPool
-from hibana_core.kv.sequence import KVSequence
+from hibana_core.kv.sequence import KVSequence, common_prefix_len
 from hibana_core.speculation import DraftInput, NgramDrafter, SuffixDrafter
 from hibana_core.speculation.controller import AcceptanceStats, Candidate, Controller, StepCostModel
 from hibana_core.speculation.index import CONTEXT_INDEX_BYTES_PER_TOKEN, LAST_SEEN_BYTES_PER_TOKEN
@@ -71,7 +71,7 @@ def test_suffix_drafter_stops_on_low_score_contexts():
     assert draft == x[10:12], "drafts up to the split, not into it"
 
 
-def test_suffix_index_catches_up_incrementally_and_is_rebuilt_after_edits():
+def test_suffix_index_catches_up_incrementally_and_is_rewound_or_rebuilt_after_edits():
     pool = BlockPool(64, 16)
     seq = KVSequence(pool, lambda src, dst: None)
     rng = random.Random(4)
@@ -96,18 +96,18 @@ def test_suffix_index_catches_up_incrementally_and_is_rebuilt_after_edits():
     assert index() is first and extended == [5], "the index takes only the appended tokens"
     assert first.num_tokens == len(seq.tokens)
 
-    # truncate (an edit): the index forgets x's first occurrence
+    # truncate (an edit): the index forgets x's second occurrence, undoing its 5 tokens
     seq.trim(len(x) + len(y))
     seq.append(y[:6])
     assert seq.edits == 1 and len(seq.tokens) > first.num_tokens - 5
     assert drafter.propose(state(), 3) == y[6:9]
-    assert index() is not first
+    assert index() is first and extended == [5, 6], "rewound, then caught up with the new tokens"
     # a sync to a history of the same length but other tokens: rebuilt, not served stale
     z = distinct(rng, len(seq.tokens))
     seq.set_tokens(z)
     assert seq.edits == 2
     assert drafter.propose(state(), 3) == []
-    assert index().num_tokens == len(z)
+    assert index() is not first and index().num_tokens == len(z)
 
 
 # --- the ngram drafter ---------------------------------------------------------------------------
@@ -324,6 +324,169 @@ def test_an_edit_rebuilds_the_index_from_the_last_window_only(make):
     index = drafter.states._entries[key].index
     assert drafter.propose(DraftInput(history[:30], key, 1), 4) == []
     assert drafter.states._entries[key].index is not index
+
+
+def builds(drafter) -> list[int]:
+    """Count the indexes `drafter` builds (fresh states and rebuilds): the list's one item."""
+    count, make = [0], drafter.states._make
+
+    def counting():
+        count[0] += 1
+        return make()
+
+    drafter.states._make = counting
+    return count
+
+
+def normalised(table: dict) -> dict:
+    """A ContextIndex table with each continuation as its (token, count) list, in dict order: a
+    continuation seen once may be a bare int or a {token: 1} dict, which draft alike."""
+    return {key: [(seen, 1)] if type(seen) is int else list(seen.items()) for key, seen in table.items()}
+
+
+def brute_latest(history, start: int, orders) -> tuple[int, int]:
+    """The longest suffix of `history` of `orders` tokens that also ends at an earlier position
+    >= `start` (within an index whose first indexed token is at `start`), and its latest such
+    position, or (0, -1)."""
+    end = len(history)
+    for n in sorted(orders, reverse=True):
+        if n > end:
+            continue
+        suffix = history[end - n:]
+        for at in range(end - 1, max(start, n) - 1, -1):
+            if history[at - n:at] == suffix:
+                return n, at
+    return 0, -1
+
+
+@pytest.mark.parametrize("make", BOUNDED, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("seed, vocab", [(11, 6), (12, 40)])
+def test_an_edit_within_the_newest_generation_is_undone_as_a_fresh_build_would_index(make, seed, vocab):
+    """Random edits of a history with repeats: after each, the index (rewound, or rebuilt when the
+    edit reaches into the older generation) is the one a fresh build over its window gives, and
+    so are the drafts (the ngram index may have forgotten a context's earlier occurrences along
+    with a dropped latest one: it holds a subset of a fresh index's entries, all exact)."""
+    w = 64
+    rng = random.Random(seed)
+    drafter, key = make(state_window=w), Key()
+    built = builds(drafter)
+    history = semi_repetitive(rng, 3 * w + 17, vocab)
+    grown(drafter, history, key, step=13)
+    version, rewound, rebuilt = 0, 0, 0
+    for step in range(150):
+        index = drafter.states._entries[key].index
+        kind = rng.choices(range(6), [20, 20, 20, 10, 4, 26])[0]
+        cut, added = len(history), semi_repetitive(rng, rng.randint(0, 40), vocab)
+        if kind == 0:  # drop a tail of 1..50 tokens
+            cut, added = len(history) - rng.randint(1, 50), []
+        elif kind == 1:  # drop a tail, then other tokens
+            cut = len(history) - rng.randint(1, 50)
+        elif kind == 2:  # anywhere in the newest generation (its seed kept)
+            cut = rng.randint(index.starts[-1], len(history))
+        elif kind == 3:  # into the older generation, or the newest's seed
+            cut = rng.randint(index.bases[0], max(index.bases[0], index.starts[-1] - 1))
+        elif kind == 4:  # shorter than the seed
+            cut = rng.randint(0, index.seed - 1)
+        else:  # appended only: no edit
+            added = semi_repetitive(rng, rng.randint(1, w), vocab)
+        cut = max(0, cut)
+        if kind != 5 and added and cut < len(history) and added[0] == history[cut]:
+            added[0] = vocab + rng.randrange(3)  # a token the edit really changes
+        before, history = history, history[:cut] + added
+        version += kind != 5
+        state = DraftInput(history, key, version)
+        counted = built[0]
+        drafts = [drafter.propose(state, k) for k in (1, 4, 8)]
+        index = drafter.states._entries[key].index
+        rebuilt += built[0] > counted
+        rewound += kind != 5 and built[0] == counted
+        assert index.num_tokens == len(history) and index.tokens == history[index.bases[0]:]
+        assert drafter.states._total == drafter.summary()["indexed_tokens"] == index.indexed <= 2 * w
+
+        fresh = drafter.states._make()  # a fresh build over the same window
+        fresh.skip_to(history, index.starts[0])
+        fresh.extend(history[index.starts[0]:])
+        assert (fresh.bases, fresh.starts, fresh.tokens) == (index.bases, index.starts, index.tokens), step
+        same = common_prefix_len(before, history)
+        for ours, theirs, base in zip(index.generations, fresh.generations, index.bases):
+            assert ours.num_tokens == theirs.num_tokens  # (a rolled one's prefix hashes start elsewhere)
+            for table, table_fresh in zip(ours.tables, theirs.tables):
+                if make is SuffixDrafter:
+                    assert normalised(table) == normalised(table_fresh), step
+                else:  # a subset, exact; what it lacks last occurred before the edit
+                    assert table.items() <= table_fresh.items(), step
+                    assert all(base + at < same for key_, at in table_fresh.items() if key_ not in table)
+        other = make(state_window=w)
+        other.states._entries[key] = type(drafter.states._entries[key])(version, fresh, 0)
+        fresh_drafts = [other.propose(state, k) for k in (1, 4, 8)]
+        if make is SuffixDrafter:
+            assert drafts == fresh_drafts, step
+        else:
+            n, at = brute_latest(history, index.starts[0], fresh.orders)
+            assert fresh.latest(len(history)) == (n, at), step
+            assert fresh_drafts == [history[at:at + k] if n else [] for k in (1, 4, 8)]
+            got_n, got_at = index.latest(len(history))
+            assert got_n <= n and (got_n == 0 or history[got_at - got_n:got_at] == history[-got_n:]), step
+            assert got_n == 0 or index.starts[0] <= got_at < len(history)
+            assert drafts == [history[got_at:got_at + k] if got_n else [] for k in (1, 4, 8)]
+    assert rewound > 30 and rebuilt > 20, (rewound, rebuilt)
+
+
+@pytest.mark.parametrize("make", BOUNDED, ids=lambda c: c.__name__)
+def test_an_edit_near_the_end_rewinds_the_index_and_an_older_one_rebuilds_it(make):
+    w = 64
+    rng = random.Random(13)
+    drafter, key = make(state_window=w), Key()
+    built = builds(drafter)
+    x, history = distinct(rng, 20), distinct(rng, 3 * w)
+    history = history[:w + 10] + x + history[w + 10:2 * w + 20]
+    grown(drafter, history, key, step=8)
+    index = drafter.states._entries[key].index
+    assert built == [1] and index.starts == [w, 2 * w]
+    # the last turn's reasoning dropped and its answer re-rendered: undone, not rebuilt
+    history = history[:-20] + x[:8]
+    assert drafter.propose(DraftInput(history, key, 1), 4) == x[8:12]
+    assert built == [1] and drafter.states._entries[key].index is index
+    assert drafter.summary()["indexed_tokens"] == index.indexed == len(history) - w
+    # the same version with a shorter history is an edit too
+    history = history[:-8]
+    assert drafter.propose(DraftInput(history, key, 1), 4) == []
+    assert built == [1] and index.num_tokens == len(history)
+    # back to the newest generation's first token: it is dropped, the next token starts another
+    history = history[:2 * w]
+    drafter.propose(DraftInput(history, key, 2), 4)
+    assert built == [1] and index.starts == [w] and index.indexed == w
+    history = history + x
+    drafter.propose(DraftInput(history, key, 2), 4)
+    assert built == [1] and index.starts == [w, 2 * w]
+    # an edit in the older generation (or the newest's seed): rebuilt from the last window
+    for cut in (2 * w - 1, w + 10):
+        history = history[:cut] + distinct(rng, 20, 20_000, 30_000)
+        drafter.propose(DraftInput(history, key, cut), 4)
+        assert drafter.states._entries[key].index is not index and built[0] > 1
+        index = drafter.states._entries[key].index
+        assert index.starts == [max(0, len(history) - w)]
+        drafter.propose(DraftInput(history + x, key, cut), 4)  # an append rolls: two generations
+        index, history = drafter.states._entries[key].index, history + x
+
+    # an edit in the newest generation that undoes more than a rebuild indexes: rebuilt
+    key, history = Key(), distinct(rng, 50)
+    drafter.propose(DraftInput(history, key, 0), 4)
+    count = built[0]
+    drafter.propose(DraftInput(history[:45] + x[:2], key, 1), 4)
+    assert built[0] == count, "5 undone and 2 indexed: cheaper than indexing 47"
+    drafter.propose(DraftInput(history[:5] + x[:2], key, 2), 4)
+    assert built[0] == count + 1, "45 undone: dearer than indexing 7"
+    # nor is a rebuilt index (one generation, from a window back) left to cover under half a window
+    key, history = Key(), distinct(rng, 3 * w)
+    drafter.propose(DraftInput(history, key, 0), 4)
+    assert drafter.states._entries[key].index.starts == [2 * w]
+    count = built[0]
+    drafter.propose(DraftInput(history[:2 * w + 40] + x[:2], key, 1), 4)
+    assert built[0] == count, "40 tokens of the window kept"
+    drafter.propose(DraftInput(history[:2 * w + 20] + x[:2], key, 2), 4)
+    assert built[0] == count + 1, "20 tokens kept: rebuilt from the last window"
+    assert drafter.states._entries[key].index.starts == [2 * w + 22 - w]
 
 
 def test_drafter_summaries_report_what_is_indexed():

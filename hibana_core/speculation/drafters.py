@@ -6,8 +6,10 @@ through the `register_drafters` hook like any plugin's: `register(name, factory)
 `factory(engine) -> Drafter`, or `register(name, drafter)` with the drafter object itself.
 
 Both built-ins keep one index per state, caught up lazily with the tokens appended since their
-last proposal (one table update per token and order: the cost does not grow with the history)
-and rebuilt when the history was edited (a sync that dropped a tail, a truncate). Host memory is
+last proposal (one table update per token and order: the cost does not grow with the history).
+When the history was edited (a sync that dropped a tail, a truncate), the tokens it dropped are
+undone the same way if they all lie in the index's newest generation, else the index is rebuilt
+from the last window (`WindowedIndex.rewind`). Host memory is
 bounded twice: a state's index covers its last `state_window` to `2 * state_window` tokens only
 (generations dropped whole, `WindowedIndex`), and all states' indexes together hold at most
 `max_tokens` tokens (the least recently used states' indexes are dropped whole, and rebuilt from
@@ -65,8 +67,8 @@ class _Entry:
 
 
 class _PerState:
-    """One windowed index per state, caught up with its history on use, rebuilt after edits; all
-    of them together hold at most `max_tokens` indexed tokens.
+    """One windowed index per state, caught up with its history on use, rewound or rebuilt after
+    edits; all of them together hold at most `max_tokens` indexed tokens.
 
     The running total counts what `get` indexed and dropped, not the indexes of states that died
     (they leave the weak dictionary unseen): when it says "over budget" the exact total is taken
@@ -88,7 +90,12 @@ class _PerState:
         self._clock += 1
         entry = self._entries.get(state.key)
         counted = 0 if entry is None else entry.index.indexed
-        if entry is None or entry.version != state.version or entry.index.num_tokens > len(tokens):
+        if entry is not None and (entry.version != state.version or entry.index.num_tokens > len(tokens)):
+            if entry.index.rewind(tokens):
+                entry.version = state.version
+            else:
+                entry = None
+        if entry is None:
             index = self._make()
             index.skip_to(tokens, max(0, len(tokens) - self.window))  # a rebuild takes the last window
             entry = self._entries[state.key] = _Entry(state.version, index, self._clock)

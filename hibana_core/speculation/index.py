@@ -11,12 +11,16 @@ wrong: drafts are verified.
     LastSeenIndex  context -> where it last ended (prompt lookup: copy what followed)
 
 A state's index covers only its recent tokens (`WindowedContextIndex`, `WindowedLastSeenIndex`):
-two generations of `window` tokens each, the older dropped whole when the newer fills.
+two generations of `window` tokens each, the older dropped whole when the newer fills. An edit of
+the history within the newer generation (a dropped tail) is undone token by token (`rewind`), at
+a cost proportional to the tokens dropped, not to the window.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Iterable, Sequence, Union
+
+from hibana_core.kv.sequence import common_prefix_len
 
 Seen = Union[int, dict[int, int]]
 """What followed a context: one token (seen once), or {token: count}."""
@@ -25,7 +29,9 @@ CONTEXT_INDEX_BYTES_PER_TOKEN = 950
 """Host bytes a `ContextIndex` (all `ORDERS`) holds per indexed token, for reports: measured with
 tracemalloc on 4k-36k tokens of random text with 30% copied spans, 820 to 1040 depending on
 where its dicts are in their doubling (about 870 at 200k tokens; less on more repetitive text,
-whose contexts repeat). `nbytes` counts table entries of one index instead."""
+whose contexts repeat). A windowed index adds 8 bytes per token for its copy of the tokens it
+indexed (`WindowedIndex.tokens`), within that spread. `nbytes` counts table entries of one index
+instead."""
 
 LAST_SEEN_BYTES_PER_TOKEN = 550
 """The same for a `LastSeenIndex` of orders 2..8 (the ngram drafter's): 440 to 600 per token on
@@ -47,6 +53,20 @@ def extend_hashes(prefix: list[int], tokens: Iterable[int]) -> None:
     for t in tokens:
         h = (h * _BASE + t + 1) % _MOD
         prefix.append(h)
+
+
+def common_prefix_from(old: list[int], new: Sequence[int], offset: int) -> int:
+    """Length of the longest common prefix of `old` and `new[offset:]`, compared a chunk at a time
+    in C (list comparisons) and halved within the first chunk that differs: a copy of the tokens
+    up to the first difference, no Python loop over them."""
+    new = new if isinstance(new, list) else list(new)  # slices compare equal only between lists
+    count, lo = min(len(old), len(new) - offset), 0
+    while lo < count:
+        hi = min(lo + 4096, count)
+        if old[lo:hi] != new[offset + lo:offset + hi]:
+            return lo + common_prefix_len(old[lo:hi], new[offset + lo:offset + hi])
+        lo = hi
+    return max(0, count)
 
 
 def context_keys(prefix: Sequence[int], end: int, orders: Sequence[int] = ORDERS) -> list[int | None]:
@@ -89,6 +109,29 @@ class ContextIndex:
                 else:
                     seen[t] = seen.get(t, 0) + 1
             hashes.append((hashes[end] * _BASE + t + 1) % _MOD)
+
+    def truncate(self, length: int, dropped: Sequence[int]) -> None:
+        """Forget the tokens indexed from position `length` on (they were `dropped`): the tables
+        become those of an index of the first `length` tokens, but that a continuation seen once
+        may stay a {token: 1} dict (`_best` and `_merge` take it as the bare int). A dict's tokens
+        keep the order of their first occurrence, which breaks ties, as in a fresh index."""
+        hashes = self.hashes
+        assert len(hashes) - 1 - length == len(dropped)
+        for end, t in zip(range(length, len(hashes) - 1), dropped):
+            for n, table in zip(self.orders, self.tables):
+                if n > end:
+                    break
+                key = (hashes[end] - hashes[end - n] * _POW[n]) % _MOD
+                seen = table[key]
+                if type(seen) is int:  # seen once: here
+                    del table[key]
+                elif seen[t] > 1:
+                    seen[t] -= 1
+                elif len(seen) > 1:
+                    del seen[t]
+                else:
+                    del table[key]
+        del hashes[length + 1:]
 
     def continuations(self, prefix: Sequence[int], end: int) -> tuple[int, Seen | None]:
         """The longest indexed context ending at `end` of a stream with prefix hashes `prefix`:
@@ -156,6 +199,21 @@ class LastSeenIndex:
                     table[(hashes[end] - hashes[end - n] * _POW[n]) % _MOD] = end
             hashes.append((hashes[end] * _BASE + t + 1) % _MOD)
 
+    def truncate(self, length: int, dropped: Sequence[int]) -> None:
+        """Forget the tokens indexed from position `length` on (`dropped`, unused: the positions
+        name the entries). A context whose latest occurrence was dropped is forgotten whole, its
+        earlier occurrences with it (the index keeps no history of overwritten positions): that
+        only makes drafts worse, never wrong; every position it still holds is its context's
+        latest occurrence in the first `length` tokens."""
+        hashes = self.hashes
+        for end in range(length, len(hashes) - 1):
+            for n, table in zip(self.orders, self.tables):
+                if n <= end:
+                    key = (hashes[end] - hashes[end - n] * _POW[n]) % _MOD
+                    if table.get(key) == end:
+                        del table[key]
+        del hashes[length + 1:]
+
     def latest(self, end: int) -> tuple[int, int]:
         """Where the longest context ending at `end` (of the indexed stream itself) occurred
         before, as (its length, the position after it), or (0, -1). The context at `end` itself
@@ -183,12 +241,16 @@ class WindowedIndex:
 
         stream            dropped | older: window tokens | newest: up to window tokens
         newest's hashes                           [ seed ]+ one per token it indexed
+        tokens                  [ seed ]+ every token of both generations (for `rewind`)
 
     A new generation starts with the prefix hashes of the stream's last `seed` (the longest
     order) tokens and indexes none of them, so a context that spans the boundary is indexed by
     the new generation and no context twice. A context's hash depends on its tokens alone, so the
     newest generation's prefix hashes (`hashes`) serve lookups in every generation. Positions are
     absolute: the stream's, from its first token, indexed or not.
+
+    An edit of the stream (`rewind`) that keeps the newest generation's seed undoes the entries
+    of the tokens it dropped, in that generation only; an older edit rebuilds the index.
     """
 
     def __init__(self, make: Callable[[], ContextIndex | LastSeenIndex], window: int) -> None:
@@ -201,6 +263,8 @@ class WindowedIndex:
         self.orders = self.generations[0].orders
         self.num_tokens = 0
         """The stream's length (indexed or not)."""
+        self.tokens: list[int] = []
+        """The stream's tokens from `bases[0]` on (the oldest seed, then every indexed token)."""
 
     @property
     def hashes(self) -> list[int]:
@@ -218,9 +282,11 @@ class WindowedIndex:
         assert self.num_tokens == 0, "skip_to starts an empty index"
         seed = history[max(0, start - self.seed):start]
         extend_hashes(self.hashes, seed)
+        self.tokens = list(seed)
         self.bases[0], self.starts[0], self.num_tokens = start - len(seed), start, start
 
     def extend(self, tokens: Sequence[int]) -> None:
+        self.tokens.extend(tokens)
         done, count = 0, len(tokens)
         while done < count:
             room = self.window - (self.num_tokens - self.starts[-1])
@@ -240,7 +306,30 @@ class WindowedIndex:
         self.bases.append(end - fresh.num_tokens)
         self.starts.append(end)
         if len(self.generations) > 2:
+            del self.tokens[:self.bases[1] - self.bases[0]]
             del self.generations[0], self.bases[0], self.starts[0]
+
+    def rewind(self, history: Sequence[int]) -> bool:
+        """After an edit, make this the index of `history` (which `extend` then catches up with)
+        by undoing the tokens it no longer has, if that is cheaper than a rebuild and leaves the
+        index what a rebuild from the same first generation would be; False: rebuild it.
+
+        Undone: the tokens after the longest common prefix of the indexed tokens and `history`,
+        when they all lie in the newest generation (its seed kept), when undoing them and
+        indexing the new ones costs less than indexing a fresh window, and when the index keeps
+        half a window (or the whole history) of tokens that `history` still has."""
+        base, old = self.bases[0], self.tokens
+        same = base + common_prefix_from(old, history, base)
+        if (same < self.starts[-1] or same - self.starts[0] < min(self.window // 2, same)
+                or (self.num_tokens - same) + (len(history) - same) >= min(len(history), self.window)):
+            return False
+        if same < self.num_tokens:
+            self.generations[-1].truncate(same - self.bases[-1], old[same - base:])
+            del old[same - base:]
+            self.num_tokens = same
+            if same == self.starts[-1] and len(self.generations) > 1:  # left empty: the next token rolls
+                del self.generations[-1], self.bases[-1], self.starts[-1]
+        return True
 
 
 class WindowedContextIndex(WindowedIndex):
