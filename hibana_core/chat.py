@@ -102,7 +102,8 @@ class Chat:
         self._efforts: tuple[str, ...] | None = getattr(chat_format, "reasoning_efforts", None)  # levels it reads
         self._always_thinks = bool(getattr(chat_format, "always_thinks", False))  # no switch for thinking
         named = None if tool_parser else getattr(chat_format, "tool_parser", None)  # the format's choice
-        self.parser_name = tool_parser or named or DEFAULT_TOOL_PARSER
+        template = self.template or getattr(engine.tokenizer, "chat_template", None) or ""
+        self.parser_name = tool_parser or named or _template_parser(str(template), vocab)
         try:
             registered = get_plugin_manager().lookup("tool_parser", self.parser_name)
         except PluginError as exc:
@@ -124,7 +125,6 @@ class Chat:
         self._opening: list[str] = []  # what the template writes before a reply (`_reply_opening`), once
         # found: a list that the copies `on` makes share
         self.handle: StateHandle | None = engine.open_state(state_id) if state_id is not None else None
-        template = self.template or getattr(engine.tokenizer, "chat_template", None) or ""
         self.thinks = turn.THINK_CLOSE in str(template)
         """Whether the chat template knows think blocks (a reasoning model): turns are split into
         thinking and answer (`turn.Thinking`)."""
@@ -515,7 +515,8 @@ class Chat:
                params: SamplingParams | None = None, *, lease: bool = False, state_id: str | None = None,
                fallback: bool = False, prefill: str = "", parse_tools: bool = True, tool_choice: Any = "auto",
                parallel_tool_calls: bool = True, guided: bool = True, timeout: float | None = None,
-               reasoning: bool | None = None, reasoning_history: str = "template") -> turn.Open:
+               reasoning: bool | None = None, reasoning_effort: str | None = None,
+               reasoning_history: str = "template") -> turn.Open:
         """How `turn.run` / `turn.arun` start one assistant turn: on this chat's state, or with
         `lease`, on the state `self.lease(messages, state_id, fallback=fallback)` picks (then
         `messages` is the rendered prompt), held until the turn ends.
@@ -532,7 +533,8 @@ class Chat:
         grammar keep it and get no tool-call grammar.
         `parallel_tool_calls=False`: at most one call, in the stream as in the result.
         `timeout`: seconds, checked per token. `reasoning`: the template's `enable_thinking`
-        (messages as dicts; a rendered prompt already says). A reasoning model's thinking comes
+        (messages as dicts; a rendered prompt already says), `reasoning_effort` OpenAI's level, to a
+        template that reads it (gpt-oss's; `render_text`'s `effort`). A reasoning model's thinking comes
         apart from the answer (`ChatResult.reasoning`, `ChatDelta.reasoning`); `reasoning_history`:
         `REASONING_HISTORY`."""
         choice = normalize_tool_choice(tool_choice, normalize_tools(tools))  # options are refused before a lease
@@ -567,7 +569,7 @@ class Chat:
         if isinstance(messages, TokenIds):
             self.prompt_tokens(messages)  # refused before a lease
         elif not isinstance(messages, str):
-            messages = self.render_text(messages, tools, reasoning)
+            messages = self.render_text(messages, tools, reasoning, effort=reasoning_effort)
 
         def open_turn(stack: contextlib.ExitStack) -> "tuple[turn.TurnRun, StateHandle]":
             chat = (stack.enter_context(self.lease(messages, state_id, fallback=fallback,
@@ -653,6 +655,15 @@ def _blamed_on(name: str, parser: Any, what: str) -> Iterator[None]:
         raise
     except Exception as exc:
         raise _parser_failed(name, parser, what, exc) from exc
+
+
+def _template_parser(template: str, vocab: dict) -> str:
+    """The built-in parser of the calls the chat template writes: Llama 3.x's templates write past
+    calls as `{"name": ..., "parameters": ...}` (its tokenizer has `<|python_tag|>`) and no
+    `<tool_call>`; hermes otherwise."""
+    if "<tool_call>" not in template and '"parameters"' in template and "<|python_tag|>" in vocab:
+        return "llama3_json"
+    return DEFAULT_TOOL_PARSER
 
 
 def _parser_failed(name: str, parser: Any, what: str, exc: Exception) -> HibanaError:

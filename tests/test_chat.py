@@ -269,6 +269,12 @@ def test_normalize_tool_choice_spellings():
     assert issubclass(ToolChoiceError, (HibanaError, ValueError))
 
 
+@pytest.mark.parametrize("choice", [{"type": "function"}, {"type": "functon"}, {"mode": "any"}, {}])
+def test_a_tool_choice_dict_naming_no_tool_and_no_mode_is_refused_not_read_as_auto(choice):
+    with pytest.raises(ToolChoiceError, match="names no tool and no mode"):
+        normalize_tool_choice(choice, [WEATHER, MULTIPLY])
+
+
 def test_clean_tool_lays_out_schemas_as_openai_does():
     tool = {"function": {"description": "Save a book.", "name": "Book", "parameters": {
         "description": "A book.", "properties": {"title": {"description": "Its title.", "title": "Title",
@@ -949,3 +955,45 @@ def test_references_that_resolve_and_data_that_looks_like_schemas_pass():
     draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
               "properties": {"a": {"$ref": "#old"}}, "definitions": {"d": {"$id": "#old", "type": "string"}}}
     assert normalize_tools([{"type": "function", "function": {"name": "f", "parameters": draft7}}])
+
+
+LLAMA3_TEMPLATE = """\
+{{- bos_token + "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{%- if tools %}{{- "Environment: ipython\\n" }}
+{%- for t in tools %}{{- t | tojson(indent=4) + "\\n\\n" }}{% endfor %}{% endif %}
+{{- "<|eot_id|>" }}
+{%- for m in messages %}
+{%- if m.tool_calls %}{% set call = m.tool_calls[0].function %}
+{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n{"name": "' + call.name + '", "parameters": ' }}
+{{- call.arguments | tojson + '}<|eot_id|>' }}
+{%- elif m.role == "tool" %}{{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" + m.content + "<|eot_id|>" }}
+{%- else %}{{- "<|start_header_id|>" + m.role + "<|end_header_id|>\\n\\n" + m.content | trim + "<|eot_id|>" }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- "<|start_header_id|>assistant<|end_header_id|>\\n\\n" }}{% endif %}"""
+"""Llama 3.1's template as far as calls go: past calls as {"name": ..., "parameters": ...}."""
+
+
+def test_a_llama3_template_gets_the_llama3_json_parser(engine, tmp_path):
+    """A Llama 3.x checkpoint (model_type "llama", no chat format) writes its calls as its template
+    does, `{"name": ..., "parameters": ...}`, after `<|python_tag|>` or not: the chat layer reads
+    them with llama3_json without being told (hermes read them as text, so `hibana serve` and the
+    adapters, which name no parser, never returned a Llama 3 call); Qwen-style templates keep hermes."""
+    import tiny_models
+
+    path = tiny_models.make_tiny_checkpoint("llama", tmp_path, vocab_size=tiny_models.VOCAB_SIZE + 5)
+    tokenizer = tiny_models.make_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"]})
+    tokenizer.bos_token, tokenizer.chat_template = "<|begin_of_text|>", LLAMA3_TEMPLATE
+    tokenizer.save_pretrained(path)
+    assert Chat(engine).parser_name == "hermes"
+    with tiny_models.open_engine(path) as llama:
+        chat = Chat(llama)
+        assert chat.parser_name == "llama3_json"
+        for output in ('{"name": "get_weather", "parameters": {"city": "Paris"}}',
+                       '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}'):
+            result = chat.on(ScriptedHandle([output])).respond(HELLO, [WEATHER])
+            assert [(c.name, c.arguments) for c in result.tool_calls] == [("get_weather", {"city": "Paris"})]
+            assert result.finish_reason == "tool_calls" and result.text == ""
+        assert Chat(llama, tool_parser="hermes").parser_name == "hermes"

@@ -672,6 +672,28 @@ def test_a_requests_reasoning_effort_reaches_the_harmony_template(harmony_engine
     assert text.startswith(f"<|start|>system<|message|>Reasoning: {written}<|end|>")
 
 
+def test_a_chat_turn_takes_reasoning_effort(harmony_engine, monkeypatch):
+    """`engine.chat(id).respond(..., reasoning_effort="high")` renders the level as the server does
+    (a turn had no such option: a ConfigError, so the chat layer's users could not set gpt-oss's
+    effort), and a level gpt-oss lacks is refused before the state changes."""
+    from hibana_core import SamplingParams
+    from hibana_core.errors import ConfigError
+
+    monkeypatch.setattr(harmony_engine.tokenizer, "chat_template", EFFORT_TEMPLATE)
+    chat = harmony_engine.chat("effort")
+    try:
+        chat.respond([{"role": "user", "content": "hi"}], params=SamplingParams(max_tokens=1),
+                     reasoning_effort="high")
+        text = harmony_engine.tokenizer.decode(chat.handle.tokens, skip_special_tokens=False)
+        assert text.startswith("<|start|>system<|message|>Reasoning: high<|end|>")
+        held = chat.handle.tokens
+        with pytest.raises(ConfigError, match="'minimal' is no level"):
+            chat.respond([{"role": "user", "content": "hi"}], reasoning_effort="minimal")
+        assert chat.handle.tokens == held
+    finally:
+        chat.handle.close()
+
+
 @pytest.mark.parametrize("request_, refused", [
     (dict(reasoning_effort="none"), "always reasons; its thinking cannot be switched off .*'low'"),
     (dict(chat_template_kwargs={"enable_thinking": False}), "always reasons"),
