@@ -159,7 +159,16 @@ class StateRegistry:
         if saved.state_id != state_id:
             raise StateFileError(f"{path} holds state {saved.state_id!r}, not {state_id!r}; remove the file "
                                  "or open that id")
+        self._check_saved_length(saved, path, f" (or remove it to open {state_id!r} afresh)")
         return self._in_this_pool(saved)
+
+    def _check_saved_length(self, saved: state_file.SavedState, path: Path, advice: str = "") -> None:
+        """A ContextLengthError where a saved history is longer than this engine's context (an
+        engine of a shorter max_model_len): the file is sound, and shortening is no remedy."""
+        if len(saved.tokens) > self.limits.max_model_len:
+            raise ContextLengthError(
+                f"{path} holds a history of {len(saved.tokens)} tokens, more than this engine's context of "
+                f"{self.limits.max_model_len}; open it in an engine with max_model_len >= {len(saved.tokens)}{advice}")
 
     def _resume(self, seq: KVSequence, saved: state_file.SavedState, path: Path) -> None:
         """Fill `seq` from its persisted state: its KV parked in the host tier (copied to the
@@ -294,7 +303,7 @@ class StateRegistry:
             return None
         with self.lock:
             entries = list(self._entries.values())
-            taken = set(self._leased) | {id(r.seq) for r in self.core.scheduler.requests()}
+            taken = set(self._leased) | self._busy()
         best, best_len = None, 0
         for entry in entries:
             tokens = entry.seq.tokens
@@ -316,9 +325,16 @@ class StateRegistry:
         same = common_prefix_len(tokens, token_ids)
         return same if same >= min_shared * len(tokens) else 0
 
-    def _taken(self, entry: _Entry) -> bool:
-        """Held by a call (leased) or generating: not to be handed to another call."""
-        return entry.handle.id in self._leased or self.core.scheduler.busy(entry.seq)
+    def _taken(self, entry: _Entry, busy: set[int] | None = None) -> bool:
+        """Held by a call (leased) or generating: not to be handed to another call. `busy`: the
+        `_busy()` of a caller that asks of many states (one look at the requests, not one a state)."""
+        if entry.handle.id in self._leased:
+            return True
+        return id(entry.seq) in busy if busy is not None else self.core.scheduler.busy(entry.seq)
+
+    def _busy(self) -> set[int]:
+        """id() of the sequences that requests (running or queued) are on."""
+        return {id(r.seq) for r in self.core.scheduler.requests()}
 
     @contextmanager
     def lease(self, token_ids: Sequence[int] = (), state_id: str | None = None, *,
@@ -369,7 +385,8 @@ class StateRegistry:
 
     def _close_unnamed(self, keep: int) -> None:
         """Close the least recently used idle states that `lease` named, all but `keep`."""
-        idle = sorted((e for e in self._entries.values() if e.unnamed and not self._taken(e)),
+        busy = self._busy()
+        idle = sorted((e for e in self._entries.values() if e.unnamed and not self._taken(e, busy)),
                       key=lambda e: e.last_use)
         for entry in idle[:max(0, len(idle) - keep)]:
             logger.debug("closing idle state %s: more than max_unnamed_states=%d states made for calls "
@@ -377,10 +394,11 @@ class StateRegistry:
             self.close_state(entry.handle)
 
     def infos(self) -> list[StateInfo]:
-        with self.lock:
+        with self.lock:  # the requests looked at once, not once a state (a server's /metrics lists thousands)
+            busy = self._busy()
             return [StateInfo(e.handle.id, len(e.seq), min(e.seq.num_computed, len(e.seq)),
                               e.seq.num_blocks, _tier(e.seq),
-                              e.last_use, self.core.scheduler.busy(e.seq), e.use.pinned_at is not None,
+                              e.last_use, id(e.seq) in busy, e.use.pinned_at is not None,
                               e.use.priority)
                     for e in self._entries.values()]
 
@@ -400,8 +418,9 @@ class StateRegistry:
 
     def idle_sequences(self) -> list[KVSequence]:
         """Sequences holding KV and serving no request, first to evict first (the policy's order)."""
+        busy = self._busy()
         idle = [(e.seq, e.use, e.seq.num_blocks) for e in self._entries.values()
-                if e.seq.num_blocks and not self.core.scheduler.busy(e.seq)]
+                if e.seq.num_blocks and id(e.seq) not in busy]
         pin_blocks = int(self.config.pin_budget * self.core.scheduler.pool.num_blocks)
         return retention_order(self.policy, idle, time.monotonic(), pin_blocks)
 
@@ -629,8 +648,10 @@ class StateRegistry:
         with self.lock:  # the file is read without the lock, against the cache as it was (close drops it)
             self._check_open()
             cache = self.kv_cache
-        saved = self._in_this_pool(state_file.read(state_file.as_path(path), self.limits.fingerprint,
-                                                   cache.data.shape, cache.dtype, cache.layout))
+        path = state_file.as_path(path)
+        saved = self._in_this_pool(state_file.read(path, self.limits.fingerprint, cache.data.shape, cache.dtype,
+                                                   cache.layout))
+        self._check_saved_length(saved, path)
         tokens = self._validate(saved.tokens)
         with self.lock:
             self._check_open()

@@ -217,6 +217,30 @@ def test_a_state_emptied_before_a_restart_comes_back_empty(tiny_checkpoints, mak
     assert [len(engine.open_state(name)) for name in ("synced", "truncated", "kept")] == [0, 0, 40]
 
 
+def test_a_saved_history_longer_than_the_context_says_how_to_open_it(tiny_checkpoints, make_engine, tmp_path):
+    """A state kept (or saved) by an engine of a longer context, opened in one of a shorter
+    max_model_len: the advice was "shorten the history (the state is unchanged)", which a
+    caller who cannot open the state cannot follow; it names the context the file needs."""
+    from hibana_core import ContextLengthError
+
+    path = tiny_checkpoints["llama"]
+    engine = make_engine(path, state_dir=tmp_path / "states")
+    h = engine.open_state("long")
+    h.sync(list(range(5, 205)))
+    h.save(tmp_path / "long.state")
+    engine.close()
+    engine = make_engine(path, state_dir=tmp_path / "states", max_model_len=128)
+    with pytest.raises(ContextLengthError, match=r"200 tokens, more than this engine's context of 128; open it "
+                                                 r"in an engine with max_model_len >= 200 \(or remove it"):
+        engine.open_state("long")
+    with pytest.raises(ContextLengthError, match=r"long\.state holds a history of 200 tokens.*max_model_len >= 200"):
+        engine.load_state(tmp_path / "long.state", state_id="other")
+    assert {info.id for info in engine.states()} == set()
+    engine.close()
+    engine = make_engine(path, state_dir=tmp_path / "states")
+    assert len(engine.open_state("long")) == 200  # the file was left as it was
+
+
 def test_a_stored_state_is_neither_replaced_by_a_fork_or_load_nor_removed_by_another_engine(
         tiny_checkpoints, make_engine, tmp_path):
     """An outside tester: forking (or loading a file) onto the id of a state kept in state_dir but
@@ -747,6 +771,29 @@ def test_a_step_does_not_look_at_every_parked_state(tiny_checkpoints, make_engin
     runner.generate(SamplingParams(max_tokens=30, ignore_eos=True))
     steps = engine.stats().steps - steps
     assert steps >= 30 and looked < 5 * steps, f"{looked} looks at states' blocks in {steps} steps, {parked} parked"
+
+
+def test_listing_the_states_looks_at_the_requests_once(tiny_checkpoints, make_engine, monkeypatch):
+    """`states()` and `memory()` (a server's /metrics, GET /v1/hibana/states) run under the
+    engine's lock: each state's busy flag must not scan every queued request again (3,000 states
+    and 1,000 queued requests held the step loop 150 ms a listing)."""
+    engine = make_engine(tiny_checkpoints["llama"], num_blocks=24, speculation="off")
+    rng = random.Random(15)
+    for i in range(40):
+        engine.open_state(f"listed-{i}").sync(random_tokens(rng, 4))
+    scheduler, scans = engine.core.scheduler, []
+    requests = scheduler.requests
+
+    def counted():
+        scans.append(1)
+        return requests()
+
+    monkeypatch.setattr(scheduler, "requests", counted)
+    with engine.core.lock:  # no step meanwhile
+        assert len(engine.states()) == 40 and len(scans) == 1
+        assert len(engine.memory()["states"]) == 40 and len(scans) == 2
+        engine.registry.idle_sequences()
+        assert len(scans) == 3
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])

@@ -139,7 +139,8 @@ class HostTier:
         self.reserve = PinnedReserve(budget_bytes) if self.pinned else None  # pinned off the step loop
         self._parked: OrderedDict[int, weakref.ref] = OrderedDict()  # id(seq) -> seq, least recent first
         self._bytes: dict[int, tuple[int, int]] = {}  # host copies: (their tensor's address, bytes held)
-        self._spilled: dict[int, tuple[weakref.ref, int]] = {}  # id(seq) -> (seq, bytes on disk)
+        # id(seq) -> (seq, its file's first path: hard links of a fork's share it, bytes on disk)
+        self._spilled: dict[int, tuple[weakref.ref, Path, int]] = {}
         self._files = itertools.count()
         self._restoring: int | None = None  # id(seq) of the state being restored: its copy stays
         self._depth = 0  # `_timed` calls in progress
@@ -158,7 +159,8 @@ class HostTier:
 
     @property
     def disk_bytes_used(self) -> int:
-        return sum(size for _, size in self._spilled.values())
+        """Disk the spill files take: a file a fork hard-links counted once."""
+        return sum({file: size for _, file, size in self._spilled.values()}.values())
 
     def destination(self, seq: KVSequence) -> str:
         """Where `park(seq)` would put its KV: "host", "disk", or "drop" (no copy it can take)."""
@@ -397,7 +399,7 @@ class HostTier:
             os.link(parked.path, path)
         except OSError:
             return
-        self._track_spill(twin, dataclasses.replace(parked, kv=None, path=path))
+        self._track_spill(twin, dataclasses.replace(parked, kv=None, path=path), self._spilled[id(seq)][1])
 
     def _spill(self, seq: KVSequence, parked: ParkedKV) -> bool:
         """Write a host copy to a spill file and make that `seq`'s parked copy. False (nothing
@@ -421,11 +423,11 @@ class HostTier:
         c.disk_seconds += time.perf_counter() - began
         return True
 
-    def _track_spill(self, seq: KVSequence, parked: ParkedKV) -> None:
+    def _track_spill(self, seq: KVSequence, parked: ParkedKV, file: Path | None = None) -> None:
         seq.parked = parked
         key = id(seq)
         self._spilled[key] = (weakref.ref(seq, lambda _, p=parked.path, key=key, owner=weakref.ref(self):
-                                          _gone(owner, key, p)), parked.size)
+                                          _gone(owner, key, p)), file or parked.path, parked.size)
 
     def forget(self, seq: KVSequence) -> None:
         """Drop `seq`'s parked copy, if any (its spill file too)."""
@@ -459,7 +461,7 @@ class HostTier:
     def close(self) -> None:
         """Drop every parked copy, spill files included, and the cache (the engine closes; named
         states were written to `state_dir` before)."""
-        for ref in [*self._parked.values(), *(ref for ref, _ in self._spilled.values())]:
+        for ref in [*self._parked.values(), *(ref for ref, _, _ in self._spilled.values())]:
             seq = ref()
             if seq is not None:
                 self.forget(seq)
