@@ -818,3 +818,23 @@ def test_an_emptied_parked_state_lets_its_copy_go(tiny_checkpoints, make_engine,
         assert not list(tmp_path.rglob("*.kv"))  # no spill file left
         a.close()
         b.close()
+
+
+def test_host_bytes_are_kept_as_a_running_total_with_shared_tensors_once():
+    """HostTier.bytes_used is asked once a copy moved while making room: a running total, each
+    tensor (a fork shares its parent's) counted while any state holds it."""
+    from hibana_core.kv.tiers import _SharedBytes
+
+    held = _SharedBytes()
+    held.add(1, address=100, nbytes=10)
+    held.add(2, address=100, nbytes=10)   # a fork: the parent's tensor
+    held.add(3, address=200, nbytes=7)
+    assert held.total == 17
+    held.pop(1)
+    assert held.total == 17               # the fork still holds the tensor
+    held.add(3, address=300, nbytes=5)    # a new copy replaces the key's old one
+    assert held.total == 15
+    held.pop(2), held.pop(2), held.pop(9)
+    assert held.total == 5
+    held.clear()
+    assert held.total == 0

@@ -138,7 +138,7 @@ class HostTier:
         self.pinned = cache.data.device.type == "cuda"
         self.reserve = PinnedReserve(budget_bytes) if self.pinned else None  # pinned off the step loop
         self._parked: OrderedDict[int, weakref.ref] = OrderedDict()  # id(seq) -> seq, least recent first
-        self._bytes: dict[int, tuple[int, int]] = {}  # host copies: (their tensor's address, bytes held)
+        self._bytes = _SharedBytes()  # host copies' bytes, by id(seq); a fork's shared tensor once
         # id(seq) -> (seq, its file's first path: hard links of a fork's share it, bytes on disk)
         self._spilled: dict[int, tuple[weakref.ref, Path, int]] = {}
         self._files = itertools.count()
@@ -151,7 +151,7 @@ class HostTier:
     def bytes_used(self) -> int:
         """Host memory the copies hold: a tensor shared by a fork and its parent counted once,
         pinned tensors at what they take from the reserve (page-aligned)."""
-        return sum(dict(self._bytes.values()).values())
+        return self._bytes.total
 
     def _held(self, nbytes: int) -> int:
         """The host memory a copy of `nbytes` holds (what it takes from the reserve, when pinned)."""
@@ -384,7 +384,7 @@ class HostTier:
         seq.parked = parked
         key = id(seq)
         self._parked[key] = weakref.ref(seq, lambda _, key=key, owner=weakref.ref(self): _gone(owner, key))
-        self._bytes[key] = (parked.kv.data_ptr(), self._held(parked.nbytes))
+        self._bytes.add(key, parked.kv.data_ptr(), self._held(parked.nbytes))
 
     def share(self, seq: KVSequence, twin: KVSequence) -> None:
         """Give a fork of parked `seq` a parked copy of its own: the same host tensor (read-only,
@@ -487,6 +487,42 @@ class HostTier:
                 "disk_seconds": round(c.disk_seconds, 4), "host_seconds": round(c.host_seconds, 4),
                 "pinned_cold": self.reserve.cold if self.reserve is not None else 0,
                 "host_phases": {name: round(seconds, 4) for name, seconds in self.phases.most_common()}}
+
+
+class _SharedBytes:
+    """Bytes held by keys (id(seq)) whose copies may share a tensor (a fork and its parent): each
+    tensor, by address, counted once, and the total kept as keys come and go, so that asking it
+    costs nothing however many states are parked (the budget loop asks it once a copy moved)."""
+
+    def __init__(self) -> None:
+        self._of: dict[int, int] = {}                # key -> its tensor's address
+        self._tensors: dict[int, list[int]] = {}     # address -> [keys holding it, bytes]
+        self.total = 0
+
+    def add(self, key: int, address: int, nbytes: int) -> None:
+        self.pop(key)
+        self._of[key] = address
+        held = self._tensors.get(address)
+        if held is None:
+            self._tensors[address] = [1, nbytes]
+            self.total += nbytes
+        else:
+            held[0] += 1
+
+    def pop(self, key: int, default: None = None) -> None:
+        address = self._of.pop(key, None)
+        if address is None:
+            return
+        held = self._tensors[address]
+        held[0] -= 1
+        if held[0] == 0:
+            del self._tensors[address]
+            self.total -= held[1]
+
+    def clear(self) -> None:
+        self._of.clear()
+        self._tensors.clear()
+        self.total = 0
 
 
 def _gone(owner: "weakref.ref[HostTier]", key: int, path: Path | None = None) -> None:
