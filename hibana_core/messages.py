@@ -316,8 +316,12 @@ def normalize_tool_choice(choice: Any, tools: Sequence[dict] | None) -> str:
         choice = function.get("name") if isinstance(function, Mapping) else function
         if not isinstance(choice, str):
             raise ToolChoiceError(f"tool_choice names tool {choice!r:.80}; name one of {names}")
-    elif isinstance(choice, Mapping):
-        choice = choice.get("type")
+    elif isinstance(choice, Mapping):  # {"type": "function"} without a name is no choice, not "auto"
+        if choice.get("type") not in ("auto", "none", "any", "required"):
+            raise ToolChoiceError(f"tool_choice={choice!r:.80} names no tool and no mode; use "
+                                  "{'type': 'function', 'function': {'name': ...}} or {'type': 'auto' | 'none' | "
+                                  "'any' | 'required'}")
+        choice = choice["type"]
     if choice is None or isinstance(choice, str) and choice == "auto":
         return "auto"
     if choice is False or isinstance(choice, str) and choice == "none":

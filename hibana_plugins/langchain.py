@@ -38,12 +38,12 @@ import contextvars
 import json
 import os
 import re
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, Literal
 
-from pydantic import Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator
 
 from hibana_core import turn
 from hibana_core.chat import (Chat, ChatDelta, ChatResult as TurnResult, ConversationError,  # noqa: F401
@@ -213,7 +213,15 @@ def _structured_tool(schema: Any, strict: bool | None) -> dict:
     """The tool `with_structured_output` forces: LangChain's conversion, but a pydantic model that
     holds itself keeps its own schema (the conversion writes {} where it recurs: any value), and
     the answer must parse into the schema, so one the grammar cannot hold is refused (ToolSchemaError)
-    unless `strict=False` says the caller checks the answer."""
+    unless `strict=False` says the caller checks the answer. OpenAI's response formats
+    ({"name", "schema"}, or it inside {"type": "json_schema", "json_schema": ...}), which
+    ChatOpenAI takes, are their schema: the conversion read the first as a function without
+    parameters (any object) and refused the second."""
+    if isinstance(schema, dict) and schema.get("type") == "json_schema" and isinstance(schema.get("json_schema"), dict):
+        schema = schema["json_schema"]
+    if isinstance(schema, dict) and "name" in schema and "schema" in schema:
+        schema = {"parameters": schema["schema"],
+                  **{key: schema[key] for key in ("name", "description", "strict") if key in schema}}
     tool = clean_tool(_openai_tool(0, schema, strict))
     if isinstance(schema, type) and is_basemodel_subclass(schema) and hasattr(schema, "model_json_schema"):
         own = schema.model_json_schema()  # (pydantic 2; a v1 model keeps LangChain's conversion)
@@ -410,7 +418,7 @@ class ChatHibana(BaseChatModel):
     engine_kwargs={"speculation": ...}). Speed only. Checked by SamplingParams, not by pydantic,
     which would read 1 and 0 as True and False where the engine refuses them."""
     stop: list[str] | None = None
-    """Strings that end the generation (cut from the output)."""
+    """Strings that end the generation (cut from the output); one string is a list of one, as in a call."""
     timeout: float | None = None
     """Seconds one call may take; checked as tokens arrive."""
     max_retries: int = 0
@@ -459,6 +467,11 @@ class ChatHibana(BaseChatModel):
             self.given_engine = EngineChoice(engine, self.model, dict(self.engine_kwargs))
         sampling_params(vars(self), "ChatHibana")
         check_state_id(vars(self), "ChatHibana")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value  # ChatHibana(stop="...") as invoke(stop="...")
 
     def bind(self, **kwargs: Any):
         """`Runnable.bind`, its options checked now rather than on the first call."""
@@ -533,6 +546,10 @@ class ChatHibana(BaseChatModel):
         "required" (some call), or a tool name (that call). Every call is held to a bound tool
         and its schema by a grammar (module docstring); `strict=True` makes the schemas strict
         as OpenAI does (no extra keys, every key listed as required)."""
+        if isinstance(tools, (str, Mapping, type, BaseModel)) or not isinstance(tools, Iterable):
+            # one tool: iterated, a @tool's fields or a dict's keys would read as tools
+            one = tools.__name__ if isinstance(tools, type) else type(tools).__name__
+            raise ToolSchemaError(f"bind_tools takes a list of tools, got one {one}; pass [tool]")
         formatted = [clean_tool(_openai_tool(i, t, strict)) for i, t in enumerate(tools)]
         return self.bind(tools=formatted, tool_choice=normalize_tool_choice(tool_choice, formatted), **kwargs)
 

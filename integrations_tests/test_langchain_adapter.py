@@ -381,6 +381,18 @@ def test_bind_tools_strict_refuses_a_schema_the_grammar_cannot_hold(llm):
 
 # --- errors and limits -------------------------------------------------------------------------------
 
+def test_bind_tools_given_one_tool_rather_than_a_list_says_so(llm):
+    """Iterated, a @tool gave its pydantic fields and a dict its keys: "tool 0 (('name', ...)) is
+    not a tool LangChain can describe", which hid the mistake."""
+    from hibana_core.messages import ToolSchemaError
+
+    as_dict = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    for one in (get_weather, Book, as_dict, "get_weather"):
+        with pytest.raises(ToolSchemaError, match=r"bind_tools takes a list of tools, got one \w+; pass \[tool\]"):
+            llm.bind_tools(one)
+    assert llm.bind_tools((get_weather, Book)).kwargs["tool_choice"] == "auto"
+
+
 def test_images_are_refused_with_a_clear_error(llm):
     message = HumanMessage([{"type": "text", "text": "What is this?"},
                             {"type": "image", "base64": "aGk=", "mime_type": "image/png"}])
@@ -658,3 +670,23 @@ def test_a_call_cut_by_a_stop_sequence_says_so(llm):
     reply = llm.bind_tools([get_weather]).invoke("What is the weather in Paris?", stop=["Paris"], max_tokens=40)
     (cut,) = reply.invalid_tool_calls
     assert "stop sequence" in cut["error"] and "'Paris'" in cut["error"] and "max_tokens" not in cut["error"]
+
+
+def test_one_stop_string_on_the_object_is_taken_as_in_a_call(llm):
+    """`invoke(..., stop="help")` was taken and `ChatHibana(stop="help")` (ChatOpenAI takes it)
+    was a ConfigError quoting pydantic's "Input should be a valid list"."""
+    on_object = ChatHibana(model="demo", max_tokens=64, stop="help")
+    assert on_object.stop == ["help"]
+    assert on_object.invoke("Hello!").content == llm.invoke("Hello!", stop="help").content == "Hello! How can I "
+
+
+@pytest.mark.parametrize("method", ["function_calling", "json_schema", "json_mode"])
+def test_structured_output_takes_openai_response_formats_as_chat_openai_does(llm, method):
+    """{"name", "schema"} was read as a function without parameters: the grammar held the answer
+    to any object and the demo answered {}; the full {"type": "json_schema", ...} was refused."""
+    book = Book.model_json_schema()
+    for schema in ({"name": "Book", "schema": book, "strict": True},
+                   {"type": "json_schema", "json_schema": {"name": "Book", "description": Book.__doc__,
+                                                           "schema": book}}):
+        assert llm.with_structured_output(schema, method=method).invoke(BOOK) == {
+            "title": "The Silent River", "author": "Maya Tanaka", "year": 1987}
