@@ -87,7 +87,7 @@ def register_adapters(register) -> None:
 
 PROVIDER = "hibana"
 CALL_OPTIONS = frozenset({*SAMPLING, "tools", "tool_choice", "parallel_tool_calls", "state_id", "timeout", "model",
-                          "reasoning", "answer_tool", "ls_structured_output_format", "stream"})
+                          "reasoning", "reasoning_effort", "answer_tool", "ls_structured_output_format", "stream"})
 """What a call (`invoke(..., **kwargs)`, `.bind(**kwargs)`) may set; anything else is a ConfigError.
 `stream` is LangChain's own per-call switch (`BaseChatModel._should_stream` reads it, then passes
 it on): taken and left to LangChain."""
@@ -429,6 +429,10 @@ class ChatHibana(BaseChatModel):
     """A reasoning model's thinking (Qwen3): True / False go to the chat template as
     `enable_thinking`; None leaves the template's default. The thinking comes apart from the
     answer, in `additional_kwargs["reasoning_content"]` (streamed too)."""
+    reasoning_effort: str | None = None
+    """OpenAI's reasoning_effort level ("low", "medium", "high"), to a chat template that reads it
+    (gpt-oss's harmony writes "Reasoning: high"); a level the model lacks is a ConfigError. Also
+    per call: `invoke(..., reasoning_effort=...)`."""
     reasoning_history: Literal["template", "generated"] = "template"
     """Earlier turns' thinking: rendered as the template does (Qwen3's drops it, and the state
     recomputes from there), or kept as generated (nothing recomputed; the model sees it)."""
@@ -506,7 +510,7 @@ class ChatHibana(BaseChatModel):
         options (`_get_invocation_params`): objects that differ in any never share a cached reply."""
         params = {"model": self.model, **{name: getattr(self, name) for name in SAMPLING if name != "stop"},
                   "engine_kwargs": dict(sorted(self.engine_kwargs.items())), "reasoning": self.reasoning,
-                  "reasoning_history": self.reasoning_history,
+                  "reasoning_effort": self.reasoning_effort, "reasoning_history": self.reasoning_history,
                   "guided_tool_arguments": self.guided_tool_arguments, "state_id": self.state_id}
         if self.given_engine is not None and self.given_engine.serves(self.model, self.engine_kwargs):
             params["engine"] = repr(self.given_engine.engine.config)  # what another engine of `model` may differ in
@@ -675,7 +679,8 @@ class ChatHibana(BaseChatModel):
         # "none": the tools stay listed in the prompt, as OpenAI keeps them; the chat layer's
         # grammar keeps the model from calling them
         reasoning = kwargs["reasoning"] if "reasoning" in kwargs else self.reasoning
-        prompt = chat.render_text(_to_chat_messages(messages), tools, reasoning)
+        effort = kwargs["reasoning_effort"] if "reasoning_effort" in kwargs else self.reasoning_effort
+        prompt = chat.render_text(_to_chat_messages(messages), tools, reasoning, effort=effort)
         explicit = kwargs["state_id"] if kwargs.get("state_id") is not None else self.state_id  # "" is refused
         options = {"tool_choice": choice, "parse_tools": tools is not None, "guided": self.guided_tool_arguments,
                    "parallel_tool_calls": kwargs.get("parallel_tool_calls") is not False,

@@ -825,3 +825,26 @@ def test_a_prefill_with_the_harmony_call_grammar_is_refused_and_without_tools_ta
         chat.respond(HELLO, [WEATHER], SamplingParams(max_tokens=8), prefill=prefill)
     result = chat.respond(HELLO, None, SamplingParams(max_tokens=8), prefill=prefill)
     assert result.error is None and not result.tool_calls
+
+
+def test_chat_hibana_takes_reasoning_effort(harmony_engine, monkeypatch):
+    """ChatHibana(reasoning_effort=...) and invoke(..., reasoning_effort=...), as ChatOpenAI takes
+    them, reach gpt-oss's template; a level it lacks is refused."""
+    pytest.importorskip("langchain_core")
+    from hibana_core.errors import ConfigError
+    from hibana_plugins.langchain import ChatHibana
+
+    monkeypatch.setattr(harmony_engine.tokenizer, "chat_template", EFFORT_TEMPLATE)
+    for bound, call, written in (("high", {}, "high"), ("high", {"reasoning_effort": "low"}, "low"),
+                                 (None, {}, "medium")):
+        llm = ChatHibana(engine=harmony_engine, max_tokens=1, state_id=f"lc-effort-{written}",
+                         reasoning_effort=bound)
+        try:
+            llm.invoke("hi", **call)
+            text = harmony_engine.tokenizer.decode(harmony_engine.open_state(f"lc-effort-{written}").tokens,
+                                                   skip_special_tokens=False)
+            assert text.startswith(f"<|start|>system<|message|>Reasoning: {written}<|end|>"), text[:80]
+        finally:
+            harmony_engine.open_state(f"lc-effort-{written}").close()
+    with pytest.raises(ConfigError, match="'minimal' is no level"):
+        ChatHibana(engine=harmony_engine, max_tokens=1).invoke("hi", reasoning_effort="minimal")
