@@ -51,7 +51,7 @@ from hibana_plugins.hookspecs import hookimpl
 from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_known, check_state_id, choose_engine,
                                     lease_holder, resolve_aliases, sampling_params, sharing)
 
-COMPLETE_OPTIONS = frozenset({*SAMPLING, "reasoning", "timeout"})
+COMPLETE_OPTIONS = frozenset({*SAMPLING, "reasoning", "reasoning_effort", "timeout"})
 """What `complete(..., **kwargs)` may set."""
 CHAT_OPTIONS = COMPLETE_OPTIONS | {"tools", "tool_required", "tool_choice", "parallel_tool_calls"}
 """What `chat(..., **kwargs)` (and `chat_with_tools` through it) may set."""
@@ -269,6 +269,9 @@ def llm_class() -> type:
         reasoning: Optional[bool] = Field(default=None, description="A reasoning model's thinking (Qwen3): "
                                           "True / False go to the chat template as enable_thinking; None: the "
                                           "template's default. The thinking comes as a ThinkingBlock.")
+        reasoning_effort: Optional[str] = Field(default=None, description="OpenAI's reasoning_effort level "
+                                                "(low, medium, high) to a chat template that reads it (gpt-oss's); "
+                                                "a level the model lacks is a ConfigError. Also per call.")
         reasoning_history: Literal["template", "generated"] = Field(
             default="template", description="Earlier turns' thinking: rendered as the template does, or kept as "
             "generated (nothing recomputed).")
@@ -510,7 +513,8 @@ def llm_class() -> type:
             # "none": the tools stay listed in the prompt, as OpenAI keeps them; the chat layer's
             # grammar keeps the model from calling them
             prompt = self._chat_layer().render_text(openai_messages(messages), tools,
-                                                    kwargs.get("reasoning", self.reasoning))
+                                                    kwargs.get("reasoning", self.reasoning),
+                                                    effort=kwargs.get("reasoning_effort", self.reasoning_effort))
             return self._call(prompt, tools, choice, kwargs,  # as OpenAI reads it: None is the default
                               kwargs.get("parallel_tool_calls") is not False)
 
@@ -520,8 +524,9 @@ def llm_class() -> type:
             if not isinstance(prompt, str):
                 raise ConversationError(f"the prompt is a {type(prompt).__name__}; complete() takes a string")
             if not formatted:  # else the caller applied the chat template: continue the text as it is
-                prompt = self._chat_layer().render_text([{"role": "user", "content": prompt}],
-                                                        reasoning=kwargs.get("reasoning", self.reasoning))
+                prompt = self._chat_layer().render_text(
+                    [{"role": "user", "content": prompt}], reasoning=kwargs.get("reasoning", self.reasoning),
+                    effort=kwargs.get("reasoning_effort", self.reasoning_effort))
             return self._call(prompt, None, "auto", kwargs)
 
         def _call(self, prompt: str, tools: list[dict] | None, choice: str, kwargs: dict,

@@ -848,3 +848,31 @@ def test_chat_hibana_takes_reasoning_effort(harmony_engine, monkeypatch):
             harmony_engine.open_state(f"lc-effort-{written}").close()
     with pytest.raises(ConfigError, match="'minimal' is no level"):
         ChatHibana(engine=harmony_engine, max_tokens=1).invoke("hi", reasoning_effort="minimal")
+
+
+def test_hibana_llm_takes_reasoning_effort(harmony_engine, monkeypatch):
+    """HibanaLLM(reasoning_effort=...) and per call, chat and complete, reach gpt-oss's template."""
+    pytest.importorskip("llama_index.core")
+    from llama_index.core.llms import ChatMessage
+
+    from hibana_core.errors import ConfigError
+    from hibana_plugins.llamaindex import HibanaLLM
+
+    monkeypatch.setattr(harmony_engine.tokenizer, "chat_template", EFFORT_TEMPLATE)
+    held = lambda: {i.id for i in harmony_engine.states()}   # noqa: E731
+    for bound, call, written in (("high", {}, "high"), ("high", {"reasoning_effort": "low"}, "low"),
+                                 (None, {}, "medium")):
+        llm = HibanaLLM(engine=harmony_engine, max_tokens=1, state_id=f"li-effort-{written}",
+                        reasoning_effort=bound)
+        for run in (lambda: llm.chat([ChatMessage(role="user", content="hi")], **call),
+                    lambda: llm.complete("hi", **call)):
+            try:
+                run()
+                state = harmony_engine.open_state(f"li-effort-{written}")
+                text = harmony_engine.tokenizer.decode(state.tokens, skip_special_tokens=False)
+                assert text.startswith(f"<|start|>system<|message|>Reasoning: {written}<|end|>"), text[:80]
+            finally:
+                harmony_engine.open_state(f"li-effort-{written}").close()
+    assert not {s for s in held() if s.startswith("li-effort")}
+    with pytest.raises(ConfigError, match="'minimal' is no level"):
+        HibanaLLM(engine=harmony_engine, max_tokens=1).complete("hi", reasoning_effort="minimal")
