@@ -55,20 +55,6 @@ def extend_hashes(prefix: list[int], tokens: Iterable[int]) -> None:
         prefix.append(h)
 
 
-def common_prefix_from(old: list[int], new: Sequence[int], offset: int) -> int:
-    """Length of the longest common prefix of `old` and `new[offset:]`, compared a chunk at a time
-    in C (list comparisons) and halved within the first chunk that differs: a copy of the tokens
-    up to the first difference, no Python loop over them."""
-    new = new if isinstance(new, list) else list(new)  # slices compare equal only between lists
-    count, lo = min(len(old), len(new) - offset), 0
-    while lo < count:
-        hi = min(lo + 4096, count)
-        if old[lo:hi] != new[offset + lo:offset + hi]:
-            return lo + common_prefix_len(old[lo:hi], new[offset + lo:offset + hi])
-        lo = hi
-    return max(0, count)
-
-
 def context_keys(prefix: Sequence[int], end: int, orders: Sequence[int] = ORDERS) -> list[int | None]:
     """The hashes of the contexts of each order, longest first, that end at `end` (None for those
     longer than `end`): computed once, then looked up in every index of these orders (`lookup`)."""
@@ -319,7 +305,7 @@ class WindowedIndex:
         indexing the new ones costs less than indexing a fresh window, and when the index keeps
         half a window (or the whole history) of tokens that `history` still has."""
         base, old = self.bases[0], self.tokens
-        same = base + common_prefix_from(old, history, base)
+        same = base + common_prefix_len(old, history[base:])
         if (same < self.starts[-1] or same - self.starts[0] < min(self.window // 2, same)
                 or (self.num_tokens - same) + (len(history) - same) >= min(len(history), self.window)):
             return False
