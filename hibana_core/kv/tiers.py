@@ -433,7 +433,7 @@ class HostTier:
         """Drop `seq`'s parked copy, if any (its spill file too)."""
         parked, seq.parked = seq.parked, None
         self._parked.pop(id(seq), None)
-        self._bytes.pop(id(seq), None)
+        self._bytes.pop(id(seq))
         self._spilled.pop(id(seq), None)
         if parked is not None and parked.path is not None:
             parked.path.unlink(missing_ok=True)
@@ -451,7 +451,7 @@ class HostTier:
             seq = self._parked[key]()
             if seq is None:
                 self._parked.pop(key)
-                self._bytes.pop(key, None)
+                self._bytes.pop(key)
                 continue
             if self.spill_dir is None or not self._spill(seq, seq.parked):
                 self.forget(seq)  # those states recompute
@@ -509,7 +509,7 @@ class _SharedBytes:
         else:
             held[0] += 1
 
-    def pop(self, key: int, default: None = None) -> None:
+    def pop(self, key: int) -> None:
         address = self._of.pop(key, None)
         if address is None:
             return
@@ -530,7 +530,7 @@ def _gone(owner: "weakref.ref[HostTier]", key: int, path: Path | None = None) ->
     tier = owner()
     if tier is not None:
         tier._parked.pop(key, None)
-        tier._bytes.pop(key, None)
+        tier._bytes.pop(key)
         tier._spilled.pop(key, None)
     if path is not None:
         path.unlink(missing_ok=True)
