@@ -44,6 +44,19 @@ def open_engine(model, system: str, **overrides):
         raise
 
 
+def capture_graphs(engine, sequences: int) -> int:
+    """Capture before timing every CUDA graph the workload's steps may take: up to `sequences`
+    sequences a step, the draft lengths of the engine's speculation, every span (the engine
+    captures one sequence's at start-up; others are otherwise captured by the first step of their
+    shape, tens of milliseconds each inside the timed run, more of them the more draft lengths a
+    system uses). 0 on an engine without graphs or without this call."""
+    capture = getattr(getattr(engine, "core", None), "capture_graphs", None)
+    if capture is None:
+        return 0
+    spec = engine.config.speculation
+    return capture(sequences, spec.k if spec.enabled else 0)
+
+
 def force_outputs_fn():
     """The bench-only hook that makes the next generate on a state emit given tokens."""
     try:

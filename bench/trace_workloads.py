@@ -26,8 +26,8 @@ from typing import Callable
 from hibana_core.progress import bar as progress_bar
 
 from hibana_bench.models import BenchModel
-from hibana_bench.spec_systems import (BASELINE, SPEC_SYSTEMS, BenchError, SpecCounters, force_outputs_fn, open_engine,
-                                       snapshot)
+from hibana_bench.spec_systems import (BASELINE, SPEC_SYSTEMS, BenchError, SpecCounters, capture_graphs,
+                                       force_outputs_fn, open_engine, snapshot)
 from hibana_bench.traces import REPLICA_SALT_TOKENS, Conversation, Trace, Turn
 from hibana_bench.workloads import SystemResult, TurnRecord, run_agents
 from hibana_core import SamplingParams
@@ -62,10 +62,12 @@ class Replay:
         return out, prompt + list(out.token_ids)
 
 
-def warm_up(engine, vocab: int, replay: Replay) -> None:
-    """Triton compiles and CUDA graphs (verify steps too) are captured before timing: a random
-    prompt whose forced output copies part of it twice, so that drafts are made and accepted.
-    Random tokens, so the drafters' memory learns nothing about the trace."""
+def warm_up(engine, vocab: int, replay: Replay, sequences: int = 1) -> None:
+    """Triton compiles and CUDA graphs (verify steps too, up to `sequences` sequences a step, every
+    span) are captured before timing: a random prompt whose forced output copies part of it
+    twice, so that drafts are made and accepted. Random tokens, so the drafters' memory learns
+    nothing about the trace."""
+    capture_graphs(engine, sequences)
     rng = random.Random(-1)
     prompt = [rng.randrange(16, vocab) for _ in range(96)]
     output = prompt[16:48] * 2 if replay.force is not None else prompt[:16]
@@ -152,7 +154,7 @@ def run_trace_agents(model: BenchModel, system: str, convs: list[Conversation], 
     with open_engine(model, system, max_model_len=max(c.tokens for c in convs) + 16,
                      max_concurrent_agents=len(convs)) as engine:
         check_context(engine, convs)
-        warm_up(engine, vocab, replay)
+        warm_up(engine, vocab, replay, len(convs))
         records: list[TurnRecord] = []
         lock = threading.Lock()
         bar = progress_bar(total=sum(len(c.turns) for c in convs), desc=f"{system} trace agents", leave=False)

@@ -17,7 +17,7 @@ from hibana_core.progress import bar as progress_bar
 
 from hibana_bench.models import BenchModel
 from hibana_bench.peers import HFPeer, sync
-from hibana_bench.spec_systems import SPEC_SYSTEMS, open_engine
+from hibana_bench.spec_systems import SPEC_SYSTEMS, capture_graphs, open_engine
 from hibana_core import SamplingParams
 
 
@@ -281,6 +281,7 @@ def run_hibana_agents(model: BenchModel, cfg: AgentsConfig, retention: bool, sys
     with open_engine(model, engine_system, max_model_len=context, max_concurrent_agents=max(cfg.agents, 1),
                      enable_prefix_caching=retention, **_surgery_overrides(model, system),
                      **_memory_overrides(cfg, context, system)) as engine:
+        capture_graphs(engine, cfg.agents)  # every step shape's graph, not inside the timed turns
         warm = engine.open_state("warm")  # Triton compiles, CUDA graphs are captured
         warm.generate(SamplingParams(max_tokens=4, ignore_eos=True),
                       prompt=random_tokens(random.Random(-1), 64, model.vocab_size))

@@ -327,6 +327,16 @@ class EngineCore:
                 self.scheduler.finish(request, "cancelled")
                 self.deliver_finished()
 
+    def capture_graphs(self, max_sequences: int = 1, max_drafts: int | None = 0) -> int:
+        """Capture the CUDA graphs of steps of up to `max_sequences` sequences with up to
+        `max_drafts` drafts each (None: any) at every span now (`DecodeGraphs.capture`), not in
+        the first step of each shape; the number captured (0 without graphs)."""
+        with self.lock:
+            graphs = self.runner.graphs
+            if graphs is None or not self._sample_in_flight():  # replays write graph outputs
+                return 0
+            return graphs.capture(max_sequences, max_drafts)
+
     def abort_all(self, error: BaseException) -> None:
         with self.lock:
             self.in_flight = None

@@ -548,14 +548,40 @@ class DecodeGraphs:
             if i == len(self.buckets):
                 return False
             bucket, q = self.buckets[i], top
+        self._write_nowhere(bucket, q)
+        self._replay(bucket, q, self.spans[0])  # the few positions fit the shortest span
+        return True
+
+    def capture(self, max_sequences: int = 1, max_drafts: int | None = 0) -> int:
+        """Capture now the graphs of steps of up to `max_sequences` sequences with up to
+        `max_drafts` drafts each (None: as many as a verify step takes) at every span, where not
+        captured yet (or given up on): a graph is otherwise captured by the first step of its
+        shape, which then takes tens of milliseconds longer (a conversation crossing a span, a
+        draft length first chosen). Returns how many were captured."""
+        top = len(self.QUERY_LENS) if max_drafts is None else self.QUERY_LENS.index(self._query_len(
+            min(max_drafts + 1, self.QUERY_LENS[-1]))) + 1
+        buckets = self.buckets[:bisect.bisect_left(self.buckets, max(1, max_sequences)) + 1]
+        captured = 0
+        for bucket in buckets:
+            for q in self.QUERY_LENS[:top]:
+                for span in self.spans:
+                    key = (bucket, q, span)
+                    if key in self.graphs or self._stays_eager(key):
+                        continue
+                    self._write_nowhere(bucket, q)
+                    self._replay(bucket, q, span)
+                    captured += key in self.graphs
+        return captured
+
+    def _write_nowhere(self, bucket: int, q: int) -> None:
+        """Inputs of `bucket` sequences of q tokens that write no KV (slot -1) and attend to their
+        own few positions of block 0 (a profile's or an ahead capture's step)."""
         size = bucket * q
         self.input_ids[:size].zero_()
         self.positions[:size].copy_(torch.arange(size, device=self.positions.device) % q)
         self.slot_mapping[:, :size].fill_(-1)
         self.seq_lens[:bucket].fill_(q)
         self.block_tables[:, :bucket].zero_()
-        self._replay(bucket, q, self.spans[0])  # the few positions fit the shortest span
-        return True
 
     def _forward(self, bucket: int, q: int, span: int) -> torch.Tensor:
         size = bucket * q

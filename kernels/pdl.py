@@ -93,10 +93,20 @@ def using(on: bool, kinds: tuple[str, ...] | None = None,
         _enabled, _kinds, _max_programs = previous
 
 
+EARLY = tl.constexpr(os.environ.get("HIBANA_PDL_EARLY", "0") == "1")
+"""Let the next grid launch before the wait, not after it (an experiment, HIBANA_PDL_EARLY=1): the
+grids of several kernels ahead then become resident and issue their weight loads while the one
+before them still runs. Each grid's wait still returns only once its predecessor completed, so
+results are the same; a grid launches only once all its predecessor's programs have started."""
+
+
 @triton.jit
 def wait_for_previous(PDL: tl.constexpr):
     """In a kernel launched with PDL: wait until the previous grid's writes are visible, then let
     the next grid launch (a no-op without PDL)."""
     if PDL:
+        if EARLY:
+            gdc_launch_dependents()
         gdc_wait()
-        gdc_launch_dependents()
+        if not EARLY:
+            gdc_launch_dependents()
