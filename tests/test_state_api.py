@@ -769,3 +769,60 @@ def test_a_state_loaded_while_running_requests_hold_the_pool_keeps_its_tokens(ti
     out = loaded.generate(greedy(6))
     fresh = engine.open_state("fresh")
     assert out.token_ids == fresh.generate(greedy(6), prompt=history).token_ids
+
+
+def test_graphs_are_captured_ahead_for_every_span_and_draft_length(tiny_checkpoints, make_engine, monkeypatch):
+    """`EngineCore.capture_graphs` captures the graphs a workload's steps may take before any step
+    does (since graphs are keyed by span, a conversation crossing a span captured one per draft
+    length inside its turns): every span, the buckets up to the sequences asked, the query-length
+    tiers up to the drafts asked (None: every tier), none twice, none given up on; and the engine
+    captures one sequence's at start-up for its default speculation. Exercised on the CPU with a
+    stand-in for the capture."""
+    from hibana_core.runner import DecodeGraphs
+
+    monkeypatch.setattr(DecodeGraphs, "SPANS", (256, 512))  # the tiny model's context is 1024 positions
+    engine = make_engine(tiny_checkpoints["llama"], speculation="off")
+    graphs = engine.core.runner.graphs = DecodeGraphs(engine.core.runner, 8)
+    replayed = []
+
+    def replay(bucket, q, span):
+        assert graphs.seq_lens[:bucket].tolist() == [q] * bucket  # inputs that write nowhere
+        assert (graphs.slot_mapping[:, :bucket * q] == -1).all()
+        replayed.append((bucket, q, span))
+        graphs.graphs[(bucket, q, span)] = (None, None)
+
+    monkeypatch.setattr(graphs, "_replay", replay)
+    spans = (256, 512, 1024)
+    assert engine.core.capture_graphs(1, 0) == 3 and replayed == [(1, 1, s) for s in spans]
+    replayed.clear()
+    graphs.failures[(1, 5, 512)] = DecodeGraphs.MAX_CAPTURE_FAILURES  # given up on: stays eager
+    assert engine.core.capture_graphs(1, 4) == 8  # tiers 2, 3, 5 at three spans, less the eager one
+    assert replayed == [(1, q, s) for q in (2, 3, 5) for s in spans if (q, s) != (5, 512)]
+    replayed.clear()
+    # buckets 1, 2, 4 x every tier x three spans, less those captured and the eager one
+    assert engine.core.capture_graphs(3, None) == 3 * 6 * 3 - 3 - 8 - 1
+    assert {b for b, _, _ in replayed} == {1, 2, 4} and {q for _, q, _ in replayed} == set(DecodeGraphs.QUERY_LENS)
+    assert engine.core.capture_graphs(3, None) == 0
+    engine.close()
+
+    captured = []
+    monkeypatch.setattr(DecodeGraphs, "capture", lambda self, sequences, drafts: captured.append((sequences, drafts)))
+    monkeypatch.setattr(DecodeGraphs, "profile", lambda self, num_tokens: False)  # the profile's steps run eagerly
+    from hibana_core import runner as runner_module
+
+    monkeypatch.setattr(runner_module.ModelRunner, "__init__", _runner_with_graphs(runner_module.ModelRunner.__init__))
+    for speculation, drafts in (("off", 0), ("adaptive", None), ({"method": "suffix", "k": 4}, 4)):
+        captured.clear()
+        make_engine(tiny_checkpoints["llama"], speculation=speculation).close()
+        assert captured == [(1, drafts)], speculation
+
+
+def _runner_with_graphs(init):
+    """ModelRunner.__init__ that gives a CPU runner its DecodeGraphs (the engine's start-up asks
+    for its captures; on the CPU there are none)."""
+    def wrapped(self, *args, **kwargs):
+        from hibana_core.runner import DecodeGraphs
+
+        init(self, *args, **kwargs)
+        self.graphs = DecodeGraphs(self, 4)
+    return wrapped
