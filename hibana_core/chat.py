@@ -26,6 +26,7 @@ import copy
 import dataclasses
 import difflib
 import functools
+import hashlib
 import inspect
 import json
 import logging
@@ -104,6 +105,7 @@ class Chat:
         named = None if tool_parser else getattr(chat_format, "tool_parser", None)  # the format's choice
         template = self.template or getattr(engine.tokenizer, "chat_template", None) or ""
         self.parser_name = tool_parser or named or _template_parser(str(template), vocab)
+        self._id_length = _template_id_length(str(template))  # Mistral's: call ids of 9 letters and digits
         try:
             registered = get_plugin_manager().lookup("tool_parser", self.parser_name)
         except PluginError as exc:
@@ -224,6 +226,8 @@ class Chat:
             kwargs["enable_thinking"] = reasoning
 
         messages, tools = self._prepared(normalize_messages(messages)), normalize_tools(tools)
+        if self._id_length is not None:
+            messages = _with_template_ids(messages, self._id_length)
         if tools:  # OpenAI's description is optional; templates (gpt-oss's) read it unguarded
             tools = [t if "description" in t["function"] else {**t, "function": {**t["function"], "description": ""}}
                      for t in tools]
@@ -660,10 +664,51 @@ def _blamed_on(name: str, parser: Any, what: str) -> Iterator[None]:
 def _template_parser(template: str, vocab: dict) -> str:
     """The built-in parser of the calls the chat template writes: Llama 3.x's templates write past
     calls as `{"name": ..., "parameters": ...}` (its tokenizer has `<|python_tag|>`) and no
-    `<tool_call>`; hermes otherwise."""
+    `<tool_call>`; Mistral's after its `[TOOL_CALLS]` token, as an array, or `NAME[ARGS]{...}` where
+    the template writes `[ARGS]` (a token of its tokenizer too); hermes otherwise."""
+    if "<tool_call>" not in template and "[TOOL_CALLS]" in template and "[TOOL_CALLS]" in vocab:
+        return "mistral_args" if "[ARGS]" in template and "[ARGS]" in vocab else "mistral"
     if "<tool_call>" not in template and '"parameters"' in template and "<|python_tag|>" in vocab:
         return "llama3_json"
     return DEFAULT_TOOL_PARSER
+
+
+_ID_LENGTH_CHECK = re.compile(r"id\s*\|\s*length\s*!=\s*(\d+)")
+_ID_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def _template_id_length(template: str) -> int | None:
+    """The length the chat template demands of call ids (Mistral's raise unless a call's id and a
+    result's tool_call_id are 9 letters and digits), or None."""
+    found = _ID_LENGTH_CHECK.search(template)
+    return int(found.group(1)) if found and 0 < int(found.group(1)) <= 40 else None
+
+
+def _template_id(call_id: Any, length: int) -> Any:
+    """`call_id` as an id of `length` letters and digits: itself where it is one, else derived from
+    it (the same each time, so the call and its result still pair, and a conversation renders to
+    the same tokens on every turn)."""
+    if not isinstance(call_id, str) or (len(call_id) == length and call_id.isascii() and call_id.isalnum()):
+        return call_id
+    number = int.from_bytes(hashlib.sha256(call_id.encode("utf-8", "surrogatepass")).digest(), "big")
+    digits = []
+    for _ in range(length):
+        number, digit = divmod(number, len(_ID_ALPHABET))
+        digits.append(_ID_ALPHABET[digit])
+    return "".join(digits)
+
+
+def _with_template_ids(messages: list[dict], length: int) -> list[dict]:
+    """The messages with every call id and tool_call_id as the template takes them (`_template_id`)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = {**m, "tool_calls": [{**c, "id": _template_id(c.get("id"), length)} if isinstance(c, dict) else c
+                                     for c in m["tool_calls"]]}
+        if m.get("tool_call_id") is not None:
+            m = {**m, "tool_call_id": _template_id(m["tool_call_id"], length)}
+        out.append(m)
+    return out
 
 
 def _parser_failed(name: str, parser: Any, what: str, exc: Exception) -> HibanaError:

@@ -5,8 +5,12 @@ Built-ins, registered through `register_tool_parsers` like any plugin's:
   of blocks anywhere in the text.
 - "llama3_json": Llama 3.x, `{"name": ..., "parameters": {...}}` at the start of the output or
   after `<|python_tag|>`, several separated by `;` or newlines.
+- "mistral": Mistral's `[TOOL_CALLS]` control token, then a JSON array of `{"name": ...,
+  "arguments": {...}}` objects (Mistral 7B v0.3, Nemo, Small 3; 9-character call ids, as their
+  templates demand), or `NAME[ARGS]{...}` after each `[TOOL_CALLS]` (the templates that write
+  `[ARGS]`: "mistral_args", which reads both forms and differs in its grammar only).
 
-Both follow one contract:
+All follow one contract:
 - content is the text outside tool calls, without leading or trailing whitespace;
 - malformed tool-call text stays in the content and `error` says what was wrong; nothing raises;
 - `parse(text)` is `stream()` fed the whole text, so whole and streamed parsing agree;
@@ -459,7 +463,221 @@ def _parse_whole(stream: ToolCallStream, text: str) -> ParsedOutput:
     return stream.finish()
 
 
+MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+MISTRAL_ID_LENGTH = 9
+_ALPHANUMERIC = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def mistral_call_id() -> str:
+    """A call id as Mistral's templates take them: 9 letters and digits."""
+    return uuid.uuid4().hex[:MISTRAL_ID_LENGTH]
+
+
+class _MistralStream(_Stream):
+    """Modes: "text" (content; `[TOOL_CALLS]` starts calls), "calls" (just after it: `[` opens an
+    array of call objects, `{` is one call object, else a name up to `[ARGS]`), "array" (between
+    the array's objects), "object" (inside a call object; _buffer starts with it), "name" (a
+    name, perhaps `[CALL_ID]id`, then `[ARGS]`), "arguments" (the named call's object)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mode = "text"
+        self._scanner: _ObjectScanner | None = None
+        self._name = ""
+        self._id: str | None = None
+        self._raw = ""  # what the calls being read came as, for content if they are malformed
+
+    def _advance(self, out: list, final: bool) -> None:
+        while True:
+            if self._mode == "text":
+                start = self._buffer.find(MISTRAL_CALLS)
+                if start < 0:
+                    self._text_before(out, MISTRAL_CALLS, final)
+                    return
+                self._text(out, self._buffer[:start])
+                self._buffer = self._buffer[start + len(MISTRAL_CALLS):]
+                self._mode, self._raw = "calls", MISTRAL_CALLS
+            elif self._mode in ("calls", "array"):
+                rest = self._buffer.lstrip() if self._mode == "calls" else self._buffer.lstrip(" \t\r\n,")
+                self._raw += self._buffer[:len(self._buffer) - len(rest)]
+                self._buffer = rest
+                if not rest:
+                    if final:
+                        self._malformed(out, f"{MISTRAL_CALLS} without its calls", cut=True)
+                    return
+                if self._mode == "array" and rest[0] == "]":
+                    self._buffer, self._mode = rest[1:], "text"
+                elif rest[0] == "[" and self._mode == "calls":
+                    self._raw += "["
+                    self._buffer, self._mode = rest[1:], "array"
+                    self._in_array = True
+                elif rest[0] == "{":
+                    self._in_array = self._mode == "array"
+                    self._mode, self._scanner = "object", _ObjectScanner()
+                elif self._mode == "array":
+                    self._malformed(out, f"a {MISTRAL_CALLS} array holds call objects only")
+                else:
+                    self._mode, self._name, self._id = "name", "", None
+            elif self._mode == "name":
+                if not self._read_name(out, final):
+                    return
+            elif not self._read_object(out, final):
+                return
+
+    def _read_name(self, out: list, final: bool) -> bool:
+        """The name before [ARGS] (and the id after [CALL_ID], where the template writes one)."""
+        end = self._buffer.find(MISTRAL_ARGS)
+        if end < 0:
+            if final:
+                self._malformed(out, f"a call after {MISTRAL_CALLS} needs {MISTRAL_ARGS} and its arguments", cut=True)
+                return True
+            return False
+        head, self._raw = self._buffer[:end], self._raw + self._buffer[:end + len(MISTRAL_ARGS)]
+        name, _, call_id = head.partition(MISTRAL_CALL_ID)
+        self._name, self._id = name.strip(), call_id.strip() or None
+        self._buffer, self._mode, self._scanner = self._buffer[end + len(MISTRAL_ARGS):].lstrip(), "arguments", None
+        return True
+
+    def _read_object(self, out: list, final: bool) -> bool:
+        """A call object, or a named call's arguments object, once decided."""
+        if self._scanner is None:
+            if not self._buffer and not final:
+                return False
+            self._scanner = _ObjectScanner()
+        scanner = self._scanner
+        scanner.scan(self._buffer)
+        if not scanner.complete and not scanner.broken and not final:
+            return False
+        end = scanner.end if scanner.complete else len(self._buffer)
+        text, self._buffer = self._buffer[:end], self._buffer[end:]
+        self._raw += text
+        self._scanner = None
+        if self._mode == "object":
+            decoded, call_id = _decode_call(text, require_arguments=True), None
+            if decoded.error is None:
+                call_id = _mistral_id(_loads(text).get("id"))
+            self._mode = "array" if self._in_array else "text"
+        else:
+            decoded, call_id = _decode_named(self._name, text), _mistral_id(self._id)
+            self._mode = "text"
+        if decoded.error is not None:
+            self._mode = "text"
+            self._malformed(out, decoded.error, cut=not scanner.complete)
+        else:
+            self._accept_id(out, decoded, call_id)
+            self._raw = ""
+        return True
+
+    def _malformed(self, out: list, error: str, cut: bool = False) -> None:
+        """The calls' text read so far (and the rest of the buffer) back to content, with `error`."""
+        raw, self._raw, self._buffer, self._mode = self._raw + self._buffer, "", "", "text"
+        self._reject(out, raw, error, cut)
+
+    def _accept_id(self, out: list, decoded: _Decoded, call_id: str | None) -> None:
+        call = ToolCall(call_id or mistral_call_id(), decoded.name, decoded.arguments or {})
+        index = len(self._calls)
+        self._calls.append(call)
+        out.append(ToolCallDelta(index, call.id, call.name))
+        out.append(ToolCallDelta(index, None, None, decoded.arguments_json))
+
+
+def _mistral_id(value: object) -> str | None:
+    """The model's own call id where it wrote one the templates take back (9 letters and digits)."""
+    ok = isinstance(value, str) and len(value) == MISTRAL_ID_LENGTH and all(c in _ALPHANUMERIC for c in value)
+    return value if ok else None
+
+
+def _decode_named(name: str, body: str) -> _Decoded:
+    """A `NAME[ARGS]{...}` call: its name and its arguments' JSON object."""
+    if not name:
+        return _Decoded(error=f"a call after {MISTRAL_CALLS} needs a name before {MISTRAL_ARGS}")
+    try:
+        arguments = _loads(body)
+    except ValueError as exc:
+        return _Decoded(error=f"invalid JSON in arguments of {name!r} ({exc})")
+    if not isinstance(arguments, dict):
+        return _Decoded(error=f"arguments of {name!r} must be a JSON object", valid_json=True)
+    try:
+        arguments_json = json.dumps(arguments, ensure_ascii=False)
+    except (ValueError, RecursionError):
+        return _Decoded(error=f"arguments of {name!r} nested too deeply", valid_json=True)
+    return _Decoded(name, arguments, None, valid_json=True, arguments_json=arguments_json)
+
+
+def _token(text: str) -> dict:
+    return {"type": "token", "token": text}
+
+
+def _const(text: str) -> dict:
+    return {"type": "const_string", "value": text}
+
+
+def _sequence(*elements: dict) -> dict:
+    return {"type": "sequence", "elements": list(elements)}
+
+
+def _either(elements: list[dict]) -> dict:
+    return elements[0] if len(elements) == 1 else {"type": "or", "elements": elements}
+
+
+class MistralToolParser:
+    """Mistral's tool calls: `[TOOL_CALLS]` then `[{"name": ..., "arguments": {...}}, ...]`, or
+    `NAME[ARGS]{...}` after each `[TOOL_CALLS]`; both are read. Ids are 9 letters and digits (the
+    model's own where it wrote one), as Mistral's templates require. Its grammar holds the calls
+    to the array form; `MistralArgsToolParser`'s to the [ARGS] form."""
+
+    name = "mistral"
+
+    def parse(self, text: str) -> ParsedOutput:
+        return _parse_whole(self.stream(), text)
+
+    def stream(self) -> ToolCallStream:
+        return _MistralStream()
+
+    def _call(self, function: dict) -> dict:
+        from hibana_core.turn import arguments_schema
+
+        name = json.dumps(function["name"], ensure_ascii=False)
+        return _sequence(_const('{"name": ' + name + ', "arguments": '),
+                         {"type": "json_schema", "json_schema": arguments_schema(function)}, _const("}"))
+
+    def _calls(self, calls: list[dict], parallel: bool) -> dict:
+        call = _either(calls)
+        items = _sequence(call, {"type": "star", "content": _sequence(_const(", "), call)}) if parallel else call
+        return _sequence(_token(MISTRAL_CALLS), _either([_const("["), _const(" [")]), items, _const("]"))
+
+    def tool_call_grammar(self, tools: list[dict], tool_choice: str, parallel: bool) -> dict:
+        """The turn's calls held to the offered tools and their schemas (`tool_choice` "required"
+        or a tool's name: calls only; "auto": text, or text then calls: the control token
+        [TOOL_CALLS] is reachable only as the calls' start)."""
+        functions = [t["function"] for t in tools
+                     if tool_choice in ("auto", "required") or t["function"]["name"] == tool_choice]
+        calls = self._calls([self._call(f) for f in functions], parallel)
+        if tool_choice == "auto":
+            calls = _sequence({"type": "any_text"}, {"type": "optional", "content": calls})
+        return {"type": "structural_tag", "format": calls}
+
+
+class MistralArgsToolParser(MistralToolParser):
+    """Mistral's later templates' calls, `[TOOL_CALLS]NAME[ARGS]{...}` a call (Mistral Small 3.2,
+    Magistral, Devstral): read as "mistral" reads them, held to this form by its grammar."""
+
+    name = "mistral_args"
+
+    def _call(self, function: dict) -> dict:
+        from hibana_core.turn import arguments_schema
+
+        return _sequence(_token(MISTRAL_CALLS), _const(function["name"]), _token(MISTRAL_ARGS),
+                         {"type": "json_schema", "json_schema": arguments_schema(function)})
+
+    def _calls(self, calls: list[dict], parallel: bool) -> dict:
+        call = _either(calls)
+        return _sequence(call, {"type": "star", "content": call}) if parallel else call
+
+
 @hookimpl
 def register_tool_parsers(register) -> None:
     register(HermesToolParser.name, HermesToolParser())
     register(Llama3JsonToolParser.name, Llama3JsonToolParser())
+    register(MistralToolParser.name, MistralToolParser())
+    register(MistralArgsToolParser.name, MistralArgsToolParser())

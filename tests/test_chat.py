@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import random
+import re
 import types
 
 import pytest
@@ -997,3 +998,64 @@ def test_a_llama3_template_gets_the_llama3_json_parser(engine, tmp_path):
             assert [(c.name, c.arguments) for c in result.tool_calls] == [("get_weather", {"city": "Paris"})]
             assert result.finish_reason == "tool_calls" and result.text == ""
         assert Chat(llama, tool_parser="hermes").parser_name == "hermes"
+
+
+MISTRAL_TEMPLATE = """{{- bos_token }}
+{%- if tools %}{{- "[AVAILABLE_TOOLS] " + tools|tojson + "[/AVAILABLE_TOOLS]" }}{%- endif %}
+{%- for m in messages %}
+{%- if m.role == "user" %}{{- "[INST] " + m.content + "[/INST]" }}
+{%- elif m.role == "assistant" and m.tool_calls %}{{- "[TOOL_CALLS] [" }}
+{%- for c in m.tool_calls %}
+{%- if c.id is not defined or c.id|length != 9 %}{{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}{%- endif %}
+{{- '{"name": "' + c.function.name + '", "arguments": ' + c.function.arguments|tojson + ', "id": "' + c.id + '"}' }}
+{%- if not loop.last %}{{- ", " }}{%- endif %}
+{%- endfor %}{{- "]" + eos_token }}
+{%- elif m.role == "assistant" %}{{- " " + m.content + eos_token }}
+{%- elif m.role == "tool" %}
+{%- if m.tool_call_id is not defined or m.tool_call_id|length != 9 %}{{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}{%- endif %}
+{{- '[TOOL_RESULTS] {"content": ' + m.content|tojson + ', "call_id": "' + m.tool_call_id + '"}[/TOOL_RESULTS]' }}
+{%- endif %}
+{%- endfor %}"""
+"""Mistral 7B v0.3's template as far as calls go: [TOOL_CALLS] and an array, 9-character ids or it raises."""
+
+MISTRAL_MARKERS = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                   "[/TOOL_RESULTS]", "[ARGS]", "[CALL_ID]"]
+
+
+@pytest.mark.parametrize("args_form", [False, True], ids=["array", "args"])
+def test_a_mistral_template_gets_the_mistral_parser_its_grammar_and_its_ids(tmp_path, args_form):
+    """A Mistral checkpoint's template writes calls after its [TOOL_CALLS] token (an array; or
+    NAME[ARGS]{...} where the template writes [ARGS]) and refuses any call id but 9 letters and
+    digits: the chat layer reads the calls with the mistral parser, a forced call is held to that
+    form by the grammar (the control token named by a `token` format), and ids from elsewhere
+    (OpenAI's call_..., a client's own) render as the same 9 characters on every turn, so a tool
+    loop goes on (the template raised on the second turn) and the KV of earlier turns is reused."""
+    import tiny_models
+
+    path = tiny_models.make_tiny_checkpoint("mistral", tmp_path, vocab_size=tiny_models.VOCAB_SIZE + len(MISTRAL_MARKERS))
+    tokenizer = tiny_models.make_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": MISTRAL_MARKERS})
+    template = MISTRAL_TEMPLATE.replace("[TOOL_CALLS] [", "[TOOL_CALLS][ARGS] [") if args_form else MISTRAL_TEMPLATE
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(path)
+    with tiny_models.open_engine(path) as mistral:
+        chat = Chat(mistral, "agent")
+        assert chat.parser_name == ("mistral_args" if args_form else "mistral")
+        short = {"type": "function", "function": {**WEATHER["function"], "parameters": {
+            "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"]}}}
+        first = chat.respond(HELLO, [short], tool_choice="required", parallel_tool_calls=False,
+                             params=SamplingParams(max_tokens=80))
+        assert first.finish_reason == "tool_calls", first.text
+        assert [c.name for c in first.tool_calls] and {c.name for c in first.tool_calls} == {"get_weather"}
+        assert all(re.fullmatch(r"[0-9a-zA-Z]{9}", c.id) for c in first.tool_calls)
+        assert all(isinstance(c.arguments.get("city"), str) for c in first.tool_calls)
+        foreign = [{"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_0123456789abcdef01234567", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+            {"role": "tool", "tool_call_id": "call_0123456789abcdef01234567", "content": "sunny"}]
+        text = chat.render_text(HELLO + foreign)
+        ids = re.findall(r'"(?:id|call_id)": "([^"]*)"', str(text))
+        assert len(ids) == 2 and ids[0] == ids[1] and re.fullmatch(r"[0-9a-zA-Z]{9}", ids[0])
+        assert str(chat.render_text(HELLO + foreign)) == str(text)  # the same ids each turn
+        second = chat.respond(HELLO + foreign, [short], params=SamplingParams(max_tokens=40))  # "auto"
+        assert second.usage.prompt_tokens > 0 and (second.tool_calls or "[TOOL_CALLS]" not in second.text)

@@ -30,6 +30,8 @@ from hibana_plugins.manager import (
 from hibana_plugins.tool_parsers import (
     HermesToolParser,
     Llama3JsonToolParser,
+    MistralArgsToolParser,
+    MistralToolParser,
     ToolCallDelta,
 )
 
@@ -460,13 +462,15 @@ def test_llama3_streaming_matches_whole_parse_at_every_chunk_boundary(text):
 
 
 FUZZ_PIECES = [
-    "<tool_call>", "</tool_call>", "<|python_tag|>", "<tool", "{", "}", "[", "]", '"', "\\", ":",
+    "<tool_call>", "</tool_call>", "<|python_tag|>", "<tool", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[TOOL",
+    "{", "}", "[", "]", '"', "\\", ":",
     ",", ";", "\n", " ", "a", "1", "null", '"name"', '"arguments"', '"parameters"', '"f"',
     '{"name": "f", "arguments": {"a": 1}}', '{"name": "g", "parameters": {"b": "x}"}}',
 ]
 
 
-@pytest.mark.parametrize("parser", [HermesToolParser(), Llama3JsonToolParser()], ids=lambda parser: type(parser).__name__)
+@pytest.mark.parametrize("parser", [HermesToolParser(), Llama3JsonToolParser(), MistralToolParser()],
+                         ids=lambda parser: type(parser).__name__)
 def test_parsers_never_raise_and_streams_agree_on_random_text(parser):
     rng = random.Random(7)
     for _ in range(300):
@@ -494,6 +498,20 @@ TRUTH_TEXTS = {
 }
 
 
+MISTRAL_TEXT = (
+    '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "note": "] [TOOL_CALLS] }"}}, '
+    '{"name": "add", "arguments": {"a": 1, "b": [2]}, "id": "abcDEF123"}]'
+)
+TRUTH_TEXTS["mistral"] = [
+    MISTRAL_TEXT,
+    'Sure.[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]',
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]f[CALL_ID]abcdefghi[ARGS]{}',
+    '[TOOL_CALLS] [{"name": "ok", "arguments": {}}, {"name": "bad", "arguments": {"q": }}] tail',
+    '[TOOL_CALLS]{"name": "f", "arguments": "hello"}',
+    '[TOOL_CALLS] [3]',
+]
+
+
 def truth_cases():
     for name, texts in TRUTH_TEXTS.items():
         for i, text in enumerate(texts):
@@ -505,7 +523,8 @@ def test_streamed_calls_are_the_final_calls_for_every_cut_and_chunking(parser_na
     """Defect 1 (issue 11): a stream never emits a call that parse() rejects, cut off or malformed;
     for every prefix of the text (a generation cut at any character) and every chunking, the calls
     assembled from the deltas are parse(prefix).tool_calls."""
-    parser = HermesToolParser() if parser_name == "hermes" else Llama3JsonToolParser()
+    parser = {"hermes": HermesToolParser(), "llama3_json": Llama3JsonToolParser(),
+              "mistral": MistralToolParser()}[parser_name]
     rng = random.Random(11)
     for end in range(len(text) + 1):
         prefix = text[:end]
@@ -515,6 +534,35 @@ def test_streamed_calls_are_the_final_calls_for_every_cut_and_chunking(parser_na
             chunkings.append([prefix[a:b] for a, b in zip([0, *cuts], [*cuts, len(prefix)])])
         for chunks in chunkings:
             check_stream(parser, prefix, chunks)
+
+
+def test_mistral_reads_both_call_forms_with_ids_its_templates_take():
+    """Mistral's [TOOL_CALLS] then an array of call objects (7B v0.3, Nemo, Small 3), or NAME[ARGS]
+    {...} a call (the later templates); ids of 9 letters and digits (the templates refuse others),
+    the model's own where it wrote one; text before the calls is content."""
+    output = MistralToolParser().parse(MISTRAL_TEXT)
+    assert output.content == "" and output.error is None
+    assert [(c.name, c.arguments) for c in output.tool_calls] == [
+        ("get_weather", {"city": "Paris", "note": "] [TOOL_CALLS] }"}), ("add", {"a": 1, "b": [2]})]
+    assert re.fullmatch(r"[0-9a-f]{9}", output.tool_calls[0].id) and output.tool_calls[1].id == "abcDEF123"
+    named = MistralArgsToolParser().parse('Let me check.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'
+                                          '[TOOL_CALLS]now[CALL_ID]Q1w2E3r4T[ARGS]{}')
+    assert named.content == "Let me check." and named.error is None
+    assert [(c.id[:0] or c.name, c.arguments) for c in named.tool_calls] == [("get_weather", {"city": "Oslo"}),
+                                                                            ("now", {})]
+    assert named.tool_calls[1].id == "Q1w2E3r4T"
+    for text, error in [('[TOOL_CALLS] [{"name": "f", "arguments": {"a": }}]', "invalid JSON"),
+                        ("[TOOL_CALLS]", "without its calls"), ('[TOOL_CALLS]f{"a": 1}', "[ARGS]"),
+                        ('[TOOL_CALLS] ["f"]', "call objects only")]:
+        output = MistralToolParser().parse(text)
+        assert output.tool_calls == [] and output.content == text and error in output.error, text
+
+
+@pytest.mark.parametrize("text", TRUTH_TEXTS["mistral"])
+def test_mistral_streaming_matches_whole_parse_at_every_chunk_boundary(text):
+    parser = MistralToolParser()
+    for chunks in all_chunkings(text):
+        check_stream(parser, text, chunks)
 
 
 def test_llama3_malformed_json_is_content_with_an_error():
