@@ -48,8 +48,8 @@ import re
 from hibana_core.errors import ConversationError
 from hibana_core.messages import ToolSchemaError
 from hibana_core.turn import arguments_schema
-from hibana_plugins.hookspecs import GeneratedText, ParsedOutput, Span, ToolCallDelta, ToolCallStream, hookimpl
-from hibana_plugins.tool_parsers import _Decoded, _loads, _Stream, partial_tag_length
+from hibana_plugins.hookspecs import ParsedOutput, ToolCallDelta, ToolCallStream, hookimpl
+from hibana_plugins.tool_parsers import _Decoded, _loads, _Markers, _Stream, partial_tag_length
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
@@ -62,33 +62,6 @@ ANALYSIS_TOKENS = 512
 """With a call required, the analysis message the model may write first ends within this many
 tokens (then the call comes): gpt-oss is trained to reason before it calls, and a call from the
 first token would be a turn it never saw; bounded, so that the call is not put off indefinitely."""
-
-
-class _Markers:
-    """Where harmony's markers stand in the text a stream was fed (positions in all of it).
-
-    A `GeneratedText` says so itself: at its control spans, nowhere else, so that a marker the
-    model spelled with ordinary tokens (quoting a tool result) stays text. A plain `str` (a
-    caller's prefill, a text handed to `parse`) is read as the tokenizer would encode it: a
-    marker's text anywhere inside plain text fed in a row is the marker."""
-
-    def __init__(self) -> None:
-        self.fed = 0
-        self._control: set[Span] = set()
-        self._plain: list[Span] = []  # runs of plain text fed in a row
-
-    def add(self, text: str) -> None:
-        if isinstance(text, GeneratedText):
-            self._control.update((self.fed + a, self.fed + b) for a, b in text.control_spans)
-        elif self._plain and self._plain[-1][1] == self.fed:
-            self._plain[-1] = (self._plain[-1][0], self.fed + len(text))
-        else:
-            self._plain.append((self.fed, self.fed + len(text)))
-        self.fed += len(text)
-
-    def at(self, start: int, end: int) -> bool:
-        """Whether the characters [start, end) are a marker, not text that looks like one."""
-        return (start, end) in self._control or any(a <= start and end <= b for a, b in self._plain)
 
 
 class _HarmonyStream(_Stream):

@@ -32,7 +32,9 @@ from dataclasses import dataclass
 
 from hibana_plugins.hookspecs import (  # noqa: F401 (the protocol types, re-exported)
     CutCall,
+    GeneratedText,
     ParsedOutput,
+    Span,
     ToolCall,
     ToolCallDelta,
     ToolCallStream,
@@ -258,6 +260,34 @@ class _Content:
         return body
 
 
+class _Markers:
+    """Where a format's markers (control tokens: harmony's, Mistral's) stand in the text a stream
+    was fed (positions in all of it).
+
+    A `GeneratedText` says so itself: at its control spans, nowhere else, so that a marker the
+    model spelled with ordinary tokens (quoting a tool result) stays text. A plain `str` (a
+    caller's prefill, a text handed to `parse`) is read as the tokenizer would encode it: a
+    marker's text anywhere inside plain text fed in a row is the marker."""
+
+    def __init__(self) -> None:
+        self.fed = 0
+        self._control: set[Span] = set()
+        self._plain: list[Span] = []  # runs of plain text fed in a row
+
+    def add(self, text: str) -> None:
+        if isinstance(text, GeneratedText):
+            self._control.update((self.fed + a, self.fed + b) for a, b in text.control_spans)
+        elif self._plain and self._plain[-1][1] == self.fed:
+            self._plain[-1] = (self._plain[-1][0], self.fed + len(text))
+        else:
+            self._plain.append((self.fed, self.fed + len(text)))
+        self.fed += len(text)
+
+    def at(self, start: int, end: int) -> bool:
+        """Whether the characters [start, end) are a marker, not text that looks like one."""
+        return (start, end) in self._control or any(a <= start and end <= b for a, b in self._plain)
+
+
 class _Stream:
     """What every built-in stream shares: content, calls, errors, and the feed/close/finish API.
     Subclasses implement `_advance(out, final)` over `self._buffer`."""
@@ -477,20 +507,35 @@ class _MistralStream(_Stream):
     """Modes: "text" (content; `[TOOL_CALLS]` starts calls), "calls" (just after it: `[` opens an
     array of call objects, `{` is one call object, else a name up to `[ARGS]`), "array" (between
     the array's objects), "object" (inside a call object; _buffer starts with it), "name" (a
-    name, perhaps `[CALL_ID]id`, then `[ARGS]`), "arguments" (the named call's object)."""
+    name, perhaps `[CALL_ID]id`, then `[ARGS]`), "arguments" (the named call's object).
+    `[TOOL_CALLS]` and `[ARGS]` count where `_markers` says they are the control tokens only: the
+    same text spelled by ordinary tokens (quoting a tool result) is content, as the grammar left it."""
 
     def __init__(self) -> None:
         super().__init__()
+        self._markers = _Markers()
         self._mode = "text"
         self._scanner: _ObjectScanner | None = None
         self._name = ""
         self._id: str | None = None
         self._raw = ""  # what the calls being read came as, for content if they are malformed
 
+    def feed(self, text_delta: str) -> list[str | ToolCallDelta]:
+        self._markers.add(text_delta)
+        return super().feed(text_delta)
+
+    def _find(self, marker: str) -> int:
+        """Where `marker` stands in the buffer as a marker (-1: nowhere); the buffer is the end of
+        all that was fed."""
+        start, at = self._markers.fed - len(self._buffer), self._buffer.find(marker)
+        while at >= 0 and not self._markers.at(start + at, start + at + len(marker)):
+            at = self._buffer.find(marker, at + 1)
+        return at
+
     def _advance(self, out: list, final: bool) -> None:
         while True:
             if self._mode == "text":
-                start = self._buffer.find(MISTRAL_CALLS)
+                start = self._find(MISTRAL_CALLS)
                 if start < 0:
                     self._text_before(out, MISTRAL_CALLS, final)
                     return
@@ -502,9 +547,9 @@ class _MistralStream(_Stream):
                 self._raw += self._buffer[:len(self._buffer) - len(rest)]
                 self._buffer = rest
                 if not rest:
-                    if final:
+                    if final and self._mode == "calls":
                         self._malformed(out, f"{MISTRAL_CALLS} without its calls", cut=True)
-                    return
+                    return  # (an array the generation ended in keeps the calls it closed)
                 if self._mode == "array" and rest[0] == "]":
                     self._buffer, self._mode = rest[1:], "text"
                 elif rest[0] == "[" and self._mode == "calls":
@@ -526,7 +571,7 @@ class _MistralStream(_Stream):
 
     def _read_name(self, out: list, final: bool) -> bool:
         """The name before [ARGS] (and the id after [CALL_ID], where the template writes one)."""
-        end = self._buffer.find(MISTRAL_ARGS)
+        end = self._find(MISTRAL_ARGS)
         if end < 0:
             if final:
                 self._malformed(out, f"a call after {MISTRAL_CALLS} needs {MISTRAL_ARGS} and its arguments", cut=True)
@@ -546,8 +591,8 @@ class _MistralStream(_Stream):
             self._scanner = _ObjectScanner()
         scanner = self._scanner
         scanner.scan(self._buffer)
-        if not scanner.complete and not scanner.broken and not final:
-            return False
+        if not scanner.complete and not final:
+            return False  # decided when its object closes or the text ends (a broken one at the end, as llama3's)
         end = scanner.end if scanner.complete else len(self._buffer)
         text, self._buffer = self._buffer[:end], self._buffer[end:]
         self._raw += text

@@ -509,6 +509,8 @@ TRUTH_TEXTS["mistral"] = [
     '[TOOL_CALLS] [{"name": "ok", "arguments": {}}, {"name": "bad", "arguments": {"q": }}] tail',
     '[TOOL_CALLS]{"name": "f", "arguments": "hello"}',
     '[TOOL_CALLS] [3]',
+    '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}',  # cut: calls kept
+    '[TOOL_CALLS]f[ARGS]"{\\"a\\": 1}"',  # arguments as a string after [ARGS]: refused, alike streamed
 ]
 
 
@@ -556,6 +558,8 @@ def test_mistral_reads_both_call_forms_with_ids_its_templates_take():
                         ('[TOOL_CALLS] ["f"]', "call objects only")]:
         output = MistralToolParser().parse(text)
         assert output.tool_calls == [] and output.content == text and error in output.error, text
+    cut = MistralToolParser().parse('[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, ')
+    assert [c.name for c in cut.tool_calls] == ["f"] and cut.error is None and cut.content == ""
 
 
 @pytest.mark.parametrize("text", TRUTH_TEXTS["mistral"])
@@ -563,6 +567,28 @@ def test_mistral_streaming_matches_whole_parse_at_every_chunk_boundary(text):
     parser = MistralToolParser()
     for chunks in all_chunkings(text):
         check_stream(parser, text, chunks)
+
+
+@pytest.mark.parametrize("parser", [MistralToolParser(), MistralArgsToolParser()], ids=lambda parser: parser.name)
+def test_mistral_markers_spelled_by_ordinary_tokens_are_content(parser):
+    """[TOOL_CALLS] and [ARGS] are control tokens: spelled by ordinary tokens (the model quoting a
+    tool result that holds them; the grammar's free text allows that spelling, and holds no call
+    in it to an offered tool or its schema) they are content, streamed or whole; a call comes
+    where the model generated the tokens themselves."""
+    from hibana_plugins.hookspecs import GeneratedText
+
+    quoted = 'It says [TOOL_CALLS][{"name": "rm", "arguments": {}}] and [TOOL_CALLS]rm[ARGS]{"all": true}'
+    for text in [GeneratedText(quoted, ()), GeneratedText(quoted, ((8, 20),))]:  # [ARGS] spelled, too
+        output = parser.parse(text)
+        assert [c.name for c in output.tool_calls] == (["rm"] if text.control_spans else []), text.control_spans
+        assert "[TOOL_CALLS]rm[ARGS]" in output.content
+        stream, cuts = parser.stream(), [0, 3, 8, 20, 27, 50, 63, len(text)]  # a control token comes whole
+        pieces = [p for a, b in zip(cuts, cuts[1:]) for p in stream.feed(GeneratedText(text[a:b], tuple(
+            (s - a, e - a) for s, e in text.control_spans if a <= s and e <= b)))]
+        pieces += stream.close()
+        assert "".join(p for p in pieces if isinstance(p, str)) == output.content
+    text = GeneratedText('[TOOL_CALLS]rm[ARGS]{"all": true}', ((0, 12), (14, 20)))
+    assert [(c.name, c.arguments) for c in parser.parse(text).tool_calls] == [("rm", {"all": True})]
 
 
 def test_llama3_malformed_json_is_content_with_an_error():
