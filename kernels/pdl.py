@@ -93,20 +93,13 @@ def using(on: bool, kinds: tuple[str, ...] | None = None,
         _enabled, _kinds, _max_programs = previous
 
 
-EARLY = tl.constexpr(os.environ.get("HIBANA_PDL_EARLY", "0") == "1")
-"""Let the next grid launch before the wait, not after it (an experiment, HIBANA_PDL_EARLY=1): the
-grids of several kernels ahead then become resident and issue their weight loads while the one
-before them still runs. Each grid's wait still returns only once its predecessor completed, so
-results are the same; a grid launches only once all its predecessor's programs have started."""
-
-
 @triton.jit
 def wait_for_previous(PDL: tl.constexpr):
     """In a kernel launched with PDL: wait until the previous grid's writes are visible, then let
-    the next grid launch (a no-op without PDL)."""
+    the next grid launch (a no-op without PDL). Letting it launch before the wait instead (grids
+    of several kernels ahead resident at once, their weight loads out early) measured no faster on
+    the H200 (2026-12-05, A/B in separate processes, batch 1 at 512 keys: qwen3-0.6b 1206 / 1205
+    against 1179 / 1210 tok/s, phi4-mini 376.1 against 374.9, qwen3-8b w4 491.3 both)."""
     if PDL:
-        if EARLY:
-            gdc_launch_dependents()
         gdc_wait()
-        if not EARLY:
-            gdc_launch_dependents()
+        gdc_launch_dependents()
