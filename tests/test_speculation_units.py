@@ -688,3 +688,19 @@ def test_speculation_none_is_the_engines_setting_on_a_request_and_refused_for_th
     with pytest.raises(ConfigError, match=r"speculation=None means \"the engine's setting\" on a request"):
         EngineConfig(speculation=None)
     assert SamplingParams(speculation=None).speculation is None
+
+
+def test_valid_draft_keeps_the_prefix_of_vocabulary_ids():
+    """A drafter's proposal is cut at the first entry that is no token id of the vocabulary (a
+    bool, a negative or too large id, a float), at k tokens; lists of ints (the built-ins'), numpy
+    arrays and tensors alike."""
+    import numpy as np
+    import torch
+
+    from hibana_core.speculation.speculator import valid_draft
+
+    assert valid_draft([5, 6, 7], 2, 10) == [5, 6] and valid_draft([], 4, 10) == [] and valid_draft(None, 4, 10) == []
+    for bad in (True, -1, 10, 2.0, "3"):
+        assert valid_draft([4, bad, 5], 3, 10) == [4], bad
+    assert valid_draft(np.array([1, 2, 11]), 3, 10) == [1, 2] and valid_draft(torch.tensor([9, 0]), 2, 10) == [9, 0]
+    assert valid_draft([np.int64(3), 4], 2, 10) == [3, 4] and valid_draft(iter([1, 2, 3]), 2, 10) == [1, 2]
