@@ -704,3 +704,22 @@ def test_valid_draft_keeps_the_prefix_of_vocabulary_ids():
         assert valid_draft([4, bad, 5], 3, 10) == [4], bad
     assert valid_draft(np.array([1, 2, 11]), 3, 10) == [1, 2] and valid_draft(torch.tensor([9, 0]), 2, 10) == [9, 0]
     assert valid_draft([np.int64(3), 4], 2, 10) == [3, 4] and valid_draft(iter([1, 2, 3]), 2, 10) == [1, 2]
+
+
+def test_longest_at_finds_what_longest_finds():
+    """The suffix drafter's search (`longest_at`: orders longest first across the indexes, each
+    key computed when reached) gives `longest`'s answer over every order's keys: the longest
+    context any index holds, equal lengths' counts added in index order; empty indexes and
+    positions shorter than the longest order included."""
+    from hibana_core.speculation.index import (ContextIndex, context_keys, extend_hashes, longest, longest_at,
+                                               searched)
+
+    rng = random.Random(5)
+    for _ in range(40):
+        indexes = [ContextIndex() for _ in range(rng.randint(1, 3))]
+        for index in indexes:
+            index.extend([rng.randrange(6) for _ in range(rng.choice([0, 5, 60, 300]))])
+        prefix = [0]
+        extend_hashes(prefix, [rng.randrange(6) for _ in range(rng.randint(1, 40))])
+        for end in range(1, len(prefix)):
+            assert longest_at(searched(indexes), prefix, end) == longest(indexes, context_keys(prefix, end)), end

@@ -25,7 +25,8 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 from hibana_core.errors import ConfigError
 from hibana_core.speculation.index import (CONTEXT_INDEX_BYTES_PER_TOKEN, LAST_SEEN_BYTES_PER_TOKEN, ORDERS,
                                            ContextIndex, Seen, WindowedContextIndex, WindowedIndex,
-                                           WindowedLastSeenIndex, context_keys, extend_hashes, longest)
+                                           WindowedLastSeenIndex, extend_hashes, longest_at,
+                                           searched)
 from hibana_plugins.hookspecs import hookimpl
 
 
@@ -202,12 +203,12 @@ class SuffixDrafter:
         # prefix hashes of the last `context` tokens, then of the drafts: a context's hash depends
         # on its tokens alone, so this window serves every lookup
         prefix = index.hashes[-self.context - 1:]
-        indexes = index.newest_first() + list(self.corpus.newest_first())  # own first: they win ties
+        tables = searched(index.newest_first() + list(self.corpus.newest_first()))  # own first: they win ties
         draft: list[int] = []
         score = 1.0
         while len(draft) < k:
             end = len(prefix) - 1
-            n, seen = longest(indexes, context_keys(prefix, end))
+            n, seen = longest_at(tables, prefix, end)
             if seen is None:
                 break
             token, share = _best(seen)

@@ -1,11 +1,15 @@
 """Context indexes over token streams: what followed each recent context, updated per token.
 
 Every context of the lengths in `ORDERS` ending at a position is hashed with a polynomial rolling
-hash (mod the Mersenne prime 2^61 - 1), so the hash of the last n tokens of any stream is O(1)
+hash (mod a prime just under 2^30), so the hash of the last n tokens of any stream is O(1)
 from its prefix hashes, and equal contexts hash alike in every stream (an agent's own history,
 the engine-wide corpus, a draft being built). Appending a token costs one table update per order,
 whatever the history's length. A hash collision can only make a draft worse, never an output
-wrong: drafts are verified.
+wrong: drafts are verified. The modulus keeps every hash one CPython digit (30 bits) and every
+product two, which indexes a token in ~3.1 us against ~5.0 with the Mersenne prime 2^61 - 1 (the
+coding trace, this machine's CPU); a window's 32k contexts of an order then meet an unseen one's
+hash about once in 30,000 lookups, a wrong draft token at worst. Each step of a loaded engine
+indexes and drafts for every agent on the host, between the device's steps.
 
     ContextIndex   context -> continuation counts (the suffix drafter's scores)
     LastSeenIndex  context -> where it last ended (prompt lookup: copy what followed)
@@ -40,8 +44,8 @@ that text (about 460 at 200k tokens)."""
 ORDERS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 """Context lengths indexed: short ones find scaffolds, long ones pin down where a copy is."""
 
-_MOD = (1 << 61) - 1
-_BASE = 0x5DEECE66D1  # any base in [2, MOD) works; odd and large spreads short contexts
+_MOD = (1 << 30) - 35  # prime
+_BASE = 0x2F0B3A55  # any base in [2, MOD) works; large spreads short contexts
 _POW = [1]
 for _ in range(max(ORDERS) + 1):
     _POW.append(_POW[-1] * _BASE % _MOD)
@@ -74,19 +78,19 @@ class ContextIndex:
         self.tables: list[dict[int, int | dict[int, int]]] = [{} for _ in self.orders]
         self.hashes = [0]  # prefix hashes of the stream indexed so far
         self._longest_first = tuple(zip(reversed(self.orders), reversed(self.tables)))
+        self._steps = _steps(self.orders, self.tables)
 
     @property
     def num_tokens(self) -> int:
         return len(self.hashes) - 1
 
     def extend(self, tokens: Iterable[int]) -> None:
-        hashes = self.hashes
+        hashes, steps, top = self.hashes, self._steps, self.orders[-1] if self.orders else 0
         for t in tokens:
             end = len(hashes) - 1  # t sits at position `end`: contexts end just before it
-            for n, table in zip(self.orders, self.tables):
-                if n > end:
-                    break
-                key = (hashes[end] - hashes[end - n] * _POW[n]) % _MOD
+            h = hashes[end]
+            for n, table, power in (steps if end >= top else [s for s in steps if s[0] <= end]):
+                key = (h - hashes[end - n] * power) % _MOD
                 seen = table.get(key)
                 if seen is None:
                     table[key] = t
@@ -94,7 +98,7 @@ class ContextIndex:
                     table[key] = {seen: 2} if seen == t else {seen: 1, t: 1}
                 else:
                     seen[t] = seen.get(t, 0) + 1
-            hashes.append((hashes[end] * _BASE + t + 1) % _MOD)
+            hashes.append((h * _BASE + t + 1) % _MOD)
 
     def truncate(self, length: int, dropped: Sequence[int]) -> None:
         """Forget the tokens indexed from position `length` on (they were `dropped`): the tables
@@ -143,6 +147,44 @@ class ContextIndex:
         return 100 * sum(len(t) for t in self.tables) + 8 * len(self.hashes)
 
 
+def _steps(orders: Sequence[int], tables: Sequence[dict]) -> tuple[tuple[int, dict, int], ...]:
+    """(order, its table, BASE^order) a token's update visits, shortest first (orders ascend)."""
+    assert list(orders) == sorted(orders), "orders ascend"
+    return tuple(zip(orders, tables, [_POW[n] for n in orders]))
+
+
+def searched(indexes: Sequence[ContextIndex]) -> list[tuple[tuple[int, dict], ...]]:
+    """What `longest_at` searches: each non-empty index's tables, longest order first. The
+    indexes share their orders."""
+    live = [index._longest_first for index in indexes if index.tables and index.tables[0]]
+    orders = [n for n, _ in live[0]] if live else []
+    if any([n for n, _ in firsts] != orders for firsts in live[1:]):
+        raise ValueError("longest_at searches indexes of the same orders")
+    return live
+
+
+def longest_at(live: Sequence[tuple[tuple[int, dict], ...]], prefix: Sequence[int], end: int) -> tuple[int, Seen | None]:
+    """`longest(indexes, context_keys(prefix, end))` over `live = searched(indexes)`, each order's
+    key computed only when the search gets to it: the orders longest first across every index,
+    stopping at the first that any of them holds (where a draft copies, the longest: one key, not
+    one per order)."""
+    if not live:
+        return 0, None
+    h = prefix[end]
+    for i, (n, _) in enumerate(live[0]):
+        if n > end:
+            continue
+        key = (h - prefix[end - n] * _POW[n]) % _MOD
+        best = None
+        for firsts in live:  # equal lengths add up, the first index's continuations first
+            seen = firsts[i][1].get(key)
+            if seen is not None:
+                best = seen if best is None else _merge(best, seen)
+        if best is not None:
+            return n, best
+    return 0, None
+
+
 def longest(indexes: Iterable[ContextIndex], keys: Sequence[int | None]) -> tuple[int, Seen | None]:
     """The longest of the contexts `keys` (`context_keys`) that any of `indexes` holds, as (its
     length, what followed it), or (0, None): contexts of equal length add up their counts (the
@@ -171,19 +213,20 @@ class LastSeenIndex:
         self.tables: list[dict[int, int]] = [{} for _ in self.orders]
         self.hashes = [0]
         self._longest_first = tuple(zip(reversed(self.orders), reversed(self.tables)))
+        self._steps = _steps(self.orders, self.tables)
 
     @property
     def num_tokens(self) -> int:
         return len(self.hashes) - 1
 
     def extend(self, tokens: Iterable[int]) -> None:
-        hashes = self.hashes
+        hashes, steps, top = self.hashes, self._steps, self.orders[-1] if self.orders else 0
         for t in tokens:
             end = len(hashes) - 1
-            for n, table in zip(self.orders, self.tables):
-                if n <= end:
-                    table[(hashes[end] - hashes[end - n] * _POW[n]) % _MOD] = end
-            hashes.append((hashes[end] * _BASE + t + 1) % _MOD)
+            h = hashes[end]
+            for n, table, power in (steps if end >= top else [s for s in steps if s[0] <= end]):
+                table[(h - hashes[end - n] * power) % _MOD] = end
+            hashes.append((h * _BASE + t + 1) % _MOD)
 
     def truncate(self, length: int, dropped: Sequence[int]) -> None:
         """Forget the tokens indexed from position `length` on (`dropped`, unused: the positions
