@@ -226,12 +226,12 @@ class Chat:
             kwargs["enable_thinking"] = reasoning
 
         messages, tools = self._prepared(normalize_messages(messages)), normalize_tools(tools)
+        check_tool_results(messages)  # on the ids the caller sent, before they take the template's length
         if self._id_length is not None:
             messages = _with_template_ids(messages, self._id_length)
         if tools:  # OpenAI's description is optional; templates (gpt-oss's) read it unguarded
             tools = [t if "description" in t["function"] else {**t, "function": {**t["function"], "description": ""}}
                      for t in tools]
-        check_tool_results(messages)
         for i, role in enumerate(m["role"] for m in messages):
             if role not in KNOWN_ROLES and not self._renders_role(role):
                 raise ConversationError(f"message {i} has role {role!r}, which the chat template does not render "

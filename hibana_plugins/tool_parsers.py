@@ -466,12 +466,20 @@ class _Llama3Stream(_Stream):
         if decoded.error is None:
             self._accept(out, decoded)
         elif self._bare and self._region_calls == 1 and (decoded.valid_json or scanner.name is None):
-            self._text(out, text)  # output that merely starts with "{": an answer, not a call
+            # output that merely starts with "{": an answer, not a call; but one cut before its
+            # name was read whose first key is (or may yet be) "name" is a call being written
+            self._text(out, text, cut=not scanner.complete and _begins_call(text))
             self._mode = "text"
         else:
             tag = PYTHON_TAG if not self._bare and self._region_calls == 1 else ""
             self._reject(out, tag + text, decoded.error, cut=not scanner.complete)
         return True
+
+
+def _begins_call(text: str) -> bool:
+    """Whether an object cut short opens as a call does: its first key is "name" or a start of it."""
+    head = text.lstrip()[1:].lstrip()[:len('"name"')]
+    return '"name"'.startswith(head)
 
 
 class Llama3JsonToolParser:

@@ -12,7 +12,7 @@ import types
 import pytest
 
 from hibana_core import Engine, HibanaError, SamplingParams, StateBusyError
-from hibana_core.chat import (MALFORMED, Chat, ChatResult, ToolChoiceError, assistant_message,
+from hibana_core.chat import (MALFORMED, Chat, ChatResult, ConversationError, ToolChoiceError, assistant_message,
                               clean_tool, normalize_messages, normalize_tool_choice, normalize_tools)
 from hibana_core.state import UNNAMED_PREFIX
 from hibana_core import turn
@@ -455,6 +455,8 @@ def test_a_call_the_model_ended_without_the_call_grammar_stays_content(engine):
 
 @pytest.mark.parametrize("text, cut", [('{"answer": "Oslo is', False),  # an answer in JSON: content
                                        ('{"name": "get_weather", "parameters": {"ci', True),
+                                       ('{"name": "get_wea', True), ('{"na', True),  # cut before the name ends
+                                       ('{"names": "Ann', False),
                                        ('Let me see. <|python_ta', True)])
 def test_a_cut_call_is_what_the_parser_read_as_one(engine, text, cut):
     """Llama 3's calls open with "{": a JSON answer cut by max_tokens is the answer, not a cut call."""
@@ -1022,6 +1024,33 @@ MISTRAL_MARKERS = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/
                    "[/TOOL_RESULTS]", "[ARGS]", "[CALL_ID]"]
 
 
+def mistral_checkpoint(path, template: str = MISTRAL_TEMPLATE):
+    """The tiny mistral checkpoint with Mistral's control tokens and `template`."""
+    import tiny_models
+
+    path = tiny_models.make_tiny_checkpoint("mistral", path, vocab_size=tiny_models.VOCAB_SIZE + len(MISTRAL_MARKERS))
+    tokenizer = tiny_models.make_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": MISTRAL_MARKERS})
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_a_result_for_a_call_not_made_names_the_ids_the_client_sent(tmp_path):
+    """Where the template's ids are 9 characters, a tool result that answers no call of the message
+    before it is refused naming the client's ids ("call_9", "call_1"), not the 9-character ones
+    derived from them, which the client never saw."""
+    import tiny_models
+
+    with tiny_models.open_engine(mistral_checkpoint(tmp_path)) as mistral:
+        conversation = HELLO + [
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+            {"role": "tool", "tool_call_id": "call_9", "content": "sunny"}]
+        with pytest.raises(ConversationError, match=r"'call_9'.*\['call_1'\]"):
+            Chat(mistral).render_text(conversation)
+
+
 @pytest.mark.parametrize("args_form", [False, True], ids=["array", "args"])
 def test_a_mistral_template_gets_the_mistral_parser_its_grammar_and_its_ids(tmp_path, args_form):
     """A Mistral checkpoint's template writes calls after its [TOOL_CALLS] token (an array; or
@@ -1032,13 +1061,8 @@ def test_a_mistral_template_gets_the_mistral_parser_its_grammar_and_its_ids(tmp_
     loop goes on (the template raised on the second turn) and the KV of earlier turns is reused."""
     import tiny_models
 
-    path = tiny_models.make_tiny_checkpoint("mistral", tmp_path, vocab_size=tiny_models.VOCAB_SIZE + len(MISTRAL_MARKERS))
-    tokenizer = tiny_models.make_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": MISTRAL_MARKERS})
     template = MISTRAL_TEMPLATE.replace("[TOOL_CALLS] [", "[TOOL_CALLS][ARGS] [") if args_form else MISTRAL_TEMPLATE
-    tokenizer.chat_template = template
-    tokenizer.save_pretrained(path)
-    with tiny_models.open_engine(path) as mistral:
+    with tiny_models.open_engine(mistral_checkpoint(tmp_path, template)) as mistral:
         chat = Chat(mistral, "agent")
         assert chat.parser_name == ("mistral_args" if args_form else "mistral")
         short = {"type": "function", "function": {**WEATHER["function"], "parameters": {
