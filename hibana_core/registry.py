@@ -790,15 +790,19 @@ class StateRegistry:
             raise InvalidTokenError(f"token ids must be a list of integers, got {type(tokens).__name__}"
                                     + (" (unordered: give them in order)" if isinstance(tokens, AbstractSet) else ""))
         tokens = list(tokens)
-        bad = [t for t in tokens if not is_kind(t, int)]
-        if bad:
-            raise InvalidTokenError(f"token ids must be integers, got {bad[0]!r}; tokenize with this "
-                                    "model's tokenizer")
-        tokens = [int(t) for t in tokens]
-        bad = [t for t in tokens if not 0 <= t < self.limits.vocab_size]
-        if bad:
-            raise InvalidTokenError(f"token ids {bad[:5]} lie outside the vocabulary "
-                                    f"[0, {self.limits.vocab_size}); tokenize with this model's tokenizer")
+        # plain ints of the vocabulary, as callers pass them, checked by C-speed builtins (an agent's
+        # whole history every turn, on the caller's thread but under the GIL the step loop needs)
+        if not (all(type(t) is int for t in tokens)
+                and (not tokens or 0 <= min(tokens) and max(tokens) < self.limits.vocab_size)):
+            bad = [t for t in tokens if not is_kind(t, int)]
+            if bad:
+                raise InvalidTokenError(f"token ids must be integers, got {bad[0]!r}; tokenize with this "
+                                        "model's tokenizer")
+            tokens = [int(t) for t in tokens]
+            bad = [t for t in tokens if not 0 <= t < self.limits.vocab_size]
+            if bad:
+                raise InvalidTokenError(f"token ids {bad[:5]} lie outside the vocabulary "
+                                        f"[0, {self.limits.vocab_size}); tokenize with this model's tokenizer")
         return self._check_length(tokens)
 
     def _check_fits(self, seq: KVSequence, length: int) -> None:

@@ -826,3 +826,37 @@ def _runner_with_graphs(init):
         init(self, *args, **kwargs)
         self.graphs = DecodeGraphs(self, 4)
     return wrapped
+
+
+def test_text_decoded_on_the_callers_side_is_the_engine_threads():
+    """A request without stop strings is detokenized as its caller reads the events (the engine
+    thread hands over token ids), one with stop strings on the engine thread: the events' text and
+    control spans, and the completion's, are the same either way, an ended-by-stop-token turn's
+    stop token left out of the text, for streams and generate alike (the demo model's chat
+    markup: control tokens among the text)."""
+    import random
+
+    from hibana_core import Engine, SamplingParams
+
+    with Engine.from_pretrained("demo", device="cpu", progress=False, speculation="off") as engine:
+        tokenizer = engine.tokenizer
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "What is the weather in Paris?"}],
+                                             add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        never = ["\x00no such text\x00"]
+        for seed in range(4):
+            rng = random.Random(seed)
+            params = dict(max_tokens=rng.choice([5, 40, 120]), temperature=rng.choice([0.0, 1.0]), seed=seed)
+            runs = []
+            for stop in ([], never):
+                h = engine.open_state(f"detok-{seed}-{len(stop)}")
+                events = list(h.stream(SamplingParams(**params, stop=stop), prompt=prompt))
+                h.close()
+                final = events[-1].completion
+                runs.append(([(e.token_id, e.text, e.control_spans) for e in events],
+                             (final.token_ids, final.text, final.control_spans, final.finish_reason)))
+            assert runs[0] == runs[1], seed
+            h = engine.open_state(f"detok-gen-{seed}")
+            done = h.generate(SamplingParams(**params), prompt=prompt)
+            h.close()
+            assert (done.token_ids, done.text, done.control_spans) == runs[0][1][:3]
