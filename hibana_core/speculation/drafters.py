@@ -186,8 +186,8 @@ class SuffixDrafter:
     running product of scores falls below `min_score`, so unsure drafts stay short.
 
     Each state's index covers its last `state_window` to `2 * state_window` tokens, and all of
-    them together at most `max_tokens` (about 950 bytes of host memory per token: 1 << 19 tokens,
-    some 500 MB, hold 16 to 32 agents' windows).
+    them together at most `max_tokens` (about 850 bytes of host memory per token: 1 << 19 tokens,
+    some 450 MB, hold 16 to 32 agents' windows).
     """
 
     def __init__(self, engine: Any = None, corpus_tokens: int = 1 << 16, min_score: float = 0.1, *,
@@ -238,7 +238,7 @@ class NgramDrafter:
 
     Bounded like the suffix drafter's: each state's last `state_window` to `2 * state_window`
     tokens, all states together at most `max_tokens`. Its index costs about 550 bytes per token
-    against the suffix drafter's 950, so its default budget holds twice the tokens (1 << 20, some
+    against the suffix drafter's 850, so its default budget holds twice the tokens (1 << 20, some
     580 MB): the same order of host memory, and twice the agents' windows.
     """
 

@@ -29,10 +29,10 @@ from hibana_core.kv.sequence import common_prefix_len
 Seen = Union[int, dict[int, int]]
 """What followed a context: one token (seen once), or {token: count}."""
 
-CONTEXT_INDEX_BYTES_PER_TOKEN = 950
+CONTEXT_INDEX_BYTES_PER_TOKEN = 850
 """Host bytes a `ContextIndex` (all `ORDERS`) holds per indexed token, for reports: measured with
-tracemalloc on 4k-36k tokens of random text with 30% copied spans, 820 to 1040 depending on
-where its dicts are in their doubling (about 870 at 200k tokens; less on more repetitive text,
+tracemalloc on 4k-36k tokens of random text with 30% copied spans, 790 to 870 depending on
+where its dicts are in their doubling (with ten orders, 820 to 1040; less on more repetitive text,
 whose contexts repeat). A windowed index adds 8 bytes per token for its copy of the tokens it
 indexed (`WindowedIndex.tokens`), within that spread. `nbytes` counts table entries of one index
 instead."""
@@ -41,8 +41,11 @@ LAST_SEEN_BYTES_PER_TOKEN = 550
 """The same for a `LastSeenIndex` of orders 2..8 (the ngram drafter's): 440 to 600 per token on
 that text (about 460 at 200k tokens)."""
 
-ORDERS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-"""Context lengths indexed: short ones find scaffolds, long ones pin down where a copy is."""
+ORDERS = (1, 2, 3, 4, 6, 8, 12, 16, 32)
+"""Context lengths indexed: short ones find scaffolds, long ones pin down where a copy is. Each
+costs an update a token and a lookup a drafted position; 24 gave nothing beside 16 and 32 (16
+conversations of each trace replayed at k 16: coding 39,991 accepted against 39,993 with it, demo
+640 both; a proposal 84 against 95 us), (1, 2, 4, 8, 16, 32) 4% more steps on the coding trace."""
 
 _MOD = (1 << 30) - 35  # prime
 _BASE = 0x2F0B3A55  # any base in [2, MOD) works; large spreads short contexts
