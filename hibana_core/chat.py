@@ -665,9 +665,12 @@ def _template_parser(template: str, vocab: dict) -> str:
     """The built-in parser of the calls the chat template writes: Llama 3.x's templates write past
     calls as `{"name": ..., "parameters": ...}` (its tokenizer has `<|python_tag|>`) and no
     `<tool_call>`; Mistral's after its `[TOOL_CALLS]` token, as an array, or `NAME[ARGS]{...}` where
-    the template writes `[ARGS]` (a token of its tokenizer too); hermes otherwise."""
+    the template writes `[ARGS]` (a token of its tokenizer too), `NAME[CALL_ID]ID[ARGS]{...}` where it
+    also writes `[CALL_ID]`; hermes otherwise."""
     if "<tool_call>" not in template and "[TOOL_CALLS]" in template and "[TOOL_CALLS]" in vocab:
-        return "mistral_args" if "[ARGS]" in template and "[ARGS]" in vocab else "mistral"
+        if "[ARGS]" not in template or "[ARGS]" not in vocab:
+            return "mistral"
+        return "mistral_call_id" if "[CALL_ID]" in template and "[CALL_ID]" in vocab else "mistral_args"
     if "<tool_call>" not in template and '"parameters"' in template and "<|python_tag|>" in vocab:
         return "llama3_json"
     return DEFAULT_TOOL_PARSER

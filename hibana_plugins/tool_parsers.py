@@ -8,7 +8,8 @@ Built-ins, registered through `register_tool_parsers` like any plugin's:
 - "mistral": Mistral's `[TOOL_CALLS]` control token, then a JSON array of `{"name": ...,
   "arguments": {...}}` objects (Mistral 7B v0.3, Nemo, Small 3; 9-character call ids, as their
   templates demand), or `NAME[ARGS]{...}` after each `[TOOL_CALLS]` (the templates that write
-  `[ARGS]`: "mistral_args", which reads both forms and differs in its grammar only).
+  `[ARGS]`: "mistral_args", which reads both forms and differs in its grammar only; and
+  "mistral_call_id" for those that write `NAME[CALL_ID]ID[ARGS]{...}`).
 
 All follow one contract:
 - content is the text outside tool calls, without leading or trailing whitespace;
@@ -728,9 +729,25 @@ class MistralArgsToolParser(MistralToolParser):
         return _sequence(call, {"type": "star", "content": call}) if parallel else call
 
 
+class MistralCallIdToolParser(MistralArgsToolParser):
+    """The templates that write each call as `[TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}` (Magistral,
+    Devstral 2507): read as "mistral" reads them (the model's id kept), held to this form by its
+    grammar, the id 9 letters and digits."""
+
+    name = "mistral_call_id"
+
+    def _call(self, function: dict) -> dict:
+        from hibana_core.turn import arguments_schema
+
+        return _sequence(_token(MISTRAL_CALLS), _const(function["name"]), _token(MISTRAL_CALL_ID),
+                         {"type": "regex", "pattern": f"[0-9A-Za-z]{{{MISTRAL_ID_LENGTH}}}"}, _token(MISTRAL_ARGS),
+                         {"type": "json_schema", "json_schema": arguments_schema(function)})
+
+
 @hookimpl
 def register_tool_parsers(register) -> None:
     register(HermesToolParser.name, HermesToolParser())
     register(Llama3JsonToolParser.name, Llama3JsonToolParser())
     register(MistralToolParser.name, MistralToolParser())
     register(MistralArgsToolParser.name, MistralArgsToolParser())
+    register(MistralCallIdToolParser.name, MistralCallIdToolParser())

@@ -1051,20 +1051,24 @@ def test_a_result_for_a_call_not_made_names_the_ids_the_client_sent(tmp_path):
             Chat(mistral).render_text(conversation)
 
 
-@pytest.mark.parametrize("args_form", [False, True], ids=["array", "args"])
-def test_a_mistral_template_gets_the_mistral_parser_its_grammar_and_its_ids(tmp_path, args_form):
+@pytest.mark.parametrize("form, markers, parser", [("array", "[TOOL_CALLS] [", "mistral"),
+                                                    ("args", "[TOOL_CALLS][ARGS] [", "mistral_args"),
+                                                    ("call_id", "[TOOL_CALLS][CALL_ID][ARGS] [", "mistral_call_id")],
+                         ids=["array", "args", "call_id"])
+def test_a_mistral_template_gets_the_mistral_parser_its_grammar_and_its_ids(tmp_path, form, markers, parser):
     """A Mistral checkpoint's template writes calls after its [TOOL_CALLS] token (an array; or
-    NAME[ARGS]{...} where the template writes [ARGS]) and refuses any call id but 9 letters and
+    NAME[ARGS]{...} where the template writes [ARGS]; NAME[CALL_ID]ID[ARGS]{...} where it writes
+    [CALL_ID] too: the id the grammar made is the call's) and refuses any call id but 9 letters and
     digits: the chat layer reads the calls with the mistral parser, a forced call is held to that
     form by the grammar (the control token named by a `token` format), and ids from elsewhere
     (OpenAI's call_..., a client's own) render as the same 9 characters on every turn, so a tool
     loop goes on (the template raised on the second turn) and the KV of earlier turns is reused."""
     import tiny_models
 
-    template = MISTRAL_TEMPLATE.replace("[TOOL_CALLS] [", "[TOOL_CALLS][ARGS] [") if args_form else MISTRAL_TEMPLATE
+    template = MISTRAL_TEMPLATE.replace("[TOOL_CALLS] [", markers)
     with tiny_models.open_engine(mistral_checkpoint(tmp_path, template)) as mistral:
         chat = Chat(mistral, "agent")
-        assert chat.parser_name == ("mistral_args" if args_form else "mistral")
+        assert chat.parser_name == parser
         short = {"type": "function", "function": {**WEATHER["function"], "parameters": {
             "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"]}}}
         first = chat.respond(HELLO, [short], tool_choice="required", parallel_tool_calls=False,
@@ -1073,6 +1077,8 @@ def test_a_mistral_template_gets_the_mistral_parser_its_grammar_and_its_ids(tmp_
         assert [c.name for c in first.tool_calls] and {c.name for c in first.tool_calls} == {"get_weather"}
         assert all(re.fullmatch(r"[0-9a-zA-Z]{9}", c.id) for c in first.tool_calls)
         assert all(isinstance(c.arguments.get("city"), str) for c in first.tool_calls)
+        if form == "call_id":  # the model's own id, as the grammar let it write one after [CALL_ID]
+            assert f"get_weather[CALL_ID]{first.tool_calls[0].id}[ARGS]" in first.raw_text, first.raw_text
         foreign = [{"role": "assistant", "content": "", "tool_calls": [
             {"id": "call_0123456789abcdef01234567", "type": "function",
              "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
