@@ -42,14 +42,15 @@ Message bodies are free text. <|call|> ends the turn, so a turn holds one call w
 
 from __future__ import annotations
 
-import json
 import re
 
 from hibana_core.errors import ConversationError
 from hibana_core.messages import ToolSchemaError
 from hibana_core.turn import arguments_schema
 from hibana_plugins.hookspecs import ParsedOutput, ToolCallDelta, ToolCallStream, hookimpl
-from hibana_plugins.tool_parsers import _Decoded, _loads, _Markers, _Stream, partial_tag_length
+from hibana_plugins.tool_parsers import (_Decoded, _Markers, _Stream, decode_arguments, partial_tag_length,
+                                         tag_either as _either, tag_sequence as _sequence, tag_text as _text,
+                                         tag_token as _token)
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
@@ -180,39 +181,10 @@ class _HarmonyStream(_Stream):
 
 def _decode_arguments(name: str, body: str) -> _Decoded:
     """A call's body: its arguments' JSON object."""
-    if not name:
-        return _Decoded(error="a harmony tool call needs a recipient name")
-    try:
-        arguments = _loads(body) if body.strip() else {}
-    except ValueError as exc:
-        return _Decoded(error=f"invalid JSON in arguments of {name!r} ({exc})")
-    if not isinstance(arguments, dict):
-        return _Decoded(error=f"arguments of {name!r} must be a JSON object", valid_json=True)
-    try:
-        arguments_json = json.dumps(arguments, ensure_ascii=False)
-    except (ValueError, RecursionError):
-        return _Decoded(error=f"arguments of {name!r} nested too deeply", valid_json=True)
-    return _Decoded(name, arguments, None, valid_json=True, arguments_json=arguments_json)
+    return decode_arguments(name, body, "a harmony tool call needs a recipient name", blank=True)
 
 
 # --- the grammar of a turn ------------------------------------------------------------------------
-
-def _token(marker: str) -> dict:
-    """A marker as the control token it is (the engine looks its text up in the vocabulary)."""
-    return {"type": "token", "token": marker}
-
-
-def _text(value: str) -> dict:
-    return {"type": "const_string", "value": value}
-
-
-def _sequence(*elements: dict) -> dict:
-    return {"type": "sequence", "elements": list(elements)}
-
-
-def _either(elements: list[dict]) -> dict:
-    return elements[0] if len(elements) == 1 else {"type": "or", "elements": elements}
-
 
 def _message(channel: str, end: str, max_tokens: int | None = None) -> dict:
     """<|channel|>CHANNEL<|message|>free text END."""

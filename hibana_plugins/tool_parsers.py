@@ -612,7 +612,9 @@ class _MistralStream(_Stream):
                 call_id = _mistral_id(_loads(text).get("id"))
             self._mode = "array" if self._in_array else "text"
         else:
-            decoded, call_id = _decode_named(self._name, text), _mistral_id(self._id)
+            decoded = decode_arguments(self._name, text,
+                                       f"a call after {MISTRAL_CALLS} needs a name before {MISTRAL_ARGS}")
+            call_id = _mistral_id(self._id)
             self._mode = "text"
         if decoded.error is not None:
             self._mode = "text"
@@ -641,12 +643,13 @@ def _mistral_id(value: object) -> str | None:
     return value if ok else None
 
 
-def _decode_named(name: str, body: str) -> _Decoded:
-    """A `NAME[ARGS]{...}` call: its name and its arguments' JSON object."""
+def decode_arguments(name: str, body: str, no_name: str, blank: bool = False) -> _Decoded:
+    """A named call's body, its arguments' JSON object (`blank`: an empty body is `{}`); `no_name`
+    is the error where the name is missing."""
     if not name:
-        return _Decoded(error=f"a call after {MISTRAL_CALLS} needs a name before {MISTRAL_ARGS}")
+        return _Decoded(error=no_name)
     try:
-        arguments = _loads(body)
+        arguments = _loads(body) if body.strip() or not blank else {}
     except ValueError as exc:
         return _Decoded(error=f"invalid JSON in arguments of {name!r} ({exc})")
     if not isinstance(arguments, dict):
@@ -658,19 +661,22 @@ def _decode_named(name: str, body: str) -> _Decoded:
     return _Decoded(name, arguments, None, valid_json=True, arguments_json=arguments_json)
 
 
-def _token(text: str) -> dict:
-    return {"type": "token", "token": text}
+# structural-tag pieces (xgrammar's format) for the grammars of formats whose markup is tokens
+
+def tag_token(marker: str) -> dict:
+    """A marker as the control token it is (the engine looks its text up in the vocabulary)."""
+    return {"type": "token", "token": marker}
 
 
-def _const(text: str) -> dict:
-    return {"type": "const_string", "value": text}
+def tag_text(value: str) -> dict:
+    return {"type": "const_string", "value": value}
 
 
-def _sequence(*elements: dict) -> dict:
+def tag_sequence(*elements: dict) -> dict:
     return {"type": "sequence", "elements": list(elements)}
 
 
-def _either(elements: list[dict]) -> dict:
+def tag_either(elements: list[dict]) -> dict:
     return elements[0] if len(elements) == 1 else {"type": "or", "elements": elements}
 
 
@@ -692,13 +698,14 @@ class MistralToolParser:
         from hibana_core.turn import arguments_schema
 
         name = json.dumps(function["name"], ensure_ascii=False)
-        return _sequence(_const('{"name": ' + name + ', "arguments": '),
-                         {"type": "json_schema", "json_schema": arguments_schema(function)}, _const("}"))
+        return tag_sequence(tag_text('{"name": ' + name + ', "arguments": '),
+                         {"type": "json_schema", "json_schema": arguments_schema(function)}, tag_text("}"))
 
     def _calls(self, calls: list[dict], parallel: bool) -> dict:
-        call = _either(calls)
-        items = _sequence(call, {"type": "star", "content": _sequence(_const(", "), call)}) if parallel else call
-        return _sequence(_token(MISTRAL_CALLS), _either([_const("["), _const(" [")]), items, _const("]"))
+        call = tag_either(calls)
+        more = {"type": "star", "content": tag_sequence(tag_text(", "), call)}
+        items = tag_sequence(call, more) if parallel else call
+        return tag_sequence(tag_token(MISTRAL_CALLS), tag_either([tag_text("["), tag_text(" [")]), items, tag_text("]"))
 
     def tool_call_grammar(self, tools: list[dict], tool_choice: str, parallel: bool) -> dict:
         """The turn's calls held to the offered tools and their schemas (`tool_choice` "required"
@@ -708,7 +715,7 @@ class MistralToolParser:
                      if tool_choice in ("auto", "required") or t["function"]["name"] == tool_choice]
         calls = self._calls([self._call(f) for f in functions], parallel)
         if tool_choice == "auto":
-            calls = _sequence({"type": "any_text"}, {"type": "optional", "content": calls})
+            calls = tag_sequence({"type": "any_text"}, {"type": "optional", "content": calls})
         return {"type": "structural_tag", "format": calls}
 
 
@@ -721,12 +728,12 @@ class MistralArgsToolParser(MistralToolParser):
     def _call(self, function: dict) -> dict:
         from hibana_core.turn import arguments_schema
 
-        return _sequence(_token(MISTRAL_CALLS), _const(function["name"]), _token(MISTRAL_ARGS),
+        return tag_sequence(tag_token(MISTRAL_CALLS), tag_text(function["name"]), tag_token(MISTRAL_ARGS),
                          {"type": "json_schema", "json_schema": arguments_schema(function)})
 
     def _calls(self, calls: list[dict], parallel: bool) -> dict:
-        call = _either(calls)
-        return _sequence(call, {"type": "star", "content": call}) if parallel else call
+        call = tag_either(calls)
+        return tag_sequence(call, {"type": "star", "content": call}) if parallel else call
 
 
 class MistralCallIdToolParser(MistralArgsToolParser):
@@ -739,8 +746,8 @@ class MistralCallIdToolParser(MistralArgsToolParser):
     def _call(self, function: dict) -> dict:
         from hibana_core.turn import arguments_schema
 
-        return _sequence(_token(MISTRAL_CALLS), _const(function["name"]), _token(MISTRAL_CALL_ID),
-                         {"type": "regex", "pattern": f"[0-9A-Za-z]{{{MISTRAL_ID_LENGTH}}}"}, _token(MISTRAL_ARGS),
+        return tag_sequence(tag_token(MISTRAL_CALLS), tag_text(function["name"]), tag_token(MISTRAL_CALL_ID),
+                         {"type": "regex", "pattern": f"[0-9A-Za-z]{{{MISTRAL_ID_LENGTH}}}"}, tag_token(MISTRAL_ARGS),
                          {"type": "json_schema", "json_schema": arguments_schema(function)})
 
 
