@@ -77,6 +77,7 @@ class _Decoded:
     error: str | None = None
     valid_json: bool = False
     arguments_json: str = "{}"  # as streamed
+    call_id: object = None  # the call object's own "id", as written (a format may keep it)
 
 
 def _decode_call(text: str, require_arguments: bool) -> _Decoded:
@@ -107,7 +108,7 @@ def _decode_call(text: str, require_arguments: bool) -> _Decoded:
         arguments_json = json.dumps(arguments, ensure_ascii=False)
     except (ValueError, RecursionError):
         return _Decoded(error=f"arguments of {name!r} nested too deeply", valid_json=True)
-    return _Decoded(name, arguments, None, valid_json=True, arguments_json=arguments_json)
+    return _Decoded(name, arguments, None, valid_json=True, arguments_json=arguments_json, call_id=obj.get("id"))
 
 
 class _ObjectScanner:
@@ -342,9 +343,11 @@ class _Stream:
             self._text(out, self._buffer, cut=True)
             self._buffer = ""
 
-    def _accept(self, out: list, decoded: _Decoded) -> None:
+    _new_call_id = staticmethod(new_call_id)  # a call's id where the format's text gives none
+
+    def _accept(self, out: list, decoded: _Decoded, call_id: str | None = None) -> None:
         """A complete, well-formed call: streamed now, whole, and kept for the result."""
-        call = ToolCall(new_call_id(), decoded.name, decoded.arguments or {})
+        call = ToolCall(call_id or self._new_call_id(), decoded.name, decoded.arguments or {})
         index = len(self._calls)
         self._calls.append(call)
         out.append(ToolCallDelta(index, call.id, call.name))
@@ -504,7 +507,6 @@ def _parse_whole(stream: ToolCallStream, text: str) -> ParsedOutput:
 
 MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 MISTRAL_ID_LENGTH = 9
-_ALPHANUMERIC = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 def mistral_call_id() -> str:
@@ -520,10 +522,13 @@ class _MistralStream(_Stream):
     `[TOOL_CALLS]` and `[ARGS]` count where `_markers` says they are the control tokens only: the
     same text spelled by ordinary tokens (quoting a tool result) is content, as the grammar left it."""
 
+    _new_call_id = staticmethod(mistral_call_id)
+
     def __init__(self) -> None:
         super().__init__()
         self._markers = _Markers()
         self._mode = "text"
+        self._in_array = False  # the call object being read is an array's (else [TOOL_CALLS]'s alone)
         self._scanner: _ObjectScanner | None = None
         self._name = ""
         self._id: str | None = None
@@ -564,7 +569,6 @@ class _MistralStream(_Stream):
                 elif rest[0] == "[" and self._mode == "calls":
                     self._raw += "["
                     self._buffer, self._mode = rest[1:], "array"
-                    self._in_array = True
                 elif rest[0] == "{":
                     self._in_array = self._mode == "array"
                     self._mode, self._scanner = "object", _ObjectScanner()
@@ -607,9 +611,8 @@ class _MistralStream(_Stream):
         self._raw += text
         self._scanner = None
         if self._mode == "object":
-            decoded, call_id = _decode_call(text, require_arguments=True), None
-            if decoded.error is None:
-                call_id = _mistral_id(_loads(text).get("id"))
+            decoded = _decode_call(text, require_arguments=True)
+            call_id = _mistral_id(decoded.call_id)
             self._mode = "array" if self._in_array else "text"
         else:
             decoded = decode_arguments(self._name, text,
@@ -620,7 +623,7 @@ class _MistralStream(_Stream):
             self._mode = "text"
             self._malformed(out, decoded.error, cut=not scanner.complete)
         else:
-            self._accept_id(out, decoded, call_id)
+            self._accept(out, decoded, call_id)
             self._raw = ""
         return True
 
@@ -629,17 +632,9 @@ class _MistralStream(_Stream):
         raw, self._raw, self._buffer, self._mode = self._raw + self._buffer, "", "", "text"
         self._reject(out, raw, error, cut)
 
-    def _accept_id(self, out: list, decoded: _Decoded, call_id: str | None) -> None:
-        call = ToolCall(call_id or mistral_call_id(), decoded.name, decoded.arguments or {})
-        index = len(self._calls)
-        self._calls.append(call)
-        out.append(ToolCallDelta(index, call.id, call.name))
-        out.append(ToolCallDelta(index, None, None, decoded.arguments_json))
-
-
 def _mistral_id(value: object) -> str | None:
     """The model's own call id where it wrote one the templates take back (9 letters and digits)."""
-    ok = isinstance(value, str) and len(value) == MISTRAL_ID_LENGTH and all(c in _ALPHANUMERIC for c in value)
+    ok = isinstance(value, str) and len(value) == MISTRAL_ID_LENGTH and value.isascii() and value.isalnum()
     return value if ok else None
 
 
@@ -680,6 +675,13 @@ def tag_either(elements: list[dict]) -> dict:
     return elements[0] if len(elements) == 1 else {"type": "or", "elements": elements}
 
 
+def _arguments(function: dict) -> dict:
+    """A call's arguments held to the function's schema (`hibana_core.turn.arguments_schema`)."""
+    from hibana_core.turn import arguments_schema
+
+    return {"type": "json_schema", "json_schema": arguments_schema(function)}
+
+
 class MistralToolParser:
     """Mistral's tool calls: `[TOOL_CALLS]` then `[{"name": ..., "arguments": {...}}, ...]`, or
     `NAME[ARGS]{...}` after each `[TOOL_CALLS]`; both are read. Ids are 9 letters and digits (the
@@ -695,17 +697,15 @@ class MistralToolParser:
         return _MistralStream()
 
     def _call(self, function: dict) -> dict:
-        from hibana_core.turn import arguments_schema
-
         name = json.dumps(function["name"], ensure_ascii=False)
-        return tag_sequence(tag_text('{"name": ' + name + ', "arguments": '),
-                         {"type": "json_schema", "json_schema": arguments_schema(function)}, tag_text("}"))
+        return tag_sequence(tag_text('{"name": ' + name + ', "arguments": '), _arguments(function), tag_text("}"))
 
     def _calls(self, calls: list[dict], parallel: bool) -> dict:
         call = tag_either(calls)
         more = {"type": "star", "content": tag_sequence(tag_text(", "), call)}
         items = tag_sequence(call, more) if parallel else call
-        return tag_sequence(tag_token(MISTRAL_CALLS), tag_either([tag_text("["), tag_text(" [")]), items, tag_text("]"))
+        opening = tag_either([tag_text("["), tag_text(" [")])
+        return tag_sequence(tag_token(MISTRAL_CALLS), opening, items, tag_text("]"))
 
     def tool_call_grammar(self, tools: list[dict], tool_choice: str, parallel: bool) -> dict:
         """The turn's calls held to the offered tools and their schemas (`tool_choice` "required"
@@ -726,10 +726,8 @@ class MistralArgsToolParser(MistralToolParser):
     name = "mistral_args"
 
     def _call(self, function: dict) -> dict:
-        from hibana_core.turn import arguments_schema
-
         return tag_sequence(tag_token(MISTRAL_CALLS), tag_text(function["name"]), tag_token(MISTRAL_ARGS),
-                         {"type": "json_schema", "json_schema": arguments_schema(function)})
+                            _arguments(function))
 
     def _calls(self, calls: list[dict], parallel: bool) -> dict:
         call = tag_either(calls)
@@ -744,11 +742,9 @@ class MistralCallIdToolParser(MistralArgsToolParser):
     name = "mistral_call_id"
 
     def _call(self, function: dict) -> dict:
-        from hibana_core.turn import arguments_schema
-
+        call_id = {"type": "regex", "pattern": f"[0-9A-Za-z]{{{MISTRAL_ID_LENGTH}}}"}
         return tag_sequence(tag_token(MISTRAL_CALLS), tag_text(function["name"]), tag_token(MISTRAL_CALL_ID),
-                         {"type": "regex", "pattern": f"[0-9A-Za-z]{{{MISTRAL_ID_LENGTH}}}"}, tag_token(MISTRAL_ARGS),
-                         {"type": "json_schema", "json_schema": arguments_schema(function)})
+                            call_id, tag_token(MISTRAL_ARGS), _arguments(function))
 
 
 @hookimpl
