@@ -53,8 +53,7 @@ def capture_graphs(engine, sequences: int) -> int:
     capture = getattr(getattr(engine, "core", None), "capture_graphs", None)
     if capture is None:
         return 0
-    spec = engine.config.speculation
-    return capture(sequences, spec.k if spec.enabled else 0)
+    return capture(sequences, engine.config.speculation.max_drafts)
 
 
 def force_outputs_fn():

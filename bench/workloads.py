@@ -131,7 +131,7 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
                 max_concurrent_agents=8, **_surgery_overrides(model, system)) as engine:
             guard = next((r.get("guard") for r in getattr(engine, "surgery", [])), None)
             for prompt in (warmup, random_tokens(rng, min(contexts), model.vocab_size)):
-                warm = engine.open_state("warm")  # Triton compiles, CUDA graphs are captured
+                warm = engine.open_state("warm")  # Triton compiles
                 warm.generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=prompt)
                 warm.close()
             for ctx in progress_bar(contexts, desc=f"{label} decode", leave=False):
@@ -282,7 +282,7 @@ def run_hibana_agents(model: BenchModel, cfg: AgentsConfig, retention: bool, sys
                      enable_prefix_caching=retention, **_surgery_overrides(model, system),
                      **_memory_overrides(cfg, context, system)) as engine:
         capture_graphs(engine, cfg.agents)  # every step shape's graph, not inside the timed turns
-        warm = engine.open_state("warm")  # Triton compiles, CUDA graphs are captured
+        warm = engine.open_state("warm")  # Triton compiles
         warm.generate(SamplingParams(max_tokens=4, ignore_eos=True),
                       prompt=random_tokens(random.Random(-1), 64, model.vocab_size))
         warm.close()

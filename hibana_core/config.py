@@ -35,6 +35,13 @@ _SHOWN_AS = {"num_blocks": "kv_device_blocks (num_blocks)"}
 `OPTION_ALIASES`), so the message points at the option they gave."""
 
 
+def plain_token_ids(values: list, vocab_size: int) -> bool:
+    """Whether `values` are all plain ints in [0, vocab_size), checked by C-speed builtins: the
+    fast path before `is_kind` a value, which the rest (a bool, a numpy integer, an id out of
+    range) takes for its error or conversion."""
+    return all(type(v) is int for v in values) and (not values or 0 <= min(values) and max(values) < vocab_size)
+
+
 def is_kind(value: Any, kind: type) -> bool:
     """Strict scalar types (options, token ids, counts): a bool is no integer, an integer fits
     int64, a number is finite, an integer may be a float only where a number is asked for."""
@@ -292,6 +299,12 @@ class SpeculationConfig:
     @property
     def active(self) -> bool:
         return self.enabled and self.k != 0
+
+    @property
+    def max_drafts(self) -> int | None:
+        """Drafts a sequence may verify in a step: 0 off, k fixed, None adaptive (any the
+        controller picks)."""
+        return self.k if self.enabled else 0
 
 
 OPTION_ALIASES = {"kv_device_blocks": "num_blocks", "memory_budget_bytes": "memory_budget"}

@@ -350,7 +350,7 @@ class Engine:
         speculator.start()  # the step-cost profile of adaptive speculation, on this device
         # one sequence's graphs at every span and draft length the default speculation uses, now:
         # the first step of each shape would capture its graph inside an agent's turn (tens of ms)
-        self.core.capture_graphs(1, config.speculation.k if config.speculation.enabled else 0)
+        self.core.capture_graphs(1, config.speculation.max_drafts)
 
     def _guard(self, loaded, passes) -> "guard.Guard":
         from hibana_core.surgery import guard

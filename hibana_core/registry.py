@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
-from hibana_core.config import CacheConfig, SamplingParams, is_kind
+from hibana_core.config import CacheConfig, SamplingParams, is_kind, plain_token_ids
 from hibana_core.errors import (ConfigError, ContextLengthError, EngineClosedError, GrammarError, HibanaError,
                                 InvalidTokenError, MemoryBudgetError, StateBusyError, StateClosedError,
                                 StateExistsError, StateFileError)
@@ -792,8 +792,7 @@ class StateRegistry:
         tokens = list(tokens)
         # plain ints of the vocabulary, as callers pass them, checked by C-speed builtins (an agent's
         # whole history every turn, on the caller's thread but under the GIL the step loop needs)
-        if not (all(type(t) is int for t in tokens)
-                and (not tokens or 0 <= min(tokens) and max(tokens) < self.limits.vocab_size)):
+        if not plain_token_ids(tokens, self.limits.vocab_size):
             bad = [t for t in tokens if not is_kind(t, int)]
             if bad:
                 raise InvalidTokenError(f"token ids must be integers, got {bad[0]!r}; tokenize with this "

@@ -558,12 +558,12 @@ class DecodeGraphs:
         captured yet (or given up on): a graph is otherwise captured by the first step of its
         shape, which then takes tens of milliseconds longer (a conversation crossing a span, a
         draft length first chosen). Returns how many were captured."""
-        top = len(self.QUERY_LENS) if max_drafts is None else self.QUERY_LENS.index(self._query_len(
-            min(max_drafts + 1, self.QUERY_LENS[-1]))) + 1
+        tiers = self.QUERY_LENS if max_drafts is None else \
+            self.QUERY_LENS[:bisect.bisect_left(self.QUERY_LENS, max_drafts + 1) + 1]  # up to max_drafts + 1's tier
         buckets = self.buckets[:bisect.bisect_left(self.buckets, max(1, max_sequences)) + 1]
         captured = 0
         for bucket in buckets:
-            for q in self.QUERY_LENS[:top]:
+            for q in tiers:
                 for span in self.spans:
                     key = (bucket, q, span)
                     if key in self.graphs or self._stays_eager(key):

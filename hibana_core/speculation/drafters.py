@@ -164,7 +164,7 @@ class _Corpus:
         self.size += len(context) + len(output)
 
     def newest_first(self) -> tuple[ContextIndex, ContextIndex]:
-        """The generations, for `longest` (with other indexes)."""
+        """The generations, for `searched` (with other indexes)."""
         return self.new, self.old
 
 

@@ -166,10 +166,13 @@ def searched(indexes: Sequence[ContextIndex]) -> list[tuple[tuple[int, dict], ..
     return live
 
 
-def longest_at(live: Sequence[tuple[tuple[int, dict], ...]], prefix: Sequence[int], end: int) -> tuple[int, Seen | None]:
-    """`longest(indexes, context_keys(prefix, end))` over `live = searched(indexes)`, each order's
-    key computed only when the search gets to it: the orders longest first across every index,
-    stopping at the first that any of them holds (where a draft copies, the longest: one key, not
+def longest_at(live: Sequence[tuple[tuple[int, dict], ...]], prefix: Sequence[int],
+               end: int) -> tuple[int, Seen | None]:
+    """The longest context ending at `end` of a stream with prefix hashes `prefix` that any of the
+    indexes `live = searched(indexes)` holds, as (its length, what followed it), or (0, None):
+    contexts of equal length add up their counts, the first index's continuations first (they
+    win ties of `max`). The orders are tried longest first across every index, each order's key
+    computed only when the search gets to it (where a draft copies, the longest: one key, not
     one per order)."""
     if not live:
         return 0, None
@@ -179,26 +182,13 @@ def longest_at(live: Sequence[tuple[tuple[int, dict], ...]], prefix: Sequence[in
             continue
         key = (h - prefix[end - n] * _POW[n]) % _MOD
         best = None
-        for firsts in live:  # equal lengths add up, the first index's continuations first
+        for firsts in live:
             seen = firsts[i][1].get(key)
             if seen is not None:
                 best = seen if best is None else _merge(best, seen)
         if best is not None:
             return n, best
     return 0, None
-
-
-def longest(indexes: Iterable[ContextIndex], keys: Sequence[int | None]) -> tuple[int, Seen | None]:
-    """The longest of the contexts `keys` (`context_keys`) that any of `indexes` holds, as (its
-    length, what followed it), or (0, None): contexts of equal length add up their counts (the
-    first index's continuations first, so that they win ties of `max`)."""
-    best_n, best = 1, None
-    for index in indexes:
-        n, seen = index.lookup(keys, best_n)
-        if seen is not None:
-            best = seen if best is None or n > best_n else _merge(best, seen)
-            best_n = n
-    return (best_n, best) if best is not None else (0, None)
 
 
 def _merge(a: Seen, b: Seen) -> dict[int, int]:
@@ -373,10 +363,10 @@ class WindowedContextIndex(WindowedIndex):
     def continuations(self, prefix: Sequence[int], end: int) -> tuple[int, Seen | None]:
         """As `ContextIndex.continuations`, over every generation: the longest context wins, equal
         lengths add up their counts."""
-        return longest(self.newest_first(), context_keys(prefix, end, self.orders))
+        return longest_at(searched(self.newest_first()), prefix, end)
 
     def newest_first(self) -> list[ContextIndex]:
-        """The generations, for `longest` (with other indexes)."""
+        """The generations, for `searched` (with other indexes)."""
         return self.generations[::-1]
 
 

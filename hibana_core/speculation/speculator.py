@@ -24,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from hibana_core.config import SpeculationConfig, is_kind
+from hibana_core.config import SpeculationConfig, is_kind, plain_token_ids
 from hibana_core.errors import ConfigError
 from hibana_core.speculation.controller import (MAX_DRAFT, AcceptanceStats, Candidate, Controller,
                                                 StepCostModel)
@@ -90,10 +90,8 @@ def valid_draft(proposal: Any, k: int, vocab_size: int) -> list[int]:
     vocabulary: an id past it would fail the verifying forward, so the drafts stop there."""
     if proposal is None:
         return []
-    if type(proposal) is list:  # the built-ins' (a step asks every drafting sequence's): checked at C speed
-        draft = proposal[:k]
-        if all(type(token) is int for token in draft) and (not draft or 0 <= min(draft) and max(draft) < vocab_size):
-            return draft
+    if type(proposal) is list and plain_token_ids(proposal[:k], vocab_size):  # the built-ins' (every step)
+        return proposal[:k]
     if hasattr(proposal, "tolist"):  # a tensor or an array of ids
         proposal = proposal.tolist()
     draft = []
