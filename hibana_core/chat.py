@@ -41,7 +41,7 @@ from hibana_core.errors import (ConfigError, ContextLengthError, HibanaError, In
 from hibana_core.messages import (KNOWN_ROLES, ConversationError, ToolChoiceError,  # noqa: F401 (re-exported)
                                   ToolSchemaError, UnsupportedContentError, check_text, check_tool_results,
                                   clean_schema, clean_tool, normalize_messages, normalize_tool_choice,
-                                  normalize_tools)
+                                  normalize_tools, one_call_a_message)
 from hibana_core.turn import MALFORMED, ChatDelta, ChatResult, Usage  # noqa: F401 (re-exported)
 from hibana_plugins.hookspecs import ParsedOutput, ToolCall, ToolCallDelta
 from hibana_plugins.manager import PluginError, describe_registered, get_plugin_manager
@@ -98,14 +98,18 @@ class Chat:
         self.template: str | None = getattr(chat_format, "template", None)
         if self.template:
             self._check_compiles(self.template)
-        # a format's fixes to what its template refuses
-        self._prepare: Callable[[list[dict]], list[dict]] = getattr(chat_format, "prepare_messages", None) or list
         self._efforts: tuple[str, ...] | None = getattr(chat_format, "reasoning_efforts", None)  # levels it reads
         self._always_thinks = bool(getattr(chat_format, "always_thinks", False))  # no switch for thinking
         named = None if tool_parser else getattr(chat_format, "tool_parser", None)  # the format's choice
         template = self.template or getattr(engine.tokenizer, "chat_template", None) or ""
         self.parser_name = tool_parser or named or _template_parser(str(template), vocab)
         self._id_length = _template_id_length(str(template))  # Mistral's: call ids of 9 letters and digits
+        self.one_call = _template_one_call(str(template))
+        """Whether the chat template renders one call a message (Llama 3.x's raise on more): a turn
+        makes at most one call, and a past turn of several is written as one call a message."""
+        # a format's fixes to what its template refuses
+        self._prepare: Callable[[list[dict]], list[dict]] = (getattr(chat_format, "prepare_messages", None)
+                                                             or (one_call_a_message if self.one_call else list))
         try:
             registered = get_plugin_manager().lookup("tool_parser", self.parser_name)
         except PluginError as exc:
@@ -225,8 +229,9 @@ class Chat:
                                   + (f" (its least reasoning_effort is {self._efforts[0]!r})" if self._efforts else ""))
             kwargs["enable_thinking"] = reasoning
 
-        messages, tools = self._prepared(normalize_messages(messages)), normalize_tools(tools)
-        check_tool_results(messages)  # on the ids the caller sent, before they take the template's length
+        messages, tools = normalize_messages(messages), normalize_tools(tools)
+        check_tool_results(messages)  # the caller's messages, before a format rewrites them, and on the ids
+        messages = self._prepared(messages)  # the caller sent, before they take the template's length
         if self._id_length is not None:
             messages = _with_template_ids(messages, self._id_length)
         if tools:  # OpenAI's description is optional; templates (gpt-oss's) read it unguarded
@@ -591,6 +596,7 @@ class Chat:
                               "each call on a leased one (`with chat.lease(prompt) as c: c.respond(...)`)")
         tools = normalize_tools(tools)
         tool_choice = normalize_tool_choice(tool_choice, tools)
+        parallel_tool_calls = parallel_tool_calls and not self.one_call  # a template of one call a message
         listed = tools  # "none" still lists them in the prompt
         if tool_choice == "none" or not tools:  # no tool offered: a call would name none, its text is content
             tools, parse_tools = None, False
@@ -674,6 +680,15 @@ def _template_parser(template: str, vocab: dict) -> str:
     if "<tool_call>" not in template and '"parameters"' in template and "<|python_tag|>" in vocab:
         return "llama3_json"
     return DEFAULT_TOOL_PARSER
+
+
+_ONE_CALL_CHECK = re.compile(r"tool_calls\s*\|\s*length\s*(?:!=|==|>)\s*1\b")
+
+
+def _template_one_call(template: str) -> bool:
+    """Whether the chat template refuses an assistant message of several calls (Llama 3.1-3.3's
+    `{% if not message.tool_calls|length == 1 %}{{ raise_exception(...) }}`)."""
+    return "raise_exception" in template and _ONE_CALL_CHECK.search(template) is not None
 
 
 _ID_LENGTH_CHECK = re.compile(r"id\s*\|\s*length\s*!=\s*(\d+)")

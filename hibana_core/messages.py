@@ -301,6 +301,37 @@ def check_tool_results(messages: Sequence[dict]) -> None:
             calls = None
 
 
+def one_call_a_message(messages: list[dict]) -> list[dict]:
+    """`messages` with every assistant turn of several calls written as a template that renders
+    one call a message needs it (Llama 3.x's raise on more; gpt-oss's render the first alone):
+    each call a message of its own (the first keeps the turn's content and reasoning), followed
+    by its result (by tool_call_id, else in order); results that answer no call come last."""
+    out: list[dict] = []
+    i = 0
+    while i < len(messages):
+        turn = messages[i]
+        i += 1
+        calls = turn.get("tool_calls") or ()
+        if turn.get("role") != "assistant" or len(calls) < 2:
+            out.append(turn)
+            continue
+        results = []
+        while i < len(messages) and messages[i].get("role") == "tool":
+            results.append(messages[i])
+            i += 1
+        ids = {_call_id(call) for call in calls} - {None}  # results without an id are matched in order
+        by_id = {r["tool_call_id"]: r for r in results if r.get("tool_call_id") in ids}
+        unmatched = [r for r in results if r.get("tool_call_id") not in ids]
+        for n, call in enumerate(calls):
+            out.append({**turn, "tool_calls": [call]} if n == 0 else {"role": "assistant", "content": "",
+                                                                        "tool_calls": [call]})
+            result = by_id.get(_call_id(call)) or (unmatched.pop(0) if unmatched else None)
+            if result is not None:
+                out.append(result)
+        out.extend(unmatched)
+    return out
+
+
 def _call_id(call: Any) -> str | None:
     return call.id if isinstance(call, ToolCall) else call.get("id")
 

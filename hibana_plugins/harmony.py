@@ -45,7 +45,7 @@ from __future__ import annotations
 import re
 
 from hibana_core.errors import ConversationError
-from hibana_core.messages import ToolSchemaError
+from hibana_core.messages import ToolSchemaError, one_call_a_message
 from hibana_core.turn import arguments_schema
 from hibana_plugins.hookspecs import ParsedOutput, ToolCallDelta, ToolCallStream, hookimpl
 from hibana_plugins.tool_parsers import (_Decoded, _Markers, _Stream, decode_arguments, partial_tag_length,
@@ -295,26 +295,15 @@ class HarmonyChatFormat:
           instructions, so leading ones are joined into it (a line apart) and a later one, which it
           would drop, is a ConversationError."""
         out: list[dict] = []
-        i = 0
-        while i < len(messages):
-            m = messages[i]
+        for i, m in enumerate(messages):
             if m.get("role") in INSTRUCTION_ROLES:
                 _join_instructions(out, i, m)
-                i += 1
-                continue
-            if m.get("role") == "assistant" and m.get("tool_calls") and m.get("content") \
+            elif m.get("role") == "assistant" and m.get("tool_calls") and m.get("content") \
                     and any(m.get(key) for key in REASONING_KEYS):
-                m = {**m, "content": ""}
-            i += 1
-            if m.get("role") != "assistant" or len(m.get("tool_calls") or ()) < 2:
+                out.append({**m, "content": ""})
+            else:
                 out.append(m)
-                continue
-            results = []
-            while i < len(messages) and messages[i].get("role") == "tool":
-                results.append(messages[i])
-                i += 1
-            out.extend(_one_call_a_message(m, results))
-        return out
+        return one_call_a_message(out)
 
 
 def _join_instructions(out: list[dict], i: int, message: dict) -> None:
@@ -330,24 +319,6 @@ def _join_instructions(out: list[dict], i: int, message: dict) -> None:
     else:
         raise ConversationError(f"message {i} is a second {message['role']} message, which gpt-oss's "
                                 "template drops; give one system message")
-
-
-def _one_call_a_message(turn: dict, results: list[dict]) -> list[dict]:
-    """An assistant turn of several calls and the tool results after it, as harmony writes them:
-    each call a message of its own (the first keeps the turn's reasoning), followed by its result
-    (by tool_call_id, else in order); results that answer no call last."""
-    calls = turn["tool_calls"]
-    ids = {call.get("id") for call in calls} - {None}  # results without an id are matched in order
-    by_id = {r["tool_call_id"]: r for r in results if r.get("tool_call_id") in ids}
-    unmatched = [r for r in results if r.get("tool_call_id") not in ids]
-    out = []
-    for n, call in enumerate(calls):
-        out.append({**turn, "tool_calls": [call]} if n == 0 else {"role": "assistant", "content": "",
-                                                                    "tool_calls": [call]})
-        result = by_id.get(call.get("id")) or (unmatched.pop(0) if unmatched else None)
-        if result is not None:
-            out.append(result)
-    return out + unmatched
 
 
 @hookimpl

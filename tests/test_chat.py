@@ -1002,6 +1002,54 @@ def test_a_llama3_template_gets_the_llama3_json_parser(engine, tmp_path):
         assert Chat(llama, tool_parser="hermes").parser_name == "hermes"
 
 
+LLAMA31_TEMPLATE = LLAMA3_TEMPLATE.replace(
+    "{%- if m.tool_calls %}",
+    "{%- if m.tool_calls %}{% if not m.tool_calls|length == 1 %}"
+    "{{ raise_exception('This model only supports single tool-calls at once!') }}{% endif %}")
+"""Llama 3.1-3.3's as far as several calls go: an assistant message of more than one call raises."""
+
+
+def test_a_template_of_one_call_a_message_gets_one_call_a_turn_and_renders_past_parallel_calls(engine, tmp_path):
+    """Llama 3.1's template raises on an assistant message of several calls, so a turn that made two
+    (the grammar let it) made the agent's next turn fail, and so did a history from another model.
+    Such a template gets one call a turn (as parallel_tool_calls=False), and a past turn of several
+    calls is written as one call a message, each followed by its result (by id, else in order)."""
+    import tiny_models
+
+    path = tiny_models.make_tiny_checkpoint("llama", tmp_path, vocab_size=tiny_models.VOCAB_SIZE + 5)
+    tokenizer = tiny_models.make_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"]})
+    tokenizer.bos_token, tokenizer.chat_template = "<|begin_of_text|>", LLAMA31_TEMPLATE
+    tokenizer.save_pretrained(path)
+    assert not Chat(engine).one_call
+    with tiny_models.open_engine(path) as llama:
+        chat = Chat(llama)
+        assert chat.one_call and chat.parser_name == "llama3_json"
+        two = ('{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+               '{"name": "get_weather", "parameters": {"city": "Rome"}}')
+        result = chat.on(ScriptedHandle([two])).respond(HELLO, [WEATHER])
+        assert [(c.name, c.arguments) for c in result.tool_calls] == [("get_weather", {"city": "Paris"})]
+        streamed = list(chat.on(ScriptedHandle(list(two))).stream_respond(HELLO, [WEATHER]))
+        assert [c.arguments for c in streamed[-1].result.tool_calls] == [{"city": "Paris"}]
+
+        def call(i, city):
+            return {"id": f"call_{i}", "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
+        parallel = HELLO + [{"role": "assistant", "content": "", "tool_calls": [call(1, "Paris"), call(2, "Rome")]},
+                            {"role": "tool", "tool_call_id": "call_2", "content": "rain"},
+                            {"role": "tool", "tool_call_id": "call_1", "content": "sun"}]
+        split = HELLO + [{"role": "assistant", "content": "", "tool_calls": [call(1, "Paris")]},
+                         {"role": "tool", "tool_call_id": "call_1", "content": "sun"},
+                         {"role": "assistant", "content": "", "tool_calls": [call(2, "Rome")]},
+                         {"role": "tool", "tool_call_id": "call_2", "content": "rain"}]
+        assert chat.render(parallel, [WEATHER]) == chat.render(split, [WEATHER])
+        unnamed = [{k: v for k, v in m.items() if k != "tool_call_id"} for m in parallel]
+        assert "rain" in str(chat.render_text(unnamed, [WEATHER])).split("Rome")[0]  # no ids: in order
+        with pytest.raises(ConversationError, match="call_9"):  # a result for no call of the turn
+            chat.render(parallel[:-1] + [{"role": "tool", "tool_call_id": "call_9", "content": "?"}], [WEATHER])
+
+
 MISTRAL_TEMPLATE = """{{- bos_token }}
 {%- if tools %}{{- "[AVAILABLE_TOOLS] " + tools|tojson + "[/AVAILABLE_TOOLS]" }}{%- endif %}
 {%- for m in messages %}
