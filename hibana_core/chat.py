@@ -609,7 +609,10 @@ class Chat:
         end = (self.engine.tokenizer.decode(list(messages[-4:]), skip_special_tokens=False)
                if isinstance(messages, TokenIds) else str(messages))
         open_in_prompt = end.rstrip().endswith(turn.THINK_OPEN)
-        thinking = turn.Thinking(open_in_prompt) if self.thinks else None
+        # or closes it (Qwen3's with thinking switched off writes an empty block): no thinking to hold a grammar off
+        closed_in_prompt = end.rstrip().endswith(turn.THINK_CLOSE)
+        thinking = turn.Thinking(open_in_prompt, closed_in_prompt) if self.thinks else None
+        held_off = thinking is not None and not closed_in_prompt  # a grammar waits for the think block
         answer = params.json_schema if parse_tools and tools else None  # the text answer's schema, beside calls
         calls_held = False  # a call grammar holds the turn
         if parse_tools and (answer is not None or not params.constrained):
@@ -621,7 +624,7 @@ class Chat:
                     grammar = turn.answer_or_calls(self.parser, self.parser_name, tools, tool_choice, answer,
                                                    parallel=parallel_tool_calls, strict=guided,
                                                    strict_schema=params.strict_schema)
-            if grammar is not None and thinking is not None and grammar.get("type") == "structural_tag":
+            if grammar is not None and held_off and grammar.get("type") == "structural_tag":
                 # an answer in JSON follows the blank line after the think block, as a forced call does
                 grammar = turn.after_thinking(grammar, "required" if answer is not None else tool_choice,
                                               open_in_prompt)
@@ -642,7 +645,7 @@ class Chat:
                 with _blamed_on(self.parser_name, self.parser, "in answer_grammar"):
                     params = dataclasses.replace(params, json_schema=None,
                                                  grammar=self.parser.answer_grammar(params.json_schema))
-            elif thinking is not None:
+            elif held_off:
                 answer_only = {"type": "structural_tag",
                                "format": {"type": "json_schema", "json_schema": params.json_schema}}
                 params = dataclasses.replace(params, json_schema=None,

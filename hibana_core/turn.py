@@ -235,14 +235,16 @@ class Thinking:
     """Splits a reasoning model's turn into its thinking and its answer, as text arrives:
 
         [whitespace] <think> thinking </think> [whitespace] answer
-                     ^ or already open in the prompt (`open_in_prompt`: the template wrote it)
+                     ^ or already open in the prompt (`open_in_prompt`: the template wrote it),
+                       or written whole there (`closed_in_prompt`: the turn is all answer)
 
     Only a think block at the start of the turn is thinking; `<think>` later in the answer is
     answer text. Pieces of a tag split across deltas are held back until they are decided.
     The answer goes on to the tool parser, so tool-call parsing never sees the thinking."""
 
-    def __init__(self, open_in_prompt: bool = False) -> None:
-        self.mode = "thinking" if open_in_prompt else "start"   # start, thinking, after, answer
+    def __init__(self, open_in_prompt: bool = False, closed_in_prompt: bool = False) -> None:
+        # start, thinking, after, answer; a template that closed the block (thinking switched off): all answer
+        self.mode = "thinking" if open_in_prompt else "answer" if closed_in_prompt else "start"
         self.held = ""
         self.reasoning = ""
         self._spaces = ""      # whitespace at the end of the thinking streamed so far, held back

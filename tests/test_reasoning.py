@@ -5,6 +5,7 @@ checkpoint whose template drops old thinking (its outputs forced, so that it thi
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -193,6 +194,34 @@ def test_an_answer_schema_without_tools_waits_for_the_thinking(engine, tools):
     result = Chat(engine, state).respond([{"role": "user", "content": "weather in Paris?"}],
                                          params=SamplingParams(max_tokens=n, json_schema=schema), **offered)
     assert (result.reasoning, result.text, result.finish_reason) == (thought, '{"answer": "sunny"}', "stop")
+
+
+def test_thinking_switched_off_holds_no_think_block(engine):
+    """reasoning=False: the template writes an empty think block, so the turn is all answer: a
+    json_schema or a forced call holds from the first token (the grammar let the model open a
+    second think block and think until max_tokens, never answering), and `<think>` the model
+    writes is answer text, not reasoning."""
+    from hibana_core.errors import GrammarError
+
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    ask = [{"role": "user", "content": "weather in Paris?"}]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    for state, body, options in (("off-json", '{"answer": "sunny"}', {"params": SamplingParams(json_schema=schema)}),
+                                 ("off-call", call, {"tools": tools, "tool_choice": "required"})):
+        n = force(engine, state, f"{body}<|im_end|>")
+        options["params"] = SamplingParams(max_tokens=n, json_schema=options["params"].json_schema
+                                           if "params" in options else None)
+        result = Chat(engine, state).respond(ask, reasoning=False, **options)
+        assert result.reasoning in ("", None) and (result.text == body or result.tool_calls)
+        n = force(engine, state + "-think", f"<think>\n{THOUGHT}\n</think>\n\n{body}<|im_end|>")
+        options["params"] = dataclasses.replace(options["params"], max_tokens=n)
+        with pytest.raises(GrammarError):
+            Chat(engine, state + "-think").respond(ask, reasoning=False, **options)
+    n = force(engine, "off-text", f"<think>{THOUGHT}</think> {ANSWER}<|im_end|>")
+    result = Chat(engine, "off-text").respond(ask, params=SamplingParams(max_tokens=n), reasoning=False)
+    assert result.text == f"<think>{THOUGHT}</think> {ANSWER}" and not result.reasoning
 
 
 def test_streamed_thinking_joins_to_the_results_reasoning():
