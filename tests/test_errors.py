@@ -483,3 +483,33 @@ def test_a_tied_config_beside_a_stored_head_of_other_values_is_a_checkpoint_erro
     with open_engine(both) as engine:
         got = engine.open_state("a").generate(SamplingParams(max_tokens=6, ignore_eos=True), prompt=history)
     assert_greedy_matches(both, history, got.token_ids)
+
+
+def test_the_detokenizers_fast_decode_is_the_tokenizers_decode():
+    """The detokenizer decodes through the fast tokenizer's backend (transformers' wrapper cost
+    6 of every 7 us a call), but only where that is what `decode` gives: a tokenizer whose decode
+    cleans up spaces (a WordPiece one, or cleanup forced) or a class with its own decode keeps it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from hibana_core.detokenizer import _CLEANED_UP, Detokenizer, text_decoder
+
+    words = sorted(set(_CLEANED_UP.replace("'", " ' ").split())) + ["'", "[UNK]"]
+    backend = Tokenizer(models.WordPiece({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece()
+    wordpiece = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", clean_up_tokenization_spaces=True)
+    byte_level = make_tokenizer()
+
+    class OwnDecode(PreTrainedTokenizerFast):
+        def decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return "<" + super().decode(token_ids, skip_special_tokens=skip_special_tokens) + ">"
+    own = OwnDecode(tokenizer_object=byte_level.backend_tokenizer)
+    for tokenizer, fast in ((byte_level, True), (wordpiece, False), (own, False)):
+        ids = tokenizer.encode("a . b , c n't", add_special_tokens=False)
+        decode = text_decoder(tokenizer)
+        assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=False)
+        assert ("backend_decode" in decode.__code__.co_freevars) == fast
+        detok = Detokenizer(tokenizer, [], ())
+        for token in ids:
+            detok.add(token)
+        assert detok.text == tokenizer.decode(ids, skip_special_tokens=False) or not fast
