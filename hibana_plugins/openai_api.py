@@ -88,6 +88,8 @@ class SamplingRequest(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0)  # vLLM's: no upper bound
     user: str | None = Field(None, max_length=MAX_STATE_ID)
     logit_bias: dict[str, Any] | None = None  # refused when given (`chat_call`)
+    ignore_eos: bool | None = None  # vLLM's too: run on past the end-of-sequence tokens
+    stop_token_ids: list[int] | None = None  # vLLM's: token ids that end the reply as a stop string does
 
 
 class ChatRequest(SamplingRequest):
@@ -106,6 +108,12 @@ class ChatRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's and SGLang's; enable_thinking only
+    prediction: dict[str, Any] | None = None  # predicted output: a speed hint, never the output
+    # known, and refused unless null (`unsupported`)
+    audio: dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
     # accepted, and nothing to do here
     metadata: dict[str, Any] | None = None
     store: bool | None = None
@@ -190,7 +198,11 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
                             "of its own; ask n=1 with it", "n")
     if request.logit_bias:
         raise ApiError(400, "logit_bias is not supported by Hibana; leave it out", "logit_bias")
+    if request.stop_token_ids and not all(t >= 0 for t in request.stop_token_ids):
+        raise ApiError(400, "stop_token_ids: token ids are 0 or more", "stop_token_ids")
     chat = isinstance(request, ChatRequest)
+    if chat:
+        unsupported(request)
     max_tokens = (chat and request.max_completion_tokens) or request.max_tokens
     if max_tokens is not None and max_tokens > max_tokens_limit:
         param = "max_completion_tokens" if chat and request.max_completion_tokens else "max_tokens"
@@ -217,6 +229,7 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
         frequency_penalty=_given(request.frequency_penalty, 0.0),
         top_k=max(_given(request.top_k, 0), 0), min_p=_given(request.min_p, 0.0),
         repetition_penalty=_given(request.repetition_penalty, 1.0),
+        ignore_eos=bool(request.ignore_eos), stop_token_ids=tuple(request.stop_token_ids or ()),
         json_schema=response_schema(request.response_format) if chat else None,
         strict_schema=strict_schema(request.response_format) if chat else True,  # (completions have none)
         logprobs=logprobs, top_logprobs=(request.top_logprobs or 0) if logprobs else 0)
@@ -239,6 +252,23 @@ def choice_calls(call: ChatCall) -> list[ChatCall]:
 def _int64(seed: int) -> int:
     """`seed` wrapped into the signed 64-bit range the sampler takes (choice i of a seed near its top)."""
     return (seed + 2**63) % 2**64 - 2**63
+
+
+_UNSUPPORTED = {
+    "audio": "audio output is not supported by Hibana (text only); leave it out",
+    "functions": "functions (OpenAI's deprecated form) is not supported; give the same functions as tools: "
+                 "[{'type': 'function', 'function': {...}}]",
+    "function_call": "function_call (OpenAI's deprecated form) is not supported; use tool_choice",
+    "web_search_options": "web search is not supported by Hibana; give the model a search tool instead",
+}
+
+
+def unsupported(request: ChatRequest) -> None:
+    """OpenAI's fields that Hibana knows and cannot honour: accepted as null (clients that send
+    every field), refused with what to do otherwise."""
+    for name, what in _UNSUPPORTED.items():
+        if getattr(request, name) is not None:
+            raise ApiError(400, what, name)
 
 
 def contents_given(messages: list[dict]) -> None:
@@ -266,14 +296,15 @@ def function_tools(tools: list[dict] | None) -> list[dict] | None:
 def tool_choice(choice: str | dict | None, tools: list[dict] | None) -> tuple[str, list[dict] | None]:
     """`tool_choice` in each of OpenAI's forms, as the chat layer's choice ("auto", "none",
     "required" or a tool's name) and the tools the calls are held to: "none" / "auto" /
-    "required"; {"type": "function", "function": {"name": ...}}: that tool; {"type":
+    "required"; {"type": "function", "function": {"name": ...}} (or the Responses API's
+    {"type": "function", "name": ...}): that tool; {"type":
     "allowed_tools", "allowed_tools": {"mode", "tools"}}: the prompt still lists every tool (its
     KV stays reused while the allowed set changes) and the calls are held to those named."""
     if not isinstance(choice, dict):
         return normalize_tool_choice(choice, tools), tools
     kind = choice.get("type")
     if kind == "function":
-        function = choice.get("function")
+        function = choice.get("function", choice)  # the Responses API's form names the tool at the top level
         name = function.get("name") if isinstance(function, dict) else None
         offered = [t["function"]["name"] for t in tools or ()]
         if name not in offered:  # "none" or "auto" here names a tool, not a mode
@@ -365,7 +396,10 @@ def response_schema(response_format: dict | None) -> dict | None:
         return {"type": "object"}
     if kind == "json_schema":
         spec = response_format.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(spec, dict):
+            raise ApiError(400, "response_format.json_schema must be an object: {'name': ..., 'schema': {...}}",
+                           "response_format.json_schema")
+        schema = spec.get("schema", {"type": "object"})  # optional in OpenAI's spec: then any JSON object
         if not isinstance(schema, dict):
             raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
                            "response_format.json_schema.schema")

@@ -297,6 +297,58 @@ def test_vllm_sampling_fields_in_extra_body_sample_as_asked(client):
             client.chat.completions.create(**ask, extra_body=bad)
 
 
+def test_vllm_stop_token_ids_and_ignore_eos(client, engine):
+    """vLLM's stop_token_ids and ignore_eos were 400s though the engine takes both: a token of the
+    greedy reply in stop_token_ids ends the reply before it; ignore_eos runs on to max_tokens."""
+    ask = dict(model="demo", messages=[{"role": "user", "content": "Tell me something."}], max_tokens=24)
+    greedy = client.chat.completions.create(**ask).choices[0]
+    ids = engine.tokenizer.encode(greedy.message.content, add_special_tokens=False)
+    cut = client.chat.completions.create(**ask, extra_body={"stop_token_ids": [ids[2]]}).choices[0]
+    assert cut.finish_reason == "stop" and greedy.message.content.startswith(cut.message.content)
+    assert len(cut.message.content) < len(greedy.message.content)
+    short = dict(ask, max_tokens=64)
+    assert client.chat.completions.create(**short).usage.completion_tokens < 64  # the demo ends its turn
+    on = client.chat.completions.create(**short, extra_body={"ignore_eos": True})
+    assert on.usage.completion_tokens == 64 and on.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
+        client.chat.completions.create(**ask, extra_body={"stop_token_ids": [-1]})
+
+
+def test_openai_fields_known_but_not_served_are_taken_as_null_and_refused_otherwise(base_url):
+    """Clients that write every field send `"audio": null`, `"functions": null`: those were 400
+    "Unrecognized request argument" (a field OpenAI knows); null is taken now, and a value is a 400
+    saying what to use instead. `prediction` (a speed hint) is taken and changes nothing."""
+    hi = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    nulls = {name: None for name in ("audio", "functions", "function_call", "web_search_options", "prediction")}
+    status, reply = post(base_url, json.dumps({**hi, **nulls}).encode())
+    assert status == 200, reply
+    status, reply = post(base_url, json.dumps({**hi, "prediction": {"type": "content", "content": "x"}}).encode())
+    assert status == 200, reply
+    for name, value, says in (("audio", {"voice": "alloy", "format": "wav"}, "text only"),
+                              ("functions", [{"name": "f", "parameters": {}}], "tools"),
+                              ("function_call", "auto", "tool_choice"),
+                              ("web_search_options", {}, "search tool")):
+        status, reply = post(base_url, json.dumps({**hi, name: value}).encode())
+        assert status == 400 and reply["error"]["param"] == name and says in reply["error"]["message"], reply
+
+
+def test_the_responses_api_tool_choice_and_a_json_schema_without_schema(client):
+    """{"type": "function", "name": ...} (the Responses API's tool_choice) named the tool and got
+    "tool_choice.function.name is None"; a json_schema response_format without `schema` (optional
+    in OpenAI's spec) was a 400 and holds the reply to a JSON object now."""
+    reply = client.chat.completions.create(model="demo", tools=[WEATHER, MULTIPLY], max_tokens=64,
+                                           tool_choice={"type": "function", "name": "multiply"},
+                                           messages=[{"role": "user", "content": "Hello!"}])
+    assert [c.function.name for c in reply.choices[0].message.tool_calls] == ["multiply"]
+    reply = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hello!"}],
+                                           max_tokens=48, response_format={"type": "json_schema",
+                                                                           "json_schema": {"name": "any"}})
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    else:
+        assert reply.choices[0].message.content.lstrip().startswith("{")
+
+
 def test_concurrent_clients_get_their_own_states_and_the_sequential_replies(client):
     from concurrent.futures import ThreadPoolExecutor
 
