@@ -241,7 +241,7 @@ class Chat:
             if role not in KNOWN_ROLES and not self._renders_role(role):
                 raise ConversationError(f"message {i} has role {role!r}, which the chat template does not render "
                                         f"(it would be dropped); use one of {sorted(KNOWN_ROLES)}")
-        if tools and not self._renders_tools():
+        if tools and not self.renders_tools():
             raise ConversationError(
                 "this model's chat template does not render tools (Gemma 3's and Phi-3's do not): the model would "
                 "not see them, yet be made to call one. Give it a template that does (the tokenizer's "
@@ -311,7 +311,7 @@ class Chat:
                  if m.get("tool_calls") else str(m.get("content") or "") for m in messages]
         return len(self._markup(tool_text)) + sum(len(self._markup(t)) + overhead for t in texts)
 
-    def _renders_tools(self) -> bool:
+    def renders_tools(self) -> bool:
         """Whether the chat template writes the tools it is given (templates without a tools
         section drop them without a word)."""
         if self._tools_rendered is None:

@@ -37,6 +37,7 @@ import contextlib
 import contextvars
 import json
 import os
+import dataclasses
 import re
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,7 +52,7 @@ from hibana_core.chat import (Chat, ChatDelta, ChatResult as TurnResult, Convers
                               normalize_tools)
 from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError
-from hibana_core.messages import check_enforceable
+from hibana_core.messages import unheld
 from hibana_plugins.hookspecs import hookimpl
 from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_known, check_state_id, choose_engine,
                                     lease_holder, resolve_aliases, sampling_params, sharing)
@@ -228,7 +229,12 @@ def _structured_tool(schema: Any, strict: bool | None) -> dict:
         if _refers_to_itself(own):
             tool["function"]["parameters"] = own
     if strict is not False:
-        check_enforceable(normalize_tools([tool])[0])
+        problems = unheld(normalize_tools([tool])[0]["function"].get("parameters") or {})
+        if problems:
+            raise ToolSchemaError(f"with_structured_output({tool['function']['name']!r}): the grammar cannot hold "
+                                  f"the answer to this schema ({'; '.join(problems)}), and the answer must parse "
+                                  "into it; relax those fields, or pass strict=False to have them left to the "
+                                  "model (and check them in your code)")
     return tool
 
 
@@ -672,7 +678,12 @@ class ChatHibana(BaseChatModel):
         chat = self._chat_layer(model)
         tools, choice = kwargs.get("tools") or None, kwargs.get("tool_choice", "auto")
         answer_tool = kwargs.get("answer_tool")  # from with_structured_output(method="json_schema"/"json_mode")
-        if answer_tool is not None:
+        answer_schema = None
+        if answer_tool is not None and not chat.renders_tools():
+            # a template without tools (Gemma 3's, Phi-3's): the answer itself held to the schema, as
+            # response_format holds it, rather than a call the template could not show the model
+            answer_schema, answer_tool = answer_tool["function"].get("parameters") or {"type": "object"}, None
+        elif answer_tool is not None:
             tools, choice = [answer_tool], answer_tool["function"]["name"]
         tools = normalize_tools(tools)
         choice = normalize_tool_choice(choice, tools)  # refused before a state is leased
@@ -685,7 +696,11 @@ class ChatHibana(BaseChatModel):
         options = {"tool_choice": choice, "parse_tools": tools is not None, "guided": self.guided_tool_arguments,
                    "parallel_tool_calls": kwargs.get("parallel_tool_calls") is not False,
                    "timeout": kwargs.get("timeout", self.timeout), "reasoning_history": self.reasoning_history}
-        return _Call(chat, prompt, tools, self._params(stop, kwargs, chat.engine.max_model_len), options,
+        params = self._params(stop, kwargs, chat.engine.max_model_len)
+        if answer_schema is not None:
+            params = dataclasses.replace(params, json_schema=answer_schema,
+                                         strict_schema=kwargs["answer_tool"]["function"].get("strict") is not False)
+        return _Call(chat, prompt, tools, params, options,
                      _graph_state_id(run_manager) if explicit is None else explicit, explicit is None, model,
                      answer_tool is not None)
 

@@ -37,6 +37,7 @@ what to install.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 from typing import Any, AsyncIterator, Callable, Iterator, Literal, Optional, Sequence, Union
@@ -51,7 +52,7 @@ from hibana_plugins.hookspecs import hookimpl
 from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_known, check_state_id, choose_engine,
                                     lease_holder, resolve_aliases, sampling_params, sharing)
 
-COMPLETE_OPTIONS = frozenset({*SAMPLING, "reasoning", "reasoning_effort", "timeout"})
+COMPLETE_OPTIONS = frozenset({*SAMPLING, "reasoning", "reasoning_effort", "timeout", "json_schema"})
 """What `complete(..., **kwargs)` may set."""
 CHAT_OPTIONS = COMPLETE_OPTIONS | {"tools", "tool_required", "tool_choice", "parallel_tool_calls"}
 """What `chat(..., **kwargs)` (and `chat_with_tools` through it) may set."""
@@ -215,6 +216,7 @@ def llm_class() -> type:
         from llama_index.core.llms.llm import (ToolSelection, default_completion_to_prompt,
                                                generic_messages_to_prompt)
         from llama_index.core.llms.utils import parse_partial_json
+        from llama_index.core.types import PydanticProgramMode
     except ImportError as exc:
         raise HibanaError(f"HibanaLLM needs llama-index-core 0.14 or later ({exc}); install it with "
                           "`pip install 'hibana[llamaindex]'`") from exc
@@ -343,7 +345,10 @@ def llm_class() -> type:
         def metadata(self) -> LLMMetadata:
             return LLMMetadata(context_window=self.engine.max_model_len,
                                num_output=self.max_tokens or DEFAULT_NUM_OUTPUTS,  # None: reserve the usual
-                               is_chat_model=True, is_function_calling_model=True, model_name=self.model)
+                               is_chat_model=True, model_name=self.model,
+                               # a template without tools (Gemma 3's, Phi-3's) cannot show the model a tool:
+                               # structured_predict then asks for the answer as JSON, held to the schema
+                               is_function_calling_model=self._chat_layer().renders_tools())
 
         # --- entry points -----------------------------------------------------------------------
 
@@ -445,29 +450,31 @@ def llm_class() -> type:
 
         def structured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict | None = None,
                                **prompt_args: Any) -> Any:
-            self._check_structured(output_cls)
+            llm_kwargs = self._check_structured(output_cls, llm_kwargs)
             return super().structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
 
         async def astructured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict | None = None,
                                       **prompt_args: Any) -> Any:
-            self._check_structured(output_cls)
+            llm_kwargs = self._check_structured(output_cls, llm_kwargs)
             return await super().astructured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
 
         def stream_structured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict | None = None,
                                       **prompt_args: Any) -> Any:
-            self._check_structured(output_cls)
+            llm_kwargs = self._check_structured(output_cls, llm_kwargs)
             return super().stream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
 
         async def astream_structured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict | None = None,
                                              **prompt_args: Any) -> Any:
-            self._check_structured(output_cls)
+            llm_kwargs = self._check_structured(output_cls, llm_kwargs)
             return await super().astream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
 
-        def _check_structured(self, output_cls: Any) -> None:
+        def _check_structured(self, output_cls: Any, llm_kwargs: dict | None) -> dict | None:
             """A ToolSchemaError, before any token, where the grammar cannot hold the answer to the
             output class's schema (`maxLength` beside a `pattern`, ...): the answer must parse into
             the class, as `ChatHibana.with_structured_output` requires. (as_structured_llm comes
-            here too: StructuredLLM calls these methods.)"""
+            here too: StructuredLLM calls these methods.) Returns the calls' llm_kwargs: where the
+            template renders no tools (LlamaIndex then asks for JSON in the prompt, not a call),
+            with the class's schema, so that the grammar holds the answer all the same."""
             from llama_index.core.program.function_program import get_function_tool
 
             parameters = self._tool_spec(get_function_tool(output_cls))["function"].get("parameters") or {}
@@ -476,6 +483,9 @@ def llm_class() -> type:
                 raise ToolSchemaError(f"structured output into {getattr(output_cls, '__name__', output_cls)!r}: the "
                                       f"grammar cannot hold the answer to its schema ({'; '.join(problems)}), and the "
                                       "answer must parse into it: relax those fields, and check the rest in your code")
+            if self.pydantic_program_mode != PydanticProgramMode.DEFAULT or self._chat_layer().renders_tools():
+                return llm_kwargs
+            return {"json_schema": parameters, **(llm_kwargs or {})}
 
         def _tool_spec(self, tool: Any) -> dict:
             """The tool as an OpenAI function schema; a tool LlamaIndex cannot describe (no JSON schema
@@ -534,6 +544,8 @@ def llm_class() -> type:
             values = {name: getattr(self, name) for name in SAMPLING}
             values |= {name: kwargs[name] for name in SAMPLING if kwargs.get(name) is not None}
             params = sampling_params(values, "HibanaLLM call", self.engine.max_model_len)
+            if kwargs.get("json_schema") is not None:  # the reply held to it (beside tools: the text answer)
+                params = dataclasses.replace(params, json_schema=kwargs["json_schema"])
             options = {"tool_choice": choice, "parse_tools": tools is not None, "guided": self.guided_tool_arguments,
                        "parallel_tool_calls": parallel, "reasoning_history": self.reasoning_history,
                        "timeout": kwargs.get("timeout", self.timeout)}
