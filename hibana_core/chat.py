@@ -628,6 +628,10 @@ class Chat:
                 # an answer in JSON follows the blank line after the think block, as a forced call does
                 grammar = turn.after_thinking(grammar, "required" if answer is not None else tool_choice,
                                               open_in_prompt)
+            if grammar is not None and prefill and grammar.get("format", {}).get("excludes"):
+                # the prefill may have opened a call the grammar never saw (it starts after the
+                # prefill, in free text): that call's closing tag must stay writable
+                grammar = {**grammar, "format": {**grammar["format"], "excludes": []}}
             if grammar is not None and prefill and grammar.get("format", {}).get("type") not in FREE_START:
                 raise ConfigError(f"prefill with {self.parser_name}'s tool-call grammar is not supported: it holds the "
                                   "turn from its first token (a message header, a think block), and would start after "

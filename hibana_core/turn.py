@@ -97,10 +97,12 @@ class CallSyntax:
     close: str          # after the arguments object
     trigger: str = ""   # where a call starts in free text (a prefix of `open`; "" means `open`)
     separator: str = "\n"  # between the calls of one turn
+    closer: str = ""    # the markup that ends a call, never free text (a stray one closes no call)
 
 
 SYNTAX = {  # by registered tool parser name
-    "hermes": CallSyntax('<tool_call>\n{"name": "', '", "arguments": ', '}\n</tool_call>', trigger="<tool_call>"),
+    "hermes": CallSyntax('<tool_call>\n{"name": "', '", "arguments": ', '}\n</tool_call>', trigger="<tool_call>",
+                         closer="</tool_call>"),
     "llama3_json": CallSyntax('{"name": "', '", "parameters": ', "}"),
 }
 
@@ -134,7 +136,8 @@ def tool_call_grammar(tools: Sequence[dict], tool_choice: str, syntax: CallSynta
             for f in functions]
     if tool_choice == "auto":
         trigger = getattr(syntax, "trigger", "") or syntax.open  # a plugin's syntax may leave these out
-        form = {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "stop_after_first": not parallel}
+        form = {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "stop_after_first": not parallel,
+                "excludes": _stray(syntax)}
     else:
         form = {"type": "tags_with_separator", "tags": tags, "separator": getattr(syntax, "separator", "\n"),
                 "at_least_one": True, "stop_after_first": not parallel}
@@ -167,7 +170,14 @@ def no_call_grammar(parser: Any, parser_name: str) -> dict | None:
     if syntax is None:
         return None
     trigger = getattr(syntax, "trigger", "") or syntax.open
-    return {"type": "structural_tag", "format": {"type": "any_text", "excludes": [trigger]}}
+    return {"type": "structural_tag", "format": {"type": "any_text", "excludes": [trigger, *_stray(syntax)]}}
+
+
+def _stray(syntax: Any) -> list[str]:
+    """Markup that free text never holds: a call's closing tag, which outside a call is the model
+    ending a call it never opened (the demo wrote `...Lima"}}\n</tool_call>` into an answer)."""
+    closer = getattr(syntax, "closer", "")  # a plugin's syntax may leave it out
+    return [closer] if closer else []
 
 
 def answer_or_calls(parser: Any, parser_name: str, tools: Sequence[dict], tool_choice: str, schema: Any, *,

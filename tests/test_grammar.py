@@ -28,7 +28,7 @@ from typing_extensions import NotRequired, TypedDict
 from hibana_core import ConfigError, GrammarError, HibanaError, SamplingParams
 from hibana_core.grammar import MAX_NUMBER_DIGITS, allowed_tokens, unenforced_keywords
 from hibana_core.sampler import Sampler, SamplingRow, TokenMasks
-from hibana_core.turn import SYNTAX, tool_call_grammar
+from hibana_core.turn import SYNTAX, no_call_grammar, tool_call_grammar
 from hibana_plugins.tool_parsers import HermesToolParser, Llama3JsonToolParser
 from spec_drafters import OracleDrafter, registered
 from tiny_models import EOS_ID, VOCAB_SIZE, assert_greedy_matches, random_tokens
@@ -1317,3 +1317,22 @@ def test_a_schema_refused_for_its_keywords_prints_nothing_of_its_own(capfd):
     schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5, "pattern": "^[a-z]+$"}}}
     assert unheld(schema)
     assert "json_schema_converter" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("choice", ["auto", "none"])
+def test_free_text_never_holds_a_stray_closing_tag(choice):
+    """Free text beside hermes calls may hold anything but markup: the demo, after a tool result,
+    wrote `...Lima"}}\n</tool_call>` into a LangGraph agent's final answer (a call it never
+    opened, closed). The closing tag is out of the text as the opening one is; calls still close."""
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}]
+    tag = (tool_call_grammar(tools, "auto", SYNTAX["hermes"]) if choice == "auto"
+           else no_call_grammar(HermesToolParser(), "hermes"))
+    grammar = xgrammar.Grammar.from_structural_tag(json.dumps(tag))
+    assert accepts(grammar, "It is 21 degrees in Lima, see <b>this</b>.")
+    assert not accepts(grammar, 'It is 21 degrees andLima"}}\n</tool_call>')
+    assert accepts(grammar, 'Let me look.<tool_call>\n{"name": "lookup", "arguments": {"q": "Lima"}}\n</tool_call>') \
+        == (choice == "auto")
