@@ -468,6 +468,14 @@ def check_held(schema: Any) -> None:
                            "bound the values another way, and check the rest in your code")
 
 
+UNHELD_FORMATS = frozenset({"idn-email", "idn-hostname", "iri", "iri-reference", "regex"})
+"""The formats JSON Schema defines (2020-12, which validators check) that xgrammar 0.2.9 holds to
+nothing: any string. Others it holds (email, hostname, date, time, date-time, duration, ipv4,
+ipv6, uuid, uri, uri-reference, uri-template, json-pointer, relative-json-pointer); a format
+JSON Schema does not define (pydantic's "password", "path", "binary") is an annotation, which
+any string meets."""
+
+
 _BOUNDS = ("minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
            "exclusiveMaximum", "minItems", "maxItems", "minProperties", "maxProperties", "required")
 """Keywords that bound a value; beside an enum or a const xgrammar writes the listed values alone."""
@@ -497,6 +505,9 @@ def _dropped_beside_others(schema: dict) -> list[tuple[str, str]]:
         found.append((f"{lengths} beside pattern", "bound the length in the pattern, as ^[a-z]{1,8}$"))
     if lengths and "format" in schema:
         found.append((f"{lengths} beside format", "drop one of them and check the other in your code"))
+    if schema.get("format") in UNHELD_FORMATS:
+        found.append((f"format {schema['format']!r}", "xgrammar writes any string for it: give a pattern, or "
+                                                      "check it in your code"))
     step, kind = schema.get("multipleOf"), schema.get("type")
     integers = kind == "integer" or (isinstance(kind, list) and "integer" in kind and "number" not in kind)
     if step is not None and not (integers and isinstance(step, (int, float)) and float(step).is_integer()):
