@@ -327,15 +327,20 @@ class _Call:
             if result.cut_call:  # an invalid call, as ChatOpenAI reports a cut one, not markup in the text
                 name, arguments = self.chat.cut_call_parts(result.cut_call)
                 invalid = [invalid_tool_call(name=name or None, args=arguments, id=None,
-                                             error=self.cut_call_error(result.finish_reason))]
+                                             error=self.cut_call_error(result))]
         extra = {"reasoning_content": result.reasoning} if result.reasoning else {}
         return AIMessage(content=content, tool_calls=calls, invalid_tool_calls=invalid,
                          usage_metadata=self.usage_metadata(result.usage),
                          response_metadata=self.response_metadata(result), additional_kwargs=extra)
 
-    def cut_call_error(self, finish_reason: str) -> str:
+    def cut_call_error(self, result: TurnResult) -> str:
         """What ended the reply inside a call, and what to do: max_tokens ("length"), else a stop
         (a stop string, or a stop token, where the call grammar held the turn)."""
+        finish_reason = result.finish_reason
+        context = self.chat.engine.max_model_len
+        if finish_reason == "length" and result.usage.prompt_tokens + result.usage.completion_tokens >= context:
+            return (f"the reply ended inside this call at the model's context of {context} tokens (finish_reason "
+                    "'length'): shorten the history")
         if finish_reason == "length":
             return "the reply ended inside this call (finish_reason 'length'): raise max_tokens"
         if self.params.stop:

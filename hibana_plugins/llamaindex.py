@@ -170,6 +170,10 @@ class _Call:
             raw |= {"finish_reason": self.result.finish_reason, "usage": self.usage_dict()}
             if self.result.error:
                 raw["error"] = self.result.error
+            usage = self.result.usage
+            if self.result.finish_reason == "length" and \
+                    usage.prompt_tokens + usage.completion_tokens >= self.chat.engine.max_model_len:
+                raw["context_full"] = True  # the model's context ended the reply, not max_tokens
         return raw
 
 
@@ -190,7 +194,8 @@ def _no_call_message(response: Any) -> str:
     raw = response.raw if isinstance(response.raw, dict) else {}
     reason, error = raw.get("finish_reason"), raw.get("error")
     why = f"finish_reason {reason!r}" + (f", {error}" if error else "")
-    hint = "; the reply ended inside a call: raise max_tokens" if reason == "length" and error else ""
+    hint = ("" if reason != "length" or not error else "; the reply ended inside a call at the model's context: "
+            "shorten the history" if raw.get("context_full") else "; the reply ended inside a call: raise max_tokens")
     return f"expected at least one tool call, got none ({why}){hint}: {response.message.content!r:.200}"
 
 

@@ -75,3 +75,36 @@ def test_llamaindex_structured_predict_holds_the_answer_without_a_tool(engine):
     force(engine, "li", '{"n": 3, "color": "green"}')
     with pytest.raises(GrammarError):
         llm.structured_predict(Pick, PromptTemplate("pick one of {what}"), what="colors")
+
+
+def test_a_call_the_context_cut_says_so_not_raise_max_tokens():
+    """A forced call that the model's context ended (the prompt left it a few tokens) was reported
+    as "raise max_tokens", which changes nothing: the advice is to shorten the history."""
+    from langchain_core.tools import tool
+    from llama_index.core.base.llms.types import ChatMessage
+    from llama_index.core.tools import FunctionTool
+
+    from hibana_core import Engine
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Get the current weather for a city."""
+        return "sunny"
+
+    ask = "What is the weather in Paris?"
+
+    def tight(prompt_tokens: int):  # an engine whose context leaves the reply 6 tokens
+        return Engine.from_pretrained("demo", progress=False, max_model_len=prompt_tokens + 6)
+
+    reply = ChatHibana(model="demo", max_tokens=64).bind_tools([get_weather], tool_choice="any").invoke(ask)
+    with tight(reply.usage_metadata["input_tokens"]) as engine:
+        reply = ChatHibana(engine=engine, max_tokens=64).bind_tools([get_weather], tool_choice="any").invoke(ask)
+        (cut,) = reply.invalid_tool_calls
+        assert "context of" in cut["error"] and "max_tokens" not in cut["error"]
+    tools, history = [FunctionTool.from_defaults(get_weather.func)], [ChatMessage(role="user", content=ask)]
+    response = HibanaLLM(model="demo", max_tokens=64).chat_with_tools(tools, chat_history=history, tool_required=True)
+    with tight(response.raw["usage"]["prompt_tokens"]) as engine:
+        llm = HibanaLLM(engine=engine, max_tokens=64)
+        response = llm.chat_with_tools(tools, chat_history=history, tool_required=True)
+        with pytest.raises(ValueError, match="at the model's context: shorten the history"):
+            llm.get_tool_calls_from_response(response)
