@@ -121,3 +121,24 @@ def test_shortest_first_counts_a_parked_states_kv_as_computed(tiny_checkpoints, 
     order = _admission_order(engine, prompts, params)
     assert engine.stats().host_tier["resumes"] >= 1  # it came back by copy
     assert order == ["resumed", "cold"]
+
+
+@pytest.mark.parametrize("speculation", ["off", "adaptive"])
+def test_a_history_that_fills_the_pool_exactly_still_gives_its_token(tiny_checkpoints, make_engine, speculation):
+    """A history of exactly the pool's slots (80 in 5 blocks of 16) synced, then a generate: it
+    recomputes its last token for the logits, and the full block that token is in was published
+    in the prefix index, so the write copied it first: no block to copy into, a MemoryBudgetError
+    (79 tokens gave 2). The block, ours alone, is written in place: one token, at the pool's limit
+    "length", and it is transformers' greedy token."""
+    from tiny_models import hf_greedy
+
+    path = tiny_checkpoints["llama"]
+    engine = make_engine(path, num_blocks=5, speculation=speculation)
+    for n, tokens in ((79, 2), (80, 1)):
+        history = random_tokens(random.Random(n), n)
+        state = engine.open_state(f"full-{n}")
+        state.sync(history)
+        out = state.generate(SamplingParams(max_tokens=20, ignore_eos=True))
+        assert (len(out.token_ids), out.finish_reason) == (tokens, "length")
+        assert list(out.token_ids) == hf_greedy(path, history, tokens)
+        state.close()

@@ -253,6 +253,11 @@ def test_the_window_pass_switches_the_layers_that_matter_least(tiny_checkpoints,
     named = make_engine(tiny_checkpoints["llama"], surgery=[{"name": "window", "window": 24, "layers": [1]}],
                         surgery_guard=False, speculation="off")
     assert named.surgery[0]["layers"] == [1] and named.fingerprint != engine.fingerprint
+    # after kv8 the KV is a byte an element: the window pass counted float32's four
+    fp8 = make_engine(tiny_checkpoints["llama"], surgery=["kv8", {"name": "window", "window": 24, "layers": [1]}],
+                      surgery_guard=False, speculation="off")
+    assert fp8.surgery[-1]["kv_bytes_per_agent"] == {
+        context: [b // 4 for b in pair] for context, pair in named.surgery[0]["kv_bytes_per_agent"].items()}
     # a model with windows of its own: those layers count their own window before and after
     gpt_oss = make_engine(tiny_checkpoints["gpt_oss"], surgery=[{"name": "window", "window": 24, "sink_tokens": 5,
                                                                  "layers": [1]}], surgery_guard=False)

@@ -164,6 +164,13 @@ class BlockPool:
             block.hash = block_hash
         return holder
 
+    def uncommit(self, block_id: int) -> None:
+        """Make a committed block that one owner holds writable in place: it leaves the prefix
+        index (no one else can find it meanwhile), to be committed again once full."""
+        block = self._blocks[block_id]
+        assert block.ref_count == 1 and block.hash is not None, f"block {block_id} is not one owner's committed block"
+        self._forget(block_id)
+
     def reset_prefix_index(self) -> None:
         """Forget the hashes of all unreferenced blocks (tests, model reload)."""
         while self._cached:

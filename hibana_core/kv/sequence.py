@@ -425,7 +425,7 @@ class KVSequence:
         """Fresh blocks a write of the next num_tokens tokens takes (copy-on-write included),
         less the blocks that leave the windows first."""
         end = -(-(self.num_computed + num_tokens) // self.block_size)
-        shared = sum(self._last_block_is_shared(g) for g in range(len(self.tables)))
+        shared = sum(self._last_block_is_shared(g) is True for g in range(len(self.tables)))
         needed = sum(end - len(t) for t in self.tables) + shared
         return needed - self._freeable() if self._windowed else needed
 
@@ -436,7 +436,11 @@ class KVSequence:
         self.free_outside_windows()
         end = -(-(self.num_computed + num_tokens) // self.block_size)
         for g, table in enumerate(self.tables):
-            if self._last_block_is_shared(g):
+            shared = self._last_block_is_shared(g)
+            if shared is None:  # ours alone, only published: written in place
+                self.pool.uncommit(table[-1])
+                self.num_committed = min(self.num_committed, len(table) - 1)
+            elif shared:
                 old = table[-1]
                 (new,) = self.pool.allocate(1)
                 self._copy_block(old, new)
@@ -446,13 +450,20 @@ class KVSequence:
             if end > len(table):
                 table.extend(self.pool.allocate(end - len(table)))
 
-    def _last_block_is_shared(self, group: int) -> bool:
+    def _last_block_is_shared(self, group: int) -> bool | None:
+        """Whether the next write lands in a block others hold (copied first), None where the
+        block is only published in the prefix index with this state its one owner (a history
+        trimmed back into a full block: its last token recomputed for its logits), which is
+        written in place rather than copied: a pool that the history fills exactly has no block
+        to copy into, and the copy would hold the same tokens."""
         table = self.tables[group]
         lo, hi = self._gap(group)
         if self.num_computed % self.block_size == 0 or not table or lo <= len(table) - 1 < hi:
             return False
         last = table[-1]
-        return self.pool.ref_count(last) > 1 or self.pool.is_committed(last)
+        if self.pool.ref_count(last) > 1:
+            return True
+        return None if self.pool.is_committed(last) else False
 
     def slot(self, position: int) -> int:
         """The cache slot of `position` in the first group (see `slots`)."""

@@ -16,10 +16,13 @@ saves nothing, and w4 from them would round twice (the unquantized checkpoint gi
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from hibana_core.errors import ConfigError
 from hibana_plugins.hookspecs import hookimpl
+
+logger = logging.getLogger("hibana.surgery")
 
 if TYPE_CHECKING:  # imported by the plugin manager, which must not pull torch in
     import torch
@@ -106,6 +109,10 @@ class WeightQuantPass:
         head, head_bytes = _pack_lm_head(model, params["lm_head"])
         experts = self._pack_experts(model, wanted, clip)
         used = {"group_sizes_used": sorted(groups)} if self.bits == 4 else {}
+        if self.bits == 4 and groups - {wanted}:
+            logger.warning("surgery w4: group_size %d does not divide every layer's inputs; those layers use groups "
+                           "of %s (the largest even size up to %d that divides theirs)", wanted,
+                           ", ".join(map(str, sorted(groups - {wanted}))), wanted)
         return {"layers": len(layers) - len(kept), "kept_dense": kept, **used, "lm_head": head,
                 "experts": experts["experts"], "experts_kept_float": experts["experts_kept_float"],
                 "bytes_before": before + head_bytes[0] + experts["bytes_before"],

@@ -100,7 +100,8 @@ class SinkWindowPass:
             probe, ranking = rank_layers(attentions, full, window, sinks, calibration)
             count = max(1, round(wanted * len(full)))
             chosen = sorted(sorted(full, key=lambda i: ranking[i])[:count])
-        per_layer = 2 * calibration.args.num_kv_heads * calibration.args.head_dim * calibration.dtype.itemsize
+        fp8 = any(getattr(m, "kv_scale", None) is not None for m in attentions)  # after kv8: a byte an element
+        per_layer = 2 * calibration.args.num_kv_heads * calibration.args.head_dim * (1 if fp8 else calibration.dtype.itemsize)
         contexts = (8192, 32768)
         before = [kv_bytes_per_agent(attentions, c, per_layer) for c in contexts]
         for index in chosen:
