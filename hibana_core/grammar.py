@@ -435,7 +435,8 @@ def _opened(schema: Any) -> Any:
     more keys (minProperties) than it declares. xgrammar's strict mode, which keeps an object to
     its declared keys where additionalProperties is left out (as OpenAI's strict outputs do),
     refuses such a schema, which JSON Schema's default (open objects) satisfies. A `oneOf` is
-    written `anyOf`, as xgrammar holds it anyway (it says so on stderr at every compile)."""
+    written `anyOf`, as xgrammar holds it anyway (it says so on stderr at every compile), and the
+    keywords xgrammar ignores with a warning are left out."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -456,6 +457,12 @@ def _opened(schema: Any) -> Any:
         out["additionalProperties"] = True
     if "oneOf" in out and "anyOf" not in out:  # held as anyOf (README), without xgrammar's stderr warning
         out["anyOf"] = out.pop("oneOf")
+    # what xgrammar would drop with a warning on stderr at every compile, dropped here (a strict
+    # schema was refused for them already, `check_held`; a loose one leaves them to the model)
+    if "pattern" in out or "format" in out:
+        out.pop("minLength", None), out.pop("maxLength", None)
+    if "multipleOf" in out and any(what == "multipleOf" for what, _ in _dropped_beside_others(schema)):
+        del out["multipleOf"]
     return out
 
 

@@ -1355,3 +1355,16 @@ def test_formats_the_grammar_writes_as_any_string_are_refused_when_strict():
             check_held({"type": "object", "properties": {"a": {"type": "string", "format": name}}})
     for name in ("email", "date-time", "uuid", "uri", "password"):
         check_held({"type": "string", "format": name})
+
+
+def test_keywords_xgrammar_ignores_are_left_out_before_it_warns(capfd):
+    """A loose schema (strict_schema=False, LangChain's strict=False) keeps keywords the grammar
+    cannot hold for the model: xgrammar printed a C++ warning on stderr at every compile of a
+    pydantic field with a pattern and a max_length. They are left out before it sees them."""
+    from hibana_core.grammar import json_schema_grammar
+
+    for schema in ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3},
+                   {"type": "string", "format": "email", "minLength": 3},
+                   {"type": "object", "properties": {"x": {"type": "number", "multipleOf": 0.5}}}):
+        json_schema_grammar(schema)
+    assert "Warning" not in capfd.readouterr().err
