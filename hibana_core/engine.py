@@ -295,6 +295,7 @@ class Engine:
                               "kv_dtype='auto' or set dtype to match")
         self.checkpoint_fingerprint = loaded.fingerprint  # the model as loaded, before this engine's passes
         self.fingerprint = surgery.fingerprint(loaded.fingerprint, loaded.dtype, kv_dtype, self.surgery)
+        configuration = surgery.configuration(loaded.fingerprint, loaded.dtype, kv_dtype, self.surgery)
         self.weight_bytes = model_bytes(loaded.model)  # after surgery: packed weights, buffers too
         stages.begin("kv cache")
         self.kv_layout = KVLayout.of_model(loaded.model, self.max_model_len, loaded.args.num_layers)
@@ -341,7 +342,8 @@ class Engine:
         limits = ModelLimits(self.vocab_size, self.max_model_len, self.eos_token_ids, self.fingerprint,
                              self.tokenizer is not None, self.device,
                              None if switch is None else LongRope(switch, loaded.args.max_position_embeddings,
-                                                                    loaded.args.longrope_recompute))
+                                                                    loaded.args.longrope_recompute),
+                             configuration)
         self.registry = StateRegistry(self.core, self.kv_cache, config.cache, limits, self.grammars)
         self.registry.engine_ref = weakref.ref(self)
         if self.host_tier is not None:  # parked states whose agents are due come back ahead of them

@@ -65,6 +65,7 @@ class ModelLimits:
     has_tokenizer: bool
     device: "torch.device"
     long_rope: LongRope | None = None  # the model's LongRoPE switch (Phi-3), or None
+    configuration: dict | None = None  # what `fingerprint` digests (surgery.configuration), for state files
 
 
 @dataclass(eq=False)
@@ -153,7 +154,8 @@ class StateRegistry:
     def _read_persisted(self, state_id: str, path: Path, cache: "KVCache") -> state_file.SavedState:
         """The state this id persisted in `path`, read and verified (StateFileError if it is not)."""
         try:
-            saved = state_file.read(path, self.limits.fingerprint, cache.data.shape, cache.dtype, cache.layout)
+            saved = state_file.read(path, self.limits.fingerprint, cache.data.shape, cache.dtype, cache.layout,
+                                        self.limits.configuration)
         except StateFileError as exc:  # the id stays unopenable while the file is there: say so
             raise StateFileError(f"{exc} (or remove it to open {state_id!r} afresh)") from None
         if saved.state_id != state_id:
@@ -637,7 +639,7 @@ class StateRegistry:
             pages, starts = seq.pages(computed)
             kv = self.kv_cache.read_blocks(pages)
         state_file.write(path, state_id, seq.tokens, computed, self.pool.block_size, kv, self.limits.fingerprint,
-                         rotated_long, starts, self.kv_cache.layout)
+                         rotated_long, starts, self.kv_cache.layout, self.limits.configuration)
 
     def load(self, path: str | os.PathLike, state_id: str | None = None, *, share: bool = False) -> StateHandle:
         """Restore a state written by `save` (same model and tokenizer only). The file is read and
@@ -650,7 +652,7 @@ class StateRegistry:
             cache = self.kv_cache
         path = state_file.as_path(path)
         saved = self._in_this_pool(state_file.read(path, self.limits.fingerprint, cache.data.shape, cache.dtype,
-                                                   cache.layout))
+                                                   cache.layout, self.limits.configuration))
         self._check_saved_length(saved, path)
         tokens = self._validate(saved.tokens)
         with self.lock:

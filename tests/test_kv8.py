@@ -165,15 +165,16 @@ def test_kv8_state_files_round_trip_and_refuse_other_kv(tiny_checkpoints, make_e
     p = plain.open_state("a")
     p.generate(greedy(8), prompt=prompt)
     p.save(tmp_path / "fp32.hibana")
-    with pytest.raises(StateFileError, match="another model"):
+    with pytest.raises(StateFileError, match=r"kv_dtype float32 \(this engine: float8_e4m3fn\); surgery none "
+                                              r"\(this engine: kv8\)"):
         engine.load_state(tmp_path / "fp32.hibana", "from-fp32")
-    with pytest.raises(StateFileError, match="another model"):
+    with pytest.raises(StateFileError, match=r"surgery kv8 \(this engine: none\)"):
         plain.load_state(tmp_path / "fp8.hibana", "from-fp8")
     bf16 = make_engine(path, dtype="bfloat16", speculation="off")
     b = bf16.open_state("a")
     b.generate(greedy(4), prompt=prompt)
     b.save(tmp_path / "bf16.hibana")
-    with pytest.raises(StateFileError, match="another model"):
+    with pytest.raises(StateFileError, match=r"dtype bfloat16 \(this engine: float32\)"):
         engine.load_state(tmp_path / "bf16.hibana", "from-bf16")
 
     from hibana_core.surgery.passes import KVQuantPass
@@ -181,7 +182,7 @@ def test_kv8_state_files_round_trip_and_refuse_other_kv(tiny_checkpoints, make_e
     monkeypatch.setattr(KVQuantPass, "MARGIN", 64.0)  # other scales: the same bytes would mean other values
     other = kv8_engine(make_engine, path)
     assert other.fingerprint != engine.fingerprint
-    with pytest.raises(StateFileError, match="another model"):
+    with pytest.raises(StateFileError, match="the same passes, calibrated on other text"):
         other.load_state(tmp_path / "fp8.hibana", "other-scales")
 
 

@@ -109,7 +109,7 @@ def _metadata(data: bytes) -> dict:
 
 def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, block_size: int,
           kv: torch.Tensor, fingerprint: str, rotated_long: bool = False, starts: Sequence[int] = (0,),
-          layout: KVLayout | None = None) -> None:
+          layout: KVLayout | None = None, configuration: dict | None = None) -> None:
     from safetensors.torch import save_file
 
     try:
@@ -127,6 +127,8 @@ def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, b
         metadata["pages"] = json.dumps(list(starts))
     if layout is not None and layout.describe() is not None:
         metadata["layout"] = json.dumps(layout.describe())
+    if configuration is not None:  # what the fingerprint digests: an engine that refuses the file says what differs
+        metadata["configuration"] = json.dumps(configuration, sort_keys=True)
     kv = kv.contiguous()
     metadata["checksum"] = _checksum(metadata, kv)
     tmp = None
@@ -150,11 +152,39 @@ def _is_dir(path: Path) -> bool:
         return False
 
 
+def _differences(saved: str | None, ours: dict | None) -> str:
+    """What differs between a state file's configuration (its JSON) and the engine's, in words;
+    "" where either is unknown (a file from before they were saved) or nothing can be named."""
+    try:
+        theirs = json.loads(saved) if saved is not None else None
+    except ValueError:
+        theirs = None
+    if not isinstance(theirs, dict) or ours is None:
+        return ""
+
+    def passes(config: dict) -> str:
+        return ", ".join(p.get("name", "?") + (f" {p['params']}" if p.get("params") else "")
+                         for p in config.get("surgery") or ()) or "none"
+    out = []
+    if theirs.get("checkpoint") != ours.get("checkpoint"):
+        out.append("another checkpoint or tokenizer (its weights, config or vocabulary differ)")
+    for key in ("dtype", "kv_dtype"):
+        if theirs.get(key) != ours.get(key):
+            out.append(f"{key} {str(theirs.get(key)).removeprefix('torch.')} (this engine: "
+                       f"{str(ours.get(key)).removeprefix('torch.')})")
+    if theirs.get("surgery") != ours.get("surgery"):
+        same = passes(theirs) == passes(ours)
+        out.append(f"surgery {passes(theirs)} (this engine: {passes(ours)}"
+                   + ("; the same passes, calibrated on other text" if same else "") + ")")
+    return "; ".join(out)
+
+
 def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.dtype | None = None,
-         layout: KVLayout | None = None) -> SavedState:
+         layout: KVLayout | None = None, configuration: dict | None = None) -> SavedState:
     """Read and verify a state file; `kv_shape` is the engine's [page_layers, 2, *, block, heads,
     dim], `kv_dtype` its cache's dtype (fp8 blocks are saved and restored as their bytes),
-    `layout` how its layers share pages (`kv.layout.KVLayout`; None: one plain group)."""
+    `layout` how its layers share pages (`kv.layout.KVLayout`; None: one plain group),
+    `configuration` what its fingerprint digests (`surgery.configuration`), to name what differs."""
     import safetensors.torch
 
     try:
@@ -190,6 +220,11 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.
     if not checksum_ok:
         raise StateFileError(f"state file {path} is damaged (its checksum does not match); save the state again")
     if meta.get("fingerprint") != fingerprint:
+        differs = _differences(meta.get("configuration"), configuration)
+        if differs:
+            raise StateFileError(f"{path} was saved under another configuration than this engine's: {differs}; "
+                                 "load it into an engine on the same checkpoint with the same dtype, kv_dtype "
+                                 "and surgery")
         older = ("; or by a Hibana from before 2026-12-04, whose fingerprints did not read the weights' values: "
                  "compute the state again" if "fingerprint_scheme" not in meta else "")
         raise StateFileError(f"{path} was saved by another model or tokenizer, or under another dtype, kv_dtype "

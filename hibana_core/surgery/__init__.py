@@ -218,12 +218,16 @@ def _run(name: str, surgery_pass: Any, method: str, *args: Any) -> Any:
                           f"{exc!r}; leave it out of surgery, or report it to its author") from exc
 
 
-def fingerprint(base: str, dtype: "torch.dtype", kv_dtype: "torch.dtype", records: Sequence[dict]) -> str:
-    """What a state file's KV depends on: the checkpoint, the compute and KV dtypes and the passes
-    applied, with what they derived from data (a state saved under one of these does not load
-    under another)."""
+def configuration(base: str, dtype: "torch.dtype", kv_dtype: "torch.dtype", records: Sequence[dict]) -> dict:
+    """What a state file's KV depends on: the checkpoint (and tokenizer), the compute and KV dtypes
+    and the passes applied, with what they derived from data (a state saved under one of these
+    does not load under another; a state file keeps this to say which one differs)."""
     passes = [{"name": r["name"], "params": r["params"], **({"digest": r["digest"]} if "digest" in r else {})}
               for r in records]
-    described = json.dumps({"checkpoint": base, "dtype": str(dtype), "kv_dtype": str(kv_dtype),
-                            "surgery": passes}, sort_keys=True)
+    return {"checkpoint": base, "dtype": str(dtype), "kv_dtype": str(kv_dtype), "surgery": passes}
+
+
+def fingerprint(base: str, dtype: "torch.dtype", kv_dtype: "torch.dtype", records: Sequence[dict]) -> str:
+    """`configuration`'s digest: equal for engines whose KV a state file may move between."""
+    described = json.dumps(configuration(base, dtype, kv_dtype, records), sort_keys=True)
     return hashlib.sha256(described.encode()).hexdigest()
