@@ -977,6 +977,19 @@ LLAMA3_TEMPLATE = """\
 """Llama 3.1's template as far as calls go: past calls as {"name": ..., "parameters": ...}."""
 
 
+def _llama3_checkpoint(path, template: str):
+    """A tiny llama checkpoint with Llama 3's special tokens and `template` as its chat template."""
+    import tiny_models
+
+    path = tiny_models.make_tiny_checkpoint("llama", path, vocab_size=tiny_models.VOCAB_SIZE + 5)
+    tokenizer = tiny_models.make_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"]})
+    tokenizer.bos_token, tokenizer.chat_template = "<|begin_of_text|>", template
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def test_a_llama3_template_gets_the_llama3_json_parser(engine, tmp_path):
     """A Llama 3.x checkpoint (model_type "llama", no chat format) writes its calls as its template
     does, `{"name": ..., "parameters": ...}`, after `<|python_tag|>` or not: the chat layer reads
@@ -984,12 +997,7 @@ def test_a_llama3_template_gets_the_llama3_json_parser(engine, tmp_path):
     adapters, which name no parser, never returned a Llama 3 call); Qwen-style templates keep hermes."""
     import tiny_models
 
-    path = tiny_models.make_tiny_checkpoint("llama", tmp_path, vocab_size=tiny_models.VOCAB_SIZE + 5)
-    tokenizer = tiny_models.make_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": [
-        "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"]})
-    tokenizer.bos_token, tokenizer.chat_template = "<|begin_of_text|>", LLAMA3_TEMPLATE
-    tokenizer.save_pretrained(path)
+    path = _llama3_checkpoint(tmp_path, LLAMA3_TEMPLATE)
     assert Chat(engine).parser_name == "hermes"
     with tiny_models.open_engine(path) as llama:
         chat = Chat(llama)
@@ -1016,12 +1024,7 @@ def test_a_template_of_one_call_a_message_gets_one_call_a_turn_and_renders_past_
     calls is written as one call a message, each followed by its result (by id, else in order)."""
     import tiny_models
 
-    path = tiny_models.make_tiny_checkpoint("llama", tmp_path, vocab_size=tiny_models.VOCAB_SIZE + 5)
-    tokenizer = tiny_models.make_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": [
-        "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"]})
-    tokenizer.bos_token, tokenizer.chat_template = "<|begin_of_text|>", LLAMA31_TEMPLATE
-    tokenizer.save_pretrained(path)
+    path = _llama3_checkpoint(tmp_path, LLAMA31_TEMPLATE)
     assert not Chat(engine).one_call
     with tiny_models.open_engine(path) as llama:
         chat = Chat(llama)
