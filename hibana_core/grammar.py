@@ -996,7 +996,9 @@ class Grammars:
     def _named_tokens(self, tag: Any) -> tuple[Any, frozenset[int]]:
         """`tag` with each `token` format's token as an id (a text is looked up in the
         tokenizer's vocabulary), and the control tokens among them. JSON schemas are content,
-        not formats: they are left as they are."""
+        not formats: they are left as they are. A token format marked `"if_known": true` that
+        names no token of the vocabulary is nothing (an empty string): a format's optional marker
+        (Llama 3's <|python_tag|>) on a model without it."""
         self._describe()  # the control tokens
         vocab = self.tokenizer.get_vocab()
         named: set[int] = set()
@@ -1011,6 +1013,9 @@ class Grammars:
             token = node.get("token")
             if isinstance(token, str):
                 token = vocab.get(token, token)
+            if node.get("if_known") is True and (not isinstance(token, int) or not 0 <= token < self.vocab_size):
+                return {"type": "const_string", "value": ""}  # a token the format names only where it exists
+            node = {k: v for k, v in node.items() if k != "if_known"}
             if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < self.vocab_size:
                 raise GrammarError(f"the structural tag names the token {node.get('token')!r:.80}, which is no "
                                    f"token of this model's vocabulary ({self.vocab_size} tokens); name a token "

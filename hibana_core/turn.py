@@ -98,12 +98,14 @@ class CallSyntax:
     trigger: str = ""   # where a call starts in free text (a prefix of `open`; "" means `open`)
     separator: str = "\n"  # between the calls of one turn
     closer: str = ""    # the markup that ends a call, never free text (a stray one closes no call)
+    opener_token: str = ""  # a control token that may open the calls (Llama 3's <|python_tag|>), where the
+    # vocabulary has it: the model's own way to begin them stays open to it
 
 
 SYNTAX = {  # by registered tool parser name
     "hermes": CallSyntax('<tool_call>\n{"name": "', '", "arguments": ', '}\n</tool_call>', trigger="<tool_call>",
                          closer="</tool_call>"),
-    "llama3_json": CallSyntax('{"name": "', '", "parameters": ', "}"),
+    "llama3_json": CallSyntax('{"name": "', '", "parameters": ', "}", opener_token="<|python_tag|>"),
 }
 
 ANY_OBJECT = {"type": "object"}
@@ -134,13 +136,18 @@ def tool_call_grammar(tools: Sequence[dict], tool_choice: str, syntax: CallSynta
     tags = [{"type": "tag", "begin": syntax.open + json.dumps(f["name"], ensure_ascii=False)[1:-1] + syntax.mid,
              "content": {"type": "json_schema", "json_schema": arguments_schema(f, strict)}, "end": syntax.close}
             for f in functions]
+    calls = {"type": "tags_with_separator", "tags": tags, "separator": getattr(syntax, "separator", "\n"),
+             "at_least_one": True, "stop_after_first": not parallel}
     if tool_choice == "auto":
         trigger = getattr(syntax, "trigger", "") or syntax.open  # a plugin's syntax may leave these out
         form = {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "stop_after_first": not parallel,
                 "excludes": _stray(syntax)}
     else:
-        form = {"type": "tags_with_separator", "tags": tags, "separator": getattr(syntax, "separator", "\n"),
-                "at_least_one": True, "stop_after_first": not parallel}
+        form = calls
+    opener = getattr(syntax, "opener_token", "")
+    if opener:  # or the turn opens with the token, and calls follow (a token the vocabulary lacks: nothing)
+        opened = {"type": "sequence", "elements": [{"type": "token", "token": opener, "if_known": True}, calls]}
+        form = {"type": "or", "elements": [form, opened]}
     return {"type": "structural_tag", "format": form}
 
 

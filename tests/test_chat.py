@@ -1053,6 +1053,27 @@ def test_a_template_of_one_call_a_message_gets_one_call_a_turn_and_renders_past_
             chat.render(parallel[:-1] + [{"role": "tool", "tool_call_id": "call_9", "content": "?"}], [WEATHER])
 
 
+def test_a_llama3_call_may_open_with_its_python_tag_under_the_grammar(tmp_path):
+    """Llama 3.x opens a call with <|python_tag|> as often as not, and llama3_json reads it so; but
+    the call grammar blocked the control token (free text never holds one): a GrammarError for the
+    model's own format, with the grammar on and with guided=False. The tag may open the calls now,
+    where the vocabulary has it; elsewhere the grammar is as before."""
+    import tiny_models
+
+    from hibana_core.speculation import force_outputs
+
+    with tiny_models.open_engine(_llama3_checkpoint(tmp_path, LLAMA31_TEMPLATE)) as llama:
+        call = '{"name": "get_weather", "parameters": {"city": "Rome"}}'
+        for n, (reply, options) in enumerate([(f"<|python_tag|>{call}<|eot_id|>", {}),
+                                              (f"<|python_tag|>{call}<|eot_id|>", {"guided": False}),
+                                              (f"<|python_tag|>{call}<|eot_id|>", {"tool_choice": "required"}),
+                                              (f"{call}<|eot_id|>", {"tool_choice": "get_weather"})]):
+            ids = llama.tokenizer.encode(reply, add_special_tokens=False)
+            force_outputs(llama.open_state(f"tag-{n}"), ids)
+            result = Chat(llama, f"tag-{n}").respond(HELLO, [WEATHER], SamplingParams(max_tokens=len(ids)), **options)
+            assert [(c.name, c.arguments) for c in result.tool_calls] == [("get_weather", {"city": "Rome"})], options
+
+
 MISTRAL_TEMPLATE = """{{- bos_token }}
 {%- if tools %}{{- "[AVAILABLE_TOOLS] " + tools|tojson + "[/AVAILABLE_TOOLS]" }}{%- endif %}
 {%- for m in messages %}
