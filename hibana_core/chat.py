@@ -58,7 +58,9 @@ REASONING_HISTORY = ("template", "generated")
 their thinking, so the state recomputes from the first dropped block), or as generated (the state's
 own tokens are kept, thinking included: nothing is recomputed, but the model sees its old thinking)."""
 _THINK_BLOCK = re.compile(r"<think>.*?</think>\s*", re.S)
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+"""Tokens that end an assistant turn, where the vocabulary has them (Llama 3's <|eom_id|> ends a
+turn of calls that waits for their results)."""
 RUN_PAST_STOP = 16  # tokens a request may generate past the stop a turn asked for (async steps, accepted drafts)
 
 
@@ -724,14 +726,27 @@ def _template_id(call_id: Any, length: int) -> Any:
 
 
 def _with_template_ids(messages: list[dict], length: int) -> list[dict]:
-    """The messages with every call id and tool_call_id as the template takes them (`_template_id`)."""
+    """The messages with every call id and tool_call_id as the template takes them (`_template_id`).
+    A call without an id gets one derived from its place in the conversation (the same on every
+    turn), and a result without a tool_call_id the id of the first call before it it does not yet
+    answer: Mistral's templates raise on a missing id (a Jinja TypeError, not a word of why)."""
     out = []
-    for m in messages:
+    unanswered: list[Any] = []  # the ids of the last calls that no result has named yet, in order
+    for i, m in enumerate(messages):
         if m.get("tool_calls"):
-            m = {**m, "tool_calls": [{**c, "id": _template_id(c.get("id"), length)} if isinstance(c, dict) else c
-                                     for c in m["tool_calls"]]}
-        if m.get("tool_call_id") is not None:
-            m = {**m, "tool_call_id": _template_id(m["tool_call_id"], length)}
+            calls = [{**c, "id": _template_id(c["id"] if c.get("id") is not None else f"call-{i}-{j}", length)}
+                     if isinstance(c, dict) else c for j, c in enumerate(m["tool_calls"])]
+            m = {**m, "tool_calls": calls}
+            unanswered = [c["id"] for c in calls if isinstance(c, dict)]
+        elif m.get("role") == "tool":
+            if m.get("tool_call_id") is not None:
+                m = {**m, "tool_call_id": _template_id(m["tool_call_id"], length)}
+            elif unanswered:
+                m = {**m, "tool_call_id": unanswered[0]}
+            if m.get("tool_call_id") in unanswered:
+                unanswered.remove(m["tool_call_id"])
+        else:
+            unanswered = []
         out.append(m)
     return out
 
