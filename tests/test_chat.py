@@ -1123,6 +1123,26 @@ def test_a_result_for_a_call_not_made_names_the_ids_the_client_sent(tmp_path):
             Chat(mistral).render_text(conversation)
 
 
+def test_calls_and_results_without_ids_render_on_a_template_that_demands_them(tmp_path):
+    """OpenAI-style histories may leave ids out (results pair with calls in order); Mistral's
+    template raised a bare Jinja TypeError on them. A call gets an id derived from its place (the
+    same on every turn), a result the first unanswered call's."""
+    import tiny_models
+
+    def call(city):
+        return {"type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}}
+    with tiny_models.open_engine(mistral_checkpoint(tmp_path)) as mistral:
+        conversation = HELLO + [{"role": "assistant", "content": "", "tool_calls": [call("Oslo"), call("Rome")]},
+                                {"role": "tool", "content": "sunny"}, {"role": "tool", "content": "rain"}]
+        text = str(Chat(mistral).render_text(conversation))
+        ids = re.findall(r'"id": "([0-9A-Za-z]{9})"', text)
+        assert len(set(ids)) == 2 and text == str(Chat(mistral).render_text(conversation))
+        named = [dict(m) for m in conversation]
+        named[1] = {**named[1], "tool_calls": [{**c, "id": i} for c, i in zip(named[1]["tool_calls"], ids)]}
+        named[2], named[3] = {**named[2], "tool_call_id": ids[0]}, {**named[3], "tool_call_id": ids[1]}
+        assert str(Chat(mistral).render_text(named)) == text  # paired in order
+
+
 @pytest.mark.parametrize("form, markers, parser", [("array", "[TOOL_CALLS] [", "mistral"),
                                                     ("args", "[TOOL_CALLS][ARGS] [", "mistral_args"),
                                                     ("call_id", "[TOOL_CALLS][CALL_ID][ARGS] [", "mistral_call_id")],
