@@ -125,6 +125,7 @@ class Chat:
         # <|end|> ends a message, not the turn); a token the tokenizer adds past the model's vocabulary never comes
         self._end_texts = tuple(engine.tokenizer.decode([t], skip_special_tokens=False) for t in self.stop_token_ids)
         self.control = prompt.control_strings(engine.tokenizer)  # what contents never turn into
+        self.words = prompt.markup_words(engine.tokenizer)  # what users' and tools' contents never turn into
         self.control_ids = frozenset(vocab[t] for t in self.control if t in vocab)
         self._plain: dict[str, Callable[[str], list[int]]] = {}   # built on first hostile content, shared by `on`
         self._token_bytes: Callable[[int], bytes] | None = None  # a token id's raw bytes (logprobs), built on first use
@@ -264,7 +265,7 @@ class Chat:
             except Exception as exc:  # jinja raises many types for a conversation it rejects
                 whose = f"{self._format}'s template" if self._format and self.template else "the chat template"
                 raise ConversationError(f"cannot render the conversation with {whose}: {exc}") from exc
-        return prompt.render(template, messages, tools, self.control)
+        return prompt.render(template, messages, tools, self.control, self.words)
 
     def _prepared(self, messages: list[dict]) -> list[dict]:
         """`messages` after the chat format's prepare_messages; what it raises but a HibanaError (a

@@ -262,14 +262,11 @@ PLUGIN_COLUMNS = ("plugin", "kind", "name", "package", "version", "builtin")
 
 
 def run_plugins(args: argparse.Namespace) -> int:
-    from hibana_plugins.manager import ENV_VAR, PluginError, get_plugin_manager
+    from hibana_plugins.manager import ENV_VAR, get_plugin_manager
 
     manager = get_plugin_manager()
-    try:
-        infos = manager.describe()
-    except PluginError as exc:
-        print(f"hibana plugins: {exc}", file=sys.stderr)
-        return 1
+    conflicts: list[str] = []  # names two plugins register: listed, with the rest (exit status 1)
+    infos = manager.describe(conflicts)
     if args.json:
         print(
             json.dumps(
@@ -279,11 +276,12 @@ def run_plugins(args: argparse.Namespace) -> int:
                         {"plugin": e.plugin, "stage": e.stage, "error": e.error}
                         for e in manager.load_errors
                     ],
+                    "conflicts": conflicts,
                 },
                 indent=2,
             )
         )
-        return 0
+        return 1 if conflicts else 0
     rows = [
         (
             info.plugin,
@@ -300,8 +298,9 @@ def run_plugins(args: argparse.Namespace) -> int:
         allowed = ", ".join(sorted(manager.allow)) or "none"
         notes.append(f"{ENV_VAR} is set: third-party plugins allowed: {allowed} (the table lists those loaded)")
     notes += [f"skipped {e.plugin} ({e.stage}): {e.error}" for e in manager.load_errors]
+    notes += [f"conflict: {c} (the table lists the first)" for c in conflicts]
     _print_table(rows, notes)
-    return 0
+    return 1 if conflicts else 0
 
 
 def _print_table(rows: list[tuple[str, ...]], notes: list[str]) -> None:

@@ -48,28 +48,43 @@ def spans_of(text: str) -> tuple[Span, ...]:
     return getattr(text, "spans", ())
 
 
-class Masker:
-    """Swaps every string that holds a control token's text for a sentinel the template copies."""
+UNTRUSTED_ROLES = frozenset({"user", "tool"})
+"""Roles whose contents hold no markup at all: the tokenizer's markup words (`markup_words`:
+Qwen's `<tool_call>`, `<think>`) are plain text there too. A tool's result is a web page or a
+file; a user's message is a stranger's. (A system message may show the model its own markup.)"""
 
-    def __init__(self, control: Sequence[str]) -> None:
-        self.pattern = re.compile("|".join(map(re.escape, sorted(control, key=len, reverse=True)))) if control else None
+
+def _pattern(strings: Sequence[str]) -> re.Pattern | None:
+    return re.compile("|".join(map(re.escape, sorted(strings, key=len, reverse=True)))) if strings else None
+
+
+class Masker:
+    """Swaps every string that holds a control token's text for a sentinel the template copies
+    (in a user's or a tool's message, a markup word's text too)."""
+
+    def __init__(self, control: Sequence[str], words: Sequence[str] = ()) -> None:
+        self.pattern = _pattern(control)
+        self.wide = _pattern([*control, *words]) if words else self.pattern  # in UNTRUSTED_ROLES' messages
         self.tag = "hibana" + uuid.uuid4().hex[:12]
         self.originals: dict[str, str] = {}
 
-    def hostile(self, text: str) -> bool:
-        return self.pattern is not None and self.pattern.search(text) is not None
+    def hostile(self, text: str, wide: bool = False) -> bool:
+        pattern = self.wide if wide else self.pattern
+        return pattern is not None and pattern.search(text) is not None
 
-    def mask(self, value: Any, each: bool = False) -> Any:
+    def mask(self, value: Any, each: bool = False, wide: bool = False) -> Any:
         """`value` (strings, dicts, lists) with each hostile string, dict keys too, a sentinel;
-        with `each`, each control-token text within the string instead (the rest stays)."""
+        with `each`, each control-token text within the string instead (the rest stays); `wide`:
+        markup words are hostile too."""
         if isinstance(value, str):
-            if not self.hostile(value):
+            if not self.hostile(value, wide):
                 return value
-            return self.pattern.sub(lambda m: self._sentinel(m.group(0)), value) if each else self._sentinel(value)
+            pattern = self.wide if wide else self.pattern
+            return pattern.sub(lambda m: self._sentinel(m.group(0)), value) if each else self._sentinel(value)
         if isinstance(value, dict):
-            return {self.mask(k, each): self.mask(v, each) for k, v in value.items()}
+            return {self.mask(k, each, wide): self.mask(v, each, wide) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            return [self.mask(v, each) for v in value]
+            return [self.mask(v, each, wide) for v in value]
         return value
 
     def _sentinel(self, original: str) -> str:
@@ -82,7 +97,8 @@ class Masker:
         An assistant's keep their text around each control-token text: reasoning templates
         split old answers at `</think>` (Qwen3's, DeepSeek-R1's), which a whole-string
         sentinel would hide."""
-        return [self.mask(message, each=message.get("role") == "assistant") for message in messages]
+        return [self.mask(message, each=message.get("role") == "assistant", wide=message.get("role") in UNTRUSTED_ROLES)
+                for message in messages]
 
 
 def _written(original: str) -> list[str]:
@@ -113,10 +129,11 @@ def locate(rendered: str, masked: str, masker: Masker) -> Prompt:
 
 
 def render(template: Callable[[list[dict], Any], str], messages: list[dict], tools: Any,
-           control: Sequence[str]) -> Prompt:
-    """`template(messages, tools)` as a Prompt that marks the contents holding control-token text."""
+           control: Sequence[str], words: Sequence[str] = ()) -> Prompt:
+    """`template(messages, tools)` as a Prompt that marks the contents holding control-token text
+    (and, in a user's or a tool's message, markup words: `Masker`)."""
     rendered = template(messages, tools)
-    masker = Masker(control)
+    masker = Masker(control, words)
     masked_messages, masked_tools = masker.mask_messages(messages), masker.mask(tools)
     if not masker.originals:
         return Prompt(rendered)
@@ -152,7 +169,10 @@ def plain_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
         return lambda text: list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
     from tokenizers import Tokenizer
 
-    backend = Tokenizer.from_str(backend.to_str())
+    spec = json.loads(backend.to_str())
+    for added in spec.get("added_tokens") or ():  # markup words (`<tool_call>`) as text too: flagged special
+        added["special"] = True                   # in this copy alone, ids unchanged
+    backend = Tokenizer.from_str(json.dumps(spec))
     backend.encode_special_tokens = True
 
     def plain(text: str) -> list[int]:
@@ -160,11 +180,20 @@ def plain_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
     return plain
 
 
+def markup_words(tokenizer: Any) -> list[str]:
+    """The text of every added token that is not special (Qwen's `<tool_call>`, `</tool_call>`,
+    `<tool_response>`, `<think>`): vocabulary words the tokenizer makes from text by design, and
+    the markup of calls and thinking. A system message may show them to the model (a hand-written
+    tool prompt); in a user's or a tool's message they are text (`UNTRUSTED_ROLES`), so that a tool
+    result cannot hand the model the tokens of a call to copy."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    control = set(control_strings(tokenizer))
+    return sorted(t.content for t in decoder.values() if t.content and t.content not in control)
+
+
 def control_strings(tokenizer: Any) -> list[str]:
-    """The text of every special token: what contents may not turn into. Added tokens that are
-    not special (Qwen's `<tool_call>`, `<tool_response>`, `<think>`) are vocabulary words the
-    tokenizer makes from text by design: text-protocol agents (ReAct prompts, hand-written tool
-    prompts in user and system messages) rely on them, and they cannot open or close a turn."""
+    """The text of every special token: what no content turns into. Added tokens that are not
+    special are `markup_words`, text in untrusted contents only."""
     decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
     special = {t.content for t in decoder.values() if getattr(t, "special", False)}
     special |= set(getattr(tokenizer, "all_special_tokens", ()))

@@ -351,7 +351,9 @@ class HibanaPluginManager:
                 self._registries[kind] = self._collect(kind)
             return self._registries[kind]
 
-    def _collect(self, kind: str) -> dict[str, _Entry]:
+    def _collect(self, kind: str, conflicts: list[str] | None = None) -> dict[str, _Entry]:
+        """The registrations of one kind; a name two plugins register is a PluginError, or, given
+        `conflicts`, noted there and kept as the first registered it (`describe` lists the rest)."""
         caller = getattr(self.pm.hook, HOOKS[kind])
         label = kind.replace("_", " ")
         entries: dict[str, _Entry] = {}
@@ -378,23 +380,35 @@ class HibanaPluginManager:
             for name, obj in offered.items():
                 if name in entries:
                     first = entries[name].plugin
-                    raise PluginError(
+                    conflict = (
                         f"{label} {name!r} is registered by two plugins: {first!r}"
                         f" ({self._package_label(self._sources.get(first))}) and"
                         f" {impl.plugin_name!r}"
                         f" ({self._package_label(self._sources.get(impl.plugin_name))})."
                         f" Uninstall one of them, or leave one out of {ENV_VAR}."
                     )
+                    if conflicts is None:
+                        raise PluginError(conflict)
+                    conflicts.append(conflict)
+                    continue
                 entries[name] = _Entry(obj, impl.plugin_name)
         return entries
 
     # -- description -----------------------------------------------------------------------------
 
-    def describe(self) -> list[PluginInfo]:
-        """Every registered plugin and each name it registers, in registration order."""
+    def describe(self, conflicts: list[str] | None = None) -> list[PluginInfo]:
+        """Every registered plugin and each name it registers, in registration order. A name two
+        plugins register is a PluginError, or, given `conflicts`, noted there (the first
+        registration listed): `hibana plugins` shows everything, the conflict included."""
         registered: dict[str, list[tuple[str, str]]] = {plugin: [] for plugin in self._sources}
         for kind in HOOKS:
-            for name, entry in sorted(self._entries(kind).items()):
+            try:
+                entries = self._entries(kind)
+            except PluginError:
+                if conflicts is None:
+                    raise
+                entries = self._collect(kind, conflicts)
+            for name, entry in sorted(entries.items()):
                 registered.setdefault(entry.plugin, []).append((kind, name))
         infos = []
         for plugin, pairs in registered.items():

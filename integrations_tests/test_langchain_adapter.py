@@ -420,8 +420,9 @@ def test_tool_call_grammar_names_the_offered_tools():
     named = tool_call_grammar(tools, "magic_function", SYNTAX["hermes"], parallel=False)["format"]
     assert named["type"] == "tags_with_separator" and named["at_least_one"] and named["stop_after_first"]
     assert [t["begin"] for t in named["tags"]] == ['<tool_call>\n{"name": "magic_function", "arguments": ']
-    llama = tool_call_grammar(tools, "required", SYNTAX["llama3_json"])["format"]
-    assert [t["begin"] for t in llama["tags"]][0] == '{"name": "get_weather", "parameters": '
+    llama = tool_call_grammar(tools, "required", SYNTAX["llama3_json"])["format"]  # or after <|python_tag|>
+    assert llama["type"] == "or" and llama["elements"][1]["elements"][0]["token"] == "<|python_tag|>"
+    assert [t["begin"] for t in llama["elements"][0]["tags"]][0] == '{"name": "get_weather", "parameters": '
 
 
 async def test_closing_an_async_stream_early_frees_its_state(llm):

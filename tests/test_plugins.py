@@ -628,6 +628,25 @@ def test_cli_plugins_json(capsys):
     )
 
 
+def test_cli_plugins_lists_everything_and_the_conflict_where_two_plugins_take_one_name(make_dist, capsys):
+    """A plugin that registers a built-in's name is a PluginError where the name is used; `hibana
+    plugins`, the command that diagnoses it, printed that alone (exit 1) and listed nothing. It
+    lists every plugin, the first registration of the name, and the conflict (exit 1)."""
+    from hibana_core.cli import main
+
+    make_dist("hibana-test-dup", "dup", parser_plugin("hermes"))
+    assert main(["plugins", "--json"]) == 1
+    listed = json.loads(capsys.readouterr().out)
+    hermes = [r for r in listed["plugins"] if r["name"] == "hermes"]
+    assert [r["plugin"] for r in hermes] == ["hibana_plugins.tool_parsers"]
+    assert any(r["name"] == "llama3_json" for r in listed["plugins"])
+    (conflict,) = listed["conflicts"]
+    assert "'hermes'" in conflict and "'dup'" in conflict and "hibana-test-dup" in conflict
+    assert main(["plugins"]) == 1
+    out = capsys.readouterr().out
+    assert "llama3_json" in out and "conflict: tool parser 'hermes'" in out
+
+
 def test_cli_surgery_asks_for_its_passes(capsys):
     from hibana_core.cli import main
 
