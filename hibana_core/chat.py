@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequen
 from hibana_core import prompt, turn
 from hibana_core.config import SamplingParams
 from hibana_core.detokenizer import token_bytes
-from hibana_core.errors import (ConfigError, ContextLengthError, HibanaError, InvalidTokenError, StateBusyError,
-                                StateClosedError)
+from hibana_core.errors import (CheckpointError, ConfigError, ContextLengthError, HibanaError, InvalidTokenError,
+                                StateBusyError, StateClosedError)
 from hibana_core.messages import (KNOWN_ROLES, ConversationError, ToolChoiceError,  # noqa: F401 (re-exported)
                                   ToolSchemaError, UnsupportedContentError, check_text, check_tool_results,
                                   clean_schema, clean_tool, normalize_messages, normalize_tool_choice,
@@ -83,8 +83,8 @@ class Chat:
 
     def __init__(self, engine: "Engine", state_id: str | None = None, tool_parser: str | None = None) -> None:
         if engine.tokenizer is None:
-            raise HibanaError("the chat layer needs a tokenizer with a chat template, and this checkpoint "
-                              "has none; use state handles with token ids instead")
+            raise CheckpointError("the chat layer needs a tokenizer with a chat template, and this checkpoint "
+                                  "has none; use state handles with token ids instead")
         self.engine = engine
         vocab = engine.tokenizer.get_vocab()
         model_type = getattr(engine.hf_config, "model_type", None)

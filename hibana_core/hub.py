@@ -80,11 +80,19 @@ def offline() -> bool:
     return value.upper() in _TRUE
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "*.tiktoken")
+"""A checkpoint's tokenizer, in any of the forms transformers reads."""
+
+
 def snapshot(ref: RepoRef, progress: bool = True) -> Path:
-    """The checkpoint directory of `ref`: its cached snapshot when that holds config and
-    weights, else downloaded (online). A CheckpointError says what to do when neither works."""
+    """The checkpoint directory of `ref`: its cached snapshot when that holds config, weights and
+    a tokenizer, else downloaded (online). A CheckpointError says what to do when neither works."""
     cache = cache_dir()
     cached, missing = _cached(ref, cache)
+    if cached is not None and not any(any(cached.glob(pattern)) for pattern in TOKENIZER_FILES):
+        # a snapshot cached without its tokenizer is one cached in part (a checkpoint directory without
+        # one still loads, for token ids alone: pass the snapshot's path for that)
+        missing = [*missing, "its tokenizer files (tokenizer.json, tokenizer.model or vocab.json)"]
     if cached is not None and not missing:
         logger.info("%s: using the cached snapshot %s", ref, cached)
         return cached
@@ -132,6 +140,11 @@ def _cached(ref: RepoRef, cache: Path) -> tuple[Path | None, list[str]]:
 
 
 def _not_cached(ref: RepoRef, cache: Path, cached: Path | None, missing: list[str], why: str) -> str:
+    if cached is not None and "*.safetensors weights" in missing and any(cached.glob("*.bin")):
+        return (f"the cached copy of {ref} ({cached}) holds PyTorch .bin weights, which Hibana does not read "
+                "(safetensors only), and downloading it again would not change that if the repo ships no "
+                "safetensors. Convert them: load it with transformers and save_pretrained(DIR) (safetensors by "
+                "default), then pass DIR")
     if cached is None:
         what = (f"{str(ref)!r} is no checkpoint directory, and as a Hugging Face repo id it is not in "
                 f"the cache ({cache}) {why}")

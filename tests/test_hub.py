@@ -150,6 +150,7 @@ def test_a_repo_missing_offline_says_what_to_do(hub_env):
 @pytest.mark.parametrize("kept, lacks", [
     (("config.json",), "*.safetensors weights"),                      # what AutoConfig leaves behind
     (("model.safetensors", "tokenizer.json"), "config.json"),
+    (("config.json", "model.safetensors"), "tokenizer files"),        # it loaded, and chat found no tokenizer
 ])
 def test_a_partly_cached_repo_offline_says_what_it_lacks(checkpoints, hub_env, kept, lacks):
     snapshot = put_snapshot(hub_env, "acme/tiny", checkpoints["v1"], commit_hash("one"), only=kept)
@@ -158,6 +159,21 @@ def test_a_partly_cached_repo_offline_says_what_it_lacks(checkpoints, hub_env, k
     message = str(e.value)
     assert "incomplete" in message and lacks in message and str(snapshot) in message, message
     assert "hf download acme/tiny" in message
+
+
+def test_a_cached_repo_of_bin_weights_says_to_convert_not_to_download_again(checkpoints, hub_env, tmp_path):
+    """A snapshot that holds PyTorch .bin weights alone was "incomplete: run hf download", which
+    fetches the same .bin files again."""
+    source = tmp_path / "bin"
+    source.mkdir()
+    for file in checkpoints["v1"].iterdir():
+        if not file.name.endswith(".safetensors"):
+            (source / file.name).write_bytes(file.read_bytes())
+    (source / "pytorch_model.bin").write_bytes(b"not read")
+    put_snapshot(hub_env, "acme/bin", source, commit_hash("bin"))
+    with pytest.raises(CheckpointError, match=r"PyTorch \.bin weights.*save_pretrained") as e:
+        resolve_checkpoint("acme/bin")
+    assert "hf download" not in str(e.value)
 
 
 def test_a_cached_repo_missing_a_shard_is_incomplete(checkpoints, hub_env):
