@@ -318,9 +318,24 @@ def test_bench_decode_defaults_fit_the_models_context(tmp_path):
 def test_demo_reports_a_model_it_cannot_load(offline_hub, capsys):
     from hibana_core.demo.run import main
 
-    assert main(["--model", "acme/absent", "--no-live"]) == 1
+    assert main(["--model", "acme/absent", "--no-live"]) == 2  # the option's value: a usage error, as elsewhere
     out, err = capsys.readouterr()
     assert "hibana demo:" in err and "hf download acme/absent" in err and not out, (out, err)
+
+
+def test_demo_refuses_a_model_whose_template_renders_no_tools_before_any_agent_runs(tmp_path, capsys):
+    """It printed the tables with the ConversationError in a cell and a first token at 0.00 s."""
+    import tiny_models
+
+    from hibana_core.demo.run import main
+
+    path = tiny_models.make_tiny_checkpoint("qwen3", tmp_path)
+    tokenizer = tiny_models.make_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    tokenizer.save_pretrained(path)
+    assert main(["--model", str(path), "--no-live", "--agents", "1", "--tasks", "1"]) == 1
+    out, err = capsys.readouterr()
+    assert "renders none" in err and not out, (out, err)
 
 
 @pytest.mark.parametrize("value", ["0", "-5"])

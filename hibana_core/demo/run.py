@@ -249,7 +249,7 @@ def main(argv=None, started: float | None = None) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from hibana_core import ConfigError, HibanaError
+    from hibana_core import CheckpointError, ConfigError, HibanaError
 
     console = Console(width=None if sys.stdout.isatty() else 120)
     try:
@@ -257,11 +257,14 @@ def main(argv=None, started: float | None = None) -> int:
                                speculation=args.speculation)
     except HibanaError as exc:
         print(f"hibana demo: {exc}", file=sys.stderr)  # as every command's errors: not in the output
-        return 2 if isinstance(exc, ConfigError) else 1  # an option's value: a usage error
+        return 2 if isinstance(exc, (ConfigError, CheckpointError)) else 1  # an option's value: a usage error
     with engine:
         try:  # a model the chat layer cannot talk to (no chat template): said once, before any agent runs
             from hibana_core.chat import Chat
-            Chat(engine)
+            if not Chat(engine).renders_tools():
+                print(f"hibana demo: {args.model} cannot run the demo's agents: they call tools, and this model's chat "
+                      "template renders none (the model would never see them)", file=sys.stderr)
+                return 1
         except HibanaError as exc:
             print(f"hibana demo: {args.model} cannot run the demo's agents: {exc}", file=sys.stderr)
             return 1
