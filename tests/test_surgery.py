@@ -1101,3 +1101,14 @@ def test_the_guards_scorer_runs_the_head_a_few_hundred_positions_at_a_time(tiny_
     target = torch.tensor(doc[1:])
     assert scorer.nll(doc) == pytest.approx(-whole.cpu().gather(1, target[:, None]).sum().item(), rel=1e-5)
     assert scorer.hidden(doc).shape[0] == 300
+
+
+def test_the_guard_table_says_never_where_no_continuation_diverged():
+    """A pass that changed nothing showed "diverges at 48.0" (the continuation's length, read as a
+    divergence) and a mean KL of -1e-06."""
+    from hibana_core.surgery.guard import CONTINUATION, GuardReport, table
+
+    same = GuardReport(1.0, 0.0, 1.0, float(CONTINUATION), 512)
+    some = GuardReport(1.01, 0.002, 0.97, 12.5, 512)
+    lines = table([("noop", same, "ok"), ("w4", some, "ok")]).splitlines()
+    assert f"never ({CONTINUATION})" in lines[1] and "12.5" in lines[2] and "never" not in lines[2]

@@ -375,7 +375,8 @@ def measure(scorer: Scorer, references: Sequence[Reference], progress: bool, des
     valid = None if calls is None else calls.validity(scorer)
     if kept is not None:
         kept.tool_calls = valid
-    reports = [GuardReport(math.exp((t.nll_new - t.nll_ref) / positions), None if t.kl is None else t.kl / positions,
+    # (KL is >= 0; its sum against the reference's float16 log-probabilities rounds to -1e-6 where nothing changed)
+    reports = [GuardReport(math.exp((t.nll_new - t.nll_ref) / positions), None if t.kl is None else max(0.0, t.kl / positions),
                            t.agree / positions, sum(t.divergences) / len(t.divergences), positions,
                            valid, r.tool_calls)
                for r, t in zip(references, totals)]
@@ -404,12 +405,14 @@ def table(rows: list[tuple[str, GuardReport, str]]) -> str:
     width = max(24, *(len(name) + 2 for name, _, _ in rows))
     lines = [f"{'pass':<{width}}{'ppl ratio':>11}{'mean KL':>10}{'top-1':>8}{'diverges at':>13}"
              f"{'tool calls ok':>20}  decision"]
+    never = f"never ({CONTINUATION})"  # no document's greedy continuation diverged within CONTINUATION tokens
     for name, r, decision in rows:
         calls = "-" if r.tool_calls is None else f"{r.tool_calls:.0%} (was {r.tool_calls_before:.0%})"
         shown = r.as_dict()  # the record's figures, which the command's summary prints too
         kl = "-" if shown["mean_kl"] is None else f"{shown['mean_kl']:.5f}"
+        diverges = never if shown["first_divergence"] >= CONTINUATION else f"{shown['first_divergence']:.1f}"
         lines.append(f"{name:<{width}}{shown['ppl_ratio']:>11.4f}{kl:>10}{shown['top1_agreement']:>8.1%}"
-                     f"{shown['first_divergence']:>13.1f}{calls:>20}  {decision}")
+                     f"{diverges:>13}{calls:>20}  {decision}")
     return "\n".join(lines)
 
 
