@@ -697,8 +697,14 @@ class MistralToolParser:
         return _MistralStream()
 
     def _call(self, function: dict) -> dict:
+        """`{"name": NAME, "arguments": {...}}`, or with the 9-character `"id"` after the arguments
+        that Mistral's templates write into past calls (Nemo writes its own: kept, as the parser
+        keeps it, the call re-renders as generated)."""
         name = json.dumps(function["name"], ensure_ascii=False)
-        return tag_sequence(tag_text('{"name": ' + name + ', "arguments": '), _arguments(function), tag_text("}"))
+        own_id = tag_sequence(tag_text(', "id": "'), {"type": "regex", "pattern": f"[0-9A-Za-z]{{{MISTRAL_ID_LENGTH}}}"},
+                              tag_text('"'))
+        return tag_sequence(tag_text('{"name": ' + name + ', "arguments": '), _arguments(function),
+                            {"type": "optional", "content": own_id}, tag_text("}"))
 
     def _calls(self, calls: list[dict], parallel: bool) -> dict:
         call = tag_either(calls)

@@ -1143,6 +1143,23 @@ def test_calls_and_results_without_ids_render_on_a_template_that_demands_them(tm
         assert str(Chat(mistral).render_text(named)) == text  # paired in order
 
 
+def test_a_mistral_call_may_carry_the_id_its_template_writes(tmp_path):
+    """Mistral's templates write past calls as {"name", "arguments", "id"}, and Nemo writes the id
+    when it calls: the grammar refused it (a GrammarError for the model's own form). It may write
+    one now, and the call keeps it."""
+    import tiny_models
+
+    from hibana_core.speculation import force_outputs
+
+    with tiny_models.open_engine(mistral_checkpoint(tmp_path)) as mistral:
+        reply = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}, "id": "abcDEF123"}]'
+        ids = mistral.tokenizer.encode(reply, add_special_tokens=False) + [tiny_models.EOS_ID]
+        force_outputs(mistral.open_state("own-id"), ids)
+        result = Chat(mistral, "own-id").respond(HELLO, [WEATHER], SamplingParams(max_tokens=len(ids)))
+        assert [(c.id, c.name, c.arguments) for c in result.tool_calls] == [("abcDEF123", "get_weather",
+                                                                              {"city": "Rome"})]
+
+
 @pytest.mark.parametrize("form, markers, parser", [("array", "[TOOL_CALLS] [", "mistral"),
                                                     ("args", "[TOOL_CALLS][ARGS] [", "mistral_args"),
                                                     ("call_id", "[TOOL_CALLS][CALL_ID][ARGS] [", "mistral_call_id")],
