@@ -106,6 +106,7 @@ class Chat:
         template = self.template or getattr(engine.tokenizer, "chat_template", None) or ""
         self.parser_name = tool_parser or named or _template_parser(str(template), vocab)
         self._id_length = _template_id_length(str(template))  # Mistral's: call ids of 9 letters and digits
+        self._templated = bool(template)  # a tokenizer without a chat template renders no conversation
         self.one_call = _template_one_call(str(template))
         """Whether the chat template renders one call a message (Llama 3.x's raise on more): a turn
         makes at most one call, and a past turn of several is written as one call a message."""
@@ -216,6 +217,10 @@ class Chat:
         template as `enable_thinking` (Qwen3's switch); None leaves the template's default.
         `effort` (OpenAI's reasoning_effort level) goes as `reasoning_effort`: gpt-oss's harmony
         template writes it into its system message; templates without it ignore it."""
+        if not self._templated:
+            raise ConversationError("this checkpoint's tokenizer has no chat template, so a conversation cannot be "
+                                    "rendered; give it one (a chat_template.jinja, or chat_template in "
+                                    "tokenizer_config.json), or pass a rendered prompt string or token ids")
         kwargs = {"chat_template": self.template} if self.template else {}
         if effort is not None:
             if not isinstance(effort, str):

@@ -155,8 +155,9 @@ def _normalize_tool(i: int, tool: Any) -> dict:
     if parameters is not None and parameters.get("type", "object") != "object":
         raise ToolSchemaError(f"tool {name!r} has parameters of type {parameters.get('type')!r:.40}; a call's "
                               "arguments are a JSON object: give {'type': 'object', 'properties': {...}}")
-    _check_json(dict(function), lambda exc: ToolSchemaError(f"tool {name!r} is not JSON ({exc}); a schema that "
-                                                            "refers to itself must do so with $ref"))
+    _check_json(dict(function), lambda exc: ToolSchemaError(
+        f"tool {name!r} nests objects and arrays too deep to serialise; flatten them" if isinstance(exc, RecursionError)
+        else f"tool {name!r} is not JSON ({exc}); a schema that refers to itself must do so with $ref"))
     if nests_deeper(parameters, MAX_JSON_DEPTH):
         raise ToolSchemaError(f"tool {name!r} has parameters nesting objects and arrays more than {MAX_JSON_DEPTH} "
                               "levels deep, more than the grammar's checks take; flatten them (a $ref to a shared "

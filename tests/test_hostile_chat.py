@@ -497,3 +497,21 @@ def test_chat_params_of_another_type_are_a_config_error(engine):
         with pytest.raises(ConfigError, match="SamplingParams"):
             list(chat.stream_respond(messages, params=params))
     assert chat.handle.tokens == []
+
+
+def test_a_tokenizer_without_a_chat_template_says_so(tmp_path):
+    """With tools it was told the template "does not render tools (Gemma 3's and Phi-3's do not)";
+    without, a Jinja error from transformers."""
+    import tiny_models
+
+    from hibana_core.errors import ConversationError
+
+    path = tiny_models.make_tiny_checkpoint("qwen3", tmp_path)
+    tokenizer = tiny_models.make_tokenizer()
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(path)
+    with tiny_models.open_engine(path) as engine:
+        assert not getattr(engine.tokenizer, "chat_template", None)
+        for tools in (None, [WEATHER]):
+            with pytest.raises(ConversationError, match="has no chat template"):
+                Chat(engine).render_text([{"role": "user", "content": "hi"}], tools)
