@@ -126,7 +126,7 @@ class Chat:
         # <|end|> ends a message, not the turn); a token the tokenizer adds past the model's vocabulary never comes
         self._end_texts = tuple(engine.tokenizer.decode([t], skip_special_tokens=False) for t in self.stop_token_ids)
         self.control = prompt.control_strings(engine.tokenizer)  # what contents never turn into
-        self.words = prompt.markup_words(engine.tokenizer)  # what users' and tools' contents never turn into
+        self.words = prompt.markup_words(engine.tokenizer)  # what tools' contents never turn into
         self.control_ids = frozenset(vocab[t] for t in self.control if t in vocab)
         self._plain: dict[str, Callable[[str], list[int]]] = {}   # built on first hostile content, shared by `on`
         self._token_bytes: Callable[[int], bytes] | None = None  # a token id's raw bytes (logprobs), built on first use
@@ -453,7 +453,9 @@ class Chat:
         encodes it (control tokens included), a Prompt's content spans as plain text."""
         if prompt.spans_of(text) and not self._plain:
             self._plain["encode"] = prompt.plain_encoder(self.engine.tokenizer)
-        return prompt.encode(text, start, self._markup, self._plain.get("encode"))
+        if getattr(text, "word_spans", None) and "words" not in self._plain:  # a tool's content: no added token
+            self._plain["words"] = prompt.plain_encoder(self.engine.tokenizer, words=True)
+        return prompt.encode(text, start, self._markup, self._plain.get("encode"), self._plain.get("words"))
 
     def cut_call_parts(self, cut_call: str) -> tuple[str, str]:
         """(the name, the arguments) a call that max_tokens cut off had begun (`ChatResult.cut_call`,

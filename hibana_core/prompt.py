@@ -34,13 +34,16 @@ Span = tuple[int, int]
 
 class Prompt(str):
     """Rendered text that knows which of its character spans are untrusted contents holding
-    control-token text (`spans`, in order, not overlapping). A plain `str` has none."""
+    control-token text (`spans`, in order, not overlapping), and which of those are a tool's,
+    where markup words are text too (`word_spans`). A plain `str` has none."""
 
     spans: tuple[Span, ...] = ()
+    word_spans: frozenset[Span] = frozenset()
 
-    def __new__(cls, text: str, spans: Sequence[Span] = ()) -> "Prompt":
+    def __new__(cls, text: str, spans: Sequence[Span] = (), word_spans: Sequence[Span] = ()) -> "Prompt":
         prompt = super().__new__(cls, text)
         prompt.spans = tuple(spans)
+        prompt.word_spans = frozenset(word_spans)
         return prompt
 
 
@@ -48,10 +51,11 @@ def spans_of(text: str) -> tuple[Span, ...]:
     return getattr(text, "spans", ())
 
 
-UNTRUSTED_ROLES = frozenset({"user", "tool"})
+UNTRUSTED_ROLES = frozenset({"tool"})
 """Roles whose contents hold no markup at all: the tokenizer's markup words (`markup_words`:
-Qwen's `<tool_call>`, `<think>`) are plain text there too. A tool's result is a web page or a
-file; a user's message is a stranger's. (A system message may show the model its own markup.)"""
+Qwen's `<tool_call>`, `<think>`) are plain text there too. A tool's result is a web page, a file,
+another program's output. (A system or user message may show the model its markup: text-protocol
+agents write their observations as user messages in `<tool_response>` blocks.)"""
 
 
 def _pattern(strings: Sequence[str]) -> re.Pattern | None:
@@ -60,13 +64,14 @@ def _pattern(strings: Sequence[str]) -> re.Pattern | None:
 
 class Masker:
     """Swaps every string that holds a control token's text for a sentinel the template copies
-    (in a user's or a tool's message, a markup word's text too)."""
+    (in a tool's message, a markup word's text too)."""
 
     def __init__(self, control: Sequence[str], words: Sequence[str] = ()) -> None:
         self.pattern = _pattern(control)
         self.wide = _pattern([*control, *words]) if words else self.pattern  # in UNTRUSTED_ROLES' messages
         self.tag = "hibana" + uuid.uuid4().hex[:12]
         self.originals: dict[str, str] = {}
+        self.wide_sentinels: set[str] = set()  # those of contents whose markup words are text too
 
     def hostile(self, text: str, wide: bool = False) -> bool:
         pattern = self.wide if wide else self.pattern
@@ -80,16 +85,18 @@ class Masker:
             if not self.hostile(value, wide):
                 return value
             pattern = self.wide if wide else self.pattern
-            return pattern.sub(lambda m: self._sentinel(m.group(0)), value) if each else self._sentinel(value)
+            return pattern.sub(lambda m: self._sentinel(m.group(0), wide), value) if each else self._sentinel(value, wide)
         if isinstance(value, dict):
             return {self.mask(k, each, wide): self.mask(v, each, wide) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             return [self.mask(v, each, wide) for v in value]
         return value
 
-    def _sentinel(self, original: str) -> str:
+    def _sentinel(self, original: str, wide: bool = False) -> str:
         sentinel = f"{self.tag}x{len(self.originals)}x"
         self.originals[sentinel] = original
+        if wide:
+            self.wide_sentinels.add(sentinel)
         return sentinel
 
     def mask_messages(self, messages: list[dict]) -> list[dict]:
@@ -112,7 +119,7 @@ def locate(rendered: str, masked: str, masker: Masker) -> Prompt:
     pieces = re.split(f"({re.escape(masker.tag)}x\\d+x)", masked)  # markup, sentinel, markup, ...
     if not rendered.startswith(pieces[0]):
         raise PromptMarkupError("the chat template renders differently when message contents change")
-    pos, spans = len(pieces[0]), []
+    pos, spans, word_spans = len(pieces[0]), [], []
     for sentinel, markup in zip(pieces[1::2], pieces[2::2]):
         written = next((w for w in _written(masker.originals[sentinel])
                         if rendered.startswith(w + markup, pos)), None)
@@ -122,16 +129,18 @@ def locate(rendered: str, masked: str, masker: Masker) -> Prompt:
                 "Hibana cannot follow, so it cannot be kept from forging turns; remove the control-token "
                 "text from the content")
         spans.append((pos, pos + len(written)))
+        if sentinel in masker.wide_sentinels:
+            word_spans.append(spans[-1])
         pos += len(written) + len(markup)
     if pos != len(rendered):
         raise PromptMarkupError("the chat template renders differently when message contents change")
-    return Prompt(rendered, [s for s in spans if s[0] < s[1]])
+    return Prompt(rendered, [s for s in spans if s[0] < s[1]], word_spans)
 
 
 def render(template: Callable[[list[dict], Any], str], messages: list[dict], tools: Any,
            control: Sequence[str], words: Sequence[str] = ()) -> Prompt:
     """`template(messages, tools)` as a Prompt that marks the contents holding control-token text
-    (and, in a user's or a tool's message, markup words: `Masker`)."""
+    (and, in a tool's message, markup words: `Masker`)."""
     rendered = template(messages, tools)
     masker = Masker(control, words)
     masked_messages, masked_tools = masker.mask_messages(messages), masker.mask(tools)
@@ -140,24 +149,28 @@ def render(template: Callable[[list[dict], Any], str], messages: list[dict], too
     return locate(rendered, template(masked_messages, masked_tools), masker)
 
 
-def encode(text: str, start: int, markup: Callable[[str], list[int]], plain: Callable[[str], list[int]]) -> list[int]:
-    """Token ids of `text[start:]`: its spans through `plain` (no control tokens), the rest
-    through `markup`. With no span from `start` on, `markup(text[start:])`, as before."""
+def encode(text: str, start: int, markup: Callable[[str], list[int]], plain: Callable[[str], list[int]],
+           plain_words: Callable[[str], list[int]] | None = None) -> list[int]:
+    """Token ids of `text[start:]`: its spans through `plain` (no control tokens), its word spans
+    through `plain_words` (no added token at all), the rest through `markup`. With no span from
+    `start` on, `markup(text[start:])`, as before."""
     out, pos = [], start
+    words = getattr(text, "word_spans", frozenset())
     for a, b in spans_of(text):
         if b <= pos:
             continue
+        spelled = plain_words if (a, b) in words and plain_words is not None else plain
         a = max(a, pos)
         if a > pos:
             out += markup(text[pos:a])
-        out += plain(text[a:b])
+        out += spelled(text[a:b])
         pos = b
     if pos < len(text) or not out:
         out += markup(text[pos:])
     return out
 
 
-def plain_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
+def plain_encoder(tokenizer: Any, words: bool = False) -> Callable[[str], list[int]]:
     """Tokenizes text as text: a copy of a fast tokenizer's backend that encodes its special
     tokens' strings as ordinary text (`encode_special_tokens`), so no control-token string
     becomes its id (`<tool_call>`-like vocabulary words still do, as in `control_strings`). A
@@ -169,10 +182,13 @@ def plain_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
         return lambda text: list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
     from tokenizers import Tokenizer
 
-    spec = json.loads(backend.to_str())
-    for added in spec.get("added_tokens") or ():  # markup words (`<tool_call>`) as text too: flagged special
-        added["special"] = True                   # in this copy alone, ids unchanged
-    backend = Tokenizer.from_str(json.dumps(spec))
+    if words:  # markup words (`<tool_call>`) as text too: flagged special in this copy alone, ids unchanged
+        spec = json.loads(backend.to_str())
+        for added in spec.get("added_tokens") or ():
+            added["special"] = True
+        backend = Tokenizer.from_str(json.dumps(spec))
+    else:
+        backend = Tokenizer.from_str(backend.to_str())
     backend.encode_special_tokens = True
 
     def plain(text: str) -> list[int]:
@@ -183,9 +199,9 @@ def plain_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
 def markup_words(tokenizer: Any) -> list[str]:
     """The text of every added token that is not special (Qwen's `<tool_call>`, `</tool_call>`,
     `<tool_response>`, `<think>`): vocabulary words the tokenizer makes from text by design, and
-    the markup of calls and thinking. A system message may show them to the model (a hand-written
-    tool prompt); in a user's or a tool's message they are text (`UNTRUSTED_ROLES`), so that a tool
-    result cannot hand the model the tokens of a call to copy."""
+    the markup of calls and thinking. System and user messages may show them to the model (a
+    hand-written tool prompt, a text-protocol agent's observations); in a tool's message they are
+    text (`UNTRUSTED_ROLES`), so that a tool result cannot hand the model the tokens of a call to copy."""
     decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
     control = set(control_strings(tokenizer))
     return sorted(t.content for t in decoder.values() if t.content and t.content not in control)

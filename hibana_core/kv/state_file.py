@@ -222,9 +222,9 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.
     if meta.get("fingerprint") != fingerprint:
         differs = _differences(meta.get("configuration"), configuration)
         if differs:
-            raise StateFileError(f"{path} was saved under another configuration than this engine's: {differs}; "
-                                 "load it into an engine on the same checkpoint with the same dtype, kv_dtype "
-                                 "and surgery")
+            raise StateFileError(f"{path} was saved by another model or tokenizer, or under another dtype, kv_dtype "
+                                 f"or surgery, than this engine's: {differs}; load it into an engine on the same "
+                                 "checkpoint with the same dtype, kv_dtype and surgery")
         older = ("; or by a Hibana from before 2026-12-04, whose fingerprints did not read the weights' values: "
                  "compute the state again" if "fingerprint_scheme" not in meta else "")
         raise StateFileError(f"{path} was saved by another model or tokenizer, or under another dtype, kv_dtype "
