@@ -455,7 +455,16 @@ class Chat:
             self._plain["encode"] = prompt.plain_encoder(self.engine.tokenizer)
         if getattr(text, "word_spans", None) and "words" not in self._plain:  # a tool's content: no added token
             self._plain["words"] = prompt.plain_encoder(self.engine.tokenizer, words=True)
-        return prompt.encode(text, start, self._markup, self._plain.get("encode"), self._plain.get("words"))
+        ids = prompt.encode(text, start, self._markup, self._plain.get("encode"), self._plain.get("words"))
+        if ids and max(ids) >= self.engine.vocab_size:  # the tokenizer and the checkpoint disagree
+            past = sorted({t for t in ids if t >= self.engine.vocab_size})
+            texts = self.engine.tokenizer.convert_ids_to_tokens(past[:5])
+            raise InvalidTokenError(
+                f"the prompt's text tokenizes to ids past the model's vocabulary of {self.engine.vocab_size}: "
+                f"{', '.join(f'{t!r} ({i})' for t, i in zip(texts, past))}; the tokenizer has tokens the "
+                "checkpoint's embeddings do not (a tokenizer from another checkpoint, or tokens added without "
+                "resizing the model): give the checkpoint its own tokenizer")
+        return ids
 
     def cut_call_parts(self, cut_call: str) -> tuple[str, str]:
         """(the name, the arguments) a call that max_tokens cut off had begun (`ChatResult.cut_call`,

@@ -514,3 +514,21 @@ def test_a_tokenizer_without_a_chat_template_says_so(tmp_path):
         for tools in (None, [WEATHER]):
             with pytest.raises(ConversationError, match="has no chat template"):
                 Chat(engine).render_text([{"role": "user", "content": "hi"}], tools)
+
+
+def test_a_tokenizer_with_tokens_past_the_models_vocabulary_says_so(tmp_path):
+    """Tokens a tokenizer adds past the checkpoint's embeddings (a new user's tiny checkpoint with
+    Llama 3's markup) were "token ids [517] lie outside the vocabulary; tokenize with this model's
+    tokenizer", which the user had done."""
+    import tiny_models
+
+    from hibana_core.errors import InvalidTokenError
+
+    path = tiny_models.make_tiny_checkpoint("qwen3", tmp_path)  # vocab 512, the tokenizer's own 512
+    tokenizer = tiny_models.make_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|extra|>"]})
+    tokenizer.chat_template = "{% for m in messages %}<|extra|>{{ m.content }}{% endfor %}"
+    tokenizer.save_pretrained(path)
+    with tiny_models.open_engine(path) as engine:
+        with pytest.raises(InvalidTokenError, match=r"past the model's vocabulary of 512: '<\|extra\|>' \(512\)"):
+            Chat(engine).prompt_ids([{"role": "user", "content": "hi"}])
