@@ -127,6 +127,7 @@ class Chat:
         self._end_texts = tuple(engine.tokenizer.decode([t], skip_special_tokens=False) for t in self.stop_token_ids)
         self.control = prompt.control_strings(engine.tokenizer)  # what contents never turn into
         self.words = prompt.markup_words(engine.tokenizer)  # what tools' contents never turn into
+        self.word_ids = frozenset(vocab[t] for t in self.words if t in vocab)
         self.control_ids = frozenset(vocab[t] for t in self.control if t in vocab)
         self._plain: dict[str, Callable[[str], list[int]]] = {}   # built on first hostile content, shared by `on`
         self._token_bytes: Callable[[int], bytes] | None = None  # a token id's raw bytes (logprobs), built on first use
@@ -391,7 +392,7 @@ class Chat:
         stripped, positions = self._without_thinking(text) if generated else (text, [])
         for end in reversed(ends):  # usually the last one matches: the previous reply, unchanged
             held_text = self.engine.tokenizer.decode(held[:end], skip_special_tokens=False)
-            if text.startswith(held_text) and self._controls_are_markup(held[:end], prompt.spans_of(text)):
+            if text.startswith(held_text) and self._controls_are_markup(held[:end], text):
                 kept, at = end, len(held_text)
                 if end == ends[-1]:
                     kept, at = self._stopped_reply(held, end, text, at)
@@ -413,25 +414,29 @@ class Chat:
         want = text[at:min(closes)]
         for kept in range(len(held), max(end, len(held) - RUN_PAST_STOP), -1):
             got = self.engine.tokenizer.decode(held[end:kept], skip_special_tokens=False)
-            if got == want and self._controls_are_markup(held[:kept], prompt.spans_of(text)):
+            if got == want and self._controls_are_markup(held[:kept], text):
                 return kept, min(closes)
             if not got.startswith(want):
                 break
         return end, at
 
-    def _controls_are_markup(self, tokens: Sequence[int], spans: Sequence[prompt.Span]) -> bool:
-        """Whether no control token of `tokens` stands where `spans` (content) are in their text."""
+    def _controls_are_markup(self, tokens: Sequence[int], text: str) -> bool:
+        """Whether no control token of `tokens` stands where the prompt `text`'s content spans are
+        in their text, nor a markup word's token where its word spans (a tool's contents) are."""
+        spans = prompt.spans_of(text)
         if not spans:
             return True
+        words = getattr(text, "word_spans", frozenset())
         decode = self.engine.tokenizer.decode
         pos, run = 0, []
         for token in tokens:
-            if token not in self.control_ids:
+            control = token in self.control_ids
+            if not control and (not words or token not in self.word_ids):
                 run.append(token)
                 continue
             pos += len(decode(run, skip_special_tokens=False)) if run else 0
             run = []
-            if any(a <= pos < b for a, b in spans):
+            if any(a <= pos < b for a, b in (spans if control else words)):
                 return False
             pos += len(decode([token], skip_special_tokens=False))
         return True
@@ -647,11 +652,11 @@ class Chat:
                 # an answer in JSON follows the blank line after the think block, as a forced call does
                 grammar = turn.after_thinking(grammar, "required" if answer is not None else tool_choice,
                                               open_in_prompt)
-            if grammar is not None and prefill and grammar.get("format", {}).get("excludes"):
+            if grammar is not None and prefill:
                 # the prefill may have opened a call the grammar never saw (it starts after the
                 # prefill, in free text): that call's closing tag must stay writable
-                grammar = {**grammar, "format": {**grammar["format"], "excludes": []}}
-            if grammar is not None and prefill and grammar.get("format", {}).get("type") not in FREE_START:
+                grammar = turn.without_excludes(grammar)
+            if grammar is not None and prefill and not _free_start(grammar.get("format", {})):
                 raise ConfigError(f"prefill with {self.parser_name}'s tool-call grammar is not supported: it holds the "
                                   "turn from its first token (a message header, a think block), and would start after "
                                   "the prefill as if nothing were written; drop the prefill, or the tools "
@@ -661,7 +666,8 @@ class Chat:
                 calls_held = True
         elif tool_choice == "none" and listed and not params.constrained:  # the model sees tools it may not call
             with _blamed_on(self.parser_name, self.parser, "building its no-call grammar"):
-                params = dataclasses.replace(params, grammar=turn.no_call_grammar(self.parser, self.parser_name))
+                grammar = turn.no_call_grammar(self.parser, self.parser_name, closer=not prefill)
+                params = dataclasses.replace(params, grammar=grammar)
         channels = getattr(self.parser, "splits_channels", False)  # harmony: its channels are the format, calls or not
         if params.json_schema is not None and answer is None:  # the answer's schema, held after the reasoning
             if channels:
@@ -744,14 +750,15 @@ def _template_id(call_id: Any, length: int) -> Any:
 
 def _with_template_ids(messages: list[dict], length: int) -> list[dict]:
     """The messages with every call id and tool_call_id as the template takes them (`_template_id`).
-    A call without an id gets one derived from its place in the conversation (the same on every
-    turn), and a result without a tool_call_id the id of the first call before it it does not yet
-    answer: Mistral's templates raise on a missing id (a Jinja TypeError, not a word of why)."""
+    A call without an id gets one derived from the call and its place among its message's calls
+    (the same on every turn, a history trimmed at its start too), and a result without a
+    tool_call_id the id of the first call before it it does not yet answer: Mistral's templates
+    raise on a missing id (a Jinja TypeError, not a word of why)."""
     out = []
     unanswered: list[Any] = []  # the ids of the last calls that no result has named yet, in order
-    for i, m in enumerate(messages):
+    for m in messages:
         if m.get("tool_calls"):
-            calls = [{**c, "id": _template_id(c["id"] if c.get("id") is not None else f"call-{i}-{j}", length)}
+            calls = [{**c, "id": _template_id(c["id"] if c.get("id") is not None else _derived_id(c, j), length)}
                      if isinstance(c, dict) else c for j, c in enumerate(m["tool_calls"])]
             m = {**m, "tool_calls": calls}
             unanswered = [c["id"] for c in calls if isinstance(c, dict)]
@@ -766,6 +773,12 @@ def _with_template_ids(messages: list[dict], length: int) -> list[dict]:
             unanswered = []
         out.append(m)
     return out
+
+
+def _derived_id(call: dict, index: int) -> str:
+    """An id for a call that came without one: of its function and arguments, and its place among
+    its message's calls (two equal calls of one message differ)."""
+    return f"call-{index}-" + json.dumps(call.get("function"), sort_keys=True, ensure_ascii=False, default=str)
 
 
 def _parser_failed(name: str, parser: Any, what: str, exc: Exception) -> HibanaError:
@@ -914,6 +927,14 @@ def assistant_message(result: ChatResult) -> dict:
 FREE_START = ("triggered_tags", "any_text")
 """Tool-call grammars (xgrammar structural tags) that let a turn begin anywhere in free text, so
 that a prefill may come first: calls opened by a trigger (hermes' <tool_call>), or none."""
+
+
+def _free_start(form: dict) -> bool:
+    """Whether a structural tag's format lets the turn begin in free text (`FREE_START`), itself or
+    as a branch of an "or" (llama3_json's: free text with calls, or <|python_tag|> then calls)."""
+    if form.get("type") == "or":
+        return any(_free_start(e) for e in form.get("elements") or () if isinstance(e, dict))
+    return form.get("type") in FREE_START
 
 
 @functools.cache

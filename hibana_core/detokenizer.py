@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import weakref
 from typing import Any, Callable, Mapping, Sequence
 
 from hibana_plugins.hookspecs import GeneratedText, Span
@@ -76,7 +77,22 @@ def _types(node: Any) -> set[str]:
     return set()
 
 
+_DECODERS: "weakref.WeakKeyDictionary[Any, Callable[[Sequence[int]], str]]" = weakref.WeakKeyDictionary()
+
+
 def text_decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
+    """`_text_decoder` of a tokenizer, decided once per tokenizer (its probe costs an encode and
+    two decodes, a request's whole detokenization's worth on a short reply)."""
+    try:
+        return _DECODERS[tokenizer]
+    except KeyError:
+        decoder = _DECODERS[tokenizer] = _text_decoder(tokenizer)
+        return decoder
+    except TypeError:  # a tokenizer that cannot be a weak key
+        return _text_decoder(tokenizer)
+
+
+def _text_decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
     """`tokenizer.decode(ids, skip_special_tokens=False)`, without transformers' wrapper where it
     adds nothing: a fast tokenizer that does not clean up spaces decodes as its Rust backend does,
     and the wrapper's Python costs ~6 us a call against the backend's ~1 (the detokenizer decodes

@@ -459,7 +459,7 @@ def _opened(schema: Any) -> Any:
         out["anyOf"] = out.pop("oneOf")
     # what xgrammar would drop with a warning on stderr at every compile, dropped here (a strict
     # schema was refused for them already, `check_held`; a loose one leaves them to the model)
-    if "pattern" in out or "format" in out:
+    if "pattern" in out or out.get("format") in HELD_FORMATS:
         out.pop("minLength", None), out.pop("maxLength", None)
     if "multipleOf" in out and any(what == "multipleOf" for what, _ in _dropped_beside_others(schema)):
         del out["multipleOf"]
@@ -474,6 +474,11 @@ def check_held(schema: Any) -> None:
                            f"({'; '.join(unenforced)}): the output could break them; drop them, or "
                            "bound the values another way, and check the rest in your code")
 
+
+HELD_FORMATS = frozenset({"email", "hostname", "date", "time", "date-time", "duration", "ipv4", "ipv6", "uuid",
+                          "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
+"""The formats xgrammar 0.2.9 holds a string to (beside them it ignores minLength/maxLength; beside
+any other format it holds the lengths)."""
 
 UNHELD_FORMATS = frozenset({"idn-email", "idn-hostname", "iri", "iri-reference", "regex"})
 """The formats JSON Schema defines (2020-12, which validators check) that xgrammar 0.2.9 holds to
@@ -510,7 +515,7 @@ def _dropped_beside_others(schema: dict) -> list[tuple[str, str]]:
     lengths = "/".join(key for key in ("minLength", "maxLength") if key in schema)
     if lengths and "pattern" in schema:
         found.append((f"{lengths} beside pattern", "bound the length in the pattern, as ^[a-z]{1,8}$"))
-    if lengths and "format" in schema:
+    if lengths and schema.get("format") in HELD_FORMATS:
         found.append((f"{lengths} beside format", "drop one of them and check the other in your code"))
     if schema.get("format") in UNHELD_FORMATS:
         found.append((f"format {schema['format']!r}", "xgrammar writes any string for it: give a pattern, or "

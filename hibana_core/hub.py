@@ -80,8 +80,9 @@ def offline() -> bool:
     return value.upper() in _TRUE
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "*.tiktoken")
-"""A checkpoint's tokenizer, in any of the forms transformers reads."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken")
+"""A checkpoint's tokenizer, in any of the forms transformers reads (tokenizer_config.json alone,
+which a partial download keeps, is none)."""
 
 
 def snapshot(ref: RepoRef, progress: bool = True) -> Path:

@@ -321,14 +321,16 @@ def one_call_a_message(messages: list[dict]) -> list[dict]:
             results.append(messages[i])
             i += 1
         ids = {_call_id(call) for call in calls} - {None}  # results without an id are matched in order
-        by_id = {r["tool_call_id"]: r for r in results if r.get("tool_call_id") in ids}
+        by_id: dict[Any, list[dict]] = {}  # a call's results (a retried call may have two), in order
+        for result in results:
+            if result.get("tool_call_id") in ids:
+                by_id.setdefault(result["tool_call_id"], []).append(result)
         unmatched = [r for r in results if r.get("tool_call_id") not in ids]
         for n, call in enumerate(calls):
             out.append({**turn, "tool_calls": [call]} if n == 0 else {"role": "assistant", "content": "",
                                                                         "tool_calls": [call]})
-            result = by_id.get(_call_id(call)) or (unmatched.pop(0) if unmatched else None)
-            if result is not None:
-                out.append(result)
+            answers = by_id.pop(_call_id(call), None) or ([unmatched.pop(0)] if unmatched else [])
+            out.extend(answers)
         out.extend(unmatched)
     return out
 

@@ -166,7 +166,19 @@ def parser_grammar(parser: Any, parser_name: str, tools: Sequence[dict] | None, 
     return tool_call_grammar(tools, tool_choice, syntax, parallel=parallel, strict=strict)
 
 
-def no_call_grammar(parser: Any, parser_name: str) -> dict | None:
+def without_excludes(grammar: dict) -> dict:
+    """A structural tag with its free text's `excludes` dropped, in "or" branches too (a prefill
+    may have opened a call the grammar never saw: its closing tag must stay writable)."""
+    def walk(form: Any) -> Any:
+        if not isinstance(form, dict):
+            return form
+        if form.get("type") == "or":
+            return {**form, "elements": [walk(e) for e in form.get("elements") or ()]}
+        return {**form, "excludes": []} if form.get("excludes") else form
+    return {**grammar, "format": walk(grammar.get("format"))} if isinstance(grammar.get("format"), dict) else grammar
+
+
+def no_call_grammar(parser: Any, parser_name: str, closer: bool = True) -> dict | None:
     """The grammar of a turn with tool_choice "none" whose prompt lists the tools (as OpenAI's
     "none" keeps them, and with them the KV of a tool loop): any text without the start of a call
     (the parser's trigger), so that the model answers rather than writing a call as text. None
@@ -176,8 +188,9 @@ def no_call_grammar(parser: Any, parser_name: str) -> dict | None:
     syntax = getattr(parser, "call_syntax", None) or SYNTAX.get(parser_name)
     if syntax is None:
         return None
-    trigger = getattr(syntax, "trigger", "") or syntax.open
-    return {"type": "structural_tag", "format": {"type": "any_text", "excludes": [trigger, *_stray(syntax)]}}
+    trigger = getattr(syntax, "trigger", "") or syntax.open  # `closer=False` (after a prefill): no stray tag held off
+    return {"type": "structural_tag", "format": {"type": "any_text",
+                                                 "excludes": [trigger, *(_stray(syntax) if closer else [])]}}
 
 
 def _stray(syntax: Any) -> list[str]:

@@ -81,13 +81,17 @@ def register_tool_parsers(register) -> None:
     Optional, for calls valid by construction (grammar-constrained; otherwise the hermes and
     llama3_json syntaxes are known by name and other parsers get no grammar):
     - `parser.call_syntax`: an object with `open`, `mid`, `close` (the text around a call's name
-      and its arguments object), and optionally `trigger` (where a call starts in free text) and
-      `separator` (between calls); `hibana_core.turn.CallSyntax` is one. Or
+      and its arguments object), and optionally `trigger` (where a call starts in free text),
+      `separator` (between calls), `closer` (markup that ends a call and never stands in free
+      text: hermes' `</tool_call>`) and `opener_token` (a control token that may open the calls
+      where the vocabulary has it: Llama 3's `<|python_tag|>`); `hibana_core.turn.CallSyntax` is
+      one. Or
     - `parser.tool_call_grammar(tools, tool_choice, parallel) -> dict`: the whole grammar, an
       xgrammar structural tag (`{"type": "structural_tag", "format": ...}`), for OpenAI-style
       `tools`, `tool_choice` "auto", "required" or a tool's name, and whether several calls
       may follow one another. Markup that is control tokens is named by `token` formats (by
-      text or id; harmony's is): the grammar allows those tokens there and nowhere else.
+      text or id; harmony's is): the grammar allows those tokens there and nowhere else (with
+      `"if_known": true`, a token the vocabulary lacks is nothing rather than an error).
     """
 
 

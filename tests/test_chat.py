@@ -1072,6 +1072,8 @@ def test_a_llama3_call_may_open_with_its_python_tag_under_the_grammar(tmp_path):
             force_outputs(llama.open_state(f"tag-{n}"), ids)
             result = Chat(llama, f"tag-{n}").respond(HELLO, [WEATHER], SamplingParams(max_tokens=len(ids)), **options)
             assert [(c.name, c.arguments) for c in result.tool_calls] == [("get_weather", {"city": "Rome"})], options
+        # a prefill still starts in the grammar's free text (the "or" around it refused one)
+        assert Chat(llama, "prefilled").respond(HELLO, [WEATHER], SamplingParams(max_tokens=3), prefill="Sure, ").usage
 
 
 MISTRAL_TEMPLATE = """{{- bos_token }}
@@ -1198,3 +1200,19 @@ def test_a_mistral_template_gets_the_mistral_parser_its_grammar_and_its_ids(tmp_
         assert str(chat.render_text(HELLO + foreign)) == str(text)  # the same ids each turn
         second = chat.respond(HELLO + foreign, [short], params=SamplingParams(max_tokens=40))  # "auto"
         assert second.usage.prompt_tokens > 0 and (second.tool_calls or "[TOOL_CALLS]" not in second.text)
+
+
+def test_one_call_a_message_keeps_every_result_of_a_call():
+    """Two results naming one call (a retried call) kept the last alone, and the next call lost
+    its result to nothing."""
+    from hibana_core.messages import one_call_a_message
+
+    def call(i):
+        return {"id": i, "type": "function", "function": {"name": "f", "arguments": {}}}
+    split = one_call_a_message(HELLO + [{"role": "assistant", "content": "", "tool_calls": [call("a"), call("b")]},
+                                        {"role": "tool", "tool_call_id": "a", "content": "first"},
+                                        {"role": "tool", "tool_call_id": "a", "content": "retry"},
+                                        {"role": "tool", "tool_call_id": "b", "content": "bee"}])
+    assert [(m["role"], m.get("content"), [c["id"] for c in m.get("tool_calls", ())]) for m in split[1:]] == [
+        ("assistant", "", ["a"]), ("tool", "first", []), ("tool", "retry", []),
+        ("assistant", "", ["b"]), ("tool", "bee", [])]

@@ -1380,3 +1380,19 @@ def test_keywords_xgrammar_ignores_are_left_out_before_it_warns(capfd):
                    {"type": "object", "properties": {"x": {"type": "number", "multipleOf": 0.5}}}):
         json_schema_grammar(schema)
     assert "Warning" not in capfd.readouterr().err
+
+
+def test_lengths_beside_a_format_xgrammar_does_not_hold_are_kept():
+    """xgrammar ignores minLength/maxLength beside the formats it holds, and holds them beside any
+    other (pydantic's SecretStr(min_length=8): "format": "password"): those were dropped too, and
+    "ab" passed a minLength of 8."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from hibana_core.grammar import check_held, json_schema_grammar
+
+    secret = {"type": "string", "format": "password", "minLength": 8}
+    check_held(secret)  # nothing the grammar drops
+    grammar = json_schema_grammar(secret)
+    assert not accepts(grammar, '"ab"') and accepts(grammar, '"abcdefgh"')
+    with pytest.raises(GrammarError, match="minLength beside format"):
+        check_held({"type": "string", "format": "email", "minLength": 8})

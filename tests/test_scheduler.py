@@ -105,9 +105,9 @@ def test_a_fully_synced_state_recomputes_only_its_last_token_to_sample():
     h.step()
     r = h.request(seq, max_tokens=1)
     assert h.step() == [(r.id, 7, 1, True)]
-    # the last block was committed with the state its one owner: written in place, not copied (a
-    # pool that the history filled had no block to copy into: a MemoryBudgetError), and committed again
-    assert h.copies == [] and seq.block_ids == [0, 1] and h.pool.is_committed(1)
+    # the last block was committed, so writing its last slot copied it first (the pool has blocks to
+    # spare: the published block keeps its branch in the index; test_admission's exact fill has none)
+    assert h.copies == [(1, 2)] and seq.block_ids == [0, 1]   # and the copy deduped back to block 1
     assert r.reused == 7 and r.computed == 1
 
 
@@ -155,3 +155,21 @@ def test_a_request_larger_than_the_pool_fails_alone():
     r = h.request(h.seq(range(12)))
     h.step()
     assert r.finish_reason == "error" and "KV blocks" in str(r.error)
+
+
+def test_an_edit_into_a_published_block_keeps_the_old_branch_in_the_index_where_the_pool_can_copy():
+    """A state alone holding its published blocks, edited inside one (a regenerated reply, a tree
+    search's rollback): the write copies the block where the pool has one to spare, so the old
+    branch stays findable; only a pool with none to spare writes in place (test_admission's exact fill)."""
+    h = Harness(num_blocks=10)
+    history = list(range(1, 2 * BS + 1))  # two full blocks
+    a = h.seq(history)
+    h.request(a)
+    h.step()
+    edited = history[:2 * BS - 2] + [99, 100]
+    a.set_tokens(edited)
+    h.request(a)
+    h.step()
+    assert h.copies  # the second block was copied, not written in place
+    probe = h.seq(history)
+    assert probe.index_match(len(history)) == len(history)  # the old branch: still in the index

@@ -102,7 +102,7 @@ class BlockPool:
         return self._blocks[block_id].hash
 
     def is_committed(self, block_id: int) -> bool:
-        """Whether the block is full and immutable (writers must copy it first)."""
+        """Whether the block is full and in the prefix index (writers copy it first, or `uncommit` it)."""
         return self._blocks[block_id].hash is not None
 
     # -- actions ---------------------------------------------------------------------------
@@ -152,7 +152,8 @@ class BlockPool:
 
         If another block already holds it, the index is left alone and that block's id comes
         back: the caller switches to it (incref) and frees its duplicate. Committed blocks are
-        immutable; the engine copies a block before writing to it.
+        immutable; the engine copies a block before writing to it (or, its one owner with no block to
+        spare, `uncommit`s it first).
         """
         block = self._blocks[block_id]
         assert block.ref_count > 0, f"block {block_id} committed while free"

@@ -10,7 +10,8 @@ runs, `num_computed` may run ahead of `tokens` by the tokens sampled on the devi
 read back (the scheduler counts those as placeholders; their KV is written by the next step).
 A block enters the prefix index (`commit_full_blocks`) only once all its tokens are known.
 Committed blocks are immutable and may be shared: writing into one first copies it
-(copy-on-write). The protocol follows mlx-lm's caches: `set_tokens` (sync), `trim(n)`, `fork`,
+(copy-on-write), or, where this state alone holds it and the pool has no block to spare, takes it
+out of the prefix index (`BlockPool.uncommit`) and writes in place. The protocol follows mlx-lm's caches: `set_tokens` (sync), `trim(n)`, `fork`,
 `release`.
 
 With a `KVLayout` of several groups (sliding-window models) the state holds one table per group,
@@ -435,9 +436,13 @@ class KVSequence:
         caller checked `blocks_needed`."""
         self.free_outside_windows()
         end = -(-(self.num_computed + num_tokens) // self.block_size)
+        states = [self._last_block_is_shared(g) for g in range(len(self.tables))]
+        spare = self.pool.num_free - sum(max(0, end - len(t)) for t in self.tables) - states.count(True)
         for g, table in enumerate(self.tables):
-            shared = self._last_block_is_shared(g)
-            if shared is None:  # ours alone, only published: written in place
+            shared = states[g]
+            if shared is None and spare > 0:  # a copy keeps the published block, and the branch it ends, in the index
+                shared, spare = True, spare - 1
+            if shared is None:  # ours alone, only published, and no block to spare: taken out and written in place
                 self.pool.uncommit(table[-1])
                 self.num_committed = min(self.num_committed, len(table) - 1)
             elif shared:
@@ -453,9 +458,11 @@ class KVSequence:
     def _last_block_is_shared(self, group: int) -> bool | None:
         """Whether the next write lands in a block others hold (copied first), None where the
         block is only published in the prefix index with this state its one owner (a history
-        trimmed back into a full block: its last token recomputed for its logits), which is
-        written in place rather than copied: a pool that the history fills exactly has no block
-        to copy into, and the copy would hold the same tokens."""
+        trimmed back into a full block: its last token recomputed for its logits, or an edit):
+        `prepare_write` copies it where the pool has a block to spare, so that the branch it
+        ends stays in the index, and else takes it out of the index and writes in place (a pool
+        that the history fills exactly has no block to copy into). `blocks_needed` counts None
+        as no block: what the write needs at least."""
         table = self.tables[group]
         lo, hi = self._gap(group)
         if self.num_computed % self.block_size == 0 or not table or lo <= len(table) - 1 < hi:

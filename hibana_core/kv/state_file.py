@@ -161,6 +161,7 @@ def _differences(saved: str | None, ours: dict | None) -> str:
         theirs = None
     if not isinstance(theirs, dict) or ours is None:
         return ""
+    ours = json.loads(json.dumps(ours, sort_keys=True))  # as the file has it: a pass's tuple is a list there
 
     def passes(config: dict) -> str:
         return ", ".join(p.get("name", "?") + (f" {p['params']}" if p.get("params") else "")
