@@ -736,3 +736,27 @@ def test_longest_at_finds_what_longest_finds():
         extend_hashes(prefix, [rng.randrange(6) for _ in range(rng.randint(1, 40))])
         for end in range(1, len(prefix)):
             assert longest_at(searched(indexes), prefix, end) == _longest_reference(indexes, context_keys(prefix, end))
+
+
+def test_rates_are_computed_once_between_records_and_follow_the_prior():
+    """The controller reads every agent's rates at every step: they are kept until a record (the
+    agent's own, or any agent's through the shared prior), and equal the formula then."""
+    prior = AcceptanceStats()
+    a, b = AcceptanceStats(prior), AcceptanceStats(prior)
+    a.record(4, 2)
+    first = a.rates()
+    assert a.rates() is first  # kept
+    b.record(8, 8)  # through the prior: a's shrinkage target moved
+    assert a.rates() is not first
+    for stats in (a, b, prior):
+        base = [0.5] * len(stats.tries) if stats.prior is None else stats.prior.rates()
+        assert stats.rates() == [(x + 2 * p) / (t + 2) for x, t, p in zip(stats.accepted, stats.tries, base)]
+
+
+def test_the_cost_of_a_run_of_step_sizes_is_each_ones_cost():
+    from hibana_core.speculation.controller import StepCostModel
+
+    costs = StepCostModel([1, 2, 4, 8, 16, 64], [0.01, 0.011, 0.012, 0.02, 0.03, 0.09], sync_overhead=0.002)
+    for first in (0, 1, 3, 15, 60, 64, 100):
+        for verify in (False, True):
+            assert costs.costs(first, 30, verify) == [costs.cost(n, verify) for n in range(first, first + 30)]

@@ -39,26 +39,38 @@ class AcceptanceStats:
         self.tries = [0.0] * max_draft
         self.accepted = [0.0] * max_draft
         self.prior = prior
+        self._rates: list[float] | None = None  # `rate` of every position, until the next record (here or in the prior)
+        self._prior_rates: list[float] | None = None  # the prior's list those were computed from
 
     def record(self, proposed: int, accepted: int) -> None:
         """Drafts 1..proposed were tried; the first `accepted` of them were accepted."""
         for j in range(min(proposed, accepted + 1, len(self.tries))):
             self.tries[j] = self.tries[j] * self.DECAY + 1.0
             self.accepted[j] = self.accepted[j] * self.DECAY + (1.0 if j < accepted else 0.0)
+        self._rates = None
         if self.prior is not None:
             self.prior.record(proposed, accepted)
 
     def rate(self, j: int) -> float:
         """Estimated chance that draft j+1 is accepted given the ones before it were, shrunk
         towards the engine-wide figure (two pseudo-tries) while this agent has few tries."""
-        prior = self.prior.rate(j) if self.prior is not None else 0.5
-        return (self.accepted[j] + 2.0 * prior) / (self.tries[j] + 2.0)
+        return self.rates()[j]
+
+    def rates(self) -> list[float]:
+        """`rate` of every draft position, computed once between records (the controller asks
+        for every agent's at every step)."""
+        prior = self.prior.rates() if self.prior is not None else None
+        if self._rates is None or prior is not self._prior_rates:
+            priors = prior if prior is not None else [0.5] * len(self.tries)
+            self._rates = [(a + 2.0 * p) / (t + 2.0) for a, t, p in zip(self.accepted, self.tries, priors)]
+            self._prior_rates = prior
+        return self._rates
 
     def gains(self, length: int) -> list[float]:
         """Expected accepted tokens added by each of the first `length` drafts."""
         out, p = [], 1.0
-        for j in range(min(length, len(self.tries))):
-            p *= self.rate(j)
+        for r in self.rates()[:length]:
+            p *= r
             out.append(p)
         return out
 
@@ -107,6 +119,25 @@ class StepCostModel:
         x0, x1 = self.points[i - 1], self.points[i]
         return table[i - 1] + (table[i] - table[i - 1]) * (num_tokens - x0) / (x1 - x0) + extra
 
+    def costs(self, first: int, count: int, verify: bool) -> list[float]:
+        """`cost(n, verify)` for n = first .. first + count - 1, the profile walked once (the plan
+        costs every draft count of a step: hundreds at 32 agents)."""
+        out = []
+        points, table = self.points, self.seconds
+        extra = self.sync_overhead if verify else 0.0
+        i = bisect.bisect_left(points, first)
+        for n in range(first, first + count):
+            while i < len(points) and points[i] < n:
+                i += 1
+            if i == 0:
+                out.append(table[0] + extra)
+            elif i == len(points):
+                out.append(table[-1] * n / points[-1] + extra)
+            else:
+                x0, x1 = points[i - 1], points[i]
+                out.append(table[i - 1] + (table[i] - table[i - 1]) * (n - x0) / (x1 - x0) + extra)
+        return out
+
     def observe(self, num_tokens: int, seconds: float) -> None:
         """Pull the nearest profiled point towards a step's measured device time."""
         if not math.isfinite(seconds) or seconds <= 0:
@@ -150,9 +181,10 @@ class Controller:
         verify = fixed > 0
         best_rate = expected / self.costs.cost(step_tokens + fixed, verify)
         best_k, total = 0, expected
-        for n, (gain, _) in enumerate(gains, start=1):
+        for n, ((gain, _), cost) in enumerate(zip(gains, self.costs.costs(step_tokens + fixed + 1, len(gains), True)),
+                                              start=1):
             total += gain
-            rate = total / self.costs.cost(step_tokens + fixed + n, True)
+            rate = total / cost
             if rate > best_rate:
                 best_rate, best_k = rate, n
         for _, i in gains[:best_k]:
