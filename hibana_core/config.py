@@ -39,7 +39,10 @@ def plain_token_ids(values: list, vocab_size: int) -> bool:
     """Whether `values` are all plain ints in [0, vocab_size), checked by C-speed builtins: the
     fast path before `is_kind` a value, which the rest (a bool, a numpy integer, an id out of
     range) takes for its error or conversion."""
-    return all(type(v) is int for v in values) and (not values or 0 <= min(values) and max(values) < vocab_size)
+    return not values or (set(map(type, values)) == _INT_ONLY and 0 <= min(values) and max(values) < vocab_size)
+
+
+_INT_ONLY = {int}
 
 
 def is_kind(value: Any, kind: type) -> bool:
