@@ -160,10 +160,12 @@ def test_a_state_read_mid_generation_shows_only_known_tokens(tiny_checkpoints, m
         if event.token_id is None:
             break
         seen.append(event.token_id)
-        tokens, length = h.tokens, len(h)
+        tokens, length = h.tokens, len(h)  # three reads while the engine goes on: each may know more
         (info,) = [s for s in engine.states() if s.id == "a"]
-        assert min(tokens) >= 0 and length == len(tokens) == info.tokens
+        assert min(tokens) >= 0 and len(tokens) <= length <= info.tokens  # never a token still on the device
         assert tokens[:len(prompt) + len(seen)] == prompt + seen
+        if h.tokens == tokens:  # nothing came meanwhile: the three agree
+            assert length == len(tokens)
     assert h.tokens == prompt + seen and len(seen) == 12
 
 
