@@ -195,7 +195,7 @@ def api_error(exc: HibanaError, prompt_param: str = "messages") -> ApiError:
     if isinstance(exc, ChatTimeoutError):  # it would run as long again: not to be repeated as it is
         return ApiError(503, message, None, "timeout", "server_error", retry=False)
     if isinstance(exc, QueueTimeoutError):  # the server is full: retry later (as a rate limit)
-        return ApiError(429, message, None, "queue_timeout")
+        return ApiError(429, message, None, "queue_timeout", "requests")  # OpenAI types its rate limits so
     if isinstance(exc, EngineClosedError):
         return ApiError(503, message, None, "engine_closed", "server_error")
     params = [(ToolChoiceError, "tool_choice"), (ToolSchemaError, "tools"), (ConversationError, "messages"),

@@ -1095,6 +1095,7 @@ def test_a_request_that_waited_too_long_in_the_queue_is_a_429():
                 pass
         assert len(errors) == 3 and event.completion.finish_reason == "length"
         assert errors[0].status_code == 429 and errors[0].body["code"] == "queue_timeout"
+        assert errors[0].body["type"] == "requests"  # as OpenAI types a rate limit (not an invalid request)
         assert "queue_timeout_ms" in errors[0].body["message"]
 
 
