@@ -164,6 +164,12 @@ def test_an_unsupported_quantization_config_says_what_loads(tiny_checkpoints, ma
         make_engine(dst)
     assert parse_quantization_config({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm",
                                       "zero_point": True}).method == "awq"
+    # AutoAWQ's own key names (its quant_config.json's) mean what transformers' do
+    autoawq = parse_quantization_config({"quant_method": "awq", "w_bit": 4, "q_group_size": 32, "version": "GEMM",
+                                         "zero_point": True})
+    assert (autoawq.method, autoawq.group_size) == ("awq", 32)
+    with pytest.raises(CheckpointError, match="bits=8"):
+        parse_quantization_config({"quant_method": "awq", "w_bit": 8, "q_group_size": 32})
 
 
 def test_packed_layers_without_a_quantization_config_say_so(tiny_checkpoints, make_engine, tmp_path):

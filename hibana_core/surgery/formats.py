@@ -220,7 +220,13 @@ def _parse_gptq(cfg: dict) -> QuantFormat:
                        skip=tuple(skip), only=tuple(only), quantize_lm_head=bool(cfg.get("lm_head", False)))
 
 
+AUTOAWQ_KEYS = {"w_bit": "bits", "q_group_size": "group_size"}
+"""AutoAWQ's own names (its quant_config.json, copied into some checkpoints' config.json) for
+transformers' AwqConfig keys."""
+
+
 def _parse_awq(cfg: dict) -> QuantFormat:
+    cfg = {**{ours: cfg[theirs] for theirs, ours in AUTOAWQ_KEYS.items() if theirs in cfg}, **cfg}
     _bits4(cfg, "AWQ")
     # AutoAWQ writes `version`; transformers 5 writes `format` (utils/quantization_config.py AwqConfig)
     version = str(cfg.get("version") or cfg.get("format") or "gemm").lower()
