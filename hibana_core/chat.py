@@ -471,6 +471,12 @@ class Chat:
                 "resizing the model): give the checkpoint its own tokenizer")
         return ids
 
+    def ended_at_context(self, result: ChatResult) -> bool:
+        """Whether the model's context, not max_tokens, ended a reply ("length"): what to say of a
+        call it cut (shorten the history, rather than raise max_tokens)."""
+        used = result.usage.prompt_tokens + result.usage.completion_tokens
+        return result.finish_reason == "length" and used >= self.engine.max_model_len
+
     def cut_call_parts(self, cut_call: str) -> tuple[str, str]:
         """(the name, the arguments) a call that max_tokens cut off had begun (`ChatResult.cut_call`,
         or a delta's text with `cut_call`), as generated, where the tool parser's call syntax is
@@ -642,8 +648,10 @@ class Chat:
         if parse_tools and (answer is not None or not params.constrained):
             with _blamed_on(self.parser_name, self.parser, "building its call grammar"):
                 if answer is None:
+                    # a prefill may have opened a call the grammar never saw (it starts after the prefill,
+                    # in free text): that call's closing tag stays writable
                     grammar = turn.parser_grammar(self.parser, self.parser_name, tools, tool_choice,
-                                                  parallel=parallel_tool_calls, strict=guided)
+                                                  parallel=parallel_tool_calls, strict=guided, closer=not prefill)
                 else:
                     grammar = turn.answer_or_calls(self.parser, self.parser_name, tools, tool_choice, answer,
                                                    parallel=parallel_tool_calls, strict=guided,
@@ -652,10 +660,6 @@ class Chat:
                 # an answer in JSON follows the blank line after the think block, as a forced call does
                 grammar = turn.after_thinking(grammar, "required" if answer is not None else tool_choice,
                                               open_in_prompt)
-            if grammar is not None and prefill:
-                # the prefill may have opened a call the grammar never saw (it starts after the
-                # prefill, in free text): that call's closing tag must stay writable
-                grammar = turn.without_excludes(grammar)
             if grammar is not None and prefill and not _free_start(grammar.get("format", {})):
                 raise ConfigError(f"prefill with {self.parser_name}'s tool-call grammar is not supported: it holds the "
                                   "turn from its first token (a message header, a think block), and would start after "

@@ -95,9 +95,9 @@ def text_decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
 def _text_decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
     """`tokenizer.decode(ids, skip_special_tokens=False)`, without transformers' wrapper where it
     adds nothing: a fast tokenizer that does not clean up spaces decodes as its Rust backend does,
-    and the wrapper's Python costs ~6 us a call against the backend's ~1 (the detokenizer decodes
-    twice a generated token: a third of the engine thread's time per token at 32 agents). Any
-    other tokenizer (a slow one, cleanup on, a class with its own decode) goes through `decode`."""
+    and the wrapper's Python cost most of the time (the detokenizer decodes twice a generated
+    token: 6.66 against 2.65 us a token, `bench/detokenizer_cost.py`). Any other tokenizer (a slow
+    one, cleanup on, a class with its own decode) goes through `decode`."""
     decode = tokenizer.decode
     backend = getattr(tokenizer, "backend_tokenizer", None)
     base = _fast_base()

@@ -461,7 +461,7 @@ def _opened(schema: Any) -> Any:
     # schema was refused for them already, `check_held`; a loose one leaves them to the model)
     if "pattern" in out or out.get("format") in HELD_FORMATS:
         out.pop("minLength", None), out.pop("maxLength", None)
-    if "multipleOf" in out and any(what == "multipleOf" for what, _ in _dropped_beside_others(schema)):
+    if _multiple_of_dropped(schema):
         del out["multipleOf"]
     return out
 
@@ -520,9 +520,7 @@ def _dropped_beside_others(schema: dict) -> list[tuple[str, str]]:
     if schema.get("format") in UNHELD_FORMATS:
         found.append((f"format {schema['format']!r}", "xgrammar writes any string for it: give a pattern, or "
                                                       "check it in your code"))
-    step, kind = schema.get("multipleOf"), schema.get("type")
-    integers = kind == "integer" or (isinstance(kind, list) and "integer" in kind and "number" not in kind)
-    if step is not None and not (integers and isinstance(step, (int, float)) and float(step).is_integer()):
+    if _multiple_of_dropped(schema):
         found.append(("multipleOf", 'held on {"type": "integer"} by an integer alone; bound the value with '
                                     "minimum/maximum, or check it in your code"))
     ref = schema.get("$ref")
@@ -538,6 +536,13 @@ def _dropped_beside_others(schema: dict) -> list[tuple[str, str]]:
     if isinstance(schema.get("pattern"), str):
         found += unenforced_regex(schema["pattern"], "pattern")
     return found
+
+
+def _multiple_of_dropped(schema: dict) -> bool:
+    """Whether xgrammar drops the schema's multipleOf: it holds an integer's by an integer alone."""
+    step, kind = schema.get("multipleOf"), schema.get("type")
+    integers = kind == "integer" or (isinstance(kind, list) and "integer" in kind and "number" not in kind)
+    return step is not None and not (integers and isinstance(step, (int, float)) and float(step).is_integer())
 
 
 def _undeclared_required(schema: dict) -> list[str]:

@@ -127,9 +127,11 @@ def arguments_schema(function: dict, strict: bool = True) -> dict:
 
 
 def tool_call_grammar(tools: Sequence[dict], tool_choice: str, syntax: CallSyntax, *, parallel: bool = True,
-                      strict: bool = True) -> dict:
+                      strict: bool = True, closer: bool = True) -> dict:
     """The structural tag (xgrammar's format) that holds a turn's calls to the offered tools
-    (module docstring); `strict=False` leaves the arguments any JSON object."""
+    (module docstring); `strict=False` leaves the arguments any JSON object; `closer=False` lets
+    free text hold the syntax's closing tag (after a prefill, which may have opened a call the
+    grammar never saw)."""
     functions = [t["function"] for t in tools]
     if tool_choice not in ("auto", "required"):
         functions = [f for f in functions if f["name"] == tool_choice]
@@ -141,7 +143,7 @@ def tool_call_grammar(tools: Sequence[dict], tool_choice: str, syntax: CallSynta
     if tool_choice == "auto":
         trigger = getattr(syntax, "trigger", "") or syntax.open  # a plugin's syntax may leave these out
         form = {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "stop_after_first": not parallel,
-                "excludes": _stray(syntax)}
+                "excludes": _stray(syntax) if closer else []}
     else:
         form = calls
     opener = getattr(syntax, "opener_token", "")
@@ -152,9 +154,10 @@ def tool_call_grammar(tools: Sequence[dict], tool_choice: str, syntax: CallSynta
 
 
 def parser_grammar(parser: Any, parser_name: str, tools: Sequence[dict] | None, tool_choice: str, *,
-                   parallel: bool = True, strict: bool = True) -> dict | None:
+                   parallel: bool = True, strict: bool = True, closer: bool = True) -> dict | None:
     """The tool-call grammar of a turn, from the parser's own `tool_call_grammar`, its
-    `call_syntax`, or the built-in syntax of its name; None without tools or a known syntax."""
+    `call_syntax`, or the built-in syntax of its name; None without tools or a known syntax.
+    `closer`: as `tool_call_grammar`'s."""
     if not tools or tool_choice == "none":
         return None
     own = getattr(parser, "tool_call_grammar", None)
@@ -163,19 +166,7 @@ def parser_grammar(parser: Any, parser_name: str, tools: Sequence[dict] | None, 
     syntax = getattr(parser, "call_syntax", None) or SYNTAX.get(parser_name)
     if syntax is None:
         return None
-    return tool_call_grammar(tools, tool_choice, syntax, parallel=parallel, strict=strict)
-
-
-def without_excludes(grammar: dict) -> dict:
-    """A structural tag with its free text's `excludes` dropped, in "or" branches too (a prefill
-    may have opened a call the grammar never saw: its closing tag must stay writable)."""
-    def walk(form: Any) -> Any:
-        if not isinstance(form, dict):
-            return form
-        if form.get("type") == "or":
-            return {**form, "elements": [walk(e) for e in form.get("elements") or ()]}
-        return {**form, "excludes": []} if form.get("excludes") else form
-    return {**grammar, "format": walk(grammar.get("format"))} if isinstance(grammar.get("format"), dict) else grammar
+    return tool_call_grammar(tools, tool_choice, syntax, parallel=parallel, strict=strict, closer=closer)
 
 
 def no_call_grammar(parser: Any, parser_name: str, closer: bool = True) -> dict | None:
@@ -188,7 +179,7 @@ def no_call_grammar(parser: Any, parser_name: str, closer: bool = True) -> dict 
     syntax = getattr(parser, "call_syntax", None) or SYNTAX.get(parser_name)
     if syntax is None:
         return None
-    trigger = getattr(syntax, "trigger", "") or syntax.open  # `closer=False` (after a prefill): no stray tag held off
+    trigger = getattr(syntax, "trigger", "") or syntax.open  # `closer`: as `tool_call_grammar`'s
     return {"type": "structural_tag", "format": {"type": "any_text",
                                                  "excludes": [trigger, *(_stray(syntax) if closer else [])]}}
 

@@ -337,10 +337,9 @@ class _Call:
         """What ended the reply inside a call, and what to do: max_tokens ("length"), else a stop
         (a stop string, or a stop token, where the call grammar held the turn)."""
         finish_reason = result.finish_reason
-        context = self.chat.engine.max_model_len
-        if finish_reason == "length" and result.usage.prompt_tokens + result.usage.completion_tokens >= context:
-            return (f"the reply ended inside this call at the model's context of {context} tokens (finish_reason "
-                    "'length'): shorten the history")
+        if self.chat.ended_at_context(result):
+            return (f"the reply ended inside this call at the model's context of {self.chat.engine.max_model_len} "
+                    "tokens (finish_reason 'length'): shorten the history")
         if finish_reason == "length":
             return "the reply ended inside this call (finish_reason 'length'): raise max_tokens"
         if self.params.stop:

@@ -170,9 +170,7 @@ class _Call:
             raw |= {"finish_reason": self.result.finish_reason, "usage": self.usage_dict()}
             if self.result.error:
                 raw["error"] = self.result.error
-            usage = self.result.usage
-            if self.result.finish_reason == "length" and \
-                    usage.prompt_tokens + usage.completion_tokens >= self.chat.engine.max_model_len:
+            if self.chat.ended_at_context(self.result):
                 raw["context_full"] = True  # the model's context ended the reply, not max_tokens
         return raw
 

@@ -109,34 +109,30 @@ class StepCostModel:
 
     def cost(self, num_tokens: int, verify: bool) -> float:
         extra = self.sync_overhead if verify else 0.0
-        table = self.seconds
-        i = bisect.bisect_left(self.points, num_tokens)
-        if i == 0:
-            return table[0] + extra
-        if i == len(self.points):
-            # beyond the profile: proportional to tokens (the large-batch regime is compute bound)
-            return table[-1] * num_tokens / self.points[-1] + extra
-        x0, x1 = self.points[i - 1], self.points[i]
-        return table[i - 1] + (table[i] - table[i - 1]) * (num_tokens - x0) / (x1 - x0) + extra
+        return self._device(bisect.bisect_left(self.points, num_tokens), num_tokens) + extra
 
     def costs(self, first: int, count: int, verify: bool) -> list[float]:
         """`cost(n, verify)` for n = first .. first + count - 1, the profile walked once (the plan
         costs every draft count of a step: hundreds at 32 agents)."""
-        out = []
-        points, table = self.points, self.seconds
+        out, points = [], self.points
         extra = self.sync_overhead if verify else 0.0
         i = bisect.bisect_left(points, first)
         for n in range(first, first + count):
-            while i < len(points) and points[i] < n:
+            while i < len(points) and points[i] < n:  # bisect_left(points, n), walked
                 i += 1
-            if i == 0:
-                out.append(table[0] + extra)
-            elif i == len(points):
-                out.append(table[-1] * n / points[-1] + extra)
-            else:
-                x0, x1 = points[i - 1], points[i]
-                out.append(table[i - 1] + (table[i] - table[i - 1]) * (n - x0) / (x1 - x0) + extra)
+            out.append(self._device(i, n) + extra)
         return out
+
+    def _device(self, i: int, num_tokens: int) -> float:
+        """The device's time for a step of `num_tokens`, `i` being bisect_left(points, num_tokens)."""
+        table = self.seconds
+        if i == 0:
+            return table[0]
+        if i == len(self.points):
+            # beyond the profile: proportional to tokens (the large-batch regime is compute bound)
+            return table[-1] * num_tokens / self.points[-1]
+        x0, x1 = self.points[i - 1], self.points[i]
+        return table[i - 1] + (table[i] - table[i - 1]) * (num_tokens - x0) / (x1 - x0)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """Pull the nearest profiled point towards a step's measured device time."""
