@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from hibana_kernels import l2_prefetch
 
 from hibana_bench import coldstart, grammar_overhead, serve_load
 from hibana_bench.argtypes import count as _count
@@ -69,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--real-outputs", action="store_true",
                         help="with --trace: the model generates its own outputs (up to the recorded length) "
                         "instead of being forced to the recorded ones")
-    common.add_argument("--systems", help=f"comma-separated, from: {ALL_SYSTEMS}; default: "
+    common.add_argument("--systems", help=f"comma-separated, from: {ALL_SYSTEMS}, and hibana+PASS (the "
+                        "engine with that surgery pass, as --surgery adds); default: "
                         f"{','.join(TRACE_SYSTEMS)} with --trace, else the workload's own list")
     common.add_argument("--no-cold-start", action="store_true",
                         help="skip the cold-start measurement (a fresh process per system that loads the "
@@ -90,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--pdl", default="on", help="on, off or on,off: Hibana systems with programmatic "
                         "dependent launch (hibana_kernels.pdl; a GPU from Hopper on), without, or both; rows "
                         "without are named SYSTEM/pdl-off")
+    decode.add_argument("--l2-prefetch", default="", help="comma-separated L2 prefetch settings "
+                        "(hibana_kernels.l2_prefetch, as HIBANA_L2_PREFETCH: off, lines[:MB[:programs]], "
+                        "bulk[:MB[:programs[:unit KB]]]): each Hibana system runs under each, rows named "
+                        "SYSTEM/l2-SETTING; default: the environment's")
     agents = sub.add_parser("agents", parents=[common], help="agents in tool loops")
     agents.add_argument("--agents", type=_count, default=8,
                         help="concurrent agents (default 8); with --trace: agents cycle through the trace's "
@@ -157,7 +163,7 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if not systems:  # `--systems ,` ran nothing and printed an empty table
         parser.error(f"--systems {args.systems!r} names no system; name them with commas between, from: "
                      f"{', '.join(known)}")
-    unknown = [s for s in systems if s not in known]
+    unknown = [s for s in systems if s not in known and not (s.startswith("hibana+") and not args.trace)]
     if unknown:
         parser.error(f"unknown system(s) for {args.workload}{' --trace' if args.trace else ''}: "
                      f"{', '.join(unknown)}; known: {', '.join(known)}")
@@ -175,7 +181,13 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error(f"unknown fusion policy {', '.join(bad_fusion)}; known: {', '.join(FUSION_POLICIES)}")
     if any(p not in ("on", "off") for p in getattr(args, "pdl", "on").split(",")):
         parser.error(f"--pdl takes on, off or on,off, not {args.pdl!r}")
+    for setting in filter(None, getattr(args, "l2_prefetch", "").split(",")):
+        try:
+            l2_prefetch.parse(setting)
+        except ValueError as error:
+            parser.error(f"--l2-prefetch: {error}")
     passes = [p.strip() for p in getattr(args, "surgery", "").split(",") if p.strip()]
+    passes += [s.split("+", 1)[1] for s in systems if s.startswith("hibana+") and s.split("+", 1)[1] not in passes]
     if passes:
         from hibana_plugins.manager import get_plugin_manager
 
@@ -183,7 +195,7 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         missing = [p for p in passes if p not in registered]
         if missing:
             parser.error(f"--surgery: no pass named {', '.join(missing)}; registered: {', '.join(sorted(registered))}")
-        systems += surgery_systems(passes)
+        systems += [s for s in surgery_systems(passes) if s not in systems]  # `--systems hibana+w4` alone too
     peers = [s for s in systems if s.startswith("hf_")]
     if peers and PRESETS.get(args.model, {}).get("mxfp4_experts"):
         parser.error(f"--systems: {', '.join(peers)} cannot run {args.model}: the preset's experts are MXFP4, "
@@ -403,7 +415,8 @@ def run_random(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
     if args.workload == "decode":
         report = decode_workload(model, args.context, args.generate, systems,
                                  fusions=[f for f in args.fusion.split(",") if f],
-                                 pdls=[{"on": True, "off": False}[p] for p in args.pdl.split(",")])
+                                 pdls=[{"on": True, "off": False}[p] for p in args.pdl.split(",")],
+                                 l2s=args.l2_prefetch.split(",") if args.l2_prefetch else [""])
         print_decode(report)
     else:
         cfg = AgentsConfig(args.agents, args.turns or 4, args.system, args.tool_result, args.generate,

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
+from hibana_kernels import l2_prefetch
 
 from hibana_core.forward_context import ForwardBatch, ForwardContext
 from hibana_core.kv.transfers import device_tensor
@@ -414,6 +415,7 @@ class DecodeGraphs:
         self.mempool = None  # one CUDA graph memory pool shared by every graph
         self.failures: dict[tuple[int, int, int], int] = {}  # failed captures per key
         self.failed_graphs: list[torch.cuda.CUDAGraph] = []  # see `_forget`
+        self.l2_plan: l2_prefetch.Plan | None = None
         n, q, dev = self.buckets[-1], self.QUERY_LENS[-1], runner.device
         self.input_ids = torch.zeros(n * q, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n * q, dtype=torch.long, device=dev)
@@ -590,9 +592,19 @@ class DecodeGraphs:
                              max_query_len=q, max_seq_len=span,
                              uniform_query_len=True)
         model = self.runner.model
-        with self.runner.ctx.forward_batch(batch):
+        with self.runner.ctx.forward_batch(batch), l2_prefetch.session(self._l2_plan(), self.runner.device):
             hidden = model(self.input_ids[:size], self.positions[:size])
-        return model.compute_logits(hidden)
+            return model.compute_logits(hidden)
+
+    def _l2_plan(self) -> l2_prefetch.Plan | None:
+        """The projections in the order a step runs them, for `hibana_kernels.l2_prefetch`
+        (built once, when prefetching is on)."""
+        if l2_prefetch.settings() is None:
+            return None
+        if self.l2_plan is None:
+            layers = [m for m in self.runner.model.modules() if hasattr(m, "read_tensors")]
+            self.l2_plan = l2_prefetch.plan_of(layers, lambda m: m.read_tensors())
+        return self.l2_plan
 
     def _forget(self, graph: torch.cuda.CUDAGraph) -> None:
         """After a failed capture: when ending the capture raised (an invalidated capture),
