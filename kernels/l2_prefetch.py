@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
@@ -138,20 +139,20 @@ class _Session:
             self.forked = False
 
 
-_session: _Session | None = None
+_local = threading.local()  # the session of this thread's capture (engines capture on their step threads)
 
 
 def ahead(module: object) -> None:
     """`module` (a projection of the plan) starts: ask the L2 for the next one's weights."""
-    if _session is not None:
-        _session.ahead(module)
+    active = getattr(_local, "session", None)
+    if active is not None:
+        active.ahead(module)
 
 
 @contextlib.contextmanager
 def session(plan: Plan | None, device: torch.device) -> Iterator[_Session | None]:
     """Prefetch along `plan` for the forward inside the block, where it is being captured on a
     CUDA device and prefetching is on; the side stream is joined at the block's end."""
-    global _session
     chosen = _settings
     if plan is None or chosen is None or device.type != "cuda":
         yield None
@@ -160,14 +161,14 @@ def session(plan: Plan | None, device: torch.device) -> Iterator[_Session | None
         _compiled(chosen, device)  # a capture's warm-up: the kernel is loaded before the capture
         yield None
         return
-    previous, _session = _session, _Session(plan, chosen, device)
-    current = _session
+    previous = getattr(_local, "session", None)
+    current = _local.session = _Session(plan, chosen, device)
     current.ahead(None)  # the first projection's, while the embedding runs
     try:
         yield current
     finally:
         current.join()
-        _session = previous
+        _local.session = previous
 
 
 def plan_of(modules: Iterable[object], tensors_of) -> Plan:
