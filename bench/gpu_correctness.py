@@ -782,11 +782,51 @@ def check_graph_capture() -> Iterator[tuple[str, bool, str]]:
                f"{same}/{len(want)} runs equal; {failed[0]} captures failed, {graphs} graphs captured after")
 
 
+def check_l2_prefetch() -> Iterator[tuple[str, bool, str]]:
+    """Weights asked of the L2 on a side stream of the captured graphs (`hibana_kernels.l2_prefetch`,
+    both request kinds): the graphs capture (no step falls back to eager), the prefetch kernel is
+    in them, and the tokens are those of the same engine without prefetching (bf16, 4 agents
+    batched, then one at a time, with speculation: verify graphs too)."""
+    from hibana_kernels import l2_prefetch
+
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for arch, path, prompts in tiny_cases(("llama", "qwen3"), 29):
+        outputs, notes = {}, {}
+        for setting in ("off", "lines:1", "bulk:1:2:16"):
+            asked = [0]
+            original = l2_prefetch._Session.ahead
+
+            def counting(self, module, original=original):
+                before = self.launches
+                original(self, module)
+                asked[0] += self.launches - before
+
+            l2_prefetch._Session.ahead = counting
+            try:
+                with l2_prefetch.using(l2_prefetch.parse(setting)), Engine.from_pretrained(
+                        path, **ON_GPU, dtype="bfloat16", progress=False, speculation="adaptive") as engine:
+                    got = batched_greedy(engine, prompts, 24)
+                    got += [list(engine.open_state(f"one{i}").generate(params, prompt=p).token_ids)
+                            for i, p in enumerate(prompts)]
+                    graphs = engine.core.runner.graphs
+                    notes[setting] = (len(graphs.graphs), sum(graphs.failures.values()), asked[0])
+            finally:
+                l2_prefetch._Session.ahead = original
+            outputs[setting] = got
+        for setting in ("lines:1", "bulk:1:2:16"):
+            same = sum(a == b for a, b in zip(outputs[setting], outputs["off"]))
+            captured, failures, launches = notes[setting]
+            yield (f"l2 prefetch {setting} bf16 {arch}: graphs captured, tokens as without",
+                   same == len(outputs["off"]) and captured > 0 and failures == 0 and launches > 0,
+                   f"{same}/{len(outputs['off'])} runs equal; {captured} graphs, {failures} failed captures, "
+                   f"{launches} prefetch launches captured")
+
+
 CHECKS = {"float32": check_float32, "speculation": check_speculation, "surgery": check_surgery,
           "kv8": check_kv8, "fp8": check_fp8, "bf16": check_bf16_demo, "families": check_families,
           "logprobs": check_logprobs, "window": check_window_pass, "shapes": check_shapes, "tiers": check_tiers,
           "grammar": check_grammar, "moe_fusion": check_moe_fusion, "graph_capture": check_graph_capture,
-          "a8_fold": check_a8_fold, "moe_a8": check_moe_a8}
+          "a8_fold": check_a8_fold, "moe_a8": check_moe_a8, "l2_prefetch": check_l2_prefetch}
 
 
 def main() -> int:

@@ -308,6 +308,7 @@ case "${1:-check}" in
     # issue 13/14: weights asked of the L2 ahead of their GEMV on a side stream (hibana_kernels.l2_prefetch):
     # the kernel-level effect, then batch-1 decode with each setting in one process (L2_SETTINGS)
     python3 bench/l2_prefetch.py 2>&1 | tee "$OUT/l2_prefetch_kernel.txt"
+    timeout 240 python3 bench/gpu_correctness.py --only l2_prefetch 2>&1 | grep -v "Token indices" | tee "$OUT/gpu_correctness_l2_prefetch.txt"
     for spec in ${L2_RUNS:-qwen3-0.6b:512,8192:hibana_spec_off qwen3-8b:512:hibana+w4}; do  # model:contexts:systems
       IFS=: read -r model contexts systems <<< "$spec"
       python3 -m hibana_bench.cli decode --model "$model" --context "$contexts" --generate 128 \
