@@ -158,7 +158,7 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         _check_context(parser, args, _check_model(parser, args.model))
         return device, []
     default = TRACE_SYSTEMS if args.trace else DECODE_SYSTEMS if args.workload == "decode" else AGENT_SYSTEMS
-    systems = [s.strip() for s in (args.systems or ",".join(default)).split(",") if s.strip()]  # "a, b" too
+    systems = list(dict.fromkeys(s.strip() for s in (args.systems or ",".join(default)).split(",") if s.strip()))  # "a, b" too
     known = ALL_SYSTEMS.split(", ") if args.trace else WORKLOAD_SYSTEMS[args.workload]
     if not systems:  # `--systems ,` ran nothing and printed an empty table
         parser.error(f"--systems {args.systems!r} names no system; name them with commas between, from: "
@@ -181,13 +181,17 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error(f"unknown fusion policy {', '.join(bad_fusion)}; known: {', '.join(FUSION_POLICIES)}")
     if any(p not in ("on", "off") for p in getattr(args, "pdl", "on").split(",")):
         parser.error(f"--pdl takes on, off or on,off, not {args.pdl!r}")
+    if getattr(args, "l2_prefetch", "") and args.trace:
+        parser.error("--l2-prefetch applies to the random decode workload, not to --trace")
     for setting in filter(None, getattr(args, "l2_prefetch", "").split(",")):
         try:
             l2_prefetch.parse(setting)
         except ValueError as error:
             parser.error(f"--l2-prefetch: {error}")
-    passes = [p.strip() for p in getattr(args, "surgery", "").split(",") if p.strip()]
-    passes += [s.split("+", 1)[1] for s in systems if s.startswith("hibana+") and s.split("+", 1)[1] not in passes]
+    named = [s.split("+", 1)[1] for s in systems if s.startswith("hibana+")]
+    if "" in named:
+        parser.error("--systems: hibana+ names no surgery pass (hibana+w4, say)")
+    passes = list(dict.fromkeys([p.strip() for p in getattr(args, "surgery", "").split(",") if p.strip()] + named))
     if passes:
         from hibana_plugins.manager import get_plugin_manager
 
@@ -416,7 +420,7 @@ def run_random(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
         report = decode_workload(model, args.context, args.generate, systems,
                                  fusions=[f for f in args.fusion.split(",") if f],
                                  pdls=[{"on": True, "off": False}[p] for p in args.pdl.split(",")],
-                                 l2s=args.l2_prefetch.split(",") if args.l2_prefetch else [""])
+                                 l2s=[s for s in args.l2_prefetch.split(",") if s] or [""])
         print_decode(report)
     else:
         cfg = AgentsConfig(args.agents, args.turns or 4, args.system, args.tool_result, args.generate,

@@ -585,25 +585,27 @@ class DecodeGraphs:
         self.seq_lens[:bucket].fill_(q)
         self.block_tables[:, :bucket].zero_()
 
-    def _forward(self, bucket: int, q: int, span: int) -> torch.Tensor:
+    def _forward(self, bucket: int, q: int, span: int, graph: bool = False) -> torch.Tensor:
+        """The step's forward on the static buffers; `graph`: a capture's warm-up or the capture
+        (L2 prefetching, where on, runs only there)."""
         size = bucket * q
         batch = ForwardBatch(self.slot_mapping[:, :size], self.block_tables[:, :bucket],
                              self.seq_lens[:bucket], self.query_starts[q][:bucket + 1],
                              max_query_len=q, max_seq_len=span,
                              uniform_query_len=True)
         model = self.runner.model
-        with self.runner.ctx.forward_batch(batch), l2_prefetch.session(self._l2_plan(), self.runner.device):
+        plan = self._l2_plan() if graph else None
+        with self.runner.ctx.forward_batch(batch), l2_prefetch.session(plan, self.runner.device):
             hidden = model(self.input_ids[:size], self.positions[:size])
             return model.compute_logits(hidden)
 
     def _l2_plan(self) -> l2_prefetch.Plan | None:
-        """The projections in the order a step runs them, for `hibana_kernels.l2_prefetch`
-        (built once, when prefetching is on)."""
+        """What `hibana_kernels.l2_prefetch` learns of this model's steps (made when prefetching
+        is on)."""
         if l2_prefetch.settings() is None:
             return None
         if self.l2_plan is None:
-            layers = [m for m in self.runner.model.modules() if hasattr(m, "read_tensors")]
-            self.l2_plan = l2_prefetch.plan_of(layers, lambda m: m.read_tensors())
+            self.l2_plan = l2_prefetch.Plan()
         return self.l2_plan
 
     def _forget(self, graph: torch.cuda.CUDAGraph) -> None:
@@ -633,11 +635,11 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: Triton compiles, rotary tables get built
-                self._forward(bucket, q, span)
+                self._forward(bucket, q, span, graph=True)
         torch.cuda.current_stream().wait_stream(stream)
         if self.mempool is None:  # the pool's id is ours, known also when the capture fails
             self.mempool = torch.cuda.graph_pool_handle()
         with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=self.mempool, stream=stream,
                                                          capture_error_mode="thread_local"):
-            logits = self._forward(bucket, q, span)
+            logits = self._forward(bucket, q, span, graph=True)
         return logits

@@ -10,12 +10,15 @@ L2 for the next projection's weights (`l2_prefetch_triton`: requests only, no da
 multiprocessors); the GEMV then finds them there. The bytes read from memory are the same; what
 changes is that memory is busy while the chain is not reading.
 
-In use: `session(plan)` around a forward captured in a CUDA graph (`DecodeGraphs`), where each
-`Linear` calls `ahead(self)` as it starts: the side stream waits for the main stream's last
-kernel, then asks for the weights of the projection after this one (the plan: the model's
-projections in the order a layer runs them), at most `max_bytes` of them. The session joins the
-side stream back before it ends, as a capture requires. Eagerly (outside a capture) nothing is
-launched: a launch and two stream events a projection would cost more host time than they save.
+In use: `session(plan)` around the forwards of a CUDA graph's warm-up and capture
+(`DecodeGraphs`), where each `Linear` calls `ahead(self)` as it starts: the side stream waits for
+the main stream's last kernel, then asks for the weights of the projection after this one, at
+most `max_bytes` of them. The plan learns which one comes next from the first forward it sees
+(the order the step runs them in, whatever the family); the second (the warm-up's other) launches
+every prefetch eagerly, so that Triton has compiled each before the capture, where a module load
+is not allowed. The session joins the side stream back before it ends, as a capture requires. A
+step that runs eagerly (no graph) prefetches nothing: a launch and two stream events a projection
+would cost more host time than they save.
 
 HIBANA_L2_PREFETCH: "off" (default), or "lines[:MB[:programs]]" / "bulk[:MB[:programs[:unit KB]]]".
 """
@@ -23,10 +26,11 @@ HIBANA_L2_PREFETCH: "off" (default), or "lines[:MB[:programs]]" / "bulk[:MB[:pro
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Iterator
 
 import torch
 
@@ -43,18 +47,28 @@ class Settings:
 
 
 def parse(text: str | None) -> Settings | None:
-    """HIBANA_L2_PREFETCH's value as Settings; None for off."""
+    """HIBANA_L2_PREFETCH's value as Settings; None for off. ValueError names what is wrong."""
     if not text or text.strip().lower() in ("0", "off", "no", "false"):
         return None
     mode, *rest = text.strip().lower().split(":")
     if mode not in ("lines", "bulk"):
-        raise ValueError(f"HIBANA_L2_PREFETCH={text!r}: the mode is 'lines' or 'bulk' (or 'off')")
-    fields = [float(v) for v in rest]
+        raise ValueError(f"{text!r}: the mode is 'lines' or 'bulk' (or 'off')")
+    if len(rest) > (3 if mode == "bulk" else 2):
+        raise ValueError(f"{text!r}: lines[:MB[:programs]] or bulk[:MB[:programs[:unit KB]]]")
+    try:
+        fields = [float(v) for v in rest]
+    except ValueError:
+        raise ValueError(f"{text!r}: MB, programs and unit KB are numbers") from None
+    if not all(math.isfinite(f) and f > 0 for f in fields):
+        raise ValueError(f"{text!r}: MB, programs and unit KB are finite and above 0")
     default = Settings()
-    return Settings(bulk=mode == "bulk",
-                    max_bytes=int(fields[0] * (1 << 20)) if fields else default.max_bytes,
-                    programs=int(fields[1]) if len(fields) > 1 else default.programs,
-                    unit=int(fields[2] * 1024) if len(fields) > 2 else default.unit)
+    chosen = Settings(bulk=mode == "bulk",
+                      max_bytes=int(fields[0] * (1 << 20)) if fields else default.max_bytes,
+                      programs=max(1, int(fields[1])) if len(fields) > 1 else default.programs,
+                      unit=int(fields[2] * 1024) if len(fields) > 2 else default.unit)
+    if chosen.bulk and (chosen.unit < 16 or chosen.unit % 16):
+        raise ValueError(f"{text!r}: a bulk unit is a whole multiple of 16 bytes ({chosen.unit} is not)")
+    return chosen
 
 
 _settings: Settings | None = parse(os.environ.get("HIBANA_L2_PREFETCH"))
@@ -76,57 +90,49 @@ def using(choice: Settings | None) -> Iterator[None]:
 
 
 class Plan:
-    """Which tensors to ask for when each projection starts: those of the projection after it
-    (under None, the first projection's, asked for as the step starts). `order`: the projections
-    in the order a step runs them, each with the tensors it reads."""
+    """Which projection comes after which in a step: learned from the first forward a session
+    sees (`ahead` calls in their order; None, before the first, stands for the step's start).
+    Holds the modules, never their tensors (`read_tensors()` is asked at each prefetch, so packed
+    weights released at close are not kept), and the side stream of its engine's captures."""
 
-    def __init__(self, order: Sequence[tuple[object, Sequence[torch.Tensor]]]) -> None:
-        self.next: dict[int, tuple[torch.Tensor, ...]] = {id(None): tuple(order[0][1])} if order else {}
-        for (module, _), (_, tensors) in zip(order, order[1:]):
-            self.next[id(module)] = tuple(tensors)
-        self.modules = [module for module, _ in order]  # keeps the ids valid while the plan lives
+    def __init__(self) -> None:
+        self.next: dict[int, object] | None = None  # id(module) -> the module after it
+        self.seen: list[object] = []
+        self.warm = False  # a forward has launched every prefetch (compiled them) outside a capture
+        self.stream: torch.cuda.Stream | None = None
 
+    def learn(self, module: object) -> None:
+        if not self.seen or self.seen[-1] is not module:
+            self.seen.append(module)
 
-_streams: dict[torch.device, torch.cuda.Stream] = {}
-_warm: set[tuple[Settings, torch.device]] = set()
-
-
-def _compiled(chosen: Settings, device: torch.device) -> None:
-    """Compile and load the prefetch kernel for `chosen` on `device` (a module load is not
-    allowed inside a capture), once."""
-    if (chosen, device) in _warm:
-        return
-    from hibana_kernels import l2_prefetch_triton as lt
-
-    lt.prefetch(torch.zeros(chosen.unit, dtype=torch.uint8, device=device), chosen.unit, chosen.bulk,
-                chosen.unit, 1)
-    if device not in _streams:  # made here too, not first inside a capture
-        _streams[device] = torch.cuda.Stream(device)
-    _warm.add((chosen, device))
+    def learned(self) -> None:
+        order = [None, *self.seen]
+        self.next = {id(a): b for a, b in zip(order, order[1:])}
+        self.modules = self.seen  # keeps the ids valid while the plan lives
+        self.seen = []
 
 
 class _Session:
-    def __init__(self, plan: Plan, chosen: Settings, device: torch.device) -> None:
-        self.plan, self.settings = plan, chosen
-        if device not in _streams:
-            _streams[device] = torch.cuda.Stream(device)
-        self.stream = _streams[device]
+    def __init__(self, plan: Plan, chosen: Settings, stream: torch.cuda.Stream) -> None:
+        self.plan, self.settings, self.stream = plan, chosen, stream
         self.forked = False
         self.launches = 0
         self.last: object = self  # the module asked for last (its norm path may ask twice)
 
     def ahead(self, module: object) -> None:
-        tensors = self.plan.next.get(id(module))
-        if not tensors or module is self.last:
+        if module is self.last:
             return
         self.last = module
+        after = self.plan.next.get(id(module))
+        if after is None:
+            return
         from hibana_kernels import l2_prefetch_triton as lt
 
         self.stream.wait_stream(torch.cuda.current_stream())
         self.forked = True
         budget = self.settings.max_bytes
         with torch.cuda.stream(self.stream):
-            for tensor in sorted(tensors, key=lambda t: t.numel() * t.element_size()):  # small ones whole
+            for tensor in sorted(after.read_tensors(), key=lambda t: t.numel() * t.element_size()):  # small ones whole
                 if budget <= 0:
                     break
                 asked = lt.prefetch(tensor, budget, self.settings.bulk, self.settings.unit, self.settings.programs)
@@ -139,11 +145,19 @@ class _Session:
             self.forked = False
 
 
-_local = threading.local()  # the session of this thread's capture (engines capture on their step threads)
+class _Learning:
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+
+    def ahead(self, module: object) -> None:
+        self.plan.learn(module)
+
+
+_local = threading.local()  # the session of this thread's forward (engines capture on their step threads)
 
 
 def ahead(module: object) -> None:
-    """`module` (a projection of the plan) starts: ask the L2 for the next one's weights."""
+    """`module` (a projection with `read_tensors()`) starts: ask the L2 for the next one's weights."""
     active = getattr(_local, "session", None)
     if active is not None:
         active.ahead(module)
@@ -151,26 +165,44 @@ def ahead(module: object) -> None:
 
 @contextlib.contextmanager
 def session(plan: Plan | None, device: torch.device) -> Iterator[_Session | None]:
-    """Prefetch along `plan` for the forward inside the block, where it is being captured on a
-    CUDA device and prefetching is on; the side stream is joined at the block's end."""
+    """Prefetch along `plan` for the forward inside the block (a CUDA graph's warm-up or capture),
+    where prefetching is on and the device takes the chosen kind of request: the first forward
+    learns the order, the next (not captured) compiles, later ones capture. The side stream is
+    joined at the block's end."""
     chosen = _settings
     if plan is None or chosen is None or device.type != "cuda":
         yield None
         return
-    if not torch.cuda.is_current_stream_capturing():
-        _compiled(chosen, device)  # a capture's warm-up: the kernel is loaded before the capture
+    if chosen.bulk and torch.cuda.get_device_capability(device)[0] < 9:  # cp.async.bulk is sm_90's
+        chosen = Settings(False, chosen.max_bytes, chosen.programs)
+    capturing = torch.cuda.is_current_stream_capturing()
+    previous = getattr(_local, "session", None)
+    if plan.next is None:
+        if capturing:  # nothing learned yet: nothing to ask for in this graph
+            yield None
+            return
+        _local.session = _Learning(plan)
+        try:
+            yield None
+        finally:
+            _local.session = previous
+        plan.learned()
+        return
+    if plan.stream is None:
+        if capturing:
+            yield None
+            return
+        # of the high-priority pool: never the default-priority pool stream a capture runs on
+        plan.stream = torch.cuda.Stream(device, priority=-1)
+    if plan.stream == torch.cuda.current_stream() or (capturing and not plan.warm):
         yield None
         return
-    previous = getattr(_local, "session", None)
-    current = _local.session = _Session(plan, chosen, device)
+    current = _local.session = _Session(plan, chosen, plan.stream)
     current.ahead(None)  # the first projection's, while the embedding runs
     try:
         yield current
     finally:
         current.join()
         _local.session = previous
-
-
-def plan_of(modules: Iterable[object], tensors_of) -> Plan:
-    """The plan of `modules` in their order, `tensors_of(module)` giving what each reads."""
-    return Plan([(m, tuple(tensors_of(m))) for m in modules])
+    if not capturing:
+        plan.warm = True

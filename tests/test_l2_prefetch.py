@@ -4,10 +4,11 @@ for sm_90 to the PTX prefetch instructions it is meant to issue."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
-from hibana_core import Engine
 from hibana_kernels import l2_prefetch
 
 
@@ -20,36 +21,44 @@ def test_settings_parse():
         l2_prefetch.parse("everything")
 
 
-@pytest.fixture(scope="module")
-def demo_model():
-    with Engine.from_pretrained("demo", device="cpu", progress=False, speculation="off") as engine:
-        yield engine.model
+def test_settings_refuse_what_the_kernel_cannot_take():
+    for bad, says in (("bulk:1:2:0.01", "multiple of 16"), ("lines:inf", "finite"), ("lines:1:2:64", "lines[:MB"),
+                      ("bulk:x", "numbers"), ("lines:0", "above 0")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            l2_prefetch.parse(bad)
 
 
-def test_plan_asks_for_the_next_projection_in_step_order(demo_model):
-    layers = [m for m in demo_model.modules() if hasattr(m, "read_tensors")]
-    plan = l2_prefetch.plan_of(layers, lambda m: m.read_tensors())
-    first = demo_model.model.layers[0]
-    attn, mlp = first.self_attn, first.mlp
-    assert plan.next[id(None)][0] is attn.qkv_proj.weight  # asked for as the step starts
-    assert plan.next[id(attn.qkv_proj)][0] is attn.o_proj.weight
-    assert plan.next[id(attn.o_proj)][0] is mlp.gate_up_proj.weight
-    assert plan.next[id(mlp.gate_up_proj)][0] is mlp.down_proj.weight
-    assert plan.next[id(mlp.down_proj)][0] is demo_model.model.layers[1].self_attn.qkv_proj.weight
-    last = demo_model.model.layers[-1].mlp.down_proj
-    assert plan.next[id(last)][0] is demo_model.lm_head.weight
-    assert id(demo_model.lm_head) not in plan.next  # nothing after the head
+def test_plan_learns_the_order_the_step_runs_its_projections(tiny_checkpoints, make_engine, monkeypatch):
+    """The first forward of a session teaches the plan which projection follows which (the step's
+    own order, whatever the family); a CPU engine's DecodeGraphs runs one here."""
+    from hibana_core.runner import DecodeGraphs
+
+    engine = make_engine(tiny_checkpoints["qwen2"], speculation="off")
+    graphs = DecodeGraphs(engine.core.runner, 1)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    plan = l2_prefetch.Plan()
+    with l2_prefetch.using(l2_prefetch.Settings()):
+        with l2_prefetch.session(plan, torch.device("cuda")) as active:  # learning: nothing launched
+            assert active is None
+            graphs._forward(1, 1, 256)
+    model = engine.model
+    expected = [None]
+    for layer in model.model.layers:
+        expected += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    expected.append(model.lm_head)
+    assert plan.next == {id(a): b for a, b in zip(expected, expected[1:])}
+    assert all(not isinstance(v, torch.Tensor) for v in plan.next.values())  # modules, not their tensors
+    assert model.model.layers[0].self_attn.qkv_proj.read_tensors()[-1] is model.model.layers[0].self_attn.qkv_proj.bias
 
 
-def test_nothing_is_launched_outside_a_cuda_capture(demo_model, monkeypatch):
-    layers = [m for m in demo_model.modules() if hasattr(m, "read_tensors")]
-    plan = l2_prefetch.plan_of(layers, lambda m: m.read_tensors())
+def test_nothing_is_launched_on_the_cpu(tiny_checkpoints, make_engine):
+    engine = make_engine(tiny_checkpoints["llama"], speculation="off")
+    plan = l2_prefetch.Plan()
     with l2_prefetch.using(l2_prefetch.Settings()):
         with l2_prefetch.session(plan, torch.device("cpu")) as active:
             assert active is None
-            l2_prefetch.ahead(layers[0])  # no session: a no-op, not an error
-    assert l2_prefetch.settings() is None or l2_prefetch.settings() == l2_prefetch.parse(
-        __import__("os").environ.get("HIBANA_L2_PREFETCH"))
+            l2_prefetch.ahead(engine.model.lm_head)  # no session: a no-op, not an error
+    assert plan.next is None
 
 
 @pytest.mark.parametrize("bulk", [False, True], ids=["lines", "bulk"])
