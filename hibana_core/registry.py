@@ -566,7 +566,9 @@ class StateRegistry:
             seq = entry.seq
             length = len(tokens if tokens is not None else seq)
             if not length:
-                raise ContextLengthError(f"state {handle.id!r} holds no tokens; sync a prompt first")
+                given = "the prompt given is empty and " if tokens is not None else ""
+                raise ContextLengthError(f"{given}state {handle.id!r} holds no tokens: nothing to continue from; "
+                                         "give a prompt of at least one token (or sync a history first)")
             if params.max_tokens > 0 and length >= self.limits.max_model_len:
                 raise ContextLengthError(
                     f"the history holds {length} tokens, the model's whole context of "
@@ -626,11 +628,18 @@ class StateRegistry:
             return self._add(new_id, twin)
 
     def save(self, handle: StateHandle, path: str | os.PathLike) -> None:
-        with self.lock:
-            self._write(self._editable(handle).seq, handle.id, state_file.as_path(path))
+        path = state_file.as_path(path)
+        with self.lock:  # the state's tokens and a host copy of its KV, as they are now
+            snapshot = self._snapshot(self._editable(handle).seq, handle.id)
+        state_file.write(path, **snapshot)  # written outside the lock: the other agents keep stepping
 
     def _write(self, seq: KVSequence, state_id: str, path: Path) -> None:
         """Write `seq` as a state file (from its parked copy when it is parked)."""
+        state_file.write(path, **self._snapshot(seq, state_id))
+
+    def _snapshot(self, seq: KVSequence, state_id: str) -> dict:
+        """`state_file.write`'s arguments for `seq` but the path: its tokens and a host copy of
+        its KV (of its parked copy when it is parked), which later steps do not change."""
         computed, kv, rotated_long = seq.num_computed, None, seq.rotated_long
         if not seq.num_blocks and seq.parked is not None:  # parked in host memory or on disk: its copy
             computed, kv, starts = seq.parked.prefix(common_prefix_len(seq.tokens, seq.parked.tokens), seq)
@@ -638,8 +647,10 @@ class StateRegistry:
         if kv is None:
             pages, starts = seq.pages(computed)
             kv = self.kv_cache.read_blocks(pages)
-        state_file.write(path, state_id, seq.tokens, computed, self.pool.block_size, kv, self.limits.fingerprint,
-                         rotated_long, starts, self.kv_cache.layout, self.limits.configuration)
+        return dict(state_id=state_id, tokens=list(seq.tokens), num_computed=computed,
+                    block_size=self.pool.block_size, kv=kv, fingerprint=self.limits.fingerprint,
+                    rotated_long=rotated_long, starts=starts, layout=self.kv_cache.layout,
+                    configuration=self.limits.configuration)
 
     def load(self, path: str | os.PathLike, state_id: str | None = None, *, share: bool = False) -> StateHandle:
         """Restore a state written by `save` (same model and tokenizer only). The file is read and
@@ -647,6 +658,8 @@ class StateRegistry:
         (`share=True` publishes them in the prefix index, for files the caller trusts)."""
         if state_id is not None:
             check_id(state_id)
+        if not isinstance(share, bool):
+            raise ConfigError(f"share is True or False, got {share!r}")
         with self.lock:  # the file is read without the lock, against the cache as it was (close drops it)
             self._check_open()
             cache = self.kv_cache

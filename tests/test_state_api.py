@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import random
 import threading
 import typing
@@ -15,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import hibana_core
-from hibana_core import (Completion, RequestStats, SamplingParams, StateInfo, StreamEvent,
-                         SyncStats, TokenLogprob)
+from hibana_core import (Completion, ConfigError, ContextLengthError, RequestStats, SamplingParams, StateFileError,
+                         StateInfo, StreamEvent, SyncStats, TokenLogprob)
 from tiny_models import ARCHS, VOCAB_SIZE, assert_greedy_matches, random_tokens
 
 BLOCK = 16
@@ -860,3 +861,44 @@ def test_text_decoded_on_the_callers_side_is_the_engine_threads():
             done = h.generate(SamplingParams(**params), prompt=prompt)
             h.close()
             assert (done.token_ids, done.text, done.control_spans) == runs[0][1][:3]
+
+
+def test_save_paths_as_a_user_writes_them(tiny_checkpoints, make_engine, tmp_path, monkeypatch):
+    """An outside tester: save() replaced a FIFO or device node with a regular file, replaced a
+    symlink rather than writing its target, made a folder literally named `~`, and wrote a file
+    for "dir/name/". Now: `~` is the home folder, a link's target is written (the link stays), a
+    path that is not a regular file or that ends with a separator is a StateFileError."""
+    engine = make_engine(tiny_checkpoints["llama"], speculation="off")
+    h = engine.open_state("a")
+    h.sync([5, 6, 7, 8])
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    h.save("~/states/a.state")
+    assert (tmp_path / "home" / "states" / "a.state").is_file()
+    assert engine.load_state("~/states/a.state", "b").tokens == [5, 6, 7, 8]
+
+    target, link = tmp_path / "target.state", tmp_path / "link.state"
+    link.symlink_to(target)
+    h.save(link)
+    assert link.is_symlink() and target.is_file()
+    assert engine.load_state(link, "c").tokens == [5, 6, 7, 8]
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(StateFileError, match="not a regular file"):
+        h.save(fifo)
+    assert fifo.exists() and not fifo.is_file()
+    with pytest.raises(StateFileError, match="ends with a separator"):
+        h.save(str(tmp_path / "new") + "/")
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(ConfigError, match="share is True or False"):
+        engine.load_state(target, "d", share="yes")
+
+
+def test_an_empty_prompt_on_an_empty_state_says_so(tiny_checkpoints, make_engine):
+    engine = make_engine(tiny_checkpoints["llama"], speculation="off")
+    h = engine.open_state("empty")
+    with pytest.raises(ContextLengthError, match="the prompt given is empty"):
+        h.generate(SamplingParams(max_tokens=3), prompt=[])
+    with pytest.raises(ContextLengthError, match="holds no tokens") as caught:
+        h.generate(SamplingParams(max_tokens=3))
+    assert "prompt given" not in str(caught.value)

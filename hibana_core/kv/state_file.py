@@ -81,12 +81,19 @@ def reblocked(saved: SavedState, block_size: int, layout: KVLayout | None = None
 
 
 def as_path(path: object) -> Path:
-    """A state file's path from what a caller gave (str or os.PathLike)."""
+    """A state file's path from what a caller gave (str or os.PathLike; `~` expanded)."""
     if isinstance(path, (str, os.PathLike)) and not isinstance(path, bytes):
         try:
-            return Path(path)
+            text = os.fspath(path)
         except TypeError:
-            pass
+            text = None
+        if isinstance(text, str):
+            if text.endswith(("/", os.sep)) and not _is_dir(Path(text).expanduser()):
+                raise StateFileError(f"{text!r} ends with a separator, a folder's name; give the state file's path")
+            try:
+                return Path(text).expanduser()
+            except RuntimeError:  # ~user of no such user
+                return Path(text)
     raise StateFileError(f"a state file path is a str or os.PathLike, got {type(path).__name__}")
 
 
@@ -118,6 +125,15 @@ def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, b
         raise StateFileError(f"cannot write the state file {str(path)!r}: {exc}") from exc
     if is_dir:
         raise StateFileError(f"{str(path)!r} is a directory; save the state to a file path in it")
+    try:
+        if path.is_symlink():  # the link stays; the file it points to is written
+            path = path.resolve()
+        special = path.exists() and not path.is_file()
+    except (OSError, RuntimeError, UnicodeError, ValueError) as exc:  # a link loop, a name the OS refuses
+        raise StateFileError(f"cannot write the state file {str(path)!r}: {exc}") from exc
+    if special:
+        raise StateFileError(f"{str(path)!r} exists and is not a regular file (a device, a pipe, a socket); "
+                             "save the state to a file path")
     metadata = {"format": FORMAT, "fingerprint": fingerprint, "fingerprint_scheme": FINGERPRINT_SCHEME,
                 "state_id": state_id, "tokens": json.dumps(list(tokens)), "num_computed": str(num_computed),
                 "block_size": str(block_size)}
