@@ -155,6 +155,10 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         _check_context(parser, args, _check_model(parser, args.model))
         return device, []
     if args.workload == "serve":
+        import importlib.util
+
+        if importlib.util.find_spec("openai") is None:  # its clients are the openai SDK's, in their own processes
+            parser.error("bench serve's clients need the openai package: pip install openai (the test extra has it)")
         _check_context(parser, args, _check_model(parser, args.model))
         return device, []
     default = TRACE_SYSTEMS if args.trace else DECODE_SYSTEMS if args.workload == "decode" else AGENT_SYSTEMS

@@ -44,7 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             pass
         return 1
     except KeyboardInterrupt:  # Ctrl+C: one line, as a shell's own commands stop, not a traceback
-        print("hibana: interrupted", file=sys.stderr)
+        # on a line of its own: a progress bar may have left the cursor at the end of its line
+        print("\nhibana: interrupted" if sys.stderr.isatty() else "hibana: interrupted", file=sys.stderr)
         return 130  # 128 + SIGINT, what a shell reports for a command Ctrl+C stopped
 
 

@@ -61,6 +61,7 @@ try:
     from langchain_core.language_models import BaseChatModel
     from langchain_core.messages import (AIMessage, AIMessageChunk, BaseMessage, ChatMessage,
                                          FunctionMessage, HumanMessage, SystemMessage, ToolMessage)
+    from langchain_core.messages import convert_to_messages
     from langchain_core.messages.tool import invalid_tool_call, tool_call_chunk
     from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
     from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
@@ -550,6 +551,7 @@ class ChatHibana(BaseChatModel):
         """Prompt tokens of a call on `messages` with `tools` bound: rendered by the chat template,
         tool schemas and the generation prompt included (`Chat.count_tokens`)."""
         schemas = [clean_tool(_openai_tool(i, t, None)) for i, t in enumerate(tools)] if tools else None
+        messages = convert_to_messages(messages)  # ("user", "hi") tuples and dicts, as invoke takes them
         return self._chat_layer(self.model).count_tokens(_to_chat_messages(messages), schemas, self.reasoning)
 
     # -- tools and structured output --------------------------------------------------------------

@@ -212,6 +212,10 @@ def test_chat_hibana_counts_with_the_models_tokenizer(engine, monkeypatch):
         [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": text}],
         add_generation_prompt=True, tokenize=False), add_special_tokens=False)
     assert llm.get_num_tokens_from_messages(messages) == len(rendered)
+    # as invoke takes them: ("role", "text") tuples and OpenAI-style dicts count the same
+    assert llm.get_num_tokens_from_messages([("system", "You are helpful."), ("user", text)]) == len(rendered)
+    assert llm.get_num_tokens_from_messages([{"role": "system", "content": "You are helpful."},
+                                             {"role": "user", "content": text}]) == len(rendered)
     with_tools = llm.get_num_tokens_from_messages(messages, tools=[get_weather])
     assert with_tools > len(rendered) + llm.get_num_tokens("get_weather")
     # the count is what a call reports as its prompt
