@@ -309,7 +309,6 @@ case "${1:-check}" in
     # issue 13/14: weights asked of the L2 ahead of their GEMV on a side stream (hibana_kernels.l2_prefetch):
     # the kernel-level effect, then batch-1 decode with each setting in one process (L2_SETTINGS)
     python3 bench/l2_prefetch.py 2>&1 | tee "$OUT/l2_prefetch_kernel.txt"
-    timeout 240 python3 bench/gpu_correctness.py --only l2_prefetch 2>&1 | grep -v "Token indices" | tee "$OUT/gpu_correctness_l2_prefetch.txt"
     # model:contexts:systems[:settings, + between them]
     for spec in ${L2_RUNS:-qwen3-0.6b:512,8192:hibana_spec_off qwen3-8b:512:hibana+w4:off+lines/16+bulk/16}; do
       IFS=: read -r model contexts systems settings <<< "$spec"
@@ -317,7 +316,9 @@ case "${1:-check}" in
       timeout 300 python3 -m hibana_bench.cli decode --model "$model" --context "$contexts" --generate 128 \
         --systems "$systems" --l2-prefetch "$(echo "$settings" | tr '+/' ',:')" \
         --json "$OUT/l2_decode_$model.json" 2>&1 | grep -v "it/s\]" | tee "$OUT/l2_decode_$model.txt"
-    done ;;
+    done
+    timeout "${L2_CHECK_SECONDS:-240}" python3 bench/gpu_correctness.py --only l2_prefetch 2>&1 | grep -v "Token indices" \
+      | tee "$OUT/gpu_correctness_l2_prefetch.txt" ;;
   spec_decode)
     for spec in ${SPEC_TRACES:-coding:2 demo:8}; do  # trace:conversations
       set -- "${spec%:*}" "${spec#*:}"
