@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError, HibanaError
@@ -26,10 +26,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SyncStats:
-    """What a sync cost: tokens whose KV was already there, and tokens computed."""
+    """What a sync cost: tokens whose KV was already there, and tokens computed. Unpacks as the
+    pair it reads as (`reused, computed = h.sync(tokens)`)."""
 
     reused: int
     computed: int
+
+    def __iter__(self) -> Iterator[int]:
+        return iter((self.reused, self.computed))
 
 
 @dataclass(frozen=True)

@@ -902,3 +902,10 @@ def test_an_empty_prompt_on_an_empty_state_says_so(tiny_checkpoints, make_engine
     with pytest.raises(ContextLengthError, match="holds no tokens") as caught:
         h.generate(SamplingParams(max_tokens=3))
     assert "prompt given" not in str(caught.value)
+
+
+def test_sync_stats_unpack_as_the_pair_design_names(tiny_checkpoints, make_engine):
+    engine = make_engine(tiny_checkpoints["llama"], speculation="off")
+    h = engine.open_state("pair")
+    reused, computed = h.sync([3, 4, 5])
+    assert (reused, computed) == (0, 3) and tuple(h.sync([3, 4, 5, 6])) == (3, 1)
