@@ -162,7 +162,8 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         _check_context(parser, args, _check_model(parser, args.model))
         return device, []
     default = TRACE_SYSTEMS if args.trace else DECODE_SYSTEMS if args.workload == "decode" else AGENT_SYSTEMS
-    systems = list(dict.fromkeys(s.strip() for s in (args.systems or ",".join(default)).split(",") if s.strip()))  # "a, b" too
+    listed = (args.systems or ",".join(default)).split(",")
+    systems = list(dict.fromkeys(s.strip() for s in listed if s.strip()))  # "a, b" too, each once
     known = ALL_SYSTEMS.split(", ") if args.trace else WORKLOAD_SYSTEMS[args.workload]
     if not systems:  # `--systems ,` ran nothing and printed an empty table
         parser.error(f"--systems {args.systems!r} names no system; name them with commas between, from: "

@@ -5,7 +5,8 @@ small dependent kernels standing for what runs between two projections in a deco
 attention's prologue, attention, its merge), then a one-row GEMV of the weight. Beside the chain,
 on a side stream, the prefetch kernel asks for the weight ("lines", "bulk"), or nothing ("cold").
 "warm" leaves the flush out: the weight is in the L2 from the replay before (where it fits). The
-GEMV's time is the graph's minus the same graph without the GEMV.
+GEMV's time is the graph's minus the same graph without the GEMV (best replay of each,
+`tune_quant.time_graph`).
 
     python3 bench/l2_prefetch.py [--chain 8] [--replays 100]
 """
@@ -13,11 +14,11 @@ GEMV's time is the graph's minus the same graph without the GEMV.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 import hibana_kernels as kernels
+from hibana_bench.tune_quant import time_graph
 from hibana_kernels import l2_prefetch
 
 SHAPES = {  # name: (N, K) of a one-row GEMV, bf16
@@ -28,12 +29,11 @@ VARIANTS = {"cold": None, "lines": l2_prefetch.parse("lines:64"), "bulk": l2_pre
             "bulk-4p": l2_prefetch.parse("bulk:64:4"), "warm": None}
 
 
-def _graph(weight, x, flush, chain_state, chain: int, variant: str, gemv: bool):
-    side = torch.cuda.Stream()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    settings = VARIANTS[variant]
+def _body(weight, x, flush, chain_state, chain: int, variant: str, gemv: bool):
+    """One case's work: the flush (but "warm"), the prefetch on a side stream, the chain, the GEMV."""
     from hibana_kernels import l2_prefetch_triton as lt
+
+    side, settings = torch.cuda.Stream(), VARIANTS[variant]
 
     def body():
         if variant != "warm":
@@ -49,26 +49,7 @@ def _graph(weight, x, flush, chain_state, chain: int, variant: str, gemv: bool):
             torch.cuda.current_stream().wait_stream(side)
         return y
 
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        body()
-        body()
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph, stream=stream):
-        body()
-    return graph
-
-
-def _time(graph, replays: int) -> float:
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
+    return body
 
 
 def main() -> None:
@@ -86,9 +67,9 @@ def main() -> None:
         x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
         cells = []
         for variant in VARIANTS:
-            with_gemv = _time(_graph(weight, x, flush, chain_state, args.chain, variant, True), args.replays)
-            without = _time(_graph(weight, x, flush, chain_state, args.chain, variant, False), args.replays)
-            cells.append(with_gemv - without)
+            with_gemv = time_graph(_body(weight, x, flush, chain_state, args.chain, variant, True), args.replays)
+            without = time_graph(_body(weight, x, flush, chain_state, args.chain, variant, False), args.replays)
+            cells.append((with_gemv - without) * 1e6)
         print(f"{name:22} {weight.numel() * 2 / 2**20:6.1f} " + " ".join(f"{c:9.2f}" for c in cells), flush=True)
 
 

@@ -7,7 +7,6 @@ agents: N agents in tool loops (system prompt, then per turn a tool result in an
 from __future__ import annotations
 
 import contextlib
-
 import random
 import statistics
 import threading
@@ -126,7 +125,8 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
     timed = {ctx: [prompts[ctx]] + [random_tokens(extra, ctx, model.vocab_size) for _ in range(PREFILL_REPEATS - 1)]
              for ctx in contexts}
     rows: list[DecodeRow] = []
-    runs = [(system, policy, dependent, l2) for system in systems if system in SPEC_SYSTEMS or system.startswith("hibana+")
+    runs = [(system, policy, dependent, l2)
+            for system in systems if system in SPEC_SYSTEMS or system.startswith("hibana+")
             for policy in fusions for dependent in pdls for l2 in l2s]
     for system, policy, dependent, l2 in runs:
         label = (system if policy == "auto" else f"{system}/fuse-{policy}") + ("" if dependent else "/pdl-off") \

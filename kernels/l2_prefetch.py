@@ -4,7 +4,7 @@ graph (an experiment: off unless HIBANA_L2_PREFETCH is set).
 A batch-1 decode step is a chain of dependent kernels; the projections' GEMVs read the weights,
 and between them the norms, the attention prologue, attention and its merge read next to
 nothing. A small model's GEMVs (a few MB each) run at 26-50% of the copy bandwidth: each ramps up,
-reads, and drains, and memory idles between them. The L2 (50 MB on the H100 and H200) holds a
+reads, and drains, and memory idles between them. The L2 (50 MB on the H100, 60 on the H200) holds a
 small model's next projection several times over, so while the chain runs a side stream asks the
 L2 for the next projection's weights (`l2_prefetch_triton`: requests only, no data into the
 multiprocessors); the GEMV then finds them there. The bytes read from memory are the same; what
@@ -26,6 +26,7 @@ HIBANA_L2_PREFETCH: "off" (default), or "lines[:MB[:programs]]" / "bulk[:MB[:pro
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import threading
@@ -107,8 +108,7 @@ class Plan:
 
     def learned(self) -> None:
         order = [None, *self.seen]
-        self.next = {id(a): b for a, b in zip(order, order[1:])}
-        self.modules = self.seen  # keeps the ids valid while the plan lives
+        self.next = {id(a): b for a, b in zip(order, order[1:])}  # every module a value: their ids stay valid
         self.seen = []
 
 
@@ -174,7 +174,7 @@ def session(plan: Plan | None, device: torch.device) -> Iterator[_Session | None
         yield None
         return
     if chosen.bulk and torch.cuda.get_device_capability(device)[0] < 9:  # cp.async.bulk is sm_90's
-        chosen = Settings(False, chosen.max_bytes, chosen.programs)
+        chosen = dataclasses.replace(chosen, bulk=False)
     capturing = torch.cuda.is_current_stream_capturing()
     previous = getattr(_local, "session", None)
     if plan.next is None:

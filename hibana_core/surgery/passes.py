@@ -42,7 +42,8 @@ class WeightQuantPass:
         # the guard's default floors (hibana_core.surgery.guard): int8 should be all but free
         self.floors = {"ppl_ratio": 1.005} if bits == 8 else {"ppl_ratio": 1.05, "top1_agreement": 0.93}
         self.advice = ("keep the output head dense (lm_head: 'dense'), or the weights (leave w8 out)" if bits == 8
-                       else "use a gentler pass (w8, or try w4 with a smaller group_size, which keeps more of the model)")
+                       else "use a gentler pass (w8, or try w4 with a smaller group_size, which keeps more of "
+                            "the model)")
 
     def check(self, params: dict[str, Any]) -> dict[str, Any]:
         """The parameters with their defaults (w4: group_size 128, clip true; both: lm_head "int8",
