@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from hibana_kernels import l2_prefetch
 
 from hibana_bench import coldstart, grammar_overhead, serve_load
 from hibana_bench.argtypes import count as _count
@@ -92,10 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--pdl", default="on", help="on, off or on,off: Hibana systems with programmatic "
                         "dependent launch (hibana_kernels.pdl; a GPU from Hopper on), without, or both; rows "
                         "without are named SYSTEM/pdl-off")
-    decode.add_argument("--l2-prefetch", default="", help="comma-separated L2 prefetch settings "
-                        "(hibana_kernels.l2_prefetch, as HIBANA_L2_PREFETCH: off, lines[:MB[:programs]], "
-                        "bulk[:MB[:programs[:unit KB]]]): each Hibana system runs under each, rows named "
-                        "SYSTEM/l2-SETTING; default: the environment's")
     agents = sub.add_parser("agents", parents=[common], help="agents in tool loops")
     agents.add_argument("--agents", type=_count, default=8,
                         help="concurrent agents (default 8); with --trace: agents cycle through the trace's "
@@ -186,13 +181,6 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error(f"unknown fusion policy {', '.join(bad_fusion)}; known: {', '.join(FUSION_POLICIES)}")
     if any(p not in ("on", "off") for p in getattr(args, "pdl", "on").split(",")):
         parser.error(f"--pdl takes on, off or on,off, not {args.pdl!r}")
-    if getattr(args, "l2_prefetch", "") and args.trace:
-        parser.error("--l2-prefetch applies to the random decode workload, not to --trace")
-    for setting in filter(None, getattr(args, "l2_prefetch", "").split(",")):
-        try:
-            l2_prefetch.parse(setting)
-        except ValueError as error:
-            parser.error(f"--l2-prefetch: {error}")
     named = [s.split("+", 1)[1] for s in systems if s.startswith("hibana+")]
     if "" in named:
         parser.error("--systems: hibana+ names no surgery pass (hibana+w4, say)")
@@ -424,8 +412,7 @@ def run_random(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
     if args.workload == "decode":
         report = decode_workload(model, args.context, args.generate, systems,
                                  fusions=[f for f in args.fusion.split(",") if f],
-                                 pdls=[{"on": True, "off": False}[p] for p in args.pdl.split(",")],
-                                 l2s=[s for s in args.l2_prefetch.split(",") if s] or [""])
+                                 pdls=[{"on": True, "off": False}[p] for p in args.pdl.split(",")])
         print_decode(report)
     else:
         cfg = AgentsConfig(args.agents, args.turns or 4, args.system, args.tool_result, args.generate,

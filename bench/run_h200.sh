@@ -62,10 +62,6 @@
 #   bash bench/run_h200.sh resume        # issue 17: an 8k-token qwen3-8b state parked and resumed, from host
 #                                        # memory and from disk, against raw H2D / file-read bandwidth and re-prefill
 #   bash bench/run_h200.sh draft_cost    # bench/draft_cost.py: the draft-model drafter's cost per drafted token
-#   bash bench/run_h200.sh l2            # weights asked of the L2 ahead of their GEMV (hibana_kernels.l2_prefetch):
-#                                        # bench/l2_prefetch.py, decode for L2_RUNS under their settings
-#                                        # (model:contexts:systems[:settings], settings as off+lines/16+bulk/16:
-#                                        # + between them, / for :), then its GPU check
 #   bash bench/run_h200.sh spec_decode   # trace-driven batch-1 decode, coding and demo traces, speculation off/k4/adaptive
 #   bash bench/run_h200.sh spec_agents   # trace-driven agents on the coding trace: 32 agents (off/k4/adaptive),
 #                                        # then off vs adaptive at 1, 8 and 64 agents (AGENTS="64": only those)
@@ -305,20 +301,6 @@ case "${1:-check}" in
       split -b 15000000 -d "$TRAIN_DIR/model/model.safetensors" "$OUT/model.safetensors.part-"
       sha256sum "$TRAIN_DIR/model/model.safetensors" | tee "$OUT/model.sha256"
     fi ;;
-  l2)
-    # issue 13/14: weights asked of the L2 ahead of their GEMV on a side stream (hibana_kernels.l2_prefetch):
-    # the kernel-level effect, batch-1 decode with each setting in one process, then the GPU check
-    python3 bench/l2_prefetch.py 2>&1 | tee "$OUT/l2_prefetch_kernel.txt"
-    # model:contexts:systems[:settings, + between them]
-    for spec in ${L2_RUNS:-qwen3-0.6b:512,8192:hibana_spec_off qwen3-8b:512:hibana+w4:off+lines/16+bulk/16}; do
-      IFS=: read -r model contexts systems settings <<< "$spec"
-      settings="${settings:-${L2_SETTINGS:-off+lines/16+bulk/16+lines/32+off}}"
-      timeout 300 python3 -m hibana_bench.cli decode --model "$model" --context "$contexts" --generate 128 \
-        --systems "$systems" --l2-prefetch "$(echo "$settings" | tr '+/' ',:')" \
-        --json "$OUT/l2_decode_$model.json" 2>&1 | grep -v "it/s\]" | tee "$OUT/l2_decode_$model.txt"
-    done
-    timeout "${L2_CHECK_SECONDS:-240}" python3 bench/gpu_correctness.py --only l2_prefetch 2>&1 | grep -v "Token indices" \
-      | tee "$OUT/gpu_correctness_l2_prefetch.txt" ;;
   spec_decode)
     for spec in ${SPEC_TRACES:-coding:2 demo:8}; do  # trace:conversations
       set -- "${spec%:*}" "${spec#*:}"

@@ -6,7 +6,6 @@ agents: N agents in tool loops (system prompt, then per turn a tool result in an
 
 from __future__ import annotations
 
-import contextlib
 import random
 import statistics
 import threading
@@ -103,15 +102,12 @@ def _kv_read_bytes(engine, context: int) -> int | None:
 
 
 def decode_workload(model: BenchModel, contexts: list[int], generate: int, systems: list[str],
-                    seed: int = 0, fusions: list[str] = ("auto",), pdls: list[bool] = (True,),
-                    l2s: list[str] = ("",)) -> dict:
+                    seed: int = 0, fusions: list[str] = ("auto",), pdls: list[bool] = (True,)) -> dict:
     """`fusions`: the kernel-fusion policies (`hibana_kernels.fusion`) each Hibana system runs
     under; a row under a policy other than "auto" is named SYSTEM/fuse-POLICY. `pdls`: with and
     or without programmatic dependent launch (`hibana_kernels.pdl`; a row without is named
-    SYSTEM/pdl-off). `l2s`: L2 prefetch settings (`hibana_kernels.l2_prefetch`, as
-    HIBANA_L2_PREFETCH spells them; "" for the environment's), a row under one named
-    SYSTEM/l2-SETTING."""
-    from hibana_kernels import fusion, l2_prefetch, pdl
+    SYSTEM/pdl-off)."""
+    from hibana_kernels import fusion, pdl
 
     device = model.device
     before = copy_bandwidth(device)  # before any engine: the memory as a fresh process finds it
@@ -125,15 +121,12 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
     timed = {ctx: [prompts[ctx]] + [random_tokens(extra, ctx, model.vocab_size) for _ in range(PREFILL_REPEATS - 1)]
              for ctx in contexts}
     rows: list[DecodeRow] = []
-    runs = [(system, policy, dependent, l2)
-            for system in systems if system in SPEC_SYSTEMS or system.startswith("hibana+")
-            for policy in fusions for dependent in pdls for l2 in l2s]
-    for system, policy, dependent, l2 in runs:
-        label = (system if policy == "auto" else f"{system}/fuse-{policy}") + ("" if dependent else "/pdl-off") \
-            + (f"/l2-{l2}" if l2 else "")
-        prefetching = l2_prefetch.using(l2_prefetch.parse(l2)) if l2 else contextlib.nullcontext()
+    runs = [(system, policy, dependent) for system in systems if system in SPEC_SYSTEMS or system.startswith("hibana+")
+            for policy in fusions for dependent in pdls]
+    for system, policy, dependent in runs:
+        label = (system if policy == "auto" else f"{system}/fuse-{policy}") + ("" if dependent else "/pdl-off")
         # room for the warm-up generations too (64 + 8 tokens), whatever the contexts asked for
-        with fusion.using(policy), pdl.using(dependent), prefetching, open_engine(
+        with fusion.using(policy), pdl.using(dependent), open_engine(
                 model, system.split("+")[0], max_model_len=max(*contexts, len(warmup)) + max(generate, 8) + 16,
                 max_concurrent_agents=8, **_surgery_overrides(model, system)) as engine:
             guard = next((r.get("guard") for r in getattr(engine, "surgery", [])), None)
@@ -170,7 +163,7 @@ def decode_workload(model: BenchModel, contexts: list[int], generate: int, syste
     roofline = bandwidth / model.weight_bytes if bandwidth else None
     return {"workload": "decode", "model": model.name, "random_weights": model.random_weights,
             "config": {"contexts": list(contexts), "generate": generate, "systems": list(systems), "seed": seed,
-                       "fusions": list(fusions), "pdl": list(pdls), "l2_prefetch": list(l2s)},
+                       "fusions": list(fusions), "pdl": list(pdls)},
             "weight_bytes": model.weight_bytes, "copy_bandwidth_bytes_s": bandwidth,
             "copy_bandwidth_before_after": [before, after],
             "roofline_tok_s": roofline, "rows": [asdict(r) for r in rows]}

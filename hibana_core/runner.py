@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-from hibana_kernels import l2_prefetch
 
 from hibana_core.forward_context import ForwardBatch, ForwardContext
 from hibana_core.kv.transfers import device_tensor
@@ -415,7 +414,6 @@ class DecodeGraphs:
         self.mempool = None  # one CUDA graph memory pool shared by every graph
         self.failures: dict[tuple[int, int, int], int] = {}  # failed captures per key
         self.failed_graphs: list[torch.cuda.CUDAGraph] = []  # see `_forget`
-        self.l2_plan: l2_prefetch.Plan | None = None
         n, q, dev = self.buckets[-1], self.QUERY_LENS[-1], runner.device
         self.input_ids = torch.zeros(n * q, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n * q, dtype=torch.long, device=dev)
@@ -585,28 +583,16 @@ class DecodeGraphs:
         self.seq_lens[:bucket].fill_(q)
         self.block_tables[:, :bucket].zero_()
 
-    def _forward(self, bucket: int, q: int, span: int, graph: bool = False) -> torch.Tensor:
-        """The step's forward on the static buffers; `graph`: a capture's warm-up or the capture
-        (L2 prefetching, where on, runs only there)."""
+    def _forward(self, bucket: int, q: int, span: int) -> torch.Tensor:
         size = bucket * q
         batch = ForwardBatch(self.slot_mapping[:, :size], self.block_tables[:, :bucket],
                              self.seq_lens[:bucket], self.query_starts[q][:bucket + 1],
                              max_query_len=q, max_seq_len=span,
                              uniform_query_len=True)
         model = self.runner.model
-        plan = self._l2_plan() if graph else None
-        with self.runner.ctx.forward_batch(batch), l2_prefetch.session(plan, self.runner.device):
+        with self.runner.ctx.forward_batch(batch):
             hidden = model(self.input_ids[:size], self.positions[:size])
-            return model.compute_logits(hidden)
-
-    def _l2_plan(self) -> l2_prefetch.Plan | None:
-        """What `hibana_kernels.l2_prefetch` learns of this model's steps (made when prefetching
-        is on)."""
-        if l2_prefetch.settings() is None:
-            return None
-        if self.l2_plan is None:
-            self.l2_plan = l2_prefetch.Plan()
-        return self.l2_plan
+        return model.compute_logits(hidden)
 
     def _forget(self, graph: torch.cuda.CUDAGraph) -> None:
         """After a failed capture: when ending the capture raised (an invalidated capture),
@@ -635,11 +621,11 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: Triton compiles, rotary tables get built
-                self._forward(bucket, q, span, graph=True)
+                self._forward(bucket, q, span)
         torch.cuda.current_stream().wait_stream(stream)
         if self.mempool is None:  # the pool's id is ours, known also when the capture fails
             self.mempool = torch.cuda.graph_pool_handle()
         with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=self.mempool, stream=stream,
                                                          capture_error_mode="thread_local"):
-            logits = self._forward(bucket, q, span, graph=True)
+            logits = self._forward(bucket, q, span)
         return logits

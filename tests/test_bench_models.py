@@ -90,7 +90,7 @@ def test_decode_rows_count_the_kv_bytes_a_token_reads_at_their_context(tiny_pres
     report = decode_workload(model, [32, 96], 2, ["hibana_spec_off", "hibana+kv8"])
     rows = report["rows"]
     assert report["config"] == {"contexts": [32, 96], "generate": 2, "systems": ["hibana_spec_off", "hibana+kv8"],
-                                "seed": 0, "fusions": ["auto"], "pdl": [True], "l2_prefetch": [""]}  # what the JSON measured
+                                "seed": 0, "fusions": ["auto"], "pdl": [True]}  # what the JSON measured
     per_token = 2 * spec["num_hidden_layers"] * spec["num_key_value_heads"] * spec["hidden_size"] // spec[
         "num_attention_heads"]  # keys and values of one token, elements
     got = {(r["system"], r["context"]): r["kv_read_bytes"] for r in rows}

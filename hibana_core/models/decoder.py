@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 import hibana_kernels as kernels
-from hibana_kernels import l2_prefetch
 from hibana_core.errors import CheckpointError, UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.models.moe import Experts, MoEArgs, SparseMoE
@@ -377,14 +376,7 @@ class Linear(nn.Linear):
         self.block = None if block is None else (int(block[0]), int(block[1]))
         self.perm = perm
 
-    def read_tensors(self) -> tuple[torch.Tensor, ...]:
-        """What this layer's kernel reads besides x: weight or packed codes, scales, bias."""
-        names = ("weight",) if self.kind == "dense" else ("qweight", "scales", "zeros")
-        tensors = (getattr(self, name, None) for name in (*names, "bias"))
-        return tuple(t for t in tensors if t is not None)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        l2_prefetch.ahead(self)
         if self.kind == "dense":
             return kernels.linear(x, self.weight, self.bias)
         if self.perm is not None:
@@ -403,7 +395,6 @@ class Linear(nn.Linear):
         projection (`kernels.linear`'s glu)."""
         if glu is not None and self.kind != "dense":
             raise ValueError(f"a {self.kind} weight has no GLU epilogue: apply the activation after it")
-        l2_prefetch.ahead(self)
         if self.kind == "dense" and norm.fusable:
             return kernels.rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, glu)
         # the norm's launch writes x's int8 codes for the GEMV (a norm weight of x's dtype: the
@@ -419,7 +410,6 @@ class Linear(nn.Linear):
         """self(silu(gate) * up) of a fused gate/up output; one launch where a dense weight's GEMV
         folds the activation in (`kernels.silu_and_mul_linear`), or where the activation's launch
         writes int8 codes for a packed weight's x int8 GEMV (`kernels.folds_a8`)."""
-        l2_prefetch.ahead(self)
         if self.kind == "dense":
             return kernels.silu_and_mul_linear(gate_up, self.weight, self.bias)
         if self._folds_a8(gate_up, gate_up.shape[-1] // 2):
