@@ -565,7 +565,7 @@ class Chat:
         as generated (no grammar), as does a turn without tools: no call can name an offered tool.
         `tool_choice`: "auto" (the model may call), "none" (the tools are listed, a grammar keeps
         the model from opening a call, and the output is never read as calls), "required"/"any"
-        (some call), or a tool's name (that call); a grammar holds every call to an offered tool
+        (some call), or a tool's name (one call of it); a grammar holds every call to an offered tool
         and, with `guided` (the default), its arguments to the tool's schema (`hibana_core.turn`). A `params.json_schema` beside
         tools holds the text answer, as OpenAI's response_format does: with "auto" the model calls
         tools or answers in JSON valid under it (`turn.answer_or_calls`). `params` with a regex or a
@@ -626,7 +626,9 @@ class Chat:
                               "each call on a leased one (`with chat.lease(prompt) as c: c.respond(...)`)")
         tools = normalize_tools(tools)
         tool_choice = normalize_tool_choice(tool_choice, tools)
-        parallel_tool_calls = parallel_tool_calls and not self.one_call  # a template of one call a message
+        # a template of one call a message; a named tool: that one call (as vLLM and OpenAI's forced function)
+        parallel_tool_calls = (parallel_tool_calls and not self.one_call
+                               and tool_choice in ("auto", "none", "required"))
         listed = tools  # "none" still lists them in the prompt
         if tool_choice == "none" or not tools:  # no tool offered: a call would name none, its text is content
             tools, parse_tools = None, False

@@ -40,7 +40,12 @@ class ContextLengthError(HibanaError, ValueError):
 
 
 class InvalidTokenError(HibanaError, ValueError):
-    """A token id lies outside the model's vocabulary."""
+    """A token id lies outside the model's vocabulary. `field`: the request field that held it
+    (None: the prompt or history)."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class StateClosedError(HibanaError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import urllib.parse
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
@@ -121,6 +122,10 @@ def check_text(text: str, what: str) -> None:
             "errors='replace' or remove it") from None
 
 
+_UNWRITABLE_NAME = re.compile(r'["\\<>\x00-\x1f\x7f]')
+"""What a tool's name may not hold: templates write names into JSON and markup unescaped."""
+
+
 def normalize_tools(tools: Sequence[dict] | None) -> list[dict] | None:
     """Tools as OpenAI function tools: {"type": "function", "function": {name, description, parameters}}.
     ToolSchemaError for anything else."""
@@ -147,6 +152,10 @@ def _normalize_tool(i: int, tool: Any) -> dict:
     name, parameters = function.get("name"), function.get("parameters")
     if not isinstance(name, str) or not name:
         raise ToolSchemaError(f"tool {i} has name {name!r}; every tool needs a name (a non-empty string)")
+    if _UNWRITABLE_NAME.search(name):
+        raise ToolSchemaError(f"tool name {name!r:.80} holds a quote, backslash, angle bracket or control character; "
+                              "chat templates write a call's name into its markup as it is, so such a name breaks the "
+                              "history it is written into: rename the tool (letters, digits, '_', '-' and '.' are safe)")
     if not isinstance(function.get("description") or "", str):
         raise ToolSchemaError(f"tool {name!r} has a description that is not a string")
     if parameters is not None and not isinstance(parameters, Mapping):

@@ -546,7 +546,7 @@ class StateRegistry:
         if outside:
             raise InvalidTokenError(f"stop_token_ids {outside[:5]} lie outside the vocabulary [0, "
                                     f"{self.limits.vocab_size}): the model never emits them; give ids of this "
-                                    "model's tokenizer")
+                                    "model's tokenizer", field="stop_token_ids")
         if loop is not None and self._compiles_on_loop(params):
             return CompilingEvents(functools.partial(self.grammars.compile, params),
                                    functools.partial(self.generate, handle, params, prompt, loop))

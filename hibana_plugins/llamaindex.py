@@ -40,7 +40,7 @@ import contextlib
 import dataclasses
 import functools
 import json
-from typing import Any, AsyncIterator, Callable, Iterator, Literal, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Literal, Optional, Sequence, Union
 
 from hibana_core import turn
 from hibana_core.chat import (Chat, ChatDelta, ChatResult, ConversationError, ToolChoiceError, ToolSchemaError,
@@ -417,6 +417,9 @@ def llm_class() -> type:
             if user_msg is not None:
                 messages.append(ChatMessage(role=MessageRole.USER, content=user_msg)
                                 if isinstance(user_msg, str) else user_msg)
+            if isinstance(tools, (str, bytes, dict)) or not isinstance(tools, Iterable):
+                raise ToolSchemaError(f"chat_with_tools takes a list of tools, got one {type(tools).__name__}; "
+                                      "pass [tool]")
             specs = [self._tool_spec(tool) for tool in tools]
             return {"messages": messages, "tools": specs, "tool_required": tool_required,
                     "tool_choice": tool_choice, "parallel_tool_calls": bool(allow_parallel_tool_calls), **kwargs}

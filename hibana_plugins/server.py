@@ -199,7 +199,8 @@ def api_error(exc: HibanaError, prompt_param: str = "messages") -> ApiError:
     if isinstance(exc, EngineClosedError):
         return ApiError(503, message, None, "engine_closed", "server_error")
     params = [(ToolChoiceError, "tool_choice"), (ToolSchemaError, "tools"), (ConversationError, "messages"),
-              (UnsupportedContentError, "messages"), (GrammarError, "response_format"), (InvalidTokenError, "prompt")]
+              (UnsupportedContentError, "messages"), (GrammarError, "response_format"),
+              (InvalidTokenError, getattr(exc, "field", None) or prompt_param)]
     return ApiError(400, message, next((p for kind, p in params if isinstance(exc, kind)), None))
 
 

@@ -192,6 +192,11 @@ def test_tool_calls_as_blocks_and_openai_kwargs(engine):
     assert calls(llm, plain) == [] and plain.message.content.startswith("Hello")
     with pytest.raises(ValueError, match="tool call"):
         llm.get_tool_calls_from_response(plain)
+    # one tool, not a list (ChatHibana's bind_tools says the same): was a bare TypeError "not iterable"
+    with pytest.raises(hibana_core.ToolSchemaError, match=r"pass \[tool\]"):
+        llm.chat_with_tools(TOOLS[0], user_msg="Hi!")
+    assert calls(llm, llm.chat_with_tools(iter(TOOLS), user_msg="What's the weather in Paris?")) == [
+        ("get_weather", {"city": "Paris"})]  # any iterable of tools
 
 
 def test_every_streamed_chunk_carries_the_calls_so_far(engine):

@@ -310,8 +310,9 @@ def test_vllm_stop_token_ids_and_ignore_eos(client, engine):
     assert client.chat.completions.create(**short).usage.completion_tokens < 64  # the demo ends its turn
     on = client.chat.completions.create(**short, extra_body={"ignore_eos": True})
     assert on.usage.completion_tokens == 64 and on.choices[0].finish_reason == "length"
-    with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
+    with pytest.raises(openai.BadRequestError, match="stop_token_ids") as caught:
         client.chat.completions.create(**ask, extra_body={"stop_token_ids": [-1]})
+    assert caught.value.body["param"] == "stop_token_ids"  # was "prompt", a field a chat request has not
 
 
 def test_openai_fields_known_but_not_served_are_taken_as_null_and_refused_otherwise(base_url):

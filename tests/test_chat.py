@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from hibana_core import Engine, HibanaError, SamplingParams, StateBusyError
+from hibana_core import Engine, HibanaError, SamplingParams, StateBusyError, ToolSchemaError
 from hibana_core.chat import (MALFORMED, Chat, ChatResult, ConversationError, ToolChoiceError, assistant_message,
                               clean_tool, normalize_messages, normalize_tool_choice, normalize_tools)
 from hibana_core.state import UNNAMED_PREFIX
@@ -215,6 +215,22 @@ def test_tool_choice_forces_a_call(engine):
     assert chat.respond(question, [WEATHER], tool_choice="none").tool_calls == []
 
 
+def test_a_named_tool_choice_gets_one_call(engine):
+    """A named tool is that one call, as vLLM's named function calling and OpenAI's forced
+    function give: asked for two things, the model made a second call of it (a city it invented,
+    then the asked one) under the parallel grammar; `parallel_tool_calls` does not reopen it."""
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": name, "parameters": city}} for name in ("get_weather", "get_time")]
+    question = [{"role": "user", "content": "What's the weather and time in Paris?"}]
+    for chat, deltas in ((Chat(engine, "named-one"), False), (Chat(engine, "named-one-stream"), True)):
+        if deltas:
+            result = list(chat.stream_respond(question, tools, tool_choice="get_time"))[-1].result
+        else:
+            result = chat.respond(question, tools, tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                  parallel_tool_calls=True)
+        assert [c.name for c in result.tool_calls] == ["get_time"] and result.raw_text.count("<tool_call>") == 1
+
+
 def test_guided_values_and_free_arguments(engine):
     """Guided: the model fills the values of a flat schema; unguided or on a nested schema, it
     writes the arguments itself after the forced name."""
@@ -256,6 +272,16 @@ def test_forced_call_streams_like_a_free_one(engine):
     assert awhole.tool_calls[0].arguments == whole.tool_calls[0].arguments
     assert awhole.usage.completion_tokens == whole.usage.completion_tokens
     assert len(adeltas[-1].result.tool_calls) == 1
+
+
+@pytest.mark.parametrize("name", ['my tool"} <x>', "back\\slash", "a<b", "new\nline"])
+def test_a_tool_name_that_would_break_the_call_markup_is_refused(name):
+    """Templates write a call's name into its markup unescaped ('{"name": "' + name + '"'): a name
+    with a quote was offered, called, and its call broke the history it was written into."""
+    with pytest.raises(ToolSchemaError, match="rename the tool"):
+        normalize_tools([{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}])
+    for fine in ("get_weather", "web.search", "Search Tool", "lookup-v2"):  # spaces: LangChain's older tools
+        assert normalize_tools([{"type": "function", "function": {"name": fine}}])[0]["function"]["name"] == fine
 
 
 def test_normalize_tool_choice_spellings():
