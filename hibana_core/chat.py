@@ -81,6 +81,10 @@ class Chat:
     """The chat layer of an engine: `Chat(engine, "agent-1").respond(messages, tools=...)` on one
     state, or `Chat(engine)` to render and lease a state per call."""
 
+    CANDIDATES = 4
+    """How many states sharing the longest token prefixes with a call's prompt `lease` asks
+    whether the prompt continues their conversation."""
+
     def __init__(self, engine: "Engine", state_id: str | None = None, tool_parser: str | None = None) -> None:
         if engine.tokenizer is None:
             raise CheckpointError("the chat layer needs a tokenizer with a chat template, and this checkpoint "
@@ -157,7 +161,8 @@ class Chat:
           1. `state_id`, when given; StateBusyError while another call holds it, unless
              `fallback`: then the choice below;
           2. else an idle state made for an earlier call that named none, when the prompt
-             continues its conversation (`continues`);
+             continues its conversation (`continues`; of the `CANDIDATES` states sharing the
+             longest token prefixes with it);
           3. else a new one, which still shares every full KV block of a common prefix."""
         ids = self.prompt_tokens(prompt)
         if len(ids) > self.engine.max_model_len:  # refused before a state is leased, or made
@@ -168,17 +173,26 @@ class Chat:
             if handle is None and state_id is not None:  # (a fan-out's other calls) why it is not that one
                 logger.info("state %s is serving another call; this call goes to another state", state_id)
             if handle is None:
-                match = self.engine.match_state(ids)
-                try:
-                    held = match.tokens if match is not None and self.engine.registry.is_unnamed(match) else None
-                except StateClosedError:  # closed meanwhile (unnamed states over their bound close)
-                    held = None
-                if held is not None and self.continues(held, prompt, reasoning_history):
-                    handle = self._lease(stack, match.id, busy_ok=True)  # None if taken meanwhile
+                handle = self._lease_continued(stack, ids, prompt, reasoning_history)
             if handle is None:  # a new state: a call that fails leaves none behind
                 handle = stack.enter_context(self.engine.lease())
                 stack.callback(_close_if_empty, handle)
             yield self.on(handle)
+
+    def _lease_continued(self, stack: contextlib.ExitStack, ids: list[int], prompt: "str | TokenIds",
+                         reasoning_history: str) -> "StateHandle | None":
+        """The first of the states sharing the longest token prefixes with `ids` whose conversation
+        the prompt continues, leased; None if none. Not only the first: a re-rendered reply can
+        tokenize otherwise than it was generated, so the state of this conversation may share
+        fewer tokens than a branch of it that an edited turn made."""
+        for match in self.engine.registry.matches(ids, self.CANDIDATES):
+            try:
+                held = match.tokens if self.engine.registry.is_unnamed(match) else None
+            except StateClosedError:  # closed meanwhile (unnamed states over their bound close)
+                held = None
+            if held is not None and self.continues(held, prompt, reasoning_history):
+                return self._lease(stack, match.id, busy_ok=True)  # None if taken meanwhile
+        return None
 
     def _lease(self, stack: contextlib.ExitStack, state_id: str, busy_ok: bool) -> "StateHandle | None":
         try:

@@ -297,27 +297,39 @@ class StateRegistry:
         `lease` checks it again under the lock."""
         return self._match(self._validate(token_ids), min_shared)
 
+    def matches(self, token_ids: Sequence[int], limit: int) -> list[StateHandle]:
+        """`match`'s candidates, best first: at most `limit` idle, unleased states that share a
+        prefix with token_ids, by its length (then the most recently used)."""
+        return self._ranked(self._validate(token_ids), 0.0, limit)
+
     def _match(self, token_ids: list[int], min_shared: float) -> StateHandle | None:
         """`match` on token ids already checked."""
+        best = self._ranked(token_ids, min_shared, 1)
+        return best[0] if best else None
+
+    def _ranked(self, token_ids: list[int], min_shared: float, limit: int) -> list[StateHandle]:
         if not is_kind(min_shared, float) or not 0 <= min_shared <= 1:
             raise ConfigError(f"min_shared is a fraction in [0, 1], got {min_shared!r}")
         if not token_ids:
-            return None
+            return []
         with self.lock:
             entries = list(self._entries.values())
             taken = set(self._leased) | self._busy()
-        best, best_len = None, 0
+        best: list[tuple[int, float, _Entry]] = []  # (shared, last use, entry), the `limit` best so far
         for entry in entries:
             tokens = entry.seq.tokens
             # cheap rejections first
-            if not tokens or tokens[0] != token_ids[0] or min(len(tokens), len(token_ids)) < best_len:
+            floor = best[-1][0] if len(best) == limit else 0
+            if not tokens or tokens[0] != token_ids[0] or min(len(tokens), len(token_ids)) < floor:
                 continue
             if entry.handle.id in taken or id(entry.seq) in taken:
                 continue
             same = self._shared(tokens, token_ids, min_shared)
-            if same and (same > best_len or (same == best_len and entry.last_use > best.last_use)):
-                best, best_len = entry, same
-        return best.handle if best is not None else None
+            if same and (len(best) < limit or (same, entry.last_use) > best[-1][:2]):
+                best.append((same, entry.last_use, entry))
+                best.sort(key=lambda b: b[:2], reverse=True)
+                del best[limit:]
+        return [entry.handle for _, _, entry in best]
 
     @staticmethod
     def _shared(tokens: list[int], token_ids: list[int], min_shared: float) -> int:

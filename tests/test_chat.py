@@ -14,6 +14,7 @@ import pytest
 from hibana_core import Engine, HibanaError, SamplingParams, StateBusyError, ToolSchemaError
 from hibana_core.chat import (MALFORMED, Chat, ChatResult, ConversationError, ToolChoiceError, assistant_message,
                               clean_tool, normalize_messages, normalize_tool_choice, normalize_tools)
+from hibana_core.kv.sequence import common_prefix_len
 from hibana_core.state import UNNAMED_PREFIX
 from hibana_core import turn
 from hibana_core.turn import result as turn_result
@@ -356,6 +357,37 @@ def test_chat_without_a_state_renders_and_leases(engine):
         assert second.respond(history).usage.cached_tokens >= held - 1
     with chat.lease(chat.render_text(HELLO)) as other:     # another conversation gets its own
         assert other.handle.id not in (first.handle.id, "render-ref")
+
+
+def test_a_conversation_goes_on_in_its_state_after_an_edited_branch_of_it(engine):
+    """Edit-and-resend, then the original conversation goes on: its state must serve it. The
+    demo writes call markup as text when offered no tools, and that reply, re-rendered,
+    tokenizes otherwise than generated: the edited branch's state then shares more tokens
+    with the next prompt than the conversation's own, and the lease went to a new state
+    (144 of 201 prompt tokens reused, against 186 without the edit)."""
+    chat = Chat(engine)
+    system = {"role": "system", "content": "You are a helpful travel agent for ACME corp, ticket 99123. " * 5}
+
+    def turn(messages):
+        with chat.lease(chat.render_text(messages)) as leased:
+            reply = leased.respond(messages, params=SamplingParams(max_tokens=20))
+            messages.append({"role": "assistant", "content": reply.text})
+            return leased.handle.id, reply.usage.cached_tokens
+
+    conversation = [system, {"role": "user", "content": "Hi, I'm Alice."}]
+    own, _ = turn(conversation)
+    conversation.append({"role": "user", "content": "Flight to Rome?"})
+    assert turn(conversation)[0] == own
+    edited = conversation[:-2] + [{"role": "user", "content": "Flight to Paris?"}]
+    branch, _ = turn(edited)
+    assert branch != own
+    conversation.append({"role": "user", "content": "And back?"})
+    ids = chat.prompt_tokens(chat.render_text(conversation))
+    shared = {sid: common_prefix_len(engine.open_state(sid).tokens, ids) for sid in (own, branch)}
+    assert shared[branch] > shared[own]  # what made the lease go wrong (else this test shows nothing)
+    held = len(engine.open_state(own))
+    served, cached = turn(conversation)
+    assert served == own and cached >= held - 2
 
 
 def test_lease_never_shares_a_state(engine):

@@ -432,6 +432,11 @@ def test_match_state_picks_the_idle_state_with_the_longest_common_prefix(tiny_ch
     # min_shared: only a state whose history the tokens continue (enough of it)
     assert engine.match_state(base, min_shared=1.0).id == "short"  # "long" diverges at 30
     assert engine.match_state(base[:30] + [5, 6, 99], min_shared=1.0).id == "long"
+    # the chat layer's candidates, best first: by the prefix shared, then the most recent use
+    assert [h.id for h in engine.registry.matches(base, 3)] == ["long", "short"]
+    assert [h.id for h in engine.registry.matches(base[:5], 1)] == ["long"]
+    engine.open_state("short").sync(base[:10])  # used last now
+    assert [h.id for h in engine.registry.matches(base[:5], 2)] == ["short", "long"]
 
 
 def test_leases_keep_concurrent_calls_on_different_states(tiny_checkpoints, make_engine):
