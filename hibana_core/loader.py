@@ -453,6 +453,7 @@ def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progr
     else:
         params = dict(module.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
+    unused: list[str] = []    # tensors of the checkpoint that no parameter takes
     packed: set[str] = set()  # layers the checkpoint stores packed that nothing took
     tied = set(getattr(module, "tied_weight_names", ()))
     stored_twins: dict[str, tuple[torch.Tensor, str]] = {}  # tied names the checkpoint stores too
@@ -462,6 +463,8 @@ def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progr
             if name.endswith(_PACKED_SUFFIXES):
                 packed.add(name.rpartition(".")[0])
             if name.endswith(_IGNORED_SUFFIXES) or name not in params:
+                if not name.endswith(_IGNORED_SUFFIXES):
+                    unused.append(name)
                 continue
             tensor, target = read(), params[name]
             if name in tied:  # its twin's storage: compared once both are read, not copied over it
@@ -513,6 +516,18 @@ def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progr
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"{source} lacks weights {shown}; the checkpoint is incomplete or for "
                               "another architecture")
+    # a tensor beside a weight that loaded is that layer's (an fp8 scale its reader applied); a family
+    # leaves a multimodal checkpoint's other towers out on purpose
+    other_parts = tuple(getattr(module, "checkpoint_other_parts", ()))
+    taken = loaded | tied
+    unused = [name for name in unused
+              if f"{name.rpartition('.')[0]}.weight" not in taken and not name.startswith(other_parts)]
+    if unused:  # as transformers reports unexpected keys: loaded, said
+        shown = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
+        warnings.warn(f"{source} holds {len(unused)} tensor{'s' if len(unused) > 1 else ''} this model does not "
+                      f"use ({shown}), left out as transformers leaves unexpected keys out; config.json and the "
+                      "weights may disagree (more layers than its num_hidden_layers, another model's weights)",
+                      stacklevel=2)
 
 
 def load_tokenizer(path: Path, hf_config: Any | None = None) -> Any | None:

@@ -153,6 +153,20 @@ def test_missing_weights(tiny_checkpoints, tmp_path):
         open_engine(ckpt)
 
 
+def test_weights_the_config_does_not_use_are_reported(tiny_checkpoints, tmp_path):
+    """A checkpoint whose config names fewer layers than its weights hold loaded in silence (the
+    extra layers dropped); transformers reports unexpected keys, and so does the loader now. A
+    multimodal checkpoint's vision tower (test_families) and fp8 scales beside their weights are
+    not reported."""
+    ckpt = copy_checkpoint(tiny_checkpoints[ARCH], tmp_path / "c")
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["num_hidden_layers"] > 1
+    config["num_hidden_layers"] -= 1
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match=rf"tensors this model does not use \(model\.layers\.{config['num_hidden_layers']}\."):
+        open_engine(ckpt).close()
+
+
 def test_truncated_weights(tiny_checkpoints, tmp_path):
     ckpt = copy_checkpoint(tiny_checkpoints[ARCH], tmp_path / "c")
     weights = ckpt / "model.safetensors"

@@ -254,6 +254,8 @@ class DecoderArgs:
     fused_in_checkpoint: bool = False  # the checkpoint holds qkv_proj and gate_up_proj as we do (Phi-3)
     checkpoint_prefixes: tuple[tuple[str, str], ...] = ()  # (checkpoint name prefix, ours), e.g. a
     # multimodal checkpoint's language model
+    checkpoint_other_parts: tuple[str, ...] = ()  # name prefixes of a checkpoint's parts this model
+    # leaves out on purpose (a multimodal checkpoint's other towers): not reported as unused
     moe: MoEArgs | None = None  # sparse blocks in place of the MLP, in the layers it names
     attention_sinks: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
     longrope_recompute: bool = False  # generate recomputes the whole cache once the sequence crosses
@@ -646,6 +648,11 @@ class DecoderForCausalLM(nn.Module):
             if name.startswith(theirs):
                 return ours + name[len(theirs):]
         return name
+
+    @property
+    def checkpoint_other_parts(self) -> tuple[str, ...]:
+        """Name prefixes of the checkpoint's parts this model leaves out on purpose."""
+        return self.args.checkpoint_other_parts
 
     def checkpoint_tensors(self, names: Collection[str]) -> dict[str, torch.Tensor]:
         """Every tensor name a Hugging Face checkpoint holds -> where its values go (views into

@@ -21,6 +21,7 @@ MODEL_TYPES = ("gemma3_text", "gemma3")
 # where a multimodal checkpoint keeps the language model: transformers 5, then 4.x names
 _MULTIMODAL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                         ("language_model.lm_head.", "lm_head."))
+_OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
 def args_from_config(config: Any) -> DecoderArgs:
@@ -52,6 +53,7 @@ def args_from_config(config: Any) -> DecoderArgs:
         embed_scale=text.hidden_size ** 0.5,
         final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
         checkpoint_prefixes=() if text is config else _MULTIMODAL_PREFIXES,
+        checkpoint_other_parts=() if text is config else _OTHER_TOWERS,
     )
 
 
