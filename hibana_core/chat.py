@@ -81,9 +81,9 @@ class Chat:
     """The chat layer of an engine: `Chat(engine, "agent-1").respond(messages, tools=...)` on one
     state, or `Chat(engine)` to render and lease a state per call."""
 
-    CANDIDATES = 4
-    """How many states sharing the longest token prefixes with a call's prompt `lease` asks
-    whether the prompt continues their conversation."""
+    CANDIDATES = 8
+    """How many of the states made for calls, those sharing the longest token prefixes with a
+    call's prompt, `lease` asks whether the prompt continues their conversation."""
 
     def __init__(self, engine: "Engine", state_id: str | None = None, tool_parser: str | None = None) -> None:
         if engine.tokenizer is None:
@@ -185,13 +185,15 @@ class Chat:
         the prompt continues, leased; None if none. Not only the first: a re-rendered reply can
         tokenize otherwise than it was generated, so the state of this conversation may share
         fewer tokens than a branch of it that an edited turn made."""
-        for match in self.engine.registry.matches(ids, self.CANDIDATES):
+        for match in self.engine.registry.matches(ids, self.CANDIDATES, unnamed=True):
             try:
-                held = match.tokens if self.engine.registry.is_unnamed(match) else None
+                held = match.tokens
             except StateClosedError:  # closed meanwhile (unnamed states over their bound close)
-                held = None
-            if held is not None and self.continues(held, prompt, reasoning_history):
-                return self._lease(stack, match.id, busy_ok=True)  # None if taken meanwhile
+                continue
+            if self.continues(held, prompt, reasoning_history):
+                handle = self._lease(stack, match.id, busy_ok=True)
+                if handle is not None:  # else taken meanwhile
+                    return handle
         return None
 
     def _lease(self, stack: contextlib.ExitStack, state_id: str, busy_ok: bool) -> "StateHandle | None":

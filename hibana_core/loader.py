@@ -338,6 +338,7 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
 
     where = {name: (file, handle) for file, handle in zip(files, handles) for name in handle.keys()}
     readers: dict[str, Callable[[], torch.Tensor]] = {}  # names read otherwise than as stored
+    read_by_readers: set[str] = set()  # the names those readers read beside their own (fp8 scales)
     own_names = manifest is not None
     if own_names:
         layers = dict(module.named_modules())
@@ -383,10 +384,12 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
         for name in consumed:
             del where[name]
         if fmt.kind == "fp8":  # fp8 MoE experts: dequantized into the float stacks
-            readers = fp8_expert_readers(module, set(where), lambda n: read(*where[n], n), fmt, str(path))
+            readers, read_by_readers = fp8_expert_readers(module, set(where), lambda n: read(*where[n], n), fmt,
+                                                          str(path))
     items = ((name, str(file), readers.get(name) or (lambda f=file, h=handle, n=name: read(f, h, n)))
-             for name, (file, handle) in where.items())
-    _copy_weights(module, items, len(where), str(path), progress, desc="hibana: weights", own_names=own_names)
+             for name, (file, handle) in where.items() if name not in read_by_readers)
+    _copy_weights(module, items, len(where) - len(read_by_readers), str(path), progress, desc="hibana: weights",
+                  own_names=own_names)
 
 
 _PACKED_SUFFIXES = (".qweight", ".weight_packed")
@@ -516,18 +519,21 @@ def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progr
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"{source} lacks weights {shown}; the checkpoint is incomplete or for "
                               "another architecture")
-    # a tensor beside a weight that loaded is that layer's (an fp8 scale its reader applied); a family
-    # leaves a multimodal checkpoint's other towers out on purpose
-    other_parts = tuple(getattr(module, "checkpoint_other_parts", ()))
-    taken = loaded | tied
-    unused = [name for name in unused
-              if f"{name.rpartition('.')[0]}.weight" not in taken and not name.startswith(other_parts)]
-    if unused:  # as transformers reports unexpected keys: loaded, said
-        shown = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
-        warnings.warn(f"{source} holds {len(unused)} tensor{'s' if len(unused) > 1 else ''} this model does not "
-                      f"use ({shown}), left out as transformers leaves unexpected keys out; config.json and the "
-                      "weights may disagree (more layers than its num_hidden_layers, another model's weights)",
-                      stacklevel=2)
+    other_parts = tuple(getattr(module, "checkpoint_other_parts", ()))  # left out on purpose
+    _report_unused(source, [name for name in unused if not name.startswith(other_parts)])
+
+
+def _report_unused(source: str, unused: list[str]) -> None:
+    """Tensors of a checkpoint that no parameter took (a family's deliberately unread parts, such as
+    a multimodal checkpoint's other towers, left out before), reported as transformers reports
+    unexpected keys: loaded, said."""
+    if not unused:
+        return
+    shown = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
+    warnings.warn(f"{source} holds {len(unused)} tensor{'s' if len(unused) > 1 else ''} this model does not use "
+                  f"({shown}), left out as transformers leaves unexpected keys out; config.json and the weights "
+                  "may disagree (more layers than its num_hidden_layers, biases it does not have, another "
+                  "model's weights)", stacklevel=3)
 
 
 def load_tokenizer(path: Path, hf_config: Any | None = None) -> Any | None:

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple, Sequence
 
 from hibana_core.config import CacheConfig, SamplingParams, is_kind, plain_token_ids
 from hibana_core.errors import (ConfigError, ContextLengthError, EngineClosedError, GrammarError, HibanaError,
@@ -81,6 +81,18 @@ class _Entry:
     @property
     def last_use(self) -> float:
         return self.use.last_use
+
+
+class _Candidate(NamedTuple):
+    """A state `Registry._ranked` weighs for a history: the prefix it shares, then how recently used."""
+
+    shared: int
+    last_use: float
+    entry: _Entry
+
+    @property
+    def rank(self) -> tuple[int, float]:
+        return self.shared, self.last_use
 
 
 def _file_key(path: Path) -> tuple[int, int, int] | None:
@@ -297,17 +309,22 @@ class StateRegistry:
         `lease` checks it again under the lock."""
         return self._match(self._validate(token_ids), min_shared)
 
-    def matches(self, token_ids: Sequence[int], limit: int) -> list[StateHandle]:
+    def matches(self, token_ids: Sequence[int], limit: int, *, unnamed: bool = False) -> list[StateHandle]:
         """`match`'s candidates, best first: at most `limit` idle, unleased states that share a
-        prefix with token_ids, by its length (then the most recently used)."""
-        return self._ranked(self._validate(token_ids), 0.0, limit)
+        prefix with token_ids, by its length (then the most recently used); `unnamed`: only states
+        `lease` made for calls that named none."""
+        if not is_kind(limit, int) or limit < 1:
+            raise ConfigError(f"limit is a count of states (an int, at least 1), got {limit!r}")
+        return self._ranked(self._validate(token_ids), 0.0, limit, unnamed)
 
     def _match(self, token_ids: list[int], min_shared: float) -> StateHandle | None:
         """`match` on token ids already checked."""
         best = self._ranked(token_ids, min_shared, 1)
         return best[0] if best else None
 
-    def _ranked(self, token_ids: list[int], min_shared: float, limit: int) -> list[StateHandle]:
+    def _ranked(self, token_ids: list[int], min_shared: float, limit: int,
+                unnamed: bool = False) -> list[StateHandle]:
+        """The `limit` best idle, unleased states for token_ids (`match`, `matches`), best first."""
         if not is_kind(min_shared, float) or not 0 <= min_shared <= 1:
             raise ConfigError(f"min_shared is a fraction in [0, 1], got {min_shared!r}")
         if not token_ids:
@@ -315,21 +332,22 @@ class StateRegistry:
         with self.lock:
             entries = list(self._entries.values())
             taken = set(self._leased) | self._busy()
-        best: list[tuple[int, float, _Entry]] = []  # (shared, last use, entry), the `limit` best so far
+        best: list[_Candidate] = []  # the `limit` best so far, best first
         for entry in entries:
             tokens = entry.seq.tokens
             # cheap rejections first
-            floor = best[-1][0] if len(best) == limit else 0
+            floor = best[-1].shared if len(best) == limit else 0
             if not tokens or tokens[0] != token_ids[0] or min(len(tokens), len(token_ids)) < floor:
                 continue
-            if entry.handle.id in taken or id(entry.seq) in taken:
+            if entry.handle.id in taken or id(entry.seq) in taken or (unnamed and not entry.unnamed):
                 continue
             same = self._shared(tokens, token_ids, min_shared)
-            if same and (len(best) < limit or (same, entry.last_use) > best[-1][:2]):
-                best.append((same, entry.last_use, entry))
-                best.sort(key=lambda b: b[:2], reverse=True)
+            candidate = _Candidate(same, entry.last_use, entry)
+            if same and (len(best) < limit or candidate.rank > best[-1].rank):
+                best.append(candidate)
+                best.sort(key=lambda c: c.rank, reverse=True)
                 del best[limit:]
-        return [entry.handle for _, _, entry in best]
+        return [c.entry.handle for c in best]
 
     @staticmethod
     def _shared(tokens: list[int], token_ids: list[int], min_shared: float) -> int:

@@ -10,6 +10,8 @@ import random
 import shutil
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 import hibana_core
 import hibana_plugins
@@ -164,6 +166,14 @@ def test_weights_the_config_does_not_use_are_reported(tiny_checkpoints, tmp_path
     config["num_hidden_layers"] -= 1
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.warns(UserWarning, match=rf"tensors this model does not use \(model\.layers\.{config['num_hidden_layers']}\."):
+        open_engine(ckpt).close()
+    # a bias the config says the layers lack (attention_bias false) is left out and said, as transformers does
+    ckpt = copy_checkpoint(tiny_checkpoints[ARCH], tmp_path / "b")
+    tensors = load_file(ckpt / "model.safetensors")
+    assert "model.layers.0.self_attn.q_proj.bias" not in tensors
+    tensors["model.layers.0.self_attn.q_proj.bias"] = torch.ones(tensors["model.layers.0.self_attn.q_proj.weight"].shape[0])
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"1 tensor this model does not use \(model\.layers\.0\.self_attn\.q_proj\.bias\)"):
         open_engine(ckpt).close()
 
 

@@ -130,6 +130,29 @@ def test_packed_checkpoint_computes_its_dequantized_weights(method, desc_act, v2
             assert list(got.token_ids) == list(want.token_ids)
 
 
+def test_autogptq_zero_biases_beside_packed_layers_load_and_others_are_refused(tiny_checkpoints, make_engine,
+                                                                             tmp_path):
+    """AutoGPTQ writes an all-zero bias beside every packed layer (TheBloke's exports): they change
+    nothing and load without a word (the unused-tensor warning, an error in this suite, stays
+    quiet). A bias that is not zero for a layer of ours without one is a CheckpointError: the
+    model would need it, and transformers' QuantLinear would apply it."""
+    dst = tmp_path / "gptq-bias"
+    reference = write_quantized(tiny_checkpoints["llama"], dst, "gptq")
+    tensors = load_file(dst / "model.safetensors")
+    biases = {k.replace(".qweight", ".bias"): torch.zeros(v.shape[1], dtype=torch.float16)
+              for k, v in tensors.items() if k.endswith(".qweight")}
+    save_file({**tensors, **biases}, dst / "model.safetensors", metadata={"format": "pt"})
+    prompt = random_tokens(random.Random(2), 30)
+    want = make_engine(reference, speculation="off").open_state("a").generate(greedy(), prompt=prompt)
+    got = make_engine(dst, speculation="off").open_state("a").generate(greedy(), prompt=prompt)
+    assert list(got.token_ids) == list(want.token_ids)
+    name = next(iter(sorted(biases)))
+    save_file({**tensors, **biases, name: torch.full_like(biases[name], 0.5)}, dst / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"{name.replace('.', '[.]')} is not zero.*has no bias"):
+        make_engine(dst)
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_packed_moe_experts_load_as_int4_stacks(method, tiny_checkpoints, make_engine, tmp_path):
     """GPTQ / AWQ MoE checkpoints (Qwen3-MoE's) store each expert's layers packed; they load into

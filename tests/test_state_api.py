@@ -437,6 +437,12 @@ def test_match_state_picks_the_idle_state_with_the_longest_common_prefix(tiny_ch
     assert [h.id for h in engine.registry.matches(base[:5], 1)] == ["long"]
     engine.open_state("short").sync(base[:10])  # used last now
     assert [h.id for h in engine.registry.matches(base[:5], 2)] == ["short", "long"]
+    with engine.lease(base[:3]) as made:  # a state made for a call that named none, idle after it
+        made.sync(base[:3])
+    assert [h.id for h in engine.registry.matches(base[:5], 2, unnamed=True)] == [made.id]  # not "long"
+    for limit in (0, -1, 2.5):
+        with pytest.raises(ConfigError, match="limit"):
+            engine.registry.matches(base, limit)
 
 
 def test_leases_keep_concurrent_calls_on_different_states(tiny_checkpoints, make_engine):

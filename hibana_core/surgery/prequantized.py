@@ -45,6 +45,8 @@ def load_packed_layers(module: torch.nn.Module, names: set[str], read: Callable[
             tensors = {s: read(f"{prefix}.{s}") for s in fmt.tensor_names if f"{prefix}.{s}" in names}
             repacked.append(repack_layer(fmt, tensors, f"{where}: {prefix}"))
             consumed |= {f"{prefix}.{s}" for s in tensors}
+            if getattr(layer, "bias", None) is None:
+                consumed |= _zero_bias(prefix, names, read, where)
         groups = {r.group_size for r in repacked}
         perms = [r.perm for r in repacked]
         if len(groups) != 1 or any((p is None) != (perms[0] is None) or (p is not None and not torch.equal(p, perms[0]))
@@ -61,6 +63,19 @@ def load_packed_layers(module: torch.nn.Module, names: set[str], read: Callable[
                                   "zeros": torch.cat([r.zeros for r in repacked]).to(device)},
                          groups.pop(), None if perms[0] is None else perms[0].to(device))
     return consumed | _load_packed_experts(module, names, read, fmt, where)
+
+
+def _zero_bias(prefix: str, names: set[str], read: Callable[[str], torch.Tensor], where: str) -> set[str]:
+    """`{prefix}.bias` where the checkpoint stores one for a layer of ours without a bias: AutoGPTQ
+    writes zeros beside every packed layer, which change nothing (consumed); any other value the
+    model would need (a CheckpointError)."""
+    name = f"{prefix}.bias"
+    if name not in names:
+        return set()
+    if torch.count_nonzero(read(name)):
+        raise CheckpointError(f"{where}: {name} is not zero, and this model's {prefix} has no bias (config.json "
+                              "says so: attention_bias / mlp_bias); the config and the weights disagree")
+    return {name}
 
 
 # the checkpoint layers of each expert that a stack of ours joins along its outputs (hibana_core.models.moe)
@@ -94,7 +109,7 @@ def _load_packed_experts(module: torch.nn.Module, names: set[str], read: Callabl
                 for prefix in prefixes:
                     tensors = {s: read(f"{prefix}.{s}") for s in fmt.tensor_names if f"{prefix}.{s}" in names}
                     layers.append(repack_layer(fmt, tensors, f"{where}: {prefix}"))
-                    consumed |= {f"{prefix}.{s}" for s in tensors}
+                    consumed |= {f"{prefix}.{s}" for s in tensors} | _zero_bias(prefix, names, read, where)
                 repacked += [layers]
             flat = [r for layers in repacked for r in layers]
             if any(r.perm is not None for r in flat) or len({r.group_size for r in flat}) != 1:
@@ -156,12 +171,13 @@ def _load_fp8_layers(module: torch.nn.Module, names: set[str], read: Callable[[s
 
 
 def fp8_expert_readers(module: torch.nn.Module, names: set[str], read: Callable[[str], torch.Tensor],
-                       fmt: QuantFormat, where: str) -> dict[str, Callable[[], torch.Tensor]]:
+                       fmt: QuantFormat, where: str) -> tuple[dict[str, Callable[[], torch.Tensor]], set[str]]:
     """For an FP8 checkpoint's MoE experts (`{experts}.{e}.gate_proj.weight` with a weight scale):
     checkpoint weight name -> a reader of that weight dequantized to float32, which the loader
     copies into the float expert stacks in place of the codes. The fused-MoE kernels read float,
     int8, int4 and MXFP4 experts, not fp8: the experts take the compute dtype's bytes (the dense
-    layers keep their fp8 codes)."""
+    layers keep their fp8 codes). Also the names those readers read beside the weights (the
+    scales), and the static activation scales they leave unused."""
     from hibana_kernels.quant import dequantize_fp8
 
     def reader(prefix: str, scale: str) -> Callable[[], torch.Tensor]:
@@ -171,6 +187,7 @@ def fp8_expert_readers(module: torch.nn.Module, names: set[str], read: Callable[
         return dequantized
 
     readers: dict[str, Callable[[], torch.Tensor]] = {}
+    beside: set[str] = set()
     for name, experts in module.named_modules():
         if not hasattr(experts, "checkpoint_views") or not experts.has_float_stacks:
             continue
@@ -179,4 +196,5 @@ def fp8_expert_readers(module: torch.nn.Module, names: set[str], read: Callable[
             scale = fp8.scale_name(fmt.method, prefix, names)
             if scale is not None and view in names:
                 readers[view] = reader(prefix, scale)
-    return readers
+                beside |= {f"{prefix}.{s}" for s in (scale, *fp8.UNUSED) if f"{prefix}.{s}" in names}
+    return readers, beside
