@@ -56,11 +56,12 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import os
 import re
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -463,6 +464,8 @@ def _opened(schema: Any) -> Any:
         out.pop("minLength", None), out.pop("maxLength", None)
     if _multiple_of_dropped(schema):
         del out["multipleOf"]
+    if isinstance(out.get("pattern"), str):
+        out["pattern"] = held_regex(out["pattern"], json_pattern=True)
     return out
 
 
@@ -557,7 +560,8 @@ def _undeclared_required(schema: dict) -> list[str]:
 
 _REGEX_ESCAPES = frozenset("dDwWsSntrfvxuca")
 """Letters after a backslash that xgrammar 0.2.9's regex reader reads as Python's `re` does
-(classes, control characters, \\x.. and \\u....); others it reads as the letter itself (\\A, \\q),
+(control characters, \\x.. and \\u....; the classes \\w \\d \\s and their negations as `held_regex`
+writes them out); others it reads as the letter itself (\\A, \\q),
 as nothing (\\0), or refuses (\\b, \\1, \\p{..}: a GrammarError from the compiler anyway)."""
 
 
@@ -577,6 +581,7 @@ def unenforced_regex(pattern: str, what: str = "regex") -> list[tuple[str, str]]
                 found[f"an anchor \\{escaped} in {what}"] = "leave it out: the whole output matches the pattern"
             elif escaped.isascii() and escaped.isalnum() and escaped not in _REGEX_ESCAPES:
                 found[f"an escape \\{escaped} in {what}"] = "xgrammar reads it otherwise than Python's re"
+
         elif in_class:
             in_class = c != "]"
         elif c == "[":
@@ -589,6 +594,105 @@ def unenforced_regex(pattern: str, what: str = "regex") -> list[tuple[str, str]]
             found[f"an anchor {c} inside {what}"] = "anchor it at its two ends alone: ^(a|b)$, not ^a$|^b$"
         i += 1
     return list(found.items())
+
+
+def _code_point_runs(takes: Callable[[str], bool]) -> tuple[tuple[int, int], ...]:
+    """The runs of code points for which `takes` holds, as (first, last) pairs."""
+    runs, start = [], None
+    for cp in range(0x110000):
+        if takes(chr(cp)):
+            start = cp if start is None else start
+        elif start is not None:
+            runs.append((start, cp - 1))
+            start = None
+    return tuple(runs + ([(start, 0x10FFFF)] if start is not None else []))
+
+
+def _complement(runs: Sequence[tuple[int, int]], last: int) -> list[tuple[int, int]]:
+    """The code points up to `last` that `runs` (sorted) leave out, surrogates excepted."""
+    out, at = [], 0
+    for first, end in [*runs, (0xD800, 0xDFFF)] if last >= 0xD800 else runs:
+        if first > at:
+            out.append((at, min(first - 1, last)))
+        at = max(at, end + 1)
+    out.append((at, last)) if at <= last else None
+    out = sorted(r for r in out if r[0] <= r[1] and r[0] <= last)
+    return [r for r in out if not (0xD800 <= r[0] <= 0xDFFF)]
+
+
+def _class_body(runs: Iterable[tuple[int, int]]) -> str:
+    """Character-class text for code point runs (\\u escapes in the BMP, the characters beyond)."""
+    def one(cp: int) -> str:
+        return f"\\u{cp:04x}" if cp <= 0xFFFF else chr(cp)
+    return "".join(one(a) if a == b else f"{one(a)}-{one(b)}" for a, b in runs)
+
+
+_SPACES_BOTH = ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029),
+                (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000))
+"""Whitespace to Python's `re` (str.isspace) and to ECMA-262 (JSON Schema's patterns) alike."""
+_SPACES_EITHER = tuple(sorted(_SPACES_BOTH + ((0x1C, 0x1F), (0x85, 0x85), (0xFEFF, 0xFEFF))))
+"""Whitespace to either."""
+
+
+@functools.cache
+def _shorthand_sets() -> dict[str, tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]]:
+    """Shorthand letter -> (the code points both Python's `re` and ECMA-262 take it to match, those
+    either does): words and digits are ASCII to ECMA, Unicode to Python."""
+    return {"w": (((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)),
+                  _code_point_runs(lambda c: c.isalnum() or c == "_")),
+            "d": (((0x30, 0x39),), _code_point_runs(str.isdecimal)),
+            "s": (_SPACES_BOTH, _SPACES_EITHER)}
+
+
+@functools.cache
+def _shorthand(letter: str, negated_class: bool, pattern: bool) -> str:
+    """Class text for a shorthand (`held_regex`): \\w \\d \\s the characters both readings take
+    (either, inside a negated class: it excludes them), \\W \\S \\D those neither takes. In a
+    schema's pattern, characters past the BMP are left out (xgrammar's JSON strings break on them)."""
+    both, either = _shorthand_sets()[letter.lower()]
+    if letter.islower():
+        return _class_body(either if negated_class else both)
+    return _class_body(_complement(either, 0xFFFF if pattern else 0x10FFFF))
+
+
+_ANY_BUT_BREAKS = "\\n\\r\\u2028\\u2029"
+"""Line breaks to ECMA-262's `.`, which Python's leaves out too (it takes all but \\n)."""
+
+
+def held_regex(pattern: str, *, json_pattern: bool = False) -> str:
+    """`pattern` as xgrammar 0.2.9 must read it for every output to match it under Python's `re`
+    (`regex=`) and under ECMA-262 (a JSON schema's `pattern`, `json_pattern`) alike. xgrammar's `.`
+    takes any character (a line break too), its \\W \\S \\D any that is not an ASCII word
+    character, digit or one of its few spaces: Python's \\W refuses a CJK ideograph, its \\S the
+    control character \\x1f. So `.` is any character but line breaks, \\W \\S \\D the characters
+    no reading takes as word, space or digit, and \\w \\d \\s those both readings take (those
+    either takes, in a negated class). In a schema's pattern a negated class keeps xgrammar's
+    (ECMA's) reading: it cannot name the characters past the BMP it would exclude."""
+    out, i, in_class, negated = [], 0, False, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            escaped = pattern[i + 1]
+            if escaped in "wdsWDS" and not (json_pattern and in_class and negated):
+                text = _shorthand(escaped, in_class and negated, json_pattern)
+                out.append(text if in_class else f"[{text}]")
+            else:
+                out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class, negated = True, pattern.startswith("^", i + 1)
+            skip = 1 + negated + pattern.startswith("]", i + 1 + negated)  # a leading "]" is a literal
+            out.append(pattern[i:i + skip])
+            i += skip
+            continue
+        elif c == ".":
+            c = f"[^{_ANY_BUT_BREAKS}]"
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def compact_json_tag(tag: dict) -> dict:
@@ -618,9 +722,49 @@ def _whole_utf8(text: bytes) -> bool:
     return True
 
 
-def _surrogate_tail(piece: bytes) -> bool:
-    """Whether `piece` starts with a byte in A0-BF: after a lead byte 0xED, a UTF-16 surrogate."""
-    return b"\xa0" <= piece[:1] <= b"\xbf"
+_BAD_SECOND = {0xE0: (0x80, 0x9F), 0xED: (0xA0, 0xBF), 0xF0: (0x80, 0x8F), 0xF4: (0x90, 0xBF)}
+"""Lead bytes after which a continuation byte in this range spells no character: an overlong
+three- or four-byte form (E0, F0), a UTF-16 surrogate (ED), past U+10FFFF (F4). xgrammar 0.2.9
+takes each as a character, and the text decodes them as U+FFFD (past a maxLength, outside a
+pattern)."""
+
+
+def _bad_after(lead: int) -> Callable[[bytes], bool]:
+    """Whether a token's bytes start with a byte that spells no character after `lead`."""
+    low, high = _BAD_SECOND[lead]
+    return lambda piece: bool(piece) and low <= piece[0] <= high
+
+
+def _never_utf8(piece: bytes) -> bool:
+    """Whether `piece` can be part of no UTF-8 text, whatever comes before or after it: a byte no
+    UTF-8 holds (C0, C1, F5-FF), a lead byte followed within it by a byte that does not continue
+    it, or a continuation byte past the piece's start that no lead byte before it expects."""
+    expected = None  # continuation bytes the current character still needs (None: not known yet)
+    for i, byte in enumerate(piece):
+        if 0x80 <= byte <= 0xBF:
+            if expected == 0:
+                return True  # a continuation byte no lead asked for
+            if expected is not None:
+                if i and piece[i - 1] in _BAD_SECOND and expected == _needs(piece[i - 1]):
+                    low, high = _BAD_SECOND[piece[i - 1]]
+                    if low <= byte <= high:
+                        return True
+                expected -= 1
+            continue  # at the start: a character begun before the piece
+        if expected:
+            return True  # a character cut short inside the piece
+        if byte < 0x80:
+            expected = 0
+        elif 0xC2 <= byte <= 0xF4:
+            expected = _needs(byte)
+        else:
+            return True  # C0, C1, F5-FF
+    return False
+
+
+def _needs(lead: int) -> int:
+    """How many continuation bytes follow a lead byte."""
+    return 1 if lead < 0xE0 else 2 if lead < 0xF0 else 3
 
 
 def _bit(bit: int) -> int:
@@ -643,16 +787,24 @@ def allowed_tokens(words: torch.Tensor, most: int) -> list[int]:
     return found
 
 
+class Utf8Rows(NamedTuple):
+    """The tokens a grammar's output may not take for its text to stay UTF-8 (`Grammars.utf8_rows`)."""
+
+    never: torch.Tensor             # a bitmask row: tokens in no UTF-8 text
+    after: dict[int, torch.Tensor]  # lead byte of _BAD_SECOND -> a bitmask row: no character after it
+    never_ids: frozenset[int]       # `never`'s tokens
+
+
 class Matcher:
     """One request's place in its grammar. Advanced by the tokens the request keeps; masks for
     drafts are filled by accepting the drafts and rolling them back."""
 
-    __slots__ = ("_matcher", "_spell", "_refused", "_token_bytes", "_forced", "_last_resort", "_tails", "_lead")
+    __slots__ = ("_matcher", "_spell", "_refused", "_token_bytes", "_forced", "_last_resort", "_utf8", "_lead")
 
     def __init__(self, compiled: Any, stop_token_ids: Iterable[int],
                  spell: Callable[[str], Sequence[int]] = lambda text: (),
                  control_token_ids: frozenset[int] = frozenset(), token_bytes: Sequence[bytes] = (),
-                 last_resort: Iterable[int] = (), surrogate_tails: torch.Tensor | None = None) -> None:
+                 last_resort: Iterable[int] = (), utf8: "Utf8Rows | None" = None) -> None:
         xgr = _xgrammar()
         # `last_resort` (the end-of-sequence tokens of an ignore_eos request): stop tokens allowed
         # only where the grammar allows nothing else, so that the output runs on while it can
@@ -661,8 +813,8 @@ class Matcher:
         self._spell = spell  # the tokenizer's tokens of a forced string
         self._token_bytes = token_bytes  # each token's bytes (xgrammar's reading): what it takes of a forced string
         self._forced: bytes | None = None  # the string forced from here, where known (`spell_forced`)
-        self._tails = surrogate_tails  # see `hold_surrogates`
-        self._lead = False  # the kept bytes end with the lead byte 0xED
+        self._utf8 = utf8  # see `hold_utf8`
+        self._lead: int | None = None  # the kept bytes end with this lead byte of _BAD_SECOND
         # control tokens this grammar does not name, refused here (xgrammar would log a warning for each)
         self._refused = control_token_ids - set(stops)
         # without stop tokens the matcher ends as soon as its grammar is complete
@@ -672,11 +824,13 @@ class Matcher:
     def accept(self, token: int) -> bool:
         """Advance by one kept token; False if the grammar forbids it (the matcher is unchanged)."""
         piece = self._token_bytes[token] if token < len(self._token_bytes) else b""
-        if self._lead and _surrogate_tail(piece):
-            return False  # a UTF-16 surrogate, no character (`hold_surrogates`)
+        if self._lead is not None and _bad_after(self._lead)(piece):
+            return False  # no character (`hold_utf8`)
+        if self._utf8 is not None and token in self._utf8.never_ids:
+            return False
         if token in self._refused or not self._matcher.accept_token(token):
             return False
-        self._lead = piece.endswith(b"\xed")
+        self._lead = piece[-1] if piece and piece[-1] in _BAD_SECOND else None
         forced = self._forced
         if forced is not None:  # what the grammar forced here, less what the token took of it, is
             # forced next; where nothing was forced (b""), nothing is known of the next state
@@ -717,7 +871,7 @@ class Matcher:
             self.spell_forced(bitmask, row)
             self.drop_refused(bitmask, row, suspects)
             self.hold_back(bitmask, row)
-            self.hold_surrogates(bitmask, row)
+            self.hold_utf8(bitmask, row)
         accepted, forced, lead = 0, self._forced, self._lead
         for i, token in enumerate(drafts):
             if matcher.is_terminated() or not self.accept(token):
@@ -728,17 +882,21 @@ class Matcher:
                 self.spell_forced(bitmask, row + i + 1)
                 self.drop_refused(bitmask, row + i + 1, suspects)
                 self.hold_back(bitmask, row + i + 1)
-                self.hold_surrogates(bitmask, row + i + 1)
+                self.hold_utf8(bitmask, row + i + 1)
         if accepted:
             matcher.rollback(accepted)
             self._forced, self._lead = forced, lead
 
-    def hold_surrogates(self, bitmask: torch.Tensor, row: int) -> None:
-        """After a lead byte 0xED, clear the tokens that start with a byte in A0-BF: xgrammar 0.2.9
-        takes them as a character, but they spell a UTF-16 surrogate, which the text decodes as
-        three U+FFFD (past a maxLength, outside a pattern)."""
-        if self._lead and self._tails is not None:
-            bitmask[row] &= ~self._tails
+    def hold_utf8(self, bitmask: torch.Tensor, row: int) -> None:
+        """Clear the tokens that would make the text other than UTF-8, which xgrammar 0.2.9 allows:
+        those that can be in no UTF-8 text, and after a lead byte of _BAD_SECOND those that start
+        with a byte that spells no character there. The text would decode them as U+FFFD (past a
+        maxLength, outside a pattern)."""
+        if self._utf8 is None:
+            return
+        bitmask[row] &= ~self._utf8.never
+        if self._lead is not None:
+            bitmask[row] &= ~self._utf8.after[self._lead]
 
     def hold_back(self, bitmask: torch.Tensor, row: int) -> None:
         """Clear the last-resort stop tokens' bits where the row allows any other token."""
@@ -846,7 +1004,7 @@ class Grammars:
         self._compiling: dict[tuple, concurrent.futures.Future] = {}  # compiles under way: one per grammar
         self._spellings: dict[str, tuple[int, ...]] = {}
         self._suspects: torch.Tensor | None = None  # see `suspects`
-        self._tails: torch.Tensor | None = None  # see `surrogate_tails`
+        self._utf8: Utf8Rows | None = None  # see `utf8_rows`
         self._suspect_words: tuple[np.ndarray, np.ndarray] | None = None  # see `_suspects_allowed`
         self._staging: list[tuple[torch.Tensor, Any]] = []  # pinned host bitmasks and their copies' events
         self._next_staging = 0
@@ -988,7 +1146,7 @@ class Grammars:
         what = {"regex": "regex", "ebnf": "grammar", "structural_tag": "structural tag"}[kind]
         try:
             if kind == "regex":
-                return compiler.compile_regex(params.regex)
+                return compiler.compile_regex(held_regex(params.regex))
             if kind == "ebnf":
                 grammar = xgr.Grammar.from_ebnf(params.grammar)
                 endless = rules_without_finite_string(str(grammar))
@@ -1047,7 +1205,7 @@ class Grammars:
         self.suspects()  # made here, on the caller's thread, not in a step's fill
         last_resort = self.eos_token_ids if params.ignore_eos else ()
         return Matcher(compiled.grammar, stop_token_ids, self.spell, compiled.refused, self._bytes, last_resort,
-                       self.surrogate_tails())
+                       self.utf8_rows())
 
     # --- one step's masks ---------------------------------------------------------------------
 
@@ -1125,7 +1283,7 @@ class Grammars:
                     matcher.drop_refused(bitmask, i, suspects)
             for matcher, i in batch:  # last, as `Matcher.fill` does: a row's mask is one function of its state
                 matcher.hold_back(bitmask, i)
-                matcher.hold_surrogates(bitmask, i)
+                matcher.hold_utf8(bitmask, i)
         else:
             for matcher, i in batch:
                 matcher.fill(bitmask, i, suspects=suspects)
@@ -1137,12 +1295,14 @@ class Grammars:
             self._suspects = self._row(lambda text: not _whole_utf8(text))
         return self._suspects
 
-    def surrogate_tails(self) -> torch.Tensor:
-        """A bitmask row of the tokens whose bytes start with A0-BF: after 0xED, a surrogate
-        (`Matcher.hold_surrogates`)."""
-        if self._tails is None:
-            self._tails = self._row(_surrogate_tail)
-        return self._tails
+    def utf8_rows(self) -> "Utf8Rows":
+        """The bitmask rows `Matcher.hold_utf8` clears: tokens in no UTF-8 text, and those that
+        start with a byte that spells no character after each lead byte of _BAD_SECOND."""
+        if self._utf8 is None:
+            never = self._row(_never_utf8)
+            self._utf8 = Utf8Rows(never, {lead: self._row(_bad_after(lead)) for lead in _BAD_SECOND},
+                                  frozenset(allowed_tokens(never, self.vocab_size)))
+        return self._utf8
 
     def _row(self, takes: Callable[[bytes], bool]) -> torch.Tensor:
         """A bitmask row with the bits of the tokens whose bytes (xgrammar's reading) `takes`."""

@@ -553,6 +553,46 @@ def test_no_utf16_surrogate_is_spelled_byte_by_byte(engine, constraint):
     assert not matcher.accept(byte[b"\xac"]) and matcher.accept(byte[b"\x9f"])
 
 
+@pytest.mark.parametrize("lead, bad, good", [(0xE0, 0x9F, 0xA0), (0xF0, 0x8D, 0x90), (0xF4, 0x90, 0x8F)])
+def test_no_overlong_or_out_of_range_character_is_spelled_byte_by_byte(engine, lead, bad, good):
+    """As after 0xED: xgrammar took F0 8D 9F 9F (an overlong form) as a character under a pattern,
+    which the text decodes as four U+FFFD (a '^\\W{3}$' string came out as "\ufffd" * 4 + "''").
+    The byte that spells no character after each such lead is masked and refused; a token that can
+    be in no UTF-8 text (C0, a stray continuation byte) is masked everywhere."""
+    from hibana_core.grammar import _never_utf8
+
+    matcher = engine.grammars.matcher(SamplingParams(json_schema={"type": "string", "pattern": "^.{0,3}$"}),
+                                      [EOS_ID])
+    byte = {text: token for token, text in enumerate(engine.grammars._bytes) if len(text) == 1}
+    bitmask = torch.full((1, engine.grammars.width), -1, dtype=torch.int32)
+
+    def allowed(token: int) -> bool:
+        return bool((int(bitmask[0, token // 32]) >> (token % 32)) & 1)
+
+    assert matcher.accept(byte[b'"'])
+    matcher.fill(bitmask, 0)
+    assert not allowed(byte[b"\xc0"]) and not allowed(byte[b"\xf5"]) and allowed(byte[bytes([lead])])
+    assert matcher.accept(byte[bytes([lead])])
+    bitmask.fill_(-1)
+    matcher.fill(bitmask, 0)
+    assert not allowed(byte[bytes([bad])]) and allowed(byte[bytes([good])])
+    assert not matcher.accept(byte[bytes([bad])]) and matcher.accept(byte[bytes([good])])
+    assert [_never_utf8(t) for t in (b"\xf0\x8d", b"a\x80", b"\xe2a", b"\x9f\x98\x80", "\u00e9t\u00e9".encode())] == [
+        True, True, True, False, False]
+
+
+@pytest.mark.parametrize("regex", [r".{3}", r"\W{3}", r"\S\s\S", r"[^\w-]{3}", r"\D{2}"])
+def test_a_regex_holds_the_output_as_pythons_re_reads_it(engine, regex):
+    """xgrammar reads `.` as any character (a line break too) and \\W \\S \\D as any but ASCII
+    word characters, digits or its few spaces: sampled outputs that ended "stop" failed
+    re.fullmatch ('.\\n\\nx' for .{4}, a CJK ideograph for \\W, '\\x1f' for \\S). Random weights
+    at a high temperature try the corners."""
+    for seed in range(12):
+        out = _generate(engine, f"re{seed}", [5, 6, 7], max_tokens=12, regex=regex, temperature=1.5, seed=seed)
+        if out.finish_reason == "stop":
+            assert re.fullmatch(regex, out.text), (seed, out.text)
+
+
 def test_a_loose_schema_holds_what_the_grammar_can_and_leaves_the_rest_to_the_model(engine):
     """strict_schema=False (OpenAI's strict: false, vLLM's guided decoding): a keyword the grammar
     cannot hold is left to the model rather than refused, the rest held; the same schema stays
