@@ -634,14 +634,19 @@ _SPACES_EITHER = tuple(sorted(_SPACES_BOTH + ((0x1C, 0x1F), (0x85, 0x85), (0xFEF
 """Whitespace to either."""
 
 
+_SHORTHAND_BOTH = {"w": ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)), "d": ((0x30, 0x39),),
+                   "s": _SPACES_BOTH}
+"""Shorthand letter -> the code points both Python's `re` and ECMA-262 take it to match (words and
+digits are ASCII to ECMA, Unicode to Python)."""
+
+
 @functools.cache
-def _shorthand_sets() -> dict[str, tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]]:
-    """Shorthand letter -> (the code points both Python's `re` and ECMA-262 take it to match, those
-    either does): words and digits are ASCII to ECMA, Unicode to Python."""
-    return {"w": (((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)),
-                  _code_point_runs(lambda c: c.isalnum() or c == "_")),
-            "d": (((0x30, 0x39),), _code_point_runs(str.isdecimal)),
-            "s": (_SPACES_BOTH, _SPACES_EITHER)}
+def _shorthand_either(letter: str) -> tuple[tuple[int, int], ...]:
+    """The code points either reading takes the shorthand to match (a scan of every code point
+    for \\w and \\d, once)."""
+    if letter == "s":
+        return _SPACES_EITHER
+    return _code_point_runs((lambda c: c.isalnum() or c == "_") if letter == "w" else str.isdecimal)
 
 
 @functools.cache
@@ -649,10 +654,9 @@ def _shorthand(letter: str, negated_class: bool, pattern: bool) -> str:
     """Class text for a shorthand (`held_regex`): \\w \\d \\s the characters both readings take
     (either, inside a negated class: it excludes them), \\W \\S \\D those neither takes. In a
     schema's pattern, characters past the BMP are left out (xgrammar's JSON strings break on them)."""
-    both, either = _shorthand_sets()[letter.lower()]
     if letter.islower():
-        return _class_body(either if negated_class else both)
-    return _class_body(_complement(either, 0xFFFF if pattern else 0x10FFFF))
+        return _class_body(_shorthand_either(letter) if negated_class else _SHORTHAND_BOTH[letter])
+    return _class_body(_complement(_shorthand_either(letter.lower()), 0xFFFF if pattern else 0x10FFFF))
 
 
 _ANY_BUT_BREAKS = "\\n\\r\\u2028\\u2029"
@@ -790,9 +794,10 @@ def allowed_tokens(words: torch.Tensor, most: int) -> list[int]:
 class Utf8Rows(NamedTuple):
     """The tokens a grammar's output may not take for its text to stay UTF-8 (`Grammars.utf8_rows`)."""
 
-    never: torch.Tensor             # a bitmask row: tokens in no UTF-8 text
-    after: dict[int, torch.Tensor]  # lead byte of _BAD_SECOND -> a bitmask row: no character after it
-    never_ids: frozenset[int]       # `never`'s tokens
+    keep: torch.Tensor              # a bitmask row: every token but those in no UTF-8 text
+    keep_after: dict[int, torch.Tensor]  # lead byte of _BAD_SECOND -> every token but those that
+    # spell no character after it
+    never_ids: frozenset[int]       # the tokens in no UTF-8 text
 
 
 class Matcher:
@@ -894,9 +899,13 @@ class Matcher:
         maxLength, outside a pattern)."""
         if self._utf8 is None:
             return
-        bitmask[row] &= ~self._utf8.never
-        if self._lead is not None:
-            bitmask[row] &= ~self._utf8.after[self._lead]
+        bitmask[row] &= self._utf8.keep
+        self.hold_after_lead(bitmask, row)
+
+    def hold_after_lead(self, bitmask: torch.Tensor, row: int) -> None:
+        """`hold_utf8`'s part that depends on the kept bytes: after a lead byte of _BAD_SECOND."""
+        if self._lead is not None and self._utf8 is not None:
+            bitmask[row] &= self._utf8.keep_after[self._lead]
 
     def hold_back(self, bitmask: torch.Tensor, row: int) -> None:
         """Clear the last-resort stop tokens' bits where the row allows any other token."""
@@ -1281,9 +1290,10 @@ class Grammars:
             for (matcher, i), count in zip(batch, self._suspects_allowed(bitmask, rows)):
                 if 0 < count <= VERIFY_MAX:
                     matcher.drop_refused(bitmask, i, suspects)
+            bitmask[rows] &= self.utf8_rows().keep  # all rows at once (`Matcher.hold_utf8`)
             for matcher, i in batch:  # last, as `Matcher.fill` does: a row's mask is one function of its state
                 matcher.hold_back(bitmask, i)
-                matcher.hold_utf8(bitmask, i)
+                matcher.hold_after_lead(bitmask, i)
         else:
             for matcher, i in batch:
                 matcher.fill(bitmask, i, suspects=suspects)
@@ -1300,7 +1310,7 @@ class Grammars:
         start with a byte that spells no character after each lead byte of _BAD_SECOND."""
         if self._utf8 is None:
             never = self._row(_never_utf8)
-            self._utf8 = Utf8Rows(never, {lead: self._row(_bad_after(lead)) for lead in _BAD_SECOND},
+            self._utf8 = Utf8Rows(~never, {lead: ~self._row(_bad_after(lead)) for lead in _BAD_SECOND},
                                   frozenset(allowed_tokens(never, self.vocab_size)))
         return self._utf8
 
