@@ -1138,7 +1138,23 @@ class Grammars:
         if kind == "structural_tag":
             tag, named = self._named_tokens(compact_json_tag(params.grammar))
         vocabulary = self._vocabulary(named)
-        return _Compiled(self._compiled(vocabulary.compiler, kind, params, tag), vocabulary.refused)
+        compiled = self._compiled(vocabulary.compiler, kind, params, tag)
+        if kind in ("regex", "ebnf"):
+            self._check_startable(compiled, kind)
+        return _Compiled(compiled, vocabulary.refused)
+
+    def _check_startable(self, compiled: Any, kind: str) -> None:
+        """A GrammarError where the grammar allows no first token and not the empty output (a
+        regex of an empty class, `[^\\s\\S]`): the request would fail at its first step, after
+        its prompt was computed, blaming the model's token."""
+        xgr = _xgrammar()
+        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        if not matcher.is_completed() and not bitmask.any():
+            what = {"regex": "regex", "ebnf": "grammar"}[kind]
+            raise GrammarError(f"the {what} matches no output: no character can start it (an empty character "
+                               f"class such as [^\\s\\S]?); fix the {what}")
 
     @staticmethod
     def _compiled(compiler: Any, kind: str, params: SamplingParams, tag: dict | None) -> Any:

@@ -593,6 +593,17 @@ def test_a_regex_holds_the_output_as_pythons_re_reads_it(engine, regex):
             assert re.fullmatch(regex, out.text), (seed, out.text)
 
 
+@pytest.mark.parametrize("constraint", [{"regex": r"[^\s\S]"}, {"grammar": "root ::= [^\\x00-\\U0010FFFF]"}])
+def test_a_grammar_no_output_can_start_is_refused_before_the_prompt_is_computed(engine, constraint):
+    """A regex of an empty class compiled, and its request failed at the first step with "the
+    model's token 0 does not continue the request's grammar", its prompt computed into the state."""
+    h = engine.open_state("nothing-starts")
+    with pytest.raises(GrammarError, match="matches no output"):
+        h.generate(SamplingParams(max_tokens=4, **constraint), prompt=[5, 6, 7])
+    assert h.tokens == [] and _generate(engine, "nothing-starts", [5, 6], max_tokens=3, regex="x*").text in (
+        "", "x", "xx", "xxx")
+
+
 def test_a_loose_schema_holds_what_the_grammar_can_and_leaves_the_rest_to_the_model(engine):
     """strict_schema=False (OpenAI's strict: false, vLLM's guided decoding): a keyword the grammar
     cannot hold is left to the model rather than refused, the rest held; the same schema stays
