@@ -642,9 +642,10 @@ class Chat:
                               "each call on a leased one (`with chat.lease(prompt) as c: c.respond(...)`)")
         tools = normalize_tools(tools)
         tool_choice = normalize_tool_choice(tool_choice, tools)
-        # a template of one call a message; a named tool: that one call (as vLLM and OpenAI's forced function)
-        parallel_tool_calls = (parallel_tool_calls and not self.one_call
-                               and tool_choice in ("auto", "none", "required"))
+        parallel_tool_calls = parallel_tool_calls and not self.one_call  # a template of one call a message
+        # a named tool: that one call (vLLM's named function calling, OpenAI's forced function), by a
+        # grammar that ends the turn after it (the model writes its end of turn, as after any call)
+        one_call = not parallel_tool_calls or tool_choice not in ("auto", "none", "required")
         listed = tools  # "none" still lists them in the prompt
         if tool_choice == "none" or not tools:  # no tool offered: a call would name none, its text is content
             tools, parse_tools = None, False
@@ -669,10 +670,10 @@ class Chat:
                     # a prefill may have opened a call the grammar never saw (it starts after the prefill,
                     # in free text): that call's closing tag stays writable
                     grammar = turn.parser_grammar(self.parser, self.parser_name, tools, tool_choice,
-                                                  parallel=parallel_tool_calls, strict=guided, closer=not prefill)
+                                                  parallel=not one_call, strict=guided, closer=not prefill)
                 else:
                     grammar = turn.answer_or_calls(self.parser, self.parser_name, tools, tool_choice, answer,
-                                                   parallel=parallel_tool_calls, strict=guided,
+                                                   parallel=not one_call, strict=guided,
                                                    strict_schema=params.strict_schema)
             if grammar is not None and held_off and grammar.get("type") == "structural_tag":
                 # an answer in JSON follows the blank line after the think block, as a forced call does
@@ -705,9 +706,11 @@ class Chat:
             stream = _CheckedStream.open(self.parser_name, self.parser, {} if parse_tools else {"calls": False})
         else:
             stream = turn.PlainText()
+        # one call where asked (parallel_tool_calls=False: the request is stopped after it), or where a
+        # named tool's call is not held by the grammar that ends the turn after it
+        max_calls = 1 if not parallel_tool_calls or (one_call and not calls_held) else None
         return turn.TurnRun(self.prompt_ids(messages, tools, reasoning_history), prefill, params, stream,
-                            self._encode, timeout, max_calls=None if parallel_tool_calls else 1, thinking=thinking,
-                            calls_held=calls_held)
+                            self._encode, timeout, max_calls=max_calls, thinking=thinking, calls_held=calls_held)
 
 
 @contextlib.contextmanager

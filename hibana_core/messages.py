@@ -359,6 +359,9 @@ def normalize_tool_choice(choice: Any, tools: Sequence[dict] | None) -> str:
         choice = function.get("name") if isinstance(function, Mapping) else function
         if not isinstance(choice, str):
             raise ToolChoiceError(f"tool_choice names tool {choice!r:.80}; name one of {names}")
+        if choice in ("auto", "none", "any", "required") and choice in names:
+            raise ToolChoiceError(f"tool_choice names the tool {choice!r}, whose name is also a tool_choice mode and "
+                                  "would be read as that mode; rename the tool to force it")
     elif isinstance(choice, Mapping):  # {"type": "function"} without a name is no choice, not "auto"
         if choice.get("type") not in ("auto", "none", "any", "required"):
             raise ToolChoiceError(f"tool_choice={choice!r:.80} names no tool and no mode; use "

@@ -285,6 +285,16 @@ def test_a_tool_name_that_would_break_the_call_markup_is_refused(name):
         assert normalize_tools([{"type": "function", "function": {"name": fine}}])[0]["function"]["name"] == fine
 
 
+def test_a_tool_named_as_a_mode_is_not_forced_as_that_mode():
+    """{"function": {"name": "none"}} forcing a tool called "none" was read as the mode "none"
+    (no call at all): refused, saying to rename it; named as a mode, the choice stays the mode."""
+    tools = normalize_tools([{"type": "function", "function": {"name": name}} for name in ("none", "lookup")])
+    with pytest.raises(ToolChoiceError, match="rename the tool"):
+        normalize_tool_choice({"type": "function", "function": {"name": "none"}}, tools)
+    assert normalize_tool_choice("none", tools) == "none"
+    assert normalize_tool_choice({"function": {"name": "lookup"}}, tools) == "lookup"
+
+
 def test_normalize_tool_choice_spellings():
     tools = [WEATHER, MULTIPLY]
     assert [normalize_tool_choice(c, tools) for c in (None, "auto", "none", False, "any", "required", True)] == [
