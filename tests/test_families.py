@@ -15,10 +15,10 @@ import torch
 from hibana_core import SamplingParams, UnsupportedModelError
 from hibana_core.models import phi3
 from hibana_core.models.decoder import RotaryTables, longrope_switch
-from tiny_models import (ODD_SHAPES, agent_turn_plan, assert_greedy_matches, make_config, make_tiny_checkpoint,
-                         make_tiny_gemma3_multimodal, open_engine)
+from tiny_models import (EVERY_TENSOR_USED, ODD_SHAPES, agent_turn_plan, assert_greedy_matches, make_config,
+                         make_tiny_checkpoint, make_tiny_gemma3_multimodal, open_engine)
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), EVERY_TENSOR_USED]
 
 AGENTS = TURNS = 3
 

@@ -22,7 +22,9 @@ from hibana_core.loader import model_bytes
 from hibana_core.surgery import fp8
 from hibana_core.surgery.formats import parse_quantization_config
 from hibana_kernels.quant import dequantize_fp8
-from tiny_models import random_tokens
+from tiny_models import EVERY_TENSOR_USED, random_tokens
+
+pytestmark = EVERY_TENSOR_USED
 
 needs_ct = pytest.mark.skipif(importlib.util.find_spec("compressed_tensors") is None,
                               reason="compressed-tensors not installed (pip install hibana[quant])")

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import pytest
 
 from hibana_core import Completion, SamplingParams
-from tiny_models import ARCHS, agent_turn_plan, assert_greedy_matches, random_tokens
+from tiny_models import EVERY_TENSOR_USED, ARCHS, agent_turn_plan, assert_greedy_matches, random_tokens
 
 AGENTS = 4
 BLOCK_SIZE = 16
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), EVERY_TENSOR_USED]
 
 
 @dataclass

@@ -10,7 +10,10 @@ import torch
 
 from hibana_core import SamplingParams
 from hibana_core.models import gpt_oss
-from tiny_models import _hf_model, assert_greedy_matches, make_config, make_mxfp4_checkpoint, random_tokens
+from tiny_models import (EVERY_TENSOR_USED, _hf_model, assert_greedy_matches, make_config, make_mxfp4_checkpoint,
+                         random_tokens)
+
+pytestmark = EVERY_TENSOR_USED
 
 
 @pytest.mark.parametrize("rope", [

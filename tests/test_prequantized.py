@@ -15,7 +15,9 @@ from safetensors.torch import load_file, save_file
 from hibana_core import SamplingParams
 from hibana_core.errors import CheckpointError
 from hibana_core.surgery.formats import AWQ_ORDER, parse_quantization_config
-from tiny_models import random_tokens
+from tiny_models import EVERY_TENSOR_USED, random_tokens
+
+pytestmark = EVERY_TENSOR_USED
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GROUP = 32

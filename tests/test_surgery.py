@@ -22,7 +22,9 @@ from hibana_core.surgery.quantize import group_size_for, quantize_int4, quantize
 from hibana_kernels.quant import dequantize_int4, dequantize_int8
 from hibana_plugins.hookspecs import hookimpl
 from hibana_plugins.manager import get_plugin_manager, reset_plugin_manager
-from tiny_models import make_config, make_tiny_checkpoint, random_tokens
+from tiny_models import EVERY_TENSOR_USED, make_config, make_tiny_checkpoint, random_tokens
+
+pytestmark = EVERY_TENSOR_USED
 
 PASSES = ["w8", {"name": "w4", "group_size": 32}, "w4"]
 
