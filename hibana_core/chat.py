@@ -38,10 +38,10 @@ from hibana_core.config import SamplingParams
 from hibana_core.detokenizer import token_bytes
 from hibana_core.errors import (CheckpointError, ConfigError, ContextLengthError, HibanaError, InvalidTokenError,
                                 StateBusyError, StateClosedError)
-from hibana_core.messages import (KNOWN_ROLES, ConversationError, ToolChoiceError,  # noqa: F401 (re-exported)
-                                  ToolSchemaError, UnsupportedContentError, check_text, check_tool_results,
-                                  clean_schema, clean_tool, normalize_messages, normalize_tool_choice,
-                                  normalize_tools, one_call_a_message)
+from hibana_core.messages import (KNOWN_ROLES, TOOL_CHOICE_MODES, ConversationError,  # noqa: F401 (re-exported)
+                                  ToolChoiceError, ToolSchemaError, UnsupportedContentError, check_text,
+                                  check_tool_results, clean_schema, clean_tool, normalize_messages,
+                                  normalize_tool_choice, normalize_tools, one_call_a_message)
 from hibana_core.turn import MALFORMED, ChatDelta, ChatResult, Usage  # noqa: F401 (re-exported)
 from hibana_plugins.hookspecs import ParsedOutput, ToolCall, ToolCallDelta
 from hibana_plugins.manager import PluginError, describe_registered, get_plugin_manager
@@ -645,7 +645,7 @@ class Chat:
         parallel_tool_calls = parallel_tool_calls and not self.one_call  # a template of one call a message
         # a named tool: that one call (vLLM's named function calling, OpenAI's forced function), by a
         # grammar that ends the turn after it (the model writes its end of turn, as after any call)
-        one_call = not parallel_tool_calls or tool_choice not in ("auto", "none", "required")
+        one_call = not parallel_tool_calls or tool_choice not in TOOL_CHOICE_MODES
         listed = tools  # "none" still lists them in the prompt
         if tool_choice == "none" or not tools:  # no tool offered: a call would name none, its text is content
             tools, parse_tools = None, False

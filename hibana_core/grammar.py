@@ -581,7 +581,6 @@ def unenforced_regex(pattern: str, what: str = "regex") -> list[tuple[str, str]]
                 found[f"an anchor \\{escaped} in {what}"] = "leave it out: the whole output matches the pattern"
             elif escaped.isascii() and escaped.isalnum() and escaped not in _REGEX_ESCAPES:
                 found[f"an escape \\{escaped} in {what}"] = "xgrammar reads it otherwise than Python's re"
-
         elif in_class:
             in_class = c != "]"
         elif c == "[":
@@ -609,15 +608,19 @@ def _code_point_runs(takes: Callable[[str], bool]) -> tuple[tuple[int, int], ...
 
 
 def _complement(runs: Sequence[tuple[int, int]], last: int) -> list[tuple[int, int]]:
-    """The code points up to `last` that `runs` (sorted) leave out, surrogates excepted."""
+    """The code points up to `last` that `runs` (sorted) leave out. Surrogates stay in: no UTF-8
+    text holds them (the masks refuse their bytes), and a negated class must name them too to
+    exclude everything ([^\\s\\S])."""
     out, at = [], 0
-    for first, end in [*runs, (0xD800, 0xDFFF)] if last >= 0xD800 else runs:
+    for first, end in runs:
+        if first > last:
+            break
         if first > at:
-            out.append((at, min(first - 1, last)))
-        at = max(at, end + 1)
-    out.append((at, last)) if at <= last else None
-    out = sorted(r for r in out if r[0] <= r[1] and r[0] <= last)
-    return [r for r in out if not (0xD800 <= r[0] <= 0xDFFF)]
+            out.append((at, first - 1))
+        at = end + 1
+    if at <= last:
+        out.append((at, last))
+    return out
 
 
 def _class_body(runs: Iterable[tuple[int, int]]) -> str:
@@ -733,10 +736,10 @@ takes each as a character, and the text decodes them as U+FFFD (past a maxLength
 pattern)."""
 
 
-def _bad_after(lead: int) -> Callable[[bytes], bool]:
+def _no_character_after(lead: int, piece: bytes) -> bool:
     """Whether a token's bytes start with a byte that spells no character after `lead`."""
     low, high = _BAD_SECOND[lead]
-    return lambda piece: bool(piece) and low <= piece[0] <= high
+    return bool(piece) and low <= piece[0] <= high
 
 
 def _never_utf8(piece: bytes) -> bool:
@@ -744,23 +747,21 @@ def _never_utf8(piece: bytes) -> bool:
     UTF-8 holds (C0, C1, F5-FF), a lead byte followed within it by a byte that does not continue
     it, or a continuation byte past the piece's start that no lead byte before it expects."""
     expected = None  # continuation bytes the current character still needs (None: not known yet)
-    for i, byte in enumerate(piece):
+    bad = None  # the range the next byte may not take (right after a lead byte of _BAD_SECOND)
+    for byte in piece:
         if 0x80 <= byte <= 0xBF:
-            if expected == 0:
-                return True  # a continuation byte no lead asked for
-            if expected is not None:
-                if i and piece[i - 1] in _BAD_SECOND and expected == _needs(piece[i - 1]):
-                    low, high = _BAD_SECOND[piece[i - 1]]
-                    if low <= byte <= high:
-                        return True
+            if expected == 0 or (bad is not None and bad[0] <= byte <= bad[1]):
+                return True  # a continuation byte no lead asked for, or one that spells no character
+            bad = None
+            if expected is not None:  # else at the start: a character begun before the piece
                 expected -= 1
-            continue  # at the start: a character begun before the piece
+            continue
         if expected:
             return True  # a character cut short inside the piece
         if byte < 0x80:
             expected = 0
         elif 0xC2 <= byte <= 0xF4:
-            expected = _needs(byte)
+            expected, bad = _needs(byte), _BAD_SECOND.get(byte)
         else:
             return True  # C0, C1, F5-FF
     return False
@@ -829,7 +830,7 @@ class Matcher:
     def accept(self, token: int) -> bool:
         """Advance by one kept token; False if the grammar forbids it (the matcher is unchanged)."""
         piece = self._token_bytes[token] if token < len(self._token_bytes) else b""
-        if self._lead is not None and _bad_after(self._lead)(piece):
+        if self._lead is not None and _no_character_after(self._lead, piece):
             return False  # no character (`hold_utf8`)
         if self._utf8 is not None and token in self._utf8.never_ids:
             return False
@@ -1326,7 +1327,8 @@ class Grammars:
         start with a byte that spells no character after each lead byte of _BAD_SECOND."""
         if self._utf8 is None:
             never = self._row(_never_utf8)
-            self._utf8 = Utf8Rows(~never, {lead: ~self._row(_bad_after(lead)) for lead in _BAD_SECOND},
+            self._utf8 = Utf8Rows(~never, {lead: ~self._row(functools.partial(_no_character_after, lead))
+                                           for lead in _BAD_SECOND},
                                   frozenset(allowed_tokens(never, self.vocab_size)))
         return self._utf8
 

@@ -338,7 +338,6 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
 
     where = {name: (file, handle) for file, handle in zip(files, handles) for name in handle.keys()}
     readers: dict[str, Callable[[], torch.Tensor]] = {}  # names read otherwise than as stored
-    read_by_readers: set[str] = set()  # the names those readers read beside their own (fp8 scales)
     own_names = manifest is not None
     if own_names:
         layers = dict(module.named_modules())
@@ -384,12 +383,13 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
         for name in consumed:
             del where[name]
         if fmt.kind == "fp8":  # fp8 MoE experts: dequantized into the float stacks
-            readers, read_by_readers = fp8_expert_readers(module, set(where), lambda n: read(*where[n], n), fmt,
-                                                          str(path))
+            stored = dict(where)  # the readers read their scales when the copy asks for their weights
+            readers, consumed = fp8_expert_readers(module, set(where), lambda n: read(*stored[n], n), fmt, str(path))
+            for name in consumed:
+                del where[name]
     items = ((name, str(file), readers.get(name) or (lambda f=file, h=handle, n=name: read(f, h, n)))
-             for name, (file, handle) in where.items() if name not in read_by_readers)
-    _copy_weights(module, items, len(where) - len(read_by_readers), str(path), progress, desc="hibana: weights",
-                  own_names=own_names)
+             for name, (file, handle) in where.items())
+    _copy_weights(module, items, len(where), str(path), progress, desc="hibana: weights", own_names=own_names)
 
 
 _PACKED_SUFFIXES = (".qweight", ".weight_packed")
@@ -465,9 +465,10 @@ def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progr
             bar.update()
             if name.endswith(_PACKED_SUFFIXES):
                 packed.add(name.rpartition(".")[0])
-            if name.endswith(_IGNORED_SUFFIXES) or name not in params:
-                if not name.endswith(_IGNORED_SUFFIXES):
-                    unused.append(name)
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name not in params:
+                unused.append(name)
                 continue
             tensor, target = read(), params[name]
             if name in tied:  # its twin's storage: compared once both are read, not copied over it

@@ -122,6 +122,9 @@ def check_text(text: str, what: str) -> None:
             "errors='replace' or remove it") from None
 
 
+TOOL_CHOICE_MODES = ("auto", "none", "any", "required")
+"""The tool_choice values that name a mode, not a tool."""
+
 _UNWRITABLE_NAME = re.compile(r'["\\<>\x00-\x1f\x7f]')
 """What a tool's name may not hold: templates write names into JSON and markup unescaped."""
 
@@ -359,11 +362,11 @@ def normalize_tool_choice(choice: Any, tools: Sequence[dict] | None) -> str:
         choice = function.get("name") if isinstance(function, Mapping) else function
         if not isinstance(choice, str):
             raise ToolChoiceError(f"tool_choice names tool {choice!r:.80}; name one of {names}")
-        if choice in ("auto", "none", "any", "required") and choice in names:
+        if choice in TOOL_CHOICE_MODES and choice in names:
             raise ToolChoiceError(f"tool_choice names the tool {choice!r}, whose name is also a tool_choice mode and "
                                   "would be read as that mode; rename the tool to force it")
     elif isinstance(choice, Mapping):  # {"type": "function"} without a name is no choice, not "auto"
-        if choice.get("type") not in ("auto", "none", "any", "required"):
+        if choice.get("type") not in TOOL_CHOICE_MODES:
             raise ToolChoiceError(f"tool_choice={choice!r:.80} names no tool and no mode; use "
                                   "{'type': 'function', 'function': {'name': ...}} or {'type': 'auto' | 'none' | "
                                   "'any' | 'required'}")

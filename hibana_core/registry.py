@@ -342,8 +342,10 @@ class StateRegistry:
             if entry.handle.id in taken or id(entry.seq) in taken or (unnamed and not entry.unnamed):
                 continue
             same = self._shared(tokens, token_ids, min_shared)
+            if not same:
+                continue
             candidate = _Candidate(same, entry.last_use, entry)
-            if same and (len(best) < limit or candidate.rank > best[-1].rank):
+            if len(best) < limit or candidate.rank > best[-1].rank:
                 best.append(candidate)
                 best.sort(key=lambda c: c.rank, reverse=True)
                 del best[limit:]

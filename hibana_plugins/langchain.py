@@ -60,8 +60,8 @@ from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_k
 try:
     from langchain_core.language_models import BaseChatModel
     from langchain_core.messages import (AIMessage, AIMessageChunk, BaseMessage, ChatMessage,
-                                         FunctionMessage, HumanMessage, SystemMessage, ToolMessage)
-    from langchain_core.messages import convert_to_messages
+                                         FunctionMessage, HumanMessage, SystemMessage, ToolMessage,
+                                         convert_to_messages)
     from langchain_core.messages.tool import invalid_tool_call, tool_call_chunk
     from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
     from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
