@@ -652,7 +652,8 @@ class Chat:
         params = params or SamplingParams(max_tokens=256)
         # ignore_eos: the turn runs on past the end-of-turn tokens that are the model's end of sequence (as the
         # engine's generate and vLLM's chat do; a grammar still ends there where it allows nothing else)
-        ends = tuple(t for t in self.stop_token_ids if not (params.ignore_eos and t in self.engine.eos_token_ids))
+        passed = [t for t in self.stop_token_ids if params.ignore_eos and t in self.engine.eos_token_ids]
+        ends = tuple(t for t in self.stop_token_ids if t not in passed)
         params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys(tuple(params.stop_token_ids) + ends)))
         # a template may open the think block itself (its generation prompt ends in "<think>")
         end = (self.engine.tokenizer.decode(list(messages[-4:]), skip_special_tokens=False)
@@ -709,8 +710,10 @@ class Chat:
         # one call where asked (parallel_tool_calls=False: the request is stopped after it), or where a
         # named tool's call is not held by the grammar that ends the turn after it
         max_calls = 1 if not parallel_tool_calls or (one_call and not calls_held) else None
+        passed_ends = frozenset(self.engine.tokenizer.decode([t], skip_special_tokens=False) for t in passed)
         return turn.TurnRun(self.prompt_ids(messages, tools, reasoning_history), prefill, params, stream,
-                            self._encode, timeout, max_calls=max_calls, thinking=thinking, calls_held=calls_held)
+                            self._encode, timeout, max_calls=max_calls, thinking=thinking, calls_held=calls_held,
+                            passed_ends=passed_ends)
 
 
 @contextlib.contextmanager

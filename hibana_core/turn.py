@@ -347,13 +347,18 @@ class TurnRun:
     and once it is reached the request is stopped (`stop_now`): the turn ends with its calls,
     finish_reason "tool_calls" (a tool-call grammar usually ends the turn there already).
     `calls_held`: a tool-call grammar holds the turn, so no call ends early but where a stop string
-    or stop token cuts it (without one the model may end its turn inside malformed call text)."""
+    or stop token cuts it (without one the model may end its turn inside malformed call text).
+    `passed_ends`: the texts of end-of-turn tokens the turn runs past (ignore_eos); where the model
+    generates them they stay in the raw text but are no content, as special tokens are not in
+    vLLM's text."""
 
     def __init__(self, prompt: list[int], prefill: str, params: SamplingParams, stream: ToolCallStream,
                  encode: Callable[[str], list[int]], timeout: float | None, max_calls: int | None = None,
-                 thinking: Thinking | None = None, calls_held: bool = False) -> None:
+                 thinking: Thinking | None = None, calls_held: bool = False,
+                 passed_ends: frozenset[str] = frozenset()) -> None:
         self.base, self.prefill, self.params, self.stream = prompt, prefill, params, stream
         self.calls_held = calls_held
+        self.passed_ends = passed_ends
         self.thinking = thinking   # splits a reasoning model's thinking off before the tool parser
         self.encode = encode
         self.deadline = time.monotonic() + timeout if timeout else None
@@ -421,6 +426,8 @@ class TurnRun:
 
     def _feed(self, text: str) -> list[ChatDelta]:
         self.text += text
+        if self.passed_ends and isinstance(text, GeneratedText):
+            text = _without_spans(text, self.passed_ends)
         if not text or self.full:
             return []
         if self.thinking is None:
@@ -449,6 +456,18 @@ class TurnRun:
                 self.calls += piece.id is not None
                 out.append(ChatDelta(tool_call=piece))
         return out
+
+
+def _without_spans(text: GeneratedText, dropped: frozenset[str]) -> GeneratedText:
+    """`text` less the control tokens' spans that spell one of `dropped`, its other spans moved to match."""
+    kept, spans, at, cut = [], [], 0, 0
+    for a, b in text.control_spans:
+        if text[a:b] in dropped:
+            kept.append(text[at:a])
+            at, cut = b, cut + b - a
+        else:
+            spans.append((a - cut, b - cut))
+    return text if not cut else GeneratedText("".join(kept) + text[at:], tuple(spans))
 
 
 def result(parsed: ParsedOutput, raw_text: str, finish_reason: str, usage: Usage,
