@@ -32,14 +32,35 @@ MAX_PROMPTS = 64    # turns one request may run at once: its prompts (legacy com
 
 
 def served_by_header(state_ids: Sequence[str]) -> dict[str, str]:
-    """The reply's `X-Hibana-State` header, naming the states that served it. A name that a header
-    cannot carry as it is (a `user` in another script than Latin-1, with control characters or
-    spaces at its ends) is percent-encoded as UTF-8: written raw, the reply would fail after its turn ran."""
+    """The reply's `X-Hibana-State` header, naming the states that served it, comma-separated. A
+    name is written as it is where that is plain printable ASCII with no "%" or "," and no space at
+    its ends; any other is percent-encoded as UTF-8, the form `named_state` reads back, so that a
+    client sending the header it got reaches that state, and every header names its states alone."""
     def written(name: str) -> str:
-        if name.isprintable() and name == name.strip() and all(ord(c) < 256 for c in name):
+        if name.isascii() and name.isprintable() and name == name.strip() and not {"%", ","} & set(name):
             return name
-        return urllib.parse.quote(name, safe=string.punctuation.replace("%", ""))
+        return urllib.parse.quote(name, safe=string.punctuation.replace("%", "").replace(",", ""))
     return {STATE_HEADER: ", ".join(map(written, state_ids))}
+
+
+def named_state(header: str | None) -> str | None:
+    """The state a request's `X-Hibana-State` header names: percent-decoded as UTF-8 (a literal
+    "%" is "%25"). Raw bytes past ASCII are read as UTF-8 where they are (Starlette hands a header
+    over as Latin-1), else as Latin-1."""
+    if header is None:
+        return None
+    try:
+        text = header.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        text = header
+    try:
+        name = urllib.parse.unquote(text, errors="strict")
+    except UnicodeDecodeError:
+        raise ApiError(400, f"the {STATE_HEADER} header is percent-encoded UTF-8, and {text!r} decodes to no "
+                            "UTF-8 text; encode the name's UTF-8 bytes (a literal % is %25)") from None
+    if not 0 < len(name) <= MAX_STATE_ID:
+        raise ApiError(400, f"the {STATE_HEADER} header must name a state in 1 to {MAX_STATE_ID} characters")
+    return name
 
 
 class ApiError(Exception):
@@ -208,8 +229,6 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
         param = "max_completion_tokens" if chat and request.max_completion_tokens else "max_tokens"
         raise ApiError(400, f"{param}={max_tokens} is more than this server allows ({max_tokens_limit}); "
                             "ask for fewer tokens", param)
-    if state_header is not None and not 0 < len(state_header) <= MAX_STATE_ID:
-        raise ApiError(400, f"the {STATE_HEADER} header must name a state in 1 to {MAX_STATE_ID} characters")
     if chat:
         contents_given(request.messages)
     listed = normalize_tools(function_tools(request.tools)) if chat else None

@@ -59,7 +59,8 @@ from hibana_core.errors import (ChatTimeoutError, ConfigError, ContextLengthErro
 from hibana_core.messages import ConversationError, ToolChoiceError, ToolSchemaError, UnsupportedContentError
 from hibana_core.turn import ChatDelta
 from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatRequest, CompletionRequest, Reply,
-                                       TextReply, chat_call, choice_calls, parse_request, prompts_of, served_by_header)
+                                       TextReply, chat_call, choice_calls, named_state, parse_request, prompts_of,
+                                       served_by_header)
 
 if TYPE_CHECKING:
     import uvicorn
@@ -243,7 +244,7 @@ def shutting_down() -> ApiError:
     """What a request still running when the `Drain` expires gets (the body of a stream's last event)."""
     return ApiError(503, "the server is shutting down and its --shutdown-timeout ran out before this request "
                          "ended; send it again (to this server once it is back, or another)",
-                    code="server_shutting_down")
+                    code="server_shutting_down", kind="server_error")
 
 
 def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
@@ -347,7 +348,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         received = time.monotonic()
         parsed = await checked(request, ChatRequest)
         try:
-            call = chat_call(parsed, request.headers.get(STATE_HEADER), max_tokens_limit)
+            call = chat_call(parsed, named_state(request.headers.get(STATE_HEADER)), max_tokens_limit)
             prompt = await asyncio.to_thread(chat.render_text, parsed.messages, call.listed_tools,
                                            call.reasoning, effort=call.effort)
             choices = choice_calls(call)
@@ -360,9 +361,10 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
     async def completions(request: Request) -> Response:
         received = time.monotonic()
         parsed = await checked(request, CompletionRequest)
-        prompts = prompts_of(parsed, request.headers.get(STATE_HEADER))
+        state = named_state(request.headers.get(STATE_HEADER))
+        prompts = prompts_of(parsed, state)
         try:
-            call = chat_call(parsed, request.headers.get(STATE_HEADER), max_tokens_limit)
+            call = chat_call(parsed, state, max_tokens_limit)
             choices = choice_calls(call)
         except HibanaError as exc:
             raise api_error(exc) from None

@@ -48,9 +48,10 @@ def delete(client: httpx.Client, state_id: str) -> httpx.Response:
 
 
 def test_states_are_listed_and_deleted_by_id(engine):
-    header_id, user_id = "team/a b%2F", "user-list-1"  # a "/", a space and a percent-encoding in the id
+    header_id, user_id = "team/a b%2F", "user-list-1"  # a "/", a space and a literal "%2F" in the id
     with serving(engine, ServerConfig("demo")) as url, httpx.Client(base_url=url, timeout=120) as client:
-        ask(client, [{"role": "user", "content": "Weather in Oslo?"}], header=header_id)
+        # the header is percent-decoded: the literal "%" written "%25"
+        ask(client, [{"role": "user", "content": "Weather in Oslo?"}], header="team/a b%252F")
         ask(client, [{"role": "user", "content": "Weather in Rome?"}], user=user_id)
         states = listed(client)
         for state_id in (header_id, user_id):
@@ -68,6 +69,30 @@ def test_states_are_listed_and_deleted_by_id(engine):
         # the path as a client may write it, the "/" left as it is
         ask(client, [{"role": "user", "content": "Weather in Oslo?"}], header="team/x y")
         assert client.delete("/v1/hibana/states/team/x%20y").json()["deleted"] is True
+
+
+def test_the_state_header_a_reply_names_reaches_that_state_when_sent_back(engine):
+    """A reply's X-Hibana-State names the state that served it, percent-encoded as UTF-8 where it is
+    not plain ASCII or holds a "%" or ","; the request header is percent-decoded, so the value sent
+    back reaches that state (it made a state named by the encoding), and raw UTF-8 bytes in a
+    request header are read as UTF-8 (they were read as Latin-1: 'Ã¼nÃ¯')."""
+    question = [{"role": "user", "content": "Weather in Oslo?"}]
+    with serving(engine, ServerConfig("demo")) as url, httpx.Client(base_url=url, timeout=120) as client:
+        for name in ["ユーザー", "x, y", "50%", " padded"]:
+            body = {"model": "demo", "messages": question, "max_tokens": 4, "user": name}
+            header = client.post("/v1/chat/completions", json=body).headers[STATE_HEADER]
+            assert "," not in header and header.isascii() and urllib.parse.unquote(header) == name
+            history, _ = turn(client, question, header=header)
+            _, again = turn(client, history + [{"role": "user", "content": "And tomorrow?"}], header=header)
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            assert header not in listed(client) or header == name
+            assert delete(client, name).status_code == 200
+        raw = client.post("/v1/chat/completions", json={"model": "demo", "messages": question, "max_tokens": 4},
+                          headers={STATE_HEADER: "ünï".encode()})
+        assert raw.status_code == 200 and "ünï" in listed(client)
+        bad = client.post("/v1/chat/completions", json={"model": "demo", "messages": question, "max_tokens": 4},
+                          headers={STATE_HEADER: "%FF"})
+        assert bad.status_code == 400 and "percent-encoded UTF-8" in bad.json()["error"]["message"]
 
 
 def test_a_busy_state_is_not_deleted(engine):
