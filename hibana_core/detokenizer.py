@@ -13,6 +13,7 @@ characters spelled by ordinary tokens. A control token's text is never split bet
 
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 import weakref
@@ -201,6 +202,7 @@ class Detokenizer:
         self._emitted = 0
         self._matchers = [StopMatcher(s) for s in self.stop]
         self.stopped = False
+        self._bytes: Callable[[int], bytes] | None = None  # token id -> its bytes, made when first needed
 
     def add(self, token_id: int) -> bool:
         """Take one generated token; returns True when a stop string appeared (text is cut)."""
@@ -209,15 +211,18 @@ class Detokenizer:
         self._ids.append(token_id)
         decode = self._decode
         prefix = decode(self._ids[self._prefix_offset:self._read_offset])
-        full = decode(self._ids[self._prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        full, read = decode(self._ids[self._prefix_offset:]), len(self._ids)
+        if full.endswith("\ufffd"):  # the text may end inside a character: read up to it
+            read = self._complete_end()
+            full = decode(self._ids[self._prefix_offset:read]) if read < len(self._ids) else full
+        if len(full) <= len(prefix) or read <= self._read_offset:
             return False  # an incomplete character: wait for the next token
         new = full[len(prefix):]
         if self._read_offset < self._history_end:  # the first text after a history cut inside a character
             if new.startswith("\ufffd"):  # which the model did not finish: it stays the history's
                 new = full[len(decode(self._ids[self._prefix_offset:self._history_end])):]
             self._history_end = 0
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_offset, self._read_offset = self._read_offset, read
         for i, char in enumerate(new):
             done = [m for m in self._matchers if m.feed(char)]
             if done:  # the text ends before the stop string that completed first; of several
@@ -230,6 +235,22 @@ class Detokenizer:
         self.text += new
         self._note_control(token_id)
         return False
+
+    def _complete_end(self) -> int:
+        """Where the tokens not yet read stop making whole characters: before the last few when
+        their bytes end inside a character whose next bytes may still come, else at the end (bytes
+        no later byte can make a character, such as a lone continuation byte, are U+FFFD now, as
+        the tokenizer decodes them; waiting for them held back the whole rest of the reply)."""
+        if self._bytes is None:
+            self._bytes = token_bytes(self.tokenizer)
+        pieces = [self._bytes(t) for t in self._ids[self._read_offset:]]
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(b"".join(pieces), final=False)
+        unfinished, end = len(decoder.getstate()[0]), len(self._ids)
+        while unfinished > 0:
+            end -= 1
+            unfinished -= len(pieces[end - len(self._ids)])
+        return end
 
     def _note_control(self, token_id: int) -> None:
         """Record the text's end as a control token's span when `token_id` is one. Its text ends
