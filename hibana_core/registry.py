@@ -430,9 +430,10 @@ class StateRegistry:
     def infos(self) -> list[StateInfo]:
         with self.lock:  # the requests looked at once, not once a state (a server's /metrics lists thousands)
             busy = self._busy()
+            since = time.time() - time.monotonic()  # last uses are kept on the monotonic clock
             return [StateInfo(e.handle.id, len(e.seq), min(e.seq.num_computed, len(e.seq)),
                               e.seq.num_blocks, _tier(e.seq),
-                              e.last_use, id(e.seq) in busy, e.use.pinned_at is not None,
+                              since + e.last_use, id(e.seq) in busy, e.use.pinned_at is not None,
                               e.use.priority)
                     for e in self._entries.values()]
 
@@ -598,9 +599,13 @@ class StateRegistry:
             seq = entry.seq
             length = len(tokens if tokens is not None else seq)
             if not length:
-                given = "the prompt given is empty and " if tokens is not None else ""
-                raise ContextLengthError(f"{given}state {handle.id!r} holds no tokens: nothing to continue from; "
-                                         "give a prompt of at least one token (or sync a history first)")
+                if tokens is None or not seq:
+                    given = "the prompt given is empty and " if tokens is not None else ""
+                    raise ContextLengthError(f"{given}state {handle.id!r} holds no tokens: nothing to continue "
+                                             "from; give a prompt of at least one token (or sync a history first)")
+                raise ContextLengthError(f"prompt=[] would make state {handle.id!r} (holding {len(seq)} tokens) an "
+                                         "empty history: nothing to continue from; leave prompt out to continue the "
+                                         "state, or give at least one token (the state is unchanged)")
             if params.max_tokens > 0 and length >= self.limits.max_model_len:
                 raise ContextLengthError(
                     f"the history holds {length} tokens, the model's whole context of "

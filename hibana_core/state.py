@@ -96,7 +96,7 @@ class StateInfo:
     computed: int         # tokens whose KV is resident
     blocks: int
     tier: str             # "device" while KV is resident, "host" / "disk" while parked there, "none" once released
-    last_use: float
+    last_use: float       # when a call last used it, in Unix seconds (time.time())
     busy: bool
     pinned: bool = False  # StateHandle.pin(): kept on the device within the pin budget
     priority: int = 0     # its last request's priority: lower-priority idle states leave the device first

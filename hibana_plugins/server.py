@@ -317,10 +317,9 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
     async def states() -> dict:
         """The engine's states, most recently used first."""
         infos = sorted(await asyncio.to_thread(engine.states), key=lambda info: info.last_use, reverse=True)
-        since = time.time() - time.monotonic()  # StateInfo.last_use is of the monotonic clock
         return {"object": "list", "data": [
             {"id": info.id, "object": "hibana.state", "tokens": info.tokens, "computed": info.computed,
-             "tier": info.tier, "busy": info.busy, "pinned": info.pinned, "last_used_at": round(since + info.last_use, 3),
+             "tier": info.tier, "busy": info.busy, "pinned": info.pinned, "last_used_at": round(info.last_use, 3),
              "client_named": named.holds(info.id)} for info in infos]}
 
     @app.delete("/v1/hibana/states/{state_id:path}", dependencies=[Depends(authorized)])

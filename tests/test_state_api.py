@@ -10,6 +10,7 @@ import dataclasses
 import os
 import random
 import threading
+import time
 import typing
 from concurrent.futures import ThreadPoolExecutor
 
@@ -913,6 +914,21 @@ def test_an_empty_prompt_on_an_empty_state_says_so(tiny_checkpoints, make_engine
     with pytest.raises(ContextLengthError, match="holds no tokens") as caught:
         h.generate(SamplingParams(max_tokens=3))
     assert "prompt given" not in str(caught.value)
+    h.sync([3, 4, 5])  # a state that holds tokens is not said to hold none
+    with pytest.raises(ContextLengthError, match=r"prompt=\[\] would make state 'empty' \(holding 3 tokens\) an "
+                                                 "empty history.*leave prompt out"):
+        h.generate(SamplingParams(max_tokens=3), prompt=[])
+    assert h.tokens == [3, 4, 5]
+
+
+def test_a_states_last_use_is_in_unix_seconds(tiny_checkpoints, make_engine):
+    """`StateInfo.last_use` was the monotonic clock's reading (41661.68 beside time.time()'s 1.8e9),
+    a unit said nowhere; it is when a call last used the state, as the server's `last_used_at`."""
+    engine = make_engine(tiny_checkpoints["llama"], speculation="off")
+    before = time.time()
+    engine.open_state("clock").sync([3, 4, 5])
+    (info,) = [info for info in engine.states() if info.id == "clock"]
+    assert before - 1 <= info.last_use <= time.time() + 1
 
 
 def test_sync_stats_unpack_as_the_pair_design_names(tiny_checkpoints, make_engine):
