@@ -489,6 +489,15 @@ def result(parsed: ParsedOutput, raw_text: str, finish_reason: str, usage: Usage
                       cut_call)
 
 
+def openai_finish_reason(result: ChatResult) -> str:
+    """OpenAI's finish reason for a turn, as the server and the adapters report it: "length" whenever
+    max_tokens stopped the output, calls or not (as OpenAI and vLLM); "tool_calls" where it ended in
+    calls; "stop" otherwise (a malformed call ends the turn as text; `ChatResult.error` says why)."""
+    if result.finish_reason == "length":
+        return "length"
+    return "tool_calls" if result.tool_calls else "stop"
+
+
 # --- driving a turn: the only code that does I/O, once for threads and once for an event loop ------
 
 Open = Callable[[contextlib.ExitStack], "tuple[TurnRun, StateHandle]"]

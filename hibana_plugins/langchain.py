@@ -63,6 +63,7 @@ try:
                                          FunctionMessage, HumanMessage, SystemMessage, ToolMessage,
                                          convert_to_messages)
     from langchain_core.messages.tool import invalid_tool_call, tool_call_chunk
+    from langchain_core.exceptions import OutputParserException
     from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
     from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
     from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
@@ -70,6 +71,26 @@ try:
     from langchain_core.runnables.config import ensure_config, var_child_runnable_config
     from langchain_core.utils.function_calling import convert_to_openai_tool
     from langchain_core.utils.pydantic import is_basemodel_subclass
+
+    class _WholeAnswer:
+        """An answer parser that refuses an answer max_tokens cut, as ChatOpenAI's `.parse()` raises
+        LengthFinishReasonError: LangChain's JSON parser reads partial JSON, and a cut answer came
+        back as a dict without its required keys. A stream's partial answers stay partial."""
+
+        def parse_result(self, result: list, *, partial: bool = False) -> Any:
+            message = getattr(result[0], "message", None) if result and not partial else None
+            if message is not None and message.response_metadata.get("finish_reason") == "length":
+                raise OutputParserException(
+                    "the structured answer was cut before its JSON ended (finish_reason 'length'): raise "
+                    "max_tokens (or shorten the history, where the model's context ended it)",
+                    llm_output=message.content if isinstance(message.content, str) else None)
+            return super().parse_result(result, partial=partial)
+
+    class _WholeJson(_WholeAnswer, JsonOutputParser):
+        pass
+
+    class _WholePydantic(_WholeAnswer, PydanticOutputParser):
+        pass
 except ImportError as _missing:  # langchain-core is an optional dependency
     _IMPORT_ERROR: ImportError | None = _missing
 
@@ -299,7 +320,7 @@ class _Call:
                 "input_token_details": {"cache_read": usage.cached_tokens}}
 
     def response_metadata(self, result: TurnResult) -> dict:
-        reason = result.finish_reason
+        reason = turn.openai_finish_reason(result)  # a malformed call's turn is "stop", as ChatOpenAI's
         if self.as_content and reason == "tool_calls":
             reason = "stop"  # the call's arguments are the content: the message has no tool calls
         metadata = {"model_name": self.model_name, "model_provider": PROVIDER,
@@ -337,7 +358,7 @@ class _Call:
     def cut_call_error(self, result: TurnResult) -> str:
         """What ended the reply inside a call, and what to do: max_tokens ("length"), else a stop
         (a stop string, or a stop token, where the call grammar held the turn)."""
-        finish_reason = result.finish_reason
+        finish_reason = turn.openai_finish_reason(result)
         if self.chat.ended_at_context(result):
             return (f"the reply ended inside this call at the model's context of {self.chat.engine.max_model_len} "
                     "tokens (finish_reason 'length'): shorten the history")
@@ -597,7 +618,7 @@ class ChatHibana(BaseChatModel):
                       JsonOutputKeyToolsParser(key_name=tool["function"]["name"], first_tool_only=True))
         else:
             llm = self.bind(answer_tool=tool, ls_structured_output_format=trace)
-            parser = PydanticOutputParser(pydantic_object=schema) if pydantic_schema else JsonOutputParser()
+            parser = _WholePydantic(pydantic_object=schema) if pydantic_schema else _WholeJson()
         if not include_raw:
             return llm | parser
         parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)

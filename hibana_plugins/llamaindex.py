@@ -167,7 +167,7 @@ class _Call:
     def raw(self, model: str) -> dict:
         raw: dict[str, Any] = {"model": model, "state_id": self.state_id}
         if self.result is not None:
-            raw |= {"finish_reason": self.result.finish_reason, "usage": self.usage_dict()}
+            raw |= {"finish_reason": turn.openai_finish_reason(self.result), "usage": self.usage_dict()}
             if self.result.error:
                 raw["error"] = self.result.error
             if self.chat.ended_at_context(self.result):

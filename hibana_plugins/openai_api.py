@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from hibana_core.chat import TokenIds, assistant_message
 from hibana_core.config import SamplingParams
 from hibana_core.messages import normalize_tool_choice, normalize_tools
-from hibana_core.turn import ChatDelta, ChatResult, Usage
+from hibana_core.turn import ChatDelta, ChatResult, Usage, openai_finish_reason
 
 STATE_HEADER = "X-Hibana-State"
 MAX_STATE_ID = 256  # characters of an id a client names its state by
@@ -462,12 +462,12 @@ class Reply:
         if result.tool_calls and not message["content"]:
             message["content"] = None  # OpenAI's shape for a turn of calls only
         return {"index": index, "message": message, "logprobs": self._logprobs(result),
-                "finish_reason": finish_reason(result)}
+                "finish_reason": openai_finish_reason(result)}
 
     def chunk(self, delta: ChatDelta, index: int = 0) -> dict:
         """The chunk for one delta of choice `index`; the result's chunk carries the finish reason."""
         if delta.result is not None:  # the log-probabilities, if asked, all on this last chunk
-            return self._chunk({}, finish_reason(delta.result), self._logprobs(delta.result), index)
+            return self._chunk({}, openai_finish_reason(delta.result), self._logprobs(delta.result), index)
         if delta.tool_call is not None:
             call = delta.tool_call
             piece: dict[str, Any] = {"index": call.index}
@@ -532,14 +532,6 @@ def _answer(result: ChatResult) -> str:
     return result.content if result.finish_reason == "length" else result.text
 
 
-def finish_reason(result: ChatResult) -> str:
-    """OpenAI's finish reasons: "length" whenever max_tokens stopped the output, calls or not (as
-    OpenAI and vLLM); a malformed call ends the turn as text ("stop")."""
-    if result.finish_reason == "length":
-        return "length"
-    return "tool_calls" if result.tool_calls else "stop"
-
-
 def total_usage(results: Sequence[ChatResult], n: int) -> Usage:
     """The usage of a request's results, n choices per prompt: each prompt counted once, as
     OpenAI counts it for n choices (with what its first choice's state held), every choice's
@@ -565,12 +557,12 @@ class TextReply(Reply):
 
     def completion(self, *results: ChatResult) -> dict:
         """The reply to one prompt, or to several (n choices each, in order; their usage summed)."""
-        choices = [{"index": i, "text": r.text, "logprobs": None, "finish_reason": finish_reason(r)}
+        choices = [{"index": i, "text": r.text, "logprobs": None, "finish_reason": openai_finish_reason(r)}
                    for i, r in enumerate(results)]
         return {**self._head("text_completion"), "choices": choices, "usage": usage(total_usage(results, self.n))}
 
     def chunk(self, delta: ChatDelta, index: int = 0) -> dict:
-        finish = finish_reason(delta.result) if delta.result is not None else None
+        finish = openai_finish_reason(delta.result) if delta.result is not None else None
         choice = {"index": index, "text": delta.text, "logprobs": None, "finish_reason": finish}
         return {**self._head("text_completion"), "choices": [choice]}
 

@@ -18,6 +18,7 @@ from typing import Annotated, Literal
 import pytest
 
 
+from langchain_core.exceptions import OutputParserException  # noqa: E402
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage  # noqa: E402
 from langchain_core.tools import tool  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
@@ -261,6 +262,12 @@ def test_structured_output_include_raw(llm):
     streamed = "".join(c.content for c in inside.with_structured_output(Book, method="json_schema").first.stream(BOOK))
     assert cut["raw"].response_metadata["finish_reason"] == "length" and cut["parsed"] is None
     assert cut["raw"].content.startswith('{"') and cut["raw"].content == streamed, (cut["raw"].content, streamed)
+    # a dict schema too: LangChain's JSON parser read the cut JSON as a dict without its required keys
+    for method in ("json_schema", "json_mode"):
+        cut = inside.with_structured_output(BookDict, method=method, include_raw=True).invoke(BOOK)
+        assert cut["parsed"] is None and "cut before its JSON ended" in str(cut["parsing_error"]), method
+        with pytest.raises(OutputParserException, match="raise max_tokens"):
+            inside.with_structured_output(BookDict, method=method).invoke(BOOK)
 
 
 def test_a_call_cut_by_max_tokens_is_an_invalid_call_not_text(llm):
@@ -671,6 +678,8 @@ def test_a_call_cut_by_a_stop_sequence_says_so(llm):
     reply = llm.bind_tools([get_weather]).invoke("What is the weather in Paris?", stop=["Paris"], max_tokens=40)
     (cut,) = reply.invalid_tool_calls
     assert "stop sequence" in cut["error"] and "'Paris'" in cut["error"] and "max_tokens" not in cut["error"]
+    # one of OpenAI's finish reasons, as the server's (it was the chat layer's "malformed_tool_call")
+    assert reply.response_metadata["finish_reason"] == "stop" and "malformed" not in cut["error"]
 
 
 def test_one_stop_string_on_the_object_is_taken_as_in_a_call(llm):

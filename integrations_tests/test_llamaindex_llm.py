@@ -446,6 +446,15 @@ def test_a_call_cut_by_max_tokens_leaves_no_markup_in_the_text(engine):
     assert "<tool_call>" not in (streamed[-1].message.content or "")
 
 
+def test_a_call_cut_by_a_stop_reports_an_openai_finish_reason(engine):
+    """`raw["finish_reason"]` was the chat layer's own "malformed_tool_call" where a stop string cut a
+    call; it is "stop", as the server and ChatOpenAI report it, the parse error beside it."""
+    llm = HibanaLLM(engine=engine, max_tokens=40)
+    history = [ChatMessage(role="user", content="What is the weather in Paris?")]
+    reply = llm.chat_with_tools(TOOLS[:1], chat_history=history, tool_required=True, stop=["Paris"])
+    assert reply.raw["finish_reason"] == "stop" and reply.raw["error"]
+
+
 # --- copies, pickles, streams left early (an outside trial of the adapters) -----------------------------
 
 def test_a_copy_for_another_model_or_engine_options_runs_on_their_engine(engine):
