@@ -98,9 +98,9 @@ def snapshot(ref: RepoRef, progress: bool = True) -> Path:
         logger.info("%s: using the cached snapshot %s", ref, cached)
         return cached
     if offline():
-        raise CheckpointError(_not_cached(ref, cache, cached, missing,
-                                          "and downloads are off (HF_HUB_OFFLINE is set)") +
-                              "; or set HF_HUB_OFFLINE=0 to let Hibana fetch it")
+        why = _not_cached(ref, cache, cached, missing, "and downloads are off (HF_HUB_OFFLINE is set)")
+        fetched = "" if _bin_only(cached, missing) else "; or set HF_HUB_OFFLINE=0 to let Hibana fetch it"
+        raise CheckpointError(why + fetched)
     return _download(ref, cache, progress)
 
 
@@ -112,7 +112,7 @@ def missing_files(path: Path) -> list[str]:
     if index.is_file():
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             return missing + [f"{index.name} (damaged)"]
         missing += [name for name in shards if not (path / name).is_file()]
     elif not any(path.glob("*.safetensors")):
@@ -140,8 +140,13 @@ def _cached(ref: RepoRef, cache: Path) -> tuple[Path | None, list[str]]:
     return path, missing_files(path)
 
 
+def _bin_only(cached: Path | None, missing: list[str]) -> bool:
+    """Whether the cached snapshot lacks safetensors but holds .bin weights (fetching again changes nothing)."""
+    return cached is not None and "*.safetensors weights" in missing and any(cached.glob("*.bin"))
+
+
 def _not_cached(ref: RepoRef, cache: Path, cached: Path | None, missing: list[str], why: str) -> str:
-    if cached is not None and "*.safetensors weights" in missing and any(cached.glob("*.bin")):
+    if _bin_only(cached, missing):
         return (f"the cached copy of {ref} ({cached}) holds PyTorch .bin weights, which Hibana does not read "
                 "(safetensors only), and downloading it again would not change that if the repo ships no "
                 "safetensors. Convert them: load it with transformers and save_pretrained(DIR) (safetensors by "
@@ -220,6 +225,6 @@ def _weight_patterns(path: Path) -> list[str]:
     if index.is_file():
         try:
             return sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"{index} is damaged ({exc}); delete it from the cache and retry") from exc
     return ["*.safetensors"]

@@ -96,15 +96,36 @@ def declared_dtype(hf_config: Any) -> torch.dtype | None:
     return declared if declared in _DTYPES.values() else None
 
 
+def read_json_object(file: Path) -> dict:
+    """A checkpoint's JSON file that holds an object; ValueError saying what it holds otherwise."""
+    try:
+        data = json.loads(file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 text (byte {exc.object[exc.start]:#04x} at {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON {type(data).__name__}, not an object")
+    return data
+
+
 def read_model_type(path: Path) -> str:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path} has no config.json; is it a Hugging Face checkpoint directory?")
     try:
-        return json.loads(config_file.read_text())["model_type"]
-    except (json.JSONDecodeError, KeyError) as exc:
+        config = read_json_object(config_file)
+    except ValueError as exc:
         raise CheckpointError(f"{config_file} is not a valid model config ({exc}); "
                               "re-export the checkpoint with save_pretrained") from exc
+    if "model_type" not in config:
+        raise CheckpointError(f"{config_file} has no model_type, which names the architecture (\"llama\", "
+                              "\"qwen3\", ...); re-export the checkpoint with save_pretrained")
+    model_type = config["model_type"]
+    if model_type is not None and not isinstance(model_type, (str, int, float)):
+        raise UnsupportedModelError(f"{config_file}'s model_type is {model_type!r:.80}, not the name of an "
+                                    "architecture; it should be a string such as \"llama\"")
+    return model_type
 
 
 def read_config(path: Path, model_type: str) -> Any:
@@ -300,8 +321,11 @@ def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as exc:
+            weight_map = read_json_object(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+                raise ValueError(f"its weight_map is {type(weight_map).__name__}, not an object of file names")
+            names = sorted(set(weight_map.values()))
+        except ValueError as exc:
             raise CheckpointError(f"{index} is damaged ({exc}); re-download or re-export the checkpoint") from exc
         missing = [n for n in names if not (path / n).is_file()]
         if missing:
@@ -549,7 +573,8 @@ def load_tokenizer(path: Path, hf_config: Any | None = None) -> Any | None:
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **({"config": hf_config} if hf_config is not None else {}))
     except Exception as exc:
-        raise CheckpointError(f"cannot load the tokenizer in {path}: {exc}") from exc
+        raise CheckpointError(f"cannot load the tokenizer in {path}: {exc}; re-download or re-save its tokenizer "
+                              "files (tokenizer.save_pretrained), or remove them to load for token ids alone") from exc
     return quiet_length_warning(tokenizer)
 
 
@@ -568,9 +593,9 @@ def _eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
     gen_file = path / "generation_config.json"
     if gen_file.is_file():
         try:
-            eos = json.loads(gen_file.read_text()).get("eos_token_id")
-        except json.JSONDecodeError:
-            warnings.warn(f"{gen_file} is not valid JSON; using config.json's eos_token_id")
+            eos = read_json_object(gen_file).get("eos_token_id")
+        except ValueError as exc:
+            warnings.warn(f"{gen_file} is damaged ({exc}); using config.json's eos_token_id")
     return _as_ids(_config_eos(hf_config) if eos is None else eos)
 
 

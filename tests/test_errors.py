@@ -7,6 +7,7 @@ import inspect
 import json
 import pkgutil
 import random
+import re
 import shutil
 
 import pytest
@@ -147,6 +148,41 @@ def test_missing_config(tiny_checkpoints, tmp_path):
     (ckpt / "config.json").unlink()
     with pytest.raises(CheckpointError):
         open_engine(ckpt)
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"[1, 2]", "a JSON list, not an object"), (b'"llama"', "a JSON str, not an object"),
+    (b"null", "a JSON NoneType, not an object"), (b"\xff\xfe{}", "not UTF-8 text"),
+    ('{"model_type": "caf\u00e9"}'.encode("latin-1"), "not UTF-8 text"), (b"{}", "has no model_type"),
+    (b'{"model_type": ["llama"]}', "not the name of an architecture"),
+])
+def test_a_config_of_the_wrong_kind_is_a_checkpoint_error(tiny_checkpoints, tmp_path, content, says):
+    """A config.json that is JSON but no object, or no UTF-8, raised TypeError / UnicodeDecodeError
+    (invalid JSON was already a CheckpointError); a missing model_type read "('model_type')"."""
+    ckpt = copy_checkpoint(tiny_checkpoints[ARCH], tmp_path / "c")
+    (ckpt / "config.json").write_bytes(content)
+    with pytest.raises(HibanaError, match=re.escape(says)):
+        open_engine(ckpt)
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"\xff\x00", "not UTF-8 text"), (b"[1]", "a JSON list, not an object"),
+    (b'{"weight_map": [1]}', "its weight_map is list"), (b'{"weight_map": {"a": 1}}', "its weight_map is dict"),
+])
+def test_a_damaged_index_or_generation_config_is_said(tmp_path, content, says):
+    """A weight index or generation_config.json that is not UTF-8, or JSON of another shape, raised
+    UnicodeDecodeError / TypeError / AttributeError: the index is a CheckpointError saying it is
+    damaged, a generation config a warning (config.json's eos_token_id is used), as invalid JSON was."""
+    ckpt = make_tiny_checkpoint("qwen2", tmp_path / "sharded", shard_size="100KB")
+    index = (ckpt / "model.safetensors.index.json").read_bytes()
+    (ckpt / "model.safetensors.index.json").write_bytes(content)
+    with pytest.raises(CheckpointError, match="index.json is damaged .*" + re.escape(says)):
+        open_engine(ckpt)
+    (ckpt / "model.safetensors.index.json").write_bytes(index)
+    if b"weight_map" not in content:
+        (ckpt / "generation_config.json").write_bytes(content)
+        with pytest.warns(UserWarning, match="generation_config.json is damaged .*" + re.escape(says)):
+            open_engine(ckpt).close()
 
 
 def test_missing_weights(tiny_checkpoints, tmp_path):

@@ -122,8 +122,8 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
     if not file.is_file():
         return None
     try:
-        manifest = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
+        manifest = json.loads(file.read_bytes().decode("utf-8"))
+    except ValueError as exc:  # (not UTF-8 text, or not JSON)
         raise CheckpointError(f"{file} is damaged ({exc}); re-run `hibana surgery`") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else manifest
