@@ -90,6 +90,7 @@ class Chat:
             raise CheckpointError("the chat layer needs a tokenizer with a chat template, and this checkpoint "
                                   "has none; use state handles with token ids instead")
         self.engine = engine
+        self.asked_parser = tool_parser  # the tool parser named (None: the format's or the template's)
         vocab = engine.tokenizer.get_vocab()
         model_type = getattr(engine.hf_config, "model_type", None)
         chat_format = get_plugin_manager().chat_formats().get(model_type)

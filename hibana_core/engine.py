@@ -505,11 +505,13 @@ class Engine:
         stays private to this state; `share=True` lets other states reuse it (trusted files)."""
         return self.registry.load(path, state_id, share=share)
 
-    def chat(self, state_id: str) -> "Chat":
-        """The chat layer on one state: OpenAI-style messages and tools in, text and tool calls out."""
+    def chat(self, state_id: str, *, tool_parser: str | None = None) -> "Chat":
+        """The chat layer on one state: OpenAI-style messages and tools in, text and tool calls out.
+        `tool_parser`: a registered tool parser's name (a plugin's too); None: the chat format's, else
+        the one the chat template's call syntax reads as."""
         from hibana_core.chat import Chat
 
-        return Chat(self, state_id)
+        return Chat(self, state_id, tool_parser)
 
     def match_state(self, token_ids: Sequence[int], *, min_shared: float = 0.0) -> StateHandle | None:
         """The idle, unleased state whose history shares the longest prefix with token_ids (the

@@ -471,6 +471,9 @@ class ChatHibana(BaseChatModel):
     guided_tool_arguments: bool = True
     """Hold tool-call arguments to the tool's JSON schema (the grammar); False: any JSON object
     (the call is still held to a bound tool's name)."""
+    tool_parser: str | None = None
+    """A registered tool parser by name (`hibana plugins` lists them; a plugin's too): how calls are
+    written and read. None: the model's chat format's, else the one its chat template writes."""
     given_engine: Any = Field(default=None, exclude=True, repr=False)
     """The engine passed as `engine=`, with the options it serves (an `EngineChoice`). A field,
     left out of dumps, so that LangChain's rebuilt objects (`configurable_fields`) get it back."""
@@ -543,7 +546,8 @@ class ChatHibana(BaseChatModel):
         params = {"model": self.model, **{name: getattr(self, name) for name in SAMPLING if name != "stop"},
                   "engine_kwargs": dict(sorted(self.engine_kwargs.items())), "reasoning": self.reasoning,
                   "reasoning_effort": self.reasoning_effort, "reasoning_history": self.reasoning_history,
-                  "guided_tool_arguments": self.guided_tool_arguments, "state_id": self.state_id}
+                  "guided_tool_arguments": self.guided_tool_arguments, "state_id": self.state_id,
+                  "tool_parser": self.tool_parser}
         if self.given_engine is not None and self.given_engine.serves(self.model, self.engine_kwargs):
             params["engine"] = repr(self.given_engine.engine.config)  # what another engine of `model` may differ in
         return params
@@ -736,10 +740,10 @@ class ChatHibana(BaseChatModel):
         if model != self.model:
             from hibana_core import Engine
 
-            return Chat(Engine.shared(model, **self.engine_kwargs))
+            return Chat(Engine.shared(model, **self.engine_kwargs), tool_parser=self.tool_parser)
         engine = self.engine
-        if self._chat is None or self._chat.engine is not engine:
-            self._chat = Chat(engine)
+        if self._chat is None or self._chat.engine is not engine or self._chat.asked_parser != self.tool_parser:
+            self._chat = Chat(engine, tool_parser=self.tool_parser)
         return self._chat
 
     def _params(self, stop: list[str] | None, kwargs: dict[str, Any], context: int) -> SamplingParams:

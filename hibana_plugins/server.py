@@ -88,6 +88,8 @@ class ServerConfig:
     #                                       to stop, then they are cancelled; None: until they finish
     max_named_states: int = 4096          # idle states named by clients (X-Hibana-State, `user`) kept open;
     #                                       past it the least recently used are closed (to the state_dir)
+    tool_parser: str | None = None        # a registered tool parser by name; None: the chat format's or
+    #                                       the one the chat template writes
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -251,7 +253,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
     """The HTTP face of one engine; the engine stays the caller's to close."""
     app = FastAPI(title="Hibana", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.drain = Drain()
-    chat = Chat(engine)
+    chat = Chat(engine, tool_parser=config.tool_parser)
     text_chat = copy.copy(chat)  # legacy completions: the text as generated, a model's thinking left in it
     text_chat.thinks = False
     metrics = Metrics()
@@ -705,6 +707,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "the least recently used idle ones are closed, written to --state-dir first where "
                              "given (a request naming one again resumes its history), else forgotten (default "
                              "%(default)s; 0: none kept between requests). DELETE /v1/hibana/states/ID forgets one")
+    parser.add_argument("--tool-parser", metavar="NAME",
+                        help="the registered tool parser that writes and reads tool calls (`hibana plugins` lists "
+                             "them; a plugin's too); default: the model's chat format's, else the one its chat "
+                             "template writes (vLLM's --tool-call-parser)")
     parser.add_argument("--memory-budget", type=_number_or_text, help="the engine's memory: weights, KV and workspace in bytes "
                         "(\"20GB\") or a fraction of the device (\"80%%\"); unified memory keeps headroom for the OS")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -807,7 +813,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = ServerConfig(args.served_model_name or args.model, args.api_key, args.max_body_bytes,
                               args.max_tokens_limit, args.request_timeout, args.shutdown_timeout,
-                              args.max_named_states)
+                              args.max_named_states, args.tool_parser)
         sock = bind(args.host, args.port)  # before the load: an address in use is said at once
         engine = Engine.from_pretrained(args.model, **engine_options(args))
     except HibanaError as exc:
@@ -815,9 +821,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             sock.close()
         print(f"hibana serve: {exc}", file=sys.stderr)
         return 2
+    try:
+        app = create_app(engine, config)
+    except HibanaError as exc:  # the chat layer's: a tool parser that is not registered, a template that breaks
+        engine.close()
+        sock.close()
+        print(f"hibana serve: {exc}", file=sys.stderr)
+        return 2
     if args.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
         log.warning("serving on %s with no API key: anyone who can reach it can use the model", args.host)
-    server = uvicorn_server(create_app(engine, config), config, host=args.host, port=args.port,
+    server = uvicorn_server(app, config, host=args.host, port=args.port,
                             log_level=args.log_level)
     host, port = sock.getsockname()[:2]  # uvicorn names no address for sockets it is given
     log.info("serving %s on http://%s:%d/v1 (Ctrl+C to stop)", config.model_name, f"[{host}]" if ":" in host

@@ -190,3 +190,36 @@ def test_a_parser_plugin_supplies_its_own_tool_call_grammar():
         result = chat.respond([{"role": "user", "content": "Hello!"}], [WEATHER, ADD], tool_choice="add_numbers")
         assert [c.name for c in result.tool_calls] == ["add_numbers"]
         assert set(result.tool_calls[0].arguments) == {"a", "b"}
+
+
+def test_users_name_a_plugins_tool_parser(manager):
+    """A plugin's tool parser could be named only through `Chat(..., tool_parser=)` and HibanaLLM; the
+    README promised it as an equal of the built-ins. `engine.chat`, ChatHibana and `hibana serve`
+    name one now; a name nothing registers is a PluginError listing those that are."""
+    from hibana_core import Engine
+    from hibana_plugins.langchain import ChatHibana
+    from hibana_plugins.manager import PluginError
+    from hibana_plugins.server import ServerConfig, build_parser, serving
+
+    question = [{"role": "user", "content": "What is 2 plus 3?"}]
+    with Engine.from_pretrained("demo", device="cpu", progress=False) as engine:
+        chat = engine.chat("named-parser", tool_parser="example_xml")
+        assert chat.parser_name == "example_xml" and engine.chat("default").parser_name == "hermes"
+        result = chat.respond(question, [WEATHER, ADD], tool_choice="add_numbers")
+        assert [c.name for c in result.tool_calls] == ["add_numbers"]  # (its grammar writes the hermes form)
+        with pytest.raises(PluginError, match="no tool parser named 'nope' is registered .*example_xml"):
+            engine.chat("unknown", tool_parser="nope")
+
+        llm = ChatHibana(engine=engine, tool_parser="example_xml")
+        reply = llm.bind_tools([ADD], tool_choice="add_numbers").invoke("What is 2 plus 3?")
+        assert [call["name"] for call in reply.tool_calls] == ["add_numbers"]
+        assert llm._identifying_params["tool_parser"] == "example_xml"  # LangChain's cache keys on it
+
+        pytest.importorskip("fastapi")
+        httpx = pytest.importorskip("httpx")
+        assert build_parser().parse_args(["demo", "--tool-parser", "example_xml"]).tool_parser == "example_xml"
+        with serving(engine, ServerConfig("demo", tool_parser="example_xml")) as url:
+            body = {"model": "demo", "messages": question, "tools": [WEATHER, ADD], "max_tokens": 64,
+                    "tool_choice": {"type": "function", "function": {"name": "add_numbers"}}}
+            served = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+            assert served["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "add_numbers"
