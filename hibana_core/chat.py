@@ -835,7 +835,8 @@ def _check_format(described: str, chat_format: Any) -> None:
                 "tool_parser": ("a registered tool parser's name (str)", lambda v: isinstance(v, str)),
                 "end_of_turn_tokens": ("a list of token texts", is_strings),
                 "reasoning_efforts": ("a list of reasoning_effort levels (str)", is_strings),
-                "prepare_messages": ("a function of the messages", callable)}
+                "prepare_messages": ("a function of the messages", callable),
+                "always_thinks": ("True or False", lambda v: isinstance(v, bool))}
     for attribute, (what, fits) in expected.items():
         value = getattr(chat_format, attribute, None)
         if value is not None and not fits(value):

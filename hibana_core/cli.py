@@ -194,6 +194,11 @@ def _surgery_run(args: argparse.Namespace, passes: list) -> int:
     from hibana_core.loader import resolve_checkpoint
     from hibana_core.surgery import checkpoint
 
+    try:  # a model that is not there is a usage error, said before a loading bar (as demo's and bench's)
+        source = resolve_checkpoint(args.model)
+    except HibanaError as exc:
+        print(f"hibana surgery: {exc}", file=sys.stderr)
+        return 2
     try:
         engine = Engine.from_pretrained(args.model, surgery=passes, speculation="off", device=args.device,
                                         dtype=args.dtype, surgery_guard=not args.no_guard,
@@ -229,7 +234,6 @@ def _surgery_run(args: argparse.Namespace, passes: list) -> int:
                                                                if "guard" in record else ""))
             print(f"model bytes now {engine.weight_bytes / 1e6:,.1f} MB")
             if args.out:
-                source = resolve_checkpoint(args.model)
                 out = checkpoint.save(engine, source, Path(args.out))
                 sizes = [sum(f.stat().st_size for f in d.glob("*.safetensors")) for d in (out, source)]
                 print(f"wrote {out}, {sizes[0] / 1e6:,.1f} MB of weights (the source's: {sizes[1] / 1e6:,.1f} MB; "

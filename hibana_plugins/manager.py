@@ -296,8 +296,10 @@ class HibanaPluginManager:
         where = {"import": "failed to import", "register": "failed to register"}.get(
             stage, f"raised in {stage}"
         )
+        # a hook that raised loses what it registered; the plugin's other hooks stay
+        skipped = "It is skipped" if stage in ("import", "register") else f"What its {stage} registers is skipped"
         warnings.warn(
-            f"Hibana plugin {plugin!r}{origin} {where}: {text}. It is skipped.",
+            f"Hibana plugin {plugin!r}{origin} {where}: {text}. {skipped}.",
             PluginWarning,
             stacklevel=4,
         )

@@ -857,6 +857,7 @@ def test_a_plugin_chat_format_that_breaks_is_an_error_naming_it_and_what_is_wron
          rf"{named} has a template that is no valid Jinja \(unexpected '}}', line 1\)", "made"),
         ({"end_of_turn_tokens": "<|im_end|>"}, ConfigError, rf"{named} has end_of_turn_tokens = str '<\|im_end",
          "made"),
+        ({"always_thinks": "yes"}, ConfigError, rf"{named} has always_thinks = str 'yes', where True or False", "made"),
         ({"tool_parser": "no_such_parser"}, PluginError,
          rf"{named} names tool parser 'no_such_parser' \(its tool_parser\), and no tool parser named", "made"),
         ({"prepare_messages": staticmethod(prepare_raises)}, ConfigError,

@@ -165,6 +165,13 @@ def test_ctrl_c_stops_a_command_in_one_line():
     assert proc.returncode == 130 and err == "hibana: interrupted\n", (proc.returncode, err)
 
 
+def test_surgery_of_a_model_that_is_not_there_is_a_usage_error(tmp_path, capsys):
+    """Exit status 1 after a loading bar, where demo, bench and serve say 2 at once."""
+    assert cli.main(["surgery", str(tmp_path / "nowhere"), "--passes", "w8", "--device", "cpu"]) == 2
+    captured = capsys.readouterr()
+    assert "hibana surgery: " in captured.err and "loading" not in captured.err and "Traceback" not in captured.err
+
+
 def test_surgery_reads_pass_names_with_spaces_and_refuses_empty_ones(tiny_checkpoints, capsys, tmp_path):
     """`--passes 'w8, kv8'` was refused as no pass named ' kv8', and `w8,,kv8` taken silently
     (an outside tester)."""

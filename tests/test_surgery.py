@@ -388,6 +388,36 @@ def test_a_pass_whose_apply_returns_no_record_is_a_config_error(tiny_checkpoints
         make_engine(tiny_checkpoints["llama"], surgery=["forgetful"], surgery_guard=False, speculation="off")
 
 
+class _ReturnsATensor:
+    """A plugin's pass whose record holds what JSON cannot (the written checkpoint's manifest)."""
+
+    def apply(self, model, params):
+        return {"scale": torch.zeros(2), "seen": {1, 2}}
+
+
+def test_a_pass_record_that_is_not_json_is_refused_and_no_checkpoint_is_half_written(tiny_checkpoints,
+                                                                                      make_engine, tmp_path):
+    """It was taken at load, then `hibana surgery --out` died in json.dumps with a traceback, leaving
+    config.json and model.safetensors without their manifest; a write that fails leaves the folder empty."""
+    from hibana_core import cli
+    from hibana_core.surgery import checkpoint
+
+    with registered_pass("tensor_record", _ReturnsATensor()):
+        with pytest.raises(ConfigError, match=r"surgery pass 'tensor_record' .* returned a record that is not JSON "
+                                              r"\(Object of type Tensor is not JSON serializable\)"):
+            make_engine(tiny_checkpoints["llama"], surgery=["tensor_record"], surgery_guard=False,
+                        speculation="off")
+        out = tmp_path / "out"
+        assert cli.main(["surgery", str(tiny_checkpoints["llama"]), "--passes", "tensor_record", "--no-guard",
+                         "--device", "cpu", "--out", str(out)]) == 2
+        assert not out.exists() or not any(out.iterdir())
+    engine = make_engine(tiny_checkpoints["llama"], surgery=["w8"], surgery_guard=False, speculation="off")
+    engine.surgery[0]["oops"] = object()  # a record that breaks only at the write
+    with pytest.raises(TypeError):
+        checkpoint.save(engine, tiny_checkpoints["llama"], out)
+    assert out.is_dir() and not any(out.iterdir())
+
+
 class _ReachRaises(_ReturnsNothing):
     def guard_reach(self, params):
         raise KeyError("window")

@@ -195,6 +195,13 @@ def _apply(model: "torch.nn.Module", requests: Sequence[PassRequest], passes: di
             raise ConfigError(f"surgery pass {request.name!r} ({describe_registered(surgery_pass)}) returned "
                               f"{changed!r} from apply; apply(model, params) must return a dict, a JSON-able "
                               "record of what it changed ({} when nothing): fix the pass, or leave it out of surgery")
+        try:  # the record goes in a written checkpoint's manifest
+            json.dumps(dict(changed), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"surgery pass {request.name!r} ({describe_registered(surgery_pass)}) returned a "
+                              f"record that is not JSON ({exc}); apply(model, params) must return a JSON-able "
+                              "record (numbers, strings, lists, dicts): fix the pass, or leave it out of "
+                              "surgery") from None
         record = {"name": request.name, "params": dict(params), **changed}
         if guard is not None:
             record["guard"] = guard.check(request.name, surgery_pass, force,

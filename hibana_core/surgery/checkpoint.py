@@ -69,12 +69,23 @@ def check_out(out: Path) -> None:
 
 
 def save(engine: Any, source: Path, out: Path) -> Path:
-    """Write `engine`'s rewritten model (loaded from `source`) as a checkpoint in `out`."""
+    """Write `engine`'s rewritten model (loaded from `source`) as a checkpoint in `out`; a write that
+    fails leaves `out` empty again (not a checkpoint without its manifest)."""
+    check_out(out)
+    try:
+        _write(engine, source, out)
+    except BaseException:
+        for written in out.iterdir():
+            shutil.rmtree(written) if written.is_dir() else written.unlink()
+        raise
+    return out
+
+
+def _write(engine: Any, source: Path, out: Path) -> None:
     from safetensors.torch import save_file
 
     from hibana_core.loader import _fingerprint, declared_dtype  # here: the loader reads this module's manifests
 
-    check_out(out)
     for name in _COPIED:
         if (source / name).is_file():
             shutil.copy2(source / name, out / name)
@@ -102,7 +113,6 @@ def save(engine: Any, source: Path, out: Path) -> Path:
     # safetensors writes its file owner-only (0600): as readable as the manifest beside it, so
     # that whoever may read the checkpoint (a server under another user) can load it
     shutil.copymode(out / MANIFEST, out / "model.safetensors")
-    return out
 
 
 def narrowed(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
