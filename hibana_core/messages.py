@@ -90,6 +90,11 @@ def _normalize_call(i: int, call: Any) -> dict:
     name, call_id, arguments = function.get("name"), call.get("id"), function.get("arguments", {})
     if not isinstance(name, str):
         raise ConversationError(f"message {i} holds a tool call named {name!r}; a call's name is a string")
+    if _UNWRITABLE_NAME.search(name):  # as a tool's: written into the call's markup as it is, it forges calls
+        raise ConversationError(f"message {i} holds a tool call named {name!r:.80}, with a quote, backslash, angle "
+                                "bracket or control character that the chat template writes into the call's markup "
+                                "as it is (forging other calls); name the tools it calls with letters, digits, '_', "
+                                "'-' and '.'")
     if call_id is not None and not isinstance(call_id, str):
         raise ConversationError(f"message {i} holds a tool call with id {call_id!r}; a call id is a string")
     if isinstance(arguments, str):
@@ -97,16 +102,19 @@ def _normalize_call(i: int, call: Any) -> dict:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except (ValueError, RecursionError):
             pass  # the template prints a string as it is
-    else:
+    if not isinstance(arguments, str):
         _check_json(arguments, lambda exc: ConversationError(
             f"message {i} holds a tool call whose arguments are not JSON ({exc}); pass a dict or a JSON string"))
+        if nests_deeper(arguments, MAX_JSON_DEPTH):
+            raise ConversationError(f"message {i} holds a tool call whose arguments nest objects and arrays more "
+                                    f"than {MAX_JSON_DEPTH} levels deep, more than templates render; flatten them")
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _check_json(value: Any, error: Callable[[Exception], HibanaError]) -> None:
     """Raise `error(exc)` unless `value` serialises as JSON (what templates do with it)."""
     try:
-        json.dumps(value)
+        json.dumps(value, allow_nan=False)  # (NaN and Infinity are no JSON)
     except (ValueError, TypeError, RecursionError) as exc:  # a cycle, a non-JSON type, a huge integer
         raise error(exc) from None
 

@@ -140,10 +140,11 @@ def locate(rendered: str, masked: str, masker: Masker) -> Prompt:
 def render(template: Callable[[list[dict], Any], str], messages: list[dict], tools: Any,
            control: Sequence[str], words: Sequence[str] = ()) -> Prompt:
     """`template(messages, tools)` as a Prompt that marks the contents holding control-token text
-    (and, in a tool's message, markup words: `Masker`)."""
+    (and, in a tool's message and in the tools, markup words: `Masker`)."""
     rendered = template(messages, tools)
     masker = Masker(control, words)
-    masked_messages, masked_tools = masker.mask_messages(messages), masker.mask(tools)
+    # tools come from elsewhere as results do (an MCP server's descriptions): no markup in them either
+    masked_messages, masked_tools = masker.mask_messages(messages), masker.mask(tools, wide=True)
     if not masker.originals:
         return Prompt(rendered)
     return locate(rendered, template(masked_messages, masked_tools), masker)
