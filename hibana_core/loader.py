@@ -118,6 +118,11 @@ def read_model_type(path: Path) -> str:
     except ValueError as exc:
         raise CheckpointError(f"{config_file} is not a valid model config ({exc}); "
                               "re-export the checkpoint with save_pretrained") from exc
+    quantization = config.get("quantization_config")
+    if quantization is not None and not isinstance(quantization, dict):
+        raise CheckpointError(f"{config_file}'s quantization_config is a JSON {type(quantization).__name__}, not an "
+                              "object naming its quant_method (gptq, awq, fp8, compressed-tensors); re-export the "
+                              "checkpoint, or remove the field if its weights are not quantized")
     if "model_type" not in config:
         raise CheckpointError(f"{config_file} has no model_type, which names the architecture (\"llama\", "
                               "\"qwen3\", ...); re-export the checkpoint with save_pretrained")

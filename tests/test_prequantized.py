@@ -195,6 +195,17 @@ def test_an_unsupported_quantization_config_says_what_loads(tiny_checkpoints, ma
     assert (autoawq.method, autoawq.group_size) == ("awq", 32)
     with pytest.raises(CheckpointError, match="bits=8"):
         parse_quantization_config({"quant_method": "awq", "w_bit": 8, "q_group_size": 32})
+    # GPTQ's config says its bits (transformers' GPTQConfig has no default), and its flags are booleans
+    with pytest.raises(CheckpointError, match="GPTQ quantization_config has no bits"):
+        parse_quantization_config({"quant_method": "gptq", "group_size": 32})
+    with pytest.raises(CheckpointError, match="desc_act = 'yes', where true or false belongs"):
+        parse_quantization_config({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": "yes"})
+    # a quantization_config that is no object: said so, not transformers' "'list' object has no attribute"
+    for bad in ([1], "gptq", 4):
+        config["quantization_config"] = bad
+        (dst / "config.json").write_text(json.dumps(config))
+        with pytest.raises(CheckpointError, match=f"quantization_config is a JSON {type(bad).__name__}, not an object"):
+            make_engine(dst)
 
 
 def test_packed_layers_without_a_quantization_config_say_so(tiny_checkpoints, make_engine, tmp_path):

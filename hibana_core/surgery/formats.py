@@ -161,7 +161,10 @@ def parse_quantization_config(cfg: dict) -> QuantFormat:
                           f"Hibana cannot load; supported: {SUPPORTED}")
 
 
-def _bits4(cfg: dict, what: str) -> None:
+def _bits4(cfg: dict, what: str, required: bool = False) -> None:
+    if required and "bits" not in cfg:  # (transformers' GPTQConfig takes no default either)
+        raise CheckpointError(f"the {what} quantization_config has no bits; it says how the weights are packed "
+                              "(Hibana loads bits 4): re-export the checkpoint, or add \"bits\": 4 if it is 4-bit")
     bits = cfg.get("bits", 4)
     if bits != 4:
         raise CheckpointError(f"{what} checkpoint with bits={bits!r}: Hibana loads 4-bit weights only; "
@@ -188,7 +191,11 @@ def _not_converted(names) -> tuple[str, ...]:
 
 
 def _parse_gptq(cfg: dict) -> QuantFormat:
-    _bits4(cfg, "GPTQ")
+    _bits4(cfg, "GPTQ", required=True)
+    for key in ("sym", "desc_act", "lm_head"):
+        if key in cfg and cfg[key] is not None and not isinstance(cfg[key], bool):
+            raise CheckpointError(f"the GPTQ quantization_config has {key} = {cfg[key]!r:.40}, where true or false "
+                                  "belongs; the checkpoint's config is damaged: re-export it")
     # transformers' GPTQConfig reads `checkpoint_format` (legacy) or `format`; GPTQModel writes v2
     fmt = str(cfg.get("checkpoint_format") or cfg.get("format") or "gptq").lower()
     if fmt not in ("gptq", "gptq_v2"):
