@@ -115,10 +115,16 @@ case "${1:-check}" in
     # they come, each process's output together at the end
     # CHECK_SECONDS bounds each process, so that a call's limit still leaves every output
     LIMIT="timeout ${CHECK_SECONDS:-3600}"
-    # KERNEL_TESTS=0: the checks alone; KERNEL_TESTS_K="pdl or sink": those kernel tests of both files
+    # KERNEL_TESTS=0: the checks alone; KERNEL_TESTS_K="pdl or sink": those kernel tests of both files;
+    # KERNEL_JOBS=14: in that many processes (pytest-xdist and execnet carried as wheels, bench/README.md):
+    # both files whole in ~80 s on an H100, where one process ran out of the 10-minute call at 12%
+    if [ -n "${KERNEL_JOBS:-}" ]; then KERNEL_ARGS=(tests/test_moe_kernels.py -n "$KERNEL_JOBS" -p xdist)
+    else KERNEL_ARGS=(-x); fi
+    [ -n "${KERNEL_TESTS_K:-}" ] && KERNEL_ARGS+=(-k "$KERNEL_TESTS_K") &&
+      { [ -n "${KERNEL_JOBS:-}" ] || KERNEL_ARGS+=(tests/test_moe_kernels.py); }
     [ "${KERNEL_TESTS:-1}" = 1 ] &&
-      $LIMIT python3 -m pytest -o addopts= -m "not slow" tests/test_kernels.py ${KERNEL_TESTS_K:+tests/test_moe_kernels.py -k "$KERNEL_TESTS_K"} \
-        -q -rs -x -p no:cacheprovider > "$OUT/kernel_tests.txt" 2>&1 &
+      $LIMIT python3 -m pytest -o addopts= -m "not slow" tests/test_kernels.py "${KERNEL_ARGS[@]}" \
+        -q -rs -p no:cacheprovider > "$OUT/kernel_tests.txt" 2>&1 &
     for check in ${CHECKS//,/ }; do
       $LIMIT python3 bench/gpu_correctness.py --only "$check" 2>&1 | grep -v "Token indices sequence length" \
         > "$OUT/gpu_correctness_$check.txt" &
