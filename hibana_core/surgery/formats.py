@@ -372,10 +372,13 @@ def _nibbles(words: torch.Tensor) -> torch.Tensor:
     return torch.stack([((words >> (4 * i)) & 0xF).to(torch.uint8) for i in range(8)], dim=-1)
 
 
-def _int32(t: torch.Tensor, what: str, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+def _int32(t: torch.Tensor, what: str, name: str, shape: tuple[int, ...] | None = None,
+           group: int | None = None) -> torch.Tensor:
+    """`t` where it is int32 words of `shape` (one row a group of `group` inputs), else CheckpointError."""
     if t.dtype != torch.int32 or t.dim() != 2 or (shape is not None and tuple(t.shape) != shape):
         want = f"int32 {list(shape)}" if shape else "a 2-D int32 tensor"
-        raise CheckpointError(f"{name}: {what} is {t.dtype} {list(t.shape)}, expected {want}; "
+        groups = f" (groups of {group} inputs, its quantization_config's group_size)" if group else ""
+        raise CheckpointError(f"{name}: {what} is {t.dtype} {list(t.shape)}, expected {want}{groups}; "
                               "the checkpoint is damaged or not in the format its config names")
     return t
 
@@ -415,7 +418,7 @@ def _repack_gptq(fmt: QuantFormat, t: dict[str, torch.Tensor], name: str) -> Int
     g, groups = _groups(fmt, k, name)
     if n % 8:
         raise CheckpointError(f"{name}: out_features {n} is not a multiple of 8, as GPTQ's qzeros need")
-    qzeros = _int32(t["qzeros"], "qzeros", name, (groups, n // 8))
+    qzeros = _int32(t["qzeros"], "qzeros", name, (groups, n // 8), g)
     scales = _scales(t["scales"], (groups, n), "scales", name)
     codes = _nibbles(qweight).permute(0, 2, 1).reshape(k, n).T  # [N, K]
     zeros = _nibbles(qzeros).reshape(groups, n).T.float() + fmt.zero_offset  # [N, groups]
@@ -429,7 +432,7 @@ def _repack_awq(fmt: QuantFormat, t: dict[str, torch.Tensor], name: str) -> Int4
     qweight = _int32(t["qweight"], "qweight", name)
     k, n = qweight.shape[0], qweight.shape[1] * 8
     g, groups = _groups(fmt, k, name)
-    qzeros = _int32(t["qzeros"], "qzeros", name, (groups, n // 8))
+    qzeros = _int32(t["qzeros"], "qzeros", name, (groups, n // 8), g)
     scales = _scales(t["scales"], (groups, n), "scales", name)
     reverse = list(AWQ_REVERSE)
     codes = _nibbles(qweight)[..., reverse].reshape(k, n).T  # [N, K]
