@@ -235,7 +235,7 @@ case "${1:-check}" in
       2>&1 | tee "$OUT/decode_moe_a8_gpt-oss-20b.txt" | tail -8 ;;
   step_gaps)
     for pass in ${GAPS_PASSES:-none w4}; do
-      python3 bench/step_gaps.py --model qwen3-8b --surgery "${pass#none}" --context 512 $GAPS_ARGS 2>&1 \
+      python3 bench/step_gaps.py --model qwen3-8b --surgery "${pass#none}" --context 512 ${GAPS_ARGS:-} 2>&1 \
         | grep -v Warning | tee "$OUT/step_gaps_$pass.txt"
     done ;;
   splits)
