@@ -51,6 +51,8 @@ def normalize_messages(messages: Sequence[dict]) -> list[dict]:
                 raise ConversationError(f"message {i}'s tool_calls is a {type(m['tool_calls']).__name__}, "
                                         "not a list of calls")
             m["tool_calls"] = [_normalize_call(i, c) for c in m["tool_calls"]]
+        else:  # no calls ([] as clients send it): templates that test `'tool_calls' in message` took it for calls
+            m.pop("tool_calls", None)
         if m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
             raise ConversationError(f"message {i} has tool_call_id {m['tool_call_id']!r}; a call id is a string")
         out.append(m)

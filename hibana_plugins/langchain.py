@@ -198,9 +198,10 @@ def _to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict]:
         elif isinstance(m, AIMessage):
             message: dict[str, Any] = {"role": "assistant", "content": _text(m, media_allowed=True)}
             # invalid calls (arguments that did not parse, from another model) are kept as the
-            # model wrote them, their arguments as text: raising would end the conversation for good
+            # model wrote them, their arguments as text: raising would end the conversation for good;
+            # one cut before its name is none (it went back as a call named "", which Mistral's refused)
             calls = [(c.get("id"), c.get("name"), c["args"]) for c in m.tool_calls]
-            calls += [(c.get("id"), c.get("name") or "", c.get("args") or "") for c in m.invalid_tool_calls]
+            calls += [(c.get("id"), c["name"], c.get("args") or "") for c in m.invalid_tool_calls if c.get("name")]
             if calls:
                 message["tool_calls"] = [{"id": i, "type": "function", "function": {"name": n, "arguments": a}}
                                          for i, n, a in calls]

@@ -700,3 +700,19 @@ def test_structured_output_takes_openai_response_formats_as_chat_openai_does(llm
                                                            "schema": book}}):
         assert llm.with_structured_output(schema, method=method).invoke(BOOK) == {
             "title": "The Silent River", "author": "Maya Tanaka", "year": 1987}
+
+
+def test_a_call_cut_before_its_name_is_not_resent_as_a_call():
+    """An AIMessage whose call max_tokens cut before its name (an invalid call named None) went back
+    into the history as a call named "" the model never wrote (Mistral's template then refused the
+    conversation); a named invalid call is still resent as the model wrote it."""
+    from langchain_core.messages.tool import invalid_tool_call
+
+    from hibana_plugins.langchain import _to_chat_messages
+
+    cut = AIMessage(content="", invalid_tool_calls=[invalid_tool_call(name=None, args="", id=None, error="cut")])
+    named = AIMessage(content="", invalid_tool_calls=[invalid_tool_call(name="add", args='{"a": 4', id="c1",
+                                                                          error="cut")])
+    (resent_cut, resent_named) = _to_chat_messages([cut, named])
+    assert "tool_calls" not in resent_cut
+    assert resent_named["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 4'}

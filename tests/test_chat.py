@@ -1288,3 +1288,12 @@ def test_one_call_a_message_keeps_every_result_of_a_call():
     assert [(m["role"], m.get("content"), [c["id"] for c in m.get("tool_calls", ())]) for m in split[1:]] == [
         ("assistant", "", ["a"]), ("tool", "first", []), ("tool", "retry", []),
         ("assistant", "", ["b"]), ("tool", "bee", [])]
+
+
+def test_an_empty_tool_calls_list_is_no_calls():
+    """`"tool_calls": []` (as clients send it) reached the template, and templates that test
+    `'tool_calls' in message` (Llama 3.1's, Mistral's) took it for calls: "This model only supports
+    single tool-calls at once!" for a message of none."""
+    for empty in ([], None, ()):
+        (message,) = normalize_messages([{"role": "assistant", "content": "Hello there.", "tool_calls": empty}])
+        assert "tool_calls" not in message and message["content"] == "Hello there."
