@@ -180,6 +180,8 @@ class CacheConfig:
         _check(self.num_blocks is None or self.num_blocks >= 2,
                f"{_SHOWN_AS['num_blocks']} must be at least 2, got {self.num_blocks}")
         _check(0.0 < self.memory_fraction <= 1.0, "memory_fraction must lie in (0, 1]")
+        _check(self.max_kv_bytes_cpu > 0, f"max_kv_bytes_cpu must be a positive number of bytes, got "
+                                          f"{self.max_kv_bytes_cpu}")
         _check(self.max_unnamed_states >= 0, "max_unnamed_states must be >= 0")
         _check(0.0 <= self.pin_budget <= 1.0, f"pin_budget must lie in [0, 1], got {self.pin_budget}")
         _check(self.state_dir is None or (isinstance(self.state_dir, (str, os.PathLike))
@@ -358,6 +360,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         from hibana_core.surgery import parse_passes
 
+        for name, kind in (("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+            _check(isinstance(getattr(self, name), kind),
+                   f"{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}; give its fields as "
+                   f"options instead (block_size=..., max_concurrent_agents=...)")
         _check_types(self)
         object.__setattr__(self, "speculation", SpeculationConfig.parse(self.speculation))
         object.__setattr__(self, "surgery", parse_passes(self.surgery))
@@ -378,7 +384,8 @@ class EngineConfig:
         """Every key `from_overrides` takes: the fields, the nested configs' fields, the aliases
         (what the adapters' `engine_kwargs` take)."""
         nested = (CacheConfig, SchedulerConfig)
-        return frozenset({f.name for kind in (cls, *nested) for f in dataclasses.fields(kind)} | OPTION_ALIASES.keys())
+        fields = {f.name for kind in (cls, *nested) for f in dataclasses.fields(kind)} - {"model"}  # (the first argument)
+        return frozenset(fields | OPTION_ALIASES.keys())
 
     @classmethod
     def from_overrides(cls, model: str, **overrides: Any) -> "EngineConfig":

@@ -448,8 +448,12 @@ class Engine:
                 * len(self.kv_layout.groups)
             kv_bytes = min(kv_bytes, 2 * full * per_block)
         if kv_bytes < 2 * per_block:
-            raise MemoryBudgetError("too little memory is free for the KV cache; free memory or "
-                                    "set memory_budget / kv_device_blocks")
+            limit = ("" if self.device.type == "cuda" else f", at most max_kv_bytes_cpu={cache.max_kv_bytes_cpu:,}")
+            raise MemoryBudgetError(
+                f"the KV cache sized from free memory holds {kv_bytes:,} bytes (memory_fraction="
+                f"{cache.memory_fraction:g} of {self.device_memory.free:,} free{limit}), fewer than two blocks of "
+                f"{per_block:,} bytes (block_size={cache.block_size}); raise memory_fraction, lower block_size, "
+                "free memory, or set memory_budget / kv_device_blocks")
         return kv_bytes // per_block
 
     def _blocks_in_budget(self, per_block: int, weight_bytes: int, kv_dtype: torch.dtype) -> int:

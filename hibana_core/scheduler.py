@@ -269,7 +269,6 @@ class Scheduler:
         """Running requests first (decodes before prefill chunks, so chunking keeps decodes
         flowing), then admit waiting ones in FIFO order while budget and blocks last."""
         self._drop_cancelled()
-        self._expire_waiting()
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         suspects = [r for r in self.running if r.suspect]
@@ -300,6 +299,9 @@ class Scheduler:
             if chunk is not None:
                 chunks.append(chunk)
                 budget -= chunk.num_tokens
+        # after admission: a request that could run now is admitted, whatever the step loop's delay;
+        # only one still waiting for a slot or for room has waited too long
+        self._expire_waiting()
         if not chunks and self.has_work() and not self._awaiting_update():
             self._preempt_or_fail()
         if self.speculation is not None and chunks and budget > 0:

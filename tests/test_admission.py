@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+import types
 
 import pytest
 
@@ -86,6 +87,20 @@ def test_no_timeout_for_a_request_admitted_in_time(tiny_checkpoints, make_engine
     for t in threads:
         t.join(timeout=60)
     assert all(r is not None and len(r.token_ids) == 6 for r in results)
+
+
+def test_a_request_that_can_run_at_once_never_times_out_in_the_queue(tiny_checkpoints, make_engine, monkeypatch):
+    """The queue expired before it admitted: a lone request on an idle engine that waited longer
+    than queue_timeout_ms for the step loop to reach it failed with "0 running of
+    max_concurrent_agents=64". Only a request still waiting for a slot or for room times out."""
+    from hibana_core import scheduler as scheduler_module
+
+    engine = make_engine(tiny_checkpoints["llama"], queue_timeout_ms=1, speculation="off")
+    clock = iter(range(0, 10**9, 10))  # the scheduler's every read of the clock 10 s after the last
+    monkeypatch.setattr(scheduler_module, "time", types.SimpleNamespace(monotonic=lambda: float(next(clock))))
+    h = engine.open_state("lone")
+    for _ in range(3):
+        assert len(h.generate(SamplingParams(max_tokens=2, ignore_eos=True), prompt=[5, 6, 7]).token_ids) == 2
 
 
 @pytest.mark.parametrize("options, message", [

@@ -243,6 +243,18 @@ def test_bad_engine_options(tiny_checkpoints):
         open_engine(path, no_such_option=1)
     with pytest.raises(ConfigError):
         open_engine(path, block_size=12)
+    # a nested config given whole must be one (a dict failed with AttributeError, after the weights
+    # loaded for scheduler=); max_kv_bytes_cpu must be positive (-1 blamed free memory at start)
+    from hibana_core.config import EngineConfig
+
+    for whole, says in ((dict(cache={"block_size": 8}), "cache must be a CacheConfig, got dict"),
+                        (dict(scheduler=None), "scheduler must be a SchedulerConfig, got NoneType"),
+                        (dict(max_kv_bytes_cpu=-1), "max_kv_bytes_cpu must be a positive number of bytes")):
+        with pytest.raises(ConfigError, match=says):
+            EngineConfig.from_overrides(str(path), **whole)
+    assert "model" not in EngineConfig.option_names()  # the first argument, not an option
+    with pytest.raises(errors.MemoryBudgetError, match=r"memory_fraction=1e-07 .* raise memory_fraction"):
+        hibana_core.Engine.from_pretrained(path, memory_fraction=1e-7, device="cpu", progress=False)
 
 
 # --- requests -------------------------------------------------------------------------------
