@@ -711,7 +711,7 @@ class Chat:
         # one call where asked (parallel_tool_calls=False: the request is stopped after it), or where a
         # named tool's call is not held by the grammar that ends the turn after it
         max_calls = 1 if not parallel_tool_calls or (one_call and not calls_held) else None
-        passed_ends = frozenset(self.engine.tokenizer.decode([t], skip_special_tokens=False) for t in passed)
+        passed_ends = frozenset(text for t, text in zip(self.stop_token_ids, self._end_texts) if t in passed)
         return turn.TurnRun(self.prompt_ids(messages, tools, reasoning_history), prefill, params, stream,
                             self._encode, timeout, max_calls=max_calls, thinking=thinking, calls_held=calls_held,
                             passed_ends=passed_ends)

@@ -194,8 +194,8 @@ def _surgery_run(args: argparse.Namespace, passes: list) -> int:
     from hibana_core.loader import resolve_checkpoint
     from hibana_core.surgery import checkpoint
 
-    try:  # a model that is not there is a usage error, said before a loading bar (as demo's and bench's)
-        source = resolve_checkpoint(args.model)
+    try:  # a model that is not there is a usage error, said before a loading bar (as bench's `_check_model`)
+        source = resolve_checkpoint(args.model, progress=True)  # a repo id is downloaded here, once
     except HibanaError as exc:
         print(f"hibana surgery: {exc}", file=sys.stderr)
         return 2

@@ -411,7 +411,7 @@ def unenforced_keywords(schema: Any, at: str = "#") -> list[str]:
     for key, name, sub, where in subschemas(schema, at):
         if key == "patternProperties":  # its name is a regex too
             found += [f"{what} at {at}/{key} ({todo})" for what, todo in unenforced_regex(name, repr(name))]
-            if raw_in_json_string(held_regex(name, json_pattern=True)):
+            if raw_in_json_string(name):
                 found.append(f"pattern {name!r:.80} at {at}/{key} ({_RAW_TODO})")
         found += unenforced_keywords(sub, where)
     return found
@@ -467,9 +467,10 @@ def _opened(schema: Any) -> Any:
     if _multiple_of_dropped(schema):
         del out["multipleOf"]
     if isinstance(out.get("pattern"), str):
-        out["pattern"] = held_regex(out["pattern"], json_pattern=True)
         if raw_in_json_string(out["pattern"]):  # (a strict schema was refused for it, `check_held`)
             del out["pattern"]
+        else:
+            out["pattern"] = held_regex(out["pattern"], json_pattern=True)
     if "type" not in out and not _TYPED_ELSEWHERE & out.keys():
         # bounds of one kind of value xgrammar drops without a "type" (any value passed
         # {"minimum": 3}); they hold only values of that kind, so holding the output to it is valid
@@ -478,9 +479,9 @@ def _opened(schema: Any) -> Any:
             out["type"] = kinds[0] if len(kinds) == 1 else kinds
     # a list that must hold more items than it lists, with no `items`: any items, as JSON Schema's
     # default (xgrammar's strict mode allows none there, and refused {"type": "array", "minItems": 1})
-    kinds = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
+    types = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
     fewest, listed = out.get("minItems"), out.get("prefixItems")
-    if ("array" in kinds and isinstance(fewest, int) and not isinstance(fewest, bool)
+    if ("array" in types and isinstance(fewest, int) and not isinstance(fewest, bool)
             and fewest > (len(listed) if isinstance(listed, list) else 0)
             and not {"items", "additionalItems", "unevaluatedItems"} & out.keys()):
         out["items"] = True
@@ -570,7 +571,7 @@ def _dropped_beside_others(schema: dict) -> list[tuple[str, str]]:
         found.append((f"required {undeclared} not under properties", "declare each required key under properties"))
     if isinstance(schema.get("pattern"), str):
         found += unenforced_regex(schema["pattern"], "pattern")
-        if raw_in_json_string(held_regex(schema["pattern"], json_pattern=True)):
+        if raw_in_json_string(schema["pattern"]):
             found.append((f"pattern {schema['pattern']!r:.80}", _RAW_TODO))
     return found
 
@@ -583,12 +584,13 @@ _EBNF_PIECE = re.compile(r'"((?:[^"\\]|\\.)*)"|(\[\^?(?:[^\]\\]|\\.)*\])')
 
 @functools.lru_cache(maxsize=1024)
 def raw_in_json_string(pattern: str) -> bool:
-    """Whether xgrammar 0.2.9 writes a string `pattern` into a JSON string unescaped where it could
-    put '"', '\\' or a control character there: it keeps most patterns as a regex it escapes
-    (`Regex(..., json_string=true)`), but spells some out as grammar rules without escaping them
-    (`^a"b$` came out as "a"b", no JSON)."""
+    """Whether xgrammar 0.2.9 writes a schema's string `pattern` (as `held_regex` hands it over)
+    into a JSON string unescaped where it could put '"', '\\' or a control character there: it keeps
+    most patterns as a regex it escapes (`Regex(..., json_string=true)`), but spells some out as
+    grammar rules without escaping them (`^a"b$` came out as "a"b", no JSON)."""
+    held = held_regex(pattern, json_pattern=True)
     try:
-        ebnf = str(_xgrammar().Grammar.from_json_schema(json.dumps({"type": "string", "pattern": pattern})))
+        ebnf = str(_xgrammar().Grammar.from_json_schema(json.dumps({"type": "string", "pattern": held})))
     except Exception:  # noqa: BLE001 - the schema's own compile says what is wrong with it
         return False
     for line in ebnf.splitlines():

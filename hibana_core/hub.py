@@ -104,6 +104,28 @@ def snapshot(ref: RepoRef, progress: bool = True) -> Path:
     return _download(ref, cache, progress)
 
 
+def read_json_object(file: Path) -> dict:
+    """A checkpoint's JSON file that holds an object; ValueError saying what it holds otherwise."""
+    try:
+        data = json.loads(file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 text (byte {exc.object[exc.start]:#04x} at {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def index_shards(index: Path) -> list[str]:
+    """The weight files a `model.safetensors.index.json` names, sorted; ValueError saying what is
+    wrong where it is no object with a weight_map of file names."""
+    weight_map = read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+        raise ValueError(f"its weight_map is {type(weight_map).__name__}, not an object of file names")
+    return sorted(set(weight_map.values()))
+
+
 def missing_files(path: Path) -> list[str]:
     """What a checkpoint directory lacks to load: config.json, or weights (the shards its index
     names, or any *.safetensors)."""
@@ -111,8 +133,8 @@ def missing_files(path: Path) -> list[str]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError):
+            shards = index_shards(index)
+        except ValueError:
             return missing + [f"{index.name} (damaged)"]
         missing += [name for name in shards if not (path / name).is_file()]
     elif not any(path.glob("*.safetensors")):
@@ -224,7 +246,7 @@ def _weight_patterns(path: Path) -> list[str]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            return sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            return index_shards(index)
+        except ValueError as exc:
             raise CheckpointError(f"{index} is damaged ({exc}); delete it from the cache and retry") from exc
     return ["*.safetensors"]

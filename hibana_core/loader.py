@@ -96,25 +96,12 @@ def declared_dtype(hf_config: Any) -> torch.dtype | None:
     return declared if declared in _DTYPES.values() else None
 
 
-def read_json_object(file: Path) -> dict:
-    """A checkpoint's JSON file that holds an object; ValueError saying what it holds otherwise."""
-    try:
-        data = json.loads(file.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"not UTF-8 text (byte {exc.object[exc.start]:#04x} at {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"a JSON {type(data).__name__}, not an object")
-    return data
-
-
 def read_model_type(path: Path) -> str:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path} has no config.json; is it a Hugging Face checkpoint directory?")
     try:
-        config = read_json_object(config_file)
+        config = hub.read_json_object(config_file)
     except ValueError as exc:
         raise CheckpointError(f"{config_file} is not a valid model config ({exc}); "
                               "re-export the checkpoint with save_pretrained") from exc
@@ -326,10 +313,7 @@ def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = read_json_object(index).get("weight_map")
-            if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
-                raise ValueError(f"its weight_map is {type(weight_map).__name__}, not an object of file names")
-            names = sorted(set(weight_map.values()))
+            names = hub.index_shards(index)
         except ValueError as exc:
             raise CheckpointError(f"{index} is damaged ({exc}); re-download or re-export the checkpoint") from exc
         missing = [n for n in names if not (path / n).is_file()]
@@ -598,7 +582,7 @@ def _eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
     gen_file = path / "generation_config.json"
     if gen_file.is_file():
         try:
-            eos = read_json_object(gen_file).get("eos_token_id")
+            eos = hub.read_json_object(gen_file).get("eos_token_id")
         except ValueError as exc:
             warnings.warn(f"{gen_file} is damaged ({exc}); using config.json's eos_token_id")
     return _as_ids(_config_eos(hf_config) if eos is None else eos)
