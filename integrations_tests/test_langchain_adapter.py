@@ -121,7 +121,17 @@ def test_a_state_serving_a_call_is_not_given_to_another(llm):
 
 
 async def test_concurrent_calls_without_an_id_get_distinct_states(llm):
-    replies = await asyncio.gather(*(llm.ainvoke("Hello") for _ in range(4)))
+    """Four calls running at once are served on four states. (Each holds its state from its first
+    chunk: with `ainvoke` a call could end before another leased, and the same question then
+    continues the ended call's conversation, as a regenerated reply does: a race, not sharing.)"""
+    streams = [llm.astream("Hello") for _ in range(4)]
+    firsts = [await anext(stream) for stream in streams]  # all four under way at once
+    replies = []
+    for first, stream in zip(firsts, streams):
+        reply = first
+        async for chunk in stream:
+            reply += chunk
+        replies.append(reply)
     assert len({r.response_metadata["state_id"] for r in replies}) == 4
 
 
