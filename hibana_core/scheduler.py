@@ -275,6 +275,7 @@ class Scheduler:
         if suspects:  # a step failed with several requests: find the one that fails it
             chunk = self._schedule_one(suspects[0], budget)
             if chunk is not None:
+                self._expire_waiting()  # no admission on this path: the waiting may still time out
                 return self._scheduled([chunk])
         for request in sorted(self.running, key=lambda r: r.num_uncomputed > 1):
             if budget == 0:

@@ -173,3 +173,19 @@ def test_an_edit_into_a_published_block_keeps_the_old_branch_in_the_index_where_
     assert h.copies  # the second block was copied, not written in place
     probe = h.seq(history)
     assert probe.index_match(len(history)) == len(history)  # the old branch: still in the index
+
+
+def test_a_waiting_request_times_out_while_suspects_run_one_at_a_time():
+    """After a failed step of several requests, they run one a step to find the culprit (a path
+    that admits nobody): a request waiting for a slot still fails at its queue_timeout_ms then."""
+    from hibana_core.errors import QueueTimeoutError
+
+    h = Harness(max_concurrent_agents=2, queue_timeout_ms=1.0)
+    a = h.request(h.seq(range(4)), max_tokens=5)
+    b = h.request(h.seq(range(10, 14)), max_tokens=5)
+    waiting = h.request(h.seq(range(20, 24)), max_tokens=5)
+    h.scheduler.fail(h.scheduler.schedule(), RuntimeError("a bad row"))
+    assert a.suspect and b.suspect and waiting.status is RequestStatus.WAITING
+    waiting.queued_at -= 1.0  # it has waited a second
+    assert [c[0] for c in h.step()] == [a.id]  # one suspect alone
+    assert waiting.status is RequestStatus.FINISHED and isinstance(waiting.error, QueueTimeoutError)
