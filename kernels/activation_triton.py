@@ -8,30 +8,44 @@ import triton.language as tl
 
 from hibana_kernels import pdl, quant_triton
 from hibana_kernels.pdl import wait_for_previous
-from hibana_kernels.quant_triton import quantize_a8_blocks
+from hibana_kernels.quant_triton import a8_block_columns, store_a8_blocks
 
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, INTER: tl.constexpr, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr, q_ptr=None, d_ptr=None, A8_ORDER: tl.constexpr = -1):
-    """silu(gate) * up of BLOCK columns of a row; A8_ORDER >= 0: also as int8 codes per block of 32
-    (BLOCK a multiple of 32: `quant_triton.quantize_a8_blocks` on what this program wrote)."""
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, INTER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """silu(gate) * up of BLOCK columns of a row."""
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER
-    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + INTER + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * INTER + offs, _product(x_ptr + row * stride_x, offs, mask, INTER), mask=mask)
+
+
+@triton.jit
+def _product(x_row, offs, mask, INTER: tl.constexpr):
+    """silu(gate) * up at columns offs of a row of gate | up, in the activations' dtype."""
+    gate = tl.load(x_row + offs, mask=mask, other=0.0)
+    up = tl.load(x_row + INTER + offs, mask=mask, other=0.0)
     g = gate.to(tl.float32)
     # torch rounds silu(gate) to the activations' dtype before the product
     silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    tl.store(out_ptr + row * INTER + offs, (silu * up.to(tl.float32)).to(gate.dtype), mask=mask)
-    if A8_ORDER >= 0:
-        tl.debug_barrier()
-        quantize_a8_blocks(out_ptr + row * INTER, q_ptr + row * (INTER // 4), d_ptr + row * (INTER // 16),
-                           tl.program_id(1) * (BLOCK // 32), INTER, BLOCK // 32, A8_ORDER)
+    return (silu * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
+def _silu_and_mul_a8_kernel(x_ptr, out_ptr, q_ptr, d_ptr, stride_x, INTER: tl.constexpr, BLOCKS: tl.constexpr,
+                            ORDER: tl.constexpr, PDL: tl.constexpr):
+    """`_silu_and_mul_kernel` of BLOCKS blocks of 32 columns of a row, computed at the columns x's
+    int8 codes take them in (`quant_triton.a8_block_columns`) and written as those codes too."""
+    wait_for_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    blocks, col = a8_block_columns(tl.program_id(1) * BLOCKS, BLOCKS, ORDER)
+    mask = (blocks < INTER // 32)[:, None, None, None]
+    out = _product(x_ptr + row * stride_x, col, mask, INTER)
+    tl.store(out_ptr + row * INTER + col, out, mask=mask)
+    store_a8_blocks(out.to(tl.float32), blocks, q_ptr + row * (INTER // 4), d_ptr + row * (INTER // 16), INTER)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -59,7 +73,7 @@ def silu_and_mul_a8(gate_up: torch.Tensor, order: int) -> tuple[torch.Tensor, to
     out = torch.empty(gate_up.shape[:-1] + (inter,), dtype=gate_up.dtype, device=gate_up.device)
     q, d = quant_triton.a8_codes(x.shape[0], inter, gate_up.device)
     if x.shape[0]:
-        _silu_and_mul_kernel[(x.shape[0], triton.cdiv(inter, BLOCK))](
-            x, out, x.stride(0), INTER=inter, BLOCK=BLOCK, q_ptr=q, d_ptr=d, A8_ORDER=order, num_warps=4,
+        _silu_and_mul_a8_kernel[(x.shape[0], triton.cdiv(inter, BLOCK))](
+            x, out, q, d, x.stride(0), INTER=inter, BLOCKS=BLOCK // quant_triton.A8_BLOCK, ORDER=order, num_warps=4,
             **pdl.launch_args(x.device))
     return out, q, d

@@ -1,4 +1,5 @@
-"""RMSNorm: Triton kernels, same signatures as `hibana_kernels.norm`. One program per row."""
+"""RMSNorm: Triton kernels, same signatures as `hibana_kernels.norm`. One program per row; with x's
+int8 codes (`rms_norm_a8`) a row's blocks of codes over several."""
 
 from __future__ import annotations
 
@@ -8,38 +9,78 @@ import triton.language as tl
 
 from hibana_kernels import pdl, quant_triton
 from hibana_kernels.pdl import wait_for_previous
-from hibana_kernels.quant_triton import quantize_a8_blocks
+from hibana_kernels.quant_triton import a8_block_columns, store_a8_blocks
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, stride_x, stride_res,
                      N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr, q_ptr=None, d_ptr=None,
-                     A8_ORDER: tl.constexpr = -1):
-    """A row's (x + residual) and its RMSNorm; A8_ORDER >= 0: also the normed row as int8 codes
-    per block of 32 (`quant_triton.quantize_a8_blocks`, re-read after a barrier: the writes of this
-    program are visible to it), for the x int8 GEMV that takes it next."""
+                     UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr):
+    """A row's (x + residual) and its RMSNorm."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     wait_for_previous(PDL)
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    x = _with_residual(x_ptr + row * stride_x, res_ptr + row * stride_res, offs, mask, HAS_RESIDUAL)
+    inv_rms = _inv_rms(x, eps, N)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded as torch's x + residual
         tl.store(res_out_ptr + row * N + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if UNIT_OFFSET:  # Gemma: (1 + w) in float32, one rounding at the end
-        out = (xf * inv_rms) * (1.0 + w)
-    else:
-        out = w * (xf * inv_rms).to(x.dtype).to(tl.float32)  # HF: back to the input dtype first
+    out = _normed(x, inv_rms, tl.load(w_ptr + offs, mask=mask, other=0.0), UNIT_OFFSET)
     tl.store(out_ptr + row * N + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
-    if A8_ORDER >= 0:
-        tl.debug_barrier()
-        quantize_a8_blocks(out_ptr + row * N, q_ptr + row * (N // 4), d_ptr + row * (N // 16), 0, N, BLOCK // 32,
-                           A8_ORDER)
+
+
+@triton.jit
+def _with_residual(x_row, res_row, offs, mask, HAS_RESIDUAL: tl.constexpr):
+    """x (+ residual) at offs, the sum rounded as torch's x + residual."""
+    x = tl.load(x_row + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_row + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _inv_rms(x, eps, N: tl.constexpr):
+    """1 / rms of a whole row x (zero past its N columns)."""
+    xf = x.to(tl.float32)
+    return tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
+
+
+@triton.jit
+def _normed(x, inv_rms, w, UNIT_OFFSET: tl.constexpr):
+    """x's RMSNorm in float32 (x in its own dtype, w the norm weight at x's columns)."""
+    xf, w = x.to(tl.float32), w.to(tl.float32)
+    if UNIT_OFFSET:  # Gemma: (1 + w) in float32, one rounding at the end
+        return (xf * inv_rms) * (1.0 + w)
+    return w * (xf * inv_rms).to(x.dtype).to(tl.float32)  # HF: back to the input dtype first
+
+
+@triton.jit
+def _rms_norm_a8_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, d_ptr, eps, stride_x, stride_res,
+                        N: tl.constexpr, BLOCK: tl.constexpr, BLOCKS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                        UNIT_OFFSET: tl.constexpr, ORDER: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, chunk): `_rms_norm_kernel`'s output at x's blocks chunk * BLOCKS onward, and
+    those blocks as int8 codes (`quant_triton.store_a8_blocks`) for the x int8 GEMV that takes the
+    row next. Every program of a row reads the whole row for its scale (from L2: a few KB) and
+    computes its own blocks' values at the columns the codes' order wants, so no program waits on
+    another and none re-reads what it wrote."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x_row, res_row = x_ptr + row * stride_x, res_ptr + row * stride_res
+    wait_for_previous(PDL)
+    inv_rms = _inv_rms(_with_residual(x_row, res_row, offs, mask, HAS_RESIDUAL), eps, N)
+    blocks, col = a8_block_columns(tl.program_id(1) * BLOCKS, BLOCKS, ORDER)
+    cmask = (blocks < N // 32)[:, None, None, None]
+    x = _with_residual(x_row, res_row, col, cmask, HAS_RESIDUAL)
+    if HAS_RESIDUAL:
+        tl.store(res_out_ptr + row * N + col, x, mask=cmask)
+    out = _normed(x, inv_rms, tl.load(w_ptr + col, mask=cmask, other=0.0), UNIT_OFFSET).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * N + col, out, mask=cmask)
+    store_a8_blocks(out.to(tl.float32), blocks, q_ptr + row * (N // 4), d_ptr + row * (N // 16), N)
+
+
+A8_NORM_BLOCKS = 16  # blocks of 32 columns an `_rms_norm_a8_kernel` program writes
 
 
 def _launch(x, residual, weight, eps, unit_offset, a8_order=-1):
@@ -61,10 +102,16 @@ def _launch(x, residual, weight, eps, unit_offset, a8_order=-1):
     q, d = quant_triton.a8_codes(rows, n, x.device) if a8_order >= 0 else (out, out)
     if rows:
         block = triton.next_power_of_2(n)
-        _rms_norm_kernel[(rows,)](x2, res2, weight, out, res_out, eps, x2.stride(0), res2.stride(0),
-                                  N=n, BLOCK=block, HAS_RESIDUAL=residual is not None,
-                                  UNIT_OFFSET=unit_offset, q_ptr=q, d_ptr=d, A8_ORDER=a8_order,
-                                  num_warps=min(max(block // 256, 1), 8), **pdl.launch_args(x.device))
+        common = dict(N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset,
+                      num_warps=min(max(block // 256, 1), 8))
+        if a8_order < 0:
+            _rms_norm_kernel[(rows,)](x2, res2, weight, out, res_out, eps, x2.stride(0), res2.stride(0), **common,
+                                      **pdl.launch_args(x.device))
+        else:
+            grid = (rows, triton.cdiv(n // quant_triton.A8_BLOCK, A8_NORM_BLOCKS))
+            _rms_norm_a8_kernel[grid](x2, res2, weight, out, res_out, q, d, eps, x2.stride(0), res2.stride(0),
+                                      BLOCKS=A8_NORM_BLOCKS, ORDER=a8_order, **common,
+                                      **pdl.launch_args(x.device, "other", grid[0] * grid[1]))
     return (out, res_out) if a8_order < 0 else (out, res_out, q, d)
 
 

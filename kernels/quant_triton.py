@@ -516,10 +516,19 @@ def _quantize_a8_kernel(x_ptr, q_ptr, d_ptr, K, stride_xm, BLOCKS: tl.constexpr,
 @triton.jit
 def quantize_a8_blocks(x_row, q_row, d_row, first, K, BLOCKS: tl.constexpr, ORDER: tl.constexpr):
     """Blocks first .. first + BLOCKS of one row of x (x_row: its first column) as
-    `_quantize_a8_kernel` writes them (q_row, d_row: the row's words and (d, d * sum) pairs); the
-    kernels that write x call it too (norms, SiLU-and-mul: `rms_norm_a8`, `silu_and_mul_a8`)."""
+    `_quantize_a8_kernel` writes them (q_row, d_row: the row's words and (d, d * sum) pairs)."""
+    blocks, col = a8_block_columns(first, BLOCKS, ORDER)
+    x = tl.load(x_row + col, mask=(blocks < K // 32)[:, None, None, None], other=0.0).to(tl.float32)
+    store_a8_blocks(x, blocks, q_row, d_row, K)
+
+
+@triton.jit
+def a8_block_columns(first, BLOCKS: tl.constexpr, ORDER: tl.constexpr):
+    """(blocks [BLOCKS], columns [BLOCKS, 2, 4, 4]) of x's blocks first .. first + BLOCKS: the
+    column each of a block's 32 codes comes from, in the words' ORDER (A8_COLUMNS, A8_PAIRS,
+    A8_HALVES). The kernels that write x (norms, SiLU-and-mul: `rms_norm_a8`, `silu_and_mul_a8`)
+    compute their values at these columns and hand them to `store_a8_blocks` as they are."""
     blocks = first + tl.arange(0, BLOCKS)
-    mask = blocks < K // 32
     half, word, byte = tl.arange(0, 2), tl.arange(0, 4), tl.arange(0, 4)
     if ORDER == 1:
         within = half[:, None, None] + 8 * word[None, :, None] + 2 * byte[None, None, :]
@@ -527,8 +536,16 @@ def quantize_a8_blocks(x_row, q_row, d_row, first, K, BLOCKS: tl.constexpr, ORDE
         within = 4 * half[:, None, None] + 8 * word[None, :, None] + byte[None, None, :]
     else:
         within = 16 * half[:, None, None] + 4 * word[None, :, None] + byte[None, None, :]
-    col = blocks[:, None, None, None] * 32 + within[None, :, :, :]  # [BLOCKS, 2, 4, 4]
-    x = tl.load(x_row + col, mask=mask[:, None, None, None], other=0.0).to(tl.float32)
+    return blocks, blocks[:, None, None, None] * 32 + within[None, :, :, :]
+
+
+@triton.jit
+def store_a8_blocks(x, blocks, q_row, d_row, K):
+    """x [BLOCKS, 2, 4, 4] float32, the values at `a8_block_columns`' columns, as int8 codes, four
+    a word from the low byte (q_row: the row's words, block b in words 8b .. 8b + 7), and each
+    block's d and d * (sum of its codes) (d_row); blocks past K / 32 are not written."""
+    mask = blocks < K // 32
+    half, word, byte = tl.arange(0, 2), tl.arange(0, 4), tl.arange(0, 4)
     amax = tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1)
     inv = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.maximum(amax, 1e-30)), 0.0)
     codes = tl.minimum(tl.maximum(tl.floor(x * inv[:, None, None, None] + 0.5), -127.0), 127.0).to(tl.int32)

@@ -126,9 +126,10 @@ CASES = [
     ("a8-gemv-int4-rows", qt._a8_gemv_kernel, dict(BLOCK_N=2, BLOCK_K=2048, GROUP=128, INT4=True, STAGES=1, ASM=True,
                                                    HAS_BIAS=True, BLOCK_M=4),
      dict(q_ptr="*i32", d_ptr="*fp32", w_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16")),
-    ("rms-norm-a8", nt._rms_norm_kernel, dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True, UNIT_OFFSET=False, A8_ORDER=1),
+    ("rms-norm-a8", nt._rms_norm_a8_kernel, dict(N=4096, BLOCK=4096, BLOCKS=16, HAS_RESIDUAL=True,
+                                                 UNIT_OFFSET=False, ORDER=1),
      dict(eps="fp32", q_ptr="*i32", d_ptr="*fp32")),
-    ("silu-and-mul-a8", act._silu_and_mul_kernel, dict(INTER=12288, BLOCK=1024, A8_ORDER=0),
+    ("silu-and-mul-a8", act._silu_and_mul_a8_kernel, dict(INTER=12288, BLOCKS=32, ORDER=0),
      dict(q_ptr="*i32", d_ptr="*fp32")),
     ("quantize-a8", qt._quantize_a8_kernel, dict(BLOCKS=16, ORDER=2), dict(q_ptr="*i32", d_ptr="*fp32")),
     # MXFP4 experts against int8 x: the e2m1 table lookups and dp4a are inline PTX

@@ -1387,16 +1387,17 @@ def test_a8_nan(run_check, bits):
     run_check(check_a8_nan, bits=bits)
 
 
-def check_a8_folds(device, bits, residual, unit_offset):
+def check_a8_folds(device, bits, residual, unit_offset, k=320):
     """The norm's and SiLU-and-mul's launches that also write x's int8 codes (`rms_norm_a8`,
     `silu_and_mul_a8`): their outputs equal the plain kernels', their codes equal `quantize_a8` of
-    those outputs, and `linear_a8` of the codes equals the linear layer through its x int8 GEMV."""
+    those outputs, and `linear_a8` of the codes equals the linear layer through its x int8 GEMV.
+    k = 1312: 41 blocks of 32, over three norm programs and two SiLU ones, the last of each short."""
     import hibana_kernels.activation_triton as act
     import hibana_kernels.norm_triton as nt
 
     quant_triton = _triton_module("quant")
     gen = torch.Generator().manual_seed(11 + bits)
-    k, n, order = 320, 37, quant.A8_PAIRS if bits == 4 else quant.A8_COLUMNS
+    n, order = 37, quant.A8_PAIRS if bits == 4 else quant.A8_COLUMNS
     x, r = (torch.randn(2, k, generator=gen).to(torch.bfloat16).to(device) for _ in range(2))
     w = (1 + torch.randn(k, generator=gen) / 4).to(torch.bfloat16).to(device)
     normed, res_out, q, d = nt.rms_norm_a8(x, r if residual else None, w, 1e-6, unit_offset, order)
@@ -1421,9 +1422,10 @@ def check_a8_folds(device, bits, residual, unit_offset):
     assert torch.equal(out, direct)
 
 
-@pytest.mark.parametrize("bits, residual, unit_offset", [(4, True, False), (8, False, True)])
-def test_a8_folds(run_check, bits, residual, unit_offset):
-    run_check(check_a8_folds, bits=bits, residual=residual, unit_offset=unit_offset)
+@pytest.mark.parametrize("bits, residual, unit_offset, k", [(4, True, False, 320), (8, False, True, 320),
+                                                           (4, True, False, 1312), (8, True, False, 1312)])
+def test_a8_folds(run_check, bits, residual, unit_offset, k):
+    run_check(check_a8_folds, bits=bits, residual=residual, unit_offset=unit_offset, k=k)
 
 
 # the x int8 GEMV (block_n, block_k, warps[, stages, block_m]): K in one step, in several with a masked last one (K 384
