@@ -165,8 +165,8 @@ def check_surgery() -> Iterator[tuple[str, bool, str]]:
 
 def check_a8_fold() -> Iterator[tuple[str, bool, str]]:
     """bf16 w8 / w4 on the GPU, one agent at a time (one-row steps: the x int8 GEMV): the norm and
-    SiLU-and-mul launches that write x's int8 codes (`Fusion.a8_fold`, the "on" policy's) give the
-    same tokens as the separate quantize launches (AUTO's): the same codes of the same bf16 rows."""
+    SiLU-and-mul launches that write x's int8 codes (`Fusion.a8_fold`, AUTO's) give the same tokens
+    as the separate quantize launches: the same codes of the same bf16 rows."""
     import hibana_kernels as kernels
     from hibana_kernels import fusion
 
@@ -186,14 +186,14 @@ def check_a8_fold() -> Iterator[tuple[str, bool, str]]:
         for arch, path, prompts in tiny_cases(("llama", "qwen3"), 5):
             for surgery in SURGERY:
                 outputs = {}
-                for policy in ("auto", dataclasses.replace(fusion.AUTO, a8_fold=True)):
+                for fold in (False, True):
+                    policy = dataclasses.replace(fusion.AUTO, a8_fold=fold)
                     with fusion.using(policy), Engine.from_pretrained(path, **ON_GPU, dtype="bfloat16",
                                                                      progress=False, surgery=[surgery],
                                                                      surgery_guard=False, speculation="off") as engine:
-                        outputs[policy if isinstance(policy, str) else "fold"] = [
-                            list(engine.open_state(f"one{i}").generate(params, prompt=p).token_ids)
-                            for i, p in enumerate(prompts)]
-                same = sum(a == b for a, b in zip(outputs["auto"], outputs["fold"]))
+                        outputs[fold] = [list(engine.open_state(f"one{i}").generate(params, prompt=p).token_ids)
+                                         for i, p in enumerate(prompts)]
+                same = sum(a == b for a, b in zip(outputs[False], outputs[True]))
                 name = surgery if isinstance(surgery, str) else f"{surgery['name']} g{surgery['group_size']}"
                 ran = all(folds.values())
                 yield (f"a8 fold {name} bf16 {arch}: x's codes from the norm / SiLU", same == len(prompts) and ran,

@@ -84,8 +84,11 @@ class Fusion:
 # 219.6; qwen3-0.6b (I 3072, the epilogue in place of its silu folded into the down GEMV) 1226.7
 # -> 1201.0. Gains of 1-2%, about the runs' spread but of one sign. AUTO takes silu above
 # silu_max_k up to 8192, and gelu.
+# a8_fold (H100, 2026-12-05, `run_h200.sh a8_fold`, qwen3-8b batch 1 at 512 keys, graph replay): once the
+# norm's codes were written by several programs a row (one program had quantized the whole row alone)
+# w4 415.6 -> 425.4 tok/s, w8 288.8 -> 294.6, 508 -> 400 kernels a step (before, a tie on the H200).
 AUTO = Fusion(norm_max_k=2048, silu_max_k=6144, attention_merge=False, moe_norm_route=False, glu_silu_max_n=8192,
-              glu_gelu=True)
+              glu_gelu=True, a8_fold=True)
 ON = Fusion(norm_max_k=sys.maxsize, silu_max_k=sys.maxsize, attention_merge=True, moe_norm_route=True,
             glu_gelu=True, a8_fold=True)
 OFF = Fusion(norm_max_k=0, silu_max_k=0, attention_merge=False)  # the launches as before
