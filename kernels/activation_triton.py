@@ -11,6 +11,7 @@ from hibana_kernels.pdl import wait_for_previous
 from hibana_kernels.quant_triton import a8_block_columns, store_a8_blocks
 
 BLOCK = 1024
+A8_SILU_BLOCKS = 32  # blocks of 32 columns an `_silu_and_mul_a8_kernel` program writes
 
 
 @triton.jit
@@ -73,7 +74,7 @@ def silu_and_mul_a8(gate_up: torch.Tensor, order: int) -> tuple[torch.Tensor, to
     out = torch.empty(gate_up.shape[:-1] + (inter,), dtype=gate_up.dtype, device=gate_up.device)
     q, d = quant_triton.a8_codes(x.shape[0], inter, gate_up.device)
     if x.shape[0]:
-        _silu_and_mul_a8_kernel[(x.shape[0], triton.cdiv(inter, BLOCK))](
-            x, out, q, d, x.stride(0), INTER=inter, BLOCKS=BLOCK // quant_triton.A8_BLOCK, ORDER=order, num_warps=4,
+        _silu_and_mul_a8_kernel[(x.shape[0], triton.cdiv(inter // quant_triton.A8_BLOCK, A8_SILU_BLOCKS))](
+            x, out, q, d, x.stride(0), INTER=inter, BLOCKS=A8_SILU_BLOCKS, ORDER=order, num_warps=4,
             **pdl.launch_args(x.device))
     return out, q, d

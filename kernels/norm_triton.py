@@ -80,7 +80,10 @@ def _rms_norm_a8_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, d_pt
     store_a8_blocks(out.to(tl.float32), blocks, q_ptr + row * (N // 4), d_ptr + row * (N // 16), N)
 
 
-A8_NORM_BLOCKS = 16  # blocks of 32 columns an `_rms_norm_a8_kernel` program writes
+# blocks of 32 columns an `_rms_norm_a8_kernel` program writes: H100, qwen3-8b w4 batch 1 at 512 keys, graph
+# replay (bench/step_gaps.py, two runs each): 128 (one program a row) 2.51 ms, 32 2.42, 16 2.35, 8 2.29,
+# 4 2.25-2.27, 2 2.27, 1 2.27; w8 3.40 at 16, 8 and 4 alike. (SiLU-and-mul's 32, 8 or 4: the same.)
+A8_NORM_BLOCKS = 4
 
 
 def _launch(x, residual, weight, eps, unit_offset, a8_order=-1):
