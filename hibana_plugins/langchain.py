@@ -154,8 +154,7 @@ def _call_config(config) -> Iterator[None]:
     try:
         yield
     finally:
-        with contextlib.suppress(ValueError):  # a stream closed from another context
-            var_child_runnable_config.reset(token)
+        var_child_runnable_config.reset(token)
 
 
 _CALLER: contextvars.ContextVar[asyncio.Task | None] = contextvars.ContextVar("hibana_langchain_caller", default=None)
@@ -644,30 +643,40 @@ class ChatHibana(BaseChatModel):
         finally:
             _CALLER.reset(caller)
 
+    # A stream's thread_id is in the context only while LangChain runs towards its next chunk, never
+    # across a yield: the consumer's code between chunks (a graph, another call) must not see it, and
+    # a stream left early is closed later from another context, where no reset could undo it.
+
     def stream(self, input, config=None, **kwargs):
-        with _call_config(config):
-            yield from super().stream(input, config, **kwargs)
+        with contextlib.closing(super().stream(input, config, **kwargs)) as chunks:
+            while True:
+                with _call_config(config):
+                    chunk = next(chunks, None)
+                if chunk is None:
+                    return
+                yield chunk
 
     async def astream(self, input, config=None, **kwargs):
         # closed, closes the engine's stream and LangChain's astream at once, in that order:
         # LangChain's never closes `_astream`, which the event loop's finalizer would close later
         # (the state leased until then) in a task of its own (`yield from` does this for `stream`)
         opened: list[_Call] = []  # `_astream`'s call, which it leaves here
-        with _call_config(config):
-            chunks = super().astream(input, config, **kwargs)
-            try:
-                token = _OPENED.set(opened)
-                try:  # the first chunk: `_astream` opens the engine's stream meanwhile
-                    chunk = await anext(chunks, None)
-                finally:
-                    _OPENED.reset(token)
-                while chunk is not None:
-                    yield chunk
+        chunks = super().astream(input, config, **kwargs)
+        try:
+            token = _OPENED.set(opened)
+            try:  # the first chunk: `_astream` opens the engine's stream meanwhile
+                with _call_config(config):
                     chunk = await anext(chunks, None)
             finally:
-                for call in opened:
-                    await call.close()
-                await chunks.aclose()
+                _OPENED.reset(token)
+            while chunk is not None:
+                yield chunk
+                with _call_config(config):
+                    chunk = await anext(chunks, None)
+        finally:
+            for call in opened:
+                await call.close()
+            await chunks.aclose()
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager=None,
                   **kwargs: Any) -> ChatResult:

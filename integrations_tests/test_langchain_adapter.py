@@ -205,6 +205,36 @@ def test_a_thread_id_in_the_call_config_names_the_state_outside_a_graph(llm):
     assert llm.invoke("Hi").response_metadata["state_id"] not in {f"direct-{i}" for i in range(1, 5)}
 
 
+def test_a_streams_thread_id_stays_out_of_the_callers_context(llm):
+    """A stream's `configurable.thread_id` names its state, but the caller's code between chunks,
+    and everything after a stream left early, runs in the caller's own context: an async stream
+    left by `break` is closed later by the event loop from another context, and its thread_id
+    stayed set in the caller's task for good (the next plain call ran on that thread's state, a
+    checkpointed graph without a thread_id wrote into it)."""
+    from langchain_core.runnables.config import var_child_runnable_config
+
+    def configurable():
+        return (var_child_runnable_config.get() or {}).get("configurable")
+
+    config = {"configurable": {"thread_id": "leak-1"}}
+    before = configurable()
+    for _ in llm.stream("Hi", config=config):
+        assert configurable() == before  # the loop body sees the caller's context
+        break
+
+    async def left_early():
+        async for chunk in llm.astream("Hello there", config=config):
+            assert configurable() == before
+            break
+        await asyncio.sleep(0.2)  # the loop's finalizer closes the stream meanwhile
+        inside = configurable()
+        return inside, await llm.ainvoke("Good morning")
+
+    inside, reply = asyncio.run(left_early())
+    assert inside == before and configurable() == before
+    assert reply.response_metadata["state_id"] != "leak-1"
+
+
 # --- tool choice -------------------------------------------------------------------------------------
 
 def test_tool_choice_auto_none_and_forced(llm):
