@@ -54,8 +54,12 @@ from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_k
 
 COMPLETE_OPTIONS = frozenset({*SAMPLING, "reasoning", "reasoning_effort", "timeout", "json_schema"})
 """What `complete(..., **kwargs)` may set."""
-CHAT_OPTIONS = COMPLETE_OPTIONS | {"tools", "tool_required", "tool_choice", "parallel_tool_calls"}
-"""What `chat(..., **kwargs)` (and `chat_with_tools` through it) may set."""
+CHAT_OPTIONS = COMPLETE_OPTIONS | {"tools", "tool_required", "tool_choice", "parallel_tool_calls", "structured_answer"}
+"""What `chat(..., **kwargs)` (and `chat_with_tools` through it) may set. `structured_answer=True`
+(the structured-output methods pass it): the answer's tool is called whatever the tool choice, and
+a reply that max_tokens cuts before its answer is whole raises ValueError at its end, streamed or
+not, rather than end as a reply without the answer (LlamaIndex's streaming programs offer the tool
+as "auto" and turn a reply without a call into an object of empty fields)."""
 PROMPT_FORMATTERS = ("messages_to_prompt", "completion_to_prompt")
 """LlamaIndex's own prompt formatting options, which a chat-template model does not use."""
 _ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant", "function": "tool"}
@@ -94,6 +98,7 @@ class _Call:
         self.result: ChatResult | None = None
         self.holder: LeaseHolder | None = None  # an async call's (`lease_holder`)
         self.stream: AsyncIterator | None = None  # an async call's engine stream
+        self.structured = False                 # a structured answer: cut, it raises (CHAT_OPTIONS)
 
     def open(self, stack: contextlib.ExitStack) -> tuple[turn.TurnRun, Any]:
         """Starts the turn on the state `Chat.lease` picks (`turn.Open`)."""
@@ -489,9 +494,10 @@ def llm_class() -> type:
                 raise ToolSchemaError(f"structured output into {getattr(output_cls, '__name__', output_cls)!r}: the "
                                       f"grammar cannot hold the answer to its schema ({'; '.join(problems)}), and the "
                                       "answer must parse into it: relax those fields, and check the rest in your code")
+            llm_kwargs = {"structured_answer": True, **(llm_kwargs or {})}
             if self.pydantic_program_mode != PydanticProgramMode.DEFAULT or self._chat_layer().renders_tools():
                 return llm_kwargs
-            return {"json_schema": parameters, **(llm_kwargs or {})}
+            return {"json_schema": parameters, **llm_kwargs}
 
         def _tool_spec(self, tool: Any) -> dict:
             """The tool as an OpenAI function schema; a tool LlamaIndex cannot describe (no JSON schema
@@ -523,8 +529,8 @@ def llm_class() -> type:
             if kwargs.get("tool_required") and not tools:
                 raise ToolChoiceError("tool_required=True with no tools: there is no call to make; pass tools "
                                       "or drop tool_required")
-            if kwargs.get("tool_required") and choice in (None, "auto"):
-                choice = "required"
+            if (kwargs.get("tool_required") or kwargs.get("structured_answer") and tools) and choice in (None, "auto"):
+                choice = "required"  # (LlamaIndex's streaming programs ask for the answer's call as "auto")
             choice = normalize_tool_choice(choice, tools)
             # "none": the tools stay listed in the prompt, as OpenAI keeps them; the chat layer's
             # grammar keeps the model from calling them
@@ -555,7 +561,9 @@ def llm_class() -> type:
             options = {"tool_choice": choice, "parse_tools": tools is not None, "guided": self.guided_tool_arguments,
                        "parallel_tool_calls": parallel, "reasoning_history": self.reasoning_history,
                        "timeout": kwargs.get("timeout", self.timeout)}
-            return _Call(self._chat_layer(), prompt, tools, params, options, self.state_id)
+            call = _Call(self._chat_layer(), prompt, tools, params, options, self.state_id)
+            call.structured = bool(kwargs.get("structured_answer"))
+            return call
 
         def _chat_response(self, reply: _Call, delta: str) -> ChatResponse:
             calls = reply.tool_calls()
@@ -566,8 +574,15 @@ def llm_class() -> type:
             # the calls also in OpenAI form: structured streaming and older code read them there
             extra = {"tool_calls": [_openai_call(c) for c in calls]} if calls else {}
             message = ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks, additional_kwargs=extra)
-            return ChatResponse(message=message, delta=delta, raw=reply.raw(self.model),
-                                additional_kwargs=reply.usage_dict(), logprobs=self._logprobs(reply))
+            response = ChatResponse(message=message, delta=delta, raw=reply.raw(self.model),
+                                    additional_kwargs=reply.usage_dict(), logprobs=self._logprobs(reply))
+            if reply.structured and reply.result is not None and response.raw.get("finish_reason") == "length":
+                if reply.tools and not calls:
+                    raise ValueError(_no_call_message(response))
+                if not reply.tools:  # the answer held to the schema as text, cut before it closed
+                    raise ValueError(f"the structured answer ended at max_tokens before it was whole: raise "
+                                     f"max_tokens: {reply.content!r:.200}")
+            return response
 
         def _completion_response(self, reply: _Call, delta: str) -> CompletionResponse:
             return CompletionResponse(text=reply.content, delta=delta, raw=reply.raw(self.model),
@@ -591,18 +606,30 @@ def llm_class() -> type:
 def openai_messages(messages: Sequence[Any]) -> list[dict]:
     """LlamaIndex ChatMessages as the OpenAI-style dicts `hibana_core.chat` renders. Tool calls come
     from ToolCallBlocks, else from `additional_kwargs["tool_calls"]` (older integrations)."""
-    from llama_index.core.base.llms.types import (AudioBlock, DocumentBlock, ImageBlock, TextBlock, ThinkingBlock,
-                                                  ToolCallBlock, VideoBlock)
+    from llama_index.core.base.llms.types import (AudioBlock, CitableBlock, CitationBlock, DocumentBlock, ImageBlock,
+                                                  TextBlock, ThinkingBlock, ToolCallBlock, VideoBlock)
+
+    def flat(blocks: Sequence[Any]) -> Iterator[Any]:
+        """The blocks, a citable source's or a citation's content in their place (a tool may return
+        a CitableBlock: its text is the tool's result)."""
+        for block in blocks:
+            if isinstance(block, CitableBlock):
+                yield from flat(block.content)
+            elif isinstance(block, CitationBlock):
+                yield from flat([block.cited_content])
+            else:
+                yield block
 
     out = []
     for message in messages:
         role = getattr(message.role, "value", message.role)
         role = _ROLES.get(role, role)
-        media = [b for b in message.blocks if isinstance(b, (ImageBlock, AudioBlock, VideoBlock, DocumentBlock))]
+        content = list(flat(message.blocks))
+        media = [b for b in content if isinstance(b, (ImageBlock, AudioBlock, VideoBlock, DocumentBlock))]
         if media:  # dropping it would answer as if the user had sent none
             raise UnsupportedContentError(f"HibanaLLM reads text only, and a {role} message holds a "
                                           f"{media[0].block_type!r} block; describe it in text or use a multimodal LLM")
-        text = "".join(b.text for b in message.blocks if isinstance(b, TextBlock))
+        text = "".join(b.text for b in content if isinstance(b, TextBlock))
         item: dict[str, Any] = {"role": role, "content": text}
         thinking = "".join(b.content or "" for b in message.blocks if isinstance(b, ThinkingBlock))
         if thinking:  # the template decides whether it is rendered

@@ -272,6 +272,31 @@ async def test_structured_output_through_tool_calling(engine):
     assert response.raw == Book(title="The Blue Clock", author="Maya Kim", year=1970)
 
 
+async def test_a_structured_answer_cut_by_max_tokens_raises_streamed_too(engine):
+    """A cut structured answer raises ValueError ("raise max_tokens") from every structured entry
+    point: the streamed ones yielded an object of empty fields (LlamaIndex's streaming program turns
+    a reply without a call into partial_output_cls()) where structured_predict raised."""
+    llm = HibanaLLM(engine=engine, state_id="structured-cut", max_tokens=12)
+    prompt = PromptTemplate("{text}")
+    text = 'Save the book "The Silent River" by Ana Garcia, published in 1843.'
+    with pytest.raises(ValueError, match="raise max_tokens"):
+        llm.structured_predict(Book, prompt, text=text)
+    with pytest.raises(ValueError, match="raise max_tokens"):
+        list(llm.stream_structured_predict(Book, prompt, text=text))
+    with pytest.raises(ValueError, match="raise max_tokens"):
+        [x async for x in await llm.astream_structured_predict(Book, prompt, text=text)]
+    with pytest.raises(ValueError, match="raise max_tokens"):
+        list(llm.as_structured_llm(Book).stream_chat(user(text)))
+    whole = HibanaLLM(engine=engine, state_id="structured-cut")
+    assert list(whole.stream_structured_predict(Book, prompt, text=text))[-1] == Book(
+        title="The Silent River", author="Ana Garcia", year=1843)
+    # the streamed forms call the answer's tool whatever the model would rather do (LlamaIndex asks
+    # for it as "auto": on a greeting the model answered in text, and the stream ended on empty fields)
+    for streamed in (list(whole.stream_structured_predict(Book, prompt, text="Hello there!")),
+                     [r.raw for r in whole.as_structured_llm(Book).stream_chat(user("Good morning!"))]):
+        Book.model_validate(streamed[-1].model_dump())
+
+
 class Author(BaseModel):
     """An author of the book."""
 
@@ -380,6 +405,26 @@ def test_messages_from_blocks_and_from_openai_kwargs():
     assert r == {"role": "tool", "content": '{"y": 2}', "tool_call_id": "c1"}
     assert openai_messages([ChatMessage(role="developer", content="Be brief.")]) == [
         {"role": "system", "content": "Be brief."}]
+
+
+def test_a_citable_blocks_text_is_the_message_text():
+    """A FunctionTool may return a CitableBlock (LlamaIndex passes it on as the tool message's block):
+    its text is the tool's result (it was dropped: the model saw an empty result), and an image
+    inside it is refused as any image is."""
+    from llama_index.core.base.llms.types import CitableBlock, CitationBlock, ImageBlock, TextBlock
+
+    from hibana_core.chat import UnsupportedContentError
+
+    cited = CitableBlock(title="doc", source="s", content=[TextBlock(text='{"temperature": 4}')])
+    result = ChatMessage(role="tool", blocks=[cited], additional_kwargs={"tool_call_id": "c1"})
+    assert openai_messages([result]) == [{"role": "tool", "content": '{"temperature": 4}', "tool_call_id": "c1"}]
+    citation = CitationBlock(cited_content=TextBlock(text="Oslo is cold."), source="s", title="t",
+                             additional_location_info={})
+    said = ChatMessage(role="assistant", blocks=[TextBlock(text="As cited: "), citation])
+    assert openai_messages([said])[0]["content"] == "As cited: Oslo is cold."
+    with pytest.raises(UnsupportedContentError):
+        openai_messages([ChatMessage(role="tool", blocks=[CitableBlock(title="d", source="s", content=[
+            ImageBlock(url="https://example.com/cat.png")])])])
 
 
 def test_clean_schema_drops_titles_not_properties_named_title():
