@@ -179,8 +179,19 @@ def json_schema_grammar(schema: Any) -> Any:
         raise GrammarError(f"the JSON schema cannot be compiled: {_message(exc)}; fix the schema or "
                            "drop the keywords named") from None
     ebnf = str(grammar)
-    bounded = _real_dates(_bound_numbers(ebnf.replace(_LOOSE_CHARACTER, _JSON_CHARACTER)))  # strings with
-    return grammar if bounded == ebnf else xgr.Grammar.from_ebnf(bounded)  # min/maxLength: no control chars
+    # strings with min/maxLength: no control characters
+    bounded = _real_dates(_bound_numbers(ebnf.replace(_LOOSE_CHARACTER, _JSON_CHARACTER)))
+    return grammar if bounded == ebnf else xgr.Grammar.from_ebnf(_reparsable(bounded))
+
+
+_BYTE_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\x([0-9a-fA-F]{2})")
+
+
+def _reparsable(ebnf: str) -> str:
+    """xgrammar's printed EBNF as its parser reads it back: it prints U+0080..U+00FF (and control
+    characters) as \\xHH, and reads as many hex digits as follow a \\x, so "\\xe9a" ("éa") came back
+    as U+0E9A; \\u00HH takes exactly its four."""
+    return _BYTE_ESCAPE.sub(lambda m: f"{m[1]}\\u00{m[2]}", ebnf)
 
 
 _JSON_TYPES = {bool: ("boolean",), int: ("integer", "number"), float: ("number",), str: ("string",),
@@ -790,7 +801,7 @@ def compact_json_tag(tag: dict) -> dict:
         if isinstance(node, dict):
             if (node.get("type") == "json_schema" and node.get("style", "json") == "json"
                     and set(node) <= {"type", "json_schema", "style"}):
-                return {"type": "grammar", "grammar": str(json_schema_grammar(node["json_schema"]))}
+                return {"type": "grammar", "grammar": _reparsable(str(json_schema_grammar(node["json_schema"])))}
             return {k: walk(v) for k, v in node.items()}
         if isinstance(node, list):
             return [walk(v) for v in node]

@@ -670,6 +670,39 @@ def test_date_and_time_formats_allow_only_dates_and_times_that_exist():
     assert accepts(json_schema_grammar({"type": "string", "pattern": "^([0-5][0-9]|60)$"}), '"60"')
 
 
+def test_latin1_letters_before_hex_digits_stay_themselves():
+    """xgrammar prints U+0080..U+00FF as \\xHH and reads back every hex digit after a \\x: the
+    schema grammar, printed, edited and compiled again, turned "éa" into U+0E9A ("café2", the key
+    "ï1", the tool argument "décembre"), so the grammar forced a string outside the schema. The
+    schema's own strings are what it holds now, in enums, consts, keys and inside tool calls."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from hibana_core.grammar import json_schema_grammar
+
+    enum = json_schema_grammar({"enum": ["éa", "décembre", "x"]})
+    assert accepts(enum, '"éa"') and accepts(enum, '"décembre"') and not accepts(enum, '"\u0e9a"')
+    assert accepts(json_schema_grammar({"const": "café2"}), '"café2"')
+    key = json_schema_grammar({"type": "object", "properties": {"ï1": {"type": "integer", "maximum": 9},
+                                                                 "a\\xe9é": {"type": "boolean"}},
+                               "required": ["ï1", "a\\xe9é"], "additionalProperties": False})
+    assert accepts(key, '{"ï1": 3, "a\\\\xe9é": true}')
+    assert not accepts(key, '{"\u0ef1": 3, "a\\\\xe9é": true}')
+    tools = [{"type": "function", "function": {"name": "make_note", "parameters": {
+        "type": "object", "properties": {"month": {"enum": ["décembre", "ÿ1"]}}, "required": ["month"]}}}]
+    import xgrammar as xgr
+
+    from hibana_core.grammar import compact_json_tag
+
+    tag = compact_json_tag(tool_call_grammar(tools, "required", SYNTAX["hermes"]))
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([chr(c) for c in range(32, 127)] + ["\n"]))
+    compiled = compiler.compile_structural_tag(xgr.StructuralTag.from_json(json.dumps(tag)))
+    syntax = SYNTAX["hermes"]
+    for month, ok in (("décembre", True), ("ÿ1", True), ("d\ue9cembre", False)):
+        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        call = f'{syntax.open}make_note{syntax.mid}{{"month": "{month}"}}{syntax.close}'
+        assert (matcher.accept_string(call) and matcher.is_completed()) == ok, month
+
+
 def test_an_object_asking_more_keys_than_it_declares_is_open():
     """JSON Schema's objects are open where additionalProperties is left out; the grammar keeps
     an object to its declared keys (xgrammar's strict mode, as OpenAI's strict outputs), which
