@@ -623,7 +623,10 @@ async def unless_gone(request: Request, work: Awaitable[T]) -> T:
     """`work`, cancelled if the client closes its connection first (Starlette stops a streamed
     reply whose client left, not a handler still computing): the turn is cancelled and its state
     let go before this raises a 499 (nginx's "client closed request", for the metrics only)."""
-    task = asyncio.ensure_future(work)
+    async def awaited() -> T:  # a task of its own: a gather cancelled ends with a CancelledError set, not cancelled
+        return await work
+
+    task = asyncio.ensure_future(awaited())
     gone = asyncio.ensure_future(disconnected(request))
     drain: Drain = request.app.state.drain
     drained = asyncio.ensure_future(drain.wait())

@@ -118,6 +118,28 @@ def test_past_the_shutdown_timeout_a_request_in_flight_is_cancelled_cleanly(capl
         assert engine.chat("after").respond([{"role": "user", "content": "hi"}]).usage.completion_tokens > 0
 
 
+def test_past_the_shutdown_timeout_a_request_of_several_turns_gets_the_503(caplog):
+    """A request of several turns (n choices answered together) ends like one of one turn: a 503
+    server_shutting_down in OpenAI's error shape (uvicorn answered it with a plain-text 500 and an
+    ASGI traceback: a cancelled gather of its turns was not read as cancelled)."""
+    import concurrent.futures
+
+    with Engine.from_pretrained("demo", progress=False) as engine:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            with serving(engine, ServerConfig("demo", shutdown_timeout=0.2)) as url:
+                before = engine.stats().generated_tokens
+                reply = pool.submit(httpx.post, url + "/v1/chat/completions", timeout=60, json={
+                    "model": "demo", "messages": COUNT, "max_tokens": 500, "n": 2, "response_format": LONG_LIST})
+                deadline = time.monotonic() + 60
+                while engine.stats().generated_tokens == before:
+                    assert time.monotonic() < deadline and not reply.done(), "the request never started"
+                    time.sleep(0.01)
+            response = reply.result()
+        assert response.status_code == 503, (response.status_code, response.text[:200])
+        assert response.json()["error"]["code"] == "server_shutting_down"
+        assert "Exception in ASGI application" not in caplog.text
+
+
 def test_a_second_stop_signal_waits_for_the_named_states():
     """The first SIGTERM unwinds (the engine closes, writing the named states); one more while that
     runs is logged and waits, where it once ended the process among the states' writes (a
