@@ -76,6 +76,8 @@ def _content(i: int, role: str, content: Any) -> str:
                                           f"a {kind!r} part; describe it in text or use a multimodal model")
         elif kind == "text" and isinstance(part.get("text"), str):
             parts.append(part["text"])
+        elif kind == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
+            parts.append(part["refusal"])  # an OpenAI reply's refusal, sent back in the history: its text
         else:
             raise ConversationError(f"message {i} holds a content part {part!r:.80}; a part is a string or "
                                     "{'type': 'text', 'text': '...'}")

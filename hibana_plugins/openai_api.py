@@ -129,7 +129,7 @@ class ChatRequest(SamplingRequest):
     response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's and SGLang's; enable_thinking only
     prediction: dict[str, Any] | None = None  # predicted output: a speed hint, never the output
     # known, and refused unless null (`unsupported`)
@@ -144,6 +144,9 @@ class ChatRequest(SamplingRequest):
     verbosity: str | None = None
     modalities: list[str] | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
     safety_identifier: str | None = None
 
 
@@ -420,6 +423,9 @@ def response_schema(response_format: dict | None) -> dict | None:
         if not isinstance(spec, dict):
             raise ApiError(400, "response_format.json_schema must be an object: {'name': ..., 'schema': {...}}",
                            "response_format.json_schema")
+        if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+            raise ApiError(400, f"response_format.json_schema.strict must be a boolean, got {spec['strict']!r:.40}",
+                           "response_format.json_schema.strict")
         schema = spec.get("schema", {"type": "object"})  # optional in OpenAI's spec: then any JSON object
         if not isinstance(schema, dict):
             raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",

@@ -664,13 +664,16 @@ async def read_json(request: Request, limit: int) -> Any:
         if len(body) > limit:
             raise ApiError(413, f"the request body is more than this server's limit of {limit} bytes",
                            code="request_too_large")
+    too_deep = ApiError(400, f"the request body nests objects and arrays more than {MAX_JSON_DEPTH} levels deep, "
+                             "more than this server takes; flatten it")
     try:
         value = json.loads(body, parse_constant=not_json)
-    except (ValueError, RecursionError) as exc:
+    except RecursionError:  # deeper than Python's json decodes
+        raise too_deep from None
+    except ValueError as exc:
         raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
     if nests_deeper(value, MAX_JSON_DEPTH):
-        raise ApiError(400, f"the request body nests objects and arrays more than {MAX_JSON_DEPTH} levels deep, "
-                            "more than this server takes; flatten it")
+        raise too_deep
     return value
 
 

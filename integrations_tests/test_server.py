@@ -333,6 +333,28 @@ def test_openai_fields_known_but_not_served_are_taken_as_null_and_refused_otherw
         assert status == 400 and reply["error"]["param"] == name and says in reply["error"]["message"], reply
 
 
+def test_every_field_of_the_openai_clients_create_is_known(base_url, client):
+    """Each argument of the installed openai client's chat.completions.create is a field the server
+    knows: sent as null it is taken (prompt_cache_retention, prompt_cache_options and moderation
+    were "Unrecognized request argument"), and reasoning_effort takes the client's levels."""
+    import inspect
+    import typing
+
+    from openai.resources.chat.completions import Completions
+
+    hi = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    own = {"self", "extra_headers", "extra_query", "extra_body", "timeout", "stream", *hi}
+    names = [name for name in inspect.signature(Completions.create).parameters if name not in own]
+    status, reply = post(base_url, json.dumps({**hi, **dict.fromkeys(names)}).encode())
+    assert status == 200, reply
+    from openai.types.shared.reasoning_effort import ReasoningEffort
+
+    levels = [level for arg in typing.get_args(ReasoningEffort) for level in typing.get_args(arg)]
+    assert "max" in levels or "xhigh" in levels
+    for level in levels:
+        assert client.chat.completions.create(**hi, reasoning_effort=level).choices
+
+
 def test_the_responses_api_tool_choice_and_a_json_schema_without_schema(client):
     """{"type": "function", "name": ...} (the Responses API's tool_choice) named the tool and got
     "tool_choice.function.name is None"; a json_schema response_format without `schema` (optional
@@ -675,6 +697,32 @@ def test_a_body_nested_too_deep_is_a_400_not_a_500(base_url, asked):
     status, reply = post(base_url, json.dumps({"model": "demo", "messages": [{"role": "user", "content": "hi"}],
                                                "max_tokens": 2, "response_format": within}).encode())
     assert status == 200, reply
+
+
+def test_a_body_deeper_than_pythons_json_reads_says_how_deep_it_may_be(base_url):
+    """30,000 levels of arrays: the 400 quoted CPython's "maximum recursion depth exceeded"."""
+    body = b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 30_000 + \
+        b"]" * 30_000 + b"}"
+    status, reply = post(base_url, body)
+    assert status == 400 and "levels deep" in reply["error"]["message"] and "recursion" not in \
+        reply["error"]["message"], reply
+
+
+def test_json_schema_strict_is_a_boolean_and_a_replayed_refusal_is_text(base_url):
+    """`strict: "yes"` was taken (as not strict), where every other flag is typed; an assistant
+    message replaying an OpenAI reply's refusal part was a 400 (OpenAI's schema allows it there)."""
+    hi = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    status, reply = post(base_url, json.dumps({**hi, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "strict": "yes", "schema": {"type": "object"}}}}).encode())
+    assert status == 400 and reply["error"]["param"] == "response_format.json_schema.strict", reply
+    history = [{"role": "user", "content": "Do a bad thing."},
+               {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]},
+               {"role": "user", "content": "Then say hi."}]
+    status, reply = post(base_url, json.dumps({**hi, "messages": history}).encode())
+    assert status == 200, reply
+    status, reply = post(base_url, json.dumps({**hi, "messages": [
+        {"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]}).encode())
+    assert status == 400, reply  # a refusal is the assistant's
 
 
 def test_top_logprobs_past_twenty_is_out_of_range_not_unsupported(base_url):
