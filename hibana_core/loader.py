@@ -63,6 +63,9 @@ def resolve_checkpoint(model: str, progress: bool = False) -> Path:
     """The checkpoint directory `model` names: "demo" (the bundled model), a directory, or a
     Hugging Face repo id ("org/name" or "org/name@revision"), found in the local Hugging Face
     cache or downloaded into it (`hibana_core.hub`; `progress`: the download's bars)."""
+    if not model.strip():  # Path("") is the working directory: whatever checkpoint happens to be there
+        raise CheckpointError(f"the model name is empty ({model!r}); pass a Hugging Face repo id such as "
+                              "Qwen/Qwen3-8B, a checkpoint directory (\".\" for the working one) or \"demo\"")
     path = DEMO_MODEL_DIR if model == "demo" else Path(model).expanduser()
     if path.is_dir():
         return path

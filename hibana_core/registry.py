@@ -441,11 +441,10 @@ class StateRegistry:
         return len(self._entries)
 
     def acceptance(self, speculation: Any) -> dict[str, dict[str, list[float]]]:
-        """Each state's acceptance by draft position and drafter (`Speculator.acceptance`), by
-        state id; states that never drafted are left out."""
+        """Each open state's acceptance by draft position and drafter (`Speculator.acceptance`), by
+        state id; {} for a state that never drafted (speculation off, or nothing to draft yet)."""
         with self.lock:
-            found = {e.handle.id: speculation.acceptance(e.seq) for e in self._entries.values()}
-        return {state_id: figures for state_id, figures in found.items() if figures}
+            return {e.handle.id: speculation.acceptance(e.seq) for e in self._entries.values()}
 
     def parked_bytes(self, state_id: str) -> int:
         entry = self._entries.get(state_id)

@@ -58,6 +58,7 @@ from hibana_core.errors import (ChatTimeoutError, ConfigError, ContextLengthErro
                                 HibanaError, InvalidTokenError, QueueTimeoutError, StateBusyError)
 from hibana_core.messages import ConversationError, ToolChoiceError, ToolSchemaError, UnsupportedContentError
 from hibana_core.turn import ChatDelta
+from hibana_plugins.manager import get_plugin_manager
 from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatRequest, CompletionRequest, Reply,
                                        TextReply, chat_call, choice_calls, named_state, parse_request, prompts_of,
                                        served_by_header)
@@ -820,6 +821,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = ServerConfig(args.served_model_name or args.model, args.api_key, args.max_body_bytes,
                               args.max_tokens_limit, args.request_timeout, args.shutdown_timeout,
                               args.max_named_states, args.tool_parser)
+        if args.tool_parser is not None:  # before the load, as the address: a wrong name is said at once
+            get_plugin_manager().lookup("tool_parser", args.tool_parser)
         sock = bind(args.host, args.port)  # before the load: an address in use is said at once
         engine = Engine.from_pretrained(args.model, **engine_options(args))
     except HibanaError as exc:

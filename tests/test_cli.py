@@ -86,6 +86,20 @@ def test_every_listed_command_runs(command, capsys):
     assert "usage:" in capsys.readouterr().out
 
 
+def test_serve_refuses_an_unknown_tool_parser_before_it_loads(monkeypatch, capsys):
+    """`--tool-parser nope` was refused once the model had loaded (50 s on two cores for the demo)."""
+    server = pytest.importorskip("hibana_plugins.server")
+    from hibana_core import Engine
+
+    def load(*args, **kwargs):
+        raise AssertionError("hibana serve loaded the model before checking --tool-parser")
+
+    monkeypatch.setattr(Engine, "from_pretrained", load)
+    assert server.main(["demo", "--port", "0", "--tool-parser", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hibana serve: ") and "nope" in err and "hermes" in err and "Traceback" not in err, err
+
+
 def test_serve_refuses_an_address_in_use_before_it_loads(monkeypatch, capsys):
     """It said so in uvicorn's words, once the model had loaded (minutes, for a large one)."""
     import socket

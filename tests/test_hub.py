@@ -102,6 +102,17 @@ def test_environment_is_read_when_resolving(tmp_path, monkeypatch):
     assert hub.offline()
 
 
+def test_an_empty_model_name_is_refused_not_the_working_directory(tmp_path, checkpoints, monkeypatch):
+    """Path("") is the working directory: an empty model name (an unset environment variable) loaded
+    whatever checkpoint was there, or blamed "."."""
+    shutil.copytree(checkpoints["v1"], tmp_path / "here")
+    monkeypatch.chdir(tmp_path / "here")
+    for name in ("", " "):
+        with pytest.raises(CheckpointError, match="model name is empty"):
+            resolve_checkpoint(name)
+    assert resolve_checkpoint(".") == Path(".")
+
+
 # --- the cache ------------------------------------------------------------------------------------
 
 def test_a_cached_repo_loads_offline_as_its_directory_does(checkpoints, hub_env):

@@ -554,15 +554,20 @@ def test_forced_outputs_with_and_without_speculation(tiny_checkpoints, make_engi
 
 def test_stats_give_each_states_acceptance_by_drafter_and_position(tiny_checkpoints, make_engine):
     """engine.stats().speculation["acceptance_by_state"]: the per-agent figures the controller
-    picks draft lengths from, by state id and drafter; a state that never drafted is absent."""
+    picks draft lengths from, by state id and drafter; {} for an open state that never drafted (the
+    README's `["agent-1"]` was a KeyError for it), and for every state with speculation off."""
     engine = make_engine(tiny_checkpoints["llama"], speculation={"method": "ngram", "k": 3})
     loop = random_tokens(random.Random(9), 6) * 6  # repeats: n-gram drafts every step
     engine.open_state("drafting").generate(greedy(12), prompt=loop)
     engine.open_state("plain").generate(greedy(4, speculation="off"), prompt=loop)
     by_state = engine.stats().speculation["acceptance_by_state"]
-    assert set(by_state) == {"drafting"} and set(by_state["drafting"]) == {"ngram"}
+    assert set(by_state) == {"drafting", "plain"} and set(by_state["drafting"]) == {"ngram"}
+    assert by_state["plain"] == {}
     rates = by_state["drafting"]["ngram"]
     assert rates and all(0.0 <= r <= 1.0 for r in rates)
+    off = make_engine(tiny_checkpoints["llama"], speculation="off")
+    off.open_state("agent-1").generate(greedy(3), prompt=loop)
+    assert off.stats().speculation["acceptance_by_state"] == {"agent-1": {}}
 
 
 def test_stats_report_the_drafters_host_memory(tiny_checkpoints, make_engine):
