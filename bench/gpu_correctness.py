@@ -43,8 +43,8 @@ shapes: check 1 on shapes unlike the tiny checkpoints' (tiny_models.ODD_SHAPES: 
 moe_fusion: qwen3_moe and gpt_oss in bf16, batch 1: the sparse block's norm, router and top-k in
    one launch (fusion `moe_norm_route`) give the tokens of the three launches (3 of 4 prompts at
    least: bf16 logits summed in another order may part a near-tie).
-a8_fold: bf16 w8 / w4 one agent at a time: the norm's and SiLU-and-mul's launches writing x's int8
-   codes (`Fusion.a8_fold`) give the tokens of the separate quantize launches.
+a8_fold: bf16 w8 / w4 one agent at a time: the norm's, SiLU-and-mul's and attention merge's launches
+   writing x's int8 codes (`Fusion.a8_fold`) give the tokens of the separate quantize launches.
 moe_a8: bf16 gpt_oss with MXFP4 experts, one agent at a time: the experts against int8 x (the default
    decode tiles) beside the float GEMV: the first decoded token of every prompt, and half the
    prompts throughout, agree.
@@ -164,14 +164,14 @@ def check_surgery() -> Iterator[tuple[str, bool, str]]:
 
 
 def check_a8_fold() -> Iterator[tuple[str, bool, str]]:
-    """bf16 w8 / w4 on the GPU, one agent at a time (one-row steps: the x int8 GEMV): the norm and
-    SiLU-and-mul launches that write x's int8 codes (`Fusion.a8_fold`, AUTO's) give the same tokens
-    as the separate quantize launches: the same codes of the same bf16 rows."""
+    """bf16 w8 / w4 on the GPU, one agent at a time (one-row steps: the x int8 GEMV): the norm,
+    SiLU-and-mul and attention launches that write x's int8 codes (`Fusion.a8_fold`, AUTO's) give
+    the same tokens as the separate quantize launches: the same codes of the same bf16 rows."""
     import hibana_kernels as kernels
     from hibana_kernels import fusion
 
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    folds = {"rms_norm_a8": 0, "silu_and_mul_a8": 0}  # launches that wrote codes: the fold really ran
+    folds = {"rms_norm_a8": 0, "silu_and_mul_a8": 0, "paged_attention_a8": 0}  # the folds really ran
     originals = {name: getattr(kernels, name) for name in folds}
 
     def counted(name):

@@ -65,7 +65,7 @@ from hibana_kernels.moe import MoEExperts
 
 __all__ = ["MoEExperts", "a8_order", "folds_a8", "folds_glu", "fused_add_rms_norm", "fused_moe", "gelu_tanh_and_mul", "linear", "linear_fp8", "linear_int4",
            "linear_int8", "moe_norm_route", "moe_route", "mxfp4_dequantize", "paged_attention", "qk_norm_rotary_store", "rms_norm",
-           "linear_a8", "rms_norm_a8", "rms_norm_linear", "rotary_embedding", "silu_and_mul", "silu_and_mul_a8",
+           "linear_a8", "paged_attention_a8", "rms_norm_a8", "rms_norm_linear", "rotary_embedding", "silu_and_mul", "silu_and_mul_a8",
            "silu_and_mul_linear", "store_kv",
            "triton_available"]
 
@@ -99,6 +99,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return impl.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                 max_query_len, max_seq_len, scale, sliding_window, uniform_query_len,
                                 kv_scale, sinks, sink_tokens)
+
+
+def paged_attention_a8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                       query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
+                       scale: float, sliding_window: int | None, uniform_query_len: bool,
+                       kv_scale: torch.Tensor | None, sinks: torch.Tensor | None, sink_tokens: int,
+                       order: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(`paged_attention`'s output, q, d): its rows [T, H * D] also as x's int8 codes in `order`
+    for the output projection's x int8 GEMV (`linear_a8`), written by the decode's split merge
+    where it runs (else one quantize launch). CUDA only: where `folds_a8` says so."""
+    return importlib.import_module("hibana_kernels.attention_triton").paged_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale,
+        sliding_window, uniform_query_len, kv_scale, sinks, sink_tokens, a8_order=order)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

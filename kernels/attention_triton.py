@@ -33,9 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from hibana_kernels import counters, fusion, pdl
+from hibana_kernels import counters, fusion, pdl, quant_triton
 from hibana_kernels.attention import check_kv_scale
 from hibana_kernels.pdl import wait_for_previous
+from hibana_kernels.quant_triton import quantize_a8_blocks
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # the same, for the kernels
@@ -377,15 +378,24 @@ def _reduce_splits_kernel(
         out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, with_keys_ptr, num_splits,
         stride_ot, stride_oh,
         HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr, BLOCK_D: tl.constexpr,
-        PDL: tl.constexpr):
+        PDL: tl.constexpr, q_ptr=None, d_ptr=None, A8_ORDER: tl.constexpr = -1):
     # every query row of the batch, BLOCK_D columns a program: each row was written by its splits
-    # that hold keys, as many as its first split wrote in with_keys [T, H]
+    # that hold keys, as many as its first split wrote in with_keys [T, H]. A8_ORDER >= 0 (out
+    # contiguous, HEAD_DIM and BLOCK_D whole blocks of 32): the program's columns also as x's int8
+    # codes for the output projection's x int8 GEMV (`quant_triton.quantize_a8_blocks` on what it
+    # wrote, after a barrier: the writes of this program are visible to it)
     wait_for_previous(PDL)
     token, head, num_heads = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     read_splits = tl.load(with_keys_ptr + token * num_heads + head)
+    d_start = tl.program_id(2) * BLOCK_D
     _merge_splits(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, token, head, num_heads,
-                  num_splits, read_splits, stride_ot, stride_oh, tl.program_id(2) * BLOCK_D,
-                  HEAD_DIM, HEAD_DIM_P, SPLITS_P, BLOCK_D)
+                  num_splits, read_splits, stride_ot, stride_oh, d_start, HEAD_DIM, HEAD_DIM_P, SPLITS_P, BLOCK_D)
+    if A8_ORDER >= 0:
+        tl.debug_barrier()
+        width = num_heads * HEAD_DIM
+        row = token.to(tl.int64)
+        quantize_a8_blocks(out_ptr + row * stride_ot, q_ptr + row * (width // 4), d_ptr + row * (width // 16),
+                           (head * HEAD_DIM + d_start) // 32, width, BLOCK_D // 32, A8_ORDER)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -393,10 +403,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                     scale: float, sliding_window: int | None = None,
                     uniform_query_len: bool = False, kv_scale: torch.Tensor | None = None,
-                    sinks: torch.Tensor | None = None, sink_tokens: int = 0) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, sink_tokens: int = 0, a8_order: int = -1):
     """See `hibana_kernels.attention.paged_attention`. Decode batches (max_query_len == 1, or
     every sequence with max_query_len <= 32 new tokens: `uniform_query_len`) take the decode
-    kernel, split along the sequence when the batch alone would not fill the device."""
+    kernel, split along the sequence when the batch alone would not fill the device.
+    `a8_order` >= 0: (out, q, d), the output's rows [T, H * D] also as x's int8 codes in that
+    order (`quant_triton.quantize_a8`'s), written by the split merge where there is one."""
     num_seqs = seq_lens.shape[0]
     num_kv_heads = k_cache.shape[2]
     num_splits = 1
@@ -410,7 +422,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_splits = _num_splits(q.device, num_seqs * num_kv_heads, keys, min_split)
     return paged_attention_launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                   max_query_len, scale, sliding_window, num_splits, decode=decode,
-                                  kv_scale=kv_scale, sinks=sinks, sink_tokens=sink_tokens)
+                                  kv_scale=kv_scale, sinks=sinks, sink_tokens=sink_tokens, a8_order=a8_order)
 
 
 def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -420,7 +432,7 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            tiles: tuple[int, ...] | None = None, decode: bool | None = None,
                            merge: bool | None = None, merge_tiles: tuple[int, int] | None = None,
                            kv_scale: torch.Tensor | None = None,
-                           sinks: torch.Tensor | None = None, sink_tokens: int = 0) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, sink_tokens: int = 0, a8_order: int = -1):
     """The launches behind `paged_attention`, with the decode split count chosen by the caller
     (tests use it to cover split and unsplit decode on the same shapes). `tiles`, for the tuning
     script: (BLOCK_N, num_warps, num_stages) for decode, (BLOCK_M, BLOCK_N, num_warps,
@@ -433,7 +445,8 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     softmax from (in the log2 domain, as the scores). `sink_tokens`: with a sliding window, the
     keys below it stay visible: those before a program's window get a loop of their own ahead
     of the window's (in split decode, the first split's). A runtime int: one compiled kernel
-    serves every value; without sink tokens or a window the loop is not compiled in."""
+    serves every value; without sink tokens or a window the loop is not compiled in. `a8_order`:
+    see `paged_attention`."""
     check_kv_scale(k_cache, kv_scale)
     if sink_tokens < 0:
         raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
@@ -444,8 +457,17 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1 or q.stride(2) != 1:
         raise ValueError("paged_attention wants k_cache and v_cache alike, head_dim contiguous")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    def result(codes: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """out, or with a8_order (out, q, d): the codes the merge wrote, else one quantize launch's."""
+        if a8_order < 0:
+            return out
+        if codes is None:
+            codes = (quant_triton.quantize_a8(out.view(num_tokens, -1), a8_order) if num_tokens else
+                     quant_triton.a8_codes(0, num_heads * head_dim, q.device))
+        return (out, *codes)
+
     if num_tokens == 0:
-        return out
+        return result()
     kv_fp8 = kv_scale is not None
     with_sink_tokens = sliding_window is not None and sink_tokens > 0
     common = dict(
@@ -477,7 +499,7 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
                               BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
                               num_warps=num_warps, num_stages=num_stages, **common)
-        return out
+        return result()
 
     split = num_splits > 1
     part_shape = (num_tokens, num_heads, num_splits) if split else (1,)
@@ -505,15 +527,20 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         SPLIT_TILE=max(DECODE_MIN_SPLIT, block_n),
         MERGE=merge, SPLITS_P=splits_p, QUERY_LEN=max_query_len, num_warps=num_warps,
         num_stages=num_stages, **common, **pdl.launch_args(q.device, "attention"))
+    codes = None
     if split and not merge:
         block_d, merge_warps = merge_tiles or _merge_tiles(common["HEAD_DIM_P"])
         block_d = min(block_d, common["HEAD_DIM_P"])  # a tile past the row would read the next row's
+        # the merge writes the codes where its programs' columns are whole blocks of them
+        if a8_order >= 0 and head_dim == common["HEAD_DIM_P"] and block_d % quant_triton.A8_BLOCK == 0:
+            codes = quant_triton.a8_codes(num_tokens, num_heads * head_dim, q.device)
         _reduce_splits_kernel[(num_tokens, num_heads, triton.cdiv(common["HEAD_DIM_P"], block_d))](
             out, part_out, part_max, part_sum, with_keys, num_splits,
             out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_P=common["HEAD_DIM_P"],
             SPLITS_P=splits_p, BLOCK_D=block_d, num_warps=merge_warps,
-            **pdl.launch_args(q.device, "attention"))
-    return out
+            q_ptr=out if codes is None else codes[0], d_ptr=out if codes is None else codes[1],
+            A8_ORDER=-1 if codes is None else a8_order, **pdl.launch_args(q.device, "attention"))
+    return result(codes)
 
 
 def _merge_tiles(head_dim_p: int) -> tuple[int, int]:

@@ -131,6 +131,10 @@ CASES = [
      dict(eps="fp32", q_ptr="*i32", d_ptr="*fp32")),
     ("silu-and-mul-a8", act._silu_and_mul_a8_kernel, dict(INTER=12288, BLOCKS=32, ORDER=0),
      dict(q_ptr="*i32", d_ptr="*fp32")),
+    ("reduce-splits-a8", at._reduce_splits_kernel, dict(HEAD_DIM=128, HEAD_DIM_P=128, SPLITS_P=64, BLOCK_D=128,
+                                                        A8_ORDER=1),
+     dict(part_out_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", with_keys_ptr="*i32", q_ptr="*i32",
+          d_ptr="*fp32")),
     ("quantize-a8", qt._quantize_a8_kernel, dict(BLOCKS=16, ORDER=2), dict(q_ptr="*i32", d_ptr="*fp32")),
     # MXFP4 experts against int8 x: the e2m1 table lookups and dp4a are inline PTX
     ("moe-gate-up-mxfp4-a8", mt._gate_up_decode_kernel,

@@ -443,6 +443,24 @@ def check_paged_attention(device, group, window, lens, dtype, num_splits, head_d
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
+def check_attention_a8(device, head_dim, num_splits, order, dtype=torch.bfloat16):
+    """`paged_attention(..., a8_order=...)`: the output of the launch without codes, bit for bit, and
+    its rows [T, H * D] as `quantize_a8` writes them, from the split merge (head_dim whole blocks of
+    32) or, unsplit or with a head_dim the merge's columns do not cover in whole blocks, from one
+    quantize launch after."""
+    triton_attention, quant_triton = _triton_module("attention"), _triton_module("quant")
+    group = 4
+    batch, _, _ = make_paged_batch(DECODE_BATCH, group * NUM_KV_HEADS, NUM_KV_HEADS, dtype, device,
+                                   seed=head_dim + num_splits, head_dim=head_dim)
+    args = (batch["q"], batch["k_cache"], batch["v_cache"], batch["block_tables"], batch["seq_lens"],
+            batch["query_start_loc"], batch["max_query_len"], head_dim ** -0.5, None, num_splits)
+    plain = triton_attention.paged_attention_launch(*args, merge=False)
+    out, q, d = triton_attention.paged_attention_launch(*args, merge=False, a8_order=order)
+    assert torch.equal(out, plain)
+    q_ref, d_ref = quant_triton.quantize_a8(plain.view(plain.shape[0], -1), order)
+    assert torch.equal(q, q_ref) and torch.equal(d, d_ref)
+
+
 def check_store_kv(device, dtype):
     triton_attention = _triton_module("attention")
     gen = torch.Generator().manual_seed(3)
@@ -975,6 +993,13 @@ def test_paged_attention_odd_shapes(run_check, group, head_dim):
                                     (DECODE_BATCH, 2, False)):
         run_check(check_paged_attention, group=group, window=WINDOW, lens=lens,
                   dtype=torch.float32, num_splits=num_splits, head_dim=head_dim, merge=merge)
+
+
+@pytest.mark.parametrize("head_dim, num_splits, order", [(32, 3, quant.A8_PAIRS), (64, 2, quant.A8_COLUMNS),
+                                                          (32, 1, quant.A8_PAIRS), (48, 3, quant.A8_PAIRS)],
+                         ids=["split", "split-int8-order", "unsplit", "head-dim-48"])
+def test_attention_a8(run_check, head_dim, num_splits, order):
+    run_check(check_attention_a8, head_dim=head_dim, num_splits=num_splits, order=order)
 
 
 @pytest.mark.parametrize("merge", [False, True], ids=["separate-merge", "merge"])

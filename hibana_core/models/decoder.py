@@ -401,10 +401,10 @@ class Linear(nn.Linear):
             return kernels.rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, glu)
         # the norm's launch writes x's int8 codes for the GEMV (a norm weight of x's dtype: the
         # norm's output dtype is then x's, which the GEMV's output keeps)
-        if norm.weight.dtype == x.dtype and self._folds_a8(x, x.shape[-1]):
+        if norm.weight.dtype == x.dtype and self.folds_a8(x, x.shape[-1]):
             _, residual, q, d = kernels.rms_norm_a8(x, residual, norm.weight, norm.eps, norm.unit_offset,
                                                     kernels.a8_order(self.kind))
-            return self._from_codes(q, d, x), residual
+            return self.from_codes(q, d, x), residual
         normed, residual = (norm(x), x) if residual is None else norm(x, residual)
         return (self(normed) if glu is None else kernels.linear(normed, self.weight, self.bias, glu)), residual
 
@@ -414,18 +414,18 @@ class Linear(nn.Linear):
         writes int8 codes for a packed weight's x int8 GEMV (`kernels.folds_a8`)."""
         if self.kind == "dense":
             return kernels.silu_and_mul_linear(gate_up, self.weight, self.bias)
-        if self._folds_a8(gate_up, gate_up.shape[-1] // 2):
+        if self.folds_a8(gate_up, gate_up.shape[-1] // 2):
             _, q, d = kernels.silu_and_mul_a8(gate_up, kernels.a8_order(self.kind))
-            return self._from_codes(q, d, gate_up)
+            return self.from_codes(q, d, gate_up)
         return self(kernels.silu_and_mul(gate_up))
 
-    def _folds_a8(self, source: torch.Tensor, k: int) -> bool:
+    def folds_a8(self, source: torch.Tensor, k: int) -> bool:
         """Whether this int8 / int4 layer takes its k-wide input, made from `source`'s rows, as int8
         codes from the kernel that makes it (not with a column permutation: GPTQ's act order)."""
         return (self.kind in ("int8", "int4") and self.perm is None
                 and kernels.folds_a8(source, k, self.group_size if self.kind == "int4" else 1))
 
-    def _from_codes(self, q: torch.Tensor, d: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    def from_codes(self, q: torch.Tensor, d: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         int4 = self.kind == "int4"
         return kernels.linear_a8(q, d, source.shape[:-1], source.dtype, self.qweight, self.scales,
                                  self.zeros if int4 else None, self.group_size if int4 else 1, self.bias)
@@ -505,11 +505,15 @@ class Attention(nn.Module):
         batch = self.ctx.batch
         k_cache, v_cache, group = self.ctx.kv_cache.layer(self.layer_idx)
         q = self._prologue(positions, q, k, v, k_cache, v_cache, batch.slot_mapping[group])
-        o = kernels.paged_attention(q, k_cache, v_cache, batch.block_tables[group], batch.seq_lens,
-                                    batch.query_start_loc, batch.max_query_len, batch.max_seq_len,
-                                    self.scale, self.sliding_window, batch.uniform_query_len, self.kv_scale,
-                                    self.sinks, sink_tokens=self.sink_tokens)
-        return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim)), residual
+        args = (q, k_cache, v_cache, batch.block_tables[group], batch.seq_lens, batch.query_start_loc,
+                batch.max_query_len, batch.max_seq_len, self.scale, self.sliding_window, batch.uniform_query_len,
+                self.kv_scale, self.sinks, self.sink_tokens)
+        width = self.num_heads * self.head_dim
+        if self.o_proj.folds_a8(x, width):  # the merge hands the output projection its input as codes
+            o, codes, d = kernels.paged_attention_a8(*args, kernels.a8_order(self.o_proj.kind))
+            return self.o_proj.from_codes(codes, d, o.view(tokens, width)), residual
+        o = kernels.paged_attention(*args)
+        return self.o_proj(o.reshape(tokens, width)), residual
 
     def _prologue(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
