@@ -47,8 +47,8 @@ class Fusion:
     glu_gelu: bool = False
     """tanh gelu * up in the gate/up GEMV's epilogue (it has no kernel of its own: torch's gelu and mul)"""
     a8_fold: bool = False
-    """the norm or SiLU-and-mul kernel before an int8 / int4 layer's x int8 GEMV writes x's int8 codes
-    too (the quantize launch goes; `hibana_kernels.folds_a8`)"""
+    """the norm, SiLU-and-mul or decode attention's split merge before an int8 / int4 layer's x int8
+    GEMV writes x's int8 codes too (the quantize launch goes; `hibana_kernels.folds_a8`)"""
 
     def norm_linear(self, k: int) -> bool:
         return k <= self.norm_max_k
@@ -86,7 +86,8 @@ class Fusion:
 # silu_max_k up to 8192, and gelu.
 # a8_fold (H100, 2026-12-05, `run_h200.sh a8_fold`, qwen3-8b batch 1 at 512 keys, graph replay): once the
 # norm's codes were written by several programs a row (one program had quantized the whole row alone)
-# w4 415.6 -> 425.4 tok/s, w8 288.8 -> 294.6, 508 -> 400 kernels a step (before, a tie on the H200).
+# w4 415.6 -> 425.4 tok/s, w8 288.8 -> 294.6, 508 -> 400 kernels a step (before, a tie on the H200); with
+# 4 blocks a norm program and the attention merge's codes (be434ad) 364 kernels, w4 447.8, w8 294.7.
 AUTO = Fusion(norm_max_k=2048, silu_max_k=6144, attention_merge=False, moe_norm_route=False, glu_silu_max_n=8192,
               glu_gelu=True, a8_fold=True)
 ON = Fusion(norm_max_k=sys.maxsize, silu_max_k=sys.maxsize, attention_merge=True, moe_norm_route=True,
