@@ -196,8 +196,8 @@ def check_a8_fold() -> Iterator[tuple[str, bool, str]]:
                 same = sum(a == b for a, b in zip(outputs[False], outputs[True]))
                 name = surgery if isinstance(surgery, str) else f"{surgery['name']} g{surgery['group_size']}"
                 ran = all(folds.values())
-                yield (f"a8 fold {name} bf16 {arch}: x's codes from the norm / SiLU / attention", same == len(prompts) and ran,
-                       f"{same}/{len(prompts)} agents equal; folded launches {folds}")
+                yield (f"a8 fold {name} bf16 {arch}: x's codes from the norm / SiLU / attention",
+                       same == len(prompts) and ran, f"{same}/{len(prompts)} agents equal; folded launches {folds}")
                 folds.update(dict.fromkeys(folds, 0))
     finally:
         for name, fn in originals.items():
