@@ -43,8 +43,8 @@
 #                                        # without it, the demo model's w4 / w8 guard in bf16 on the GPU
 #   bash bench/run_h200.sh a8_fold       # issue 14: qwen3-8b w4 / w8 decode with the quantize launches folded into
 #                                        # the norm and SiLU kernels (Fusion.a8_fold, AUTO's) against separate
-#   bash bench/run_h200.sh norm_programs # the norms' programs a row, x int8 folds and plain (bench/norm_programs.py:
-#                                        # SETTINGS=16x32x0,4x32x0 PASS=w4 MODEL=qwen3-8b), step replay per setting
+#   bash bench/run_h200.sh a8_blocks     # issue 14: the norm's / SiLU's programs a row in the x int8 folds
+#                                        # (bench/a8_norm_blocks.py: BLOCKS=16x32,4x32 PASS=w4), step replay per setting
 #   bash bench/run_h200.sh moe_a8        # issue 18: MXFP4 experts against int8 x: kernel tests, tune_moe.py --a8 at
 #                                        # gpt-oss-20b's shape, gpt-oss-20b decode under AUTO and a8 tiles
 #   bash bench/run_h200.sh step_gaps     # bench/step_gaps.py: qwen3-8b batch-1 decode at 512 keys in bf16 and w4
@@ -225,10 +225,10 @@ case "${1:-check}" in
       python3 bench/tune_decode.py --model qwen3-8b --fusion --skip-sweep --context 512 --surgery $pass \
         --policies "auto+a8_fold=0,auto" 2>&1 | tee "$OUT/a8_fold_$pass.txt" | tail -4
     done ;;
-  norm_programs)
-    # the norms' programs a row (bench/norm_programs.py; SETTINGS, MODEL, PASS), graph replay per setting
-    python3 bench/norm_programs.py 2>&1 | grep -E "SETTING|replay alone|_rms_norm|_silu_and_mul_a8" \
-      | tee "$OUT/norm_programs.txt" ;;
+  a8_blocks)
+    # issue 14: the x int8 folds' blocks a program (bench/a8_norm_blocks.py; BLOCKS, PASS), graph replay per setting
+    python3 bench/a8_norm_blocks.py 2>&1 | grep -E "A8_NORM_BLOCKS|replay alone|_rms_norm_a8|_silu_and_mul_a8" \
+      | tee "$OUT/a8_blocks.txt" ;;
   moe_a8)
     # issue 18: MXFP4 experts against int8 x (DecodeTiles.a8): its kernel tests on CUDA, its tiles at
     # gpt-oss-20b's shape at T=1 beside the float GEMV's, then the whole gpt-oss-20b decode under AUTO

@@ -15,20 +15,14 @@ from hibana_kernels.quant_triton import a8_block_columns, store_a8_blocks
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, stride_x, stride_res,
                      N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr, CHUNK: tl.constexpr = 0):
-    """A row's (x + residual) and its RMSNorm. CHUNK > 0: program (row, c) writes columns
-    c * CHUNK onward alone, each program of a row reading the whole row for its scale."""
+                     UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr):
+    """A row's (x + residual) and its RMSNorm."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    x_row, res_row = x_ptr + row * stride_x, res_ptr + row * stride_res
     wait_for_previous(PDL)
-    x = _with_residual(x_row, res_row, offs, mask, HAS_RESIDUAL)
+    x = _with_residual(x_ptr + row * stride_x, res_ptr + row * stride_res, offs, mask, HAS_RESIDUAL)
     inv_rms = _inv_rms(x, eps, N)
-    if CHUNK > 0:
-        offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
-        mask = offs < N
-        x = _with_residual(x_row, res_row, offs, mask, HAS_RESIDUAL)
     if HAS_RESIDUAL:
         tl.store(res_out_ptr + row * N + offs, x, mask=mask)
     out = _normed(x, inv_rms, tl.load(w_ptr + offs, mask=mask, other=0.0), UNIT_OFFSET)
@@ -90,7 +84,6 @@ def _rms_norm_a8_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, d_pt
 # replay (bench/step_gaps.py, two runs each): 128 (one program a row) 2.51 ms, 32 2.42, 16 2.35, 8 2.29,
 # 4 2.25-2.27, 2 2.27, 1 2.27; w8 3.40 at 16, 8 and 4 alike. (SiLU-and-mul's 32, 8 or 4: the same.)
 A8_NORM_BLOCKS = 4
-NORM_CHUNK = 0  # columns an `_rms_norm_kernel` program writes (0: the whole row, one program a row)
 
 
 def _launch(x, residual, weight, eps, unit_offset, a8_order=-1):
@@ -115,10 +108,8 @@ def _launch(x, residual, weight, eps, unit_offset, a8_order=-1):
         common = dict(N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset,
                       num_warps=min(max(block // 256, 1), 8))
         if a8_order < 0:
-            chunk = NORM_CHUNK if 0 < NORM_CHUNK < block else 0
-            grid = (rows, triton.cdiv(n, chunk) if chunk else 1)
-            _rms_norm_kernel[grid](x2, res2, weight, out, res_out, eps, x2.stride(0), res2.stride(0), CHUNK=chunk,
-                                   **common, **pdl.launch_args(x.device, "other", grid[0] * grid[1]))
+            _rms_norm_kernel[(rows,)](x2, res2, weight, out, res_out, eps, x2.stride(0), res2.stride(0), **common,
+                                      **pdl.launch_args(x.device))
         else:
             grid = (rows, triton.cdiv(n // quant_triton.A8_BLOCK, A8_NORM_BLOCKS))
             _rms_norm_a8_kernel[grid](x2, res2, weight, out, res_out, q, d, eps, x2.stride(0), res2.stride(0),

@@ -41,8 +41,6 @@ CASES = [
      dict(eps="fp32")),
     ("rms-norm", nt._rms_norm_kernel, dict(N=2048, BLOCK=2048, HAS_RESIDUAL=True, UNIT_OFFSET=False),
      dict(eps="fp32")),
-    ("rms-norm-chunks", nt._rms_norm_kernel, dict(N=3072, BLOCK=4096, HAS_RESIDUAL=True, UNIT_OFFSET=False,
-                                                  CHUNK=512), dict(eps="fp32")),
     ("silu-and-mul", act._silu_and_mul_kernel, dict(INTER=3072, BLOCK=1024), {}),
     ("prologue", rt._prologue_kernel, dict(GROUP=4, HALF=64, PASS=0, BLOCK_G=4, BLOCK_HALF=64, BLOCK_PASS=1,
                                            BLOCK_D=128, HAS_NORM=True, UNIT_OFFSET=False, KV_FP8=False),

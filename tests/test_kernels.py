@@ -515,25 +515,6 @@ def check_norms(device, dtype, shape, unit_offset):
     torch.testing.assert_close(out, ref_out, **TOLERANCE[dtype])
 
 
-def check_norm_chunks(device, chunk, unit_offset):
-    """`NORM_CHUNK`: a row over several programs (each reads the row for its scale, writes its own
-    columns; the last short) gives the one-program launch's output and residual bit for bit."""
-    triton_norm = _triton_module("norm")
-    gen = torch.Generator().manual_seed(chunk)
-    x, residual = ((2 * torch.randn(3, 600, generator=gen)).to(torch.bfloat16).to(device) for _ in range(2))
-    weight = ((0 if unit_offset else 1) + torch.randn(600, generator=gen) / 4).to(torch.bfloat16).to(device)
-    whole = triton_norm.fused_add_rms_norm(x, residual, weight, 1e-6, unit_offset), \
-        triton_norm.rms_norm(x, weight, 1e-6, unit_offset)
-    kept, triton_norm.NORM_CHUNK = triton_norm.NORM_CHUNK, chunk
-    try:
-        chunked = triton_norm.fused_add_rms_norm(x, residual, weight, 1e-6, unit_offset), \
-            triton_norm.rms_norm(x, weight, 1e-6, unit_offset)
-    finally:
-        triton_norm.NORM_CHUNK = kept
-    for a, b in zip((*whole[0], whole[1]), (*chunked[0], chunked[1])):
-        assert torch.equal(a, b)
-
-
 def rotary_tables(max_pos, head_dim, device):
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
@@ -1160,11 +1141,6 @@ def test_qk_norm_rotary_store_fp8(run_check, dtype, num_heads, head_dim, qk_norm
 @pytest.mark.parametrize("unit_offset", [False, True], ids=["llama", "gemma"])
 def test_norms(run_check, dtype, shape, unit_offset):
     run_check(check_norms, dtype=dtype, shape=shape, unit_offset=unit_offset)
-
-
-@pytest.mark.parametrize("chunk, unit_offset", [(128, False), (256, True)])
-def test_norm_chunks(run_check, chunk, unit_offset):
-    run_check(check_norm_chunks, chunk=chunk, unit_offset=unit_offset)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
