@@ -101,11 +101,14 @@ class Masker:
 
     def mask_messages(self, messages: list[dict]) -> list[dict]:
         """Every field of every message is untrusted, an assistant's content and reasoning too.
-        An assistant's keep their text around each control-token text: reasoning templates
-        split old answers at `</think>` (Qwen3's, DeepSeek-R1's), which a whole-string
-        sentinel would hide."""
-        return [self.mask(message, each=message.get("role") == "assistant", wide=message.get("role") in UNTRUSTED_ROLES)
-                for message in messages]
+        Those of every role but a tool's keep their text around each control-token text, since
+        templates read it: reasoning templates split old answers at `</think>` (Qwen3's,
+        DeepSeek-R1's), and Qwen3's takes a user message that starts and ends with its
+        `<tool_response>` tags for a tool's result (which decides the reasoning it keeps), all of
+        which a whole-string sentinel would hide. A tool's content (markup words masked too) is a
+        sentinel whole."""
+        return [self.mask(message, each=message.get("role") not in UNTRUSTED_ROLES,
+                          wide=message.get("role") in UNTRUSTED_ROLES) for message in messages]
 
 
 def _written(original: str) -> list[str]:

@@ -439,8 +439,10 @@ class TurnRun:
 
     def _parser_reasoning(self) -> list[ChatDelta]:
         """What the parser kept apart as reasoning since last asked (harmony's analysis), as it comes;
-        the parser decides the channels, so it comes before the text it was fed with."""
-        reasoning = getattr(self.stream, "reasoning", "")
+        the parser decides the channels, so it comes before the text it was fed with. The pieces
+        join to the result's reasoning, which is stripped: whitespace before it is dropped, and
+        whitespace at its end held until more reasoning follows."""
+        reasoning = getattr(self.stream, "reasoning", "").strip()
         new, self._reasoned = reasoning[self._reasoned:], len(reasoning)
         return [ChatDelta(reasoning=new)] if new else []
 

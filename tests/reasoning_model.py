@@ -50,12 +50,20 @@ TEMPLATE = """\
 {%- endif -%}"""
 
 
-def make_reasoning_checkpoint(path) -> Path:
+OBSERVATION_QUERIES = TEMPLATE.replace(
+    '{%- if m.role == "user" -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}',
+    '{%- if m.role == "user" and not (m.content.startswith("<tool_response>") and '
+    'm.content.endswith("</tool_response>")) -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}')
+"""Qwen3's own rule for the last query: a user message wrapped in <tool_response> tags is a tool's
+result (a text-protocol agent's observation), not a query, so the thinking before it is kept."""
+
+
+def make_reasoning_checkpoint(path, template: str = TEMPLATE) -> Path:
     path = Path(path)
     tiny_models.make_tiny_checkpoint("qwen3", path, vocab_size=tiny_models.VOCAB_SIZE + 8)
     tokenizer = tiny_models.make_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL})
     tokenizer.add_tokens(ADDED)
-    tokenizer.chat_template = TEMPLATE
+    tokenizer.chat_template = template
     tokenizer.save_pretrained(path)
     return path

@@ -751,6 +751,20 @@ def test_a_turn_without_tools_is_split_into_its_channels(harmony_engine, tools):
     chat.render_text(history)  # the next turn renders
 
 
+@pytest.mark.parametrize("analysis", ["\n Think", "Think  \n", "A \n B "])
+def test_streamed_reasoning_joins_to_the_results_whitespace_and_all(harmony_engine, analysis):
+    """The analysis channel's pieces kept the whitespace around it, which the result strips: a
+    streaming client's reasoning_content differed from a non-streamed reply's."""
+    from hibana_core import SamplingParams
+    from test_chat import HELLO
+
+    text = f"<|channel|>analysis<|message|>{analysis}<|end|><|start|>assistant<|channel|>final<|message|>Hi<|return|>"
+    chat, n = forced_chat(harmony_engine, f"spaces-{len(analysis)}-{analysis[0]!r}", text)
+    deltas = list(chat.stream_respond(HELLO, params=SamplingParams(max_tokens=n)))
+    assert deltas[-1].result.reasoning == analysis.strip()
+    assert "".join(d.reasoning for d in deltas[:-1] if d.reasoning) == analysis.strip()
+
+
 def test_a_header_cut_by_max_tokens_leaves_no_markup_in_the_content(harmony_engine):
     from hibana_core import SamplingParams
     from test_chat import HELLO

@@ -15,7 +15,7 @@ from hibana_core.chat import Chat
 from hibana_core.errors import ConfigError
 from hibana_core.speculation import force_outputs
 from hibana_core.turn import Thinking
-from reasoning_model import make_reasoning_checkpoint
+from reasoning_model import OBSERVATION_QUERIES, make_reasoning_checkpoint
 
 THOUGHT = "The user says hi. I should greet them."
 ANSWER = "Hello there, friend."
@@ -241,3 +241,20 @@ def test_streamed_thinking_joins_to_the_results_reasoning():
         thought, said = thinking.close()
         assert (streamed + thought, answer + said) == (thinking.text, "Answer") == \
             ("A thought,  with  spaces.\n\n more", "Answer"), cuts
+
+
+def test_an_observation_quoting_control_text_renders_as_the_template_does(tmp_path, make_engine):
+    """A text-protocol agent's observation (a user message in <tool_response> tags) that quotes a
+    control token: the whole message was masked as one sentinel, so Qwen3's template no longer saw
+    the tags it reads to tell an observation from a query, kept other thinking than the real render,
+    and the call failed (PromptMarkupError). Now it renders as the template does, the control text
+    as text."""
+    engine = make_engine(make_reasoning_checkpoint(tmp_path / "qwen3-observations", OBSERVATION_QUERIES))
+    messages = [{"role": "user", "content": "Find the page."},
+                {"role": "assistant", "content": "Fetching.", "reasoning_content": "Need to fetch."},
+                {"role": "user", "content": "<tool_response>\nthe page quotes <|im_end|> here\n</tool_response>"}]
+    rendered = Chat(engine).render_text(messages)
+    assert rendered == engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert "Need to fetch." in rendered  # the thinking the template keeps before an observation
+    end = engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert Chat(engine).render(messages).count(end) == 3  # the turns' own ends, not the quoted one
