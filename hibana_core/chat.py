@@ -77,6 +77,11 @@ class TokenIds(tuple):
         return super().__new__(cls, ids)
 
 
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+"""OpenAI's reasoning_effort levels: what a model that declares none of its own takes ("none":
+thinking off; the others go to its template, which may read them)."""
+
 class Chat:
     """The chat layer of an engine: `Chat(engine, "agent-1").respond(messages, tools=...)` on one
     state, or `Chat(engine)` to render and lease a state per call."""
@@ -243,10 +248,18 @@ class Chat:
         if effort is not None:
             if not isinstance(effort, str):
                 raise ConfigError(f"effort must be a reasoning_effort level (a string) or None, got {effort!r:.80}")
-            if self._efforts is not None and effort not in self._efforts:  # the template would write it as it is
+            if effort == "none":  # OpenAI's: no reasoning (as `hibana serve` reads it)
+                if reasoning:
+                    raise ConfigError("reasoning_effort 'none' and reasoning=True disagree; give one of them")
+                reasoning = False
+            elif self._efforts is not None and effort not in self._efforts:  # the template would write it as it is
                 raise ConfigError(f"reasoning_effort {effort!r:.40} is no level of this model's; its levels are "
                                   f"{', '.join(self._efforts)}")
-            kwargs["reasoning_effort"] = effort
+            elif self._efforts is None and effort not in REASONING_EFFORTS:
+                raise ConfigError(f"reasoning_effort {effort!r:.40} is no reasoning_effort level; use one of "
+                                  f"{', '.join(REASONING_EFFORTS)}")
+            else:
+                kwargs["reasoning_effort"] = effort
         if reasoning is not None:
             if not isinstance(reasoning, bool):
                 raise ConfigError(f"reasoning must be True, False or None, got {reasoning!r:.80}")

@@ -258,3 +258,19 @@ def test_an_observation_quoting_control_text_renders_as_the_template_does(tmp_pa
     assert "Need to fetch." in rendered  # the thinking the template keeps before an observation
     end = engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert Chat(engine).render(messages).count(end) == 3  # the turns' own ends, not the quoted one
+
+
+def test_reasoning_effort_none_switches_thinking_off_in_process_too(engine):
+    """`reasoning_effort="none"` switched Qwen3's thinking off through `hibana serve` only: in process
+    (Chat, ChatHibana) the template ignored it and thought; a level no model has ("bogus", "HIGH")
+    was taken without a word, and "none" beside reasoning=True too."""
+    ask = [{"role": "user", "content": "hi"}]
+    chat = Chat(engine)
+    assert chat.render_text(ask, effort="none") == chat.render_text(ask, reasoning=False)
+    assert chat.render_text(ask, effort="none").endswith("<think>\n\n</think>\n\n")
+    assert chat.render_text(ask, effort="high") == chat.render_text(ask)  # a level Qwen3's template does not read
+    for level in ("bogus", "HIGH", ""):
+        with pytest.raises(ConfigError, match="no reasoning_effort level"):
+            chat.render_text(ask, effort=level)
+    with pytest.raises(ConfigError, match="disagree"):
+        chat.render_text(ask, reasoning=True, effort="none")
