@@ -188,7 +188,7 @@ class StateRegistry:
         """Fill `seq` from its persisted state: its KV parked in the host tier (copied to the
         device at its next request), else on the device now, else (running requests hold the
         blocks) parked on disk."""
-        seq.tokens = self._validate(saved.tokens)
+        seq.tokens = self._saved_tokens(saved, path)
         if not self._kv_fits(seq, saved):
             return  # tokens only: the KV is recomputed on next use
         seq.rotated_long = saved.rotated_long
@@ -703,7 +703,7 @@ class StateRegistry:
         saved = self._in_this_pool(state_file.read(path, self.limits.fingerprint, cache.data.shape, cache.dtype,
                                                    cache.layout, self.limits.configuration))
         self._check_saved_length(saved, path)
-        tokens = self._validate(saved.tokens)
+        tokens = self._saved_tokens(saved, path)
         with self.lock:
             self._check_open()
             state_id = state_id or saved.state_id
@@ -719,6 +719,15 @@ class StateRegistry:
                 if not self._parked_for_room(seq, saved):
                     self._place(seq, saved, path)
             return self._add(state_id, seq)
+
+    def _saved_tokens(self, saved: state_file.SavedState, path: Path) -> list[int]:
+        """A saved history's token ids, checked as a caller's are; ids this vocabulary lacks make the
+        file a StateFileError (another model's, or made by hand: its checksum proves no origin)."""
+        try:
+            return self._validate(saved.tokens)
+        except InvalidTokenError as exc:
+            raise StateFileError(f"{path} holds token ids this model cannot read ({exc}); it was saved by "
+                                 "another model or damaged") from None
 
     def _parked_for_room(self, seq: KVSequence, saved: state_file.SavedState, host: bool = True) -> bool:
         """Where running requests hold the device blocks a saved state's KV needs, that KV parked

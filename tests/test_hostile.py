@@ -222,6 +222,36 @@ def test_an_inconsistent_state_file_is_refused(tiny_checkpoints, make_engine, tm
         engine.load_state(tmp_path, state_id="from-a-folder")
 
 
+def test_a_state_file_naming_no_state_or_foreign_tokens_is_a_state_file_error(tiny_checkpoints, make_engine, tmp_path):
+    """Files made by hand (the checksum proves no origin): an empty state id loaded as a state no
+    call could reach (and, with a state_dir, a file no call could delete); token ids past the
+    vocabulary were an InvalidTokenError ("tokenize with this model's tokenizer"), where the README
+    promises a StateFileError for a foreign or damaged file."""
+    import json
+
+    import safetensors.torch as st
+    from safetensors import safe_open
+
+    from hibana_core import StateFileError
+    from hibana_core.kv import state_file
+
+    engine = make_engine(tiny_checkpoints[ARCH])
+    _, _, file = _saved(engine, tmp_path)
+    kv = st.load_file(str(file))["kv"]
+    used = engine.stats().kv_blocks_used
+    saved = safe_open(str(file), "pt").metadata()
+    foreign = [10 ** 6, *json.loads(saved["tokens"])[1:]]  # as many tokens: the KV still fits them
+    for name, change, says in (("no-id", {"state_id": ""}, "state id is empty"),
+                               ("foreign", {"tokens": json.dumps(foreign)}, "cannot read")):
+        meta = {**saved, **change}
+        meta["checksum"] = state_file._checksum(meta, kv)
+        bad = tmp_path / f"{name}.safetensors"
+        st.save_file({"kv": kv}, str(bad), metadata=meta)
+        with pytest.raises(StateFileError, match=says):
+            engine.load_state(bad)
+        assert engine.stats().kv_blocks_used == used and "" not in {s.id for s in engine.states()}
+
+
 # --- options and state operations ----------------------------------------------------------------
 
 def test_bad_engine_options_and_state_ops_are_hibana_errors(tiny_checkpoints, make_engine):

@@ -228,6 +228,8 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.
         starts = tuple(json.loads(meta.get("pages", "[0]")))
         if not starts or not all(is_kind(s, int) and s >= 0 for s in starts):
             raise ValueError(f"its pages {meta['pages']!r} are not a list of block indices")
+        if not meta["state_id"]:  # no call could name it: not even to delete its file
+            raise ValueError("its state id is empty")
         saved = SavedState(str(meta["state_id"]), tokens, int(meta["num_computed"]),
                            int(meta["block_size"]), kv, "rotation" in meta, starts)
     except StateFileError:
