@@ -823,8 +823,9 @@ def _derived_id(call: dict, index: int) -> str:
     return f"call-{index}-" + json.dumps(call.get("function"), sort_keys=True, ensure_ascii=False, default=str)
 
 
-def _parser_failed(name: str, parser: Any, what: str, exc: Exception) -> HibanaError:
-    return HibanaError(f"tool parser {name!r} ({describe_registered(parser)}) failed {what}: {exc!r}; "
+def _parser_failed(name: str, parser: Any, what: str, exc: Exception) -> PluginError:
+    """A tool parser's failure: a PluginError (the server's, not the request's: a 500 from `hibana serve`)."""
+    return PluginError(f"tool parser {name!r} ({describe_registered(parser)}) failed {what}: {exc!r}; "
                        "fix its plugin, or name another tool_parser")
 
 
@@ -859,7 +860,7 @@ def _check_format(described: str, chat_format: Any) -> None:
 
 class _CheckedStream:
     """A tool parser's stream whose failures, a plugin's bug or a result of the wrong type, are
-    HibanaErrors naming the parser (the engine goes on; the turn fails, its state put back)."""
+    PluginErrors naming the parser (the engine goes on; the turn fails, its state put back)."""
 
     def __init__(self, name: str, parser: Any, stream: Any) -> None:
         self._name, self._parser, self._stream = name, parser, stream
@@ -875,7 +876,7 @@ class _CheckedStream:
         return out
 
     def _returned(self, what: str, method: str, instead: str) -> None:
-        raise HibanaError(f"tool parser {self._name!r} ({describe_registered(self._parser)}) returned {what} from "
+        raise PluginError(f"tool parser {self._name!r} ({describe_registered(self._parser)}) returned {what} from "
                           f"{method}, {instead}; fix its plugin, or name another tool_parser")
 
     def _pieces(self, method: str, out: Any) -> list:

@@ -47,6 +47,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # on a line of its own: a progress bar may have left the cursor at the end of its line
         print("\nhibana: interrupted" if sys.stderr.isatty() else "hibana: interrupted", file=sys.stderr)
         return 130  # 128 + SIGINT, what a shell reports for a command Ctrl+C stopped
+    except Exception as exc:  # what a command did not say itself (a plugin set-up gone wrong): one line
+        from hibana_core.errors import HibanaError
+
+        if not isinstance(exc, HibanaError):
+            raise
+        print(f"hibana: {exc}", file=sys.stderr)
+        return 1
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -55,8 +62,8 @@ def _main(argv: Sequence[str] | None) -> int:
         return run_demo(rest)
     if args.command in ENTRY_POINT_COMMANDS:
         return run_entry_point_command(args.command, rest)
-    if rest:
-        build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
+    if rest:  # the command's own usage line with the error (exit status 2)
+        build_parser().commands.choices[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
     return args.run(args)
 
 
@@ -67,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=version(),
                         help="print Hibana's version (and Python's and torch's) and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.commands = commands  # each command's parser by name (`commands.choices`): its own usage errors
 
     plugins = commands.add_parser(
         "plugins", help="list every registered plugin and what it registers"
@@ -270,7 +278,7 @@ def run_plugins(args: argparse.Namespace) -> int:
     from hibana_plugins.manager import ENV_VAR, get_plugin_manager
 
     manager = get_plugin_manager()
-    conflicts: list[str] = []  # names two plugins register: listed, with the rest (exit status 1)
+    conflicts = list(manager.clashes)  # plugins of one name, names two plugins register: listed (exit status 1)
     infos = manager.describe(conflicts)
     if args.json:
         print(

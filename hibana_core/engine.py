@@ -256,7 +256,8 @@ class Engine:
             from hibana_core.surgery.guard import guard_text_path
 
             guard_text_path(config.surgery_guard_text)  # a wrong path said before the weights load
-        check_method(config.speculation, list(get_plugin_manager().drafters()))
+        if config.speculation.enabled:  # (an engine that never speculates reads no drafter registry)
+            check_method(config.speculation, list(get_plugin_manager().drafters()))
         if config.cache.state_dir is not None:
             _check_state_dir(config.cache.state_dir)
         if hf_model is None:
@@ -315,7 +316,7 @@ class Engine:
         runner = ModelRunner(self.model, self._ctx, Sampler(self.device, config.seed), self.device,
                              self.max_model_len, config.scheduler.max_concurrent_agents, config.cuda_graphs)
         me = weakref.proxy(self)  # the speculator holds neither the engine nor its runner
-        speculator = Speculator(config.speculation, get_plugin_manager().drafters(),
+        speculator = Speculator(config.speculation, get_plugin_manager().drafters,
                                 lambda: me._profile_steps(me.core.runner), self.vocab_size, me)
         host_bytes = config.cache.host_kv_bytes
         if host_bytes is None:  # on unified memory a budget is one pool: parking would only copy

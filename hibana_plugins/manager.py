@@ -188,6 +188,7 @@ class HibanaPluginManager:
         self.pm.add_hookspecs(hookspecs)
         self.allow = allow
         self.load_errors: list[PluginLoadError] = []
+        self.clashes: list[str] = []  # two installed plugins of one name: the second skipped (`hibana plugins`: 1)
         self._sources: dict[str, _Source] = {}
         self._registries: dict[str, dict[str, _Entry]] = {}
         self._lock = threading.RLock()
@@ -236,7 +237,12 @@ class HibanaPluginManager:
             except Exception as exc:
                 self._report(ep.name, "import", exc, package=dist_name)
                 continue
-            self._register(plugin, ep.name, _Source(False, package=dist_name, version=version))
+            try:
+                self._register(plugin, ep.name, _Source(False, package=dist_name, version=version))
+            except PluginError as exc:  # another package's plugin of that name came first: this one is skipped
+                self.clashes.append(str(exc))
+                warnings.warn(f"Hibana plugin {ep.name!r} (from {dist_name}) is skipped: {exc}", PluginWarning,
+                              stacklevel=3)
         if self.allow:
             for name in sorted(self.allow - matched):
                 warnings.warn(

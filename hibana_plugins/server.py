@@ -58,7 +58,7 @@ from hibana_core.errors import (ChatTimeoutError, ConfigError, ContextLengthErro
                                 HibanaError, InvalidTokenError, QueueTimeoutError, StateBusyError)
 from hibana_core.messages import ConversationError, ToolChoiceError, ToolSchemaError, UnsupportedContentError
 from hibana_core.turn import ChatDelta
-from hibana_plugins.manager import get_plugin_manager
+from hibana_plugins.manager import PluginError, get_plugin_manager
 from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatRequest, CompletionRequest, Reply,
                                        TextReply, chat_call, choice_calls, named_state, parse_request, prompts_of,
                                        served_by_header)
@@ -202,6 +202,8 @@ def api_error(exc: HibanaError, prompt_param: str = "messages") -> ApiError:
         return ApiError(429, message, None, "queue_timeout", "requests")  # OpenAI types its rate limits so
     if isinstance(exc, EngineClosedError):
         return ApiError(503, message, None, "engine_closed", "server_error")
+    if isinstance(exc, PluginError):  # a plugin of the server's failed (its tool parser): not the request's fault
+        return ApiError(500, message, None, "plugin_error", "server_error")
     params = [(ToolChoiceError, "tool_choice"), (ToolSchemaError, "tools"), (ConversationError, "messages"),
               (UnsupportedContentError, "messages"), (GrammarError, "response_format"),
               (InvalidTokenError, getattr(exc, "field", None) or prompt_param)]

@@ -725,6 +725,37 @@ def test_json_schema_strict_is_a_boolean_and_a_replayed_refusal_is_text(base_url
     assert status == 400, reply  # a refusal is the assistant's
 
 
+def test_a_tool_parser_plugin_that_fails_is_the_servers_error_not_the_requests(engine):
+    """`--tool-parser` naming a plugin whose parser raises: a 500 server_error (it was a 400
+    invalid_request_error, blaming the client), and the server serves the next request."""
+    from hibana_plugins import hookimpl
+    from hibana_plugins.manager import get_plugin_manager, reset_plugin_manager
+    from hibana_plugins.tool_parsers import HermesToolParser
+
+    class Raises(HermesToolParser):
+        def stream(self, **options):
+            raise ValueError("a parser bug")
+
+    class Plugin:
+        @hookimpl
+        def register_tool_parsers(self, register):
+            register("raising_parser", Raises())
+
+    reset_plugin_manager()
+    get_plugin_manager().register(Plugin(), name="hibana-test-raising-parser")
+    try:
+        with serving(engine, ServerConfig("demo", tool_parser="raising_parser")) as url:
+            body = {"model": "demo", "max_tokens": 8, "tools": [WEATHER],
+                    "messages": [{"role": "user", "content": "What is the weather in Paris?"}]}
+            status, reply = post(url, json.dumps(body).encode(), key=None)
+            assert status == 500 and reply["error"]["type"] == "server_error", reply
+            assert "raising_parser" in reply["error"]["message"]
+            status, reply = post(url, json.dumps({**body, "tools": None}).encode(), key=None)
+            assert status == 200, reply
+    finally:
+        reset_plugin_manager()
+
+
 def test_top_logprobs_past_twenty_is_out_of_range_not_unsupported(base_url):
     status, reply = post(base_url, json.dumps({"model": "demo", "messages": [{"role": "user", "content": "hi"}],
                                                "logprobs": True, "top_logprobs": 21}).encode())

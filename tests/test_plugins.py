@@ -648,6 +648,35 @@ def test_cli_plugins_lists_everything_and_the_conflict_where_two_plugins_take_on
     assert "llama3_json" in out and "conflict: tool parser 'hermes'" in out
 
 
+def test_two_packages_naming_their_plugins_alike_skip_the_second_not_hibana(make_dist, capsys):
+    """Two packages whose entry points share a name (a generic "plugin") made every engine fail to
+    load, even the demo, and `hibana plugins` print a traceback: the second is skipped with a
+    warning, and `hibana plugins` lists the clash (exit status 1)."""
+    from hibana_core.cli import main
+
+    make_dist("hibana-test-first", "samename", parser_plugin("first_parser"))
+    make_dist("hibana-test-second", "samename", parser_plugin("second_parser"))
+    with pytest.warns(PluginWarning, match=r"'samename' \(from hibana-test-second\) is skipped: two plugins"):
+        manager = HibanaPluginManager()
+    assert "first_parser" in manager.tool_parsers() and "second_parser" not in manager.tool_parsers()
+    assert len(manager.clashes) == 1 and "hibana-test-first" in manager.clashes[0]
+    reset_plugin_manager()
+    with pytest.warns(PluginWarning):
+        assert main(["plugins", "--json"]) == 1
+    listed = json.loads(capsys.readouterr().out)
+    assert any("two plugins are named 'samename'" in c for c in listed["conflicts"])
+    assert any(r["name"] == "first_parser" for r in listed["plugins"])
+
+
+def test_cli_usage_errors_show_the_commands_own_usage(capsys):
+    from hibana_core.cli import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(["plugins", "--bogus"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.startswith("usage: hibana plugins") and "--bogus" in err
+
+
 def test_cli_surgery_asks_for_its_passes(capsys):
     from hibana_core.cli import main
 

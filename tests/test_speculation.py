@@ -436,6 +436,46 @@ def test_a_wrongly_registered_drafter_is_a_config_error_at_engine_build(tiny_che
     assert "register('wrong', factory) with factory(engine) -> drafter" in str(raised.value)
 
 
+def test_a_drafter_factory_that_raises_is_a_config_error_naming_it(tiny_checkpoints, make_engine):
+    """A plugin's factory that raised passed its bare exception out of Engine.from_pretrained and
+    generate, naming neither the drafter nor its plugin; and a propose_many returning the wrong
+    shape was warned of as "raised in propose" with a zip() error of Hibana's own."""
+    def exploding(engine):
+        raise RuntimeError("factory exploded")
+
+    with registered_as_is(boom=exploding), pytest.raises(
+            ConfigError, match=r"drafter 'boom': its factory, the function .*exploding, failed: RuntimeError: factory"):
+        make_engine(tiny_checkpoints["llama"], speculation={"method": "boom", "k": 3})
+
+    class Garbage(FixedDrafter):
+        def propose_many(self, inputs, ks):
+            return "nope"
+
+    path = tiny_checkpoints["llama"]
+    with registered(garbage=Garbage(tokens=[5, 6])):
+        engine = make_engine(path, speculation="off")
+    history = random_tokens(random.Random(31), 20)
+    with pytest.warns(PluginWarning, match=r"drafter 'garbage' propose_many returned an instance of builtins\.str"):
+        out = engine.open_state("g").generate(greedy(6, speculation={"method": "garbage", "k": 2}), prompt=history)
+    assert_greedy_matches(path, history, out.token_ids)
+
+
+def test_a_drafter_name_clash_fails_only_where_drafters_are_used(tiny_checkpoints, make_engine):
+    """A plugin registering the built-in name "suffix" made every engine fail to load, with
+    speculation="off" too; the clash is a PluginError where a drafter is named."""
+    from hibana_plugins.manager import PluginError
+
+    path = tiny_checkpoints["llama"]
+    with registered_as_is(suffix=FixedDrafter(tokens=[5])):
+        engine = make_engine(path, speculation="off")
+        history = random_tokens(random.Random(33), 12)
+        assert_greedy_matches(path, history, engine.open_state("off").generate(greedy(4), prompt=history).token_ids)
+        with pytest.raises(PluginError, match="'suffix'"):
+            engine.open_state("on").generate(greedy(4, speculation={"method": "ngram", "k": 2}), prompt=history)
+        with pytest.raises(PluginError, match="'suffix'"):
+            make_engine(path, speculation="adaptive")
+
+
 # --- 5. endings, seeds and forced outputs inside drafts --------------------------------------------
 
 

@@ -16,6 +16,7 @@ which the step-cost model charges to verifying steps).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 import warnings
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from hibana_core.config import SpeculationConfig, is_kind, plain_token_ids
-from hibana_core.errors import ConfigError
+from hibana_core.errors import ConfigError, HibanaError
 from hibana_core.speculation.controller import (MAX_DRAFT, AcceptanceStats, Candidate, Controller,
                                                 StepCostModel)
 from hibana_core.speculation.drafters import DraftInput, Drafter
@@ -68,7 +69,13 @@ def build_drafter(name: str, registered: Any, engine: Any) -> Drafter:
     if not (callable(registered) and accepts(registered, engine)):
         raise ConfigError(f"drafter {name!r} is registered as {describe_registered(registered)}, which cannot be "
                           f"called as factory(engine); {expected}")
-    drafter = registered(engine)
+    try:
+        drafter = registered(engine)
+    except HibanaError:  # the built-ins' own (a draft model that does not load), said as they are
+        raise
+    except Exception as exc:  # noqa: BLE001 - a plugin's factory: its failure named, not passed through bare
+        raise ConfigError(f"drafter {name!r}: its factory, {describe_registered(registered)}, failed: "
+                          f"{type(exc).__name__}: {exc}; fix its plugin, or name another drafter") from exc
     if not hasattr(drafter, "propose"):
         raise ConfigError(f"drafter {name!r}: its factory, {describe_registered(registered)}, returned "
                           f"{describe_registered(drafter)}, which has no propose(state, k); {expected}")
@@ -113,11 +120,15 @@ class SpeculationCounters:
 
 
 class Speculator:
-    def __init__(self, default: SpeculationConfig, drafters: dict[str, Callable[..., Drafter]],
+    def __init__(self, default: SpeculationConfig,
+                 drafters: "dict[str, Callable[..., Drafter]] | Callable[[], dict[str, Callable[..., Drafter]]]",
                  profile: Callable[[], StepCostModel], vocab_size: int, engine: Any = None) -> None:
+        """`drafters`: the registered drafter factories by name, or what gives them when first named
+        (the plugin registry: an engine that never speculates never reads it, so a clash of two
+        plugins' drafter names fails only where drafters are used)."""
         self.default = default
         self.vocab_size = vocab_size
-        self._factories = drafters
+        self._registered = drafters
         self._drafters: dict[str, Drafter] = {}
         self._profile = profile
         self._controller: Controller | None = None
@@ -133,6 +144,10 @@ class Speculator:
             self.check(default)
 
     # --- configuration ----------------------------------------------------------------------
+
+    @functools.cached_property
+    def _factories(self) -> dict[str, Callable[..., Drafter]]:
+        return self._registered() if callable(self._registered) else self._registered
 
     def check(self, config: SpeculationConfig) -> None:
         """A ConfigError, listing the registered drafters, when `config` names none of them. The
@@ -251,19 +266,29 @@ class Speculator:
         drafts change speed only, so one that raises drafts nothing (with a warning) rather than
         failing the step, whose other requests may not even speculate."""
         drafter = self.drafter(method)
+        many = getattr(drafter, "propose_many", None)
+        call = "propose" if many is None else "propose_many"
         try:
-            many = getattr(drafter, "propose_many", None)
             proposals = many(inputs, ks) if many is not None else [
                 drafter.propose(state, k) for state, k in zip(inputs, ks)]
-            return [valid_draft(p, k, self.vocab_size) for p, k in zip(proposals, ks, strict=True)]
         except Exception as exc:  # noqa: BLE001 - any bug of a plugin's drafter
-            self._drafter_failed(method, "propose", exc)
+            self._drafter_failed(method, call, exc)
+            return [[] for _ in inputs]
+        try:
+            if not isinstance(proposals, (list, tuple)) or len(proposals) != len(inputs):
+                raise TypeError(f"returned {describe_registered(proposals)} for {len(inputs)} states, where a list "
+                                "of one proposal a state belongs")
+            return [valid_draft(p, k, self.vocab_size) for p, k in zip(proposals, ks)]
+        except Exception as exc:  # noqa: BLE001 - what a plugin's drafter returned
+            self._drafter_failed(method, call, exc, returned=True)
             return [[] for _ in inputs]
 
-    def _drafter_failed(self, method: str, call: str, exc: Exception) -> None:
+    def _drafter_failed(self, method: str, call: str, exc: Exception, returned: bool = False) -> None:
         if not self.drafter_errors[method]:
-            skipped = "its requests decode without its drafts" if call == "propose" else f"its {call}() is skipped"
-            warnings.warn(f"Hibana drafter {method!r} raised in {call}: {exc!r}; {skipped} (output is unchanged)",
+            skipped = ("its requests decode without its drafts" if call.startswith("propose")
+                       else f"its {call}() is skipped")
+            what = f"{call} {exc}" if returned else f"raised in {call}: {exc!r}"
+            warnings.warn(f"Hibana drafter {method!r} {what}; {skipped} (output is unchanged)",
                           PluginWarning, stacklevel=2)
         self.drafter_errors[method] += 1
 
