@@ -457,6 +457,7 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1 or q.stride(2) != 1:
         raise ValueError("paged_attention wants k_cache and v_cache alike, head_dim contiguous")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
     def result(codes: tuple[torch.Tensor, torch.Tensor] | None = None):
         """out, or with a8_order (out, q, d): the codes the merge wrote, else one quantize launch's."""
         if a8_order < 0:
