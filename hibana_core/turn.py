@@ -54,6 +54,7 @@ class Usage:
     prompt_tokens: int
     cached_tokens: int        # prompt tokens whose KV the state already held (SyncStats.reused)
     completion_tokens: int
+    reasoning_tokens: int = 0  # of completion_tokens, those of the model's thinking (OpenAI's count)
 
 
 @dataclass(frozen=True)
@@ -372,6 +373,8 @@ class TurnRun:
         self.called_tools = False  # the turn ended in tool calls (set by `finish`)
         self.logprobs: "list[TokenLogprob] | None" = [] if params.logprobs else None
         self._reasoned = 0         # how much of the parser's own reasoning (harmony's analysis) was streamed
+        self.reasoning_tokens = 0  # generated tokens of the thinking (`_count_reasoning`)
+        self._undecided = 0        # tokens before the turn showed whether it opens a think block
 
     def begin(self) -> tuple[list[ChatDelta], TurnRequest]:
         deltas = self._feed(self.prefill)
@@ -390,7 +393,28 @@ class TurnRun:
             reason = event.completion.finish_reason
             self.finish_reason = "stop" if self.stopped and reason == "cancelled" else reason
         known = event.control_spans is not None  # an event relayed without them: markers read from text
-        return self._feed(GeneratedText(event.text, event.control_spans) if known else event.text)
+        if event.token_id is None:
+            return self._feed(GeneratedText(event.text, event.control_spans) if known else event.text)
+        mode, reasoned = self.thinking.mode if self.thinking is not None else None, self._reasoned
+        deltas = self._feed(GeneratedText(event.text, event.control_spans) if known else event.text)
+        self._count_reasoning(mode, reasoned)
+        return deltas
+
+    def _count_reasoning(self, mode: str | None, reasoned: int) -> None:
+        """Count a generated token as thinking: one fed inside a think block (its closing tag's
+        too), or before the block opened once it does; with a parser that keeps reasoning apart
+        (harmony's analysis channel), one whose text grew that reasoning. (Text a detokenizer
+        holds back a token or two is counted with the token that releases it.)"""
+        if self.thinking is None:
+            self.reasoning_tokens += self._reasoned > reasoned
+        elif mode == "thinking":
+            self.reasoning_tokens += 1
+        elif mode == "start":
+            if self.thinking.mode in ("thinking", "after"):
+                self.reasoning_tokens += self._undecided + 1
+                self._undecided = 0
+            elif self.thinking.mode == "start":
+                self._undecided += 1
 
     def finish(self) -> list[ChatDelta]:
         deltas = []
@@ -400,7 +424,8 @@ class TurnRun:
             deltas += self._deltas(self.stream.feed(answer)) if answer and not self.full else []
         closing = self._deltas(self.stream.close())
         deltas += self._parser_reasoning() + closing
-        usage = dataclasses.replace(self.usage, completion_tokens=self.generated)
+        usage = dataclasses.replace(self.usage, completion_tokens=self.generated,
+                                    reasoning_tokens=min(self.reasoning_tokens, self.generated))
         parsed = self.stream.finish()
         if self.max_calls is not None:
             parsed = dataclasses.replace(parsed, tool_calls=parsed.tool_calls[:self.max_calls])

@@ -317,7 +317,8 @@ class _Call:
     def usage_metadata(self, usage: Usage) -> dict:
         return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
                 "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-                "input_token_details": {"cache_read": usage.cached_tokens}}
+                "input_token_details": {"cache_read": usage.cached_tokens},
+                "output_token_details": {"reasoning": usage.reasoning_tokens}}
 
     def response_metadata(self, result: TurnResult) -> dict:
         reason = turn.openai_finish_reason(result)  # a malformed call's turn is "stop", as ChatOpenAI's

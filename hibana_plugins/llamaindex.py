@@ -167,7 +167,8 @@ class _Call:
             return {}
         u = self.result.usage
         return {"prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens,
-                "completion_tokens": u.completion_tokens, "total_tokens": u.prompt_tokens + u.completion_tokens}
+                "completion_tokens": u.completion_tokens, "reasoning_tokens": u.reasoning_tokens,
+                "total_tokens": u.prompt_tokens + u.completion_tokens}
 
     def raw(self, model: str) -> dict:
         raw: dict[str, Any] = {"model": model, "state_id": self.state_id}

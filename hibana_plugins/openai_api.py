@@ -547,13 +547,15 @@ def total_usage(results: Sequence[ChatResult], n: int) -> Usage:
     firsts = results[::n]
     return Usage(prompt_tokens=sum(r.usage.prompt_tokens for r in firsts),
                  cached_tokens=sum(r.usage.cached_tokens for r in firsts),
-                 completion_tokens=sum(r.usage.completion_tokens for r in results))
+                 completion_tokens=sum(r.usage.completion_tokens for r in results),
+                 reasoning_tokens=sum(r.usage.reasoning_tokens for r in results))
 
 
 def usage(u: Usage) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens}}
 
 
 class TextReply(Reply):

@@ -38,6 +38,8 @@ def test_chat_hibana_separates_thinking_in_invoke_and_stream(engine):
     message = llm.invoke([HumanMessage("hi")])
     assert (message.content, message.additional_kwargs["reasoning_content"]) == (ANSWER, THOUGHT)
     assert message.content_blocks == [{"type": "reasoning", "reasoning": THOUGHT}, {"type": "text", "text": ANSWER}]
+    thought = len(engine.tokenizer.encode(f"<think>\n{THOUGHT}\n</think>", add_special_tokens=False))
+    assert message.usage_metadata["output_token_details"] == {"reasoning": thought}  # as ChatOpenAI reports it
     llm = ChatHibana(engine=engine, state_id="lc-stream", max_tokens=force(engine, "lc-stream"))
     chunks = list(llm.stream([HumanMessage("hi")]))
     thinking = [i for i, c in enumerate(chunks) if "reasoning_content" in c.additional_kwargs]
@@ -82,6 +84,8 @@ def test_hibana_llm_thinking_blocks(engine):
     response = llm.chat([ChatMessage(role="user", content="hi")])
     blocks = response.message.blocks
     assert isinstance(blocks[0], ThinkingBlock) and blocks[0].content == THOUGHT
+    thought = len(engine.tokenizer.encode(f"<think>\n{THOUGHT}\n</think>", add_special_tokens=False))
+    assert response.raw["usage"]["reasoning_tokens"] == thought
     assert response.message.content == ANSWER
     llm = HibanaLLM(engine=engine, state_id="li-stream", max_tokens=force(engine, "li-stream"))
     responses = list(llm.stream_chat([ChatMessage(role="user", content="hi")]))

@@ -128,6 +128,7 @@ def test_tool_call_then_its_result_reuses_the_prompt(client):
     assert second.choices[0].message.content
     usage = second.usage
     assert usage.prompt_tokens_details.cached_tokens >= 0.9 * usage.prompt_tokens
+    assert usage.completion_tokens_details.reasoning_tokens == 0  # OpenAI's field: the demo does not think
 
 
 def test_streamed_tool_call_deltas_by_index(client):

@@ -274,3 +274,19 @@ def test_reasoning_effort_none_switches_thinking_off_in_process_too(engine):
             chat.render_text(ask, effort=level)
     with pytest.raises(ConfigError, match="disagree"):
         chat.render_text(ask, reasoning=True, effort="none")
+
+
+def test_usage_counts_the_thinkings_tokens(engine):
+    """usage.reasoning_tokens: the completion's tokens of its think block (OpenAI's
+    completion_tokens_details.reasoning_tokens, LangChain's output_token_details["reasoning"]): the
+    tokens through the one that closes the block; none for a turn that does not think."""
+    messages = [{"role": "user", "content": "hi"}]
+    thought = len(engine.tokenizer.encode(f"<think>\n{THOUGHT}\n</think>", add_special_tokens=False))
+    n = force(engine, "count", OUTPUT)
+    usage = Chat(engine, "count").respond(messages, params=SamplingParams(max_tokens=n)).usage
+    assert usage.completion_tokens == n and usage.reasoning_tokens == thought
+    n = force(engine, "count-stream", OUTPUT)
+    deltas = list(Chat(engine, "count-stream").stream_respond(messages, params=SamplingParams(max_tokens=n)))
+    assert deltas[-1].result.usage.reasoning_tokens == thought
+    n = force(engine, "count-none", f"{ANSWER}<|im_end|>")
+    assert Chat(engine, "count-none").respond(messages, params=SamplingParams(max_tokens=n)).usage.reasoning_tokens == 0
