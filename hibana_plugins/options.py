@@ -148,6 +148,12 @@ class EngineChoice:
         return self.model == model and self.engine_kwargs == engine_kwargs
 
 
+def check_engine_kwargs(model: Any, engine_kwargs: Mapping[str, Any]) -> None:
+    """A ConfigError now, where `engine_kwargs` would make no engine config (an unknown option, a
+    value out of range): an adapter checks them when made, not when its first call loads the engine."""
+    EngineConfig.from_overrides(str(model), **engine_kwargs)
+
+
 def choose_engine(model: str, engine_kwargs: Mapping[str, Any], *choices: EngineChoice | None) -> EngineChoice:
     """The first of `choices` that serves `model` and `engine_kwargs`, else the engine
     `Engine.shared(model, **engine_kwargs)` loads or finds."""

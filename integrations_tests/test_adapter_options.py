@@ -57,6 +57,10 @@ def test_chat_hibana_refuses_unknown_options(options, named):
     ({"num_predict": -1}, "max_tokens must be >= 0"),
     ({"state_id": ""}, "ChatHibana: state ids are non-empty strings"),  # (it failed only on the first call)
     ({"state_id": "a\ud800"}, "ChatHibana: state id .* holds a lone surrogate"),
+    # engine options too, as HibanaLLM checks them (they failed only once the first call loaded the engine)
+    ({"num_ctx": "x"}, "max_model_len must be a 64-bit integer"),
+    ({"engine_kwargs": {"bogus": 1}}, "unknown engine option 'bogus'"),
+    ({"engine_kwargs": {"max_model_len": -5}}, "max_model_len must be positive"),
 ])
 def test_chat_hibana_checks_values_at_construction(options, message):
     with pytest.raises(ConfigError, match=message):
