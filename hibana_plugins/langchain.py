@@ -509,6 +509,14 @@ class ChatHibana(BaseChatModel):
         check_state_id(vars(self), "ChatHibana")
         check_engine_kwargs(self.model, self.engine_kwargs)
 
+    @field_validator("logprobs", "streaming", "reasoning", "guided_tool_arguments", mode="before")
+    @classmethod
+    def _a_bool(cls, value: Any) -> Any:
+        """True or False as given ("yes" and 1 are no switch: pydantic would read them as True)."""
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"must be True or False, got {value!r:.40}")
+        return value
+
     @field_validator("stop", mode="before")
     @classmethod
     def _one_stop(cls, value: Any) -> Any:

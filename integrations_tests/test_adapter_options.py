@@ -61,6 +61,8 @@ def test_chat_hibana_refuses_unknown_options(options, named):
     ({"num_ctx": "x"}, "max_model_len must be a 64-bit integer"),
     ({"engine_kwargs": {"bogus": 1}}, "unknown engine option 'bogus'"),
     ({"engine_kwargs": {"max_model_len": -5}}, "max_model_len must be positive"),
+    ({"reasoning": "yes"}, "(?s)reasoning.*must be True or False, got 'yes'"),  # pydantic read "yes" as True
+    ({"logprobs": 1}, "(?s)logprobs.*must be True or False, got 1"),
 ])
 def test_chat_hibana_checks_values_at_construction(options, message):
     with pytest.raises(ConfigError, match=message):
