@@ -168,6 +168,31 @@ def test_a_bit_flip_anywhere_in_a_state_file_is_refused_with_nothing_allocated(t
         with pytest.raises(StateFileError):
             engine.load_state(bad, state_id=f"x{i}")
         assert engine.stats().kv_blocks_used == used and len(engine.states()) == 1
+    # every byte of the metadata the checksum once left out ("configuration": a flip there loaded)
+    for name in (b'"configuration"', b"float32", b'"fingerprint_scheme"'):
+        flipped = bytearray(data)
+        flipped[data.index(name) + 2] ^= 2
+        bad = tmp_path / "described.safetensors"
+        bad.write_bytes(bytes(flipped))
+        with pytest.raises(StateFileError):
+            engine.load_state(bad, state_id="described")
+
+
+def test_a_state_file_written_before_its_checksum_covered_the_configuration_loads(tiny_checkpoints, make_engine,
+                                                                                   tmp_path):
+    import safetensors.torch as st
+    from safetensors import safe_open
+
+    from hibana_core.kv import state_file
+
+    engine = make_engine(tiny_checkpoints[ARCH])
+    _, prompt, path = _saved(engine, tmp_path)
+    kv = st.load_file(str(path))["kv"]
+    meta = safe_open(str(path), "pt").metadata()
+    meta["checksum"] = state_file._checksum(meta, kv, described=False)  # as the earlier writer summed it
+    old = tmp_path / "earlier.safetensors"
+    st.save_file({"kv": kv}, str(old), metadata=meta)
+    assert engine.load_state(old, state_id="earlier").tokens == engine.open_state("saved").tokens
 
 
 def test_loaded_kv_is_private_unless_shared(tiny_checkpoints, make_engine, tmp_path):

@@ -97,11 +97,16 @@ def as_path(path: object) -> Path:
     raise StateFileError(f"a state file path is a str or os.PathLike, got {type(path).__name__}")
 
 
-def _checksum(meta: dict, kv: torch.Tensor) -> str:
+_DESCRIBED = ("fingerprint_scheme", "configuration")
+"""Fields a file's checksum covers since 2026-12-05 (a flipped bit in them loaded unnoticed, and the
+"what differs" of a refused file quotes `configuration`); files written before verify without them."""
+
+
+def _checksum(meta: dict, kv: torch.Tensor, described: bool = True) -> str:
     h = hashlib.blake2b(digest_size=32)
     # "rotation" is written only for LongRoPE's long rotation, "pages" and "layout" only for
     # layouts of several groups or windows: other files stay as they were
-    optional = tuple(k for k in ("rotation", "pages", "layout") if k in meta)
+    optional = tuple(k for k in ("rotation", "pages", "layout", *(_DESCRIBED if described else ())) if k in meta)
     h.update(json.dumps([meta.get(k) for k in _CHECKED + optional]).encode())
     h.update(json.dumps([str(kv.dtype), list(kv.shape)]).encode())
     h.update(kv.contiguous().view(torch.uint8).numpy().tobytes() if kv.numel() else b"")
@@ -219,7 +224,8 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.
                                  f"(format {meta.get('format')!r}); save the state again")
         kv = safetensors.torch.load(data)["kv"]
         del data  # the file's bytes, before the checksum copies the KV once more
-        checksum_ok = meta.get("checksum") == _checksum(meta, kv)
+        checksum_ok = meta.get("checksum") == _checksum(meta, kv) or (
+            any(k in meta for k in _DESCRIBED) and meta.get("checksum") == _checksum(meta, kv, described=False))
         tokens = json.loads(meta["tokens"])
         if not isinstance(tokens, list) or not all(is_kind(t, int) for t in tokens):
             raise ValueError("its tokens are not a list of integers")
