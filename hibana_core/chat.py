@@ -248,7 +248,7 @@ class Chat:
         if effort is not None:
             if not isinstance(effort, str):
                 raise ConfigError(f"effort must be a reasoning_effort level (a string) or None, got {effort!r:.80}")
-            if effort == "none":  # OpenAI's: no reasoning (as `hibana serve` reads it)
+            if effort == "none" and not (self._efforts and "none" in self._efforts):  # OpenAI's: no reasoning
                 if reasoning:
                     raise ConfigError("reasoning_effort 'none' and reasoning=True disagree; give one of them")
                 reasoning = False

@@ -395,7 +395,8 @@ class TurnRun:
         known = event.control_spans is not None  # an event relayed without them: markers read from text
         if event.token_id is None:
             return self._feed(GeneratedText(event.text, event.control_spans) if known else event.text)
-        mode, reasoned = self.thinking.mode if self.thinking is not None else None, self._reasoned
+        mode = self.thinking.mode if self.thinking is not None else None
+        reasoned = len(getattr(self.stream, "reasoning", ""))
         deltas = self._feed(GeneratedText(event.text, event.control_spans) if known else event.text)
         self._count_reasoning(mode, reasoned)
         return deltas
@@ -403,10 +404,11 @@ class TurnRun:
     def _count_reasoning(self, mode: str | None, reasoned: int) -> None:
         """Count a generated token as thinking: one fed inside a think block (its closing tag's
         too), or before the block opened once it does; with a parser that keeps reasoning apart
-        (harmony's analysis channel), one whose text grew that reasoning. (Text a detokenizer
-        holds back a token or two is counted with the token that releases it.)"""
+        (harmony's analysis channel), one whose text grew that reasoning (`reasoned`: its length
+        before; the channel's markup tokens are not counted). A count of tokens as their text
+        arrives: tokens whose characters a detokenizer holds back count as one."""
         if self.thinking is None:
-            self.reasoning_tokens += self._reasoned > reasoned
+            self.reasoning_tokens += len(getattr(self.stream, "reasoning", "")) > reasoned
         elif mode == "thinking":
             self.reasoning_tokens += 1
         elif mode == "start":

@@ -581,8 +581,10 @@ def llm_class() -> type:
                 if reply.tools and not calls:
                     raise ValueError(_no_call_message(response))
                 if not reply.tools:  # the answer held to the schema as text, cut before it closed
-                    raise ValueError(f"the structured answer ended at max_tokens before it was whole: raise "
-                                     f"max_tokens: {reply.content!r:.200}")
+                    remedy = ("at the model's context: shorten the history" if response.raw.get("context_full")
+                              else "at max_tokens: raise max_tokens")
+                    raise ValueError(f"the structured answer ended before it was whole, {remedy}: "
+                                     f"{reply.content!r:.200}")
             return response
 
         def _completion_response(self, reply: _Call, delta: str) -> CompletionResponse:

@@ -67,7 +67,8 @@ HOOKS = {
 
 
 class PluginError(HibanaError):
-    """Plugins conflict (two register one name), or a registered name is missing."""
+    """Plugins conflict (two register one name), a registered name is missing, or what a plugin
+    registered failed when used (a tool parser's stream: `hibana serve` answers it with a 500)."""
 
 
 class PluginWarning(UserWarning):

@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hibana_core.chat import TokenIds, assistant_message
+from hibana_core.chat import REASONING_EFFORTS, TokenIds, assistant_message
 from hibana_core.config import SamplingParams
 from hibana_core.messages import normalize_tool_choice, normalize_tools
 from hibana_core.turn import ChatDelta, ChatResult, Usage, openai_finish_reason
@@ -129,7 +129,7 @@ class ChatRequest(SamplingRequest):
     response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    reasoning_effort: Literal[REASONING_EFFORTS] | None = None  # OpenAI's levels (`hibana_core.chat`)
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's and SGLang's; enable_thinking only
     prediction: dict[str, Any] | None = None  # predicted output: a speed hint, never the output
     # known, and refused unless null (`unsupported`)

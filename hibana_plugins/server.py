@@ -626,10 +626,7 @@ async def unless_gone(request: Request, work: Awaitable[T]) -> T:
     """`work`, cancelled if the client closes its connection first (Starlette stops a streamed
     reply whose client left, not a handler still computing): the turn is cancelled and its state
     let go before this raises a 499 (nginx's "client closed request", for the metrics only)."""
-    async def awaited() -> T:  # a task of its own: a gather cancelled ends with a CancelledError set, not cancelled
-        return await work
-
-    task = asyncio.ensure_future(awaited())
+    task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(disconnected(request))
     drain: Drain = request.app.state.drain
     drained = asyncio.ensure_future(drain.wait())
@@ -642,7 +639,8 @@ async def unless_gone(request: Request, work: Awaitable[T]) -> T:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-    if task.cancelled():
+    # (a gather cancelled ends with a CancelledError set rather than cancelled: a request of several turns)
+    if task.cancelled() or isinstance(task.exception(), asyncio.CancelledError):
         if drain.expired:
             raise shutting_down()
         raise ApiError(499, "the client closed the connection before the reply", code="client_closed")

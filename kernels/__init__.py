@@ -211,7 +211,7 @@ def linear_fp8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, blo
 def folds_a8(x: torch.Tensor, k: int, group_size: int) -> bool:
     """Whether the kernel writing the k-wide input of an int8 (group_size 1) or int4 linear layer
     from x (a tensor of the step's rows) hands the layer that input as int8 codes (`rms_norm_a8`,
-    `silu_and_mul_a8`, then `linear_a8`): on CUDA where the x int8 GEMV takes those rows
+    `silu_and_mul_a8`, `paged_attention_a8`, then `linear_a8`): on CUDA where the x int8 GEMV takes those rows
     (`quant_triton.takes_a8`) and the fusion policy folds (`Fusion.a8_fold`); never on the CPU."""
     from hibana_kernels import fusion
 

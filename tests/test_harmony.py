@@ -764,7 +764,7 @@ def test_streamed_reasoning_joins_to_the_results_whitespace_and_all(harmony_engi
     assert deltas[-1].result.reasoning == analysis.strip()
     assert "".join(d.reasoning for d in deltas[:-1] if d.reasoning) == analysis.strip()
     # the analysis channel's tokens are the reasoning tokens of the usage (its markup and the answer's not)
-    analysed = len(harmony_engine.tokenizer.encode(analysis.strip(), add_special_tokens=False))
+    analysed = len(harmony_engine.tokenizer.encode(analysis, add_special_tokens=False))
     assert 0 < deltas[-1].result.usage.reasoning_tokens <= analysed
 
 

@@ -455,7 +455,7 @@ def test_a_drafter_factory_that_raises_is_a_config_error_naming_it(tiny_checkpoi
     with registered(garbage=Garbage(tokens=[5, 6])):
         engine = make_engine(path, speculation="off")
     history = random_tokens(random.Random(31), 20)
-    with pytest.warns(PluginWarning, match=r"drafter 'garbage' propose_many returned an instance of builtins\.str"):
+    with pytest.warns(PluginWarning, match=r"drafter 'garbage' propose_many returned what Hibana cannot read: an instance of builtins\.str"):
         out = engine.open_state("g").generate(greedy(6, speculation={"method": "garbage", "k": 2}), prompt=history)
     assert_greedy_matches(path, history, out.token_ids)
 

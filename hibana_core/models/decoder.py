@@ -509,7 +509,7 @@ class Attention(nn.Module):
                 batch.max_query_len, batch.max_seq_len, self.scale, self.sliding_window, batch.uniform_query_len,
                 self.kv_scale, self.sinks, self.sink_tokens)
         width = self.num_heads * self.head_dim
-        if self.o_proj.folds_a8(x, width):  # the merge hands the output projection its input as codes
+        if self.o_proj.folds_a8(x, width):  # its input as codes (from split decode's merge, else one launch)
             o, codes, d = kernels.paged_attention_a8(*args, kernels.a8_order(self.o_proj.kind))
             return self.o_proj.from_codes(codes, d, o.view(tokens, width)), residual
         o = kernels.paged_attention(*args)

@@ -266,9 +266,10 @@ class Speculator:
         drafts change speed only, so one that raises drafts nothing (with a warning) rather than
         failing the step, whose other requests may not even speculate."""
         drafter = self.drafter(method)
-        many = getattr(drafter, "propose_many", None)
-        call = "propose" if many is None else "propose_many"
+        call = "propose"
         try:
+            many = getattr(drafter, "propose_many", None)
+            call = "propose" if many is None else "propose_many"
             proposals = many(inputs, ks) if many is not None else [
                 drafter.propose(state, k) for state, k in zip(inputs, ks)]
         except Exception as exc:  # noqa: BLE001 - any bug of a plugin's drafter
@@ -276,8 +277,8 @@ class Speculator:
             return [[] for _ in inputs]
         try:
             if not isinstance(proposals, (list, tuple)) or len(proposals) != len(inputs):
-                raise TypeError(f"returned {describe_registered(proposals)} for {len(inputs)} states, where a list "
-                                "of one proposal a state belongs")
+                raise TypeError(f"{describe_registered(proposals)} for {len(inputs)} states, where a list of one "
+                                "proposal a state belongs")
             return [valid_draft(p, k, self.vocab_size) for p, k in zip(proposals, ks)]
         except Exception as exc:  # noqa: BLE001 - what a plugin's drafter returned
             self._drafter_failed(method, call, exc, returned=True)
@@ -287,7 +288,7 @@ class Speculator:
         if not self.drafter_errors[method]:
             skipped = ("its requests decode without its drafts" if call.startswith("propose")
                        else f"its {call}() is skipped")
-            what = f"{call} {exc}" if returned else f"raised in {call}: {exc!r}"
+            what = f"{call} returned what Hibana cannot read: {exc}" if returned else f"raised in {call}: {exc!r}"
             warnings.warn(f"Hibana drafter {method!r} {what}; {skipped} (output is unchanged)",
                           PluginWarning, stacklevel=2)
         self.drafter_errors[method] += 1
