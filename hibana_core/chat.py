@@ -77,10 +77,10 @@ class TokenIds(tuple):
         return super().__new__(cls, ids)
 
 
-
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 """OpenAI's reasoning_effort levels: what a model that declares none of its own takes ("none":
 thinking off; the others go to its template, which may read them)."""
+
 
 class Chat:
     """The chat layer of an engine: `Chat(engine, "agent-1").respond(messages, tools=...)` on one

@@ -393,11 +393,12 @@ class TurnRun:
             reason = event.completion.finish_reason
             self.finish_reason = "stop" if self.stopped and reason == "cancelled" else reason
         known = event.control_spans is not None  # an event relayed without them: markers read from text
+        text = GeneratedText(event.text, event.control_spans) if known else event.text
         if event.token_id is None:
-            return self._feed(GeneratedText(event.text, event.control_spans) if known else event.text)
+            return self._feed(text)
         mode = self.thinking.mode if self.thinking is not None else None
         reasoned = len(getattr(self.stream, "reasoning", ""))
-        deltas = self._feed(GeneratedText(event.text, event.control_spans) if known else event.text)
+        deltas = self._feed(text)
         self._count_reasoning(mode, reasoned)
         return deltas
 

@@ -54,8 +54,9 @@ from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError
 from hibana_core.messages import unheld
 from hibana_plugins.hookspecs import hookimpl
-from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_engine_kwargs, check_known, check_state_id,
-                                    choose_engine, lease_holder, resolve_aliases, sampling_params, sharing)
+from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_engine_kwargs, check_known,
+                                    check_state_id, choose_engine, lease_holder, resolve_aliases, sampling_params,
+                                    sharing)
 
 try:
     from langchain_core.language_models import BaseChatModel

@@ -88,7 +88,7 @@ class _Call:
     then the result). `convert` makes the one conversion the sync and async entry points share."""
 
     def __init__(self, chat: Chat, prompt: str, tools: list[dict] | None, params: SamplingParams,
-                 options: dict[str, Any], state_id: str | None) -> None:
+                 options: dict[str, Any], state_id: str | None, structured: bool = False) -> None:
         self.chat, self.prompt, self.tools, self.params = chat, prompt, tools, params
         self.options = options                  # Chat.opener's: tool_choice, parallel_tool_calls, ...
         self.state_id = state_id                # the state bound on the LLM, then the one serving
@@ -98,7 +98,7 @@ class _Call:
         self.result: ChatResult | None = None
         self.holder: LeaseHolder | None = None  # an async call's (`lease_holder`)
         self.stream: AsyncIterator | None = None  # an async call's engine stream
-        self.structured = False                 # a structured answer: cut, it raises (CHAT_OPTIONS)
+        self.structured = structured            # a structured answer: cut, it raises (CHAT_OPTIONS)
 
     def open(self, stack: contextlib.ExitStack) -> tuple[turn.TurnRun, Any]:
         """Starts the turn on the state `Chat.lease` picks (`turn.Open`)."""
@@ -562,9 +562,8 @@ def llm_class() -> type:
             options = {"tool_choice": choice, "parse_tools": tools is not None, "guided": self.guided_tool_arguments,
                        "parallel_tool_calls": parallel, "reasoning_history": self.reasoning_history,
                        "timeout": kwargs.get("timeout", self.timeout)}
-            call = _Call(self._chat_layer(), prompt, tools, params, options, self.state_id)
-            call.structured = bool(kwargs.get("structured_answer"))
-            return call
+            return _Call(self._chat_layer(), prompt, tools, params, options, self.state_id,
+                         structured=bool(kwargs.get("structured_answer")))
 
         def _chat_response(self, reply: _Call, delta: str) -> ChatResponse:
             calls = reply.tool_calls()

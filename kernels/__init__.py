@@ -63,11 +63,11 @@ import torch  # noqa: E402 (under `kernels`, the rest runs on a module no one ho
 from hibana_kernels import activation, attention, matmul, moe, norm, quant, rotary
 from hibana_kernels.moe import MoEExperts
 
-__all__ = ["MoEExperts", "a8_order", "folds_a8", "folds_glu", "fused_add_rms_norm", "fused_moe", "gelu_tanh_and_mul", "linear", "linear_fp8", "linear_int4",
-           "linear_int8", "moe_norm_route", "moe_route", "mxfp4_dequantize", "paged_attention", "qk_norm_rotary_store", "rms_norm",
-           "linear_a8", "paged_attention_a8", "rms_norm_a8", "rms_norm_linear", "rotary_embedding", "silu_and_mul", "silu_and_mul_a8",
-           "silu_and_mul_linear", "store_kv",
-           "triton_available"]
+__all__ = ["MoEExperts", "a8_order", "folds_a8", "folds_glu", "fused_add_rms_norm", "fused_moe",
+           "gelu_tanh_and_mul", "linear", "linear_fp8", "linear_int4", "linear_int8", "moe_norm_route", "moe_route",
+           "mxfp4_dequantize", "paged_attention", "qk_norm_rotary_store", "rms_norm", "linear_a8",
+           "paged_attention_a8", "rms_norm_a8", "rms_norm_linear", "rotary_embedding", "silu_and_mul",
+           "silu_and_mul_a8", "silu_and_mul_linear", "store_kv", "triton_available"]
 
 
 @functools.cache
@@ -211,8 +211,8 @@ def linear_fp8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, blo
 def folds_a8(x: torch.Tensor, k: int, group_size: int) -> bool:
     """Whether the kernel writing the k-wide input of an int8 (group_size 1) or int4 linear layer
     from x (a tensor of the step's rows) hands the layer that input as int8 codes (`rms_norm_a8`,
-    `silu_and_mul_a8`, `paged_attention_a8`, then `linear_a8`): on CUDA where the x int8 GEMV takes those rows
-    (`quant_triton.takes_a8`) and the fusion policy folds (`Fusion.a8_fold`); never on the CPU."""
+    `silu_and_mul_a8`, `paged_attention_a8`, then `linear_a8`): on CUDA where the x int8 GEMV takes
+    those rows (`quant_triton.takes_a8`) and the fusion policy folds (`Fusion.a8_fold`); never on the CPU."""
     from hibana_kernels import fusion
 
     impl = _triton("quant", x)
