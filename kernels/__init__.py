@@ -62,8 +62,9 @@ import torch  # noqa: E402 (under `kernels`, the rest runs on a module no one ho
 
 from hibana_kernels import activation, attention, matmul, moe, norm, quant, rotary
 from hibana_kernels.moe import MoEExperts
+from hibana_kernels.rotary import AttentionPrologue
 
-__all__ = ["MoEExperts", "a8_order", "folds_a8", "folds_glu", "fused_add_rms_norm", "fused_moe",
+__all__ = ["AttentionPrologue", "MoEExperts", "a8_order", "folds_a8", "folds_glu", "fused_add_rms_norm", "fused_moe",
            "gelu_tanh_and_mul", "linear", "linear_fp8", "linear_int4", "linear_int8", "moe_norm_route", "moe_route",
            "mxfp4_dequantize", "paged_attention", "qk_norm_rotary_store", "rms_norm", "linear_a8",
            "paged_attention_a8", "rms_norm_a8", "rms_norm_linear", "rotary_embedding", "silu_and_mul",
@@ -91,14 +92,24 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                     scale: float, sliding_window: int | None = None,
                     uniform_query_len: bool = False, kv_scale: torch.Tensor | None = None,
-                    sinks: torch.Tensor | None = None, sink_tokens: int = 0) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, sink_tokens: int = 0,
+                    prologue: AttentionPrologue | None = None) -> torch.Tensor:
     """Causal attention of packed varlen queries [T, H, D] over the paged KV cache (an fp8 cache
     with its `kv_scale`; per-head attention `sinks` [H]; with a sliding window, the first
-    `sink_tokens` keys kept visible); see `hibana_kernels.attention.paged_attention`."""
-    impl = _triton("attention", q) or attention
-    return impl.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                max_query_len, max_seq_len, scale, sliding_window, uniform_query_len,
-                                kv_scale, sinks, sink_tokens)
+    `sink_tokens` keys kept visible); see `hibana_kernels.attention.paged_attention`. With a
+    `prologue`, q is the projection's and the layer's prologue (`qk_norm_rotary_store`: q/k norms,
+    rotary, the new keys and values into the cache) runs first: inside the decode kernel on the
+    GPU where the fusion policy folds it (`Fusion.attention_prologue`), the same results."""
+    impl = _triton("attention", q)
+    if impl is not None:
+        return impl.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                    max_query_len, max_seq_len, scale, sliding_window, uniform_query_len,
+                                    kv_scale, sinks, sink_tokens, prologue=prologue)
+    if prologue is not None:
+        q = prologue.run(rotary, q, k_cache, v_cache, kv_scale)
+    return attention.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                     max_query_len, max_seq_len, scale, sliding_window, uniform_query_len,
+                                     kv_scale, sinks, sink_tokens)
 
 
 def paged_attention_a8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -106,13 +117,14 @@ def paged_attention_a8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                        scale: float, sliding_window: int | None, uniform_query_len: bool,
                        kv_scale: torch.Tensor | None, sinks: torch.Tensor | None, sink_tokens: int,
-                       order: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       order: int, prologue: AttentionPrologue | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(`paged_attention`'s output, q, d): its rows [T, H * D] also as x's int8 codes in `order`
     for the output projection's x int8 GEMV (`linear_a8`), written by the decode's split merge
     where it runs (else one quantize launch). CUDA only: where `folds_a8` says so."""
     return importlib.import_module("hibana_kernels.attention_triton").paged_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale,
-        sliding_window, uniform_query_len, kv_scale, sinks, sink_tokens, a8_order=order)
+        sliding_window, uniform_query_len, kv_scale, sinks, sink_tokens, a8_order=order, prologue=prologue)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

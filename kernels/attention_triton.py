@@ -28,6 +28,7 @@ max_seq_len), never from device values: no host sync, and the launches can be gr
 
 from __future__ import annotations
 
+import importlib
 
 import torch
 import triton
@@ -37,6 +38,7 @@ from hibana_kernels import counters, fusion, pdl, quant_triton
 from hibana_kernels.attention import check_kv_scale
 from hibana_kernels.pdl import wait_for_previous
 from hibana_kernels.quant_triton import quantize_a8_blocks
+from hibana_kernels.rotary import AttentionPrologue
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # the same, for the kernels
@@ -97,6 +99,79 @@ def quantize_kv(x, scale):
     """Keys or values and their head's scale (broadcast) -> fp8 codes: x / scale, IEEE-rounded
     as torch divides, then `quantize_e4m3`."""
     return quantize_e4m3(tl.math.fdiv(x.to(tl.float32), scale, ieee_rounding=True))
+
+
+@triton.jit
+def normed(x, inv, w_ptr, offs, mask, UNIT_OFFSET: tl.constexpr):
+    """A part of head rows (float32 values of the activations' dtype, w_ptr's) normalised by
+    `inv` as the reference's RMSNorm rounds it: Llama's weight * round(x * inv), or Gemma's
+    round(x * inv * (1 + weight)) all in float32."""
+    dtype = w_ptr.dtype.element_ty
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        x = (x * inv) * (1.0 + w)
+    else:
+        x = w * (x * inv).to(dtype).to(tl.float32)
+    return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _prologue_tile(src, rows, pos, cos_ptr, sin_ptr, stride_table, w_ptr, eps,
+                   HALF: tl.constexpr, PASS: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+                   HAS_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+    """Head rows [R, HEAD_DIM_P] from `src` ([R, 1] pointers, `rows` their mask, `pos` their
+    positions [R, 1]) through the attention prologue, as `rotary_triton._prologue_rows` rounds it:
+    RMSNorm over the head when HAS_NORM, rotary on its first 2 * HALF dims, its last PASS dims
+    through. Whole rows at once: each dim's rotary partner (rotate_half's) is loaded beside it,
+    so the tile needs no shuffle. Returns the rows in the activations' dtype (src's), 0 where
+    masked."""
+    HEAD_DIM: tl.constexpr = 2 * HALF + PASS
+    dtype = src.dtype.element_ty
+    d = tl.arange(0, HEAD_DIM_P)[None, :]
+    d_mask = d < HEAD_DIM
+    first, rotated = d < HALF, d < 2 * HALF
+    partner = tl.where(first, d + HALF, tl.where(rotated, d - HALF, d))
+    x = tl.load(src + d, mask=rows & d_mask, other=0.0).to(tl.float32)
+    xp = tl.load(src + partner, mask=rows & d_mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        inv = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
+        x = normed(x, inv, w_ptr, d, d_mask, UNIT_OFFSET)
+        xp = normed(xp, inv, w_ptr, partner, d_mask, UNIT_OFFSET)
+    # out = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]: each product and the sum
+    # rounded to the activations' dtype, the tables' rows first cast to it
+    table = pos * stride_table + d
+    c = tl.load(cos_ptr + table, mask=rows & rotated, other=0.0).to(dtype).to(tl.float32)
+    s = tl.load(sin_ptr + table, mask=rows & rotated, other=0.0).to(dtype).to(tl.float32)
+    out = (x * c).to(dtype).to(tl.float32) + (tl.where(first, -xp, xp) * s).to(dtype).to(tl.float32)
+    return tl.where(rotated, out, x).to(dtype)
+
+
+@triton.jit
+def _prologue_keys(pos_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kw_ptr, slot_ptr, k_store_ptr, v_store_ptr,
+                   k_scale_ptr, v_scale_ptr, eps, q_start, q_len, first_pos, split_lo, split_hi, kv_head,
+                   stride_kt, stride_kh, stride_vt, stride_vh, stride_table, stride_slot, stride_head,
+                   HALF: tl.constexpr, PASS: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_T: tl.constexpr,
+                   HAS_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, KV_FP8: tl.constexpr):
+    """The keys and values of a sequence's new tokens (key positions first_pos + t) that fall in
+    [split_lo, split_hi) into their cache slots (a negative slot: none), for one KV head."""
+    t = tl.arange(0, BLOCK_T)
+    key_pos = first_pos + t
+    token = (q_start + t).to(tl.int64)
+    mine = (t < q_len) & (key_pos >= split_lo) & (key_pos < split_hi)
+    slot = tl.load(slot_ptr + token, mask=mine, other=-1).to(tl.int64)
+    mine = mine & (slot >= 0)
+    pos = tl.load(pos_ptr + token, mask=mine, other=0).to(tl.int64)
+    k = _prologue_tile(k_ptr + token[:, None] * stride_kt + kv_head * stride_kh, mine[:, None], pos[:, None],
+                       cos_ptr, sin_ptr, stride_table, kw_ptr, eps, HALF, PASS, HEAD_DIM_P, HAS_NORM, UNIT_OFFSET)
+    d = tl.arange(0, HEAD_DIM_P)[None, :]
+    mask = mine[:, None] & (d < 2 * HALF + PASS)
+    v = tl.load(v_ptr + token[:, None] * stride_vt + kv_head * stride_vh + d, mask=mask)
+    if KV_FP8:
+        k = quantize_kv(k, tl.load(k_scale_ptr + kv_head))
+        v = quantize_kv(v, tl.load(v_scale_ptr + kv_head))
+    dst = slot[:, None] * stride_slot + kv_head * stride_head + d
+    tl.store(k_store_ptr + dst, k, mask=mask)
+    tl.store(v_store_ptr + dst, v, mask=mask)
 
 
 @triton.jit
@@ -243,8 +318,14 @@ def _decode_kernel(
         SLIDING: tl.constexpr, SINK_TOKENS: tl.constexpr, SPLIT: tl.constexpr, SPLIT_TILE: tl.constexpr,
         MERGE: tl.constexpr, SPLITS_P: tl.constexpr, DOT_PRECISION: tl.constexpr,
         UPCAST: tl.constexpr, QUERY_LEN: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_FP16: tl.constexpr,
-        SINKS: tl.constexpr, PDL: tl.constexpr):
-    # rows of a tile: QUERY_LEN new tokens x the GROUP heads of one KV head
+        SINKS: tl.constexpr, PDL: tl.constexpr,
+        pos_ptr=None, k_ptr=None, v_ptr=None, cos_ptr=None, sin_ptr=None, qw_ptr=None, kw_ptr=None,
+        slot_ptr=None, k_store_ptr=None, v_store_ptr=None, eps=None, stride_kt=None, stride_kh=None,
+        stride_vt=None, stride_vh=None, stride_table=None, PROLOGUE: tl.constexpr = False,
+        HALF: tl.constexpr = 0, PASS: tl.constexpr = 0, BLOCK_T: tl.constexpr = 1,
+        HAS_NORM: tl.constexpr = False, UNIT_OFFSET: tl.constexpr = False):
+    # rows of a tile: QUERY_LEN new tokens x the GROUP heads of one KV head. PROLOGUE: q is the
+    # projection's, and the layer's prologue runs here (`rotary_triton.fold_args`)
     wait_for_previous(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -272,8 +353,22 @@ def _decode_kernel(
     offs_d = tl.arange(0, HEAD_DIM_P)
     d_mask = offs_d < HEAD_DIM
     token = (q_start + q_idx).to(tl.int64)
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [G, D]
+    if PROLOGUE:
+        # every split normalises and rotates its query rows; the one holding a new token's
+        # position stores its key and value, then reads them back as any key (its threads'
+        # stores made visible to all of them by a CTA barrier)
+        pos = tl.load(pos_ptr + token, mask=g_mask, other=0).to(tl.int64)
+        q = _prologue_tile(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh, g_mask[:, None],
+                           pos[:, None], cos_ptr, sin_ptr, stride_table, qw_ptr, eps,
+                           HALF, PASS, HEAD_DIM_P, HAS_NORM, UNIT_OFFSET)  # [G, D]
+        _prologue_keys(pos_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kw_ptr, slot_ptr, k_store_ptr, v_store_ptr,
+                       k_scale_ptr, v_scale_ptr, eps, q_start, q_len, seq_len - QUERY_LEN, split_lo, split_hi,
+                       kv_head, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
+                       stride_slot, stride_head, HALF, PASS, HEAD_DIM_P, BLOCK_T, HAS_NORM, UNIT_OFFSET, KV_FP8)
+        tl.debug_barrier()
+    else:
+        q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [G, D]
 
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
@@ -403,12 +498,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                     scale: float, sliding_window: int | None = None,
                     uniform_query_len: bool = False, kv_scale: torch.Tensor | None = None,
-                    sinks: torch.Tensor | None = None, sink_tokens: int = 0, a8_order: int = -1):
+                    sinks: torch.Tensor | None = None, sink_tokens: int = 0, a8_order: int = -1,
+                    prologue: AttentionPrologue | None = None):
     """See `hibana_kernels.attention.paged_attention`. Decode batches (max_query_len == 1, or
     every sequence with max_query_len <= 32 new tokens: `uniform_query_len`) take the decode
     kernel, split along the sequence when the batch alone would not fill the device.
     `a8_order` >= 0: (out, q, d), the output's rows [T, H * D] also as x's int8 codes in that
-    order (`quant_triton.quantize_a8`'s), written by the split merge where there is one."""
+    order (`quant_triton.quantize_a8`'s), written by the split merge where there is one. `prologue`:
+    see `kernels.paged_attention`; in the decode kernel where the fusion policy folds it, else its
+    own launch first."""
     num_seqs = seq_lens.shape[0]
     num_kv_heads = k_cache.shape[2]
     num_splits = 1
@@ -420,9 +518,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if sliding_window is not None and WINDOW_SPLITS:  # a window's keys at most (sink tokens: split 0's)
             keys = min(keys, sliding_window + max_query_len - 1)
         num_splits = _num_splits(q.device, num_seqs * num_kv_heads, keys, min_split)
+    if prologue is not None and not (decode and fusion.policy().attention_prologue):
+        q = prologue.run(importlib.import_module("hibana_kernels.rotary_triton"), q, k_cache, v_cache, kv_scale)
+        prologue = None
     return paged_attention_launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                   max_query_len, scale, sliding_window, num_splits, decode=decode,
-                                  kv_scale=kv_scale, sinks=sinks, sink_tokens=sink_tokens, a8_order=a8_order)
+                                  kv_scale=kv_scale, sinks=sinks, sink_tokens=sink_tokens, a8_order=a8_order,
+                                  prologue=prologue)
 
 
 def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -432,7 +534,8 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            tiles: tuple[int, ...] | None = None, decode: bool | None = None,
                            merge: bool | None = None, merge_tiles: tuple[int, int] | None = None,
                            kv_scale: torch.Tensor | None = None,
-                           sinks: torch.Tensor | None = None, sink_tokens: int = 0, a8_order: int = -1):
+                           sinks: torch.Tensor | None = None, sink_tokens: int = 0, a8_order: int = -1,
+                           prologue: AttentionPrologue | None = None):
     """The launches behind `paged_attention`, with the decode split count chosen by the caller
     (tests use it to cover split and unsplit decode on the same shapes). `tiles`, for the tuning
     script: (BLOCK_N, num_warps, num_stages) for decode, (BLOCK_M, BLOCK_N, num_warps,
@@ -446,8 +549,17 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     keys below it stay visible: those before a program's window get a loop of their own ahead
     of the window's (in split decode, the first split's). A runtime int: one compiled kernel
     serves every value; without sink tokens or a window the loop is not compiled in. `a8_order`:
-    see `paged_attention`."""
+    see `paged_attention`. `prologue`: in the decode kernel (with `decode`), else its own launch first."""
     check_kv_scale(k_cache, kv_scale)
+    if decode is None:
+        decode = max_query_len == 1
+    fold = {}
+    if prologue is not None:
+        rotary_triton = importlib.import_module("hibana_kernels.rotary_triton")
+        if decode:
+            fold = rotary_triton.fold_args(q, prologue, k_cache, v_cache, kv_scale)
+        else:
+            q = prologue.run(rotary_triton, q, k_cache, v_cache, kv_scale)
     if sink_tokens < 0:
         raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
     num_tokens, num_heads, head_dim = q.shape
@@ -490,8 +602,6 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         # Triton's interpreter (CPU tensors) gets tl.dot of bf16 tiles wrong (triton 3.9)
         UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16,
     )
-    if decode is None:
-        decode = max_query_len == 1
     if not decode:
         block_m, block_n, num_warps, num_stages = tiles or _prefill_tiles(q.dtype, common["HEAD_DIM_P"], kv_fp8)
         block_m = max(block_m, triton.next_power_of_2(group))  # rows: query tokens x group heads
@@ -527,7 +637,8 @@ def paged_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_G=max(16, triton.next_power_of_2(group * max_query_len)), BLOCK_N=block_n, SPLIT=split,
         SPLIT_TILE=max(DECODE_MIN_SPLIT, block_n),
         MERGE=merge, SPLITS_P=splits_p, QUERY_LEN=max_query_len, num_warps=num_warps,
-        num_stages=num_stages, **common, **pdl.launch_args(q.device, "attention"))
+        num_stages=num_stages, BLOCK_T=triton.next_power_of_2(max_query_len), **fold, **common,
+        **pdl.launch_args(q.device, "attention"))
     codes = None
     if split and not merge:
         block_d, merge_warps = merge_tiles or _merge_tiles(common["HEAD_DIM_P"])

@@ -11,6 +11,9 @@ On the Triton path these run as one launch:
                                           the MLP then does not fold silu into the down GEMV)
     decode attention -> split merge       the last split of a KV head to finish merges them
                                           (an atomic counter per head, reset by that program)
+    attention prologue -> decode          each program normalises and rotates its query rows; the
+                                          split holding a new token's position stores its key and
+                                          value first (a CTA barrier), then reads them as any key
     rms_norm -> router -> top-k           a sparse block's start: the router's programs each
                                           normalise the row; the last to finish picks the experts
 
@@ -46,6 +49,9 @@ class Fusion:
     """silu * up in the gate/up GEMV's epilogue for intermediate sizes above silu_max_k up to this"""
     glu_gelu: bool = False
     """tanh gelu * up in the gate/up GEMV's epilogue (it has no kernel of its own: torch's gelu and mul)"""
+    attention_prologue: bool = False
+    """decode attention runs the layer's prologue (q/k norms, rotary, the new keys and values into the
+    cache: `qk_norm_rotary_store`) in its own programs (that launch goes)"""
     a8_fold: bool = False
     """the norm, SiLU-and-mul or decode attention's split merge before an int8 / int4 layer's x int8
     GEMV writes x's int8 codes too (the quantize launch goes; `hibana_kernels.folds_a8`)"""
@@ -91,7 +97,7 @@ class Fusion:
 AUTO = Fusion(norm_max_k=2048, silu_max_k=6144, attention_merge=False, moe_norm_route=False, glu_silu_max_n=8192,
               glu_gelu=True, a8_fold=True)
 ON = Fusion(norm_max_k=sys.maxsize, silu_max_k=sys.maxsize, attention_merge=True, moe_norm_route=True,
-            glu_gelu=True, a8_fold=True)
+            glu_gelu=True, attention_prologue=True, a8_fold=True)
 OFF = Fusion(norm_max_k=0, silu_max_k=0, attention_merge=False)  # the launches as before
 POLICIES = {"auto": AUTO, "on": ON, "off": OFF}
 

@@ -7,6 +7,8 @@ activations' dtype before the products, and each product and the sum round to th
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from hibana_kernels import attention, norm
@@ -50,3 +52,27 @@ def qk_norm_rotary_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
         q, k = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
     attention.store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scale)
     return q
+
+
+class AttentionPrologue(NamedTuple):
+    """What an attention layer's prologue takes besides q and the cache (`qk_norm_rotary_store`'s
+    arguments), for `kernels.paged_attention` to run it first: folded into the decode attention
+    kernel on the GPU where the fusion policy says (`Fusion.attention_prologue`)."""
+
+    positions: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    q_weight: torch.Tensor | None = None
+    k_weight: torch.Tensor | None = None
+    eps: float = 0.0
+    unit_offset: bool = False
+
+    def run(self, impl, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            kv_scale: torch.Tensor | None) -> torch.Tensor:
+        """The prologue as its own launch of `impl` (this module, or the Triton one): the rotated q."""
+        return impl.qk_norm_rotary_store(self.positions, q, self.k, self.v, self.cos_table, self.sin_table,
+                                         k_cache, v_cache, self.slot_mapping, self.q_weight, self.k_weight,
+                                         self.eps, kv_scale, self.unit_offset)

@@ -18,7 +18,8 @@ import triton.language as tl
 
 from hibana_kernels import pdl
 from hibana_kernels.attention import check_kv_scale
-from hibana_kernels.attention_triton import quantize_kv
+from hibana_kernels.rotary import AttentionPrologue
+from hibana_kernels.attention_triton import normed, quantize_kv
 from hibana_kernels.pdl import wait_for_previous
 
 
@@ -95,20 +96,6 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 
 @triton.jit
-def _normed(x, inv, w_ptr, offs, mask, UNIT_OFFSET: tl.constexpr):
-    """A part of head rows (float32 values of the activations' dtype, w_ptr's) normalised by
-    `inv` as the reference's RMSNorm rounds it: Llama's weight * round(x * inv), or Gemma's
-    round(x * inv * (1 + weight)) all in float32."""
-    dtype = w_ptr.dtype.element_ty
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if UNIT_OFFSET:
-        x = (x * inv) * (1.0 + w)
-    else:
-        x = w * (x * inv).to(dtype).to(tl.float32)
-    return x.to(dtype).to(tl.float32)
-
-
-@triton.jit
 def _store(ptr, x, mask, scale, QUANTIZE: tl.constexpr):
     """x stored; as fp8 codes of its head's `scale` when QUANTIZE (x in the activations' dtype:
     the reference quantizes keys as rounded to it)."""
@@ -137,10 +124,10 @@ def _prologue_rows(src, dst, rows, w_ptr, c1, c2, s1, s2, eps, j, p, scale,
         if PASS > 0:
             squares += tl.sum(x3 * x3, 1)
         inv = tl.rsqrt(squares / (2 * HALF + PASS) + eps)[:, None]
-        x1 = _normed(x1, inv, w_ptr, j, jm, UNIT_OFFSET)
-        x2 = _normed(x2, inv, w_ptr + HALF, j, jm, UNIT_OFFSET)
+        x1 = normed(x1, inv, w_ptr, j, jm, UNIT_OFFSET)
+        x2 = normed(x2, inv, w_ptr + HALF, j, jm, UNIT_OFFSET)
         if PASS > 0:
-            x3 = _normed(x3, inv, w_ptr + 2 * HALF, p, pm, UNIT_OFFSET)
+            x3 = normed(x3, inv, w_ptr + 2 * HALF, p, pm, UNIT_OFFSET)
     # out = x * cos + rotate_half(x) * sin over the rotated dims; rotate_half(x) = [-x2, x1]
     o1 = (x1 * c1).to(dtype).to(tl.float32) + (-x2 * s1).to(dtype).to(tl.float32)
     o2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
@@ -197,21 +184,11 @@ def qk_norm_rotary_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
                          eps: float = 0.0, kv_scale: torch.Tensor | None = None,
                          unit_offset: bool = False) -> torch.Tensor:
     """See `hibana_kernels.rotary.qk_norm_rotary_store`."""
-    check_kv_scale(k_cache, kv_scale)
+    check_prologue(q, k, v, cos_table, sin_table, k_cache, v_cache, q_weight, k_weight, kv_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     rotary_dim = cos_table.shape[1]
-    if (q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or rotary_dim % 2
-            or not 0 < rotary_dim <= head_dim
-            or cos_table.stride() != sin_table.stride() or cos_table.stride(1) != 1
-            or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1
-            or k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1)):
-        raise ValueError("qk_norm_rotary_store wants head_dim contiguous, cos and sin tables alike "
-                         "and of an even width up to head_dim, k_cache and v_cache alike with slots "
-                         "contiguous")
     has_norm = q_weight is not None
-    if has_norm and (q_weight.dtype != q.dtype or k_weight is None or k_weight.dtype != q.dtype):
-        raise ValueError("qk_norm_rotary_store wants q and k norm weights in the activations' dtype")
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     kv_fp8 = kv_scale is not None
     if kv_fp8:  # fp8 codes are written as bytes
@@ -229,3 +206,42 @@ def qk_norm_rotary_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
             BLOCK_D=triton.next_power_of_2(head_dim), HAS_NORM=has_norm, UNIT_OFFSET=unit_offset,
             KV_FP8=kv_fp8, num_warps=1 if group <= 2 else 4, **pdl.launch_args(q.device))
     return q_out
+
+
+def check_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_table: torch.Tensor,
+                   sin_table: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                   kv_scale: torch.Tensor | None) -> None:
+    """What the prologue's kernels (this one, or folded into decode attention) take."""
+    check_kv_scale(k_cache, kv_scale)
+    rotary_dim = cos_table.shape[1]
+    if (q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or rotary_dim % 2
+            or not 0 < rotary_dim <= q.shape[2]
+            or cos_table.stride() != sin_table.stride() or cos_table.stride(1) != 1
+            or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1
+            or k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1)):
+        raise ValueError("qk_norm_rotary_store wants head_dim contiguous, cos and sin tables alike "
+                         "and of an even width up to head_dim, k_cache and v_cache alike with slots "
+                         "contiguous")
+    if q_weight is not None and (q_weight.dtype != q.dtype or k_weight is None or k_weight.dtype != q.dtype):
+        raise ValueError("qk_norm_rotary_store wants q and k norm weights in the activations' dtype")
+
+
+def fold_args(q: torch.Tensor, prologue: AttentionPrologue, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              kv_scale: torch.Tensor | None) -> dict:
+    """The decode attention kernel's arguments for running `prologue` in its programs
+    (`attention_triton._decode_kernel`'s PROLOGUE)."""
+    p = prologue
+    check_prologue(q, p.k, p.v, p.cos_table, p.sin_table, k_cache, v_cache, p.q_weight, p.k_weight, kv_scale)
+    has_norm = p.q_weight is not None
+    rotary_dim = p.cos_table.shape[1]
+    kv_fp8 = kv_scale is not None
+    return dict(
+        pos_ptr=p.positions, k_ptr=p.k, v_ptr=p.v, cos_ptr=p.cos_table, sin_ptr=p.sin_table,
+        qw_ptr=p.q_weight if has_norm else q, kw_ptr=p.k_weight if has_norm else q, slot_ptr=p.slot_mapping,
+        # fp8 codes are written as bytes
+        k_store_ptr=k_cache.view(torch.uint8) if kv_fp8 else k_cache,
+        v_store_ptr=v_cache.view(torch.uint8) if kv_fp8 else v_cache, eps=p.eps,
+        stride_kt=p.k.stride(0), stride_kh=p.k.stride(1), stride_vt=p.v.stride(0), stride_vh=p.v.stride(1),
+        stride_table=p.cos_table.stride(0), PROLOGUE=True, HALF=rotary_dim // 2, PASS=q.shape[2] - rotary_dim,
+        HAS_NORM=has_norm, UNIT_OFFSET=p.unit_offset)

@@ -590,21 +590,85 @@ def check_qk_norm_rotary_store(device, dtype, num_heads, head_dim, qk_norm, kv_f
     # four chained bf16 roundings, which the interpreter truncates: a few units off there
     tolerance = dict(atol=0.1, rtol=2e-2) if device == "cpu" and qk_norm else TOLERANCE[dtype]
     torch.testing.assert_close(out_q, ref_q, **tolerance)
-    if kv_fp8:
-        got, want = caches[2].view(torch.uint8), caches[0].view(torch.uint8)
+    assert_prologue_caches(device, dtype, caches[2:], caches[:2], kv_scale, tolerance)
+
+
+def assert_prologue_caches(device, dtype, got, want, kv_scale, tolerance):
+    """(k_cache, v_cache) a prologue kernel wrote against the reference's: the values copied bit
+    for bit, the keys within `tolerance`; into fp8 caches, in float32 the same bytes, in 16 bits
+    the keys' codes the same or neighbours."""
+    if kv_scale is not None:
+        got_k, want_k = got[0].view(torch.uint8), want[0].view(torch.uint8)
         if dtype == torch.float32:
-            assert torch.equal(got, want)
+            assert torch.equal(got_k, want_k)
         else:
             # a 16-bit key rounds differently (the interpreter truncates; CUDA fuses a multiply-add), so
             # a code may be its neighbour (one step: up to 2^-3 of the value, e4m3 keeps 3 mantissa
             # bits), or near zero +0 against the smallest negative subnormal
-            assert (got == want).float().mean() > (0.9 if device == "cpu" else 0.98)
-            back = [attention.dequantize_kv(c, kv_scale[0], torch.float32) for c in (caches[2], caches[0])]
+            assert (got_k == want_k).float().mean() > (0.9 if device == "cpu" else 0.98)
+            back = [attention.dequantize_kv(c, kv_scale[0], torch.float32) for c in (got[0], want[0])]
             torch.testing.assert_close(back[0], back[1], atol=0.1, rtol=2 ** -3, equal_nan=True)
-        assert torch.equal(caches[3].view(torch.uint8), caches[1].view(torch.uint8))
+        assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8))
         return
-    torch.testing.assert_close(caches[2], caches[0], equal_nan=True, **tolerance)
-    torch.testing.assert_close(caches[3], caches[1], atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(got[0], want[0], equal_nan=True, **tolerance)
+    torch.testing.assert_close(got[1], want[1], atol=0, rtol=0, equal_nan=True)
+
+
+def check_attention_prologue(device, dtype, lens, group, head_dim, num_splits, window=None, rotary_dim=None,
+                             qk_norm=True, unit_offset=False, kv_fp8=False, unstored=None):
+    """Decode attention with the layer's prologue folded in (`paged_attention_launch(prologue=)`)
+    against the reference prologue then the reference attention: the output, and the caches (the
+    new tokens' keys and values stored, every other slot untouched). The new tokens' slots start
+    as NaN: a program that read a new key before it was stored (or another split's) gives NaN.
+    Positions are not the keys' (as under LongRoPE's switch): the kernel rotates by `positions`.
+    `unstored`: this sequence's slots are -1 (a padding row: nothing stored, the cache's old key read)."""
+    triton_attention = _triton_module("attention")
+    num_heads = group * NUM_KV_HEADS
+    batch, _, _ = make_paged_batch(lens, num_heads, NUM_KV_HEADS, dtype, device, seed=head_dim + group + len(lens),
+                                   head_dim=head_dim, kv_fp8=kv_fp8)
+    gen = torch.Generator().manual_seed(group * head_dim)
+    tokens = batch["q"].shape[0]
+    qkv = torch.randn(tokens, num_heads + 2 * NUM_KV_HEADS, head_dim, generator=gen).to(dtype).to(device)
+    q, k, v = qkv.split([num_heads, NUM_KV_HEADS, NUM_KV_HEADS], dim=1)  # strided views, as in the model
+    max_pos = 400
+    cos, sin = rotary_tables(max_pos, rotary_dim or head_dim, device)
+    weights = {}
+    if qk_norm:
+        weights = dict(q_weight=(1 + torch.randn(head_dim, generator=gen) / 4).to(dtype).to(device),
+                       k_weight=(1 + torch.randn(head_dim, generator=gen) / 4).to(dtype).to(device),
+                       eps=1e-6, unit_offset=unit_offset)
+    tables, block_size = batch["block_tables"].cpu(), batch["k_cache"].shape[1]
+    slots, positions = [], []
+    for i, (seq_len, query_len) in enumerate(lens):
+        for p in range(seq_len - query_len, seq_len):
+            slots.append(-1 if i == unstored else int(tables[i, p // block_size]) * block_size + p % block_size)
+            positions.append((p * 7 + 3) % max_pos)
+    slots = torch.tensor(slots, device=device)
+    prologue = rotary.AttentionPrologue(torch.tensor(positions, device=device), k, v, cos, sin, slots, **weights)
+    for name in ("k_cache", "v_cache"):
+        rows = batch[name].flatten(0, 1)
+        stored = slots[slots >= 0]
+        if rows.dtype == attention.FP8:
+            rows.view(torch.uint8)[stored] = 0x7F
+        else:
+            rows[stored] = float("nan")
+    kv_scale = batch.get("kv_scale")
+    caches = {name: [batch[name].clone() for _ in range(2)] for name in ("k_cache", "v_cache")}
+    ref_q = prologue.run(rotary, q, caches["k_cache"][0], caches["v_cache"][0], kv_scale)
+    rest = dict(block_tables=batch["block_tables"], seq_lens=batch["seq_lens"],
+                query_start_loc=batch["query_start_loc"], max_query_len=batch["max_query_len"],
+                scale=head_dim ** -0.5, sliding_window=window, kv_scale=kv_scale)
+    expected = attention.paged_attention(ref_q, caches["k_cache"][0], caches["v_cache"][0],
+                                         max_seq_len=batch["max_seq_len"], **rest)
+    rest.pop("max_query_len")
+    out = triton_attention.paged_attention_launch(
+        q, caches["k_cache"][1], caches["v_cache"][1], max_query_len=batch["max_query_len"],
+        num_splits=num_splits, decode=True, prologue=prologue, **rest)
+    assert not out.isnan().any(), "read a new key or value before it was stored"
+    tolerance = dict(atol=0.1, rtol=2e-2) if device == "cpu" and dtype != torch.float32 else TOLERANCE[dtype]
+    torch.testing.assert_close(out, expected, **tolerance)
+    assert_prologue_caches(device, dtype, (caches["k_cache"][1], caches["v_cache"][1]),
+                           (caches["k_cache"][0], caches["v_cache"][0]), kv_scale, tolerance)
 
 
 def check_linear(device, dtype, rows, n, k, bias, tiles):
@@ -1170,6 +1234,32 @@ def test_silu_and_mul(run_check, dtype, inter):
 def test_qk_norm_rotary_store(run_check, dtype, num_heads, head_dim, qk_norm):
     run_check(check_qk_norm_rotary_store, dtype=dtype, num_heads=num_heads, head_dim=head_dim,
               qk_norm=qk_norm)
+
+
+# (lens, num_splits, window): one token a sequence unsplit and over 3 splits (300 keys: a split of
+# 128 each, the new key in the last), with a window over several key tiles; verify steps of 5
+# tokens, one sequence's straddling two splits (positions 125-129 over splits of 64)
+PROLOGUE_BATCHES = [(DECODE_BATCH, 1, None), (LONG_DECODE_BATCH, 3, None), (LONG_DECODE_BATCH, 3, LONG_WINDOW),
+                    (VERIFY_BATCH[:4] + ((130, 5),), 3, None), (VERIFY_BATCH[:4] + ((130, 5),), 1, WINDOW)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("lens, num_splits, window", PROLOGUE_BATCHES,
+                         ids=["decode", "decode-3splits", "decode-3splits-window", "verify-3splits", "verify-window"])
+@pytest.mark.parametrize("group", [1, 4, 7])
+def test_attention_prologue(run_check, dtype, lens, num_splits, window, group):
+    run_check(check_attention_prologue, dtype=dtype, lens=lens, group=group, head_dim=HEAD_DIM,
+              num_splits=num_splits, window=window, unstored=1)
+
+
+# head dims: not a power of two, Phi's partial rotary (halves of 12, 8 dims through), without
+# q/k norms, Gemma's norms; fp8 caches
+@pytest.mark.parametrize("head_dim, rotary_dim, qk_norm, unit_offset", [
+    (48, None, True, False), (32, 24, False, False), (32, None, False, False), (32, 24, True, True)], ids=str)
+@pytest.mark.parametrize("kv_fp8", [False, True], ids=["kv16", "kv8"])
+def test_attention_prologue_heads(run_check, head_dim, rotary_dim, qk_norm, unit_offset, kv_fp8):
+    run_check(check_attention_prologue, dtype=torch.bfloat16, lens=LONG_DECODE_BATCH, group=2, head_dim=head_dim,
+              num_splits=3, rotary_dim=rotary_dim, qk_norm=qk_norm, unit_offset=unit_offset, kv_fp8=kv_fp8)
 
 
 # partial rotary: Phi-4-mini's head (128 dims, 96 rotate: halves of 48, not a power of two) and

@@ -504,28 +504,27 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         batch = self.ctx.batch
         k_cache, v_cache, group = self.ctx.kv_cache.layer(self.layer_idx)
-        q = self._prologue(positions, q, k, v, k_cache, v_cache, batch.slot_mapping[group])
         args = (q, k_cache, v_cache, batch.block_tables[group], batch.seq_lens, batch.query_start_loc,
                 batch.max_query_len, batch.max_seq_len, self.scale, self.sliding_window, batch.uniform_query_len,
                 self.kv_scale, self.sinks, self.sink_tokens)
+        prologue = self._prologue(positions, k, v, batch.slot_mapping[group])
         width = self.num_heads * self.head_dim
         if self.o_proj.folds_a8(x, width):  # its input as codes (from split decode's merge, else one launch)
-            o, codes, d = kernels.paged_attention_a8(*args, kernels.a8_order(self.o_proj.kind))
+            o, codes, d = kernels.paged_attention_a8(*args, kernels.a8_order(self.o_proj.kind), prologue=prologue)
             return self.o_proj.from_codes(codes, d, o.view(tokens, width)), residual
-        o = kernels.paged_attention(*args)
+        o = kernels.paged_attention(*args, prologue=prologue)
         return self.o_proj(o.reshape(tokens, width)), residual
 
-    def _prologue(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-        """q/k norms (Llama's or Gemma's), rotary (on the first rope.dim dims of each head: the
-        tables' width), k and v into the cache; returns q. One launch on the GPU
-        (`kernels.qk_norm_rotary_store`)."""
+    def _prologue(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> kernels.AttentionPrologue:
+        """What runs before the attention: q/k norms (Llama's or Gemma's), rotary (on the first
+        rope.dim dims of each head: the tables' width), k and v into the cache. One launch on the
+        GPU (`kernels.qk_norm_rotary_store`), or none: folded into decode attention."""
         cos, sin = self.rotary.tables(positions.device)
         q_norm, k_norm = self.q_norm, self.k_norm
         norms = {} if q_norm is None else dict(q_weight=q_norm.weight, k_weight=k_norm.weight,
                                                eps=q_norm.eps, unit_offset=q_norm.unit_offset)
-        return kernels.qk_norm_rotary_store(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
-                                            kv_scale=self.kv_scale, **norms)
+        return kernels.AttentionPrologue(positions, k, v, cos, sin, slot_mapping, **norms)
 
 
 class MLP(nn.Module):
