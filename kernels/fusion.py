@@ -94,6 +94,9 @@ class Fusion:
 # norm's codes were written by several programs a row (one program had quantized the whole row alone)
 # w4 415.6 -> 425.4 tok/s, w8 288.8 -> 294.6, 508 -> 400 kernels a step (before, a tie on the H200); with
 # 4 blocks a norm program and the attention merge's codes (be434ad) 364 kernels, w4 447.8, w8 294.7.
+# attention_prologue (H100, 2026-12-05, `run_h200.sh policies`, `POLICIES="auto,auto+attention_prologue"`, graph
+# replay): qwen3-0.6b 0.866 -> 0.864 ms at 512 keys, 1.217 -> 1.238 at 8192; qwen3-8b 5.716 -> 5.762, 6.159 ->
+# 6.154; with PDL off, qwen3-0.6b 1.049 -> 1.033, 1.384 -> 1.393. 28-36 launches fewer, no faster: AUTO leaves it off.
 AUTO = Fusion(norm_max_k=2048, silu_max_k=6144, attention_merge=False, moe_norm_route=False, glu_silu_max_n=8192,
               glu_gelu=True, a8_fold=True)
 ON = Fusion(norm_max_k=sys.maxsize, silu_max_k=sys.maxsize, attention_merge=True, moe_norm_route=True,
