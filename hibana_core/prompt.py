@@ -16,7 +16,7 @@ tokenizes exactly as before (one `encode` of the whole text), so KV reuse is unt
 own assistant turns are masked too, contents, reasoning and tool-call arguments: the model may copy a
 tool's output into them, and control-token text it spelled with ordinary tokens (the parsers keep
 such look-alikes as content, `hibana_plugins.harmony`) stays text when re-rendered (the state holds those
-ordinary tokens, so reuse is kept). Over HTTP a client's assistant message is as untrusted as its
+ordinary tokens, so reuse is kept); in a call's arguments, markup words are text too. Over HTTP a client's assistant message is as untrusted as its
 user message.
 """
 
@@ -106,9 +106,25 @@ class Masker:
         DeepSeek-R1's), and Qwen3's takes a user message that starts and ends with its
         `<tool_response>` tags for a tool's result (which decides the reasoning it keeps), all of
         which a whole-string sentinel would hide. A tool's content (markup words masked too) is a
-        sentinel whole."""
-        return [self.mask(message, each=message.get("role") not in UNTRUSTED_ROLES,
-                          wide=message.get("role") in UNTRUSTED_ROLES) for message in messages]
+        sentinel whole, and so is each string of a past call's arguments that holds markup: data
+        written inside the call's markup (a `</tool_call>` there would close the call and open a
+        forged one; arguments another model wrote that do not parse are kept as their text)."""
+        out = []
+        for message in messages:
+            untrusted = message.get("role") in UNTRUSTED_ROLES
+            masked = self.mask(message, each=not untrusted, wide=untrusted)
+            calls = message.get("tool_calls")
+            if isinstance(calls, list) and not untrusted:
+                masked["tool_calls"] = [self._masked_call(call, done) for call, done in zip(calls, masked["tool_calls"])]
+            out.append(masked)
+        return out
+
+    def _masked_call(self, call: Any, masked: Any) -> Any:
+        """`masked` (the call masked as its message) with its arguments masked whole, markup words too."""
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or "arguments" not in function:
+            return masked
+        return {**masked, "function": {**masked["function"], "arguments": self.mask(function["arguments"], wide=True)}}
 
 
 def _written(original: str) -> list[str]:
