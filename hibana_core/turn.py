@@ -609,10 +609,10 @@ async def arun_batches(open_turn: Open, convert: Callable[[ChatDelta], T | None]
                 async for batch in batches:
                     yield batch
         except HibanaError:
-            await _off_loop(_restore, handle, held)
+            await _through(_restore, handle, held)
             raise
     finally:
-        await _off_loop(stack.close)
+        await _through(stack.close)  # a cut stream's too: its lease and the state's end callbacks
 
 
 _LOCK_WAITS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="hibana-turn")
@@ -634,7 +634,14 @@ async def _opened(open_turn: Open, stack: contextlib.ExitStack) -> "tuple[TurnRu
         turn, handle = open_turn(stack)
         return turn, handle, handle.tokens
 
-    work = asyncio.ensure_future(_off_loop(opening))
+    return await _through(opening)
+
+
+async def _through(call: Callable[..., T], *args: Any) -> T:
+    """`_off_loop(call, *args)` run to its end even where the caller is cancelled meanwhile (a client
+    gone mid-stream): the caller waits for the thread, then is cancelled. (Cancelled plainly, a call
+    not yet started in its thread never ran: a cut turn's clean-up was skipped.)"""
+    work = asyncio.ensure_future(_off_loop(call, *args))
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:

@@ -4,6 +4,7 @@ state_dir. Prefix caching is off: a prompt's cached tokens come from its own sta
 
 from __future__ import annotations
 
+import time
 import urllib.parse
 
 import pytest
@@ -132,6 +133,28 @@ def test_past_the_bound_the_least_recently_used_named_state_is_put_away_and_come
             assert reply["choices"][0]["message"] == fresh["choices"][0]["message"], user
         named = {state_id for state_id, state in listed(client).items() if state["client_named"]}
         assert named == {"bound-3", "bound-1"}  # bound-2 put away by bound-1's return
+
+
+def test_named_states_whose_streams_the_client_cut_are_counted_against_the_bound(engine):
+    """A client gone mid-stream cancelled the turn's clean-up before its thread had run it: the state
+    stayed open, never counted as client-named, past --max-named-states for good (an outside audit:
+    4 of 6 cut streams' states)."""
+    with serving(engine, ServerConfig("demo", max_named_states=2)) as url, \
+            httpx.Client(base_url=url, timeout=120) as client:
+        body = {"model": "demo", "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 300,
+                "temperature": 1, "stream": True}
+        for k in range(6):
+            with client.stream("POST", "/v1/chat/completions", json=body, headers={STATE_HEADER: f"cut-{k}"}) as reply:
+                assert reply.status_code == 200
+                for i, _ in enumerate(reply.iter_lines()):
+                    if i == 2:
+                        break
+        for _ in range(100):  # the server sees each client go when it next writes
+            cut = {state_id: state for state_id, state in listed(client).items() if state_id.startswith("cut-")}
+            if not any(state["busy"] for state in cut.values()) and len(cut) <= 2:
+                break
+            time.sleep(0.1)
+        assert {state_id: state["client_named"] for state_id, state in cut.items()} == {"cut-4": True, "cut-5": True}
 
 
 def test_deleting_a_put_away_state_removes_its_file(engine):
