@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hibana_core.detokenizer import Detokenizer
+from hibana_core.errors import ConfigError
 from hibana_core.prompt import control_strings
 from hibana_core.scheduler import Request, RequestOutput
 from hibana_core.state import Completion, RequestStats, StreamEvent
@@ -77,6 +78,13 @@ class RequestStream:
         return self._decoded(self._queue.get())
 
     async def aget(self) -> object:
+        if asyncio.get_running_loop() is not self._loop:  # its events go to that loop alone: it would wait for good
+            raise ConfigError("this stream's events go to the event loop it was made for (astream's loop, by default "
+                              "the one running when it was called), and it is read on another; read it where it was "
+                              "made, or call astream in the coroutine that reads it"
+                              if self._loop is not None else
+                              "this stream was made by stream() for a thread to read with `for`; read it so, or make "
+                              "it with astream() to read it with `async for`")
         return self._decoded(await self._queue.get())
 
     def _decoded(self, item: object) -> object:

@@ -169,6 +169,28 @@ def test_astream_outside_an_event_loop_says_what_to_do(demo_engine):
         demo_engine.open_state("no-loop").astream(SamplingParams(max_tokens=2), prompt=[5, 6])
 
 
+def test_a_stream_read_on_another_event_loop_says_so(demo_engine):
+    """Its events go to the loop it was made on: read on another, it waited for good (an outside audit:
+    made in one asyncio.run, read in the next). A ConfigError, and the state is free for the next turn."""
+    import asyncio
+
+    handle = demo_engine.open_state("other-loop")
+
+    async def make():
+        return handle.astream(SamplingParams(max_tokens=3, ignore_eos=True), prompt=[5, 6, 7])
+
+    async def read(events):
+        return [event async for event in events]
+
+    events = asyncio.run(make())
+    with pytest.raises(ConfigError, match="event loop it was made for"):
+        asyncio.run(asyncio.wait_for(read(events), 30))
+    with pytest.raises(ConfigError, match="made by stream"):
+        asyncio.run(asyncio.wait_for(read(handle.stream(SamplingParams(max_tokens=2), prompt=[8])), 30))
+    assert len(handle.generate(SamplingParams(max_tokens=2, ignore_eos=True), prompt=[9]).token_ids) == 2
+    handle.close()
+
+
 def test_a_sync_whose_state_closes_meanwhile_says_so(demo_engine):
     """Closed by another thread while its prefill ran: StateClosedError, not the stats of a prefill
     that the state no longer holds."""
