@@ -271,7 +271,8 @@ class StateRegistry:
         path = self.persisted_path(state_id)
         if path is not None and path.exists():
             raise StateExistsError(f"state_dir keeps a state with id {state_id!r} ({path}); open_state({state_id!r}) "
-                                   f"brings it back (closing it removes it), or {advice}")
+                                   f"brings it back (closing it removes it; a file it finds damaged or foreign, "
+                                   f"a StateFileError, you remove), or {advice}")
 
     def _new_sequence(self) -> KVSequence:
         return KVSequence(self.pool, self.kv_cache.copy_block, self.config.enable_prefix_caching,

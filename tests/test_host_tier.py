@@ -257,6 +257,8 @@ def test_a_stored_state_is_neither_replaced_by_a_fork_or_load_nor_removed_by_ano
     other.sync([5, 6, 7])
     with pytest.raises(StateExistsError, match=r"state_dir keeps a state with id 'x' .* fork under another id"):
         other.fork("x")
+    with pytest.raises(StateExistsError, match=r"damaged or foreign, a StateFileError, you remove"):
+        other.fork("x")  # (the advice where open_state finds the file damaged: an outside audit)
     saved = tmp_path / "y.file"
     other.save(saved)
     with pytest.raises(StateExistsError, match=r"state_dir keeps a state with id 'x'"):
