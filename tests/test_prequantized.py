@@ -200,6 +200,12 @@ def test_an_unsupported_quantization_config_says_what_loads(tiny_checkpoints, ma
         parse_quantization_config({"quant_method": "gptq", "group_size": 32})
     with pytest.raises(CheckpointError, match="desc_act = 'yes', where true or false belongs"):
         parse_quantization_config({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": "yes"})
+    # its lists and overrides of the wrong shape: said so, not "'int' object is not iterable" (an outside audit)
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    for key, bad in [("dynamic", {"+:.*mlp.*": 5}), ("dynamic", ["x"]), ("modules_in_block_to_quantize", 5),
+                     ("modules_in_block_to_quantize", [[1]]), ("modules_to_not_convert", 5)]:
+        with pytest.raises(CheckpointError, match=f"{key}"):
+            parse_quantization_config({**gptq, key: bad})
     # a quantization_config that is no object: said so, not transformers' "'list' object has no attribute"
     for bad in ([1], "gptq", 4):
         config["quantization_config"] = bad
@@ -249,6 +255,20 @@ def test_a_damaged_packed_layer_is_a_checkpoint_error(tiny_checkpoints, make_eng
     del tensors["model.layers.0.mlp.down_proj.scales"]
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"lacks tensor\(s\) \['scales'\]"):
+        make_engine(dst)
+
+
+@pytest.mark.parametrize("says", [{"modules_to_not_convert": ["model.layers.0.self_attn"]}, {"dynamic": {"-:.*mlp\\.down_proj": {}}}],
+                         ids=["not-convert", "dynamic-skip"])
+def test_packed_layers_the_config_says_are_not_quantized_are_refused(tiny_checkpoints, make_engine, tmp_path, says):
+    """Config and weights disagree: the config keeps some layers in 16 bits and the checkpoint holds them
+    packed (they loaded packed, unnoticed: an outside audit; vLLM builds those layers unquantized)."""
+    dst = tmp_path / "gptq"
+    write_quantized(tiny_checkpoints["llama"], dst, "gptq")
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"].update(says)
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"stored packed, and the quantization_config says it is not quantized"):
         make_engine(dst)
 
 

@@ -185,7 +185,7 @@ def _not_converted(names) -> tuple[str, ...]:
     quantizers/quantizers_utils.py `should_convert_module`)."""
     if names is None:
         return ()
-    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
         raise CheckpointError(f"modules_to_not_convert must be a list of names, not {names!r}")
     return tuple(rf"(?:{n})(?:(?<=\.)|(?=\.|$))|.*{re.escape(n)}$" for n in names)
 
@@ -210,7 +210,11 @@ def _parse_gptq(cfg: dict) -> QuantFormat:
     # regex overrides its bits/group_size/...), read as in vLLM's
     # model_executor/layers/quantization/utils/gptq_utils.py `get_dynamic_override`.
     skip = list(_not_converted(cfg.get("modules_to_not_convert")))
-    for pattern, override in (cfg.get("dynamic") or {}).items():
+    dynamic = cfg.get("dynamic") or {}
+    if not isinstance(dynamic, dict) or not all(isinstance(p, str) and isinstance(o, dict) for p, o in dynamic.items()):
+        raise CheckpointError(f"the GPTQ quantization_config has dynamic = {dynamic!r:.80}, where an object of "
+                              "module patterns and their overrides belongs; the checkpoint's config is damaged: re-export it")
+    for pattern, override in dynamic.items():
         if pattern.startswith("-:"):
             skip.append(pattern[2:])
         elif any(override.get(key, cfg.get(key)) != cfg.get(key) for key in ("bits", "group_size", "sym", "desc_act")):
@@ -218,7 +222,14 @@ def _parse_gptq(cfg: dict) -> QuantFormat:
                                   "their own bits or group size, which Hibana does not load")
     only = []
     if cfg.get("modules_in_block_to_quantize"):  # [["self_attn.q_proj", ...], ...] inside blocks
-        for names in cfg["modules_in_block_to_quantize"]:
+        blocks = cfg["modules_in_block_to_quantize"]
+        if not isinstance(blocks, list) or not all(
+                isinstance(names, str) or (isinstance(names, list) and all(isinstance(n, str) for n in names))
+                for names in blocks):
+            raise CheckpointError(f"the GPTQ quantization_config has modules_in_block_to_quantize = {blocks!r:.80}, "
+                                  "where a list of module names (or of lists of them) belongs; the checkpoint's "
+                                  "config is damaged: re-export it")
+        for names in blocks:
             only += [rf".*\.{re.escape(n)}$" for n in ([names] if isinstance(names, str) else names)]
         if cfg.get("lm_head"):
             only.append(r"(?:.*\.)?lm_head$")

@@ -40,6 +40,11 @@ def load_packed_layers(module: torch.nn.Module, names: set[str], read: Callable[
         if not all(present):
             raise CheckpointError(f"{where}: {name} joins {', '.join(parts)}, of which only some are quantized; "
                                   "Hibana computes them as one layer and needs them alike")
+        unquantized = [p for p in parts if not fmt.is_quantized(p)]
+        if unquantized:
+            raise CheckpointError(f"{where}: {unquantized[0]} is stored packed, and the quantization_config says it "
+                                  "is not quantized (modules_to_not_convert, a dynamic '-:' pattern, lm_head or "
+                                  "modules_in_block_to_quantize); the config and the weights disagree: re-export it")
         repacked = []
         for prefix in parts:
             tensors = {s: read(f"{prefix}.{s}") for s in fmt.tensor_names if f"{prefix}.{s}" in names}
