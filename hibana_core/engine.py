@@ -366,7 +366,7 @@ class Engine:
         scorer = guard.Scorer(loaded.model, self._ctx, loaded.args, loaded.dtype, self.device,
                               guard.scorer_length(documents))
         return guard.Guard(scorer, documents, self.config.progress, loaded.tokenizer,
-                           guard.heldout_source(loaded.tokenizer, self.config.surgery_guard_text))
+                           guard.heldout_source(loaded.tokenizer, self.config.surgery_guard_text), reach)
 
     def _profile_steps(self, runner: ModelRunner):
         device = self.device

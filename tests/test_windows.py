@@ -303,6 +303,8 @@ def test_the_guard_scores_the_window_pass_past_its_window_or_refuses_it(tiny_che
     engine = make_engine(path, surgery=[{"name": "window", "window": 800, "layers": [1]}], speculation="off")
     guard = engine.surgery[0]["guard"]
     assert guard["decision"] == "ok" and guard["mean_kl"] > 0, guard  # 156 positions a document see fewer keys
+    # greedy continuations start past the window (from each document's first 128 tokens, they never diverged)
+    assert guard["first_divergence"] < 48, guard
     with pytest.raises(SurgeryGuardError, match=r"cannot be measured .* documents reach 960 tokens .* within 1004: "
                                                 r"0 scored positions lie past it, 256 are asked; give a longer guard text"):
         make_engine(path, surgery=[{"name": "window", "window": 1000, "layers": [1]}], speculation="off")

@@ -75,6 +75,7 @@ class Reference:
     """The unmodified model's figures on the held-out documents."""
 
     documents: list[list[int]]
+    reach: int = 0                                                   # the passes' (`guard_reach`): `opening`
     log_probs: list[torch.Tensor] = field(default_factory=list)     # [T - 1, V] float16, host (for KL);
                                                                      # none kept: no KL against it
     nll: list[torch.Tensor] = field(default_factory=list)           # [T - 1] float32: of the text's tokens
@@ -310,9 +311,16 @@ def _is_call(text: str) -> bool:
     return isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments"), dict)
 
 
+def opening(doc: Sequence[int], reach: int) -> list[int]:
+    """The tokens of `doc` its greedy continuation starts from: its first OPENING, or past the
+    passes' reach (a window pass changes nothing within it: a continuation from there never
+    diverged, whatever the pass did past it)."""
+    return list(doc[:max(OPENING, min(reach + 1, len(doc)))])
+
+
 def measure_reference(scorer: Scorer, documents: list[list[int]], progress: bool,
-                      calls: ToolCalls | None = None) -> Reference:
-    reference = Reference(documents)
+                      calls: ToolCalls | None = None, reach: int = 0) -> Reference:
+    reference = Reference(documents, reach)
     for doc in progress_bar(documents, desc="guard: unmodified model", unit="doc", disable=not progress, leave=False):
         _keep(reference, scorer, doc, scorer.log_probs(doc).cpu())
     if calls is not None:
@@ -328,7 +336,7 @@ def _keep(reference: Reference, scorer: Scorer, doc: list[int], log_probs: torch
     reference.top1.append(log_probs.argmax(-1))
     if distributions:
         reference.log_probs.append(log_probs.half())
-    reference.continuations.append(scorer.greedy(doc[:OPENING], CONTINUATION))
+    reference.continuations.append(scorer.greedy(opening(doc, reference.reach), CONTINUATION))
 
 
 @dataclass
@@ -351,7 +359,7 @@ def measure(scorer: Scorer, references: Sequence[Reference], progress: bool, des
     without them."""
     documents = references[0].documents
     totals = [_Totals(kl=0.0 if r.log_probs else None) for r in references]
-    kept = Reference(documents) if keep else None
+    kept = Reference(documents, references[0].reach) if keep else None
     positions = 0
     for i, doc in enumerate(progress_bar(documents, desc=desc, unit="doc", disable=not progress, leave=False)):
         new_lp = scorer.log_probs(doc).cpu()
@@ -368,7 +376,7 @@ def measure(scorer: Scorer, references: Sequence[Reference], progress: bool, des
             total.nll_new += nll_new
             total.agree += (r.top1[i] == top1).sum().item()
             cont = r.continuations[i]
-            forced = scorer.forced_greedy(doc[:OPENING], cont)
+            forced = scorer.forced_greedy(opening(doc, r.reach), cont)
             total.divergences.append(next((k for k, (a, b) in enumerate(zip(forced, cont)) if a != b), len(cont)))
         if kept is not None:
             _keep(kept, scorer, doc, new_lp, distributions=keep == "distributions")
@@ -426,11 +434,12 @@ class Guard:
     (`heldout_source`); each record and the table say it."""
 
     def __init__(self, scorer: Scorer, documents: list[list[int]], progress: bool, tokenizer: Any = None,
-                 source: str = HELDOUT.name) -> None:
+                 source: str = HELDOUT.name, reach: int = 0) -> None:
         need = scorer_length(documents)
         if scorer.max_len < need:  # greedy text is generated past a document's end
             raise ValueError(f"the guard's scorer holds {scorer.max_len} tokens; it needs {need}")
         self.scorer, self.progress, self.source, self.documents = scorer, progress, source, documents
+        self.reach = reach  # the passes' longest: greedy continuations start past it (`opening`)
         self.calls = ToolCalls(tokenizer, documents)
         self.reference: Reference | None = None
         self.before: Reference | None = None  # the model after the passes checked so far
@@ -440,7 +449,7 @@ class Guard:
     def measure_reference(self) -> None:
         """The unmodified model's figures (once): call it before any pass changes the model."""
         if self.reference is None:
-            self.reference = measure_reference(self.scorer, self.documents, self.progress, self.calls)
+            self.reference = measure_reference(self.scorer, self.documents, self.progress, self.calls, self.reach)
 
     def check(self, name: str, surgery_pass: Any, force: bool, *, later: Sequence[Any],
               params: dict[str, Any] | None = None) -> dict[str, Any]:
