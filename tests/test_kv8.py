@@ -182,7 +182,7 @@ def test_kv8_state_files_round_trip_and_refuse_other_kv(tiny_checkpoints, make_e
     monkeypatch.setattr(KVQuantPass, "MARGIN", 64.0)  # other scales: the same bytes would mean other values
     other = kv8_engine(make_engine, path)
     assert other.fingerprint != engine.fingerprint
-    with pytest.raises(StateFileError, match="the same passes, calibrated on other text"):
+    with pytest.raises(StateFileError, match="the same passes, with other calibrated values .scales.: calibrated on other text"):
         other.load_state(tmp_path / "fp8.hibana", "other-scales")
 
 

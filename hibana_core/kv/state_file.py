@@ -197,7 +197,8 @@ def _differences(saved: str | None, ours: dict | None) -> str:
     if theirs.get("surgery") != ours.get("surgery"):
         same = passes(theirs) == passes(ours)
         out.append(f"surgery {passes(theirs)} (this engine: {passes(ours)}"
-                   + ("; the same passes, calibrated on other text" if same else "") + ")")
+                   + ("; the same passes, with other calibrated values (scales): calibrated on other text, "
+                      "or on other weights or dtype" if same else "") + ")")
     return "; ".join(out)
 
 
