@@ -173,6 +173,8 @@ def _normalize_tool(i: int, tool: Any) -> dict:
                               "history it is written into: rename the tool (letters, digits, '_', '-' and '.' are safe)")
     if not isinstance(function.get("description") or "", str):
         raise ToolSchemaError(f"tool {name!r} has a description that is not a string")
+    if function.get("strict") is not None and not isinstance(function["strict"], bool):  # "yes" was read as not strict
+        raise ToolSchemaError(f"tool {name!r} has strict = {function['strict']!r:.40}; strict is true or false")
     if parameters is not None and not isinstance(parameters, Mapping):
         raise ToolSchemaError(f"tool {name!r} has parameters of type {type(parameters).__name__}; give a JSON "
                               "schema object (a dict), or none")

@@ -1265,6 +1265,9 @@ def test_a_strict_tool_whose_schema_the_grammar_cannot_hold_is_refused():
         normalize_tools([tool])
     tool["function"]["strict"] = False
     assert normalize_tools([tool])[0]["function"]["parameters"]["properties"]["code"] == code
+    tool["function"]["strict"] = "yes"  # read as not strict, silently (an outside audit)
+    with pytest.raises(ToolSchemaError, match="tool 'f' has strict = 'yes'; strict is true or false"):
+        normalize_tools([tool])
 
 
 def _without_unknown_tokens(node):
