@@ -507,7 +507,7 @@ class Scheduler:
             if chunk.draft_token_ids:  # KV of rejected drafts goes: the last accepted token is
                 seq.trim_kv(min(chunk.end, len(seq) - 1))  # the next input, as after any decode
                 if self.speculation is not None:
-                    self.speculation.verified(chunk, sampled)
+                    self.speculation.verified(chunk, sampled, len(accepted))
             elif chunk.end > history:  # inputs past the known history are not known to be kept
                 seq.trim_kv(history)
             seq.commit_full_blocks()

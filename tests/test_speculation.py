@@ -510,8 +510,13 @@ def test_max_tokens_and_stops_inside_an_accepted_draft(tiny_checkpoints, make_en
         for spec in ("off", None):
             h = engine.open_state(f"{name}-{spec}")
             params = dataclasses.replace(case["params"], speculation=spec)
+            before = engine.stats()
             c = h.generate(params, prompt=history)
             assert (list(c.token_ids), c.finish_reason) == (case["want"], case["reason"]), (name, spec)
+            # the figures count what the request kept: drafts past its end were verified, not emitted
+            after = engine.stats()
+            assert after.verified_tokens - before.verified_tokens <= len(c.token_ids), (name, spec)
+            assert after.draft_tokens_accepted - before.draft_tokens_accepted <= len(c.token_ids), (name, spec)
             assert h.tokens == history + case["want"]
             seq = state_of(engine, h)
             assert seq.num_computed <= len(seq.tokens), "KV of drafts past the stop was kept"

@@ -299,16 +299,20 @@ class Speculator:
 
     # --- update -----------------------------------------------------------------------------
 
-    def verified(self, chunk: "ScheduledChunk", sampled: Sequence[int]) -> None:
-        """A chunk's drafts were verified: `sampled` = the accepted drafts and one more token."""
-        k, accepted = len(chunk.draft_token_ids), max(0, len(sampled) - 1)
+    def verified(self, chunk: "ScheduledChunk", sampled: Sequence[int], kept: int | None = None) -> None:
+        """A chunk's drafts were verified: `sampled` = the accepted drafts and one more token, of
+        which the request kept the first `kept` (a stop token, a stop string or max_tokens among
+        them ends it; None: all). The drafter's acceptance (what the controller plans with) counts
+        every draft the target agreed with; the engine's counters what the request kept."""
+        k, agreed = len(chunk.draft_token_ids), max(0, len(sampled) - 1)
+        kept = len(sampled) if kept is None else min(kept, len(sampled))
         config = self.config(chunk.request)
-        self.stats(chunk.request, config.method).record(k, accepted)
+        self.stats(chunk.request, config.method).record(k, agreed)
         c = self.counters
         c.draft_tokens_proposed += k
-        c.draft_tokens_accepted += accepted
+        c.draft_tokens_accepted += min(agreed, kept)
         c.verified_sequences += 1
-        c.verified_tokens += len(sampled)
+        c.verified_tokens += kept
 
     def observe_step(self, num_tokens: int, verify: bool, seconds: float | None) -> None:
         """A step of `num_tokens` tokens took `seconds` on the device (None: a step that does
