@@ -327,24 +327,35 @@ def test_a_broken_plugin_drafter_costs_speed_only(tiny_checkpoints, make_engine)
     raising = BrokenDrafter(fine_calls=2)
     past_vocab = BrokenDrafter(tokens=[5, VOCAB_SIZE, 6])  # the first id is fine, the second is not
     negative = BrokenDrafter(tokens=[-1, 5])
-    with registered(raising=raising, past_vocab=past_vocab, negative=negative):
+
+    class Meddling:  # changes the history it is handed (it was the state's live list: greedy output changed)
+        def propose(self, state, k):
+            state.tokens.append(7) if hasattr(state.tokens, "append") else state.tokens.__setitem__(0, 7)
+            return [7]
+
+        def finished(self, context, output):
+            output.append(7) if hasattr(output, "append") else output.__setitem__(0, 7)
+
+    with registered(raising=raising, past_vocab=past_vocab, negative=negative, meddling=Meddling()):
         engine = make_engine(path, speculation="off")
     rng = random.Random(21)
-    histories = [random_tokens(rng, 20) for _ in range(4)]
-    modes = ["off", {"method": "raising", "k": 3}, {"method": "past_vocab", "k": 3}, {"method": "negative"}]
+    histories = [random_tokens(rng, 20) for _ in range(5)]
+    modes = ["off", {"method": "raising", "k": 3}, {"method": "past_vocab", "k": 3}, {"method": "negative"},
+             {"method": "meddling"}]
 
     def run(i: int) -> list[int]:
         return list(engine.open_state(f"broken-{i}").generate(greedy(speculation=modes[i]), prompt=histories[i]).token_ids)
 
     with pytest.warns(PluginWarning, match=r"drafter 'raising' raised in propose: RuntimeError\('a drafter bug'\)"):
-        outs = concurrently(run, [(i,) for i in range(4)])
-    for history, out in zip(histories, outs):
+        outs = concurrently(run, [(i,) for i in range(5)])
+    for i, (history, out) in enumerate(zip(histories, outs)):
         assert_greedy_matches(path, history, out)
+        assert engine.states()[[s.id for s in engine.states()].index(f"broken-{i}")].tokens == len(history) + len(out)
     assert raising.calls > 2 and past_vocab.calls > 0
     stats = engine.stats()
     assert stats.draft_tokens_proposed > 0, "the valid prefix of past_vocab's proposals was drafted"
     errors = stats.speculation["drafter_errors"]
-    assert errors["raising"] > 1 and set(errors) == {"raising", "past_vocab", "negative"}, errors  # finished raised
+    assert errors["raising"] > 1 and set(errors) == {"raising", "past_vocab", "negative", "meddling"}, errors
 
 
 class _BrokenOptionals(FixedDrafter):

@@ -18,6 +18,7 @@ their last window when next used). `summary()` reports both (engine.stats().spec
 
 from __future__ import annotations
 
+import collections.abc
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
@@ -30,9 +31,32 @@ from hibana_core.speculation.index import (CONTEXT_INDEX_BYTES_PER_TOKEN, LAST_S
 from hibana_plugins.hookspecs import hookimpl
 
 
+class TokensView(collections.abc.Sequence):
+    """A token list as drafters read it, without a copy: indexing, slices (new lists), len and
+    iteration, and nothing that changes it. (A plugin's drafter that extended the live history
+    it was handed changed the state's tokens and its greedy output.)"""
+
+    __slots__ = ("_tokens",)
+
+    def __init__(self, tokens: list[int]) -> None:
+        self._tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def __getitem__(self, i):
+        return self._tokens[i]
+
+    def __iter__(self):
+        return iter(self._tokens)
+
+    def __repr__(self) -> str:
+        return f"TokensView({self._tokens!r:.200})"
+
+
 @dataclass(frozen=True)
 class DraftInput:
-    """What a drafter sees of one state: its history (read-only) and its identity."""
+    """What a drafter sees of one state: its history (read-only: a `TokensView`) and its identity."""
 
     tokens: Sequence[int]
     key: object

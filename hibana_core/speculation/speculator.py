@@ -29,7 +29,7 @@ from hibana_core.config import SpeculationConfig, is_kind, plain_token_ids
 from hibana_core.errors import ConfigError, HibanaError
 from hibana_core.speculation.controller import (MAX_DRAFT, AcceptanceStats, Candidate, Controller,
                                                 StepCostModel)
-from hibana_core.speculation.drafters import DraftInput, Drafter
+from hibana_core.speculation.drafters import DraftInput, Drafter, TokensView
 from hibana_plugins.manager import PluginWarning, accepts, describe_registered
 
 if TYPE_CHECKING:
@@ -295,7 +295,7 @@ class Speculator:
 
     @staticmethod
     def _input(request: "Request") -> DraftInput:
-        return DraftInput(request.seq.tokens, request.seq, request.seq.edits)
+        return DraftInput(TokensView(request.seq.tokens), request.seq, request.seq.edits)
 
     # --- update -----------------------------------------------------------------------------
 
@@ -369,7 +369,7 @@ class Speculator:
         if finished is None:
             return
         try:
-            finished(context, request.output)
+            finished(context, TokensView(request.output))
         except Exception as exc:  # noqa: BLE001 - as in `_propose`: a drafter's bug costs speed only
             self._drafter_failed(config.method, "finished", exc)
 
