@@ -55,8 +55,8 @@ from hibana_core.errors import ConfigError
 from hibana_core.messages import unheld
 from hibana_plugins.hookspecs import hookimpl
 from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_engine_kwargs, check_known,
-                                    check_state_id, choose_engine, lease_holder, resolve_aliases, sampling_params,
-                                    sharing)
+                                    check_state_id, check_switches, choose_engine, lease_holder, resolve_aliases,
+                                    sampling_params, sharing)
 
 try:
     from langchain_core.language_models import BaseChatModel
@@ -500,6 +500,9 @@ class ChatHibana(BaseChatModel):
             kwargs["model"] = engine.config.model
         if isinstance(kwargs.get("model"), os.PathLike):  # a checkpoint's Path, as Engine.from_pretrained takes
             kwargs["model"] = os.fspath(kwargs["model"])
+        # the values as given, before pydantic reads True as 1 and "5" as 5
+        sampling_params(kwargs, "ChatHibana")
+        check_switches(kwargs, "ChatHibana")
         try:
             super().__init__(given_engine=given, **kwargs)
         except ValidationError as exc:

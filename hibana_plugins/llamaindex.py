@@ -49,8 +49,8 @@ from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError, HibanaError
 from hibana_core.messages import unheld
 from hibana_plugins.hookspecs import hookimpl
-from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_known, check_state_id, choose_engine,
-                                    lease_holder, resolve_aliases, sampling_params, sharing)
+from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_known, check_state_id, check_switches,
+                                    choose_engine, lease_holder, resolve_aliases, sampling_params, sharing)
 
 COMPLETE_OPTIONS = frozenset({*SAMPLING, "reasoning", "reasoning_effort", "timeout", "json_schema"})
 """What `complete(..., **kwargs)` may set."""
@@ -309,6 +309,7 @@ def llm_class() -> type:
                                       "chat template (tools included); drop it, or pass your own formatted text "
                                       "to complete(prompt, formatted=True)")
             sampling_params(kwargs, "HibanaLLM")
+            check_switches(kwargs, "HibanaLLM")
             check_state_id(kwargs, "HibanaLLM")
             if engine is not None:
                 model = str(engine.config.model)

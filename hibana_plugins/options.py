@@ -109,6 +109,24 @@ def check_state_id(values: Mapping[str, Any], where: str) -> None:
             raise ConfigError(f"{where}: {exc}") from None
 
 
+SWITCHES = ("logprobs", "streaming", "reasoning", "guided_tool_arguments", "clean_tool_schemas")
+"""Adapter options that are True or False (None: the default) as given: pydantic reads "yes", "no", 1 and 0
+as switches."""
+
+
+def check_switches(values: Mapping[str, Any], where: str) -> None:
+    """An adapter's true-or-false options, and its reasoning options together, checked when the object is
+    made (reasoning_effort "none" beside reasoning=True failed only on the first call)."""
+    for name in SWITCHES:
+        if values.get(name) is not None and not isinstance(values[name], bool):
+            raise ConfigError(f"{where}: {name} must be True or False, got {values[name]!r:.40}")
+    effort = values.get("reasoning_effort")
+    if effort is not None and not isinstance(effort, str):
+        raise ConfigError(f"{where}: reasoning_effort must be a level (a string) or None, got {effort!r:.40}")
+    if effort == "none" and values.get("reasoning") is True:
+        raise ConfigError(f"{where}: reasoning_effort 'none' and reasoning=True disagree; give one of them")
+
+
 def sampling_params(values: Mapping[str, Any], where: str, context: int | None = None) -> SamplingParams:
     """SamplingParams from an adapter's sampling options (`SAMPLING` names; None: the default),
     its errors saying where the value came from; a speculation method must name a registered

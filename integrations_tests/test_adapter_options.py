@@ -63,6 +63,14 @@ def test_chat_hibana_refuses_unknown_options(options, named):
     ({"engine_kwargs": {"max_model_len": -5}}, "max_model_len must be positive"),
     ({"reasoning": "yes"}, "(?s)reasoning.*must be True or False, got 'yes'"),  # pydantic read "yes" as True
     ({"logprobs": 1}, "(?s)logprobs.*must be True or False, got 1"),
+    # as given, before pydantic reads True as 1 and "5" as 5 (max_tokens=True gave one-token replies)
+    ({"max_tokens": True}, "max_tokens must be a 64-bit integer, got True"),
+    ({"max_tokens": "5"}, "max_tokens must be a 64-bit integer"),
+    ({"seed": True}, "seed"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"top_k": 2.0}, "top_k"),
+    ({"reasoning": True, "reasoning_effort": "none"}, "reasoning_effort 'none' and reasoning=True disagree"),
+    ({"reasoning_effort": 3}, "reasoning_effort must be a level"),
 ])
 def test_chat_hibana_checks_values_at_construction(options, message):
     with pytest.raises(ConfigError, match=message):
@@ -299,6 +307,17 @@ def test_hibana_llm_refuses_prompt_formatters_it_would_not_use(engine):
         with pytest.raises(ConfigError, match=f"{option}.*chat template"):
             HibanaLLM(engine=engine, **{option: str})
     assert HibanaLLM(engine=engine, messages_to_prompt=None, completion_to_prompt=None).max_tokens == 256
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"reasoning": "yes"}, "reasoning must be True or False, got 'yes'"),  # read as True, as "no" and 0 as False
+    ({"reasoning": 0}, "reasoning must be True or False, got 0"),
+    ({"clean_tool_schemas": "false"}, "clean_tool_schemas must be True or False"),
+    ({"reasoning": True, "reasoning_effort": "none"}, "reasoning_effort 'none' and reasoning=True disagree"),
+])
+def test_hibana_llm_checks_switches_at_construction(options, message, engine):
+    with pytest.raises(ConfigError, match=message):
+        HibanaLLM(engine=engine, **options)
 
 
 @pytest.mark.parametrize("state_id", ["", "a\ud800"])
