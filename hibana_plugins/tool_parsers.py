@@ -28,6 +28,7 @@ All follow one contract:
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass
 
@@ -63,11 +64,24 @@ def partial_tag_length(text: str, tag: str) -> int:
 
 def _loads(text: str):
     """json.loads, with every way model output can fail it as a ValueError: a number past
-    Python's int-string limit raises ValueError, nesting past the recursion limit RecursionError."""
+    Python's int-string limit raises ValueError, nesting past the recursion limit RecursionError.
+    NaN, Infinity and numbers past a float's range (1e999) are no JSON (Python reads them as
+    floats; the call's arguments would go out as no JSON, and come back refused in the history)."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is no JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is past a float's range")
+    return value
 
 
 @dataclass(frozen=True)
@@ -105,7 +119,7 @@ def _decode_call(text: str, require_arguments: bool) -> _Decoded:
     if not isinstance(arguments, dict):
         return _Decoded(error=f"arguments of {name!r} must be a JSON object", valid_json=True)
     try:  # what the stream sends; nesting deep enough may still fail the encoder
-        arguments_json = json.dumps(arguments, ensure_ascii=False)
+        arguments_json = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
     except (ValueError, RecursionError):
         return _Decoded(error=f"arguments of {name!r} nested too deeply", valid_json=True)
     return _Decoded(name, arguments, None, valid_json=True, arguments_json=arguments_json, call_id=obj.get("id"))
@@ -650,7 +664,7 @@ def decode_arguments(name: str, body: str, no_name: str, blank: bool = False) ->
     if not isinstance(arguments, dict):
         return _Decoded(error=f"arguments of {name!r} must be a JSON object", valid_json=True)
     try:
-        arguments_json = json.dumps(arguments, ensure_ascii=False)
+        arguments_json = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
     except (ValueError, RecursionError):
         return _Decoded(error=f"arguments of {name!r} nested too deeply", valid_json=True)
     return _Decoded(name, arguments, None, valid_json=True, arguments_json=arguments_json)

@@ -308,6 +308,7 @@ FRAGMENTS = [
     '{"name":"x","arguments":{}}', '{"name": "f", "parameters": {"a": [1, 2, {"b": null}]}}',
     '{"name": "f", "arguments": "{\\"a\\": 1}"}', "null", "true", "1.5e3", "-0", "日本語", "😀", "\u2028",
     "plain text ", "<tool", "_call>", "</tool_", "<|python", "_tag|>", "{\"name\"", "\"}",
+    "NaN", "Infinity", "-Infinity", "1e999",  # Python's json reads them; no JSON (a call of them went out as none)
 ]
 
 
@@ -397,7 +398,7 @@ def test_parsers_never_raise_on_huge_numbers_and_deep_nesting():
     from hibana_plugins.tool_parsers import HermesToolParser, Llama3JsonToolParser
 
     huge, deep = "9" * 5000, "[" * 100_000 + "]" * 100_000
-    for value in (huge, deep, "[" * 100_000):
+    for value in (huge, deep, "[" * 100_000, "NaN", "-Infinity", "1e999", "[1, Infinity]"):
         texts = ['<tool_call>{"name": "f", "arguments": {"v": %s}}</tool_call>' % value,
                  '{"name": "f", "parameters": {"v": %s}}' % value,
                  '{"name": "f", "arguments": "{\\"v\\": %s}"}' % value]
