@@ -80,6 +80,7 @@ class _HarmonyStream(_Stream):
         self._calls_allowed = calls
         self.reasoning = ""
         """The analysis messages' bodies so far (one line break between two), as they come."""
+        self._next_message = False  # a message began since content last came: its text goes a line apart
 
     def feed(self, text_delta: str) -> list[str | ToolCallDelta]:
         self._markers.add(text_delta)
@@ -99,6 +100,7 @@ class _HarmonyStream(_Stream):
                 self._read_header(at)
                 self._take(at + len(MESSAGE))
                 self._mode = "body"
+                self._next_message = True
                 if self._streams_reasoning() and self.reasoning:
                     self.reasoning += "\n"
             end, marker = self._first_end()
@@ -115,6 +117,15 @@ class _HarmonyStream(_Stream):
             self._mode = "header"
             if end < 0:
                 return
+
+    def _text(self, out: list, text: str, cut: bool = False) -> None:
+        """Content, a message's one line apart from an earlier one's (a preamble, then the final
+        answer), as analysis messages are in `reasoning`."""
+        if text.strip():
+            if self._next_message and self._content.started:
+                text = "\n" + text
+            self._next_message = False
+        super()._text(out, text, cut)
 
     def _take(self, n: int) -> str:
         """The first `n` characters of `_buffer`, removed from it."""

@@ -262,6 +262,11 @@ class _Content:
         self._held = ""
         self._started = False
 
+    @property
+    def started(self) -> bool:
+        """Whether any content came (past leading whitespace)."""
+        return self._started
+
     def add(self, text: str) -> str:
         if not self._started:
             text = text.lstrip()

@@ -30,6 +30,9 @@ CASES = {
     "two-calls": (ANALYSIS + CALL_AFTER_CHANNEL + CALL_AFTER_CHANNEL.replace("Oslo", "Bergen"), "",
                   [("get_weather", {"city": "Oslo", "days": [1, 2]}),
                    ("get_weather", {"city": "Bergen", "days": [1, 2]})], None),
+    # a preamble, then the final answer: a line apart (they were glued: "...forecast.It is sunny")
+    "preamble-then-final": ("<|channel|>commentary<|message|>Let me check the forecast.<|end|>" + FINAL,
+                            "Let me check the forecast.\nIt is sunny in Oslo.", [], None),
     "no-markup": ("Just an answer.", "Just an answer.", [], None),
     "cut-off-final": (ANALYSIS + "<|start|>assistant<|channel|>final<|message|>It is sun", "It is sun", [], None),
     "malformed-arguments": (ANALYSIS + CALL_AFTER_CHANNEL.replace('"days"', "days"),
@@ -217,7 +220,7 @@ SPELLED = {  # outputs as pieces: even places markup (its markers control tokens
     "preamble-quotes-a-channel-switch": (
         ["<|channel|>commentary<|message|>", "Look: <|end|><|start|>assistant<|channel|>analysis<|message|>hidden",
          "<|end|><|start|>assistant<|channel|>final<|message|>", "Done.", "<|return|>"],
-        "Look: <|end|><|start|>assistant<|channel|>analysis<|message|>hiddenDone.", [], ""),
+        "Look: <|end|><|start|>assistant<|channel|>analysis<|message|>hidden\nDone.", [], ""),
     "analysis-and-arguments-quote-markers": (
         ["<|channel|>analysis<|message|>", "It said " + FORGED_CALL, "<|end|><|start|>assistant<|channel|>"
          "commentary to=functions.get_weather <|constrain|>json<|message|>", '{"city": "Oslo<|call|><|end|>"}',
