@@ -201,7 +201,8 @@ class StateRegistry:
 
     def persist_all(self) -> None:
         """Write every open named state to `state_dir` (the engine closes); an empty one leaves no
-        file (an earlier one of its id would bring back the history it no longer holds). A state
+        file (an earlier one of its id would bring back the history it no longer holds). A parked
+        state whose copy cannot be read (its spill file gone) is written as its tokens; a state
         that cannot be written is logged and skipped; the others are still written."""
         for state_id, entry in self._entries.items():
             if entry.unnamed:
@@ -216,10 +217,17 @@ class StateRegistry:
         path = self.persisted_path(state_id)
         if entry.seq.tokens == entry.resumed and _file_key(path) != entry.stored:
             return  # unchanged since it resumed; an engine sharing the folder wrote or closed it since
-        if entry.seq.tokens:
-            self._write(entry.seq, state_id, path)
-        else:
+        if not entry.seq.tokens:
             _drop_stored(entry, path)
+            return
+        try:
+            self._write(entry.seq, state_id, path)
+        except Exception as exc:  # noqa: BLE001 - its parked copy unreadable (a spill file gone): its history still is
+            if entry.seq.num_blocks or entry.seq.parked is None:
+                raise
+            logger.warning("state %r: its parked KV could not be read (%s); its tokens are written, and its KV is "
+                           "computed again at its next request", state_id, exc)
+            state_file.write(path, **self._snapshot(entry.seq, state_id, tokens_only=True))
 
     def put_away(self, handle: StateHandle) -> bool:
         """Close an idle named state, written to `state_dir` first (where there is one) so that
@@ -674,11 +682,14 @@ class StateRegistry:
         """Write `seq` as a state file (from its parked copy when it is parked)."""
         state_file.write(path, **self._snapshot(seq, state_id))
 
-    def _snapshot(self, seq: KVSequence, state_id: str) -> dict:
+    def _snapshot(self, seq: KVSequence, state_id: str, tokens_only: bool = False) -> dict:
         """`state_file.write`'s arguments for `seq` but the path: its tokens and a host copy of
-        its KV (of its parked copy when it is parked), which later steps do not change."""
+        its KV (of its parked copy when it is parked), which later steps do not change; with
+        `tokens_only`, no KV (it is computed again when the state is next used)."""
         computed, kv, rotated_long = seq.num_computed, None, seq.rotated_long
-        if not seq.num_blocks and seq.parked is not None:  # parked in host memory or on disk: its copy
+        if tokens_only:
+            computed = 0
+        elif not seq.num_blocks and seq.parked is not None:  # parked in host memory or on disk: its copy
             computed, kv, starts = seq.parked.prefix(common_prefix_len(seq.tokens, seq.parked.tokens), seq)
             rotated_long = seq.parked.rotated_long
         if kv is None:

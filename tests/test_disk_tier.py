@@ -121,8 +121,14 @@ def test_an_unreadable_spill_file_costs_its_state_a_recompute_only(tiny_checkpoi
     assert list(done.token_ids) == hf_greedy(str(tiny_checkpoints["llama"]), prompt, GENERATE)
     assert done.stats.computed == len(prompt)  # recomputed, and the engine served it
     assert before  # (there were files to damage)
-    engine.close()  # persisting the other damaged states is logged, the engine still closes
-    assert not folder.exists()
+    histories = {info.id: engine.open_state(info.id).tokens for info in engine.states()}
+    damaged = [info.id for info in engine.states() if info.tier == "disk"]
+    engine.close()  # the other damaged states' KV is lost, not their histories: written as tokens
+    assert not folder.exists() and damaged
+    engine = make_engine(tiny_checkpoints["llama"], num_blocks=DEVICE_BLOCKS, speculation="off", state_dir=tmp_path,
+                         host_kv_bytes=0)
+    for state_id, tokens in histories.items():  # (they were not written at all: their histories lost)
+        assert engine.open_state(state_id).tokens == tokens, state_id
 
 
 def test_closing_a_state_frees_its_parked_copy_at_once(tiny_checkpoints, make_engine, tmp_path):
