@@ -195,7 +195,7 @@ def load_from_hf_model(hf_model: torch.nn.Module, device: torch.device, dtype: s
     eos = getattr(generation_config, "eos_token_id", None)
     digest = hashlib.sha256(hf_config.to_json_string().encode()).hexdigest()
     return _loaded(module, args, hf_config, quiet_length_warning(tokenizer),
-                   _as_ids(_config_eos(hf_config) if eos is None else eos), torch_dtype,
+                   _as_ids(_config_eos(hf_config) if eos is None else eos) or (), torch_dtype,
                    f"in-memory:{digest}:{id(hf_model)}")
 
 
@@ -508,6 +508,13 @@ def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progr
             loaded.add(name)
     for name, (tensor, where) in stored_twins.items():
         target = params[name]
+        sources = [n for n, p in params.items() if n not in tied and isinstance(p, torch.Tensor)
+                   and p.data_ptr() == target.data_ptr()]
+        if sources and not loaded.intersection(sources) and tuple(tensor.shape) == tuple(target.shape) \
+                and tensor.dtype.is_floating_point:
+            target.data.copy_(tensor)  # the shared matrix stored under the twin's name alone: transformers loads it so
+            loaded.update(sources)
+            continue
         if tuple(tensor.shape) != tuple(target.shape) or not torch.equal(tensor.to(target.dtype), target.data):
             raise CheckpointError(f"config.json ties {name} to the input embedding (tie_word_embeddings), and {where} "
                                   f"stores {name} with other values; transformers uses the stored one: set "
@@ -588,7 +595,25 @@ def _eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
             eos = hub.read_json_object(gen_file).get("eos_token_id")
         except ValueError as exc:
             warnings.warn(f"{gen_file} is damaged ({exc}); using config.json's eos_token_id")
-    return _as_ids(_config_eos(hf_config) if eos is None else eos)
+        if eos is not None and _as_ids(eos) is None:
+            warnings.warn(f"{gen_file} has eos_token_id {eos!r:.60}, no token id or list of them; using config.json's")
+            eos = None
+    config_eos = _config_eos(hf_config) if eos is None else eos
+    ids = _as_ids(config_eos)
+    if ids is None:
+        raise CheckpointError(f"{path / 'config.json'} has eos_token_id {config_eos!r:.60}, no token id or list of "
+                              "them; fix it (the tokenizer's end-of-text token id, as an integer)")
+    return ids
+
+
+def _as_ids(eos: Any) -> tuple[int, ...] | None:
+    """Token ids as a tuple (empty: None given), or None where `eos` holds something else."""
+    if eos is None:
+        return ()
+    ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        return None
+    return tuple(ids)
 
 
 def _config_eos(hf_config: Any) -> Any:
@@ -597,10 +622,6 @@ def _config_eos(hf_config: Any) -> Any:
     return getattr(hf_config.get_text_config(decoder=True), "eos_token_id", None)
 
 
-def _as_ids(eos: Any) -> tuple[int, ...]:
-    if eos is None:
-        return ()
-    return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
 FINGERPRINT_SAMPLES = 64  # runs of bytes a larger tensor's values are sampled at, at most

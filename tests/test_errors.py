@@ -583,6 +583,31 @@ def test_a_tied_config_beside_a_stored_head_of_other_values_is_a_checkpoint_erro
         got = engine.open_state("a").generate(SamplingParams(max_tokens=6, ignore_eos=True), prompt=history)
     assert_greedy_matches(both, history, got.token_ids)
 
+    # the shared matrix stored under the head's name alone (as transformers loads it): refused before as
+    # "other values" than an embedding never read, with advice that failed (an outside audit)
+    head_only = make_tiny_checkpoint("llama", tmp_path / "head-only", tie_word_embeddings=True)
+    tensors = load_file(head_only / "model.safetensors")
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, str(head_only / "model.safetensors"), metadata={"format": "pt"})
+    with open_engine(head_only) as engine:
+        got = engine.open_state("a").generate(SamplingParams(max_tokens=6, ignore_eos=True), prompt=history)
+    assert_greedy_matches(head_only, history, got.token_ids)
+
+
+@pytest.mark.parametrize("eos", ["<|endoftext|>", [[0]], {"id": 0}, -1, True])
+def test_an_eos_token_id_that_is_no_token_id_is_said_so(tiny_checkpoints, tmp_path, eos):
+    """It was a ValueError / TypeError out of int() at load (an outside audit); -1 and true were taken
+    as ids. generation_config.json's: a warning, config.json's used; config.json's: a CheckpointError."""
+    ckpt = copy_checkpoint(tiny_checkpoints[ARCH], tmp_path / "c")
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    with pytest.warns(UserWarning, match="generation_config.json has eos_token_id .* no token id"):
+        open_engine(ckpt).close()
+    (ckpt / "generation_config.json").unlink()
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "eos_token_id": eos}))
+    with pytest.raises(CheckpointError, match=r"(?s)config\.json.*eos_token_id"):  # transformers' reading, or ours
+        open_engine(ckpt)
+
 
 def test_the_detokenizers_fast_decode_is_the_tokenizers_decode():
     """The detokenizer decodes through the fast tokenizer's backend (transformers' wrapper cost
