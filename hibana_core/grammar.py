@@ -564,6 +564,21 @@ def _dropped_beside_others(schema: dict) -> list[tuple[str, str]]:
         found.append((f"{lengths} beside pattern", "bound the length in the pattern, as ^[a-z]{1,8}$"))
     if lengths and schema.get("format") in HELD_FORMATS:
         found.append((f"{lengths} beside format", "drop one of them and check the other in your code"))
+    if "pattern" in schema and schema.get("format") in HELD_FORMATS:  # the format's grammar is written alone
+        found.append(("pattern beside format", "drop one of them (a pattern can say the format too) and check the "
+                                               "other in your code"))
+    properties = schema.get("properties")
+    if isinstance(properties, dict) and properties:  # xgrammar holds these on undeclared keys alone
+        barred = _barred_names(schema.get("propertyNames"), properties)
+        if barred:
+            found.append((f"propertyNames barring declared {barred[:3]}", "it is held on keys properties does not "
+                                                                          "declare alone: declare only keys it allows"))
+        overlapping = [key for key in properties if isinstance(key, str) and any(
+            _matches(pattern, key) for pattern in schema.get("patternProperties") or {})]
+        if overlapping:
+            found.append((f"patternProperties matching declared {overlapping[:3]}",
+                          "a declared key is held to its properties schema alone: put the pattern's constraints "
+                          "into it"))
     if schema.get("format") in UNHELD_FORMATS:
         found.append((f"format {schema['format']!r}", "xgrammar writes any string for it: give a pattern, or "
                                                       "check it in your code"))
@@ -585,6 +600,27 @@ def _dropped_beside_others(schema: dict) -> list[tuple[str, str]]:
         if raw_in_json_string(schema["pattern"]):
             found.append((f"pattern {schema['pattern']!r:.80}", _RAW_TODO))
     return found
+
+
+def _barred_names(names: Any, properties: dict) -> list[str]:
+    """The declared keys a propertyNames schema refuses (all of them where it cannot be read)."""
+    if names is None:
+        return []
+    import jsonschema
+
+    try:
+        validator = jsonschema.Draft202012Validator(names)
+        return [key for key in properties if not validator.is_valid(key)]
+    except Exception:  # noqa: BLE001 - a schema jsonschema cannot run (its metaschema check comes first)
+        return list(properties)
+
+
+def _matches(pattern: Any, key: str) -> bool:
+    """Whether a patternProperties regex (ECMA, read here as Python's re: True where unsure) matches `key`."""
+    try:
+        return re.search(pattern, key) is not None
+    except (re.error, TypeError):
+        return True
 
 
 _RAW_TODO = ("xgrammar writes its '\"', '\\' or control characters into the JSON string unescaped (the output "
@@ -1264,7 +1300,12 @@ class Grammars:
         what = {"regex": "regex", "ebnf": "grammar", "structural_tag": "structural tag"}[kind]
         try:
             if kind == "regex":
-                return compiler.compile_regex(held_regex(params.regex))
+                compiled = compiler.compile_regex(held_regex(params.regex))
+                try:  # the output is held as Python's re reads the regex: xgrammar took "[\d-z]", which re refuses
+                    re.compile(params.regex)
+                except re.error as exc:
+                    raise GrammarError(f"the regex is no regex Python's re reads ({exc}); fix it") from None
+                return compiled
             if kind == "ebnf":
                 grammar = xgr.Grammar.from_ebnf(params.grammar)
                 endless = rules_without_finite_string(str(grammar))

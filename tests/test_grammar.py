@@ -1502,3 +1502,31 @@ def test_lengths_beside_a_format_xgrammar_does_not_hold_are_kept():
     assert not accepts(grammar, '"ab"') and accepts(grammar, '"abcdefgh"')
     with pytest.raises(GrammarError, match="minLength beside format"):
         check_held({"type": "string", "format": "email", "minLength": 8})
+
+
+def test_keywords_xgrammar_holds_on_other_keys_alone_are_refused_where_they_would_not_hold():
+    """Outside audit: a pattern beside a format xgrammar holds was dropped ("3990-11-05" for ^20..);
+    propertyNames and patternProperties are held on keys properties does not declare alone
+    ({"a": null} where propertyNames allows "b" only). Refused where they bite; kept where not."""
+    from hibana_core.grammar import check_held
+
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+    import xgrammar
+
+    date = {"type": "string", "format": "date", "pattern": "^20[0-9]{2}-"}
+    assert accepts(xgrammar.Grammar.from_json_schema(json.dumps(date)), '"3990-11-05"')  # (else: out of date)
+    with pytest.raises(GrammarError, match="pattern beside format"):
+        check_held(date)
+    with pytest.raises(GrammarError, match=r"propertyNames barring declared \['a'\]"):
+        check_held({"type": "object", "properties": {"a": {"type": "null"}, "b": {"type": "null"}},
+                    "propertyNames": {"enum": ["b"]}})
+    with pytest.raises(GrammarError, match=r"patternProperties matching declared \['ab'\]"):
+        check_held({"type": "object", "properties": {"ab": {"type": "integer"}},
+                    "patternProperties": {"^a": {"type": "string"}}})
+    check_held({"type": "object", "properties": {"name": {"type": "string"}}, "propertyNames": {"pattern": "^[a-z]+$"},
+                "patternProperties": {"^x-": {"type": "string"}}})  # no declared key barred or matched
+
+
+def test_a_regex_pythons_re_cannot_read_is_refused(engine):
+    with pytest.raises(GrammarError, match="no regex Python's re reads .*bad character range"):
+        _generate(engine, "bad-range", [5, 6], max_tokens=4, regex=r"[\d-z]")
