@@ -982,11 +982,6 @@ class Matcher:
         """The grammar ended: a stop token was accepted, or (without stop tokens) it is complete."""
         return self._matcher.is_terminated()
 
-    @property
-    def complete(self) -> bool:
-        """The output may end here (what is written so far is a whole match)."""
-        return self._matcher.is_completed()
-
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of `tokens` (a draft) the grammar allows in a row; the matcher is unchanged."""
         n, forced, lead = 0, self._forced, self._lead

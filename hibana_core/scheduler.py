@@ -526,8 +526,6 @@ class Scheduler:
         A constrained request's matcher takes each token; its grammar ending stops the request."""
         accepted: list[int] = []
         for token in sampled:
-            # a stop token where the grammar may end here (before it), or where it needs it as text
-            complete = request.grammar is not None and token in request.stop_token_ids and request.grammar.complete
             if request.grammar is not None and not request.grammar.accept(token):
                 # a stop token is allowed only where the grammar is complete: one the grammar needs
                 # as text leaves it nothing to continue with
@@ -537,14 +535,6 @@ class Scheduler:
                 request.error = GrammarError(
                     f"the model's token {token} does not continue the request's grammar (a grammar the "
                     f"vocabulary cannot complete from here); loosen the schema or grammar{hint}")
-                return accepted, "error"
-            if token in request.stop_token_ids and request.grammar is not None and not complete:
-                # taken as text the grammar needs (a stop token ends it only where it is complete): dropped
-                # as a stop, it would end the output short of a whole match
-                request.error = GrammarError(
-                    f"the stop token {token} is text the grammar needs here (the output would end short of a whole "
-                    f"match); take it out of stop_token_ids ({list(request.params.stop_token_ids)[:8]}: a stop "
-                    "token ends a constrained output only where its grammar is complete)")
                 return accepted, "error"
             request.seq.append([token])
             request.output.append(token)
