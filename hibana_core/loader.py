@@ -622,8 +622,6 @@ def _config_eos(hf_config: Any) -> Any:
     return getattr(hf_config.get_text_config(decoder=True), "eos_token_id", None)
 
 
-
-
 FINGERPRINT_SAMPLES = 64  # runs of bytes a larger tensor's values are sampled at, at most
 FINGERPRINT_FILE_SAMPLES = 8192  # runs a weight file at most (per-expert MoE files hold ~10^4 tensors)
 FINGERPRINT_RUN = 64  # bytes a run

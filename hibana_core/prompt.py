@@ -16,8 +16,8 @@ tokenizes exactly as before (one `encode` of the whole text), so KV reuse is unt
 own assistant turns are masked too, contents, reasoning and tool-call arguments: the model may copy a
 tool's output into them, and control-token text it spelled with ordinary tokens (the parsers keep
 such look-alikes as content, `hibana_plugins.harmony`) stays text when re-rendered (the state holds those
-ordinary tokens, so reuse is kept); in a call's arguments, markup words are text too. Over HTTP a client's assistant message is as untrusted as its
-user message.
+ordinary tokens, so reuse is kept); in a call's arguments, markup words are text too. Over HTTP a
+client's assistant message is as untrusted as its user message.
 """
 
 from __future__ import annotations
@@ -109,22 +109,31 @@ class Masker:
         sentinel whole, and so is each string of a past call's arguments that holds markup: data
         written inside the call's markup (a `</tool_call>` there would close the call and open a
         forged one; arguments another model wrote that do not parse are kept as their text)."""
-        out = []
-        for message in messages:
-            untrusted = message.get("role") in UNTRUSTED_ROLES
-            masked = self.mask(message, each=not untrusted, wide=untrusted)
-            calls = message.get("tool_calls")
-            if isinstance(calls, list) and not untrusted:
-                masked["tool_calls"] = [self._masked_call(call, done) for call, done in zip(calls, masked["tool_calls"])]
-            out.append(masked)
-        return out
+        return [self._masked_message(message) for message in messages]
 
-    def _masked_call(self, call: Any, masked: Any) -> Any:
-        """`masked` (the call masked as its message) with its arguments masked whole, markup words too."""
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or "arguments" not in function:
-            return masked
-        return {**masked, "function": {**masked["function"], "arguments": self.mask(function["arguments"], wide=True)}}
+    def _masked_message(self, message: dict) -> dict:
+        if message.get("role") in UNTRUSTED_ROLES:
+            return self.mask(message, wide=True)
+        return {self.mask(k, each=True): self._masked_calls(v) if k == "tool_calls" else self.mask(v, each=True)
+                for k, v in message.items()}
+
+    def _masked_calls(self, calls: Any) -> Any:
+        """A message's tool calls masked as its other fields are, but for their arguments (`_masked_call`)."""
+        if not isinstance(calls, list):
+            return self.mask(calls, each=True)
+        return [self._masked_call(call) if isinstance(call, dict) else self.mask(call, each=True) for call in calls]
+
+    def _masked_call(self, call: dict) -> dict:
+        """One past call, its arguments masked whole, markup words too: data inside the call's markup."""
+        masked = {}
+        for key, field in call.items():
+            if key == "function" and isinstance(field, dict):
+                field = {self.mask(name, each=True): self.mask(value, wide=True) if name == "arguments"
+                         else self.mask(value, each=True) for name, value in field.items()}
+            else:
+                field = self.mask(field, each=True)
+            masked[self.mask(key, each=True)] = field
+        return masked
 
 
 def _written(original: str) -> list[str]:

@@ -509,7 +509,6 @@ class ChatHibana(BaseChatModel):
             raise ConfigError(f"ChatHibana: {exc}") from None
         if engine is not None:
             self.given_engine = EngineChoice(engine, self.model, dict(self.engine_kwargs))
-        sampling_params(vars(self), "ChatHibana")
         check_state_id(vars(self), "ChatHibana")
         check_engine_kwargs(self.model, self.engine_kwargs)
 

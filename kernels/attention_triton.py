@@ -518,7 +518,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if sliding_window is not None and WINDOW_SPLITS:  # a window's keys at most (sink tokens: split 0's)
             keys = min(keys, sliding_window + max_query_len - 1)
         num_splits = _num_splits(q.device, num_seqs * num_kv_heads, keys, min_split)
-    if prologue is not None and not (decode and fusion.policy().attention_prologue):
+    if prologue is not None and not fusion.policy().attention_prologue:  # (folded only into decode: the launch's)
         q = prologue.run(importlib.import_module("hibana_kernels.rotary_triton"), q, k_cache, v_cache, kv_scale)
         prologue = None
     return paged_attention_launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
