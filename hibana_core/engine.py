@@ -561,22 +561,25 @@ class Engine:
         use, the workspace estimate, a draft model's weights and KV, the budget in bytes or None,
         the device's total and whether it is unified memory; on CUDA the allocator's current and
         peak bytes), the host tier (its budget and the host memory the parked copies hold: a copy
-        shared by a fork and its parent once; on a GPU the pinned pages each copy takes), and each
-        state's tier and bytes (its copy's own size). EngineClosedError once the
-        engine is closed (it holds nothing then)."""
+        shared by a fork and its parent once; on a GPU the pinned pages each copy takes), the disk
+        tier (its spill files, a file forks hard-link once), and each state's tier, tokens and KV
+        bytes there, split as a tier's total counts them: `bytes` what the state alone holds (what
+        closing it frees), `shared` what it holds with other states (a fork's blocks or parked
+        copy, a common system prompt's blocks), in each of their `shared` and in the tier's
+        `kv_shared` once. So a tier's states' `bytes` plus its `kv_shared` make its `kv_used` or
+        `kv_parked`. EngineClosedError once the engine is closed (it holds nothing then)."""
         with self.core.lock:
             if self.core.closed:
                 raise EngineClosedError("the engine is closed and holds no memory; create a new one with "
                                         "Engine.from_pretrained")
             per_block = self.kv_cache.bytes_per_block_here
-            states = {}
-            for info in self.registry.infos():
-                parked = self.registry.parked_bytes(info.id)
-                states[info.id] = {"tier": info.tier, "tokens": info.tokens,
-                                   "bytes": parked if info.tier in ("host", "disk") else info.blocks * per_block}
+            held = self.registry.kv_bytes(per_block)
+            states = {info.id: {"tier": info.tier, "tokens": info.tokens, "bytes": held[info.id].own,
+                                "shared": held[info.id].shared} for info in self.registry.infos()}
             tier, memory = self.host_tier, self.device_memory
             device = {"weights": self.weight_bytes, "kv_pool": self.kv_cache.nbytes,
-                      "kv_used": self.pool.num_used * per_block, "kv_cached": self.pool.num_cached * per_block,
+                      "kv_used": self.pool.num_used * per_block, "kv_shared": self.pool.num_shared * per_block,
+                      "kv_cached": self.pool.num_cached * per_block,
                       "workspace_estimate": self.workspace_bytes, "budget": self.memory_budget,
                       "total": memory.total, "unified": memory.unified}
             draft = self.scheduler.speculation.resident_bytes()
@@ -586,8 +589,10 @@ class Engine:
                 device["allocated"] = torch.cuda.memory_allocated(self.device)
                 device["peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
             return {"device": device,
-                    "host": {"budget": tier.budget_bytes if tier else 0, "kv_parked": tier.bytes_used if tier else 0},
+                    "host": {"budget": tier.budget_bytes if tier else 0, "kv_parked": tier.bytes_used if tier else 0,
+                             "kv_shared": tier.shared_bytes if tier else 0},
                     "disk": {"kv_parked": tier.disk_bytes_used if tier else 0,
+                             "kv_shared": tier.disk_shared_bytes if tier else 0,
                              "folder": str(tier.spill_dir) if tier and tier.spill_dir else None},
                     "states": states}
 

@@ -68,6 +68,13 @@ class ModelLimits:
     configuration: dict | None = None  # what `fingerprint` digests (surgery.configuration), for state files
 
 
+class KVBytes(NamedTuple):
+    """A state's KV where it lies (`Engine.memory`)."""
+
+    own: int     # held by this state alone: what closing it frees
+    shared: int  # held with other states too (a fork's blocks or parked copy, a common prefix's blocks)
+
+
 @dataclass(eq=False)
 class _Entry:
     handle: StateHandle
@@ -455,9 +462,26 @@ class StateRegistry:
         with self.lock:
             return {e.handle.id: speculation.acceptance(e.seq) for e in self._entries.values()}
 
-    def parked_bytes(self, state_id: str) -> int:
-        entry = self._entries.get(state_id)
-        return entry.seq.parked.nbytes if entry is not None and entry.seq.parked is not None else 0
+    def kv_bytes(self, per_block: int) -> dict[str, KVBytes]:
+        """Each state's KV bytes where it lies (its device blocks, or its parked copy as the host
+        tier counts it), what it holds alone apart from what other states hold too."""
+        tier = self.core.scheduler.eviction.tier
+        copies = tier.held_copies() if tier is not None else {}
+        ref_count = self.pool.ref_count
+        found = {}
+        with self.lock:
+            for e in self._entries.values():
+                seq = e.seq
+                if seq.num_blocks:
+                    shared = sum(ref_count(block) > 1 for block in seq.held_blocks()) * per_block
+                    found[e.handle.id] = KVBytes(seq.num_blocks * per_block - shared, shared)
+                    continue
+                copy = copies.get(id(seq))
+                if copy is None:
+                    found[e.handle.id] = KVBytes(0, 0)
+                else:
+                    found[e.handle.id] = KVBytes(0, copy.nbytes) if copy.holders > 1 else KVBytes(copy.nbytes, 0)
+        return found
 
     def idle_sequences(self) -> list[KVSequence]:
         """Sequences holding KV and serving no request, first to evict first (the policy's order)."""

@@ -93,17 +93,20 @@ def test_a_fork_of_a_state_on_disk_has_its_own_copy(tiny_checkpoints, make_engin
 
 def test_a_spill_file_shared_by_forks_is_counted_once(tiny_checkpoints, make_engine, tmp_path):
     """Forks of a state on disk hard-link its spill file: the disk tier's bytes are the files'
-    (as the host tier counts a copy shared by forks once), each state still lists its copy's size."""
+    (as the host tier counts a copy shared by forks once), each state lists its copy as shared."""
     engine, spilled = _on_disk(tiny_checkpoints, make_engine, tmp_path, seed=10)
     before = engine.memory()["disk"]["kv_parked"]
+    size = engine.memory()["states"][spilled]["bytes"]
+    assert size > 0 and engine.memory()["disk"]["kv_shared"] == 0
     parent = engine.open_state(spilled)
     parent.fork("twin-1"), parent.fork("twin-2")
     memory = engine.memory()
     folder = tmp_path / memory["disk"]["folder"]
     on_disk = sum({f.stat().st_ino: f.stat().st_size for f in folder.glob("*.kv")}.values())
     assert memory["disk"]["kv_parked"] == engine.stats().host_tier["disk_bytes_used"] == before == on_disk
-    sizes = {memory["states"][state_id]["bytes"] for state_id in ("twin-1", "twin-2", spilled)}
-    assert len(sizes) == 1 and sizes.pop() > 0
+    sizes = {(memory["states"][state_id]["bytes"], memory["states"][state_id]["shared"])
+             for state_id in ("twin-1", "twin-2", spilled)}
+    assert sizes == {(0, size)} and memory["disk"]["kv_shared"] == size
     parent.close()  # the forks' links keep the file
     assert engine.memory()["disk"]["kv_parked"] == before
 

@@ -128,6 +128,24 @@ def test_fork_of_a_parked_state_resumes_without_recompute(tiny_checkpoints, make
     assert list(done.token_ids) == hf_greedy(str(path), prompts[0], GENERATE)
 
 
+def test_memory_lists_a_parked_copy_shared_by_a_fork_as_shared(tiny_checkpoints, make_engine):
+    """A fork of a parked state holds its parent's host copy: as on the device, each lists it as
+    `shared` (no `bytes` of its own: closing either frees nothing), the host's `kv_shared` once."""
+    engine = make_engine(tiny_checkpoints["llama"], num_blocks=DEVICE_BLOCKS, speculation="off")
+    handles, _ = three_states(engine, seed=4)
+    size = engine.memory()["states"]["s0"]["bytes"]
+    assert size > 0 and engine.memory()["host"]["kv_shared"] == 0
+    handles[0].fork("s0-twin")
+    memory = engine.memory()
+    host, states = memory["host"], memory["states"]
+    assert states["s0"] == states["s0-twin"] == {"tier": "host", "tokens": 130, "bytes": 0, "shared": size}
+    assert host["kv_shared"] == size and host["kv_parked"] == size
+    assert sum(s["bytes"] for s in states.values() if s["tier"] == "host") + host["kv_shared"] == host["kv_parked"]
+    handles[0].close()
+    memory = engine.memory()
+    assert memory["states"]["s0-twin"]["bytes"] == size and memory["host"]["kv_shared"] == 0
+
+
 def test_a_host_budget_of_one_state_resumes_it_while_parking_another(tiny_checkpoints, make_engine, hf_greedy):
     """The host tier holds one copy and the device pool one state: resuming the parked state
     evicts the resident one, whose copy must not push out the very copy being resumed."""
@@ -815,7 +833,7 @@ def test_an_emptied_parked_state_lets_its_copy_go(tiny_checkpoints, make_engine,
         assert engine.memory()["states"][a.id]["tier"] == tier
         a.truncate(0) if emptied == "truncate" else a.sync([])
         memory = engine.memory()
-        assert memory["states"][a.id] == {"tier": "none", "tokens": 0, "bytes": 0}
+        assert memory["states"][a.id] == {"tier": "none", "tokens": 0, "bytes": 0, "shared": 0}
         assert memory["host"]["kv_parked"] == memory["disk"]["kv_parked"] == 0
         assert not list(tmp_path.rglob("*.kv"))  # no spill file left
         a.close()

@@ -186,6 +186,39 @@ def test_shared_system_prefix_is_held_once(mode, tiny_checkpoints, make_engine):
     assert_greedy_matches(path, system + tails[3], list(c.token_ids))
 
 
+def test_memory_lists_blocks_shared_by_states_apart(tiny_checkpoints, make_engine):
+    """A fork and a state with the same system prompt share blocks: each state's `bytes` are the
+    blocks it alone holds (what closing it frees), its `shared` those it holds with others, and
+    the device's `kv_shared` counts those once, so that the states' bytes add up to no more than
+    `kv_used` (they were blocks x block bytes each, a shared block counted once per state)."""
+    engine = make_engine(tiny_checkpoints["llama"], block_size=BLOCK, speculation="off")
+    per_block = engine.kv_cache.bytes_per_block_here
+    rng = random.Random(12)
+    system = random_tokens(rng, 4 * BLOCK)
+    a, b = engine.open_state("a"), engine.open_state("b")
+    a.sync(system + random_tokens(rng, 2 * BLOCK))
+    b.sync(system + random_tokens(rng, BLOCK + 3))
+    a.fork("a-fork")
+
+    def check():
+        memory = engine.memory()
+        device, states = memory["device"], memory["states"]
+        assert sum(s["bytes"] for s in states.values()) <= device["kv_used"]
+        assert sum(s["bytes"] for s in states.values()) + device["kv_shared"] == device["kv_used"]
+        return states, device["kv_shared"]
+
+    states, shared = check()
+    assert states["a"] == states["a-fork"] == {"tier": "device", "tokens": 6 * BLOCK, "bytes": 0,
+                                               "shared": 6 * per_block}
+    assert states["b"] == {"tier": "device", "tokens": 5 * BLOCK + 3, "bytes": 2 * per_block,
+                           "shared": 4 * per_block}
+    assert shared == 6 * per_block  # the system prompt's blocks once, though three states hold them
+    engine.open_state("a-fork").close()
+    states, shared = check()
+    assert (states["a"]["bytes"], states["a"]["shared"]) == (2 * per_block, 4 * per_block)
+    assert shared == 4 * per_block
+
+
 # --- fork, truncate, sync edits -------------------------------------------------------------
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -81,6 +81,11 @@ class BlockPool:
         return self.num_blocks - self.num_free
 
     @property
+    def num_shared(self) -> int:
+        """Blocks with ref_count > 1: held by more than one owner (a fork, a common prefix)."""
+        return sum(block.ref_count > 1 for block in self._blocks)
+
+    @property
     def num_cached(self) -> int:
         """Blocks with ref_count 0 that `lookup` still finds."""
         return len(self._cached)

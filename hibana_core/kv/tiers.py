@@ -45,7 +45,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import safetensors.torch
 import torch
@@ -56,6 +56,11 @@ from hibana_core.kv.sequence import KVSequence, common_prefix_len
 from hibana_core.kv.transfers import CopyStream, PinnedReserve, Transfer, device_tensor
 
 logger = logging.getLogger("hibana.states")
+
+
+class HeldCopy(NamedTuple):
+    nbytes: int   # as its tier counts it: pinned pages on a GPU, the file on disk
+    holders: int  # states holding it: a fork shares its parent's
 
 
 @dataclass(frozen=True)
@@ -161,6 +166,24 @@ class HostTier:
     def disk_bytes_used(self) -> int:
         """Disk the spill files take: a file a fork hard-links counted once."""
         return sum({file: size for _, file, size in self._spilled.values()}.values())
+
+    def held_copies(self) -> dict[int, HeldCopy]:
+        """Each parked copy by id(seq): its bytes as `bytes_used` or `disk_bytes_used` counts
+        them, and how many states hold it."""
+        files = collections.Counter(file for _, file, _ in self._spilled.values())
+        disk = {key: HeldCopy(size, files[file]) for key, (_, file, size) in self._spilled.items()}
+        return self._bytes.held_copies() | disk
+
+    @property
+    def shared_bytes(self) -> int:
+        """What of `bytes_used` more than one state holds (a fork and its parent), once."""
+        return self._bytes.shared
+
+    @property
+    def disk_shared_bytes(self) -> int:
+        """What of `disk_bytes_used` more than one state holds (a fork's hard link), once."""
+        files = collections.Counter(file for _, file, _ in self._spilled.values())
+        return sum({file: size for _, file, size in self._spilled.values() if files[file] > 1}.values())
 
     def destination(self, seq: KVSequence) -> str:
         """Where `park(seq)` would put its KV: "host", "disk", or "drop" (no copy it can take)."""
@@ -508,6 +531,15 @@ class _SharedBytes:
             self.total += nbytes
         else:
             held[0] += 1
+
+    def held_copies(self) -> dict[int, HeldCopy]:
+        return {key: HeldCopy(self._tensors[address][1], self._tensors[address][0])
+                for key, address in self._of.items()}
+
+    @property
+    def shared(self) -> int:
+        """Bytes of the tensors more than one key holds, each once."""
+        return sum(nbytes for holders, nbytes in self._tensors.values() if holders > 1)
 
     def pop(self, key: int) -> None:
         address = self._of.pop(key, None)
