@@ -9,8 +9,11 @@
               -inf where a mask forbids -> `Matcher.done` ends the request
     (the masks are computed while the device runs the forward: no synchronisation is added)
 
-A matcher allows the request's stop tokens (end of sequence, end of turn) only where its grammar
-is complete, so a constrained output ends complete unless max_tokens cuts it. The tokenizer's
+A matcher allows the request's stop tokens (end of sequence, end of turn, the caller's) only where
+its grammar is complete, so a constrained output ends complete unless max_tokens cuts it. A stop
+token is never taken as text but where the grammar names it by a `token` format (harmony's
+<|call|> is the text that ends its message, and the stop): "a" for regex "xa" would end the output
+at "x"; where the grammar needs such a token, the request fails with a GrammarError. The tokenizer's
 control tokens (its special tokens) are never allowed inside a grammar, except where a structural
 tag names one by a `token` format (by id or by its text: harmony's markup, `hibana_plugins.harmony`):
 then there, and nowhere else that text goes, since no text can spell it (`UNSPELLABLE`); the tag's
@@ -933,17 +936,23 @@ class Matcher:
     """One request's place in its grammar. Advanced by the tokens the request keeps; masks for
     drafts are filled by accepting the drafts and rolling them back."""
 
-    __slots__ = ("_matcher", "_spell", "_refused", "_token_bytes", "_forced", "_last_resort", "_utf8", "_lead")
+    __slots__ = ("_matcher", "_spell", "_refused", "_token_bytes", "_forced", "_last_resort", "_ends", "_utf8",
+                 "_lead")
 
     def __init__(self, compiled: Any, stop_token_ids: Iterable[int],
                  spell: Callable[[str], Sequence[int]] = lambda text: (),
                  control_token_ids: frozenset[int] = frozenset(), token_bytes: Sequence[bytes] = (),
-                 last_resort: Iterable[int] = (), utf8: "Utf8Rows | None" = None) -> None:
+                 last_resort: Iterable[int] = (), utf8: "Utf8Rows | None" = None,
+                 own: frozenset[int] = frozenset()) -> None:
         xgr = _xgrammar()
         # `last_resort` (the end-of-sequence tokens of an ignore_eos request): stop tokens allowed
         # only where the grammar allows nothing else, so that the output runs on while it can
         self._last_resort = sorted(set(last_resort) - set(stop_token_ids))
         stops = sorted(set(stop_token_ids) | set(self._last_resort))
+        # the stop tokens that xgrammar would also take as text, the grammar's own end tokens aside
+        # (`own`: harmony's <|call|>, its text's end): ends only, allowed where the grammar is
+        # complete (see `hold_stops`); as text, one would end the output short of a whole match
+        self._ends = frozenset(stops) - frozenset(own) - control_token_ids
         self._spell = spell  # the tokenizer's tokens of a forced string
         self._token_bytes = token_bytes  # each token's bytes (xgrammar's reading): what it takes of a forced string
         self._forced: bytes | None = None  # the string forced from here, where known (`spell_forced`)
@@ -962,6 +971,8 @@ class Matcher:
             return False  # no character (`hold_utf8`)
         if self._utf8 is not None and token in self._utf8.never_ids:
             return False
+        if token in self._ends and not self._matcher.is_completed():
+            return False  # (xgrammar 0.2.9 took "a" as the text ending regex "xa", then as the stop)
         if token in self._refused or not self._matcher.accept_token(token):
             return False
         self._lead = piece[-1] if piece and piece[-1] in _BAD_SECOND else None
@@ -1002,6 +1013,7 @@ class Matcher:
         matcher = self._matcher
         if not matcher.is_terminated():
             matcher.fill_next_token_bitmask(bitmask, row)
+            self.hold_stops(bitmask, row)
             self.spell_forced(bitmask, row)
             self.drop_refused(bitmask, row, suspects)
             self.hold_back(bitmask, row)
@@ -1013,6 +1025,7 @@ class Matcher:
             accepted += 1
             if not matcher.is_terminated():
                 matcher.fill_next_token_bitmask(bitmask, row + i + 1)
+                self.hold_stops(bitmask, row + i + 1)
                 self.spell_forced(bitmask, row + i + 1)
                 self.drop_refused(bitmask, row + i + 1, suspects)
                 self.hold_back(bitmask, row + i + 1)
@@ -1035,6 +1048,20 @@ class Matcher:
         """`hold_utf8`'s part that depends on the kept bytes: after a lead byte of _BAD_SECOND."""
         if self._lead is not None and self._utf8 is not None:
             bitmask[row] &= self._utf8.keep_after[self._lead]
+
+    def hold_stops(self, bitmask: torch.Tensor, row: int) -> None:
+        """Clear the stop tokens that are ends only (`_ends`) where the grammar is not complete:
+        xgrammar 0.2.9 allows a stop token whose text continues the grammar. Where nothing else
+        is left the row stays as it was: the grammar needs the stop token as text, and the request
+        fails on it with a GrammarError that says to take it out of stop_token_ids."""
+        if not self._ends or self._matcher.is_completed():
+            return
+        held = bitmask[row].clone()
+        for token in self._ends:
+            word, bit = divmod(token, 32)
+            held[word] &= ~_bit(bit)
+        if held.any():
+            bitmask[row] = held
 
     def hold_back(self, bitmask: torch.Tensor, row: int) -> None:
         """Clear the last-resort stop tokens' bits where the row allows any other token."""
@@ -1117,10 +1144,12 @@ class _Vocabulary:
 
 @dataclasses.dataclass(frozen=True)
 class _Compiled:
-    """A compiled grammar, and the control tokens its matchers refuse (`_Vocabulary.refused`)."""
+    """A compiled grammar, the control tokens its matchers refuse (`_Vocabulary.refused`), and the
+    tokens it names by `token` formats (`own`: a stop token among them is text that ends it)."""
 
     grammar: Any
     refused: frozenset[int]
+    own: frozenset[int] = frozenset()
 
 
 class Grammars:
@@ -1266,11 +1295,11 @@ class Grammars:
         tag, named = None, frozenset()
         if kind == "structural_tag":
             tag, named = self._named_tokens(compact_json_tag(params.grammar))
-        vocabulary = self._vocabulary(named)
+        vocabulary = self._vocabulary(frozenset(t for t in named if t in self._control))
         compiled = self._compiled(vocabulary.compiler, kind, params, tag)
         if kind in ("regex", "ebnf"):
             self._check_startable(compiled, kind)
-        return _Compiled(compiled, vocabulary.refused)
+        return _Compiled(compiled, vocabulary.refused, named)
 
     def _check_startable(self, compiled: Any, kind: str) -> None:
         """A GrammarError where the grammar allows no first token and not the empty output (a
@@ -1322,7 +1351,7 @@ class Grammars:
 
     def _named_tokens(self, tag: Any) -> tuple[Any, frozenset[int]]:
         """`tag` with each `token` format's token as an id (a text is looked up in the
-        tokenizer's vocabulary), and the control tokens among them. JSON schemas are content,
+        tokenizer's vocabulary), and the ids of those tokens. JSON schemas are content,
         not formats: they are left as they are. A token format marked `"if_known": true` that
         names no token of the vocabulary is nothing (an empty string): a format's optional marker
         (Llama 3's <|python_tag|>) on a model without it."""
@@ -1347,8 +1376,7 @@ class Grammars:
                 raise GrammarError(f"the structural tag names the token {node.get('token')!r:.80}, which is no "
                                    f"token of this model's vocabulary ({self.vocab_size} tokens); name a token "
                                    "by its id or by its text in the tokenizer")
-            if token in self._control:
-                named.add(token)
+            named.add(token)
             return {**node, "token": token}
 
         return walk(tag), frozenset(named)
@@ -1364,7 +1392,7 @@ class Grammars:
         self.suspects()  # made here, on the caller's thread, not in a step's fill
         last_resort = self.eos_token_ids if params.ignore_eos else ()
         return Matcher(compiled.grammar, stop_token_ids, self.spell, compiled.refused, self._bytes, last_resort,
-                       self.utf8_rows())
+                       self.utf8_rows(), compiled.own)
 
     # --- one step's masks ---------------------------------------------------------------------
 
@@ -1432,6 +1460,8 @@ class Grammars:
         if len(batch) >= BATCH_FILL_ROWS:
             rows = [i for _, i in batch]
             self._batch.batch_fill_next_token_bitmask([m._matcher for m, _ in batch], bitmask, rows)
+            for matcher, i in batch:  # first, as `Matcher.fill` does: a forced string's first token may be one
+                matcher.hold_stops(bitmask, i)
             free = np.count_nonzero(bitmask.numpy()[rows], axis=1) > FORCED_MAX_WORDS  # all rows at once
             for (matcher, i), row_free in zip(batch, free.tolist()):
                 matcher.spell_forced(bitmask, i, free=row_free)

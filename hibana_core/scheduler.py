@@ -528,10 +528,16 @@ class Scheduler:
         for token in sampled:
             if request.grammar is not None and not request.grammar.accept(token):
                 # a stop token is allowed only where the grammar is complete: one the grammar needs
-                # as text leaves it nothing to continue with
+                # as text leaves it nothing to continue with (the mask allows it there alone)
                 stops = request.params.stop_token_ids
-                hint = (f", or take the tokens it needs out of stop_token_ids ({list(stops)[:8]}: a stop "
-                        "token ends a constrained output only where its grammar is complete)") if stops else ""
+                rule = f"({list(stops)[:8]}: a stop token ends a constrained output only where its grammar is complete)"
+                if token in stops:
+                    request.error = GrammarError(
+                        f"the grammar needs the stop token {token} as text here (it cannot be completed without "
+                        f"it, and a stop would end the output short of a whole match); take it out of "
+                        f"stop_token_ids {rule}")
+                    return accepted, "error"
+                hint = f", or take the tokens it needs out of stop_token_ids {rule}" if stops else ""
                 request.error = GrammarError(
                     f"the model's token {token} does not continue the request's grammar (a grammar the "
                     f"vocabulary cannot complete from here); loosen the schema or grammar{hint}")

@@ -531,6 +531,78 @@ def test_a_stop_token_the_grammar_needs_as_text_fails_its_call_saying_so(engine)
     assert _generate(engine, "stuck", [5, 6, 7], max_tokens=8, regex="qq").text == "qq"
 
 
+def test_a_stop_token_the_grammar_ends_on_as_text_fails_its_call_saying_so(engine):
+    """xgrammar took the stop token "a" as the text that completes regex "xa" and the request
+    ended at it as a stop, its text dropped: "x", finish_reason "stop" (an outside audit). A stop
+    token is an end only, allowed where the grammar is complete: here the grammar cannot be
+    completed without it, a GrammarError that says to take it out of stop_token_ids."""
+    a = engine.tokenizer.convert_tokens_to_ids("a")
+    with pytest.raises(GrammarError, match=rf"needs the stop token {a} as text .*out of stop_token_ids \(\[{a}\]"):
+        _generate(engine, "short", [5, 6, 7, 8, 9, 10], max_tokens=8, regex="xa", stop_token_ids=[a])
+    assert _generate(engine, "whole", [5, 6, 7, 8, 9, 10], max_tokens=8, regex="xa").text == "xa"
+
+
+def test_a_stop_token_is_an_end_where_the_grammar_is_complete_and_never_text(engine):
+    """A caller's stop token that is text ("a") is neither allowed nor accepted where the grammar
+    is not complete (drafts are cut there), and ends the output where it is, as the end of
+    sequence does; a grammar with another way on takes it (regex "x[ab]": "xb")."""
+    a, b, x = (engine.tokenizer.convert_tokens_to_ids(c) for c in "abx")
+    matcher = engine.grammars.matcher(SamplingParams(regex="x[ab]"), [a, EOS_ID])
+
+    def allowed() -> set[int]:
+        bitmask = torch.full((1, engine.grammars.width), -1, dtype=torch.int32)
+        matcher.fill(bitmask, 0, suspects=engine.grammars.suspects())
+        return set(allowed_tokens(bitmask[0], VOCAB_SIZE))
+
+    assert matcher.valid_prefix([x, a]) == 1 and matcher.valid_prefix([x, b, a]) == 3
+    assert matcher.accept(x)
+    assert a not in allowed() and b in allowed() and EOS_ID not in allowed()
+    assert not matcher.accept(a) and not matcher.done
+    assert matcher.accept(b)
+    assert {a, EOS_ID} <= allowed()
+    assert matcher.accept(a) and matcher.done
+    out = _generate(engine, "other-way", [5, 6, 7, 8, 9, 10], max_tokens=8, regex="x[ab]", stop_token_ids=[a])
+    assert (out.text, out.finish_reason) == ("xb", "stop")
+
+
+def test_a_batched_fill_holds_a_stop_token_as_a_single_fill_does(engine):
+    """`Grammars._fill` over BATCH_FILL_ROWS rows or more clears a stop token where the grammar is
+    not complete (before it spells a forced string: "a" may be its first token), as `Matcher.fill`."""
+    from hibana_core.grammar import BATCH_FILL_ROWS
+
+    a, x = (engine.tokenizer.convert_tokens_to_ids(c) for c in "ax")
+    grammars = engine.grammars
+    matchers = [grammars.matcher(SamplingParams(regex=regex), [a, EOS_ID])
+                for regex in ["x[ab]", "xab", "x(ab)?", "x[a-c]+"] * (BATCH_FILL_ROWS // 4 + 1)]
+    assert all(m.accept(x) for m in matchers)
+    batched = torch.empty((len(matchers), grammars.width), dtype=torch.int32)
+    grammars._fill([(m, ()) for m in matchers], batched)
+    for i, m in enumerate(matchers):
+        single = torch.full((1, grammars.width), -1, dtype=torch.int32)
+        m.fill(single, 0, suspects=grammars.suspects())
+        assert torch.equal(batched[i], single[0]), i
+        allowed = set(allowed_tokens(batched[i], VOCAB_SIZE))
+        assert allowed and (a in allowed) == (i % 4 == 2)  # "x" is whole under x(ab)? alone
+
+
+@pytest.mark.parametrize("regex", ["x[ab]", "[ab]{1,4}c", "(ab|ba)+", "x(ya|zb)", "xa?", "a*b", '"[ab ]{0,5}"'])
+@pytest.mark.parametrize("stop", ["a", "b"])
+def test_a_stop_token_never_ends_an_output_short_of_a_match(engine, regex, stop):
+    """Sampled or greedy, a request whose stop_token_ids hold text its grammar may need ends with a
+    whole match, or fails with a GrammarError naming stop_token_ids; max_tokens aside."""
+    token = engine.tokenizer.convert_tokens_to_ids(stop)
+    for seed in range(4):
+        params = {"temperature": 0.0} if seed == 0 else {"temperature": 1.0, "seed": seed}
+        try:
+            out = _generate(engine, f"stop-{seed}", random_tokens(random.Random(seed), 8), max_tokens=12,
+                            regex=regex, stop_token_ids=[token], **params)
+        except GrammarError as exc:
+            assert f"out of stop_token_ids ([{token}]" in str(exc)
+            continue
+        if out.finish_reason == "stop":
+            assert re.fullmatch(regex, out.text), (regex, stop, seed, out.text)
+
+
 @pytest.mark.parametrize("constraint", [{"json_schema": {"type": "string", "maxLength": 3}},
                                         {"json_schema": {"type": "string", "pattern": "^.{0,3}$"}},
                                         {"regex": '".{0,3}"'}])
