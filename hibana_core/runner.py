@@ -357,16 +357,20 @@ class ModelRunner:
 
 def sampling_rows(scheduled: SchedulerOutput) -> list[SamplingRow]:
     """One row per token sampled this step: a chunk's last input, and each of its drafts (whose
-    penalties count the drafts before it as generated)."""
+    penalties count the drafts before it as generated). The row that samples where draft i stands
+    carries it, with the distribution it was drawn from where the drafter sampled it."""
     rows = []
     for chunk in scheduled.sampling:
         r = chunk.request
         prompt = r.prompt if r.params.repetition_penalty != 1.0 else ()
         first = len(r.output) + r.num_output_placeholders - 1  # index of the token this row draws
-        drafts = chunk.draft_token_ids
+        drafts, probs = chunk.draft_token_ids, chunk.draft_probs
         for i in range(1 + len(drafts)):
             output = r.output if i == 0 else [*r.output, *drafts[:i]]
-            rows.append(SamplingRow(r.params, r.generator, prompt, output, first + i))
+            row = SamplingRow(r.params, r.generator, prompt, output, first + i)
+            if probs is not None and i < len(drafts):
+                row.draft, row.draft_probs = drafts[i], probs[i]
+            rows.append(row)
     return rows
 
 

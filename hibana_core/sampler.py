@@ -51,6 +51,13 @@ class SamplingRow:
     """Which of the request's tokens this row samples (0: its first). A seeded row's noise
     depends on its seed and this index alone, so its tokens are the same whatever the batch
     and whether drafts were verified in between."""
+    draft: int = -1
+    """The drafted token this row verifies, where `draft_probs` gives the distribution it was
+    drawn from (-1: none)."""
+    draft_probs: torch.Tensor | None = None
+    """[V'] float32 (V' <= the logits' width): the drafter's distribution q at this position.
+    The row's token is then the draft with probability min(1, p(draft) / q(draft)), else a draw
+    from max(0, p - q): in distribution p, as any row's token (speculative sampling)."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +121,10 @@ class Sampler:
             x = apply_penalties(x, rows)
         if all(greedy):
             return x.argmax(dim=-1)
-        sampled = self._race(apply_warpers(x, params).softmax(dim=-1), rows)
+        probs = apply_warpers(x, params).softmax(dim=-1)
+        sampled = self._race(probs, rows)
+        if any(row.draft_probs is not None for row in rows):
+            sampled = self._verify_sampled_drafts(probs, rows, sampled)
         if not any(greedy):
             return sampled
         return torch.where(device_tensor(greedy, torch.bool, x.device), x.argmax(dim=-1), sampled)
@@ -160,6 +170,30 @@ class Sampler:
         if masks.every_row:
             return logits + bias
         return logits.index_add(0, masks.rows, bias)
+
+    def _verify_sampled_drafts(self, probs: torch.Tensor, rows: Sequence[SamplingRow],
+                               sampled: torch.Tensor) -> torch.Tensor:
+        """`sampled` with each row that verifies a drawn draft x (`SamplingRow.draft_probs`: q)
+        replaced: x where u q(x) < p(x) (u uniform: kept with probability min(1, p(x) / q(x))),
+        else a draw from the residual max(0, p - q), which never holds x then (p(x) < q(x)). Both
+        together are a draw from p. The rows take the sampler's shared noise: the drafts were drawn
+        only for requests without a seed (`samples_drafts`)."""
+        index = [i for i, row in enumerate(rows) if row.draft_probs is not None]
+        at = device_tensor(index, torch.int64, probs.device)
+        p = probs.index_select(0, at)  # [D, V]
+        q = torch.zeros_like(p)
+        for j, i in enumerate(index):  # a drafter's vocabulary may be narrower than the logits
+            row = rows[i].draft_probs
+            q[j, :row.shape[0]] = row
+        x = device_tensor([rows[i].draft for i in index], torch.int64, probs.device)[:, None]  # [D, 1]
+        u = torch.rand(len(index), 1, generator=self.generator, device=probs.device)
+        keep = u * q.gather(1, x) < p.gather(1, x)  # [D, 1]
+        residual = (p - q).clamp_(min=0)
+        noise = torch.empty_like(residual).exponential_(generator=self.generator).clamp_(min=_TINY)
+        # where float rounding leaves no residual mass (p == q: every draft is kept), p itself
+        empty = residual.sum(dim=-1, keepdim=True) <= 0
+        redrawn = (torch.where(empty, p, residual) / noise).argmax(dim=-1, keepdim=True)  # [D, 1]
+        return sampled.index_copy(0, at, torch.where(keep, x, redrawn)[:, 0])
 
     def _race(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """One draw per row from probs [B, V]: argmax(p / q), q ~ Exp(1)."""

@@ -35,6 +35,7 @@ from hibana_core.errors import GrammarError, MemoryBudgetError, QueueTimeoutErro
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.policies import Eviction
 from hibana_core.kv.sequence import KVSequence, common_prefix_len
+from hibana_core.speculation.drafters import SampledDraft, cut
 
 logger = logging.getLogger("hibana.states")
 
@@ -127,6 +128,9 @@ class ScheduledChunk:
     sample: bool      # the chunk reaches the end of the target and the request samples
     draft_token_ids: tuple[int, ...] = ()
     """Drafted tokens after the history, verified in this step (the chunk's last inputs)."""
+    draft_probs: Any = None
+    """The distributions the drafts were drawn from ([k, V] on the device: a `SampledDraft`'s),
+    or None for drafts the target keeps where its own draw equals them."""
 
     @property
     def end(self) -> int:
@@ -325,11 +329,12 @@ class Scheduler:
         drafts = self.speculation.draft(chunks, step_tokens, room)
         for i, draft in sorted(drafts.items()):
             chunk = chunks[i]
-            draft = draft[:room(chunk, min(len(draft), budget))]  # earlier chunks took their share
+            draft = cut(draft, room(chunk, min(len(draft), budget)))  # earlier chunks took their share
             if draft:
                 chunk.request.seq.prepare_write(chunk.num_tokens + len(draft))
+                tokens, probs = (draft.tokens, draft.probs) if isinstance(draft, SampledDraft) else (draft, None)
                 chunks[i] = ScheduledChunk(chunk.request, chunk.start, chunk.num_tokens + len(draft),
-                                           True, tuple(draft))
+                                           True, tuple(tokens), probs)
                 budget -= len(draft)
         return chunks
 

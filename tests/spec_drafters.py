@@ -4,6 +4,7 @@
                    speculation), with chosen draft positions deliberately wrong: acceptances and
                    rejections both happen, whatever the model
     FixedDrafter   always proposes the same tokens (the distribution tests)
+    DrawnDrafter   draws each token from a fixed distribution q and says so (`SampledDraft`)
     BrokenDrafter  a buggy plugin's: raises from a chosen call on, or proposes ids past the vocabulary
     ProposeOnly    another drafter's proposals through the one required method, `propose`
 
@@ -77,6 +78,27 @@ class FixedDrafter:
     def propose(self, state, k: int) -> list[int]:
         self.calls += 1
         return self.tokens[:k]
+
+
+class DrawnDrafter:
+    """Draws k tokens, each from the fixed distribution `q` ([V] float32, summing to 1), with a
+    seeded generator of its own, and returns them with q (a `SampledDraft`)."""
+
+    def __init__(self, q, seed: int = 0) -> None:
+        import torch
+
+        self.q = q
+        self.generator = torch.Generator().manual_seed(seed)
+        self.calls = 0
+
+    def propose(self, state, k: int):
+        import torch
+
+        from hibana_core.speculation import SampledDraft
+
+        self.calls += 1
+        tokens = torch.multinomial(self.q, k, replacement=True, generator=self.generator).tolist()
+        return SampledDraft(tokens, self.q.expand(k, -1))
 
 
 class BrokenDrafter:

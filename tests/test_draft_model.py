@@ -200,3 +200,23 @@ def test_draft_model_options_are_checked(tiny_checkpoints, make_engine):
         assert len(out.token_ids) >= 1
     with pytest.raises(ConfigError, match="loaded once per engine"):
         drafting.open_state("c").generate(SamplingParams(max_tokens=2, speculation=spec(tiny_checkpoints["llama"])))
+
+
+def test_drawn_drafts_of_the_target_itself_are_all_kept(tiny_checkpoints, make_engine):
+    """Sampling without a seed, the draft model draws its drafts from its own distribution q and
+    the target keeps each with probability min(1, p/q): drafting with the target's own checkpoint
+    (q = p up to rounding) keeps them all, where its argmax would be kept only at the rate p gives
+    it. A seeded request drafts the argmax (its tokens stay its own draws: the same as with
+    speculation off)."""
+    target = tiny_checkpoints["qwen3"]
+    histories = prompts(3, seed=19)
+    engine = make_engine(target, speculation=spec(target))
+    generate_all(engine, histories, SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, top_k=50))
+    drawn = engine.stats()
+    assert drawn.draft_tokens_proposed > 40
+    assert drawn.draft_tokens_accepted >= 0.97 * drawn.draft_tokens_proposed, drawn
+
+    seeded = make_engine(target, speculation=spec(target))
+    generate_all(seeded, histories, SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, top_k=50, seed=3))
+    chosen = seeded.stats()
+    assert chosen.draft_tokens_accepted < 0.8 * chosen.draft_tokens_proposed, chosen

@@ -262,3 +262,23 @@ def test_negative_presence_penalty_raises_logits():
 def test_rows_must_match_logits():
     with pytest.raises(ValueError):
         Sampler(CPU)(torch.zeros(2, 5), [row(SamplingParams())])
+
+
+@pytest.mark.parametrize("name", ["plain", "top_k"])
+def test_drawn_drafts_are_kept_at_min_1_p_over_q_and_tokens_follow_p(name):
+    """Rows verifying a draft x drawn from q (`SamplingRow.draft_probs`, here over the vocabulary
+    but its last two ids: a drafter's narrower vocabulary) keep x with probability min(1, p/q),
+    else draw from max(0, p - q): the tokens follow p, and the drafts kept are sum(min(p, q))."""
+    params = CONFIGS[name]
+    p = reference_probs(params)
+    q = torch.linspace(1.0, 3.0, len(LOGITS) - 2)  # more mass where p has little, none on the last two
+    q = q / q.sum()
+    drafts = torch.multinomial(q, N, replacement=True, generator=torch.Generator().manual_seed(1))
+    rows = [row(params) for _ in range(N)]
+    for r, x in zip(rows, drafts.tolist()):
+        r.draft, r.draft_probs = x, q
+    tokens = Sampler(CPU, seed=2)(LOGITS.expand(N, -1), rows)
+    check_distribution(tokens, p)
+    kept = (tokens == drafts).double().mean().item()
+    want = np.minimum(p[:len(q)], q.double().numpy()).sum()
+    assert abs(kept - want) < 4 * np.sqrt(want * (1 - want) / N), (kept, want)

@@ -29,7 +29,7 @@ from scipy.stats import chisquare
 
 from hibana_core import Engine, SamplingParams
 from hibana_core.sampler import SamplingRow, apply_penalties, apply_warpers
-from spec_drafters import FixedDrafter, registered
+from spec_drafters import DrawnDrafter, FixedDrafter, registered
 from tiny_models import make_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -138,3 +138,66 @@ def test_speculative_sampling_matches_the_target_distribution(setting, small_voc
     after_ab = [o[2] for o in halves["likely drafts"] if o[:2] == [a, b]]
     assert len(after_ab) >= MIN_SAMPLES, len(after_ab)
     check(after_ab, target(model, base, [a, b]), f"{setting}: t3 | t1 t2 = a b")
+
+
+DRAWN_SETTINGS = ["temperature", "top_p", "top_k"]
+
+
+@pytest.mark.parametrize("setting", DRAWN_SETTINGS)
+def test_drawn_drafts_keep_the_target_distribution(setting, small_vocab_model):
+    """A drafter that draws its drafts from a distribution q of its own (a `SampledDraft`) has
+    each kept with probability min(1, p/q) and the first rejected one replaced by a draw from
+    max(0, p - q): the same distributions as above, for requests without a seed (the engine's
+    seed makes the run repeatable). Half the requests draft from a uniform q (mass on tokens the
+    warpers cut: those drafts are always rejected), half from a q close to p at the first position."""
+    model = small_vocab_model
+    base = SamplingParams(max_tokens=3, ignore_eos=True, **SETTINGS[setting])
+    p1 = target(model, base, [])
+    a = int(p1.argmax())
+    b = int(target(model, base, [a]).argmax())
+    uniform = torch.full((VOCAB,), 1.0 / VOCAB)
+    close = 0.8 * torch.tensor(p1, dtype=torch.float32) + 0.2 * uniform
+    flat, near = DrawnDrafter(uniform, seed=1), DrawnDrafter(close / close.sum(), seed=2)
+    with registered(flat=flat, near=near):
+        engine = Engine.from_hf_model(model, device="cpu", dtype="float32", block_size=16, num_blocks=2 * STATES + 16,
+                                      max_concurrent_agents=STATES, progress=False, speculation="off", seed=3)
+    try:
+        params = [dataclasses.replace(base, speculation={"method": "near" if i % 2 else "flat", "k": 2})
+                  for i in range(2 * REQUESTS)]
+        outputs = sample(engine, params)
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert flat.calls and near.calls
+    assert 0 < stats.draft_tokens_accepted < stats.draft_tokens_proposed, stats
+
+    halves = {"uniform q": outputs[0::2], "q near p": outputs[1::2]}
+    for half, outs in halves.items():
+        assert all(len(o) == 3 for o in outs)
+        check([o[0] for o in outs], p1, f"{setting}, {half}: t1")
+        after_a = [o[1] for o in outs if o[0] == a]
+        assert len(after_a) >= MIN_SAMPLES, (half, len(after_a))
+        check(after_a, target(model, base, [a]), f"{setting}, {half}: t2 | t1 = a")
+        after_ab = [o[2] for o in outs if o[:2] == [a, b]]
+        if len(after_ab) >= MIN_SAMPLES:
+            check(after_ab, target(model, base, [a, b]), f"{setting}, {half}: t3 | t1 t2 = a b")
+
+
+def test_drawn_drafts_of_seeded_requests_are_verified_as_chosen_ones(small_vocab_model):
+    """A seeded request's tokens are its own draws, the same with speculation on or off: a drawn
+    draft is kept there only where the draw equals it, as a chosen one (its q is not used)."""
+    model = small_vocab_model
+    q = torch.full((VOCAB,), 1.0 / VOCAB)
+    drafter = DrawnDrafter(q, seed=4)
+    with registered(flat=drafter):
+        engine = Engine.from_hf_model(model, device="cpu", dtype="float32", block_size=16, num_blocks=64,
+                                      max_concurrent_agents=4, progress=False, speculation="off")
+    try:
+        outs = {}
+        for spec in ("off", {"method": "flat", "k": 3}):
+            params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.5, seed=11, speculation=spec)
+            outs[str(spec)] = list(engine.open_state(f"s-{spec}").generate(params, prompt=PROMPT).token_ids)
+        assert drafter.calls > 0
+    finally:
+        engine.close()
+    assert outs["off"] == outs[str({"method": "flat", "k": 3})]

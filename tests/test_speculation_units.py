@@ -706,6 +706,27 @@ def test_valid_draft_keeps_the_prefix_of_vocabulary_ids():
     assert valid_draft([np.int64(3), 4], 2, 10) == [3, 4] and valid_draft(iter([1, 2, 3]), 2, 10) == [1, 2]
 
 
+def test_a_sampled_draft_is_cut_with_its_distributions_and_taken_only_where_the_request_may():
+    import pytest
+    import torch
+
+    from hibana_core.config import SamplingParams
+    from hibana_core.speculation import SampledDraft
+    from hibana_core.speculation.drafters import samples_drafts
+    from hibana_core.speculation.speculator import valid_draft
+
+    q = torch.rand(4, 10).softmax(dim=-1)
+    kept = valid_draft(SampledDraft([1, 2, 12, 3], q), 4, 10, sampled=True)  # 12: past the vocabulary
+    assert isinstance(kept, SampledDraft) and kept.tokens == [1, 2] and torch.equal(kept.probs, q[:2])
+    assert valid_draft(SampledDraft([1, 2, 3], q), 2, 10, sampled=False) == [1, 2]  # chosen, for this request
+    with pytest.raises(TypeError, match="probs of shape"):
+        valid_draft(SampledDraft([1, 2, 3], q[:2]), 3, 10, sampled=True)
+    assert samples_drafts(SamplingParams(temperature=0.8))
+    assert not any(samples_drafts(p) for p in (None, SamplingParams(), SamplingParams(temperature=0.8, seed=1),
+                                               SamplingParams(temperature=0.8, repetition_penalty=1.1),
+                                               SamplingParams(temperature=0.8, presence_penalty=0.5)))
+
+
 def _longest_reference(indexes, keys):
     """The search `longest_at` makes, written plainly: each index's own longest context of `keys`
     (every order's, `context_keys`), the longest of those, equal ones' counts added in index order."""

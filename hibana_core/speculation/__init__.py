@@ -1,7 +1,8 @@
 """Adaptive speculation: drafters propose, the ordinary batched step verifies, a controller picks
 how many tokens each agent drafts from measured acceptance and step cost.
 
-    drafters.py    the Drafter protocol; suffix (default) and ngram drafters (registered as plugins)
+    drafters.py    the Drafter protocol (a proposal: token ids, or a SampledDraft with the distribution
+                   they were drawn from); suffix (default) and ngram drafters (registered as plugins)
     draft_model.py the draft-model drafter: a smaller checkpoint with the target's tokenizer
     index.py       context indexes over token streams, updated per token
     controller.py  acceptance statistics, the step-cost model, the per-step plan
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from hibana_core.speculation.drafters import Drafter, DraftInput, NgramDrafter, SuffixDrafter
+from hibana_core.speculation.drafters import Drafter, DraftInput, NgramDrafter, SampledDraft, SuffixDrafter
 
 
 def force_outputs(handle, token_ids: Sequence[int]) -> None:
@@ -23,4 +24,4 @@ def force_outputs(handle, token_ids: Sequence[int]) -> None:
     handle._registry.force_outputs(handle, token_ids)
 
 
-__all__ = ["Drafter", "DraftInput", "NgramDrafter", "SuffixDrafter", "force_outputs"]
+__all__ = ["Drafter", "DraftInput", "NgramDrafter", "SampledDraft", "SuffixDrafter", "force_outputs"]

@@ -1,4 +1,4 @@
-"""The draft-model drafter: a second, smaller checkpoint with the same tokenizer drafts greedily.
+"""The draft-model drafter: a second, smaller checkpoint with the same tokenizer.
 
     propose_many(states, ks)
       sync      one draft KVSequence per target state, holding its history (kept across calls,
@@ -7,15 +7,19 @@
                 call is dropped, least recently used first, when the pool runs short
       catch up  all tails in one forward (chunked under the token budget when long); the logits
                 at each history's end give draft 1
-      decode    k_max - 1 batched steps, each feeding back the previous argmax on the device (no
+      decode    k_max - 1 batched steps, each feeding back the previous draft on the device (no
                 host sync until the end); states wanting fewer drafts leave early (sorted by k)
       trim      one read-back of all drafts; the draft KV keeps the history only
 
-Greedy drafts are deterministic, so the engine's verification (the target samples at each draft
-position; a draft is kept while it equals the target's token) accepts each with exactly the
-target's probability of that token and replaces the first rejected one by the target's own token:
-output is the target's, token for token under greedy and in distribution under sampling. A draft
-model changes speed only.
+Each draft is the draft model's argmax, or, for a request that samples without a seed or history
+penalties (`samples_drafts`), a draw from the draft model's distribution q under the request's
+temperature, top-k, top-p and min-p, returned with q (`SampledDraft`). A chosen draft is kept
+where the target's own draw equals it (a seeded request's tokens are the same with speculation
+on or off); a drawn one with probability min(1, p/q), the first rejected replaced by a draw from
+max(0, p - q) (`Sampler`). Either way output is the target's, token for token under greedy and in
+distribution under sampling, and a draft model changes speed only; drawing keeps more drafts
+where q is close to p (all of them where they are equal) than the argmax, which is kept at the
+rate p gives it.
 
 The forwards reuse the engine's `ModelRunner` (batch tensors, CUDA graphs of decode steps) on the
 draft model's own `ForwardContext` and `KVCache`; nothing of the scheduler is involved.
@@ -31,6 +35,7 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
+from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError, MemoryBudgetError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.kv.block_pool import BlockPool
@@ -40,7 +45,8 @@ from hibana_core.kv.transfers import device_tensor
 from hibana_core.loader import LoadedModel, load_model, model_bytes
 from hibana_core.models.decoder import longrope_switch
 from hibana_core.runner import DeviceInput, ModelRunner, StepData
-from hibana_core.speculation.drafters import DraftInput
+from hibana_core.sampler import apply_warpers, make_generator
+from hibana_core.speculation.drafters import DraftInput, SampledDraft, samples_drafts
 
 
 @dataclass
@@ -70,6 +76,8 @@ class _Work:
     k: int
     start: int        # first position computed in this call
     end: int          # history length
+    params: SamplingParams | None = None  # drafts drawn under these (None: the argmax)
+    slot: int = -1    # its row of the call's distributions, where drawn
 
 
 class _OnDevice(NamedTuple):
@@ -226,6 +234,7 @@ class DraftModelDrafter:
         self.max_tokens = sched.max_num_batched_tokens  # tokens per forward while catching up
         self._states: OrderedDict[int, _Entry] = OrderedDict()  # id(state) -> entry, LRU first
         self._dead: list[tuple[int, weakref.ref]] = []  # states collected since the last call
+        self.generator = make_generator(engine.config.seed + 1, engine.device)  # drawn drafts' noise
         self.counters = DraftCounters()
 
     def propose(self, state: DraftInput, k: int) -> list[int]:
@@ -235,8 +244,8 @@ class DraftModelDrafter:
         pass
 
     @torch.inference_mode()
-    def propose_many(self, states: Sequence[DraftInput], ks: Sequence[int]) -> list[list[int]]:
-        out: list[list[int]] = [[] for _ in states]
+    def propose_many(self, states: Sequence[DraftInput], ks: Sequence[int]) -> list[list[int] | SampledDraft]:
+        out: list[list[int] | SampledDraft] = [[] for _ in states]
         if self.runner is None:  # closed
             return out
         began = time.perf_counter()
@@ -319,7 +328,8 @@ class DraftModelDrafter:
                 self.counters.skipped += 1
                 continue
             seq.prepare_write(writes)
-            work.append(_Work(i, seq, k, seq.num_computed, end))
+            params = states[i].params
+            work.append(_Work(i, seq, k, seq.num_computed, end, params if samples_drafts(params) else None))
         return work
 
     def _room(self, blocks: int, busy: set[int]) -> bool:
@@ -332,8 +342,13 @@ class DraftModelDrafter:
                 self.counters.evictions += 1
         return self.pool.can_allocate(blocks)
 
-    def _run(self, work: list[_Work]) -> list[list[int]]:
+    def _run(self, work: list[_Work]) -> list[list[int] | SampledDraft]:
         drafts = torch.zeros(len(work), work[0].k, dtype=torch.long, device=self.device)  # [S, k_max]
+        drawn = [w for w in work if w.params is not None]
+        for slot, w in enumerate(drawn):
+            w.slot = slot
+        # q of every drawn draft: [drawn states, k_max, vocab]
+        probs = torch.empty(len(drawn), work[0].k, self.vocab_size, device=self.device) if drawn else None
         at = [w.start for w in work]
         while any(a < w.end for a, w in zip(at, work)):  # catch up, chunked under the token budget
             budget, parts, done = self.max_tokens, [], []  # done: (part row, state row)
@@ -349,20 +364,39 @@ class DraftModelDrafter:
                 budget -= take
                 if at[j] == w.end:
                     done.append((len(parts) - 1, j))
-            tokens = self._forward(parts)
-            rows = device_tensor([r for r, _ in done], torch.long, self.device)
-            drafts[device_tensor([j for _, j in done], torch.long, self.device), 0] = tokens[rows]
+            logits = self._forward(parts)
+            if done:
+                rows = device_tensor([r for r, _ in done], torch.long, self.device)
+                tokens = self._pick(logits.index_select(0, rows), [work[j] for _, j in done], probs, 0)
+                drafts[device_tensor([j for _, j in done], torch.long, self.device), 0] = tokens
         for step in range(1, work[0].k):  # decode: draft `step` in, draft `step + 1` out
             m = sum(w.k > step for w in work)
             parts = [(w.seq, w.end + step - 1, w.end + step, None) for w in work[:m]]
-            drafts[:m, step] = self._forward(parts, _OnDevice(drafts[:m, step - 1]))
+            logits = self._forward(parts, _OnDevice(drafts[:m, step - 1]))
+            drafts[:m, step] = self._pick(logits, work[:m], probs, step)
         host = drafts.tolist()  # the call's one host sync
-        return [row[:w.k] for row, w in zip(host, work)]
+        return [row[:w.k] if w.params is None else SampledDraft(row[:w.k], probs[w.slot, :w.k])
+                for row, w in zip(host, work)]
+
+    def _pick(self, logits: torch.Tensor, work: Sequence[_Work], probs: torch.Tensor | None,
+              step: int) -> torch.Tensor:
+        """The draft after each row of `logits` [S, vocab] (row s: `work[s]`'s): the argmax, or a
+        draw from q under the request's warpers, with q written to `probs` at (slot, step)."""
+        tokens = logits.argmax(dim=-1)
+        drawn = [s for s, w in enumerate(work) if w.params is not None]
+        if not drawn:
+            return tokens
+        rows = device_tensor(drawn, torch.long, self.device)
+        q = apply_warpers(logits.index_select(0, rows).float(), [work[s].params for s in drawn]).softmax(dim=-1)
+        noise = torch.empty_like(q).exponential_(generator=self.generator).clamp_(min=torch.finfo(torch.float32).tiny)
+        probs[device_tensor([work[s].slot for s in drawn], torch.long, self.device), step] = q
+        return tokens.index_copy(0, rows, (q / noise).argmax(dim=-1))
 
     def _forward(self, parts: list[tuple[KVSequence, int, int, list[int] | None]],
                  previous: _OnDevice | None = None) -> torch.Tensor:
         """One batched forward of `parts` (seq, first position, end, ids; None: one token per
-        part, from `previous`), writing their KV. Returns the argmax after each part's last token."""
+        part, from `previous`), writing their KV. Returns the logits after each part's last token
+        [S, vocab] (the ids both models know)."""
         ids, positions, slots, seq_lens, starts, tables = [], [], [], [], [0], []
         for seq, start, end, part_ids in parts:
             ids.extend(part_ids if part_ids is not None else [0])
@@ -385,7 +419,7 @@ class DraftModelDrafter:
             with self.ctx.forward_batch(inputs.batch):
                 hidden = runner.model(inputs.input_ids, inputs.positions)  # [T, hidden]
             logits = runner.model.compute_logits(hidden[inputs.logits_indices])  # [S, vocab]
-        return logits[:, :self.vocab_size].argmax(dim=-1)
+        return logits[:, :self.vocab_size]
 
     def summary(self) -> dict:
         c = self.counters

@@ -21,14 +21,20 @@ from __future__ import annotations
 import collections.abc
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
 
 from hibana_core.errors import ConfigError
+from hibana_core.sampler import needs_history
 from hibana_core.speculation.index import (CONTEXT_INDEX_BYTES_PER_TOKEN, LAST_SEEN_BYTES_PER_TOKEN, ORDERS,
                                            ContextIndex, Seen, WindowedContextIndex, WindowedIndex,
                                            WindowedLastSeenIndex, extend_hashes, longest_at,
                                            searched)
 from hibana_plugins.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    import torch
+
+    from hibana_core.config import SamplingParams
 
 
 class TokensView(collections.abc.Sequence):
@@ -63,6 +69,43 @@ class DraftInput:
     """The state (per-state caches key on it; it is only weakly referenced)."""
     version: int
     """Changes whenever the history was edited other than by appending."""
+    params: "SamplingParams | None" = None
+    """The request's sampling parameters (None: unknown), for a drafter that samples its drafts
+    from a distribution of its own (`SampledDraft`)."""
+
+
+@dataclass(frozen=True)
+class SampledDraft:
+    """A proposal drawn from the drafter's own distribution q rather than chosen: `tokens[i]` was
+    sampled from `probs[i]` ([len(tokens), V] float32 on the engine's device, each row summing to
+    1 over the vocabulary's first V ids). The target then keeps draft i with probability
+    min(1, p(x) / q(x)) and, at the first it rejects, draws from the residual max(0, p - q)
+    (Leviathan et al. 2023; Chen et al. 2023): output in the target's distribution, with more
+    drafts kept than a draft chosen greedily gets where q is close to p. A plain list of tokens is
+    the deterministic proposal (kept exactly when the target's own draw equals it).
+
+    Only for sampled requests without a seed or history penalties (`samples_drafts`): a seeded
+    request's tokens are its own draws, the same with speculation on or off, and penalties at a
+    draft depend on the drafts before it, which a batched drafter has not read back."""
+
+    tokens: list[int]
+    probs: "torch.Tensor"
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def cut(proposal: "list[int] | SampledDraft", n: int) -> "list[int] | SampledDraft":
+    """A proposal's first n tokens (a sampled one's with their distributions)."""
+    if isinstance(proposal, SampledDraft):
+        return SampledDraft(proposal.tokens[:n], proposal.probs[:n])
+    return proposal[:n]
+
+
+def samples_drafts(params: "SamplingParams | None") -> bool:
+    """Whether a request's drafts may be a `SampledDraft`: it samples (temperature > 0), has no
+    seed and no penalty that reads its history."""
+    return params is not None and not params.greedy and params.seed is None and not needs_history(params)
 
 
 @runtime_checkable
@@ -70,7 +113,9 @@ class Drafter(Protocol):
     def propose(self, state: DraftInput, k: int) -> list[int]:
         """Up to k tokens that may follow `state.tokens` (fewer, or none, when unsure)."""
 
-    # Optional, each used when a drafter has it: `finished(context: Sequence[int], output:
+    # A proposal is a list of token ids, or a `SampledDraft` (tokens with the distribution each was
+    # drawn from) for a request where `samples_drafts(state.params)`. Optional, each used when a
+    # drafter has it: `finished(context: Sequence[int], output:
     # Sequence[int])`, a request generated `output` after `context` (its last tokens), for drafters
     # that learn across agents (the suffix drafter's shared corpus). `propose_many(states:
     # list[DraftInput], ks: list[int]) -> list[list[int]]`, the proposals for several states in

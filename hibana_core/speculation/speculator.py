@@ -25,11 +25,13 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+import torch
+
 from hibana_core.config import SpeculationConfig, is_kind, plain_token_ids
 from hibana_core.errors import ConfigError, HibanaError
 from hibana_core.speculation.controller import (MAX_DRAFT, AcceptanceStats, Candidate, Controller,
                                                 StepCostModel)
-from hibana_core.speculation.drafters import DraftInput, Drafter, TokensView
+from hibana_core.speculation.drafters import DraftInput, Drafter, SampledDraft, TokensView, cut, samples_drafts
 from hibana_plugins.manager import PluginWarning, accepts, describe_registered
 
 if TYPE_CHECKING:
@@ -92,9 +94,22 @@ def _checked_proposer(name: str, drafter: Any, what: str, expected: str) -> Draf
     return drafter
 
 
-def valid_draft(proposal: Any, k: int, vocab_size: int) -> list[int]:
+def valid_draft(proposal: Any, k: int, vocab_size: int, sampled: bool = False) -> "list[int] | SampledDraft":
     """The longest prefix of a drafter's proposal, k tokens at most, made of token ids of the
-    vocabulary: an id past it would fail the verifying forward, so the drafts stop there."""
+    vocabulary: an id past it would fail the verifying forward, so the drafts stop there. A
+    `SampledDraft` stays one (its distributions cut alike) where the request `sampled` may take
+    one (`samples_drafts`), else its tokens are a plain proposal."""
+    if isinstance(proposal, SampledDraft):
+        tokens = valid_draft(proposal.tokens, k, vocab_size)
+        if not sampled or not tokens:
+            return tokens
+        probs = proposal.probs
+        if not (isinstance(probs, torch.Tensor) and probs.dim() == 2 and probs.shape[0] >= len(tokens)
+                and 0 < probs.shape[1] <= vocab_size):
+            raise TypeError(f"a SampledDraft of {len(tokens)} tokens holds probs of shape "
+                            f"{tuple(getattr(probs, 'shape', ()))}, where [{len(tokens)}, V <= {vocab_size}] "
+                            "belongs")
+        return SampledDraft(tokens, probs[:len(tokens)])
     if proposal is None:
         return []
     if type(proposal) is list and plain_token_ids(proposal[:k], vocab_size):  # the built-ins' (every step)
@@ -220,9 +235,10 @@ class Speculator:
         return False
 
     def draft(self, chunks: Sequence["ScheduledChunk"], step_tokens: int,
-              room: Callable[["ScheduledChunk", int], int]) -> dict[int, list[int]]:
-        """Drafts for this step's chunks, by chunk index. `room(chunk, k)`: how many of k draft
-        tokens the chunk can take (budget, KV blocks, max_tokens, context)."""
+              room: Callable[["ScheduledChunk", int], int]) -> "dict[int, list[int] | SampledDraft]":
+        """Drafts for this step's chunks, by chunk index (a `SampledDraft` where the drafter drew
+        them for a request that may take one). `room(chunk, k)`: how many of k draft tokens the
+        chunk can take (budget, KV blocks, max_tokens, context)."""
         sampling = sum(c.sample for c in chunks)
         wanted: dict[str, list[tuple[int, int]]] = {}  # method -> (chunk index, tokens wanted)
         for i, chunk in enumerate(chunks):
@@ -238,13 +254,13 @@ class Speculator:
             want = room(chunk, most)
             if want > 0:
                 wanted.setdefault(config.method, []).append((i, want))
-        candidates: list[tuple[int, list[int], Candidate]] = []
+        candidates: list[tuple[int, list[int] | SampledDraft, Candidate]] = []
         for method, items in wanted.items():
             inputs = [self._input(chunks[i].request) for i, _ in items]
             for (i, want), proposal in zip(items, self._propose(method, inputs, [w for _, w in items])):
                 request, config = chunks[i].request, self.config(chunks[i].request)
                 if request.grammar is not None:  # cut at the first token the grammar forbids
-                    proposal = proposal[:request.grammar.valid_prefix(proposal)]
+                    proposal = cut(proposal, request.grammar.valid_prefix(_tokens(proposal)))
                 stats = self.stats(request, method)
                 if config.k is None and not proposal:
                     stats.record(1, 0)  # nothing to draft counts as a miss: it is what drafting gets
@@ -257,10 +273,10 @@ class Speculator:
         for (i, proposal, _), k in zip(candidates, ks):
             self.counters.draft_lengths[k] += 1
             if k > 0:
-                drafts[i] = proposal[:k]
+                drafts[i] = cut(proposal, k)
         return drafts
 
-    def _propose(self, method: str, inputs: list[DraftInput], ks: list[int]) -> list[list[int]]:
+    def _propose(self, method: str, inputs: list[DraftInput], ks: list[int]) -> "list[list[int] | SampledDraft]":
         """Proposals of one drafter for several states: in one call where the drafter batches
         (`propose_many`, e.g. a draft model's forward), else one by one. Drafters are plugins and
         drafts change speed only, so one that raises drafts nothing (with a warning) rather than
@@ -279,7 +295,8 @@ class Speculator:
             if not isinstance(proposals, (list, tuple)) or len(proposals) != len(inputs):
                 raise TypeError(f"{describe_registered(proposals)} for {len(inputs)} states, where a list of one "
                                 "proposal a state belongs")
-            return [valid_draft(p, k, self.vocab_size) for p, k in zip(proposals, ks)]
+            return [valid_draft(p, k, self.vocab_size, samples_drafts(state.params))
+                    for p, k, state in zip(proposals, ks, inputs)]
         except Exception as exc:  # noqa: BLE001 - what a plugin's drafter returned
             self._drafter_failed(method, call, exc, returned=True)
             return [[] for _ in inputs]
@@ -295,7 +312,7 @@ class Speculator:
 
     @staticmethod
     def _input(request: "Request") -> DraftInput:
-        return DraftInput(TokensView(request.seq.tokens), request.seq, request.seq.edits)
+        return DraftInput(TokensView(request.seq.tokens), request.seq, request.seq.edits, request.params)
 
     # --- update -----------------------------------------------------------------------------
 
@@ -351,7 +368,8 @@ class Speculator:
             if not getattr(self.drafter(config.method), "shadows", True):  # a proposal costs forwards
                 continue
             made += 1
-            draft, = self._propose(config.method, [self._input(request)], [MAX_DRAFT])
+            proposal, = self._propose(config.method, [self._input(request)], [MAX_DRAFT])
+            draft = _tokens(proposal)
             if draft:
                 self._shadows[request.id] = (config.method, len(request.seq), draft)
             else:
@@ -411,6 +429,10 @@ class Speculator:
             "drafters": own,  # a drafter's own figures (`summary()`), e.g. a draft model's cost per token
             "drafter_errors": dict(self.drafter_errors),  # calls that raised, per drafter
         }
+
+
+def _tokens(proposal: "list[int] | SampledDraft") -> list[int]:
+    return proposal.tokens if isinstance(proposal, SampledDraft) else proposal
 
 
 PROFILE_ROUNDS = 3

@@ -8,8 +8,9 @@
              a `keep` share of the layers remains (default half)
     draft    a shallow copy of the model that shares every weight (packed ones too) and runs the
              kept layers on its own ForwardContext, so its KV (kept layers only) lives in its own
-             cache; it drafts through `DraftModelDrafter`, greedily (so verification stays
-             lossless: output is the target's own)
+             cache; it drafts through `DraftModelDrafter` (its argmax, or for unseeded sampled
+             requests a draw from its own distribution; verification stays lossless either
+             way: output is the target's own)
 
 No weights are added: the draft costs its KV and about `keep` of a target forward per token.
 Used as `speculation={"method": "layer_skip", "k": 4}`.
