@@ -294,6 +294,30 @@ def check_speculation() -> Iterator[tuple[str, bool, str]]:
             yield (f"draft model fp32 {arch} graphs={graphs}", ok,
                    f"{same}/4 agents equal; {stats.draft_tokens_accepted}/{stats.draft_tokens_proposed} "
                    f"drafts accepted")
+        # sampling without a seed: drafts drawn from the draft model's q and kept at min(1, p/q);
+        # q = p up to rounding here, so nearly all are kept (the argmax would be kept at p's rate)
+        for graphs in (False, True):
+            with Engine.from_pretrained(path, **ON_GPU, dtype="float32", progress=False, cuda_graphs=graphs,
+                                        speculation={"method": "draft_model", "draft_model": str(path),
+                                                     "k": 4}) as gpu:
+                outs = sampled(gpu, prompts, 48, SamplingParams(max_tokens=48, ignore_eos=True, temperature=1.0,
+                                                                top_k=50))
+                stats = gpu.stats()
+            ok = (all(len(o) == 48 for o in outs) and stats.draft_tokens_proposed > 100
+                  and stats.draft_tokens_accepted >= 0.97 * stats.draft_tokens_proposed)
+            yield (f"drawn drafts fp32 {arch} graphs={graphs}", ok,
+                   f"{stats.draft_tokens_accepted}/{stats.draft_tokens_proposed} drawn drafts kept (want >= 97%)")
+
+
+def sampled(engine: Engine, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[int]]:
+    """Each prompt's n sampled tokens, the agents batched."""
+    out: list[list[int]] = [[] for _ in prompts]
+
+    def run(i: int) -> None:
+        out[i] = list(engine.open_state(f"s{i}").generate(params, prompt=prompts[i]).token_ids)
+
+    in_threads(run, len(prompts))
+    return out
 
 
 def one_at_a_time(prompts: list[list[int]], n: int, policy: str | Fusion) -> list[list[int]]:
