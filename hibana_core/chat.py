@@ -134,6 +134,12 @@ class Chat:
         self.stop_token_ids = tuple(vocab[t] for t in (END_OF_TURN_TOKENS if ends is None else ends)
                                     if t in vocab and vocab[t] < engine.vocab_size)  # a format's own (harmony:
         # <|end|> ends a message, not the turn); a token the tokenizer adds past the model's vocabulary never comes
+        eos = engine.tokenizer.eos_token_id
+        if (ends is None and "eos_token" in str(template) and isinstance(eos, int) and eos < engine.vocab_size
+                and eos not in engine.eos_token_ids and eos not in self.stop_token_ids):
+            # the template ends a reply with it (Mistral's, Llama 2's): a turn ends there even where the
+            # model stops at no EOS (a generation_config.json naming none, as transformers reads it)
+            self.stop_token_ids += (eos,)
         self._end_texts = tuple(engine.tokenizer.decode([t], skip_special_tokens=False) for t in self.stop_token_ids)
         self.control = prompt.control_strings(engine.tokenizer)  # what contents never turn into
         self.words = prompt.markup_words(engine.tokenizer)  # what tools' contents never turn into

@@ -191,11 +191,12 @@ def load_from_hf_model(hf_model: torch.nn.Module, device: torch.device, dtype: s
     source = f"the in-memory {type(hf_model).__name__}"
     _copy_weights(module, ((name, source, lambda name=name: state[name]) for name in state), len(state),
                   source, progress=False)
+    # what the model's own `generate` stops at: its generation config's EOS (none there: none), a
+    # stand-in without a generation config its config's (as transformers would make one from it)
     generation_config = getattr(hf_model, "generation_config", None)
-    eos = getattr(generation_config, "eos_token_id", None)
+    eos = _config_eos(hf_config) if generation_config is None else getattr(generation_config, "eos_token_id", None)
     digest = hashlib.sha256(hf_config.to_json_string().encode()).hexdigest()
-    return _loaded(module, args, hf_config, quiet_length_warning(tokenizer),
-                   _as_ids(_config_eos(hf_config) if eos is None else eos) or (), torch_dtype,
+    return _loaded(module, args, hf_config, quiet_length_warning(tokenizer), _as_ids(eos) or (), torch_dtype,
                    f"in-memory:{digest}:{id(hf_model)}")
 
 
@@ -588,17 +589,28 @@ def quiet_length_warning(tokenizer: Any) -> Any:
 
 
 def _eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
-    eos: Any = None
+    """The tokens transformers' `generate` stops at for this checkpoint: generation_config.json's
+    eos_token_id where that file reads (none named there: none at all, as `generate` then has
+    none), else config.json's (no such file, or not JSON: transformers then makes its generation
+    config from config.json). Where transformers cannot load or generate at all (the file JSON of
+    another shape, its eos_token_id no token ids), a warning, and config.json's."""
     gen_file = path / "generation_config.json"
     if gen_file.is_file():
         try:
-            eos = hub.read_json_object(gen_file).get("eos_token_id")
+            generation = hub.read_json_object(gen_file)
         except ValueError as exc:
             warnings.warn(f"{gen_file} is damaged ({exc}); using config.json's eos_token_id")
-        if eos is not None and _as_ids(eos) is None:
+        else:
+            eos = generation.get("eos_token_id")
+            ids = _as_ids(eos)
+            if ids == () and _as_ids(_config_eos(hf_config)):
+                warnings.warn(f"{gen_file} names no eos_token_id: generation does not stop at config.json's "
+                              f"({_config_eos(hf_config)!r:.60}), as transformers' generate does not; add "
+                              "eos_token_id to it to stop there, or pass stop_token_ids")
+            if ids is not None:
+                return ids
             warnings.warn(f"{gen_file} has eos_token_id {eos!r:.60}, no token id or list of them; using config.json's")
-            eos = None
-    config_eos = _config_eos(hf_config) if eos is None else eos
+    config_eos = _config_eos(hf_config)
     ids = _as_ids(config_eos)
     if ids is None:
         raise CheckpointError(f"{path / 'config.json'} has eos_token_id {config_eos!r:.60}, no token id or list of "

@@ -91,12 +91,16 @@ def test_odd_shapes_match_transformers(arch, tmp_path, make_engine):
 def test_gemma3_multimodal_eos_comes_from_its_text_config(tmp_path, make_engine):
     """A multimodal config keeps eos_token_id in its text_config, where transformers' generation
     config takes it from: a checkpoint without generation_config.json stops there, and an
-    in-memory Gemma3ForConditionalGeneration loads (it once raised AttributeError)."""
+    in-memory Gemma3ForConditionalGeneration loads (it once raised AttributeError), stopping where
+    its generation config (made from its config, as transformers makes one) says."""
+    from transformers import GenerationConfig
+
     from hibana_core import Engine
     from tiny_models import EOS_ID, _hf_model
 
     path = make_tiny_gemma3_multimodal(tmp_path / "gemma3-mm")
-    hf_model = _hf_model(str(path))  # its generation_config knows no EOS: the config's is read
+    hf_model = _hf_model(str(path))
+    hf_model.generation_config = GenerationConfig.from_model_config(hf_model.config)
     with Engine.from_hf_model(hf_model, None, device="cpu", dtype="float32", block_size=16, num_blocks=16,
                               progress=False) as engine:
         assert engine.eos_token_ids == {EOS_ID}
