@@ -404,31 +404,149 @@ UNENFORCED_KEYWORDS = ("contains", "minContains", "maxContains", "dependentRequi
                        "dependencies", "if", "then", "else", "not", "$dynamicRef", "$recursiveRef")
 """JSON-schema keywords xgrammar 0.2.9 compiles but does not hold the output to (as allOf with
 more than one subschema): an output "valid by construction" could break them, so they are refused.
-(oneOf is held as anyOf and uniqueItems not at all: pydantic writes both, for unions and sets, and
-its parsing accepts what the grammar lets through.)"""
+(oneOf and uniqueItems are held in part: `_held_loosely`.)"""
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 _SUBSCHEMAS = ("additionalProperties", "items", "not", "propertyNames", "unevaluatedProperties",
                "unevaluatedItems", "contains", "if", "then", "else", "additionalItems")
 
 
-def unenforced_keywords(schema: Any, at: str = "#") -> list[str]:
+def unenforced_keywords(schema: Any, at: str = "#", root: Any = None) -> list[str]:
     """Where `schema` uses a keyword the grammar cannot hold ("contains at #/properties/xs"),
     and what to do instead where there is something; walking subschemas only (a property named
-    "if" is no keyword)."""
+    "if" is no keyword). `root`: the whole schema, which its $refs point into (`schema` itself)."""
     if not isinstance(schema, dict):
         return []
+    root = schema if root is None else root
     found = [f"{key} at {at}" for key in UNENFORCED_KEYWORDS if key in schema]
     if len(schema.get("allOf") or ()) > 1:
         found.append(f"allOf with {len(schema['allOf'])} subschemas at {at}")
     found += [f"{what} at {at} ({todo})" for what, todo in _dropped_beside_others(schema)]
+    found += [f"{what} at {at} ({todo})" for what, todo in _held_loosely(schema, root)]
     for key, name, sub, where in subschemas(schema, at):
         if key == "patternProperties":  # its name is a regex too
             found += [f"{what} at {at}/{key} ({todo})" for what, todo in unenforced_regex(name, repr(name))]
             if raw_in_json_string(name):
                 found.append(f"pattern {name!r:.80} at {at}/{key} ({_RAW_TODO})")
-        found += unenforced_keywords(sub, where)
+        found += unenforced_keywords(sub, where, root)
     return found
+
+
+def _held_loosely(schema: dict, root: Any) -> list[tuple[str, str]]:
+    """(keyword, what to do) for uniqueItems, which xgrammar 0.2.9 compiles and holds to nothing
+    ('[1, 1]' passed; a list of one item at most meets it anyway), and for a oneOf whose subschemas
+    a value may meet two of: xgrammar holds oneOf as anyOf, which is oneOf where they exclude each
+    other (`_exclusive`: types apart, or a required key with a const of its own in each, as
+    pydantic's discriminated unions write it)."""
+    found = []
+    most = schema.get("maxItems")
+    if schema.get("uniqueItems") is True and not (is_kind(most, int) and most <= 1):
+        found.append(("uniqueItems", "the grammar cannot keep items apart: drop it and drop repeated items in "
+                                     "your code, or leave it to the model with strict_schema=False"))
+    branches = schema.get("oneOf")
+    if isinstance(branches, list):
+        pair = next(((i, j) for j in range(len(branches)) for i in range(j)
+                     if not _exclusive(branches[i], branches[j], root)), None)
+        if pair is not None:
+            found.append((f"oneOf whose subschemas {pair[0]} and {pair[1]} may both hold a value",
+                          "the grammar holds oneOf as anyOf: write anyOf where a value may meet both, or tell "
+                          "them apart, by type or by a required key with another const in each"))
+    return found
+
+
+EXCLUSIVE_DEPTH = 32
+"""How deep `_exclusive` follows subschemas and $refs (a recursive schema's): past it, not exclusive."""
+
+
+def _exclusive(a: Any, b: Any, root: Any, depth: int = 0) -> bool:
+    """Whether no output the grammar writes for either schema is valid under the other (False
+    where that cannot be told): a oneOf whose subschemas are pairwise so is its anyOf, as
+    xgrammar holds it. Schemas no value meets both of are: by their kinds of value (type, const,
+    enum), by listed values the other refuses, by a key one requires with a value the other
+    refuses there; and objects the grammar writes with their declared keys alone, where each
+    requires a key the other never writes."""
+    if depth > EXCLUSIVE_DEPTH:
+        return False
+    a, b = _followed(a, root), _followed(b, root)
+    if a is False or b is False:
+        return True
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return False
+    return _disjoint(a, b, root, depth) or (_unwritten(a, b) and _unwritten(b, a))
+
+
+def _disjoint(a: dict, b: dict, root: Any, depth: int) -> bool:
+    kinds_a, kinds_b = _kinds(a), _kinds(b)
+    if kinds_a is not None and kinds_b is not None and not kinds_a & kinds_b:
+        return True
+    for x, y in ((a, b), (b, a)):
+        for key in ("anyOf", "oneOf"):  # each branch excludes the other schema
+            if isinstance(x.get(key), list) and x[key] and all(_exclusive(s, y, root, depth + 1) for s in x[key]):
+                return True
+        if isinstance(x.get("allOf"), list) and any(_exclusive(s, y, root, depth + 1) for s in x["allOf"]):
+            return True
+        listed = [x["const"]] if "const" in x else x.get("enum")
+        if isinstance(listed, list) and not any(_valid(value, y, root) for value in listed):
+            return True
+        # (an object alone: beside "type": ["object", "string"] any string meets both)
+        required = x.get("required") if isinstance(x.get("required"), list) and _kinds(x) == {"object"} else []
+        declared_x = x.get("properties") if isinstance(x.get("properties"), dict) else {}
+        declared_y = y.get("properties") if isinstance(y.get("properties"), dict) else {}
+        for key in required:
+            if key in declared_y:
+                there = declared_y[key]
+            elif "patternProperties" in y:
+                continue  # (which of them takes the key is not weighed)
+            else:
+                there = y.get("additionalProperties", True)
+            if _exclusive(declared_x.get(key, True), there, root, depth + 1):
+                return True
+    return False
+
+
+def _unwritten(x: dict, y: dict) -> bool:
+    """Whether `y` requires a key that the grammar never writes in `x`'s output: an object alone,
+    with its declared keys alone (additionalProperties false, or left out: `_opened`)."""
+    declared = x.get("properties") if isinstance(x.get("properties"), dict) else {}
+    fewest = x.get("minProperties", 0)
+    closed = x.get("additionalProperties", False) is False and not (
+        {"patternProperties", "unevaluatedProperties"} & x.keys()
+        or (is_kind(fewest, int) and fewest > len(declared)))
+    required = y.get("required") if isinstance(y.get("required"), list) else []
+    return closed and _kinds(x) == {"object"} and any(key not in declared for key in required)
+
+
+def _followed(schema: Any, root: Any) -> Any:
+    """`schema`, or the schema its $ref points at (constraints beside a $ref are refused apart)."""
+    for _ in range(EXCLUSIVE_DEPTH):
+        if not isinstance(schema, dict) or not isinstance(schema.get("$ref"), str):
+            return schema
+        schema = _pointed(root, schema["$ref"])
+    return None
+
+
+def _kinds(schema: dict) -> set[str] | None:
+    """The JSON types a schema's values may be of (an integer is a number too), None where any."""
+    kinds = schema.get("type")
+    if isinstance(kinds, str) or isinstance(kinds, list):
+        found = {kinds} if isinstance(kinds, str) else set(kinds)
+    elif "const" in schema:
+        found = set(_json_types(schema["const"]))
+    elif isinstance(schema.get("enum"), list):
+        found = {kind for value in schema["enum"] for kind in _json_types(value)}
+    else:
+        return None
+    return found | {"integer"} if "number" in found else found
+
+
+def _valid(value: Any, schema: Any, root: Any) -> bool:
+    """Whether `value` is valid under `schema`, a subschema of `root` (True where that cannot be told)."""
+    import jsonschema
+
+    try:
+        return jsonschema.Draft202012Validator(root).evolve(schema=schema).is_valid(value)
+    except Exception:  # noqa: BLE001 - a schema jsonschema cannot run (its metaschema check comes first)
+        return True
 
 
 def subschemas(schema: dict, at: str) -> Iterator[tuple[str, Any, Any, str]]:
@@ -452,7 +570,8 @@ def _opened(schema: Any) -> Any:
     more keys (minProperties) than it declares. xgrammar's strict mode, which keeps an object to
     its declared keys where additionalProperties is left out (as OpenAI's strict outputs do),
     refuses such a schema, which JSON Schema's default (open objects) satisfies. A `oneOf` is
-    written `anyOf`, as xgrammar holds it anyway (it says so on stderr at every compile), and the
+    written `anyOf`, as xgrammar holds it anyway (it says so on stderr at every compile; a strict
+    schema's oneOf is one whose subschemas exclude each other, `_held_loosely`), and the
     keywords xgrammar ignores with a warning are left out."""
     if not isinstance(schema, dict):
         return schema
@@ -472,7 +591,7 @@ def _opened(schema: Any) -> Any:
     if (isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > declared
             and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & schema.keys()):
         out["additionalProperties"] = True
-    if "oneOf" in out and "anyOf" not in out:  # held as anyOf (README), without xgrammar's stderr warning
+    if "oneOf" in out and "anyOf" not in out:  # held as anyOf, without xgrammar's stderr warning
         out["anyOf"] = out.pop("oneOf")
     # what xgrammar would drop with a warning on stderr at every compile, dropped here (a strict
     # schema was refused for them already, `check_held`; a loose one leaves them to the model)
