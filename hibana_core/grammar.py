@@ -404,7 +404,8 @@ UNENFORCED_KEYWORDS = ("contains", "minContains", "maxContains", "dependentRequi
                        "dependencies", "if", "then", "else", "not", "$dynamicRef", "$recursiveRef")
 """JSON-schema keywords xgrammar 0.2.9 compiles but does not hold the output to (as allOf with
 more than one subschema): an output "valid by construction" could break them, so they are refused.
-(oneOf and uniqueItems are held in part: `_held_loosely`.)"""
+(oneOf is held as anyOf: refused where that is looser, `_held_loosely`. uniqueItems is held to
+nothing, and taken: pydantic writes it for set fields, whose parsing drops repeated items.)"""
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 _SUBSCHEMAS = ("additionalProperties", "items", "not", "propertyNames", "unevaluatedProperties",
@@ -433,16 +434,10 @@ def unenforced_keywords(schema: Any, at: str = "#", root: Any = None) -> list[st
 
 
 def _held_loosely(schema: dict, root: Any) -> list[tuple[str, str]]:
-    """(keyword, what to do) for uniqueItems, which xgrammar 0.2.9 compiles and holds to nothing
-    ('[1, 1]' passed; a list of one item at most meets it anyway), and for a oneOf whose subschemas
-    a value may meet two of: xgrammar holds oneOf as anyOf, which is oneOf where they exclude each
-    other (`_exclusive`: types apart, or a required key with a const of its own in each, as
-    pydantic's discriminated unions write it)."""
+    """(keyword, what to do) for a oneOf whose subschemas a value may meet two of: xgrammar holds
+    oneOf as anyOf, which is oneOf where they exclude each other (`_exclusive`: types apart, or a
+    required key with a const of its own in each, as pydantic's discriminated unions write it)."""
     found = []
-    most = schema.get("maxItems")
-    if schema.get("uniqueItems") is True and not (is_kind(most, int) and most <= 1):
-        found.append(("uniqueItems", "the grammar cannot keep items apart: drop it and drop repeated items in "
-                                     "your code, or leave it to the model with strict_schema=False"))
     branches = schema.get("oneOf")
     if isinstance(branches, list):
         pair = next(((i, j) for j in range(len(branches)) for i in range(j)

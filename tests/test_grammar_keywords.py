@@ -1,7 +1,8 @@
-"""JSON-schema keywords xgrammar holds more loosely than they say (`hibana_core.grammar._held_loosely`):
-uniqueItems, which it holds to nothing, and oneOf, which it holds as anyOf. A strict schema (the
-default) is held whole or refused up front by name; oneOf is accepted where its subschemas exclude
-each other, and then every sampled output of a random-weight tiny model validates under it."""
+"""JSON-schema keywords xgrammar holds more loosely than they say: oneOf, which it holds as anyOf
+(`hibana_core.grammar._held_loosely`), and uniqueItems, which it holds to nothing. A strict schema
+(the default) is held whole or refused up front by name; oneOf is accepted where its subschemas
+exclude each other, and then every sampled output of a random-weight tiny model validates under it;
+uniqueItems is taken (pydantic's set fields write it, and their parsing drops repeated items)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from typing_extensions import Annotated
 
 from hibana_core import GrammarError, SamplingParams
 from hibana_core.grammar import unenforced_keywords
-from hibana_core.messages import unheld
 from tiny_models import random_tokens
 
 pytestmark = pytest.mark.timeout(600)
@@ -56,22 +56,18 @@ class _Tagged(pydantic.BaseModel):
     tags: set[Annotated[int, pydantic.Field(ge=0, le=3)]] = pydantic.Field(max_length=3)
 
 
-def test_unique_items_is_refused_by_name_unless_a_list_holds_one_item_at_most(engine):
-    """xgrammar compiles uniqueItems and holds the output to nothing ('[1, 1]' passed a
-    grammar "valid by construction"): a GrammarError naming it and its place (pydantic's set
-    fields write it), a ToolSchemaError's reason for a strict tool; held where a list holds one
-    item at most; left to the model with strict_schema=False."""
+def test_unique_items_is_taken_and_a_pydantic_set_parses(engine):
+    """xgrammar holds uniqueItems to nothing ('[1, 1]' passes the grammar), and it is taken, not
+    refused: pydantic writes it for set fields, whose parsing drops repeated items, so a structured
+    output with a set field parses (README: "uniqueItems not at all")."""
     unique = {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True}
-    with pytest.raises(GrammarError, match=r"uniqueItems at # \(the grammar cannot keep items apart"):
-        _generate(engine, unique)
-    with pytest.raises(GrammarError, match="uniqueItems at #/properties/tags"):
-        _generate(engine, _Tagged)
-    assert "uniqueItems at #" in unheld(unique)[0]
-    for held in ({**unique, "maxItems": 1}, {**unique, "uniqueItems": False}):
-        assert not unenforced_keywords(held)
-        _assert_valid_outputs(engine, held)
-    out = _generate(engine, {**unique, "maxItems": 3}, strict_schema=False)
+    assert not unenforced_keywords(unique) and not unenforced_keywords(_Tagged.model_json_schema())
+    out = _generate(engine, unique)
     assert all(v in (1, 2) for v in json.loads(out.text))
+    for seed in range(3):
+        out = _generate(engine, _Tagged, seed)
+        assert out.finish_reason == "stop", out.text
+        assert _Tagged.model_validate_json(out.text).tags <= {0, 1, 2, 3}
 
 
 class _Cat(pydantic.BaseModel):
