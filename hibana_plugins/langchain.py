@@ -414,7 +414,8 @@ class ChatHibana(BaseChatModel):
     a given engine serves only the `model` and `engine_kwargs` it was given with, since options
     that ask for another engine must not run silently on this one. `copy.deepcopy` shares the
     engine. A pickle carries no engine (it does not pickle), not even a given one: the unpickled
-    object loads or finds `Engine.shared(model, **engine_kwargs)` on first use.
+    object loads or finds `Engine.shared(model, **engine_kwargs)` on first use. So does one that
+    LangChain's `dumps` wrote and `loads` read back (`to_json`).
     """
 
     model: str = "demo"
@@ -512,14 +513,6 @@ class ChatHibana(BaseChatModel):
         check_state_id(vars(self), "ChatHibana")
         check_engine_kwargs(self.model, self.engine_kwargs)
 
-    @field_validator("logprobs", "streaming", "reasoning", "guided_tool_arguments", mode="before")
-    @classmethod
-    def _a_bool(cls, value: Any) -> Any:
-        """True or False as given ("yes" and 1 are no switch: pydantic would read them as True)."""
-        if value is not None and not isinstance(value, bool):
-            raise ValueError(f"must be True or False, got {value!r:.40}")
-        return value
-
     @field_validator("stop", mode="before")
     @classmethod
     def _one_stop(cls, value: Any) -> Any:
@@ -540,6 +533,39 @@ class ChatHibana(BaseChatModel):
     def __deepcopy__(self, memo: dict[int, Any] | None = None) -> "ChatHibana":
         """A deep copy on the same engine (weights, KV pool and step loop are not copied)."""
         return super().__deepcopy__(sharing(memo, self.given_engine, self._engine, self._chat))
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        """LangChain's `dumps` / `dumpd` write the options this object was made with (`to_json`),
+        and `loads(text, allowed_objects=[ChatHibana], valid_namespaces=["hibana_plugins"])` makes
+        it again, as ChatOpenAI's are."""
+        return True
+
+    @classmethod
+    def get_lc_namespace(cls) -> list[str]:
+        """The module `loads` imports the class from (a namespace it takes only where the caller
+        lists "hibana_plugins" in valid_namespaces)."""
+        return ["hibana_plugins", "langchain"]
+
+    def to_json(self) -> dict[str, Any]:
+        """LangChain's serialised form: the options this object was made with, never its engine
+        (which does not serialise, not even a given one): the loaded object finds or loads
+        `Engine.shared(model, **engine_kwargs)` on first use, as an unpickled one does. A path in
+        an option is written as its text (it was a marker `loads` fails on); another value JSON
+        cannot hold (an engine config given whole) keeps LangChain's marker: LangChain writes this
+        form for its callbacks on every call, which must not fail for it."""
+        serialized = super().to_json()
+        kwargs = serialized.get("kwargs", {})
+        for name in kwargs.keys() & type(self).model_fields.keys() - BaseChatModel.model_fields.keys():
+            kwargs[name] = _paths_as_text(kwargs[name])
+        return serialized
+
+    def _get_llm_string(self, stop: list[str] | None = None, **kwargs: Any) -> str:
+        """LangChain's cache key, as for a model that does not serialise (LangChain keys one that
+        does on its serialised form): from `_identifying_params`, which name the engine passed
+        (the serialised form does not: objects on two engines of one model would share replies),
+        and the stop strings that apply, the object's or the call's alike."""
+        return str(sorted({**self._get_invocation_params(stop=stop, **kwargs), **kwargs}.items()))
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without its engine, which does not pickle: the copy loads or finds
@@ -777,6 +803,17 @@ class ChatHibana(BaseChatModel):
         if stop is not None:
             values["stop"] = stop
         return sampling_params(values, "ChatHibana call", context)
+
+
+def _paths_as_text(value: Any) -> Any:
+    """An option's value with every path in it as its text (a copy: the option is left as it is)."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, (list, tuple)):
+        return [_paths_as_text(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _paths_as_text(v) for k, v in value.items()}
+    return value
 
 
 def _call_options(kwargs: dict[str, Any]) -> dict[str, Any]:

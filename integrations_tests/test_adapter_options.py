@@ -4,6 +4,7 @@ mean what they mean there, and every sampling option reaches the sampler."""
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -81,6 +82,54 @@ def test_chat_hibana_takes_a_checkpoint_path_as_the_engine_does(tmp_path):
     """A pathlib.Path is a model as it is for Engine.from_pretrained (and HibanaLLM); it was a
     ConfigError "Input should be a valid string"."""
     assert ChatHibana(model=tmp_path / "checkpoint").model == str(tmp_path / "checkpoint")
+
+
+def test_chat_hibana_round_trips_through_langchains_dumps_and_loads(engine, tmp_path):
+    """LangChain's serialisation (`dumps` / `loads`, as ChatOpenAI's): the options it was made
+    with, never its engine (the loaded object finds Engine.shared(model, ...) on first use, as an
+    unpickled one does); it was written as "not_implemented", which `loads` refuses. A checkpoint
+    path is written as its text."""
+    from langchain_core.load import dumpd, dumps, loads
+
+    llm = ChatHibana(engine=engine, temperature=0.5, max_tokens=17, stop="END", seed=3, state_id="saved",
+                     speculation={"method": "suffix", "k": 3}, reasoning=False, logprobs=True, top_logprobs=2)
+    text = dumps(llm)
+    kwargs = json.loads(text)["kwargs"]
+    assert json.loads(text)["id"] == ["hibana_plugins", "langchain", "ChatHibana"]
+    assert {k: kwargs[k] for k in ("model", "temperature", "max_tokens", "stop", "seed", "state_id", "speculation",
+                                   "reasoning", "logprobs", "top_logprobs")} == {
+        "model": "demo", "temperature": 0.5, "max_tokens": 17, "stop": ["END"], "seed": 3, "state_id": "saved",
+        "speculation": {"method": "suffix", "k": 3}, "reasoning": False, "logprobs": True, "top_logprobs": 2}
+    assert "given_engine" not in kwargs and "engine" not in kwargs
+    back = loads(text, allowed_objects=[ChatHibana], valid_namespaces=["hibana_plugins"])
+    assert type(back) is ChatHibana and back.model_dump() == llm.model_dump()
+    assert back.engine is engine  # Engine.shared("demo")
+    with pytest.raises(ValueError, match="Invalid namespace"):  # LangChain's rule for packages of its own
+        loads(text, allowed_objects=[ChatHibana])
+
+    by_path = ChatHibana(model=tmp_path / "checkpoint", engine_kwargs={"state_dir": tmp_path / "states"})
+    assert dumpd(by_path)["kwargs"]["engine_kwargs"] == {"state_dir": str(tmp_path / "states")}
+    assert by_path.engine_kwargs == {"state_dir": tmp_path / "states"}  # the object's own left as it was
+    back = loads(dumps(by_path), allowed_objects=[ChatHibana], valid_namespaces=["hibana_plugins"])
+    assert (back.model, back.engine_kwargs) == (str(tmp_path / "checkpoint"), {"state_dir": str(tmp_path / "states")})
+
+
+def test_chat_hibana_with_an_option_json_cannot_hold_still_runs_and_loads_say_which():
+    """An engine option given as an object (a CacheConfig whole) has no JSON form: LangChain writes
+    its marker there (and writes this form for callbacks on every call, which must not fail), and
+    `loads` refuses it naming the value. The cache key is not the serialised form: objects on two
+    engines of one model, or with the same stop strings given on the object or the call, were
+    keyed apart or together by it, not by what changes a reply."""
+    from langchain_core.load import dumps, loads
+
+    from hibana_core.config import CacheConfig
+
+    llm = ChatHibana(model="demo", engine_kwargs={"cache": CacheConfig(block_size=32)})
+    text = dumps(llm)
+    with pytest.raises(NotImplementedError, match="CacheConfig"):
+        loads(text, allowed_objects=[ChatHibana], valid_namespaces=["hibana_plugins"])
+    assert llm._get_llm_string() != ChatHibana(model="demo")._get_llm_string()
+    assert ChatHibana(stop=["x"])._get_llm_string() == ChatHibana()._get_llm_string(stop=["x"])
 
 
 def test_chat_hibana_aliases_and_ignored_options():
