@@ -1,17 +1,14 @@
 """LangChain's standard chat-model suites (langchain-tests) on ChatHibana and the demo model (CPU).
 
-Every test passes as the suite ships it, except the multimodal ones the suite itself skips (the
-demo model is text only) and test_serdes, the one marked xfail: its `load` passes
-allowed_objects="all", which admits only the classes LangChain ships mappings for (its partners');
-ChatHibana is loaded by naming it (`allowed_objects=[ChatHibana]`, test_adapter_options). Its
-snapshot is __snapshots__/test_langchain_standard.ambr (`pytest --snapshot-update` rewrites it).
+No test is marked xfail: every test passes as the suite ships it, except the multimodal ones the
+suite itself skips (the demo model is text only).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
+
 
 from langchain_core.language_models import BaseChatModel  # noqa: E402
 from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa: E402
@@ -32,11 +29,6 @@ class TestChatHibanaUnit(ChatModelUnitTests):
     @property
     def chat_model_params(self) -> dict:
         return {"model": "demo"}
-
-    @pytest.mark.xfail(reason="the suite loads with allowed_objects='all', LangChain's mapped classes only; "
-                              "ChatHibana loads with allowed_objects=[ChatHibana]", raises=ValueError, strict=True)
-    def test_serdes(self, model: BaseChatModel, snapshot) -> None:
-        super().test_serdes(model, snapshot)
 
 
 class TestChatHibanaIntegration(ChatModelIntegrationTests):
