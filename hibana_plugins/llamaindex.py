@@ -203,6 +203,18 @@ def _no_call_message(response: Any) -> str:
     return f"expected at least one tool call, got none ({why}){hint}: {response.message.content!r:.200}"
 
 
+CALL_SWITCHES = ("tool_required", "parallel_tool_calls", "allow_parallel_tool_calls", "structured_answer")
+"""Per-call options that are True or False (None: the default)."""
+
+
+def _check_switches(options: dict[str, Any], where: str) -> None:
+    """A ConfigError for a per-call switch that is not True, False or None: 'no' is a true string,
+    and tool_required='no' forced a call (as the constructor's switches, `options.check_switches`)."""
+    for name in CALL_SWITCHES:
+        if options.get(name) is not None and not isinstance(options[name], bool):
+            raise ConfigError(f"{where}: {name} must be True or False, got {options[name]!r:.40}")
+
+
 @functools.lru_cache(maxsize=256)
 def _unheld(parameters: str) -> tuple[str, ...]:
     """`messages.unheld` on a schema's JSON text, once per schema (it compiles the schema)."""
@@ -424,6 +436,8 @@ def llm_class() -> type:
             if user_msg is not None:
                 messages.append(ChatMessage(role=MessageRole.USER, content=user_msg)
                                 if isinstance(user_msg, str) else user_msg)
+            _check_switches({"allow_parallel_tool_calls": allow_parallel_tool_calls, "tool_required": tool_required},
+                            "HibanaLLM.chat_with_tools")
             if isinstance(tools, (str, bytes, dict)) or not isinstance(tools, Iterable):
                 raise ToolSchemaError(f"chat_with_tools takes a list of tools, got one {type(tools).__name__}; "
                                       "pass [tool]")
@@ -526,6 +540,7 @@ def llm_class() -> type:
         def _chat_call(self, messages: Sequence[ChatMessage], kwargs: dict) -> _Call:
             kwargs = resolve_aliases(kwargs, "HibanaLLM.chat")
             check_known(kwargs, CHAT_OPTIONS, "HibanaLLM.chat")
+            _check_switches(kwargs, "HibanaLLM.chat")
             tools = normalize_tools(kwargs.get("tools"))
             choice = kwargs.get("tool_choice")
             if kwargs.get("tool_required") and not tools:
@@ -609,8 +624,24 @@ def llm_class() -> type:
 def openai_messages(messages: Sequence[Any]) -> list[dict]:
     """LlamaIndex ChatMessages as the OpenAI-style dicts `hibana_core.chat` renders. Tool calls come
     from ToolCallBlocks, else from `additional_kwargs["tool_calls"]` (older integrations)."""
-    from llama_index.core.base.llms.types import (AudioBlock, CitableBlock, CitationBlock, DocumentBlock, ImageBlock,
-                                                  TextBlock, ThinkingBlock, ToolCallBlock, VideoBlock)
+    from llama_index.core.base.llms.types import (AudioBlock, ChatMessage, CitableBlock, CitationBlock, DocumentBlock,
+                                                  ImageBlock, TextBlock, ThinkingBlock, ToolCallBlock, VideoBlock)
+
+    def text_of(blocks: Sequence[Any]) -> str:
+        """The text of a message's blocks as LlamaIndex's `ChatMessage.content` reads it: text blocks
+        a line apart (a citable source's content is one of them); a citation's text inline, in its place."""
+        out: list[str] = []
+        after_block = False  # the last piece was a text block's (a line apart from the next one)
+        for block in blocks:
+            if isinstance(block, (TextBlock, CitableBlock)):
+                if after_block:
+                    out.append("\n")
+                out.append(block.text if isinstance(block, TextBlock) else text_of(block.content))
+                after_block = True
+            elif isinstance(block, CitationBlock):
+                out.append(text_of([block.cited_content]))
+                after_block = False
+        return "".join(out)
 
     def flat(blocks: Sequence[Any]) -> Iterator[Any]:
         """The blocks, a citable source's or a citation's content in their place (a tool may return
@@ -624,16 +655,17 @@ def openai_messages(messages: Sequence[Any]) -> list[dict]:
                 yield block
 
     out = []
-    for message in messages:
+    for i, message in enumerate(messages):
+        if not isinstance(message, ChatMessage):
+            raise ConversationError(f"message {i} is a {type(message).__name__}, not a LlamaIndex ChatMessage; pass "
+                                    "ChatMessage(role='user', content='...')")
         role = getattr(message.role, "value", message.role)
         role = _ROLES.get(role, role)
-        content = list(flat(message.blocks))
-        media = [b for b in content if isinstance(b, (ImageBlock, AudioBlock, VideoBlock, DocumentBlock))]
+        media = [b for b in flat(message.blocks) if isinstance(b, (ImageBlock, AudioBlock, VideoBlock, DocumentBlock))]
         if media:  # dropping it would answer as if the user had sent none
             raise UnsupportedContentError(f"HibanaLLM reads text only, and a {role} message holds a "
                                           f"{media[0].block_type!r} block; describe it in text or use a multimodal LLM")
-        text = "".join(b.text for b in content if isinstance(b, TextBlock))
-        item: dict[str, Any] = {"role": role, "content": text}
+        item: dict[str, Any] = {"role": role, "content": text_of(message.blocks)}
         thinking = "".join(b.content or "" for b in message.blocks if isinstance(b, ThinkingBlock))
         if thinking:  # the template decides whether it is rendered
             item["reasoning_content"] = thinking

@@ -1,0 +1,83 @@
+"""HibanaLLM on inputs a LlamaIndex user's code hands it: messages of several text blocks (as
+LlamaIndex's own Memory builds them), messages that are not ChatMessages, and per-call switches
+that are not True or False."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from llama_index.core.base.llms.types import ChatMessage, TextBlock
+from llama_index.core.tools import FunctionTool
+
+from hibana_core import Engine
+from hibana_core.errors import ConfigError, ConversationError
+from hibana_plugins.llamaindex import HibanaLLM, openai_messages
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine.from_pretrained("demo", device="cpu", progress=False) as engine:
+        yield engine
+
+
+def get_weather(city: str) -> str:
+    """Get the current weather for a city."""
+    return "sunny"
+
+
+TOOLS = [FunctionTool.from_defaults(get_weather, description=get_weather.__doc__)]
+
+
+def test_text_blocks_are_a_line_apart_as_in_llamaindexs_content():
+    """LlamaIndex reads a message of several TextBlocks as their texts a line apart
+    (`ChatMessage.content`); the adapter glued them: Memory's memory blocks, put before the
+    system prompt, became '...</memory>You are a helpful assistant.'."""
+    from llama_index.core.memory import Memory, StaticMemoryBlock
+
+    memory = Memory.from_defaults(session_id="blocks", token_limit=4000, memory_blocks=[
+        StaticMemoryBlock(name="core_info", static_content="My name is Logan.", priority=0)])
+
+    async def history() -> list[ChatMessage]:
+        await memory.aput(ChatMessage(role="system", content="You are a helpful assistant."))
+        await memory.aput(ChatMessage(role="user", content="Hi"))
+        return await memory.aget()
+
+    messages = asyncio.run(history())
+    assert len(messages[0].blocks) == 2
+    system, user = openai_messages(messages)
+    assert system["content"] == messages[0].content and system["content"].endswith(
+        "</memory>\nYou are a helpful assistant.")
+    question = ChatMessage(role="user", blocks=[TextBlock(text="Context: Oslo is cold."),
+                                                TextBlock(text="Question: is Oslo cold?")])
+    assert openai_messages([question])[0]["content"] == question.content == \
+        "Context: Oslo is cold.\nQuestion: is Oslo cold?"
+
+
+def test_a_message_that_is_no_chat_message_is_a_conversation_error(engine):
+    """An OpenAI-style dict (code moved from another client) was an AttributeError ('dict' object
+    has no attribute 'role') from inside the adapter. (A message LlamaIndex's own call event cannot
+    read, None or a string, fails there first, with pydantic's error.)"""
+    llm = HibanaLLM(engine=engine, max_tokens=8)
+    with pytest.raises(ConversationError, match="ChatMessage"):
+        llm.chat([{"role": "user", "content": "Hi"}])
+    with pytest.raises(ConversationError, match="message 1 is a str"):
+        openai_messages([ChatMessage(role="user", content="Hi"), "Hi"])
+    assert llm.chat([ChatMessage(role="user", content="Hi")]).message.content  # the engine goes on
+
+
+def test_per_call_switches_are_true_or_false(engine):
+    """tool_required='no' forced a tool call (a non-empty string is truthy); parallel_tool_calls
+    and allow_parallel_tool_calls 'no' allowed parallel calls. They are refused as the
+    constructor's switches are; None stays LlamaIndex's falsy default."""
+    llm = HibanaLLM(engine=engine, max_tokens=32)
+    for options in ({"tool_required": "no"}, {"allow_parallel_tool_calls": "no"}, {"tool_required": 0}):
+        with pytest.raises(ConfigError, match="True or False"):
+            llm.chat_with_tools(TOOLS, user_msg="Hi!", **options)
+    for options in ({"parallel_tool_calls": "no"}, {"tool_required": "yes"}):
+        with pytest.raises(ConfigError, match="True or False"):
+            llm.chat([ChatMessage(role="user", content="Hi!")],
+                     tools=llm._prepare_chat_with_tools(TOOLS)["tools"], **options)
+    greeting = llm.chat_with_tools(TOOLS, user_msg="Hi!", tool_required=False, allow_parallel_tool_calls=None)
+    assert llm.get_tool_calls_from_response(greeting, error_on_no_tool_call=False) == []
