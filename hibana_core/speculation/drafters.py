@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
 
 from hibana_core.errors import ConfigError
-from hibana_core.sampler import needs_history
 from hibana_core.speculation.index import (CONTEXT_INDEX_BYTES_PER_TOKEN, LAST_SEEN_BYTES_PER_TOKEN, ORDERS,
                                            ContextIndex, Seen, WindowedContextIndex, WindowedIndex,
                                            WindowedLastSeenIndex, extend_hashes, longest_at,
@@ -105,7 +104,8 @@ def cut(proposal: "list[int] | SampledDraft", n: int) -> "list[int] | SampledDra
 def samples_drafts(params: "SamplingParams | None") -> bool:
     """Whether a request's drafts may be a `SampledDraft`: it samples (temperature > 0), has no
     seed and no penalty that reads its history."""
-    return params is not None and not params.greedy and params.seed is None and not needs_history(params)
+    return (params is not None and not params.greedy and params.seed is None and params.repetition_penalty == 1.0
+            and not params.presence_penalty and not params.frequency_penalty)  # (no penalty: sampler.needs_history)
 
 
 @runtime_checkable

@@ -25,8 +25,6 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import torch
-
 from hibana_core.config import SpeculationConfig, is_kind, plain_token_ids
 from hibana_core.errors import ConfigError, HibanaError
 from hibana_core.speculation.controller import (MAX_DRAFT, AcceptanceStats, Candidate, Controller,
@@ -104,11 +102,13 @@ def valid_draft(proposal: Any, k: int, vocab_size: int, sampled: bool = False) -
         if not sampled or not tokens:
             return tokens
         probs = proposal.probs
-        if not (isinstance(probs, torch.Tensor) and probs.dim() == 2 and probs.shape[0] >= len(tokens)
-                and 0 < probs.shape[1] <= vocab_size):
-            raise TypeError(f"a SampledDraft of {len(tokens)} tokens holds probs of shape "
-                            f"{tuple(getattr(probs, 'shape', ()))}, where [{len(tokens)}, V <= {vocab_size}] "
-                            "belongs")
+        # a tensor, told without importing torch: the plugin manager imports this module (through
+        # hibana_plugins.options) on every start, where adapters load without torch
+        shape = tuple(getattr(probs, "shape", ()))
+        if not (hasattr(probs, "index_select") and len(shape) == 2 and shape[0] >= len(tokens)
+                and 0 < shape[1] <= vocab_size):
+            raise TypeError(f"a SampledDraft of {len(tokens)} tokens holds probs of shape {shape}, where "
+                            f"[{len(tokens)}, V <= {vocab_size}] belongs")
         return SampledDraft(tokens, probs[:len(tokens)])
     if proposal is None:
         return []
