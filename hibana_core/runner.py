@@ -367,10 +367,8 @@ def sampling_rows(scheduled: SchedulerOutput) -> list[SamplingRow]:
         drafts, probs = chunk.draft_token_ids, chunk.draft_probs
         for i in range(1 + len(drafts)):
             output = r.output if i == 0 else [*r.output, *drafts[:i]]
-            row = SamplingRow(r.params, r.generator, prompt, output, first + i)
-            if probs is not None and i < len(drafts):
-                row.draft, row.draft_probs = drafts[i], probs[i]
-            rows.append(row)
+            drawn = (drafts[i], probs[i]) if probs is not None and i < len(drafts) else None
+            rows.append(SamplingRow(r.params, r.generator, prompt, output, first + i, drawn))
     return rows
 
 

@@ -4,7 +4,7 @@ top-k/p, min-p.
 The order follows Hugging Face and vLLM:
 
     (constrained rows: grammar mask) -> penalties -> (greedy rows: argmax) -> temperature
-    -> top-k -> top-p -> min-p -> sample
+    -> top-k -> top-p -> min-p -> sample -> (rows verifying a drawn draft: kept at min(1, p/q))
 
 A grammar mask (`TokenMasks`, filled on the host by `hibana_core.grammar`) sets the logits of the
 tokens a row's grammar forbids to -inf, on the constrained rows only; a batch without one costs
@@ -51,13 +51,12 @@ class SamplingRow:
     """Which of the request's tokens this row samples (0: its first). A seeded row's noise
     depends on its seed and this index alone, so its tokens are the same whatever the batch
     and whether drafts were verified in between."""
-    draft: int = -1
-    """The drafted token this row verifies, where `draft_probs` gives the distribution it was
-    drawn from (-1: none)."""
-    draft_probs: torch.Tensor | None = None
-    """[V'] float32 (V' <= the logits' width): the drafter's distribution q at this position.
-    The row's token is then the draft with probability min(1, p(draft) / q(draft)), else a draw
-    from max(0, p - q): in distribution p, as any row's token (speculative sampling)."""
+    drawn_draft: tuple[int, torch.Tensor] | None = None
+    """The drafted token this row verifies and the distribution q it was drawn from ([V'] float32,
+    V' <= the logits' width), where a drafter drew it (None: no draft, or one chosen, which is kept
+    where the row's own draw equals it). The row's token is then the draft with probability
+    min(1, p(draft) / q(draft)), else a draw from max(0, p - q): in distribution p, as any row's
+    token (speculative sampling)."""
 
 
 @dataclass(frozen=True)
@@ -123,7 +122,7 @@ class Sampler:
             return x.argmax(dim=-1)
         probs = apply_warpers(x, params).softmax(dim=-1)
         sampled = self._race(probs, rows)
-        if any(row.draft_probs is not None for row in rows):
+        if any(row.drawn_draft is not None for row in rows):
             sampled = self._verify_sampled_drafts(probs, rows, sampled)
         if not any(greedy):
             return sampled
@@ -178,21 +177,16 @@ class Sampler:
         else a draw from the residual max(0, p - q), which never holds x then (p(x) < q(x)). Both
         together are a draw from p. The rows take the sampler's shared noise: the drafts were drawn
         only for requests without a seed (`samples_drafts`)."""
-        index = [i for i, row in enumerate(rows) if row.draft_probs is not None]
+        index = [i for i, row in enumerate(rows) if row.drawn_draft is not None]
         at = device_tensor(index, torch.int64, probs.device)
         p = probs.index_select(0, at)  # [D, V]
-        q = torch.zeros_like(p)
-        for j, i in enumerate(index):  # a drafter's vocabulary may be narrower than the logits
-            row = rows[i].draft_probs
-            q[j, :row.shape[0]] = row
-        x = device_tensor([rows[i].draft for i in index], torch.int64, probs.device)[:, None]  # [D, 1]
+        x = device_tensor([rows[i].drawn_draft[0] for i in index], torch.int64, probs.device)[:, None]  # [D, 1]
+        q = _stacked([rows[i].drawn_draft[1] for i in index], p.shape[1])  # [D, V]
         u = torch.rand(len(index), 1, generator=self.generator, device=probs.device)
         keep = u * q.gather(1, x) < p.gather(1, x)  # [D, 1]
-        residual = (p - q).clamp_(min=0)
-        noise = torch.empty_like(residual).exponential_(generator=self.generator).clamp_(min=_TINY)
-        # where float rounding leaves no residual mass (p == q: every draft is kept), p itself
-        empty = residual.sum(dim=-1, keepdim=True) <= 0
-        redrawn = (torch.where(empty, p, residual) / noise).argmax(dim=-1, keepdim=True)  # [D, 1]
+        residual = p.sub_(q).clamp_(min=0)  # in place: [D, V] buffers are a vocabulary each
+        # where float rounding leaves no residual mass (p == q), the draft is kept: p(x) >= q(x) there
+        redrawn = torch.where(residual.sum(dim=-1, keepdim=True) > 0, draw(residual, self.generator, noise=q), x)
         return sampled.index_copy(0, at, torch.where(keep, x, redrawn)[:, 0])
 
     def _race(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -212,6 +206,30 @@ class Sampler:
                 generator.manual_seed(draw_seed(seed, rows[i].draw))
             noise[i].exponential_(generator=generator)
         return (probs / noise.clamp_(min=_TINY)).argmax(dim=-1)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """One draw per row of probs [B, V] (any non-negative weights): argmax(p / e), e ~ Exp(1) from
+    `generator` (`noise`: a [B, V] float32 buffer to draw it into, overwritten). [B, 1] int64."""
+    noise = torch.empty_like(probs) if noise is None else noise
+    noise.exponential_(generator=generator).clamp_(min=_TINY)
+    return torch.div(probs, noise, out=noise).argmax(dim=-1, keepdim=True)
+
+
+def _stacked(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Distributions [V'] as one [len(rows), width] float32 tensor, zero past each row's own
+    width (a drafter's vocabulary may be narrower than the logits); a plugin's NaN or negative
+    entries as 0 (its draft is then rejected, its position drawn from the residual)."""
+    widths = {row.shape[0] for row in rows}
+    if len(widths) == 1:
+        q = torch.stack(rows).float()
+        if q.shape[1] < width:
+            q = torch.nn.functional.pad(q, (0, width - q.shape[1]))
+    else:
+        q = torch.zeros(len(rows), width, dtype=torch.float32, device=rows[0].device)
+        for j, row in enumerate(rows):
+            q[j, :row.shape[0]] = row
+    return q.nan_to_num_(0.0).clamp_(min=0.0)
 
 
 def draw_seed(seed: int, draw: int) -> int:

@@ -40,6 +40,8 @@ from hibana_core.speculation.drafters import SampledDraft, cut
 logger = logging.getLogger("hibana.states")
 
 if TYPE_CHECKING:
+    import torch
+
     from hibana_core.grammar import Matcher
     from hibana_core.kv.tiers import HostTier
     from hibana_core.state import TokenLogprob
@@ -128,7 +130,7 @@ class ScheduledChunk:
     sample: bool      # the chunk reaches the end of the target and the request samples
     draft_token_ids: tuple[int, ...] = ()
     """Drafted tokens after the history, verified in this step (the chunk's last inputs)."""
-    draft_probs: Any = None
+    draft_probs: "torch.Tensor | None" = None
     """The distributions the drafts were drawn from ([k, V] on the device: a `SampledDraft`'s),
     or None for drafts the target keeps where its own draw equals them."""
 

@@ -276,7 +276,7 @@ def test_drawn_drafts_are_kept_at_min_1_p_over_q_and_tokens_follow_p(name):
     drafts = torch.multinomial(q, N, replacement=True, generator=torch.Generator().manual_seed(1))
     rows = [row(params) for _ in range(N)]
     for r, x in zip(rows, drafts.tolist()):
-        r.draft, r.draft_probs = x, q
+        r.drawn_draft = (x, q)
     tokens = Sampler(CPU, seed=2)(LOGITS.expand(N, -1), rows)
     check_distribution(tokens, p)
     kept = (tokens == drafts).double().mean().item()

@@ -637,3 +637,35 @@ def test_stats_report_the_drafters_host_memory(tiny_checkpoints, make_engine):
     assert figures["states"] == 2 and len(loop) * 2 <= figures["indexed_tokens"] <= (len(loop) + 8) * 2
     assert figures["host_bytes"] > figures["indexed_tokens"] * 100
     assert figures["state_window"] == 1 << 14 and figures["max_tokens"] == 1 << 19 and figures["evictions"] == 0
+
+
+def test_drawn_drafts_are_verified_as_chosen_ones_under_a_grammar_and_trace_replay(tiny_checkpoints, make_engine,
+                                                                                    monkeypatch):
+    """A grammar cuts drafts by their values, and a drawn draft it forbids is a rejection whose
+    position needs the residual max(0, p - q), not p: kept at min(1, p/q), a regex's first token
+    came out biased (0.124 against 0.073 for a token q favoured). Under a grammar, and under trace
+    replay (forced outputs), a drafter's drawn proposal is verified as a chosen one: kept where the
+    target's own draw equals it. The sampler's p/q verification never runs for them."""
+    from hibana_core.sampler import Sampler
+    from spec_drafters import DrawnDrafter
+
+    path = tiny_checkpoints["llama"]
+    verified = []
+    original = Sampler._verify_sampled_drafts
+    monkeypatch.setattr(Sampler, "_verify_sampled_drafts",
+                        lambda self, *args: verified.append(1) or original(self, *args))
+    drafter = DrawnDrafter(torch.full((VOCAB_SIZE,), 1.0 / VOCAB_SIZE), seed=1)
+    with registered(drawn=drafter):
+        engine = make_engine(path, speculation={"method": "drawn", "k": 2})
+    prompt = random_tokens(random.Random(3), 12)
+    for i in range(4):
+        out = engine.open_state(f"g{i}").generate(
+            SamplingParams(max_tokens=8, temperature=1.0, regex="[ab]{8}"), prompt=prompt)
+        assert len(out.text) == 8 and set(out.text) <= {"a", "b"}, out.text
+    h = engine.open_state("forced")
+    force_outputs(h, [7, 8, 9, 10, 11, 12])
+    h.generate(SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True), prompt=prompt)
+    assert drafter.calls and engine.stats().draft_tokens_proposed > 0
+    assert not verified
+    engine.open_state("free").generate(SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True), prompt=prompt)
+    assert verified  # the same drafter's proposals for a free request are verified at p/q

@@ -45,7 +45,7 @@ from hibana_core.kv.transfers import device_tensor
 from hibana_core.loader import LoadedModel, load_model, model_bytes
 from hibana_core.models.decoder import longrope_switch
 from hibana_core.runner import DeviceInput, ModelRunner, StepData
-from hibana_core.sampler import apply_warpers, make_generator
+from hibana_core.sampler import apply_warpers, draw, make_generator
 from hibana_core.speculation.drafters import DraftInput, SampledDraft, samples_drafts
 
 
@@ -77,7 +77,6 @@ class _Work:
     start: int        # first position computed in this call
     end: int          # history length
     params: SamplingParams | None = None  # drafts drawn under these (None: the argmax)
-    slot: int = -1    # its row of the call's distributions, where drawn
 
 
 class _OnDevice(NamedTuple):
@@ -344,11 +343,9 @@ class DraftModelDrafter:
 
     def _run(self, work: list[_Work]) -> list[list[int] | SampledDraft]:
         drafts = torch.zeros(len(work), work[0].k, dtype=torch.long, device=self.device)  # [S, k_max]
-        drawn = [w for w in work if w.params is not None]
-        for slot, w in enumerate(drawn):
-            w.slot = slot
+        slots = {w.index: slot for slot, w in enumerate(w for w in work if w.params is not None)}
         # q of every drawn draft: [drawn states, k_max, vocab]
-        probs = torch.empty(len(drawn), work[0].k, self.vocab_size, device=self.device) if drawn else None
+        probs = torch.empty(len(slots), work[0].k, self.vocab_size, device=self.device) if slots else None
         at = [w.start for w in work]
         while any(a < w.end for a, w in zip(at, work)):  # catch up, chunked under the token budget
             budget, parts, done = self.max_tokens, [], []  # done: (part row, state row)
@@ -367,30 +364,29 @@ class DraftModelDrafter:
             logits = self._forward(parts)
             if done:
                 rows = device_tensor([r for r, _ in done], torch.long, self.device)
-                tokens = self._pick(logits.index_select(0, rows), [work[j] for _, j in done], probs, 0)
+                tokens = self._pick(logits.index_select(0, rows), [work[j] for _, j in done], probs, slots, 0)
                 drafts[device_tensor([j for _, j in done], torch.long, self.device), 0] = tokens
         for step in range(1, work[0].k):  # decode: draft `step` in, draft `step + 1` out
             m = sum(w.k > step for w in work)
             parts = [(w.seq, w.end + step - 1, w.end + step, None) for w in work[:m]]
             logits = self._forward(parts, _OnDevice(drafts[:m, step - 1]))
-            drafts[:m, step] = self._pick(logits, work[:m], probs, step)
+            drafts[:m, step] = self._pick(logits, work[:m], probs, slots, step)
         host = drafts.tolist()  # the call's one host sync
-        return [row[:w.k] if w.params is None else SampledDraft(row[:w.k], probs[w.slot, :w.k])
+        return [row[:w.k] if w.params is None else SampledDraft(row[:w.k], probs[slots[w.index], :w.k])
                 for row, w in zip(host, work)]
 
     def _pick(self, logits: torch.Tensor, work: Sequence[_Work], probs: torch.Tensor | None,
-              step: int) -> torch.Tensor:
+              slots: dict[int, int], step: int) -> torch.Tensor:
         """The draft after each row of `logits` [S, vocab] (row s: `work[s]`'s): the argmax, or a
-        draw from q under the request's warpers, with q written to `probs` at (slot, step)."""
+        draw from q under the request's warpers, with q written to `probs` at (its slot, step)."""
         tokens = logits.argmax(dim=-1)
         drawn = [s for s, w in enumerate(work) if w.params is not None]
         if not drawn:
             return tokens
         rows = device_tensor(drawn, torch.long, self.device)
         q = apply_warpers(logits.index_select(0, rows).float(), [work[s].params for s in drawn]).softmax(dim=-1)
-        noise = torch.empty_like(q).exponential_(generator=self.generator).clamp_(min=torch.finfo(torch.float32).tiny)
-        probs[device_tensor([work[s].slot for s in drawn], torch.long, self.device), step] = q
-        return tokens.index_copy(0, rows, (q / noise).argmax(dim=-1))
+        probs[device_tensor([slots[work[s].index] for s in drawn], torch.long, self.device), step] = q
+        return tokens.index_copy(0, rows, draw(q, self.generator)[:, 0])
 
     def _forward(self, parts: list[tuple[KVSequence, int, int, list[int] | None]],
                  previous: _OnDevice | None = None) -> torch.Tensor:

@@ -83,9 +83,11 @@ class SampledDraft:
     drafts kept than a draft chosen greedily gets where q is close to p. A plain list of tokens is
     the deterministic proposal (kept exactly when the target's own draw equals it).
 
-    Only for sampled requests without a seed or history penalties (`samples_drafts`): a seeded
-    request's tokens are its own draws, the same with speculation on or off, and penalties at a
-    draft depend on the drafts before it, which a batched drafter has not read back."""
+    Only for sampled requests without a seed, history penalties or a grammar (`samples_drafts`,
+    and `Speculator._input` hands no params under a grammar): a seeded request's tokens are its own draws, the
+    same with speculation on or off; penalties at a draft depend on the drafts before it, which a
+    batched drafter has not read back; and a grammar cuts drafts by their values (a forbidden draft
+    is rejected, so its position would need the residual, not p)."""
 
     tokens: list[int]
     probs: "torch.Tensor"
@@ -110,16 +112,16 @@ def samples_drafts(params: "SamplingParams | None") -> bool:
 
 @runtime_checkable
 class Drafter(Protocol):
-    def propose(self, state: DraftInput, k: int) -> list[int]:
-        """Up to k tokens that may follow `state.tokens` (fewer, or none, when unsure)."""
+    def propose(self, state: DraftInput, k: int) -> "list[int] | SampledDraft":
+        """Up to k tokens that may follow `state.tokens` (fewer, or none, when unsure): token ids,
+        or a `SampledDraft` (the tokens with the distributions they were drawn from) where
+        `samples_drafts(state.params)`."""
 
-    # A proposal is a list of token ids, or a `SampledDraft` (tokens with the distribution each was
-    # drawn from) for a request where `samples_drafts(state.params)`. Optional, each used when a
-    # drafter has it: `finished(context: Sequence[int], output:
+    # Optional, each used when a drafter has it: `finished(context: Sequence[int], output:
     # Sequence[int])`, a request generated `output` after `context` (its last tokens), for drafters
     # that learn across agents (the suffix drafter's shared corpus). `propose_many(states:
-    # list[DraftInput], ks: list[int]) -> list[list[int]]`, the proposals for several states in
-    # one call (a draft model batches its forwards). `shadows = False`: proposals are costly, so
+    # list[DraftInput], ks: list[int]) -> list[proposal]`, the proposals for several states in one
+    # call (a draft model batches its forwards). `shadows = False`: proposals are costly, so
     # the controller learns acceptance from verify steps only (no free shadow proposals).
     # `summary()`: figures for engine.stats().speculation["drafters"]. `resident_bytes()`: device
     # bytes it holds. `close()`: called when the engine closes.

@@ -260,7 +260,7 @@ class Speculator:
             for (i, want), proposal in zip(items, self._propose(method, inputs, [w for _, w in items])):
                 request, config = chunks[i].request, self.config(chunks[i].request)
                 if request.grammar is not None:  # cut at the first token the grammar forbids
-                    proposal = cut(proposal, request.grammar.valid_prefix(_tokens(proposal)))
+                    proposal = proposal[:request.grammar.valid_prefix(proposal)]  # (token ids: `_input`)
                 stats = self.stats(request, method)
                 if config.k is None and not proposal:
                     stats.record(1, 0)  # nothing to draft counts as a miss: it is what drafting gets
@@ -312,7 +312,14 @@ class Speculator:
 
     @staticmethod
     def _input(request: "Request") -> DraftInput:
-        return DraftInput(TokensView(request.seq.tokens), request.seq, request.seq.edits, request.params)
+        """What a drafter sees of a request's state; its params where it may take drawn drafts
+        (`samples_drafts`), but not under a grammar, which cuts drafts by their values (a drawn
+        draft the grammar forbids is a rejection, after which the target draws from the residual,
+        not from p), nor under trace replay, whose outputs are forced (a drawn draft would be kept
+        where it equals the forced token, at sum(p q) where a real run keeps sum(min(p, q))). The
+        proposals of a request given no params are token ids alone (`valid_draft`)."""
+        params = request.params if request.grammar is None and request.forced is None else None
+        return DraftInput(TokensView(request.seq.tokens), request.seq, request.seq.edits, params)
 
     # --- update -----------------------------------------------------------------------------
 
