@@ -629,9 +629,11 @@ def _as_ids(eos: Any) -> tuple[int, ...] | None:
 
 
 def _config_eos(hf_config: Any) -> Any:
-    """The config's eos_token_id where transformers' generation config takes it from: the text
-    (decoder) config, which a multimodal one (Gemma 3's) holds apart from its own fields."""
-    return getattr(hf_config.get_text_config(decoder=True), "eos_token_id", None)
+    """The config's eos_token_id where transformers' generation config takes it from
+    (`GenerationConfig.from_model_config`): the config's own, else its text (decoder) config's,
+    which a multimodal one (Gemma 3's) holds apart from its own fields."""
+    own = getattr(hf_config, "eos_token_id", None)
+    return own if own is not None else getattr(hf_config.get_text_config(decoder=True), "eos_token_id", None)
 
 
 FINGERPRINT_SAMPLES = 64  # runs of bytes a larger tensor's values are sampled at, at most

@@ -160,3 +160,16 @@ def test_a_template_that_ends_turns_with_eos_token_ends_them_there_without_a_mod
                                            SamplingParams(max_tokens=len(reply) + 1 + len(after)))
     assert (result.text, result.finish_reason) == ("hello there", "stop")
     assert result.usage.completion_tokens == len(reply) + 1
+
+
+def test_the_configs_own_eos_comes_before_its_text_configs():
+    """transformers' GenerationConfig.from_model_config takes a multimodal config's own
+    eos_token_id, and its text (decoder) config's only where it has none."""
+    from transformers import Gemma3Config, GenerationConfig
+
+    from hibana_core.loader import _config_eos
+
+    for config in (Gemma3Config(text_config={"eos_token_id": 7}, eos_token_id=5),
+                   Gemma3Config(text_config={"eos_token_id": 7})):
+        assert _config_eos(config) == GenerationConfig.from_model_config(config).eos_token_id
+    assert _config_eos(Gemma3Config(text_config={"eos_token_id": 7}, eos_token_id=5)) == 5
