@@ -121,9 +121,11 @@ class Sampler:
         if all(greedy):
             return x.argmax(dim=-1)
         probs = apply_warpers(x, params).softmax(dim=-1)
+        drawn = self._drawn_drafts(probs, rows) if any(row.drawn_draft is not None for row in rows) else None
         sampled = self._race(probs, rows)
-        if any(row.drawn_draft is not None for row in rows):
-            sampled = self._verify_sampled_drafts(probs, rows, sampled)
+        if drawn is not None:
+            at, drafts, keep = drawn
+            sampled = sampled.index_copy(0, at, torch.where(keep, drafts, sampled.index_select(0, at)))
         if not any(greedy):
             return sampled
         return torch.where(device_tensor(greedy, torch.bool, x.device), x.argmax(dim=-1), sampled)
@@ -170,13 +172,14 @@ class Sampler:
             return logits + bias
         return logits.index_add(0, masks.rows, bias)
 
-    def _verify_sampled_drafts(self, probs: torch.Tensor, rows: Sequence[SamplingRow],
-                               sampled: torch.Tensor) -> torch.Tensor:
-        """`sampled` with each row that verifies a drawn draft x (`SamplingRow.draft_probs`: q)
-        replaced: x where u q(x) < p(x) (u uniform: kept with probability min(1, p(x) / q(x))),
-        else a draw from the residual max(0, p - q), which never holds x then (p(x) < q(x)). Both
-        together are a draw from p. The rows take the sampler's shared noise: the drafts were drawn
-        only for requests without a seed (`samples_drafts`)."""
+    def _drawn_drafts(self, probs: torch.Tensor,
+                      rows: Sequence[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows that verify a drawn draft x (`SamplingRow.drawn_draft`: x and q): their
+        indexes [D], drafts [D] and whether each is kept [D] (u q(x) < p(x), u uniform: with
+        probability min(1, p(x) / q(x))); their rows of `probs` become the residual max(0, p - q),
+        which the race then draws the token from where x is not kept (it never holds x then:
+        p(x) < q(x)). Together a draw from p. The rows take the sampler's shared noise: drafts are
+        drawn only for requests without a seed (`samples_drafts`)."""
         index = [i for i, row in enumerate(rows) if row.drawn_draft is not None]
         at = device_tensor(index, torch.int64, probs.device)
         p = probs.index_select(0, at)  # [D, V]
@@ -186,8 +189,9 @@ class Sampler:
         keep = u * q.gather(1, x) < p.gather(1, x)  # [D, 1]
         residual = p.sub_(q).clamp_(min=0)  # in place: [D, V] buffers are a vocabulary each
         # where float rounding leaves no residual mass (p == q), the draft is kept: p(x) >= q(x) there
-        redrawn = torch.where(residual.sum(dim=-1, keepdim=True) > 0, draw(residual, self.generator, noise=q), x)
-        return sampled.index_copy(0, at, torch.where(keep, x, redrawn)[:, 0])
+        keep |= residual.sum(dim=-1, keepdim=True) <= 0
+        probs.index_copy_(0, at, residual)
+        return at, x[:, 0], keep[:, 0]
 
     def _race(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """One draw per row from probs [B, V]: argmax(p / q), q ~ Exp(1)."""
@@ -208,11 +212,10 @@ class Sampler:
         return (probs / noise.clamp_(min=_TINY)).argmax(dim=-1)
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator, noise: torch.Tensor | None = None) -> torch.Tensor:
-    """One draw per row of probs [B, V] (any non-negative weights): argmax(p / e), e ~ Exp(1) from
-    `generator` (`noise`: a [B, V] float32 buffer to draw it into, overwritten). [B, 1] int64."""
-    noise = torch.empty_like(probs) if noise is None else noise
-    noise.exponential_(generator=generator).clamp_(min=_TINY)
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row of probs [B, V] (any non-negative weights), the sampler's race: argmax(p / e),
+    e ~ Exp(1) from `generator`. [B, 1] int64."""
+    noise = torch.empty_like(probs).exponential_(generator=generator).clamp_(min=_TINY)
     return torch.div(probs, noise, out=noise).argmax(dim=-1, keepdim=True)
 
 

@@ -651,8 +651,8 @@ def test_drawn_drafts_are_verified_as_chosen_ones_under_a_grammar_and_trace_repl
 
     path = tiny_checkpoints["llama"]
     verified = []
-    original = Sampler._verify_sampled_drafts
-    monkeypatch.setattr(Sampler, "_verify_sampled_drafts",
+    original = Sampler._drawn_drafts
+    monkeypatch.setattr(Sampler, "_drawn_drafts",
                         lambda self, *args: verified.append(1) or original(self, *args))
     drafter = DrawnDrafter(torch.full((VOCAB_SIZE,), 1.0 / VOCAB_SIZE), seed=1)
     with registered(drawn=drafter):
