@@ -21,7 +21,7 @@ import torch
 
 from hibana_core.forward_context import ForwardBatch, ForwardContext
 from hibana_core.kv.transfers import device_tensor
-from hibana_core.sampler import Sampler, SamplingRow, StepLogprobs, TokenMasks
+from hibana_core.sampler import DraftEstimates, DraftRow, Sampler, SamplingRow, StepLogprobs, TokenMasks
 from hibana_core.scheduler import RunnerOutput, SchedulerOutput
 from hibana_core.state import TokenLogprob
 
@@ -120,6 +120,7 @@ class StepInFlight:
         self._ready: torch.cuda.Event | None = None
         self._host: torch.Tensor | None = None
         self._logprobs: StepLogprobs | None = None  # on the host once `_ready`
+        self._estimates: DraftEstimates | None = None  # likewise
         if sampled is not None:
             self.set_sampled(sampled, timer)
 
@@ -129,14 +130,16 @@ class StepInFlight:
         return any(c.request.grammar is not None for c in self.scheduled.sampling)
 
     def set_sampled(self, sampled: torch.Tensor, timer: StepTimer | None = None,
-                    logprobs: StepLogprobs | None = None) -> None:
-        """The step's tokens (and the log-probabilities rows asked for), on the device; their
-        copy to the host is enqueued now."""
+                    logprobs: StepLogprobs | None = None, estimates: DraftEstimates | None = None) -> None:
+        """The step's tokens (and the log-probabilities rows asked for, and what drawn and chosen
+        drafts keep where drafts came with q), on the device; their copy to the host is enqueued now."""
         self.sampled, self.timer = sampled, timer
         self._host = _to_host(sampled)
         if logprobs is not None:
             self._logprobs = StepLogprobs(logprobs.rows, _to_host(logprobs.chosen), _to_host(logprobs.top_values),
                                           _to_host(logprobs.top_ids))
+        if estimates is not None:
+            self._estimates = DraftEstimates(estimates.rows, _to_host(estimates.kept))
         if sampled.is_cuda:
             self._ready = torch.cuda.Event()
             self._ready.record()
@@ -149,8 +152,11 @@ class StepInFlight:
             self._ready.synchronize()
         tokens = self._host.tolist()
         logprobs = self._token_logprobs(tokens)
+        estimates = {} if self._estimates is None else dict(zip(self._estimates.rows, map(tuple, self._estimates.kept.tolist())))
         out, kept_logprobs, row = [], [], 0
+        chunk_estimates: list[tuple[float, float] | None] = []
         for chunk in self.scheduled.chunks:
+            chunk_estimates.append(estimates.get(row) if chunk.sample else None)  # its first draft's row
             if not chunk.sample:
                 out.append([])
                 kept_logprobs.append([])
@@ -167,7 +173,7 @@ class StepInFlight:
                 accepted += 1
             out.append(targets[:accepted + 1])
             kept_logprobs.append([logprobs[r] for r in range(start, start + accepted + 1) if r in logprobs])
-        return RunnerOutput(out, kept_logprobs if logprobs else None)
+        return RunnerOutput(out, kept_logprobs if logprobs else None, chunk_estimates if estimates else None)
 
     def _token_logprobs(self, tokens: list[int]) -> dict[int, TokenLogprob]:
         """Sampling row -> its token's TokenLogprob, for the rows that asked (host tensors)."""
@@ -316,7 +322,8 @@ class ModelRunner:
         sampled = self.sampler(pending.logits, rows) if masks is None else self.sampler(pending.logits, rows, masks)
         self._force(sampled, rows, step.scheduled)
         step.set_sampled(sampled, None if pending.timer is None else pending.timer.stop(),
-                         self.sampler.logprobs(pending.logits, rows, sampled))
+                         self.sampler.logprobs(pending.logits, rows, sampled),
+                         self.sampler.draft_estimates(pending.logits, rows))
 
     def _force(self, sampled: torch.Tensor, rows: list[SamplingRow], scheduled: SchedulerOutput) -> None:
         """Trace replay (bench only): rows of requests with forced outputs take the recorded
@@ -367,8 +374,8 @@ def sampling_rows(scheduled: SchedulerOutput) -> list[SamplingRow]:
         drafts, probs = chunk.draft_token_ids, chunk.draft_probs
         for i in range(1 + len(drafts)):
             output = r.output if i == 0 else [*r.output, *drafts[:i]]
-            drawn = (drafts[i], probs[i]) if probs is not None and i < len(drafts) else None
-            rows.append(SamplingRow(r.params, r.generator, prompt, output, first + i, drawn))
+            draft = DraftRow(drafts[i], probs[i], chunk.drafts_drawn, i) if probs is not None and i < len(drafts) else None
+            rows.append(SamplingRow(r.params, r.generator, prompt, output, first + i, draft))
     return rows
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import array
 import itertools
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -34,6 +34,20 @@ _NEG_INF = float("-inf")
 # Floor on the Exp(1) noise: exponential_ may return exactly 0 on some backends, and p / 0 gives
 # inf (a biased pick) or, for a masked token, NaN, which argmax would pick.
 _TINY = torch.finfo(torch.float32).tiny
+
+
+class DraftRow(NamedTuple):
+    """The draft a sampling row verifies where the drafter said its distribution q."""
+
+    token: int
+    q: torch.Tensor
+    """[V'] float32, V' <= the logits' width (a drafter's vocabulary may be narrower)."""
+    drawn: bool
+    """Drawn from q: the row's token is the draft with probability min(1, p(draft) / q(draft)),
+    else a draw from max(0, p - q), in distribution p as any row's token (speculative sampling).
+    False: chosen (q's argmax), kept where the row's own draw equals it; q is measured only."""
+    position: int
+    """Which of its chunk's drafts (0: the first, whose estimates the speculator reads)."""
 
 
 @dataclass(slots=True)
@@ -51,12 +65,9 @@ class SamplingRow:
     """Which of the request's tokens this row samples (0: its first). A seeded row's noise
     depends on its seed and this index alone, so its tokens are the same whatever the batch
     and whether drafts were verified in between."""
-    drawn_draft: tuple[int, torch.Tensor] | None = None
-    """The drafted token this row verifies and the distribution q it was drawn from ([V'] float32,
-    V' <= the logits' width), where a drafter drew it (None: no draft, or one chosen, which is kept
-    where the row's own draw equals it). The row's token is then the draft with probability
-    min(1, p(draft) / q(draft)), else a draw from max(0, p - q): in distribution p, as any row's
-    token (speculative sampling)."""
+    draft: DraftRow | None = None
+    """The draft this row verifies, where the drafter said its distribution (None: no draft, or
+    token ids alone, kept where the row's own draw equals them)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,16 @@ class TokenMasks:
     """[R] int64: the sampling row each mask applies to."""
     every_row: bool
     """Whether every row of the step is constrained (rows is then 0..R-1)."""
+
+
+@dataclass(frozen=True)
+class DraftEstimates:
+    """What drawn and chosen drafts keep, where the target verified a draft with its q."""
+
+    rows: list[int]
+    """The sampling rows (each a chunk's first draft)."""
+    kept: torch.Tensor
+    """[D, 2] float32: sum(min(p, q)) (drawn) and p(argmax q) (chosen) at each."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +142,8 @@ class Sampler:
         if all(greedy):
             return x.argmax(dim=-1)
         probs = apply_warpers(x, params).softmax(dim=-1)
-        drawn = self._drawn_drafts(probs, rows) if any(row.drawn_draft is not None for row in rows) else None
+        drawn = (self._drawn_drafts(probs, rows) if any(row.draft is not None and row.draft.drawn for row in rows)
+                 else None)
         sampled = self._race(probs, rows)
         if drawn is not None:
             at, drafts, keep = drawn
@@ -174,17 +196,17 @@ class Sampler:
 
     def _drawn_drafts(self, probs: torch.Tensor,
                       rows: Sequence[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The rows that verify a drawn draft x (`SamplingRow.drawn_draft`: x and q): their
+        """The rows that verify a drawn draft x (`SamplingRow.draft`: x and q): their
         indexes [D], drafts [D] and whether each is kept [D] (u q(x) < p(x), u uniform: with
         probability min(1, p(x) / q(x))); their rows of `probs` become the residual max(0, p - q),
         which the race then draws the token from where x is not kept (it never holds x then:
         p(x) < q(x)). Together a draw from p. The rows take the sampler's shared noise: drafts are
         drawn only for requests without a seed (`samples_drafts`)."""
-        index = [i for i, row in enumerate(rows) if row.drawn_draft is not None]
+        index = [i for i, row in enumerate(rows) if row.draft is not None and row.draft.drawn]
         at = device_tensor(index, torch.int64, probs.device)
         p = probs.index_select(0, at)  # [D, V]
-        x = device_tensor([rows[i].drawn_draft[0] for i in index], torch.int64, probs.device)[:, None]  # [D, 1]
-        q = _stacked([rows[i].drawn_draft[1] for i in index], p.shape[1])  # [D, V]
+        x = device_tensor([rows[i].draft.token for i in index], torch.int64, probs.device)[:, None]  # [D, 1]
+        q = _stacked([rows[i].draft.q for i in index], p.shape[1])  # [D, V]
         u = torch.rand(len(index), 1, generator=self.generator, device=probs.device)
         keep = u * q.gather(1, x) < p.gather(1, x)  # [D, 1]
         residual = p.sub_(q).clamp_(min=0)  # in place: [D, V] buffers are a vocabulary each
@@ -192,6 +214,20 @@ class Sampler:
         keep |= residual.sum(dim=-1, keepdim=True) <= 0
         probs.index_copy_(0, at, residual)
         return at, x[:, 0], keep[:, 0]
+
+    def draft_estimates(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> "DraftEstimates | None":
+        """At the first draft of each chunk whose drafter said q: what drawing from q would keep
+        there, sum(min(p, q)), and what choosing q's argmax keeps, p(argmax q), with p the row's
+        distribution after its warpers (such rows have no penalties or grammar: `samples_drafts`).
+        Reads `logits` only; None where no row has such a draft."""
+        index = [i for i, row in enumerate(rows) if row.draft is not None and row.draft.position == 0]
+        if not index:
+            return None
+        at = device_tensor(index, torch.int64, logits.device)
+        p = apply_warpers(logits.index_select(0, at).float(), [rows[i].params for i in index]).softmax(dim=-1)
+        q = _stacked([rows[i].draft.q for i in index], p.shape[1])  # [D, V]
+        chosen = p.gather(1, q.argmax(dim=-1, keepdim=True))[:, 0]
+        return DraftEstimates(index, torch.stack([torch.minimum(p, q).sum(dim=-1), chosen], dim=1))
 
     def _race(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """One draw per row from probs [B, V]: argmax(p / q), q ~ Exp(1)."""

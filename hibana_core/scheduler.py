@@ -131,8 +131,10 @@ class ScheduledChunk:
     draft_token_ids: tuple[int, ...] = ()
     """Drafted tokens after the history, verified in this step (the chunk's last inputs)."""
     draft_probs: "torch.Tensor | None" = None
-    """The distributions the drafts were drawn from ([k, V] on the device: a `SampledDraft`'s),
-    or None for drafts the target keeps where its own draw equals them."""
+    """The drafter's distributions at the drafts ([k, V] on the device: a `SampledDraft`'s), or
+    None for token ids alone, which the target keeps where its own draw equals them."""
+    drafts_drawn: bool = False
+    """Whether the drafts were drawn from `draft_probs` (kept at min(1, p/q)), not chosen."""
 
     @property
     def end(self) -> int:
@@ -158,6 +160,9 @@ class RunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: "list[list[TokenLogprob]] | None" = None
     """Per chunk, the log-probabilities of its sampled tokens where its request asked for them."""
+    draft_estimates: "list[tuple[float, float] | None] | None" = None
+    """Per chunk whose drafts came with q: what drawing and choosing keep at its first draft
+    (`Sampler.draft_estimates`)."""
 
 
 @dataclass(frozen=True)
@@ -334,9 +339,10 @@ class Scheduler:
             draft = cut(draft, room(chunk, min(len(draft), budget)))  # earlier chunks took their share
             if draft:
                 chunk.request.seq.prepare_write(chunk.num_tokens + len(draft))
-                tokens, probs = (draft.tokens, draft.probs) if isinstance(draft, SampledDraft) else (draft, None)
-                chunks[i] = ScheduledChunk(chunk.request, chunk.start, chunk.num_tokens + len(draft),
-                                           True, tuple(tokens), probs)
+                with_q = isinstance(draft, SampledDraft)
+                chunks[i] = ScheduledChunk(chunk.request, chunk.start, chunk.num_tokens + len(draft), True,
+                                           tuple(draft.tokens if with_q else draft), draft.probs if with_q else None,
+                                           with_q and draft.drawn)
                 budget -= len(draft)
         return chunks
 
@@ -503,7 +509,9 @@ class Scheduler:
         nothing."""
         results = []
         logprobs = output.logprobs or [()] * len(scheduled.chunks)
-        for chunk, sampled, sampled_logprobs in zip(scheduled.chunks, output.sampled_token_ids, logprobs, strict=True):
+        estimates = output.draft_estimates or [None] * len(scheduled.chunks)
+        for chunk, sampled, sampled_logprobs, estimate in zip(scheduled.chunks, output.sampled_token_ids, logprobs,
+                                                              estimates, strict=True):
             request, seq = chunk.request, chunk.request.seq
             if request.finished:
                 continue
@@ -514,7 +522,7 @@ class Scheduler:
             if chunk.draft_token_ids:  # KV of rejected drafts goes: the last accepted token is
                 seq.trim_kv(min(chunk.end, len(seq) - 1))  # the next input, as after any decode
                 if self.speculation is not None:
-                    self.speculation.verified(chunk, sampled, len(accepted))
+                    self.speculation.verified(chunk, sampled, len(accepted), estimate)
             elif chunk.end > history:  # inputs past the known history are not known to be kept
                 seq.trim_kv(history)
             seq.commit_full_blocks()

@@ -82,7 +82,8 @@ class FixedDrafter:
 
 class DrawnDrafter:
     """Draws k tokens, each from the fixed distribution `q` ([V] float32, summing to 1), with a
-    seeded generator of its own, and returns them with q (a `SampledDraft`)."""
+    seeded generator of its own, and returns them with q (a `SampledDraft`); where the state says
+    not to draw, q's argmax k times (`drawn=False`). `draws`: the flag of each call."""
 
     def __init__(self, q, seed: int = 0) -> None:
         import torch
@@ -90,6 +91,7 @@ class DrawnDrafter:
         self.q = q
         self.generator = torch.Generator().manual_seed(seed)
         self.calls = 0
+        self.draws: list[bool] = []
 
     def propose(self, state, k: int):
         import torch
@@ -97,6 +99,9 @@ class DrawnDrafter:
         from hibana_core.speculation import SampledDraft
 
         self.calls += 1
+        self.draws.append(state.draw)
+        if not state.draw:
+            return SampledDraft([int(self.q.argmax())] * k, self.q.expand(k, -1), drawn=False)
         tokens = torch.multinomial(self.q, k, replacement=True, generator=self.generator).tolist()
         return SampledDraft(tokens, self.q.expand(k, -1))
 

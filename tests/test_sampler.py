@@ -17,7 +17,7 @@ from transformers import (
 )
 
 from hibana_core.config import SamplingParams
-from hibana_core.sampler import Sampler, SamplingRow, apply_penalties, make_generator
+from hibana_core.sampler import DraftRow, Sampler, SamplingRow, apply_penalties, make_generator
 
 CPU = torch.device("cpu")
 
@@ -266,7 +266,7 @@ def test_rows_must_match_logits():
 
 @pytest.mark.parametrize("name", ["plain", "top_k"])
 def test_drawn_drafts_are_kept_at_min_1_p_over_q_and_tokens_follow_p(name):
-    """Rows verifying a draft x drawn from q (`SamplingRow.draft_probs`, here over the vocabulary
+    """Rows verifying a draft x drawn from q (`SamplingRow.draft`, here over the vocabulary
     but its last two ids: a drafter's narrower vocabulary) keep x with probability min(1, p/q),
     else draw from max(0, p - q): the tokens follow p, and the drafts kept are sum(min(p, q))."""
     params = CONFIGS[name]
@@ -276,7 +276,7 @@ def test_drawn_drafts_are_kept_at_min_1_p_over_q_and_tokens_follow_p(name):
     drafts = torch.multinomial(q, N, replacement=True, generator=torch.Generator().manual_seed(1))
     rows = [row(params) for _ in range(N)]
     for r, x in zip(rows, drafts.tolist()):
-        r.drawn_draft = (x, q)
+        r.draft = DraftRow(x, q, True, 0)
     tokens = Sampler(CPU, seed=2)(LOGITS.expand(N, -1), rows)
     check_distribution(tokens, p)
     kept = (tokens == drafts).double().mean().item()

@@ -201,3 +201,29 @@ def test_drawn_drafts_of_seeded_requests_are_verified_as_chosen_ones(small_vocab
     finally:
         engine.close()
     assert outs["off"] == outs[str({"method": "flat", "k": 3})]
+
+
+def test_each_state_draws_or_chooses_whichever_keeps_more(small_vocab_model):
+    """At every verified first draft the target reckons what drawing from q keeps, sum(min(p, q)),
+    and what choosing q's argmax keeps, p(argmax q); a state's drafter draws until it has four
+    such figures, then does whichever kept more. With q nearly uniform (its argmax the target's
+    likeliest token): at temperature 0.3 (p peaked: 0.96 on it) choosing keeps 0.96 against 0.09,
+    at 1.0 (0.35 on it) drawing keeps 0.55 against 0.35."""
+    model = small_vocab_model
+    q = torch.full((VOCAB,), 1.0 / VOCAB)
+    q[int(target(model, SamplingParams(temperature=1.0), []).argmax())] += 0.01
+    q /= q.sum()
+    for temperature, draws_at_last in ((0.3, False), (1.0, True)):
+        drafter = DrawnDrafter(q, seed=6)
+        with registered(flat=drafter):
+            engine = Engine.from_hf_model(model, device="cpu", dtype="float32", block_size=16, num_blocks=64,
+                                          max_concurrent_agents=2, progress=False, speculation="off")
+        try:
+            h = engine.open_state("one")
+            for _ in range(8):  # one state: its choice learns across its requests
+                h.generate(SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True,
+                                          speculation={"method": "flat", "k": 2}), prompt=PROMPT)
+        finally:
+            engine.close()
+        assert drafter.draws[:4] == [True] * 4, (temperature, drafter.draws)
+        assert drafter.draws[-1] is draws_at_last, (temperature, drafter.draws)

@@ -76,7 +76,8 @@ class _Work:
     k: int
     start: int        # first position computed in this call
     end: int          # history length
-    params: SamplingParams | None = None  # drafts drawn under these (None: the argmax)
+    params: SamplingParams | None = None  # q under these (None: the argmax alone)
+    draw: bool = True                     # drafts drawn from q (False: q's argmax)
 
 
 class _OnDevice(NamedTuple):
@@ -328,7 +329,8 @@ class DraftModelDrafter:
                 continue
             seq.prepare_write(writes)
             params = states[i].params
-            work.append(_Work(i, seq, k, seq.num_computed, end, params if samples_drafts(params) else None))
+            work.append(_Work(i, seq, k, seq.num_computed, end, params if samples_drafts(params) else None,
+                              states[i].draw))
         return work
 
     def _room(self, blocks: int, busy: set[int]) -> bool:
@@ -372,21 +374,26 @@ class DraftModelDrafter:
             logits = self._forward(parts, _OnDevice(drafts[:m, step - 1]))
             drafts[:m, step] = self._pick(logits, work[:m], probs, slots, step)
         host = drafts.tolist()  # the call's one host sync
-        return [row[:w.k] if w.params is None else SampledDraft(row[:w.k], probs[slots[w.index], :w.k])
+        return [row[:w.k] if w.params is None else SampledDraft(row[:w.k], probs[slots[w.index], :w.k], w.draw)
                 for row, w in zip(host, work)]
 
     def _pick(self, logits: torch.Tensor, work: Sequence[_Work], probs: torch.Tensor | None,
               slots: dict[int, int], step: int) -> torch.Tensor:
-        """The draft after each row of `logits` [S, vocab] (row s: `work[s]`'s): the argmax, or a
-        draw from q under the request's warpers, with q written to `probs` at (its slot, step)."""
+        """The draft after each row of `logits` [S, vocab] (row s: `work[s]`'s): the argmax, or for
+        a state with params q under the request's warpers, written to `probs` at (its slot, step),
+        and a draw from it where the state draws."""
         tokens = logits.argmax(dim=-1)
-        drawn = [s for s, w in enumerate(work) if w.params is not None]
-        if not drawn:
+        with_q = [s for s, w in enumerate(work) if w.params is not None]
+        if not with_q:
             return tokens
-        rows = device_tensor(drawn, torch.long, self.device)
-        q = apply_warpers(logits.index_select(0, rows).float(), [work[s].params for s in drawn]).softmax(dim=-1)
-        probs[device_tensor([slots[work[s].index] for s in drawn], torch.long, self.device), step] = q
-        return tokens.index_copy(0, rows, draw(q, self.generator)[:, 0])
+        rows = device_tensor(with_q, torch.long, self.device)
+        q = apply_warpers(logits.index_select(0, rows).float(), [work[s].params for s in with_q]).softmax(dim=-1)
+        probs[device_tensor([slots[work[s].index] for s in with_q], torch.long, self.device), step] = q
+        drawn = [j for j, s in enumerate(with_q) if work[s].draw]
+        if not drawn:
+            return tokens  # (a chosen draft is the argmax of q as of the logits: the warpers keep it)
+        at = device_tensor(drawn, torch.long, self.device)
+        return tokens.index_copy(0, rows.index_select(0, at), draw(q.index_select(0, at), self.generator)[:, 0])
 
     def _forward(self, parts: list[tuple[KVSequence, int, int, list[int] | None]],
                  previous: _OnDevice | None = None) -> torch.Tensor:

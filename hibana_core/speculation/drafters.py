@@ -71,6 +71,10 @@ class DraftInput:
     params: "SamplingParams | None" = None
     """The request's sampling parameters (None: unknown), for a drafter that samples its drafts
     from a distribution of its own (`SampledDraft`)."""
+    draw: bool = True
+    """Whether such a drafter should draw its drafts from q (else choose q's argmax, and still
+    return q: `SampledDraft.drawn`). The speculator picks per state whichever keeps more, from
+    what the target measures of both at each verified draft."""
 
 
 @dataclass(frozen=True)
@@ -84,13 +88,19 @@ class SampledDraft:
     the deterministic proposal (kept exactly when the target's own draw equals it).
 
     Only for sampled requests without a seed, history penalties or a grammar (`samples_drafts`,
-    and `Speculator._input` hands no params under a grammar): a seeded request's tokens are its own draws, the
-    same with speculation on or off; penalties at a draft depend on the drafts before it, which a
-    batched drafter has not read back; and a grammar cuts drafts by their values (a forbidden draft
-    is rejected, so its position would need the residual, not p)."""
+    and `Speculator._input` hands no params under a grammar): a seeded request's tokens are its
+    own draws, the same with speculation on or off; penalties at a draft depend on the drafts
+    before it, which a batched drafter has not read back; and a grammar cuts drafts by their values
+    (a forbidden draft is rejected, so its position would need the residual, not p).
+
+    `drawn=False`: the tokens are q's argmax (`DraftInput.draw` was False), kept as chosen ones
+    are; q then only serves the measurement: at each verified draft the target reckons what both
+    would keep, sum(min(p, q)) drawn and p(argmax q) chosen, and the speculator draws for a state
+    where drawing keeps more (a confident target and a looser drafter keep more chosen)."""
 
     tokens: list[int]
     probs: "torch.Tensor"
+    drawn: bool = True
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -99,7 +109,7 @@ class SampledDraft:
 def cut(proposal: "list[int] | SampledDraft", n: int) -> "list[int] | SampledDraft":
     """A proposal's first n tokens (a sampled one's with their distributions)."""
     if isinstance(proposal, SampledDraft):
-        return SampledDraft(proposal.tokens[:n], proposal.probs[:n])
+        return SampledDraft(proposal.tokens[:n], proposal.probs[:n], proposal.drawn)
     return proposal[:n]
 
 

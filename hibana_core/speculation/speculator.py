@@ -109,7 +109,7 @@ def valid_draft(proposal: Any, k: int, vocab_size: int, sampled: bool = False) -
                 and 0 < shape[1] <= vocab_size):
             raise TypeError(f"a SampledDraft of {len(tokens)} tokens holds probs of shape {shape}, where "
                             f"[{len(tokens)}, V <= {vocab_size}] belongs")
-        return SampledDraft(tokens, probs[:len(tokens)])
+        return SampledDraft(tokens, probs[:len(tokens)], proposal.drawn is not False)
     if proposal is None:
         return []
     if type(proposal) is list and plain_token_ids(proposal[:k], vocab_size):  # the built-ins' (every step)
@@ -122,6 +122,29 @@ def valid_draft(proposal: Any, k: int, vocab_size: int, sampled: bool = False) -
             break
         draft.append(int(token))
     return draft
+
+
+class DrawChoice:
+    """Whether a state's drafter draws its drafts from q or chooses q's argmax: whichever kept
+    more of late, as the target reckons both at every verified first draft (sum(min(p, q)) drawn,
+    p(argmax q) chosen: both known wherever q is, so neither needs trying). Draws until it has
+    `MIN_SEEN` figures: drawing is speculative sampling's own rule."""
+
+    DECAY = 0.9
+    MIN_SEEN = 4
+
+    def __init__(self) -> None:
+        self.drawn = self.chosen = 0.0  # decayed sums
+        self.seen = 0
+
+    def observe(self, drawn: float, chosen: float) -> None:
+        self.drawn = self.DECAY * self.drawn + drawn
+        self.chosen = self.DECAY * self.chosen + chosen
+        self.seen += 1
+
+    @property
+    def draws(self) -> bool:
+        return self.seen < self.MIN_SEEN or self.drawn >= self.chosen
 
 
 class SpeculationCounters:
@@ -151,6 +174,7 @@ class Speculator:
         self.counters = SpeculationCounters()
         self.global_stats: dict[str, AcceptanceStats] = {}
         self._stats: "weakref.WeakKeyDictionary[object, dict[str, AcceptanceStats]]" = weakref.WeakKeyDictionary()
+        self._draws: "weakref.WeakKeyDictionary[object, DrawChoice]" = weakref.WeakKeyDictionary()
         self._shadows: dict[int, tuple[str, int, list[int]]] = {}  # request id -> (drafter, at, draft)
         self._shadow_turn = 0
         self.drafter_errors: Counter[str] = Counter()  # drafter -> calls that raised
@@ -310,24 +334,34 @@ class Speculator:
                           PluginWarning, stacklevel=2)
         self.drafter_errors[method] += 1
 
-    @staticmethod
-    def _input(request: "Request") -> DraftInput:
-        """What a drafter sees of a request's state; its params where it may take drawn drafts
-        (`samples_drafts`), but not under a grammar, which cuts drafts by their values (a drawn
-        draft the grammar forbids is a rejection, after which the target draws from the residual,
-        not from p), nor under trace replay, whose outputs are forced (a drawn draft would be kept
-        where it equals the forced token, at sum(p q) where a real run keeps sum(min(p, q))). The
-        proposals of a request given no params are token ids alone (`valid_draft`)."""
+    def _input(self, request: "Request") -> DraftInput:
+        """What a drafter sees of a request's state: whether to draw (`DrawChoice`), and its params
+        where it may take drawn drafts (`samples_drafts`), but not under a grammar, which cuts
+        drafts by their values (a drawn draft the grammar forbids is a rejection, after which the
+        target draws from the residual, not from p), nor under trace replay, whose outputs are
+        forced (a drawn draft would be kept where it equals the forced token, at sum(p q) where a
+        real run keeps sum(min(p, q))). The proposals of a request given no params are token ids
+        alone (`valid_draft`)."""
         params = request.params if request.grammar is None and request.forced is None else None
-        return DraftInput(TokensView(request.seq.tokens), request.seq, request.seq.edits, params)
+        choice = self._draws.get(request.seq)
+        return DraftInput(TokensView(request.seq.tokens), request.seq, request.seq.edits, params,
+                          choice is None or choice.draws)
 
     # --- update -----------------------------------------------------------------------------
 
-    def verified(self, chunk: "ScheduledChunk", sampled: Sequence[int], kept: int | None = None) -> None:
+    def verified(self, chunk: "ScheduledChunk", sampled: Sequence[int], kept: int | None = None,
+                 estimate: tuple[float, float] | None = None) -> None:
         """A chunk's drafts were verified: `sampled` = the accepted drafts and one more token, of
         which the request kept the first `kept` (a stop token, a stop string or max_tokens among
         them ends it; None: all). The drafter's acceptance (what the controller plans with) counts
-        every draft the target agreed with; the engine's counters what the request kept."""
+        every draft the target agreed with; the engine's counters what the request kept.
+        `estimate`: where the drafts came with q, what drawing and choosing keep at the first
+        (`DrawChoice`)."""
+        if estimate is not None:
+            choice = self._draws.get(chunk.request.seq)
+            if choice is None:
+                choice = self._draws[chunk.request.seq] = DrawChoice()
+            choice.observe(*estimate)
         k, agreed = len(chunk.draft_token_ids), max(0, len(sampled) - 1)
         kept = len(sampled) if kept is None else min(kept, len(sampled))
         config = self.config(chunk.request)
