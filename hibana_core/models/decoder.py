@@ -23,7 +23,7 @@ from hibana_core.errors import CheckpointError, UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.models.moe import Experts, MoEArgs, SparseMoE
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "dynamic", "llama3", "linear", "longrope", "yarn")
 KERNEL_GLU = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # a config's hidden_act -> the kernels' glu name
 ACTIVATIONS = tuple(KERNEL_GLU)
 
@@ -92,6 +92,7 @@ class Rope:
             return torch.where(is_medium, smoothed, scaled)
         if self.rope_type == "yarn":
             return _yarn_inv_freq(self.theta ** exponents, self.dim, self.theta, scaling)
+        # dynamic NTK: transformers rescales only past max_position_embeddings, which no state reaches
         return inv_freq
 
     def angles(self, max_positions: int) -> torch.Tensor:

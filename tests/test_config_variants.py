@@ -1,0 +1,48 @@
+"""config.json variations that released checkpoints carry, each against transformers' generate:
+fields written the way transformers 4.x wrote them (rope_theta beside rope_scaling) and options
+the golden checkpoints (tiny_models.ARCH_CONFIGS) leave at one value."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from hibana_core import SamplingParams
+from tiny_models import EVERY_TENSOR_USED, assert_greedy_matches, make_tiny_checkpoint
+
+pytestmark = [pytest.mark.timeout(300), EVERY_TENSOR_USED]
+
+
+def edit_config(path, drop=(), **fields) -> None:
+    """Rewrite path/config.json: `drop` those keys, set `fields` (as a released config.json has them)."""
+    config = json.loads((path / "config.json").read_text())
+    for key in drop:
+        config.pop(key, None)
+    (path / "config.json").write_text(json.dumps({**config, **fields}))
+
+
+def greedy(engine, history: list[int], n: int) -> list[int]:
+    c = engine.open_state(f"s{len(history)}").generate(SamplingParams(max_tokens=n, ignore_eos=True), prompt=history)
+    return list(c.token_ids)
+
+
+@pytest.mark.parametrize("arch, rope", [
+    ("llama", dict(rope_theta=10000.0, rope_scaling=dict(type="dynamic", factor=2.0))),  # a 4.x config.json
+    ("qwen2", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e6, factor=4.0))),
+    ("gemma3", dict(rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=1e4),
+                                     "full_attention": dict(rope_type="dynamic", rope_theta=1e6, factor=2.0)})),
+])
+def test_dynamic_ntk_rope_runs_as_transformers_does_within_the_context(arch, rope, tmp_path, make_engine):
+    """Dynamic NTK scaling: transformers recomputes the frequencies only for a sequence longer than
+    max_position_embeddings, which is the longest history Hibana holds, so every position it
+    serves rotates by the unscaled frequencies (it refused rope type 'dynamic'). Histories run
+    up to the last position."""
+    path = make_tiny_checkpoint(arch, tmp_path / arch, max_position_embeddings=128)
+    edit_config(path, drop=("rope_parameters", "partial_rotary_factor"), **rope)
+    engine = make_engine(path)
+    rng = random.Random(11)
+    for length, n in ((40, 16), (100, 28)):
+        history = [rng.randrange(1, 512) for _ in range(length)]
+        assert_greedy_matches(path, history, greedy(engine, history, n))
