@@ -1,7 +1,9 @@
 """The hooks a Hibana plugin implements.
 
-Every hook takes one argument, `register`, a callback the plugin calls once per thing it
-provides: `register(name, obj)`. Built-ins use the same hooks, so a third-party tool parser or
+Every hook is a plain function marked `@hookimpl` (Hibana's marker, below) that takes one argument,
+`register`, a callback the plugin calls once per thing it provides: `register(name, obj)`. What a
+hook returns is ignored (one that registers nothing and returns something, an async hook, or an
+unmarked function named like a hook is reported with a PluginWarning). Built-ins use the same hooks, so a third-party tool parser or
 model family is an equal of Hibana's own. Names are unique within one kind: a second plugin that
 registers a name already taken is refused with an error naming both plugins.
 
@@ -119,10 +121,11 @@ def register_chat_formats(register) -> None:
 
 @hookspec
 def register_model_families(register) -> None:
-    """Register model architectures: `register(model_type, module_or_class)`.
+    """Register model architectures: `register(model_type, family)`.
 
-    `model_type` is the value of `model_type` in a checkpoint's config.json. The registered object
-    provides `build(hf_config, ctx) -> (model, args)`: the model is an `nn.Module` with
+    `model_type` is the value of `model_type` in a checkpoint's config.json. The family, a module
+    or an object (an instance, not its class, unless its `build` is a staticmethod), provides
+    `build(hf_config, ctx) -> (model, args)`: the model is an `nn.Module` with
     `forward(input_ids, positions) -> hidden` and `compute_logits(hidden)` whose parameter names
     match the checkpoint's; args carries num_layers, num_kv_heads, head_dim, vocab_size and
     max_position_embeddings, positive integers (see `hibana_core.models`). A build that raises

@@ -9,7 +9,9 @@ Built-ins are registered by module name and are always loaded. Third-party plugi
 is built, lists the only ones to load (by entry-point or distribution name; empty: none).
 
 A plugin that fails to import, or whose hook raises, is reported with a warning, recorded in
-`load_errors` and skipped: a broken plugin never takes Hibana down. Two plugins registering the
+`load_errors` and skipped: a broken plugin never takes Hibana down. So is what would register
+nothing silently: a function named like a hook but not marked `@hookimpl`, an async hook, a hook
+that returns its objects rather than calling `register`, a class whose hooks are methods. Two plugins registering the
 same name within one kind is a `PluginError` naming both.
 
 Each registry is collected on first use and cached. Every hook implementation is called on its
@@ -162,6 +164,19 @@ def accepts(function: Callable[..., Any], *args: Any) -> bool:
     return True
 
 
+def _shown(value: object) -> str:
+    """A value in a warning: its type, and its repr cut short."""
+    return f"a {type(value).__name__} ({value!r:.60})"
+
+
+def _instance_hooks(plugin: type) -> list[str]:
+    """The hooks a class marks as plain methods (they need `self`; a staticmethod or classmethod
+    does not)."""
+    marker = f"{hookspecs.PROJECT_NAME}_impl"
+    return sorted(name for name, attr in vars(plugin).items()
+                  if inspect.isfunction(attr) and hasattr(attr, marker))
+
+
 def _entry_point_order(ep: importlib.metadata.EntryPoint) -> tuple[str, str]:
     # sys.path scanning order is the file system's; sort so that runs agree
     return (_canonical(ep.dist.metadata["Name"]) if ep.dist is not None else "", ep.name)
@@ -254,10 +269,19 @@ class HibanaPluginManager:
                 )
 
     def register(self, plugin: object, name: str | None = None) -> None:
-        """Register a plugin object or module at run time (as third-party, not built-in)."""
+        """Register a plugin object or module at run time (as third-party, not built-in). The same
+        plugin again does nothing; another under a name taken is a PluginError."""
         name = name or getattr(plugin, "__name__", None) or repr(plugin)
         module = plugin.__name__ if isinstance(plugin, ModuleType) else None
         with self._lock:
+            if self.pm.is_registered(plugin):
+                return  # registered already (a notebook cell run twice): its hooks are in
+            if self.pm.has_plugin(name):
+                raise PluginError(
+                    f"a plugin named {name!r} is registered already"
+                    f" ({self._package_label(self._sources.get(name))}); register this one under"
+                    f" another name: register(plugin, name=...)"
+                )
             self._register(plugin, name, _Source(builtin=False, module=module))
             self._registries.clear()
 
@@ -271,6 +295,17 @@ class HibanaPluginManager:
             )
         if self.pm.is_registered(plugin):
             return  # one module behind two entry points
+        if isinstance(plugin, type) and _instance_hooks(plugin):  # pluggy would call them unbound
+            self._report(
+                name,
+                "register",
+                f"is the class {plugin.__module__}.{plugin.__qualname__}, whose hook"
+                f" {', '.join(_instance_hooks(plugin))} {'is a method' if len(_instance_hooks(plugin)) == 1 else 'are methods'}"
+                f" with no instance to call it on; point the entry point at a module, or at an instance"
+                f" (`plugin = {plugin.__qualname__}()` in the module, the entry point `{plugin.__module__}:plugin`)",
+                package=source.package,
+            )
+            return
         try:
             self.pm.register(plugin, name=name)
         except Exception as exc:  # pluggy.PluginValidationError: a hook with wrong arguments
@@ -288,6 +323,19 @@ class HibanaPluginManager:
             )
             return
         self._sources[name] = source
+        hooked = {caller.name for caller in self.pm.get_hookcallers(plugin) or ()}
+        unmarked = sorted(h for h in HOOKS.values() if h not in hooked and callable(getattr(plugin, h, None)))
+        if unmarked:  # pluggy calls marked functions alone: these would register nothing, silently
+            self._report(
+                name,
+                "register",
+                f"defines {', '.join(unmarked)} without Hibana's @hookimpl (`from hibana_plugins import"
+                f" hookimpl`, then `@hookimpl` above each), so Hibana never calls"
+                f" {'it' if len(unmarked) == 1 else 'them'}",
+                package=source.package,
+                where="",
+                skipped="Its marked hooks are used",
+            )
 
     def _report(
         self,
@@ -295,18 +343,27 @@ class HibanaPluginManager:
         stage: str,
         error: BaseException | str,
         package: str | None = None,
+        where: str | None = None,
+        skipped: str | None = None,
     ) -> None:
+        """Record a plugin's failure and warn, once a plugin and stage: the registries are collected
+        again after a run-time registration, and a failure that recurs is not news. `where` and `skipped`
+        replace the stage's own words ("failed to import: ...", "It is skipped")."""
         text = error if isinstance(error, str) else _describe_exception(error)
         exception = None if isinstance(error, str) else error
+        if any((e.plugin, e.stage) == (plugin, stage) for e in self.load_errors):
+            return
         self.load_errors.append(PluginLoadError(plugin, stage, text, exception))
         origin = f" (from {package})" if package else ""
-        where = {"import": "failed to import", "register": "failed to register"}.get(
-            stage, f"raised in {stage}"
-        )
-        # a hook that raised loses what it registered; the plugin's other hooks stay
-        skipped = "It is skipped" if stage in ("import", "register") else f"What its {stage} registers is skipped"
+        if where is None:
+            where = {"import": "failed to import", "register": "failed to register"}.get(
+                stage, f"raised in {stage}"
+            ) + ":"
+        if skipped is None:
+            # a hook that raised loses what it registered; the plugin's other hooks stay
+            skipped = "It is skipped" if stage in ("import", "register") else f"What its {stage} registers is skipped"
         warnings.warn(
-            f"Hibana plugin {plugin!r}{origin} {where}: {text}. {skipped}.",
+            f"Hibana plugin {plugin!r}{origin}{' ' + where if where else ':'} {text}. {skipped}.",
             PluginWarning,
             stacklevel=4,
         )
@@ -380,12 +437,24 @@ class HibanaPluginManager:
                     raise ValueError(f"{label} {name!r} is registered twice by the same plugin")
                 _offered[name] = obj
 
+            source = self._sources.get(impl.plugin_name)
+            package = source.package if source else None
             try:
-                impl.function(**{arg: register for arg in impl.argnames})
+                returned = impl.function(**{arg: register for arg in impl.argnames})
             except Exception as exc:
-                source = self._sources.get(impl.plugin_name)
-                self._report(impl.plugin_name, caller.name, exc, package=source.package if source else None)
+                self._report(impl.plugin_name, caller.name, exc, package=package)
                 continue
+            if inspect.iscoroutine(returned):  # an `async def` hook: its body never ran
+                returned.close()
+                self._report(impl.plugin_name, caller.name, f"{caller.name} is async (a coroutine function); hooks"
+                             " are plain functions that call register(name, obj): drop its async", package=package,
+                             where="", skipped="It registers nothing")
+                continue
+            if returned is not None and not offered:  # pluggy's style elsewhere; here what a hook returns is lost
+                self._report(impl.plugin_name, caller.name, f"{caller.name} returned {_shown(returned)} and"
+                             " called register for nothing: Hibana ignores what a hook returns; it registers each"
+                             " thing it provides by calling register(name, obj)", package=package, where="",
+                             skipped="It registers nothing")
             for name, obj in offered.items():
                 if name in entries:
                     first = entries[name].plugin

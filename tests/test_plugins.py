@@ -255,6 +255,101 @@ def test_misspelt_hook_and_wrong_hook_arguments_are_reported():
     ]
 
 
+def test_a_hook_written_without_hookimpl_is_reported_not_ignored(make_dist):
+    """A hook function the plugin forgot to mark `@hookimpl` (or marked with another project's
+    marker) was never called and never reported: the plugin registered nothing, silently."""
+    make_dist(
+        "hibana-test-unmarked",
+        "unmarked",
+        """
+        import pluggy
+
+        from hibana_plugins import hookimpl
+
+        def register_tool_parsers(register):
+            register("unmarked_parser", object())
+
+        register_drafters = pluggy.HookimplMarker("llm")(lambda register: register("other_marker", object()))
+
+        @hookimpl
+        def register_surgery_passes(register):
+            register("marked_pass", object())
+        """,
+    )
+    with pytest.warns(PluginWarning, match=r"'unmarked' \(from hibana-test-unmarked\).*register_drafters,"
+                                           r" register_tool_parsers.*@hookimpl") as caught:
+        manager = get_plugin_manager()
+    assert len([w for w in caught if "unmarked" in str(w.message)]) == 1
+    assert [(e.plugin, e.stage) for e in manager.load_errors] == [("unmarked", "register")]
+    assert "marked_pass" in manager.surgery_passes()  # its marked hooks still count
+
+
+def test_a_hook_that_returns_what_it_should_register_is_reported():
+    """A hook returning its objects (`return {"name": parser}`) rather than calling register, or an
+    async hook (a coroutine never awaited), registered nothing without a word. (A hook that calls
+    register may return what it likes: `lambda register: [register(...), ...]`.)"""
+    manager = HibanaPluginManager(entry_point_group=None)
+
+    async def register_drafters(register):
+        register("never", object())
+
+    plugin = types.SimpleNamespace(register_tool_parsers=hookimpl(lambda register: {"returned": object()}),
+                                   register_drafters=hookimpl(register_drafters))
+    manager.register(plugin, name="returns")
+    with pytest.warns(PluginWarning, match=r"'returns': register_tool_parsers returned a dict.*register\(name,"):
+        assert "returned" not in manager.tool_parsers()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert "never" not in manager.drafters()
+    assert [str(w.message) for w in caught if w.category is RuntimeWarning] == []  # the coroutine is closed
+    assert any("async" in str(w.message) for w in caught if w.category is PluginWarning)
+    assert [(e.plugin, e.stage) for e in manager.load_errors] == [
+        ("returns", "register_tool_parsers"), ("returns", "register_drafters")]
+    manager.registry("adapter")
+    manager.register(types.SimpleNamespace(), name="another")  # the registries are collected again
+    manager.tool_parsers()
+    assert len(manager.load_errors) == 2  # a failure is recorded once, however often it recurs
+
+
+def test_registering_a_plugin_twice_at_run_time():
+    """The same plugin registered again (a notebook cell run twice) was a PluginError telling the user
+    to uninstall one of two packages; another plugin under a taken name says to pick another name."""
+    manager = HibanaPluginManager(entry_point_group=None)
+    marker = object()
+    plugin = types.SimpleNamespace(register_drafters=hookimpl(lambda register: register("mine", marker)))
+    manager.register(plugin, name="mine")
+    manager.register(plugin, name="mine")
+    assert manager.drafters()["mine"] is marker
+    other = types.SimpleNamespace(register_drafters=hookimpl(lambda register: register("theirs", object())))
+    with pytest.raises(PluginError, match=r"a plugin named 'mine' is registered already.*name="):
+        manager.register(other, name="mine")
+
+
+def test_a_class_as_a_plugin_is_refused_with_what_to_point_at(make_dist):
+    """An entry point naming a class whose hooks are methods: pluggy called them unbound, and each hook
+    failed with "missing 1 required positional argument: 'self'"."""
+    make_dist(
+        "hibana-test-cls",
+        "cls",
+        """
+        from hibana_plugins import hookimpl
+
+        class Plugin:
+            @hookimpl
+            def register_tool_parsers(self, register):
+                register("from_a_class", object())
+        """,
+    )
+    sys.modules.pop("hibana_test_cls", None)
+    import pathlib
+    info = next(pathlib.Path(p) for p in sys.path if pathlib.Path(p, "hibana_test_cls-0.1.dist-info").is_dir())
+    (info / "hibana_test_cls-0.1.dist-info" / "entry_points.txt").write_text("[hibana]\ncls = hibana_test_cls:Plugin\n")
+    with pytest.warns(PluginWarning, match=r"'cls' .*is the class hibana_test_cls\.Plugin.*instance"):
+        manager = get_plugin_manager()
+    assert "from_a_class" not in manager.tool_parsers()
+    assert [(e.plugin, e.stage) for e in manager.load_errors] == [("cls", "register")]
+
+
 def test_runtime_registration_refreshes_the_registries():
     manager = HibanaPluginManager(entry_point_group=None)
     assert "extra" not in manager.surgery_passes()
