@@ -81,7 +81,8 @@ def register_tool_parsers(register) -> None:
       parser.
 
     Optional, for calls valid by construction (grammar-constrained; otherwise the hermes and
-    llama3_json syntaxes are known by name and other parsers get no grammar):
+    llama3_json syntaxes are known by name and other parsers get no grammar, so tool_choice
+    "required" or a tool's name is not held either: the model may answer in text):
     - `parser.call_syntax`: an object with `open`, `mid`, `close` (the text around a call's name
       and its arguments object), and optionally `trigger` (where a call starts in free text),
       `separator` (between calls), `closer` (markup that ends a call and never stands in free
@@ -107,7 +108,8 @@ def register_chat_formats(register) -> None:
     checkpoint's own (same variables as transformers' `apply_chat_template`: messages, tools,
     add_generation_prompt; None keeps the checkpoint's), and may provide `tool_parser: str`, the
     registered name of the tool parser that reads its output, `end_of_turn_tokens`, the tokens
-    that end an assistant turn, `prepare_messages(messages) -> messages`, applied to the
+    that end an assistant turn (where the tokenizer has none of them, the format is not used at
+    all, its template and tool_parser included: it is another tokenizer's), `prepare_messages(messages) -> messages`, applied to the
     normalised OpenAI-style messages before the template renders them (to leave out what the
     template would refuse; a ConversationError refuses the conversation), `reasoning_efforts`,
     the reasoning_effort levels its template reads (another is refused), and `always_thinks`,
@@ -157,8 +159,10 @@ def register_surgery_passes(register) -> None:
     """Register model surgery passes: `register(name, surgery_pass)`.
 
     A pass rewrites the loaded model in place to cut the bytes each token reads:
-    `surgery_pass.apply(model, params) -> dict`, a JSON-able record of what it changed (layers,
-    bytes before and after), raising ConfigError for parameters it cannot take. Register the pass
+    `surgery_pass.apply(model, params) -> dict`, a JSON-able record of what it changed, raising
+    ConfigError for parameters it cannot take. `hibana surgery` prints the record's `layers` (a
+    count) and `bytes_before` / `bytes_after` (the weights' bytes); the whole record goes in a
+    written checkpoint's manifest. Register the pass
     object itself, not its class (a class, an object without `apply`, or an `apply` that returns
     no dict is a ConfigError). A linear layer that supports packed weights has
     `set_packed(kind, tensors, group_size)` (kinds and layouts:
