@@ -46,3 +46,17 @@ def test_dynamic_ntk_rope_runs_as_transformers_does_within_the_context(arch, rop
     for length, n in ((40, 16), (100, 28)):
         history = [rng.randrange(1, 512) for _ in range(length)]
         assert_greedy_matches(path, history, greedy(engine, history, n))
+
+
+@pytest.mark.parametrize("theta", [None, 0, "1e4"])
+def test_a_rope_theta_that_is_no_positive_number_is_a_checkpoint_error(theta, tmp_path):
+    """transformers reads these and fails in its first forward (None ** tensor), or rotates by
+    nothing (0: every inverse frequency infinite). Hibana reported null as a broken plugin family
+    (a TypeError from float()), ran 0 and read the text "1e4" as a number."""
+    from hibana_core import CheckpointError
+    from tiny_models import open_engine
+
+    path = make_tiny_checkpoint("llama", tmp_path / "m")
+    edit_config(path, drop=("rope_parameters",), rope_theta=theta, rope_scaling=None)
+    with pytest.raises(CheckpointError, match=f"rope_theta is {theta!r}"):
+        open_engine(path)

@@ -60,7 +60,11 @@ class Rope:
             scaling.update(_longrope_settings(params, config))
         if rope_type == "yarn":
             scaling.update(_yarn_settings(params, config))
-        return cls(theta=float(params.get("rope_theta", 10000.0)),
+        theta = params.get("rope_theta", 10000.0)
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+            raise CheckpointError(f"config.json's rope_theta is {theta!r}; rotary embeddings need a positive base "
+                                  "(the model card gives it, e.g. 10000.0)")
+        return cls(theta=float(theta),
                    dim=int(head_dim * partial),
                    scaling=tuple(sorted(scaling.items())))
 
