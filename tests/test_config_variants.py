@@ -60,3 +60,16 @@ def test_a_rope_theta_that_is_no_positive_number_is_a_checkpoint_error(theta, tm
     edit_config(path, drop=("rope_parameters",), rope_theta=theta, rope_scaling=None)
     with pytest.raises(CheckpointError, match=f"rope_theta is {theta!r}"):
         open_engine(path)
+
+
+def test_sliding_layers_with_use_sliding_window_off_say_so(tmp_path):
+    """A Qwen2 config.json whose layer_types name sliding layers while use_sliding_window is
+    false: transformers' config drops the window (its generate then fails in the cache); the
+    error said config.json's sliding_window is None where the file gives a number."""
+    from hibana_core import CheckpointError
+    from tiny_models import open_engine
+
+    path = make_tiny_checkpoint("qwen2", tmp_path / "m", sliding_window=20)
+    edit_config(path, use_sliding_window=False, layer_types=["full_attention"] + ["sliding_attention"] * 2)
+    with pytest.raises(CheckpointError, match="use_sliding_window is false"):
+        open_engine(path)

@@ -215,6 +215,12 @@ def sliding_windows(config: Any, reads: Collection[str] = ("layer_types", "use_s
             raise UnsupportedModelError(f"layer_types {unknown} are not supported; Hibana runs 'full_attention' "
                                         "and 'sliding_attention' layers")
         if "sliding_attention" in layer_types:
+            if window is None and getattr(config, "use_sliding_window", None) is False:
+                # (Qwen2 / Qwen3 configs drop sliding_window when use_sliding_window is off)
+                raise CheckpointError("config.json's layer_types name sliding_attention layers while "
+                                      "use_sliding_window is false, which leaves them no sliding_window "
+                                      "(transformers' generate fails on it): set use_sliding_window to true, "
+                                      "or make those layers full_attention")
             _check_window(window)
         return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
     if window is None or ("use_sliding_window" in reads and not getattr(config, "use_sliding_window", True)):
