@@ -73,3 +73,23 @@ def test_sliding_layers_with_use_sliding_window_off_say_so(tmp_path):
     edit_config(path, use_sliding_window=False, layer_types=["full_attention"] + ["sliding_attention"] * 2)
     with pytest.raises(CheckpointError, match="use_sliding_window is false"):
         open_engine(path)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(model_type="ministral", architectures=["MinistralForCausalLM"],
+         layer_types=["full_attention", "sliding_attention"]),
+    dict(model_type="ministral", architectures=["MinistralForCausalLM"]),  # its config windows every layer
+    dict(layer_types=["full_attention", "sliding_attention"], attention_bias=True),  # read as a Ministral
+], ids=["ministral", "ministral-no-layer-types", "mistral-with-layer-types-and-attention-bias"])
+def test_ministral_runs_as_transformers_does(fields, tmp_path, make_engine):
+    """Ministral (model_type ministral, as transformers saves a Ministral-8B fine-tune; a mistral
+    config.json with layer_types is read as one too) is Mistral with per-layer windows and no
+    attention biases whatever attention_bias says. model_type ministral was refused as
+    unsupported, and attention_bias true asked for bias tensors the checkpoint has not."""
+    path = make_tiny_checkpoint("mistral", tmp_path / "m", sliding_window=20)
+    edit_config(path, drop=("layer_types",), **fields)
+    engine = make_engine(path)
+    rng = random.Random(13)
+    for length in (40, 130):
+        history = [rng.randrange(1, 512) for _ in range(length)]
+        assert_greedy_matches(path, history, greedy(engine, history, 20))

@@ -1,4 +1,4 @@
-"""Llama family (serves model_type llama, qwen2, qwen3, mistral) on the shared decoder.
+"""Llama family (serves model_type llama, qwen2, qwen3, mistral, ministral) on the shared decoder.
 
 What tells these four apart is read from the config where the config says it (the MLP's
 activation too: hidden_act, as transformers' ACT2FN reads it); Qwen2's q/k/v bias and Qwen3's q/k
@@ -12,10 +12,10 @@ from typing import Any
 from hibana_core.forward_context import ForwardContext
 from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM, sliding_windows
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "ministral")
 
 # model_type -> (q/k/v bias, o bias) where the architecture fixes them; else config.attention_bias
-_FIXED_BIASES = {"qwen2": (True, False), "mistral": (False, False)}
+_FIXED_BIASES = {"qwen2": (True, False), "mistral": (False, False), "ministral": (False, False)}
 
 # transformers' Llama alone reads config.mlp_bias; Qwen2, Qwen3 and Mistral MLPs have no bias whatever
 # a config.json says (their checkpoints hold none)
@@ -26,7 +26,8 @@ _MLP_BIAS_FROM_CONFIG = ("llama",)
 _FULL_ATTENTION_ONLY = ("llama",)
 
 # transformers' Mistral windows every layer whenever sliding_window is set (use_sliding_window is
-# no field of its config), or by layer_types, which make it a Ministral
+# no field of its config); a mistral config.json with layer_types is read as a Ministral (model_type
+# ministral), whose layers window by layer_types (its config derives them from sliding_window)
 _WINDOWING_READS = {"mistral": ("layer_types",)}
 
 
