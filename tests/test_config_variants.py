@@ -93,3 +93,13 @@ def test_ministral_runs_as_transformers_does(fields, tmp_path, make_engine):
     for length in (40, 130):
         history = [rng.randrange(1, 512) for _ in range(length)]
         assert_greedy_matches(path, history, greedy(engine, history, 20))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_hidden_act_swish_is_silu_as_in_transformers(arch, tmp_path, make_engine):
+    """transformers' ACT2FN reads "swish" as SiLU; it was refused as an unsupported activation."""
+    path = make_tiny_checkpoint(arch, tmp_path / arch)
+    edit_config(path, hidden_act="swish")
+    engine = make_engine(path)
+    history = [random.Random(5).randrange(1, 512) for _ in range(40)]
+    assert_greedy_matches(path, history, greedy(engine, history, 12))

@@ -26,6 +26,14 @@ from hibana_core.models.moe import Experts, MoEArgs, SparseMoE
 SUPPORTED_ROPE_TYPES = ("default", "dynamic", "llama3", "linear", "longrope", "yarn")
 KERNEL_GLU = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # a config's hidden_act -> the kernels' glu name
 ACTIVATIONS = tuple(KERNEL_GLU)
+ACTIVATION_NAMES = {"swish": "silu"}
+"""Other names transformers' ACT2FN gives one of ACTIVATIONS (its "swish" is SiLU)."""
+
+
+def activation_of(config: Any) -> str:
+    """The config's hidden_act as one of ACTIVATIONS names it (unknown names as they are)."""
+    act = getattr(config, "hidden_act", None) or "silu"
+    return ACTIVATION_NAMES.get(act, act)
 
 
 @dataclass(frozen=True)
@@ -301,7 +309,7 @@ class DecoderArgs:
             qk_norm=False,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             attention_scale=head_dim ** -0.5,
-            activation=getattr(config, "hidden_act", None) or "silu",
+            activation=activation_of(config),
         )
         if "sliding_windows" not in differences:  # (Llama, Mistral, Phi-3, Qwen3-MoE read theirs their own way)
             common["sliding_windows"] = sliding_windows(config)

@@ -11,14 +11,14 @@ from typing import Any
 
 from hibana_core.errors import CheckpointError, UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
-from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM, sliding_windows
+from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM, activation_of, sliding_windows
 from hibana_core.models.moe import MoEArgs
 
 MODEL_TYPES = ("qwen3_moe",)
 
 
 def args_from_config(config: Any) -> DecoderArgs:
-    if config.hidden_act != "silu":  # the experts' kernels compute SwiGLU
+    if activation_of(config) != "silu":  # the experts' kernels compute SwiGLU
         raise UnsupportedModelError(f"qwen3_moe with hidden_act {config.hidden_act!r} is not supported; "
                                     "its experts run SwiGLU (hidden_act 'silu')")
     dense_only = set(getattr(config, "mlp_only_layers", None) or ())
