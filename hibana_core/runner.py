@@ -321,9 +321,10 @@ class ModelRunner:
         rows = pending.rows
         sampled = self.sampler(pending.logits, rows) if masks is None else self.sampler(pending.logits, rows, masks)
         self._force(sampled, rows, step.scheduled)
+        estimates = (self.sampler.draft_estimates(pending.logits, rows)
+                     if any(row.draft is not None for row in rows) else None)  # drafts that came with q
         step.set_sampled(sampled, None if pending.timer is None else pending.timer.stop(),
-                         self.sampler.logprobs(pending.logits, rows, sampled),
-                         self.sampler.draft_estimates(pending.logits, rows))
+                         self.sampler.logprobs(pending.logits, rows, sampled), estimates)
 
     def _force(self, sampled: torch.Tensor, rows: list[SamplingRow], scheduled: SchedulerOutput) -> None:
         """Trace replay (bench only): rows of requests with forced outputs take the recorded

@@ -40,6 +40,7 @@ def test_a_request_that_fails_its_step_fails_alone(tiny_checkpoints, make_engine
         return type(sampler).__call__(sampler, logits, rows)
 
     failing_sampler.logprobs = sampler.logprobs  # the rest of the sampler's protocol, unchanged
+    failing_sampler.draft_estimates = sampler.draft_estimates
     engine.runner.sampler = failing_sampler
     rng = random.Random(5)
     prompts = [random_tokens(rng, 20 + 7 * i) for i in range(4)]
