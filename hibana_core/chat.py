@@ -692,6 +692,12 @@ class Chat:
                     # in free text): that call's closing tag stays writable
                     grammar = turn.parser_grammar(self.parser, self.parser_name, tools, tool_choice,
                                                   parallel=not one_call, strict=guided, closer=not prefill)
+                    if grammar is None and tool_choice != "auto":
+                        raise ToolChoiceError(
+                            f"tool_choice={tool_choice!r} asks for a call, and the {self.parser_name} tool parser "
+                            f"({describe_registered(self.parser)}) has no call syntax Hibana can hold the turn to "
+                            "(neither call_syntax nor tool_call_grammar): the model would be free to answer in "
+                            "text; use tool_choice='auto', or give the parser a call_syntax")
                 else:
                     grammar = turn.answer_or_calls(self.parser, self.parser_name, tools, tool_choice, answer,
                                                    parallel=not one_call, strict=guided,

@@ -818,6 +818,48 @@ def test_a_plugin_tool_parser_that_is_none_or_breaks_is_a_hibana_error(engine):
     assert Chat(engine, "after-parsers").respond(HELLO, params=SamplingParams(max_tokens=4)).usage.completion_tokens
 
 
+def test_a_call_required_of_a_parser_without_call_syntax_is_a_tool_choice_error(engine):
+    """A plugin's tool parser with neither call_syntax nor tool_call_grammar gives no grammar to
+    hold a call to: tool_choice "required" or a tool's name was dropped without a word (the model
+    answered in text, finish "length"). It is a ToolChoiceError naming the parser; "auto" runs."""
+    from hibana_plugins.hookspecs import ParsedOutput, hookimpl
+    from hibana_plugins.manager import reset_plugin_manager
+
+    class Plain:
+        def parse(self, text):
+            return ParsedOutput(text, [])
+
+        def stream(self):
+            return self
+
+        def feed(self, text):
+            return [text]
+
+        def close(self):
+            return []
+
+        def finish(self):
+            return ParsedOutput("", [])
+
+    class Plugin:
+        @hookimpl
+        def register_tool_parsers(self, register):
+            register("plain", Plain())
+
+    reset_plugin_manager()
+    get_plugin_manager().register(Plugin(), name="hibana-test-plain-parser")
+    try:
+        chat = Chat(engine, "plain-parser", tool_parser="plain")
+        for choice in ("required", "get_weather"):
+            with pytest.raises(ToolChoiceError, match=rf"tool_choice='{choice}' asks for a call, and the plain tool "
+                                                      "parser .* has no call syntax"):
+                chat.respond(HELLO, tools=[WEATHER], tool_choice=choice, params=SamplingParams(max_tokens=4))
+            assert chat.handle.tokens == [], "the state is put back as it was"
+        assert chat.respond(HELLO, tools=[WEATHER], params=SamplingParams(max_tokens=4)).usage.completion_tokens
+    finally:
+        reset_plugin_manager()
+
+
 @contextlib.contextmanager
 def with_plugin(plugin, name: str):
     """`plugin` registered on a fresh plugin manager until the block ends (then the manager is fresh again)."""
