@@ -227,3 +227,22 @@ def test_each_state_draws_or_chooses_whichever_keeps_more(small_vocab_model):
             engine.close()
         assert drafter.draws[:4] == [True] * 4, (temperature, drafter.draws)
         assert drafter.draws[-1] is draws_at_last, (temperature, drafter.draws)
+
+
+def test_stats_say_how_many_states_draw_or_choose(small_vocab_model):
+    """engine.stats().speculation["drawn_or_chosen"]: the states whose drafter said q, by what
+    they do now (q nearly uniform, its argmax the likeliest token: at 0.3 choosing keeps more)."""
+    q = torch.full((VOCAB,), 1.0 / VOCAB)
+    q[int(target(small_vocab_model, SamplingParams(temperature=1.0), []).argmax())] += 0.01
+    q /= q.sum()
+    with registered(flat=DrawnDrafter(q, seed=2)):
+        engine = Engine.from_hf_model(small_vocab_model, device="cpu", dtype="float32", block_size=16, num_blocks=64,
+                                      max_concurrent_agents=2, progress=False, speculation="off")
+    try:
+        h = engine.open_state("one")
+        for _ in range(6):
+            h.generate(SamplingParams(max_tokens=3, temperature=0.3, ignore_eos=True,
+                                      speculation={"method": "flat", "k": 2}), prompt=PROMPT)
+        assert engine.stats().speculation["drawn_or_chosen"] == {"chosen": 1}
+    finally:
+        engine.close()

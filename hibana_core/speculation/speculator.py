@@ -468,6 +468,8 @@ class Speculator:
                 "device": [round(1e3 * s, 3) for s in self._controller.costs.seconds],
                 "verify_sync": round(1e3 * self._controller.costs.sync_overhead, 3)},
             "drafters": own,  # a drafter's own figures (`summary()`), e.g. a draft model's cost per token
+            # states whose drafter said q: how many draw their drafts now, how many choose q's argmax
+            "drawn_or_chosen": dict(Counter("drawn" if c.draws else "chosen" for c in list(self._draws.values()))),
             "drafter_errors": dict(self.drafter_errors),  # calls that raised, per drafter
         }
 
