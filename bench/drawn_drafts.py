@@ -3,10 +3,12 @@
 The demo model drafts for itself through the layer-skip self-draft (half its layers, k fixed) on
 the first turns of the recorded demo trace (`bench/traces/demo.json.gz`: each agent's prompt; the
 model's own outputs, not the trace's), sampled at several temperatures. Each temperature runs
-twice on one engine: requests without a seed, whose drafts the self-draft draws from its own
-distribution q and the target keeps at min(1, p/q), and the same requests with seeds, whose
-drafts are the self-draft's argmax, kept where the target's own draw equals them. Reported:
-drafts kept of those proposed, tokens a verify step emits, decode tokens/s.
+three times on one engine: "drawn", requests without a seed whose drafts the self-draft always
+draws from its own distribution q, kept at min(1, p/q) (the per-state choice held at drawing);
+"chosen", the same requests with seeds, whose drafts are the self-draft's argmax, kept where the
+target's own draw equals them; "adaptive", requests without a seed as the engine runs them, each
+state drawing or choosing by what kept more (`DrawChoice`). Reported: drafts kept of those
+proposed, tokens a verify step emits, decode tokens/s.
 
     python bench/drawn_drafts.py [--temperatures 0.3,0.7,1.0] [--agents 8] [--tokens 48] [--k 4]
 """
@@ -19,10 +21,12 @@ import threading
 import time
 
 from hibana_core import Engine, SamplingParams
+from hibana_core.speculation.speculator import DrawChoice
 from hibana_bench.traces import load_trace
 
 
-KINDS = ("drawn", "chosen")
+KINDS = ("drawn", "chosen", "adaptive")
+ENGINE_MIN_SEEN = DrawChoice.MIN_SEEN
 
 
 def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
@@ -67,11 +71,13 @@ def main() -> None:
         for temperature in map(float, args.temperatures.split(",")):
             for kind in KINDS:
                 params = [SamplingParams(max_tokens=args.tokens, temperature=temperature, ignore_eos=True,
-                                         seed=None if kind == "drawn" else 1000 + i) for i in range(len(prompts))]
+                                         seed=1000 + i if kind == "chosen" else None) for i in range(len(prompts))]
+                # "drawn": the per-state choice never leaves drawing (a bench-only override)
+                DrawChoice.MIN_SEEN = 10**9 if kind == "drawn" else ENGINE_MIN_SEEN
                 row = {"temperature": temperature, "drafts": kind, **run(engine, prompts, params)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    print(f"\n| temperature | drafts | kept / proposed | tokens a verify step | tok/s |\n| --- | --- | --- | --- | --- |")
+    print("\n| temperature | drafts | kept / proposed | tokens a verify step | tok/s |\n| --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['temperature']} | {r['drafts']} | {r['kept']} / {r['proposed']} ({r['kept_share']}) | "
               f"{r['tokens_per_verify']} | {r['tokens_per_s']} |")

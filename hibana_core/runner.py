@@ -152,11 +152,13 @@ class StepInFlight:
             self._ready.synchronize()
         tokens = self._host.tolist()
         logprobs = self._token_logprobs(tokens)
-        estimates = {} if self._estimates is None else dict(zip(self._estimates.rows, map(tuple, self._estimates.kept.tolist())))
+        estimates = None if self._estimates is None else dict(zip(self._estimates.rows,
+                                                                  map(tuple, self._estimates.kept.tolist())))
         out, kept_logprobs, row = [], [], 0
         chunk_estimates: list[tuple[float, float] | None] = []
         for chunk in self.scheduled.chunks:
-            chunk_estimates.append(estimates.get(row) if chunk.sample else None)  # its first draft's row
+            if estimates is not None:
+                chunk_estimates.append(estimates.get(row) if chunk.sample else None)  # its first draft's row
             if not chunk.sample:
                 out.append([])
                 kept_logprobs.append([])
@@ -321,8 +323,8 @@ class ModelRunner:
         rows = pending.rows
         sampled = self.sampler(pending.logits, rows) if masks is None else self.sampler(pending.logits, rows, masks)
         self._force(sampled, rows, step.scheduled)
-        estimates = (self.sampler.draft_estimates(pending.logits, rows)
-                     if any(row.draft is not None for row in rows) else None)  # drafts that came with q
+        estimates = (self.sampler.draft_estimates(pending.logits, rows)  # drafts that came with q
+                     if any(c.draft_probs is not None for c in step.scheduled.sampling) else None)
         step.set_sampled(sampled, None if pending.timer is None else pending.timer.stop(),
                          self.sampler.logprobs(pending.logits, rows, sampled), estimates)
 

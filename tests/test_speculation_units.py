@@ -707,6 +707,7 @@ def test_valid_draft_keeps_the_prefix_of_vocabulary_ids():
 
 
 def test_a_sampled_draft_is_cut_with_its_distributions_and_taken_only_where_the_request_may():
+    import numpy as np
     import pytest
     import torch
 
@@ -719,6 +720,10 @@ def test_a_sampled_draft_is_cut_with_its_distributions_and_taken_only_where_the_
     kept = valid_draft(SampledDraft([1, 2, 12, 3], q), 4, 10, sampled=True)  # 12: past the vocabulary
     assert isinstance(kept, SampledDraft) and kept.tokens == [1, 2] and torch.equal(kept.probs, q[:2])
     assert valid_draft(SampledDraft([1, 2, 3], q), 2, 10, sampled=False) == [1, 2]  # chosen, for this request
+    # drawn (kept at min(1, p/q)) only where the engine asked for a draw and the drafter says True
+    assert not valid_draft(SampledDraft([1, 2], q), 2, 10, sampled=True, draw=False).drawn
+    for falsy in (np.False_, 0, torch.tensor(False)):
+        assert not valid_draft(SampledDraft([1, 2], q, drawn=falsy), 2, 10, sampled=True).drawn, falsy
     with pytest.raises(TypeError, match="probs of shape"):
         valid_draft(SampledDraft([1, 2, 3], q[:2]), 3, 10, sampled=True)
     assert samples_drafts(SamplingParams(temperature=0.8))

@@ -92,11 +92,15 @@ def _checked_proposer(name: str, drafter: Any, what: str, expected: str) -> Draf
     return drafter
 
 
-def valid_draft(proposal: Any, k: int, vocab_size: int, sampled: bool = False) -> "list[int] | SampledDraft":
+def valid_draft(proposal: Any, k: int, vocab_size: int, sampled: bool = False,
+                draw: bool = True) -> "list[int] | SampledDraft":
     """The longest prefix of a drafter's proposal, k tokens at most, made of token ids of the
     vocabulary: an id past it would fail the verifying forward, so the drafts stop there. A
     `SampledDraft` stays one (its distributions cut alike) where the request `sampled` may take
-    one (`samples_drafts`), else its tokens are a plain proposal."""
+    one (`samples_drafts`), else its tokens are a plain proposal; it counts as drawn (kept at
+    min(1, p/q)) only where the engine asked for a draw (`draw`: DraftInput.draw) and the drafter
+    says it drew: a chosen draft taken for a drawn one would skew the output, where a drawn one
+    taken for a chosen one (kept where the target's draw equals it) is exact."""
     if isinstance(proposal, SampledDraft):
         tokens = valid_draft(proposal.tokens, k, vocab_size)
         if not sampled or not tokens:
@@ -109,7 +113,7 @@ def valid_draft(proposal: Any, k: int, vocab_size: int, sampled: bool = False) -
                 and 0 < shape[1] <= vocab_size):
             raise TypeError(f"a SampledDraft of {len(tokens)} tokens holds probs of shape {shape}, where "
                             f"[{len(tokens)}, V <= {vocab_size}] belongs")
-        return SampledDraft(tokens, probs[:len(tokens)], proposal.drawn is not False)
+        return SampledDraft(tokens, probs[:len(tokens)], draw and proposal.drawn is True)
     if proposal is None:
         return []
     if type(proposal) is list and plain_token_ids(proposal[:k], vocab_size):  # the built-ins' (every step)
@@ -319,7 +323,7 @@ class Speculator:
             if not isinstance(proposals, (list, tuple)) or len(proposals) != len(inputs):
                 raise TypeError(f"{describe_registered(proposals)} for {len(inputs)} states, where a list of one "
                                 "proposal a state belongs")
-            return [valid_draft(p, k, self.vocab_size, samples_drafts(state.params))
+            return [valid_draft(p, k, self.vocab_size, samples_drafts(state.params), state.draw)
                     for p, k, state in zip(proposals, ks, inputs)]
         except Exception as exc:  # noqa: BLE001 - what a plugin's drafter returned
             self._drafter_failed(method, call, exc, returned=True)
@@ -343,7 +347,7 @@ class Speculator:
         real run keeps sum(min(p, q))). The proposals of a request given no params are token ids
         alone (`valid_draft`)."""
         params = request.params if request.grammar is None and request.forced is None else None
-        choice = self._draws.get(request.seq)
+        choice = self._draws.get(request.seq) if params is not None else None
         return DraftInput(TokensView(request.seq.tokens), request.seq, request.seq.edits, params,
                           choice is None or choice.draws)
 
@@ -453,6 +457,16 @@ class Speculator:
             self._optional(method, "close")
         self._drafters.clear()
 
+    def _drawn_or_chosen(self) -> dict[str, int]:
+        """States whose drafter said q, by what they do now. (A state collected on another thread,
+        its handle dropped outside the engine's lock, may leave the weak dictionary mid-count.)"""
+        for _ in range(3):
+            try:
+                return dict(Counter("drawn" if c.draws else "chosen" for c in list(self._draws.values())))
+            except RuntimeError:  # "dictionary changed size during iteration"
+                continue
+        return {}
+
     def summary(self) -> dict:
         c = self.counters
         own = {name: figures for name in self._drafters if (figures := self._optional(name, "summary")) is not None}
@@ -469,7 +483,7 @@ class Speculator:
                 "verify_sync": round(1e3 * self._controller.costs.sync_overhead, 3)},
             "drafters": own,  # a drafter's own figures (`summary()`), e.g. a draft model's cost per token
             # states whose drafter said q: how many draw their drafts now, how many choose q's argmax
-            "drawn_or_chosen": dict(Counter("drawn" if c.draws else "chosen" for c in list(self._draws.values()))),
+            "drawn_or_chosen": self._drawn_or_chosen(),
             "drafter_errors": dict(self.drafter_errors),  # calls that raised, per drafter
         }
 
