@@ -704,6 +704,11 @@ def test_valid_draft_keeps_the_prefix_of_vocabulary_ids():
         assert valid_draft([4, bad, 5], 3, 10) == [4], bad
     assert valid_draft(np.array([1, 2, 11]), 3, 10) == [1, 2] and valid_draft(torch.tensor([9, 0]), 2, 10) == [9, 0]
     assert valid_draft([np.int64(3), 4], 2, 10) == [3, 4] and valid_draft(iter([1, 2, 3]), 2, 10) == [1, 2]
+    assert valid_draft([12, 4], 2, 10) == []  # an id past the vocabulary: no draft, no error
+    # no token id at all is a drafter's bug: a TypeError, which the speculator warns of once
+    for wrong in ("12", [1.0, 2.0], ["a"], [None]):
+        with pytest.raises(TypeError, match="where token ids"):
+            valid_draft(wrong, 2, 10)
 
 
 def test_a_sampled_draft_is_cut_with_its_distributions_and_taken_only_where_the_request_may():

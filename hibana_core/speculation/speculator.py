@@ -118,12 +118,16 @@ def valid_draft(proposal: Any, k: int, vocab_size: int, sampled: bool = False,
         return []
     if type(proposal) is list and plain_token_ids(proposal[:k], vocab_size):  # the built-ins' (every step)
         return proposal[:k]
+    if isinstance(proposal, (str, bytes)):
+        raise TypeError(f"a proposal of text ({proposal!r:.40}), where token ids belong")
     if hasattr(proposal, "tolist"):  # a tensor or an array of ids
         proposal = proposal.tolist()
     draft = []
     for token in itertools.islice(proposal, k):
         if not (is_kind(token, int) and 0 <= token < vocab_size):
-            break
+            if not draft and not is_kind(token, int):  # no id at all: a drafter's bug, said once
+                raise TypeError(f"a proposal starting with {token!r:.40}, where token ids (ints) belong")
+            break  # (an id past the vocabulary ends the drafts there)
         draft.append(int(token))
     return draft
 
