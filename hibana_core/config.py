@@ -572,6 +572,11 @@ class SamplingParams:
                                f"({{'type': 'structural_tag', 'format': ...}}), got {grammar!r:.80}")
 
 
+def needs_history(p: SamplingParams) -> bool:
+    """Whether sampling for p reads the request's earlier tokens on the host: the penalties."""
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
 def _extension_typed_dicts(kind: Any, done: dict | None = None) -> Any:
     """`kind` with every `typing.TypedDict` in it (its own fields, list items, unions, ...) rebuilt
     as a `typing_extensions.TypedDict` with the same keys, required ones and docstring: before

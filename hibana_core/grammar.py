@@ -1022,6 +1022,17 @@ def _bit(bit: int) -> int:
     return (1 << bit) - (1 << 32 if bit == 31 else 0)
 
 
+def _clear_unless_alone(bitmask: torch.Tensor, row: int, tokens: Iterable[int]) -> None:
+    """Clear `tokens`' bits in a bitmask row, unless nothing else is allowed there (the row is then
+    left as it was)."""
+    held = bitmask[row].clone()
+    for token in tokens:
+        word, bit = divmod(token, 32)
+        held[word] &= ~_bit(bit)
+    if held.any():
+        bitmask[row] = held
+
+
 def allowed_tokens(words: torch.Tensor, most: int) -> list[int]:
     """The token ids whose bits are set in a bitmask row (int32 words), or any `most` + 1 of
     them where there are more."""
@@ -1168,25 +1179,13 @@ class Matcher:
         xgrammar 0.2.9 allows a stop token whose text continues the grammar. Where nothing else
         is left the row stays as it was: the grammar needs the stop token as text, and the request
         fails on it with a GrammarError that says to take it out of stop_token_ids."""
-        if not self._ends or self._matcher.is_completed():
-            return
-        held = bitmask[row].clone()
-        for token in self._ends:
-            word, bit = divmod(token, 32)
-            held[word] &= ~_bit(bit)
-        if held.any():
-            bitmask[row] = held
+        if self._ends and not self._matcher.is_completed():
+            _clear_unless_alone(bitmask, row, self._ends)
 
     def hold_back(self, bitmask: torch.Tensor, row: int) -> None:
         """Clear the last-resort stop tokens' bits where the row allows any other token."""
-        if not self._last_resort or not self._matcher.is_completed():  # (stops are allowed only there)
-            return
-        held = bitmask[row].clone()
-        for token in self._last_resort:
-            word, bit = divmod(token, 32)
-            held[word] &= ~_bit(bit)
-        if held.any():
-            bitmask[row] = held
+        if self._last_resort and self._matcher.is_completed():  # (stops are allowed only there)
+            _clear_unless_alone(bitmask, row, self._last_resort)
 
     def drop_refused(self, bitmask: torch.Tensor, row: int, suspects: torch.Tensor | None) -> None:
         """Clear the bits of allowed tokens the matcher would refuse, among those that are not whole

@@ -27,7 +27,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
-from hibana_core.config import SamplingParams
+from hibana_core.config import SamplingParams, needs_history
 from hibana_core.kv.transfers import device_tensor, small_to_device
 
 _NEG_INF = float("-inf")
@@ -341,11 +341,6 @@ def apply_warpers(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Te
         threshold = _column(min_p, x.device) * probs.amax(dim=-1, keepdim=True)  # [B, 1]
         x = x.masked_fill(probs < threshold, _NEG_INF)
     return x
-
-
-def needs_history(p: SamplingParams) -> bool:
-    """Whether sampling for p reads the request's earlier tokens on the host: the penalties."""
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:

@@ -23,6 +23,7 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
 
+from hibana_core.config import needs_history
 from hibana_core.errors import ConfigError
 from hibana_core.speculation.index import (CONTEXT_INDEX_BYTES_PER_TOKEN, LAST_SEEN_BYTES_PER_TOKEN, ORDERS,
                                            ContextIndex, Seen, WindowedContextIndex, WindowedIndex,
@@ -116,8 +117,7 @@ def cut(proposal: "list[int] | SampledDraft", n: int) -> "list[int] | SampledDra
 def samples_drafts(params: "SamplingParams | None") -> bool:
     """Whether a request's drafts may be a `SampledDraft`: it samples (temperature > 0), has no
     seed and no penalty that reads its history."""
-    return (params is not None and not params.greedy and params.seed is None and params.repetition_penalty == 1.0
-            and not params.presence_penalty and not params.frequency_penalty)  # (no penalty: sampler.needs_history)
+    return params is not None and not params.greedy and params.seed is None and not needs_history(params)
 
 
 @runtime_checkable
