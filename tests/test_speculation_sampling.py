@@ -57,6 +57,13 @@ def small_vocab_model():
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
+def open_engine(model, agents: int, **options) -> Engine:
+    """A float32 CPU engine on `model` for `agents` states at once (2 blocks each, and some), with
+    speculation off but for the requests that name a drafter."""
+    return Engine.from_hf_model(model, device="cpu", dtype="float32", block_size=16, num_blocks=2 * agents + 16,
+                                max_concurrent_agents=agents, progress=False, speculation="off", **options)
+
+
 def target(model, params: SamplingParams, context: list[int]) -> np.ndarray:
     """The distribution of the token after PROMPT + context: HF's logits, then the sampler's
     penalties (the prompt and the tokens generated before count) and warpers."""
@@ -112,8 +119,7 @@ def test_speculative_sampling_matches_the_target_distribution(setting, small_voc
     likely = FixedDrafter([a, b])
     rare = FixedDrafter(unlikely)
     with registered(likely=likely, rare=rare):
-        engine = Engine.from_hf_model(model, device="cpu", dtype="float32", block_size=16, num_blocks=2 * STATES + 16,
-                                      max_concurrent_agents=STATES, progress=False, speculation="off")
+        engine = open_engine(model, STATES)
     try:
         params = [dataclasses.replace(base, seed=seed, speculation={"method": "likely" if seed % 2 else "rare", "k": 2})
                   for seed in range(2 * REQUESTS)]
@@ -159,8 +165,7 @@ def test_drawn_drafts_keep_the_target_distribution(setting, small_vocab_model):
     close = 0.8 * torch.tensor(p1, dtype=torch.float32) + 0.2 * uniform
     flat, near = DrawnDrafter(uniform, seed=1), DrawnDrafter(close / close.sum(), seed=2)
     with registered(flat=flat, near=near):
-        engine = Engine.from_hf_model(model, device="cpu", dtype="float32", block_size=16, num_blocks=2 * STATES + 16,
-                                      max_concurrent_agents=STATES, progress=False, speculation="off", seed=3)
+        engine = open_engine(model, STATES, seed=3)
     try:
         params = [dataclasses.replace(base, speculation={"method": "near" if i % 2 else "flat", "k": 2})
                   for i in range(2 * REQUESTS)]
@@ -190,8 +195,7 @@ def test_drawn_drafts_of_seeded_requests_are_verified_as_chosen_ones(small_vocab
     q = torch.full((VOCAB,), 1.0 / VOCAB)
     drafter = DrawnDrafter(q, seed=4)
     with registered(flat=drafter):
-        engine = Engine.from_hf_model(model, device="cpu", dtype="float32", block_size=16, num_blocks=64,
-                                      max_concurrent_agents=4, progress=False, speculation="off")
+        engine = open_engine(model, 4)
     try:
         outs = {}
         for spec in ("off", {"method": "flat", "k": 3}):
@@ -216,8 +220,7 @@ def test_each_state_draws_or_chooses_whichever_keeps_more(small_vocab_model):
     for temperature, draws_at_last in ((0.3, False), (1.0, True)):
         drafter = DrawnDrafter(q, seed=6)
         with registered(flat=drafter):
-            engine = Engine.from_hf_model(model, device="cpu", dtype="float32", block_size=16, num_blocks=64,
-                                          max_concurrent_agents=2, progress=False, speculation="off")
+            engine = open_engine(model, 2)
         try:
             h = engine.open_state("one")
             for _ in range(8):  # one state: its choice learns across its requests
@@ -236,8 +239,7 @@ def test_stats_say_how_many_states_draw_or_choose(small_vocab_model):
     q[int(target(small_vocab_model, SamplingParams(temperature=1.0), []).argmax())] += 0.01
     q /= q.sum()
     with registered(flat=DrawnDrafter(q, seed=2)):
-        engine = Engine.from_hf_model(small_vocab_model, device="cpu", dtype="float32", block_size=16, num_blocks=64,
-                                      max_concurrent_agents=2, progress=False, speculation="off")
+        engine = open_engine(small_vocab_model, 2)
     try:
         h = engine.open_state("one")
         for _ in range(6):
