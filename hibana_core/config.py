@@ -241,6 +241,8 @@ class SchedulerConfig:
 
 MAX_DRAFT_TOKENS = 16
 """Longest fixed draft length a request may ask for."""
+ADAPTIVE_ROW_ALLOWANCE = 4
+"""Drafts per agent slot that the workspace of an adaptively speculating engine holds (`row_allowance`)."""
 
 
 @dataclass(frozen=True)
@@ -310,6 +312,16 @@ class SpeculationConfig:
         """Drafts a sequence may verify in a step: 0 off, k fixed, None adaptive (any the
         controller picks)."""
         return self.k if self.enabled else 0
+
+    @property
+    def row_allowance(self) -> int:
+        """Drafts a step may verify per agent slot (max_concurrent_agents) on average, as this
+        engine-wide default sizes the step's workspace (each draft samples a row of logits): k
+        fixed, 4 adaptive (the controller drafts long only where few agents run: one agent of 64
+        slots may verify 16), 0 off. The scheduler keeps a step's drafts within it; a request that
+        turns speculation on in an engine whose default is off drafts into the rows that other
+        sequences leave unused."""
+        return (ADAPTIVE_ROW_ALLOWANCE if self.k is None else self.k) if self.enabled else 0
 
 
 OPTION_ALIASES = {"kv_device_blocks": "num_blocks", "memory_budget_bytes": "memory_budget"}

@@ -429,7 +429,7 @@ class Engine:
             hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_heads=a.num_heads,
             num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, vocab_size=a.vocab_size,
             max_batched_tokens=sched.max_num_batched_tokens, max_agents=sched.max_concurrent_agents,
-            dtype_bytes=self.dtype.itemsize, **_moe_shape(self.hf_config))
+            dtype_bytes=self.dtype.itemsize, max_drafts=self.config.speculation.row_allowance, **_moe_shape(self.hf_config))
         """What a step may allocate besides weights and KV (an estimate, kv/budget.py)."""
         self.memory_budget = None
         """The budget in bytes (None: none given; `num_blocks` or the default sizing)."""

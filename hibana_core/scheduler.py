@@ -317,7 +317,11 @@ class Scheduler:
         if not chunks and self.has_work() and not self._awaiting_update():
             self._preempt_or_fail()
         if self.speculation is not None and chunks and budget > 0:
-            chunks = self._add_drafts(chunks, budget)
+            # the rows that sample (each draft is one) stay within what the workspace was sized for
+            rows = self.config.max_concurrent_agents * (1 + self.speculation.default.row_allowance)
+            budget = min(budget, rows - sum(c.sample for c in chunks))
+            if budget > 0:
+                chunks = self._add_drafts(chunks, budget)
         return self._scheduled(chunks)
 
     def _add_drafts(self, chunks: list[ScheduledChunk], budget: int) -> list[ScheduledChunk]:

@@ -98,7 +98,7 @@ def test_a_drafters_model_and_kv_fit_the_budget_as_they_load(spec):
     layer_skip)."""
     from hibana_core.loader import DEMO_MODEL_DIR
 
-    given = 80_000_000
+    given = 100_000_000  # the workspace holds 64 agents x 4 drafts of logits (14 MB of it)
     if spec["method"] == "draft_model":
         spec, given = {**spec, "draft_model": str(DEMO_MODEL_DIR)}, 130_000_000
     with Engine.from_pretrained("demo", device="cpu", progress=False, memory_budget=given,
@@ -167,6 +167,20 @@ def test_workspace_grows_with_the_step():
     small, large = (budget.workspace_bytes(max_batched_tokens=n, **shape) for n in (512, 8192))
     assert 0 < small < large
     assert large < 2 * GIB  # an 8B model's 8k-token chunk: hundreds of MB, not a device's worth
+
+
+def test_workspace_counts_the_logits_of_verified_drafts():
+    """Each draft a sequence verifies samples a row of float32 logits: an 8B vocabulary's 64
+    agents verifying 4 drafts each make 0.3 GB of them, which the estimate must hold (it counted
+    one row a sequence); the step's tokens bound them too."""
+    shape = dict(hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8, head_dim=128,
+                 vocab_size=151936, max_agents=64, dtype_bytes=2)
+    off, k4, k16 = (budget.workspace_bytes(max_batched_tokens=2048, max_drafts=k, **shape) for k in (0, 4, 16))
+    row = 3 * 151936 * 4 * 9 // 8  # three float32 copies, and the eighth for fragmentation
+    assert k4 - off == pytest.approx(64 * 4 * row, rel=1e-6)
+    assert k16 - off == pytest.approx(64 * 16 * row, rel=1e-6)
+    capped = budget.workspace_bytes(max_batched_tokens=256, max_drafts=16, **shape)
+    assert capped - budget.workspace_bytes(max_batched_tokens=256, **shape) == pytest.approx((256 - 64) * row, rel=1e-6)
 
 
 def test_memory_of_a_closed_engine_is_an_engine_closed_error(tiny_checkpoints):

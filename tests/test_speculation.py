@@ -215,6 +215,25 @@ def test_drafts_share_a_small_token_budget(tiny_checkpoints, make_engine):
     assert stats.draft_tokens_accepted == stats.draft_tokens_proposed > 0, stats
 
 
+def test_drafts_stay_within_the_rows_the_workspace_holds(tiny_checkpoints, make_engine):
+    """The workspace holds the logits of max_concurrent_agents x (1 + the engine default's draft
+    length) rows: a request that asks for drafts in an engine whose default is off drafts only
+    into rows other sequences leave unused (here none: one agent at most), with the same output."""
+    path = tiny_checkpoints["qwen3"]
+    history = random_tokens(random.Random(8), 24)
+    want = hf_greedy(path, history, 12)
+    oracle = OracleDrafter(VOCAB_SIZE)
+    oracle.add(history, want)
+    with registered(oracle=oracle):
+        off = make_engine(path, speculation="off", max_concurrent_agents=1)
+        fixed = make_engine(path, speculation={"method": "oracle", "k": 3}, max_concurrent_agents=1)
+    asked = greedy(12, speculation={"method": "oracle", "k": 3})
+    assert list(off.open_state("a").generate(asked, prompt=history).token_ids) == want
+    assert off.stats().draft_tokens_proposed == 0
+    assert list(fixed.open_state("a").generate(asked, prompt=history).token_ids) == want
+    assert fixed.stats().draft_tokens_accepted == fixed.stats().draft_tokens_proposed > 0
+
+
 # --- 3. after rejections the KV is what a run without speculation holds ---------------------------
 
 KV_ATOL = 1e-4

@@ -118,15 +118,19 @@ def _system_memory() -> tuple[int, int]:
 
 def workspace_bytes(*, hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int,
                     head_dim: int, vocab_size: int, max_batched_tokens: int, max_agents: int,
-                    dtype_bytes: int, moe_top_k: int = 0, moe_intermediate_size: int = 0) -> int:
+                    dtype_bytes: int, moe_top_k: int = 0, moe_intermediate_size: int = 0,
+                    max_drafts: int = 0) -> int:
     """An upper estimate of what one step allocates besides weights and KV: the activations of a
     full prefill chunk (the residual stream twice, the fused qkv and gate/up outputs, attention's
-    output, the MLP's product; a sparse block's k routes a token), float32 logits of every
-    sequence for sampling (three copies: logits, probabilities, the sampler's scratch), and an
-    eighth more for the allocator's fragmentation and kernels' scratch. `Engine.memory()` reports the measured peak on CUDA."""
+    output, the MLP's product; a sparse block's k routes a token), float32 logits of every row
+    that samples (three copies: logits, probabilities, the sampler's scratch), and an eighth more
+    for the allocator's fragmentation and kernels' scratch. A sequence samples one row, and one
+    more for each draft it verifies (`max_drafts` a sequence at most; the step's tokens bound them
+    all). `Engine.memory()` reports the measured peak on CUDA."""
     per_token = (2 * hidden_size + (num_heads + 2 * num_kv_heads) * head_dim + num_heads * head_dim
                  + 3 * intermediate_size) * dtype_bytes
     # a sparse block's routes: each token's k gate/up outputs, activations and expert outputs
     per_token += moe_top_k * (3 * moe_intermediate_size + hidden_size) * dtype_bytes
-    estimate = max_batched_tokens * per_token + 3 * max_agents * vocab_size * 4
+    sampled_rows = min(max_agents * (1 + max_drafts), max(max_agents, max_batched_tokens))
+    estimate = max_batched_tokens * per_token + 3 * sampled_rows * vocab_size * 4
     return estimate + estimate // 8
