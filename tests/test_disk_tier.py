@@ -134,6 +134,31 @@ def test_an_unreadable_spill_file_costs_its_state_a_recompute_only(tiny_checkpoi
         assert engine.open_state(state_id).tokens == tokens, state_id
 
 
+@pytest.mark.parametrize("damage", ["bits flipped", "another state's file"])
+def test_a_spill_file_damaged_in_its_data_is_refused_not_restored(tiny_checkpoints, make_engine, hf_greedy,
+                                                                  tmp_path, damage):
+    """A spill file that still parses, its KV bytes flipped or swapped for another state's file of
+    the same shape: checked against the checksum taken when it was written, its state recomputes
+    (it was restored as it was: greedy output all token 0)."""
+    engine, _ = _on_disk(tiny_checkpoints, make_engine, tmp_path, seed=11)
+    spilled = [info.id for info in engine.states() if info.tier == "disk"]
+    files = {state_id: engine.registry._entries[state_id].seq.parked.path for state_id in spilled}
+    victim = spilled[0]
+    if damage == "bits flipped":
+        data = bytearray(files[victim].read_bytes())
+        for at in range(len(data) - 2000, len(data), 7):  # in the KV, past the header
+            data[at] ^= 0x55
+        files[victim].write_bytes(bytes(data))
+    else:
+        twin = next(s for s in spilled[1:] if files[s].stat().st_size == files[victim].stat().st_size)
+        files[victim].write_bytes(files[twin].read_bytes())
+    h = engine.open_state(victim)
+    prompt = h.tokens + [5, 6, 7]
+    done = h.generate(_greedy(), prompt=prompt)
+    assert list(done.token_ids) == hf_greedy(str(tiny_checkpoints["llama"]), prompt, GENERATE)
+    assert done.stats.computed == len(prompt)
+
+
 def test_closing_a_state_frees_its_parked_copy_at_once(tiny_checkpoints, make_engine, tmp_path):
     """Even while something else (here the test, as a finished stream would) still references its
     sequence: the copy is not left to the garbage collector."""

@@ -14,7 +14,8 @@ host budget, least recently parked dropped first (those states recompute, as wit
 A restore checks the copy against the state's history: where the history was edited since, only
 the common prefix comes back. With `state_dir` set, what the host budget cannot hold goes to
 disk (a spill folder under it, removed when the engine closes) instead of being dropped; a
-restore reads it back.
+restore reads it back, checked against the CRC-32 taken when it was written (a damaged or replaced
+spill file costs its state a recompute, never wrong KV).
 
 On a discrete GPU the copies run on a side stream (kv/transfers.py): a park enqueues the gather
 and the device-to-host copy and returns, the state's blocks freed at once; a restore enqueues the
@@ -42,6 +43,7 @@ import os
 import shutil
 import time
 import weakref
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +74,7 @@ class ParkedKV:
     rotated_long: bool = False    # under LongRoPE's long rotation (`KVSequence.rotated_long`)
     starts: tuple[int, ...] = (0,)  # each layer group's first block among the pages (`KVSequence.pages`)
     copy: Transfer | None = None  # the copy filling `kv`, maybe still in flight
+    digest: tuple | None = None   # `spill_digest` of the KV its spill file was written with
 
     @property
     def nbytes(self) -> int:
@@ -85,7 +88,10 @@ class ParkedKV:
         """The KV in host memory, its copy there waited for (read from its spill file when it is
         on disk)."""
         if self.kv is None:
-            return safetensors.torch.load_file(self.path)["kv"]
+            kv = safetensors.torch.load_file(self.path)["kv"]
+            if spill_digest(kv) != self.digest:
+                raise ValueError(f"spill file {self.path} is damaged or was replaced (its checksum does not match)")
+            return kv
         if self.copy is not None:
             self.copy.wait()
         return self.kv
@@ -431,15 +437,17 @@ class HostTier:
         kv = parked.host_kv()
         began = time.perf_counter()
         path = self.spill_dir / f"{next(self._files):08d}.kv"
+        kv = kv.contiguous()
         try:
-            safetensors.torch.save_file({"kv": kv.contiguous()}, str(path))
+            safetensors.torch.save_file({"kv": kv}, str(path))
         except Exception as exc:  # noqa: BLE001 - a disk that takes no more: the copy is dropped, not the step
             logger.warning("cannot write a spill file in %s (%s)", self.spill_dir, exc)
             path.unlink(missing_ok=True)
             return False
         size = path.stat().st_size
         self.forget(seq)
-        self._track_spill(seq, dataclasses.replace(parked, kv=None, path=path, size=size, copy=None))
+        self._track_spill(seq, dataclasses.replace(parked, kv=None, path=path, size=size, copy=None,
+                                                   digest=spill_digest(kv)))
         c = self.counters
         c.spills += 1
         c.disk_bytes_moved += size
@@ -510,6 +518,14 @@ class HostTier:
                 "disk_seconds": round(c.disk_seconds, 4), "host_seconds": round(c.host_seconds, 4),
                 "pinned_cold": self.reserve.cold if self.reserve is not None else 0,
                 "host_phases": {name: round(seconds, 4) for name, seconds in self.phases.most_common()}}
+
+
+def spill_digest(kv: torch.Tensor) -> tuple:
+    """What a spill file's KV is checked against when read back: dtype, shape and the CRC-32 of
+    its bytes (zlib's, several GB/s: a fraction of the file write it guards)."""
+    kv = kv.contiguous()
+    data = kv.view(torch.uint8).numpy() if kv.numel() else b""
+    return str(kv.dtype), tuple(kv.shape), zlib.crc32(data)
 
 
 class _SharedBytes:
