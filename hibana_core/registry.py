@@ -227,14 +227,7 @@ class StateRegistry:
         if not entry.seq.tokens:
             _drop_stored(entry, path)
             return
-        try:
-            self._write(entry.seq, state_id, path)
-        except Exception as exc:  # noqa: BLE001 - its parked copy unreadable (a spill file gone): its history still is
-            if entry.seq.num_blocks or entry.seq.parked is None:
-                raise
-            logger.warning("state %r: its parked KV could not be read (%s); its tokens are written, and its KV is "
-                           "computed again at its next request", state_id, exc)
-            state_file.write(path, **self._snapshot(entry.seq, state_id, tokens_only=True))
+        self._write(entry.seq, state_id, path)
 
     def put_away(self, handle: StateHandle) -> bool:
         """Close an idle named state, written to `state_dir` first (where there is one) so that
@@ -706,16 +699,20 @@ class StateRegistry:
         """Write `seq` as a state file (from its parked copy when it is parked)."""
         state_file.write(path, **self._snapshot(seq, state_id))
 
-    def _snapshot(self, seq: KVSequence, state_id: str, tokens_only: bool = False) -> dict:
+    def _snapshot(self, seq: KVSequence, state_id: str) -> dict:
         """`state_file.write`'s arguments for `seq` but the path: its tokens and a host copy of
-        its KV (of its parked copy when it is parked), which later steps do not change; with
-        `tokens_only`, no KV (it is computed again when the state is next used)."""
+        its KV (of its parked copy when it is parked), which later steps do not change. A parked
+        copy that cannot be read (its spill file gone or damaged) is dropped: its tokens alone are
+        written, and the KV is computed again when the state is next used."""
         computed, kv, rotated_long = seq.num_computed, None, seq.rotated_long
-        if tokens_only:
-            computed = 0
-        elif not seq.num_blocks and seq.parked is not None:  # parked in host memory or on disk: its copy
-            computed, kv, starts = seq.parked.prefix(common_prefix_len(seq.tokens, seq.parked.tokens), seq)
-            rotated_long = seq.parked.rotated_long
+        if not seq.num_blocks and seq.parked is not None:  # parked in host memory or on disk: its copy
+            try:
+                computed, kv, starts = seq.parked.prefix(common_prefix_len(seq.tokens, seq.parked.tokens), seq)
+                rotated_long = seq.parked.rotated_long
+            except Exception as exc:  # noqa: BLE001 - a spill file gone or damaged: its history still is sound
+                logger.warning("state %r: its parked KV could not be read (%s); its tokens are written, and its KV "
+                               "is computed again at its next request", state_id, exc)
+                self.core.scheduler.eviction.tier.forget(seq)
         if kv is None:
             pages, starts = seq.pages(computed)
             kv = self.kv_cache.read_blocks(pages)

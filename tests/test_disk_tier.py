@@ -159,6 +159,24 @@ def test_a_spill_file_damaged_in_its_data_is_refused_not_restored(tiny_checkpoin
     assert done.stats.computed == len(prompt)
 
 
+def test_saving_a_state_whose_spill_file_is_damaged_writes_its_history(tiny_checkpoints, make_engine, hf_greedy,
+                                                                         tmp_path):
+    """h.save() of a state on disk whose spill file cannot be read: its history is saved and its KV
+    recomputed after the load (h.save raised safetensors' own error, no HibanaError, and kept
+    the damaged copy)."""
+    path = tiny_checkpoints["llama"]
+    engine, spilled = _on_disk(tiny_checkpoints, make_engine, tmp_path, seed=14)
+    h = engine.open_state(spilled)
+    engine.registry._entries[spilled].seq.parked.path.write_bytes(b"not a safetensors file")
+    h.save(tmp_path / "saved.state")
+    assert {info.id: info.tier for info in engine.states()}[spilled] == "none"
+    loaded = make_engine(path, num_blocks=DEVICE_BLOCKS, speculation="off").load_state(tmp_path / "saved.state")
+    assert loaded.tokens == h.tokens
+    prompt = h.tokens + [5, 6, 7]
+    done = loaded.generate(_greedy(), prompt=prompt)
+    assert list(done.token_ids) == hf_greedy(str(path), prompt, GENERATE) and done.stats.computed == len(prompt)
+
+
 def test_closing_a_state_frees_its_parked_copy_at_once(tiny_checkpoints, make_engine, tmp_path):
     """Even while something else (here the test, as a finished stream would) still references its
     sequence: the copy is not left to the garbage collector."""
