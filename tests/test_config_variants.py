@@ -103,3 +103,16 @@ def test_hidden_act_swish_is_silu_as_in_transformers(arch, tmp_path, make_engine
     engine = make_engine(path)
     history = [random.Random(5).randrange(1, 512) for _ in range(40)]
     assert_greedy_matches(path, history, greedy(engine, history, 12))
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 3), (2, 4)])
+def test_query_heads_not_a_multiple_of_kv_heads_is_a_checkpoint_error(heads, kv_heads, tmp_path):
+    """transformers saves such a model and fails in its first forward; Hibana loaded it and failed
+    in its warm-up forward with a bare RuntimeError from the attention's view."""
+    from hibana_core import CheckpointError
+    from tiny_models import open_engine
+
+    path = make_tiny_checkpoint("llama", tmp_path / "m", num_attention_heads=heads, num_key_value_heads=kv_heads)
+    with pytest.raises(CheckpointError, match=f"num_attention_heads {heads} is not a multiple of its "
+                                              f"num_key_value_heads {kv_heads}"):
+        open_engine(path)

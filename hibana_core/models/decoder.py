@@ -323,6 +323,10 @@ class DecoderArgs:
         if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
             raise CheckpointError(f"config.json's max_position_embeddings is {positions!r}; a model holds at "
                                   "least one position: give the context length it was trained for")
+        if self.num_heads % self.num_kv_heads:  # GQA: each KV head serves as many query heads
+            raise CheckpointError(f"config.json's num_attention_heads {self.num_heads} is not a multiple of its "
+                                  f"num_key_value_heads {self.num_kv_heads}; attention cannot share the KV heads "
+                                  "among the query heads (transformers fails on it too): the config is corrupt")
         if self.activation not in ACTIVATIONS:
             raise UnsupportedModelError(f"MLP activation {self.activation!r} is not supported; "
                                         f"supported: {', '.join(ACTIVATIONS)}")
