@@ -341,6 +341,33 @@ def test_save_and_load_state(arch, tiny_checkpoints, make_engine, tmp_path):
     assert list(h3.generate(greedy()).token_ids) == want
 
 
+def test_a_state_files_checksum_reads_the_kv_without_copying_it():
+    """The checksum hashes the KV's own buffer: it made a bytes copy of the whole KV (a state's
+    size more host memory at every save and load), and its value is the one files carry."""
+    import hashlib
+    import json
+    import tracemalloc
+
+    import torch
+
+    from hibana_core.kv import state_file
+
+    kv = torch.randn(2, 2, 64, BLOCK, 8, 64)  # 8 MiB
+    meta = {"format": state_file.FORMAT, "tokens": "[1, 2]"}
+    tracemalloc.start()
+    try:
+        got = state_file._checksum(meta, kv)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < kv.numel() * kv.element_size() // 8
+    h = hashlib.blake2b(digest_size=32)  # as files written so far were checked
+    h.update(json.dumps([meta.get(k) for k in state_file._CHECKED]).encode())
+    h.update(json.dumps([str(kv.dtype), list(kv.shape)]).encode())
+    h.update(kv.view(torch.uint8).numpy().tobytes())
+    assert got == h.hexdigest()
+
+
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_a_state_saved_in_other_blocks_keeps_its_kv(block_size, tiny_checkpoints, make_engine, tmp_path):
     """A state file of an engine with 16-token blocks loads into one with `block_size`-token blocks

@@ -109,7 +109,7 @@ def _checksum(meta: dict, kv: torch.Tensor, described: bool = True) -> str:
     optional = tuple(k for k in ("rotation", "pages", "layout", *(_DESCRIBED if described else ())) if k in meta)
     h.update(json.dumps([meta.get(k) for k in _CHECKED + optional]).encode())
     h.update(json.dumps([str(kv.dtype), list(kv.shape)]).encode())
-    h.update(kv.contiguous().view(torch.uint8).numpy().tobytes() if kv.numel() else b"")
+    h.update(kv.contiguous().view(torch.uint8).numpy() if kv.numel() else b"")  # its buffer: no copy of the KV
     return h.hexdigest()
 
 
