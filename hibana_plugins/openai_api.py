@@ -12,6 +12,8 @@ wrong (`param`), as OpenAI's errors do.
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import string
 import time
 import urllib.parse
@@ -63,6 +65,19 @@ def named_state(header: str | None) -> str | None:
     if not 0 < len(name) <= MAX_STATE_ID:
         raise ApiError(400, f"the {STATE_HEADER} header must name a state in 1 to {MAX_STATE_ID} characters")
     return name
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def json_text(value: Any, **options: Any) -> str:
+    """`value` as the JSON text of a reply or a stream's event (`options`: json.dumps'): other
+    scripts as they are, but a lone surrogate, which UTF-8 cannot carry, as its `\\uXXXX` escape
+    (JSON for the same string). A tool call's arguments decode to one where the model wrote half
+    of an escaped pair (`"\\ud83d"`); written raw, it failed the whole reply with a 500, and a
+    stream mid-way."""
+    text = json.dumps(value, ensure_ascii=False, **options)
+    return text if text.isascii() else _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 class ApiError(Exception):

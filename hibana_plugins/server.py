@@ -60,8 +60,8 @@ from hibana_core.messages import ConversationError, ToolChoiceError, ToolSchemaE
 from hibana_core.turn import ChatDelta
 from hibana_plugins.manager import PluginError, get_plugin_manager
 from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatRequest, CompletionRequest, Reply,
-                                       TextReply, chat_call, choice_calls, named_state, parse_request, prompts_of,
-                                       served_by_header)
+                                       TextReply, chat_call, choice_calls, json_text, named_state, parse_request,
+                                       prompts_of, served_by_header)
 
 if TYPE_CHECKING:
     import uvicorn
@@ -187,6 +187,13 @@ class EngineFigures:
         return [family, prompt, generated]
 
 
+class JsonReply(JSONResponse):
+    """A JSON reply written as Starlette writes one, a lone surrogate escaped (`json_text`)."""
+
+    def render(self, content: Any) -> bytes:
+        return json_text(content, allow_nan=False, separators=(",", ":")).encode()
+
+
 # --- HibanaError -> HTTP ---------------------------------------------------------------------------
 
 def api_error(exc: HibanaError, prompt_param: str = "messages") -> ApiError:
@@ -277,7 +284,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
     async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
         path = request.url.path  # any path a client sends would be a new time series
         metrics.requests.labels(path if path in ENDPOINTS else "other", str(exc.status)).inc()
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+        return JsonReply(exc.body(), status_code=exc.status, headers=exc.headers())
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -393,7 +400,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
                                      media_type="text/event-stream", headers=headers)
         result = await unless_gone(request, rest(streams[0], firsts[0]))
         metrics.requests.labels(request.url.path, "200").inc()
-        return JSONResponse(reply.completion(result), headers=headers)
+        return JsonReply(reply.completion(result), headers=headers)
 
     async def serve_together(request: Request, received: float, servings: "list[Serving]", reply: Reply) -> Response:
         """Several turns of one request (its prompts, its n choices), run at once and answered
@@ -413,7 +420,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         if failed:
             raise failed[0]
         metrics.requests.labels(request.url.path, "200").inc()
-        return JSONResponse(reply.completion(*outcomes),
+        return JsonReply(reply.completion(*outcomes),
                             headers=served_by_header([serving.state_id for serving in servings]))
 
     async def first_deltas(streams: "list[AsyncIterator[list[ChatDelta]]]", reply: Reply) -> list[list[ChatDelta]]:
@@ -553,7 +560,7 @@ async def sse(endpoint: str, reply: Reply, choices: AsyncIterator[tuple[int, lis
     this generator, which cancels the turns (their states keep what was generated so far); so
     does the server's shutdown when its timeout is near (`Drain`), after a last, error event."""
     def events(*chunks: dict) -> str:
-        return "".join(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n" for chunk in chunks)
+        return "".join(f"data: {json_text(chunk)}\n\n" for chunk in chunks)
 
     def reply_events(*chunks: dict) -> str:
         """The reply's chunks; with include_usage each has the field, null but in the last (OpenAI's rule)."""

@@ -1,0 +1,68 @@
+"""`hibana serve` as a demanding OpenAI-client user drives it: what a model writes that the wire
+must still carry, and requests whose errors must name the field at fault."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from hibana_core import Engine  # noqa: E402
+from hibana_plugins.server import ServerConfig, serving  # noqa: E402
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine.from_pretrained("demo", progress=False) as engine:
+        yield engine
+
+
+@pytest.fixture
+def forced_call_parser():
+    """The hermes parser, its grammar forcing one call whose arguments hold half of an escaped
+    surrogate pair, as a model that writes emoji as `\\ud83d\\ude00` may cut one."""
+    from hibana_plugins import hookimpl
+    from hibana_plugins.manager import get_plugin_manager, reset_plugin_manager
+    from hibana_plugins.tool_parsers import HermesToolParser
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo \\ud83d"}}\n</tool_call>'
+
+    class Forced(HermesToolParser):
+        def tool_call_grammar(self, tools, tool_choice, parallel):
+            return {"type": "structural_tag", "format": {"type": "const_string", "value": call}}
+
+    class Plugin:
+        @hookimpl
+        def register_tool_parsers(self, register):
+            register("hibana_test_forced_call", Forced())
+
+    reset_plugin_manager()
+    get_plugin_manager().register(Plugin(), name="hibana-test-forced-call")
+    try:
+        yield "hibana_test_forced_call"
+    finally:
+        reset_plugin_manager()
+
+
+def test_a_call_whose_arguments_hold_a_lone_surrogate_is_carried_whole_and_streamed(engine, forced_call_parser):
+    """Arguments that decode to a lone surrogate (which UTF-8 cannot carry) come as its JSON
+    escape: the reply was a 500 and the stream broke off mid-way (UnicodeEncodeError)."""
+    with serving(engine, ServerConfig("demo", tool_parser=forced_call_parser)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        asked = dict(model="demo", messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER],
+                     tool_choice="required", max_tokens=64)
+        reply = client.chat.completions.create(**asked)
+        call = reply.choices[0].message.tool_calls[0]
+        assert json.loads(call.function.arguments) == {"city": "Oslo \ud83d"}
+        assert reply.choices[0].finish_reason == "tool_calls"
+        chunks = list(client.chat.completions.create(**asked, stream=True))
+        arguments = "".join(c.choices[0].delta.tool_calls[0].function.arguments or "" for c in chunks
+                            if c.choices and c.choices[0].delta.tool_calls)
+        assert json.loads(arguments) == {"city": "Oslo \ud83d"}
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
