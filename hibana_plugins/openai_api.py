@@ -31,6 +31,8 @@ from hibana_core.turn import ChatDelta, ChatResult, Usage, openai_finish_reason
 STATE_HEADER = "X-Hibana-State"
 MAX_STATE_ID = 256  # characters of an id a client names its state by
 MAX_PROMPTS = 64    # turns one request may run at once: its prompts (legacy completions) times n
+MAX_STOPS = 64      # stop strings of one request: the engine's thread matches each at every character it
+#                     generates (100,000 of them slowed another client's reply 23-fold)
 
 
 def served_by_header(state_ids: Sequence[str]) -> dict[str, str]:
@@ -258,6 +260,8 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     if isinstance(request.stop, list) and not all(request.stop):  # (a lone "" is no stop, as `stop or ()` reads it)
         raise ApiError(400, "stop: each stop string needs at least one character", "stop")
+    if isinstance(request.stop, list) and len(request.stop) > MAX_STOPS:
+        raise ApiError(400, f"stop: at most {MAX_STOPS} stop strings per request, got {len(request.stop)}", "stop")
     if request.stream_options is not None and not request.stream:  # as OpenAI refuses it
         raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
     params = SamplingParams(

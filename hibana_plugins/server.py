@@ -421,7 +421,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
             raise failed[0]
         metrics.requests.labels(request.url.path, "200").inc()
         return JsonReply(reply.completion(*outcomes),
-                            headers=served_by_header([serving.state_id for serving in servings]))
+                         headers=served_by_header([serving.state_id for serving in servings]))
 
     async def first_deltas(streams: "list[AsyncIterator[list[ChatDelta]]]", reply: Reply) -> list[list[ChatDelta]]:
         """Each turn's first deltas (`first_delta`), the turns started at once. If one fails, or the
