@@ -85,12 +85,44 @@ try:
                     "the structured answer was cut before its JSON ended (finish_reason 'length'): raise "
                     "max_tokens (or shorten the history, where the model's context ended it)",
                     llm_output=message.content if isinstance(message.content, str) else None)
+            if message is not None and not _whole_json(message.content):
+                # a stop sequence or stop token cut it: the partial JSON read as a dict without its keys
+                reason = message.response_metadata.get("finish_reason")
+                raise OutputParserException(
+                    f"the structured answer ended before its JSON did (finish_reason {reason!r}: a stop sequence "
+                    "or stop token ended it): take that sequence out of stop",
+                    llm_output=message.content if isinstance(message.content, str) else None)
             return super().parse_result(result, partial=partial)
 
     class _WholeJson(_WholeAnswer, JsonOutputParser):
         pass
 
     class _WholePydantic(_WholeAnswer, PydanticOutputParser):
+        pass
+
+    class _WholeCall:
+        """A tool parser (function_calling) that refuses a forced call the reply ended inside:
+        LangChain's returns None for a turn without a valid call, so a cut answer came back as None
+        with no error, even with include_raw."""
+
+        def parse_result(self, result: list, *, partial: bool = False) -> Any:
+            parsed = super().parse_result(result, partial=partial)
+            message = getattr(result[0], "message", None) if result and not partial else None
+            if parsed is None and message is not None:
+                invalid = getattr(message, "invalid_tool_calls", None) or []
+                reason = message.response_metadata.get("finish_reason")
+                if invalid or reason == "length":
+                    why = invalid[0].get("error") if invalid else None
+                    raise OutputParserException(
+                        f"the structured answer's call was not whole: "
+                        f"{why or f'the reply ended before it (finish_reason {reason!r}): raise max_tokens'}",
+                        llm_output=invalid[0].get("args") if invalid else None)
+            return parsed
+
+    class _WholeKeyTools(_WholeCall, JsonOutputKeyToolsParser):
+        pass
+
+    class _WholePydanticTools(_WholeCall, PydanticToolsParser):
         pass
 except ImportError as _missing:  # langchain-core is an optional dependency
     _IMPORT_ERROR: ImportError | None = _missing
@@ -259,6 +291,15 @@ def _structured_tool(schema: Any, strict: bool | None) -> dict:
                                   "into it; relax those fields, or pass strict=False to have them left to the "
                                   "model (and check them in your code)")
     return tool
+
+
+def _whole_json(content: Any) -> bool:
+    """Whether a structured answer's content is one whole JSON value (what the grammar writes)."""
+    try:
+        json.loads(content)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _refers_to_itself(schema: dict) -> bool:
@@ -659,8 +700,8 @@ class ChatHibana(BaseChatModel):
         pydantic_schema = isinstance(schema, type) and is_basemodel_subclass(schema)
         if method == "function_calling":
             llm = self.bind(tools=[tool], tool_choice="required", ls_structured_output_format=trace)
-            parser = (PydanticToolsParser(tools=[schema], first_tool_only=True) if pydantic_schema else
-                      JsonOutputKeyToolsParser(key_name=tool["function"]["name"], first_tool_only=True))
+            parser = (_WholePydanticTools(tools=[schema], first_tool_only=True) if pydantic_schema else
+                      _WholeKeyTools(key_name=tool["function"]["name"], first_tool_only=True))
         else:
             llm = self.bind(answer_tool=tool, ls_structured_output_format=trace)
             parser = _WholePydantic(pydantic_object=schema) if pydantic_schema else _WholeJson()

@@ -756,3 +756,26 @@ def test_a_call_cut_before_its_name_is_not_resent_as_a_call():
     (resent_cut, resent_named) = _to_chat_messages([cut, named])
     assert "tool_calls" not in resent_cut
     assert resent_named["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 4'}
+
+
+class BookDict(TypedDict):
+    """Save a book as a structured record."""
+
+    title: Annotated[str, ..., "Title of the book."]
+    author: Annotated[str, ..., "Who wrote it."]
+    year: Annotated[int, ..., "Year of publication."]
+
+
+@pytest.mark.parametrize("method", ["function_calling", "json_schema", "json_mode"])
+def test_a_structured_answer_cut_by_a_stop_or_max_tokens_is_a_parsing_error(method):
+    """A structured answer a stop sequence cut came back parsed as a partial dict ({"title": ...,
+    "author": "Maya"}: LangChain's JSON parser reads partial JSON), and function_calling's, cut by a
+    stop or by max_tokens, as None with no parsing_error: each is a parsing error that says why."""
+    for llm, why in ((ChatHibana(model="demo", max_tokens=64, stop=["Tanaka"]), "stop"),
+                     (ChatHibana(model="demo", max_tokens=18), "max_tokens")):
+        out = llm.with_structured_output(BookDict, method=method, include_raw=True).invoke(BOOK)
+        assert out["parsed"] is None and why in str(out["parsing_error"]), (method, why, out)
+        with pytest.raises(OutputParserException, match=why):
+            llm.with_structured_output(Book, method=method).invoke(BOOK)
+    whole = ChatHibana(model="demo", max_tokens=64, stop=["Paris"]).with_structured_output(BookDict, method=method)
+    assert whole.invoke(BOOK) == {"title": "The Silent River", "author": "Maya Tanaka", "year": 1987}
