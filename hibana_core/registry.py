@@ -636,8 +636,8 @@ class StateRegistry:
                     f"the history holds {length} tokens, the model's whole context of "
                     f"{self.limits.max_model_len}: no room to generate; truncate or shorten it "
                     "(the state is unchanged)")
+            self._check_fits(seq, length)  # (a loaded state may hold more than this pool: refused before it evicts)
             if tokens is not None:
-                self._check_fits(seq, length)
                 seq.set_tokens(tokens)
             entry.use.priority = params.priority  # also how long its KV is kept once idle
             generator = make_generator(params.seed, self.limits.device) if params.seed is not None else None
@@ -789,8 +789,9 @@ class StateRegistry:
                 and seq.pages_fit(saved.starts, saved.num_computed))
 
     def _device_room(self, blocks: int) -> bool:
-        """Whether `blocks` device blocks are free, once idle states are evicted for them."""
-        return self.pool.can_allocate(blocks) or self.core.scheduler.eviction.make_room(blocks)
+        """Whether `blocks` device blocks are free, once idle states are evicted for them (none is
+        where that would still not free them all: the saved KV then waits elsewhere)."""
+        return self.pool.can_allocate(blocks) or self.core.scheduler.eviction.make_room(blocks, partial=False)
 
     def _place(self, seq: KVSequence, saved: state_file.SavedState, path: object) -> None:
         """A saved state's KV into device blocks now (idle states evicted for room). Where running

@@ -844,6 +844,31 @@ def test_a_state_loaded_while_running_requests_hold_the_pool_keeps_its_tokens(ti
     assert out.token_ids == fresh.generate(greedy(6), prompt=history).token_ids
 
 
+@pytest.mark.parametrize("host_kv_bytes", [0, 1 << 20], ids=["no host tier", "host tier"])
+def test_a_loaded_state_longer_than_the_pool_is_refused_at_its_request(tiny_checkpoints, make_engine, tmp_path,
+                                                                        host_kv_bytes):
+    """A state saved by an engine of a larger pool holds a history this pool cannot hold whole: its
+    generation is a MemoryBudgetError that says to shorten it, before anything moves (it parked
+    the other agents' KV first, then failed saying to close idle states), and truncated it runs."""
+    from hibana_core import MemoryBudgetError
+
+    path = tiny_checkpoints["llama"]
+    history = random_tokens(random.Random(3), 150)  # 10 blocks
+    big = make_engine(path, speculation="off").open_state("big")
+    big.sync(history)
+    big.save(tmp_path / "big.state")
+    engine = make_engine(path, speculation="off", num_blocks=6, host_kv_bytes=host_kv_bytes)
+    other = engine.open_state("other")
+    other.sync(random_tokens(random.Random(4), 40))
+    loaded = engine.load_state(tmp_path / "big.state")
+    with pytest.raises(MemoryBudgetError, match="shorten the history"):
+        loaded.generate(greedy(4))
+    assert loaded.tokens == history
+    assert {info.id: info.tier for info in engine.states()}["other"] == "device"
+    loaded.truncate(80)
+    assert_greedy_matches(path, history[:80], loaded.generate(greedy(4)).token_ids)
+
+
 def test_graphs_are_captured_ahead_for_every_span_and_draft_length(tiny_checkpoints, make_engine, monkeypatch):
     """`EngineCore.capture_graphs` captures the graphs a workload's steps may take before any step
     does (since graphs are keyed by span, a conversation crossing a span captured one per draft
