@@ -719,7 +719,13 @@ class Chat:
                 grammar = turn.no_call_grammar(self.parser, self.parser_name, closer=not prefill)
                 params = dataclasses.replace(params, grammar=grammar)
         channels = getattr(self.parser, "splits_channels", False)  # harmony: its channels are the format, calls or not
-        if params.json_schema is not None and answer is None:  # the answer's schema, held after the reasoning
+        if params.json_schema is not None and answer is None and (channels or held_off):
+            # the answer's schema, held after the reasoning: a structural tag's JSON content, which drops
+            # what the grammar cannot hold, so a strict schema is checked here as json_schema is
+            if params.strict_schema:
+                from hibana_core.grammar import check_held
+
+                check_held(params.json_schema)
             if channels:
                 with _blamed_on(self.parser_name, self.parser, "in answer_grammar"):
                     params = dataclasses.replace(params, json_schema=None,

@@ -1339,3 +1339,31 @@ def test_an_empty_tool_calls_list_is_no_calls():
     for empty in ([], None, ()):
         (message,) = normalize_messages([{"role": "assistant", "content": "Hello there.", "tool_calls": empty}])
         assert "tool_calls" not in message and message["content"] == "Hello there."
+
+
+def test_a_json_schema_held_after_thinking_refuses_keywords_the_grammar_cannot_hold(tmp_path):
+    """On a reasoning model (and harmony's channels) the answer's json_schema is held after the think
+    block, as a structural tag's JSON content, which drops what the grammar cannot hold: a schema with
+    `contains` was held without it, silently (a list without the 7 it asks for), where the same schema
+    on a handle, or with thinking off, is a GrammarError naming it. strict_schema=False still runs."""
+    from transformers import AutoTokenizer
+
+    import reasoning_model
+    import tiny_models
+    from hibana_core import GrammarError
+    from test_harmony import HARMONY_TEMPLATE, HARMONY_TOKENS
+
+    schema = {"type": "object", "properties": {"n": {"type": "array", "items": {"type": "integer"},
+                                                     "contains": {"const": 7}}}, "required": ["n"]}
+    harmony = tiny_models.make_tiny_checkpoint("gpt_oss", tmp_path / "harmony",
+                                               vocab_size=tiny_models.VOCAB_SIZE + len(HARMONY_TOKENS))
+    tokenizer = AutoTokenizer.from_pretrained(harmony)
+    tokenizer.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
+    tokenizer.chat_template = HARMONY_TEMPLATE
+    tokenizer.save_pretrained(harmony)
+    for path in (reasoning_model.make_reasoning_checkpoint(tmp_path / "qwen3"), harmony):
+        with tiny_models.open_engine(path) as model:
+            with pytest.raises(GrammarError, match="contains at #/properties/n"):
+                Chat(model, "strict").respond(HELLO, None, SamplingParams(max_tokens=4, json_schema=schema))
+            loose = SamplingParams(max_tokens=4, json_schema=schema, strict_schema=False)
+            assert Chat(model, "loose").respond(HELLO, None, loose).usage.completion_tokens == 4
