@@ -63,15 +63,20 @@ def parse_repo_id(model: str) -> RepoRef | None:
 
 
 def cache_dir() -> Path:
-    """The hub cache, as huggingface_hub finds it: HF_HUB_CACHE, else HF_HOME/hub, else its default."""
+    """The hub cache, as huggingface_hub finds it: HF_HUB_CACHE, else HF_HOME/hub, else its default
+    (`~` and `$VARS` in them expanded, as huggingface_hub expands them)."""
     for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         if os.environ.get(var):
-            return Path(os.environ[var]).expanduser()
+            return _expanded(os.environ[var])
     if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+        return _expanded(os.environ["HF_HOME"]) / "hub"
     from huggingface_hub import constants
 
     return Path(constants.HF_HUB_CACHE).expanduser()
+
+
+def _expanded(path: str) -> Path:
+    return Path(os.path.expandvars(os.path.expanduser(path)))
 
 
 def offline() -> bool:
@@ -185,9 +190,14 @@ def _not_cached(ref: RepoRef, cache: Path, cached: Path | None, missing: list[st
 
 def _download(ref: RepoRef, cache: Path, progress: bool) -> Path:
     import huggingface_hub
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
 
+    # huggingface_hub read HF_HUB_OFFLINE once, when it was imported, and refuses every request while
+    # that said offline; the environment says online now (offline() is False here), as it is read
+    # when a model is resolved
+    constants.HF_HUB_OFFLINE = False
     options = dict(revision=ref.revision, cache_dir=str(cache), ignore_patterns=SUBFOLDERS)
     if not progress:
         options["tqdm_class"] = _silent_tqdm()
@@ -210,7 +220,12 @@ def _download(ref: RepoRef, cache: Path, progress: bool) -> Path:
     except LocalEntryNotFoundError as exc:  # the Hub is unreachable and the cache cannot answer
         raise CheckpointError(_not_cached(ref, cache, None, [], f"and the Hub cannot be reached ({_one_line(exc)})")
                               + "; or retry once online") from None
-    except (OSError, ValueError) as exc:  # HTTP errors are OSErrors; a full disk, a bad token ...
+    except (OSError, ValueError) as exc:  # HTTP errors are OSErrors; a full disk ...
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if isinstance(exc, HfHubHTTPError) and status == 401:  # a token it does not know (public repos too)
+            raise CheckpointError(f"the Hugging Face Hub refused the token sent for {ref} (HF_TOKEN, or the one "
+                                  f"`hf auth login` saved): {_one_line(exc)}. Check or renew it (`hf auth whoami` "
+                                  "says whose it is), or unset HF_TOKEN for a public model") from None
         raise CheckpointError(f"downloading {ref} from the Hugging Face Hub failed: {_one_line(exc)}") from exc
     missing = missing_files(path)
     if missing == ["*.safetensors weights"]:  # a repo of .bin weights alone, or the Hub unreachable

@@ -256,6 +256,7 @@ class FakeHub:
 
     def __call__(self, repo_id, *, revision=None, cache_dir=None, local_files_only=False,
                  allow_patterns=None, ignore_patterns=None, tqdm_class=None, **_):
+        from huggingface_hub import constants
         from huggingface_hub.errors import LocalEntryNotFoundError
         from huggingface_hub.utils import filter_repo_objects
 
@@ -266,6 +267,11 @@ class FakeHub:
             if not snapshot.is_dir():
                 raise LocalEntryNotFoundError("not cached")
             return str(snapshot)
+        if constants.HF_HUB_OFFLINE:  # as huggingface_hub's requests refuse to go out, cache missing
+            raise LocalEntryNotFoundError("Cannot find an appropriate cached snapshot folder for the specified "
+                                          "revision on the local disk and outgoing traffic has been disabled. "
+                                          "To enable repo look-ups and downloads online, set 'HF_HUB_OFFLINE=0' "
+                                          "as environment variable.")
         if self.error is not None:
             raise self.error
         source = self.repos[repo_id]
@@ -282,8 +288,35 @@ class FakeHub:
 
 @pytest.fixture
 def online(hub_env, monkeypatch):
+    from huggingface_hub import constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # as huggingface_hub read it at import
     return hub_env
+
+
+def test_hf_hub_offline_unset_after_import_lets_the_download_go(checkpoints, online, monkeypatch):
+    """HF_HUB_OFFLINE is read when a model is resolved: set to 1 when huggingface_hub was imported
+    and to 0 since, the download ran into huggingface_hub's own offline mode, read once at its
+    import, and failed as "the Hub cannot be reached (... set HF_HUB_OFFLINE=0 ...)"."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    fake = FakeHub({"acme/tiny": checkpoints["v1"]})
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    path = resolve_checkpoint("acme/tiny")
+    assert (path / "model.safetensors").is_file() and (path / "config.json").is_file()
+
+
+def test_hf_home_and_hf_hub_cache_expand_variables_as_huggingface_hub_does(tmp_path, monkeypatch):
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AUDIT_ROOT", str(tmp_path))
+    monkeypatch.setenv("HF_HOME", "$AUDIT_ROOT/home")
+    assert hub.cache_dir() == tmp_path / "home" / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", "${AUDIT_ROOT}/cache")
+    assert hub.cache_dir() == tmp_path / "cache"
 
 
 def test_download_fetches_only_what_a_model_needs(checkpoints, online, tmp_path, monkeypatch):
@@ -351,10 +384,10 @@ def test_a_partial_cache_the_unreachable_hub_cannot_complete_says_what_it_lacks(
         resolve_checkpoint("acme/sharded")
 
 
-def _http_error(cls, message):
+def _http_error(cls, message, status=404):
     from types import SimpleNamespace
 
-    return cls(message, response=SimpleNamespace(headers={}, request=None, status_code=404))
+    return cls(message, response=SimpleNamespace(headers={}, request=None, status_code=status))
 
 
 @pytest.mark.parametrize("error, says", [
@@ -377,6 +410,21 @@ def test_download_failures_are_checkpoint_errors(error, says, online, monkeypatc
     monkeypatch.setattr(huggingface_hub, "snapshot_download", FakeHub({}, error=exc))
     with pytest.raises(CheckpointError, match=says):
         resolve_checkpoint("acme/nope")
+
+
+def test_a_token_the_hub_refuses_says_to_check_it(online, monkeypatch):
+    """An invalid HF_TOKEN is a 401 even on a public repo (huggingface_hub raises its plain HTTP
+    error): the message said only that the download failed."""
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    exc = _http_error(errors.HfHubHTTPError, "401 Client Error: Unauthorized for url: https://huggingface.co/api/"
+                      "models/acme/nope\nInvalid credentials in Authorization header", status=401)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", FakeHub({}, error=exc))
+    with pytest.raises(CheckpointError, match=r"refused the token .*HF_TOKEN.*Invalid credentials in Authorization "
+                                              r"header\. Check or renew it") as e:
+        resolve_checkpoint("acme/nope")
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("error", ["LocalEntryNotFoundError", "OSError"])
