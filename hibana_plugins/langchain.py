@@ -265,6 +265,18 @@ def _openai_tool(i: int, tool: Any, strict: bool | None) -> dict:
                               "@tool function, a pydantic model or an OpenAI function dict") from exc
 
 
+def _bound_tool(i: int, tool: Any, strict: bool | None) -> dict:
+    """The tool as `bind_tools` and `with_structured_output` bind it: LangChain's conversion, cleaned,
+    but a pydantic model that holds itself keeps its own schema (the conversion writes {} where it
+    recurs: any value, which the grammar let through)."""
+    bound = clean_tool(_openai_tool(i, tool, strict))
+    if isinstance(tool, type) and is_basemodel_subclass(tool) and hasattr(tool, "model_json_schema"):
+        own = tool.model_json_schema()  # (pydantic 2; a v1 model keeps LangChain's conversion)
+        if _refers_to_itself(own):
+            bound["function"]["parameters"] = own
+    return bound
+
+
 def _structured_tool(schema: Any, strict: bool | None) -> dict:
     """The tool `with_structured_output` forces: LangChain's conversion, but a pydantic model that
     holds itself keeps its own schema (the conversion writes {} where it recurs: any value), and
@@ -278,11 +290,7 @@ def _structured_tool(schema: Any, strict: bool | None) -> dict:
     if isinstance(schema, dict) and "name" in schema and "schema" in schema:
         schema = {"parameters": schema["schema"],
                   **{key: schema[key] for key in ("name", "description", "strict") if key in schema}}
-    tool = clean_tool(_openai_tool(0, schema, strict))
-    if isinstance(schema, type) and is_basemodel_subclass(schema) and hasattr(schema, "model_json_schema"):
-        own = schema.model_json_schema()  # (pydantic 2; a v1 model keeps LangChain's conversion)
-        if _refers_to_itself(own):
-            tool["function"]["parameters"] = own
+    tool = _bound_tool(0, schema, strict)
     if strict is not False:
         problems = unheld(normalize_tools([tool])[0]["function"].get("parameters") or {})
         if problems:
@@ -673,7 +681,7 @@ class ChatHibana(BaseChatModel):
             # one tool: iterated, a @tool's fields or a dict's keys would read as tools
             one = tools.__name__ if isinstance(tools, type) else type(tools).__name__
             raise ToolSchemaError(f"bind_tools takes a list of tools, got one {one}; pass [tool]")
-        formatted = [clean_tool(_openai_tool(i, t, strict)) for i, t in enumerate(tools)]
+        formatted = [_bound_tool(i, t, strict) for i, t in enumerate(tools)]
         return self.bind(tools=formatted, tool_choice=normalize_tool_choice(tool_choice, formatted), **kwargs)
 
     def with_structured_output(self, schema: Any = None, *,

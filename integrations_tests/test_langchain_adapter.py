@@ -779,3 +779,18 @@ def test_a_structured_answer_cut_by_a_stop_or_max_tokens_is_a_parsing_error(meth
             llm.with_structured_output(Book, method=method).invoke(BOOK)
     whole = ChatHibana(model="demo", max_tokens=64, stop=["Paris"]).with_structured_output(BookDict, method=method)
     assert whole.invoke(BOOK) == {"title": "The Silent River", "author": "Maya Tanaka", "year": 1987}
+
+
+def test_bind_tools_holds_a_model_that_holds_itself_to_its_own_schema(llm):
+    """with_structured_output kept a self-referring model's own schema, bind_tools did not: its
+    "kids" took any items (LangChain's conversion writes {} where the model recurs), so a forced
+    call's arguments could fail PydanticToolsParser. Both bind the model's own schema now."""
+    import jsonschema
+
+    for strict in (None, True):
+        bound = llm.bind_tools([Tree], tool_choice="Tree", strict=strict)
+        assert bound.kwargs["tools"][0]["function"]["parameters"] == Tree.model_json_schema()
+    for seed in range(2):
+        reply = llm.bind_tools([Tree], tool_choice="Tree").invoke("a tree", seed=seed, temperature=1.0, max_tokens=120)
+        for call in reply.tool_calls:
+            jsonschema.validate(call["args"], Tree.model_json_schema())
