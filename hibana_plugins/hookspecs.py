@@ -163,8 +163,13 @@ def register_surgery_passes(register) -> None:
     ConfigError for parameters it cannot take. `hibana surgery` prints the record's `layers` (a
     count) and `bytes_before` / `bytes_after` (the weights' bytes); the whole record goes in a
     written checkpoint's manifest. Register the pass
-    object itself, not its class (a class, an object without `apply`, or an `apply` that returns
-    no dict is a ConfigError). A linear layer that supports packed weights has
+    object itself, not its class (a class, an object without `apply`, an `apply` that cannot take
+    `(model, params)` (`(model, params, calibration)` when calibrated), or one that returns no dict
+    is a ConfigError). Optional: `refuse(model, params)`, raising a ConfigError where the pass cannot
+    apply to the model as loaded, changing nothing (it runs for every pass of a list before the
+    guard measures the unmodified model); `rewrites`, a str naming what the pass rewrites ("the
+    linear weights" for w8 and w4): a list with two passes that rewrite the same thing is refused
+    before the model loads. A linear layer that supports packed weights has
     `set_packed(kind, tensors, group_size)` (kinds and layouts:
     `hibana_kernels.quant`); an attention layer that can store its KV in fp8 has
     `set_kv_scales(kv_scale)`. A pass with `calibrated = True` is called as
@@ -173,7 +178,8 @@ def register_surgery_passes(register) -> None:
     `Engine.from_pretrained(path, surgery=["w8"])` or `surgery=[{"name": "w4", "group_size": 64}]`;
     the passes, their parameters and a record's "digest" (what a pass derived from data) are part
     of the model fingerprint that state files carry. Built in: "w8" (int8 per channel), "w4"
-    (int4, group-wise, clipping search), "kv8" (fp8 KV cache, per-head scales calibrated at load).
+    (int4, group-wise, clipping search), "kv8" (fp8 KV cache, per-head scales calibrated at load),
+    "window" (sink + window attention on the full-attention layers that matter least).
     """
 
 
@@ -210,7 +216,8 @@ class ToolCall:
     """One parsed tool call."""
 
     id: str
-    """"call_" + 24 hex digits, unique per call."""
+    """Unique per call: "call_" + 24 hex digits (`new_call_id()`), or the id the format's own
+    text carries or needs (Mistral's parsers: 9 letters and digits, as its templates take them)."""
     name: str
     """The function the model calls."""
     arguments: dict
