@@ -67,6 +67,7 @@ try:
     from langchain_core.exceptions import OutputParserException
     from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
     from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
+    from langchain_core.tools import BaseTool
     from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
     from langchain_core.runnables import RunnableMap, RunnablePassthrough
     from langchain_core.runnables.config import ensure_config, var_child_runnable_config
@@ -267,11 +268,12 @@ def _openai_tool(i: int, tool: Any, strict: bool | None) -> dict:
 
 def _bound_tool(i: int, tool: Any, strict: bool | None) -> dict:
     """The tool as `bind_tools` and `with_structured_output` bind it: LangChain's conversion, cleaned,
-    but a pydantic model that holds itself keeps its own schema (the conversion writes {} where it
-    recurs: any value, which the grammar let through)."""
+    but a pydantic model (or a @tool's arguments) that holds itself keeps its own schema (the
+    conversion writes {} where it recurs: any value, which the grammar let through)."""
     bound = clean_tool(_openai_tool(i, tool, strict))
-    if isinstance(tool, type) and is_basemodel_subclass(tool) and hasattr(tool, "model_json_schema"):
-        own = tool.model_json_schema()  # (pydantic 2; a v1 model keeps LangChain's conversion)
+    model = tool.tool_call_schema if isinstance(tool, BaseTool) else tool  # a @tool's arguments, as a model
+    if isinstance(model, type) and is_basemodel_subclass(model) and hasattr(model, "model_json_schema"):
+        own = model.model_json_schema()  # (pydantic 2; a v1 model keeps LangChain's conversion)
         if _refers_to_itself(own):
             bound["function"]["parameters"] = own
     return bound

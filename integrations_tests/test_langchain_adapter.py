@@ -782,14 +782,22 @@ def test_a_structured_answer_cut_by_a_stop_or_max_tokens_is_a_parsing_error(meth
 
 
 def test_bind_tools_holds_a_model_that_holds_itself_to_its_own_schema(llm):
-    """with_structured_output kept a self-referring model's own schema, bind_tools did not: its
-    "kids" took any items (LangChain's conversion writes {} where the model recurs), so a forced
+    """with_structured_output kept a self-referring model's own schema, bind_tools did not (nor for
+    a @tool taking one): its "kids" took any items (LangChain's conversion writes {} where the model recurs), so a forced
     call's arguments could fail PydanticToolsParser. Both bind the model's own schema now."""
     import jsonschema
 
     for strict in (None, True):
         bound = llm.bind_tools([Tree], tool_choice="Tree", strict=strict)
         assert bound.kwargs["tools"][0]["function"]["parameters"] == Tree.model_json_schema()
+
+    @tool
+    def plant(tree: Tree, name: str) -> str:
+        """Plant a tree."""
+        return name
+
+    parameters = llm.bind_tools([plant]).kwargs["tools"][0]["function"]["parameters"]  # a @tool's arguments too
+    assert parameters == plant.tool_call_schema.model_json_schema() and parameters["properties"]["tree"]["$ref"]
     for seed in range(2):
         reply = llm.bind_tools([Tree], tool_choice="Tree").invoke("a tree", seed=seed, temperature=1.0, max_tokens=120)
         for call in reply.tool_calls:
