@@ -394,16 +394,24 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
         # GPTQ / AWQ / FP8: packed layers as they are
         from hibana_core.surgery.prequantized import fp8_expert_readers, load_packed_layers, parse_quantization_config
 
+        # found by the module's names, as the weight copy renames them (`checkpoint_name`: a
+        # multimodal checkpoint's language_model.model.* is model.*); the readers read lazily
+        rename = getattr(module, "checkpoint_name", None) or (lambda name: name)
+        stored = {rename(name): (name, *at) for name, at in where.items()}  # ours -> (theirs, file, handle)
+
+        def read_ours(name: str) -> torch.Tensor:
+            theirs, file, handle = stored[name]
+            return read(file, handle, theirs)
+
         fmt = parse_quantization_config(quantization)
-        consumed = load_packed_layers(module, set(where), lambda n: read(*where[n], n), fmt,
-                                      getattr(module, "fused_layers", {}), str(path))
-        for name in consumed:
-            del where[name]
+        consumed = load_packed_layers(module, set(stored), read_ours, fmt, getattr(module, "fused_layers", {}),
+                                      str(path))
         if fmt.kind == "fp8":  # fp8 MoE experts: dequantized into the float stacks
-            stored = dict(where)  # the readers read their scales when the copy asks for their weights
-            readers, consumed = fp8_expert_readers(module, set(where), lambda n: read(*stored[n], n), fmt, str(path))
-            for name in consumed:
-                del where[name]
+            expert_readers, beside = fp8_expert_readers(module, set(stored) - consumed, read_ours, fmt, str(path))
+            readers = {stored[name][0]: reader for name, reader in expert_readers.items()}
+            consumed |= beside
+        for name in consumed:
+            del where[stored[name][0]]
     items = ((name, str(file), readers.get(name) or (lambda f=file, h=handle, n=name: read(f, h, n)))
              for name, (file, handle) in where.items())
     _copy_weights(module, items, len(where), str(path), progress, desc="hibana: weights", own_names=own_names)

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from hibana_core import SamplingParams
 from hibana_core.errors import CheckpointError
 from hibana_core.surgery.formats import AWQ_ORDER, parse_quantization_config
-from tiny_models import EVERY_TENSOR_USED, random_tokens
+from fp8_checkpoints import write_fp8_checkpoint
+from tiny_models import EVERY_TENSOR_USED, make_tiny_gemma3_multimodal, random_tokens
 
 pytestmark = EVERY_TENSOR_USED
 
@@ -153,6 +154,24 @@ def test_autogptq_zero_biases_beside_packed_layers_load_and_others_are_refused(t
               metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=rf"{name.replace('.', '[.]')} is not zero.*has no bias"):
         make_engine(dst)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "fp8"])
+def test_a_multimodal_gemma3_checkpoint_loads_its_quantized_language_model(method, make_engine, tmp_path):
+    """Quantized Gemma 3 checkpoints of 4B and up are multimodal (language_model.model.* beside a
+    vision tower): their packed layers were looked up under the checkpoint's names, which the
+    model's are not, and the load failed saying the config did not name them packed."""
+    src = make_tiny_gemma3_multimodal(tmp_path / "gemma3-mm")
+    dst = tmp_path / f"gemma3-mm-{method}"
+    reference = (write_fp8_checkpoint(src, dst, "fp8", (16, 16)) if method == "fp8"
+                 else write_quantized(src, dst, method))
+    packed = make_engine(dst, speculation="off")
+    dense = make_engine(reference, speculation="off")
+    kinds = {m.kind for n, m in packed.model.named_modules() if hasattr(m, "set_packed") and not n.endswith("lm_head")}
+    assert kinds == {"int4" if method != "fp8" else "fp8"}
+    prompt = random_tokens(random.Random(5), 30)
+    assert list(packed.open_state("a").generate(greedy(), prompt=prompt).token_ids) == \
+        list(dense.open_state("a").generate(greedy(), prompt=prompt).token_ids)
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
