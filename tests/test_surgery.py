@@ -275,6 +275,8 @@ def test_the_record_and_fingerprint_hold_the_parameters_in_effect(tiny_checkpoin
     ([{"name": "w8", "group_size": 64}], r"w8 takes \['lm_head'\], got \['group_size'\]"),
     ([{"name": "w4", "clip": "yes"}], r"clip must be true or false"),
     ([{"name": "w8", "force": "yes"}], r"force must be true or false"),
+    # an integer share: 1 reads as every layer or as layer 1, and the refusal said only "in (0, 1]"
+    ([{"name": "window", "layers": 1}], r"with a point \(0\.5; 1\.0 for all of them\).*\(\[1\] for layer 1 alone\), got 1$"),
     ([{"name": "w4", "clip": True, "bogus": 1, 5: 2}], r"'w4': parameters must be plain data named by strings"),
     ([42], r"a surgery pass is a name"),
     ("", r"a surgery pass is a name"),

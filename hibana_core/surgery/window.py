@@ -59,8 +59,10 @@ class SinkWindowPass:
         named = (isinstance(layers, list) and layers and len(set(layers)) == len(layers)
                  and all(isinstance(i, int) and not isinstance(i, bool) for i in layers))
         if not (share or named):
-            raise ConfigError(f"window: layers is a share of the full-attention layers in (0, 1] or a non-empty "
-                              f"list of distinct layer indices, got {layers!r}")
+            # (an integer is neither: 1 reads as "all of them" or as "layer 1", so it is said which is which)
+            raise ConfigError(f"window: layers is a share of the full-attention layers, a number in (0, 1] written "
+                              f"with a point (0.5; 1.0 for all of them), or a non-empty list of distinct layer "
+                              f"indices ([1] for layer 1 alone), got {layers!r}")
         return params
 
     def guard_reach(self, params: dict[str, Any]) -> int:
