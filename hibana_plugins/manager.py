@@ -273,6 +273,13 @@ class HibanaPluginManager:
         plugin again does nothing; another under a name taken is a PluginError."""
         name = name or getattr(plugin, "__name__", None) or repr(plugin)
         module = plugin.__name__ if isinstance(plugin, ModuleType) else None
+        if isinstance(plugin, type) and _instance_hooks(plugin):  # pluggy would call them unbound
+            hooks = _instance_hooks(plugin)
+            raise PluginError(
+                f"{plugin.__module__}.{plugin.__qualname__} is a class, whose hook{'s' if len(hooks) > 1 else ''}"
+                f" {', '.join(hooks)} {'are methods' if len(hooks) > 1 else 'is a method'} with no instance to"
+                f" call {'them' if len(hooks) > 1 else 'it'} on; register an instance: register({plugin.__qualname__}())"
+            )
         with self._lock:
             if self.pm.is_registered(plugin):
                 return  # registered already (a notebook cell run twice): its hooks are in

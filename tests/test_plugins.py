@@ -350,6 +350,24 @@ def test_a_class_as_a_plugin_is_refused_with_what_to_point_at(make_dist):
     assert [(e.plugin, e.stage) for e in manager.load_errors] == [("cls", "register")]
 
 
+def test_a_class_registered_at_run_time_is_refused_saying_to_register_an_instance():
+    """manager.register(Plugin), a class whose hooks are methods, registered nothing and warned with
+    advice for entry points ("point the entry point at a module"), though none was involved."""
+    manager = HibanaPluginManager(entry_point_group=None)
+
+    class Plugin:
+        @hookimpl
+        def register_drafters(self, register):
+            register("from_a_class", object())
+
+    with pytest.raises(PluginError, match=r"Plugin is a class, whose hook register_drafters is a method .*"
+                                          r"register an instance: register\(.*Plugin\(\)\)"):
+        manager.register(Plugin)
+    assert manager.load_errors == [] and "from_a_class" not in manager.drafters()
+    manager.register(Plugin())
+    assert "from_a_class" in manager.drafters()
+
+
 def test_runtime_registration_refreshes_the_registries():
     manager = HibanaPluginManager(entry_point_group=None)
     assert "extra" not in manager.surgery_passes()
