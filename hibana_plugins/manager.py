@@ -177,9 +177,22 @@ def _instance_hooks(plugin: type) -> list[str]:
                   if inspect.isfunction(attr) and hasattr(attr, marker))
 
 
+def _dist_name(ep: importlib.metadata.EntryPoint) -> str | None:
+    """The name of the distribution that declares `ep`; None where unknown (a dist-info whose
+    METADATA has no Name, as a damaged or half-removed install leaves: pluggy loads its entry
+    points all the same, and so does Hibana)."""
+    if ep.dist is None:
+        return None
+    try:
+        name = ep.dist.metadata["Name"]
+    except (KeyError, OSError):  # Python 3.14 raises for a missing key
+        return None
+    return name if isinstance(name, str) and name.strip() else None
+
+
 def _entry_point_order(ep: importlib.metadata.EntryPoint) -> tuple[str, str]:
     # sys.path scanning order is the file system's; sort so that runs agree
-    return (_canonical(ep.dist.metadata["Name"]) if ep.dist is not None else "", ep.name)
+    return (_canonical(_dist_name(ep) or ""), ep.name)
 
 
 def _is_missing(module_name: str, exc: ModuleNotFoundError) -> bool:
@@ -238,8 +251,8 @@ class HibanaPluginManager:
         for ep in sorted(importlib.metadata.entry_points(group=group), key=_entry_point_order):
             if ep.module in skip_modules and not ep.attr:
                 continue  # Hibana's own pyproject declares its built-ins too
-            dist_name = ep.dist.metadata["Name"] if ep.dist is not None else None
-            version = ep.dist.version if ep.dist is not None else None
+            dist_name = _dist_name(ep)
+            version = ep.dist.version if ep.dist is not None and dist_name is not None else None
             if (dist_name, ep.name) in seen:
                 continue  # the same distribution found twice on sys.path
             seen.add((dist_name, ep.name))

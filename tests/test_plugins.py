@@ -173,6 +173,18 @@ def test_hibana_plugins_naming_nothing_installed_warns(monkeypatch, alpha_and_be
     assert "alpha_parser" in manager.tool_parsers()
 
 
+def test_a_distribution_whose_metadata_has_no_name_takes_nothing_down(make_dist, tmp_path):
+    """One installed dist-info whose METADATA lacks its Name (a damaged or half-removed install) made
+    every plugin manager, so every engine, fail with AttributeError: 'NoneType' object has no
+    attribute 'strip'; pluggy loads such entry points, and so does Hibana."""
+    make_dist("hibana-test-noname", "noname", parser_plugin("from_noname"))
+    (tmp_path / "hibana_test_noname-0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nVersion: 0.1\n")
+    manager = HibanaPluginManager()
+    assert {"from_noname", "hermes"} <= set(manager.tool_parsers())
+    assert any(info.plugin == "noname" for info in manager.describe())
+    assert "from_noname" in HibanaPluginManager(allow=parse_allow_list("noname")).tool_parsers()
+
+
 def test_plugin_raising_on_import_is_skipped_with_a_warning_naming_it(make_dist, alpha_and_beta):
     make_dist("hibana-test-broken", "broken", "raise RuntimeError('boom at import')\n")
     with pytest.warns(PluginWarning, match=r"'broken' \(from hibana-test-broken\).*boom at import"):
