@@ -293,6 +293,9 @@ def test_compressed_tensors_targets_and_ignore():
     ({"quant_method": "gptq", "bits": "4"}, "bits='4'"),
     ({"quant_method": "gptq", "bits": 4, "pack_dtype": "int16"}, "pack_dtype 'int16'"),  # was "qweight is int16: damaged"  # a string, named as one (not "bits=4: 4-bit only")
     ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "gptq_v2"),
+    # old AutoGPTQ's marlin checkpoints (tensors B, s): a flag, not checkpoint_format; they were reported
+    # as lacking every q_proj.weight, "incomplete or for another architecture"
+    ({"quant_method": "gptq", "bits": 4, "is_marlin_format": True}, "checkpoint_format 'marlin' is packed for one kernel"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 7}, "even"),
     ({"quant_method": "gptq", "bits": 4, "dynamic": {"+:.*down": {"bits": 8}}}, "own bits"),
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "'gemm'"),

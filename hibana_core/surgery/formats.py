@@ -198,6 +198,8 @@ def _parse_gptq(cfg: dict) -> QuantFormat:
                                   "belongs; the checkpoint's config is damaged: re-export it")
     # transformers' GPTQConfig reads `checkpoint_format` (legacy) or `format`; GPTQModel writes v2
     fmt = str(cfg.get("checkpoint_format") or cfg.get("format") or "gptq").lower()
+    if cfg.get("is_marlin_format") is True:  # AutoGPTQ <= 0.7.1's flag for it (vLLM's gptq_marlin reads it so)
+        fmt = "marlin"
     if fmt not in ("gptq", "gptq_v2"):
         raise CheckpointError(f"GPTQ checkpoint_format {fmt!r} is packed for one kernel and cannot be "
                               "repacked by Hibana; supported: 'gptq' and 'gptq_v2'")
