@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from hibana_core.errors import ConfigError, GrammarError
-from hibana_core.kv.budget import parse_budget
+from hibana_core.kv.budget import parse_budget, parse_bytes
 
 
 def _check(cond: bool, message: str) -> None:
@@ -137,8 +137,8 @@ class CacheConfig:
     """KV cache dtype: "auto" (the model's: its compute dtype, or fp8 after kv8), "float32",
     "bfloat16", "float16" (each must be the compute dtype), or "fp8" ("float8_e4m3fn"): e4m3
     with per-head scales, which is the kv8 surgery pass (added to `surgery` if not named there)."""
-    host_kv_bytes: int | None = None
-    """The host tier: bytes of host memory where idle states' KV is parked when the device pool
+    host_kv_bytes: int | str | None = None
+    """The host tier: bytes of host memory (an int or a size string: "8GB", "512MiB") where idle states' KV is parked when the device pool
     needs room (and copied back when they resume) instead of being dropped and recomputed.
     None: half the host memory available at start, except on unified memory with a
     `memory_budget`, where the budget is one pool and there is no host tier (parking would copy
@@ -191,8 +191,8 @@ class CacheConfig:
             object.__setattr__(self, "state_dir", os.path.abspath(self.state_dir))
         _check(self.eviction_policy in EVICTION_POLICIES,
                f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction_policy!r}")
-        _check(self.host_kv_bytes is None or self.host_kv_bytes >= 0,
-               f"host_kv_bytes must be >= 0 (0: no host tier) or None (automatic), got {self.host_kv_bytes}")
+        if self.host_kv_bytes is not None:  # bytes, or a size string as memory_budget takes
+            object.__setattr__(self, "host_kv_bytes", parse_bytes(self.host_kv_bytes, "host_kv_bytes"))
         _check(self.kv_dtype in ("auto", "float32", "bfloat16", "float16", *FP8_KV_DTYPES),
                f"kv_dtype must be auto, float32, bfloat16, float16 or fp8, got {self.kv_dtype!r}")
 

@@ -48,7 +48,7 @@ from hibana_core.kv.sequence import LongRope
 from hibana_core import surgery
 from hibana_core.surgery.calibration import Calibration
 from hibana_core.loader import LOAD_STAGES, check_max_model_len, load_from_hf_model, load_model, model_bytes
-from hibana_core.models.decoder import longrope_switch
+from hibana_core.models.decoder import longrope_switch, rotary_bytes
 from hibana_core.output import OutputProcessor
 from hibana_core.progress import LoadProgress
 from hibana_core.registry import ModelLimits, StateRegistry
@@ -429,8 +429,10 @@ class Engine:
             hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_heads=a.num_heads,
             num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, vocab_size=a.vocab_size,
             max_batched_tokens=sched.max_num_batched_tokens, max_agents=sched.max_concurrent_agents,
-            dtype_bytes=self.dtype.itemsize, max_drafts=self.config.speculation.row_allowance, **_moe_shape(self.hf_config))
-        """What a step may allocate besides weights and KV (an estimate, kv/budget.py)."""
+            dtype_bytes=self.dtype.itemsize, max_drafts=self.config.speculation.row_allowance,
+            **_moe_shape(self.hf_config)) + rotary_bytes(self.model)
+        """What a step may allocate besides weights and KV (an estimate, kv/budget.py), and the
+        rotary tables the first step builds."""
         self.memory_budget = None
         """The budget in bytes (None: none given; `num_blocks` or the default sizing)."""
         self.draft_reserve = None

@@ -498,9 +498,10 @@ class Scheduler:
             self.finish(victim, "length")
             return
         victim.error = MemoryBudgetError(
-            f"a history of {len(victim.seq)} tokens needs more KV blocks than the pool has "
-            f"({self.pool.num_blocks} blocks of {self.pool.block_size}); raise memory_budget "
-            "or kv_device_blocks, or close idle states")
+            f"a history of {len(victim.seq)} tokens needs more KV blocks than the pool "
+            f"({self.pool.num_blocks} blocks of {self.pool.block_size}) can give it; raise memory_budget "
+            "or kv_device_blocks, shorten the history (h.truncate(n)), or close or unpin the "
+            "states pinned to the device")
         self.finish(victim, "error")
 
     # --- update ---------------------------------------------------------------------------------

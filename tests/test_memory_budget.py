@@ -189,3 +189,45 @@ def test_memory_of_a_closed_engine_is_an_engine_closed_error(tiny_checkpoints):
     engine.close()
     with pytest.raises(EngineClosedError, match="closed"):
         engine.memory()
+
+
+@pytest.mark.parametrize("arch, config", [("llama", {"max_position_embeddings": 8192}),
+                                          ("gemma3", {"max_position_embeddings": 4096}),
+                                          ("phi3", {})])
+def test_the_workspace_counts_the_rotary_tables(arch, config, tmp_path):
+    """A model's float32 cos and sin tables, a row a position (two ropes for Gemma 3's local and
+    global layers, LongRoPE's long rows besides), are built at the first forward, outside the
+    weights: the workspace estimate counts them as they will be, so the budget holds them (a
+    128k-context model's are hundreds of MB; they were left out)."""
+    from hibana_core.models.decoder import RotaryTables, rotary_bytes
+    from tiny_models import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(arch, tmp_path / arch, **config)
+    with open_engine(path) as engine:
+        model = engine.model
+        tables = {id(m.rotary): m.rotary for m in model.modules() if isinstance(getattr(m, "rotary", None), RotaryTables)}
+        estimate = rotary_bytes(model)
+        engine.open_state("a").generate(SamplingParams(max_tokens=2), prompt=[5, 6, 7])
+        assert tables and all(t.cos is not None for t in tables.values()), "built by the first forward"
+        assert estimate == sum(t.cos.nbytes + t.sin.nbytes for t in tables.values())
+        assert all(t.cos.shape[0] >= engine.model_args.max_position_embeddings for t in tables.values())
+        a = engine.model_args
+        step = budget.workspace_bytes(
+            hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_heads=a.num_heads,
+            num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, vocab_size=a.vocab_size,
+            max_batched_tokens=engine.config.scheduler.max_num_batched_tokens,
+            max_agents=engine.config.scheduler.max_concurrent_agents, dtype_bytes=4)
+        assert engine.memory()["device"]["workspace_estimate"] == step + estimate
+
+
+@pytest.mark.parametrize("given, want", [(0, 0), (4096, 4096), ("8GB", 8 * 10**9), ("512 MiB", 512 << 20),
+                                         ("0.5GB", 500_000_000), ("100", 100), (np.int64(GIB), GIB)])
+def test_host_kv_bytes_takes_sizes_as_memory_budget_does(given, want):
+    config = EngineConfig.from_overrides("demo", host_kv_bytes=given)
+    assert config.cache.host_kv_bytes == want and type(config.cache.host_kv_bytes) is int
+
+
+@pytest.mark.parametrize("given", [-1, "80%", "lots", True, 0.5, "1.5", [1]])
+def test_a_host_kv_bytes_that_is_no_size_says_what_to_write(given):
+    with pytest.raises(ConfigError, match=r"host_kv_bytes must be"):
+        EngineConfig.from_overrides("demo", host_kv_bytes=given)

@@ -65,6 +65,21 @@ def parse_budget(value: int | float | str) -> int | float:
     raise ConfigError(f"memory_budget must be bytes or a fraction, got {type(value).__name__}; {hint}")
 
 
+def parse_bytes(value: int | str, name: str) -> int:
+    """A byte count given as an int (0 included) or a size string ("8GB", "512 MiB"), as
+    `memory_budget` takes them; anything else is a ConfigError naming `name`."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0:
+        return int(value)
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    match = _SIZE.match(value) if isinstance(value, str) else None
+    if match and match.group(2).lower() in _UNITS and match.group(2) != "%":
+        size = float(match.group(1)) * _UNITS[match.group(2).lower()]
+        if size.is_integer() or match.group(2):
+            return int(size)
+    raise ConfigError(f"{name} must be a number of bytes (8_000_000_000, \"8GB\", \"512MiB\"; 0: none), got {value!r}")
+
+
 @dataclass(frozen=True)
 class DeviceMemory:
     """What the device can hold: its total and free bytes, and whether it shares them with the host."""

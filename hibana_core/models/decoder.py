@@ -473,6 +473,17 @@ class RotaryTables:
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
 
+    @property
+    def nbytes(self) -> int:
+        """What cos and sin take once built, known before they are (the memory budget counts them
+        in the workspace: a 128k-context model's are hundreds of MB)."""
+        rows = self.max_positions
+        if self.rope.rope_type == "longrope":
+            rows += dict(self.rope.scaling)["original_max_position_embeddings"]
+        elif self.longrope_switch is not None:
+            rows += self.longrope_switch
+        return 2 * rows * 2 * (self.rope.dim // 2) * 4
+
     def _build(self, device: torch.device) -> None:
         freqs = self.rope.angles(self.max_positions)
         if self.longrope_switch is not None and self.rope.rope_type != "longrope":
@@ -485,6 +496,12 @@ class RotaryTables:
         if self.cos is None or self.cos.device != device:
             self._build(device)
         return self.cos, self.sin
+
+
+def rotary_bytes(model: nn.Module) -> int:
+    """What the rotary tables of `model`'s layers take once built (each table once)."""
+    tables = {id(m.rotary): m.rotary for m in model.modules() if isinstance(getattr(m, "rotary", None), RotaryTables)}
+    return sum(t.nbytes for t in tables.values())
 
 
 class Attention(nn.Module):
