@@ -324,6 +324,8 @@ def _weight_files(path: Path) -> list[Path]:
         if missing:
             raise CheckpointError(f"{path} is missing weight shards {missing}; the download is incomplete")
         return [path / n for n in names]
+    if (path / "model.safetensors").is_file():  # as transformers reads one: never a consolidated.* or adapter_*
+        return [path / "model.safetensors"]  # beside it (Mistral's repos ship both)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path} has no *.safetensors weights; only safetensors checkpoints are "

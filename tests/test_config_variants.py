@@ -116,3 +116,19 @@ def test_query_heads_not_a_multiple_of_kv_heads_is_a_checkpoint_error(heads, kv_
     with pytest.raises(CheckpointError, match=f"num_attention_heads {heads} is not a multiple of its "
                                               f"num_key_value_heads {kv_heads}"):
         open_engine(path)
+
+
+def test_a_model_safetensors_is_read_alone_beside_other_safetensors(tmp_path, make_engine):
+    """Without an index, model.safetensors is the checkpoint, as transformers reads it: Mistral's
+    repos ship a consolidated.safetensors beside it (the same weights under other names) and a
+    fine-tune may leave an adapter_model.safetensors; they were read too, and their tensors
+    refused as unused."""
+    from safetensors.torch import save_file
+    import torch
+
+    path = make_tiny_checkpoint("mistral", tmp_path / "mistral")
+    assert (path / "model.safetensors").is_file() and not (path / "model.safetensors.index.json").exists()
+    save_file({"layers.0.attention.wq.weight": torch.zeros(4, 4)}, str(path / "consolidated.safetensors"))
+    save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(2, 4)}, str(path / "adapter_model.safetensors"))
+    history = random.Random(4).sample(range(3, 200), 12)
+    assert_greedy_matches(path, history, greedy(make_engine(path), history, 8))
