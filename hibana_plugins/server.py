@@ -210,7 +210,7 @@ def api_error(exc: HibanaError, prompt_param: str = "messages") -> ApiError:
     if isinstance(exc, EngineClosedError):
         return ApiError(503, message, None, "engine_closed", "server_error")
     if isinstance(exc, PluginError):  # a plugin of the server's failed (its tool parser): not the request's fault
-        return ApiError(500, message, None, "plugin_error", "server_error")
+        return ApiError(500, message, None, "plugin_error", "server_error", retry=False)  # it would fail again
     params = [(ToolChoiceError, "tool_choice"), (ToolSchemaError, "tools"), (ConversationError, "messages"),
               (UnsupportedContentError, "messages"), (GrammarError, "response_format"),
               (InvalidTokenError, getattr(exc, "field", None) or prompt_param)]

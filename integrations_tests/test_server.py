@@ -931,6 +931,17 @@ def test_a_turn_past_the_timeout_after_its_first_token_is_not_to_be_repeated():
     assert error.headers() == {"x-should-retry": "false"}
 
 
+def test_a_plugins_failure_is_not_to_be_repeated():
+    """A plugin of the server's that raised (its tool parser) raises again on the same request:
+    the 500 tells OpenAI's clients not to retry it (they retried it twice, after waits)."""
+    from hibana_plugins.manager import PluginError
+    from hibana_plugins.server import api_error
+
+    error = api_error(PluginError("tool parser 'raising_parser' failed in stream: ValueError('a parser bug')"))
+    assert (error.status, error.code, error.kind) == (500, "plugin_error", "server_error")
+    assert error.headers() == {"x-should-retry": "false"}
+
+
 def scrape(base_url: str) -> dict[str, float]:
     """/metrics as {series: value}."""
     request = urllib.request.Request(base_url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
