@@ -241,8 +241,8 @@ class SchedulerConfig:
 
 MAX_DRAFT_TOKENS = 16
 """Longest fixed draft length a request may ask for."""
-ADAPTIVE_ROW_ALLOWANCE = 4
-"""Drafts per agent slot that the workspace of an adaptively speculating engine holds (`row_allowance`)."""
+ADAPTIVE_DRAFTS_A_SLOT = 4
+"""Drafts per agent slot that the workspace of an adaptively speculating engine holds (`draft_rows`)."""
 
 
 @dataclass(frozen=True)
@@ -313,15 +313,17 @@ class SpeculationConfig:
         controller picks)."""
         return self.k if self.enabled else 0
 
-    @property
-    def row_allowance(self) -> int:
-        """Drafts a step may verify per agent slot (max_concurrent_agents) on average, as this
-        engine-wide default sizes the step's workspace (each draft samples a row of logits): k
-        fixed, 4 adaptive (the controller drafts long only where few agents run: one agent of 64
-        slots may verify 16), 0 off. The scheduler keeps a step's drafts within it; a request that
-        turns speculation on in an engine whose default is off drafts into the rows that other
-        sequences leave unused."""
-        return (ADAPTIVE_ROW_ALLOWANCE if self.k is None else self.k) if self.enabled else 0
+    def draft_rows(self, agent_slots: int) -> int:
+        """Drafts a step may verify in all, as this engine-wide default sizes the step's workspace
+        (each draft samples a row of logits) and the scheduler keeps to: k a slot under a fixed k,
+        4 a slot on average but at least one agent's 16 when adaptive (the controller drafts long
+        where few agents run), none when off (a request that turns speculation on in such an
+        engine drafts into the rows that other sequences leave unused)."""
+        if not self.enabled:
+            return 0
+        if self.k is not None:
+            return agent_slots * self.k
+        return max(agent_slots * ADAPTIVE_DRAFTS_A_SLOT, MAX_DRAFT_TOKENS)
 
 
 OPTION_ALIASES = {"kv_device_blocks": "num_blocks", "memory_budget_bytes": "memory_budget"}

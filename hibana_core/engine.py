@@ -429,7 +429,7 @@ class Engine:
             hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_heads=a.num_heads,
             num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, vocab_size=a.vocab_size,
             max_batched_tokens=sched.max_num_batched_tokens, max_agents=sched.max_concurrent_agents,
-            dtype_bytes=self.dtype.itemsize, max_drafts=self.config.speculation.row_allowance,
+            dtype_bytes=self.dtype.itemsize, draft_rows=self.config.speculation.draft_rows(sched.max_concurrent_agents),
             **_moe_shape(self.hf_config)) + rotary_bytes(self.model)
         """What a step may allocate besides weights and KV (an estimate, kv/budget.py), and the
         rotary tables the first step builds."""

@@ -21,6 +21,7 @@ import torch
 from hibana_core import hub
 from hibana_core.errors import CheckpointError, ConfigError, HibanaError, UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
+from hibana_core.models.decoder import rotary_bytes
 from hibana_core.models.moe import PACKED_PARTS, STACKS
 from hibana_core.progress import LoadProgress, bar as progress_bar
 from hibana_core.surgery.checkpoint import MANIFEST, read_manifest
@@ -303,14 +304,14 @@ def model_bytes(module: torch.nn.Module) -> int:
 
 
 def planned_model(model: str, dtype: torch.dtype) -> tuple[int, Any]:
-    """(bytes its weights take loaded in `dtype`, its DecoderArgs), from its config alone: the
-    module built on the meta device as `load_model` builds it, no weight read. A quantized
-    checkpoint's weights count dense: at most what they take."""
+    """(bytes its weights take loaded in `dtype`, with the rotary tables its first forward builds;
+    its DecoderArgs), from its config alone: the module built on the meta device as `load_model`
+    builds it, no weight read. A quantized checkpoint's weights count dense: at most what they take."""
     path = resolve_checkpoint(model)
     model_type = read_model_type(path)
     family = family_of(model_type)
     module, args = _built_on_meta(model_type, family, read_config(path, model_type), ForwardContext())
-    return model_bytes(module.to(dtype=dtype)), args
+    return model_bytes(module.to(dtype=dtype)) + rotary_bytes(module), args
 
 
 def _weight_files(path: Path) -> list[Path]:

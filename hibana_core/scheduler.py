@@ -318,7 +318,8 @@ class Scheduler:
             self._preempt_or_fail()
         if self.speculation is not None and chunks and budget > 0:
             # the rows that sample (each draft is one) stay within what the workspace was sized for
-            rows = self.config.max_concurrent_agents * (1 + self.speculation.default.row_allowance)
+            slots = self.config.max_concurrent_agents
+            rows = slots + self.speculation.default.draft_rows(slots)
             budget = min(budget, rows - sum(c.sample for c in chunks))
             if budget > 0:
                 chunks = self._add_drafts(chunks, budget)

@@ -175,12 +175,23 @@ def test_workspace_counts_the_logits_of_verified_drafts():
     one row a sequence); the step's tokens bound them too."""
     shape = dict(hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8, head_dim=128,
                  vocab_size=151936, max_agents=64, dtype_bytes=2)
-    off, k4, k16 = (budget.workspace_bytes(max_batched_tokens=2048, max_drafts=k, **shape) for k in (0, 4, 16))
+    off, k4, k16 = (budget.workspace_bytes(max_batched_tokens=2048, draft_rows=64 * k, **shape) for k in (0, 4, 16))
     row = 3 * 151936 * 4 * 9 // 8  # three float32 copies, and the eighth for fragmentation
     assert k4 - off == pytest.approx(64 * 4 * row, rel=1e-6)
     assert k16 - off == pytest.approx(64 * 16 * row, rel=1e-6)
-    capped = budget.workspace_bytes(max_batched_tokens=256, max_drafts=16, **shape)
+    capped = budget.workspace_bytes(max_batched_tokens=256, draft_rows=64 * 16, **shape)
     assert capped - budget.workspace_bytes(max_batched_tokens=256, **shape) == pytest.approx((256 - 64) * row, rel=1e-6)
+
+
+def test_the_drafts_a_step_verifies_as_the_workspace_holds_them():
+    """Adaptive: 4 a slot on average, but at least one agent's longest draft (16), so that an engine
+    of one agent slot drafts as long as one of 64 with one agent running; fixed: k a slot; off: none."""
+    from hibana_core.config import MAX_DRAFT_TOKENS, SpeculationConfig
+
+    adaptive, fixed, off = (SpeculationConfig.parse(v) for v in ("adaptive", {"method": "suffix", "k": 3}, "off"))
+    assert [adaptive.draft_rows(n) for n in (1, 2, 4, 64)] == [MAX_DRAFT_TOKENS, 16, 16, 256]
+    assert [fixed.draft_rows(n) for n in (1, 64)] == [3, 192]
+    assert off.draft_rows(64) == 0
 
 
 def test_memory_of_a_closed_engine_is_an_engine_closed_error(tiny_checkpoints):
@@ -227,7 +238,7 @@ def test_host_kv_bytes_takes_sizes_as_memory_budget_does(given, want):
     assert config.cache.host_kv_bytes == want and type(config.cache.host_kv_bytes) is int
 
 
-@pytest.mark.parametrize("given", [-1, "80%", "lots", True, 0.5, "1.5", [1]])
+@pytest.mark.parametrize("given", [-1, "80%", "lots", True, 0.5, "1.5", "0.0001k", [1]])
 def test_a_host_kv_bytes_that_is_no_size_says_what_to_write(given):
     with pytest.raises(ConfigError, match=r"host_kv_bytes must be"):
         EngineConfig.from_overrides("demo", host_kv_bytes=given)

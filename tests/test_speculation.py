@@ -232,6 +232,12 @@ def test_drafts_stay_within_the_rows_the_workspace_holds(tiny_checkpoints, make_
     assert off.stats().draft_tokens_proposed == 0
     assert list(fixed.open_state("a").generate(asked, prompt=history).token_ids) == want
     assert fixed.stats().draft_tokens_accepted == fixed.stats().draft_tokens_proposed > 0
+    # adaptive in one agent slot: that agent may verify as long a draft as in 64 slots (16)
+    with registered(oracle=oracle):
+        one = make_engine(path, speculation={"method": "oracle"}, max_concurrent_agents=1)
+    got = one.open_state("a").generate(greedy(12, speculation={"method": "oracle", "k": 11}), prompt=history)
+    assert list(got.token_ids) == want
+    assert one.stats().draft_tokens_accepted == 11, one.stats()
 
 
 # --- 3. after rejections the KV is what a run without speculation holds ---------------------------

@@ -57,10 +57,9 @@ def parse_budget(value: int | float | str) -> int | float:
                 raise ConfigError(f"memory_budget {value!r} is not a fraction in (0, 1]; {hint}")
             if unit == "%" and 0 < number <= 100:
                 return number / 100
-            if unit in _UNITS and unit != "%":  # a bare number is whole bytes, as an int is
-                size = number * _UNITS[unit]
-                if size >= 1 and (unit or number.is_integer()):  # "0.5GB" is a size, "0.25" none
-                    return int(size)
+            size = _bytes_of(match)
+            if size:
+                return size
         raise ConfigError(f"memory_budget {value!r} is not a size, or a share of 100% or less; {hint}")
     raise ConfigError(f"memory_budget must be bytes or a fraction, got {type(value).__name__}; {hint}")
 
@@ -73,11 +72,20 @@ def parse_bytes(value: int | str, name: str) -> int:
     if isinstance(value, float) and value.is_integer() and value >= 0:
         return int(value)
     match = _SIZE.match(value) if isinstance(value, str) else None
-    if match and match.group(2).lower() in _UNITS and match.group(2) != "%":
-        size = float(match.group(1)) * _UNITS[match.group(2).lower()]
-        if size.is_integer() or match.group(2):
-            return int(size)
-    raise ConfigError(f"{name} must be a number of bytes (8_000_000_000, \"8GB\", \"512MiB\"; 0: none), got {value!r}")
+    size = _bytes_of(match) if match else None
+    if size is not None:
+        return size
+    raise ConfigError(f'{name} must be a number of bytes (8_000_000_000, "8GB", "512MiB"; 0: none), got {value!r}')
+
+
+def _bytes_of(match: re.Match) -> int | None:
+    """The bytes a size string names ("0.5GB", "512 MiB", "4096": a bare number is whole bytes, as
+    an int is; "0" none at all), None where it names none ("80%", "0.25", "0.0001k")."""
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if unit not in _UNITS or not (unit or number.is_integer()):
+        return None
+    size = number * _UNITS[unit]
+    return int(size) if size >= 1 or number == 0 else None
 
 
 @dataclass(frozen=True)
@@ -134,18 +142,18 @@ def _system_memory() -> tuple[int, int]:
 def workspace_bytes(*, hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int,
                     head_dim: int, vocab_size: int, max_batched_tokens: int, max_agents: int,
                     dtype_bytes: int, moe_top_k: int = 0, moe_intermediate_size: int = 0,
-                    max_drafts: int = 0) -> int:
+                    draft_rows: int = 0) -> int:
     """An upper estimate of what one step allocates besides weights and KV: the activations of a
     full prefill chunk (the residual stream twice, the fused qkv and gate/up outputs, attention's
     output, the MLP's product; a sparse block's k routes a token), float32 logits of every row
     that samples (three copies: logits, probabilities, the sampler's scratch), and an eighth more
     for the allocator's fragmentation and kernels' scratch. A sequence samples one row, and one
-    more for each draft it verifies (`max_drafts` a sequence at most; the step's tokens bound them
-    all). `Engine.memory()` reports the measured peak on CUDA."""
+    more for each draft it verifies (`draft_rows` in a step at most; the step's tokens bound them
+    too). `Engine.memory()` reports the measured peak on CUDA."""
     per_token = (2 * hidden_size + (num_heads + 2 * num_kv_heads) * head_dim + num_heads * head_dim
                  + 3 * intermediate_size) * dtype_bytes
     # a sparse block's routes: each token's k gate/up outputs, activations and expert outputs
     per_token += moe_top_k * (3 * moe_intermediate_size + hidden_size) * dtype_bytes
-    sampled_rows = min(max_agents * (1 + max_drafts), max(max_agents, max_batched_tokens))
+    sampled_rows = min(max_agents + draft_rows, max(max_agents, max_batched_tokens))
     estimate = max_batched_tokens * per_token + 3 * sampled_rows * vocab_size * 4
     return estimate + estimate // 8

@@ -43,7 +43,7 @@ from hibana_core.kv.cache import KVCache, kv_cache_dtype
 from hibana_core.kv.sequence import KVSequence, LongRope
 from hibana_core.kv.transfers import device_tensor
 from hibana_core.loader import LoadedModel, load_model, model_bytes
-from hibana_core.models.decoder import longrope_switch
+from hibana_core.models.decoder import longrope_switch, rotary_bytes
 from hibana_core.runner import DeviceInput, ModelRunner, StepData
 from hibana_core.sampler import apply_warpers, draw, make_generator
 from hibana_core.speculation.drafters import DraftInput, SampledDraft, samples_drafts
@@ -199,8 +199,8 @@ class DraftModelDrafter:
             loaded = load_model(self.path, engine.device, str(engine.dtype).removeprefix("torch."), self.ctx,
                                 engine.config.progress)
             check_same_tokenizer(engine, loaded, self.path)
-            self.weight_bytes = model_bytes(loaded.model)
-            """Bytes of weights this drafter holds itself (none where it shares the target's)."""
+            self.weight_bytes = model_bytes(loaded.model) + rotary_bytes(loaded.model)
+            """Bytes of weights (and rotary tables) this drafter holds itself (none where it shares the target's)."""
         else:
             self.weight_bytes = 0
             self.path, self.ctx = model or "(built in memory)", ctx
