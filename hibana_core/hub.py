@@ -189,15 +189,23 @@ def _not_cached(ref: RepoRef, cache: Path, cached: Path | None, missing: list[st
 
 
 def _download(ref: RepoRef, cache: Path, progress: bool) -> Path:
-    import huggingface_hub
     from huggingface_hub import constants
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
 
     # huggingface_hub read HF_HUB_OFFLINE once, when it was imported, and refuses every request while
     # that said offline; the environment says online now (offline() is False here), as it is read
-    # when a model is resolved
-    constants.HF_HUB_OFFLINE = False
+    # when a model is resolved: online for this download, as it was for the rest of the process
+    was_offline, constants.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE, False
+    try:
+        return _snapshot(ref, cache, progress)
+    finally:
+        constants.HF_HUB_OFFLINE = was_offline
+
+
+def _snapshot(ref: RepoRef, cache: Path, progress: bool) -> Path:
+    import huggingface_hub
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
     options = dict(revision=ref.revision, cache_dir=str(cache), ignore_patterns=SUBFOLDERS)
     if not progress:
         options["tqdm_class"] = _silent_tqdm()

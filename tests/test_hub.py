@@ -307,6 +307,7 @@ def test_hf_hub_offline_unset_after_import_lets_the_download_go(checkpoints, onl
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
     path = resolve_checkpoint("acme/tiny")
     assert (path / "model.safetensors").is_file() and (path / "config.json").is_file()
+    assert constants.HF_HUB_OFFLINE is True, "online for the download only: other users of huggingface_hub as they were"
 
 
 def test_hf_home_and_hf_hub_cache_expand_variables_as_huggingface_hub_does(tmp_path, monkeypatch):
