@@ -30,6 +30,7 @@ from hibana_core.errors import (ConfigError, ContextLengthError, EngineClosedErr
 from hibana_core.kv import state_file
 from hibana_core.kv.policies import POLICIES, PREFETCH_LEAD, StateUse, retention_order
 from hibana_core.kv.sequence import KVSequence, LongRope, common_prefix_len
+from hibana_core.kv.tiers import UNREADABLE_SPILL
 from hibana_core.output import CompilingEvents, RequestEvents
 from hibana_core.sampler import make_generator
 from hibana_core.scheduler import Request
@@ -709,7 +710,7 @@ class StateRegistry:
             try:
                 computed, kv, starts = seq.parked.prefix(common_prefix_len(seq.tokens, seq.parked.tokens), seq)
                 rotated_long = seq.parked.rotated_long
-            except Exception as exc:  # noqa: BLE001 - a spill file gone or damaged: its history still is sound
+            except UNREADABLE_SPILL as exc:  # a spill file gone or damaged: its history still is sound
                 logger.warning("state %r: its parked KV could not be read (%s); its tokens are written, and its KV "
                                "is computed again at its next request", state_id, exc)
                 self.core.scheduler.eviction.tier.forget(seq)

@@ -59,6 +59,9 @@ from hibana_core.kv.transfers import CopyStream, PinnedReserve, Transfer, device
 
 logger = logging.getLogger("hibana.states")
 
+UNREADABLE_SPILL = (OSError, ValueError, safetensors.SafetensorError)
+"""What reading back a spill file that is gone, truncated, damaged or replaced raises (`ParkedKV.host_kv`)."""
+
 
 class HeldCopy(NamedTuple):
     nbytes: int   # as its tier counts it: pinned pages on a GPU, the file on disk
@@ -346,7 +349,7 @@ class HostTier:
         began = time.perf_counter()
         try:
             kv = parked.kv if parked.kv is not None else parked.host_kv()
-        except Exception as exc:  # noqa: BLE001 - a spill file gone or damaged
+        except UNREADABLE_SPILL as exc:
             logger.warning("a parked state's spill file %s cannot be read (%s); its KV is recomputed", parked.path, exc)
             seq.release()
             self.forget(seq)
