@@ -170,11 +170,19 @@ def _shown(value: object) -> str:
 
 
 def _instance_hooks(plugin: type) -> list[str]:
-    """The hooks a class marks as plain methods (they need `self`; a staticmethod or classmethod
-    does not)."""
+    """The hooks a class (or a class it derives from) marks as plain methods (they need `self`; a
+    staticmethod or classmethod does not)."""
     marker = f"{hookspecs.PROJECT_NAME}_impl"
-    return sorted(name for name, attr in vars(plugin).items()
-                  if inspect.isfunction(attr) and hasattr(attr, marker))
+    return sorted({name for klass in plugin.__mro__ for name, attr in vars(klass).items()
+                   if inspect.isfunction(attr) and hasattr(attr, marker)})
+
+
+def _unbound(plugin: type, hooks: list[str]) -> str:
+    """What is wrong with registering the class `plugin` itself, whose `hooks` are methods."""
+    several = len(hooks) > 1
+    return (f"the class {plugin.__module__}.{plugin.__qualname__}, whose hook{'s' if several else ''} "
+            f"{', '.join(hooks)} {'are methods' if several else 'is a method'} with no instance to call "
+            f"{'them' if several else 'it'} on")
 
 
 def _dist_name(ep: importlib.metadata.EntryPoint) -> str | None:
@@ -286,13 +294,10 @@ class HibanaPluginManager:
         plugin again does nothing; another under a name taken is a PluginError."""
         name = name or getattr(plugin, "__name__", None) or repr(plugin)
         module = plugin.__name__ if isinstance(plugin, ModuleType) else None
-        if isinstance(plugin, type) and _instance_hooks(plugin):  # pluggy would call them unbound
-            hooks = _instance_hooks(plugin)
-            raise PluginError(
-                f"{plugin.__module__}.{plugin.__qualname__} is a class, whose hook{'s' if len(hooks) > 1 else ''}"
-                f" {', '.join(hooks)} {'are methods' if len(hooks) > 1 else 'is a method'} with no instance to"
-                f" call {'them' if len(hooks) > 1 else 'it'} on; register an instance: register({plugin.__qualname__}())"
-            )
+        hooks = _instance_hooks(plugin) if isinstance(plugin, type) else []
+        if hooks:  # pluggy would call them unbound
+            raise PluginError(f"{plugin.__qualname__} is {_unbound(plugin, hooks)}; register an instance: "
+                              f"register({plugin.__qualname__}())")
         with self._lock:
             if self.pm.is_registered(plugin):
                 return  # registered already (a notebook cell run twice): its hooks are in
@@ -315,13 +320,12 @@ class HibanaPluginManager:
             )
         if self.pm.is_registered(plugin):
             return  # one module behind two entry points
-        if isinstance(plugin, type) and _instance_hooks(plugin):  # pluggy would call them unbound
+        hooks = _instance_hooks(plugin) if isinstance(plugin, type) else []
+        if hooks:  # pluggy would call them unbound
             self._report(
                 name,
                 "register",
-                f"is the class {plugin.__module__}.{plugin.__qualname__}, whose hook"
-                f" {', '.join(_instance_hooks(plugin))} {'is a method' if len(_instance_hooks(plugin)) == 1 else 'are methods'}"
-                f" with no instance to call it on; point the entry point at a module, or at an instance"
+                f"is {_unbound(plugin, hooks)}; point the entry point at a module, or at an instance"
                 f" (`plugin = {plugin.__qualname__}()` in the module, the entry point `{plugin.__module__}:plugin`)",
                 package=source.package,
             )

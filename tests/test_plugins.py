@@ -372,9 +372,13 @@ def test_a_class_registered_at_run_time_is_refused_saying_to_register_an_instanc
         def register_drafters(self, register):
             register("from_a_class", object())
 
-    with pytest.raises(PluginError, match=r"Plugin is a class, whose hook register_drafters is a method .*"
-                                          r"register an instance: register\(.*Plugin\(\)\)"):
-        manager.register(Plugin)
+    class Derived(Plugin):  # its hook is its base's
+        pass
+
+    for cls in (Plugin, Derived):
+        with pytest.raises(PluginError, match=r"is the class .*, whose hook register_drafters is a method .*"
+                                              r"register an instance: register\(.*\(\)\)"):
+            manager.register(cls)
     assert manager.load_errors == [] and "from_a_class" not in manager.drafters()
     manager.register(Plugin())
     assert "from_a_class" in manager.drafters()
