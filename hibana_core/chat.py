@@ -292,13 +292,13 @@ class Chat:
                 "not see them, yet be made to call one. Give it a template that does (the tokenizer's "
                 "chat_template, or a chat format registered through register_chat_formats for its model_type), "
                 "or call without tools and describe them in the system message")
-        for what, value in [*((f"message {i}", m) for i, m in enumerate(messages)),
-                            *((f"tool {i}", t) for i, t in enumerate(tools or ()))]:
+        for what, value, error in [*((f"message {i}", m, ConversationError) for i, m in enumerate(messages)),
+                                   *((f"tool {i}", t, ToolSchemaError) for i, t in enumerate(tools or ()))]:
             try:
                 dumped = json.dumps(value, ensure_ascii=False, default=str)
             except (ValueError, RecursionError) as exc:  # a cycle
-                raise ConversationError(f"{what} is not plain data ({exc}); pass strings, lists and dicts") from None
-            check_text(dumped, what)
+                raise error(f"{what} is not plain data ({exc}); pass strings, lists and dicts") from None
+            check_text(dumped, what, error)
 
         def template(messages: list[dict], tools: list[dict] | None) -> str:
             try:

@@ -123,12 +123,13 @@ def _check_json(value: Any, error: Callable[[Exception], HibanaError]) -> None:
         raise error(exc) from None
 
 
-def check_text(text: str, what: str) -> None:
-    """ConversationError unless `text` is valid Unicode (no lone surrogate): what tokenizers read."""
+def check_text(text: str, what: str, error: type[HibanaError] = ConversationError) -> None:
+    """`error` (a ConversationError; a tool's: ToolSchemaError) unless `text` is valid Unicode (no
+    lone surrogate): what tokenizers read."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ConversationError(
+        raise error(
             f"{what} holds {text[exc.start]!r} at position {exc.start}: a lone surrogate, not text (a string "
             "decoded with errors='surrogateescape', or cut inside a surrogate pair); decode it with "
             "errors='replace' or remove it") from None

@@ -485,6 +485,8 @@ def test_chat_refuses_what_it_cannot_render_faithfully(engine):
             chat.render_text([{"role": "user", "content": bad}])
     with pytest.raises(ConversationError, match="message 0 holds.*surrogate"):
         chat.render_text([{"role": "user", "content": "a\ud800"}])
+    with pytest.raises(ToolSchemaError, match="tool 0 holds.*surrogate"):  # the tools' fault, not the messages'
+        chat.render_text([user], [{"name": "f", "description": "a\ud83d", "parameters": {"type": "object"}}])
     for call in (None, "f", {"function": "f"}, {"function": {"name": None}}):
         with pytest.raises(ConversationError, match="tool call"):
             chat.render_text([user, {"role": "assistant", "content": "", "tool_calls": [call]}])
