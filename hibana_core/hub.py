@@ -213,8 +213,10 @@ def _snapshot(ref: RepoRef, cache: Path, progress: bool) -> Path:
     login = "log in with `hf auth login` or set HF_TOKEN"
     try:
         path = Path(huggingface_hub.snapshot_download(ref.repo_id, allow_patterns=SMALL_FILES, **options))
-        path = Path(huggingface_hub.snapshot_download(ref.repo_id, allow_patterns=_weight_patterns(path),
-                                                      **options))
+        for patterns in _weight_patterns(path):  # the first that brings weights
+            path = Path(huggingface_hub.snapshot_download(ref.repo_id, allow_patterns=patterns, **options))
+            if any(path.glob("*.safetensors")):
+                break
     except GatedRepoError:
         raise CheckpointError(f"{ref.repo_id} is a gated model: accept its terms on "
                               f"https://huggingface.co/{ref.repo_id}, then {login}") from None
@@ -264,12 +266,14 @@ def _silent_tqdm() -> type:
     return SilentTqdm
 
 
-def _weight_patterns(path: Path) -> list[str]:
-    """The weight files to fetch: the shards the index names, else every top-level *.safetensors."""
+def _weight_patterns(path: Path) -> list[list[str]]:
+    """The weight files to fetch, in the order to try them: the shards the index names; without an
+    index model.safetensors alone (transformers reads no other: Mistral's repos ship the same
+    weights again as consolidated.safetensors), else every top-level *.safetensors."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            return index_shards(index)
+            return [index_shards(index)]
         except ValueError as exc:
             raise CheckpointError(f"{index} is damaged ({exc}); delete it from the cache and retry") from exc
-    return ["*.safetensors"]
+    return [["model.safetensors"], ["*.safetensors"]]

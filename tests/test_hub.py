@@ -320,6 +320,32 @@ def test_hf_home_and_hf_hub_cache_expand_variables_as_huggingface_hub_does(tmp_p
     assert hub.cache_dir() == tmp_path / "cache"
 
 
+@pytest.mark.parametrize("beside", [True, False])
+def test_download_without_an_index_fetches_model_safetensors_alone(checkpoints, online, tmp_path, monkeypatch,
+                                                                   beside):
+    """No index: model.safetensors is the checkpoint, as the loader and transformers read it; a
+    consolidated.safetensors beside it (Mistral's repos: the same weights again) stays on the Hub.
+    A repo without a model.safetensors gets its *.safetensors."""
+    import huggingface_hub
+
+    source = tmp_path / "repo"
+    shutil.copytree(checkpoints["v1"], source)
+    assert not (source / "model.safetensors.index.json").exists()
+    if beside:
+        (source / "consolidated.safetensors").write_bytes(b"x" * 100)
+    else:
+        (source / "model.safetensors").rename(source / "weights.safetensors")
+    fake = FakeHub({"acme/plain": source})
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    path = resolve_checkpoint("acme/plain", progress=False)
+    fetched = {name for name in fake.fetched(online, "acme/plain") if name.endswith(".safetensors")}
+    assert fetched == ({"model.safetensors"} if beside else {"weights.safetensors"})
+    assert [c["allow"] for c in fake.calls[2:]] == ([["model.safetensors"]] if beside else
+                                                    [["model.safetensors"], ["*.safetensors"]])
+    with open_engine(path, speculation="off") as downloaded, open_engine(checkpoints["v1"], speculation="off") as direct:
+        assert generate(downloaded) == generate(direct)
+
+
 def test_download_fetches_only_what_a_model_needs(checkpoints, online, tmp_path, monkeypatch):
     import huggingface_hub
 
