@@ -138,8 +138,9 @@ class CacheConfig:
     "bfloat16", "float16" (each must be the compute dtype), or "fp8" ("float8_e4m3fn"): e4m3
     with per-head scales, which is the kv8 surgery pass (added to `surgery` if not named there)."""
     host_kv_bytes: int | str | None = None
-    """The host tier: bytes of host memory (an int or a size string: "8GB", "512MiB") where idle states' KV is parked when the device pool
-    needs room (and copied back when they resume) instead of being dropped and recomputed.
+    """The host tier: bytes of host memory (an int or a size string: "8GB", "512MiB") where idle
+    states' KV is parked when the device pool needs room (and copied back when they resume)
+    instead of being dropped and recomputed.
     None: half the host memory available at start, except on unified memory with a
     `memory_budget`, where the budget is one pool and there is no host tier (parking would copy
     within the same memory); 0: no host tier (drop and recompute). On unified memory a host tier

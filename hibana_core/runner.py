@@ -321,10 +321,8 @@ class ModelRunner:
         """Enqueue the sampling of a launched step (`masks`: its constrained rows' grammar masks)."""
         pending, step.pending = step.pending, None
         rows = pending.rows
-        sampled = self.sampler(pending.logits, rows) if masks is None else self.sampler(pending.logits, rows, masks)
+        sampled, estimates = self.sampler.sample(pending.logits, rows, masks)  # (estimates: drafts that came with q)
         self._force(sampled, rows, step.scheduled)
-        estimates = (self.sampler.draft_estimates(pending.logits, rows)  # drafts that came with q
-                     if any(c.draft_probs is not None for c in step.scheduled.sampling) else None)
         step.set_sampled(sampled, None if pending.timer is None else pending.timer.stop(),
                          self.sampler.logprobs(pending.logits, rows, sampled), estimates)
 

@@ -126,6 +126,12 @@ class Sampler:
                  masks: TokenMasks | None = None) -> torch.Tensor:
         """logits [B, V] (any float dtype) -> token ids [B] int64 on logits.device; `masks`: the
         grammar masks of the constrained rows."""
+        return self.sample(logits, rows, masks)[0]
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+               masks: TokenMasks | None = None) -> "tuple[torch.Tensor, DraftEstimates | None]":
+        """The token ids, as `__call__` gives them, and what drawn and chosen drafts keep at each
+        chunk's first draft whose drafter said q (`_draft_estimates`: None where none did)."""
         if len(rows) != logits.shape[0]:
             raise ValueError(f"{len(rows)} sampling rows for {logits.shape[0]} rows of logits")
         if masks is not None:
@@ -134,14 +140,15 @@ class Sampler:
         greedy = [p.greedy for p in params]
         penalised = any(needs_history(p) for p in params)
         if all(greedy) and not penalised:
-            return logits.argmax(dim=-1)  # the hot path: nothing else runs
+            return logits.argmax(dim=-1), None  # the hot path: nothing else runs (a row with q samples)
 
         x = logits.float()  # [B, V]; may be `logits` itself, so every op below is out of place
         if penalised:
             x = apply_penalties(x, rows)
         if all(greedy):
-            return x.argmax(dim=-1)
+            return x.argmax(dim=-1), None
         probs = apply_warpers(x, params).softmax(dim=-1)
+        estimates = self._draft_estimates(probs, rows)  # before the drawn drafts' rows become residuals
         drawn = (self._drawn_drafts(probs, rows) if any(row.draft is not None and row.draft.drawn for row in rows)
                  else None)
         sampled = self._race(probs, rows)
@@ -149,8 +156,8 @@ class Sampler:
             at, drafts, keep = drawn
             sampled = sampled.index_copy(0, at, torch.where(keep, drafts, sampled.index_select(0, at)))
         if not any(greedy):
-            return sampled
-        return torch.where(device_tensor(greedy, torch.bool, x.device), x.argmax(dim=-1), sampled)
+            return sampled, estimates
+        return torch.where(device_tensor(greedy, torch.bool, x.device), x.argmax(dim=-1), sampled), estimates
 
     def logprobs(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
                  tokens: torch.Tensor) -> StepLogprobs | None:
@@ -215,16 +222,16 @@ class Sampler:
         probs.index_copy_(0, at, residual)
         return at, x[:, 0], keep[:, 0]
 
-    def draft_estimates(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> "DraftEstimates | None":
+    @staticmethod
+    def _draft_estimates(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> "DraftEstimates | None":
         """At the first draft of each chunk whose drafter said q: what drawing from q would keep
-        there, sum(min(p, q)), and what choosing q's argmax keeps, p(argmax q), with p the row's
-        distribution after its warpers (such rows have no penalties or grammar: `samples_drafts`).
-        Reads `logits` only; None where no row has such a draft."""
+        there, sum(min(p, q)), and what choosing q's argmax keeps, p(argmax q), with p the row of
+        `probs`, the distribution after its warpers (such rows have no penalties or grammar:
+        `samples_drafts`). Reads `probs` only; None where no row has such a draft."""
         index = [i for i, row in enumerate(rows) if row.draft is not None and row.draft.position == 0]
         if not index:
             return None
-        at = device_tensor(index, torch.int64, logits.device)
-        p = apply_warpers(logits.index_select(0, at).float(), [rows[i].params for i in index]).softmax(dim=-1)
+        p = probs.index_select(0, device_tensor(index, torch.int64, probs.device))  # [D, V]
         q = _stacked([rows[i].draft.q for i in index], p.shape[1])  # [D, V]
         chosen = p.gather(1, q.argmax(dim=-1, keepdim=True))[:, 0]
         return DraftEstimates(index, torch.stack([torch.minimum(p, q).sum(dim=-1), chosen], dim=1))

@@ -33,15 +33,17 @@ def test_a_request_that_fails_its_step_fails_alone(tiny_checkpoints, make_engine
     sampler = engine.runner.sampler
     calls = []
 
-    def failing_sampler(logits, rows):  # stands for any fault that one request's input causes
-        calls.append(len(rows))
-        if any(row.params.seed == CULPRIT_SEED for row in rows):
-            raise RuntimeError("boom")
-        return type(sampler).__call__(sampler, logits, rows)
+    class FailingSampler:  # stands for any fault that one request's input causes
+        logprobs = staticmethod(sampler.logprobs)  # the rest of the sampler's protocol, unchanged
 
-    failing_sampler.logprobs = sampler.logprobs  # the rest of the sampler's protocol, unchanged
-    failing_sampler.draft_estimates = sampler.draft_estimates
-    engine.runner.sampler = failing_sampler
+        @staticmethod
+        def sample(logits, rows, masks=None):
+            calls.append(len(rows))
+            if any(row.params.seed == CULPRIT_SEED for row in rows):
+                raise RuntimeError("boom")
+            return sampler.sample(logits, rows, masks)
+
+    engine.runner.sampler = FailingSampler()
     rng = random.Random(5)
     prompts = [random_tokens(rng, 20 + 7 * i) for i in range(4)]
     handles = [engine.open_state(f"a{i}") for i in range(4)]

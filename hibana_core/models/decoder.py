@@ -477,11 +477,11 @@ class RotaryTables:
     def nbytes(self) -> int:
         """What cos and sin take once built, known before they are (the memory budget counts them
         in the workspace: a 128k-context model's are hundreds of MB)."""
-        rows = self.max_positions
+        rows = self.max_positions  # and the long rotation's rows below the switch (`_build`)
         if self.rope.rope_type == "longrope":
-            rows += dict(self.rope.scaling)["original_max_position_embeddings"]
+            rows += min(dict(self.rope.scaling)["original_max_position_embeddings"], self.max_positions)
         elif self.longrope_switch is not None:
-            rows += self.longrope_switch
+            rows += min(self.longrope_switch, self.max_positions)
         return 2 * rows * 2 * (self.rope.dim // 2) * 4
 
     def _build(self, device: torch.device) -> None:
