@@ -81,18 +81,19 @@ try:
 
         def parse_result(self, result: list, *, partial: bool = False) -> Any:
             message = getattr(result[0], "message", None) if result and not partial else None
+            # the generation's text, as the parser reads it: output_version="v1" makes the content a
+            # list of blocks
+            text = result[0].text if message is not None else None
             if message is not None and message.response_metadata.get("finish_reason") == "length":
                 raise OutputParserException(
                     "the structured answer was cut before its JSON ended (finish_reason 'length'): raise "
-                    "max_tokens (or shorten the history, where the model's context ended it)",
-                    llm_output=message.content if isinstance(message.content, str) else None)
-            if message is not None and not _whole_json(message.content):
+                    "max_tokens (or shorten the history, where the model's context ended it)", llm_output=text)
+            if message is not None and not _whole_json(text):
                 # a stop sequence or stop token cut it: the partial JSON read as a dict without its keys
                 reason = message.response_metadata.get("finish_reason")
                 raise OutputParserException(
                     f"the structured answer ended before its JSON did (finish_reason {reason!r}: a stop sequence "
-                    "or stop token ended it): take that sequence out of stop",
-                    llm_output=message.content if isinstance(message.content, str) else None)
+                    "or stop token ended it): take that sequence out of stop", llm_output=text)
             return super().parse_result(result, partial=partial)
 
     class _WholeJson(_WholeAnswer, JsonOutputParser):

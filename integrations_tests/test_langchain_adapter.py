@@ -802,3 +802,19 @@ def test_bind_tools_holds_a_model_that_holds_itself_to_its_own_schema(llm):
         reply = llm.bind_tools([Tree], tool_choice="Tree").invoke("a tree", seed=seed, temperature=1.0, max_tokens=120)
         for call in reply.tool_calls:
             jsonschema.validate(call["args"], Tree.model_json_schema())
+
+
+@pytest.mark.parametrize("method", ["json_schema", "json_mode"])
+def test_structured_output_reads_output_version_v1_content_blocks(method):
+    """With output_version="v1" (LangChain 1.x's content blocks) the answer's content is a list of
+    blocks: the check that its JSON is whole read the list, not its text, and refused every answer
+    as ended by a stop sequence. The generation's text is read, as LangChain's parsers read it."""
+    v1 = ChatHibana(model="demo", max_tokens=64, output_version="v1")
+    assert v1.with_structured_output(Book, method=method).invoke(BOOK) == Book(
+        title="The Silent River", author="Maya Tanaka", year=1987)
+    out = v1.with_structured_output(BookDict, method=method, include_raw=True).invoke(BOOK)
+    assert isinstance(out["raw"].content, list) and out["parsing_error"] is None and out["parsed"]["year"] == 1987
+    cut = ChatHibana(model="demo", max_tokens=18, output_version="v1")
+    out = cut.with_structured_output(BookDict, method=method, include_raw=True).invoke(BOOK)
+    assert out["parsed"] is None and "raise max_tokens" in str(out["parsing_error"])
+    assert out["parsing_error"].llm_output.startswith('{"')
