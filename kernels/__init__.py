@@ -135,15 +135,18 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     impl.store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scale)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
-    """Hugging Face's RMSNorm over the last dim (`unit_offset`: Gemma's, by 1 + weight)."""
-    return (_triton("norm", x) or norm).rms_norm(x, weight, eps, unit_offset)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False,
+             cast_last: bool = False) -> torch.Tensor:
+    """Hugging Face's RMSNorm over the last dim (`unit_offset`: Gemma's, by 1 + weight; `cast_last`:
+    gpt-oss's, the weight's product in float32; see `norm`)."""
+    return (_triton("norm", x) or norm).rms_norm(x, weight, eps, unit_offset, cast_last)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, unit_offset: bool = False,
+                       cast_last: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual), out of place."""
-    return (_triton("norm", x) or norm).fused_add_rms_norm(x, residual, weight, eps, unit_offset)
+    return (_triton("norm", x) or norm).fused_add_rms_norm(x, residual, weight, eps, unit_offset, cast_last)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -237,11 +240,12 @@ def a8_order(kind: str) -> int:
 
 
 def rms_norm_a8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                unit_offset: bool, order: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                unit_offset: bool, order: int,
+                cast_last: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(norm(x + residual), x + residual, q, d) with the normed rows as int8 codes too (CUDA only:
     where `folds_a8`)."""
     return importlib.import_module("hibana_kernels.norm_triton").rms_norm_a8(x, residual, weight, eps, unit_offset,
-                                                                             order)
+                                                                             order, cast_last)
 
 
 def silu_and_mul_a8(gate_up: torch.Tensor, order: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

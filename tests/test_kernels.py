@@ -23,6 +23,7 @@ import sys
 import textwrap
 import unittest.mock
 from concurrent.futures import ProcessPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -506,20 +507,25 @@ def check_store_kv_fp8(device, dtype, num_kv_heads, head_dim):
         "8 rows written, none of them NaN"
 
 
-def check_norms(device, dtype, shape, unit_offset):
-    """unit_offset: Gemma's norm, by (1 + weight) in float32 (weights around 0, as Gemma's)."""
+NORM_STYLES = {"llama": (False, False), "gemma": (True, False), "gpt_oss": (False, True)}
+"""The norms' arithmetic by family: (unit_offset, cast_last) of `hibana_kernels.norm.rms_norm`."""
+
+
+def check_norms(device, dtype, shape, style):
+    """style: one of NORM_STYLES (Gemma's weights around 0, the others' around 1)."""
     triton_norm = _triton_module("norm")
+    flags = NORM_STYLES[style]
     gen = torch.Generator().manual_seed(sum(shape))
     x = (3 * torch.randn(*shape, generator=gen)).to(dtype).to(device)
     residual = torch.randn(*shape, generator=gen).to(dtype).to(device)
-    weight = ((0 if unit_offset else 1) + torch.randn(shape[-1], generator=gen) / 4).to(dtype).to(device)
+    weight = ((0 if style == "gemma" else 1) + torch.randn(shape[-1], generator=gen) / 4).to(dtype).to(device)
     x_strided = torch.cat([x, x], dim=-1)[..., : shape[-1]]  # rows not contiguous
     for inp in (x, x_strided):
-        out = triton_norm.rms_norm(inp, weight, 1e-6, unit_offset)
-        assert out.dtype == norm.rms_norm(inp, weight, 1e-6, unit_offset).dtype
-        torch.testing.assert_close(out, norm.rms_norm(inp, weight, 1e-6, unit_offset), **TOLERANCE[dtype])
-    out, new_residual = triton_norm.fused_add_rms_norm(x, residual, weight, 1e-5, unit_offset)
-    ref_out, ref_residual = norm.fused_add_rms_norm(x, residual, weight, 1e-5, unit_offset)
+        out = triton_norm.rms_norm(inp, weight, 1e-6, *flags)
+        assert out.dtype == norm.rms_norm(inp, weight, 1e-6, *flags).dtype
+        torch.testing.assert_close(out, norm.rms_norm(inp, weight, 1e-6, *flags), **TOLERANCE[dtype])
+    out, new_residual = triton_norm.fused_add_rms_norm(x, residual, weight, 1e-5, *flags)
+    ref_out, ref_residual = norm.fused_add_rms_norm(x, residual, weight, 1e-5, *flags)
     torch.testing.assert_close(new_residual, ref_residual, **_exact(device, dtype))
     torch.testing.assert_close(out, ref_out, **TOLERANCE[dtype])
 
@@ -1211,9 +1217,43 @@ def test_qk_norm_rotary_store_fp8(run_check, dtype, num_heads, head_dim, qk_norm
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
 @pytest.mark.parametrize("shape", [(5, 96), (3, 4, 32), (2, 1000)], ids=str)
-@pytest.mark.parametrize("unit_offset", [False, True], ids=["llama", "gemma"])
-def test_norms(run_check, dtype, shape, unit_offset):
-    run_check(check_norms, dtype=dtype, shape=shape, unit_offset=unit_offset)
+@pytest.mark.parametrize("style", list(NORM_STYLES))
+def test_norms(run_check, dtype, shape, style):
+    run_check(check_norms, dtype=dtype, shape=shape, style=style)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gpt_oss"])
+def test_norm_reference_is_transformers(family):
+    """The norm reference rounds as each family's RMSNorm in transformers, bit for bit in bf16 (in
+    float32 the orders agree; in bf16 Llama's rounds before the weight's product, gpt-oss's and
+    Gemma's after), and the models build the family's norm."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from hibana_core.models import decoder
+
+    theirs = {"llama": LlamaRMSNorm, "gemma3": Gemma3RMSNorm, "gpt_oss": GptOssRMSNorm}[family](256, eps=1e-6)
+    ours = decoder.make_norm(SimpleNamespace(unit_offset_norms=family == "gemma3", cast_last_norms=family == "gpt_oss",
+                                             rms_norm_eps=1e-6), 256)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        theirs.weight.copy_((0 if family == "gemma3" else 1) + torch.randn(256, generator=gen) / 4)
+        ours.weight = torch.nn.Parameter(theirs.weight.detach().clone())
+    theirs, ours = theirs.to(torch.bfloat16), ours.to(torch.bfloat16)
+    x = (3 * torch.randn(64, 256, generator=gen)).to(torch.bfloat16)
+    with torch.no_grad():
+        want = theirs(x)
+        assert torch.equal(ours(x), want)
+        flags = NORM_STYLES["gemma" if family == "gemma3" else family]
+        assert torch.equal(norm.rms_norm(x, ours.weight, 1e-6, *flags), want)
+    other = NORM_STYLES["gpt_oss" if family == "llama" else "llama"]
+    assert not torch.equal(norm.rms_norm(x, ours.weight, 1e-6, *other), want), "the orders round alike here"
+    if family == "gpt_oss":
+        from transformers import GptOssConfig
+
+        from hibana_core.models import gpt_oss
+        assert gpt_oss.args_from_config(GptOssConfig()).cast_last_norms
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -1511,7 +1551,7 @@ def test_a8_nan(run_check, bits):
     run_check(check_a8_nan, bits=bits)
 
 
-def check_a8_folds(device, bits, residual, unit_offset, k=320):
+def check_a8_folds(device, bits, residual, style, k=320):
     """The norm's and SiLU-and-mul's launches that also write x's int8 codes (`rms_norm_a8`,
     `silu_and_mul_a8`): their outputs equal the plain kernels', their codes equal `quantize_a8` of
     those outputs, and `linear_a8` of the codes equals the linear layer through its x int8 GEMV.
@@ -1524,8 +1564,10 @@ def check_a8_folds(device, bits, residual, unit_offset, k=320):
     n, order = 37, quant.A8_PAIRS if bits == 4 else quant.A8_COLUMNS
     x, r = (torch.randn(2, k, generator=gen).to(torch.bfloat16).to(device) for _ in range(2))
     w = (1 + torch.randn(k, generator=gen) / 4).to(torch.bfloat16).to(device)
-    normed, res_out, q, d = nt.rms_norm_a8(x, r if residual else None, w, 1e-6, unit_offset, order)
-    want = nt.fused_add_rms_norm(x, r, w, 1e-6, unit_offset) if residual else (nt.rms_norm(x, w, 1e-6, unit_offset), x)
+    unit_offset, cast_last = NORM_STYLES[style]
+    normed, res_out, q, d = nt.rms_norm_a8(x, r if residual else None, w, 1e-6, unit_offset, order, cast_last)
+    want = (nt.fused_add_rms_norm(x, r, w, 1e-6, unit_offset, cast_last) if residual
+            else (nt.rms_norm(x, w, 1e-6, unit_offset, cast_last), x))
     assert torch.equal(normed, want[0]) and torch.equal(res_out, want[1])
     q_ref, d_ref = quant_triton.quantize_a8(normed, order)
     assert torch.equal(q, q_ref) and torch.equal(d, d_ref)
@@ -1546,10 +1588,10 @@ def check_a8_folds(device, bits, residual, unit_offset, k=320):
     assert torch.equal(out, direct)
 
 
-@pytest.mark.parametrize("bits, residual, unit_offset, k", [(4, True, False, 320), (8, False, True, 320),
-                                                           (4, True, False, 1312), (8, True, False, 1312)])
-def test_a8_folds(run_check, bits, residual, unit_offset, k):
-    run_check(check_a8_folds, bits=bits, residual=residual, unit_offset=unit_offset, k=k)
+@pytest.mark.parametrize("bits, residual, style, k", [(4, True, "llama", 320), (8, False, "gemma", 320),
+                                                     (4, True, "llama", 1312), (8, True, "gpt_oss", 1312)])
+def test_a8_folds(run_check, bits, residual, style, k):
+    run_check(check_a8_folds, bits=bits, residual=residual, style=style, k=k)
 
 
 # the x int8 GEMV (block_n, block_k, warps[, stages, block_m]): K in one step, in several with a masked last one (K 384

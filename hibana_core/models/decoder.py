@@ -267,6 +267,7 @@ class DecoderArgs:
     attention_scale: float  # multiplies q.k: head_dim ** -0.5, or Gemma's query_pre_attn_scalar ** -0.5
     activation: str = "silu"  # of the gated MLP: one of ACTIVATIONS
     unit_offset_norms: bool = False  # norms scale by (1 + weight), in float32 (Gemma)
+    cast_last_norms: bool = False  # norms scale by the weight in float32, then round (gpt-oss)
     sandwich_norms: bool = False  # norms after attention and MLP too, four per layer (Gemma)
     embed_scale: float | None = None  # embeddings times this, rounded to the model dtype (Gemma)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
@@ -340,6 +341,7 @@ class RMSNorm(nn.Module):
 
     fusable = True  # `rms_norm_linear` can fold it
     unit_offset = False  # Gemma's (1 + weight): UnitOffsetRMSNorm
+    cast_last = False  # gpt-oss's product in float32: CastLastRMSNorm
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -349,8 +351,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with a residual, (norm(x + residual), x + residual) in one pass."""
         if residual is None:
-            return kernels.rms_norm(x, self.weight, self.eps, self.unit_offset)
-        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
+            return kernels.rms_norm(x, self.weight, self.eps, self.unit_offset, self.cast_last)
+        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset, self.cast_last)
 
 
 class UnitOffsetRMSNorm(RMSNorm):
@@ -362,8 +364,19 @@ class UnitOffsetRMSNorm(RMSNorm):
     unit_offset = True
 
 
+class CastLastRMSNorm(RMSNorm):
+    """gpt-oss's RMSNorm: x * rsqrt(mean(x^2) + eps) * weight in float32, then cast to x's dtype
+    (Llama's casts before the product; in bf16 the two round differently). Neither
+    `rms_norm_linear`, the router's fold nor the attention prologue takes it."""
+
+    fusable = False
+    cast_last = True
+
+
 def make_norm(args: DecoderArgs, dim: int) -> RMSNorm:
-    return (UnitOffsetRMSNorm if args.unit_offset_norms else RMSNorm)(dim, args.rms_norm_eps)
+    if args.unit_offset_norms:
+        return UnitOffsetRMSNorm(dim, args.rms_norm_eps)
+    return (CastLastRMSNorm if args.cast_last_norms else RMSNorm)(dim, args.rms_norm_eps)
 
 
 class Linear(nn.Linear):
@@ -426,7 +439,7 @@ class Linear(nn.Linear):
         # norm's output dtype is then x's, which the GEMV's output keeps)
         if norm.weight.dtype == x.dtype and self.folds_a8(x, x.shape[-1]):
             _, residual, q, d = kernels.rms_norm_a8(x, residual, norm.weight, norm.eps, norm.unit_offset,
-                                                    kernels.a8_order(self.kind))
+                                                    kernels.a8_order(self.kind), norm.cast_last)
             return self.from_codes(q, d, x), residual
         normed, residual = (norm(x), x) if residual is None else norm(x, residual)
         return (self(normed) if glu is None else kernels.linear(normed, self.weight, self.bias, glu)), residual
@@ -562,6 +575,7 @@ class Attention(nn.Module):
         GPU (`kernels.qk_norm_rotary_store`), or none: folded into decode attention."""
         cos, sin = self.rotary.tables(positions.device)
         q_norm, k_norm = self.q_norm, self.k_norm
+        assert q_norm is None or not q_norm.cast_last, "the attention prologue takes Llama's and Gemma's q/k norms"
         norms = {} if q_norm is None else dict(q_weight=q_norm.weight, k_weight=k_norm.weight,
                                                eps=q_norm.eps, unit_offset=q_norm.unit_offset)
         return kernels.AttentionPrologue(positions, k, v, cos, sin, slot_mapping, **norms)

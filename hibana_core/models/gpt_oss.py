@@ -52,7 +52,8 @@ def is_mxfp4(config: Any) -> bool:
 def args_from_config(config: Any) -> DecoderArgs:
     attention_bias = bool(getattr(config, "attention_bias", True))  # gpt-oss's projections have biases
     return DecoderArgs.from_config(config, qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=False,
-                                   activation="silu", attention_sinks=True)  # (its experts replace the MLP)
+                                   activation="silu", attention_sinks=True,  # (its experts replace the MLP)
+                                   cast_last_norms=True)
 
 
 def _uint8(*shape: int) -> nn.Parameter:
