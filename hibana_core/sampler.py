@@ -170,7 +170,8 @@ class Sampler:
         index = device_tensor(wanted, torch.int64, logits.device)
         logprobs = logits.index_select(0, index).float().log_softmax(dim=-1)  # [W, V]
         chosen = logprobs.gather(1, tokens.index_select(0, index)[:, None])[:, 0]  # [W]
-        k = max(rows[i].params.top_logprobs for i in wanted)
+        # a vocabulary smaller than the alternatives asked for (up to 20) gives all of its tokens
+        k = min(max(rows[i].params.top_logprobs for i in wanted), logprobs.shape[-1])
         top_values, top_ids = logprobs.topk(k, dim=-1)  # [W, K], most likely first
         return StepLogprobs(wanted, chosen, top_values, top_ids)
 

@@ -55,8 +55,8 @@ class RequestStats:
 @dataclass(frozen=True)
 class TokenLogprob:
     """A generated token's log-probability under the model (`SamplingParams.logprobs`), and in
-    `top` the most likely tokens at its position (as many as `SamplingParams.top_logprobs`), most
-    likely first."""
+    `top` the most likely tokens at its position (as many as `SamplingParams.top_logprobs`, or
+    every token of a smaller vocabulary), most likely first."""
 
     token_id: int
     logprob: float

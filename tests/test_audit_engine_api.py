@@ -1,0 +1,42 @@
+"""An outside tester's checks of the engine's public API (DESIGN.md, README) on checkpoints unlike
+the other tests' defaults: a vocabulary of 16 tokens and no tokenizer, odd head counts, a short
+context. Each test pins a defect found by the audit."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import tiny_models
+from hibana_core import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def vocab16(tmp_path_factory):
+    """A llama of 16 tokens and 40 positions, without tokenizer files."""
+    path = tiny_models.make_tiny_checkpoint(
+        "llama", tmp_path_factory.mktemp("audit") / "llama_v16", seed=5, vocab_size=16, max_position_embeddings=40,
+        hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+    for name in os.listdir(path):
+        if name.startswith(("tokenizer", "special_tokens")):
+            os.remove(path / name)
+    return path
+
+
+def test_top_logprobs_beyond_a_small_vocabulary_give_every_token(vocab16, make_engine):
+    # top_logprobs=20 (OpenAI's most) on a 16-token vocabulary failed the step ("selected index k
+    # out of range") and so the request; it gives the whole vocabulary, most likely first
+    engine = make_engine(vocab16, block_size=4, num_blocks=30)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    for extra in ({}, {"temperature": 1.0, "seed": 1}):
+        got = engine.open_state(f"lp{len(extra)}").generate(
+            SamplingParams(max_tokens=4, ignore_eos=True, logprobs=True, top_logprobs=20, **extra), prompt=prompt)
+        assert len(got.token_ids) == 4 and len(got.logprobs) == 4
+        for lp in got.logprobs:
+            assert sorted(t for t, _ in lp.top) == list(range(16))
+            values = [v for _, v in lp.top]
+            assert values == sorted(values, reverse=True)
+    greedy = engine.open_state("g").generate(SamplingParams(max_tokens=4, ignore_eos=True), prompt=prompt)
+    assert greedy.token_ids == engine.open_state("lp0").tokens[len(prompt):]
