@@ -197,7 +197,8 @@ class JsonReply(JSONResponse):
 # --- HibanaError -> HTTP ---------------------------------------------------------------------------
 
 def api_error(exc: HibanaError, prompt_param: str = "messages") -> ApiError:
-    """The OpenAI-shaped error for a failure the caller caused (or a busy/closed engine)."""
+    """The OpenAI-shaped error for a failure the caller caused (or a busy/closed engine);
+    `prompt_param` is the field that holds the prompt ("prompt" for legacy completions)."""
     message = str(exc)
     if isinstance(exc, ContextLengthError):
         return ApiError(400, message, prompt_param, "context_length_exceeded")
@@ -211,8 +212,8 @@ def api_error(exc: HibanaError, prompt_param: str = "messages") -> ApiError:
         return ApiError(503, message, None, "engine_closed", "server_error")
     if isinstance(exc, PluginError):  # a plugin of the server's failed (its tool parser): not the request's fault
         return ApiError(500, message, None, "plugin_error", "server_error", retry=False)  # it would fail again
-    params = [(ToolChoiceError, "tool_choice"), (ToolSchemaError, "tools"), (ConversationError, "messages"),
-              (UnsupportedContentError, "messages"), (GrammarError, "response_format"),
+    params = [(ToolChoiceError, "tool_choice"), (ToolSchemaError, "tools"), (ConversationError, prompt_param),
+              (UnsupportedContentError, prompt_param), (GrammarError, "response_format"),
               (InvalidTokenError, getattr(exc, "field", None) or prompt_param)]
     return ApiError(400, message, next((p for kind, p in params if isinstance(exc, kind)), None))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 pytest.importorskip("fastapi")
@@ -89,3 +90,16 @@ def test_stop_strings_are_bounded(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="demo", prompt="Hello", max_tokens=4, stop=["x"] * (MAX_STOPS + 1))
     assert caught.value.body["param"] == "stop"
+
+
+def test_a_legacy_prompt_that_is_no_text_is_a_400_on_prompt(client):
+    """A completions prompt holding a lone surrogate (JSON's "\\ud83d") is refused on `prompt`:
+    the 400 named `messages`, a field that endpoint has not."""
+    def refused(path: str, body: str) -> tuple[int, dict]:  # (the openai client cannot send a lone surrogate)
+        reply = httpx.post(f"{client.base_url}{path}", content=body, headers={"Content-Type": "application/json"})
+        return reply.status_code, reply.json()["error"]
+
+    status, error = refused("completions", '{"model": "demo", "prompt": "Hello \\ud83d", "max_tokens": 2}')
+    assert status == 400 and error["param"] == "prompt" and "surrogate" in error["message"], error
+    status, error = refused("chat/completions", '{"model": "demo", "messages": [{"role": "user", "content": "\\ud83d"}]}')
+    assert status == 400 and error["param"] == "messages", error  # the chat endpoint's is on messages still
