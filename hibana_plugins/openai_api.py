@@ -368,13 +368,21 @@ def allowed_tools(spec: Any, tools: list[dict] | None) -> tuple[str, list[dict]]
         raise ApiError(400, "tool_choice.allowed_tools needs a mode ('auto' or 'required') and a non-empty list of "
                             "tools: [{'type': 'function', 'function': {'name': ...}}]", "tool_choice")
     offered = [t["function"]["name"] for t in tools or ()]
-    names = [t.get("function", {}).get("name") if isinstance(t, dict) and isinstance(t.get("function"), dict)
-             else None for t in named]
+    names = [_named_tool(t) for t in named]
     unknown = [name for name in names if name not in offered]
     if unknown:
         raise ApiError(400, f"tool_choice.allowed_tools names {unknown[0]!r:.80}, which is not one of the tools "
                             f"offered ({offered})", "tool_choice")
     return mode, [t for t in tools if t["function"]["name"] in names]
+
+
+def _named_tool(entry: Any) -> Any:
+    """The name in an `allowed_tools` entry: {"type": "function", "function": {"name": ...}}, or
+    the Responses API's {"type": "function", "name": ...} (as a named tool_choice takes it)."""
+    if not isinstance(entry, dict):
+        return None
+    function = entry.get("function", entry)
+    return function.get("name") if isinstance(function, dict) else None
 
 
 def prompts_of(request: CompletionRequest, state_header: str | None) -> list[str | TokenIds]:

@@ -103,3 +103,25 @@ def test_a_legacy_prompt_that_is_no_text_is_a_400_on_prompt(client):
     assert status == 400 and error["param"] == "prompt" and "surrogate" in error["message"], error
     status, error = refused("chat/completions", '{"model": "demo", "messages": [{"role": "user", "content": "\\ud83d"}]}')
     assert status == 400 and error["param"] == "messages", error  # the chat endpoint's is on messages still
+
+
+def test_allowed_tools_take_the_responses_api_entries_as_a_named_choice_does():
+    """`allowed_tools` naming a tool as the Responses API writes it ({"type": "function", "name":
+    ...}), which a named tool_choice takes: it was a 400 saying the entry "names None"."""
+    from hibana_plugins.openai_api import ApiError, ChatRequest, chat_call, parse_request
+
+    tools = [{"type": "function", "function": {"name": name}} for name in ("get_weather", "get_time")]
+    for entry in ({"type": "function", "function": {"name": "get_time"}}, {"type": "function", "name": "get_time"}):
+        request = parse_request({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                                 "tool_choice": {"type": "allowed_tools",
+                                                 "allowed_tools": {"mode": "required", "tools": [entry]}}},
+                                ChatRequest)
+        call = chat_call(request, None, 64)
+        assert call.tool_choice == "required" and [t["function"]["name"] for t in call.tools] == ["get_time"]
+        assert [t["function"]["name"] for t in call.listed_tools] == ["get_weather", "get_time"]
+    request = parse_request({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                             "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+                                 "mode": "auto", "tools": [{"type": "function", "name": "rm_rf"}]}}}, ChatRequest)
+    with pytest.raises(ApiError) as caught:
+        chat_call(request, None, 64)
+    assert caught.value.param == "tool_choice" and "'rm_rf'" in caught.value.message
