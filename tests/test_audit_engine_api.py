@@ -5,11 +5,12 @@ context. Each test pins a defect found by the audit."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
 import tiny_models
-from hibana_core import SamplingParams
+from hibana_core import MemoryBudgetError, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -40,3 +41,27 @@ def test_top_logprobs_beyond_a_small_vocabulary_give_every_token(vocab16, make_e
             assert values == sorted(values, reverse=True)
     greedy = engine.open_state("g").generate(SamplingParams(max_tokens=4, ignore_eos=True), prompt=prompt)
     assert greedy.token_ids == engine.open_state("lp0").tokens[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def gemma3_small(tmp_path_factory):
+    """A gemma3 of two sliding-window layers (window 9) and one global, one KV head, 80 positions."""
+    return tiny_models.make_tiny_checkpoint("gemma3", tmp_path_factory.mktemp("audit") / "gemma3", seed=77,
+                                            vocab_size=640, max_position_embeddings=80, num_key_value_heads=1,
+                                            sliding_window=9)
+
+
+def test_the_least_budget_a_windowed_model_is_told_serves_a_request(gemma3_small, make_engine):
+    # the least memory_budget the error named gave a windowed model two pages, one of them its null
+    # page: one page for three block tables, and every request failed ("a history of 3 tokens needs
+    # more KV blocks than the pool (1 blocks of 16) can give it")
+    with pytest.raises(MemoryBudgetError, match=r"raise it to at least ([\d,]+) bytes") as refused:
+        make_engine(gemma3_small, num_blocks=None, memory_budget=1000, speculation="off")
+    least = int(re.search(r"at least ([\d,]+) bytes", str(refused.value)).group(1).replace(",", ""))
+    with pytest.raises(MemoryBudgetError, match="at least"):
+        make_engine(gemma3_small, num_blocks=None, memory_budget=least - 1, speculation="off")
+    engine = make_engine(gemma3_small, num_blocks=None, memory_budget=least, speculation="off")
+    prompt = [5, 6, 7]
+    got = engine.open_state("a").generate(SamplingParams(max_tokens=30, ignore_eos=True), prompt=prompt)
+    assert got.finish_reason == "length" and len(got.token_ids) == 30
+    tiny_models.assert_greedy_matches(gemma3_small, prompt, got.token_ids)
