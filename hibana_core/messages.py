@@ -12,6 +12,7 @@ import functools
 import json
 import re
 import urllib.parse
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
@@ -150,8 +151,8 @@ def normalize_tools(tools: Sequence[dict] | None) -> list[dict] | None:
     if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
         raise ToolSchemaError(f"tools must be a list of tools, got {type(tools).__name__}")
     normalized = [_normalize_tool(i, t) for i, t in enumerate(tools)]
-    names = [t["function"]["name"] for t in normalized]
-    twice = sorted({name for name in names if names.count(name) > 1})
+    counts = Counter(t["function"]["name"] for t in normalized)  # (names.count per name was quadratic)
+    twice = sorted(name for name, count in counts.items() if count > 1)
     if twice:  # a call names its tool: which one would it be
         raise ToolSchemaError(f"tools {', '.join(map(repr, twice))} are offered twice; give each tool a name of its own")
     return normalized or None
