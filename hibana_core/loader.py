@@ -557,6 +557,38 @@ def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progr
                               "another architecture")
     other_parts = tuple(getattr(module, "checkpoint_other_parts", ()))  # left out on purpose
     _report_unused(source, [name for name in unused if not name.startswith(other_parts)])
+    _check_finite(module, source)
+
+
+_CHECKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _check_finite(module: torch.nn.Module, source: str) -> None:
+    """A CheckpointError where a loaded weight holds NaN or infinity (a damaged file, or values
+    past float16's range loaded in float16): such a model runs, and answers every prompt with
+    the same token. One min and max a tensor on its device, read back once for all of them."""
+    named = {}  # the parameters and persistent buffers (packed weights' scales), tied ones once
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if tensor is not None and tensor.dtype in _CHECKED_DTYPES and tensor.numel() and id(tensor) not in named:
+            named[id(tensor)] = (name, tensor)
+    if not named:
+        return
+    with torch.no_grad():
+        ends = torch.stack([torch.stack(torch.aminmax(t.detach())).float() for _, t in named.values()])
+        finite = torch.isfinite(ends).all(dim=1).tolist()  # one read back
+    bad = [name_tensor for name_tensor, ok in zip(named.values(), finite) if not ok]
+    if not bad:
+        return
+    name, tensor = bad[0]
+    nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+    held = " and ".join(f"{count:,} {what}" for count, what in ((nan, "NaN"), (inf, "infinite")) if count)
+    others = f" (and {len(bad) - 1} more tensor{'s' if len(bad) > 2 else ''})" if len(bad) > 1 else ""
+    fix = "the checkpoint is damaged: re-download or re-export it"
+    if tensor.dtype == torch.float16 and not nan:  # a bfloat16 or float32 checkpoint's large values cast to float16
+        fix = ("values past float16's range (+-65504) become infinite: load it with dtype='bfloat16' or 'float32', "
+               f"or, if the checkpoint holds them itself, {fix}")
+    raise CheckpointError(f"{name} of {source} holds {held} value{'s' if nan + inf > 1 else ''} "
+                          f"once loaded ({tensor.dtype}){others}; {fix}")
 
 
 def _report_unused(source: str, unused: list[str]) -> None:
