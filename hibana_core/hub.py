@@ -4,9 +4,9 @@ be asked.
 
 The cache comes first: a snapshot that holds config and weights is used without asking the Hub
 (`hf download org/name` updates it). Otherwise, online, only the files a model needs are
-fetched, with a progress bar: config, generation config, tokenizer and chat-template files, then
-the safetensors weights (exactly the shards the index names). Subfolders (`original/`, other
-formats) are never fetched.
+fetched, with a progress bar: config, generation config, tokenizer and chat-template files (the
+named ones in `additional_chat_templates/` too), then the safetensors weights (exactly the shards
+the index names). Other subfolders (`original/`, other formats) are never fetched.
 
 The Hugging Face environment is honoured as huggingface_hub reads it, but when a model is
 resolved rather than when huggingface_hub was imported: HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE),
@@ -29,6 +29,9 @@ SMALL_FILES = ["*.json", "*.jinja", "tokenizer*", "merges.txt", "*.tiktoken"]
 """Config, generation config, weight index, tokenizer and chat-template files (top level)."""
 SUBFOLDERS = ["*/*"]
 """Never fetched: other formats and copies of the weights (`original/`, `onnx/`, ...)."""
+CHAT_TEMPLATES = ["additional_chat_templates/*.jinja"]
+"""The one subfolder fetched: a tokenizer's named chat templates, where transformers writes them
+(a "tool_use" template beside the default one, which `apply_chat_template` takes when tools are given)."""
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
 
@@ -213,6 +216,8 @@ def _snapshot(ref: RepoRef, cache: Path, progress: bool) -> Path:
     login = "log in with `hf auth login` or set HF_TOKEN"
     try:
         path = Path(huggingface_hub.snapshot_download(ref.repo_id, allow_patterns=SMALL_FILES, **options))
+        path = Path(huggingface_hub.snapshot_download(ref.repo_id, allow_patterns=CHAT_TEMPLATES,
+                                                      **{**options, "ignore_patterns": None}))
         for patterns in _weight_patterns(path):  # the first that brings weights
             path = Path(huggingface_hub.snapshot_download(ref.repo_id, allow_patterns=patterns, **options))
             if any(path.glob("*.safetensors")):

@@ -340,7 +340,7 @@ def test_download_without_an_index_fetches_model_safetensors_alone(checkpoints, 
     path = resolve_checkpoint("acme/plain", progress=False)
     fetched = {name for name in fake.fetched(online, "acme/plain") if name.endswith(".safetensors")}
     assert fetched == ({"model.safetensors"} if beside else {"weights.safetensors"})
-    assert [c["allow"] for c in fake.calls[2:]] == ([["model.safetensors"]] if beside else
+    assert [c["allow"] for c in fake.calls[3:]] == ([["model.safetensors"]] if beside else
                                                     [["model.safetensors"], ["*.safetensors"]])
     with open_engine(path, speculation="off") as downloaded, open_engine(checkpoints["v1"], speculation="off") as direct:
         assert generate(downloaded) == generate(direct)
@@ -357,6 +357,10 @@ def test_download_fetches_only_what_a_model_needs(checkpoints, online, tmp_path,
     (source / "pytorch_model.bin").write_bytes(b"x" * 100)
     (source / "README.md").write_text("# a model card")
     (source / "chat_template.jinja").write_text("{{ messages }}")
+    (source / "additional_chat_templates").mkdir()  # transformers' named templates: "tool_use"
+    (source / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}{{ messages }}")
+    (source / "onnx").mkdir()
+    (source / "onnx" / "config.json").write_text("{}")
     fake = FakeHub({"acme/sharded": source})
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
 
@@ -364,16 +368,19 @@ def test_download_fetches_only_what_a_model_needs(checkpoints, online, tmp_path,
     index = json.loads((source / "model.safetensors.index.json").read_text())
     shards = set(index["weight_map"].values())
     wanted = {"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
-              "tokenizer_config.json", "chat_template.jinja", *shards}
+              "tokenizer_config.json", "chat_template.jinja", "additional_chat_templates/tool_use.jinja", *shards}
     fetched = fake.fetched(online, "acme/sharded")
     assert wanted <= fetched, wanted - fetched
     assert not fetched & {"original/consolidated.00.pth", "consolidated.safetensors", "pytorch_model.bin",
-                          "README.md"}, fetched
-    assert [c["local_files_only"] for c in fake.calls] == [True, False, False]  # the cache first
+                          "README.md", "onnx/config.json"}, fetched
+    assert [c["local_files_only"] for c in fake.calls] == [True, False, False, False]  # the cache first
     assert all(c["tqdm_class"] is not None for c in fake.calls[1:])            # progress=False: silent bars
     with open_engine(path, speculation="off") as downloaded, \
             open_engine(checkpoints["sharded"], speculation="off") as direct:
         assert generate(downloaded) == generate(direct)
+        # the tool_use template was fetched (it was not: subfolders were never fetched, and tools
+        # were rendered by the default template)
+        assert set(downloaded.tokenizer.chat_template) == {"default", "tool_use"}
 
     # cached now: no second download
     fake.calls.clear()
@@ -388,7 +395,7 @@ def test_a_partly_cached_repo_is_completed_online(checkpoints, online, monkeypat
     fake = FakeHub({"acme/tiny": checkpoints["v1"]})
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
     path = resolve_checkpoint("acme/tiny")
-    assert (path / "model.safetensors").is_file() and len(fake.calls) == 3
+    assert (path / "model.safetensors").is_file() and len(fake.calls) == 4
 
 
 def test_a_partial_cache_the_unreachable_hub_cannot_complete_says_what_it_lacks(checkpoints, online,
