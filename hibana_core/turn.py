@@ -224,8 +224,12 @@ def after_thinking(grammar: dict, tool_choice: str, open_in_prompt: bool) -> dic
     """A tool-call grammar held off while a reasoning model thinks: first its think block
     (optional, unless the template opened it), any text, then `grammar`, so that `<tool_call>`
     written while thinking is thinking. A forced call follows the blank line after the block."""
-    end = THINK_CLOSE if tool_choice == "auto" else THINK_CLOSE + "\n\n"
-    think = {"type": "tag", "begin": "" if open_in_prompt else THINK_OPEN, "content": {"type": "any_text"}, "end": end}
+    # the block ends at the first </think>, as `Thinking` reads it (with "</think>\n\n" as its end, a
+    # "</think> {...}" was thinking to the grammar and a free answer to the parser)
+    think = {"type": "tag", "begin": "" if open_in_prompt else THINK_OPEN, "content": {"type": "any_text"},
+             "end": THINK_CLOSE}
+    if tool_choice != "auto":
+        think = {"type": "sequence", "elements": [think, {"type": "const_string", "value": "\n\n"}]}
     first = think if open_in_prompt else {"type": "optional", "content": think}
     return {"type": "structural_tag", "format": {"type": "sequence", "elements": [first, grammar["format"]]}}
 

@@ -290,3 +290,26 @@ def test_usage_counts_the_thinkings_tokens(engine):
     assert deltas[-1].result.usage.reasoning_tokens == thought
     n = force(engine, "count-none", f"{ANSWER}<|im_end|>")
     assert Chat(engine, "count-none").respond(messages, params=SamplingParams(max_tokens=n)).usage.reasoning_tokens == 0
+
+
+@pytest.mark.parametrize("choice", ["required", "answer"])
+def test_the_grammar_ends_the_think_block_where_the_parser_does(engine, choice):
+    """The think block ends at its first </think> for the grammar as for `Thinking`: a forced
+    call or an answer under a schema follows its blank line, and "</think> free text" is refused
+    (the block's end was "</think>\\n\\n": "</think> x" was thinking to the grammar and a free
+    answer to the parser, which a sampled reasoning model wrote, its answer no JSON)."""
+    from hibana_core import turn
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    inner = (turn.parser_grammar(engine.chat("x").parser, "hermes", tools, "required") if choice == "required"
+             else {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": schema}})
+    grammar = turn.after_thinking(inner, "required", open_in_prompt=False)
+
+    def takes(text: str) -> bool:
+        matcher = engine.grammars.matcher(SamplingParams(grammar=grammar), ())
+        return all(matcher.accept(t) for t in engine.tokenizer.encode(text, add_special_tokens=False))
+
+    assert takes("<think>\nHm </think>\n\n")
+    assert not takes("<think>\nHm </think> free text")
