@@ -38,3 +38,21 @@ def test_values_past_float16s_range_say_to_load_in_bfloat16(tiny_checkpoints, ma
     engine = make_engine(path, speculation="off")
     out = engine.open_state("a").generate(SamplingParams(max_tokens=3, ignore_eos=True), prompt=[5, 6, 7])
     assert len(out.token_ids) == 3
+
+
+def test_a_surgery_checkpoint_keeps_the_named_chat_templates(tiny_checkpoints, make_engine, tmp_path):
+    """transformers writes a tokenizer's named templates (its tool_use one) in
+    additional_chat_templates/; `hibana surgery --out` left them behind, so the written checkpoint
+    rendered tools with its default template."""
+    from hibana_core.cli import main
+
+    source = tmp_path / "source"
+    shutil.copytree(tiny_checkpoints["qwen3"], source)
+    (source / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    (source / "additional_chat_templates").mkdir()
+    (source / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools | tojson }}")
+    out = tmp_path / "w8"
+    assert main(["surgery", str(source), "--passes", "w8", "--no-guard", "--device", "cpu", "--out", str(out)]) == 0
+    assert (out / "additional_chat_templates" / "tool_use.jinja").read_text() == "{{ tools | tojson }}"
+    engine = make_engine(out, speculation="off")
+    assert set(engine.tokenizer.chat_template) == {"default", "tool_use"}

@@ -29,7 +29,10 @@ from hibana_core.errors import CheckpointError
 MANIFEST = "hibana_surgery.json"
 FORMAT = "hibana-surgery/1"
 _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-           "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+           "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
+           "*.tiktoken", "chat_template.jinja", "additional_chat_templates/*.jinja")
+"""The source's files the written checkpoint keeps as they are (those the hub fetches but the weights
+and their index; `additional_chat_templates/`: the tokenizer's named chat templates, its tool_use one)."""
 
 
 def packed_layers(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
@@ -86,9 +89,11 @@ def _write(engine: Any, source: Path, out: Path) -> None:
 
     from hibana_core.loader import _fingerprint, declared_dtype  # here: the loader reads this module's manifests
 
-    for name in _COPIED:
-        if (source / name).is_file():
-            shutil.copy2(source / name, out / name)
+    for pattern in _COPIED:
+        for file in sorted(source.glob(pattern)):
+            if file.is_file():
+                (out / file.relative_to(source)).parent.mkdir(exist_ok=True)
+                shutil.copy2(file, out / file.relative_to(source))
     model = engine.model
     declared = declared_dtype(engine.hf_config)
     rewritten = tuple(f"{name}." for name in [*packed_layers(model), *packed_experts(model)])
