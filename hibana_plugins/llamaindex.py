@@ -40,6 +40,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import os
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Literal, Optional, Sequence, Union
 
 from hibana_core import turn
@@ -49,7 +50,7 @@ from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError, HibanaError
 from hibana_core.messages import unheld
 from hibana_plugins.hookspecs import hookimpl
-from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_known, check_state_id, check_switches,
+from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_engine_kwargs, check_known, check_state_id, check_switches,
                                     choose_engine, lease_holder, resolve_aliases, sampling_params, sharing)
 
 COMPLETE_OPTIONS = frozenset({*SAMPLING, "reasoning", "reasoning_effort", "timeout", "json_schema"})
@@ -320,11 +321,17 @@ def llm_class() -> type:
                     raise ConfigError(f"HibanaLLM does not use {name}: it renders every prompt with the model's "
                                       "chat template (tools included); drop it, or pass your own formatted text "
                                       "to complete(prompt, formatted=True)")
+            if isinstance(kwargs.get("stop"), str):  # HibanaLLM(stop="...") as chat(..., stop="...")
+                kwargs["stop"] = [kwargs["stop"]]
             sampling_params(kwargs, "HibanaLLM")
             check_switches(kwargs, "HibanaLLM")
             check_state_id(kwargs, "HibanaLLM")
             if engine is not None:
                 model = str(engine.config.model)
+            elif isinstance(model, os.PathLike):  # a checkpoint's Path, as Engine.from_pretrained takes
+                model = os.fspath(model)
+            # a given engine does not read them, but a mistake in them is one all the same (ChatHibana's check)
+            check_engine_kwargs(model, kwargs.get("engine_kwargs") or {})
             try:
                 super().__init__(model=model, **kwargs)
             except ValueError as exc:  # pydantic's ValidationError

@@ -81,3 +81,25 @@ def test_per_call_switches_are_true_or_false(engine):
                      tools=llm._prepare_chat_with_tools(TOOLS)["tools"], **options)
     greeting = llm.chat_with_tools(TOOLS, user_msg="Hi!", tool_required=False, allow_parallel_tool_calls=None)
     assert llm.get_tool_calls_from_response(greeting, error_on_no_tool_call=False) == []
+
+
+def test_constructor_takes_what_chathibana_takes(engine, monkeypatch):
+    """A checkpoint's Path (as Engine.from_pretrained takes it) and stop as one string (as chat(...,
+    stop="...") takes it) were pydantic errors; engine_kwargs beside engine= were not checked at all
+    (a misspelt option passed in silence). ChatHibana takes the first two and refuses the third."""
+    from pathlib import Path
+
+    import hibana_core
+    import hibana_plugins.llamaindex as adapter
+    from hibana_plugins.options import EngineChoice
+
+    asked = []  # the engine the Path asks for is the demo's (this one), not loaded a second time
+    monkeypatch.setattr(adapter, "choose_engine", lambda model, kwargs, *_: asked.append(model) or EngineChoice(
+        engine, model, dict(kwargs)))
+    demo = Path(hibana_core.__file__).parent / "demo" / "model"
+    assert HibanaLLM(model=demo).model == str(demo) and asked == [str(demo)]
+    monkeypatch.undo()
+    llm = HibanaLLM(engine=engine, stop="What", max_tokens=16)
+    assert llm.stop == ["What"] and "What" not in llm.chat([ChatMessage(role="user", content="Hi")]).message.content
+    with pytest.raises(ConfigError, match="unknown engine option 'kv_dtpye'"):
+        HibanaLLM(engine=engine, engine_kwargs={"kv_dtpye": "fp8"})
