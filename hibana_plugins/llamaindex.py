@@ -50,8 +50,9 @@ from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError, HibanaError
 from hibana_core.messages import unheld
 from hibana_plugins.hookspecs import hookimpl
-from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_engine_kwargs, check_known, check_state_id, check_switches,
-                                    choose_engine, lease_holder, resolve_aliases, sampling_params, sharing)
+from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_engine_kwargs, check_known,
+                                    check_state_id, check_switches, choose_engine, lease_holder, resolve_aliases,
+                                    sampling_params, sharing)
 
 COMPLETE_OPTIONS = frozenset({*SAMPLING, "reasoning", "reasoning_effort", "timeout", "json_schema"})
 """What `complete(..., **kwargs)` may set."""
