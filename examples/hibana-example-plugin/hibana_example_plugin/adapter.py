@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 
 class ExampleAdapter:
     """Adapter factory and adapter in one: `ExampleAdapter(engine=engine)`.
@@ -16,10 +14,11 @@ class ExampleAdapter:
         self.engine = engine
         self.state_id = state_id
 
-    def complete(self, prompt_token_ids: Sequence[int], max_tokens: int = 64):
-        """Greedy continuation of the prompt; returns the engine's Completion."""
+    def complete(self, prompt_token_ids, max_tokens: int = 64):
+        """Greedy continuation of the prompt; returns the engine's Completion. The prompt goes to
+        `sync` as given: a list of ints, an array, a tensor or a tokenizer's output as it comes."""
         from hibana_core import SamplingParams  # the engine is only needed once it is used
 
         handle = self.engine.open_state(self.state_id)
-        handle.sync(list(prompt_token_ids))
+        handle.sync(prompt_token_ids)
         return handle.generate(SamplingParams(max_tokens=max_tokens, temperature=0.0))
