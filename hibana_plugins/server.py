@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -60,8 +60,8 @@ from hibana_core.messages import ConversationError, ToolChoiceError, ToolSchemaE
 from hibana_core.turn import ChatDelta
 from hibana_plugins.manager import PluginError, get_plugin_manager
 from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatRequest, CompletionRequest, Reply,
-                                       TextReply, chat_call, choice_calls, json_text, named_state, parse_request,
-                                       prompts_of, served_by_header)
+                                       TextReply, chat_call, choice_calls, countable, json_text, named_state,
+                                       parse_request, prompts_of, served_by_header)
 
 if TYPE_CHECKING:
     import uvicorn
@@ -350,7 +350,8 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         return {"id": state_id, "object": "hibana.state", "deleted": True}
 
     async def checked(request: Request, kind: type) -> Any:
-        parsed = parse_request(await read_json(request, config.max_body_bytes), kind)
+        body = await read_body(request, config.max_body_bytes)
+        parsed = await off_loop(len(body), lambda: parse_request(decode_json(body), kind))
         if parsed.model != config.model_name:
             raise unknown_model(parsed.model)
         return parsed
@@ -359,10 +360,14 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         received = time.monotonic()
         parsed = await checked(request, ChatRequest)
+        state = named_state(request.headers.get(STATE_HEADER))
+        countable(parsed, engine.max_model_len)
+
+        def prepared() -> tuple[ChatCall, str]:  # off the event loop: linear in the body, yet seconds for 8 MB
+            call = chat_call(parsed, state, max_tokens_limit)
+            return call, chat.render_text(parsed.messages, call.listed_tools, call.reasoning, effort=call.effort)
         try:
-            call = chat_call(parsed, named_state(request.headers.get(STATE_HEADER)), max_tokens_limit)
-            prompt = await asyncio.to_thread(chat.render_text, parsed.messages, call.listed_tools,
-                                           call.reasoning, effort=call.effort)
+            call, prompt = await asyncio.to_thread(prepared)
             choices = choice_calls(call)
         except HibanaError as exc:
             raise api_error(exc) from None
@@ -661,8 +666,8 @@ async def disconnected(request: Request) -> None:
         pass
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON, read up to `limit` bytes (413 past it, 400 for what is not JSON)."""
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, read up to `limit` bytes (413 past it)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is {declared} bytes, more than this server's limit of {limit}",
@@ -673,6 +678,22 @@ async def read_json(request: Request, limit: int) -> Any:
         if len(body) > limit:
             raise ApiError(413, f"the request body is more than this server's limit of {limit} bytes",
                            code="request_too_large")
+    return bytes(body)
+
+
+OFF_LOOP_BYTES = 1 << 16
+"""A body larger than this is decoded and checked in a worker thread: 8 MB of JSON took seconds
+to decode, walk for its depth and validate, and on the event loop every other client's stream
+stood still meanwhile. A usual request's body is decoded in place (no thread hop)."""
+
+
+async def off_loop(size: int, work: Callable[[], T]) -> T:
+    """`work()`, in a worker thread where it handles `size` bytes past `OFF_LOOP_BYTES`."""
+    return await asyncio.to_thread(work) if size > OFF_LOOP_BYTES else work()
+
+
+def decode_json(body: bytes) -> Any:
+    """The body as JSON (400 for what is not JSON, or nests too deep)."""
     too_deep = ApiError(400, f"the request body nests objects and arrays more than {MAX_JSON_DEPTH} levels deep, "
                              "more than this server takes; flatten it")
     try:

@@ -101,7 +101,8 @@ def test_a_legacy_prompt_that_is_no_text_is_a_400_on_prompt(client):
 
     status, error = refused("completions", '{"model": "demo", "prompt": "Hello \\ud83d", "max_tokens": 2}')
     assert status == 400 and error["param"] == "prompt" and "surrogate" in error["message"], error
-    status, error = refused("chat/completions", '{"model": "demo", "messages": [{"role": "user", "content": "\\ud83d"}]}')
+    status, error = refused("chat/completions",
+                            '{"model": "demo", "messages": [{"role": "user", "content": "\\ud83d"}]}')
     assert status == 400 and error["param"] == "messages", error  # the chat endpoint's is on messages still
 
 
@@ -125,3 +126,55 @@ def test_allowed_tools_take_the_responses_api_entries_as_a_named_choice_does():
     with pytest.raises(ApiError) as caught:
         chat_call(request, None, 64)
     assert caught.value.param == "tool_choice" and "'rm_rf'" in caught.value.message
+
+
+def test_a_large_body_is_decoded_and_checked_off_the_event_loop(client, monkeypatch):
+    """Decoding 8 MB of JSON, walking it for its depth, validating it and normalising 140,000
+    tools took seconds on the event loop, every other client's stream standing still (a 4 s gap
+    in a stream beside a 7 MB request, 13 s beside one of tools). Now a large body is decoded in a
+    worker thread, and every chat request is checked and rendered in one; a small body is decoded
+    in place."""
+    import threading
+
+    from hibana_plugins import server
+
+    threads: dict[str, list[str]] = {"decode": [], "call": []}
+
+    def recorded(name, work):
+        def run(*args, **kwargs):
+            threads[name].append(threading.current_thread().name)
+            return work(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(server, "decode_json", recorded("decode", server.decode_json))
+    monkeypatch.setattr(server, "chat_call", recorded("call", server.chat_call))
+    large = {"role": "system", "content": "x", "name": "n" * (server.OFF_LOOP_BYTES + 1)}
+    for messages in ([{"role": "user", "content": "Hello!"}], [large, {"role": "user", "content": "Hello!"}]):
+        reply = client.chat.completions.create(model="demo", messages=messages, max_tokens=2)
+        assert reply.choices[0].message.content
+    loop = "hibana-serve"  # the thread `serving` runs the server's event loop in
+    assert threads["decode"][0] == loop and threads["decode"][1] != loop, threads
+    assert loop not in threads["call"] and len(threads["call"]) == 2, threads
+
+
+def test_more_messages_or_tools_than_the_context_holds_are_refused_before_rendering(client, monkeypatch):
+    """Each message or tool is a token of the prompt at least: more of them than the context holds
+    (the demo's 2,048) is a context_length_exceeded 400 before the chat template runs, which took
+    ~0.2 ms a message and 100 s of CPU for 140,000 tools before the same 400."""
+    from hibana_core.chat import Chat
+
+    rendered = []
+    render_text = Chat.render_text
+    monkeypatch.setattr(Chat, "render_text", lambda self, *args, **kwargs: rendered.append(1) or
+                        render_text(self, *args, **kwargs))
+    hi = {"role": "user", "content": "hi"}
+    tools = [{"type": "function", "function": {"name": f"tool_{i}"}} for i in range(2049)]
+    for asked, param in (({"messages": [hi] * 2049}, "messages"), ({"messages": [hi], "tools": tools}, "tools")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model="demo", max_tokens=2, **asked)
+        error = caught.value.body
+        assert error["code"] == "context_length_exceeded" and error["param"] == param, error
+        assert f"2049 {param}" in error["message"], error
+    assert not rendered
+    client.chat.completions.create(model="demo", messages=[hi], max_tokens=2)  # and the next is served
+    assert rendered
