@@ -59,8 +59,10 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import fractions
 import functools
 import json
+import math
 import os
 import re
 import threading
@@ -127,6 +129,12 @@ produce the token, and only the grammar's `token` format reaches it (by id)."""
 # characters through (json.loads refuses them); the unbounded string rule excludes \0-\x1f
 _LOOSE_CHARACTER = r'[^\"\\\r\n]'
 _JSON_CHARACTER = r'[^\0-\x1f\"\\]'
+# and it writes a \u escape as any four hex digits, a lone UTF-16 surrogate among them ("\ud800"): json.loads
+# reads it as a str that no UTF-8 holds, whose call the next turn's history refuses (a ConversationError)
+_HEX = "[A-Fa-f0-9]"
+_ANY_ESCAPE = f'("u" {_HEX} {_HEX} {_HEX} {_HEX})'
+_CHARACTER_ESCAPE = (f'("u" (([0-9A-Ca-cEeFf] {_HEX} {_HEX} {_HEX}) | ([Dd] [0-7] {_HEX} {_HEX})'
+                     f' | ([Dd] [89ABab] {_HEX} {_HEX} "\\\\u" [Dd] [C-Fc-f] {_HEX} {_HEX})))')
 # xgrammar writes a number's digits as unbounded repetitions ([0-9]*, or a one-digit rule{n, -1}): a
 # small model that starts repeating a digit never leaves the number (json_schema_grammar bounds them)
 MAX_NUMBER_DIGITS = 18
@@ -158,13 +166,20 @@ def json_schema_grammar(schema: Any) -> Any:
     """An xgrammar Grammar for JSON valid under `schema`, compact (`json.dumps` spacing)."""
     xgr = _xgrammar()
     try:
-        text = json.dumps(_opened(schema))
+        opened = _opened(schema)
+        text, original = json.dumps(opened), json.dumps(schema)
     except (TypeError, ValueError) as exc:
         raise GrammarError(f"the JSON schema is not plain JSON data ({exc})") from None
     impossible = unsatisfiable(schema)
     if impossible:
         raise GrammarError(f"the JSON schema allows no value at some places ({'; '.join(impossible)}); fix them "
                            "(an output would break the schema there)")
+    unwritable = unwritable_ranges(opened)
+    if unwritable:
+        raise GrammarError(f"the JSON schema has number ranges that hold no number of at most {RANGE_DECIMALS} "
+                           f"digits after the point ({'; '.join(unwritable)}), the only numbers xgrammar writes "
+                           "between bounds (it would write no value there); widen them, or scale the value (in "
+                           "millionths, say)")
     endless = without_finite_value(schema)
     if endless is not None:
         raise GrammarError(f"the JSON schema has no finite value: every value of {endless} holds another (through "
@@ -172,7 +187,7 @@ def json_schema_grammar(schema: Any) -> Any:
                            "the list be empty")
     from hibana_core.messages import schema_problem
 
-    problem = schema_problem(text)  # xgrammar reads `"maxLength": -1` as no bound, fails on `"minLength": -1`
+    problem = schema_problem(original)  # xgrammar reads `"maxLength": -1` as no bound, fails on `"minLength": -1`
     if problem:
         raise GrammarError(f"the JSON schema cannot be compiled: it breaks JSON Schema's metaschema: {problem}; "
                            "write it as JSON Schema defines its keywords")
@@ -183,7 +198,8 @@ def json_schema_grammar(schema: Any) -> Any:
                            "drop the keywords named") from None
     ebnf = str(grammar)
     # strings with min/maxLength: no control characters
-    bounded = _real_dates(_bound_numbers(ebnf.replace(_LOOSE_CHARACTER, _JSON_CHARACTER)))
+    bounded = _real_dates(_bound_numbers(ebnf.replace(_LOOSE_CHARACTER, _JSON_CHARACTER)
+                                         .replace(_ANY_ESCAPE, _CHARACTER_ESCAPE)))
     return grammar if bounded == ebnf else xgr.Grammar.from_ebnf(_reparsable(bounded))
 
 
@@ -228,6 +244,45 @@ def unsatisfiable(schema: Any, at: str = "#") -> list[str]:
     for _, _, sub, where in subschemas(schema, at):
         found += unsatisfiable(sub, where)
     return found
+
+
+RANGE_DECIMALS = 6
+"""Digits after the point of the numbers xgrammar 0.2.9 writes for a `"type": "number"` with bounds
+(0.1234565 is not written, 0.123457 is): a range that holds none of them, [1e-07, 2e-07], it
+writes as no value at all, an empty output."""
+
+
+def unwritable_ranges(schema: Any, at: str = "#") -> list[str]:
+    """Where `schema` (as `_opened` writes it: numeric exclusive bounds) bounds a number to a range
+    that holds no number of RANGE_DECIMALS digits after the point ("[1e-07, 2e-07] at #/properties/x")."""
+    if not isinstance(schema, dict):
+        return []
+    found = []
+    kinds = schema.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
+    low = _bound(schema, "minimum", "exclusiveMinimum", max)
+    high = _bound(schema, "maximum", "exclusiveMaximum", min)
+    if "number" in kinds and "integer" not in kinds and low is not None and high is not None:
+        step = fractions.Fraction(1, 10 ** RANGE_DECIMALS)
+        first = math.ceil(low[0] / step) * step
+        first += step if low[1] and first == low[0] else 0
+        if first > high[0] or (first == high[0] and high[1]):
+            found.append(f"{'(' if low[1] else '['}{low[2]}, {high[2]}{')' if high[1] else ']'} at {at}")
+    for _, _, sub, where in subschemas(schema, at):
+        found += unwritable_ranges(sub, where)
+    return found
+
+
+def _bound(schema: dict, inclusive: str, exclusive: str,
+           tighter: Callable[..., Any]) -> tuple[fractions.Fraction, bool, Any] | None:
+    """A number's lower (`tighter` max) or upper (min) bound: (its value, read as the decimal its
+    JSON spells, whether it is exclusive, the value as given), or None."""
+    bounds = [(fractions.Fraction(repr(schema[key])), key == exclusive, schema[key]) for key in (inclusive, exclusive)
+              if is_kind(schema.get(key), int) or (is_kind(schema.get(key), float) and math.isfinite(schema[key]))]
+    if not bounds:
+        return None
+    # the tighter value; of two equal ones the exclusive
+    return tighter(bounds, key=lambda b: (b[0], b[1] if tighter is max else not b[1]))
 
 
 def without_finite_value(schema: Any) -> str | None:
@@ -580,6 +635,7 @@ def _opened(schema: Any) -> Any:
             out[key] = {**out[key], name: _opened(sub)}
         else:
             out[key] = [_opened(s) if i == name else s for i, s in enumerate(out[key])]
+    _numeric_bounds(out)
     declared = schema.get("properties")
     declared = len(declared) if isinstance(declared, dict) else 0
     wanted = schema.get("minProperties")
@@ -614,6 +670,29 @@ def _opened(schema: Any) -> Any:
             and not {"items", "additionalItems", "unevaluatedItems"} & out.keys()):
         out["items"] = True
     return out
+
+
+def _numeric_bounds(out: dict) -> None:
+    """`out`'s bounds as xgrammar reads them: draft 4's boolean exclusiveMinimum/exclusiveMaximum (a
+    flag on minimum/maximum, which xgrammar refused: "Value must be a number") as the numbers later
+    drafts write, and an integer's bounds that are not whole as the whole ones they allow (xgrammar
+    refused {"type": "integer", "minimum": 0.5}: "Integer constraint must be a whole number")."""
+    for inclusive, exclusive in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        if isinstance(out.get(exclusive), bool):
+            if out.pop(exclusive) and inclusive in out:
+                out[exclusive] = out.pop(inclusive)
+    kinds = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
+    if "integer" not in kinds or "number" in kinds:
+        return
+    for key, bound, whole, tighter in (("minimum", "minimum", math.ceil, max),
+                                       ("exclusiveMinimum", "minimum", math.ceil, max),
+                                       ("maximum", "maximum", math.floor, min),
+                                       ("exclusiveMaximum", "maximum", math.floor, min)):
+        value = out.get(key)
+        if isinstance(value, float) and math.isfinite(value) and not value.is_integer():
+            del out[key]  # more than 0.5 is 1 or more, as 0.5 or more is
+            kept = out.get(bound)
+            out[bound] = whole(value) if not is_kind(kept, float) else tighter(kept, whole(value))
 
 
 _TYPED_BOUNDS = {"number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
@@ -942,9 +1021,17 @@ def held_regex(pattern: str, *, json_pattern: bool = False) -> str:
             continue
         elif c == ".":
             c = f"[^{_ANY_BUT_BREAKS}]"
+        elif _NAMED_GROUP.match(pattern, i):  # a group's name matches nothing: xgrammar refused it
+            i = _NAMED_GROUP.match(pattern, i).end()
+            out.append("(")
+            continue
         out.append(c)
         i += 1
     return "".join(out)
+
+
+_NAMED_GROUP = re.compile(r"\(\?P?<(?![=!])\w+>")
+"""A named group's opening, Python's `(?P<name>` or ECMA's `(?<name>` (not a lookbehind)."""
 
 
 def compact_json_tag(tag: dict) -> dict:

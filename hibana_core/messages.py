@@ -219,7 +219,14 @@ def schema_problem(schema_json: str) -> str | None:
     if error is None:
         return None
     where = "/".join(str(part) for part in error.absolute_path)
-    return f"{error.message}" + (f" (at {where})" if where else "")
+    hint = ""
+    if isinstance(error.instance, bool) and error.absolute_path and error.absolute_path[-1] in _DRAFT4_FLAGS:
+        hint = (f" (draft 4's flag on {_DRAFT4_FLAGS[error.absolute_path[-1]]}: write the bound itself, "
+                f'"{error.absolute_path[-1]}": N, or name draft 4 in "$schema")')
+    return f"{error.message}" + (f" (at {where})" if where else "") + hint
+
+
+_DRAFT4_FLAGS = {"exclusiveMinimum": "minimum", "exclusiveMaximum": "maximum"}
 
 
 @functools.lru_cache(maxsize=256)
