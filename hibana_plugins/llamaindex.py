@@ -524,8 +524,9 @@ def llm_class() -> type:
             return {"json_schema": parameters, **llm_kwargs}
 
         def _tool_spec(self, tool: Any) -> dict:
-            """The tool as an OpenAI function schema; a tool LlamaIndex cannot describe (no JSON schema
-            for an argument's type, or no tool at all) is a ToolSchemaError."""
+            """The tool as an OpenAI function schema, under the tool's own name; a tool LlamaIndex
+            cannot describe (no JSON schema for an argument's type, or no tool at all) is a
+            ToolSchemaError."""
             try:
                 spec = tool.metadata.to_openai_tool(skip_length_check=True)
             except Exception as exc:  # noqa: BLE001 - pydantic's schema errors, AttributeError, ...
@@ -534,6 +535,11 @@ def llm_class() -> type:
                 raise ToolSchemaError(f"tool '{name:.80}' is not a tool LlamaIndex can describe: {exc}; pass a "
                                       "FunctionTool (FunctionTool.from_defaults(fn)) whose arguments are JSON "
                                       "types") from exc
+            # LlamaIndex writes OpenAI's name pattern ("calc.add" as "calc_add", a class Pair[int] as
+            # "Pair_int_"), but looks the called tool up by its own name: agents found no tool
+            # "calc_add", predict_and_call and structured_predict raised KeyError
+            if isinstance(tool.metadata.name, str) and tool.metadata.name:
+                spec["function"]["name"] = tool.metadata.name
             parameters = spec["function"].get("parameters")
             own = getattr(getattr(tool, "metadata", None), "fn_schema", None)
             if (isinstance(parameters, dict) and "$ref" not in parameters and "properties" not in parameters

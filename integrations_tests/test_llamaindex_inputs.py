@@ -5,10 +5,13 @@ that are not True or False."""
 from __future__ import annotations
 
 import asyncio
+from typing import Generic, TypeVar
 
 import pytest
 
 from llama_index.core.base.llms.types import ChatMessage, TextBlock
+from llama_index.core.bridge.pydantic import BaseModel, Field
+from llama_index.core.prompts import PromptTemplate
 from llama_index.core.tools import FunctionTool
 
 from hibana_core import Engine
@@ -103,3 +106,34 @@ def test_constructor_takes_what_chathibana_takes(engine, monkeypatch):
     assert llm.stop == ["What"] and "What" not in llm.chat([ChatMessage(role="user", content="Hi")]).message.content
     with pytest.raises(ConfigError, match="unknown engine option 'kv_dtpye'"):
         HibanaLLM(engine=engine, engine_kwargs={"kv_dtpye": "fp8"})
+
+
+def add_numbers(a: float, b: float) -> str:
+    """Add two numbers and return the sum."""
+    return f"{a + b:g}"
+
+
+Year = TypeVar("Year")
+
+
+class Record(BaseModel, Generic[Year]):
+    """A book, as a structured record."""
+
+    title: str = Field(description="Title of the book.")
+    author: str = Field(description="Who wrote it.")
+    year: Year = Field(description="Year of publication.")
+
+
+def test_a_tool_is_offered_and_called_under_its_own_name(engine):
+    """LlamaIndex writes tool names to OpenAI's pattern ("calc.add" as "calc_add", the class
+    Record[int] as "Record_int_") and then looks the called tool up by its own name: predict_and_call
+    and structured_predict raised KeyError('calc_add'), and a FunctionAgent answered 'Tool calc_add
+    not found' to every call. The template writes any name but quotes and markup: the tool's own one."""
+    llm = HibanaLLM(engine=engine, max_tokens=64)
+    dotted = FunctionTool.from_defaults(add_numbers, name="calc.add", description=add_numbers.__doc__)
+    response = llm.chat_with_tools([dotted], user_msg="What is 12 plus 30?")
+    assert [c.tool_name for c in llm.get_tool_calls_from_response(response)] == ["calc.add"]
+    assert str(llm.predict_and_call([dotted], user_msg="What is 12 plus 30?")) == "42"
+    text = 'Save the book "The Silent River" by Ana Garcia, published in 1843.'
+    assert llm.structured_predict(Record[int], PromptTemplate("{text}"), text=text) == Record[int](
+        title="The Silent River", author="Ana Garcia", year=1843)
