@@ -293,6 +293,12 @@ def _keep(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
 def _loaded(module: torch.nn.Module, args: Any, hf_config: Any, tokenizer: Any | None,
             eos: tuple[int, ...], dtype: torch.dtype, fingerprint: str) -> LoadedModel:
     module.eval().requires_grad_(False)
+    outside = [i for i in eos if i >= args.vocab_size]
+    if outside:  # the model never generates them, as in transformers' generate; a grammar could not name them
+        warnings.warn(f"eos_token_id {outside} lies outside the model's vocabulary of {args.vocab_size} tokens (the "
+                      "generation config or config.json names a token the model cannot generate); left out of the "
+                      "tokens generation stops at")
+        eos = tuple(i for i in eos if i < args.vocab_size)
     return LoadedModel(module, args, hf_config, tokenizer, eos, dtype, model_bytes(module), fingerprint)
 
 

@@ -56,3 +56,19 @@ def test_a_surgery_checkpoint_keeps_the_named_chat_templates(tiny_checkpoints, m
     assert (out / "additional_chat_templates" / "tool_use.jinja").read_text() == "{{ tools | tojson }}"
     engine = make_engine(out, speculation="off")
     assert set(engine.tokenizer.chat_template) == {"default", "tool_use"}
+
+
+def test_an_end_token_outside_the_vocabulary_is_left_out(tiny_checkpoints, make_engine, tmp_path):
+    """generation_config.json naming an eos id the model cannot generate (a tokenizer's, past the
+    model's vocabulary) made every request with a grammar fail with xgrammar's RuntimeError."""
+    import json
+
+    path = tmp_path / "eos"
+    shutil.copytree(tiny_checkpoints["qwen3"], path)
+    generation = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [0, 100000]}))
+    with pytest.warns(UserWarning, match=r"eos_token_id \[100000\] lies outside the model's vocabulary of 512"):
+        engine = make_engine(path, speculation="off")
+    assert engine.eos_token_ids == {0}
+    out = engine.open_state("a").generate(SamplingParams(max_tokens=4, json_schema={"type": "object"}), prompt=[5, 6])
+    assert out.finish_reason in ("stop", "length")
