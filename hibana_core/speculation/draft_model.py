@@ -182,6 +182,9 @@ class DraftModelDrafter:
     """No free "shadow" proposals for the controller: each costs draft-model forwards."""
     method = "draft_model"
     """The speculation method this drafter is (the memory budget reserves for the engine's)."""
+    sound_q = True
+    """Its q rows are softmaxes on the engine's device: the speculator takes them as they are
+    (a plugin's are made distributions first, `speculator.sound_q`)."""
 
     def __init__(self, engine: Any, model: str | None = None, num_blocks: int | None = None,
                  kv_share: float = DRAFT_KV_SHARE, loaded: LoadedModel | None = None, ctx: ForwardContext | None = None) -> None:

@@ -82,7 +82,9 @@ class DraftInput:
 class SampledDraft:
     """A proposal drawn from the drafter's own distribution q rather than chosen: `tokens[i]` was
     sampled from `probs[i]` ([len(tokens), V] float32 on the engine's device, each row summing to
-    1 over the vocabulary's first V ids). The target then keeps draft i with probability
+    1 over the vocabulary's first V ids; the engine moves a plugin's q to its device and rescales
+    its rows, and a row with no mass on its own token has that draft verified as a chosen one:
+    `speculator.sound_q`). The target then keeps draft i with probability
     min(1, p(x) / q(x)) and, at the first it rejects, draws from the residual max(0, p - q)
     (Leviathan et al. 2023; Chen et al. 2023): output in the target's distribution, with more
     drafts kept than a draft chosen greedily gets where q is close to p. A plain list of tokens is

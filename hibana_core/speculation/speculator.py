@@ -93,14 +93,16 @@ def _checked_proposer(name: str, drafter: Any, what: str, expected: str) -> Draf
 
 
 def valid_draft(proposal: Any, k: int, vocab_size: int, sampled: bool = False,
-                draw: bool = True) -> "list[int] | SampledDraft":
+                draw: bool = True, device: Any = None, sound: bool = False) -> "list[int] | SampledDraft":
     """The longest prefix of a drafter's proposal, k tokens at most, made of token ids of the
     vocabulary: an id past it would fail the verifying forward, so the drafts stop there. A
     `SampledDraft` stays one (its distributions cut alike) where the request `sampled` may take
     one (`samples_drafts`), else its tokens are a plain proposal; it counts as drawn (kept at
     min(1, p/q)) only where the engine asked for a draw (`draw`: DraftInput.draw) and the drafter
     says it drew: a chosen draft taken for a drawn one would skew the output, where a drawn one
-    taken for a chosen one (kept where the target's draw equals it) is exact."""
+    taken for a chosen one (kept where the target's draw equals it) is exact. Its q is moved to
+    `device` (the engine's) and, unless the drafter's q is `sound` (the built-in draft models'),
+    made a distribution (`sound_q`)."""
     if isinstance(proposal, SampledDraft):
         tokens = valid_draft(proposal.tokens, k, vocab_size)
         if not sampled or not tokens:
@@ -113,7 +115,13 @@ def valid_draft(proposal: Any, k: int, vocab_size: int, sampled: bool = False,
                 and 0 < shape[1] <= vocab_size):
             raise TypeError(f"a SampledDraft of {len(tokens)} tokens holds probs of shape {shape}, where "
                             f"[{len(tokens)}, V <= {vocab_size}] belongs")
-        return SampledDraft(tokens, probs[:len(tokens)], draw and proposal.drawn is True)
+        drawn = draw and proposal.drawn is True
+        probs = probs[:len(tokens)]
+        if not sound:
+            probs = sound_q(probs, tokens, drawn, device)
+        elif device is not None:
+            probs = probs.to(device)
+        return SampledDraft(tokens, probs, drawn)
     if proposal is None:
         return []
     if type(proposal) is list and plain_token_ids(proposal[:k], vocab_size):  # the built-ins' (every step)
@@ -130,6 +138,25 @@ def valid_draft(proposal: Any, k: int, vocab_size: int, sampled: bool = False,
             break  # (an id past the vocabulary ends the drafts there)
         draft.append(int(token))
     return draft
+
+
+def sound_q(probs: Any, tokens: list[int], drawn: bool, device: Any = None) -> Any:
+    """A plugin's q [n, V] as the sampler may read it: float32 on `device`, NaN, infinite and
+    negative entries 0, each row scaled to sum to 1. Verifying a drawn draft at min(1, p/q) is
+    exact only for the q it was drawn from: weights left unnormalised kept too few or too many,
+    and a row with no mass on its own drawn token kept that token whatever p said. Such a row
+    becomes the token alone, which verifies the draft exactly as a chosen one (kept with
+    probability p(x), else a draw from p without x)."""
+    import torch  # only here: a SampledDraft came, so torch is there (see `valid_draft`)
+
+    q = probs.to(device=device, dtype=torch.float32) if device is not None else probs.float()
+    q = q.nan_to_num(0.0, posinf=0.0, neginf=0.0).clamp_(min=0.0)  # [n, V]
+    q = q / q.sum(dim=-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny)
+    if drawn:
+        x = torch.tensor(tokens, dtype=torch.int64, device=q.device)[:, None]  # [n, 1]
+        alone = torch.zeros_like(q).scatter_(1, x, 1.0)
+        q = torch.where(q.gather(1, x) > 0, q, alone)
+    return q
 
 
 class DrawChoice:
@@ -327,7 +354,8 @@ class Speculator:
             if not isinstance(proposals, (list, tuple)) or len(proposals) != len(inputs):
                 raise TypeError(f"{describe_registered(proposals)} for {len(inputs)} states, where a list of one "
                                 "proposal a state belongs")
-            return [valid_draft(p, k, self.vocab_size, samples_drafts(state.params), state.draw)
+            device, sound = getattr(self._engine, "device", None), getattr(drafter, "sound_q", False) is True
+            return [valid_draft(p, k, self.vocab_size, samples_drafts(state.params), state.draw, device, sound)
                     for p, k, state in zip(proposals, ks, inputs)]
         except Exception as exc:  # noqa: BLE001 - what a plugin's drafter returned
             self._drafter_failed(method, call, exc, returned=True)
