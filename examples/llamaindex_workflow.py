@@ -20,14 +20,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import warnings
 
 from llama_index.core.agent.workflow import AgentOutput, FunctionAgent, ToolCallResult
+from llama_index.core.memory import ChatMemoryBuffer
 from llama_index.core.tools import FunctionTool
 from llama_index.core.workflow import Context, Event, StartEvent, StopEvent, Workflow, step
 
 from hibana_core import Engine
 from hibana_core.demo import world
 from hibana_plugins.llamaindex import HibanaLLM
+
+# the memory each run is given again (Desk.work) is left out of the context between runs: said once, not per run
+warnings.filterwarnings("ignore", message="Skipping serialization of known unserializable key: memory")
 
 QUESTIONS = {
     "calculator": ["What is 12 plus 30, then times 5?", "What is 100 plus 23?", "Multiply 7 by 6."],
@@ -97,13 +102,16 @@ class Desk(Workflow):
 
     @step(num_workers=4)
     async def work(self, ctx: Context, ev: AgentJob) -> AgentDone:
-        """One agent answers its questions in one conversation (its memory lives in agent_ctx)."""
+        """One agent answers its questions in one conversation: each run is given the same memory
+        (a Context alone does not keep it: LlamaIndex's workflows serialise the context between
+        runs and leave the memory out, with an UnserializableKeyWarning)."""
         agent = self.agents[ev.agent]
         agent_ctx = Context(agent)
+        memory = ChatMemoryBuffer.from_defaults(llm=agent.llm)
         answers, usage = [], []
         for question in ev.questions:
             ctx.write_event_to_stream(Progress(line=f"[{ev.agent}] user: {question}"))
-            handler = agent.run(question, ctx=agent_ctx)
+            handler = agent.run(question, ctx=agent_ctx, memory=memory)
             async for event in handler.stream_events():
                 if isinstance(event, ToolCallResult):
                     ctx.write_event_to_stream(Progress(

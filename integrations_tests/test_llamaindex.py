@@ -22,6 +22,7 @@ from llama_index.core.agent.workflow import (AgentOutput, AgentStream, AgentWork
                                              ToolCallResult)
 from llama_index.core.base.llms.types import ChatMessage, ToolCallBlock
 from llama_index.core.llms.mock import MockFunctionCallingLLM
+from llama_index.core.memory import ChatMemoryBuffer
 from llama_index.core.tools import FunctionTool
 from llama_index.core.workflow import Context
 
@@ -94,17 +95,18 @@ def assert_reuse(usages: list[dict]) -> None:
 
 async def test_function_agent_solves_multi_step_tasks_reusing_its_state(engine):
     """Two tools, three tasks in one conversation (two of them chained calls), streamed; every LLM
-    call after the first serves >= 90% of its prompt from the agent's state."""
+    call after the first serves >= 90% of its prompt from the agent's state. The conversation is
+    the memory each run is given: LlamaIndex's workflows leave it out of a Context between runs."""
     llm = HibanaLLM(engine=engine, state_id="calculator")
     agent = FunctionAgent(tools=[tool(add_numbers), tool(multiply_numbers)], llm=llm,
                           system_prompt="You are a helpful assistant.")
-    ctx = Context(agent)
+    ctx, memory = Context(agent), ChatMemoryBuffer.from_defaults(llm=llm)
     tasks = [("What is 12 plus 30, then times 5?", ["add_numbers", "multiply_numbers"], "210"),
              ("What is 100 plus 23?", ["add_numbers"], "123"),
              ("Multiply 7 by 6.", ["multiply_numbers"], "42")]
     all_events, answers = [], []
     for question, expected_tools, answer in tasks:
-        result, events = await run_and_watch(agent, question, ctx=ctx)
+        result, events = await run_and_watch(agent, question, ctx=ctx, memory=memory)
         all_events += events
         answers.append(result.response.content)
         assert [e.tool_name for e in events if isinstance(e, ToolCallResult)] == expected_tools
@@ -119,6 +121,8 @@ async def test_function_agent_solves_multi_step_tasks_reusing_its_state(engine):
     usages = llm_calls(all_events)["Agent"]
     assert len(usages) == 7       # 2 + 1 + 1 tool turns, 3 answers
     assert_reuse(usages)
+    prompts = [u["prompt_tokens"] for u in usages]
+    assert prompts == sorted(prompts)  # each task's calls see the tasks before it
     assert llm.engine is engine and "calculator" in {s.id for s in engine.states()}
 
 
