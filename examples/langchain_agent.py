@@ -4,10 +4,11 @@
     python examples/langchain_agent.py --model path/to/hf-checkpoint --device cuda --threads 8
 
 The only Hibana line is the chat model: `ChatHibana(model=...)` where the agent would otherwise
-get `ChatOpenAI(...)`. Each LangGraph thread gets its own resident state ("t0/agent", from the
-thread_id and the node), the threads run concurrently (asyncio) and the engine batches their
-turns. The table at the end has one row per model call: from a thread's second call on, nearly
-the whole prompt is read from the state (cache_read) and only the new tail is computed.
+get `ChatOpenAI(...)`. Each LangGraph thread gets its own resident state, named from the thread_id
+and the node ("t0/model" under langchain's create_agent, "t0/agent" under LangGraph's prebuilt
+create_react_agent), the threads run concurrently (asyncio) and the engine batches their turns.
+The table at the end has one row per model call: from a thread's second call on, nearly the whole
+prompt is read from the state (cache_read) and only the new tail is computed.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import warnings
 from typing import Annotated
 
@@ -22,6 +24,7 @@ from langchain_core.messages import AIMessage, ToolMessage
 from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
 
+from hibana_core import HibanaError
 from hibana_core.demo import world
 from hibana_plugins.langchain import ChatHibana
 
@@ -126,8 +129,15 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="demo", help="checkpoint directory (default: the bundled demo model)")
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--model", default="demo",
+                        help="checkpoint directory or Hugging Face repo id (default: the bundled demo model)")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     parser.add_argument("--threads", type=int, default=4, help="concurrent conversations (default 4)")
     parser.add_argument("--max-tokens", type=int, default=128, help="most tokens per model call")
-    asyncio.run(main(parser.parse_args()))
+    arguments = parser.parse_args()
+    if arguments.threads < 1:
+        parser.error(f"--threads must be at least 1, got {arguments.threads}")
+    try:
+        asyncio.run(main(arguments))
+    except HibanaError as exc:  # a model that does not load, an option out of range: one line, as the commands say it
+        sys.exit(f"langchain_agent.py: {exc}")
