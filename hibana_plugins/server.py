@@ -33,6 +33,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
@@ -76,6 +78,12 @@ API_KEY_ENV = "HIBANA_API_KEY"
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/hibana/states", "/health", "/metrics")
 
 
+LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
+"""Pages served from this machine may call the server from a browser (as Ollama allows by default);
+others only where `ServerConfig.allowed_origins` names them."""
+ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#\s]+")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """What the HTTP face allows; the engine's own options are the engine's."""
@@ -91,6 +99,8 @@ class ServerConfig:
     #                                       past it the least recently used are closed (to the state_dir)
     tool_parser: str | None = None        # a registered tool parser by name; None: the chat format's or
     #                                       the one the chat template writes
+    allowed_origins: tuple[str, ...] = ()  # web pages (origins) beside LOCAL_ORIGINS whose scripts may call
+    #                                       the server from a browser (CORS); "*": any page
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -104,6 +114,11 @@ class ServerConfig:
                 raise ConfigError(f"{name} ({flag}) must be positive, got {limit!r}")
         if self.shutdown_timeout is not None and not self.shutdown_timeout >= 0:
             raise ConfigError(f"shutdown_timeout must be >= 0 seconds or None, got {self.shutdown_timeout!r}")
+        if isinstance(self.allowed_origins, str) or any(
+                not isinstance(o, str) or o != "*" and not ORIGIN.fullmatch(o) for o in self.allowed_origins):
+            raise ConfigError(f"allowed_origins (--allowed-origins) takes origins such as https://app.example.com "
+                              f"or http://localhost:3000 (scheme, host and port, no path), or '*'; got "
+                              f"{self.allowed_origins!r}")
         if isinstance(self.max_named_states, bool) or not isinstance(self.max_named_states, int) \
                 or self.max_named_states < 0:
             raise ConfigError(f"max_named_states (--max-named-states) must be an integer >= 0, got "
@@ -263,6 +278,12 @@ def shutting_down() -> ApiError:
 def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
     """The HTTP face of one engine; the engine stays the caller's to close."""
     app = FastAPI(title="Hibana", docs_url=None, redoc_url=None, openapi_url=None)
+    # browsers ask before a page's script may call (CORS): the answer comes before the API key's check,
+    # which a preflight never carries; the key still guards every call that follows
+    anyone = "*" in config.allowed_origins
+    app.add_middleware(CORSMiddleware, allow_origins=["*"] if anyone else list(config.allowed_origins),
+                       allow_origin_regex=None if anyone else LOCAL_ORIGINS, allow_methods=["GET", "POST", "DELETE"],
+                       allow_headers=["*"], expose_headers=[STATE_HEADER], max_age=600)
     app.state.drain = Drain()
     chat = Chat(engine, tool_parser=config.tool_parser)
     text_chat = copy.copy(chat)  # legacy completions: the text as generated, a model's thinking left in it
@@ -732,6 +753,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most tokens one request may generate (default: the model's context)")
     parser.add_argument("--request-timeout", type=float,
                         help="seconds a request may take, waiting in the queue included (default: no limit)")
+    parser.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                        help="web pages whose scripts may call the server from a browser (CORS), e.g. "
+                             "https://app.example.com, or '*' for any (default: pages on localhost only)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="compute dtype (auto: the checkpoint's on GPU, float32 on CPU)")
@@ -849,7 +873,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = ServerConfig(args.served_model_name or args.model, args.api_key, args.max_body_bytes,
                               args.max_tokens_limit, args.request_timeout, args.shutdown_timeout,
-                              args.max_named_states, args.tool_parser)
+                              args.max_named_states, args.tool_parser, tuple(args.allowed_origins))
         if args.tool_parser is not None:  # before the load, as the address: a wrong name is said at once
             get_plugin_manager().lookup("tool_parser", args.tool_parser)
         sock = bind(args.host, args.port)  # before the load: an address in use is said at once

@@ -178,3 +178,32 @@ def test_more_messages_or_tools_than_the_context_holds_are_refused_before_render
     assert not rendered
     client.chat.completions.create(model="demo", messages=[hi], max_tokens=2)  # and the next is served
     assert rendered
+
+
+def test_browser_pages_on_this_machine_may_call_others_only_where_allowed(engine):
+    """CORS: a page served from localhost (any port) gets the browser's preflight answered, as Ollama
+    allows; another origin only where --allowed-origins names it, or '*'. The API key still guards
+    every call, though a preflight (which never carries it) is answered without it."""
+    from hibana_core.errors import ConfigError
+
+    def preflight(url: str, origin: str) -> httpx.Response:
+        return httpx.options(f"{url}/v1/chat/completions", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type, x-hibana-state"})
+
+    with serving(engine, ServerConfig("demo", api_key="k", allowed_origins=("https://app.example.com",))) as url:
+        for origin in ("http://localhost:5173", "http://127.0.0.1:3000", "https://app.example.com"):
+            reply = preflight(url, origin)
+            assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == origin, origin
+        reply = preflight(url, "https://elsewhere.example")
+        assert reply.status_code == 400 and "access-control-allow-origin" not in reply.headers
+        page = {"Origin": "https://app.example.com"}
+        assert httpx.get(f"{url}/v1/models", headers=page).status_code == 401
+        reply = httpx.get(f"{url}/v1/models", headers={**page, "Authorization": "Bearer k"})
+        assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == "https://app.example.com"
+        assert "x-hibana-state" in reply.headers["access-control-expose-headers"].lower()
+    with serving(engine, ServerConfig("demo", allowed_origins=("*",))) as url:
+        assert preflight(url, "https://elsewhere.example").headers["access-control-allow-origin"] == "*"
+    for wrong in (("app.example.com",), ("https://app.example.com/path",), "https://app.example.com"):
+        with pytest.raises(ConfigError, match="allowed_origins"):
+            ServerConfig("demo", allowed_origins=wrong)
