@@ -96,6 +96,7 @@ class _Call:
         self.state_id = state_id                # the state bound on the LLM, then the one serving
         self.content = ""
         self.reasoning = ""                     # a reasoning model's thinking so far
+        self.thinking_delta = ""                # the thinking the last delta added
         self.calls: dict[int, dict] = {}        # streamed calls by index: id, name, arguments text
         self.result: ChatResult | None = None
         self.holder: LeaseHolder | None = None  # an async call's (`lease_holder`)
@@ -137,7 +138,7 @@ class _Call:
     def take(self, delta: ChatDelta) -> str | None:
         """The text delta of a chat delta ("" at the end, or when the calls grew), or None when
         it changed nothing visible."""
-        call = delta.tool_call
+        call, self.thinking_delta = delta.tool_call, delta.reasoning
         if delta.result is not None:  # a call the reply ended inside is no part of its text (the server's rule)
             self.result, self.reasoning = delta.result, delta.result.reasoning
             self.content = delta.result.content
@@ -604,8 +605,11 @@ def llm_class() -> type:
             # the calls also in OpenAI form: structured streaming and older code read them there
             extra = {"tool_calls": [_openai_call(c) for c in calls]} if calls else {}
             message = ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks, additional_kwargs=extra)
+            # a thinking piece where LlamaIndex's agents read it (AgentStream.thinking_delta), as Ollama's
+            # and Anthropic's LLMs put it
+            thinking = {"thinking_delta": reply.thinking_delta} if reply.thinking_delta else {}
             response = ChatResponse(message=message, delta=delta, raw=reply.raw(self.model),
-                                    additional_kwargs=reply.usage_dict(), logprobs=self._logprobs(reply))
+                                    additional_kwargs=reply.usage_dict() | thinking, logprobs=self._logprobs(reply))
             if reply.structured and reply.result is not None and response.raw.get("finish_reason") == "length":
                 if reply.tools and not calls:
                     raise ValueError(_no_call_message(response))
