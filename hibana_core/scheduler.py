@@ -527,6 +527,9 @@ class Scheduler:
             accepted, reason = self._accept(request, sampled)
             if chunk.draft_token_ids:  # KV of rejected drafts goes: the last accepted token is
                 seq.trim_kv(min(chunk.end, len(seq) - 1))  # the next input, as after any decode
+                # and the windows hold what one token a step would have left them (its last write
+                # freed the blocks no query from the token before the next input reads)
+                seq.free_outside_windows(max(seq.num_computed - 1, 0))
                 if self.speculation is not None:
                     self.speculation.verified(chunk, sampled, len(accepted), estimate)
             elif chunk.end > history:  # inputs past the known history are not known to be kept

@@ -4,8 +4,8 @@ that 16-token drafts cross blocks and move the window past whole blocks.
 
 Drafts come from an oracle that knows the continuation a run without speculation produced and
 errs at every seventh position; requests end on a stop string, a stop token, max_tokens or the
-context inside a draft. Output, text and finish reason equal the run without speculation, and the
-KV of every position a state's windows still hold is the same.
+context inside a draft. Output, text and finish reason equal the run without speculation, and so do
+the blocks a state holds and the KV of every position its windows still hold.
 """
 
 from __future__ import annotations
@@ -40,6 +40,11 @@ def window_kv(engine, name: str) -> tuple[list[int], int, dict]:
     return list(seq.tokens), seq.num_computed, rows
 
 
+def held_blocks(engine, name: str) -> list[int]:
+    """Per layer group, the blocks a state holds (those its windows left are NULL_BLOCK)."""
+    return [sum(1 for block in table if block) for table in engine.registry._entry(engine.open_state(name)).seq.tables]
+
+
 def test_drafts_across_windows_and_blocks_change_nothing(gemma_odd):
     rng = random.Random(12)
     tokenizer = make_tokenizer()
@@ -69,6 +74,7 @@ def test_drafts_across_windows_and_blocks_change_nothing(gemma_odd):
                 tokens, computed, kv = window_kv(engine, f"on{i}-{j}")
                 want_tokens, want_computed, want_kv = window_kv(engine, f"off{i}-{j}")
                 assert (tokens, computed) == (want_tokens, want_computed), (i, j)
+                assert held_blocks(engine, f"on{i}-{j}") == held_blocks(engine, f"off{i}-{j}"), (i, j)
                 for key, row in want_kv.items():  # what the plain run holds, the speculating one holds
                     assert key in kv and (kv[key] - row).abs().max() <= 1e-4, (i, j, key)
                     checked += 1

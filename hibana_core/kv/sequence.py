@@ -284,15 +284,17 @@ class KVSequence:
             self._floors[g] = min(self._floors[g], keep_blocks)
         self.num_committed = min(self.num_committed, keep_blocks)
 
-    def _outside_windows(self) -> Iterable[tuple[int, int]]:
+    def _outside_windows(self, position: int | None = None) -> Iterable[tuple[int, int]]:
         """(group, block) for each window group: its blocks before that one are read by no query
-        from `num_computed` on."""
-        return ((g, min(self._window_start(g, self.num_computed), len(self.tables[g])))
+        from `position` (default `num_computed`) on."""
+        position = self.num_computed if position is None else position
+        return ((g, min(self._window_start(g, position), len(self.tables[g])))
                 for g, window in enumerate(self.windows) if window is not None)
 
-    def free_outside_windows(self) -> None:
-        """Give back each window group's blocks that no query from `num_computed` on reads."""
-        for g, start in self._outside_windows():
+    def free_outside_windows(self, position: int | None = None) -> None:
+        """Give back each window group's blocks that no query from `position` (default
+        `num_computed`) on reads."""
+        for g, start in self._outside_windows(position):
             self._free_below(g, start)
 
     def _free_below(self, group: int, start: int) -> None:
