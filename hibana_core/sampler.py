@@ -265,8 +265,9 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 
 def _stacked(rows: list[torch.Tensor], width: int) -> torch.Tensor:
     """Distributions [V'] as one [len(rows), width] float32 tensor, zero past each row's own
-    width (a drafter's vocabulary may be narrower than the logits); a plugin's NaN or negative
-    entries as 0 (its draft is then rejected, its position drawn from the residual)."""
+    width (a drafter's vocabulary may be narrower than the logits); NaN or negative entries as 0,
+    a guard only: a plugin's q reaches here made sound by the speculator (`speculator.sound_q`:
+    normalised, and a draft its q gives no mass verified as a chosen one)."""
     widths = {row.shape[0] for row in rows}
     if len(widths) == 1:
         q = torch.stack(rows).float()
