@@ -172,11 +172,16 @@ def check_engine_kwargs(model: Any, engine_kwargs: Mapping[str, Any]) -> None:
     EngineConfig.from_overrides(str(model), **engine_kwargs)
 
 
-def choose_engine(model: str, engine_kwargs: Mapping[str, Any], *choices: EngineChoice | None) -> EngineChoice:
-    """The first of `choices` that serves `model` and `engine_kwargs`, else the engine
-    `Engine.shared(model, **engine_kwargs)` loads or finds."""
-    for choice in choices:
-        if choice is not None and choice.serves(model, engine_kwargs):
+def choose_engine(model: str, engine_kwargs: Mapping[str, Any], current: EngineChoice | None,
+                  given: EngineChoice | None) -> EngineChoice:
+    """The engine in use (`current`) or the one passed (`given`), the first that serves `model` and
+    `engine_kwargs`, else the engine `Engine.shared(model, **engine_kwargs)` loads or finds. A shared
+    engine closed meanwhile is not kept: the object finds the new one, as an object made now does
+    (it kept the closed one, and every call said to create an engine with Engine.from_pretrained);
+    an engine passed and closed stays the object's engine (its calls say it is closed)."""
+    for choice in (current, given):
+        if choice is not None and choice.serves(model, engine_kwargs) and (
+                choice is given or not choice.engine.core.closed):
             return choice
     from hibana_core import Engine  # the engine, torch with it, loads on first use
 

@@ -377,3 +377,25 @@ def test_hibana_llm_checks_its_state_id_at_construction(state_id, engine):
     """(an empty one failed only on the first call)"""
     with pytest.raises(ConfigError, match="HibanaLLM: state id"):
         HibanaLLM(engine=engine, state_id=state_id)
+
+
+def test_an_object_on_a_shared_engine_closed_meanwhile_finds_the_new_one(monkeypatch):
+    """`llm.engine.close()` on a shared engine: a new ChatHibana or HibanaLLM found a new engine, the
+    object in use kept the closed one, and each of its calls said to create one with
+    Engine.from_pretrained. It finds the new one too; an engine passed and closed stays its own."""
+    import hibana_core
+    from types import SimpleNamespace
+
+    from hibana_plugins.options import EngineChoice, choose_engine
+
+    def fake(closed: bool):
+        return SimpleNamespace(core=SimpleNamespace(closed=closed))
+
+    fresh = fake(False)
+    monkeypatch.setattr(hibana_core.Engine, "shared", classmethod(lambda cls, model, **kwargs: fresh))
+    shared = EngineChoice(fake(True), "demo", {})
+    assert choose_engine("demo", {}, shared, None).engine is fresh
+    given = EngineChoice(fake(True), "demo", {})
+    assert choose_engine("demo", {}, given, given) is given
+    open_shared = EngineChoice(fake(False), "demo", {})
+    assert choose_engine("demo", {}, open_shared, None) is open_shared
