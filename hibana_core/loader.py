@@ -559,8 +559,10 @@ def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progr
                               "router, an embedding); a checkpoint that leaves it unquantized loads")
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        tie = ("; if its output head is the input embedding, config.json needs \"tie_word_embeddings\": true "
+               "(transformers would start the head from random values)" if missing == ["lm_head.weight"] else "")
         raise CheckpointError(f"{source} lacks weights {shown}; the checkpoint is incomplete or for "
-                              "another architecture")
+                              f"another architecture{tie}")
     other_parts = tuple(getattr(module, "checkpoint_other_parts", ()))  # left out on purpose
     _report_unused(source, [name for name in unused if not name.startswith(other_parts)])
     _check_finite(module, source)

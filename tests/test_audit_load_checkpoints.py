@@ -72,3 +72,16 @@ def test_an_end_token_outside_the_vocabulary_is_left_out(tiny_checkpoints, make_
     assert engine.eos_token_ids == {0}
     out = engine.open_state("a").generate(SamplingParams(max_tokens=4, json_schema={"type": "object"}), prompt=[5, 6])
     assert out.finish_reason in ("stop", "length")
+
+
+def test_a_missing_output_head_names_tie_word_embeddings(tiny_checkpoints, make_engine, tmp_path):
+    """A checkpoint whose head is its embedding but whose config forgot to say so (an export that
+    drops tie_word_embeddings): the error says which flag loads it, not only "incomplete"."""
+    import json
+
+    path = _edited(tiny_checkpoints["llama"], tmp_path / "headless", lambda t: t.pop("lm_head.weight"))
+    with pytest.raises(CheckpointError, match=r"lacks weights lm_head.weight; .*\"tie_word_embeddings\": true"):
+        make_engine(path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    make_engine(path, speculation="off")
