@@ -636,6 +636,10 @@ def _opened(schema: Any) -> Any:
         else:
             out[key] = [_opened(s) if i == name else s for i, s in enumerate(out[key])]
     _numeric_bounds(out)
+    if isinstance(out.get("items"), list):  # draft 7's tuple (xgrammar: "items must be a boolean or an object")
+        out["prefixItems"] = out.pop("items")
+        if "additionalItems" in out:
+            out["items"] = out.pop("additionalItems")
     declared = schema.get("properties")
     declared = len(declared) if isinstance(declared, dict) else 0
     wanted = schema.get("minProperties")

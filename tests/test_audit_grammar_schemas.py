@@ -133,3 +133,17 @@ def test_a_regex_with_named_groups_is_held(engine):
             h.close()
         held = regex if "regex" in params else r'"[0-9]{2}-[a-z]"'
         assert out.finish_reason == "stop" and re.fullmatch(held, out.text), out.text
+
+
+@pytest.mark.parametrize("schema", [
+    {"$schema": "http://json-schema.org/draft-07/schema#", "type": "array",
+     "items": [{"type": "integer", "minimum": 0, "maximum": 3}, {"type": "boolean"}], "additionalItems": False},
+    {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "properties": {"p": {
+        "type": "array", "items": [{"type": "boolean"}], "additionalItems": {"type": "null"}, "maxItems": 3}},
+     "required": ["p"]},
+])
+def test_a_draft7_tuple_is_held(engine, schema):
+    """Draft 7's tuple form, `items` as a list with `additionalItems` (2020-12's prefixItems and
+    items): xgrammar refused it ("items must be a boolean or an object"). Each output validates
+    under draft 7."""
+    _outputs(engine, schema, seeds=3)
