@@ -352,7 +352,8 @@ class Chat:
             pass
         overhead = len(self.render([{"role": "user", "content": "x"}])) - len(self._markup("x"))
         tool_text = json.dumps(list(tools), ensure_ascii=False) if tools else ""
-        texts = [json.dumps(m.get("tool_calls"), ensure_ascii=False) + str(m.get("content") or "")
+        # (default=str: calls whose arguments JSON cannot hold, which a call refuses, still count)
+        texts = [json.dumps(m.get("tool_calls"), ensure_ascii=False, default=str) + str(m.get("content") or "")
                  if m.get("tool_calls") else str(m.get("content") or "") for m in messages]
         return len(self._markup(tool_text)) + sum(len(self._markup(t)) + overhead for t in texts)
 

@@ -290,6 +290,13 @@ def test_chat_hibana_counts_with_the_models_tokenizer(engine, monkeypatch):
     # parts of a conversation the template refuses still count, and trim_messages works
     orphan = [ToolMessage("sunny", tool_call_id="c1"), AIMessage("It is sunny.")]
     assert llm.get_num_tokens_from_messages(orphan) >= llm.get_num_tokens("sunnyIt is sunny.")
+    # a call whose arguments JSON cannot hold (a date: invoke refuses it, a ConversationError) counts
+    # too, as its text (it raised TypeError)
+    import datetime
+
+    call = {"name": "get_weather", "args": {"on": datetime.date(2024, 5, 1)}, "id": "c1"}
+    dated = [HumanMessage(text), AIMessage("", tool_calls=[call]), ToolMessage("sunny", tool_call_id="c1")]
+    assert llm.get_num_tokens_from_messages(dated) >= llm.get_num_tokens("2024-05-01sunny")
     long = [SystemMessage("You are helpful.")] + [HumanMessage(f"question {i} " * 20) for i in range(30)]
     kept = trim_messages(long, max_tokens=200, token_counter=llm, strategy="last", include_system=True)
     assert 1 < len(kept) < len(long) and llm.get_num_tokens_from_messages(kept) <= 200
