@@ -95,12 +95,29 @@ def run_agent(engine, agent: int, work: list[Task], tools: list[Tool], params: S
     view.status = "done"
 
 
+@dataclass(frozen=True)
+class AgentFailure:
+    agent: int
+    task: int                    # 1-based: the task the agent was on
+    error: BaseException
+
+    def describe(self, tasks: int) -> str:
+        """One line for stderr, with what to do where the demo's own options are the cause."""
+        from hibana_core import ContextLengthError
+
+        line = f"agent {self.agent} failed at task {self.task} of {tasks}: {type(self.error).__name__}: {self.error}"
+        if isinstance(self.error, ContextLengthError):  # every task of an agent is one conversation
+            line += (f"; each agent asks its tasks in one conversation, whose history outgrew the model's context "
+                     f"by task {self.task}: give fewer --tasks")
+        return line
+
+
 @dataclass
 class DemoResult:
     views: list[AgentView]
     records: list[TurnRecord]    # sorted by turn, then agent
     seconds: float
-    errors: list[BaseException]
+    errors: list[AgentFailure]
 
     @property
     def solved(self) -> int:
@@ -113,14 +130,14 @@ def run_demo(engine, agents: int = 8, n_tasks: int = 3, seed: int = 0, max_token
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     views = [AgentView() for _ in range(agents)]
     records: list[TurnRecord] = []
-    errors: list[BaseException] = []
+    errors: list[AgentFailure] = []
 
     def work(i: int) -> None:
         try:
             run_agent(engine, i, *agent_work(seed, i, n_tasks), params, views[i], records)
         except Exception as exc:  # reported once the others finish
-            views[i].status = f"failed: {exc}"
-            errors.append(exc)
+            views[i].status = f"failed: {type(exc).__name__}"  # the whole error goes to stderr at the end
+            errors.append(AgentFailure(i, views[i].task, exc))
 
     threads = [threading.Thread(target=work, args=(i,), name=f"demo-agent-{i}") for i in range(agents)]
     started = time.perf_counter()
@@ -278,8 +295,8 @@ def main(argv=None, started: float | None = None) -> int:
             console.print(live_table(result.views, args.tasks, result.seconds))
         print_summary(console, result, engine, args.agents * args.tasks)
         console.print(cold.describe(), markup=False, highlight=False)
-    for exc in result.errors:  # on stderr, as every command's errors
-        print(f"hibana demo: an agent failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    for failure in result.errors:  # on stderr, as every command's errors
+        print(f"hibana demo: {failure.describe(args.tasks)}", file=sys.stderr)
     return 1 if result.errors else 0
 
 
