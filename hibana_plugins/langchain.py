@@ -211,6 +211,8 @@ def _text(message: BaseMessage, media_allowed: bool = False) -> str:
             parts.append(block)
         elif block.get("type") == "text" and isinstance(block.get("text"), str):
             parts.append(block["text"])
+        elif block.get("type") == "json" and "json" in block:  # a tool's JSON result, as ToolNode passes it on
+            parts.append(_json_text(block["json"], message))
         elif block.get("type") in _MEDIA_BLOCKS and not media_allowed:
             raise UnsupportedContentError(
                 f"ChatHibana reads text only, and a {message.type} message holds a {block['type']!r} "
@@ -219,6 +221,15 @@ def _text(message: BaseMessage, media_allowed: bool = False) -> str:
             raise ConversationError(f"a {message.type} message holds the block {block!r:.80}; ChatHibana reads "
                                     "strings and {'type': 'text', 'text': '...'} blocks")
     return "".join(parts)  # tool_use / thinking blocks of AI messages: the calls come from tool_calls
+
+
+def _json_text(value: Any, message: BaseMessage) -> str:
+    """A {"type": "json"} block's value as JSON text (the text a tool returning it as a string would give)."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise ConversationError(f"a {message.type} message holds a json block JSON cannot hold ({exc}); "
+                                "give it JSON values, or the result as text") from None
 
 
 def _to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict]:

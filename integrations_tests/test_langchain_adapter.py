@@ -758,14 +758,6 @@ def test_a_call_cut_before_its_name_is_not_resent_as_a_call():
     assert resent_named["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 4'}
 
 
-class BookDict(TypedDict):
-    """Save a book as a structured record."""
-
-    title: Annotated[str, ..., "Title of the book."]
-    author: Annotated[str, ..., "Who wrote it."]
-    year: Annotated[int, ..., "Year of publication."]
-
-
 @pytest.mark.parametrize("method", ["function_calling", "json_schema", "json_mode"])
 def test_a_structured_answer_cut_by_a_stop_or_max_tokens_is_a_parsing_error(method):
     """A structured answer a stop sequence cut came back parsed as a partial dict ({"title": ...,
@@ -818,3 +810,27 @@ def test_structured_output_reads_output_version_v1_content_blocks(method):
     out = cut.with_structured_output(BookDict, method=method, include_raw=True).invoke(BOOK)
     assert out["parsed"] is None and "raise max_tokens" in str(out["parsing_error"])
     assert out["parsing_error"].llm_output.startswith('{"')
+
+
+def test_a_tools_json_block_is_read_as_its_json_text(llm):
+    """A tool run on a tool call (as LangGraph's ToolNode runs it) passes its [{"type": "json",
+    "json": ...}] result on as the ToolMessage's content (a standard tool-result block): ChatHibana
+    refused it with a ConversationError and the agent ended. It reads as the JSON text the tool
+    could have returned."""
+    from hibana_core.chat import ConversationError
+    from hibana_plugins.langchain import _to_chat_messages
+
+    @tool
+    def weather_json(city: str) -> list:
+        """Get the current weather for a city, as JSON."""
+        return [{"type": "json", "json": {"temperature": 21, "condition": "sunny", "city": city}}]
+
+    call = AIMessage("", tool_calls=[{"name": "weather_json", "args": {"city": "Paris"}, "id": "c1"}])
+    result = weather_json.invoke(call.tool_calls[0])
+    assert result.content == [{"type": "json", "json": {"temperature": 21, "condition": "sunny", "city": "Paris"}}]
+    history = [HumanMessage("What's the weather in Paris?"), call, result]
+    assert _to_chat_messages(history)[-1]["content"] == '{"temperature": 21, "condition": "sunny", "city": "Paris"}'
+    reply = llm.bind_tools([weather_json]).invoke(history, max_tokens=4)
+    assert reply.usage_metadata["input_tokens"] > 0
+    with pytest.raises(ConversationError, match="json block"):
+        _to_chat_messages([ToolMessage([{"type": "json", "json": {1, 2}}], tool_call_id="c1")])
