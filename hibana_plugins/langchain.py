@@ -219,7 +219,7 @@ def _text(message: BaseMessage, media_allowed: bool = False) -> str:
                 "block; describe it in text or use a multimodal chat model")
         elif not media_allowed:  # another model's blocks in an AI message (tool_use, thinking) are not content
             raise ConversationError(f"a {message.type} message holds the block {block!r:.80}; ChatHibana reads "
-                                    "strings and {'type': 'text', 'text': '...'} blocks")
+                                    "strings, {'type': 'text', 'text': '...'} and {'type': 'json', 'json': ...} blocks")
     return "".join(parts)  # tool_use / thinking blocks of AI messages: the calls come from tool_calls
 
 
