@@ -570,7 +570,8 @@ class StateRegistry:
     def sync(self, handle: StateHandle, token_ids: Sequence[int], append: bool = False) -> SyncStats:
         tokens = self._validate(token_ids)  # outside the lock: a huge list stalls nobody else
         with self.lock:
-            seq = self._editable(handle).seq
+            entry = self._editable(handle)
+            seq = entry.seq
             tokens = self._check_length(seq.tokens + tokens if append else tokens)
             self._check_fits(seq, len(tokens))
             seq.set_tokens(tokens)
@@ -578,8 +579,8 @@ class StateRegistry:
             if seq.num_uncomputed == 0:
                 self.core.outputs.counters.prompt_reused += len(seq)
                 return SyncStats(reused=len(seq), computed=0)
-            events = self.core.submit(Request(seq, None, max_len=self.limits.max_model_len, state_id=handle.id),
-                                      None)
+            events = self.core.submit(Request(seq, None, max_len=self.limits.max_model_len, state_id=handle.id,
+                                              use=entry.use), None)
         for _ in events:
             pass
         with self.lock:  # close_state cancels, frees and marks the handle under it: all or none seen
@@ -643,7 +644,7 @@ class StateRegistry:
             entry.use.priority = params.priority  # also how long its KV is kept once idle
             generator = make_generator(params.seed, self.limits.device) if params.seed is not None else None
             request = Request(seq, params, generator, stops, self.limits.max_model_len, state_id=handle.id,
-                              grammar=grammar)
+                              grammar=grammar, use=entry.use)
             request.forced, entry.forced = entry.forced, None
             return self.core.submit(request, loop)
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 from hibana_core.config import SamplingParams, SchedulerConfig
 from hibana_core.errors import GrammarError, MemoryBudgetError, QueueTimeoutError
 from hibana_core.kv.block_pool import BlockPool
-from hibana_core.kv.policies import Eviction
+from hibana_core.kv.policies import Eviction, StateUse
 from hibana_core.kv.sequence import KVSequence, common_prefix_len
 from hibana_core.speculation.drafters import SampledDraft, cut
 
@@ -86,6 +86,7 @@ class Request:
     queued_at: float = 0.0                 # time.monotonic() when it joined the queue
     front: bool = False                    # preempted, or admitted without room: first in line again
     started: bool = False                  # a chunk of it was scheduled: no queue timeout any more
+    use: StateUse | None = None            # its state's use (the registry's): last used when the request ends
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.seq)
@@ -628,6 +629,8 @@ class Scheduler:
         request.seq.commit_full_blocks()
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        if request.use is not None:  # a long generation used its state until now, not only at its call
+            request.use.last_use = time.monotonic()
         self._finished.append(request)
         if self.speculation is not None:
             self.speculation.finished(request)

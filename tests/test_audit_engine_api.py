@@ -65,3 +65,32 @@ def test_the_least_budget_a_windowed_model_is_told_serves_a_request(gemma3_small
     got = engine.open_state("a").generate(SamplingParams(max_tokens=30, ignore_eos=True), prompt=prompt)
     assert got.finish_reason == "length" and len(got.token_ids) == 30
     tiny_models.assert_greedy_matches(gemma3_small, prompt, got.token_ids)
+
+
+@pytest.fixture(scope="module")
+def qwen2_mha(tmp_path_factory):
+    """A qwen2 of five query heads over five KV heads (head_dim 8), vocabulary 520, 256 positions."""
+    return tiny_models.make_tiny_checkpoint("qwen2", tmp_path_factory.mktemp("audit") / "qwen2", seed=77,
+                                            vocab_size=520, max_position_embeddings=256, hidden_size=40,
+                                            num_attention_heads=5, num_key_value_heads=5)
+
+
+def test_a_generation_uses_its_state_until_it_ends(qwen2_mha, make_engine):
+    # a state's last use was its call's start: a state that generated until a moment ago looked
+    # older than one synced while it generated, and least-recently-used eviction took it first
+    engine = make_engine(qwen2_mha, block_size=4, num_blocks=40, host_kv_bytes=0, eviction_policy="lru",
+                         speculation="off")
+    a, b = engine.open_state("a"), engine.open_state("b")
+    events = a.stream(SamplingParams(max_tokens=200, ignore_eos=True), prompt=[1, 2, 3, 4])
+    next(events)
+    b.sync(list(range(10, 22)))  # while a generates
+    events.stop()
+    done = [ev for ev in events if ev.completion is not None][0].completion
+    assert done.finish_reason == "cancelled"
+    info = {s.id: s for s in engine.states()}
+    assert info["a"].last_use > info["b"].last_use
+    # room for one more block than is free: the least recently used idle state alone leaves
+    free = engine.stats().kv_blocks_total - engine.stats().kv_blocks_used
+    engine.open_state("c").sync(list(range(100, 100 + 4 * (free + 1))))
+    tiers = {s.id: s.tier for s in engine.states()}
+    assert tiers == {"a": "device", "b": "none", "c": "device"}
