@@ -646,6 +646,40 @@ def test_the_start_up_profile_outlasts_a_burst_of_other_work(monkeypatch):
     assert model.seconds == pytest.approx([0.001] * len(model.seconds)), model.seconds
 
 
+def test_the_start_up_profile_keeps_to_its_time(monkeypatch):
+    """A model whose steps take seconds (a large model on a CPU, or a busy one) is profiled in about
+    PROFILE_SECONDS of timed steps: the ladder stops growing once its timings, taken three times,
+    would outlast them, the rounds once they are spent; the counts left untimed follow the line
+    through the last two timings (a step that reads its weights once: a few tokens more cost
+    little more). (The whole ladder, four times over, took minutes.) A warm-up's time (kernels
+    compiling) is not counted: a first step of seconds must not cut the ladder to one count. The
+    clock is the test's own, moved by `forward`."""
+    import types
+
+    from hibana_core.speculation import speculator
+
+    calls, clock = [], [0.0]
+
+    def forward(n: int) -> None:
+        calls.append(n)
+        clock[0] += 0.5 + 0.01 * n  # the weights' read, and a little a token
+
+    monkeypatch.setattr(speculator, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    model = speculator.profile_step_costs(forward, 256, lambda: None, budget=2.0)
+    # 1.03 s timed by 2 tokens, three times over: past 2 s
+    assert calls == [1, 1, 2, 2, 1, 2], "warm-up and timing a count, then a round to 2.06 s"
+    assert model.points == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    for n in (1, 2, 5, 64, 256):
+        assert model.cost(n, False) == pytest.approx(0.5 + 0.01 * n), n
+
+    def compiling(n: int) -> None:  # the first step takes 30 s (kernels compile), then 1 ms each
+        clock[0] += 30.0 if n not in seen else 0.001
+        seen.add(n)
+
+    seen: set[int] = set()
+    assert speculator.profile_step_costs(compiling, 256, lambda: None, budget=2.0).points[-1] == 256
+
+
 # --- configuration -------------------------------------------------------------------------------
 
 

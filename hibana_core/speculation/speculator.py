@@ -526,25 +526,48 @@ def _tokens(proposal: "list[int] | SampledDraft") -> list[int]:
 
 PROFILE_ROUNDS = 3
 """Timings per token count in the start-up profile of step costs (the best one counts)."""
+PROFILE_SECONDS = 2.0
+"""About as long as the start-up profile's timed steps may take, its warm-ups (kernels compiling)
+apart: the ladder stops growing once its timings so far, taken `rounds` times, would outlast it,
+and the rounds stop once it is spent. A CPU running a large model takes seconds a 256-token step
+(the whole ladder, four times over, took minutes), and a busy one several times as long as an idle
+one (the demo's warm-up took 23 s to 154 s with other work on the machine). The counts left untimed
+follow the line through the last two timed ones: a step that reads its weights once costs little
+more for a few tokens more, where cost in proportion to tokens (`StepCostModel` past its points)
+would make a verify step look too dear to run, and so it would never be timed to correct it."""
 
 
 def profile_step_costs(forward: Callable[[int], None], max_tokens: int, sync: Callable[[], None],
-                       rounds: int = PROFILE_ROUNDS) -> StepCostModel:
+                       rounds: int = PROFILE_ROUNDS, budget: float = PROFILE_SECONDS) -> StepCostModel:
     """Time `forward(num_tokens)` on the device at a ladder of token counts: a coarse prior, which
     the steps the engine runs then refine (`StepCostModel.observe`). Each count's best of `rounds`
     timings, taken round after round over the whole ladder, so that a burst of other work on the
     machine slows one timing of several counts rather than every timing of a few (best of two in
     a row timed 2- to 256-token steps 50x too slow on a busy CPU: verify steps looked too dear
-    to run, and so were never timed again)."""
-    points = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= max(max_tokens, 1)]
-    for n in points:
-        forward(n)  # warm up (kernels compile, caches fill)
-    seconds = [float("inf")] * len(points)
-    for _ in range(rounds):
+    to run, and so were never timed again). Its timed steps take about `budget` seconds at most
+    (PROFILE_SECONDS)."""
+    def timed(n: int) -> float:
+        sync()
+        start = time.perf_counter()
+        forward(n)
+        sync()
+        return time.perf_counter() - start
+
+    ladder = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= max(max_tokens, 1)]
+    seconds: list[float] = []
+    for n in ladder:
+        if seconds and sum(seconds) * rounds > budget:
+            break
+        forward(n)  # warm up (kernels compile, caches fill), then the first timing
+        seconds.append(timed(n))
+    spent, points = sum(seconds), ladder[:len(seconds)]
+    for _ in range(rounds - 1):
+        if spent > budget:
+            break
         for i, n in enumerate(points):
-            sync()
-            start = time.perf_counter()
-            forward(n)
-            sync()
-            seconds[i] = min(seconds[i], time.perf_counter() - start)
-    return StepCostModel(points, seconds, sync_overhead=0.1 * seconds[0])
+            taken = timed(n)
+            seconds[i], spent = min(seconds[i], taken), spent + taken
+    if len(points) < len(ladder):  # untimed: on the line through the last two timings (PROFILE_SECONDS)
+        slope = (seconds[-1] - seconds[-2]) / (points[-1] - points[-2]) if len(points) > 1 else 0.0
+        seconds += [seconds[-1] + max(slope, 0.0) * (n - points[-1]) for n in ladder[len(points):]]
+    return StepCostModel(ladder, seconds, sync_overhead=0.1 * seconds[0])
