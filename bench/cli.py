@@ -214,13 +214,14 @@ def _check_model(parser: argparse.ArgumentParser, model: str) -> Path | None:
     """The checkpoint directory `model` names (None for a preset), or exit with a usage error
     unless it is a preset or a checkpoint that can be found."""
     from hibana_core import HibanaError
-    from hibana_core.loader import family_of, read_model_type, resolve_checkpoint
+    from hibana_core.loader import family_of, read_model_type, resolve_checkpoint, weight_files
 
     if model in PRESETS:
         return None
     try:
         path = resolve_checkpoint(model, progress=True)  # a repo id is downloaded here, once
         family_of(read_model_type(path))  # an architecture no family serves: UnsupportedModelError, listing them
+        weight_files(path)  # no safetensors (a pytorch_model.bin alone): said here, not by a cold-start subprocess
         return path
     except HibanaError as exc:
         parser.error(f"--model: {exc} (or name a preset: {', '.join(PRESETS)})")

@@ -320,7 +320,9 @@ def planned_model(model: str, dtype: torch.dtype) -> tuple[int, Any]:
     return model_bytes(module.to(dtype=dtype)) + rotary_bytes(module), args
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files a checkpoint directory's weights are read from, or a CheckpointError
+    saying what is missing."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -348,7 +350,7 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
     has its packed layers repacked, an FP8 one keeps its fp8 layers' codes and scales."""
     from safetensors import safe_open
 
-    files = _weight_files(path)
+    files = weight_files(path)
     try:
         handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     except Exception as exc:
@@ -707,7 +709,7 @@ def _fingerprint(path: Path) -> str:
         if file.is_file():
             digest.update(name.encode() + file.read_bytes())
     try:
-        files = _weight_files(path)
+        files = weight_files(path)
     except CheckpointError:
         files = []  # loading the weights says what is wrong
     for file in files:

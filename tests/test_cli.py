@@ -451,6 +451,25 @@ def test_bench_refuses_a_checkpoint_of_an_unsupported_model_type_in_one_line(tin
     assert exit_.value.code == 2 and "'qwen4' is not supported" in err and "qwen3" in err and "Traceback" not in err
 
 
+def test_bench_refuses_a_checkpoint_without_safetensors_before_anything_loads(tiny_checkpoints, tmp_path, capsys):
+    """A pytorch_model.bin alone passed bench's check and failed in the cold-start subprocess, which
+    printed its traceback: now the loader's CheckpointError as the usage error, exit 2."""
+    import shutil
+
+    from hibana_bench.cli import main
+
+    binary = tmp_path / "bin_only"
+    shutil.copytree(tiny_checkpoints["qwen3"], binary)
+    for weights in binary.glob("*.safetensors*"):
+        weights.unlink()
+    (binary / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(SystemExit) as exit_:
+        main(["decode", "--model", str(binary), "--device", "cpu", "--systems", "hibana", "--context", "16",
+              "--generate", "4"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "no *.safetensors weights" in err and "Traceback" not in err
+
+
 def test_bench_decode_runs_each_system_with_and_without_pdl(tiny_checkpoints, tmp_path, capsys):
     """`--pdl on,off`: each Hibana system twice, the second row named SYSTEM/pdl-off (on the CPU
     both launch plainly; the rows still come); a value other than on and off is refused."""
