@@ -450,13 +450,13 @@ class Engine:
             full = sched.max_concurrent_agents * -(-self.max_model_len // cache.block_size) \
                 * len(self.kv_layout.groups)
             kv_bytes = min(kv_bytes, 2 * full * per_block)
-        least = self._least_pages()
-        if kv_bytes < least * per_block:
+        pages = self._least_pages()
+        if kv_bytes < pages * per_block:
             limit = ("" if self.device.type == "cuda" else f", at most max_kv_bytes_cpu={cache.max_kv_bytes_cpu:,}")
             raise MemoryBudgetError(
                 f"the KV cache sized from free memory holds {kv_bytes:,} bytes (memory_fraction="
                 f"{cache.memory_fraction:g} of {self.device_memory.free:,} free{limit}), fewer than two blocks "
-                f"({self._two_blocks(per_block)}, block_size={cache.block_size}); raise memory_fraction, lower "
+                f"({self._two_blocks(pages, per_block)}, block_size={cache.block_size}); raise memory_fraction, lower "
                 "block_size, free memory, or set memory_budget / kv_device_blocks")
         return kv_bytes // per_block
 
@@ -467,10 +467,10 @@ class Engine:
         layout = self.kv_layout
         return -(-2 * layout.num_layers // layout.page_layers) + layout.windowed
 
-    def _two_blocks(self, per_block: int) -> str:
-        """The bytes of `_least_pages`, as an error message says them."""
-        least = self._least_pages()
-        return f"{least * per_block:,} bytes" + (f": {least} pages of {per_block:,}" if least != 2 else "")
+    @staticmethod
+    def _two_blocks(pages: int, per_block: int) -> str:
+        """The bytes of `_least_pages`' pages, as an error message says them."""
+        return f"{pages * per_block:,} bytes" + (f": {pages} pages of {per_block:,}" if pages != 2 else "")
 
     def _blocks_in_budget(self, per_block: int, weight_bytes: int, kv_dtype: torch.dtype) -> int:
         """KV blocks that fit the budget once the weights, the workspace and a drafter's own model
@@ -504,7 +504,7 @@ class Engine:
             least = fixed + max(math.ceil(pages * per_block * (1 + draft_share)), pages * per_block + draft_least)
             raise MemoryBudgetError(
                 f"memory_budget={given!r} ({budget:,} bytes) cannot hold {parts} bytes and two KV blocks "
-                f"({self._two_blocks(per_block)}); raise it to at least {least:,} bytes, lower "
+                f"({self._two_blocks(pages, per_block)}); raise it to at least {least:,} bytes, lower "
                 + ("host_kv_bytes, " if host_bytes else "")
                 + "max_num_batched_tokens / max_concurrent_agents (the workspace), or pick a smaller model")
         return kv_bytes // per_block

@@ -357,8 +357,7 @@ def tool_choice(choice: str | dict | None, tools: list[dict] | None) -> tuple[st
         return normalize_tool_choice(choice, tools), tools
     kind = choice.get("type")
     if kind == "function":
-        function = choice.get("function", choice)  # the Responses API's form names the tool at the top level
-        name = function.get("name") if isinstance(function, dict) else None
+        name = _named_tool(choice)  # (the Responses API's form names the tool at the top level)
         offered = [t["function"]["name"] for t in tools or ()]
         if name not in offered:  # "none" or "auto" here names a tool, not a mode
             raise ApiError(400, f"tool_choice.function.name is {name!r:.80}; name one of the tools offered: "
@@ -387,8 +386,8 @@ def allowed_tools(spec: Any, tools: list[dict] | None) -> tuple[str, list[dict]]
 
 
 def _named_tool(entry: Any) -> Any:
-    """The name in an `allowed_tools` entry: {"type": "function", "function": {"name": ...}}, or
-    the Responses API's {"type": "function", "name": ...} (as a named tool_choice takes it)."""
+    """The name in a named tool_choice or an `allowed_tools` entry: {"type": "function", "function":
+    {"name": ...}}, or the Responses API's {"type": "function", "name": ...}."""
     if not isinstance(entry, dict):
         return None
     function = entry.get("function", entry)
