@@ -17,7 +17,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from hibana_core.errors import ConfigError, GrammarError
 from hibana_core.kv.budget import parse_budget, parse_bytes
@@ -440,6 +440,7 @@ GREEDY_TEMPERATURE = 1e-5
 
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for each bias: [-100, 100]
 """The most alternatives per token `top_logprobs` may ask for (OpenAI's limit)."""
 
 
@@ -463,6 +464,11 @@ class SamplingParams:
     """OpenAI-style: subtract from logits of tokens generated at least once."""
     frequency_penalty: float = 0.0
     """OpenAI-style: subtract count * penalty from logits of generated tokens."""
+    logit_bias: Mapping[int, float] | None = None
+    """OpenAI-style: token id -> a bias in [-100, 100] added to its logit at every position (before
+    the penalties, after a grammar's mask: a bias never lets a forbidden token through); -100
+    bans a token in practice and 100 all but forces it. Stored as a dict of ints to floats; ids
+    outside the model's vocabulary are refused when the request is submitted."""
     seed: int | None = None
     """Per-request seed: same seed, same tokens, whatever else shares the batch."""
     stop_token_ids: Sequence[int] = ()
@@ -538,6 +544,23 @@ class SamplingParams:
                and all(is_kind(t, int) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        _check(isinstance(bias, Mapping), f"logit_bias must be a dict of token id -> bias, got {bias!r:.80}")
+        checked: dict[int, float] = {}
+        for token, value in bias.items():
+            if isinstance(token, str) and token.strip().lstrip("+").isdigit():  # JSON's keys (OpenAI's form)
+                token = int(token)
+            _check(is_kind(token, int) and token >= 0,
+                   f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            _check(is_kind(value, float) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS,
+                   f"logit_bias[{token}] must lie in [-100, 100], got {value!r}")
+            checked[int(token)] = float(value)
+        object.__setattr__(self, "logit_bias", checked or None)
 
     @property
     def greedy(self) -> bool:

@@ -607,6 +607,11 @@ class StateRegistry:
             raise InvalidTokenError(f"stop_token_ids {outside[:5]} lie outside the vocabulary [0, "
                                     f"{self.limits.vocab_size}): the model never emits them; give ids of this "
                                     "model's tokenizer", field="stop_token_ids")
+        outside = [t for t in params.logit_bias or () if t >= self.limits.vocab_size]
+        if outside:
+            raise InvalidTokenError(f"logit_bias names token ids {outside[:5]} outside the vocabulary [0, "
+                                    f"{self.limits.vocab_size}); give ids of this model's tokenizer",
+                                    field="logit_bias")
         if loop is not None and self._compiles_on_loop(params):
             return CompilingEvents(functools.partial(self.grammars.compile, params),
                                    functools.partial(self.generate, handle, params, prompt, loop))

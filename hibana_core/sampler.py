@@ -3,7 +3,7 @@ top-k/p, min-p.
 
 The order follows Hugging Face and vLLM:
 
-    (constrained rows: grammar mask) -> penalties -> (greedy rows: argmax) -> temperature
+    (constrained rows: grammar mask) -> logit bias -> penalties -> (greedy rows: argmax) -> temperature
     -> top-k -> top-p -> min-p -> sample -> (rows verifying a drawn draft: kept at min(1, p/q))
 
 A grammar mask (`TokenMasks`, filled on the host by `hibana_core.grammar`) sets the logits of the
@@ -139,10 +139,13 @@ class Sampler:
         params = [row.params for row in rows]
         greedy = [p.greedy for p in params]
         penalised = any(needs_history(p) for p in params)
-        if all(greedy) and not penalised:
+        biased = any(p.logit_bias for p in params)
+        if all(greedy) and not penalised and not biased:
             return logits.argmax(dim=-1), None  # the hot path: nothing else runs (a row with q samples)
 
         x = logits.float()  # [B, V]; may be `logits` itself, so every op below is out of place
+        if biased:
+            x = apply_logit_bias(x, params)
         if penalised:
             x = apply_penalties(x, rows)
         if all(greedy):
@@ -287,6 +290,29 @@ def draw_seed(seed: int, draw: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def apply_logit_bias(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Each row's `logit_bias` added to its logits (OpenAI's and vLLM's form: token id -> bias).
+
+    x: float32 logits [B, V], not modified; the same x when no row has a bias. Ids at or past V
+    are left out (the engine refuses them; a drafter's narrower vocabulary may not reach them)."""
+    rows: list[int] = []
+    ids: list[int] = []
+    values: list[float] = []
+    vocab = x.shape[1]
+    for i, p in enumerate(params):
+        for token, value in (p.logit_bias or {}).items():
+            if token < vocab:
+                rows.append(i)
+                ids.append(token)
+                values.append(value)
+    if not rows:
+        return x
+    bias = torch.zeros_like(x)
+    bias.index_put_((device_tensor(rows, torch.int64, x.device), device_tensor(ids, torch.int64, x.device)),
+                    device_tensor(values, torch.float32, x.device))
+    return x + bias  # -inf (a grammar's mask) stays -inf
 
 
 def apply_penalties(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -505,6 +505,8 @@ class ChatHibana(BaseChatModel):
     """OpenAI-style, in [-2, 2]."""
     frequency_penalty: float = 0.0
     """OpenAI-style, in [-2, 2]."""
+    logit_bias: dict[int, float] | None = None
+    """OpenAI-style: token id -> bias in [-100, 100] added to its logit (-100 bans the token)."""
     logprobs: bool = False
     """Return each generated token's log-probability in `response_metadata["logprobs"]`
     (OpenAI's shape: {"content": [{"token", "bytes", "logprob", "top_logprobs"}]})."""

@@ -278,6 +278,8 @@ def llm_class() -> type:
                                           "alias repeat_penalty.")
         presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="OpenAI-style.")
         frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="OpenAI-style.")
+        logit_bias: Optional[dict[int, float]] = Field(default=None, description="OpenAI-style: token id -> "
+                                                       "bias in [-100, 100] added to its logit (-100 bans it).")
         stop: Optional[list[str]] = Field(default=None, description="Strings that end the reply (cut from it).")
         timeout: Optional[float] = Field(default=None, gt=0, description="Seconds one call may take, checked as "
                                          "tokens arrive (ChatTimeoutError); alias request_timeout (Ollama's).")

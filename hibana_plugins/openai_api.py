@@ -5,8 +5,8 @@
 
 `hibana_plugins.server` does the HTTP (FastAPI); this module only reads and writes the JSON, so
 that what a request means can be tested without a server. A request the spec allows but Hibana
-cannot serve (logit_bias) is an ApiError, as is every malformed one: each says which field is
-wrong (`param`), as OpenAI's errors do.
+cannot serve (audio, web search) is an ApiError, as is every malformed one: each says which field
+is wrong (`param`), as OpenAI's errors do.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class SamplingRequest(BaseModel):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)  # vLLM's: no upper bound
     user: str | None = Field(None, max_length=MAX_STATE_ID)
-    logit_bias: dict[str, Any] | None = None  # refused when given (`chat_call`)
+    logit_bias: dict[str, Any] | None = None  # token id (a string, as JSON's keys) -> bias in [-100, 100]
     ignore_eos: bool | None = None  # vLLM's too: run on past the end-of-sequence tokens
     stop_token_ids: list[int] | None = None  # vLLM's: token ids that end the reply as a stop string does
 
@@ -135,7 +135,7 @@ class SamplingRequest(BaseModel):
 class ChatRequest(SamplingRequest):
     """The fields of a chat-completions request. As OpenAI does, a field the API does not know is
     refused; fields it knows that change nothing here (metadata, store, ...) are accepted, and
-    those Hibana cannot honour (logit_bias) are refused when asked for."""
+    those Hibana cannot honour (audio, web search) are refused when asked for."""
 
     messages: list[dict[str, Any]] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
@@ -239,8 +239,6 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
     if n > 1 and state_header is not None:
         raise ApiError(400, f"n={n}: the {STATE_HEADER} header pins one state, and each choice is a turn on a state "
                             "of its own; ask n=1 with it", "n")
-    if request.logit_bias:
-        raise ApiError(400, "logit_bias is not supported by Hibana; leave it out", "logit_bias")
     if request.stop_token_ids and not all(t >= 0 for t in request.stop_token_ids):
         raise ApiError(400, "stop_token_ids: token ids are 0 or more", "stop_token_ids")
     chat = isinstance(request, ChatRequest)
@@ -275,13 +273,31 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
         ignore_eos=bool(request.ignore_eos), stop_token_ids=tuple(request.stop_token_ids or ()),
         json_schema=response_schema(request.response_format) if chat else None,
         strict_schema=strict_schema(request.response_format) if chat else True,  # (completions have none)
-        logprobs=logprobs, top_logprobs=(request.top_logprobs or 0) if logprobs else 0)
+        logprobs=logprobs, top_logprobs=(request.top_logprobs or 0) if logprobs else 0,
+        logit_bias=logit_bias(request.logit_bias))
     explicit = state_header or request.user or None  # an empty user names no one (OpenAI takes it)
     return ChatCall(listed, tools, choice, not chat or request.parallel_tool_calls is not False, params, explicit,
                     fallback=state_header is None, stream=bool(request.stream),
                     include_usage=bool(request.stream_options and request.stream_options.include_usage), n=n,
                     reasoning=thinking_switch(request) if chat else None,
                     effort=reasoning_level(request) if chat else None)
+
+
+def logit_bias(given: dict[str, Any] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias ({"token id": bias}, the bias in [-100, 100]) as SamplingParams takes
+    it; ApiError for a key that is no token id or a bias out of range (ids past the model's
+    vocabulary are the engine's InvalidTokenError, a 400 naming the field too)."""
+    if not given:
+        return None
+    bias = {}
+    for key, value in given.items():
+        if not key.strip().isdigit():
+            raise ApiError(400, f"logit_bias: keys are token ids (\"1234\"), got {key!r:.40}", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise ApiError(400, f"logit_bias[{key.strip()}]: a bias is a number in [-100, 100], got {value!r:.40}",
+                           "logit_bias")
+        bias[int(key)] = float(value)
+    return bias
 
 
 def choice_calls(call: ChatCall) -> list[ChatCall]:

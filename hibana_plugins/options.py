@@ -31,7 +31,8 @@ from hibana_core.speculation.speculator import check_method
 from hibana_plugins.manager import get_plugin_manager
 
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
-            "presence_penalty", "frequency_penalty", "stop", "logprobs", "top_logprobs", "speculation")
+            "presence_penalty", "frequency_penalty", "logit_bias", "stop", "logprobs", "top_logprobs",
+            "speculation")
 """The SamplingParams fields an adapter takes on the object and per call, under the same names."""
 
 ALIASES = {"num_predict": "max_tokens", "repeat_penalty": "repetition_penalty", "num_ctx": "max_model_len",

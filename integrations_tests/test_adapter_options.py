@@ -178,6 +178,33 @@ def test_chat_hibana_call_options_reach_the_sampler(engine):
     assert penalised.content != ChatHibana(engine=engine, max_tokens=24).invoke(PROMPT).content
 
 
+def _first_token(engine, text: str) -> int:
+    return engine.tokenizer.encode(text, add_special_tokens=False)[0]
+
+
+def test_chat_hibana_logit_bias_on_the_object_and_per_call(engine):
+    """OpenAI's logit_bias (as ChatOpenAI takes it): the greedy reply's first token banned, the
+    reply starts otherwise; the same per call; a bias out of range is a ConfigError at once."""
+    llm = ChatHibana(engine=engine, max_tokens=8)
+    plain = llm.invoke(PROMPT).content
+    ban = {_first_token(engine, plain): -100}
+    biased = ChatHibana(engine=engine, max_tokens=8, logit_bias=ban).invoke(PROMPT).content
+    assert biased and _first_token(engine, biased) not in ban
+    assert llm.invoke(PROMPT, logit_bias=ban).content == biased
+    assert llm.invoke(PROMPT).content == plain  # the call's bias is the call's alone
+    with pytest.raises(ConfigError, match="logit_bias"):
+        ChatHibana(logit_bias={1: 500})
+
+
+def test_hibana_llm_logit_bias(engine):
+    llm = HibanaLLM(engine=engine, max_tokens=8)
+    plain = llm.complete(PROMPT).text
+    ban = {_first_token(engine, plain.lstrip()): -100}
+    biased = HibanaLLM(engine=engine, max_tokens=8, logit_bias=ban).complete(PROMPT).text
+    assert biased != plain
+    assert llm.complete(PROMPT, logit_bias=ban).text == biased
+
+
 # --- LlamaIndex --------------------------------------------------------------------------------------
 
 def test_hibana_llm_refuses_unknown_options_before_loading():

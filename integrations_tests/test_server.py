@@ -316,6 +316,22 @@ def test_vllm_stop_token_ids_and_ignore_eos(client, engine):
     assert caught.value.body["param"] == "stop_token_ids"  # was "prompt", a field a chat request has not
 
 
+def test_logit_bias_bans_and_favours_tokens_and_bad_biases_are_400s(client, engine, base_url):
+    """logit_bias was refused (a 400); it biases the logits now, as OpenAI's and vLLM's: the greedy
+    reply's first token at -100 never starts the reply again; keys that are no token id, biases
+    out of [-100, 100] and ids past the vocabulary are 400s naming the field."""
+    ask = dict(model="demo", messages=[{"role": "user", "content": "Tell me something."}], max_tokens=16)
+    greedy = client.chat.completions.create(**ask).choices[0]
+    first = engine.tokenizer.encode(greedy.message.content, add_special_tokens=False)[0]
+    biased = client.chat.completions.create(**ask, logit_bias={str(first): -100}).choices[0]
+    assert biased.message.content != greedy.message.content
+    assert engine.tokenizer.encode(biased.message.content, add_special_tokens=False)[0] != first
+    hi = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for bias in ({"x": 1}, {"5": 101}, {"5": "high"}, {str(engine.vocab_size): 1}):
+        status, reply = post(base_url, json.dumps({**hi, "logit_bias": bias}).encode())
+        assert status == 400 and reply["error"]["param"] == "logit_bias", (bias, reply)
+
+
 def test_openai_fields_known_but_not_served_are_taken_as_null_and_refused_otherwise(base_url):
     """Clients that write every field send `"audio": null`, `"functions": null`: those were 400
     "Unrecognized request argument" (a field OpenAI knows); null is taken now, and a value is a 400

@@ -45,7 +45,7 @@ from hibana_core.kv.transfers import device_tensor
 from hibana_core.loader import LoadedModel, load_model, model_bytes
 from hibana_core.models.decoder import longrope_switch, rotary_bytes
 from hibana_core.runner import DeviceInput, ModelRunner, StepData
-from hibana_core.sampler import apply_warpers, draw, make_generator
+from hibana_core.sampler import apply_logit_bias, apply_warpers, draw, make_generator
 from hibana_core.speculation.drafters import DraftInput, SampledDraft, samples_drafts
 
 
@@ -390,11 +390,16 @@ class DraftModelDrafter:
         if not with_q:
             return tokens
         rows = device_tensor(with_q, torch.long, self.device)
-        q = apply_warpers(logits.index_select(0, rows).float(), [work[s].params for s in with_q]).softmax(dim=-1)
+        params = [work[s].params for s in with_q]
+        x = logits.index_select(0, rows).float()
+        if any(p.logit_bias for p in params):  # the request's bias moves q, and its argmax with it
+            x = apply_logit_bias(x, params)
+            tokens = tokens.index_copy(0, rows, x.argmax(dim=-1))
+        q = apply_warpers(x, params).softmax(dim=-1)
         probs[device_tensor([slots[work[s].index] for s in with_q], torch.long, self.device), step] = q
         drawn = [j for j, s in enumerate(with_q) if work[s].draw]
         if not drawn:
-            return tokens  # (a chosen draft is the argmax of q as of the logits: the warpers keep it)
+            return tokens  # (a chosen draft is the argmax of q as of the biased logits: the warpers keep it)
         at = device_tensor(drawn, torch.long, self.device)
         return tokens.index_copy(0, rows.index_select(0, at), draw(q.index_select(0, at), self.generator)[:, 0])
 
