@@ -48,7 +48,7 @@ from hibana_plugins.manager import PluginError, describe_registered, get_plugin_
 
 if TYPE_CHECKING:
     from hibana_core.engine import Engine
-    from hibana_core.state import StateHandle
+    from hibana_core.state import StateHandle, TokenLogprob
 
 logger = logging.getLogger("hibana.states")
 
@@ -545,6 +545,11 @@ class Chat:
         logprobs = result.logprobs
         if logprobs and result.finish_reason != "length" and logprobs[-1].token_id in self.stop_token_ids:
             logprobs = logprobs[:-1]
+        return self.openai_token_logprobs(logprobs)
+
+    def openai_token_logprobs(self, logprobs: "Sequence[TokenLogprob]") -> list[dict]:
+        """Token log-probabilities in OpenAI's shape, as `openai_logprobs` gives a result's (a
+        streamed delta's: `ChatDelta.logprobs`)."""
         tokenizer = self.engine.tokenizer
         if self._token_bytes is None:
             self._token_bytes = token_bytes(tokenizer)

@@ -85,6 +85,9 @@ class ChatDelta:
     result: ChatResult | None = None
     reasoning: str = ""       # a piece of the model's thinking
     cut_call: bool = False    # `text` is a call max_tokens cut off (ChatResult.cut_call)
+    logprobs: "tuple[TokenLogprob, ...]" = ()
+    """With params.logprobs: those of the tokens generated since the last delta that carried any
+    (the first delta a step's tokens made carries them; the result carries all of them)."""
 
 
 # --- the tool-call grammar ----------------------------------------------------------------------------
@@ -376,6 +379,7 @@ class TurnRun:
         self.stopped = False       # the turn ended its request itself (`stop_now`)
         self.called_tools = False  # the turn ended in tool calls (set by `finish`)
         self.logprobs: "list[TokenLogprob] | None" = [] if params.logprobs else None
+        self._logprobs_given = 0   # how many of them deltas carried (`_with_logprobs`)
         self._reasoned = 0         # how much of the parser's own reasoning (harmony's analysis) was streamed
         self.reasoning_tokens = 0  # generated tokens of the thinking (`_count_reasoning`)
         self._undecided = 0        # tokens before the turn showed whether it opens a think block
@@ -399,12 +403,20 @@ class TurnRun:
         known = event.control_spans is not None  # an event relayed without them: markers read from text
         text = GeneratedText(event.text, event.control_spans) if known else event.text
         if event.token_id is None:
-            return self._feed(text)
+            return self._with_logprobs(self._feed(text))
         mode = self.thinking.mode if self.thinking is not None else None
         reasoned = len(getattr(self.stream, "reasoning", ""))
         deltas = self._feed(text)
         self._count_reasoning(mode, reasoned)
-        return deltas
+        return self._with_logprobs(deltas)
+
+    def _with_logprobs(self, deltas: list[ChatDelta]) -> list[ChatDelta]:
+        """`deltas` with the log-probabilities of the tokens since the last ones given on the
+        first of them (none given where no delta came: they wait for the next one)."""
+        if not deltas or not self.logprobs or self._logprobs_given == len(self.logprobs):
+            return deltas
+        given, self._logprobs_given = self.logprobs[self._logprobs_given:], len(self.logprobs)
+        return [dataclasses.replace(deltas[0], logprobs=tuple(given)), *deltas[1:]]
 
     def _count_reasoning(self, mode: str | None, reasoned: int) -> None:
         """Count a generated token as thinking: one fed inside a think block (its closing tag's

@@ -1,7 +1,7 @@
 """OpenAI's chat-completions (and legacy completions) wire format on Hibana's chat layer, no HTTP.
 
     JSON body --ChatRequest / CompletionRequest (checked)--> ChatCall: tools, SamplingParams, state id
-    ChatDelta --Reply.chunk()--> one `chat.completion.chunk` (SSE);  ChatResult --completion()--> the reply
+    ChatDelta --Reply.chunk()--> one `chat.completion.chunk` (SSE), its tokens' logprobs with it;  ChatResult --completion()--> the reply
 
 `hibana_plugins.server` does the HTTP (FastAPI); this module only reads and writes the JSON, so
 that what a request means can be tested without a server. A request the spec allows but Hibana
@@ -19,7 +19,7 @@ import time
 import urllib.parse
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -27,6 +27,9 @@ from hibana_core.chat import REASONING_EFFORTS, TokenIds, assistant_message
 from hibana_core.config import SamplingParams
 from hibana_core.messages import normalize_tool_choice, normalize_tools
 from hibana_core.turn import ChatDelta, ChatResult, Usage, openai_finish_reason
+
+if TYPE_CHECKING:
+    from hibana_core.chat import Chat
 
 STATE_HEADER = "X-Hibana-State"
 MAX_STATE_ID = 256  # characters of an id a client names its state by
@@ -499,17 +502,40 @@ def strict_schema(response_format: dict | None) -> bool:
 class Reply:
     """The id, time and model that every chunk of one reply carries."""
 
-    def __init__(self, model: str, logprobs: Callable[[ChatResult], list[dict] | None] = lambda _: None,
-                 n: int = 1) -> None:
+    def __init__(self, model: str, chat: "Chat | None" = None, n: int = 1) -> None:
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
-        self.logprobs = logprobs  # a result's token log-probabilities in OpenAI's shape (Chat.openai_logprobs)
-        self.n = n                # choices per prompt
+        self.chat = chat  # writes token log-probabilities in OpenAI's shape (None: no request asks for them)
+        self.n = n        # choices per prompt
+        self._streamed: dict[int, list] = {}  # choice -> its streamed tokens' log-probabilities (`_chunk_logprobs`)
+        self._given: dict[int, int] = {}      # choice -> how many of them its chunks carried
 
     def _logprobs(self, result: ChatResult) -> dict | None:
-        content = self.logprobs(result)
+        content = None if self.chat is None else self.chat.openai_logprobs(result)
         return None if content is None else {"content": content, "refusal": None}
+
+    def _chunk_logprobs(self, delta: ChatDelta, index: int) -> dict | None:
+        """A chunk's log-probabilities, as OpenAI streams them: those of the tokens that arrived
+        since the last chunk that carried any, so that the chunks' join is the whole reply's. An
+        end-of-turn token waits (the reply's leaves it out where it ended the turn); the result's
+        chunk carries what no chunk did."""
+        if delta.result is not None:
+            whole = self._logprobs(delta.result)
+            if whole is None or not self._given.get(index):
+                return whole
+            whole["content"] = whole["content"][self._given[index]:]
+            return whole if whole["content"] else None
+        if not delta.logprobs or self.chat is None:
+            return None
+        streamed = self._streamed.setdefault(index, [])
+        streamed.extend(delta.logprobs)
+        given = self._given.get(index, 0)
+        end = len(streamed) - (streamed[-1].token_id in self.chat.stop_token_ids)
+        if end <= given:
+            return None
+        self._given[index] = end
+        return {"content": self.chat.openai_token_logprobs(streamed[given:end]), "refusal": None}
 
     def completion(self, *results: ChatResult) -> dict:
         """The whole reply: one choice per result (the request's n)."""
@@ -526,8 +552,9 @@ class Reply:
 
     def chunk(self, delta: ChatDelta, index: int = 0) -> dict:
         """The chunk for one delta of choice `index`; the result's chunk carries the finish reason."""
-        if delta.result is not None:  # the log-probabilities, if asked, all on this last chunk
-            return self._chunk({}, openai_finish_reason(delta.result), self._logprobs(delta.result), index)
+        logprobs = self._chunk_logprobs(delta, index)
+        if delta.result is not None:
+            return self._chunk({}, openai_finish_reason(delta.result), logprobs, index)
         if delta.tool_call is not None:
             call = delta.tool_call
             piece: dict[str, Any] = {"index": call.index}
@@ -535,17 +562,17 @@ class Reply:
             if call.id is not None:  # the call's first delta
                 piece.update(id=call.id, type="function")
                 function = {"name": call.name or "", **function}
-            return self._chunk({"tool_calls": [{**piece, "function": function}]}, index=index)
+            return self._chunk({"tool_calls": [{**piece, "function": function}]}, logprobs=logprobs, index=index)
         if delta.reasoning:
-            return self._chunk({"reasoning_content": delta.reasoning}, index=index)
-        return self._chunk({"content": delta.text}, index=index)
+            return self._chunk({"reasoning_content": delta.reasoning}, logprobs=logprobs, index=index)
+        return self._chunk({"content": delta.text}, logprobs=logprobs, index=index)
 
     def chunks(self, deltas: Sequence[ChatDelta], index: int = 0) -> list[dict]:
         """The chunks for deltas made at once: a run of text (or of thinking) is one chunk, as
         OpenAI's own deltas of several tokens; a tool-call delta or the result, one chunk each. The
         markup of a call max_tokens cut off is left out, as from the whole reply's content (`_answer`)."""
         final = next((delta.result for delta in deltas if delta.result is not None), None)
-        drop = final is None or final.finish_reason == "length"
+        drop = final is None or final.finish_reason == "length"  # (its log-probabilities go with the result's)
         return [self.chunk(delta, index) for delta in joined(deltas) if not (delta.cut_call and drop)]
 
     def role_chunk(self, index: int = 0) -> dict | None:
@@ -570,7 +597,8 @@ def joined(deltas: Sequence[ChatDelta]) -> list[ChatDelta]:
     for delta in deltas:
         kind = _piece_kind(delta)
         if kind is not None and out and _piece_kind(out[-1]) == kind:
-            out[-1] = ChatDelta(text=out[-1].text + delta.text, reasoning=out[-1].reasoning + delta.reasoning)
+            out[-1] = ChatDelta(text=out[-1].text + delta.text, reasoning=out[-1].reasoning + delta.reasoning,
+                                logprobs=out[-1].logprobs + delta.logprobs)
         else:
             out.append(delta)
     return out

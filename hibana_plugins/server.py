@@ -393,7 +393,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         except HibanaError as exc:
             raise api_error(exc) from None
         servings = [Serving(chat, prompt, choice, config.request_timeout, named) for choice in choices]
-        return await serve(request, received, servings, Reply(config.model_name, chat.openai_logprobs, call.n))
+        return await serve(request, received, servings, Reply(config.model_name, chat, call.n))
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request) -> Response:

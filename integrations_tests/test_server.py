@@ -1243,10 +1243,25 @@ def test_logprobs_plain_and_streamed(client):
         assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-5  # greedy: the sampled token is the top one
         assert entry.top_logprobs[0].token == entry.token
     assert plain.choices[0].logprobs is None
+    # streamed, each chunk carries its own tokens' (they were all on the last chunk); joined, the reply's
+    messages = [{"role": "user", "content": "Tell me something."}]  # a reply in text, streamed as it comes
+    content = client.chat.completions.create(model="demo", messages=messages, max_tokens=12, logprobs=True,
+                                             top_logprobs=3).choices[0].logprobs.content
     chunks = list(client.chat.completions.create(model="demo", messages=messages, max_tokens=12, logprobs=True,
-                                                 stream=True))
+                                                 top_logprobs=3, stream=True))
     streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs is not None]
-    assert len(streamed) == 1 and [e.token for e in streamed[0].content] == [e.token for e in content]
+    assert len(streamed) > 1
+    joined = [e for lp in streamed for e in lp.content]
+    assert [e.token for e in joined] == [e.token for e in content]
+    # (a state reused or not computes the prompt in other kernels: the same tokens, logprobs within float error)
+    assert [e.logprob for e in joined] == pytest.approx([e.logprob for e in content], abs=1e-4)
+    texts = [c.choices[0] for c in chunks if c.choices and c.choices[0].delta.content]
+    assert sum(c.logprobs is not None for c in texts) >= len(texts) - 1
+    text, spelt = "", b""
+    for choice in texts:  # the tokens so far spell the text so far (the detokenizer may hold a piece back)
+        text += choice.delta.content
+        spelt += b"".join(bytes(e.bytes) for e in (choice.logprobs.content if choice.logprobs else ()))
+        assert text.encode().startswith(spelt) or spelt.startswith(text.encode()), (text, spelt)
 
 
 def test_a_call_cut_by_a_stop_sequence_stays_in_the_content(client):
