@@ -38,6 +38,10 @@
    in turn), half free: the GPU (eager and CUDA graphs, speculation off and suffix k=4) gives the
    CPU's tokens for both halves, the free agents the tokens they get alone, and every constrained
    output that ended is JSON of the schema.
+logit_bias: the GPU sampler's `logit_bias`, float32, 4 agents batched (eager and CUDA graphs,
+   speculation off and suffix k=4): greedy agents with a bias == transformers' generate with the
+   same sequence_bias on the GPU; an agent without one keeps its tokens; a sampled one never draws
+   a banned token.
 shapes: check 1 on shapes unlike the tiny checkpoints' (tiny_models.ODD_SHAPES: head_dim 8, 12
    and 24, one KV head or as many as query heads, windows shorter than a block), GPU == CPU.
 moe_fusion: qwen3_moe and gpt_oss in bf16, batch 1: the sparse block's norm, router and top-k in
@@ -576,6 +580,53 @@ def check_logprobs() -> Iterator[tuple[str, bool, str]]:
         torch.cuda.empty_cache()
 
 
+def check_logit_bias() -> Iterator[tuple[str, bool, str]]:
+    """`SamplingParams.logit_bias` on the GPU sampler, float32, 4 agents batched (eager and CUDA
+    graphs, speculation off and suffix k=4): the two greedy agents with a bias (the unbiased reply's
+    tokens banned, others favoured) give transformers' generate with the same `sequence_bias` on the
+    GPU, the greedy agent without one its own unbiased tokens, and the sampled agent never draws a
+    banned token."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    for arch, path, prompts in tiny_cases(("qwen3", "llama"), 37, max_prompt=120):
+        prompts = [p + p[:40] for p in prompts]  # repeats: suffix drafts get accepted
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+
+        def hf_greedy(prompt: list[int], bias: dict[int, float] | None, hf=hf) -> list[int]:
+            config = GenerationConfig(do_sample=False, max_new_tokens=24, eos_token_id=None, pad_token_id=0,
+                                      sequence_bias={(t,): v for t, v in (bias or {}).items()} or None)
+            with torch.inference_mode():
+                ids = torch.tensor([prompt], device="cuda")
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            return out[0, len(prompt):].tolist()
+
+        plain = [hf_greedy(p, None) for p in prompts]
+        biases = [{plain[0][0]: -100.0, plain[0][5]: -100.0, prompts[0][3]: 3.0},
+                  {plain[1][2]: -100.0, 7: 6.0},
+                  None,
+                  {t: -100.0 for t in plain[3][:8]}]
+        want = [hf_greedy(p, b) for p, b in zip(prompts[:2], biases[:2])] + [plain[2]]
+        for graphs, spec in ((False, "off"), (True, "off"), (True, {"method": "suffix", "k": 4})):
+            with Engine.from_pretrained(path, **ON_GPU, dtype="float32", progress=False,
+                                        cuda_graphs=graphs) as gpu:
+                results: list = [None] * 4
+
+                def run(i: int) -> None:
+                    sampled = {"temperature": 1.0, "seed": 5} if i == 3 else {}
+                    params = SamplingParams(max_tokens=24, ignore_eos=True, logit_bias=biases[i],
+                                            speculation=spec, **sampled)
+                    results[i] = list(gpu.open_state(f"b{i}").generate(params, prompt=prompts[i]).token_ids)
+
+                in_threads(run, 4)
+            same = sum(results[i] == want[i] for i in range(3))
+            banned = sum(t in biases[3] for t in results[3])
+            yield (f"logit_bias fp32 {arch} graphs={graphs} spec={spec if spec == 'off' else 'suffix k4'}",
+                   same == 3 and banned == 0 and want[0] != plain[0],
+                   f"{same}/3 greedy agents == transformers; the sampled agent drew {banned} banned tokens")
+        del hf
+        torch.cuda.empty_cache()
+
+
 def check_window_pass() -> Iterator[tuple[str, bool, str]]:
     """The window surgery pass (sink + window attention, the Triton kernels' sink-token loops):
     the GPU, graphs off and on, 4 agents batched, gives the CPU reference's greedy tokens; the
@@ -808,7 +859,7 @@ def check_graph_capture() -> Iterator[tuple[str, bool, str]]:
 
 CHECKS = {"float32": check_float32, "speculation": check_speculation, "surgery": check_surgery,
           "kv8": check_kv8, "fp8": check_fp8, "bf16": check_bf16_demo, "families": check_families,
-          "logprobs": check_logprobs, "window": check_window_pass, "shapes": check_shapes, "tiers": check_tiers,
+          "logprobs": check_logprobs, "logit_bias": check_logit_bias, "window": check_window_pass, "shapes": check_shapes, "tiers": check_tiers,
           "grammar": check_grammar, "moe_fusion": check_moe_fusion, "graph_capture": check_graph_capture,
           "a8_fold": check_a8_fold, "moe_a8": check_moe_a8}
 
