@@ -54,9 +54,9 @@ from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError
 from hibana_core.messages import unheld
 from hibana_plugins.hookspecs import hookimpl
-from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_engine_kwargs, check_known,
-                                    check_state_id, check_switches, choose_engine, lease_holder, resolve_aliases,
-                                    sampling_params, sharing)
+from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_engine_kwargs, check_given_engine,
+                                    check_known, check_state_id, check_switches, choose_engine, lease_holder,
+                                    resolve_aliases, sampling_params, sharing)
 
 try:
     from langchain_core.language_models import BaseChatModel
@@ -574,6 +574,7 @@ class ChatHibana(BaseChatModel):
         except ValidationError as exc:
             raise ConfigError(f"ChatHibana: {exc}") from None
         if engine is not None:
+            check_given_engine(engine, self.engine_kwargs, "ChatHibana")
             self.given_engine = EngineChoice(engine, self.model, dict(self.engine_kwargs))
         check_state_id(vars(self), "ChatHibana")
         check_engine_kwargs(self.model, self.engine_kwargs)

@@ -50,9 +50,9 @@ from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError, HibanaError
 from hibana_core.messages import unheld
 from hibana_plugins.hookspecs import hookimpl
-from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_engine_kwargs, check_known,
-                                    check_state_id, check_switches, choose_engine, lease_holder, resolve_aliases,
-                                    sampling_params, sharing)
+from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_engine_kwargs, check_given_engine,
+                                    check_known, check_state_id, check_switches, choose_engine, lease_holder,
+                                    resolve_aliases, sampling_params, sharing)
 
 COMPLETE_OPTIONS = frozenset({*SAMPLING, "reasoning", "reasoning_effort", "timeout", "json_schema"})
 """What `complete(..., **kwargs)` may set."""
@@ -341,6 +341,7 @@ def llm_class() -> type:
             except ValueError as exc:  # pydantic's ValidationError
                 raise ConfigError(f"HibanaLLM: {exc}") from None
             if engine is not None:
+                check_given_engine(engine, self.engine_kwargs, "HibanaLLM")
                 self._given = EngineChoice(engine, self.model, dict(self.engine_kwargs))
             self._chat_layer()  # the engine loads here: a model that does not load fails at construction
 

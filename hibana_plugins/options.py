@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import difflib
 import threading
 import warnings
@@ -171,6 +172,31 @@ def check_engine_kwargs(model: Any, engine_kwargs: Mapping[str, Any]) -> None:
     """A ConfigError now, where `engine_kwargs` would make no engine config (an unknown option, a
     value out of range): an adapter checks them when made, not when its first call loads the engine."""
     EngineConfig.from_overrides(str(model), **engine_kwargs)
+
+
+def check_given_engine(engine: Any, engine_kwargs: Mapping[str, Any], who: str) -> None:
+    """A ConfigError where an adapter is given an engine (`engine=`) and engine options that the
+    engine was not loaded with (`context_window=`, `num_ctx=`, `engine_kwargs=`): they would be
+    ignored, the engine's own serving every call. Options equal to the engine's pass."""
+    if not engine_kwargs:
+        return
+    from hibana_core.config import OPTION_ALIASES
+
+    wanted = EngineConfig.from_overrides(str(engine.config.model), **engine_kwargs)
+
+    def option(config: EngineConfig, key: str) -> Any:
+        key = OPTION_ALIASES.get(key, key)
+        for part in (config, config.cache, config.scheduler):
+            if key in {f.name for f in dataclasses.fields(part)}:
+                return getattr(part, key)
+        return None
+
+    differ = [key for key in engine_kwargs if option(wanted, key) != option(engine.config, key)]
+    if differ:
+        raise ConfigError(f"{who}: the engine passed (engine=) was loaded with other {', '.join(differ)} than "
+                          f"asked here ({', '.join(f'{k}={engine_kwargs[k]!r}' for k in differ)}), which it would "
+                          f"ignore; load it with them (Engine.from_pretrained(..., {differ[0]}=...)) or leave "
+                          "them out")
 
 
 def choose_engine(model: str, engine_kwargs: Mapping[str, Any], current: EngineChoice | None,

@@ -355,8 +355,9 @@ def test_hibana_llm_takes_ollamas_example_options(engine):
     example, becomes HibanaLLM unchanged: a per-call timeout and the engine's context."""
     from hibana_core.errors import ChatTimeoutError
 
-    llm = HibanaLLM(engine=engine, max_tokens=4, request_timeout=120.0, context_window=1024)
+    llm = HibanaLLM(model="demo", max_tokens=4, request_timeout=120.0, context_window=1024)
     assert (llm.timeout, llm.engine_kwargs) == (120.0, {"max_model_len": 1024})
+    assert llm.engine.max_model_len == 1024 and llm.metadata.context_window == 1024
     msgs = [ChatMessage(role="user", content=PROMPT)]
     assert llm.chat(msgs).raw["usage"]["completion_tokens"] == 4
     with pytest.raises(ChatTimeoutError):
@@ -375,6 +376,20 @@ def test_the_context_per_call_is_refused_with_where_to_set_it(engine):
     assert "did you mean" not in str(info.value)
     with pytest.raises(ConfigError, match="constructor"):
         HibanaLLM(engine=engine, max_tokens=2).chat([ChatMessage(role="user", content=PROMPT)], context_window=512)
+
+
+def test_engine_options_beside_a_given_engine_are_refused_unless_it_has_them(engine):
+    """ChatHibana(engine=e, context_window=512) ran on e's own context: the option was dropped
+    without a word. Options the engine was loaded with pass; others are a ConfigError saying how
+    to load the engine with them."""
+    for make in (ChatHibana, HibanaLLM):
+        with pytest.raises(ConfigError, match=r"context_window|max_model_len") as info:
+            make(engine=engine, context_window=512)
+        assert "Engine.from_pretrained(..., max_model_len=...)" in str(info.value)
+        with pytest.raises(ConfigError, match="block_size"):
+            make(engine=engine, engine_kwargs={"block_size": engine.config.cache.block_size * 2})
+        same = {"block_size": engine.config.cache.block_size}
+        assert make(engine=engine, engine_kwargs=same).engine is engine
 
 
 def test_chat_openais_stream_usage_is_accepted_as_always_on(engine):
