@@ -265,6 +265,9 @@ class SpeculationConfig:
     draft_model: str | None = None
     """Checkpoint (directory or Hugging Face repo id) of the "draft_model" drafter (same tokenizer
     as the target); one per engine."""
+    engines_drafter: bool = field(default=False, compare=False, repr=False)
+    """Given as "adaptive" or True, which name no drafter: on a request, adaptive with the engine's
+    drafter (its draft model, say), as the engine's own setting would be; on the engine, suffix."""
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -283,7 +286,7 @@ class SpeculationConfig:
         if isinstance(value, cls):
             return value
         if value == "adaptive" or value is True:
-            return cls()
+            return cls(engines_drafter=True)
         if value == "off" or value is False:
             return cls(enabled=False)
         if value is None:
@@ -483,8 +486,9 @@ class SamplingParams:
     top_logprobs: int = 0
     """With logprobs: also the this many most likely tokens at each position (0 to 20)."""
     speculation: Any = None
-    """This request's speculative decoding ("adaptive" or True, "off" or False, {"method": ...,
-    "k": ...}); None: the engine's. It changes speed only, never the output."""
+    """This request's speculative decoding ("adaptive" or True: the engine's drafter, the draft
+    length adaptive; "off" or False; {"method": ..., "k": ...}); None: the engine's. It changes
+    speed only, never the output."""
     json_schema: Any = None
     """Constrain the output to JSON valid under this schema: a dict, its JSON text or a type (a
     pydantic model, a TypedDict, a dataclass; stored as its schema, a dict). The JSON is compact,

@@ -92,6 +92,22 @@ def test_adaptive_draft_model_leaves_output_unchanged(tiny_checkpoints, make_eng
     assert engine.stats().draft_tokens_accepted > 0
 
 
+@pytest.mark.parametrize("asked", ["adaptive", True, {"method": "suffix"}])
+def test_a_request_asking_adaptive_drafts_with_the_engines_drafter(tiny_checkpoints, make_engine, asked):
+    """speculation="adaptive" (or True) on a request names no drafter: it drafted with suffix even
+    where the engine's was a draft model; now with the engine's, as the request's own setting
+    would. A request naming suffix gets suffix."""
+    target = tiny_checkpoints["qwen3"]
+    engine = make_engine(target, speculation={"method": "draft_model", "draft_model": str(target)})
+    params = SamplingParams(max_tokens=24, ignore_eos=True, speculation=asked)
+    assert generate_all(engine, prompts(1, seed=4), params) == \
+        generate_all(make_engine(target, speculation="off"), prompts(1, seed=4), params)
+    drafters = engine.stats().speculation["drafters"]
+    named = isinstance(asked, dict)
+    assert ("suffix" in drafters) == named, drafters
+    assert (drafters.get("draft_model", {}).get("calls", 0) > 0) != named, drafters
+
+
 def test_adaptive_draft_model_proposes_what_can_pay_not_sixteen_forwards_a_step(tiny_checkpoints, make_engine):
     """A draft model whose drafts are rejected (another model's) costs a forward a drafted token:
     the adaptive controller asks it for what could pay, and one more, not for the most it could

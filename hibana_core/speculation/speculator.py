@@ -16,6 +16,7 @@ which the step-cost model charges to verifying steps).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import time
@@ -227,6 +228,7 @@ class Speculator:
         """A ConfigError, listing the registered drafters, when `config` names none of them. The
         drafter is built here, so a factory's error (a missing or incompatible draft checkpoint)
         shows at construction or submission, not inside a step."""
+        config = self.resolve(config)
         if not config.enabled:
             return
         check_method(config, list(self._factories))
@@ -237,8 +239,16 @@ class Speculator:
         self.drafter(config.method)
 
     def config(self, request: "Request") -> SpeculationConfig:
-        own = request.params.speculation if request.params is not None else None
-        return own if own is not None else self.default
+        return self.resolve(request.params.speculation if request.params is not None else None)
+
+    def resolve(self, own: SpeculationConfig | None) -> SpeculationConfig:
+        """What a request's setting means here: None, the engine's; "adaptive" (or True, which name
+        no drafter), the engine's drafter with the draft length adaptive."""
+        if own is None:
+            return self.default
+        if own.engines_drafter and self.default.enabled:
+            return dataclasses.replace(self.default, k=None)
+        return own
 
     def drafter(self, name: str) -> Drafter:
         drafter = self._drafters.get(name)
