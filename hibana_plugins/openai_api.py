@@ -583,6 +583,14 @@ class Reply:
         """The last chunk with `stream_options.include_usage`: no choices, the usage."""
         return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage(total_usage(results, self.n))}
 
+    done = "data: [DONE]\n\n"
+    """What ends the stream after the last chunk."""
+
+    @staticmethod
+    def frame(chunk: dict) -> str:
+        """One chunk as a server-sent event."""
+        return f"data: {json_text(chunk)}\n\n"
+
     def _chunk(self, delta: dict, finish: str | None = None, logprobs: dict | None = None, index: int = 0) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}

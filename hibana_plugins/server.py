@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions   messages, tools, tool_choice, response_format, stream (SSE)
     POST /v1/completions        a prompt (text or token ids) continued as it is (no chat template)
+    POST /v1/responses          OpenAI's Responses API: input items, function tools, stream (typed events)
     GET  /v1/models, /v1/models/{model}   GET /health   GET /metrics (Prometheus)
     GET  /v1/hibana/states   DELETE /v1/hibana/states/{id}   the engine's states; forget one
 
@@ -64,6 +65,7 @@ from hibana_plugins.manager import PluginError, get_plugin_manager
 from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatRequest, CompletionRequest, Reply,
                                        TextReply, chat_call, choice_calls, countable, json_text, named_state,
                                        parse_request, prompts_of, served_by_header)
+from hibana_plugins.openai_responses import ResponsesReply, ResponsesRequest
 
 if TYPE_CHECKING:
     import uvicorn
@@ -395,6 +397,25 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         servings = [Serving(chat, prompt, choice, config.request_timeout, named) for choice in choices]
         return await serve(request, received, servings, Reply(config.model_name, chat, call.n))
 
+    @app.post("/v1/responses", dependencies=[Depends(authorized)])
+    async def responses(request: Request) -> Response:
+        """The Responses API: the request read as the chat request it means (`openai_responses`)."""
+        received = time.monotonic()
+        parsed = await checked(request, ResponsesRequest)
+        state = named_state(request.headers.get(STATE_HEADER))
+
+        def prepared() -> tuple[ChatCall, str]:
+            chat_request = parsed.chat_request()
+            countable(chat_request, engine.max_model_len)
+            call = chat_call(chat_request, state, max_tokens_limit)
+            return call, chat.render_text(chat_request.messages, call.listed_tools, call.reasoning, effort=call.effort)
+        try:
+            call, prompt = await asyncio.to_thread(prepared)
+        except HibanaError as exc:
+            raise api_error(exc, "input") from None
+        servings = [Serving(chat, prompt, call, config.request_timeout, named)]
+        return await serve(request, received, servings, ResponsesReply(config.model_name, chat, parsed))
+
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request) -> Response:
         received = time.monotonic()
@@ -587,7 +608,7 @@ async def sse(endpoint: str, reply: Reply, choices: AsyncIterator[tuple[int, lis
     this generator, which cancels the turns (their states keep what was generated so far); so
     does the server's shutdown when its timeout is near (`Drain`), after a last, error event."""
     def events(*chunks: dict) -> str:
-        return "".join(f"data: {json_text(chunk)}\n\n" for chunk in chunks)
+        return "".join(map(reply.frame, chunks))
 
     def reply_events(*chunks: dict) -> str:
         """The reply's chunks; with include_usage each has the field, null but in the last (OpenAI's rule)."""
@@ -622,7 +643,7 @@ async def sse(endpoint: str, reply: Reply, choices: AsyncIterator[tuple[int, lis
         if call.include_usage:
             pending += events(reply.usage_chunk(*ordered))
     metrics.requests.labels(endpoint, "200").inc()
-    yield pending + "data: [DONE]\n\n"
+    yield pending + reply.done
 
 
 async def interleaved(firsts: list[list[ChatDelta]], streams: "list[AsyncIterator[list[ChatDelta]]]"

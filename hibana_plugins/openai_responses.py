@@ -1,0 +1,401 @@
+"""OpenAI's Responses API (`POST /v1/responses`) on the chat layer, no HTTP: the request is read
+as the chat-completions request it means, and the reply written as a `response` object or as
+the Responses stream's typed events.
+
+    ResponsesRequest --chat_request()--> ChatRequest --chat_call--> ChatCall (as /v1/chat/completions)
+    ChatDelta --ResponsesReply.chunks()--> response.output_text.delta, ...;  ChatResult --completion()--> response
+
+Input items: messages (a string or text parts; `developer` is a system message), `function_call`
+and `function_call_output` items, `reasoning` items (their text goes back to the model as the next
+assistant turn's thinking). The conversation is kept on the server as KV, not as stored
+responses: a client sends the whole input each turn (as with `store: false`), and the turn reuses
+the resident prefix; `previous_response_id`, `conversation` and `background` are refused with
+what to do instead.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hibana_plugins.openai_api import (MAX_STATE_ID, ApiError, ChatRequest, Reply, _answer, joined, json_text,
+                                       parse_request, total_usage)
+from hibana_core.turn import ChatDelta, ChatResult
+
+if TYPE_CHECKING:
+    from hibana_core.chat import Chat
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+"""The `include` entry that asks for the output text's token log-probabilities."""
+
+_REFUSED = {
+    "previous_response_id": "responses are not stored here: send the whole conversation as input (the server keeps "
+                            "its KV resident, so a turn computes only what is new)",
+    "conversation": "conversations are not stored here: send the whole conversation as input (its KV stays resident)",
+    "prompt": "prompt templates are not stored here: send the instructions and input themselves",
+    "max_tool_calls": "max_tool_calls is not supported; parallel_tool_calls: false holds a response to one call",
+}
+
+
+class ResponsesRequest(BaseModel):
+    """The fields of a Responses API request. As OpenAI does, a field the API does not know is
+    refused; those it knows that change nothing here (metadata, store, service_tier, ...) are
+    accepted, those Hibana cannot honour refused when given (`_REFUSED`, background: true)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    include: list[str] | None = None
+    stream: bool | None = False
+    stream_options: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: str | None = None  # "disabled" (OpenAI's default); "auto" would drop input items: refused
+    user: str | None = Field(None, max_length=MAX_STATE_ID)
+    # refused unless null (`_REFUSED`), background unless false
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    max_tool_calls: int | None = None
+    background: bool | None = None
+    # accepted, and nothing to do here
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    context_management: list[dict[str, Any]] | dict[str, Any] | None = None
+    background_options: dict[str, Any] | None = None
+    access_programs: dict[str, Any] | list[Any] | None = None
+    image: dict[str, Any] | None = None
+
+    def chat_request(self) -> ChatRequest:
+        """The chat-completions request this one means; ApiError for what it cannot mean here."""
+        for name, what in _REFUSED.items():
+            if getattr(self, name) is not None:
+                raise ApiError(400, f"{name}: {what}", name)
+        if self.truncation not in (None, "disabled"):
+            raise ApiError(400, f"truncation={self.truncation!r:.40}: Hibana drops no input to fit the context "
+                                "(\"disabled\", the default); shorten the input instead", "truncation")
+        if self.background:
+            raise ApiError(400, "background: true is not supported; ask in the foreground (stream: true to "
+                                "read the response as it is written)", "background")
+        logprobs = LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
+        effort = (self.reasoning or {}).get("effort")
+        body: dict[str, Any] = {
+            "model": self.model, "messages": _messages(self.instructions, self.input),
+            "tools": _tools(self.tools), "tool_choice": _tool_choice(self.tool_choice),
+            "parallel_tool_calls": self.parallel_tool_calls, "max_completion_tokens": self.max_output_tokens,
+            "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream,
+            "response_format": _response_format(self.text), "reasoning_effort": effort,
+            "logprobs": logprobs or None, "top_logprobs": self.top_logprobs if logprobs else None,
+            "user": self.user, "safety_identifier": self.safety_identifier, "prompt_cache_key": self.prompt_cache_key,
+        }
+        return parse_request({k: v for k, v in body.items() if v is not None}, ChatRequest)
+
+    def echoed(self) -> dict:
+        """The request's settings as a `response` object repeats them."""
+        text_format = (self.text or {}).get("format") or {"type": "text"}
+        return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
+                "parallel_tool_calls": self.parallel_tool_calls is not False, "previous_response_id": None,
+                "reasoning": {"effort": (self.reasoning or {}).get("effort"), "summary": None},
+                "store": False, "temperature": self.temperature if self.temperature is not None else 0.0,
+                "text": {"format": text_format}, "tool_choice": self.tool_choice or "auto",
+                "tools": self.tools or [], "top_p": self.top_p if self.top_p is not None else 1.0,
+                "truncation": "disabled", "user": self.user, "metadata": self.metadata or {}}
+
+
+# --- the request as chat messages --------------------------------------------------------------------
+
+_TEXT_PARTS = {"input_text", "output_text", "text", "summary_text", "reasoning_text"}
+
+
+def _text_of(content: Any, where: str) -> str | list[dict]:
+    """A message's or a tool output's content: a string, or its text parts as the chat layer's."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}.content must be a string or a list of content parts", "input")
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "refusal" and isinstance(part.get("refusal"), str):
+            parts.append({"type": "text", "text": part["refusal"]})
+        elif kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            raise ApiError(400, f"{where}.content[{j}] has type {kind!r:.40}; Hibana reads text parts only "
+                                "(input_text, output_text)", "input")
+    return parts
+
+
+def _messages(instructions: str | None, given: str | list[dict]) -> list[dict]:
+    """The conversation as chat messages: instructions first (a system message), an input string
+    as one user message; a function_call item joins the assistant message before it (or opens one),
+    a reasoning item's text goes to the assistant message after it."""
+    messages: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
+    if isinstance(given, str):
+        return messages + [{"role": "user", "content": given}]
+    if not given:
+        raise ApiError(400, "input: give a string or at least one item", "input")
+    thinking: list[str] = []  # reasoning items' text, for the next assistant message
+
+    def assistant(content: Any) -> dict:
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if thinking:
+            message["reasoning_content"] = "\n".join(thinking)
+            thinking.clear()
+        messages.append(message)
+        return message
+
+    for i, item in enumerate(given):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise ApiError(400, f"{where}.role is {role!r:.40}; use user, system, developer or assistant", "input")
+            content = _text_of(item.get("content"), where)
+            if role == "assistant":
+                assistant(content)
+            else:
+                messages.append({"role": "system" if role == "developer" else role, "content": content})
+        elif kind == "function_call":
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+                raise ApiError(400, f"{where} is a function_call without a call_id, name and arguments (strings)",
+                               "input")
+            last = messages[-1] if messages else None
+            if last is None or last["role"] != "assistant" or thinking:
+                last = assistant(None)
+            last.setdefault("tool_calls", []).append(
+                {"id": item["call_id"], "type": "function",
+                 "function": {"name": item["name"], "arguments": item["arguments"]}})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise ApiError(400, f"{where} is a function_call_output without the call_id it answers", "input")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": _text_of(item.get("output"), where)})
+        elif kind == "reasoning":
+            for part in (item.get("content") or item.get("summary") or ()):
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    thinking.append(part["text"])
+        else:
+            what = ("refers to a stored item; send the item itself" if kind == "item_reference"
+                    else "is not an item Hibana reads (message, function_call, function_call_output, reasoning)")
+            raise ApiError(400, f"{where} has type {kind!r:.40}: it {what}", "input")
+    return messages
+
+
+def _tools(tools: list[dict] | None) -> list[dict] | None:
+    """Responses-API function tools ({"type": "function", "name", "parameters", ...}) as chat tools."""
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise ApiError(400, f"tools[{i}] has type {tool.get('type')!r:.40}; Hibana calls function tools only: "
+                                "{'type': 'function', 'name': ..., 'parameters': {...}}", "tools")
+        function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(choice: str | dict | None) -> str | dict | None:
+    """The Responses API's allowed_tools form ({"type", "mode", "tools"}) as the chat API's; the
+    other forms are the chat API's already ({"type": "function", "name"} is read there)."""
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools" and "allowed_tools" not in choice:
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode"), "tools": choice.get("tools")}}
+    return choice
+
+
+def _response_format(text: dict | None) -> dict | None:
+    """`text.format` as the chat API's response_format."""
+    spec = (text or {}).get("format")
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise ApiError(400, "text.format must be an object: {'type': 'text' | 'json_object' | 'json_schema', ...}",
+                       "text.format")
+    if spec.get("type") == "json_schema":
+        inner = {k: spec[k] for k in ("name", "schema", "strict", "description") if k in spec}
+        return {"type": "json_schema", "json_schema": inner}
+    return dict(spec)
+
+
+# --- the reply ---------------------------------------------------------------------------------------
+
+class ResponsesReply(Reply):
+    """A `response` object, or the Responses stream: response.created, then each output item
+    (reasoning, message, function_call) added, its deltas and its done events in turn, then
+    response.completed (response.incomplete where max_output_tokens cut it), every event numbered
+    (`sequence_number`). One choice (the API has no n)."""
+
+    def __init__(self, model: str, chat: "Chat", request: ResponsesRequest) -> None:
+        super().__init__(model, chat)
+        self.id = "resp_" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.echo = request.echoed()
+        self._sequence = 0
+        self._items: list[dict] = []   # the streamed output items, in order
+        self._open: dict | None = None  # the item deltas go to (its "kind": "text", "reasoning", call index)
+
+    done = ""  # the stream ends with response.completed (or .incomplete), no [DONE]
+
+    @staticmethod
+    def frame(chunk: dict) -> str:
+        """An event named by its type, as OpenAI's Responses stream writes them (an error has none)."""
+        named = f"event: {chunk['type']}\n" if "type" in chunk else ""
+        return f"{named}data: {json_text(chunk)}\n\n"
+
+    def completion(self, *results: ChatResult) -> dict:
+        result, = results
+        return self._response(result, _output(result, self.chat))
+
+    def _response(self, result: ChatResult | None, output: list[dict]) -> dict:
+        status, details = "in_progress", None
+        if result is not None:
+            status = "incomplete" if result.finish_reason == "length" else "completed"
+            details = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "error": None, "incomplete_details": details, "model": self.model, "output": output,
+                **self.echo, "usage": None if result is None else _usage(result)}
+
+    # --- the stream
+
+    def role_chunk(self, index: int = 0) -> dict:
+        return self._event("response.created", response=self._response(None, []))
+
+    def usage_chunk(self, *results: ChatResult) -> dict:  # (the usage is in response.completed)
+        raise AssertionError("a Responses stream has no usage chunk")
+
+    def chunks(self, deltas: list[ChatDelta], index: int = 0) -> list[dict]:
+        final = next((delta.result for delta in deltas if delta.result is not None), None)
+        drop = final is None or final.finish_reason == "length"  # (as the chat stream's: `Reply.chunks`)
+        events: list[dict] = []
+        for delta in joined(deltas):
+            if delta.cut_call and drop:
+                continue
+            logprobs = self._chunk_logprobs(delta, index)
+            if delta.result is not None:
+                events += self._close()
+                kind = "response.incomplete" if delta.result.finish_reason == "length" else "response.completed"
+                events.append(self._event(kind, response=self._response(delta.result, self._items)))
+            elif delta.tool_call is not None:
+                events += self._call(delta.tool_call)
+            elif delta.reasoning:
+                events += self._reasoning(delta.reasoning)
+            elif delta.text:
+                events += self._text(delta.text, (logprobs or {}).get("content") or [])
+        return events
+
+    def _event(self, kind: str, **fields: Any) -> dict:
+        self._sequence += 1
+        return {"type": kind, "sequence_number": self._sequence - 1, **fields}
+
+    def _begin(self, kind: Any, item: dict) -> list[dict]:
+        events = self._close()
+        self._items.append(item)
+        self._open = {"kind": kind, "index": len(self._items) - 1}
+        return events + [self._event("response.output_item.added", output_index=len(self._items) - 1,
+                                     item={**item, **({"content": []} if "content" in item else {})})]
+
+    def _text(self, text: str, logprobs: list[dict]) -> list[dict]:
+        events = []
+        if self._open is None or self._open["kind"] != "text":
+            events += self._begin("text", {"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": "in_progress",
+                                           "role": "assistant",
+                                           "content": [{"type": "output_text", "text": "", "annotations": [],
+                                                        "logprobs": []}]})
+            events.append(self._event("response.content_part.added", item_id=self._items[-1]["id"],
+                                      output_index=self._open["index"], content_index=0,
+                                      part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+        part = self._items[-1]["content"][0]
+        part["text"] += text
+        part["logprobs"] += logprobs
+        return events + [self._event("response.output_text.delta", item_id=self._items[-1]["id"],
+                                     output_index=self._open["index"], content_index=0, delta=text,
+                                     logprobs=logprobs)]
+
+    def _reasoning(self, text: str) -> list[dict]:
+        events = []
+        if self._open is None or self._open["kind"] != "reasoning":
+            events += self._begin("reasoning", {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "summary": [],
+                                                "content": [{"type": "reasoning_text", "text": ""}]})
+        self._items[-1]["content"][0]["text"] += text
+        return events + [self._event("response.reasoning_text.delta", item_id=self._items[-1]["id"],
+                                     output_index=self._open["index"], content_index=0, delta=text)]
+
+    def _call(self, call: Any) -> list[dict]:
+        events = []
+        if call.id is not None:  # a call's first delta: its item
+            events += self._begin(("call", call.index), {"type": "function_call", "id": "fc_" + uuid.uuid4().hex,
+                                                         "call_id": call.id, "name": call.name or "",
+                                                         "arguments": "", "status": "in_progress"})
+        if call.arguments_fragment and self._open is not None:
+            item = self._items[self._open["index"]]
+            item["arguments"] += call.arguments_fragment
+            events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                      output_index=self._open["index"], delta=call.arguments_fragment))
+        return events
+
+    def _close(self) -> list[dict]:
+        """The done events of the item deltas went to, if one is open."""
+        if self._open is None:
+            return []
+        at, kind = self._open["index"], self._open["kind"]
+        item = self._items[at]
+        self._open = None
+        events = []
+        if kind == "text":
+            part = item["content"][0]
+            events += [self._event("response.output_text.done", item_id=item["id"], output_index=at, content_index=0,
+                                   text=part["text"], logprobs=part["logprobs"]),
+                       self._event("response.content_part.done", item_id=item["id"], output_index=at,
+                                   content_index=0, part=part)]
+        elif kind == "reasoning":
+            events.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=at,
+                                      content_index=0, text=item["content"][0]["text"]))
+        else:
+            events.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
+                                      name=item["name"], arguments=item["arguments"]))
+        item["status"] = "completed"
+        return events + [self._event("response.output_item.done", output_index=at, item=item)]
+
+
+def _output(result: ChatResult, chat: "Chat") -> list[dict]:
+    """A result's output items: its thinking, its text, its calls."""
+    items: list[dict] = []
+    if result.reasoning:
+        items.append({"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "summary": [],
+                      "content": [{"type": "reasoning_text", "text": result.reasoning}]})
+    text = _answer(result)
+    if text:
+        logprobs = chat.openai_logprobs(result) or []
+        items.append({"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": "completed", "role": "assistant",
+                      "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]})
+    for call in result.tool_calls:
+        items.append({"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": call.id, "name": call.name,
+                      "arguments": json.dumps(call.arguments, ensure_ascii=False), "status": "completed"})
+    return items
+
+
+def _usage(result: ChatResult) -> dict:
+    u = total_usage([result], 1)
+    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
+            "total_tokens": u.prompt_tokens + u.completion_tokens}

@@ -1,0 +1,159 @@
+"""`POST /v1/responses` (OpenAI's Responses API) through the real `openai` client's
+`responses.create`, on the bundled demo model: a tool loop with function_call and
+function_call_output items that reuses the resident prompt, the same reply as the chat endpoint's,
+the typed stream joining to the whole response, structured output, and the requests it refuses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from hibana_core import Engine  # noqa: E402
+from hibana_plugins.server import ServerConfig, serving  # noqa: E402
+from hibana_bench.serve_load import MULTIPLY, WEATHER  # noqa: E402
+
+KEY = "test-key"
+TOOLS = [{"type": "function", **tool["function"]} for tool in (WEATHER, MULTIPLY)]  # the Responses API's form
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine.from_pretrained("demo") as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    with serving(engine, ServerConfig("demo", api_key=KEY, max_tokens_limit=512)) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_a_tool_loop_with_items_reuses_the_prompt_and_answers_as_the_chat_endpoint(client):
+    question = "What's the weather in Oslo?"
+    first = client.responses.create(model="demo", input=question, tools=TOOLS)
+    assert first.status == "completed" and first.object == "response" and first.id.startswith("resp_")
+    call, = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Oslo"}
+    chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": question}],
+                                          tools=[WEATHER, MULTIPLY])
+    assert chat.choices[0].message.tool_calls[0].function.arguments == call.arguments  # the same turn
+    items = [{"role": "user", "content": question}, *[item.model_dump(exclude_none=True) for item in first.output],
+             {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 21, "condition": "sunny"}'}]
+    second = client.responses.create(model="demo", input=items, tools=TOOLS)
+    assert second.output_text and "21" in second.output_text
+    usage = second.usage
+    assert usage.input_tokens_details.cached_tokens >= 0.9 * usage.input_tokens
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+
+
+def test_instructions_and_developer_messages_are_system_messages(client):
+    by_field = client.responses.create(model="demo", instructions="You are terse.", input="Hello!", max_output_tokens=16)
+    by_item = client.responses.create(model="demo", max_output_tokens=16, input=[
+        {"role": "developer", "content": "You are terse."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello!"}]}])
+    assert by_field.output_text == by_item.output_text and by_field.instructions == "You are terse."
+
+
+def test_the_stream_joins_to_the_whole_response(client):
+    ask = dict(model="demo", input="What's the weather in Paris?", tools=TOOLS)
+    whole = client.responses.create(**ask)
+    events = list(client.responses.create(**ask, stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [item.type for item in added] == [item.type for item in done] == [i.type for i in whole.output]
+    final = events[-1].response
+    assert final.status == "completed" and [i.model_dump() for i in final.output] == [i.model_dump() for i in done]
+    calls = [item for item in final.output if item.type == "function_call"]
+    want = [item for item in whole.output if item.type == "function_call"]
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in want]
+    assert arguments == "".join(c.arguments for c in calls)
+
+
+def test_streamed_text_joins_to_output_text_and_max_output_tokens_is_incomplete(client):
+    ask = dict(model="demo", input="Tell me something.", max_output_tokens=3)
+    whole = client.responses.create(**ask)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    events = list(client.responses.create(**ask, stream=True))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == text
+
+
+def test_text_format_json_schema_holds_the_reply(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+              "required": ["city", "days"], "additionalProperties": False}
+    reply = client.responses.create(model="demo", input="Plan a trip to Rome.", max_output_tokens=64,
+                                    text={"format": {"type": "json_schema", "name": "trip", "schema": schema,
+                                                     "strict": True}})
+    value = json.loads(reply.output_text)
+    assert set(value) == {"city", "days"} and isinstance(value["days"], int)
+
+
+def test_tool_choice_forms(client):
+    named = client.responses.create(model="demo", input="Hello!", tools=TOOLS, max_output_tokens=64,
+                                    tool_choice={"type": "function", "name": "multiply"})
+    assert [i.name for i in named.output if i.type == "function_call"] == ["multiply"]
+    allowed = client.responses.create(model="demo", input="Hello!", tools=TOOLS, max_output_tokens=64,
+                                      tool_choice={"type": "allowed_tools", "mode": "required",
+                                                   "tools": [{"type": "function", "name": "get_weather"}]})
+    assert {i.name for i in allowed.output if i.type == "function_call"} == {"get_weather"}
+
+
+def test_logprobs_come_with_the_output_text(client):
+    reply = client.responses.create(model="demo", input="Tell me something.", max_output_tokens=8,
+                                    include=["message.output_text.logprobs"], top_logprobs=2)
+    part = next(item for item in reply.output if item.type == "message").content[0]
+    assert part.logprobs and all(lp.logprob <= 0 and len(lp.top_logprobs) == 2 for lp in part.logprobs)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"background": True}, "background"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"input": []}, "input"),
+    ({"temperature": 3}, "temperature"),
+    ({"frobnicate": 1}, "frobnicate"),
+])
+def test_what_it_cannot_serve_is_a_400_naming_the_field(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="demo", input="hi", extra_body=fields)  # (the client checks no names)
+    assert caught.value.body["param"] == param, caught.value.body
+
+
+def test_every_field_of_the_clients_create_is_known(client):
+    """Each argument of the installed client's responses.create sent as null is taken."""
+    import inspect
+
+    from openai.resources.responses.responses import Responses
+
+    own = {"self", "extra_headers", "extra_query", "extra_body", "timeout", "model", "input", "stream"}
+    names = [name for name in inspect.signature(Responses.create).parameters if name not in own]
+    reply = client.responses.create(model="demo", input="hi", max_output_tokens=4,
+                                    extra_body={name: None for name in names if name != "max_output_tokens"})
+    assert reply.status in ("completed", "incomplete")
+
+
+def test_the_raw_stream_names_each_event_and_ends_without_done(client):
+    """As OpenAI's: `event: <type>` before each event's data, and no chat-style [DONE] line."""
+    import httpx
+
+    body = {"model": "demo", "input": "Hello!", "max_output_tokens": 4, "stream": True}
+    text = httpx.post(f"{client.base_url}responses", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=60).text
+    frames = [frame for frame in text.split("\n\n") if frame]
+    assert frames and "[DONE]" not in text
+    for frame in frames:
+        named, data = frame.split("\n")
+        assert named == f"event: {json.loads(data.removeprefix('data: '))['type']}"
