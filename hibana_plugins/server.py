@@ -77,7 +77,8 @@ log = logging.getLogger("hibana.server")
 
 T = TypeVar("T")
 API_KEY_ENV = "HIBANA_API_KEY"
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/hibana/states", "/health", "/metrics")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/v1/hibana/states", "/health",
+             "/metrics")
 
 
 LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
