@@ -141,3 +141,24 @@ def test_a_draft_models_drawn_drafts_carry_the_bias(qwen3, make_engine):
     assert stats.draft_tokens_proposed > 20, stats
     assert stats.draft_tokens_accepted >= 0.9 * stats.draft_tokens_proposed, stats
     assert sum(t in bias for t in out.token_ids) > len(out.token_ids) // 3  # the bias shows in the output
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_a_draft_models_chosen_drafts_carry_the_bias(qwen3, make_engine, hf_greedy, sampled):
+    """A greedy (or seeded) request's drafts are the draft model's argmax: of the biased logits,
+    as the target's, so the target drafting for itself has every draft kept."""
+    engine = make_engine(qwen3, speculation={"method": "draft_model", "draft_model": str(qwen3), "k": 4})
+    rng = random.Random(5)
+    history = tiny_models.random_tokens(rng, 10)
+    plain = hf_greedy(qwen3, history, GEN)
+    bias = {plain[0]: -100.0, plain[2]: -100.0, plain[5]: -100.0}
+    params = SamplingParams(max_tokens=GEN, ignore_eos=True, logit_bias=bias,
+                            **({"temperature": 1e-3, "seed": 1} if sampled else {}))
+    h = engine.open_state("e")
+    h.sync(history)
+    out = h.generate(params).token_ids
+    stats = engine.stats()
+    assert stats.draft_tokens_proposed >= GEN // 2, stats
+    assert stats.draft_tokens_accepted == stats.draft_tokens_proposed, stats
+    if not sampled:
+        assert out == hf_biased_greedy(qwen3, history, bias, GEN)

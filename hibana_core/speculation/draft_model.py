@@ -78,6 +78,7 @@ class _Work:
     end: int          # history length
     params: SamplingParams | None = None  # q under these (None: the argmax alone)
     draw: bool = True                     # drafts drawn from q (False: q's argmax)
+    request: SamplingParams | None = None  # the request's own: its logit_bias moves every draft
 
 
 class _OnDevice(NamedTuple):
@@ -109,6 +110,8 @@ def check_same_tokenizer(engine: Any, draft: LoadedModel, path: str) -> None:
 
 DRAFT_KV_SHARE = 0.25
 """A draft model's KV bytes as a share of the target's (the memory budget counts them)."""
+
+_UNBIASED = SamplingParams()  # a row whose request is unknown, in `apply_logit_bias`
 
 
 class DraftReserve(NamedTuple):
@@ -333,7 +336,7 @@ class DraftModelDrafter:
             seq.prepare_write(writes)
             params = states[i].params
             work.append(_Work(i, seq, k, seq.num_computed, end, params if samples_drafts(params) else None,
-                              states[i].draw))
+                              states[i].draw, params))
         return work
 
     def _room(self, blocks: int, busy: set[int]) -> bool:
@@ -384,22 +387,22 @@ class DraftModelDrafter:
               slots: dict[int, int], step: int) -> torch.Tensor:
         """The draft after each row of `logits` [S, vocab] (row s: `work[s]`'s): the argmax, or for
         a state with params q under the request's warpers, written to `probs` at (its slot, step),
-        and a draw from it where the state draws."""
+        and a draw from it where the state draws. A request's logit_bias is added first, as the
+        target adds it: a greedy request's drafts are then the ones it keeps."""
+        requests = [w.request for w in work]
+        if any(p is not None and p.logit_bias for p in requests):  # a greedy request's argmax moves too
+            logits = apply_logit_bias(logits.float(), [p or _UNBIASED for p in requests])
         tokens = logits.argmax(dim=-1)
         with_q = [s for s, w in enumerate(work) if w.params is not None]
         if not with_q:
             return tokens
         rows = device_tensor(with_q, torch.long, self.device)
         params = [work[s].params for s in with_q]
-        x = logits.index_select(0, rows).float()
-        if any(p.logit_bias for p in params):  # the request's bias moves q, and its argmax with it
-            x = apply_logit_bias(x, params)
-            tokens = tokens.index_copy(0, rows, x.argmax(dim=-1))
-        q = apply_warpers(x, params).softmax(dim=-1)
+        q = apply_warpers(logits.index_select(0, rows).float(), params).softmax(dim=-1)
         probs[device_tensor([slots[work[s].index] for s in with_q], torch.long, self.device), step] = q
         drawn = [j for j, s in enumerate(with_q) if work[s].draw]
         if not drawn:
-            return tokens  # (a chosen draft is the argmax of q as of the biased logits: the warpers keep it)
+            return tokens  # (a chosen draft is the argmax of q, as of the biased logits: the warpers keep it)
         at = device_tensor(drawn, torch.long, self.device)
         return tokens.index_copy(0, rows.index_select(0, at), draw(q.index_select(0, at), self.generator)[:, 0])
 
