@@ -557,7 +557,7 @@ class SamplingParams:
         _check(isinstance(bias, Mapping), f"logit_bias must be a dict of token id -> bias, got {bias!r:.80}")
         checked: dict[int, float] = {}
         for token, value in bias.items():
-            if isinstance(token, str) and token.strip().lstrip("+").isdigit():  # JSON's keys (OpenAI's form)
+            if isinstance(token, str) and token.strip().lstrip("+").isdecimal():  # JSON's keys (OpenAI's form)
                 token = int(token)
             _check(is_kind(token, int) and token >= 0,
                    f"logit_bias keys must be token ids (integers >= 0), got {token!r}")

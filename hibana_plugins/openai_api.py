@@ -294,7 +294,7 @@ def logit_bias(given: dict[str, Any] | None) -> dict[int, float] | None:
         return None
     bias = {}
     for key, value in given.items():
-        if not key.strip().isdigit():
+        if not key.strip().isdecimal():
             raise ApiError(400, f"logit_bias: keys are token ids (\"1234\"), got {key!r:.40}", "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise ApiError(400, f"logit_bias[{key.strip()}]: a bias is a number in [-100, 100], got {value!r:.40}",

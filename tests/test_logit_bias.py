@@ -45,6 +45,7 @@ def test_params_take_openai_form_and_refuse_bad_biases():
     assert SamplingParams(logit_bias={}).logit_bias is None
     for bad, says in (({1: 101}, r"\[-100, 100\]"), ({1: float("nan")}, r"\[-100, 100\]"),
                       ({-1: 1}, "token ids"), ({"a": 1}, "token ids"), ({1: True}, r"\[-100, 100\]"),
+                      ({"\u00b2": 1}, "token ids"),  # a digit to isdigit() that int() refuses (was a ValueError)
                       ([1, 2], "dict")):
         with pytest.raises(ConfigError, match=says):
             SamplingParams(logit_bias=bad)
