@@ -16,6 +16,7 @@ what to do instead.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,29 @@ _REFUSED = {
     "prompt": "prompt templates are not stored here: send the instructions and input themselves",
     "max_tool_calls": "max_tool_calls is not supported; parallel_tool_calls: false holds a response to one call",
 }
+
+_CHAT_FIELDS = (("max_completion_tokens", "max_output_tokens"), ("reasoning_effort", "reasoning.effort"),
+                ("response_format.json_schema", "text.format"), ("response_format", "text.format"))
+"""The chat request's fields an error may name, and the Responses API's the client sent."""
+
+
+def _renamed(param: str | None, message: str) -> tuple[str | None, str]:
+    """An error's param and message in the Responses API's terms: the request is checked as the
+    chat request it means, whose errors named fields this client never sent (max_completion_tokens
+    for max_output_tokens, messages for input)."""
+    if param is not None and re.match(r"messages\b", param):
+        param = "input"  # (the message's "messages[i]" counts chat messages, not input items: left as it is)
+    for chat, ours in _CHAT_FIELDS:
+        if param is not None and re.match(rf"{re.escape(chat)}\b", param):
+            param = ours + param[len(chat):]
+        message = re.sub(rf"\b{re.escape(chat)}\b", ours, message)
+    return param, message
+
+
+def in_responses_terms(error: ApiError) -> ApiError:
+    """`error` naming the Responses API's fields where the chat layer named its own (`_renamed`)."""
+    param, message = _renamed(error.param, error.message)
+    return ApiError(error.status, message, param, error.code, error.kind, error.retry)
 
 
 class ResponsesRequest(BaseModel):
@@ -256,11 +280,16 @@ class ResponsesReply(Reply):
 
     done = ""  # the stream ends with response.completed (or .incomplete), no [DONE]
 
-    @staticmethod
-    def frame(chunk: dict) -> str:
-        """An event named by its type, as OpenAI's Responses stream writes them (an error has none)."""
-        named = f"event: {chunk['type']}\n" if "type" in chunk else ""
-        return f"{named}data: {json_text(chunk)}\n\n"
+    def frame(self, chunk: dict) -> str:  # type: ignore[override]
+        """An event named by its type, as OpenAI's Responses stream writes them. An error mid-stream
+        (the server's `{"error": {...}}` body) is the stream's `error` event, numbered as the rest:
+        {"type": "error", "code", "message", "param", "sequence_number"}, which clients read by its
+        type (LangChain raises it), where the chat body has none."""
+        if "type" not in chunk and isinstance(chunk.get("error"), dict):
+            error = chunk["error"]
+            param, message = _renamed(error.get("param"), error.get("message") or "")
+            chunk = self._event("error", code=error.get("code"), message=message, param=param)
+        return f"event: {chunk['type']}\ndata: {json_text(chunk)}\n\n"
 
     def completion(self, *results: ChatResult) -> dict:
         result, = results
@@ -292,8 +321,9 @@ class ResponsesReply(Reply):
                 continue
             logprobs = self._chunk_logprobs(delta, index)
             if delta.result is not None:
-                events += self._close()
-                kind = "response.incomplete" if delta.result.finish_reason == "length" else "response.completed"
+                cut = delta.result.finish_reason == "length"
+                events += self._close("incomplete" if cut else "completed")
+                kind = "response.incomplete" if cut else "response.completed"
                 events.append(self._event(kind, response=self._response(delta.result, self._items)))
             elif delta.tool_call is not None:
                 events += self._call(delta.tool_call)
@@ -336,6 +366,9 @@ class ResponsesReply(Reply):
         if self._open is None or self._open["kind"] != "reasoning":
             events += self._begin("reasoning", {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "summary": [],
                                                 "content": [{"type": "reasoning_text", "text": ""}]})
+            events.append(self._event("response.content_part.added", item_id=self._items[-1]["id"],
+                                      output_index=self._open["index"], content_index=0,
+                                      part={"type": "reasoning_text", "text": ""}))
         self._items[-1]["content"][0]["text"] += text
         return events + [self._event("response.reasoning_text.delta", item_id=self._items[-1]["id"],
                                      output_index=self._open["index"], content_index=0, delta=text)]
@@ -353,8 +386,9 @@ class ResponsesReply(Reply):
                                       output_index=self._open["index"], delta=call.arguments_fragment))
         return events
 
-    def _close(self) -> list[dict]:
-        """The done events of the item deltas went to, if one is open."""
+    def _close(self, status: str = "completed") -> list[dict]:
+        """The done events of the item deltas went to, if one is open; `status`: "incomplete"
+        where max_output_tokens cut it (a message's, as in the whole response)."""
         if self._open is None:
             return []
         at, kind = self._open["index"], self._open["kind"]
@@ -367,13 +401,17 @@ class ResponsesReply(Reply):
                                    text=part["text"], logprobs=part["logprobs"]),
                        self._event("response.content_part.done", item_id=item["id"], output_index=at,
                                    content_index=0, part=part)]
-        elif kind == "reasoning":
-            events.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=at,
-                                      content_index=0, text=item["content"][0]["text"]))
+        elif kind == "reasoning":  # (its text part opened and closed as a message's, OpenAI's reasoning_text part)
+            part = item["content"][0]
+            events += [self._event("response.reasoning_text.done", item_id=item["id"], output_index=at,
+                                   content_index=0, text=part["text"]),
+                       self._event("response.content_part.done", item_id=item["id"], output_index=at,
+                                   content_index=0, part=part)]
         else:
             events.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
                                       name=item["name"], arguments=item["arguments"]))
-        item["status"] = "completed"
+        if "status" in item:  # (a reasoning item has none, as in the whole response)
+            item["status"] = status if kind == "text" else "completed"
         return events + [self._event("response.output_item.done", output_index=at, item=item)]
 
 
@@ -386,7 +424,8 @@ def _output(result: ChatResult, chat: "Chat") -> list[dict]:
     text = _answer(result)
     if text:
         logprobs = chat.openai_logprobs(result) or []
-        items.append({"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": "completed", "role": "assistant",
+        status = "incomplete" if result.finish_reason == "length" else "completed"  # (as the response's)
+        items.append({"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": status, "role": "assistant",
                       "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]})
     for call in result.tool_calls:
         items.append({"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": call.id, "name": call.name,

@@ -65,7 +65,7 @@ from hibana_plugins.manager import PluginError, get_plugin_manager
 from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatRequest, CompletionRequest, Reply,
                                        TextReply, chat_call, choice_calls, countable, json_text, named_state,
                                        parse_request, prompts_of, served_by_header)
-from hibana_plugins.openai_responses import ResponsesReply, ResponsesRequest
+from hibana_plugins.openai_responses import ResponsesReply, ResponsesRequest, in_responses_terms
 
 if TYPE_CHECKING:
     import uvicorn
@@ -400,7 +400,8 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/responses", dependencies=[Depends(authorized)])
     async def responses(request: Request) -> Response:
-        """The Responses API: the request read as the chat request it means (`openai_responses`)."""
+        """The Responses API: the request read as the chat request it means (`openai_responses`);
+        an error the chat layer raised names the field this client sent (`in_responses_terms`)."""
         received = time.monotonic()
         parsed = await checked(request, ResponsesRequest)
         state = named_state(request.headers.get(STATE_HEADER))
@@ -412,10 +413,12 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
             return call, chat.render_text(chat_request.messages, call.listed_tools, call.reasoning, effort=call.effort)
         try:
             call, prompt = await asyncio.to_thread(prepared)
+            servings = [Serving(chat, prompt, call, config.request_timeout, named)]
+            return await serve(request, received, servings, ResponsesReply(config.model_name, chat, parsed))
         except HibanaError as exc:
-            raise api_error(exc, "input") from None
-        servings = [Serving(chat, prompt, call, config.request_timeout, named)]
-        return await serve(request, received, servings, ResponsesReply(config.model_name, chat, parsed))
+            raise in_responses_terms(api_error(exc, "input")) from None
+        except ApiError as exc:
+            raise in_responses_terms(exc) from None
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request) -> Response:

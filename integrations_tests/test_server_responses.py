@@ -81,10 +81,13 @@ def test_streamed_text_joins_to_output_text_and_max_output_tokens_is_incomplete(
     ask = dict(model="demo", input="Tell me something.", max_output_tokens=3)
     whole = client.responses.create(**ask)
     assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.output[-1].status == "incomplete"  # the message it cut, as OpenAI marks it (was "completed")
     events = list(client.responses.create(**ask, stream=True))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == whole.output_text
     assert events[-1].type == "response.incomplete" and events[-1].response.output_text == text
+    done, = [e.item for e in events if e.type == "response.output_item.done"]
+    assert done.status == "incomplete" and events[-1].response.output[-1].status == "incomplete"
 
 
 def test_text_format_json_schema_holds_the_reply(client):
@@ -157,3 +160,83 @@ def test_the_raw_stream_names_each_event_and_ends_without_done(client):
     for frame in frames:
         named, data = frame.split("\n")
         assert named == f"event: {json.loads(data.removeprefix('data: '))['type']}"
+
+
+@pytest.mark.parametrize("fields, param, named", [
+    ({"max_output_tokens": 100_000}, "max_output_tokens", "max_output_tokens=100000"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort", "reasoning.effort"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 5}}}, "text.format.schema", "text.format"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type", "text.format.type"),
+    ({"input": "hello " * 3000}, "input", "context"),
+])
+def test_errors_name_the_field_the_client_sent(client, fields, param, named):
+    """The request is checked as the chat request it means: its errors named max_completion_tokens,
+    reasoning_effort, response_format and messages, fields a Responses client never sent."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="demo", **{"input": "hi", **fields})
+    body = caught.value.body
+    assert body["param"] == param and named in body["message"], body
+    for chat_field in ("max_completion_tokens", "reasoning_effort", "response_format"):
+        assert chat_field not in body["message"]
+
+
+def test_an_error_mid_stream_is_the_streams_error_event():
+    """An error after the stream began (the server writes its `{"error": ...}` body) is the
+    Responses stream's `error` event, typed, numbered and named as the events before it (OpenAI's
+    ResponseErrorEvent; LangChain raises it by its type), its param the client's field."""
+    from openai.types.responses import ResponseErrorEvent
+
+    from hibana_plugins.openai_responses import ResponsesReply, ResponsesRequest
+
+    reply = ResponsesReply("demo", None, ResponsesRequest(model="demo", input="hi"))
+    opening = reply.frame(reply.role_chunk())
+    frame = reply.frame({"error": {"message": "response_format: the grammar failed", "type": "invalid_request_error",
+                                   "param": "response_format", "code": None}})
+    named, data = frame.strip().split("\n")
+    event = ResponseErrorEvent.model_validate_json(data.removeprefix("data: "), strict=True)
+    assert named == "event: error" and opening.startswith("event: response.created")
+    assert (event.sequence_number, event.param, event.message) == (1, "text.format", "text.format: the grammar failed")
+
+
+THOUGHT = "The user says hi. I should greet them."
+ANSWER = "Hello there, friend."
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    """A server on the tiny Qwen3-style reasoning checkpoint (tests/reasoning_model.py) and a client
+    whose requests are forced to think (`forced`)."""
+    import tiny_models
+    from reasoning_model import make_reasoning_checkpoint
+
+    engine = tiny_models.open_engine(make_reasoning_checkpoint(tmp_path_factory.mktemp("reasoning") / "m"))
+    with engine, serving(engine, ServerConfig("thinker")) as url:
+        yield engine, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def forced(engine, state_id: str) -> dict:
+    """The options that serve a request on `state_id`, whose next generation thinks THOUGHT and answers ANSWER."""
+    from hibana_core.speculation import force_outputs
+
+    ids = engine.tokenizer.encode(f"<think>\n{THOUGHT}\n</think>\n\n{ANSWER}<|im_end|>", add_special_tokens=False)
+    force_outputs(engine.open_state(state_id), ids)
+    return {"max_output_tokens": len(ids), "extra_headers": {"X-Hibana-State": state_id}}
+
+
+def test_the_reasoning_item_streams_its_text_part_as_a_message_does(thinker):
+    """A reasoning item opens its reasoning_text part (`response.content_part.added`) before its
+    deltas and closes it after, as a message's output_text part: its output_item.added has no
+    content yet, and its deltas said content_index 0 of a part never added."""
+    engine, client = thinker
+    whole = client.responses.create(model="thinker", input="hi", **forced(engine, "think-whole"))
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == THOUGHT and whole.output_text == ANSWER
+    events = list(client.responses.create(model="thinker", input="hi", stream=True, **forced(engine, "think-stream")))
+    reasoning = [e for e in events if getattr(e, "output_index", None) == 0]
+    assert [e.type for e in reasoning if not e.type.endswith(".delta")] == [
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.done",
+        "response.content_part.done", "response.output_item.done"]
+    assert reasoning[1].part.type == "reasoning_text" and reasoning[-2].part.text == THOUGHT
+    assert "".join(e.delta for e in reasoning if e.type == "response.reasoning_text.delta") == THOUGHT
+    assert events[-1].response.output[0].model_dump() == reasoning[-1].item.model_dump()
+    assert reasoning[-1].item.model_dump() == {**whole.output[0].model_dump(), "id": reasoning[-1].item.id}
