@@ -177,7 +177,9 @@ def check_engine_kwargs(model: Any, engine_kwargs: Mapping[str, Any]) -> None:
 def check_given_engine(engine: Any, engine_kwargs: Mapping[str, Any], who: str) -> None:
     """A ConfigError where an adapter is given an engine (`engine=`) and engine options that the
     engine was not loaded with (`context_window=`, `num_ctx=`, `engine_kwargs=`): they would be
-    ignored, the engine's own serving every call. Options equal to the engine's pass."""
+    ignored, the engine's own serving every call. Options equal to the engine's pass, and so do
+    those equal to what it resolved (a context the model's own length, the device and dtype of
+    "auto")."""
     if not engine_kwargs:
         return
     from hibana_core.config import OPTION_ALIASES
@@ -191,7 +193,21 @@ def check_given_engine(engine: Any, engine_kwargs: Mapping[str, Any], who: str) 
                 return getattr(part, key)
         return None
 
-    differ = [key for key in engine_kwargs if option(wanted, key) != option(engine.config, key)]
+    def runs_with(key: str) -> list[Any]:
+        """What the engine resolved an option left open (None, "auto") to: a context of the
+        model's own length is the one asked for, whether or not the engine was given it."""
+        key = OPTION_ALIASES.get(key, key)
+        if key == "max_model_len":
+            return [getattr(engine, "max_model_len", None)]
+        if key == "dtype":  # a torch.dtype
+            return [str(getattr(engine, "dtype", "")).removeprefix("torch.")]
+        device = getattr(engine, "device", None)
+        if key == "device" and device is not None:
+            return [str(device), *([device.type] if getattr(device, "index", None) in (None, 0) else [])]
+        return []
+
+    differ = [key for key in engine_kwargs if option(wanted, key) != option(engine.config, key)
+              and option(wanted, key) not in runs_with(key)]
     if differ:
         raise ConfigError(f"{who}: the engine passed (engine=) was loaded with other {', '.join(differ)} than "
                           f"asked here ({', '.join(f'{k}={engine_kwargs[k]!r}' for k in differ)}), which it would "

@@ -390,6 +390,13 @@ def test_engine_options_beside_a_given_engine_are_refused_unless_it_has_them(eng
             make(engine=engine, engine_kwargs={"block_size": engine.config.cache.block_size * 2})
         same = {"block_size": engine.config.cache.block_size}
         assert make(engine=engine, engine_kwargs=same).engine is engine
+        # what the engine resolved passes: the model's own context (LlamaIndex's context_window,
+        # Ollama's num_ctx), the device and dtype "auto" chose; these were refused
+        assert engine.config.max_model_len is None and engine.config.dtype == "auto"
+        assert make(engine=engine, context_window=engine.max_model_len).engine is engine
+        assert make(engine=engine, num_ctx=engine.max_model_len).engine is engine
+        resolved = {"device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}
+        assert make(engine=engine, engine_kwargs=resolved).engine is engine
 
 
 def test_chat_openais_stream_usage_is_accepted_as_always_on(engine):
