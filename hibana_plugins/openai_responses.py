@@ -355,6 +355,8 @@ class ResponsesReply(Reply):
                                       output_index=self._open["index"], content_index=0,
                                       part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
         part = self._items[-1]["content"][0]
+        if not part["text"]:  # the markup between thinking and text comes with the text's first tokens
+            logprobs = _spanning(logprobs, text, whole=False)
         part["text"] += text
         part["logprobs"] += logprobs
         return events + [self._event("response.output_text.delta", item_id=self._items[-1]["id"],
@@ -423,7 +425,7 @@ def _output(result: ChatResult, chat: "Chat") -> list[dict]:
                       "content": [{"type": "reasoning_text", "text": result.reasoning}]})
     text = _answer(result)
     if text:
-        logprobs = chat.openai_logprobs(result) or []
+        logprobs = _spanning(chat.openai_logprobs(result) or [], text, after=result.reasoning)
         status = "incomplete" if result.finish_reason == "length" else "completed"  # (as the response's)
         items.append({"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": status, "role": "assistant",
                       "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]})
@@ -431,6 +433,27 @@ def _output(result: ChatResult, chat: "Chat") -> list[dict]:
         items.append({"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": call.id, "name": call.name,
                       "arguments": json.dumps(call.arguments, ensure_ascii=False), "status": "completed"})
     return items
+
+
+def _spanning(logprobs: list[dict], text: str, after: str = "", whole: bool = True) -> list[dict]:
+    """Of tokens' log-probabilities (OpenAI's shape, each with its `bytes`), those of `text`, an
+    output_text part, where it stands in their join past `after` (the thinking): a reasoning
+    model's thinking, its markup and that of calls are no part of the text (a chat reply's
+    logprobs hold every token: the message held 40 for an answer of 10). Not
+    `whole`: only the tokens before the text are left out (a streamed delta's text may hold back
+    the end of its tokens'). All of them where the text is not found as it is."""
+    joined = b"".join(bytes(entry["bytes"]) for entry in logprobs)
+    start = joined.find(after.encode()) + len(after.encode()) if after and after.encode() in joined else 0
+    start = joined.find(text.encode(), start)
+    if start < 0:
+        return logprobs
+    end = start + len(text.encode()) if whole else len(joined)
+    kept, at = [], 0
+    for entry in logprobs:
+        if at < end and at + len(entry["bytes"]) > start:
+            kept.append(entry)
+        at += len(entry["bytes"])
+    return kept
 
 
 def _usage(result: ChatResult) -> dict:

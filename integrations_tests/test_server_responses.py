@@ -240,3 +240,18 @@ def test_the_reasoning_item_streams_its_text_part_as_a_message_does(thinker):
     assert "".join(e.delta for e in reasoning if e.type == "response.reasoning_text.delta") == THOUGHT
     assert events[-1].response.output[0].model_dump() == reasoning[-1].item.model_dump()
     assert reasoning[-1].item.model_dump() == {**whole.output[0].model_dump(), "id": reasoning[-1].item.id}
+
+
+def test_the_output_texts_logprobs_are_its_own_tokens_not_the_thinkings(thinker):
+    """A reasoning model's output_text logprobs are those of its text: they held every token of the
+    turn (the thinking and its markup, 40 for an answer of 10), and streamed, the markup between."""
+    engine, client = thinker
+    ask = dict(model="thinker", input="hi", include=["message.output_text.logprobs"])
+    whole = client.responses.create(**ask, **forced(engine, "think-logprobs-whole"))
+    part = whole.output[-1].content[0]
+    assert "".join(lp.token for lp in part.logprobs) == part.text == ANSWER
+    events = list(client.responses.create(**ask, stream=True, **forced(engine, "think-logprobs-stream")))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in part.logprobs]  # (the values: another run's)
+    final = events[-1].response.output[-1].content[0].logprobs
+    assert [lp.model_dump() for lp in final] == [lp.model_dump() for lp in streamed]
