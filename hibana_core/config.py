@@ -266,8 +266,9 @@ class SpeculationConfig:
     """Checkpoint (directory or Hugging Face repo id) of the "draft_model" drafter (same tokenizer
     as the target); one per engine."""
     engines_drafter: bool = field(default=False, compare=False, repr=False)
-    """Given as "adaptive" or True, which name no drafter: on a request, adaptive with the engine's
-    drafter (its draft model, say), as the engine's own setting would be; on the engine, suffix."""
+    """Given as "adaptive", True or a dict without "method", which name no drafter: on a request,
+    the engine's drafter (its draft model, say) with this k (adaptive for "adaptive"), as the
+    engine's own setting would be; on the engine, suffix."""
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -297,7 +298,7 @@ class SpeculationConfig:
             unknown = set(value) - {"method", "k", "draft_model"}
             _check(not unknown, f"speculation takes the keys 'method', 'k' and 'draft_model', "
                                 f"got {sorted(map(str, unknown))}")
-            return cls(**value)
+            return cls(**value, engines_drafter="method" not in value)  # {"k": 4}: the engine's drafter, 4 a step
         raise ConfigError(f"speculation must be 'adaptive' (or True), 'off' (or False) or a dict like "
                           f"{{'method': 'suffix', 'k': 4}}, got {value!r}")
 

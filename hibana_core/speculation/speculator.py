@@ -242,12 +242,13 @@ class Speculator:
         return self.resolve(request.params.speculation if request.params is not None else None)
 
     def resolve(self, own: SpeculationConfig | None) -> SpeculationConfig:
-        """What a request's setting means here: None, the engine's; "adaptive" (or True, which name
-        no drafter), the engine's drafter with the draft length adaptive."""
+        """What a request's setting means here: None, the engine's; "adaptive" (or True) or a dict
+        without "method", which name no drafter, the engine's drafter with the request's k (None:
+        adaptive)."""
         if own is None:
             return self.default
         if own.engines_drafter and self.default.enabled:
-            return dataclasses.replace(self.default, k=None)
+            return dataclasses.replace(self.default, k=own.k)
         return own
 
     def drafter(self, name: str) -> Drafter:
