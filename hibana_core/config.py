@@ -444,8 +444,10 @@ GREEDY_TEMPERATURE = 1e-5
 
 
 MAX_TOP_LOGPROBS = 20
-MAX_LOGIT_BIAS = 100.0  # OpenAI's range for each bias: [-100, 100]
 """The most alternatives per token `top_logprobs` may ask for (OpenAI's limit)."""
+
+MAX_LOGIT_BIAS = 100.0
+"""The largest bias `logit_bias` may give a token, either way (OpenAI's range: [-100, 100])."""
 
 
 @dataclass(frozen=True)
