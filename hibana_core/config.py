@@ -558,6 +558,12 @@ class SamplingParams:
         if bias is None:
             return
         _check(isinstance(bias, Mapping), f"logit_bias must be a dict of token id -> bias, got {bias!r:.80}")
+        if (set(map(type, bias)) <= {int} and set(map(type, bias.values())) <= {int, float}
+                and all(-MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in bias.values())  # (NaN fails too)
+                and (not bias or 0 <= min(bias) and max(bias) < 2**63)):
+            # the usual form, in one pass over it: a whole vocabulary's bias (150k ids) took 0.4 s below
+            object.__setattr__(self, "logit_bias", {token: float(v) for token, v in bias.items()} or None)
+            return
         checked: dict[int, float] = {}
         for token, value in bias.items():
             if isinstance(token, str) and token.strip().lstrip("+").isdecimal():  # JSON's keys (OpenAI's form)

@@ -163,3 +163,22 @@ def test_a_draft_models_chosen_drafts_carry_the_bias(qwen3, make_engine, hf_gree
     assert stats.draft_tokens_accepted == stats.draft_tokens_proposed, stats
     if not sampled:
         assert out == hf_biased_greedy(qwen3, history, bias, GEN)
+
+
+def test_a_whole_vocabulary_bias_is_read_once_per_request():
+    """A bias on every token (a ban list, a whole-vocabulary preference) is made into tensors once
+    for its request, not every step for every row of it: 0.38 s a step for 8 rows of a 152k bias."""
+    from hibana_core.sampler import apply_logit_bias
+
+    vocab = 5000
+    bias = {t: (t % 7) - 3.0 for t in range(vocab)}
+    params = SamplingParams(logit_bias=bias)
+    logits = torch.randn(4, vocab + 3)
+    out = apply_logit_bias(logits, [params, SamplingParams(), params, params])
+    want = logits.clone()
+    want[[0, 2, 3], :vocab] += torch.tensor([(t % 7) - 3.0 for t in range(vocab)])
+    assert torch.equal(out, want)
+    made = params.__dict__["_logit_bias_tensors"]
+    apply_logit_bias(logits, [params])
+    assert params.__dict__["_logit_bias_tensors"] is made
+    assert SamplingParams(logit_bias=bias) == params  # (the tensors are no field)
