@@ -39,7 +39,7 @@
    CPU's tokens for both halves, the free agents the tokens they get alone, and every constrained
    output that ended is JSON of the schema.
 logit_bias: the GPU sampler's `logit_bias`, float32, 4 agents batched (eager and CUDA graphs,
-   speculation off and suffix k=4): greedy agents with a bias == transformers' generate with the
+   speculation off, suffix k=4 and the target as its own draft model): greedy agents with a bias == transformers' generate with the
    same sequence_bias on the GPU; an agent without one keeps its tokens; a sampled one never draws
    a banned token.
 shapes: check 1 on shapes unlike the tiny checkpoints' (tiny_models.ODD_SHAPES: head_dim 8, 12
@@ -582,7 +582,8 @@ def check_logprobs() -> Iterator[tuple[str, bool, str]]:
 
 def check_logit_bias() -> Iterator[tuple[str, bool, str]]:
     """`SamplingParams.logit_bias` on the GPU sampler, float32, 4 agents batched (eager and CUDA
-    graphs, speculation off and suffix k=4): the two greedy agents with a bias (the unbiased reply's
+    graphs, speculation off, suffix k=4 and the target as its own draft model, whose drafts carry the
+    bias too): the two greedy agents with a bias (the unbiased reply's
     tokens banned, others favoured) give transformers' generate with the same `sequence_bias` on the
     GPU, the greedy agent without one its own unbiased tokens, and the sampled agent never draws a
     banned token."""
@@ -606,23 +607,27 @@ def check_logit_bias() -> Iterator[tuple[str, bool, str]]:
                   None,
                   {t: -100.0 for t in plain[3][:8]}]
         want = [hf_greedy(p, b) for p, b in zip(prompts[:2], biases[:2])] + [plain[2]]
-        for graphs, spec in ((False, "off"), (True, "off"), (True, {"method": "suffix", "k": 4})):
-            with Engine.from_pretrained(path, **ON_GPU, dtype="float32", progress=False,
-                                        cuda_graphs=graphs) as gpu:
+        draft = {"method": "draft_model", "draft_model": str(path), "k": 4}  # the target drafting for itself
+        for graphs, spec in ((False, "off"), (True, "off"), (True, {"method": "suffix", "k": 4}), (True, draft)):
+            with Engine.from_pretrained(path, **ON_GPU, dtype="float32", progress=False, cuda_graphs=graphs,
+                                        **({"speculation": draft} if spec is draft else {})) as gpu:
                 results: list = [None] * 4
 
                 def run(i: int) -> None:
                     sampled = {"temperature": 1.0, "seed": 5} if i == 3 else {}
                     params = SamplingParams(max_tokens=24, ignore_eos=True, logit_bias=biases[i],
-                                            speculation=spec, **sampled)
+                                            speculation=None if spec is draft else spec, **sampled)
                     results[i] = list(gpu.open_state(f"b{i}").generate(params, prompt=prompts[i]).token_ids)
 
                 in_threads(run, 4)
+                stats = gpu.stats()
             same = sum(results[i] == want[i] for i in range(3))
             banned = sum(t in biases[3] for t in results[3])
-            yield (f"logit_bias fp32 {arch} graphs={graphs} spec={spec if spec == 'off' else 'suffix k4'}",
+            named = spec if spec == "off" else "draft model k4" if spec is draft else "suffix k4"
+            yield (f"logit_bias fp32 {arch} graphs={graphs} spec={named}",
                    same == 3 and banned == 0 and want[0] != plain[0],
-                   f"{same}/3 greedy agents == transformers; the sampled agent drew {banned} banned tokens")
+                   f"{same}/3 greedy agents == transformers; the sampled agent drew {banned} banned tokens; "
+                   f"{stats.draft_tokens_accepted}/{stats.draft_tokens_proposed} drafts kept")
         del hf
         torch.cuda.empty_cache()
 
