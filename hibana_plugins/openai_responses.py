@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 """The `include` entry that asks for the output text's token log-probabilities."""
+INCLUDABLE = frozenset({LOGPROBS_INCLUDE, "reasoning.encrypted_content", "file_search_call.results",
+                        "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+                        "computer_call_output.output.image_url", "code_interpreter_call.outputs"})
+"""What `include` may name (OpenAI's values); all but the logprobs name what Hibana's responses
+never hold (no hosted tools, no encrypted reasoning), so they add nothing."""
 
 _REFUSED = {
     "previous_response_id": "responses are not stored here: send the whole conversation as input (the server keeps "
@@ -119,6 +124,10 @@ class ResponsesRequest(BaseModel):
         if self.background:
             raise ApiError(400, "background: true is not supported; ask in the foreground (stream: true to "
                                 "read the response as it is written)", "background")
+        unknown = sorted(set(self.include or ()) - INCLUDABLE)
+        if unknown:
+            raise ApiError(400, f"include: {unknown[0]!r:.80} is not a value of include; OpenAI's are "
+                                f"{', '.join(sorted(INCLUDABLE))}", "include")
         logprobs = LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
         effort = (self.reasoning or {}).get("effort")
         body: dict[str, Any] = {
@@ -141,6 +150,7 @@ class ResponsesRequest(BaseModel):
                 "store": False, "temperature": self.temperature if self.temperature is not None else 0.0,
                 "text": {"format": text_format}, "tool_choice": self.tool_choice or "auto",
                 "tools": self.tools or [], "top_p": self.top_p if self.top_p is not None else 1.0,
+                "top_logprobs": self.top_logprobs or 0,
                 "truncation": "disabled", "user": self.user, "metadata": self.metadata or {}}
 
 
@@ -316,6 +326,8 @@ class ResponsesReply(Reply):
         final = next((delta.result for delta in deltas if delta.result is not None), None)
         drop = final is None or final.finish_reason == "length"  # (as the chat stream's: `Reply.chunks`)
         events: list[dict] = []
+        if self._sequence == 1:  # after response.created (`role_chunk`), before the first output
+            events.append(self._event("response.in_progress", response=self._response(None, [])))
         for delta in joined(deltas):
             if delta.cut_call and drop:
                 continue

@@ -63,7 +63,7 @@ def test_the_stream_joins_to_the_whole_response(client):
     whole = client.responses.create(**ask)
     events = list(client.responses.create(**ask, stream=True))
     kinds = [event.type for event in events]
-    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
     assert [event.sequence_number for event in events] == list(range(len(events)))
     arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     added = [e.item for e in events if e.type == "response.output_item.added"]
@@ -113,6 +113,7 @@ def test_tool_choice_forms(client):
 def test_logprobs_come_with_the_output_text(client):
     reply = client.responses.create(model="demo", input="Tell me something.", max_output_tokens=8,
                                     include=["message.output_text.logprobs"], top_logprobs=2)
+    assert reply.top_logprobs == 2
     part = next(item for item in reply.output if item.type == "message").content[0]
     assert part.logprobs and all(lp.logprob <= 0 and len(lp.top_logprobs) == 2 for lp in part.logprobs)
 
@@ -128,6 +129,7 @@ def test_logprobs_come_with_the_output_text(client):
     ({"input": []}, "input"),
     ({"temperature": 3}, "temperature"),
     ({"frobnicate": 1}, "frobnicate"),
+    ({"include": ["message.output_text.logprobs", "bogus"]}, "include"),
 ])
 def test_what_it_cannot_serve_is_a_400_naming_the_field(client, fields, param):
     with pytest.raises(openai.BadRequestError) as caught:
