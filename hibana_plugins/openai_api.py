@@ -177,7 +177,7 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)  # a list: a choice per prompt
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for this endpoint
     echo: Literal[False] | None = None
-    logprobs: Literal[0] | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)  # the alternatives at each token (OpenAI's: up to 5)
     best_of: Literal[1] | None = None
     suffix: None = None
 
@@ -196,7 +196,7 @@ def parse_request(body: Any, kind: "type[R]" = ChatRequest) -> "R":
         param = ".".join(map(str, _field_path(body, first["loc"]))) or None
         if first["type"] == "extra_forbidden":
             raise ApiError(400, f"Unrecognized request argument supplied: {param}", param) from None
-        if first["type"] in ("literal_error", "none_required") and param in ("logprobs", "echo", "best_of", "suffix"):
+        if first["type"] in ("literal_error", "none_required") and param in ("echo", "best_of", "suffix"):
             raise ApiError(400, f"{param}: Hibana does not support this yet; leave it out", param) from None
         raise ApiError(400, f"{param}: {first['msg']}", param) from None
 
@@ -256,7 +256,9 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
         contents_given(request.messages)
     listed = normalize_tools(function_tools(request.tools)) if chat else None
     choice, tools = tool_choice(request.tool_choice, listed) if chat else ("none", None)
-    logprobs = bool(chat and request.logprobs)
+    # chat: logprobs (a switch) and top_logprobs; legacy completions: logprobs, the alternatives' count
+    logprobs = bool(request.logprobs) if chat else request.logprobs is not None
+    top_logprobs = (request.top_logprobs or 0) if chat else (request.logprobs or 0)
     if chat and request.top_logprobs and not logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     if isinstance(request.stop, list) and not all(request.stop):  # (a lone "" is no stop, as `stop or ()` reads it)
@@ -276,7 +278,7 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
         ignore_eos=bool(request.ignore_eos), stop_token_ids=tuple(request.stop_token_ids or ()),
         json_schema=response_schema(request.response_format) if chat else None,
         strict_schema=strict_schema(request.response_format) if chat else True,  # (completions have none)
-        logprobs=logprobs, top_logprobs=(request.top_logprobs or 0) if logprobs else 0,
+        logprobs=logprobs, top_logprobs=top_logprobs if logprobs else 0,
         logit_bias=logit_bias(request.logit_bias))
     explicit = state_header or request.user or None  # an empty user names no one (OpenAI takes it)
     return ChatCall(listed, tools, choice, not chat or request.parallel_tool_calls is not False, params, explicit,
@@ -647,22 +649,45 @@ def usage(u: Usage) -> dict:
 
 
 class TextReply(Reply):
-    """A legacy completion: the text as generated, in `text_completion` objects."""
+    """A legacy completion: the text as generated, in `text_completion` objects; log-probabilities,
+    where asked, in that endpoint's shape (`_legacy`)."""
 
-    def __init__(self, model: str, n: int = 1) -> None:
-        super().__init__(model, n=n)
+    def __init__(self, model: str, n: int = 1, chat: "Chat | None" = None) -> None:
+        super().__init__(model, chat, n=n)
         self.id = "cmpl-" + uuid.uuid4().hex
+        self._offsets: dict[int, int] = {}  # choice -> characters its streamed logprobs' tokens spelt
 
     def completion(self, *results: ChatResult) -> dict:
         """The reply to one prompt, or to several (n choices each, in order; their usage summed)."""
-        choices = [{"index": i, "text": r.text, "logprobs": None, "finish_reason": openai_finish_reason(r)}
-                   for i, r in enumerate(results)]
+        choices = [{"index": i, "text": r.text, "logprobs": self._legacy(self._logprobs(r), i),
+                    "finish_reason": openai_finish_reason(r)} for i, r in enumerate(results)]
         return {**self._head("text_completion"), "choices": choices, "usage": usage(total_usage(results, self.n))}
 
     def chunk(self, delta: ChatDelta, index: int = 0) -> dict:
         finish = openai_finish_reason(delta.result) if delta.result is not None else None
-        choice = {"index": index, "text": delta.text, "logprobs": None, "finish_reason": finish}
+        logprobs = self._legacy(self._chunk_logprobs(delta, index), index)
+        choice = {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": finish}
         return {**self._head("text_completion"), "choices": [choice]}
+
+    def _legacy(self, logprobs: dict | None, index: int) -> dict | None:
+        """Chat-shaped log-probabilities as the completions endpoint gives them: `tokens`,
+        `token_logprobs`, `top_logprobs` (a dict a token, None where no alternatives were asked)
+        and `text_offset` (where each token starts in the text; a stream's go on from its last)."""
+        if logprobs is None:
+            return None
+        entries = logprobs["content"]
+        offsets = []
+        at = self._offsets.get(index, 0)
+        for entry in entries:
+            offsets.append(at)
+            at += len(entry["token"])
+        self._offsets[index] = at
+        asked = any(entry["top_logprobs"] for entry in entries)
+        return {"tokens": [entry["token"] for entry in entries],
+                "token_logprobs": [entry["logprob"] for entry in entries],
+                "top_logprobs": [{top["token"]: top["logprob"] for top in entry["top_logprobs"]} for entry in entries]
+                if asked else None,
+                "text_offset": offsets}
 
     def role_chunk(self, index: int = 0) -> None:
         return None

@@ -433,7 +433,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
             raise api_error(exc) from None
         servings = [Serving(text_chat, prompt, choice, config.request_timeout, named)
                     for prompt in prompts for choice in choices]
-        return await serve(request, received, servings, TextReply(config.model_name, call.n))
+        return await serve(request, received, servings, TextReply(config.model_name, call.n, text_chat))
 
     async def serve(request: Request, received: float, servings: "list[Serving]", reply: Reply) -> Response:
         """A request's turns (usually one; its n choices, its prompts), streamed or whole; errors up

@@ -1265,6 +1265,33 @@ def test_logprobs_plain_and_streamed(client):
         assert text.encode().startswith(spelt) or spelt.startswith(text.encode()), (text, spelt)
 
 
+def test_legacy_completions_logprobs_whole_and_streamed(client):
+    """/v1/completions' logprobs (the alternatives' count, up to 5) were a 400; they come in that
+    endpoint's shape now: tokens, token_logprobs, top_logprobs (a dict a token; None for 0) and
+    text_offset, the tokens spelling the text; streamed, each chunk its own tokens', the offsets
+    going on, joined the whole reply's."""
+    ask = dict(model="demo", prompt="The weather in Paris is", max_tokens=8, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**ask).choices[0]
+    assert plain.logprobs is None
+    got = client.completions.create(**ask, logprobs=3).choices[0]
+    assert got.text == plain.text
+    lp = got.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    assert "".join(lp.tokens) == got.text and lp.text_offset[0] == 0
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(8)]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0 and len(top) <= 3 and max(top.values()) == pytest.approx(value, abs=1e-5)  # greedy
+    zero = client.completions.create(**ask, logprobs=0).choices[0].logprobs
+    assert zero.top_logprobs is None and zero.tokens == lp.tokens
+    chunks = list(client.completions.create(**ask, logprobs=3, stream=True))
+    carried = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs is not None]
+    assert [t for c in carried for t in c.tokens] == lp.tokens
+    assert [o for c in carried for o in c.text_offset] == lp.text_offset
+    assert [v for c in carried for v in c.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-4)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.completions.create(**ask, logprobs=6)
+
+
 def test_a_call_cut_by_a_stop_sequence_stays_in_the_content(client):
     """An outside tester: stop=["Paris"] inside a call's arguments answered an empty message with
     finish "stop" and no calls, nothing to say a call was begun. Its markup is the content now, as
