@@ -182,7 +182,7 @@ def check_given_engine(engine: Any, engine_kwargs: Mapping[str, Any], who: str) 
     "auto")."""
     if not engine_kwargs:
         return
-    from hibana_core.config import OPTION_ALIASES
+    from hibana_core.config import FP8_KV_DTYPES, OPTION_ALIASES
 
     wanted = EngineConfig.from_overrides(str(engine.config.model), **engine_kwargs)
 
@@ -201,6 +201,9 @@ def check_given_engine(engine: Any, engine_kwargs: Mapping[str, Any], who: str) 
             return [getattr(engine, "max_model_len", None)]
         if key == "dtype":  # a torch.dtype
             return [str(getattr(engine, "dtype", "")).removeprefix("torch.")]
+        if key == "kv_dtype":  # the cache's own ("fp8" is float8_e4m3fn's other name)
+            kv = str(getattr(getattr(engine, "kv_cache", None), "dtype", "")).removeprefix("torch.")
+            return list(FP8_KV_DTYPES) if kv in FP8_KV_DTYPES else [kv]
         device = getattr(engine, "device", None)
         if key == "device" and device is not None:
             return [str(device), *([device.type] if getattr(device, "index", None) in (None, 0) else [])]

@@ -390,6 +390,10 @@ def test_engine_options_beside_a_given_engine_are_refused_unless_it_has_them(eng
             make(engine=engine, engine_kwargs={"block_size": engine.config.cache.block_size * 2})
         same = {"block_size": engine.config.cache.block_size}
         assert make(engine=engine, engine_kwargs=same).engine is engine
+        kv = str(engine.kv_cache.dtype).removeprefix("torch.")  # what kv_dtype "auto" resolved to
+        assert make(engine=engine, engine_kwargs={"kv_dtype": kv}).engine is engine
+        with pytest.raises(ConfigError, match="kv_dtype"):
+            make(engine=engine, engine_kwargs={"kv_dtype": "fp8"})
         # what the engine resolved passes: the model's own context (LlamaIndex's context_window,
         # Ollama's num_ctx), the device and dtype "auto" chose; these were refused
         assert engine.config.max_model_len is None and engine.config.dtype == "auto"
@@ -455,3 +459,14 @@ def test_an_object_on_a_shared_engine_closed_meanwhile_finds_the_new_one(monkeyp
     assert choose_engine("demo", {}, given, given) is given
     open_shared = EngineChoice(fake(False), "demo", {})
     assert choose_engine("demo", {}, open_shared, None) is open_shared
+
+
+def test_an_fp8_kv_engine_takes_either_name_of_its_kv_dtype():
+    """kv_dtype "fp8" and "float8_e4m3fn" name one cache: beside an engine loaded with one, the
+    other passes (it was refused as another option, the engine told to load with what it had)."""
+    with Engine.from_pretrained("demo", kv_dtype="fp8", surgery_guard=False, progress=False) as engine:
+        for name in ("fp8", "float8_e4m3fn"):
+            assert ChatHibana(engine=engine, engine_kwargs={"kv_dtype": name}).engine is engine
+            assert HibanaLLM(engine=engine, engine_kwargs={"kv_dtype": name}).engine is engine
+        with pytest.raises(ConfigError, match="kv_dtype"):
+            ChatHibana(engine=engine, engine_kwargs={"kv_dtype": "float32"})
