@@ -76,9 +76,13 @@ class _Work:
     k: int
     start: int        # first position computed in this call
     end: int          # history length
-    params: SamplingParams | None = None  # q under these (None: the argmax alone)
-    draw: bool = True                     # drafts drawn from q (False: q's argmax)
     request: SamplingParams | None = None  # the request's own: its logit_bias moves every draft
+    draw: bool = True                      # drafts drawn from q (False: q's argmax)
+
+    @property
+    def params(self) -> SamplingParams | None:
+        """q under the request's warpers where it samples its drafts (`samples_drafts`); None: the argmax alone."""
+        return self.request if samples_drafts(self.request) else None
 
 
 class _OnDevice(NamedTuple):
@@ -334,9 +338,7 @@ class DraftModelDrafter:
                 self.counters.skipped += 1
                 continue
             seq.prepare_write(writes)
-            params = states[i].params
-            work.append(_Work(i, seq, k, seq.num_computed, end, params if samples_drafts(params) else None,
-                              states[i].draw, params))
+            work.append(_Work(i, seq, k, seq.num_computed, end, states[i].params, states[i].draw))
         return work
 
     def _room(self, blocks: int, busy: set[int]) -> bool:
