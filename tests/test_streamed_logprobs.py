@@ -9,6 +9,7 @@ import pytest
 
 pytest.importorskip("pydantic")
 
+from hibana_core.chat import Chat  # noqa: E402
 from hibana_core.state import TokenLogprob  # noqa: E402
 from hibana_core.turn import ChatDelta, ChatResult, Usage  # noqa: E402
 from hibana_plugins.openai_api import Reply  # noqa: E402
@@ -18,17 +19,10 @@ END = 99
 
 class FakeChat:
     stop_token_ids = (END,)
+    openai_logprobs = Chat.openai_logprobs  # the chat layer's own: the end token left out of a result's
 
     def openai_token_logprobs(self, logprobs):
         return [{"token": str(lp.token_id), "logprob": lp.logprob} for lp in logprobs]
-
-    def openai_logprobs(self, result):
-        if result.logprobs is None:
-            return None
-        lps = result.logprobs
-        if lps and result.finish_reason != "length" and lps[-1].token_id in self.stop_token_ids:
-            lps = lps[:-1]
-        return self.openai_token_logprobs(lps)
 
 
 def lp(token: int) -> TokenLogprob:
