@@ -380,18 +380,19 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
             raise unknown_model(parsed.model)
         return parsed
 
+    def chat_prompt(parsed: ChatRequest, state: str | None) -> tuple[ChatCall, str]:
+        """A chat request's call and its rendered prompt (both chat endpoints')."""
+        call = chat_call(parsed, state, max_tokens_limit)
+        return call, chat.render_text(parsed.messages, call.listed_tools, call.reasoning, effort=call.effort)
+
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(request: Request) -> Response:
         received = time.monotonic()
         parsed = await checked(request, ChatRequest)
         state = named_state(request.headers.get(STATE_HEADER))
         countable(parsed, engine.max_model_len)
-
-        def prepared() -> tuple[ChatCall, str]:  # off the event loop: linear in the body, yet seconds for 8 MB
-            call = chat_call(parsed, state, max_tokens_limit)
-            return call, chat.render_text(parsed.messages, call.listed_tools, call.reasoning, effort=call.effort)
-        try:
-            call, prompt = await asyncio.to_thread(prepared)
+        try:  # off the event loop: linear in the body, yet seconds for 8 MB
+            call, prompt = await asyncio.to_thread(chat_prompt, parsed, state)
             choices = choice_calls(call)
         except HibanaError as exc:
             raise api_error(exc) from None
@@ -409,8 +410,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         def prepared() -> tuple[ChatCall, str]:
             chat_request = parsed.chat_request()
             countable(chat_request, engine.max_model_len)
-            call = chat_call(chat_request, state, max_tokens_limit)
-            return call, chat.render_text(chat_request.messages, call.listed_tools, call.reasoning, effort=call.effort)
+            return chat_prompt(chat_request, state)
         try:
             call, prompt = await asyncio.to_thread(prepared)
             servings = [Serving(chat, prompt, call, config.request_timeout, named)]
