@@ -754,6 +754,38 @@ class Chat:
                             passed_ends=passed_ends)
 
 
+class StreamedLogprobs:
+    """One streamed reply's token log-probabilities, chunk by chunk, as OpenAI streams them: each
+    chunk carries those of the tokens that arrived since the last chunk that carried any, so the
+    chunks joined are the whole reply's (`Chat.openai_logprobs`). An end-of-turn token waits (the
+    whole reply leaves it out where it ended the turn); the result's chunk carries what no chunk
+    did. `add` every delta of the stream in order, `take` where a chunk is sent."""
+
+    def __init__(self, chat: Chat) -> None:
+        self.chat = chat
+        self._streamed: list = []  # the deltas' TokenLogprobs so far
+        self._given = 0             # how many of them chunks carried
+
+    def add(self, delta: ChatDelta) -> None:
+        self._streamed.extend(delta.logprobs)
+
+    def take(self, result: ChatResult | None = None) -> list[dict] | None:
+        """OpenAI's entries for the chunk being sent: those not given yet, or, for the result's
+        chunk, the rest of the whole reply's (None: nothing to give; a result's without
+        log-probabilities asked for: None as well)."""
+        if result is not None:
+            whole = self.chat.openai_logprobs(result)
+            if whole is None or not self._given:
+                return whole
+            return whole[self._given:] or None
+        streamed = self._streamed
+        end = len(streamed) - bool(streamed and streamed[-1].token_id in self.chat.stop_token_ids)
+        if end <= self._given:
+            return None
+        given, self._given = self._given, end
+        return self.chat.openai_token_logprobs(streamed[given:end])
+
+
 @contextlib.contextmanager
 def _blamed_on(name: str, parser: Any, what: str) -> Iterator[None]:
     """What a tool parser's hooks raise but a HibanaError, as a HibanaError that names it."""

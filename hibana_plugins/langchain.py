@@ -48,8 +48,8 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_valid
 
 from hibana_core import turn
 from hibana_core.chat import (Chat, ChatDelta, ChatResult as TurnResult, ConversationError,  # noqa: F401
-                              ToolSchemaError, UnsupportedContentError, Usage, clean_tool, normalize_tool_choice,
-                              normalize_tools)
+                              StreamedLogprobs, ToolSchemaError, UnsupportedContentError, Usage, clean_tool,
+                              normalize_tool_choice, normalize_tools)
 from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError
 from hibana_core.messages import unheld
@@ -358,6 +358,7 @@ class _Call:
     answered: bool = field(default=False, init=False)  # a call's arguments streamed (as_content)
     holder: LeaseHolder | None = field(default=None, init=False)  # an async call's (`lease_holder`)
     stream: Any = field(default=None, init=False)  # `_astream`'s engine stream
+    streamed_logprobs: StreamedLogprobs | None = field(default=None, init=False)  # a stream's, chunk by chunk
 
     def open(self, stack: contextlib.ExitStack) -> tuple[turn.TurnRun, Any]:
         """Starts the turn on the state `Chat.lease` picks (`turn.Open`)."""
@@ -392,8 +393,10 @@ class _Call:
                     "finish_reason": reason, "state_id": self.served_by}
         if result.error:
             metadata["tool_call_error"] = result.error
-        logprobs = self.chat.openai_logprobs(result)
-        if logprobs is not None:  # streamed: all on the last chunk
+        # streamed: the last chunk carries those no chunk did
+        logprobs = (self.chat.openai_logprobs(result) if self.streamed_logprobs is None
+                    else self.streamed_logprobs.take(result))
+        if logprobs is not None:
             metadata["logprobs"] = {"content": logprobs}
         return metadata
 
@@ -435,6 +438,23 @@ class _Call:
         return f"the reply ended inside this call at a stop token (finish_reason {finish_reason!r})"
 
     def chunk(self, delta: ChatDelta) -> ChatGenerationChunk | None:
+        """A delta as LangChain's chunk (None: none is sent). With logprobs, each chunk carries
+        those of its tokens in `response_metadata["logprobs"]`, as ChatOpenAI's do; LangChain's
+        sum of the chunks has the whole reply's."""
+        if self.params.logprobs and self.streamed_logprobs is None:
+            self.streamed_logprobs = StreamedLogprobs(self.chat)
+        if self.streamed_logprobs is not None:
+            self.streamed_logprobs.add(delta)
+        message = self._chunk_message(delta)
+        if message is None:
+            return None  # its tokens' log-probabilities go with the next chunk sent
+        if self.streamed_logprobs is not None and delta.result is None:
+            logprobs = self.streamed_logprobs.take()
+            if logprobs:
+                message.response_metadata["logprobs"] = {"content": logprobs}
+        return ChatGenerationChunk(message=message)
+
+    def _chunk_message(self, delta: ChatDelta) -> AIMessageChunk | None:
         if delta.result is not None:  # usage and metadata once, on the last chunk
             message = AIMessageChunk(content="", usage_metadata=self.usage_metadata(delta.result.usage),
                                      response_metadata=self.response_metadata(delta.result), chunk_position="last")
@@ -461,7 +481,7 @@ class _Call:
             return None  # text around the call is not part of a structured answer
         else:
             message = AIMessageChunk(content=delta.text)
-        return ChatGenerationChunk(message=message)
+        return message
 
 
 class ChatHibana(BaseChatModel):

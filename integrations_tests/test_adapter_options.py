@@ -260,9 +260,13 @@ def test_chat_hibana_logprobs(engine):
     assert len(content) == message.usage_metadata["output_tokens"]
     _check_openai_logprobs(content, 2)
     assert "".join(e["token"] for e in content).strip().startswith(plain.content[:10])
-    streamed = None
+    streamed, carried = None, []
     for chunk in ChatHibana(engine=engine, max_tokens=8, logprobs=True).stream(PROMPT):
         streamed = chunk if streamed is None else streamed + chunk
+        if chunk.content:  # a chunk of text carries its own tokens' log-probabilities, as ChatOpenAI's
+            carried.append(chunk.response_metadata["logprobs"]["content"])
+            assert "".join(e["token"] for e in carried[-1]) == chunk.content
+    assert len(carried) > 1
     assert streamed.content == plain.content                                 # as streamed, whole
     assert [e["logprob"] for e in streamed.response_metadata["logprobs"]["content"]] == \
         pytest.approx([e["logprob"] for e in content], abs=1e-5)
