@@ -114,7 +114,7 @@ class SamplingRequest(BaseModel):
     """What both endpoints take alike: the model, streaming, how to sample, and the state to
     serve on (`user`). Strict: "5" is not a number here, as it is not for OpenAI."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # (JSON's 1e400 reads as inf)
     model: str
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -126,7 +126,7 @@ class SamplingRequest(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     # vLLM's extra sampling fields (OpenAI has none of them; clients send them in extra_body)
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0: every token
+    top_k: int | None = Field(None, ge=-1, lt=2**63)  # -1 or 0: every token; past int64 the sampler's refusal
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)  # vLLM's: no upper bound
     user: str | None = Field(None, max_length=MAX_STATE_ID)
@@ -242,8 +242,8 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
     if n > 1 and state_header is not None:
         raise ApiError(400, f"n={n}: the {STATE_HEADER} header pins one state, and each choice is a turn on a state "
                             "of its own; ask n=1 with it", "n")
-    if request.stop_token_ids and not all(t >= 0 for t in request.stop_token_ids):
-        raise ApiError(400, "stop_token_ids: token ids are 0 or more", "stop_token_ids")
+    if request.stop_token_ids and not all(0 <= t < 2**63 for t in request.stop_token_ids):
+        raise ApiError(400, "stop_token_ids: token ids are 0 or more, ids of this model's tokenizer", "stop_token_ids")
     chat = isinstance(request, ChatRequest)
     if chat:
         unsupported(request)
@@ -296,12 +296,18 @@ def logit_bias(given: dict[str, Any] | None) -> dict[int, float] | None:
         return None
     bias = {}
     for key, value in given.items():
-        if not key.strip().isdecimal():
+        digits = key.strip()
+        if not (digits.isascii() and digits.isdecimal()):  # ("١٢" is decimal to Python, no id to OpenAI)
             raise ApiError(400, f"logit_bias: keys are token ids (\"1234\"), got {key!r:.40}", "logit_bias")
+        digits = digits.lstrip("0") or "0"
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-            raise ApiError(400, f"logit_bias[{key.strip()}]: a bias is a number in [-100, 100], got {value!r:.40}",
+            raise ApiError(400, f"logit_bias[{digits:.40}]: a bias is a number in [-100, 100], got {value!r:.40}",
                            "logit_bias")
-        bias[int(key)] = float(value)
+        # past int64 no id (int() of 4,301 digits and more is a ValueError); ids past the vocabulary
+        # within it are the engine's InvalidTokenError
+        if len(digits) > 19 or int(digits) >= 2**63:
+            raise ApiError(400, f"logit_bias: {digits:.40} is no token id of this model's tokenizer", "logit_bias")
+        bias[int(digits)] = float(value)
     return bias
 
 

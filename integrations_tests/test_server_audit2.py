@@ -1,0 +1,61 @@
+"""`hibana serve` as a demanding client of OpenAI's API drives it (the `openai` client, raw
+bodies): numbers past what the sampler takes, stop strings across tokens in a stream, the
+reply's shape field by field."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from hibana_core import Engine  # noqa: E402
+from hibana_plugins.server import ServerConfig, serving  # noqa: E402
+
+HELLO = [{"role": "user", "content": "Hello!"}]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine.from_pretrained("demo", progress=False) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    with serving(engine, ServerConfig("demo", max_tokens_limit=64)) as url:
+        yield url
+
+
+@pytest.fixture
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def refused(url: str, body: str, path: str = "/v1/chat/completions") -> dict:
+    """The error of a raw body (JSON's 1e400 reads as infinity; the openai client cannot send it)."""
+    reply = httpx.post(url + path, content=body, headers={"Content-Type": "application/json"}, timeout=60)
+    assert reply.status_code == 400, reply.text
+    return reply.json()["error"]
+
+
+@pytest.mark.parametrize("field, value", [("top_k", "9223372036854775808"), ("repetition_penalty", "1e400"),
+                                          ("logit_bias", '{"100000000000000000000000": 5}'),
+                                          ("stop_token_ids", "[100000000000000000000000]")])
+def test_numbers_past_what_the_sampler_takes_are_400s_on_their_field(url, field, value):
+    """vLLM's extras and logit_bias past int64 or infinite were 400s with `param: null`, their
+    message naming `SamplingParams.top_k` (Hibana's Python class, not the field sent)."""
+    for path, prompt in (("/v1/chat/completions", '"messages": [{"role": "user", "content": "Hi"}]'),
+                         ("/v1/completions", '"prompt": "Hi"')):
+        error = refused(url, f'{{"model": "demo", {prompt}, "max_tokens": 2, "{field}": {value}}}', path)
+        assert error["param"] == field and "SamplingParams" not in error["message"], error
+
+
+@pytest.mark.parametrize("key", ["1" * 5000, "\u0661\u0662", ""])
+def test_a_logit_bias_key_that_is_no_token_id_is_a_400(url, key):
+    """A key of 5,000 digits was a 500 (Python's int() refuses more than 4,300); "١٢" (Arabic-Indic
+    digits, decimal to Python) biased token 12."""
+    error = refused(url, f'{{"model": "demo", "messages": {HELLO!r}, "max_tokens": 2, "logit_bias": {{"{key}": 1}}}}'
+                    .replace("'", '"'))
+    assert error["param"] == "logit_bias", error
