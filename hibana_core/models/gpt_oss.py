@@ -13,7 +13,7 @@ rows, then up rows; `hibana_kernels.moe` draws both):
     MXFP4 checkpoints (quantization_config quant_method "mxfp4", the released ones)
         experts.gate_up_proj_blocks / _scales   interleaved rows -> deinterleave_gate_up
         experts.down_proj_blocks / _scales      as they are
-    float checkpoints
+    float checkpoints (also one saved dequantized whose config still names MXFP4)
         experts.gate_up_proj [E, H, 2I]         transposed, deinterleaved -> [E, 2I, H]
         experts.down_proj    [E, I, H]          transposed -> [E, H, I]
     both: experts.gate_up_proj_bias [E, 2I] deinterleaved, experts.down_proj_bias [E, H]
@@ -84,6 +84,19 @@ class GptOssExperts(StackedExperts):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i))
         self.down_proj_bias = nn.Parameter(torch.empty(e, h))
 
+    def hold_float_stacks(self) -> None:
+        """Hold float `gate_up_proj` and `down_proj` (of the biases' dtype and device) in place of
+        the MXFP4 blocks and scales: a checkpoint whose config names MXFP4 but whose experts were
+        saved dequantized (transformers loads it as float, with Mxfp4Config(dequantize=True))."""
+        e, i2, h = self.gate_up_proj_bias.shape[0], self.gate_up_proj_bias.shape[1], self.down_proj_bias.shape[1]
+        like = dict(dtype=self.gate_up_proj_bias.dtype, device=self.gate_up_proj_bias.device)
+        for stack in ("gate_up_proj", "down_proj"):
+            for part in ("blocks", "scales"):
+                delattr(self, f"{stack}_{part}")
+        self.gate_up_proj = nn.Parameter(torch.empty(e, i2, h, **like), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(e, h, i2 // 2, **like), requires_grad=False)
+        self.mxfp4 = False
+
     def kernel_experts(self) -> kernels.MoEExperts:
         common = dict(b13=self.gate_up_proj_bias, b2=self.down_proj_bias, activation="swiglu_oai",
                       swiglu_alpha=self.alpha, swiglu_limit=self.limit)
@@ -150,6 +163,10 @@ class GptOssForCausalLM(DecoderForCausalLM):
             layer.mlp = GptOssMoE(config, mxfp4)
 
     def checkpoint_tensors(self, names: Collection[str]) -> dict[str, torch.Tensor | ConvertedTensor]:
+        for prefix, module in self.named_modules():
+            if (isinstance(module, GptOssExperts) and module.mxfp4 and f"{prefix}.gate_up_proj" in names
+                    and f"{prefix}.gate_up_proj_blocks" not in names):  # saved dequantized: float experts
+                module.hold_float_stacks()
         targets = super().checkpoint_tensors(names)
         for prefix, module in self.named_modules():
             if isinstance(module, GptOssExperts):
