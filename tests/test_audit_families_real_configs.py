@@ -180,3 +180,37 @@ def test_gpt_oss_saved_dequantized_with_its_mxfp4_config_loads_float_experts(tmp
     history = [random.Random(3).randrange(4, 512) for _ in range(50)]
     c = engine.open_state("a").generate(SamplingParams(max_tokens=16, ignore_eos=True), prompt=history)
     assert_greedy_matches(path, history, c.token_ids)
+
+
+def test_gemma3_4b_multimodal_config_with_its_text_defaults(tmp_path, make_engine):
+    """gemma-3-4b-it's config.json: a multimodal gemma3 whose text_config names sizes, a sliding_window
+    and rope_scaling linear 8 alone, leaving the rest to Gemma3TextConfig's defaults
+    (sliding_window_pattern 6: layer 5 global, query_pre_attn_scalar 256, rope_theta 1e6 and
+    rope_local_base_freq 1e4, no softcapping), tie_word_embeddings to Gemma3Config's (tied: the
+    checkpoint holds no lm_head). 2 agents, 2 turns each."""
+    from transformers import Gemma3Config, SiglipVisionConfig
+
+    from tiny_models import _save_seeded, make_config
+
+    kinds = ["sliding_attention"] * 5 + ["full_attention"]
+    text = make_config("gemma3", num_hidden_layers=6, layer_types=kinds, sliding_window=24, final_logit_softcapping=None)
+    vision = dict(hidden_size=32, image_size=28, intermediate_size=64, num_attention_heads=2, num_hidden_layers=1,
+                  patch_size=14)
+    path = _save_seeded(Gemma3Config(text_config=text.to_dict(), vision_config=SiglipVisionConfig(**vision).to_dict(),
+                                     mm_tokens_per_image=4, boi_token_index=509, eoi_token_index=510,
+                                     image_token_index=511, tie_word_embeddings=True), tmp_path / "gemma-3-4b-it", seed=5)
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 509, "eoi_token_index": 510,
+        "eos_token_id": [1, 106], "image_token_index": 511, "initializer_range": 0.02, "mm_tokens_per_image": 4,
+        "model_type": "gemma3",
+        "text_config": {"hidden_size": 64, "intermediate_size": 128, "model_type": "gemma3_text",
+                        "num_hidden_layers": 6, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 24, "head_dim": 16, "num_attention_heads": 4, "num_key_value_heads": 2,
+                        "vocab_size": 512},
+        "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+        "vision_config": {**vision, "model_type": "siglip_vision_model", "vision_use_head": False}}))
+    engine = make_engine(path)
+    args = engine.model.args
+    assert args.sliding_windows == (24,) * 5 + (None,) and args.tie_word_embeddings
+    assert [r.rope_type for r in args.ropes] == ["default"] * 5 + ["linear"]
+    two_agents_two_turns(engine, path, seed=11)
