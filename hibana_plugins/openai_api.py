@@ -508,12 +508,13 @@ def strict_schema(response_format: dict | None) -> bool:
 # --- the reply ---------------------------------------------------------------------------------
 
 class Reply:
-    """The id, time and model that every chunk of one reply carries."""
+    """The id, time, model and system fingerprint that every chunk of one reply carries."""
 
-    def __init__(self, model: str, chat: "Chat | None" = None, n: int = 1) -> None:
+    def __init__(self, model: str, chat: "Chat | None" = None, n: int = 1, fingerprint: str | None = None) -> None:
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
+        self.fingerprint = fingerprint  # `system_fingerprint`: None leaves the field out
         self.chat = chat  # writes token log-probabilities in OpenAI's shape (None: no request asks for them)
         self.n = n        # choices per prompt
         self._streamed: dict[int, list] = {}  # choice -> its streamed tokens' log-probabilities (`_chunk_logprobs`)
@@ -604,7 +605,10 @@ class Reply:
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
     def _head(self, kind: str) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+        head = {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+        if self.fingerprint is not None:
+            head["system_fingerprint"] = self.fingerprint
+        return head
 
 
 def joined(deltas: Sequence[ChatDelta]) -> list[ChatDelta]:
@@ -647,6 +651,13 @@ def total_usage(results: Sequence[ChatResult], n: int) -> Usage:
                  reasoning_tokens=sum(r.usage.reasoning_tokens for r in results))
 
 
+def system_fingerprint(engine_fingerprint: str) -> str:
+    """OpenAI's `system_fingerprint`, "the backend configuration the model runs with", which a
+    client reads beside `seed` to know when seeded replies may change: the engine's fingerprint
+    (checkpoint, dtype, KV dtype and load-time passes), in OpenAI's form ("fp_" and 10 hex digits)."""
+    return "fp_" + engine_fingerprint[:10]
+
+
 def usage(u: Usage) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
@@ -658,8 +669,8 @@ class TextReply(Reply):
     """A legacy completion: the text as generated, in `text_completion` objects; log-probabilities,
     where asked, in that endpoint's shape (`_legacy`)."""
 
-    def __init__(self, model: str, n: int = 1, chat: "Chat | None" = None) -> None:
-        super().__init__(model, chat, n=n)
+    def __init__(self, model: str, n: int = 1, chat: "Chat | None" = None, fingerprint: str | None = None) -> None:
+        super().__init__(model, chat, n=n, fingerprint=fingerprint)
         self.id = "cmpl-" + uuid.uuid4().hex
         self._offsets: dict[int, int] = {}  # choice -> characters its streamed logprobs' tokens spelt
 

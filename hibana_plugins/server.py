@@ -64,7 +64,7 @@ from hibana_core.turn import ChatDelta
 from hibana_plugins.manager import PluginError, get_plugin_manager
 from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatRequest, CompletionRequest, Reply,
                                        TextReply, chat_call, choice_calls, countable, json_text, named_state,
-                                       parse_request, prompts_of, served_by_header)
+                                       parse_request, prompts_of, served_by_header, system_fingerprint)
 from hibana_plugins.openai_responses import ResponsesReply, ResponsesRequest, in_responses_terms
 
 if TYPE_CHECKING:
@@ -296,6 +296,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
     named = NamedStates(engine, config.max_named_states)
     app.state.named_states = named
     max_tokens_limit = min(config.max_tokens_limit or engine.max_model_len, engine.max_model_len)
+    fingerprint = system_fingerprint(engine.fingerprint)
 
     async def authorized(request: Request) -> None:
         if config.api_key is None:
@@ -397,7 +398,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         except HibanaError as exc:
             raise api_error(exc) from None
         servings = [Serving(chat, prompt, choice, config.request_timeout, named) for choice in choices]
-        return await serve(request, received, servings, Reply(config.model_name, chat, call.n))
+        return await serve(request, received, servings, Reply(config.model_name, chat, call.n, fingerprint))
 
     @app.post("/v1/responses", dependencies=[Depends(authorized)])
     async def responses(request: Request) -> Response:
@@ -433,7 +434,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
             raise api_error(exc) from None
         servings = [Serving(text_chat, prompt, choice, config.request_timeout, named)
                     for prompt in prompts for choice in choices]
-        return await serve(request, received, servings, TextReply(config.model_name, call.n, text_chat))
+        return await serve(request, received, servings, TextReply(config.model_name, call.n, text_chat, fingerprint))
 
     async def serve(request: Request, received: float, servings: "list[Serving]", reply: Reply) -> Response:
         """A request's turns (usually one; its n choices, its prompts), streamed or whole; errors up

@@ -59,3 +59,21 @@ def test_a_logit_bias_key_that_is_no_token_id_is_a_400(url, key):
     error = refused(url, f'{{"model": "demo", "messages": {HELLO!r}, "max_tokens": 2, "logit_bias": {{"{key}": 1}}}}'
                     .replace("'", '"'))
     assert error["param"] == "logit_bias", error
+
+
+def test_every_reply_names_the_backend_it_ran_on_as_openai_does(client, engine):
+    """OpenAI's `system_fingerprint` (a client reads it beside `seed` to know when seeded replies
+    may change) was left out of chat and legacy completions, whole and streamed: here it is the
+    engine's fingerprint (checkpoint, dtype, KV dtype, passes), in OpenAI's form."""
+    fingerprint = "fp_" + engine.fingerprint[:10]
+    whole = client.chat.completions.create(model="demo", messages=HELLO, max_tokens=4, seed=1, temperature=1.0)
+    assert whole.id.startswith("chatcmpl-") and whole.object == "chat.completion" and isinstance(whole.created, int)
+    assert whole.system_fingerprint == fingerprint
+    chunks = list(client.chat.completions.create(model="demo", messages=HELLO, max_tokens=4, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert {(c.id, c.object, c.system_fingerprint) for c in chunks} == {(chunks[0].id, "chat.completion.chunk",
+                                                                        fingerprint)}
+    text = client.completions.create(model="demo", prompt="Hello", max_tokens=2)
+    assert text.id.startswith("cmpl-") and text.object == "text_completion" and text.system_fingerprint == fingerprint
+    assert all(c.system_fingerprint == fingerprint
+               for c in client.completions.create(model="demo", prompt="Hello", max_tokens=2, stream=True))
