@@ -77,3 +77,27 @@ def test_every_reply_names_the_backend_it_ran_on_as_openai_does(client, engine):
     assert text.id.startswith("cmpl-") and text.object == "text_completion" and text.system_fingerprint == fingerprint
     assert all(c.system_fingerprint == fingerprint
                for c in client.completions.create(model="demo", prompt="Hello", max_tokens=2, stream=True))
+
+
+@pytest.mark.parametrize("stop", [["w can"], ["lo! H"], "you x"])
+def test_a_streamed_stop_string_across_tokens_never_shows_a_piece_of_itself(client, stop):
+    """A stop string spanning tokens (" How" + " can"), one that starts a token and ends in the
+    next, and one whose start ("you") comes but never its end: each chunk of each choice holds
+    only text the whole reply holds, joined to it, as vLLM's and OpenAI's streams."""
+    ask = dict(model="demo", messages=HELLO, max_tokens=12, stop=stop)
+    whole = client.chat.completions.create(**ask).choices[0]
+    seen: dict[int, str] = {0: "", 1: ""}
+    for chunk in client.chat.completions.create(**ask, stream=True, n=2):
+        for choice in chunk.choices:
+            seen[choice.index] += choice.delta.content or ""
+            assert whole.message.content.startswith(seen[choice.index]), (stop, seen)
+    assert seen == {0: whole.message.content, 1: whole.message.content}
+
+
+def test_the_developer_role_is_the_system_message(client):
+    """OpenAI's `developer` role (its reasoning models' name for system) is a system message."""
+    replies = [client.chat.completions.create(model="demo", max_tokens=6, messages=[
+        {"role": role, "content": [{"type": "text", "text": "Answer in French."}]}, *HELLO]) for role in
+        ("system", "developer")]
+    assert replies[0].usage.prompt_tokens == replies[1].usage.prompt_tokens
+    assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
