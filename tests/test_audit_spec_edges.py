@@ -201,3 +201,21 @@ def test_a_prompt_longer_than_the_drafters_windows(tiny_checkpoints, make_engine
     assert engine.stats().draft_tokens_accepted > 0 and speculation["drafter_errors"] == {}
     for method in ("small_suffix", "small_ngram"):
         assert speculation["drafters"][method]["indexed_tokens"] <= 128, speculation["drafters"]
+
+
+def test_the_shared_corpus_stays_within_its_bound_whatever_the_outputs_length():
+    """The suffix drafter's engine-wide corpus of recent outputs holds at most `corpus_tokens`
+    tokens: a turn's output was added whole, so turns of long outputs (a file rewritten) held
+    twice the bound and more (one of 500 tokens in a corpus of 64: 532), in host memory and in
+    engine.stats(). Each generation now holds half of it at most; the newest output's continuation
+    is still drafted."""
+    from hibana_core.speculation.drafters import DraftInput, SuffixDrafter
+
+    rng = random.Random(27)
+    drafter = SuffixDrafter(corpus_tokens=64)
+    for n in (500, 20, 30, 31, 40, 5, 200):
+        context, output = random_tokens(rng, 40), list(range(n, 0, -1))
+        drafter.finished(context, output)
+        assert drafter.summary()["corpus_tokens"] <= 64, n
+    key = type("Key", (), {})()  # a state stand-in (drafters key their indexes on it weakly)
+    assert drafter.propose(DraftInput(random_tokens(rng, 9) + [9, 8, 7], key, 0), 3) == [6, 5, 4]

@@ -229,7 +229,10 @@ def _check_bounds(drafter: str, state_window: Any, max_tokens: Any, longest_cont
 
 class _Corpus:
     """Recent outputs of all agents, bounded: two generations of `capacity / 2` tokens each; when
-    the newer fills, the older is dropped whole (O(1) per token, no per-entry eviction)."""
+    an output would overfill the newer, the older is dropped whole and the output starts a new one
+    (O(1) per token, no per-entry eviction). An output longer than a generation is indexed by its
+    last `capacity / 2` tokens (added whole, a file an agent rewrote held the corpus at several
+    times its bound)."""
 
     def __init__(self, capacity: int) -> None:
         self.half = max(1, capacity // 2)
@@ -241,10 +244,11 @@ class _Corpus:
         return self.old.num_tokens + self.new.num_tokens
 
     def add(self, context: Sequence[int], output: Sequence[int]) -> None:
-        if self.size >= self.half:
+        tokens = [*context, *output][-self.half:]  # contexts spanning into the output count
+        if self.size and self.size + len(tokens) > self.half:
             self.old, self.new, self.size = self.new, ContextIndex(), 0
-        self.new.extend(list(context) + list(output))  # contexts spanning into the output count
-        self.size += len(context) + len(output)
+        self.new.extend(tokens)
+        self.size += len(tokens)
 
     def newest_first(self) -> tuple[ContextIndex, ContextIndex]:
         """The generations, for `searched` (with other indexes)."""
