@@ -133,14 +133,14 @@ def released_checkpoint(name: str, path):
 
 
 def two_agents_two_turns(engine, checkpoint, seed: int) -> None:
-    """2 agents at once, 2 turns each with retention (40-47 tokens and 30 generated, then 12 new
-    and 16): histories reach 100 tokens, past every window and LongRoPE's switch."""
+    """2 agents at once, 2 turns each with retention (40-47 tokens and 28 generated, then 10 new
+    and 8): the first generation crosses LongRoPE's switch, and histories pass every window."""
     results: dict[int, list[tuple[list[int], list[int]]]] = {}
 
     def run_agent(agent: int) -> None:
         rng = random.Random(seed + agent)
         h, history, turns = engine.open_state(f"agent-{agent}"), [], []
-        for new, n in ((40 + 7 * agent, 30), (12, 16)):
+        for new, n in ((40 + 7 * agent, 28), (10, 8)):
             history = history + [rng.randrange(4, 512) for _ in range(new)]
             c = h.generate(SamplingParams(max_tokens=n, ignore_eos=True), prompt=history)
             turns.append((history, list(c.token_ids)))
