@@ -346,7 +346,8 @@ class EngineConfig:
     device: str = "auto"
     """"auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"."""
     dtype: str = "auto"
-    """"auto" (checkpoint dtype on GPU, float32 on CPU), "float32", "bfloat16" or "float16"."""
+    """"auto" (on a GPU the checkpoint's 16-bit dtype, bfloat16 where config.json declares float32
+    or none; float32 on CPU), "float32", "bfloat16" or "float16"."""
     seed: int = 0
     """Seed of the engine's generator, used for sampling requests that give no seed."""
     max_model_len: int | None = None
