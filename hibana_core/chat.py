@@ -34,7 +34,7 @@ import re
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequence
 
 from hibana_core import prompt, turn
-from hibana_core.config import SamplingParams
+from hibana_core.config import MAX_DRAFT_TOKENS, SamplingParams
 from hibana_core.detokenizer import token_bytes
 from hibana_core.errors import (CheckpointError, ConfigError, ContextLengthError, HibanaError, InvalidTokenError,
                                 StateBusyError, StateClosedError)
@@ -61,7 +61,9 @@ _THINK_BLOCK = re.compile(r"<think>.*?</think>\s*", re.S)
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
 """Tokens that end an assistant turn, where the vocabulary has them (Llama 3's <|eom_id|> ends a
 turn of calls that waits for their results)."""
-RUN_PAST_STOP = 16  # tokens a request may generate past the stop a turn asked for (async steps, accepted drafts)
+RUN_PAST_STOP = 2 * (MAX_DRAFT_TOKENS + 1)
+"""Tokens a request may generate past the stop a turn asked for: the step that saw it and the one
+launched after it (async scheduling), each up to a verify's accepted drafts and its bonus token."""
 
 
 class TokenIds(tuple):
@@ -449,7 +451,7 @@ class Chat:
         if end == len(held) or not closes:
             return end, at
         want = text[at:min(closes)]
-        for kept in range(len(held), max(end, len(held) - RUN_PAST_STOP), -1):
+        for kept in range(len(held), max(end, len(held) - RUN_PAST_STOP - 1), -1):  # RUN_PAST_STOP tokens at most
             got = self.engine.tokenizer.decode(held[end:kept], skip_special_tokens=False)
             if got == want and self._controls_are_markup(held[:kept], text):
                 return kept, min(closes)

@@ -14,6 +14,7 @@ import pytest
 from hibana_core import Engine, HibanaError, SamplingParams, StateBusyError, ToolSchemaError
 from hibana_core.chat import (MALFORMED, Chat, ChatResult, ConversationError, ToolChoiceError, assistant_message,
                               clean_tool, normalize_messages, normalize_tool_choice, normalize_tools)
+from hibana_core.config import MAX_DRAFT_TOKENS
 from hibana_core.kv.sequence import common_prefix_len
 from hibana_core.state import UNNAMED_PREFIX
 from hibana_core import turn
@@ -674,7 +675,11 @@ def test_a_reply_stopped_before_its_end_token_is_kept_where_the_prompt_ends_it(e
     spelled = [t for ch in reply for t in tokenizer.encode(ch, add_special_tokens=False)]  # not the tokenizer's way
     assert spelled != tokenizer.encode(reply, add_special_tokens=False)
     prompt = chat.prompt_ids(HELLO, [WEATHER])
-    for run_on in ([], tokenizer.encode("\n<tool_call>", add_special_tokens=False)):
+    # the engine runs on by what is in flight when the stop lands: with speculation, a step of
+    # accepted drafts (up to MAX_DRAFT_TOKENS + 1 tokens) and the step launched after it
+    again = tokenizer.encode("\n<tool_call>\n" + CALL, add_special_tokens=False)
+    long_run = (again * (1 + 2 * (MAX_DRAFT_TOKENS + 1) // len(again)))[:2 * (MAX_DRAFT_TOKENS + 1)]
+    for run_on in ([], tokenizer.encode("\n<tool_call>", add_special_tokens=False), long_run):
         chat.handle.sync(prompt + spelled + run_on)
         kept = prompt + spelled
         assert chat.prompt_ids(then, [WEATHER])[:len(kept)] == kept
