@@ -160,11 +160,12 @@ _TEXT_PARTS = {"input_text", "output_text", "text", "summary_text", "reasoning_t
 
 
 def _text_of(content: Any, where: str) -> str | list[dict]:
-    """A message's or a tool output's content: a string, or its text parts as the chat layer's."""
+    """A message's content or a tool's output (`where` names it: "input[2].output"): a string, or
+    its text parts as the chat layer's."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ApiError(400, f"{where}.content must be a string or a list of content parts", "input")
+        raise ApiError(400, f"{where} must be a string or a list of content parts", "input")
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -173,7 +174,7 @@ def _text_of(content: Any, where: str) -> str | list[dict]:
         elif kind in _TEXT_PARTS and isinstance(part.get("text"), str):
             parts.append({"type": "text", "text": part["text"]})
         else:
-            raise ApiError(400, f"{where}.content[{j}] has type {kind!r:.40}; Hibana reads text parts only "
+            raise ApiError(400, f"{where}[{j}] has type {kind!r:.40}; Hibana reads text parts only "
                                 "(input_text, output_text)", "input")
     return parts
 
@@ -204,7 +205,7 @@ def _messages(instructions: str | None, given: str | list[dict]) -> list[dict]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise ApiError(400, f"{where}.role is {role!r:.40}; use user, system, developer or assistant", "input")
-            content = _text_of(item.get("content"), where)
+            content = _text_of(item.get("content"), f"{where}.content")
             if role == "assistant":
                 assistant(content)
             else:
@@ -223,7 +224,7 @@ def _messages(instructions: str | None, given: str | list[dict]) -> list[dict]:
             if not isinstance(item.get("call_id"), str):
                 raise ApiError(400, f"{where} is a function_call_output without the call_id it answers", "input")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": _text_of(item.get("output"), where)})
+                             "content": _text_of(item.get("output"), f"{where}.output")})
         elif kind == "reasoning":
             for part in (item.get("content") or item.get("summary") or ()):
                 if isinstance(part, dict) and isinstance(part.get("text"), str):

@@ -101,3 +101,15 @@ def test_the_developer_role_is_the_system_message(client):
         ("system", "developer")]
     assert replies[0].usage.prompt_tokens == replies[1].usage.prompt_tokens
     assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
+
+
+def test_a_function_call_outputs_error_names_its_output(url):
+    """A Responses-API tool output that is no text named `input[2].content`, a field the item
+    has not (its text is `output`)."""
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}
+    for output, named in (([{"type": "input_image", "image_url": "data:,"}], "input[2].output[0] has type"),
+                          ({"temp": 12}, "input[2].output must be")):
+        reply = httpx.post(url + "/v1/responses", timeout=60, json={"model": "demo", "max_output_tokens": 2, "input": [
+            {"role": "user", "content": "Weather?"}, call, {"type": "function_call_output", "call_id": "c1",
+                                                            "output": output}]})
+        assert reply.status_code == 400 and named in reply.json()["error"]["message"], reply.text
