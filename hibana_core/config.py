@@ -567,10 +567,13 @@ class SamplingParams:
             return
         checked: dict[int, float] = {}
         for token, value in bias.items():
-            if isinstance(token, str) and token.strip().lstrip("+").isdecimal():  # JSON's keys (OpenAI's form)
-                token = int(token)
+            digits = token.strip() if isinstance(token, str) else ""
+            # JSON's keys (OpenAI's form): ASCII digits ("١٢" is decimal to Python, no id to OpenAI),
+            # at most int64's 19 (int() of 4,301 digits and more is a ValueError)
+            if digits.isascii() and digits.isdecimal() and len(digits.lstrip("0")) <= 19:
+                token = int(digits)
             _check(is_kind(token, int) and token >= 0,
-                   f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+                   f"logit_bias keys must be token ids (integers >= 0), got {token!r:.40}")
             _check(is_kind(value, float) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS,
                    f"logit_bias[{token}] must lie in [-100, 100], got {value!r}")
             checked[int(token)] = float(value)

@@ -42,10 +42,14 @@ def qwen3(tmp_path_factory):
 
 def test_params_take_openai_form_and_refuse_bad_biases():
     assert SamplingParams(logit_bias={"12": 5, 3: -100.0}).logit_bias == {12: 5.0, 3: -100.0}
+    assert SamplingParams(logit_bias={" 007": 1}).logit_bias == {7: 1.0}
     assert SamplingParams(logit_bias={}).logit_bias is None
     for bad, says in (({1: 101}, r"\[-100, 100\]"), ({1: float("nan")}, r"\[-100, 100\]"),
                       ({-1: 1}, "token ids"), ({"a": 1}, "token ids"), ({1: True}, r"\[-100, 100\]"),
                       ({"\u00b2": 1}, "token ids"),  # a digit to isdigit() that int() refuses (was a ValueError)
+                      ({"1" * 5000: 1}, "token ids"),  # past int()'s 4,300 digits (was a ValueError)
+                      ({"\u0661\u0662": 1}, "token ids"),  # Arabic-Indic "12" (was token 12), as the server reads it
+                      ({"+5": 1}, "token ids"), ({str(2**63): 1}, "token ids"),
                       ([1, 2], "dict")):
         with pytest.raises(ConfigError, match=says):
             SamplingParams(logit_bias=bad)
