@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hibana_core.chat import REASONING_EFFORTS, TokenIds, assistant_message
+from hibana_core.chat import REASONING_EFFORTS, StreamedLogprobs, TokenIds, assistant_message
 from hibana_core.config import SamplingParams
 from hibana_core.messages import normalize_tool_choice, normalize_tools
 from hibana_core.turn import ChatDelta, ChatResult, Usage, openai_finish_reason
@@ -517,34 +517,21 @@ class Reply:
         self.fingerprint = fingerprint  # `system_fingerprint`: None leaves the field out
         self.chat = chat  # writes token log-probabilities in OpenAI's shape (None: no request asks for them)
         self.n = n        # choices per prompt
-        self._streamed: dict[int, list] = {}  # choice -> its streamed tokens' log-probabilities (`_chunk_logprobs`)
-        self._given: dict[int, int] = {}      # choice -> how many of them its chunks carried
+        self._streamed: dict[int, StreamedLogprobs] = {}  # choice -> its chunks' log-probabilities
 
     def _logprobs(self, result: ChatResult) -> dict | None:
         content = None if self.chat is None else self.chat.openai_logprobs(result)
         return None if content is None else {"content": content, "refusal": None}
 
     def _chunk_logprobs(self, delta: ChatDelta, index: int) -> dict | None:
-        """A chunk's log-probabilities, as OpenAI streams them: those of the tokens that arrived
-        since the last chunk that carried any, so that the chunks' join is the whole reply's. An
-        end-of-turn token waits (the reply's leaves it out where it ended the turn); the result's
-        chunk carries what no chunk did."""
-        if delta.result is not None:
-            whole = self._logprobs(delta.result)
-            if whole is None or not self._given.get(index):
-                return whole
-            whole["content"] = whole["content"][self._given[index]:]
-            return whole if whole["content"] else None
-        if not delta.logprobs or self.chat is None:
+        """A chunk's log-probabilities, as OpenAI streams them (`StreamedLogprobs`): the chunks'
+        join is the whole reply's."""
+        if self.chat is None:
             return None
-        streamed = self._streamed.setdefault(index, [])
-        streamed.extend(delta.logprobs)
-        given = self._given.get(index, 0)
-        end = len(streamed) - (streamed[-1].token_id in self.chat.stop_token_ids)
-        if end <= given:
-            return None
-        self._given[index] = end
-        return {"content": self.chat.openai_token_logprobs(streamed[given:end]), "refusal": None}
+        streamed = self._streamed.setdefault(index, StreamedLogprobs(self.chat))
+        streamed.add(delta)
+        content = streamed.take(delta.result)
+        return None if content is None else {"content": content, "refusal": None}
 
     def completion(self, *results: ChatResult) -> dict:
         """The whole reply: one choice per result (the request's n)."""
