@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import random
-import threading
 
 import pytest
 
 from hibana_core import SamplingParams
-from tiny_models import EVERY_TENSOR_USED, assert_greedy_matches, make_tiny_checkpoint
+from tiny_models import EVERY_TENSOR_USED, assert_greedy_matches, make_tiny_checkpoint, run_agents_at_once
 
 pytestmark = [pytest.mark.timeout(300), EVERY_TENSOR_USED]
 
@@ -147,11 +146,7 @@ def two_agents_two_turns(engine, checkpoint, seed: int) -> None:
             history = history + list(c.token_ids)
         results[agent] = turns
 
-    threads = [threading.Thread(target=run_agent, args=(a,)) for a in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(240)
+    run_agents_at_once(run_agent, 2)
     assert sorted(results) == [0, 1]
     for turns in results.values():
         for history, generated in turns:

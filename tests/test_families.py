@@ -6,7 +6,6 @@ from either of their layouts, and the bytes a decode token reads."""
 from __future__ import annotations
 
 import random
-import threading
 import warnings
 
 import pytest
@@ -16,20 +15,11 @@ from hibana_core import SamplingParams, UnsupportedModelError
 from hibana_core.models import phi3
 from hibana_core.models.decoder import RotaryTables, longrope_switch
 from tiny_models import (EVERY_TENSOR_USED, ODD_SHAPES, agent_turn_plan, assert_greedy_matches, make_config,
-                         make_tiny_checkpoint, make_tiny_gemma3_multimodal, open_engine)
+                         make_tiny_checkpoint, make_tiny_gemma3_multimodal, open_engine, run_agents_at_once)
 
 pytestmark = [pytest.mark.timeout(300), EVERY_TENSOR_USED]
 
 AGENTS = TURNS = 3
-
-
-def run_agents_at_once(run_agent) -> None:
-    """run_agent(0), ..., run_agent(AGENTS - 1), each on its own thread, all at once."""
-    threads = [threading.Thread(target=run_agent, args=(a,)) for a in range(AGENTS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(240)
 
 
 def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path, make_engine):
@@ -52,7 +42,7 @@ def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path, make_e
             history = history + list(c.token_ids)
         results[agent] = turns
 
-    run_agents_at_once(run_agent)
+    run_agents_at_once(run_agent, AGENTS)
     assert sorted(results) == list(range(AGENTS))
     assert engine.stats().prompt_tokens_reused > 0, "later turns must reuse the retained KV"
     for agent, turns in results.items():
@@ -77,11 +67,7 @@ def test_odd_shapes_match_transformers(arch, tmp_path, make_engine):
             history = history + list(c.token_ids)
         results[agent] = turns
 
-    threads = [threading.Thread(target=run_agent, args=(a,)) for a in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(240)
+    run_agents_at_once(run_agent, 2)
     assert sorted(results) == [0, 1]
     for turns in results.values():
         for history, generated in turns:
@@ -153,7 +139,7 @@ def three_turns_at_once(engine, prefix: str, prompts: list[list[int]]) -> tuple[
             history = history + list(c.token_ids)
         results[agent], computed[agent] = turns, counts
 
-    run_agents_at_once(run_agent)
+    run_agents_at_once(run_agent, AGENTS)
     assert sorted(results) == list(range(len(prompts)))
     return results, computed
 

@@ -6,7 +6,6 @@ transformers on the tiny gpt_oss (window 20: sliding, full, sliding) and gemma3 
 from __future__ import annotations
 
 import random
-import threading
 
 import pytest
 
@@ -14,7 +13,7 @@ from hibana_core import SamplingParams
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.layout import NULL_BLOCK, KVGroup, KVLayout
 from hibana_core.kv.sequence import KVSequence
-from tiny_models import assert_greedy_matches, random_tokens
+from tiny_models import assert_greedy_matches, random_tokens, run_agents_at_once
 
 BS = 16
 WINDOW = 20  # the tiny gpt_oss and gemma3 checkpoints' window: more than one block, less than two
@@ -139,11 +138,7 @@ def test_agents_with_long_histories_match_transformers_holding_only_their_window
             history = history + list(c.token_ids)
         results[agent] = turns, len(history)
 
-    threads = [threading.Thread(target=run_agent, args=(a,)) for a in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(240)
+    run_agents_at_once(run_agent, 3)
     assert sorted(results) == [0, 1, 2]
     layout = engine.kv_layout
     full = sum(g.window is None for g in layout.groups)

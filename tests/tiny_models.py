@@ -42,8 +42,9 @@ from __future__ import annotations
 
 import functools
 import random
+import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import pytest
 import torch
@@ -412,6 +413,16 @@ def hf_next_logits(path, token_ids: Sequence[int]) -> torch.Tensor:
     model = _hf_model(str(path))
     with torch.no_grad():
         return model(torch.tensor([list(token_ids)], dtype=torch.long)).logits[0, -1].float()
+
+
+def run_agents_at_once(run_agent: Callable[[int], None], agents: int) -> None:
+    """run_agent(0), ..., run_agent(agents - 1), each on its own thread, all at once (the engine
+    batches their steps); each thread is given four minutes."""
+    threads = [threading.Thread(target=run_agent, args=(a,)) for a in range(agents)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
 
 
 def assert_greedy_matches(path, history: Sequence[int], got: Sequence[int]) -> None:
