@@ -343,13 +343,14 @@ class Chat:
             pass
 
     def count_tokens(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-                     reasoning: bool | None = None) -> int:
+                     reasoning: bool | None = None, *, effort: str | None = None) -> int:
         """Prompt tokens of a call on `messages` and `tools`, as the model's chat template renders
-        them (the generation prompt included). Part of a conversation that the template or the
-        checks refuse (a tool result without its call, as `trim_messages` tries) counts each
-        message's text and calls, plus the markup the template puts around one message."""
+        them (the generation prompt included; `reasoning` and `effort` as `render_text` takes them).
+        Part of a conversation that the template or the checks refuse (a tool result without its
+        call, as `trim_messages` tries) counts each message's text and calls, plus the markup the
+        template puts around one message."""
         try:
-            return len(self.render(messages, tools, reasoning))
+            return len(self._encode(self.render_text(messages, tools, reasoning, effort=effort)))
         except ConversationError:
             pass
         overhead = len(self.render([{"role": "user", "content": "x"}])) - len(self._markup("x"))

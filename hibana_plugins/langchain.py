@@ -701,10 +701,12 @@ class ChatHibana(BaseChatModel):
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
         """Prompt tokens of a call on `messages` with `tools` bound: rendered by the chat template,
-        tool schemas and the generation prompt included (`Chat.count_tokens`)."""
-        schemas = [clean_tool(_openai_tool(i, t, None)) for i, t in enumerate(tools)] if tools else None
+        tool schemas, the reasoning options and the generation prompt included (`Chat.count_tokens`)."""
+        schemas = [_bound_tool(i, t, None) for i, t in enumerate(tools)] if tools else None  # as bind_tools binds
         messages = convert_to_messages(messages)  # ("user", "hi") tuples and dicts, as invoke takes them
-        return self._chat_layer(self.model).count_tokens(_to_chat_messages(messages), schemas, self.reasoning)
+        # (reasoning_effort "none" switches thinking off: Qwen3's template then writes an empty think block)
+        return self._chat_layer(self.model).count_tokens(_to_chat_messages(messages), schemas, self.reasoning,
+                                                         effort=self.reasoning_effort)
 
     # -- tools and structured output --------------------------------------------------------------
 
