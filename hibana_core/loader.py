@@ -164,14 +164,18 @@ def load_model(model: str, device: torch.device, dtype: str, ctx: ForwardContext
         family = family_of(model_type)
         hf_config = read_config(path, model_type)
         torch_dtype = resolve_dtype(dtype, device, hf_config)
-        module, args = _build(model_type, family, hf_config, device, torch_dtype, ctx)
-        check_max_model_len(max_model_len, args)
-    with stages.stage("weights"):
         quantization = getattr(hf_config, "quantization_config", None)
         if quantization is not None and not isinstance(quantization, dict):
             quantization = quantization.to_dict()
         manifest = read_manifest(path)
-        _load_weights(module, path, progress, manifest, quantization)
+        # packed layers (a surgery checkpoint's, GPTQ / AWQ / FP8 ones) take their packed tensors
+        # before the rest is allocated: never the whole model dense on the device first
+        packed = manifest is not None or (quantization is not None
+                                          and quantization.get("quant_method") not in FAMILY_QUANT_METHODS)
+        module, args = _build(model_type, family, hf_config, device, torch_dtype, ctx, allocate=not packed)
+        check_max_model_len(max_model_len, args)
+    with stages.stage("weights"):
+        _load_weights(module, path, progress, manifest, quantization, device)
     with stages.stage("tokenizer"):
         loaded = _loaded(module, args, hf_config, load_tokenizer(path, hf_config), _eos_token_ids(path, hf_config),
                          torch_dtype, _checkpoint_fingerprint(path, manifest, torch_dtype))
@@ -211,12 +215,35 @@ def family_of(model_type: str) -> Any:
 
 
 def _build(model_type: str, family: Any, hf_config: Any, device: torch.device, dtype: torch.dtype,
-           ctx: ForwardContext) -> tuple[torch.nn.Module, Any]:
+           ctx: ForwardContext, allocate: bool = True) -> tuple[torch.nn.Module, Any]:
+    """The family's module in `dtype` on `device`; `allocate=False` leaves its tensors on the meta
+    device (tied), for `_allocate` once the packed layers have dropped their dense weights."""
     module, args = _built_on_meta(model_type, family, hf_config, ctx)
-    module = module.to(dtype=dtype).to_empty(device=device)
+    module = module.to(dtype=dtype)
+    if not allocate:
+        if hasattr(module, "tie_weights"):
+            module.tie_weights()
+        return module, args
+    module = module.to_empty(device=device)
     if hasattr(module, "tie_weights"):
         module.tie_weights()  # to_empty gives each twin its own storage
     return module, args
+
+
+def _allocate(module: torch.nn.Module, device: torch.device) -> None:
+    """Give each parameter and buffer still on the meta device uninitialized storage on `device`
+    (a tied parameter stays one), leaving those already there (packed layers') as they are."""
+    made: dict[int, torch.Tensor] = {}
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, t in table.items():
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in made:
+                    empty = torch.empty_like(t, device=device)
+                    made[id(t)] = (torch.nn.Parameter(empty, requires_grad=t.requires_grad)
+                                   if isinstance(t, torch.nn.Parameter) else empty)
+                table[name] = made[id(t)]
 
 
 FAMILY_ARGS = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_position_embeddings")
@@ -343,12 +370,16 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest: dict | None = None,
-                  quantization: dict | None = None) -> None:
+                  quantization: dict | None = None, device: torch.device | None = None) -> None:
     """Copy the checkpoint's tensors into `module`. A surgery checkpoint (`manifest`) names them
     as the module does, its packed layers take their packed tensors as they are and its kv8
     layers their KV scales; a GPTQ or AWQ checkpoint (`quantization`: its quantization_config)
-    has its packed layers repacked, an FP8 one keeps its fp8 layers' codes and scales."""
+    has its packed layers repacked, an FP8 one keeps its fp8 layers' codes and scales. `device`:
+    where a module left on the meta device (`_build(allocate=False)`) is allocated once its packed
+    layers have theirs."""
     from safetensors import safe_open
+
+    device = device or next(module.parameters()).device
 
     files = weight_files(path)
     try:
@@ -379,7 +410,6 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
             missing = [f"{name}.{p}" for p in parts if f"{name}.{p}" not in where]
             if missing:
                 raise CheckpointError(f"{path} lacks {', '.join(missing)}; re-run `hibana surgery`")
-            device = layer.weight.device
             perm = where.pop(f"{name}.perm", None)  # a GPTQ layer quantized in activation order
             layer.set_packed(spec["kind"], {p: read(*where[f"{name}.{p}"], f"{name}.{p}").to(device) for p in parts},
                              spec.get("group_size", 0), None if perm is None else read(*perm, f"{name}.perm").to(device),
@@ -387,13 +417,13 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
             for p in parts:
                 del where[f"{name}.{p}"]
         for name, kind in manifest.get("packed_experts", {}).items():  # w8's / w4's MoE experts
-            _load_packed_experts(layers.get(name), name, kind, where, read, path)
+            _load_packed_experts(layers.get(name), name, kind, where, read, path, device)
         for name in manifest.get("kv_scaled_layers", []):  # kv8: the layers' fp8 KV scales
             layer, tensor = layers.get(name), f"{name}.kv_scale"
             if layer is None or not hasattr(layer, "set_kv_scales") or tensor not in where:
                 raise CheckpointError(f"{path}: {name} is no attention layer with KV scales in its weights; "
                                       "re-run `hibana surgery`")
-            layer.set_kv_scales(read(*where.pop(tensor), tensor).to(next(module.parameters()).device))
+            layer.set_kv_scales(read(*where.pop(tensor), tensor).to(device))
         for name, (window, sinks) in _windowed_layers(manifest, path).items():  # the window pass's layers
             layer = layers.get(name)
             if layer is None or not hasattr(layer, "sink_tokens"):
@@ -416,13 +446,14 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
 
         fmt = parse_quantization_config(quantization)
         consumed = load_packed_layers(module, set(stored), read_ours, fmt, getattr(module, "fused_layers", {}),
-                                      str(path))
+                                      str(path), device)
         if fmt.kind == "fp8":  # fp8 MoE experts: dequantized into the float stacks
             expert_readers, beside = fp8_expert_readers(module, set(stored) - consumed, read_ours, fmt, str(path))
             readers = {stored[name][0]: reader for name, reader in expert_readers.items()}
             consumed |= beside
         for name in consumed:
             del where[stored[name][0]]
+    _allocate(module, device)  # what the packed layers left (a no-op where `_build` allocated it all)
     items = ((name, str(file), readers.get(name) or (lambda f=file, h=handle, n=name: read(f, h, n)))
              for name, (file, handle) in where.items())
     _copy_weights(module, items, len(where), str(path), progress, desc="hibana: weights", own_names=own_names)
@@ -462,7 +493,7 @@ def _refuse_packed_without_config(path: Path, names) -> None:
 
 
 def _load_packed_experts(experts: torch.nn.Module | None, name: str, kind: str, where: dict[str, Any],
-                         read: Callable[..., torch.Tensor], path: Path) -> None:
+                         read: Callable[..., torch.Tensor], path: Path, device: torch.device) -> None:
     """A surgery checkpoint's packed experts `name`: their tensors (taken out of `where`) in
     place of the float stacks."""
     if experts is None or not hasattr(experts, "set_packed_stacks") or kind not in PACKED_PARTS:
@@ -471,7 +502,6 @@ def _load_packed_experts(experts: torch.nn.Module | None, name: str, kind: str, 
     missing = [t for parts in tensors.values() for t in parts.values() if t not in where]
     if missing:
         raise CheckpointError(f"{path} lacks {', '.join(missing)}; re-run `hibana surgery`")
-    device = experts.gate_up_proj.device
     experts.set_packed_stacks(kind, {stack: {part: read(*where.pop(t), t).to(device) for part, t in parts.items()}
                                      for stack, parts in tensors.items()})
 
