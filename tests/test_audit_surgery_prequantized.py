@@ -7,6 +7,7 @@ import random
 import pytest
 
 from hibana_core import SamplingParams
+from hibana_core.errors import CheckpointError
 from hibana_core.models.decoder import Linear
 from hibana_core.models.moe import StackedExperts
 from fp8_checkpoints import write_fp8_checkpoint
@@ -63,3 +64,18 @@ def test_packed_checkpoints_never_hold_their_layers_dense(arch, method, tiny_che
         greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         assert list(packed.open_state("a").generate(greedy, prompt=prompt).token_ids) == \
             list(dense.open_state("a").generate(greedy, prompt=prompt).token_ids)
+
+
+@pytest.mark.parametrize("override", [{"sym": True}, {"group_size": 128, "desc_act": False}, {"sym": False},
+                                      {"desc_act": True}, {"bits": 4, "group_size": 128}])
+def test_a_gptq_dynamic_override_that_keeps_the_packing_loads(override):
+    """GPTQModel's `dynamic` overrides are refused where they change a module's packing (bits,
+    group size), not where they restate a default the config leaves out (group_size 128, sym
+    true) nor where they change what each layer's tensors say themselves (sym: its zeros;
+    desc_act: its g_idx). They were refused as "their own bits or group size"."""
+    from hibana_core.surgery.formats import parse_quantization_config
+
+    fmt = parse_quantization_config({"quant_method": "gptq", "bits": 4, "dynamic": {r"+:.*down_proj": override}})
+    assert fmt.group_size == 128 and fmt.is_quantized("model.layers.0.mlp.down_proj")
+    with pytest.raises(CheckpointError, match="own bits or group size"):
+        parse_quantization_config({"quant_method": "gptq", "bits": 4, "dynamic": {r".*down_proj": {"group_size": 64}}})

@@ -216,10 +216,14 @@ def _parse_gptq(cfg: dict) -> QuantFormat:
     if not isinstance(dynamic, dict) or not all(isinstance(p, str) and isinstance(o, dict) for p, o in dynamic.items()):
         raise CheckpointError(f"the GPTQ quantization_config has dynamic = {dynamic!r:.80}, where an object of "
                               "module patterns and their overrides belongs; the checkpoint's config is damaged: re-export it")
+    # an override of sym or desc_act changes nothing here (each layer's stored zeros and g_idx say
+    # them); one of bits or group_size, compared as the config reads them (group_size 128 unsaid),
+    # is the packing of those modules
+    packing = {"bits": cfg.get("bits"), "group_size": cfg.get("group_size", 128)}
     for pattern, override in dynamic.items():
         if pattern.startswith("-:"):
             skip.append(pattern[2:])
-        elif any(override.get(key, cfg.get(key)) != cfg.get(key) for key in ("bits", "group_size", "sym", "desc_act")):
+        elif any(key in override and override[key] != value for key, value in packing.items()):
             raise CheckpointError(f"GPTQ dynamic override {pattern!r}: {override!r} gives some modules "
                                   "their own bits or group size, which Hibana does not load")
     only = []
