@@ -56,7 +56,7 @@ from hibana_core.messages import unheld
 from hibana_plugins.hookspecs import hookimpl
 from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_engine_kwargs, check_given_engine,
                                     check_known, check_state_id, check_switches, choose_engine, lease_holder,
-                                    resolve_aliases, sampling_params, sharing)
+                                    resolve_aliases, sampling_params, sharing, unset_nones)
 
 try:
     from langchain_core.language_models import BaseChatModel
@@ -574,7 +574,7 @@ class ChatHibana(BaseChatModel):
         (`hibana_plugins.options`); `num_ctx` is `engine_kwargs={"max_model_len": ...}`."""
         if _IMPORT_ERROR is not None:  # the stand-in raises the ImportError that says what to install
             super().__init__()
-        kwargs = resolve_aliases(kwargs, "ChatHibana")
+        kwargs = unset_nones(resolve_aliases(kwargs, "ChatHibana"))  # temperature=None: the default
         if "max_model_len" in kwargs:
             kwargs["engine_kwargs"] = {**kwargs.get("engine_kwargs", {}), "max_model_len": kwargs.pop("max_model_len")}
         given = kwargs.pop("given_engine", None)  # a rebuilt object's; users pass engine=

@@ -52,7 +52,7 @@ from hibana_core.messages import unheld
 from hibana_plugins.hookspecs import hookimpl
 from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_engine_kwargs, check_given_engine,
                                     check_known, check_state_id, check_switches, choose_engine, lease_holder,
-                                    resolve_aliases, sampling_params, sharing)
+                                    resolve_aliases, sampling_params, sharing, unset_nones)
 
 COMPLETE_OPTIONS = frozenset({*SAMPLING, "reasoning", "reasoning_effort", "timeout", "json_schema"})
 """What `complete(..., **kwargs)` may set."""
@@ -313,7 +313,7 @@ def llm_class() -> type:
 
         def __init__(self, model: str = "demo", engine: Any = None, **kwargs: Any) -> None:
             # unknown options and bad values are refused before an engine loads (`hibana_plugins.options`)
-            kwargs = resolve_aliases(kwargs, "HibanaLLM")
+            kwargs = unset_nones(resolve_aliases(kwargs, "HibanaLLM"))  # temperature=None: the default
             if "max_model_len" in kwargs:
                 kwargs["engine_kwargs"] = {**kwargs.get("engine_kwargs", {}),
                                            "max_model_len": kwargs.pop("max_model_len")}

@@ -51,10 +51,24 @@ IGNORED = {"keep_alive": "the model stays loaded as long as its engine lives",
 """Peers' options that mean nothing for an engine in the process: dropped with a warning."""
 
 HINTS = {"format": "for JSON output use with_structured_output(schema, method='json_mode' or 'json_schema')",
+         "response_format": "for JSON output use ChatHibana's with_structured_output(schema, method='json_schema'), "
+                            "or HibanaLLM's structured_predict or json_schema= on a call",
+         "json_mode": "for JSON output use structured_predict, or json_schema= on a call",
+         "thinking": "reasoning=True / False switches a reasoning model's thinking",
+         "is_function_calling_model": "it is read from the chat template (metadata.is_function_calling_model)",
          "model_kwargs": "pass each option by its own name",
+         "additional_kwargs": "pass each option by its own name",
+         "generate_kwargs": "pass each sampling option by its own name (temperature=..., max_tokens=...)",
          "max_model_len": "the engine's context, fixed when it loads: give num_ctx or context_window to the "
                           "constructor, or engine_kwargs={'max_model_len': ...}"}
 """What to do instead, for options a user of a peer is likely to try."""
+
+
+def unset_nones(options: Mapping[str, Any]) -> dict[str, Any]:
+    """`options` without the sampling options given as None, which a constructor then sets to
+    their defaults, as None does per call (ChatOpenAI's and ChatOllama's None is the API's default
+    too); max_tokens keeps its None, which means no limit but the context."""
+    return {k: v for k, v in options.items() if v is not None or k not in SAMPLING or k == "max_tokens"}
 
 
 def resolve_aliases(options: Mapping[str, Any], where: str) -> dict[str, Any]:
