@@ -910,4 +910,7 @@ def _call_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     """A call's kwargs with the peers' aliases renamed; unknown ones raise a ConfigError."""
     kwargs = resolve_aliases(kwargs, "ChatHibana call")
     check_known(kwargs, CALL_OPTIONS, "a ChatHibana call")
+    parallel = kwargs.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):  # "no" (or 0) allowed several calls: not False
+        raise ConfigError(f"a ChatHibana call: parallel_tool_calls must be True or False, got {parallel!r:.40}")
     return kwargs

@@ -43,3 +43,15 @@ def test_a_peers_option_the_adapters_do_otherwise_says_what_to_write(make, optio
     with pytest.raises(ConfigError) as caught:
         make(model="demo", **option)
     assert says in str(caught.value) and "did you mean" not in str(caught.value)
+
+
+@pytest.mark.parametrize("value", ["no", "false", 0])
+def test_parallel_tool_calls_is_true_or_false_in_chathibana_as_in_hibanallm(engine, value):
+    # "no" and 0 are not False: ChatHibana let the model make several calls where the caller asked for
+    # one (HibanaLLM refused them already)
+    llm = ChatHibana(engine=engine)
+    with pytest.raises(ConfigError, match="parallel_tool_calls must be True or False"):
+        llm.bind_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+                       parallel_tool_calls=value)
+    with pytest.raises(ConfigError, match="parallel_tool_calls must be True or False"):
+        llm.invoke("hi", parallel_tool_calls=value)
