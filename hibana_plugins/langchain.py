@@ -54,9 +54,9 @@ from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError
 from hibana_core.messages import unheld
 from hibana_plugins.hookspecs import hookimpl
-from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_engine_kwargs, check_given_engine,
-                                    check_known, check_state_id, check_switches, choose_engine, lease_holder,
-                                    resolve_aliases, sampling_params, sharing, unset_nones)
+from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_engine, check_engine_kwargs,
+                                    check_given_engine, check_known, check_state_id, check_switches, choose_engine,
+                                    lease_holder, resolve_aliases, sampling_params, sharing, unset_nones)
 
 try:
     from langchain_core.language_models import BaseChatModel
@@ -582,6 +582,7 @@ class ChatHibana(BaseChatModel):
             raise ConfigError("ChatHibana: given_engine is ChatHibana's own record of the engine passed; pass "
                               "your engine as engine=")
         check_known(kwargs, set(type(self).model_fields) - {"given_engine"} | {"engine"}, "ChatHibana")
+        check_engine(engine, "ChatHibana")
         if engine is not None and "model" not in kwargs:
             kwargs["model"] = engine.config.model
         if isinstance(kwargs.get("model"), os.PathLike):  # a checkpoint's Path, as Engine.from_pretrained takes

@@ -50,9 +50,9 @@ from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError, HibanaError
 from hibana_core.messages import unheld
 from hibana_plugins.hookspecs import hookimpl
-from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_engine_kwargs, check_given_engine,
-                                    check_known, check_state_id, check_switches, choose_engine, lease_holder,
-                                    resolve_aliases, sampling_params, sharing, unset_nones)
+from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_engine, check_engine_kwargs,
+                                    check_given_engine, check_known, check_state_id, check_switches, choose_engine,
+                                    lease_holder, resolve_aliases, sampling_params, sharing, unset_nones)
 
 COMPLETE_OPTIONS = frozenset({*SAMPLING, "reasoning", "reasoning_effort", "timeout", "json_schema"})
 """What `complete(..., **kwargs)` may set."""
@@ -330,6 +330,7 @@ def llm_class() -> type:
             sampling_params(kwargs, "HibanaLLM")
             check_switches(kwargs, "HibanaLLM")
             check_state_id(kwargs, "HibanaLLM")
+            check_engine(engine, "HibanaLLM")
             if engine is not None:
                 model = str(engine.config.model)
             elif isinstance(model, os.PathLike):  # a checkpoint's Path, as Engine.from_pretrained takes
@@ -516,6 +517,9 @@ def llm_class() -> type:
             with the class's schema, so that the grammar holds the answer all the same."""
             from llama_index.core.program.function_program import get_function_tool
 
+            if not (isinstance(output_cls, type) and hasattr(output_cls, "model_json_schema")):  # (an AttributeError)
+                raise ToolSchemaError(f"structured output into {output_cls!r:.60}: the output class is a pydantic "
+                                      "model class (class Answer(BaseModel): ...)")
             parameters = self._tool_spec(get_function_tool(output_cls))["function"].get("parameters") or {}
             problems = _unheld(json.dumps(parameters, sort_keys=True, default=str))
             if problems:

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import difflib
+import os
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -185,7 +186,21 @@ class EngineChoice:
 def check_engine_kwargs(model: Any, engine_kwargs: Mapping[str, Any]) -> None:
     """A ConfigError now, where `engine_kwargs` would make no engine config (an unknown option, a
     value out of range): an adapter checks them when made, not when its first call loads the engine."""
+    if not isinstance(engine_kwargs, Mapping):  # (a TypeError of the ** below)
+        raise ConfigError(f"engine_kwargs is a dict of engine options (engine_kwargs={{'surgery': ['w8']}}), got "
+                          f"{type(engine_kwargs).__name__} {engine_kwargs!r:.60}")
     EngineConfig.from_overrides(str(model), **engine_kwargs)
+
+
+def check_engine(engine: Any, who: str) -> None:
+    """A ConfigError where `engine=` is no engine: a model's name there (`engine="demo"`) was an
+    AttributeError of its `.config`."""
+    if engine is None or (hasattr(engine, "config") and hasattr(engine, "open_state")):
+        return
+    hint = (f"; to load a model by name or path, pass model={os.fspath(engine)!r:.60}"
+            if isinstance(engine, (str, os.PathLike)) else "")
+    raise ConfigError(f"{who}: engine= takes a loaded hibana_core Engine (Engine.from_pretrained(...)), got "
+                      f"{type(engine).__name__} {engine!r:.60}{hint}")
 
 
 def check_given_engine(engine: Any, engine_kwargs: Mapping[str, Any], who: str) -> None:

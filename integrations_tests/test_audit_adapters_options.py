@@ -55,3 +55,26 @@ def test_parallel_tool_calls_is_true_or_false_in_chathibana_as_in_hibanallm(engi
                        parallel_tool_calls=value)
     with pytest.raises(ConfigError, match="parallel_tool_calls must be True or False"):
         llm.invoke("hi", parallel_tool_calls=value)
+
+
+@pytest.mark.parametrize("make", [ChatHibana, HibanaLLM], ids=["ChatHibana", "HibanaLLM"])
+def test_an_engine_that_is_no_engine_is_a_config_error(make):
+    # engine="demo" (a model's name where the engine goes) was an AttributeError of its .config
+    with pytest.raises(ConfigError, match="model='demo'"):
+        make(engine="demo")
+    with pytest.raises(ConfigError, match="engine= takes a loaded hibana_core Engine"):
+        make(engine=5)
+
+
+def test_hibanallm_engine_kwargs_that_are_no_dict_are_a_config_error():
+    with pytest.raises(ConfigError, match="engine_kwargs is a dict"):  # was a TypeError of **
+        HibanaLLM(model="demo", engine_kwargs="w8")
+
+
+def test_structured_output_into_what_is_no_pydantic_class_is_a_tool_schema_error(engine):
+    from llama_index.core.prompts import PromptTemplate
+
+    from hibana_core.chat import ToolSchemaError
+
+    with pytest.raises(ToolSchemaError, match="pydantic model class"):  # was an AttributeError
+        HibanaLLM(engine=engine).structured_predict({"name": str}, PromptTemplate("Extract: {t}"), t="Alice")
