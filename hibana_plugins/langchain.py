@@ -74,10 +74,50 @@ try:
     from langchain_core.utils.function_calling import convert_to_openai_tool
     from langchain_core.utils.pydantic import is_basemodel_subclass
 
-    class _WholeAnswer:
+    def _noted(chunks: Iterator[Any], into: list) -> Iterator[Any]:
+        """`chunks`, each also put `into` the list (what a parser's stream read)."""
+        for chunk in chunks:
+            into.append(chunk)
+            yield chunk
+
+    async def _anoted(chunks: AsyncIterator[Any], into: list) -> AsyncIterator[Any]:
+        async for chunk in chunks:
+            into.append(chunk)
+            yield chunk
+
+    class _CheckedAtEnd:
+        """A parser whose stream, its partial answers yielded, raises at its end where `invoke`'s
+        parse of the whole reply would (`_end_error`), as ChatOpenAI's stream of a structured
+        answer raises LengthFinishReasonError at its end: a cut answer's stream ended without a word
+        (nothing yielded where the cut call had sent no chunk)."""
+
+        def _transform(self, input: Iterator[Any]) -> Iterator[Any]:
+            chunks: list = []
+            yield from super()._transform(_noted(input, chunks))
+            self._raise_at_end(chunks)
+
+        async def _atransform(self, input: AsyncIterator[Any]) -> AsyncIterator[Any]:
+            chunks: list = []
+            async for parsed in super()._atransform(_anoted(input, chunks)):
+                yield parsed
+            self._raise_at_end(chunks)
+
+        def _raise_at_end(self, chunks: list) -> None:
+            messages = [c for c in chunks if isinstance(c, BaseMessage)]
+            if messages and self._checks_end:  # (include_raw's stream: an error there could not be caught)
+                merged = messages[0]
+                for message in messages[1:]:
+                    merged = merged + message
+                self._end_error(merged)
+
+    class _WholeAnswer(_CheckedAtEnd):
         """An answer parser that refuses an answer max_tokens cut, as ChatOpenAI's `.parse()` raises
         LengthFinishReasonError: LangChain's JSON parser reads partial JSON, and a cut answer came
-        back as a dict without its required keys. A stream's partial answers stay partial."""
+        back as a dict without its required keys. A stream's partial answers stay partial; its end
+        raises as `parse_result` does."""
+
+        def _end_error(self, message: Any) -> None:
+            self.parse_result([ChatGeneration(message=message)])
 
         def parse_result(self, result: list, *, partial: bool = False) -> Any:
             message = getattr(result[0], "message", None) if result and not partial else None
@@ -97,15 +137,26 @@ try:
             return super().parse_result(result, partial=partial)
 
     class _WholeJson(_WholeAnswer, JsonOutputParser):
-        pass
+        _checks_end: bool = PrivateAttr(default=True)
 
     class _WholePydantic(_WholeAnswer, PydanticOutputParser):
-        pass
+        _checks_end: bool = PrivateAttr(default=True)
 
-    class _WholeCall:
+    class _WholeCall(_CheckedAtEnd):
         """A tool parser (function_calling) that refuses a forced call the reply ended inside:
         LangChain's returns None for a turn without a valid call, so a cut answer came back as None
-        with no error, even with include_raw."""
+        with no error, even with include_raw. A stream's end raises where the first call was cut:
+        its chunks, merged, read as a whole call (the cut is then only `tool_call_error`)."""
+
+        def _end_error(self, message: Any) -> None:
+            reason = message.response_metadata.get("finish_reason")
+            error = message.response_metadata.get("tool_call_error")  # the cut call is the reply's last
+            chunks = getattr(message, "tool_call_chunks", None) or []
+            later = any((c.get("index") or 0) > 0 for c in chunks)  # the first call was whole
+            if (error and not later) or (reason == "length" and not chunks):
+                raise OutputParserException(
+                    f"the structured answer's call was not whole: "
+                    f"{error or f'the reply ended before it (finish_reason {reason!r}): raise max_tokens'}")
 
         def parse_result(self, result: list, *, partial: bool = False) -> Any:
             parsed = super().parse_result(result, partial=partial)
@@ -122,10 +173,10 @@ try:
             return parsed
 
     class _WholeKeyTools(_WholeCall, JsonOutputKeyToolsParser):
-        pass
+        _checks_end: bool = PrivateAttr(default=True)
 
     class _WholePydanticTools(_WholeCall, PydanticToolsParser):
-        pass
+        _checks_end: bool = PrivateAttr(default=True)
 except ImportError as _missing:  # langchain-core is an optional dependency
     _IMPORT_ERROR: ImportError | None = _missing
 
@@ -755,6 +806,9 @@ class ChatHibana(BaseChatModel):
             parser = _WholePydantic(pydantic_object=schema) if pydantic_schema else _WholeJson()
         if not include_raw:
             return llm | parser
+        # the stream yields raw chunks before the parse ends: an error raised at its end would pass
+        # parsing_error by (LangChain's fallbacks catch only one raised before the first chunk)
+        parser._checks_end = False
         parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
         fallback = RunnablePassthrough.assign(parsed=lambda _: None)
         return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
