@@ -264,14 +264,32 @@ def _text(message: BaseMessage, media_allowed: bool = False) -> str:
             parts.append(block["text"])
         elif block.get("type") == "json" and "json" in block:  # a tool's JSON result, as ToolNode passes it on
             parts.append(_json_text(block["json"], message))
+        elif block.get("type") == "search_result":  # a tool's search result (a standard tool-result block)
+            parts.append(_search_result_text(block, message))
+        elif block.get("type") == "custom_tool_call_output":  # an OpenAI custom tool's output, as ToolNode passes it
+            output = block.get("output")
+            parts.append(output if isinstance(output, str) else _json_text(output, message))
         elif block.get("type") in _MEDIA_BLOCKS and not media_allowed:
             raise UnsupportedContentError(
                 f"ChatHibana reads text only, and a {message.type} message holds a {block['type']!r} "
                 "block; describe it in text or use a multimodal chat model")
         elif not media_allowed:  # another model's blocks in an AI message (tool_use, thinking) are not content
             raise ConversationError(f"a {message.type} message holds the block {block!r:.80}; ChatHibana reads "
-                                    "strings, {'type': 'text', 'text': '...'} and {'type': 'json', 'json': ...} blocks")
+                                    "strings and text, json, search_result and custom_tool_call_output blocks")
     return "".join(parts)  # tool_use / thinking blocks of AI messages: the calls come from tool_calls
+
+
+def _search_result_text(block: dict, message: BaseMessage) -> str:
+    """A {"type": "search_result"} block (title, source, text content, as Anthropic's search results
+    are) as the text the model reads: its title, its source and its text, a line apart."""
+    content = block.get("content")
+    texts = [content] if isinstance(content, str) else [
+        part["text"] for part in content or () if isinstance(part, dict) and isinstance(part.get("text"), str)]
+    if not isinstance(content, (str, list, type(None))) or (isinstance(content, list) and len(texts) != len(content)):
+        raise ConversationError(f"a {message.type} message holds a search_result block whose content is "
+                                f"{content!r:.80}; its content is a string or a list of text blocks")
+    head = [block[key] for key in ("title", "source") if isinstance(block.get(key), str) and block[key]]
+    return "\n".join(head + ["".join(texts)])  # (text blocks joined as a message's are)
 
 
 def _json_text(value: Any, message: BaseMessage) -> str:

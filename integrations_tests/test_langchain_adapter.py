@@ -834,3 +834,23 @@ def test_a_tools_json_block_is_read_as_its_json_text(llm):
     assert reply.usage_metadata["input_tokens"] > 0
     with pytest.raises(ConversationError, match="json block"):
         _to_chat_messages([ToolMessage([{"type": "json", "json": {1, 2}}], tool_call_id="c1")])
+
+
+def test_a_tools_search_result_and_custom_output_blocks_are_read_as_text():
+    """The other standard tool-result blocks ToolNode passes on (langchain_core's
+    TOOL_MESSAGE_BLOCK_TYPES): a search result reads as its title, source and text, an OpenAI
+    custom tool's output as its text. They were a ConversationError, and as the ToolMessage stays
+    in a LangGraph thread's history, every later call on that thread failed."""
+    from hibana_core.chat import ConversationError
+    from hibana_plugins.langchain import _to_chat_messages
+
+    found = {"type": "search_result", "source": "https://example.org/paris", "title": "Paris weather",
+             "content": [{"type": "text", "text": "Sunny, 21 C."}, {"type": "text", "text": " Light wind."}],
+             "citations": {"enabled": True}}
+    output = {"type": "custom_tool_call_output", "output": "patched 3 files"}
+    read = _to_chat_messages([ToolMessage([found], tool_call_id="c1"), ToolMessage([output], tool_call_id="c2"),
+                              ToolMessage([{"type": "custom_tool_call_output", "output": {"ok": 1}}], tool_call_id="c3")])
+    assert [m["content"] for m in read] == ["Paris weather\nhttps://example.org/paris\nSunny, 21 C. Light wind.",
+                                            "patched 3 files", '{"ok": 1}']
+    with pytest.raises(ConversationError, match="search_result block"):
+        _to_chat_messages([ToolMessage([{**found, "content": [{"type": "image", "url": "x"}]}], tool_call_id="c1")])
