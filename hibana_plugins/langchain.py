@@ -384,6 +384,13 @@ def _structured_tool(schema: Any, strict: bool | None) -> dict:
     return tool
 
 
+def _untitled_json_schema(schema: Any) -> bool:
+    """Whether `schema` is a bare JSON schema without the title LangChain names a function by (not
+    an OpenAI function or response format, which carry their names)."""
+    return (isinstance(schema, dict) and not {"title", "name", "json_schema", "function"} & schema.keys()
+            and ("properties" in schema or schema.get("type") == "object"))
+
+
 def _whole_json(content: Any) -> bool:
     """Whether a structured answer's content is one whole JSON value (what the grammar writes)."""
     try:
@@ -812,8 +819,11 @@ class ChatHibana(BaseChatModel):
         if schema is None and method != "json_mode":
             raise ConfigError(f"with_structured_output: method={method!r} needs a schema (a pydantic class, a "
                               "TypedDict or a JSON schema); json_mode alone takes none")
-        tool = _structured_tool(schema, strict) if schema is not None else _ANY_JSON
         trace = {"kwargs": {"method": method, "strict": strict}, "schema": schema} if schema is not None else None
+        if method == "json_mode" and _untitled_json_schema(schema):
+            # json_mode's schema names no function (ChatOpenAI's only parses by it): its answer tool's name
+            schema = {"title": _ANY_JSON["function"]["name"], **schema}
+        tool = _structured_tool(schema, strict) if schema is not None else _ANY_JSON
         pydantic_schema = isinstance(schema, type) and is_basemodel_subclass(schema)
         if method == "function_calling":
             llm = self.bind(tools=[tool], tool_choice="required", ls_structured_output_format=trace)

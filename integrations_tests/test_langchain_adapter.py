@@ -310,6 +310,20 @@ def test_structured_output_include_raw(llm):
             inside.with_structured_output(BookDict, method=method).invoke(BOOK)
 
 
+def test_json_mode_takes_a_json_schema_without_a_title(llm):
+    """json_mode with a bare JSON schema (no title, which LangChain names a function by) was a
+    ToolSchemaError; ChatOpenAI's json_mode takes any dict. The answer is held to the schema all
+    the same. (function_calling and json_schema need the title, as ChatOpenAI's do.)"""
+    from hibana_core.chat import ToolSchemaError
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    answer = llm.with_structured_output(schema, method="json_mode").invoke("Which city is the capital of France?")
+    assert isinstance(answer, dict) and list(answer) == ["city"] and isinstance(answer["city"], str)
+    with pytest.raises(ToolSchemaError, match="title"):
+        llm.with_structured_output(schema, method="json_schema")
+
+
 def test_a_call_cut_by_max_tokens_is_an_invalid_call_not_text(llm):
     """A forced call that max_tokens cut came back as its `<tool_call>` markup in the content (an
     outside tester: an agent took it as the answer). It is an invalid tool call now, as ChatOpenAI
