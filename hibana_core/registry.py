@@ -889,7 +889,9 @@ class StateRegistry:
             tokens = tokens[0]
         if isinstance(tokens, (str, bytes, bytearray, Mapping, AbstractSet)) or not isinstance(tokens, Iterable):
             raise InvalidTokenError(f"token ids must be a list of integers, got {type(tokens).__name__}"
-                                    + (" (unordered: give them in order)" if isinstance(tokens, AbstractSet) else ""))
+                                    + (" (unordered: give them in order)" if isinstance(tokens, AbstractSet) else "")
+                                    + ("; tokenize text first (engine.tokenizer.encode(text)), or give messages to "
+                                       "engine.chat(state_id)" if isinstance(tokens, (str, bytes, bytearray)) else ""))
         tokens = list(tokens)
         # plain ints of the vocabulary, as callers pass them, checked by C-speed builtins (an agent's
         # whole history every turn, on the caller's thread but under the GIL the step loop needs)

@@ -163,7 +163,8 @@ def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, b
     except (OSError, UnicodeError, ValueError) as exc:  # no room, no right, a name the OS refuses
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
-        raise StateFileError(f"cannot write the state file {str(path)!r}: {exc}") from exc
+        raise StateFileError(f"cannot write the state file {str(path)!r}: {exc}; save it to a path in a folder "
+                             "you can write, with room for it") from exc
 
 
 def _is_dir(path: Path) -> bool:
