@@ -783,8 +783,10 @@ def _dropped_beside_others(schema: dict) -> list[tuple[str, str]]:
         found.append((f"format {schema['format']!r}", "xgrammar writes any string for it: give a pattern, or "
                                                       "check it in your code"))
     if _multiple_of_dropped(schema):
-        found.append(("multipleOf", 'held on {"type": "integer"} by an integer alone; bound the value with '
-                                    "minimum/maximum, or check it in your code"))
+        found.append(("multipleOf", f'held on {{"type": "integer"}} by an integer of at most {MULTIPLE_OF_MOST} '
+                                    "alone, with no bounds or with both a minimum and a maximum at most "
+                                    f"{MULTIPLE_OF_RANGE_MOST} integers apart; bound the value so, or check it "
+                                    "in your code"))
     ref = schema.get("$ref")
     if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
         found.append((f"$ref {ref!r}", "point it into this schema, as #/$defs/Name: anchors and other documents "
@@ -867,11 +869,47 @@ def _class_takes(char_class: str, char: str) -> bool:
         return True  # a class Python cannot read: assume the worst
 
 
+MULTIPLE_OF_MOST, MULTIPLE_OF_RANGE_MOST = 1024, 10000
+"""xgrammar 0.2.9 holds an integer's multipleOf of at most this step, with no bounds or between two
+bounds that hold at most this many integers; elsewhere it drops it with a warning on stderr (any
+value passed {"type": "integer", "multipleOf": 7, "maximum": -1})."""
+
+
 def _multiple_of_dropped(schema: dict) -> bool:
-    """Whether xgrammar drops the schema's multipleOf: it holds an integer's by an integer alone."""
+    """Whether xgrammar drops the schema's multipleOf: it holds an integer's by an integer alone,
+    with no bounds or between two close ones (`MULTIPLE_OF_MOST`)."""
     step, kind = schema.get("multipleOf"), schema.get("type")
     integers = kind == "integer" or (isinstance(kind, list) and "integer" in kind and "number" not in kind)
-    return step is not None and not (integers and isinstance(step, (int, float)) and float(step).is_integer())
+    if step is None:
+        return False
+    if not (integers and is_kind(step, (int, float)) and math.isfinite(step) and float(step).is_integer()
+            and 0 < step <= MULTIPLE_OF_MOST):
+        return True
+    low, high = _integer_range(schema)
+    if low is None and high is None:
+        return False
+    return low is None or high is None or high - low + 1 > MULTIPLE_OF_RANGE_MOST
+
+
+def _integer_range(schema: dict) -> tuple[int | None, int | None]:
+    """The least and the greatest integer `schema`'s bounds allow (None: unbounded that way), with
+    draft 4's boolean exclusiveMinimum/exclusiveMaximum as flags on minimum/maximum."""
+    def number(key: str) -> float | None:
+        value = schema.get(key)
+        return value if is_kind(value, (int, float)) and math.isfinite(value) else None
+
+    lows, highs = [], []
+    low, high = number("minimum"), number("maximum")
+    if low is not None:
+        lows.append(math.floor(low) + 1 if schema.get("exclusiveMinimum") is True else math.ceil(low))
+    if high is not None:
+        highs.append(math.ceil(high) - 1 if schema.get("exclusiveMaximum") is True else math.floor(high))
+    low, high = number("exclusiveMinimum"), number("exclusiveMaximum")
+    if low is not None:
+        lows.append(math.floor(low) + 1)
+    if high is not None:
+        highs.append(math.ceil(high) - 1)
+    return (max(lows) if lows else None), (min(highs) if highs else None)
 
 
 def _undeclared_required(schema: dict) -> list[str]:
