@@ -12,7 +12,7 @@ import random
 import pytest
 
 from hibana_core import SamplingParams
-from tiny_models import EVERY_TENSOR_USED, assert_greedy_matches, make_tiny_checkpoint, run_agents_at_once
+from tiny_models import EVERY_TENSOR_USED, assert_greedy_matches, greedy_turns_at_once, make_tiny_checkpoint
 
 pytestmark = [pytest.mark.timeout(300), EVERY_TENSOR_USED]
 
@@ -134,23 +134,13 @@ def released_checkpoint(name: str, path):
 def two_agents_two_turns(engine, checkpoint, seed: int) -> None:
     """2 agents at once, 2 turns each with retention (40-47 tokens and 28 generated, then 10 new
     and 8): the first generation crosses LongRoPE's switch, and histories pass every window."""
-    results: dict[int, list[tuple[list[int], list[int]]]] = {}
-
-    def run_agent(agent: int) -> None:
+    plans = []
+    for agent in range(2):
         rng = random.Random(seed + agent)
-        h, history, turns = engine.open_state(f"agent-{agent}"), [], []
-        for new, n in ((40 + 7 * agent, 28), (10, 8)):
-            history = history + [rng.randrange(4, 512) for _ in range(new)]
-            c = h.generate(SamplingParams(max_tokens=n, ignore_eos=True), prompt=history)
-            turns.append((history, list(c.token_ids)))
-            history = history + list(c.token_ids)
-        results[agent] = turns
-
-    run_agents_at_once(run_agent, 2)
-    assert sorted(results) == [0, 1]
-    for turns in results.values():
-        for history, generated in turns:
-            assert_greedy_matches(checkpoint, history, generated)
+        plans.append([([rng.randrange(4, 512) for _ in range(new)], n) for new, n in ((40 + 7 * agent, 28), (10, 8))])
+    for turns in greedy_turns_at_once(engine, "agent", plans):
+        for history, completion in turns:
+            assert_greedy_matches(checkpoint, history, completion.token_ids)
 
 
 @pytest.mark.parametrize("name", RELEASED)

@@ -14,8 +14,9 @@ import torch
 from hibana_core import SamplingParams, UnsupportedModelError
 from hibana_core.models import phi3
 from hibana_core.models.decoder import RotaryTables, longrope_switch
-from tiny_models import (EVERY_TENSOR_USED, ODD_SHAPES, agent_turn_plan, assert_greedy_matches, make_config,
-                         make_tiny_checkpoint, make_tiny_gemma3_multimodal, open_engine, run_agents_at_once)
+from tiny_models import (EVERY_TENSOR_USED, ODD_SHAPES, agent_turn_plan, assert_greedy_matches, greedy_turns_at_once,
+                         make_config, make_tiny_checkpoint, make_tiny_gemma3_multimodal, open_engine,
+                         run_agents_at_once)
 
 pytestmark = [pytest.mark.timeout(300), EVERY_TENSOR_USED]
 
@@ -56,22 +57,9 @@ def test_odd_shapes_match_transformers(arch, tmp_path, make_engine):
     2 turns each with retention, histories past every window; each generation transformers'."""
     path = make_tiny_checkpoint(arch, tmp_path / arch, **ODD_SHAPES[arch])
     engine = make_engine(path)
-    results: dict[int, list[tuple[list[int], list[int]]]] = {}
-
-    def run_agent(agent: int) -> None:
-        h, history, turns = engine.open_state(f"odd-{agent}"), [], []
-        for new, n in agent_turn_plan(9100 + agent, turns=2):
-            history = history + new
-            c = h.generate(SamplingParams(max_tokens=n, ignore_eos=True), prompt=history)
-            turns.append((history, list(c.token_ids)))
-            history = history + list(c.token_ids)
-        results[agent] = turns
-
-    run_agents_at_once(run_agent, 2)
-    assert sorted(results) == [0, 1]
-    for turns in results.values():
-        for history, generated in turns:
-            assert_greedy_matches(path, history, generated)
+    for turns in greedy_turns_at_once(engine, "odd", [agent_turn_plan(9100 + agent, turns=2) for agent in range(2)]):
+        for history, completion in turns:
+            assert_greedy_matches(path, history, completion.token_ids)
 
 
 def test_gemma3_multimodal_eos_comes_from_its_text_config(tmp_path, make_engine):
@@ -127,20 +115,10 @@ def three_turns_at_once(engine, prefix: str, prompts: list[list[int]]) -> tuple[
     """Each prompt an agent of its own, all at once, 3 turns with retention (the prompt and 40
     tokens, then 10 new tokens and 6, then 2 and 6): per agent its turns as (history, generated)
     and each turn's computed count."""
-    results, computed = {}, {}
-
-    def run_agent(agent: int) -> None:
-        h, history, turns, counts = engine.open_state(f"{prefix}-{agent}"), prompts[agent], [], []
-        for new, n in ((prompts[agent], 40), (list(range(7, 17)), 6), ([11, 12], 6)):
-            history = history if not turns else history + new
-            c = h.generate(SamplingParams(max_tokens=n, ignore_eos=True), prompt=history)
-            turns.append((history, list(c.token_ids)))
-            counts.append(c.stats.computed)
-            history = history + list(c.token_ids)
-        results[agent], computed[agent] = turns, counts
-
-    run_agents_at_once(run_agent, AGENTS)
-    assert sorted(results) == list(range(len(prompts)))
+    agents = greedy_turns_at_once(engine, prefix, [[(prompt, 40), (list(range(7, 17)), 6), ([11, 12], 6)]
+                                                   for prompt in prompts])
+    results = {agent: [(history, list(c.token_ids)) for history, c in turns] for agent, turns in enumerate(agents)}
+    computed = {agent: [c.stats.computed for _, c in turns] for agent, turns in enumerate(agents)}
     return results, computed
 
 

@@ -13,7 +13,7 @@ from hibana_core import SamplingParams
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.layout import NULL_BLOCK, KVGroup, KVLayout
 from hibana_core.kv.sequence import KVSequence
-from tiny_models import assert_greedy_matches, random_tokens, run_agents_at_once
+from tiny_models import assert_greedy_matches, greedy_turns_at_once, random_tokens
 
 BS = 16
 WINDOW = 20  # the tiny gpt_oss and gemma3 checkpoints' window: more than one block, less than two
@@ -127,27 +127,18 @@ def test_agents_with_long_histories_match_transformers_holding_only_their_window
     arch, path = windowed
     engine = make_engine(path, speculation=speculation, max_num_batched_tokens=64)
     rng = random.Random(11)
-    results = {}
-
-    def run_agent(agent: int) -> None:
-        h, history, turns = engine.open_state(f"w{agent}"), [], []
-        for new, n in ((random_tokens(rng, 150 + 10 * agent), 24), (random_tokens(rng, 30), 12), ([7, 8, 9], 12)):
-            history = history + new
-            c = h.generate(SamplingParams(max_tokens=n, ignore_eos=True), prompt=history)
-            turns.append((history, list(c.token_ids)))
-            history = history + list(c.token_ids)
-        results[agent] = turns, len(history)
-
-    run_agents_at_once(run_agent, 3)
-    assert sorted(results) == [0, 1, 2]
+    plans = [[(random_tokens(rng, 150 + 10 * agent), 24), (random_tokens(rng, 30), 12), ([7, 8, 9], 12)]
+             for agent in range(3)]
+    agents = greedy_turns_at_once(engine, "w", plans)
     layout = engine.kv_layout
     full = sum(g.window is None for g in layout.groups)
-    for agent, (turns, length) in results.items():
-        for history, generated in turns:
-            assert_greedy_matches(path, history, generated)
-        blocks = -(-length // BS)
+    for agent, turns in enumerate(agents):
+        for history, completion in turns:
+            assert_greedy_matches(path, history, completion.token_ids)
+        last_history, last = turns[-1]
+        blocks = -(-(len(last_history) + len(last.token_ids)) // BS)
         window_blocks = -(-WINDOW // BS) + 1
-        assert state_blocks(engine, f"w{agent}") <= full * blocks + (len(layout.groups) - full) * window_blocks
+        assert state_blocks(engine, f"w-{agent}") <= full * blocks + (len(layout.groups) - full) * window_blocks
 
 
 def test_a_shared_prompt_is_adopted_across_windows_and_an_edit_recomputes(windowed, make_engine):

@@ -425,6 +425,28 @@ def run_agents_at_once(run_agent: Callable[[int], None], agents: int) -> None:
         t.join(240)
 
 
+def greedy_turns_at_once(engine, prefix: str, plans: Sequence[Sequence[tuple[Sequence[int], int]]]) -> list[list]:
+    """Each plan an agent on state f"{prefix}-{i}", all at once (`run_agents_at_once`): per turn its
+    new tokens appended to the history, then that many tokens generated greedily past any EOS on
+    it, the state keeping what it held. Per agent its turns as (history, Completion)."""
+    from hibana_core import SamplingParams
+
+    results: dict[int, list] = {}
+
+    def run_agent(agent: int) -> None:
+        h, history, turns = engine.open_state(f"{prefix}-{agent}"), [], []
+        for new, n in plans[agent]:
+            history = history + list(new)
+            c = h.generate(SamplingParams(max_tokens=n, ignore_eos=True), prompt=history)
+            turns.append((history, c))
+            history = history + list(c.token_ids)
+        results[agent] = turns
+
+    run_agents_at_once(run_agent, len(plans))
+    assert sorted(results) == list(range(len(plans)))
+    return [results[agent] for agent in range(len(plans))]
+
+
 def assert_greedy_matches(path, history: Sequence[int], got: Sequence[int]) -> None:
     """`got` must be HF's greedy continuation of `history`, token for token.
 
