@@ -53,43 +53,28 @@ def _grid_barrier(counter_ptr, target, POLL_ATOMIC: tl.constexpr):
 
 @triton.jit
 def _chain_kernel(x_ptr, w_ptr, counter_ptr, L, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                  POLL_ATOMIC: tl.constexpr):
-    """x[i + 1] = (W[i] @ x[i]) * 0.01 for i < L, each program owning BLOCK_N rows of every W."""
+                  POLL_ATOMIC: tl.constexpr, AHEAD: tl.constexpr):
+    """x[i + 1] = (W[i] @ x[i]) * 0.01 for i < L, each program owning BLOCK_N rows of every W. At
+    each barrier the rows of the link AHEAD (1 or 2) past the current one go out, so a program has
+    AHEAD links' weights in flight (registers for them all)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, K)
     w_tile = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
     w = tl.load(w_tile)
+    if AHEAD == 2:
+        w_next = tl.load(w_tile + N * K, mask=(offs_n < N)[:, None] & (L > 1), other=0.0)
     for i in range(L):
         x = tl.load(x_ptr + i * K + offs_k, cache_modifier=".cg")
         y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
         tl.store(x_ptr + (i + 1) * K + offs_n, (y * 0.01).to(x_ptr.dtype.element_ty))
         _grid_arrive(counter_ptr)
-        if i + 1 < L:  # the next link's rows: out while the barrier waits
+        if AHEAD == 2:
+            w = w_next
+            w_next = tl.load(w_tile + (i + 2) * N * K, mask=(offs_n < N)[:, None] & (i + 2 < L), other=0.0)
+        elif i + 1 < L:  # the next link's rows: out while the barrier waits
             w = tl.load(w_tile + (i + 1) * N * K)
-        _grid_wait(counter_ptr, (i + 1) * nprog, POLL_ATOMIC)
-
-
-@triton.jit
-def _chain2_kernel(x_ptr, w_ptr, counter_ptr, L, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                   POLL_ATOMIC: tl.constexpr):
-    """`_chain_kernel` two links ahead: the link after next's rows go out at each barrier, so a
-    program has two links' weights in flight (registers for both)."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, K)
-    w_tile = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
-    w = tl.load(w_tile)
-    w_next = tl.load(w_tile + N * K, mask=(offs_n < N)[:, None] & (L > 1), other=0.0)
-    for i in range(L):
-        x = tl.load(x_ptr + i * K + offs_k, cache_modifier=".cg")
-        y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-        tl.store(x_ptr + (i + 1) * K + offs_n, (y * 0.01).to(x_ptr.dtype.element_ty))
-        _grid_arrive(counter_ptr)
-        w = w_next
-        w_next = tl.load(w_tile + (i + 2) * N * K, mask=(offs_n < N)[:, None] & (i + 2 < L), other=0.0)
         _grid_wait(counter_ptr, (i + 1) * nprog, POLL_ATOMIC)
 
 
@@ -98,19 +83,6 @@ def _barrier_chain_kernel(counter_ptr, L, POLL_ATOMIC: tl.constexpr):
     nprog = tl.num_programs(0)
     for i in range(L):
         _grid_barrier(counter_ptr, (i + 1) * nprog, POLL_ATOMIC)
-
-
-def graph_time(launch) -> float:
-    """ms of one replay of `launch` captured in a graph."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        launch()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            launch()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(graph.replay, rep=200, return_mode="median")
 
 
 def torch_chain(x0: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
@@ -125,7 +97,8 @@ def main() -> None:
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    copy_ms = triton.testing.do_bench(lambda: big[: 1 << 29].copy_(big[1 << 29:]), rep=100, return_mode="median")
+    copy_ms = triton.testing.do_bench(lambda dst=big[: 1 << 29], src=big[1 << 29:]: dst.copy_(src), rep=100,
+                                      return_mode="median")
     bandwidth = 2 * (1 << 29) / copy_ms / 1e9  # TB/s, read + write
     print(f"SMs {sms}, copy bandwidth {bandwidth:.2f} TB/s", flush=True)
     del big
@@ -133,10 +106,6 @@ def main() -> None:
     torch.manual_seed(0)
     for n, k in ((2048, 2048), (4096, 1024), (1024, 4096), (1024, 2048), (1024, 1024)):
         ws = torch.randn(links, n, k, device=dev, dtype=torch.bfloat16) * (k ** -0.5) * 100
-        if n != k:  # a chain needs square links to feed itself; the timing runs take the shape as it is
-            ws_check = None
-        else:
-            ws_check = ws
         nbytes = n * k * 2
         ideal = nbytes / bandwidth / 1e6
         # kernels: the PDL chain with the weight tile before the wait, its best tile
@@ -146,7 +115,7 @@ def main() -> None:
             if bk > k:
                 continue
 
-            def launch(bn=bn, bk=bk, warps=warps):
+            def launch(bn=bn, bk=bk, warps=warps, ws=ws):
                 for i in range(links):
                     _gemv[(n // bn,)](xs[i % 2], ws[i], xs[(i + 1) % 2], n, k, BLOCK_N=bn, BLOCK_K=bk, PDL=True,
                                       PREFETCH=True, num_warps=warps, launch_pdl=True)
@@ -163,36 +132,35 @@ def main() -> None:
         # persistent
         one = n // sms_floor(n, sms)
         # Every program must be resident at once (a grid barrier spins): one an SM, or two small ones.
-        # Two programs an SM holding two links' weights each (_chain2_kernel at one // 2 rows) are not
-        # all resident on an H100 and hang.
-        for kernel, block_n, warps, poll in ((_chain_kernel, one, 8, True), (_chain_kernel, one // 2, 4, True),
-                                             (_chain2_kernel, one, 8, True), (_chain2_kernel, one, 16, True)):
+        # Two programs an SM holding two links' weights each (AHEAD=2 at one // 2 rows) are not all
+        # resident on an H100 and hang.
+        for ahead, block_n, warps, poll in ((1, one, 8, True), (1, one // 2, 4, True), (2, one, 8, True),
+                                            (2, one, 16, True)):
             programs = n // block_n
-            act = torch.zeros(links + 1, k if n == k else max(n, k), device=dev, dtype=torch.bfloat16)
+            act = torch.zeros(links + 1, max(n, k), device=dev, dtype=torch.bfloat16)
             counter = torch.zeros(1, device=dev, dtype=torch.int32)
 
             def run(block_n=block_n, warps=warps, poll=poll, act=act, counter=counter, programs=programs,
-                    kernel=kernel):
+                    ahead=ahead, ws=ws):
                 counter.zero_()
-                kernel[(programs,)](act, ws, counter, links, N=n, K=k, BLOCK_N=block_n, POLL_ATOMIC=poll,
-                                           num_warps=warps)
+                _chain_kernel[(programs,)](act, ws, counter, links, N=n, K=k, BLOCK_N=block_n, POLL_ATOMIC=poll,
+                                           AHEAD=ahead, num_warps=warps)
             try:
-                if n == k:  # correctness against torch before timing
+                if n == k:  # correctness against torch before timing (a chain of other shapes is timed only)
                     act[0] = torch.randn(k, device=dev, dtype=torch.bfloat16)
                     run()
                     torch.cuda.synchronize()
-                    want = torch_chain(act[0], ws_check)
+                    want = torch_chain(act[0], ws)
                     got = act[links]
                     ok = torch.allclose(got.float(), want.float(), rtol=0.05, atol=0.05 * want.float().abs().max().item())
                     ok = f"equal to torch: {ok} (counter {counter.item()} of {links * programs})"
                 else:
                     ok = ""
-                ms = graph_time(run)
+                us = chain_time(run, links)
             except Exception as exc:  # noqa: BLE001
-                print(f"  persistent {kernel.fn.__name__} {block_n} rows/{warps}w: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                print(f"  persistent{ahead} {block_n} rows/{warps}w: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 continue
-            us = ms * 1e3 / links
-            print(f"  persistent{'2' if kernel is _chain2_kernel else ' '} {us:6.2f} us a link ({nbytes / us / 1e6:.2f} TB/s) {programs} programs x {block_n} rows,"
+            print(f"  persistent{'2' if ahead == 2 else ' '} {us:6.2f} us a link ({nbytes / us / 1e6:.2f} TB/s) {programs} programs x {block_n} rows,"
                   f" {warps} warps, poll {'atomic' if poll else 'volatile'} {ok}", flush=True)
         del ws
     # the barrier alone against the tiny PDL kernel chain
@@ -203,7 +171,7 @@ def main() -> None:
                 counter.zero_()
                 _barrier_chain_kernel[(programs,)](counter, 256, POLL_ATOMIC=poll, num_warps=4)
             print(f"grid barrier, {programs} programs, poll {'atomic' if poll else 'volatile'}: "
-                  f"{graph_time(barriers) * 1e3 / 256:6.2f} us a barrier", flush=True)
+                  f"{chain_time(barriers, 256):6.2f} us a barrier", flush=True)
     xs = [torch.zeros(1024, device=dev, dtype=torch.float32) for _ in range(2)]
 
     def tiny():
