@@ -55,7 +55,10 @@ def is_kind(value: Any, kind: type) -> bool:
     if kind is int:  # what torch and the step's int64 tensors can hold
         return isinstance(value, numbers.Integral) and -(2**63) <= value < 2**63
     if kind is float:
-        return isinstance(value, numbers.Real) and math.isfinite(value)
+        try:
+            return isinstance(value, numbers.Real) and math.isfinite(value)
+        except OverflowError:  # an integer past a float's range
+            return False
     return isinstance(value, kind)
 
 

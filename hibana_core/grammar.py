@@ -882,12 +882,12 @@ def _multiple_of_dropped(schema: dict) -> bool:
     integers = kind == "integer" or (isinstance(kind, list) and "integer" in kind and "number" not in kind)
     if step is None:
         return False
-    if not (integers and is_kind(step, (int, float)) and math.isfinite(step) and float(step).is_integer()
-            and 0 < step <= MULTIPLE_OF_MOST):
+    if not (integers and is_kind(step, float) and float(step).is_integer() and 0 < step <= MULTIPLE_OF_MOST):
         return True
-    low, high = _integer_range(schema)
-    if low is None and high is None:
+    if not any(key in schema and not isinstance(schema[key], bool)  # (draft 4's flags bound nothing alone)
+               for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
         return False
+    low, high = _integer_range(schema)  # a bound it cannot read (past a float) counts as none that way
     return low is None or high is None or high - low + 1 > MULTIPLE_OF_RANGE_MOST
 
 
@@ -896,7 +896,7 @@ def _integer_range(schema: dict) -> tuple[int | None, int | None]:
     draft 4's boolean exclusiveMinimum/exclusiveMaximum as flags on minimum/maximum."""
     def number(key: str) -> float | None:
         value = schema.get(key)
-        return value if is_kind(value, (int, float)) and math.isfinite(value) else None
+        return value if is_kind(value, float) else None
 
     lows, highs = [], []
     low, high = number("minimum"), number("maximum")

@@ -34,6 +34,14 @@ HELD = [
 ]
 
 
+def test_numbers_past_a_float_are_refused_not_an_overflow():
+    """A bound or step JSON writes as an integer past a float's range (Python reads it whole) is no
+    bound the grammar holds: the multipleOf is refused by name (it was an OverflowError)."""
+    for schema in ({"type": "integer", "multipleOf": 7, "minimum": 10**400},
+                   {"type": "integer", "multipleOf": 10**400}):
+        assert any("multipleOf" in k for k in unenforced_keywords(schema))
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoints):
     from tiny_models import open_engine

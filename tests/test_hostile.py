@@ -68,7 +68,8 @@ def test_a_request_that_fails_its_step_fails_alone(tiny_checkpoints, make_engine
 
 def test_bad_sampling_options_are_refused_before_they_reach_a_step():
     for bad in (dict(top_k=2.0), dict(max_tokens=2.5), dict(max_tokens=True), dict(temperature=float("nan")),
-                dict(seed="1"), dict(stop_token_ids=[1.5]), dict(ignore_eos=1), dict(stop=5)):
+                dict(seed="1"), dict(stop_token_ids=[1.5]), dict(ignore_eos=1), dict(stop=5),
+                dict(temperature=10**400)):  # past a float (was an OverflowError)
         with pytest.raises(ConfigError):
             SamplingParams(**bad)
 
