@@ -369,8 +369,8 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest: dict | None = None,
-                  quantization: dict | None = None, device: torch.device | None = None) -> None:
+def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest: dict | None,
+                  quantization: dict | None, device: torch.device) -> None:
     """Copy the checkpoint's tensors into `module`. A surgery checkpoint (`manifest`) names them
     as the module does, its packed layers take their packed tensors as they are and its kv8
     layers their KV scales; a GPTQ or AWQ checkpoint (`quantization`: its quantization_config)
@@ -378,8 +378,6 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
     where a module left on the meta device (`_build(allocate=False)`) is allocated once its packed
     layers have theirs."""
     from safetensors import safe_open
-
-    device = device or next(module.parameters()).device
 
     files = weight_files(path)
     try:

@@ -24,13 +24,13 @@ __all__ = ["fp8_expert_readers", "load_packed_layers", "parse_quantization_confi
 
 def load_packed_layers(module: torch.nn.Module, names: set[str], read: Callable[[str], torch.Tensor],
                        fmt: QuantFormat, fused: dict[str, tuple[str, ...]], where: str,
-                       device: torch.device | None = None) -> set[str]:
+                       device: torch.device) -> set[str]:
     """Give every linear layer whose checkpoint tensors are packed its packed weight; return the
     checkpoint names consumed. `fused`: a layer of ours -> the checkpoint layers it concatenates
     along its outputs (e.g. qkv_proj -> q_proj, k_proj, v_proj). A layer is packed exactly when
     its checkpoint holds the format's first tensor (`qweight`, `weight_packed`), or for fp8 a
-    weight scale. `device`: where the packed tensors go (default: the layer's own weight's; the
-    loader gives the model's device while the dense weights are still unallocated, on meta)."""
+    weight scale. `device`: where the packed tensors go (the model's, whose dense weights are still
+    unallocated, on meta, as the loader calls this)."""
     if fmt.kind == "fp8":
         return _load_fp8_layers(module, names, read, fmt, fused, where, device)
     first = fmt.tensor_names[0]
@@ -60,15 +60,15 @@ def load_packed_layers(module: torch.nn.Module, names: set[str], read: Callable[
                                    for p in perms):
             raise CheckpointError(f"{where}: {', '.join(parts)} are quantized with different groups or input "
                                   f"orders; Hibana computes them as one layer ({name}) and needs them alike")
-        at, expected = device or layer.weight.device, tuple(layer.weight.shape)
+        expected = tuple(layer.weight.shape)
         qweight = torch.cat([r.qweight for r in repacked])
         if (qweight.shape[0], 2 * qweight.shape[1]) != expected:
             raise CheckpointError(f"{where}: {name} unpacks to {qweight.shape[0]}x{2 * qweight.shape[1]}, "
                                   f"the config implies {expected[0]}x{expected[1]}; config and weights disagree")
-        layer.set_packed("int4", {"qweight": qweight.to(at),
-                                  "scales": torch.cat([r.scales for r in repacked]).to(at),
-                                  "zeros": torch.cat([r.zeros for r in repacked]).to(at)},
-                         groups.pop(), None if perms[0] is None else perms[0].to(at))
+        layer.set_packed("int4", {"qweight": qweight.to(device),
+                                  "scales": torch.cat([r.scales for r in repacked]).to(device),
+                                  "zeros": torch.cat([r.zeros for r in repacked]).to(device)},
+                         groups.pop(), None if perms[0] is None else perms[0].to(device))
     return consumed | _load_packed_experts(module, names, read, fmt, where, device)
 
 
@@ -90,7 +90,7 @@ _EXPERT_STACKS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_
 
 
 def _load_packed_experts(module: torch.nn.Module, names: set[str], read: Callable[[str], torch.Tensor],
-                         fmt: QuantFormat, where: str, device: torch.device | None = None) -> set[str]:
+                         fmt: QuantFormat, where: str, device: torch.device) -> set[str]:
     """The MoE experts a GPTQ / AWQ checkpoint stores packed (`{experts}.{e}.gate_proj.qweight`,
     ...) as int4 stacks (`set_packed_stacks`); return the checkpoint names consumed. The fused-MoE
     kernels take one group size per stack and no input permutation, so experts quantized in
@@ -129,8 +129,7 @@ def _load_packed_experts(module: torch.nn.Module, names: set[str], read: Callabl
             if (got[0], got[1], 2 * got[2]) != expected:
                 raise CheckpointError(f"{where}: the experts of {name} unpack to {got[0]}x{got[1]}x{2 * got[2]} for "
                                       f"{stack}, the config implies {'x'.join(map(str, expected))}; config and weights disagree")
-        at = device or experts.gate_up_proj.device
-        experts.set_packed_stacks("int4", {stack: {part: t.to(at) for part, t in tensors.items()}
+        experts.set_packed_stacks("int4", {stack: {part: t.to(device) for part, t in tensors.items()}
                                            for stack, tensors in packed.items()})
     return consumed
 
@@ -146,7 +145,7 @@ def _linear_layers(module: torch.nn.Module, fused: dict[str, tuple[str, ...]]):
 
 def _load_fp8_layers(module: torch.nn.Module, names: set[str], read: Callable[[str], torch.Tensor],
                      fmt: QuantFormat, fused: dict[str, tuple[str, ...]], where: str,
-                     device: torch.device | None = None) -> set[str]:
+                     device: torch.device) -> set[str]:
     """load_packed_layers for FP8 checkpoints: codes and scales kept, fused layers joined by
     `fp8.fuse`; a layer is fp8 exactly when its checkpoint holds a weight scale."""
     kv = sorted(n for n in names if n.endswith(fp8.KV_SCALES))
@@ -160,7 +159,7 @@ def _load_fp8_layers(module: torch.nn.Module, names: set[str], read: Callable[[s
         if any(s is None for s in scales):
             raise CheckpointError(f"{where}: {name} joins {', '.join(parts)}, of which only some are fp8; "
                                   "Hibana computes them as one layer and needs them alike")
-        at, expected = device or layer.weight.device, tuple(layer.weight.shape)
+        expected = tuple(layer.weight.shape)
         weights = []
         for prefix, scale in zip(parts, scales):
             if f"{prefix}.weight" not in names:
@@ -174,7 +173,7 @@ def _load_fp8_layers(module: torch.nn.Module, names: set[str], read: Callable[[s
             raise CheckpointError(f"{where}: {', '.join(parts)} have shapes {shapes}, the config implies "
                                   f"{expected[0]}x{expected[1]} for {name}; config and weights disagree")
         w = fp8.fuse(weights)
-        layer.set_packed("fp8", {"qweight": w.qweight.to(at), "scales": w.scales.to(at)}, block=w.block)
+        layer.set_packed("fp8", {"qweight": w.qweight.to(device), "scales": w.scales.to(device)}, block=w.block)
     return consumed
 
 
