@@ -454,6 +454,17 @@ MAX_LOGIT_BIAS = 100.0
 """The largest bias `logit_bias` may give a token, either way (OpenAI's range: [-100, 100])."""
 
 
+def token_id_key(key: str) -> int | None:
+    """A token id as JSON's object keys write one (OpenAI's logit_bias: {"1234": 5}): ASCII digits,
+    spaces around them allowed, within int64; None where `key` is none ("١٢" is decimal to Python
+    and no id to OpenAI; int() of 4,301 digits and more is a ValueError)."""
+    digits = key.strip()
+    if not (digits.isascii() and digits.isdecimal()) or len(digits.lstrip("0")) > 19:
+        return None
+    token = int(digits)
+    return token if token < 2**63 else None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples; the defaults are greedy decoding of up to 128 tokens."""
@@ -570,11 +581,8 @@ class SamplingParams:
             return
         checked: dict[int, float] = {}
         for token, value in bias.items():
-            digits = token.strip() if isinstance(token, str) else ""
-            # JSON's keys (OpenAI's form): ASCII digits ("١٢" is decimal to Python, no id to OpenAI),
-            # at most int64's 19 (int() of 4,301 digits and more is a ValueError)
-            if digits.isascii() and digits.isdecimal() and len(digits.lstrip("0")) <= 19:
-                token = int(digits)
+            read = token_id_key(token) if isinstance(token, str) else None  # JSON's keys (OpenAI's form)
+            token = token if read is None else read
             _check(is_kind(token, int) and token >= 0,
                    f"logit_bias keys must be token ids (integers >= 0), got {token!r:.40}")
             _check(is_kind(value, float) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS,

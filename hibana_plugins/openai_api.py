@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hibana_core.chat import REASONING_EFFORTS, StreamedLogprobs, TokenIds, assistant_message
-from hibana_core.config import SamplingParams
+from hibana_core.config import SamplingParams, token_id_key
 from hibana_core.messages import normalize_tool_choice, normalize_tools
 from hibana_core.turn import ChatDelta, ChatResult, Usage, openai_finish_reason
 
@@ -296,18 +296,14 @@ def logit_bias(given: dict[str, Any] | None) -> dict[int, float] | None:
         return None
     bias = {}
     for key, value in given.items():
-        digits = key.strip()
-        if not (digits.isascii() and digits.isdecimal()):  # ("١٢" is decimal to Python, no id to OpenAI)
-            raise ApiError(400, f"logit_bias: keys are token ids (\"1234\"), got {key!r:.40}", "logit_bias")
-        digits = digits.lstrip("0") or "0"
+        token = token_id_key(key)  # ids past the vocabulary are the engine's InvalidTokenError
+        if token is None:
+            raise ApiError(400, f"logit_bias: keys are token ids of this model's tokenizer (\"1234\"), got "
+                                f"{key!r:.40}", "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-            raise ApiError(400, f"logit_bias[{digits:.40}]: a bias is a number in [-100, 100], got {value!r:.40}",
+            raise ApiError(400, f"logit_bias[{token}]: a bias is a number in [-100, 100], got {value!r:.40}",
                            "logit_bias")
-        # past int64 no id (int() of 4,301 digits and more is a ValueError); ids past the vocabulary
-        # within it are the engine's InvalidTokenError
-        if len(digits) > 19 or int(digits) >= 2**63:
-            raise ApiError(400, f"logit_bias: {digits:.40} is no token id of this model's tokenizer", "logit_bias")
-        bias[int(digits)] = float(value)
+        bias[token] = float(value)
     return bias
 
 
