@@ -199,11 +199,13 @@ def _surgery_run(args: argparse.Namespace, passes: list) -> int:
     from pathlib import Path
 
     from hibana_core import ConfigError, Engine, HibanaError, SurgeryGuardError
-    from hibana_core.loader import resolve_checkpoint
+    from hibana_core.loader import family_of, read_model_type, resolve_checkpoint, weight_files
     from hibana_core.surgery import checkpoint
 
     try:  # a model that is not there is a usage error, said before a loading bar (as bench's `_check_model`)
         source = resolve_checkpoint(args.model, progress=True)  # a repo id is downloaded here, once
+        family_of(read_model_type(source))  # a folder that is no checkpoint, or of an architecture none serves
+        weight_files(source)  # no safetensors: said here, not after the config stage's bar
     except HibanaError as exc:
         print(f"hibana surgery: {exc}", file=sys.stderr)
         return 2
