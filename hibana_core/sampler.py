@@ -27,13 +27,17 @@ from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
-from hibana_core.config import SamplingParams, needs_history
+from hibana_core.config import GREEDY_TEMPERATURE, SamplingParams, needs_history
 from hibana_core.kv.transfers import device_tensor, small_to_device
 
 _NEG_INF = float("-inf")
 # Floor on the Exp(1) noise: exponential_ may return exactly 0 on some backends, and p / 0 gives
 # inf (a biased pick) or, for a masked token, NaN, which argmax would pick.
 _TINY = torch.finfo(torch.float32).tiny
+_MAX = torch.finfo(torch.float32).max
+# Bound on a penalised logit: divided by the least sampled temperature (GREEDY_TEMPERATURE), it
+# stays finite (an inf logit makes its whole row NaN, and NaN rows draw token 0).
+_PENALISED_MAX = _MAX * GREEDY_TEMPERATURE / 2
 
 
 class DraftRow(NamedTuple):
@@ -335,8 +339,12 @@ def apply_penalties(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tenso
     if rep:
         seen = _token_table(x, [(i, itertools.chain(rows[i].prompt, rows[i].output)) for i in rep],
                             torch.bool)  # [B, V]
-        penalty = _column([row.params.repetition_penalty for row in rows], x.device)  # [B, 1]
-        x = torch.where(seen, torch.where(x < 0, x * penalty, x / penalty), x)
+        # (at least float32's least normal: a smaller one is 0 there, and 0 / 0 is NaN)
+        penalty = _column([max(row.params.repetition_penalty, _TINY) for row in rows], x.device)  # [B, 1]
+        penalised = torch.where(x < 0, x * penalty, x / penalty).clamp_(-_PENALISED_MAX, _PENALISED_MAX)
+        # an extreme penalty would overflow to +-inf (NaN rows); ties then stand for the overflown.
+        # A -inf (a grammar's mask) stays -inf.
+        x = torch.where(seen & (x > _NEG_INF), penalised, x)
     pf = [i for i, row in enumerate(rows)
           if row.params.presence_penalty != 0.0 or row.params.frequency_penalty != 0.0]
     if pf:
@@ -354,7 +362,9 @@ def apply_warpers(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Te
     """
     vocab = x.shape[1]
     sampled = [not p.greedy for p in params]
-    temps = [p.temperature if s else 1.0 for p, s in zip(params, sampled)]
+    # (past float32's range a temperature is inf there, and -inf / inf is NaN: its limit, all but
+    # the masked tokens alike, is float32's largest)
+    temps = [min(p.temperature, _MAX) if s else 1.0 for p, s in zip(params, sampled)]
     if any(t != 1.0 for t in temps):
         x = x / _column(temps, x.device)
 
