@@ -120,10 +120,12 @@ class _HarmonyStream(_Stream):
 
     def _text(self, out: list, text: str, cut: bool = False) -> None:
         """Content, a message's one line apart from an earlier one's (a preamble, then the final
-        answer), as analysis messages are in `reasoning`."""
-        if text.strip():
-            if self._next_message and self._content.started:
-                text = "\n" + text
+        answer), as analysis messages are in `reasoning`. The line break goes before the first
+        piece of the message's body, whitespace or not, so that it stands where it would had the
+        body come whole (a body's leading space streamed alone went out before it)."""
+        if text and self._next_message and self._content.started:
+            text = "\n" + text
+        if text:
             self._next_message = False
         super()._text(out, text, cut)
 
