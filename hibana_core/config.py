@@ -551,9 +551,12 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         _check(0.0 < self.top_p <= 1.0, f"top_p must lie in (0, 1], got {self.top_p}")
         _check(0.0 <= self.min_p <= 1.0, f"min_p must lie in [0, 1], got {self.min_p}")
-        _check(self.repetition_penalty > 0.0, "repetition_penalty must be > 0 (1 disables it)")
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must lie in [-2, 2]")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must lie in [-2, 2]")
+        _check(self.repetition_penalty > 0.0,
+               f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
+        _check(-2.0 <= self.presence_penalty <= 2.0,
+               f"presence_penalty must lie in [-2, 2] (0 disables it), got {self.presence_penalty}")
+        _check(-2.0 <= self.frequency_penalty <= 2.0,
+               f"frequency_penalty must lie in [-2, 2] (0 disables it), got {self.frequency_penalty}")
         _check(0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
                f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         _check(self.logprobs or not self.top_logprobs, "top_logprobs needs logprobs=True")

@@ -4,10 +4,12 @@ row of logits into NaN (NaN rows draw token 0, whatever the grammar's mask or th
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from scipy.stats import chisquare
 
 from hibana_core.config import SamplingParams
+from hibana_core.errors import ConfigError
 from hibana_core.sampler import Sampler, SamplingRow, TokenMasks, apply_penalties, apply_warpers
 
 CPU = torch.device("cpu")
@@ -57,3 +59,9 @@ def test_a_vanishing_repetition_penalty_draws_the_seen_tokens_with_positive_logi
         params = SamplingParams(temperature=temperature, repetition_penalty=1e-50)
         tokens = sampler(LOGITS[None].repeat(n, 1), [row(params, seen)] * n)
         assert set(tokens.tolist()) <= {1, 5}, (temperature, np.bincount(tokens.numpy(), minlength=V))
+
+
+def test_an_out_of_range_penalty_is_refused_with_the_value_given():
+    for option, value in (("repetition_penalty", -0.5), ("presence_penalty", 2.5), ("frequency_penalty", -3.0)):
+        with pytest.raises(ConfigError, match=rf"{option} must .*, got {value}$"):
+            SamplingParams(**{option: value})
