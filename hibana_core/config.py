@@ -500,7 +500,8 @@ class SamplingParams:
     """Do not stop on the model's end-of-sequence tokens."""
     logprobs: bool = False
     """Return each generated token's log-probability under the model (its raw distribution, before
-    penalties, temperature, truncation and grammar masks, as vLLM and OpenAI report it)."""
+    penalties, temperature, truncation and grammar masks, as vLLM and OpenAI report it, and before
+    a logit bias)."""
     top_logprobs: int = 0
     """With logprobs: also the this many most likely tokens at each position (0 to 20)."""
     speculation: Any = None
