@@ -726,7 +726,9 @@ class Chat:
         elif tool_choice == "none" and listed and not params.constrained:  # the model sees tools it may not call
             with _blamed_on(self.parser_name, self.parser, "building its no-call grammar"):
                 grammar = turn.no_call_grammar(self.parser, self.parser_name, closer=not prefill)
-                params = dataclasses.replace(params, grammar=grammar)
+            if grammar is not None and held_off:  # the thinking stays free, as with "auto"
+                grammar = turn.after_thinking(grammar, "auto", open_in_prompt)
+            params = dataclasses.replace(params, grammar=grammar)
         channels = getattr(self.parser, "splits_channels", False)  # harmony: its channels are the format, calls or not
         if params.json_schema is not None and answer is None and (channels or held_off):
             # the answer's schema, held after the reasoning: a structural tag's JSON content, which drops

@@ -1,0 +1,47 @@
+"""Audit of the reasoning area on the tiny Qwen3-style checkpoint (tests/reasoning_model.py), its
+outputs forced so that it thinks."""
+
+from __future__ import annotations
+
+import pytest
+
+from hibana_core import SamplingParams
+from hibana_core.chat import Chat
+from hibana_core.errors import GrammarError
+from hibana_core.speculation import force_outputs
+from reasoning_model import make_reasoning_checkpoint
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ASK = [{"role": "user", "content": "weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    import tiny_models
+
+    engine = tiny_models.open_engine(make_reasoning_checkpoint(tmp_path_factory.mktemp("audit-reasoning") / "m"))
+    yield engine
+    engine.close()
+
+
+def forced(engine, state_id: str, text: str) -> tuple[Chat, int]:
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    chat = Chat(engine, state_id)
+    force_outputs(chat.handle, ids)
+    return chat, len(ids)
+
+
+def test_tool_choice_none_leaves_the_thinking_free(engine):
+    """tool_choice="none" keeps calls out of the answer; the thinking may still name the markup (as
+    with "auto", whose grammar opens after the think block). The no-call grammar held the whole
+    turn: a model thinking "<tool_call> is not allowed" was refused its thinking (a GrammarError
+    for these forced tokens)."""
+    thought = "A <tool_call> is not allowed here, nor a </tool_call>."
+    chat, n = forced(engine, "none-thinks", f"<think>\n{thought}\n</think>\n\nIt is sunny.<|im_end|>")
+    result = chat.respond(ASK, [WEATHER], SamplingParams(max_tokens=n), tool_choice="none")
+    assert (result.reasoning, result.text, result.tool_calls) == (thought, "It is sunny.", [])
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    chat, n = forced(engine, "none-calls", f"<think>\nHm.\n</think>\n\n{call}<|im_end|>")
+    with pytest.raises(GrammarError):  # after the think block, the answer still opens no call
+        chat.respond(ASK, [WEATHER], SamplingParams(max_tokens=n), tool_choice="none")
