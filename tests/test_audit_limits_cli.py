@@ -23,3 +23,23 @@ def test_surgery_of_a_folder_that_is_no_checkpoint_is_a_usage_error_before_any_b
     err = capsys.readouterr().err
     assert err.startswith("hibana surgery: ") and "loading" not in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("content, says", [(b"\xff\xfe\x00binary", "cannot be read as UTF-8"),
+                                           (b" \n\t\n", "is empty")])
+def test_surgery_refuses_a_guard_text_it_cannot_read_before_the_weights_load(content, says, tiny_checkpoints,
+                                                                           tmp_path, monkeypatch, capsys):
+    """A binary or empty --guard-text was refused only after the weights had loaded (minutes on a
+    real model): only a path that is not there was said before."""
+    import hibana_core.engine
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the guard text was read")
+
+    monkeypatch.setattr(hibana_core.engine, "load_model", no_load)
+    text = tmp_path / "guard.txt"
+    text.write_bytes(content)
+    assert cli.main(["surgery", str(tiny_checkpoints["llama"]), "--passes", "w8", "--device", "cpu",
+                     "--guard-text", str(text)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err

@@ -150,6 +150,16 @@ def guard_text_path(text_file: str | None) -> Path:
         what = ("is a directory" if path.is_dir() else "is not a regular file" if path.exists()
                 else "does not exist")
         raise ConfigError(f"guard text {str(path)!r} {what}; pass a UTF-8 text file")
+    if text_file is not None:  # its bytes too (a binary or empty file was said only after the weights loaded)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"guard text {str(path)!r} cannot be read as UTF-8 text ({exc}); "
+                              "pass a UTF-8 text file") from None
+        if not text.strip():
+            raise ConfigError(f"guard text {str(path)!r} is empty: it holds no document longer than {OPENING + 1} "
+                              f"tokens; give a longer text (the guard scores up to {MAX_TOKENS} tokens), or leave "
+                              "surgery_guard_text out for the bundled agent traces")
     return path
 
 
