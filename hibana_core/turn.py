@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequence, TypeVar
 
 from hibana_core.config import SamplingParams
-from hibana_core.errors import ChatTimeoutError, ConfigError, GrammarError, HibanaError
+from hibana_core.errors import ChatTimeoutError, ConfigError, ContextLengthError, GrammarError, HibanaError
 from hibana_plugins.hookspecs import CutCall, GeneratedText, ParsedOutput, ToolCall, ToolCallDelta, ToolCallStream
 
 if TYPE_CHECKING:
@@ -387,6 +387,10 @@ class TurnRun:
     def begin(self) -> tuple[list[ChatDelta], TurnRequest]:
         deltas = self._feed(self.prefill)
         prompt = self.base + (self.encode(self.text) if self.text else [])
+        if not prompt:  # (the engine's own words speak of generate's prompt=, which a chat caller never gave)
+            raise ContextLengthError("the chat prompt is empty (an empty string or no token ids): nothing to answer; "
+                                     "give messages, or a rendered prompt of at least one token (the state is "
+                                     "unchanged)")
         return deltas, TurnRequest(prompt, self.params)
 
     def on_event(self, event: "StreamEvent") -> list[ChatDelta]:
