@@ -81,6 +81,7 @@ class _HarmonyStream(_Stream):
         self.reasoning = ""
         """The analysis messages' bodies so far (one line break between two), as they come."""
         self._next_message = False  # a message began since content last came: its text goes a line apart
+        self._next_reasoning = False  # an analysis message began since reasoning last came: a line apart
 
     def feed(self, text_delta: str) -> list[str | ToolCallDelta]:
         self._markers.add(text_delta)
@@ -101,15 +102,14 @@ class _HarmonyStream(_Stream):
                 self._take(at + len(MESSAGE))
                 self._mode = "body"
                 self._next_message = True
-                if self._streams_reasoning() and self.reasoning:
-                    self.reasoning += "\n"
+                self._next_reasoning = self._streams_reasoning()
             end, marker = self._first_end()
             if end < 0 and not final:  # the body as it comes, less what may begin an end marker
                 keep = max(partial_tag_length(self._buffer, m) for m in MESSAGE_ENDS)
                 if self._streams_text():
                     self._text(out, self._take(len(self._buffer) - keep))
                 elif self._streams_reasoning():
-                    self.reasoning += self._take(len(self._buffer) - keep)
+                    self._reason(self._take(len(self._buffer) - keep))
                 return
             body = self._take(len(self._buffer) if end < 0 else end)
             self._take(len(marker))
@@ -128,6 +128,16 @@ class _HarmonyStream(_Stream):
         if text:
             self._next_message = False
         super()._text(out, text, cut)
+
+    def _reason(self, text: str) -> None:
+        """An analysis body's text, into `reasoning`: a message's one line apart from an earlier
+        one's. The line break comes with the body's first piece, not with its header, so that the
+        header's tokens are not counted as reasoning (`TurnRun._count_reasoning`)."""
+        if text and self._next_reasoning and self.reasoning:
+            text = "\n" + text
+        if text:
+            self._next_reasoning = False
+        self.reasoning += text
 
     def _take(self, n: int) -> str:
         """The first `n` characters of `_buffer`, removed from it."""
@@ -172,7 +182,7 @@ class _HarmonyStream(_Stream):
             if not self._recipient.startswith(FUNCTIONS):  # gpt-oss's built-ins (python, browser.*): not offered
                 error = f"a message to {self._recipient!r}, not to an offered function ({FUNCTIONS}NAME)"
                 if self._channel == "analysis":  # the built-ins are called from the reasoning: it stays there
-                    self.reasoning += body
+                    self._reason(body)
                     self._errors.append(error)
                 else:
                     self._reject(out, body, error, cut)
@@ -187,7 +197,7 @@ class _HarmonyStream(_Stream):
             else:
                 self._reject(out, body, decoded.error, cut)
         elif self._channel == "analysis":
-            self.reasoning += body
+            self._reason(body)
         else:
             self._text(out, body)
 

@@ -10,6 +10,26 @@ import pytest
 from hibana_plugins.harmony import HarmonyToolParser
 from test_hostile_chat import chunkings, streamed
 
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    """test_harmony's tiny gpt_oss, its tokenizer knowing harmony's tokens."""
+    from transformers import AutoTokenizer
+
+    from test_harmony import HARMONY_TEMPLATE, HARMONY_TOKENS
+    from tiny_models import VOCAB_SIZE, make_tiny_checkpoint, open_engine
+
+    path = make_tiny_checkpoint("gpt_oss", tmp_path_factory.mktemp("audit-harmony") / "gpt_oss",
+                                vocab_size=VOCAB_SIZE + len(HARMONY_TOKENS))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
+    tokenizer.chat_template = HARMONY_TEMPLATE
+    tokenizer.save_pretrained(path)
+    with open_engine(path) as engine:
+        yield engine
+
+
 PREAMBLE = "<|channel|>commentary<|message|>Checking.<|end|>"
 
 
@@ -49,3 +69,22 @@ def test_random_harmony_turns_stream_as_parsed_whole():
         whole = run([text])
         for chunks in chunkings(rng, text):
             assert run(chunks) == whole, (text, chunks)
+
+
+def test_reasoning_tokens_are_the_analysis_bodies_tokens(gpt_oss):
+    """usage.reasoning_tokens of a turn of two analysis messages: their bodies' tokens, no markup.
+    The line between the two was added to the reasoning with the second one's header, so its
+    <|message|> token counted as reasoning (9 where the bodies are 8 tokens)."""
+    from hibana_core import SamplingParams
+    from test_chat import HELLO
+    from test_harmony import forced_chat
+
+    bodies = ["Think it over.", "Then more."]
+    text = "<|start|>assistant".join(f"<|channel|>analysis<|message|>{b}<|end|>" for b in bodies)
+    text += "<|start|>assistant<|channel|>final<|message|>Hi<|return|>"
+    chat, n = forced_chat(gpt_oss, "two-analyses", text)
+    deltas = list(chat.stream_respond(HELLO, params=SamplingParams(max_tokens=n)))
+    result = deltas[-1].result
+    assert result.reasoning == "\n".join(bodies) == "".join(d.reasoning for d in deltas[:-1])
+    tokens = sum(len(gpt_oss.tokenizer.encode(b, add_special_tokens=False)) for b in bodies)
+    assert result.usage.reasoning_tokens == tokens
