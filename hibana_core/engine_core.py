@@ -319,13 +319,33 @@ class EngineCore:
         self.work.notify()
         return RequestEvents(request, stream, self.cancel)
 
-    def cancel(self, request: Request) -> None:
-        """Stop a request that still runs; its state keeps the tokens it has."""
-        with self.lock:
+    def cancel(self, request: Request, *, wait: bool = True) -> None:
+        """Stop a request that still runs; its state keeps the tokens it has. `wait=False`: a
+        dropped stream's finalizer, which the garbage collector runs on whatever thread it
+        interrupts (this loop's mid-step, or the grammar worker a step waits for: waiting for the
+        lock there hung the engine for good) never waits; where the lock is not free at once, the
+        request is marked, and ends at the next schedule or its state's next edit."""
+        if not wait and (threading.current_thread() is self._thread or not self.lock.acquire(blocking=False)):
+            request.cancelled = True
+            return
+        if wait:
+            self.lock.acquire()
+        try:
             if not request.finished:
                 request.cancelled = True
                 self.scheduler.finish(request, "cancelled")
                 self.deliver_finished()
+        finally:
+            self.lock.release()
+
+    def end_cancelled(self) -> None:
+        """End the requests marked cancelled without the lock (`cancel(wait=False)`, a stream whose
+        event loop closed), before a caller's thread looks at which states are busy: a state is
+        free for the next call once its stream is dropped, as once it is closed."""
+        with self.lock:
+            for request in [r for r in self.scheduler.requests() if r.cancelled]:
+                self.scheduler.finish(request, "cancelled")
+            self.deliver_finished()
 
     def capture_graphs(self, max_sequences: int = 1, max_drafts: int | None = 0) -> int:
         """Capture the CUDA graphs of steps of up to `max_sequences` sequences with up to

@@ -111,7 +111,7 @@ class RequestEvents:
     drivers share `_take`. The final event ends the iteration; a failed request raises its error
     there. Closing early (`close`/`aclose`, or leaving the loop) cancels the request."""
 
-    def __init__(self, request: Request, stream: RequestStream, cancel: Callable[[Request], None]) -> None:
+    def __init__(self, request: Request, stream: RequestStream, cancel: Callable[..., None]) -> None:
         self.request, self._stream, self._cancel = request, stream, cancel
         self._done = False
 
@@ -167,9 +167,9 @@ class RequestEvents:
         self.close()
 
     def __del__(self) -> None:  # an iterator dropped mid-way frees its request's blocks
-        if not self._done:
+        if not self._done and not self.request.finished:
             try:
-                self.close()
+                self._cancel(self.request, wait=False)  # a finalizer never waits for the engine's lock
             except Exception:
                 pass
 

@@ -340,6 +340,7 @@ class StateRegistry:
         if not token_ids:
             return []
         with self.lock:
+            self.core.end_cancelled()
             entries = list(self._entries.values())
             taken = set(self._leased) | self._busy()
         best: list[_Candidate] = []  # the `limit` best so far, best first
@@ -389,6 +390,7 @@ class StateRegistry:
             token_ids = self._validate(token_ids)
             candidate = self._match(token_ids, min_shared)
         with self.lock:
+            self.core.end_cancelled()
             if state_id is not None:
                 handle = self.open(state_id)
                 if self._taken(self._entries[state_id]):
@@ -439,6 +441,7 @@ class StateRegistry:
 
     def infos(self) -> list[StateInfo]:
         with self.lock:  # the requests looked at once, not once a state (a server's /metrics lists thousands)
+            self.core.end_cancelled()
             busy = self._busy()
             since = time.time() - time.monotonic()  # last uses are kept on the monotonic clock
             return [StateInfo(e.handle.id, len(e.seq), min(e.seq.num_computed, len(e.seq)),
@@ -865,6 +868,7 @@ class StateRegistry:
     def _editable(self, handle: StateHandle) -> _Entry:
         """The handle's entry, when no request uses its state; marks it used now."""
         entry = self._entry(handle)
+        self.core.end_cancelled()
         if self.core.scheduler.busy(entry.seq):
             raise StateBusyError(f"state {handle.id!r} is busy with a request (a generation, or a sync's "
                                  "prefill); wait for it to finish or cancel its stream first")

@@ -1,0 +1,122 @@
+"""Cancellation from every thread a caller's code (or the garbage collector) runs on: a stream left
+to its finalizer, a step's failure path, timeouts. Each state stays usable afterwards: its next
+greedy turn is transformers' on its whole history, and its blocks go back when it closes."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import random
+import threading
+
+import pytest
+
+from hibana_core import SamplingParams
+from tiny_models import assert_greedy_matches, random_tokens
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+@contextlib.contextmanager
+def no_automatic_collection():
+    """The collector runs only where a test calls it (its finalizers run on that thread)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def dropped_in_a_cycle(events) -> None:
+    """Leave `events` (read part-way) to the garbage collector, as a caller's traceback kept in a
+    local does: only a collection finds it, on whatever thread that collection runs."""
+    cycle = [events]
+    cycle.append(cycle)
+
+
+def assert_next_turn_is_transformers(path, handle, n: int = 6) -> None:
+    history = handle.tokens
+    assert_greedy_matches(path, history, handle.generate(greedy(n)).token_ids)
+
+
+def test_a_stream_collected_on_the_grammar_worker_does_not_hang_the_engine(tiny_checkpoints, make_engine,
+                                                                          monkeypatch):
+    """A dropped stream's finalizer took the engine's lock; run by a collection on the grammar
+    worker, which a step waits for while it holds that lock, it hung the engine for good."""
+    from hibana_core.grammar import Grammars
+
+    path = tiny_checkpoints["qwen3"]
+    engine = make_engine(path, async_scheduling=True, speculation="off")  # masks filled beside the step
+    constrained = SamplingParams(max_tokens=12, regex=r"[a-z]{3,40}")
+    grammar = engine.open_state("grammar")
+    grammar.generate(constrained, prompt=[4, 5])  # compiled: the next request's fill is the one watched
+    victim = engine.open_state("victim")
+    collected_meanwhile = threading.Event()  # while the fill, and the step, waited for the collection
+    armed = threading.Event()
+    fill = Grammars._fill
+
+    def fill_after_a_collection(self, *args):
+        if armed.is_set():
+            armed.clear()
+            # the collection runs in a thread of the fill's own, so that a finalizer that waits for
+            # the lock fails this test rather than hanging it
+            collector = threading.Thread(target=gc.collect, daemon=True)
+            collector.start()
+            collector.join(10)
+            if not collector.is_alive():
+                collected_meanwhile.set()
+        return fill(self, *args)
+
+    monkeypatch.setattr(Grammars, "_fill", fill_after_a_collection)
+    with no_automatic_collection():
+        events = victim.stream(greedy(500), prompt=random_tokens(random.Random(1), 12))
+        next(events)
+        dropped_in_a_cycle(events)
+        del events
+        armed.set()
+        done = grammar.generate(constrained)
+    assert collected_meanwhile.is_set(), "the dropped stream's finalizer waited for the engine's lock on the grammar worker"
+    assert done.finish_reason in ("stop", "length")
+    assert_next_turn_is_transformers(path, victim)
+    victim.close()
+    grammar.close()
+    assert engine.stats().kv_blocks_used == 0
+
+
+def test_a_stream_dropped_while_a_step_holds_the_lock_frees_its_state_for_the_next_call(tiny_checkpoints,
+                                                                                         make_engine):
+    """The finalizer no longer waits for the lock (a step's, or one a thread it interrupted
+    holds): the request is marked, and the state's next call ends it, so that call finds the
+    state free as it would after `close()`."""
+    path = tiny_checkpoints["llama"]
+    engine = make_engine(path, speculation="off")
+    h = engine.open_state("a")
+    events = h.stream(greedy(500), prompt=random_tokens(random.Random(2), 20))
+    next(events)
+    held, released, let_go = threading.Event(), threading.Event(), threading.Event()
+
+    def hold_the_lock() -> None:  # as a step does
+        with engine.core.lock:
+            held.set()
+            released.wait(10)
+            let_go.set()
+
+    holder = threading.Thread(target=hold_the_lock, daemon=True)
+    holder.start()
+    assert held.wait(10)
+    try:
+        del events  # its finalizer runs here
+        assert not let_go.is_set(), "the dropped stream's finalizer waited for the engine's lock"
+    finally:
+        released.set()
+        holder.join(10)
+    assert_next_turn_is_transformers(path, h)
+    assert not any(info.busy for info in engine.states())
+    h.close()
+    assert engine.stats().kv_blocks_used == 0
