@@ -233,6 +233,9 @@ def after_thinking(grammar: dict, tool_choice: str, open_in_prompt: bool) -> dic
              "end": THINK_CLOSE}
     if tool_choice != "auto":
         think = {"type": "sequence", "elements": [think, {"type": "const_string", "value": "\n\n"}]}
+    if not open_in_prompt:  # after whitespace, as `Thinking` reads it ("\n<think>" was free text, so a
+        # <tool_call> in that thinking opened a call the parser never read)
+        think = {"type": "sequence", "elements": [{"type": "regex", "pattern": r"\s*"}, think]}
     first = think if open_in_prompt else {"type": "optional", "content": think}
     return {"type": "structural_tag", "format": {"type": "sequence", "elements": [first, grammar["format"]]}}
 

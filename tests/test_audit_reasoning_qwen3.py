@@ -45,3 +45,13 @@ def test_tool_choice_none_leaves_the_thinking_free(engine):
     chat, n = forced(engine, "none-calls", f"<think>\nHm.\n</think>\n\n{call}<|im_end|>")
     with pytest.raises(GrammarError):  # after the think block, the answer still opens no call
         chat.respond(ASK, [WEATHER], SamplingParams(max_tokens=n), tool_choice="none")
+
+
+def test_a_think_block_after_leading_whitespace_is_thinking_to_the_grammar_too(engine):
+    """`Thinking` takes a think block after leading whitespace ("\\n<think>") as the thinking; the
+    tool-call grammar took it for free text, so `<tool_call>` in that thinking opened a call the
+    grammar held (these forced tokens were a GrammarError) and the parser never read."""
+    thought = "Maybe <tool_call> is what I need."
+    chat, n = forced(engine, "ws-think", f"\n<think>\n{thought}\n</think>\n\nIt is sunny.<|im_end|>")
+    result = chat.respond(ASK, [WEATHER], SamplingParams(max_tokens=n))
+    assert (result.reasoning, result.text, result.tool_calls) == (thought, "It is sunny.", [])
