@@ -265,8 +265,10 @@ class EngineCore:
         try:
             return self.grammars.start_masks(step.scheduled, len(step.pending.rows))
         except Exception as exc:  # noqa: BLE001 - raised again by _sample
+            error = exc  # (the clause unbinds `exc` as it ends: a closure over it raised a NameError)
+
             def failed() -> None:
-                raise exc
+                raise error
             return failed
 
     def _overlaps(self, scheduled: SchedulerOutput) -> bool:

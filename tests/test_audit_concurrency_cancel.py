@@ -120,3 +120,34 @@ def test_a_stream_dropped_while_a_step_holds_the_lock_frees_its_state_for_the_ne
     assert not any(info.busy for info in engine.states())
     h.close()
     assert engine.stats().kv_blocks_used == 0
+
+
+def test_grammar_masks_that_fail_to_start_fail_their_request_with_their_own_error(tiny_checkpoints, make_engine,
+                                                                                  monkeypatch):
+    """The error of masks that could not start filling was raised from a closure over the
+    except clause's name, which Python unbinds when the clause ends: the request failed with a
+    NameError ("model step failed: NameError(...)") instead of its own error. An agent beside it
+    goes on unchanged."""
+    from hibana_core.errors import GrammarError
+    from hibana_core.grammar import Grammars
+
+    path = tiny_checkpoints["qwen3"]
+    engine = make_engine(path, async_scheduling=True, speculation="off")  # masks filled beside the step
+    start_masks = Grammars.start_masks
+
+    def refused(self, scheduled, total_rows, background=True):
+        if background:
+            raise GrammarError("the masks could not be filled (a test's refusal)")
+        return start_masks(self, scheduled, total_rows, background)
+
+    bystander = engine.open_state("bystander")
+    history = random_tokens(random.Random(3), 16)
+    events = bystander.stream(greedy(40), prompt=history)
+    next(events)
+    monkeypatch.setattr(Grammars, "start_masks", refused)
+    with pytest.raises(GrammarError, match="a test's refusal"):
+        engine.open_state("constrained").generate(SamplingParams(max_tokens=12, regex=r"[a-z]{3,40}"),
+                                                  prompt=[4, 5])
+    monkeypatch.setattr(Grammars, "start_masks", start_masks)
+    *_, final = events
+    assert_greedy_matches(path, history, final.completion.token_ids)
