@@ -136,7 +136,15 @@ def _canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name.strip()).lower()
 
 
+# What a plugin's import or hook may raise and be skipped for. SystemExit too: a module that calls
+# sys.exit() when imported (a version guard, argparse run at import) ended the whole process, silently,
+# with the plugin's status, `hibana plugins` included. Ctrl+C (KeyboardInterrupt) still stops Hibana.
+_PLUGIN_FAILURES = (Exception, SystemExit)
+
+
 def _describe_exception(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"SystemExit: it called sys.exit({exc.code!r})"
     return f"{type(exc).__name__}: {exc}"
 
 
@@ -167,6 +175,21 @@ def accepts(function: Callable[..., Any], *args: Any) -> bool:
 def _shown(value: object) -> str:
     """A value in a warning: its type, and its repr cut short."""
     return f"a {type(value).__name__} ({value!r:.60})"
+
+
+def _misshapen(function: Callable[..., Any], hook: str, wrapper: bool, takes_register: bool) -> str | None:
+    """What is wrong with a hook implementation Hibana cannot call to register anything, or None."""
+    if wrapper:
+        return (f"{hook} is marked as a wrapper (@hookimpl(wrapper=True) or hookwrapper=True), and Hibana calls"
+                " each hook plainly: drop the option")
+    if takes_register:
+        return None
+    try:
+        signature = str(inspect.signature(function))
+    except (TypeError, ValueError):
+        signature = "(...)"
+    return (f"{hook}{signature} does not take `register` as a plain parameter (no default, not keyword-only,"
+            f" not *args), so it is given nothing to register through: define it as `def {hook}(register):`")
 
 
 def _instance_hooks(plugin: type) -> list[str]:
@@ -246,7 +269,7 @@ class HibanaPluginManager:
             if not _is_missing(module_name, exc):
                 self._report(module_name, "import", exc)
             return
-        except Exception as exc:  # a plugin's import error must not take Hibana down
+        except _PLUGIN_FAILURES as exc:  # a plugin's import error must not take Hibana down
             self._report(module_name, "import", exc)
             return
         self._register(module, module_name, _Source(builtin=True, module=module_name))
@@ -271,7 +294,7 @@ class HibanaPluginManager:
                 matched |= names & self.allow
             try:
                 plugin = ep.load()
-            except Exception as exc:
+            except _PLUGIN_FAILURES as exc:
                 self._report(ep.name, "import", exc, package=dist_name)
                 continue
             try:
@@ -327,6 +350,15 @@ class HibanaPluginManager:
                 "register",
                 f"is {_unbound(plugin, hooks)}; point the entry point at a module, or at an instance"
                 f" (`plugin = {plugin.__qualname__}()` in the module, the entry point `{plugin.__module__}:plugin`)",
+                package=source.package,
+            )
+            return
+        if inspect.isfunction(plugin) and plugin.__name__ in HOOKS.values():  # `my_plugin:register_tool_parsers`
+            self._report(
+                name,
+                "register",
+                f"is the hook function {plugin.__module__}.{plugin.__qualname__} itself, in which pluggy finds no"
+                f" hooks; point the entry point at the module that holds it (`{name} = \"{plugin.__module__}\"`)",
                 package=source.package,
             )
             return
@@ -448,7 +480,13 @@ class HibanaPluginManager:
         label = kind.replace("_", " ")
         entries: dict[str, _Entry] = {}
         for impl in caller.get_hookimpls():  # registration order: built-ins first
-            if impl.hookwrapper or impl.wrapper:
+            source = self._sources.get(impl.plugin_name)
+            package = source.package if source else None
+            misshapen = _misshapen(impl.function, caller.name, impl.hookwrapper or impl.wrapper,
+                                   "register" in impl.argnames)
+            if misshapen:  # pluggy takes such hooks, and calls them with nothing to register through
+                self._report(impl.plugin_name, caller.name, misshapen, package=package, where="",
+                             skipped="It registers nothing")
                 continue
             offered: dict[str, object] = {}
 
@@ -461,17 +499,18 @@ class HibanaPluginManager:
                     raise ValueError(f"{label} {name!r} is registered twice by the same plugin")
                 _offered[name] = obj
 
-            source = self._sources.get(impl.plugin_name)
-            package = source.package if source else None
             try:
                 returned = impl.function(**{arg: register for arg in impl.argnames})
-            except Exception as exc:
+            except _PLUGIN_FAILURES as exc:
                 self._report(impl.plugin_name, caller.name, exc, package=package)
                 continue
-            if inspect.iscoroutine(returned):  # an `async def` hook: its body never ran
+            if inspect.iscoroutine(returned) or inspect.isgenerator(returned):  # `async def`, `yield`: its body never ran
                 returned.close()
-                self._report(impl.plugin_name, caller.name, f"{caller.name} is async (a coroutine function); hooks"
-                             " are plain functions that call register(name, obj): drop its async", package=package,
+                what = ("is async (a coroutine function)" if inspect.iscoroutine(returned)
+                        else "yields (a generator function)")
+                undo = "drop its async" if inspect.iscoroutine(returned) else "call register where it yields"
+                self._report(impl.plugin_name, caller.name, f"{caller.name} {what}, so its body never runs; hooks"
+                             f" are plain functions that call register(name, obj): {undo}", package=package,
                              where="", skipped="It registers nothing")
                 continue
             if returned is not None and not offered:  # pluggy's style elsewhere; here what a hook returns is lost

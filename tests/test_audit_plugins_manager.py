@@ -1,0 +1,136 @@
+"""A third-party plugin author's mistakes the manager must name rather than die of or swallow:
+a module that calls sys.exit() when imported or in a hook, hooks pluggy accepts but that are
+given nothing to register through, and an entry point naming the hook function itself.
+
+Plugins are real distributions (a module and a `*.dist-info` with an entry point on sys.path), as
+in tests/test_plugins.py."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import types
+import warnings
+
+import pytest
+
+from hibana_plugins import hookimpl
+from hibana_plugins.manager import HibanaPluginManager, PluginWarning, reset_plugin_manager
+
+HOOK = "from hibana_plugins import hookimpl\n\n"
+
+
+@pytest.fixture(autouse=True)
+def fresh_manager(monkeypatch):
+    monkeypatch.delenv("HIBANA_PLUGINS", raising=False)
+    reset_plugin_manager()
+    yield
+    reset_plugin_manager()
+
+
+@pytest.fixture
+def make_dist(tmp_path, monkeypatch):
+    """make_dist(dist_name, ep_name, source, attr=None): an installed plugin distribution whose entry
+    point names its module (or `module:attr`)."""
+    modules = []
+
+    def make(dist_name: str, ep_name: str, source: str, attr: str | None = None) -> str:
+        module = dist_name.replace("-", "_")
+        (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
+        info = tmp_path / f"{module}-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: 0.1\n")
+        target = f"{module}:{attr}" if attr else module
+        (info / "entry_points.txt").write_text(f"[hibana]\n{ep_name} = {target}\n")
+        modules.append(module)
+        return module
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield make
+    for module in modules:
+        sys.modules.pop(module, None)
+
+
+def third_party_manager() -> HibanaPluginManager:
+    return HibanaPluginManager(builtins=("hibana_plugins.tool_parsers",))
+
+
+def test_a_plugin_calling_sys_exit_on_import_or_in_a_hook_is_skipped_not_the_end_of_hibana(make_dist):
+    """SystemExit is no Exception: a plugin that exits when imported (a version guard, argparse at
+    import) ended the process with its status and no word, `hibana plugins` included."""
+    make_dist("acme-exits", "exits", "import sys\nsys.exit('acme needs torch 9')\n")
+    make_dist("acme-hook-exits", "hook_exits", HOOK + "@hookimpl\ndef register_drafters(register):\n"
+                                                      "    raise SystemExit(3)\n")
+    make_dist("acme-good", "good", HOOK + "@hookimpl\ndef register_tool_parsers(register):\n"
+                                          "    register('acme', object())\n")
+    with pytest.warns(PluginWarning, match=r"'exits' \(from acme-exits\) failed to import: SystemExit: it called "
+                                           r"sys\.exit\('acme needs torch 9'\)"):
+        manager = third_party_manager()
+    assert {"hermes", "acme"} <= set(manager.tool_parsers())
+    with pytest.warns(PluginWarning, match=r"'hook_exits' .*raised in register_drafters: SystemExit"):
+        assert "suffix" in manager.drafters()
+    assert [(e.plugin, e.stage) for e in manager.load_errors] == [("exits", "import"),
+                                                                  ("hook_exits", "register_drafters")]
+
+
+def test_hooks_given_nothing_to_register_through_are_reported_not_silent():
+    """pluggy accepts a hook that declares no `register` (or takes it with a default, keyword-only,
+    through *args) and calls it with nothing: it registered nothing without a word. A wrapper hook
+    was skipped without one; a generator hook was told it 'returned' its objects."""
+
+    def no_args():
+        pass
+
+    def keyword_only(*, register):
+        register("k", object())
+
+    def star_args(*args, **kwargs):
+        args[0]("s", object())
+
+    def defaulted(register=None):
+        register("d", object())
+
+    def wrapper(register):
+        register("w", object())
+        return (yield)
+
+    def generator(register):
+        yield register("g", object())
+
+    manager = HibanaPluginManager(builtins=(), entry_point_group=None)
+    plugins = {"no_args": ("register_tool_parsers", no_args, {}), "kw": ("register_adapters", keyword_only, {}),
+               "star": ("register_chat_formats", star_args, {}), "dflt": ("register_drafters", defaulted, {}),
+               "wrap": ("register_surgery_passes", wrapper, {"wrapper": True}),
+               "gen": ("register_model_families", generator, {})}
+    for name, (hook, function, options) in plugins.items():
+        function.__name__ = hook
+        manager.register(types.SimpleNamespace(**{hook: hookimpl(**options)(function)}), name=name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for kind in ("tool_parser", "adapter", "chat_format", "drafter", "surgery_pass", "model_family"):
+            assert manager.registry(kind) == {}
+    said = {e.plugin: e.error for e in manager.load_errors}
+    assert set(said) == set(plugins), said
+    for name in ("no_args", "kw", "star", "dflt"):
+        hook = plugins[name][0]
+        assert "does not take `register` as a plain parameter" in said[name], said[name]
+        assert f"def {hook}(register):" in said[name]
+    assert "register_tool_parsers()" in said["no_args"] and "(*, register)" in said["kw"]
+    assert "(register=None)" in said["dflt"] and "(*args, **kwargs)" in said["star"]
+    assert "marked as a wrapper" in said["wrap"]
+    assert "yields (a generator function)" in said["gen"] and "returned" not in said["gen"]
+    assert [str(w.message) for w in caught if w.category is not PluginWarning] == []  # no TypeError, no leak
+    assert len([w for w in caught if w.category is PluginWarning]) == len(plugins)
+
+
+def test_an_entry_point_naming_the_hook_function_says_to_name_its_module(make_dist):
+    """`func = "acme_func:register_tool_parsers"`: pluggy registers the function as a plugin and
+    finds no hooks in it; `hibana plugins` listed it as registering nothing, and no warning said why."""
+    make_dist("acme-func", "func", HOOK + "@hookimpl\ndef register_tool_parsers(register):\n"
+                                          "    register('acme_func', object())\n", attr="register_tool_parsers")
+    with pytest.warns(PluginWarning, match=r"'func' \(from acme-func\) failed to register: is the hook function "
+                                           r"acme_func\.register_tool_parsers itself.*`func = \"acme_func\"`"):
+        manager = third_party_manager()
+    assert "acme_func" not in manager.tool_parsers()
+    assert [(e.plugin, e.stage) for e in manager.load_errors] == [("func", "register")]
+    assert "func" not in {info.plugin for info in manager.describe()}
