@@ -396,7 +396,11 @@ def _run_loop(ref: "weakref.ReferenceType[EngineCore]") -> None:
             if core.closed:
                 return
             if not core.scheduler.has_work() and core.in_flight is None:
-                wait = core.idle() if core.idle is not None else 1.0
+                try:
+                    wait = core.idle() if core.idle is not None else 1.0
+                except Exception as exc:  # (it ended this thread: every later request waited for good)
+                    warnings.warn(f"Hibana engine: its work while idle failed, the engine goes on: {exc!r}")
+                    wait = 1.0
                 del core  # never wait while holding the engine alive
                 work.wait(timeout=wait)
                 continue

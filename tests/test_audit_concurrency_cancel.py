@@ -151,3 +151,31 @@ def test_grammar_masks_that_fail_to_start_fail_their_request_with_their_own_erro
     monkeypatch.setattr(Grammars, "start_masks", start_masks)
     *_, final = events
     assert_greedy_matches(path, history, final.completion.token_ids)
+
+
+@pytest.mark.filterwarnings("ignore:Hibana engine:UserWarning")
+def test_a_failure_while_the_engine_is_idle_does_not_end_its_step_loop(tiny_checkpoints, make_engine):
+    """What the engine does while idle (bring parked states back ahead of their agents) ran
+    outside the loop's guard: an error there (a device out of memory for the copy) ended the
+    engine's thread, and every later request waited for good."""
+    path = tiny_checkpoints["llama"]
+    engine = make_engine(path, speculation="off")
+    failed = threading.Event()
+
+    def failing_idle() -> float:
+        failed.set()
+        raise RuntimeError("out of memory bringing a parked state back (a test's)")
+
+    with engine.core.lock:  # (the loop waits on it: it sees the new idle work at once)
+        engine.core.idle = failing_idle
+        engine.core.work.notify_all()
+    assert failed.wait(10)
+    engine.core.idle = None
+    history = random_tokens(random.Random(5), 12)
+    done: list = []
+    caller = threading.Thread(target=lambda: done.append(engine.open_state("a").generate(greedy(6), prompt=history)),
+                              daemon=True)
+    caller.start()
+    caller.join(30)
+    assert done, "the request waited for an engine thread that had ended"
+    assert_greedy_matches(path, history, done[0].token_ids)
