@@ -143,12 +143,30 @@ LOAD_STAGES = ("resolve", "config", "weights", "tokenizer")
 """The stages of `load_model`, as `LoadProgress` names them."""
 
 
-def check_max_model_len(asked: int | None, args: Any) -> None:
-    """A ConfigError where `asked` is more positions than the model has."""
+def context_limit(args: Any) -> int:
+    """The most positions the model serves: max_position_embeddings, or further where a YaRN rope
+    stretches its original_max_position_embeddings by its factor (Qwen's long-context recipe adds
+    one to config.json and leaves max_position_embeddings as it was; vLLM derives its context
+    alike, and transformers rotates every position the same way below it and past it)."""
     limit = args.max_position_embeddings
+    ropes = getattr(args, "ropes", None) or ()
+    if any(getattr(rope, "rope_type", None) == "longrope" for rope in ropes):
+        return limit  # (its tables hold the long rotation's rows past max_position_embeddings)
+    for rope in dict.fromkeys(ropes):
+        if getattr(rope, "rope_type", None) == "yarn":
+            scaling = dict(rope.scaling)
+            limit = max(limit, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
+    return limit
+
+
+def check_max_model_len(asked: int | None, args: Any) -> None:
+    """A ConfigError where `asked` is more positions than the model has (`context_limit`)."""
+    limit = context_limit(args)
     if asked is not None and asked > limit:
+        what = ("max_position_embeddings" if limit == args.max_position_embeddings
+                else "its YaRN rope's original_max_position_embeddings x factor")
         raise ConfigError(f"max_model_len={asked} is more than this model's context of {limit} positions "
-                          "(max_position_embeddings); give at most that, or leave it out")
+                          f"({what}); give at most that, or leave it out")
 
 
 def load_model(model: str, device: torch.device, dtype: str, ctx: ForwardContext,
