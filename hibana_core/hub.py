@@ -145,8 +145,12 @@ def missing_files(path: Path) -> list[str]:
         except ValueError:
             return missing + [f"{index.name} (damaged)"]
         missing += [name for name in shards if not (path / name).is_file()]
-    elif not any(path.glob("*.safetensors")):
-        missing.append("*.safetensors weights")
+    elif not (path / "model.safetensors").is_file():  # else the loader reads it alone
+        files = sorted(path.glob("*.safetensors"))
+        # a cache's files are links into its blobs/: one whose blob is gone is listed, yet cannot be read
+        missing += [f"{p.name} (a link to a file that is gone)" for p in files if not p.is_file()]
+        if not files:
+            missing.append("*.safetensors weights")
     return missing
 
 
@@ -181,6 +185,12 @@ def _not_cached(ref: RepoRef, cache: Path, cached: Path | None, missing: list[st
                 "(safetensors only), and downloading it again would not change that if the repo ships no "
                 "safetensors. Convert them: load it with transformers and save_pretrained(DIR) (safetensors by "
                 "default), then pass DIR")
+    held = _cached_revisions(ref, cache) if cached is None else []
+    if held:  # the repo is cached, at other revisions: say which, they may be what was meant
+        return (f"the cache ({cache}) holds {ref.repo_id} at {', '.join(held)} but not at "
+                f"{'its default branch (main)' if ref.revision is None else f'revision {ref.revision!r}'}, {why}. "
+                f"Pass one it holds ({ref.repo_id}@REVISION, a full commit hash or a branch or tag it names), or "
+                f"download this one where the Hub is reachable: `{ref.download_command}`")
     if cached is None:
         what = (f"{str(ref)!r} is no checkpoint directory, and as a Hugging Face repo id it is not in "
                 f"the cache ({cache}) {why}")
@@ -189,6 +199,21 @@ def _not_cached(ref: RepoRef, cache: Path, cached: Path | None, missing: list[st
     return (f"{what}. Download it where the Hub is reachable: `{ref.download_command}` (or "
             f"`huggingface-cli download ...` with an older huggingface_hub); or pass the path of a "
             "local checkpoint directory")
+
+
+def _cached_revisions(ref: RepoRef, cache: Path, most: int = 4) -> list[str]:
+    """The revisions of `ref`'s repo the cache holds a snapshot of, in huggingface_hub's layout:
+    each branch or tag its refs/ name ("main (commit)"), then commits no ref names; no network."""
+    repo = cache / f"models--{ref.repo_id.replace('/', '--')}"
+    try:
+        commits = sorted(p.name for p in (repo / "snapshots").iterdir() if p.is_dir())
+        named = {str(f.relative_to(repo / "refs")): f.read_text().strip()
+                 for f in sorted((repo / "refs").rglob("*")) if f.is_file()} if (repo / "refs").is_dir() else {}
+    except (OSError, UnicodeDecodeError):
+        return []
+    held = [f"{name} ({commit})" for name, commit in named.items() if commit in commits]
+    held += [commit for commit in commits if commit not in named.values()]
+    return held[:most] + ([f"{len(held) - most} more"] if len(held) > most else [])
 
 
 def _download(ref: RepoRef, cache: Path, progress: bool) -> Path:
