@@ -34,6 +34,7 @@ import contextvars
 import dataclasses
 import functools
 import json
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequence, TypeVar
@@ -598,7 +599,8 @@ def run(open_turn: Open, convert: Callable[[ChatDelta], T | None] = _same) -> It
 def _run(turn: TurnRun, handle: "StateHandle", convert: Callable[[ChatDelta], T | None]) -> Iterator[T]:
     deltas, request = turn.begin()
     yield from _converted(deltas, convert)
-    with contextlib.closing(handle.stream(request.params, prompt=request.prompt)) as events:
+    with contextlib.closing(handle.stream(request.params, prompt=request.prompt)) as events, \
+            _stopped_at(turn.deadline, events):
         for event in events:
             yield from _converted(turn.on_event(event), convert)
             if turn.stop_now():
@@ -679,20 +681,21 @@ async def _arun(turn: TurnRun, handle: "StateHandle",
     deltas, request = turn.begin()
     ready = _converted(deltas, convert)
     async with contextlib.aclosing(await _submitted(handle, request)) as events:
-        try:
-            async for event in events:
-                ready += _converted(turn.on_event(event), convert)
-                if turn.stop_now():
-                    events.stop()
-                # what was made goes out once nothing more is here (after the final event,
-                # with the result, below)
-                if ready and not events.ready():
+        with _stopped_at(turn.deadline, events):
+            try:
+                async for event in events:
+                    ready += _converted(turn.on_event(event), convert)
+                    if turn.stop_now():
+                        events.stop()
+                    # what was made goes out once nothing more is here (after the final event,
+                    # with the result, below)
+                    if ready and not events.ready():
+                        yield ready
+                        ready = []
+            except HibanaError:
+                if ready:  # what came before the failure still goes out, as it would item by item
                     yield ready
-                    ready = []
-        except HibanaError:
-            if ready:  # what came before the failure still goes out, as it would item by item
-                yield ready
-            raise
+                raise
     finished = ready + _converted(turn.finish(), convert)
     await _off_loop(_turn_ended, handle, turn)
     yield finished
@@ -703,6 +706,24 @@ async def _submitted(handle: "StateHandle", request: TurnRequest) -> "RequestEve
     engine's lock, which a step holds; the events still come to this loop."""
     loop = asyncio.get_running_loop()
     return await _off_loop(functools.partial(handle.astream, request.params, prompt=request.prompt, loop=loop))
+
+
+@contextlib.contextmanager
+def _stopped_at(deadline: float | None, events: "RequestEvents") -> Iterator[None]:
+    """Stop a turn's request at its deadline wherever it is: queued for an agent slot or in a long
+    prefill, no token comes to check the deadline against (`TurnRun.on_event`), and the call
+    waited for the generations ahead of it. Stopped, its final event comes, past the deadline."""
+    if deadline is None:
+        yield
+        return
+    # (a millisecond late: the final event is read past the deadline, never a hair before it)
+    timer = threading.Timer(max(0.0, deadline - time.monotonic()) + 1e-3, events.stop)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def _turn_ended(handle: "StateHandle", turn: TurnRun) -> None:
