@@ -43,3 +43,13 @@ def test_surgery_refuses_a_guard_text_it_cannot_read_before_the_weights_load(con
                      "--guard-text", str(text)]) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err, err
+
+
+def test_demo_refuses_a_max_tokens_past_64_bits_before_it_loads(capsys):
+    """`hibana demo --max-tokens 100000000000000000000` loaded the model, then ended with
+    "hibana: SamplingParams.max_tokens must be a 64-bit integer" and exit status 1 (not the demo's
+    usage error, and with no command name)."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["demo", "--max-tokens", str(10**20), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "hibana demo: error: --max-tokens must be a 64-bit integer" in err, err

@@ -257,6 +257,9 @@ def main(argv=None, started: float | None = None) -> int:
         p.error("--agents and --tasks must be at least 1")
     if args.max_tokens < 1:  # a turn of no tokens solves nothing (the adapters and the server refuse 0 too)
         p.error(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.max_tokens >= 2**63:  # SamplingParams' bound, said now rather than as "hibana: ..." after the load
+        p.error(f"--max-tokens must be a 64-bit integer, got {args.max_tokens} (a turn ends at the model's context "
+                "anyway)")
     drafting = isinstance(args.speculation, dict) and args.speculation["method"] == "draft_model"
     if drafting != (args.draft_model is not None):
         p.error("--speculation draft_model[:K] needs --draft-model PATH (a smaller checkpoint with the model's "
