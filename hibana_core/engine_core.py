@@ -169,7 +169,7 @@ class EngineCore:
                 # the host's own work: not the previous step's sampling (and its wait for the fill)
                 self.speculation.observe_host(time.perf_counter() - host_started - self._ready_seconds)
             if launched is not None and self.between_steps is not None:
-                self.between_steps()
+                self._between_steps()
             previous, self.in_flight = self.in_flight, launched
             if previous is not None:
                 updated = self._read_back(previous)
@@ -197,6 +197,14 @@ class EngineCore:
             if worked:
                 self.counters.timed(time.perf_counter() - started)
             return worked
+
+    def _between_steps(self) -> None:
+        """`between_steps`, whose failure (a device out of memory for a copy) fails no request:
+        it failed the step, and so every running agent's request."""
+        try:
+            self.between_steps()
+        except Exception as exc:
+            warnings.warn(f"Hibana engine: its work between steps failed, the requests go on: {exc!r}")
 
     @property
     def speculation(self):

@@ -179,3 +179,26 @@ def test_a_failure_while_the_engine_is_idle_does_not_end_its_step_loop(tiny_chec
     caller.join(30)
     assert done, "the request waited for an engine thread that had ended"
     assert_greedy_matches(path, history, done[0].token_ids)
+
+
+@pytest.mark.filterwarnings("ignore:Hibana engine:UserWarning")
+def test_a_failure_between_steps_fails_no_request(tiny_checkpoints, make_engine):
+    """What the engine does between steps (bring a parked state back under a step's forward)
+    failed the whole step: every agent's request ended in "engine step failed"."""
+    path = tiny_checkpoints["llama"]
+    engine = make_engine(path, speculation="off")
+    failed = threading.Event()
+
+    def failing_between_steps() -> None:
+        if not failed.is_set():
+            failed.set()
+            raise RuntimeError("out of memory bringing a parked state back (a test's)")
+
+    with engine.core.lock:
+        engine.core.between_steps = failing_between_steps
+    plans = [random_tokens(random.Random(6 + agent), 10) for agent in range(2)]
+    events = [engine.open_state(f"agent-{agent}").stream(greedy(8), prompt=plan) for agent, plan in enumerate(plans)]
+    finals = [list(stream)[-1] for stream in events]
+    assert failed.is_set()
+    for plan, final in zip(plans, finals):
+        assert_greedy_matches(path, plan, final.completion.token_ids)
