@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
 from hibana_core.config import MAX_JSON_DEPTH, nests_deeper
-from hibana_core.errors import (ConversationError, GrammarError, HibanaError, ToolChoiceError,
+from hibana_core.errors import (ConfigError, ConversationError, GrammarError, HibanaError, ToolChoiceError,
                                 ToolSchemaError, UnsupportedContentError)
 from hibana_plugins.hookspecs import ToolCall
 
@@ -407,6 +407,45 @@ def normalize_tool_choice(choice: Any, tools: Sequence[dict] | None) -> str:
         return choice
     raise ToolChoiceError(f"tool_choice={choice!r:.80} names no bound tool; use 'auto', 'none', 'any', "
                           f"'required' or one of {names}")
+
+
+def response_format_schema(response_format: Any) -> tuple[dict | None, bool]:
+    """OpenAI's `response_format` as (the JSON schema the reply's text is held to, or None for
+    text; whether the schema is strict): {"type": "text"}, {"type": "json_object"} (any JSON object)
+    or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}. Strict:
+    every keyword held, as OpenAI's structured outputs; not strict (OpenAI's default), keywords the
+    grammar cannot hold are left to the model. A malformed one is a ConfigError whose `param` names
+    the field (the server's 400 says it)."""
+    def refuse(message: str, param: str) -> ConfigError:
+        error = ConfigError(message)
+        error.param = param
+        return error
+
+    if response_format is None:
+        return None, False
+    if not isinstance(response_format, Mapping):
+        raise refuse(f"response_format must be an object such as {{'type': 'json_schema', 'json_schema': {{...}}}}, "
+                     f"got {response_format!r:.80}", "response_format")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None, False
+    if kind == "json_object":
+        return {"type": "object"}, False
+    if kind != "json_schema":
+        raise refuse(f"response_format.type={kind!r:.40}: use 'text', 'json_object' or 'json_schema'",
+                     "response_format.type")
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, Mapping):
+        raise refuse("response_format.json_schema must be an object: {'name': ..., 'schema': {...}}",
+                     "response_format.json_schema")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise refuse(f"response_format.json_schema.strict must be a boolean, got {strict!r:.40}",
+                     "response_format.json_schema.strict")
+    schema = spec.get("schema", {"type": "object"})  # optional in OpenAI's spec: then any JSON object
+    if not isinstance(schema, Mapping):
+        raise refuse("response_format.json_schema.schema must be a JSON schema object", "response_format.json_schema.schema")
+    return dict(schema), strict is True
 
 
 _KEY_ORDER = ("type", "name", "properties", "description", "required", "enum")

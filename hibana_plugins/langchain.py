@@ -52,7 +52,7 @@ from hibana_core.chat import (Chat, ChatDelta, ChatResult as TurnResult, Convers
                               normalize_tool_choice, normalize_tools)
 from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError
-from hibana_core.messages import unheld
+from hibana_core.messages import response_format_schema, unheld
 from hibana_plugins.hookspecs import hookimpl
 from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_engine, check_engine_kwargs,
                                     check_given_engine, check_known, check_state_id, check_switches, choose_engine,
@@ -196,10 +196,13 @@ def register_adapters(register) -> None:
 
 PROVIDER = "hibana"
 CALL_OPTIONS = frozenset({*SAMPLING, "tools", "tool_choice", "parallel_tool_calls", "state_id", "timeout", "model",
-                          "reasoning", "reasoning_effort", "answer_tool", "ls_structured_output_format", "stream"})
+                          "reasoning", "reasoning_effort", "answer_tool", "ls_structured_output_format", "stream",
+                          "response_format"})
 """What a call (`invoke(..., **kwargs)`, `.bind(**kwargs)`) may set; anything else is a ConfigError.
 `stream` is LangChain's own per-call switch (`BaseChatModel._should_stream` reads it, then passes
-it on): taken and left to LangChain."""
+it on): taken and left to LangChain. `response_format`: the answer's text held to a JSON schema, as
+ChatOpenAI takes it (`_response_format`)."""
+_RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 STRUCTURED_METHODS = ("function_calling", "json_schema", "json_mode")
 _ANY_JSON = {"type": "function", "function": {"name": "json", "description": "Answer with a JSON object.",
                                               "parameters": {"type": "object"}}}
@@ -382,6 +385,22 @@ def _structured_tool(schema: Any, strict: bool | None) -> dict:
                                   "into it; relax those fields, or pass strict=False to have them left to the "
                                   "model (and check them in your code)")
     return tool
+
+
+def _response_format(value: Any) -> tuple[dict | None, bool]:
+    """A call's `response_format` as (the JSON schema the answer's text is held to, or None; strict),
+    in the forms ChatOpenAI takes: OpenAI's ({"type": "text" | "json_object" | "json_schema", ...},
+    `messages.response_format_schema`), or a schema (a pydantic class, a TypedDict, a JSON schema),
+    not strict as OpenAI's default. Tools stay callable beside it: the schema holds the answer,
+    not the calls (what LangChain's create_agent binds for `response_format=`)."""
+    if isinstance(value, Mapping) and value.get("type") in _RESPONSE_FORMAT_TYPES:
+        return response_format_schema(value)
+    if isinstance(value, Mapping):  # a JSON schema itself
+        return dict(value), False
+    if not isinstance(value, type):
+        raise ConfigError(f"a ChatHibana call: response_format must be OpenAI's {{'type': 'json_schema', "
+                          f"'json_schema': {{...}}}}, a pydantic class, a TypedDict or a JSON schema, got {value!r:.80}")
+    return _structured_tool(value, False)["function"].get("parameters") or {"type": "object"}, False
 
 
 def _untitled_json_schema(schema: Any) -> bool:
@@ -673,8 +692,32 @@ class ChatHibana(BaseChatModel):
         if engine is not None:
             check_given_engine(engine, self.engine_kwargs, "ChatHibana")
             self.given_engine = EngineChoice(engine, self.model, dict(self.engine_kwargs))
+            if "profile" not in kwargs:  # resolved before the engine was recorded: now with its context
+                self.profile = self._resolve_model_profile()
         check_state_id(vars(self), "ChatHibana")
         check_engine_kwargs(self.model, self.engine_kwargs)
+
+    def _resolve_model_profile(self) -> dict[str, Any]:
+        """What LangChain reads of this model (`model.profile`, langchain-core 1.1+): text in and out,
+        tool calling with tool_choice and streamed call chunks, and the context (`max_input_tokens`,
+        which the summarization middleware reads) where it is known without loading the model: an
+        engine given, or `max_model_len` set.
+
+        `structured_output` is left unsaid, though a call's `response_format` is held by the grammar:
+        where a profile says it, `create_agent(response_format=...)` leaves the answer to the model
+        as JSON text beside the tools (ProviderStrategy), and a small model keeps calling tools or
+        writes the JSON badly; left unsaid, the agent forces a call to an answer tool, which the
+        grammar holds (ToolStrategy, what LangChain gives open models through ChatOpenAI too).
+        `ProviderStrategy(schema)` asks for the native form explicitly."""
+        profile = {"text_inputs": True, "image_inputs": False, "audio_inputs": False, "video_inputs": False,
+                   "pdf_inputs": False, "text_outputs": True, "image_outputs": False, "audio_outputs": False,
+                   "video_outputs": False, "tool_calling": True, "tool_choice": True, "tool_call_streaming": True,
+                   "temperature": True, "open_weights": True}
+        context = (self.given_engine.engine.max_model_len if self.given_engine is not None
+                   else self.engine_kwargs.get("max_model_len"))
+        if context:
+            profile["max_input_tokens"] = context
+        return profile
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -953,6 +996,13 @@ class ChatHibana(BaseChatModel):
         if answer_schema is not None:
             params = dataclasses.replace(params, json_schema=answer_schema,
                                          strict_schema=kwargs["answer_tool"]["function"].get("strict") is not False)
+        if kwargs.get("response_format") is not None:
+            if answer_tool is not None or answer_schema is not None:
+                raise ConfigError("a ChatHibana call: response_format and with_structured_output both hold the "
+                                  "answer; use one")
+            schema, strict = _response_format(kwargs["response_format"])
+            if schema is not None:
+                params = dataclasses.replace(params, json_schema=schema, strict_schema=strict)
         return _Call(chat, prompt, tools, params, options,
                      _graph_state_id(run_manager) if explicit is None else explicit, explicit is None, model,
                      answer_tool is not None)
@@ -996,4 +1046,6 @@ def _call_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     parallel = kwargs.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):  # "no" (or 0) allowed several calls: not False
         raise ConfigError(f"a ChatHibana call: parallel_tool_calls must be True or False, got {parallel!r:.40}")
+    if kwargs.get("response_format") is not None:  # refused at bind, not at the first call
+        _response_format(kwargs["response_format"])
     return kwargs

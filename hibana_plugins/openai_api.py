@@ -25,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hibana_core.chat import REASONING_EFFORTS, StreamedLogprobs, TokenIds, assistant_message
 from hibana_core.config import SamplingParams, token_id_key
-from hibana_core.messages import normalize_tool_choice, normalize_tools
+from hibana_core.errors import ConfigError
+from hibana_core.messages import normalize_tool_choice, normalize_tools, response_format_schema
 from hibana_core.turn import ChatDelta, ChatResult, Usage, openai_finish_reason
 
 if TYPE_CHECKING:
@@ -258,6 +259,7 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
     choice, tools = tool_choice(request.tool_choice, listed) if chat else ("none", None)
     # chat: logprobs (a switch) and top_logprobs; legacy completions: logprobs, the alternatives' count
     logprobs = bool(request.logprobs) if chat else request.logprobs is not None
+    schema, strict = response_schema(request.response_format) if chat else (None, True)
     top_logprobs = (request.top_logprobs or 0) if chat else (request.logprobs or 0)
     if chat and request.top_logprobs and not logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
@@ -276,8 +278,7 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
         top_k=max(_given(request.top_k, 0), 0), min_p=_given(request.min_p, 0.0),
         repetition_penalty=_given(request.repetition_penalty, 1.0),
         ignore_eos=bool(request.ignore_eos), stop_token_ids=tuple(request.stop_token_ids or ()),
-        json_schema=response_schema(request.response_format) if chat else None,
-        strict_schema=strict_schema(request.response_format) if chat else True,  # (completions have none)
+        json_schema=schema, strict_schema=strict if chat else True,  # (completions have none)
         logprobs=logprobs, top_logprobs=top_logprobs if logprobs else 0,
         logit_bias=logit_bias(request.logit_bias))
     explicit = state_header or request.user or None  # an empty user names no one (OpenAI takes it)
@@ -468,37 +469,13 @@ def _given(value: float | None, default: float) -> float:
     return default if value is None else value
 
 
-def response_schema(response_format: dict | None) -> dict | None:
-    """The JSON schema `response_format` holds the reply to (through the grammar), or None for text."""
-    if response_format is None:
-        return None
-    kind = response_format.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "object"}
-    if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, dict):
-            raise ApiError(400, "response_format.json_schema must be an object: {'name': ..., 'schema': {...}}",
-                           "response_format.json_schema")
-        if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-            raise ApiError(400, f"response_format.json_schema.strict must be a boolean, got {spec['strict']!r:.40}",
-                           "response_format.json_schema.strict")
-        schema = spec.get("schema", {"type": "object"})  # optional in OpenAI's spec: then any JSON object
-        if not isinstance(schema, dict):
-            raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
-                           "response_format.json_schema.schema")
-        return schema
-    raise ApiError(400, f"response_format.type={kind!r:.40}: use 'text', 'json_object' or 'json_schema'",
-                   "response_format.type")
-
-
-def strict_schema(response_format: dict | None) -> bool:
-    """Whether the schema's every keyword must be held (`"strict": true`, as OpenAI's structured
-    outputs), or those the grammar cannot hold are left to the model (OpenAI's default, false)."""
-    spec = (response_format or {}).get("json_schema")
-    return isinstance(spec, dict) and spec.get("strict") is True
+def response_schema(response_format: dict | None) -> tuple[dict | None, bool]:
+    """The JSON schema `response_format` holds the reply to (through the grammar; None for text)
+    and whether it is strict (`messages.response_format_schema`), its refusals as 400s."""
+    try:
+        return response_format_schema(response_format)
+    except ConfigError as exc:
+        raise ApiError(400, str(exc), getattr(exc, "param", "response_format")) from None
 
 
 # --- the reply ---------------------------------------------------------------------------------
