@@ -913,10 +913,10 @@ class StateRegistry:
 
     def _check_fits(self, seq: KVSequence, length: int) -> None:
         """A history of `length` tokens whose KV the whole device pool could not hold is refused
-        before the state takes it (the scheduler would fail it later, the history set): unless
-        sliding windows bound its KV, each of its blocks must be there at once."""
-        blocks = -(-length // seq.block_size)
-        if not seq.windowed and blocks > self.pool.num_blocks:
+        before the state takes it (the scheduler would fail it later, the history set): each of
+        its blocks must be there at once, but those sliding windows free (`blocks_to_hold`)."""
+        blocks = seq.blocks_to_hold(length)
+        if blocks > self.pool.num_blocks:
             raise MemoryBudgetError(
                 f"a history of {length} tokens needs {blocks} KV blocks of {seq.block_size} tokens, more than "
                 f"the device pool's {self.pool.num_blocks}; raise memory_budget or kv_device_blocks, or "

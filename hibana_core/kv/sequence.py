@@ -424,6 +424,16 @@ class KVSequence:
         """Some of its layers attend within a sliding window (they give blocks back)."""
         return self._windowed
 
+    def blocks_to_hold(self, length: int) -> int:
+        """The fewest device blocks a history of `length` tokens holds at once: when the step
+        that writes the first position of its last block runs, every full-attention group's
+        blocks and each window group's from that position's window on (its widest: the window
+        reaches furthest back there), its sink blocks too. More than the pool has, and the
+        history can never be computed, however its chunks are cut."""
+        first = max(0, (-(-length // self.block_size) - 1) * self.block_size)
+        starts = [self._window_start(g, first) for g in range(len(self.windows))]
+        return sum(sinks + rest for sinks, rest in self.page_counts(starts, length))
+
     def blocks_needed(self, num_tokens: int) -> int:
         """Fresh blocks a write of the next num_tokens tokens takes (copy-on-write included),
         less the blocks that leave the windows first."""
