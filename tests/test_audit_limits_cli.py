@@ -53,3 +53,22 @@ def test_demo_refuses_a_max_tokens_past_64_bits_before_it_loads(capsys):
         cli.main(["demo", "--max-tokens", str(10**20), "--device", "cpu"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "hibana demo: error: --max-tokens must be a 64-bit integer" in err, err
+
+
+def test_surgery_that_cannot_write_its_checkpoint_says_so_in_one_line(tiny_checkpoints, tmp_path, monkeypatch,
+                                                                       capsys):
+    """A full disk while `--out` was written ended in an OSError traceback (the folder was emptied)."""
+    import errno
+
+    import safetensors.torch
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    out = tmp_path / "new" / "w8"
+    assert cli.main(["surgery", str(tiny_checkpoints["llama"]), "--passes", "w8", "--no-guard", "--device", "cpu",
+                     "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"hibana surgery: cannot write the checkpoint to {out} (No space left on device)" in err, err
+    assert "Traceback" not in err and not (tmp_path / "new").exists()

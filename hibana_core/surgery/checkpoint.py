@@ -77,9 +77,12 @@ def save(engine: Any, source: Path, out: Path) -> Path:
     check_out(out)
     try:
         _write(engine, source, out)
-    except BaseException:
+    except BaseException as exc:
         for written in out.iterdir():
             shutil.rmtree(written) if written.is_dir() else written.unlink()
+        if isinstance(exc, OSError):  # a full disk, a quota: said in one line, not as a traceback
+            raise CheckpointError(f"cannot write the checkpoint to {out} ({exc.strerror or exc}); free space there "
+                                  "or choose another directory") from None
         raise
     return out
 
