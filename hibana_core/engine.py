@@ -260,7 +260,9 @@ class Engine:
     def _start(self, config: EngineConfig, hf_model: torch.nn.Module | None, tokenizer,
                stages: LoadProgress) -> None:
         self._ctx = ForwardContext()
-        passes = surgery.check_requests(config.surgery, get_plugin_manager().surgery_passes())  # before loading
+        # (an engine without surgery reads no pass registry: two plugins' clash there is not its concern)
+        registered = get_plugin_manager().surgery_passes() if config.surgery else {}
+        passes = surgery.check_requests(config.surgery, registered)  # before loading
         if config.surgery and config.surgery_guard and config.surgery_guard_text is not None:
             from hibana_core.surgery.guard import guard_text_path
 
@@ -279,8 +281,7 @@ class Engine:
             stages.begin("surgery")
         guard = self._guard(loaded, passes) if config.surgery and config.surgery_guard else None
         calibration = Calibration(loaded.model, self._ctx, loaded.args, loaded.dtype, self.device, loaded.tokenizer)
-        self.surgery = loaded.surgery + surgery.apply_passes(loaded.model, passes,
-                                                             get_plugin_manager().surgery_passes(), guard, calibration,
+        self.surgery = loaded.surgery + surgery.apply_passes(loaded.model, passes, registered, guard, calibration,
                                                              progress=config.progress,
                                                              applied=[record["name"] for record in loaded.surgery])
         """What each surgery pass changed (name, parameters, layers, bytes before and after) and,

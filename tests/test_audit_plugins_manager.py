@@ -134,3 +134,24 @@ def test_an_entry_point_naming_the_hook_function_says_to_name_its_module(make_di
     assert "acme_func" not in manager.tool_parsers()
     assert [(e.plugin, e.stage) for e in manager.load_errors] == [("func", "register")]
     assert "func" not in {info.plugin for info in manager.describe()}
+
+
+def test_a_clash_between_surgery_passes_leaves_engines_without_surgery_alone():
+    """Every engine read the surgery pass registry, surgery or not: two plugins registering one
+    pass name (a third-party "w8") made every load a PluginError, while a drafter clash reaches only
+    engines that speculate."""
+    from hibana_core import Engine, PluginError as CorePluginError
+    from hibana_plugins.manager import PluginError, get_plugin_manager
+
+    class Pass:
+        def apply(self, model, params):
+            return {"layers": 0}
+
+    get_plugin_manager().register(types.SimpleNamespace(
+        register_surgery_passes=hookimpl(lambda register: register("w8", Pass()))), name="acme_w8")
+    with Engine.from_pretrained("demo", progress=False, speculation="off") as engine:
+        assert engine.surgery == []
+    with pytest.raises(PluginError, match=r"surgery pass 'w8' is registered by two plugins: "
+                                          r"'hibana_core\.surgery\.passes' \(built-in\) and 'acme_w8'"):
+        Engine.from_pretrained("demo", progress=False, speculation="off", surgery=["w8"])
+    assert CorePluginError is PluginError
