@@ -221,7 +221,10 @@ class Chat:
     def continues(self, held: Sequence[int], prompt: "str | TokenIds", reasoning_history: str = "template") -> bool:
         """Whether `prompt` (rendered text, or token ids) goes on from a state's conversation: holds
         it up to its last reply, which a re-render may spell differently. Taking over a state that
-        merely shares the system prompt and tools would throw another conversation away."""
+        merely shares the system prompt and tools would throw another conversation away. Replies
+        whose thinking the template left out are this conversation's under either policy (under
+        "template" `prompt_ids` recomputes from the first dropped block; a new state left this one
+        behind, unused, at every user turn after a tool loop): `reasoning_history` changes nothing."""
         ends = [i + 1 for i, token in enumerate(held) if token in self.stop_token_ids]
         if ends and ends[-1] == len(held):
             ends.pop()  # the end of the last reply
@@ -231,8 +234,7 @@ class Chat:
         held_text = self.engine.tokenizer.decode(held[:needed], skip_special_tokens=False)
         if prompt.startswith(held_text):
             return True
-        return reasoning_history == "generated" and self.thinks and self._without_thinking(prompt)[0].startswith(
-            self._without_thinking(held_text)[0])
+        return self.thinks and self._without_thinking(prompt)[0].startswith(self._without_thinking(held_text)[0])
 
     # --- rendering ----------------------------------------------------------------------------
 

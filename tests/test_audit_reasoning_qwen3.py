@@ -55,3 +55,33 @@ def test_a_think_block_after_leading_whitespace_is_thinking_to_the_grammar_too(e
     chat, n = forced(engine, "ws-think", f"\n<think>\n{thought}\n</think>\n\nIt is sunny.<|im_end|>")
     result = chat.respond(ASK, [WEATHER], SamplingParams(max_tokens=n))
     assert (result.reasoning, result.text, result.tool_calls) == (thought, "It is sunny.", [])
+
+
+def test_a_user_turn_after_a_tool_loop_stays_on_its_conversations_state(engine):
+    """Calls that name no state (the adapters' and the server's default): after a tool loop, the
+    next user turn re-renders the loop's replies without their thinking (the template drops it),
+    so under reasoning_history "template" the conversation's state was taken for another
+    conversation's and the turn went to a new state, the old one left resident and unused after
+    every tool loop. It stays on its state (recomputed from the first dropped think block, as
+    with a named state)."""
+    from hibana_core.chat import assistant_message
+
+    chat = Chat(engine)
+
+    def turn(messages: list[dict], text: str) -> tuple[object, str]:
+        prompt = chat.render_text(messages, [WEATHER])
+        with chat.lease(prompt) as leased:
+            ids = engine.tokenizer.encode(text, add_special_tokens=False)
+            force_outputs(leased.handle, ids)
+            return leased.respond(prompt, [WEATHER], SamplingParams(max_tokens=len(ids))), leased.handle.id
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    messages = list(ASK)
+    first, state = turn(messages, f"<think>\nNeed the weather.\n</think>\n\nLet me look.\n{call}<|im_end|>")
+    messages += [assistant_message(first), {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "sunny"}]
+    second, again = turn(messages, "<think>\nIt is sunny.\n</think>\n\nSunny.<|im_end|>")
+    assert again == state and second.text == "Sunny."
+    messages += [assistant_message(second), {"role": "user", "content": "And tomorrow?"}]
+    third, last = turn(messages, "<think>\nNo idea.\n</think>\n\nNo idea.<|im_end|>")
+    assert last == state and third.text == "No idea."
+    assert [s.id for s in engine.states() if s.id.startswith("auto-")] == [state]
