@@ -19,8 +19,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 from hibana_core import hub
-from hibana_core.errors import CheckpointError, ConfigError, HibanaError, UnsupportedModelError
+from hibana_core.errors import CheckpointError, ConfigError, HibanaError, MemoryBudgetError, UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
+from hibana_core.kv.budget import device_memory
 from hibana_core.models.decoder import rotary_bytes
 from hibana_core.models.moe import PACKED_PARTS, STACKS
 from hibana_core.progress import LoadProgress, bar as progress_bar
@@ -242,15 +243,31 @@ def _build(model_type: str, family: Any, hf_config: Any, device: torch.device, d
         if hasattr(module, "tie_weights"):
             module.tie_weights()
         return module, args
+    _check_room(module, device)
     module = module.to_empty(device=device)
     if hasattr(module, "tie_weights"):
         module.tie_weights()  # to_empty gives each twin its own storage
     return module, args
 
 
+def _check_room(module: torch.nn.Module, device: torch.device) -> None:
+    """A MemoryBudgetError where the tensors still on the meta device take more bytes than the
+    device has in all (torch's allocator said so in a traceback, or the OS killed the process)."""
+    tensors = {id(t): t for sub in module.modules() for table in (sub._parameters, sub._buffers)
+               for t in table.values() if t is not None and t.is_meta}
+    need, total = sum(t.numel() * t.element_size() for t in tensors.values()), device_memory(device).total
+    if need > total:
+        dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+        hint = (", or load it in bfloat16 (dtype='bfloat16', `--dtype bfloat16`: on the CPU 'auto' is float32, twice "
+                "a bfloat16 checkpoint's bytes)" if torch.float32 in dtypes else "")
+        raise MemoryBudgetError(f"the model's weights take {need:,} bytes, more than the {total:,} bytes of memory "
+                                f"{device} has; pick a smaller model or a quantized checkpoint{hint}")
+
+
 def _allocate(module: torch.nn.Module, device: torch.device) -> None:
     """Give each parameter and buffer still on the meta device uninitialized storage on `device`
     (a tied parameter stays one), leaving those already there (packed layers') as they are."""
+    _check_room(module, device)
     made: dict[int, torch.Tensor] = {}
     for sub in module.modules():
         for table in (sub._parameters, sub._buffers):
