@@ -681,7 +681,7 @@ async def _arun(turn: TurnRun, handle: "StateHandle",
     deltas, request = turn.begin()
     ready = _converted(deltas, convert)
     async with contextlib.aclosing(await _submitted(handle, request)) as events:
-        with _stopped_at(turn.deadline, events):
+        with _stopped_at(turn.deadline, events, asyncio.get_running_loop()):
             try:
                 async for event in events:
                     ready += _converted(turn.on_event(event), convert)
@@ -709,17 +709,22 @@ async def _submitted(handle: "StateHandle", request: TurnRequest) -> "RequestEve
 
 
 @contextlib.contextmanager
-def _stopped_at(deadline: float | None, events: "RequestEvents") -> Iterator[None]:
+def _stopped_at(deadline: float | None, events: "RequestEvents",
+                loop: asyncio.AbstractEventLoop | None = None) -> Iterator[None]:
     """Stop a turn's request at its deadline wherever it is: queued for an agent slot or in a long
     prefill, no token comes to check the deadline against (`TurnRun.on_event`), and the call
-    waited for the generations ahead of it. Stopped, its final event comes, past the deadline."""
+    waited for the generations ahead of it. Stopped, its final event comes, past the deadline.
+    On an event loop the stop (it waits on the engine's lock) runs in `_LOCK_WAITS`."""
     if deadline is None:
         yield
         return
-    # (a millisecond late: the final event is read past the deadline, never a hair before it)
-    timer = threading.Timer(max(0.0, deadline - time.monotonic()) + 1e-3, events.stop)
-    timer.daemon = True
-    timer.start()
+    delay = max(0.0, deadline - time.monotonic()) + 1e-3  # (the final event is read past the deadline)
+    if loop is not None:
+        timer = loop.call_later(delay, lambda: loop.run_in_executor(_LOCK_WAITS, events.stop))
+    else:
+        timer = threading.Timer(delay, events.stop)
+        timer.daemon = True
+        timer.start()
     try:
         yield
     finally:
