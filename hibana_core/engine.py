@@ -243,6 +243,7 @@ def _extend_rotary(model: torch.nn.Module, positions: int) -> None:
 class Engine:
     def __init__(self, config: EngineConfig, hf_model: torch.nn.Module | None = None,
                  tokenizer=None) -> None:
+        self._closing = threading.RLock()  # closes at once: the later ones return once the first is done
         self.config = config
         self.device = resolve_device(config.device)
         names = (LOAD_STAGES if hf_model is None else ("weights",)) + (("surgery",) if config.surgery else ()) \
@@ -629,6 +630,10 @@ class Engine:
     def close(self) -> None:
         """Stop the loop, fail pending requests, write the named states to `state_dir` (if set),
         free every state. Idempotent."""
+        with self._closing:  # (a close beside one under way returned at once, everything still held)
+            self._close()
+
+    def _close(self) -> None:
         if self.core.closed:
             return
         self.core.close(EngineClosedError("the engine was closed while this request ran"))
