@@ -221,6 +221,15 @@ def _dist_name(ep: importlib.metadata.EntryPoint) -> str | None:
     return name if isinstance(name, str) and name.strip() else None
 
 
+def _entry_point_module(ep: importlib.metadata.EntryPoint) -> str | None:
+    """The module an entry point names; None where its value names none (`x = ` or `x = 1bad!`,
+    which importlib.metadata reads without a word and fails on when asked)."""
+    try:
+        return ep.module
+    except (AttributeError, ValueError):
+        return None
+
+
 def _entry_point_order(ep: importlib.metadata.EntryPoint) -> tuple[str, str]:
     # sys.path scanning order is the file system's; sort so that runs agree
     return (_canonical(_dist_name(ep) or ""), ep.name)
@@ -280,7 +289,8 @@ class HibanaPluginManager:
         seen: set[tuple[str | None, str]] = set()
         matched: set[str] = set()
         for ep in sorted(importlib.metadata.entry_points(group=group), key=_entry_point_order):
-            if ep.module in skip_modules and not ep.attr:
+            module = _entry_point_module(ep)
+            if module in skip_modules and not ep.attr:
                 continue  # Hibana's own pyproject declares its built-ins too
             dist_name = _dist_name(ep)
             version = ep.dist.version if ep.dist is not None and dist_name is not None else None
@@ -292,6 +302,11 @@ class HibanaPluginManager:
                 if not names & self.allow:
                     continue
                 matched |= names & self.allow
+            if module is None:  # ep.load() would say "'NoneType' object has no attribute 'group'"
+                self._report(ep.name, "import", f"its entry point's value {ep.value!r} names no module (`{ep.name} ="
+                             " package.module`, or `package.module:object`); fix it in the package's pyproject.toml",
+                             package=dist_name)
+                continue
             try:
                 plugin = ep.load()
             except _PLUGIN_FAILURES as exc:

@@ -30,17 +30,17 @@ def fresh_manager(monkeypatch):
 
 @pytest.fixture
 def make_dist(tmp_path, monkeypatch):
-    """make_dist(dist_name, ep_name, source, attr=None): an installed plugin distribution whose entry
-    point names its module (or `module:attr`)."""
+    """make_dist(dist_name, ep_name, source, attr=None, value=None): an installed plugin distribution
+    whose entry point names its module (or `module:attr`, or `value` as written)."""
     modules = []
 
-    def make(dist_name: str, ep_name: str, source: str, attr: str | None = None) -> str:
+    def make(dist_name: str, ep_name: str, source: str, attr: str | None = None, value: str | None = None) -> str:
         module = dist_name.replace("-", "_")
         (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
         info = tmp_path / f"{module}-0.1.dist-info"
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: 0.1\n")
-        target = f"{module}:{attr}" if attr else module
+        target = value if value is not None else f"{module}:{attr}" if attr else module
         (info / "entry_points.txt").write_text(f"[hibana]\n{ep_name} = {target}\n")
         modules.append(module)
         return module
@@ -155,3 +155,23 @@ def test_a_clash_between_surgery_passes_leaves_engines_without_surgery_alone():
                                           r"'hibana_core\.surgery\.passes' \(built-in\) and 'acme_w8'"):
         Engine.from_pretrained("demo", progress=False, speculation="off", surgery=["w8"])
     assert CorePluginError is PluginError
+
+
+def test_an_entry_point_whose_value_names_no_module_is_skipped_not_a_traceback(make_dist):
+    """`x = ` or `x = my plugin` in a package's [project.entry-points.hibana]: importlib.metadata
+    reads it, and asking it for the module raised AttributeError out of every engine's start
+    and of `hibana plugins`."""
+    make_dist("acme-empty-value", "empty_value", "", value="")
+    make_dist("acme-spaced", "spaced", "", value="acme spaced plugin")
+    make_dist("acme-good", "good", HOOK + "@hookimpl\ndef register_tool_parsers(register):\n"
+                                          "    register('acme', object())\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        manager = third_party_manager()
+    assert "acme" in manager.tool_parsers()
+    said = {e.plugin: e.error for e in manager.load_errors}
+    assert said == {"empty_value": "its entry point's value '' names no module (`empty_value = package.module`, or "
+                                   "`package.module:object`); fix it in the package's pyproject.toml",
+                    "spaced": "its entry point's value 'acme spaced plugin' names no module (`spaced = package.module`,"
+                              " or `package.module:object`); fix it in the package's pyproject.toml"}
+    assert any("(from acme-spaced)" in str(w.message) for w in caught if w.category is PluginWarning)
