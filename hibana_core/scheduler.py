@@ -400,15 +400,17 @@ class Scheduler:
 
     def _admit(self, request: Request) -> bool:
         """A parked state's KV comes back from the host tier first: when the device has no room
-        for it while other requests run, False (the request waits for the room they free as they
-        finish, rather than recompute a history it has a copy of). A sampling request needs the
+        for it while other requests run, or queued ones hold resident KV (idle, for all the room
+        they take: `_preempt_or_fail` evicts it), False (the request waits for that room, rather
+        than recompute a history it has a copy of). A sampling request needs the
         logits of its last token: if the state already holds its KV (a fully synced state),
         recompute that one token. Where the prefix index holds more of
         the history than the state's own KV, the state switches to the index's blocks."""
         seq = request.seq
         if self.eviction.tier is not None and seq.parked is not None:
             self.eviction.tier.restore(seq, lambda blocks: self.eviction.make_room(blocks, partial=False))
-            if seq.parked is not None and not seq.num_computed and len(self.running) > 1:
+            if seq.parked is not None and not seq.num_computed and (
+                    len(self.running) > 1 or any(r.seq.num_blocks for r in self.waiting)):
                 return False  # the copy stayed parked for want of room
         if request.samples and seq.num_uncomputed == 0:
             seq.trim_kv(len(seq) - 1)

@@ -36,3 +36,30 @@ def test_a_windowed_history_the_pool_cannot_hold_is_refused_with_the_state_uncha
     fits = too_long[:288]
     done = state.generate(GREEDY, prompt=fits)
     assert list(done.token_ids) == hf_greedy(str(path), fits, 1)
+
+
+def test_a_parked_state_waits_for_a_queued_requests_kv_rather_than_recompute(tiny_checkpoints, make_engine,
+                                                                              hf_greedy):
+    """One running slot, a pool of 12 blocks: state a (130 tokens, 9 blocks) parked in host
+    memory, b resident (6 blocks) and its request queued behind a's. a's restore finds 6 free
+    blocks and no idle state to evict (b is queued); a prefill chunk of 32 tokens fits, so a
+    recomputed its whole history beside its copy. Now b's queued KV gives way (parked, as a
+    preempted request's is) and a is restored."""
+    path = tiny_checkpoints["llama"]
+    engine = make_engine(path, num_blocks=12, speculation="off", max_concurrent_agents=1,
+                         max_num_batched_tokens=32)
+    rng = random.Random(3)
+    a, b, c = (engine.open_state(name) for name in "abc")
+    history_a, history_b = random_tokens(rng, 130), random_tokens(rng, 90)
+    a.sync(history_a)
+    c.sync(random_tokens(rng, 190))  # the whole pool: a parked, its blocks out of the prefix index
+    c.close()
+    b.sync(history_b)
+    assert {info.id: info.tier for info in engine.states()} == {"a": "host", "b": "device"}
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with engine.core.lock:  # both queued before the scheduler picks: a first, b waiting behind it
+        streams = [a.stream(params), b.stream(params)]
+    done = [[event.completion for event in events if event.completion is not None][0] for events in streams]
+    assert done[0].stats.computed == 1  # its last token's logits only: the rest came back from its copy
+    for history, completion in zip((history_a, history_b), done):
+        assert list(completion.token_ids) == hf_greedy(str(path), history, 4)
