@@ -143,7 +143,7 @@ class RequestEvents:
         try:
             return self._take(await self._stream.aget())
         except BaseException:
-            self.close()
+            self._close(wait=False)  # an event loop never waits for a step (its task cancelled, say)
             raise
 
     def ready(self) -> bool:
@@ -159,12 +159,17 @@ class RequestEvents:
     def close(self) -> None:
         """Cancel the request if it still runs; a no-op once it finished, which is known without
         the engine's lock (a step holds it: an event loop closing a finished stream must not wait)."""
-        self._done = True
-        if not self.request.finished:
-            self._cancel(self.request)
+        self._close(wait=True)
 
     async def aclose(self) -> None:
-        self.close()
+        """`close` on an event loop, which never waits for the engine's lock: where a step holds
+        it, the request is marked, and ends at the next step or the state's next call."""
+        self._close(wait=False)
+
+    def _close(self, wait: bool) -> None:
+        self._done = True
+        if not self.request.finished:
+            self._cancel(self.request, wait=wait)
 
     def __del__(self) -> None:  # an iterator dropped mid-way frees its request's blocks
         if not self._done and not self.request.finished:
@@ -220,7 +225,9 @@ class CompilingEvents:
             self._events.close()
 
     async def aclose(self) -> None:
-        self.close()
+        self._done = True
+        if self._events is not None:
+            await self._events.aclose()
 
 
 @dataclass

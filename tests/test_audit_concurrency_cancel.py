@@ -202,3 +202,59 @@ def test_a_failure_between_steps_fails_no_request(tiny_checkpoints, make_engine)
     assert failed.is_set()
     for plan, final in zip(plans, finals):
         assert_greedy_matches(path, plan, final.completion.token_ids)
+
+
+@contextlib.contextmanager
+def lock_held_elsewhere(engine):
+    """The engine's lock held by another thread (as a long step holds it) until the block ends;
+    yields an Event set if that thread let go on its own, after 10 s (something waited for it)."""
+    held, leave, let_go = threading.Event(), threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with engine.core.lock:
+            held.set()
+            if not leave.wait(10):
+                let_go.set()
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(10)
+    try:
+        yield let_go
+    finally:
+        leave.set()
+        holder.join(10)
+
+
+@pytest.mark.parametrize("how", ["aclose", "task-cancelled"])
+def test_an_event_loop_ending_a_stream_does_not_wait_for_a_step(tiny_checkpoints, make_engine, how):
+    """`aclose()` of a stream still running, or its reader's task cancelled (a server's client
+    gone), waited on the event loop for the engine's lock, which a step holds: every other task
+    on the loop stood still meanwhile (a step on a CPU takes up to seconds)."""
+    import asyncio
+
+    path = tiny_checkpoints["llama"]
+    engine = make_engine(path, speculation="off")
+    h = engine.open_state("a")
+
+    async def main() -> bool:
+        events = h.astream(greedy(500), prompt=random_tokens(random.Random(7), 12))
+        await events.__anext__()
+        with lock_held_elsewhere(engine) as let_go:  # no step runs now: no event comes
+            for _ in range(3):  # those handed over before land in the stream
+                await asyncio.sleep(0)
+            while events.ready():
+                await events.__anext__()
+            if how == "task-cancelled":
+                reader = asyncio.ensure_future(events.__anext__())
+                await asyncio.sleep(0)  # it waits for an event
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader
+            else:
+                await events.aclose()
+            return not let_go.is_set()
+
+    assert asyncio.run(main()), "the event loop waited for the engine's lock"
+    assert_next_turn_is_transformers(path, h)
+    assert not any(info.busy for info in engine.states())
