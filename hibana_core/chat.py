@@ -143,6 +143,10 @@ class Chat:
             # model stops at no EOS (a generation_config.json naming none, as transformers reads it)
             self.stop_token_ids += (eos,)
         self._end_texts = tuple(engine.tokenizer.decode([t], skip_special_tokens=False) for t in self.stop_token_ids)
+        self._message_ends = frozenset(self.stop_token_ids) | frozenset(
+            vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and vocab[t] < engine.vocab_size)
+        """Tokens that end a message, a format's that end no turn too (harmony's <|end|>): where
+        `continues` finds the messages of a state's last reply."""
         self.control = prompt.control_strings(engine.tokenizer)  # what contents never turn into
         self.words = prompt.markup_words(engine.tokenizer)  # what tools' contents never turn into
         self.word_ids = frozenset(vocab[t] for t in self.words if t in vocab)
@@ -225,9 +229,14 @@ class Chat:
         whose thinking the template left out are this conversation's under either policy (under
         "template" `prompt_ids` recomputes from the first dropped block; a new state left this one
         behind, unused, at every user turn after a tool loop): `reasoning_history` changes nothing."""
-        ends = [i + 1 for i, token in enumerate(held) if token in self.stop_token_ids]
+        ends = [i + 1 for i, token in enumerate(held) if token in self._message_ends]
         if ends and ends[-1] == len(held):
             ends.pop()  # the end of the last reply
+        opening = self._reply_opening().lstrip()
+        decode = self.engine.tokenizer.decode
+        while opening and len(ends) > 1 and decode(held[ends[-2]:ends[-1]], skip_special_tokens=False).lstrip() \
+                .startswith(opening):
+            ends.pop()  # an earlier message of the last reply (gpt-oss's analysis, which its template drops)
         needed = ends[-1] if ends else len(held)
         if isinstance(prompt, TokenIds):
             return list(prompt[:needed]) == list(held[:needed])

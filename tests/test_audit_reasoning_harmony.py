@@ -88,3 +88,32 @@ def test_reasoning_tokens_are_the_analysis_bodies_tokens(gpt_oss):
     assert result.reasoning == "\n".join(bodies) == "".join(d.reasoning for d in deltas[:-1])
     tokens = sum(len(gpt_oss.tokenizer.encode(b, add_special_tokens=False)) for b in bodies)
     assert result.usage.reasoning_tokens == tokens
+
+
+def test_a_gpt_oss_conversation_stays_on_its_state_across_user_turns(gpt_oss):
+    """Calls that name no state (the adapters' and the server's default) on gpt-oss: the next user
+    turn renders the last reply without its analysis message, and the state's history was taken up
+    to the turn's last end (<|return|>, <|call|>: <|end|> ends no turn), the analysis included, so
+    the conversation no longer continued its own state: every user turn went to a new one, the old
+    left resident and unused. It stays on its state (its last reply recomputed from the analysis)."""
+    from hibana_core import SamplingParams
+    from hibana_core.chat import Chat, assistant_message
+    from hibana_core.speculation import force_outputs
+
+    chat = Chat(gpt_oss)
+
+    def turn(messages: list[dict], text: str) -> tuple[object, str]:
+        prompt = chat.render_text(messages)
+        with chat.lease(prompt) as leased:
+            ids = gpt_oss.tokenizer.encode(text, add_special_tokens=False)
+            force_outputs(leased.handle, ids)
+            return leased.respond(prompt, params=SamplingParams(max_tokens=len(ids))), leased.handle.id
+
+    reply = "<|channel|>analysis<|message|>{}<|end|><|start|>assistant<|channel|>final<|message|>{}<|return|>"
+    messages = [{"role": "user", "content": "hi"}]
+    first, state = turn(messages, reply.format("Greet them.", "Hello."))
+    messages += [assistant_message(first), {"role": "user", "content": "How are you?"}]
+    second, again = turn(messages, reply.format("Answer.", "Fine."))
+    assert (first.text, second.text, second.reasoning) == ("Hello.", "Fine.", "Answer.")
+    assert again == state and second.usage.cached_tokens > len(chat.prompt_tokens(chat.render_text(messages[:1])))
+    assert [s.id for s in gpt_oss.states() if s.id.startswith("auto-")] == [state]
