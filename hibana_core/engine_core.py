@@ -330,11 +330,12 @@ class EngineCore:
         return RequestEvents(request, stream, self.cancel)
 
     def cancel(self, request: Request, *, wait: bool = True) -> None:
-        """Stop a request that still runs; its state keeps the tokens it has. `wait=False`: a
-        dropped stream's finalizer, which the garbage collector runs on whatever thread it
-        interrupts (this loop's mid-step, or the grammar worker a step waits for: waiting for the
-        lock there hung the engine for good) never waits; where the lock is not free at once, the
-        request is marked, and ends at the next schedule or its state's next edit."""
+        """Stop a request that still runs; its state keeps the tokens it has. `wait=False` never
+        waits for the lock: an event loop ending a stream, or a dropped stream's finalizer, which
+        the garbage collector runs on whatever thread it interrupts (this loop's mid-step, or the
+        grammar worker a step waits for: waiting for the lock there hung the engine for good).
+        Where the lock is not free at once, the request is marked, and ends at the next schedule
+        or when a caller next asks which states are busy (`end_cancelled`)."""
         if not wait and (threading.current_thread() is self._thread or not self.lock.acquire(blocking=False)):
             request.cancelled = True
             return
