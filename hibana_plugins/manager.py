@@ -262,6 +262,7 @@ class HibanaPluginManager:
         self._registries: dict[str, dict[str, _Entry]] = {}
         self._lock = threading.RLock()
         self._module_packages: dict[str, list[str]] | None = None
+        self._collecting: set[tuple[str, int]] = set()  # (kind, thread) whose hooks are being called
 
         builtins = tuple(builtins)
         for module_name in builtins:
@@ -491,6 +492,18 @@ class HibanaPluginManager:
     def _collect(self, kind: str, conflicts: list[str] | None = None) -> dict[str, _Entry]:
         """The registrations of one kind; a name two plugins register is a PluginError, or, given
         `conflicts`, noted there and kept as the first registered it (`describe` lists the rest)."""
+        collecting = (kind, threading.get_ident())
+        if collecting in self._collecting:  # a hook that looks its own kind up: it recursed until RecursionError
+            raise PluginError(f"the {kind.replace('_', ' ')} registry was asked for while its hooks run (a plugin's"
+                              f" {HOOKS[kind]} looks it up); look registered objects up where they are used, not"
+                              " in a hook")
+        self._collecting.add(collecting)
+        try:
+            return self._call_hooks(kind, conflicts)
+        finally:
+            self._collecting.discard(collecting)
+
+    def _call_hooks(self, kind: str, conflicts: list[str] | None) -> dict[str, _Entry]:
         caller = getattr(self.pm.hook, HOOKS[kind])
         label = kind.replace("_", " ")
         entries: dict[str, _Entry] = {}
@@ -604,14 +617,23 @@ class HibanaPluginManager:
 
 _manager: HibanaPluginManager | None = None
 _manager_lock = threading.Lock()
+_building = threading.local()  # `.active` while this thread builds the manager (imports the plugins)
 
 
 def get_plugin_manager() -> HibanaPluginManager:
     """The process-wide manager, built on first use; HIBANA_PLUGINS is read then, once."""
     global _manager
+    if getattr(_building, "active", False):  # a plugin's import asks for it: waiting on the lock hung for good
+        raise PluginError("get_plugin_manager() was called while the plugin manager imports the plugins (a plugin"
+                          " calls it when imported, or at the top of a module it imports); call it where what it"
+                          " looks up is used (in a method of the object the plugin registers), not at import")
     with _manager_lock:
         if _manager is None:
-            _manager = HibanaPluginManager(allow=parse_allow_list(os.environ.get(ENV_VAR)))
+            _building.active = True
+            try:
+                _manager = HibanaPluginManager(allow=parse_allow_list(os.environ.get(ENV_VAR)))
+            finally:
+                _building.active = False
         return _manager
 
 

@@ -175,3 +175,42 @@ def test_an_entry_point_whose_value_names_no_module_is_skipped_not_a_traceback(m
                     "spaced": "its entry point's value 'acme spaced plugin' names no module (`spaced = package.module`,"
                               " or `package.module:object`); fix it in the package's pyproject.toml"}
     assert any("(from acme-spaced)" in str(w.message) for w in caught if w.category is PluginWarning)
+
+
+def test_a_plugin_asking_for_the_manager_at_import_or_its_own_kind_in_a_hook_is_reported_not_a_hang(
+        make_dist, monkeypatch):
+    """A plugin that wraps a built-in parser, looking it up when imported (`HERMES =
+    get_plugin_manager().tool_parsers()["hermes"]`), hung every engine's start and `hibana plugins`
+    for good (the manager's lock, held while it imports the plugins); a hook that looks up its own
+    kind recursed until RecursionError."""
+    import threading
+
+    from hibana_plugins import manager as manager_module
+    from hibana_plugins.manager import get_plugin_manager
+
+    make_dist("acme-wraps", "wraps", HOOK + "from hibana_plugins.manager import get_plugin_manager\n"
+                                            "HERMES = get_plugin_manager().tool_parsers()['hermes']\n\n"
+                                            "@hookimpl\ndef register_tool_parsers(register):\n"
+                                            "    register('hermes_too', HERMES)\n")
+    make_dist("acme-asks", "asks", HOOK + "from hibana_plugins.manager import get_plugin_manager\n\n"
+                                          "@hookimpl\ndef register_drafters(register):\n"
+                                          "    register('acme', get_plugin_manager().drafters()['suffix'])\n")
+    monkeypatch.setenv("HIBANA_PLUGINS", "acme-wraps,acme-asks")
+    built: list = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        thread = threading.Thread(target=lambda: built.append(get_plugin_manager()), daemon=True)
+        thread.start()
+        thread.join(timeout=20)
+        if not built:  # the hung thread holds the manager's lock: a fresh one lets the next tests run
+            manager_module._manager_lock = threading.Lock()
+        assert built, "get_plugin_manager() hung"
+        manager = built[0]
+        assert "hermes" in manager.tool_parsers() and "hermes_too" not in manager.tool_parsers()
+        assert "suffix" in manager.drafters() and "acme" not in manager.drafters()
+    said = {(e.plugin, e.stage): e.error for e in manager.load_errors}
+    assert set(said) == {("wraps", "import"), ("asks", "register_drafters")}, said
+    assert "get_plugin_manager() was called while the plugin manager imports the plugins" in said["wraps", "import"]
+    assert "the drafter registry was asked for while its hooks run" in said["asks", "register_drafters"]
+    assert "RecursionError" not in said["asks", "register_drafters"]
+    assert any("'wraps' (from acme-wraps) failed to import" in str(w.message) for w in caught)
