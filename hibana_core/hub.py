@@ -88,6 +88,24 @@ def offline() -> bool:
     return value.upper() in _TRUE
 
 
+def check_not_cache_folder(path: Path) -> None:
+    """A CheckpointError where `path` is a hub cache's folder of one repo (models--org--name, or its
+    snapshots/), which holds snapshots of a checkpoint rather than being one: a new user's first try
+    at a model they downloaded, which said no more than that it has no config.json."""
+    folder = path.parent if path.name == "snapshots" else path
+    if (path / "config.json").exists() or not folder.name.startswith("models--") \
+            or not (folder / "snapshots").is_dir():
+        return
+    repo_id = folder.name.removeprefix("models--").replace("--", "/")  # a repo id never holds "--"
+    snapshots = sorted(p.name for p in (folder / "snapshots").iterdir() if p.is_dir())
+    one = f"{folder / 'snapshots' / snapshots[0]}" if len(snapshots) == 1 else f"{folder / 'snapshots'}/<commit>"
+    found = ("found in the cache" if folder.parent.resolve() == cache_dir().resolve()
+             else f"found there with HF_HUB_CACHE={folder.parent}")
+    raise CheckpointError(f"{str(path)!r} is the Hugging Face cache's folder of {repo_id}, which holds its "
+                          f"snapshots, not a checkpoint directory; pass the repo id {repo_id!r} ({found}), "
+                          f"or a snapshot's directory: {one}")
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken")
 """A checkpoint's tokenizer, in any of the forms transformers reads (tokenizer_config.json alone,
 which a partial download keeps, is none)."""

@@ -70,6 +70,7 @@ def resolve_checkpoint(model: str, progress: bool = False) -> Path:
                               "Qwen/Qwen3-8B, a checkpoint directory (\".\" for the working one) or \"demo\"")
     path = DEMO_MODEL_DIR if model == "demo" else Path(model).expanduser()
     if path.is_dir():
+        hub.check_not_cache_folder(path)
         return path
     if path.exists():
         raise CheckpointError(f"{str(path)!r} is a file, not a checkpoint directory; pass the directory that "

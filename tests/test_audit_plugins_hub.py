@@ -104,3 +104,23 @@ def test_a_repo_cached_at_other_revisions_names_them(source, cache):
     shutil.rmtree(cache / "models--acme--by-commit" / "snapshots")  # nothing held: the plain message
     with pytest.raises(CheckpointError, match=r"as a Hugging Face repo id it is not in the cache"):
         resolve_checkpoint("acme/by-commit")
+
+
+def test_the_cache_folder_of_a_repo_passed_as_a_path_says_to_pass_the_repo_id(source, cache, tmp_path):
+    """~/.cache/huggingface/hub/models--org--name (or its snapshots/) as the model: it is a directory,
+    so it was taken as a checkpoint, and the loader said it 'has no config.json'."""
+    snapshot = put_snapshot(cache, "acme/tiny", source, commit("one"))
+    folder = cache / "models--acme--tiny"
+    for path in (folder, folder / "snapshots"):
+        with pytest.raises(CheckpointError) as e:
+            resolve_checkpoint(str(path))
+        assert str(e.value) == (f"{str(path)!r} is the Hugging Face cache's folder of acme/tiny, which holds its "
+                                "snapshots, not a checkpoint directory; pass the repo id 'acme/tiny' (found in the "
+                                f"cache), or a snapshot's directory: {snapshot}")
+    assert resolve_checkpoint(str(snapshot)) == snapshot and resolve_checkpoint("acme/tiny") == snapshot
+    elsewhere = tmp_path / "other" / "models--acme--tiny"
+    shutil.copytree(folder, elsewhere, symlinks=True)
+    put_snapshot(tmp_path / "other", "acme/tiny", source, commit("two"))
+    with pytest.raises(CheckpointError, match=rf"found there with HF_HUB_CACHE={tmp_path / 'other'}\), or a "
+                                              rf"snapshot's directory: {elsewhere / 'snapshots'}/<commit>"):
+        resolve_checkpoint(str(elsewhere))
