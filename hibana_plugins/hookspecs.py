@@ -2,8 +2,9 @@
 
 Every hook is a plain function marked `@hookimpl` (Hibana's marker, below) that takes one argument,
 `register`, a callback the plugin calls once per thing it provides: `register(name, obj)`. What a
-hook returns is ignored (one that registers nothing and returns something, an async hook, or an
-unmarked function named like a hook is reported with a PluginWarning). Built-ins use the same hooks, so a third-party tool parser or
+hook returns is ignored (one that registers nothing and returns something, an async or generator
+hook, one that does not take `register` as a plain parameter, a wrapper, or an unmarked function
+named like a hook is reported with a PluginWarning). Built-ins use the same hooks, so a third-party tool parser or
 model family is an equal of Hibana's own. Names are unique within one kind: a second plugin that
 registers a name already taken is refused with an error naming both plugins.
 

@@ -8,10 +8,13 @@ Built-ins are registered by module name and are always loaded. Third-party plugi
 `hibana` entry-point group; the `HIBANA_PLUGINS` environment variable, read once when the manager
 is built, lists the only ones to load (by entry-point or distribution name; empty: none).
 
-A plugin that fails to import, or whose hook raises, is reported with a warning, recorded in
-`load_errors` and skipped: a broken plugin never takes Hibana down. So is what would register
-nothing silently: a function named like a hook but not marked `@hookimpl`, an async hook, a hook
-that returns its objects rather than calling `register`, a class whose hooks are methods. Two plugins registering the
+A plugin that fails to import (sys.exit() included), or whose hook raises, is reported with a
+warning, recorded in `load_errors` and skipped: a broken plugin never takes Hibana down. So is what
+would register nothing silently: a function named like a hook but not marked `@hookimpl`, an async
+or generator hook, a hook without a plain `register` parameter, a wrapper hook, a hook that returns
+its objects rather than calling `register`, a class whose hooks are methods, an entry point naming
+a hook function or no module. A plugin that asks for the manager while it is being built (at import)
+or for its own kind from its hook is told so (a PluginError, reported the same way). Two plugins registering the
 same name within one kind is a `PluginError` naming both.
 
 Each registry is collected on first use and cached. Every hook implementation is called on its
