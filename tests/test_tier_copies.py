@@ -284,3 +284,33 @@ def test_pinned_ranges_come_back_when_their_storage_dies_and_merge(fake_pinning)
     assert reserve.bytes == 8 * PAGE  # in use: kept
     del again
     assert reserve.bytes == 0 and reserve._chunks == [None]
+
+
+def test_a_range_that_dies_while_another_is_taken_is_given_back_after_the_take(fake_pinning):
+    """A finalizer can run inside `_take` (an allocation there sets off the garbage collector) and
+    give a range back while `_take` holds a position in the free list: the range comes back once
+    the take is done, and the take hands out the range it chose, never one another tensor holds."""
+    reserve = PinnedReserve(limit=0)
+    chunk = reserve.empty(torch.Size([8 * PAGE]), torch.uint8)
+    del chunk
+    a = reserve.empty(torch.Size([2 * PAGE]), torch.uint8)   # pages 0-1
+    b = reserve.empty(torch.Size([3 * PAGE]), torch.uint8)   # pages 2-4; free: 5-7
+    victim = [a]
+    del a
+
+    class Dying(list):
+        """The free list, whose walk lets `a` die at its end: its finalizer runs mid-take, after
+        the take chose its range."""
+
+        def __iter__(self):
+            yield from list.__iter__(self)
+            victim.clear()
+
+    reserve._free[0] = Dying(reserve._free[0])
+    base = b.data_ptr() - 2 * PAGE
+    c = reserve.empty(torch.Size([3 * PAGE]), torch.uint8)
+    assert c.data_ptr() - base == 5 * PAGE  # not page 0, whose 3 pages would run into b
+    assert list(reserve._free[0]) == [(0, 2 * PAGE)] and not reserve._returned
+    del b, c
+    assert list(reserve._free[0]) == [(0, 8 * PAGE)]
+    reserve.close()

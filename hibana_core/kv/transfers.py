@@ -23,8 +23,11 @@ import ctypes
 import threading
 import time
 import weakref
+from typing import Any, Callable, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 class Transfer:
@@ -196,8 +199,11 @@ class PinnedReserve:
         self._free: list[list[tuple[int, int]]] = []  # per chunk: free (offset, length), in order
         self._largest = 0  # the largest size asked for
         # re-entrant: a storage's finalizer (`_give_back`) may run inside a locked section of
-        # this thread, when an allocation there sets off the garbage collector
+        # this thread, when an allocation there sets off the garbage collector; it then only
+        # queues its range (`_returned`), which the section merges when its edit is done
         self._lock = threading.RLock()
+        self._editing = False
+        self._returned: list[tuple[int, int, int]] = []
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -220,18 +226,33 @@ class PinnedReserve:
             return torch.empty(shape, dtype=dtype)
         with self._lock:
             self._largest = max(self._largest, size)
-            place = self._take(size)
+            place = self._edit(self._take, size)
         if place is None:
             chunk = pin_block(size)
             with self._lock:
                 self.cold += 1
-                self._add(chunk)
-                place = self._take(size)
+                self._edit(self._add, chunk)
+                place = self._edit(self._take, size)
         index, offset = place
         buffer = (ctypes.c_uint8 * size).from_address(self._chunks[index].data_ptr() + offset)
         weakref.finalize(buffer, self._give_back, index, offset, size)  # once no storage holds it
         self._ask()
         return torch.frombuffer(buffer, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
+
+    def _edit(self, edit: Callable[..., T], *args: Any) -> T:
+        """`edit(*args)` on the free ranges (under the lock), then the ranges whose storage died
+        meanwhile given back: a finalizer run inside an edit (the garbage collector, set off by an
+        allocation there) would move the ranges under it, and `_take` would hand out a range
+        another tensor holds."""
+        self._editing = True
+        try:
+            return edit(*args)
+        finally:
+            try:
+                while self._returned:
+                    self._merge(*self._returned.pop())
+            finally:
+                self._editing = False
 
     def _take(self, size: int) -> tuple[int, int] | None:
         """(chunk, offset) of the smallest free range of at least `size` bytes, taken (under the lock)."""
@@ -257,18 +278,27 @@ class PinnedReserve:
         self.bytes += chunk.numel()
 
     def _give_back(self, index: int, offset: int, size: int) -> None:
+        """A range whose storage died, merged with its free neighbours; queued where it runs inside
+        an edit of this thread (`_edit`)."""
         with self._lock:
-            ranges = self._free[index]
-            at = bisect.bisect(ranges, (offset, size))
-            if at < len(ranges) and ranges[at][0] == offset + size:  # merged with the next
-                size += ranges.pop(at)[1]
-            if at and sum(ranges[at - 1]) == offset:  # and the previous
-                offset, size = ranges[at - 1][0], ranges[at - 1][1] + size
-                del ranges[at - 1]
-                at -= 1
-            ranges.insert(at, (offset, size))
-            if self._closed and ranges == [(0, self._chunks[index].numel())]:
-                self._let_go(index)
+            if self._editing:
+                self._returned.append((index, offset, size))
+            else:
+                self._edit(self._merge, index, offset, size)
+
+    def _merge(self, index: int, offset: int, size: int) -> None:
+        """(under the lock, in an edit)"""
+        ranges = self._free[index]
+        at = bisect.bisect(ranges, (offset, size))
+        if at < len(ranges) and ranges[at][0] == offset + size:  # merged with the next
+            size += ranges.pop(at)[1]
+        if at and sum(ranges[at - 1]) == offset:  # and the previous
+            offset, size = ranges[at - 1][0], ranges[at - 1][1] + size
+            del ranges[at - 1]
+            at -= 1
+        ranges.insert(at, (offset, size))
+        if self._closed and ranges == [(0, self._chunks[index].numel())]:
+            self._let_go(index)
 
     def _let_go(self, index: int) -> None:
         """(under the lock)"""
@@ -309,7 +339,7 @@ class PinnedReserve:
                         break
                     chunk = pin_block(size)
                     with self._lock:
-                        self._add(chunk)
+                        self._edit(self._add, chunk)
             except RuntimeError:  # out of page-lockable memory: a park pays (or fails) itself
                 pass
 
