@@ -340,6 +340,10 @@ class HibanaPluginManager:
         if hooks:  # pluggy would call them unbound
             raise PluginError(f"{plugin.__qualname__} is {_unbound(plugin, hooks)}; register an instance: "
                               f"register({plugin.__qualname__}())")
+        if inspect.isfunction(plugin) and plugin.__name__ in HOOKS.values():  # pluggy finds no hooks in it
+            raise PluginError(f"{plugin.__module__}.{plugin.__qualname__} is a hook function, not a plugin; register"
+                              " the module that holds it, or an object with it as an attribute:"
+                              f" register(types.SimpleNamespace({plugin.__name__}={plugin.__name__}))")
         with self._lock:
             if self.pm.is_registered(plugin):
                 return  # registered already (a notebook cell run twice): its hooks are in

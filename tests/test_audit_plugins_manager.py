@@ -214,3 +214,21 @@ def test_a_plugin_asking_for_the_manager_at_import_or_its_own_kind_in_a_hook_is_
     assert "the drafter registry was asked for while its hooks run" in said["asks", "register_drafters"]
     assert "RecursionError" not in said["asks", "register_drafters"]
     assert any("'wraps' (from acme-wraps) failed to import" in str(w.message) for w in caught)
+
+
+def test_registering_a_hook_function_at_run_time_is_refused_saying_what_to_register():
+    """manager.register(register_tool_parsers): pluggy took the function as a plugin with no hooks,
+    and it registered nothing."""
+    from hibana_plugins.manager import PluginError
+
+    @hookimpl
+    def register_tool_parsers(register):
+        register("acme_rt", object())
+
+    manager = HibanaPluginManager(builtins=(), entry_point_group=None)
+    with pytest.raises(PluginError, match=r"register_tool_parsers is a hook function, not a plugin; register the "
+                                          r"module that holds it, or an object with it as an attribute: register\("
+                                          r"types\.SimpleNamespace\(register_tool_parsers=register_tool_parsers\)\)"):
+        manager.register(register_tool_parsers)
+    manager.register(types.SimpleNamespace(register_tool_parsers=register_tool_parsers), name="acme")
+    assert "acme_rt" in manager.tool_parsers()
