@@ -137,6 +137,7 @@ class EngineCore:
         """Called (under the lock) when there is no work: what the engine does meanwhile (bring
         back the parked states whose agents are due); returns the seconds to sleep at most."""
         self.between_steps: Callable[[], None] | None = None
+        self._marked: list[Request] = []  # cancelled without the lock, not yet ended (`end_cancelled`)
         """Called (under the lock) once a step is launched: work whose device part overlaps that
         step's forward (bring back a parked state whose agent is due, its copy on a side stream)."""
         self.closed = False
@@ -338,6 +339,7 @@ class EngineCore:
         or when a caller next asks which states are busy (`end_cancelled`)."""
         if not wait and (threading.current_thread() is self._thread or not self.lock.acquire(blocking=False)):
             request.cancelled = True
+            self._marked.append(request)
             return
         if wait:
             self.lock.acquire()
@@ -353,9 +355,13 @@ class EngineCore:
         """End the requests marked cancelled without the lock (`cancel(wait=False)`, a stream whose
         event loop closed), before a caller's thread looks at which states are busy: a state is
         free for the next call once its stream is dropped, as once it is closed."""
+        if not self._marked:  # (a listing of the states must not scan every request: states())
+            return
         with self.lock:
-            for request in [r for r in self.scheduler.requests() if r.cancelled]:
-                self.scheduler.finish(request, "cancelled")
+            marked, self._marked = self._marked, []
+            for request in marked:
+                if not request.finished:
+                    self.scheduler.finish(request, "cancelled")
             self.deliver_finished()
 
     def capture_graphs(self, max_sequences: int = 1, max_drafts: int | None = 0) -> int:
