@@ -757,6 +757,14 @@ class Chat:
                                "format": {"type": "json_schema", "json_schema": params.json_schema}}
                 params = dataclasses.replace(params, json_schema=None,
                                              grammar=turn.after_thinking(answer_only, "required", open_in_prompt))
+        elif held_off and not channels and (params.regex is not None or isinstance(params.grammar, str)) \
+                and not calls_held:
+            # a regex or an EBNF grammar of the caller's holds the answer after the thinking too, as vLLM
+            # applies structured output after the reasoning (from the first token, the model could not think)
+            own = ({"type": "regex", "pattern": params.regex} if params.regex is not None
+                   else {"type": "grammar", "grammar": params.grammar})
+            params = dataclasses.replace(params, regex=None, grammar=turn.after_thinking(
+                {"type": "structural_tag", "format": own}, "required", open_in_prompt))
         if parse_tools or channels:
             stream = _CheckedStream.open(self.parser_name, self.parser, {} if parse_tools else {"calls": False})
         else:
