@@ -277,6 +277,9 @@ class Chat:
             elif self._efforts is None and effort not in REASONING_EFFORTS:
                 raise ConfigError(f"reasoning_effort {effort!r:.40} is no reasoning_effort level; use one of "
                                   f"{', '.join(REASONING_EFFORTS)}")
+            elif reasoning is False:  # a level asks for thinking (as `hibana serve` refuses the pair)
+                raise ConfigError(f"reasoning_effort {effort!r:.40} and reasoning=False disagree; give one of them "
+                                  "(reasoning_effort 'none' switches thinking off)")
             else:
                 kwargs["reasoning_effort"] = effort
         if reasoning is not None:

@@ -295,6 +295,19 @@ def test_reasoning_effort_none_switches_thinking_off_in_process_too(engine):
         chat.render_text(ask, reasoning=True, effort="none")
 
 
+def test_a_level_beside_reasoning_false_is_refused_in_process_as_the_server_refuses_it(engine):
+    """reasoning=False with reasoning_effort="high" asks for no thinking and for thinking at a level:
+    a ConfigError, as `hibana serve` answers enable_thinking=false beside an effort with a 400
+    (it was taken, the level dropped, the thinking off); "none" beside False agrees."""
+    chat = Chat(engine, "disagree")
+    ask = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ConfigError, match="disagree"):
+        chat.render_text(ask, reasoning=False, effort="high")
+    with pytest.raises(ConfigError, match="disagree"):
+        chat.respond(ask, reasoning=False, reasoning_effort="low")
+    assert chat.render_text(ask, reasoning=False, effort="none") == chat.render_text(ask, reasoning=False)
+
+
 def test_usage_counts_the_thinkings_tokens(engine):
     """usage.reasoning_tokens: the completion's tokens of its think block (OpenAI's
     completion_tokens_details.reasoning_tokens, LangChain's output_token_details["reasoning"]): the
