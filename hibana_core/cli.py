@@ -281,7 +281,10 @@ def run_plugins(args: argparse.Namespace) -> int:
 
     manager = get_plugin_manager()
     conflicts = list(manager.clashes)  # plugins of one name, names two plugins register: listed (exit status 1)
-    infos = manager.describe(conflicts)
+    infos = manager.describe(conflicts)  # (adds the names two plugins register)
+    # a plugin that failed to load is listed and skipped, and the exit status is 1 too: a plugin
+    # author's CI step `hibana plugins` must fail on a plugin that does not load
+    status = 1 if conflicts or manager.load_errors else 0
     if args.json:
         print(
             json.dumps(
@@ -296,7 +299,7 @@ def run_plugins(args: argparse.Namespace) -> int:
                 indent=2,
             )
         )
-        return 1 if conflicts else 0
+        return status
     rows = [
         (
             info.plugin,
@@ -315,7 +318,7 @@ def run_plugins(args: argparse.Namespace) -> int:
     notes += [f"skipped {e.plugin} ({e.stage}): {e.error}" for e in manager.load_errors]
     notes += [f"conflict: {c} (the table lists the first)" for c in conflicts]
     _print_table(rows, notes)
-    return 1 if conflicts else 0
+    return status
 
 
 def _print_table(rows: list[tuple[str, ...]], notes: list[str]) -> None:

@@ -797,6 +797,23 @@ def test_two_packages_naming_their_plugins_alike_skip_the_second_not_hibana(make
     assert any(r["name"] == "first_parser" for r in listed["plugins"])
 
 
+def test_cli_plugins_fails_where_a_plugin_does_not_load(make_dist, capsys):
+    """A plugin that fails to import is listed as skipped, the others still listed, and the exit
+    status is 1 (it was 0: a plugin author's CI step `hibana plugins` passed on a broken plugin)."""
+    from hibana_core.cli import main
+
+    make_dist("hibana-test-fine", "fine", parser_plugin("fine_parser"))
+    make_dist("hibana-test-broken", "broken", "raise ImportError('needs acme-sdk')\n")
+    reset_plugin_manager()
+    with pytest.warns(PluginWarning, match="'broken'"):
+        assert main(["plugins", "--json"]) == 1
+    listed = json.loads(capsys.readouterr().out)
+    assert [e["plugin"] for e in listed["load_errors"]] == ["broken"]
+    assert any(r["name"] == "fine_parser" for r in listed["plugins"]) and not listed["conflicts"]
+    assert main(["plugins"]) == 1
+    assert "skipped broken" in capsys.readouterr().out
+
+
 def test_cli_usage_errors_show_the_commands_own_usage(capsys):
     from hibana_core.cli import main
 
