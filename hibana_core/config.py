@@ -172,6 +172,12 @@ class CacheConfig:
     """Idle states the engine made itself (`Engine.lease` for calls that name no state) kept at
     most; beyond it the least recently used are closed. Their full blocks stay findable in the
     prefix index until the pool reuses them, so a conversation that comes back recomputes little."""
+    max_named_states: int = 4096
+    """States that calls named and the engine opened for them (`Engine.lease(state_id=...)`: an
+    adapter's `state_id` or LangGraph `thread_id`, a server client's name) kept at most, those in
+    use counted and kept; beyond it the least recently used idle ones are put away: written to `state_dir` first where one is set (opening
+    the id brings them back), else closed (the next call on the id recomputes the history it
+    sends). States opened with `open_state`, `fork` or `load_state` are never counted."""
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None:  # first: its own message for every wrong kind
@@ -187,6 +193,7 @@ class CacheConfig:
         _check(self.max_kv_bytes_cpu > 0, f"max_kv_bytes_cpu must be a positive number of bytes, got "
                                           f"{self.max_kv_bytes_cpu}")
         _check(self.max_unnamed_states >= 0, "max_unnamed_states must be >= 0")
+        _check(self.max_named_states >= 0, "max_named_states must be >= 0")
         _check(0.0 <= self.pin_budget <= 1.0, f"pin_budget must lie in [0, 1], got {self.pin_budget}")
         _check(self.state_dir is None or (isinstance(self.state_dir, (str, os.PathLike))
                                           and not isinstance(self.state_dir, bytes) and str(self.state_dir) != ""),

@@ -17,6 +17,7 @@ import os
 import time
 import uuid
 import weakref
+from collections import OrderedDict
 from collections.abc import Mapping, Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -134,6 +135,9 @@ class StateRegistry:
         # states whose last turn ended in tool calls, kept apart so that a step's prefetch looks at
         # those alone, not at every state the engine ever kept (see `_waiting_on_tools`)
         self._tool_waits: set[_Entry] = set()
+        # states a named lease opened (an adapter's thread id, a server client's name), least recently
+        # used first: at most `max_named_states` of them idle (see `_put_away_named`)
+        self._named: OrderedDict[str, None] = OrderedDict()
         self.engine_ref: "weakref.ReferenceType | None" = None  # the Engine, for `StateHandle.engine`
         self.policy = POLICIES[config.eviction_policy]  # which idle state is evicted first (kv/policies.py)
 
@@ -392,7 +396,10 @@ class StateRegistry:
         with self.lock:
             self.core.end_cancelled()
             if state_id is not None:
+                opened = not self.is_open(state_id)
                 handle = self.open(state_id)
+                if opened:  # the call's own: bounded by max_named_states (a state of open_state never is)
+                    self._named[state_id] = None
                 if self._taken(self._entries[state_id]):
                     raise StateBusyError(f"state {state_id!r} is serving another call; give concurrent "
                                          "calls different state ids")
@@ -428,6 +435,9 @@ class StateRegistry:
                 self._leased.discard(handle.id)
                 if self.is_unnamed(handle):  # calls at once may have held more than the bound
                     self._close_unnamed(keep=self.config.max_unnamed_states)
+                elif handle.id in self._named and self._live(handle) is not None:
+                    self._named.move_to_end(handle.id)
+                    self._put_away_named()
 
     def _close_unnamed(self, keep: int) -> None:
         """Close the least recently used idle states that `lease` named, all but `keep`."""
@@ -438,6 +448,26 @@ class StateRegistry:
             logger.debug("closing idle state %s: more than max_unnamed_states=%d states made for calls "
                          "that named none", entry.handle.id, self.config.max_unnamed_states)
             self.close_state(entry.handle)
+
+    def _put_away_named(self) -> None:
+        """Put away the least recently used idle states that named leases opened, all but
+        `max_named_states` (`put_away`: written to state_dir first where there is one); one in
+        use, or that could not be written, is kept. A call costs a move in an ordered dict, and
+        a look at the states beyond the bound only."""
+        kept = []
+        while self._named and len(self._named) + len(kept) > self.config.max_named_states:
+            state_id, _ = self._named.popitem(last=False)
+            entry = self._entries.get(state_id)
+            if entry is None:
+                continue
+            if self.put_away(entry.handle):
+                logger.debug("state %r put away: more than max_named_states=%d states opened by calls that named "
+                             "them", state_id, self.config.max_named_states)
+            else:
+                kept.append(state_id)
+        for state_id in reversed(kept):  # in use: kept, among the least recently used
+            self._named[state_id] = None
+            self._named.move_to_end(state_id, last=False)
 
     def infos(self) -> list[StateInfo]:
         with self.lock:  # the requests looked at once, not once a state (a server's /metrics lists thousands)
@@ -832,6 +862,7 @@ class StateRegistry:
             handle.closed = True
             del self._entries[handle.id]
             self._tool_waits.discard(entry)
+            self._named.pop(handle.id, None)
             path = self.persisted_path(handle.id)
             if path is not None:  # closed: the user is done with it, after a restart too
                 _drop_stored(entry, path)
@@ -843,6 +874,7 @@ class StateRegistry:
                 entry.handle.closed = True
             self._entries.clear()
             self._tool_waits.clear()
+            self._named.clear()
 
     def _free(self, seq: KVSequence) -> None:
         """A closed state's KV, on the device and parked: gone now, not when the last reference to

@@ -849,7 +849,8 @@ def _number_or_text(text: str) -> float | int | str:
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The EngineConfig overrides the command line names."""
-    options: dict[str, Any] = {"device": args.device, "dtype": args.dtype}
+    options: dict[str, Any] = {"device": args.device, "dtype": args.dtype,
+                               "max_named_states": args.max_named_states}  # the engine's bound, no tighter
     if args.max_model_len is not None:
         options["max_model_len"] = args.max_model_len
     if args.state_dir is not None:
