@@ -57,6 +57,11 @@ REASONING_HISTORY = ("template", "generated")
 """How a reasoning model's earlier turns are rendered: as the chat template does (Qwen3's drops
 their thinking, so the state recomputes from the first dropped block), or as generated (the state's
 own tokens are kept, thinking included: nothing is recomputed, but the model sees its old thinking)."""
+ROLES_CACHED = 64
+ROLE_CACHED_LENGTH = 64
+"""What a chat layer remembers of roles outside KNOWN_ROLES (whether its template renders each):
+at most this many, of at most this many characters, so that a server's clients sending ever new
+roles never grow it."""
 _THINK_BLOCK = re.compile(r"<think>.*?</think>\s*", re.S)
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
 """Tokens that end an assistant turn, where the vocabulary has them (Llama 3's <|eom_id|> ends a
@@ -387,10 +392,15 @@ class Chat:
     def _renders_role(self, role: str) -> bool:
         """Whether the chat template writes a message of `role` (templates drop roles they do not
         know without a word)."""
-        if role not in self._roles:
-            self._roles[role] = self._writes("hibana-role-probe", [{"role": "user", "content": "hi"},
-                                                                   {"role": role, "content": "hibana-role-probe"}])
-        return self._roles[role]
+        renders = self._roles.get(role)
+        if renders is None:
+            renders = self._writes("hibana-role-probe", [{"role": "user", "content": "hi"},
+                                                         {"role": role, "content": "hibana-role-probe"}])
+            if len(role) <= ROLE_CACHED_LENGTH:  # roles are the caller's words: a server's clients send any
+                if len(self._roles) >= ROLES_CACHED:
+                    self._roles.clear()
+                self._roles[role] = renders
+        return renders
 
     def _without_thinking(self, text: str) -> tuple[str, list[int]]:
         """`text` without the think blocks that open an assistant's reply (what a template that

@@ -84,3 +84,21 @@ def test_hibana_serve_gives_the_engine_its_own_bound():
 
     options = server.engine_options(server.build_parser().parse_args(["demo", "--max-named-states", "10000"]))
     assert EngineConfig.from_overrides("demo", **options).cache.max_named_states == 10000
+
+
+def test_a_chat_layer_remembers_a_bounded_number_of_unknown_roles(make_engine):
+    """A server has one chat layer for its life; each request whose message had a role the
+    template does not know (refused, a ConversationError) left that role, of any length, in the
+    layer's memory for good: distinct roles from clients grew it without bound."""
+    from hibana_core import ConversationError
+    from hibana_core.chat import Chat
+
+    chat = Chat(make_engine("demo", speculation="off"))
+    for i in range(200):
+        role = f"role-{i}" + "x" * (i % 3) * 100
+        try:
+            chat.render_text([{"role": "user", "content": "hi"}, {"role": role, "content": "hi"}])
+        except ConversationError:
+            pass
+    assert 0 < len(chat._roles) <= 64  # chat.ROLES_CACHED
+    assert chat.render_text([{"role": "user", "content": "hi"}])  # the layer still serves
