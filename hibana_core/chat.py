@@ -640,7 +640,8 @@ class Chat:
         tools or answers in JSON valid under it (`turn.answer_or_calls`). `params` with a regex or a
         grammar keep it and get no tool-call grammar.
         `parallel_tool_calls=False`: at most one call, in the stream as in the result.
-        `timeout`: seconds, checked per token. `reasoning`: the template's `enable_thinking`
+        `timeout`: seconds; at the deadline the request is stopped (queued, prefilling or generating) and
+        the call raises ChatTimeoutError, its state put back. `reasoning`: the template's `enable_thinking`
         (messages as dicts; a rendered prompt already says), `reasoning_effort` OpenAI's level, to a
         template that reads it (gpt-oss's; `render_text`'s `effort`). A reasoning model's thinking comes
         apart from the answer (`ChatResult.reasoning`, `ChatDelta.reasoning`); `reasoning_history`:

@@ -439,10 +439,11 @@ def prompts_of(request: CompletionRequest, state_header: str | None) -> list[str
 
 def thinking_switch(request: ChatRequest) -> bool | None:
     """Whether a reasoning model thinks (the chat template's `enable_thinking`, Qwen3's switch):
-    `chat_template_kwargs.enable_thinking` as vLLM and SGLang take it, or `reasoning_effort`
-    ("none": off; any effort: on, and its level goes to the template too: `reasoning_level`); None
-    leaves the template's default. A model without thinking ignores both, as OpenAI's
-    non-reasoning models do."""
+    `chat_template_kwargs.enable_thinking` as vLLM and SGLang take it; None leaves the template's
+    default. `reasoning_effort` goes to the chat layer as it is (`reasoning_level`), which reads
+    "none" as thinking off, unless the model's chat format declares "none" as a level of its own
+    (`Chat.render_text`); the two disagreeing is a 400. A model without thinking ignores both,
+    as OpenAI's non-reasoning models do."""
     kwargs = request.chat_template_kwargs or {}
     other = sorted(set(kwargs) - {"enable_thinking"})
     if other:
@@ -456,13 +457,14 @@ def thinking_switch(request: ChatRequest) -> bool | None:
     if None not in (enabled, effort) and enabled != effort:
         raise ApiError(400, f"reasoning_effort={request.reasoning_effort!r} and chat_template_kwargs.enable_thinking="
                             f"{str(enabled).lower()} disagree; give one of them", "reasoning_effort")
-    return effort if enabled is None else enabled
+    return enabled
 
 
 def reasoning_level(request: ChatRequest) -> str | None:
-    """`reasoning_effort` as the level a template may read (gpt-oss's writes "Reasoning: high"
-    into its system message); "none" is no level, thinking off (`thinking_switch`)."""
-    return None if request.reasoning_effort in (None, "none") else request.reasoning_effort
+    """`reasoning_effort` as the chat layer takes it: a level a template may read (gpt-oss's writes
+    "Reasoning: high" into its system message), or "none": thinking off, or the level "none" of a
+    chat format that declares one (`Chat.render_text`)."""
+    return request.reasoning_effort
 
 
 def _given(value: float | None, default: float) -> float:

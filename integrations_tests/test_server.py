@@ -1065,6 +1065,20 @@ def test_thinking_can_be_switched_off(thinker, off):
     assert prompt_tokens(**off) == prompt_tokens() + empty_block == prompt_tokens(reasoning_effort="low") + empty_block
 
 
+def test_reasoning_effort_reaches_the_chat_layer_as_given():
+    """"none" goes to the chat layer as it is, which reads it as thinking off, unless the model's chat
+    format declares a level "none" of its own (the server switched thinking off and dropped the level,
+    so such a format's "none" was a 400 where in process it is a level); enable_thinking alone is the
+    switch."""
+    from hibana_plugins.openai_api import ChatRequest, reasoning_level, thinking_switch
+
+    none = ChatRequest(model="thinker", messages=HI, reasoning_effort="none")
+    assert (thinking_switch(none), reasoning_level(none)) == (None, "none")
+    high = ChatRequest(model="thinker", messages=HI, reasoning_effort="high",
+                       chat_template_kwargs={"enable_thinking": True})
+    assert (thinking_switch(high), reasoning_level(high)) == (True, "high")
+
+
 @pytest.mark.parametrize("options, param", [
     ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"extra_body": {"chat_template_kwargs": {"enable_thinking": "no"}}}, "chat_template_kwargs.enable_thinking"),
