@@ -716,7 +716,11 @@ class Chat:
         # or closes it (Qwen3's with thinking switched off writes an empty block): no thinking to hold a grammar off
         closed_in_prompt = end.rstrip().endswith(turn.THINK_CLOSE)
         thinking = turn.Thinking(open_in_prompt, closed_in_prompt) if self.thinks else None
-        held_off = thinking is not None and not closed_in_prompt  # a grammar waits for the think block
+        # or a prefill writes the block whole ("<think>\n\n</think>\n\n": no thinking this turn), so the
+        # grammar starts after it, in the answer
+        closed_by_prefill = (thinking is not None and not closed_in_prompt and turn.THINK_CLOSE in prefill
+                             and (open_in_prompt or prefill.lstrip().startswith(turn.THINK_OPEN)))
+        held_off = thinking is not None and not closed_in_prompt and not closed_by_prefill  # a grammar waits for it
         answer = params.json_schema if parse_tools and tools else None  # the text answer's schema, beside calls
         calls_held = False  # a call grammar holds the turn
         if parse_tools and (answer is not None or not params.constrained):

@@ -160,6 +160,28 @@ def test_tool_call_grammar_waits_for_the_thinking(engine, choice, opened):
     assert [(c.name, c.arguments) for c in result.tool_calls] == [("get_weather", {"city": "Paris"})]
 
 
+@pytest.mark.parametrize("opened", [False, True])
+def test_a_prefill_that_closes_the_think_block_starts_the_call_grammar_after_it(engine, opened):
+    """Skipping the thinking for one call by prefilling an empty think block (Qwen3's own off
+    switch writes it) beside tools: the call grammar starts after the prefill, in the answer (it
+    was a ConfigError: the grammar, waiting for a think block, held the turn from its first token)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    state = f"skip-thinking-{opened}"
+    n = force(engine, state, f"{call}<|im_end|>")
+    chat = Chat(engine, state)
+    prompt = chat.render_text([{"role": "user", "content": "weather in Paris?"}], tools)
+    prompt += "<think>\n" if opened else ""
+    prefill = "\n</think>\n\n" if opened else "<think>\n\n</think>\n\n"
+    result = chat.respond(prompt, tools, SamplingParams(max_tokens=n), prefill=prefill)
+    assert result.reasoning == "" and result.finish_reason == "tool_calls"
+    assert [(c.name, c.arguments) for c in result.tool_calls] == [("get_weather", {"city": "Paris"})]
+    # a prefill that leaves the block open still waits for it: refused, as before
+    with pytest.raises(ConfigError, match="prefill"):
+        chat.respond(prompt, tools, SamplingParams(max_tokens=n), prefill="<think>\nHmm")
+
+
 @pytest.mark.parametrize("reply", ["json", "call"])
 def test_an_answer_schema_beside_tools_waits_for_the_thinking(engine, reply):
     """A json_schema beside tools: after the think block and its blank line, a call or the answer
