@@ -81,6 +81,10 @@ if TYPE_CHECKING:
 
 CACHE_SIZE = 256
 """Compiled grammars kept per engine (least recently used dropped)."""
+CACHE_BYTES = 1 << 30
+"""And their bytes at most (xgrammar's `memory_size_bytes`): a grammar's token masks grow with the
+vocabulary and the schema, so 256 large schemas over a 151k vocabulary could hold gigabytes of host
+memory; the one just compiled is kept whatever its size."""
 BATCH_FILL_ROWS = 8
 """From this many rows without drafts, masks are filled by xgrammar's thread pool in one call."""
 MAX_FILL_THREADS = 8
@@ -1394,6 +1398,11 @@ class _Compiled:
     own: frozenset[int] = frozenset()
 
 
+def _size(compiled: _Compiled) -> int:
+    """A cached grammar's host bytes, as xgrammar counts them."""
+    return int(getattr(compiled.grammar, "memory_size_bytes", 0) or 0)
+
+
 class Grammars:
     """The engine's grammar side: one tokenizer description, a cache of compiled grammars, and
     the masks of each step. The tokenizer is described on first use (0.6 s for a 151k
@@ -1410,6 +1419,7 @@ class Grammars:
         self._batch: Any = None
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[tuple, _Compiled] = collections.OrderedDict()
+        self._cache_bytes = 0  # of the grammars in it (`CACHE_BYTES`)
         self._compiling: dict[tuple, concurrent.futures.Future] = {}  # compiles under way: one per grammar
         self._spellings: dict[str, tuple[int, ...]] = {}
         self._suspects: torch.Tensor | None = None  # see `suspects`
@@ -1526,8 +1536,9 @@ class Grammars:
         with self._lock:
             del self._compiling[key]
             self._cache[key] = compiled
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            self._cache_bytes += _size(compiled)
+            while len(self._cache) > 1 and (len(self._cache) > CACHE_SIZE or self._cache_bytes > CACHE_BYTES):
+                self._cache_bytes -= _size(self._cache.popitem(last=False)[1])
         running.set_result(compiled)
         return compiled
 

@@ -1602,3 +1602,26 @@ def test_keywords_xgrammar_holds_on_other_keys_alone_are_refused_where_they_woul
 def test_a_regex_pythons_re_cannot_read_is_refused(engine):
     with pytest.raises(GrammarError, match="no regex Python's re reads .*bad character range"):
         _generate(engine, "bad-range", [5, 6], max_tokens=4, regex=r"[\d-z]")
+
+
+def test_the_compiled_grammars_cache_is_bounded_in_bytes_too(engine, monkeypatch):
+    """CACHE_SIZE bounds the count; a large vocabulary makes each grammar large, so CACHE_BYTES bounds
+    their bytes as xgrammar counts them: the least recently used go first, the newest always stays."""
+    import hibana_core.grammar as grammar_module
+
+    grammars = engine.grammars
+    monkeypatch.setattr(grammars, "_cache", type(grammars._cache)())
+    monkeypatch.setattr(grammars, "_cache_bytes", 0)
+    one = grammars.compile(SamplingParams(regex=r"a{1,40}b"))
+    size = one.grammar.memory_size_bytes
+    assert size > 0 and grammars._cache_bytes == size
+    monkeypatch.setattr(grammar_module, "CACHE_BYTES", int(2.5 * size))
+    for n in range(41, 47):
+        grammars.compile(SamplingParams(regex=f"a{{1,{n}}}b"))
+        assert grammars._cache_bytes <= grammar_module.CACHE_BYTES or len(grammars._cache) == 1
+        assert grammars._cache_bytes == sum(c.grammar.memory_size_bytes for c in grammars._cache.values())
+    assert 1 <= len(grammars._cache) < 7
+    assert grammars.cached(SamplingParams(regex="a{1,46}b")) and not grammars.cached(SamplingParams(regex=r"a{1,40}b"))
+    monkeypatch.setattr(grammar_module, "CACHE_BYTES", 1)  # smaller than any: the newest alone
+    grammars.compile(SamplingParams(regex="c+"))
+    assert list(grammars._cache) and len(grammars._cache) == 1
