@@ -24,7 +24,7 @@ import tempfile
 import threading
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
@@ -418,7 +418,9 @@ class Engine:
         model objects on one checkpoint share weights, KV pool and step loop. An engine lives
         while an object uses it, the two most recently asked for also while none does."""
         config = EngineConfig.from_overrides(str(model), **overrides)
-        key = repr(config)  # the parsed options: speculation=False and "off", or a dict in any key order, share one
+        # the parsed options: speculation=False and "off", or a dict in any key order, share one; so do
+        # engines that differ only in whether loading draws its bars (two copies of the weights else)
+        key = repr(replace(config, progress=True))
         with _SHARED_LOCK:
             engine = _SHARED.get(key)
             if engine is None or engine.core.closed:

@@ -549,6 +549,9 @@ def test_shared_engines_are_one_per_model_and_options(tiny_checkpoints):
     a = Engine.shared(path, device="cpu", num_blocks=64, progress=False)
     try:
         assert Engine.shared(path, device="cpu", num_blocks=64, progress=False) is a
+        # whether loading draws bars is no other engine (ChatHibana(model=X) and one with
+        # engine_kwargs={"progress": False} loaded the weights twice)
+        assert Engine.shared(path, device="cpu", num_blocks=64) is a
         b = Engine.shared(path, device="cpu", num_blocks=32, progress=False)
         assert b is not a
         b.close()
