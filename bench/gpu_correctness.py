@@ -22,7 +22,8 @@
    that fused layers hold per row, per tensor; compressed-tensors per channel where installed),
    float32: GPU (fp8 GEMV at 3 agents, GEMM at 6, dequantize + cuBLAS in prefill) == CPU, greedy.
 7. families (issue 18): gemma3, phi3 (also with LongRoPE's switch at 64 tokens, inside the
-   histories), qwen3_moe and gpt_oss (MoE routers with tied rows), float32,
+   histories), qwen3_moe, gpt_oss and mixtral (MoE routers with tied rows; mixtral also with
+   sliding_window 20), float32,
    GPU == transformers on the GPU, greedy, 4 agents batched, eager and CUDA graphs; gpt_oss also
    from an MXFP4 checkpoint (the experts' Triton MXFP4 paths) against transformers' dequantized
    model. (Checks 1, 3 and 5 run them too, GPU == CPU, with routers free of ties.)
@@ -455,6 +456,26 @@ def family_cases() -> Iterator[tuple[str, Path, list[list[int]]]]:
             # MXFP4 from the untied one: the reference runs on the CPU, whose torch.topk breaks
             # ties otherwise than CUDA's (the tied MXFP4 row gave 2/4 on 2026-12-01)
             yield "gpt_oss untied mxfp4", make_mxfp4_checkpoint(untied, path.parent / "gpt_oss-mxfp4"), prompts
+    yield from extra_family_cases(23)
+
+
+EXTRA_FAMILIES = ("mixtral",)
+"""Families whose tiny checkpoints tests/test_family_mixtral_granite.py builds (`make_tiny_family`),
+not tiny_models.ARCHS (so checks 1, 3 and 5 do not run them)."""
+
+
+def extra_family_cases(seed: int) -> Iterator[tuple[str, Path, list[list[int]]]]:
+    """`tiny_cases` of EXTRA_FAMILIES (routers tied in pairs), and mixtral again windowed (20
+    tokens: mid second block) on the same prompts."""
+    from test_family_mixtral_granite import make_tiny_family
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in EXTRA_FAMILIES:
+            rng = random.Random(seed)
+            prompts = [[rng.randrange(2, 512) for _ in range(rng.randint(20, 300))] for _ in range(4)]
+            yield family, make_tiny_family(family, Path(tmp) / family), prompts
+            if family == "mixtral":
+                yield "mixtral window 20", make_tiny_family(family, Path(tmp) / "mixtral-20", sliding_window=20), prompts
 
 
 def transformers_reads_swiglu_limit() -> bool:

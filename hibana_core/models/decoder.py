@@ -276,6 +276,8 @@ class DecoderArgs:
     # multimodal checkpoint's language model
     checkpoint_other_parts: tuple[str, ...] = ()  # name prefixes of a checkpoint's parts this model
     # leaves out on purpose (a multimodal checkpoint's other towers): not reported as unused
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()  # (a checkpoint name's dotted part, ours),
+    # e.g. Mixtral's block_sparse_moe -> mlp and its experts' w1 / w3 / w2 -> gate_proj / up_proj / down_proj
     moe: MoEArgs | None = None  # sparse blocks in place of the MLP, in the layers it names
     attention_sinks: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
     longrope_recompute: bool = False  # generate recomputes the whole cache once the sequence crosses
@@ -703,7 +705,11 @@ class DecoderForCausalLM(nn.Module):
         """A checkpoint tensor's name as `checkpoint_tensors` spells it."""
         for theirs, ours in self.args.checkpoint_prefixes:
             if name.startswith(theirs):
-                return ours + name[len(theirs):]
+                name = ours + name[len(theirs):]
+                break
+        if self.args.checkpoint_renames:
+            renames = dict(self.args.checkpoint_renames)
+            name = ".".join(renames.get(part, part) for part in name.split("."))
         return name
 
     @property

@@ -1,0 +1,147 @@
+"""Mixtral and Granite on the shared decoder, against transformers on tiny seeded checkpoints
+(the pattern of test_families.py): greedy token for token as `generate`, 3 agents x 3 turns
+batched with retention, speculation on, the config variants Hibana refuses.
+
+    mixtral  3 layers, head_dim 16, top-2 of 8 experts (intermediate 32), routers tied in pairs
+             (tiny_models.TIED_EXPERT_PAIRS); checkpoints hold block_sparse_moe.experts.{e}.w1/w2/w3
+    granite  3 layers, embedding_multiplier 3, attention_multiplier 0.09 (not head_dim ** -0.5),
+             residual_multiplier 0.6, logits_scaling 2.5
+
+`make_tiny_family` is also what bench/gpu_correctness.py's families check builds them with.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from tiny_models import (_COMMON, EVERY_TENSOR_USED, _save_seeded, agent_turn_plan, assert_greedy_matches,
+                         greedy_turns_at_once, open_engine, random_tokens)
+
+pytestmark = [pytest.mark.timeout(300), EVERY_TENSOR_USED]
+
+FAMILY_CONFIGS: dict[str, dict] = {
+    "mixtral": dict(
+        num_hidden_layers=3,
+        head_dim=16,
+        intermediate_size=32,  # of each expert
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+    ),
+    "granite": dict(
+        num_hidden_layers=3,
+        embedding_multiplier=3.0,
+        attention_multiplier=0.09,
+        residual_multiplier=0.6,
+        logits_scaling=2.5,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+    ),
+}
+
+
+def make_tiny_family(family: str, path, seed: int = 1234, tied_experts: bool = True, **overrides) -> Path:
+    """A seeded random `family` ("mixtral" or "granite") checkpoint as tiny_models writes its own."""
+    from transformers import GraniteConfig, MixtralConfig
+
+    kind = {"mixtral": MixtralConfig, "granite": GraniteConfig}[family]
+    config = kind(**{**_COMMON, **FAMILY_CONFIGS[family], **overrides})
+    return _save_seeded(config, Path(path), seed, tied_experts=tied_experts)
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory) -> Path:
+    return make_tiny_family("mixtral", tmp_path_factory.mktemp("mixtral") / "m")
+
+
+def three_agents_three_turns(engine, path, prefix: str, seed: int) -> None:
+    """3 agents at once, 3 turns each with retention; every generation transformers' greedy."""
+    agents = greedy_turns_at_once(engine, prefix, [agent_turn_plan(seed + a, turns=3) for a in range(3)])
+    for turns in agents:
+        for history, completion in turns:
+            assert_greedy_matches(path, history, completion.token_ids)
+    assert engine.stats().prompt_tokens_reused > 0, "later turns must reuse the retained KV"
+
+
+def repeating_history(seed: int) -> list[int]:
+    """A history that repeats itself, so the suffix drafter proposes (and some drafts pass)."""
+    rng = random.Random(seed)
+    phrase = random_tokens(rng, 12)
+    return random_tokens(rng, 10) + phrase * 3 + random_tokens(rng, 5) + phrase[:4]
+
+
+def speculated_agents(engine, path) -> None:
+    agents = greedy_turns_at_once(engine, "spec", [[(repeating_history(50 + a), 24), (repeating_history(60 + a), 16)]
+                                                   for a in range(3)])
+    for turns in agents:
+        for history, completion in turns:
+            assert_greedy_matches(path, history, completion.token_ids)
+    stats = engine.stats()
+    assert stats.draft_tokens_proposed > 0 and stats.draft_tokens_accepted > 0, stats
+
+
+# --- Mixtral ----------------------------------------------------------------------------------
+
+def test_mixtral_checkpoint_names_its_experts_as_transformers_saves_them(mixtral):
+    from safetensors import safe_open
+
+    with safe_open(mixtral / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.block_sparse_moe.experts.7.w3.weight" in names
+    assert "model.layers.2.block_sparse_moe.gate.weight" in names
+
+
+def test_mixtral_agents_batched_with_retention_match_transformers(mixtral, make_engine):
+    engine = make_engine(mixtral)
+    assert engine.model.args.moe.top_k == 2 and engine.model.args.moe.renormalize
+    three_agents_three_turns(engine, mixtral, "mx", 7100)
+
+
+def test_mixtral_with_speculation_matches_transformers(mixtral, make_engine):
+    speculated_agents(make_engine(mixtral, speculation={"method": "suffix", "k": 4}), mixtral)
+
+
+@pytest.mark.parametrize("window", [20, 7], ids=["mid-second-block", "under-a-block"])
+def test_mixtral_sliding_window_crossing_blocks_matches_transformers(window, tmp_path, make_engine):
+    """transformers' Mixtral windows every layer by sliding_window (it reads no layer_types nor
+    use_sliding_window): histories of 16-token blocks far past the window, 3 agents x 3 turns."""
+    path = make_tiny_family("mixtral", tmp_path / "windowed", sliding_window=window, use_sliding_window=False)
+    engine = make_engine(path)
+    assert engine.model.args.sliding_windows == (window,) * 3
+    three_agents_three_turns(engine, path, "w", 7200)
+
+
+def test_mixtral_experts_load_stacked_or_one_tensor_per_expert(mixtral, make_engine):
+    """transformers 5 holds the experts stacked in memory (mlp.experts.gate_up_proj, what
+    `Engine.from_hf_model` copies); on disk they are w1 / w3 / w2 per expert: both load alike."""
+    from hibana_core import Engine, SamplingParams
+    from tiny_models import _hf_model
+
+    hf_model = _hf_model(str(mixtral))
+    assert any(name.endswith("mlp.experts.gate_up_proj") for name in hf_model.state_dict())
+    history = random_tokens(random.Random(3), 70)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    from_disk = make_engine(mixtral).open_state("disk").generate(params, prompt=history)
+    with Engine.from_hf_model(hf_model, None, device="cpu", dtype="float32", block_size=16,
+                              num_blocks=64, progress=False) as engine:
+        assert list(engine.open_state("mem").generate(params, prompt=history).token_ids) == list(from_disk.token_ids)
+    assert_greedy_matches(mixtral, history, from_disk.token_ids)
+
+
+@pytest.mark.parametrize("edit, error, message", [
+    ({"hidden_act": "gelu"}, "UnsupportedModelError", "hidden_act 'gelu'"),
+    ({"num_experts_per_tok": 9}, "CheckpointError", "num_experts_per_tok 9"),
+])
+def test_mixtral_configs_it_cannot_run_are_refused(mixtral, tmp_path, edit, error, message):
+    import shutil
+
+    import hibana_core
+
+    path = Path(shutil.copytree(mixtral, tmp_path / "edited"))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(getattr(hibana_core, error), match=message):
+        open_engine(path)
