@@ -512,9 +512,10 @@ def llm_class() -> type:
             """A ToolSchemaError, before any token, where the grammar cannot hold the answer to the
             output class's schema (`maxLength` beside a `pattern`, ...): the answer must parse into
             the class, as `ChatHibana.with_structured_output` requires. (as_structured_llm comes
-            here too: StructuredLLM calls these methods.) Returns the calls' llm_kwargs: where the
-            template renders no tools (LlamaIndex then asks for JSON in the prompt, not a call),
-            with the class's schema, so that the grammar holds the answer all the same."""
+            here too: StructuredLLM calls these methods.) Returns the calls' llm_kwargs: where
+            LlamaIndex asks for JSON in the prompt, not a call (a template that renders no tools,
+            or pydantic_program_mode="llm": its LLMTextCompletionProgram), with the class's
+            schema, so that the grammar holds the answer all the same."""
             from llama_index.core.program.function_program import get_function_tool
 
             if not (isinstance(output_cls, type) and hasattr(output_cls, "model_json_schema")):  # (an AttributeError)
@@ -527,7 +528,10 @@ def llm_class() -> type:
                                       f"grammar cannot hold the answer to its schema ({'; '.join(problems)}), and the "
                                       "answer must parse into it: relax those fields, and check the rest in your code")
             llm_kwargs = {"structured_answer": True, **(llm_kwargs or {})}
-            if self.pydantic_program_mode != PydanticProgramMode.DEFAULT or self._chat_layer().renders_tools():
+            mode = self.pydantic_program_mode  # which program LlamaIndex picks (`get_program_for_llm`)
+            as_text = mode == PydanticProgramMode.LLM or (mode == PydanticProgramMode.DEFAULT
+                                                         and not self._chat_layer().renders_tools())
+            if not as_text:
                 return llm_kwargs
             return {"json_schema": parameters, **llm_kwargs}
 
