@@ -23,7 +23,7 @@
    float32: GPU (fp8 GEMV at 3 agents, GEMM at 6, dequantize + cuBLAS in prefill) == CPU, greedy.
 7. families (issue 18): gemma3, phi3 (also with LongRoPE's switch at 64 tokens, inside the
    histories), qwen3_moe, gpt_oss and mixtral (MoE routers with tied rows; mixtral also with
-   sliding_window 20), float32,
+   sliding_window 20), granite (its four multipliers), float32,
    GPU == transformers on the GPU, greedy, 4 agents batched, eager and CUDA graphs; gpt_oss also
    from an MXFP4 checkpoint (the experts' Triton MXFP4 paths) against transformers' dequantized
    model. (Checks 1, 3 and 5 run them too, GPU == CPU, with routers free of ties.)
@@ -459,7 +459,7 @@ def family_cases() -> Iterator[tuple[str, Path, list[list[int]]]]:
     yield from extra_family_cases(23)
 
 
-EXTRA_FAMILIES = ("mixtral",)
+EXTRA_FAMILIES = ("mixtral", "granite")
 """Families whose tiny checkpoints tests/test_family_mixtral_granite.py builds (`make_tiny_family`),
 not tiny_models.ARCHS (so checks 1, 3 and 5 do not run them)."""
 

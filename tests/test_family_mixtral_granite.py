@@ -104,10 +104,11 @@ def test_mixtral_with_speculation_matches_transformers(mixtral, make_engine):
     speculated_agents(make_engine(mixtral, speculation={"method": "suffix", "k": 4}), mixtral)
 
 
-@pytest.mark.parametrize("window", [20, 7], ids=["mid-second-block", "under-a-block"])
-def test_mixtral_sliding_window_crossing_blocks_matches_transformers(window, tmp_path, make_engine):
+def test_mixtral_sliding_window_crossing_blocks_matches_transformers(tmp_path, make_engine):
     """transformers' Mixtral windows every layer by sliding_window (it reads no layer_types nor
-    use_sliding_window): histories of 16-token blocks far past the window, 3 agents x 3 turns."""
+    use_sliding_window): a window of 20 (it starts mid-block in 16-token blocks), histories far
+    past it, 3 agents x 3 turns."""
+    window = 20
     path = make_tiny_family("mixtral", tmp_path / "windowed", sliding_window=window, use_sliding_window=False)
     engine = make_engine(path)
     assert engine.model.args.sliding_windows == (window,) * 3
@@ -144,4 +145,55 @@ def test_mixtral_configs_it_cannot_run_are_refused(mixtral, tmp_path, edit, erro
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, **edit}))
     with pytest.raises(getattr(hibana_core, error), match=message):
+        open_engine(path)
+
+
+# --- Granite ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def granite(tmp_path_factory) -> Path:
+    return make_tiny_family("granite", tmp_path_factory.mktemp("granite") / "g")
+
+
+def test_granite_reads_its_multipliers(granite, make_engine):
+    args = make_engine(granite).model.args
+    assert (args.embed_scale, args.embed_scale_in_dtype, args.attention_scale, args.residual_multiplier,
+            args.logits_scaling) == (3.0, False, 0.09, 0.6, 2.5)
+    assert args.sliding_windows == (None,) * 3
+
+
+def test_granite_agents_batched_with_retention_match_transformers(granite, make_engine):
+    three_agents_three_turns(make_engine(granite), granite, "gr", 8100)
+
+
+def test_granite_with_speculation_matches_transformers(granite, make_engine):
+    speculated_agents(make_engine(granite, speculation={"method": "suffix", "k": 4}), granite)
+
+
+def test_granite_logprobs_are_those_of_its_scaled_logits(granite, make_engine):
+    """logits_scaling changes no greedy token, only the distribution: each generated token's
+    log-probability and the top 5 are transformers' log_softmax of its logits (divided by 2.5)."""
+    from hibana_core import SamplingParams
+    from tiny_models import hf_next_logits
+
+    history = random_tokens(random.Random(4), 40)
+    c = make_engine(granite).open_state("lp").generate(
+        SamplingParams(max_tokens=4, ignore_eos=True, logprobs=True, top_logprobs=5), prompt=history)
+    for i, (token, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+        want = hf_next_logits(granite, history + list(c.token_ids[:i])).log_softmax(-1)
+        assert lp.token_id == token == int(want.argmax())
+        assert lp.logprob == pytest.approx(float(want[token]), abs=1e-4)
+        assert [t for t, _ in lp.top] == want.topk(5).indices.tolist()
+
+
+@pytest.mark.parametrize("field, value", [("logits_scaling", 0), ("residual_multiplier", float("nan"))])
+def test_granite_multipliers_it_cannot_apply_are_refused(granite, tmp_path, field, value):
+    import shutil
+
+    from hibana_core import CheckpointError
+
+    path = Path(shutil.copytree(granite, tmp_path / "edited"))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(CheckpointError, match=field):
         open_engine(path)

@@ -270,6 +270,10 @@ class DecoderArgs:
     cast_last_norms: bool = False  # norms scale by the weight in float32, then round (gpt-oss)
     sandwich_norms: bool = False  # norms after attention and MLP too, four per layer (Gemma)
     embed_scale: float | None = None  # embeddings times this, rounded to the model dtype (Gemma)
+    embed_scale_in_dtype: bool = True  # False: embed_scale multiplies as a Python float, unrounded
+    # (Granite's embedding_multiplier)
+    residual_multiplier: float = 1.0  # each block's output times this before its residual add (Granite)
+    logits_scaling: float = 1.0  # logits divided by this (Granite)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     fused_in_checkpoint: bool = False  # the checkpoint holds qkv_proj and gate_up_proj as we do (Phi-3)
     checkpoint_prefixes: tuple[tuple[str, str], ...] = ()  # (checkpoint name prefix, ours), e.g. a
@@ -618,6 +622,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = make_norm(args, args.hidden_size)
         self.post_attention_layernorm = make_norm(args, args.hidden_size)
         self.sandwich = args.sandwich_norms
+        self.residual_multiplier = args.residual_multiplier
         if self.sandwich:
             self.pre_feedforward_layernorm = make_norm(args, args.hidden_size)
             self.post_feedforward_layernorm = make_norm(args, args.hidden_size)
@@ -628,12 +633,19 @@ class DecoderLayer(nn.Module):
         can (`Linear.after_norm`): a batch-1 decode layer on the GPU can be six launches (norm +
         qkv, prologue, attention, o, norm + gate_up, silu + down). With sandwich norms
         post_attention_layernorm normalises the attention's output and pre_feedforward_layernorm
-        comes before the MLP; without, post_attention_layernorm is the one before the MLP."""
+        comes before the MLP; without, post_attention_layernorm is the one before the MLP. A
+        residual_multiplier (Granite's) scales each block's output before it joins the stream."""
         x, residual = self.self_attn(positions, x, residual, self.input_layernorm)
         if not self.sandwich:
-            return self.mlp(x, residual, self.post_attention_layernorm)
-        x, residual = self.mlp(self.post_attention_layernorm(x), residual, self.pre_feedforward_layernorm)
-        return self.post_feedforward_layernorm(x), residual
+            x, residual = self.mlp(self._scaled(x), residual, self.post_attention_layernorm)
+            return self._scaled(x), residual
+        x, residual = self.mlp(self._scaled(self.post_attention_layernorm(x)), residual,
+                               self.pre_feedforward_layernorm)
+        return self._scaled(self.post_feedforward_layernorm(x)), residual
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        # transformers' `residual + x * multiplier`: the product rounded to x's dtype, then added
+        return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier
 
 
 @functools.cache
@@ -645,7 +657,7 @@ def _in_dtype(value: float, dtype: torch.dtype) -> float:
 class DecoderModel(nn.Module):
     def __init__(self, args: DecoderArgs, ctx: ForwardContext) -> None:
         super().__init__()
-        self.embed_scale = args.embed_scale
+        self.embed_scale, self.embed_scale_in_dtype = args.embed_scale, args.embed_scale_in_dtype
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         switch = longrope_switch(args)
         rotaries = {rope: RotaryTables(rope, args.max_position_embeddings, switch) for rope in dict.fromkeys(args.ropes)}
@@ -654,8 +666,8 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
-        if self.embed_scale is not None:
-            x = x * _in_dtype(self.embed_scale, x.dtype)
+        if self.embed_scale is not None:  # Gemma's rounded to x's dtype first, Granite's not
+            x = x * (_in_dtype(self.embed_scale, x.dtype) if self.embed_scale_in_dtype else self.embed_scale)
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         return self.norm(x, residual)[0]
@@ -686,6 +698,8 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
+        if self.args.logits_scaling != 1.0:  # (Granite's: a division, as transformers')
+            logits = logits / self.args.logits_scaling
         cap = self.args.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
