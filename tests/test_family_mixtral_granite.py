@@ -197,3 +197,24 @@ def test_granite_multipliers_it_cannot_apply_are_refused(granite, tmp_path, fiel
     (path / "config.json").write_text(json.dumps({**config, field: value}))
     with pytest.raises(CheckpointError, match=field):
         open_engine(path)
+
+
+def test_granite_embeddings_scale_by_the_unrounded_multiplier(tmp_path):
+    """transformers multiplies bf16 embeddings by the Python float embedding_multiplier (1.7 here),
+    not by it rounded to bf16 first as Gemma's normaliser is: the first layer's input is bit for
+    bit transformers' `embed_tokens(ids) * embedding_multiplier`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hibana_core import Engine, SamplingParams
+
+    path = make_tiny_family("granite", tmp_path / "g", num_hidden_layers=1, embedding_multiplier=1.7)
+    ids = random_tokens(random.Random(6), 20)
+    seen = []
+    with Engine.from_pretrained(str(path), device="cpu", dtype="bfloat16", block_size=16, num_blocks=16,
+                                progress=False) as engine:
+        engine.model.model.layers[0].register_forward_pre_hook(lambda module, inputs: seen.append(inputs[1].clone()))
+        engine.open_state("e").generate(SamplingParams(max_tokens=1, ignore_eos=True), prompt=ids)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
+    want = hf.model.embed_tokens(torch.tensor(ids)) * hf.config.embedding_multiplier
+    assert seen[0].dtype == torch.bfloat16 and torch.equal(seen[0], want)
