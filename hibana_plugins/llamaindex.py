@@ -314,6 +314,8 @@ def llm_class() -> type:
         def __init__(self, model: str = "demo", engine: Any = None, **kwargs: Any) -> None:
             # unknown options and bad values are refused before an engine loads (`hibana_plugins.options`)
             kwargs = unset_nones(resolve_aliases(kwargs, "HibanaLLM"))  # temperature=None: the default
+            if kwargs.get("class_name") == "HibanaLLM":  # the key to_dict / model_dump add (from_dict drops it)
+                del kwargs["class_name"]
             if "max_model_len" in kwargs:
                 kwargs["engine_kwargs"] = {**kwargs.get("engine_kwargs", {}),
                                            "max_model_len": kwargs.pop("max_model_len")}

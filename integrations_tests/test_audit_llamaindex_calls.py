@@ -1,5 +1,5 @@
-"""Audit of HibanaLLM's structured output as a LlamaIndex user reaches it: every program
-LlamaIndex picks gets an answer held to the output class's schema."""
+"""Audit of HibanaLLM as a LlamaIndex user meets it: structured output through every program
+LlamaIndex picks, round trips through LlamaIndex's and pydantic's dicts."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from llama_index.core.prompts import PromptTemplate
 from pydantic import BaseModel
 
 from hibana_core import Engine
+from hibana_core.errors import ConfigError
 from hibana_plugins.llamaindex import HibanaLLM
 
 
@@ -21,8 +22,7 @@ PROMPT = PromptTemplate("Give the point {q}")
 
 @pytest.fixture(scope="module")
 def engine():
-    with Engine.from_pretrained("demo", device="cpu", progress=False) as engine:
-        yield engine
+    return Engine.shared("demo")  # the engine a dict or a pickle of a HibanaLLM finds
 
 
 async def test_pydantic_program_mode_llm_holds_the_text_answer_to_the_schema(engine):
@@ -35,3 +35,16 @@ async def test_pydantic_program_mode_llm_holds_the_text_answer_to_the_schema(eng
     assert isinstance(list(llm.stream_structured_predict(Point, PROMPT, q="1 2"))[-1], Point)
     assert isinstance(await llm.astructured_predict(Point, PROMPT, q="1 2"), Point)
     assert isinstance(llm.as_structured_llm(Point).complete("point 1 2").raw, Point)
+
+
+def test_its_own_dicts_build_it_again(engine):
+    """to_dict() and model_dump() add LlamaIndex's "class_name" key; HibanaLLM(**llm.to_dict())
+    and HibanaLLM.model_validate(llm.model_dump()) refused it ("does not take 'class_name'"),
+    where LlamaIndex's other LLMs ignore it. Another class's dict is still refused."""
+    llm = HibanaLLM(engine=engine, temperature=0.3, state_id="serialized", max_tokens=7)
+    for again in (HibanaLLM(**llm.to_dict()), HibanaLLM.model_validate(llm.model_dump()),
+                  HibanaLLM.from_dict(llm.to_dict())):
+        assert (again.temperature, again.state_id, again.max_tokens) == (0.3, "serialized", 7)
+        assert again.engine is engine  # Engine.shared("demo"), as a pickle finds it
+    with pytest.raises(ConfigError, match="class_name"):
+        HibanaLLM(engine=engine, class_name="OpenAI")
