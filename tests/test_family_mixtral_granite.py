@@ -218,3 +218,18 @@ def test_granite_embeddings_scale_by_the_unrounded_multiplier(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
     want = hf.model.embed_tokens(torch.tensor(ids)) * hf.config.embedding_multiplier
     assert seen[0].dtype == torch.bfloat16 and torch.equal(seen[0], want)
+
+
+def test_mixtral_gptq_checkpoint_loads_its_experts_as_int4_stacks(mixtral, tmp_path, monkeypatch, make_engine):
+    """A GPTQ Mixtral (block_sparse_moe.experts.{e}.w1.qweight, ...) reads its experts' names
+    through the same renames into the int4 stacks, and computes its dequantized weights."""
+    import test_prequantized
+    from hibana_core import SamplingParams
+
+    monkeypatch.setattr(test_prequantized, "LINEARS", test_prequantized.LINEARS + ("w1", "w2", "w3"))
+    reference = test_prequantized.write_quantized(mixtral, tmp_path / "gptq", "gptq")
+    packed = make_engine(tmp_path / "gptq", speculation="off")
+    assert {m.experts_kind for m in packed.model.modules() if hasattr(m, "experts_kind")} == {"int4"}
+    prompt, params = random_tokens(random.Random(2), 40), SamplingParams(max_tokens=16, ignore_eos=True)
+    assert list(packed.open_state("a").generate(params, prompt=prompt).token_ids) == \
+        list(make_engine(reference, speculation="off").open_state("a").generate(params, prompt=prompt).token_ids)
