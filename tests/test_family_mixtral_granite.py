@@ -186,16 +186,20 @@ def test_granite_logprobs_are_those_of_its_scaled_logits(granite, make_engine):
         assert [t for t, _ in lp.top] == want.topk(5).indices.tolist()
 
 
-@pytest.mark.parametrize("field, value", [("logits_scaling", 0), ("residual_multiplier", float("nan"))])
-def test_granite_multipliers_it_cannot_apply_are_refused(granite, tmp_path, field, value):
+@pytest.mark.parametrize("field, value, error, message", [
+    ("logits_scaling", 0, "CheckpointError", "logits_scaling is 0"),
+    ("residual_multiplier", float("nan"), "CheckpointError", "residual_multiplier is nan"),
+    ("hidden_act", "relu", "UnsupportedModelError", "activation 'relu'"),
+])
+def test_granite_configs_it_cannot_run_are_refused(granite, tmp_path, field, value, error, message):
     import shutil
 
-    from hibana_core import CheckpointError
+    import hibana_core
 
     path = Path(shutil.copytree(granite, tmp_path / "edited"))
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, field: value}))
-    with pytest.raises(CheckpointError, match=field):
+    with pytest.raises(getattr(hibana_core, error), match=message):
         open_engine(path)
 
 
