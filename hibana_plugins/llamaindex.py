@@ -380,8 +380,12 @@ def llm_class() -> type:
 
         @property
         def metadata(self) -> LLMMetadata:
-            return LLMMetadata(context_window=self.engine.max_model_len,
-                               num_output=self.max_tokens or DEFAULT_NUM_OUTPUTS,  # None: reserve the usual
+            context = self.engine.max_model_len
+            # None, or the whole context or more (no limit but the context, as None): reserve the usual;
+            # LlamaIndex packs prompts into context_window - num_output, which was then below zero
+            limited = self.max_tokens is not None and self.max_tokens < context
+            return LLMMetadata(context_window=context,
+                               num_output=self.max_tokens if limited else DEFAULT_NUM_OUTPUTS,
                                is_chat_model=True, model_name=self.model,
                                # a template without tools (Gemma 3's, Phi-3's) cannot show the model a tool:
                                # structured_predict then asks for the answer as JSON, held to the schema

@@ -48,3 +48,19 @@ def test_its_own_dicts_build_it_again(engine):
         assert again.engine is engine  # Engine.shared("demo"), as a pickle finds it
     with pytest.raises(ConfigError, match="class_name"):
         HibanaLLM(engine=engine, class_name="OpenAI")
+
+
+def test_max_tokens_of_the_whole_context_leaves_llamaindex_room_for_the_prompt(engine):
+    """max_tokens at or past the context means no limit but the context, as None does; metadata
+    reported it as num_output, and LlamaIndex's PromptHelper (query engines, response synthesizers)
+    then had context_window - num_output < 0 tokens for the prompt: "Calculated available context
+    size -1 was not non-negative". A limit below the context is reported as it is."""
+    from llama_index.core.indices.prompt_helper import PromptHelper
+
+    context = engine.max_model_len
+    for max_tokens in (context, context + 1000):
+        metadata = HibanaLLM(engine=engine, max_tokens=max_tokens).metadata
+        assert metadata.num_output == HibanaLLM(engine=engine, max_tokens=None).metadata.num_output < context
+        packed = PromptHelper.from_llm_metadata(metadata).repack(PromptTemplate("{context_str} Q"), ["abc " * 50])
+        assert packed and "abc" in packed[0]
+    assert HibanaLLM(engine=engine, max_tokens=context - 1).metadata.num_output == context - 1
