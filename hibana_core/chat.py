@@ -844,7 +844,9 @@ def _template_parser(template: str, vocab: dict) -> str:
     calls as `{"name": ..., "parameters": ...}` (its tokenizer has `<|python_tag|>`) and no
     `<tool_call>`; Mistral's after its `[TOOL_CALLS]` token, as an array, or `NAME[ARGS]{...}` where
     the template writes `[ARGS]` (a token of its tokenizer too), `NAME[CALL_ID]ID[ARGS]{...}` where it
-    also writes `[CALL_ID]`; hermes otherwise."""
+    also writes `[CALL_ID]`; Granite 3.x's after its `<|tool_call|>` token; hermes otherwise."""
+    if "<tool_call>" not in template and "<|tool_call|>" in template and "<|tool_call|>" in vocab:
+        return "granite"
     if "<tool_call>" not in template and "[TOOL_CALLS]" in template and "[TOOL_CALLS]" in vocab:
         if "[ARGS]" not in template or "[ARGS]" not in vocab:
             return "mistral"

@@ -10,6 +10,8 @@ Built-ins, registered through `register_tool_parsers` like any plugin's:
   templates demand), or `NAME[ARGS]{...}` after each `[TOOL_CALLS]` (the templates that write
   `[ARGS]`: "mistral_args", which reads both forms and differs in its grammar only; and
   "mistral_call_id" for those that write `NAME[CALL_ID]ID[ARGS]{...}`).
+- "granite": IBM Granite 3.x's `<|tool_call|>` control token, then a JSON array of call objects,
+  as "mistral" reads it (OpenAI-style call ids).
 
 All follow one contract:
 - content is the text outside tool calls, without leading or trailing whitespace;
@@ -539,8 +541,12 @@ class _MistralStream(_Stream):
     the array's objects), "object" (inside a call object; _buffer starts with it), "name" (a
     name, perhaps `[CALL_ID]id`, then `[ARGS]`), "arguments" (the named call's object).
     `[TOOL_CALLS]` and `[ARGS]` count where `_markers` says they are the control tokens only: the
-    same text spelled by ordinary tokens (quoting a tool result) is content, as the grammar left it."""
+    same text spelled by ordinary tokens (quoting a tool result) is content, as the grammar left it.
+    A subclass may take another calls marker (`calls_marker`), read no named calls (`named_calls`)
+    and make its own ids (`_new_call_id`, `_own_id`: the model's own id kept, else None)."""
 
+    calls_marker = MISTRAL_CALLS
+    named_calls = True  # `NAME[ARGS]{...}` after the marker is a call
     _new_call_id = staticmethod(mistral_call_id)
 
     def __init__(self) -> None:
@@ -568,20 +574,21 @@ class _MistralStream(_Stream):
     def _advance(self, out: list, final: bool) -> None:
         while True:
             if self._mode == "text":
-                start = self._find(MISTRAL_CALLS)
+                marker = self.calls_marker
+                start = self._find(marker)
                 if start < 0:
-                    self._text_before(out, MISTRAL_CALLS, final)
+                    self._text_before(out, marker, final)
                     return
                 self._text(out, self._buffer[:start])
-                self._buffer = self._buffer[start + len(MISTRAL_CALLS):]
-                self._mode, self._raw = "calls", MISTRAL_CALLS
+                self._buffer = self._buffer[start + len(marker):]
+                self._mode, self._raw = "calls", marker
             elif self._mode in ("calls", "array"):
                 rest = self._buffer.lstrip() if self._mode == "calls" else self._buffer.lstrip(" \t\r\n,")
                 self._raw += self._buffer[:len(self._buffer) - len(rest)]
                 self._buffer = rest
                 if not rest:
                     if final and self._mode == "calls":
-                        self._malformed(out, f"{MISTRAL_CALLS} without its calls", cut=True)
+                        self._malformed(out, f"{self.calls_marker} without its calls", cut=True)
                     return  # (an array the generation ended in keeps the calls it closed)
                 if self._mode == "array" and rest[0] == "]":
                     self._buffer, self._mode = rest[1:], "text"
@@ -592,7 +599,9 @@ class _MistralStream(_Stream):
                     self._in_array = self._mode == "array"
                     self._mode, self._scanner = "object", _ObjectScanner()
                 elif self._mode == "array":
-                    self._malformed(out, f"a {MISTRAL_CALLS} array holds call objects only")
+                    self._malformed(out, f"a {self.calls_marker} array holds call objects only")
+                elif not self.named_calls:
+                    self._malformed(out, f"{self.calls_marker} is followed by a JSON array of call objects")
                 else:
                     self._mode, self._name, self._id = "name", "", None
             elif self._mode == "name":
@@ -631,12 +640,12 @@ class _MistralStream(_Stream):
         self._scanner = None
         if self._mode == "object":
             decoded = _decode_call(text, require_arguments=True)
-            call_id = _mistral_id(decoded.call_id)
+            call_id = self._own_id(decoded.call_id)
             self._mode = "array" if self._in_array else "text"
         else:
             decoded = decode_arguments(self._name, text,
                                        f"a call after {MISTRAL_CALLS} needs a name before {MISTRAL_ARGS}")
-            call_id = _mistral_id(self._id)
+            call_id = self._own_id(self._id)
             self._mode = "text"
         if decoded.error is not None:
             self._mode = "text"
@@ -651,10 +660,27 @@ class _MistralStream(_Stream):
         raw, self._raw, self._buffer, self._mode = self._raw + self._buffer, "", "", "text"
         self._reject(out, raw, error, cut)
 
-def _mistral_id(value: object) -> str | None:
-    """The model's own call id where it wrote one the templates take back (9 letters and digits)."""
-    ok = isinstance(value, str) and len(value) == MISTRAL_ID_LENGTH and value.isascii() and value.isalnum()
-    return value if ok else None
+    @staticmethod
+    def _own_id(value: object) -> str | None:
+        """The model's own call id where it wrote one the templates take back (9 letters and digits)."""
+        ok = isinstance(value, str) and len(value) == MISTRAL_ID_LENGTH and value.isascii() and value.isalnum()
+        return value if ok else None
+
+
+GRANITE_CALLS = "<|tool_call|>"
+
+
+class _GraniteStream(_MistralStream):
+    """Granite 3.x's calls: its `<|tool_call|>` control token, then a JSON array of call objects
+    (or one object); its templates write no call ids, so a call's id is OpenAI's usual form."""
+
+    calls_marker = GRANITE_CALLS
+    named_calls = False
+    _new_call_id = staticmethod(new_call_id)
+
+    @staticmethod
+    def _own_id(value: object) -> str | None:
+        return None
 
 
 def decode_arguments(name: str, body: str, no_name: str, blank: bool = False) -> _Decoded:
@@ -708,12 +734,13 @@ class MistralToolParser:
     to the array form; `MistralArgsToolParser`'s to the [ARGS] form."""
 
     name = "mistral"
+    _stream_type: type[_MistralStream] = _MistralStream
 
     def parse(self, text: str) -> ParsedOutput:
         return _parse_whole(self.stream(), text)
 
     def stream(self) -> ToolCallStream:
-        return _MistralStream()
+        return self._stream_type()
 
     def _call(self, function: dict) -> dict:
         """`{"name": NAME, "arguments": {...}}`, or with the 9-character `"id"` after the arguments
@@ -730,12 +757,12 @@ class MistralToolParser:
         more = {"type": "star", "content": tag_sequence(tag_text(", "), call)}
         items = tag_sequence(call, more) if parallel else call
         opening = tag_either([tag_text("["), tag_text(" [")])
-        return tag_sequence(tag_token(MISTRAL_CALLS), opening, items, tag_text("]"))
+        return tag_sequence(tag_token(self._stream_type.calls_marker), opening, items, tag_text("]"))
 
     def tool_call_grammar(self, tools: list[dict], tool_choice: str, parallel: bool) -> dict:
         """The turn's calls held to the offered tools and their schemas (`tool_choice` "required"
         or a tool's name: calls only; "auto": text, or text then calls: the control token
-        [TOOL_CALLS] is reachable only as the calls' start)."""
+        [TOOL_CALLS] (the calls marker) is reachable only as the calls' start)."""
         functions = [t["function"] for t in tools
                      if tool_choice in ("auto", "required") or t["function"]["name"] == tool_choice]
         calls = self._calls([self._call(f) for f in functions], parallel)
@@ -772,6 +799,19 @@ class MistralCallIdToolParser(MistralArgsToolParser):
                             call_id, tag_token(MISTRAL_ARGS), _arguments(function))
 
 
+class GraniteToolParser(MistralToolParser):
+    """IBM Granite 3.x's tool calls: `<|tool_call|>` (a control token of its tokenizer) then
+    `[{"name": ..., "arguments": {...}}, ...]`, as vLLM's `granite` parser reads them; read and
+    held by its grammar as "mistral"'s array form, with OpenAI-style ids (`call_...`)."""
+
+    name = "granite"
+    _stream_type = _GraniteStream
+
+    def _call(self, function: dict) -> dict:
+        name = json.dumps(function["name"], ensure_ascii=False)
+        return tag_sequence(tag_text('{"name": ' + name + ', "arguments": '), _arguments(function), tag_text("}"))
+
+
 @hookimpl
 def register_tool_parsers(register) -> None:
     register(HermesToolParser.name, HermesToolParser())
@@ -779,3 +819,4 @@ def register_tool_parsers(register) -> None:
     register(MistralToolParser.name, MistralToolParser())
     register(MistralArgsToolParser.name, MistralArgsToolParser())
     register(MistralCallIdToolParser.name, MistralCallIdToolParser())
+    register(GraniteToolParser.name, GraniteToolParser())
