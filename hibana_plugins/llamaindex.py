@@ -573,7 +573,11 @@ def llm_class() -> type:
             kwargs = resolve_aliases(kwargs, "HibanaLLM.chat")
             check_known(kwargs, CHAT_OPTIONS, "HibanaLLM.chat")
             _check_switches(kwargs, "HibanaLLM.chat")
-            tools = normalize_tools(kwargs.get("tools"))
+            given = kwargs.get("tools")
+            if isinstance(given, (list, tuple)) and any(hasattr(t, "metadata") and hasattr(t, "call") for t in given):
+                raise ToolSchemaError("chat(tools=...) takes OpenAI tool dicts; pass LlamaIndex tools (FunctionTool, "
+                                      "...) to chat_with_tools(tools, ...) or predict_and_call(tools, ...)")
+            tools = normalize_tools(given)
             choice = kwargs.get("tool_choice")
             if kwargs.get("tool_required") and not tools:
                 raise ToolChoiceError("tool_required=True with no tools: there is no call to make; pass tools "

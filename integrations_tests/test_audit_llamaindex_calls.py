@@ -64,3 +64,20 @@ def test_max_tokens_of_the_whole_context_leaves_llamaindex_room_for_the_prompt(e
         packed = PromptHelper.from_llm_metadata(metadata).repack(PromptTemplate("{context_str} Q"), ["abc " * 50])
         assert packed and "abc" in packed[0]
     assert HibanaLLM(engine=engine, max_tokens=context - 1).metadata.num_output == context - 1
+
+
+def test_llamaindex_tools_given_to_chat_say_where_they_go(engine):
+    """chat(messages, tools=[FunctionTool]) said only what an OpenAI tool dict looks like; the
+    LlamaIndex user is told to pass the tools to chat_with_tools / predict_and_call."""
+    from llama_index.core.base.llms.types import ChatMessage
+    from llama_index.core.tools import FunctionTool
+
+    from hibana_core.chat import ToolSchemaError
+
+    def get_weather(city: str) -> str:
+        """Get the current weather for a city."""
+        return "sunny"
+
+    llm = HibanaLLM(engine=engine, max_tokens=4)
+    with pytest.raises(ToolSchemaError, match="chat_with_tools"):
+        llm.chat([ChatMessage(role="user", content="Weather in Oslo?")], tools=[FunctionTool.from_defaults(get_weather)])
