@@ -57,6 +57,8 @@ HINTS = {"format": "for JSON output use with_structured_output(schema, method='j
          "json_mode": "for JSON output use structured_predict, or json_schema= on a call",
          "thinking": "reasoning=True / False switches a reasoning model's thinking",
          "is_function_calling_model": "it is read from the chat template (metadata.is_function_calling_model)",
+         "strict": "tool arguments and structured answers are held to their schema by the grammar, as OpenAI's "
+                   "strict=True holds them; drop it",
          "model_kwargs": "pass each option by its own name",
          "additional_kwargs": "pass each option by its own name",
          "generate_kwargs": "pass each sampling option by its own name (temperature=..., max_tokens=...)",

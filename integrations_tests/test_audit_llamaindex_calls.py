@@ -81,3 +81,19 @@ def test_llamaindex_tools_given_to_chat_say_where_they_go(engine):
     llm = HibanaLLM(engine=engine, max_tokens=4)
     with pytest.raises(ToolSchemaError, match="chat_with_tools"):
         llm.chat([ChatMessage(role="user", content="Weather in Oslo?")], tools=[FunctionTool.from_defaults(get_weather)])
+
+
+def test_openais_strict_says_the_grammar_holds_the_schema_always(engine):
+    """OpenAI(strict=True) and chat_with_tools(tools, strict=True) (LlamaIndex's OpenAI LLM) were
+    refused as an unknown option, without saying that the grammar holds every call and answer to
+    its schema (strict, as HibanaLLM always is)."""
+    from llama_index.core.tools import FunctionTool
+
+    def get_weather(city: str) -> str:
+        """Get the current weather for a city."""
+        return "sunny"
+
+    with pytest.raises(ConfigError, match="held to their schema by the grammar"):
+        HibanaLLM(engine=engine, strict=True)
+    with pytest.raises(ConfigError, match="held to their schema by the grammar"):
+        HibanaLLM(engine=engine).chat_with_tools([FunctionTool.from_defaults(get_weather)], user_msg="hi", strict=True)
