@@ -47,7 +47,7 @@ from hibana_core import turn
 from hibana_core.chat import (Chat, ChatDelta, ChatResult, ConversationError, ToolChoiceError, ToolSchemaError,
                               UnsupportedContentError, clean_tool, normalize_tool_choice, normalize_tools)
 from hibana_core.config import SamplingParams
-from hibana_core.errors import ConfigError, HibanaError
+from hibana_core.errors import ConfigError, ContextLengthError, HibanaError
 from hibana_core.messages import unheld
 from hibana_plugins.hookspecs import hookimpl
 from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_engine, check_engine_kwargs,
@@ -107,7 +107,10 @@ class _Call:
         """Starts the turn on the state `Chat.lease` picks (`turn.Open`)."""
         open_turn = self.chat.opener(self.prompt, self.tools, self.params, lease=True, state_id=self.state_id,
                                      fallback=True, **self.options)
-        run, handle = open_turn(stack) if self.holder is None else self.holder.open(open_turn, stack)
+        try:
+            run, handle = open_turn(stack) if self.holder is None else self.holder.open(open_turn, stack)
+        except ContextLengthError as exc:
+            raise ContextLengthError(f"{exc}{_packing_hint(self.chat.engine)}") from exc
         self.state_id = handle.id
         return run, handle
 
@@ -193,6 +196,21 @@ async def _closing_both(outer: AsyncIterator, call: _Call) -> AsyncIterator:
     finally:
         await call.close()
         await outer.aclose()
+
+
+def _packing_hint(engine: Any) -> str:
+    """What to do about a prompt past the context that LlamaIndex may have packed (a query
+    engine's response synthesis, chat memory): it counts with `Settings.tokenizer`, tiktoken's
+    unless set, which can count far fewer tokens than the model's; "" where it is the model's."""
+    import llama_index.core
+
+    counter = llama_index.core.global_tokenizer
+    counter = getattr(counter, "func", counter)  # Settings.tokenizer = a HF tokenizer: a partial of its encode
+    if getattr(counter, "__self__", None) is engine.tokenizer:
+        return ""
+    return ("; where LlamaIndex packed the prompt (a query engine, chat memory), it counted its tokens with "
+            "Settings.tokenizer (tiktoken's unless set), not the model's: set Settings.tokenizer = "
+            "llm.engine.tokenizer")
 
 
 def _no_call_message(response: Any) -> str:

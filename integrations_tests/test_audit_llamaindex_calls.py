@@ -97,3 +97,23 @@ def test_openais_strict_says_the_grammar_holds_the_schema_always(engine):
         HibanaLLM(engine=engine, strict=True)
     with pytest.raises(ConfigError, match="held to their schema by the grammar"):
         HibanaLLM(engine=engine).chat_with_tools([FunctionTool.from_defaults(get_weather)], user_msg="hi", strict=True)
+
+
+def test_a_prompt_past_the_context_says_to_count_with_the_models_tokenizer(engine, monkeypatch):
+    """A query engine's tree_summarize (Settings.llm = HibanaLLM, tiktoken's count by default) packed
+    more tokens than the demo's context and got "shorten the history", which its user never wrote:
+    the error now says to count with the model's tokenizer, unless LlamaIndex already does."""
+    import llama_index.core
+    from llama_index.core import Settings
+
+    from hibana_core.errors import ContextLengthError
+
+    llm = HibanaLLM(engine=engine, max_tokens=4)
+    too_long = "Die Wetterlage über Zürich ist äußerst wechselhaft. " * 200
+    monkeypatch.setattr(llama_index.core, "global_tokenizer", None)  # LlamaIndex's default: tiktoken's
+    with pytest.raises(ContextLengthError, match="Settings.tokenizer = llm.engine.tokenizer"):
+        llm.complete(too_long)
+    Settings.tokenizer = engine.tokenizer  # (restored by monkeypatch)
+    with pytest.raises(ContextLengthError) as caught:
+        llm.complete(too_long)
+    assert "Settings.tokenizer" not in str(caught.value) and "shorten the history" in str(caught.value)
