@@ -396,7 +396,7 @@ class StateRegistry:
         with self.lock:
             self.core.end_cancelled()
             if state_id is not None:
-                opened = not self.is_open(state_id)
+                opened = not (isinstance(state_id, str) and self.is_open(state_id))  # `open` refuses a bad id
                 handle = self.open(state_id)
                 if opened:  # the call's own: bounded by max_named_states (a state of open_state never is)
                     self._named[state_id] = None
