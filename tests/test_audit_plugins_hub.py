@@ -4,7 +4,6 @@ gone, a repo cached at other revisions than the one asked for. The Hub is never 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 
 from hibana_core import CheckpointError
 from hibana_core.loader import resolve_checkpoint
+from fake_hub import commit_hash, put_snapshot
 
 
 @pytest.fixture(scope="module")
@@ -34,34 +34,13 @@ def cache(tmp_path, monkeypatch) -> Path:
     return tmp_path / "cache"
 
 
-def commit(tag: str) -> str:
-    return hashlib.sha1(tag.encode()).hexdigest()
-
-
-def put_snapshot(cache: Path, repo_id: str, source: Path, sha: str, refs: tuple[str, ...] = ("main",)) -> Path:
-    """`source` as huggingface_hub caches it: blobs/ by hash, snapshots/<sha>/ of links, refs/."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / sha
-    (repo / "blobs").mkdir(parents=True, exist_ok=True)
-    snapshot.mkdir(parents=True)
-    for file in sorted(source.iterdir()):
-        data = file.read_bytes()
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        (snapshot / file.name).symlink_to(Path("..") / ".." / "blobs" / blob.name)
-    (repo / "refs").mkdir(exist_ok=True)
-    for ref in refs:
-        (repo / "refs" / ref).write_text(sha)
-    return snapshot
-
-
 def test_a_weights_link_whose_blob_is_gone_is_an_incomplete_snapshot(source, cache, monkeypatch):
     """The snapshot was taken as complete (a link is listed by a glob): offline, the loader then said
     the weights file was 'truncated or damaged'; online, Hibana never fetched it again."""
     import huggingface_hub
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    snapshot = put_snapshot(cache, "acme/tiny", source, commit("one"))
+    snapshot = put_snapshot(cache, "acme/tiny", source, commit_hash("one"))
     os.remove(os.path.realpath(snapshot / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"is incomplete: it lacks model\.safetensors \(a link to a file that "
                                               r"is gone\).*hf download acme/tiny"):
@@ -85,21 +64,21 @@ def test_a_weights_link_whose_blob_is_gone_is_an_incomplete_snapshot(source, cac
 def test_a_repo_cached_at_other_revisions_names_them(source, cache):
     """'not in the cache' was all a user heard for a revision (or the default branch, after a
     download by commit) while the cache held the repo at another one."""
-    put_snapshot(cache, "acme/tiny", source, commit("one"), refs=("main",))
-    put_snapshot(cache, "acme/tiny", source, commit("two"), refs=("v2",))
-    assert resolve_checkpoint("acme/tiny@v2").name == commit("two")
+    put_snapshot(cache, "acme/tiny", source, commit_hash("one"), refs=("main",))
+    put_snapshot(cache, "acme/tiny", source, commit_hash("two"), refs=("v2",))
+    assert resolve_checkpoint("acme/tiny@v2").name == commit_hash("two")
     with pytest.raises(CheckpointError) as e:
         resolve_checkpoint("acme/tiny@v9")
     message = str(e.value)
-    for part in (f"holds acme/tiny at main ({commit('one')}), v2 ({commit('two')}) but not at revision 'v9'",
+    for part in (f"holds acme/tiny at main ({commit_hash('one')}), v2 ({commit_hash('two')}) but not at revision 'v9'",
                  "HF_HUB_OFFLINE", "hf download acme/tiny --revision v9"):
         assert part in message, message
 
-    put_snapshot(cache, "acme/by-commit", source, commit("three"), refs=())  # `hf download --revision <sha>`
-    with pytest.raises(CheckpointError, match=f"holds acme/by-commit at {commit('three')} but not at its default "
+    put_snapshot(cache, "acme/by-commit", source, commit_hash("three"), refs=())  # `hf download --revision <sha>`
+    with pytest.raises(CheckpointError, match=f"holds acme/by-commit at {commit_hash('three')} but not at its default "
                                               r"branch \(main\)"):
         resolve_checkpoint("acme/by-commit")
-    assert resolve_checkpoint(f"acme/by-commit@{commit('three')}").name == commit("three")
+    assert resolve_checkpoint(f"acme/by-commit@{commit_hash('three')}").name == commit_hash("three")
 
     shutil.rmtree(cache / "models--acme--by-commit" / "snapshots")  # nothing held: the plain message
     with pytest.raises(CheckpointError, match=r"as a Hugging Face repo id it is not in the cache"):
@@ -109,7 +88,7 @@ def test_a_repo_cached_at_other_revisions_names_them(source, cache):
 def test_the_cache_folder_of_a_repo_passed_as_a_path_says_to_pass_the_repo_id(source, cache, tmp_path):
     """~/.cache/huggingface/hub/models--org--name (or its snapshots/) as the model: it is a directory,
     so it was taken as a checkpoint, and the loader said it 'has no config.json'."""
-    snapshot = put_snapshot(cache, "acme/tiny", source, commit("one"))
+    snapshot = put_snapshot(cache, "acme/tiny", source, commit_hash("one"))
     folder = cache / "models--acme--tiny"
     for path in (folder, folder / "snapshots"):
         with pytest.raises(CheckpointError) as e:
@@ -120,7 +99,7 @@ def test_the_cache_folder_of_a_repo_passed_as_a_path_says_to_pass_the_repo_id(so
     assert resolve_checkpoint(str(snapshot)) == snapshot and resolve_checkpoint("acme/tiny") == snapshot
     elsewhere = tmp_path / "other" / "models--acme--tiny"
     shutil.copytree(folder, elsewhere, symlinks=True)
-    put_snapshot(tmp_path / "other", "acme/tiny", source, commit("two"))
+    put_snapshot(tmp_path / "other", "acme/tiny", source, commit_hash("two"))
     with pytest.raises(CheckpointError, match=rf"found there with HF_HUB_CACHE={tmp_path / 'other'}\), or a "
                                               rf"snapshot's directory: {elsewhere / 'snapshots'}/<commit>"):
         resolve_checkpoint(str(elsewhere))

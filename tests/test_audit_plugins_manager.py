@@ -7,8 +7,6 @@ in tests/test_plugins.py."""
 
 from __future__ import annotations
 
-import sys
-import textwrap
 import types
 import warnings
 
@@ -26,29 +24,6 @@ def fresh_manager(monkeypatch):
     reset_plugin_manager()
     yield
     reset_plugin_manager()
-
-
-@pytest.fixture
-def make_dist(tmp_path, monkeypatch):
-    """make_dist(dist_name, ep_name, source, attr=None, value=None): an installed plugin distribution
-    whose entry point names its module (or `module:attr`, or `value` as written)."""
-    modules = []
-
-    def make(dist_name: str, ep_name: str, source: str, attr: str | None = None, value: str | None = None) -> str:
-        module = dist_name.replace("-", "_")
-        (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
-        info = tmp_path / f"{module}-0.1.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: 0.1\n")
-        target = value if value is not None else f"{module}:{attr}" if attr else module
-        (info / "entry_points.txt").write_text(f"[hibana]\n{ep_name} = {target}\n")
-        modules.append(module)
-        return module
-
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield make
-    for module in modules:
-        sys.modules.pop(module, None)
 
 
 def third_party_manager() -> HibanaPluginManager:

@@ -4,7 +4,6 @@ checked against a stand-in for `huggingface_hub.snapshot_download` that copies f
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 
 from hibana_core import CheckpointError, hub
 from hibana_core.loader import resolve_checkpoint
+from fake_hub import commit_hash, put_snapshot
 from tiny_models import make_tiny_checkpoint, open_engine
 
 ARCH = "qwen3"
@@ -37,32 +37,6 @@ def hub_env(tmp_path, monkeypatch) -> Path:
     cache = tmp_path / "hf_home" / "hub"
     cache.mkdir(parents=True)
     return cache
-
-
-def commit_hash(tag: str) -> str:
-    return hashlib.sha1(tag.encode()).hexdigest()
-
-
-def put_snapshot(cache: Path, repo_id: str, source: Path, commit: str, refs: tuple[str, ...] = ("main",),
-                 only: tuple[str, ...] | None = None) -> Path:
-    """`source`'s files as huggingface_hub caches them: content in blobs/ named by hash, the
-    snapshot a folder of links to them, `refs` naming the commit. `only`: just these files."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / commit
-    (repo / "blobs").mkdir(parents=True, exist_ok=True)
-    snapshot.mkdir(parents=True, exist_ok=True)
-    for file in sorted(source.iterdir()):
-        if only is not None and file.name not in only:
-            continue
-        data = file.read_bytes()
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        (snapshot / file.name).symlink_to(Path("..") / ".." / "blobs" / blob.name)
-    (repo / "refs").mkdir(exist_ok=True)
-    for ref in refs:
-        (repo / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
-        (repo / "refs" / ref).write_text(commit)
-    return snapshot
 
 
 def generate(engine, prompt=(5, 6, 7, 8, 9)) -> list[int]:

@@ -12,7 +12,6 @@ import json
 import random
 import re
 import sys
-import textwrap
 import types
 import warnings
 
@@ -63,27 +62,6 @@ def model_families(monkeypatch):
 
         stand_in.register_model_families = register_model_families
         monkeypatch.setitem(sys.modules, "hibana_core.models", stand_in)
-
-
-@pytest.fixture
-def make_dist(tmp_path, monkeypatch):
-    """make_dist(dist_name, ep_name, source) -> module name: an installed plugin distribution."""
-    modules = []
-
-    def make(dist_name: str, ep_name: str, source: str) -> str:
-        module = dist_name.replace("-", "_")
-        (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
-        info = tmp_path / f"{module}-0.1.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: 0.1\n")
-        (info / "entry_points.txt").write_text(f"[hibana]\n{ep_name} = {module}\n")
-        modules.append(module)
-        return module
-
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield make
-    for module in modules:
-        sys.modules.pop(module, None)
 
 
 def parser_plugin(*names: str) -> str:
