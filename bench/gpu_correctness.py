@@ -460,22 +460,22 @@ def family_cases() -> Iterator[tuple[str, Path, list[list[int]]]]:
 
 
 EXTRA_FAMILIES = ("mixtral", "granite")
-"""Families whose tiny checkpoints tests/test_family_mixtral_granite.py builds (`make_tiny_family`),
-not tiny_models.ARCHS (so checks 1, 3 and 5 do not run them)."""
+"""Families with tiny checkpoints (tiny_models.ARCH_CONFIGS) outside tiny_models.ARCHS (so checks 1,
+3 and 5 do not run them): tests/test_family_mixtral_granite.py's."""
 
 
 def extra_family_cases(seed: int) -> Iterator[tuple[str, Path, list[list[int]]]]:
     """`tiny_cases` of EXTRA_FAMILIES (routers tied in pairs), and mixtral again windowed (20
     tokens: mid second block) on the same prompts."""
-    from test_family_mixtral_granite import make_tiny_family
+    from tiny_models import make_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         for family in EXTRA_FAMILIES:
             rng = random.Random(seed)
             prompts = [[rng.randrange(2, 512) for _ in range(rng.randint(20, 300))] for _ in range(4)]
-            yield family, make_tiny_family(family, Path(tmp) / family), prompts
+            yield family, make_tiny_checkpoint(family, Path(tmp) / family), prompts
             if family == "mixtral":
-                yield "mixtral window 20", make_tiny_family(family, Path(tmp) / "mixtral-20", sliding_window=20), prompts
+                yield "mixtral window 20", make_tiny_checkpoint(family, Path(tmp) / "mixtral-20", sliding_window=20), prompts
 
 
 def transformers_reads_swiglu_limit() -> bool:

@@ -15,18 +15,10 @@ from test_hostile_chat import chunkings, streamed
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory):
     """test_harmony's tiny gpt_oss, its tokenizer knowing harmony's tokens."""
-    from transformers import AutoTokenizer
+    from test_harmony import make_harmony_checkpoint
+    from tiny_models import open_engine
 
-    from test_harmony import HARMONY_TEMPLATE, HARMONY_TOKENS
-    from tiny_models import VOCAB_SIZE, make_tiny_checkpoint, open_engine
-
-    path = make_tiny_checkpoint("gpt_oss", tmp_path_factory.mktemp("audit-harmony") / "gpt_oss",
-                                vocab_size=VOCAB_SIZE + len(HARMONY_TOKENS))
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
-    tokenizer.chat_template = HARMONY_TEMPLATE
-    tokenizer.save_pretrained(path)
-    with open_engine(path) as engine:
+    with open_engine(make_harmony_checkpoint(tmp_path_factory.mktemp("audit-harmony") / "gpt_oss")) as engine:
         yield engine
 
 

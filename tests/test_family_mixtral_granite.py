@@ -7,7 +7,8 @@ batched with retention, speculation on, the config variants Hibana refuses.
     granite  3 layers, embedding_multiplier 3, attention_multiplier 0.09 (not head_dim ** -0.5),
              residual_multiplier 0.6, logits_scaling 2.5
 
-`make_tiny_family` is also what bench/gpu_correctness.py's families check builds them with.
+Their configs are tiny_models.ARCH_CONFIGS' (not in ARCHS: the every-family tests leave them out);
+bench/gpu_correctness.py's families check builds them with make_tiny_checkpoint too.
 """
 
 from __future__ import annotations
@@ -18,43 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from tiny_models import (_COMMON, EVERY_TENSOR_USED, _save_seeded, agent_turn_plan, assert_greedy_matches,
-                         greedy_turns_at_once, open_engine, random_tokens)
+from tiny_models import (EVERY_TENSOR_USED, agent_turn_plan, assert_greedy_matches, greedy_turns_at_once,
+                         make_tiny_checkpoint, open_engine, random_tokens)
 
 pytestmark = [pytest.mark.timeout(300), EVERY_TENSOR_USED]
 
-FAMILY_CONFIGS: dict[str, dict] = {
-    "mixtral": dict(
-        num_hidden_layers=3,
-        head_dim=16,
-        intermediate_size=32,  # of each expert
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
-    ),
-    "granite": dict(
-        num_hidden_layers=3,
-        embedding_multiplier=3.0,
-        attention_multiplier=0.09,
-        residual_multiplier=0.6,
-        logits_scaling=2.5,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
-    ),
-}
-
-
-def make_tiny_family(family: str, path, seed: int = 1234, tied_experts: bool = True, **overrides) -> Path:
-    """A seeded random `family` ("mixtral" or "granite") checkpoint as tiny_models writes its own."""
-    from transformers import GraniteConfig, MixtralConfig
-
-    kind = {"mixtral": MixtralConfig, "granite": GraniteConfig}[family]
-    config = kind(**{**_COMMON, **FAMILY_CONFIGS[family], **overrides})
-    return _save_seeded(config, Path(path), seed, tied_experts=tied_experts)
-
-
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory) -> Path:
-    return make_tiny_family("mixtral", tmp_path_factory.mktemp("mixtral") / "m")
+    return make_tiny_checkpoint("mixtral", tmp_path_factory.mktemp("mixtral") / "m")
 
 
 def three_agents_three_turns(engine, path, prefix: str, seed: int) -> None:
@@ -109,7 +81,7 @@ def test_mixtral_sliding_window_crossing_blocks_matches_transformers(tmp_path, m
     use_sliding_window): a window of 20 (it starts mid-block in 16-token blocks), histories far
     past it, 3 agents x 3 turns."""
     window = 20
-    path = make_tiny_family("mixtral", tmp_path / "windowed", sliding_window=window, use_sliding_window=False)
+    path = make_tiny_checkpoint("mixtral", tmp_path / "windowed", sliding_window=window, use_sliding_window=False)
     engine = make_engine(path)
     assert engine.model.args.sliding_windows == (window,) * 3
     three_agents_three_turns(engine, path, "w", 7200)
@@ -152,7 +124,7 @@ def test_mixtral_configs_it_cannot_run_are_refused(mixtral, tmp_path, edit, erro
 
 @pytest.fixture(scope="module")
 def granite(tmp_path_factory) -> Path:
-    return make_tiny_family("granite", tmp_path_factory.mktemp("granite") / "g")
+    return make_tiny_checkpoint("granite", tmp_path_factory.mktemp("granite") / "g")
 
 
 def test_granite_reads_its_multipliers(granite, make_engine):
@@ -212,7 +184,7 @@ def test_granite_embeddings_scale_by_the_unrounded_multiplier(tmp_path):
 
     from hibana_core import Engine, SamplingParams
 
-    path = make_tiny_family("granite", tmp_path / "g", num_hidden_layers=1, embedding_multiplier=1.7)
+    path = make_tiny_checkpoint("granite", tmp_path / "g", num_hidden_layers=1, embedding_multiplier=1.7)
     ids = random_tokens(random.Random(6), 20)
     seen = []
     with Engine.from_pretrained(str(path), device="cpu", dtype="bfloat16", block_size=16, num_blocks=16,

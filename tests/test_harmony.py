@@ -110,21 +110,27 @@ HARMONY_TEMPLATE = (
     "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}")
 
 
-@pytest.fixture(scope="module")
-def harmony_engine(tmp_path_factory):
-    """The tiny gpt_oss with a tokenizer that knows harmony's special tokens, inside the model's
-    vocabulary (so that a forced output can hold them)."""
+def make_harmony_checkpoint(path):
+    """The tiny gpt_oss at `path` with a tokenizer that knows harmony's special tokens, inside the
+    model's vocabulary (so that a forced output can hold them), and HARMONY_TEMPLATE."""
     from transformers import AutoTokenizer
 
-    from tiny_models import VOCAB_SIZE, make_tiny_checkpoint, open_engine
+    from tiny_models import VOCAB_SIZE, make_tiny_checkpoint
 
-    path = make_tiny_checkpoint("gpt_oss", tmp_path_factory.mktemp("harmony") / "gpt_oss",
-                                vocab_size=VOCAB_SIZE + len(HARMONY_TOKENS))
+    make_tiny_checkpoint("gpt_oss", path, vocab_size=VOCAB_SIZE + len(HARMONY_TOKENS))
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
     tokenizer.chat_template = HARMONY_TEMPLATE
     tokenizer.save_pretrained(path)
-    with open_engine(path) as engine:
+    return path
+
+
+@pytest.fixture(scope="module")
+def harmony_engine(tmp_path_factory):
+    """An engine on `make_harmony_checkpoint`'s model."""
+    from tiny_models import open_engine
+
+    with open_engine(make_harmony_checkpoint(tmp_path_factory.mktemp("harmony") / "gpt_oss")) as engine:
         yield engine
 
 

@@ -147,6 +147,23 @@ ARCH_CONFIGS: dict[str, dict] = {
         rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
                              beta_slow=1.0, truncate=False, original_max_position_embeddings=4096),
     ),
+    # families outside ARCHS (test_family_mixtral_granite.py: not in the every-family tests)
+    "mixtral": dict(
+        num_hidden_layers=3,
+        head_dim=16,
+        intermediate_size=32,  # of each expert
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+    ),
+    "granite": dict(
+        num_hidden_layers=3,
+        embedding_multiplier=3.0,
+        attention_multiplier=0.09,
+        residual_multiplier=0.6,
+        logits_scaling=2.5,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+    ),
 }
 
 ODD_SHAPES: dict[str, dict] = {
@@ -228,13 +245,14 @@ def make_tokenizer():
 
 
 def make_config(arch: str, **config_overrides):
-    from transformers import (Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
-                              Qwen3Config, Qwen3MoeConfig)
+    from transformers import (Gemma3TextConfig, GptOssConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     kinds = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
-             "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig}
+             "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig,
+             "mixtral": MixtralConfig, "granite": GraniteConfig}
     if arch not in kinds:
-        raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHS)}")
+        raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(kinds)}")
     return kinds[arch](**{**_COMMON, **ARCH_CONFIGS[arch], **config_overrides})
 
 
