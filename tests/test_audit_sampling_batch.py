@@ -10,16 +10,11 @@ import dataclasses
 import numpy as np
 import torch
 from scipy.stats import chisquare
-from transformers import (
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers import RepetitionPenaltyLogitsProcessor
 
 from hibana_core.config import SamplingParams
 from hibana_core.sampler import Sampler, SamplingRow, TokenMasks, make_generator
+from test_sampler import hf_warped
 
 CPU = torch.device("cpu")
 V = 40
@@ -53,14 +48,7 @@ def reference(params: SamplingParams, logits: torch.Tensor, masked: bool) -> np.
     x = x - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
     if params.greedy:
         return np.eye(V)[int(x.argmax())]
-    x = TemperatureLogitsWarper(params.temperature)(ids, x)
-    if params.top_k:
-        x = TopKLogitsWarper(params.top_k)(ids, x)
-    if params.top_p < 1.0:
-        x = TopPLogitsWarper(params.top_p)(ids, x)
-    if params.min_p > 0.0:
-        x = MinPLogitsWarper(params.min_p)(ids, x)
-    return x.softmax(dim=-1)[0].numpy()
+    return hf_warped(params, ids, x).softmax(dim=-1)[0].numpy()
 
 
 def grammar_masks(rows: list[int]) -> TokenMasks:

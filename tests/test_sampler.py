@@ -32,10 +32,8 @@ def row(params: SamplingParams, history=(), output=(), generator=None) -> Sampli
     return SamplingRow(params=params, generator=generator, prompt=list(history), output=list(output))
 
 
-def reference_probs(params: SamplingParams) -> np.ndarray:
-    """softmax after HF's warpers, in generate's order: temperature, top-k, top-p, min-p."""
-    scores = LOGITS[None].clone()
-    ids = torch.zeros(1, 1, dtype=torch.long)
+def hf_warped(params: SamplingParams, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """`scores` after HF's warpers, in generate's order: temperature, top-k, top-p, min-p."""
     warpers = [TemperatureLogitsWarper(params.temperature)]
     if params.top_k:
         warpers.append(TopKLogitsWarper(params.top_k))
@@ -45,6 +43,12 @@ def reference_probs(params: SamplingParams) -> np.ndarray:
         warpers.append(MinPLogitsWarper(params.min_p))
     for warper in warpers:
         scores = warper(ids, scores)
+    return scores
+
+
+def reference_probs(params: SamplingParams) -> np.ndarray:
+    """softmax after HF's warpers (`hf_warped`)."""
+    scores = hf_warped(params, torch.zeros(1, 1, dtype=torch.long), LOGITS[None].clone())
     return scores.double().softmax(dim=-1)[0].numpy()
 
 
