@@ -1000,7 +1000,7 @@ class ChatHibana(BaseChatModel):
             if answer_tool is not None or answer_schema is not None:
                 raise ConfigError("a ChatHibana call: response_format and with_structured_output both hold the "
                                   "answer; use one")
-            schema, strict = _response_format(kwargs["response_format"])
+            schema, strict = kwargs["response_format"]  # read by _call_options
             if schema is not None:
                 params = dataclasses.replace(params, json_schema=schema, strict_schema=strict)
         return _Call(chat, prompt, tools, params, options,
@@ -1040,12 +1040,13 @@ def _paths_as_text(value: Any) -> Any:
 
 
 def _call_options(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """A call's kwargs with the peers' aliases renamed; unknown ones raise a ConfigError."""
+    """A call's kwargs with the peers' aliases renamed; unknown ones raise a ConfigError.
+    `response_format` comes back read (`_response_format`'s (schema, strict)), refused at bind."""
     kwargs = resolve_aliases(kwargs, "ChatHibana call")
     check_known(kwargs, CALL_OPTIONS, "a ChatHibana call")
     parallel = kwargs.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):  # "no" (or 0) allowed several calls: not False
         raise ConfigError(f"a ChatHibana call: parallel_tool_calls must be True or False, got {parallel!r:.40}")
-    if kwargs.get("response_format") is not None:  # refused at bind, not at the first call
-        _response_format(kwargs["response_format"])
+    if kwargs.get("response_format") is not None:
+        kwargs = {**kwargs, "response_format": _response_format(kwargs["response_format"])}
     return kwargs
