@@ -660,8 +660,12 @@ def llm_class() -> type:
             return response
 
         def _completion_response(self, reply: _Call, delta: str) -> CompletionResponse:
+            # a completion has no blocks: the thinking so far as "thinking" (where LlamaIndex's
+            # chat_to_completion_decorator leaves a message's), and the piece as chat's thinking_delta
+            thinking = {"thinking": reply.reasoning} if reply.reasoning else {}
+            thinking |= {"thinking_delta": reply.thinking_delta} if reply.thinking_delta else {}
             return CompletionResponse(text=reply.content, delta=delta, raw=reply.raw(self.model),
-                                      additional_kwargs=reply.usage_dict(), logprobs=self._logprobs(reply))
+                                      additional_kwargs=reply.usage_dict() | thinking, logprobs=self._logprobs(reply))
 
         def _logprobs(self, reply: _Call) -> list[list[LogProb]] | None:
             """Per generated token, the token itself then its top_logprobs alternatives (the

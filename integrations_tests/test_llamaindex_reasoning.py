@@ -62,3 +62,27 @@ def test_streamed_thinking_is_a_thinking_delta(engine):
     streams = [e for e in events if isinstance(e, AgentStream)]
     assert "".join(e.thinking_delta or "" for e in streams) == THOUGHT
     assert "".join(e.delta for e in streams) == ANSWER == result.response.content
+
+
+def test_completion_carries_the_thinking(engine):
+    """complete() and its streams keep the think block out of the text, as chat() does, and give
+    the thinking where a completion can hold it: `additional_kwargs["thinking"]` (the whole so far,
+    where LlamaIndex's chat_to_completion_decorator leaves a message's) and each streamed piece as
+    `thinking_delta`, as chat's. They returned none of it."""
+    llm = HibanaLLM(engine=engine, state_id="li-complete", max_tokens=force(engine, "li-complete"))
+    response = llm.complete("hi")
+    assert (response.text, response.additional_kwargs["thinking"]) == (ANSWER, THOUGHT)
+
+    llm = HibanaLLM(engine=engine, state_id="li-stream-complete", max_tokens=force(engine, "li-stream-complete"))
+    responses = list(llm.stream_complete("hi"))
+    assert "".join(r.additional_kwargs.get("thinking_delta", "") for r in responses) == THOUGHT
+    assert "".join(r.delta for r in responses) == ANSWER == responses[-1].text
+    assert responses[-1].additional_kwargs["thinking"] == THOUGHT
+
+    async def astream() -> list:
+        return [r async for r in await llm.astream_complete("hi")]
+
+    llm = HibanaLLM(engine=engine, state_id="li-astream-complete", max_tokens=force(engine, "li-astream-complete"))
+    responses = asyncio.run(astream())
+    assert "".join(r.additional_kwargs.get("thinking_delta", "") for r in responses) == THOUGHT
+    assert (responses[-1].text, responses[-1].additional_kwargs["thinking"]) == (ANSWER, THOUGHT)
