@@ -460,6 +460,10 @@ MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 """The largest bias `logit_bias` may give a token, either way (OpenAI's range: [-100, 100])."""
 
+MAX_STOPS = 64
+"""The most stop strings one request may give (the server's cap too): the engine's thread matches
+each at every character generated, so 100,000 of them slowed every other agent's steps."""
+
 
 def token_id_key(key: str) -> int | None:
     """A token id as JSON's object keys write one (OpenAI's logit_bias: {"1234": 5}): ASCII digits,
@@ -502,7 +506,8 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     """Generation ends after any of these tokens (it is kept in the state and the output)."""
     stop: Sequence[str] = ()
-    """Generation ends when the decoded text contains any of these strings (it may span tokens)."""
+    """Generation ends when the decoded text contains any of these strings (it may span tokens); 64
+    at most (`MAX_STOPS`)."""
     ignore_eos: bool = False
     """Do not stop on the model's end-of-sequence tokens."""
     logprobs: bool = False
@@ -571,6 +576,8 @@ class SamplingParams:
         _check(isinstance(self.stop, str) or isinstance(self.stop, Sequence), "stop must be a string or a list of them")
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty str")
+        _check(len(self.stop) <= MAX_STOPS, f"stop: at most {MAX_STOPS} stop strings per request, got "
+               f"{len(self.stop)}; stop on fewer, or cut the text after generating")
         if hasattr(self.stop_token_ids, "tolist") and not isinstance(self.stop_token_ids, Sequence):  # as sync takes
             object.__setattr__(self, "stop_token_ids", self.stop_token_ids.tolist())  # an array, a tensor
         _check(isinstance(self.stop_token_ids, Sequence) and not isinstance(self.stop_token_ids, str)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hibana_core.chat import REASONING_EFFORTS, StreamedLogprobs, TokenIds, assistant_message
-from hibana_core.config import SamplingParams, token_id_key
+from hibana_core.config import MAX_STOPS, SamplingParams, token_id_key
 from hibana_core.errors import ConfigError
 from hibana_core.messages import normalize_tool_choice, normalize_tools, response_format_schema
 from hibana_core.turn import ChatDelta, ChatResult, Usage, openai_finish_reason
@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 STATE_HEADER = "X-Hibana-State"
 MAX_STATE_ID = 256  # characters of an id a client names its state by
 MAX_PROMPTS = 64    # turns one request may run at once: its prompts (legacy completions) times n
-MAX_STOPS = 64      # stop strings of one request: the engine's thread matches each at every character it
-#                     generates (100,000 of them slowed another client's reply 23-fold)
 
 
 def served_by_header(state_ids: Sequence[str]) -> dict[str, str]:
