@@ -685,8 +685,8 @@ async def _arun(turn: TurnRun, handle: "StateHandle",
             try:
                 async for event in events:
                     ready += _converted(turn.on_event(event), convert)
-                    if turn.stop_now():
-                        events.stop()
+                    if turn.stop_now():  # (the stop waits on the engine's lock, which a step holds)
+                        await _off_loop(events.stop)
                     # what was made goes out once nothing more is here (after the final event,
                     # with the result, below)
                     if ready and not events.ready():

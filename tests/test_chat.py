@@ -7,6 +7,7 @@ import contextlib
 import json
 import random
 import re
+import threading
 import types
 
 import pytest
@@ -615,6 +616,36 @@ def test_async_batches_are_the_deltas_made_at_once(engine):
     assert len(apart) > len(chunks) // 2 and all(d.result is None for b in apart[:-1] for d in b)
     assert [d for b in apart for d in b] == [d for b in together for d in b] == asyncio.run(deltas())
     assert "".join(d.text for d in together[0]) == together[0][-1].result.text == "".join(chunks)
+
+
+class ThreadNoted(ScriptedEvents):
+    """Events whose `stop` notes the thread it ran in (the engine's waits on its lock, a step)."""
+
+    def stop(self) -> None:
+        self.stopped_in = threading.current_thread()
+        super().stop()
+
+
+class ThreadNotedHandle(ScriptedHandle):
+    def stream(self, params, *, prompt=None):
+        self.requests.append(ThreadNoted(self.chunks, self.reason))
+        return self.requests[-1]
+
+
+def test_an_async_single_call_turn_stops_its_request_off_the_event_loop(engine):
+    """parallel_tool_calls=False on an event loop: the stop after the call waits on the engine's
+    lock, which a running step holds, so it ran on the loop and held every other turn of that loop
+    (a server's clients) for up to a step. It runs in Hibana's worker threads, as the deadline's does."""
+    chat = Chat(engine)
+    handle = ThreadNotedHandle([CALL, "\n", CALL.replace("Paris", "Oslo")] + ["more"] * 5)
+
+    async def streamed():
+        deltas = [d async for d in chat.on(handle).astream_respond(HELLO, [WEATHER], parallel_tool_calls=False)]
+        return deltas, threading.current_thread()
+    deltas, loop_thread = asyncio.run(streamed())
+    assert [c.name for c in deltas[-1].result.tool_calls] == ["get_weather"]
+    assert deltas[-1].result.finish_reason == "tool_calls"
+    assert handle.requests[0].stopped and handle.requests[0].stopped_in is not loop_thread
 
 
 def test_single_call_turn_stops_generating_after_the_call(engine, monkeypatch):
