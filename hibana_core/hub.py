@@ -222,7 +222,9 @@ def _not_cached(ref: RepoRef, cache: Path, cached: Path | None, missing: list[st
 def _cached_revisions(ref: RepoRef, cache: Path, most: int = 4) -> list[str]:
     """The revisions of `ref`'s repo the cache holds a snapshot of, in huggingface_hub's layout:
     each branch or tag its refs/ name ("main (commit)"), then commits no ref names; no network."""
-    repo = cache / f"models--{ref.repo_id.replace('/', '--')}"
+    from huggingface_hub.file_download import repo_folder_name
+
+    repo = cache / repo_folder_name(repo_id=ref.repo_id, repo_type="model")
     try:
         commits = sorted(p.name for p in (repo / "snapshots").iterdir() if p.is_dir())
         named = {str(f.relative_to(repo / "refs")): f.read_text().strip()
