@@ -160,6 +160,7 @@ class Chat:
         self._token_bytes: Callable[[int], bytes] | None = None  # a token id's raw bytes (logprobs), built on first use
         self._roles: dict[str, bool] = {}     # roles outside KNOWN_ROLES: whether the template renders them
         self._tools_rendered: bool | None = None  # whether the template renders tools (probed on first use)
+        self._span: list[int | None] = []  # `chars_per_token` of the tokenizer, once found: shared by `on`
         self._opening: list[str] = []  # what the template writes before a reply (`_reply_opening`), once
         # found: a list that the copies `on` makes share
         self.handle: StateHandle | None = engine.open_state(state_id) if state_id is not None else None
@@ -460,11 +461,11 @@ class Chat:
                 kept, at = end, len(held_text)
                 if end == ends[-1]:
                     kept, at = self._stopped_reply(held, end, text, at)
-                return held[:kept] + self._encode(text, at)
+                return held[:kept] + self._encode_fitting(text, at, kept)
             bare = self._without_thinking(held_text)[0] if generated else ""
             if bare and stripped.startswith(bare):  # the prompt left this reply's thinking out
-                return held[:end] + self._encode(text, positions[len(bare) - 1] + 1)
-        return self._encode(text)
+                return held[:end] + self._encode_fitting(text, positions[len(bare) - 1] + 1, end)
+        return self._encode_fitting(text)
 
     def _stopped_reply(self, held: Sequence[int], end: int, text: str, at: int) -> tuple[int, int]:
         """How many of the state's tokens to keep, and where in `text` the rest starts, when the
@@ -510,7 +511,7 @@ class Chat:
         as `StateHandle.sync` checks them (InvalidTokenError outside the vocabulary)."""
         if not isinstance(prompt, TokenIds):
             check_text(prompt, "the prompt")
-            return self._encode(prompt)
+            return self._encode_fitting(prompt)
         bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
         if bad:
             raise InvalidTokenError(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, "
@@ -534,6 +535,22 @@ class Chat:
                 "checkpoint's embeddings do not (a tokenizer from another checkpoint, or tokens added without "
                 "resizing the model): give the checkpoint its own tokenizer")
         return ids
+
+    def _encode_fitting(self, text: str, start: int = 0, kept: int = 0) -> list[int]:
+        """`_encode(text, start)` for a prompt that follows `kept` tokens of the state; a text too
+        long to fit the context whatever its tokens (`chars_per_token`) is refused before it is
+        tokenized (a 6 MB tool result took seconds to tokenize only to be refused)."""
+        limit = self.engine.max_model_len
+        if len(text) - start > limit:  # (else no bound could refuse it)
+            if not self._span:
+                self._span.append(chars_per_token(self.engine.tokenizer))
+            span = self._span[0]
+            least = kept + -(-(len(text) - start) // span) if span else 0
+            if least > limit:
+                raise ContextLengthError(f"the prompt is at least {least} tokens ({len(text) - start} characters), "
+                                         f"more than the model's context of {limit}; shorten the history "
+                                         "(the state is unchanged)")
+        return self._encode(text, start)
 
     def ended_at_context(self, result: ChatResult) -> bool:
         """Whether the model's context, not max_tokens, ended a reply ("length"): what to say of a
@@ -1037,6 +1054,72 @@ def _close_if_empty(handle: "StateHandle") -> None:
     with contextlib.suppress(HibanaError):
         if not handle.tokens:
             handle.close()
+
+
+_COMPOSING = {"NFC": 4, "NFKC": 4}  # a composed character stands for at most 4 (U+1F82: 4 code points)
+_LENGTHENING = {"NFD", "NFKD", "Lowercase", "Prepend"}  # normalizers that never shorten a text
+_KEEPING = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts"}  # pre-tokenizers that drop no character
+
+
+def chars_per_token(tokenizer: Any) -> int | None:
+    """The most characters of a text one token can stand for, where that is certain, so that a text
+    of n characters makes at least n / this many tokens: a fast BPE tokenizer whose every
+    character (or byte) has a token or an unknown token of its own, whose normalizer and
+    pre-tokenizer drop nothing (NFC's compositions counted), and whose added tokens strip no
+    whitespace. None for others: a WordPiece [UNK] stands for a whole word, BERT's pre-tokenizer
+    drops whitespace, a fused unknown token stands for a run of characters."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        spec = json.loads(backend.to_str()) if backend is not None else None
+    except Exception:  # noqa: BLE001 - a backend that cannot be read: no bound
+        return None
+    model = (spec or {}).get("model") or {}
+    vocab = model.get("vocab")
+    if (model.get("type") != "BPE" or not isinstance(vocab, dict) or not vocab
+            or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix")):
+        return None
+    added = spec.get("added_tokens") or []
+    if any(a.get("lstrip") or a.get("rstrip") for a in added):  # (such a token takes the whitespace beside it)
+        return None
+    shrink = 1
+    for part in _parts(spec.get("normalizer"), "normalizers"):
+        kind = part.get("type")
+        pattern, content = (part.get("pattern") or {}).get("String"), part.get("content")
+        if kind in _COMPOSING:
+            shrink *= _COMPOSING[kind]
+        elif kind == "Replace" and isinstance(pattern, str) and isinstance(content, str) and content:
+            shrink *= -(-len(pattern) // len(content))
+        elif kind not in _LENGTHENING:
+            return None
+    byte_level = False
+    for part in _parts(spec.get("pre_tokenizer"), "pretokenizers"):
+        kind = part.get("type")
+        byte_level |= kind == "ByteLevel"
+        if not (kind in _KEEPING or kind in ("Split", "Punctuation") and part.get("behavior") != "Removed"):
+            return None
+    every_char = ((byte_level and _byte_chars() <= vocab.keys())
+                  or (model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256)))
+                  or (model.get("unk_token") in vocab and not model.get("fuse_unk")))
+    if not every_char:  # a character with no token is dropped, or fused with its neighbours into one
+        return None
+    return shrink * max(max(map(len, vocab)), max((len(a.get("content") or "") for a in added), default=1))
+
+
+@functools.cache
+def _byte_chars() -> frozenset[str]:
+    """The byte-level alphabet: the 256 characters that stand for bytes."""
+    from tokenizers import pre_tokenizers
+
+    return frozenset(pre_tokenizers.ByteLevel.alphabet())
+
+
+def _parts(spec: dict | None, key: str) -> list[dict]:
+    """A normalizer's or pre-tokenizer's spec as the list of its steps (a Sequence's, flattened)."""
+    if spec is None:
+        return []
+    if spec.get("type") == "Sequence":
+        return [step for part in spec.get(key) or () for step in _parts(part, key)]
+    return [spec]
 
 
 def _without_thinking(text: str, opening: str) -> tuple[str, list[int]]:

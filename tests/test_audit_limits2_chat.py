@@ -1,0 +1,102 @@
+"""Huge inputs through the chat layer (an outside tester of limits, second pass)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken
+from transformers import PreTrainedTokenizerFast
+
+from hibana_core import ContextLengthError, Engine, SamplingParams
+from hibana_core.chat import Chat, chars_per_token
+
+
+@pytest.fixture(scope="module")
+def demo():
+    with Engine.from_pretrained("demo", device="cpu", progress=False, speculation="off", max_model_len=256,
+                                num_blocks=64) as engine:
+        yield engine
+
+
+def _tool_turn(content: str) -> list[dict]:
+    return [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": content}]
+
+
+@pytest.mark.parametrize("lease", [False, True], ids=["own state", "leased"])
+def test_a_tool_result_far_past_the_context_is_refused_before_it_is_tokenized(demo, monkeypatch, lease):
+    """A 5-8 MB tool result was tokenized whole (seconds on a CPU) before it was refused as too
+    long; it is refused at once, with the same ContextLengthError, the state unchanged."""
+    chat = demo.chat("huge-result")
+    chat.respond([{"role": "user", "content": "hi"}], params=SamplingParams(max_tokens=2))
+    held = demo.open_state("huge-result").tokens
+    encoded = []
+    real = Chat._encode
+    monkeypatch.setattr(Chat, "_encode", lambda self, text, start=0: encoded.append(len(text) - start)
+                        or real(self, text, start))
+    huge = "word " * 200_000  # 1 MB: its fewest tokens are far past 256
+    with pytest.raises(ContextLengthError, match="more than the model's context of 256; shorten the history"):
+        if lease:
+            Chat(demo).respond(_tool_turn(huge), params=SamplingParams(max_tokens=2), lease=True)
+        else:
+            chat.respond(_tool_turn(huge), params=SamplingParams(max_tokens=2))
+    assert not [n for n in encoded if n > 10_000]
+    assert demo.open_state("huge-result").tokens == held
+    # one just past the context is still tokenized, and refused as before
+    with pytest.raises(ContextLengthError, match="exceed the model's context of 256"):
+        chat.respond(_tool_turn("word " * 300), params=SamplingParams(max_tokens=2))
+    assert demo.open_state("huge-result").tokens == held
+
+
+def _fast(tok: Tokenizer, **kwargs) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)
+
+
+def _texts(seed: int) -> list[str]:
+    rng = random.Random(seed)
+    alphabet = "ab cde\n\t  xyz0123456789.,;:!?é\u0301\u1100\u1161\u11a8한中文😀<|>"
+    return ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 400))) for _ in range(200)]
+
+
+def _sentencepiece_like() -> Tokenizer:
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁": 257, "a": 258, "b": 259,
+             "▁a": 260, "ab": 261, "▁ab": 262}
+    tok = Tokenizer(models.BPE(vocab, [("▁", "a"), ("a", "b"), ("▁", "ab")], unk_token="<unk>", byte_fallback=True,
+                               fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tok
+
+
+def test_chars_per_token_bounds_the_tokens_of_any_text_from_below(demo):
+    """Where `chars_per_token` gives a bound, no text makes fewer tokens than its characters over
+    it: the demo's byte-level BPE, a SentencePiece-like BPE with byte fallback, under NFC."""
+    nfc = _sentencepiece_like()
+    nfc.normalizer = normalizers.Sequence([normalizers.NFC(), nfc.normalizer])
+    for tokenizer in (demo.tokenizer, _fast(_sentencepiece_like()), _fast(nfc)):
+        span = chars_per_token(tokenizer)
+        assert span
+        longest = max(tokenizer.get_vocab(), key=len)
+        texts = [*_texts(0), longest * 50, "\u1100\u1161\u11a8" * 40, "e\u0301" * 40]
+        for text in texts:
+            assert len(tokenizer.encode(text, add_special_tokens=False)) * span >= len(text), (tokenizer, text)
+
+
+def test_chars_per_token_gives_no_bound_where_a_token_can_stand_for_a_run_of_text():
+    vocab = {"[UNK]": 0, "a": 1, "b": 2}
+    word_piece = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    word_piece.pre_tokenizer = pre_tokenizers.Whitespace()
+    fused = Tokenizer(models.BPE(vocab, [], unk_token="[UNK]", fuse_unk=True))
+    dropping = Tokenizer(models.BPE({chr(c): c for c in range(256)}, []))
+    dropping.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.ByteLevel()])
+    stripping = _sentencepiece_like()
+    stripping.add_special_tokens([AddedToken("<mask>", lstrip=True)])
+    bert_normalized = _sentencepiece_like()
+    bert_normalized.normalizer = normalizers.BertNormalizer()
+    for tok in (word_piece, fused, dropping, stripping, bert_normalized):
+        assert chars_per_token(_fast(tok)) is None, tok
+    assert len(_fast(fused).encode("zzzzzzzzzz", add_special_tokens=False)) == 1  # (why: one token for ten)
