@@ -598,13 +598,17 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", {token: float(v) for token, v in bias.items()} or None)
             return
         checked: dict[int, float] = {}
-        for token, value in bias.items():
-            read = token_id_key(token) if isinstance(token, str) else None  # JSON's keys (OpenAI's form)
-            token = token if read is None else read
+        keys: dict[int, Any] = {}  # each id's key as given
+        for key, value in bias.items():
+            read = token_id_key(key) if isinstance(key, str) else None  # JSON's keys (OpenAI's form)
+            token = key if read is None else read
             _check(is_kind(token, int) and token >= 0,
                    f"logit_bias keys must be token ids (integers >= 0), got {token!r:.40}")
             _check(is_kind(value, float) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS,
                    f"logit_bias[{token}] must lie in [-100, 100], got {value!r}")
+            _check(int(token) not in keys, f"logit_bias names token {int(token)} twice (keys "
+                   f"{keys.get(int(token))!r:.40} and {key!r:.40}); give each token id once")  # (the last one won)
+            keys[int(token)] = key
             checked[int(token)] = float(value)
         object.__setattr__(self, "logit_bias", checked or None)
 

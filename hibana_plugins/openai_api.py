@@ -302,6 +302,10 @@ def logit_bias(given: dict[str, Any] | None) -> dict[int, float] | None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise ApiError(400, f"logit_bias[{token}]: a bias is a number in [-100, 100], got {value!r:.40}",
                            "logit_bias")
+        if token in bias:  # ("1" and "01": the last one silently won)
+            first = next(k for k in given if token_id_key(k) == token)
+            raise ApiError(400, f"logit_bias names token {token} twice (keys {first!r:.40} and {key!r:.40}); "
+                                "give each token id once", "logit_bias")
         bias[token] = float(value)
     return bias
 
