@@ -47,8 +47,7 @@ from hibana_core import turn
 from hibana_core.chat import (Chat, ChatDelta, ChatResult, ConversationError, ToolChoiceError, ToolSchemaError,
                               UnsupportedContentError, clean_tool, normalize_tool_choice, normalize_tools)
 from hibana_core.config import SamplingParams
-from hibana_core.errors import ConfigError, ContextLengthError, HibanaError
-from hibana_core.messages import unheld
+from hibana_core.errors import ConfigError, ContextLengthError, GrammarError, HibanaError
 from hibana_plugins.hookspecs import hookimpl
 from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_engine, check_engine_kwargs,
                                     check_given_engine, check_known, check_state_id, check_switches, choose_engine,
@@ -56,12 +55,16 @@ from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_e
 
 COMPLETE_OPTIONS = frozenset({*SAMPLING, "reasoning", "reasoning_effort", "timeout", "json_schema"})
 """What `complete(..., **kwargs)` may set."""
-CHAT_OPTIONS = COMPLETE_OPTIONS | {"tools", "tool_required", "tool_choice", "parallel_tool_calls", "structured_answer"}
+CHAT_OPTIONS = COMPLETE_OPTIONS | {"tools", "tool_required", "tool_choice", "parallel_tool_calls", "structured_answer",
+                                   "output_cls"}
 """What `chat(..., **kwargs)` (and `chat_with_tools` through it) may set. `structured_answer=True`
 (the structured-output methods pass it): the answer's tool is called whatever the tool choice, and
 a reply that max_tokens cuts before its answer is whole raises ValueError at its end, streamed or
 not, rather than end as a reply without the answer (LlamaIndex's streaming programs offer the tool
-as "auto" and turn a reply without a call into an object of empty fields)."""
+as "auto" and turn a reply without a call into an object of empty fields). `output_cls` (they pass it
+where the grammar cannot hold the whole of the class's schema, `_check_structured`): the answer is
+read into the class at its end, streamed or not, and one that breaks it raises ToolSchemaError
+naming the fields and what the grammar could not hold there."""
 PROMPT_FORMATTERS = ("messages_to_prompt", "completion_to_prompt")
 """LlamaIndex's own prompt formatting options, which a chat-template model does not use."""
 _ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant", "function": "tool"}
@@ -90,7 +93,8 @@ class _Call:
     then the result). `convert` makes the one conversion the sync and async entry points share."""
 
     def __init__(self, chat: Chat, prompt: str, tools: list[dict] | None, params: SamplingParams,
-                 options: dict[str, Any], state_id: str | None, structured: bool = False) -> None:
+                 options: dict[str, Any], state_id: str | None, structured: bool = False,
+                 output_cls: Any = None) -> None:
         self.chat, self.prompt, self.tools, self.params = chat, prompt, tools, params
         self.options = options                  # Chat.opener's: tool_choice, parallel_tool_calls, ...
         self.state_id = state_id                # the state bound on the LLM, then the one serving
@@ -102,6 +106,7 @@ class _Call:
         self.holder: LeaseHolder | None = None  # an async call's (`lease_holder`)
         self.stream: AsyncIterator | None = None  # an async call's engine stream
         self.structured = structured            # a structured answer: cut, it raises (CHAT_OPTIONS)
+        self.output_cls = output_cls            # its class, where the grammar holds its schema in part
 
     def open(self, stack: contextlib.ExitStack) -> tuple[turn.TurnRun, Any]:
         """Starts the turn on the state `Chat.lease` picks (`turn.Open`)."""
@@ -237,9 +242,31 @@ def _check_switches(options: dict[str, Any], where: str) -> None:
 
 
 @functools.lru_cache(maxsize=256)
-def _unheld(parameters: str) -> tuple[str, ...]:
-    """`messages.unheld` on a schema's JSON text, once per schema (it compiles the schema)."""
-    return tuple(unheld(json.loads(parameters)))
+def _unheld(parameters: str) -> tuple[tuple[str, ...], str | None]:
+    """What of a schema (its JSON text) the grammar holds the output to only in part (its keywords
+    `grammar.unenforced_keywords` names: the grammar holds the nearest schema it can, as
+    `SamplingParams.strict_schema=False` does), and why it does not compile at all (None where it
+    does); once per schema."""
+    from hibana_core.grammar import json_schema_grammar, unenforced_keywords
+
+    schema = json.loads(parameters)
+    try:
+        json_schema_grammar(schema)
+    except GrammarError as exc:
+        return (), str(exc)
+    return tuple(unenforced_keywords(schema)), None
+
+
+def _breaks_schema(output_cls: Any, problems: Sequence[str], exc: Exception, answer: str) -> ToolSchemaError:
+    """The error of a structured answer that does not read into its class, where the grammar could
+    hold its schema only in part: which fields it breaks, and what the grammar could not hold."""
+    errors = exc.errors() if hasattr(exc, "errors") else []
+    broken = "; ".join(f"{'.'.join(str(part) for part in e.get('loc', ())) or 'the answer'}: {e.get('msg')}"
+                       for e in errors) or str(exc)
+    unheld = (f"The grammar held it to the nearest schema it can hold, not to {'; '.join(problems)}; relax those "
+              "fields (or bound them as said), or ask again (a sampled answer may differ)") if problems else ""
+    return ToolSchemaError(f"the structured answer does not read into {getattr(output_cls, '__name__', output_cls)} "
+                           f"({broken}): {answer!r:.200}. {unheld}".rstrip())
 
 
 # --- the LlamaIndex side ------------------------------------------------------------------------------
@@ -533,10 +560,14 @@ def llm_class() -> type:
             return await super().astream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
 
         def _check_structured(self, output_cls: Any, llm_kwargs: dict | None) -> dict | None:
-            """A ToolSchemaError, before any token, where the grammar cannot hold the answer to the
-            output class's schema (`maxLength` beside a `pattern`, ...): the answer must parse into
-            the class, as `ChatHibana.with_structured_output` requires. (as_structured_llm comes
-            here too: StructuredLLM calls these methods.) Returns the calls' llm_kwargs: where
+            """A ToolSchemaError, before any token, where the grammar cannot compile the output
+            class's schema (no value meets it, ...). Where it holds the schema only in part (pydantic's
+            HttpUrl: a length beside a format; `maxLength` beside a `pattern`), the grammar holds the
+            nearest schema it can, as LlamaIndex's OpenAI LLM (strict=False, its default) leaves the
+            whole schema to the model, and the answer is read into the class at its end (CHAT_OPTIONS'
+            output_cls): one that breaks it raises ToolSchemaError naming the fields, from every entry
+            point, streamed ones too (LlamaIndex's end on an unchecked partial object). (as_structured_llm
+            comes here too: StructuredLLM calls these methods.) Returns the calls' llm_kwargs: where
             LlamaIndex asks for JSON in the prompt, not a call (a template that renders no tools,
             or pydantic_program_mode="llm": its LLMTextCompletionProgram), with the class's
             schema, so that the grammar holds the answer all the same."""
@@ -546,12 +577,13 @@ def llm_class() -> type:
                 raise ToolSchemaError(f"structured output into {output_cls!r:.60}: the output class is a pydantic "
                                       "model class (class Answer(BaseModel): ...)")
             parameters = self._tool_spec(get_function_tool(output_cls))["function"].get("parameters") or {}
-            problems = _unheld(json.dumps(parameters, sort_keys=True, default=str))
-            if problems:
+            problems, broken = _unheld(json.dumps(parameters, sort_keys=True, default=str))
+            if broken:
                 raise ToolSchemaError(f"structured output into {getattr(output_cls, '__name__', output_cls)!r}: the "
-                                      f"grammar cannot hold the answer to its schema ({'; '.join(problems)}), and the "
-                                      "answer must parse into it: relax those fields, and check the rest in your code")
+                                      f"grammar cannot hold an answer to its schema ({broken})")
             llm_kwargs = {"structured_answer": True, **(llm_kwargs or {})}
+            if problems:  # held to the nearest schema the grammar holds, then read into the class
+                llm_kwargs["output_cls"] = output_cls
             mode = self.pydantic_program_mode  # which program LlamaIndex picks (`get_program_for_llm`)
             as_text = mode == PydanticProgramMode.LLM or (mode == PydanticProgramMode.DEFAULT
                                                          and not self._chat_layer().renders_tools())
@@ -624,16 +656,20 @@ def llm_class() -> type:
 
         def _call(self, prompt: str, tools: list[dict] | None, choice: str, kwargs: dict,
                   parallel: bool = True) -> _Call:
+            if kwargs.get("output_cls") is not None and not hasattr(kwargs["output_cls"], "model_validate_json"):
+                raise ConfigError(f"output_cls must be a pydantic model class, got {kwargs['output_cls']!r:.60}")
             values = {name: getattr(self, name) for name in SAMPLING}
             values |= {name: kwargs[name] for name in SAMPLING if kwargs.get(name) is not None}
             params = sampling_params(values, "HibanaLLM call", self.engine.max_model_len)
             if kwargs.get("json_schema") is not None:  # the reply held to it (beside tools: the text answer)
-                params = dataclasses.replace(params, json_schema=kwargs["json_schema"])
+                # a structured answer the grammar holds in part: the nearest schema, then read into its class
+                params = dataclasses.replace(params, json_schema=kwargs["json_schema"],
+                                             strict_schema=kwargs.get("output_cls") is None)
             options = {"tool_choice": choice, "parse_tools": tools is not None, "guided": self.guided_tool_arguments,
                        "parallel_tool_calls": parallel, "reasoning_history": self.reasoning_history,
                        "timeout": kwargs.get("timeout", self.timeout)}
             return _Call(self._chat_layer(), prompt, tools, params, options, self.state_id,
-                         structured=bool(kwargs.get("structured_answer")))
+                         structured=bool(kwargs.get("structured_answer")), output_cls=kwargs.get("output_cls"))
 
         def _chat_response(self, reply: _Call, delta: str) -> ChatResponse:
             calls = reply.tool_calls()
@@ -657,7 +693,27 @@ def llm_class() -> type:
                               else "at max_tokens: raise max_tokens")
                     raise ValueError(f"the structured answer ended before it was whole, {remedy}: "
                                      f"{reply.content!r:.200}")
+            if reply.output_cls is not None and reply.result is not None:
+                self._read_answer(reply, calls)
             return response
+
+        def _read_answer(self, reply: _Call, calls: list[dict]) -> None:
+            """A ToolSchemaError where a structured answer held to part of its class's schema does
+            not read into the class (`_check_structured`): its calls' arguments, or its text."""
+            from llama_index.core.program.function_program import get_function_tool
+
+            answers = [c["function"]["arguments"] for c in calls] if reply.tools else [reply.content]
+            for answer in answers:
+                try:
+                    if isinstance(answer, str):
+                        reply.output_cls.model_validate_json(answer)
+                    else:
+                        reply.output_cls.model_validate(answer)
+                except ValueError as exc:  # pydantic's ValidationError
+                    parameters = self._tool_spec(get_function_tool(reply.output_cls))["function"].get("parameters")
+                    problems, _ = _unheld(json.dumps(parameters or {}, sort_keys=True, default=str))
+                    text = answer if isinstance(answer, str) else json.dumps(answer, ensure_ascii=False)
+                    raise _breaks_schema(reply.output_cls, problems, exc, text) from exc
 
         def _completion_response(self, reply: _Call, delta: str) -> CompletionResponse:
             # a completion has no blocks: the thinking so far as "thinking" (where LlamaIndex's

@@ -20,6 +20,7 @@ from llama_index.core.base.llms.types import ChatMessage, ToolCallBlock
 from llama_index.core.bridge.pydantic import BaseModel, Field
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.tools import FunctionTool
+from pydantic import HttpUrl
 
 import hibana_core
 from hibana_core import Engine
@@ -333,25 +334,58 @@ class Code(BaseModel):
     code: str = Field(pattern=r"^[A-Z]+$", max_length=2)
 
 
-async def test_structured_output_refuses_a_schema_the_grammar_cannot_hold(engine):
-    """The answer must parse into the class: a keyword the grammar would drop (maxLength beside a
-    pattern) is a ToolSchemaError before any token, as ChatHibana's with_structured_output has it,
-    for every structured entry point (a new user's trial: 12 of 12 answers broke maxLength and
-    failed LlamaIndex's parsing with a ValueError)."""
+class Page(BaseModel):
+    """A web page."""
+    title: str
+    url: HttpUrl  # {"format": "uri", "minLength": 1, "maxLength": 2083}: the grammar holds the format alone
+
+
+class Impossible(BaseModel):
+    """No value meets it."""
+    n: int = Field(ge=5, le=3)
+
+
+def scripted_answer(scripted, name: str, arguments: str) -> None:
+    scripted(f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>')
+
+
+async def test_structured_output_holds_the_nearest_schema_and_reads_the_answer_into_the_class(engine, scripted):
+    """A class whose schema the grammar holds only in part (pydantic's HttpUrl: a length beside a
+    format; maxLength beside a pattern) is held to the nearest schema the grammar can hold, as
+    LlamaIndex's OpenAI LLM leaves the schema to the model, and the answer is read into the class:
+    one that breaks it is a ToolSchemaError naming the field and what the grammar could not hold,
+    from every structured entry point (the streamed ones ended on an unchecked partial object).
+    These classes were refused before any token (a ToolSchemaError), so HttpUrl fields could not be
+    asked for at all. A schema no value meets is still refused before any token."""
     from hibana_core.chat import ToolSchemaError
 
-    llm = HibanaLLM(engine=engine, max_tokens=16)
+    llm = HibanaLLM(engine=engine, max_tokens=64)
     prompt = PromptTemplate("{text}")
-    with pytest.raises(ToolSchemaError, match="maxLength beside pattern"):
+    scripted_answer(scripted, "Page", '{"title": "Python", "url": "https://python.org/"}')
+    assert llm.structured_predict(Page, prompt, text="page?") == Page(title="Python", url="https://python.org/")
+    assert llm.as_structured_llm(Page).chat(user("page?")).raw.url.host == "python.org"
+
+    scripted_answer(scripted, "Code", '{"code": "ABCDE"}')  # the pattern held, not the length
+    broken = "at most 2 characters.*maxLength beside pattern at #/properties/code"
+    with pytest.raises(ToolSchemaError, match=broken):
         llm.structured_predict(Code, prompt, text="code?")
-    with pytest.raises(ToolSchemaError):
+    with pytest.raises(ToolSchemaError, match=broken):
         await llm.astructured_predict(Code, prompt, text="code?")
-    with pytest.raises(ToolSchemaError):
-        llm.stream_structured_predict(Code, prompt, text="code?")
-    with pytest.raises(ToolSchemaError):
-        await llm.astream_structured_predict(Code, prompt, text="code?")
-    with pytest.raises(ToolSchemaError):
-        llm.as_structured_llm(Code).chat(user("code?"))
+    with pytest.raises(ToolSchemaError, match=broken):
+        list(llm.stream_structured_predict(Code, prompt, text="code?"))
+    with pytest.raises(ToolSchemaError, match=broken):
+        [x async for x in await llm.astream_structured_predict(Code, prompt, text="code?")]
+    with pytest.raises(ToolSchemaError, match=broken):
+        list(llm.as_structured_llm(Code).stream_chat(user("code?")))
+    scripted('{"code": "ABCDE"}')  # LlamaIndex's text program: the answer as JSON text
+    with pytest.raises(ToolSchemaError, match=broken):
+        HibanaLLM(engine=engine, pydantic_program_mode="llm").structured_predict(Code, prompt, text="code?")
+    scripted('{"code": "AB"}')
+    assert HibanaLLM(engine=engine, pydantic_program_mode="llm").structured_predict(Code, prompt, text="?") == \
+        Code(code="AB")
+
+    with pytest.raises(ToolSchemaError, match="cannot be compiled: Invalid range"):
+        llm.structured_predict(Impossible, prompt, text="n?")
 
 
 # --- which state serves a call ------------------------------------------------------------------------
