@@ -1,0 +1,60 @@
+"""`hibana serve` audited as a user of the `openai` client drives it (chat, legacy completions,
+the Responses API): where the work a request's size sets is done, and the wire's shapes as the
+installed client's types declare them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from hibana_core import Engine  # noqa: E402
+from hibana_plugins import server  # noqa: E402
+from hibana_plugins.server import ServerConfig, serving  # noqa: E402
+
+HELLO = [{"role": "user", "content": "Hello!"}]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine.from_pretrained("demo", progress=False) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    with serving(engine, ServerConfig("demo", max_tokens_limit=64)) as url:
+        yield url
+
+
+@pytest.fixture
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_a_legacy_requests_checks_run_off_the_event_loop(client, monkeypatch):
+    """A legacy completion's fields were checked on the server's event loop, in time linear in the
+    body (2.5M stop_token_ids, 7.5 MB: 4 s in which every other client's stream stood still); a
+    chat request's are checked in a worker thread. Both are now: no loop runs where they are."""
+    loops = []
+
+    def checked_where(*args, **kwargs):
+        try:
+            loops.append(asyncio.get_running_loop())
+        except RuntimeError:  # a worker thread: no event loop
+            loops.append(None)
+        return chat_call(*args, **kwargs)
+
+    chat_call = server.chat_call
+    monkeypatch.setattr(server, "chat_call", checked_where)
+    client.chat.completions.create(model="demo", messages=HELLO, max_tokens=2)
+    client.completions.create(model="demo", prompt="Hello", max_tokens=2, extra_body={"stop_token_ids": [5] * 1000})
+    with pytest.raises(openai.BadRequestError):  # its refusals still come as 400s naming the field
+        client.completions.create(model="demo", prompt="Hello", max_tokens=2, extra_body={"stop_token_ids": [-1]})
+    assert loops == [None, None, None]
+    reply = httpx.post(f"{client.base_url}completions", json={"model": "demo", "prompt": ["a", ""], "max_tokens": 2})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt"
