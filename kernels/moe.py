@@ -89,6 +89,10 @@ class MoEExperts:
     """swiglu_oai: out = (up + 1) * gate * sigmoid(alpha * gate)."""
     swiglu_limit: float = 7.0
     """swiglu_oai: gate is clamped to at most limit, up to [-limit, limit]."""
+    round_weights: bool = True
+    """The routing weights rounded to x's dtype before they scale the experts' outputs
+    (transformers' Qwen3-MoE and gpt-oss routers return them in the logits' dtype); False: kept in
+    float32, each product rounded once (transformers' Mixtral)."""
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -317,8 +321,9 @@ def fused_moe(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor, ids: 
     in x's dtype.
 
     transformers' order of arithmetic: expert by expert in id order, each expert's MLP in x's
-    dtype (bias added after its matmul), its output times the routing weight rounded to x's dtype
-    (transformers rounds the weights to the logits' dtype), summed into x's dtype.
+    dtype (bias added after its matmul), its output times the routing weight (rounded to x's dtype
+    first where `experts.round_weights`, as transformers' Qwen3-MoE rounds them to the logits'
+    dtype; else the float32 weight, as Mixtral's) rounded to x's dtype, summed into x's dtype.
     """
     check_moe_inputs(x, experts, weights, ids)
     out = torch.zeros_like(x)
@@ -331,5 +336,7 @@ def fused_moe(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor, ids: 
         y = F.linear(expert_activation(gate_up, experts), w2)  # [n, H]
         if experts.b2 is not None:
             y = y + experts.b2[expert].to(x.dtype)
-        out.index_add_(0, token, y * weights[token, slot, None].to(x.dtype))
+        weight = weights[token, slot, None]
+        weight = weight.to(x.dtype) if experts.round_weights else weight.float()
+        out.index_add_(0, token, (y * weight).to(x.dtype))
     return out

@@ -556,13 +556,16 @@ def _gate_up_activation(gate, up, b_ptr, expert, offs_n, n_mask, I, stride_be, a
 
 @triton.jit
 def _weighted_output(acc, weight, b_ptr, expert, offs_n, n_mask, stride_be, dtype: tl.constexpr,
-                     HAS_BIAS: tl.constexpr):
-    """An expert's float32 output `acc` (+ bias) times its route's float32 `weight`, with
-    transformers' roundings to `dtype`, back in float32."""
+                     HAS_BIAS: tl.constexpr, ROUND_WEIGHT: tl.constexpr):
+    """An expert's float32 output `acc` (+ bias) times its route's float32 `weight` (rounded to
+    `dtype` first where ROUND_WEIGHT: `MoEExperts.round_weights`), with transformers' roundings
+    to `dtype`, back in float32."""
     y = _round(acc, dtype)
     if HAS_BIAS:
         y = _round(y + _bias(b_ptr, expert, offs_n, n_mask, stride_be, dtype), dtype)
-    return _round(y * _round(weight, dtype), dtype)
+    if ROUND_WEIGHT:
+        weight = _round(weight, dtype)
+    return _round(y * weight, dtype)
 
 
 # ---------------------------------------------------------------------------------- decode path
@@ -897,7 +900,8 @@ def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_pt
                         X_VECTOR: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
                         DIRECT: tl.constexpr = False, part_ptr=None, counter_ptr=None, split_k=0,
                         SPLIT: tl.constexpr = False, q_ptr=None, d_ptr=None, stride_qm=0, stride_dm=0,
-                        A8: tl.constexpr = False, ASM: tl.constexpr = False):
+                        A8: tl.constexpr = False, ASM: tl.constexpr = False,
+                        ROUND_WEIGHT: tl.constexpr = True):
     """out[program 0, n] for BLOCK_N hidden features and ROUTES consecutive routes: each route's
     expert's down rows against that route's activation, weighted, summed over the ROUTES in
     float32. ROUTES = k: out is the layer's output, one program per token; ROUTES = 1: out holds
@@ -925,7 +929,7 @@ def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_pt
                                 tl.arange(0, BLOCK_N), BLOCK_N)
         if last:
             total = _weighted_output(acc, tl.load(weights_ptr + route), b_ptr, expert, offs_n, n_mask, stride_be,
-                                     act_ptr.dtype.element_ty, HAS_BIAS)
+                                     act_ptr.dtype.element_ty, HAS_BIAS, ROUND_WEIGHT)
             tl.store(out_ptr + route.to(tl.int64) * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
                      mask=n_mask)
     else:
@@ -942,7 +946,7 @@ def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_pt
                 acc = _gemv(act_ptr + route.to(tl.int64) * I, w_ptr, s_ptr, z_ptr, w_rows, sz_rows, n_mask, I, BLOCK_N,
                             BLOCK_K, FORMAT, GROUP, X_VECTOR, TILES, DIRECT)
             total += _weighted_output(acc, tl.load(weights_ptr + route), b_ptr, expert, offs_n, n_mask, stride_be,
-                                      act_ptr.dtype.element_ty, HAS_BIAS)
+                                      act_ptr.dtype.element_ty, HAS_BIAS, ROUND_WEIGHT)
         tl.store(out_ptr + tl.program_id(0).to(tl.int64) * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
                  mask=n_mask)
 
@@ -995,7 +999,7 @@ def _down_grouped_kernel(act_ptr, routes_ptr, block_expert_ptr, weights_ptr, w_p
                          y_ptr, NUM_ROUTES, H, I, stride_we, stride_wn, stride_se, stride_sn, stride_be,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         UPCAST: tl.constexpr):
+                         UPCAST: tl.constexpr, ROUND_WEIGHT: tl.constexpr = True):
     """y[route, n] = weight * (act[route] @ w2[e][n]^T + b2[e][n]) for one block's routes."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
@@ -1019,7 +1023,7 @@ def _down_grouped_kernel(act_ptr, routes_ptr, block_expert_ptr, weights_ptr, w_p
         acc *= _int8_scales(s_ptr, expert, offs_n, n_mask, stride_se, stride_sn)[None, :]
     weight = tl.load(weights_ptr + routes, mask=m_mask, other=0.0)[:, None]
     y = _weighted_output(acc, weight, b_ptr, expert, offs_n[None, :], n_mask[None, :], stride_be,
-                         act_ptr.dtype.element_ty, HAS_BIAS)
+                         act_ptr.dtype.element_ty, HAS_BIAS, ROUND_WEIGHT)
     tl.store(y_ptr + routes.to(tl.int64)[:, None] * H + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
@@ -1194,7 +1198,8 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
             BLOCK_N=down_n, BLOCK_K=down_k, FORMAT=weight_format, GROUP=w2.group, HAS_BIAS=has_b2,
             X_VECTOR=x_vector, TILES=tiles2, DIRECT=direct, part_ptr=_or(split2.partials, x),
             counter_ptr=_or(split2.counters, ids), split_k=split2.columns, SPLIT=split2.count > 1, q_ptr=q2,
-            d_ptr=d2, stride_qm=q2.stride(0), stride_dm=d2.stride(0), A8=a8, ASM=asm, num_warps=down_warps, **launch)
+            d_ptr=d2, stride_qm=q2.stride(0), stride_dm=d2.stride(0), A8=a8, ASM=asm,
+            ROUND_WEIGHT=experts.round_weights, num_warps=down_warps, **launch)
         if routes == 1:
             _combine_kernel[(t, triton.cdiv(h, combine_block))](y, out, h, out.stride(0), TOP_K=top_k,
                                                                 BLOCK=combine_block, num_warps=4, **launch)
@@ -1211,8 +1216,8 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
     _down_grouped_kernel[(num_blocks, triton.cdiv(h, tiles.block_n))](
         act, blocks.routes, blocks.block_expert, weights, w2.w, w2.s, w2.z, w2.b, y, t * top_k, h, inter,
         *w2.strides, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        FORMAT=weight_format, GROUP=w2.group, HAS_BIAS=has_b2, UPCAST=upcast, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+        FORMAT=weight_format, GROUP=w2.group, HAS_BIAS=has_b2, UPCAST=upcast, ROUND_WEIGHT=experts.round_weights,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     _combine_kernel[(t, triton.cdiv(h, combine_block))](y, out, h, out.stride(0), TOP_K=top_k,
                                                         BLOCK=combine_block, num_warps=4, PDL=False)
     return out

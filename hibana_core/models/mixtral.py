@@ -3,7 +3,8 @@ decoder: Llama's attention (no biases), every layer windowed by sliding_window w
 sets it (as transformers' Mixtral, like Mistral, reads neither layer_types nor
 use_sliding_window), and a sparse block in place of every MLP: softmax over num_local_experts
 in float32, the top num_experts_per_tok of those probabilities, renormalised over the k
-(transformers' MixtralTopKRouter, in that order); SwiGLU experts.
+(transformers' MixtralTopKRouter, in that order) and kept in float32: each expert's output times
+its weight is rounded once (Qwen3-MoE rounds the weights to the model dtype first); SwiGLU experts.
 
 Checkpoints on disk name the block and its experts their own way, read into the shared sparse
 block's names (`DecoderArgs.checkpoint_renames`):
@@ -37,7 +38,7 @@ def args_from_config(config: Any) -> DecoderArgs:
                                     "its experts run SwiGLU (hidden_act 'silu')")
     moe = MoEArgs(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
                   intermediate_size=config.intermediate_size, renormalize=True,
-                  layers=(True,) * config.num_hidden_layers)
+                  layers=(True,) * config.num_hidden_layers, round_weights=False)
     return DecoderArgs.from_config(config, qkv_bias=False, o_bias=False, mlp_bias=False, moe=moe,
                                    sliding_windows=sliding_windows(config, reads=()),
                                    checkpoint_renames=_CHECKPOINT_RENAMES)

@@ -41,6 +41,8 @@ class MoEArgs:
     intermediate_size: int  # of each expert
     renormalize: bool  # top-k weights divided by their sum (Qwen3-MoE's norm_topk_prob)
     layers: tuple[bool, ...]  # per decoder layer: a sparse block (True) or the dense MLP
+    round_weights: bool = True  # top-k weights rounded to the model dtype before the experts' product
+    # (transformers' Qwen3-MoE); False: float32 weights, each product rounded (Mixtral)
 
     def __post_init__(self) -> None:
         if any(self.layers):
@@ -107,11 +109,12 @@ class Experts(StackedExperts):
     def __init__(self, moe: MoEArgs, hidden_size: int) -> None:
         super().__init__()
         e, i, h = moe.num_experts, moe.intermediate_size, hidden_size
+        self.round_weights = moe.round_weights
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
     def kernel_experts(self) -> kernels.MoEExperts:
-        return kernels.MoEExperts(**self.stacked_weights())
+        return kernels.MoEExperts(**self.stacked_weights(), round_weights=self.round_weights)
 
     def checkpoint_views(self, prefix: str) -> dict[str, torch.Tensor]:
         """A per-expert checkpoint's names (`{prefix}.{e}.gate_proj.weight`, ...) -> views."""
