@@ -321,7 +321,9 @@ class Engine:
                                     self.kv_layout)
         except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory errors are RuntimeErrors
             per_block = KVCache.bytes_per_block(self.kv_layout.page_layers, bs, a.num_kv_heads, a.head_dim, kv_dtype)
-            raise MemoryBudgetError(f"cannot allocate {num_blocks:,} KV blocks ({num_blocks * per_block:,} bytes) "
+            layout = self.kv_layout  # (a layout of pages of fewer layers: in the blocks kv_device_blocks counts)
+            blocks = f"{num_blocks:,}" if layout.page_layers == layout.num_layers else layout.counted(num_blocks - 1)
+            raise MemoryBudgetError(f"cannot allocate {blocks} KV blocks ({num_blocks * per_block:,} bytes) "
                                     f"on {self.device}: {exc}; lower kv_device_blocks or memory_budget") from None
         self._ctx.kv_cache = self.kv_cache
         self.pool = BlockPool(num_blocks, bs, reserve_null=self.kv_layout.windowed)

@@ -949,10 +949,11 @@ class StateRegistry:
         its blocks must be there at once, but those sliding windows free (`blocks_to_hold`)."""
         blocks = seq.blocks_to_hold(length)
         if blocks > self.pool.num_blocks:
+            said = self.kv_cache.layout.counted  # (in the blocks kv_device_blocks counts)
             raise MemoryBudgetError(
-                f"a history of {length} tokens needs {blocks} KV blocks of {seq.block_size} tokens, more than "
-                f"the device pool's {self.pool.num_blocks}; raise memory_budget or kv_device_blocks, or "
-                "shorten the history (the state is unchanged)")
+                f"a history of {length} tokens needs {said(blocks, fewest=True)} KV blocks of {seq.block_size} "
+                f"tokens, more than the device pool's {said(self.pool.num_blocks)}; raise memory_budget or "
+                "kv_device_blocks, or shorten the history (the state is unchanged)")
 
     def _check_length(self, tokens: list[int]) -> list[int]:
         if len(tokens) > self.limits.max_model_len:

@@ -501,9 +501,10 @@ class Scheduler:
             self.pool_limited += 1
             self.finish(victim, "length")
             return
+        pool = self.pool.num_blocks if victim.seq.layout is None else victim.seq.layout.counted(self.pool.num_blocks)
         victim.error = MemoryBudgetError(
-            f"a history of {len(victim.seq)} tokens needs more KV blocks than the pool "
-            f"({self.pool.num_blocks} blocks of {self.pool.block_size}) can give it; raise memory_budget "
+            f"a history of {len(victim.seq)} tokens needs more KV blocks than the pool's {pool} blocks of "
+            f"{self.pool.block_size} tokens can give it; raise memory_budget "
             "or kv_device_blocks, shorten the history (h.truncate(n)), or close or unpin the "
             "states pinned to the device")
         self.finish(victim, "error")

@@ -95,6 +95,17 @@ class KVLayout:
         """Whether any group frees the blocks outside a window (the pool then reserves NULL_BLOCK)."""
         return any(g.window is not None for g in self.groups)
 
+    def counted(self, pages: int, *, fewest: bool = False) -> str:
+        """`pages` of the pool as error messages say them: in the blocks `kv_device_blocks` counts
+        (each of every layer: n of them are ceil(n * num_layers / page_layers) pages) and, where a
+        page holds fewer layers, the pages after them; the blocks the pages hold, or (`fewest`) the
+        fewest blocks whose pool has that many pages."""
+        if self.page_layers == self.num_layers:
+            return str(pages)
+        layers = pages * self.page_layers
+        blocks = -(-layers // self.num_layers) if fewest else layers // self.num_layers
+        return f"{blocks} ({pages} pages of {self.page_layers} of the {self.num_layers} layers)"
+
     def describe(self) -> list | None:
         """The layout as JSON-able lists (window, layers, sink tokens per group), for state
         files; None for one group without a window (every layer's KV in every page)."""
