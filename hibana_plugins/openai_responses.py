@@ -470,7 +470,11 @@ def _spanning(logprobs: list[dict], text: str, after: str = "", whole: bool = Tr
 
 
 def _usage(result: ChatResult) -> dict:
+    """The Responses API's usage: the input tokens read from the state's KV (`cached_tokens`) and
+    those computed, which the state keeps for the next turn (`cache_write_tokens`, a field the
+    client's types require)."""
     u = total_usage([result], 1)
-    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {
+                "cached_tokens": u.cached_tokens, "cache_write_tokens": u.prompt_tokens - u.cached_tokens},
             "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
             "total_tokens": u.prompt_tokens + u.completion_tokens}

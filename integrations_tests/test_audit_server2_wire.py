@@ -5,6 +5,7 @@ installed client's types declare them."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -58,3 +59,33 @@ def test_a_legacy_requests_checks_run_off_the_event_loop(client, monkeypatch):
     assert loops == [None, None, None]
     reply = httpx.post(f"{client.base_url}completions", json={"model": "demo", "prompt": ["a", ""], "max_tokens": 2})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt"
+
+
+def events(url: str, path: str, body: dict) -> list[dict]:
+    """A streamed reply's events, as JSON (the chat stream's [DONE] left out)."""
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=60) as reply:
+        return [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: {")]
+
+
+def test_replies_and_events_validate_as_the_installed_clients_types(url):
+    """Each object the server sends is what the `openai` package's types declare, checked by
+    pydantic (the client builds them unchecked): the Responses usage left out
+    `input_tokens_details.cache_write_tokens`, which they require. It is the input tokens computed,
+    which the state keeps for the next turn: the input less those read from it."""
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    chat = {"model": "demo", "messages": HELLO, "max_tokens": 4, "logprobs": True, "top_logprobs": 2}
+    ChatCompletion.model_validate(httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).json())
+    for chunk in events(url, "/v1/chat/completions", {**chat, "stream_options": {"include_usage": True}}):
+        ChatCompletionChunk.model_validate(chunk)
+    asked = {"model": "demo", "input": "Hello!", "max_output_tokens": 4}
+    first = Response.model_validate(httpx.post(url + "/v1/responses", json=asked, timeout=60).json())
+    streamed = [TypeAdapter(ResponseStreamEvent).validate_python(event)
+                for event in events(url, "/v1/responses", asked)]
+    again = streamed[-1].response.usage  # the same input again: read from the state this time
+    for usage in (first.usage, again):
+        details = usage.input_tokens_details
+        assert details.cached_tokens + details.cache_write_tokens == usage.input_tokens, usage
+    assert again.input_tokens_details.cached_tokens > 0
