@@ -442,6 +442,7 @@ class HostTier:
         path = self.spill_dir / f"{next(self._files):08d}.kv"
         kv = kv.contiguous()
         try:
+            self.spill_dir.mkdir(parents=True, exist_ok=True)  # (removed while the engine runs: made again)
             safetensors.torch.save_file({"kv": kv}, str(path))
         except Exception as exc:  # noqa: BLE001 - a disk that takes no more: the copy is dropped, not the step
             logger.warning("cannot write a spill file in %s (%s)", self.spill_dir, exc)
