@@ -257,6 +257,15 @@ def _unheld(parameters: str) -> tuple[tuple[str, ...], str | None]:
     return tuple(unenforced_keywords(schema)), None
 
 
+def _last_answer(output_cls: Any, answers: list) -> Any:
+    """A streamed structured program's answer: its last object, read into the class (the stream
+    ends on the class's own object where the answer is whole and valid)."""
+    if not answers:
+        raise ValueError(f"the structured answer into {getattr(output_cls, '__name__', output_cls)} came back empty")
+    last = answers[-1]
+    return last if isinstance(last, output_cls) else output_cls.model_validate(last.model_dump())
+
+
 def _breaks_schema(output_cls: Any, problems: Sequence[str], exc: Exception, answer: str) -> ToolSchemaError:
     """The error of a structured answer that does not read into its class, where the grammar could
     hold its schema only in part: which fields it breaks, and what the grammar could not hold."""
@@ -542,12 +551,29 @@ def llm_class() -> type:
         def structured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict | None = None,
                                **prompt_args: Any) -> Any:
             llm_kwargs = self._check_structured(output_cls, llm_kwargs)
+            if self._streams_instead(output_cls, llm_kwargs):
+                answers = self.stream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+                return _last_answer(output_cls, list(answers))
             return super().structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
 
         async def astructured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict | None = None,
                                       **prompt_args: Any) -> Any:
             llm_kwargs = self._check_structured(output_cls, llm_kwargs)
+            if self._streams_instead(output_cls, llm_kwargs):
+                answers = await self.astream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+                return _last_answer(output_cls, [answer async for answer in answers])
             return await super().astructured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+
+        def _streams_instead(self, output_cls: Any, llm_kwargs: dict) -> bool:
+            """Whether a non-streamed structured call reads the answer from the streamed program:
+            LlamaIndex's non-streamed one calls the class as a tool through `call_tool`, which reads
+            the tool's parameters' "properties", and a class that holds itself (class Tree: kids:
+            list["Tree"]) has only "$defs" there: it failed with "Error: 'properties'" on a right
+            answer. The streamed one reads the call's arguments into the class itself."""
+            from llama_index.core.program.function_program import get_function_tool
+
+            return ("json_schema" not in llm_kwargs  # (the text program, `_check_structured`: no tool)
+                    and "properties" not in get_function_tool(output_cls).metadata.get_parameters_dict())
 
         def stream_structured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict | None = None,
                                       **prompt_args: Any) -> Any:

@@ -513,6 +513,21 @@ def test_a_self_referring_output_class_keeps_its_root_schema(engine):
     assert spec["function"]["parameters"]["$ref"] == "#/$defs/Tree"
 
 
+async def test_a_self_referring_output_class_is_predicted_from_every_entry_point(engine, scripted):
+    """structured_predict, astructured_predict and as_structured_llm(...).chat into a class that
+    refers to itself: LlamaIndex's non-streamed program calls the class as a tool through
+    `call_tool`, which reads its parameters' "properties" (a root "$ref" has none), and failed on a
+    right answer ("Structured output extraction failed ... Error: 'properties'"); the streamed forms
+    worked. The non-streamed ones now read the streamed program's answer."""
+    scripted('<tool_call>\n{"name": "Tree", "arguments": {"v": 1, "kids": [{"v": 2, "kids": []}]}}\n</tool_call>')
+    llm, tree = HibanaLLM(engine=engine), Tree(v=1, kids=[Tree(v=2)])
+    prompt = PromptTemplate("{text}")
+    assert llm.structured_predict(Tree, prompt, text="a tree") == tree
+    assert await llm.astructured_predict(Tree, prompt, text="a tree") == tree
+    assert llm.as_structured_llm(Tree).chat(user("a tree")).raw == tree
+    assert list(llm.stream_structured_predict(Tree, prompt, text="a tree"))[-1] == tree
+
+
 def test_a_call_cut_by_max_tokens_leaves_no_markup_in_the_text(engine):
     """A call that max_tokens cut came back as `<tool_call>` markup in a TextBlock (an outside
     tester); the text holds none of it, as the server's reply holds none."""
