@@ -48,7 +48,7 @@ from hibana_core.kv.sequence import LongRope
 from hibana_core import surgery
 from hibana_core.surgery.calibration import Calibration
 from hibana_core.loader import LOAD_STAGES, check_max_model_len, load_from_hf_model, load_model, model_bytes
-from hibana_core.models.decoder import RotaryTables, longrope_switch, rotary_bytes
+from hibana_core.models.decoder import longrope_switch, rotary_bytes, size_rotary
 from hibana_core.output import OutputProcessor
 from hibana_core.progress import LoadProgress
 from hibana_core.registry import ModelLimits, StateRegistry
@@ -231,15 +231,6 @@ def _release_tensors(model: torch.nn.Module) -> None:
                 module._buffers[key] = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
 
 
-def _extend_rotary(model: torch.nn.Module, positions: int) -> None:
-    """The rotary tables of `model`'s layers cover `positions` positions (built anew on first use:
-    the surgery guard may have built them shorter)."""
-    for module in model.modules():
-        rotary = getattr(module, "rotary", None)
-        if isinstance(rotary, RotaryTables) and rotary.max_positions < positions:
-            rotary.max_positions, rotary.cos, rotary.sin = positions, None, None
-
-
 class Engine:
     def __init__(self, config: EngineConfig, hf_model: torch.nn.Module | None = None,
                  tokenizer=None) -> None:
@@ -299,8 +290,7 @@ class Engine:
         self.vocab_size = loaded.args.vocab_size
         check_max_model_len(config.max_model_len, loaded.args)  # (load_model checked before the weights)
         self.max_model_len = config.max_model_len or loaded.args.max_position_embeddings
-        if self.max_model_len > loaded.args.max_position_embeddings:  # past them under a YaRN rope (context_limit)
-            _extend_rotary(loaded.model, self.max_model_len)
+        size_rotary(loaded.model, self.max_model_len)  # (past max_position_embeddings under a YaRN rope)
         kv_dtype = kv_cache_dtype(loaded.model, loaded.dtype)  # after kv8: fp8
         if config.cache.kv_dtype != "auto" and not config.cache.fp8 and _DTYPES[config.cache.kv_dtype] != kv_dtype:
             raise ConfigError(f"kv_dtype={config.cache.kv_dtype!r} differs from the KV dtype of this model "
@@ -357,7 +347,7 @@ class Engine:
         switch = longrope_switch(loaded.args)
         limits = ModelLimits(self.vocab_size, self.max_model_len, self.eos_token_ids, self.fingerprint,
                              self.tokenizer is not None, self.device,
-                             None if switch is None else LongRope(switch, loaded.args.max_position_embeddings,
+                             None if switch is None else LongRope(switch, self.max_model_len,
                                                                     loaded.args.longrope_recompute),
                              configuration)
         self.registry = StateRegistry(self.core, self.kv_cache, config.cache, limits, self.grammars)

@@ -137,7 +137,8 @@ class Rope:
 def longrope_switch(args: Any) -> int | None:
     """original_max_position_embeddings of the model's LongRoPE (one per model: Phi-3's), where a
     layer's rope is LongRoPE; its cos/sin tables then hold the long rotation of the positions
-    below it from row args.max_position_embeddings on (`Rope.angles`)."""
+    below it from row `RotaryTables.max_positions` on (`Rope.angles`; the engine's max_model_len
+    once `size_rotary` has sized them)."""
     for rope in dict.fromkeys(getattr(args, "ropes", ())):
         if rope.rope_type == "longrope":
             return dict(rope.scaling)["original_max_position_embeddings"]
@@ -481,7 +482,9 @@ class Linear(nn.Linear):
 class RotaryTables:
     """cos/sin tables of one `Rope` indexed by position, [max_positions, rope.dim], always
     float32, which the rotary kernels read. Built on first use on the device of the positions
-    (the model is constructed on "meta"), shared by the layers of that rope.
+    (the model is constructed on "meta"), shared by the layers of that rope. max_positions is the
+    config's max_position_embeddings until the engine sizes them to the positions it addresses
+    (`size_rotary`).
 
     In a model with LongRoPE on some layers (`longrope_switch`), every table has the long
     rotation's rows past max_positions (`Rope.angles`), which a state under the long rotation
@@ -515,6 +518,18 @@ class RotaryTables:
         if self.cos is None or self.cos.device != device:
             self._build(device)
         return self.cos, self.sin
+
+
+def size_rotary(model: nn.Module, positions: int) -> None:
+    """Size the rotary tables of `model`'s layers to `positions` positions: what the engine
+    addresses (its max_model_len; past max_position_embeddings under a YaRN rope), not the
+    config's max_position_embeddings, whose tables would take ~1 GB at a 1M-token context however
+    short the engine's. Tables of another size are built anew on first use (the surgery guard may
+    have built them at the config's)."""
+    for module in model.modules():
+        rotary = getattr(module, "rotary", None)
+        if isinstance(rotary, RotaryTables) and rotary.max_positions != positions:
+            rotary.max_positions, rotary.cos, rotary.sin = positions, None, None
 
 
 def rotary_bytes(model: nn.Module) -> int:
