@@ -48,7 +48,7 @@ from hibana_core.kv.sequence import LongRope
 from hibana_core import surgery
 from hibana_core.surgery.calibration import Calibration
 from hibana_core.loader import LOAD_STAGES, check_max_model_len, load_from_hf_model, load_model, model_bytes
-from hibana_core.models.decoder import longrope_switch, rotary_bytes, size_rotary
+from hibana_core.models.decoder import longrope_switch, rotary_bytes, rotary_positions, size_rotary
 from hibana_core.output import OutputProcessor
 from hibana_core.progress import LoadProgress
 from hibana_core.registry import ModelLimits, StateRegistry
@@ -290,7 +290,8 @@ class Engine:
         self.vocab_size = loaded.args.vocab_size
         check_max_model_len(config.max_model_len, loaded.args)  # (load_model checked before the weights)
         self.max_model_len = config.max_model_len or loaded.args.max_position_embeddings
-        size_rotary(loaded.model, self.max_model_len)  # (past max_position_embeddings under a YaRN rope)
+        rotary_rows = rotary_positions(self.max_model_len, loaded.args)  # (LongRoPE's long rows start there)
+        size_rotary(loaded.model, rotary_rows)
         kv_dtype = kv_cache_dtype(loaded.model, loaded.dtype)  # after kv8: fp8
         if config.cache.kv_dtype != "auto" and not config.cache.fp8 and _DTYPES[config.cache.kv_dtype] != kv_dtype:
             raise ConfigError(f"kv_dtype={config.cache.kv_dtype!r} differs from the KV dtype of this model "
@@ -347,7 +348,7 @@ class Engine:
         switch = longrope_switch(loaded.args)
         limits = ModelLimits(self.vocab_size, self.max_model_len, self.eos_token_ids, self.fingerprint,
                              self.tokenizer is not None, self.device,
-                             None if switch is None else LongRope(switch, self.max_model_len,
+                             None if switch is None else LongRope(switch, rotary_rows,
                                                                     loaded.args.longrope_recompute),
                              configuration)
         self.registry = StateRegistry(self.core, self.kv_cache, config.cache, limits, self.grammars)

@@ -137,8 +137,8 @@ class Rope:
 def longrope_switch(args: Any) -> int | None:
     """original_max_position_embeddings of the model's LongRoPE (one per model: Phi-3's), where a
     layer's rope is LongRoPE; its cos/sin tables then hold the long rotation of the positions
-    below it from row `RotaryTables.max_positions` on (`Rope.angles`; the engine's max_model_len
-    once `size_rotary` has sized them)."""
+    below it from row `RotaryTables.max_positions` on (`Rope.angles`; `rotary_positions` once the
+    engine has sized them)."""
     for rope in dict.fromkeys(getattr(args, "ropes", ())):
         if rope.rope_type == "longrope":
             return dict(rope.scaling)["original_max_position_embeddings"]
@@ -520,12 +520,24 @@ class RotaryTables:
         return self.cos, self.sin
 
 
+MIN_ROTARY_POSITIONS = 4096
+"""Positions the engine's rotary tables hold at least (all of a shorter model's): what it computes
+besides its states stays within them (layer_skip scores the target's layers on the surgery
+guard's documents, up to 1,088 positions); 4,096 rows take 4 MiB a rope at head_dim 128."""
+
+
+def rotary_positions(max_model_len: int, args: Any) -> int:
+    """The positions an engine's rotary tables hold (`size_rotary`): its max_model_len (past
+    max_position_embeddings under a YaRN rope), at least MIN_ROTARY_POSITIONS of the config's;
+    a LongRoPE model's long rows start there (`LongRope.offset`)."""
+    return max(max_model_len, min(args.max_position_embeddings, MIN_ROTARY_POSITIONS))
+
+
 def size_rotary(model: nn.Module, positions: int) -> None:
-    """Size the rotary tables of `model`'s layers to `positions` positions: what the engine
-    addresses (its max_model_len; past max_position_embeddings under a YaRN rope), not the
-    config's max_position_embeddings, whose tables would take ~1 GB at a 1M-token context however
-    short the engine's. Tables of another size are built anew on first use (the surgery guard may
-    have built them at the config's)."""
+    """Size the rotary tables of `model`'s layers to `positions` positions (`rotary_positions`),
+    not the config's max_position_embeddings, whose tables would take ~1 GB at a 1M-token context
+    however short the engine's. Tables of another size are built anew on first use (the surgery
+    guard may have built them at the config's)."""
     for module in model.modules():
         rotary = getattr(module, "rotary", None)
         if isinstance(rotary, RotaryTables) and rotary.max_positions != positions:

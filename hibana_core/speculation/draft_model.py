@@ -43,7 +43,7 @@ from hibana_core.kv.cache import KVCache, kv_cache_dtype
 from hibana_core.kv.sequence import KVSequence, LongRope
 from hibana_core.kv.transfers import device_tensor
 from hibana_core.loader import LoadedModel, load_model, model_bytes
-from hibana_core.models.decoder import longrope_switch, rotary_bytes, size_rotary
+from hibana_core.models.decoder import longrope_switch, rotary_bytes, rotary_positions, size_rotary
 from hibana_core.runner import DeviceInput, ModelRunner, StepData
 from hibana_core.sampler import apply_logit_bias, apply_warpers, draw, make_generator
 from hibana_core.speculation.drafters import DraftInput, SampledDraft, samples_drafts
@@ -210,7 +210,8 @@ class DraftModelDrafter:
                                 engine.config.progress)
             check_same_tokenizer(engine, loaded, self.path)
             # its rotary tables as long as it drafts (the layer-skip draft shares the target's, sized already)
-            size_rotary(loaded.model, min(engine.max_model_len, loaded.args.max_position_embeddings))
+            size_rotary(loaded.model, rotary_positions(min(engine.max_model_len, loaded.args.max_position_embeddings),
+                                                       loaded.args))
             self.weight_bytes = model_bytes(loaded.model) + rotary_bytes(loaded.model)
             """Bytes of weights (and rotary tables) this drafter holds itself (none where it shares the target's)."""
         else:
@@ -221,8 +222,8 @@ class DraftModelDrafter:
         self._cap = loaded.args.vocab_size - 1 if engine.vocab_size > loaded.args.vocab_size else None
         self.max_len = min(engine.max_model_len, loaded.args.max_position_embeddings)
         switch = longrope_switch(loaded.args)
-        self.long_rope = (None if switch is None else  # (its tables end at max_len, a LongRoPE target's too)
-                          LongRope(switch, self.max_len, loaded.args.longrope_recompute))
+        self.long_rope = (None if switch is None else  # (a LongRoPE target's max_len is its max_model_len)
+                          LongRope(switch, rotary_positions(self.max_len, loaded.args), loaded.args.longrope_recompute))
         """The draft model's own LongRoPE: its states hold the rotation their target's state holds
         (a history past the switch rotated per position drafts what a long-rotated target would not)."""
         a, bs = loaded.args, engine.config.cache.block_size

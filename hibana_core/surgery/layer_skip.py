@@ -129,7 +129,7 @@ class LayerSkipDrafter(DraftModelDrafter):
             if not 0 < keep < 1:
                 raise ConfigError(f"layer_skip: keep must lie in (0, 1), got {keep!r}")
             documents = heldout_documents(engine.tokenizer, engine.vocab_size,
-                                          max_positions=engine.max_model_len)  # (the rotary tables' length)
+                                          max_positions=engine.model_args.max_position_embeddings)
             layers = choose_layers(layer_importance(engine, documents), keep)
         if not layers or sorted(set(layers)) != list(layers) or layers[0] < 0 or layers[-1] >= n:
             raise ConfigError(f"layer_skip: layers must be increasing indices below {n}, got {layers!r}")
