@@ -453,7 +453,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
                                      media_type="text/event-stream", headers=headers)
         result = await unless_gone(request, rest(streams[0], firsts[0]))
         metrics.requests.labels(request.url.path, "200").inc()
-        return JsonReply(reply.completion(result), headers=headers)
+        return await whole_reply(reply, [result], headers)
 
     async def serve_together(request: Request, received: float, servings: "list[Serving]", reply: Reply) -> Response:
         """Several turns of one request (its prompts, its n choices), run at once and answered
@@ -473,8 +473,13 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         if failed:
             raise failed[0]
         metrics.requests.labels(request.url.path, "200").inc()
-        return JsonReply(reply.completion(*outcomes),
-                         headers=served_by_header([serving.state_id for serving in servings]))
+        return await whole_reply(reply, outcomes, served_by_header([serving.state_id for serving in servings]))
+
+    async def whole_reply(reply: Reply, results: "list[turn.ChatResult]", headers: dict[str, str]) -> JsonReply:
+        """The reply to a request not streamed, made and written as JSON in a worker thread: with
+        log-probabilities it grows as tokens x top_logprobs x n (8 choices of 1,000 tokens, 20 each:
+        11 MB, 4.5 s of CPU), and on the event loop every other client's stream stood still meanwhile."""
+        return await asyncio.to_thread(lambda: JsonReply(reply.completion(*results), headers=headers))
 
     async def first_deltas(streams: "list[AsyncIterator[list[ChatDelta]]]", reply: Reply) -> list[list[ChatDelta]]:
         """Each turn's first deltas (`first_delta`), the turns started at once. If one fails, or the
