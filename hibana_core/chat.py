@@ -160,7 +160,7 @@ class Chat:
         self._token_bytes: Callable[[int], bytes] | None = None  # a token id's raw bytes (logprobs), built on first use
         self._roles: dict[str, bool] = {}     # roles outside KNOWN_ROLES: whether the template renders them
         self._tools_rendered: bool | None = None  # whether the template renders tools (probed on first use)
-        self._span: list[int | None] = []  # `chars_per_token` of the tokenizer, once found: shared by `on`
+        self._floor: list[TokenFloor | None] = []  # `token_floor` of the tokenizer, once found: shared by `on`
         self._opening: list[str] = []  # what the template writes before a reply (`_reply_opening`), once
         # found: a list that the copies `on` makes share
         self.handle: StateHandle | None = engine.open_state(state_id) if state_id is not None else None
@@ -538,14 +538,14 @@ class Chat:
 
     def _encode_fitting(self, text: str, start: int = 0, kept: int = 0) -> list[int]:
         """`_encode(text, start)` for a prompt that follows `kept` tokens of the state; a text too
-        long to fit the context whatever its tokens (`chars_per_token`) is refused before it is
+        long to fit the context whatever its tokens (`token_floor`) is refused before it is
         tokenized (a 6 MB tool result took seconds to tokenize only to be refused)."""
         limit = self.engine.max_model_len
         if len(text) - start > limit:  # (else no bound could refuse it)
-            if not self._span:
-                self._span.append(chars_per_token(self.engine.tokenizer))
-            span = self._span[0]
-            least = kept + -(-(len(text) - start) // span) if span else 0
+            if not self._floor:
+                self._floor.append(token_floor(self.engine.tokenizer))
+            floor = self._floor[0]
+            least = kept + floor.least(text[start:]) if floor is not None else 0
             if least > limit:
                 raise ContextLengthError(f"the prompt is at least {least} tokens ({len(text) - start} characters), "
                                          f"more than the model's context of {limit}; shorten the history "
@@ -1061,13 +1061,47 @@ _LENGTHENING = {"NFD", "NFKD", "Lowercase", "Prepend"}  # normalizers that never
 _KEEPING = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts"}  # pre-tokenizers that drop no character
 
 
-def chars_per_token(tokenizer: Any) -> int | None:
-    """The most characters of a text one token can stand for, where that is certain, so that a text
-    of n characters makes at least n / this many tokens: a fast BPE tokenizer whose every
-    character (or byte) has a token or an unknown token of its own, whose normalizer and
-    pre-tokenizer drop nothing (NFC's compositions counted), and whose added tokens strip no
-    whitespace. None for others: a WordPiece [UNK] stands for a whole word, BERT's pre-tokenizer
-    drops whitespace, a fused unknown token stands for a run of characters."""
+@dataclasses.dataclass(frozen=True)
+class TokenFloor:
+    """The fewest tokens a text can make under one tokenizer (`token_floor`), found without
+    tokenizing it: each unit of the text (a byte under a byte-level BPE, else a character) weighs
+    1 / the length of the longest token holding it, so that no token's units weigh more than 1
+    and a text makes at least its weight in tokens. A text the normalizer would change otherwise
+    than character by character gets the coarser bound: its characters over `span`."""
+
+    weights: Any                # byte-level: an array of 256 weights by byte; else {character: weight}
+    byte_level: bool
+    space: str | None           # what Metaspace writes for " " ("▁"), else None
+    normalizer: Any             # the backend's normalizer, or None
+    char_map: bool              # whether the normalizer maps character by character (Prepend, Replace of one)
+    span: int                   # the most characters one token stands for, NFC's compositions counted
+
+    def least(self, text: str) -> int:
+        import numpy as np
+
+        if self.normalizer is not None:
+            normalized = self.normalizer.normalize_str(text)
+            if not self.char_map and normalized != text:  # (NFC composing: not by character)
+                return len(text) // self.span
+            text = normalized
+        if self.space is not None:
+            text = text.replace(" ", self.space)
+        if self.byte_level:
+            counts = np.bincount(np.frombuffer(text.encode("utf-8", "surrogatepass"), np.uint8), minlength=256)
+            weight = float(counts @ self.weights)
+        else:
+            chars, counts = np.unique(np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32),
+                                      return_counts=True)
+            weight = sum(int(n) * self.weights.get(chr(c), 1.0) for c, n in zip(chars.tolist(), counts.tolist()))
+        return int(weight * (1 - 1e-9))  # (float sums of fractions: rounded down)
+
+
+def token_floor(tokenizer: Any) -> TokenFloor | None:
+    """A tokenizer's `TokenFloor`, where it is certain: a fast BPE tokenizer whose every character
+    (or byte) has a token or an unknown token of its own, whose pre-tokenizer drops nothing, whose
+    normalizer maps characters or composes them (NFC) and drops none, and whose added tokens strip
+    no whitespace. None for others: a WordPiece [UNK] stands for a whole word, BERT's
+    pre-tokenizer drops whitespace, a fused unknown token stands for a run of characters."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     try:
         spec = json.loads(backend.to_str()) if backend is not None else None
@@ -1078,39 +1112,58 @@ def chars_per_token(tokenizer: Any) -> int | None:
     if (model.get("type") != "BPE" or not isinstance(vocab, dict) or not vocab
             or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix")):
         return None
-    added = spec.get("added_tokens") or []
-    if any(a.get("lstrip") or a.get("rstrip") for a in added):  # (such a token takes the whitespace beside it)
-        return None
-    shrink = 1
+    added = [a.get("content") or "" for a in spec.get("added_tokens") or ()]
+    if any(a.get("lstrip") or a.get("rstrip") for a in spec.get("added_tokens") or ()):  # (such a token takes
+        return None  # the whitespace beside it)
+    shrink, char_map = 1, True
     for part in _parts(spec.get("normalizer"), "normalizers"):
         kind = part.get("type")
         pattern, content = (part.get("pattern") or {}).get("String"), part.get("content")
-        if kind in _COMPOSING:
-            shrink *= _COMPOSING[kind]
-        elif kind == "Replace" and isinstance(pattern, str) and isinstance(content, str) and content:
+        if kind == "Replace" and isinstance(pattern, str) and isinstance(content, str) and content:
             shrink *= -(-len(pattern) // len(content))
-        elif kind not in _LENGTHENING:
+            char_map &= len(pattern) == len(content) == 1
+        elif kind in _COMPOSING or kind in _LENGTHENING:
+            shrink *= _COMPOSING.get(kind, 1)
+            char_map &= kind == "Prepend"
+        else:
             return None
-    byte_level = False
+    byte_level, space = False, None
     for part in _parts(spec.get("pre_tokenizer"), "pretokenizers"):
         kind = part.get("type")
         byte_level |= kind == "ByteLevel"
+        if kind == "Metaspace":
+            space = part.get("replacement") or "▁"
         if not (kind in _KEEPING or kind in ("Split", "Punctuation") and part.get("behavior") != "Removed"):
             return None
-    every_char = ((byte_level and _byte_chars() <= vocab.keys())
+    byte_of = _byte_values() if byte_level else {}
+    every_char = ((byte_level and byte_of.keys() <= vocab.keys())
                   or (model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256)))
                   or (model.get("unk_token") in vocab and not model.get("fuse_unk")))
     if not every_char:  # a character with no token is dropped, or fused with its neighbours into one
         return None
-    return shrink * max(max(map(len, vocab)), max((len(a.get("content") or "") for a in added), default=1))
+    longest: dict = {}  # unit -> the longest token holding it, in units
+    units = ([[byte_of[c] for c in token if c in byte_of] for token in vocab] + [list(a.encode()) for a in added]
+             if byte_level else [*vocab, *(a.replace(" ", space) if space else a for a in added)])
+    for token in units:
+        for unit in set(token):
+            longest[unit] = max(longest.get(unit, 1), len(token))
+    if byte_level:
+        import numpy as np
+
+        weights: Any = np.array([1.0 / longest.get(b, 1) for b in range(256)])
+    else:
+        weights = {unit: 1.0 / n for unit, n in longest.items()}
+    span = shrink * max(max(map(len, vocab)), max(map(len, added), default=1))
+    return TokenFloor(weights, byte_level, space, backend.normalizer, char_map, span)
 
 
 @functools.cache
-def _byte_chars() -> frozenset[str]:
-    """The byte-level alphabet: the 256 characters that stand for bytes."""
-    from tokenizers import pre_tokenizers
-
-    return frozenset(pre_tokenizers.ByteLevel.alphabet())
+def _byte_values() -> dict[str, int]:
+    """The byte-level alphabet: the character that stands for each byte (GPT-2's), to its byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
 
 
 def _parts(spec: dict | None, key: str) -> list[dict]:

@@ -10,7 +10,7 @@ from tokenizers import AddedToken
 from transformers import PreTrainedTokenizerFast
 
 from hibana_core import ContextLengthError, Engine, SamplingParams
-from hibana_core.chat import Chat, chars_per_token
+from hibana_core.chat import Chat, token_floor
 
 
 @pytest.fixture(scope="module")
@@ -72,21 +72,43 @@ def _sentencepiece_like() -> Tokenizer:
     return tok
 
 
-def test_chars_per_token_bounds_the_tokens_of_any_text_from_below(demo):
-    """Where `chars_per_token` gives a bound, no text makes fewer tokens than its characters over
-    it: the demo's byte-level BPE, a SentencePiece-like BPE with byte fallback, under NFC."""
+def _byte_level_nfc() -> Tokenizer:
+    """A byte-level BPE under NFC (as Qwen2's), with a long token of one character and a long word."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {c: i for i, c in enumerate(sorted(alphabet))}
+    merges = []
+    for left, right in [("a", "b"), ("ab", "ab"), ("abab", "abab"), ("Ġ", "Ġ"), ("ĠĠ", "ĠĠ"), ("ĠĠĠĠ", "ĠĠĠĠ"),
+                        ("Ã", "©"), ("Ã©", "Ã©")]:
+        vocab[left + right] = len(vocab)
+        merges.append((left, right))
+    tok = Tokenizer(models.BPE(vocab, merges))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|im_start|>"])
+    return tok
+
+
+def test_token_floor_bounds_the_tokens_of_any_text_from_below(demo):
+    """Where `token_floor` gives a bound, no text makes fewer tokens: the demo's byte-level BPE, a
+    byte-level one under NFC, a SentencePiece-like BPE with byte fallback (and under NFC), on
+    random texts of letters, spaces, combining marks, jamo, added tokens' text, long tokens."""
     nfc = _sentencepiece_like()
     nfc.normalizer = normalizers.Sequence([normalizers.NFC(), nfc.normalizer])
-    for tokenizer in (demo.tokenizer, _fast(_sentencepiece_like()), _fast(nfc)):
-        span = chars_per_token(tokenizer)
-        assert span
+    for tokenizer in (demo.tokenizer, _fast(_byte_level_nfc()), _fast(_sentencepiece_like()), _fast(nfc)):
+        floor = token_floor(tokenizer)
+        assert floor is not None
         longest = max(tokenizer.get_vocab(), key=len)
-        texts = [*_texts(0), longest * 50, "\u1100\u1161\u11a8" * 40, "e\u0301" * 40]
+        texts = [*_texts(0), longest * 50, " " * 300, "abab" * 80, "é" * 60, "\u1100\u1161\u11a8" * 40,
+                 "e\u0301" * 40, "<|im_start|>" * 30 + "\u0301"]
         for text in texts:
-            assert len(tokenizer.encode(text, add_special_tokens=False)) * span >= len(text), (tokenizer, text)
+            assert floor.least(text) <= len(tokenizer.encode(text, add_special_tokens=False)), (tokenizer, text)
+    words = '{"id": 1234, "name": "a result row", "tags": ["x", "y"]}\n' * 100
+    floor = token_floor(demo.tokenizer)  # (each character weighs by its own longest token, not the vocabulary's)
+    assert floor.least(words) > 2 * len(words) // floor.span
 
 
-def test_chars_per_token_gives_no_bound_where_a_token_can_stand_for_a_run_of_text():
+def test_token_floor_gives_no_bound_where_a_token_can_stand_for_a_run_of_text():
     vocab = {"[UNK]": 0, "a": 1, "b": 2}
     word_piece = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
     word_piece.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -98,5 +120,5 @@ def test_chars_per_token_gives_no_bound_where_a_token_can_stand_for_a_run_of_tex
     bert_normalized = _sentencepiece_like()
     bert_normalized.normalizer = normalizers.BertNormalizer()
     for tok in (word_piece, fused, dropping, stripping, bert_normalized):
-        assert chars_per_token(_fast(tok)) is None, tok
+        assert token_floor(_fast(tok)) is None, tok
     assert len(_fast(fused).encode("zzzzzzzzzz", add_special_tokens=False)) == 1  # (why: one token for ten)
