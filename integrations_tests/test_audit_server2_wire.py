@@ -117,3 +117,29 @@ def test_a_whole_reply_is_made_off_the_event_loop(client, monkeypatch):
     assert client.completions.create(model="demo", prompt="Hello", max_tokens=3, logprobs=5).choices[0].logprobs
     assert client.responses.create(model="demo", input="Hello!", max_output_tokens=3).output_text
     assert loops == [None] * 4
+
+
+def scrape(url: str) -> dict[str, float]:
+    lines = httpx.get(url + "/metrics", timeout=60).text.splitlines()
+    return {name: float(value) for name, _, value in (line.rpartition(" ") for line in lines if line[:1] != "#")}
+
+
+@pytest.mark.parametrize("framing", [b"Content-Length: 1000\r\n\r\n", b"Transfer-Encoding: chunked\r\n\r\n9\r\n"])
+def test_a_client_gone_while_sending_its_body_is_a_499_not_the_servers_failure(url, framing, caplog):
+    """A client that closes its connection mid-body (its own timeout, a Ctrl+C) was counted as a
+    500 in /metrics, and its ClientDisconnect logged as an error with a traceback."""
+    import logging
+    import socket
+    import time
+
+    closed, failed = (f'hibana_requests_total{{endpoint="/v1/chat/completions",status="{s}"}}' for s in ("499", "500"))
+    before = scrape(url)
+    host, port = url.removeprefix("http://").split(":")
+    with caplog.at_level(logging.ERROR, logger="hibana.server"), socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: hibana\r\nContent-Type: application/json\r\n"
+                     + framing + b'{"model":')
+    deadline = time.monotonic() + 30
+    while scrape(url).get(closed, 0) != before.get(closed, 0) + 1:
+        assert time.monotonic() < deadline, "the request was never counted as a 499"
+        time.sleep(0.02)
+    assert scrape(url).get(failed, 0) == before.get(failed, 0) and not caplog.records
