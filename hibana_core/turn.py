@@ -373,7 +373,8 @@ class TurnRun:
         self.passed_ends = passed_ends
         self.thinking = thinking   # splits a reasoning model's thinking off before the tool parser
         self.encode = encode
-        self.deadline = time.monotonic() + timeout if timeout else None
+        # (a timeout past what a timer can wait, 10**400 too: a deadline that never comes)
+        self.deadline = time.monotonic() + min(timeout, threading.TIMEOUT_MAX) if timeout else None
         self.max_calls = max_calls
         self.calls = 0             # tool calls streamed so far
         self.text = ""             # the assistant turn so far
@@ -715,10 +716,11 @@ def _stopped_at(deadline: float | None, events: "RequestEvents",
     prefill, no token comes to check the deadline against (`TurnRun.on_event`), and the call
     waited for the generations ahead of it. Stopped, its final event comes, past the deadline.
     On an event loop the stop (it waits on the engine's lock) runs in `_LOCK_WAITS`."""
-    if deadline is None:
+    delay = None if deadline is None else max(0.0, deadline - time.monotonic()) + 1e-3  # (the final event
+    # is read past the deadline)
+    if delay is None or delay > threading.TIMEOUT_MAX:  # (past ~292 years a Timer's thread dies of OverflowError)
         yield
         return
-    delay = max(0.0, deadline - time.monotonic()) + 1e-3  # (the final event is read past the deadline)
     if loop is not None:
         timer = loop.call_later(delay, lambda: loop.run_in_executor(_LOCK_WAITS, events.stop))
     else:
