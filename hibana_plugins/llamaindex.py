@@ -61,10 +61,11 @@ CHAT_OPTIONS = COMPLETE_OPTIONS | {"tools", "tool_required", "tool_choice", "par
 (the structured-output methods pass it): the answer's tool is called whatever the tool choice, and
 a reply that max_tokens cuts before its answer is whole raises ValueError at its end, streamed or
 not, rather than end as a reply without the answer (LlamaIndex's streaming programs offer the tool
-as "auto" and turn a reply without a call into an object of empty fields). `output_cls` (they pass it
-where the grammar cannot hold the whole of the class's schema, `_check_structured`): the answer is
-read into the class at its end, streamed or not, and one that breaks it raises ToolSchemaError
-naming the fields and what the grammar could not hold there."""
+as "auto" and turn a reply without a call into an object of empty fields). `output_cls` (they pass
+it, `_check_structured`): the answer is read into the class at its end, streamed or not, and one
+that does not read raises ValueError naming the fields (ToolSchemaError where the grammar could
+hold the class's schema only in part, naming what it could not hold): LlamaIndex's streamed
+programs ended on an unchecked partial object, which the class's own validators had refused."""
 PROMPT_FORMATTERS = ("messages_to_prompt", "completion_to_prompt")
 """LlamaIndex's own prompt formatting options, which a chat-template model does not use."""
 _ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant", "function": "tool"}
@@ -106,7 +107,7 @@ class _Call:
         self.holder: LeaseHolder | None = None  # an async call's (`lease_holder`)
         self.stream: AsyncIterator | None = None  # an async call's engine stream
         self.structured = structured            # a structured answer: cut, it raises (CHAT_OPTIONS)
-        self.output_cls = output_cls            # its class, where the grammar holds its schema in part
+        self.output_cls = output_cls            # a structured answer's class: read into it at its end
 
     def open(self, stack: contextlib.ExitStack) -> tuple[turn.TurnRun, Any]:
         """Starts the turn on the state `Chat.lease` picks (`turn.Open`)."""
@@ -266,16 +267,21 @@ def _last_answer(output_cls: Any, answers: list) -> Any:
     return last if isinstance(last, output_cls) else output_cls.model_validate(last.model_dump())
 
 
-def _breaks_schema(output_cls: Any, problems: Sequence[str], exc: Exception, answer: str) -> ToolSchemaError:
-    """The error of a structured answer that does not read into its class, where the grammar could
-    hold its schema only in part: which fields it breaks, and what the grammar could not hold."""
+def _breaks_schema(output_cls: Any, problems: Sequence[str], exc: Exception, answer: str) -> ValueError:
+    """The error of a structured answer that does not read into its class: which fields it breaks,
+    and what the grammar could not hold (a ToolSchemaError), or that the class's own validators
+    refused it (a ValueError, as LlamaIndex's programs raise: the grammar held its whole schema)."""
     errors = exc.errors() if hasattr(exc, "errors") else []
     broken = "; ".join(f"{'.'.join(str(part) for part in e.get('loc', ())) or 'the answer'}: {e.get('msg')}"
                        for e in errors) or str(exc)
-    unheld = (f"The grammar held it to the nearest schema it can hold, not to {'; '.join(problems)}; relax those "
-              "fields (or bound them as said), or ask again (a sampled answer may differ)") if problems else ""
-    return ToolSchemaError(f"the structured answer does not read into {getattr(output_cls, '__name__', output_cls)} "
-                           f"({broken}): {answer!r:.200}. {unheld}".rstrip())
+    message = f"the structured answer does not read into {getattr(output_cls, '__name__', output_cls)} ({broken}): " \
+              f"{answer!r:.200}"
+    if not problems:
+        return ValueError(f"{message}; its JSON schema held, the class's own validation refused it: ask again (a "
+                          "sampled answer may differ), or say in the prompt what the class requires")
+    return ToolSchemaError(f"{message}. The grammar held it to the nearest schema it can hold, not to "
+                           f"{'; '.join(problems)}; relax those fields (or bound them as said), or ask again (a "
+                           "sampled answer may differ)")
 
 
 # --- the LlamaIndex side ------------------------------------------------------------------------------
@@ -590,9 +596,9 @@ def llm_class() -> type:
             class's schema (no value meets it, ...). Where it holds the schema only in part (pydantic's
             HttpUrl: a length beside a format; `maxLength` beside a `pattern`), the grammar holds the
             nearest schema it can, as LlamaIndex's OpenAI LLM (strict=False, its default) leaves the
-            whole schema to the model, and the answer is read into the class at its end (CHAT_OPTIONS'
-            output_cls): one that breaks it raises ToolSchemaError naming the fields, from every entry
-            point, streamed ones too (LlamaIndex's end on an unchecked partial object). (as_structured_llm
+            whole schema to the model. Every answer is read into the class at its end (CHAT_OPTIONS'
+            output_cls): one that does not read raises, from every entry point, streamed ones too
+            (LlamaIndex's end on an unchecked partial object). (as_structured_llm
             comes here too: StructuredLLM calls these methods.) Returns the calls' llm_kwargs: where
             LlamaIndex asks for JSON in the prompt, not a call (a template that renders no tools,
             or pydantic_program_mode="llm": its LLMTextCompletionProgram), with the class's
@@ -608,8 +614,8 @@ def llm_class() -> type:
                 raise ToolSchemaError(f"structured output into {getattr(output_cls, '__name__', output_cls)!r}: the "
                                       f"grammar cannot hold an answer to its schema ({broken})")
             llm_kwargs = {"structured_answer": True, **(llm_kwargs or {})}
-            if problems:  # held to the nearest schema the grammar holds, then read into the class
-                llm_kwargs["output_cls"] = output_cls
+            # read into the class at its end (the nearest schema the grammar holds, where it holds it in part)
+            llm_kwargs["output_cls"] = output_cls
             mode = self.pydantic_program_mode  # which program LlamaIndex picks (`get_program_for_llm`)
             as_text = mode == PydanticProgramMode.LLM or (mode == PydanticProgramMode.DEFAULT
                                                          and not self._chat_layer().renders_tools())
@@ -688,7 +694,7 @@ def llm_class() -> type:
             values |= {name: kwargs[name] for name in SAMPLING if kwargs.get(name) is not None}
             params = sampling_params(values, "HibanaLLM call", self.engine.max_model_len)
             if kwargs.get("json_schema") is not None:  # the reply held to it (beside tools: the text answer)
-                # a structured answer the grammar holds in part: the nearest schema, then read into its class
+                # a structured answer: the nearest schema the grammar holds, then read into its class
                 params = dataclasses.replace(params, json_schema=kwargs["json_schema"],
                                              strict_schema=kwargs.get("output_cls") is None)
             options = {"tool_choice": choice, "parse_tools": tools is not None, "guided": self.guided_tool_arguments,
@@ -724,8 +730,8 @@ def llm_class() -> type:
             return response
 
         def _read_answer(self, reply: _Call, calls: list[dict]) -> None:
-            """A ToolSchemaError where a structured answer held to part of its class's schema does
-            not read into the class (`_check_structured`): its calls' arguments, or its text."""
+            """A ValueError where a structured answer does not read into its class (`_breaks_schema`;
+            `_check_structured`): its calls' arguments, or its text."""
             from llama_index.core.program.function_program import get_function_tool
 
             answers = [c["function"]["arguments"] for c in calls] if reply.tools else [reply.content]

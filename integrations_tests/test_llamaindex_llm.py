@@ -17,7 +17,7 @@ import pytest
 
 
 from llama_index.core.base.llms.types import ChatMessage, ToolCallBlock
-from llama_index.core.bridge.pydantic import BaseModel, Field
+from llama_index.core.bridge.pydantic import BaseModel, Field, field_validator
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.tools import FunctionTool
 from pydantic import HttpUrl
@@ -496,6 +496,40 @@ def test_tool_choice_none_and_single_calls_are_enforced(engine, scripted):
     streamed_none = list(llm.stream_chat(user(question), tools=[llm._tool_spec(t) for t in TOOLS],
                                          tool_choice="none"))
     assert calls(llm, streamed_none[-1]) == []
+
+
+class Even(BaseModel):
+    """An even number."""
+    n: int
+
+    @field_validator("n")
+    @classmethod
+    def even(cls, value: int) -> int:
+        if value % 2:
+            raise ValueError("n must be even")
+        return value
+
+
+async def test_a_structured_answer_its_class_refuses_raises_streamed_too(engine, scripted):
+    """An answer the grammar held to the class's schema but the class's own validator refuses: the
+    streamed forms ended on an unchecked partial object (FlexibleEven(n=3), no Even at all), where
+    the non-streamed ones raised; every entry point now raises the same ValueError naming the field."""
+    scripted('<tool_call>\n{"name": "Even", "arguments": {"n": 3}}\n</tool_call>')
+    llm, prompt = HibanaLLM(engine=engine), PromptTemplate("{text}")
+    refused = "does not read into Even .n: Value error, n must be even"
+    with pytest.raises(ValueError, match="n must be even"):
+        llm.structured_predict(Even, prompt, text="n?")
+    with pytest.raises(ValueError, match=refused):
+        list(llm.stream_structured_predict(Even, prompt, text="n?"))
+    with pytest.raises(ValueError, match=refused):
+        [x async for x in await llm.astream_structured_predict(Even, prompt, text="n?")]
+    with pytest.raises(ValueError, match=refused):
+        list(llm.as_structured_llm(Even).stream_chat(user("n?")))
+    scripted('{"n": 3}')  # LlamaIndex's text program
+    with pytest.raises(ValueError, match=refused):
+        list(HibanaLLM(engine=engine, pydantic_program_mode="llm").stream_structured_predict(Even, prompt, text="n?"))
+    scripted('<tool_call>\n{"name": "Even", "arguments": {"n": 4}}\n</tool_call>')
+    assert list(llm.stream_structured_predict(Even, prompt, text="n?"))[-1] == Even(n=4)
 
 
 class Tree(BaseModel):
