@@ -134,11 +134,16 @@ as switches."""
 
 
 def check_switches(values: Mapping[str, Any], where: str) -> None:
-    """An adapter's true-or-false options, and its reasoning options together, checked when the object is
-    made (reasoning_effort "none" beside reasoning=True failed only on the first call)."""
+    """An adapter's true-or-false options, its reasoning options together and its timeout, checked
+    when the object is made (reasoning_effort "none" beside reasoning=True, and ChatHibana's timeout
+    of 0, -1 or NaN, failed only on the first call; pydantic read True as a timeout of 1 s)."""
     for name in SWITCHES:
         if values.get(name) is not None and not isinstance(values[name], bool):
             raise ConfigError(f"{where}: {name} must be True or False, got {values[name]!r:.40}")
+    timeout = values.get("timeout")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout > 0):
+        raise ConfigError(f"{where}: timeout must be a number of seconds > 0, or None; got {timeout!r:.40}")
     effort = values.get("reasoning_effort")
     if effort is not None and not isinstance(effort, str):
         raise ConfigError(f"{where}: reasoning_effort must be a level (a string) or None, got {effort!r:.40}")
