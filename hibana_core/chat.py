@@ -512,6 +512,9 @@ class Chat:
         if not isinstance(prompt, TokenIds):
             check_text(prompt, "the prompt")
             return self._encode_fitting(prompt)
+        if len(prompt) > self.engine.max_model_len:  # before each id is checked (10M ids: seconds, twice)
+            raise ContextLengthError(f"{len(prompt)} tokens exceed the model's context of {self.engine.max_model_len}; "
+                                     "shorten the history (the state is unchanged)")
         bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
         if bad:
             raise InvalidTokenError(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, "

@@ -10,7 +10,7 @@ from tokenizers import AddedToken
 from transformers import PreTrainedTokenizerFast
 
 from hibana_core import ContextLengthError, Engine, SamplingParams
-from hibana_core.chat import Chat, token_floor
+from hibana_core.chat import Chat, TokenIds, token_floor
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +122,22 @@ def test_token_floor_gives_no_bound_where_a_token_can_stand_for_a_run_of_text():
     for tok in (word_piece, fused, dropping, stripping, bert_normalized):
         assert token_floor(_fast(tok)) is None, tok
     assert len(_fast(fused).encode("zzzzzzzzzz", add_special_tokens=False)) == 1  # (why: one token for ten)
+
+
+class _UnreadIds(TokenIds):
+    """Token ids that fail the test when read one by one."""
+
+    def __iter__(self):
+        raise AssertionError("the ids were read one by one")
+
+
+@pytest.mark.parametrize("lease", [False, True], ids=["own state", "leased"])
+def test_token_ids_past_the_context_are_refused_before_each_is_checked(demo, lease):
+    """respond(TokenIds(10M ids)) checked every id against the vocabulary, twice, before the
+    length (4 s on a CPU); the length is checked first, the same ContextLengthError."""
+    ids = _UnreadIds([5] * 300)
+    with pytest.raises(ContextLengthError, match="300 tokens exceed the model's context of 256"):
+        if lease:
+            Chat(demo).respond(ids, params=SamplingParams(max_tokens=2), lease=True)
+        else:
+            demo.chat("many-ids").respond(ids, params=SamplingParams(max_tokens=2))
