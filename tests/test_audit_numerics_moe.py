@@ -7,6 +7,8 @@ quarter of the outputs by a bfloat16 step, so each family must keep its own orde
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import MixtralConfig, Qwen3MoeConfig
@@ -69,23 +71,26 @@ def test_qwen3_moe_bf16_reference_rounds_routing_weights_first():
 
 def test_mixtral_engine_blocks_route_as_transformers_mixtral_in_bf16(tmp_path):
     """The family's own order reaches the engine: a bf16 tiny Mixtral's sparse block (router,
-    experts as loaded) gives transformers' MixtralSparseMoeBlock's output bit for bit."""
+    experts as loaded) gives transformers' MixtralSparseMoeBlock's output bit for bit. (Routers
+    untied: tiny_models' tied pairs route top-2 to a pair at 0.5 each, which bf16 holds exactly.)"""
     from transformers import AutoModelForCausalLM
 
     import hibana_kernels as kernels
     from hibana_core import Engine
     from tiny_models import make_tiny_checkpoint
 
-    path = make_tiny_checkpoint("mixtral", tmp_path / "m", num_hidden_layers=1)
+    path = make_tiny_checkpoint("mixtral", tmp_path / "m", num_hidden_layers=1, tied_experts=False)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, experts_implementation="eager")
     h = _bf16_tokens(3)
     with Engine.from_pretrained(str(path), device="cpu", dtype="bfloat16", block_size=16, num_blocks=16,
                                 progress=False) as engine, torch.no_grad():
         block = engine.model.model.layers[0].mlp
-        assert block.experts.kernel_experts().round_weights is False
         weights, ids = block.route(h)
-        out = kernels.fused_moe(h, block.experts.kernel_experts(), weights, ids)
+        experts = block.experts.kernel_experts()
+        out = kernels.fused_moe(h, experts, weights, ids)
+        rounded_first = kernels.fused_moe(h, dataclasses.replace(experts, round_weights=True), weights, ids)
         expected = hf.model.layers[0].mlp(h[None])[0]
+    assert not torch.equal(rounded_first, expected), "the inputs must tell the two orders apart"
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
 
 
