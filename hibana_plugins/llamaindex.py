@@ -259,12 +259,46 @@ def _unheld(parameters: str) -> tuple[tuple[str, ...], str | None]:
 
 
 def _last_answer(output_cls: Any, answers: list) -> Any:
-    """A streamed structured program's answer: its last object, read into the class (the stream
-    ends on the class's own object where the answer is whole and valid)."""
+    """A streamed structured program's answer: its last object (`_ending_on_the_class`)."""
     if not answers:
         raise ValueError(f"the structured answer into {getattr(output_cls, '__name__', output_cls)} came back empty")
-    last = answers[-1]
-    return last if isinstance(last, output_cls) else output_cls.model_validate(last.model_dump())
+    return answers[-1]
+
+
+def _as_the_class(output_cls: Any, last: Any) -> Any:
+    """The class's own object of a streamed program's last one, where that is a partial object
+    (LlamaIndex's streamed programs read the answer in python mode, which a strict class refuses
+    for a date or an enum written as JSON); None where it is the class's already, or a list."""
+    if last is None or isinstance(last, (output_cls, list)) or not hasattr(last, "model_dump_json"):
+        return None
+    return output_cls.model_validate_json(last.model_dump_json())  # (JSON mode: the answer was JSON)
+
+
+def _ending_on_the_class(output_cls: Any, answers: Iterator) -> Iterator:
+    """A streamed program's objects, then the class's own object of the last one where that was
+    a partial object (`_as_the_class`): the stream ends on the class's object."""
+    last = None
+    try:
+        for last in answers:
+            yield last
+    finally:
+        getattr(answers, "close", lambda: None)()
+    whole = _as_the_class(output_cls, last)
+    if whole is not None:
+        yield whole
+
+
+async def _aending_on_the_class(output_cls: Any, answers: AsyncIterator) -> AsyncIterator:
+    """`_ending_on_the_class` for an async stream."""
+    last = None
+    try:
+        async for last in answers:
+            yield last
+    finally:
+        await answers.aclose()
+    whole = _as_the_class(output_cls, last)
+    if whole is not None:
+        yield whole
 
 
 def _breaks_schema(output_cls: Any, problems: Sequence[str], exc: Exception, answer: str) -> ValueError:
@@ -575,21 +609,27 @@ def llm_class() -> type:
             LlamaIndex's non-streamed one calls the class as a tool through `call_tool`, which reads
             the tool's parameters' "properties", and a class that holds itself (class Tree: kids:
             list["Tree"]) has only "$defs" there: it failed with "Error: 'properties'" on a right
-            answer. The streamed one reads the call's arguments into the class itself."""
+            answer; and the tool makes the class in python mode, where a strict class
+            (ConfigDict(strict=True)) refuses a date or an enum written as JSON. The streamed one
+            reads the call's arguments into the class itself (`_ending_on_the_class`)."""
             from llama_index.core.program.function_program import get_function_tool
 
-            return ("json_schema" not in llm_kwargs  # (the text program, `_check_structured`: no tool)
-                    and "properties" not in get_function_tool(output_cls).metadata.get_parameters_dict())
+            if "json_schema" in llm_kwargs:  # the text program (`_check_structured`): no tool
+                return False
+            return (bool(getattr(output_cls, "model_config", {}).get("strict"))
+                    or "properties" not in get_function_tool(output_cls).metadata.get_parameters_dict())
 
         def stream_structured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict | None = None,
                                       **prompt_args: Any) -> Any:
             llm_kwargs = self._check_structured(output_cls, llm_kwargs)
-            return super().stream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+            answers = super().stream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+            return _ending_on_the_class(output_cls, answers)
 
         async def astream_structured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict | None = None,
                                              **prompt_args: Any) -> Any:
             llm_kwargs = self._check_structured(output_cls, llm_kwargs)
-            return await super().astream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+            answers = await super().astream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+            return _aending_on_the_class(output_cls, answers)
 
         def _check_structured(self, output_cls: Any, llm_kwargs: dict | None) -> dict | None:
             """A ToolSchemaError, before any token, where the grammar cannot compile the output
@@ -736,15 +776,12 @@ def llm_class() -> type:
 
             answers = [c["function"]["arguments"] for c in calls] if reply.tools else [reply.content]
             for answer in answers:
-                try:
-                    if isinstance(answer, str):
-                        reply.output_cls.model_validate_json(answer)
-                    else:
-                        reply.output_cls.model_validate(answer)
+                text = answer if isinstance(answer, str) else json.dumps(answer, ensure_ascii=False)
+                try:  # in JSON mode, as the answer is JSON (a strict class takes a date as text there alone)
+                    reply.output_cls.model_validate_json(text)
                 except ValueError as exc:  # pydantic's ValidationError
                     parameters = self._tool_spec(get_function_tool(reply.output_cls))["function"].get("parameters")
                     problems, _ = _unheld(json.dumps(parameters or {}, sort_keys=True, default=str))
-                    text = answer if isinstance(answer, str) else json.dumps(answer, ensure_ascii=False)
                     raise _breaks_schema(reply.output_cls, problems, exc, text) from exc
 
         def _completion_response(self, reply: _Call, delta: str) -> CompletionResponse:

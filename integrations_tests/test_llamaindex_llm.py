@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import datetime
+import enum
 import logging
 import pickle
 import subprocess
@@ -17,7 +19,7 @@ import pytest
 
 
 from llama_index.core.base.llms.types import ChatMessage, ToolCallBlock
-from llama_index.core.bridge.pydantic import BaseModel, Field, field_validator
+from llama_index.core.bridge.pydantic import BaseModel, ConfigDict, Field, field_validator
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.tools import FunctionTool
 from pydantic import HttpUrl
@@ -530,6 +532,36 @@ async def test_a_structured_answer_its_class_refuses_raises_streamed_too(engine,
         list(HibanaLLM(engine=engine, pydantic_program_mode="llm").stream_structured_predict(Even, prompt, text="n?"))
     scripted('<tool_call>\n{"name": "Even", "arguments": {"n": 4}}\n</tool_call>')
     assert list(llm.stream_structured_predict(Even, prompt, text="n?"))[-1] == Even(n=4)
+
+
+class Color(enum.Enum):
+    RED = "red"
+
+
+class StrictEvent(BaseModel):
+    """An event."""
+    model_config = ConfigDict(strict=True)
+    when: datetime.date
+    color: Color
+
+
+async def test_a_strict_class_takes_its_answer_as_json_from_every_entry_point(engine, scripted):
+    """A strict class (ConfigDict(strict=True)) takes a date or an enum as JSON text in JSON mode
+    alone: LlamaIndex's programs read a call's arguments in python mode, so structured_predict and
+    as_structured_llm(...).chat failed on a right answer ("Input should be a valid date"), and the
+    streamed forms ended on a partial object (FlexibleStrictEvent) instead of the class's."""
+    event = StrictEvent(when=datetime.date(2024, 1, 2), color=Color.RED)
+    llm, prompt = HibanaLLM(engine=engine), PromptTemplate("{text}")
+    for mode, answer in (("default", '<tool_call>\n{"name": "StrictEvent", "arguments": %s}\n</tool_call>'),
+                         ("llm", "%s")):
+        scripted(answer % '{"when": "2024-01-02", "color": "red"}')
+        llm = HibanaLLM(engine=engine, pydantic_program_mode=mode)
+        assert llm.structured_predict(StrictEvent, prompt, text="when?") == event
+        assert await llm.astructured_predict(StrictEvent, prompt, text="when?") == event
+        assert llm.as_structured_llm(StrictEvent).chat(user("when?")).raw == event
+        assert list(llm.stream_structured_predict(StrictEvent, prompt, text="when?"))[-1] == event
+        assert [x async for x in await llm.astream_structured_predict(StrictEvent, prompt, text="when?")][-1] == event
+        assert list(llm.as_structured_llm(StrictEvent).stream_chat(user("when?")))[-1].raw == event
 
 
 class Tree(BaseModel):
