@@ -11,6 +11,7 @@ is wrong (`param`), as OpenAI's errors do.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import re
@@ -637,6 +638,7 @@ class TextReply(Reply):
         super().__init__(model, chat, n=n, fingerprint=fingerprint)
         self.id = "cmpl-" + uuid.uuid4().hex
         self._offsets: dict[int, int] = {}  # choice -> characters its streamed logprobs' tokens spelt
+        self._decoders: dict[int, codecs.IncrementalDecoder] = {}  # choice -> its tokens' UTF-8 so far
 
     def completion(self, *results: ChatResult) -> dict:
         """The reply to one prompt, or to several (n choices each, in order; their usage summed)."""
@@ -659,9 +661,10 @@ class TextReply(Reply):
         entries = logprobs["content"]
         offsets = []
         at = self._offsets.get(index, 0)
-        for entry in entries:
-            offsets.append(at)
-            at += len(entry["token"])
+        decoder = self._decoders.setdefault(index, codecs.getincrementaldecoder("utf-8")("replace"))
+        for entry in entries:  # a token's characters are those its bytes complete: the two of "é" both start at it
+            offsets.append(at)  # (each token's own text spelt it as two "\ufffd", shifting every offset after)
+            at += len(decoder.decode(bytes(entry["bytes"])))
         self._offsets[index] = at
         asked = any(entry["top_logprobs"] for entry in entries)
         return {"tokens": [entry["token"] for entry in entries],

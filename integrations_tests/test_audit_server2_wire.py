@@ -167,3 +167,26 @@ def test_a_streams_last_chunks_are_made_off_the_event_loop(client, monkeypatch):
     assert events[-1].type == "response.incomplete" and events[-1].response.output[0].content[0].logprobs
     assert {last for last, _ in made} == {True, False}
     assert all(off == last for last, off in made), made
+
+
+def test_legacy_text_offsets_count_the_texts_characters(client, engine):
+    """`text_offset` is where each token starts in the text. It added up each token's own text,
+    which spells a piece of a character as "\\ufffd": after the two tokens of "é" every offset was
+    one past its token (vLLM's error too). Whole and streamed (a stream's offsets go on from its
+    last chunk's); a token that ends a character starts at it, as the one that began it."""
+    from hibana_core.detokenizer import token_bytes
+    from hibana_core.speculation import force_outputs
+
+    text = "héllo 日本"
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    spelt = token_bytes(engine.tokenizer)
+    starts = [len(b"".join(map(spelt, ids[:i])).decode("utf-8", "ignore")) for i in range(len(ids))]
+    assert starts[1:3] == [1, 1]  # (the demo's tokenizer writes "é" as two byte tokens)
+    for stream in (False, True):
+        state = f"offsets-{stream}"
+        force_outputs(engine.open_state(state), ids)
+        reply = client.completions.create(model="demo", prompt="Hi", max_tokens=len(ids), logprobs=1, stream=stream,
+                                          extra_headers={"X-Hibana-State": state})
+        choices = [chunk.choices[0] for chunk in reply] if stream else reply.choices
+        assert "".join(choice.text for choice in choices) == text
+        assert [at for choice in choices if choice.logprobs for at in choice.logprobs.text_offset] == starts
