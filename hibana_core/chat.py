@@ -811,9 +811,10 @@ class Chat:
         # named tool's call is not held by the grammar that ends the turn after it
         max_calls = 1 if not parallel_tool_calls or (one_call and not calls_held) else None
         passed_ends = frozenset(text for t, text in zip(self.stop_token_ids, self._end_texts) if t in passed)
-        return turn.TurnRun(self.prompt_ids(messages, tools, reasoning_history), prefill, params, stream,
-                            self._encode, timeout, max_calls=max_calls, thinking=thinking, calls_held=calls_held,
-                            passed_ends=passed_ends)
+        ids = self.prompt_ids(messages, tools, reasoning_history)
+        encode = functools.partial(self._encode_fitting, kept=len(ids))  # (the prefill's text, after the prompt)
+        return turn.TurnRun(ids, prefill, params, stream, encode, timeout, max_calls=max_calls, thinking=thinking,
+                            calls_held=calls_held, passed_ends=passed_ends)
 
 
 class StreamedLogprobs:

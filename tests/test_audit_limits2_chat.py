@@ -141,3 +141,17 @@ def test_token_ids_past_the_context_are_refused_before_each_is_checked(demo, lea
             Chat(demo).respond(ids, params=SamplingParams(max_tokens=2), lease=True)
         else:
             demo.chat("many-ids").respond(ids, params=SamplingParams(max_tokens=2))
+
+
+def test_a_prefill_far_past_the_context_is_refused_before_it_is_tokenized(demo, monkeypatch):
+    """A 5 MB prefill was tokenized whole (8 s) before the prompt it made was refused."""
+    encoded = []
+    real = Chat._encode
+    monkeypatch.setattr(Chat, "_encode", lambda self, text, start=0: encoded.append(len(text) - start)
+                        or real(self, text, start))
+    with pytest.raises(ContextLengthError, match="more than the model's context of 256"):
+        demo.chat("huge-prefill").respond([{"role": "user", "content": "hi"}], params=SamplingParams(max_tokens=2),
+                                          prefill="word " * 100_000)
+    assert not [n for n in encoded if n > 10_000]
+    assert demo.chat("huge-prefill").respond([{"role": "user", "content": "hi"}], params=SamplingParams(max_tokens=2),
+                                             prefill="Sure").text.startswith("Sure")
