@@ -10,7 +10,8 @@ from tokenizers import AddedToken
 from transformers import PreTrainedTokenizerFast
 
 from hibana_core import ContextLengthError, Engine, SamplingParams
-from hibana_core.chat import Chat, TokenIds, token_floor
+from hibana_core.chat import Chat, TokenIds
+from hibana_core.token_floor import token_floor
 
 
 @pytest.fixture(scope="module")
