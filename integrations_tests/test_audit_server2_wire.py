@@ -190,3 +190,24 @@ def test_legacy_text_offsets_count_the_texts_characters(client, engine):
         choices = [chunk.choices[0] for chunk in reply] if stream else reply.choices
         assert "".join(choice.text for choice in choices) == text
         assert [at for choice in choices if choice.logprobs for at in choice.logprobs.text_offset] == starts
+
+
+def test_logprob_entries_spell_each_token_once(engine, monkeypatch):
+    """Each entry of a reply's log-probabilities (the token and every alternative) decoded its
+    token anew: 1,000 tokens' top 20 took 1.9 s of the 2.6 s their JSON took to make. A token is
+    spelt once per Chat (and its copies: the server's legacy one)."""
+    import copy
+
+    from hibana_core.chat import Chat
+    from hibana_core.state import TokenLogprob
+
+    decoded = []
+    decode = engine.tokenizer.decode
+    monkeypatch.setattr(engine.tokenizer, "decode", lambda ids, **kw: decoded.append(list(ids)) or decode(ids, **kw))
+    chat = Chat(engine)
+    tokens = [TokenLogprob(t, -1.0, tuple((a, -2.0) for a in range(20))) for t in (5, 6, 5, 7)]
+    first = chat.openai_token_logprobs(tokens)
+    assert {tuple(ids) for ids in decoded} == {(t,) for t in {5, 6, 7, *range(20)}}  # (84 entries)
+    spelt = len(decoded)
+    assert copy.copy(chat).openai_token_logprobs(tokens) == first and len(decoded) == spelt
+    assert first[1]["token"] == decode([6]) and first[0]["top_logprobs"][3]["bytes"] == list(decode([3]).encode())
