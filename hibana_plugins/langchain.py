@@ -365,9 +365,10 @@ def _bound_tool(i: int, tool: Any, strict: bool | None) -> dict:
 
 def _structured_tool(schema: Any, strict: bool | None) -> dict:
     """The tool `with_structured_output` forces: LangChain's conversion, but a pydantic model that
-    holds itself keeps its own schema (the conversion writes {} where it recurs: any value), and
-    the answer must parse into the schema, so one the grammar cannot hold is refused (ToolSchemaError)
-    unless `strict=False` says the caller checks the answer. OpenAI's response formats
+    holds itself keeps its own schema (the conversion writes {} where it recurs: any value). As
+    OpenAI's `strict` (unset: false), a keyword the grammar cannot hold (pydantic's HttpUrl,
+    max_length beside a pattern) is left to the model and the answer checked as it is parsed;
+    with strict=True such a schema is refused (ToolSchemaError). OpenAI's response formats
     ({"name", "schema"}, or it inside {"type": "json_schema", "json_schema": ...}), which
     ChatOpenAI takes, are their schema: the conversion read the first as a function without
     parameters (any object) and refused the second."""
@@ -377,13 +378,13 @@ def _structured_tool(schema: Any, strict: bool | None) -> dict:
         schema = {"parameters": schema["schema"],
                   **{key: schema[key] for key in ("name", "description", "strict") if key in schema}}
     tool = _bound_tool(0, schema, strict)
-    if strict is not False:
+    if strict is True:
         problems = unheld(normalize_tools([tool])[0]["function"].get("parameters") or {})
         if problems:
-            raise ToolSchemaError(f"with_structured_output({tool['function']['name']!r}): the grammar cannot hold "
-                                  f"the answer to this schema ({'; '.join(problems)}), and the answer must parse "
-                                  "into it; relax those fields, or pass strict=False to have them left to the "
-                                  "model (and check them in your code)")
+            raise ToolSchemaError(f"with_structured_output({tool['function']['name']!r}, strict=True): the grammar "
+                                  f"cannot hold the answer to this schema ({'; '.join(problems)}); relax those "
+                                  "fields, or leave strict unset to have them left to the model (the answer is "
+                                  "then checked as it is parsed)")
     return tool
 
 
@@ -995,7 +996,7 @@ class ChatHibana(BaseChatModel):
         params = self._params(stop, kwargs, chat.engine.max_model_len)
         if answer_schema is not None:
             params = dataclasses.replace(params, json_schema=answer_schema,
-                                         strict_schema=kwargs["answer_tool"]["function"].get("strict") is not False)
+                                         strict_schema=kwargs["answer_tool"]["function"].get("strict") is True)
         if kwargs.get("response_format") is not None:
             if answer_tool is not None or answer_schema is not None:
                 raise ConfigError("a ChatHibana call: response_format and with_structured_output both hold the "

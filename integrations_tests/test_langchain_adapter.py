@@ -8,6 +8,7 @@ import contextlib
 import copy
 import json
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -586,10 +587,12 @@ def test_structured_output_of_a_model_that_holds_itself_is_held_to_its_own_schem
             jsonschema.validate(got["parsed"].model_dump(), Tree.model_json_schema())
 
 
-def test_structured_output_refuses_a_schema_the_grammar_cannot_hold_unless_strict_is_false(llm):
-    """The answer must parse into the schema: a keyword the grammar drops is refused by name
-    (all three methods printed {"code": "compilers"} for a pattern beside max_length); with
-    strict=False the caller checks the answer."""
+def test_structured_output_leaves_what_the_grammar_cannot_hold_to_the_model_unless_strict(llm):
+    """As ChatOpenAI's `strict` (unset: false) and HibanaLLM's structured output: a keyword the
+    grammar drops (max_length beside a pattern; pydantic's HttpUrl) is left to the model and the
+    answer is checked as it is parsed, so a breaking answer is a parse error naming the field
+    (with_structured_output refused such classes outright, whatever the answer); strict=True
+    refuses the schema by name, before any token."""
     from hibana_core.messages import ToolSchemaError
 
     class Code(BaseModel):
@@ -597,8 +600,14 @@ def test_structured_output_refuses_a_schema_the_grammar_cannot_hold_unless_stric
 
     for method in ("function_calling", "json_schema", "json_mode"):
         with pytest.raises(ToolSchemaError, match="maxLength beside pattern"):
-            llm.with_structured_output(Code, method=method)
-    llm.with_structured_output(Code, strict=False)  # built; its answers are the caller's to check
+            llm.with_structured_output(Code, method=method, strict=True)
+        got = llm.with_structured_output(Code, method=method, include_raw=True).invoke(
+            "Give me a short code for the Python site", max_tokens=40)
+        # the demo writes a longer code than max_length allows: the grammar held the pattern only
+        assert got["parsed"] is None and "at most 3 characters" in str(got["parsing_error"]), (method, got)
+        raw = got["raw"]
+        code = raw.tool_calls[0]["args"]["code"] if method == "function_calling" else json.loads(raw.content)["code"]
+        assert re.fullmatch(r"[a-z]+", code), raw
 
 
 def test_tool_choice_none_keeps_the_tools_listed_and_calls_none(llm):
