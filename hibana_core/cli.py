@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     surgery.add_argument("--no-guard", action="store_true", help="skip the guard (no quality figures)")
     surgery.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     surgery.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                         help="compute dtype (auto: on a GPU the checkpoint's 16-bit dtype, bfloat16 for a float32 one; float32 on CPU)")
+                         help="compute dtype (auto: on a GPU the checkpoint's 16-bit dtype, bfloat16 for a float32 one; "
+                         "float32 on CPU)")
     surgery.set_defaults(run=run_surgery)
     return parser
 

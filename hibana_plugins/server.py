@@ -798,7 +798,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "https://app.example.com, or '*' for any (default: pages on localhost only)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                        help="compute dtype (auto: on a GPU the checkpoint's 16-bit dtype, bfloat16 for a float32 one; float32 on CPU)")
+                        help="compute dtype (auto: on a GPU the checkpoint's 16-bit dtype, bfloat16 for a float32 one; "
+                        "float32 on CPU)")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     parser.add_argument("--state-dir", help="folder where named states (X-Hibana-State) persist across "
                         "restarts: written when the server stops, found again by id after it starts")
