@@ -51,10 +51,12 @@ IGNORED = {"keep_alive": "the model stays loaded as long as its engine lives",
            "stream_usage": "usage always comes on a stream's last chunk"}
 """Peers' options that mean nothing for an engine in the process: dropped with a warning."""
 
-HINTS = {"format": "for JSON output use with_structured_output(schema, method='json_mode' or 'json_schema')",
+_JSON_OUTPUT = {"ChatHibana": "for JSON output use with_structured_output(schema, method='json_mode' or 'json_schema')",
+                "HibanaLLM": "for JSON output use structured_predict, or json_schema= on a call"}
+HINTS = {"format": _JSON_OUTPUT,
          "response_format": "for JSON output use ChatHibana's with_structured_output(schema, method='json_schema'), "
                             "or HibanaLLM's structured_predict or json_schema= on a call",
-         "json_mode": "for JSON output use structured_predict, or json_schema= on a call",
+         "json_mode": _JSON_OUTPUT,
          "thinking": "reasoning=True / False switches a reasoning model's thinking",
          "is_function_calling_model": "it is read from the chat template (metadata.is_function_calling_model)",
          "strict": "tool arguments and structured answers are held to their schema by the grammar, as OpenAI's "
@@ -64,7 +66,8 @@ HINTS = {"format": "for JSON output use with_structured_output(schema, method='j
          "generate_kwargs": "pass each sampling option by its own name (temperature=..., max_tokens=...)",
          "max_model_len": "the engine's context, fixed when it loads: give num_ctx or context_window to the "
                           "constructor, or engine_kwargs={'max_model_len': ...}"}
-"""What to do instead, for options a user of a peer is likely to try."""
+"""What to do instead, for options a user of a peer is likely to try (by adapter, where its own
+methods differ)."""
 
 
 def unset_nones(options: Mapping[str, Any]) -> dict[str, Any]:
@@ -101,7 +104,10 @@ def check_known(options: Iterable[str], accepted: Iterable[str], where: str) -> 
     notes = []
     for name in unknown:
         close = difflib.get_close_matches(name, accepted, n=1)
-        note = HINTS.get(name) or _engine_hint(name) or (f"did you mean {close[0]!r}?" if close else "")
+        hint = HINTS.get(name)
+        if isinstance(hint, dict):  # ChatHibana's JSON output is with_structured_output, HibanaLLM's structured_predict
+            hint = hint["HibanaLLM" if "HibanaLLM" in where else "ChatHibana"]
+        note = hint or _engine_hint(name) or (f"did you mean {close[0]!r}?" if close else "")
         given = [alias for alias, own in ALIASES.items() if own == name]  # (the caller may have written one)
         note = f"{name} is what {' and '.join(given)} mean" + (f": {note}" if note else "") if given else note
         notes.append(f"{name!r}" + (f" ({note})" if note else ""))
