@@ -51,7 +51,8 @@ IGNORED = {"keep_alive": "the model stays loaded as long as its engine lives",
            "stream_usage": "usage always comes on a stream's last chunk"}
 """Peers' options that mean nothing for an engine in the process: dropped with a warning."""
 
-_JSON_OUTPUT = {"ChatHibana": "for JSON output use with_structured_output(schema, method='json_mode' or 'json_schema')",
+_JSON_OUTPUT = {"ChatHibana": "for JSON output use with_structured_output(schema, method='json_mode' or 'json_schema'), "
+                              "or response_format= on a call",
                 "HibanaLLM": "for JSON output use structured_predict, or json_schema= on a call"}
 HINTS = {"format": _JSON_OUTPUT,
          "response_format": "for JSON output use ChatHibana's with_structured_output(schema, method='json_schema'), "
