@@ -621,7 +621,10 @@ class _MistralStream(_Stream):
         head, self._raw = self._buffer[:end], self._raw + self._buffer[:end + len(MISTRAL_ARGS)]
         name, _, call_id = head.partition(MISTRAL_CALL_ID)
         self._name, self._id = name.strip(), call_id.strip() or None
-        self._buffer, self._mode, self._scanner = self._buffer[end + len(MISTRAL_ARGS):].lstrip(), "arguments", None
+        rest = self._buffer[end + len(MISTRAL_ARGS):]
+        arguments = rest.lstrip()
+        self._raw += rest[:len(rest) - len(arguments)]  # a malformed call's content keeps its whitespace
+        self._buffer, self._mode, self._scanner = arguments, "arguments", None
         return True
 
     def _read_object(self, out: list, final: bool) -> bool:
@@ -656,8 +659,12 @@ class _MistralStream(_Stream):
         return True
 
     def _malformed(self, out: list, error: str, cut: bool = False) -> None:
-        """The calls' text read so far (and the rest of the buffer) back to content, with `error`."""
-        raw, self._raw, self._buffer, self._mode = self._raw + self._buffer, "", "", "text"
+        """The calls' text read so far back to content, with `error`; what follows it is read as
+        text again (a later marker may start calls), so that where the stream was cut into
+        pieces changes nothing. `cut`: the generation ended inside the calls (all of it goes)."""
+        raw, self._raw, self._mode = self._raw + (self._buffer if cut else ""), "", "text"
+        if cut:
+            self._buffer = ""
         self._reject(out, raw, error, cut)
 
     @staticmethod

@@ -1,0 +1,73 @@
+"""Audit (parsers): the tool-call streams of every family say what a whole parse says, for any
+chunking of the generated text, malformed calls included."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hibana_plugins.hookspecs import GeneratedText, ToolCallDelta
+from hibana_plugins.tool_parsers import GraniteToolParser, MistralToolParser
+
+
+def generated(pieces: list[tuple[str, bool]]) -> list[GeneratedText]:
+    """One GeneratedText a piece (a token: control or not); the whole text is their join."""
+    return [GeneratedText(text, ((0, len(text)),) if control else ()) for text, control in pieces]
+
+
+def joined(chunks: list[GeneratedText]) -> GeneratedText:
+    text, spans = "", []
+    for chunk in chunks:
+        spans += [(len(text) + a, len(text) + b) for a, b in chunk.control_spans]
+        text += chunk
+    return GeneratedText(text, tuple(spans))
+
+
+def streamed(parser, chunks):
+    stream, text, calls = parser.stream(), [], {}
+    for piece in [p for chunk in chunks for p in stream.feed(chunk)] + stream.close():
+        if isinstance(piece, ToolCallDelta):
+            call = calls.setdefault(piece.index, [None, ""])
+            call[0] = piece.name or call[0]
+            call[1] += piece.arguments_fragment
+        else:
+            text.append(str(piece))
+    output = stream.finish()
+    return "".join(text), [(n, json.loads(a)) for n, a in calls.values()], output
+
+
+CALL = '[{"name": "f", "arguments": {"a": 1}}]'
+
+
+@pytest.mark.parametrize("parser, pieces, content", [
+    # a malformed array, then real calls: the later calls were lost to content when the whole text
+    # was parsed at once, and streamed when it came token by token
+    (MistralToolParser(), [("[TOOL_CALLS]", True), ('["oops"] then ', False), ("[TOOL_CALLS]", True), (CALL, False)],
+     '[TOOL_CALLS]["oops"] then'),
+    (MistralToolParser(), [("[TOOL_CALLS]", True), ('[{"name": "g", "arguments": 1}] ', False),
+                           ("[TOOL_CALLS]", True), (CALL, False)],
+     '[TOOL_CALLS][{"name": "g", "arguments": 1}]'),
+    (GraniteToolParser(), [("<|tool_call|>", True), ("oops ", False), ("<|tool_call|>", True), (CALL, False)],
+     "<|tool_call|>oops"),
+], ids=["mistral-array", "mistral-arguments", "granite"])
+def test_a_malformed_call_then_a_call_streams_as_it_parses(parser, pieces, content):
+    chunks = generated(pieces)
+    by_character = [GeneratedText(c, ((0, len(c)),) if control else ()) for text, control in pieces
+                    for c in ([text] if control else list(text))]
+    whole = parser.parse(joined(chunks))
+    assert [(c.name, c.arguments) for c in whole.tool_calls] == [("f", {"a": 1})]
+    assert whole.content == content and whole.error
+    for chunking in ([joined(chunks)], chunks, by_character):
+        text, calls, output = streamed(parser, chunking)
+        assert (text, calls) == (output.content, [("f", {"a": 1})]) and output.content == content
+
+
+def test_a_malformed_named_call_keeps_its_whitespace_in_the_content():
+    """The whitespace after [ARGS] was dropped from the content of a call that proved malformed
+    (and kept when it came in its own chunk)."""
+    parser = MistralToolParser()
+    pieces = [("[TOOL_CALLS]", True), ("f", False), ("[ARGS]", True), ("\n oops", False)]
+    whole = parser.parse(joined(generated(pieces)))
+    assert whole.tool_calls == [] and whole.content == "[TOOL_CALLS]f[ARGS]\n oops" and whole.error
+    assert streamed(parser, generated(pieces))[0] == whole.content
