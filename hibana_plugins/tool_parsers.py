@@ -310,6 +310,13 @@ class _Markers:
         """Whether the characters [start, end) are a marker, not text that looks like one."""
         return (start, end) in self._control or any(a <= start and end <= b for a, b in self._plain)
 
+    def find(self, tail: str, marker: str) -> int:
+        """Where `marker` stands in `tail`, the end of all that was fed, as a marker (-1: nowhere)."""
+        start, at = self.fed - len(tail), tail.find(marker)
+        while at >= 0 and not self.at(start + at, start + at + len(marker)):
+            at = tail.find(marker, at + 1)
+        return at
+
 
 class _Stream:
     """What every built-in stream shares: content, calls, errors, and the feed/close/finish API.
@@ -434,14 +441,21 @@ class HermesToolParser:
 
 class _Llama3Stream(_Stream):
     """Modes: "start" (only whitespace so far), "text" (content), "calls" (between calls: skip
-    separators), "call" (inside one JSON object; _buffer starts with it)."""
+    separators), "call" (inside one JSON object; _buffer starts with it).
+    `<|python_tag|>` counts where `_markers` says it is the control token only: the same text
+    spelled by ordinary tokens (quoting a tool result) is content, as Mistral's markers are."""
 
     def __init__(self) -> None:
         super().__init__()
+        self._markers = _Markers()
         self._mode = "start"
         self._bare = False  # the calls began with "{" rather than after <|python_tag|>
         self._region_calls = 0  # objects read since the calls region began
         self._call: _ObjectScanner | None = None
+
+    def feed(self, text_delta: str) -> list[str | ToolCallDelta]:
+        self._markers.add(text_delta)
+        return super().feed(text_delta)
 
     def _advance(self, out: list, final: bool) -> None:
         while True:
@@ -453,7 +467,7 @@ class _Llama3Stream(_Stream):
                 self._bare = stripped.startswith("{")
                 self._mode = "calls" if self._bare else "text"
             elif self._mode == "text":
-                tag = self._buffer.find(PYTHON_TAG)
+                tag = self._markers.find(self._buffer, PYTHON_TAG)
                 if tag < 0:
                     self._text_before(out, PYTHON_TAG, final)
                     return
@@ -564,12 +578,8 @@ class _MistralStream(_Stream):
         return super().feed(text_delta)
 
     def _find(self, marker: str) -> int:
-        """Where `marker` stands in the buffer as a marker (-1: nowhere); the buffer is the end of
-        all that was fed."""
-        start, at = self._markers.fed - len(self._buffer), self._buffer.find(marker)
-        while at >= 0 and not self._markers.at(start + at, start + at + len(marker)):
-            at = self._buffer.find(marker, at + 1)
-        return at
+        """Where `marker` stands in the buffer as a marker (-1: nowhere)."""
+        return self._markers.find(self._buffer, marker)
 
     def _advance(self, out: list, final: bool) -> None:
         while True:

@@ -71,3 +71,47 @@ def test_a_malformed_named_call_keeps_its_whitespace_in_the_content():
     whole = parser.parse(joined(generated(pieces)))
     assert whole.tool_calls == [] and whole.content == "[TOOL_CALLS]f[ARGS]\n oops" and whole.error
     assert streamed(parser, generated(pieces))[0] == whole.content
+
+
+def test_a_python_tag_spelled_by_ordinary_tokens_is_content_not_a_call(tmp_path):
+    """Llama 3's `<|python_tag|>` opens calls as the control token only: a model quoting a tool
+    result that holds its text (ordinary tokens) wrote no call; the llama3_json parser read one,
+    where the mistral, granite and harmony parsers keep their spelled markers as content."""
+    import tiny_models
+    from test_chat import HELLO, LLAMA3_TEMPLATE, WEATHER, _llama3_checkpoint, streamed_turn
+    from test_harmony import spelled_ids
+
+    from hibana_core import SamplingParams
+    from hibana_core.chat import Chat
+    from hibana_core.speculation import force_outputs
+
+    call = '{"name": "get_weather", "parameters": {"city": "Rome"}}'
+    with tiny_models.open_engine(_llama3_checkpoint(tmp_path, LLAMA3_TEMPLATE)) as llama:
+        for n, (spelled, calls) in enumerate([(True, []), (False, [("get_weather", {"city": "Rome"})])]):
+            pieces = ["It said: ", "<|python_tag|>", call] if spelled else ["It said: <|python_tag|>" + call]
+            ids = spelled_ids(llama.tokenizer, pieces) + llama.tokenizer.encode("<|eot_id|>", add_special_tokens=False)
+            text = "It said: <|python_tag|>" + call if spelled else "It said:"
+            for stream in (False, True):
+                chat = Chat(llama, f"tag-{n}-{stream}")
+                force_outputs(chat.handle, ids)
+                params = SamplingParams(max_tokens=len(ids))
+                if stream:
+                    streamed_text, streamed_calls, result = streamed_turn(list(chat.stream_respond(HELLO, [WEATHER],
+                                                                                                   params)))
+                    assert (streamed_text, [(name, a) for _, name, a in streamed_calls]) == (text, calls)
+                else:
+                    result = chat.respond(HELLO, [WEATHER], params)
+                assert (result.text, [(c.name, c.arguments) for c in result.tool_calls]) == (text, calls)
+
+
+def test_the_llama3_parser_reads_a_spelled_python_tag_as_text():
+    from hibana_plugins.tool_parsers import Llama3JsonToolParser
+
+    call = '{"name": "f", "parameters": {}}'
+    quoted = GeneratedText("See <|python_tag|>" + call, ())
+    for chunks in ([quoted], [GeneratedText(c, ()) for c in quoted]):
+        text, calls, output = streamed(Llama3JsonToolParser(), chunks)
+        assert (text, calls, output.content) == (quoted, [], quoted)
+    real = GeneratedText("See <|python_tag|>" + call, ((4, 18),))
+    assert [c.name for c in Llama3JsonToolParser().parse(real).tool_calls] == ["f"]
+    assert [c.name for c in Llama3JsonToolParser().parse("See <|python_tag|>" + call).tool_calls] == ["f"]  # a str
