@@ -325,15 +325,23 @@ class LeaseHolder:
 
     def gone_for(self, task: asyncio.Task | None, waited: float) -> bool:
         """Whether this call's consumer is gone, for a call of `task` that has waited `waited`
-        seconds: its stream was left, or its task is done; a call of `task` itself, busy with
-        another call now, is given CLOSING_WAIT for its stream to be closed."""
-        done = self.task is not None and self.task.done()
+        seconds: its stream was left, or its task is done or being cancelled (its call ends, and
+        lets the state go, a few loop turns later); a call of `task` itself, busy with another call
+        now, is given CLOSING_WAIT for its stream to be closed."""
+        done = self.task is not None and (self.task.done() or _cancelling(self.task))
         return self.left or done or (self.task is task and waited < CLOSING_WAIT)
 
     def _let_go(self) -> None:
         with _holders_lock:
             if self.key is not None and _holders.get(self.key) is self:
                 del _holders[self.key]
+
+
+def _cancelling(task: asyncio.Task) -> bool:
+    """Whether `task` was asked to stop and has not yet (Python 3.11's `Task.cancelling`; on 3.10,
+    which does not count cancellations, only a task done is gone)."""
+    cancelling = getattr(task, "cancelling", None)
+    return cancelling is not None and cancelling() > 0
 
 
 async def lease_holder(engine: Any, state_id: str | None, task: asyncio.Task | None = None) -> LeaseHolder:

@@ -1,0 +1,31 @@
+"""LangGraph agents on ChatHibana as their users build them: a thread whose run was cancelled
+keeps its state for the run that follows."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from hibana_plugins.options import LeaseHolder, _holders, lease_holder
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="Task.cancelling() is Python 3.11's")
+async def test_a_call_waits_for_a_state_whose_callers_task_is_being_cancelled():
+    """A run cancelled mid-call (a chat UI's "stop", a client gone) holds its state until its
+    cancellation reaches the engine, a few loop turns later; the next run on that thread, started
+    meanwhile, found the state busy: a StateBusyError for a state_id, another state (all of its
+    prompt recomputed) for a LangGraph thread_id. Only a caller whose task was done was waited for."""
+    engine = SimpleNamespace()  # lease_holder knows an engine by its id only
+    caller = asyncio.create_task(asyncio.sleep(60))
+    await asyncio.sleep(0)
+    stack = contextlib.ExitStack()
+    LeaseHolder(engine, caller).open(lambda stack: (None, SimpleNamespace(id="t1/model")), stack)
+    caller.cancel()  # asked to stop, not yet stopped: its call lets the state go a few turns later
+    asyncio.get_running_loop().call_later(0.05, stack.close)
+    await lease_holder(engine, "t1/model")
+    assert (id(engine), "t1/model") not in _holders  # waited for the release
+    assert caller.cancelled()
