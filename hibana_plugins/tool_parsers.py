@@ -374,8 +374,12 @@ class _Stream:
     _new_call_id = staticmethod(new_call_id)  # a call's id where the format's text gives none
 
     def _accept(self, out: list, decoded: _Decoded, call_id: str | None = None) -> None:
-        """A complete, well-formed call: streamed now, whole, and kept for the result."""
-        call = ToolCall(call_id or self._new_call_id(), decoded.name, decoded.arguments or {})
+        """A complete, well-formed call: streamed now, whole, and kept for the result. The
+        format's own id (`call_id`) is kept unless an earlier call of the turn has it: ids are
+        unique per call, as the results that answer them are paired by id."""
+        if not call_id or any(call.id == call_id for call in self._calls):
+            call_id = self._new_call_id()
+        call = ToolCall(call_id, decoded.name, decoded.arguments or {})
         index = len(self._calls)
         self._calls.append(call)
         out.append(ToolCallDelta(index, call.id, call.name))

@@ -115,3 +115,19 @@ def test_the_llama3_parser_reads_a_spelled_python_tag_as_text():
     real = GeneratedText("See <|python_tag|>" + call, ((4, 18),))
     assert [c.name for c in Llama3JsonToolParser().parse(real).tool_calls] == ["f"]
     assert [c.name for c in Llama3JsonToolParser().parse("See <|python_tag|>" + call).tool_calls] == ["f"]  # a str
+
+
+@pytest.mark.parametrize("text", [
+    '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}, "id": "aaaaaaaaa"}, '
+    '{"name": "f", "arguments": {"a": 2}, "id": "aaaaaaaaa"}]',
+    '[TOOL_CALLS]f[CALL_ID]aaaaaaaaa[ARGS]{"a": 1}[TOOL_CALLS]f[CALL_ID]aaaaaaaaa[ARGS]{"a": 2}',
+], ids=["array", "call_id"])
+def test_a_call_id_the_model_wrote_twice_in_a_turn_is_kept_once(text):
+    """Mistral's calls may carry the model's own id; two calls of one turn with the same id went
+    out with it both (ToolCall ids are unique per call: the results are paired with them by id)."""
+    whole = MistralToolParser().parse(text)
+    ids = [c.id for c in whole.tool_calls]
+    assert [c.arguments for c in whole.tool_calls] == [{"a": 1}, {"a": 2}]
+    assert ids[0] == "aaaaaaaaa" and ids[1] != ids[0] and len(ids[1]) == 9 and ids[1].isalnum()
+    _, calls, output = streamed(MistralToolParser(), list(text))
+    assert [c.id for c in output.tool_calls][0] == "aaaaaaaaa" and len({c.id for c in output.tool_calls}) == 2
