@@ -53,7 +53,6 @@ from hibana_core.chat import (Chat, ChatDelta, ChatResult as TurnResult, Convers
 from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError
 from hibana_core.messages import response_format_schema, unheld
-from hibana_plugins.hookspecs import hookimpl
 from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_engine, check_engine_kwargs,
                                     check_given_engine, check_known, check_state_id, check_switches, choose_engine,
                                     lease_holder, resolve_aliases, sampling_params, sharing, unset_nones)
@@ -187,11 +186,6 @@ except ImportError as _missing:  # langchain-core is an optional dependency
             raise ImportError("ChatHibana needs langchain-core: pip install 'hibana[langchain]'") from _IMPORT_ERROR
 else:
     _IMPORT_ERROR = None
-
-
-@hookimpl
-def register_adapters(register) -> None:
-    register("langchain", ChatHibana)
 
 
 PROVIDER = "hibana"

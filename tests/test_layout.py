@@ -31,7 +31,8 @@ INSTALLED_AS = {
 
 # What hibana_core must never import: concrete plugins, frameworks, the benchmark harness.
 CORE_FORBIDDEN = (
-    "hibana_plugins.tool_parsers", "hibana_plugins.harmony", "hibana_plugins.langchain", "hibana_plugins.llamaindex",
+    "hibana_plugins.tool_parsers", "hibana_plugins.harmony", "hibana_plugins.langchain", "hibana_plugins.langchain_plugin",
+    "hibana_plugins.llamaindex",
     "hibana_plugins.server", "hibana_plugins.openai_api", "fastapi", "uvicorn", "hibana_bench", "bench",
     "langchain", "langchain_core",
     "langgraph", "llama_index",
@@ -303,3 +304,21 @@ def test_cli_bench_runs_the_harness_through_its_entry_point(capsys):
     assert exit_.value.code == 0
     assert "decode" in capsys.readouterr().out
     assert os.path.realpath(sys.modules["hibana_bench.cli"].__file__).startswith(str(ROOT))
+
+
+def test_an_engine_that_serves_no_langchain_call_never_imports_langchain():
+    """The plugin manager imports every built-in at an engine's start; the LangChain adapter's
+    module imports langchain-core (0.3-1 s of every start, for the server, LlamaIndex and the demo
+    too). Its registration lives apart (`hibana_plugins.langchain_plugin`) and imports the adapter
+    only when the adapters are asked for."""
+    _run("""
+        import sys
+        from hibana_core import Engine
+        from hibana_plugins.manager import get_plugin_manager
+
+        with Engine.from_pretrained("demo", progress=False) as engine:
+            engine.chat("a").respond([{"role": "user", "content": "hi"}])
+        assert "langchain_core" not in sys.modules and "hibana_plugins.langchain" not in sys.modules
+        from hibana_plugins.langchain import ChatHibana
+        assert get_plugin_manager().adapters()["langchain"] is ChatHibana
+    """)
