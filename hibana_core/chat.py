@@ -571,7 +571,8 @@ class Chat:
         syntax = getattr(self.parser, "call_syntax", None) or turn.SYNTAX.get(self.parser_name)
         if not cut_call or syntax is None:
             return "", ""
-        head, mid, arguments = cut_call.lstrip().partition(syntax.mid)
+        opener = getattr(syntax, "opener_token", "")  # Llama 3's <|python_tag|> may open the calls
+        head, mid, arguments = cut_call.lstrip().removeprefix(opener).partition(syntax.mid)
         if not head.startswith(syntax.open):
             return "", ""
         name = head.removeprefix(syntax.open)

@@ -102,6 +102,10 @@ def test_a_python_tag_spelled_by_ordinary_tokens_is_content_not_a_call(tmp_path)
                 else:
                     result = chat.respond(HELLO, [WEATHER], params)
                 assert (result.text, [(c.name, c.arguments) for c in result.tool_calls]) == (text, calls)
+        # a call cut by max_tokens after the tag is what an adapter reports as an invalid call: its name
+        # and the arguments it had begun (it was ("", "") for a call the tag opened)
+        cut = Chat(llama).cut_call_parts('<|python_tag|>{"name": "get_weather", "parameters": {"ci')
+        assert cut == ("get_weather", '{"ci')
 
 
 def test_the_llama3_parser_reads_a_spelled_python_tag_as_text():
