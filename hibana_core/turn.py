@@ -166,12 +166,17 @@ def parser_grammar(parser: Any, parser_name: str, tools: Sequence[dict] | None, 
     if not tools or tool_choice == "none":
         return None
     own = getattr(parser, "tool_call_grammar", None)
-    if callable(own):
-        return own(tools, tool_choice, parallel)
+    if callable(own):  # not `strict`: the tools it is given take any JSON object as their arguments
+        return own(tools if strict else [_any_arguments(t) for t in tools], tool_choice, parallel)
     syntax = getattr(parser, "call_syntax", None) or SYNTAX.get(parser_name)
     if syntax is None:
         return None
     return tool_call_grammar(tools, tool_choice, syntax, parallel=parallel, strict=strict, closer=closer)
+
+
+def _any_arguments(tool: dict) -> dict:
+    """`tool` with any JSON object for its arguments."""
+    return {**tool, "function": {**tool["function"], "parameters": ANY_OBJECT}}
 
 
 def no_call_grammar(parser: Any, parser_name: str, closer: bool = True) -> dict | None:

@@ -135,3 +135,30 @@ def test_a_call_id_the_model_wrote_twice_in_a_turn_is_kept_once(text):
     assert ids[0] == "aaaaaaaaa" and ids[1] != ids[0] and len(ids[1]) == 9 and ids[1].isalnum()
     _, calls, output = streamed(MistralToolParser(), list(text))
     assert [c.id for c in output.tool_calls][0] == "aaaaaaaaa" and len({c.id for c in output.tool_calls}) == 2
+
+
+def _schemas(node) -> list:
+    """The json_schema contents of a structural tag, wherever they stand."""
+    if isinstance(node, dict):
+        own = [node["json_schema"]] if node.get("type") == "json_schema" else []
+        return own + [s for key, value in node.items() if key != "json_schema" for s in _schemas(value)]
+    if isinstance(node, list):
+        return [s for value in node for s in _schemas(value)]
+    return []
+
+
+@pytest.mark.parametrize("name", ["mistral", "mistral_args", "mistral_call_id", "granite", "harmony", "hermes"])
+def test_guided_false_frees_the_arguments_of_a_format_that_builds_its_own_grammar(name):
+    """guided=False (guided_tool_arguments) leaves a call's arguments any JSON object; the formats
+    that build their own grammar (mistral's, granite's, harmony's) held them to the schema all the same."""
+    from hibana_core.turn import ANY_OBJECT, parser_grammar
+    from hibana_plugins.manager import get_plugin_manager
+
+    parser = get_plugin_manager().tool_parsers()[name]
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 5}}, "required": ["city"]}}}
+    for choice in ("auto", "required", "get_weather"):
+        held = _schemas(parser_grammar(parser, name, [tool], choice))
+        free = _schemas(parser_grammar(parser, name, [tool], choice, strict=False))
+        assert held and all(s == tool["function"]["parameters"] for s in held), held
+        assert free and all(s == ANY_OBJECT for s in free), free
