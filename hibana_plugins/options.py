@@ -308,17 +308,27 @@ class LeaseHolder:
     that a later call on that state whose consumer is gone is waited for (`lease_holder`). Sync
     calls keep none: a sync stream left early is closed at once."""
 
-    def __init__(self, engine: Any, task: asyncio.Task | None) -> None:
-        self.engine, self.task = engine, task
+    def __init__(self, engine: Any, task: asyncio.Task | None, state_id: str | None = None) -> None:
+        self.engine, self.task, self.state_id = engine, task, state_id
         self.key: tuple[int, str] | None = None
         self.left = False
         """Set by the adapter's stream when it is closed before its end: the release is on its way."""
 
     def open(self, open_turn: Callable[[contextlib.ExitStack], Any], stack: contextlib.ExitStack) -> Any:
-        """`open_turn(stack)` (a `turn.Open`), noting the state it leased until the lease is let go."""
+        """`open_turn(stack)` (a `turn.Open`), noting the state it leased until the lease is let go.
+        The state the call names is noted before its lease, where no other call's note is: the
+        turn is still being set up under the lease (a tool set's grammar built), and a call that
+        its task's cancellation ended there was not waited for."""
         stack.callback(self._let_go)  # entered before the lease: called after the lease is let go
+        if self.state_id is not None:
+            with _holders_lock:
+                named = (id(self.engine), self.state_id)
+                if named not in _holders:  # another call's note stays while that call holds the state
+                    self.key = named
+                    _holders[named] = self
         run, handle = open_turn(stack)
         with _holders_lock:
+            self._let_go_locked()  # the named state's note, where another state serves the call
             self.key = (id(self.engine), handle.id)
             _holders[self.key] = self
         return run, handle
@@ -333,8 +343,11 @@ class LeaseHolder:
 
     def _let_go(self) -> None:
         with _holders_lock:
-            if self.key is not None and _holders.get(self.key) is self:
-                del _holders[self.key]
+            self._let_go_locked()
+
+    def _let_go_locked(self) -> None:
+        if self.key is not None and _holders.get(self.key) is self:
+            del _holders[self.key]
 
 
 def _cancelling(task: asyncio.Task) -> bool:
@@ -359,4 +372,4 @@ async def lease_holder(engine: Any, state_id: str | None, task: asyncio.Task | N
         if holder is None or waited >= RELEASE_WAIT or not holder.gone_for(task, waited):
             break
         await asyncio.sleep(0.005)
-    return LeaseHolder(engine, task)
+    return LeaseHolder(engine, task, state_id)
