@@ -105,12 +105,15 @@ class CallSyntax:
     closer: str = ""    # the markup that ends a call, never free text (a stray one closes no call)
     opener_token: str = ""  # a control token that may open the calls (Llama 3's <|python_tag|>), where the
     # vocabulary has it: the model's own way to begin them stays open to it
+    anywhere: bool = True  # whether a call may start after text ("auto"); Llama 3's parser reads calls only at
+    # the start of the turn (or after <|python_tag|>), so after text its grammar starts none
 
 
 SYNTAX = {  # by registered tool parser name
     "hermes": CallSyntax('<tool_call>\n{"name": "', '", "arguments": ', '}\n</tool_call>', trigger="<tool_call>",
                          closer="</tool_call>"),
-    "llama3_json": CallSyntax('{"name": "', '", "parameters": ', "}", opener_token="<|python_tag|>"),
+    "llama3_json": CallSyntax('{"name": "', '", "parameters": ', "}", opener_token="<|python_tag|>",
+                              anywhere=False),
 }
 
 ANY_OBJECT = {"type": "object"}
@@ -147,8 +150,20 @@ def tool_call_grammar(tools: Sequence[dict], tool_choice: str, syntax: CallSynta
              "at_least_one": True, "stop_after_first": not parallel}
     if tool_choice == "auto":
         trigger = getattr(syntax, "trigger", "") or syntax.open  # a plugin's syntax may leave these out
-        form = {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "stop_after_first": not parallel,
-                "excludes": _stray(syntax) if closer else []}
+        excludes = _stray(syntax) if closer else []
+        if getattr(syntax, "anywhere", True):
+            form = {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "stop_after_first": not parallel,
+                    "excludes": excludes}
+        else:  # calls from the start (after whitespace, as the parser reads them), or text that starts none but
+            # after the opener token (Llama 3's <|python_tag|>, then calls)
+            opener = getattr(syntax, "opener_token", "")
+            text: dict = {"type": "any_text", "excludes": [trigger, *excludes]}
+            if opener:
+                text = {"type": "triggered_tags", "triggers": [opener], "excludes": [trigger, *excludes],
+                        "tags": [{**tag, "begin": opener + tag["begin"]} for tag in tags],
+                        "stop_after_first": not parallel}
+            form = {"type": "or", "elements": [
+                {"type": "sequence", "elements": [{"type": "regex", "pattern": r"\s*"}, calls]}, text]}
     else:
         form = calls
     opener = getattr(syntax, "opener_token", "")

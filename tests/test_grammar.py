@@ -1625,3 +1625,33 @@ def test_the_compiled_grammars_cache_is_bounded_in_bytes_too(engine, monkeypatch
     monkeypatch.setattr(grammar_module, "CACHE_BYTES", 1)  # smaller than any: the newest alone
     grammars.compile(SamplingParams(regex="c+"))
     assert list(grammars._cache) and len(grammars._cache) == 1
+
+
+def test_llama3_auto_writes_calls_only_where_its_parser_reads_them(tmp_path):
+    """Llama 3's parser reads calls at the start of the turn or after the <|python_tag|> token,
+    and text then a call's JSON as content, as vLLM's llama3_json does; the "auto" grammar opened a
+    call at `{"name": "` anywhere in the text, so a turn the grammar held could end with a call's
+    JSON in its content, finish_reason "stop". Now: calls from the start, or text, and calls only
+    after the token (the model's own way to open them mid-turn)."""
+    from test_chat import LLAMA3_TEMPLATE, _llama3_checkpoint
+    from tiny_models import open_engine
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    call = '{"name": "get_weather", "parameters": {"city": "Rome"}}'
+    with open_engine(_llama3_checkpoint(tmp_path / "llama3", LLAMA3_TEMPLATE)) as engine:
+        tok = engine.tokenizer
+        eot, tag = tok.convert_tokens_to_ids("<|eot_id|>"), tok.convert_tokens_to_ids("<|python_tag|>")
+
+        def held(*pieces) -> bool:
+            grammar = tool_call_grammar(tools, "auto", SYNTAX["llama3_json"])
+            matcher = engine.grammars.matcher(SamplingParams(grammar=grammar), [eot])
+            ids = [i for p in pieces for i in ([tag] if p is tag else tok.encode(p, add_special_tokens=False))]
+            return all(matcher.accept(t) for t in ids + [eot])
+
+        assert held(call) and held(" \n" + call) and held(call + "\n" + call) and held("It is sunny.")
+        assert held(tag, call) and held("It said:", tag, call) and held('It holds {"a": 1}.')
+        assert not held("Let me check. " + call) and not held('{"name": "other"}')
+    parser = Llama3JsonToolParser()
+    assert [c.name for c in parser.parse(call).tool_calls] == ["get_weather"]
+    assert not parser.parse("Let me check. " + call).tool_calls  # what the grammar no longer writes
