@@ -11,23 +11,10 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from hibana_core import Engine  # noqa: E402
 from hibana_plugins.server import ServerConfig, serving  # noqa: E402
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-
-
-@pytest.fixture(scope="module")
-def engine():
-    with Engine.from_pretrained("demo", progress=False) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def client(engine):
-    with serving(engine, ServerConfig("demo", max_tokens_limit=64)) as url:
-        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture

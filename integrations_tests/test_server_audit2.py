@@ -10,27 +10,8 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from hibana_core import Engine  # noqa: E402
-from hibana_plugins.server import ServerConfig, serving  # noqa: E402
 
 HELLO = [{"role": "user", "content": "Hello!"}]
-
-
-@pytest.fixture(scope="module")
-def engine():
-    with Engine.from_pretrained("demo", progress=False) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def url(engine):
-    with serving(engine, ServerConfig("demo", max_tokens_limit=64)) as url:
-        yield url
-
-
-@pytest.fixture
-def client(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
 
 
 def refused(url: str, body: str, path: str = "/v1/chat/completions") -> dict:
