@@ -33,6 +33,15 @@ COMMAND_EXTRAS = {"serve": "serve"}
 """The pip extra that brings a command's own dependencies (`hibana serve` needs FastAPI)."""
 
 
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """--device and --dtype as every command that loads a model for an engine reads them
+    (`hibana surgery`, `hibana serve`), each passed to EngineConfig as it is."""
+    parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="compute dtype (auto: on a GPU the checkpoint's 16-bit dtype, bfloat16 for a float32 "
+                        "one; float32 on CPU)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hibana` console script; returns the exit status."""
     try:
@@ -104,10 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     surgery.add_argument("--force", action="store_true", help="keep passes over their guard floors")
     surgery.add_argument("--guard-text", help="a UTF-8 text file to measure on instead of the demo conversations")
     surgery.add_argument("--no-guard", action="store_true", help="skip the guard (no quality figures)")
-    surgery.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
-    surgery.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                         help="compute dtype (auto: on a GPU the checkpoint's 16-bit dtype, bfloat16 for a float32 one; "
-                         "float32 on CPU)")
+    add_device_arguments(surgery)
     surgery.set_defaults(run=run_surgery)
     return parser
 

@@ -56,6 +56,7 @@ from starlette.requests import ClientDisconnect
 
 from hibana_core import turn
 from hibana_core.chat import Chat, TokenIds
+from hibana_core.cli import add_device_arguments
 from hibana_core.config import MAX_JSON_DEPTH, nests_deeper
 from hibana_core.engine_core import STEP_TIME_BUCKETS
 from hibana_core.errors import (ChatTimeoutError, ConfigError, ContextLengthError, EngineClosedError, GrammarError,
@@ -796,10 +797,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
                         help="web pages whose scripts may call the server from a browser (CORS), e.g. "
                              "https://app.example.com, or '*' for any (default: pages on localhost only)")
-    parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                        help="compute dtype (auto: on a GPU the checkpoint's 16-bit dtype, bfloat16 for a float32 one; "
-                        "float32 on CPU)")
+    add_device_arguments(parser)
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     parser.add_argument("--state-dir", help="folder where named states (X-Hibana-State) persist across "
                         "restarts: written when the server stops, found again by id after it starts")
