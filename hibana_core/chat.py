@@ -809,7 +809,10 @@ class Chat:
             params = dataclasses.replace(params, regex=None, grammar=turn.after_thinking(
                 {"type": "structural_tag", "format": own}, "required", open_in_prompt))
         if parse_tools or channels:
-            stream = _CheckedStream.open(self.parser_name, self.parser, {} if parse_tools else {"calls": False})
+            options = {} if parse_tools else {"calls": False}
+            if parse_tools and getattr(self.parser, "takes_tools", False):  # its values typed by the tools' schemas
+                options["tools"] = list(tools or ())
+            stream = _CheckedStream.open(self.parser_name, self.parser, options)
         else:
             stream = turn.PlainText()
         # one call where asked (parallel_tool_calls=False: the request is stopped after it), or where a
@@ -870,7 +873,10 @@ def _template_parser(template: str, vocab: dict) -> str:
     calls as `{"name": ..., "parameters": ...}` (its tokenizer has `<|python_tag|>`) and no
     `<tool_call>`; Mistral's after its `[TOOL_CALLS]` token, as an array, or `NAME[ARGS]{...}` where
     the template writes `[ARGS]` (a token of its tokenizer too), `NAME[CALL_ID]ID[ARGS]{...}` where it
-    also writes `[CALL_ID]`; Granite 3.x's after its `<|tool_call|>` token; hermes otherwise."""
+    also writes `[CALL_ID]`; Granite 3.x's after its `<|tool_call|>` token; Qwen3-Coder's (Qwen3.5's,
+    Nemotron 3's) `<function=NAME>` with `<parameter=KEY>` lines; hermes otherwise."""
+    if "<function=" in template and "<parameter=" in template:
+        return "qwen3_coder"
     if "<tool_call>" not in template and "<|tool_call|>" in template and "<|tool_call|>" in vocab:
         return "granite"
     if "<tool_call>" not in template and "[TOOL_CALLS]" in template and "[TOOL_CALLS]" in vocab:

@@ -107,6 +107,8 @@ class CallSyntax:
     # vocabulary has it: the model's own way to begin them stays open to it
     anywhere: bool = True  # whether a call may start after text ("auto"); Llama 3's parser reads calls only at
     # the start of the turn (or after <|python_tag|>), so after text its grammar starts none
+    arguments: str = "json"  # how the arguments are written: a JSON object, or "qwen_xml" (xgrammar's style of
+    # Qwen3-Coder's `<parameter=KEY>VALUE</parameter>` lines: a string as it is, other values as JSON)
 
 
 SYNTAX = {  # by registered tool parser name
@@ -114,6 +116,8 @@ SYNTAX = {  # by registered tool parser name
                          closer="</tool_call>"),
     "llama3_json": CallSyntax('{"name": "', '", "parameters": ', "}", opener_token="<|python_tag|>",
                               anywhere=False),
+    "qwen3_coder": CallSyntax("<tool_call>\n<function=", ">\n", "\n</function>\n</tool_call>", trigger="<tool_call>",
+                              closer="</tool_call>", arguments="qwen_xml"),
 }
 
 ANY_OBJECT = {"type": "object"}
@@ -143,8 +147,14 @@ def tool_call_grammar(tools: Sequence[dict], tool_choice: str, syntax: CallSynta
     functions = [t["function"] for t in tools]
     if tool_choice not in ("auto", "required"):
         functions = [f for f in functions if f["name"] == tool_choice]
-    tags = [{"type": "tag", "begin": syntax.open + json.dumps(f["name"], ensure_ascii=False)[1:-1] + syntax.mid,
-             "content": {"type": "json_schema", "json_schema": arguments_schema(f, strict)}, "end": syntax.close}
+    style = getattr(syntax, "arguments", "json")  # a plugin's syntax may leave it out
+    content = {"type": "json_schema"} if style == "json" else {"type": "json_schema", "style": style,
+                                                                 "max_whitespace_cnt": 1}
+    # (the qwen_xml templates write one newline around a value and between parameters; unbounded, a
+    # model could write whitespace there for as long as max_tokens allows)
+    spelt = (lambda name: json.dumps(name, ensure_ascii=False)[1:-1]) if style == "json" else str  # in a JSON string
+    tags = [{"type": "tag", "begin": syntax.open + spelt(f["name"]) + syntax.mid,
+             "content": {**content, "json_schema": arguments_schema(f, strict)}, "end": syntax.close}
             for f in functions]
     calls = {"type": "tags_with_separator", "tags": tags, "separator": getattr(syntax, "separator", "\n"),
              "at_least_one": True, "stop_after_first": not parallel}

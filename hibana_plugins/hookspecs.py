@@ -75,6 +75,9 @@ def register_tool_parsers(register) -> None:
       markup is made of special tokens (harmony's `<|call|>`) splits at those spans only: the
       same characters spelled by ordinary tokens (a quoted tool result) are content. A plain
       `str` is read as its tokenizer would encode it: every marker's text is the marker.
+    - Optional: `parser.takes_tools = True` asks for the turn's OpenAI-style tools, as
+      `parser.stream(tools=tools)` (a format whose values are text typed by the tools' schemas:
+      "qwen3_coder").
     - The chat layer checks what a stream returns: pieces that are `str` or `ToolCallDelta`, and a
       `ParsedOutput` whose content is a `str`, error a `str` or None, and tool_calls a list of
       `ToolCall` with a `str` id and name and `dict` arguments (decoded, not JSON text). Anything

@@ -1,0 +1,233 @@
+"""The "qwen3_coder" tool parser: Qwen3-Coder's XML calls (also Qwen3.5's and Nemotron 3's templates).
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    <parameter=days>
+    3
+    </parameter>
+    </function>
+    </tool_call>
+
+A parameter's value is text: the templates write a string as it is and any other value as JSON
+(`args_value | tojson` for objects and arrays, `| string` for the rest). So the value's type comes
+from the tool's schema, as vLLM's `qwen3_coder` parser reads it: the parser is given the turn's
+tools (`takes_tools`), a string parameter keeps its text whatever it spells ("007" stays "007"),
+an integer's or a boolean's text becomes that value, an object's or an array's is decoded. A
+value whose text is not of its declared type, and a parameter the schema does not declare, stay
+strings (text the schema cannot read is not guessed at). A block in the hermes form
+(`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), which these models write at times when
+no grammar holds them, is read as the hermes parser reads it.
+
+The grammar (`hibana_core.turn.SYNTAX["qwen3_coder"]`) holds each call to an offered tool and its
+parameters to the schema through xgrammar's `qwen_xml` style, which writes them in this form.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from typing import Any
+
+from hibana_plugins.hookspecs import ParsedOutput, ToolCallStream, hookimpl
+from hibana_plugins.tool_parsers import _decode_call, _Decoded, _loads, _Stream
+
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+FUNCTION_START, FUNCTION_END = "<function=", "</function>"
+PARAMETER_START, PARAMETER_END = "<parameter=", "</parameter>"
+_FUNCTION = re.compile(r"\s*<function=([^>\n]*)>(.*?)</function>\s*", re.S)
+_NAME = re.compile(r"[^<>\s]+")
+
+
+def parameter_types(tools: list[dict] | None) -> dict[str, dict[str, Any]]:
+    """{tool name: {parameter name: its schema}} of OpenAI-style `tools`."""
+    found: dict[str, dict[str, Any]] = {}
+    for tool in tools or ():
+        function = tool.get("function", tool) if isinstance(tool, dict) else {}
+        parameters = function.get("parameters") if isinstance(function, dict) else None
+        properties = parameters.get("properties") if isinstance(parameters, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            found[function["name"]] = properties if isinstance(properties, dict) else {}
+    return found
+
+
+def _kinds(schema: Any) -> set[str]:
+    """The JSON types a parameter's schema allows (empty: not said)."""
+    if not isinstance(schema, dict):
+        return set()
+    kind = schema.get("type")
+    kinds = {kind} if isinstance(kind, str) else {k for k in kind if isinstance(k, str)} if isinstance(kind, list) \
+        else set()
+    for key in ("anyOf", "oneOf"):
+        for option in schema.get(key) or ():
+            kinds |= _kinds(option)
+    for value in schema.get("enum") or (() if "const" not in schema else (schema["const"],)):
+        kinds.add(_type_of(value))
+    return kinds
+
+
+def _listed(schema: Any) -> list:
+    """The string values an `enum` or `const` allows."""
+    if not isinstance(schema, dict):
+        return []
+    values = list(schema.get("enum") or ()) + ([schema["const"]] if "const" in schema else [])
+    return [v for v in values if isinstance(v, str)]
+
+
+def _type_of(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
+
+
+_WORDS = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
+
+
+def typed_value(text: str, schema: Any) -> Any:
+    """A parameter's text as the value its schema declares (module docstring)."""
+    kinds = _kinds(schema)
+    listed = _listed(schema)
+    if listed and text not in listed and text.strip() in listed:  # a grammar pads an enum's value with whitespace
+        return text.strip()
+    if not kinds or kinds == {"string"}:
+        return text
+    stripped = text.strip()
+    value: Any = text
+    if stripped in _WORDS:  # the templates write Python's True / False / None for these (`| string`)
+        value = _WORDS[stripped]
+    else:
+        try:
+            value = _loads(stripped)
+        except ValueError:
+            if stripped[:1] in "[{":  # a Python literal (single-quoted strings) decoded as a model may write one
+                try:
+                    value = ast.literal_eval(stripped)
+                except (ValueError, SyntaxError, MemoryError, RecursionError):
+                    value = text
+    kind = _type_of(value)
+    if kind in kinds or (kind == "integer" and "number" in kinds):
+        return value
+    if kind == "number" and "integer" in kinds and float(value).is_integer():
+        return int(value)
+    return text
+
+
+def decode_xml_call(body: str, types: dict[str, dict[str, Any]]) -> _Decoded:
+    """One call's text between `<tool_call>` and `</tool_call>`: its function and parameters."""
+    if body.lstrip().startswith("{"):  # the hermes form, which these models write at times unless held
+        return _decode_call(body, require_arguments=False)
+    match = _FUNCTION.fullmatch(body)
+    if match is None:
+        if FUNCTION_START not in body:
+            return _Decoded(error=f"a tool call needs {FUNCTION_START}NAME> after {CALL_START}")
+        return _Decoded(error=f"a tool call's {FUNCTION_START}...> needs its {FUNCTION_END}, and nothing "
+                              "else in its tool_call block")
+    name, inner = match.group(1).strip(), match.group(2)
+    if not _NAME.fullmatch(name):
+        return _Decoded(error=f"a tool call needs a function name, got {match.group(1)!r}")
+    schemas = types.get(name, {})
+    arguments: dict[str, Any] = {}
+    at = 0
+    while True:
+        start = inner.find(PARAMETER_START, at)
+        if inner[at:start if start >= 0 else len(inner)].strip():
+            return _Decoded(error=f"text outside a parameter in the call of {name!r}: "
+                                  f"{inner[at:start if start >= 0 else len(inner)].strip()[:60]!r}")
+        if start < 0:
+            break
+        head_end = inner.find(">", start)
+        key = inner[start + len(PARAMETER_START):head_end].strip() if head_end >= 0 else ""
+        if head_end < 0 or not _NAME.fullmatch(key):
+            return _Decoded(error=f"a parameter of {name!r} needs a name: {inner[start:start + 60]!r}")
+        end = inner.find(PARAMETER_END, head_end)
+        following = inner.find(PARAMETER_START, head_end)
+        if end < 0 or 0 <= following < end:  # its </parameter> left out: the value runs to the next one
+            end = following if following >= 0 else len(inner)
+            after = end
+        else:
+            after = end + len(PARAMETER_END)
+        if key in arguments:
+            return _Decoded(error=f"parameter {key!r} of {name!r} given twice")
+        value = inner[head_end + 1:end]
+        value = value[1:] if value.startswith("\n") else value  # the template's newlines around a value
+        value = value[:-1] if value.endswith("\n") else value
+        arguments[key] = typed_value(value, schemas.get(key))
+        at = after
+    try:
+        arguments_json = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    except (ValueError, RecursionError):
+        return _Decoded(error=f"arguments of {name!r} nested too deeply", valid_json=True)
+    return _Decoded(name, arguments, None, valid_json=True, arguments_json=arguments_json)
+
+
+class _QwenXmlStream(_Stream):
+    """Calls open at `<tool_call>` anywhere in the text and are decided at their `</tool_call>`,
+    or at the end of the text (a block whose `</function>` came, cut in its end tag or before it,
+    is a call; one cut before its `</function>` is a cut call)."""
+
+    def __init__(self, tools: list[dict] | None) -> None:
+        super().__init__()
+        self._types = parameter_types(tools)
+        self._in_call = False  # _buffer holds a block's body
+
+    def _advance(self, out: list, final: bool) -> None:
+        while True:
+            if not self._in_call:
+                start = self._buffer.find(CALL_START)
+                if start < 0:
+                    self._text_before(out, CALL_START, final)
+                    return
+                self._text(out, self._buffer[:start])
+                self._buffer, self._in_call = self._buffer[start + len(CALL_START):], True
+                continue
+            end = self._buffer.find(CALL_END)
+            if end < 0 and not final:
+                return
+            raw = self._buffer if end < 0 else self._buffer[:end]
+            rest = "" if end < 0 else self._buffer[end + len(CALL_END):]
+            body = raw
+            if end < 0:  # the text ended inside the block, perhaps inside its end tag
+                held = next((n for n in range(min(len(CALL_END) - 1, len(body)), 0, -1)
+                             if body.endswith(CALL_END[:n])), 0)
+                body = body[:len(body) - held]
+            self._buffer, self._in_call = rest, False
+            decoded = decode_xml_call(body, self._types)
+            if decoded.error is None:
+                self._accept(out, decoded)
+            elif end < 0:
+                self._reject(out, CALL_START + raw, f"unclosed {CALL_START}: {decoded.error}", cut=True)
+            else:
+                self._reject(out, CALL_START + raw + CALL_END, decoded.error)
+
+
+class QwenXmlToolParser:
+    """Qwen3-Coder's `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...` calls (module
+    docstring). `takes_tools`: the chat layer opens its streams with the turn's tools, whose
+    schemas type the parameters' values."""
+
+    name = "qwen3_coder"
+    takes_tools = True
+
+    def parse(self, text: str, tools: list[dict] | None = None) -> ParsedOutput:
+        stream = self.stream(tools)
+        stream.feed(text)
+        return stream.finish()
+
+    def stream(self, tools: list[dict] | None = None) -> ToolCallStream:
+        return _QwenXmlStream(tools)
+
+
+@hookimpl
+def register_tool_parsers(register) -> None:
+    register(QwenXmlToolParser.name, QwenXmlToolParser())
