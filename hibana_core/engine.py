@@ -83,6 +83,9 @@ class EngineStats:
     steps: int
     multi_sequence_steps: int     # steps that batched more than one sequence
     max_batch_sequences: int
+    # the KV pool in the blocks kv_device_blocks counts, each block_size tokens of every layer (a
+    # model with sliding-window layers keeps pages of fewer layers, kv/layout.py: total rounds down,
+    # used and cached round up, so kv_device_blocks=n reads back as n and one page in use as 1)
     kv_blocks_total: int
     kv_blocks_used: int           # referenced by at least one state
     kv_blocks_cached: int         # unreferenced but still findable by prefix
@@ -568,9 +571,11 @@ class Engine:
         with self.core.lock:
             out, steps = self.core.outputs.counters, self.core.counters
             spec, tier = self.scheduler.speculation, self.host_tier
+            blocks = self.kv_layout.in_blocks  # pages of the pool, in kv_device_blocks' blocks
             return EngineStats(out.prompt_computed, out.prompt_reused, out.generated, steps.steps,
                                steps.multi_sequence_steps, steps.max_batch_sequences,
-                               self.pool.num_blocks, self.pool.num_used, self.pool.num_cached, len(self.registry),
+                               blocks(self.pool.num_blocks), blocks(self.pool.num_used, up=True),
+                               blocks(self.pool.num_cached, up=True), len(self.registry),
                                spec.counters.draft_tokens_proposed, spec.counters.draft_tokens_accepted,
                                spec.counters.verify_steps, spec.counters.verified_sequences,
                                spec.counters.verified_tokens,

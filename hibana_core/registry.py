@@ -474,8 +474,9 @@ class StateRegistry:
             self.core.end_cancelled()
             busy = self._busy()
             since = time.time() - time.monotonic()  # last uses are kept on the monotonic clock
+            blocks = self.kv_cache.layout.in_blocks  # its pages, in the blocks kv_device_blocks counts
             return [StateInfo(e.handle.id, len(e.seq), min(e.seq.num_computed, len(e.seq)),
-                              e.seq.num_blocks, _tier(e.seq),
+                              blocks(e.seq.num_blocks, up=True), _tier(e.seq),
                               since + e.last_use, id(e.seq) in busy, e.use.pinned_at is not None,
                               e.use.priority)
                     for e in self._entries.values()]

@@ -94,7 +94,7 @@ class StateInfo:
     id: str
     tokens: int
     computed: int         # tokens whose KV is resident
-    blocks: int
+    blocks: int           # its device KV, in the blocks kv_device_blocks counts (EngineStats' kv_blocks_*)
     tier: str             # "device" while KV is resident, "host" / "disk" while parked there, "none" once released
     last_use: float       # when a call last used it, in Unix seconds (time.time())
     busy: bool

@@ -95,6 +95,13 @@ class KVLayout:
         """Whether any group frees the blocks outside a window (the pool then reserves NULL_BLOCK)."""
         return any(g.window is not None for g in self.groups)
 
+    def in_blocks(self, pages: int, *, up: bool = False) -> int:
+        """`pages` of the pool in the blocks `kv_device_blocks` counts (each of every layer: n of
+        them are ceil(n * num_layers / page_layers) pages), rounded down or (`up`) up: what
+        `EngineStats` and `StateInfo` report, so that `kv_device_blocks=n` reads back as n."""
+        layers = pages * self.page_layers
+        return -(-layers // self.num_layers) if up else layers // self.num_layers
+
     def counted(self, pages: int, *, fewest: bool = False) -> str:
         """`pages` of the pool as error messages say them: in the blocks `kv_device_blocks` counts
         (each of every layer: n of them are ceil(n * num_layers / page_layers) pages) and, where a
@@ -102,8 +109,7 @@ class KVLayout:
         fewest blocks whose pool has that many pages."""
         if self.page_layers == self.num_layers:
             return str(pages)
-        layers = pages * self.page_layers
-        blocks = -(-layers // self.num_layers) if fewest else layers // self.num_layers
+        blocks = self.in_blocks(pages, up=fewest)
         return f"{blocks} ({pages} pages of {self.page_layers} of the {self.num_layers} layers)"
 
     def describe(self) -> list | None:
