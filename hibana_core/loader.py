@@ -25,7 +25,7 @@ from hibana_core.kv.budget import device_memory
 from hibana_core.models.decoder import rotary_bytes
 from hibana_core.models.moe import PACKED_PARTS, STACKS
 from hibana_core.progress import LoadProgress, bar as progress_bar
-from hibana_core.surgery.checkpoint import MANIFEST, read_manifest
+from hibana_core.surgery.checkpoint import MANIFEST, check_packed, check_packed_experts, read_manifest
 from hibana_plugins.manager import describe_registered, get_plugin_manager
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo" / "model"
@@ -445,8 +445,11 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
             if missing:
                 raise CheckpointError(f"{path} lacks {', '.join(missing)}; re-run `hibana surgery`")
             perm = where.pop(f"{name}.perm", None)  # a GPTQ layer quantized in activation order
-            layer.set_packed(spec["kind"], {p: read(*where[f"{name}.{p}"], f"{name}.{p}").to(device) for p in parts},
-                             spec.get("group_size", 0), None if perm is None else read(*perm, f"{name}.perm").to(device),
+            tensors = {p: read(*where[f"{name}.{p}"], f"{name}.{p}") for p in parts}
+            perm = None if perm is None else read(*perm, f"{name}.perm")
+            check_packed(path, name, spec, tensors, tuple(layer.weight.shape), perm)
+            layer.set_packed(spec["kind"], {p: t.to(device) for p, t in tensors.items()}, spec.get("group_size", 0),
+                             None if perm is None else perm.to(device),
                              tuple(spec["block"]) if spec["kind"] == "fp8" else None)
             for p in parts:
                 del where[f"{name}.{p}"]
@@ -536,8 +539,10 @@ def _load_packed_experts(experts: torch.nn.Module | None, name: str, kind: str, 
     missing = [t for parts in tensors.values() for t in parts.values() if t not in where]
     if missing:
         raise CheckpointError(f"{path} lacks {', '.join(missing)}; re-run `hibana surgery`")
-    experts.set_packed_stacks(kind, {stack: {part: read(*where.pop(t), t).to(device) for part, t in parts.items()}
-                                     for stack, parts in tensors.items()})
+    packed = {stack: {part: read(*where.pop(t), t) for part, t in parts.items()} for stack, parts in tensors.items()}
+    check_packed_experts(path, name, kind, packed, {stack: tuple(getattr(experts, stack).shape) for stack in STACKS})
+    experts.set_packed_stacks(kind, {stack: {part: t.to(device) for part, t in parts.items()}
+                                     for stack, parts in packed.items()})
 
 
 def _copy_weights(module: torch.nn.Module, items, total: int, source: str, progress: bool,
@@ -790,12 +795,20 @@ def _checkpoint_fingerprint(path: Path, manifest: dict | None, dtype: torch.dtyp
     engine that applied the passes to the source at load load here, and the other way round. In
     another dtype (the writer's narrower one held other values than this engine's would), or
     edited since, it is a checkpoint of its own."""
-    own = _fingerprint(path)
+    own = _fingerprint(path) if manifest is None else surgery_fingerprint(path, manifest)
     source = manifest.get("source_fingerprint") if manifest else None
     if (isinstance(source, str) and source and manifest.get("fingerprint") == own
             and manifest.get("dtype") == str(dtype).removeprefix("torch.")):
         return source
     return own
+
+
+def surgery_fingerprint(path: Path, manifest: dict) -> str:
+    """A surgery checkpoint's own fingerprint: its files' (`_fingerprint`) and its manifest's, which
+    says how the weights are read and which passes they carry (but its own "fingerprint", which
+    `hibana surgery` writes as this): a manifest edited since is another model."""
+    described = json.dumps({k: v for k, v in manifest.items() if k != "fingerprint"}, sort_keys=True)
+    return hashlib.sha256((_fingerprint(path) + described).encode()).hexdigest()
 
 
 def _digest_weight_file(file: Path, digest: Any) -> None:

@@ -90,7 +90,7 @@ def save(engine: Any, source: Path, out: Path) -> Path:
 def _write(engine: Any, source: Path, out: Path) -> None:
     from safetensors.torch import save_file
 
-    from hibana_core.loader import _fingerprint, declared_dtype  # here: the loader reads this module's manifests
+    from hibana_core.loader import declared_dtype, surgery_fingerprint  # here: the loader reads this module's manifests
 
     for pattern in _COPIED:
         for file in sorted(source.glob(pattern)):
@@ -115,8 +115,10 @@ def _write(engine: Any, source: Path, out: Path) -> None:
     if not engine.checkpoint_fingerprint.startswith("in-memory:"):
         # an engine on this checkpoint in the writer's dtype is the engine that wrote it (its weights
         # bit for bit, the same passes): it takes the source's fingerprint, and their states load
-        # into each other, while the files are as written (`fingerprint`: theirs then)
-        manifest |= {"source_fingerprint": engine.checkpoint_fingerprint, "fingerprint": _fingerprint(out)}
+        # into each other, while the files and the manifest are as written
+        # (`fingerprint`: of the weights and the manifest as read back, JSON's spelling of its values)
+        manifest["source_fingerprint"] = engine.checkpoint_fingerprint
+        manifest["fingerprint"] = surgery_fingerprint(out, json.loads(json.dumps(manifest)))
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     # safetensors writes its file owner-only (0600): as readable as the manifest beside it, so
     # that whoever may read the checkpoint (a server under another user) can load it
@@ -151,4 +153,83 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
                                              and isinstance(r.get("params", {}), dict) for r in passes)):
         raise CheckpointError(f"{file} is damaged (its passes are not records with a name and parameters); "
                               "re-run `hibana surgery`")
+    layers, experts = manifest.get("packed_layers", {}), manifest.get("packed_experts", {})
+    scaled = manifest.get("kv_scaled_layers", [])
+    shapes = [("packed_layers", isinstance(layers, dict) and all(_layer_spec(s) for s in layers.values()),
+               "layer names and their {\"kind\": int8 / int4 / fp8, \"group_size\", \"block\" (fp8)}"),
+              ("packed_experts", isinstance(experts, dict) and all(k in _EXPERT_KINDS for k in experts.values()),
+               f"MoE expert names and their kind ({' / '.join(_EXPERT_KINDS)})"),
+              ("kv_scaled_layers", isinstance(scaled, list) and all(isinstance(n, str) for n in scaled),
+               "a list of attention layer names")]
+    for key, ok, what in shapes:
+        if not ok:
+            raise CheckpointError(f"{file} is damaged (its {key} is not {what}); re-run `hibana surgery`")
     return manifest
+
+
+_EXPERT_KINDS = ("int8", "int4")
+
+
+def _layer_spec(spec: Any) -> bool:
+    """Whether a manifest's packed_layers entry reads as `packed_layers` writes one."""
+    def whole(value: Any, least: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+    if not isinstance(spec, dict) or spec.get("kind") not in ("int8", "int4", "fp8"):
+        return False
+    if spec["kind"] == "fp8":
+        block = spec.get("block")
+        return isinstance(block, list) and len(block) == 2 and all(whole(b, 1) for b in block)
+    return whole(spec.get("group_size", 0), 2 if spec["kind"] == "int4" else 0)
+
+
+def check_packed(path: Path, name: str, spec: dict[str, Any], tensors: dict[str, torch.Tensor],
+                 shape: tuple[int, ...], perm: torch.Tensor | None = None) -> None:
+    """A CheckpointError unless the packed `tensors` of layer `name` (dense weight `shape`
+    [N, K]) are those its manifest entry `spec` describes, as `packed_layers` wrote them: a layer
+    of another kind or group size loaded, and the first forward failed on a shape."""
+    n, k = shape
+    kind = spec["kind"]
+    if kind == "int4":
+        g = spec["group_size"]
+        want = {"qweight": (torch.uint8, (n, k // 2)), "scales": (None, (n, k // g)), "zeros": (None, (n, k // g))}
+        if k % g:
+            raise CheckpointError(f"{path}: {MANIFEST} gives {name} ({n}x{k}) groups of {g} inputs, which do not "
+                                  f"divide its {k}; the manifest is damaged or another checkpoint's: re-run "
+                                  "`hibana surgery`")
+    elif kind == "int8":
+        want = {"qweight": (torch.int8, (n, k)), "scales": (None, (n,))}
+    else:
+        bn, bk = spec["block"]
+        want = {"qweight": (torch.float8_e4m3fn, (n, k)), "scales": (None, (-(-n // bn), -(-k // bk)))}
+    if perm is not None:
+        want["perm"] = (None, (k,))
+        tensors = {**tensors, "perm": perm}
+    for part, (dtype, expected) in want.items():
+        t = tensors[part]
+        if tuple(t.shape) != expected or (dtype is not None and t.dtype != dtype):
+            group = f" in groups of {spec['group_size']}" if kind == "int4" else ""
+            raise CheckpointError(f"{path}: {name}.{part} is {str(t.dtype).removeprefix('torch.')} "
+                                  f"{list(t.shape)}, where {MANIFEST}'s {kind}{group} for a {n}x{k} layer needs "
+                                  f"{str(dtype).removeprefix('torch.') + ' ' if dtype else ''}{list(expected)}; "
+                                  "the manifest is damaged or another checkpoint's: re-run `hibana surgery`")
+
+
+def check_packed_experts(path: Path, name: str, kind: str, tensors: dict[str, dict[str, torch.Tensor]],
+                         shapes: dict[str, tuple[int, ...]]) -> None:
+    """check_packed for MoE experts `name`: each stack's packed `tensors` against its float
+    stack's shape [E, N, K] (int4's group size is the one its scales imply)."""
+    for stack, parts in tensors.items():
+        e, n, k = shapes[stack]
+        groups = parts["scales"].shape[-1] if kind == "int4" and parts["scales"].dim() == 3 else 0
+        want = ({"qweight": (torch.int8, (e, n, k)), "scales": (e, n)} if kind == "int8" else
+                {"qweight": (torch.uint8, (e, n, k // 2)), "scales": (e, n, groups), "zeros": (e, n, groups)})
+        for part, expected in want.items():
+            dtype, expected = expected if part == "qweight" else (None, expected)
+            t = parts[part]
+            if tuple(t.shape) != expected or (dtype is not None and t.dtype != dtype) or (
+                    kind == "int4" and (not groups or k % groups or (k // groups) % 2)):
+                raise CheckpointError(f"{path}: {name}.{stack}_{part} is {str(t.dtype).removeprefix('torch.')} "
+                                      f"{list(t.shape)}, which is no {kind} packing of {e} experts' {n}x{k} "
+                                      f"{stack} ({MANIFEST}'s kind); the manifest is damaged or another "
+                                      "checkpoint's: re-run `hibana surgery`")

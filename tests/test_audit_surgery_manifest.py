@@ -1,0 +1,82 @@
+"""Audit of `hibana surgery` checkpoints from outside: a manifest (hibana_surgery.json) edited by
+hand, or of another checkpoint, is refused while loading with a CheckpointError, and never makes
+the checkpoint pass for its source in the state files' fingerprint."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+
+from hibana_core.errors import CheckpointError, StateFileError
+from tiny_models import EVERY_TENSOR_USED, open_engine, random_tokens
+
+pytestmark = EVERY_TENSOR_USED
+
+W4 = {"name": "w4", "group_size": 32}
+
+
+@pytest.fixture(scope="module")
+def written(tiny_checkpoints, tmp_path_factory):
+    """(source, a w4 checkpoint of it written by `hibana surgery`'s writer, its manifest)."""
+    from hibana_core.surgery import checkpoint
+
+    source = tiny_checkpoints["qwen3"]
+    out = tmp_path_factory.mktemp("manifest") / "w4"
+    with open_engine(source, surgery=[W4], surgery_guard=False, speculation="off") as engine:
+        checkpoint.save(engine, source, out)
+    return source, out, json.loads((out / checkpoint.MANIFEST).read_text())
+
+
+def _edited(written, tmp_path, edit):
+    _, out, manifest = written
+    copy = shutil.copytree(out, tmp_path / "edited")
+    manifest = json.loads(json.dumps(manifest))
+    edit(manifest)
+    (copy / "hibana_surgery.json").write_text(json.dumps(manifest))
+    return copy
+
+
+def test_a_manifest_whose_passes_were_edited_is_no_longer_its_source(written, tmp_path):
+    """The checkpoint takes its source's fingerprint only as written: with its passes taken out
+    of the manifest, it computed in int4 while a state saved by the unquantized source loaded
+    into it (the fingerprint read the weight files alone, not the manifest beside them)."""
+    source, _, _ = written
+    edited = _edited(written, tmp_path, lambda m: m.update(passes=[]))
+    prompt = random_tokens(random.Random(4), 40)
+    with open_engine(source, speculation="off") as plain:
+        state = plain.open_state("a")
+        state.sync(prompt)
+        state.save(tmp_path / "plain.state")
+    with open_engine(edited, speculation="off") as engine:
+        assert engine.model.model.layers[0].mlp.down_proj.kind == "int4"
+        with pytest.raises(StateFileError):
+            engine.load_state(tmp_path / "plain.state")
+
+
+def _first(manifest):
+    return manifest["packed_layers"][next(iter(manifest["packed_layers"]))]
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda m: _first(m).update(group_size=64), "group"),
+    (lambda m: _first(m).update(group_size=0), "group"),
+    (lambda m: _first(m).update(group_size="32"), "group"),
+    (lambda m: _first(m).update(kind="int8"), "int8"),
+    (lambda m: _first(m).update(kind="int3"), "packed_layers"),
+    (lambda m: _first(m).pop("kind"), "packed_layers"),
+    (lambda m: m["packed_layers"].update({next(iter(m["packed_layers"])): [1]}), "packed_layers"),
+    (lambda m: m.update(packed_layers=["model.layers.0.mlp.down_proj"]), "packed_layers"),
+    (lambda m: m.update(packed_experts=["model.layers.0.mlp.experts"]), "packed_experts"),
+    (lambda m: m.update(kv_scaled_layers="model.layers.0.self_attn"), "kv_scaled_layers"),
+], ids=["group64", "group0", "group-str", "kind-int8", "kind-int3", "no-kind", "spec-list", "layers-list",
+        "experts-list", "kv-str"])
+def test_a_manifest_that_disagrees_with_the_weights_is_a_checkpoint_error(written, tmp_path, edit, says):
+    """A packed layer's kind or group size that its tensors do not have loaded, and the first
+    forward failed ("model step failed": a shape error, a division by zero); a manifest entry of
+    another shape was a KeyError / TypeError / AttributeError / ValueError."""
+    edited = _edited(written, tmp_path, edit)
+    with pytest.raises(CheckpointError, match=says):
+        open_engine(edited, speculation="off")
