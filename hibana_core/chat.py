@@ -566,8 +566,12 @@ class Chat:
     def cut_call_parts(self, cut_call: str) -> tuple[str, str]:
         """(the name, the arguments) a call that max_tokens cut off had begun (`ChatResult.cut_call`,
         or a delta's text with `cut_call`), as generated, where the tool parser's call syntax is
-        known: what an adapter reports as an invalid call, and a structured answer (the call's
-        arguments as content) shows of a reply cut short; ("", "") for what it has not reached."""
+        known (or the parser reads its own: mistral's and granite's, `cut_call_parts`): what an
+        adapter reports as an invalid call, and a structured answer (the call's arguments as
+        content) shows of a reply cut short; ("", "") for what it has not reached."""
+        own = getattr(self.parser, "cut_call_parts", None)
+        if callable(own):
+            return own(cut_call) if cut_call else ("", "")
         syntax = getattr(self.parser, "call_syntax", None) or turn.SYNTAX.get(self.parser_name)
         if not cut_call or syntax is None:
             return "", ""

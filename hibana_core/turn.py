@@ -208,7 +208,12 @@ def no_call_grammar(parser: Any, parser_name: str, closer: bool = True) -> dict 
     """The grammar of a turn with tool_choice "none" whose prompt lists the tools (as OpenAI's
     "none" keeps them, and with them the KV of a tool loop): any text without the start of a call
     (the parser's trigger), so that the model answers rather than writing a call as text. None
-    for a parser without a known call syntax (one that builds its own grammar included)."""
+    for a parser without a known call syntax; a parser that builds its own grammar gives its
+    own through `no_call_grammar()` (mistral's and granite's: their calls marker is a control token,
+    which any grammar refuses where it does not name it), else None (harmony's channels)."""
+    own = getattr(parser, "no_call_grammar", None)
+    if callable(own):
+        return own()
     if callable(getattr(parser, "tool_call_grammar", None)):
         return None
     syntax = getattr(parser, "call_syntax", None) or SYNTAX.get(parser_name)
@@ -479,7 +484,7 @@ class TurnRun:
         if self.thinking is not None:
             thought, answer = self.thinking.close()
             deltas = [ChatDelta(reasoning=thought)] if thought else []
-            deltas += self._deltas(self.stream.feed(answer)) if answer and not self.full else []
+            deltas += self._parsed(answer) if answer else []
         closing = self._deltas(self.stream.close())
         deltas += self._parser_reasoning() + closing
         usage = dataclasses.replace(self.usage, completion_tokens=self.generated,
@@ -514,11 +519,23 @@ class TurnRun:
         if not text or self.full:
             return []
         if self.thinking is None:
-            pieces = self.stream.feed(text)
-            return self._parser_reasoning() + self._deltas(pieces)
+            return self._parsed(text)
         thought, answer = self.thinking.feed(text)
         deltas = [ChatDelta(reasoning=thought)] if thought else []
-        return deltas + (self._deltas(self.stream.feed(answer)) if answer else [])
+        return deltas + (self._parsed(answer) if answer else [])
+
+    def _parsed(self, text: str) -> list[ChatDelta]:
+        """The parser's deltas for `text`. With a call limit, `text` goes in a character at a time
+        (a control token's text whole) and nothing after the call that reaches the limit: what
+        follows it is no part of the turn (the request stops there), wherever the text's chunks
+        happened to end (an event may carry several tokens' text: a stop string held back)."""
+        deltas: list[ChatDelta] = []
+        for part in [text] if self.max_calls is None else _characters(text):
+            if self.full:
+                break
+            pieces = self.stream.feed(part)
+            deltas += self._parser_reasoning() + self._deltas(pieces)
+        return deltas
 
     def _parser_reasoning(self) -> list[ChatDelta]:
         """What the parser kept apart as reasoning since last asked (harmony's analysis), as it comes;
@@ -541,6 +558,22 @@ class TurnRun:
                 self.calls += piece.id is not None
                 out.append(ChatDelta(tool_call=piece))
         return out
+
+
+def _characters(text: str) -> list[str]:
+    """`text` a character at a time, but a control token's text (a `GeneratedText`'s span) whole,
+    each piece a `GeneratedText` again where `text` is one (its spans moved to match)."""
+    if len(text) <= 1:
+        return [text]
+    if not isinstance(text, GeneratedText):
+        return list(text)
+    pieces, at = [], 0
+    for a, b in [*text.control_spans, (len(text), len(text))]:
+        pieces += [GeneratedText(c, ()) for c in text[at:a]]
+        if b > a:
+            pieces.append(GeneratedText(text[a:b], ((0, b - a),)))
+        at = b
+    return pieces
 
 
 def _without_spans(text: GeneratedText, dropped: frozenset[str]) -> GeneratedText:

@@ -99,6 +99,8 @@ def register_tool_parsers(register) -> None:
       may follow one another. Markup that is control tokens is named by `token` formats (by
       text or id; harmony's is): the grammar allows those tokens there and nowhere else (with
       `"if_known": true`, a token the vocabulary lacks is nothing rather than an error).
+      Beside it, `parser.no_call_grammar() -> dict`: the structural tag of a turn with
+      tool_choice "none" (without one, no grammar holds the output under "none").
     """
 
 

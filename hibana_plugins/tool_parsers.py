@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -790,6 +791,43 @@ class MistralToolParser:
         if tool_choice == "auto":
             calls = tag_sequence({"type": "any_text"}, {"type": "optional", "content": calls})
         return {"type": "structural_tag", "format": calls}
+
+    def cut_call_parts(self, cut_call: str) -> tuple[str, str]:
+        """(the name, the arguments) a call cut off by max_tokens had begun (a `CutCall`'s text:
+        the calls marker, or the `, ` before an array's next call, then the call), as
+        `Chat.cut_call_parts` reads a `call_syntax`'s; ("", "") for what it has not reached."""
+        marker = self._stream_type.calls_marker
+        text = cut_call.lstrip()
+        if text.startswith(marker):
+            text = text[len(marker):].lstrip().removeprefix("[").lstrip()
+        elif text.startswith(","):  # the next call of an array whose earlier calls were read
+            text = text[1:].lstrip()
+        else:
+            return "", ""
+        if text.startswith("{"):  # a call object: its "name", then its "arguments" as written
+            name = re.match(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)("?)', text)
+            if name is None:
+                return "", ""
+            key = re.match(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*', text[name.end():]) if name[2] else None
+            arguments = text[name.end() + key.end():] if key else ""
+        elif self._stream_type.named_calls:  # NAME[ARGS]{...}, perhaps NAME[CALL_ID]ID[ARGS]{...}
+            head, args_marker, arguments = text.partition(MISTRAL_ARGS)
+            head = head.partition(MISTRAL_CALL_ID)[0]
+            if not args_marker:  # cut inside the markup after the name: what of it was written goes
+                head = head[:len(head) - max(partial_tag_length(head, MISTRAL_ARGS),
+                                             partial_tag_length(head, MISTRAL_CALL_ID))]
+            return head.strip(), arguments.lstrip()
+        else:
+            return "", ""
+        scanner = _ObjectScanner()  # an arguments object closed, then the rest of the call object cut: the object
+        scanner.scan(arguments)
+        return name[1], arguments[:scanner.end] if scanner.complete else arguments
+
+    def no_call_grammar(self) -> dict:
+        """tool_choice "none" (the tools listed all the same): any text, which never holds the calls
+        marker, a control token the grammar does not name (so refused), as hermes' grammar refuses
+        its `<tool_call>`: the model answers rather than writing calls that would be read as text."""
+        return {"type": "structural_tag", "format": {"type": "any_text"}}
 
 
 class MistralArgsToolParser(MistralToolParser):
