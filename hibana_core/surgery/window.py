@@ -84,9 +84,11 @@ class SinkWindowPass:
                               f"layers of this model (those are {full})")
         positions = getattr(getattr(model, "args", None), "max_position_embeddings", None)
         if isinstance(positions, int) and positions <= reach:
+            # (sink tokens that fill the positions alone leave no window to take)
+            smaller = (f"a window under {positions - params['sink_tokens']}" if params["sink_tokens"] < positions - 1
+                       else f"sink_tokens under {positions - 1} (and a window under the positions left)")
             raise ConfigError(f"window: sink_tokens + window ({reach}) covers all {positions} positions of this "
-                              f"model, so the pass would change nothing; take a window under "
-                              f"{positions - params['sink_tokens']} or leave the pass out")
+                              f"model, so the pass would change nothing; take {smaller} or leave the pass out")
 
     def apply(self, model: Any, params: dict[str, Any], calibration: Any) -> dict[str, Any]:
         params = self.check(params)
