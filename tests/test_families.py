@@ -532,3 +532,35 @@ def test_only_a_recomputing_longrope_bounds_a_step_at_the_switch_and_turns_long_
     assert not seq.rotate_for(SWITCH) and not seq.rotated_long
     assert seq.rotate_for(SWITCH + 1) and seq.rotated_long
     assert seq.rotation_room(SWITCH - 3) == 1 << 30 and not seq.rotate_for(SWITCH + 2)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_mistral3_multimodal_checkpoint_serves_its_language_model(tmp_path, make_engine, tied):
+    """Mistral Small 3.1 / 3.2 ship as Mistral3ForConditionalGeneration (model_type mistral3): its
+    language model (text_config: mistral) serves, the Pixtral tower and projector left unread; 2
+    agents x 2 turns at once with retention, each generation transformers' greedy (Mistral3's
+    own class, text alone) on its history. Its own output head, or the embedding where tied."""
+    from tiny_models import make_tiny_mistral3_multimodal
+
+    path = make_tiny_mistral3_multimodal(tmp_path / "mistral3", tie_word_embeddings=tied)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = make_engine(path)
+    assert not [w for w in caught if "does not use" in str(w.message)]  # the tower is left out on purpose
+    for turns in greedy_turns_at_once(engine, "m3", [agent_turn_plan(9300 + agent, turns=2) for agent in range(2)]):
+        for history, completion in turns:
+            assert_greedy_matches(path, history, completion.token_ids)
+    assert engine.stats().prompt_tokens_reused > 0
+
+
+def test_mistral3_with_another_language_model_is_refused_by_name():
+    """A mistral3 checkpoint whose text_config is a family this one does not read (Ministral 3's
+    ministral3, whose queries scale with position) is an UnsupportedModelError naming both."""
+    from transformers import Ministral3Config, Mistral3Config
+
+    from hibana_core.models import llama
+
+    text = Ministral3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=512)
+    with pytest.raises(UnsupportedModelError, match="mistral3.*ministral3"):
+        llama.args_from_config(Mistral3Config(text_config=text.to_dict()))

@@ -269,11 +269,12 @@ def make_tiny_checkpoint(arch: str, path, seed: int = SEED, shard_size: str | No
 
 
 def _save_seeded(config, path: Path, seed: int, shard_size: str | None = None, tied_experts: bool = True) -> Path:
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    image_text = config.model_type in ("mistral3",)  # (as `_hf_model` reads it)
+    model = (AutoModelForImageTextToText if image_text else AutoModelForCausalLM).from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -304,6 +305,20 @@ def make_tiny_gemma3_multimodal(path, seed: int = SEED) -> Path:
                           mm_tokens_per_image=4, boi_token_index=VOCAB_SIZE - 3,
                           eoi_token_index=VOCAB_SIZE - 2, image_token_index=VOCAB_SIZE - 1,
                           tie_word_embeddings=False)
+    return _save_seeded(config, Path(path), seed)
+
+
+def make_tiny_mistral3_multimodal(path, seed: int = SEED, tie_word_embeddings: bool = False) -> Path:
+    """A multimodal mistral3 checkpoint (Mistral3ForConditionalGeneration: Mistral Small 3.1 / 3.2)
+    whose language model is the tiny mistral one, beside a one-layer Pixtral tower; saved as
+    transformers saves them. Its output head is its own, as Mistral Small's is."""
+    from transformers import Mistral3Config, PixtralVisionConfig
+
+    vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                 image_size=28, patch_size=14, head_dim=16)
+    text = make_config("mistral", tie_word_embeddings=tie_word_embeddings).to_dict()
+    config = Mistral3Config(text_config=text, vision_config=vision.to_dict(), image_token_index=VOCAB_SIZE - 1,
+                            spatial_merge_size=2, tie_word_embeddings=tie_word_embeddings)
     return _save_seeded(config, Path(path), seed)
 
 
@@ -350,9 +365,13 @@ def make_mxfp4_checkpoint(source, path) -> Path:
 
 @functools.lru_cache(maxsize=None)
 def _hf_model(path: str):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    # a multimodal checkpoint that transformers keeps out of AutoModelForCausalLM (Mistral 3's)
+    # generates from text alone as its image-text-to-text class
+    image_text = AutoConfig.from_pretrained(path).model_type in ("mistral3",)
+    model = (AutoModelForImageTextToText if image_text else AutoModelForCausalLM).from_pretrained(
+        path, dtype=torch.float32)
     # generate() fills unset fields of a passed GenerationConfig from the model's own one, EOS
     # included, so the model's own one must not know of any EOS either.
     model.generation_config = _no_stop_config(max_new_tokens=1)

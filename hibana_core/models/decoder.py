@@ -244,6 +244,13 @@ def _check_window(window: Any) -> None:
                               "number of tokens (the config is corrupt)")
 
 
+# where a multimodal checkpoint (Gemma 3's, Mistral 3's) keeps its language model: transformers 5's names,
+# then 4.x's; and the parts a text decoder leaves out of it on purpose
+MULTIMODAL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                       ("language_model.lm_head.", "lm_head."))
+OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
 @dataclass(frozen=True)
 class DecoderArgs:
     """The shapes and switches of one checkpoint, read from its Hugging Face config by its family."""

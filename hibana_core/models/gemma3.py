@@ -14,14 +14,11 @@ from typing import Any
 
 from hibana_core.errors import UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
-from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM, Rope, sliding_windows
+from hibana_core.models.decoder import (MULTIMODAL_PREFIXES, OTHER_TOWERS, DecoderArgs, DecoderForCausalLM, Rope,
+                                        sliding_windows)
 
 MODEL_TYPES = ("gemma3_text", "gemma3")
 
-# where a multimodal checkpoint keeps the language model: transformers 5, then 4.x names
-_MULTIMODAL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                        ("language_model.lm_head.", "lm_head."))
-_OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
 def args_from_config(config: Any) -> DecoderArgs:
@@ -52,8 +49,8 @@ def args_from_config(config: Any) -> DecoderArgs:
         sandwich_norms=True,
         embed_scale=text.hidden_size ** 0.5,
         final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
-        checkpoint_prefixes=() if text is config else _MULTIMODAL_PREFIXES,
-        checkpoint_other_parts=() if text is config else _OTHER_TOWERS,
+        checkpoint_prefixes=() if text is config else MULTIMODAL_PREFIXES,
+        checkpoint_other_parts=() if text is config else OTHER_TOWERS,
     )
 
 

@@ -1,6 +1,8 @@
-"""Llama family (serves model_type llama, qwen2, qwen3, mistral, ministral) on the shared decoder.
+"""Llama family (serves model_type llama, qwen2, qwen3, mistral, ministral, and the language model of
+a multimodal mistral3 checkpoint: Mistral Small 3.1 / 3.2, Magistral Small 2509, whose vision tower
+is left unread) on the shared decoder.
 
-What tells these four apart is read from the config where the config says it (the MLP's
+What tells these apart is read from the config where the config says it (the MLP's
 activation too: hidden_act, as transformers' ACT2FN reads it); Qwen2's q/k/v bias and Qwen3's q/k
 norm are fixed by their architecture, not written in their configs.
 """
@@ -9,10 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from hibana_core.errors import UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
-from hibana_core.models.decoder import DecoderArgs, DecoderForCausalLM, sliding_windows
+from hibana_core.models.decoder import (MULTIMODAL_PREFIXES, OTHER_TOWERS, DecoderArgs, DecoderForCausalLM,
+                                        sliding_windows)
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "ministral")
+TEXT_TYPES = ("llama", "qwen2", "qwen3", "mistral", "ministral")
+MODEL_TYPES = (*TEXT_TYPES, "mistral3")  # mistral3: a multimodal checkpoint whose text_config is one of these
 
 # model_type -> (q/k/v bias, o bias) where the architecture fixes them; else config.attention_bias
 _FIXED_BIASES = {"qwen2": (True, False), "mistral": (False, False), "ministral": (False, False)}
@@ -32,14 +37,23 @@ _WINDOWING_READS = {"mistral": ("layer_types",)}
 
 
 def args_from_config(config: Any) -> DecoderArgs:
-    attention_bias = bool(getattr(config, "attention_bias", False))
-    qkv_bias, o_bias = _FIXED_BIASES.get(config.model_type, (attention_bias, attention_bias))
-    windows = {"sliding_windows": (None,) * config.num_hidden_layers} if config.model_type in _FULL_ATTENTION_ONLY else {}
-    if config.model_type in _WINDOWING_READS:
-        windows = {"sliding_windows": sliding_windows(config, reads=_WINDOWING_READS[config.model_type])}
-    mlp_bias = bool(getattr(config, "mlp_bias", False)) and config.model_type in _MLP_BIAS_FROM_CONFIG
-    return DecoderArgs.from_config(config, qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
-                                   qk_norm=config.model_type == "qwen3", **windows)
+    text = config.get_text_config()  # the config itself, but for a multimodal checkpoint's
+    kind = text.model_type
+    if kind not in TEXT_TYPES:
+        raise UnsupportedModelError(f"a {config.model_type} checkpoint whose language model is {kind!r} is not "
+                                    f"supported (its text_config must be one of {', '.join(TEXT_TYPES)})")
+    attention_bias = bool(getattr(text, "attention_bias", False))
+    qkv_bias, o_bias = _FIXED_BIASES.get(kind, (attention_bias, attention_bias))
+    windows = {"sliding_windows": (None,) * text.num_hidden_layers} if kind in _FULL_ATTENTION_ONLY else {}
+    if kind in _WINDOWING_READS:
+        windows = {"sliding_windows": sliding_windows(text, reads=_WINDOWING_READS[kind])}
+    mlp_bias = bool(getattr(text, "mlp_bias", False)) and kind in _MLP_BIAS_FROM_CONFIG
+    # a multimodal checkpoint: its language model's weights under their prefixes, the other towers left
+    # unread, the model_type its own (chat formats and state fingerprints go by it)
+    multimodal = {} if text is config else dict(model_type=config.model_type, checkpoint_prefixes=MULTIMODAL_PREFIXES,
+                                                checkpoint_other_parts=OTHER_TOWERS)
+    return DecoderArgs.from_config(text, qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
+                                   qk_norm=kind == "qwen3", **windows, **multimodal)
 
 
 def build(config: Any, ctx: ForwardContext) -> tuple[DecoderForCausalLM, DecoderArgs]:
