@@ -222,6 +222,14 @@ def _graph_state_id(run_manager) -> str | None:
     return "/".join([str(thread), *path])
 
 
+def _graph_step() -> tuple | None:
+    """The LangGraph step making this call: the checkpoints it runs from (its checkpoint_map), the
+    same for the calls of one step (Send's branches), another for each later step or run of the
+    thread (`options.LeaseHolder.gone_for`); None outside a graph."""
+    checkpoints = (ensure_config().get("configurable") or {}).get("checkpoint_map")
+    return tuple(sorted(checkpoints.items())) if isinstance(checkpoints, dict) and checkpoints else None
+
+
 @contextlib.contextmanager
 def _call_config(config) -> Iterator[None]:
     """A direct call's `configurable` (its thread_id) where `_graph_state_id` reads it: LangGraph
@@ -460,7 +468,7 @@ class _Call:
 
     async def held(self) -> "_Call":
         """This call, made async: once a stream its caller left is done with the state it names."""
-        self.holder = await lease_holder(self.chat.engine, self.state_id, _CALLER.get())
+        self.holder = await lease_holder(self.chat.engine, self.state_id, _CALLER.get(), _graph_step())
         return self
 
     async def close(self) -> None:

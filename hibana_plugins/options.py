@@ -308,8 +308,11 @@ class LeaseHolder:
     that a later call on that state whose consumer is gone is waited for (`lease_holder`). Sync
     calls keep none: a sync stream left early is closed at once."""
 
-    def __init__(self, engine: Any, task: asyncio.Task | None, state_id: str | None = None) -> None:
+    def __init__(self, engine: Any, task: asyncio.Task | None, state_id: str | None = None,
+                 step: Any = None) -> None:
         self.engine, self.task, self.state_id = engine, task, state_id
+        self.step = step
+        """The graph step that made the call (LangGraph's checkpoint it runs from), where known."""
         self.key: tuple[int, str] | None = None
         self.left = False
         """Set by the adapter's stream when it is closed before its end: the release is on its way."""
@@ -333,13 +336,17 @@ class LeaseHolder:
             _holders[self.key] = self
         return run, handle
 
-    def gone_for(self, task: asyncio.Task | None, waited: float) -> bool:
-        """Whether this call's consumer is gone, for a call of `task` that has waited `waited`
-        seconds: its stream was left, or its task is done or being cancelled (its call ends, and
-        lets the state go, a few loop turns later); a call of `task` itself, busy with another call
-        now, is given CLOSING_WAIT for its stream to be closed."""
+    def gone_for(self, task: asyncio.Task | None, waited: float, step: Any = None) -> bool:
+        """Whether this call's consumer is gone, for a call of `task` (made by graph step `step`)
+        that has waited `waited` seconds: its stream was left, or its task is done or being
+        cancelled (its call ends, and lets the state go, a few loop turns later), or it was made by
+        another step of the graph thread whose state it holds (one run's steps never overlap: its
+        run was cancelled or left, and LangGraph cancels its node a few loop turns later, after the
+        next run may have begun); a call of `task` itself, busy with another call now, is given
+        CLOSING_WAIT for its stream to be closed."""
         done = self.task is not None and (self.task.done() or _cancelling(self.task))
-        return self.left or done or (self.task is task and waited < CLOSING_WAIT)
+        moved_on = step is not None and self.step is not None and step != self.step
+        return self.left or done or moved_on or (self.task is task and waited < CLOSING_WAIT)
 
     def _let_go(self) -> None:
         with _holders_lock:
@@ -357,9 +364,11 @@ def _cancelling(task: asyncio.Task) -> bool:
     return cancelling is not None and cancelling() > 0
 
 
-async def lease_holder(engine: Any, state_id: str | None, task: asyncio.Task | None = None) -> LeaseHolder:
+async def lease_holder(engine: Any, state_id: str | None, task: asyncio.Task | None = None,
+                       step: Any = None) -> LeaseHolder:
     """The note for an async call on `state_id` of `engine` made by `task` (None: the current
-    one), once no call whose consumer is gone (`LeaseHolder.gone_for`) holds that state, or after
+    one) in graph step `step` (where known: `LeaseHolder.step`), once no call whose consumer is
+    gone (`LeaseHolder.gone_for`) holds that state, or after
     RELEASE_WAIT seconds. A state held by a call that is still read (another task's, or a stream
     still open) is not waited for: concurrent calls on one state are refused, or served by another
     state, as they were."""
@@ -369,7 +378,7 @@ async def lease_holder(engine: Any, state_id: str | None, task: asyncio.Task | N
     while state_id is not None:
         holder = _holders.get((id(engine), state_id))
         waited = loop.time() - start
-        if holder is None or waited >= RELEASE_WAIT or not holder.gone_for(task, waited):
+        if holder is None or waited >= RELEASE_WAIT or not holder.gone_for(task, waited, step):
             break
         await asyncio.sleep(0.005)
-    return LeaseHolder(engine, task, state_id)
+    return LeaseHolder(engine, task, state_id, step)
