@@ -47,7 +47,8 @@ from hibana_core.kv.layout import KVLayout
 from hibana_core.kv.sequence import LongRope
 from hibana_core import surgery
 from hibana_core.surgery.calibration import Calibration
-from hibana_core.loader import LOAD_STAGES, check_max_model_len, load_from_hf_model, load_model, model_bytes
+from hibana_core.loader import (LOAD_STAGES, check_max_model_len, context_limit, load_from_hf_model, load_model,
+                                model_bytes)
 from hibana_core.models.decoder import longrope_switch, rotary_bytes, rotary_positions, size_rotary
 from hibana_core.output import OutputProcessor
 from hibana_core.progress import LoadProgress
@@ -272,6 +273,10 @@ class Engine:
         else:
             stages.begin("weights")
             loaded = load_from_hf_model(hf_model, self.device, config.dtype, self._ctx, tokenizer)
+        check_max_model_len(config.max_model_len, loaded.args)  # (load_model checked before the weights)
+        self.max_model_len = config.max_model_len or min(loaded.args.max_position_embeddings, context_limit(loaded.args))
+        rotary_rows = rotary_positions(self.max_model_len, loaded.args)  # (LongRoPE's long rows start there)
+        size_rotary(loaded.model, rotary_rows)  # before the guard's forwards: not the config's ~1 GB at 1M positions
         if config.surgery:
             stages.begin("surgery")
         guard = self._guard(loaded, passes) if config.surgery and config.surgery_guard else None
@@ -291,10 +296,7 @@ class Engine:
         self.hf_config, self.dtype = loaded.hf_config, loaded.dtype
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.vocab_size = loaded.args.vocab_size
-        check_max_model_len(config.max_model_len, loaded.args)  # (load_model checked before the weights)
-        self.max_model_len = config.max_model_len or loaded.args.max_position_embeddings
-        rotary_rows = rotary_positions(self.max_model_len, loaded.args)  # (LongRoPE's long rows start there)
-        size_rotary(loaded.model, rotary_rows)
+        size_rotary(loaded.model, rotary_rows)  # (again: tables a pass made anew)
         kv_dtype = kv_cache_dtype(loaded.model, loaded.dtype)  # after kv8: fp8
         if config.cache.kv_dtype != "auto" and not config.cache.fp8 and _DTYPES[config.cache.kv_dtype] != kv_dtype:
             raise ConfigError(f"kv_dtype={config.cache.kv_dtype!r} differs from the KV dtype of this model "
