@@ -525,6 +525,12 @@ def _refuse_packed_without_config(path: Path, names) -> None:
     beside = [f for f in ("quantize_config.json", "quant_config.json") if (path / f).is_file()]
     hint = (f"; its {beside[0]} holds that config: write it into config.json as \"quantization_config\" in "
             "transformers' terms (quant_method \"gptq\" or \"awq\", bits, group_size, ...)" if beside else "")
+    if not beside and any(n.endswith(".qweight") and f"{n.removesuffix('.qweight')}.qzeros" not in names
+                          for n in packed):
+        # Hibana's own layout (int4 zeros or int8 codes, no GPTQ / AWQ qzeros): a `hibana surgery` output
+        hint = (f"; its layout is that of a checkpoint written by `hibana surgery`, whose manifest ({MANIFEST}) says "
+                "how its layers are packed and is not there: copy it back beside the weights, or run "
+                "`hibana surgery` on the source again")
     raise CheckpointError(f"{path} holds packed quantized layers ({packed[0]}, {len(packed)} in all) but its "
                           f"config.json has no quantization_config saying how they are packed{hint}")
 

@@ -80,3 +80,13 @@ def test_a_manifest_that_disagrees_with_the_weights_is_a_checkpoint_error(writte
     edited = _edited(written, tmp_path, edit)
     with pytest.raises(CheckpointError, match=says):
         open_engine(edited, speculation="off")
+
+
+def test_a_surgery_checkpoint_without_its_manifest_says_the_manifest_is_missing(written, tmp_path):
+    """It said the config.json had no quantization_config, as for a GPTQ / AWQ checkpoint that
+    lost its config, where Hibana's own manifest is what is missing."""
+    _, out, _ = written
+    copy = shutil.copytree(out, tmp_path / "no-manifest")
+    (copy / "hibana_surgery.json").unlink()
+    with pytest.raises(CheckpointError, match=r"written by `hibana surgery`, whose manifest \(hibana_surgery.json\)"):
+        open_engine(copy, speculation="off")
