@@ -22,7 +22,7 @@ from hibana_core import hub
 from hibana_core.errors import CheckpointError, ConfigError, HibanaError, MemoryBudgetError, UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.kv.budget import device_memory
-from hibana_core.models.decoder import rotary_bytes
+from hibana_core.models.decoder import rotary_bytes, rotary_positions, size_rotary
 from hibana_core.models.moe import PACKED_PARTS, STACKS
 from hibana_core.progress import LoadProgress, bar as progress_bar
 from hibana_core.surgery.checkpoint import MANIFEST, check_packed, check_packed_experts, read_manifest
@@ -372,14 +372,17 @@ def model_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def planned_model(model: str, dtype: torch.dtype) -> tuple[int, Any]:
-    """(bytes its weights take loaded in `dtype`, with the rotary tables its first forward builds;
-    its DecoderArgs), from its config alone: the module built on the meta device as `load_model`
+def planned_model(model: str, dtype: torch.dtype, max_model_len: int | None = None) -> tuple[int, Any]:
+    """(bytes its weights take loaded in `dtype`, with the rotary tables it builds at `max_model_len`
+    positions, as `size_rotary` sizes them (None: at its max_position_embeddings); its
+    DecoderArgs), from its config alone: the module built on the meta device as `load_model`
     builds it, no weight read. A quantized checkpoint's weights count dense: at most what they take."""
     path = resolve_checkpoint(model)
     model_type = read_model_type(path)
     family = family_of(model_type)
     module, args = _built_on_meta(model_type, family, read_config(path, model_type), ForwardContext())
+    positions = min(max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+    size_rotary(module, rotary_positions(positions, args))  # (not a 1M-token config's ~1 GB of tables)
     return model_bytes(module.to(dtype=dtype)) + rotary_bytes(module), args
 
 

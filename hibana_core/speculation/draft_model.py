@@ -148,7 +148,7 @@ def draft_reserve(engine: Any, kv_dtype: torch.dtype) -> DraftReserve | None:
             return None  # the drafter refuses it, saying what to give
         from hibana_core.loader import planned_model
 
-        weights, args = planned_model(spec.draft_model, engine.dtype)
+        weights, args = planned_model(spec.draft_model, engine.dtype, engine.max_model_len)  # (as it drafts)
         layers, kv_dtype = args.num_layers, engine.dtype
     else:
         from hibana_core.surgery.layer_skip import DEFAULT_KEEP, kept_count
