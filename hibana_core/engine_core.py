@@ -421,7 +421,8 @@ def _run_loop(ref: "weakref.ReferenceType[EngineCore]") -> None:
                 continue
             try:
                 core.step()
-            except Exception as exc:  # a scheduling bug fails the pending requests, not the engine
+            except BaseException as exc:  # a scheduling bug fails the pending requests, not the engine (a
+                # plugin's BaseException too: a SystemExit or KeyboardInterrupt ended this thread)
                 warnings.warn(f"Hibana engine step failed, its requests fail: {exc!r}")
                 core.abort_all(HibanaError(f"engine step failed: {exc!r}"))
         del core

@@ -40,6 +40,15 @@ SHADOW_PER_STEP = 4
 """Shadow proposals per step at most (host time stays bounded at any batch size)."""
 
 
+def _unless_interrupt(exc: BaseException) -> None:
+    """A drafter's failure costs its drafts only, a BaseException too (an asyncio.CancelledError
+    from the plugin's own event loop, a sys.exit() in its error path: either ended the engine's
+    thread, and every request waited for good), but a KeyboardInterrupt, raised again: a Ctrl-C
+    while a caller steps the engine itself (`Engine.step`) stops it, as it would without a drafter."""
+    if isinstance(exc, KeyboardInterrupt):
+        raise exc
+
+
 def check_method(config: SpeculationConfig, registered: Sequence[str]) -> None:
     """A ConfigError, listing the registered drafters, when `config` names none of them."""
     if config.enabled and config.method not in registered:
@@ -358,7 +367,8 @@ class Speculator:
             call = "propose" if many is None else "propose_many"
             proposals = many(inputs, ks) if many is not None else [
                 drafter.propose(state, k) for state, k in zip(inputs, ks)]
-        except Exception as exc:  # noqa: BLE001 - any bug of a plugin's drafter
+        except BaseException as exc:  # noqa: BLE001 - any bug of a plugin's drafter (`_unless_interrupt`)
+            _unless_interrupt(exc)
             self._drafter_failed(method, call, exc)
             return [[] for _ in inputs]
         try:
@@ -372,7 +382,7 @@ class Speculator:
             self._drafter_failed(method, call, exc, returned=True)
             return [[] for _ in inputs]
 
-    def _drafter_failed(self, method: str, call: str, exc: Exception, returned: bool = False) -> None:
+    def _drafter_failed(self, method: str, call: str, exc: BaseException, returned: bool = False) -> None:
         if not self.drafter_errors[method]:
             skipped = ("its requests decode without its drafts" if call.startswith("propose")
                        else f"its {call}() is skipped")
@@ -476,7 +486,8 @@ class Speculator:
             return
         try:
             finished(context, TokensView(request.output))
-        except Exception as exc:  # noqa: BLE001 - as in `_propose`: a drafter's bug costs speed only
+        except BaseException as exc:  # noqa: BLE001 - as in `_propose`: a drafter's bug costs speed only
+            _unless_interrupt(exc)
             self._drafter_failed(config.method, "finished", exc)
 
     def _optional(self, method: str, call: str) -> Any:

@@ -1,0 +1,105 @@
+"""Outside audit of speculation (issue 13): plugin drafters that fail in ways a careful plugin
+author does not expect, and what a request sees of them. Drafts change speed only: whatever a
+drafter raises or returns, every request's output is the one without speculation, the engine
+goes on serving, and the failure is a warning counted in `engine.stats().speculation`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import warnings
+
+import pytest
+
+from hibana_core import SamplingParams
+from hibana_plugins.manager import PluginWarning
+from spec_drafters import registered
+from tiny_models import random_tokens
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def greedy(n: int = 8, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
+
+
+def generate_within(handle, params, prompt, seconds: float = 60.0):
+    """handle.generate(params, prompt=prompt) on another thread; fails the test (rather than
+    hanging it) where no answer comes within `seconds`."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["out"] = handle.generate(params, prompt=prompt)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "generate never returned: the engine stopped serving"
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
+
+
+class Raising:
+    """Proposes [5] for `fine_calls` calls, then raises `error` (a BaseException, not an Exception)."""
+
+    def __init__(self, error: BaseException, fine_calls: int = 1) -> None:
+        self.error = error
+        self.fine_calls = fine_calls
+        self.calls = 0
+
+    def propose(self, state, k: int) -> list[int]:
+        self.calls += 1
+        if self.calls > self.fine_calls:
+            raise self.error
+        return [5][:k]
+
+    def finished(self, context, output) -> None:
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [asyncio.CancelledError(), SystemExit(3)], ids=lambda e: type(e).__name__)
+def test_a_drafter_raising_a_base_exception_costs_speed_only(tiny_checkpoints, make_engine, error):
+    """A plugin's drafter that lets a BaseException out (an asyncio.CancelledError from its own
+    event loop, a sys.exit() in its error path) drafts nothing, as one raising an Exception does:
+    it ended the engine's thread, and that request and every later one (a bystander's with
+    speculation off too) waited for good."""
+    path = tiny_checkpoints["qwen3"]
+    drafter = Raising(error)
+    with registered(raising=drafter):
+        engine = make_engine(path, speculation={"method": "raising", "k": 3})
+    history = random_tokens(random.Random(4), 20)
+    want = engine.open_state("ref").generate(greedy(speculation="off"), prompt=history).token_ids
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = generate_within(engine.open_state("drafting"), greedy(), history)
+        bystander = generate_within(engine.open_state("bystander"), greedy(speculation="off"), history)
+    assert got.token_ids == want and bystander.token_ids == want
+    assert drafter.calls > drafter.fine_calls
+    assert any(issubclass(w.category, PluginWarning) and "drafter 'raising'" in str(w.message) for w in caught)
+    assert engine.stats().speculation["drafter_errors"]["raising"] >= 1
+
+
+def test_a_keyboard_interrupt_from_a_drafter_fails_its_step_not_the_engine(tiny_checkpoints, make_engine):
+    """A KeyboardInterrupt is raised again (a Ctrl-C of a caller stepping the engine itself must
+    stop it); on the engine's own thread, where no Ctrl-C arrives, one that a plugin raised fails
+    the step's requests with a HibanaError, as any other step failure: it ended the thread, and
+    every request, a later one with speculation off too, waited for good."""
+    from hibana_core.errors import HibanaError
+
+    path = tiny_checkpoints["qwen3"]
+    drafter = Raising(KeyboardInterrupt(), fine_calls=0)
+    with registered(interrupting=drafter):
+        engine = make_engine(path, speculation={"method": "interrupting", "k": 3})
+    history = random_tokens(random.Random(5), 20)
+    want = engine.open_state("ref").generate(greedy(speculation="off"), prompt=history).token_ids
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(HibanaError, match="KeyboardInterrupt"):
+            generate_within(engine.open_state("drafting"), greedy(), history)
+    assert generate_within(engine.open_state("later"), greedy(speculation="off"), history).token_ids == want
