@@ -554,13 +554,29 @@ def test_mistral3_multimodal_checkpoint_serves_its_language_model(tmp_path, make
 
 
 def test_mistral3_with_another_language_model_is_refused_by_name():
-    """A mistral3 checkpoint whose text_config is a family this one does not read (Ministral 3's
-    ministral3, whose queries scale with position) is an UnsupportedModelError naming both."""
-    from transformers import Ministral3Config, Mistral3Config
+    """A mistral3 checkpoint whose text_config is a family the llama family does not read (here
+    Phi-3's) is an UnsupportedModelError naming both."""
+    from transformers import Mistral3Config
 
     from hibana_core.models import llama
 
-    text = Ministral3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, vocab_size=512)
-    with pytest.raises(UnsupportedModelError, match="mistral3.*ministral3"):
-        llama.args_from_config(Mistral3Config(text_config=text.to_dict()))
+    with pytest.raises(UnsupportedModelError, match="mistral3.*phi3"):
+        llama.args_from_config(Mistral3Config(text_config=make_config("phi3").to_dict()))
+
+
+def test_ministral3_serves_the_positions_its_queries_are_unscaled(tmp_path, make_engine):
+    """Ministral 3 (model_type ministral3, also as a mistral3 checkpoint's text_config): YaRN rope,
+    queries scaled by 1 + beta * log(1 + floor(position / original_max_position_embeddings)) in
+    transformers. Below that position the scale is 1: the engine serves those positions (its
+    default max_model_len), greedy equal to transformers' with retention; more is a ConfigError
+    that says why."""
+    from hibana_core import ConfigError
+
+    path = make_tiny_checkpoint("ministral3", tmp_path / "ministral3")
+    engine = make_engine(path)
+    assert engine.max_model_len == 256
+    for turns in greedy_turns_at_once(engine, "m3", [agent_turn_plan(9400 + agent, turns=2) for agent in range(2)]):
+        for history, completion in turns:
+            assert_greedy_matches(path, history, completion.token_ids)
+    with pytest.raises(ConfigError, match="llama_4_scaling"):
+        make_engine(path, max_model_len=512)

@@ -102,6 +102,12 @@ ARCH_CONFIGS: dict[str, dict] = {
         sliding_window=48,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0),
     ),
+    "ministral3": dict(  # Ministral 3's YaRN rope, its queries scaled from position 256 (llama_4_scaling_beta)
+        num_hidden_layers=2,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256,
+                             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+                             llama_4_scaling_beta=0.1),
+    ),
     "gemma3": dict(
         num_hidden_layers=3,
         head_dim=16,
@@ -245,12 +251,12 @@ def make_tokenizer():
 
 
 def make_config(arch: str, **config_overrides):
-    from transformers import (Gemma3TextConfig, GptOssConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig,
-                              Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (Gemma3TextConfig, GptOssConfig, GraniteConfig, LlamaConfig, Ministral3Config,
+                              MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     kinds = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
              "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig,
-             "mixtral": MixtralConfig, "granite": GraniteConfig}
+             "mixtral": MixtralConfig, "granite": GraniteConfig, "ministral3": Ministral3Config}
     if arch not in kinds:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(kinds)}")
     return kinds[arch](**{**_COMMON, **ARCH_CONFIGS[arch], **config_overrides})

@@ -294,6 +294,9 @@ class DecoderArgs:
     attention_sinks: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
     longrope_recompute: bool = False  # generate recomputes the whole cache once the sequence crosses
     # LongRoPE's switch (Phi-3's; `hibana_core.kv.sequence.LongRope`)
+    query_scaling_from: int | None = None  # the position from which transformers scales queries by
+    # 1 + beta * log(1 + floor(position / this)) (Ministral 3's llama_4_scaling_beta); the positions below
+    # it, where that scale is 1, are those Hibana serves (`loader.context_limit`)
 
     @classmethod
     def from_config(cls, config: Any, **differences: Any) -> "DecoderArgs":

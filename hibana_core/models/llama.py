@@ -1,6 +1,9 @@
-"""Llama family (serves model_type llama, qwen2, qwen3, mistral, ministral, and the language model of
-a multimodal mistral3 checkpoint: Mistral Small 3.1 / 3.2, Magistral Small 2509, whose vision tower
-is left unread) on the shared decoder.
+"""Llama family (serves model_type llama, qwen2, qwen3, mistral, ministral, ministral3, and the language
+model of a multimodal mistral3 checkpoint: Mistral Small 3.1 / 3.2, Magistral Small 2509, Ministral 3,
+whose vision tower is left unread) on the shared decoder.
+
+Ministral 3 scales its queries by position past its rope's original_max_position_embeddings
+(llama_4_scaling_beta); Hibana serves it below that (16,384 positions), where the scale is 1.
 
 What tells these apart is read from the config where the config says it (the MLP's
 activation too: hidden_act, as transformers' ACT2FN reads it); Qwen2's q/k/v bias and Qwen3's q/k
@@ -16,11 +19,12 @@ from hibana_core.forward_context import ForwardContext
 from hibana_core.models.decoder import (MULTIMODAL_PREFIXES, OTHER_TOWERS, DecoderArgs, DecoderForCausalLM,
                                         sliding_windows)
 
-TEXT_TYPES = ("llama", "qwen2", "qwen3", "mistral", "ministral")
+TEXT_TYPES = ("llama", "qwen2", "qwen3", "mistral", "ministral", "ministral3")
 MODEL_TYPES = (*TEXT_TYPES, "mistral3")  # mistral3: a multimodal checkpoint whose text_config is one of these
 
 # model_type -> (q/k/v bias, o bias) where the architecture fixes them; else config.attention_bias
-_FIXED_BIASES = {"qwen2": (True, False), "mistral": (False, False), "ministral": (False, False)}
+_FIXED_BIASES = {"qwen2": (True, False), "mistral": (False, False), "ministral": (False, False),
+                 "ministral3": (False, False)}
 
 # transformers' Llama alone reads config.mlp_bias; Qwen2, Qwen3 and Mistral MLPs have no bias whatever
 # a config.json says (their checkpoints hold none)
@@ -33,7 +37,7 @@ _FULL_ATTENTION_ONLY = ("llama",)
 # transformers' Mistral windows every layer whenever sliding_window is set (use_sliding_window is
 # no field of its config); a mistral config.json with layer_types is read as a Ministral (model_type
 # ministral), whose layers window by layer_types (its config derives them from sliding_window)
-_WINDOWING_READS = {"mistral": ("layer_types",)}
+_WINDOWING_READS = {"mistral": ("layer_types",), "ministral3": ("layer_types",)}
 
 
 def args_from_config(config: Any) -> DecoderArgs:
@@ -53,7 +57,19 @@ def args_from_config(config: Any) -> DecoderArgs:
     multimodal = {} if text is config else dict(model_type=config.model_type, checkpoint_prefixes=MULTIMODAL_PREFIXES,
                                                 checkpoint_other_parts=OTHER_TOWERS)
     return DecoderArgs.from_config(text, qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
-                                   qk_norm=kind == "qwen3", **windows, **multimodal)
+                                   qk_norm=kind == "qwen3", query_scaling_from=_query_scaling_from(text),
+                                   **windows, **multimodal)
+
+
+def _query_scaling_from(config: Any) -> int | None:
+    """Where Ministral 3's queries start to scale with position (its rope's llama_4_scaling_beta:
+    1 + beta * log(1 + floor(position / original_max_position_embeddings)), as transformers applies
+    it), None where they never do."""
+    params = getattr(config, "rope_parameters", None) or {}
+    beta = params.get("llama_4_scaling_beta") if isinstance(params, dict) else None
+    if not beta:
+        return None
+    return int(params.get("original_max_position_embeddings") or config.max_position_embeddings)
 
 
 def build(config: Any, ctx: ForwardContext) -> tuple[DecoderForCausalLM, DecoderArgs]:
