@@ -9,6 +9,7 @@ import random
 import shutil
 
 import pytest
+import torch
 
 from hibana_core.errors import CheckpointError, StateFileError
 from tiny_models import EVERY_TENSOR_USED, open_engine, random_tokens
@@ -90,3 +91,23 @@ def test_a_surgery_checkpoint_without_its_manifest_says_the_manifest_is_missing(
     (copy / "hibana_surgery.json").unlink()
     with pytest.raises(CheckpointError, match=r"written by `hibana surgery`, whose manifest \(hibana_surgery.json\)"):
         open_engine(copy, speculation="off")
+
+
+@pytest.mark.parametrize("edit", [lambda s: torch.ones(2, 3), lambda s: torch.zeros_like(s), lambda s: s.to(torch.int32)],
+                         ids=["other-heads", "zero", "integer"])
+def test_kv8_scales_that_are_not_kv8s_are_a_checkpoint_error(tiny_checkpoints, tmp_path, edit):
+    """A kv_scale of another model's KV heads was a ValueError from the layer; zero ones (an
+    integer cast) loaded and every generated token was the same one (the fp8 KV saturated)."""
+    from safetensors.torch import load_file, save_file
+
+    from hibana_core.surgery import checkpoint
+
+    source, out = tiny_checkpoints["qwen3"], tmp_path / "kv8"
+    with open_engine(source, surgery=["kv8"], surgery_guard=False, speculation="off") as engine:
+        checkpoint.save(engine, source, out)
+    tensors = load_file(out / "model.safetensors")
+    name = "model.layers.0.self_attn.kv_scale"
+    tensors[name] = edit(tensors[name])
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"{name} is .* positive floats"):
+        open_engine(out, speculation="off")

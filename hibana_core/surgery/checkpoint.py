@@ -233,3 +233,15 @@ def check_packed_experts(path: Path, name: str, kind: str, tensors: dict[str, di
                                       f"{list(t.shape)}, which is no {kind} packing of {e} experts' {n}x{k} "
                                       f"{stack} ({MANIFEST}'s kind); the manifest is damaged or another "
                                       "checkpoint's: re-run `hibana surgery`")
+
+
+def check_kv_scale(path: Path, name: str, scale: torch.Tensor, kv_heads: int | None) -> None:
+    """A CheckpointError unless `scale` reads as kv8 wrote it: float [2, kv_heads] (keys', values'
+    scale per KV head), every one finite and positive (powers of two). A zero one (an integer
+    tensor cast, a damaged file) loaded, and the layer's fp8 KV was all saturated: every token the same."""
+    shape_ok = kv_heads is None or tuple(scale.shape) == (2, kv_heads)
+    if not (scale.dtype.is_floating_point and shape_ok and bool((torch.isfinite(scale) & (scale > 0)).all())):
+        want = f"[2, {kv_heads}]" if kv_heads is not None else "[2, KV heads]"
+        raise CheckpointError(f"{path}: {name} is {str(scale.dtype).removeprefix('torch.')} {list(scale.shape)}, "
+                              f"where kv8's fp8 KV scales are {want} positive floats (keys', values' per KV head); "
+                              f"the checkpoint is damaged or its {MANIFEST} another's: re-run `hibana surgery`")
