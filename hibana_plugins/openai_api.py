@@ -553,6 +553,18 @@ class Reply:
         """Choice `index`'s first chunk, before any text (None: the format has none)."""
         return self._chunk({"role": "assistant", "content": ""}, index=index)
 
+    @staticmethod
+    def opening(role: dict | None, chunks: list[dict]) -> list[dict]:
+        """A choice's first chunks: its `role_chunk`, then `chunks`; a reply that opens with a tool
+        call has the role in that call's chunk instead, with content null, as OpenAI's has (no
+        content "" in a reply of calls only, whose whole message has content null)."""
+        choices = chunks[0].get("choices") if chunks and role is not None else None
+        delta = choices[0].get("delta", {}) if choices else {}
+        if "tool_calls" in delta:
+            choices[0]["delta"] = {"role": "assistant", "content": None, **delta}
+            return chunks
+        return chunks if role is None else [role, *chunks]
+
     def usage_chunk(self, *results: ChatResult) -> dict:
         """The last chunk with `stream_options.include_usage`: no choices, the usage."""
         return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage(total_usage(results, self.n))}

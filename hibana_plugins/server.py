@@ -614,8 +614,8 @@ def result_in(batch: list[ChatDelta], result: turn.ChatResult | None = None) -> 
 async def sse(endpoint: str, reply: Reply, choices: AsyncIterator[tuple[int, list[ChatDelta]]], turns: int,
               call: ChatCall, metrics: Metrics, drain: Drain) -> AsyncIterator[str]:
     """The reply as server-sent events, one write per batch of deltas the engine made at once for
-    one of the request's `turns` (`interleaved`: each choice's chunks carry its index; the role
-    chunks go with the first, the usage and [DONE] with the last result): each write is a send on
+    one of the request's `turns` (`interleaved`: each choice's chunks carry its index; its role
+    goes with its first batch, the usage and [DONE] with the last result): each write is a send on
     the socket, and the GIL taken from the engine's step loop. A client that goes away closes
     this generator, which cancels the turns (their states keep what was generated so far); so
     does the server's shutdown when its timeout is near (`Drain`), after a last, error event."""
@@ -626,18 +626,26 @@ async def sse(endpoint: str, reply: Reply, choices: AsyncIterator[tuple[int, lis
         """The reply's chunks; with include_usage each has the field, null but in the last (OpenAI's rule)."""
         return events(*({**chunk, "usage": None} for chunk in chunks)) if call.include_usage else events(*chunks)
 
-    opening = [chunk for chunk in map(reply.role_chunk, range(turns)) if chunk is not None]
-    pending, results = reply_events(*opening), {}
+    def batch_events(index: int, batch: list[ChatDelta]) -> str:
+        """A batch's chunks; a turn's first opens with its role (`Reply.opening`)."""
+        if index in opened:
+            return reply_events(*reply.chunks(batch, index))
+        opened.add(index)
+        role = reply.role_chunk(index)  # (before the chunks: a Responses stream's response.created)
+        return reply_events(*reply.opening(role, reply.chunks(batch, index)))
+
+    opened: set[int] = set()  # the turns whose role is sent
+    pending, results = "", {}
     with metrics.in_flight.track_inprogress():
         async with contextlib.aclosing(choices):
             try:
                 async for index, batch in choices:
                     result = result_in(batch)
                     if result is None:
-                        pending += reply_events(*reply.chunks(batch, index))
+                        pending += batch_events(index, batch)
                     else:  # the whole turn's log-probabilities, a Responses stream's done events repeating each
                         #      item: in a worker thread (2,000 tokens' top 20 held every other stream 1.7 s)
-                        pending += await asyncio.to_thread(lambda: reply_events(*reply.chunks(batch, index)))
+                        pending += await asyncio.to_thread(batch_events, index, batch)
                         results[index] = result
                     if len(results) < turns and drain.expired:  # the turns cancelled on leaving
                         metrics.requests.labels(endpoint, "stream_error").inc()
