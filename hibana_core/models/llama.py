@@ -43,7 +43,7 @@ _WINDOWING_READS = {"mistral": ("layer_types",), "ministral3": ("layer_types",)}
 def args_from_config(config: Any) -> DecoderArgs:
     text = config.get_text_config()  # the config itself, but for a multimodal checkpoint's
     kind = text.model_type
-    if kind not in TEXT_TYPES:
+    if text is not config and kind not in TEXT_TYPES:  # (a plugin may build its own model_type as one of these)
         raise UnsupportedModelError(f"a {config.model_type} checkpoint whose language model is {kind!r} is not "
                                     f"supported (its text_config must be one of {', '.join(TEXT_TYPES)})")
     attention_bias = bool(getattr(text, "attention_bias", False))
