@@ -257,9 +257,10 @@ class Drain:
         """On the server's loop, as its shutdown starts; None: requests may take as long as they take."""
         if timeout is None:
             return
-        asyncio.get_running_loop().call_later(max(0.0, timeout - min(self.MARGIN, timeout / 4)), self._expire)
+        asyncio.get_running_loop().call_later(max(0.0, timeout - min(self.MARGIN, timeout / 4)), self.expire)
 
-    def _expire(self) -> None:
+    def expire(self) -> None:
+        """End the requests still running now (on the server's loop): its timeout, or a second Ctrl+C."""
         self.expired = True
         if self._event is not None:
             self._event.set()
@@ -960,6 +961,17 @@ def uvicorn_server(app: FastAPI, config: ServerConfig, **options: Any) -> "uvico
         async def shutdown(self, sockets: "list[socket.socket] | None" = None) -> None:
             app.state.drain.begin(config.shutdown_timeout)
             await super().shutdown(sockets=sockets)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # uvicorn's force quit (a second Ctrl+C) left the requests in flight and the lifespan
+            # to asyncio.run's cancelling, each logged as an ERROR traceback: the drain expires now
+            # instead, so they end themselves at once (a 503) and the shutdown ends as it does
+            if self.should_exit and sig == signal.SIGINT:
+                self._captured_signals.append(sig)  # (raised again once uvicorn is done: `stop_signals_unwind`)
+                log.warning("SIGINT while stopping: the requests in flight end now")
+                asyncio.get_running_loop().call_soon_threadsafe(app.state.drain.expire)
+                return
+            super().handle_exit(sig, frame)
 
     return DrainingServer(uvicorn.Config(app, timeout_graceful_shutdown=config.shutdown_timeout, **options))
 
