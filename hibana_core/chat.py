@@ -63,7 +63,6 @@ ROLE_CACHED_LENGTH = 64
 """What a chat layer remembers of roles outside KNOWN_ROLES (whether its template renders each):
 at most this many, of at most this many characters, so that a server's clients sending ever new
 roles never grow it."""
-_THINK_BLOCK = re.compile(r"<think>.*?</think>\s*", re.S)
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
 """Tokens that end an assistant turn, where the vocabulary has them (Llama 3's <|eom_id|> ends a
 turn of calls that waits for their results)."""
@@ -166,7 +165,9 @@ class Chat:
         self._opening: list[str] = []  # what the template writes before a reply (`_reply_opening`), once
         # found: a list that the copies `on` makes share
         self.handle: StateHandle | None = engine.open_state(state_id) if state_id is not None else None
-        self.thinks = turn.THINK_CLOSE in str(template)
+        self.think_markers = turn.think_markers(str(template), vocab)
+        """The marks of its think blocks: Qwen's `<think>`, or Mistral's `[THINK]` control tokens."""
+        self.thinks = self.think_markers.close in str(template)
         """Whether the chat template knows think blocks (a reasoning model): turns are split into
         thinking and answer (`turn.Thinking`)."""
 
@@ -409,7 +410,7 @@ class Chat:
         """`text` without the think blocks that open an assistant's reply (what a template that
         drops old thinking leaves out; a think block a user or a tool wrote stays: an edit in it
         is an edit of the conversation), and for each character left its index in `text`."""
-        return _without_thinking(text, self._reply_opening())
+        return _without_thinking(text, self._reply_opening(), self.think_markers)
 
     def _reply_opening(self) -> str:
         """What the template writes before an assistant's reply (Qwen's "<|im_start|>assistant\n"):
@@ -419,7 +420,7 @@ class Chat:
             hello = [{"role": "user", "content": "hibana-opening-probe"}]
             bare, asked = (self._probe(hello, add_generation_prompt=g) or "" for g in (False, True))
             opening = asked[len(bare):] if bare and asked.startswith(bare) else ""
-            self._opening[:] = [opening.split(turn.THINK_OPEN)[0]]
+            self._opening[:] = [opening.split(self.think_markers.open)[0]]
         return self._opening[0]
 
     def _writes(self, marker: str, messages: list[dict], **options: Any) -> bool:
@@ -741,14 +742,15 @@ class Chat:
         # a template may open the think block itself (its generation prompt ends in "<think>")
         end = (self.engine.tokenizer.decode(list(messages[-4:]), skip_special_tokens=False)
                if isinstance(messages, TokenIds) else str(messages))
-        open_in_prompt = end.rstrip().endswith(turn.THINK_OPEN)
+        markers = self.think_markers
+        open_in_prompt = end.rstrip().endswith(markers.open)
         # or closes it (Qwen3's with thinking switched off writes an empty block): no thinking to hold a grammar off
-        closed_in_prompt = end.rstrip().endswith(turn.THINK_CLOSE)
-        thinking = turn.Thinking(open_in_prompt, closed_in_prompt) if self.thinks else None
+        closed_in_prompt = end.rstrip().endswith(markers.close)
+        thinking = turn.Thinking(open_in_prompt, closed_in_prompt, markers) if self.thinks else None
         # or a prefill writes the block whole ("<think>\n\n</think>\n\n": no thinking this turn), so the
         # grammar starts after it, in the answer
-        closed_by_prefill = (thinking is not None and not closed_in_prompt and turn.THINK_CLOSE in prefill
-                             and (open_in_prompt or prefill.lstrip().startswith(turn.THINK_OPEN)))
+        closed_by_prefill = (thinking is not None and not closed_in_prompt and markers.close in prefill
+                             and (open_in_prompt or prefill.lstrip().startswith(markers.open)))
         held_off = thinking is not None and not closed_in_prompt and not closed_by_prefill  # a grammar waits for it
         answer = params.json_schema if parse_tools and tools else None  # the text answer's schema, beside calls
         calls_held = False  # a call grammar holds the turn
@@ -772,7 +774,7 @@ class Chat:
             if grammar is not None and held_off and grammar.get("type") == "structural_tag":
                 # an answer in JSON follows the blank line after the think block, as a forced call does
                 grammar = turn.after_thinking(grammar, "required" if answer is not None else tool_choice,
-                                              open_in_prompt)
+                                              open_in_prompt, markers)
             if grammar is not None and prefill and not _free_start(grammar.get("format", {})):
                 raise ConfigError(f"prefill with {self.parser_name}'s tool-call grammar is not supported: it holds the "
                                   "turn from its first token (a message header, a think block), and would start after "
@@ -785,7 +787,7 @@ class Chat:
             with _blamed_on(self.parser_name, self.parser, "building its no-call grammar"):
                 grammar = turn.no_call_grammar(self.parser, self.parser_name, closer=not prefill)
             if grammar is not None and held_off:  # the thinking stays free, as with "auto"
-                grammar = turn.after_thinking(grammar, "auto", open_in_prompt)
+                grammar = turn.after_thinking(grammar, "auto", open_in_prompt, markers)
             params = dataclasses.replace(params, grammar=grammar)
         channels = getattr(self.parser, "splits_channels", False)  # harmony: its channels are the format, calls or not
         if params.json_schema is not None and answer is None and (channels or held_off):
@@ -802,8 +804,8 @@ class Chat:
             elif held_off:
                 answer_only = {"type": "structural_tag",
                                "format": {"type": "json_schema", "json_schema": params.json_schema}}
-                params = dataclasses.replace(params, json_schema=None,
-                                             grammar=turn.after_thinking(answer_only, "required", open_in_prompt))
+                params = dataclasses.replace(params, json_schema=None, grammar=turn.after_thinking(
+                    answer_only, "required", open_in_prompt, markers))
         elif held_off and not channels and (params.regex is not None or isinstance(params.grammar, str)) \
                 and not calls_held:
             # a regex or an EBNF grammar of the caller's holds the answer after the thinking too, as vLLM
@@ -811,7 +813,7 @@ class Chat:
             own = ({"type": "regex", "pattern": params.regex} if params.regex is not None
                    else {"type": "grammar", "grammar": params.grammar})
             params = dataclasses.replace(params, regex=None, grammar=turn.after_thinking(
-                {"type": "structural_tag", "format": own}, "required", open_in_prompt))
+                {"type": "structural_tag", "format": own}, "required", open_in_prompt, markers))
         if parse_tools or channels:
             options = {} if parse_tools else {"calls": False}
             if parse_tools and getattr(self.parser, "takes_tools", False):  # its values typed by the tools' schemas
@@ -1075,11 +1077,12 @@ def _close_if_empty(handle: "StateHandle") -> None:
             handle.close()
 
 
-def _without_thinking(text: str, opening: str) -> tuple[str, list[int]]:
+def _without_thinking(text: str, opening: str, markers: turn.ThinkMarkers = turn.QWEN_THINK) -> tuple[str, list[int]]:
     """`text` without the think blocks (and the blank lines after them) right after an `opening`
     (an assistant reply's), and for each character left its index in `text`."""
     kept, positions, pos = [], [], 0
-    for block in _THINK_BLOCK.finditer(text):
+    blocks = re.compile(re.escape(markers.open) + ".*?" + re.escape(markers.close) + r"\s*", re.S)
+    for block in blocks.finditer(text):
         if not opening or not text[:block.start()].rstrip().endswith(opening.rstrip()):
             continue
         kept.append(text[pos:block.start()])

@@ -37,7 +37,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Collection, Iterator, Sequence, TypeVar
 
 from hibana_core.config import SamplingParams
 from hibana_core.errors import ChatTimeoutError, ConfigError, ContextLengthError, GrammarError, HibanaError
@@ -259,19 +259,25 @@ def answer_or_calls(parser: Any, parser_name: str, tools: Sequence[dict], tool_c
     return {"type": "structural_tag", "format": {"type": "or", "elements": [calls["format"], answer]}}
 
 
-def after_thinking(grammar: dict, tool_choice: str, open_in_prompt: bool) -> dict:
+def after_thinking(grammar: dict, tool_choice: str, open_in_prompt: bool,
+                   markers: "ThinkMarkers | None" = None) -> dict:
     """A tool-call grammar held off while a reasoning model thinks: first its think block
     (optional, unless the template opened it), any text, then `grammar`, so that `<tool_call>`
-    written while thinking is thinking. A forced call follows the blank line after the block."""
+    written while thinking is thinking. A forced call follows the blank line after the block.
+    `markers`: the model's think markers (Qwen's `<think>` by default), named as the control
+    tokens they are where they are (Mistral's `[THINK]`)."""
+    markers = markers or QWEN_THINK
     # the block ends at the first </think>, as `Thinking` reads it (with "</think>\n\n" as its end, a
     # "</think> {...}" was thinking to the grammar and a free answer to the parser)
-    think = {"type": "tag", "begin": "" if open_in_prompt else THINK_OPEN, "content": {"type": "any_text"},
-             "end": THINK_CLOSE}
+    think = {"type": "tag", "begin": "" if open_in_prompt else markers.spelt(markers.open),
+             "content": {"type": "any_text"}, "end": markers.spelt(markers.close)}
     if tool_choice != "auto":
         think = {"type": "sequence", "elements": [think, {"type": "const_string", "value": "\n\n"}]}
     if not open_in_prompt:  # after whitespace, as `Thinking` reads it ("\n<think>" was free text, so a
         # <tool_call> in that thinking opened a call the parser never read)
-        think = {"type": "sequence", "elements": [{"type": "regex", "pattern": r"\s*"}, think]}
+        # (a few characters of ASCII whitespace: unbounded, a model could write whitespace up to max_tokens,
+        # and xgrammar's \s takes characters str.lstrip keeps, U+FEFF, so that thinking was answer to `Thinking`)
+        think = {"type": "sequence", "elements": [{"type": "regex", "pattern": r"[ \t\r\n]{0,8}"}, think]}
     first = think if open_in_prompt else {"type": "optional", "content": think}
     return {"type": "structural_tag", "format": {"type": "sequence", "elements": [first, grammar["format"]]}}
 
@@ -296,7 +302,32 @@ class PlainText:
         return ParsedOutput(self.text, [], None)
 
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+@dataclass(frozen=True)
+class ThinkMarkers:
+    """The marks around a reasoning model's thinking."""
+
+    open: str
+    close: str
+    control: bool = False  # special tokens of the vocabulary (a grammar names them as tokens), not text
+
+    def spelt(self, marker: str) -> "str | dict":
+        """`marker` as a structural tag's begin or end: its text, or the control token."""
+        return {"type": "token", "token": marker} if self.control else marker
+
+
+QWEN_THINK = ThinkMarkers("<think>", "</think>")
+"""Qwen3's, DeepSeek-R1's and most reasoning models' (added tokens that are text to a grammar)."""
+MISTRAL_THINK = ThinkMarkers("[THINK]", "[/THINK]", control=True)
+"""Magistral's and Ministral 3 Reasoning's: control tokens of their tokenizers."""
+THINK_OPEN, THINK_CLOSE = QWEN_THINK.open, QWEN_THINK.close
+
+
+def think_markers(template: str, vocab: Collection[str]) -> ThinkMarkers:
+    """The think markers a chat template writes: Mistral's where it writes `[/THINK]` and the
+    vocabulary has both as tokens, else Qwen's."""
+    if MISTRAL_THINK.close in template and MISTRAL_THINK.open in vocab and MISTRAL_THINK.close in vocab:
+        return MISTRAL_THINK
+    return QWEN_THINK
 
 
 class Thinking:
@@ -306,11 +337,15 @@ class Thinking:
                      ^ or already open in the prompt (`open_in_prompt`: the template wrote it),
                        or written whole there (`closed_in_prompt`: the turn is all answer)
 
+    (the model's `markers`: Mistral's are `[THINK]` and `[/THINK]`)
+
     Only a think block at the start of the turn is thinking; `<think>` later in the answer is
     answer text. Pieces of a tag split across deltas are held back until they are decided.
     The answer goes on to the tool parser, so tool-call parsing never sees the thinking."""
 
-    def __init__(self, open_in_prompt: bool = False, closed_in_prompt: bool = False) -> None:
+    def __init__(self, open_in_prompt: bool = False, closed_in_prompt: bool = False,
+                 markers: ThinkMarkers = QWEN_THINK) -> None:
+        self.markers = markers
         # start, thinking, after, answer; a template that closed the block (thinking switched off): all answer
         self.mode = "thinking" if open_in_prompt else "answer" if closed_in_prompt else "start"
         self.held = ""
@@ -324,19 +359,21 @@ class Thinking:
         thinking = answer = ""
         if self.mode == "start":
             head = text.lstrip()
-            if head.startswith(THINK_OPEN):
-                text, self.mode = head[len(THINK_OPEN):], "thinking"
-            elif THINK_OPEN.startswith(head):  # undecided: whitespace, or part of the tag
+            opening = self.markers.open
+            if head.startswith(opening):
+                text, self.mode = head[len(opening):], "thinking"
+            elif opening.startswith(head):  # undecided: whitespace, or part of the tag
                 self.held = text
                 return "", ""
             else:
                 self.mode = "answer"
         if self.mode == "thinking":
-            if THINK_CLOSE in text:
-                thinking, text = text.split(THINK_CLOSE, 1)
+            closing = self.markers.close
+            if closing in text:
+                thinking, text = text.split(closing, 1)
                 self.mode = "after"
             else:
-                keep = _partial_suffix(text, THINK_CLOSE)
+                keep = _partial_suffix(text, closing)
                 thinking, self.held, text = text[:len(text) - keep], text[len(text) - keep:], ""
         if self.mode == "after":  # the blank lines between the thinking and the answer
             text = text.lstrip()
