@@ -12,9 +12,9 @@ import logging as _logging
 from hibana_core.config import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
 from hibana_core.errors import (ChatTimeoutError, CheckpointError, ConfigError, ContextLengthError, ConversationError,
                                 EngineClosedError, GrammarError, HibanaError, InvalidTokenError, MemoryBudgetError,
-                                PluginError, PromptMarkupError, QueueTimeoutError, StateBusyError, StateClosedError,
-                                StateExistsError, StateFileError, SurgeryGuardError, ToolChoiceError, ToolSchemaError,
-                                UnsupportedContentError, UnsupportedModelError)
+                                MissingDependencyError, PluginError, PromptMarkupError, QueueTimeoutError,
+                                StateBusyError, StateClosedError, StateExistsError, StateFileError, SurgeryGuardError,
+                                ToolChoiceError, ToolSchemaError, UnsupportedContentError, UnsupportedModelError)
 from hibana_core.state import (Completion, RequestStats, StateHandle, StateInfo, StreamEvent, SyncStats,
                                 TokenLogprob)
 
@@ -38,8 +38,9 @@ def __getattr__(name: str):
 __all__ = [
     "CacheConfig", "ChatTimeoutError", "CheckpointError", "Completion", "ConfigError", "ContextLengthError",
     "ConversationError", "Engine", "EngineClosedError", "EngineConfig", "EngineStats", "GrammarError", "HibanaError",
-    "InvalidTokenError", "MemoryBudgetError", "PluginError", "PromptMarkupError", "QueueTimeoutError", "RequestStats",
-    "SamplingParams", "SchedulerConfig", "StateBusyError", "StateClosedError", "StateExistsError", "StateFileError",
+    "InvalidTokenError", "MemoryBudgetError", "MissingDependencyError", "PluginError", "PromptMarkupError",
+    "QueueTimeoutError", "RequestStats", "SamplingParams", "SchedulerConfig", "StateBusyError", "StateClosedError",
+    "StateExistsError", "StateFileError",
     "StateHandle", "TokenLogprob", "StateInfo", "StreamEvent", "SurgeryGuardError", "SyncStats", "ToolChoiceError",
     "ToolSchemaError", "UnsupportedContentError", "UnsupportedModelError",
 ]

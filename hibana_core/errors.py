@@ -12,9 +12,9 @@ from hibana_plugins.manager import PluginError
 __all__ = [
     "ChatTimeoutError", "CheckpointError", "ConfigError", "ContextLengthError", "ConversationError",
     "EngineClosedError", "GrammarError", "HibanaError", "InvalidTokenError", "MemoryBudgetError",
-    "PluginError", "PromptMarkupError", "QueueTimeoutError", "StateBusyError", "StateClosedError", "StateExistsError",
-    "StateFileError", "SurgeryGuardError", "ToolChoiceError", "ToolSchemaError", "UnsupportedContentError",
-    "UnsupportedModelError",
+    "MissingDependencyError", "PluginError", "PromptMarkupError", "QueueTimeoutError", "StateBusyError",
+    "StateClosedError", "StateExistsError", "StateFileError", "SurgeryGuardError", "ToolChoiceError", "ToolSchemaError",
+    "UnsupportedContentError", "UnsupportedModelError",
 ]
 
 
@@ -86,6 +86,12 @@ class QueueTimeoutError(HibanaError, TimeoutError):
 class ChatTimeoutError(HibanaError, TimeoutError):
     """A call ran past its timeout; its state is left as it was before the call. Also a builtin
     TimeoutError, so `except TimeoutError` catches it."""
+
+
+class MissingDependencyError(HibanaError, ImportError):
+    """An adapter whose framework is not installed (`ChatHibana` without langchain-core,
+    `HibanaLLM` without llama-index-core); the message has the pip command. Also a builtin
+    ImportError, so `except ImportError` catches it."""
 
 
 class ConversationError(HibanaError, ValueError):

@@ -27,7 +27,8 @@ to calls from its first token (`hibana_core.turn`). `bind_tools(..., strict=True
 schemas strict (no keys beyond the schema's), and the grammar enforces them as given.
 
 langchain-core is optional: without it this module still imports (the plugin manager loads it on
-every start) and `ChatHibana(...)` raises an ImportError that says what to install.
+every start) and `ChatHibana(...)` raises a MissingDependencyError (an ImportError) that says what to
+install, as `HibanaLLM` does without llama-index.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from hibana_core.chat import (Chat, ChatDelta, ChatResult as TurnResult, Convers
                               StreamedLogprobs, ToolSchemaError, UnsupportedContentError, Usage, clean_tool,
                               normalize_tool_choice, normalize_tools)
 from hibana_core.config import SamplingParams
-from hibana_core.errors import ConfigError
+from hibana_core.errors import ConfigError, MissingDependencyError
 from hibana_core.messages import response_format_schema, unheld
 from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_engine, check_engine_kwargs,
                                     check_given_engine, check_known, check_state_id, check_switches, choose_engine,
@@ -183,7 +184,8 @@ except ImportError as _missing:  # langchain-core is an optional dependency
         """Stands in for langchain-core's class so that this module imports without it."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            raise ImportError("ChatHibana needs langchain-core: pip install 'hibana[langchain]'") from _IMPORT_ERROR
+            raise MissingDependencyError(f"ChatHibana needs langchain-core ({_IMPORT_ERROR}); install it with "
+                                         "`pip install 'hibana[langchain]'`") from _IMPORT_ERROR
 else:
     _IMPORT_ERROR = None
 
@@ -670,7 +672,7 @@ class ChatHibana(BaseChatModel):
     def __init__(self, *, engine: Any = None, **kwargs: Any) -> None:
         """Unknown options raise a ConfigError and values are checked here, not on the first call
         (`hibana_plugins.options`); `num_ctx` is `engine_kwargs={"max_model_len": ...}`."""
-        if _IMPORT_ERROR is not None:  # the stand-in raises the ImportError that says what to install
+        if _IMPORT_ERROR is not None:  # the stand-in raises the MissingDependencyError that says what to install
             super().__init__()
         kwargs = unset_nones(resolve_aliases(kwargs, "ChatHibana"))  # temperature=None: the default
         if "max_model_len" in kwargs:

@@ -30,8 +30,8 @@ a call. Without tools the reply is the model's text as generated: ReAct-style ag
 themselves.
 
 Importing llama-index takes about a second and the plugin manager imports this module on every
-start, so `HibanaLLM` is defined on first use; without llama-index it raises an error that says
-what to install.
+start, so `HibanaLLM` is defined on first use; without llama-index it raises a
+MissingDependencyError (an ImportError, as `ChatHibana`'s) that says what to install.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from hibana_core import turn
 from hibana_core.chat import (Chat, ChatDelta, ChatResult, ConversationError, ToolChoiceError, ToolSchemaError,
                               UnsupportedContentError, clean_tool, normalize_tool_choice, normalize_tools)
 from hibana_core.config import SamplingParams
-from hibana_core.errors import ConfigError, ContextLengthError, GrammarError, HibanaError
+from hibana_core.errors import ConfigError, ContextLengthError, GrammarError, MissingDependencyError
 from hibana_plugins.hookspecs import hookimpl
 from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_engine, check_engine_kwargs,
                                     check_given_engine, check_known, check_state_id, check_switches, choose_engine,
@@ -336,8 +336,8 @@ def llm_class() -> type:
         from llama_index.core.llms.utils import parse_partial_json
         from llama_index.core.types import PydanticProgramMode
     except ImportError as exc:
-        raise HibanaError(f"HibanaLLM needs llama-index-core 0.14 or later ({exc}); install it with "
-                          "`pip install 'hibana[llamaindex]'`") from exc
+        raise MissingDependencyError(f"HibanaLLM needs llama-index-core 0.14 or later ({exc}); install it with "
+                                     "`pip install 'hibana[llamaindex]'`") from exc
 
     # LlamaIndex's defaults, which its unpickling passes back to __init__: not the user's
     defaults = dict(zip(PROMPT_FORMATTERS, (generic_messages_to_prompt, default_completion_to_prompt)))
