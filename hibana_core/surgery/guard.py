@@ -48,6 +48,7 @@ CONTINUATION = 48       # tokens of greedy continuation compared
 GREEDY_TAIL = 64        # most tokens written greedily after a document (ToolCalls.MAX_TOKENS)
 LOGIT_ROWS = 512        # positions whose logits the scorer holds on the device at once (V floats each)
 MIN_PAST = 256          # scored positions past a pass's reach (`guard_reach`) that its figures ask
+CHARS_PER_TOKEN = 64    # characters of a guard text read per token scored: its start holds them all
 RANDOM_SEED = "hibana-guard"  # without a tokenizer (not calibration.py's seed: never score on calibration)
 RANDOM_TEXT = "seeded random ids (the checkpoint has no tokenizer: figures are relative only)"
 
@@ -97,8 +98,12 @@ def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = N
     total grows to three of them. A part of the user's `text_file` longer than a document is read
     as consecutive documents (a file need not mark its documents to be scored in full)."""
     path = guard_text_path(text_file)
-    try:
-        text = path.read_text(encoding="utf-8")
+    size = max(MAX_DOCUMENT, reach + reach_margin(reach)) if reach else MAX_DOCUMENT
+    longest = size if max_positions is None else max(0, min(size, max_positions - GREEDY_TAIL))
+    budget = max(MAX_TOKENS, 3 * longest) if reach else MAX_TOKENS
+    try:  # the text's start alone: a corpus of gigabytes was read and tokenized whole for 4,096 tokens
+        with path.open(encoding="utf-8") as file:
+            text = file.read(CHARS_PER_TOKEN * budget)
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"guard text {str(path)!r} cannot be read as UTF-8 text ({exc}); pass a UTF-8 text file") from None
     if tokenizer is None and text_file is not None:
@@ -107,9 +112,6 @@ def heldout_documents(tokenizer: Any, vocab_size: int, text_file: str | None = N
                           "tokens), add tokenizer files, or pass surgery_guard=False (`hibana surgery --no-guard`)")
     encode = _random_tokens(vocab_size) if tokenizer is None else \
         (lambda part: tokenizer(part, add_special_tokens=False)["input_ids"])
-    size = max(MAX_DOCUMENT, reach + reach_margin(reach)) if reach else MAX_DOCUMENT
-    longest = size if max_positions is None else max(0, min(size, max_positions - GREEDY_TAIL))
-    budget = max(MAX_TOKENS, 3 * longest) if reach else MAX_TOKENS
     joint = [] if tokenizer is None else [i for i in encode("\n\n") if i < vocab_size]
     documents, total, pending = [], 0, []
     parts = text.split(DOCUMENT_SEPARATOR)
@@ -151,12 +153,14 @@ def guard_text_path(text_file: str | None) -> Path:
                 else "does not exist")
         raise ConfigError(f"guard text {str(path)!r} {what}; pass a UTF-8 text file")
     if text_file is not None:  # its bytes too (a binary or empty file was said only after the weights loaded)
-        try:
-            text = path.read_text(encoding="utf-8")
+        try:  # up to its first character that is no space, not the whole of a large corpus
+            with path.open(encoding="utf-8") as file:
+                while (chunk := file.read(1 << 20)) and not chunk.strip():
+                    pass
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"guard text {str(path)!r} cannot be read as UTF-8 text ({exc}); "
                               "pass a UTF-8 text file") from None
-        if not text.strip():
+        if not chunk.strip():
             raise ConfigError(f"guard text {str(path)!r} is empty: it holds no document longer than {OPENING + 1} "
                               f"tokens; give a longer text (the guard scores up to {MAX_TOKENS} tokens), or leave "
                               "surgery_guard_text out for the bundled agent traces")
