@@ -134,7 +134,7 @@ def decode_xml_call(body: str, types: dict[str, dict[str, Any]]) -> _Decoded:
         return _Decoded(error=f"a tool call's {FUNCTION_START}...> needs its {FUNCTION_END}, and nothing "
                               "else in its tool_call block")
     name, inner = match.group(1).strip(), match.group(2)
-    if not _NAME.fullmatch(name):
+    if name not in types and not _NAME.fullmatch(name):  # (an offered tool's name may hold a space)
         return _Decoded(error=f"a tool call needs a function name, got {match.group(1)!r}")
     schemas = types.get(name, {})
     arguments: dict[str, Any] = {}
@@ -146,13 +146,21 @@ def decode_xml_call(body: str, types: dict[str, dict[str, Any]]) -> _Decoded:
                                   f"{inner[at:start if start >= 0 else len(inner)].strip()[:60]!r}")
         if start < 0:
             break
-        head_end = inner.find(">", start)
-        key = inner[start + len(PARAMETER_START):head_end].strip() if head_end >= 0 else ""
-        if head_end < 0 or not _NAME.fullmatch(key):
-            return _Decoded(error=f"a parameter of {name!r} needs a name: {inner[start:start + 60]!r}")
+        head = start + len(PARAMETER_START)
+        declared = [k for k in schemas if inner.startswith(f"{k}>", head)]
+        if declared:  # as the template and the grammar write it, whatever it holds (a space, a '>'): the longest
+            key = max(declared, key=len)
+            head_end = head + len(key)
+        else:
+            head_end = inner.find(">", head)
+            key = inner[head:head_end].strip() if head_end >= 0 else ""
+            if head_end < 0 or not _NAME.fullmatch(key):
+                return _Decoded(error=f"a parameter of {name!r} needs a name: {inner[start:start + 60]!r}")
         end = inner.find(PARAMETER_END, head_end)
-        following = inner.find(PARAMETER_START, head_end)
-        if end < 0 or 0 <= following < end:  # its </parameter> left out: the value runs to the next one
+        # its </parameter> left out: the value runs to the next parameter, on a line of its own as the template
+        # writes it (a value's text may hold "<parameter=" elsewhere: code)
+        following = inner.find("\n" + PARAMETER_START, head_end)
+        if end < 0 or 0 <= following < end:
             end = following if following >= 0 else len(inner)
             after = end
         else:
@@ -169,6 +177,23 @@ def decode_xml_call(body: str, types: dict[str, dict[str, Any]]) -> _Decoded:
     except (ValueError, RecursionError):
         return _Decoded(error=f"arguments of {name!r} nested too deeply", valid_json=True)
     return _Decoded(name, arguments, None, valid_json=True, arguments_json=arguments_json)
+
+
+def _block_end(block: str) -> int:
+    """Where the `</tool_call>` that ends a call block (`block`: what follows its `<tool_call>`) is, -1
+    while it is not there yet: the first after the call's `</function>`, so that a value's text (code)
+    may hold `</tool_call>`, as the grammar lets it; the first one where the block is no call in this form,
+    or where a `<tool_call>` follows it before that (a call that never closed its function)."""
+    first = block.find(CALL_END)
+    if first < 0 or not block.lstrip().startswith(FUNCTION_START):
+        return first
+    next_call = block.find(CALL_START, first)
+    at = first
+    while at >= 0 and (next_call < 0 or at < next_call):
+        if block[:at].rstrip().endswith(FUNCTION_END):
+            return at
+        at = block.find(CALL_END, at + 1)
+    return first if next_call >= 0 else -1
 
 
 class _QwenXmlStream(_Stream):
@@ -191,9 +216,10 @@ class _QwenXmlStream(_Stream):
                 self._text(out, self._buffer[:start])
                 self._buffer, self._in_call = self._buffer[start + len(CALL_START):], True
                 continue
-            end = self._buffer.find(CALL_END)
+            end = _block_end(self._buffer)
             if end < 0 and not final:
                 return
+            end = self._buffer.find(CALL_END) if end < 0 else end
             raw = self._buffer if end < 0 else self._buffer[:end]
             rest = "" if end < 0 else self._buffer[end + len(CALL_END):]
             body = raw

@@ -1,0 +1,74 @@
+"""qwen3_coder, tried as a new user would: what the grammar lets a model write, the parser reads,
+whole and streamed alike (names with spaces or '>', code whose text holds the call's markup)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hibana_core.turn import SYNTAX, tool_call_grammar
+from hibana_plugins.hookspecs import ToolCallDelta
+from hibana_plugins.qwen_xml import QwenXmlToolParser
+
+TOOL = {"type": "function", "function": {"name": "edit file", "parameters": {"type": "object", "properties": {
+    "code": {"type": "string"}, "x>y": {"type": "string"}, "e f": {"type": "string"}, " pad": {"type": "string"},
+    "c.d": {"type": "integer"}, "a-b": {"type": "boolean"}}}}}
+OTHER = {"type": "function", "function": {"name": "w", "parameters": {"type": "object", "properties": {
+    "n": {"type": "integer"}}}}}
+
+
+def block(name: str, **params: str) -> str:
+    lines = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in params.items())
+    return f"<tool_call>\n<function={name}>\n{lines}</function>\n</tool_call>"
+
+
+CASES = [
+    (block("edit file", **{"x>y": "w", "e f": "v", " pad": "q", "c.d": "4", "a-b": "true"}),  # the schema's order
+     {"x>y": "w", "e f": "v", " pad": "q", "c.d": 4, "a-b": True}),
+    (block("edit file", code="if a<b and c>d:\n    s = '<parameter=n>' + \"</tool_call>\" + '</function>'"),
+     {"code": "if a<b and c>d:\n    s = '<parameter=n>' + \"</tool_call>\" + '</function>'"}),
+    (block("edit file", code="print('</function>\\n</tool_call>')  # ok"),
+     {"code": "print('</function>\\n</tool_call>')  # ok"}),
+]
+
+
+def accepted_by_grammar(text: str) -> bool:
+    import xgrammar as xgr
+
+    tag = tool_call_grammar([TOOL, OTHER], "required", SYNTAX["qwen3_coder"])
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([chr(c) for c in range(32, 127)] + ["\n"]))
+    matcher = xgr.GrammarMatcher(compiler.compile_structural_tag(xgr.StructuralTag.from_json(json.dumps(tag))),
+                                 terminate_without_stop_token=True)
+    return matcher.accept_string(text) and matcher.is_completed()
+
+
+@pytest.mark.parametrize("text, arguments", CASES)
+def test_what_the_grammar_writes_the_parser_reads_whole_and_streamed(text, arguments):
+    """The grammar writes an offered tool's name and its parameters' names as they are (a space, a
+    '>') and a string's text up to its </parameter> (code holding '<parameter=', '</tool_call>'):
+    the parser read such a name as no name, 'x>y' as 'x', and cut a value at the markup it held."""
+    assert accepted_by_grammar(text)
+    parser = QwenXmlToolParser()
+    whole = parser.parse("Sure. " + text, [TOOL, OTHER])
+    assert whole.error is None and whole.content == "Sure."
+    assert [(c.name, c.arguments) for c in whole.tool_calls] == [("edit file", arguments)]
+    full = "Sure. " + text
+    for size in (1, 2, 3, 7, 13):
+        stream, calls = parser.stream([TOOL, OTHER]), {}
+        pieces = [p for i in range(0, len(full), size) for p in stream.feed(full[i:i + size])] + stream.close()
+        for piece in pieces:
+            if isinstance(piece, ToolCallDelta):
+                entry = calls.setdefault(piece.index, [piece.name, ""])
+                entry[1] += piece.arguments_fragment
+        assert "".join(p for p in pieces if isinstance(p, str)) == "Sure."
+        assert [(n, json.loads(a)) for n, a in calls.values()] == [("edit file", arguments)]
+
+
+def test_a_call_that_never_closed_its_function_ends_at_its_tool_call_end():
+    """A block whose </function> never came still ends at its </tool_call> when another call
+    follows (the end is looked for after </function> only within the block)."""
+    text = "<tool_call>\n<function=w>\n<parameter=n>\n1</tool_call> then " + block("w", n="2")
+    out = QwenXmlToolParser().parse(text, [TOOL, OTHER])
+    assert [(c.name, c.arguments) for c in out.tool_calls] == [("w", {"n": 2})]
+    assert out.content.startswith("<tool_call>") and "</function>" in out.error
