@@ -111,3 +111,24 @@ def test_kv8_scales_that_are_not_kv8s_are_a_checkpoint_error(tiny_checkpoints, t
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=f"{name} is .* positive floats"):
         open_engine(out, speculation="off")
+
+
+def test_an_activation_order_that_is_not_a_permutation_of_the_inputs_is_a_checkpoint_error(tiny_checkpoints,
+                                                                                           tmp_path):
+    """A GPTQ act-order layer written by `hibana surgery` keeps its input order as `perm`; one of
+    another length or dtype loaded and failed in the first forward."""
+    from safetensors.torch import load_file, save_file
+
+    from hibana_core.surgery import checkpoint
+    from test_prequantized import write_quantized
+
+    source, out = tmp_path / "gptq", tmp_path / "written"
+    write_quantized(tiny_checkpoints["qwen3"], source, "gptq", desc_act=True)
+    with open_engine(source, speculation="off") as engine:
+        checkpoint.save(engine, source, out)
+    tensors = load_file(out / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.perm"
+    for wrong in (tensors[name].float(), tensors[name][:-2]):
+        save_file({**tensors, name: wrong}, out / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(CheckpointError, match=f"{name} is "):
+            open_engine(out, speculation="off")

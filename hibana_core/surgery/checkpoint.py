@@ -203,7 +203,7 @@ def check_packed(path: Path, name: str, spec: dict[str, Any], tensors: dict[str,
         bn, bk = spec["block"]
         want = {"qweight": (torch.float8_e4m3fn, (n, k)), "scales": (None, (-(-n // bn), -(-k // bk)))}
     if perm is not None:
-        want["perm"] = (None, (k,))
+        want["perm"] = (torch.int64, (k,))
         tensors = {**tensors, "perm": perm}
     for part, (dtype, expected) in want.items():
         t = tensors[part]
