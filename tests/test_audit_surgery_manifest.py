@@ -72,12 +72,14 @@ def _first(manifest):
     (lambda m: m.update(packed_layers=["model.layers.0.mlp.down_proj"]), "packed_layers"),
     (lambda m: m.update(packed_experts=["model.layers.0.mlp.experts"]), "packed_experts"),
     (lambda m: m.update(kv_scaled_layers="model.layers.0.self_attn"), "kv_scaled_layers"),
+    (lambda m: m["passes"][0].pop("params"), "passes"),
 ], ids=["group64", "group0", "group-str", "kind-int8", "kind-int3", "no-kind", "spec-list", "layers-list",
-        "experts-list", "kv-str"])
+        "experts-list", "kv-str", "record-without-params"])
 def test_a_manifest_that_disagrees_with_the_weights_is_a_checkpoint_error(written, tmp_path, edit, says):
     """A packed layer's kind or group size that its tensors do not have loaded, and the first
     forward failed ("model step failed": a shape error, a division by zero); a manifest entry of
-    another shape was a KeyError / TypeError / AttributeError / ValueError."""
+    another shape was a KeyError / TypeError / AttributeError / ValueError (a pass record without
+    its parameters: a KeyError where the fingerprint read them)."""
     edited = _edited(written, tmp_path, edit)
     with pytest.raises(CheckpointError, match=says):
         open_engine(edited, speculation="off")

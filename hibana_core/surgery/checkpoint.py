@@ -150,7 +150,7 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
         raise CheckpointError(f"{file} has format {found!r:.80}; this Hibana reads {FORMAT!r}")
     passes = manifest.get("passes", [])
     if not (isinstance(passes, list) and all(isinstance(r, dict) and isinstance(r.get("name"), str)
-                                             and isinstance(r.get("params", {}), dict) for r in passes)):
+                                             and isinstance(r.get("params"), dict) for r in passes)):
         raise CheckpointError(f"{file} is damaged (its passes are not records with a name and parameters); "
                               "re-run `hibana surgery`")
     layers, experts = manifest.get("packed_layers", {}), manifest.get("packed_experts", {})
