@@ -123,6 +123,17 @@ def typed_value(text: str, schema: Any) -> Any:
     return text
 
 
+_PADDING = " \t\r\n"  # the whitespace xgrammar's qwen_xml style allows around a value (max_whitespace_cnt 1)
+_ANNOTATIONS = frozenset({"type", "description", "title", "default", "examples", "$comment", "deprecated",
+                          "readOnly", "writeOnly"})
+
+
+def _plain_string(schema: Any) -> bool:
+    """Whether the grammar writes a parameter of `schema` as bare text (no whitespace around it): a
+    string with no keyword that constrains it."""
+    return isinstance(schema, dict) and schema.get("type") == "string" and schema.keys() <= _ANNOTATIONS
+
+
 def decode_xml_call(body: str, types: dict[str, dict[str, Any]]) -> _Decoded:
     """One call's text between `<tool_call>` and `</tool_call>`: its function and parameters."""
     if body.lstrip().startswith("{"):  # the hermes form, which these models write at times unless held
@@ -168,8 +179,11 @@ def decode_xml_call(body: str, types: dict[str, dict[str, Any]]) -> _Decoded:
         if key in arguments:
             return _Decoded(error=f"parameter {key!r} of {name!r} given twice")
         value = inner[head_end + 1:end]
-        value = value[1:] if value.startswith("\n") else value  # the template's newlines around a value
-        value = value[:-1] if value.endswith("\n") else value
+        # the template's newlines around a value; where the schema is more than a plain string, the grammar's
+        # whitespace (a character of it each side: " Paris\t" was kept, past a maxLength)
+        pad = "\n" if key not in schemas or _plain_string(schemas[key]) else _PADDING
+        value = value[1:] if value[:1] and value[0] in pad else value
+        value = value[:-1] if value[-1:] and value[-1] in pad else value
         arguments[key] = typed_value(value, schemas.get(key))
         at = after
     try:

@@ -33,10 +33,10 @@ CASES = [
 ]
 
 
-def accepted_by_grammar(text: str) -> bool:
+def accepted_by_grammar(text: str, tools: list[dict] = (TOOL, OTHER)) -> bool:
     import xgrammar as xgr
 
-    tag = tool_call_grammar([TOOL, OTHER], "required", SYNTAX["qwen3_coder"])
+    tag = tool_call_grammar(list(tools), "required", SYNTAX["qwen3_coder"])
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([chr(c) for c in range(32, 127)] + ["\n"]))
     matcher = xgr.GrammarMatcher(compiler.compile_structural_tag(xgr.StructuralTag.from_json(json.dumps(tag))),
                                  terminate_without_stop_token=True)
@@ -72,3 +72,19 @@ def test_a_call_that_never_closed_its_function_ends_at_its_tool_call_end():
     out = QwenXmlToolParser().parse(text, [TOOL, OTHER])
     assert [(c.name, c.arguments) for c in out.tool_calls] == [("w", {"n": 2})]
     assert out.content.startswith("<tool_call>") and "</function>" in out.error
+
+
+def test_the_whitespace_the_grammar_puts_around_a_constrained_value_is_no_part_of_it():
+    """Around a value whose schema is more than a plain string (maxLength, a type list, a number)
+    the grammar allows a whitespace character each side, any of four; only the template's newline
+    was taken off, so a random model's " updat\t" broke its maxLength of 5. A plain string's text is
+    all value (the grammar writes nothing around it)."""
+    tool = {"type": "function", "function": {"name": "ls", "parameters": {"type": "object", "properties": {
+        "short": {"type": "string", "maxLength": 5}, "maybe": {"type": ["string", "null"]},
+        "n": {"type": "integer"}, "plain": {"type": "string"}}, "required": ["short", "maybe", "n", "plain"]}}}
+    text = ("<tool_call>\n<function=ls>\n<parameter=short> updat\t</parameter>\n<parameter=maybe>\rParis "
+            "</parameter>\n<parameter=n>\t7 </parameter>\n<parameter=plain> as is\t</parameter>\n</function>\n"
+            "</tool_call>")
+    assert accepted_by_grammar(text, [tool])
+    out = QwenXmlToolParser().parse(text, [tool])
+    assert [c.arguments for c in out.tool_calls] == [{"short": "updat", "maybe": "Paris", "n": 7, "plain": " as is\t"}]
