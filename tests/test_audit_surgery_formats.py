@@ -121,3 +121,20 @@ def test_a_symmetric_per_channel_gptq_checkpoint_in_shards_computes_its_dequanti
     dst = tmp_path / "qwen3-gptq"
     reference = _write(tiny_checkpoints["qwen3"], dst, lambda w: _gptq_sym_layer(w, -1), config, shards=2)
     _same_greedy(dst, reference, make_engine)
+
+
+@pytest.mark.parametrize("arch, shown", [("qwen3", "packed layers"), ("qwen3_moe", "packed experts")])
+def test_repacking_a_quantized_checkpoint_shows_its_own_bar(arch, shown, tiny_checkpoints, make_engine, tmp_path,
+                                                            capfd):
+    """Repacking a GPTQ checkpoint's layers is the weights stage's long work (about 0.4 s for a
+    4096x12288 layer on a CPU: a minute for an 8B model, ten for a 70B one), and it ran before
+    the weights' bar, with none of its own."""
+    from test_prequantized import write_quantized
+
+    dst = tmp_path / f"{arch}-gptq"
+    write_quantized(tiny_checkpoints[arch], dst, "gptq")
+    capfd.readouterr()
+    make_engine(dst, speculation="off", progress=True)
+    assert f"hibana: {shown}" in capfd.readouterr().err
+    make_engine(dst, speculation="off")  # (progress=False)
+    assert "hibana: packed" not in capfd.readouterr().err

@@ -24,18 +24,19 @@ __all__ = ["fp8_expert_readers", "load_packed_layers", "parse_quantization_confi
 
 def load_packed_layers(module: torch.nn.Module, names: set[str], read: Callable[[str], torch.Tensor],
                        fmt: QuantFormat, fused: dict[str, tuple[str, ...]], where: str,
-                       device: torch.device) -> set[str]:
+                       device: torch.device, progress: bool) -> set[str]:
     """Give every linear layer whose checkpoint tensors are packed its packed weight; return the
     checkpoint names consumed. `fused`: a layer of ours -> the checkpoint layers it concatenates
     along its outputs (e.g. qkv_proj -> q_proj, k_proj, v_proj). A layer is packed exactly when
     its checkpoint holds the format's first tensor (`qweight`, `weight_packed`), or for fp8 a
     weight scale. `device`: where the packed tensors go (the model's, whose dense weights are still
-    unallocated, on meta, as the loader calls this)."""
+    unallocated, on meta, as the loader calls this); `progress`: a bar of the layers read (a 70B
+    checkpoint's take minutes, before the weights' own bar)."""
     if fmt.kind == "fp8":
-        return _load_fp8_layers(module, names, read, fmt, fused, where, device)
+        return _load_fp8_layers(module, names, read, fmt, fused, where, device, progress)
     first = fmt.tensor_names[0]
     consumed: set[str] = set()
-    for name, layer, parts in _linear_layers(module, fused):
+    for name, layer, parts in _bar(_linear_layers(module, fused), progress, "packed layers"):
         present = [f"{p}.{first}" in names for p in parts]
         if not any(present):
             continue
@@ -69,7 +70,14 @@ def load_packed_layers(module: torch.nn.Module, names: set[str], read: Callable[
                                   "scales": torch.cat([r.scales for r in repacked]).to(device),
                                   "zeros": torch.cat([r.zeros for r in repacked]).to(device)},
                          groups.pop(), None if perms[0] is None else perms[0].to(device))
-    return consumed | _load_packed_experts(module, names, read, fmt, where, device)
+    return consumed | _load_packed_experts(module, names, read, fmt, where, device, progress)
+
+
+def _bar(items, progress: bool, what: str):
+    """`items` (listed) under a loading bar of their own, below the load's stages."""
+    from hibana_core.progress import bar
+
+    return bar(list(items), desc=f"hibana: {what}", unit="layer", disable=not progress, leave=False)
 
 
 def _zero_bias(prefix: str, names: set[str], read: Callable[[str], torch.Tensor], where: str) -> set[str]:
@@ -90,16 +98,16 @@ _EXPERT_STACKS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_
 
 
 def _load_packed_experts(module: torch.nn.Module, names: set[str], read: Callable[[str], torch.Tensor],
-                         fmt: QuantFormat, where: str, device: torch.device) -> set[str]:
+                         fmt: QuantFormat, where: str, device: torch.device, progress: bool) -> set[str]:
     """The MoE experts a GPTQ / AWQ checkpoint stores packed (`{experts}.{e}.gate_proj.qweight`,
     ...) as int4 stacks (`set_packed_stacks`); return the checkpoint names consumed. The fused-MoE
     kernels take one group size per stack and no input permutation, so experts quantized in
     activation order are refused."""
     first = fmt.tensor_names[0]
     consumed: set[str] = set()
-    for name, experts in module.named_modules():
-        if not hasattr(experts, "checkpoint_views") or not experts.has_float_stacks:
-            continue
+    stacks = [(name, m) for name, m in module.named_modules() if hasattr(m, "checkpoint_views") and m.has_float_stacks]
+    for name, experts in _bar(stacks, progress and any(f"{name}.0.gate_proj.{first}" in names for name, _ in stacks),
+                              "packed experts"):
         count = experts.gate_up_proj.shape[0]
         parts = {stack: [[f"{name}.{e}.{p}" for p in own] for e in range(count)] for stack, own in _EXPERT_STACKS.items()}
         present = [f"{p}.{first}" in names for per_expert in parts.values() for ps in per_expert for p in ps]
@@ -145,14 +153,14 @@ def _linear_layers(module: torch.nn.Module, fused: dict[str, tuple[str, ...]]):
 
 def _load_fp8_layers(module: torch.nn.Module, names: set[str], read: Callable[[str], torch.Tensor],
                      fmt: QuantFormat, fused: dict[str, tuple[str, ...]], where: str,
-                     device: torch.device) -> set[str]:
+                     device: torch.device, progress: bool) -> set[str]:
     """load_packed_layers for FP8 checkpoints: codes and scales kept, fused layers joined by
     `fp8.fuse`; a layer is fp8 exactly when its checkpoint holds a weight scale."""
     kv = sorted(n for n in names if n.endswith(fp8.KV_SCALES))
     if kv:
         raise fp8.kv_cache_error(f"{where} holds {', '.join(kv[:3])}{' ...' if len(kv) > 3 else ''}")
     consumed: set[str] = set()
-    for name, layer, parts in _linear_layers(module, fused):
+    for name, layer, parts in _bar(_linear_layers(module, fused), progress, "fp8 layers"):
         scales = [fp8.scale_name(fmt.method, p, names) for p in parts]
         if all(s is None for s in scales):
             continue
