@@ -267,6 +267,26 @@ class QwenXmlToolParser:
     def stream(self, tools: list[dict] | None = None) -> ToolCallStream:
         return _QwenXmlStream(tools)
 
+    def cut_call_parts(self, cut_call: str) -> tuple[str, str]:
+        """(the name, the arguments) a call cut off by max_tokens had begun (a `CutCall`'s text:
+        `<tool_call>`, then the call), as `Chat.cut_call_parts` reads a `call_syntax`'s: the name
+        (what of it was written), then the parameters' text as generated; a block in the hermes
+        form, its "name" and "arguments" as written; ("", "") for what it has not reached. (The
+        syntax's own reading split the call at the newline after `<tool_call>`: no name ever.)"""
+        if not cut_call.lstrip().startswith(CALL_START):
+            return "", ""
+        body = cut_call.lstrip()[len(CALL_START):].lstrip()
+        if body.startswith("{"):
+            name = re.match(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)("?)', body)
+            if name is None:
+                return "", ""
+            key = re.match(r'\s*,\s*"arguments"\s*:\s*', body[name.end():]) if name[2] else None
+            return name[1], body[name.end() + key.end():] if key else ""
+        if not body.startswith(FUNCTION_START):
+            return "", ""
+        head, closed, inner = body[len(FUNCTION_START):].partition(">")
+        return head.strip(), inner.removeprefix("\n") if closed else ""
+
 
 @hookimpl
 def register_tool_parsers(register) -> None:

@@ -88,3 +88,34 @@ def test_the_whitespace_the_grammar_puts_around_a_constrained_value_is_no_part_o
     assert accepted_by_grammar(text, [tool])
     out = QwenXmlToolParser().parse(text, [tool])
     assert [c.arguments for c in out.tool_calls] == [{"short": "updat", "maybe": "Paris", "n": 7, "plain": " as is\t"}]
+
+
+@pytest.fixture(scope="module")
+def coder(tmp_path_factory):
+    import qwen_coder_model
+    import tiny_models
+
+    path = qwen_coder_model.make_coder_checkpoint(tmp_path_factory.mktemp("coder"))
+    with tiny_models.open_engine(path, max_model_len=4096) as engine:
+        yield engine
+
+
+def test_a_call_max_tokens_cut_is_named(coder):
+    """A call max_tokens cut has the name and the parameters' text it had begun (what LangChain's
+    invalid call and a structured answer show): the call syntax's reading split it at the newline
+    after <tool_call>, so it had no name, ever."""
+    from hibana_core import SamplingParams
+    from hibana_core.chat import Chat
+    from hibana_core.speculation import force_outputs
+
+    text = block("w", n="12")
+    ids = coder.tokenizer.encode(text, add_special_tokens=False)
+    cut_at = len(coder.tokenizer.encode(text[:text.index("12") + 1], add_special_tokens=False))
+    chat = Chat(coder, "cut")
+    force_outputs(chat.handle, ids)
+    result = chat.respond([{"role": "user", "content": "n"}], [OTHER], SamplingParams(max_tokens=cut_at))
+    assert result.finish_reason == "length" and not result.tool_calls
+    assert chat.cut_call_parts(result.cut_call) == ("w", "<parameter=n>\n1")
+    assert chat.cut_call_parts("<tool_call>\n<function=ed") == ("ed", "")
+    assert chat.cut_call_parts("<tool_call>\n<func") == ("", "")
+    assert chat.cut_call_parts('<tool_call>\n{"name": "w", "arguments": {"n": 1') == ("w", '{"n": 1')
