@@ -63,12 +63,14 @@ class Raising:
         raise self.error
 
 
-@pytest.mark.parametrize("error", [asyncio.CancelledError(), SystemExit(3)], ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize("error", [asyncio.CancelledError(), SystemExit(3), KeyboardInterrupt()],
+                         ids=lambda e: type(e).__name__)
 def test_a_drafter_raising_a_base_exception_costs_speed_only(tiny_checkpoints, make_engine, error):
     """A plugin's drafter that lets a BaseException out (an asyncio.CancelledError from its own
-    event loop, a sys.exit() in its error path) drafts nothing, as one raising an Exception does:
-    it ended the engine's thread, and that request and every later one (a bystander's with
-    speculation off too) waited for good."""
+    event loop, a sys.exit() in its error path, a KeyboardInterrupt on the engine's thread, where
+    no Ctrl-C arrives) drafts nothing, as one raising an Exception does: it ended the engine's
+    thread, and that request and every later one (a bystander's with speculation off too) waited
+    for good."""
     path = tiny_checkpoints["qwen3"]
     drafter = Raising(error)
     with registered(raising=drafter):
@@ -85,21 +87,27 @@ def test_a_drafter_raising_a_base_exception_costs_speed_only(tiny_checkpoints, m
     assert engine.stats().speculation["drafter_errors"]["raising"] >= 1
 
 
-def test_a_keyboard_interrupt_from_a_drafter_fails_its_step_not_the_engine(tiny_checkpoints, make_engine):
-    """A KeyboardInterrupt is raised again (a Ctrl-C of a caller stepping the engine itself must
-    stop it); on the engine's own thread, where no Ctrl-C arrives, one that a plugin raised fails
-    the step's requests with a HibanaError, as any other step failure: it ended the thread, and
-    every request, a later one with speculation off too, waited for good."""
+
+def test_a_base_exception_out_of_a_step_fails_its_requests_not_the_engine(tiny_checkpoints, make_engine):
+    """Whatever a step lets out (here a SystemExit from scheduling, where a plugin's code runs:
+    drafters, grammars), the engine's thread fails that step's requests with a HibanaError and
+    serves the next ones: it ended the thread, and every request waited for good."""
     from hibana_core.errors import HibanaError
 
     path = tiny_checkpoints["qwen3"]
-    drafter = Raising(KeyboardInterrupt(), fine_calls=0)
-    with registered(interrupting=drafter):
-        engine = make_engine(path, speculation={"method": "interrupting", "k": 3})
+    engine = make_engine(path, speculation="off")
     history = random_tokens(random.Random(5), 20)
-    want = engine.open_state("ref").generate(greedy(speculation="off"), prompt=history).token_ids
+    want = engine.open_state("ref").generate(greedy(), prompt=history).token_ids
+    scheduler = engine.core.scheduler
+    schedule = scheduler.schedule
+
+    def once(*args, **kwargs):
+        scheduler.schedule = schedule
+        raise SystemExit(3)
+
+    scheduler.schedule = once
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(HibanaError, match="KeyboardInterrupt"):
-            generate_within(engine.open_state("drafting"), greedy(), history)
-    assert generate_within(engine.open_state("later"), greedy(speculation="off"), history).token_ids == want
+        with pytest.raises(HibanaError, match="SystemExit"):
+            generate_within(engine.open_state("failing"), greedy(), history)
+    assert generate_within(engine.open_state("later"), greedy(), history).token_ids == want

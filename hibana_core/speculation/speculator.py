@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import threading
 import time
 import warnings
 import weakref
@@ -43,9 +44,10 @@ SHADOW_PER_STEP = 4
 def _unless_interrupt(exc: BaseException) -> None:
     """A drafter's failure costs its drafts only, a BaseException too (an asyncio.CancelledError
     from the plugin's own event loop, a sys.exit() in its error path: either ended the engine's
-    thread, and every request waited for good), but a KeyboardInterrupt, raised again: a Ctrl-C
-    while a caller steps the engine itself (`Engine.step`) stops it, as it would without a drafter."""
-    if isinstance(exc, KeyboardInterrupt):
+    thread, and every request waited for good), but a KeyboardInterrupt on the main thread, raised
+    again: a Ctrl-C while a caller steps the engine itself (`Engine.step`) stops it, as it would
+    without a drafter (on another thread, where no Ctrl-C arrives, one is the plugin's own)."""
+    if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
         raise exc
 
 
