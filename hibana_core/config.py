@@ -284,8 +284,9 @@ class SpeculationConfig:
         _check_types(self)
         _check(bool(self.method), "speculation method must name a drafter, e.g. 'suffix'")
         _check(self.draft_model is None or (self.method == "draft_model" and self.draft_model != ""),
-               f"speculation draft_model is the checkpoint of method 'draft_model' (got method "
-               f"{self.method!r}, draft_model {self.draft_model!r}); pass "
+               f"speculation draft_model is the checkpoint of method 'draft_model' (got "
+               f"{'no method' if self.engines_drafter else f'method {self.method!r}'}, draft_model "
+               f"{self.draft_model!r}); pass "
                "{'method': 'draft_model', 'draft_model': path}")
         _check(self.k is None or 0 <= self.k <= MAX_DRAFT_TOKENS,
                f"speculation k must lie in [0, {MAX_DRAFT_TOKENS}], got {self.k}")

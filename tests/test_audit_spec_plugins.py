@@ -111,3 +111,18 @@ def test_a_base_exception_out_of_a_step_fails_its_requests_not_the_engine(tiny_c
         with pytest.raises(HibanaError, match="SystemExit"):
             generate_within(engine.open_state("failing"), greedy(), history)
     assert generate_within(engine.open_state("later"), greedy(), history).token_ids == want
+
+
+def test_a_draft_model_given_without_a_method_is_refused_in_the_users_own_terms():
+    """speculation={"draft_model": path} names no method: the refusal says so and what to add
+    (it said "got method 'suffix'", a method the caller never wrote)."""
+    from hibana_core.config import SpeculationConfig
+    from hibana_core.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        SpeculationConfig.parse({"draft_model": "path/to/small"})
+    message = str(info.value)
+    assert "'suffix'" not in message and "no method" in message, message
+    assert "{'method': 'draft_model', 'draft_model': path}" in message
+    with pytest.raises(ConfigError, match="got method 'ngram'"):
+        SpeculationConfig.parse({"method": "ngram", "draft_model": "path/to/small"})
