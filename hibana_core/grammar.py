@@ -669,12 +669,14 @@ def _opened(schema: Any) -> Any:
         kinds = [kind for kind, keys in _TYPED_BOUNDS.items() if keys & out.keys()]
         if kinds:
             out["type"] = kinds[0] if len(kinds) == 1 else kinds
-    # a list that must hold more items than it lists, with no `items`: any items, as JSON Schema's
-    # default (xgrammar's strict mode allows none there, and refused {"type": "array", "minItems": 1})
+    # a list with no `items` that lists none, or must hold more items than it lists: any items, as JSON
+    # Schema's default (xgrammar's strict mode allows none there: it refused {"type": "array", "minItems": 1},
+    # and held {"type": "array", "maxItems": 3} and, in qwen_xml's style, {"type": "array"} to [])
     types = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
     fewest, listed = out.get("minItems"), out.get("prefixItems")
-    if ("array" in types and isinstance(fewest, int) and not isinstance(fewest, bool)
-            and fewest > (len(listed) if isinstance(listed, list) else 0)
+    listed = len(listed) if isinstance(listed, list) else 0
+    if ("array" in types and (not listed or (isinstance(fewest, int) and not isinstance(fewest, bool)
+                                             and fewest > listed))
             and not {"items", "additionalItems", "unevaluatedItems"} & out.keys()):
         out["items"] = True
     return out
@@ -1088,6 +1090,8 @@ def compact_json_tag(tag: dict) -> dict:
             if (node.get("type") == "json_schema" and node.get("style", "json") == "json"
                     and set(node) <= {"type", "json_schema", "style"}):
                 return {"type": "grammar", "grammar": _reparsable(str(json_schema_grammar(node["json_schema"])))}
+            if node.get("type") == "json_schema":  # another style (qwen_xml): the schema as xgrammar reads it too
+                return {**node, "json_schema": _opened(node["json_schema"])}
             return {k: walk(v) for k, v in node.items()}
         if isinstance(node, list):
             return [walk(v) for v in node]

@@ -33,10 +33,13 @@ CASES = [
 ]
 
 
-def accepted_by_grammar(text: str, tools: list[dict] = (TOOL, OTHER)) -> bool:
+def accepted_by_grammar(text: str, tools: list[dict] = (TOOL, OTHER), syntax: str = "qwen3_coder") -> bool:
+    """Whether the turn's call grammar, as the engine compiles it, lets a model write `text`."""
     import xgrammar as xgr
 
-    tag = tool_call_grammar(list(tools), "required", SYNTAX["qwen3_coder"])
+    from hibana_core.grammar import compact_json_tag
+
+    tag = compact_json_tag(tool_call_grammar(list(tools), "required", SYNTAX[syntax]))
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([chr(c) for c in range(32, 127)] + ["\n"]))
     matcher = xgr.GrammarMatcher(compiler.compile_structural_tag(xgr.StructuralTag.from_json(json.dumps(tag))),
                                  terminate_without_stop_token=True)
@@ -119,3 +122,23 @@ def test_a_call_max_tokens_cut_is_named(coder):
     assert chat.cut_call_parts("<tool_call>\n<function=ed") == ("ed", "")
     assert chat.cut_call_parts("<tool_call>\n<func") == ("", "")
     assert chat.cut_call_parts('<tool_call>\n{"name": "w", "arguments": {"n": 1') == ("w", '{"n": 1')
+
+
+def test_a_list_without_items_takes_any_items():
+    """A list parameter that says nothing of its items takes any, as JSON Schema has it: in the
+    qwen_xml style xgrammar's strict mode held {"type": "array"} (in a type list or anyOf too) to
+    [], and in both styles one with maxItems or uniqueItems (so Qwen3-Coder's call with tags
+    ["x"] was refused mid-call: a GrammarError); the qwen_xml style's schema had none of the
+    engine's other readings either (oneOf, draft 4's bounds, ...)."""
+    tool = {"type": "function", "function": {"name": "tag", "parameters": {"type": "object", "properties": {
+        "tags": {"type": "array"}, "few": {"type": "array", "maxItems": 3}, "maybe": {"type": ["array", "null"]},
+        "one": {"oneOf": [{"type": "array", "uniqueItems": True}, {"type": "integer"}]}},
+        "required": ["tags", "few", "maybe", "one"]}}}
+    values = {"tags": '["x", 1]', "few": '[{"a": 1}, 2]', "maybe": '["y"]', "one": '["z", 2]'}
+    assert accepted_by_grammar(block("tag", **values), [tool])
+    assert not accepted_by_grammar(block("tag", **{**values, "few": "[1, 2, 3, 4]"}), [tool])
+    hermes = '<tool_call>\n{"name": "tag", "arguments": {"tags": ["x", 1], "few": [{"a": 1}, 2], "maybe": ["y"], ' \
+             '"one": ["z", 2]}}\n</tool_call>'
+    assert accepted_by_grammar(hermes, [tool], "hermes")
+    out = QwenXmlToolParser().parse(block("tag", **values), [tool])
+    assert out.tool_calls[0].arguments == {k: json.loads(v) for k, v in values.items()}
