@@ -147,6 +147,10 @@ class Chat:
             # the template ends a reply with it (Mistral's, Llama 2's): a turn ends there even where the
             # model stops at no EOS (a generation_config.json naming none, as transformers reads it)
             self.stop_token_ids += (eos,)
+        # where a reply ends among a state's tokens: a turn's stop tokens, and the EOS the template ends a reply
+        # with where the engine stops at it (Mistral's </s>: without it no held reply was ever kept)
+        self._reply_ends = frozenset(self.stop_token_ids) | frozenset(
+            (eos,) if ends is None and "eos_token" in str(template) and eos in engine.eos_token_ids else ())
         self._end_texts = tuple(engine.tokenizer.decode([t], skip_special_tokens=False) for t in self.stop_token_ids)
         self._message_ends = frozenset(self.stop_token_ids) | frozenset(
             vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and vocab[t] < engine.vocab_size)
@@ -163,6 +167,7 @@ class Chat:
         self._tools_rendered: bool | None = None  # whether the template renders tools (probed on first use)
         self._floor: list[TokenFloor | None] = []  # `token_floor` of the tokenizer, once found: shared by `on`
         self._opening: list[str] = []  # what the template writes before a reply (`_reply_opening`), once
+        self._openings: list[tuple[str, ...]] = []  # where a reply starts (`_reply_openings`), once
         # found: a list that the copies `on` makes share
         self.handle: StateHandle | None = engine.open_state(state_id) if state_id is not None else None
         self.think_markers = turn.think_markers(str(template), vocab)
@@ -410,7 +415,7 @@ class Chat:
         """`text` without the think blocks that open an assistant's reply (what a template that
         drops old thinking leaves out; a think block a user or a tool wrote stays: an edit in it
         is an edit of the conversation), and for each character left its index in `text`."""
-        return _without_thinking(text, self._reply_opening(), self.think_markers)
+        return _without_thinking(text, self._reply_openings(), self.think_markers)
 
     def _reply_opening(self) -> str:
         """What the template writes before an assistant's reply (Qwen's "<|im_start|>assistant\n"):
@@ -422,6 +427,25 @@ class Chat:
             opening = asked[len(bare):] if bare and asked.startswith(bare) else ""
             self._opening[:] = [opening.split(self.think_markers.open)[0]]
         return self._opening[0]
+
+    def _reply_openings(self) -> tuple[str, ...]:
+        """Where an assistant's reply starts: after the generation prompt (`_reply_opening`), or where
+        the template writes none (Mistral's: a reply follows [/INST] or [/TOOL_RESULTS]), after what it
+        writes at the end of a user's message and of a tool's result; () where it does not say."""
+        opening = self._reply_opening()
+        if opening or not self.thinks:
+            return (opening,) if opening else ()
+        if not self._openings:
+            call = {"id": "abcdefghi", "type": "function", "function": {"name": "f", "arguments": {}}}
+            probes = [[{"role": "user", "content": "hibana-opening-probe"}],
+                      [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "abcdefghi", "content": "hibana-opening-probe"}]]
+            texts = (self._probe(messages, add_generation_prompt=True) or "" for messages in probes)
+            self._openings.append(tuple(dict.fromkeys(  # what follows the probe's text, up to a think block
+                tail for text in texts if "hibana-opening-probe" in text
+                for tail in [text.rsplit("hibana-opening-probe", 1)[1].split(self.think_markers.open)[0].strip()]
+                if tail)))
+        return self._openings[0]
 
     def _writes(self, marker: str, messages: list[dict], **options: Any) -> bool:
         """Whether the chat template, rendering `messages` (and `options`), writes `marker`."""
@@ -455,7 +479,7 @@ class Chat:
             check_text(messages, "the prompt")
         text = messages if isinstance(messages, str) else self.render_text(messages, tools)
         held = self.handle.tokens if self.handle is not None else []
-        ends = [i + 1 for i, token in enumerate(held) if token in self.stop_token_ids]
+        ends = [i + 1 for i, token in enumerate(held) if token in self._reply_ends]
         generated = reasoning_history == "generated" and self.thinks and not prompt.spans_of(text)
         stripped, positions = self._without_thinking(text) if generated else (text, [])
         for end in reversed(ends):  # usually the last one matches: the previous reply, unchanged
@@ -1077,13 +1101,15 @@ def _close_if_empty(handle: "StateHandle") -> None:
             handle.close()
 
 
-def _without_thinking(text: str, opening: str, markers: turn.ThinkMarkers = turn.QWEN_THINK) -> tuple[str, list[int]]:
+def _without_thinking(text: str, opening: "str | tuple[str, ...]",
+                      markers: turn.ThinkMarkers = turn.QWEN_THINK) -> tuple[str, list[int]]:
     """`text` without the think blocks (and the blank lines after them) right after an `opening`
-    (an assistant reply's), and for each character left its index in `text`."""
+    (an assistant reply's; or any of several), and for each character left its index in `text`."""
     kept, positions, pos = [], [], 0
+    openings = tuple(o.rstrip() for o in ((opening,) if isinstance(opening, str) else opening) if o.rstrip())
     blocks = re.compile(re.escape(markers.open) + ".*?" + re.escape(markers.close) + r"\s*", re.S)
     for block in blocks.finditer(text):
-        if not opening or not text[:block.start()].rstrip().endswith(opening.rstrip()):
+        if not openings or not text[:block.start()].rstrip().endswith(openings):
             continue
         kept.append(text[pos:block.start()])
         positions.extend(range(pos, block.start()))
