@@ -277,9 +277,13 @@ class Engine:
         self.max_model_len = config.max_model_len or min(loaded.args.max_position_embeddings, context_limit(loaded.args))
         rotary_rows = rotary_positions(self.max_model_len, loaded.args)  # (LongRoPE's long rows start there)
         size_rotary(loaded.model, rotary_rows)  # before the guard's forwards: not the config's ~1 GB at 1M positions
+        if config.cache.fp8 and any(record["name"] == "kv8" for record in loaded.surgery):
+            # kv_dtype="fp8" on a checkpoint `hibana surgery` wrote with kv8: its KV is fp8 already (the kv8
+            # pass that kv_dtype adds would be refused, as kv8 named twice)
+            passes = tuple(request for request in passes if request.name != "kv8")
         if config.surgery:
             stages.begin("surgery")
-        guard = self._guard(loaded, passes) if config.surgery and config.surgery_guard else None
+        guard = self._guard(loaded, passes) if passes and config.surgery_guard else None
         calibration = Calibration(loaded.model, self._ctx, loaded.args, loaded.dtype, self.device, loaded.tokenizer)
         self.surgery = loaded.surgery + surgery.apply_passes(loaded.model, passes, registered, guard, calibration,
                                                              progress=config.progress,

@@ -270,8 +270,11 @@ def test_w8_and_kv8_together_and_written_to_a_checkpoint(tiny_checkpoints, make_
     prompt = random_tokens(random.Random(9), 33)
     assert list(saved.open_state("a").generate(greedy(), prompt=prompt).token_ids) == \
         list(direct.open_state("a").generate(greedy(), prompt=prompt).token_ids)
+    # kv_dtype="fp8" asks for what the checkpoint has: its engine; kv8 named again is refused
+    again = make_engine(out, speculation="off", kv_dtype="fp8")
+    assert again.fingerprint == saved.fingerprint and again.kv_cache.dtype == FP8
     with pytest.raises(ConfigError, match="already stores its KV cache in fp8"):
-        make_engine(out, kv_dtype="fp8")
+        make_engine(out, surgery=["kv8"])
 
 
 def test_kv8_without_a_tokenizer_calibrates_on_random_tokens():

@@ -1146,3 +1146,23 @@ def test_the_guard_table_says_never_where_no_continuation_diverged():
     some = GuardReport(1.01, 0.002, 0.97, 12.5, 512)
     lines = table([("noop", same, "ok"), ("w4", some, "ok")]).splitlines()
     assert f"never ({CONTINUATION})" in lines[1] and "12.5" in lines[2] and "never" not in lines[2]
+
+
+def test_kv_dtype_fp8_on_a_checkpoint_written_with_kv8_is_that_checkpoint(tiny_checkpoints, make_engine, tmp_path):
+    """kv_dtype="fp8" adds the kv8 pass, which a checkpoint written with kv8 refused ("already stores
+    its KV cache in fp8"): its KV is fp8 already, so the engine is the checkpoint's, fingerprint and
+    output alike. kv8 named in surgery on it is still refused (a pass applied twice)."""
+    from hibana_core import ConfigError
+    from hibana_core.cli import main
+
+    out = tmp_path / "kv8"
+    assert main(["surgery", str(tiny_checkpoints["llama"]), "--passes", "kv8", "--out", str(out), "--no-guard",
+                 "--device", "cpu", "--dtype", "float32"]) == 0
+    plain, asked = make_engine(out, speculation="off"), make_engine(out, speculation="off", kv_dtype="fp8")
+    assert [r["name"] for r in asked.surgery] == [r["name"] for r in plain.surgery] == ["kv8"]
+    assert asked.fingerprint == plain.fingerprint
+    prompt = random_tokens(random.Random(3), 21)
+    assert list(asked.open_state("a").generate(greedy(), prompt=prompt).token_ids) == \
+        list(plain.open_state("a").generate(greedy(), prompt=prompt).token_ids)
+    with pytest.raises(ConfigError, match="already stores its KV cache in fp8"):
+        make_engine(out, speculation="off", surgery=["kv8"])

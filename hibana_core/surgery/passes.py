@@ -202,7 +202,8 @@ class KVQuantPass:
                               f"and later); {torch.cuda.get_device_name(device)} has none; leave kv8 out")
         if any(m.kv_scale is not None for m in layers):
             raise ConfigError("this model already stores its KV cache in fp8 (kv8 was applied, e.g. by "
-                              "`hibana surgery`); leave kv8 out of surgery and kv_dtype at 'auto'")
+                              "`hibana surgery`); leave kv8 out of surgery (kv_dtype 'auto' or 'fp8' keeps "
+                              "its fp8 cache)")
 
     def apply(self, model: "torch.nn.Module", params: dict[str, Any], calibration: Any) -> dict[str, Any]:
         import hashlib
