@@ -28,12 +28,11 @@ parameters to the schema through xgrammar's `qwen_xml` style, which writes them 
 from __future__ import annotations
 
 import ast
-import json
 import re
 from typing import Any
 
 from hibana_plugins.hookspecs import ParsedOutput, ToolCallStream, hookimpl
-from hibana_plugins.tool_parsers import _decode_call, _Decoded, _loads, _Stream
+from hibana_plugins.tool_parsers import _accepted, _decode_call, _Decoded, _loads, _Stream
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 FUNCTION_START, FUNCTION_END = "<function=", "</function>"
@@ -186,11 +185,7 @@ def decode_xml_call(body: str, types: dict[str, dict[str, Any]]) -> _Decoded:
         value = value[:-1] if value[-1:] and value[-1] in pad else value
         arguments[key] = typed_value(value, schemas.get(key))
         at = after
-    try:
-        arguments_json = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
-    except (ValueError, RecursionError):
-        return _Decoded(error=f"arguments of {name!r} nested too deeply", valid_json=True)
-    return _Decoded(name, arguments, None, valid_json=True, arguments_json=arguments_json)
+    return _accepted(name, arguments)
 
 
 def _block_end(block: str) -> int:

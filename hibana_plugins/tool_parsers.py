@@ -121,11 +121,17 @@ def _decode_call(text: str, require_arguments: bool) -> _Decoded:
         arguments = {}
     if not isinstance(arguments, dict):
         return _Decoded(error=f"arguments of {name!r} must be a JSON object", valid_json=True)
-    try:  # what the stream sends; nesting deep enough may still fail the encoder
+    return _accepted(name, arguments, call_id=obj.get("id"))
+
+
+def _accepted(name: str, arguments: dict, call_id: object = None) -> _Decoded:
+    """A decoded call with its arguments' JSON as the stream sends it, or the error where nesting
+    deep enough fails the encoder."""
+    try:
         arguments_json = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
     except (ValueError, RecursionError):
         return _Decoded(error=f"arguments of {name!r} nested too deeply", valid_json=True)
-    return _Decoded(name, arguments, None, valid_json=True, arguments_json=arguments_json, call_id=obj.get("id"))
+    return _Decoded(name, arguments, None, valid_json=True, arguments_json=arguments_json, call_id=call_id)
 
 
 class _ObjectScanner:
@@ -716,11 +722,7 @@ def decode_arguments(name: str, body: str, no_name: str, blank: bool = False) ->
         return _Decoded(error=f"invalid JSON in arguments of {name!r} ({exc})")
     if not isinstance(arguments, dict):
         return _Decoded(error=f"arguments of {name!r} must be a JSON object", valid_json=True)
-    try:
-        arguments_json = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
-    except (ValueError, RecursionError):
-        return _Decoded(error=f"arguments of {name!r} nested too deeply", valid_json=True)
-    return _Decoded(name, arguments, None, valid_json=True, arguments_json=arguments_json)
+    return _accepted(name, arguments)
 
 
 # structural-tag pieces (xgrammar's format) for the grammars of formats whose markup is tokens
