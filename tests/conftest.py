@@ -63,6 +63,26 @@ def hf_greedy():
     return tiny_models.hf_greedy
 
 
+@pytest.fixture(scope="module")
+def coder(tmp_path_factory):
+    """An engine on a tiny Qwen3-Coder-style checkpoint (tests/qwen_coder_model.py): its XML tool calls."""
+    import qwen_coder_model
+
+    path = qwen_coder_model.make_coder_checkpoint(tmp_path_factory.mktemp("coder"))
+    with tiny_models.open_engine(path, max_model_len=4096) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def magistral(tmp_path_factory):
+    """An engine on a tiny Magistral-style checkpoint (tests/magistral_model.py): [THINK] reasoning."""
+    import magistral_model
+
+    path = magistral_model.make_magistral_checkpoint(tmp_path_factory.mktemp("magistral"))
+    with tiny_models.open_engine(path, max_model_len=2048) as engine:
+        yield engine
+
+
 @pytest.fixture
 def make_engine():
     """make_engine(path, **overrides) -> a fresh Engine, closed when the test ends."""

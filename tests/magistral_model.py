@@ -141,11 +141,5 @@ Small 2509's is alike), but for user messages with images."""
 
 
 def make_magistral_checkpoint(path, template: str = TEMPLATE) -> Path:
-    path = Path(path)
-    tiny_models.make_tiny_checkpoint("mistral", path, vocab_size=tiny_models.VOCAB_SIZE + len(SPECIAL) + 2,
-                                     max_position_embeddings=2048, sliding_window=None)
-    tokenizer = tiny_models.make_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL})
-    tokenizer.bos_token, tokenizer.chat_template = "<s>", template
-    tokenizer.save_pretrained(path)
-    return path
+    return tiny_models.make_chat_checkpoint("mistral", path, template, SPECIAL, bos_token="<s>",
+                                            max_position_embeddings=2048, sliding_window=None)

@@ -133,12 +133,5 @@ TEMPLATE = r"""{% macro render_extra_keys(json_dict, handled_keys) %}
 
 
 def make_coder_checkpoint(path, template: str = TEMPLATE) -> Path:
-    path = Path(path)
-    tiny_models.make_tiny_checkpoint("qwen3", path, vocab_size=tiny_models.VOCAB_SIZE + 4,
-                                    max_position_embeddings=4096)  # the template's tool prompt is long
-    tokenizer = tiny_models.make_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL})
-    tokenizer.add_tokens(ADDED)
-    tokenizer.chat_template = template
-    tokenizer.save_pretrained(path)
-    return path
+    return tiny_models.make_chat_checkpoint("qwen3", path, template, SPECIAL, ADDED,
+                                            max_position_embeddings=4096)  # the template's tool prompt is long

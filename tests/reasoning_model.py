@@ -59,11 +59,4 @@ result (a text-protocol agent's observation), not a query, so the thinking befor
 
 
 def make_reasoning_checkpoint(path, template: str = TEMPLATE) -> Path:
-    path = Path(path)
-    tiny_models.make_tiny_checkpoint("qwen3", path, vocab_size=tiny_models.VOCAB_SIZE + 8)
-    tokenizer = tiny_models.make_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL})
-    tokenizer.add_tokens(ADDED)
-    tokenizer.chat_template = template
-    tokenizer.save_pretrained(path)
-    return path
+    return tiny_models.make_chat_checkpoint("qwen3", path, template, SPECIAL, ADDED)

@@ -93,16 +93,6 @@ def test_the_whitespace_the_grammar_puts_around_a_constrained_value_is_no_part_o
     assert [c.arguments for c in out.tool_calls] == [{"short": "updat", "maybe": "Paris", "n": 7, "plain": " as is\t"}]
 
 
-@pytest.fixture(scope="module")
-def coder(tmp_path_factory):
-    import qwen_coder_model
-    import tiny_models
-
-    path = qwen_coder_model.make_coder_checkpoint(tmp_path_factory.mktemp("coder"))
-    with tiny_models.open_engine(path, max_model_len=4096) as engine:
-        yield engine
-
-
 def test_a_call_max_tokens_cut_is_named(coder):
     """A call max_tokens cut has the name and the parameters' text it had begun (what LangChain's
     invalid call and a structured answer show): the call syntax's reading split it at the newline

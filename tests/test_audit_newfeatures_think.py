@@ -2,22 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-
 from hibana_core import SamplingParams
 from hibana_core.chat import Chat, assistant_message
 from hibana_core.speculation import force_outputs
 from magistral_model import SPECIAL
-
-
-@pytest.fixture(scope="module")
-def magistral(tmp_path_factory):
-    import magistral_model
-    import tiny_models
-
-    path = magistral_model.make_magistral_checkpoint(tmp_path_factory.mktemp("magistral"))
-    with tiny_models.open_engine(path, max_model_len=2048) as engine:
-        yield engine
 
 
 def test_generated_reasoning_history_keeps_the_thinking_of_a_mistral_reply(magistral):

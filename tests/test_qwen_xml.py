@@ -152,16 +152,6 @@ TOOL = {"type": "function", "function": {
         "required": ["hour", "label"]}}}
 
 
-@pytest.fixture(scope="module")
-def coder(tmp_path_factory):
-    import qwen_coder_model
-    import tiny_models
-
-    path = qwen_coder_model.make_coder_checkpoint(tmp_path_factory.mktemp("coder"))
-    with tiny_models.open_engine(path, max_model_len=4096) as engine:
-        yield engine
-
-
 def test_the_template_picks_the_parser_and_a_call_round_trips(coder):
     """Qwen3-Coder's template writes `<function=...>` calls: the chat layer reads them with
     qwen3_coder unasked (hermes read them as text), types the values by the tool's schema, streams

@@ -21,16 +21,6 @@ WEATHER = {"type": "function", "function": {
 HELLO = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def magistral(tmp_path_factory):
-    import magistral_model
-    import tiny_models
-
-    path = magistral_model.make_magistral_checkpoint(tmp_path_factory.mktemp("magistral"))
-    with tiny_models.open_engine(path, max_model_len=2048) as engine:
-        yield engine
-
-
 def spelled(tokenizer, pieces: list[str]) -> list[int]:
     """The pieces' tokens: a marker's control token where a piece is one, ordinary tokens else."""
     return [t for piece in pieces

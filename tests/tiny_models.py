@@ -299,6 +299,23 @@ def _save_seeded(config, path: Path, seed: int, shard_size: str | None = None, t
     return path
 
 
+def make_chat_checkpoint(arch: str, path, template: str, special: Sequence[str] = (), added: Sequence[str] = (),
+                         bos_token: str | None = None, **config_overrides) -> Path:
+    """A tiny `arch` checkpoint whose tokenizer has a chat model's markup: `special` tokens (control),
+    `added` ones (text to a grammar, as Qwen's <tool_call>), and `template` as its chat template. The
+    vocabulary grows by their count, so the model covers every token."""
+    path = Path(path)
+    make_tiny_checkpoint(arch, path, vocab_size=VOCAB_SIZE + len(special) + len(added) + 2, **config_overrides)
+    tokenizer = make_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(special)})
+    tokenizer.add_tokens(list(added))
+    if bos_token is not None:
+        tokenizer.bos_token = bos_token
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def make_tiny_gemma3_multimodal(path, seed: int = SEED) -> Path:
     """A multimodal gemma3 checkpoint (Gemma3ForConditionalGeneration) whose language model is the
     tiny gemma3 one, beside a one-layer vision tower; saved as transformers saves them (the
