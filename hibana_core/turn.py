@@ -319,7 +319,6 @@ QWEN_THINK = ThinkMarkers("<think>", "</think>")
 """Qwen3's, DeepSeek-R1's and most reasoning models' (added tokens that are text to a grammar)."""
 MISTRAL_THINK = ThinkMarkers("[THINK]", "[/THINK]", control=True)
 """Magistral's and Ministral 3 Reasoning's: control tokens of their tokenizers."""
-THINK_OPEN, THINK_CLOSE = QWEN_THINK.open, QWEN_THINK.close
 
 
 def think_markers(template: str, vocab: Collection[str]) -> ThinkMarkers:
