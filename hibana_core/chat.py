@@ -588,15 +588,19 @@ class Chat:
         used = result.usage.prompt_tokens + result.usage.completion_tokens
         return result.finish_reason == "length" and used >= self.engine.max_model_len
 
-    def cut_call_parts(self, cut_call: str) -> tuple[str, str]:
+    def cut_call_parts(self, cut_call: str, tools: list[dict] | None = None) -> tuple[str, str]:
         """(the name, the arguments) a call that max_tokens cut off had begun (`ChatResult.cut_call`,
-        or a delta's text with `cut_call`), as generated, where the tool parser's call syntax is
-        known (or the parser reads its own: mistral's and granite's, `cut_call_parts`): what an
-        adapter reports as an invalid call, and a structured answer (the call's arguments as
-        content) shows of a reply cut short; ("", "") for what it has not reached."""
+        or a delta's text with `cut_call`), the arguments as JSON text so far, where the tool
+        parser's call syntax is known (or the parser reads its own: mistral's, granite's and
+        qwen3_coder's, `cut_call_parts`; a parser that `takes_tools` is given the turn's `tools`,
+        which type its values): what an adapter reports as an invalid call, and a structured answer
+        (the call's arguments as content) shows of a reply cut short; ("", "") for what it has not
+        reached."""
         own = getattr(self.parser, "cut_call_parts", None)
         if callable(own):
-            return own(cut_call) if cut_call else ("", "")
+            if not cut_call:
+                return "", ""
+            return own(cut_call, list(tools or ())) if getattr(self.parser, "takes_tools", False) else own(cut_call)
         syntax = getattr(self.parser, "call_syntax", None) or turn.SYNTAX.get(self.parser_name)
         if not cut_call or syntax is None:
             return "", ""
@@ -610,9 +614,9 @@ class Chat:
             name = name[:len(name) - written]
         return name, arguments
 
-    def cut_arguments(self, cut_call: str) -> str:
+    def cut_arguments(self, cut_call: str, tools: list[dict] | None = None) -> str:
         """The arguments of `cut_call_parts`."""
-        return self.cut_call_parts(cut_call)[1]
+        return self.cut_call_parts(cut_call, tools)[1]
 
     def openai_logprobs(self, result: ChatResult) -> list[dict] | None:
         """A result's token log-probabilities in OpenAI's shape (`choices[0].logprobs.content`):

@@ -510,12 +510,12 @@ class _Call:
             # a reply cut at max_tokens (finish_reason "length"): the arguments it had begun, as
             # streaming sends them, never the call's markup
             content = (json.dumps(result.tool_calls[0].arguments, ensure_ascii=False) if result.tool_calls
-                       else self.chat.cut_arguments(result.cut_call))
+                       else self.chat.cut_arguments(result.cut_call, self.tools))
         else:
             content = result.content
             calls = [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in result.tool_calls]
             if result.cut_call:  # an invalid call, as ChatOpenAI reports a cut one, not markup in the text
-                name, arguments = self.chat.cut_call_parts(result.cut_call)
+                name, arguments = self.chat.cut_call_parts(result.cut_call, self.tools)
                 invalid = [invalid_tool_call(name=name or None, args=arguments, id=None,
                                              error=self.cut_call_error(result))]
         extra = {"reasoning_content": result.reasoning} if result.reasoning else {}
@@ -573,7 +573,7 @@ class _Call:
             # a call the reply ended inside: never its markup, nor a chunk, which LangChain's merge
             # would parse into a call the model never finished (invoke reports it as invalid); a
             # structured answer gets the arguments it had begun, as `message` has them
-            arguments = self.chat.cut_arguments(delta.text) if self.as_content and not self.answered else ""
+            arguments = self.chat.cut_arguments(delta.text, self.tools) if self.as_content and not self.answered else ""
             if not arguments:
                 return None
             message = AIMessageChunk(content=arguments)

@@ -28,11 +28,12 @@ parameters to the schema through xgrammar's `qwen_xml` style, which writes them 
 from __future__ import annotations
 
 import ast
+import json
 import re
-from typing import Any
+from typing import Any, Iterator, NamedTuple
 
 from hibana_plugins.hookspecs import ParsedOutput, ToolCallStream, hookimpl
-from hibana_plugins.tool_parsers import _accepted, _decode_call, _Decoded, _loads, _Stream
+from hibana_plugins.tool_parsers import _accepted, _decode_call, _Decoded, _loads, _Stream, partial_tag_length
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 FUNCTION_START, FUNCTION_END = "<function=", "</function>"
@@ -133,6 +134,65 @@ def _plain_string(schema: Any) -> bool:
     return isinstance(schema, dict) and schema.get("type") == "string" and schema.keys() <= _ANNOTATIONS
 
 
+class _Parameter(NamedTuple):
+    """One parameter of a call's text, as `_parameters` reads it; or, with `error`, text that is none."""
+
+    key: str = ""
+    text: str = ""             # its value's text, the padding around it taken off
+    closed: bool = True        # False: it runs to the end of the text (no </parameter>, no parameter after it)
+    error: str | None = None
+    rest: str = ""             # with `error`: the text from where it is no parameter
+
+
+def _parameters(name: str, inner: str, schemas: dict[str, Any], cut: bool = False) -> Iterator[_Parameter]:
+    """The parameters of a call's text between `<function=NAME>` and `</function>` (`inner`), in order,
+    until text that is none (`error`). `cut`: the text is all the model wrote, cut off; a tail of the last
+    value that begins its `</parameter>` is no part of the value."""
+    at = 0
+    while True:
+        start = inner.find(PARAMETER_START, at)
+        if inner[at:start if start >= 0 else len(inner)].strip():
+            outside = inner[at:start if start >= 0 else len(inner)]
+            yield _Parameter(error=f"text outside a parameter in the call of {name!r}: {outside.strip()[:60]!r}",
+                             rest=inner[at:])
+            return
+        if start < 0:
+            return
+        head = start + len(PARAMETER_START)
+        declared = [k for k in schemas if inner.startswith(f"{k}>", head)]
+        if declared:  # as the template and the grammar write it, whatever it holds (a space, a '>'): the longest
+            key = max(declared, key=len)
+            head_end = head + len(key)
+        else:
+            head_end = inner.find(">", head)
+            key = inner[head:head_end].strip() if head_end >= 0 else ""
+            if head_end < 0 or not _NAME.fullmatch(key):
+                yield _Parameter(error=f"a parameter of {name!r} needs a name: {inner[start:start + 60]!r}",
+                                 rest=inner[start:])
+                return
+        end = inner.find(PARAMETER_END, head_end)
+        # its </parameter> left out: the value runs to the next parameter, on a line of its own as the template
+        # writes it (a value's text may hold "<parameter=" elsewhere: code)
+        following = inner.find("\n" + PARAMETER_START, head_end)
+        closed = True
+        if end < 0 or 0 <= following < end:
+            end = following if following >= 0 else len(inner)
+            after = end
+            closed = following >= 0 or not cut
+        else:
+            after = end + len(PARAMETER_END)
+        value = inner[head_end + 1:end]
+        if not closed:
+            value = value[:len(value) - partial_tag_length(value, PARAMETER_END)]
+        # the template's newlines around a value; where the schema is more than a plain string, the grammar's
+        # whitespace (a character of it each side: " Paris\t" was kept, past a maxLength)
+        pad = "\n" if key not in schemas or _plain_string(schemas[key]) else _PADDING
+        value = value[1:] if value[:1] and value[0] in pad else value
+        value = value[:-1] if value[-1:] and value[-1] in pad else value
+        yield _Parameter(key, value, closed)
+        at = after
+
+
 def decode_xml_call(body: str, types: dict[str, dict[str, Any]]) -> _Decoded:
     """One call's text between `<tool_call>` and `</tool_call>`: its function and parameters."""
     if body.lstrip().startswith("{"):  # the hermes form, which these models write at times unless held
@@ -148,44 +208,71 @@ def decode_xml_call(body: str, types: dict[str, dict[str, Any]]) -> _Decoded:
         return _Decoded(error=f"a tool call needs a function name, got {match.group(1)!r}")
     schemas = types.get(name, {})
     arguments: dict[str, Any] = {}
-    at = 0
-    while True:
-        start = inner.find(PARAMETER_START, at)
-        if inner[at:start if start >= 0 else len(inner)].strip():
-            return _Decoded(error=f"text outside a parameter in the call of {name!r}: "
-                                  f"{inner[at:start if start >= 0 else len(inner)].strip()[:60]!r}")
-        if start < 0:
-            break
-        head = start + len(PARAMETER_START)
-        declared = [k for k in schemas if inner.startswith(f"{k}>", head)]
-        if declared:  # as the template and the grammar write it, whatever it holds (a space, a '>'): the longest
-            key = max(declared, key=len)
-            head_end = head + len(key)
-        else:
-            head_end = inner.find(">", head)
-            key = inner[head:head_end].strip() if head_end >= 0 else ""
-            if head_end < 0 or not _NAME.fullmatch(key):
-                return _Decoded(error=f"a parameter of {name!r} needs a name: {inner[start:start + 60]!r}")
-        end = inner.find(PARAMETER_END, head_end)
-        # its </parameter> left out: the value runs to the next parameter, on a line of its own as the template
-        # writes it (a value's text may hold "<parameter=" elsewhere: code)
-        following = inner.find("\n" + PARAMETER_START, head_end)
-        if end < 0 or 0 <= following < end:
-            end = following if following >= 0 else len(inner)
-            after = end
-        else:
-            after = end + len(PARAMETER_END)
-        if key in arguments:
-            return _Decoded(error=f"parameter {key!r} of {name!r} given twice")
-        value = inner[head_end + 1:end]
-        # the template's newlines around a value; where the schema is more than a plain string, the grammar's
-        # whitespace (a character of it each side: " Paris\t" was kept, past a maxLength)
-        pad = "\n" if key not in schemas or _plain_string(schemas[key]) else _PADDING
-        value = value[1:] if value[:1] and value[0] in pad else value
-        value = value[:-1] if value[-1:] and value[-1] in pad else value
-        arguments[key] = typed_value(value, schemas.get(key))
-        at = after
+    for parameter in _parameters(name, inner, schemas):
+        if parameter.error is not None:
+            return _Decoded(error=parameter.error)
+        if parameter.key in arguments:
+            return _Decoded(error=f"parameter {parameter.key!r} of {name!r} given twice")
+        arguments[parameter.key] = typed_value(parameter.text, schemas.get(parameter.key))
     return _accepted(name, arguments)
+
+
+def cut_arguments_json(name: str, inner: str, schemas: dict[str, Any]) -> str:
+    """The arguments of a call max_tokens cut off (`inner`: what it wrote after `<function=NAME>`) as the
+    JSON text a hermes call's would be so far, which is what a client reads of a cut call (LangChain's
+    invalid call, a structured answer's content): the parameters it closed, typed by their schemas, then
+    the one it was writing, its name and its value so far (a string's text, an unclosed string; another
+    type's value once it decodes, or the JSON text of an object or array begun), the object left open;
+    closed where the cut fell in `</function>`; "" before any parameter began."""
+    if not inner.strip():
+        return ""
+    keys: set[str] = set()
+    members: list[str] = []  # the closed parameters, as the object's members
+    begun: str | None = None  # the member the cut fell in ("": only its tag begun)
+    for parameter in _parameters(name, inner, schemas, cut=True):
+        if parameter.error is not None:
+            rest = parameter.rest.strip()
+            if rest.startswith("</") and (FUNCTION_END.startswith(rest) or rest.startswith(FUNCTION_END)):
+                return "{" + ", ".join(members) + "}"  # all written: the cut fell in the function's end tag
+            if rest.startswith(PARAMETER_START) and ">" not in rest:  # cut inside a parameter's name
+                begun = json.dumps(rest[len(PARAMETER_START):], ensure_ascii=False)[:-1]
+            elif len(rest) > 1 and PARAMETER_START.startswith(rest):  # ("<" alone may begin either tag)
+                begun = ""
+            break
+        schema = schemas.get(parameter.key)
+        value = (_json(typed_value(parameter.text, schema)) if parameter.closed
+                 else _value_begun(parameter.text, schema))
+        if parameter.key in keys or value is None:
+            break
+        keys.add(parameter.key)
+        member = json.dumps(parameter.key, ensure_ascii=False) + ": " + value
+        if not parameter.closed:
+            begun = member
+            break
+        members.append(member)
+    text = "{" + ", ".join(members)
+    return text if begun is None else text + (", " if members else "") + begun
+
+
+def _value_begun(text: str, schema: Any) -> str | None:
+    """A value max_tokens cut off, as JSON text so far (`cut_arguments_json`); None where nested too deeply."""
+    if not text:
+        return ""
+    value = typed_value(text, schema)
+    if not isinstance(value, str):
+        return _json(value)
+    kinds = _kinds(schema)
+    if not kinds or "string" in kinds:
+        return json.dumps(text, ensure_ascii=False)[:-1]  # (unclosed)
+    return text.strip() if text.lstrip()[:1] in ("{", "[") else ""  # an object or array begun, as written
+
+
+def _json(value: Any) -> str | None:
+    """`value` as JSON text, as a call's arguments are sent; None where it nests too deeply to encode."""
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (ValueError, RecursionError):
+        return None
 
 
 def _block_end(block: str) -> int:
@@ -262,12 +349,13 @@ class QwenXmlToolParser:
     def stream(self, tools: list[dict] | None = None) -> ToolCallStream:
         return _QwenXmlStream(tools)
 
-    def cut_call_parts(self, cut_call: str) -> tuple[str, str]:
+    def cut_call_parts(self, cut_call: str, tools: list[dict] | None = None) -> tuple[str, str]:
         """(the name, the arguments) a call cut off by max_tokens had begun (a `CutCall`'s text:
         `<tool_call>`, then the call), as `Chat.cut_call_parts` reads a `call_syntax`'s: the name
-        (what of it was written), then the parameters' text as generated; a block in the hermes
-        form, its "name" and "arguments" as written; ("", "") for what it has not reached. (The
-        syntax's own reading split the call at the newline after `<tool_call>`: no name ever.)"""
+        (what of it was written), then the arguments so far as JSON text, the parameters typed by
+        the turn's `tools` as a whole call's are (`cut_arguments_json`: what a cut hermes call gives,
+        not the parameters' markup); a block in the hermes form, its "name" and "arguments" as
+        written; ("", "") for what it has not reached."""
         if not cut_call.lstrip().startswith(CALL_START):
             return "", ""
         body = cut_call.lstrip()[len(CALL_START):].lstrip()
@@ -280,7 +368,8 @@ class QwenXmlToolParser:
         if not body.startswith(FUNCTION_START):
             return "", ""
         head, closed, inner = body[len(FUNCTION_START):].partition(">")
-        return head.strip(), inner.removeprefix("\n") if closed else ""
+        name = head.strip()
+        return name, cut_arguments_json(name, inner, parameter_types(tools).get(name, {})) if closed else ""
 
 
 @hookimpl

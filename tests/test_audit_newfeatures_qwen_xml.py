@@ -94,7 +94,7 @@ def test_the_whitespace_the_grammar_puts_around_a_constrained_value_is_no_part_o
 
 
 def test_a_call_max_tokens_cut_is_named(coder):
-    """A call max_tokens cut has the name and the parameters' text it had begun (what LangChain's
+    """A call max_tokens cut has the name and the arguments it had begun (what LangChain's
     invalid call and a structured answer show): the call syntax's reading split it at the newline
     after <tool_call>, so it had no name, ever."""
     from hibana_core import SamplingParams
@@ -108,7 +108,7 @@ def test_a_call_max_tokens_cut_is_named(coder):
     force_outputs(chat.handle, ids)
     result = chat.respond([{"role": "user", "content": "n"}], [OTHER], SamplingParams(max_tokens=cut_at))
     assert result.finish_reason == "length" and not result.tool_calls
-    assert chat.cut_call_parts(result.cut_call) == ("w", "<parameter=n>\n1")
+    assert chat.cut_call_parts(result.cut_call, [OTHER]) == ("w", '{"n": 1')  # (JSON text: test_qwen_xml.py)
     assert chat.cut_call_parts("<tool_call>\n<function=ed") == ("ed", "")
     assert chat.cut_call_parts("<tool_call>\n<func") == ("", "")
     assert chat.cut_call_parts('<tool_call>\n{"name": "w", "arguments": {"n": 1') == ("w", '{"n": 1')

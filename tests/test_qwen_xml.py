@@ -141,6 +141,37 @@ def test_malformed_calls_stay_content_with_the_error_said(body, error):
     assert out.tool_calls == [] and out.content == text and error in out.error
 
 
+@pytest.mark.parametrize("tools", [[WEATHER], None])
+def test_a_cut_calls_arguments_are_the_json_its_whole_call_sends_so_far(tools):
+    """A call max_tokens cut (what LangChain reports as an invalid call, and a structured answer as its
+    content) has the arguments it had begun as JSON text, as a cut hermes call has: they were the
+    parameters' markup ("<parameter=days>\\n1"). At every cut, taken as the stream gives it (its `CutCall`),
+    they begin the JSON the whole call sends, each value typed by the schema as the whole call's (1, not
+    "1"; text where no tools type them); a cut in </function> has them whole."""
+    parser = QwenXmlToolParser()
+    whole = call("get_weather", city="Lima\nPeru", days="12", options='{"a": [1, 2]}', metric="True", zip="007")
+    stream = parser.stream(tools)
+    sent = "".join(p.arguments_fragment for p in stream.feed(whole) + stream.close() if isinstance(p, ToolCallDelta))
+    assert json.loads(sent) == ({"city": "Lima\nPeru", "days": 12, "options": {"a": [1, 2]}, "metric": True,
+                                 "zip": "007"} if tools else
+                                {"city": "Lima\nPeru", "days": "12", "options": '{"a": [1, 2]}', "metric": "True",
+                                 "zip": "007"})
+    closed = whole.index("</function>") + len("</function>")
+    begun = whole.index("\n<parameter=")
+    for n in range(len("<tool_call>"), closed):
+        stream = parser.stream(tools)
+        (cut,) = [p for p in stream.feed(whole[:n]) + stream.close() if isinstance(p, CutCall)]
+        name, arguments = parser.cut_call_parts(cut, tools)
+        assert "get_weather".startswith(name) and sent.startswith(arguments), (whole[:n], name, arguments)
+        assert (arguments == "") == (n <= begun + 1), (whole[:n], arguments)  # "{" once a parameter's tag began
+    assert arguments == sent
+    at = whole.index("days>\n1") + len("days>\n1")
+    assert parser.cut_call_parts(whole[:at], tools) == (
+        "get_weather", '{"city": "Lima\\nPeru", "days": ' + ("1" if tools else '"1'))
+    assert parser.cut_call_parts(whole[:whole.index("metric>\nTr") + 10], tools)[1].endswith(
+        '"metric": ' if tools else '"metric": "Tr')  # a boolean's value once it is one
+
+
 # --- end to end, on a tiny Qwen3-Coder checkpoint ---------------------------------------------------
 
 TOOL = {"type": "function", "function": {
@@ -200,3 +231,34 @@ def test_the_grammar_holds_calls_to_the_tool_and_its_schema(coder, tool_choice):
             assert c.name == "set_alarm" and c.arguments["label"] in ("work", "gym")
             assert type(c.arguments["hour"]) is int and 0 <= c.arguments["hour"] <= 23
             assert type(c.arguments.get("loud", False)) is bool
+
+
+def test_langchain_reports_a_cut_call_alike_streamed_and_invoked(coder):
+    """A call max_tokens cut, through LangChain: the invalid call's args, and a structured answer's
+    content (json_schema: the call's arguments are the answer), streamed and invoked alike, are the
+    arguments begun as JSON text ('{"n": 1'), never the parameters' markup ("<parameter=n>\\n1")."""
+    from langchain_core.messages import HumanMessage
+
+    from hibana_core.speculation import force_outputs
+    from hibana_plugins.langchain import ChatHibana
+
+    text = call("w", n="12")
+    ids = coder.tokenizer.encode(text, add_special_tokens=False)
+    cut_at = len(coder.tokenizer.encode(text[:text.index("12") + 1], add_special_tokens=False))
+    llm = ChatHibana(engine=coder, max_tokens=cut_at)
+    tool = {"type": "function", "function": {"name": "w", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
+    answer = llm.with_structured_output({"title": "w", **tool["function"]["parameters"]}, method="json_schema").first
+    messages = [HumanMessage("n")]
+    for n, runnable in enumerate((llm.bind_tools([tool], tool_choice="w"), answer)):
+        force_outputs(coder.open_state(f"lc-cut-{n}"), ids)
+        reply = runnable.invoke(messages, state_id=f"lc-cut-{n}")
+        force_outputs(coder.open_state(f"lc-cut-{n}"), ids)
+        chunks = list(runnable.stream(messages, state_id=f"lc-cut-{n}"))
+        streamed = sum(chunks[1:], chunks[0])
+        assert reply.response_metadata["finish_reason"] == "length" and not reply.tool_calls
+        if runnable is answer:
+            assert reply.content == streamed.content == '{"n": 1'
+        else:
+            assert [(c["name"], c["args"]) for c in reply.invalid_tool_calls] == [("w", '{"n": 1')]
+            assert not streamed.tool_calls and streamed.content == ""
