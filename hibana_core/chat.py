@@ -185,6 +185,8 @@ class Chat:
     # --- which state serves a call ------------------------------------------------------------
 
     @contextlib.contextmanager
+        self._switches_thinking = "enable_thinking" in str(template)  # Qwen3's switch: reasoning=False honoured
+        self._prompted_thinking = _default_prompt_thinks(str(template), self.think_markers.open)
     def lease(self, prompt: "str | TokenIds", state_id: str | None = None, *, fallback: bool = False,
               reasoning_history: str = "template") -> Iterator["Chat"]:
         """This chat layer on the state that serves one call, held until the block ends, so that
@@ -276,6 +278,18 @@ class Chat:
         if not self._templated:
             raise ConversationError("this checkpoint's tokenizer has no chat template, so a conversation cannot be "
                                     "rendered; give it one (a chat_template.jinja, or chat_template in "
+    def _refuse_thinking_off(self, asked_by_effort: bool) -> None:
+        """Thinking off asked of a reasoning model whose chat template has no switch for it (reads no
+        `enable_thinking`): the template would render the prompt as ever and the model think all the
+        same, so the request is refused rather than quietly not done."""
+        asked = "reasoning_effort 'none'" if asked_by_effort else "reasoning=False"
+        how = (f"; its default system prompt asks for the thinking ({self.think_markers.open}...), and a system "
+               "message of your own replaces it, which may make it think less but switches nothing off"
+               if self._prompted_thinking else ", as it was trained to")
+        raise ConfigError(f"{asked}: this model's chat template has no switch for thinking (it reads no "
+                          f"enable_thinking), so the model would think all the same{how}. Leave reasoning unset: "
+                          "the thinking comes apart from the answer as the reply's reasoning")
+
                                     "tokenizer_config.json), or pass a rendered prompt string or token ids")
         kwargs = {"chat_template": self.template} if self.template else {}
         if effort is not None:
@@ -312,6 +326,8 @@ class Chat:
         if tools:  # OpenAI's description is optional; templates (gpt-oss's) read it unguarded
             tools = [t if "description" in t["function"] else {**t, "function": {**t["function"], "description": ""}}
                      for t in tools]
+            if not reasoning and self.thinks and not self._switches_thinking:
+                self._refuse_thinking_off(asked_by_effort=effort == "none")
         for i, role in enumerate(m["role"] for m in messages):
             if role not in KNOWN_ROLES and not self._renders_role(role):
                 raise ConversationError(f"message {i} has role {role!r}, which the chat template does not render "
@@ -973,6 +989,13 @@ def _with_template_ids(messages: list[dict], length: int) -> list[dict]:
         elif m.get("role") == "tool":
             if m.get("tool_call_id") is not None:
                 m = {**m, "tool_call_id": _template_id(m["tool_call_id"], length)}
+def _default_prompt_thinks(template: str, think_open: str) -> bool:
+    """Whether a chat template's default system prompt (used where the conversation gives none) asks for
+    the thinking in its think markers, as Magistral's and Ministral 3 Reasoning's do: their only way in."""
+    return any(think_open in m.group(2) for m in
+               re.finditer(r"default_system_message\s*=\s*(['\"])((?:\\.|(?!\1).)*)\1", template, re.S))
+
+
             elif unanswered:
                 m = {**m, "tool_call_id": unanswered[0]}
             if m.get("tool_call_id") in unanswered:

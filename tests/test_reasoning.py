@@ -367,3 +367,19 @@ def test_the_grammar_ends_the_think_block_where_the_parser_does(engine, choice):
 
     assert takes("<think>\nHm </think>\n\n")
     assert not takes("<think>\nHm </think> free text")
+
+
+def test_thinking_off_is_refused_where_the_template_has_no_switch_for_it(tmp_path, make_engine):
+    """A template that opens the think block itself and reads no enable_thinking (DeepSeek-R1's):
+    reasoning=False changed nothing, the model thought all the same; it is a ConfigError saying the
+    template cannot switch it off (Qwen3's switch is test_reasoning_reaches_the_template's)."""
+    from reasoning_model import TEMPLATE
+
+    switch = next(line for line in TEMPLATE.splitlines() if "enable_thinking" in line)
+    engine = make_engine(make_reasoning_checkpoint(tmp_path / "r1", TEMPLATE.replace(switch, '{{- "<think>\\n" -}}')))
+    chat = Chat(engine)
+    ask = [{"role": "user", "content": "hi"}]
+    assert chat.thinks and chat.render_text(ask).endswith("<|im_start|>assistant\n<think>\n")
+    with pytest.raises(ConfigError, match=r"no switch for thinking .*all the same, as it was trained to\. Leave"):
+        chat.render_text(ask, reasoning=False)
+    assert chat.render_text(ask, reasoning=True) == chat.render_text(ask)

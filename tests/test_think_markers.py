@@ -87,3 +87,28 @@ def test_a_json_answer_waits_for_the_thinking(magistral):
             max_tokens=300, temperature=1.0, seed=seed, json_schema=schema, logit_bias={close: 6.0}))
         assert result.finish_reason == "stop", (result.reasoning, result.text)
         assert isinstance(json.loads(result.text)["ok"], bool)
+
+
+def test_thinking_off_is_refused_where_the_template_has_no_switch_for_it(magistral):
+    """Magistral's template reads no enable_thinking: its default system prompt asks for the thinking
+    ([THINK]...), so reasoning=False rendered the prompt as ever and the model thought all the same,
+    silently. It is a ConfigError saying so and what to do (reasoning_effort "none", as the server's
+    enable_thinking false is read, too), on a call before it touches the state; unset, and True, render
+    as they did."""
+    from hibana_core.errors import ConfigError
+
+    chat = Chat(magistral, "think-off")
+    default = chat.render_text(HELLO)
+    assert "[SYSTEM_PROMPT]# HOW YOU SHOULD THINK" in default and chat.render_text(HELLO, reasoning=True) == default
+    with pytest.raises(ConfigError, match=r"^reasoning=False: .*no switch for thinking.*default system prompt "
+                                          r"asks for the thinking \(\[THINK\].*system message of your own.*"
+                                          r"Leave reasoning unset"):
+        chat.render_text(HELLO, reasoning=False)
+    with pytest.raises(ConfigError, match=r"^reasoning_effort 'none': .*no switch for thinking"):
+        chat.render_text(HELLO, effort="none")
+    own_system = [{"role": "system", "content": "Answer briefly."}, *HELLO]
+    with pytest.raises(ConfigError, match="no switch for thinking"):  # the template has none all the same
+        chat.render_text(own_system, reasoning=False)
+    with pytest.raises(ConfigError, match="no switch for thinking"):
+        chat.respond(HELLO, None, SamplingParams(max_tokens=2), reasoning=False)
+    assert chat.handle.tokens == []  # refused before the state was touched
