@@ -189,8 +189,9 @@ class Controller:
 
     def ceiling(self, stats: AcceptanceStats, step_tokens: int, num_sampling: int, most: int) -> int:
         """The drafts (at most `most`) this agent alone would be given in a step like this one:
-        how many a costly drafter proposes, plus one (to see whether one more pays), rather than
-        `most` forwards thrown away when the plan takes fewer."""
+        what a costly drafter's candidate offers the step's plan, plus one (to see whether one
+        more pays beside the others), rather than `most` (the drafter then drafts what the plan
+        took: `Speculator.draft`)."""
         return self.plan([Candidate(stats, most, None)], step_tokens, num_sampling)[0]
 
     def promising(self, stats: AcceptanceStats, step_tokens: int, num_sampling: int) -> bool:

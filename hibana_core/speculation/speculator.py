@@ -3,7 +3,9 @@ the verified steps teach the controller.
 
     schedule:  chunks that sample at the end of a fully known history -> drafter proposals (a
                constrained request's cut at the first token its grammar forbids) ->
-               controller plan (k per chunk) -> the chunks grow by their drafts
+               controller plan (k per chunk) -> the chunks grow by their drafts; a costly
+               drafter (a draft model) proposes after the plan, k tokens for the chunks given
+               k > 0 only, so a step planned at k=0 runs no draft forward
     update:    a verified chunk's accepted count -> its agent's AcceptanceStats; for plain decodes,
                a few "shadow" proposals per step are checked against the tokens that follow
     finish:    the request's output goes to the drafters (the shared corpus)
@@ -319,7 +321,12 @@ class Speculator:
               room: Callable[["ScheduledChunk", int], int]) -> "dict[int, list[int] | SampledDraft]":
         """Drafts for this step's chunks, by chunk index (a `SampledDraft` where the drafter drew
         them for a request that may take one). `room(chunk, k)`: how many of k draft tokens the
-        chunk can take (budget, KV blocks, max_tokens, context)."""
+        chunk can take (budget, KV blocks, max_tokens, context).
+
+        A cheap drafter proposes before the plan (what it found bounds what the plan may take); a
+        costly one (`shadows = False`: a draft model's forward a token) after it, for the chunks
+        the plan gave drafts only and as many as it gave: a step, or a chunk, planned at k=0 runs
+        no draft forward (a draft model catches up on the tokens it missed when next asked)."""
         sampling = sum(c.sample for c in chunks)
         wanted: dict[str, list[tuple[int, int]]] = {}  # method -> (chunk index, tokens wanted)
         for i, chunk in enumerate(chunks):
@@ -328,34 +335,59 @@ class Speculator:
             if not chunk.sample or not config.active or chunk.end != len(request.seq):
                 continue
             most = config.k if config.k is not None else MAX_DRAFT
-            if config.k is None and not getattr(self.drafter(config.method), "shadows", True):
-                # a costly drafter (a draft model's forward a token) proposes what can pay, and one more
+            if config.k is None and self._costly(config.method):
+                # a costly drafter's plan considers what can pay, and one more
                 most = 1 + self.controller.ceiling(self.stats(request, config.method), step_tokens, sampling,
                                                    MAX_DRAFT - 1)
             want = room(chunk, most)
             if want > 0:
                 wanted.setdefault(config.method, []).append((i, want))
-        candidates: list[tuple[int, list[int] | SampledDraft, Candidate]] = []
+        candidates: list[tuple[int, list[int] | SampledDraft | None, Candidate]] = []  # None: drafted after the plan
         for method, items in wanted.items():
+            if self._costly(method):
+                candidates.extend((i, None, Candidate(self.stats(chunks[i].request, method), want,
+                                                      self.config(chunks[i].request).k)) for i, want in items)
+                continue
             inputs = [self._input(chunks[i].request) for i, _ in items]
             for (i, want), proposal in zip(items, self._propose(method, inputs, [w for _, w in items])):
-                request, config = chunks[i].request, self.config(chunks[i].request)
-                if request.grammar is not None:  # cut at the first token the grammar forbids
-                    proposal = proposal[:request.grammar.valid_prefix(proposal)]  # (token ids: `_input`)
-                stats = self.stats(request, method)
-                if config.k is None and not proposal:
-                    stats.record(1, 0)  # nothing to draft counts as a miss: it is what drafting gets
-                candidates.append((i, proposal, Candidate(stats, len(proposal), config.k)))
+                proposal = self._allowed(chunks[i].request, method, proposal)
+                candidates.append((i, proposal, Candidate(self.stats(chunks[i].request, method), len(proposal),
+                                                          self.config(chunks[i].request).k)))
         if not candidates:
             return {}
         self._last_shape = (step_tokens, sampling)
         ks = self.controller.plan([c for _, _, c in candidates], step_tokens, sampling)
+        later: dict[str, list[tuple[int, int]]] = {}  # costly drafters: method -> (chunk index, k planned)
         drafts = {}
         for (i, proposal, _), k in zip(candidates, ks):
+            if proposal is None and k > 0:
+                later.setdefault(self.config(chunks[i].request).method, []).append((i, k))
+                continue
             self.counters.draft_lengths[k] += 1
             if k > 0:
                 drafts[i] = cut(proposal, k)
+        for method, items in later.items():
+            inputs = [self._input(chunks[i].request) for i, _ in items]
+            for (i, k), proposal in zip(items, self._propose(method, inputs, [k for _, k in items])):
+                proposal = cut(self._allowed(chunks[i].request, method, proposal), k)
+                self.counters.draft_lengths[len(proposal)] += 1
+                if proposal:
+                    drafts[i] = proposal
         return drafts
+
+    def _costly(self, method: str) -> bool:
+        """Whether the drafter's proposals cost forwards (`shadows = False`, a draft model's)."""
+        return not getattr(self.drafter(method), "shadows", True)
+
+    def _allowed(self, request: "Request", method: str,
+                 proposal: "list[int] | SampledDraft") -> "list[int] | SampledDraft":
+        """A proposal cut at the first token the request's grammar forbids (token ids: `_input`);
+        an empty one, of an adaptive request, counts as a miss: it is what drafting gets."""
+        if request.grammar is not None:
+            proposal = proposal[:request.grammar.valid_prefix(proposal)]
+        if not proposal and self.config(request).k is None:
+            self.stats(request, method).record(1, 0)
+        return proposal
 
     def _propose(self, method: str, inputs: list[DraftInput], ks: list[int]) -> "list[list[int] | SampledDraft]":
         """Proposals of one drafter for several states: in one call where the drafter batches
