@@ -175,6 +175,8 @@ class Chat:
         self.thinks = self.think_markers.close in str(template)
         """Whether the chat template knows think blocks (a reasoning model): turns are split into
         thinking and answer (`turn.Thinking`)."""
+        self._switches_thinking = "enable_thinking" in str(template)  # Qwen3's switch: reasoning=False honoured
+        self._prompted_thinking = _default_prompt_thinks(str(template), self.think_markers.open)
 
     def on(self, handle: "StateHandle") -> "Chat":
         """This chat layer on another state (template, parser and stop tokens shared)."""
@@ -185,8 +187,6 @@ class Chat:
     # --- which state serves a call ------------------------------------------------------------
 
     @contextlib.contextmanager
-        self._switches_thinking = "enable_thinking" in str(template)  # Qwen3's switch: reasoning=False honoured
-        self._prompted_thinking = _default_prompt_thinks(str(template), self.think_markers.open)
     def lease(self, prompt: "str | TokenIds", state_id: str | None = None, *, fallback: bool = False,
               reasoning_history: str = "template") -> Iterator["Chat"]:
         """This chat layer on the state that serves one call, held until the block ends, so that
@@ -268,16 +268,6 @@ class Chat:
         """Prompt token ids: the conversation plus the assistant's generation prompt."""
         return self._encode(self.render_text(messages, tools, reasoning))
 
-    def render_text(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-                    reasoning: bool | None = None, *, effort: str | None = None) -> prompt.Prompt:
-        """The rendered prompt; message contents that hold control-token text are marked as such
-        (`hibana_core.prompt`), so that they are tokenized as plain text. `reasoning` goes to the
-        template as `enable_thinking` (Qwen3's switch); None leaves the template's default.
-        `effort` (OpenAI's reasoning_effort level) goes as `reasoning_effort`: gpt-oss's harmony
-        template writes it into its system message; templates without it ignore it."""
-        if not self._templated:
-            raise ConversationError("this checkpoint's tokenizer has no chat template, so a conversation cannot be "
-                                    "rendered; give it one (a chat_template.jinja, or chat_template in "
     def _refuse_thinking_off(self, asked_by_effort: bool) -> None:
         """Thinking off asked of a reasoning model whose chat template has no switch for it (reads no
         `enable_thinking`): the template would render the prompt as ever and the model think all the
@@ -290,6 +280,16 @@ class Chat:
                           f"enable_thinking), so the model would think all the same{how}. Leave reasoning unset: "
                           "the thinking comes apart from the answer as the reply's reasoning")
 
+    def render_text(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
+                    reasoning: bool | None = None, *, effort: str | None = None) -> prompt.Prompt:
+        """The rendered prompt; message contents that hold control-token text are marked as such
+        (`hibana_core.prompt`), so that they are tokenized as plain text. `reasoning` goes to the
+        template as `enable_thinking` (Qwen3's switch); None leaves the template's default.
+        `effort` (OpenAI's reasoning_effort level) goes as `reasoning_effort`: gpt-oss's harmony
+        template writes it into its system message; templates without it ignore it."""
+        if not self._templated:
+            raise ConversationError("this checkpoint's tokenizer has no chat template, so a conversation cannot be "
+                                    "rendered; give it one (a chat_template.jinja, or chat_template in "
                                     "tokenizer_config.json), or pass a rendered prompt string or token ids")
         kwargs = {"chat_template": self.template} if self.template else {}
         if effort is not None:
@@ -316,6 +316,8 @@ class Chat:
             if not reasoning and self._always_thinks:  # the template would think at its default level
                 raise ConfigError("this model always reasons; its thinking cannot be switched off"
                                   + (f" (its least reasoning_effort is {self._efforts[0]!r})" if self._efforts else ""))
+            if not reasoning and self.thinks and not self._switches_thinking:
+                self._refuse_thinking_off(asked_by_effort=effort == "none")
             kwargs["enable_thinking"] = reasoning
 
         messages, tools = normalize_messages(messages), normalize_tools(tools)
@@ -326,8 +328,6 @@ class Chat:
         if tools:  # OpenAI's description is optional; templates (gpt-oss's) read it unguarded
             tools = [t if "description" in t["function"] else {**t, "function": {**t["function"], "description": ""}}
                      for t in tools]
-            if not reasoning and self.thinks and not self._switches_thinking:
-                self._refuse_thinking_off(asked_by_effort=effort == "none")
         for i, role in enumerate(m["role"] for m in messages):
             if role not in KNOWN_ROLES and not self._renders_role(role):
                 raise ConversationError(f"message {i} has role {role!r}, which the chat template does not render "
@@ -951,6 +951,13 @@ _ID_LENGTH_CHECK = re.compile(r"id\s*\|\s*length\s*!=\s*(\d+)")
 _ID_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
+def _default_prompt_thinks(template: str, think_open: str) -> bool:
+    """Whether a chat template's default system prompt (used where the conversation gives none) asks for
+    the thinking in its think markers, as Magistral's and Ministral 3 Reasoning's do: their only way in."""
+    return any(think_open in m.group(2) for m in
+               re.finditer(r"default_system_message\s*=\s*(['\"])((?:\\.|(?!\1).)*)\1", template, re.S))
+
+
 def _template_id_length(template: str) -> int | None:
     """The length the chat template demands of call ids (Mistral's raise unless a call's id and a
     result's tool_call_id are 9 letters and digits), or None."""
@@ -989,13 +996,6 @@ def _with_template_ids(messages: list[dict], length: int) -> list[dict]:
         elif m.get("role") == "tool":
             if m.get("tool_call_id") is not None:
                 m = {**m, "tool_call_id": _template_id(m["tool_call_id"], length)}
-def _default_prompt_thinks(template: str, think_open: str) -> bool:
-    """Whether a chat template's default system prompt (used where the conversation gives none) asks for
-    the thinking in its think markers, as Magistral's and Ministral 3 Reasoning's do: their only way in."""
-    return any(think_open in m.group(2) for m in
-               re.finditer(r"default_system_message\s*=\s*(['\"])((?:\\.|(?!\1).)*)\1", template, re.S))
-
-
             elif unanswered:
                 m = {**m, "tool_call_id": unanswered[0]}
             if m.get("tool_call_id") in unanswered:
