@@ -244,7 +244,7 @@ def _build(model_type: str, family: Any, hf_config: Any, device: torch.device, d
     """The family's module in `dtype` on `device`; `allocate=False` leaves its tensors on the meta
     device (tied), for `_allocate` once the packed layers have dropped their dense weights."""
     module, args = _built_on_meta(model_type, family, hf_config, ctx)
-    module = module.to(dtype=dtype)
+    module = keep_float32(module.to(dtype=dtype))
     if not allocate:
         if hasattr(module, "tie_weights"):
             module.tie_weights()
@@ -254,6 +254,17 @@ def _build(model_type: str, family: Any, hf_config: Any, device: torch.device, d
     if hasattr(module, "tie_weights"):
         module.tie_weights()  # to_empty gives each twin its own storage
     return module, args
+
+
+def keep_float32(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` with the parameters its submodules name in `float32_parameters` back in float32
+    after a cast to the model's dtype (a router transformers keeps in float32: GLM-4.5's)."""
+    for sub in module.modules():
+        for name in getattr(sub, "float32_parameters", ()):
+            param = getattr(sub, name)
+            if param is not None and param.dtype != torch.float32:
+                param.data = param.data.to(torch.float32)
+    return module
 
 
 def _check_room(module: torch.nn.Module, device: torch.device) -> None:
@@ -388,7 +399,7 @@ def planned_model(model: str, dtype: torch.dtype, max_model_len: int | None = No
     module, args = _built_on_meta(model_type, family, read_config(path, model_type), ForwardContext())
     positions = min(max_model_len or args.max_position_embeddings, args.max_position_embeddings)
     size_rotary(module, rotary_positions(positions, args))  # (not a 1M-token config's ~1 GB of tables)
-    return model_bytes(module.to(dtype=dtype)) + rotary_bytes(module), args
+    return model_bytes(keep_float32(module.to(dtype=dtype))) + rotary_bytes(module), args
 
 
 def weight_files(path: Path) -> list[Path]:

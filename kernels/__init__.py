@@ -273,11 +273,14 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax",
-              renormalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              renormalize: bool = False, correction_bias: torch.Tensor | None = None,
+              scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights float32 [T, k], expert ids int64 [T, k]) with the
-    family's normalisation; see `hibana_kernels.moe.moe_route`."""
+    family's normalisation (sigmoid scoring: its correction bias and scale); see
+    `hibana_kernels.moe.moe_route`."""
     impl = _triton("moe", router_logits) or moe
-    return impl.moe_route(router_logits, top_k, scoring=scoring, renormalize=renormalize)
+    return impl.moe_route(router_logits, top_k, scoring=scoring, renormalize=renormalize,
+                          correction_bias=correction_bias, scale=scale)
 
 
 def moe_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,

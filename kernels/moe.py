@@ -48,7 +48,7 @@ from hibana_kernels import norm
 from hibana_kernels.quant import dequantize_int4, dequantize_int8
 
 KINDS = ("dense", "mxfp4", "int8", "int4")
-SCORINGS = ("softmax", "topk_softmax")
+SCORINGS = ("softmax", "topk_softmax", "sigmoid")
 ACTIVATIONS = ("silu", "swiglu_oai")
 MXFP4_BLOCK = 32
 """Values per MXFP4 block, sharing one e8m0 scale."""
@@ -220,24 +220,39 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax",
-              renormalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              renormalize: bool = False, correction_bias: torch.Tensor | None = None,
+              scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights float32 [T, k], expert ids int64 [T, k]).
 
     "softmax": softmax over all E experts in float32, top-k of those probabilities, divided by
     their sum when `renormalize` (Qwen3-MoE's norm_topk_prob, Mixtral). "topk_softmax": top-k of
-    the raw logits, then softmax over the k (gpt-oss). Both call torch.topk on the same values
-    transformers does, so tied logits pick the experts transformers picks on the same device.
+    the raw logits, then softmax over the k (gpt-oss). "sigmoid" (GLM-4.5's, DeepSeek-V3's
+    without expert groups): each expert's score is sigmoid(logit) in float32; the top-k of score
+    + `correction_bias` [E] (float32, None: zeros) pick the experts, whose weights are their
+    scores without the bias, divided by their sum (+ 1e-20) when `renormalize`, times `scale`
+    (routed_scaling_factor). Each calls torch.topk on the same values transformers does, so
+    tied logits pick the experts transformers picks on the same device.
     """
     if scoring not in SCORINGS:
         raise ValueError(f"moe_route scoring must be one of {SCORINGS}, not {scoring!r}")
     if not 1 <= top_k <= router_logits.shape[-1]:
         raise ValueError(f"moe_route top_k must lie in [1, {router_logits.shape[-1]}], not {top_k}")
+    if scoring != "sigmoid" and (correction_bias is not None or scale != 1.0):
+        raise ValueError(f"a correction bias and a scale are sigmoid routing's, not {scoring!r}'s")
     if scoring == "softmax":
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, top_k, dim=-1)
         if renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
+    if scoring == "sigmoid":
+        scores = router_logits.float().sigmoid()
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        ids = torch.topk(choice, top_k, dim=-1)[1]
+        weights = scores.gather(1, ids)
+        if renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * scale, ids
     values, ids = torch.topk(router_logits, top_k, dim=-1)
     return torch.softmax(values, dim=-1, dtype=torch.float32), ids
 
@@ -249,6 +264,8 @@ def norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tenso
     """A sparse block's start: (h, x + residual, weights, ids) where h = rms_norm(x + residual)
     (Llama's arithmetic) is the experts' input, the router's logits are `h @ router_weight^T (+
     bias)` in x's dtype, and weights and ids are `moe_route` of them."""
+    if scoring == "sigmoid":  # (its router runs in float32 with a correction bias: moe_route)
+        raise ValueError("norm_route takes softmax and topk_softmax routing; route sigmoid scores with moe_route")
     h, residual = norm.fused_add_rms_norm(x, residual, norm_weight, eps)
     logits = F.linear(h, router_weight, router_bias)
     weights, ids = moe_route(logits, top_k, scoring=scoring, renormalize=renormalize)

@@ -137,25 +137,40 @@ def using_decode_tiles(kind: str, tiles: DecodeTiles) -> Iterator[None]:
 
 
 @triton.jit
-def _top_k(logits, offs, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, SOFTMAX: tl.constexpr,
+def _top_k(logits, bias, scale, offs, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, SCORING: tl.constexpr,
            RENORMALIZE: tl.constexpr):
     """(ids int64 [K_PAD], weights float32 [K_PAD]) of float32 logits [E_PAD] (-inf past E): k
     rounds of argmax (the largest; among equals the lowest index, the experts torch.topk picks on
-    CUDA), then the weights. Softmax is monotone, so the top-k of the probabilities is the top-k
-    of the logits, picked exactly on the logits."""
+    CUDA), then the weights (SCORING: `SCORING_CODES`). Softmax is monotone, so the top-k of the
+    probabilities is the top-k of the logits, picked exactly on the logits; sigmoid scores pick
+    on score + bias [E_PAD] and weigh by the score."""
     slots = tl.arange(0, K_PAD)
     chosen = tl.zeros([K_PAD], dtype=tl.float32)
     ids = tl.zeros([K_PAD], dtype=tl.int64)
-    scores = logits
+    if SCORING == 2:  # sigmoid
+        scores = 1.0 / (1.0 + tl.exp(-logits))
+        choice = tl.where(offs < E, scores + bias, -float("inf"))
+    else:
+        scores = logits
+        choice = logits
     for j in tl.static_range(TOP_K):
-        best = tl.max(scores, axis=0)
-        expert = tl.min(tl.where(scores == best, offs, offs.shape[0]), axis=0)
+        best = tl.max(choice, axis=0)
+        expert = tl.min(tl.where(choice == best, offs, offs.shape[0]), axis=0)
         expert = tl.minimum(expert, E - 1)  # NaN logits match nothing: stay in bounds (the output is NaN)
         ids = tl.where(slots == j, expert.to(tl.int64), ids)
-        chosen = tl.where(slots == j, best, chosen)
-        scores = tl.where(offs == expert, -float("inf"), scores)
+        if SCORING == 2:
+            picked = tl.sum(tl.where(offs == expert, scores, 0.0), axis=0)
+        else:
+            picked = best
+        chosen = tl.where(slots == j, picked, chosen)
+        choice = tl.where(offs == expert, -float("inf"), choice)
     in_k = slots < TOP_K
-    if SOFTMAX:  # over all E, then the chosen ones' probabilities
+    if SCORING == 2:  # the chosen scores, over their sum, times the scale
+        weights = chosen
+        if RENORMALIZE:
+            weights = weights / (tl.sum(tl.where(in_k, weights, 0.0), axis=0) + 1e-20)
+        weights = weights * scale
+    elif SCORING == 0:  # softmax over all E, then the chosen ones' probabilities
         top = tl.max(logits, axis=0)
         total = tl.sum(tl.where(offs < E, tl.exp(logits - top), 0.0), axis=0)
         weights = tl.exp(chosen - top) / total
@@ -168,42 +183,58 @@ def _top_k(logits, offs, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, SOFTMAX: t
     return ids, weights
 
 
+SCORING_CODES = {"softmax": 0, "topk_softmax": 1, "sigmoid": 2}
+"""`hibana_kernels.moe.SCORINGS` -> the kernels' SCORING."""
+
+
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_t, TOP_K: tl.constexpr,
-                  E_PAD: tl.constexpr, K_PAD: tl.constexpr, SOFTMAX: tl.constexpr,
+def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, scale, E, stride_t, TOP_K: tl.constexpr,
+                  E_PAD: tl.constexpr, K_PAD: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
                   RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
     """One token's `_route_row`."""
     wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
-    _route_row(logits_ptr + t * stride_t, ids_ptr + t * TOP_K, weights_ptr + t * TOP_K, E, TOP_K, E_PAD, K_PAD,
-               SOFTMAX, RENORMALIZE)
+    _route_row(logits_ptr + t * stride_t, bias_ptr, scale, ids_ptr + t * TOP_K, weights_ptr + t * TOP_K, E, TOP_K,
+               E_PAD, K_PAD, SCORING, HAS_BIAS, RENORMALIZE)
 
 
 @triton.jit
-def _route_row(logits_row, ids_row, weights_row, E, TOP_K: tl.constexpr, E_PAD: tl.constexpr,
-               K_PAD: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr):
-    """A token's E logits (in the model's dtype) -> its k expert ids and weights (`_top_k`)."""
+def _route_row(logits_row, bias_ptr, scale, ids_row, weights_row, E, TOP_K: tl.constexpr, E_PAD: tl.constexpr,
+               K_PAD: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """A token's E logits (in the model's dtype, or float32) -> its k expert ids and weights
+    (`_top_k`; HAS_BIAS: sigmoid scoring's correction bias, float32 [E])."""
     offs = tl.arange(0, E_PAD)
     logits = tl.load(logits_row + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
-    ids, weights = _top_k(logits, offs, E, TOP_K, K_PAD, SOFTMAX, RENORMALIZE)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs, mask=offs < E, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros([E_PAD], dtype=tl.float32)
+    ids, weights = _top_k(logits, bias, scale, offs, E, TOP_K, K_PAD, SCORING, RENORMALIZE)
     slots = tl.arange(0, K_PAD)
     tl.store(ids_row + slots, ids, mask=slots < TOP_K)
     tl.store(weights_row + slots, weights, mask=slots < TOP_K)
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax",
-              renormalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              renormalize: bool = False, correction_bias: torch.Tensor | None = None,
+              scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """See `hibana_kernels.moe.moe_route`; tied logits pick the lowest expert ids."""
-    if scoring not in moe.SCORINGS or not 1 <= top_k <= router_logits.shape[-1]:
-        return moe.moe_route(router_logits, top_k, scoring=scoring, renormalize=renormalize)  # its error
+    e = router_logits.shape[-1]
+    if (scoring not in moe.SCORINGS or not 1 <= top_k <= e
+            or (scoring != "sigmoid" and (correction_bias is not None or scale != 1.0))
+            or (correction_bias is not None and tuple(correction_bias.shape) != (e,))):
+        return moe.moe_route(router_logits, top_k, scoring=scoring, renormalize=renormalize,
+                             correction_bias=correction_bias, scale=scale)  # its error
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-    t, e = logits.shape
+    bias = None if correction_bias is None else correction_bias.contiguous()
+    t = logits.shape[0]
     weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
     if t:
-        _route_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k,
-                            E_PAD=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
-                            SOFTMAX=scoring == "softmax", RENORMALIZE=renormalize, num_warps=4,
+        _route_kernel[(t,)](logits, bias if bias is not None else logits, weights, ids, float(scale), e,
+                            logits.stride(0), TOP_K=top_k, E_PAD=triton.next_power_of_2(e),
+                            K_PAD=triton.next_power_of_2(top_k), SCORING=SCORING_CODES[scoring],
+                            HAS_BIAS=bias is not None, RENORMALIZE=renormalize, num_warps=4,
                             **pdl.launch_args(logits.device, "moe"))
     return weights, ids
 
@@ -212,7 +243,7 @@ def moe_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softma
 def _norm_route_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, h_ptr, res_out_ptr, logits_ptr, counter_ptr,
                        weights_ptr, ids_ptr, eps, E, K, stride_xm, stride_rm, stride_wn,
                        TOP_K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr,
-                       BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr,
+                       BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SCORING: tl.constexpr,
                        RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
     """A sparse block's start for token t (program (t, i)): h = rms_norm(x + residual) over the
     whole row (program 0 writes h and x + residual), the router's logits of experts
@@ -244,8 +275,8 @@ def _norm_route_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, h_ptr, res_out_ptr,
     tl.debug_barrier()  # every thread's logits are written before the count releases them
     arrived = tl.atomic_add(counter_ptr + t, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(1) - 1:
-        _route_row(logits_ptr + t * E, ids_ptr + t * TOP_K, weights_ptr + t * TOP_K, E, TOP_K, E_PAD, K_PAD,
-                   SOFTMAX, RENORMALIZE)
+        _route_row(logits_ptr + t * E, logits_ptr, 1.0, ids_ptr + t * TOP_K, weights_ptr + t * TOP_K, E, TOP_K,
+                   E_PAD, K_PAD, SCORING, False, RENORMALIZE)
         tl.atomic_xchg(counter_ptr + t, 0, sem="relaxed", scope="gpu")
 
 
@@ -268,7 +299,10 @@ def norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tenso
              and residual.shape == x.shape and residual.dtype == x.dtype
              and norm_weight.dtype == x.dtype and router_weight.dtype == x.dtype
              and router_weight.stride(-1) == 1  # read before the PDL wait: never a copy made here
-             and scoring in moe.SCORINGS and 1 <= top_k <= e)
+             and scoring in ("softmax", "topk_softmax") and 1 <= top_k <= e)
+    if scoring == "sigmoid":
+        return moe.norm_route(x, residual, norm_weight, eps, router_weight, router_bias, top_k, scoring=scoring,
+                              renormalize=renormalize)  # its error
     if not takes:
         from hibana_kernels import matmul_triton, norm_triton
 
@@ -288,7 +322,7 @@ def norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tenso
         h, res_out, logits, counters.counters("norm_route", NORM_ROUTE_MAX_TOKENS, x.device), weights, ids, eps, e,
         k, x.stride(0), residual.stride(0), router_weight.stride(0), TOP_K=top_k, E_PAD=triton.next_power_of_2(e),
         K_PAD=triton.next_power_of_2(top_k), BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k),
-        HAS_BIAS=router_bias is not None, SOFTMAX=scoring == "softmax", RENORMALIZE=renormalize, num_warps=4,
+        HAS_BIAS=router_bias is not None, SCORING=SCORING_CODES[scoring], RENORMALIZE=renormalize, num_warps=4,
         **pdl.launch_args(x.device, "moe"))
     return h, res_out, weights, ids
 

@@ -266,7 +266,12 @@ def test_bad_experts_and_routing_arguments_are_refused():
     with pytest.raises(ValueError, match="top_k"):
         moe.moe_route(torch.zeros(3, 4), 5)
     with pytest.raises(ValueError, match="scoring"):
-        moe.moe_route(torch.zeros(3, 4), 2, scoring="sigmoid")
+        moe.moe_route(torch.zeros(3, 4), 2, scoring="sigmoid_softmax")
+    with pytest.raises(ValueError, match="sigmoid routing's"):
+        moe.moe_route(torch.zeros(3, 4), 2, scale=2.5)
+    with pytest.raises(ValueError, match="moe_route"):
+        moe.norm_route(torch.zeros(3, 4), torch.zeros(3, 4), torch.ones(4), 1e-6, torch.zeros(8, 4), None, 2,
+                       scoring="sigmoid")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,22 +292,28 @@ def check_route(device, scoring, renormalize, top_k, num_experts, tied, dtype):
     logits = torch.randn(13, num_experts, generator=gen).to(dtype)
     if tied:  # ties straddling the top-k boundary: a block of equal logits at the top
         logits[:, 1:1 + 2 * top_k] = logits.max() + 1
-    weights, ids = _moe_triton().moe_route(logits.to(device), top_k, scoring=scoring, renormalize=renormalize)
+    sigmoid = dict(correction_bias=torch.randn(num_experts, generator=gen) / 4, scale=2.5) if scoring == "sigmoid" else {}
+    if tied and sigmoid:  # the choice is score + bias: tie those
+        sigmoid["correction_bias"][1:1 + 2 * top_k] = 0.0
+    weights, ids = _moe_triton().moe_route(logits.to(device), top_k, scoring=scoring, renormalize=renormalize,
+                                           **{k: v.to(device) if torch.is_tensor(v) else v for k, v in sigmoid.items()})
     assert weights.dtype == torch.float32 and ids.dtype == torch.int64
     ids, weights = ids.cpu(), weights.cpu()
-    assert torch.equal(ids, _lowest_index_top_k(logits.float(), top_k))
-    ref_weights, ref_ids = moe.moe_route(logits, top_k, scoring=scoring, renormalize=renormalize)
+    choice = logits.float().sigmoid() + sigmoid["correction_bias"] if sigmoid else logits.float()
+    assert torch.equal(ids, _lowest_index_top_k(choice, top_k))
+    ref_weights, ref_ids = moe.moe_route(logits, top_k, scoring=scoring, renormalize=renormalize, **sigmoid)
     if not tied:
         assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)  # tied: equal weights anyway
     if device == "cuda":  # the claim the kernel's tie rule rests on: torch.topk on CUDA picks these
-        cuda_ids = moe.moe_route(logits.to(device), top_k, scoring=scoring)[1].cpu()
+        cuda_ids = moe.moe_route(logits.to(device), top_k, scoring=scoring,
+                                 **{k: v.to(device) if torch.is_tensor(v) else v for k, v in sigmoid.items()})[1].cpu()
         assert torch.equal(cuda_ids.sort(dim=-1).values, ids.sort(dim=-1).values)
 
 
 @pytest.mark.parametrize("scoring, renormalize, top_k, num_experts",
                          [("softmax", True, 8, 128), ("softmax", False, 2, 8), ("topk_softmax", False, 4, 32),
-                          ("topk_softmax", False, 1, 5)])
+                          ("topk_softmax", False, 1, 5), ("sigmoid", True, 8, 128), ("sigmoid", False, 3, 20)])
 @pytest.mark.parametrize("tied", [False, True], ids=["distinct", "tied"])
 def test_route(run_check, scoring, renormalize, top_k, num_experts, tied):
     run_check(check_route, scoring=scoring, renormalize=renormalize, top_k=top_k,

@@ -162,6 +162,22 @@ ARCH_CONFIGS: dict[str, dict] = {
         num_experts_per_tok=2,
         rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
     ),
+    "glm4_moe": dict(  # GLM-4.5's: sigmoid routing with a correction bias and a scale, a shared expert,
+        # a dense first layer, q/k/v biases, q/k norms, rotary on half of each head
+        num_hidden_layers=3,
+        head_dim=16,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        attention_bias=True,
+        use_qk_norm=True,
+        num_mtp_layers=0,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0, partial_rotary_factor=0.5),
+    ),
     "granite": dict(
         num_hidden_layers=3,
         embedding_multiplier=3.0,
@@ -251,12 +267,14 @@ def make_tokenizer():
 
 
 def make_config(arch: str, **config_overrides):
-    from transformers import (Gemma3TextConfig, GptOssConfig, GraniteConfig, LlamaConfig, Ministral3Config,
-                              MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (Gemma3TextConfig, Glm4MoeConfig, GptOssConfig, GraniteConfig, LlamaConfig,
+                              Ministral3Config, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig)
 
     kinds = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
              "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig,
-             "mixtral": MixtralConfig, "granite": GraniteConfig, "ministral3": Ministral3Config}
+             "mixtral": MixtralConfig, "granite": GraniteConfig, "ministral3": Ministral3Config,
+             "glm4_moe": Glm4MoeConfig}
     if arch not in kinds:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(kinds)}")
     return kinds[arch](**{**_COMMON, **ARCH_CONFIGS[arch], **config_overrides})
@@ -290,6 +308,11 @@ def _save_seeded(config, path: Path, seed: int, shard_size: str | None = None, t
                 p.add_(0.5 * torch.randn(p.shape, generator=gen))
             if name.endswith(_ROUTER_TENSORS) and tied_experts:  # a MoE router: tie pairs of experts
                 p[1:2 * TIED_EXPERT_PAIRS:2] = p[0:2 * TIED_EXPERT_PAIRS:2]
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # (GLM-4.5's, a buffer HF inits to zeros)
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+                if tied_experts:
+                    b[1:2 * TIED_EXPERT_PAIRS:2] = b[0:2 * TIED_EXPERT_PAIRS:2]
     model.generation_config = GenerationConfig(bos_token_id=EOS_ID, eos_token_id=EOS_ID, do_sample=False)
     if shard_size is None:
         model.save_pretrained(path, safe_serialization=True)

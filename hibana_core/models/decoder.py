@@ -627,12 +627,20 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """Gated MLP (SwiGLU, or GeGLU with tanh-approximated gelu) with a fused gate/up projection."""
 
-    def __init__(self, args: DecoderArgs) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu",
+                 bias: bool = False) -> None:
         super().__init__()
-        h, i = args.hidden_size, args.intermediate_size
-        self.activation = args.activation
-        self.gate_up_proj = Linear(h, 2 * i, bias=args.mlp_bias)
-        self.down_proj = Linear(i, h, bias=args.mlp_bias)
+        h, i = hidden_size, intermediate_size
+        self.activation = activation
+        self.gate_up_proj = Linear(h, 2 * i, bias=bias)
+        self.down_proj = Linear(i, h, bias=bias)
+
+    def of_normed(self, h: torch.Tensor) -> torch.Tensor:
+        """The MLP of h, already normed (GLM-4.5's shared experts, beside the routed ones)."""
+        gate_up = self.gate_up_proj(h)
+        if self.activation == "silu":
+            return self.down_proj.after_silu_and_mul(gate_up)
+        return self.down_proj(kernels.gelu_tanh_and_mul(gate_up))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor,
                 norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -655,7 +663,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(args, layer_idx, ctx, rotary)
         sparse = args.moe is not None and args.moe.layers[layer_idx]
-        self.mlp = SparseMoE(args.moe, args.hidden_size) if sparse else MLP(args)
+        self.mlp = (SparseMoE(args.moe, args.hidden_size) if sparse
+                    else MLP(args.hidden_size, args.intermediate_size, args.activation, args.mlp_bias))
         self.input_layernorm = make_norm(args, args.hidden_size)
         self.post_attention_layernorm = make_norm(args, args.hidden_size)
         self.sandwich = args.sandwich_norms
@@ -773,8 +782,7 @@ class DecoderForCausalLM(nn.Module):
         the fused q/k/v and gate/up parameters where the checkpoint holds them apart, and into
         the stacked experts where it holds one tensor per expert). `names`: the checkpoint's."""
         a = self.args
-        sizes = {"qkv_proj": (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim),
-                 "gate_up_proj": (a.intermediate_size, a.intermediate_size)}
+        qkv = (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim)
         targets: dict[str, torch.Tensor] = {}
         for name, param in self.named_parameters(remove_duplicate=False):
             module, _, kind = name.rpartition(".")
@@ -782,7 +790,8 @@ class DecoderForCausalLM(nn.Module):
             if proj not in self.fused_layers:
                 targets[name] = param
                 continue
-            for part, view in zip(self.fused_layers[proj], param.data.split(sizes[proj], dim=0)):
+            sizes = qkv if proj == "qkv_proj" else (param.shape[0] // 2,) * 2  # (an MLP's own width: GLM's shared experts)
+            for part, view in zip(self.fused_layers[proj], param.data.split(sizes, dim=0)):
                 targets[f"{parent}.{part}.{kind}"] = view
         for prefix, module in self.named_modules():
             if isinstance(module, Experts) and module.has_float_stacks and f"{prefix}.gate_up_proj" not in names:
