@@ -924,9 +924,12 @@ def _template_parser(template: str, vocab: dict) -> str:
     `<tool_call>`; Mistral's after its `[TOOL_CALLS]` token, as an array, or `NAME[ARGS]{...}` where
     the template writes `[ARGS]` (a token of its tokenizer too), `NAME[CALL_ID]ID[ARGS]{...}` where it
     also writes `[CALL_ID]`; Granite 3.x's after its `<|tool_call|>` token; Qwen3-Coder's (Qwen3.5's,
-    Nemotron 3's) `<function=NAME>` with `<parameter=KEY>` lines; hermes otherwise."""
+    Nemotron 3's) `<function=NAME>` with `<parameter=KEY>` lines; GLM-4.5's `<arg_key>` and `<arg_value>`
+    tags; hermes otherwise."""
     if "<function=" in template and "<parameter=" in template:
         return "qwen3_coder"
+    if "<arg_key>" in template and "<arg_value>" in template:
+        return "glm45"
     if "<tool_call>" not in template and "<|tool_call|>" in template and "<|tool_call|>" in vocab:
         return "granite"
     if "<tool_call>" not in template and "[TOOL_CALLS]" in template and "[TOOL_CALLS]" in vocab:

@@ -108,7 +108,8 @@ class CallSyntax:
     anywhere: bool = True  # whether a call may start after text ("auto"); Llama 3's parser reads calls only at
     # the start of the turn (or after <|python_tag|>), so after text its grammar starts none
     arguments: str = "json"  # how the arguments are written: a JSON object, or "qwen_xml" (xgrammar's style of
-    # Qwen3-Coder's `<parameter=KEY>VALUE</parameter>` lines: a string as it is, other values as JSON)
+    # Qwen3-Coder's `<parameter=KEY>VALUE</parameter>` lines: a string as it is, other values as JSON), or "glm_xml"
+    # (GLM-4.5's `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>`, alike)
 
 
 SYNTAX = {  # by registered tool parser name
@@ -118,6 +119,9 @@ SYNTAX = {  # by registered tool parser name
                               anywhere=False),
     "qwen3_coder": CallSyntax("<tool_call>\n<function=", ">\n", "\n</function>\n</tool_call>", trigger="<tool_call>",
                               closer="</tool_call>", arguments="qwen_xml"),
+    # (the whitespace around `<arg_key>` and `<arg_value>` is the glm_xml style's: GLM-4.5's newlines, or none)
+    "glm45": CallSyntax("<tool_call>", "", "</tool_call>", trigger="<tool_call>", closer="</tool_call>",
+                        arguments="glm_xml"),
 }
 
 ANY_OBJECT = {"type": "object"}
@@ -150,7 +154,7 @@ def tool_call_grammar(tools: Sequence[dict], tool_choice: str, syntax: CallSynta
     style = getattr(syntax, "arguments", "json")  # a plugin's syntax may leave it out
     content = {"type": "json_schema"} if style == "json" else {"type": "json_schema", "style": style,
                                                                  "max_whitespace_cnt": 1}
-    # (the qwen_xml templates write one newline around a value and between parameters; unbounded, a
+    # (the qwen_xml and glm_xml templates write one newline around a value and between parameters; unbounded, a
     # model could write whitespace there for as long as max_tokens allows)
     spelt = (lambda name: json.dumps(name, ensure_ascii=False)[1:-1]) if style == "json" else str  # in a JSON string
     tags = [{"type": "tag", "begin": syntax.open + spelt(f["name"]) + syntax.mid,

@@ -56,6 +56,7 @@ BUILTIN_MODULES = (
     "hibana_core.surgery.passes",
     "hibana_plugins.tool_parsers",
     "hibana_plugins.qwen_xml",
+    "hibana_plugins.glm_xml",
     "hibana_plugins.harmony",
     "hibana_plugins.langchain_plugin",  # (the adapter module itself is imported when adapters are asked for)
     "hibana_plugins.llamaindex",
