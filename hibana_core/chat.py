@@ -147,16 +147,25 @@ class Chat:
             # the template ends a reply with it (Mistral's, Llama 2's): a turn ends there even where the
             # model stops at no EOS (a generation_config.json naming none, as transformers reads it)
             self.stop_token_ids += (eos,)
+        control = prompt.control_strings(engine.tokenizer)
+        # the model's ends of sequence that its template writes to open the next message (GLM's <|user|> and
+        # <|observation|>: a reply ends where the next message begins) end a turn too, so that a held reply
+        # is kept (`prompt_ids`); they end no message (`continues`: a <|user|> opens one)
+        opening = tuple(t for t in sorted(engine.eos_token_ids) if ends is None and t < engine.vocab_size
+                        and t not in self.stop_token_ids and t != eos
+                        and (text := engine.tokenizer.decode([t], skip_special_tokens=False)) in control
+                        and text in str(template))
+        self.stop_token_ids += opening
         # where a reply ends among a state's tokens: a turn's stop tokens, and the EOS the template ends a reply
         # with where the engine stops at it (Mistral's </s>: without it no held reply was ever kept)
         self._reply_ends = frozenset(self.stop_token_ids) | frozenset(
             (eos,) if ends is None and "eos_token" in str(template) and eos in engine.eos_token_ids else ())
         self._end_texts = tuple(engine.tokenizer.decode([t], skip_special_tokens=False) for t in self.stop_token_ids)
-        self._message_ends = frozenset(self.stop_token_ids) | frozenset(
+        self._message_ends = frozenset(self.stop_token_ids) - frozenset(opening) | frozenset(
             vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and vocab[t] < engine.vocab_size)
         """Tokens that end a message, a format's that end no turn too (harmony's <|end|>): where
         `continues` finds the messages of a state's last reply."""
-        self.control = prompt.control_strings(engine.tokenizer)  # what contents never turn into
+        self.control = control  # what contents never turn into
         self.words = prompt.markup_words(engine.tokenizer)  # what tools' contents never turn into
         self.word_ids = frozenset(vocab[t] for t in self.words if t in vocab)
         self.control_ids = frozenset(vocab[t] for t in self.control if t in vocab)
@@ -168,6 +177,7 @@ class Chat:
         self._floor: list[TokenFloor | None] = []  # `token_floor` of the tokenizer, once found: shared by `on`
         self._opening: list[str] = []  # what the template writes before a reply (`_reply_opening`), once
         self._openings: list[tuple[str, ...]] = []  # where a reply starts (`_reply_openings`), once
+        self._gap: list[str] = []  # what the template writes between a think block and the answer, once
         # found: a list that the copies `on` makes share
         self.handle: StateHandle | None = engine.open_state(state_id) if state_id is not None else None
         self.think_markers = turn.think_markers(str(template), vocab)
@@ -462,6 +472,21 @@ class Chat:
                 for tail in [text.rsplit("hibana-opening-probe", 1)[1].split(self.think_markers.open)[0].strip()]
                 if tail)))
         return self._openings[0]
+
+    def answer_gap(self) -> str:
+        """What the chat template writes between a reply's think block and its answer (Qwen3's blank
+        line, GLM-4.5's newline; "\n\n" where it does not say: a template that renders no
+        `reasoning_content`): what a forced call or a held answer follows, so that the reply is
+        written as its history renders it."""
+        if not self._gap:
+            probe = [{"role": "user", "content": "hi"},
+                     {"role": "assistant", "content": "hibana-answer-probe", "reasoning_content": "hibana-think-probe"}]
+            text, close = self._probe(probe) or "", self.think_markers.close
+            end = text.find(close, text.find("hibana-think-probe")) if "hibana-think-probe" in text else -1
+            answer = text.find("hibana-answer-probe", end) if end >= 0 else -1
+            gap = text[end + len(close):answer] if answer >= 0 else None
+            self._gap.append(gap if gap is not None and not gap.strip() else "\n\n")
+        return self._gap[0]
 
     def _writes(self, marker: str, messages: list[dict], **options: Any) -> bool:
         """Whether the chat template, rendering `messages` (and `options`), writes `marker`."""
@@ -815,10 +840,20 @@ class Chat:
                     grammar = turn.answer_or_calls(self.parser, self.parser_name, tools, tool_choice, answer,
                                                    parallel=not one_call, strict=guided,
                                                    strict_schema=params.strict_schema)
+            from_start = answer is not None or tool_choice != "auto"  # the grammar holds the turn's first token
             if grammar is not None and held_off and grammar.get("type") == "structural_tag":
                 # an answer in JSON follows the blank line after the think block, as a forced call does
                 grammar = turn.after_thinking(grammar, "required" if answer is not None else tool_choice,
-                                              open_in_prompt, markers)
+                                              open_in_prompt, markers, self.answer_gap())
+            elif grammar is not None and from_start and closed_in_prompt and thinking is not None \
+                    and grammar.get("type") == "structural_tag":
+                # the template closed the block (thinking off): what it writes after a block and the prompt
+                # does not (GLM-4.5's "<think></think>" leaves the model its "\n") comes first
+                after = end[len(end.rstrip()):]
+                lead = self.answer_gap()[len(after):] if self.answer_gap().startswith(after) else ""
+                if lead:
+                    grammar = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+                        {"type": "const_string", "value": lead}, grammar["format"]]}}
             if grammar is not None and prefill and not _free_start(grammar.get("format", {})):
                 raise ConfigError(f"prefill with {self.parser_name}'s tool-call grammar is not supported: it holds the "
                                   "turn from its first token (a message header, a think block), and would start after "
@@ -849,7 +884,7 @@ class Chat:
                 answer_only = {"type": "structural_tag",
                                "format": {"type": "json_schema", "json_schema": params.json_schema}}
                 params = dataclasses.replace(params, json_schema=None, grammar=turn.after_thinking(
-                    answer_only, "required", open_in_prompt, markers))
+                    answer_only, "required", open_in_prompt, markers, self.answer_gap()))
         elif held_off and not channels and (params.regex is not None or isinstance(params.grammar, str)) \
                 and not calls_held:
             # a regex or an EBNF grammar of the caller's holds the answer after the thinking too, as vLLM
@@ -857,7 +892,7 @@ class Chat:
             own = ({"type": "regex", "pattern": params.regex} if params.regex is not None
                    else {"type": "grammar", "grammar": params.grammar})
             params = dataclasses.replace(params, regex=None, grammar=turn.after_thinking(
-                {"type": "structural_tag", "format": own}, "required", open_in_prompt, markers))
+                {"type": "structural_tag", "format": own}, "required", open_in_prompt, markers, self.answer_gap()))
         if parse_tools or channels:
             options = {} if parse_tools else {"calls": False}
             if parse_tools and getattr(self.parser, "takes_tools", False):  # its values typed by the tools' schemas

@@ -264,10 +264,11 @@ def answer_or_calls(parser: Any, parser_name: str, tools: Sequence[dict], tool_c
 
 
 def after_thinking(grammar: dict, tool_choice: str, open_in_prompt: bool,
-                   markers: "ThinkMarkers | None" = None) -> dict:
+                   markers: "ThinkMarkers | None" = None, gap: str = "\n\n") -> dict:
     """A tool-call grammar held off while a reasoning model thinks: first its think block
     (optional, unless the template opened it), any text, then `grammar`, so that `<tool_call>`
-    written while thinking is thinking. A forced call follows the blank line after the block.
+    written while thinking is thinking. A forced call follows `gap` after the block: what the
+    template writes there (Qwen3's blank line, GLM-4.5's newline; `Chat.answer_gap`).
     `markers`: the model's think markers (Qwen's `<think>` by default), named as the control
     tokens they are where they are (Mistral's `[THINK]`)."""
     markers = markers or QWEN_THINK
@@ -276,7 +277,7 @@ def after_thinking(grammar: dict, tool_choice: str, open_in_prompt: bool,
     think = {"type": "tag", "begin": "" if open_in_prompt else markers.spelt(markers.open),
              "content": {"type": "any_text"}, "end": markers.spelt(markers.close)}
     if tool_choice != "auto":
-        think = {"type": "sequence", "elements": [think, {"type": "const_string", "value": "\n\n"}]}
+        think = {"type": "sequence", "elements": [think, {"type": "const_string", "value": gap}]}
     if not open_in_prompt:  # after whitespace, as `Thinking` reads it ("\n<think>" was free text, so a
         # <tool_call> in that thinking opened a call the parser never read)
         # (a few characters of ASCII whitespace: unbounded, a model could write whitespace up to max_tokens,
@@ -349,8 +350,9 @@ class Thinking:
     def __init__(self, open_in_prompt: bool = False, closed_in_prompt: bool = False,
                  markers: ThinkMarkers = QWEN_THINK) -> None:
         self.markers = markers
-        # start, thinking, after, answer; a template that closed the block (thinking switched off): all answer
-        self.mode = "thinking" if open_in_prompt else "answer" if closed_in_prompt else "start"
+        # start, thinking, after, answer; a template that closed the block (thinking switched off): all answer,
+        # after the blank lines that follow a block (GLM's "<think></think>" leaves the model its "\n")
+        self.mode = "thinking" if open_in_prompt else "after" if closed_in_prompt else "start"
         self.held = ""
         self.reasoning = ""
         self._spaces = ""      # whitespace at the end of the thinking streamed so far, held back
