@@ -1,4 +1,4 @@
-"""A tiny GLM-4.5-style checkpoint: the seeded random llama model of tiny_models with GLM's chat markup
+"""A tiny GLM-4.5-style checkpoint: a seeded random model of tiny_models (llama, or glm4_moe) with GLM's chat markup
 and GLM-4.5's published chat template (GLM-4.5, GLM-4.5-Air and GLM-4.6 share it), whose tool calls
 are `<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n...</tool_call>` and whose
 replies end where the next message begins: the model stops at <|user|> or <|observation|>, as its
@@ -122,8 +122,9 @@ For each function call, output the function name and arguments within the follow
 """GLM-4.5's chat template as published (its tokenizer_config.json's chat_template)."""
 
 
-def make_glm_checkpoint(path, template: str = TEMPLATE) -> Path:
-    path = tiny_models.make_chat_checkpoint("llama", path, template, SPECIAL, ADDED,
+def make_glm_checkpoint(path, template: str = TEMPLATE, arch: str = "llama") -> Path:
+    """The checkpoint, a llama model (the text side's tests) or `arch` "glm4_moe" (GLM-4.5's own family)."""
+    path = tiny_models.make_chat_checkpoint(arch, path, template, SPECIAL, ADDED,
                                             max_position_embeddings=4096)  # the template's tool prompt is long
     vocab = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
     ids = {token["content"]: token["id"] for token in vocab}
