@@ -55,7 +55,8 @@ def args_from_config(config: Any) -> DecoderArgs:
                   intermediate_size=config.moe_intermediate_size, renormalize=bool(config.norm_topk_prob),
                   layers=tuple(i >= dense and experts > 0 for i in range(config.num_hidden_layers)),
                   round_weights=False)
-    layers, extra = config.num_hidden_layers, getattr(config, "num_mtp_layers", None) or 0
+    layers = config.num_hidden_layers  # (the MTP layers: transformers 5's num_mtp_layers, GLM's config.json's name)
+    extra = getattr(config, "num_mtp_layers", None) or getattr(config, "num_nextn_predict_layers", None) or 0
     left_out = tuple(f"model.layers.{layers + i}." for i in range(int(extra)))
     if not getattr(config, "n_shared_experts", 0):  # transformers saves an empty shared MLP: nothing to read
         left_out += tuple(f"model.layers.{i}.mlp.shared_experts." for i, sparse in enumerate(moe.layers) if sparse)
