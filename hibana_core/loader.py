@@ -25,8 +25,8 @@ from hibana_core.kv.budget import device_memory
 from hibana_core.models.decoder import rotary_bytes, rotary_positions, size_rotary
 from hibana_core.models.moe import PACKED_PARTS, STACKS
 from hibana_core.progress import LoadProgress, bar as progress_bar
-from hibana_core.surgery.checkpoint import (MANIFEST, check_kv_scale, check_packed, check_packed_experts,
-                                           read_manifest)
+from hibana_core.surgery.checkpoint import (MANIFEST, check_kv_scale, check_kv_scaled_layers, check_packed,
+                                           check_packed_experts, read_manifest)
 from hibana_plugins.manager import describe_registered, get_plugin_manager
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo" / "model"
@@ -482,6 +482,7 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
             scale = read(*where.pop(tensor), tensor)
             check_kv_scale(path, tensor, scale, getattr(layer, "num_kv_heads", None))
             layer.set_kv_scales(scale.to(device))
+        check_kv_scaled_layers(path, manifest, [name for name, m in layers.items() if hasattr(m, "set_kv_scales")])
         for name, (window, sinks) in _windowed_layers(manifest, path).items():  # the window pass's layers
             layer = layers.get(name)
             if layer is None or not hasattr(layer, "sink_tokens"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 
 import pytest
@@ -134,3 +135,41 @@ def test_an_activation_order_that_is_not_a_permutation_of_the_inputs_is_a_checkp
         save_file({**tensors, name: wrong}, out / "model.safetensors", metadata={"format": "pt"})
         with pytest.raises(CheckpointError, match=f"{name} is "):
             open_engine(out, speculation="off")
+
+
+@pytest.fixture(scope="module")
+def written_kv8(tiny_checkpoints, tmp_path_factory):
+    """(source, a kv8 checkpoint of it written by `hibana surgery`'s writer, its manifest)."""
+    from hibana_core.surgery import checkpoint
+
+    source = tiny_checkpoints["qwen3"]
+    out = tmp_path_factory.mktemp("manifest") / "kv8"
+    with open_engine(source, surgery=["kv8"], surgery_guard=False, speculation="off") as engine:
+        checkpoint.save(engine, source, out)
+    return source, out, json.loads((out / checkpoint.MANIFEST).read_text())
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda m: m.update(kv_scaled_layers=[]), r"names the kv8 pass.*name none of them \(missing: "
+                                              r"model.layers.0.self_attn, model.layers.1.self_attn\)"),
+    (lambda m: m.pop("kv_scaled_layers"), "names the kv8 pass.*name none of them"),
+    (lambda m: m["kv_scaled_layers"].pop(), r"names the kv8 pass.*name 1 of them \(missing: "
+                                            r"model.layers.1.self_attn\)"),
+    (lambda m: m.update(passes=[]), r"lists kv_scaled_layers \(2\).*do not name kv8"),
+], ids=["none-listed", "no-list", "one-missing", "no-kv8-pass"])
+def test_a_kv8_manifest_without_its_kv_scaled_layers_is_a_checkpoint_error(written_kv8, tmp_path, edit, says):
+    """A manifest naming the kv8 pass but listing no KV-scaled layers (or only some) loaded with the KV
+    cache in the compute dtype, silently, the engine reporting kv8 applied (its scales lay unread in the
+    weights); layers listed without a kv8 pass, an fp8 cache no pass accounts for. Each is a
+    CheckpointError naming the manifest and saying how to write it again; as written, it loads in fp8."""
+    source, out, _ = written_kv8
+    with open_engine(out, speculation="off") as engine:
+        assert engine.kv_cache.dtype == torch.float8_e4m3fn and [r["name"] for r in engine.surgery] == ["kv8"]
+    edited = shutil.copytree(out, tmp_path / "edited")
+    manifest = json.loads((out / "hibana_surgery.json").read_text())
+    edit(manifest)
+    (edited / "hibana_surgery.json").write_text(json.dumps(manifest))
+    named = re.escape(str(edited / "hibana_surgery.json"))
+    with pytest.raises(CheckpointError, match=rf"^{named} {says}.*damaged: re-run `hibana surgery` on its source "
+                                              rf"\({re.escape(str(source))}\) with (its|the) passes"):
+        open_engine(edited, speculation="off")

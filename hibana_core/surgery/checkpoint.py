@@ -235,6 +235,28 @@ def check_packed_experts(path: Path, name: str, kind: str, tensors: dict[str, di
                                       "checkpoint's: re-run `hibana surgery`")
 
 
+def check_kv_scaled_layers(path: Path, manifest: dict[str, Any], attention: list[str]) -> None:
+    """A CheckpointError unless the manifest's `kv_scaled_layers` are what its passes say: every one of
+    the model's `attention` layers where they name kv8 (which scales them all), none where they do
+    not. A kv8 checkpoint whose manifest listed none loaded with its KV cache in the compute dtype,
+    reported as kv8 all the same (its scales lay unread in the weights)."""
+    names = [record["name"] for record in manifest.get("passes", [])]
+    scaled = set(manifest.get("kv_scaled_layers", []))
+    missing = [name for name in attention if name not in scaled]
+    redo = f"re-run `hibana surgery` on its source ({manifest.get('source', 'the checkpoint it was written from')})"
+    if "kv8" in names and missing:
+        listed = f"{len(attention) - len(missing)} of them" if scaled else "none of them"
+        raise CheckpointError(f"{path / MANIFEST} names the kv8 pass, which scales the KV of every attention layer "
+                              f"({len(attention)} in this model), but its kv_scaled_layers name {listed} (missing: "
+                              f"{', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): loaded so, the KV "
+                              f"cache would not be fp8. The manifest is damaged: {redo} with its passes "
+                              f"({', '.join(names)})")
+    if "kv8" not in names and scaled:
+        raise CheckpointError(f"{path / MANIFEST} lists kv_scaled_layers ({len(scaled)}), which only the kv8 pass "
+                              f"writes, but its passes ({', '.join(names) or 'none'}) do not name kv8. The manifest "
+                              f"is damaged: {redo} with the passes it was written with")
+
+
 def check_kv_scale(path: Path, name: str, scale: torch.Tensor, kv_heads: int | None) -> None:
     """A CheckpointError unless `scale` reads as kv8 wrote it: float [2, kv_heads] (keys', values'
     scale per KV head), every one finite and positive (powers of two). A zero one (an integer
