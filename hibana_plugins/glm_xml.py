@@ -25,9 +25,10 @@ import re
 from typing import Any, Iterator, NamedTuple
 
 from hibana_plugins.hookspecs import ParsedOutput, ToolCallStream, hookimpl
-from hibana_plugins.qwen_xml import _PADDING, _json, _kinds, _plain_string, parameter_types, typed_value
+from hibana_plugins.qwen_xml import (_PADDING, _CallBlockStream, _json, _kinds, _plain_string, parameter_types,
+                                      typed_value)
 from hibana_plugins.qwen_xml import _value_begun as _typed_value_begun
-from hibana_plugins.tool_parsers import _accepted, _Decoded, _loads, _Stream, partial_tag_length
+from hibana_plugins.tool_parsers import _accepted, _Decoded, _loads, partial_tag_length
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 KEY_START, KEY_END = "<arg_key>", "</arg_key>"
@@ -142,48 +143,24 @@ def _block_end(block: str) -> int:
         at = closed + len(VALUE_END)
 
 
-class _GlmStream(_Stream):
-    """Calls open at `<tool_call>` anywhere in the text and are decided at their `</tool_call>`, or at
-    the end of the text: a block cut inside its `</tool_call>` (from `</` on) is a call; one cut
-    before it (its arguments may go on) is a cut call."""
+class _GlmStream(_CallBlockStream):
+    """GLM-4.5's blocks: one cut inside its `</tool_call>` (from `</` on) is a call; one cut before it
+    (its arguments may go on) is a cut call."""
 
-    def __init__(self, tools: list[dict] | None) -> None:
-        super().__init__()
-        self._types = parameter_types(tools)
-        self._in_call = False  # _buffer holds a block's body
+    def _block_end(self, block: str) -> int:
+        return _block_end(block)
 
-    def _advance(self, out: list, final: bool) -> None:
-        while True:
-            if not self._in_call:
-                start = self._buffer.find(CALL_START)
-                if start < 0:
-                    self._text_before(out, CALL_START, final)
-                    return
-                self._text(out, self._buffer[:start])
-                self._buffer, self._in_call = self._buffer[start + len(CALL_START):], True
-                continue
-            end = _block_end(self._buffer)
-            if end < 0 and not final:
-                return
-            end = self._buffer.find(CALL_END) if end < 0 else end  # a value left open: the first one
-            raw = self._buffer if end < 0 else self._buffer[:end]
-            self._buffer, self._in_call = "" if end < 0 else self._buffer[end + len(CALL_END):], False
-            if end >= 0:
-                decoded = decode_glm_call(raw, self._types)
-                if decoded.error is None:
-                    self._accept(out, decoded)
-                else:
-                    self._reject(out, CALL_START + raw + CALL_END, decoded.error)
-                continue
-            # the text ended inside the block: a call where it ended inside its </tool_call> ("<" alone
-            # may begin an <arg_key>)
-            held = partial_tag_length(raw, CALL_END)
-            decoded = decode_glm_call(raw[:len(raw) - held], self._types)
-            if decoded.error is None and held >= 2:
-                self._accept(out, decoded)
-            else:
-                self._reject(out, CALL_START + raw, f"unclosed {CALL_START}: "
-                                                    f"{decoded.error or f'its arguments need {CALL_END}'}", cut=True)
+    def _decode(self, body: str) -> _Decoded:
+        return decode_glm_call(body, self._types)
+
+    def _ended_inside(self, out: list, raw: str) -> None:
+        held = partial_tag_length(raw, CALL_END)  # ("<" alone may begin an <arg_key>)
+        decoded = decode_glm_call(raw[:len(raw) - held], self._types)
+        if decoded.error is None and held >= 2:
+            self._accept(out, decoded)
+        else:
+            self._reject(out, CALL_START + raw, f"unclosed {CALL_START}: "
+                                                f"{decoded.error or f'its arguments need {CALL_END}'}", cut=True)
 
 
 class GlmToolParser:

@@ -292,15 +292,27 @@ def _block_end(block: str) -> int:
     return first if next_call >= 0 else -1
 
 
-class _QwenXmlStream(_Stream):
-    """Calls open at `<tool_call>` anywhere in the text and are decided at their `</tool_call>`,
-    or at the end of the text (a block whose `</function>` came, cut in its end tag or before it,
-    is a call; one cut before its `</function>` is a cut call)."""
+class _CallBlockStream(_Stream):
+    """Calls open at `<tool_call>` anywhere in the text and are decided at the `</tool_call>` that
+    `_block_end` finds (a format whose values may hold `</tool_call>`: Qwen3-Coder's, GLM-4.5's), or
+    at the end of the text (`_ended_inside`). The tools' schemas type the values (`_decode`)."""
 
     def __init__(self, tools: list[dict] | None) -> None:
         super().__init__()
         self._types = parameter_types(tools)
         self._in_call = False  # _buffer holds a block's body
+
+    def _block_end(self, block: str) -> int:
+        """Where the `</tool_call>` ending `block` (what follows its `<tool_call>`) is; -1: not yet."""
+        raise NotImplementedError
+
+    def _decode(self, body: str) -> _Decoded:
+        """A whole block's call (`body`: between its tags)."""
+        raise NotImplementedError
+
+    def _ended_inside(self, out: list, raw: str) -> None:
+        """The text ended inside a block (`raw`: all after its `<tool_call>`): a call, or a cut one."""
+        raise NotImplementedError
 
     def _advance(self, out: list, final: bool) -> None:
         while True:
@@ -312,25 +324,39 @@ class _QwenXmlStream(_Stream):
                 self._text(out, self._buffer[:start])
                 self._buffer, self._in_call = self._buffer[start + len(CALL_START):], True
                 continue
-            end = _block_end(self._buffer)
+            end = self._block_end(self._buffer)
             if end < 0 and not final:
                 return
-            end = self._buffer.find(CALL_END) if end < 0 else end
+            end = self._buffer.find(CALL_END) if end < 0 else end  # the format's end never came: the first
             raw = self._buffer if end < 0 else self._buffer[:end]
-            rest = "" if end < 0 else self._buffer[end + len(CALL_END):]
-            body = raw
-            if end < 0:  # the text ended inside the block, perhaps inside its end tag
-                held = next((n for n in range(min(len(CALL_END) - 1, len(body)), 0, -1)
-                             if body.endswith(CALL_END[:n])), 0)
-                body = body[:len(body) - held]
-            self._buffer, self._in_call = rest, False
-            decoded = decode_xml_call(body, self._types)
+            self._buffer, self._in_call = "" if end < 0 else self._buffer[end + len(CALL_END):], False
+            if end < 0:
+                self._ended_inside(out, raw)
+                continue
+            decoded = self._decode(raw)
             if decoded.error is None:
                 self._accept(out, decoded)
-            elif end < 0:
-                self._reject(out, CALL_START + raw, f"unclosed {CALL_START}: {decoded.error}", cut=True)
             else:
                 self._reject(out, CALL_START + raw + CALL_END, decoded.error)
+
+
+class _QwenXmlStream(_CallBlockStream):
+    """Qwen3-Coder's blocks: a block whose `</function>` came, cut in its end tag or before it, is a
+    call; one cut before its `</function>` is a cut call."""
+
+    def _block_end(self, block: str) -> int:
+        return _block_end(block)
+
+    def _decode(self, body: str) -> _Decoded:
+        return decode_xml_call(body, self._types)
+
+    def _ended_inside(self, out: list, raw: str) -> None:
+        held = next((n for n in range(min(len(CALL_END) - 1, len(raw)), 0, -1) if raw.endswith(CALL_END[:n])), 0)
+        decoded = decode_xml_call(raw[:len(raw) - held], self._types)
+        if decoded.error is None:
+            self._accept(out, decoded)
+        else:
+            self._reject(out, CALL_START + raw, f"unclosed {CALL_START}: {decoded.error}", cut=True)
 
 
 class QwenXmlToolParser:
