@@ -202,6 +202,7 @@ class Detokenizer:
         self._emitted = 0
         self._matchers = [StopMatcher(s) for s in self.stop]
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text, once one has
         self._bytes: Callable[[int], bytes] | None = None  # token id -> its bytes, made when first needed
 
     def add(self, token_id: int) -> bool:
@@ -227,7 +228,8 @@ class Detokenizer:
             done = [m for m in self._matchers if m.feed(char)]
             if done:  # the text ends before the stop string that completed first; of several
                 # completing at this character ("b" and "ab"), the longest began first
-                stop = max(len(m.stop) for m in done)
+                self.matched = max((m.stop for m in done), key=len)
+                stop = len(self.matched)
                 self.text = (self.text + new[:i + 1])[:len(self.text) + i + 1 - stop]
                 self.control_spans = [span for span in self.control_spans if span[1] <= len(self.text)]
                 self.stopped = True

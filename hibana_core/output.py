@@ -317,7 +317,7 @@ class OutputProcessor:
         wanted = request.params is not None and request.params.logprobs
         completion = Completion(list(request.output), request.finish_reason or "", detok.text if detok else "",
                                 stats, list(request.logprobs) if wanted else None,
-                                tuple(detok.control_spans) if detok else ())
+                                tuple(detok.control_spans) if detok else (), detok.matched if detok else None)
         if delivery.stream.detokenizer is not None:  # the caller's read decodes the text
             delivery.stream.put(_Final(request.finish_reason, completion))
             return

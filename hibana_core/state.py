@@ -72,6 +72,7 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
     control_spans: tuple[tuple[int, int], ...] | None = None  # (start, end) of `text` where the model
                                                               # generated control (special) tokens
+    stop_string: str | None = None  # the stop string (SamplingParams.stop) that ended the text, if one did
 
 
 @dataclass(frozen=True)

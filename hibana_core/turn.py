@@ -69,6 +69,7 @@ class ChatResult:
     logprobs: "list[TokenLogprob] | None" = None  # per generated token, when params.logprobs
     reasoning: str = ""       # the model's thinking (`<think>...</think>`), apart from `text`
     cut_call: str = ""        # the end of `text` that is a call max_tokens cut off (the parser's `CutCall`)
+    stop_sequence: str | None = None  # the stop string (SamplingParams.stop) that ended the turn, if one did
 
     @property
     def content(self) -> str:
@@ -458,6 +459,7 @@ class TurnRun:
         self.usage: Usage | None = None
         self.generated = 0
         self.finish_reason = "stop"
+        self.stop_string: str | None = None  # the stop string that ended the request, if one did
         self.stopped = False       # the turn ended its request itself (`stop_now`)
         self.called_tools = False  # the turn ended in tool calls (set by `finish`)
         self.logprobs: "list[TokenLogprob] | None" = [] if params.logprobs else None
@@ -486,6 +488,7 @@ class TurnRun:
             self.generated = len(event.completion.token_ids)
             reason = event.completion.finish_reason
             self.finish_reason = "stop" if self.stopped and reason == "cancelled" else reason
+            self.stop_string = event.completion.stop_string
         known = event.control_spans is not None  # an event relayed without them: markers read from text
         text = GeneratedText(event.text, event.control_spans) if known else event.text
         if event.token_id is None:
@@ -539,7 +542,7 @@ class TurnRun:
         reasoning = self.thinking.text if self.thinking is not None else getattr(self.stream, "reasoning", "").strip()
         cut_call = "".join(d.text for d in closing if d.cut_call)
         return deltas + [ChatDelta(result=result(parsed, self.text, self.finish_reason, usage, self.logprobs,
-                                                 reasoning, cut_call))]
+                                                 reasoning, cut_call, self.stop_string))]
 
     def stop_now(self) -> bool:
         """Whether the driver should stop the current request now (once): the turn holds all the
@@ -631,7 +634,8 @@ def _without_spans(text: GeneratedText, dropped: frozenset[str]) -> GeneratedTex
 
 
 def result(parsed: ParsedOutput, raw_text: str, finish_reason: str, usage: Usage,
-           logprobs: "list[TokenLogprob] | None" = None, reasoning: str = "", cut_call: str = "") -> ChatResult:
+           logprobs: "list[TokenLogprob] | None" = None, reasoning: str = "", cut_call: str = "",
+           stop_sequence: str | None = None) -> ChatResult:
     """What a turn comes to. Model output never raises: a malformed call is text, and says so.
 
     The calls that parsed are kept and a malformed or cut-off call stays in the text where it
@@ -646,7 +650,7 @@ def result(parsed: ParsedOutput, raw_text: str, finish_reason: str, usage: Usage
     else:
         reason = MALFORMED if parsed.error else "tool_calls" if parsed.tool_calls else finish_reason
     return ChatResult(parsed.content, parsed.tool_calls, reason, usage, parsed.error, raw_text, logprobs, reasoning,
-                      cut_call)
+                      cut_call, stop_sequence)
 
 
 def openai_finish_reason(result: ChatResult) -> str:

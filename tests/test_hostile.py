@@ -340,7 +340,10 @@ def test_a_long_stop_string_holds_back_only_a_possible_start_of_it():
     assert streamed == "hello STOPyz"    # it did not
     detok = Detokenizer(Chars(), [], ["</end>", "nd"])
     assert [detok.add(ord(c)) for c in "a</en"] == [False] * 5 and detok.add(ord("d"))
-    assert detok.stopped and detok.text == "a</e"  # "nd" completed first
+    assert detok.stopped and detok.text == "a</e" and detok.matched == "nd"  # "nd" completed first
+    detok = Detokenizer(Chars(), [], ["b", "ab"])
+    assert detok.add(ord("a")) is False and detok.add(ord("b"))
+    assert (detok.text, detok.matched) == ("", "ab")  # of two completing at once, the longer began first
 
 
 def test_long_work_for_one_caller_runs_outside_the_engine_lock(tiny_checkpoints, make_engine, monkeypatch):
