@@ -159,8 +159,7 @@ def context_limit(args: Any) -> int:
         if getattr(rope, "rope_type", None) == "yarn":
             scaling = dict(rope.scaling)
             limit = max(limit, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
-    scaled_from = getattr(args, "query_scaling_from", None)  # (queries scaled past it: not served)
-    return limit if scaled_from is None else min(limit, scaled_from)
+    return limit
 
 
 def check_max_model_len(asked: int | None, args: Any) -> None:
@@ -168,9 +167,6 @@ def check_max_model_len(asked: int | None, args: Any) -> None:
     limit = context_limit(args)
     if asked is not None and asked > limit:
         what = ("max_position_embeddings" if limit == args.max_position_embeddings
-                else "the positions below its llama_4_scaling's original_max_position_embeddings: past them "
-                     "transformers scales the queries by position, which Hibana's attention does not"
-                if limit == getattr(args, "query_scaling_from", None)
                 else "its YaRN rope's original_max_position_embeddings x factor")
         raise ConfigError(f"max_model_len={asked} is more than this model's context of {limit} positions "
                           f"({what}); give at most that, or leave it out")

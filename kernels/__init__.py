@@ -157,6 +157,13 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return impl.rotary_embedding(positions, q, k, cos_table, sin_table)
 
 
+def attention_prologue(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       prologue: AttentionPrologue, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`prologue` (what `paged_attention` runs first) as its own launch: the rotated q, the keys and
+    values stored; for a layer that changes q between the two (Ministral 3's query scale)."""
+    return prologue.run(_triton("rotary", q) or rotary, q, k_cache, v_cache, kv_scale)
+
+
 def qk_norm_rotary_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          v: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,

@@ -16,7 +16,7 @@ from hibana_core.models import phi3
 from hibana_core.models.decoder import RotaryTables, longrope_switch
 from tiny_models import (EVERY_TENSOR_USED, ODD_SHAPES, agent_turn_plan, assert_greedy_matches, greedy_turns_at_once,
                          make_config, make_tiny_checkpoint, make_tiny_gemma3_multimodal, open_engine,
-                         run_agents_at_once)
+                         random_tokens, run_agents_at_once)
 
 pytestmark = [pytest.mark.timeout(300), EVERY_TENSOR_USED]
 
@@ -564,19 +564,35 @@ def test_mistral3_with_another_language_model_is_refused_by_name():
         llama.args_from_config(Mistral3Config(text_config=make_config("phi3").to_dict()))
 
 
-def test_ministral3_serves_the_positions_its_queries_are_unscaled(tmp_path, make_engine):
+def test_ministral3_scales_its_queries_past_the_original_context(tmp_path, make_engine):
     """Ministral 3 (model_type ministral3, also as a mistral3 checkpoint's text_config): YaRN rope,
-    queries scaled by 1 + beta * log(1 + floor(position / original_max_position_embeddings)) in
-    transformers. Below that position the scale is 1: the engine serves those positions (its
-    default max_model_len), greedy equal to transformers' with retention; more is a ConfigError
-    that says why."""
-    from hibana_core import ConfigError
-
+    queries scaled by 1 + beta * log(1 + floor(position / original_max_position_embeddings)) after
+    rotary, as transformers scales them: histories and generations across that position (256 in the
+    tiny config, 16,384 in Ministral 3's) greedy equal to transformers' with retention, the scale
+    crossing inside a prefill chunk and inside a generation; the context is the YaRN rope's."""
     path = make_tiny_checkpoint("ministral3", tmp_path / "ministral3")
     engine = make_engine(path)
-    assert engine.max_model_len == 256
-    for turns in greedy_turns_at_once(engine, "m3", [agent_turn_plan(9400 + agent, turns=2) for agent in range(2)]):
+    assert engine.max_model_len == 1024 and engine.model.args.query_scaling_from == 256
+    rng = random.Random(9400)
+    plans = [[(random_tokens(rng, 230), 40), (random_tokens(rng, 30), 24)],  # generation crosses 256
+             [(random_tokens(rng, 300), 16), (random_tokens(rng, 250), 16)]]  # prefills cross 256 and 512
+    for turns in greedy_turns_at_once(engine, "m3", plans):
         for history, completion in turns:
             assert_greedy_matches(path, history, completion.token_ids)
-    with pytest.raises(ConfigError, match="llama_4_scaling"):
-        make_engine(path, max_model_len=512)
+
+
+def test_ministral3_below_its_original_context_leaves_queries_as_they_are(tmp_path, make_engine, monkeypatch):
+    """An engine whose positions stay below original_max_position_embeddings runs no scale: its
+    attention takes the prologue folded as any llama layer's."""
+    from hibana_core.models.decoder import Attention
+
+    path = make_tiny_checkpoint("ministral3", tmp_path / "ministral3", max_position_embeddings=256)
+    engine = make_engine(path, max_model_len=256)
+    calls = []
+    monkeypatch.setattr(Attention, "_scaled_queries", lambda self, positions, q: calls.append(q) or q)
+    history = random_tokens(random.Random(9401), 60)
+    from hibana_core import SamplingParams
+
+    got = engine.open_state("m").generate(SamplingParams(max_tokens=8, ignore_eos=True), prompt=history)
+    assert not calls
+    assert_greedy_matches(path, history, got.token_ids)

@@ -294,9 +294,10 @@ class DecoderArgs:
     attention_sinks: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
     longrope_recompute: bool = False  # generate recomputes the whole cache once the sequence crosses
     # LongRoPE's switch (Phi-3's; `hibana_core.kv.sequence.LongRope`)
-    query_scaling_from: int | None = None  # the position from which transformers scales queries by
-    # 1 + beta * log(1 + floor(position / this)) (Ministral 3's llama_4_scaling_beta); the positions below
-    # it, where that scale is 1, are those Hibana serves (`loader.context_limit`)
+    query_scaling_from: int | None = None  # transformers scales the rotated queries by
+    # 1 + query_scaling_beta * log(1 + floor(position / this)) (Ministral 3's llama_4_scaling_beta and its
+    # rope's original_max_position_embeddings); 1 below this position (`Attention._scaled_queries`)
+    query_scaling_beta: float = 0.0
 
     @classmethod
     def from_config(cls, config: Any, **differences: Any) -> "DecoderArgs":
@@ -581,6 +582,7 @@ class Attention(nn.Module):
         self.q_norm = make_norm(args, d) if args.qk_norm else None
         self.k_norm = make_norm(args, d) if args.qk_norm else None
         self.sinks = nn.Parameter(torch.empty(args.num_heads)) if args.attention_sinks else None
+        self.query_scaling = (args.query_scaling_from, args.query_scaling_beta) if args.query_scaling_from else None
         self.register_buffer("kv_scale", None)
 
     def set_kv_scales(self, kv_scale: torch.Tensor) -> None:
@@ -604,12 +606,28 @@ class Attention(nn.Module):
                 batch.max_query_len, batch.max_seq_len, self.scale, self.sliding_window, batch.uniform_query_len,
                 self.kv_scale, self.sinks, self.sink_tokens)
         prologue = self._prologue(positions, k, v, batch.slot_mapping[group])
+        if self._scales_queries():  # the prologue first, then the rotated queries scaled (transformers' order)
+            rotated = kernels.attention_prologue(q, k_cache, v_cache, prologue, self.kv_scale)
+            args = (self._scaled_queries(positions, rotated), *args[1:])
+            prologue = None
         width = self.num_heads * self.head_dim
         if self.o_proj.folds_a8(x, width):  # its input as codes (from split decode's merge, else one launch)
             o, codes, d = kernels.paged_attention_a8(*args, kernels.a8_order(self.o_proj.kind), prologue=prologue)
             return self.o_proj.from_codes(codes, d, o.view(tokens, width)), residual
         o = kernels.paged_attention(*args, prologue=prologue)
         return self.o_proj(o.reshape(tokens, width)), residual
+
+    def _scales_queries(self) -> bool:
+        """Whether queries past `query_scaling_from` can come: the positions the rotary tables hold
+        (the engine's max_model_len, `size_rotary`) reach it."""
+        return self.query_scaling is not None and self.rotary.max_positions > self.query_scaling[0]
+
+    def _scaled_queries(self, positions: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """Rotated q [T, H, D] times Ministral 3's 1 + beta * log(1 + floor(position / start)), computed
+        in float32 and rounded to q's dtype as transformers' get_llama_4_attn_scale."""
+        start, beta = self.query_scaling
+        scale = 1 + beta * torch.log(1 + torch.floor(positions / start))
+        return q * scale.to(q.dtype)[:, None, None]
 
     def _prologue(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   slot_mapping: torch.Tensor) -> kernels.AttentionPrologue:

@@ -57,19 +57,19 @@ def args_from_config(config: Any) -> DecoderArgs:
     multimodal = {} if text is config else dict(model_type=config.model_type, checkpoint_prefixes=MULTIMODAL_PREFIXES,
                                                 checkpoint_other_parts=OTHER_TOWERS)
     return DecoderArgs.from_config(text, qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
-                                   qk_norm=kind == "qwen3", query_scaling_from=_query_scaling_from(text),
-                                   **windows, **multimodal)
+                                   qk_norm=kind == "qwen3", **_query_scaling(text), **windows, **multimodal)
 
 
-def _query_scaling_from(config: Any) -> int | None:
-    """Where Ministral 3's queries start to scale with position (its rope's llama_4_scaling_beta:
-    1 + beta * log(1 + floor(position / original_max_position_embeddings)), as transformers applies
-    it), None where they never do."""
+def _query_scaling(config: Any) -> dict[str, Any]:
+    """Ministral 3's queries scaled with position (its rope's llama_4_scaling_beta: 1 + beta *
+    log(1 + floor(position / original_max_position_embeddings)), as transformers applies it to the
+    rotated queries): DecoderArgs' query_scaling_from and query_scaling_beta; none where they are not."""
     params = getattr(config, "rope_parameters", None) or {}
     beta = params.get("llama_4_scaling_beta") if isinstance(params, dict) else None
     if not beta:
-        return None
-    return int(params.get("original_max_position_embeddings") or config.max_position_embeddings)
+        return {}
+    start = params.get("original_max_position_embeddings") or config.max_position_embeddings
+    return dict(query_scaling_from=int(start), query_scaling_beta=float(beta))
 
 
 def build(config: Any, ctx: ForwardContext) -> tuple[DecoderForCausalLM, DecoderArgs]:
