@@ -3,6 +3,8 @@
     POST /v1/chat/completions   messages, tools, tool_choice, response_format, stream (SSE)
     POST /v1/completions        a prompt (text or token ids) continued as it is (no chat template)
     POST /v1/responses          OpenAI's Responses API: input items, function tools, stream (typed events)
+    POST /v1/messages           Anthropic's Messages API: content blocks, tool_use, stream (its events);
+    POST /v1/messages/count_tokens   the prompt's tokens
     GET  /v1/models, /v1/models/{model}   GET /health   GET /metrics (Prometheus)
     GET  /v1/hibana/states   DELETE /v1/hibana/states/{id}   the engine's states; forget one
 
@@ -68,6 +70,8 @@ from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatReq
                                        TextReply, chat_call, choice_calls, countable, json_text, named_state,
                                        parse_request, prompts_of, served_by_header, system_fingerprint)
 from hibana_plugins.openai_responses import ResponsesReply, ResponsesRequest, in_responses_terms
+from hibana_plugins.anthropic_messages import (CountTokensRequest, MessagesReply, MessagesRequest, error_body,
+                                               in_messages_terms)
 
 if TYPE_CHECKING:
     import uvicorn
@@ -79,8 +83,10 @@ log = logging.getLogger("hibana.server")
 
 T = TypeVar("T")
 API_KEY_ENV = "HIBANA_API_KEY"
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/v1/hibana/states", "/health",
-             "/metrics")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
+             "/v1/models", "/v1/hibana/states", "/health", "/metrics")
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+"""Anthropic's endpoints: their errors come in Anthropic's shape (`anthropic_messages.error_body`)."""
 
 
 LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
@@ -305,15 +311,18 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         if config.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
-            raise ApiError(401, "missing or wrong API key: send it as 'Authorization: Bearer KEY'",
-                           code="invalid_api_key")
+        if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+            token = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+            raise ApiError(401, "missing or wrong API key: send it as 'Authorization: Bearer KEY' (or 'x-api-key: "
+                                "KEY')", code="invalid_api_key")
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
         path = request.url.path  # any path a client sends would be a new time series
         metrics.requests.labels(path if path in ENDPOINTS else "other", str(exc.status)).inc()
-        return JsonReply(exc.body(), status_code=exc.status, headers=exc.headers())
+        body = error_body(exc) if path in ANTHROPIC_PATHS else exc.body()
+        return JsonReply(body, status_code=exc.status, headers=exc.headers())
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -333,8 +342,12 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         closed = engine.core.closed
         return JSONResponse({"status": "closed" if closed else "ok"}, status_code=503 if closed else 200)
 
-    # created: when this server started serving the model (as vLLM's and Ollama's lists say)
-    served = {"id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "hibana"}
+    # created: when this server started serving the model (as vLLM's and Ollama's lists say); with the
+    # fields of Anthropic's model object beside OpenAI's, so that either API's client reads the list
+    started = int(time.time())
+    served = {"id": config.model_name, "object": "model", "created": started, "owned_by": "hibana",
+              "type": "model", "display_name": config.model_name,
+              "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))}
 
     def unknown_model(name: str) -> ApiError:
         return ApiError(404, f"the model {name!r:.80} does not exist here; this server serves {config.model_name!r}",
@@ -342,7 +355,8 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict:
-        return {"object": "list", "data": [served]}
+        return {"object": "list", "data": [served], "has_more": False, "first_id": config.model_name,
+                "last_id": config.model_name}
 
     @app.get("/v1/models/{name:path}", dependencies=[Depends(authorized)])
     async def model(name: str) -> dict:  # the SDK's models.retrieve; a repo id as name holds a "/"
@@ -423,6 +437,46 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
             raise in_responses_terms(api_error(exc, "input")) from None
         except ApiError as exc:
             raise in_responses_terms(exc) from None
+
+    @app.post("/v1/messages", dependencies=[Depends(authorized)])
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages API: the request read as the chat request it means (`anthropic_messages`);
+        errors in Anthropic's shape (`on_api_error`), naming the fields this client sent (`in_messages_terms`)."""
+        received = time.monotonic()
+        try:
+            parsed = await checked(request, MessagesRequest)
+            state = named_state(request.headers.get(STATE_HEADER))
+
+            def prepared() -> tuple[ChatCall, str]:
+                chat_request = parsed.chat_request()
+                countable(chat_request, engine.max_model_len)
+                return chat_prompt(chat_request, state)
+            call, prompt = await asyncio.to_thread(prepared)
+            servings = [Serving(chat, prompt, call, config.request_timeout, named)]
+            reply = MessagesReply(config.model_name, chat, call.params.max_tokens)
+            return await serve(request, received, servings, reply)
+        except HibanaError as exc:
+            raise in_messages_terms(api_error(exc)) from None
+        except ApiError as exc:
+            raise in_messages_terms(exc) from None
+
+    @app.post("/v1/messages/count_tokens", dependencies=[Depends(authorized)])
+    async def count_tokens(request: Request) -> dict:
+        """The tokens of the prompt a Messages request renders to (tools and system included)."""
+        try:
+            parsed = await checked(request, CountTokensRequest)
+
+            def counted() -> int:
+                chat_request = parsed.chat_request()
+                countable(chat_request, engine.max_model_len)
+                return len(chat.prompt_tokens(chat_prompt(chat_request, None)[1]))
+            tokens = await asyncio.to_thread(counted)
+        except HibanaError as exc:
+            raise in_messages_terms(api_error(exc)) from None
+        except ApiError as exc:
+            raise in_messages_terms(exc) from None
+        metrics.requests.labels(request.url.path, "200").inc()
+        return {"input_tokens": tokens}
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request) -> Response:
