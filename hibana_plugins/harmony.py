@@ -194,8 +194,8 @@ class _HarmonyStream(_Stream):
             decoded = _decode_arguments(name, body)
             if decoded.error is None:
                 self._accept(out, decoded)
-            else:
-                self._reject(out, body, decoded.error, cut)
+            else:  # a cut call keeps its recipient before its body: whom it called (`cut_call_parts`)
+                self._reject(out, f"{CUT_RECIPIENT}{self._recipient} {body}" if cut else body, decoded.error, cut)
         elif self._channel == "analysis":
             self._reason(body)
         else:
@@ -242,6 +242,11 @@ def _callable(function: dict) -> dict:
     return function
 
 
+CUT_RECIPIENT = "to="
+"""A call max_tokens cut off is `to=functions.NAME BODY` (its header's recipient, then its body
+so far): the text `HarmonyToolParser.cut_call_parts` reads its name and arguments from."""
+
+
 class HarmonyToolParser:
     """gpt-oss's tool calls (commentary messages to `functions.NAME`), its answer (final and
     recipient-less commentary messages) as content, its analysis messages left out of the
@@ -262,6 +267,14 @@ class HarmonyToolParser:
         """`calls=False`: no tools were offered (or none may be called): a message to a function
         is content with an error, not a call."""
         return _HarmonyStream(calls)
+
+    def cut_call_parts(self, cut_call: str) -> tuple[str, str]:
+        """(the name, the arguments so far) of a call max_tokens cut off (`CUT_RECIPIENT`), as a
+        cut hermes call's: its JSON as far as it was written; ("", "") for other text."""
+        head, space, body = cut_call.lstrip().partition(" ")
+        if not space or not head.startswith(CUT_RECIPIENT + FUNCTIONS):
+            return "", ""
+        return head.removeprefix(CUT_RECIPIENT + FUNCTIONS), body
 
     def answer_grammar(self, schema: dict) -> dict:
         """A turn whose answer follows a JSON schema (response_format, no tools): one analysis

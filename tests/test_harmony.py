@@ -902,3 +902,27 @@ def test_hibana_llm_takes_reasoning_effort(harmony_engine, monkeypatch):
     assert not {s for s in held() if s.startswith("li-effort")}
     with pytest.raises(ConfigError, match="'minimal' is no level"):
         HibanaLLM(engine=harmony_engine, max_tokens=1).complete("hi", reasoning_effort="minimal")
+
+
+def test_a_call_cut_by_max_tokens_reports_whom_it_called_and_its_arguments_so_far(harmony_engine):
+    """A call max_tokens cut inside its body is no call; its cut text names the recipient, so the
+    chat layer reads the name and the arguments' JSON so far from it (what LangChain reports as an
+    invalid call, as for a cut hermes call); the content shows none of it."""
+    from hibana_core import SamplingParams
+    from hibana_core.chat import Chat
+    from hibana_core.speculation import force_outputs
+    from test_chat import HELLO, WEATHER
+
+    arguments = '{"city": "Oslo, Norway"}'
+    pieces = ["<|channel|>analysis<|message|>", "Call the tool.", "<|end|><|start|>assistant<|channel|>commentary "
+              "to=functions.get_weather <|constrain|>json<|message|>", arguments, "<|call|>"]
+    ids = spelled_ids(harmony_engine.tokenizer, pieces)
+    body_start = len(spelled_ids(harmony_engine.tokenizer, pieces[:3]))
+    for cut in range(body_start + 1, len(ids) - 1):  # (all but <|call|>: the JSON is whole, a call)
+        chat = Chat(harmony_engine, f"cut-call-{cut}")
+        force_outputs(chat.handle, ids)
+        result = chat.respond(HELLO, [WEATHER], SamplingParams(max_tokens=cut))
+        assert not result.tool_calls and result.cut_call and result.finish_reason == "length", (cut, result)
+        name, so_far = chat.cut_call_parts(result.cut_call)
+        assert name == "get_weather" and so_far and arguments.startswith(so_far), (cut, so_far)
+        assert result.content == "" and "<|" not in result.text
