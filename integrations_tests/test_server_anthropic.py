@@ -219,6 +219,27 @@ def test_sampling_fields(client):
     assert blocks(sampled) == blocks(greedy)
 
 
+def test_output_config_format_holds_the_answer_to_a_schema(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+              "required": ["city", "days"], "additionalProperties": False}
+    reply = client.messages.create(model="demo", max_tokens=64, output_config={"format": {
+        "type": "json_schema", "schema": schema}}, messages=[{"role": "user", "content": "Plan a trip to Rome."}])
+    value = json.loads(reply.content[0].text)
+    assert set(value) == {"city", "days"} and isinstance(value["days"], int)
+
+
+def test_a_reply_the_context_cut_short_of_max_tokens_says_so():
+    """finish "length" short of max_tokens: the context had no room for more (Anthropic's
+    model_context_window_exceeded), where max_tokens itself is "max_tokens"."""
+    from hibana_core.turn import ChatResult, Usage
+    from hibana_plugins.anthropic_messages import MessagesReply
+
+    def stop_reason(generated: int) -> str:
+        result = ChatResult("Once upon", [], "length", Usage(20, 5, generated))
+        return MessagesReply("demo", None, 8).completion(result)["stop_reason"]
+    assert (stop_reason(8), stop_reason(5)) == ("max_tokens", "model_context_window_exceeded")
+
+
 def test_count_tokens_counts_the_prompt_a_message_reads(client):
     ask = {"model": "demo", "system": "Be brief.", "tools": TOOLS, "messages": [{"role": "user", "content": QUESTION}]}
     counted = client.messages.count_tokens(**ask).input_tokens
