@@ -842,8 +842,9 @@ def not_json(name: str) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="hibana serve", description="Serve a model over OpenAI's chat-completions API, every conversation's "
-                                         "KV kept resident. Example: hibana serve demo --port 8000")
+        prog="hibana serve", description="Serve a model over OpenAI's chat completions, responses and completions "
+                                         "APIs and Anthropic's messages API, every conversation's KV kept resident. "
+                                         "Example: hibana serve demo --port 8000")
     parser.add_argument("model", help="checkpoint directory, Hugging Face repo id (org/name[@revision]), or demo")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=port_number, default=8000,
