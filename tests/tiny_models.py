@@ -178,6 +178,12 @@ ARCH_CONFIGS: dict[str, dict] = {
         num_mtp_layers=0,
         rope_parameters=dict(rope_type="default", rope_theta=1000000.0, partial_rotary_factor=0.5),
     ),
+    "smollm3": dict(  # SmolLM3's NoPE layers: every third here (no_rope_layer_interval 3), q/k/v/o biases
+        num_hidden_layers=3,
+        no_rope_layer_interval=3,
+        attention_bias=True,
+        rope_parameters=dict(rope_type="default", rope_theta=2000000.0),
+    ),
     "granite": dict(
         num_hidden_layers=3,
         embedding_multiplier=3.0,
@@ -269,12 +275,12 @@ def make_tokenizer():
 def make_config(arch: str, **config_overrides):
     from transformers import (Gemma3TextConfig, Glm4MoeConfig, GptOssConfig, GraniteConfig, LlamaConfig,
                               Ministral3Config, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config,
-                              Qwen3MoeConfig)
+                              Qwen3MoeConfig, SmolLM3Config)
 
     kinds = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
              "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig,
              "mixtral": MixtralConfig, "granite": GraniteConfig, "ministral3": Ministral3Config,
-             "glm4_moe": Glm4MoeConfig}
+             "glm4_moe": Glm4MoeConfig, "smollm3": SmolLM3Config}
     if arch not in kinds:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(kinds)}")
     return kinds[arch](**{**_COMMON, **ARCH_CONFIGS[arch], **config_overrides})

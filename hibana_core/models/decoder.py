@@ -24,6 +24,8 @@ from hibana_core.forward_context import ForwardContext
 from hibana_core.models.moe import Experts, MoEArgs, SparseMoE
 
 SUPPORTED_ROPE_TYPES = ("default", "dynamic", "llama3", "linear", "longrope", "yarn")
+NO_ROPE = "none"
+"""`Rope.none`'s type: a layer without rotary embeddings (never a config's)."""
 KERNEL_GLU = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # a config's hidden_act -> the kernels' glu name
 ACTIVATIONS = tuple(KERNEL_GLU)
 ACTIVATION_NAMES = {"swish": "silu"}
@@ -76,6 +78,12 @@ class Rope:
                    dim=int(head_dim * partial),
                    scaling=tuple(sorted(scaling.items())))
 
+    @classmethod
+    def none(cls, head_dim: int) -> "Rope":
+        """No rotation (a NoPE layer's: SmolLM3's): cos 1 and sin 0 at every position, which the
+        rotary kernels apply as the identity, exactly."""
+        return cls(theta=1.0, dim=head_dim, scaling=(("rope_type", NO_ROPE),))
+
     @property
     def rope_type(self) -> str:
         scaling = dict(self.scaling)
@@ -117,6 +125,8 @@ class Rope:
         instead of the short rows (`hibana_core.kv.sequence.LongRope`, which says how this
         follows transformers)."""
         positions = torch.arange(max_positions, dtype=torch.float32)
+        if self.rope_type == NO_ROPE:
+            return torch.zeros(max_positions, self.dim // 2)
         if self.rope_type != "longrope":
             return torch.outer(positions, self.inv_freq())
         scaling = dict(self.scaling)
