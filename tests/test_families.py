@@ -553,6 +553,27 @@ def test_mistral3_multimodal_checkpoint_serves_its_language_model(tmp_path, make
     assert engine.stats().prompt_tokens_reused > 0
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_qwen3_vl_multimodal_checkpoint_serves_its_language_model(tmp_path, make_engine, tied):
+    """Qwen3-VL (model_type qwen3_vl: Qwen3VLForConditionalGeneration) serves text-only prompts
+    on its language model (text_config qwen3_vl_text: Qwen3's layers), the vision tower and its
+    deepstack mergers left unread; its multimodal rope rotates a text-only prompt as Qwen3's rope.
+    2 agents x 2 turns at once with retention, each generation transformers' greedy (its own
+    class, text alone); the head tied to the embedding as the checkpoint's top-level config says."""
+    from tiny_models import make_tiny_qwen3_vl
+
+    path = make_tiny_qwen3_vl(tmp_path / "qwen3_vl", tie_word_embeddings=tied)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = make_engine(path)
+    assert not [w for w in caught if "does not use" in str(w.message)]  # the tower is left out on purpose
+    assert engine.model.args.qk_norm and engine.model.args.tie_word_embeddings == tied
+    for turns in greedy_turns_at_once(engine, "vl", [agent_turn_plan(9800 + agent, turns=2) for agent in range(2)]):
+        for history, completion in turns:
+            assert_greedy_matches(path, history, completion.token_ids)
+    assert engine.stats().prompt_tokens_reused > 0
+
+
 def test_mistral3_with_another_language_model_is_refused_by_name():
     """A mistral3 checkpoint whose text_config is a family the llama family does not read (here
     Phi-3's) is an UnsupportedModelError naming both."""

@@ -303,7 +303,7 @@ def _save_seeded(config, path: Path, seed: int, shard_size: str | None = None, t
 
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    image_text = config.model_type in ("mistral3",)  # (as `_hf_model` reads it)
+    image_text = config.model_type in IMAGE_TEXT_TYPES  # (as `_hf_model` reads it)
     model = (AutoModelForImageTextToText if image_text else AutoModelForCausalLM).from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -374,6 +374,22 @@ def make_tiny_mistral3_multimodal(path, seed: int = SEED, tie_word_embeddings: b
     return _save_seeded(config, Path(path), seed)
 
 
+def make_tiny_qwen3_vl(path, seed: int = SEED, tie_word_embeddings: bool = False) -> Path:
+    """A multimodal qwen3_vl checkpoint (Qwen3VLForConditionalGeneration: Qwen3-VL-2B ... 32B) whose
+    language model is the tiny qwen3 one (its multimodal rope's sections over head_dim 32), beside
+    a one-layer vision tower with one deepstack merger; saved as transformers saves them."""
+    from transformers import Qwen3VLConfig
+
+    text = make_config("qwen3", tie_word_embeddings=tie_word_embeddings).to_dict()
+    text["rope_parameters"] = dict(text["rope_parameters"], mrope_section=[6, 5, 5], mrope_interleaved=True)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, out_hidden_size=64,
+                  num_position_embeddings=16, deepstack_visual_indexes=[0])
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=VOCAB_SIZE - 1,
+                           video_token_id=VOCAB_SIZE - 2, vision_start_token_id=VOCAB_SIZE - 3,
+                           vision_end_token_id=VOCAB_SIZE - 4, tie_word_embeddings=tie_word_embeddings)
+    return _save_seeded(config, Path(path), seed)
+
+
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., K] float -> MXFP4 (blocks uint8 [..., K // 32, 16], e8m0 scales uint8 [..., K // 32]):
     each block's scale the power of two that puts its largest magnitude in [4, 8), each value
@@ -415,13 +431,18 @@ def make_mxfp4_checkpoint(source, path) -> Path:
     return path
 
 
+IMAGE_TEXT_TYPES = ("mistral3", "qwen3_vl")
+"""Multimodal checkpoints that transformers keeps out of AutoModelForCausalLM: their
+image-text-to-text class generates from text alone."""
+
+
 @functools.lru_cache(maxsize=None)
 def _hf_model(path: str):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     # a multimodal checkpoint that transformers keeps out of AutoModelForCausalLM (Mistral 3's)
     # generates from text alone as its image-text-to-text class
-    image_text = AutoConfig.from_pretrained(path).model_type in ("mistral3",)
+    image_text = AutoConfig.from_pretrained(path).model_type in IMAGE_TEXT_TYPES
     model = (AutoModelForImageTextToText if image_text else AutoModelForCausalLM).from_pretrained(
         path, dtype=torch.float32)
     # generate() fills unset fields of a passed GenerationConfig from the model's own one, EOS

@@ -258,7 +258,8 @@ def _check_window(window: Any) -> None:
 # then 4.x's; and the parts a text decoder leaves out of it on purpose
 MULTIMODAL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                        ("language_model.lm_head.", "lm_head."))
-OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+                "model.visual.", "visual.")  # (Qwen3-VL's vision tower and its deepstack mergers: model.visual.*)
 
 
 @dataclass(frozen=True)

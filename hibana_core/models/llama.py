@@ -20,7 +20,11 @@ from hibana_core.models.decoder import (MULTIMODAL_PREFIXES, OTHER_TOWERS, Decod
                                         sliding_windows)
 
 TEXT_TYPES = ("llama", "qwen2", "qwen3", "mistral", "ministral", "ministral3")
-MODEL_TYPES = (*TEXT_TYPES, "mistral3")  # mistral3: a multimodal checkpoint whose text_config is one of these
+MULTIMODAL_TEXT_TYPES = {"qwen3_vl_text": "qwen3"}
+"""A multimodal checkpoint's own name for its language model -> the text family it is: Qwen3-VL's is
+Qwen3's (its multimodal rope rotates a text-only prompt's tokens as Qwen3's rope does: the three
+position rows are one)."""
+MODEL_TYPES = (*TEXT_TYPES, "mistral3", "qwen3_vl")  # multimodal checkpoints whose text_config is one of these
 
 # model_type -> (q/k/v bias, o bias) where the architecture fixes them; else config.attention_bias
 _FIXED_BIASES = {"qwen2": (True, False), "mistral": (False, False), "ministral": (False, False),
@@ -42,10 +46,11 @@ _WINDOWING_READS = {"mistral": ("layer_types",), "ministral3": ("layer_types",)}
 
 def args_from_config(config: Any) -> DecoderArgs:
     text = config.get_text_config()  # the config itself, but for a multimodal checkpoint's
-    kind = text.model_type
+    kind = MULTIMODAL_TEXT_TYPES.get(text.model_type, text.model_type) if text is not config else text.model_type
     if text is not config and kind not in TEXT_TYPES:  # (a plugin may build its own model_type as one of these)
-        raise UnsupportedModelError(f"a {config.model_type} checkpoint whose language model is {kind!r} is not "
-                                    f"supported (its text_config must be one of {', '.join(TEXT_TYPES)})")
+        raise UnsupportedModelError(f"a {config.model_type} checkpoint whose language model is {text.model_type!r} "
+                                    f"is not supported (its text_config must be one of "
+                                    f"{', '.join((*TEXT_TYPES, *MULTIMODAL_TEXT_TYPES))})")
     attention_bias = bool(getattr(text, "attention_bias", False))
     qkv_bias, o_bias = _FIXED_BIASES.get(kind, (attention_bias, attention_bias))
     windows = {"sliding_windows": (None,) * text.num_hidden_layers} if kind in _FULL_ATTENTION_ONLY else {}
@@ -55,9 +60,18 @@ def args_from_config(config: Any) -> DecoderArgs:
     # a multimodal checkpoint: its language model's weights under their prefixes, the other towers left
     # unread, the model_type its own (chat formats and state fingerprints go by it)
     multimodal = {} if text is config else dict(model_type=config.model_type, checkpoint_prefixes=MULTIMODAL_PREFIXES,
-                                                checkpoint_other_parts=OTHER_TOWERS)
+                                                checkpoint_other_parts=OTHER_TOWERS,
+                                                tie_word_embeddings=_tied(config, text))
     return DecoderArgs.from_config(text, qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
                                    qk_norm=kind == "qwen3", **_query_scaling(text), **windows, **multimodal)
+
+
+def _tied(config: Any, text: Any) -> bool:
+    """Whether a multimodal checkpoint's output head is its embedding: its text config's flag where
+    that has one (Mistral 3's top-level default says True of checkpoints that store their own head,
+    and transformers reads the text config's), else the top level's (Qwen3-VL keeps it there alone)."""
+    tied = getattr(text, "tie_word_embeddings", None)
+    return bool(getattr(config, "tie_word_embeddings", False) if tied is None else tied)
 
 
 def _query_scaling(config: Any) -> dict[str, Any]:
