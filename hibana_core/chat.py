@@ -488,6 +488,12 @@ class Chat:
             self._gap.append(gap if gap is not None and not gap.strip() else "\n\n")
         return self._gap[0]
 
+    def _after_closed_block(self, prompt_end: str) -> str:
+        """What the model writes first where the template closed the think block in the prompt
+        (`prompt_end`: the prompt's last text): the `answer_gap` but what the prompt wrote of it."""
+        after, gap = prompt_end[len(prompt_end.rstrip()):], self.answer_gap()
+        return gap[len(after):] if gap.startswith(after) else ""
+
     def _writes(self, marker: str, messages: list[dict], **options: Any) -> bool:
         """Whether the chat template, rendering `messages` (and `options`), writes `marker`."""
         text = self._probe(messages, **options)
@@ -821,6 +827,10 @@ class Chat:
         closed_by_prefill = (thinking is not None and not closed_in_prompt and markers.close in prefill
                              and (open_in_prompt or prefill.lstrip().startswith(markers.open)))
         held_off = thinking is not None and not closed_in_prompt and not closed_by_prefill  # a grammar waits for it
+        # the template closed the block (thinking off): what it writes after a block and the prompt does not
+        # (GLM-4.5's "<think></think>" leaves the model its "\n") comes first in a grammar that holds the turn's
+        # first token (a prefill writes what follows the block itself)
+        lead = self._after_closed_block(end) if thinking is not None and closed_in_prompt and not prefill else ""
         answer = params.json_schema if parse_tools and tools else None  # the text answer's schema, beside calls
         calls_held = False  # a call grammar holds the turn
         if parse_tools and (answer is not None or not params.constrained):
@@ -845,15 +855,8 @@ class Chat:
                 # an answer in JSON follows the blank line after the think block, as a forced call does
                 grammar = turn.after_thinking(grammar, "required" if answer is not None else tool_choice,
                                               open_in_prompt, markers, self.answer_gap())
-            elif grammar is not None and from_start and closed_in_prompt and thinking is not None \
-                    and grammar.get("type") == "structural_tag":
-                # the template closed the block (thinking off): what it writes after a block and the prompt
-                # does not (GLM-4.5's "<think></think>" leaves the model its "\n") comes first
-                after = end[len(end.rstrip()):]
-                lead = self.answer_gap()[len(after):] if self.answer_gap().startswith(after) else ""
-                if lead:
-                    grammar = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
-                        {"type": "const_string", "value": lead}, grammar["format"]]}}
+            elif grammar is not None and from_start and lead and grammar.get("type") == "structural_tag":
+                grammar = _led(grammar["format"], lead)
             if grammar is not None and prefill and not _free_start(grammar.get("format", {})):
                 raise ConfigError(f"prefill with {self.parser_name}'s tool-call grammar is not supported: it holds the "
                                   "turn from its first token (a message header, a think block), and would start after "
@@ -869,7 +872,7 @@ class Chat:
                 grammar = turn.after_thinking(grammar, "auto", open_in_prompt, markers)
             params = dataclasses.replace(params, grammar=grammar)
         channels = getattr(self.parser, "splits_channels", False)  # harmony: its channels are the format, calls or not
-        if params.json_schema is not None and answer is None and (channels or held_off):
+        if params.json_schema is not None and answer is None and (channels or held_off or lead):
             # the answer's schema, held after the reasoning: a structural tag's JSON content, which drops
             # what the grammar cannot hold, so a strict schema is checked here as json_schema is
             if params.strict_schema:
@@ -885,14 +888,18 @@ class Chat:
                                "format": {"type": "json_schema", "json_schema": params.json_schema}}
                 params = dataclasses.replace(params, json_schema=None, grammar=turn.after_thinking(
                     answer_only, "required", open_in_prompt, markers, self.answer_gap()))
-        elif held_off and not channels and (params.regex is not None or isinstance(params.grammar, str)) \
+            else:  # after what the template writes after its closed block
+                params = dataclasses.replace(params, json_schema=None, grammar=_led(
+                    {"type": "json_schema", "json_schema": params.json_schema}, lead))
+        elif (held_off or lead) and not channels and (params.regex is not None or isinstance(params.grammar, str)) \
                 and not calls_held:
             # a regex or an EBNF grammar of the caller's holds the answer after the thinking too, as vLLM
             # applies structured output after the reasoning (from the first token, the model could not think)
             own = ({"type": "regex", "pattern": params.regex} if params.regex is not None
                    else {"type": "grammar", "grammar": params.grammar})
             params = dataclasses.replace(params, regex=None, grammar=turn.after_thinking(
-                {"type": "structural_tag", "format": own}, "required", open_in_prompt, markers, self.answer_gap()))
+                {"type": "structural_tag", "format": own}, "required", open_in_prompt, markers, self.answer_gap())
+                if held_off else _led(own, lead))
         if parse_tools or channels:
             options = {} if parse_tools else {"calls": False}
             if parse_tools and getattr(self.parser, "takes_tools", False):  # its values typed by the tools' schemas
@@ -940,6 +947,12 @@ class StreamedLogprobs:
             return None
         given, self._given = self._given, end
         return self.chat.openai_token_logprobs(streamed[given:end])
+
+
+def _led(format_: dict, lead: str) -> dict:
+    """A structural tag of `format_` after the text `lead`."""
+    return {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": lead}, format_]}}
 
 
 @contextlib.contextmanager

@@ -349,6 +349,27 @@ def test_thinking_switched_off(glm):
     assert chat.render_text(history, [ALARM], reasoning=False).count(result.raw_text + "<|observation|>") == 1
 
 
+@pytest.mark.parametrize("held", ["json_schema", "regex", "grammar"])
+def test_thinking_switched_off_an_answer_held_to_a_schema_follows_the_templates_newline(glm, held):
+    """enable_thinking=False and no tools: an answer held to a JSON schema, a regex or an EBNF grammar
+    starts after the newline the template writes after its empty think block, as a forced call does
+    (the grammar held it from its first token, so the model could not write that newline, and the
+    next turn, whose history renders it, recomputed the whole reply)."""
+    from hibana_core import SamplingParams
+    from hibana_core.chat import assistant_message
+
+    constraint = {"json_schema": {"type": "object", "properties": {"hour": {"type": "integer"}},
+                                  "required": ["hour"]},
+                  "regex": r'\{"hour": [0-9]+\}',
+                  "grammar": 'root ::= "{\\"hour\\": " [0-9]+ "}"'}[held]
+    chat, n = forced(glm, f"no-think-{held}", '\n{"hour": 7}', end="<|user|>")
+    result = chat.respond(ASK, None, SamplingParams(max_tokens=n, **{held: constraint}), reasoning=False)
+    assert (result.raw_text, result.text, result.reasoning) == ('\n{"hour": 7}', '{"hour": 7}', "")
+    again = chat.respond(ASK + [assistant_message(result), {"role": "user", "content": "Thanks."}],
+                         params=SamplingParams(max_tokens=2), reasoning=False)
+    assert again.usage.cached_tokens >= result.usage.prompt_tokens + result.usage.completion_tokens - 1
+
+
 @pytest.mark.parametrize("policy, reused", [("template", 11), ("generated", 35)])
 def test_earlier_thinking_under_each_reasoning_history(glm, policy, reused):
     """GLM's template writes an empty think block for the replies before the last user message:
