@@ -5,7 +5,7 @@
         Scheduler       which tokens of which requests run in a step (scheduler.py)
         ModelRunner     batch tensors, forward, sampling (runner.py)
         OutputProcessor detokenizing, stop strings, timing, events (output.py)
-        Grammars        constrained decoding: compiled grammars, each step's masks (grammar.py)
+        Grammars        constrained decoding: compiled grammars, each step's masks (grammar/)
       StateRegistry   states by id, leasing, what StateHandle asks for (registry.py)
 
 One lock serialises the step with edits of states, so a handle never sees a half-applied step.

@@ -1607,7 +1607,7 @@ def test_a_regex_pythons_re_cannot_read_is_refused(engine):
 def test_the_compiled_grammars_cache_is_bounded_in_bytes_too(engine, monkeypatch):
     """CACHE_SIZE bounds the count; a large vocabulary makes each grammar large, so CACHE_BYTES bounds
     their bytes as xgrammar counts them: the least recently used go first, the newest always stays."""
-    import hibana_core.grammar as grammar_module
+    import hibana_core.grammar.grammars as grammar_module  # where Grammars reads CACHE_BYTES
 
     grammars = engine.grammars
     monkeypatch.setattr(grammars, "_cache", type(grammars._cache)())

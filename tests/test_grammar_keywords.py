@@ -1,5 +1,5 @@
 """JSON-schema keywords xgrammar holds more loosely than they say: oneOf, which it holds as anyOf
-(`hibana_core.grammar._held_loosely`), and uniqueItems, which it holds to nothing. A strict schema
+(`hibana_core.grammar.one_of._held_loosely`), and uniqueItems, which it holds to nothing. A strict schema
 (the default) is held whole or refused up front by name; oneOf is accepted where its subschemas
 exclude each other, and then every sampled output of a random-weight tiny model validates under it;
 uniqueItems is taken (pydantic's set fields write it, and their parsing drops repeated items)."""
