@@ -179,6 +179,7 @@ class Chat:
         self._openings: list[tuple[str, ...]] = []  # where a reply starts (`_reply_openings`), once
         self._gap: list[str] = []  # what the template writes between a think block and the answer, once
         # found: a list that the copies `on` makes share
+        self._unasked: list[bool] = []  # whether the template asks for thinking unswitched (`_thinks_unasked`), once
         self.handle: StateHandle | None = engine.open_state(state_id) if state_id is not None else None
         self.think_markers = turn.think_markers(str(template), vocab)
         """The marks of its think blocks: Qwen's `<think>`, or Mistral's `[THINK]` control tokens."""
@@ -290,6 +291,16 @@ class Chat:
                           f"enable_thinking), so the model would think all the same{how}. Leave reasoning unset: "
                           "the thinking comes apart from the answer as the reply's reasoning")
 
+    def _thinks_unasked(self) -> bool:
+        """Whether the chat template's prompt asks for the thinking where nothing switches it (its default
+        system prompt, Magistral's; its generation prompt opening the block, DeepSeek-R1's): where it does
+        not, as Granite 3.3's that asks only under its own `thinking` flag, the model does not think
+        unless asked, and thinking off is what it does. A template that refuses the probe: assumed to."""
+        if not self._unasked:
+            text = self._probe([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+            self._unasked.append(text is None or self.think_markers.open in text)
+        return self._unasked[0]
+
     def render_text(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
                     reasoning: bool | None = None, *, effort: str | None = None) -> prompt.Prompt:
         """The rendered prompt; message contents that hold control-token text are marked as such
@@ -326,7 +337,7 @@ class Chat:
             if not reasoning and self._always_thinks:  # the template would think at its default level
                 raise ConfigError("this model always reasons; its thinking cannot be switched off"
                                   + (f" (its least reasoning_effort is {self._efforts[0]!r})" if self._efforts else ""))
-            if not reasoning and self.thinks and not self._switches_thinking:
+            if not reasoning and self.thinks and not self._switches_thinking and self._thinks_unasked():
                 self._refuse_thinking_off(asked_by_effort=effort == "none")
             kwargs["enable_thinking"] = reasoning
 

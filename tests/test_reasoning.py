@@ -383,3 +383,27 @@ def test_thinking_off_is_refused_where_the_template_has_no_switch_for_it(tmp_pat
     with pytest.raises(ConfigError, match=r"no switch for thinking .*all the same, as it was trained to\. Leave"):
         chat.render_text(ask, reasoning=False)
     assert chat.render_text(ask, reasoning=True) == chat.render_text(ask)
+
+
+GRANITE_TEMPLATE = (  # Granite 3.2 / 3.3's: thinking asked in the default system prompt only where `thinking` is given
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- set rest = messages[1:] %}{%- else %}{%- set system = 'You are Granite, developed by IBM.' %}"
+    "{%- if thinking %}{%- set system = system + ' Write your thoughts between <think></think> and write your '"
+    " + 'response between <response></response> for each user query.' %}"
+    "{%- else %}{%- set system = system + ' You are a helpful AI assistant.' %}{%- endif %}"
+    "{%- set rest = messages %}{%- endif %}<|im_start|>system\n{{ system }}<|im_end|>\n"
+    "{%- for m in rest %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+def test_thinking_off_is_taken_where_the_template_thinks_only_when_asked_otherwise(tmp_path, make_engine):
+    """Granite 3.2 / 3.3's template knows think blocks but asks for them only under its own `thinking`
+    flag (it reads no enable_thinking): by default the model does not think, so reasoning=False (the
+    server's enable_thinking false, which clients send to any model) is what it does anyway, and
+    renders as unset; it was a ConfigError saying the model would think all the same."""
+    engine = make_engine(make_reasoning_checkpoint(tmp_path / "granite", GRANITE_TEMPLATE))
+    chat = Chat(engine)
+    ask = [{"role": "user", "content": "hi"}]
+    assert chat.thinks and "<think>" not in chat.render_text(ask)
+    assert chat.render_text(ask, reasoning=False) == chat.render_text(ask)
+    assert chat.render_text(ask, effort="none") == chat.render_text(ask)
