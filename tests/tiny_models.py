@@ -184,6 +184,13 @@ ARCH_CONFIGS: dict[str, dict] = {
         attention_bias=True,
         rope_parameters=dict(rope_type="default", rope_theta=2000000.0),
     ),
+    "exaone4": dict(  # EXAONE 4's post-norm layers: sliding (window 20, rotary), sliding, full (NoPE)
+        num_hidden_layers=3,
+        head_dim=16,
+        sliding_window=20,
+        sliding_window_pattern=3,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+    ),
     "granite": dict(
         num_hidden_layers=3,
         embedding_multiplier=3.0,
@@ -273,14 +280,14 @@ def make_tokenizer():
 
 
 def make_config(arch: str, **config_overrides):
-    from transformers import (Gemma3TextConfig, Glm4MoeConfig, GptOssConfig, GraniteConfig, LlamaConfig,
+    from transformers import (Exaone4Config, Gemma3TextConfig, Glm4MoeConfig, GptOssConfig, GraniteConfig, LlamaConfig,
                               Ministral3Config, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config,
                               Qwen3MoeConfig, SmolLM3Config)
 
     kinds = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
              "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig,
              "mixtral": MixtralConfig, "granite": GraniteConfig, "ministral3": Ministral3Config,
-             "glm4_moe": Glm4MoeConfig, "smollm3": SmolLM3Config}
+             "glm4_moe": Glm4MoeConfig, "smollm3": SmolLM3Config, "exaone4": Exaone4Config}
     if arch not in kinds:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(kinds)}")
     return kinds[arch](**{**_COMMON, **ARCH_CONFIGS[arch], **config_overrides})

@@ -288,6 +288,7 @@ class DecoderArgs:
     unit_offset_norms: bool = False  # norms scale by (1 + weight), in float32 (Gemma)
     cast_last_norms: bool = False  # norms scale by the weight in float32, then round (gpt-oss)
     sandwich_norms: bool = False  # norms after attention and MLP too, four per layer (Gemma)
+    pre_norms: bool = True  # False: no norm before attention and MLP, only the sandwich's after (EXAONE 4)
     embed_scale: float | None = None  # embeddings times this, rounded to the model dtype (Gemma)
     embed_scale_in_dtype: bool = True  # False: embed_scale multiplies as a Python float, unrounded
     # (Granite's embedding_multiplier)
@@ -361,6 +362,8 @@ class DecoderArgs:
             raise UnsupportedModelError(f"MLP activation {self.activation!r} is not supported; "
                                         f"supported: {', '.join(ACTIVATIONS)}")
         per_layer = (self.ropes, self.sliding_windows) + ((self.moe.layers,) if self.moe else ())
+        if not self.pre_norms and not self.sandwich_norms:
+            raise ValueError("a decoder without norms before its attention and MLP has them after (sandwich_norms)")
         if any(len(values) != self.num_layers for values in per_layer):
             raise ValueError(f"ropes, sliding_windows and moe.layers need one entry per layer ({self.num_layers})")
 
@@ -400,6 +403,22 @@ class CastLastRMSNorm(RMSNorm):
 
     fusable = False
     cast_last = True
+
+
+class NoNorm(nn.Module):
+    """Where a post-norm layer (EXAONE 4's) has no norm before its attention or its MLP: the
+    stream as it is; with a residual, (x + residual, x + residual), as the norms' fused add gives."""
+
+    fusable = False
+    unit_offset = False
+    cast_last = False
+    weight = None
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return x
+        x = x + residual
+        return x, x
 
 
 def make_norm(args: DecoderArgs, dim: int) -> RMSNorm:
@@ -466,7 +485,7 @@ class Linear(nn.Linear):
             return kernels.rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, glu)
         # the norm's launch writes x's int8 codes for the GEMV (a norm weight of x's dtype: the
         # norm's output dtype is then x's, which the GEMV's output keeps)
-        if norm.weight.dtype == x.dtype and self.folds_a8(x, x.shape[-1]):
+        if norm.weight is not None and norm.weight.dtype == x.dtype and self.folds_a8(x, x.shape[-1]):
             _, residual, q, d = kernels.rms_norm_a8(x, residual, norm.weight, norm.eps, norm.unit_offset,
                                                     kernels.a8_order(self.kind), norm.cast_last)
             return self.from_codes(q, d, x), residual
@@ -694,12 +713,12 @@ class DecoderLayer(nn.Module):
         sparse = args.moe is not None and args.moe.layers[layer_idx]
         self.mlp = (SparseMoE(args.moe, args.hidden_size) if sparse
                     else MLP(args.hidden_size, args.intermediate_size, args.activation, args.mlp_bias))
-        self.input_layernorm = make_norm(args, args.hidden_size)
+        self.input_layernorm = make_norm(args, args.hidden_size) if args.pre_norms else NoNorm()
         self.post_attention_layernorm = make_norm(args, args.hidden_size)
         self.sandwich = args.sandwich_norms
         self.residual_multiplier = args.residual_multiplier
         if self.sandwich:
-            self.pre_feedforward_layernorm = make_norm(args, args.hidden_size)
+            self.pre_feedforward_layernorm = make_norm(args, args.hidden_size) if args.pre_norms else NoNorm()
             self.post_feedforward_layernorm = make_norm(args, args.hidden_size)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None):
