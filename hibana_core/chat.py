@@ -177,7 +177,7 @@ class Chat:
         self._floor: list[TokenFloor | None] = []  # `token_floor` of the tokenizer, once found: shared by `on`
         self._opening: list[str] = []  # what the template writes before a reply (`_reply_opening`), once
         self._openings: list[tuple[str, ...]] = []  # where a reply starts (`_reply_openings`), once
-        self._gap: list[str] = []  # what the template writes between a think block and the answer, once
+        self._gap: list[str | None] = []  # what the template writes between a think block and the answer, once
         # found: a list that the copies `on` makes share
         self._unasked: list[bool] = []  # whether the template asks for thinking unswitched (`_thinks_unasked`), once
         self.handle: StateHandle | None = engine.open_state(state_id) if state_id is not None else None
@@ -489,6 +489,11 @@ class Chat:
         line, GLM-4.5's newline; "\n\n" where it does not say: a template that renders no
         `reasoning_content`): what a forced call or a held answer follows, so that the reply is
         written as its history renders it."""
+        gap = self._written_gap()
+        return "\n\n" if gap is None else gap
+
+    def _written_gap(self) -> str | None:
+        """`answer_gap` as the template writes it; None where it does not say."""
         if not self._gap:
             probe = [{"role": "user", "content": "hi"},
                      {"role": "assistant", "content": "hibana-answer-probe", "reasoning_content": "hibana-think-probe"}]
@@ -496,14 +501,16 @@ class Chat:
             end = text.find(close, text.find("hibana-think-probe")) if "hibana-think-probe" in text else -1
             answer = text.find("hibana-answer-probe", end) if end >= 0 else -1
             gap = text[end + len(close):answer] if answer >= 0 else None
-            self._gap.append(gap if gap is not None and not gap.strip() else "\n\n")
+            self._gap.append(gap if gap is not None and not gap.strip() else None)
         return self._gap[0]
 
     def _after_closed_block(self, prompt_end: str) -> str:
         """What the model writes first where the template closed the think block in the prompt
-        (`prompt_end`: the prompt's last text): the `answer_gap` but what the prompt wrote of it."""
-        after, gap = prompt_end[len(prompt_end.rstrip()):], self.answer_gap()
-        return gap[len(after):] if gap.startswith(after) else ""
+        (`prompt_end`: the prompt's last text): the gap the template writes after a block but what the
+        prompt wrote of it; nothing where the template does not say (DeepSeek-V3.1's bare </think>,
+        after which the answer follows at once)."""
+        after, gap = prompt_end[len(prompt_end.rstrip()):], self._written_gap()
+        return gap[len(after):] if gap is not None and gap.startswith(after) else ""
 
     def _writes(self, marker: str, messages: list[dict], **options: Any) -> bool:
         """Whether the chat template, rendering `messages` (and `options`), writes `marker`."""

@@ -407,3 +407,27 @@ def test_thinking_off_is_taken_where_the_template_thinks_only_when_asked_otherwi
     assert chat.thinks and "<think>" not in chat.render_text(ask)
     assert chat.render_text(ask, reasoning=False) == chat.render_text(ask)
     assert chat.render_text(ask, effort="none") == chat.render_text(ask)
+
+
+def test_thinking_switched_off_by_a_bare_close_holds_the_answer_from_its_first_token(tmp_path, make_engine):
+    """A template whose thinking-off prompt ends in a bare </think> (DeepSeek-V3.1's) and that renders
+    no reasoning_content says nothing of what it writes between a think block and an answer: a JSON
+    answer starts right after the prompt, as the history writes it back (no blank line guessed)."""
+    from reasoning_model import TEMPLATE
+    from hibana_core.chat import assistant_message
+
+    branch = TEMPLATE[TEMPLATE.index('{%- if loop.index0 > ns.last_query and reasoning -%}'):
+                      TEMPLATE.index('{%- for tc in m.tool_calls')]
+    template = TEMPLATE.replace(branch, '{{- "<|im_start|>assistant\\n</think>" + content -}}').replace(
+        '{{- "<think>\\n\\n</think>\\n\\n" -}}', '{{- "</think>" -}}')
+    engine = make_engine(make_reasoning_checkpoint(tmp_path / "v31", template))
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    ask = [{"role": "user", "content": "weather?"}]
+    n = force(engine, "v31", '{"answer": "sunny"}<|im_end|>')
+    chat = Chat(engine, "v31")
+    assert chat.render_text(ask, reasoning=False).endswith("<|im_start|>assistant\n</think>")
+    result = chat.respond(ask, params=SamplingParams(max_tokens=n, json_schema=schema), reasoning=False)
+    assert result.text == '{"answer": "sunny"}'
+    again = chat.respond(ask + [assistant_message(result), {"role": "user", "content": "Thanks."}],
+                         params=SamplingParams(max_tokens=2), reasoning=False)
+    assert again.usage.cached_tokens >= result.usage.prompt_tokens + result.usage.completion_tokens - 1
