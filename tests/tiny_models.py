@@ -191,6 +191,17 @@ ARCH_CONFIGS: dict[str, dict] = {
         sliding_window_pattern=3,
         rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
     ),
+    "olmo2": dict(  # OLMo 2's post-norm layers, q/k norms over the whole projections
+        num_hidden_layers=2,
+        rope_parameters=dict(rope_type="default", rope_theta=500000.0),
+    ),
+    "olmo3": dict(  # OLMo 3's: sliding (window 20), sliding, full, each kind its own rope
+        num_hidden_layers=3,
+        sliding_window=20,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                         "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=500000.0)},
+    ),
     "granite": dict(
         num_hidden_layers=3,
         embedding_multiplier=3.0,
@@ -282,12 +293,13 @@ def make_tokenizer():
 def make_config(arch: str, **config_overrides):
     from transformers import (Exaone4Config, Gemma3TextConfig, Glm4MoeConfig, GptOssConfig, GraniteConfig, LlamaConfig,
                               Ministral3Config, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config,
-                              Qwen3MoeConfig, SmolLM3Config)
+                              Olmo2Config, Olmo3Config, Qwen3MoeConfig, SmolLM3Config)
 
     kinds = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
              "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig,
              "mixtral": MixtralConfig, "granite": GraniteConfig, "ministral3": Ministral3Config,
-             "glm4_moe": Glm4MoeConfig, "smollm3": SmolLM3Config, "exaone4": Exaone4Config}
+             "glm4_moe": Glm4MoeConfig, "smollm3": SmolLM3Config, "exaone4": Exaone4Config, "olmo2": Olmo2Config,
+             "olmo3": Olmo3Config}
     if arch not in kinds:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(kinds)}")
     return kinds[arch](**{**_COMMON, **ARCH_CONFIGS[arch], **config_overrides})

@@ -289,6 +289,7 @@ class DecoderArgs:
     cast_last_norms: bool = False  # norms scale by the weight in float32, then round (gpt-oss)
     sandwich_norms: bool = False  # norms after attention and MLP too, four per layer (Gemma)
     pre_norms: bool = True  # False: no norm before attention and MLP, only the sandwich's after (EXAONE 4)
+    qk_norm_whole: bool = False  # the q/k norms over the whole projection, all heads at once (OLMo 2 / 3)
     embed_scale: float | None = None  # embeddings times this, rounded to the model dtype (Gemma)
     embed_scale_in_dtype: bool = True  # False: embed_scale multiplies as a Python float, unrounded
     # (Granite's embedding_multiplier)
@@ -609,8 +610,10 @@ class Attention(nn.Module):
         self.split = (args.num_heads * d, args.num_kv_heads * d, args.num_kv_heads * d)
         self.qkv_proj = Linear(h, sum(self.split), bias=args.qkv_bias)
         self.o_proj = Linear(args.num_heads * d, h, bias=args.o_bias)
-        self.q_norm = make_norm(args, d) if args.qk_norm else None
-        self.k_norm = make_norm(args, d) if args.qk_norm else None
+        # q/k norms over each head (Qwen3's, Gemma's), or over the whole projection (OLMo 2 / 3's)
+        self.qk_norm_whole = args.qk_norm_whole
+        self.q_norm = make_norm(args, self.split[0] if args.qk_norm_whole else d) if args.qk_norm else None
+        self.k_norm = make_norm(args, self.split[1] if args.qk_norm_whole else d) if args.qk_norm else None
         self.sinks = nn.Parameter(torch.empty(args.num_heads)) if args.attention_sinks else None
         self.query_scaling = (args.query_scaling_from, args.query_scaling_beta) if args.query_scaling_from else None
         self.register_buffer("kv_scale", None)
@@ -627,6 +630,8 @@ class Attention(nn.Module):
         tokens = x.shape[0]
         qkv, residual = self.qkv_proj.after_norm(norm, x, residual)
         q, k, v = qkv.split(self.split, dim=-1)
+        if self.qk_norm_whole:  # [T, H * D] and [T, H_kv * D] normed whole, before the heads part
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(tokens, self.num_heads, self.head_dim)      # [T, H, D]
         k = k.view(tokens, self.num_kv_heads, self.head_dim)   # [T, H_kv, D]
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
@@ -665,7 +670,7 @@ class Attention(nn.Module):
         rope.dim dims of each head: the tables' width), k and v into the cache. One launch on the
         GPU (`kernels.qk_norm_rotary_store`), or none: folded into decode attention."""
         cos, sin = self.rotary.tables(positions.device)
-        q_norm, k_norm = self.q_norm, self.k_norm
+        q_norm, k_norm = (None, None) if self.qk_norm_whole else (self.q_norm, self.k_norm)
         assert q_norm is None or not q_norm.cast_last, "the attention prologue takes Llama's and Gemma's q/k norms"
         norms = {} if q_norm is None else dict(q_weight=q_norm.weight, k_weight=k_norm.weight,
                                                eps=q_norm.eps, unit_offset=q_norm.unit_offset)
