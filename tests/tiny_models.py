@@ -202,6 +202,16 @@ ARCH_CONFIGS: dict[str, dict] = {
         rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
                          "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=500000.0)},
     ),
+    "minimax_m2": dict(  # MiniMax-M2's: whole-projection q/k norms, rotary on 8 of 16 dims, top-4 of 16
+        # experts (intermediate 32) by sigmoid score + a correction bias, router rows and biases tied in pairs
+        num_hidden_layers=3,
+        head_dim=16,
+        rotary_dim=8,
+        intermediate_size=32,
+        num_local_experts=16,
+        num_experts_per_tok=4,
+        rope_parameters=dict(rope_type="default", rope_theta=5000000.0),
+    ),
     "granite": dict(
         num_hidden_layers=3,
         embedding_multiplier=3.0,
@@ -292,14 +302,14 @@ def make_tokenizer():
 
 def make_config(arch: str, **config_overrides):
     from transformers import (Exaone4Config, Gemma3TextConfig, Glm4MoeConfig, GptOssConfig, GraniteConfig, LlamaConfig,
-                              Ministral3Config, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config,
-                              Olmo2Config, Olmo3Config, Qwen3MoeConfig, SmolLM3Config)
+                              MiniMaxM2Config, Ministral3Config, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config,
+                              Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     kinds = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
              "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig,
              "mixtral": MixtralConfig, "granite": GraniteConfig, "ministral3": Ministral3Config,
              "glm4_moe": Glm4MoeConfig, "smollm3": SmolLM3Config, "exaone4": Exaone4Config, "olmo2": Olmo2Config,
-             "olmo3": Olmo3Config}
+             "olmo3": Olmo3Config, "minimax_m2": MiniMaxM2Config}
     if arch not in kinds:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(kinds)}")
     return kinds[arch](**{**_COMMON, **ARCH_CONFIGS[arch], **config_overrides})
@@ -334,7 +344,7 @@ def _save_seeded(config, path: Path, seed: int, shard_size: str | None = None, t
             if name.endswith(_ROUTER_TENSORS) and tied_experts:  # a MoE router: tie pairs of experts
                 p[1:2 * TIED_EXPERT_PAIRS:2] = p[0:2 * TIED_EXPERT_PAIRS:2]
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # (GLM-4.5's, a buffer HF inits to zeros)
+            if name.endswith("e_score_correction_bias"):  # (GLM-4.5's, MiniMax-M2's: a buffer HF inits to zeros)
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen))
                 if tied_experts:
                     b[1:2 * TIED_EXPERT_PAIRS:2] = b[0:2 * TIED_EXPERT_PAIRS:2]

@@ -29,7 +29,7 @@ from hibana_core.models.moe import MoEArgs
 
 MODEL_TYPES = ("mixtral",)
 
-_CHECKPOINT_RENAMES = (("block_sparse_moe", "mlp"), ("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
+CHECKPOINT_RENAMES = (("block_sparse_moe", "mlp"), ("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
 
 
 def args_from_config(config: Any) -> DecoderArgs:
@@ -41,7 +41,7 @@ def args_from_config(config: Any) -> DecoderArgs:
                   layers=(True,) * config.num_hidden_layers, round_weights=False)
     return DecoderArgs.from_config(config, qkv_bias=False, o_bias=False, mlp_bias=False, moe=moe,
                                    sliding_windows=sliding_windows(config, reads=()),
-                                   checkpoint_renames=_CHECKPOINT_RENAMES)
+                                   checkpoint_renames=CHECKPOINT_RENAMES)
 
 
 def build(config: Any, ctx: ForwardContext) -> tuple[DecoderForCausalLM, DecoderArgs]:
