@@ -293,9 +293,12 @@ def _block_end(block: str) -> int:
 
 
 class _CallBlockStream(_Stream):
-    """Calls open at `<tool_call>` anywhere in the text and are decided at the `</tool_call>` that
-    `_block_end` finds (a format whose values may hold `</tool_call>`: Qwen3-Coder's, GLM-4.5's), or
-    at the end of the text (`_ended_inside`). The tools' schemas type the values (`_decode`)."""
+    """Calls open at the format's block tag (`opener`: `<tool_call>`) anywhere in the text and are
+    decided at the end tag (`closer`) that `_block_end` finds (a format whose values may hold that
+    tag: Qwen3-Coder's, GLM-4.5's, MiniMax-M2's), or at the end of the text (`_ended_inside`). The
+    tools' schemas type the values (`_decode`)."""
+
+    opener, closer = CALL_START, CALL_END
 
     def __init__(self, tools: list[dict] | None) -> None:
         super().__init__()
@@ -303,41 +306,46 @@ class _CallBlockStream(_Stream):
         self._in_call = False  # _buffer holds a block's body
 
     def _block_end(self, block: str) -> int:
-        """Where the `</tool_call>` ending `block` (what follows its `<tool_call>`) is; -1: not yet."""
+        """Where the `closer` ending `block` (what follows its `opener`) is; -1: not yet."""
         raise NotImplementedError
 
     def _decode(self, body: str) -> _Decoded:
         """A whole block's call (`body`: between its tags)."""
         raise NotImplementedError
 
+    def _whole_block(self, out: list, body: str) -> None:
+        """A block that ended at its `closer` (`body`: between its tags): its call, or its text with
+        the error (a format whose block holds several calls decides them here)."""
+        decoded = self._decode(body)
+        if decoded.error is None:
+            self._accept(out, decoded)
+        else:
+            self._reject(out, self.opener + body + self.closer, decoded.error)
+
     def _ended_inside(self, out: list, raw: str) -> None:
-        """The text ended inside a block (`raw`: all after its `<tool_call>`): a call, or a cut one."""
+        """The text ended inside a block (`raw`: all after its `opener`): a call, or a cut one."""
         raise NotImplementedError
 
     def _advance(self, out: list, final: bool) -> None:
         while True:
             if not self._in_call:
-                start = self._buffer.find(CALL_START)
+                start = self._buffer.find(self.opener)
                 if start < 0:
-                    self._text_before(out, CALL_START, final)
+                    self._text_before(out, self.opener, final)
                     return
                 self._text(out, self._buffer[:start])
-                self._buffer, self._in_call = self._buffer[start + len(CALL_START):], True
+                self._buffer, self._in_call = self._buffer[start + len(self.opener):], True
                 continue
             end = self._block_end(self._buffer)
             if end < 0 and not final:
                 return
-            end = self._buffer.find(CALL_END) if end < 0 else end  # the format's end never came: the first
+            end = self._buffer.find(self.closer) if end < 0 else end  # the format's end never came: the first
             raw = self._buffer if end < 0 else self._buffer[:end]
-            self._buffer, self._in_call = "" if end < 0 else self._buffer[end + len(CALL_END):], False
+            self._buffer, self._in_call = "" if end < 0 else self._buffer[end + len(self.closer):], False
             if end < 0:
                 self._ended_inside(out, raw)
-                continue
-            decoded = self._decode(raw)
-            if decoded.error is None:
-                self._accept(out, decoded)
             else:
-                self._reject(out, CALL_START + raw + CALL_END, decoded.error)
+                self._whole_block(out, raw)
 
 
 class _QwenXmlStream(_CallBlockStream):
