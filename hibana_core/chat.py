@@ -241,6 +241,17 @@ class Chat:
                     return handle
         return None
 
+    def _last_reply_start(self, held: Sequence[int]) -> int:
+        """Where a state's last reply starts where no token ends a message (GLM-4.5's messages end where the next
+        begins, at its <|user|> or <|observation|>): after the last reply opening among its tokens (GLM's
+        <|assistant|>); the whole state where none is found."""
+        opening = self._reply_opening()
+        ids = self.engine.tokenizer.encode(opening, add_special_tokens=False) if opening else []
+        for start in range(len(held) - len(ids), -1, -1) if ids else ():
+            if held[start] == ids[0] and list(held[start:start + len(ids)]) == ids:
+                return start + len(ids)
+        return len(held)
+
     def _lease(self, stack: contextlib.ExitStack, state_id: str, busy_ok: bool) -> "StateHandle | None":
         try:
             return stack.enter_context(self.engine.lease(state_id=state_id))
@@ -264,7 +275,7 @@ class Chat:
         while opening and len(ends) > 1 and decode(held[ends[-2]:ends[-1]], skip_special_tokens=False).lstrip() \
                 .startswith(opening):
             ends.pop()  # an earlier message of the last reply (gpt-oss's analysis, which its template drops)
-        needed = ends[-1] if ends else len(held)
+        needed = ends[-1] if ends else self._last_reply_start(held)
         if isinstance(prompt, TokenIds):
             return list(prompt[:needed]) == list(held[:needed])
         held_text = self.engine.tokenizer.decode(held[:needed], skip_special_tokens=False)

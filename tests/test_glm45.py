@@ -493,3 +493,34 @@ def test_a_glm4_moe_checkpoint_holds_its_tool_loop(tmp_path):
                          {"role": "tool", "tool_call_id": result.tool_calls[0].id, "content": "set"}]
         again = chat.respond(history, [ALARM], SamplingParams(max_tokens=2))
         assert again.usage.cached_tokens >= result.usage.prompt_tokens + result.usage.completion_tokens - 1
+
+
+@pytest.mark.parametrize("reply, end", [
+    ("\n" + call("set_alarm", hour="7", label="gym").replace("\n", "\r"), "<|observation|>"),  # the grammar's whitespace
+    ("\n" + call("set_alarm", hour="7", label="gym"), "<|user|>"),  # ended where a user's message would begin
+])
+def test_an_unnamed_state_serves_the_next_turn_of_its_conversation_whose_reply_renders_otherwise(glm, reply, end):
+    """A call that names no state (the server's, an adapter's without a thread id) goes on the state whose
+    conversation it continues. GLM's messages have no end token (a message ends where the next begins), so
+    that state's last reply was read as the whole of it: a reply its history renders otherwise (a call with
+    another whitespace character between its tags, as the grammar allows, or ended at <|user|>) left the
+    state behind, and the next turn recomputed all but the prefix index's full blocks. It is read from the
+    reply's opening (<|assistant|>) instead; a conversation that merely shares the tools is not continued."""
+    from hibana_core import SamplingParams
+    from hibana_core.chat import Chat, assistant_message
+    from hibana_core.speculation import force_outputs
+
+    chat = Chat(glm)
+    ids = glm.tokenizer.encode(reply, add_special_tokens=False) + glm.tokenizer.convert_tokens_to_ids([end])
+    params = SamplingParams(max_tokens=len(ids))
+    with chat.lease(chat.render_text(ASK, [ALARM], False)) as leased:  # a state of no name, as the server's
+        force_outputs(leased.handle, ids)
+        first = leased.respond(ASK, [ALARM], params, tool_choice="required", reasoning=False)
+        state, held = leased.handle.id, leased.handle.tokens
+    assert [(c.name, c.arguments) for c in first.tool_calls] == WANT
+    history = ASK + [assistant_message(first), {"role": "tool", "tool_call_id": first.tool_calls[0].id,
+                                                "content": "set"}]
+    assert chat.continues(held, chat.render_text(history, [ALARM], False))
+    assert not chat.continues(held, chat.render_text([{"role": "user", "content": "Wake me at 8."}], [ALARM], False))
+    with chat.lease(chat.render_text(history, [ALARM], False)) as again:
+        assert again.handle.id == state
