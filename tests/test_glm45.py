@@ -496,7 +496,7 @@ def test_a_glm4_moe_checkpoint_holds_its_tool_loop(tmp_path):
 
 
 @pytest.mark.parametrize("reply, end", [
-    ("\n" + call("set_alarm", hour="7", label="gym").replace("\n", "\r"), "<|observation|>"),  # the grammar's whitespace
+    ("\n" + call("set_alarm", hour="7", label="gym").replace("\n", "\r"), "<|observation|>"),  # the grammar's \r
     ("\n" + call("set_alarm", hour="7", label="gym"), "<|user|>"),  # ended where a user's message would begin
 ])
 def test_an_unnamed_state_serves_the_next_turn_of_its_conversation_whose_reply_renders_otherwise(glm, reply, end):
