@@ -110,7 +110,12 @@ class CallSyntax:
     # the start of the turn (or after <|python_tag|>), so after text its grammar starts none
     arguments: str = "json"  # how the arguments are written: a JSON object, or "qwen_xml" (xgrammar's style of
     # Qwen3-Coder's `<parameter=KEY>VALUE</parameter>` lines: a string as it is, other values as JSON), or "glm_xml"
-    # (GLM-4.5's `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>`, alike)
+    # (GLM-4.5's `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>`, alike), or "minimax_xml" (MiniMax-M2's
+    # `<parameter name="KEY">VALUE</parameter>`, alike)
+    block_open: str = ""   # the markup around all the calls of a block, where a format has one (MiniMax-M2's
+    block_close: str = ""  # `<minimax:tool_call>` ... `</minimax:tool_call>`; "": each call carries its own,
+    # `open` and `close`). A block opens at `trigger` in free text; what `block_open` holds before it is what the
+    # template writes before a block where the calls come first (MiniMax-M2's newline): a forced call's first text
 
 
 SYNTAX = {  # by registered tool parser name
@@ -123,6 +128,10 @@ SYNTAX = {  # by registered tool parser name
     # (the whitespace around `<arg_key>` and `<arg_value>` is the glm_xml style's: GLM-4.5's newlines, or none)
     "glm45": CallSyntax("<tool_call>", "", "</tool_call>", trigger="<tool_call>", closer="</tool_call>",
                         arguments="glm_xml"),
+    # (a turn's calls in one block, an <invoke> each; the template writes a newline before the block)
+    "minimax_m2": CallSyntax('<invoke name="', '">\n', "</invoke>\n", trigger="<minimax:tool_call>", separator="",
+                             closer="</minimax:tool_call>", arguments="minimax_xml",
+                             block_open="\n<minimax:tool_call>\n", block_close="</minimax:tool_call>"),
 }
 
 ANY_OBJECT = {"type": "object"}
@@ -163,11 +172,20 @@ def tool_call_grammar(tools: Sequence[dict], tool_choice: str, syntax: CallSynta
             for f in functions]
     calls = {"type": "tags_with_separator", "tags": tags, "separator": getattr(syntax, "separator", "\n"),
              "at_least_one": True, "stop_after_first": not parallel}
+    trigger = getattr(syntax, "trigger", "") or syntax.open  # a plugin's syntax may leave these out
+    block_open = getattr(syntax, "block_open", "")
+    opened = tags  # what the trigger opens in free text: a call, or a block of them
+    if block_open:  # the calls in a block (one, where not `parallel`): after what the template writes before it
+        # where the calls come first (a forced call), or opened at the trigger in free text
+        lead = block_open[:block_open.find(trigger)] if trigger in block_open else ""
+        opened = [{"type": "tag", "begin": block_open[len(lead):], "content": calls,
+                   "end": getattr(syntax, "block_close", "")}]
+        calls = opened[0] if not lead else {"type": "sequence", "elements": [
+            {"type": "const_string", "value": lead}, opened[0]]}
     if tool_choice == "auto":
-        trigger = getattr(syntax, "trigger", "") or syntax.open  # a plugin's syntax may leave these out
         excludes = _stray(syntax) if closer else []
         if getattr(syntax, "anywhere", True):
-            form = {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "stop_after_first": not parallel,
+            form = {"type": "triggered_tags", "triggers": [trigger], "tags": opened, "stop_after_first": not parallel,
                     "excludes": excludes}
         else:  # calls from the start (after whitespace, as the parser reads them), or text that starts none but
             # after the opener token (Llama 3's <|python_tag|>, then calls)

@@ -90,9 +90,10 @@ def register_tool_parsers(register) -> None:
     - `parser.call_syntax`: an object with `open`, `mid`, `close` (the text around a call's name
       and its arguments object), and optionally `trigger` (where a call starts in free text),
       `separator` (between calls), `closer` (markup that ends a call and never stands in free
-      text: hermes' `</tool_call>`) and `opener_token` (a control token that may open the calls
-      where the vocabulary has it: Llama 3's `<|python_tag|>`); `hibana_core.turn.CallSyntax` is
-      one. Or
+      text: hermes' `</tool_call>`), `opener_token` (a control token that may open the calls
+      where the vocabulary has it: Llama 3's `<|python_tag|>`) and `block_open` / `block_close`
+      (markup around a block of calls, opened at `trigger`: MiniMax-M2's `<minimax:tool_call>`);
+      `hibana_core.turn.CallSyntax` is one. Or
     - `parser.tool_call_grammar(tools, tool_choice, parallel) -> dict`: the whole grammar, an
       xgrammar structural tag (`{"type": "structural_tag", "format": ...}`), for OpenAI-style
       `tools`, `tool_choice` "auto", "required" or a tool's name, and whether several calls
