@@ -42,7 +42,8 @@ _REFUSED = {
 _CHAT_FIELDS = (("max_completion_tokens", "max_tokens"), ("stop", "stop_sequences"),
                 ("response_format.json_schema", "output_config.format"), ("response_format", "output_config.format"),
                 ("reasoning_effort", "output_config.effort"), ("chat_template_kwargs.enable_thinking", "thinking"),
-                ("parallel_tool_calls", "tool_choice.disable_parallel_tool_use"))
+                ("parallel_tool_calls", "tool_choice.disable_parallel_tool_use"),
+                ("tool_choice.function.name", "tool_choice.name"))
 """The chat request's fields an error may name, and the Messages API's the client sent ("stop", a
 word as well, is renamed in a message only where it names the field: "stop:", "stop=")."""
 

@@ -316,6 +316,14 @@ def test_errors_come_as_the_sdks_typed_errors_in_anthropics_shape(client, url):
         {"role": "user", "content": [image]}]), "is an image block")
 
 
+
+def test_a_tool_choice_naming_no_offered_tool_names_the_field_sent(client):
+    """tool_choice {"type": "tool", "name": ...} naming a tool not offered: the error names Anthropic's field,
+    tool_choice.name, not the chat request's tool_choice.function.name that it is read as."""
+    message = "tool_choice.name is 'nope'; name one of the tools offered: ['get_weather', 'multiply']"
+    expect_error(anthropic.BadRequestError, lambda: client.messages.create(
+        model="demo", max_tokens=8, messages=HELLO, tools=TOOLS, tool_choice={"type": "tool", "name": "nope"}), message)
+
 def test_an_error_mid_stream_is_anthropics_error_event():
     """The server ends a stream that fails after its first event with the error's body (`sse`): here
     Anthropic's `error` event, of the type its status would have had."""
