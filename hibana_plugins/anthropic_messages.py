@@ -20,7 +20,7 @@ import re
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from hibana_core.turn import ChatDelta, ChatResult
 from hibana_plugins.openai_api import ApiError, ChatRequest, Reply, _answer, joined, json_text, parse_request
@@ -58,14 +58,19 @@ def error_body(error: ApiError) -> dict:
     return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
-def in_messages_terms(error: ApiError) -> ApiError:
-    """`error` naming the Messages API's fields where the chat layer named its own."""
+def in_messages_terms(error: ApiError, origins: list[str] | tuple[str, ...] = ()) -> ApiError:
+    """`error` naming the Messages API's fields where the chat layer named its own; a chat message it
+    names by its index ("message 3", "messages[3]") named by `origins`, where each chat message of the
+    request came from (`MessagesRequest.origins`: the system prompt is one, each tool_result one)."""
     param, message = error.param, error.message
     for chat, ours in _CHAT_FIELDS:
         if param is not None and re.match(rf"{re.escape(chat)}\b", param):
             param = ours + param[len(chat):]
         named = r"(?=[:=\[])" if chat == "stop" else r"\b"
         message = re.sub(rf"(?<![\w.]){re.escape(chat)}{named}", ours, message)
+    if origins:
+        message = re.sub(r"(?<![\w.])(?:message (\d+)\b|messages\[(\d+)\])",
+                         lambda m: origins[i] if (i := int(m[1] or m[2])) < len(origins) else m[0], message)
     return ApiError(error.status, message, param, error.code, error.kind, error.retry)
 
 
@@ -105,6 +110,13 @@ class MessagesRequest(BaseModel):
     user_profile_id: str | None = None
     workspace_id: str | None = None
     betas: list[str] | None = None
+    _origins: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def origins(self) -> list[str]:
+        """Where each message of the chat request came from ("system", "messages[i]"), once it is read whole
+        (`chat_request`); empty before."""
+        return self._origins
 
     def chat_request(self) -> ChatRequest:
         """The chat-completions request this one means; ApiError for what it cannot mean here."""
@@ -113,8 +125,11 @@ class MessagesRequest(BaseModel):
                 raise ApiError(400, f"{name}: {what}", name)
         choice, parallel = _tool_choice(self.tool_choice)
         output = self.output_config or {}
+        origins: list[str] = []
+        messages = _messages(self.system, self.messages, origins)
+        self._origins = origins  # read whole: the errors from here on count the chat request's messages
         body: dict[str, Any] = {
-            "model": self.model, "messages": _messages(self.system, self.messages), "tools": _tools(self.tools),
+            "model": self.model, "messages": messages, "tools": _tools(self.tools),
             "tool_choice": choice, "parallel_tool_calls": parallel, "reasoning_effort": output.get("effort"),
             "response_format": _response_format(output.get("format") or self.output_format),
             "chat_template_kwargs": _thinking(self.thinking), "max_completion_tokens": self.max_tokens,
@@ -161,12 +176,14 @@ def _unreadable(kind: Any, where: str) -> ApiError:
                          "messages thinking, tool_use, tool_result)", field)
 
 
-def _messages(system: str | list | None, given: list[dict]) -> list[dict]:
+def _messages(system: str | list | None, given: list[dict], origins: list[str]) -> list[dict]:
     """The conversation as chat messages: `system` first, then each message's blocks in order (a
-    user message's tool_result blocks become tool messages, its text a user message beside them)."""
+    user message's tool_result blocks become tool messages, its text a user message beside them);
+    `origins` gets where each came from ("system", "messages[i]")."""
     messages: list[dict] = []
     if system:
         messages.append({"role": "system", "content": _text(system, "system")})
+        origins.append("system")
     for i, message in enumerate(given):
         where = f"messages[{i}]"
         role, content = message.get("role"), message.get("content")
@@ -182,6 +199,7 @@ def _messages(system: str | list | None, given: list[dict]) -> list[dict]:
             messages.append({"role": "system", "content": _text(content, f"{where}.content")})
         else:
             messages += _user(content, where)
+        origins += [where] * (len(messages) - len(origins))
     if messages[-1]["role"] == "assistant":
         raise ApiError(400, "the last message is the assistant's: Hibana does not continue a prefilled reply; end "
                             "with a user message (a tool_result, or the text the reply should follow)", "messages")

@@ -443,6 +443,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         """Anthropic's Messages API: the request read as the chat request it means (`anthropic_messages`);
         errors in Anthropic's shape (`on_api_error`), naming the fields this client sent (`in_messages_terms`)."""
         received = time.monotonic()
+        parsed: MessagesRequest | None = None
         try:
             parsed = await checked(request, MessagesRequest)
             state = named_state(request.headers.get(STATE_HEADER))
@@ -456,13 +457,14 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
             reply = MessagesReply(config.model_name, chat, call.params.max_tokens)
             return await serve(request, received, servings, reply)
         except HibanaError as exc:
-            raise in_messages_terms(api_error(exc)) from None
+            raise in_messages_terms(api_error(exc), parsed.origins if parsed else ()) from None
         except ApiError as exc:
-            raise in_messages_terms(exc) from None
+            raise in_messages_terms(exc, parsed.origins if parsed else ()) from None
 
     @app.post("/v1/messages/count_tokens", dependencies=[Depends(authorized)])
     async def count_tokens(request: Request) -> dict:
         """The tokens of the prompt a Messages request renders to (tools and system included)."""
+        parsed: CountTokensRequest | None = None
         try:
             parsed = await checked(request, CountTokensRequest)
 
@@ -472,9 +474,9 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
                 return len(chat.prompt_tokens(chat_prompt(chat_request, None)[1]))
             tokens = await asyncio.to_thread(counted)
         except HibanaError as exc:
-            raise in_messages_terms(api_error(exc)) from None
+            raise in_messages_terms(api_error(exc), parsed.origins if parsed else ()) from None
         except ApiError as exc:
-            raise in_messages_terms(exc) from None
+            raise in_messages_terms(exc, parsed.origins if parsed else ()) from None
         metrics.requests.labels(request.url.path, "200").inc()
         return {"input_tokens": tokens}
 

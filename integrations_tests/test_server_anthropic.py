@@ -324,6 +324,22 @@ def test_a_tool_choice_naming_no_offered_tool_names_the_field_sent(client):
     expect_error(anthropic.BadRequestError, lambda: client.messages.create(
         model="demo", max_tokens=8, messages=HELLO, tools=TOOLS, tool_choice={"type": "tool", "name": "nope"}), message)
 
+
+def test_an_error_about_a_message_names_it_by_its_place_in_the_request(client):
+    """The chat layer counts its own messages (the system prompt one of them, each tool_result one): an error
+    about a message names it as the client sent it, messages[i], not as the chat request counts it."""
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}
+    answers = [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
+               {"type": "tool_result", "tool_use_id": "toolu_2", "content": "rain"}]
+    messages = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": [call]},
+                {"role": "user", "content": answers}]
+    for system in ("Be brief.", anthropic.omit):
+        for send in (lambda: client.messages.create(model="demo", max_tokens=8, tools=TOOLS, system=system,
+                                                    messages=messages),
+                     lambda: client.messages.count_tokens(model="demo", tools=TOOLS, system=system, messages=messages)):
+            expect_error(anthropic.BadRequestError, send,
+                         "messages[2] answers tool call 'toolu_2', which the assistant message before it did not make")
+
 def test_an_error_mid_stream_is_anthropics_error_event():
     """The server ends a stream that fails after its first event with the error's body (`sse`): here
     Anthropic's `error` event, of the type its status would have had."""
