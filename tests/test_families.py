@@ -574,6 +574,21 @@ def test_qwen3_vl_multimodal_checkpoint_serves_its_language_model(tmp_path, make
     assert engine.stats().prompt_tokens_reused > 0
 
 
+@pytest.mark.parametrize("biases", [dict(), dict(attention_out_bias=True, mlp_bias=True)],
+                         ids=["qkv-bias", "qkv-o-and-mlp-biases"])
+def test_seed_oss_reads_its_output_projections_own_bias_switch(tmp_path, make_engine, biases):
+    """Seed-OSS (model_type seed_oss): Llama's layers, q/k/v biases by attention_bias and the
+    o_proj's by its own attention_out_bias (False in Seed-OSS-36B), MLP biases by mlp_bias; 2
+    agents x 2 turns at once with retention, each generation transformers' greedy."""
+    path = make_tiny_checkpoint("seed_oss", tmp_path / "seed", **biases)
+    engine = make_engine(path)
+    args = engine.model.args
+    assert (args.qkv_bias, args.o_bias, args.mlp_bias) == (True, bool(biases), bool(biases))
+    for turns in greedy_turns_at_once(engine, "so", [agent_turn_plan(9700 + agent, turns=2) for agent in range(2)]):
+        for history, completion in turns:
+            assert_greedy_matches(path, history, completion.token_ids)
+
+
 def test_mistral3_with_another_language_model_is_refused_by_name():
     """A mistral3 checkpoint whose text_config is a family the llama family does not read (here
     Phi-3's) is an UnsupportedModelError naming both."""

@@ -212,6 +212,12 @@ ARCH_CONFIGS: dict[str, dict] = {
         num_experts_per_tok=4,
         rope_parameters=dict(rope_type="default", rope_theta=5000000.0),
     ),
+    "seed_oss": dict(  # Seed-OSS's q/k/v biases without an o_proj bias
+        num_hidden_layers=2,
+        attention_bias=True,
+        attention_out_bias=False,
+        rope_parameters=dict(rope_type="default", rope_theta=10000000.0),
+    ),
     "granite": dict(
         num_hidden_layers=3,
         embedding_multiplier=3.0,
@@ -303,13 +309,13 @@ def make_tokenizer():
 def make_config(arch: str, **config_overrides):
     from transformers import (Exaone4Config, Gemma3TextConfig, Glm4MoeConfig, GptOssConfig, GraniteConfig, LlamaConfig,
                               MiniMaxM2Config, Ministral3Config, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config,
-                              Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+                              Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config)
 
     kinds = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
              "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig,
              "mixtral": MixtralConfig, "granite": GraniteConfig, "ministral3": Ministral3Config,
              "glm4_moe": Glm4MoeConfig, "smollm3": SmolLM3Config, "exaone4": Exaone4Config, "olmo2": Olmo2Config,
-             "olmo3": Olmo3Config, "minimax_m2": MiniMaxM2Config}
+             "olmo3": Olmo3Config, "minimax_m2": MiniMaxM2Config, "seed_oss": SeedOssConfig}
     if arch not in kinds:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(kinds)}")
     return kinds[arch](**{**_COMMON, **ARCH_CONFIGS[arch], **config_overrides})

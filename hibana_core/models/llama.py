@@ -19,7 +19,7 @@ from hibana_core.forward_context import ForwardContext
 from hibana_core.models.decoder import (MULTIMODAL_PREFIXES, OTHER_TOWERS, DecoderArgs, DecoderForCausalLM,
                                         sliding_windows)
 
-TEXT_TYPES = ("llama", "qwen2", "qwen3", "mistral", "ministral", "ministral3")
+TEXT_TYPES = ("llama", "qwen2", "qwen3", "mistral", "ministral", "ministral3", "seed_oss")
 MULTIMODAL_TEXT_TYPES = {"qwen3_vl_text": "qwen3"}
 """A multimodal checkpoint's own name for its language model -> the text family it is: Qwen3-VL's is
 Qwen3's (its multimodal rope rotates a text-only prompt's tokens as Qwen3's rope does: the three
@@ -32,11 +32,14 @@ _FIXED_BIASES = {"qwen2": (True, False), "mistral": (False, False), "ministral":
 
 # transformers' Llama alone reads config.mlp_bias; Qwen2, Qwen3 and Mistral MLPs have no bias whatever
 # a config.json says (their checkpoints hold none)
-_MLP_BIAS_FROM_CONFIG = ("llama",)
+_MLP_BIAS_FROM_CONFIG = ("llama", "seed_oss")
+
+# model_type -> the config field that switches its o_proj's bias apart from q/k/v's (Seed-OSS's)
+_O_BIAS_FROM = {"seed_oss": "attention_out_bias"}
 
 # transformers' Llama attends to the whole history: a sliding_window (or layer_types) that a
 # llama config.json carries from elsewhere is not read there, so not here either
-_FULL_ATTENTION_ONLY = ("llama",)
+_FULL_ATTENTION_ONLY = ("llama", "seed_oss")
 
 # transformers' Mistral windows every layer whenever sliding_window is set (use_sliding_window is
 # no field of its config); a mistral config.json with layer_types is read as a Ministral (model_type
@@ -53,6 +56,8 @@ def args_from_config(config: Any) -> DecoderArgs:
                                     f"{', '.join((*TEXT_TYPES, *MULTIMODAL_TEXT_TYPES))})")
     attention_bias = bool(getattr(text, "attention_bias", False))
     qkv_bias, o_bias = _FIXED_BIASES.get(kind, (attention_bias, attention_bias))
+    if kind in _O_BIAS_FROM:
+        o_bias = bool(getattr(text, _O_BIAS_FROM[kind], False))
     windows = {"sliding_windows": (None,) * text.num_hidden_layers} if kind in _FULL_ATTENTION_ONLY else {}
     if kind in _WINDOWING_READS:
         windows = {"sliding_windows": sliding_windows(text, reads=_WINDOWING_READS[kind])}
