@@ -553,16 +553,18 @@ def test_mistral3_multimodal_checkpoint_serves_its_language_model(tmp_path, make
     assert engine.stats().prompt_tokens_reused > 0
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_qwen3_vl_multimodal_checkpoint_serves_its_language_model(tmp_path, make_engine, tied):
+@pytest.mark.parametrize("tied, text_tied", [(False, None), (True, None), (False, True), (True, False)],
+                         ids=["untied", "tied", "untied-text-says-tied", "tied-text-says-untied"])
+def test_qwen3_vl_multimodal_checkpoint_serves_its_language_model(tmp_path, make_engine, tied, text_tied):
     """Qwen3-VL (model_type qwen3_vl: Qwen3VLForConditionalGeneration) serves text-only prompts
     on its language model (text_config qwen3_vl_text: Qwen3's layers), the vision tower and its
     deepstack mergers left unread; its multimodal rope rotates a text-only prompt as Qwen3's rope.
     2 agents x 2 turns at once with retention, each generation transformers' greedy (its own
-    class, text alone); the head tied to the embedding as the checkpoint's top-level config says."""
+    class, text alone); the head tied to the embedding as the checkpoint's top-level config says,
+    whatever its text config's own flag says (transformers does not read that one)."""
     from tiny_models import make_tiny_qwen3_vl
 
-    path = make_tiny_qwen3_vl(tmp_path / "qwen3_vl", tie_word_embeddings=tied)
+    path = make_tiny_qwen3_vl(tmp_path / "qwen3_vl", tie_word_embeddings=tied, text_tie_word_embeddings=text_tied)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine = make_engine(path)

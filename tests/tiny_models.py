@@ -409,13 +409,16 @@ def make_tiny_mistral3_multimodal(path, seed: int = SEED, tie_word_embeddings: b
     return _save_seeded(config, Path(path), seed)
 
 
-def make_tiny_qwen3_vl(path, seed: int = SEED, tie_word_embeddings: bool = False) -> Path:
+def make_tiny_qwen3_vl(path, seed: int = SEED, tie_word_embeddings: bool = False,
+                       text_tie_word_embeddings: bool | None = None) -> Path:
     """A multimodal qwen3_vl checkpoint (Qwen3VLForConditionalGeneration: Qwen3-VL-2B ... 32B) whose
     language model is the tiny qwen3 one (its multimodal rope's sections over head_dim 32), beside
-    a one-layer vision tower with one deepstack merger; saved as transformers saves them."""
+    a one-layer vision tower with one deepstack merger; saved as transformers saves them.
+    `text_tie_word_embeddings`: the text config's own flag (transformers reads the top level's)."""
     from transformers import Qwen3VLConfig
 
-    text = make_config("qwen3", tie_word_embeddings=tie_word_embeddings).to_dict()
+    text_tie = tie_word_embeddings if text_tie_word_embeddings is None else text_tie_word_embeddings
+    text = make_config("qwen3", tie_word_embeddings=text_tie).to_dict()
     text["rope_parameters"] = dict(text["rope_parameters"], mrope_section=[6, 5, 5], mrope_interleaved=True)
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, out_hidden_size=64,
                   num_position_embeddings=16, deepstack_visual_indexes=[0])

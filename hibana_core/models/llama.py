@@ -71,11 +71,16 @@ def args_from_config(config: Any) -> DecoderArgs:
                                    qk_norm=kind == "qwen3", **_query_scaling(text), **windows, **multimodal)
 
 
+# multimodal model_types whose head transformers ties by the top-level config's flag alone (Qwen3-VL's
+# text config may carry one of its own, which it does not read)
+_TIED_AT_TOP = ("qwen3_vl",)
+
+
 def _tied(config: Any, text: Any) -> bool:
-    """Whether a multimodal checkpoint's output head is its embedding: its text config's flag where
-    that has one (Mistral 3's top-level default says True of checkpoints that store their own head,
-    and transformers reads the text config's), else the top level's (Qwen3-VL keeps it there alone)."""
-    tied = getattr(text, "tie_word_embeddings", None)
+    """Whether a multimodal checkpoint's output head is its embedding, as transformers reads it: the
+    top level's flag for Qwen3-VL, else the text config's where that has one (Mistral 3's top-level
+    default says True of checkpoints that store their own head), else the top level's."""
+    tied = None if config.model_type in _TIED_AT_TOP else getattr(text, "tie_word_embeddings", None)
     return bool(getattr(config, "tie_word_embeddings", False) if tied is None else tied)
 
 
