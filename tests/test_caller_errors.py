@@ -91,8 +91,9 @@ def test_an_unsupported_architecture_lists_the_supported_ones(tmp_path):
     shutil.copytree(DEMO_MODEL_DIR, tmp_path / "m")
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
-    with pytest.raises(UnsupportedModelError, match="supported model types: gemma3, gemma3_text, gpt_oss, granite, llama, ministral, "
-                       "ministral3, mistral, mistral3, mixtral, phi3, qwen2, qwen3, qwen3_moe"):
+    with pytest.raises(UnsupportedModelError, match="supported model types: exaone4, gemma3, gemma3_text, glm4_moe, gpt_oss, "
+                       "granite, llama, minimax_m2, ministral, ministral3, mistral, mistral3, mixtral, olmo2, olmo3, phi3, "
+                       "qwen2, qwen3, qwen3_moe, qwen3_vl, seed_oss, smollm3"):
         _open(str(tmp_path / "m"))
 
 
