@@ -144,10 +144,12 @@ class _Parameter(NamedTuple):
     rest: str = ""             # with `error`: the text from where it is no parameter
 
 
-def _parameters(name: str, inner: str, schemas: dict[str, Any], cut: bool = False) -> Iterator[_Parameter]:
+def _parameters(name: str, inner: str, schemas: dict[str, Any], cut: bool = False,
+                padded: bool = True) -> Iterator[_Parameter]:
     """The parameters of a call's text between `<function=NAME>` and `</function>` (`inner`), in order,
     until text that is none (`error`). `cut`: the text is all the model wrote, cut off; a tail of the last
-    value that begins its `</parameter>` is no part of the value."""
+    value that begins its `</parameter>` is no part of the value. `padded`: the template writes a newline
+    each side of a value (Qwen3-Coder's; Seed-OSS's writes none, so a string's text is all its value)."""
     at = 0
     while True:
         start = inner.find(PARAMETER_START, at)
@@ -186,21 +188,23 @@ def _parameters(name: str, inner: str, schemas: dict[str, Any], cut: bool = Fals
             value = value[:len(value) - partial_tag_length(value, PARAMETER_END)]
         # the template's newlines around a value; where the schema is more than a plain string, the grammar's
         # whitespace (a character of it each side: " Paris\t" was kept, past a maxLength)
-        pad = "\n" if key not in schemas or _plain_string(schemas[key]) else _PADDING
+        pad = ("\n" if padded else "") if key not in schemas or _plain_string(schemas[key]) else _PADDING
         value = value[1:] if value[:1] and value[0] in pad else value
         value = value[:-1] if value[-1:] and value[-1] in pad else value
         yield _Parameter(key, value, closed)
         at = after
 
 
-def decode_xml_call(body: str, types: dict[str, dict[str, Any]]) -> _Decoded:
-    """One call's text between `<tool_call>` and `</tool_call>`: its function and parameters."""
+def decode_xml_call(body: str, types: dict[str, dict[str, Any]], padded: bool = True,
+                    opener: str = CALL_START) -> _Decoded:
+    """One call's text between `<tool_call>` and `</tool_call>` (`opener`: the block tag, as errors
+    name it): its function and parameters (`padded`: `_parameters`')."""
     if body.lstrip().startswith("{"):  # the hermes form, which these models write at times unless held
         return _decode_call(body, require_arguments=False)
     match = _FUNCTION.fullmatch(body)
     if match is None:
         if FUNCTION_START not in body:
-            return _Decoded(error=f"a tool call needs {FUNCTION_START}NAME> after {CALL_START}")
+            return _Decoded(error=f"a tool call needs {FUNCTION_START}NAME> after {opener}")
         return _Decoded(error=f"a tool call's {FUNCTION_START}...> needs its {FUNCTION_END}, and nothing "
                               "else in its tool_call block")
     name, inner = match.group(1).strip(), match.group(2)
@@ -208,7 +212,7 @@ def decode_xml_call(body: str, types: dict[str, dict[str, Any]]) -> _Decoded:
         return _Decoded(error=f"a tool call needs a function name, got {match.group(1)!r}")
     schemas = types.get(name, {})
     arguments: dict[str, Any] = {}
-    for parameter in _parameters(name, inner, schemas):
+    for parameter in _parameters(name, inner, schemas, padded=padded):
         if parameter.error is not None:
             return _Decoded(error=parameter.error)
         if parameter.key in arguments:
@@ -217,19 +221,19 @@ def decode_xml_call(body: str, types: dict[str, dict[str, Any]]) -> _Decoded:
     return _accepted(name, arguments)
 
 
-def cut_arguments_json(name: str, inner: str, schemas: dict[str, Any]) -> str:
+def cut_arguments_json(name: str, inner: str, schemas: dict[str, Any], padded: bool = True) -> str:
     """The arguments of a call max_tokens cut off (`inner`: what it wrote after `<function=NAME>`) as the
     JSON text a hermes call's would be so far, which is what a client reads of a cut call (LangChain's
     invalid call, a structured answer's content): the parameters it closed, typed by their schemas, then
     the one it was writing, its name and its value so far (a string's text, an unclosed string; another
     type's value once it decodes, or the JSON text of an object or array begun), the object left open;
-    closed where the cut fell in `</function>`; "" before any parameter began."""
+    closed where the cut fell in `</function>`; "" before any parameter began. `padded`: `_parameters`'."""
     if not inner.strip():
         return ""
     keys: set[str] = set()
     members: list[str] = []  # the closed parameters, as the object's members
     begun: str | None = None  # the member the cut fell in ("": only its tag begun)
-    for parameter in _parameters(name, inner, schemas, cut=True):
+    for parameter in _parameters(name, inner, schemas, cut=True, padded=padded):
         if parameter.error is not None:
             rest = parameter.rest.strip()
             if rest.startswith("</") and (FUNCTION_END.startswith(rest) or rest.startswith(FUNCTION_END)):
@@ -275,20 +279,20 @@ def _json(value: Any) -> str | None:
         return None
 
 
-def _block_end(block: str) -> int:
-    """Where the `</tool_call>` that ends a call block (`block`: what follows its `<tool_call>`) is, -1
-    while it is not there yet: the first after the call's `</function>`, so that a value's text (code)
-    may hold `</tool_call>`, as the grammar lets it; the first one where the block is no call in this form,
-    or where a `<tool_call>` follows it before that (a call that never closed its function)."""
-    first = block.find(CALL_END)
+def _block_end(block: str, opener: str = CALL_START, closer: str = CALL_END) -> int:
+    """Where the `</tool_call>` (`closer`) that ends a call block (`block`: what follows its `<tool_call>`,
+    `opener`) is, -1 while it is not there yet: the first after a call's `</function>`, so that a value's
+    text (code) may hold `</tool_call>`, as the grammar lets it; the first one where the block is no call
+    in this form, or where a `<tool_call>` follows it before that (a call that never closed its function)."""
+    first = block.find(closer)
     if first < 0 or not block.lstrip().startswith(FUNCTION_START):
         return first
-    next_call = block.find(CALL_START, first)
+    next_call = block.find(opener, first)
     at = first
     while at >= 0 and (next_call < 0 or at < next_call):
         if block[:at].rstrip().endswith(FUNCTION_END):
             return at
-        at = block.find(CALL_END, at + 1)
+        at = block.find(closer, at + 1)
     return first if next_call >= 0 else -1
 
 
@@ -392,18 +396,24 @@ class QwenXmlToolParser:
         written; ("", "") for what it has not reached."""
         if not cut_call.lstrip().startswith(CALL_START):
             return "", ""
-        body = cut_call.lstrip()[len(CALL_START):].lstrip()
-        if body.startswith("{"):
-            name = re.match(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)("?)', body)
-            if name is None:
-                return "", ""
-            key = re.match(r'\s*,\s*"arguments"\s*:\s*', body[name.end():]) if name[2] else None
-            return name[1], body[name.end() + key.end():] if key else ""
-        if not body.startswith(FUNCTION_START):
+        return cut_call_body_parts(cut_call.lstrip()[len(CALL_START):], tools)
+
+
+def cut_call_body_parts(body: str, tools: list[dict] | None, padded: bool = True) -> tuple[str, str]:
+    """(the name, the arguments so far) of a cut call's text after its block tag (`body`):
+    `QwenXmlToolParser.cut_call_parts`' (`padded`: `_parameters`')."""
+    body = body.lstrip()
+    if body.startswith("{"):
+        name = re.match(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)("?)', body)
+        if name is None:
             return "", ""
-        head, closed, inner = body[len(FUNCTION_START):].partition(">")
-        name = head.strip()
-        return name, cut_arguments_json(name, inner, parameter_types(tools).get(name, {})) if closed else ""
+        key = re.match(r'\s*,\s*"arguments"\s*:\s*', body[name.end():]) if name[2] else None
+        return name[1], body[name.end() + key.end():] if key else ""
+    if not body.startswith(FUNCTION_START):
+        return "", ""
+    head, closed, inner = body[len(FUNCTION_START):].partition(">")
+    name = head.strip()
+    return name, cut_arguments_json(name, inner, parameter_types(tools).get(name, {}), padded) if closed else ""
 
 
 @hookimpl
