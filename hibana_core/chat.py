@@ -187,6 +187,10 @@ class Chat:
         """Whether the chat template knows think blocks (a reasoning model): turns are split into
         thinking and answer (`turn.Thinking`)."""
         self._switches_thinking = "enable_thinking" in str(template)  # Qwen3's switch: reasoning=False honoured
+        # or a thinking budget, which a budget of 0 switches off (Seed-OSS's: its prompt then opens the block,
+        # where the model says it will not think, and answers)
+        self._budget_switch = not self._switches_thinking and "thinking_budget" in str(template)
+        self._switches_thinking = self._switches_thinking or self._budget_switch
         self._prompted_thinking = _default_prompt_thinks(str(template), self.think_markers.open)
 
     def on(self, handle: "StateHandle") -> "Chat":
@@ -316,7 +320,8 @@ class Chat:
                     reasoning: bool | None = None, *, effort: str | None = None) -> prompt.Prompt:
         """The rendered prompt; message contents that hold control-token text are marked as such
         (`hibana_core.prompt`), so that they are tokenized as plain text. `reasoning` goes to the
-        template as `enable_thinking` (Qwen3's switch); None leaves the template's default.
+        template as `enable_thinking` (Qwen3's switch), False to one that reads a `thinking_budget`
+        instead as a budget of 0 (Seed-OSS's); None leaves the template's default.
         `effort` (OpenAI's reasoning_effort level) goes as `reasoning_effort`: gpt-oss's harmony
         template writes it into its system message; templates without it ignore it."""
         if not self._templated:
@@ -351,6 +356,8 @@ class Chat:
             if not reasoning and self.thinks and not self._switches_thinking and self._thinks_unasked():
                 self._refuse_thinking_off(asked_by_effort=effort == "none")
             kwargs["enable_thinking"] = reasoning
+            if not reasoning and self._budget_switch:
+                kwargs["thinking_budget"] = 0
 
         messages, tools = normalize_messages(messages), normalize_tools(tools)
         check_tool_results(messages)  # the caller's messages, before a format rewrites them, and on the ids
@@ -847,10 +854,11 @@ class Chat:
         end = (self.engine.tokenizer.decode(list(messages[-4:]), skip_special_tokens=False)
                if isinstance(messages, TokenIds) else str(messages))
         markers = self.think_markers
-        open_in_prompt = end.rstrip().endswith(markers.open)
+        opened = markers.opened(end)  # (Seed-OSS's with a budget of 0 opens a budget reflection in it too)
+        open_in_prompt = opened is not None
         # or closes it (Qwen3's with thinking switched off writes an empty block): no thinking to hold a grammar off
         closed_in_prompt = end.rstrip().endswith(markers.close)
-        thinking = turn.Thinking(open_in_prompt, closed_in_prompt, markers) if self.thinks else None
+        thinking = turn.Thinking(open_in_prompt, closed_in_prompt, markers, opened or "") if self.thinks else None
         # or a prefill writes the block whole ("<think>\n\n</think>\n\n": no thinking this turn), so the
         # grammar starts after it, in the answer
         closed_by_prefill = (thinking is not None and not closed_in_prompt and markers.close in prefill

@@ -333,23 +333,37 @@ class ThinkMarkers:
     open: str
     close: str
     control: bool = False  # special tokens of the vocabulary (a grammar names them as tokens), not text
+    lead_ins: tuple[str, ...] = ()  # markup a generation prompt may write after `open`, the block still open
+    # (Seed-OSS's <seed:cot_budget_reflect> where its thinking budget is 0): the thinking's first words
 
     def spelt(self, marker: str) -> "str | dict":
         """`marker` as a structural tag's begin or end: its text, or the control token."""
         return {"type": "token", "token": marker} if self.control else marker
+
+    def opened(self, prompt: str) -> str | None:
+        """What a prompt (its text, or its end) wrote of the thinking where it ends inside a think block
+        it opened: "" after `open`, or a lead-in after it; None where it opened none."""
+        end = prompt.rstrip()
+        return next((lead for lead in ("", *self.lead_ins) if end.endswith(self.open + lead)), None)
 
 
 QWEN_THINK = ThinkMarkers("<think>", "</think>")
 """Qwen3's, DeepSeek-R1's and most reasoning models' (added tokens that are text to a grammar)."""
 MISTRAL_THINK = ThinkMarkers("[THINK]", "[/THINK]", control=True)
 """Magistral's and Ministral 3 Reasoning's: control tokens of their tokenizers."""
+SEED_THINK = ThinkMarkers("<seed:think>", "</seed:think>", lead_ins=("<seed:cot_budget_reflect>",))
+"""Seed-OSS's (added tokens that are text). Its thinking may reflect on its budget in
+`<seed:cot_budget_reflect>` tags, thinking too; with a budget of 0 its generation prompt opens the
+block and that tag (the model says it will not think, closes both and answers)."""
 
 
 def think_markers(template: str, vocab: Collection[str]) -> ThinkMarkers:
     """The think markers a chat template writes: Mistral's where it writes `[/THINK]` and the
-    vocabulary has both as tokens, else Qwen's."""
+    vocabulary has both as tokens, Seed-OSS's where it writes `</seed:think>`, else Qwen's."""
     if MISTRAL_THINK.close in template and MISTRAL_THINK.open in vocab and MISTRAL_THINK.close in vocab:
         return MISTRAL_THINK
+    if SEED_THINK.close in template:
+        return SEED_THINK
     return QWEN_THINK
 
 
@@ -357,7 +371,8 @@ class Thinking:
     """Splits a reasoning model's turn into its thinking and its answer, as text arrives:
 
         [whitespace] <think> thinking </think> [whitespace] answer
-                     ^ or already open in the prompt (`open_in_prompt`: the template wrote it),
+                     ^ or already open in the prompt (`open_in_prompt`: the template wrote it,
+                       and maybe the thinking's first words, `written`: Seed-OSS's lead-in),
                        or written whole there (`closed_in_prompt`: the turn is all answer)
 
     (the model's `markers`: Mistral's are `[THINK]` and `[/THINK]`)
@@ -367,12 +382,12 @@ class Thinking:
     The answer goes on to the tool parser, so tool-call parsing never sees the thinking."""
 
     def __init__(self, open_in_prompt: bool = False, closed_in_prompt: bool = False,
-                 markers: ThinkMarkers = QWEN_THINK) -> None:
+                 markers: ThinkMarkers = QWEN_THINK, written: str = "") -> None:
         self.markers = markers
         # start, thinking, after, answer; a template that closed the block (thinking switched off): all answer,
         # after the blank lines that follow a block (GLM's "<think></think>" leaves the model its "\n")
         self.mode = "thinking" if open_in_prompt else "after" if closed_in_prompt else "start"
-        self.held = ""
+        self.held = written if open_in_prompt else ""  # (the prompt's lead-in: reasoning with the first piece)
         self.reasoning = ""
         self._spaces = ""      # whitespace at the end of the thinking streamed so far, held back
         self._spoken = False   # whether any thinking was streamed (whitespace before it is dropped)
