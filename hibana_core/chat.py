@@ -63,9 +63,10 @@ ROLE_CACHED_LENGTH = 64
 """What a chat layer remembers of roles outside KNOWN_ROLES (whether its template renders each):
 at most this many, of at most this many characters, so that a server's clients sending ever new
 roles never grow it."""
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "[e~[")
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "[e~[", "<seed:eos>")
 """Tokens that end an assistant turn, where the vocabulary has them (Llama 3's <|eom_id|> ends a
-turn of calls that waits for their results; MiniMax-M2's [e~[ ends each message, its EOS)."""
+turn of calls that waits for their results; MiniMax-M2's [e~[ and Seed-OSS's <seed:eos> end each
+message, their EOS)."""
 RUN_PAST_STOP = 2 * (MAX_DRAFT_TOKENS + 1)
 """Tokens a request may generate past the stop a turn asked for: the step that saw it and the one
 launched after it (async scheduling), each up to a verify's accepted drafts and its bonus token."""
@@ -1010,9 +1011,13 @@ def _template_parser(template: str, vocab: dict) -> str:
     the template writes `[ARGS]` (a token of its tokenizer too), `NAME[CALL_ID]ID[ARGS]{...}` where it
     also writes `[CALL_ID]`; Granite 3.x's after its `<|tool_call|>` token; Qwen3-Coder's (Qwen3.5's,
     Nemotron 3's) `<function=NAME>` with `<parameter=KEY>` lines; GLM-4.5's `<arg_key>` and `<arg_value>`
-    tags; MiniMax-M2's `<invoke name="NAME">` in `<minimax:tool_call>` blocks; hermes otherwise."""
+    tags; MiniMax-M2's `<invoke name="NAME">` in `<minimax:tool_call>` blocks; Seed-OSS's
+    `<function=NAME>` in `<seed:tool_call>` blocks (before Qwen3-Coder's, whose syntax it writes);
+    hermes otherwise."""
     if "<minimax:tool_call>" in template and "<invoke name=" in template:
         return "minimax_m2"
+    if "<seed:tool_call>" in template and "<function=" in template:
+        return "seed_oss"
     if "<function=" in template and "<parameter=" in template:
         return "qwen3_coder"
     if "<arg_key>" in template and "<arg_value>" in template:

@@ -132,6 +132,10 @@ SYNTAX = {  # by registered tool parser name
     "minimax_m2": CallSyntax('<invoke name="', '">\n', "</invoke>\n", trigger="<minimax:tool_call>", separator="",
                              closer="</minimax:tool_call>", arguments="minimax_xml",
                              block_open="\n<minimax:tool_call>\n", block_close="</minimax:tool_call>"),
+    # (Qwen3-Coder's calls in Seed's tags, a block a call, nothing around a value: the template writes
+    # `<parameter=KEY>VALUE</parameter>` lines, a newline before each block and between them)
+    "seed_oss": CallSyntax("<seed:tool_call>\n<function=", ">\n", "</function>\n</seed:tool_call>",
+                           trigger="<seed:tool_call>", closer="</seed:tool_call>", arguments="qwen_xml"),
 }
 
 ANY_OBJECT = {"type": "object"}

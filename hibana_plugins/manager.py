@@ -58,6 +58,7 @@ BUILTIN_MODULES = (
     "hibana_plugins.qwen_xml",
     "hibana_plugins.glm_xml",
     "hibana_plugins.minimax_xml",
+    "hibana_plugins.seed_xml",
     "hibana_plugins.harmony",
     "hibana_plugins.langchain_plugin",  # (the adapter module itself is imported when adapters are asked for)
     "hibana_plugins.llamaindex",
