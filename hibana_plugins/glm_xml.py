@@ -24,9 +24,9 @@ import json
 import re
 from typing import Any, Iterator, NamedTuple
 
-from hibana_plugins.hookspecs import ParsedOutput, ToolCallStream, hookimpl
-from hibana_plugins.qwen_xml import (_PADDING, _CallBlockStream, _json, _kinds, _plain_string, parameter_types,
-                                      typed_value)
+from hibana_plugins.hookspecs import ToolCallStream, hookimpl
+from hibana_plugins.qwen_xml import (_PADDING, SchemaTypedToolParser, _CallBlockStream, _json, _kinds, _plain_string,
+                                      parameter_types, typed_value)
 from hibana_plugins.qwen_xml import _value_begun as _typed_value_begun
 from hibana_plugins.tool_parsers import _accepted, _Decoded, _loads, partial_tag_length
 
@@ -163,18 +163,12 @@ class _GlmStream(_CallBlockStream):
                                                 f"{decoded.error or f'its arguments need {CALL_END}'}", cut=True)
 
 
-class GlmToolParser:
+class GlmToolParser(SchemaTypedToolParser):
     """GLM-4.5's `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>`
     calls (module docstring). `takes_tools`: the chat layer opens its streams with the turn's tools,
     whose schemas type the values."""
 
     name = "glm45"
-    takes_tools = True
-
-    def parse(self, text: str, tools: list[dict] | None = None) -> ParsedOutput:
-        stream = self.stream(tools)
-        stream.feed(text)
-        return stream.finish()
 
     def stream(self, tools: list[dict] | None = None) -> ToolCallStream:
         return _GlmStream(tools)

@@ -34,9 +34,9 @@ import json
 import re
 from typing import Any, Collection, NamedTuple
 
-from hibana_plugins.hookspecs import ParsedOutput, ToolCallStream, hookimpl
-from hibana_plugins.qwen_xml import (_PADDING, _CallBlockStream, _json, _kinds, _plain_string, _value_begun,
-                                      parameter_types, typed_value)
+from hibana_plugins.hookspecs import ToolCallStream, hookimpl
+from hibana_plugins.qwen_xml import (_PADDING, SchemaTypedToolParser, _CallBlockStream, _json, _kinds,
+                                      _plain_string, _value_begun, parameter_types, typed_value)
 from hibana_plugins.tool_parsers import _accepted, _Decoded, partial_tag_length
 
 BLOCK_START, BLOCK_END = "<minimax:tool_call>", "</minimax:tool_call>"
@@ -200,18 +200,12 @@ class _MinimaxStream(_CallBlockStream):
             self._reject(out, rest, f"unclosed {BLOCK_START}: {block.error}", cut=True)
 
 
-class MinimaxToolParser:
+class MinimaxToolParser(SchemaTypedToolParser):
     """MiniMax-M2's `<minimax:tool_call><invoke name="NAME"><parameter name="KEY">VALUE</parameter>...`
     calls (module docstring). `takes_tools`: the chat layer opens its streams with the turn's tools,
     whose schemas type the values."""
 
     name = "minimax_m2"
-    takes_tools = True
-
-    def parse(self, text: str, tools: list[dict] | None = None) -> ParsedOutput:
-        stream = self.stream(tools)
-        stream.feed(text)
-        return stream.finish()
 
     def stream(self, tools: list[dict] | None = None) -> ToolCallStream:
         return _MinimaxStream(tools)

@@ -371,18 +371,28 @@ class _QwenXmlStream(_CallBlockStream):
             self._reject(out, CALL_START + raw, f"unclosed {CALL_START}: {decoded.error}", cut=True)
 
 
-class QwenXmlToolParser:
-    """Qwen3-Coder's `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...` calls (module
-    docstring). `takes_tools`: the chat layer opens its streams with the turn's tools, whose
-    schemas type the parameters' values."""
+class SchemaTypedToolParser:
+    """What the XML call formats' parsers share (qwen3_coder, glm45, minimax_m2, seed_oss): values are
+    text, typed by the turn's tools' schemas (`takes_tools`: the chat layer opens their streams with
+    the tools), and a parse is the stream fed the whole text."""
 
-    name = "qwen3_coder"
     takes_tools = True
+
+    def stream(self, tools: list[dict] | None = None) -> ToolCallStream:
+        raise NotImplementedError
 
     def parse(self, text: str, tools: list[dict] | None = None) -> ParsedOutput:
         stream = self.stream(tools)
         stream.feed(text)
         return stream.finish()
+
+
+class QwenXmlToolParser(SchemaTypedToolParser):
+    """Qwen3-Coder's `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...` calls (module
+    docstring). `takes_tools`: the chat layer opens its streams with the turn's tools, whose
+    schemas type the parameters' values."""
+
+    name = "qwen3_coder"
 
     def stream(self, tools: list[dict] | None = None) -> ToolCallStream:
         return _QwenXmlStream(tools)

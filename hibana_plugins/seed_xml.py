@@ -36,8 +36,9 @@ from __future__ import annotations
 import re
 from typing import Any, NamedTuple
 
-from hibana_plugins.hookspecs import ParsedOutput, ToolCallStream, hookimpl
-from hibana_plugins.qwen_xml import FUNCTION_START, _CallBlockStream, cut_call_body_parts, decode_xml_call
+from hibana_plugins.hookspecs import ToolCallStream, hookimpl
+from hibana_plugins.qwen_xml import (FUNCTION_START, SchemaTypedToolParser, _CallBlockStream, cut_call_body_parts,
+                                      decode_xml_call)
 from hibana_plugins.qwen_xml import _block_end as _xml_block_end
 from hibana_plugins.tool_parsers import _Decoded, partial_tag_length
 
@@ -112,18 +113,12 @@ class _SeedStream(_CallBlockStream):
             self._reject(out, raw[block.cut:], f"unclosed {BLOCK_START}: {block.error}", cut=True)
 
 
-class SeedOssToolParser:
+class SeedOssToolParser(SchemaTypedToolParser):
     """Seed-OSS's `<seed:tool_call><function=NAME><parameter=KEY>VALUE</parameter>...` calls (module
     docstring). `takes_tools`: the chat layer opens its streams with the turn's tools, whose schemas
     type the values."""
 
     name = "seed_oss"
-    takes_tools = True
-
-    def parse(self, text: str, tools: list[dict] | None = None) -> ParsedOutput:
-        stream = self.stream(tools)
-        stream.feed(text)
-        return stream.finish()
 
     def stream(self, tools: list[dict] | None = None) -> ToolCallStream:
         return _SeedStream(tools)
