@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_models import (EVERY_TENSOR_USED, agent_turn_plan, assert_greedy_matches, greedy_turns_at_once,
-                         make_tiny_checkpoint, open_engine, random_tokens)
+from tiny_models import (EVERY_TENSOR_USED, assert_greedy_matches, greedy_turns_at_once, make_tiny_checkpoint,
+                         open_engine, random_tokens, three_agents_three_turns)
 
 pytestmark = [pytest.mark.timeout(300), EVERY_TENSOR_USED]
 
@@ -31,14 +31,6 @@ pytestmark = [pytest.mark.timeout(300), EVERY_TENSOR_USED]
 @pytest.fixture(scope="module")
 def glm(tmp_path_factory) -> Path:
     return make_tiny_checkpoint("glm4_moe", tmp_path_factory.mktemp("glm4_moe") / "g")
-
-
-def three_agents_three_turns(engine, path, prefix: str, seed: int) -> None:
-    agents = greedy_turns_at_once(engine, prefix, [agent_turn_plan(seed + a, turns=3) for a in range(3)])
-    for turns in agents:
-        for history, completion in turns:
-            assert_greedy_matches(path, history, completion.token_ids)
-    assert engine.stats().prompt_tokens_reused > 0, "later turns must reuse the retained KV"
 
 
 def test_glm4_moe_reads_its_config(glm, make_engine):

@@ -595,6 +595,16 @@ def greedy_turns_at_once(engine, prefix: str, plans: Sequence[Sequence[tuple[Seq
     return [results[agent] for agent in range(len(plans))]
 
 
+def three_agents_three_turns(engine, path, prefix: str, seed: int) -> None:
+    """3 agents at once, 3 turns each with retention (`agent_turn_plan`); every generation
+    transformers' greedy on its history, and the later turns reuse the retained KV."""
+    agents = greedy_turns_at_once(engine, prefix, [agent_turn_plan(seed + a, turns=3) for a in range(3)])
+    for turns in agents:
+        for history, completion in turns:
+            assert_greedy_matches(path, history, completion.token_ids)
+    assert engine.stats().prompt_tokens_reused > 0, "later turns must reuse the retained KV"
+
+
 def assert_greedy_matches(path, history: Sequence[int], got: Sequence[int]) -> None:
     """`got` must be HF's greedy continuation of `history`, token for token.
 
