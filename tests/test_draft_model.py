@@ -17,6 +17,7 @@ import torch
 import tiny_models
 from hibana_core import SamplingParams
 from hibana_core.errors import ConfigError
+from hibana_core.speculation.controller import MAX_DRAFT, AcceptanceStats
 from hibana_core.speculation.draft_model import DraftModelDrafter
 from hibana_core.speculation.drafters import DraftInput
 
@@ -123,6 +124,28 @@ def test_adaptive_draft_model_drafts_what_the_plan_takes_and_nothing_once_it_sto
     # profiled on this machine; the steps with a fixed plan: `PlanPattern` below)
     assert own["tokens_drafted"] == stats.draft_tokens_proposed, own
     assert own["calls"] < 10 and stats.steps > 40, (own, stats.steps)  # it stopped; the decodes went on
+
+
+def test_a_draft_model_written_off_is_probed_and_taken_up_again(tiny_checkpoints, make_engine):
+    """A draft model proposes only what the plan takes, so figures that fell low enough for the
+    plan to take nothing were never measured again: its acceptance froze where it fell. Here the
+    engine-wide figures say it never hits (as after a stretch of text it predicted badly) while
+    its drafts are the target's own (every one is accepted): probes find that out and the plan
+    drafts again; the output is the target's."""
+    target = tiny_checkpoints["qwen3"]
+    params = SamplingParams(max_tokens=96, ignore_eos=True)
+    histories = prompts(1, seed=5)
+    want = generate_all(make_engine(target, speculation="off"), histories, params)
+    engine = make_engine(target, speculation={"method": "draft_model", "draft_model": str(target)})
+    written_off = engine.scheduler.speculation.global_stats.setdefault("draft_model", AcceptanceStats())
+    for _ in range(200):
+        written_off.record(MAX_DRAFT, 0)
+    assert generate_all(engine, histories, params) == want
+    stats = engine.stats()
+    assert stats.draft_tokens_accepted == stats.draft_tokens_proposed
+    lengths = stats.speculation["draft_lengths"]
+    assert stats.draft_tokens_accepted > params.max_tokens // 4, lengths  # more than the probes alone
+    assert any(int(k) > 1 and n for k, n in lengths.items()), lengths  # the plan took it up again
 
 
 def test_proposals_are_the_draft_models_greedy_continuation_batched_and_chunked(tiny_checkpoints, make_engine):

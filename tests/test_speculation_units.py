@@ -595,6 +595,33 @@ def test_acceptance_stats_decay_and_start_from_the_prior():
         "an agent's tries feed the engine-wide figure too"
 
 
+def test_probes_after_a_wait_that_doubles_on_misses_and_halves_on_hits():
+    """A costly drafter planned at k=0 is tried once `probe_after` tokens past its last try: its
+    figures would otherwise freeze where they fell."""
+    stats = AcceptanceStats(AcceptanceStats())
+    first = AcceptanceStats.PROBE_FIRST
+    assert not any(stats.probe(100 + t) for t in range(first))  # counting starts at the first ask
+    assert stats.probe(100 + first) and stats.probing
+    assert not stats.probe(100 + first + 1)  # out: the wait starts again
+    stats.record(1, 0)  # the probe missed
+    assert stats.probe_after == 2 * first and not stats.probing
+    assert not stats.probe_due(500) and not stats.probe_due(500 + 2 * first - 1) and stats.probe(500 + 2 * first)
+    stats.record(1, 1)  # hit: half the wait
+    assert stats.probe_after == first
+    for _ in range(20):  # misses: the wait grows to its bound and stays there
+        stats.probe_after = min(stats.probe_after, AcceptanceStats.PROBE_MOST)
+        stats.probing = True
+        stats.record(1, 0)
+    assert stats.probe_after == AcceptanceStats.PROBE_MOST
+    for _ in range(20):  # hits: down to a probe a token
+        stats.probing = True
+        stats.record(1, 1)
+    assert stats.probe_after == 1
+    stats.record(4, 2)  # an ordinary verify restarts the count and leaves the wait as it is
+    assert stats.last_try is None and stats.probe_after == 1 and not stats.probe_due(7) and stats.probe_due(8)
+    assert not stats.probe_due(3) and stats.probe_due(4)  # a rewound state counts from where it is
+
+
 def test_step_cost_model_interpolates_and_extrapolates():
     model = StepCostModel([1, 8, 64], [1.0, 2.0, 4.0], sync_overhead=0.5)
     assert model.cost(1, False) == 1.0 and model.cost(1, True) == 1.5

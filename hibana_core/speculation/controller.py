@@ -34,11 +34,16 @@ class AcceptanceStats:
     here)."""
 
     DECAY = 0.95
+    PROBE_FIRST = 16   # tokens past the last try before a costly drafter's first probe
+    PROBE_MOST = 1024  # the longest wait between probes (each missed probe doubles it)
 
     def __init__(self, prior: "AcceptanceStats | None" = None, max_draft: int = MAX_DRAFT) -> None:
         self.tries = [0.0] * max_draft
         self.accepted = [0.0] * max_draft
         self.prior = prior
+        self.last_try: int | None = None  # the history's length at the last probe (None: since the last record)
+        self.probe_after = self.PROBE_FIRST
+        self.probing = False  # a probe is out, its verify not yet recorded
         self._rates: list[float] | None = None  # `rate` of every position, until the next record (here or in the prior)
         self._prior_rates: list[float] | None = None  # the prior's list those were computed from
 
@@ -48,8 +53,36 @@ class AcceptanceStats:
             self.tries[j] = self.tries[j] * self.DECAY + 1.0
             self.accepted[j] = self.accepted[j] * self.DECAY + (1.0 if j < accepted else 0.0)
         self._rates = None
+        if self.probing:  # wait twice as long after a missed probe, half as long after a hit
+            self.probe_after = min(2 * self.probe_after, self.PROBE_MOST) if accepted == 0 else \
+                max(self.probe_after // 2, 1)
+            self.probing = False
+        self.last_try = None
         if self.prior is not None:
             self.prior.record(proposed, accepted)
+
+    def probe_due(self, position: int) -> bool:
+        """Whether an agent whose history is `position` tokens long should draft one token even
+        where the plan gives it none. A costly drafter (a draft model) proposes only what the plan
+        takes, so once its figures fall low enough for the plan to take nothing, nothing would be
+        tried and measured again: the rate would stay where it fell while the agent moved on to
+        text the draft model predicts well. `probe_after` tokens past the last try, one token is
+        tried; a miss doubles the wait (up to `PROBE_MOST`), an acceptance halves it: a drafter
+        that misses more often than it hits is soon probed once in hundreds of tokens (a draft
+        forward and one verified token each), one that hits again often enough for its figures,
+        and then the plan, to follow. Counted in tokens rather than steps: a step whose tokens
+        were not on the host (async scheduling, no agent drafting) could not have probed."""
+        if self.last_try is None or position < self.last_try:  # a state rewound starts counting again
+            self.last_try = position
+        return position - self.last_try >= self.probe_after
+
+    def probe(self, position: int) -> bool:
+        """`probe_due`, and if so, the probe is taken (the wait starts again until it records:
+        steps run ahead of their results)."""
+        if not self.probe_due(position):
+            return False
+        self.last_try, self.probing = position, True
+        return True
 
     def rate(self, j: int) -> float:
         """Estimated chance that draft j+1 is accepted given the ones before it were, shrunk

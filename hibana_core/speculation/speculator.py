@@ -313,7 +313,10 @@ class Speculator:
                 continue
             if config.k is not None:
                 return True
-            if self.controller.promising(self.stats(request, config.method), tokens, sampling):
+            stats = self.stats(request, config.method)
+            if self.controller.promising(stats, tokens, sampling):
+                return True
+            if self._costly(config.method) and stats.probe_due(request.num_tokens):
                 return True
         return False
 
@@ -359,7 +362,10 @@ class Speculator:
         ks = self.controller.plan([c for _, _, c in candidates], step_tokens, sampling)
         later: dict[str, list[tuple[int, int]]] = {}  # costly drafters: method -> (chunk index, k planned)
         drafts = {}
-        for (i, proposal, _), k in zip(candidates, ks):
+        for (i, proposal, candidate), k in zip(candidates, ks):
+            if (proposal is None and k == 0 and candidate.fixed is None
+                    and candidate.stats.probe(len(chunks[i].request.seq))):
+                k = 1  # a costly drafter's probe, lest its figures freeze where they fell
             if proposal is None and k > 0:
                 later.setdefault(self.config(chunks[i].request).method, []).append((i, k))
                 continue
