@@ -42,6 +42,7 @@ from hibana_core.forward_context import ForwardContext
 from hibana_core.grammar import Grammars
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.budget import device_memory, workspace_bytes
+from hibana_core.kv.recurrent import RecurrentCache, RecurrentSlots
 from hibana_core.kv.cache import KVCache, kv_cache_dtype
 from hibana_core.kv.layout import KVLayout
 from hibana_core.kv.sequence import LongRope
@@ -49,7 +50,7 @@ from hibana_core import surgery
 from hibana_core.surgery.calibration import Calibration
 from hibana_core.loader import (LOAD_STAGES, check_max_model_len, context_limit, load_from_hf_model, load_model,
                                 model_bytes)
-from hibana_core.models.decoder import longrope_switch, rotary_bytes, rotary_positions, size_rotary
+from hibana_core.models.decoder import kv_layers, longrope_switch, rotary_bytes, rotary_positions, size_rotary
 from hibana_core.output import OutputProcessor
 from hibana_core.progress import LoadProgress
 from hibana_core.registry import ModelLimits, StateRegistry
@@ -312,12 +313,12 @@ class Engine:
         configuration = surgery.configuration(loaded.fingerprint, loaded.dtype, kv_dtype, self.surgery)
         self.weight_bytes = model_bytes(loaded.model)  # after surgery: packed weights, buffers too
         stages.begin("kv cache")
-        self.kv_layout = KVLayout.of_model(loaded.model, self.max_model_len, loaded.args.num_layers)
+        self.kv_layout = KVLayout.of_model(loaded.model, self.max_model_len, kv_layers(loaded.args))
         """Which layers share a block table; sliding-window layers free the KV outside their window."""
         num_blocks = self._num_blocks(self.weight_bytes, kv_dtype)
         a, bs = loaded.args, config.cache.block_size
         try:
-            self.kv_cache = KVCache(a.num_layers, num_blocks, bs, a.num_kv_heads, a.head_dim, kv_dtype, self.device,
+            self.kv_cache = KVCache(kv_layers(a), num_blocks, bs, a.num_kv_heads, a.head_dim, kv_dtype, self.device,
                                     self.kv_layout)
         except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory errors are RuntimeErrors
             per_block = KVCache.bytes_per_block(self.kv_layout.page_layers, bs, a.num_kv_heads, a.head_dim, kv_dtype)
@@ -326,10 +327,13 @@ class Engine:
             raise MemoryBudgetError(f"cannot allocate {blocks} KV blocks ({num_blocks * per_block:,} bytes) "
                                     f"on {self.device}: {exc}; lower kv_device_blocks or memory_budget") from None
         self._ctx.kv_cache = self.kv_cache
+        self.recurrent_slots = self._recurrent_cache()
+        """A hybrid model's linear-attention states: their slots (None for other models)."""
         self.pool = BlockPool(num_blocks, bs, reserve_null=self.kv_layout.windowed)
         stages.begin("warm-up")
         runner = ModelRunner(self.model, self._ctx, Sampler(self.device, config.seed), self.device,
-                             self.max_model_len, config.scheduler.max_concurrent_agents, config.cuda_graphs)
+                             self.max_model_len, config.scheduler.max_concurrent_agents,
+                             config.cuda_graphs and self.recurrent_slots is None)  # (graphs of hybrid steps: not yet)
         me = weakref.proxy(self)  # the speculator holds neither the engine nor its runner
         speculator = Speculator(config.speculation, get_plugin_manager().drafters,
                                 lambda: me._profile_steps(me.core.runner), self.vocab_size, me)
@@ -344,9 +348,10 @@ class Engine:
                                        else (None, None))
         side = self.device.type == "cuda" and not self.device_memory.unified  # host memory behind a bus
         self.host_tier = (HostTier(self.kv_cache, self.pool, host_bytes, CopyStream(self.device, side), spill_dir)
-                          if host_bytes or spill_dir else None)
+                          if (host_bytes or spill_dir) and self.recurrent_slots is None else None)
         """Idle states' KV parked in host memory, and on disk past it with a state_dir, under
-        device pressure (kv/tiers.py); None: off (evicted KV is dropped and recomputed)."""
+        device pressure (kv/tiers.py); None: off (evicted KV is dropped and recomputed; a hybrid
+        model's, whose recurrent states the tier does not carry yet)."""
         eviction = IdleLRUEviction(self.pool, self._idle_sequences, self.host_tier)
         scheduler = Scheduler(config.scheduler, self.pool, eviction, speculator)
         use_async = self.device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
@@ -360,7 +365,8 @@ class Engine:
                              None if switch is None else LongRope(switch, rotary_rows,
                                                                     loaded.args.longrope_recompute),
                              configuration)
-        self.registry = StateRegistry(self.core, self.kv_cache, config.cache, limits, self.grammars)
+        self.registry = StateRegistry(self.core, self.kv_cache, config.cache, limits, self.grammars,
+                                      self.recurrent_slots)
         self.registry.engine_ref = weakref.ref(self)
         if self.host_tier is not None:  # parked states whose agents are due come back ahead of them
             self.core.idle = self.registry.prefetch
@@ -447,9 +453,10 @@ class Engine:
             num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, vocab_size=a.vocab_size,
             max_batched_tokens=sched.max_num_batched_tokens, max_agents=sched.max_concurrent_agents,
             dtype_bytes=self.dtype.itemsize, draft_rows=self.config.speculation.draft_rows(sched.max_concurrent_agents),
-            **_moe_shape(self.hf_config)) + rotary_bytes(self.model)
-        """What a step may allocate besides weights and KV (an estimate, kv/budget.py), and the
-        rotary tables the first step builds."""
+            **_moe_shape(self.hf_config)) + rotary_bytes(self.model) + (self._recurrent_slots() + 1) * \
+            RecurrentCache.slot_bytes(getattr(self.model, "recurrent_shapes", []), self.dtype)
+        """What a step may allocate besides weights and KV (an estimate, kv/budget.py), the rotary
+        tables the first step builds, and a hybrid model's recurrent cache (`_recurrent_slots`)."""
         self.memory_budget = None
         """The budget in bytes (None: none given; `num_blocks` or the default sizing)."""
         self.draft_reserve = None
@@ -476,6 +483,21 @@ class Engine:
                 f"({self._two_blocks(pages, per_block)}, block_size={cache.block_size}); raise memory_fraction, lower "
                 "block_size, free memory, or set memory_budget / kv_device_blocks")
         return kv_bytes // per_block
+
+    def _recurrent_slots(self) -> int:
+        """Slots of a hybrid model's recurrent cache: each running agent's state and as many more
+        (idle agents' states, snapshots), 0 for other models."""
+        if not getattr(self.model, "recurrent_shapes", None):
+            return 0
+        return 2 * self.config.scheduler.max_concurrent_agents + 2
+
+    def _recurrent_cache(self) -> RecurrentSlots | None:
+        shapes = getattr(self.model, "recurrent_shapes", None)
+        if not shapes:
+            return None
+        cache = RecurrentCache(shapes, self._recurrent_slots(), self.dtype, self.device)
+        self._ctx.recurrent = cache
+        return RecurrentSlots(cache.num_slots, cache.copy)
 
     def _least_pages(self) -> int:
         """Pages the smallest pool holds: two blocks of every layer, as `kv_device_blocks=2` gives

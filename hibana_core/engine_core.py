@@ -299,7 +299,10 @@ class EngineCore:
         except Exception as exc:  # the device failed under this step
             self.scheduler.fail(step.scheduled, HibanaError(f"model step failed on the device: {exc!r}"))
             return None
-        return self.scheduler.update_from_output(step.scheduled, output)
+        updated = self.scheduler.update_from_output(step.scheduled, output)
+        if self._verifies(step.scheduled):  # a hybrid model's states fold in the tokens kept, no others
+            self.runner.commit_recurrent(step.scheduled)
+        return updated
 
     def _deliver(self, step: StepInFlight, updated: list[RequestOutput], filling: bool = False) -> None:
         """The outputs of a step read back; the speculation's figures. `filling`: grammar masks

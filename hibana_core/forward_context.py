@@ -13,6 +13,7 @@ from typing import Iterator
 import torch
 
 from hibana_core.kv.cache import KVCache
+from hibana_core.kv.recurrent import RecurrentCache
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,10 @@ class ForwardBatch:
     max_query_len: int             # host ints: bounds that size kernel launches (may overstate)
     max_seq_len: int
     uniform_query_len: bool = False  # every sequence has exactly max_query_len new tokens
+    # a hybrid model's linear-attention layers (kv/recurrent.py); None for other models
+    state_slots: torch.Tensor | None = None  # [B] int32: each sequence's recurrent state slot
+    has_state: torch.Tensor | None = None    # [B] bool: the slot holds the state before its first row
+    writes_state: bool = True                # False: a verify step (the states fold in the kept rows later)
 
 
 class ForwardContext:
@@ -33,6 +38,7 @@ class ForwardContext:
 
     def __init__(self, kv_cache: KVCache | None = None) -> None:
         self.kv_cache = kv_cache
+        self.recurrent: RecurrentCache | None = None  # a hybrid model's linear-attention states
         self._batch: ForwardBatch | None = None
 
     @contextmanager

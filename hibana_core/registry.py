@@ -30,6 +30,7 @@ from hibana_core.errors import (ConfigError, ContextLengthError, EngineClosedErr
                                 StateExistsError, StateFileError)
 from hibana_core.kv import state_file
 from hibana_core.kv.policies import POLICIES, PREFETCH_LEAD, StateUse, retention_order
+from hibana_core.kv.recurrent import RecurrentSlots, RecurrentState
 from hibana_core.kv.sequence import KVSequence, LongRope, common_prefix_len
 from hibana_core.kv.tiers import UNREADABLE_SPILL
 from hibana_core.output import CompilingEvents, RequestEvents
@@ -125,9 +126,10 @@ def _drop_stored(entry: _Entry, path: Path) -> None:
 
 class StateRegistry:
     def __init__(self, core: "EngineCore", kv_cache: "KVCache", config: CacheConfig, limits: ModelLimits,
-                 grammars: "Grammars | None" = None) -> None:
+                 grammars: "Grammars | None" = None, recurrent: RecurrentSlots | None = None) -> None:
         self.core, self.kv_cache, self.config, self.limits = core, kv_cache, config, limits
         self.grammars = grammars
+        self.recurrent = recurrent  # a hybrid model's recurrent cache slots (its states never share prefixes)
         self.pool = core.scheduler.pool
         self.lock = core.lock
         self._entries: dict[str, _Entry] = {}
@@ -288,8 +290,9 @@ class StateRegistry:
                                    f"a StateFileError, you remove), or {advice}")
 
     def _new_sequence(self) -> KVSequence:
-        return KVSequence(self.pool, self.kv_cache.copy_block, self.config.enable_prefix_caching,
-                          self.limits.long_rope, self.kv_cache.layout)
+        recurrent = None if self.recurrent is None else RecurrentState(self.recurrent)
+        return KVSequence(self.pool, self.kv_cache.copy_block, self.config.enable_prefix_caching and recurrent is None,
+                          self.limits.long_rope, self.kv_cache.layout, recurrent)
 
     def _add(self, state_id: str, seq: KVSequence, unnamed: bool = False,
              stored: tuple[int, int, int] | None = None, resumed: list[int] | None = None) -> StateHandle:
@@ -744,7 +747,8 @@ class StateRegistry:
         """`state_file.write`'s arguments for `seq` but the path: its tokens and a host copy of
         its KV (of its parked copy when it is parked), which later steps do not change. A parked
         copy that cannot be read (its spill file gone or damaged) is dropped: its tokens alone are
-        written, and the KV is computed again when the state is next used."""
+        written, and the KV is computed again when the state is next used; so are a hybrid model's
+        (`KVSequence.recurrent`), whose linear layers' states the file format does not hold yet."""
         computed, kv, rotated_long = seq.num_computed, None, seq.rotated_long
         if not seq.num_blocks and seq.parked is not None:  # parked in host memory or on disk: its copy
             try:
@@ -754,6 +758,8 @@ class StateRegistry:
                 logger.warning("state %r: its parked KV could not be read (%s); its tokens are written, and its KV "
                                "is computed again at its next request", state_id, exc)
                 self.core.scheduler.eviction.tier.forget(seq)
+        if seq.recurrent is not None:  # a hybrid model's: its tokens (the linear layers' states are not written yet)
+            computed = 0
         if kv is None:
             pages, starts = seq.pages(computed)
             kv = self.kv_cache.read_blocks(pages)
@@ -786,7 +792,7 @@ class StateRegistry:
                                        "load_state(path, state_id=...) with another id")
             self._refuse_stored(state_id, "pass load_state(path, state_id=...) with another id")
             seq = self._new_sequence()
-            seq.share = self.config.enable_prefix_caching and share
+            seq.share = self.config.enable_prefix_caching and share and seq.recurrent is None
             seq.tokens = tokens
             if self._kv_fits(seq, saved):
                 seq.rotated_long = saved.rotated_long

@@ -59,6 +59,9 @@ class StepData:
     logits_indices: list[int]
     max_query_len: int
     from_device: list[DeviceInput]
+    state_slots: list[int] | None = None  # a hybrid model's: each sequence's recurrent slot,
+    has_state: list[bool] | None = None   # and whether it continues a state (else from zeros, position 0)
+    writes_state: bool = True             # False: a verify step (`ModelRunner.commit_recurrent`)
 
 
 class StepTimer:
@@ -232,8 +235,13 @@ def gather_step(scheduled: SchedulerOutput, previous: StepInFlight | None = None
         starts.append(starts[-1] + chunk.num_tokens)
         if chunk.sample:
             logits_indices.extend(range(starts[-1] - 1 - len(drafts), starts[-1]))
+    recurrent = [c.request.seq.recurrent for c in scheduled.chunks]
+    hybrid = recurrent[0] is not None
     return StepData(ids, positions, slots, seq_lens, starts, tables, logits_indices,
-                    max(c.num_tokens for c in scheduled.chunks), from_device)
+                    max(c.num_tokens for c in scheduled.chunks), from_device,
+                    [-1 if r.slot is None else r.slot for r in recurrent] if hybrid else None,
+                    [c.start > 0 for c in scheduled.chunks] if hybrid else None,
+                    not any(c.draft_token_ids for c in scheduled.chunks))
 
 
 class ModelRunner:
@@ -259,9 +267,35 @@ class ModelRunner:
             query_start_loc=self._tensor(data.starts, torch.int32),
             max_query_len=data.max_query_len,
             max_seq_len=max(data.seq_lens),
+            **self._recurrent_inputs(data),
         )
         return ModelInput(self._tensor(data.ids), self._tensor(data.positions), batch,
                           self._tensor(data.logits_indices))
+
+    def _recurrent_inputs(self, data: StepData) -> dict:
+        """A hybrid model's batch fields: each sequence's state slot, and whether it continues a
+        state (a chunk from position 0 starts from zeros)."""
+        if data.state_slots is None:
+            return {}
+        return dict(state_slots=self._tensor(data.state_slots, torch.int32),
+                    has_state=self._tensor(data.has_state, torch.bool), writes_state=data.writes_state)
+
+    def _scratch_state(self) -> dict:
+        """A hybrid model's batch fields for a step of one sequence that belongs to no state: the
+        recurrent cache's scratch slot, from zeros."""
+        if self.ctx.recurrent is None:
+            return {}
+        return dict(state_slots=self._tensor([self.ctx.recurrent.scratch], torch.int32),
+                    has_state=self._tensor([False], torch.bool))
+
+    def commit_recurrent(self, scheduled: SchedulerOutput) -> None:
+        """After a verify step was taken into its requests: each hybrid state folds in the rows
+        its sequence kept (drafts accepted, the input before them, whole prompt chunks)."""
+        recurrent = [c.request.seq.recurrent for c in scheduled.chunks]
+        if recurrent[0] is None:
+            return
+        counts = [r.commit(c.request.seq.num_computed) for r, c in zip(recurrent, scheduled.chunks)]
+        self.model.commit_recurrent(self._tensor(counts, torch.int32))
 
     def take_from_device(self, input_ids: torch.Tensor, data: StepData,
                          previous: StepInFlight | None) -> None:
@@ -311,6 +345,8 @@ class ModelRunner:
             if not rows:
                 return StepInFlight(scheduled, torch.empty(0, dtype=torch.long))
             logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, vocab]
+        if data.state_slots is not None and data.writes_state:
+            snapshot_prompt_ends(scheduled)
         step = StepInFlight(scheduled, pending=PendingSample(logits, rows, timers[0] if representative else None))
         if not step.constrained:
             self.sample(step)
@@ -357,10 +393,19 @@ class ModelRunner:
             block_tables=self._tensor([[[0] * -(-num_tokens // bs)]] * groups, torch.int32),
             seq_lens=self._tensor([num_tokens], torch.int32),
             query_start_loc=self._tensor([0, num_tokens], torch.int32),
-            max_query_len=num_tokens, max_seq_len=num_tokens)
+            max_query_len=num_tokens, max_seq_len=num_tokens, **self._scratch_state())
         with self.ctx.forward_batch(batch):
             hidden = self.model(self._tensor([0] * num_tokens), self._tensor(list(range(num_tokens))))
         self.model.compute_logits(hidden[-1:]).argmax(dim=-1)
+
+
+def snapshot_prompt_ends(scheduled: SchedulerOutput) -> None:
+    """A hybrid model's states keep a copy of themselves where a request's prompt ends (enqueued
+    after the step that computes it): where the next turn's history leaves this one (a template
+    that re-renders the reply), they continue from there (`RecurrentState.rewind`)."""
+    for chunk in scheduled.chunks:
+        if chunk.sample and chunk.end == chunk.request.num_prompt:
+            chunk.request.seq.recurrent.snapshot()
 
 
 def sampling_rows(scheduled: SchedulerOutput) -> list[SamplingRow]:

@@ -354,8 +354,9 @@ class Scheduler:
 
     @staticmethod
     def _scheduled(chunks: list[ScheduledChunk]) -> SchedulerOutput:
+        writes_state = not any(c.draft_token_ids for c in chunks)  # (a verify step commits after sampling)
         for chunk in chunks:  # the chunks' KV counts as written from here (see `fail`)
-            chunk.request.seq.mark_computed(chunk.num_tokens)
+            chunk.request.seq.mark_computed(chunk.num_tokens, writes_state)
             chunk.request.num_output_placeholders += chunk.sample
         return SchedulerOutput(tuple(chunks), sum(c.num_tokens for c in chunks))
 
@@ -444,6 +445,8 @@ class Scheduler:
             if not num:
                 seq.trim_kv(before)  # give adopted blocks back: holding them would starve the others
                 return None
+        if seq.recurrent is not None and not self._recurrent_slot(seq):
+            return None  # every slot is a running state's: it waits (or is preempted)
         self._count_reused(request, gained)
         request.started = True
         start = seq.num_computed
@@ -451,6 +454,22 @@ class Scheduler:
         request.computed += max(0, min(start + num, request.num_prompt) - start)
         sample = start + num == request.num_tokens and request.samples
         return ScheduledChunk(request, start, num, sample)
+
+    def _recurrent_slot(self, seq: KVSequence) -> bool:
+        """A hybrid model's state computes in a slot of the recurrent cache. Where none is free,
+        idle states give theirs back in the retention order: their snapshots first, then whole
+        states (evicted: KV dropped, recomputed when their agents return)."""
+        idle = [s for s in getattr(self.eviction, "idle_states", lambda: ())() if s.recurrent is not None]
+        for victim in idle:
+            if seq.recurrent.ensure_slot():
+                return True
+            victim.recurrent.drop_snapshots()
+        for victim in idle:
+            if seq.recurrent.ensure_slot():
+                return True
+            if victim.recurrent.num_slots:
+                self.eviction.evict(victim)
+        return seq.recurrent.ensure_slot()
 
     def _chunk_that_fits(self, seq: KVSequence, num: int) -> int:
         """The longest chunk shorter than `num` whose blocks the pool has, for a sequence over

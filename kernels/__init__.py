@@ -60,12 +60,13 @@ if __name__ == "kernels":
 import torch  # noqa: E402 (under `kernels`, the rest runs on a module no one holds: the cost of
 #             importing torch and hibana_kernels, run from the repository root only)
 
-from hibana_kernels import activation, attention, matmul, moe, norm, quant, rotary
+from hibana_kernels import activation, attention, matmul, moe, norm, quant, recurrent, rotary
 from hibana_kernels.moe import MoEExperts
 from hibana_kernels.rotary import AttentionPrologue
 
-__all__ = ["AttentionPrologue", "MoEExperts", "a8_order", "folds_a8", "folds_glu", "fused_add_rms_norm", "fused_moe",
-           "gelu_tanh_and_mul", "linear", "linear_fp8", "linear_int4", "linear_int8", "moe_norm_route", "moe_route",
+__all__ = ["AttentionPrologue", "MoEExperts", "a8_order", "causal_conv1d", "conv_advance", "folds_a8", "folds_glu",
+           "fused_add_rms_norm", "fused_moe", "gated_delta_advance", "gated_delta_rule", "gelu_tanh_and_mul", "linear",
+           "linear_fp8", "linear_int4", "linear_int8", "moe_norm_route", "moe_route",
            "mxfp4_dequantize", "paged_attention", "qk_norm_rotary_store", "rms_norm", "linear_a8",
            "paged_attention_a8", "rms_norm_a8", "rms_norm_linear", "rotary_embedding", "silu_and_mul",
            "silu_and_mul_a8", "silu_and_mul_linear", "store_kv", "triton_available"]
@@ -310,3 +311,42 @@ def fused_moe(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor, ids: 
 def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """MXFP4 blocks uint8 [..., G, 16] with e8m0 scales [..., G] -> values [..., G * 32] in `dtype`."""
     return (_triton("moe", blocks) or moe).mxfp4_dequantize(blocks, scales, dtype)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  conv_state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor,
+                  query_start_loc: torch.Tensor, activation: str | None = "silu",
+                  write: bool = True) -> torch.Tensor:
+    """A linear-attention layer's short depthwise convolution of packed rows x [T, C] (weight
+    [C, K]), each sequence continuing from its slot of conv_state [S, C, K-1] (`write`: left
+    there after its rows); see `hibana_kernels.recurrent.causal_conv1d`."""
+    impl = _triton("recurrent", x) or recurrent
+    return impl.causal_conv1d(x, weight, bias, conv_state, slots, has_state, query_start_loc, activation, write)
+
+
+def conv_advance(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
+                 query_start_loc: torch.Tensor, counts: torch.Tensor,
+                 has_state: torch.Tensor | None = None) -> None:
+    """After `causal_conv1d(..., write=False)` over x, each slot's state after its sequence's first
+    counts[b] rows alone (the tokens speculative decoding kept)."""
+    (_triton("recurrent", x) or recurrent).conv_advance(x, conv_state, slots, query_start_loc, counts, has_state)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                     has_state: torch.Tensor, query_start_loc: torch.Tensor,
+                     write: bool = True) -> torch.Tensor:
+    """Gated DeltaNet's delta rule over packed rows (q, k [T, Hk, Dk], v [T, Hv, Dv], log decay g and
+    beta [T, Hv]), each sequence continuing from its slot of the float32 state [S, Hv, Dk, Dv]
+    (`write`: left there after its rows); see `hibana_kernels.recurrent.gated_delta_rule`."""
+    impl = _triton("recurrent", v) or recurrent
+    return impl.gated_delta_rule(q, k, v, g, beta, state, slots, has_state, query_start_loc, write)
+
+
+def gated_delta_advance(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        state: torch.Tensor, slots: torch.Tensor, query_start_loc: torch.Tensor,
+                        counts: torch.Tensor, has_state: torch.Tensor | None = None) -> None:
+    """After `gated_delta_rule(..., write=False)`, each slot's state after its sequence's first
+    counts[b] rows alone (the tokens speculative decoding kept)."""
+    impl = _triton("recurrent", v) or recurrent
+    impl.gated_delta_advance(k, v, g, beta, state, slots, query_start_loc, counts, has_state)

@@ -77,6 +77,28 @@ _COMMON = dict(
 )
 
 ARCH_CONFIGS: dict[str, dict] = {
+    # Qwen3.5's language model: linear-attention (Gated DeltaNet) layers 0, 1 and 3, a gated full-attention
+    # layer 2; 2 key heads serving 4 value heads, a convolution of width 4, a quarter of each head rotated
+    # Qwen3.5-MoE's: the same layers, each MLP top-2 of 8 experts (router rows tied in pairs) beside a gated
+    # shared expert
+    "qwen3_5_moe": dict(
+        num_hidden_layers=4,
+        head_dim=32,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=32,
+        linear_conv_kernel_dim=3,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+    ),
+    "qwen3_5": dict(
+        num_hidden_layers=4,
+        head_dim=32,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0, partial_rotary_factor=0.25,
+                             mrope_section=[2, 1, 1], mrope_interleaved=True),
+    ),
     "llama": dict(
         num_hidden_layers=3,
         # head_dim 16, theta 1e4: wavelengths 6..2e4 tokens, so with original 256 some are kept
@@ -309,13 +331,15 @@ def make_tokenizer():
 def make_config(arch: str, **config_overrides):
     from transformers import (Exaone4Config, Gemma3TextConfig, Glm4MoeConfig, GptOssConfig, GraniteConfig, LlamaConfig,
                               MiniMaxM2Config, Ministral3Config, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config,
-                              Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config)
+                              Phi3Config, Qwen2Config, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config,
+                              Qwen3MoeConfig, SeedOssConfig, SmolLM3Config)
 
     kinds = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
              "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig,
              "mixtral": MixtralConfig, "granite": GraniteConfig, "ministral3": Ministral3Config,
              "glm4_moe": Glm4MoeConfig, "smollm3": SmolLM3Config, "exaone4": Exaone4Config, "olmo2": Olmo2Config,
-             "olmo3": Olmo3Config, "minimax_m2": MiniMaxM2Config, "seed_oss": SeedOssConfig}
+             "olmo3": Olmo3Config, "minimax_m2": MiniMaxM2Config, "seed_oss": SeedOssConfig,
+             "qwen3_5": Qwen3_5TextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig}
     if arch not in kinds:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(kinds)}")
     return kinds[arch](**{**_COMMON, **ARCH_CONFIGS[arch], **config_overrides})
@@ -428,6 +452,21 @@ def make_tiny_qwen3_vl(path, seed: int = SEED, tie_word_embeddings: bool = False
     return _save_seeded(config, Path(path), seed)
 
 
+def make_tiny_qwen3_5_multimodal(path, seed: int = SEED, tie_word_embeddings: bool = False) -> Path:
+    """A multimodal qwen3_5 checkpoint (Qwen3_5ForConditionalGeneration: every Qwen3.5 release) whose
+    language model is the tiny qwen3_5 one, beside a one-layer vision tower; saved as transformers saves
+    them (the language model under model.language_model.)."""
+    from transformers import Qwen3_5Config
+
+    text = make_config("qwen3_5", tie_word_embeddings=tie_word_embeddings).to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, out_hidden_size=64,
+                  num_position_embeddings=16)
+    config = Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=VOCAB_SIZE - 1,
+                           video_token_id=VOCAB_SIZE - 2, vision_start_token_id=VOCAB_SIZE - 3,
+                           vision_end_token_id=VOCAB_SIZE - 4, tie_word_embeddings=tie_word_embeddings)
+    return _save_seeded(config, Path(path), seed)
+
+
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., K] float -> MXFP4 (blocks uint8 [..., K // 32, 16], e8m0 scales uint8 [..., K // 32]):
     each block's scale the power of two that puts its largest magnitude in [4, 8), each value
@@ -469,7 +508,7 @@ def make_mxfp4_checkpoint(source, path) -> Path:
     return path
 
 
-IMAGE_TEXT_TYPES = ("mistral3", "qwen3_vl")
+IMAGE_TEXT_TYPES = ("mistral3", "qwen3_vl", "qwen3_5")
 """Multimodal checkpoints that transformers keeps out of AutoModelForCausalLM: their
 image-text-to-text class generates from text alone."""
 

@@ -37,6 +37,7 @@ from typing import Callable, Iterable, Sequence
 
 from hibana_core.kv.block_pool import BlockHash, BlockPool, hash_block
 from hibana_core.kv.layout import NULL_BLOCK, KVLayout
+from hibana_core.kv.recurrent import RecurrentState
 
 
 @dataclass(frozen=True)
@@ -102,8 +103,12 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 class KVSequence:
     def __init__(self, pool: BlockPool, copy_block: Callable[[int, int], None],
-                 share: bool = True, long_rope: LongRope | None = None, layout: KVLayout | None = None) -> None:
+                 share: bool = True, long_rope: LongRope | None = None, layout: KVLayout | None = None,
+                 recurrent: RecurrentState | None = None) -> None:
         self.pool = pool
+        # a hybrid model's linear-attention state (kv/recurrent.py): valid at `num_computed` only,
+        # so a cut continues from a snapshot (`_keep_kv`), and prefix blocks are never adopted
+        self.recurrent = recurrent
         self.long_rope = long_rope  # the model's LongRoPE, or None
         self.rotated_long = False   # the KV is under LongRoPE's long rotation at every position
         self.share = share  # False: never adopt or publish blocks through the prefix index
@@ -255,8 +260,11 @@ class KVSequence:
         self._keep_kv(min(n, self.num_computed))
 
     def release(self) -> None:
-        """Drop all KV (the tokens stay); full blocks remain findable in the prefix index."""
+        """Drop all KV (the tokens stay); full blocks remain findable in the prefix index. A
+        recurrent state gives its slots back."""
         self._keep_kv(0)
+        if self.recurrent is not None:
+            self.recurrent.release()
 
     def fork(self) -> "KVSequence":
         twin = KVSequence(self.pool, self._copy_block, self.share, self.long_rope, self.layout)
@@ -269,6 +277,9 @@ class KVSequence:
         twin.num_computed, twin.num_committed = self.num_computed, self.num_committed
         for block in twin.held_blocks():
             self.pool.incref(block)
+        if self.recurrent is not None:  # its own slot with a copy of the live state (from 0 where none is free)
+            twin.recurrent = self.recurrent.fork()
+            twin._keep_kv(min(twin.num_computed, twin.recurrent.position))
         return twin
 
     def _keep_kv(self, n: int) -> None:
@@ -276,6 +287,9 @@ class KVSequence:
         of position n (freed while the history was longer), none."""
         if n and any(hi > max(lo, self._window_start(g, n)) for g, (lo, hi) in enumerate(self._gaps())):
             n = 0
+        recurrent = self.recurrent
+        if recurrent is not None and not (recurrent.pending is not None and n >= recurrent.pending):
+            n = recurrent.rewind(n)  # (a verify step's cut of its drafts: the commit sets the state)
         self.num_computed = n
         keep_blocks = -(-n // self.block_size)
         for g, table in enumerate(self.tables):
@@ -398,7 +412,7 @@ class KVSequence:
         """Adopt full blocks of other states (or of our own past) from the prefix index, while
         num_computed sits on a block boundary and stays <= limit. Returns tokens gained."""
         bs = self.block_size
-        if not self.share or self.num_computed % bs:
+        if not self.share or self.num_computed % bs or self.recurrent is not None:
             return 0
         first = self.num_computed // bs
         m = self._index_hit(first, limit)
@@ -493,9 +507,12 @@ class KVSequence:
         bs = self.block_size
         return [[table[p // bs] * bs + p % bs for p in range(start, end)] for table in self.tables]
 
-    def mark_computed(self, num_tokens: int) -> None:
+    def mark_computed(self, num_tokens: int, writes_state: bool = True) -> None:
         """The KV of the next num_tokens positions is written by a launched step (some of those
-        positions may hold tokens still on the device)."""
+        positions may hold tokens still on the device). `writes_state` False: a verify step, which
+        leaves a recurrent state where it was until its kept tokens are committed."""
+        if self.recurrent is not None:
+            self.recurrent.advance(self.num_computed, num_tokens, writes_state)
         self.num_computed += num_tokens
 
     def commit_full_blocks(self) -> None:

@@ -15,9 +15,9 @@ from hibana_plugins.hookspecs import hookimpl
 @hookimpl
 def register_model_families(register) -> None:
     from hibana_core.models import (exaone4, gemma3, glm4_moe, gpt_oss, granite, llama, minimax_m2, mixtral, olmo,
-                                    phi3, qwen3_moe, smollm3)
+                                    phi3, qwen3_5, qwen3_moe, smollm3)
 
     for family in (llama, gemma3, phi3, qwen3_moe, gpt_oss, mixtral, granite, glm4_moe, smollm3, exaone4, olmo,
-                   minimax_m2):
+                   minimax_m2, qwen3_5):
         for model_type in family.MODEL_TYPES:
             register(model_type, family)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Collection
+from typing import TYPE_CHECKING, Any, Collection
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ import hibana_kernels as kernels
 from hibana_core.errors import CheckpointError, UnsupportedModelError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.models.moe import Experts, MoEArgs, SparseMoE
+
+if TYPE_CHECKING:
+    from hibana_core.models.linear_attention import LinearAttentionArgs
 
 SUPPORTED_ROPE_TYPES = ("default", "dynamic", "llama3", "linear", "longrope", "yarn")
 NO_ROPE = "none"
@@ -142,6 +145,12 @@ class Rope:
         if self.rope_type not in ("longrope", "yarn"):
             return 1.0
         return float(dict(self.scaling)["attention_factor"])
+
+
+def kv_layers(args: Any) -> int:
+    """The layers with KV pages of a family's args: `DecoderArgs.num_kv_layers` (a hybrid
+    model's attention layers), else every layer (a plugin family's args have num_layers only)."""
+    return getattr(args, "num_kv_layers", args.num_layers)
 
 
 def longrope_switch(args: Any) -> int | None:
@@ -311,6 +320,16 @@ class DecoderArgs:
     # 1 + query_scaling_beta * log(1 + floor(position / this)) (Ministral 3's llama_4_scaling_beta and its
     # rope's original_max_position_embeddings); 1 below this position (`Attention._scaled_queries`)
     query_scaling_beta: float = 0.0
+    attention_output_gate: bool = False  # q_proj also gives a gate per head: o * sigmoid(gate) before
+    # o_proj (Qwen3.5's gated attention; the checkpoint's q_proj interleaves each head's q and gate)
+    linear_attention: "LinearAttentionArgs | None" = None  # a hybrid model's linear-attention layers
+    # (Qwen3.5's Gated DeltaNet, models/linear_attention.py): no KV pages, a recurrent state each
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with KV pages (the engine's KV cache): all but a hybrid model's linear ones."""
+        linear = self.linear_attention
+        return self.num_layers if linear is None else self.num_layers - sum(linear.layers)
 
     @classmethod
     def from_config(cls, config: Any, **differences: Any) -> "DecoderArgs":
@@ -362,11 +381,13 @@ class DecoderArgs:
         if self.activation not in ACTIVATIONS:
             raise UnsupportedModelError(f"MLP activation {self.activation!r} is not supported; "
                                         f"supported: {', '.join(ACTIVATIONS)}")
-        per_layer = (self.ropes, self.sliding_windows) + ((self.moe.layers,) if self.moe else ())
+        per_layer = (self.ropes, self.sliding_windows) + ((self.moe.layers,) if self.moe else ()) \
+            + ((self.linear_attention.layers,) if self.linear_attention else ())
         if not self.pre_norms and not self.sandwich_norms:
             raise ValueError("a decoder without norms before its attention and MLP has them after (sandwich_norms)")
         if any(len(values) != self.num_layers for values in per_layer):
-            raise ValueError(f"ropes, sliding_windows and moe.layers need one entry per layer ({self.num_layers})")
+            raise ValueError(f"ropes, sliding_windows, moe.layers and linear_attention.layers need one entry per "
+                             f"layer ({self.num_layers})")
 
 
 class RMSNorm(nn.Module):
@@ -598,17 +619,21 @@ class Attention(nn.Module):
     of buffer `kv_scale` [2 (k, v), H_kv] float32 (None: stored in the compute dtype)."""
 
     def __init__(self, args: DecoderArgs, layer_idx: int, ctx: ForwardContext,
-                 rotary: RotaryTables) -> None:
+                 rotary: RotaryTables, kv_index: int | None = None) -> None:
         super().__init__()
-        self.layer_idx, self.ctx, self.rotary = layer_idx, ctx, rotary
+        # its KV's layer in the cache: the model layer's index, or a hybrid model's count of attention layers before it
+        self.layer_idx = layer_idx if kv_index is None else kv_index
+        self.ctx, self.rotary = ctx, rotary
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.scale = args.attention_scale
         self.sliding_window = args.sliding_windows[layer_idx]
         self.sink_tokens = 0  # under the window, first tokens every query still sees (the window surgery pass)
         self.surgery_window: tuple[int, int] | None = None  # (window, sink_tokens) the window pass set
         h, d = args.hidden_size, args.head_dim
-        self.split = (args.num_heads * d, args.num_kv_heads * d, args.num_kv_heads * d)
+        self.output_gate = args.attention_output_gate  # q_proj's rows: each head's q, then its gate
+        self.split = (args.num_heads * d * (2 if self.output_gate else 1), args.num_kv_heads * d, args.num_kv_heads * d)
         self.qkv_proj = Linear(h, sum(self.split), bias=args.qkv_bias)
+        self.qkv_proj.fused_sizes = self.split
         self.o_proj = Linear(args.num_heads * d, h, bias=args.o_bias)
         # q/k norms over each head (Qwen3's, Gemma's), or over the whole projection (OLMo 2 / 3's)
         self.qk_norm_whole = args.qk_norm_whole
@@ -630,6 +655,10 @@ class Attention(nn.Module):
         tokens = x.shape[0]
         qkv, residual = self.qkv_proj.after_norm(norm, x, residual)
         q, k, v = qkv.split(self.split, dim=-1)
+        gate = None
+        if self.output_gate:  # [T, H, 2D]: each head's q, then its gate
+            q, gate = q.view(tokens, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
+            q, gate = q.contiguous(), gate.reshape(tokens, self.num_heads * self.head_dim)
         if self.qk_norm_whole:  # [T, H * D] and [T, H_kv * D] normed whole, before the heads part
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(tokens, self.num_heads, self.head_dim)      # [T, H, D]
@@ -646,6 +675,9 @@ class Attention(nn.Module):
             args = (self._scaled_queries(positions, rotated), *args[1:])
             prologue = None
         width = self.num_heads * self.head_dim
+        if gate is not None:  # transformers' o * sigmoid(gate), in the activations' dtype, before o_proj
+            o = kernels.paged_attention(*args, prologue=prologue)
+            return self.o_proj(o.reshape(tokens, width) * torch.sigmoid(gate)), residual
         if self.o_proj.folds_a8(x, width):  # its input as codes (from split decode's merge, else one launch)
             o, codes, d = kernels.paged_attention_a8(*args, kernels.a8_order(self.o_proj.kind), prologue=prologue)
             return self.o_proj.from_codes(codes, d, o.view(tokens, width)), residual
@@ -714,7 +746,15 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: DecoderArgs, layer_idx: int, ctx: ForwardContext,
                  rotary: RotaryTables) -> None:
         super().__init__()
-        self.self_attn = Attention(args, layer_idx, ctx, rotary)
+        linear = args.linear_attention
+        self.linear = linear is not None and linear.layers[layer_idx]
+        if self.linear:  # (a hybrid model's: the state's index among the linear layers)
+            from hibana_core.models.linear_attention import GatedDeltaNet
+
+            self.linear_attn = GatedDeltaNet(args, linear, sum(linear.layers[:layer_idx]), ctx)
+        else:
+            kv_index = None if linear is None else layer_idx - sum(linear.layers[:layer_idx])
+            self.self_attn = Attention(args, layer_idx, ctx, rotary, kv_index)
         sparse = args.moe is not None and args.moe.layers[layer_idx]
         self.mlp = (SparseMoE(args.moe, args.hidden_size) if sparse
                     else MLP(args.hidden_size, args.intermediate_size, args.activation, args.mlp_bias))
@@ -734,7 +774,8 @@ class DecoderLayer(nn.Module):
         post_attention_layernorm normalises the attention's output and pre_feedforward_layernorm
         comes before the MLP; without, post_attention_layernorm is the one before the MLP. A
         residual_multiplier (Granite's) scales each block's output before it joins the stream."""
-        x, residual = self.self_attn(positions, x, residual, self.input_layernorm)
+        mixer = self.linear_attn if self.linear else self.self_attn
+        x, residual = mixer(positions, x, residual, self.input_layernorm)
         if not self.sandwich:
             x, residual = self.mlp(self._scaled(x), residual, self.post_attention_layernorm)
             return self._scaled(x), residual
@@ -772,7 +813,8 @@ class DecoderModel(nn.Module):
         return self.norm(x, residual)[0]
 
 
-FUSED_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+                "in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
 """A fused linear layer -> the checkpoint layers it concatenates along its outputs, in order."""
 
 
@@ -794,6 +836,19 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
+
+    @property
+    def recurrent_shapes(self) -> list:
+        """The state of each linear-attention layer (a hybrid model's; empty for others): what
+        the engine's recurrent cache holds a slot of (`hibana_core.kv.recurrent`)."""
+        linear = self.args.linear_attention
+        return [] if linear is None else [linear.shape] * sum(linear.layers)
+
+    def commit_recurrent(self, counts: torch.Tensor) -> None:
+        """After a verify step, each sequence's states fold in its first counts[b] rows."""
+        for layer in self.model.layers:
+            if layer.linear:
+                layer.linear_attn.commit(counts)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
@@ -834,8 +889,6 @@ class DecoderForCausalLM(nn.Module):
         """Every tensor name a Hugging Face checkpoint holds -> where its values go (views into
         the fused q/k/v and gate/up parameters where the checkpoint holds them apart, and into
         the stacked experts where it holds one tensor per expert). `names`: the checkpoint's."""
-        a = self.args
-        qkv = (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim)
         targets: dict[str, torch.Tensor] = {}
         for name, param in self.named_parameters(remove_duplicate=False):
             module, _, kind = name.rpartition(".")
@@ -843,7 +896,9 @@ class DecoderForCausalLM(nn.Module):
             if proj not in self.fused_layers:
                 targets[name] = param
                 continue
-            sizes = qkv if proj == "qkv_proj" else (param.shape[0] // 2,) * 2  # (an MLP's own width: GLM's shared experts)
+            # the parts' widths: the layer's own (q/k/v, a linear-attention input), else halves (gate / up:
+            # an MLP's own width, GLM's shared experts)
+            sizes = getattr(self.get_submodule(module), "fused_sizes", None) or (param.shape[0] // 2,) * 2
             for part, view in zip(self.fused_layers[proj], param.data.split(sizes, dim=0)):
                 targets[f"{parent}.{part}.{kind}"] = view
         for prefix, module in self.named_modules():

@@ -209,6 +209,11 @@ class DraftModelDrafter:
             loaded = load_model(self.path, engine.device, str(engine.dtype).removeprefix("torch."), self.ctx,
                                 engine.config.progress)
             check_same_tokenizer(engine, loaded, self.path)
+            if getattr(loaded.model, "recurrent_shapes", None):
+                raise ConfigError(f"draft model {self.path} is a hybrid model (linear-attention layers, "
+                                  f"{loaded.args.model_type}); a draft model keeps KV pages alone: pick one without "
+                                  "linear-attention layers that shares the tokenizer (a small Qwen3 for a Qwen3.5 "
+                                  "target), or speculation='adaptive'")
             # its rotary tables as long as it drafts (the layer-skip draft shares the target's, sized already)
             size_rotary(loaded.model, rotary_positions(min(engine.max_model_len, loaded.args.max_position_embeddings),
                                                        loaded.args))

@@ -37,6 +37,8 @@ import torch
 from hibana_core.errors import ConfigError, HibanaError, SurgeryGuardError
 from hibana_core.forward_context import ForwardBatch, ForwardContext
 from hibana_core.kv.cache import KVCache, kv_cache_dtype
+from hibana_core.kv.recurrent import RecurrentCache
+from hibana_core.models.decoder import kv_layers
 from hibana_core.progress import bar as progress_bar
 
 HELDOUT = Path(__file__).parent / "heldout" / "agent_traces.txt"
@@ -199,10 +201,12 @@ class Scorer:
         self.blocks = -(-max_len // block_size)
         self.max_len = self.blocks * block_size
         self.cache = self._new_cache()
+        shapes = getattr(model, "recurrent_shapes", None)  # a hybrid model's: its scratch slot, continued in order
+        self.recurrent = RecurrentCache(shapes, 0, dtype, device) if shapes else None
 
     def _new_cache(self) -> KVCache:
         a = self.args
-        return KVCache(a.num_layers, self.blocks, self.block_size, a.num_kv_heads, a.head_dim,
+        return KVCache(kv_layers(a), self.blocks, self.block_size, a.num_kv_heads, a.head_dim,
                        kv_cache_dtype(self.model, self.dtype), self.device)
 
     def kv(self, tokens: Sequence[int]) -> torch.Tensor:
@@ -222,10 +226,11 @@ class Scorer:
         batch = ForwardBatch(slot_mapping=tensor([list(range(start, n))]),  # one layer group
                              block_tables=tensor([[list(range(-(-n // bs)))]], torch.int32),
                              seq_lens=tensor([n], torch.int32), query_start_loc=tensor([0, new], torch.int32),
-                             max_query_len=new, max_seq_len=n)
+                             max_query_len=new, max_seq_len=n, **self._recurrent_fields(start))
         if self.cache.dtype != kv_cache_dtype(self.model, self.dtype):  # a pass changed it (kv8)
             self.cache = self._new_cache()
         saved, self.ctx.kv_cache = self.ctx.kv_cache, self.cache
+        saved_recurrent, self.ctx.recurrent = self.ctx.recurrent, self.recurrent
         try:
             with torch.inference_mode(), self.ctx.forward_batch(batch):
                 hidden = self.model(tensor(list(tokens[start:])), tensor(list(range(start, n))))
@@ -233,7 +238,15 @@ class Scorer:
                     return hidden
                 return self.model.compute_logits(hidden[-1:] if last else hidden).float() if logits else None
         finally:
-            self.ctx.kv_cache = saved
+            self.ctx.kv_cache, self.ctx.recurrent = saved, saved_recurrent
+
+    def _recurrent_fields(self, start: int) -> dict:
+        """A hybrid model's batch fields: the scratch slot, holding the state of tokens[:start]
+        (every forward here continues the one before it, or starts at 0)."""
+        if self.recurrent is None:
+            return {}
+        return dict(state_slots=torch.tensor([self.recurrent.scratch], dtype=torch.int32, device=self.device),
+                    has_state=torch.tensor([start > 0], device=self.device))
 
     def log_probs(self, tokens: Sequence[int]) -> torch.Tensor:
         """[T - 1, V] float32 on the host: log-probabilities of the token after each position but

@@ -124,6 +124,10 @@ class LayerSkipDrafter(DraftModelDrafter):
         from hibana_core.surgery.guard import heldout_documents
 
         check_reserved(engine, self.method)
+        if getattr(engine.model, "recurrent_shapes", None):
+            raise ConfigError(f"layer_skip drafts with the target's own layers, and {engine.model_args.model_type}'s "
+                              "linear-attention layers carry one state per agent, which a draft cannot share; use "
+                              "speculation='adaptive' (suffix drafts) or a draft_model without such layers")
         n = engine.model_args.num_layers
         if layers is None:
             if not 0 < keep < 1:

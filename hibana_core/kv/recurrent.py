@@ -1,0 +1,216 @@
+"""Recurrent state of linear-attention layers (Qwen3.5's and Qwen3-Next's Gated DeltaNet), per agent.
+
+A hybrid model keeps KV pages only for its full-attention layers; each linear-attention layer
+carries a fixed-size state instead (a short convolution's last inputs and a [heads, Dk, Dv]
+matrix), the whole history folded into it. States live in slots of one preallocated cache, so
+that kernels (and CUDA graphs) address them by index:
+
+    conv   [slots, conv_dim, kernel - 1]   model dtype, one tensor per linear layer
+    ssm    [slots, Hv, Dk, Dv]             float32, one tensor per linear layer
+
+A state is valid at one position only. Retention works as for KV: an agent's next turn continues
+from where its last one ended. What KV does for free (keep the first n positions of a history),
+a recurrent state cannot: it holds position p and nothing before. So each agent keeps a few
+snapshots (copies of its state at the positions where its recent prompts ended, where re-rendered
+histories usually diverge: templates that rewrite the last reply), and a history cut back to
+position n continues from the latest snapshot at or before n, recomputing from there
+(`RecurrentState.rewind`): exact, at the cost of the tokens between.
+
+A verify step of speculative decoding runs the drafts through the layers without writing their
+states (which drafts are kept is known only after sampling); the tokens kept are then applied to
+the states (`commit`: the kernels' advance), so a rejected draft never touches a state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+SNAPSHOTS = 2
+"""Snapshots an agent's state keeps (the ends of its last prompts), oldest dropped first."""
+
+
+@dataclass(frozen=True)
+class RecurrentShape:
+    """One linear-attention layer's state, as the model declares it."""
+
+    conv_dim: int      # channels of the short convolution (q, k and v projections side by side)
+    conv_width: int    # its kernel size; the state holds kernel - 1 inputs
+    heads: int         # value heads (the matrix state's first dim)
+    key_dim: int
+    value_dim: int
+
+    def nbytes(self, dtype: torch.dtype) -> int:
+        conv = self.conv_dim * (self.conv_width - 1) * torch.empty((), dtype=dtype).element_size()
+        return conv + self.heads * self.key_dim * self.value_dim * 4
+
+
+class RecurrentCache:
+    """The slots' tensors of every linear layer, on the device: `num_slots` for states, and one
+    more, `scratch`, for steps that belong to no state (the step-cost profile)."""
+
+    def __init__(self, shapes: list[RecurrentShape], num_slots: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.shapes, self.dtype, self.device = shapes, dtype, device
+        self.num_slots, self.scratch = num_slots, num_slots
+        num_slots += 1
+        self.conv = [torch.zeros(num_slots, s.conv_dim, s.conv_width - 1, dtype=dtype, device=device) for s in shapes]
+        self.ssm = [torch.zeros(num_slots, s.heads, s.key_dim, s.value_dim, dtype=torch.float32, device=device)
+                    for s in shapes]
+
+    @staticmethod
+    def slot_bytes(shapes: list[RecurrentShape], dtype: torch.dtype) -> int:
+        """What one slot takes across all layers."""
+        return sum(s.nbytes(dtype) for s in shapes)
+
+    @property
+    def nbytes(self) -> int:
+        return (self.num_slots + 1) * self.slot_bytes(self.shapes, self.dtype)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv, ssm) of the index-th linear layer."""
+        return self.conv[index], self.ssm[index]
+
+    def copy(self, src: int, dst: int) -> None:
+        """Slot dst := slot src, every layer (stream-ordered after the steps that wrote src)."""
+        for conv, ssm in zip(self.conv, self.ssm):
+            conv[dst].copy_(conv[src])
+            ssm[dst].copy_(ssm[src])
+
+    def read(self, slot: int) -> dict[str, torch.Tensor]:
+        """A slot's tensors, copied to host memory (state files)."""
+        return {"conv": torch.stack([c[slot] for c in self.conv]).cpu(),
+                "ssm": torch.stack([s[slot] for s in self.ssm]).cpu()}
+
+    def write(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
+        for i, (conv, ssm) in enumerate(zip(self.conv, self.ssm)):
+            conv[slot].copy_(tensors["conv"][i])
+            ssm[slot].copy_(tensors["ssm"][i])
+
+
+class RecurrentSlots:
+    """The free list of a `RecurrentCache`'s slots (plain Python, like the block pool)."""
+
+    def __init__(self, num_slots: int, copy: Callable[[int, int], None]) -> None:
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out 0 first
+        self.num_slots = num_slots
+        self.copy = copy
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int | None:
+        """A free slot, or None where none is left."""
+        return self._free.pop() if self._free else None
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+
+@dataclass
+class RecurrentState:
+    """One agent's recurrent state: the slot holding it live, the position it is at, and its
+    snapshots. Invariant between steps: `position` equals its sequence's computed tokens."""
+
+    slots: RecurrentSlots
+    slot: int | None = None     # None: no slot yet (position 0) or given back
+    position: int = 0           # tokens the live state has folded in
+    pending: int | None = None  # a verify step ran from this position without writing the state
+    snapshots: list[tuple[int, int]] = field(default_factory=list)  # (position, slot), oldest first
+
+    @property
+    def has_state(self) -> bool:
+        """Whether the live slot holds a state to continue from (else the next chunk starts at 0)."""
+        return self.slot is not None and self.position > 0
+
+    def ensure_slot(self) -> bool:
+        """A live slot to compute into: False where the cache has none free (the caller frees
+        some, `evict`ing an idle state, and asks again)."""
+        if self.slot is None:
+            self.slot = self.slots.allocate()
+            self.position = 0
+        return self.slot is not None
+
+    def advance(self, start: int, num_tokens: int, writes: bool) -> None:
+        """A step was scheduled over positions start.. start + num_tokens - 1 of this state's
+        sequence: one that writes the state leaves it past them; a verify step leaves it where it
+        was, pending the commit of the tokens kept (`commit`)."""
+        if start != self.position:
+            raise RuntimeError(f"a recurrent state at position {self.position} was scheduled from {start}")
+        if writes:
+            self.position, self.pending = start + num_tokens, None
+        else:
+            self.pending = start
+
+    def commit(self, computed: int) -> int:
+        """After a verify step: its sequence keeps the KV of its first `computed` positions (the
+        drafts accepted, the rest cut), which the state now folds in. Returns how many tokens past
+        the step's start that is (0: no verify step pending)."""
+        if self.pending is None:
+            return 0
+        count = max(0, computed - self.pending)
+        self.position, self.pending = self.pending + count, None
+        return count
+
+    def rewind(self, n: int) -> int:
+        """Continue from at most position n: the live state where it is at n or before (n at or
+        past it: nothing to do), else the latest snapshot at or before n copied into the live
+        slot, else position 0. Returns the position the state now continues from."""
+        self.pending = None  # a verify step's uncommitted drafts are dropped with it
+        if n >= self.position:
+            return self.position
+        kept = [(p, s) for p, s in self.snapshots if p <= n]
+        for p, s in self.snapshots:
+            if p > n:  # snapshots of the history that was cut away
+                self.slots.free(s)
+        self.snapshots = kept
+        if kept and self.slot is not None:
+            position, slot = kept[-1]
+            self.slots.copy(slot, self.slot)
+            self.position = position
+        else:
+            self.position = 0
+        return self.position
+
+    def snapshot(self) -> None:
+        """Keep a copy of the live state at its position (a prompt's end), in a free slot if one
+        is left; the oldest snapshot's slot is reused past `SNAPSHOTS`."""
+        if self.slot is None or self.position == 0 or any(p == self.position for p, _ in self.snapshots):
+            return
+        if len(self.snapshots) >= SNAPSHOTS:
+            _, slot = self.snapshots.pop(0)
+        else:
+            slot = self.slots.allocate()
+            if slot is None:
+                return
+        self.slots.copy(self.slot, slot)
+        self.snapshots.append((self.position, slot))
+
+    def fork(self) -> "RecurrentState":
+        """A twin continuing from the same position (its own slot with a copy of the live state;
+        no snapshots), or from 0 where no slot is free."""
+        twin = RecurrentState(self.slots)
+        if self.has_state and twin.ensure_slot():
+            self.slots.copy(self.slot, twin.slot)
+            twin.position = self.position
+        return twin
+
+    def drop_snapshots(self) -> None:
+        """Give the snapshots' slots back (the live state stays)."""
+        for _, slot in self.snapshots:
+            self.slots.free(slot)
+        self.snapshots = []
+
+    def release(self) -> None:
+        """Give every slot back: the state starts again from position 0."""
+        self.drop_snapshots()
+        if self.slot is not None:
+            self.slots.free(self.slot)
+        self.slot, self.position, self.pending = None, 0, None
+
+    @property
+    def num_slots(self) -> int:
+        return (self.slot is not None) + len(self.snapshots)

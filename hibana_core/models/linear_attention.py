@@ -1,0 +1,117 @@
+"""Gated DeltaNet, the linear-attention layer of Qwen3.5 (and Qwen3-Next) hybrid models.
+
+Three of four layers of a Qwen3.5 model mix tokens this way instead of attending: a short causal
+convolution over the q/k/v projections, then the gated delta rule, whose state (a matrix per value
+head) folds in the whole history, so the layer keeps no KV cache. Its states live in the slots of
+the engine's recurrent cache (`hibana_core.kv.recurrent`), addressed by the batch's
+`state_slots`; the arithmetic is transformers' (`modeling_qwen3_5.Qwen3_5GatedDeltaNet`) step by
+step, through the kernels of `hibana_kernels.recurrent`.
+
+A verify step of speculative decoding (`ForwardBatch.writes_state` False) computes its rows from
+the states without changing them and keeps what the states need to fold in the rows that sampling
+keeps (`commit`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hibana_kernels as kernels
+from hibana_core.forward_context import ForwardContext
+from hibana_core.kv.recurrent import RecurrentShape
+
+
+@dataclass(frozen=True)
+class LinearAttentionArgs:
+    """The linear-attention layers of a hybrid model, read from its config."""
+
+    layers: tuple[bool, ...]  # per model layer: a linear-attention layer (else full attention)
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def shape(self) -> RecurrentShape:
+        key_dim = self.num_key_heads * self.key_head_dim
+        return RecurrentShape(conv_dim=2 * key_dim + self.num_value_heads * self.value_head_dim,
+                              conv_width=self.conv_kernel, heads=self.num_value_heads,
+                              key_dim=self.key_head_dim, value_dim=self.value_head_dim)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen3_5RMSNormGated: RMSNorm of x (statistic in float32, cast back, times the
+    weight), then times silu(gate) in float32, cast to x's dtype. x, gate: [N, D]."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(dtype)
+    return (h * F.silu(gate.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """One linear-attention layer; `index` is its place among the model's linear layers (its
+    tensors in the recurrent cache). The checkpoint's four input projections (in_proj_qkv,
+    in_proj_z, in_proj_b, in_proj_a) load into one fused `in_proj` (`fused_sizes`)."""
+
+    def __init__(self, args, linear: LinearAttentionArgs, index: int, ctx: ForwardContext) -> None:
+        super().__init__()
+        from hibana_core.models.decoder import Linear  # (decoder.py builds these layers)
+
+        self.index, self.ctx = index, ctx
+        self.num_key_heads, self.num_value_heads = linear.num_key_heads, linear.num_value_heads
+        self.key_head_dim, self.value_head_dim = linear.key_head_dim, linear.value_head_dim
+        self.key_dim = linear.num_key_heads * linear.key_head_dim
+        self.value_dim = linear.num_value_heads * linear.value_head_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.eps = args.rms_norm_eps
+        hv = linear.num_value_heads
+        self.in_proj = Linear(args.hidden_size, self.conv_dim + self.value_dim + 2 * hv, bias=False)
+        self.in_proj.fused_sizes = (self.conv_dim, self.value_dim, hv, hv)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, linear.conv_kernel, groups=self.conv_dim, bias=False,
+                                padding=linear.conv_kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(hv))
+        self.A_log = nn.Parameter(torch.zeros(hv))
+        self.norm = nn.Module()  # the gated RMSNorm's weight, under the checkpoint's name
+        self.norm.weight = nn.Parameter(torch.ones(linear.value_head_dim))
+        self.out_proj = Linear(self.value_dim, args.hidden_size, bias=False)
+        self._verified: tuple | None = None  # what a verify step leaves for `commit`
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer over norm(x + residual); returns (its output, x + residual)."""
+        tokens = x.shape[0]
+        proj, residual = self.in_proj.after_norm(norm, x, residual)
+        mixed, z, b, a = proj.split(self.in_proj.fused_sizes, dim=-1)
+        batch = self.ctx.batch
+        conv_state, state = self.ctx.recurrent.layer(self.index)
+        slots, has_state, starts, writes = batch.state_slots, batch.has_state, batch.query_start_loc, batch.writes_state
+        mixed = mixed.contiguous()  # [T, conv_dim]
+        conv = kernels.causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, conv_state, slots, has_state,
+                                     starts, "silu", writes)
+        q, k, v = conv.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        q = q.reshape(tokens, self.num_key_heads, self.key_head_dim)
+        k = k.reshape(tokens, self.num_key_heads, self.key_head_dim)
+        v = v.reshape(tokens, self.num_value_heads, self.value_head_dim)
+        beta = b.sigmoid()  # in the model dtype, as transformers
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] float32
+        o = kernels.gated_delta_rule(q, k, v, g, beta, state, slots, has_state, starts, writes)  # [T, Hv, Dv]
+        self._verified = None if writes else (mixed, k, v, g, beta, slots, has_state, starts)
+        o = gated_rms_norm(o.reshape(-1, self.value_head_dim), z.reshape(-1, self.value_head_dim),
+                           self.norm.weight, self.eps)
+        return self.out_proj(o.reshape(tokens, self.value_dim)), residual
+
+    def commit(self, counts: torch.Tensor) -> None:
+        """Fold into each sequence's state the first counts[b] rows of the last verify step."""
+        if self._verified is None:
+            return
+        mixed, k, v, g, beta, slots, has_state, starts = self._verified
+        conv_state, state = self.ctx.recurrent.layer(self.index)
+        kernels.conv_advance(mixed, conv_state, slots, starts, counts, has_state)
+        kernels.gated_delta_advance(k, v, g, beta, state, slots, starts, counts, has_state)
+        self._verified = None

@@ -1,0 +1,244 @@
+"""Gated DeltaNet linear attention: Triton kernels, same signatures as `hibana_kernels.recurrent`.
+
+Every kernel walks a sequence's rows one by one, as decode and verify steps have few: the
+convolution one program per (sequence, channel block), the delta rule one per (sequence, v head,
+block of Dv) with its [Dk, BLOCK_DV] slice of the state in registers, float32, token by token
+(the recurrent form; exact for a long prefill too, only slow). Bounds, slots and counts are read
+on the device: no host sync, so a launch can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hibana_kernels import recurrent
+from hibana_kernels.recurrent import check_activation
+
+L2_EPS = tl.constexpr(recurrent.L2_EPS)  # a jitted function reads only constexpr globals
+CONV_BLOCK_C = 128
+STATE_TILE = 4096
+"""Float32 elements of the state a delta-rule program holds ([Dk, BLOCK_DV]): 32 registers a
+thread at 4 warps."""
+
+
+@triton.jit
+def _only_if(condition, mask):
+    """mask where the scalar condition holds, else all False. (Not `mask & condition`: Triton's
+    interpreter turns a block & a scalar boolean into int32, which no load takes as a mask.)"""
+    return tl.where(condition, mask, False)
+
+
+@triton.jit
+def _inputs(x_ptr, state_row, c, cm, pos, valid, start, has, stride_x, K: tl.constexpr):
+    """The inputs at absolute rows `pos` [N] (where `valid`, else zero) and channels c [BLOCK_C]
+    -> [BLOCK_C, N] in x's dtype: a row of the sequence (pos >= start), else its slot's previous
+    input (zero for a fresh sequence)."""
+    from_x = pos >= start
+    xv = tl.load(x_ptr + tl.maximum(pos, 0)[None, :] * stride_x + c[:, None],
+                 mask=cm[:, None] & (valid & from_x)[None, :], other=0.0)
+    sv = tl.load(state_row + tl.maximum(pos - start + K - 1, 0)[None, :],
+                 mask=cm[:, None] & _only_if(has, valid & ~from_x)[None, :], other=0.0)
+    return xv + sv  # one of the two is zero: exact
+
+
+@triton.jit
+def _store_shifted_state(x_ptr, state_row, c, cm, start, end, has, write, stride_x,
+                         K: tl.constexpr, BLOCK_W: tl.constexpr):
+    """The slot's state after rows [start, end): the last K-1 inputs of (previous ++ rows)."""
+    i = tl.arange(0, BLOCK_W)
+    new = _inputs(x_ptr, state_row, c, cm, end - (K - 1) + i, i < K - 1, start, has, stride_x, K)
+    tl.debug_barrier()  # every thread has read the previous state before any overwrites it
+    tl.store(state_row + i[None, :], new, mask=_only_if(write, cm[:, None] & (i < K - 1)[None, :]))
+
+
+@triton.jit
+def _conv_kernel(x_ptr, w_ptr, b_ptr, state_ptr, out_ptr, slots_ptr, has_ptr, qsl_ptr,
+                 stride_x, stride_out, stride_ss, stride_sc, C,
+                 K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr, WRITE: tl.constexpr):
+    """Program (sequence, channel block): its output rows, then (WRITE) its slot's new state.
+    Each row reads its K inputs back from x and the state (cached): no window to shift."""
+    seq = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    start = tl.load(qsl_ptr + seq).to(tl.int64)  # int64 rows: offsets of T * C can pass 2^31
+    end = tl.load(qsl_ptr + seq + 1).to(tl.int64)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    has = tl.load(has_ptr + seq) != 0
+    state_row = state_ptr + tl.maximum(slot, 0) * stride_ss + c[:, None] * stride_sc
+    w_dtype = w_ptr.dtype.element_ty
+    j = tl.arange(0, BLOCK_K)
+    w = tl.load(w_ptr + c[:, None] * K + j[None, :], mask=cm[:, None] & (j < K)[None, :], other=0.0)
+    w = w.to(tl.float32)
+    bias = tl.zeros([BLOCK_C], dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    stop = tl.where(slot >= 0, end, start)  # no slot: no rows (the output is zeros already)
+    for t in range(start, stop):
+        inputs = _inputs(x_ptr, state_row, c, cm, t - (K - 1) + j, j < K, start, has, stride_x, K)
+        # as transformers: inputs cast to the weight's dtype, the conv and activation rounded there
+        y = tl.sum(w * inputs.to(w_dtype).to(tl.float32), axis=1) + bias
+        y = y.to(w_dtype).to(tl.float32)
+        if SILU:
+            y = y / (1.0 + tl.exp(-y))
+        tl.store(out_ptr + t * stride_out + c, y.to(w_dtype).to(out_ptr.dtype.element_ty), mask=cm)
+    if WRITE:
+        _store_shifted_state(x_ptr, state_row, c, cm, start, end, has, stop > start, stride_x, K, BLOCK_W)
+
+
+@triton.jit
+def _conv_advance_kernel(x_ptr, state_ptr, slots_ptr, has_ptr, qsl_ptr, counts_ptr,
+                         stride_x, stride_ss, stride_sc, C,
+                         K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Program (sequence, channel block): the slot's state after its first counts[seq] rows."""
+    seq = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    start = tl.load(qsl_ptr + seq).to(tl.int64)
+    stop = start + tl.maximum(tl.minimum(tl.load(counts_ptr + seq), tl.load(qsl_ptr + seq + 1) - start), 0)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    has = tl.load(has_ptr + seq) != 0
+    state_row = state_ptr + tl.maximum(slot, 0) * stride_ss + c[:, None] * stride_sc
+    _store_shifted_state(x_ptr, state_row, c, cm, start, stop, has, (slot >= 0) & (stop > start), stride_x,
+                         K, BLOCK_W)
+
+
+@triton.jit
+def _unit_row(ptr, d, dm):
+    """A q or k head's row, float32, L2-normalised (transformers' `l2norm`)."""
+    x = tl.load(ptr + d, mask=dm, other=0.0).to(tl.float32)
+    return x * tl.rsqrt(tl.sum(x * x, axis=0) + L2_EPS)
+
+
+@triton.jit
+def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, slots_ptr, has_ptr, qsl_ptr,
+                       counts_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                       stride_gt, stride_bt, stride_ot, stride_oh, stride_ss, stride_sh, stride_sk, scale,
+                       DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr, BLOCK_DK: tl.constexpr,
+                       BLOCK_DV: tl.constexpr, ADVANCE: tl.constexpr, WRITE: tl.constexpr):
+    """Program (sequence, v head, Dv block): the state's [Dk, BLOCK_DV] slice, token by token.
+    ADVANCE: `gated_delta_advance`, the first counts[seq] rows and no output; else
+    `gated_delta_rule`, every row with its output, the state kept where WRITE."""
+    seq = tl.program_id(0)
+    hv = tl.program_id(1)
+    hk = hv // GROUP
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    dkm, dvm = dk < DK, dv < DV
+    start = tl.load(qsl_ptr + seq).to(tl.int64)  # int64 rows: offsets can pass 2^31
+    end = tl.load(qsl_ptr + seq + 1).to(tl.int64)
+    if ADVANCE:
+        end = start + tl.maximum(tl.minimum(tl.load(counts_ptr + seq), end - start), 0)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    has = tl.load(has_ptr + seq) != 0
+    stop = tl.where(slot >= 0, end, start)  # no slot: no rows (the output is zeros already)
+    s_ptrs = state_ptr + tl.maximum(slot, 0) * stride_ss + hv * stride_sh + dk[:, None] * stride_sk + dv[None, :]
+    smask = dkm[:, None] & dvm[None, :]
+    s = tl.load(s_ptrs, mask=_only_if(has & (stop > start), smask), other=0.0)  # [BLOCK_DK, BLOCK_DV] float32
+    for t in range(start, stop):
+        k = _unit_row(k_ptr + t * stride_kt + hk * stride_kh, dk, dkm)
+        v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + dv, mask=dvm, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + t * stride_bt + hv).to(tl.float32)
+        s = s * tl.exp(tl.load(g_ptr + t * stride_gt + hv).to(tl.float32))
+        kv_mem = tl.sum(s * k[:, None], axis=0)  # [BLOCK_DV]: what the state recalls for k
+        s = s + k[:, None] * (beta * (v - kv_mem))[None, :]
+        if not ADVANCE:
+            q = _unit_row(q_ptr + t * stride_qt + hk * stride_qh, dk, dkm) * scale
+            o = tl.sum(s * q[:, None], axis=0)
+            tl.store(out_ptr + t * stride_ot + hv * stride_oh + dv, o.to(out_ptr.dtype.element_ty), mask=dvm)
+    if WRITE:
+        tl.store(s_ptrs, s, mask=_only_if(stop > start, smask))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x with unit stride along its last dim (a strided view of a fused projection stays one)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _in_place(state: torch.Tensor) -> torch.Tensor:
+    """A state tensor the kernels write: any strides but a unit last one (no copy to lose)."""
+    if state.stride(-1) != 1:
+        raise ValueError(f"state tensors want a unit stride along their last dim, not {state.stride()}")
+    return state
+
+
+def _conv_grid(num_seqs: int, channels: int) -> tuple[tuple[int, int], int]:
+    block = min(CONV_BLOCK_C, triton.next_power_of_2(channels))
+    return (num_seqs, triton.cdiv(channels, block)), block
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  conv_state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor,
+                  query_start_loc: torch.Tensor, activation: str | None = "silu",
+                  write: bool = True) -> torch.Tensor:
+    """See `hibana_kernels.recurrent.causal_conv1d`."""
+    check_activation(activation)
+    x, weight, conv_state = _rows(x), weight.contiguous(), _in_place(conv_state)
+    channels, width = weight.shape
+    y = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    grid, block = _conv_grid(slots.shape[0], channels)
+    if grid[0]:
+        bias_ptr = weight if bias is None else bias  # any pointer: not read without a bias
+        _conv_kernel[grid](x, weight, bias_ptr, conv_state, y, slots, has_state, query_start_loc, x.stride(0),
+                           y.stride(0), conv_state.stride(0), conv_state.stride(1), channels, K=width,
+                           BLOCK_C=block, BLOCK_K=triton.next_power_of_2(width),
+                           BLOCK_W=triton.next_power_of_2(max(width - 1, 1)), HAS_BIAS=bias is not None,
+                           SILU=activation == "silu", WRITE=write)
+    return y
+
+
+def conv_advance(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
+                 query_start_loc: torch.Tensor, counts: torch.Tensor,
+                 has_state: torch.Tensor | None = None) -> None:
+    """See `hibana_kernels.recurrent.conv_advance`."""
+    x, conv_state = _rows(x), _in_place(conv_state)
+    channels, width = conv_state.shape[1], conv_state.shape[2] + 1
+    grid, block = _conv_grid(slots.shape[0], channels)
+    if grid[0]:
+        _conv_advance_kernel[grid](x, conv_state, slots, _has_state(has_state, slots), query_start_loc, counts,
+                                   x.stride(0), conv_state.stride(0), conv_state.stride(1), channels, K=width,
+                                   BLOCK_C=block, BLOCK_W=triton.next_power_of_2(max(width - 1, 1)))
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                     has_state: torch.Tensor, query_start_loc: torch.Tensor,
+                     write: bool = True) -> torch.Tensor:
+    """See `hibana_kernels.recurrent.gated_delta_rule`."""
+    o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    _delta_rule(q, k, v, g, beta, state, o, slots, has_state, query_start_loc, slots, write, advance=False)
+    return o
+
+
+def gated_delta_advance(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        state: torch.Tensor, slots: torch.Tensor, query_start_loc: torch.Tensor,
+                        counts: torch.Tensor, has_state: torch.Tensor | None = None) -> None:
+    """See `hibana_kernels.recurrent.gated_delta_advance`."""
+    # k and v stand in for q and o, which an advance neither reads nor writes
+    _delta_rule(k, k, v, g, beta, state, v, slots, _has_state(has_state, slots), query_start_loc, counts,
+                write=True, advance=True)
+
+
+def _delta_rule(q, k, v, g, beta, state, o, slots, has_state, query_start_loc, counts, write, advance):
+    """One `_delta_rule_kernel` launch."""
+    q, k, v, g, beta, state = _rows(q), _rows(k), _rows(v), _rows(g), _rows(beta), _in_place(state)
+    num_v_heads, dk, dv = state.shape[1:]
+    block_dk = triton.next_power_of_2(dk)
+    block_dv = min(triton.next_power_of_2(dv), max(STATE_TILE // block_dk, 16))
+    grid = (slots.shape[0], num_v_heads, triton.cdiv(dv, block_dv))
+    if grid[0]:
+        _delta_rule_kernel[grid](q, k, v, g, beta, state, o, slots, has_state, query_start_loc, counts,
+                                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                 g.stride(0), beta.stride(0), o.stride(0), o.stride(1), state.stride(0),
+                                 state.stride(1), state.stride(2), dk ** -0.5, DK=dk, DV=dv,
+                                 GROUP=num_v_heads // k.shape[1], BLOCK_DK=block_dk, BLOCK_DV=block_dv,
+                                 ADVANCE=advance, WRITE=write)
+
+
+def _has_state(has_state: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+    """has_state, or (None) every slot holding its state."""
+    if has_state is None:
+        return torch.ones(slots.shape, dtype=torch.bool, device=slots.device)
+    return has_state

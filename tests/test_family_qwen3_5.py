@@ -1,0 +1,221 @@
+"""Qwen3.5 (model_type qwen3_5 / qwen3_5_text), a hybrid of Gated DeltaNet linear-attention layers
+and gated full attention, against transformers on tiny seeded checkpoints:
+
+    qwen3_5      4 layers: linear attention at 0, 1 and 3 (2 key heads serving 4 value heads, a
+                 convolution of width 4), gated full attention at 2 (q/k norms, a quarter of each
+                 head rotated); every norm by 1 + weight
+    qwen3_5_moe  4 layers: full attention at 1, one key head serving 2 value heads of 32 dims, a
+                 convolution of width 3; every MLP top-2 of 8 experts (router rows tied in pairs)
+                 beside a shared expert gated by sigmoid(shared_expert_gate(h))
+
+A linear layer's state is valid at one position: retention continues from it, a history cut back
+continues from a snapshot (a recent prompt's end) or from the start, a verify step folds in the
+drafts kept and no others. Each is checked token for token against `generate` on the full history.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from hibana_core import SamplingParams
+from hibana_core.kv.recurrent import SNAPSHOTS
+from test_speculation import mixed_batch
+from tiny_models import (EVERY_TENSOR_USED, VOCAB_SIZE, assert_greedy_matches, greedy_turns_at_once, hf_greedy,
+                         make_tiny_checkpoint, make_tiny_qwen3_5_multimodal, random_tokens, three_agents_three_turns)
+
+pytestmark = [pytest.mark.timeout(300), EVERY_TENSOR_USED]
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint("qwen3_5", tmp_path_factory.mktemp("qwen3_5") / "q")
+
+
+def greedy(n: int, **options) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True, **options)
+
+
+def recurrent_of(engine, handle):
+    return engine.registry._entry(handle).seq.recurrent
+
+
+def test_qwen3_5_reads_its_hybrid_layers(qwen35, make_engine):
+    engine = make_engine(qwen35)
+    args = engine.model.args
+    assert args.linear_attention.layers == (True, True, False, True) and args.num_kv_layers == 1
+    assert args.attention_output_gate and args.qk_norm and args.unit_offset_norms
+    assert {rope.dim for rope in args.ropes} == {8}  # a quarter of head_dim 32
+    assert engine.kv_layout.num_layers == 1  # KV pages for the full-attention layer alone
+    shape = engine.model.recurrent_shapes[0]
+    assert (shape.conv_dim, shape.conv_width, shape.heads, shape.key_dim, shape.value_dim) == (128, 4, 4, 16, 16)
+    assert len(engine.model.recurrent_shapes) == 3
+
+
+def test_qwen3_5_agents_batched_with_retention_match_transformers(qwen35, make_engine):
+    three_agents_three_turns(make_engine(qwen35), qwen35, "q35", 9100)
+
+
+def test_qwen3_5_moe_agents_batched_with_retention_match_transformers(tmp_path, make_engine):
+    path = make_tiny_checkpoint("qwen3_5_moe", tmp_path / "moe")
+    engine = make_engine(path)
+    args = engine.model.args
+    assert args.moe.layers == (True,) * 4 and args.moe.top_k == 2 and args.moe.renormalize
+    assert args.linear_attention.layers == (True, False, True, True)
+    assert type(engine.model.model.layers[0].mlp).__name__ == "SharedExpertMoE"
+    three_agents_three_turns(engine, path, "q35moe", 9300)
+
+
+def test_qwen3_5_mixed_speculation_with_truncation_matches_transformers(qwen35, make_engine):
+    """Suffix, n-gram and an oracle's drafts (every fifth wrong), fixed and adaptive, batched with
+    async scheduling; each agent truncated back to its history and answering again. Rejected
+    drafts never reach a state: the output is the one without speculation, and transformers'."""
+    histories, want = mixed_batch(make_engine, qwen35, VOCAB_SIZE, seed=35)
+    for history, out in zip(histories, want):
+        assert_greedy_matches(qwen35, history, out)
+
+
+def test_a_history_cut_inside_the_last_reply_continues_from_the_prompts_snapshot(qwen35, make_engine):
+    """The next turn re-renders the last reply differently (a template rewriting it): the state
+    goes back to the snapshot taken where the last prompt ended, recomputes from there, and
+    matches transformers; a cut before the first prompt's end recomputes from the start."""
+    engine = make_engine(qwen35, speculation="off")
+    rng = random.Random(3500)
+    h = engine.open_state("cut")
+    prompt = random_tokens(rng, 40)
+    reply = list(h.generate(greedy(12), prompt=prompt).token_ids)
+    assert [p for p, _ in recurrent_of(engine, h).snapshots] == [len(prompt)]
+    edited = prompt + reply[:5] + random_tokens(rng, 9)  # the reply's sixth token changed, and more after it
+    before = engine.stats().prompt_tokens_reused
+    out = list(h.generate(greedy(10), prompt=edited).token_ids)
+    assert_greedy_matches(qwen35, edited, out)
+    assert engine.stats().prompt_tokens_reused - before == len(prompt)  # from the snapshot, not the cut
+    state = recurrent_of(engine, h)
+    assert [p for p, _ in state.snapshots] == [len(prompt), len(edited)]
+
+    early = prompt[:20] + random_tokens(rng, 7)  # before every snapshot
+    before = engine.stats().prompt_tokens_reused
+    out = list(h.generate(greedy(8), prompt=early).token_ids)
+    assert_greedy_matches(qwen35, early, out)
+    assert engine.stats().prompt_tokens_reused == before  # all of it recomputed
+    assert recurrent_of(engine, h).snapshots == [(len(early), recurrent_of(engine, h).snapshots[0][1])]
+
+
+def test_snapshots_are_bounded_and_their_slots_reused(qwen35, make_engine):
+    engine = make_engine(qwen35, speculation="off")
+    rng = random.Random(3510)
+    h, history = engine.open_state("many"), []
+    free = engine.recurrent_slots.num_free
+    for _ in range(SNAPSHOTS + 3):
+        history += random_tokens(rng, 10)
+        history += list(h.generate(greedy(4), prompt=history).token_ids)
+    state = recurrent_of(engine, h)
+    assert len(state.snapshots) == SNAPSHOTS and state.num_slots == SNAPSHOTS + 1
+    assert engine.recurrent_slots.num_free == free - state.num_slots
+    h.close()
+    assert engine.recurrent_slots.num_free == free  # every slot back
+
+
+def test_a_fork_continues_from_a_copy_of_the_state(qwen35, make_engine):
+    engine = make_engine(qwen35, speculation="off")
+    rng = random.Random(3520)
+    a = engine.open_state("a")
+    history = random_tokens(rng, 30)
+    history += list(a.generate(greedy(6), prompt=history).token_ids)
+    b = a.fork("b")
+    assert recurrent_of(engine, b).slot != recurrent_of(engine, a).slot
+    more_a, more_b = random_tokens(rng, 5), random_tokens(rng, 7)
+    out_b = list(b.generate(greedy(8), prompt=history + more_b).token_ids)
+    out_a = list(a.generate(greedy(8), prompt=history + more_a).token_ids)
+    assert_greedy_matches(qwen35, history + more_a, out_a)
+    assert_greedy_matches(qwen35, history + more_b, out_b)
+    assert engine.stats().prompt_tokens_reused >= 2 * len(history) - 2
+
+
+def test_idle_states_give_their_slots_back_when_new_agents_need_them(qwen35, make_engine):
+    """One running agent: a recurrent cache of 2 x 1 + 2 slots. Six agents take turns: idle
+    agents' snapshots go first, then whole idle states (recomputed when their agents return);
+    every answer is still transformers'."""
+    engine = make_engine(qwen35, speculation="off", max_concurrent_agents=1)
+    assert engine.recurrent_slots.num_slots == 4
+    rng = random.Random(3530)
+    histories = {i: random_tokens(rng, 20) for i in range(6)}
+    for turn in range(2):
+        for i in range(6):
+            h = engine.open_state(f"agent-{i}")
+            histories[i] += random_tokens(rng, 5)
+            out = list(h.generate(greedy(5), prompt=histories[i]).token_ids)
+            assert_greedy_matches(qwen35, histories[i], out)
+            histories[i] += out
+    held = [recurrent_of(engine, engine.open_state(f"agent-{i}")) for i in range(6)]
+    assert sum(r.num_slots for r in held) + engine.recurrent_slots.num_free == 4  # no slot lost or shared
+    assert sum(r.slot is None for r in held) >= 2  # whole idle states gave theirs back
+
+
+def test_a_draft_model_for_a_hybrid_target_leaves_its_output_unchanged(qwen35, tiny_checkpoints, make_engine):
+    """Drafts from another model (tiny qwen3: same tokenizer), mostly rejected, some kept."""
+    rng = random.Random(3540)
+    history = random_tokens(rng, 30)
+    want = hf_greedy(qwen35, history, 24)
+    engine = make_engine(qwen35, speculation={"method": "draft_model", "draft_model": str(tiny_checkpoints["qwen3"]),
+                                             "k": 3})
+    out = list(engine.open_state("d").generate(greedy(24), prompt=history).token_ids)
+    assert out == want
+    assert engine.stats().draft_tokens_proposed > 0
+
+
+def test_a_multimodal_qwen3_5_checkpoint_serves_its_language_model(tmp_path, make_engine):
+    path = make_tiny_qwen3_5_multimodal(tmp_path / "mm")
+    engine = make_engine(path)
+    assert engine.model.args.model_type == "qwen3_5"
+    agents = greedy_turns_at_once(engine, "mm", [[(random_tokens(random.Random(3550 + a), 25), 8)] for a in range(2)])
+    for turns in agents:
+        for history, completion in turns:
+            assert_greedy_matches(path, history, completion.token_ids)
+
+
+def test_a_saved_hybrid_state_comes_back_with_its_history(qwen35, make_engine, tmp_path):
+    """A state file of a hybrid model holds its tokens (its linear layers' states are not written
+    yet): loaded into another engine, it recomputes them and answers as transformers does."""
+    rng = random.Random(3560)
+    history = random_tokens(rng, 30)
+    engine = make_engine(qwen35, speculation="off")
+    h = engine.open_state("s")
+    history += list(h.generate(greedy(6), prompt=history).token_ids)
+    h.save(tmp_path / "s.hibana")
+    other = make_engine(qwen35, speculation="off")
+    loaded = other.load_state(tmp_path / "s.hibana")
+    assert loaded.tokens == history
+    more = history + random_tokens(rng, 5)
+    assert_greedy_matches(qwen35, more, loaded.generate(greedy(6), prompt=more).token_ids)
+
+
+def test_qwen3_5_in_bfloat16_runs(qwen35, make_engine):
+    engine = make_engine(qwen35, dtype="bfloat16")
+    out = engine.open_state("bf").generate(greedy(6), prompt=list(range(3, 30))).token_ids
+    assert len(out) == 6
+    assert engine.recurrent_slots is not None and engine._ctx.recurrent.ssm[0].dtype == torch.float32
+
+
+def test_weight_surgery_on_a_hybrid_model_is_guarded_and_matches_its_own_greedy(qwen35, make_engine):
+    """w8 on every linear layer (the linear-attention projections too), its guard measured on the
+    hybrid model through the scorer's own recurrent slot."""
+    engine = make_engine(qwen35, surgery=["w8"], speculation="off")
+    record = engine.surgery[0]
+    assert record["name"] == "w8" and record["layers"] == 16, record  # in/out projections, q/k/v/o, the MLPs
+    assert record["guard"]["decision"] == "ok" and record["guard"]["tokens"] > 1000, record
+    assert engine.model.model.layers[0].linear_attn.in_proj.kind == "int8"
+    out = engine.open_state("w8").generate(greedy(8), prompt=list(range(5, 40))).token_ids
+    assert len(out) == 8
+
+
+@pytest.mark.parametrize("method", ["layer_skip", "draft_model"])
+def test_drafts_from_a_hybrid_model_are_refused_clearly(qwen35, make_engine, method):
+    from hibana_core.errors import ConfigError
+
+    spec = {"method": method, **({"draft_model": str(qwen35)} if method == "draft_model" else {})}
+    with pytest.raises(ConfigError, match="linear-attention"):
+        make_engine(qwen35, speculation=spec)
