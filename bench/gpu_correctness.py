@@ -459,12 +459,14 @@ def family_cases() -> Iterator[tuple[str, Path, list[list[int]]]]:
     yield from extra_family_cases(23)
 
 
-EXTRA_FAMILIES = ("mixtral", "granite", "glm4_moe", "minimax_m2", "ministral3", "smollm3", "exaone4", "olmo2", "olmo3")
+EXTRA_FAMILIES = ("mixtral", "granite", "glm4_moe", "minimax_m2", "ministral3", "smollm3", "exaone4", "olmo2", "olmo3",
+                  "qwen3_5", "qwen3_5_moe")
 """Families with tiny checkpoints (tiny_models.ARCH_CONFIGS) outside tiny_models.ARCHS (so checks 1,
 3 and 5 do not run them): tests/test_family_mixtral_granite.py's, test_family_glm4_moe.py's,
 test_family_minimax_m2.py's,
 test_family_smollm3.py's (a NoPE layer), test_family_exaone4.py's and test_family_olmo.py's (post-norm
-layers; OLMo's q/k norms over whole projections), and
+layers; OLMo's q/k norms over whole projections), test_family_qwen3_5.py's (hybrids: linear-attention
+layers on the recurrent kernels; CUDA graphs stay off for them), and
 test_families.py's ministral3 (queries scaled past position 256, which prompts of up to 300 tokens
 cross)."""
 

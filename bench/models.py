@@ -43,6 +43,17 @@ PRESETS: dict[str, dict[str, Any]] = {
                           num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                           norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                           rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=40960),
+    # Qwen/Qwen3.5-35B-A3B's language model: 10 x (3 Gated DeltaNet + 1 gated attention) layers, each
+    # MLP top-8 of 256 experts (512 wide) beside a gated shared expert; attention 16 q / 2 kv heads of 256,
+    # a quarter of each rotated; linear attention 16 q/k heads serving 32 v heads of 128
+    "qwen3.5-35b-a3b": dict(model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40,
+                            num_attention_heads=16, num_key_value_heads=2, head_dim=256, vocab_size=248320,
+                            num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                            shared_expert_intermediate_size=512, linear_num_key_heads=16,
+                            linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                            linear_conv_kernel_dim=4, max_position_embeddings=262144, tie_word_embeddings=False,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                             "partial_rotary_factor": 0.25}),
     # google/gemma-3-12b-it's text model: 5 sliding (window 1024, theta 1e4) : 1 global layer
     # (theta 1e6, linear factor 8)
     "gemma3-12b": dict(model_type="gemma3_text", hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,

@@ -10,6 +10,8 @@
 #                                   # qwen3-0.6b (folds vs separate kernels at 0.6b and 8b shapes, decode per
 #                                   # policy with kernels per step), then hibana bench decode of qwen3-0.6b and
 #                                   # qwen3-8b under fusion auto / on / off
+#   bash bench/run_h200.sh hybrid        # Qwen3.5: recurrent kernel tests on CUDA, tiny qwen3_5 / qwen3_5_moe vs
+#                                        # transformers on the GPU, qwen3.5-35b-a3b batch-1 decode (HYBRID_DECODE=0: not)
 #   bash bench/run_h200.sh families      # issue 18: batch-1 decode of the gemma3-12b, phi4-mini,
 #                                        # qwen3-30b-a3b and gpt-oss-20b presets (MODELS="phi4-mini": only
 #                                        # those; MODELS=gpt-oss-120b: its 65 GB of MXFP4 weights; a preset's
@@ -148,6 +150,18 @@ case "${1:-check}" in
       --tool-result 200 --generate 100 --peer-agents 1 \
       --systems "${MOE_SYSTEMS:-hibana,hibana_no_retention,hf_reprefill}" \
       --json "$OUT/agents_$model.json" 2>&1 | tee "$OUT/agents_$model.txt" ;;
+  hybrid)
+    # Qwen3.5: the recurrent kernels' tests on CUDA, the tiny qwen3_5 / qwen3_5_moe against transformers on
+    # the GPU (float32, 4 agents batched), then batch-1 decode of the qwen3.5-35b-a3b preset (69 GB of bf16
+    # weights: an H200; HYBRID_DECODE=0 leaves it out)
+    kernel_pytest tests/test_recurrent_kernels.py -q -rs -p no:cacheprovider 2>&1 | tail -5
+    FAMILIES_ONLY=qwen3_5,qwen3_5_moe python3 bench/gpu_correctness.py --only families 2>&1 \
+      | tee "$OUT/gpu_correctness_hybrid.txt"
+    if [ "${HYBRID_DECODE:-1}" = 1 ]; then
+      python3 -m hibana_bench.cli decode --model qwen3.5-35b-a3b --context 512,8192 --generate 128 \
+        --systems hibana_spec_off,hibana --json "$OUT/decode_qwen3.5-35b-a3b.json" 2>&1 \
+        | tee "$OUT/decode_qwen3.5-35b-a3b.txt"
+    fi ;;
   families)
     for model in ${MODELS:-gemma3-12b phi4-mini qwen3-30b-a3b gpt-oss-20b}; do
       python3 -m hibana_bench.cli decode --model "$model" --context 512,8192 --generate 128 \
