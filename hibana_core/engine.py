@@ -332,8 +332,7 @@ class Engine:
         self.pool = BlockPool(num_blocks, bs, reserve_null=self.kv_layout.windowed)
         stages.begin("warm-up")
         runner = ModelRunner(self.model, self._ctx, Sampler(self.device, config.seed), self.device,
-                             self.max_model_len, config.scheduler.max_concurrent_agents,
-                             config.cuda_graphs and self.recurrent_slots is None)  # (graphs of hybrid steps: not yet)
+                             self.max_model_len, config.scheduler.max_concurrent_agents, config.cuda_graphs)
         me = weakref.proxy(self)  # the speculator holds neither the engine nor its runner
         speculator = Speculator(config.speculation, get_plugin_manager().drafters,
                                 lambda: me._profile_steps(me.core.runner), self.vocab_size, me)

@@ -477,6 +477,12 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.query_starts = {q: torch.arange(0, (n + 1) * q, q, dtype=torch.int32, device=dev)
                              for q in self.QUERY_LENS}  # one per query length: graphs keep their own
+        # a hybrid model's recurrent layers: decode graphs only (a verify graph's front padding would run
+        # through their states), each sequence's slot (-1: a padding sequence) and whether it continues one
+        self.hybrid = runner.ctx.recurrent is not None
+        self.query_lens = self.QUERY_LENS[:1] if self.hybrid else self.QUERY_LENS
+        self.state_slots = torch.full((n,), -1, dtype=torch.int32, device=dev) if self.hybrid else None
+        self.has_state = torch.zeros(n, dtype=torch.bool, device=dev) if self.hybrid else None
 
     def fits(self, data: StepData, num_sampling: int) -> bool:
         """Every sequence samples (once, or after each draft) and has at most the largest query
@@ -484,6 +490,7 @@ class DecodeGraphs:
         query_len = self._query_len(data.max_query_len)
         sequences = len(data.seq_lens)
         return (query_len is not None and sequences <= self.buckets[-1]
+                and (query_len == 1 or not self.hybrid)
                 and num_sampling == len(data.logits_indices)
                 and (query_len == 1 or min(data.seq_lens) >= query_len)
                 and self._samples_every_chunk(data)
@@ -557,6 +564,10 @@ class DecodeGraphs:
         self.slot_mapping[:, :size].copy_(slots, non_blocking=True)
         self.seq_lens[:bucket].copy_(seq_lens, non_blocking=True)
         self.block_tables[:, :bucket].copy_(tables, non_blocking=True)
+        if self.hybrid:
+            self.state_slots[:bucket].copy_(torch.tensor(data.state_slots + [-1] * (bucket - n), dtype=torch.int32),
+                                            non_blocking=True)
+            self.has_state[:bucket].copy_(torch.tensor(data.has_state + [False] * (bucket - n)), non_blocking=True)
         if data.from_device:
             moved = [DeviceInput(rows[d.index], d.row) for d in data.from_device]
             self.runner.take_from_device(self.input_ids, replace(data, from_device=moved), previous)
@@ -596,6 +607,8 @@ class DecodeGraphs:
         17 tokens; beyond that, sequences of 17), on inputs that write nowhere and attend to
         their own few positions. False where no graph covers that many tokens."""
         top = self.QUERY_LENS[-1]
+        if self.hybrid and num_tokens > 1:  # (no verify graphs: the eager profile step runs)
+            return False
         if num_tokens <= top:
             bucket, q = self.buckets[0], self._query_len(num_tokens)
         else:
@@ -613,8 +626,8 @@ class DecodeGraphs:
         captured yet (or given up on): a graph is otherwise captured by the first step of its
         shape, which then takes tens of milliseconds longer (a conversation crossing a span, a
         draft length first chosen). Returns how many were captured."""
-        tiers = self.QUERY_LENS if max_drafts is None else \
-            self.QUERY_LENS[:bisect.bisect_left(self.QUERY_LENS, max_drafts + 1) + 1]  # up to max_drafts + 1's tier
+        tiers = self.query_lens if max_drafts is None else \
+            self.query_lens[:bisect.bisect_left(self.query_lens, max_drafts + 1) + 1]  # up to max_drafts + 1's tier
         buckets = self.buckets[:bisect.bisect_left(self.buckets, max(1, max_sequences)) + 1]
         captured = 0
         for bucket in buckets:
@@ -637,13 +650,16 @@ class DecodeGraphs:
         self.slot_mapping[:, :size].fill_(-1)
         self.seq_lens[:bucket].fill_(q)
         self.block_tables[:, :bucket].zero_()
+        if self.hybrid:  # no state read or written
+            self.state_slots[:bucket].fill_(-1)
 
     def _forward(self, bucket: int, q: int, span: int) -> torch.Tensor:
         size = bucket * q
+        recurrent = dict(state_slots=self.state_slots[:bucket], has_state=self.has_state[:bucket]) if self.hybrid else {}
         batch = ForwardBatch(self.slot_mapping[:, :size], self.block_tables[:, :bucket],
                              self.seq_lens[:bucket], self.query_starts[q][:bucket + 1],
                              max_query_len=q, max_seq_len=span,
-                             uniform_query_len=True)
+                             uniform_query_len=True, **recurrent)
         model = self.runner.model
         with self.runner.ctx.forward_batch(batch):
             hidden = model(self.input_ids[:size], self.positions[:size])
