@@ -460,7 +460,7 @@ def family_cases() -> Iterator[tuple[str, Path, list[list[int]]]]:
 
 
 EXTRA_FAMILIES = ("mixtral", "granite", "glm4_moe", "minimax_m2", "ministral3", "smollm3", "exaone4", "olmo2", "olmo3",
-                  "qwen3_5", "qwen3_5_moe")
+                  "qwen3_5", "qwen3_5_moe", "qwen3_next")
 """Families with tiny checkpoints (tiny_models.ARCH_CONFIGS) outside tiny_models.ARCHS (so checks 1,
 3 and 5 do not run them): tests/test_family_mixtral_granite.py's, test_family_glm4_moe.py's,
 test_family_minimax_m2.py's,

@@ -155,7 +155,7 @@ case "${1:-check}" in
     # the GPU (float32, 4 agents batched), then batch-1 decode of the qwen3.5-35b-a3b preset (69 GB of bf16
     # weights: an H200; HYBRID_DECODE=0 leaves it out)
     kernel_pytest tests/test_recurrent_kernels.py -q -rs -p no:cacheprovider 2>&1 | tail -5
-    FAMILIES_ONLY=qwen3_5,qwen3_5_moe python3 bench/gpu_correctness.py --only families 2>&1 \
+    FAMILIES_ONLY=qwen3_5,qwen3_5_moe,qwen3_next python3 bench/gpu_correctness.py --only families 2>&1 \
       | tee "$OUT/gpu_correctness_hybrid.txt"
     if [ "${HYBRID_DECODE:-1}" = 1 ]; then
       python3 -m hibana_bench.cli decode --model qwen3.5-35b-a3b --context 512,8192 --generate 128 \

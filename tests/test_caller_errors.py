@@ -93,7 +93,8 @@ def test_an_unsupported_architecture_lists_the_supported_ones(tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     with pytest.raises(UnsupportedModelError, match="supported model types: exaone4, gemma3, gemma3_text, glm4_moe, gpt_oss, "
                        "granite, llama, minimax_m2, ministral, ministral3, mistral, mistral3, mixtral, olmo2, olmo3, phi3, "
-                       "qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_vl, seed_oss, smollm3"):
+                       "qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next, qwen3_vl, "
+                       "seed_oss, smollm3"):
         _open(str(tmp_path / "m"))
 
 

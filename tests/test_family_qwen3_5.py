@@ -7,6 +7,8 @@ and gated full attention, against transformers on tiny seeded checkpoints:
     qwen3_5_moe  4 layers: full attention at 1, one key head serving 2 value heads of 32 dims, a
                  convolution of width 3; every MLP top-2 of 8 experts (router rows tied in pairs)
                  beside a shared expert gated by sigmoid(shared_expert_gate(h))
+    qwen3_next   Qwen3-Next: its checkpoint's interleaved in_proj_qkvz / in_proj_ba (2 key heads, 2
+                 value heads each), full attention at 1 and 3, layer 1's MLP dense (mlp_only_layers)
 
 A linear layer's state is valid at one position: retention continues from it, a history cut back
 continues from a snapshot (a recent prompt's end) or from the start, a verify step folds in the
@@ -67,6 +69,16 @@ def test_qwen3_5_moe_agents_batched_with_retention_match_transformers(tmp_path, 
     assert args.linear_attention.layers == (True, False, True, True)
     assert type(engine.model.model.layers[0].mlp).__name__ == "SharedExpertMoE"
     three_agents_three_turns(engine, path, "q35moe", 9300)
+
+
+def test_qwen3_next_agents_batched_with_retention_match_transformers(tmp_path, make_engine):
+    path = make_tiny_checkpoint("qwen3_next", tmp_path / "next")
+    engine = make_engine(path)
+    args = engine.model.args
+    assert args.moe.layers == (True, False, True, True) and args.num_kv_layers == 2
+    assert args.linear_attention.interleaved
+    assert type(engine.model.model.layers[0].linear_attn).__name__ == "InterleavedGatedDeltaNet"
+    three_agents_three_turns(engine, path, "q3next", 9400)
 
 
 def test_qwen3_5_mixed_speculation_with_truncation_matches_transformers(qwen35, make_engine):

@@ -90,6 +90,18 @@ ARCH_CONFIGS: dict[str, dict] = {
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
     ),
+    # Qwen3-Next's: its interleaved input projections (2 key heads, 2 value heads each), layer 1 dense
+    # (mlp_only_layers), the others top-2 of 8 experts beside a gated shared expert
+    "qwen3_next": dict(
+        num_hidden_layers=4,
+        head_dim=32,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+    ),
     "qwen3_5": dict(
         num_hidden_layers=4,
         head_dim=32,
@@ -332,14 +344,14 @@ def make_config(arch: str, **config_overrides):
     from transformers import (Exaone4Config, Gemma3TextConfig, Glm4MoeConfig, GptOssConfig, GraniteConfig, LlamaConfig,
                               MiniMaxM2Config, Ministral3Config, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config,
                               Phi3Config, Qwen2Config, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config,
-                              Qwen3MoeConfig, SeedOssConfig, SmolLM3Config)
+                              Qwen3MoeConfig, Qwen3NextConfig, SeedOssConfig, SmolLM3Config)
 
     kinds = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
              "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig,
              "mixtral": MixtralConfig, "granite": GraniteConfig, "ministral3": Ministral3Config,
              "glm4_moe": Glm4MoeConfig, "smollm3": SmolLM3Config, "exaone4": Exaone4Config, "olmo2": Olmo2Config,
              "olmo3": Olmo3Config, "minimax_m2": MiniMaxM2Config, "seed_oss": SeedOssConfig,
-             "qwen3_5": Qwen3_5TextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig}
+             "qwen3_5": Qwen3_5TextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig, "qwen3_next": Qwen3NextConfig}
     if arch not in kinds:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(kinds)}")
     return kinds[arch](**{**_COMMON, **ARCH_CONFIGS[arch], **config_overrides})

@@ -749,9 +749,10 @@ class DecoderLayer(nn.Module):
         linear = args.linear_attention
         self.linear = linear is not None and linear.layers[layer_idx]
         if self.linear:  # (a hybrid model's: the state's index among the linear layers)
-            from hibana_core.models.linear_attention import GatedDeltaNet
+            from hibana_core.models.linear_attention import GatedDeltaNet, InterleavedGatedDeltaNet
 
-            self.linear_attn = GatedDeltaNet(args, linear, sum(linear.layers[:layer_idx]), ctx)
+            kind = InterleavedGatedDeltaNet if linear.interleaved else GatedDeltaNet
+            self.linear_attn = kind(args, linear, sum(linear.layers[:layer_idx]), ctx)
         else:
             kv_index = None if linear is None else layer_idx - sum(linear.layers[:layer_idx])
             self.self_attn = Attention(args, layer_idx, ctx, rotary, kv_index)

@@ -35,6 +35,7 @@ class LinearAttentionArgs:
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+    interleaved: bool = False  # the checkpoint's input projections are Qwen3-Next's (`InterleavedGatedDeltaNet`)
 
     @property
     def shape(self) -> RecurrentShape:
@@ -71,8 +72,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.eps = args.rms_norm_eps
         hv = linear.num_value_heads
-        self.in_proj = Linear(args.hidden_size, self.conv_dim + self.value_dim + 2 * hv, bias=False)
-        self.in_proj.fused_sizes = (self.conv_dim, self.value_dim, hv, hv)
+        self._projections(args, Linear)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, linear.conv_kernel, groups=self.conv_dim, bias=False,
                                 padding=linear.conv_kernel - 1)
         self.dt_bias = nn.Parameter(torch.ones(hv))
@@ -82,12 +82,21 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.value_dim, args.hidden_size, bias=False)
         self._verified: tuple | None = None  # what a verify step leaves for `commit`
 
+    def _projections(self, args, linear: type) -> None:
+        hv = self.num_value_heads
+        self.in_proj = linear(args.hidden_size, self.conv_dim + self.value_dim + 2 * hv, bias=False)
+        self.in_proj.fused_sizes = (self.conv_dim, self.value_dim, hv, hv)
+
+    def _project(self, x: torch.Tensor, residual: torch.Tensor | None, norm):
+        """(q/k/v for the convolution [T, conv_dim], z [T, value_dim], b and a [T, Hv], x + residual)."""
+        proj, residual = self.in_proj.after_norm(norm, x, residual)
+        return (*proj.split(self.in_proj.fused_sizes, dim=-1), residual)
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 norm) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer over norm(x + residual); returns (its output, x + residual)."""
         tokens = x.shape[0]
-        proj, residual = self.in_proj.after_norm(norm, x, residual)
-        mixed, z, b, a = proj.split(self.in_proj.fused_sizes, dim=-1)
+        mixed, z, b, a, residual = self._project(x, residual, norm)
         batch = self.ctx.batch
         conv_state, state = self.ctx.recurrent.layer(self.index)
         slots, has_state, starts, writes = batch.state_slots, batch.has_state, batch.query_start_loc, batch.writes_state
@@ -115,3 +124,25 @@ class GatedDeltaNet(nn.Module):
         kernels.conv_advance(mixed, conv_state, slots, starts, counts, has_state)
         kernels.gated_delta_advance(k, v, g, beta, state, slots, starts, counts, has_state)
         self._verified = None
+
+
+class InterleavedGatedDeltaNet(GatedDeltaNet):
+    """Qwen3-Next's layer: the same arithmetic, its checkpoint's two input projections kept as
+    they are (in_proj_qkvz, in_proj_ba), whose rows interleave per key head its q, k, the v and z
+    of the value heads it serves, and its b and a; each step reorders them as transformers'
+    `fix_query_key_value_ordering` does (a few copies of one token's rows at decode)."""
+
+    def _projections(self, args, linear: type) -> None:
+        group = self.num_value_heads // self.num_key_heads
+        self.in_proj_qkvz = linear(args.hidden_size, self.num_key_heads * (2 * self.key_head_dim + 2 * group
+                                                                           * self.value_head_dim), bias=False)
+        self.in_proj_ba = linear(args.hidden_size, 2 * self.num_value_heads, bias=False)
+
+    def _project(self, x: torch.Tensor, residual: torch.Tensor | None, norm):
+        h, residual = norm(x, residual) if residual is not None else (norm(x), x)
+        tokens, heads, group = x.shape[0], self.num_key_heads, self.num_value_heads // self.num_key_heads
+        dk, dv = self.key_head_dim, self.value_head_dim
+        q, k, v, z = self.in_proj_qkvz(h).view(tokens, heads, -1).split((dk, dk, group * dv, group * dv), dim=-1)
+        b, a = self.in_proj_ba(h).view(tokens, heads, 2 * group).split((group, group), dim=-1)
+        mixed = torch.cat((q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)), dim=-1)
+        return mixed, z.reshape(tokens, -1), b.reshape(tokens, -1), a.reshape(tokens, -1), residual

@@ -1,7 +1,7 @@
 """Qwen3.5 (model_type qwen3_5, and its language model alone, qwen3_5_text; the mixture-of-experts
-releases qwen3_5_moe / qwen3_5_moe_text: Qwen3.5-35B-A3B, 122B-A10B, 397B-A17B): a hybrid of Gated
-DeltaNet linear-attention layers and gated full-attention layers (three to one by default), on the
-shared decoder.
+releases qwen3_5_moe / qwen3_5_moe_text: Qwen3.5-35B-A3B, 122B-A10B, 397B-A17B) and Qwen3-Next
+(qwen3_next: Qwen3-Next-80B-A3B, Qwen3-Coder-Next): hybrids of Gated DeltaNet linear-attention
+layers and gated full-attention layers (three to one by default), on the shared decoder.
 
 - linear_attention layers: `models/linear_attention.py`; their states live in the engine's
   recurrent cache, not in KV pages;
@@ -11,7 +11,10 @@ shared decoder.
   linear layers by its weight;
 - the MoE releases: every layer's MLP a sparse block, softmax routing to the top
   num_experts_per_tok, weights renormalised (Qwen3-MoE's router), beside one shared expert whose
-  output is scaled by sigmoid(shared_expert_gate(h)).
+  output is scaled by sigmoid(shared_expert_gate(h));
+- Qwen3-Next: the same layers; its checkpoint's linear-attention input projections interleave
+  each key head's q, k, v and z (`InterleavedGatedDeltaNet`), and its sparse layers follow
+  Qwen3-MoE's mlp_only_layers / decoder_sparse_step and norm_topk_prob.
 
 A Qwen3.5 checkpoint is multimodal (its language model under model.language_model.); the vision
 tower is left unread and text prompts only are served. With all position rows equal, its
@@ -34,7 +37,7 @@ from hibana_core.models.decoder import (MLP, MULTIMODAL_PREFIXES, OTHER_TOWERS, 
 from hibana_core.models.linear_attention import LinearAttentionArgs
 from hibana_core.models.moe import MoEArgs, SparseMoE
 
-TEXT_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+TEXT_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", *TEXT_TYPES)
 LAYER_TYPES = ("linear_attention", "full_attention")
 OTHER_PARTS = (*OTHER_TOWERS, "mtp.")
@@ -56,7 +59,7 @@ def args_from_config(config: Any) -> DecoderArgs:
     linear = LinearAttentionArgs(layers=tuple(kind == "linear_attention" for kind in layer_types),
                                  num_key_heads=text.linear_num_key_heads, num_value_heads=text.linear_num_value_heads,
                                  key_head_dim=text.linear_key_head_dim, value_head_dim=text.linear_value_head_dim,
-                                 conv_kernel=text.linear_conv_kernel_dim)
+                                 conv_kernel=text.linear_conv_kernel_dim, interleaved=text.model_type == "qwen3_next")
     if linear.num_value_heads % linear.num_key_heads:
         raise UnsupportedModelError(f"linear_num_value_heads {linear.num_value_heads} is not a multiple of "
                                     f"linear_num_key_heads {linear.num_key_heads}; each key head serves as many value "
@@ -66,6 +69,12 @@ def args_from_config(config: Any) -> DecoderArgs:
         moe = MoEArgs(num_experts=text.num_experts, top_k=text.num_experts_per_tok,
                       intermediate_size=text.moe_intermediate_size, renormalize=True,
                       layers=(True,) * text.num_hidden_layers)
+    elif text.model_type == "qwen3_next":  # Qwen3-MoE's choice of sparse layers and renormalisation
+        from hibana_core.models.qwen3_moe import sparse_layers
+
+        moe = MoEArgs(num_experts=text.num_experts, top_k=text.num_experts_per_tok,
+                      intermediate_size=text.moe_intermediate_size, renormalize=bool(text.norm_topk_prob),
+                      layers=sparse_layers(text))
     multimodal = {} if text is config else dict(model_type=config.model_type, checkpoint_prefixes=MULTIMODAL_PREFIXES,
                                                 tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
     return DecoderArgs.from_config(text, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=True,
@@ -98,6 +107,7 @@ def build(config: Any, ctx: ForwardContext) -> tuple[DecoderForCausalLM, Decoder
     model = DecoderForCausalLM(args, ctx)
     if args.moe is not None:
         shared = config.get_text_config().shared_expert_intermediate_size
-        for layer in model.model.layers:
-            layer.mlp = SharedExpertMoE(args.moe, args.hidden_size, shared)
+        for layer, sparse in zip(model.model.layers, args.moe.layers):
+            if sparse:
+                layer.mlp = SharedExpertMoE(args.moe, args.hidden_size, shared)
     return model, args
