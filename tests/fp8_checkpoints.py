@@ -101,10 +101,12 @@ def _layer(scheme: str, w: torch.Tensor, block: tuple[int, int]) -> tuple[dict[s
 
 
 def write_fp8_checkpoint(src: Path, dst: Path, scheme: str, block: tuple[int, int] = (16, 16),
-                         quantize_head: bool = False, seed: int = 0) -> Path:
-    """`src` (a float tiny checkpoint) -> `dst` with its decoder linears (and the output head if
-    `quantize_head`) in fp8 `scheme`; returns the float checkpoint of the dequantized weights
-    (dst's sibling), which dst must compute exactly."""
+                         quantize_head: bool = False, seed: int = 0, linears: tuple[str, ...] = LINEARS,
+                         skip: tuple[str, ...] = ()) -> Path:
+    """`src` (a float tiny checkpoint) -> `dst` with its decoder linears (`linears`: the layers'
+    names; and the output head if `quantize_head`) in fp8 `scheme`, the modules in `skip` listed
+    as not converted; returns the float checkpoint of the dequantized weights (dst's sibling),
+    which dst must compute exactly."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; choose from {SCHEMES}")
     shutil.copytree(src, dst)
@@ -115,7 +117,7 @@ def write_fp8_checkpoint(src: Path, dst: Path, scheme: str, block: tuple[int, in
     gen = torch.Generator().manual_seed(seed)
     for name, w in tensors.items():
         prefix = name.removesuffix(".weight")
-        if not (any(prefix.endswith(p) for p in LINEARS) or (quantize_head and prefix == "lm_head")) \
+        if not (any(prefix.endswith(p) for p in linears) or (quantize_head and prefix == "lm_head")) \
                 or not name.endswith(".weight"):
             quantized[name] = w
             continue
@@ -126,6 +128,6 @@ def write_fp8_checkpoint(src: Path, dst: Path, scheme: str, block: tuple[int, in
         (path / "model.safetensors").unlink()
         save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = _config(scheme, block, [] if quantize_head else ["lm_head"])
+    config["quantization_config"] = _config(scheme, block, list(skip) + ([] if quantize_head else ["lm_head"]))
     (dst / "config.json").write_text(json.dumps(config))
     return reference

@@ -217,9 +217,11 @@ def test_weight_surgery_on_a_hybrid_model_is_guarded_and_matches_its_own_greedy(
     hybrid model through the scorer's own recurrent slot."""
     engine = make_engine(qwen35, surgery=["w8"], speculation="off")
     record = engine.surgery[0]
-    assert record["name"] == "w8" and record["layers"] == 16, record  # in/out projections, q/k/v/o, the MLPs
+    # 3 linear layers x (in_proj, in_proj_gates, out_proj), 1 attention layer x (qkv, o), 4 MLPs x 2
+    assert record["name"] == "w8" and record["layers"] == 19, record
     assert record["guard"]["decision"] == "ok" and record["guard"]["tokens"] > 1000, record
     assert engine.model.model.layers[0].linear_attn.in_proj.kind == "int8"
+    assert engine.model.model.layers[0].linear_attn.in_proj_gates.kind == "int8"
     out = engine.open_state("w8").generate(greedy(8), prompt=list(range(5, 40))).token_ids
     assert len(out) == 8
 
@@ -231,3 +233,23 @@ def test_drafts_from_a_hybrid_model_are_refused_clearly(qwen35, make_engine, met
     spec = {"method": method, **({"draft_model": str(qwen35)} if method == "draft_model" else {})}
     with pytest.raises(ConfigError, match="linear-attention"):
         make_engine(qwen35, speculation=spec)
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "ct-block"])
+def test_an_fp8_qwen3_5_checkpoint_with_its_gates_in_16_bits_loads_as_it_is(qwen35, tmp_path, make_engine, scheme):
+    """Quantized Qwen3.5 releases leave the linear layers' narrow b / a projections (and the
+    convolution) unquantized: those load beside the fp8 q/k/v/z ones, and the engine computes the
+    dequantized float model's greedy output."""
+    from fp8_checkpoints import LINEARS, write_fp8_checkpoint
+
+    reference = write_fp8_checkpoint(qwen35, tmp_path / scheme, scheme,
+                                     linears=(*LINEARS, "in_proj_qkv", "in_proj_z", "out_proj"),
+                                     skip=("model.layers.0.linear_attn.in_proj_a", "model.layers.0.linear_attn.in_proj_b",
+                                           "model.layers.1.linear_attn.in_proj_a", "model.layers.1.linear_attn.in_proj_b",
+                                           "model.layers.3.linear_attn.in_proj_a", "model.layers.3.linear_attn.in_proj_b"))
+    engine = make_engine(tmp_path / scheme, speculation="off")
+    layer = engine.model.model.layers[0].linear_attn
+    assert layer.in_proj.kind == "fp8" and layer.in_proj_gates.kind == "dense" and layer.out_proj.kind == "fp8"
+    history = random_tokens(random.Random(3570), 30)
+    out = engine.open_state("fp8").generate(greedy(10), prompt=history).token_ids
+    assert_greedy_matches(reference, history, out)

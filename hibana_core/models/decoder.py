@@ -815,7 +815,7 @@ class DecoderModel(nn.Module):
 
 
 FUSED_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
-                "in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
+                "in_proj": ("in_proj_qkv", "in_proj_z"), "in_proj_gates": ("in_proj_b", "in_proj_a")}
 """A fused linear layer -> the checkpoint layers it concatenates along its outputs, in order."""
 
 

@@ -57,8 +57,9 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 class GatedDeltaNet(nn.Module):
     """One linear-attention layer; `index` is its place among the model's linear layers (its
-    tensors in the recurrent cache). The checkpoint's four input projections (in_proj_qkv,
-    in_proj_z, in_proj_b, in_proj_a) load into one fused `in_proj` (`fused_sizes`)."""
+    tensors in the recurrent cache). The checkpoint's four input projections load into two fused
+    ones (`fused_sizes`): in_proj_qkv and in_proj_z into `in_proj`, in_proj_b and in_proj_a into
+    `in_proj_gates`."""
 
     def __init__(self, args, linear: LinearAttentionArgs, index: int, ctx: ForwardContext) -> None:
         super().__init__()
@@ -83,14 +84,20 @@ class GatedDeltaNet(nn.Module):
         self._verified: tuple | None = None  # what a verify step leaves for `commit`
 
     def _projections(self, args, linear: type) -> None:
+        """Two fused projections, as quantized checkpoints allow: the wide q/k/v and z, and the
+        narrow b and a (the per-head gates, which quantization recipes leave in 16 bits)."""
         hv = self.num_value_heads
-        self.in_proj = linear(args.hidden_size, self.conv_dim + self.value_dim + 2 * hv, bias=False)
-        self.in_proj.fused_sizes = (self.conv_dim, self.value_dim, hv, hv)
+        self.in_proj = linear(args.hidden_size, self.conv_dim + self.value_dim, bias=False)
+        self.in_proj.fused_sizes = (self.conv_dim, self.value_dim)
+        self.in_proj_gates = linear(args.hidden_size, 2 * hv, bias=False)
+        self.in_proj_gates.fused_sizes = (hv, hv)
 
     def _project(self, x: torch.Tensor, residual: torch.Tensor | None, norm):
         """(q/k/v for the convolution [T, conv_dim], z [T, value_dim], b and a [T, Hv], x + residual)."""
-        proj, residual = self.in_proj.after_norm(norm, x, residual)
-        return (*proj.split(self.in_proj.fused_sizes, dim=-1), residual)
+        h, residual = norm(x, residual) if residual is not None else (norm(x), x)
+        mixed, z = self.in_proj(h).split(self.in_proj.fused_sizes, dim=-1)
+        b, a = self.in_proj_gates(h).split(self.in_proj_gates.fused_sizes, dim=-1)
+        return mixed, z, b, a, residual
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 norm) -> tuple[torch.Tensor, torch.Tensor]:
