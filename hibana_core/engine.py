@@ -42,7 +42,8 @@ from hibana_core.forward_context import ForwardContext
 from hibana_core.grammar import Grammars
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.budget import device_memory, workspace_bytes
-from hibana_core.kv.recurrent import RecurrentCache, RecurrentSlots
+from hibana_core.kv.recurrent import RecurrentSlots
+from hibana_core.kv.recurrent_cache import RecurrentCache
 from hibana_core.kv.cache import KVCache, kv_cache_dtype
 from hibana_core.kv.layout import KVLayout
 from hibana_core.kv.sequence import LongRope

@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 
 from hibana_core.kv.cache import KVCache
-from hibana_core.kv.recurrent import RecurrentCache
+from hibana_core.kv.recurrent_cache import RecurrentCache
 
 
 @dataclass(frozen=True)

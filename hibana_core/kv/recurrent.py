@@ -19,6 +19,8 @@ position n continues from the latest snapshot at or before n, recomputing from t
 A verify step of speculative decoding runs the drafts through the layers without writing their
 states (which drafts are kept is known only after sampling); the tokens kept are then applied to
 the states (`commit`: the kernels' advance), so a rejected draft never touches a state.
+
+Plain Python, like the block pool; the tensors are `kv.recurrent_cache.RecurrentCache`'s.
 """
 
 from __future__ import annotations
@@ -26,68 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
 SNAPSHOTS = 2
 """Snapshots an agent's state keeps (the ends of its last prompts), oldest dropped first."""
-
-
-@dataclass(frozen=True)
-class RecurrentShape:
-    """One linear-attention layer's state, as the model declares it."""
-
-    conv_dim: int      # channels of the short convolution (q, k and v projections side by side)
-    conv_width: int    # its kernel size; the state holds kernel - 1 inputs
-    heads: int         # value heads (the matrix state's first dim)
-    key_dim: int
-    value_dim: int
-
-    def nbytes(self, dtype: torch.dtype) -> int:
-        conv = self.conv_dim * (self.conv_width - 1) * torch.empty((), dtype=dtype).element_size()
-        return conv + self.heads * self.key_dim * self.value_dim * 4
-
-
-class RecurrentCache:
-    """The slots' tensors of every linear layer, on the device: `num_slots` for states, and one
-    more, `scratch`, for steps that belong to no state (the step-cost profile)."""
-
-    def __init__(self, shapes: list[RecurrentShape], num_slots: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.shapes, self.dtype, self.device = shapes, dtype, device
-        self.num_slots, self.scratch = num_slots, num_slots
-        num_slots += 1
-        self.conv = [torch.zeros(num_slots, s.conv_dim, s.conv_width - 1, dtype=dtype, device=device) for s in shapes]
-        self.ssm = [torch.zeros(num_slots, s.heads, s.key_dim, s.value_dim, dtype=torch.float32, device=device)
-                    for s in shapes]
-
-    @staticmethod
-    def slot_bytes(shapes: list[RecurrentShape], dtype: torch.dtype) -> int:
-        """What one slot takes across all layers."""
-        return sum(s.nbytes(dtype) for s in shapes)
-
-    @property
-    def nbytes(self) -> int:
-        return (self.num_slots + 1) * self.slot_bytes(self.shapes, self.dtype)
-
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(conv, ssm) of the index-th linear layer."""
-        return self.conv[index], self.ssm[index]
-
-    def copy(self, src: int, dst: int) -> None:
-        """Slot dst := slot src, every layer (stream-ordered after the steps that wrote src)."""
-        for conv, ssm in zip(self.conv, self.ssm):
-            conv[dst].copy_(conv[src])
-            ssm[dst].copy_(ssm[src])
-
-    def read(self, slot: int) -> dict[str, torch.Tensor]:
-        """A slot's tensors, copied to host memory (state files)."""
-        return {"conv": torch.stack([c[slot] for c in self.conv]).cpu(),
-                "ssm": torch.stack([s[slot] for s in self.ssm]).cpu()}
-
-    def write(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
-        for i, (conv, ssm) in enumerate(zip(self.conv, self.ssm)):
-            conv[slot].copy_(tensors["conv"][i])
-            ssm[slot].copy_(tensors["ssm"][i])
 
 
 class RecurrentSlots:

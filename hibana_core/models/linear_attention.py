@@ -22,7 +22,7 @@ from torch import nn
 
 import hibana_kernels as kernels
 from hibana_core.forward_context import ForwardContext
-from hibana_core.kv.recurrent import RecurrentShape
+from hibana_core.kv.recurrent_cache import RecurrentShape
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ import torch
 from hibana_core.errors import ConfigError, HibanaError, SurgeryGuardError
 from hibana_core.forward_context import ForwardBatch, ForwardContext
 from hibana_core.kv.cache import KVCache, kv_cache_dtype
-from hibana_core.kv.recurrent import RecurrentCache
+from hibana_core.kv.recurrent_cache import RecurrentCache
 from hibana_core.models.decoder import kv_layers
 from hibana_core.progress import bar as progress_bar
 

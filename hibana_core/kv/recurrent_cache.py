@@ -1,0 +1,71 @@
+"""The tensors of a hybrid model's recurrent states (`kv.recurrent`): one slot per state, every
+linear-attention layer's, on the device.
+
+    conv   [slots, conv_dim, kernel - 1]   model dtype, one tensor per linear layer
+    ssm    [slots, Hv, Dk, Dv]             float32, one tensor per linear layer
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RecurrentShape:
+    """One linear-attention layer's state, as the model declares it."""
+
+    conv_dim: int      # channels of the short convolution (q, k and v projections side by side)
+    conv_width: int    # its kernel size; the state holds kernel - 1 inputs
+    heads: int         # value heads (the matrix state's first dim)
+    key_dim: int
+    value_dim: int
+
+    def nbytes(self, dtype: torch.dtype) -> int:
+        """One slot's bytes of this layer (the conv state in `dtype`, the matrix in float32)."""
+        conv = self.conv_dim * (self.conv_width - 1) * dtype.itemsize
+        return conv + self.heads * self.key_dim * self.value_dim * 4
+
+
+class RecurrentCache:
+    """The slots' tensors of every linear layer, on the device: `num_slots` for states, and one
+    more, `scratch`, for steps that belong to no state (the step-cost profile)."""
+
+    def __init__(self, shapes: list[RecurrentShape], num_slots: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.shapes, self.dtype, self.device = shapes, dtype, device
+        self.num_slots, self.scratch = num_slots, num_slots
+        num_slots += 1
+        self.conv = [torch.zeros(num_slots, s.conv_dim, s.conv_width - 1, dtype=dtype, device=device) for s in shapes]
+        self.ssm = [torch.zeros(num_slots, s.heads, s.key_dim, s.value_dim, dtype=torch.float32, device=device)
+                    for s in shapes]
+
+    @staticmethod
+    def slot_bytes(shapes: list[RecurrentShape], dtype: torch.dtype) -> int:
+        """What one slot takes across all layers."""
+        return sum(s.nbytes(dtype) for s in shapes)
+
+    @property
+    def nbytes(self) -> int:
+        return (self.num_slots + 1) * self.slot_bytes(self.shapes, self.dtype)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv, ssm) of the index-th linear layer."""
+        return self.conv[index], self.ssm[index]
+
+    def copy(self, src: int, dst: int) -> None:
+        """Slot dst := slot src, every layer (stream-ordered after the steps that wrote src)."""
+        for conv, ssm in zip(self.conv, self.ssm):
+            conv[dst].copy_(conv[src])
+            ssm[dst].copy_(ssm[src])
+
+    def read(self, slot: int) -> dict[str, torch.Tensor]:
+        """A slot's tensors, copied to host memory (state files)."""
+        return {"conv": torch.stack([c[slot] for c in self.conv]).cpu(),
+                "ssm": torch.stack([s[slot] for s in self.ssm]).cpu()}
+
+    def write(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
+        for i, (conv, ssm) in enumerate(zip(self.conv, self.ssm)):
+            conv[slot].copy_(tensors["conv"][i])
+            ssm[slot].copy_(tensors["ssm"][i])
