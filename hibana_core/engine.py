@@ -366,7 +366,7 @@ class Engine:
                                                                     loaded.args.longrope_recompute),
                              configuration)
         self.registry = StateRegistry(self.core, self.kv_cache, config.cache, limits, self.grammars,
-                                      self.recurrent_slots)
+                                      self.recurrent_slots, self._ctx.recurrent)
         self.registry.engine_ref = weakref.ref(self)
         if self.host_tier is not None:  # parked states whose agents are due come back ahead of them
             self.core.idle = self.registry.prefetch

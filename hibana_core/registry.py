@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from hibana_core.engine_core import EngineCore
     from hibana_core.grammar import Grammars
     from hibana_core.kv.cache import KVCache
+    from hibana_core.kv.recurrent_cache import RecurrentCache
 
 
 def check_id(state_id: object) -> None:
@@ -126,10 +127,12 @@ def _drop_stored(entry: _Entry, path: Path) -> None:
 
 class StateRegistry:
     def __init__(self, core: "EngineCore", kv_cache: "KVCache", config: CacheConfig, limits: ModelLimits,
-                 grammars: "Grammars | None" = None, recurrent: RecurrentSlots | None = None) -> None:
+                 grammars: "Grammars | None" = None, recurrent: RecurrentSlots | None = None,
+                 recurrent_cache: "RecurrentCache | None" = None) -> None:
         self.core, self.kv_cache, self.config, self.limits = core, kv_cache, config, limits
         self.grammars = grammars
-        self.recurrent = recurrent  # a hybrid model's recurrent cache slots (its states never share prefixes)
+        # a hybrid model's recurrent cache and its slots (its states never share prefixes)
+        self.recurrent, self.recurrent_cache = recurrent, recurrent_cache
         self.pool = core.scheduler.pool
         self.lock = core.lock
         self._entries: dict[str, _Entry] = {}
@@ -181,7 +184,7 @@ class StateRegistry:
         """The state this id persisted in `path`, read and verified (StateFileError if it is not)."""
         try:
             saved = state_file.read(path, self.limits.fingerprint, cache.data.shape, cache.dtype, cache.layout,
-                                        self.limits.configuration)
+                                        self.limits.configuration, self._recurrent_shapes())
         except StateFileError as exc:  # the id stays unopenable while the file is there: say so
             raise StateFileError(f"{exc} (or remove it to open {state_id!r} afresh)") from None
         if saved.state_id != state_id:
@@ -745,10 +748,10 @@ class StateRegistry:
 
     def _snapshot(self, seq: KVSequence, state_id: str) -> dict:
         """`state_file.write`'s arguments for `seq` but the path: its tokens and a host copy of
-        its KV (of its parked copy when it is parked), which later steps do not change. A parked
-        copy that cannot be read (its spill file gone or damaged) is dropped: its tokens alone are
-        written, and the KV is computed again when the state is next used; so are a hybrid model's
-        (`KVSequence.recurrent`), whose linear layers' states the file format does not hold yet."""
+        its KV (of its parked copy when it is parked), which later steps do not change; a hybrid
+        model's, its linear layers' state too (`KVSequence.recurrent`). A parked copy that cannot
+        be read (its spill file gone or damaged) is dropped: its tokens alone are written, and the
+        KV is computed again when the state is next used."""
         computed, kv, rotated_long = seq.num_computed, None, seq.rotated_long
         if not seq.num_blocks and seq.parked is not None:  # parked in host memory or on disk: its copy
             try:
@@ -758,15 +761,21 @@ class StateRegistry:
                 logger.warning("state %r: its parked KV could not be read (%s); its tokens are written, and its KV "
                                "is computed again at its next request", state_id, exc)
                 self.core.scheduler.eviction.tier.forget(seq)
-        if seq.recurrent is not None:  # a hybrid model's: its tokens (the linear layers' states are not written yet)
-            computed = 0
+        recurrent = None
+        if seq.recurrent is not None:  # a hybrid model's: its linear layers' state, at num_computed
+            computed = seq.recurrent.position if seq.recurrent.slot is not None else 0
+            recurrent = self.recurrent_cache.read(seq.recurrent.slot) if computed else None
         if kv is None:
             pages, starts = seq.pages(computed)
             kv = self.kv_cache.read_blocks(pages)
         return dict(state_id=state_id, tokens=list(seq.tokens), num_computed=computed,
                     block_size=self.pool.block_size, kv=kv, fingerprint=self.limits.fingerprint,
                     rotated_long=rotated_long, starts=starts, layout=self.kv_cache.layout,
-                    configuration=self.limits.configuration)
+                    configuration=self.limits.configuration, recurrent=recurrent)
+
+    def _recurrent_shapes(self) -> dict | None:
+        """What a state file of a hybrid model holds of its linear layers (None for other models)."""
+        return None if self.recurrent_cache is None else self.recurrent_cache.slot_shapes()
 
     def load(self, path: str | os.PathLike, state_id: str | None = None, *, share: bool = False) -> StateHandle:
         """Restore a state written by `save` (same model and tokenizer only). The file is read and
@@ -781,7 +790,7 @@ class StateRegistry:
             cache = self.kv_cache
         path = state_file.as_path(path)
         saved = self._in_this_pool(state_file.read(path, self.limits.fingerprint, cache.data.shape, cache.dtype,
-                                                   cache.layout, self.limits.configuration))
+                                                   cache.layout, self.limits.configuration, self._recurrent_shapes()))
         self._check_saved_length(saved, path)
         tokens = self._saved_tokens(saved, path)
         with self.lock:
@@ -849,10 +858,15 @@ class StateRegistry:
         if not self._device_room(blocks):
             seq.rotated_long = False  # (as a state of tokens alone)
             return
+        if seq.recurrent is not None and not self.core.scheduler.recurrent_slot(seq):
+            return  # every slot is a running state's: its history is recomputed at its next request
         ids = self.pool.allocate(blocks)
         seq.place_pages(ids, saved.starts, saved.num_computed)
         try:
             self.kv_cache.write_blocks(ids, saved.kv)
+            if seq.recurrent is not None:  # its linear layers' state, at the same position
+                self.recurrent_cache.write(seq.recurrent.slot, saved.recurrent)
+                seq.recurrent.position = saved.num_computed
         except Exception as exc:
             seq.release()
             raise StateFileError(f"state file {path} does not fit this engine's KV cache ({exc})") from exc

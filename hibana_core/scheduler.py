@@ -445,7 +445,7 @@ class Scheduler:
             if not num:
                 seq.trim_kv(before)  # give adopted blocks back: holding them would starve the others
                 return None
-        if seq.recurrent is not None and not self._recurrent_slot(seq):
+        if seq.recurrent is not None and not self.recurrent_slot(seq):
             return None  # every slot is a running state's: it waits (or is preempted)
         self._count_reused(request, gained)
         request.started = True
@@ -455,7 +455,7 @@ class Scheduler:
         sample = start + num == request.num_tokens and request.samples
         return ScheduledChunk(request, start, num, sample)
 
-    def _recurrent_slot(self, seq: KVSequence) -> bool:
+    def recurrent_slot(self, seq: KVSequence) -> bool:
         """A hybrid model's state computes in a slot of the recurrent cache. Where none is free,
         idle states give theirs back in the retention order: their snapshots first, then whole
         states (evicted: KV dropped, recomputed when their agents return)."""

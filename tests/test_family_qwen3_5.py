@@ -189,9 +189,9 @@ def test_a_multimodal_qwen3_5_checkpoint_serves_its_language_model(tmp_path, mak
             assert_greedy_matches(path, history, completion.token_ids)
 
 
-def test_a_saved_hybrid_state_comes_back_with_its_history(qwen35, make_engine, tmp_path):
-    """A state file of a hybrid model holds its tokens (its linear layers' states are not written
-    yet): loaded into another engine, it recomputes them and answers as transformers does."""
+def test_a_saved_hybrid_state_comes_back_without_recomputing(qwen35, make_engine, tmp_path):
+    """A state file of a hybrid model holds its linear layers' state beside its KV: loaded into
+    another engine, the next turn computes only its new tokens and answers as transformers does."""
     rng = random.Random(3560)
     history = random_tokens(rng, 30)
     engine = make_engine(qwen35, speculation="off")
@@ -201,8 +201,30 @@ def test_a_saved_hybrid_state_comes_back_with_its_history(qwen35, make_engine, t
     other = make_engine(qwen35, speculation="off")
     loaded = other.load_state(tmp_path / "s.hibana")
     assert loaded.tokens == history
+    state = recurrent_of(other, loaded)
+    assert state.position == len(history) - 1 and state.slot is not None
     more = history + random_tokens(rng, 5)
-    assert_greedy_matches(qwen35, more, loaded.generate(greedy(6), prompt=more).token_ids)
+    out = loaded.generate(greedy(6), prompt=more).token_ids
+    assert_greedy_matches(qwen35, more, out)
+    assert other.stats().prompt_tokens_computed == len(more) - (len(history) - 1)
+
+
+def test_a_hybrid_state_file_with_a_damaged_state_is_refused(qwen35, make_engine, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from hibana_core.errors import StateFileError
+    from hibana_core.kv.state_file import _metadata
+
+    engine = make_engine(qwen35, speculation="off")
+    h = engine.open_state("d")
+    h.generate(greedy(3), prompt=list(range(3, 25)))
+    h.save(tmp_path / "d.hibana")
+    data = (tmp_path / "d.hibana").read_bytes()
+    tensors, meta = load_file(str(tmp_path / "d.hibana")), _metadata(data)
+    tensors["recurrent.ssm"] = tensors["recurrent.ssm"] + 1e-3  # a flipped value in the matrix state
+    save_file(tensors, str(tmp_path / "bad.hibana"), metadata=meta)
+    with pytest.raises(StateFileError, match="damaged"):
+        make_engine(qwen35, speculation="off").load_state(tmp_path / "bad.hibana")
 
 
 def test_qwen3_5_in_bfloat16_runs(qwen35, make_engine):

@@ -60,6 +60,11 @@ class RecurrentCache:
             conv[dst].copy_(conv[src])
             ssm[dst].copy_(ssm[src])
 
+    def slot_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The shapes and dtypes `read` gives (what a state file of this model holds)."""
+        return {"conv": ((len(self.conv), *self.conv[0].shape[1:]), self.dtype),
+                "ssm": ((len(self.ssm), *self.ssm[0].shape[1:]), torch.float32)}
+
     def read(self, slot: int) -> dict[str, torch.Tensor]:
         """A slot's tensors, copied to host memory (state files)."""
         return {"conv": torch.stack([c[slot] for c in self.conv]).cpu(),

@@ -41,6 +41,8 @@ class SavedState:
     kv: torch.Tensor  # [page_layers, 2, pages, block_size, H_kv, D]: `KVSequence.pages` order
     rotated_long: bool = False  # under LongRoPE's long rotation (`KVSequence.rotated_long`)
     starts: tuple[int, ...] = (0,)  # each layer group's first block among the pages (`KVSequence.pages`)
+    recurrent: dict[str, torch.Tensor] | None = None  # a hybrid model's linear-attention state at
+    # num_computed: "conv" [linear layers, conv_dim, kernel - 1], "ssm" [linear layers, Hv, Dk, Dv]
 
 
 def reblocked(saved: SavedState, block_size: int, layout: KVLayout | None = None) -> SavedState | None:
@@ -102,14 +104,22 @@ _DESCRIBED = ("fingerprint_scheme", "configuration")
 "what differs" of a refused file quotes `configuration`); files written before verify without them."""
 
 
-def _checksum(meta: dict, kv: torch.Tensor, described: bool = True) -> str:
+RECURRENT = ("conv", "ssm")
+"""A hybrid model's state tensors in a file (`SavedState.recurrent`), as "recurrent.conv" / "recurrent.ssm"."""
+
+
+def _checksum(meta: dict, kv: torch.Tensor, described: bool = True,
+              recurrent: dict[str, torch.Tensor] | None = None) -> str:
     h = hashlib.blake2b(digest_size=32)
     # "rotation" is written only for LongRoPE's long rotation, "pages" and "layout" only for
-    # layouts of several groups or windows: other files stay as they were
-    optional = tuple(k for k in ("rotation", "pages", "layout", *(_DESCRIBED if described else ())) if k in meta)
+    # layouts of several groups or windows, "recurrent" only for hybrid models: other files stay as they were
+    optional = tuple(k for k in ("rotation", "pages", "layout", "recurrent", *(_DESCRIBED if described else ()))
+                     if k in meta)
     h.update(json.dumps([meta.get(k) for k in _CHECKED + optional]).encode())
-    h.update(json.dumps([str(kv.dtype), list(kv.shape)]).encode())
-    h.update(kv.contiguous().view(torch.uint8).numpy() if kv.numel() else b"")  # its buffer: no copy of the KV
+    for tensor in (kv, *((recurrent[name] for name in RECURRENT) if recurrent is not None else ())):
+        tensor = tensor.contiguous()
+        h.update(json.dumps([str(tensor.dtype), list(tensor.shape)]).encode())
+        h.update(tensor.view(torch.uint8).numpy() if tensor.numel() else b"")  # its buffer: no copy
     return h.hexdigest()
 
 
@@ -121,7 +131,8 @@ def _metadata(data: bytes) -> dict:
 
 def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, block_size: int,
           kv: torch.Tensor, fingerprint: str, rotated_long: bool = False, starts: Sequence[int] = (0,),
-          layout: KVLayout | None = None, configuration: dict | None = None) -> None:
+          layout: KVLayout | None = None, configuration: dict | None = None,
+          recurrent: dict[str, torch.Tensor] | None = None) -> None:
     from safetensors.torch import save_file
 
     try:
@@ -151,14 +162,19 @@ def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, b
     if configuration is not None:  # what the fingerprint digests: an engine that refuses the file says what differs
         metadata["configuration"] = json.dumps(configuration, sort_keys=True)
     kv = kv.contiguous()
-    metadata["checksum"] = _checksum(metadata, kv)
+    tensors = {"kv": kv}
+    if recurrent is not None:  # a hybrid model's linear-attention state at num_computed
+        metadata["recurrent"] = "1"
+        recurrent = {name: recurrent[name].contiguous() for name in RECURRENT}
+        tensors.update({f"recurrent.{name}": t for name, t in recurrent.items()})
+    metadata["checksum"] = _checksum(metadata, kv, recurrent=recurrent)
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # a temporary file of this writer's own: engines sharing a state_dir may write one state at once
         handle, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
         os.close(handle)
-        save_file({"kv": kv}, tmp, metadata=metadata)
+        save_file(tensors, tmp, metadata=metadata)
         os.replace(tmp, path)  # never leave a half-written state file behind
     except (OSError, UnicodeError, ValueError) as exc:  # no room, no right, a name the OS refuses
         if tmp is not None:
@@ -204,11 +220,14 @@ def _differences(saved: str | None, ours: dict | None) -> str:
 
 
 def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.dtype | None = None,
-         layout: KVLayout | None = None, configuration: dict | None = None) -> SavedState:
+         layout: KVLayout | None = None, configuration: dict | None = None,
+         recurrent: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> SavedState:
     """Read and verify a state file; `kv_shape` is the engine's [page_layers, 2, *, block, heads,
     dim], `kv_dtype` its cache's dtype (fp8 blocks are saved and restored as their bytes),
     `layout` how its layers share pages (`kv.layout.KVLayout`; None: one plain group),
-    `configuration` what its fingerprint digests (`surgery.configuration`), to name what differs."""
+    `configuration` what its fingerprint digests (`surgery.configuration`), to name what differs,
+    `recurrent` a hybrid model's state tensors' shapes and dtypes (`RecurrentCache.slot_shapes`):
+    a file with KV must hold that state too."""
     import safetensors.torch
 
     try:
@@ -224,10 +243,12 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.
         if meta.get("format") != FORMAT:
             raise StateFileError(f"{path} is not a Hibana state file of this version "
                                  f"(format {meta.get('format')!r}); save the state again")
-        kv = safetensors.torch.load(data)["kv"]
-        del data  # the file's bytes, before the checksum copies the KV once more
-        checksum_ok = meta.get("checksum") == _checksum(meta, kv) or (
-            any(k in meta for k in _DESCRIBED) and meta.get("checksum") == _checksum(meta, kv, described=False))
+        loaded = safetensors.torch.load(data)
+        kv = loaded["kv"]
+        held = {name: loaded[f"recurrent.{name}"] for name in RECURRENT} if "recurrent" in meta else None
+        del data, loaded  # the file's bytes, before the checksum copies the KV once more
+        checksum_ok = meta.get("checksum") == _checksum(meta, kv, recurrent=held) or (
+            any(k in meta for k in _DESCRIBED) and meta.get("checksum") == _checksum(meta, kv, False, held))
         tokens = json.loads(meta["tokens"])
         if not isinstance(tokens, list) or not all(is_kind(t, int) for t in tokens):
             raise ValueError("its tokens are not a list of integers")
@@ -239,7 +260,7 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.
         if not meta["state_id"]:  # no call could name it: not even to delete its file
             raise ValueError("its state id is empty")
         saved = SavedState(str(meta["state_id"]), tokens, int(meta["num_computed"]),
-                           int(meta["block_size"]), kv, "rotation" in meta, starts)
+                           int(meta["block_size"]), kv, "rotation" in meta, starts, held)
     except StateFileError:
         raise
     except Exception as exc:
@@ -273,4 +294,9 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.
             or (kv_dtype is not None and kv.dtype != kv_dtype)):
         raise StateFileError(f"state file {path} is inconsistent (its KV does not fit its tokens or this "
                              "model's layout); save the state again")
+    held = saved.recurrent
+    if ((recurrent is None) != (held is None) and saved.num_computed) or (held is not None and recurrent is not None and any(
+            (tuple(held[name].shape), held[name].dtype) != recurrent[name] for name in RECURRENT)):
+        raise StateFileError(f"state file {path} is inconsistent (its linear-attention state does not fit this "
+                             "model's); save the state again")
     return saved
