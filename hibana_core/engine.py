@@ -348,12 +348,14 @@ class Engine:
                                        else (None, None))
         side = self.device.type == "cuda" and not self.device_memory.unified  # host memory behind a bus
         self.host_tier = (HostTier(self.kv_cache, self.pool, host_bytes, CopyStream(self.device, side), spill_dir)
-                          if (host_bytes or spill_dir) and self.recurrent_slots is None else None)
+                          if host_bytes or spill_dir else None)
         """Idle states' KV parked in host memory, and on disk past it with a state_dir, under
-        device pressure (kv/tiers.py); None: off (evicted KV is dropped and recomputed; a hybrid
-        model's, whose recurrent states the tier does not carry yet)."""
+        device pressure (kv/tiers.py), a hybrid model's with its linear layers' state; None: off
+        (evicted KV is dropped and recomputed)."""
         eviction = IdleLRUEviction(self.pool, self._idle_sequences, self.host_tier)
         scheduler = Scheduler(config.scheduler, self.pool, eviction, speculator)
+        if self.host_tier is not None and self.recurrent_slots is not None:  # hybrid states park with their state
+            self.host_tier.recurrent_cache, self.host_tier.recurrent_slot = self._ctx.recurrent, scheduler.recurrent_slot
         use_async = self.device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids, self.device)
         """Compiles requests' JSON schemas, regexes and grammars; fills each step's masks."""

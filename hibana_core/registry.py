@@ -752,17 +752,17 @@ class StateRegistry:
         model's, its linear layers' state too (`KVSequence.recurrent`). A parked copy that cannot
         be read (its spill file gone or damaged) is dropped: its tokens alone are written, and the
         KV is computed again when the state is next used."""
-        computed, kv, rotated_long = seq.num_computed, None, seq.rotated_long
+        computed, kv, rotated_long, recurrent = seq.num_computed, None, seq.rotated_long, None
         if not seq.num_blocks and seq.parked is not None:  # parked in host memory or on disk: its copy
             try:
-                computed, kv, starts = seq.parked.prefix(common_prefix_len(seq.tokens, seq.parked.tokens), seq)
+                computed, kv, starts, recurrent = seq.parked.prefix(common_prefix_len(seq.tokens, seq.parked.tokens),
+                                                                    seq)
                 rotated_long = seq.parked.rotated_long
             except UNREADABLE_SPILL as exc:  # a spill file gone or damaged: its history still is sound
                 logger.warning("state %r: its parked KV could not be read (%s); its tokens are written, and its KV "
                                "is computed again at its next request", state_id, exc)
                 self.core.scheduler.eviction.tier.forget(seq)
-        recurrent = None
-        if seq.recurrent is not None:  # a hybrid model's: its linear layers' state, at num_computed
+        if seq.recurrent is not None and kv is None:  # a hybrid model's: its linear layers' state, at num_computed
             computed = seq.recurrent.position if seq.recurrent.slot is not None else 0
             recurrent = self.recurrent_cache.read(seq.recurrent.slot) if computed else None
         if kv is None:
@@ -827,8 +827,8 @@ class StateRegistry:
         if tier is None or self._device_room(saved.kv.shape[2]):
             return False
         computed = seq.tokens[:saved.num_computed]
-        return ((host and tier.adopt(seq, computed, saved.kv, saved.starts))
-                or tier.adopt(seq, computed, saved.kv, saved.starts, disk=True))
+        return ((host and tier.adopt(seq, computed, saved.kv, saved.starts, recurrent=saved.recurrent))
+                or tier.adopt(seq, computed, saved.kv, saved.starts, disk=True, recurrent=saved.recurrent))
 
     def _in_this_pool(self, saved: state_file.SavedState) -> state_file.SavedState:
         """A saved state in this pool's block size: re-cut, group by group (else left as it is,

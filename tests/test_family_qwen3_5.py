@@ -275,3 +275,25 @@ def test_an_fp8_qwen3_5_checkpoint_with_its_gates_in_16_bits_loads_as_it_is(qwen
     history = random_tokens(random.Random(3570), 30)
     out = engine.open_state("fp8").generate(greedy(10), prompt=history).token_ids
     assert_greedy_matches(reference, history, out)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_idle_hybrid_states_park_with_their_state_and_resume_exactly(qwen35, make_engine, tmp_path, tier):
+    """Eight agents in turns over a KV pool for two: idle states park in the host tier (or spill to
+    disk) with their linear layers' state and come back with it, so a turn computes only its new
+    tokens, each answer transformers'."""
+    from test_host_tier import AGENTS, DEVICE_BLOCKS, GENERATE, TURNS, round_robin
+
+    options = dict(state_dir=tmp_path, host_kv_bytes=0) if tier == "disk" else {}
+    engine = make_engine(qwen35, num_blocks=DEVICE_BLOCKS, speculation="off", **options)
+
+    def check(prompt, got):
+        assert list(got) == hf_greedy(str(qwen35), prompt, GENERATE)
+
+    computed = round_robin(engine, seed=35, check=check)
+    for turn, row in enumerate(computed[1:], 1):
+        assert [c for c, _ in row] == [new for _, new in row], f"turn {turn}: (computed, new) {row}"
+    stats = engine.stats()
+    assert stats.parks >= AGENTS and stats.resumes >= AGENTS * (TURNS - 2)
+    if tier == "disk":
+        assert stats.host_tier["spills"] >= AGENTS and stats.host_tier["disk_resumes"] >= AGENTS

@@ -47,7 +47,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import safetensors.torch
 import torch
@@ -56,6 +56,9 @@ from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.cache import KVCache
 from hibana_core.kv.sequence import KVSequence, common_prefix_len
 from hibana_core.kv.transfers import CopyStream, PinnedReserve, Transfer, device_tensor
+
+if TYPE_CHECKING:
+    from hibana_core.kv.recurrent_cache import RecurrentCache
 
 logger = logging.getLogger("hibana.states")
 
@@ -78,6 +81,9 @@ class ParkedKV:
     starts: tuple[int, ...] = (0,)  # each layer group's first block among the pages (`KVSequence.pages`)
     copy: Transfer | None = None  # the copy filling `kv`, maybe still in flight
     digest: tuple | None = None   # `spill_digest` of the KV its spill file was written with
+    # a hybrid model's linear-attention state at len(tokens) (kv.state_file's "conv" and "ssm", on the host;
+    # in the spill file beside the KV when on disk)
+    recurrent: dict[str, torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -90,14 +96,20 @@ class ParkedKV:
     def host_kv(self) -> torch.Tensor:
         """The KV in host memory, its copy there waited for (read from its spill file when it is
         on disk)."""
+        return self.host_copy()[0]
+
+    def host_copy(self) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        """(`host_kv`, a hybrid model's linear-attention state or None), from the spill file when
+        on disk (both checked against its digest)."""
         if self.kv is None:
-            kv = safetensors.torch.load_file(self.path)["kv"]
-            if spill_digest(kv) != self.digest:
+            tensors = safetensors.torch.load_file(self.path)
+            kv, recurrent = tensors["kv"], _recurrent_of(tensors)
+            if spill_digest(kv, recurrent) != self.digest:
                 raise ValueError(f"spill file {self.path} is damaged or was replaced (its checksum does not match)")
-            return kv
+            return kv, recurrent
         if self.copy is not None:
             self.copy.wait()
-        return self.kv
+        return self.kv, self.recurrent
 
     def page_index(self, n: int, seq: KVSequence) -> list[int]:
         """Which of the pages hold the KV of the first n tokens of `seq`'s layout (n <=
@@ -111,12 +123,14 @@ class ParkedKV:
             at += sinks + rest
         return index
 
-    def prefix(self, n: int, seq: KVSequence) -> tuple[int, torch.Tensor, tuple[int, ...]]:
-        """(tokens, pages, starts) of this copy's first n tokens, as a state file stores them;
-        no tokens where n's windows were freed before parking."""
-        if not seq.pages_fit(self.starts, n):
+    def prefix(self, n: int, seq: KVSequence) -> tuple[int, torch.Tensor, tuple[int, ...], dict | None]:
+        """(tokens, pages, starts, linear-attention state) of this copy's first n tokens, as a
+        state file stores them; no tokens where n's windows were freed before parking, or where a
+        hybrid model's state (held at the copy's end only) is not at n."""
+        if not seq.pages_fit(self.starts, n) or (seq.recurrent is not None and n != len(self.tokens)):
             n = 0
-        return n, self.host_kv()[:, :, self.page_index(n, seq)], self.starts
+        kv, recurrent = self.host_copy()
+        return n, kv[:, :, self.page_index(n, seq)], self.starts, recurrent if n else None
 
 
 @dataclass
@@ -158,6 +172,10 @@ class HostTier:
         self._files = itertools.count()
         self._restoring: int | None = None  # id(seq) of the state being restored: its copy stays
         self._depth = 0  # `_timed` calls in progress
+        # a hybrid model's recurrent cache and the scheduler's way to a slot (`Scheduler.recurrent_slot`),
+        # set by the engine: its states park and come back with their linear layers' state
+        self.recurrent_cache: "RecurrentCache | None" = None
+        self.recurrent_slot: Callable[[KVSequence], bool] | None = None
         self.counters = TierCounters()
         self.phases: collections.Counter[str] = collections.Counter()  # seconds of `host_seconds` by phase
 
@@ -211,6 +229,11 @@ class HostTier:
 
     def _park(self, seq: KVSequence) -> bool:
         n = min(seq.num_computed, len(seq.tokens))
+        recurrent = None
+        if seq.recurrent is not None:  # its linear layers' state goes with its KV, which it must match
+            if seq.recurrent.slot is None or seq.recurrent.position != n or self.recurrent_cache is None:
+                return False
+            recurrent = self.recurrent_cache.read(seq.recurrent.slot) if n else None
         pages, starts = seq.pages(n)
         blocks = len(pages)
         nbytes = blocks * self.cache.bytes_per_block_here
@@ -225,7 +248,8 @@ class HostTier:
                     else torch.empty(device_kv.shape, dtype=device_kv.dtype))
         with self._phase("to host"):
             copy = self._count(self.copies.to_host(device_kv, host))
-        parked = ParkedKV(seq.tokens[:n], host, rotated_long=seq.rotated_long, starts=starts, copy=copy)
+        parked = ParkedKV(seq.tokens[:n], host, rotated_long=seq.rotated_long, starts=starts, copy=copy,
+                          recurrent=recurrent)
         if to_host:
             self._hold(seq, parked)
         elif not self._spill(seq, parked):
@@ -280,9 +304,13 @@ class HostTier:
             seq.reuse_cached_blocks(n)
             self.forget(seq)
             return 0
-        if diverged or parked.rotated_long != seq.rotated_long or not seq.pages_fit(parked.starts, n):
-            self.forget(seq)  # diverged within its first block, under LongRoPE's other rotation,
-            return 0          # or back into freed windows: it recomputes
+        if (diverged or parked.rotated_long != seq.rotated_long or not seq.pages_fit(parked.starts, n)
+                or (seq.recurrent is not None and n != len(parked.tokens))):
+            self.forget(seq)  # diverged within its first block, under LongRoPE's other rotation, back into
+            return 0          # freed windows, or short of a hybrid state's end: it recomputes
+        if seq.recurrent is not None and not self.recurrent_slot(seq):
+            return 0  # every slot is a running state's: the copy stays parked
+
         if parked.starts != (0,):  # layer groups: every page copied back
             return self._restore_pages(seq, n, make_room)
         blocks = -(-n // seq.block_size)
@@ -302,8 +330,17 @@ class HostTier:
             self.cache.write_blocks(ids, pages_kv)
         seq.block_ids.extend(ids)
         seq.num_computed = n
+        self._recurrent_back(seq, n)
         self._restored(seq, n, n - first * seq.block_size, len(ids))
         return n
+
+    def _recurrent_back(self, seq: KVSequence, n: int) -> None:
+        """A hybrid state's linear layers' state, parked with its KV, back into its slot (`_restore`
+        took one): the state continues from n."""
+        if seq.recurrent is None:
+            return
+        self.recurrent_cache.write(seq.recurrent.slot, seq.parked.host_copy()[1])
+        seq.recurrent.position = n
 
     def prefetch(self, seq: KVSequence) -> int:
         """`restore` ahead of the state's request (its agent is due back from its tools), into
@@ -325,6 +362,7 @@ class HostTier:
         ids = self.pool.allocate(len(index))
         self.cache.write_blocks(ids, self._to_device(parked, kv, index))
         seq.place_pages(ids, parked.starts, n)
+        self._recurrent_back(seq, n)
         self._restored(seq, n, n, len(ids))
         return n
 
@@ -396,11 +434,11 @@ class HostTier:
         logger.info("resumed a parked state from %s (%d tokens)", "disk" if parked.kv is None else "host memory", n)
 
     def adopt(self, seq: KVSequence, tokens: list[int], kv: torch.Tensor, starts: tuple[int, ...] = (0,),
-              disk: bool = False) -> bool:
-        """Hold `kv` (on the host: a state file's pages) as `seq`'s parked copy, restored at its
-        next request like any other: in host memory, or with `disk` in a spill file. False when
-        that tier cannot take it."""
-        parked = ParkedKV(list(tokens), kv, rotated_long=seq.rotated_long, starts=starts)
+              disk: bool = False, recurrent: dict[str, torch.Tensor] | None = None) -> bool:
+        """Hold `kv` (on the host: a state file's pages; a hybrid model's `recurrent` state with
+        it) as `seq`'s parked copy, restored at its next request like any other: in host memory,
+        or with `disk` in a spill file. False when that tier cannot take it."""
+        parked = ParkedKV(list(tokens), kv, rotated_long=seq.rotated_long, starts=starts, recurrent=recurrent)
         if disk:
             return self.spill_dir is not None and self._spill(seq, parked)
         if not self._room(self._held(parked.nbytes)):
@@ -437,13 +475,14 @@ class HostTier:
         """Write a host copy to a spill file and make that `seq`'s parked copy. False (nothing
         changed) when the file cannot be written: a full or unwritable disk. A copy still in
         flight to the host is waited for first."""
-        kv = parked.host_kv()
+        kv, recurrent = parked.host_copy()
         began = time.perf_counter()
         path = self.spill_dir / f"{next(self._files):08d}.kv"
         kv = kv.contiguous()
+        tensors = {"kv": kv, **{f"recurrent.{name}": t.contiguous() for name, t in (recurrent or {}).items()}}
         try:
             self.spill_dir.mkdir(parents=True, exist_ok=True)  # (removed while the engine runs: made again)
-            safetensors.torch.save_file({"kv": kv}, str(path))
+            safetensors.torch.save_file(tensors, str(path))
         except Exception as exc:  # noqa: BLE001 - a disk that takes no more: the copy is dropped, not the step
             logger.warning("cannot write a spill file in %s (%s)", self.spill_dir, exc)
             path.unlink(missing_ok=True)
@@ -451,7 +490,7 @@ class HostTier:
         size = path.stat().st_size
         self.forget(seq)
         self._track_spill(seq, dataclasses.replace(parked, kv=None, path=path, size=size, copy=None,
-                                                   digest=spill_digest(kv)))
+                                                   digest=spill_digest(kv, recurrent), recurrent=None))
         c = self.counters
         c.spills += 1
         c.disk_bytes_moved += size
@@ -524,12 +563,22 @@ class HostTier:
                 "host_phases": {name: round(seconds, 4) for name, seconds in self.phases.most_common()}}
 
 
-def spill_digest(kv: torch.Tensor) -> tuple:
-    """What a spill file's KV is checked against when read back: dtype, shape and the CRC-32 of
-    its bytes (zlib's, several GB/s: a fraction of the file write it guards)."""
-    kv = kv.contiguous()
-    data = kv.view(torch.uint8).numpy() if kv.numel() else b""
-    return str(kv.dtype), tuple(kv.shape), zlib.crc32(data)
+def spill_digest(kv: torch.Tensor, recurrent: dict[str, torch.Tensor] | None = None) -> tuple:
+    """What a spill file's KV (and a hybrid model's state beside it) is checked against when read
+    back: dtype, shape and the CRC-32 of their bytes (zlib's, several GB/s: a fraction of the file
+    write it guards)."""
+    digest = ()
+    for tensor in (kv, *(recurrent[name] for name in sorted(recurrent or {}))):
+        tensor = tensor.contiguous()
+        data = tensor.view(torch.uint8).numpy() if tensor.numel() else b""
+        digest += (str(tensor.dtype), tuple(tensor.shape), zlib.crc32(data))
+    return digest
+
+
+def _recurrent_of(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """A spill file's linear-attention state ("recurrent.conv", "recurrent.ssm"), or None."""
+    state = {name.removeprefix("recurrent."): t for name, t in tensors.items() if name.startswith("recurrent.")}
+    return state or None
 
 
 class _SharedBytes:
