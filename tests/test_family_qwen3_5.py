@@ -297,3 +297,43 @@ def test_idle_hybrid_states_park_with_their_state_and_resume_exactly(qwen35, mak
     assert stats.parks >= AGENTS and stats.resumes >= AGENTS * (TURNS - 2)
     if tier == "disk":
         assert stats.host_tier["spills"] >= AGENTS and stats.host_tier["disk_resumes"] >= AGENTS
+
+
+def test_a_stop_inside_an_accepted_draft_leaves_the_state_at_the_stop(qwen35, make_engine):
+    """Drafts (an oracle's, all right) verified past a stop token: the states fold in the tokens
+    up to the stop only, and the next turn goes on as transformers does."""
+    import dataclasses
+
+    from spec_drafters import OracleDrafter, registered
+
+    history = random_tokens(random.Random(3580), 25)
+    oracle = OracleDrafter(VOCAB_SIZE)
+    with registered(oracle=oracle):
+        engine = make_engine(qwen35, speculation={"method": "oracle", "k": 4}, async_scheduling=True)
+    full = list(engine.open_state("ref").generate(greedy(16, speculation="off"), prompt=history).token_ids)
+    oracle.add(history, full)
+    at = next(i for i in range(2, 16) if full[i] not in full[:i])
+    h = engine.open_state("stop")
+    c = h.generate(dataclasses.replace(greedy(16), stop_token_ids=[full[at]]), prompt=history)
+    assert list(c.token_ids) == full[:at + 1] and engine.stats().draft_tokens_accepted > 0
+    state = recurrent_of(engine, h)
+    assert state.position == engine.registry._entry(h).seq.num_computed <= len(history) + at + 1
+    more = list(h.generate(greedy(6)).token_ids)
+    assert_greedy_matches(qwen35, history + full[:at + 1], more)
+
+
+def test_a_stream_dropped_mid_generation_leaves_a_state_that_goes_on_exactly(qwen35, make_engine):
+    engine = make_engine(qwen35)
+    history = random_tokens(random.Random(3590), 30)
+    h = engine.open_state("cancel")
+    stream = h.stream(greedy(40), prompt=history)
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    stream.close()
+    kept = h.tokens
+    assert len(kept) >= len(history) + 6
+    state = recurrent_of(engine, h)
+    assert state.position == engine.registry._entry(h).seq.num_computed
+    out = list(h.generate(greedy(8)).token_ids)
+    assert_greedy_matches(qwen35, kept, out)
