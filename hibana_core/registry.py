@@ -131,7 +131,7 @@ class StateRegistry:
                  recurrent_cache: "RecurrentCache | None" = None) -> None:
         self.core, self.kv_cache, self.config, self.limits = core, kv_cache, config, limits
         self.grammars = grammars
-        # a hybrid model's recurrent cache and its slots (its states never share prefixes)
+        # a hybrid model's recurrent cache and its slots
         self.recurrent, self.recurrent_cache = recurrent, recurrent_cache
         self.pool = core.scheduler.pool
         self.lock = core.lock
@@ -294,7 +294,7 @@ class StateRegistry:
 
     def _new_sequence(self) -> KVSequence:
         recurrent = None if self.recurrent is None else RecurrentState(self.recurrent)
-        return KVSequence(self.pool, self.kv_cache.copy_block, self.config.enable_prefix_caching and recurrent is None,
+        return KVSequence(self.pool, self.kv_cache.copy_block, self.config.enable_prefix_caching,
                           self.limits.long_rope, self.kv_cache.layout, recurrent)
 
     def _add(self, state_id: str, seq: KVSequence, unnamed: bool = False,
@@ -801,7 +801,7 @@ class StateRegistry:
                                        "load_state(path, state_id=...) with another id")
             self._refuse_stored(state_id, "pass load_state(path, state_id=...) with another id")
             seq = self._new_sequence()
-            seq.share = self.config.enable_prefix_caching and share and seq.recurrent is None
+            seq.share = self.config.enable_prefix_caching and share
             seq.tokens = tokens
             if self._kv_fits(seq, saved):
                 seq.rotated_long = saved.rotated_long

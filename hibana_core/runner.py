@@ -336,17 +336,19 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(data, len(rows)):
             logits, captured = self.graphs.run(data, previous, start)
             representative = not captured
+            if data.state_slots is not None:  # (a decode graph's step writes the states)
+                snapshot_states(scheduled)
         else:
             start()
             inputs = self.prepare(data)
             self.take_from_device(inputs.input_ids, data, previous)
             with self.ctx.forward_batch(inputs.batch):
                 hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+            if data.state_slots is not None and data.writes_state:
+                snapshot_states(scheduled)
             if not rows:
                 return StepInFlight(scheduled, torch.empty(0, dtype=torch.long))
             logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, vocab]
-        if data.state_slots is not None and data.writes_state:
-            snapshot_prompt_ends(scheduled)
         step = StepInFlight(scheduled, pending=PendingSample(logits, rows, timers[0] if representative else None))
         if not step.constrained:
             self.sample(step)
@@ -399,13 +401,17 @@ class ModelRunner:
         self.model.compute_logits(hidden[-1:]).argmax(dim=-1)
 
 
-def snapshot_prompt_ends(scheduled: SchedulerOutput) -> None:
+def snapshot_states(scheduled: SchedulerOutput) -> None:
     """A hybrid model's states keep a copy of themselves where a request's prompt ends (enqueued
     after the step that computes it): where the next turn's history leaves this one (a template
-    that re-renders the reply), they continue from there (`RecurrentState.rewind`)."""
+    that re-renders the reply), they continue from there (`RecurrentState.rewind`). At multiples
+    of the share stride they publish one for other agents (`KVSequence.publish_state`)."""
     for chunk in scheduled.chunks:
+        seq = chunk.request.seq
         if chunk.sample and chunk.end == chunk.request.num_prompt:
-            chunk.request.seq.recurrent.snapshot()
+            seq.recurrent.snapshot()
+        if chunk.end <= chunk.request.num_prompt:  # a prompt's, at a multiple of the share stride: for
+            seq.publish_state()                    # other agents whose histories start alike
 
 
 def sampling_rows(scheduled: SchedulerOutput) -> list[SamplingRow]:

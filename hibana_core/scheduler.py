@@ -252,6 +252,14 @@ class IdleLRUEviction:
         move.seq.release()
 
 
+def _to_share_stride(seq: KVSequence, num: int) -> int:
+    """A hybrid state's prompt chunk of `num` tokens, cut at the next multiple of the share
+    stride within its known history (where its state is published, `KVSequence.publish_state`)."""
+    start, stride = seq.num_computed, seq.recurrent.slots.stride
+    boundary = (start // stride + 1) * stride
+    return boundary - start if start + num > boundary and boundary <= len(seq.tokens) else num
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, eviction: EvictionPolicy,
                  speculation: "Speculator | None" = None) -> None:
@@ -433,20 +441,22 @@ class Scheduler:
         if seq.rotate_for(request.num_tokens) and seq.parked is not None:  # LongRoPE: past its switch
             self.eviction.tier.forget(seq)  # the whole history is recomputed; a parked copy is of the old one
         before = seq.num_computed
+        if seq.recurrent is not None and not self.recurrent_slot(seq):
+            return None  # every slot is a running state's: it waits (or is preempted)
         gained = seq.reuse_cached_blocks(request.num_tokens - (1 if request.samples else 0))
         if request.num_uncomputed == 0:  # a sync fully served from the prefix index
             self._count_reused(request, gained)
             self.finish(request, _done_reason(request))
             return None
         num = min(request.num_uncomputed, budget, self.config.max_prefill_chunk)
+        if seq.recurrent is not None and seq.share:  # a prompt's chunks end where its states are published
+            num = _to_share_stride(seq, num)
         needed = seq.blocks_needed(num)
         if not self.pool.can_allocate(needed) and not self.eviction.make_room(needed):
             num = self._chunk_that_fits(seq, num)
             if not num:
                 seq.trim_kv(before)  # give adopted blocks back: holding them would starve the others
                 return None
-        if seq.recurrent is not None and not self.recurrent_slot(seq):
-            return None  # every slot is a running state's: it waits (or is preempted)
         self._count_reused(request, gained)
         request.started = True
         start = seq.num_computed
@@ -457,13 +467,17 @@ class Scheduler:
 
     def recurrent_slot(self, seq: KVSequence) -> bool:
         """A hybrid model's state computes in a slot of the recurrent cache. Where none is free,
-        idle states give theirs back in the retention order: their snapshots first, then whole
-        states (evicted: KV dropped, recomputed when their agents return)."""
+        idle states give theirs back in the retention order: their snapshots first, then the
+        published states of shared prefixes (least recently used first), then whole states
+        (evicted: parked with their state, or dropped and recomputed when their agents return)."""
         idle = [s for s in getattr(self.eviction, "idle_states", lambda: ())() if s.recurrent is not None]
         for victim in idle:
             if seq.recurrent.ensure_slot():
                 return True
             victim.recurrent.drop_snapshots()
+        while not seq.recurrent.ensure_slot():
+            if not seq.recurrent.slots.unpublish_oldest():
+                break
         for victim in idle:
             if seq.recurrent.ensure_slot():
                 return True

@@ -337,3 +337,47 @@ def test_a_stream_dropped_mid_generation_leaves_a_state_that_goes_on_exactly(qwe
     assert state.position == engine.registry._entry(h).seq.num_computed
     out = list(h.generate(greedy(8)).token_ids)
     assert_greedy_matches(qwen35, kept, out)
+
+
+def test_agents_with_a_common_prefix_share_its_kv_and_its_published_state(qwen35, make_engine):
+    """A prompt's chunks end at multiples of the share stride, where its linear layers' state is
+    published under the prefix's hash: a second agent whose history starts with the same 150
+    tokens adopts the KV and the state of the first 128 (the last multiple of 64 within them),
+    computes the rest, and answers as transformers does."""
+    engine = make_engine(qwen35, speculation="off")
+    engine.recurrent_slots.stride = 64
+    rng = random.Random(3600)
+    system = random_tokens(rng, 150)
+    first, second = system + random_tokens(rng, 40), system + random_tokens(rng, 30)
+    a = engine.open_state("a")
+    out_a = list(a.generate(greedy(6), prompt=first).token_ids)
+    assert sorted(p for p, _ in engine.recurrent_slots.published.values()) == [64, 128]  # (not 192: past the system)
+    b = engine.open_state("b")
+    done = b.generate(greedy(6), prompt=second)
+    assert done.stats.reused == 128 and done.stats.computed == len(second) - 128
+    assert_greedy_matches(qwen35, first, out_a)
+    assert_greedy_matches(qwen35, second, done.token_ids)
+    # with no slot free and no idle snapshot left, a new agent takes the least recently used published state's
+    before = len(engine.recurrent_slots.published)
+    for h in (a, b):
+        recurrent_of(engine, h).drop_snapshots()
+    while engine.recurrent_slots.num_free:
+        engine.recurrent_slots.allocate()
+    c = engine.open_state("c")
+    c.generate(greedy(2), prompt=random_tokens(rng, 20))
+    assert len(engine.recurrent_slots.published) == before - 1
+
+
+def test_agents_sharing_a_system_prompt_at_once_match_transformers(qwen35, make_engine):
+    """Three agents at once whose first turns start with the same 200 tokens, three turns each,
+    speculation on: the later agents adopt the published states as the prefill publishes them."""
+    engine = make_engine(qwen35)
+    engine.recurrent_slots.stride = 64
+    rng = random.Random(3610)
+    system = random_tokens(rng, 200)
+    plans = [[(system + random_tokens(rng, 20), 8), (random_tokens(rng, 15), 8), (random_tokens(rng, 10), 8)]
+             for _ in range(3)]
+    for turns in greedy_turns_at_once(engine, "sys", plans):
+        for history, completion in turns:
+            assert_greedy_matches(qwen35, history, completion.token_ids)
+    assert engine.recurrent_slots.published and engine.stats().prompt_tokens_reused > 0

@@ -20,25 +20,38 @@ A verify step of speculative decoding runs the drafts through the layers without
 states (which drafts are kept is known only after sampling); the tokens kept are then applied to
 the states (`commit`: the kernels' advance), so a rejected draft never touches a state.
 
+Agents that share a prefix (a system prompt, tool schemas) share its KV blocks through the prefix
+index; their linear layers' state at a position is published too, keyed by the prefix's chain
+hash, at every `SHARE_STRIDE` tokens of a prefill (`RecurrentSlots.publish`): a new agent adopts
+the KV up to the last published state its history reaches and copies that state.
+
 Plain Python, like the block pool; the tensors are `kv.recurrent_cache.RecurrentCache`'s.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Hashable
 
 SNAPSHOTS = 2
 """Snapshots an agent's state keeps (the ends of its last prompts), oldest dropped first."""
+SHARE_STRIDE = 512
+"""Tokens between the published states of a prefill (`RecurrentSlots.publish`): a prompt's
+chunks end at its multiples, and another agent whose history starts alike continues from the
+last one its history reaches, recomputing fewer than this many tokens of the common prefix."""
 
 
 class RecurrentSlots:
     """The free list of a `RecurrentCache`'s slots (plain Python, like the block pool)."""
 
-    def __init__(self, num_slots: int, copy: Callable[[int, int], None]) -> None:
+    def __init__(self, num_slots: int, copy: Callable[[int, int], None], stride: int = SHARE_STRIDE) -> None:
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out 0 first
         self.num_slots = num_slots
         self.copy = copy
+        self.stride = stride  # tokens between a prefill's published states (a multiple of the block size)
+        # prefix chain hash -> (position, slot) of a published state, least recently used first
+        self.published: OrderedDict[Hashable, tuple[int, int]] = OrderedDict()
 
     @property
     def num_free(self) -> int:
@@ -50,6 +63,36 @@ class RecurrentSlots:
 
     def free(self, slot: int) -> None:
         self._free.append(slot)
+
+    def publish(self, key: Hashable, position: int, source: int) -> None:
+        """Keep a copy of slot `source`, the state after `position` tokens whose chain hash is
+        `key`, for other states to start from (`adopt`), in a free slot if one is left."""
+        if key in self.published:
+            self.published.move_to_end(key)
+            return
+        slot = self.allocate()
+        if slot is None:
+            return
+        self.copy(source, slot)
+        self.published[key] = (position, slot)
+
+    def find(self, key: Hashable) -> int | None:
+        """The position of the published state of this prefix, or None."""
+        held = self.published.get(key)
+        return None if held is None else held[0]
+
+    def adopt(self, key: Hashable, dst: int) -> None:
+        """Slot dst := the published state of this prefix (`find` said it is there)."""
+        self.published.move_to_end(key)
+        self.copy(self.published[key][1], dst)
+
+    def unpublish_oldest(self) -> bool:
+        """Give back the least recently used published state's slot; False where none is left."""
+        if not self.published:
+            return False
+        _, (_, slot) = self.published.popitem(last=False)
+        self.free(slot)
+        return True
 
 
 @dataclass

@@ -405,6 +405,10 @@ class KVSequence:
         """Where the prefix index holds a longer prefix of the tokens than this state's own KV
         (the state shares a few tokens with the new history, the index many), drop the own KV
         down to its full blocks so that `reuse_cached_blocks` adopts the longer prefix."""
+        if self.recurrent is not None:  # a hybrid state starts over where a published state reaches further
+            if self.share and self._published_hit(0, self._index_hit(0, limit)) * self.block_size > self.num_computed:
+                self._keep_kv(0)
+            return
         if self.index_match(limit) > self.num_computed:
             self._keep_kv(self.num_computed - self.num_computed % self.block_size)
 
@@ -412,10 +416,12 @@ class KVSequence:
         """Adopt full blocks of other states (or of our own past) from the prefix index, while
         num_computed sits on a block boundary and stays <= limit. Returns tokens gained."""
         bs = self.block_size
-        if not self.share or self.num_computed % bs or self.recurrent is not None:
+        if not self.share or self.num_computed % bs:
             return 0
         first = self.num_computed // bs
         m = self._index_hit(first, limit)
+        if self.recurrent is not None:  # a hybrid state: as far as a published state of its history goes
+            m = self._shared_hit(first, m)
         if m == first:
             return 0
         for g, table in enumerate(self.tables):
@@ -431,7 +437,39 @@ class KVSequence:
             if start > self._sinks[g]:
                 self._floors[g] = max(self._floors[g], start)
         self.num_computed = m * bs
+        if self.recurrent is not None:
+            self.recurrent.slots.adopt(self.prefix_hash(m - 1), self.recurrent.slot)
+            self.recurrent.position = m * bs
         return (m - first) * bs
+
+    def _shared_hit(self, first: int, m: int) -> int:
+        """A hybrid state's: the most blocks (first < hit <= m) whose end a published state of its
+        history sits at (`RecurrentSlots.publish`), where its live slot can take it; `first`
+        where none does."""
+        if self.recurrent.slot is None or self.recurrent.position != first * self.block_size:
+            return first
+        return self._published_hit(first, m)
+
+    def _published_hit(self, first: int, m: int) -> int:
+        """The most blocks (first < hit <= m) whose end a published state of this history sits at;
+        `first` where none does."""
+        slots = self.recurrent.slots
+        if not slots.published:
+            return first
+        step = max(1, slots.stride // self.block_size)
+        for hit in range(m - m % step, first, -step):
+            if slots.find(self.prefix_hash(hit - 1)) == hit * self.block_size:
+                return hit
+        return first
+
+    def publish_state(self) -> None:
+        """A hybrid state at a multiple of the share stride of its known history, just computed
+        (the step is enqueued): its state is published for others whose history starts alike."""
+        recurrent, bs = self.recurrent, self.block_size
+        at = recurrent.position
+        if (self.share and at and at % recurrent.slots.stride == 0 and at % bs == 0 and at <= len(self.tokens)
+                and recurrent.slot is not None):
+            recurrent.slots.publish(self.prefix_hash(at // bs - 1), at, recurrent.slot)
 
     @property
     def windowed(self) -> bool:
