@@ -107,7 +107,8 @@ class KVSequence:
                  recurrent: RecurrentState | None = None) -> None:
         self.pool = pool
         # a hybrid model's linear-attention state (kv/recurrent.py): valid at `num_computed` only,
-        # so a cut continues from a snapshot (`_keep_kv`), and prefix blocks are never adopted
+        # so a cut continues from a snapshot (`_keep_kv`), and prefix blocks are adopted only as far
+        # as a published state of the same prefix (`_shared_hit`)
         self.recurrent = recurrent
         self.long_rope = long_rope  # the model's LongRoPE, or None
         self.rotated_long = False   # the KV is under LongRoPE's long rotation at every position
