@@ -15,6 +15,7 @@ import dataclasses
 import importlib
 import importlib.util
 import inspect
+import itertools
 import math
 import multiprocessing
 import os
@@ -67,6 +68,30 @@ def _exact(device, dtype):
     if device == "cpu" and dtype == torch.bfloat16:
         return TOLERANCE[dtype]
     return dict(atol=0, rtol=0)
+
+
+def thinned(argnames, keep, *axes):
+    """pytest.mark.parametrize(argnames) over the product of `axes`, each a list of values, of
+    tuples of several, or of pytest.params (several values under one id); a combination whose
+    indices along the axes `keep` rejects is marked slow. The interpreter runs each program in
+    Python: the default run takes the kept subset (each use says what it still covers), and
+    `-m slow` the rest of the product."""
+    names = [name.strip() for name in argnames.split(",")]
+    params = []
+    for combo in itertools.product(*(list(enumerate(axis)) for axis in axes)):
+        values, ids, marks = [], [], [] if keep(*(index for index, _ in combo)) else [pytest.mark.slow]
+        for index, value in combo:
+            if isinstance(value, type(pytest.param(None))):
+                values += value.values
+                ids.append(value.id)
+                marks += value.marks
+                continue
+            for v in value if isinstance(value, tuple) else (value,):  # ids as pytest makes them
+                plain = v is None or isinstance(v, (bool, int, float, str, torch.dtype))
+                ids.append(str(v) if plain else f"{names[len(values)]}{index}")
+                values.append(v)
+        params.append(pytest.param(*values, id="-".join(ids), marks=marks))
+    return pytest.mark.parametrize(argnames, params)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1051,15 +1076,23 @@ def test_the_triton_interpreter_runs_here(request):
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("group", [1, 2, 4, 8])
-@pytest.mark.parametrize("window", [None, WINDOW])
-@pytest.mark.parametrize("lens, num_splits, merge",  # None: the entry point's own choice (here: 1)
-                         [(MIXED_BATCH, None, None), (DECODE_BATCH, None, None), (DECODE_BATCH, 3, True),
-                          (DECODE_BATCH, 3, False), (VERIFY_BATCH, None, None), (VERIFY_BATCH, 3, True)],
-                         ids=["mixed", "decode", "decode-3splits", "decode-3splits-separate-merge",
-                              "verify", "verify-3splits"])  # verify: merged in-kernel at group 1 only
-def test_paged_attention(run_check, dtype, group, window, lens, num_splits, merge):
+# (lens, num_splits, merge); num_splits None: the entry point's own choice (here: 1). verify-3splits
+# merges in-kernel at group 1 only (more rows than MERGE_MAX_ROWS: the separate merge)
+PAGED_BATCHES = [pytest.param(MIXED_BATCH, None, None, id="mixed"),
+                 pytest.param(DECODE_BATCH, None, None, id="decode"),
+                 pytest.param(DECODE_BATCH, 3, True, id="decode-3splits"),
+                 pytest.param(DECODE_BATCH, 3, False, id="decode-3splits-separate-merge"),
+                 pytest.param(VERIFY_BATCH, None, None, id="verify"),
+                 pytest.param(VERIFY_BATCH, 3, True, id="verify-3splits")]
+
+
+# the default run takes each batch at every group once, the (window, dtype) pair turning with batch
+# and group: every (batch, group), (batch, window, dtype) and (group, window, dtype) runs; the whole
+# product with -m slow
+@thinned("lens, num_splits, merge, window, group, dtype",
+         lambda batch, window, group, dtype: 2 * dtype + window == (batch + group) % 4,
+         PAGED_BATCHES, [None, WINDOW], [1, 2, 4, 8], DTYPES)
+def test_paged_attention(run_check, lens, num_splits, merge, window, group, dtype):
     run_check(check_paged_attention, group=group, window=window, lens=lens, dtype=dtype,
               num_splits=num_splits, merge=merge)
 
@@ -1152,26 +1185,34 @@ def test_paged_attention_with_overstated_bounds(run_check, lens):
               num_splits=None, bounds_slack=4000)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("group, window", [(1, None), (4, WINDOW), (8, None)])
-@pytest.mark.parametrize("lens, num_splits, merge",
-                         [(MIXED_BATCH, None, None), (DECODE_BATCH, None, None), (DECODE_BATCH, 3, True),
-                          (DECODE_BATCH, 3, False), (VERIFY_BATCH, None, None)],
-                         ids=["mixed", "decode", "decode-3splits", "decode-3splits-separate-merge", "verify"])
-def test_paged_attention_sinks(run_check, dtype, group, window, lens, num_splits, merge):
+# the default run takes each batch at each (group, window) in one dtype, turning: both dtypes meet
+# every batch and every (group, window); the whole product with -m slow
+@thinned("lens, num_splits, merge, group, window, dtype", lambda batch, shape, dtype: dtype == (batch + shape) % 2,
+         PAGED_BATCHES[:5], [(1, None), (4, WINDOW), (8, None)], DTYPES)
+def test_paged_attention_sinks(run_check, lens, num_splits, merge, group, window, dtype):
     """Sinks start the first split's online softmax (and no other split's)."""
     run_check(check_paged_attention, group=group, window=window, lens=lens, dtype=dtype,
               num_splits=num_splits, merge=merge, sinks=True)
 
 
-@pytest.mark.parametrize("sink_tokens", [1, 4, 20, 25, 1000])
-@pytest.mark.parametrize("lens, window, num_splits, merge",
-                         [(MIXED_BATCH, WINDOW, None, None), (MIXED_SHORT_BATCH, WINDOW, None, None),
-                          (VERIFY_BATCH, WINDOW, 3, False), (LONG_DECODE_BATCH, LONG_WINDOW, 3, True),
-                          (LONG_DECODE_BATCH, LONG_WINDOW, 3, False)],
-                         ids=["mixed", "mixed_short", "verify-3splits", "long-decode-3splits",
-                              "long-decode-3splits-separate-merge"])
-def test_paged_attention_sink_tokens(run_check, sink_tokens, lens, window, num_splits, merge):
+SINK_TOKEN_BATCHES = [
+    pytest.param(MIXED_BATCH, WINDOW, None, None, id="mixed"),
+    pytest.param(MIXED_SHORT_BATCH, WINDOW, None, None, id="mixed_short"),
+    pytest.param(VERIFY_BATCH, WINDOW, 3, False, id="verify-3splits"),
+    pytest.param(LONG_DECODE_BATCH, LONG_WINDOW, 3, True, id="long-decode-3splits"),
+    pytest.param(LONG_DECODE_BATCH, LONG_WINDOW, 3, False, id="long-decode-3splits-separate-merge")]
+SINK_TOKENS = [1, 4, 20, 25, 1000]
+# the default run: 1 sink token is as 4 are (fewer than the window, in the first key tile), and so
+# under LONG_WINDOW are 20 and 25; mixed_short takes mixed's prefill kernel, past the window and all
+# keys; the whole product with -m slow
+SINK_TOKENS_DEFAULT = {"mixed": (4, 20, 25, 1000), "mixed_short": (25, 1000), "verify-3splits": (4, 20, 25, 1000),
+                       "long-decode-3splits": (4, 1000), "long-decode-3splits-separate-merge": (4, 1000)}
+
+
+@thinned("lens, window, num_splits, merge, sink_tokens",
+         lambda batch, sinks: SINK_TOKENS[sinks] in SINK_TOKENS_DEFAULT[SINK_TOKEN_BATCHES[batch].id],
+         SINK_TOKEN_BATCHES, SINK_TOKENS)
+def test_paged_attention_sink_tokens(run_check, lens, window, num_splits, merge, sink_tokens):
     """StreamingLLM's sink tokens: a first loop over the keys before the window (in split decode,
     the first split's), with the gap between them and the window never read (it holds NaN)."""
     run_check(check_paged_attention, group=2, window=window, lens=lens, dtype=torch.float32,
@@ -1200,13 +1241,14 @@ def test_store_kv_fp8(run_check, dtype, num_kv_heads, head_dim):
 
 
 # fp8 caches (kv8): decode (split and not), verify, mixed prefill, short-query batches; groups
-# 1 to 7 (not a power of two), head_dim 16 and 48 (padded), a sliding window
-@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
-@pytest.mark.parametrize("group, head_dim, window", [(1, 32, None), (4, 16, WINDOW), (7, 48, None)])
-@pytest.mark.parametrize("lens, num_splits",
-                         [(MIXED_BATCH, None), (DECODE_BATCH, 3), (VERIFY_BATCH, None), (MIXED_SHORT_BATCH, None)],
-                         ids=["mixed", "decode-3splits", "verify", "mixed_short"])
-def test_paged_attention_fp8(run_check, dtype, group, head_dim, window, lens, num_splits):
+# 1 to 7 (not a power of two), head_dim 16 and 48 (padded), a sliding window. The default run takes
+# each batch at each shape in one dtype, turning: every dtype meets every batch and every shape; the
+# whole product with -m slow
+@thinned("lens, num_splits, group, head_dim, window, dtype", lambda batch, shape, dtype: dtype == (batch + shape) % 3,
+         [pytest.param(MIXED_BATCH, None, id="mixed"), pytest.param(DECODE_BATCH, 3, id="decode-3splits"),
+          pytest.param(VERIFY_BATCH, None, id="verify"), pytest.param(MIXED_SHORT_BATCH, None, id="mixed_short")],
+         [(1, 32, None), (4, 16, WINDOW), (7, 48, None)], DTYPES + [torch.float16])
+def test_paged_attention_fp8(run_check, lens, num_splits, group, head_dim, window, dtype):
     run_check(check_paged_attention, group=group, window=window, lens=lens, dtype=dtype,
               num_splits=num_splits, head_dim=head_dim, kv_fp8=True)
 
@@ -1286,11 +1328,12 @@ PROLOGUE_BATCHES = [(DECODE_BATCH, 1, None), (LONG_DECODE_BATCH, 3, None), (LONG
                     (VERIFY_BATCH[:4] + ((130, 5),), 3, None), (VERIFY_BATCH[:4] + ((130, 5),), 1, WINDOW)]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("lens, num_splits, window", PROLOGUE_BATCHES,
-                         ids=["decode", "decode-3splits", "decode-3splits-window", "verify-3splits", "verify-window"])
-@pytest.mark.parametrize("group", [1, 4, 7])
-def test_attention_prologue(run_check, dtype, lens, num_splits, window, group):
+# the default run takes each batch at each group in one dtype, turning: both dtypes meet every
+# batch and every group; the whole product with -m slow
+@thinned("group, lens, num_splits, window, dtype", lambda group, batch, dtype: dtype == (group + batch) % 2,
+         [1, 4, 7], [pytest.param(*batch, id=name) for batch, name in zip(PROLOGUE_BATCHES, [
+             "decode", "decode-3splits", "decode-3splits-window", "verify-3splits", "verify-window"])], DTYPES)
+def test_attention_prologue(run_check, group, lens, num_splits, window, dtype):
     run_check(check_attention_prologue, dtype=dtype, lens=lens, group=group, head_dim=HEAD_DIM,
               num_splits=num_splits, window=window, unstored=1)
 
@@ -1312,18 +1355,22 @@ def test_attention_prologue_heads(run_check, head_dim, rotary_dim, qk_norm, unit
 PARTIAL_ROTARY_CASES = [(6, 128, 96, False), (14, 32, 24, False), (2, 24, 18, False), (14, 32, 24, True)]
 
 
-@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
-@pytest.mark.parametrize("num_heads, head_dim, rotary_dim, qk_norm", PARTIAL_ROTARY_CASES, ids=str)
-@pytest.mark.parametrize("kv_fp8", [False, True], ids=["kv16", "kv8"])
-def test_qk_norm_rotary_store_partial(run_check, dtype, num_heads, head_dim, rotary_dim, qk_norm, kv_fp8):
+KV_CACHES = [pytest.param(False, id="kv16"), pytest.param(True, id="kv8")]
+
+
+# the default run takes each case with each cache in one dtype, turning: every dtype meets both
+# caches, every case two dtypes; the whole product with -m slow
+@thinned("kv_fp8, num_heads, head_dim, rotary_dim, qk_norm, dtype", lambda kv, case, dtype: dtype == (kv + case) % 3,
+         KV_CACHES, PARTIAL_ROTARY_CASES, DTYPES + [torch.float16])
+def test_qk_norm_rotary_store_partial(run_check, kv_fp8, num_heads, head_dim, rotary_dim, qk_norm, dtype):
     run_check(check_qk_norm_rotary_store, dtype=dtype, num_heads=num_heads, head_dim=head_dim,
               qk_norm=qk_norm, kv_fp8=kv_fp8, rotary_dim=rotary_dim)
 
 
-@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
-@pytest.mark.parametrize("num_heads, head_dim, rotary_dim", [(4, 16, None), (14, 32, None), (6, 64, 48)], ids=str)
-@pytest.mark.parametrize("kv_fp8", [False, True], ids=["kv16", "kv8"])
-def test_qk_norm_rotary_store_unit_offset(run_check, dtype, num_heads, head_dim, rotary_dim, kv_fp8):
+# the default run as test_qk_norm_rotary_store_partial's; the whole product with -m slow
+@thinned("kv_fp8, num_heads, head_dim, rotary_dim, dtype", lambda kv, case, dtype: dtype == (kv + case) % 3,
+         KV_CACHES, [(4, 16, None), (14, 32, None), (6, 64, 48)], DTYPES + [torch.float16])
+def test_qk_norm_rotary_store_unit_offset(run_check, kv_fp8, num_heads, head_dim, rotary_dim, dtype):
     """Gemma's q/k norms, by (1 + weight) in float32, in the fused prologue."""
     run_check(check_qk_norm_rotary_store, dtype=dtype, num_heads=num_heads, head_dim=head_dim,
               qk_norm=True, kv_fp8=kv_fp8, rotary_dim=rotary_dim, unit_offset=True)
@@ -1415,11 +1462,13 @@ GLU_CASES = [(1, 48, 64, False, None, "silu", False), (1, 37, 100, True, None, "
              (2, 40, 64, False, None, "silu", True)]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("rows, n, k, bias, tiles, glu, normed", GLU_CASES,
-                         ids=[f"rows{c[0]}-n{c[1]}-k{c[2]}-{c[5]}" + ("-bias" if c[3] else "")
-                              + ("-tiles" if c[4] else "") + ("-normed" if c[6] else "") for c in GLU_CASES])
-def test_linear_glu(run_check, dtype, rows, n, k, bias, tiles, glu, normed):
+# the default run takes the cases in pairs of one dtype, alternating: silu and tanh gelu, plain and
+# normed, forced tiles and the dispatcher's each in both; the whole product with -m slow
+@thinned("rows, n, k, bias, tiles, glu, normed, dtype", lambda case, dtype: dtype == case // 2 % 2,
+         [pytest.param(*c, id=f"rows{c[0]}-n{c[1]}-k{c[2]}-{c[5]}" + ("-bias" if c[3] else "")
+                       + ("-tiles" if c[4] else "") + ("-normed" if c[6] else "")) for c in GLU_CASES],
+         [torch.bfloat16, torch.float16])
+def test_linear_glu(run_check, rows, n, k, bias, tiles, glu, normed, dtype):
     run_check(check_linear_glu, dtype=dtype, rows=rows, n=n, k=k, bias=bias, tiles=tiles, glu=glu, normed=normed)
 
 
@@ -1464,8 +1513,7 @@ def test_linear_quant(run_check, dtype, bits, lead, n, k, group_size, bias):
 # each kernel outside the dispatcher's range and with K in several steps: the GEMV over 3 and 9
 # rows in 128- and 64-wide steps (int8's K=200: the last one masked), the GEMM over one row
 # and over 5 in two pipelined steps; float16 here only
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("bits, rows, n, k, group_size, kernel, tiles", [
+QUANT_TILE_CASES = [
     (4, 3, 37, 384, 128, "gemv", (4, 128, 4)), (8, 9, 37, 200, 1, "gemv", (2, 64, 4)),
     (4, 1, 40, 96, 32, "gemm", (16, 32, 32, 4, 1)), (8, 5, 33, 192, 1, "gemm", (16, 32, 64, 4, 2)),
     # the GEMVs with two int4 groups a step and a masked last step, int4 groups of 8 and 16
@@ -1491,8 +1539,14 @@ def test_linear_quant(run_check, dtype, bits, lead, n, k, group_size, bias):
     # 32 and 64 rows a program (batch and verify steps): 33 rows in two, both kernels; 70 in two
     # of 64 with PREFETCH
     (4, 33, 20, 256, 128, "dot", (16, 2, 4, 2, True, False, 32)), (4, 33, 24, 128, 32, "dot", (16, 1, 4, 2, False, False, 32)),
-    (4, 70, 20, 384, 128, "dot", (16, 2, 4, 2, True, True, 64))])
-def test_linear_quant_tiles(run_check, dtype, bits, rows, n, k, group_size, kernel, tiles):
+    (4, 70, 20, 384, 128, "dot", (16, 2, 4, 2, True, True, 64))]
+
+
+# the default run alternates the dtype along the cases: each kernel and variant above runs in both;
+# the whole product with -m slow
+@thinned("bits, rows, n, k, group_size, kernel, tiles, dtype", lambda case, dtype: dtype == case % 2,
+         QUANT_TILE_CASES, [torch.bfloat16, torch.float16])
+def test_linear_quant_tiles(run_check, bits, rows, n, k, group_size, kernel, tiles, dtype):
     run_check(check_linear_quant, dtype=dtype, bits=bits, lead=(rows,), n=n, k=k,
               group_size=group_size, bias=True, tiles=(kernel, tiles))
 
@@ -1601,16 +1655,21 @@ def test_a8_folds(run_check, bits, residual, style, k):
 # in steps of 256), int4 groups of 32 (a step spanning several) and of 128 over steps narrower than
 # a group, odd N, per-channel int4 (one group of K); int8 likewise; one to three rows, an outlier
 # in x and none
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("bits, rows, n, k, group_size, tiles, outlier", [
+A8_CASES = [
     (4, 1, 37, 256, 128, (4, 256, 4), 0.0), (4, 1, 37, 384, 128, (2, 256, 2), 40.0),
     (4, 3, 33, 384, 32, (8, 128, 4), 8.0), (4, 1, 70, 512, 128, (4, 64, 2), 0.0), (4, 2, 19, 96, 32, (1, 1024, 4), 40.0),
     (4, 1, 20, 256, 256, (2, 128, 2, 2), 0.0),
     (8, 1, 37, 384, 1, (2, 256, 2), 40.0), (8, 2, 33, 96, 1, (4, 1024, 4), 0.0), (8, 1, 70, 512, 1, (8, 64, 2, 2), 8.0),
     # several rows a program (block_m): 3 rows in a tile of 4, 5 in tiles of 2 (the last masked)
     (4, 3, 37, 384, 128, (2, 256, 2, 1, 4), 40.0), (4, 5, 33, 256, 32, (4, 128, 4, 2, 2), 0.0),
-    (8, 3, 37, 384, 1, (2, 256, 2, 1, 4), 8.0)])
-def test_a8(run_check, dtype, bits, rows, n, k, group_size, tiles, outlier):
+    (8, 3, 37, 384, 1, (2, 256, 2, 1, 4), 8.0)]
+
+
+# the default run alternates the dtype along the cases: int4 and int8, one row a program and
+# several, each in both; the whole product with -m slow
+@thinned("bits, rows, n, k, group_size, tiles, outlier, dtype", lambda case, dtype: dtype == case % 2,
+         A8_CASES, [torch.bfloat16, torch.float16])
+def test_a8(run_check, bits, rows, n, k, group_size, tiles, outlier, dtype):
     run_check(check_a8, dtype=dtype, bits=bits, rows=rows, n=n, k=k, group_size=group_size, tiles=tiles,
               outlier=outlier)
 
