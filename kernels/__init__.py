@@ -65,8 +65,8 @@ from hibana_kernels.moe import MoEExperts
 from hibana_kernels.rotary import AttentionPrologue
 
 __all__ = ["AttentionPrologue", "MoEExperts", "a8_order", "causal_conv1d", "conv_advance", "folds_a8", "folds_glu",
-           "fused_add_rms_norm", "fused_moe", "gated_delta_advance", "gated_delta_rule", "gelu_tanh_and_mul", "linear",
-           "linear_fp8", "linear_int4", "linear_int8", "moe_norm_route", "moe_route",
+           "fused_add_rms_norm", "fused_moe", "gated_delta_advance", "gated_delta_rule", "gated_rms_norm", "gdn_gates",
+           "gelu_tanh_and_mul", "linear", "linear_fp8", "linear_int4", "linear_int8", "moe_norm_route", "moe_route",
            "mxfp4_dequantize", "paged_attention", "qk_norm_rotary_store", "rms_norm", "linear_a8",
            "paged_attention_a8", "rms_norm_a8", "rms_norm_linear", "rotary_embedding", "silu_and_mul",
            "silu_and_mul_a8", "silu_and_mul_linear", "store_kv", "triton_available"]
@@ -350,3 +350,17 @@ def gated_delta_advance(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta:
     counts[b] rows alone (the tokens speculative decoding kept)."""
     impl = _triton("recurrent", v) or recurrent
     impl.gated_delta_advance(k, v, g, beta, state, slots, query_start_loc, counts, has_state)
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+              dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Gated DeltaNet layer's gates of rows a, b [T, Hv] (weights a_log, dt_bias [Hv]): (g =
+    -exp(a_log) * softplus(a + dt_bias) float32, beta = sigmoid(b) in b's dtype), one launch on
+    the GPU; see `hibana_kernels.recurrent.gdn_gates`."""
+    return (_triton("recurrent", a) or recurrent).gdn_gates(a, b, a_log, dt_bias)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., D] times silu(gate) (a view of one shape), as transformers'
+    Qwen3_5RMSNormGated rounds it, one launch on the GPU; see `hibana_kernels.recurrent.gated_rms_norm`."""
+    return (_triton("recurrent", x) or recurrent).gated_rms_norm(x, gate, weight, eps)

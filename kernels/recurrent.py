@@ -15,7 +15,9 @@ after sampling, and `conv_advance` / `gated_delta_advance` then apply the kept r
 
 The arithmetic is transformers' (`modeling_qwen3_5`): the convolution in the weight's dtype, its
 activation there, cast to the rows' dtype; the delta rule in float32 on L2-normalised q and k, the
-state float32, the output cast to v's dtype.
+state float32, the output cast to v's dtype. The layer's per-head gates (`gdn_gates`) and its
+closing gated RMSNorm (`gated_rms_norm`) are here too: a handful of small torch ops each, one
+launch each on the GPU, every rounding transformers'.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ CHUNK = 64
 """Rows per chunk of the delta rule's chunked form (transformers' `chunk_size`)."""
 L2_EPS = 1e-6
 ACTIVATIONS = ("silu", None)
+SOFTPLUS_THRESHOLD = 20.0
+"""F.softplus's default: above it, softplus(x) is x."""
 
 
 def check_activation(activation: str | None) -> None:
@@ -171,6 +175,34 @@ def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         last = decay[:, -1:]  # [H, 1]
         s = s * last.exp()[..., None] + (kc * (last - decay).exp()[..., None]).transpose(-1, -2) @ u
     return o.transpose(0, 1), s
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+              dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Gated DeltaNet layer's gates of each row and value head: (g, beta).
+
+    a, b: [T, Hv] in the model dtype (any row stride: views of the fused gate projection);
+    a_log, dt_bias: [Hv]. g = -exp(a_log) * softplus(a + dt_bias) [T, Hv] float32, the log decay
+    `gated_delta_rule` takes (a_log's exp in float32: in fp16 it could overflow; a + dt_bias
+    float32 by type promotion; softplus with its threshold 20); beta = sigmoid(b) [T, Hv] in b's
+    dtype (computed in float32 and rounded once, as torch does for 16-bit floats). transformers'
+    two lines, as they are."""
+    beta = b.sigmoid()
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, beta
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen3_5RMSNormGated, which closes a Gated DeltaNet layer: RMSNorm of x
+    (statistic in float32, the normalised value cast back to x's dtype, times the weight: the
+    product rounded to x's dtype for a weight of that dtype), then times silu(gate) in float32,
+    cast to x's dtype. x, gate: [..., D] of one shape (gate any view, e.g. z's heads within the
+    rows of the wider projection); weight: [D] in x's dtype or float32."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(dtype)
+    return (h * F.silu(gate.float())).to(dtype)
 
 
 def _sequences(slots: torch.Tensor, has_state: torch.Tensor | None, query_start_loc: torch.Tensor,

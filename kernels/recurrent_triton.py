@@ -4,7 +4,8 @@ Every kernel walks a sequence's rows one by one, as decode and verify steps have
 convolution one program per (sequence, channel block), the delta rule one per (sequence, v head,
 block of Dv) with its [Dk, BLOCK_DV] slice of the state in registers, float32, token by token
 (the recurrent form; exact for a long prefill too, only slow). Bounds, slots and counts are read
-on the device: no host sync, so a launch can be captured in a CUDA graph.
+on the device: no host sync, so a launch can be captured in a CUDA graph. The layer's gates and
+its gated RMSNorm are elementwise and row-wise kernels over tiles of rows.
 """
 
 from __future__ import annotations
@@ -13,10 +14,19 @@ import torch
 import triton
 import triton.language as tl
 
-from hibana_kernels import recurrent
+from hibana_kernels import pdl, recurrent
+from hibana_kernels.pdl import wait_for_previous
 from hibana_kernels.recurrent import check_activation
 
+try:
+    from triton.language.extra import libdevice
+except ImportError:  # triton 3.0 has it under its backend's name only
+    from triton.language.extra.cuda import libdevice
+
 L2_EPS = tl.constexpr(recurrent.L2_EPS)  # a jitted function reads only constexpr globals
+SOFTPLUS_THRESHOLD = tl.constexpr(recurrent.SOFTPLUS_THRESHOLD)
+TILE = 1024
+"""Elements a gates or gated-norm program takes: [rows, Hv] or [rows, D], whole rows."""
 CONV_BLOCK_C = 128
 STATE_TILE = 4096
 """Float32 elements of the state a delta-rule program holds ([Dk, BLOCK_DV]): 32 registers a
@@ -152,6 +162,79 @@ def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr,
         tl.store(s_ptrs, s, mask=_only_if(stop > start, smask))
 
 
+@triton.jit
+def _exp(x, LIBDEVICE: tl.constexpr):
+    """exp(x) in float32. LIBDEVICE: libdevice's expf, which torch's CUDA kernels call, for their
+    results bit for bit (tl.exp is ex2.approx; the interpreter has no libdevice: numpy's exp)."""
+    if LIBDEVICE:
+        y = libdevice.exp(x)
+    else:
+        y = tl.exp(x)
+    return y
+
+
+@triton.jit
+def _log1p(u, LIBDEVICE: tl.constexpr):
+    """log(1 + u) in float32, accurate for small u: libdevice's log1pf (torch's on CUDA), else
+    log(w) * u / (w - 1) with w = 1 + u, which cancels w's rounding (Goldberg's form)."""
+    if LIBDEVICE:
+        y = libdevice.log1p(u)
+    else:
+        w = 1.0 + u
+        y = tl.where(w == 1.0, u, tl.log(w) * (u / tl.where(w == 1.0, 1.0, w - 1.0)))
+    return y
+
+
+@triton.jit
+def _sigmoid(x, LIBDEVICE: tl.constexpr):
+    """1 / (1 + exp(-x)) in float32, torch's formula, its division IEEE-rounded as nvcc's."""
+    return tl.math.fdiv(tl.full(x.shape, 1.0, tl.float32), 1.0 + _exp(-x, LIBDEVICE), ieee_rounding=True)
+
+
+@triton.jit
+def _gdn_gates_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, T, stride_a, stride_b,
+                      H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, LIBDEVICE: tl.constexpr,
+                      PDL: tl.constexpr):
+    """Program (block of BLOCK_T rows): g and beta of its rows, each rounding as torch's ops."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.arange(0, BLOCK_H)
+    hm = h < H
+    decay = -_exp(tl.load(a_log_ptr + h, mask=hm, other=0.0).to(tl.float32), LIBDEVICE)  # -exp(A_log)
+    dt_bias = tl.load(dt_bias_ptr + h, mask=hm, other=0.0).to(tl.float32)
+    wait_for_previous(PDL)  # (the weights above are read before: no kernel of the step writes them)
+    mask = (t < T)[:, None] & hm[None, :]
+    x = tl.load(a_ptr + t[:, None] * stride_a + h[None, :], mask=mask, other=0.0).to(tl.float32) + dt_bias[None, :]
+    softplus = tl.where(x > SOFTPLUS_THRESHOLD, x, _log1p(_exp(x, LIBDEVICE), LIBDEVICE))
+    tl.store(g_ptr + t[:, None] * H + h[None, :], decay[None, :] * softplus, mask=mask)
+    b = tl.load(b_ptr + t[:, None] * stride_b + h[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(beta_ptr + t[:, None] * H + h[None, :], _sigmoid(b, LIBDEVICE).to(beta_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, eps, rows, heads, stride_xm, stride_xh,
+                           stride_gm, stride_gh, D: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                           ROUND_PRODUCT: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+    """Program (block of BLOCK_ROWS rows r of [M, H, D] views, r = m * H + h): their gated norm.
+    ROUND_PRODUCT: weight * normed rounded to x's dtype (a weight of x's dtype, torch's promotion)."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    m, hd = r // heads, r % heads
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    wait_for_previous(PDL)
+    mask = (r < rows)[:, None] & dm[None, :]
+    x = tl.load(x_ptr + (m * stride_xm + hd * stride_xh)[:, None] + d[None, :], mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
+    h = w[None, :] * (xf * inv_rms[:, None]).to(x.dtype).to(tl.float32)
+    if ROUND_PRODUCT:
+        h = h.to(x.dtype).to(tl.float32)
+    gate = tl.load(gate_ptr + (m * stride_gm + hd * stride_gh)[:, None] + d[None, :], mask=mask,
+                   other=0.0).to(tl.float32)
+    silu = tl.math.fdiv(gate, 1.0 + _exp(-gate, LIBDEVICE), ieee_rounding=True)
+    tl.store(out_ptr + r[:, None] * D + d[None, :], (h * silu).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x with unit stride along its last dim (a strided view of a fused projection stays one)."""
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -235,6 +318,50 @@ def _delta_rule(q, k, v, g, beta, state, o, slots, has_state, query_start_loc, c
                                  state.stride(1), state.stride(2), dk ** -0.5, DK=dk, DV=dv,
                                  GROUP=num_v_heads // k.shape[1], BLOCK_DK=block_dk, BLOCK_DV=block_dv,
                                  ADVANCE=advance, WRITE=write)
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+              dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `hibana_kernels.recurrent.gdn_gates`."""
+    a, b = _rows(a), _rows(b)
+    tokens, heads = a.shape
+    g = torch.empty((tokens, heads), dtype=torch.float32, device=a.device)
+    beta = torch.empty((tokens, heads), dtype=b.dtype, device=b.device)
+    block_h = triton.next_power_of_2(heads)
+    block_t = max(TILE // block_h, 1)
+    grid = (triton.cdiv(tokens, block_t),)
+    if grid[0]:
+        _gdn_gates_kernel[grid](a, b, a_log.contiguous(), dt_bias.contiguous(), g, beta, tokens, a.stride(0),
+                                b.stride(0), H=heads, BLOCK_T=block_t, BLOCK_H=block_h, LIBDEVICE=a.is_cuda,
+                                **pdl.launch_args(a.device, "other", grid[0]))
+    return g, beta
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """See `hibana_kernels.recurrent.gated_rms_norm`."""
+    if gate.shape != x.shape:
+        raise ValueError(f"gated_rms_norm wants x and gate of one shape, not {tuple(x.shape)} and {tuple(gate.shape)}")
+    x3, gate3 = _heads(x), _heads(gate)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dim, rows = x.shape[-1], x3.shape[0] * x3.shape[1]
+    block_d = triton.next_power_of_2(dim)
+    block_rows = max(TILE // block_d, 1)
+    grid = (triton.cdiv(rows, block_rows),)
+    if grid[0]:
+        _gated_rms_norm_kernel[grid](x3, gate3, weight.contiguous(), out, eps, rows, x3.shape[1], x3.stride(0),
+                                     x3.stride(1), gate3.stride(0), gate3.stride(1), D=dim, BLOCK_ROWS=block_rows,
+                                     BLOCK_D=block_d,
+                                     ROUND_PRODUCT=torch.promote_types(weight.dtype, x.dtype) == x.dtype,
+                                     LIBDEVICE=x.is_cuda, **pdl.launch_args(x.device, "other", grid[0]))
+    return out
+
+
+def _heads(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] as [M, H, D] (H its second-last dim, 1 for fewer than 3 dims) with a unit stride
+    along D: a view of a head-strided projection's rows (z's heads), a copy only where the leading
+    dims do not merge."""
+    x = x.reshape(-1, x.shape[-2] if x.dim() > 2 else 1, x.shape[-1])
+    return _rows(x)
 
 
 def _has_state(has_state: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:

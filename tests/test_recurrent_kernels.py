@@ -1,18 +1,21 @@
 """Gated DeltaNet kernel tests: the references against transformers' Qwen3.5 functions, run on each
 sequence of a packed batch alone (mixed lengths, one across a 64-row chunk, fresh and continued
 sequences, a sequence with no slot); a verify step (write=False) then its advance against a plain
-step over the kept rows; then the Triton kernels against the references, in test_kernels'
-interpreter worker (or compiled on CUDA)."""
+step over the kept rows; the layer's gates and gated RMSNorm against transformers' bit for bit;
+then the Triton kernels against the references, in test_kernels' interpreter worker (or compiled
+on CUDA)."""
 
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import pytest
 import test_kernels
 import torch
 import torch.nn.functional as F
-from transformers.models.qwen3_5.modeling_qwen3_5 import (causal_conv1d_fn, causal_conv1d_update,
+from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5GatedDeltaNet, Qwen3_5RMSNormGated,
+                                                          causal_conv1d_fn, causal_conv1d_update,
                                                           torch_chunk_gated_delta_rule,
                                                           torch_recurrent_gated_delta_rule)
 
@@ -35,6 +38,8 @@ KEPT = (3, 1, 65, 2, 2, 0, 0, 40)
 SMALL_KEPT = (1, 1, 5, 2, 2, 0, 0)
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 STATE_TOLERANCE = dict(atol=2e-5, rtol=2e-5)  # float32 states, whatever the rows' dtype
+FLOATS = [torch.float32, torch.bfloat16, torch.float16]
+GATE_HEADS, NORM_DIM = 6, 24  # not powers of two: the kernels' masks
 
 
 def layout(batch, device="cpu"):
@@ -70,6 +75,13 @@ def delta_inputs(batch, dtype, device="cpu", seed=0):
             state.to(device))
 
 
+def strided_rows(x):
+    """x's values in a view of wider rows (a fused projection's split): a row stride past its width."""
+    wide = torch.full((x.shape[0], x.shape[1] + 8), float("nan"), dtype=x.dtype, device=x.device)
+    wide[:, 3:3 + x.shape[1]] = x
+    return wide[:, 3:3 + x.shape[1]]
+
+
 def sequences(batch):
     """(rows slice, slot, has_state) of each sequence."""
     start = 0
@@ -82,6 +94,52 @@ def untouched_slots(batch):
     """Slots no sequence of the batch writes (unused, or its sequence has no rows)."""
     written = {slot for rows, slot, _ in batch if slot >= 0 and rows}
     return [s for s in range(NUM_SLOTS) if s not in written]
+
+
+def gate_inputs(dtype, device="cpu", seed=3):
+    """(a, b [T, GATE_HEADS]: views of one fused projection's rows, as a layer splits it; a_log,
+    dt_bias [GATE_HEADS]) in `dtype`, random, a's first row across softplus's threshold (dt_bias 0
+    there) and far below it, b's first row where the sigmoid saturates."""
+    gen = torch.Generator().manual_seed(seed)
+    fused = torch.randn(37, 2 * GATE_HEADS, generator=gen) * 6  # [T, b | a]
+    fused[0] = torch.tensor([-90.0, -30.0, -8.0, 0.0, 8.0, 30.0, -80.0, 19.875, 20.0, 20.125, 30.0, -3.0])
+    a_log = torch.empty(GATE_HEADS).uniform_(0.01, 16, generator=gen).log()  # transformers' init
+    dt_bias = torch.randn(GATE_HEADS, generator=gen)
+    dt_bias[:5] = 0.0
+    fused, a_log, dt_bias = (t.to(device, dtype) for t in (fused, a_log, dt_bias))
+    b, a = fused.split(GATE_HEADS, dim=-1)
+    return a, b, a_log, dt_bias
+
+
+def norm_inputs(dtype, heads, device="cpu", seed=4):
+    """(x, gate, weight): x [T, heads, D] (heads None: [T * 4, D]), gate of its shape a view of
+    wider rows (as z's heads within the input projection's), weight [D] around 1, in `dtype`."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = 5 * 4
+    x = torch.randn(rows, NORM_DIM, generator=gen) * 3
+    wide = torch.randn(rows // (heads or 1), (heads or 1) * NORM_DIM + 7, generator=gen) * 3
+    weight = 1 + torch.randn(NORM_DIM, generator=gen) * 0.3
+    x, wide, weight = (t.to(device, dtype) for t in (x, wide, weight))
+    gate = wide[:, 5:5 + (heads or 1) * NORM_DIM]
+    if heads:
+        x, gate = x.view(-1, heads, NORM_DIM), gate.unflatten(-1, (heads, NORM_DIM))
+    return x, gate, weight
+
+
+def ulps_apart(actual: torch.Tensor, expected: torch.Tensor) -> int:
+    """The largest distance between the two in units in the last place of their dtype (the count
+    of representable values between them; +0 and -0 are one)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if not actual.numel():
+        return 0
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[actual.dtype]
+    magnitude = torch.iinfo(bits).max
+
+    def ordered(t):
+        i = t.contiguous().view(bits).long()
+        return torch.where(i < 0, -(i & magnitude), i)
+
+    return int((ordered(actual) - ordered(expected)).abs().max())
 
 
 def _triton():
@@ -193,12 +251,14 @@ def test_verify_then_advance(dtype):
 
 
 def check_advance_without_has_state(device, use_triton=False):
-    """has_state left out: every slot holds its sequence's state, as has_state all True."""
+    """has_state left out: every slot holds its sequence's state, as has_state all True. (x
+    strided: a layer's q/k/v rows, a view of its input projection's.)"""
     impl = _triton() if use_triton else recurrent
     batch = tuple((rows, slot, True) for rows, slot, _ in SMALL_BATCH)
     slots, has_state, qsl = layout(batch, device)
     counts = torch.tensor(SMALL_KEPT, dtype=torch.int32, device=device)
     x, _, _, conv_state = conv_inputs(batch, torch.float32, device)
+    x = strided_rows(x)
     expected = conv_state.clone()
     recurrent.conv_advance(x, expected, slots, qsl, counts, has_state)
     impl.conv_advance(x, conv_state, slots, qsl, counts)
@@ -220,13 +280,59 @@ def test_activation_is_checked():
         recurrent.causal_conv1d(x, weight, b, state, *layout(SMALL_BATCH), activation="gelu")
 
 
+def test_gates_are_transformers_lines():
+    """The reference's two lines are transformers' own (which a model's greedy output follows)."""
+    source = inspect.getsource(Qwen3_5GatedDeltaNet.forward)
+    assert "beta = b.sigmoid()" in source
+    assert "g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)" in source
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_gdn_gates_match_transformers(dtype):
+    """Bit for bit, from strided views; g float32 whatever the model dtype, beta in b's."""
+    a, b, a_log, dt_bias = gate_inputs(dtype)
+    g, beta = hibana_kernels.gdn_gates(a, b, a_log, dt_bias)
+    assert g.dtype == torch.float32 and beta.dtype == dtype and g.shape == beta.shape == a.shape
+    assert torch.equal(beta, b.sigmoid())
+    assert torch.equal(g, -a_log.float().exp() * F.softplus(a.float() + dt_bias))
+    assert g[0, 0] < 0  # softplus(-80): tiny, not 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_16_bit_sigmoid_rounds_once(dtype):
+    """What the Triton kernel computes: torch's sigmoid of a 16-bit float is the float32 sigmoid
+    rounded once, and over every finite value that is 1 / (1 + exp(-x)) in float32 rounded once
+    (the two float32 results, a few ulps apart at most, round alike)."""
+    x = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    x = x[x.isfinite()]
+    assert torch.equal(x.sigmoid(), x.float().sigmoid().to(dtype))
+    assert ulps_apart(x.sigmoid(), (1 / (1 + torch.exp(-x.float()))).to(dtype)) == 0
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("heads", [4, None], ids=["heads", "rows"])
+def test_gated_rms_norm_matches_transformers(dtype, heads):
+    """transformers' Qwen3_5RMSNormGated module, its weight in the model dtype: bit for bit."""
+    x, gate, weight = norm_inputs(dtype, heads)
+    module = Qwen3_5RMSNormGated(NORM_DIM, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        module.weight.copy_(weight)
+        expected = module(x, gate)
+    y = hibana_kernels.gated_rms_norm(x, gate, weight, 1e-6)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert torch.equal(y, expected)
+
+
 # ---------------------------------------------------------------------------------------------
 # Triton kernels against the references (each check runs in the interpreter worker or on CUDA)
 
 
-def check_causal_conv1d(device, dtype, bias, activation, write):
+def check_causal_conv1d(device, dtype, bias, activation, write, strided=False):
+    """strided: x a view of wider rows, as a layer splits its input projection."""
     slots, has_state, qsl = layout(SMALL_BATCH, device)
     x, weight, b, state = conv_inputs(SMALL_BATCH, dtype, device, seed=1, bias=bias)
+    if strided:
+        x = strided_rows(x)
     expected_state = state.clone()
     expected = recurrent.causal_conv1d(x, weight, b, expected_state, slots, has_state, qsl, activation, write)
     y = _triton().causal_conv1d(x, weight, b, state, slots, has_state, qsl, activation, write)
@@ -252,10 +358,10 @@ def check_gated_delta_rule(device, dtype, write, strided):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("bias, activation, write", [(True, "silu", True), (False, None, False)],
-                         ids=["bias-silu-write", "plain-nowrite"])
-def test_triton_causal_conv1d(run_check, dtype, bias, activation, write):
-    run_check(check_causal_conv1d, dtype=dtype, bias=bias, activation=activation, write=write)
+@pytest.mark.parametrize("bias, activation, write, strided", [(True, "silu", True, True), (False, None, False, False)],
+                         ids=["bias-silu-write-strided", "plain-nowrite"])
+def test_triton_causal_conv1d(run_check, dtype, bias, activation, write, strided):
+    run_check(check_causal_conv1d, dtype=dtype, bias=bias, activation=activation, write=write, strided=strided)
 
 
 @pytest.mark.parametrize("dtype, write, strided", [(torch.float32, True, False), (torch.bfloat16, True, True),
@@ -271,3 +377,50 @@ def test_triton_verify_then_advance(run_check):
 
 def test_triton_advance_without_has_state(run_check):
     run_check(check_advance_without_has_state, use_triton=True)
+
+
+
+GATES_ULPS = {torch.float32: 4, torch.bfloat16: 1, torch.float16: 1}
+"""beta's distance from the reference in the interpreter: numpy's exp against torch's, and its
+bf16 casts truncate. g (float32) is within 8: exp and log1p a few ulps apart."""
+NORM_ULPS = {torch.float32: 8, torch.bfloat16: 6, torch.float16: 2}
+"""The gated norm's distance, interpreter or CUDA: the float32 statistic summed in another order;
+in the interpreter its three bf16 roundings truncate."""
+
+
+def check_gdn_gates(device, dtype):
+    """Compiled on CUDA (libdevice's exp and log1p, torch's own), bit for bit; in the interpreter
+    within a few ulps."""
+    a, b, a_log, dt_bias = gate_inputs(dtype, device)
+    g, beta = _triton().gdn_gates(a, b, a_log, dt_bias)
+    expected_g, expected_beta = recurrent.gdn_gates(a, b, a_log, dt_bias)
+    assert g.dtype == torch.float32 and beta.dtype == dtype and g.shape == beta.shape == a.shape
+    exact = device == "cuda"
+    assert ulps_apart(g, expected_g) <= (0 if exact else 8)
+    assert ulps_apart(beta, expected_beta) <= (0 if exact else GATES_ULPS[dtype])
+    g, beta = _triton().gdn_gates(a[:0], b[:0], a_log, dt_bias)
+    assert g.shape == beta.shape == (0, GATE_HEADS)
+
+
+def check_gated_rms_norm(device, dtype, heads, float32_weight):
+    """float32_weight: the product weight * normed not rounded (torch's promotion)."""
+    x, gate, weight = norm_inputs(dtype, heads, device)
+    if float32_weight:
+        weight = weight.float()
+    y = _triton().gated_rms_norm(x, gate, weight, 1e-6)
+    expected = recurrent.gated_rms_norm(x, gate, weight, 1e-6)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert ulps_apart(y, expected) <= NORM_ULPS[dtype]
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_triton_gdn_gates(run_check, dtype):
+    run_check(check_gdn_gates, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype, heads, float32_weight",
+                         [(torch.float32, 4, False), (torch.bfloat16, 4, False), (torch.float16, None, False),
+                          (torch.bfloat16, None, True)],
+                         ids=["float32-heads", "bfloat16-heads", "float16-rows", "bfloat16-float32-weight"])
+def test_triton_gated_rms_norm(run_check, dtype, heads, float32_weight):
+    run_check(check_gated_rms_norm, dtype=dtype, heads=heads, float32_weight=float32_weight)

@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import hibana_kernels as kernels
@@ -43,16 +42,6 @@ class LinearAttentionArgs:
         return RecurrentShape(conv_dim=2 * key_dim + self.num_value_heads * self.value_head_dim,
                               conv_width=self.conv_kernel, heads=self.num_value_heads,
                               key_dim=self.key_head_dim, value_dim=self.value_head_dim)
-
-
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Qwen3_5RMSNormGated: RMSNorm of x (statistic in float32, cast back, times the
-    weight), then times silu(gate) in float32, cast to x's dtype. x, gate: [N, D]."""
-    dtype = x.dtype
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    h = weight * h.to(dtype)
-    return (h * F.silu(gate.float())).to(dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -107,19 +96,18 @@ class GatedDeltaNet(nn.Module):
         batch = self.ctx.batch
         conv_state, state = self.ctx.recurrent.layer(self.index)
         slots, has_state, starts, writes = batch.state_slots, batch.has_state, batch.query_start_loc, batch.writes_state
-        mixed = mixed.contiguous()  # [T, conv_dim]
+        # mixed [T, conv_dim]: a view of in_proj's rows, which the convolution (and its advance) read strided
         conv = kernels.causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, conv_state, slots, has_state,
                                      starts, "silu", writes)
         q, k, v = conv.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         q = q.reshape(tokens, self.num_key_heads, self.key_head_dim)
         k = k.reshape(tokens, self.num_key_heads, self.key_head_dim)
         v = v.reshape(tokens, self.num_value_heads, self.value_head_dim)
-        beta = b.sigmoid()  # in the model dtype, as transformers
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] float32
+        g, beta = kernels.gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv]: float32, the model dtype
         o = kernels.gated_delta_rule(q, k, v, g, beta, state, slots, has_state, starts, writes)  # [T, Hv, Dv]
         self._verified = None if writes else (mixed, k, v, g, beta, slots, has_state, starts)
-        o = gated_rms_norm(o.reshape(-1, self.value_head_dim), z.reshape(-1, self.value_head_dim),
-                           self.norm.weight, self.eps)
+        z = z.unflatten(-1, (self.num_value_heads, self.value_head_dim))  # [T, Hv, Dv], a view
+        o = kernels.gated_rms_norm(o, z, self.norm.weight, self.eps)
         return self.out_proj(o.reshape(tokens, self.value_dim)), residual
 
     def commit(self, counts: torch.Tensor) -> None:
