@@ -644,6 +644,8 @@ class Engine:
             draft = self.scheduler.speculation.resident_bytes()
             if draft:
                 device["draft_model"] = draft
+            if self.recurrent_slots is not None:  # a hybrid model's linear-attention states (kv/recurrent.py)
+                device["recurrent"] = self._recurrent_memory()
             if self.device.type == "cuda":  # what torch's allocator really holds, and held at most
                 device["allocated"] = torch.cuda.memory_allocated(self.device)
                 device["peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
@@ -654,6 +656,16 @@ class Engine:
                              "kv_shared": tier.disk_shared_bytes if tier else 0,
                              "folder": str(tier.spill_dir) if tier and tier.spill_dir else None},
                     "states": states}
+
+    def _recurrent_memory(self) -> dict:
+        """A hybrid model's recurrent cache: its bytes and slots, and what holds them (the states'
+        live slots, their snapshots, the published states of shared prefixes)."""
+        slots, cache = self.recurrent_slots, self._ctx.recurrent
+        held = [seq.recurrent for seq in self.registry.sequences() if seq.recurrent is not None]
+        return {"bytes": cache.nbytes, "slot_bytes": cache.slot_bytes(cache.shapes, cache.dtype),
+                "slots": slots.num_slots, "free": slots.num_free,
+                "live": sum(r.slot is not None for r in held), "snapshots": sum(len(r.snapshots) for r in held),
+                "published": len(slots.published)}
 
     # --- lifetime -----------------------------------------------------------------------------
 

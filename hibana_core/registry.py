@@ -518,12 +518,19 @@ class StateRegistry:
         return found
 
     def idle_sequences(self) -> list[KVSequence]:
-        """Sequences holding KV and serving no request, first to evict first (the policy's order)."""
+        """Sequences holding KV (or a hybrid model's recurrent slots) and serving no request,
+        first to evict first (the policy's order)."""
         busy = self._busy()
         idle = [(e.seq, e.use, e.seq.num_blocks) for e in self._entries.values()
-                if e.seq.num_blocks and id(e.seq) not in busy]
+                if (e.seq.num_blocks or (e.seq.recurrent is not None and e.seq.recurrent.num_slots))
+                and id(e.seq) not in busy]
         pin_blocks = int(self.config.pin_budget * self.core.scheduler.pool.num_blocks)
         return retention_order(self.policy, idle, time.monotonic(), pin_blocks)
+
+    def sequences(self) -> list[KVSequence]:
+        """Every open state's sequence."""
+        with self.lock:
+            return [e.seq for e in self._entries.values()]
 
     def prefetch(self) -> float:
         """While the engine is idle: bring back the parked states whose agents are due from their

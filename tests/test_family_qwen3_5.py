@@ -127,6 +127,9 @@ def test_snapshots_are_bounded_and_their_slots_reused(qwen35, make_engine):
     state = recurrent_of(engine, h)
     assert len(state.snapshots) == SNAPSHOTS and state.num_slots == SNAPSHOTS + 1
     assert engine.recurrent_slots.num_free == free - state.num_slots
+    recurrent = engine.memory()["device"]["recurrent"]
+    assert (recurrent["live"], recurrent["snapshots"], recurrent["free"]) == (1, SNAPSHOTS, free - state.num_slots)
+    assert recurrent["bytes"] == (recurrent["slots"] + 1) * recurrent["slot_bytes"] > 0
     h.close()
     assert engine.recurrent_slots.num_free == free  # every slot back
 
