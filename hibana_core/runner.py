@@ -696,10 +696,16 @@ class DecodeGraphs:
         stream, which `torch.cuda.graph` leaves set when ending the capture raises."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        slots = None
+        if self.hybrid:  # warm-ups run the step for real: a recurrent state would fold its tokens in twice more
+            slots = self.state_slots.clone()
+            self.state_slots.fill_(-1)
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: Triton compiles, rotary tables get built
                 self._forward(bucket, q, span)
         torch.cuda.current_stream().wait_stream(stream)
+        if slots is not None:
+            self.state_slots.copy_(slots)
         if self.mempool is None:  # the pool's id is ours, known also when the capture fails
             self.mempool = torch.cuda.graph_pool_handle()
         with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=self.mempool, stream=stream,
