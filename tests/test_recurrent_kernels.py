@@ -196,7 +196,11 @@ def test_gated_delta_rule_matches_transformers(dtype):
         if rows.stop == rows.start:
             continue
         form = torch_recurrent_gated_delta_rule if rows.stop - rows.start == 1 else torch_chunk_gated_delta_rule
-        expected, expected_state = form(q[None, rows], k[None, rows], v[None, rows], g[None, rows], beta[None, rows],
+        # each q/k head repeated for the v heads it serves, as the layer does before these functions in
+        # transformers releases whose functions take equal head counts only (5.17, the GPU image's)
+        group = v.shape[1] // q.shape[1]
+        rq, rk = (x[rows].repeat_interleave(group, dim=1) for x in (q, k))
+        expected, expected_state = form(rq[None], rk[None], v[None, rows], g[None, rows], beta[None, rows],
                                         initial_state=before[slot][None] if has else None,
                                         output_final_state=True, use_qk_l2norm_in_kernel=True)
         # bf16: the same float32 arithmetic in another order, a rounding apart at most
@@ -389,15 +393,16 @@ in the interpreter its three bf16 roundings truncate."""
 
 
 def check_gdn_gates(device, dtype):
-    """Compiled on CUDA (libdevice's exp and log1p, torch's own), bit for bit; in the interpreter
-    within a few ulps."""
+    """Compiled on CUDA (libdevice's exp and log1p, torch's own): g bit for bit, beta within one
+    ulp (on the H100, 2026-12-07, a float32 sigmoid came out one ulp from torch's: its kernel
+    divides in another order); in the interpreter within a few ulps."""
     a, b, a_log, dt_bias = gate_inputs(dtype, device)
     g, beta = _triton().gdn_gates(a, b, a_log, dt_bias)
     expected_g, expected_beta = recurrent.gdn_gates(a, b, a_log, dt_bias)
     assert g.dtype == torch.float32 and beta.dtype == dtype and g.shape == beta.shape == a.shape
     exact = device == "cuda"
     assert ulps_apart(g, expected_g) <= (0 if exact else 8)
-    assert ulps_apart(beta, expected_beta) <= (0 if exact else GATES_ULPS[dtype])
+    assert ulps_apart(beta, expected_beta) <= (1 if exact else GATES_ULPS[dtype])
     g, beta = _triton().gdn_gates(a[:0], b[:0], a_log, dt_bias)
     assert g.shape == beta.shape == (0, GATE_HEADS)
 
