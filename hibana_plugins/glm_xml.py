@@ -26,7 +26,7 @@ from typing import Any, Iterator, NamedTuple
 
 from hibana_plugins.hookspecs import ToolCallStream, hookimpl
 from hibana_plugins.qwen_xml import (_PADDING, SchemaTypedToolParser, _CallBlockStream, _json, _kinds, _plain_string,
-                                      parameter_types, typed_value)
+                                      end_outside_values, parameter_types, typed_value)
 from hibana_plugins.qwen_xml import _value_begun as _typed_value_begun
 from hibana_plugins.tool_parsers import _accepted, _Decoded, _loads, partial_tag_length
 
@@ -128,27 +128,12 @@ def decode_glm_call(body: str, types: dict[str, dict[str, Any]]) -> _Decoded:
     return _accepted(name, arguments)
 
 
-def _block_end(block: str) -> int:
-    """Where the `</tool_call>` that ends a call block (`block`: what follows its `<tool_call>`) is,
-    -1 while it is not there yet: the first outside an argument's value, so that a value's text
-    (code) may hold `</tool_call>`, as the grammar lets it."""
-    at = 0
-    while True:
-        end, value = block.find(CALL_END, at), block.find(VALUE_START, at)
-        if value < 0 or 0 <= end < value:
-            return end
-        closed = block.find(VALUE_END, value + len(VALUE_START))
-        if closed < 0:
-            return -1
-        at = closed + len(VALUE_END)
-
-
 class _GlmStream(_CallBlockStream):
     """GLM-4.5's blocks: one cut inside its `</tool_call>` (from `</` on) is a call; one cut before it
     (its arguments may go on) is a cut call."""
 
     def _block_end(self, block: str) -> int:
-        return _block_end(block)
+        return end_outside_values(block, CALL_END, VALUE_START, VALUE_END)
 
     def _decode(self, body: str) -> _Decoded:
         return decode_glm_call(body, self._types)

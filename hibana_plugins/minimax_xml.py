@@ -36,7 +36,7 @@ from typing import Any, Collection, NamedTuple
 
 from hibana_plugins.hookspecs import ToolCallStream, hookimpl
 from hibana_plugins.qwen_xml import (_PADDING, SchemaTypedToolParser, _CallBlockStream, _json, _kinds,
-                                      _plain_string, _value_begun, parameter_types, typed_value)
+                                      _plain_string, _value_begun, end_outside_values, parameter_types, typed_value)
 from hibana_plugins.tool_parsers import _accepted, _Decoded, partial_tag_length
 
 BLOCK_START, BLOCK_END = "<minimax:tool_call>", "</minimax:tool_call>"
@@ -156,21 +156,6 @@ def _read_block(body: str, types: dict[str, dict[str, Any]]) -> _Block:
         at = inner + invoke.end
 
 
-def _block_end(block: str) -> int:
-    """Where the `</minimax:tool_call>` that ends a block (`block`: what follows its
-    `<minimax:tool_call>`) is, -1 while it is not there yet: the first outside a parameter's value,
-    so that a value's text (code) may hold it, as the grammar lets it."""
-    at = 0
-    while True:
-        end, value = block.find(BLOCK_END, at), block.find(PARAMETER_START, at)
-        if value < 0 or 0 <= end < value:
-            return end
-        closed = block.find(PARAMETER_END, value + len(PARAMETER_START))
-        if closed < 0:
-            return -1
-        at = closed + len(PARAMETER_END)
-
-
 class _MinimaxStream(_CallBlockStream):
     """MiniMax-M2's blocks, each decided whole at its `</minimax:tool_call>`; one the text ends inside
     keeps the calls it closed, and the rest is a cut call."""
@@ -178,7 +163,7 @@ class _MinimaxStream(_CallBlockStream):
     opener, closer = BLOCK_START, BLOCK_END
 
     def _block_end(self, block: str) -> int:
-        return _block_end(block)
+        return end_outside_values(block, BLOCK_END, PARAMETER_START, PARAMETER_END)
 
     def _whole_block(self, out: list, body: str) -> None:
         block = _read_block(body, self._types)

@@ -296,6 +296,22 @@ def _block_end(block: str, opener: str = CALL_START, closer: str = CALL_END) -> 
     return first if next_call >= 0 else -1
 
 
+def end_outside_values(block: str, closer: str, value_start: str, value_end: str) -> int:
+    """Where the first `closer` of `block` outside every value (from `value_start` to its
+    `value_end`) is, -1 while it is not there yet: the end tag of a format whose values' text (code)
+    may hold that tag, as the grammar lets it (GLM-4.5's `</tool_call>` beside its `<arg_value>`s,
+    MiniMax-M2's `</minimax:tool_call>` beside its `<parameter name=...>`s)."""
+    at = 0
+    while True:
+        end, value = block.find(closer, at), block.find(value_start, at)
+        if value < 0 or 0 <= end < value:
+            return end
+        closed = block.find(value_end, value + len(value_start))
+        if closed < 0:
+            return -1
+        at = closed + len(value_end)
+
+
 class _CallBlockStream(_Stream):
     """Calls open at the format's block tag (`opener`: `<tool_call>`) anywhere in the text and are
     decided at the end tag (`closer`) that `_block_end` finds (a format whose values may hold that
