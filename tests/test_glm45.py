@@ -13,15 +13,7 @@ import pytest
 import tiny_models
 from hibana_plugins.glm_xml import GlmToolParser, glm_value
 from hibana_plugins.hookspecs import CutCall, ToolCallDelta
-
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather of a city.",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "days": {"type": "integer"}, "ratio": {"type": "number"},
-        "metric": {"type": "boolean"}, "options": {"type": "object"}, "tags": {"type": "array"},
-        "zip": {"type": "string"}, "unit": {"type": "string", "enum": ["C", "F"]}},
-        "required": ["city"]}}}
-
+from parser_cases import ALARM, WEATHER, streamed, tool_call
 
 def call(name: str, compact: bool = False, **arguments: str) -> str:
     """A call as GLM-4.5's template writes one (`compact`: as GLM-4.7's, without the newlines)."""
@@ -52,18 +44,6 @@ def call(name: str, compact: bool = False, **arguments: str) -> str:
 def test_a_value_is_typed_by_its_schema_or_else_by_its_json(text, schema, value):
     got = glm_value(text, schema)
     assert got == value and type(got) is type(value)
-
-
-def streamed(parser, chunks, tools):
-    stream, text, calls = parser.stream(tools), [], {}
-    pieces = [p for chunk in chunks for p in stream.feed(chunk)] + stream.close()
-    for piece in pieces:
-        if isinstance(piece, ToolCallDelta):
-            entry = calls.setdefault(piece.index, [piece.id, piece.name, ""])
-            entry[2] += piece.arguments_fragment
-        else:
-            text.append(piece)
-    return text, [(i, n, json.loads(a)) for i, n, a in calls.values()], stream.finish()
 
 
 TEXTS = [
@@ -191,20 +171,6 @@ def glm(tmp_path_factory):
     path = glm45_model.make_glm_checkpoint(tmp_path_factory.mktemp("glm45"))
     with tiny_models.open_engine(path, max_model_len=4096) as engine:
         yield engine
-
-
-ALARM = {"type": "function", "function": {
-    "name": "set_alarm", "description": "Set an alarm.",
-    "parameters": {"type": "object", "properties": {
-        "hour": {"type": "integer", "minimum": 0, "maximum": 23},
-        "loud": {"type": "boolean"},
-        "label": {"type": "string", "enum": ["work", "gym"]},
-        "note": {"type": "string", "maxLength": 12}},
-        "required": ["hour", "label"]}}}
-
-
-def tool_call(call_id: str, name: str, arguments: dict) -> dict:
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
 
 
 def test_the_template_picks_the_parser_and_its_replies_parse_back(glm):

@@ -10,6 +10,7 @@ import pytest
 
 from hibana_plugins.hookspecs import CutCall, ToolCallDelta
 from hibana_plugins.qwen_xml import QwenXmlToolParser, typed_value
+from parser_cases import streamed
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather of a city.",
@@ -55,18 +56,6 @@ def call(name: str, **params: str) -> str:
 def test_a_value_is_typed_by_its_schema(text, schema, value):
     got = typed_value(text, schema)
     assert got == value and type(got) is type(value)
-
-
-def streamed(parser, chunks, tools):
-    stream, text, calls = parser.stream(tools), [], {}
-    pieces = [p for chunk in chunks for p in stream.feed(chunk)] + stream.close()
-    for piece in pieces:
-        if isinstance(piece, ToolCallDelta):
-            entry = calls.setdefault(piece.index, [piece.id, piece.name, ""])
-            entry[2] += piece.arguments_fragment
-        else:
-            text.append(piece)
-    return text, [(i, n, json.loads(a)) for i, n, a in calls.values()], stream.finish()
 
 
 TEXTS = [

@@ -15,15 +15,7 @@ import pytest
 import tiny_models
 from hibana_plugins.hookspecs import CutCall, ToolCallDelta
 from hibana_plugins.seed_xml import SeedOssToolParser
-
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather of a city.",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "days": {"type": "integer"}, "ratio": {"type": "number"},
-        "metric": {"type": "boolean"}, "options": {"type": "object"}, "tags": {"type": "array"},
-        "zip": {"type": "string"}, "unit": {"type": "string", "enum": ["C", "F"]}},
-        "required": ["city"]}}}
-
+from parser_cases import ALARM, WEATHER, streamed, tool_call
 
 def call(name: str, **parameters: str) -> str:
     """One call, its block, as Seed-OSS's template writes it (without the newline it writes before it)."""
@@ -55,18 +47,6 @@ def test_a_value_is_typed_by_its_schema(text, schema, value):
     assert out.error is None
     got = out.tool_calls[0].arguments["v"]
     assert got == value and type(got) is type(value)
-
-
-def streamed(parser, chunks, tools):
-    stream, text, calls = parser.stream(tools), [], {}
-    pieces = [p for chunk in chunks for p in stream.feed(chunk)] + stream.close()
-    for piece in pieces:
-        if isinstance(piece, ToolCallDelta):
-            entry = calls.setdefault(piece.index, [piece.id, piece.name, ""])
-            entry[2] += piece.arguments_fragment
-        else:
-            text.append(piece)
-    return text, [(i, n, json.loads(a)) for i, n, a in calls.values()], stream.finish()
 
 
 TEXTS = [
@@ -218,20 +198,6 @@ def seed(tmp_path_factory):
     path = seed_oss_model.make_seed_oss_checkpoint(tmp_path_factory.mktemp("seed"))
     with tiny_models.open_engine(path, max_model_len=4096) as engine:
         yield engine
-
-
-ALARM = {"type": "function", "function": {
-    "name": "set_alarm", "description": "Set an alarm.",
-    "parameters": {"type": "object", "properties": {
-        "hour": {"type": "integer", "minimum": 0, "maximum": 23},
-        "loud": {"type": "boolean"},
-        "label": {"type": "string", "enum": ["work", "gym"]},
-        "note": {"type": "string", "maxLength": 12}},
-        "required": ["hour", "label"]}}}
-
-
-def tool_call(call_id: str, name: str, arguments: dict) -> dict:
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
 
 
 def test_the_template_picks_the_parser_and_its_replies_parse_back(seed):
