@@ -214,10 +214,6 @@ class EngineCore:
     def _drafting_next(self) -> bool:
         return self.speculation is not None and self.speculation.wants_history(self.scheduler.running)
 
-    @staticmethod
-    def _verifies(scheduled: SchedulerOutput) -> bool:
-        return any(c.draft_token_ids for c in scheduled.chunks)
-
     def _launch(self, scheduled: SchedulerOutput) -> StepInFlight | None:
         unsampled = self.in_flight is not None and self.in_flight.pending is not None
         try:
@@ -284,7 +280,7 @@ class EngineCore:
         """Whether this step's tokens may be read during the next step: not where a request's
         sampling reads its history on the host (penalties), which must then be complete, nor
         where drafts are verified (how many are kept decides where the next step starts)."""
-        return self.async_scheduling and not self._verifies(scheduled) and not any(
+        return self.async_scheduling and not scheduled.verifies and not any(
             needs_history(c.request.params) for c in scheduled.sampling)
 
     def _update(self, step: StepInFlight) -> None:
@@ -300,7 +296,7 @@ class EngineCore:
             self.scheduler.fail(step.scheduled, HibanaError(f"model step failed on the device: {exc!r}"))
             return None
         updated = self.scheduler.update_from_output(step.scheduled, output)
-        if self._verifies(step.scheduled):  # a hybrid model's states fold in the tokens kept, no others
+        if step.scheduled.verifies:  # a hybrid model's states fold in the tokens kept, no others
             self.runner.commit_recurrent(step.scheduled)
         return updated
 
@@ -311,7 +307,7 @@ class EngineCore:
             self.outputs.process(updated)
             if self.speculation is not None:
                 self.speculation.updated(step.scheduled.chunks)
-                self.speculation.observe_step(step.scheduled.num_tokens, self._verifies(step.scheduled),
+                self.speculation.observe_step(step.scheduled.num_tokens, step.scheduled.verifies,
                                               None if step.timer is None else step.timer.seconds())
         except BaseException:
             if filling:

@@ -240,8 +240,7 @@ def gather_step(scheduled: SchedulerOutput, previous: StepInFlight | None = None
     return StepData(ids, positions, slots, seq_lens, starts, tables, logits_indices,
                     max(c.num_tokens for c in scheduled.chunks), from_device,
                     [-1 if r.slot is None else r.slot for r in recurrent] if hybrid else None,
-                    [c.start > 0 for c in scheduled.chunks] if hybrid else None,
-                    not any(c.draft_token_ids for c in scheduled.chunks))
+                    [c.start > 0 for c in scheduled.chunks] if hybrid else None, not scheduled.verifies)
 
 
 class ModelRunner:
@@ -495,8 +494,7 @@ class DecodeGraphs:
         length and enough context for its front padding."""
         query_len = self._query_len(data.max_query_len)
         sequences = len(data.seq_lens)
-        return (query_len is not None and sequences <= self.buckets[-1]
-                and (query_len == 1 or not self.hybrid)
+        return (query_len in self.query_lens and sequences <= self.buckets[-1]
                 and num_sampling == len(data.logits_indices)
                 and (query_len == 1 or min(data.seq_lens) >= query_len)
                 and self._samples_every_chunk(data)

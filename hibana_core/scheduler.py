@@ -152,6 +152,12 @@ class SchedulerOutput:
         """The chunks that sample, in the order of the sampled rows."""
         return [c for c in self.chunks if c.sample]
 
+    @property
+    def verifies(self) -> bool:
+        """Whether the step verifies drafts: its tokens are read back before the next step is
+        scheduled, and a hybrid model's states take in the kept ones after sampling."""
+        return any(c.draft_token_ids for c in self.chunks)
+
 
 @dataclass(frozen=True)
 class RunnerOutput:
@@ -362,11 +368,12 @@ class Scheduler:
 
     @staticmethod
     def _scheduled(chunks: list[ScheduledChunk]) -> SchedulerOutput:
-        writes_state = not any(c.draft_token_ids for c in chunks)  # (a verify step commits after sampling)
+        out = SchedulerOutput(tuple(chunks), sum(c.num_tokens for c in chunks))
+        writes_state = not out.verifies  # (a verify step's states take in the kept tokens after sampling)
         for chunk in chunks:  # the chunks' KV counts as written from here (see `fail`)
             chunk.request.seq.mark_computed(chunk.num_tokens, writes_state)
             chunk.request.num_output_placeholders += chunk.sample
-        return SchedulerOutput(tuple(chunks), sum(c.num_tokens for c in chunks))
+        return out
 
     def _awaiting_update(self) -> bool:
         """Whether a step in flight will move a running request on (a token to read back, or
