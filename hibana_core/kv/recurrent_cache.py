@@ -12,6 +12,22 @@ from dataclasses import dataclass
 import torch
 
 
+STATE_TENSORS = ("conv", "ssm")
+"""A slot's tensors as `RecurrentCache.read` gives them, each stacked over the linear layers."""
+
+
+def file_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A slot's tensors as state files and spill files hold them, beside "kv": "recurrent.conv", "recurrent.ssm"."""
+    return {f"recurrent.{name}": state[name].contiguous() for name in STATE_TENSORS}
+
+
+def from_file_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """`file_tensors` read back (None where the file holds no linear-attention state)."""
+    if f"recurrent.{STATE_TENSORS[0]}" not in tensors:
+        return None
+    return {name: tensors[f"recurrent.{name}"] for name in STATE_TENSORS}
+
+
 @dataclass(frozen=True)
 class RecurrentShape:
     """One linear-attention layer's state, as the model declares it."""

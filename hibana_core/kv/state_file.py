@@ -25,6 +25,7 @@ import torch
 from hibana_core.config import is_kind
 from hibana_core.errors import StateFileError
 from hibana_core.kv.layout import KVLayout
+from hibana_core.kv.recurrent_cache import STATE_TENSORS, file_tensors, from_file_tensors
 from hibana_core.kv.sequence import page_counts
 
 FORMAT = "hibana-state/2"
@@ -104,10 +105,6 @@ _DESCRIBED = ("fingerprint_scheme", "configuration")
 "what differs" of a refused file quotes `configuration`); files written before verify without them."""
 
 
-RECURRENT = ("conv", "ssm")
-"""A hybrid model's state tensors in a file (`SavedState.recurrent`), as "recurrent.conv" / "recurrent.ssm"."""
-
-
 def _checksum(meta: dict, kv: torch.Tensor, described: bool = True,
               recurrent: dict[str, torch.Tensor] | None = None) -> str:
     h = hashlib.blake2b(digest_size=32)
@@ -116,7 +113,7 @@ def _checksum(meta: dict, kv: torch.Tensor, described: bool = True,
     optional = tuple(k for k in ("rotation", "pages", "layout", "recurrent", *(_DESCRIBED if described else ()))
                      if k in meta)
     h.update(json.dumps([meta.get(k) for k in _CHECKED + optional]).encode())
-    for tensor in (kv, *((recurrent[name] for name in RECURRENT) if recurrent is not None else ())):
+    for tensor in (kv, *((recurrent[name] for name in STATE_TENSORS) if recurrent is not None else ())):
         tensor = tensor.contiguous()
         h.update(json.dumps([str(tensor.dtype), list(tensor.shape)]).encode())
         h.update(tensor.view(torch.uint8).numpy() if tensor.numel() else b"")  # its buffer: no copy
@@ -165,8 +162,7 @@ def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, b
     tensors = {"kv": kv}
     if recurrent is not None:  # a hybrid model's linear-attention state at num_computed
         metadata["recurrent"] = "1"
-        recurrent = {name: recurrent[name].contiguous() for name in RECURRENT}
-        tensors.update({f"recurrent.{name}": t for name, t in recurrent.items()})
+        tensors.update(file_tensors(recurrent))
     metadata["checksum"] = _checksum(metadata, kv, recurrent=recurrent)
     tmp = None
     try:
@@ -245,7 +241,7 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.
                                  f"(format {meta.get('format')!r}); save the state again")
         loaded = safetensors.torch.load(data)
         kv = loaded["kv"]
-        held = {name: loaded[f"recurrent.{name}"] for name in RECURRENT} if "recurrent" in meta else None
+        held = from_file_tensors(loaded) if "recurrent" in meta else None
         del data, loaded  # the file's bytes, before the checksum copies the KV once more
         checksum_ok = meta.get("checksum") == _checksum(meta, kv, recurrent=held) or (
             any(k in meta for k in _DESCRIBED) and meta.get("checksum") == _checksum(meta, kv, False, held))
@@ -296,7 +292,7 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.
                              "model's layout); save the state again")
     held = saved.recurrent
     if ((recurrent is None) != (held is None) and saved.num_computed) or (held is not None and recurrent is not None and any(
-            (tuple(held[name].shape), held[name].dtype) != recurrent[name] for name in RECURRENT)):
+            (tuple(held[name].shape), held[name].dtype) != recurrent[name] for name in STATE_TENSORS)):
         raise StateFileError(f"state file {path} is inconsistent (its linear-attention state does not fit this "
                              "model's); save the state again")
     return saved

@@ -21,7 +21,7 @@ On a discrete GPU the copies run on a side stream (kv/transfers.py): a park enqu
 and the device-to-host copy and returns, the state's blocks freed at once; a restore enqueues the
 host-to-device copy and the compute stream waits for it before the scatter. Nothing waits on the
 host but what reads a parked copy there: a spill file or a state file written from a copy still
-in flight waits for it (`ParkedKV.host_kv`). On the CPU and on unified memory the copies are
+in flight waits for it (`ParkedKV.host_copy`). On the CPU and on unified memory the copies are
 synchronous, through the same code. A state due back from its tools is restored ahead of its
 request (`prefetch`): while the engine is idle (`StateRegistry.prefetch`), and while it steps,
 from host memory into free blocks, its copy overlapping the forward just launched
@@ -47,23 +47,21 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import safetensors.torch
 import torch
 
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.cache import KVCache
+from hibana_core.kv.recurrent_cache import STATE_TENSORS, RecurrentCache, file_tensors, from_file_tensors
 from hibana_core.kv.sequence import KVSequence, common_prefix_len
 from hibana_core.kv.transfers import CopyStream, PinnedReserve, Transfer, device_tensor
-
-if TYPE_CHECKING:
-    from hibana_core.kv.recurrent_cache import RecurrentCache
 
 logger = logging.getLogger("hibana.states")
 
 UNREADABLE_SPILL = (OSError, ValueError, safetensors.SafetensorError)
-"""What reading back a spill file that is gone, truncated, damaged or replaced raises (`ParkedKV.host_kv`)."""
+"""What reading back a spill file that is gone, truncated, damaged or replaced raises (`ParkedKV.host_copy`)."""
 
 
 class HeldCopy(NamedTuple):
@@ -93,17 +91,12 @@ class ParkedKV:
     def tier(self) -> str:
         return "host" if self.kv is not None else "disk"
 
-    def host_kv(self) -> torch.Tensor:
-        """The KV in host memory, its copy there waited for (read from its spill file when it is
-        on disk)."""
-        return self.host_copy()[0]
-
     def host_copy(self) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
-        """(`host_kv`, a hybrid model's linear-attention state or None), from the spill file when
-        on disk (both checked against its digest)."""
+        """(the KV in host memory, its copy there waited for; a hybrid model's linear-attention
+        state or None), read from the spill file when on disk (both checked against its digest)."""
         if self.kv is None:
             tensors = safetensors.torch.load_file(self.path)
-            kv, recurrent = tensors["kv"], _recurrent_of(tensors)
+            kv, recurrent = tensors["kv"], from_file_tensors(tensors)
             if spill_digest(kv, recurrent) != self.digest:
                 raise ValueError(f"spill file {self.path} is damaged or was replaced (its checksum does not match)")
             return kv, recurrent
@@ -174,7 +167,7 @@ class HostTier:
         self._depth = 0  # `_timed` calls in progress
         # a hybrid model's recurrent cache and the scheduler's way to a slot (`Scheduler.recurrent_slot`),
         # set by the engine: its states park and come back with their linear layers' state
-        self.recurrent_cache: "RecurrentCache | None" = None
+        self.recurrent_cache: RecurrentCache | None = None
         self.recurrent_slot: Callable[[KVSequence], bool] | None = None
         self.counters = TierCounters()
         self.phases: collections.Counter[str] = collections.Counter()  # seconds of `host_seconds` by phase
@@ -320,9 +313,10 @@ class HostTier:
         if not self._device_room(seq, blocks - first, make_room):
             seq.release()
             return 0
-        kv = self._read_copy(seq)
-        if kv is None:
+        copy = self._read_copy(seq)
+        if copy is None:
             return 0
+        kv, recurrent = copy
         ids = self.pool.allocate(blocks - first)
         with self._phase("to device"):
             pages_kv = self._to_device(seq.parked, kv, list(range(first, blocks)))
@@ -330,16 +324,16 @@ class HostTier:
             self.cache.write_blocks(ids, pages_kv)
         seq.block_ids.extend(ids)
         seq.num_computed = n
-        self._recurrent_back(seq, n)
+        self._recurrent_back(seq, n, recurrent)
         self._restored(seq, n, n - first * seq.block_size, len(ids))
         return n
 
-    def _recurrent_back(self, seq: KVSequence, n: int) -> None:
-        """A hybrid state's linear layers' state, parked with its KV, back into its slot (`_restore`
-        took one): the state continues from n."""
+    def _recurrent_back(self, seq: KVSequence, n: int, recurrent: dict[str, torch.Tensor] | None) -> None:
+        """A hybrid state's linear layers' state, parked with its KV (`_read_copy` read both), back
+        into its slot (`_restore` took one): the state continues from n."""
         if seq.recurrent is None:
             return
-        self.recurrent_cache.write(seq.recurrent.slot, seq.parked.host_copy()[1])
+        self.recurrent_cache.write(seq.recurrent.slot, recurrent)
         seq.recurrent.position = n
 
     def prefetch(self, seq: KVSequence) -> int:
@@ -356,13 +350,14 @@ class HostTier:
         index = parked.page_index(n, seq)
         if not self._device_room(seq, len(index), make_room):
             return 0
-        kv = self._read_copy(seq)
-        if kv is None:
+        copy = self._read_copy(seq)
+        if copy is None:
             return 0
+        kv, recurrent = copy
         ids = self.pool.allocate(len(index))
         self.cache.write_blocks(ids, self._to_device(parked, kv, index))
         seq.place_pages(ids, parked.starts, n)
-        self._recurrent_back(seq, n)
+        self._recurrent_back(seq, n, recurrent)
         self._restored(seq, n, n, len(ids))
         return n
 
@@ -379,14 +374,15 @@ class HostTier:
         finally:
             self._restoring = None
 
-    def _read_copy(self, seq: KVSequence) -> torch.Tensor | None:
-        """The parked copy's KV in host memory, maybe still being copied there (a spill file read
-        and counted as a disk resume); None where the file cannot be read: the state then drops
-        its KV and the copy, and recomputes (nobody else fails)."""
+    def _read_copy(self, seq: KVSequence) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None] | None:
+        """The parked copy's KV in host memory, maybe still being copied there, and a hybrid
+        model's linear-attention state beside it (a spill file read once and counted as a disk
+        resume); None where the file cannot be read: the state then drops its KV and the copy, and
+        recomputes (nobody else fails)."""
         parked = seq.parked
         began = time.perf_counter()
         try:
-            kv = parked.kv if parked.kv is not None else parked.host_kv()
+            copy = (parked.kv, parked.recurrent) if parked.kv is not None else parked.host_copy()
         except UNREADABLE_SPILL as exc:
             logger.warning("a parked state's spill file %s cannot be read (%s); its KV is recomputed", parked.path, exc)
             seq.release()
@@ -397,7 +393,7 @@ class HostTier:
             c.disk_resumes += 1
             c.disk_bytes_moved += parked.size
             c.disk_seconds += time.perf_counter() - began
-        return kv
+        return copy
 
     def _to_device(self, parked: ParkedKV, kv: torch.Tensor, pages: list[int]) -> torch.Tensor:
         """`kv`'s pages for the compute stream to write into blocks, copied after the park that
@@ -479,7 +475,7 @@ class HostTier:
         began = time.perf_counter()
         path = self.spill_dir / f"{next(self._files):08d}.kv"
         kv = kv.contiguous()
-        tensors = {"kv": kv, **{f"recurrent.{name}": t.contiguous() for name, t in (recurrent or {}).items()}}
+        tensors = {"kv": kv, **(file_tensors(recurrent) if recurrent is not None else {})}
         try:
             self.spill_dir.mkdir(parents=True, exist_ok=True)  # (removed while the engine runs: made again)
             safetensors.torch.save_file(tensors, str(path))
@@ -568,17 +564,12 @@ def spill_digest(kv: torch.Tensor, recurrent: dict[str, torch.Tensor] | None = N
     back: dtype, shape and the CRC-32 of their bytes (zlib's, several GB/s: a fraction of the file
     write it guards)."""
     digest = ()
-    for tensor in (kv, *(recurrent[name] for name in sorted(recurrent or {}))):
+    for tensor in (kv, *(recurrent[name] for name in STATE_TENSORS if recurrent is not None)):
         tensor = tensor.contiguous()
         data = tensor.view(torch.uint8).numpy() if tensor.numel() else b""
         digest += (str(tensor.dtype), tuple(tensor.shape), zlib.crc32(data))
     return digest
 
-
-def _recurrent_of(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-    """A spill file's linear-attention state ("recurrent.conv", "recurrent.ssm"), or None."""
-    state = {name.removeprefix("recurrent."): t for name, t in tensors.items() if name.startswith("recurrent.")}
-    return state or None
 
 
 class _SharedBytes:

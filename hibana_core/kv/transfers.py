@@ -183,7 +183,7 @@ class PinnedReserve:
 
     A range is reused as soon as its tensors die, without waiting for copies: every device copy
     from or to these tensors runs on the one copy stream, in order, and the host reads them only
-    after waiting for their copy (`ParkedKV.host_kv`).
+    after waiting for their copy (`ParkedKV.host_copy`).
     """
 
     CHUNK = 2 << 30
