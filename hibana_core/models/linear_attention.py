@@ -81,18 +81,18 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_gates = linear(args.hidden_size, 2 * hv, bias=False)
         self.in_proj_gates.fused_sizes = (hv, hv)
 
-    def _project(self, x: torch.Tensor, residual: torch.Tensor | None, norm):
-        """(q/k/v for the convolution [T, conv_dim], z [T, value_dim], b and a [T, Hv], x + residual)."""
-        h, residual = norm(x, residual) if residual is not None else (norm(x), x)
+    def _project(self, h: torch.Tensor):
+        """(q/k/v for the convolution [T, conv_dim], z [T, value_dim], b and a [T, Hv]) of the normed h."""
         mixed, z = self.in_proj(h).split(self.in_proj.fused_sizes, dim=-1)
         b, a = self.in_proj_gates(h).split(self.in_proj_gates.fused_sizes, dim=-1)
-        return mixed, z, b, a, residual
+        return mixed, z, b, a
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 norm) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer over norm(x + residual); returns (its output, x + residual)."""
         tokens = x.shape[0]
-        mixed, z, b, a, residual = self._project(x, residual, norm)
+        h, residual = (norm(x), x) if residual is None else norm(x, residual)
+        mixed, z, b, a = self._project(h)
         batch = self.ctx.batch
         conv_state, state = self.ctx.recurrent.layer(self.index)
         slots, has_state, starts, writes = batch.state_slots, batch.has_state, batch.query_start_loc, batch.writes_state
@@ -133,11 +133,10 @@ class InterleavedGatedDeltaNet(GatedDeltaNet):
                                                                            * self.value_head_dim), bias=False)
         self.in_proj_ba = linear(args.hidden_size, 2 * self.num_value_heads, bias=False)
 
-    def _project(self, x: torch.Tensor, residual: torch.Tensor | None, norm):
-        h, residual = norm(x, residual) if residual is not None else (norm(x), x)
-        tokens, heads, group = x.shape[0], self.num_key_heads, self.num_value_heads // self.num_key_heads
+    def _project(self, h: torch.Tensor):
+        tokens, heads, group = h.shape[0], self.num_key_heads, self.num_value_heads // self.num_key_heads
         dk, dv = self.key_head_dim, self.value_head_dim
         q, k, v, z = self.in_proj_qkvz(h).view(tokens, heads, -1).split((dk, dk, group * dv, group * dv), dim=-1)
         b, a = self.in_proj_ba(h).view(tokens, heads, 2 * group).split((group, group), dim=-1)
         mixed = torch.cat((q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)), dim=-1)
-        return mixed, z.reshape(tokens, -1), b.reshape(tokens, -1), a.reshape(tokens, -1), residual
+        return mixed, z.reshape(tokens, -1), b.reshape(tokens, -1), a.reshape(tokens, -1)
