@@ -235,12 +235,14 @@ def gather_step(scheduled: SchedulerOutput, previous: StepInFlight | None = None
         starts.append(starts[-1] + chunk.num_tokens)
         if chunk.sample:
             logits_indices.extend(range(starts[-1] - 1 - len(drafts), starts[-1]))
-    recurrent = [c.request.seq.recurrent for c in scheduled.chunks]
-    hybrid = recurrent[0] is not None
+    state_slots = has_state = None
+    if scheduled.chunks[0].request.seq.recurrent is not None:  # a hybrid model's states
+        state_slots = [-1 if c.request.seq.recurrent.slot is None else c.request.seq.recurrent.slot
+                       for c in scheduled.chunks]
+        has_state = [c.start > 0 for c in scheduled.chunks]
     return StepData(ids, positions, slots, seq_lens, starts, tables, logits_indices,
-                    max(c.num_tokens for c in scheduled.chunks), from_device,
-                    [-1 if r.slot is None else r.slot for r in recurrent] if hybrid else None,
-                    [c.start > 0 for c in scheduled.chunks] if hybrid else None, not scheduled.verifies)
+                    max(c.num_tokens for c in scheduled.chunks), from_device, state_slots, has_state,
+                    not scheduled.verifies)
 
 
 class ModelRunner:
