@@ -22,7 +22,7 @@ import torch
 from hibana_core.forward_context import ForwardBatch, ForwardContext
 from hibana_core.kv.transfers import device_tensor
 from hibana_core.sampler import DraftEstimates, DraftRow, Sampler, SamplingRow, StepLogprobs, TokenMasks
-from hibana_core.scheduler import RunnerOutput, SchedulerOutput
+from hibana_core.scheduler import Request, RunnerOutput, SchedulerOutput
 from hibana_core.state import TokenLogprob
 
 logger = logging.getLogger("hibana.runner")
@@ -291,12 +291,25 @@ class ModelRunner:
 
     def commit_recurrent(self, scheduled: SchedulerOutput) -> None:
         """After a verify step was taken into its requests: each hybrid state folds in the rows
-        its sequence kept (drafts accepted, the input before them, whole prompt chunks)."""
-        recurrent = [c.request.seq.recurrent for c in scheduled.chunks]
-        if recurrent[0] is None:
+        its sequence kept (drafts accepted, the input before them, whole prompt chunks). Rows that
+        reach a prompt's end are folded in two parts, the state kept there between them
+        (`keep_prompt_state`) as after a step that writes the states."""
+        chunks = scheduled.chunks
+        if chunks[0].request.seq.recurrent is None:
             return
-        counts = [r.commit(c.request.seq.num_computed) for r, c in zip(recurrent, scheduled.chunks)]
-        self.model.commit_recurrent(self._tensor(counts, torch.int32))
+        states = [c.request.seq.recurrent for c in chunks]
+        # to the prompt's end (nothing for a chunk past it), then the rest
+        first = [s.commit(min(c.request.seq.num_computed, max(c.request.num_prompt, c.start)), partial=True)
+                 for s, c in zip(states, chunks)]
+        if any(first):
+            self.model.commit_recurrent(self._tensor(first, torch.int32))
+            for state, chunk in zip(states, chunks):
+                if state.pending is not None and state.pending > chunk.start:
+                    keep_prompt_state(chunk.request)
+        rest = [s.commit(c.request.seq.num_computed) for s, c in zip(states, chunks)]
+        if any(rest):
+            self.model.commit_recurrent(self._tensor(rest, torch.int32),
+                                        self._tensor(first, torch.int32) if any(first) else None)
 
     def take_from_device(self, input_ids: torch.Tensor, data: StepData,
                          previous: StepInFlight | None) -> None:
@@ -408,11 +421,18 @@ def snapshot_states(scheduled: SchedulerOutput) -> None:
     that re-renders the reply), they continue from there (`RecurrentState.rewind`). At multiples
     of the share stride they publish one for other agents (`KVSequence.publish_state`)."""
     for chunk in scheduled.chunks:
-        seq = chunk.request.seq
-        if chunk.sample and chunk.end == chunk.request.num_prompt:
-            seq.recurrent.snapshot()
-        if chunk.end <= chunk.request.num_prompt:  # a prompt's, at a multiple of the share stride: for
-            seq.publish_state()                    # other agents whose histories start alike
+        if chunk.end <= chunk.request.num_prompt:
+            keep_prompt_state(chunk.request)
+
+
+def keep_prompt_state(request: Request) -> None:
+    """A hybrid state just computed to a position within its request's prompt: at the prompt's end
+    it keeps a snapshot (`RecurrentState.snapshot`), at a multiple of the share stride it is
+    published for other agents whose histories start alike (`KVSequence.publish_state`)."""
+    seq = request.seq
+    if seq.recurrent.position == request.num_prompt:
+        seq.recurrent.snapshot()
+    seq.publish_state()
 
 
 def sampling_rows(scheduled: SchedulerOutput) -> list[SamplingRow]:

@@ -325,6 +325,39 @@ def test_a_stop_inside_an_accepted_draft_leaves_the_state_at_the_stop(qwen35, ma
     assert_greedy_matches(qwen35, history + full[:at + 1], more)
 
 
+@pytest.mark.parametrize("first_draft", ["right", "wrong"])
+def test_a_verify_step_over_a_prompts_end_keeps_the_state_there(qwen35, make_engine, first_draft):
+    """Drafts verified with a prompt's last chunk (an oracle's, its first right or wrong): the
+    states fold in the prompt first, keep a snapshot at its end and publish it at a multiple of
+    the share stride, then the drafts kept, as a step that writes the states does. The next turn,
+    re-rendering the reply, and another agent with the same start continue from there."""
+    from spec_drafters import OracleDrafter, registered
+
+    rng = random.Random(3585)
+    history = random_tokens(rng, 128)
+    full = hf_greedy(qwen35, history, 12)
+    oracle = OracleDrafter(VOCAB_SIZE, wrong=lambda p: first_draft == "wrong" and p == 0)
+    oracle.add(history, full)
+    with registered(oracle=oracle):
+        engine = make_engine(qwen35, speculation={"method": "oracle", "k": 4}, async_scheduling=True)
+    engine.recurrent_slots.stride = 64
+    h = engine.open_state("a")
+    assert list(h.generate(greedy(12), prompt=history).token_ids) == full
+    assert any(n == len(history) and draft for n, _, draft in oracle.calls)  # drafts beside the prompt's end
+    assert [p for p, _ in recurrent_of(engine, h).snapshots] == [len(history)]
+    assert sorted(p for p, _ in engine.recurrent_slots.published.values()) == [64, 128]
+
+    edited = history + full[:3] + random_tokens(rng, 5)  # the reply re-rendered
+    before = engine.stats().prompt_tokens_reused
+    out = list(h.generate(greedy(6), prompt=edited).token_ids)
+    assert engine.stats().prompt_tokens_reused - before == len(history)
+    assert_greedy_matches(qwen35, edited, out)
+    second = history + random_tokens(rng, 10)
+    done = engine.open_state("b").generate(greedy(6), prompt=second)
+    assert done.stats.reused == len(history)
+    assert_greedy_matches(qwen35, second, done.token_ids)
+
+
 def test_a_stream_dropped_mid_generation_leaves_a_state_that_goes_on_exactly(qwen35, make_engine):
     engine = make_engine(qwen35)
     history = random_tokens(random.Random(3590), 30)

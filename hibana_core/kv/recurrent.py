@@ -130,14 +130,16 @@ class RecurrentState:
         else:
             self.pending = start
 
-    def commit(self, computed: int) -> int:
+    def commit(self, computed: int, partial: bool = False) -> int:
         """After a verify step: its sequence keeps the KV of its first `computed` positions (the
         drafts accepted, the rest cut), which the state now folds in. Returns how many tokens past
-        the step's start that is (0: no verify step pending)."""
+        the pending position that is (0: no verify step pending). `partial`: the rows are folded
+        in two parts (a prompt's end between them) and the rest is committed from here next."""
         if self.pending is None:
             return 0
         count = max(0, computed - self.pending)
-        self.position, self.pending = self.pending + count, None
+        self.position = self.pending + count
+        self.pending = self.position if partial else None
         return count
 
     def rewind(self, n: int) -> int:

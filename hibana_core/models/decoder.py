@@ -845,11 +845,12 @@ class DecoderForCausalLM(nn.Module):
         linear = self.args.linear_attention
         return [] if linear is None else [linear.shape] * sum(linear.layers)
 
-    def commit_recurrent(self, counts: torch.Tensor) -> None:
-        """After a verify step, each sequence's states fold in its first counts[b] rows."""
+    def commit_recurrent(self, counts: torch.Tensor, skip: torch.Tensor | None = None) -> None:
+        """After a verify step, each sequence's states fold in counts[b] of its rows: its first, or
+        those after the first skip[b], which an earlier call folded in."""
         for layer in self.model.layers:
             if layer.linear:
-                layer.linear_attn.commit(counts)
+                layer.linear_attn.commit(counts, skip)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

@@ -110,15 +110,18 @@ class GatedDeltaNet(nn.Module):
         o = kernels.gated_rms_norm(o, z, self.norm.weight, self.eps)
         return self.out_proj(o.reshape(tokens, self.value_dim)), residual
 
-    def commit(self, counts: torch.Tensor) -> None:
-        """Fold into each sequence's state the first counts[b] rows of the last verify step."""
+    def commit(self, counts: torch.Tensor, skip: torch.Tensor | None = None) -> None:
+        """Fold into each sequence's state counts[b] rows of the last verify step: its first, or
+        (`skip`) those after its first skip[b] rows, folded in by the call before."""
         if self._verified is None:
             return
         mixed, k, v, g, beta, slots, has_state, starts = self._verified
+        if skip is not None:  # (a sequence's end bound moves too: counts[b] still bounds its rows)
+            starts = starts + torch.nn.functional.pad(skip, (0, 1))
+            has_state = has_state | (skip > 0)
         conv_state, state = self.ctx.recurrent.layer(self.index)
         kernels.conv_advance(mixed, conv_state, slots, starts, counts, has_state)
         kernels.gated_delta_advance(k, v, g, beta, state, slots, starts, counts, has_state)
-        self._verified = None
 
 
 class InterleavedGatedDeltaNet(GatedDeltaNet):
